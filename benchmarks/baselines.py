@@ -1,0 +1,148 @@
+"""The watchers nan_magic is compared against, each as a context manager over a model.
+
+- :func:`naive_isnan_hooks`: what people write first: a forward hook on every module
+  that checks each tensor output with ``torch.isnan(out).any().item()``, one host
+  synchronisation per output tensor.
+- :func:`debug_underflow_overflow`: the per-module work of Hugging Face's
+  ``transformers.debug_utils.DebugUnderflowOverflow``, reproduced here so the benchmark
+  needs no ``transformers`` and the hooks can be removed (the original never removes
+  them). For every module call it formats ``abs().min()``/``abs().max()`` of each direct
+  parameter, each input and each output into a text frame kept in a 21-frame ring buffer,
+  and checks each of those tensors with ``isnan().any().item()`` and
+  ``isinf().any().item()``, exactly as the original does (under autograd, no ``no_grad``).
+- :func:`anomaly_detection`: ``torch.autograd.set_detect_anomaly(True)``, which records
+  a Python stack for every autograd node in forward and checks every gradient in backward
+  for NaN.
+
+All three are forward-only or autograd-global; none watches the optimizer step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Yield every tensor in a (possibly nested) tuple/list/dict module output."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+@contextlib.contextmanager
+def naive_isnan_hooks(model: nn.Module) -> Iterator[None]:
+    """Check every module output with ``torch.isnan(t).any().item()`` while active.
+
+    Raises
+    ------
+    FloatingPointError
+        From the forward hook of the first module whose output holds a NaN.
+    """
+    names = {module: name for name, module in model.named_modules()}
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        for tensor in _tensors(output):
+            if tensor.is_floating_point() and torch.isnan(tensor).any().item():
+                raise FloatingPointError(f"NaN in the output of {names[module]!r}")
+
+    handles = [module.register_forward_hook(hook) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class DebugUnderflowOverflow:
+    """Per-module abs-min/abs-max frames, as ``transformers``' ``DebugUnderflowOverflow``.
+
+    Parameters
+    ----------
+    model:
+        Every module in ``model.modules()`` gets a forward hook.
+    max_frames_to_save:
+        Length of the ring buffer of text frames (21 in the original).
+    """
+
+    def __init__(self, model: nn.Module, max_frames_to_save: int = 21) -> None:
+        self.model = model
+        self.module_names = {module: name for name, module in model.named_modules()}
+        self.frames: collections.deque[str] = collections.deque([], max_frames_to_save)
+        self.frame: list[str] = []
+        self.batch_number = 0
+        self.detected_overflow = False
+
+    def _analyse_variable(self, var: Any, ctx: str) -> None:
+        if torch.is_tensor(var):
+            # Formatting a 0-dim tensor calls .item(): one sync each for min and max.
+            abs_var = var.abs()
+            self.frame.append(f"{abs_var.min():8.2e} {abs_var.max():8.2e} {ctx}")
+            if torch.isnan(var).any().item() or torch.isinf(var).any().item():
+                self.detected_overflow = True
+        elif var is None:
+            self.frame.append(f"{'None':>17} {ctx}")
+        else:
+            self.frame.append(f"{'not a tensor':>17} {ctx}")
+
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if module is self.model:
+            self.batch_number += 1
+        self.frame.append(f"{self.module_names[module]} {module.__class__.__name__}")
+        for name, param in module.named_parameters(recurse=False):
+            self._analyse_variable(param, name)
+        for i, arg in enumerate(args):
+            self._analyse_variable(arg, f"input[{i}]")
+        outputs = output if isinstance(output, tuple) else (output,)
+        for i, out in enumerate(outputs):
+            if isinstance(out, tuple):
+                for j, inner in enumerate(out):
+                    self._analyse_variable(inner, f"output[{i}][{j}]")
+            else:
+                self._analyse_variable(out, f"output[{i}]")
+        self.frames.append("\n".join(self.frame))
+        self.frame = []
+        if self.detected_overflow:
+            raise FloatingPointError(
+                f"inf/nan detected during batch_number={self.batch_number}:\n"
+                + "\n".join(self.frames)
+            )
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[DebugUnderflowOverflow]:
+        """Hook every module while the ``with`` block runs, then remove the hooks."""
+        handles = [m.register_forward_hook(self._forward_hook) for m in self.model.modules()]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@contextlib.contextmanager
+def debug_underflow_overflow(model: nn.Module) -> Iterator[DebugUnderflowOverflow]:
+    """Attach a :class:`DebugUnderflowOverflow` to ``model`` for the ``with`` block."""
+    with DebugUnderflowOverflow(model).attached() as debug:
+        yield debug
+
+
+@contextlib.contextmanager
+def anomaly_detection(model: nn.Module) -> Iterator[None]:
+    """Enable autograd anomaly detection (with NaN checks) for the ``with`` block.
+
+    ``model`` is unused: anomaly mode is global. It is taken so that every watcher
+    has the same signature.
+    """
+    # set_detect_anomaly rather than detect_anomaly: the latter warns on every entry.
+    with torch.autograd.set_detect_anomaly(True, check_nan=True):
+        yield

@@ -1,0 +1,141 @@
+"""What the benchmark scripts share: the watcher columns and the machine header.
+
+A *column* is one way of running the training step: unwatched, under nan_magic (default
+and ops mode) or under one of the comparison watchers of :mod:`baselines`. Each column
+is a factory ``model -> context manager``; the scripts enter it around a block of steps,
+the way a notebook cell wraps its training loop.
+
+The nan_magic columns go through the public API only (``nan_magic.watch``). When the
+package or ``watch`` cannot be imported, those columns carry the reason and the scripts
+print ``n/a`` for them instead of failing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+import baselines
+
+WatchFactory = Callable[[nn.Module], ContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One way of running the step.
+
+    Attributes
+    ----------
+    key:
+        Stable identifier used in JSON output and on the command line.
+    title:
+        Header in the printed tables.
+    factory:
+        ``factory(model)`` returns the context manager to run the steps under, or None
+        when the column cannot run here (see ``unavailable``).
+    unavailable:
+        Why the column cannot run (import error...), or None.
+    """
+
+    key: str
+    title: str
+    factory: WatchFactory | None
+    unavailable: str | None = None
+
+
+def _unwatched(model: nn.Module) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _nan_magic_columns() -> list[Column]:
+    """The two nan_magic columns, or ``n/a`` columns saying why nan_magic is missing."""
+    titles = {"nan_magic": "nan_magic", "nan_magic_ops": "nan_magic ops"}
+    try:
+        import nan_magic
+
+        watch = nan_magic.watch
+    except (ImportError, AttributeError) as exc:
+        reason = f"nan_magic.watch unavailable: {type(exc).__name__}: {exc}"
+        return [Column(key, title, None, reason) for key, title in titles.items()]
+
+    def default(model: nn.Module) -> ContextManager[Any]:
+        return watch(model)
+
+    def ops(model: nn.Module) -> ContextManager[Any]:
+        return watch(model, ops=True)
+
+    return [Column("nan_magic", titles["nan_magic"], default),
+            Column("nan_magic_ops", titles["nan_magic_ops"], ops)]
+
+
+def all_columns() -> list[Column]:
+    """Every column, in table order: unwatched first (the denominator of every ratio)."""
+    return [
+        Column("unwatched", "unwatched", _unwatched),
+        *_nan_magic_columns(),
+        Column("isnan_hook", "isnan hook", baselines.naive_isnan_hooks),
+        Column("debug_uo", "DebugUO", baselines.debug_underflow_overflow),
+        Column("anomaly", "anomaly", baselines.anomaly_detection),
+    ]
+
+
+def setup_torch(threads: int) -> None:
+    """Pin the intra-op thread count, so timings do not depend on the default pool size."""
+    torch.set_num_threads(threads)
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Facts needed to compare runs: CPU, threads, torch and Python versions, device."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": device,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_header(info: dict[str, Any]) -> str:
+    """One or two lines describing the machine, for the top of every table."""
+    line = (
+        f"machine: {info['cpu']}, {info['cpu_count']} CPUs "
+        f"({info['cpu_affinity']} usable), torch threads {info['torch_threads']}\n"
+        f"software: torch {info['torch']}, Python {info['python']}, {info['platform']}\n"
+        f"device: {info['device']}"
+    )
+    if info["device"] == "cuda":
+        line += f" ({info['gpu']}, CUDA {info['cuda']})"
+    return line
+
+
+def sync_fn(device: str) -> Callable[[], None]:
+    """A barrier that waits for queued device work, so wall-clock time covers it."""
+    if device == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None

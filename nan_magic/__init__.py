@@ -1,0 +1,45 @@
+"""nan_magic: find where a NaN or Inf was born in a PyTorch run.
+
+``import nan_magic`` loads the engine only (torch, no IPython, pandas,
+ipywidgets or matplotlib), so scripts and CI can use :func:`watch` directly.
+In IPython, ``%load_ext nan_magic`` adds ``%%nantrace`` and ``%nanwatch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nan_magic.engine.errors import NonFiniteError
+from nan_magic.engine.watch import Watch, watch
+from nan_magic.records import Cause, LayerCall, Phase, Report, SourcePointer, TensorStats, WatchConfig
+
+__all__ = [
+    "watch",
+    "Watch",
+    "NonFiniteError",
+    "Report",
+    "Phase",
+    "Cause",
+    "LayerCall",
+    "SourcePointer",
+    "TensorStats",
+    "WatchConfig",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nan_magic``: register the magics (imported lazily)."""
+    from nan_magic.magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nan_magic``: disarm every watch and remove the magics."""
+    from nan_magic.magics import unload
+
+    unload(ipython)

@@ -1,0 +1,181 @@
+"""The hot-path records of one step: module calls and the probes of their outputs.
+
+Hooks append here and do nothing else on the fast path: one ``aminmax`` per
+floating output, a few Python objects, no host synchronisation when deferred.
+Tensors are held by weak reference only, so nothing is kept alive beyond what
+the user's program (and autograd) keeps; a report built while a tensor is
+still alive gets its full statistics, otherwise the probe's.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nan_magic.engine.stats import probe, probe_kinds, probe_stats, tensor_stats
+from nan_magic.engine.targets import ModuleInfo
+from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
+
+__all__ = ["TensorRecord", "Call", "StepLog"]
+
+
+class TensorRecord:
+    """One probed tensor: where it came from and its ``(min, max)``."""
+
+    __slots__ = ("path", "dtype", "shape", "ref", "version", "low", "high", "_probe", "consumers", "call")
+
+    def __init__(self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool) -> None:
+        self.path = path
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.ref = weakref.ref(tensor)
+        self.version = tensor._version
+        self.call = call
+        self.consumers: list[Call] = []
+        low, high = probe(tensor)
+        if defer:
+            self._probe: tuple[torch.Tensor, torch.Tensor] | None = (low, high)
+            self.low = self.high = math.nan
+        else:
+            self._probe = None
+            self.low, self.high = low.item(), high.item()
+
+    @property
+    def pending(self) -> bool:
+        return self._probe is not None
+
+    def kinds(self) -> frozenset[str]:
+        return probe_kinds(self.low, self.high)
+
+    def live(self) -> torch.Tensor | None:
+        """The tensor itself if it is still alive and unchanged since probed."""
+        tensor = self.ref()
+        if tensor is None or tensor._version != self.version:
+            return None
+        return tensor
+
+    def stats(self) -> TensorStats:
+        """Exact stats when the tensor is alive, else what the probe knows."""
+        tensor = self.live()
+        if tensor is not None:
+            return tensor_stats(tensor)
+        return probe_stats(self.dtype, self.shape, self.low, self.high)
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of a watched module (or the data entering a root)."""
+
+    index: int
+    phase: Phase
+    info: ModuleInfo | None
+    module: Any = None
+    parent: Call | None = None
+    inputs: list[tuple[str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = field(default_factory=list)
+    outputs: list[TensorRecord] = field(default_factory=list)
+    status: LayerStatus = "ok"
+
+    @property
+    def name(self) -> str | None:
+        return self.info.name if self.info is not None else None
+
+    @property
+    def module_type(self) -> str | None:
+        return self.info.module_type if self.info is not None else None
+
+
+class StepLog:
+    """Calls of the current step, and the identity map used to find consumers.
+
+    Bounded: at most ``max_calls`` calls are kept (the oldest are dropped and
+    counted), so a step of a huge model cannot grow memory without limit.
+    """
+
+    def __init__(self, max_calls: int, defer: bool) -> None:
+        self.defer = defer
+        self.calls: deque[Call] = deque(maxlen=max_calls)
+        self.dropped = 0
+        self.count = 0
+        self._by_id: dict[int, TensorRecord] = {}
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self._by_id.clear()
+        self.dropped = 0
+        self.count = 0
+
+    def new_call(self, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> Call:
+        call = Call(index=self.count, phase=phase, info=info, module=module, parent=parent)
+        self.count += 1
+        if len(self.calls) == self.calls.maxlen:
+            self.dropped += 1
+        self.calls.append(call)
+        return call
+
+    def record_output(self, call: Call, path: str, tensor: torch.Tensor) -> TensorRecord:
+        record = TensorRecord(path, tensor, call, self.defer)
+        call.outputs.append(record)
+        self._by_id[id(tensor)] = record
+        return record
+
+    def lookup(self, tensor: torch.Tensor) -> TensorRecord | None:
+        """The record of a tensor seen earlier in this step, if it is that very tensor."""
+        record = self._by_id.get(id(tensor))
+        if record is not None and record.ref() is tensor:
+            return record
+        return None
+
+    def note_input(self, call: Call, path: str, tensor: torch.Tensor) -> None:
+        record = self.lookup(tensor)
+        if record is not None:
+            record.consumers.append(call)
+        call.inputs.append((path, record, weakref.ref(tensor), tensor._version))
+
+    def pending_records(self) -> list[TensorRecord]:
+        return [record for call in self.calls for record in call.outputs if record.pending]
+
+    def resolve(self) -> None:
+        """Read every pending probe with one device-to-host copy (deferred mode)."""
+        pending = self.pending_records()
+        if not pending:
+            return
+        stacked = torch.stack([value.float() for record in pending for value in record._probe])  # type: ignore[union-attr]
+        values = stacked.tolist()
+        for position, record in enumerate(pending):
+            record.low, record.high = values[2 * position], values[2 * position + 1]
+            record._probe = None
+
+    def layer_calls(self, limit: int) -> tuple[tuple[LayerCall, ...], int]:
+        """Frozen per-layer rows for a report (newest ``limit`` rows)."""
+        rows: list[LayerCall] = []
+        for call in self.calls:
+            for record in call.outputs:
+                rows.append(
+                    LayerCall(
+                        index=call.index,
+                        phase=call.phase,
+                        module=call.name,
+                        module_type=call.module_type,
+                        stats=record.stats(),
+                        status=call.status,
+                        tensor=record.path or "output",
+                    )
+                )
+        cut = max(0, len(rows) - limit)
+        return tuple(rows[cut:]), cut + self.dropped
+
+    def absmax(self) -> float | None:
+        """Largest finite |value| over the step's resolved outputs."""
+        best = None
+        for call in self.calls:
+            for record in call.outputs:
+                if record.pending or record.kinds():
+                    continue
+                value = max(abs(record.low), abs(record.high))
+                best = value if best is None else max(best, value)
+        return best

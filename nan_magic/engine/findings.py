@@ -1,0 +1,102 @@
+"""From a detected non-finite value to a frozen :class:`Report`.
+
+A :class:`Finding` is the engine's working note about one event; it may
+still point at live tensors. :func:`build_report` turns it, with the step's
+calls and history, into a Report that holds numbers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from nan_magic.engine.calls import Call, StepLog
+from nan_magic.engine.stats import sample_values, tensor_stats
+from nan_magic.records import Cause, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
+
+__all__ = ["Finding", "build_report"]
+
+
+@dataclass
+class Finding:
+    """One event as the engine first sees it.
+
+    ``bad`` is the non-finite tensor (or None when only its probe is known);
+    ``inputs`` the tensors the producer read, by name.
+    """
+
+    phase: Phase
+    call: Call | None
+    tensor: str
+    bad: torch.Tensor | None = None
+    bad_stats: TensorStats | None = None
+    inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    inputs_finite: bool = True
+    benign: bool = False
+    module: str | None = None
+    module_type: str | None = None
+    model: str | None = None
+    op: str | None = None
+    source: SourcePointer | None = None
+    cause: Cause | None = None
+    notes: list[str] = field(default_factory=list)
+    extra_samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.call is not None and self.call.info is not None and self.module is None:
+            self.module = self.call.info.name
+            self.module_type = self.call.info.module_type
+            self.model = self.call.info.model
+
+
+def build_report(
+    finding: Finding,
+    *,
+    step: int,
+    log: StepLog,
+    history: tuple[StepSummary, ...],
+    max_layers: int,
+    sample_size: int,
+) -> Report:
+    """Freeze a finding into a Report (exact stats where tensors are alive)."""
+    stats = finding.bad_stats
+    if stats is None and finding.bad is not None:
+        stats = tensor_stats(finding.bad)
+    samples: list[Sample] = []
+    input_stats: list[tuple[str, TensorStats]] = []
+    for name, tensor in finding.inputs:
+        input_stats.append((name, tensor_stats(tensor)))
+        samples.append(sample_values(tensor, f"{name}", sample_size))
+    if finding.bad is not None:
+        samples.append(sample_values(finding.bad, finding.tensor, sample_size))
+    samples.extend(finding.extra_samples)
+    if finding.call is not None:
+        finding.call.status = "benign" if finding.benign else "producer"
+    layers, dropped = log.layer_calls(max_layers)
+    return Report(
+        phase=finding.phase,
+        module=finding.module,
+        module_type=finding.module_type,
+        model=finding.model,
+        step=step,
+        nan=(stats.nan or 0) if stats else 0,
+        posinf=(stats.posinf or 0) if stats else 0,
+        neginf=(stats.neginf or 0) if stats else 0,
+        numel=stats.numel if stats else 0,
+        tensor=finding.tensor,
+        op=finding.op,
+        source=finding.source,
+        benign=finding.benign,
+        cause=finding.cause,
+        inputs_finite=finding.inputs_finite,
+        first_bad_index=stats.first_bad_index if stats else None,
+        dtype=stats.dtype if stats else None,
+        output_stats=stats,
+        input_stats=tuple(input_stats),
+        layers=layers,
+        layers_dropped=dropped,
+        samples=tuple(samples),
+        history=history,
+        notes=tuple(finding.notes),
+    )
+

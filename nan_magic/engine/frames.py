@@ -1,0 +1,83 @@
+"""Source pointers and tracebacks that end in the user's code.
+
+The watch raises from inside a hook, several frames below the user's code
+(torch's ``Module._call_impl``, then our hook). ``%debug`` and
+``pdb.post_mortem`` open the *last* frame of the traceback, so we cut the
+traceback after the last frame that belongs to the user: that is the line
+that called the producing module (or ``loss.backward()``, or ``opt.step()``),
+with its locals.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from types import FrameType, TracebackType
+
+import torch
+
+from nan_magic.records import SourcePointer
+
+__all__ = ["is_library_file", "user_frame", "pointer", "trim_to_user_code", "frames_of", "user_frames_of"]
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module_file)) + os.sep
+    for module_file in (torch.__file__, os.path.dirname(__file__))
+)
+# Frames that are plumbing rather than the user's code: the context manager
+# protocol, decorators, importlib.
+_PLUMBING_FILES = ("contextlib.py", "functools.py", "<frozen ")
+
+
+def is_library_file(filename: str) -> bool:
+    """True for torch's and nan_magic's own files and Python plumbing."""
+    if filename.startswith(_LIBRARY_DIRS) or os.path.abspath(filename).startswith(_LIBRARY_DIRS):
+        return True
+    return any(marker in filename for marker in _PLUMBING_FILES)
+
+
+def pointer(frame: FrameType, lineno: int | None = None) -> SourcePointer:
+    """A :class:`SourcePointer` for a live frame (``lineno`` defaults to its current line)."""
+    code = frame.f_code
+    line_number = frame.f_lineno if lineno is None else lineno
+    text = linecache.getline(code.co_filename, line_number, frame.f_globals).strip() or None
+    return SourcePointer(code.co_filename, line_number, code.co_name, text)
+
+
+def user_frame(start: FrameType | None = None) -> FrameType | None:
+    """The innermost frame on the current stack that is the user's code."""
+    frame = start if start is not None else sys._getframe(1)
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
+    """Cut ``tb`` after its last user frame, in place; return that entry.
+
+    Returns ``None`` (and leaves ``tb`` alone) when no entry is user code.
+    """
+    last_user = None
+    entry = tb
+    while entry is not None:
+        if not is_library_file(entry.tb_frame.f_code.co_filename):
+            last_user = entry
+        entry = entry.tb_next
+    if last_user is not None:
+        last_user.tb_next = None
+    return last_user
+
+
+def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
+    """Source pointers of every entry of a traceback, outermost first."""
+    pointers = []
+    while tb is not None:
+        pointers.append(pointer(tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return tuple(pointers)
+
+
+def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
+    """Like :func:`frames_of`, keeping only the user's own frames."""
+    return tuple(p for p in frames_of(tb) if not is_library_file(p.filename) and "IPython" not in p.filename)

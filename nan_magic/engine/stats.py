@@ -1,0 +1,206 @@
+"""Tensors to numbers.
+
+Two speeds. :func:`probe` is the hot path, run on every watched tensor: one
+fused ``torch.aminmax`` whose two scalars say whether the tensor is finite
+(NaN propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and
+give its range for the per-layer table. It allocates no full-size temporary,
+unlike ``isfinite(x).all()``. :func:`tensor_stats` is the slow path, run only
+on tensors involved in an event: exact counts, stats over the finite elements,
+the first bad index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from nan_magic.records import KINDS, Sample, TensorStats
+
+__all__ = [
+    "is_checkable",
+    "probe",
+    "probe_kinds",
+    "tensor_stats",
+    "iter_tensors",
+    "sample_values",
+    "kinds_of",
+    "relevant_kinds",
+]
+
+
+def is_checkable(value: Any) -> bool:
+    """True for a dense, real floating tensor with data (not meta, not empty)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.layout == torch.strided
+        and not value.is_meta
+        and value.numel() > 0
+    )
+
+
+def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused reduction: ``(min, max)`` as 0-d tensors on the tensor's device.
+
+    No host synchronisation happens here; the caller decides when to read.
+    """
+    return torch.aminmax(tensor.detach())
+
+
+def probe_kinds(low: float, high: float) -> frozenset[str]:
+    """Non-finite kinds visible from a probe's ``(min, max)``.
+
+    NaN hides infinities (both read NaN), so a NaN probe reports ``{"nan"}``
+    only; :func:`tensor_stats` gives exact counts when it matters.
+    """
+    if math.isnan(low) or math.isnan(high):
+        return frozenset({"nan"})
+    kinds = set()
+    if high == math.inf:
+        kinds.add("+inf")
+    if low == -math.inf:
+        kinds.add("-inf")
+    return frozenset(kinds)
+
+
+def relevant_kinds(kinds: frozenset[str], watched: frozenset[str]) -> frozenset[str]:
+    """Restrict kinds to what the watch counts (``"inf"`` covers both signs)."""
+    keep = {"nan"} if "nan" in watched else set()
+    if "inf" in watched:
+        keep |= {"+inf", "-inf"}
+    return kinds & keep
+
+
+def kinds_of(tensor: torch.Tensor) -> frozenset[str]:
+    """Exact non-finite kinds of a tensor (slow path)."""
+    low, high = (float(v) for v in probe(tensor))
+    kinds = probe_kinds(low, high)
+    if "nan" not in kinds:
+        return kinds
+    stats = tensor_stats(tensor)
+    return stats.kinds
+
+
+def tensor_stats(tensor: torch.Tensor) -> TensorStats:
+    """Exact statistics of one tensor: counts apart, stats over finite values.
+
+    Runs under ``no_grad`` on a detached view; computes in float32 at least so
+    that float16 sums do not overflow while describing an overflow.
+    """
+    with torch.no_grad():
+        x = tensor.detach()
+        wide = x.float() if x.element_size() < 4 else x
+        finite_mask = torch.isfinite(wide)
+        nan = int(torch.isnan(wide).sum())
+        posinf = int((wide == math.inf).sum())
+        neginf = int((wide == -math.inf).sum())
+        finite = wide[finite_mask]
+        first_bad: tuple[int, ...] | None = None
+        if finite.numel() != wide.numel():
+            flat_index = int((~finite_mask).reshape(-1).nonzero()[0, 0])
+            first_bad = _unravel(flat_index, tuple(x.shape))
+        low = high = mean = std = absmax = None
+        zeros = negatives = 0
+        if finite.numel():
+            low_t, high_t = torch.aminmax(finite)
+            low, high = float(low_t), float(high_t)
+            as64 = finite.double()
+            mean = float(as64.mean())
+            std = float(as64.std(correction=0))
+            absmax = max(abs(low), abs(high))
+            zeros = int((finite == 0).sum())
+            negatives = int((finite < 0).sum())
+    return TensorStats(
+        dtype=_dtype_name(tensor.dtype),
+        shape=tuple(tensor.shape),
+        numel=tensor.numel(),
+        nan=nan,
+        posinf=posinf,
+        neginf=neginf,
+        min=low,
+        max=high,
+        mean=mean,
+        std=std,
+        absmax=absmax,
+        zeros=zeros,
+        negatives=negatives,
+        first_bad_index=first_bad,
+    )
+
+
+def probe_stats(tensor_dtype: torch.dtype, shape: tuple[int, ...], low: float, high: float) -> TensorStats:
+    """Stats of a tensor known only through its probe (it was freed since).
+
+    Counts are ``None`` (unknown) where the probe shows that kind; ranges are
+    kept only when finite.
+    """
+    kinds = probe_kinds(low, high)
+    numel = math.prod(shape)
+    unknown_or_zero = {kind: (None if kind in kinds else 0) for kind in KINDS}
+    finite_range = not kinds
+    return TensorStats(
+        dtype=_dtype_name(tensor_dtype),
+        shape=shape,
+        numel=numel,
+        nan=unknown_or_zero["nan"],
+        posinf=unknown_or_zero["+inf"],
+        neginf=unknown_or_zero["-inf"],
+        min=low if finite_range else None,
+        max=high if finite_range else None,
+        absmax=max(abs(low), abs(high)) if finite_range else None,
+    )
+
+
+def sample_values(tensor: torch.Tensor, label: str, size: int) -> Sample:
+    """A bounded, deterministic sample of the finite values, copied to the CPU.
+
+    Strided rather than random: drawing from torch's generator would change
+    the user's random stream, and the watch must not change results.
+    """
+    with torch.no_grad():
+        flat = tensor.detach().reshape(-1)
+        finite = flat[torch.isfinite(flat)]
+        stride = max(1, finite.numel() // size)
+        values = finite[::stride][:size].double().cpu().tolist()
+    return Sample(label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel())
+
+
+def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every checkable tensor in a nested output.
+
+    Handles tensors, tuples/lists, mappings (including Hugging Face
+    ``ModelOutput``, an ordered dict) and dataclasses. Paths read like Python:
+    ``[1]``, ``['logits']``, ``.hidden``. Depth is bounded so that odd
+    self-referencing containers cannot hang a hook.
+    """
+    if isinstance(value, torch.Tensor):
+        if is_checkable(value):
+            yield path, value
+        return
+    if depth > 6 or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from iter_tensors(item, f"{path}[{key!r}]", depth + 1)
+    elif isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            yield from iter_tensors(item, f"{path}[{index}]", depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for item_field in dataclasses.fields(value):
+            yield from iter_tensors(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1)
+
+
+def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat_index % size)
+        flat_index //= size
+    return tuple(reversed(index))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

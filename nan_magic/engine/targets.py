@@ -1,0 +1,139 @@
+"""What a watch looks at: modules (with their qualified names), optimizers, scalers.
+
+Resolving targets never touches them: no hooks, no attributes, only a map
+from module identity to the name the user knows it by.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nan_magic.records import WatchConfig
+
+__all__ = ["ModuleInfo", "Targets", "resolve_targets", "describe"]
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """How one module is named and whether its calls are checked."""
+
+    name: str
+    module_type: str
+    model: str | None
+    watched: bool
+    is_root: bool
+
+
+@dataclass
+class Targets:
+    """Resolved targets of one watch.
+
+    ``modules`` maps ``id(module)`` to its info; the strong references in
+    ``roots`` keep those ids valid for the watch's lifetime. When no module was
+    given, ``discover`` is true: any module called at top level becomes a root
+    on the fly (used by scripts and the CLI).
+    """
+
+    roots: list[tuple[str | None, nn.Module]] = field(default_factory=list)
+    modules: dict[int, ModuleInfo] = field(default_factory=dict)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    scalers: list[Any] = field(default_factory=list)
+    discover: bool = False
+
+    def add_root(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
+        """Name every submodule of ``module``; modules already named keep their name."""
+        self.roots.append((label, module))
+        for name, submodule in module.named_modules():
+            if id(submodule) in self.modules:
+                continue
+            is_root = submodule is module
+            self.modules[id(submodule)] = ModuleInfo(
+                name=name,
+                module_type=type(submodule).__name__,
+                model=label,
+                watched=is_root or _selected(name, submodule, config),
+                is_root=is_root,
+            )
+
+
+def _selected(name: str, module: nn.Module, config: WatchConfig) -> bool:
+    if config.include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in config.include):
+        return False
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude):
+        return False
+    if config.types:
+        cls = type(module)
+        names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
+        names |= {base.__name__ for base in cls.__mro__}
+        return bool(names & set(config.types))
+    return True
+
+
+def describe(value: Any) -> str:
+    """Short description of an object for error messages."""
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _is_grad_scaler(value: Any) -> bool:
+    cls_names = {cls.__name__ for cls in type(value).__mro__}
+    return "GradScaler" in cls_names and hasattr(value, "get_scale")
+
+
+def _compiled_modules(module: nn.Module) -> list[str]:
+    """Names of ``torch.compile`` wrappers inside ``module`` (itself included).
+
+    Hooks added after compiling never run inside the compiled graph, so a
+    compiled model would be watched by a silent no-op: we refuse it instead.
+    """
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return []
+    return [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, OptimizedModule)]
+
+
+def resolve_targets(
+    targets: Iterable[Any], labels: Iterable[str | None] | None, config: WatchConfig
+) -> Targets:
+    """Sort targets into modules, optimizers and scalers; refuse anything else.
+
+    Raises
+    ------
+    TypeError
+        For an object that is not a module, optimizer or GradScaler.
+    ValueError
+        For a model compiled with ``torch.compile``.
+    """
+    targets = list(targets)
+    label_list = list(labels) if labels is not None else [None] * len(targets)
+    if len(label_list) != len(targets):
+        raise ValueError(f"got {len(label_list)} labels for {len(targets)} targets")
+    resolved = Targets()
+    for target, label in zip(targets, label_list):
+        shown = label or type(target).__name__
+        if isinstance(target, nn.Module):
+            compiled = _compiled_modules(target)
+            if compiled:
+                raise ValueError(
+                    f"{shown} is compiled with torch.compile ({', '.join(compiled)}): hooks cannot see "
+                    "inside compiled graphs; watch the original module (model._orig_mod) or run eagerly "
+                    "while debugging"
+                )
+            resolved.add_root(target, label, config)
+        elif isinstance(target, torch.optim.Optimizer):
+            resolved.optimizers.append(target)
+        elif _is_grad_scaler(target):
+            resolved.scalers.append(target)
+        else:
+            raise TypeError(
+                f"cannot watch {shown} ({describe(target)}): expected an nn.Module, "
+                "a torch.optim.Optimizer or a GradScaler"
+            )
+    resolved.discover = not resolved.roots
+    return resolved

@@ -1,0 +1,571 @@
+"""The watch: hooks that exist only while the watched code runs.
+
+Mechanisms, and why none of them changes what the model computes:
+
+* Forward: *global* module hooks (``register_module_forward_pre_hook`` and
+  ``register_module_forward_hook``), filtered to the watched modules. Hooks on
+  a module instance would make ``nn.TransformerEncoderLayer`` skip its fused
+  inference path; global hooks do not. The post hook is ``always_call`` so the
+  module stack unwinds when a forward raises.
+* Loss: ``torch.Tensor.backward`` is wrapped while the watch is active (and
+  restored in ``finally``) to check the tensor backward starts from.
+* Backward: a tensor hook on each watched module's floating outputs sees the
+  gradient flowing into that module, in backward execution order. No
+  ``register_full_backward_hook`` (it breaks in-place ops on outputs).
+* Optimizer: global optimizer step pre/post hooks check gradients before a
+  step and parameters after it.
+
+Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
+whatever way it ends, no hook of ours remains and the user's hooks were never
+touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+
+from nan_magic.engine import backward_patch
+from nan_magic.engine.calls import Call, StepLog, TensorRecord
+from nan_magic.engine.errors import NonFiniteError
+from nan_magic.engine.findings import Finding, build_report
+from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
+from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
+from nan_magic.records import Phase, Report, StepSummary, WatchConfig
+
+__all__ = ["Watch", "watch"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Frame:
+    """A watched module call in progress (the module stack)."""
+
+    __slots__ = ("module", "info", "call", "rng_state")
+
+    def __init__(self, module: nn.Module, info: ModuleInfo, call: Call, rng_state: torch.Tensor | None) -> None:
+        self.module = module
+        self.info = info
+        self.call = call
+        self.rng_state = rng_state
+
+
+class Watch:
+    """A watch over models, optimizers and GradScalers; see :func:`watch`.
+
+    Usable as a context manager (``with watch(model) as w:``) and as a
+    decorator. ``report`` is the Report of the first non-benign event (or
+    None); ``events`` every event seen, benign ones included, in order.
+    """
+
+    def __init__(
+        self,
+        targets: Iterable[Any] = (),
+        *,
+        labels: Iterable[str | None] | None = None,
+        config: WatchConfig | None = None,
+    ) -> None:
+        self.config = config or WatchConfig()
+        # Resolving validates the targets now, so bad input fails before any
+        # user code runs and before anything is attached.
+        self.targets: Targets = resolve_targets(targets, labels, self.config)
+        self.events: list[Report] = []
+        self.report: Report | None = None
+        self.history: deque[StepSummary] = deque(maxlen=self.config.history)
+        self._active = False
+        self._exit_stack: ExitStack | None = None
+        self._thread: int | None = None
+        self._reset_state()
+
+    # -- public state -----------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def step(self) -> int:
+        """0-based step (PRODUCT.md): optimizer steps completed, else forward passes."""
+        if self._optimizer_steps or self.targets.optimizers:
+            return self._optimizer_steps
+        return self._forward_passes
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def __enter__(self) -> Watch:
+        if self._active:
+            raise RuntimeError("this watch is already active; nested use of one watch is not supported")
+        self._reset_state()
+        self.events = []
+        self.report = None
+        self.history.clear()
+        stack = ExitStack()
+        try:
+            stack.enter_context(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
+            stack.enter_context(
+                module_hooks.register_module_forward_hook(self._on_forward, with_kwargs=True, always_call=True)
+            )
+            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre))
+            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post))
+            stack.enter_context(backward_patch.watch_backward(self._on_backward_start))
+        except BaseException:
+            stack.close()
+            raise
+        self._exit_stack = stack
+        self._thread = threading.get_ident()
+        self._active = True
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        try:
+            if exc is None:
+                self._sync()
+        finally:
+            self._active = False
+            if self._exit_stack is not None:
+                self._exit_stack.close()
+                self._exit_stack = None
+            self._forget_tensors()
+        if isinstance(exc, NonFiniteError):
+            self.adopt_traceback(exc, tb)
+        return False
+
+    def __call__(self, function: F) -> F:
+        """Use the watch as a decorator: every call of ``function`` runs under it."""
+
+        @functools.wraps(function)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return function(*args, **kwargs)
+
+        return watched  # type: ignore[return-value]
+
+    # -- state ---------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        self._defer = bool(self.config.defer)
+        self._log = StepLog(self.config.max_layers, self._defer)
+        self._stack: list[_Frame] = []
+        self._optimizer_steps = 0
+        self._forward_passes = 0
+        self._step_open = False
+        self._last_loss: float | None = None
+        self._roots: dict[int, ModuleInfo] = {}
+        self._seen_devices: set[str] = set()
+        self._raised = False
+
+    def _forget_tensors(self) -> None:
+        self._stack.clear()
+        self._log.clear()
+
+    def _info(self, module: nn.Module) -> ModuleInfo | None:
+        info = self.targets.modules.get(id(module))
+        if info is None and self.targets.discover and not self._stack:
+            # No module was named: any module called at top level becomes a
+            # root, named as its own ``named_modules()`` would name it.
+            self.targets.add_root(module, type(module).__name__, self.config)
+            info = self.targets.modules[id(module)]
+        return info
+
+    def _mine(self) -> bool:
+        """Hooks are global: act only for the thread that entered the watch."""
+        return self._active and threading.get_ident() == self._thread
+
+    # -- forward -------------------------------------------------------------------
+
+    def _on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._mine():
+            return
+        info = self._info(module)
+        if info is None:
+            return
+        top_level = not self._stack
+        if top_level:
+            self._begin_step_if_needed()
+        parent = self._stack[-1].call if self._stack else None
+        call = self._log.new_call(Phase.FORWARD, info, module, parent)
+        for path, tensor in iter_tensors(args, "input"):
+            self._log.note_input(call, path, tensor)
+        rng = torch.random.default_generator.get_state() if module.training else None
+        self._stack.append(_Frame(module, info, call, rng))
+        if top_level or info.is_root:
+            self._check_data(call, args, {})
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        # always_call hooks are called with (module, args, output) when the
+        # forward raised, and with (module, args, kwargs, output) otherwise.
+        if not self._mine():
+            return
+        if not self._stack or self._stack[-1].module is not module:
+            return
+        frame = self._stack.pop()
+        if len(rest) != 2:
+            return
+        kwargs, output = rest
+        call = frame.call
+        if kwargs and (not self._stack or frame.info.is_root):
+            for path, tensor in iter_tensors(kwargs, "input"):
+                self._log.note_input(call, path, tensor)
+            self._check_data(call, (), kwargs)
+        if frame.info.watched:
+            for path, tensor in iter_tensors(output, "output"):
+                record = self._log.record_output(call, path, tensor)
+                if self.config.backward and tensor.requires_grad and tensor.grad_fn is not None:
+                    tensor.register_hook(functools.partial(self._on_output_grad, record))
+                if not self._defer:
+                    self._check_output(frame, record, tensor, args, kwargs)
+        if not self._stack:
+            self._forward_passes += 1
+            if self._defer and not self._optimizer_in_use():
+                self._sync()
+            if not self._optimizer_in_use():
+                self._end_step()
+
+    def _check_data(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Non-finite values entering a watched model from outside: phase ``data``."""
+        for path, tensor in iter_tensors(kwargs if kwargs else args, "input"):
+            kinds = relevant_kinds(kinds_of(tensor), self.config.kinds)
+            if kinds:
+                name = path.replace("input[", "kwargs[") if kwargs else path
+                self._emit(Finding(Phase.DATA, call, name, bad=tensor.detach(), inputs_finite=False))
+
+    def _check_output(
+        self, frame: _Frame, record: TensorRecord, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        out_kinds = relevant_kinds(record.kinds(), self.config.kinds)
+        if not out_kinds:
+            return
+        out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.config.kinds)
+        call = frame.call
+        input_kinds = self._input_kinds(call)
+        if out_kinds <= input_kinds:
+            call.status = "propagated"
+            return
+        named_inputs = self._named_inputs(call)
+        bad_parameter = self._bad_parameter(frame.module, frame.info, out_kinds)
+        if bad_parameter is not None:
+            name, parameter = bad_parameter
+            finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), inputs=named_inputs)
+            finding.notes.append(
+                f"{name} was already non-finite when {frame.info.name or 'the root module'} read it"
+            )
+            self._emit(finding)
+            return
+        finding = Finding(
+            Phase.FORWARD,
+            call,
+            record.path or "output",
+            bad=tensor.detach(),
+            inputs=named_inputs,
+            inputs_finite=not input_kinds,
+        )
+        self._emit(finding)
+
+    def _input_kinds(self, call: Call) -> frozenset[str]:
+        """Kinds the call's inputs held *before* the call (in-place aware)."""
+        kinds: set[str] = set()
+        for _path, record, ref, version in call.inputs:
+            tensor = ref()
+            if tensor is not None and tensor._version == version:
+                kinds |= kinds_of(tensor)
+            elif record is not None and not record.pending:
+                # Mutated in place by this module: its value before the call is
+                # what the producer rule compares against, and the probe of the
+                # call that made it still knows it.
+                kinds |= record.kinds()
+        return relevant_kinds(frozenset(kinds), self.config.kinds)
+
+    def _named_inputs(self, call: Call) -> list[tuple[str, torch.Tensor]]:
+        named = []
+        for path, _record, ref, _version in call.inputs:
+            tensor = ref()
+            if tensor is not None:
+                named.append((path, tensor.detach()))
+        return named
+
+    def _bad_parameter(
+        self, module: nn.Module, info: ModuleInfo, kinds: frozenset[str]
+    ) -> tuple[str, torch.Tensor] | None:
+        prefix = f"{info.name}." if info.name else ""
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.is_floating_point() and relevant_kinds(kinds_of(tensor), self.config.kinds):
+                return prefix + name, tensor
+        return None
+
+    # -- backward -------------------------------------------------------------------
+
+    def _on_backward_start(self, loss: torch.Tensor) -> None:
+        """Called by the wrapped ``Tensor.backward`` before autograd runs."""
+        if not self._mine() or not loss.is_floating_point():
+            return
+        if loss.numel() == 1 and not self._defer:
+            self._last_loss = float(loss.detach())
+        kinds = relevant_kinds(kinds_of(loss), self.config.kinds)
+        if not kinds:
+            return
+        finding = Finding(Phase.FORWARD, None, "loss", bad=loss.detach())
+        every_output_finite = all(
+            not record.kinds() for call in self._log.calls for record in call.outputs if not record.pending
+        )
+        finding.notes.append(
+            "every watched module output of this step was finite: the loss code outside the modules produced it"
+            if every_output_finite
+            else "some module outputs of this step were already non-finite"
+        )
+        finding.inputs_finite = every_output_finite
+        self._emit(finding)
+
+    def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
+        if not self._mine() or grad is None or not grad.is_floating_point():
+            return
+        kinds = relevant_kinds(kinds_of(grad), self.config.kinds)
+        if not kinds or self._raised:
+            return
+        producer = self._backward_producer(record)
+        finding = Finding(
+            Phase.BACKWARD,
+            producer,
+            f"gradient of {record.call.name if record.call and record.call.name else '<root>'}.{record.path}",
+            bad=grad.detach(),
+        )
+        if producer is None:
+            finding.notes.append("the gradient came from code outside every watched module (e.g. the loss)")
+        self._emit(finding)
+
+    def _backward_producer(self, record: TensorRecord) -> Call | None:
+        """The module whose backward turned the gradient non-finite.
+
+        The gradient of a tensor is computed by the backward of whatever
+        consumed it in forward; the innermost watched consumer is named. With
+        no consumer module, the functional code of the producing call's parent
+        consumed it (None at top level: the loss).
+        """
+        if record.consumers:
+            return record.consumers[-1]
+        return record.call.parent if record.call is not None else None
+
+    # -- optimizer ------------------------------------------------------------------
+
+    def _optimizer_in_use(self) -> bool:
+        return bool(self._optimizer_steps or self.targets.optimizers)
+
+    def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
+        return not self.targets.optimizers or any(opt is mine for mine in self.targets.optimizers)
+
+    def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._mine() or not self._watches_optimizer(opt):
+            return
+        self._sync()
+        for name, parameter in self._named_parameters(opt):
+            if parameter.grad is None or not parameter.grad.is_floating_point():
+                continue
+            kinds = relevant_kinds(kinds_of(parameter.grad), self.config.kinds)
+            if kinds:
+                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=parameter.grad.detach())
+                finding.module, finding.module_type, finding.model = self._owner(name)
+                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                self._emit(finding)
+                return
+
+    def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._mine() or not self._watches_optimizer(opt):
+            return
+        try:
+            for name, parameter in self._named_parameters(opt):
+                kinds = relevant_kinds(kinds_of(parameter), self.config.kinds)
+                if kinds:
+                    finding = Finding(Phase.OPTIMIZER, None, f"parameter {name}", bad=parameter.detach())
+                    finding.module, finding.module_type, finding.model = self._owner(name)
+                    finding.notes.append(f"{type(opt).__name__} step made {name} non-finite")
+                    self._emit(finding)
+                    return
+        finally:
+            self._optimizer_steps += 1
+            self._end_step()
+
+    def _named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        names = {}
+        for label, root in self.targets.roots:
+            for name, parameter in root.named_parameters():
+                names.setdefault(id(parameter), name)
+        named = []
+        for group_index, group in enumerate(opt.param_groups):
+            for position, parameter in enumerate(group["params"]):
+                named.append((names.get(id(parameter), f"param_groups[{group_index}][{position}]"), parameter))
+        return named
+
+    def _owner(self, parameter_name: str) -> tuple[str | None, str | None, str | None]:
+        """Module that owns a named parameter: ``encoder.0.weight`` -> ``encoder.0``."""
+        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
+        for label, root in self.targets.roots:
+            try:
+                module = root.get_submodule(owner)
+            except AttributeError:
+                continue
+            return owner, type(module).__name__, label
+        return None, None, None
+
+    # -- steps ----------------------------------------------------------------------
+
+    def _begin_step_if_needed(self) -> None:
+        if not self._step_open:
+            self._log.clear()
+            self._step_open = True
+
+    def _end_step(self) -> None:
+        self.history.append(
+            StepSummary(step=self.step - (1 if self._optimizer_in_use() else 0) if self.step else 0,
+                        loss=self._last_loss, absmax=self._log.absmax())
+        )
+        self._step_open = False
+
+    def _sync(self) -> None:
+        """Deferred mode: read every pending probe at once, then check in call order."""
+        if not self._defer or self._raised:
+            return
+        self._log.resolve()
+        for call in list(self._log.calls):
+            for record in call.outputs:
+                kinds = relevant_kinds(record.kinds(), self.config.kinds)
+                if not kinds:
+                    continue
+                input_kinds = self._input_kinds(call)
+                if kinds <= input_kinds:
+                    call.status = "propagated"
+                    continue
+                tensor = record.live()
+                finding = Finding(
+                    Phase.FORWARD,
+                    call,
+                    record.path or "output",
+                    bad=tensor.detach() if tensor is not None else None,
+                    bad_stats=None if tensor is not None else record.stats(),
+                    inputs=self._named_inputs(call),
+                    inputs_finite=not input_kinds,
+                )
+                finding.notes.append("detected at the deferred check after the forward pass")
+                self._emit(finding)
+                return
+
+    # -- events ---------------------------------------------------------------------
+
+    def _emit(self, finding: Finding) -> None:
+        report = build_report(
+            finding,
+            step=self.step,
+            log=self._log,
+            history=tuple(self.history),
+            max_layers=self.config.max_layers,
+            sample_size=self.config.sample_size,
+        )
+        if len(self.events) < self.config.max_events:
+            self.events.append(report)
+        if self.config.log_file:
+            with open(self.config.log_file, "a", encoding="utf-8") as handle:
+                handle.write(report.to_json() + "\n")
+        if report.benign:
+            return
+        if self.report is None:
+            self.report = report
+        if self.config.on_detect == "raise":
+            self._raised = True
+            raise NonFiniteError(report)
+        if self.config.on_detect == "warn":
+            warnings.warn(report.message, RuntimeWarning, stacklevel=2)
+
+    def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
+        """Cut ``tb`` after the user's frame and record that frame in the report.
+
+        ``%debug`` and ``pdb.post_mortem`` open the last frame of a traceback;
+        after this, that is the user's line nearest the producer (the line that
+        called the producing module, ``loss.backward()`` or ``opt.step()``).
+        Called by ``__exit__``, and by the magics where IPython catches the
+        exception first.
+        """
+        last = trim_to_user_code(tb)
+        if last is None:
+            return
+        report = dataclasses.replace(
+            error.report, debug_frame=frames_of(last)[0], frames=user_frames_of(tb)
+        )
+        error.report = report
+        if self.report is not None and self.report is not report:
+            self.report = report
+        if self.events:
+            self.events[-1] = report
+
+
+def watch(
+    *targets: Any,
+    on_detect: str = "raise",
+    kinds: Iterable[str] = ("nan", "inf"),
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    types: Iterable[str] = (),
+    log_file: str | None = None,
+    defer: bool | None = None,
+    ops: bool = False,
+    replay: bool = True,
+    backward: bool = True,
+    history: int = 200,
+    sample_size: int = 4096,
+    max_layers: int = 2000,
+    max_events: int = 100,
+    labels: Iterable[str | None] | None = None,
+) -> Watch:
+    """Watch models, optimizers and GradScalers for the first non-finite value.
+
+    Parameters
+    ----------
+    *targets
+        ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
+        no module, every module called at top level is watched.
+    on_detect, kinds, include, exclude, types, log_file, defer, ops, replay,
+    backward, history, sample_size, max_layers, max_events
+        See :class:`nan_magic.WatchConfig`.
+    labels
+        Names for the targets (the magics pass variable names), one per target.
+
+    Returns
+    -------
+    Watch
+        A context manager and decorator; ``.report`` and ``.events`` afterwards.
+
+    Examples
+    --------
+    >>> with nan_magic.watch(model) as w:          # doctest: +SKIP
+    ...     loss = model(x).sum(); loss.backward()
+    """
+    config = WatchConfig(
+        on_detect=on_detect,  # type: ignore[arg-type]
+        kinds=frozenset(kinds),
+        include=tuple(include),
+        exclude=tuple(exclude),
+        types=tuple(types),
+        log_file=log_file,
+        defer=defer,
+        ops=ops,
+        replay=replay,
+        backward=backward,
+        history=history,
+        sample_size=sample_size,
+        max_layers=max_layers,
+        max_events=max_events,
+    )
+    return Watch(targets, labels=labels, config=config)
+

@@ -1,0 +1,355 @@
+"""Plain records that flow from the engine to the renderers.
+
+Everything here is stdlib only: no torch, no pandas, no IPython. Hooks create
+these records (numbers, never strings), the renderers in ``nan_magic.render``
+turn them into text, tables, figures and widgets. A :class:`Report` holds no
+tensors, so it pickles, crosses processes and outlives the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import pandas as pd
+
+__all__ = [
+    "Phase",
+    "TensorStats",
+    "SourcePointer",
+    "LayerCall",
+    "Sample",
+    "StepSummary",
+    "Cause",
+    "Report",
+    "WatchConfig",
+    "OnDetect",
+    "KINDS",
+]
+
+OnDetect = Literal["raise", "warn", "log"]
+
+#: The three kinds of non-finite value, in the order reports show them.
+KINDS = ("nan", "+inf", "-inf")
+
+
+class Phase(str, enum.Enum):
+    """Where the producer ran (PRODUCT.md: *phase*).
+
+    A ``str`` enum so that ``report.phase == "forward"`` holds.
+    """
+
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Numbers describing one tensor.
+
+    ``min``/``max``/``mean``/``std``/``absmax`` are taken over the *finite*
+    elements only, and are ``None`` when they were not computed (the cheap
+    per-call probe gives min/max only) or when no element is finite.
+    Counts are ``None`` when unknown (a tensor that was freed before the
+    report was built only has its probe).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nan: int | None = 0
+    posinf: int | None = 0
+    neginf: int | None = 0
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    std: float | None = None
+    absmax: float | None = None
+    zeros: int | None = None
+    negatives: int | None = None
+    first_bad_index: tuple[int, ...] | None = None
+
+    @property
+    def nonfinite(self) -> int:
+        """Number of NaN and infinite elements (unknown counts count as 0)."""
+        return (self.nan or 0) + (self.posinf or 0) + (self.neginf or 0)
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The non-finite kinds present: a subset of :data:`KINDS`."""
+        present = zip(KINDS, (self.nan, self.posinf, self.neginf))
+        return frozenset(kind for kind, count in present if count)
+
+    @property
+    def finite(self) -> bool:
+        return self.nonfinite == 0
+
+
+@dataclass(frozen=True)
+class SourcePointer:
+    """A line of source code: where an op ran or a frame stopped."""
+
+    filename: str
+    lineno: int
+    function: str
+    line: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+LayerStatus = Literal["ok", "producer", "propagated", "benign"]
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One watched module call (or data entry) of the failing step."""
+
+    index: int
+    phase: Phase
+    module: str | None
+    module_type: str | None
+    stats: TensorStats
+    status: LayerStatus = "ok"
+    tensor: str = "output"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A bounded sample of one tensor's finite values, for histograms."""
+
+    label: str
+    dtype: str
+    values: tuple[float, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """Scalar history of one step: enough to see a slow blow-up."""
+
+    step: int
+    loss: float | None
+    absmax: float | None
+    nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class Cause:
+    """The likely cause of an event, with the evidence and a concrete fix."""
+
+    label: str
+    hint: str
+    evidence: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.label}: {self.hint}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything known about one non-finite event; holds no tensors.
+
+    Attributes follow PRODUCT.md. ``module`` is the qualified name within
+    ``model`` (``""`` for its root, ``None`` outside every watched module);
+    ``tensor`` says which value went bad (``"output"``, ``"output[1]"``,
+    ``"parameter fc.weight"``, ``"input[0]"``).
+    """
+
+    phase: Phase
+    module: str | None
+    module_type: str | None
+    step: int
+    nan: int
+    posinf: int
+    neginf: int
+    numel: int
+    tensor: str = "output"
+    model: str | None = None
+    op: str | None = None
+    source: SourcePointer | None = None
+    benign: bool = False
+    cause: Cause | None = None
+    inputs_finite: bool = True
+    first_bad_index: tuple[int, ...] | None = None
+    dtype: str | None = None
+    output_stats: TensorStats | None = None
+    input_stats: tuple[tuple[str, TensorStats], ...] = ()
+    layers: tuple[LayerCall, ...] = ()
+    layers_dropped: int = 0
+    samples: tuple[Sample, ...] = ()
+    history: tuple[StepSummary, ...] = ()
+    debug_frame: SourcePointer | None = None
+    frames: tuple[SourcePointer, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    # -- derived -------------------------------------------------------------
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The three counts apart, keyed by :data:`KINDS`."""
+        return {"nan": self.nan, "+inf": self.posinf, "-inf": self.neginf}
+
+    @property
+    def where(self) -> str:
+        """Short human name of the producer: ``encoder.1 (Linear)``."""
+        if self.module is None:
+            return "code outside any watched module"
+        name = self.module if self.module else "<root>"
+        if self.model and self.module == "":
+            name = f"{self.model} (root)"
+        return f"{name} ({self.module_type})" if self.module_type else name
+
+    @property
+    def message(self) -> str:
+        """The one-line summary used as the exception message."""
+        kinds = ", ".join(
+            f"{count} {kind}" for kind, count in self.counts.items() if count
+        ) or "non-finite values"
+        where = self.where
+        if self.op:
+            where += f", op {self.op}"
+        if self.source is not None:
+            where += f" at {self.source.filename.rsplit('/', 1)[-1]}:{self.source.lineno}"
+        verb = "benign non-finite" if self.benign else "first non-finite"
+        return f"{verb} {self.tensor} in {self.phase} step {self.step}: {where} ({kinds} of {self.numel})"
+
+    # -- views (renderers are imported lazily: `import nan_magic` stays light) --
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """Per-layer statistics of the failing step as a pandas DataFrame."""
+        from nan_magic.render.table import layer_table
+
+        return layer_table(self)
+
+    def to_text(self) -> str:
+        from nan_magic.render.text import render_text
+
+        return render_text(self)
+
+    def to_html(self, path: str | None = None) -> str:
+        """A self-contained HTML report; also written to ``path`` if given."""
+        from nan_magic.render.html import render_html
+
+        html = render_html(self)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(html)
+        return html
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text("Report(...)" if cycle else self.to_text())
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        from nan_magic.render.display import mimebundle
+
+        return mimebundle(self)
+
+
+def _jsonable(value: Any) -> Any:
+    """Make ``asdict`` output JSON-safe: enums to strings, inf/nan to strings."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """Options of one watch; shared by the engine, the magics and the CLI.
+
+    Parameters
+    ----------
+    on_detect
+        ``"raise"`` (default) stops at the first non-benign event with
+        :class:`nan_magic.NonFiniteError`; ``"warn"`` emits one warning per
+        event and continues; ``"log"`` records silently and continues.
+    kinds
+        Which kinds count: any of ``"nan"`` and ``"inf"`` (``"inf"`` covers both
+        signs).
+    include, exclude
+        ``fnmatch`` patterns on qualified module names; a module is watched when
+        it matches an include pattern (or none is given) and no exclude pattern.
+    types
+        Class names (``"Linear"``) or qualified class names to watch; empty means
+        every type. The root module is always watched for data entering it.
+    log_file
+        A JSON-lines file that receives one line per event.
+    defer
+        Keep per-call results on the device and check them once per phase
+        (``None``: automatic, on for CUDA tensors). Results are identical; only
+        the frame in which the error is raised differs.
+    ops
+        Op-level tracing for the whole watched code.
+    replay
+        Re-run a forward producer module on its inputs under op-level tracing to
+        name the op and the line.
+    history
+        How many steps of scalar history to keep.
+    sample_size
+        Finite values kept per tensor for histograms (producer only).
+    max_layers
+        Per-layer rows kept for the failing step (oldest dropped first).
+    max_events
+        Events kept in ``watch.events``.
+    """
+
+    on_detect: OnDetect = "raise"
+    kinds: frozenset[str] = frozenset({"nan", "inf"})
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    types: tuple[str, ...] = ()
+    log_file: str | None = None
+    defer: bool | None = None
+    ops: bool = False
+    replay: bool = True
+    backward: bool = True
+    history: int = 200
+    sample_size: int = 4096
+    max_layers: int = 2000
+    max_events: int = 100
+
+    def __post_init__(self) -> None:
+        if self.on_detect not in ("raise", "warn", "log"):
+            raise ValueError(
+                f"on_detect must be 'raise', 'warn' or 'log', not {self.on_detect!r}"
+            )
+        kinds = frozenset(self.kinds)
+        unknown = kinds - {"nan", "inf"}
+        if unknown or not kinds:
+            raise ValueError(
+                f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
+            )
+        object.__setattr__(self, "kinds", kinds)
+        for name in ("history", "sample_size", "max_layers", "max_events"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")

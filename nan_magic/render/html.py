@@ -1,0 +1,246 @@
+"""The static, self-contained HTML report.
+
+Used as the ``text/html`` fallback (VS Code without widgets, nbviewer,
+GitHub) and by ``report.to_html(path)``. It is a fragment (no ``<html>``
+element) so that it can sit inside a notebook output, and pure ASCII
+(non-ASCII characters become character references) so that a file written
+from it reads the same in any encoding. The widget reuses its sections.
+"""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+
+from nan_magic.records import LayerCall, Report, SourcePointer
+from nan_magic.render.common import (
+    counts_phrase,
+    fmt_fraction,
+    fmt_number,
+    fmt_shape,
+    producer_position,
+    row_window,
+    short_dtype,
+    source_excerpt,
+    stats_phrase,
+    summary_sentence,
+)
+from nan_magic.render.plots import histogram_png, history_png
+from nan_magic.render.table import TABLE_CSS, style_layers
+
+#: Rows of the per-layer table in the static HTML.
+HTML_MAX_ROWS = 200
+#: Histograms in one static figure; the widget's selector reaches the rest.
+HTML_MAX_SAMPLES = 6
+#: Steps of history listed as a table (the plot shows all of them).
+HISTORY_ROWS = 20
+
+REPORT_CSS = TABLE_CSS + """
+.nan-magic-report { font-family: sans-serif; font-size: 13px; line-height: 1.4; }
+.nan-magic-report h3 { color: #c62828; font-size: 15px; margin: 4px 0; }
+.nan-magic-report h4 { font-size: 13px; margin: 12px 0 4px 0; }
+.nm-facts td { padding: 1px 10px 1px 0; vertical-align: top; text-align: left; }
+.nm-facts td:first-child { font-weight: bold; }
+.nm-code { font-family: monospace; font-size: 12px; margin: 4px 0; padding: 4px;
+           background: rgba(127, 127, 127, 0.12); white-space: pre; overflow-x: auto; }
+.nm-code .nm-mark { background: rgba(230, 40, 40, 0.30); font-weight: bold; }
+.nm-scroll { max-height: 420px; overflow: auto; }
+.nm-cut { font-style: italic; opacity: 0.8; }
+"""
+
+
+def render_html(report: Report) -> str:
+    """Render ``report`` as one self-contained HTML fragment.
+
+    Parameters
+    ----------
+    report
+        The report to render.
+
+    Returns
+    -------
+    str
+        Summary, facts, the styled per-layer table (capped, with what was
+        cut), embedded PNG histograms, source pointer with code around it,
+        debug frames and history, in a ``<div class="nan-magic-report">``.
+    """
+    sections = [
+        summary_html(report),
+        facts_html(report),
+        source_html(report.source),
+        layers_html(report.layers, report.layers_dropped),
+        histograms_html(report),
+        debug_html(report),
+        history_html(report),
+    ]
+    body = "\n".join(section for section in sections if section)
+    page = (
+        f'<div class="nan-magic-report">\n<style>{REPORT_CSS}</style>\n{body}\n</div>'
+    )
+    return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
+def png_img(png: bytes, alt: str) -> str:
+    """An ``<img>`` that carries ``png`` inline as base64."""
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}"/>'
+
+
+def summary_html(report: Report) -> str:
+    """The headline and the one-sentence summary."""
+    return (
+        f"<h3>nan_magic: {escape(report.message)}</h3>\n"
+        f'<p class="nm-summary">{escape(summary_sentence(report))}</p>'
+    )
+
+
+def facts_html(report: Report) -> str:
+    """Producer, op, source, phase, step, counts, inputs, cause and notes."""
+    rows: list[tuple[str, str]] = [("producer", escape(report.where))]
+    if report.op:
+        rows.append(("op", f"<code>{escape(report.op)}</code>"))
+    if report.source is not None:
+        rows.append(("source", f"<code>{escape(str(report.source))}</code>"))
+    rows.append(("phase", escape(str(report.phase))))
+    rows.append(("step", str(report.step)))
+    tensor = escape(report.tensor)
+    if report.dtype:
+        tensor += f" {escape(short_dtype(report.dtype))}"
+    if report.output_stats is not None:
+        tensor += f" {fmt_shape(report.output_stats.shape)}"
+    rows.append(("tensor", tensor))
+    rows.append((
+        "non-finite",
+        f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
+        f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
+    ))
+    if report.first_bad_index is not None:
+        rows.append(("first at", f"index {escape(str(report.first_bad_index))}"))
+    inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
+    inputs += "".join(
+        f"<br/>{escape(name)}: {escape(stats_phrase(stats))}"
+        for name, stats in report.input_stats
+    )
+    rows.append(("inputs", inputs))
+    if report.benign:
+        rows.append(("benign", "yes: recorded, not raised"))
+    if report.cause is not None:
+        cause = f"<b>{escape(report.cause.label)}</b>: {escape(report.cause.hint)}"
+        cause += "".join(f"<br/>- {escape(line)}" for line in report.cause.evidence)
+        rows.append(("cause", cause))
+    rows.extend(("note", escape(note)) for note in report.notes)
+    body = "".join(f"<tr><td>{label}</td><td>{value}</td></tr>" for label, value in rows)
+    return f'<table class="nm-facts">{body}</table>'
+
+
+def source_html(pointer: SourcePointer | None, title: str = "Source") -> str:
+    """The pointer and a few lines of code around it, the line marked."""
+    if pointer is None:
+        return ""
+    excerpt = source_excerpt(pointer)
+    if excerpt:
+        width = len(str(excerpt[-1][0]))
+        lines = []
+        for number, text in excerpt:
+            marker = "&gt;" if number == pointer.lineno else " "
+            line = f"{marker} {number:>{width}}  {escape(text)}"
+            lines.append(f'<span class="nm-mark">{line}</span>' if marker != " " else line)
+        code = "\n".join(lines)
+    elif pointer.line:
+        code = f'<span class="nm-mark">&gt; {pointer.lineno}  {escape(pointer.line)}</span>'
+    else:
+        code = "(source not available)"
+    return (
+        f"<h4>{escape(title)}: <code>{escape(str(pointer))}</code></h4>\n"
+        f'<div class="nm-code">{code}</div>'
+    )
+
+
+def layers_table_html(
+    layers: tuple[LayerCall, ...], limit: int = HTML_MAX_ROWS
+) -> tuple[str, str]:
+    """The styled table of at most ``limit`` rows around the producer.
+
+    Returns
+    -------
+    tuple of str
+        The table HTML (in a scrolling box) and the message saying what
+        was cut (empty when nothing was).
+    """
+    if not layers:
+        return "<p>No layer calls recorded.</p>", ""
+    focus = producer_position(layers)
+    window = row_window(len(layers), focus, limit)
+    shown = layers[window.start: window.stop]
+    dim_all = focus is not None and focus < window.start
+    table = style_layers(shown, after_producer=dim_all).to_html()
+    return f'<div class="nm-scroll">{table}</div>', window.cut_message()
+
+
+def layers_html(layers: tuple[LayerCall, ...], dropped: int) -> str:
+    """The per-layer section: title, table and cut message."""
+    table, cut = layers_table_html(layers)
+    title = f"Layers ({len(layers)} calls"
+    title += f"; {dropped} earlier calls not kept)" if dropped else ")"
+    notes = [cut + "; <code>report.table</code> has every row"] if cut else []
+    return f"<h4>{title}</h4>\n{table}" + "".join(
+        f'<p class="nm-cut">{note}</p>' for note in notes
+    )
+
+
+def histograms_html(report: Report) -> str:
+    """Embedded PNG histograms of the first samples."""
+    if not report.samples:
+        return ""
+    shown = report.samples[:HTML_MAX_SAMPLES]
+    html = "<h4>Histograms (finite values, log counts)</h4>\n" + png_img(
+        histogram_png(shown), "histograms of " + ", ".join(s.label for s in shown)
+    )
+    left = len(report.samples) - len(shown)
+    if left:
+        html += f'<p class="nm-cut">{left} more samples not drawn here.</p>'
+    return html
+
+
+def debug_html(report: Report) -> str:
+    """What ``%debug`` opens on, and the frames between it and the user's code."""
+    parts = []
+    if report.debug_frame is not None and report.debug_frame == report.source:
+        parts.append(
+            f"<h4>%debug opens in <code>{escape(str(report.debug_frame))}</code>"
+            " (the source line above)</h4>"
+        )
+    elif report.debug_frame is not None:
+        parts.append(source_html(report.debug_frame, "%debug opens in"))
+    if report.frames:
+        items = "".join(
+            f"<li><code>{escape(str(frame))}</code>"
+            + (f"<br/><code>{escape(frame.line.strip())}</code>" if frame.line else "")
+            + "</li>"
+            for frame in report.frames
+        )
+        parts.append(f"<h4>Frames from your code to the producer</h4>\n<ol>{items}</ol>")
+    return "\n".join(parts)
+
+
+def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
+    """Loss and largest |activation| per step: a plot and the last rows."""
+    if not report.history:
+        return ""
+    recent = report.history[-rows:]
+    body = "".join(
+        f"<tr><td>{entry.step}</td><td>{fmt_number(entry.loss)}</td>"
+        f"<td>{fmt_number(entry.absmax)}</td><td>{'yes' if entry.nonfinite else ''}</td></tr>"
+        for entry in recent
+    )
+    table = (
+        '<table class="nm-table"><thead><tr><th>step</th><th>loss</th>'
+        f"<th>max |activation|</th><th>non-finite</th></tr></thead><tbody>{body}</tbody></table>"
+    )
+    title = f"History ({len(report.history)} steps kept"
+    title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
+    return (
+        f"<h4>{title}</h4>\n"
+        + png_img(history_png(report.history), "loss and max |activation| per step")
+        + f'\n<div class="nm-scroll">{table}</div>'
+    )

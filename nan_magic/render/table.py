@@ -1,0 +1,147 @@
+"""The per-layer table as a pandas DataFrame, and its styled HTML form."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from nan_magic.records import LayerCall, Report
+from nan_magic.render.common import COLUMNS, fmt_number, fmt_shape, module_label, short_dtype
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pandas.io.formats.style import Styler
+
+#: CSS class of every cell of a row, by the row's role. Tests and the
+#: stylesheet in :data:`TABLE_CSS` rely on these names.
+PRODUCER_CLASS = "nm-producer"
+PROPAGATED_CLASS = "nm-propagated"
+BENIGN_CLASS = "nm-benign"
+AFTER_CLASS = "nm-after"
+
+#: Colours are translucent so they read on light and dark notebook themes.
+TABLE_CSS = f"""
+.nm-table {{ border-collapse: collapse; font-size: 12px; font-family: monospace; }}
+.nm-table th, .nm-table td {{ padding: 2px 6px; text-align: right; white-space: nowrap; }}
+.nm-table th {{ position: sticky; top: 0; background: rgba(127, 127, 127, 0.25); }}
+.nm-table :is(td, th):is(.col1, .col2, .col3, .col4, .col5, .col6, .col15) {{ text-align: left; }}
+.nm-table td.{PRODUCER_CLASS} {{ background: rgba(230, 40, 40, 0.30); font-weight: bold; }}
+.nm-table td.{PROPAGATED_CLASS} {{ background: rgba(240, 150, 20, 0.15); }}
+.nm-table td.{BENIGN_CLASS} {{ background: rgba(40, 110, 230, 0.15); }}
+.nm-table td.{AFTER_CLASS} {{ opacity: 0.55; }}
+"""
+
+
+def layer_table(report: Report) -> pd.DataFrame:
+    """Per-layer statistics of the failing step, one row per recorded call.
+
+    Parameters
+    ----------
+    report
+        The report whose ``layers`` to tabulate.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``call, phase, module, type, tensor, dtype, shape, min, max,
+        mean, std, absmax, nan, +inf, -inf, status`` in call order. ``module``
+        is the qualified name as recorded (``""`` root, ``None`` outside any
+        module); statistics cover finite elements and are NaN where not
+        computed; counts are nullable integers, ``<NA>`` where unknown.
+    """
+    return layers_frame(report.layers)
+
+
+def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
+    """:func:`layer_table` for any sequence of rows (a filtered subset)."""
+    records = [
+        {
+            "call": layer.index,
+            "phase": str(layer.phase),
+            "module": layer.module,
+            "type": layer.module_type,
+            "tensor": layer.tensor,
+            "dtype": short_dtype(layer.stats.dtype),
+            "shape": layer.stats.shape,
+            "min": layer.stats.min,
+            "max": layer.stats.max,
+            "mean": layer.stats.mean,
+            "std": layer.stats.std,
+            "absmax": layer.stats.absmax,
+            "nan": layer.stats.nan,
+            "+inf": layer.stats.posinf,
+            "-inf": layer.stats.neginf,
+            "status": layer.status,
+        }
+        for layer in layers
+    ]
+    frame = pd.DataFrame.from_records(records, columns=list(COLUMNS))
+    for column in ("min", "max", "mean", "std", "absmax"):
+        frame[column] = frame[column].astype("float64")
+    for column in ("nan", "+inf", "-inf"):
+        frame[column] = frame[column].astype("Int64")
+    frame["call"] = frame["call"].astype("int64")
+    return frame
+
+
+def row_classes(layers: Sequence[LayerCall]) -> list[str]:
+    """The CSS class of each row: producer, propagated, benign, after, or none.
+
+    Rows after the producer are dimmed; a propagated row after the producer
+    gets both classes so it stays marked while dimmed.
+    """
+    classes = []
+    seen_producer = False
+    for layer in layers:
+        names = []
+        if layer.status == "producer":
+            names.append(PRODUCER_CLASS)
+        elif layer.status == "propagated":
+            names.append(PROPAGATED_CLASS)
+        elif layer.status == "benign":
+            names.append(BENIGN_CLASS)
+        if seen_producer:
+            names.append(AFTER_CLASS)
+        seen_producer = seen_producer or layer.status == "producer"
+        classes.append(" ".join(names))
+    return classes
+
+
+def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> Styler:
+    """A pandas Styler of ``layers`` with the producer's row highlighted.
+
+    Parameters
+    ----------
+    layers
+        The rows to show (callers cap them first: Styler output grows with
+        every cell).
+    after_producer
+        Whether these rows all come after the producer (a window that starts
+        past it), so that they are dimmed even though the producer is absent.
+
+    Returns
+    -------
+    pandas.io.formats.style.Styler
+        Classes from :func:`row_classes` on every cell; render with
+        ``.to_html()`` next to :data:`TABLE_CSS`.
+    """
+    frame = layers_frame(layers)
+    classes = row_classes(layers)
+    if after_producer:
+        classes = [f"{names} {AFTER_CLASS}".strip() for names in classes]
+    class_frame = pd.DataFrame(
+        [[names] * len(frame.columns) for names in classes],
+        index=frame.index,
+        columns=frame.columns,
+    )
+    return (
+        frame.style.hide(axis="index")
+        .set_td_classes(class_frame)
+        .set_table_attributes('class="nm-table"')
+        .format(fmt_number, subset=["min", "max", "mean", "std", "absmax"], na_rep="")
+        .format(fmt_shape, subset=["shape"])
+        .format(module_label, subset=["module"])
+        .format(lambda value: value or "", subset=["type"])
+        .format(str, subset=["nan", "+inf", "-inf"], na_rep="?")
+    )

@@ -1,0 +1,164 @@
+"""The plain-text report: terminals, logs, ``str(report)``, ``text/plain``.
+
+Stdlib only: this runs inside exception messages in scripts and CI.
+"""
+
+from __future__ import annotations
+
+from nan_magic.records import LayerCall, Report
+from nan_magic.render.common import (
+    counts_phrase,
+    fmt_count,
+    fmt_fraction,
+    fmt_number,
+    fmt_shape,
+    module_label,
+    producer_position,
+    row_window,
+    short_dtype,
+    stats_phrase,
+)
+
+#: Rows of the per-layer table shown in text; the rest is summarised as cut.
+TEXT_MAX_ROWS = 30
+
+_TEXT_COLUMNS = (
+    "call", "phase", "module", "type", "tensor", "dtype", "shape",
+    "min", "max", "absmax", "nan", "+inf", "-inf", "status",
+)
+_NUMERIC = frozenset({"call", "min", "max", "absmax", "nan", "+inf", "-inf"})
+#: Long module names are cut from the left: the tail names the layer.
+_MAX_CELL = 40
+
+
+def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
+    """Render ``report`` as a plain-text report.
+
+    Parameters
+    ----------
+    report
+        The report to render.
+    max_rows
+        Most rows of the per-layer table to show; rows around the producer
+        are kept and the others summarised as ``"N rows cut"``.
+
+    Returns
+    -------
+    str
+        Headline, producer facts, cause, notes, per-layer table and the
+        frame ``%debug`` opens, separated by blank lines.
+    """
+    parts = [f"nan_magic: {report.message}", _facts(report)]
+    if report.layers:
+        parts.append(_layer_section(report, max_rows))
+    debug = _debug_section(report)
+    if debug:
+        parts.append(debug)
+    return "\n\n".join(parts)
+
+
+def _facts(report: Report) -> str:
+    rows: list[tuple[str, str]] = [("producer", report.where)]
+    if report.op:
+        rows.append(("op", report.op))
+    if report.source is not None:
+        rows.append(("source", str(report.source)))
+        if report.source.line:
+            rows.append(("", "    " + report.source.line.strip()))
+    rows.append(("phase", str(report.phase)))
+    rows.append(("step", str(report.step)))
+    tensor = report.tensor
+    if report.dtype:
+        tensor += f"  {short_dtype(report.dtype)}"
+    if report.output_stats is not None:
+        tensor += f"  {fmt_shape(report.output_stats.shape)}"
+    rows.append(("tensor", tensor))
+    rows.append((
+        "non-finite",
+        f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
+        f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
+    ))
+    if report.first_bad_index is not None:
+        rows.append(("first at", f"index {report.first_bad_index}"))
+    rows.append(("inputs", "finite" if report.inputs_finite else "already non-finite (another kind)"))
+    for name, stats in report.input_stats:
+        rows.append(("", f"{name}: {stats_phrase(stats)}"))
+    if report.benign:
+        rows.append(("benign", "yes: recorded, not raised"))
+    if report.cause is not None:
+        rows.append(("cause", report.cause.label))
+        rows.append(("fix", report.cause.hint))
+        rows.extend(("", f"- {line}") for line in report.cause.evidence)
+    rows.extend(("note", note) for note in report.notes)
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}".rstrip() for label, value in rows)
+
+
+def _cell(text: str) -> str:
+    return text if len(text) <= _MAX_CELL else "..." + text[-(_MAX_CELL - 3):]
+
+
+def _layer_row(layer: LayerCall) -> dict[str, str]:
+    stats = layer.stats
+    return {
+        "call": str(layer.index),
+        "phase": str(layer.phase),
+        "module": _cell(module_label(layer.module)),
+        "type": _cell(layer.module_type or ""),
+        "tensor": layer.tensor,
+        "dtype": short_dtype(stats.dtype),
+        "shape": fmt_shape(stats.shape),
+        "min": fmt_number(stats.min),
+        "max": fmt_number(stats.max),
+        "absmax": fmt_number(stats.absmax),
+        "nan": fmt_count(stats.nan),
+        "+inf": fmt_count(stats.posinf),
+        "-inf": fmt_count(stats.neginf),
+        "status": layer.status,
+    }
+
+
+def _layer_section(report: Report, max_rows: int) -> str:
+    layers = report.layers
+    focus = producer_position(layers)
+    window = row_window(len(layers), focus, max_rows)
+    shown = layers[window.start: window.stop]
+    cells = [_layer_row(layer) for layer in shown]
+    widths = {
+        column: max([len(column)] + [len(row[column]) for row in cells])
+        for column in _TEXT_COLUMNS
+    }
+
+    def line(values: dict[str, str], marker: str) -> str:
+        aligned = (
+            values[c].rjust(widths[c]) if c in _NUMERIC else values[c].ljust(widths[c])
+            for c in _TEXT_COLUMNS
+        )
+        return f"{marker} " + "  ".join(aligned).rstrip()
+
+    title = f"Layers of step {report.step}: {len(layers)} calls"
+    if report.layers_dropped:
+        title += f" ({report.layers_dropped} earlier calls not kept)"
+    lines = [title, line({c: c for c in _TEXT_COLUMNS}, " ")]
+    lines.extend(
+        line(values, ">" if layer.status == "producer" else " ")
+        for layer, values in zip(shown, cells)
+    )
+    if window.cut:
+        lines.append(f"  ... {window.cut_message()}; report.table has every row")
+    return "\n".join(lines)
+
+
+def _debug_section(report: Report) -> str:
+    if report.debug_frame is None and not report.frames:
+        return ""
+    lines = []
+    if report.debug_frame is not None:
+        lines.append(f"%debug opens in {report.debug_frame}")
+    if report.frames:
+        lines.append("Frames from your code to the producer:")
+        for frame in report.frames:
+            lines.append(f"  {frame}")
+            if frame.line:
+                lines.append(f"      {frame.line.strip()}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The interactive report: core ipywidgets only (no custom widget JavaScript).
+
+Core controls render in JupyterLab, Notebook 7, VS Code and Colab without
+installing a frontend extension. Everything a tab shows is bounded: the
+table renders at most ``max_rows`` rows (filtering re-renders on demand)
+and a histogram is drawn only for the sample picked in the selector, so a
+model with thousands of module calls does not freeze the kernel or the page.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import ipywidgets as widgets
+
+from nan_magic.records import LayerCall, Report
+from nan_magic.render.common import module_label, near_rows, producer_position
+from nan_magic.render.html import (
+    HTML_MAX_ROWS,
+    HTML_MAX_SAMPLES,
+    REPORT_CSS,
+    debug_html,
+    facts_html,
+    history_html,
+    layers_table_html,
+    source_html,
+    summary_html,
+)
+from nan_magic.render.plots import histogram_png
+
+#: Tab titles, in order. Tests and users' screenshots rely on them.
+TAB_TITLES = ("Summary", "Layers", "Histograms", "Debug", "History")
+#: Rows on each side of the producer kept by "only rows near the producer".
+NEAR_RADIUS = 10
+#: Dropdown value that draws every sample at once.
+ALL_SAMPLES = -1
+
+
+def build_widget(report: Report, max_rows: int = HTML_MAX_ROWS) -> widgets.Tab:
+    """Build the tabbed report widget.
+
+    Parameters
+    ----------
+    report
+        The report to show.
+    max_rows
+        Most table rows rendered at once in the Layers tab.
+
+    Returns
+    -------
+    ipywidgets.Tab
+        Tabs Summary, Layers, Histograms, Debug and History.
+    """
+    children = [
+        _html(summary_html(report) + facts_html(report)),
+        LayersView(report.layers, report.layers_dropped, max_rows).widget,
+        HistogramsView(report).widget,
+        _html(_debug_body(report)),
+        _html(history_html(report) or "<p>No history: the watch kept no earlier steps.</p>"),
+    ]
+    tab = widgets.Tab(children=children, titles=TAB_TITLES)
+    tab.add_class("nan-magic-widget")
+    return tab
+
+
+def _html(body: str) -> widgets.HTML:
+    # Each HTML widget carries the stylesheet: tabs render independently.
+    return widgets.HTML(
+        f'<div class="nan-magic-report"><style>{REPORT_CSS}</style>{body}</div>'
+    )
+
+
+def _debug_body(report: Report) -> str:
+    body = source_html(report.source) + debug_html(report)
+    if report.debug_frame is not None:
+        body += "<p>Run <code>%debug</code> in a new cell to inspect that frame's locals.</p>"
+    return body or "<p>No source location was recorded for this event.</p>"
+
+
+def _row_text(layer: LayerCall) -> str:
+    """What the filter box matches against, lower-cased."""
+    return " ".join((
+        module_label(layer.module),
+        layer.module_type or "",
+        layer.status,
+        str(layer.phase),
+        layer.tensor,
+        layer.stats.dtype,
+    )).lower()
+
+
+class LayersView:
+    """The Layers tab: filter box, "near the producer" toggle and table."""
+
+    def __init__(self, layers: tuple[LayerCall, ...], dropped: int, max_rows: int) -> None:
+        self.layers = layers
+        self.max_rows = max_rows
+        self.filter = widgets.Text(
+            placeholder="filter: module, type, status, dtype (words must all match)",
+            description="Filter",
+            continuous_update=False,
+            layout=widgets.Layout(width="420px"),
+        )
+        self.near = widgets.ToggleButton(
+            value=False,
+            description="only rows near the producer",
+            tooltip=f"{NEAR_RADIUS} rows before and after the producer",
+            disabled=producer_position(layers) is None,
+            layout=widgets.Layout(width="auto"),
+        )
+        self.status = widgets.HTML()
+        self.table = widgets.HTML()
+        title = f"{len(layers)} calls recorded"
+        if dropped:
+            title += f"; {dropped} earlier calls not kept"
+        self.widget = widgets.VBox([
+            widgets.HBox([self.filter, self.near]),
+            widgets.HTML(f"<b>{title}</b>"),
+            self.status,
+            self.table,
+        ])
+        self.filter.observe(self._refresh, names="value")
+        self.near.observe(self._refresh, names="value")
+        self._refresh()
+
+    def rows(self) -> tuple[LayerCall, ...]:
+        """The rows that pass the toggle and the filter box, in call order."""
+        rows = near_rows(self.layers, NEAR_RADIUS) if self.near.value else self.layers
+        words = self.filter.value.lower().split()
+        if words:
+            rows = tuple(
+                layer for layer in rows if all(word in _row_text(layer) for word in words)
+            )
+        return rows
+
+    def _refresh(self, _change: object = None) -> None:
+        rows = self.rows()
+        table, cut = layers_table_html(rows, self.max_rows)
+        self.table.value = (
+            f'<div class="nan-magic-report"><style>{REPORT_CSS}</style>{table}</div>'
+        )
+        status = f"{len(rows)} of {len(self.layers)} rows match"
+        if cut:
+            status += f"; {cut}. Narrow the filter, or use <code>report.table</code>"
+        self.status.value = f'<span class="nm-cut">{status}.</span>'
+
+
+class HistogramsView:
+    """The Histograms tab: a sample selector and the figure it picks."""
+
+    def __init__(self, report: Report) -> None:
+        self.samples = report.samples
+        options: list[tuple[str, int]] = [
+            (f"{position}: {sample.label}", position)
+            for position, sample in enumerate(self.samples)
+        ]
+        if len(self.samples) > 1:
+            options.insert(0, ("all samples of the producer", ALL_SAMPLES))
+        self.selector = widgets.Dropdown(
+            options=options,
+            description="Sample",
+            disabled=not options,
+            layout=widgets.Layout(width="480px"),
+        )
+        self.output = widgets.Output()
+        self.widget = widgets.VBox([self.selector, self.output])
+        self.selector.observe(self._draw, names="value")
+        self._draw()
+
+    def _draw(self, _change: object = None) -> None:
+        if not self.samples:
+            self.output.outputs = (_display("No value samples were recorded for this event."),)
+            return
+        choice = self.selector.value
+        chosen = self.samples if choice == ALL_SAMPLES else (self.samples[choice],)
+        shown = chosen[:HTML_MAX_SAMPLES]
+        label = ", ".join(sample.label for sample in shown)
+        outputs = [_display(f"<histograms of {label}>", histogram_png(shown))]
+        if len(chosen) > len(shown):
+            outputs.append(_display(
+                f"{len(chosen) - len(shown)} more samples: pick them one by one above."
+            ))
+        self.output.outputs = tuple(outputs)
+
+
+def _display(text: str, png: bytes | None = None) -> dict[str, object]:
+    """A ``display_data`` output for an Output widget (no kernel context needed)."""
+    data: dict[str, str] = {"text/plain": text}
+    if png is not None:
+        data["image/png"] = base64.b64encode(png).decode("ascii")
+    return {"output_type": "display_data", "data": data, "metadata": {}}
