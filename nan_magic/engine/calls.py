@@ -27,7 +27,7 @@ __all__ = ["TensorRecord", "Call", "StepLog"]
 class TensorRecord:
     """One probed tensor: where it came from and its ``(min, max)``."""
 
-    __slots__ = ("path", "dtype", "shape", "ref", "version", "low", "high", "_probe", "consumers", "call")
+    __slots__ = ("path", "dtype", "shape", "ref", "version", "low", "high", "_probe", "consumers", "call", "status")
 
     def __init__(self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool) -> None:
         self.path = path
@@ -36,6 +36,7 @@ class TensorRecord:
         self.ref = weakref.ref(tensor)
         self.version = tensor._version
         self.call = call
+        self.status: LayerStatus = "ok"
         self.consumers: list[Call] = []
         low, high = probe(tensor)
         if defer:
@@ -78,7 +79,10 @@ class Call:
     parent: Call | None = None
     inputs: list[tuple[str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = field(default_factory=list)
     outputs: list[TensorRecord] = field(default_factory=list)
-    status: LayerStatus = "ok"
+    finished: int = -1
+    # Kinds that the outputs of calls made inside this one held: a parent
+    # passing on what its child produced is a propagator, not a producer.
+    inner_kinds: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str | None:
@@ -101,6 +105,7 @@ class StepLog:
         self.calls: deque[Call] = deque(maxlen=max_calls)
         self.dropped = 0
         self.count = 0
+        self.finished_count = 0
         self._by_id: dict[int, TensorRecord] = {}
 
     def clear(self) -> None:
@@ -108,6 +113,16 @@ class StepLog:
         self._by_id.clear()
         self.dropped = 0
         self.count = 0
+        self.finished_count = 0
+
+    def finish(self, call: Call) -> None:
+        """Mark a call as returned: children return before their parent."""
+        call.finished = self.finished_count
+        self.finished_count += 1
+
+    def finished(self) -> list[Call]:
+        """Returned calls in the order they returned (the order producers are judged in)."""
+        return sorted((call for call in self.calls if call.finished >= 0), key=lambda call: call.finished)
 
     def new_call(self, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> Call:
         call = Call(index=self.count, phase=phase, info=info, module=module, parent=parent)
@@ -162,7 +177,7 @@ class StepLog:
                         module=call.name,
                         module_type=call.module_type,
                         stats=record.stats(),
-                        status=call.status,
+                        status=record.status,
                         tensor=record.path or "output",
                     )
                 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import torch
 
-from nan_magic.engine.calls import Call, StepLog
+from nan_magic.engine.calls import Call, StepLog, TensorRecord
 from nan_magic.engine.stats import sample_values, tensor_stats
 from nan_magic.records import Cause, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
 
@@ -29,6 +29,7 @@ class Finding:
     call: Call | None
     tensor: str
     bad: torch.Tensor | None = None
+    record: TensorRecord | None = None
     bad_stats: TensorStats | None = None
     inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     inputs_finite: bool = True
@@ -70,8 +71,8 @@ def build_report(
     if finding.bad is not None:
         samples.append(sample_values(finding.bad, finding.tensor, sample_size))
     samples.extend(finding.extra_samples)
-    if finding.call is not None:
-        finding.call.status = "benign" if finding.benign else "producer"
+    if finding.record is not None:
+        finding.record.status = "benign" if finding.benign else "producer"
     layers, dropped = log.layer_calls(max_layers)
     return Report(
         phase=finding.phase,

@@ -26,8 +26,14 @@ _LIBRARY_DIRS = tuple(
     for module_file in (torch.__file__, os.path.dirname(__file__))
 )
 # Frames that are plumbing rather than the user's code: the context manager
-# protocol, decorators, importlib.
-_PLUMBING_FILES = ("contextlib.py", "functools.py", "<frozen ")
+# protocol, decorators, importlib, the IPython kernel that runs the cell.
+_PLUMBING_FILES = (
+    "contextlib.py",
+    "functools.py",
+    "<frozen ",
+    f"{os.sep}IPython{os.sep}",
+    f"{os.sep}ipykernel{os.sep}",
+)
 
 
 def is_library_file(filename: str) -> bool:
@@ -80,4 +86,4 @@ def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
 
 def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     """Like :func:`frames_of`, keeping only the user's own frames."""
-    return tuple(p for p in frames_of(tb) if not is_library_file(p.filename) and "IPython" not in p.filename)
+    return tuple(p for p in frames_of(tb) if not is_library_file(p.filename))

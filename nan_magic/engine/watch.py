@@ -204,7 +204,7 @@ class Watch:
         rng = torch.random.default_generator.get_state() if module.training else None
         self._stack.append(_Frame(module, info, call, rng))
         if top_level or info.is_root:
-            self._check_data(call, args, {})
+            self._record_data(info, module, args, "input")
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the
@@ -218,62 +218,88 @@ class Watch:
             return
         kwargs, output = rest
         call = frame.call
-        if kwargs and (not self._stack or frame.info.is_root):
-            for path, tensor in iter_tensors(kwargs, "input"):
+        if kwargs:
+            # Global pre-hooks never see kwargs, so they are noted on return.
+            for path, tensor in iter_tensors(kwargs, "kwargs"):
                 self._log.note_input(call, path, tensor)
-            self._check_data(call, (), kwargs)
+            if not self._stack or frame.info.is_root:
+                self._record_data(frame.info, module, kwargs, "kwargs")
         if frame.info.watched:
             for path, tensor in iter_tensors(output, "output"):
                 record = self._log.record_output(call, path, tensor)
                 if self.config.backward and tensor.requires_grad and tensor.grad_fn is not None:
                     tensor.register_hook(functools.partial(self._on_output_grad, record))
-                if not self._defer:
-                    self._check_output(frame, record, tensor, args, kwargs)
-        if not self._stack:
+        self._log.finish(call)
+        if frame.info.watched and not self._defer:
+            for record in call.outputs:
+                self._judge(call, record)
+        if not self._stack and not self._optimizer_in_use():
+            # Inference (no optimizer seen): a top-level forward is a step.
+            self._sync()
             self._forward_passes += 1
-            if self._defer and not self._optimizer_in_use():
-                self._sync()
-            if not self._optimizer_in_use():
-                self._end_step()
+            self._end_step()
 
-    def _check_data(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Non-finite values entering a watched model from outside: phase ``data``."""
-        for path, tensor in iter_tensors(kwargs if kwargs else args, "input"):
-            kinds = relevant_kinds(kinds_of(tensor), self.config.kinds)
-            if kinds:
-                name = path.replace("input[", "kwargs[") if kwargs else path
-                self._emit(Finding(Phase.DATA, call, name, bad=tensor.detach(), inputs_finite=False))
+    def _record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
+        """Tensors entering a watched model from outside, as a ``data`` call.
 
-    def _check_output(
-        self, frame: _Frame, record: TensorRecord, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+        Judged like any call (immediately, or at the deferred check), first in
+        order, so a NaN already in the batch is reported as phase ``data``.
+        """
+        tensors = list(iter_tensors(values, prefix))
+        if not tensors:
+            return
+        call = self._log.new_call(Phase.DATA, info, module, None)
+        for path, tensor in tensors:
+            self._log.record_output(call, path, tensor)
+        self._log.finish(call)
+        if not self._defer:
+            for record in call.outputs:
+                self._judge(call, record)
+
+    def _judge(self, call: Call, record: TensorRecord, detected_at: str | None = None) -> None:
+        """Producer or propagator? The one rule, for immediate and deferred checks.
+
+        A call produced a non-finite value when its output holds a kind that
+        none of its inputs held (before the call) and none of the parameters
+        and buffers it read holds; a non-finite parameter is reported as such.
+        """
         out_kinds = relevant_kinds(record.kinds(), self.config.kinds)
         if not out_kinds:
             return
-        out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.config.kinds)
-        call = frame.call
+        tensor = record.live()
+        if call.phase == Phase.DATA:
+            self._emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
+                               bad_stats=record.stats() if tensor is None else None, inputs_finite=False))
+            return
+        if tensor is not None:
+            out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.config.kinds)
         input_kinds = self._input_kinds(call)
-        if out_kinds <= input_kinds:
-            call.status = "propagated"
+        produced = out_kinds - input_kinds - call.inner_kinds
+        if call.parent is not None:
+            call.parent.inner_kinds |= call.inner_kinds | produced
+        if not produced:
+            record.status = "propagated"
             return
         named_inputs = self._named_inputs(call)
-        bad_parameter = self._bad_parameter(frame.module, frame.info, out_kinds)
+        bad_parameter = self._bad_parameter(call)
         if bad_parameter is not None:
             name, parameter = bad_parameter
-            finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), inputs=named_inputs)
-            finding.notes.append(
-                f"{name} was already non-finite when {frame.info.name or 'the root module'} read it"
+            finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
+                              inputs=named_inputs)
+            finding.notes.append(f"{name} was already non-finite when {call.name or 'the root module'} read it")
+        else:
+            finding = Finding(
+                Phase.FORWARD,
+                call,
+                record.path or "output",
+                bad=_detached(tensor),
+                record=record,
+                bad_stats=None if tensor is not None else record.stats(),
+                inputs=named_inputs,
+                inputs_finite=not input_kinds,
             )
-            self._emit(finding)
-            return
-        finding = Finding(
-            Phase.FORWARD,
-            call,
-            record.path or "output",
-            bad=tensor.detach(),
-            inputs=named_inputs,
-            inputs_finite=not input_kinds,
-        )
+        if detected_at:
+            finding.notes.append(detected_at)
         self._emit(finding)
 
     def _input_kinds(self, call: Call) -> frozenset[str]:
@@ -298,10 +324,10 @@ class Watch:
                 named.append((path, tensor.detach()))
         return named
 
-    def _bad_parameter(
-        self, module: nn.Module, info: ModuleInfo, kinds: frozenset[str]
-    ) -> tuple[str, torch.Tensor] | None:
-        prefix = f"{info.name}." if info.name else ""
+    def _bad_parameter(self, call: Call) -> tuple[str, torch.Tensor] | None:
+        """A non-finite parameter or buffer of the called module (recursively)."""
+        prefix = f"{call.name}." if call.name else ""
+        module = call.module
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if tensor.is_floating_point() and relevant_kinds(kinds_of(tensor), self.config.kinds):
                 return prefix + name, tensor
@@ -439,28 +465,11 @@ class Watch:
         if not self._defer or self._raised:
             return
         self._log.resolve()
-        for call in list(self._log.calls):
+        for call in self._log.finished():
             for record in call.outputs:
-                kinds = relevant_kinds(record.kinds(), self.config.kinds)
-                if not kinds:
-                    continue
-                input_kinds = self._input_kinds(call)
-                if kinds <= input_kinds:
-                    call.status = "propagated"
-                    continue
-                tensor = record.live()
-                finding = Finding(
-                    Phase.FORWARD,
-                    call,
-                    record.path or "output",
-                    bad=tensor.detach() if tensor is not None else None,
-                    bad_stats=None if tensor is not None else record.stats(),
-                    inputs=self._named_inputs(call),
-                    inputs_finite=not input_kinds,
-                )
-                finding.notes.append("detected at the deferred check after the forward pass")
-                self._emit(finding)
-                return
+                self._judge(call, record, "detected at the deferred check after the forward pass")
+                if self._raised:
+                    return
 
     # -- events ---------------------------------------------------------------------
 
@@ -508,6 +517,10 @@ class Watch:
             self.report = report
         if self.events:
             self.events[-1] = report
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.detach() if tensor is not None else None
 
 
 def watch(

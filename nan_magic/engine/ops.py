@@ -1,0 +1,705 @@
+"""Op-level tracing: the aten op that first produced a non-finite value.
+
+:class:`OpTracer` is a ``TorchDispatchMode``. It sees every aten op below
+autograd, including the ops the autograd engine runs for a backward pass and
+the foreach/fused kernels of optimizers, and it leaves fused fast paths alone
+(a ``TorchFunctionMode`` would make ``nn.TransformerEncoderLayer`` skip its
+inference fast path and so change what the model computes).
+
+Speed comes from doing nothing for most ops:
+
+- ops that cannot create a non-finite value from finite inputs (views, copies,
+  indexing, selections such as ``relu``/``max``/``clamp``, comparisons, fills
+  from a scalar) are passed through unchecked; a value they pass on is seen by
+  the next op that is checked;
+- a checked op's outputs get one fused ``torch.aminmax`` each (NaN propagates
+  into both ends, ``+inf`` shows as the max, ``-inf`` as the min) and one read;
+- only a non-finite output makes the tracer look at the op's inputs, and
+  tensors whose kinds it already knows (same object, same version counter)
+  are not looked at again.
+
+The producer is the first op whose output holds a watched non-finite kind that
+none of its inputs held (tensors, scalar arguments, and for an in-place op the
+mutated tensor's value before the op). After the first finding the tracer
+stops checking: everything downstream is a propagator. :meth:`OpTracer.reset`
+re-arms it.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import math
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nan_magic.engine.frames import is_library_file, pointer
+from nan_magic.engine.stats import probe, probe_kinds, probe_stats, relevant_kinds, tensor_stats
+from nan_magic.records import KINDS, Phase, SourcePointer, TensorStats
+
+__all__ = ["OpFinding", "OpTracer"]
+
+
+@dataclass(frozen=True)
+class OpFinding:
+    """The producer op: the first op whose output held a new non-finite kind.
+
+    Attributes
+    ----------
+    op
+        The aten overload, e.g. ``"aten.div.Tensor"``.
+    phase
+        ``forward``, ``backward`` (the op ran inside the autograd engine) or
+        what the tracer's ``phase_hint`` said (``optimizer``).
+    module
+        What the tracer's ``module_name`` callable returned at the op.
+    source
+        The innermost frame that is the user's code (outside torch and
+        nan_magic): the line that ran the op, ``loss.backward()`` or
+        ``opt.step()``. ``None`` when no such frame is on the stack (a backward
+        op on an autograd worker thread).
+    inner_source
+        The innermost Python frame below ``source`` that ran the op, e.g. in
+        ``torch/nn/functional.py``; ``None`` when it is ``source`` itself.
+    forward_source
+        For a backward op, the user's line in the forward pass that created
+        the autograd node being executed (see :class:`OpTracer`).
+    autograd_node
+        For a backward op, the name of that node, e.g. ``"SqrtBackward0"``.
+    tensor
+        Which output went bad: ``"output"``, ``"output[1]"``, or for an
+        in-place op without a return value the mutated argument (``"self[3]"``).
+    new_kinds
+        The watched kinds the output held and no input held, in
+        :data:`nan_magic.records.KINDS` order.
+    nan, posinf, neginf, numel
+        Counts of that output.
+    output_stats
+        Statistics of that output.
+    input_stats
+        ``(label, stats)`` of every tensor input, labelled by schema argument
+        name (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an
+        in-place op's mutated tensor before the op is ``"self (before)"`` and
+        is known only through its probe (counts of a present kind are None).
+    scalars
+        ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
+    """
+
+    op: str
+    phase: Phase
+    module: str | None
+    source: SourcePointer | None
+    inner_source: SourcePointer | None
+    forward_source: SourcePointer | None
+    autograd_node: str | None
+    tensor: str
+    new_kinds: tuple[str, ...]
+    nan: int
+    posinf: int
+    neginf: int
+    numel: int
+    output_stats: TensorStats
+    input_stats: tuple[tuple[str, TensorStats], ...]
+    scalars: tuple[tuple[str, float], ...]
+
+    @property
+    def dtype(self) -> str:
+        """The bad output's dtype name, e.g. ``"float16"``."""
+        return self.output_stats.dtype
+
+
+def _no_module() -> str | None:
+    return None
+
+
+class OpTracer(TorchDispatchMode):
+    """Find the producer op of the first non-finite value while active.
+
+    Parameters
+    ----------
+    kinds
+        Which kinds count: any of ``"nan"`` and ``"inf"`` (both signs).
+    module_name
+        Called at a finding; returns the qualified name of the module running
+        (the watch keeps a module stack), or None.
+    on_finding
+        Called once, with the finding, inside the producing op. It may raise
+        to stop the program at that op; the exception leaves through the op
+        (and, in backward, through ``loss.backward()``).
+    phase_hint
+        Called at a finding outside the autograd engine; a non-None phase
+        (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
+
+    Notes
+    -----
+    ``forward_source`` of a backward finding: autograd numbers the nodes it
+    creates from a thread-local counter (``Node._sequence_nr()``), and an op's
+    node is created just before the op is dispatched to this mode. So when
+    ``torch._C._autograd._get_sequence_nr()`` has moved since the previous op,
+    node ``counter - 1`` belongs to the current op, and the tracer records its
+    user line (a code object and a line number, no frames kept). In backward,
+    ``torch._C._current_autograd_node()._sequence_nr()`` looks that line up.
+    This costs a counter read per op and a short stack walk per node created,
+    unlike anomaly mode, which formats a full traceback per node. The most
+    recent ``max_sources`` nodes are remembered.
+
+    Examples
+    --------
+    >>> tracer = OpTracer()
+    >>> with tracer:
+    ...     loss = model(x).sum()
+    ...     loss.backward()
+    >>> tracer.finding.op if tracer.finding else None
+    """
+
+    #: Higher-order operators (``torch.cond``, eager flex attention) are passed
+    #: through unchecked instead of raising under this mode.
+    supports_higher_order_operators = True
+
+    def __init__(
+        self,
+        *,
+        kinds: frozenset[str] = frozenset({"nan", "inf"}),
+        module_name: Callable[[], str | None] = _no_module,
+        on_finding: Callable[[OpFinding], None] | None = None,
+        phase_hint: Callable[[], Phase | None] | None = None,
+        max_sources: int = 200_000,
+    ) -> None:
+        super().__init__()
+        kinds = frozenset(kinds)
+        if not kinds or kinds - {"nan", "inf"}:
+            raise ValueError(f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}")
+        self.kinds = kinds
+        self.finding: OpFinding | None = None
+        #: ``(label, tensor)`` copies of the producer's output and live inputs
+        #: (for histograms), kept until :meth:`reset`.
+        self.producer_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+        self._module_name = module_name
+        self._on_finding = on_finding
+        self._phase_hint = phase_hint
+        self._max_sources = max_sources
+        # id(tensor) -> (weak reference, version counter, kinds) of tensors whose
+        # kinds are known; the reference and version make stale ids harmless.
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
+        # autograd sequence number -> (code, line) of the forward op that created it
+        self._sources: dict[int, tuple[CodeType, int]] = {}
+        self._seen_seq = -1
+        self._lock = threading.Lock()
+        # Set by replay: called with each tensor an op is about to write.
+        self._before_write: Callable[[torch.Tensor], None] | None = None
+
+    def reset(self) -> None:
+        """Forget the finding and check again."""
+        self.finding = None
+        self.producer_tensors = ()
+
+    def __enter__(self) -> OpTracer:
+        # Tensors may have changed outside the trace without our knowledge.
+        self._known.clear()
+        super().__enter__()
+        return self
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not isinstance(func, torch._ops.OpOverload):
+            return func(*args, **kwargs)
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward:
+            self._note_node()
+        plan = _plan(func)
+        if plan.passive or self.finding is not None:
+            return func(*args, **kwargs)
+        priors = self._probe_priors(plan, args, kwargs) if plan.writes else {}
+        out = func(*args, **kwargs)
+        if plan.conversion and not _narrows(plan, args, kwargs, out):
+            return out
+        bad = [item for item in self._outputs(plan, args, kwargs, out) if item[2]]
+        if bad:
+            self._examine(func, plan, args, kwargs, bad, priors, in_backward)
+        return out
+
+    # -- forward line of autograd nodes ----------------------------------------
+
+    def _note_node(self) -> None:
+        seq = torch._C._autograd._get_sequence_nr()
+        if seq == self._seen_seq:
+            return
+        self._seen_seq = seq
+        frame = _user_frame(sys._getframe(2))
+        if frame is None:
+            return
+        sources = self._sources
+        sources[seq - 1] = (frame.f_code, frame.f_lineno)
+        if len(sources) > self._max_sources:
+            # Keys were inserted in increasing order: drop the oldest half.
+            for key in list(sources)[: len(sources) // 2]:
+                del sources[key]
+
+    def _forward_source(self, node: Any) -> SourcePointer | None:
+        entry = self._sources.get(node._sequence_nr()) if node is not None else None
+        if entry is None:
+            return None
+        code, lineno = entry
+        line = linecache.getline(code.co_filename, lineno).strip() or None
+        return SourcePointer(code.co_filename, lineno, code.co_name, line)
+
+    # -- kinds of tensors --------------------------------------------------------
+
+    def _known_kinds(self, tensor: torch.Tensor) -> frozenset[str] | None:
+        entry = self._known.get(id(tensor))
+        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+            return entry[2]
+        return None
+
+    def _remember(self, tensor: torch.Tensor, kinds: frozenset[str]) -> None:
+        known = self._known
+        known[id(tensor)] = (weakref.ref(tensor), tensor._version, kinds)
+        if len(known) > 100_000:
+            for key in [key for key, entry in known.items() if entry[0]() is None]:
+                del known[key]
+
+    def _probe_priors(
+        self, plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> dict[int, _Prior]:
+        """Probe, before the op, every input whose value the op overwrites."""
+        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t)]
+        if self._before_write is not None:
+            for tensor in written:
+                self._before_write(tensor)
+        if plan.overwrites:
+            return {}
+        storages = {t.untyped_storage().data_ptr() for t in written}
+        priors: dict[int, _Prior] = {}
+        for _, tensor in _tensors(plan, args, kwargs, plan.reads):
+            if _checkable(tensor) and tensor.untyped_storage().data_ptr() in storages:
+                kinds = self._known_kinds(tensor)
+                priors[id(tensor)] = _Prior(tensor.dtype, tuple(tensor.shape), kinds, None if kinds is not None else probe(_wide(tensor)))
+        return priors
+
+    def _outputs(
+        self, plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """Yield ``(label, tensor, non-finite)`` for each checked output."""
+        items = list(_flatten("output", out))
+        if plan.writes and not items:
+            items = list(_tensors(plan, args, kwargs, plan.writes))
+        checked = [(label, t) for label, t in items if _checkable(t)]
+        if not checked:
+            return
+        values = _read([end for _, t in checked for end in probe(_wide(t))])
+        for index, (label, tensor) in enumerate(checked):
+            low, high = values[2 * index], values[2 * index + 1]
+            finite = math.isfinite(low) and math.isfinite(high)
+            if finite:
+                self._remember(tensor, frozenset())
+            yield label, tensor, not finite
+
+    def _kinds(self, tensor: torch.Tensor) -> frozenset[str]:
+        """Exact kinds of a live tensor, from the cache where possible."""
+        known = self._known_kinds(tensor)
+        if known is not None:
+            return known
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        if not _checkable(tensor):
+            return frozenset()
+        low, high = (float(v) for v in probe(_wide(tensor)))
+        kinds = probe_kinds(low, high)
+        if "nan" in kinds:
+            kinds = tensor_stats(tensor).kinds
+        self._remember(tensor, kinds)
+        return kinds
+
+    # -- a non-finite output ---------------------------------------------------
+
+    def _examine(
+        self,
+        func: torch._ops.OpOverload,
+        plan: _Plan,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        bad: list[tuple[str, torch.Tensor, bool]],
+        priors: dict[int, _Prior],
+        in_backward: bool,
+    ) -> None:
+        for label, tensor, _ in bad:
+            out_kinds = relevant_kinds(self._kinds(tensor), self.kinds)
+            if not out_kinds:
+                continue
+            index = _list_index(label) if plan.per_index else None
+            inputs = list(_inputs(plan, args, kwargs, index))
+            held: set[str] = set()
+            for _, value in inputs:
+                held |= self._input_kinds(value, priors)
+                if out_kinds <= held:
+                    break
+            new = out_kinds - held
+            if new:
+                self._found(func, plan, label, tensor, new, inputs, priors, in_backward)
+                return
+
+    def _input_kinds(self, value: Any, priors: dict[int, _Prior]) -> frozenset[str]:
+        if isinstance(value, torch.Tensor):
+            prior = priors.get(id(value))
+            return prior.kinds() if prior is not None else self._kinds(value)
+        return _scalar_kinds(value)
+
+    def _found(
+        self,
+        func: torch._ops.OpOverload,
+        plan: _Plan,
+        label: str,
+        tensor: torch.Tensor,
+        new: frozenset[str],
+        inputs: list[tuple[str, Any]],
+        priors: dict[int, _Prior],
+        in_backward: bool,
+    ) -> None:
+        with self._lock:
+            if self.finding is not None:
+                return
+            node = torch._C._current_autograd_node() if in_backward else None
+            phase = Phase.BACKWARD if in_backward else None
+            if phase is None and self._phase_hint is not None:
+                phase = self._phase_hint()
+            source, inner = _sources_of_op(sys._getframe(1))
+            output_stats = tensor_stats(tensor)
+            input_stats = []
+            kept = [(label, tensor.detach().clone())]
+            for name, value in inputs:
+                if not isinstance(value, torch.Tensor):
+                    continue
+                prior = priors.get(id(value))
+                if prior is not None:
+                    input_stats.append((f"{name} (before)", prior.stats()))
+                elif value.is_floating_point() and value.numel():
+                    input_stats.append((name, tensor_stats(value)))
+                    kept.append((name, value.detach().clone()))
+            self.producer_tensors = tuple(kept)
+            self.finding = OpFinding(
+                op=_op_name(func),
+                phase=phase or Phase.FORWARD,
+                module=self._module_name(),
+                source=source,
+                inner_source=inner,
+                forward_source=self._forward_source(node),
+                autograd_node=node.name() if node is not None else None,
+                tensor=label,
+                new_kinds=tuple(kind for kind in KINDS if kind in new),
+                nan=output_stats.nan or 0,
+                posinf=output_stats.posinf or 0,
+                neginf=output_stats.neginf or 0,
+                numel=output_stats.numel,
+                output_stats=output_stats,
+                input_stats=tuple(input_stats),
+                scalars=tuple(
+                    (name, value) for name, value in inputs if isinstance(value, (int, float))
+                ),
+            )
+        if self._on_finding is not None:
+            self._on_finding(self.finding)
+
+
+# -- what an op does, from its schema (computed once per overload) --------------
+
+# Ops that cannot hold a non-finite kind in their output that is absent from
+# their inputs and scalar arguments: allocation of uninitialised memory, views,
+# copies without a dtype change, data movement, selections, clamps, sign-like
+# and bounded elementwise functions, scalar fills, bounded random draws,
+# comparisons and shape queries. An entry is an overload packet ("view") or
+# one overload ("scatter.src").
+_PASSIVE_NAMES = """
+empty empty_like empty_strided empty_permuted new_empty new_empty_strided resize_ resize_as_
+view _unsafe_view reshape _reshape_alias expand permute transpose t squeeze unsqueeze slice
+select narrow as_strided split split_with_sizes unbind chunk alias detach diagonal unfold view_as
+lift_fresh lift_fresh_copy _conj conj resolve_conj resolve_neg _neg_view as_strided_ squeeze_
+unsqueeze_ t_ transpose_ view_as_real view_as_complex contiguous clone set_ _local_scalar_dense
+expand_copy permute_copy view_copy select_copy slice_copy t_copy transpose_copy unsqueeze_copy
+squeeze_copy detach_copy alias_copy split_copy unbind_copy
+cat stack index index_select gather take masked_select masked_fill masked_scatter where
+scatter.src scatter.value scatter_.src scatter_.value index_copy index_fill repeat roll flip
+constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d
+replication_pad2d replication_pad3d tril triu diag_embed select_scatter slice_scatter
+diagonal_scatter as_strided_scatter embedding pixel_shuffle pixel_unshuffle channel_shuffle
+_unsafe_index upsample_nearest1d upsample_nearest2d upsample_nearest3d max_pool1d max_pool2d
+max_pool3d max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool2d adaptive_max_pool3d
+fill fill_ zero_ zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full
+scalar_tensor eye _foreach_zero_
+relu relu_ hardtanh hardtanh_ threshold threshold_ threshold_backward hardtanh_backward abs abs_
+neg neg_ sign sgn floor ceil round.default trunc clamp clamp_ clamp_min clamp_min_ clamp_max
+clamp_max_ maximum minimum fmax fmin max min amax amin aminmax sort topk kthvalue median
+nanmedian mode cummax cummin argmax argmin argsort sigmoid sigmoid_ tanh tanh_ sigmoid_backward
+tanh_backward bernoulli bernoulli_ rand rand_like randn randn_like randint randperm
+eq ne lt le gt ge isnan isinf isfinite isposinf isneginf logical_and logical_or logical_not
+logical_xor bitwise_and bitwise_or bitwise_not nonzero sym_size sym_numel sym_stride
+sym_storage_offset is_same_size
+""".split()
+
+# Copies that are passive unless they narrow the dtype (float32 -> float16
+# overflows to inf); value: the argument holding the source.
+_CONVERSIONS = {"copy_": "src", "copy": "src", "_to_copy": "self", "_copy_from": "self", "_copy_from_and_resize": "self"}
+
+# In-place ops that overwrite their target without reading it.
+_OVERWRITES = frozenset(
+    {"copy_", "_copy_from", "_copy_from_and_resize", "normal_", "uniform_", "log_normal_",
+     "exponential_", "geometric_", "cauchy_", "random_", "_foreach_copy_"}
+)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    names: tuple[str, ...]  # schema argument names, in order
+    passive: bool
+    conversion: str | None  # argument holding the source of a dtype conversion
+    overwrites: bool
+    writes: frozenset[str]  # arguments the op writes
+    reads: frozenset[str]  # arguments the op reads
+    # Arguments that may hold a numeric value: float, Scalar, and Tensor (a
+    # Python number passed for a tensor reaches the mode as that number).
+    # Not int or bool: sizes, dims and flags.
+    numbers: frozenset[str]
+    per_index: bool  # foreach/fused: element i of the outputs depends on element i of the inputs
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(func: torch._ops.OpOverload) -> _Plan:
+    schema = func._schema
+    packet = func.overloadpacket.__name__
+    names = tuple(argument.name for argument in schema.arguments)
+    writes = frozenset(
+        argument.name for argument in schema.arguments
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+    outs = frozenset(argument.name for argument in schema.arguments if argument.is_out)
+    overwrites = packet in _OVERWRITES
+    reads = frozenset(names) - outs - (writes if overwrites else frozenset())
+    return _Plan(
+        names=names,
+        passive=packet in _PASSIVE or f"{packet}.{func._overloadname}" in _PASSIVE,
+        conversion=_CONVERSIONS.get(packet),
+        overwrites=overwrites,
+        writes=writes,
+        reads=reads,
+        numbers=frozenset(
+            argument.name for argument in schema.arguments
+            if any(word in str(argument.type) for word in ("number", "float", "Tensor"))
+        ),
+        per_index=packet.startswith(("_foreach_", "_fused_")),
+    )
+
+
+_PASSIVE = frozenset(_PASSIVE_NAMES)
+
+
+def _arguments(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    yield from zip(plan.names, args)
+    yield from kwargs.items()
+
+
+def _tensors(
+    plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], names: frozenset[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, value in _arguments(plan, args, kwargs):
+        if name in names:
+            yield from _flatten(name, value)
+
+
+def _inputs(
+    plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], index: int | None
+) -> Iterator[tuple[str, Any]]:
+    """``(label, value)`` of the tensors and numeric scalars an op reads.
+
+    For a foreach op only element ``index`` of each list argument is an input
+    of output ``index``.
+    """
+    for name, value in _arguments(plan, args, kwargs):
+        if name not in plan.reads:
+            continue
+        if isinstance(value, (list, tuple)):
+            pairs = list(enumerate(value))
+            if index is not None and len(value) > index:
+                pairs = [(index, value[index])]
+            for position, item in pairs:
+                if isinstance(item, torch.Tensor) or name in plan.numbers and _is_number(item):
+                    yield f"{name}[{position}]", item
+        elif isinstance(value, torch.Tensor) or name in plan.numbers and _is_number(value):
+            yield name, value
+
+
+def _flatten(label: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield label, value
+    elif isinstance(value, (list, tuple)):
+        single = label == "output" and len(value) == 1
+        for position, item in enumerate(value):
+            if isinstance(item, torch.Tensor):
+                yield (label if single else f"{label}[{position}]"), item
+
+
+def _list_index(label: str) -> int | None:
+    if label.endswith("]"):
+        return int(label[label.rindex("[") + 1 : -1])
+    return None
+
+
+def _checkable(tensor: torch.Tensor) -> bool:
+    """A dense floating tensor with data, of torch's own type.
+
+    Subclasses (DTensor, FakeTensor) are left to their own dispatch: reducing
+    them could communicate or has no data.
+    """
+    return (
+        type(tensor) in _PLAIN
+        and tensor.is_floating_point()
+        and tensor.layout == torch.strided
+        and not tensor.is_meta
+        and tensor.numel() > 0
+    )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    # aminmax has no float8 kernels; widening keeps nan and inf.
+    return tensor.float() if tensor.element_size() == 1 else tensor
+
+
+def _narrows(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> bool:
+    """Whether a copy can overflow: a source range wider than the target's."""
+    source = dict(_arguments(plan, args, kwargs)).get(plan.conversion or "")
+    target = out if isinstance(out, torch.Tensor) else None
+    if not isinstance(source, torch.Tensor) or target is None or not target.is_floating_point():
+        return False
+    return _range(source.dtype) > torch.finfo(target.dtype).max
+
+
+@functools.lru_cache(maxsize=None)
+def _range(dtype: torch.dtype) -> float:
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).max)
+    if dtype == torch.bool or dtype.is_complex:
+        return 0.0 if dtype == torch.bool else float(torch.finfo(dtype.to_real()).max)
+    return float(torch.iinfo(dtype).max)
+
+
+def _read(ends: list[torch.Tensor]) -> list[float]:
+    """Read 0-d tensors to the host with one synchronisation."""
+    if ends[0].device.type == "cpu":
+        # No synchronisation to save; stacking would cost more than reading.
+        return [end.item() for end in ends]
+    if any(end.dtype != ends[0].dtype for end in ends):
+        ends = [end.float() for end in ends]
+    return torch.stack(ends).tolist()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _scalar_kinds(value: Any) -> frozenset[str]:
+    if not isinstance(value, float) or math.isfinite(value):
+        return frozenset()
+    if math.isnan(value):
+        return frozenset({"nan"})
+    return frozenset({"+inf" if value > 0 else "-inf"})
+
+
+@dataclass(frozen=True)
+class _Prior:
+    """What was known of a tensor's value before an in-place op wrote it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    known: frozenset[str] | None
+    probed: tuple[torch.Tensor, torch.Tensor] | None
+
+    def kinds(self) -> frozenset[str]:
+        if self.known is not None:
+            return self.known
+        assert self.probed is not None
+        low, high = (float(v) for v in self.probed)
+        kinds = probe_kinds(low, high)
+        # NaN hides infinities, and the value is gone: assume it held them
+        # too, so that an op is never blamed for a kind it may have passed on.
+        return kinds | {"+inf", "-inf"} if "nan" in kinds else kinds
+
+    def stats(self) -> TensorStats:
+        if self.probed is not None:
+            low, high = (float(v) for v in self.probed)
+            return probe_stats(self.dtype, self.shape, low, high)
+        counts = {kind: (None if kind in (self.known or ()) else 0) for kind in KINDS}
+        return TensorStats(
+            dtype=str(self.dtype).removeprefix("torch."),
+            shape=self.shape,
+            numel=math.prod(self.shape),
+            nan=counts["nan"],
+            posinf=counts["+inf"],
+            neginf=counts["-inf"],
+        )
+
+
+def _op_name(func: torch._ops.OpOverload) -> str:
+    return f"{func.namespace}.{func.overloadpacket.__name__}.{func._overloadname}"
+
+
+# -- frames ------------------------------------------------------------------------
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# nan_magic's own files, and torch's machinery between a Python call and a
+# dispatch mode: a frame there is never the line that ran an op.
+_PLUMBING = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,) + tuple(
+    _TORCH_DIR + path
+    for path in ("_ops.py", "utils/_python_dispatch.py", "_tensor.py", "overrides.py",
+                 "autograd/__init__.py", "autograd/graph.py", "_dynamo", "_compile.py")
+)
+
+# id(code) -> (code, is library code); holding the code keeps its id unique.
+_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
+
+
+def _is_library_code(code: CodeType) -> bool:
+    entry = _LIBRARY_CODE.get(id(code))
+    if entry is None:
+        entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
+    return entry[1]
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None and _is_library_code(frame.f_code):
+        frame = frame.f_back
+    return frame
+
+
+def _is_plumbing(frame: FrameType) -> bool:
+    filename = frame.f_code.co_filename
+    return os.path.abspath(filename).startswith(_PLUMBING) or filename.endswith(
+        ("contextlib.py", "functools.py")
+    )
+
+
+def _sources_of_op(frame: FrameType | None) -> tuple[SourcePointer | None, SourcePointer | None]:
+    """The user's line that ran the current op, and the innermost line below it."""
+    while frame is not None and _is_plumbing(frame):
+        frame = frame.f_back
+    user = _user_frame(frame)
+    if frame is None:
+        return None, None
+    if user is None:
+        return None, pointer(frame)
+    return pointer(user), (pointer(frame) if frame is not user else None)

@@ -1,0 +1,36 @@
+"""Shared fixtures: every test starts from a clean hook state and seeded RNG."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def global_hook_counts() -> tuple[int, ...]:
+    """Sizes of torch's global hook registries: a leaked watch shows up here."""
+    return (
+        len(module_hooks._global_forward_pre_hooks),
+        len(module_hooks._global_forward_hooks),
+        len(module_hooks._global_backward_hooks),
+        len(module_hooks._global_backward_pre_hooks),
+        len(optimizer_hooks._global_optimizer_pre_hooks),
+        len(optimizer_hooks._global_optimizer_post_hooks),
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_hooks():
+    """Fail any test after which a global hook or the backward wrapper remains."""
+    before = global_hook_counts()
+    backward = torch.Tensor.backward
+    torch.manual_seed(0)
+    yield
+    assert global_hook_counts() == before, "a watch left global hooks behind"
+    assert torch.Tensor.backward is backward, "a watch left Tensor.backward wrapped"

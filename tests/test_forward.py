@@ -1,0 +1,268 @@
+"""Forward producer localization on the fault library, in immediate and deferred mode."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import faults
+import pytest
+import torch
+from faults import FORWARD_FAULTS, Fault
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+
+def run_fault(fault: Fault, **options) -> NonFiniteError:
+    model, run = fault.build()
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model, **options):
+            run()
+    return caught.value
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("fault", FORWARD_FAULTS, ids=lambda f: f.name)
+def test_reports_the_producer(fault: Fault, defer: bool) -> None:
+    report = run_fault(fault, defer=defer).report
+    assert report.phase == fault.phase
+    assert report.module == fault.module
+    assert report.module_type == fault.module_type
+    assert report.tensor == fault.tensor
+    assert report.step == 0
+    kinds = {kind for kind, count in report.counts.items() if count}
+    assert kinds and kinds <= fault.kinds, f"counts {report.counts} do not match {fault.kinds}"
+    assert report.numel > 0
+
+
+@pytest.mark.parametrize("fault", FORWARD_FAULTS, ids=lambda f: f.name)
+def test_producer_row_is_marked_and_nothing_before_it_is(fault: Fault) -> None:
+    report = run_fault(fault).report
+    producers = [row for row in report.layers if row.status == "producer"]
+    assert len(producers) == 1
+    assert producers[0].module == fault.module
+    if "call_of_module" in fault.extra:
+        calls = sorted({row.index for row in report.layers if row.module == fault.module})
+        assert producers[0].index == calls[fault.extra["call_of_module"] - 1]
+    before = [row for row in report.layers if row.index < producers[0].index and row.module != fault.module]
+    assert all(row.stats.nonfinite == 0 for row in before if row.stats.nan is not None)
+
+
+def test_inputs_of_a_producer_are_finite_and_described() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    report = run_fault(fault).report
+    assert report.inputs_finite
+    (name, stats), = report.input_stats
+    assert name == "input[0]"
+    assert stats.finite and stats.negatives > 0  # why log went NaN is visible
+    assert report.nan == report.output_stats.nan > 0
+    assert report.first_bad_index is not None
+
+
+def test_propagators_are_marked_not_blamed() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    report = run_fault(fault).report
+    statuses = {row.module: row.status for row in report.layers}
+    assert statuses["1"] == "producer"
+    # the root's output holds the NaN it received: a propagator, not a producer
+    assert statuses[""] in ("ok", "propagated")
+
+
+def test_functional_code_in_a_parent_forward_is_blamed_on_the_parent() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.log(self.a(x)))
+
+    model = Net()
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model):
+            model(torch.randn(3, 4))
+    report = caught.value.report
+    assert (report.module, report.module_type) == ("", "Net")
+    assert [row.status for row in report.layers if row.module == "b"] == ["propagated"]
+
+
+def test_traceback_ends_on_the_line_that_called_the_producer() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "shared_submodule")
+    error = run_fault(fault)
+    last = traceback.extract_tb(error.__traceback__)[-1]
+    assert last.filename == faults.__file__
+    assert last.lineno == faults.marked_line("shared", kind="caller")
+    assert error.report.debug_frame is not None
+    assert (error.report.debug_frame.filename, error.report.debug_frame.lineno) == (last.filename, last.lineno)
+    assert error.report.debug_frame.function == "forward"
+    assert error.report.debug_frame.line == "return self.again(h - 5)  # log of negatives: NaN  # caller: shared"
+    # the frames listed run from this test down to that line, all user code
+    assert [frame.function for frame in error.report.frames] == ["run_fault", "<lambda>", "forward"]
+
+
+def test_report_is_frozen_picklable_and_holds_no_tensors() -> None:
+    report = run_fault(FORWARD_FAULTS[1]).report
+    clone = pickle.loads(pickle.dumps(report))
+    assert clone == report
+    with pytest.raises(AttributeError):
+        report.module = "x"  # type: ignore[misc]
+    assert not list(_tensors_in(report))
+    error = pickle.loads(pickle.dumps(NonFiniteError(report)))
+    assert error.report.module == report.module and isinstance(error, FloatingPointError)
+
+
+def _tensors_in(value, depth=0):
+    """Every torch.Tensor reachable from a record (there must be none)."""
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif dataclasses.is_dataclass(value) and depth < 8:
+        for item in dataclasses.fields(value):
+            yield from _tensors_in(getattr(value, item.name), depth + 1)
+    elif isinstance(value, (tuple, list)) and depth < 8:
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+
+
+def test_nested_outputs_of_every_shape_are_checked() -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        hidden: torch.Tensor
+        extra: list
+
+    class Nested(nn.Module):
+        def forward(self, x: torch.Tensor) -> Out:
+            return Out(hidden=x, extra=[x.long(), {"deep": (x, x / 0)}])
+
+    model = nn.Sequential(nn.Linear(4, 4), Nested())
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model):
+            model(torch.randn(2, 4))
+    assert caught.value.report.tensor == "output.extra[1]['deep'][1]"
+
+
+def test_hugging_face_model_output_is_walked() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class Encoder(nn.Module):
+        def forward(self, x: torch.Tensor) -> BaseModelOutput:
+            return BaseModelOutput(last_hidden_state=x.sqrt(), hidden_states=(x, x))
+
+    model = nn.Sequential(nn.Linear(4, 4), Encoder())
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model):
+            model(torch.randn(2, 4))
+    assert caught.value.report.tensor == "output['last_hidden_state']"
+    assert transformers is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_every_floating_dtype(dtype: torch.dtype) -> None:
+    model = nn.Sequential(nn.Identity(), LogOf())
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model):
+            model(-torch.ones(3, dtype=dtype))
+    assert caught.value.report.dtype == str(dtype).removeprefix("torch.")
+    assert caught.value.report.nan == 3
+
+
+class LogOf(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_non_float_outputs_never_crash_the_hook() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor):
+            return (
+                x.long(),
+                x > 0,
+                torch.complex(x, x),
+                torch.empty(0),
+                x.to_sparse(),
+                torch.empty(2, device="meta"),
+                "text",
+                None,
+                3.5,
+            )
+
+    model = nn.Sequential(nn.Linear(3, 3), Odd())
+    with nan_magic.watch(model) as w:
+        model(torch.randn(2, 3))
+    assert w.report is None and w.events == []
+
+
+def test_kinds_option_ignores_the_other_kind() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "fp16_overflow")
+    model, run = fault.build()
+    with nan_magic.watch(model, kinds=["nan"]) as w:
+        run()  # only +inf is produced
+    assert w.report is None
+
+
+def test_include_exclude_and_types_select_modules() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    # The LogLayer is excluded: the NaN is first seen in the root's output.
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model, exclude=["1"]):
+            run()
+    assert caught.value.report.module == ""
+    model, run = fault.build()
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model, types=["LogLayer"]):
+            run()
+    assert caught.value.report.module == "1"
+    assert {row.module for row in caught.value.report.layers} <= {"", "1"}
+    model, run = fault.build()
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model, include=["0", "2"]):
+            run()
+    assert caught.value.report.module == ""
+
+
+def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    log_file = tmp_path / "events.jsonl"
+    with pytest.warns(RuntimeWarning, match="first non-finite output in forward step 0: 1 \\(LogLayer\\)"):
+        with nan_magic.watch(model, on_detect="warn", log_file=str(log_file)) as w:
+            run()
+            run()
+    assert w.report is not None and w.report.module == "1"
+    assert [event.step for event in w.events] == [0, 1]
+    lines = log_file.read_text().splitlines()
+    assert len(lines) == 2
+    import json
+
+    first = json.loads(lines[0])
+    assert first["module"] == "1" and first["phase"] == "forward" and first["nan"] > 0
+
+    model, run = fault.build()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nan_magic.watch(model, on_detect="log") as w:
+            out = run()
+    assert torch.isnan(out).any() and len(w.events) == 1
+
+
+def test_step_counts_forward_passes_without_an_optimizer() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), LogOf())
+    x = torch.ones(2, 4).abs()
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model):
+            for scale in (1.0, 1.0, -1.0):
+                with torch.no_grad():
+                    model[0].weight.fill_(scale)
+                    model[0].bias.zero_()
+                model(x)
+    assert caught.value.report.step == 2
