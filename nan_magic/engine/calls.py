@@ -21,7 +21,12 @@ from nan_magic.engine.stats import probe, probe_kinds, probe_stats, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
-__all__ = ["TensorRecord", "Call", "StepLog"]
+__all__ = ["TensorRecord", "Call", "StepLog", "version_of"]
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """In-place version counter; inference tensors have none (they read as 0)."""
+    return 0 if tensor.is_inference() else tensor._version
 
 
 class TensorRecord:
@@ -34,7 +39,7 @@ class TensorRecord:
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.ref = weakref.ref(tensor)
-        self.version = tensor._version
+        self.version = version_of(tensor)
         self.call = call
         self.status: LayerStatus = "ok"
         self.consumers: list[Call] = []
@@ -56,7 +61,7 @@ class TensorRecord:
     def live(self) -> torch.Tensor | None:
         """The tensor itself if it is still alive and unchanged since probed."""
         tensor = self.ref()
-        if tensor is None or tensor._version != self.version:
+        if tensor is None or version_of(tensor) != self.version:
             return None
         return tensor
 
@@ -149,7 +154,7 @@ class StepLog:
         record = self.lookup(tensor)
         if record is not None:
             record.consumers.append(call)
-        call.inputs.append((path, record, weakref.ref(tensor), tensor._version))
+        call.inputs.append((path, record, weakref.ref(tensor), version_of(tensor)))
 
     def pending_records(self) -> list[TensorRecord]:
         return [record for call in self.calls for record in call.outputs if record.pending]

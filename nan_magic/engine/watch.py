@@ -38,7 +38,7 @@ from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch
-from nan_magic.engine.calls import Call, StepLog, TensorRecord
+from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
 from nan_magic.engine.errors import NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
@@ -49,6 +49,9 @@ from nan_magic.records import Phase, Report, StepSummary, WatchConfig
 __all__ = ["Watch", "watch"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Watches currently entered, outermost first.
+_ACTIVE: list[Watch] = []
 
 
 class _Frame:
@@ -88,6 +91,7 @@ class Watch:
         self._active = False
         self._exit_stack: ExitStack | None = None
         self._thread: int | None = None
+        self._suspended: list[Watch] = []
         self._reset_state()
 
     # -- public state -----------------------------------------------------------
@@ -112,6 +116,40 @@ class Watch:
         self.events = []
         self.report = None
         self.history.clear()
+        # A watch nested over the same modules takes over from the outer one
+        # (whose hooks are removed until this one exits): never two sets of
+        # our hooks on one model.
+        self._suspended = [outer for outer in _ACTIVE if outer._overlaps(self)]
+        for outer in self._suspended:
+            outer._detach()
+        try:
+            self._attach()
+        except BaseException:
+            self._resume_outer()
+            raise
+        self._thread = threading.get_ident()
+        self._active = True
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        try:
+            if exc is None:
+                self._sync()
+        finally:
+            self._active = False
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            self._detach()
+            self._forget_tensors()
+            self._resume_outer()
+        if isinstance(exc, NonFiniteError):
+            self.adopt_traceback(exc, tb)
+        return False
+
+    def _attach(self) -> None:
         stack = ExitStack()
         try:
             stack.enter_context(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
@@ -125,25 +163,22 @@ class Watch:
             stack.close()
             raise
         self._exit_stack = stack
-        self._thread = threading.get_ident()
-        self._active = True
-        return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        try:
-            if exc is None:
-                self._sync()
-        finally:
-            self._active = False
-            if self._exit_stack is not None:
-                self._exit_stack.close()
-                self._exit_stack = None
-            self._forget_tensors()
-        if isinstance(exc, NonFiniteError):
-            self.adopt_traceback(exc, tb)
-        return False
+    def _detach(self) -> None:
+        if self._exit_stack is not None:
+            stack, self._exit_stack = self._exit_stack, None
+            stack.close()
+
+    def _resume_outer(self) -> None:
+        for outer in self._suspended:
+            if outer._active:
+                outer._attach()
+        self._suspended = []
+
+    def _overlaps(self, other: Watch) -> bool:
+        if self.targets.discover or other.targets.discover:
+            return True
+        return not self.targets.modules.keys().isdisjoint(other.targets.modules.keys())
 
     def __call__(self, function: F) -> F:
         """Use the watch as a decorator: every call of ``function`` runs under it."""
@@ -307,7 +342,7 @@ class Watch:
         kinds: set[str] = set()
         for _path, record, ref, version in call.inputs:
             tensor = ref()
-            if tensor is not None and tensor._version == version:
+            if tensor is not None and version_of(tensor) == version:
                 kinds |= kinds_of(tensor)
             elif record is not None and not record.pending:
                 # Mutated in place by this module: its value before the call is

@@ -1,0 +1,238 @@
+"""The watch leaves no trace: hooks gone however it ends, user hooks kept, results unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import global_hook_counts
+from faults import FORWARD_FAULTS
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def instance_hook_counts(model: nn.Module) -> list[tuple[int, ...]]:
+    return [
+        (
+            len(m._forward_hooks),
+            len(m._forward_pre_hooks),
+            len(m._backward_hooks),
+            len(m._backward_pre_hooks),
+            len(m._state_dict_hooks),
+        )
+        for m in model.modules()
+    ] + [(len(p._backward_hooks or {}),) if hasattr(p, "_backward_hooks") else (0,) for p in model.parameters()]
+
+
+def user_hooks(model: nn.Module) -> list[str]:
+    calls: list[str] = []
+    model[0].register_forward_hook(lambda m, i, o: calls.append("fwd"))
+    model[0].register_forward_pre_hook(lambda m, i: calls.append("pre"))
+    model[0].weight.register_hook(lambda g: calls.append("grad"))
+    return calls
+
+
+def train(model: nn.Module, steps: int, watched: bool) -> list[float]:
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    losses = []
+    for _ in range(steps):
+        if watched:
+            with nan_magic.watch(model, opt):
+                losses.append(_step(model, opt, x, y))
+        else:
+            losses.append(_step(model, opt, x, y))
+    return losses
+
+
+def _step(model, opt, x, y) -> float:
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_hooks_gone_after_success_and_user_hooks_kept() -> None:
+    model = small_model()
+    calls = user_hooks(model)
+    before_global, before_instance = global_hook_counts(), instance_hook_counts(model)
+    with nan_magic.watch(model) as w:
+        assert global_hook_counts() != before_global  # armed while inside
+        model(torch.randn(2, 8)).sum().backward()
+    assert w.report is None
+    assert global_hook_counts() == before_global
+    assert instance_hook_counts(model) == before_instance
+    model(torch.randn(2, 8)).sum().backward()
+    assert calls == ["pre", "fwd", "grad"] * 2  # the user's hooks ran inside and after
+
+
+@pytest.mark.parametrize("failure", ["nonfinite", "unrelated", "interrupt"])
+def test_hooks_gone_after_every_kind_of_exit(failure: str) -> None:
+    model = small_model()
+    user_hooks(model)
+    before_global, before_instance = global_hook_counts(), instance_hook_counts(model)
+    backward = torch.Tensor.backward
+    expected = {"nonfinite": NonFiniteError, "unrelated": ValueError, "interrupt": KeyboardInterrupt}[failure]
+    with pytest.raises(expected):
+        with nan_magic.watch(model):
+            out = model(torch.randn(2, 8))
+            if failure == "nonfinite":
+                model(torch.full((2, 8), float("nan")))
+            elif failure == "unrelated":
+                raise ValueError("the user's own bug")
+            else:
+                out.sum().backward()
+                raise KeyboardInterrupt
+    assert global_hook_counts() == before_global
+    assert instance_hook_counts(model) == before_instance
+    assert torch.Tensor.backward is backward
+
+
+def test_exception_inside_a_nested_forward_unwinds_the_module_stack() -> None:
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), Boom()))
+    healthy = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with nan_magic.watch(model, healthy) as w:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(1, 2))
+        healthy(torch.randn(1, 2))
+        assert w._stack == []  # the always-called hooks popped every frame
+
+
+def test_losses_bit_identical_with_and_without_the_watch() -> None:
+    model_a = small_model()
+    model_b = copy.deepcopy(model_a)
+    plain = train(model_a, 20, watched=False)
+    watched = train(model_b, 20, watched=True)
+    assert plain == watched  # exact float equality, dropout included
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_one_watch_over_the_whole_loop_is_bit_identical_too() -> None:
+    model_a = small_model()
+    model_b = copy.deepcopy(model_a)
+    plain = train(model_a, 10, watched=False)
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model_b.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    with nan_magic.watch(model_b, opt) as w:
+        watched = [_step(model_b, opt, x, y) for _ in range(10)]
+    assert plain == watched
+    assert w.step == 10 and len(w.history) == 10
+
+
+def test_nested_watch_on_the_same_model_never_doubles_hooks() -> None:
+    model = small_model()
+    before = global_hook_counts()
+    with nan_magic.watch(model):
+        armed = global_hook_counts()
+        with nan_magic.watch(model) as inner:
+            assert global_hook_counts() == armed
+            with pytest.raises(NonFiniteError):
+                model(torch.full((1, 8), float("inf")))
+        assert inner.report is not None and inner.report.phase == "data"
+        assert global_hook_counts() == armed  # the outer watch is back
+    assert global_hook_counts() == before
+
+
+def test_a_watch_cannot_be_entered_twice() -> None:
+    model = small_model()
+    w = nan_magic.watch(model)
+    with w:
+        with pytest.raises(RuntimeError, match="already active"):
+            w.__enter__()
+
+
+def test_decorator_form_watches_each_call() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    w = nan_magic.watch(model)
+
+    @w
+    def train_step() -> torch.Tensor:
+        return run()
+
+    with pytest.raises(NonFiniteError):
+        train_step()
+    assert w.report is not None and w.report.module == "1"
+    assert train_step.__name__ == "train_step"
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (torch.zeros(2), "cannot watch Tensor (torch.Tensor): expected an nn.Module"),
+        ("model", "cannot watch str"),
+        (42, "cannot watch int"),
+    ],
+)
+def test_bad_targets_fail_before_anything_is_attached(target, message) -> None:
+    before = global_hook_counts()
+    with pytest.raises(TypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        nan_magic.watch(target)
+    assert global_hook_counts() == before
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"on_detect": "explode"}, "on_detect must be 'raise', 'warn' or 'log'"),
+        ({"kinds": ["nan", "zero"]}, "kinds must be a non-empty subset"),
+        ({"kinds": []}, "kinds must be a non-empty subset"),
+        ({"history": 0}, "history must be at least 1"),
+    ],
+)
+def test_bad_options_are_one_line_errors(options, message) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        nan_magic.watch(small_model(), **options)
+    assert "\n" not in str(caught.value)
+
+
+def test_compiled_model_is_refused_with_a_clear_message() -> None:
+    model = small_model()
+    compiled = torch.compile(model)
+    with pytest.raises(ValueError, match=r"compiled with torch.compile .*model._orig_mod"):
+        nan_magic.watch(compiled)
+    wrapper = nn.Sequential(compiled)
+    with pytest.raises(ValueError, match=r"compiled with torch.compile \(0\)"):
+        nan_magic.watch(wrapper)
+
+
+def test_transformer_fast_path_still_taken_under_the_watch() -> None:
+    """Global hooks leave nn.TransformerEncoderLayer's fused inference path alone."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        plain = layer(x)
+        with nan_magic.watch(layer):
+            watched = layer(x)
+    assert torch.equal(plain, watched)
+
+
+def test_nothing_kept_alive_after_the_watch() -> None:
+    import gc
+    import weakref
+
+    model = small_model()
+    with nan_magic.watch(model) as w:
+        out = model(torch.randn(4, 8))
+        ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None
+    assert len(w._log.calls) == 0
