@@ -171,9 +171,15 @@ class StepLog:
             record._probe = None
 
     def layer_calls(self, limit: int) -> tuple[tuple[LayerCall, ...], int]:
-        """Frozen per-layer rows for a report (newest ``limit`` rows)."""
+        """Frozen per-layer rows for a report, in the order calls returned.
+
+        Completion order is the order the producer rule judges in: a module's
+        children come before it, and every row after the producer's ran after
+        it. Calls still running (the producer's parents) come last.
+        """
         rows: list[LayerCall] = []
-        for call in self.calls:
+        running = [call for call in self.calls if call.finished < 0]
+        for call in self.finished() + running:
             for record in call.outputs:
                 rows.append(
                     LayerCall(

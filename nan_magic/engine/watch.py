@@ -489,10 +489,8 @@ class Watch:
             self._step_open = True
 
     def _end_step(self) -> None:
-        self.history.append(
-            StepSummary(step=self.step - (1 if self._optimizer_in_use() else 0) if self.step else 0,
-                        loss=self._last_loss, absmax=self._log.absmax())
-        )
+        """Close the step that just completed (the counter already moved on)."""
+        self.history.append(StepSummary(step=self.step - 1, loss=self._last_loss, absmax=self._log.absmax()))
         self._step_open = False
 
     def _sync(self) -> None:

@@ -114,7 +114,7 @@ def facts_html(report: Report) -> str:
         f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
         f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
     ))
-    if report.first_bad_index is not None:
+    if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {escape(str(report.first_bad_index))}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     inputs += "".join(
