@@ -105,12 +105,13 @@ def live_tensors(device: str) -> tuple[int, int]:
     """Count and bytes (once per storage) of the tensors on ``device`` that Python reaches."""
     count, storages = 0, {}
     for obj in gc.get_objects():
-        # isinstance on arbitrary objects can raise (lazy proxies); they are not tensors.
+        # type(), not isinstance(): isinstance reads __class__, which deprecated module
+        # proxies (torch.distributed.reduce_op) answer with a warning.
+        if not issubclass(type(obj), torch.Tensor) or obj.device.type != device:
+            continue
         try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type != device:
-                continue
             storage = obj.untyped_storage()
-        except Exception:
+        except RuntimeError:  # tensors without storage (sparse, some subclasses)
             continue
         count += 1
         storages[storage.data_ptr()] = storage.nbytes()

@@ -96,7 +96,7 @@ class NanMagics(Magics):
                 loss = loss_fn(model(x), y)
                 opt.zero_grad(); loss.backward(); opt.step()
         """
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame
+        __tracebackhide__ = True
         args = self._parse(self.nantrace, line, "%%nantrace")
         if not cell.strip():
             raise UsageError("%%nantrace: the cell is empty; put the code to watch below the magic line")
@@ -223,7 +223,7 @@ class NanMagics(Magics):
     def _show_nonfinite(
         self, shell: Any, etype: type, value: BaseException, tb: TracebackType, tb_offset: int | None = None
     ) -> Any:
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         watch = self._cell_watch
         if watch is not None and isinstance(value, NonFiniteError):
             watch.adopt_traceback(value, tb)

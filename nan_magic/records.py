@@ -19,17 +19,17 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
 __all__ = [
-    "Phase",
-    "TensorStats",
-    "SourcePointer",
-    "LayerCall",
-    "Sample",
-    "StepSummary",
-    "Cause",
-    "Report",
-    "WatchConfig",
-    "OnDetect",
     "KINDS",
+    "Cause",
+    "LayerCall",
+    "OnDetect",
+    "Phase",
+    "Report",
+    "Sample",
+    "SourcePointer",
+    "StepSummary",
+    "TensorStats",
+    "WatchConfig",
 ]
 
 OnDetect = Literal["raise", "warn", "log"]

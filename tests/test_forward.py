@@ -17,9 +17,8 @@ from nan_magic import NonFiniteError
 
 def run_fault(fault: Fault, **options) -> NonFiniteError:
     model, run = fault.build()
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model, **options):
-            run()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **options):
+        run()
     return caught.value
 
 
@@ -81,9 +80,8 @@ def test_functional_code_in_a_parent_forward_is_blamed_on_the_parent() -> None:
             return self.b(torch.log(self.a(x)))
 
     model = Net()
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model):
-            model(torch.randn(3, 4))
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(3, 4))
     report = caught.value.report
     assert (report.module, report.module_type) == ("", "Net")
     assert [row.status for row in report.layers if row.module == "b"] == ["propagated"]
@@ -141,9 +139,8 @@ def test_nested_outputs_of_every_shape_are_checked() -> None:
             return Out(hidden=x, extra=[x.long(), {"deep": (x, x / 0)}])
 
     model = nn.Sequential(nn.Linear(4, 4), Nested())
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model):
-            model(torch.randn(2, 4))
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(2, 4))
     assert caught.value.report.tensor == "output.extra[1]['deep'][1]"
 
 
@@ -156,9 +153,8 @@ def test_hugging_face_model_output_is_walked() -> None:
             return BaseModelOutput(last_hidden_state=x.sqrt(), hidden_states=(x, x))
 
     model = nn.Sequential(nn.Linear(4, 4), Encoder())
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model):
-            model(torch.randn(2, 4))
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(2, 4))
     assert caught.value.report.tensor == "output['last_hidden_state']"
     assert transformers is not None
 
@@ -166,9 +162,8 @@ def test_hugging_face_model_output_is_walked() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_floating_dtype(dtype: torch.dtype) -> None:
     model = nn.Sequential(nn.Identity(), LogOf())
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model):
-            model(-torch.ones(3, dtype=dtype))
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(-torch.ones(3, dtype=dtype))
     assert caught.value.report.dtype == str(dtype).removeprefix("torch.")
     assert caught.value.report.nan == 3
 
@@ -211,20 +206,17 @@ def test_include_exclude_and_types_select_modules() -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
     model, run = fault.build()
     # The LogLayer is excluded: the NaN is first seen in the root's output.
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model, exclude=["1"]):
-            run()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, exclude=["1"]):
+        run()
     assert caught.value.report.module == ""
     model, run = fault.build()
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model, types=["LogLayer"]):
-            run()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, types=["LogLayer"]):
+        run()
     assert caught.value.report.module == "1"
     assert {row.module for row in caught.value.report.layers} <= {"", "1"}
     model, run = fault.build()
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model, include=["0", "2"]):
-            run()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, include=["0", "2"]):
+        run()
     assert caught.value.report.module == ""
 
 
@@ -258,11 +250,10 @@ def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
 def test_step_counts_forward_passes_without_an_optimizer() -> None:
     model = nn.Sequential(nn.Linear(4, 4), LogOf())
     x = torch.ones(2, 4).abs()
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model):
-            for scale in (1.0, 1.0, -1.0):
-                with torch.no_grad():
-                    model[0].weight.fill_(scale)
-                    model[0].bias.zero_()
-                model(x)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        for scale in (1.0, 1.0, -1.0):
+            with torch.no_grad():
+                model[0].weight.fill_(scale)
+                model[0].bias.zero_()
+            model(x)
     assert caught.value.report.step == 2

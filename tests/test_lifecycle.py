@@ -83,16 +83,15 @@ def test_hooks_gone_after_every_kind_of_exit(failure: str) -> None:
     before_global, before_instance = global_hook_counts(), instance_hook_counts(model)
     backward = torch.Tensor.backward
     expected = {"nonfinite": NonFiniteError, "unrelated": ValueError, "interrupt": KeyboardInterrupt}[failure]
-    with pytest.raises(expected):
-        with nan_magic.watch(model):
-            out = model(torch.randn(2, 8))
-            if failure == "nonfinite":
-                model(torch.full((2, 8), float("nan")))
-            elif failure == "unrelated":
-                raise ValueError("the user's own bug")
-            else:
-                out.sum().backward()
-                raise KeyboardInterrupt
+    with pytest.raises(expected), nan_magic.watch(model):
+        out = model(torch.randn(2, 8))
+        if failure == "nonfinite":
+            model(torch.full((2, 8), float("nan")))
+        elif failure == "unrelated":
+            raise ValueError("the user's own bug")
+        else:
+            out.sum().backward()
+            raise KeyboardInterrupt
     assert global_hook_counts() == before_global
     assert instance_hook_counts(model) == before_instance
     assert torch.Tensor.backward is backward
@@ -152,9 +151,8 @@ def test_nested_watch_on_the_same_model_never_doubles_hooks() -> None:
 def test_a_watch_cannot_be_entered_twice() -> None:
     model = small_model()
     w = nan_magic.watch(model)
-    with w:
-        with pytest.raises(RuntimeError, match="already active"):
-            w.__enter__()
+    with w, pytest.raises(RuntimeError, match="already active"):
+        w.__enter__()
 
 
 def test_decorator_form_watches_each_call() -> None:
@@ -235,4 +233,4 @@ def test_nothing_kept_alive_after_the_watch() -> None:
     del out
     gc.collect()
     assert ref() is None
-    assert len(w._log.calls) == 0
+    assert len(w.log.calls) == 0

@@ -27,8 +27,8 @@ def _install() -> None:
 
     @functools.wraps(original)
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841 - read by pytest and IPython
-        for callback in list(_callbacks):
+        __tracebackhide__ = True
+        for callback in _callbacks:
             callback(self)
         return original(self, *args, **kwargs)
 

@@ -21,7 +21,7 @@ from nan_magic.engine.stats import probe, probe_kinds, probe_stats, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
-__all__ = ["TensorRecord", "Call", "StepLog", "version_of"]
+__all__ = ["Call", "StepLog", "TensorRecord", "version_of"]
 
 
 def version_of(tensor: torch.Tensor) -> int:
@@ -32,7 +32,7 @@ def version_of(tensor: torch.Tensor) -> int:
 class TensorRecord:
     """One probed tensor: where it came from and its ``(min, max)``."""
 
-    __slots__ = ("path", "dtype", "shape", "ref", "version", "low", "high", "_probe", "consumers", "call", "status")
+    __slots__ = ("_probe", "call", "consumers", "dtype", "high", "low", "path", "ref", "shape", "status", "version")
 
     def __init__(self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool) -> None:
         self.path = path

@@ -8,6 +8,7 @@ calls and history, into a Report that holds numbers only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from nan_magic.engine.calls import Call, StepLog, TensorRecord

@@ -19,7 +19,7 @@ import torch
 
 from nan_magic.records import SourcePointer
 
-__all__ = ["is_library_file", "user_frame", "pointer", "trim_to_user_code", "frames_of", "user_frames_of"]
+__all__ = ["frames_of", "is_library_file", "pointer", "trim_to_user_code", "user_frame", "user_frames_of"]
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module_file)) + os.sep

@@ -192,9 +192,11 @@ class OpTracer(TorchDispatchMode):
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
         # autograd sequence number -> (code, line) of the forward op that created it
         self._sources: dict[int, tuple[CodeType, int]] = {}
-        self._seen_seq = -1
+        self._seen_seq = 0
+        self._last_location: tuple[CodeType, int] | None = None
         self._lock = threading.Lock()
-        # Set by replay: called with each tensor an op is about to write.
+        # Set by replay: called with each tensor an op is about to write, even
+        # by a passive op or after the finding.
         self._before_write: Callable[[torch.Tensor], None] | None = None
 
     def reset(self) -> None:
@@ -205,6 +207,9 @@ class OpTracer(TorchDispatchMode):
     def __enter__(self) -> OpTracer:
         # Tensors may have changed outside the trace without our knowledge.
         self._known.clear()
+        # Nodes created before the trace began are not ours to name.
+        self._seen_seq = torch._C._autograd._get_sequence_nr()
+        self._last_location = None
         super().__enter__()
         return self
 
@@ -219,9 +224,12 @@ class OpTracer(TorchDispatchMode):
         if not isinstance(func, torch._ops.OpOverload):
             return func(*args, **kwargs)
         in_backward = torch._C._current_graph_task_id() != -1
-        if not in_backward:
-            self._note_node()
         plan = _plan(func)
+        if not in_backward:
+            self._note_node(plan, args, kwargs)
+        if plan.writes and self._before_write is not None:
+            for _, tensor in _tensors(plan, args, kwargs, plan.writes):
+                self._before_write(tensor)
         if plan.passive or self.finding is not None:
             return func(*args, **kwargs)
         priors = self._probe_priors(plan, args, kwargs) if plan.writes else {}
@@ -235,16 +243,35 @@ class OpTracer(TorchDispatchMode):
 
     # -- forward line of autograd nodes ----------------------------------------
 
-    def _note_node(self) -> None:
+    def _note_node(self, plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         seq = torch._C._autograd._get_sequence_nr()
         if seq == self._seen_seq:
             return
+        # A node or two at most comes between two ops; a long gap is nodes
+        # made outside this thread's forward (a backward with create_graph).
+        first = max(self._seen_seq, seq - 8)
         self._seen_seq = seq
         frame = _user_frame(sys._getframe(2))
-        if frame is None:
-            return
+        location = (frame.f_code, frame.f_lineno) if frame is not None else None
         sources = self._sources
-        sources[seq - 1] = (frame.f_code, frame.f_lineno)
+        own = torch.is_grad_enabled() and any(
+            t.requires_grad for _, t in _tensors(plan, args, kwargs, plan.reads)
+        )
+        if own:
+            # This op's node is the newest; older new nodes were made after the
+            # previous op was dispatched, by its autograd wrapper (CopySlices
+            # of an in-place op on a view).
+            if location is not None:
+                sources[seq - 1] = location
+            if self._last_location is not None:
+                for key in range(first, seq - 1):
+                    sources[key] = self._last_location
+        elif location is not None:
+            # Nodes made since the previous op and none by this one: a custom
+            # autograd.Function, whose forward this op runs in.
+            for key in range(first, seq):
+                sources[key] = location
+        self._last_location = location
         if len(sources) > self._max_sources:
             # Keys were inserted in increasing order: drop the oldest half.
             for key in list(sources)[: len(sources) // 2]:
@@ -278,9 +305,6 @@ class OpTracer(TorchDispatchMode):
     ) -> dict[int, _Prior]:
         """Probe, before the op, every input whose value the op overwrites."""
         written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t)]
-        if self._before_write is not None:
-            for tensor in written:
-                self._before_write(tensor)
         if plan.overwrites:
             return {}
         storages = {t.untyped_storage().data_ptr() for t in written}
@@ -423,32 +447,7 @@ class OpTracer(TorchDispatchMode):
 # and bounded elementwise functions, scalar fills, bounded random draws,
 # comparisons and shape queries. An entry is an overload packet ("view") or
 # one overload ("scatter.src").
-_PASSIVE_NAMES = """
-empty empty_like empty_strided empty_permuted new_empty new_empty_strided resize_ resize_as_
-view _unsafe_view reshape _reshape_alias expand permute transpose t squeeze unsqueeze slice
-select narrow as_strided split split_with_sizes unbind chunk alias detach diagonal unfold view_as
-lift_fresh lift_fresh_copy _conj conj resolve_conj resolve_neg _neg_view as_strided_ squeeze_
-unsqueeze_ t_ transpose_ view_as_real view_as_complex contiguous clone set_ _local_scalar_dense
-expand_copy permute_copy view_copy select_copy slice_copy t_copy transpose_copy unsqueeze_copy
-squeeze_copy detach_copy alias_copy split_copy unbind_copy
-cat stack index index_select gather take masked_select masked_fill masked_scatter where
-scatter.src scatter.value scatter_.src scatter_.value index_copy index_fill repeat roll flip
-constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d
-replication_pad2d replication_pad3d tril triu diag_embed select_scatter slice_scatter
-diagonal_scatter as_strided_scatter embedding pixel_shuffle pixel_unshuffle channel_shuffle
-_unsafe_index upsample_nearest1d upsample_nearest2d upsample_nearest3d max_pool1d max_pool2d
-max_pool3d max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool2d adaptive_max_pool3d
-fill fill_ zero_ zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full
-scalar_tensor eye _foreach_zero_
-relu relu_ hardtanh hardtanh_ threshold threshold_ threshold_backward hardtanh_backward abs abs_
-neg neg_ sign sgn floor ceil round.default trunc clamp clamp_ clamp_min clamp_min_ clamp_max
-clamp_max_ maximum minimum fmax fmin max min amax amin aminmax sort topk kthvalue median
-nanmedian mode cummax cummin argmax argmin argsort sigmoid sigmoid_ tanh tanh_ sigmoid_backward
-tanh_backward bernoulli bernoulli_ rand rand_like randn randn_like randint randperm
-eq ne lt le gt ge isnan isinf isfinite isposinf isneginf logical_and logical_or logical_not
-logical_xor bitwise_and bitwise_or bitwise_not nonzero sym_size sym_numel sym_stride
-sym_storage_offset is_same_size
-""".split()
+_PASSIVE_NAMES = ["empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided", "resize_", "resize_as_", "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze", "slice", "select", "narrow", "as_strided", "split", "split_with_sizes", "unbind", "chunk", "alias", "detach", "diagonal", "unfold", "view_as", "lift_fresh", "lift_fresh_copy", "_conj", "conj", "resolve_conj", "resolve_neg", "_neg_view", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "view_as_real", "view_as_complex", "contiguous", "clone", "set_", "_local_scalar_dense", "expand_copy", "permute_copy", "view_copy", "select_copy", "slice_copy", "t_copy", "transpose_copy", "unsqueeze_copy", "squeeze_copy", "detach_copy", "alias_copy", "split_copy", "unbind_copy", "cat", "stack", "index", "index_select", "gather", "take", "masked_select", "masked_fill", "masked_scatter", "where", "scatter.src", "scatter.value", "scatter_.src", "scatter_.value", "index_copy", "index_fill", "repeat", "roll", "flip", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d", "tril", "triu", "diag_embed", "select_scatter", "slice_scatter", "diagonal_scatter", "as_strided_scatter", "embedding", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "_unsafe_index", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d", "fill", "fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "scalar_tensor", "eye", "_foreach_zero_", "relu", "relu_", "hardtanh", "hardtanh_", "threshold", "threshold_", "threshold_backward", "hardtanh_backward", "abs", "abs_", "neg", "neg_", "sign", "sgn", "floor", "ceil", "round.default", "trunc", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin", "aminmax", "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "argmax", "argmin", "argsort", "sigmoid", "sigmoid_", "tanh", "tanh_", "sigmoid_backward", "tanh_backward", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randperm", "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "nonzero", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "is_same_size"]
 
 # Copies that are passive unless they narrow the dtype (float32 -> float16
 # overflows to inf); value: the argument holding the source.
@@ -476,7 +475,7 @@ class _Plan:
     per_index: bool  # foreach/fused: element i of the outputs depends on element i of the inputs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(func: torch._ops.OpOverload) -> _Plan:
     schema = func._schema
     packet = func.overloadpacket.__name__
@@ -602,7 +601,7 @@ def _narrows(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any)
     return _range(source.dtype) > torch.finfo(target.dtype).max
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _range(dtype: torch.dtype) -> float:
     if dtype.is_floating_point:
         return float(torch.finfo(dtype).max)

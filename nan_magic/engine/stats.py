@@ -22,13 +22,13 @@ from nan_magic.records import KINDS, Sample, TensorStats
 
 __all__ = [
     "is_checkable",
+    "iter_tensors",
+    "kinds_of",
     "probe",
     "probe_kinds",
-    "tensor_stats",
-    "iter_tensors",
-    "sample_values",
-    "kinds_of",
     "relevant_kinds",
+    "sample_values",
+    "tensor_stats",
 ]
 
 

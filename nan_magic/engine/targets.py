@@ -16,7 +16,7 @@ from torch import nn
 
 from nan_magic.records import WatchConfig
 
-__all__ = ["ModuleInfo", "Targets", "resolve_targets", "describe"]
+__all__ = ["ModuleInfo", "Targets", "describe", "resolve_targets"]
 
 
 @dataclass(frozen=True)

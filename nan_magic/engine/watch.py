@@ -42,6 +42,8 @@ from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
 from nan_magic.engine.errors import NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
+from nan_magic.engine.gradients import GradientChecks
+from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.records import Phase, Report, StepSummary, WatchConfig
@@ -57,7 +59,7 @@ _ACTIVE: list[Watch] = []
 class _Frame:
     """A watched module call in progress (the module stack)."""
 
-    __slots__ = ("module", "info", "call", "rng_state")
+    __slots__ = ("call", "info", "module", "rng_state")
 
     def __init__(self, module: nn.Module, info: ModuleInfo, call: Call, rng_state: torch.Tensor | None) -> None:
         self.module = module
@@ -103,8 +105,8 @@ class Watch:
     @property
     def step(self) -> int:
         """0-based step (PRODUCT.md): optimizer steps completed, else forward passes."""
-        if self._optimizer_steps or self.targets.optimizers:
-            return self._optimizer_steps
+        if self.optimizers.steps or self.targets.optimizers:
+            return self.optimizers.steps
         return self._forward_passes
 
     # -- lifecycle ----------------------------------------------------------------
@@ -137,7 +139,8 @@ class Watch:
     ) -> bool:
         try:
             if exc is None:
-                self._sync()
+                self.sync()
+                self.optimizers.on_step_boundary()
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -156,9 +159,9 @@ class Watch:
             stack.enter_context(
                 module_hooks.register_module_forward_hook(self._on_forward, with_kwargs=True, always_call=True)
             )
-            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self._on_optimizer_pre))
-            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self._on_optimizer_post))
-            stack.enter_context(backward_patch.watch_backward(self._on_backward_start))
+            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.optimizers.on_step_pre))
+            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
+            stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
         except BaseException:
             stack.close()
             raise
@@ -193,20 +196,24 @@ class Watch:
     # -- state ---------------------------------------------------------------------
 
     def _reset_state(self) -> None:
-        self._defer = bool(self.config.defer)
-        self._log = StepLog(self.config.max_layers, self._defer)
+        self.defer = self._wants_defer()
+        self.log = StepLog(self.config.max_layers, self.defer)
+        self.gradients = GradientChecks(self)
+        self.optimizers = OptimizerChecks(self)
         self._stack: list[_Frame] = []
-        self._optimizer_steps = 0
         self._forward_passes = 0
         self._step_open = False
-        self._last_loss: float | None = None
-        self._roots: dict[int, ModuleInfo] = {}
-        self._seen_devices: set[str] = set()
         self._raised = False
+
+    def _wants_defer(self) -> bool:
+        """Deferred checks by default where the models live on a GPU."""
+        if self.config.defer is not None:
+            return self.config.defer
+        return any(parameter.device.type != "cpu" for _label, root in self.targets.roots for parameter in root.parameters())
 
     def _forget_tensors(self) -> None:
         self._stack.clear()
-        self._log.clear()
+        self.log.clear()
 
     def _info(self, module: nn.Module) -> ModuleInfo | None:
         info = self.targets.modules.get(id(module))
@@ -217,14 +224,14 @@ class Watch:
             info = self.targets.modules[id(module)]
         return info
 
-    def _mine(self) -> bool:
+    def mine(self) -> bool:
         """Hooks are global: act only for the thread that entered the watch."""
         return self._active and threading.get_ident() == self._thread
 
     # -- forward -------------------------------------------------------------------
 
     def _on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self._mine():
+        if not self.mine():
             return
         info = self._info(module)
         if info is None:
@@ -233,9 +240,9 @@ class Watch:
         if top_level:
             self._begin_step_if_needed()
         parent = self._stack[-1].call if self._stack else None
-        call = self._log.new_call(Phase.FORWARD, info, module, parent)
+        call = self.log.new_call(Phase.FORWARD, info, module, parent)
         for path, tensor in iter_tensors(args, "input"):
-            self._log.note_input(call, path, tensor)
+            self.log.note_input(call, path, tensor)
         rng = torch.random.default_generator.get_state() if module.training else None
         self._stack.append(_Frame(module, info, call, rng))
         if top_level or info.is_root:
@@ -244,7 +251,7 @@ class Watch:
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the
         # forward raised, and with (module, args, kwargs, output) otherwise.
-        if not self._mine():
+        if not self.mine():
             return
         if not self._stack or self._stack[-1].module is not module:
             return
@@ -256,23 +263,23 @@ class Watch:
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             for path, tensor in iter_tensors(kwargs, "kwargs"):
-                self._log.note_input(call, path, tensor)
+                self.log.note_input(call, path, tensor)
             if not self._stack or frame.info.is_root:
                 self._record_data(frame.info, module, kwargs, "kwargs")
         if frame.info.watched:
             for path, tensor in iter_tensors(output, "output"):
-                record = self._log.record_output(call, path, tensor)
-                if self.config.backward and tensor.requires_grad and tensor.grad_fn is not None:
-                    tensor.register_hook(functools.partial(self._on_output_grad, record))
-        self._log.finish(call)
-        if frame.info.watched and not self._defer:
+                record = self.log.record_output(call, path, tensor)
+                if self.config.backward:
+                    self.gradients.hook_output(record, tensor)
+        self.log.finish(call)
+        if frame.info.watched and not self.defer:
             for record in call.outputs:
                 self._judge(call, record)
         if not self._stack and not self._optimizer_in_use():
             # Inference (no optimizer seen): a top-level forward is a step.
-            self._sync()
+            self.sync()
             self._forward_passes += 1
-            self._end_step()
+            self.end_step()
 
     def _record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
         """Tensors entering a watched model from outside, as a ``data`` call.
@@ -283,11 +290,11 @@ class Watch:
         tensors = list(iter_tensors(values, prefix))
         if not tensors:
             return
-        call = self._log.new_call(Phase.DATA, info, module, None)
+        call = self.log.new_call(Phase.DATA, info, module, None)
         for path, tensor in tensors:
-            self._log.record_output(call, path, tensor)
-        self._log.finish(call)
-        if not self._defer:
+            self.log.record_output(call, path, tensor)
+        self.log.finish(call)
+        if not self.defer:
             for record in call.outputs:
                 self._judge(call, record)
 
@@ -303,7 +310,7 @@ class Watch:
             return
         tensor = record.live()
         if call.phase == Phase.DATA:
-            self._emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
+            self.emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
                                bad_stats=record.stats() if tensor is None else None, inputs_finite=False))
             return
         if tensor is not None:
@@ -335,7 +342,7 @@ class Watch:
             )
         if detected_at:
             finding.notes.append(detected_at)
-        self._emit(finding)
+        self.emit(finding)
 
     def _input_kinds(self, call: Call) -> frozenset[str]:
         """Kinds the call's inputs held *before* the call (in-place aware)."""
@@ -368,149 +375,56 @@ class Watch:
                 return prefix + name, tensor
         return None
 
-    # -- backward -------------------------------------------------------------------
-
-    def _on_backward_start(self, loss: torch.Tensor) -> None:
-        """Called by the wrapped ``Tensor.backward`` before autograd runs."""
-        if not self._mine() or not loss.is_floating_point():
-            return
-        if loss.numel() == 1 and not self._defer:
-            self._last_loss = float(loss.detach())
-        kinds = relevant_kinds(kinds_of(loss), self.config.kinds)
-        if not kinds:
-            return
-        finding = Finding(Phase.FORWARD, None, "loss", bad=loss.detach())
-        every_output_finite = all(
-            not record.kinds() for call in self._log.calls for record in call.outputs if not record.pending
-        )
-        finding.notes.append(
-            "every watched module output of this step was finite: the loss code outside the modules produced it"
-            if every_output_finite
-            else "some module outputs of this step were already non-finite"
-        )
-        finding.inputs_finite = every_output_finite
-        self._emit(finding)
-
-    def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
-        if not self._mine() or grad is None or not grad.is_floating_point():
-            return
-        kinds = relevant_kinds(kinds_of(grad), self.config.kinds)
-        if not kinds or self._raised:
-            return
-        producer = self._backward_producer(record)
-        finding = Finding(
-            Phase.BACKWARD,
-            producer,
-            f"gradient of {record.call.name if record.call and record.call.name else '<root>'}.{record.path}",
-            bad=grad.detach(),
-        )
-        if producer is None:
-            finding.notes.append("the gradient came from code outside every watched module (e.g. the loss)")
-        self._emit(finding)
-
-    def _backward_producer(self, record: TensorRecord) -> Call | None:
-        """The module whose backward turned the gradient non-finite.
-
-        The gradient of a tensor is computed by the backward of whatever
-        consumed it in forward; the innermost watched consumer is named. With
-        no consumer module, the functional code of the producing call's parent
-        consumed it (None at top level: the loss).
-        """
-        if record.consumers:
-            return record.consumers[-1]
-        return record.call.parent if record.call is not None else None
-
-    # -- optimizer ------------------------------------------------------------------
+    # -- backward and optimizer (see gradients.py, optim.py) -------------------------
 
     def _optimizer_in_use(self) -> bool:
-        return bool(self._optimizer_steps or self.targets.optimizers)
+        return bool(self.optimizers.steps or self.targets.optimizers)
 
-    def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
-        return not self.targets.optimizers or any(opt is mine for mine in self.targets.optimizers)
-
-    def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._mine() or not self._watches_optimizer(opt):
-            return
-        self._sync()
-        for name, parameter in self._named_parameters(opt):
-            if parameter.grad is None or not parameter.grad.is_floating_point():
-                continue
-            kinds = relevant_kinds(kinds_of(parameter.grad), self.config.kinds)
-            if kinds:
-                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=parameter.grad.detach())
-                finding.module, finding.module_type, finding.model = self._owner(name)
-                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
-                self._emit(finding)
-                return
-
-    def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._mine() or not self._watches_optimizer(opt):
-            return
-        try:
-            for name, parameter in self._named_parameters(opt):
-                kinds = relevant_kinds(kinds_of(parameter), self.config.kinds)
-                if kinds:
-                    finding = Finding(Phase.OPTIMIZER, None, f"parameter {name}", bad=parameter.detach())
-                    finding.module, finding.module_type, finding.model = self._owner(name)
-                    finding.notes.append(f"{type(opt).__name__} step made {name} non-finite")
-                    self._emit(finding)
-                    return
-        finally:
-            self._optimizer_steps += 1
-            self._end_step()
-
-    def _named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        names = {}
-        for label, root in self.targets.roots:
-            for name, parameter in root.named_parameters():
-                names.setdefault(id(parameter), name)
-        named = []
-        for group_index, group in enumerate(opt.param_groups):
-            for position, parameter in enumerate(group["params"]):
-                named.append((names.get(id(parameter), f"param_groups[{group_index}][{position}]"), parameter))
-        return named
-
-    def _owner(self, parameter_name: str) -> tuple[str | None, str | None, str | None]:
-        """Module that owns a named parameter: ``encoder.0.weight`` -> ``encoder.0``."""
-        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
-        for label, root in self.targets.roots:
-            try:
-                module = root.get_submodule(owner)
-            except AttributeError:
-                continue
-            return owner, type(module).__name__, label
-        return None, None, None
+    def on_gradient_event(self, finding: Finding) -> None:
+        """A non-finite gradient in backward: held while a GradScaler may skip the step."""
+        if not self.optimizers.hold_gradient_event(finding):
+            self.emit(finding)
 
     # -- steps ----------------------------------------------------------------------
 
     def _begin_step_if_needed(self) -> None:
+        if self._step_open and self.optimizers.pending_overflow is not None:
+            # The last step's backward overflowed and no optimizer step ran:
+            # a GradScaler skipped it.
+            self.optimizers.on_step_boundary()
+            self._step_open = False
         if not self._step_open:
-            self._log.clear()
+            self.log.clear()
             self._step_open = True
 
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
         """Close the step that just completed (the counter already moved on)."""
-        self.history.append(StepSummary(step=self.step - 1, loss=self._last_loss, absmax=self._log.absmax()))
+        self.history.append(
+            StepSummary(step=self.step - 1, loss=self.gradients.last_loss, absmax=self.log.absmax())
+        )
         self._step_open = False
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         """Deferred mode: read every pending probe at once, then check in call order."""
-        if not self._defer or self._raised:
+        if not self.defer or self._raised:
             return
-        self._log.resolve()
-        for call in self._log.finished():
-            for record in call.outputs:
-                self._judge(call, record, "detected at the deferred check after the forward pass")
-                if self._raised:
-                    return
+        self.log.resolve()
+        for call in self.log.finished():
+            if call.phase == Phase.BACKWARD:
+                self.gradients.judge(call)
+            else:
+                for record in call.outputs:
+                    self._judge(call, record, "detected at the deferred check")
+            if self._raised:
+                return
 
     # -- events ---------------------------------------------------------------------
 
-    def _emit(self, finding: Finding) -> None:
+    def emit(self, finding: Finding) -> None:
         report = build_report(
             finding,
             step=self.step,
-            log=self._log,
+            log=self.log,
             history=tuple(self.history),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,

@@ -1,0 +1,135 @@
+"""Backward-phase checks: the loss, and the gradient flowing through each module.
+
+The gradient of a module's output is computed by the backward of whatever
+*consumed* that output in forward. So the first non-finite output gradient,
+in backward execution order, names its consumer as the backward producer: the
+gradient flowing into the consumer was finite (it came earlier and was
+checked), the one it computed is not. Reporting the first non-finite
+gradient's *owner* instead, as gradient-hook tools do, blames a module
+downstream of the cause.
+
+Only tensor hooks on module outputs are used: ``register_full_backward_hook``
+wraps outputs in a view that breaks in-place ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from nan_magic.engine.calls import Call, TensorRecord
+from nan_magic.engine.findings import Finding
+from nan_magic.engine.stats import kinds_of, relevant_kinds
+from nan_magic.records import Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.engine.watch import Watch
+
+__all__ = ["GradientChecks"]
+
+
+class GradientChecks:
+    """Loss and per-module gradient checks of one watch."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.last_loss: float | None = None
+        self.reported_this_pass = False
+
+    def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
+        """Arm a gradient check on one module output (called from the forward hook)."""
+        if tensor.requires_grad and tensor.grad_fn is not None:
+            tensor.register_hook(functools.partial(self._on_output_grad, record))
+
+    def on_backward_start(self, loss: torch.Tensor) -> None:
+        """Called by the wrapped ``Tensor.backward`` before autograd runs."""
+        watch = self.watch
+        if not watch.mine() or not loss.is_floating_point():
+            return
+        self.reported_this_pass = False
+        if loss.numel() == 1 and not watch.defer:
+            self.last_loss = float(loss.detach())
+        if not relevant_kinds(kinds_of(loss), watch.config.kinds):
+            return
+        every_output_finite = all(
+            not record.kinds() for call in watch.log.calls for record in call.outputs if not record.pending
+        )
+        finding = Finding(Phase.FORWARD, None, "loss", bad=loss.detach(), inputs_finite=every_output_finite)
+        finding.notes.append(
+            "every watched module output of this step was finite: code outside the modules (the loss) produced it"
+            if every_output_finite
+            else "some module outputs of this step were already non-finite"
+        )
+        watch.emit(finding)
+
+    def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
+        watch = self.watch
+        if not watch.mine() or grad is None or not grad.is_floating_point() or grad.numel() == 0:
+            return
+        consumer = self.consumer(record)
+        call = watch.log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
+        watch.log.record_output(call, self.label(record, consumer), grad)
+        watch.log.finish(call)
+        if not watch.defer:
+            self.judge(call)
+
+    def judge(self, call: Call) -> None:
+        """Report the first non-finite gradient of a backward pass."""
+        watch = self.watch
+        record = call.outputs[0]
+        if self.reported_this_pass or not relevant_kinds(record.kinds(), watch.config.kinds):
+            return
+        self.reported_this_pass = True
+        tensor = record.live()
+        finding = Finding(
+            Phase.BACKWARD,
+            call,
+            record.path,
+            bad=tensor.detach() if tensor is not None else None,
+            bad_stats=None if tensor is not None else record.stats(),
+            record=record,
+        )
+        if call.info is None:
+            finding.notes.append("computed by the backward of code outside every watched module (e.g. the loss)")
+        else:
+            finding.notes.append(
+                f"the gradient flowing into {call.info.name or 'the root module'} was finite; "
+                "the gradient its backward computed is not"
+            )
+        watch.on_gradient_event(finding)
+
+    @staticmethod
+    def consumer(record: TensorRecord) -> Call | None:
+        """The call whose backward computes this output's gradient.
+
+        The innermost watched module that took the tensor as input; with none,
+        the functional code of the producing call's parent (None at top
+        level: the loss).
+        """
+        if record.consumers:
+            return record.consumers[-1]
+        return record.call.parent if record.call is not None else None
+
+    @staticmethod
+    def label(record: TensorRecord, consumer: Call | None) -> str:
+        """``grad of input[0]`` as the consumer saw it, else of the producing output."""
+        if consumer is not None:
+            for path, input_record, _ref, _version in consumer.inputs:
+                if input_record is record:
+                    return f"grad of {path}"
+        owner = record.call.name if record.call is not None else None
+        return f"grad of {owner or 'model'} {record.path}".rstrip()
+
+    def check_parameter_grads(self, named: list[tuple[str, torch.Tensor]], context: str) -> Finding | None:
+        """A finding for the first non-finite ``.grad`` among named parameters."""
+        for name, parameter in named:
+            grad = parameter.grad
+            if grad is None or not grad.is_floating_point():
+                continue
+            if relevant_kinds(kinds_of(grad), self.watch.config.kinds):
+                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+                finding.notes.append(context)
+                return finding
+        return None

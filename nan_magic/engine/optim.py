@@ -1,0 +1,161 @@
+"""Optimizer-phase checks, and what a GradScaler makes benign.
+
+Global optimizer step hooks (no need to pass the optimizer): before a step,
+a non-finite gradient about to be applied is reported; after it, a parameter
+or optimizer state the step made non-finite is reported as phase
+``optimizer``.
+
+GradScaler rule. With a watched, enabled GradScaler, a non-finite gradient
+in backward is first held as *pending*: the scaler may skip the step. If the
+next step starts without an optimizer step having run, the scaler skipped
+it, and the pending event is recorded as benign (never raised). The run is
+not healthy, and the watch raises, when the scale keeps collapsing:
+:data:`COLLAPSE_SKIPS` skipped steps in a row (with the default backoff of
+0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients
+overflow). A non-finite unscaled gradient that reaches an optimizer step is
+always a real fault.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nan_magic.engine.findings import Finding
+from nan_magic.engine.stats import kinds_of, relevant_kinds
+from nan_magic.records import Cause, Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.engine.watch import Watch
+
+__all__ = ["COLLAPSE_SKIPS", "OptimizerChecks"]
+
+#: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
+COLLAPSE_SKIPS = 15
+
+
+class OptimizerChecks:
+    """Optimizer step hooks and the GradScaler rule for one watch."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.steps = 0
+        self.pending_overflow: Finding | None = None
+        self.skipped_in_a_row = 0
+        self.skipped_total = 0
+
+    # -- hooks -------------------------------------------------------------------
+
+    def watches(self, opt: torch.optim.Optimizer) -> bool:
+        mine = self.watch.targets.optimizers
+        return not mine or any(opt is candidate for candidate in mine)
+
+    def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        watch = self.watch
+        if not watch.mine() or not self.watches(opt):
+            return
+        watch.sync()
+        finding = watch.gradients.check_parameter_grads(
+            self.named_parameters(opt), f"{type(opt).__name__} was about to step with this gradient"
+        )
+        if finding is not None:
+            self._attribute(finding)
+            watch.emit(finding)
+
+    def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        watch = self.watch
+        if not watch.mine() or not self.watches(opt):
+            return
+        try:
+            finding = self._check_step_result(opt)
+            if finding is not None:
+                watch.emit(finding)
+        finally:
+            self.steps += 1
+            self.pending_overflow = None
+            self.skipped_in_a_row = 0
+            watch.end_step()
+
+    def _check_step_result(self, opt: torch.optim.Optimizer) -> Finding | None:
+        kinds = self.watch.config.kinds
+        for name, parameter in self.named_parameters(opt):
+            if relevant_kinds(kinds_of(parameter), kinds):
+                finding = Finding(Phase.OPTIMIZER, None, f"parameter {name}", bad=parameter.detach())
+                self._attribute(finding)
+                finding.notes.append(f"the {type(opt).__name__} step made {name} non-finite")
+                return finding
+            for key, value in opt.state.get(parameter, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                    if relevant_kinds(kinds_of(value), kinds):
+                        finding = Finding(Phase.OPTIMIZER, None, f"state {key} of {name}", bad=value.detach())
+                        self._attribute(finding)
+                        finding.notes.append(f"the {type(opt).__name__} step made its {key} of {name} non-finite")
+                        return finding
+        return None
+
+    # -- GradScaler ------------------------------------------------------------------
+
+    def scaler_active(self) -> bool:
+        return any(scaler.is_enabled() for scaler in self.watch.targets.scalers)
+
+    def hold_gradient_event(self, finding: Finding) -> bool:
+        """Hold a backward event while a GradScaler may still skip the step."""
+        if not self.scaler_active():
+            return False
+        if self.pending_overflow is None:
+            self.pending_overflow = finding
+        return True
+
+    def on_step_boundary(self) -> None:
+        """A new step starts: a held overflow without an optimizer step was skipped."""
+        finding, self.pending_overflow = self.pending_overflow, None
+        if finding is None:
+            return
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        scale = min(scaler.get_scale() for scaler in self.watch.targets.scalers if scaler.is_enabled())
+        finding.benign = True
+        finding.notes.append(
+            f"the GradScaler skipped this step: its scaled gradients were non-finite "
+            f"({self.skipped_in_a_row} skipped in a row, {self.skipped_total} in all; scale now {scale:g})"
+        )
+        self.watch.emit(finding)
+        if self.skipped_in_a_row >= COLLAPSE_SKIPS or scale < 1.0:
+            finding.benign = False
+            finding.cause = Cause(
+                "grad-scaler-collapse",
+                f"the GradScaler skipped {self.skipped_in_a_row} steps in a row and its scale fell to {scale:g}: "
+                "the gradients are non-finite at any scale; find the backward producer named here",
+                (f"{self.skipped_in_a_row} consecutive skipped steps", f"scale {scale:g}"),
+            )
+            finding.notes.append(
+                f"raised because the scale keeps collapsing ({COLLAPSE_SKIPS} skips in a row, or a scale below 1)"
+            )
+            self.watch.emit(finding)
+
+    # -- naming --------------------------------------------------------------------
+
+    def named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's parameters under their names in the watched models."""
+        names: dict[int, str] = {}
+        for _label, root in self.watch.targets.roots:
+            for name, parameter in root.named_parameters():
+                names.setdefault(id(parameter), name)
+        return [
+            (names.get(id(parameter), f"param_groups[{group_index}][{position}]"), parameter)
+            for group_index, group in enumerate(opt.param_groups)
+            for position, parameter in enumerate(group["params"])
+        ]
+
+    def _attribute(self, finding: Finding) -> None:
+        """Name the module that owns the parameter in ``finding.tensor``."""
+        parameter_name = finding.tensor.rsplit(" ", 1)[-1]
+        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
+        for label, root in self.watch.targets.roots:
+            try:
+                module = root.get_submodule(owner)
+            except AttributeError:
+                continue
+            finding.module, finding.module_type, finding.model = owner, type(module).__name__, label
+            return

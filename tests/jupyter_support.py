@@ -1,0 +1,255 @@
+"""Helpers for the kernel-level and browser-level tests (see TESTING.md).
+
+* :func:`execute_notebook` runs a notebook in a real kernel with nbclient,
+  keeping the widget state (``store_widget_state`` stays on: with it off,
+  nbclient 0.11 fails on Output widgets).
+* :func:`jupyterlab` starts JupyterLab on 127.0.0.1 with throw-away config
+  and data dirs; :func:`chromium_page` drives headless Chromium through
+  Playwright with every request not to 127.0.0.1 aborted.
+* :func:`chromium_or_skip` skips a browser test when Chromium or Playwright
+  is missing, and fails it instead when ``REQUIRE_BROWSER=1`` (CI sets it),
+  so a CI run can never go green by skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def isolated_env(home: Path) -> dict[str, str]:
+    """Environment with Jupyter and IPython config pointed into ``home``.
+
+    The user's profile (startup files, extensions, settings) must not change
+    what a test sees; kernelspecs and lab extensions still come from the
+    environment's prefix, which Jupyter searches regardless.
+    """
+    env = dict(os.environ)
+    for variable, name in (
+        ("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
+        ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython"),
+    ):
+        path = home / name
+        path.mkdir(parents=True, exist_ok=True)
+        env[variable] = str(path)
+    # debugpy warns about frozen modules on every kernel start; the noise
+    # would land in the cells' stderr.
+    env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+    return env
+
+
+# -- kernel level ------------------------------------------------------------------
+
+
+def execute_notebook(path: Path, timeout: int = 300) -> Any:
+    """Execute the notebook at ``path`` in a fresh python3 kernel; return it.
+
+    Cells tagged ``raises-exception`` may fail (nbclient then records the
+    error and goes on); any other error raises ``CellExecutionError``.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    with tempfile.TemporaryDirectory(prefix="nan-magic-nb-") as scratch:
+        client = NotebookClient(
+            nb, timeout=timeout, kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+        )
+        client.execute(env=isolated_env(Path(scratch)))
+    return nb
+
+
+def widget_states(nb: Any) -> dict[str, Any]:
+    """Every stored widget model of an executed notebook, by model id."""
+    return dict(nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"])
+
+
+# -- browser level -------------------------------------------------------------------
+
+
+def chromium_or_skip() -> str:
+    """Path of a Chromium for Playwright; skip (or fail under REQUIRE_BROWSER=1)."""
+    reason = ""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        reason = "the playwright Python package is not installed"
+    executable = next(filter(None, (shutil.which(name) for name in CHROMIUM_CANDIDATES)), None)
+    if executable is None:
+        reason = reason or "no Chromium found (apt-get install chromium)"
+    if reason:
+        if os.environ.get("REQUIRE_BROWSER") == "1":
+            pytest.fail(f"REQUIRE_BROWSER=1 but {reason}")
+        pytest.skip(reason)
+    assert executable is not None
+    return executable
+
+
+@dataclass(frozen=True)
+class LabServer:
+    """A running JupyterLab: where it listens and what it serves."""
+
+    port: int
+    token: str
+    root: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def notebook_url(self, name: str) -> str:
+        """A fresh workspace per URL, so Lab does not reopen earlier notebooks."""
+        return f"{self.base}/lab/workspaces/t{secrets.token_hex(4)}/tree/{name}?token={self.token}"
+
+    def api(self, path: str, method: str = "GET") -> Any:
+        request = urllib.request.Request(
+            f"{self.base}{path}", method=method,
+            headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def jupyterlab(root: Path, home: Path, startup_timeout: float = 90.0) -> Iterator[LabServer]:
+    """Run JupyterLab on loopback serving ``root``; stop it and its kernels after."""
+    server = LabServer(_free_port(), secrets.token_hex(16), root)
+    log_path = home / "jupyterlab.log"
+    command = [
+        sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+        "--ip=127.0.0.1", f"--port={server.port}", "--port-retries=0",
+        f"--IdentityProvider.token={server.token}", f"--ServerApp.root_dir={root}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, env=isolated_env(home), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_until_up(server, process, log_path, startup_timeout)
+        yield server
+    finally:
+        _stop(server, process)
+
+
+def _wait_until_up(server: LabServer, process: subprocess.Popen[bytes], log: Path,
+                   timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited early:\n{log.read_text(errors='replace')}")
+        try:
+            server.api("/api/status")
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.3)
+    raise RuntimeError(f"JupyterLab did not answer in {timeout} s:\n{log.read_text(errors='replace')}")
+
+
+def _stop(server: LabServer, process: subprocess.Popen[bytes]) -> None:
+    # Kernels run in sessions of their own: shut them down through the
+    # server before stopping the server's own process group.
+    try:
+        for kernel in server.api("/api/kernels"):
+            server.api(f"/api/kernels/{kernel['id']}", method="DELETE")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        pass
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+@contextmanager
+def chromium_page(executable: str) -> Iterator[Any]:
+    """A headless Chromium page that may only reach 127.0.0.1."""
+    from playwright.sync_api import sync_playwright
+
+    def local_only(route: Any) -> None:
+        url = urlparse(route.request.url)
+        if url.scheme in ("data", "blob") or url.hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            route.abort()
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=executable, headless=True, args=CHROMIUM_ARGS,
+        )
+        try:
+            context = browser.new_context(viewport={"width": 1500, "height": 1000})
+            context.route("**/*", local_only)
+            yield context.new_page()
+        finally:
+            browser.close()
+
+
+def open_and_run_all(page: Any, server: LabServer, name: str, timeout_ms: int = 120_000) -> None:
+    """Open notebook ``name`` in Lab, wait for an idle kernel, run all cells."""
+    page.goto(server.notebook_url(name))
+    # The status bar's "| Idle" appears once the kernel really started; the
+    # toolbar indicator reads idle before that.
+    page.get_by_text("| Idle").first.wait_for(timeout=timeout_ms)
+    page.locator("li.lm-MenuBar-item", has_text="Run").first.click()
+    page.locator('li.lm-Menu-item[data-command="runmenu:run-all"]').click()
+
+
+def coloured_pixels(image: Any) -> int:
+    """How many pixels of a rendered ``<img>`` are clearly not grey."""
+    return int(image.evaluate(
+        """(img) => {
+            const canvas = document.createElement('canvas');
+            canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+            const context = canvas.getContext('2d');
+            context.drawImage(img, 0, 0);
+            const data = context.getImageData(0, 0, canvas.width, canvas.height).data;
+            let count = 0;
+            for (let i = 0; i < data.length; i += 4) {
+                const [r, g, b] = [data[i], data[i + 1], data[i + 2]];
+                if (Math.max(r, g, b) - Math.min(r, g, b) > 60) count++;
+            }
+            return count;
+        }"""
+    ))
