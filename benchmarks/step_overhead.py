@@ -214,7 +214,7 @@ def _cell(values: list[float]) -> str:
     median = statistics.median(values)
     if len(values) < 2:
         return f"{median:.3f}"
-    q1, _, q3 = statistics.quantiles(values, n=4)
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return f"{median:.3f}±{(q3 - q1) / 2:.3f}"
 
 

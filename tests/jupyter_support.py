@@ -150,6 +150,12 @@ def _free_port() -> int:
 def jupyterlab(root: Path, home: Path, startup_timeout: float = 90.0) -> Iterator[LabServer]:
     """Run JupyterLab on loopback serving ``root``; stop it and its kernels after."""
     server = LabServer(_free_port(), secrets.token_hex(16), root)
+    # No "get notified about Jupyter news?" toast over the notebook.
+    settings = home / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True, exist_ok=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
     log_path = home / "jupyterlab.log"
     command = [
         sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",

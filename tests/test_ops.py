@@ -121,6 +121,36 @@ def test_narrowing_copy_is_the_producer() -> None:
     assert finding.posinf == 1
 
 
+def test_autocast_cast_to_fp16_is_the_producer() -> None:
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    x[0, 0] = 1e5  # finite in float32, above float16's 65504
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            layer(x)  # at: autocast
+
+    finding = trace(run)
+    assert finding is not None
+    assert finding.op == "aten._to_copy.default"
+    assert finding.source is not None and finding.source.lineno == line_of("autocast")
+    assert (finding.posinf, finding.dtype) == (1, "float16")
+
+
+def test_inference_mode_tensors() -> None:
+    layer = nn.Linear(4, 4)
+
+    def run() -> None:
+        y = layer(torch.randn(2, 4))
+        y.add_(1)  # inference tensors have no version counter: nothing may be cached wrongly
+        torch.log(y.abs().neg())  # at: inference
+
+    with torch.inference_mode():
+        finding = trace(run)
+    assert finding is not None and finding.op == "aten.log.default"
+    assert finding.source is not None and finding.source.lineno == line_of("inference")
+
+
 def test_in_place_division_by_zero() -> None:
     x = torch.tensor([1.0, -2.0, 0.5])
     finding = trace(lambda: x.div_(0))  # at: div_
@@ -209,16 +239,24 @@ def test_on_finding_stops_at_the_op_and_reset_rearms() -> None:
     tracer = OpTracer(on_finding=stop)
     x = torch.tensor([-1.0])
     after: list[int] = []
-    with pytest.raises(FloatingPointError, match="aten.log.default"):
-        with tracer:
-            torch.log(x)
-            after.append(1)
+    with pytest.raises(FloatingPointError, match="aten.log.default"), tracer:
+        torch.log(x)
+        after.append(1)
     assert after == [] and len(seen) == 1
     tracer.reset()
     assert tracer.finding is None and tracer.producer_tensors == ()
-    with pytest.raises(FloatingPointError, match="aten.sqrt.default"):
-        with tracer:
-            torch.sqrt(x)
+    with pytest.raises(FloatingPointError, match="aten.sqrt.default"), tracer:
+        torch.sqrt(x)
+
+
+def test_on_finding_raises_out_of_backward() -> None:
+    def stop(finding: OpFinding) -> None:
+        raise FloatingPointError(finding.op)
+
+    a = torch.zeros(2, requires_grad=True)
+    with pytest.raises(FloatingPointError, match="aten.div.Tensor"), OpTracer(on_finding=stop):
+        a.sqrt().sum().backward()
+    assert a.grad is None
 
 
 def test_producer_tensors_are_copies_of_inputs_and_output() -> None:
@@ -266,6 +304,33 @@ def test_backward_of_in_place_op_on_a_view_names_its_line() -> None:
     assert finding is not None and finding.phase == Phase.BACKWARD
     assert finding.forward_source is not None
     assert finding.forward_source.lineno == line_of("view sqrt_")
+
+
+class _ZeroSafeSqrt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        root = x.sqrt()  # at: custom forward
+        ctx.save_for_backward(root)
+        return root
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (root,) = ctx.saved_tensors
+        return grad / (2 * root)  # at: custom backward
+
+
+def test_custom_function_backward() -> None:
+    a = torch.zeros(3, requires_grad=True)
+
+    def run() -> None:
+        _ZeroSafeSqrt.apply(a * 1).sum().backward()
+
+    finding = trace(run)
+    assert finding is not None and finding.phase == Phase.BACKWARD
+    assert finding.op == "aten.div.Tensor"
+    assert finding.source is not None and finding.source.lineno == line_of("custom backward")
+    assert finding.forward_source is not None
+    assert finding.forward_source.lineno == line_of("custom forward")
 
 
 @pytest.mark.parametrize("foreach", [True, False])

@@ -201,10 +201,28 @@ def test_histogram_far_from_limit_and_empty_sample() -> None:
     empty = Sample("y", "torch.float32", (), 10)
     figure = histogram_figure((far, empty))
     assert figure.axes[0].get_lines() == []
-    assert "(off scale)" in figure.axes[0].get_legend().get_texts()[0].get_text()
+    legend = figure.axes[0].get_legend().get_texts()[0].get_text()
+    assert legend == "float32 finite range \u00b13.4028e+38: 3.4e+38x the largest |value|"
     assert "no finite values" in [text.get_text() for text in figure.axes[1].texts]
     assert figure_png(figure).startswith(PNG_MAGIC)
     assert figure_png(histogram_figure(())).startswith(PNG_MAGIC)
+
+
+def test_history_figure_scales_and_marks_nonfinite_steps() -> None:
+    from nan_magic.render.plots import figure_png, history_figure
+
+    blow_up = tuple(
+        StepSummary(step, float("nan") if step == 5 else 1.0, 10.0 ** step, step == 5)
+        for step in range(6)
+    )
+    loss_axes, absmax_axes = history_figure(blow_up).axes
+    assert absmax_axes.get_yscale() == "log"
+    loss_line, marker = loss_axes.get_lines()
+    assert list(loss_line.get_xdata()) == [0, 1, 2, 3, 4] and marker.get_xdata()[0] == 5
+    flat = tuple(StepSummary(step, 2.0, 3.0 + step / 10, False) for step in range(4))
+    figure = history_figure(flat)
+    assert figure.axes[1].get_yscale() == "linear"
+    assert figure_png(figure).startswith(PNG_MAGIC)
 
 
 # -- static HTML ---------------------------------------------------------------

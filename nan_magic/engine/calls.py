@@ -32,7 +32,7 @@ def version_of(tensor: torch.Tensor) -> int:
 class TensorRecord:
     """One probed tensor: where it came from and its ``(min, max)``."""
 
-    __slots__ = ("_probe", "call", "consumers", "dtype", "high", "low", "path", "ref", "shape", "status", "version")
+    __slots__ = ("_probe", "call", "consumers", "dtype", "high", "low", "outer", "path", "ref", "shape", "status", "version")
 
     def __init__(self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool) -> None:
         self.path = path
@@ -43,6 +43,9 @@ class TensorRecord:
         self.call = call
         self.status: LayerStatus = "ok"
         self.consumers: list[Call] = []
+        # The record of the same tensor returned again by an enclosing call
+        # (nn.Sequential returns its last child's output object).
+        self.outer: TensorRecord | None = None
         low, high = probe(tensor)
         if defer:
             self._probe: tuple[torch.Tensor, torch.Tensor] | None = (low, high)
@@ -138,7 +141,10 @@ class StepLog:
         return call
 
     def record_output(self, call: Call, path: str, tensor: torch.Tensor) -> TensorRecord:
+        inner = self.lookup(tensor)
         record = TensorRecord(path, tensor, call, self.defer)
+        if inner is not None:
+            inner.outer = record
         call.outputs.append(record)
         self._by_id[id(tensor)] = record
         return record

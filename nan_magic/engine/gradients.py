@@ -37,10 +37,15 @@ class GradientChecks:
         self.watch = watch
         self.last_loss: float | None = None
         self.reported_this_pass = False
+        self.backward_runs = 0
 
-    def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
-        """Arm a gradient check on one module output (called from the forward hook)."""
-        if tensor.requires_grad and tensor.grad_fn is not None:
+    def hook_output(self, record: TensorRecord, tensor: torch.Tensor, fresh: bool) -> None:
+        """Arm a gradient check on one module output (called from the forward hook).
+
+        ``fresh`` is false for a tensor a child call returned first: it already
+        has our hook, and :meth:`consumer` follows it outwards.
+        """
+        if fresh and tensor.requires_grad and tensor.grad_fn is not None:
             tensor.register_hook(functools.partial(self._on_output_grad, record))
 
     def on_backward_start(self, loss: torch.Tensor) -> None:
@@ -49,6 +54,7 @@ class GradientChecks:
         if not watch.mine() or not loss.is_floating_point():
             return
         self.reported_this_pass = False
+        self.backward_runs += 1
         if loss.numel() == 1 and not watch.defer:
             self.last_loss = float(loss.detach())
         if not relevant_kinds(kinds_of(loss), watch.config.kinds):
@@ -106,8 +112,11 @@ class GradientChecks:
 
         The innermost watched module that took the tensor as input; with none,
         the functional code of the producing call's parent (None at top
-        level: the loss).
+        level: the loss). A tensor that enclosing calls returned as their own
+        output is consumed where the outermost of them handed it on.
         """
+        while record.outer is not None:
+            record = record.outer
         if record.consumers:
             return record.consumers[-1]
         return record.call.parent if record.call is not None else None

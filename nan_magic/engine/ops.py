@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
 
 from nan_magic.engine.frames import is_library_file, pointer
 from nan_magic.engine.stats import probe, probe_kinds, probe_stats, relevant_kinds, tensor_stats
@@ -154,15 +156,15 @@ class OpTracer(TorchDispatchMode):
 
     Examples
     --------
-    >>> tracer = OpTracer()
-    >>> with tracer:
-    ...     loss = model(x).sum()
-    ...     loss.backward()
-    >>> tracer.finding.op if tracer.finding else None
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> with OpTracer() as tracer:
+    ...     torch.sqrt(x - 1).sum().backward()
+    >>> tracer.finding.op, tracer.finding.phase, tracer.finding.autograd_node
+    ('aten.div.Tensor', <Phase.BACKWARD: 'backward'>, 'SqrtBackward0')
     """
 
-    #: Higher-order operators (``torch.cond``, eager flex attention) are passed
-    #: through unchecked instead of raising under this mode.
+    #: Higher-order operators (``torch.cond``, eager flex attention) reach
+    #: ``__torch_dispatch__`` as one op instead of raising under this mode.
     supports_higher_order_operators = True
 
     def __init__(
@@ -177,7 +179,9 @@ class OpTracer(TorchDispatchMode):
         super().__init__()
         kinds = frozenset(kinds)
         if not kinds or kinds - {"nan", "inf"}:
-            raise ValueError(f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}")
+            raise ValueError(
+                f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
+            )
         self.kinds = kinds
         self.finding: OpFinding | None = None
         #: ``(label, tensor)`` copies of the producer's output and live inputs
@@ -204,7 +208,7 @@ class OpTracer(TorchDispatchMode):
         self.finding = None
         self.producer_tensors = ()
 
-    def __enter__(self) -> OpTracer:
+    def __enter__(self) -> Self:
         # Tensors may have changed outside the trace without our knowledge.
         self._known.clear()
         # Nodes created before the trace began are not ours to name.
@@ -221,9 +225,9 @@ class OpTracer(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not isinstance(func, torch._ops.OpOverload):
-            return func(*args, **kwargs)
         in_backward = torch._C._current_graph_task_id() != -1
+        if not isinstance(func, torch._ops.OpOverload):
+            return self._opaque(func, args, kwargs, in_backward)
         plan = _plan(func)
         if not in_backward:
             self._note_node(plan, args, kwargs)
@@ -236,9 +240,40 @@ class OpTracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if plan.conversion and not _narrows(plan, args, kwargs, out):
             return out
-        bad = self._outputs(plan, args, kwargs, out)
+        outputs = list(_flatten("output", out))
+        if plan.writes and not outputs:
+            outputs = list(_tensors(plan, args, kwargs, plan.writes))
+        bad = self._suspects(outputs)
         if bad:
-            self._examine(func, plan, args, kwargs, bad, priors, in_backward)
+
+            def inputs_of(label: str) -> list[tuple[str, Any]]:
+                index = _list_index(label) if plan.per_index else None
+                return list(_inputs(plan, args, kwargs, index))
+
+            self._examine(_op_name(func), bad, inputs_of, priors, in_backward)
+        return out
+
+    def _opaque(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], in_backward: bool
+    ) -> Any:
+        """A higher-order operator (``torch.cond``) is checked as one op.
+
+        The ops inside it run without this mode, so they are not seen.
+        """
+        out = func(*args, **kwargs)
+        if self.finding is None:
+            leaves = tree_leaves((args, kwargs))
+            inputs = [
+                (f"operand[{index}]", value)
+                for index, value in enumerate(leaves)
+                if isinstance(value, torch.Tensor) or _is_number(value)
+            ]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            labels = ["output"] if len(outputs) == 1 else [f"output[{i}]" for i in range(len(outputs))]
+            bad = self._suspects(list(zip(labels, outputs)))
+            if bad:
+                name = f"higher_order.{func.name()}"
+                self._examine(name, bad, lambda _label: inputs, {}, in_backward)
         return out
 
     # -- forward line of autograd nodes ----------------------------------------
@@ -294,6 +329,8 @@ class OpTracer(TorchDispatchMode):
         return None
 
     def _remember(self, tensor: torch.Tensor, kinds: frozenset[str]) -> None:
+        if tensor.is_inference():
+            return  # no version counter: a later in-place change would go unseen
         known = self._known
         known[id(tensor)] = (weakref.ref(tensor), tensor._version, kinds)
         if len(known) > 100_000:
@@ -303,26 +340,28 @@ class OpTracer(TorchDispatchMode):
     def _probe_priors(
         self, plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> dict[int, _Prior]:
-        """Probe, before the op, every input whose value the op overwrites."""
-        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t)]
+        """Probe, before the op, every input whose value the op overwrites.
+
+        That is the written tensor of an in-place op, and any input sharing
+        its storage (``torch.add(a, b, out=a)``). A probe is an ``aminmax``
+        whose result is read only if the output turns out non-finite; a
+        tensor whose kinds are known costs nothing.
+        """
         if plan.overwrites:
             return {}
+        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t)]
         storages = {t.untyped_storage().data_ptr() for t in written}
         priors: dict[int, _Prior] = {}
         for _, tensor in _tensors(plan, args, kwargs, plan.reads):
             if _checkable(tensor) and tensor.untyped_storage().data_ptr() in storages:
                 kinds = self._known_kinds(tensor)
-                priors[id(tensor)] = _Prior(tensor.dtype, tuple(tensor.shape), kinds, None if kinds is not None else probe(_wide(tensor)))
+                probed = probe(_wide(tensor)) if kinds is None else None
+                priors[id(tensor)] = _Prior(tensor.dtype, tuple(tensor.shape), kinds, probed)
         return priors
 
-    def _outputs(
-        self, plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any
-    ) -> list[tuple[str, torch.Tensor]]:
-        """``(label, tensor)`` of the outputs that may be non-finite."""
-        items = list(_flatten("output", out))
-        if plan.writes and not items:
-            items = list(_tensors(plan, args, kwargs, plan.writes))
-        checked = [(label, t) for label, t in items if _checkable(t)]
+    def _suspects(self, outputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The outputs that may be non-finite; the others are remembered as finite."""
+        checked = [(label, t) for label, t in outputs if _checkable(t)]
         if not checked:
             return []
         suspects = []
@@ -336,37 +375,29 @@ class OpTracer(TorchDispatchMode):
     def _kinds(self, tensor: torch.Tensor) -> frozenset[str]:
         """Exact kinds of a live tensor, from the cache where possible."""
         known = self._known_kinds(tensor)
-        if known is not None:
-            return known
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
-        if not _checkable(tensor):
-            return frozenset()
-        low, high = (float(v) for v in probe(_wide(tensor)))
-        kinds = probe_kinds(low, high)
-        if "nan" in kinds:
-            kinds = tensor_stats(tensor).kinds
-        self._remember(tensor, kinds)
-        return kinds
+        if known is None:
+            # A complex value is non-finite where its real or imaginary part is.
+            real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+            known = _exact_kinds(real) if _checkable(real) else frozenset()
+            self._remember(tensor, known)
+        return known
 
     # -- a non-finite output ---------------------------------------------------
 
     def _examine(
         self,
-        func: torch._ops.OpOverload,
-        plan: _Plan,
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
+        op: str,
         bad: list[tuple[str, torch.Tensor]],
+        inputs_of: Callable[[str], list[tuple[str, Any]]],
         priors: dict[int, _Prior],
         in_backward: bool,
     ) -> None:
+        """Decide whether a non-finite output makes this op the producer."""
         for label, tensor in bad:
             out_kinds = relevant_kinds(self._kinds(tensor), self.kinds)
             if not out_kinds:
                 continue
-            index = _list_index(label) if plan.per_index else None
-            inputs = list(_inputs(plan, args, kwargs, index))
+            inputs = inputs_of(label)
             held: set[str] = set()
             for _, value in inputs:
                 held |= self._input_kinds(value, priors)
@@ -374,7 +405,7 @@ class OpTracer(TorchDispatchMode):
                     break
             new = out_kinds - held
             if new:
-                self._found(func, plan, label, tensor, new, inputs, priors, in_backward)
+                self._found(op, label, tensor, new, inputs, priors, in_backward)
                 return
 
     def _input_kinds(self, value: Any, priors: dict[int, _Prior]) -> frozenset[str]:
@@ -385,8 +416,7 @@ class OpTracer(TorchDispatchMode):
 
     def _found(
         self,
-        func: torch._ops.OpOverload,
-        plan: _Plan,
+        op: str,
         label: str,
         tensor: torch.Tensor,
         new: frozenset[str],
@@ -416,7 +446,7 @@ class OpTracer(TorchDispatchMode):
                     kept.append((name, value.detach().clone()))
             self.producer_tensors = tuple(kept)
             self.finding = OpFinding(
-                op=_op_name(func),
+                op=op,
                 phase=phase or Phase.FORWARD,
                 module=self._module_name(),
                 source=source,
@@ -446,12 +476,61 @@ class OpTracer(TorchDispatchMode):
 # copies without a dtype change, data movement, selections, clamps, sign-like
 # and bounded elementwise functions, scalar fills, bounded random draws,
 # comparisons and shape queries. An entry is an overload packet ("view") or
-# one overload ("scatter.src").
-_PASSIVE_NAMES = ["empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided", "resize_", "resize_as_", "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze", "slice", "select", "narrow", "as_strided", "split", "split_with_sizes", "unbind", "chunk", "alias", "detach", "diagonal", "unfold", "view_as", "lift_fresh", "lift_fresh_copy", "_conj", "conj", "resolve_conj", "resolve_neg", "_neg_view", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "view_as_real", "view_as_complex", "contiguous", "clone", "set_", "_local_scalar_dense", "expand_copy", "permute_copy", "view_copy", "select_copy", "slice_copy", "t_copy", "transpose_copy", "unsqueeze_copy", "squeeze_copy", "detach_copy", "alias_copy", "split_copy", "unbind_copy", "cat", "stack", "index", "index_select", "gather", "take", "masked_select", "masked_fill", "masked_scatter", "where", "scatter.src", "scatter.value", "scatter_.src", "scatter_.value", "index_copy", "index_fill", "repeat", "roll", "flip", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d", "tril", "triu", "diag_embed", "select_scatter", "slice_scatter", "diagonal_scatter", "as_strided_scatter", "embedding", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "_unsafe_index", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d", "fill", "fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "scalar_tensor", "eye", "_foreach_zero_", "relu", "relu_", "hardtanh", "hardtanh_", "threshold", "threshold_", "threshold_backward", "hardtanh_backward", "abs", "abs_", "neg", "neg_", "sign", "sgn", "floor", "ceil", "round.default", "trunc", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin", "aminmax", "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "argmax", "argmin", "argsort", "sigmoid", "sigmoid_", "tanh", "tanh_", "sigmoid_backward", "tanh_backward", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randperm", "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "nonzero", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "is_same_size"]
+# one overload ("scatter.src"). An op missing here is checked: when in doubt,
+# check, since a passive op's new non-finite value would be blamed on no one.
+_PASSIVE = frozenset(
+    {
+        # allocation of uninitialised memory
+        "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided",
+        "resize_", "resize_as_",
+        # views, metadata and copies in the same dtype
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "permute", "transpose", "t",
+        "squeeze", "unsqueeze", "slice", "select", "narrow", "as_strided", "split",
+        "split_with_sizes", "unbind", "chunk", "alias", "detach", "diagonal", "unfold", "view_as",
+        "lift_fresh", "lift_fresh_copy", "_conj", "conj", "resolve_conj", "resolve_neg",
+        "_neg_view", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "view_as_real",
+        "view_as_complex", "contiguous", "clone", "set_", "_local_scalar_dense", "expand_copy",
+        "permute_copy", "view_copy", "select_copy", "slice_copy", "t_copy", "transpose_copy",
+        "unsqueeze_copy", "squeeze_copy", "detach_copy", "alias_copy", "split_copy", "unbind_copy",
+        # data movement: every output value is an input value or a scalar argument
+        "cat", "stack", "index", "index_select", "gather", "take", "masked_select", "masked_fill",
+        "masked_scatter", "where", "scatter.src", "scatter.value", "scatter_.src", "scatter_.value",
+        "index_copy", "index_fill", "repeat", "roll", "flip", "constant_pad_nd", "reflection_pad1d",
+        "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+        "replication_pad3d", "tril", "triu", "diag_embed", "select_scatter", "slice_scatter",
+        "diagonal_scatter", "as_strided_scatter", "embedding", "pixel_shuffle", "pixel_unshuffle",
+        "channel_shuffle", "_unsafe_index", "upsample_nearest1d", "upsample_nearest2d",
+        "upsample_nearest3d",
+        # fills from a scalar, and random draws that are bounded
+        "fill", "fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like",
+        "new_zeros", "new_ones", "new_full", "scalar_tensor", "eye", "_foreach_zero_", "bernoulli",
+        "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randperm",
+        # selections and bounded elementwise functions
+        "relu", "relu_", "hardtanh", "hardtanh_", "threshold", "threshold_", "threshold_backward",
+        "hardtanh_backward", "abs", "abs_", "neg", "neg_", "sign", "sgn", "floor", "ceil",
+        "round.default", "trunc", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max",
+        "clamp_max_", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin", "aminmax",
+        "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "argmax",
+        "argmin", "argsort", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+        "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d", "sigmoid",
+        "sigmoid_", "tanh", "tanh_", "sigmoid_backward", "tanh_backward",
+        # comparisons and shape queries
+        "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf", "isneginf",
+        "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
+        "bitwise_not", "nonzero", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
+        "is_same_size",
+    }
+)
 
 # Copies that are passive unless they narrow the dtype (float32 -> float16
 # overflows to inf); value: the argument holding the source.
-_CONVERSIONS = {"copy_": "src", "copy": "src", "_to_copy": "self", "_copy_from": "self", "_copy_from_and_resize": "self"}
+_CONVERSIONS = {
+    "copy_": "src",
+    "copy": "src",
+    "_to_copy": "self",
+    "_copy_from": "self",
+    "_copy_from_and_resize": "self",
+}
 
 # In-place ops that overwrite their target without reading it.
 _OVERWRITES = frozenset(
@@ -487,9 +566,11 @@ def _plan(func: torch._ops.OpOverload) -> _Plan:
     outs = frozenset(argument.name for argument in schema.arguments if argument.is_out)
     overwrites = packet in _OVERWRITES
     reads = frozenset(names) - outs - (writes if overwrites else frozenset())
+    # With out=, even a passive op may cast its result to a narrower dtype.
+    passive = not outs and (packet in _PASSIVE or f"{packet}.{func._overloadname}" in _PASSIVE)
     return _Plan(
         names=names,
-        passive=packet in _PASSIVE or f"{packet}.{func._overloadname}" in _PASSIVE,
+        passive=passive,
         conversion=_CONVERSIONS.get(packet),
         overwrites=overwrites,
         writes=writes,
@@ -501,8 +582,6 @@ def _plan(func: torch._ops.OpOverload) -> _Plan:
         per_index=packet.startswith(("_foreach_", "_fused_")),
     )
 
-
-_PASSIVE = frozenset(_PASSIVE_NAMES)
 
 
 def _arguments(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -608,6 +687,13 @@ def _range(dtype: torch.dtype) -> float:
     if dtype == torch.bool or dtype.is_complex:
         return 0.0 if dtype == torch.bool else float(torch.finfo(dtype.to_real()).max)
     return float(torch.iinfo(dtype).max)
+
+
+def _exact_kinds(tensor: torch.Tensor) -> frozenset[str]:
+    low, high = (float(v) for v in probe(_wide(tensor)))
+    kinds = probe_kinds(low, high)
+    # NaN hides infinities from a probe; count them apart.
+    return tensor_stats(tensor).kinds if "nan" in kinds else kinds
 
 
 def _read(ends: list[torch.Tensor]) -> list[float]:

@@ -108,8 +108,21 @@ class OptimizerChecks:
         return True
 
     def on_step_boundary(self) -> None:
-        """A new step starts: a held overflow without an optimizer step was skipped."""
+        """A new step starts after a backward but no optimizer step: was it skipped?
+
+        With an enabled GradScaler that is the scaler skipping an overflowed
+        step. The held gradient event says where it overflowed; when only a
+        parameter gradient overflowed (the activation gradients were finite),
+        the parameter gradients, still in place, say which.
+        """
         finding, self.pending_overflow = self.pending_overflow, None
+        if finding is None and self.scaler_active():
+            finding = self.watch.gradients.check_parameter_grads(
+                [(name, p) for opt in self._optimizers() for name, p in self.named_parameters(opt)],
+                "a parameter gradient overflowed while the activation gradients stayed finite",
+            )
+            if finding is not None:
+                self._attribute(finding)
         if finding is None:
             return
         self.skipped_in_a_row += 1
@@ -133,6 +146,9 @@ class OptimizerChecks:
                 f"raised because the scale keeps collapsing ({COLLAPSE_SKIPS} skips in a row, or a scale below 1)"
             )
             self.watch.emit(finding)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.watch.targets.optimizers)
 
     # -- naming --------------------------------------------------------------------
 

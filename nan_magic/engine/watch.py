@@ -140,7 +140,8 @@ class Watch:
         try:
             if exc is None:
                 self.sync()
-                self.optimizers.on_step_boundary()
+                if self._step_open and self.gradients.backward_runs:
+                    self.optimizers.on_step_boundary()
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -268,9 +269,10 @@ class Watch:
                 self._record_data(frame.info, module, kwargs, "kwargs")
         if frame.info.watched:
             for path, tensor in iter_tensors(output, "output"):
+                fresh = self.log.lookup(tensor) is None
                 record = self.log.record_output(call, path, tensor)
                 if self.config.backward:
-                    self.gradients.hook_output(record, tensor)
+                    self.gradients.hook_output(record, tensor, fresh)
         self.log.finish(call)
         if frame.info.watched and not self.defer:
             for record in call.outputs:
@@ -388,13 +390,14 @@ class Watch:
     # -- steps ----------------------------------------------------------------------
 
     def _begin_step_if_needed(self) -> None:
-        if self._step_open and self.optimizers.pending_overflow is not None:
-            # The last step's backward overflowed and no optimizer step ran:
-            # a GradScaler skipped it.
+        if self._step_open and self.gradients.backward_runs:
+            # A backward ran since the last optimizer step, and no step: with
+            # a GradScaler, the scaler skipped it.
             self.optimizers.on_step_boundary()
             self._step_open = False
         if not self._step_open:
             self.log.clear()
+            self.gradients.backward_runs = 0
             self._step_open = True
 
     def end_step(self) -> None:

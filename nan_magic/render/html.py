@@ -234,7 +234,7 @@ def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
         for entry in recent
     )
     table = (
-        '<table class="nm-table"><thead><tr><th>step</th><th>loss</th>'
+        '<table class="nm-table nm-history"><thead><tr><th>step</th><th>loss</th>'
         f"<th>max |activation|</th><th>non-finite</th></tr></thead><tbody>{body}</tbody></table>"
     )
     title = f"History ({len(report.history)} steps kept"

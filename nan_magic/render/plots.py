@@ -16,14 +16,17 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from nan_magic.records import Sample, StepSummary
 from nan_magic.render.common import finite_limit, short_dtype
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
-#: so the limit is written in the legend instead.
-_LIMIT_VISIBLE = 0.01
+#: so the legend gives the headroom (limit / largest |value|) instead.
+_LIMIT_VISIBLE = 0.25
+#: Ratio of largest to smallest |activation| above which the history uses a log scale.
+_DECADES = 100.0
 _BINS = 60
 _COLUMNS = 3
 _DPI = 80
@@ -85,7 +88,8 @@ def draw_histogram(axes: Axes, sample: Sample) -> None:
         axes.set_xlim(-1.08 * limit, 1.08 * limit)
     else:
         # A legend entry that is not drawn on the axes: the limit is off scale.
-        handle = Line2D([], [], linestyle="none", label=f"{label} (off scale)")
+        text = f"{label}: {limit / absmax:.3g}x the largest |value|" if absmax else label
+        handle = Line2D([], [], linestyle="none", label=text)
     axes.legend(handles=[handle], fontsize=7, loc="upper right", handlelength=1.5)
 
 
@@ -122,8 +126,11 @@ def history_figure(history: Sequence[StepSummary]) -> Figure:
         for entry in history:
             if entry.nonfinite:
                 axes.axvline(entry.step, color=_LIMIT, alpha=0.6)
-    if any(entry.absmax for entry in history):
+    absmaxes = [e.absmax for e in history if e.absmax is not None and 0 < e.absmax < math.inf]
+    # A log scale only helps when |activation| spans decades (a slow blow-up).
+    if absmaxes and max(absmaxes) > _DECADES * min(absmaxes):
         absmax_axes.set_yscale("log")
+    absmax_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     absmax_axes.set_xlabel("step (red: non-finite)", fontsize=8)
     return figure
 

@@ -124,7 +124,8 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     -------
     pandas.io.formats.style.Styler
         Classes from :func:`row_classes` on every cell; render with
-        ``.to_html()`` next to :data:`TABLE_CSS`.
+        ``.to_html()`` next to :data:`TABLE_CSS`; the table's classes are
+        ``nm-table nm-layers``.
     """
     frame = layers_frame(layers)
     classes = row_classes(layers)
@@ -138,7 +139,7 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     return (
         frame.style.hide(axis="index")
         .set_td_classes(class_frame)
-        .set_table_attributes('class="nm-table"')
+        .set_table_attributes('class="nm-table nm-layers"')
         .format(fmt_number, subset=["min", "max", "mean", "std", "absmax"], na_rep="")
         .format(fmt_shape, subset=["shape"])
         .format(module_label, subset=["module"])

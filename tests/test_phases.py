@@ -1,0 +1,286 @@
+"""Producers outside the forward pass: backward, loss, optimizer, data, and GradScaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import nan_magic
+from nan_magic import NonFiniteError
+from nan_magic.engine.optim import COLLAPSE_SKIPS
+
+
+def raised(run, *targets, **options) -> nan_magic.Report:
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(*targets, **options):
+            run()
+    return caught.value.report
+
+
+# -- backward ------------------------------------------------------------------------
+
+
+def test_sqrt_at_zero_distance_in_a_triplet_loss_is_a_backward_producer_in_the_loss() -> None:
+    torch.manual_seed(0)
+    embed = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    anchor = torch.randn(6, 8)
+    positive = anchor.clone()  # same inputs: distance exactly 0
+    negative = torch.randn(6, 8)
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(((a - b) ** 2).sum(-1))
+
+    def step() -> None:
+        a, p, n = embed(anchor), embed(positive), embed(negative)
+        loss = F.relu(distance(a, p) - distance(a, n) + 1.0).mean()
+        assert torch.isfinite(loss)  # nothing non-finite in forward
+        loss.backward()
+
+    report = raised(step, embed)
+    assert report.phase == "backward"
+    assert report.module is None  # the loss code, outside every module
+    assert report.nan > 0
+    assert any("outside every watched module" in note for note in report.notes)
+    forward_rows = [row for row in report.layers if row.phase == "forward"]
+    assert forward_rows and all(row.stats.nonfinite == 0 for row in forward_rows)
+
+
+class AngleHead(nn.Module):
+    """Angle between two embeddings: acos at exactly 1 has an infinite derivative."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        cosine = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+        return torch.acos(cosine.clamp(-1.0, 1.0))
+
+
+class Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.head = AngleHead()
+        with torch.no_grad():
+            self.encoder.weight.copy_(torch.eye(4))
+            self.encoder.bias.zero_()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x), self.encoder(y))
+
+
+def test_acos_at_one_after_a_clamp_names_the_module_whose_backward_produced_it() -> None:
+    model = Siamese()
+    x = torch.eye(4)  # one-hot rows: cosine exactly 1 with themselves
+
+    report = raised(lambda: model(x, x.clone()).mean().backward(), model)
+    assert (report.phase, report.module, report.module_type) == ("backward", "head", "AngleHead")
+    assert report.tensor.startswith("grad of input[")
+    assert report.neginf + report.posinf + report.nan > 0
+
+
+class GuardedExp(nn.Module):
+    """exp for small inputs, identity otherwise; exp overflows in the branch not taken."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x < 20, torch.exp(x), x)
+
+
+def test_where_with_an_overflowing_unselected_branch_is_found_through_the_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), GuardedExp(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(100.0)  # every input to GuardedExp is ~100: exp(100) = inf
+    x = torch.randn(3, 4)
+
+    def step() -> None:
+        out = model(x)
+        assert torch.isfinite(out).all()  # the forward output is finite
+        out.sum().backward()
+
+    report = raised(step, model)
+    assert (report.phase, report.module, report.module_type) == ("backward", "1", "GuardedExp")
+    assert report.nan > 0
+
+
+def test_in_place_ops_and_modules_called_twice_work_with_gradient_checks() -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    act = nn.ReLU(inplace=True)
+    x = torch.randn(2, 4)
+
+    def step() -> torch.Tensor:
+        shared.zero_grad()
+        h = act(shared(x))  # ReLU(inplace=True) on a module output we hook
+        h = shared(h)  # the same module called twice
+        h.add_(1.0)  # in place on a hooked module output
+        h.sum().backward()
+        return shared.weight.grad.clone()
+
+    plain = step()
+    with nan_magic.watch(shared, act) as w:
+        watched = step()
+    assert w.report is None
+    assert torch.equal(plain, watched)
+
+
+# -- loss ----------------------------------------------------------------------------
+
+
+def test_cross_entropy_with_every_label_ignored_is_the_loss_code() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x = torch.randn(4, 8)
+    labels = torch.full((4,), -100)
+
+    def step() -> None:
+        F.cross_entropy(model(x), labels).backward()
+
+    report = raised(step, model)
+    assert (report.phase, report.module, report.tensor) == ("forward", None, "loss")
+    assert report.nan == 1 and report.inputs_finite
+    assert any("every watched module output of this step was finite" in note for note in report.notes)
+
+
+# -- forward and data ------------------------------------------------------------------
+
+
+class BatchStandardize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0)) / x.std(0)
+
+
+def test_std_over_a_batch_of_one_is_a_forward_producer() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), BatchStandardize(), nn.Linear(4, 2))
+    report = raised(lambda: model(torch.randn(1, 4)), model)
+    assert (report.phase, report.module, report.module_type) == ("forward", "1", "BatchStandardize")
+
+
+def test_a_dataset_that_standardises_a_constant_column_is_data() -> None:
+    torch.manual_seed(0)
+    table = torch.randn(64, 5)
+    table[:, 2] = 3.0  # a constant column
+    standardised = (table - table.mean(0)) / table.std(0)
+    loader = [standardised[i : i + 16] for i in range(0, 64, 16)]
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        for batch in loader:
+            opt.zero_grad()
+            model(batch).mean().backward()
+            opt.step()
+
+    report = raised(train, model, opt)
+    assert (report.phase, report.module, report.tensor, report.step) == ("data", "", "input[0]", 0)
+    assert report.nan == 16  # the whole constant column of the first batch
+    assert report.first_bad_index == (0, 2)
+
+
+# -- optimizer -------------------------------------------------------------------------
+
+
+def test_adam_in_pure_fp16_with_an_epsilon_that_rounds_to_zero() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+    tokens = torch.tensor([1, 2])  # rows 0, 3..9 get zero gradients: 0 / (0 + eps) with eps == 0
+
+    def step() -> None:
+        opt.zero_grad()
+        model(tokens).float().sum().backward()
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.module, report.module_type) == ("optimizer", "0", "Embedding")
+    assert report.tensor == "parameter 0.weight"
+    assert report.nan == 32  # 8 untouched rows x 4
+    assert report.step == 0
+    assert any("Adam step made 0.weight non-finite" in note for note in report.notes)
+
+
+def test_a_nonfinite_gradient_is_reported_before_the_step_runs() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        model.weight.grad[0, 1] = float("inf")  # e.g. a hand-written gradient transform
+        opt.step()
+
+    report = raised(step, model, opt, backward=False)
+    assert (report.phase, report.module, report.tensor) == ("backward", "", "gradient of weight")
+    assert report.posinf == 1
+    assert torch.equal(model.weight, before)  # the step never ran
+
+
+def test_step_counts_optimizer_steps_across_phases() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+
+    def train() -> None:
+        for step in range(5):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            if step == 2:
+                with torch.no_grad():
+                    model.weight.fill_(float("nan"))  # corrupted outside the optimizer
+
+    report = raised(train, model, opt)
+    assert (report.phase, report.tensor, report.step) == ("forward", "parameter weight", 3)
+
+
+# -- GradScaler -----------------------------------------------------------------------
+
+
+def _amp_run(model: nn.Module, steps: int, init_scale: float):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+    def train() -> None:
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    return opt, scaler, train
+
+
+def test_grad_scaler_overflow_in_the_first_steps_is_benign() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt, scaler, train = _amp_run(model, 12, init_scale=2.0**24)
+    with nan_magic.watch(model, opt, scaler) as w:
+        train()
+    assert w.report is None  # nothing raised, no real event
+    skipped = len(w.events)
+    assert 1 <= skipped < 12 and all(event.benign for event in w.events)
+    assert all(event.phase == "backward" for event in w.events)
+    assert "the GradScaler skipped this step" in w.events[0].notes[-1]
+    assert w.step == 12 - skipped  # optimizer steps that ran
+    assert scaler.get_scale() == 2.0**24 / 2**skipped  # one halving per skipped step
+
+
+def test_grad_scaler_whose_scale_keeps_collapsing_raises() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), GuardedExp(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].bias.fill_(100.0)  # NaN gradients at any scale
+    opt, scaler, train = _amp_run(model, 40, init_scale=2.0**16)
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(model, opt, scaler) as w:
+            train()
+    report = caught.value.report
+    assert not report.benign and report.cause is not None
+    assert report.cause.label == "grad-scaler-collapse"
+    assert report.module == "1"
+    assert len(w.events) == COLLAPSE_SKIPS + 1  # the benign skips, then the raise
