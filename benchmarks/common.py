@@ -103,6 +103,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "device": device,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
@@ -129,13 +130,11 @@ def format_header(info: dict[str, Any]) -> str:
         f"software: torch {info['torch']}, Python {info['python']}, {info['platform']}\n"
         f"device: {info['device']}"
     )
+    if info["load_average"] is not None:
+        # Other processes on a shared machine are the main source of noise: say so.
+        line += "\nload average before the run (1/5/15 min): " + " ".join(
+            f"{x:.2f}" for x in info["load_average"])
     if info["device"] == "cuda":
         line += f" ({info['gpu']}, CUDA {info['cuda']})"
     return line
 
-
-def sync_fn(device: str) -> Callable[[], None]:
-    """A barrier that waits for queued device work, so wall-clock time covers it."""
-    if device == "cuda":
-        return torch.cuda.synchronize
-    return lambda: None

@@ -269,10 +269,13 @@ def format_tables(results: list[ModelMemory], columns: list[Column], device: str
             title = next(c.title for c in columns if c.key == key)
             cells = "  ".join(f"{p.step}: {p.rss / MB:.0f}, {p.live_tensors}, {p.live_bytes / MB:.1f}"
                               for p in pts)
-            d_rss = (pts[-1].rss - pts[0].rss) / MB
-            d_t = pts[-1].live_tensors - pts[0].live_tensors
-            lines.append(f"  {res.name:<{name_w}} {title:<14} {cells}   "
-                         f"delta: RSS {d_rss:+.1f} MB, tensors {d_t:+d}")
+            # The second half is the verdict: bounded histories may fill during the first.
+            half = pts[-2] if len(pts) > 2 else pts[0]
+            lines.append(f"  {res.name:<{name_w}} {title:<14} {cells}")
+            lines.append(f"  {'':<{name_w}} {'':<14} second half: "
+                         f"RSS {(pts[-1].rss - half.rss) / MB:+.1f} MB, "
+                         f"tensors {pts[-1].live_tensors - half.live_tensors:+d}, "
+                         f"{(pts[-1].live_bytes - half.live_bytes) / MB:+.2f} MB")
 
     lines += ["", "Models:"] + [f"  {r.name:<{name_w}} {r.description}" for r in results]
     notes = [f"  {c.title}: n/a: {c.unavailable}" for c in columns if c.unavailable]

@@ -8,16 +8,20 @@ Usage::
     python benchmarks/step_overhead.py --device cuda   # GPU: also counts host syncs per step
 
 Method (issue 6): for each model, every column (unwatched, nan_magic, nan_magic ops and
-the baselines of :mod:`baselines`) first runs a warm-up block. Then come R rounds; in
-each round every column runs one block of K training steps, in an order rotated by one
-column per round, so that no column always runs first, last or after the same
-neighbour. A block enters the watcher once and runs K steps inside it, as a notebook cell
-wraps its loop, so attach/detach costs are included but amortised over K steps.
+the baselines of :mod:`baselines`) first runs warm-up steps. Then come R rounds; in each
+round every column runs one block of K training steps, in an order rotated by one column
+per round, so that no column always runs first, last or after the same neighbour. A block
+enters the watcher once and runs its K steps inside it, as a notebook cell wraps its loop.
 
-A column's step time in a round is its block time / K. Its ratio in a round is that time
-over the unwatched time *of the same round*: pairing neighbours in time cancels slow drift
-of the machine (thermal, other tenants). The table gives the median of the per-round
-ratios, ± half their inter-quartile range, and below it the median step time in ms.
+Every step is timed on its own (CPU: ``perf_counter``; CUDA: a pair of CUDA events around
+the step, read after the block, so timing adds no host synchronisation). A column's step
+time is the median over all its R x K steps, and its ratio is that median over the
+unwatched median. Interleaving gives every column the same share of whatever else the
+machine is doing, and the median ignores the steps that other processes slowed down;
+the ``±`` is half the 90% bootstrap interval of the ratio, and the unwatched column's
+spread (inter-quartile range / median) says how noisy the machine was. The time to enter
+and leave the watcher, once per block, is reported apart (``attach ms``), not folded into
+the step.
 
 K and R are chosen per model from the warm-up timings so that each model's rounds take
 about ``--budget`` seconds; slow columns therefore lower K rather than the run's
@@ -29,6 +33,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import random
 import statistics
 import sys
 import time
@@ -38,7 +44,7 @@ from typing import Any
 
 import torch
 
-from common import Column, all_columns, format_header, machine_info, setup_torch, sync_fn
+from common import Column, all_columns, format_header, machine_info, setup_torch
 from models import BUILDERS, Benchmark, build
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -48,6 +54,7 @@ SYNC_RUNTIME_CALLS = (
     "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
 )
 TARGETS = {"nan_magic": 1.05, "nan_magic_ops": 2.0}
+BOOTSTRAP = 400
 
 
 @dataclass
@@ -58,32 +65,71 @@ class ModelResult:
     description: str
     steps_per_block: int = 0
     rounds: int = 0
-    # round index -> column key -> seconds per step in that round's block
-    step_s: list[dict[str, float]] = field(default_factory=list)
+    # column key -> seconds of every timed step, in the order they ran
+    step_s: dict[str, list[float]] = field(default_factory=dict)
+    # column key -> seconds to enter plus leave the watcher, one per block
+    attach_s: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     # column key -> {"warnings": syncs/step, "runtime": syncs/step or None}
     syncs: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
-    def ratios(self, key: str) -> list[float]:
-        """Per-round step-time ratios of column ``key`` to the unwatched column."""
-        return [r[key] / r["unwatched"] for r in self.step_s if key in r and "unwatched" in r]
-
     def median_ms(self, key: str) -> float | None:
         """Median step time of column ``key`` in milliseconds, None if it never ran."""
-        times = [r[key] for r in self.step_s if key in r]
+        times = self.step_s.get(key)
         return statistics.median(times) * 1e3 if times else None
 
+    def ratio(self, key: str) -> tuple[float, float] | None:
+        """Median step time of ``key`` over the unwatched one, and half its 90% interval.
 
-def run_block(bench: Benchmark, column: Column, steps: int, sync: Any) -> float:
-    """Run ``steps`` training steps inside one entry of ``column``; seconds per step."""
+        The interval comes from a seeded bootstrap over the steps of both columns; it
+        shows how far noise alone moves the ratio.
+        """
+        times, base = self.step_s.get(key), self.step_s.get("unwatched")
+        if not times or not base:
+            return None
+        value = statistics.median(times) / statistics.median(base)
+        rng = random.Random(0)
+        boot = sorted(
+            statistics.median(rng.choices(times, k=len(times)))
+            / statistics.median(rng.choices(base, k=len(base)))
+            for _ in range(BOOTSTRAP)
+        )
+        return value, (boot[int(0.95 * BOOTSTRAP)] - boot[int(0.05 * BOOTSTRAP)]) / 2
+
+
+def run_block(
+    bench: Benchmark, column: Column, steps: int, device: str
+) -> tuple[list[float], float]:
+    """Run ``steps`` training steps inside one entry of ``column``.
+
+    Returns the seconds of each step and the seconds spent entering and leaving the
+    watcher (on CUDA, host time: the steps' device work may still be running then).
+    """
     assert column.factory is not None
-    sync()
-    start = time.perf_counter()
+    cuda = device == "cuda"
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(steps)]
+        torch.cuda.synchronize()
+    times = []
+    entered = time.perf_counter()
     with column.factory(bench.model):
-        for _ in range(steps):
-            bench.train_step()
-    sync()
-    return (time.perf_counter() - start) / steps
+        first = time.perf_counter()
+        for i in range(steps):
+            if cuda:
+                events[i][0].record()
+                bench.train_step()
+                events[i][1].record()
+            else:
+                start = time.perf_counter()
+                bench.train_step()
+                times.append(time.perf_counter() - start)
+        last = time.perf_counter()
+    left = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+        times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
+    return times, (first - entered) + (left - last)
 
 
 def describe_failure(column: Column, exc: BaseException) -> str:
@@ -150,19 +196,15 @@ def measure_model(
 ) -> ModelResult:
     """Warm up, choose K and R, run the interleaved rounds and (CUDA) count syncs."""
     bench = build(name, args.device)
-    sync = sync_fn(args.device)
     result = ModelResult(name, bench.description)
-    active = []
-    for column in columns:
-        if column.factory is None:
-            result.notes[column.key] = f"n/a: {column.unavailable}"
-        else:
-            active.append(column)
+    active = [column for column in columns if column.factory is not None]
 
+    # Warm-up also estimates each column's step time, for choosing K and R: the fastest
+    # warm-up step, as other processes on a shared machine only ever add time.
     warm_s: dict[str, float] = {}
     for column in list(active):
         try:
-            warm_s[column.key] = run_block(bench, column, args.warmup, sync)
+            warm_s[column.key] = min(run_block(bench, column, args.warmup, args.device)[0])
         except Exception as exc:  # a watcher that cannot run this model is a result, not a crash
             if column.key == "unwatched":
                 raise
@@ -170,7 +212,7 @@ def measure_model(
             active.remove(column)
 
     # One round costs K * sum(step times); fit R rounds in the budget, K >= 1, and
-    # drop rounds (not below 3, for a median) only when even K = 1 does not fit.
+    # drop rounds (not below 3) only when even K = 1 does not fit.
     round_s = sum(warm_s.values())
     steps = max(1, int(args.budget / (args.rounds * round_s)))
     rounds = args.rounds if args.rounds * round_s <= args.budget else max(3, int(args.budget / round_s))
@@ -181,16 +223,19 @@ def measure_model(
 
     for r in range(rounds):
         shift = r % len(active)
-        times: dict[str, float] = {}
         for column in active[shift:] + active[:shift]:
             try:
-                times[column.key] = run_block(bench, column, steps, sync)
+                times, attach = run_block(bench, column, steps, args.device)
             except Exception as exc:
                 if column.key == "unwatched":
                     raise
                 result.notes[column.key] = f"in round {r}: " + describe_failure(column, exc)
                 active.remove(column)
-        result.step_s.append(times)
+                result.step_s.pop(column.key, None)
+                result.attach_s.pop(column.key, None)
+                continue
+            result.step_s.setdefault(column.key, []).extend(times)
+            result.attach_s.setdefault(column.key, []).append(attach)
 
     if not all(torch.isfinite(p).all() for p in bench.model.parameters()):
         result.notes["model"] = "parameters became non-finite during the run: timings suspect"
@@ -208,16 +253,6 @@ def measure_model(
     return result
 
 
-def _cell(values: list[float]) -> str:
-    if not values:
-        return "n/a"
-    median = statistics.median(values)
-    if len(values) < 2:
-        return f"{median:.3f}"
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return f"{median:.3f}±{(q3 - q1) / 2:.3f}"
-
-
 def format_tables(results: list[ModelResult], columns: list[Column], device: str) -> str:
     """The ratio table, the absolute-time table, the sync table (CUDA) and the notes."""
     name_w = max(8, *(len(r.name) for r in results))
@@ -228,7 +263,7 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
 
     header = row("model", [c.title for c in columns])
     lines = [
-        "Step time / unwatched step time: median of per-round ratios ± half the IQR",
+        "Median step time / unwatched median step time (± half the 90% bootstrap interval)",
         header,
         "-" * len(header),
     ]
@@ -236,15 +271,17 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
     for res in results:
         cells = []
         for c in columns:
-            ratios = res.ratios(c.key)
-            cells.append(_cell(ratios))
-            if ratios:
-                per_model[c.key].append(statistics.median(ratios))
+            ratio = res.ratio(c.key)
+            cells.append("n/a" if ratio is None else f"{ratio[0]:.3f}±{ratio[1]:.3f}")
+            if ratio is not None:
+                per_model[c.key].append(ratio[0])
         lines.append(row(res.name, cells))
     lines.append("-" * len(header))
     medians = {k: statistics.median(v) if v else None for k, v in per_model.items()}
-    lines.append(row("median", ["n/a" if medians[c.key] is None else f"{medians[c.key]:.3f}" for c in columns]))
-    lines.append(row("target", [f"<= {TARGETS[c.key]:.2f}" if c.key in TARGETS else "" for c in columns]))
+    lines.append(row("median", ["n/a" if medians[c.key] is None else f"{medians[c.key]:.3f}"
+                                for c in columns]))
+    lines.append(row("target", [f"<= {TARGETS[c.key]:.2f}" if c.key in TARGETS else ""
+                                for c in columns]))
     verdicts = []
     for c in columns:
         m = medians[c.key]
@@ -252,11 +289,21 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
                         else "PASS" if m <= TARGETS[c.key] else "FAIL")
     lines.append(row("verdict", verdicts))
 
-    lines += ["", "Median step time [ms] (K steps per block x R rounds)", header + "     K   R",
-              "-" * (len(header) + 10)]
+    lines += ["", "Median step time [ms]; K steps per block x R rounds; spread = IQR / median "
+              "of the unwatched steps", header + "     K   R  spread", "-" * (len(header) + 18)]
     for res in results:
-        cells = [f"{ms:.1f}" if (ms := res.median_ms(c.key)) is not None else "n/a" for c in columns]
-        lines.append(row(res.name, cells) + f"{res.steps_per_block:>6}{res.rounds:>4}")
+        cells = ["n/a" if (ms := res.median_ms(c.key)) is None else f"{ms:.1f}" for c in columns]
+        base = res.step_s["unwatched"]
+        q1, _, q3 = statistics.quantiles(base, n=4, method="inclusive")
+        spread = (q3 - q1) / statistics.median(base)
+        lines.append(row(res.name, cells) + f"{res.steps_per_block:>6}{res.rounds:>4}{spread:>8.1%}")
+
+    lines += ["", "Attach + detach per watch entry [ms], median over blocks", header,
+              "-" * len(header)]
+    for res in results:
+        attach = {k: statistics.median(v) * 1e3 for k, v in res.attach_s.items()}
+        lines.append(row(res.name, [f"{attach[c.key]:.2f}" if c.key in attach else "n/a"
+                                    for c in columns]))
 
     if device == "cuda":
         lines += ["", "Host syncs per training step (sync-debug-mode warnings / CUDA runtime sync calls)",
@@ -274,7 +321,8 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
         lines.append(row("target", ["<= 1" if c.key == "nan_magic" else "" for c in columns]))
 
     lines += ["", "Models:"] + [f"  {r.name:<{name_w}} {r.description}" for r in results]
-    notes = [f"  {r.name}: {k}: {v}" for r in results for k, v in r.notes.items()]
+    notes = [f"  {c.title}: n/a: {c.unavailable}" for c in columns if c.unavailable]
+    notes += [f"  {r.name}: {k}: {v}" for r in results for k, v in r.notes.items()]
     if notes:
         lines += ["", "Notes:"] + notes
     return "\n".join(lines)
@@ -283,18 +331,18 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; ``--quick`` only changes the defaults of the timing knobs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="about one minute instead of ~8")
+    p.add_argument("--quick", action="store_true", help="about one minute instead of ~6")
     p.add_argument("--models", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--rounds", type=int, help="rounds per model (default 11, quick 3)")
+    p.add_argument("--rounds", type=int, help="rounds per model (default 15, quick 3)")
     p.add_argument("--budget", type=float,
-                   help="seconds of timed rounds per model (default 100, quick 6)")
-    p.add_argument("--warmup", type=int, help="warm-up steps per column (default 2, quick 1)")
+                   help="seconds of timed rounds per model (default 80, quick 6)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per column (default 3, quick 2)")
     p.add_argument("--sync-steps", type=int, default=10, help="CUDA steps counted for syncs")
     p.add_argument("--json", metavar="PATH", help="also write all measurements as JSON")
     args = p.parse_args(argv)
-    for knob, full, quick in (("rounds", 11, 3), ("budget", 100.0, 6.0), ("warmup", 2, 1)):
+    for knob, full, quick in (("rounds", 15, 3), ("budget", 80.0, 6.0), ("warmup", 3, 2)):
         if getattr(args, knob) is None:
             setattr(args, knob, quick if args.quick else full)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -319,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print("nan_magic step overhead: full training step (forward, loss, backward, optimizer "
           "step), fp32")
     print(format_header(info))
-    print(f"run: {'quick' if args.quick else 'full'}, {elapsed:.0f} s\n")
+    after = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    print(f"run: {'quick' if args.quick else 'full'}, {elapsed:.0f} s; load average after: {after}\n")
     print(format_tables(results, columns, args.device))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -190,6 +190,7 @@ class Report:
     samples: tuple[Sample, ...] = ()
     history: tuple[StepSummary, ...] = ()
     debug_frame: SourcePointer | None = None
+    debug_locals: tuple[tuple[str, TensorStats], ...] = ()
     frames: tuple[SourcePointer, ...] = ()
     notes: tuple[str, ...] = ()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -188,7 +189,9 @@ def _wait_until_up(server: LabServer, process: subprocess.Popen[bytes], log: Pat
             return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.3)
-    raise RuntimeError(f"JupyterLab did not answer in {timeout} s:\n{log.read_text(errors='replace')}")
+    raise RuntimeError(
+        f"JupyterLab did not answer in {timeout} s:\n{log.read_text(errors='replace')}"
+    )
 
 
 def _stop(server: LabServer, process: subprocess.Popen[bytes]) -> None:
@@ -235,11 +238,16 @@ def chromium_page(executable: str) -> Iterator[Any]:
 def open_and_run_all(page: Any, server: LabServer, name: str, timeout_ms: int = 120_000) -> None:
     """Open notebook ``name`` in Lab, wait for an idle kernel, run all cells."""
     page.goto(server.notebook_url(name))
-    # The status bar's "| Idle" appears once the kernel really started; the
-    # toolbar indicator reads idle before that.
-    page.get_by_text("| Idle").first.wait_for(timeout=timeout_ms)
+    # The status bar's "Python 3 (ipykernel) | Idle" appears once the kernel
+    # really started; the toolbar indicator reads idle before that.
+    page.get_by_text(re.compile(r"Python 3.*\| Idle")).first.wait_for(timeout=timeout_ms)
+    # Run All is disabled until the notebook is the current widget; clicking
+    # a disabled menu item would silently do nothing.
+    page.locator(".jp-Notebook .jp-Cell").first.click()
     page.locator("li.lm-MenuBar-item", has_text="Run").first.click()
-    page.locator('li.lm-Menu-item[data-command="runmenu:run-all"]').click()
+    page.locator(
+        'li.lm-Menu-item[data-command="runmenu:run-all"]:not(.lm-mod-disabled)'
+    ).click()
 
 
 def coloured_pixels(image: Any) -> int:

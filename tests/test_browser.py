@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from jupyter_support import (
     ARTIFACTS,
     NOTEBOOKS,
@@ -45,10 +44,12 @@ def lab(chromium: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab
 
 
 @pytest.fixture()
-def page(chromium: str) -> Iterator[Any]:
+def page(chromium: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     ARTIFACTS.mkdir(exist_ok=True)
     with chromium_page(chromium) as browser_page:
         yield browser_page
+        # The whole page as the test left it: the first thing to look at when it failed.
+        browser_page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-page.png"))
 
 
 def report_widget(page: Any) -> Any:
@@ -82,7 +83,9 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
     open_tab(widget, "Histograms")
     image = widget.locator(".jp-OutputArea img").first
     image.wait_for()
-    page.wait_for_function("img => img.complete && img.naturalWidth > 100", arg=image.element_handle())
+    page.wait_for_function(
+        "img => img.complete && img.naturalWidth > 100", arg=image.element_handle()
+    )
     assert coloured_pixels(image) > 1000
     widget.screenshot(path=str(ARTIFACTS / "transformer_histograms.png"))
 

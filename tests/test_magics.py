@@ -65,6 +65,18 @@ def ns(ip):
     ip.run_line_magic("nanwatch", "off")
 
 
+def debug_session(ip, commands: str) -> str:
+    """Run %debug with scripted pdb commands; returns what pdb printed.
+
+    IPython keeps one Pdb per shell, bound to the stdin it first saw: drop it
+    so that this session reads the scripted commands.
+    """
+    ip.InteractiveTB.pdb = None
+    with mock.patch("sys.stdin", io.StringIO(commands)), capture_output() as captured:
+        ip.run_line_magic("debug", "")
+    return captured.stdout
+
+
 def run(ip, cell: str):
     with capture_output() as captured:
         result = ip.run_cell(cell)
@@ -100,11 +112,9 @@ def test_traceback_is_short_and_ends_in_the_users_frame(ip, ns) -> None:
 
 def test_debug_opens_in_the_producing_frame(ip, ns) -> None:
     run(ip, "%%nantrace model\n" + TRAIN)
-    commands = io.StringIO("p type(self).__name__\np tuple(h.shape)\nq\n")
-    with mock.patch("sys.stdin", commands), capture_output() as captured:
-        ip.run_line_magic("debug", "")
-    assert "'Net'" in captured.stdout
-    assert "(5, 8)" in captured.stdout
+    printed = debug_session(ip, "p type(self).__name__\np tuple(h.shape)\nq\n")
+    assert "'Net'" in printed
+    assert "(5, 8)" in printed
 
 
 def test_output_option_names_the_variable(ip, ns) -> None:
@@ -214,3 +224,14 @@ def test_unload_removes_magics_and_events(ip) -> None:
     assert not any(getattr(cb, "__self__", None).__class__.__name__ == "NanMagics" for cb in callbacks)
     shell.run_line_magic("load_ext", "nan_magic")
     assert shell.find_cell_magic("nantrace") is not None
+
+
+def test_ops_mode_debug_opens_on_the_producing_line_with_its_locals(ip, ns) -> None:
+    result, _ = run(ip, "%%nantrace model --ops\n" + TRAIN)
+    report = ns["_nan_report"]
+    assert (report.module, report.op) == ("log", "aten.log.default")
+    assert report.source.line == "return torch.log(h)"
+    assert report.debug_frame.line == "return torch.log(h)"
+    assert {name for name, _stats in report.debug_locals} == {"x", "h"}
+    printed = debug_session(ip, "p float(h.min()) < 0\nq\n")
+    assert "True" in printed  # h, the value log was given, is there to inspect

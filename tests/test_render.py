@@ -9,6 +9,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PRODUCER = "encoder.layers.1.attn"
 
 
-def stats(dtype: str = "torch.float16", nan: int = 0, posinf: int = 0, scale: float = 1.0) -> TensorStats:
+def stats(
+    dtype: str = "torch.float16", nan: int = 0, posinf: int = 0, scale: float = 1.0
+) -> TensorStats:
     return TensorStats(
         dtype=dtype, shape=(4, 8, 16), numel=512, nan=nan, posinf=posinf, neginf=0,
         min=-scale, max=scale, mean=0.0, std=scale / 2, absmax=scale,
@@ -64,32 +67,38 @@ def source_file(tmp_path: Path) -> Path:
     return path
 
 
-def make_report(source_file: Path | None = None, layers: int = 6, producer_at: int = 3,
-                **changes: object) -> Report:
+def make_report(
+    source_file: Path | None = None, layers: int = 6, producer_at: int = 3, **changes: Any
+) -> Report:
+    """An fp16 attention overflow at step 7, with every optional part filled in."""
     pointer = SourcePointer(
         str(source_file or "/nonexistent/model.py"), 4, "forward",
         "        scores = q @ k.transpose(-2, -1)",
     )
-    fields: dict[str, object] = dict(
+    report = Report(
         phase=Phase.FORWARD, module=PRODUCER, module_type="SelfAttention", step=7,
         nan=3, posinf=48, neginf=0, numel=512, model="model", op="aten.bmm.default",
         source=pointer, dtype="torch.float16",
-        cause=Cause("fp16 overflow", "Scale q by 1/sqrt(d) before the matmul, or compute scores in float32.",
-                    ("input absmax 300 is 0.46% of float16 max",)),
+        cause=Cause(
+            "fp16 overflow",
+            "Scale q by 1/sqrt(d) before the matmul, or compute scores in float32.",
+            ("input absmax 300 is 0.46% of float16 max",),
+        ),
         output_stats=stats(nan=3, posinf=48),
         input_stats=(("input[0]", stats(scale=300.0)),),
         layers=make_layers(layers, producer_at),
         samples=(
-            Sample("input[0]", "torch.float16", tuple(float(v % 700 - 350) for v in range(512)), 512),
-            Sample("output", "torch.float16", tuple(float(v * 120) for v in range(500)), 512),
+            Sample("input[0]", "torch.float16", tuple(v % 700 - 350.0 for v in range(512)), 512),
+            Sample("output", "torch.float16", tuple(v * 120.0 for v in range(500)), 512),
         ),
-        history=tuple(StepSummary(step, 2.0 / (step + 1), 10.0 ** step, step == 7) for step in range(8)),
+        history=tuple(
+            StepSummary(step, 2.0 / (step + 1), 10.0**step, step == 7) for step in range(8)
+        ),
         debug_frame=pointer,
         frames=(SourcePointer("<cell>", 3, "<module>", "loss = model(x).sum()"), pointer),
         notes=("the same module also ran in step 6 without non-finite values",),
     )
-    fields.update(changes)
-    return Report(**fields)  # type: ignore[arg-type]
+    return dataclasses.replace(report, **changes)
 
 
 # -- text ----------------------------------------------------------------------
@@ -165,13 +174,21 @@ def test_styled_table_highlights_producer_marks_propagated_dims_after() -> None:
     from nan_magic.render.table import style_layers
 
     html = style_layers(make_layers(6, producer_at=3)).to_html()
-    rows = re.findall(r"<tr>(.*?)</tr>", html, flags=re.S)[1:]
+    rows = re.findall(r"<tr>(.*?)</tr>", html, flags=re.DOTALL)[1:]
     assert len(rows) == 6
     assert "nm-producer" in rows[3] and PRODUCER in rows[3]
     assert all("nm-producer" not in row for row in rows[:3] + rows[4:])
     assert "nm-propagated" in rows[4] and "nm-after" in rows[4] and "nm-after" in rows[5]
     assert all("nm-after" not in row for row in rows[:4])
     assert "4x8x16" in rows[0]
+
+
+def test_styled_table_escapes_names() -> None:
+    from nan_magic.render.table import style_layers
+
+    odd = LayerCall(0, Phase.FORWARD, "blocks.<0>", "<lambda>", stats(), tensor="output[0]")
+    html = style_layers((odd,)).to_html()
+    assert "blocks.&lt;0&gt;" in html and "&lt;lambda&gt;" in html and "<lambda>" not in html
 
 
 # -- plots ---------------------------------------------------------------------
@@ -359,7 +376,10 @@ def test_text_render_stays_light() -> None:
     code = (
         "import sys; from nan_magic.records import Report, Phase;"
         "Report(Phase.FORWARD, 'a', 'Linear', 0, 1, 0, 0, 1).to_text();"
-        "print(sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets', 'IPython') if m in sys.modules))"
+        "print(sorted(m for m in ('pandas', 'matplotlib', 'ipywidgets', 'IPython')"
+        " if m in sys.modules))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.engine.stats import probe, probe_kinds, probe_stats, tensor_stats
+from nan_magic.engine.stats import probe, probe_kinds, probe_stats, read_scalars, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
@@ -165,16 +165,20 @@ class StepLog:
     def pending_records(self) -> list[TensorRecord]:
         return [record for call in self.calls for record in call.outputs if record.pending]
 
-    def resolve(self) -> None:
-        """Read every pending probe with one device-to-host copy (deferred mode)."""
+    def resolve(self, extra: list[torch.Tensor] | None = None) -> list[float]:
+        """Read every pending probe, and ``extra`` scalars, in one device-to-host copy.
+
+        Returns the values of ``extra``. This is the deferred mode's one host
+        synchronisation per step.
+        """
         pending = self.pending_records()
-        if not pending:
-            return
-        stacked = torch.stack([value.float() for record in pending for value in record._probe])  # type: ignore[union-attr]
-        values = stacked.tolist()
+        extra = extra or []
+        scalars = [value for record in pending for value in record._probe]  # type: ignore[union-attr]
+        values = read_scalars(scalars + extra) if scalars or extra else []
         for position, record in enumerate(pending):
             record.low, record.high = values[2 * position], values[2 * position + 1]
             record._probe = None
+        return values[len(scalars):]
 
     def layer_calls(self, limit: int) -> tuple[tuple[LayerCall, ...], int]:
         """Frozen per-layer rows for a report, in the order calls returned.

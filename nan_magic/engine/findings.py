@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nan_magic.engine.calls import Call, StepLog, TensorRecord
+from nan_magic.engine.ops import OpFinding
 from nan_magic.engine.stats import sample_values, tensor_stats
 from nan_magic.records import Cause, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
 
@@ -31,6 +32,8 @@ class Finding:
     tensor: str
     bad: torch.Tensor | None = None
     record: TensorRecord | None = None
+    step: int | None = None
+    input_stats: list[tuple[str, TensorStats]] = field(default_factory=list)
     bad_stats: TensorStats | None = None
     inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     inputs_finite: bool = True
@@ -51,6 +54,38 @@ class Finding:
             self.model = self.call.info.model
 
 
+def apply_op_finding(
+    finding: Finding, op: OpFinding, tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+) -> None:
+    """Add what the op tracer knows: the op, the line, and for backward the forward line.
+
+    For a backward op the report's ``source`` is the forward line that created
+    the autograd node (the line to fix); the line that ran backward is in
+    the notes. ``tensors`` are the tracer's copies of the op's output and
+    inputs, used for histograms.
+    """
+    finding.op = op.op
+    if op.phase == Phase.BACKWARD:
+        finding.source = op.forward_source or op.source
+        node = f" ({op.autograd_node})" if op.autograd_node else ""
+        finding.notes.append(f"{op.op} ran in the backward of the forward line{node}")
+    else:
+        finding.source = op.source
+    if op.module is not None and finding.module is None:
+        finding.module = op.module
+    if op.inner_source is not None:
+        finding.notes.append(f"inside {op.inner_source}")
+    if finding.bad is None and finding.bad_stats is None:
+        # Found by the op tracer itself: the op's own output and inputs.
+        finding.inputs_finite = True
+        if tensors:
+            finding.bad = tensors[0][1]
+            finding.inputs.extend(tensors[1:])
+        else:
+            finding.bad_stats = op.output_stats
+            finding.input_stats = list(op.input_stats)
+
+
 def build_report(
     finding: Finding,
     *,
@@ -65,7 +100,7 @@ def build_report(
     if stats is None and finding.bad is not None:
         stats = tensor_stats(finding.bad)
     samples: list[Sample] = []
-    input_stats: list[tuple[str, TensorStats]] = []
+    input_stats = list(finding.input_stats)
     for name, tensor in finding.inputs:
         input_stats.append((name, tensor_stats(tensor)))
         samples.append(sample_values(tensor, f"{name}", sample_size))

@@ -63,7 +63,9 @@ class OpFinding:
         ``forward``, ``backward`` (the op ran inside the autograd engine) or
         what the tracer's ``phase_hint`` said (``optimizer``).
     module
-        What the tracer's ``module_name`` callable returned at the op.
+        What the tracer's ``module_name`` callable returned at the op; for a
+        backward op, what it returned when the forward op that created the
+        node ran.
     source
         The innermost frame that is the user's code (outside torch and
         nan_magic): the line that ran the op, ``loss.backward()`` or
@@ -195,9 +197,9 @@ class OpTracer(TorchDispatchMode):
         # kinds are known; the reference and version make stale ids harmless.
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
         # autograd sequence number -> (code, line) of the forward op that created it
-        self._sources: dict[int, tuple[CodeType, int]] = {}
+        self._sources: dict[int, tuple[CodeType, int, str | None]] = {}
         self._seen_seq = 0
-        self._last_location: tuple[CodeType, int] | None = None
+        self._last_location: tuple[CodeType, int, str | None] | None = None
         self._lock = threading.Lock()
         # Set by replay: called with each tensor an op is about to write, even
         # by a passive op or after the finding.
@@ -238,6 +240,11 @@ class OpTracer(TorchDispatchMode):
             return func(*args, **kwargs)
         priors = self._probe_priors(plan, args, kwargs) if plan.writes else {}
         out = func(*args, **kwargs)
+        if plan.writes:
+            # Autograd bumps the version counter only after the op returns
+            # here, so a cached entry for a written tensor still looks current.
+            for _, written in _tensors(plan, args, kwargs, plan.writes):
+                self._known.pop(id(written), None)
         if plan.conversion and not _narrows(plan, args, kwargs, out):
             return out
         outputs = list(_flatten("output", out))
@@ -269,8 +276,7 @@ class OpTracer(TorchDispatchMode):
                 if isinstance(value, torch.Tensor) or _is_number(value)
             ]
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            labels = ["output"] if len(outputs) == 1 else [f"output[{i}]" for i in range(len(outputs))]
-            bad = self._suspects(list(zip(labels, outputs)))
+            bad = self._suspects(list(_flatten("output", outputs)))
             if bad:
                 name = f"higher_order.{func.name()}"
                 self._examine(name, bad, lambda _label: inputs, {}, in_backward)
@@ -287,7 +293,7 @@ class OpTracer(TorchDispatchMode):
         first = max(self._seen_seq, seq - 8)
         self._seen_seq = seq
         frame = _user_frame(sys._getframe(2))
-        location = (frame.f_code, frame.f_lineno) if frame is not None else None
+        location = (frame.f_code, frame.f_lineno, self._module_name()) if frame is not None else None
         sources = self._sources
         own = torch.is_grad_enabled() and any(
             t.requires_grad for _, t in _tensors(plan, args, kwargs, plan.reads)
@@ -312,13 +318,14 @@ class OpTracer(TorchDispatchMode):
             for key in list(sources)[: len(sources) // 2]:
                 del sources[key]
 
-    def _forward_source(self, node: Any) -> SourcePointer | None:
+    def _forward_source(self, node: Any) -> tuple[SourcePointer | None, str | None]:
+        """The forward line that created ``node``, and the module it ran in."""
         entry = self._sources.get(node._sequence_nr()) if node is not None else None
         if entry is None:
-            return None
-        code, lineno = entry
+            return None, None
+        code, lineno, module = entry
         line = linecache.getline(code.co_filename, lineno).strip() or None
-        return SourcePointer(code.co_filename, lineno, code.co_name, line)
+        return SourcePointer(code.co_filename, lineno, code.co_name, line), module
 
     # -- kinds of tensors --------------------------------------------------------
 
@@ -445,13 +452,14 @@ class OpTracer(TorchDispatchMode):
                     input_stats.append((name, tensor_stats(value)))
                     kept.append((name, value.detach().clone()))
             self.producer_tensors = tuple(kept)
+            forward_source, forward_module = self._forward_source(node)
             self.finding = OpFinding(
                 op=op,
                 phase=phase or Phase.FORWARD,
-                module=self._module_name(),
+                module=forward_module if in_backward else self._module_name(),
                 source=source,
                 inner_source=inner,
-                forward_source=self._forward_source(node),
+                forward_source=forward_source,
                 autograd_node=node.name() if node is not None else None,
                 tensor=label,
                 new_kinds=tuple(kind for kind in KINDS if kind in new),
@@ -583,8 +591,9 @@ def _plan(func: torch._ops.OpOverload) -> _Plan:
     )
 
 
-
-def _arguments(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+def _arguments(
+    plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Iterator[tuple[str, Any]]:
     yield from zip(plan.names, args)
     yield from kwargs.items()
 
@@ -664,7 +673,9 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
     NaN and infinities propagate into a sum (``inf - inf`` is NaN). A finite
     tensor whose sum overflows is a false alarm that the exact check after it
     clears; accumulating half precision in float32 makes that all but
-    impossible. On CPU a float32 sum costs a fifth of ``torch.aminmax``.
+    impossible. On CPU a float32 sum costs a fifth of ``torch.aminmax``
+    (1M elements: 43 us against 229 us, one thread); on a GPU both are bound
+    by memory bandwidth.
     """
     if tensor.element_size() < 4:
         return torch.sum(_wide(tensor), dtype=torch.float32)
@@ -682,10 +693,13 @@ def _narrows(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any)
 
 @functools.cache
 def _range(dtype: torch.dtype) -> float:
+    """The largest magnitude a dtype holds."""
+    if dtype == torch.bool:
+        return 1.0
+    if dtype.is_complex:
+        dtype = dtype.to_real()
     if dtype.is_floating_point:
         return float(torch.finfo(dtype).max)
-    if dtype == torch.bool or dtype.is_complex:
-        return 0.0 if dtype == torch.bool else float(torch.finfo(dtype.to_real()).max)
     return float(torch.iinfo(dtype).max)
 
 

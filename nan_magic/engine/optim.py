@@ -18,18 +18,30 @@ always a real fault.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nan_magic.engine.findings import Finding
-from nan_magic.engine.stats import kinds_of, relevant_kinds
+from nan_magic.engine.stats import kinds_of, norms, read_scalars, relevant_kinds
 from nan_magic.records import Cause, Phase
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.watch import Watch
 
 __all__ = ["COLLAPSE_SKIPS", "OptimizerChecks"]
+
+
+@dataclass
+class _StepResult:
+    """What one optimizer step updated, with the norms that say if it stayed finite."""
+
+    optimizer: torch.optim.Optimizer
+    step: int
+    updated: list[tuple[str, torch.Tensor]]
+    norms: list[torch.Tensor]
 
 #: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
 COLLAPSE_SKIPS = 15
@@ -44,6 +56,11 @@ class OptimizerChecks:
         self.pending_overflow: Finding | None = None
         self.skipped_in_a_row = 0
         self.skipped_total = 0
+        self.last_grad_norm: float | None = None
+        # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
+        self.in_step = False
+        # Deferred mode: a step's parameter/state norms, read at the next sync.
+        self.carried: _StepResult | None = None
 
     # -- hooks -------------------------------------------------------------------
 
@@ -52,47 +69,71 @@ class OptimizerChecks:
         return not mine or any(opt is candidate for candidate in mine)
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before a step: the previous step's result, then the gradients about to be applied.
+
+        Everything pending is read in one transfer (the deferred mode's one
+        host synchronisation per step).
+        """
         watch = self.watch
         if not watch.mine() or not self.watches(opt):
             return
-        watch.sync()
-        finding = watch.gradients.check_parameter_grads(
-            self.named_parameters(opt), f"{type(opt).__name__} was about to step with this gradient"
-        )
-        if finding is not None:
-            self._attribute(finding)
-            watch.emit(finding)
+        with_grad = [(name, p.grad) for name, p in self.named_parameters(opt) if _float_tensor(p.grad)]
+        carried, self.carried = self.carried, None
+        carried_norms = carried.norms if carried else []
+        values = watch.sync(carried_norms + norms([grad for _name, grad in with_grad]))
+        if carried is not None:
+            self._report_step_result(carried, values[: len(carried_norms)])
+        grad_values = values[len(carried_norms) :]
+        self.last_grad_norm = math.sqrt(sum(v * v for v in grad_values)) if grad_values else None
+        for (name, grad), value in zip(with_grad, grad_values):
+            if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
+                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                self._attribute(finding)
+                watch.emit(finding)
+                return
+        self.in_step = True
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After a step: parameters and optimizer state it made non-finite (phase ``optimizer``)."""
         watch = self.watch
         if not watch.mine() or not self.watches(opt):
             return
         try:
-            finding = self._check_step_result(opt)
-            if finding is not None:
-                watch.emit(finding)
+            updated = [(f"parameter {name}", p) for name, p in self.named_parameters(opt)]
+            for name, parameter in self.named_parameters(opt):
+                for key, value in opt.state.get(parameter, {}).items():
+                    if _float_tensor(value) and value.dim() > 0:
+                        updated.append((f"state {key} of {name}", value))
+            result = _StepResult(opt, self.steps, updated, norms([tensor for _label, tensor in updated]))
+            if watch.defer:
+                # Read with the next step's single transfer, not now.
+                self.carried = result
+            else:
+                self._report_step_result(result, read_scalars(result.norms))
         finally:
+            self.in_step = False
             self.steps += 1
             self.pending_overflow = None
             self.skipped_in_a_row = 0
             watch.end_step()
 
-    def _check_step_result(self, opt: torch.optim.Optimizer) -> Finding | None:
-        kinds = self.watch.config.kinds
-        for name, parameter in self.named_parameters(opt):
-            if relevant_kinds(kinds_of(parameter), kinds):
-                finding = Finding(Phase.OPTIMIZER, None, f"parameter {name}", bad=parameter.detach())
-                self._attribute(finding)
-                finding.notes.append(f"the {type(opt).__name__} step made {name} non-finite")
-                return finding
-            for key, value in opt.state.get(parameter, {}).items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                    if relevant_kinds(kinds_of(value), kinds):
-                        finding = Finding(Phase.OPTIMIZER, None, f"state {key} of {name}", bad=value.detach())
-                        self._attribute(finding)
-                        finding.notes.append(f"the {type(opt).__name__} step made its {key} of {name} non-finite")
-                        return finding
-        return None
+    def flush(self) -> None:
+        """Check a deferred step result still unread (at the end of the watch)."""
+        carried, self.carried = self.carried, None
+        if carried is not None:
+            self._report_step_result(carried, read_scalars(carried.norms))
+
+    def _report_step_result(self, result: _StepResult, values: list[float]) -> None:
+        for (label, tensor), value in zip(result.updated, values):
+            if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
+                continue
+            finding = Finding(Phase.OPTIMIZER, None, label, bad=tensor.detach(), step=result.step)
+            self._attribute(finding)
+            subject = label.removeprefix("parameter ")
+            finding.notes.append(f"the {type(result.optimizer).__name__} step made {subject} non-finite")
+            self.watch.emit(finding)
+            return
 
     # -- GradScaler ------------------------------------------------------------------
 
@@ -175,3 +216,7 @@ class OptimizerChecks:
                 continue
             finding.module, finding.module_type, finding.model = owner, type(module).__name__, label
             return
+
+
+def _float_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0

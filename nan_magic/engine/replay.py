@@ -49,11 +49,16 @@ class ReplayResult:
         ``finding`` is set).
     note
         Why there is no finding, in one sentence; None when there is one.
+    held_by_inputs
+        The replay's output was non-finite but no op inside produced it: its
+        inputs, parameters, buffers or scalar arguments (``masked_fill(mask,
+        -inf)``) already held that kind.
     """
 
     finding: OpFinding | None
     reproduced: bool
     note: str | None = None
+    held_by_inputs: bool = False
 
 
 def capture_rng_state() -> RngState:
@@ -120,7 +125,9 @@ def replay_module(
     label = module_name or "the root module"
     names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
     stack: list[str] = []
-    tracer = OpTracer(kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=_stop)
+    tracer = OpTracer(
+        kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=_stop
+    )
     guard = _ParameterGuard(module.parameters())
     tracer._before_write = guard.before_write
 
@@ -160,8 +167,9 @@ def replay_module(
     elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
         note = (
             f"replay of {label} gave a non-finite output that no op inside it produced: "
-            "its inputs, parameters or buffers already held it"
+            "its inputs, parameters, buffers or scalar arguments already held it"
         )
+        return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True)
     else:
         note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
     return ReplayResult(finding=None, reproduced=False, note=note)

@@ -51,6 +51,37 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(tensor.detach())
 
 
+def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """2-norms of many tensors as 0-d device tensors, in order; no host sync.
+
+    One fused ``_foreach_norm`` per (device, dtype) group: the cheapest
+    finiteness test for whole parameter sets (NaN and inf propagate into the
+    norm). A norm can also overflow for huge finite values; callers confirm
+    with :func:`kinds_of` before reporting, so that costs time, never truth.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    result: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    with torch.no_grad():
+        for indices in groups.values():
+            for index, norm in zip(indices, torch._foreach_norm([tensors[i].detach() for i in indices], 2)):
+                result[index] = norm
+    return result
+
+
+def read_scalars(scalars: list[torch.Tensor]) -> list[float]:
+    """Copy many 0-d device tensors to Python floats: one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, scalar in enumerate(scalars):
+        by_device.setdefault(scalar.device, []).append(index)
+    values = [math.nan] * len(scalars)
+    for indices in by_device.values():
+        for index, value in zip(indices, torch.stack([scalars[i].float() for i in indices]).tolist()):
+            values[index] = value
+    return values
+
+
 def probe_kinds(low: float, high: float) -> frozenset[str]:
     """Non-finite kinds visible from a probe's ``(min, max)``.
 

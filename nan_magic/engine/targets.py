@@ -46,6 +46,13 @@ class Targets:
     scalers: list[Any] = field(default_factory=list)
     discover: bool = False
 
+    def info_by_name(self, name: str) -> ModuleInfo | None:
+        """The info of a watched module by qualified name (first root that has it)."""
+        for info in self.modules.values():
+            if info.name == name:
+                return info
+        return None
+
     def add_root(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
         """Name every submodule of ``module``; modules already named keep their name."""
         self.roots.append((label, module))

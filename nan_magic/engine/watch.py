@@ -40,11 +40,13 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.engine import backward_patch
 from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
 from nan_magic.engine.errors import NonFiniteError
-from nan_magic.engine.findings import Finding, build_report
+from nan_magic.engine.findings import Finding, apply_op_finding, build_report
 from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
+from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.optim import OptimizerChecks
-from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.engine.replay import RngState, capture_rng_state, replay_module
+from nan_magic.engine.stats import is_checkable, iter_tensors, kinds_of, read_scalars, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.records import Phase, Report, StepSummary, WatchConfig
 
@@ -61,7 +63,7 @@ class _Frame:
 
     __slots__ = ("call", "info", "module", "rng_state")
 
-    def __init__(self, module: nn.Module, info: ModuleInfo, call: Call, rng_state: torch.Tensor | None) -> None:
+    def __init__(self, module: nn.Module, info: ModuleInfo, call: Call, rng_state: RngState | None) -> None:
         self.module = module
         self.info = info
         self.call = call
@@ -140,6 +142,7 @@ class Watch:
         try:
             if exc is None:
                 self.sync()
+                self.optimizers.flush()
                 if self._step_open and self.gradients.backward_runs:
                     self.optimizers.on_step_boundary()
         finally:
@@ -163,6 +166,14 @@ class Watch:
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.optimizers.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            if self.config.ops:
+                self._tracer = OpTracer(
+                    kinds=self.config.kinds,
+                    module_name=self._current_module_name,
+                    on_finding=self._on_op_finding,
+                    phase_hint=self._phase_hint,
+                )
+                stack.enter_context(self._tracer)
         except BaseException:
             stack.close()
             raise
@@ -205,6 +216,10 @@ class Watch:
         self._forward_passes = 0
         self._step_open = False
         self._raised = False
+        self._replaying = False
+        self._masks: set[int] = set()
+        self._can_replay = self.config.replay and not self.config.ops and not self.defer
+        self._tracer: OpTracer | None = None
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU."""
@@ -226,8 +241,8 @@ class Watch:
         return info
 
     def mine(self) -> bool:
-        """Hooks are global: act only for the thread that entered the watch."""
-        return self._active and threading.get_ident() == self._thread
+        """Hooks are global: act only for the thread that entered the watch, not during a replay."""
+        return self._active and not self._replaying and threading.get_ident() == self._thread
 
     # -- forward -------------------------------------------------------------------
 
@@ -244,7 +259,9 @@ class Watch:
         call = self.log.new_call(Phase.FORWARD, info, module, parent)
         for path, tensor in iter_tensors(args, "input"):
             self.log.note_input(call, path, tensor)
-        rng = torch.random.default_generator.get_state() if module.training else None
+        # The generators' state before the call, so a replay draws the same
+        # dropout mask (about a microsecond; only where a replay can happen).
+        rng = capture_rng_state() if self._can_replay else None
         self._stack.append(_Frame(module, info, call, rng))
         if top_level or info.is_root:
             self._record_data(info, module, args, "input")
@@ -276,7 +293,7 @@ class Watch:
         self.log.finish(call)
         if frame.info.watched and not self.defer:
             for record in call.outputs:
-                self._judge(call, record)
+                self._judge(call, record, replay=(frame, args, kwargs))
         if not self._stack and not self._optimizer_in_use():
             # Inference (no optimizer seen): a top-level forward is a step.
             self.sync()
@@ -300,7 +317,13 @@ class Watch:
             for record in call.outputs:
                 self._judge(call, record)
 
-    def _judge(self, call: Call, record: TensorRecord, detected_at: str | None = None) -> None:
+    def _judge(
+        self,
+        call: Call,
+        record: TensorRecord,
+        detected_at: str | None = None,
+        replay: tuple[_Frame, tuple[Any, ...], dict[str, Any]] | None = None,
+    ) -> None:
         """Producer or propagator? The one rule, for immediate and deferred checks.
 
         A call produced a non-finite value when its output holds a kind that
@@ -326,6 +349,11 @@ class Watch:
             return
         named_inputs = self._named_inputs(call)
         bad_parameter = self._bad_parameter(call)
+        if bad_parameter is None and self._tracer is not None:
+            # Ops mode sees every op: had one produced this, it would have been
+            # reported at the op. What is left came from an infinite scalar.
+            record.status = "benign"
+            return
         if bad_parameter is not None:
             name, parameter = bad_parameter
             finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
@@ -342,9 +370,61 @@ class Watch:
                 inputs=named_inputs,
                 inputs_finite=not input_kinds,
             )
+            if replay is not None and self._replay_into(finding, produced, *replay):
+                return
         if detected_at:
             finding.notes.append(detected_at)
         self.emit(finding)
+
+    def _replay_into(
+        self, finding: Finding, produced: frozenset[str], frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """Replay the producer module under the op tracer to name its op and line.
+
+        Returns True when the replay shows a deliberate infinity instead (an
+        op given an infinite scalar, e.g. ``masked_fill(mask, -inf)``): that
+        is recorded as benign and not raised; a consumer that turns it into a
+        NaN is the producer then.
+        """
+        if not self._can_replay or frame.rng_state is None:
+            return False
+        if id(frame.module) in self._masks:
+            finding.record.status = "benign"  # type: ignore[union-attr]
+            return True
+        if any(ref() is not None and version_of(ref()) != version for _p, _r, ref, version in frame.call.inputs):
+            finding.notes.append(
+                f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
+                "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
+            )
+            return False
+        self._replaying = True
+        try:
+            result = replay_module(
+                frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.config.kinds,
+                module_name=frame.info.name,
+            )
+        finally:
+            self._replaying = False
+        if result.finding is not None:
+            op = result.finding
+            apply_op_finding(finding, op)
+            finding.notes.append(
+                f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
+                f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
+            )
+            return False
+        if result.held_by_inputs and produced <= {"+inf", "-inf"}:
+            self._masks.add(id(frame.module))
+            finding.benign = True
+            finding.notes.append(
+                "a deliberate infinity: an op inside was given an infinite scalar (e.g. masked_fill(mask, -inf)); "
+                "benign while its consumers stay finite"
+            )
+            self.emit(finding)
+            return True
+        if result.note:
+            finding.notes.append(result.note)
+        return False
 
     def _input_kinds(self, call: Call) -> frozenset[str]:
         """Kinds the call's inputs held *before* the call (in-place aware)."""
@@ -387,6 +467,30 @@ class Watch:
         if not self.optimizers.hold_gradient_event(finding):
             self.emit(finding)
 
+    # -- op-level tracing (ops=True) --------------------------------------------------
+
+    def _current_module_name(self) -> str | None:
+        return self._stack[-1].info.name if self._stack else None
+
+    def _phase_hint(self) -> Phase | None:
+        return Phase.OPTIMIZER if self.optimizers.in_step else None
+
+    def _on_op_finding(self, op_finding: OpFinding) -> None:
+        """The op tracer found the producer op: report it at the op, where it ran."""
+        if not self.mine():
+            return
+        frame = self._stack[-1] if self._stack and op_finding.phase == Phase.FORWARD else None
+        finding = Finding(op_finding.phase, frame.call if frame else None, f"{op_finding.tensor} of {op_finding.op}")
+        apply_op_finding(finding, op_finding, self._tracer.producer_tensors if self._tracer else ())
+        if finding.module is not None:
+            info = self.targets.info_by_name(finding.module)
+            if info is not None:
+                finding.module_type, finding.model = info.module_type, info.model
+        if finding.phase == Phase.BACKWARD:
+            self.on_gradient_event(finding)
+        else:
+            self.emit(finding)
+
     # -- steps ----------------------------------------------------------------------
 
     def _begin_step_if_needed(self) -> None:
@@ -398,6 +502,9 @@ class Watch:
         if not self._step_open:
             self.log.clear()
             self.gradients.backward_runs = 0
+            self.optimizers.in_step = False
+            if self._tracer is not None:
+                self._tracer.reset()
             self._step_open = True
 
     def end_step(self) -> None:
@@ -407,26 +514,32 @@ class Watch:
         )
         self._step_open = False
 
-    def sync(self) -> None:
-        """Deferred mode: read every pending probe at once, then check in call order."""
+    def sync(self, extra: list[torch.Tensor] | None = None) -> list[float]:
+        """Read pending probes (deferred mode) and ``extra`` scalars in one transfer.
+
+        In deferred mode, the calls are then judged in the order they
+        returned. Returns the values of ``extra``.
+        """
         if not self.defer or self._raised:
-            return
-        self.log.resolve()
+            return read_scalars(extra) if extra else []
+        values = self.log.resolve(extra)
         for call in self.log.finished():
             if call.phase == Phase.BACKWARD:
                 self.gradients.judge(call)
             else:
                 for record in call.outputs:
-                    self._judge(call, record, "detected at the deferred check")
+                    if record.status == "ok":
+                        self._judge(call, record, "detected at the deferred check")
             if self._raised:
-                return
+                break
+        return values
 
     # -- events ---------------------------------------------------------------------
 
     def emit(self, finding: Finding) -> None:
         report = build_report(
             finding,
-            step=self.step,
+            step=self.step if finding.step is None else finding.step,
             log=self.log,
             history=tuple(self.history),
             max_layers=self.config.max_layers,
@@ -439,6 +552,8 @@ class Watch:
                 handle.write(report.to_json() + "\n")
         if report.benign:
             return
+        if finding.op is None and self._tracer is not None and self._tracer.finding is not None:
+            return  # the op tracer already reported this step's producer, at its op
         if self.report is None:
             self.report = report
         if self.config.on_detect == "raise":
@@ -459,8 +574,13 @@ class Watch:
         last = trim_to_user_code(tb)
         if last is None:
             return
+        tensor_locals = tuple(
+            (name, tensor_stats(value))
+            for name, value in last.tb_frame.f_locals.items()
+            if isinstance(value, torch.Tensor) and is_checkable(value)
+        )
         report = dataclasses.replace(
-            error.report, debug_frame=frames_of(last)[0], frames=user_frames_of(tb)
+            error.report, debug_frame=frames_of(last)[0], debug_locals=tensor_locals, frames=user_frames_of(tb)
         )
         error.report = report
         if self.report is not None and self.report is not report:

@@ -8,6 +8,7 @@ in a rich view drops that view, never the report.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -33,20 +34,18 @@ def mimebundle(report: Report) -> dict[str, Any]:
         with ipywidgets importable.
     """
     bundle: dict[str, Any] = {"text/plain": render_text(report)}
-    try:
+    # A failing rich view (a missing optional dependency, a frontend quirk)
+    # drops that view only: the text report must always reach the user.
+    with contextlib.suppress(Exception):
         from nan_magic.render.html import render_html
 
         bundle["text/html"] = render_html(report)
-    except Exception:  # noqa: BLE001 - a fallback view must not hide the report
-        pass
     if _in_kernel():
-        try:
+        with contextlib.suppress(Exception):
             from nan_magic.render.widget import build_widget
 
             view = build_widget(report)._repr_mimebundle_()
             bundle[WIDGET_MIME] = view[WIDGET_MIME]
-        except Exception:  # noqa: BLE001 - without the widget the static views remain
-            pass
     return bundle
 
 

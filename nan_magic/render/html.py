@@ -111,8 +111,10 @@ def facts_html(report: Report) -> str:
     rows.append(("tensor", tensor))
     rows.append((
         "non-finite",
-        f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
-        f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
+        (
+            f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
+            f"elements ({fmt_fraction(report.nonfinite, report.numel)})"
+        ),
     ))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {escape(str(report.first_bad_index))}"))

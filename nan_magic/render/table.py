@@ -140,9 +140,11 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
         frame.style.hide(axis="index")
         .set_td_classes(class_frame)
         .set_table_attributes('class="nm-table nm-layers"')
+        # Names come from user code: escape them like any other text.
+        .format(escape="html")
         .format(fmt_number, subset=["min", "max", "mean", "std", "absmax"], na_rep="")
         .format(fmt_shape, subset=["shape"])
-        .format(module_label, subset=["module"])
-        .format(lambda value: value or "", subset=["type"])
+        .format(module_label, subset=["module"], escape="html")
+        .format(lambda value: value or "", subset=["type"], escape="html")
         .format(str, subset=["nan", "+inf", "-inf"], na_rep="?")
     )

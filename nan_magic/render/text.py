@@ -75,12 +75,15 @@ def _facts(report: Report) -> str:
     rows.append(("tensor", tensor))
     rows.append((
         "non-finite",
-        f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
-        f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
+        (
+            f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
+            f"elements ({fmt_fraction(report.nonfinite, report.numel)})"
+        ),
     ))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {report.first_bad_index}"))
-    rows.append(("inputs", "finite" if report.inputs_finite else "already non-finite (another kind)"))
+    inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
+    rows.append(("inputs", inputs))
     for name, stats in report.input_stats:
         rows.append(("", f"{name}: {stats_phrase(stats)}"))
     if report.benign:

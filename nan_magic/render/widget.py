@@ -63,11 +63,13 @@ def build_widget(report: Report, max_rows: int = HTML_MAX_ROWS) -> widgets.Tab:
     return tab
 
 
-def _html(body: str) -> widgets.HTML:
+def _styled(body: str) -> str:
     # Each HTML widget carries the stylesheet: tabs render independently.
-    return widgets.HTML(
-        f'<div class="nan-magic-report"><style>{REPORT_CSS}</style>{body}</div>'
-    )
+    return f'<div class="nan-magic-report"><style>{REPORT_CSS}</style>{body}</div>'
+
+
+def _html(body: str) -> widgets.HTML:
+    return widgets.HTML(_styled(body))
 
 
 def _debug_body(report: Report) -> str:
@@ -136,9 +138,7 @@ class LayersView:
     def _refresh(self, _change: object = None) -> None:
         rows = self.rows()
         table, cut = layers_table_html(rows, self.max_rows)
-        self.table.value = (
-            f'<div class="nan-magic-report"><style>{REPORT_CSS}</style>{table}</div>'
-        )
+        self.table.value = _styled(table)
         status = f"{len(rows)} of {len(self.layers)} rows match"
         if cut:
             status += f"; {cut}. Narrow the filter, or use <code>report.table</code>"

@@ -1,0 +1,246 @@
+"""The exact op and source line: by replay in the default mode, at the op in ops mode."""
+
+from __future__ import annotations
+
+import faults
+import pytest
+import torch
+from faults import FORWARD_FAULTS, Fault
+from torch import nn
+from torch.nn import functional as F
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+OP_FAULTS = [fault for fault in FORWARD_FAULTS if fault.op is not None]
+
+
+def marker_line(key: str) -> int:
+    """Line of ``# at: key`` in this file."""
+    import inspect
+
+    lines = inspect.getsource(inspect.getmodule(marker_line)).splitlines()
+    (number,) = [n for n, text in enumerate(lines, 1) if text.rstrip().endswith(f"# at: {key}")]
+    return number
+
+
+def raised(run, *targets, **options) -> nan_magic.Report:
+    with pytest.raises(NonFiniteError) as caught:
+        with nan_magic.watch(*targets, **options):
+            run()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("mode", ["replay", "ops"])
+@pytest.mark.parametrize("fault", OP_FAULTS, ids=lambda f: f.name)
+def test_forward_fixtures_name_op_and_line(fault: Fault, mode: str) -> None:
+    model, run = fault.build()
+    report = raised(run, model, ops=(mode == "ops"))
+    assert report.op == fault.op
+    assert report.source is not None
+    assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line(fault.marker))
+    assert (report.phase, report.module, report.module_type) == (fault.phase, fault.module, fault.module_type)
+    assert report.nonfinite > 0
+
+
+def test_ops_mode_stops_at_the_op_and_debug_frame_is_its_line() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    report = raised(run, model, ops=True)
+    assert report.debug_frame is not None
+    assert report.debug_frame.lineno == faults.marked_line("log")
+    assert report.debug_frame.function == "forward"
+    assert [name for name, _stats in report.debug_locals] == ["x"]
+
+
+# -- backward and optimizer ------------------------------------------------------
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(((a - b) ** 2).sum(-1))  # at: sqrt
+
+
+def test_backward_op_names_the_forward_line_that_created_its_node() -> None:
+    torch.manual_seed(0)
+    embed = nn.Linear(8, 4)
+    anchor = torch.randn(3, 8)
+
+    def step() -> None:
+        distance(embed(anchor), embed(anchor.clone())).sum().backward()
+
+    report = raised(step, embed, ops=True)
+    assert report.phase == "backward"
+    assert report.op is not None and report.op.startswith("aten.")
+    assert report.source.lineno == marker_line("sqrt")
+    assert any("SqrtBackward0" in note for note in report.notes)
+
+
+class GuardedExp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x < 20, torch.exp(x), x)  # at: exp
+
+
+def test_where_with_an_overflowing_branch_is_a_forward_op_in_ops_mode() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), GuardedExp(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(100.0)
+    report = raised(lambda: model(torch.randn(3, 4)).sum().backward(), model, ops=True)
+    assert (report.phase, report.module, report.op) == ("forward", "1", "aten.exp.default")
+    assert report.source.lineno == marker_line("exp")
+    assert report.posinf > 0
+
+
+def test_adam_fp16_step_is_an_optimizer_op() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.tensor([1, 2])).float().sum().backward()
+        opt.step()  # at: adam
+
+    report = raised(step, model, opt, ops=True)
+    assert report.phase == "optimizer"
+    assert "addcdiv" in report.op or "div" in report.op
+    assert report.source.lineno == marker_line("adam")
+
+
+# -- deliberate infinities -------------------------------------------------------------
+
+
+class Mask(nn.Module):
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(mask, float("-inf"))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = Mask()
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.softmax(self.mask(scores, mask))
+
+
+def _masks(full_row: bool) -> torch.Tensor:
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[0, 2:] = True  # partly masked row
+    if full_row:
+        mask[1, :] = True  # every key masked: softmax of all -inf is NaN
+    return mask
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_partly_masked_rows_are_benign(ops: bool) -> None:
+    model = Attention()
+    with nan_magic.watch(model, ops=ops) as w:
+        out = model(torch.randn(2, 4), _masks(full_row=False))
+    assert torch.isfinite(out).all()
+    assert w.report is None
+    if not ops:  # the module-level watch saw -inf leave Mask: recorded as benign
+        assert [(event.module, event.benign) for event in w.events] == [("mask", True)]
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_fully_masked_row_makes_the_softmax_the_producer(ops: bool) -> None:
+    model = Attention()
+    report = raised(lambda: model(torch.randn(2, 4), _masks(full_row=True)), model, ops=ops)
+    assert (report.module, report.module_type) == ("softmax", "Softmax")
+    assert report.op == "aten._softmax.default"
+    assert report.nan == 4  # the fully masked row
+
+
+# -- in place, dropout, batch norm ---------------------------------------------------------
+
+
+class InPlaceDiv(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0
+        return h.div_(0)  # at: div_
+
+
+class InPlaceOnInput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.div_(0)  # at: input div_
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_in_place_division_counts_the_prior_value(ops: bool) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), InPlaceDiv())
+    report = raised(lambda: model(torch.randn(2, 3)), model, ops=ops)
+    assert (report.module, report.op) == ("1", "aten.div_.Tensor")
+    assert report.source.lineno == marker_line("div_")
+
+
+def test_a_module_dividing_its_own_input_in_place_is_still_the_producer() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), InPlaceOnInput())
+    report = raised(lambda: model(torch.randn(2, 3)), model)
+    # its input was finite before the call, though it is not any more
+    assert (report.module, report.inputs_finite) == ("1", True)
+    assert report.op is None  # the values it received are gone: no replay
+    assert any("changed its input in place" in note for note in report.notes)
+    report = raised(lambda: model(torch.randn(2, 3)), model, ops=True)
+    assert (report.module, report.op) == ("1", "aten.div_.Tensor")
+    assert report.source.lineno == marker_line("input div_")
+
+
+class DropoutLog(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.dropout(x, p=0.5, training=self.training))  # at: dropout
+
+
+def test_replay_draws_the_same_dropout_mask() -> None:
+    model = nn.Sequential(nn.Identity(), DropoutLog()).train()
+    x = torch.rand(64, 64) + 0.5  # positive: only dropped elements give log(0) = -inf
+    torch.manual_seed(123)
+    report = raised(lambda: model(x), model)
+    assert report.op == "aten.log.default"
+    assert report.source.lineno == marker_line("dropout")
+    # the replay's -inf count is the original's: the same elements were dropped
+    assert f"replay reproduced 0 nan, 0 +inf, {report.neginf} -inf" in " ".join(report.notes)
+    # and the user's random stream continues as if nothing had been replayed
+    after_watch = torch.rand(3)
+    torch.manual_seed(123)
+    F.dropout(x, p=0.5, training=True)
+    assert torch.equal(after_watch, torch.rand(3))
+
+
+class NormThenLog(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.norm(x))
+
+
+def test_replay_leaves_batchnorm_running_stats_unchanged() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), NormThenLog()).train()
+    reference = nn.Sequential(nn.Linear(4, 4), NormThenLog()).train()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4)
+    report = raised(lambda: model(x), model)
+    assert report.module == "1" and report.op == "aten.log.default"
+    reference(x)  # one unwatched forward: the running stats move exactly once
+    norm, expected = model[1].norm, reference[1].norm
+    assert torch.equal(norm.running_mean, expected.running_mean)
+    assert torch.equal(norm.running_var, expected.running_var)
+    assert norm.num_batches_tracked == expected.num_batches_tracked == 1
+
+
+def test_replay_that_stays_finite_says_so_instead_of_guessing() -> None:
+    class Flaky(nn.Module):
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            Flaky.calls += 1
+            return x / 0 if Flaky.calls == 1 else x  # not reproducible on replay
+
+    model = nn.Sequential(nn.Linear(2, 2), Flaky())
+    report = raised(lambda: model(torch.randn(1, 2)), model)
+    assert report.op is None
+    assert any("stayed finite; the op is unknown" in note for note in report.notes)
