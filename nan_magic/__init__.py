@@ -9,17 +9,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from nan_magic.engine.errors import NonFiniteError
+from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.watch import Watch, watch
-from nan_magic.records import Cause, LayerCall, Phase, Report, SourcePointer, TensorStats, WatchConfig
+from nan_magic.records import (
+    Cause,
+    EarlyWarning,
+    LayerCall,
+    Phase,
+    Report,
+    SourcePointer,
+    StepSummary,
+    TensorStats,
+    WatchConfig,
+)
 
 __all__ = [
     "watch",
     "Watch",
     "NonFiniteError",
+    "NanMagicWarning",
     "Report",
     "Phase",
     "Cause",
+    "EarlyWarning",
+    "StepSummary",
     "LayerCall",
     "SourcePointer",
     "TensorStats",

@@ -136,12 +136,39 @@ class Sample:
 
 @dataclass(frozen=True)
 class StepSummary:
-    """Scalar history of one step: enough to see a slow blow-up."""
+    """Scalar history of one step: enough to see a slow blow-up.
+
+    ``headroom`` is the smallest ``finfo(dtype).max / |x|`` over the step's
+    module outputs (how many times larger a value could grow before it
+    overflows its dtype), with the module and dtype where it was smallest.
+    """
 
     step: int
     loss: float | None
     absmax: float | None
+    grad_norm: float | None = None
+    headroom: float | None = None
+    headroom_module: str | None = None
+    headroom_dtype: str | None = None
+    input_absmax: float | None = None
+    scale: float | None = None
     nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class EarlyWarning:
+    """A sign that a run is heading for a non-finite value, before it happens.
+
+    ``kind`` is one of ``"overflow-risk"``, ``"loss-spike"``,
+    ``"grad-norm-spike"``, ``"extreme-input"``, ``"constant-feature"``,
+    ``"scale-falling"``.
+    """
+
+    step: int
+    kind: str
+    message: str
+    module: str | None = None
+    value: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +216,7 @@ class Report:
     layers_dropped: int = 0
     samples: tuple[Sample, ...] = ()
     history: tuple[StepSummary, ...] = ()
+    warnings: tuple[EarlyWarning, ...] = ()
     debug_frame: SourcePointer | None = None
     debug_locals: tuple[tuple[str, TensorStats], ...] = ()
     frames: tuple[SourcePointer, ...] = ()

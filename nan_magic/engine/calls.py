@@ -205,13 +205,30 @@ class StepLog:
         cut = max(0, len(rows) - limit)
         return tuple(rows[cut:]), cut + self.dropped
 
-    def absmax(self) -> float | None:
-        """Largest finite |value| over the step's resolved outputs."""
-        best = None
-        for call in self.calls:
-            for record in call.outputs:
-                if record.pending or record.kinds():
-                    continue
-                value = max(abs(record.low), abs(record.high))
-                best = value if best is None else max(best, value)
+    def absmax(self, phase: Phase = Phase.FORWARD) -> float | None:
+        """Largest finite |value| over the step's resolved tensors of one phase."""
+        values = [abs_max for _call, record, abs_max in self._finite_records(phase)]
+        return max(values) if values else None
+
+    def headroom(self) -> tuple[float, str | None, str] | None:
+        """Smallest ``finfo(dtype).max / |x|`` over the forward outputs: how close to overflow.
+
+        Returns ``(ratio, module, dtype)`` or None when nothing was recorded.
+        """
+        best: tuple[float, str | None, str] | None = None
+        for call, record, abs_max in self._finite_records(Phase.FORWARD):
+            if abs_max == 0:
+                continue
+            ratio = torch.finfo(record.dtype).max / abs_max
+            if best is None or ratio < best[0]:
+                best = (ratio, call.name, str(record.dtype).removeprefix("torch."))
         return best
+
+    def _finite_records(self, phase: Phase) -> list[tuple[Call, TensorRecord, float]]:
+        return [
+            (call, record, max(abs(record.low), abs(record.high)))
+            for call in self.calls
+            if call.phase == phase
+            for record in call.outputs
+            if not record.pending and not record.kinds()
+        ]

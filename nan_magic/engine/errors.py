@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from nan_magic.records import Report
 
-__all__ = ["NonFiniteError"]
+__all__ = ["NonFiniteError", "NanMagicWarning"]
+
+
+class NanMagicWarning(RuntimeWarning):
+    """An early warning: a run heading for a non-finite value (``warn`` mode)."""
 
 
 class NonFiniteError(FloatingPointError):

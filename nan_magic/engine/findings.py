@@ -7,6 +7,7 @@ calls and history, into a Report that holds numbers only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,8 @@ import torch
 from nan_magic.engine.calls import Call, StepLog, TensorRecord
 from nan_magic.engine.ops import OpFinding
 from nan_magic.engine.stats import sample_values, tensor_stats
-from nan_magic.records import Cause, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
+from nan_magic.engine.diagnose import diagnose
+from nan_magic.records import Cause, EarlyWarning, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
 
 __all__ = ["Finding", "build_report"]
 
@@ -92,6 +94,7 @@ def build_report(
     step: int,
     log: StepLog,
     history: tuple[StepSummary, ...],
+    warnings: tuple[EarlyWarning, ...] = (),
     max_layers: int,
     sample_size: int,
 ) -> Report:
@@ -110,7 +113,7 @@ def build_report(
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"
     layers, dropped = log.layer_calls(max_layers)
-    return Report(
+    report = Report(
         phase=finding.phase,
         module=finding.module,
         module_type=finding.module_type,
@@ -134,6 +137,10 @@ def build_report(
         layers_dropped=dropped,
         samples=tuple(samples),
         history=history,
+        warnings=warnings,
         notes=tuple(finding.notes),
     )
+    if report.cause is None:
+        report = dataclasses.replace(report, cause=diagnose(report))
+    return report
 

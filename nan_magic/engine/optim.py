@@ -140,6 +140,11 @@ class OptimizerChecks:
     def scaler_active(self) -> bool:
         return any(scaler.is_enabled() for scaler in self.watch.targets.scalers)
 
+    def scale(self) -> float | None:
+        """The smallest scale of the enabled GradScalers (None without one)."""
+        scales = [scaler.get_scale() for scaler in self.watch.targets.scalers if scaler.is_enabled()]
+        return min(scales) if scales else None
+
     def hold_gradient_event(self, finding: Finding) -> bool:
         """Hold a backward event while a GradScaler may still skip the step."""
         if not self.scaler_active():

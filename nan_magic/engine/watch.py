@@ -39,7 +39,8 @@ from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch
 from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
-from nan_magic.engine.errors import NonFiniteError
+from nan_magic.engine.early import EarlyWarnings
+from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.findings import Finding, apply_op_finding, build_report
 from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
@@ -48,7 +49,7 @@ from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.replay import RngState, capture_rng_state, replay_module
 from nan_magic.engine.stats import is_checkable, iter_tensors, kinds_of, read_scalars, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
-from nan_magic.records import Phase, Report, StepSummary, WatchConfig
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
 __all__ = ["Watch", "watch"]
 
@@ -92,6 +93,7 @@ class Watch:
         self.events: list[Report] = []
         self.report: Report | None = None
         self.history: deque[StepSummary] = deque(maxlen=self.config.history)
+        self.warnings: deque[EarlyWarning] = deque(maxlen=self.config.max_events)
         self._active = False
         self._exit_stack: ExitStack | None = None
         self._thread: int | None = None
@@ -120,6 +122,7 @@ class Watch:
         self.events = []
         self.report = None
         self.history.clear()
+        self.warnings.clear()
         # A watch nested over the same modules takes over from the outer one
         # (whose hooks are removed until this one exits): never two sets of
         # our hooks on one model.
@@ -212,6 +215,7 @@ class Watch:
         self.log = StepLog(self.config.max_layers, self.defer)
         self.gradients = GradientChecks(self)
         self.optimizers = OptimizerChecks(self)
+        self.early = EarlyWarnings()
         self._stack: list[_Frame] = []
         self._forward_passes = 0
         self._step_open = False
@@ -316,6 +320,8 @@ class Watch:
         if not self.defer:
             for record in call.outputs:
                 self._judge(call, record)
+            for path, tensor in tensors:
+                self._warn(self.early.observe_batch(self.step, path, tensor))
 
     def _judge(
         self,
@@ -509,10 +515,29 @@ class Watch:
 
     def end_step(self) -> None:
         """Close the step that just completed (the counter already moved on)."""
-        self.history.append(
-            StepSummary(step=self.step - 1, loss=self.gradients.last_loss, absmax=self.log.absmax())
+        headroom = self.log.headroom()
+        summary = StepSummary(
+            step=self.step - 1,
+            loss=self.gradients.last_loss,
+            absmax=self.log.absmax(),
+            grad_norm=self.optimizers.last_grad_norm,
+            headroom=headroom[0] if headroom else None,
+            headroom_module=headroom[1] if headroom else None,
+            headroom_dtype=headroom[2] if headroom else None,
+            input_absmax=self.log.absmax(Phase.DATA),
+            # Reading the scale is a host sync: only where syncs are free.
+            scale=self.optimizers.scale() if not self.defer else None,
         )
+        self.history.append(summary)
+        self._warn(self.early.observe_step(summary))
         self._step_open = False
+
+    def _warn(self, early: list[EarlyWarning]) -> None:
+        """Keep early warnings for the report; in ``warn`` mode also show them now."""
+        for warning in early:
+            self.warnings.append(warning)
+            if self.config.on_detect == "warn":
+                warnings.warn(warning.message, NanMagicWarning, stacklevel=3)
 
     def sync(self, extra: list[torch.Tensor] | None = None) -> list[float]:
         """Read pending probes (deferred mode) and ``extra`` scalars in one transfer.
@@ -542,6 +567,7 @@ class Watch:
             step=self.step if finding.step is None else finding.step,
             log=self.log,
             history=tuple(self.history),
+            warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
         )
