@@ -52,6 +52,7 @@ import gc
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -313,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(args.device)
     columns = all_columns()
 
+    started = time.perf_counter()
+
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        print(f"{time.perf_counter() - started:6.1f}s {msg}", file=sys.stderr, flush=True)
 
     results = [measure_model(name, columns, args, log) for name in args.models]
     print("nan_magic memory: full training step (forward, loss, backward, optimizer step), fp32")

@@ -357,10 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(args.device)
     columns = all_columns()
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"{time.perf_counter() - started:6.1f}s {msg}", file=sys.stderr, flush=True)
+
     results = [measure_model(name, columns, args, log) for name in args.models]
     elapsed = time.perf_counter() - started
 

@@ -15,6 +15,7 @@ import pytest
 
 from nan_magic.records import (
     Cause,
+    EarlyWarning,
     LayerCall,
     Phase,
     Report,
@@ -92,9 +93,19 @@ def make_report(
             Sample("output", "torch.float16", tuple(v * 120.0 for v in range(500)), 512),
         ),
         history=tuple(
-            StepSummary(step, 2.0 / (step + 1), 10.0**step, step == 7) for step in range(8)
+            StepSummary(
+                step=step, loss=2.0 / (step + 1), absmax=10.0**step, nonfinite=step == 7,
+                headroom=65504 / 10.0**step, headroom_module=PRODUCER,
+                headroom_dtype="torch.float16",
+            )
+            for step in range(8)
+        ),
+        warnings=tuple(
+            EarlyWarning(step, "overflow-risk", f"headroom {65504 / 10.0**step:.3g}x", PRODUCER)
+            for step in range(3, 15)
         ),
         debug_frame=pointer,
+        debug_locals=(("scores", stats(posinf=48)),),
         frames=(SourcePointer("<cell>", 3, "<module>", "loss = model(x).sum()"), pointer),
         notes=("the same module also ran in step 6 without non-finite values",),
     )
@@ -114,6 +125,8 @@ def test_text_names_producer_counts_cause_and_marks_row() -> None:
         "scores = q @ k.transpose(-2, -1)", "3 nan, 48 +inf, 0 -inf of 512 elements (9.96%)",
         "inputs      finite", "fp16 overflow", "Scale q by 1/sqrt(d)",
         "also ran in step 6", "%debug opens in", "loss = model(x).sum()",
+        "local scores: float16 4x8x16: 0 nan, 48 +inf, 0 -inf",
+        "(2 earlier warnings not listed)", f"step 14, {PRODUCER}: headroom 6.55e-10x",
     ):
         assert expected in text
     producer_rows = [line for line in text.splitlines() if line.startswith("> ")]
@@ -229,16 +242,20 @@ def test_history_figure_scales_and_marks_nonfinite_steps() -> None:
     from nan_magic.render.plots import figure_png, history_figure
 
     blow_up = tuple(
-        StepSummary(step, float("nan") if step == 5 else 1.0, 10.0 ** step, step == 5)
+        StepSummary(
+            step=step, loss=float("nan") if step == 5 else 1.0, absmax=10.0**step,
+            grad_norm=0.5, nonfinite=step == 5,
+        )
         for step in range(6)
     )
-    loss_axes, absmax_axes = history_figure(blow_up).axes
-    assert absmax_axes.get_yscale() == "log"
+    loss_axes, absmax_axes, grad_axes = history_figure(blow_up).axes
+    assert absmax_axes.get_yscale() == "log" and grad_axes.get_yscale() == "linear"
+    assert grad_axes.get_ylabel() == "grad norm"
     loss_line, marker = loss_axes.get_lines()
     assert list(loss_line.get_xdata()) == [0, 1, 2, 3, 4] and marker.get_xdata()[0] == 5
-    flat = tuple(StepSummary(step, 2.0, 3.0 + step / 10, False) for step in range(4))
+    flat = tuple(StepSummary(step=step, loss=2.0, absmax=3.0 + step / 10) for step in range(4))
     figure = history_figure(flat)
-    assert figure.axes[1].get_yscale() == "linear"
+    assert len(figure.axes) == 2 and figure.axes[1].get_yscale() == "linear"
     assert figure_png(figure).startswith(PNG_MAGIC)
 
 
@@ -263,6 +280,9 @@ def test_html_is_self_contained_report(source_file: Path, tmp_path: Path) -> Non
     assert any("scores = q @ k.transpose(-2, -1)" in line for line in marked)
     assert "q = q * self.scale" in html
     assert "History (8 steps kept)" in html
+    assert f"<td>655 ({PRODUCER} float16)</td>" in html and "headroom to overflow" in html
+    assert "step 5, encoder.layers.1.attn: headroom 0.655x" in html
+    assert "<code>scores</code>: float16 4x8x16: 0 nan, 48 +inf" in html
     assert "<script" not in html and "http" not in html
 
 

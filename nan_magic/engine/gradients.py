@@ -15,6 +15,7 @@ wraps outputs in a view that breaks in-place ops.
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +36,7 @@ class GradientChecks:
 
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
-        self.last_loss: float | None = None
+        self.loss_record: TensorRecord | None = None
         self.reported_this_pass = False
         self.backward_runs = 0
 
@@ -49,20 +50,54 @@ class GradientChecks:
             tensor.register_hook(functools.partial(self._on_output_grad, record))
 
     def on_backward_start(self, loss: torch.Tensor) -> None:
-        """Called by the wrapped ``Tensor.backward`` before autograd runs."""
+        """Called by the wrapped ``Tensor.backward`` before autograd runs.
+
+        The tensor backward starts from (the loss) is logged like a module
+        output of code outside every module, and judged now or at the
+        deferred check.
+        """
         watch = self.watch
-        if not watch.mine() or not loss.is_floating_point():
+        if not watch.mine() or not loss.is_floating_point() or loss.numel() == 0:
             return
         self.reported_this_pass = False
         self.backward_runs += 1
-        if loss.numel() == 1 and not watch.defer:
-            self.last_loss = float(loss.detach())
-        if not relevant_kinds(kinds_of(loss), watch.config.kinds):
+        call = watch.log.new_call(Phase.FORWARD, None, None, None)
+        self.loss_record = watch.log.record_output(call, "loss", loss)
+        watch.log.finish(call)
+        if not watch.defer:
+            self.judge_loss(call)
+
+    @property
+    def last_loss(self) -> float | None:
+        """The last scalar loss, once its probe has been read."""
+        record = self.loss_record
+        if record is None or record.pending or math.prod(record.shape) != 1:
+            return None
+        return record.low
+
+    def judge_loss(self, call: Call) -> None:
+        """A non-finite loss: produced by the code outside the modules when they were all finite."""
+        watch = self.watch
+        record = call.outputs[0]
+        if record.status != "ok" or not relevant_kinds(record.kinds(), watch.config.kinds):
             return
         every_output_finite = all(
-            not record.kinds() for call in watch.log.calls for record in call.outputs if not record.pending
+            not output.kinds()
+            for other in watch.log.calls
+            if other.info is not None
+            for output in other.outputs
+            if not output.pending
         )
-        finding = Finding(Phase.FORWARD, None, "loss", bad=loss.detach(), inputs_finite=every_output_finite)
+        tensor = record.live()
+        finding = Finding(
+            Phase.FORWARD,
+            None,
+            "loss",
+            bad=tensor.detach() if tensor is not None else None,
+            bad_stats=None if tensor is not None else record.stats(),
+            record=record,
+            inputs_finite=every_output_finite,
+        )
         finding.notes.append(
             "every watched module output of this step was finite: code outside the modules (the loss) produced it"
             if every_output_finite

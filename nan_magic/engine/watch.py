@@ -551,6 +551,8 @@ class Watch:
         for call in self.log.finished():
             if call.phase == Phase.BACKWARD:
                 self.gradients.judge(call)
+            elif call.info is None:
+                self.gradients.judge_loss(call)
             else:
                 for record in call.outputs:
                     if record.status == "ok":

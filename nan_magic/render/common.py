@@ -9,7 +9,13 @@ from __future__ import annotations
 import linecache
 from dataclasses import dataclass
 
-from nan_magic.records import LayerCall, Report, SourcePointer, TensorStats
+from nan_magic.records import (
+    LayerCall,
+    Report,
+    SourcePointer,
+    StepSummary,
+    TensorStats,
+)
 
 #: Largest finite value of each floating dtype, keyed by its short name.
 FINITE_LIMITS: dict[str, float] = {
@@ -28,6 +34,46 @@ COLUMNS = (
     "call", "phase", "module", "type", "tensor", "dtype", "shape",
     "min", "max", "mean", "std", "absmax", "nan", "+inf", "-inf", "status",
 )
+
+
+#: StepSummary fields a history can show, with their labels. Loss and
+#: max |activation| always; the others where the watch recorded them.
+HISTORY_FIELDS: tuple[tuple[str, str], ...] = (
+    ("loss", "loss"),
+    ("absmax", "max |activation|"),
+    ("grad_norm", "grad norm"),
+    ("headroom", "headroom to overflow"),
+    ("input_absmax", "max |input|"),
+    ("scale", "loss scale"),
+)
+_ALWAYS_SHOWN = frozenset({"loss", "absmax"})
+
+
+def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
+    """The :data:`HISTORY_FIELDS` worth a column: always shown, or recorded somewhere."""
+    return [
+        (field, label)
+        for field, label in HISTORY_FIELDS
+        if field in _ALWAYS_SHOWN or any(getattr(entry, field) is not None for entry in history)
+    ]
+
+
+#: Early warnings listed in a report; older ones are counted, not listed.
+MAX_WARNINGS = 10
+
+
+def warning_lines(report: Report) -> list[str]:
+    """The report's last early warnings, one line each, plus what was left out.
+
+    ``"step 12, encoder.3: activations within 4x of float16's max"``.
+    """
+    shown = report.warnings[-MAX_WARNINGS:]
+    lines = [
+        f"step {w.step}{f', {w.module}' if w.module else ''}: {w.message}" for w in shown
+    ]
+    if len(report.warnings) > len(shown):
+        lines.insert(0, f"({len(report.warnings) - len(shown)} earlier warnings not listed)")
+    return lines
 
 
 def short_dtype(dtype: str | None) -> str:

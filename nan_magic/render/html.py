@@ -12,18 +12,21 @@ from __future__ import annotations
 import base64
 from html import escape
 
-from nan_magic.records import LayerCall, Report, SourcePointer
+from nan_magic.records import LayerCall, Report, SourcePointer, StepSummary
 from nan_magic.render.common import (
     counts_phrase,
     fmt_fraction,
     fmt_number,
     fmt_shape,
+    history_fields,
+    module_label,
     producer_position,
     row_window,
     short_dtype,
     source_excerpt,
     stats_phrase,
     summary_sentence,
+    warning_lines,
 )
 from nan_magic.render.plots import histogram_png, history_png
 from nan_magic.render.table import TABLE_CSS, style_layers
@@ -131,6 +134,7 @@ def facts_html(report: Report) -> str:
         cause += "".join(f"<br/>- {escape(line)}" for line in report.cause.evidence)
         rows.append(("cause", cause))
     rows.extend(("note", escape(note)) for note in report.notes)
+    rows.extend(("warning", escape(line)) for line in warning_lines(report))
     body = "".join(f"<tr><td>{label}</td><td>{value}</td></tr>" for label, value in rows)
     return f'<table class="nm-facts">{body}</table>'
 
@@ -214,6 +218,12 @@ def debug_html(report: Report) -> str:
         )
     elif report.debug_frame is not None:
         parts.append(source_html(report.debug_frame, "%debug opens in"))
+    if report.debug_locals:
+        items = "".join(
+            f"<li><code>{escape(name)}</code>: {escape(stats_phrase(stats))}</li>"
+            for name, stats in report.debug_locals
+        )
+        parts.append(f"<h4>Tensors among that frame's locals</h4>\n<ul>{items}</ul>")
     if report.frames:
         items = "".join(
             f"<li><code>{escape(str(frame))}</code>"
@@ -225,19 +235,30 @@ def debug_html(report: Report) -> str:
     return "\n".join(parts)
 
 
+def _history_cell(entry: StepSummary, field: str) -> str:
+    value = fmt_number(getattr(entry, field))
+    if field == "headroom" and entry.headroom_module is not None:
+        where = module_label(entry.headroom_module)
+        value += f" ({escape(where)} {escape(short_dtype(entry.headroom_dtype))})"
+    return value
+
+
 def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
-    """Loss and largest |activation| per step: a plot and the last rows."""
+    """Loss, largest |activation| and the rest of the history: a plot and the last rows."""
     if not report.history:
         return ""
     recent = report.history[-rows:]
+    fields = history_fields(report.history)
+    head = "".join(f"<th>{escape(label)}</th>" for _, label in fields)
     body = "".join(
-        f"<tr><td>{entry.step}</td><td>{fmt_number(entry.loss)}</td>"
-        f"<td>{fmt_number(entry.absmax)}</td><td>{'yes' if entry.nonfinite else ''}</td></tr>"
+        f"<tr><td>{entry.step}</td>"
+        + "".join(f"<td>{_history_cell(entry, field)}</td>" for field, _ in fields)
+        + f"<td>{'yes' if entry.nonfinite else ''}</td></tr>"
         for entry in recent
     )
     table = (
-        '<table class="nm-table nm-history"><thead><tr><th>step</th><th>loss</th>'
-        f"<th>max |activation|</th><th>non-finite</th></tr></thead><tbody>{body}</tbody></table>"
+        f'<table class="nm-table nm-history"><thead><tr><th>step</th>{head}'
+        f"<th>non-finite</th></tr></thead><tbody>{body}</tbody></table>"
     )
     title = f"History ({len(report.history)} steps kept"
     title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"

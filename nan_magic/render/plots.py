@@ -19,7 +19,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from nan_magic.records import Sample, StepSummary
-from nan_magic.render.common import finite_limit, short_dtype
+from nan_magic.render.common import finite_limit, history_fields, short_dtype
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
@@ -93,8 +93,8 @@ def draw_histogram(axes: Axes, sample: Sample) -> None:
     axes.legend(handles=[handle], fontsize=7, loc="upper right", handlelength=1.5)
 
 
-def history_figure(history: Sequence[StepSummary]) -> Figure:
-    """Loss and largest |activation| per step, non-finite steps marked.
+def history_figure(history: tuple[StepSummary, ...]) -> Figure:
+    """Loss, largest |activation| and what else was recorded, per step.
 
     Parameters
     ----------
@@ -104,15 +104,15 @@ def history_figure(history: Sequence[StepSummary]) -> Figure:
     Returns
     -------
     matplotlib.figure.Figure
-        Two panels sharing the step axis; |activation| on a log scale.
+        One panel per field of :func:`~nan_magic.render.common.history_fields`
+        (loss and max |activation| always), sharing the step axis; non-finite
+        steps marked in red; a log scale where a field spans decades.
     """
-    figure = Figure(figsize=(8.0, 4.0), dpi=_DPI, layout="constrained")
+    fields = history_fields(history)
+    figure = Figure(figsize=(8.0, 1.9 * len(fields) + 0.4), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
-    loss_axes, absmax_axes = figure.subplots(2, 1, sharex=True)
-    for axes, field, label in (
-        (loss_axes, "loss", "loss"),
-        (absmax_axes, "absmax", "max |activation|"),
-    ):
+    panels = figure.subplots(len(fields), 1, sharex=True, squeeze=False)[:, 0]
+    for axes, (field, label) in zip(panels, fields):
         points = [
             (entry.step, value)
             for entry in history
@@ -121,17 +121,16 @@ def history_figure(history: Sequence[StepSummary]) -> Figure:
         if points:
             steps, values = zip(*points)
             axes.plot(steps, values, marker=".", color=_BAR)
+            # A log scale only helps when a value spans decades (a slow blow-up).
+            if min(values) > 0 and max(values) > _DECADES * min(values):
+                axes.set_yscale("log")
         axes.set_ylabel(label, fontsize=8)
         axes.tick_params(labelsize=8)
         for entry in history:
             if entry.nonfinite:
                 axes.axvline(entry.step, color=_LIMIT, alpha=0.6)
-    absmaxes = [e.absmax for e in history if e.absmax is not None and 0 < e.absmax < math.inf]
-    # A log scale only helps when |activation| spans decades (a slow blow-up).
-    if absmaxes and max(absmaxes) > _DECADES * min(absmaxes):
-        absmax_axes.set_yscale("log")
-    absmax_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    absmax_axes.set_xlabel("step (red: non-finite)", fontsize=8)
+    panels[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    panels[-1].set_xlabel("step (red: non-finite)", fontsize=8)
     return figure
 
 

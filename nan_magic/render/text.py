@@ -17,6 +17,7 @@ from nan_magic.render.common import (
     row_window,
     short_dtype,
     stats_phrase,
+    warning_lines,
 )
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
@@ -93,6 +94,7 @@ def _facts(report: Report) -> str:
         rows.append(("fix", report.cause.hint))
         rows.extend(("", f"- {line}") for line in report.cause.evidence)
     rows.extend(("note", note) for note in report.notes)
+    rows.extend(("warning", line) for line in warning_lines(report))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}".rstrip() for label, value in rows)
 
@@ -158,6 +160,7 @@ def _debug_section(report: Report) -> str:
     lines = []
     if report.debug_frame is not None:
         lines.append(f"%debug opens in {report.debug_frame}")
+    lines.extend(f"  local {name}: {stats_phrase(stats)}" for name, stats in report.debug_locals)
     if report.frames:
         lines.append("Frames from your code to the producer:")
         for frame in report.frames:
