@@ -221,6 +221,9 @@ class Report:
     debug_locals: tuple[tuple[str, TensorStats], ...] = ()
     frames: tuple[SourcePointer, ...] = ()
     notes: tuple[str, ...] = ()
+    scene: str | None = None
+    scene_bytes: int | None = None
+    restore_token: int | None = None
 
     # -- derived -------------------------------------------------------------
 
@@ -280,6 +283,15 @@ class Report:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(html)
         return html
+
+    def restore(self) -> None:
+        """Put the model and optimizer back to the last step that ended finite.
+
+        Needs a watch with ``keep_last_good``; see :mod:`nan_magic.engine.snapshot`.
+        """
+        from nan_magic.engine.snapshot import restore
+
+        restore(self)
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -350,6 +362,11 @@ class WatchConfig:
         Per-layer rows kept for the failing step (oldest dropped first).
     max_events
         Events kept in ``watch.events``.
+    dump
+        A folder: at the first real event, save the crash scene there.
+    keep_last_good
+        ``"cpu"`` or ``"device"``: keep the model's and optimizer's state from
+        the last step that ended finite there, for ``report.restore()``.
     """
 
     on_detect: OnDetect = "raise"
@@ -366,6 +383,8 @@ class WatchConfig:
     sample_size: int = 4096
     max_layers: int = 2000
     max_events: int = 100
+    dump: str | None = None
+    keep_last_good: str | None = None
 
     def __post_init__(self) -> None:
         if self.on_detect not in ("raise", "warn", "log"):
@@ -379,6 +398,8 @@ class WatchConfig:
                 f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
             )
         object.__setattr__(self, "kinds", kinds)
+        if self.keep_last_good not in (None, "cpu", "device"):
+            raise ValueError(f"keep_last_good must be 'cpu', 'device' or None, not {self.keep_last_good!r}")
         for name in ("history", "sample_size", "max_layers", "max_events"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")

@@ -81,8 +81,8 @@ class OptimizerChecks:
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
         values = watch.sync(carried_norms + norms([grad for _name, grad in with_grad]))
-        if carried is not None:
-            self._report_step_result(carried, values[: len(carried_norms)])
+        if carried is not None and not self._report_step_result(carried, values[: len(carried_norms)]):
+            watch.on_finite_step()
         grad_values = values[len(carried_norms) :]
         self.last_grad_norm = math.sqrt(sum(v * v for v in grad_values)) if grad_values else None
         for (name, grad), value in zip(with_grad, grad_values):
@@ -109,8 +109,8 @@ class OptimizerChecks:
             if watch.defer:
                 # Read with the next step's single transfer, not now.
                 self.carried = result
-            else:
-                self._report_step_result(result, read_scalars(result.norms))
+            elif not self._report_step_result(result, read_scalars(result.norms)):
+                watch.on_finite_step()
         finally:
             self.in_step = False
             self.steps += 1
@@ -121,10 +121,11 @@ class OptimizerChecks:
     def flush(self) -> None:
         """Check a deferred step result still unread (at the end of the watch)."""
         carried, self.carried = self.carried, None
-        if carried is not None:
-            self._report_step_result(carried, read_scalars(carried.norms))
+        if carried is not None and not self._report_step_result(carried, read_scalars(carried.norms)):
+            self.watch.on_finite_step()
 
-    def _report_step_result(self, result: _StepResult, values: list[float]) -> None:
+    def _report_step_result(self, result: _StepResult, values: list[float]) -> bool:
+        """Report what the step made non-finite; True when it did."""
         for (label, tensor), value in zip(result.updated, values):
             if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
                 continue
@@ -133,7 +134,8 @@ class OptimizerChecks:
             subject = label.removeprefix("parameter ")
             finding.notes.append(f"the {type(result.optimizer).__name__} step made {subject} non-finite")
             self.watch.emit(finding)
-            return
+            return True
+        return False
 
     # -- GradScaler ------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ from nan_magic.engine.gradients import GradientChecks
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.replay import RngState, capture_rng_state, replay_module
+from nan_magic.engine.scene import record_scene
+from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, iter_tensors, kinds_of, read_scalars, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
@@ -216,6 +218,7 @@ class Watch:
         self.gradients = GradientChecks(self)
         self.optimizers = OptimizerChecks(self)
         self.early = EarlyWarnings()
+        self.last_good = LastGood(self.config.keep_last_good)
         self._stack: list[_Frame] = []
         self._forward_passes = 0
         self._step_open = False
@@ -468,6 +471,10 @@ class Watch:
     def _optimizer_in_use(self) -> bool:
         return bool(self.optimizers.steps or self.targets.optimizers)
 
+    def on_finite_step(self) -> None:
+        """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
+        self.last_good.capture(self)
+
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""
         if not self.optimizers.hold_gradient_event(finding):
@@ -564,6 +571,9 @@ class Watch:
     # -- events ---------------------------------------------------------------------
 
     def emit(self, finding: Finding) -> None:
+        """Record an event; raise or warn for the first non-benign one as configured."""
+        if not finding.benign and finding.op is None and self._tracer is not None and self._tracer.finding:
+            return  # the op tracer already reported this step's producer, at its op
         report = build_report(
             finding,
             step=self.step if finding.step is None else finding.step,
@@ -573,22 +583,30 @@ class Watch:
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
         )
+        if not report.benign and self.report is None:
+            # The first real event: save the scene / arm the roll-back (scene.py).
+            report = record_scene(self, finding, report)
+            self.report = report
         if len(self.events) < self.config.max_events:
             self.events.append(report)
         if self.config.log_file:
-            with open(self.config.log_file, "a", encoding="utf-8") as handle:
-                handle.write(report.to_json() + "\n")
+            self._append_log(report)
         if report.benign:
             return
-        if finding.op is None and self._tracer is not None and self._tracer.finding is not None:
-            return  # the op tracer already reported this step's producer, at its op
-        if self.report is None:
-            self.report = report
         if self.config.on_detect == "raise":
             self._raised = True
             raise NonFiniteError(report)
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=2)
+
+    def _append_log(self, report: Report) -> None:
+        """One JSON line per event; a failing log (disk full) must not stop the user's run."""
+        try:
+            with open(self.config.log_file, "a", encoding="utf-8") as handle:  # type: ignore[arg-type]
+                handle.write(report.to_json() + "\n")
+        except OSError as error:
+            warnings.warn(f"nan_magic could not write the event log {self.config.log_file}: {error}",
+                          NanMagicWarning, stacklevel=3)
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report.
@@ -637,6 +655,8 @@ def watch(
     sample_size: int = 4096,
     max_layers: int = 2000,
     max_events: int = 100,
+    dump: str | None = None,
+    keep_last_good: bool | str | None = None,
     labels: Iterable[str | None] | None = None,
 ) -> Watch:
     """Watch models, optimizers and GradScalers for the first non-finite value.
@@ -647,8 +667,11 @@ def watch(
         ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
         no module, every module called at top level is watched.
     on_detect, kinds, include, exclude, types, log_file, defer, ops, replay,
-    backward, history, sample_size, max_layers, max_events
+    backward, history, sample_size, max_layers, max_events, dump
         See :class:`nan_magic.WatchConfig`.
+    keep_last_good
+        ``True`` or ``"cpu"``: keep the last finite step's state on the CPU;
+        ``"device"``: where the model lives. ``report.restore()`` puts it back.
     labels
         Names for the targets (the magics pass variable names), one per target.
 
@@ -677,6 +700,8 @@ def watch(
         sample_size=sample_size,
         max_layers=max_layers,
         max_events=max_events,
+        dump=dump,
+        keep_last_good="cpu" if keep_last_good is True else (keep_last_good or None),
     )
     return Watch(targets, labels=labels, config=config)
 
