@@ -78,7 +78,7 @@ class DebugUnderflowOverflow:
     def __init__(self, model: nn.Module, max_frames_to_save: int = 21) -> None:
         self.model = model
         self.module_names = {module: name for name, module in model.named_modules()}
-        self.frames: collections.deque[str] = collections.deque([], max_frames_to_save)
+        self.frames: collections.deque[str] = collections.deque(maxlen=max_frames_to_save)
         self.frame: list[str] = []
         self.batch_number = 0
         self.detected_overflow = False

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
+import baselines
 import torch
 from torch import nn
-
-import baselines
 
 WatchFactory = Callable[[nn.Module], ContextManager[Any]]
 

@@ -57,10 +57,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
-
 from common import Column, all_columns, format_header, machine_info, setup_torch
 from models import BUILDERS, Benchmark, build
+from torch.profiler import ProfilerActivity, profile, record_function
 
 MB = 2**20
 GROWTH_COLUMNS = ("unwatched", "nan_magic", "nan_magic_ops")

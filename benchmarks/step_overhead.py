@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-
 from common import Column, all_columns, format_header, machine_info, setup_torch
 from models import BUILDERS, Benchmark, build
 

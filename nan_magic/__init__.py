@@ -24,21 +24,21 @@ from nan_magic.records import (
 )
 
 __all__ = [
-    "watch",
-    "Watch",
-    "NonFiniteError",
-    "NanMagicWarning",
-    "Report",
-    "Phase",
     "Cause",
     "EarlyWarning",
-    "StepSummary",
     "LayerCall",
+    "NanMagicWarning",
+    "NonFiniteError",
+    "Phase",
+    "Report",
     "SourcePointer",
+    "StepSummary",
     "TensorStats",
+    "Watch",
     "WatchConfig",
     "load_ipython_extension",
     "unload_ipython_extension",
+    "watch",
 ]
 
 __version__ = "0.1.0"

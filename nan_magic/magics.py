@@ -73,9 +73,15 @@ class NanMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self._cell_watch: Watch | None = None
-        self._persistent: tuple[list[str], Any] | None = None
+        self._persistent: tuple[str, Any] | None = None
         self._pending: Report | None = None
         self._last: Watch | None = None
+
+    @property
+    def _shell(self) -> Any:
+        """The shell (IPython types it as optional; a loaded extension always has one)."""
+        assert self.shell is not None
+        return self.shell
 
     # -- magics -------------------------------------------------------------------
 
@@ -104,8 +110,8 @@ class NanMagics(Magics):
         code, last_expr = self._compile_cell(cell)
         try:
             with watch:
-                exec(code, self.shell.user_ns)
-                result = eval(last_expr, self.shell.user_ns) if last_expr is not None else None
+                exec(code, self._shell.user_ns)
+                result = eval(last_expr, self._shell.user_ns) if last_expr is not None else None
         finally:
             self._finish(watch, args)
         return result
@@ -180,13 +186,13 @@ class NanMagics(Magics):
             raise UsageError(f"{name}: {error}") from None
 
     def _targets(self, expressions: list[str], name: str) -> tuple[list[str], list[Any]]:
-        namespace = self.shell.user_ns
+        namespace = self._shell.user_ns
         if expressions:
             values = []
             for expression in expressions:
                 try:
                     values.append(eval(expression, namespace))
-                except Exception as error:  # noqa: BLE001 - any failure is a usage error here
+                except Exception as error:
                     raise UsageError(f"{name}: cannot evaluate target {expression!r}: {error}") from None
             return list(expressions), values
         return _discover(namespace)
@@ -197,7 +203,7 @@ class NanMagics(Magics):
         A final expression is evaluated separately so its value is displayed,
         as it would be without the magic.
         """
-        compiler = self.shell.compile
+        compiler = self._shell.compile
         try:
             tree = compiler.ast_parse(cell)
         except SyntaxError as error:
@@ -218,7 +224,7 @@ class NanMagics(Magics):
         self._cell_args = args
         # The cell's exception reaches IPython, not us: trim its traceback so
         # the printed lines and %debug end in the user's frame.
-        self.shell.set_custom_exc((NonFiniteError,), self._show_nonfinite)
+        self._shell.set_custom_exc((NonFiniteError,), self._show_nonfinite)
 
     def _show_nonfinite(
         self, shell: Any, etype: type, value: BaseException, tb: TracebackType, tb_offset: int | None = None
@@ -234,7 +240,7 @@ class NanMagics(Magics):
         if watch is None:
             return
         self._cell_watch = None
-        self.shell.set_custom_exc((), None)
+        self._shell.set_custom_exc((), None)
         try:
             watch.__exit__(None, None, None)
         except NonFiniteError as error:
@@ -270,7 +276,7 @@ class NanMagics(Magics):
         if watch.report is None and not watch.events:
             return
         report = watch.report or watch.events[-1]
-        self.shell.user_ns[args.output] = report
+        self._shell.user_ns[args.output] = report
         if not args.quiet:
             self._pending = report
 

@@ -81,9 +81,8 @@ def test_deferred_finds_backward_producers() -> None:
     torch.manual_seed(0)
     embed = nn.Linear(8, 4)
     x = torch.randn(3, 8)
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(embed, defer=True):
-            torch.sqrt(((embed(x) - embed(x.clone())) ** 2).sum(-1)).sum().backward()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, defer=True):
+        torch.sqrt(((embed(x) - embed(x.clone())) ** 2).sum(-1)).sum().backward()
     report = caught.value.report
     assert (report.phase, report.module) == ("backward", None)
 
@@ -92,11 +91,10 @@ def test_deferred_finds_optimizer_producers_at_the_next_sync() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
     opt = torch.optim.Adam(model.parameters(), eps=1e-8)
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model, opt, defer=True):
-            opt.zero_grad()
-            model(torch.tensor([1, 2])).float().sum().backward()
-            opt.step()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=True):
+        opt.zero_grad()
+        model(torch.tensor([1, 2])).float().sum().backward()
+        opt.step()
     report = caught.value.report
     assert (report.phase, report.module, report.tensor, report.step) == ("optimizer", "0", "parameter 0.weight", 0)
 
@@ -107,9 +105,8 @@ def test_deferred_names_a_freed_producer_from_its_probe() -> None:
             return torch.log(x)
 
     model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
-    with pytest.raises(NonFiniteError) as caught:
-        with torch.no_grad(), nan_magic.watch(model, defer=True):
-            model(torch.randn(8, 4))  # no autograd: Log's output is freed before the check
+    with pytest.raises(NonFiniteError) as caught, torch.no_grad(), nan_magic.watch(model, defer=True):
+        model(torch.randn(8, 4))  # no autograd: Log's output is freed before the check
     report = caught.value.report
     assert (report.module, report.module_type) == ("1", "Log")
     assert "detected at the deferred check" in report.notes

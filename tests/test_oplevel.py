@@ -25,9 +25,8 @@ def marker_line(key: str) -> int:
 
 
 def raised(run, *targets, **options) -> nan_magic.Report:
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(*targets, **options):
-            run()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
+        run()
     return caught.value.report
 
 

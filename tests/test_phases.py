@@ -13,9 +13,8 @@ from nan_magic.engine.optim import COLLAPSE_SKIPS
 
 
 def raised(run, *targets, **options) -> nan_magic.Report:
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(*targets, **options):
-            run()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
+        run()
     return caught.value.report
 
 
@@ -276,9 +275,8 @@ def test_grad_scaler_whose_scale_keeps_collapsing_raises() -> None:
     with torch.no_grad():
         model[0].bias.fill_(100.0)  # NaN gradients at any scale
     opt, scaler, train = _amp_run(model, 40, init_scale=2.0**16)
-    with pytest.raises(NonFiniteError) as caught:
-        with nan_magic.watch(model, opt, scaler) as w:
-            train()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, scaler) as w:
+        train()
     report = caught.value.report
     assert not report.benign and report.cause is not None
     assert report.cause.label == "grad-scaler-collapse"

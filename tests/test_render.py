@@ -177,10 +177,12 @@ def test_layer_table_columns_and_values() -> None:
 def test_layer_table_empty_and_unknown_values() -> None:
     empty = make_report(layers=0, producer_at=0).table
     assert empty.empty and "status" in empty.columns
-    unknown = LayerCall(0, Phase.DATA, "", None, TensorStats("torch.float32", (2,), 2, nan=None))
-    frame = dataclasses.replace(make_report(), layers=(unknown,)).table
-    assert frame["nan"].isna().all() and frame["min"].isna().all()
-    assert frame.module.tolist() == [""]
+    unknown = LayerCall(0, Phase.DATA, "", "Net", TensorStats("torch.float32", (2,), 2, nan=None))
+    outside = LayerCall(1, Phase.FORWARD, None, None, stats(posinf=1), "producer", "loss")
+    frame = dataclasses.replace(make_report(), layers=(unknown, outside)).table
+    assert frame["nan"].isna().tolist() == [True, False]
+    assert frame["min"].isna().tolist() == [True, False]
+    assert frame.module.tolist() == ["", None] and frame.type.tolist() == ["Net", None]
 
 
 def test_styled_table_highlights_producer_marks_propagated_dims_after() -> None:
@@ -196,12 +198,15 @@ def test_styled_table_highlights_producer_marks_propagated_dims_after() -> None:
     assert "4x8x16" in rows[0]
 
 
-def test_styled_table_escapes_names() -> None:
+def test_styled_table_escapes_names_and_labels_root_and_outside() -> None:
     from nan_magic.render.table import style_layers
 
     odd = LayerCall(0, Phase.FORWARD, "blocks.<0>", "<lambda>", stats(), tensor="output[0]")
-    html = style_layers((odd,)).to_html()
+    root = LayerCall(1, Phase.DATA, "", "Net", stats(), tensor="input[0]")
+    outside = LayerCall(2, Phase.FORWARD, None, None, stats(posinf=1), "producer", "loss")
+    html = style_layers((odd, root, outside)).to_html()
     assert "blocks.&lt;0&gt;" in html and "&lt;lambda&gt;" in html and "<lambda>" not in html
+    assert ">(root)<" in html and ">(outside modules)<" in html and ">nan</td>" not in html
 
 
 # -- plots ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nan_magic.records import Report
 
-__all__ = ["NonFiniteError", "NanMagicWarning"]
+__all__ = ["NanMagicWarning", "NonFiniteError"]
 
 
 class NanMagicWarning(RuntimeWarning):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from nan_magic.engine.calls import Call, StepLog, TensorRecord
+from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.ops import OpFinding
 from nan_magic.engine.stats import sample_values, tensor_stats
-from nan_magic.engine.diagnose import diagnose
 from nan_magic.records import Cause, EarlyWarning, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
 
 __all__ = ["Finding", "build_report"]

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import linecache
 import os
-import sys
 from types import FrameType, TracebackType
 
 import torch
 
 from nan_magic.records import SourcePointer
 
-__all__ = ["frames_of", "is_library_file", "pointer", "trim_to_user_code", "user_frame", "user_frames_of"]
+__all__ = ["frames_of", "is_library_file", "pointer", "trim_to_user_code", "user_frames_of"]
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module_file)) + os.sep
@@ -49,14 +48,6 @@ def pointer(frame: FrameType, lineno: int | None = None) -> SourcePointer:
     line_number = frame.f_lineno if lineno is None else lineno
     text = linecache.getline(code.co_filename, line_number, frame.f_globals).strip() or None
     return SourcePointer(code.co_filename, line_number, code.co_name, text)
-
-
-def user_frame(start: FrameType | None = None) -> FrameType | None:
-    """The innermost frame on the current stack that is the user's code."""
-    frame = start if start is not None else sys._getframe(1)
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame
 
 
 def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:

@@ -622,9 +622,9 @@ def _inputs(
             if index is not None and len(value) > index:
                 pairs = [(index, value[index])]
             for position, item in pairs:
-                if isinstance(item, torch.Tensor) or name in plan.numbers and _is_number(item):
+                if isinstance(item, torch.Tensor) or (name in plan.numbers and _is_number(item)):
                     yield f"{name}[{position}]", item
-        elif isinstance(value, torch.Tensor) or name in plan.numbers and _is_number(value):
+        elif isinstance(value, torch.Tensor) or (name in plan.numbers and _is_number(value)):
             yield name, value
 
 

@@ -77,7 +77,7 @@ class OptimizerChecks:
         watch = self.watch
         if not watch.mine() or not self.watches(opt):
             return
-        with_grad = [(name, p.grad) for name, p in self.named_parameters(opt) if _float_tensor(p.grad)]
+        with_grad = [(name, p.grad) for name, p in self.named_parameters(opt) if p.grad is not None and _float_tensor(p.grad)]
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
         values = watch.sync(carried_norms + norms([grad for _name, grad in with_grad]))

@@ -158,7 +158,7 @@ def replay_module(
                 output = module(*args, **kwargs)
         except _Stop:
             pass
-        except Exception as error:  # noqa: BLE001 - the forward failing is a result too
+        except Exception as error:
             failure = error
     if tracer.finding is not None:
         return ReplayResult(finding=tracer.finding, reproduced=True)

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -80,6 +80,8 @@ class Watch:
     decorator. ``report`` is the Report of the first non-benign event (or
     None); ``events`` every event seen, benign ones included, in order.
     """
+
+    _tracer: OpTracer | None
 
     def __init__(
         self,
@@ -143,7 +145,7 @@ class Watch:
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         try:
             if exc is None:
                 self.sync()
@@ -226,7 +228,7 @@ class Watch:
         self._replaying = False
         self._masks: set[int] = set()
         self._can_replay = self.config.replay and not self.config.ops and not self.defer
-        self._tracer: OpTracer | None = None
+        self._tracer = None
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU."""
@@ -400,7 +402,7 @@ class Watch:
         if id(frame.module) in self._masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
             return True
-        if any(ref() is not None and version_of(ref()) != version for _p, _r, ref, version in frame.call.inputs):
+        if any(_mutated(ref(), version) for _path, _record, ref, version in frame.call.inputs):
             finding.notes.append(
                 f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
                 "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
@@ -633,6 +635,11 @@ class Watch:
             self.report = report
         if self.events:
             self.events[-1] = report
+
+
+def _mutated(tensor: torch.Tensor | None, version: int) -> bool:
+    """Whether a still-alive tensor was written in place since ``version``."""
+    return tensor is not None and version_of(tensor) != version
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:

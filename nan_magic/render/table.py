@@ -77,6 +77,10 @@ def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
         for layer in layers
     ]
     frame = pd.DataFrame.from_records(records, columns=list(COLUMNS))
+    # Object columns keep None apart from "" (outside any module vs the root);
+    # pandas 3 would infer a string dtype and turn None into NaN.
+    for column in ("module", "type"):
+        frame[column] = pd.Series([record[column] for record in records], dtype=object)
     for column in ("min", "max", "mean", "std", "absmax"):
         frame[column] = frame[column].astype("float64")
     for column in ("nan", "+inf", "-inf"):
