@@ -108,7 +108,7 @@ def test_exception_inside_a_nested_forward_unwinds_the_module_stack() -> None:
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randn(1, 2))
         healthy(torch.randn(1, 2))
-        assert w._stack == []  # the always-called hooks popped every frame
+        assert w.forward.stack == []  # the always-called hooks popped every frame
 
 
 def test_losses_bit_identical_with_and_without_the_watch() -> None:

@@ -38,18 +38,17 @@ from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch
-from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
+from nan_magic.engine.calls import StepLog
 from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
-from nan_magic.engine.findings import Finding, apply_op_finding, build_report
+from nan_magic.engine.findings import Finding, build_report
+from nan_magic.engine.forward import ForwardChecks
 from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
-from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.optim import OptimizerChecks
-from nan_magic.engine.replay import RngState, capture_rng_state, replay_module
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
-from nan_magic.engine.stats import is_checkable, iter_tensors, kinds_of, read_scalars, relevant_kinds, tensor_stats
+from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
 from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
@@ -61,18 +60,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _ACTIVE: list[Watch] = []
 
 
-class _Frame:
-    """A watched module call in progress (the module stack)."""
-
-    __slots__ = ("call", "info", "module", "rng_state")
-
-    def __init__(self, module: nn.Module, info: ModuleInfo, call: Call, rng_state: RngState | None) -> None:
-        self.module = module
-        self.info = info
-        self.call = call
-        self.rng_state = rng_state
-
-
 class Watch:
     """A watch over models, optimizers and GradScalers; see :func:`watch`.
 
@@ -80,8 +67,6 @@ class Watch:
     decorator. ``report`` is the Report of the first non-benign event (or
     None); ``events`` every event seen, benign ones included, in order.
     """
-
-    _tracer: OpTracer | None
 
     def __init__(
         self,
@@ -115,7 +100,7 @@ class Watch:
         """0-based step (PRODUCT.md): optimizer steps completed, else forward passes."""
         if self.optimizers.steps or self.targets.optimizers:
             return self.optimizers.steps
-        return self._forward_passes
+        return self.forward_passes
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -166,21 +151,17 @@ class Watch:
     def _attach(self) -> None:
         stack = ExitStack()
         try:
-            stack.enter_context(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
+            stack.enter_context(module_hooks.register_module_forward_pre_hook(self.forward.on_forward_pre))
             stack.enter_context(
-                module_hooks.register_module_forward_hook(self._on_forward, with_kwargs=True, always_call=True)
+                module_hooks.register_module_forward_hook(
+                    self.forward.on_forward, with_kwargs=True, always_call=True
+                )
             )
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.optimizers.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
             if self.config.ops:
-                self._tracer = OpTracer(
-                    kinds=self.config.kinds,
-                    module_name=self._current_module_name,
-                    on_finding=self._on_op_finding,
-                    phase_hint=self._phase_hint,
-                )
-                stack.enter_context(self._tracer)
+                stack.enter_context(self.forward.make_tracer())
         except BaseException:
             stack.close()
             raise
@@ -221,28 +202,27 @@ class Watch:
         self.optimizers = OptimizerChecks(self)
         self.early = EarlyWarnings()
         self.last_good = LastGood(self.config.keep_last_good)
-        self._stack: list[_Frame] = []
-        self._forward_passes = 0
+        self.forward = ForwardChecks(self)
+        self.forward_passes = 0
         self._step_open = False
         self._raised = False
-        self._replaying = False
-        self._masks: set[int] = set()
-        self._can_replay = self.config.replay and not self.config.ops and not self.defer
-        self._tracer = None
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU."""
         if self.config.defer is not None:
             return self.config.defer
-        return any(parameter.device.type != "cpu" for _label, root in self.targets.roots for parameter in root.parameters())
+        return any(
+            parameter.device.type != "cpu" for _label, root in self.targets.roots for parameter in root.parameters()
+        )
 
     def _forget_tensors(self) -> None:
-        self._stack.clear()
+        self.forward.stack.clear()
         self.log.clear()
 
-    def _info(self, module: nn.Module) -> ModuleInfo | None:
+    def module_info(self, module: nn.Module) -> ModuleInfo | None:
+        """How a called module is named, or None when it is not watched."""
         info = self.targets.modules.get(id(module))
-        if info is None and self.targets.discover and not self._stack:
+        if info is None and self.targets.discover and not self.forward.stack:
             # No module was named: any module called at top level becomes a
             # root, named as its own ``named_modules()`` would name it.
             self.targets.add_root(module, type(module).__name__, self.config)
@@ -251,226 +231,11 @@ class Watch:
 
     def mine(self) -> bool:
         """Hooks are global: act only for the thread that entered the watch, not during a replay."""
-        return self._active and not self._replaying and threading.get_ident() == self._thread
-
-    # -- forward -------------------------------------------------------------------
-
-    def _on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.mine():
-            return
-        info = self._info(module)
-        if info is None:
-            return
-        top_level = not self._stack
-        if top_level:
-            self._begin_step_if_needed()
-        parent = self._stack[-1].call if self._stack else None
-        call = self.log.new_call(Phase.FORWARD, info, module, parent)
-        for path, tensor in iter_tensors(args, "input"):
-            self.log.note_input(call, path, tensor)
-        # The generators' state before the call, so a replay draws the same
-        # dropout mask (about a microsecond; only where a replay can happen).
-        rng = capture_rng_state() if self._can_replay else None
-        self._stack.append(_Frame(module, info, call, rng))
-        if top_level or info.is_root:
-            self._record_data(info, module, args, "input")
-
-    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
-        # always_call hooks are called with (module, args, output) when the
-        # forward raised, and with (module, args, kwargs, output) otherwise.
-        if not self.mine():
-            return
-        if not self._stack or self._stack[-1].module is not module:
-            return
-        frame = self._stack.pop()
-        if len(rest) != 2:
-            return
-        kwargs, output = rest
-        call = frame.call
-        if kwargs:
-            # Global pre-hooks never see kwargs, so they are noted on return.
-            for path, tensor in iter_tensors(kwargs, "kwargs"):
-                self.log.note_input(call, path, tensor)
-            if not self._stack or frame.info.is_root:
-                self._record_data(frame.info, module, kwargs, "kwargs")
-        if frame.info.watched:
-            for path, tensor in iter_tensors(output, "output"):
-                fresh = self.log.lookup(tensor) is None
-                record = self.log.record_output(call, path, tensor)
-                if self.config.backward:
-                    self.gradients.hook_output(record, tensor, fresh)
-        self.log.finish(call)
-        if frame.info.watched and not self.defer:
-            for record in call.outputs:
-                self._judge(call, record, replay=(frame, args, kwargs))
-        if not self._stack and not self._optimizer_in_use():
-            # Inference (no optimizer seen): a top-level forward is a step.
-            self.sync()
-            self._forward_passes += 1
-            self.end_step()
-
-    def _record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
-        """Tensors entering a watched model from outside, as a ``data`` call.
-
-        Judged like any call (immediately, or at the deferred check), first in
-        order, so a NaN already in the batch is reported as phase ``data``.
-        """
-        tensors = list(iter_tensors(values, prefix))
-        if not tensors:
-            return
-        call = self.log.new_call(Phase.DATA, info, module, None)
-        for path, tensor in tensors:
-            self.log.record_output(call, path, tensor)
-        self.log.finish(call)
-        if not self.defer:
-            for record in call.outputs:
-                self._judge(call, record)
-            for path, tensor in tensors:
-                self._warn(self.early.observe_batch(self.step, path, tensor))
-
-    def _judge(
-        self,
-        call: Call,
-        record: TensorRecord,
-        detected_at: str | None = None,
-        replay: tuple[_Frame, tuple[Any, ...], dict[str, Any]] | None = None,
-    ) -> None:
-        """Producer or propagator? The one rule, for immediate and deferred checks.
-
-        A call produced a non-finite value when its output holds a kind that
-        none of its inputs held (before the call) and none of the parameters
-        and buffers it read holds; a non-finite parameter is reported as such.
-        """
-        out_kinds = relevant_kinds(record.kinds(), self.config.kinds)
-        if not out_kinds:
-            return
-        tensor = record.live()
-        if call.phase == Phase.DATA:
-            self.emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
-                               bad_stats=record.stats() if tensor is None else None, inputs_finite=False))
-            return
-        if tensor is not None:
-            out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.config.kinds)
-        input_kinds = self._input_kinds(call)
-        produced = out_kinds - input_kinds - call.inner_kinds
-        if call.parent is not None:
-            call.parent.inner_kinds |= call.inner_kinds | produced
-        if not produced:
-            record.status = "propagated"
-            return
-        named_inputs = self._named_inputs(call)
-        bad_parameter = self._bad_parameter(call)
-        if bad_parameter is None and self._tracer is not None:
-            # Ops mode sees every op: had one produced this, it would have been
-            # reported at the op. What is left came from an infinite scalar.
-            record.status = "benign"
-            return
-        if bad_parameter is not None:
-            name, parameter = bad_parameter
-            finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
-                              inputs=named_inputs)
-            finding.notes.append(f"{name} was already non-finite when {call.name or 'the root module'} read it")
-        else:
-            finding = Finding(
-                Phase.FORWARD,
-                call,
-                record.path or "output",
-                bad=_detached(tensor),
-                record=record,
-                bad_stats=None if tensor is not None else record.stats(),
-                inputs=named_inputs,
-                inputs_finite=not input_kinds,
-            )
-            if replay is not None and self._replay_into(finding, produced, *replay):
-                return
-        if detected_at:
-            finding.notes.append(detected_at)
-        self.emit(finding)
-
-    def _replay_into(
-        self, finding: Finding, produced: frozenset[str], frame: _Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> bool:
-        """Replay the producer module under the op tracer to name its op and line.
-
-        Returns True when the replay shows a deliberate infinity instead (an
-        op given an infinite scalar, e.g. ``masked_fill(mask, -inf)``): that
-        is recorded as benign and not raised; a consumer that turns it into a
-        NaN is the producer then.
-        """
-        if not self._can_replay or frame.rng_state is None:
-            return False
-        if id(frame.module) in self._masks:
-            finding.record.status = "benign"  # type: ignore[union-attr]
-            return True
-        if any(_mutated(ref(), version) for _path, _record, ref, version in frame.call.inputs):
-            finding.notes.append(
-                f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
-                "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
-            )
-            return False
-        self._replaying = True
-        try:
-            result = replay_module(
-                frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.config.kinds,
-                module_name=frame.info.name,
-            )
-        finally:
-            self._replaying = False
-        if result.finding is not None:
-            op = result.finding
-            apply_op_finding(finding, op)
-            finding.notes.append(
-                f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
-                f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
-            )
-            return False
-        if result.held_by_inputs and produced <= {"+inf", "-inf"}:
-            self._masks.add(id(frame.module))
-            finding.benign = True
-            finding.notes.append(
-                "a deliberate infinity: an op inside was given an infinite scalar (e.g. masked_fill(mask, -inf)); "
-                "benign while its consumers stay finite"
-            )
-            self.emit(finding)
-            return True
-        if result.note:
-            finding.notes.append(result.note)
-        return False
-
-    def _input_kinds(self, call: Call) -> frozenset[str]:
-        """Kinds the call's inputs held *before* the call (in-place aware)."""
-        kinds: set[str] = set()
-        for _path, record, ref, version in call.inputs:
-            tensor = ref()
-            if tensor is not None and version_of(tensor) == version:
-                kinds |= kinds_of(tensor)
-            elif record is not None and not record.pending:
-                # Mutated in place by this module: its value before the call is
-                # what the producer rule compares against, and the probe of the
-                # call that made it still knows it.
-                kinds |= record.kinds()
-        return relevant_kinds(frozenset(kinds), self.config.kinds)
-
-    def _named_inputs(self, call: Call) -> list[tuple[str, torch.Tensor]]:
-        named = []
-        for path, _record, ref, _version in call.inputs:
-            tensor = ref()
-            if tensor is not None:
-                named.append((path, tensor.detach()))
-        return named
-
-    def _bad_parameter(self, call: Call) -> tuple[str, torch.Tensor] | None:
-        """A non-finite parameter or buffer of the called module (recursively)."""
-        prefix = f"{call.name}." if call.name else ""
-        module = call.module
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.is_floating_point() and relevant_kinds(kinds_of(tensor), self.config.kinds):
-                return prefix + name, tensor
-        return None
+        return self._active and not self.forward.replaying and threading.get_ident() == self._thread
 
     # -- backward and optimizer (see gradients.py, optim.py) -------------------------
 
-    def _optimizer_in_use(self) -> bool:
+    def optimizer_in_use(self) -> bool:
         return bool(self.optimizers.steps or self.targets.optimizers)
 
     def on_finite_step(self) -> None:
@@ -482,33 +247,9 @@ class Watch:
         if not self.optimizers.hold_gradient_event(finding):
             self.emit(finding)
 
-    # -- op-level tracing (ops=True) --------------------------------------------------
-
-    def _current_module_name(self) -> str | None:
-        return self._stack[-1].info.name if self._stack else None
-
-    def _phase_hint(self) -> Phase | None:
-        return Phase.OPTIMIZER if self.optimizers.in_step else None
-
-    def _on_op_finding(self, op_finding: OpFinding) -> None:
-        """The op tracer found the producer op: report it at the op, where it ran."""
-        if not self.mine():
-            return
-        frame = self._stack[-1] if self._stack and op_finding.phase == Phase.FORWARD else None
-        finding = Finding(op_finding.phase, frame.call if frame else None, f"{op_finding.tensor} of {op_finding.op}")
-        apply_op_finding(finding, op_finding, self._tracer.producer_tensors if self._tracer else ())
-        if finding.module is not None:
-            info = self.targets.info_by_name(finding.module)
-            if info is not None:
-                finding.module_type, finding.model = info.module_type, info.model
-        if finding.phase == Phase.BACKWARD:
-            self.on_gradient_event(finding)
-        else:
-            self.emit(finding)
-
     # -- steps ----------------------------------------------------------------------
 
-    def _begin_step_if_needed(self) -> None:
+    def begin_step_if_needed(self) -> None:
         if self._step_open and self.gradients.backward_runs:
             # A backward ran since the last optimizer step, and no step: with
             # a GradScaler, the scaler skipped it.
@@ -518,8 +259,8 @@ class Watch:
             self.log.clear()
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
-            if self._tracer is not None:
-                self._tracer.reset()
+            if self.forward.tracer is not None:
+                self.forward.tracer.reset()
             self._step_open = True
 
     def end_step(self) -> None:
@@ -538,10 +279,10 @@ class Watch:
             scale=self.optimizers.scale() if not self.defer else None,
         )
         self.history.append(summary)
-        self._warn(self.early.observe_step(summary))
+        self.warn(self.early.observe_step(summary))
         self._step_open = False
 
-    def _warn(self, early: list[EarlyWarning]) -> None:
+    def warn(self, early: list[EarlyWarning]) -> None:
         """Keep early warnings for the report; in ``warn`` mode also show them now."""
         for warning in early:
             self.warnings.append(warning)
@@ -565,7 +306,7 @@ class Watch:
             else:
                 for record in call.outputs:
                     if record.status == "ok":
-                        self._judge(call, record, "detected at the deferred check")
+                        self.forward.judge(call, record, "detected at the deferred check")
             if self._raised:
                 break
         return values
@@ -574,7 +315,8 @@ class Watch:
 
     def emit(self, finding: Finding) -> None:
         """Record an event; raise or warn for the first non-benign one as configured."""
-        if not finding.benign and finding.op is None and self._tracer is not None and self._tracer.finding:
+        tracer = self.forward.tracer
+        if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
             return  # the op tracer already reported this step's producer, at its op
         report = build_report(
             finding,
@@ -635,15 +377,6 @@ class Watch:
             self.report = report
         if self.events:
             self.events[-1] = report
-
-
-def _mutated(tensor: torch.Tensor | None, version: int) -> bool:
-    """Whether a still-alive tensor was written in place since ``version``."""
-    return tensor is not None and version_of(tensor) != version
-
-
-def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return tensor.detach() if tensor is not None else None
 
 
 def watch(
