@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from nan_magic.engine.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
+from nan_magic.engine.scene import Scene, load_scene
 from nan_magic.engine.watch import Watch, watch
 from nan_magic.records import (
     Cause,
@@ -25,18 +27,22 @@ from nan_magic.records import (
 
 __all__ = [
     "Cause",
+    "CheckpointGuard",
     "EarlyWarning",
     "LayerCall",
     "NanMagicWarning",
     "NonFiniteError",
     "Phase",
     "Report",
+    "Scene",
     "SourcePointer",
     "StepSummary",
     "TensorStats",
     "Watch",
     "WatchConfig",
+    "guard_checkpoints",
     "load_ipython_extension",
+    "load_scene",
     "unload_ipython_extension",
     "watch",
 ]

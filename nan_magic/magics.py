@@ -56,6 +56,11 @@ def _watch_options(func: Any) -> Any:
         argument("--no-backward", action="store_true", help="do not check gradients"),
         argument("--defer", action="store_true", default=None,
                  help="check once per step instead of per module (default on CUDA)"),
+        argument("--dump", default=None, metavar="DIR",
+                 help="at the first real event, save the crash scene in DIR (see %%nanreplay)"),
+        argument("--keep-last-good", nargs="?", const="cpu", default=None, choices=["cpu", "device"],
+                 help="keep the state of the last finite step (on the cpu, default, or the device) "
+                 "for report.restore()"),
         argument("-o", "--output", default=_REPORT_NAME, metavar="NAME",
                  help=f"user variable that receives the report (default {_REPORT_NAME})"),
         argument("-q", "--quiet", action="store_true", help="do not display the report"),
@@ -151,6 +156,67 @@ class NanMagics(Magics):
             return
         self._arm_for_cell(watch, args)
 
+    @magic_arguments()
+    @argument("path", help="a scene file saved with --dump")
+    @argument("model", nargs="?", default=None,
+              help="the model to rebuild the scene on (default: the scene's model name, or the only model)")
+    @argument("--no-restore", action="store_true",
+              help="replay on the model as it is (do not load the scene's weights into it first)")
+    @argument("--map-location", default=None, metavar="DEVICE", help="where to load the scene's tensors (e.g. cpu)")
+    @argument("-o", "--output", default="_nan_scene", metavar="NAME",
+              help="user variable that receives the Scene (default _nan_scene)")
+    @line_magic
+    def nanreplay(self, line: str) -> None:
+        """Rebuild a crash scene and replay the producer module on its exact inputs.
+
+        Loads the scene into the model (its weights and train/eval modes; a
+        fixed version of the model is fine), re-runs the producer module on
+        the saved inputs under op-level tracing and prints what it found.
+        The Scene is stored as ``_nan_scene`` (``.batch``, ``.rerun_step``).
+
+        Example::
+
+            %nanreplay dumps/nan_scene_step41.pt model
+            model.norm.eps = 1e-5
+            %nanreplay dumps/nan_scene_step41.pt model   # "... stayed finite"
+        """
+        from nan_magic.engine.scene import load_scene, replay_summary
+
+        args = self._parse(self.nanreplay, line, "%nanreplay")
+        if not args.output.isidentifier():
+            raise UsageError(f"%nanreplay: -o needs a Python identifier, not {args.output!r}")
+        try:
+            scene = load_scene(args.path, map_location=args.map_location)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"%nanreplay: cannot read {args.path}: {error}") from None
+        model = self._replay_model(args.model, scene.report.model)
+        try:
+            if not args.no_restore:
+                scene.restore_into(model, state="event")
+            result = scene.replay(model)
+        except (ValueError, RuntimeError) as error:
+            raise UsageError(f"%nanreplay: {error}") from None
+        self._shell.user_ns[args.output] = scene
+        print(f"nan_magic: {replay_summary(result, scene.module)}")
+
+    def _replay_model(self, expression: str | None, saved_name: str | None) -> nn.Module:
+        namespace = self._shell.user_ns
+        if expression is not None:
+            try:
+                model = eval(expression, namespace)
+            except Exception as error:  # any failure is a usage error here
+                raise UsageError(f"%nanreplay: cannot evaluate {expression!r}: {error}") from None
+        elif isinstance(namespace.get(saved_name or ""), nn.Module):
+            model = namespace[saved_name]
+        else:
+            models = [value for value in _discover(namespace)[1] if isinstance(value, nn.Module)]
+            if len(models) != 1:
+                raise UsageError("%nanreplay: name the model to rebuild the scene on: %nanreplay PATH MODEL")
+            model = models[0]
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"%nanreplay: {expression} is not an nn.Module")
+        return model
+
     # -- parsing and targets --------------------------------------------------------
 
     def _parse(self, magic: Any, line: str, name: str) -> Any:
@@ -174,6 +240,8 @@ class NanMagics(Magics):
                 ops=args.ops,
                 replay=not args.no_replay,
                 backward=not args.no_backward,
+                dump=args.dump,
+                keep_last_good=args.keep_last_good,
             )
         except ValueError as error:
             raise UsageError(f"{name}: {error}") from None
@@ -353,3 +421,4 @@ def unload(shell: Any) -> None:
     shell.events.unregister("post_run_cell", magics.post_run_cell)
     shell.magics_manager.magics["cell"].pop("nantrace", None)
     shell.magics_manager.magics["line"].pop("nanwatch", None)
+    shell.magics_manager.magics["line"].pop("nanreplay", None)

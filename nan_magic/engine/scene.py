@@ -1,18 +1,673 @@
-"""The crash scene: everything needed to re-run the failing step offline."""
+"""The crash scene: everything needed to try a fix on exactly the failing step.
+
+At the first real event :func:`record_scene` hands the roll-back state to
+:mod:`nan_magic.engine.snapshot` (``keep_last_good``) and, with ``dump``,
+saves the scene in one ``torch.save`` file in that folder, named
+``nan_scene_step{N}.pt``. :func:`load_scene` reads it back as a
+:class:`Scene` that restores the state into a model the user provides and
+replays the producer module (or the whole step) under op-level tracing.
+
+The file is a dict of plain values (see :data:`SCENE_KEYS`): state dicts,
+tensors, strings and numbers, plus the :class:`~nan_magic.Report` object. It
+is written to a temporary file in the same folder and renamed into place, so
+a scene file is either complete or absent. Writing never raises into the
+user's program: a full disk or a folder that cannot be created ends up as a
+note in the report and a :class:`~nan_magic.NanMagicWarning`; a part that
+cannot be collected or pickled is left out, with a note, and the rest saved.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ast
+import contextlib
+import copy
+import dataclasses
+import os
+import platform
+import re
+import secrets
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from nan_magic.records import Report
+import torch
+from torch import nn
+
+from nan_magic.engine.calls import version_of
+from nan_magic.engine.errors import NanMagicWarning
+from nan_magic.engine.replay import ReplayResult, RngState, capture_rng_state, replay_module, restore_rng_state
+from nan_magic.engine.snapshot import keep
+from nan_magic.records import Phase, Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.findings import Finding
     from nan_magic.engine.watch import Watch
 
-__all__ = ["record_scene"]
+__all__ = ["SCENE_FORMAT", "SCENE_KEYS", "Scene", "load_scene", "record_scene", "replay_summary"]
+
+SCENE_FORMAT = "nan_magic.scene"
+SCENE_VERSION = 1
+
+#: What a scene file holds (a dict with these keys; a part that could not be
+#: saved is None and the report says why):
+#:
+#: - ``format``, ``version``: ``"nan_magic.scene"``, 1
+#: - ``report``: the :class:`~nan_magic.Report` of the event
+#: - ``step``, ``phase``, ``module``, ``kinds``: the event in brief, and the kinds watched
+#: - ``models``: ``{name: state_dict}`` of every watched model, as at the event
+#: - ``training``: ``{name: {module name: training flag}}``
+#: - ``optimizers``, ``scalers``: ``[{"type": class name, "state": state_dict}]``
+#: - ``last_good``: ``{"step", "models", "optimizers"}`` after the last finite step
+#:   (with ``keep_last_good``), else None
+#: - ``batch``: ``{path: tensor}`` that entered the model in the failing step
+#:   (``"input[0]"``, ``"kwargs['mask']"``; prefixed ``"name:"`` with several models)
+#: - ``producer_inputs``: ``{path: tensor}`` the producer module was called with
+#: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source": str, "event": {"cpu", "cuda"}}``
+#: - ``versions``: ``{"torch", "python", "nan_magic", "cuda", "platform"}``
+SCENE_KEYS = (
+    "format", "version", "report", "step", "phase", "module", "kinds", "models", "training",
+    "optimizers", "scalers", "last_good", "batch", "producer_inputs", "rng", "versions",
+)
+
+
+# -- recording -------------------------------------------------------------------
 
 
 def record_scene(watch: Watch, finding: Finding, report: Report) -> Report:
-    """At the first real event: save the scene (``dump``), arm ``restore``; return the report."""
-    return report
+    """At the first real event: save the scene (``dump``) and arm ``restore()``; return the report.
+
+    Never raises: whatever fails is described in the returned report's notes.
+    """
+    notes: list[str] = []
+    try:
+        # Collected first: arming restore() hands the last finite step's state over.
+        folder = watch.config.dump
+        scene = _collect(watch, finding, report, notes) if folder else None
+        if watch.config.keep_last_good:
+            kept_step = watch.last_good.step
+            report = dataclasses.replace(report, restore_token=keep(watch.last_good))
+            notes.append(
+                f"report.restore() puts back the model and optimizer state after step {kept_step}"
+                if kept_step is not None
+                else "keep_last_good: no optimizer step ended finite before this event; nothing to roll back to"
+            )
+        if folder and scene is not None:
+            report = _save(scene, folder, report, notes)
+    except Exception as error:  # the user's run must never fail because of the scene
+        notes.append(_failure_note("could not record the scene", error))
+    return dataclasses.replace(report, notes=report.notes + tuple(notes))
+
+
+def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -> dict[str, Any]:
+    """The scene as a dict (see :data:`SCENE_KEYS`); a part that fails to collect is None."""
+    parts: dict[str, Callable[[], Any]] = {
+        "models": lambda: {name: module.state_dict() for name, module in _named_roots(watch)},
+        "training": lambda: {
+            name: {sub_name: sub.training for sub_name, sub in module.named_modules()}
+            for name, module in _named_roots(watch)
+        },
+        "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in watch.targets.optimizers],
+        "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in watch.targets.scalers],
+        "last_good": lambda: _last_good(watch),
+        "batch": lambda: _batch(watch, notes),
+        "producer_inputs": lambda: _producer_inputs(finding, notes),
+        "rng": lambda: _rng(watch),
+        "versions": _versions,
+    }
+    scene: dict[str, Any] = {
+        "format": SCENE_FORMAT,
+        "version": SCENE_VERSION,
+        "report": report,
+        "step": report.step,
+        "phase": str(report.phase),
+        "module": report.module,
+        "kinds": sorted(watch.config.kinds),
+    }
+    for key, collect in parts.items():
+        try:
+            scene[key] = collect()
+        except Exception as error:  # a user's state_dict hook may fail; save the rest
+            scene[key] = None
+            notes.append(_failure_note(f"the scene leaves out {key}", error))
+    return scene
+
+
+def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[str]) -> Report:
+    try:
+        path = _write_scene(scene, folder, f"nan_scene_step{report.step}", notes)
+    except Exception as error:  # disk full, no permission, not a folder...
+        note = _failure_note(f"could not save the scene in {folder}", error)
+        notes.append(note)
+        _warn(note)
+        return report
+    size = os.path.getsize(path)
+    notes.append(f"scene saved: {path} ({_human_size(size)}); nan_magic.load_scene(path) or %nanreplay rebuilds it")
+    return dataclasses.replace(report, scene=path, scene_bytes=size)
+
+
+def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]) -> str:
+    """Save ``scene`` atomically as ``folder/stem.pt`` (or ``stem-2.pt``...) and return the path.
+
+    A part that cannot be pickled is left out (set to None, with a note) and
+    the rest is saved. Raises OSError (disk full, no permission) and, should
+    even the pruned scene not pickle, the pickling error.
+    """
+    os.makedirs(folder, exist_ok=True)
+    path = _free_name(folder, stem)
+    try:
+        _save_atomically(scene, path)
+    except OSError:
+        raise
+    except Exception:  # pickling errors come in many types
+        for key in list(scene):
+            scene[key] = _prune(scene[key], key, notes)
+        _save_atomically(scene, path)
+    return path
+
+
+def _save_atomically(scene: dict[str, Any], path: str) -> None:
+    # A temporary name in the same folder (so the rename is atomic), created
+    # with open() rather than mkstemp so the file gets the usual permissions.
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "xb") as handle:
+            torch.save(scene, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        # Never leave a half-written file behind, whatever interrupted the write.
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+class _Discard:
+    """A file that forgets what is written: tells whether a value pickles, without storing it."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        return None
+
+
+def _prune(value: Any, label: str, notes: list[str], depth: int = 0) -> Any:
+    """``value`` without the entries that cannot be pickled (replaced by None, with a note)."""
+    try:
+        torch.save(value, _Discard())  # type: ignore[arg-type]
+        return value
+    except Exception as error:  # pickling errors come in many types
+        if depth < 2 and isinstance(value, dict):
+            return {key: _prune(item, f"{label}[{key!r}]", notes, depth + 1) for key, item in value.items()}
+        if depth < 2 and type(value) in (list, tuple):
+            return type(value)(_prune(item, f"{label}[{index}]", notes, depth + 1) for index, item in enumerate(value))
+        notes.append(_failure_note(f"the scene leaves out {label}", error))
+        return None
+
+
+def _free_name(folder: str, stem: str) -> str:
+    """A path that does not exist yet: earlier scenes in the same folder are kept."""
+    path = os.path.join(folder, f"{stem}.pt")
+    number = 2
+    while os.path.exists(path):
+        path = os.path.join(folder, f"{stem}-{number}.pt")
+        number += 1
+    return path
+
+
+# -- the parts -------------------------------------------------------------------------
+
+
+def _named_roots(watch: Watch) -> list[tuple[str, nn.Module]]:
+    """The watched models under unique names: their label, else their class name."""
+    named: list[tuple[str, nn.Module]] = []
+    taken: set[str] = set()
+    for label, module in watch.targets.roots:
+        name = base = label or type(module).__name__
+        number = 2
+        while name in taken:
+            name, number = f"{base}#{number}", number + 1
+        taken.add(name)
+        named.append((name, module))
+    return named
+
+
+def _typed_state(owner: Any, state: Any) -> dict[str, Any]:
+    return {"type": type(owner).__name__, "state": state}
+
+
+def _last_good(watch: Watch) -> dict[str, Any] | None:
+    """The state kept after the last finite step (``keep_last_good``), under the scene's names."""
+    last_good = watch.last_good
+    if last_good.step is None:
+        return None
+    return {
+        "step": last_good.step,
+        "models": {name: last_good.state_of(module) for name, module in _named_roots(watch)},
+        "optimizers": [_typed_state(opt, last_good.state_of(opt)) for opt in watch.targets.optimizers],
+    }
+
+
+def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of the tensors that entered the watched models in the failing step."""
+    entries: list[tuple[str, str, torch.Tensor]] = []
+    gone: list[str] = []
+    for call in watch.log.calls:
+        if call.phase != Phase.DATA or call.info is None:
+            continue
+        owner = call.info.model or call.info.module_type
+        for record in call.outputs:
+            tensor = record.live()
+            if tensor is None:
+                gone.append(record.path)
+            else:
+                entries.append((owner, record.path, tensor))
+    if gone:
+        notes.append(f"the scene's batch lacks {', '.join(gone)}: freed or changed in place before the event")
+    several = len({owner for owner, _path, _tensor in entries}) > 1
+    batch: dict[str, torch.Tensor] = {}
+    for owner, path, tensor in entries:
+        key = base = f"{owner}:{path}" if several else path
+        number = 2
+        while key in batch:
+            key, number = f"{base}#{number}", number + 1
+        batch[key] = _copy(tensor)
+    return batch
+
+
+def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of the tensors the producer module was called with (else the finding's inputs)."""
+    if finding.call is None or finding.call.phase == Phase.DATA:
+        return {name: _copy(tensor) for name, tensor in finding.inputs}
+    inputs: dict[str, torch.Tensor] = {}
+    for path, _record, ref, version in finding.call.inputs:
+        tensor = ref()
+        if tensor is None:
+            notes.append(f"the scene lacks the producer's {path}: it was freed before the event")
+        elif version_of(tensor) != version:
+            notes.append(f"the scene lacks the producer's {path}: the producer changed it in place")
+        else:
+            inputs[path] = _copy(tensor)
+    return inputs
+
+
+def _rng(watch: Watch) -> dict[str, Any]:
+    """The generators' state at the event, and the best known one to re-run the step from."""
+    step, source = None, "unknown"
+    running = watch.forward.stack[0].rng_state if watch.forward.stack else None
+    if running is not None:
+        # The watch takes it before each module call it may replay.
+        step, source = running, "before the failing step's top-level forward call"
+    elif watch.last_good.rng is not None:
+        step, source = watch.last_good.rng, "right after the last step that ended finite"
+    return {"step": _rng_dict(step), "step_source": source, "event": _rng_dict(capture_rng_state())}
+
+
+def _rng_dict(state: RngState | None) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    return {"cpu": state.cpu.clone(), "cuda": [s.clone() for s in state.cuda] if state.cuda is not None else None}
+
+
+def _versions() -> dict[str, str | None]:
+    from nan_magic import __version__
+
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "nan_magic": __version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+    }
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    # A copy: the live tensor may change after the event, and a view would
+    # drag its whole base storage into the file.
+    return tensor.detach().clone()
+
+
+def _failure_note(what: str, error: BaseException) -> str:
+    return f"{what}: {type(error).__name__}: {error}"
+
+
+def _warn(message: str) -> None:
+    # Warnings turned into errors (-W error) must not turn a failed dump into a crash.
+    with contextlib.suppress(Warning):
+        warnings.warn(f"nan_magic {message}", NanMagicWarning, stacklevel=4)
+
+
+def _human_size(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    value, unit = size / 1024, "KB"
+    for bigger in ("MB", "GB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+# -- loading and replaying ------------------------------------------------------------
+
+_POSITIONAL = re.compile(r"input\[(\d+)\]")
+_KEYWORD = re.compile(r"kwargs\[(.+)\]")
+
+
+def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Scene:
+    """Read a scene saved by a watch with ``dump=``.
+
+    Parameters
+    ----------
+    path
+        A ``nan_scene_step{N}.pt`` file.
+    map_location
+        As for :func:`torch.load`: ``"cpu"`` reads a scene saved on a GPU
+        on a machine without one.
+
+    Returns
+    -------
+    Scene
+
+    Notes
+    -----
+    The file is read with ``torch.load(weights_only=False)``: it holds a
+    :class:`~nan_magic.Report` object and plain Python values besides
+    tensors, and unpickling can run code. Load only scene files you trust
+    (your own).
+
+    Examples
+    --------
+    >>> scene = nan_magic.load_scene("dumps/nan_scene_step41.pt")  # doctest: +SKIP
+    >>> scene.restore_into(model, opt)                              # doctest: +SKIP
+    >>> model.norm.eps = 1e-5                                       # try a fix
+    >>> scene.replay(model).reproduced                              # doctest: +SKIP
+    False
+    """
+    path = os.fspath(path)
+    data = torch.load(path, map_location=map_location, weights_only=False)
+    if not isinstance(data, dict) or data.get("format") != SCENE_FORMAT:
+        raise ValueError(f"{path} is not a nan_magic scene file")
+    return Scene(path, data)
+
+
+class Scene:
+    """A crash scene read back by :func:`load_scene`.
+
+    Attributes
+    ----------
+    path
+        The file it was read from.
+    data
+        Everything the file holds (see :data:`SCENE_KEYS`).
+    report
+        The event's Report.
+    step, phase, module
+        The failing step, the phase and the producer module's qualified name.
+    batch
+        ``{path: tensor}``: what entered the watched model in the failing step.
+    producer_inputs
+        ``{path: tensor}``: what the producer module was called with.
+    versions
+        Versions of torch, Python, nan_magic and CUDA that wrote it.
+    """
+
+    def __init__(self, path: str, data: dict[str, Any]) -> None:
+        self.path = path
+        self.data = data
+        self.report: Report = dataclasses.replace(data["report"], scene=path, scene_bytes=os.path.getsize(path))
+        self.step: int = data["step"]
+        self.phase = Phase(data["phase"])
+        self.module: str | None = data["module"]
+        self.batch: dict[str, torch.Tensor] = data.get("batch") or {}
+        self.producer_inputs: dict[str, torch.Tensor] = data.get("producer_inputs") or {}
+        self.versions: dict[str, str | None] = data.get("versions") or {}
+
+    def __repr__(self) -> str:
+        return f"Scene({self.path!r}: {self.report.message})"
+
+    @property
+    def rng_state(self) -> RngState | None:
+        """The RNG state to re-run the failing step from, where known (see ``data['rng']``)."""
+        saved = (self.data.get("rng") or {}).get("step")
+        if saved is None:
+            return None
+        # CUDA generator states can only be set where CUDA is available.
+        cuda = tuple(saved["cuda"]) if saved["cuda"] is not None and torch.cuda.is_available() else None
+        return RngState(cpu=saved["cpu"], cuda=cuda)
+
+    # -- state ------------------------------------------------------------------
+
+    def restore_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scaler: Any = None,
+        *,
+        state: str = "auto",
+    ) -> None:
+        """Load the saved state into ``model`` (and optimizers, GradScalers) the user provides.
+
+        Parameters
+        ----------
+        model
+            A model of the same architecture (a fixed version of it is fine:
+            only parameters and buffers are loaded, and train/eval modes set).
+        optimizer, scaler
+            One, or several in the order the watch saw them.
+        state
+            ``"event"``: as at the event; ``"last_good"``: after the last step
+            that ended finite (needs ``keep_last_good``); ``"auto"``: the
+            state the failing step started from, i.e. ``"last_good"`` for an
+            optimizer-phase event (the step had already changed the
+            parameters) and ``"event"`` otherwise.
+        """
+        source = self._state(state)
+        name, saved = self._pick_model(source["models"] or {}, model)
+        model.load_state_dict(saved)
+        modes = (self.data.get("training") or {}).get(name, {})
+        for sub_name, sub in model.named_modules():
+            if sub_name in modes:
+                sub.training = modes[sub_name]
+        _load_each("optimizer", _as_list(optimizer), source["optimizers"] or [])
+        _load_each("GradScaler", _as_list(scaler), self.data.get("scalers") or [])
+
+    def _state(self, state: str) -> dict[str, Any]:
+        last_good = self.data.get("last_good")
+        if state == "auto":
+            state = "last_good" if self.phase == Phase.OPTIMIZER and last_good else "event"
+        if state == "event":
+            return {"models": self.data.get("models"), "optimizers": self.data.get("optimizers")}
+        if state == "last_good":
+            if not last_good:
+                raise ValueError("this scene has no last-good state: watch with keep_last_good and dump together")
+            return last_good
+        raise ValueError(f"state must be 'auto', 'event' or 'last_good', not {state!r}")
+
+    def _pick_model(self, models: dict[str, Any], model: nn.Module) -> tuple[str, Any]:
+        """The saved model ``model`` stands for: the only one, the producer's, or the one with its keys."""
+        candidates = {name: saved for name, saved in models.items() if saved is not None}
+        if len(candidates) == 1:
+            return next(iter(candidates.items()))
+        keys = set(model.state_dict())
+        matching = [name for name, saved in candidates.items() if set(saved) == keys]
+        if self.report.model in matching:
+            return self.report.model, candidates[self.report.model]
+        if len(matching) == 1:
+            return matching[0], candidates[matching[0]]
+        raise ValueError(
+            f"cannot tell which saved model {type(model).__name__} stands for; the scene has "
+            f"{', '.join(candidates) or 'none'}"
+        )
+
+    # -- replay -------------------------------------------------------------------
+
+    def replay(self, model: nn.Module, *args: Any, **kwargs: Any) -> ReplayResult:
+        """Run the producer module of ``model`` again on the saved inputs, under op-level tracing.
+
+        ``model`` is used as it is: call :meth:`restore_into` first to give it
+        the scene's weights, then change what you want to try (``model.norm.eps
+        = 1e-5``, a patched ``forward``). The replay runs under ``no_grad`` and
+        leaves the model, its buffers and the RNG as they were.
+
+        Parameters
+        ----------
+        model
+            The model that holds the producer (found by its qualified name).
+        *args, **kwargs
+            The call's arguments, instead of the saved ones (needed when the
+            producer took non-tensor or nested arguments).
+
+        Returns
+        -------
+        ReplayResult
+            ``reproduced`` and ``finding`` (the op and line) when the
+            non-finite value came back; ``reproduced`` False after a fix.
+        """
+        report = self.report
+        if report.phase != Phase.FORWARD or report.module is None:
+            where = " outside every module" if report.module is None else ""
+            raise ValueError(
+                f"the producer ran in {report.phase}{where}: only a forward producer module can be replayed "
+                "alone; re-run the whole step with scene.rerun_step(step, model, optimizer)"
+            )
+        try:
+            module = model.get_submodule(report.module)
+        except AttributeError:
+            raise ValueError(
+                f"{type(model).__name__} has no submodule {report.module!r} (the producer, a {report.module_type})"
+            ) from None
+        if not args and not kwargs:
+            args, kwargs = self.producer_call()
+        device = next((t.device for t in (*module.parameters(), *module.buffers())), None)
+        if device is not None:
+            args, kwargs = _moved(args, device), _moved(kwargs, device)
+        rng = self.rng_state if report.module == "" else None
+        return replay_module(
+            module,
+            args,
+            kwargs,
+            rng_state=rng or capture_rng_state(),
+            kinds=frozenset(self.data.get("kinds") or ("nan", "inf")),
+            module_name=report.module,
+        )
+
+    def producer_call(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """The producer's saved inputs as ``(args, kwargs)``.
+
+        Raises
+        ------
+        ValueError
+            When they cannot be rebuilt: the call took non-tensor positional
+            arguments (not saved) or nested containers.
+        """
+        positional: dict[int, torch.Tensor] = {}
+        keywords: dict[str, torch.Tensor] = {}
+        for path, tensor in self.producer_inputs.items():
+            match = _POSITIONAL.fullmatch(path)
+            if match:
+                positional[int(match[1])] = tensor
+                continue
+            match = _KEYWORD.fullmatch(path)
+            key = _literal(match[1]) if match else None
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"the producer was called with a nested input ({path}): pass the arguments yourself, "
+                    "scene.replay(model, *args, **kwargs)"
+                )
+            keywords[key] = tensor
+        if sorted(positional) != list(range(len(positional))):
+            raise ValueError(
+                "the producer was called with non-tensor positional arguments, which the scene does not hold: "
+                "pass the arguments yourself, scene.replay(model, *args, **kwargs)"
+            )
+        return tuple(positional[index] for index in sorted(positional)), keywords
+
+    def rerun_step(
+        self,
+        step: Callable[[], Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scaler: Any = None,
+        *,
+        ops: bool = True,
+        state: str = "auto",
+    ) -> Watch:
+        """Re-run the whole failing step under a watch (op-level by default).
+
+        Restores the state the step started from (see :meth:`restore_into`)
+        and the RNG state where the scene knows it, then calls ``step()``,
+        which the user writes with ``scene.batch`` (the scene holds what
+        entered the model; targets or a loss computed outside it are the
+        user's to supply).
+
+        Returns
+        -------
+        Watch
+            Its ``report`` is None when the step stayed finite; the watch
+            records and continues (``on_detect="log"``), it never raises.
+
+        Notes
+        -----
+        Exact where the step is a function of the saved state, batch and RNG.
+        The RNG state is the one before the failing step's top-level forward
+        (forward events) or right after the last finite step
+        (``keep_last_good``, checked right after each step); otherwise the
+        current state is used and dropout draws other masks.
+        """
+        from nan_magic.engine.watch import watch
+
+        self.restore_into(model, optimizer, scaler, state=state)
+        watcher = watch(model, *_as_list(optimizer), *_as_list(scaler), on_detect="log", ops=ops)
+        rng = self.rng_state
+        if rng is not None:
+            restore_rng_state(rng)
+        with watcher:
+            step()
+        return watcher
+
+
+def replay_summary(result: ReplayResult, module: str | None) -> str:
+    """One line saying what a replay of ``module`` found."""
+    label = module or "the root module"
+    op = result.finding
+    if op is None:
+        return result.note or f"replay of {label} stayed finite"
+    kinds = ", ".join(f"{count} {kind}" for kind, count in (("nan", op.nan), ("+inf", op.posinf), ("-inf", op.neginf))
+                      if count)
+    where = f" at {op.source}" if op.source is not None else ""
+    return f"replay of {label} reproduced {kinds} in {op.op}{where}"
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _load_each(kind: str, owners: list[Any], saved: list[dict[str, Any] | None]) -> None:
+    if len(owners) > len(saved):
+        raise ValueError(f"the scene holds the state of {len(saved)} {kind}(s), not {len(owners)}")
+    for owner, entry in zip(owners, saved):
+        if entry is None or entry.get("state") is None:
+            raise ValueError(f"the scene does not hold this {kind}'s state (see the report's notes)")
+        # A copy: an optimizer adopts tensors on its own device without copying,
+        # and training on must not change the scene.
+        owner.load_state_dict(copy.deepcopy(entry["state"]))
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved(item, device) for item in value)
+    return {key: _moved(item, device) for key, item in value.items()}
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None

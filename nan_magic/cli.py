@@ -1,0 +1,207 @@
+"""``python -m nan_magic run script.py [args]``: the watch outside notebooks, and a CI gate.
+
+The script runs as ``__main__`` (``runpy``, with ``sys.argv`` and
+``sys.path[0]`` as ``python script.py`` would set them) under a watch with
+no targets: every module the script calls at top level is watched, and each
+optimizer and GradScaler the script creates is adopted as a target (the
+magics find them in the namespace instead), so that steps a GradScaler
+skips stay benign and the dump holds their state.
+
+Exit status:
+
+- 0: the script finished and no real (non-benign) event occurred;
+- 1: a real event occurred (whether it stopped the script or, with
+  ``--warn``/``--log``, not); the text report is on stderr;
+- 2: usage error (bad options, no such script);
+- 3: the script raised an exception and no real event occurred (traceback on stderr);
+- the script's own status when it calls ``sys.exit(n)`` and no real event occurred
+  (``sys.exit("message")`` prints the message and gives 1, as Python does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import runpy
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from nan_magic.engine.errors import NonFiniteError
+from nan_magic.engine.watch import Watch
+from nan_magic.records import Report, WatchConfig
+
+__all__ = ["main"]
+
+EXIT_CLEAN, EXIT_EVENT, EXIT_USAGE, EXIT_SCRIPT_ERROR = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m nan_magic",
+        description="Find where a NaN or Inf was born, outside notebooks.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run a script under the watch (exit 1 on a real non-finite event)",
+        description="Run a Python script under the NaN/Inf watch. Exit status: 0 clean, 1 a real non-finite "
+        "event, 2 usage error, 3 the script raised; a script's own sys.exit(n) gives n.",
+    )
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--warn", action="store_const", const="warn", dest="on_detect",
+                      help="warn at each event and let the script continue")
+    mode.add_argument("--log", action="store_const", const="log", dest="on_detect",
+                      help="record events silently and let the script continue")
+    run.add_argument("--kinds", default="nan,inf", help="which kinds count: nan, inf or nan,inf (default)")
+    run.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                     help="watch only modules whose qualified name matches (fnmatch; repeatable)")
+    run.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                     help="skip modules whose qualified name matches (fnmatch; repeatable)")
+    run.add_argument("--types", default="", metavar="TYPES",
+                     help="watch only these module types, comma-separated (e.g. Linear,LayerNorm)")
+    run.add_argument("--log-file", default=None, metavar="PATH", help="append one JSON line per event")
+    run.add_argument("--ops", action="store_true", help="op-level tracing (exact op and line; slower)")
+    run.add_argument("--no-replay", action="store_true", help="do not replay the producer to find its op")
+    run.add_argument("--no-backward", action="store_true", help="do not check gradients")
+    run.add_argument("--defer", action="store_true", default=None,
+                     help="check once per step instead of per module")
+    run.add_argument("--dump", default=None, metavar="DIR", help="save the crash scene in DIR at the first real event")
+    run.add_argument("--html", default=None, metavar="PATH",
+                     help="write the HTML report here (default with --dump: DIR/nan_report.html)")
+    run.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command and return the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _config(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if not os.path.isfile(args.script):
+        parser.error(f"no such script: {args.script}")
+    return _run(args, config)
+
+
+def _config(args: argparse.Namespace) -> WatchConfig:
+    return WatchConfig(
+        on_detect=args.on_detect or "raise",
+        kinds=frozenset(kind.strip() for kind in args.kinds.split(",") if kind.strip()),
+        include=tuple(args.include),
+        exclude=tuple(args.exclude),
+        types=tuple(t.strip() for t in args.types.split(",") if t.strip()),
+        log_file=args.log_file,
+        defer=args.defer,
+        ops=args.ops,
+        replay=not args.no_replay,
+        backward=not args.no_backward,
+        dump=args.dump,
+    )
+
+
+def _run(args: argparse.Namespace, config: WatchConfig) -> int:
+    watch = Watch(config=config)
+    script = os.path.abspath(args.script)
+    sys.argv = [args.script, *args.args]
+    sys.path.insert(0, os.path.dirname(script))
+    status = EXIT_CLEAN
+    try:
+        with _adopting(watch), watch:
+            runpy.run_path(script, run_name="__main__")
+    except NonFiniteError as error:
+        _print_traceback(error, script)
+    except SystemExit as exit_:
+        status = _exit_status(exit_.code)
+    except Exception as error:  # the script's own failure: show it, as Python would
+        _print_traceback(error, script)
+        status = EXIT_SCRIPT_ERROR
+    finally:
+        sys.stdout.flush()
+    report = watch.report
+    if report is None:
+        print(f"nan_magic: no real non-finite event ({len(watch.events)} benign) in {watch.step} step(s)",
+              file=sys.stderr)
+        return status
+    print(report.to_text(), file=sys.stderr)
+    _write_outputs(report, args)
+    return EXIT_EVENT
+
+
+def _print_traceback(error: BaseException, script: str) -> None:
+    """The traceback as ``python script.py`` would show it: from the script's frame on, not ours or runpy's."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+
+
+def _exit_status(code: Any) -> int:
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _write_outputs(report: Report, args: argparse.Namespace) -> None:
+    """The HTML and JSON reports; a failure to write them is shown, not raised (the exit status stays 1)."""
+    html = args.html or (os.path.join(args.dump, "nan_report.html") if args.dump else None)
+    outputs = [(html, lambda path: report.to_html(path)), (args.json, lambda path: _write_json(report, path))]
+    for path, write in outputs:
+        if path is None:
+            continue
+        try:
+            write(path)
+        except Exception as error:  # a missing renderer or a full disk must not hide the event
+            print(f"nan_magic: could not write {path}: {type(error).__name__}: {error}", file=sys.stderr)
+        else:
+            print(f"nan_magic: wrote {path}", file=sys.stderr)
+
+
+def _write_json(report: Report, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(report.to_json(indent=2))
+
+
+@contextlib.contextmanager
+def _adopting(watch: Watch) -> Iterator[None]:
+    """Make each optimizer and GradScaler the script creates a target of the watch.
+
+    The magics find them in the namespace before the cell runs; a script
+    creates them as it goes, so their constructors are wrapped while it
+    runs. Adopting at construction, not at the first ``step()``, matters: a
+    GradScaler commonly skips the very first steps, and a step that never
+    reaches ``optimizer.step()`` must still count as a training step.
+    """
+    targets = watch.targets
+    wrapped: list[tuple[type, list[Any]]] = [
+        (torch.optim.Optimizer, targets.optimizers),
+        (torch.amp.GradScaler, targets.scalers),
+    ]
+    originals = [vars(cls)["__init__"] for cls, _found in wrapped]
+
+    def adopting(init: Any, found: list[Any]) -> Any:
+        @functools.wraps(init)
+        def adopt(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if not any(self is known for known in found):
+                found.append(self)
+
+        return adopt
+
+    for (cls, found), init in zip(wrapped, originals):
+        setattr(cls, "__init__", adopting(init, found))  # noqa: B010 - mypy refuses __init__ assignment
+    try:
+        yield
+    finally:
+        for (cls, _found), init in zip(wrapped, originals):
+            setattr(cls, "__init__", init)  # noqa: B010

@@ -1,0 +1,457 @@
+"""The crash scene (dump, load, replay), roll-back (keep_last_good, restore) and the checkpoint guard."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import errno
+import os
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NanMagicWarning, NonFiniteError
+from nan_magic.engine import snapshot
+
+# -- a model whose failure has an obvious fix ----------------------------------------------------
+
+
+class Norm(nn.Module):
+    """LayerNorm by hand; ``eps`` 0 divides 0 by 0 on a constant row, the fix is ``eps > 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eps = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        centred = x - x.mean(-1, keepdim=True)
+        return centred / (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+
+def build() -> tuple[nn.Sequential, torch.optim.Adam]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Norm(), nn.Linear(4, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+BATCHES = [torch.randn(8, 4, generator=torch.Generator().manual_seed(step)) for step in range(6)]
+
+
+def step_on(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def collapse(model: nn.Sequential) -> None:
+    """The first layer outputs zeros: every row entering Norm is constant (a forward event in Norm)."""
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+
+
+def train(
+    model: nn.Sequential, opt: torch.optim.Optimizer, *, bad_step: int, how: str = "collapse",
+    kept: list[tuple[dict[str, Any], dict[str, Any]]] | None = None, device: str = "cpu",
+) -> None:
+    """Train on BATCHES; at ``bad_step`` make the forward (collapse) or the optimizer (lr = nan) fail."""
+    for step, x in enumerate(BATCHES):
+        if step == bad_step:
+            if how == "collapse":
+                collapse(model)
+            else:
+                opt.param_groups[0]["lr"] = float("nan")
+        step_on(model, opt, x.to(device))
+        if kept is not None:
+            kept.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Equal bit for bit (NaN included), through nested dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_bits, a, b))
+    return a == b or (a != a and b != b)  # NaN scalars (an lr) are unequal to themselves
+
+
+def raised(run: Any, *targets: Any, **options: Any) -> nan_magic.Report:
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
+        run()
+    return caught.value.report
+
+
+# -- dump and load ---------------------------------------------------------------------------
+
+
+def test_dump_is_one_file_read_back_bit_for_bit(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    path = str(tmp_path / "nan_scene_step2.pt")
+    assert report.scene == path and report.scene_bytes == os.path.getsize(path)
+    assert os.listdir(tmp_path) == ["nan_scene_step2.pt"]  # written whole, no temporary left
+    assert any(path in note and "KB" in note for note in report.notes)  # the report shows path and size
+
+    scene = nan_magic.load_scene(path)
+    assert (scene.step, scene.phase, scene.module) == (2, "forward", "1")
+    assert scene.report.message == report.message and scene.report.scene == path
+    assert set(scene.data) == set(nan_magic.engine.scene.SCENE_KEYS)
+    # nothing ran after the event: the live objects are the state at the event
+    assert same_bits(scene.data["models"]["Sequential"], model.state_dict())
+    assert scene.data["optimizers"][0]["type"] == "Adam"
+    assert same_bits(scene.data["optimizers"][0]["state"], opt.state_dict())
+    assert same_bits(scene.batch, {"input[0]": BATCHES[2]})
+    assert same_bits(scene.producer_inputs, {"input[0]": torch.zeros(8, 4)})
+    assert same_bits(scene.data["rng"]["event"]["cpu"], torch.get_rng_state())
+    assert scene.data["rng"]["step_source"] == "before the failing step's top-level forward call"
+    assert scene.versions["torch"] == torch.__version__ and scene.versions["nan_magic"] == nan_magic.__version__
+    assert scene.data["training"]["Sequential"] == {"": True, "0": True, "1": True, "2": True}
+    assert scene.data["last_good"] is None  # no keep_last_good
+
+
+def test_non_finite_state_survives_the_dump_bit_for_bit(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2, how="lr"), model, opt, dump=str(tmp_path))
+    assert report.phase == "optimizer"
+    saved = nan_magic.load_scene(report.scene).data
+    assert not torch.isfinite(model[0].weight).all()
+    assert same_bits(saved["models"]["Sequential"], model.state_dict())
+    assert same_bits(saved["optimizers"][0]["state"], opt.state_dict())
+
+
+def test_a_second_scene_in_the_same_folder_keeps_the_first(tmp_path) -> None:
+    paths = []
+    for _ in range(2):
+        model, opt = build()
+        paths.append(raised(lambda: train(model, opt, bad_step=1), model, opt, dump=str(tmp_path)).scene)  # noqa: B023
+    assert [os.path.basename(path) for path in paths] == ["nan_scene_step1.pt", "nan_scene_step1-2.pt"]
+
+
+def test_load_scene_refuses_other_files(tmp_path) -> None:
+    other = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(2)}, other)
+    with pytest.raises(ValueError, match="not a nan_magic scene"):
+        nan_magic.load_scene(other)
+
+
+# -- replay ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scene(tmp_path) -> nan_magic.Scene:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    return nan_magic.load_scene(report.scene, map_location="cpu")
+
+
+def test_replay_reproduces_the_event_on_a_fresh_model_and_is_finite_after_the_fix(scene) -> None:
+    fresh, _ = build()  # the user's model, rebuilt from the code
+    scene.restore_into(fresh)
+    before = copy.deepcopy(fresh.state_dict())
+    result = scene.replay(fresh)
+    assert result.reproduced
+    assert (result.finding.op, result.finding.module, result.finding.nan) == ("aten.div.Tensor", "1", 32)
+    assert result.finding.source.function == "forward"
+
+    fresh[1].eps = 1e-5  # the fix
+    fixed = scene.replay(fresh)
+    assert not fixed.reproduced and fixed.finding is None
+    assert "stayed finite" in nan_magic.engine.scene.replay_summary(fixed, scene.module)
+    assert same_bits(fresh.state_dict(), before)  # a replay leaves the model as it was
+
+
+def test_replay_takes_the_arguments_given_instead_of_the_saved_ones(scene) -> None:
+    fresh, _ = build()
+    assert not scene.replay(fresh, torch.randn(8, 4)).reproduced
+    assert scene.replay(fresh, torch.ones(8, 4)).reproduced
+
+
+def test_rerun_step_repeats_the_whole_step_and_is_finite_after_the_fix(scene) -> None:
+    fresh, fresh_opt = build()
+
+    def failing_step() -> None:
+        step_on(fresh, fresh_opt, scene.batch["input[0]"])
+
+    watch = scene.rerun_step(failing_step, fresh, fresh_opt)
+    assert watch.report is not None
+    assert (watch.report.module, watch.report.op) == ("1", "aten.div.Tensor")  # op-level: the exact op
+    fresh[1].eps = 1e-5
+    assert scene.rerun_step(failing_step, fresh, fresh_opt).report is None
+
+
+def test_only_forward_producers_in_a_module_replay_alone(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=1, how="lr"), model, opt, dump=str(tmp_path))
+    with pytest.raises(ValueError, match="rerun_step"):
+        nan_magic.load_scene(report.scene).replay(model)
+
+
+def test_restore_into_needs_a_model_it_can_tell_apart(scene) -> None:
+    with pytest.raises(RuntimeError, match="Missing key"):
+        scene.restore_into(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="no last-good state"):
+        scene.restore_into(build()[0], state="last_good")
+
+
+# -- roll back -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_restore_puts_back_the_last_finite_step_bit_for_bit(where: str) -> None:
+    model, opt = build()
+    kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    report = raised(lambda: train(model, opt, bad_step=3, how="lr", kept=kept), model, opt, keep_last_good=where)
+    assert (report.phase, report.step) == ("optimizer", 3)
+    assert "after step 2" in " ".join(report.notes)
+    parameters = list(model.parameters())
+    report.restore()
+    assert same_bits(model.state_dict(), kept[2][0])
+    assert same_bits(opt.state_dict(), kept[2][1])
+    # the same Parameter objects, so the optimizer trains on from there
+    assert list(model.parameters()) == parameters and opt.param_groups[0]["params"] == parameters
+    step_on(model, opt, BATCHES[3])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    report.restore()  # the kept state did not move with the optimizer
+    assert same_bits(opt.state_dict(), kept[2][1])
+
+
+def test_copies_go_into_the_same_buffers_after_the_first_step() -> None:
+    model, opt = build()
+    buffers = []
+    with nan_magic.watch(model, opt, keep_last_good="cpu") as watch:
+        for x in BATCHES[:3]:
+            step_on(model, opt, x)
+            model_state = watch.last_good.state_of(model)
+            buffers.append((model_state["0.weight"], watch.last_good.state_of(opt)["state"][0]["exp_avg"]))
+            assert same_bits(model_state, model.state_dict())
+    assert all(weight is buffers[0][0] and moment is buffers[0][1] for weight, moment in buffers)
+
+
+def test_in_warn_mode_later_finite_steps_do_not_move_the_reports_state() -> None:
+    model, opt = build()
+    kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    with pytest.warns(RuntimeWarning), nan_magic.watch(model, opt, keep_last_good="cpu", on_detect="warn") as watch:
+        train(model, opt, bad_step=99, kept=kept)  # 6 finite steps
+        opt.param_groups[0]["lr"] = float("nan")
+        step_on(model, opt, BATCHES[0])
+        report = watch.report
+        report.restore()  # roll back and go on training, under the same watch
+        for x in BATCHES:
+            step_on(model, opt, x)
+    assert report.step == 6
+    report.restore()
+    assert same_bits(model.state_dict(), kept[5][0]) and same_bits(opt.state_dict(), kept[5][1])
+
+
+def test_deferred_mode_keeps_a_finite_step_too() -> None:
+    model, opt = build()
+    kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    report = raised(lambda: train(model, opt, bad_step=5, kept=kept), model, opt, keep_last_good="cpu", defer=True)
+    assert (report.phase, report.step) == ("forward", 5)
+    # Step 4's result is read at step 5's check, which stops at the event
+    # first: the state kept is the one after step 3.
+    assert "after step 3" in " ".join(report.notes)
+    report.restore()
+    assert same_bits(model.state_dict(), kept[3][0]) and same_bits(opt.state_dict(), kept[3][1])
+
+
+def test_restore_says_why_it_cannot() -> None:
+    model, opt = build()
+    plain = raised(lambda: train(model, opt, bad_step=1, how="lr"), model, opt)
+    with pytest.raises(RuntimeError, match="keep_last_good"):
+        plain.restore()
+
+    model, opt = build()
+    first = raised(lambda: train(model, opt, bad_step=0, how="lr"), model, opt, keep_last_good=True)
+    with pytest.raises(RuntimeError, match="no optimizer step ended finite"):
+        first.restore()
+    elsewhere = dataclasses.replace(first, restore_token=first.restore_token + 1)
+    with pytest.raises(RuntimeError, match="not in this process"):
+        elsewhere.restore()
+    # a pickled copy made in this process still restores; older reports are released
+    assert pickle.loads(pickle.dumps(first)).restore_token == first.restore_token
+    reports = []
+    for _ in range(snapshot.KEPT_REPORTS):
+        model, opt = build()
+        reports.append(raised(lambda: train(model, opt, bad_step=2, how="lr"), model, opt, keep_last_good=True))  # noqa: B023
+    reports[-1].restore()
+    with pytest.raises(RuntimeError, match="not in this process"):
+        first.restore()
+
+
+def test_dump_with_keep_last_good_holds_the_state_the_step_started_from(tmp_path) -> None:
+    model, opt = build()
+    kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    report = raised(
+        lambda: train(model, opt, bad_step=2, how="lr", kept=kept), model, opt, dump=str(tmp_path),
+        keep_last_good="cpu",
+    )
+    scene = nan_magic.load_scene(report.scene)
+    assert scene.data["last_good"]["step"] == 1
+    assert scene.data["rng"]["step_source"] == "right after the last step that ended finite"
+    fresh, fresh_opt = build()
+    scene.restore_into(fresh, fresh_opt)  # auto: an optimizer event starts from the last good state
+    assert same_bits(fresh.state_dict(), kept[1][0]) and same_bits(fresh_opt.state_dict(), kept[1][1])
+    scene.restore_into(fresh, fresh_opt, state="event")
+    assert same_bits(fresh.state_dict(), model.state_dict())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_cuda_roll_back_and_a_scene_read_on_the_cpu(tmp_path, where: str) -> None:
+    model, _ = build()
+    model.cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    report = raised(
+        lambda: train(model, opt, bad_step=5, kept=kept, device="cuda"), model, opt, keep_last_good=where,
+        dump=str(tmp_path),
+    )
+    assert report.module == "1"
+    kept_step = 3 if "after step 3" in " ".join(report.notes) else 4  # deferred on CUDA: maybe one step older
+    at_event = {key: value.cpu() for key, value in model.state_dict().items()}
+    report.restore()
+    assert same_bits(model.state_dict(), kept[kept_step][0]) and same_bits(opt.state_dict(), kept[kept_step][1])
+    scene = nan_magic.load_scene(report.scene, map_location="cpu")
+    assert same_bits(scene.data["models"]["Sequential"], at_event)
+    assert scene.data["rng"]["event"]["cuda"] is not None
+    fresh, _ = build()  # on the CPU
+    scene.restore_into(fresh)
+    assert scene.replay(fresh).reproduced
+
+
+# -- writing never crashes the user's program ---------------------------------------------------
+
+
+def test_a_folder_that_cannot_be_made_is_reported_not_raised(tmp_path) -> None:
+    # A path below a regular file fails with ENOTDIR even for root (chmod would not stop root).
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    model, opt = build()
+    with pytest.warns(NanMagicWarning, match="could not save the scene"):
+        report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(blocker / "scenes"))
+    assert report.scene is None and report.phase == "forward" and report.module == "1"
+    assert any("could not save the scene" in note and "NotADirectoryError" in note for note in report.notes)
+
+
+def test_a_full_disk_is_reported_and_leaves_no_partial_file(tmp_path, monkeypatch) -> None:
+    def full_disk(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
+        handle.write(b"PK\x03\x04 partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    model, opt = build()
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.warns(NanMagicWarning):
+        report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    assert report.scene is None
+    assert any("No space left on device" in note for note in report.notes)
+    assert os.listdir(tmp_path) == []
+
+
+def test_log_mode_runs_on_when_the_dump_fails(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch, "save", lambda *args, **kwargs: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
+    model, opt = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # even with warnings as errors
+        with nan_magic.watch(model, opt, dump=str(tmp_path), on_detect="log") as watch:
+            train(model, opt, bad_step=2)
+    assert watch.report is not None and watch.report.scene is None
+
+
+def test_an_unpicklable_part_is_left_out_and_the_rest_saved(tmp_path) -> None:
+    model, opt = build()
+    opt.param_groups[0]["on_step"] = lambda: None  # pickle cannot save a lambda
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    assert report.scene is not None
+    assert any("leaves out optimizers[0]['state']" in note for note in report.notes)
+    scene = nan_magic.load_scene(report.scene)
+    assert same_bits(scene.data["models"]["Sequential"], model.state_dict())
+    with pytest.raises(ValueError, match="does not hold this optimizer's state"):
+        scene.restore_into(build()[0], build()[1])
+
+
+# -- the magics ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ip():
+    from IPython.testing import globalipapp
+
+    # Attribute lookups: start_ipython rebinds globalipapp.get_ipython once it has run.
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "nan_magic")
+    yield shell
+    shell.run_line_magic("unload_ext", "nan_magic")
+
+
+def test_nantrace_dumps_and_nanreplay_rebuilds_the_scene(ip, tmp_path) -> None:
+    from IPython.utils.capture import capture_output
+
+    ip.user_ns.update(build=build, train=train, Norm=Norm)
+    ip.run_cell("model, opt = build()")
+    with capture_output():
+        ip.run_cell(f"%%nantrace model opt --dump {tmp_path} --keep-last-good\ntrain(model, opt, bad_step=2)")
+    report = ip.user_ns["_nan_report"]
+    assert report.scene == str(tmp_path / "nan_scene_step2.pt") and report.restore_token is not None
+
+    ip.run_cell("model, opt = build()")  # a new session: the model rebuilt from the code
+    with capture_output() as captured:
+        ip.run_line_magic("nanreplay", report.scene)
+    assert "reproduced 32 nan in aten.div.Tensor" in captured.stdout
+    assert isinstance(ip.user_ns["_nan_scene"], nan_magic.Scene)
+    ip.run_cell("model[1].eps = 1e-5")
+    with capture_output() as captured:
+        ip.run_line_magic("nanreplay", f"{report.scene} model")
+    assert "stayed finite" in captured.stdout
+
+
+def test_nanreplay_usage_errors_are_one_line(ip, tmp_path) -> None:
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="cannot read"):
+        ip.run_line_magic("nanreplay", str(tmp_path / "missing.pt"))
+
+
+# -- healthy-checkpoint guard -------------------------------------------------------------------
+
+
+def test_guard_warns_before_saving_non_finite_entries_and_restores_torch_save(tmp_path) -> None:
+    model, opt = build()
+    original = torch.save
+    with torch.no_grad():
+        model[2].bias[1] = float("inf")
+    with nan_magic.guard_checkpoints():
+        assert torch.save is not original
+        with pytest.warns(NanMagicWarning, match=r"model\.2\.bias \(1 \+inf\)") as caught:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": 3}, tmp_path / "ckpt.pt")
+        assert caught[0].filename == __file__  # points at the user's torch.save line
+        with pytest.warns(NanMagicWarning, match=r"^torch.save is about to write non-finite values: 2\.bias"):
+            torch.save(model, tmp_path / "model.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "healthy.pt")  # healthy: silent
+    assert torch.save is original
+    assert same_bits(torch.load(tmp_path / "ckpt.pt")["model"], model.state_dict())  # still saved, as asked
+
+
+def test_guard_enable_disable_and_nesting() -> None:
+    original = torch.save
+    outer = nan_magic.guard_checkpoints()
+    with nan_magic.guard_checkpoints():
+        pass
+    assert torch.save is not original  # the outer guard is still on
+    outer.disable()
+    outer.disable()
+    assert torch.save is original
