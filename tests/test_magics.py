@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 from conftest import global_hook_counts
-from IPython.testing.globalipapp import get_ipython, start_ipython
+from IPython.testing import globalipapp
 from IPython.utils.capture import capture_output
 
 SETUP = """
@@ -50,7 +50,7 @@ for step in range(10):
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython() or get_ipython()
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
     shell.run_line_magic("load_ext", "nan_magic")
     yield shell
     shell.run_line_magic("unload_ext", "nan_magic")

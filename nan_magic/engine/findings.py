@@ -15,6 +15,7 @@ import torch
 from nan_magic.engine.calls import Call, StepLog, TensorRecord
 from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.ops import OpFinding
+from nan_magic.engine.replay import RngState
 from nan_magic.engine.stats import sample_values, tensor_stats
 from nan_magic.records import Cause, EarlyWarning, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
 
@@ -35,6 +36,8 @@ class Finding:
     bad: torch.Tensor | None = None
     record: TensorRecord | None = None
     step: int | None = None
+    # RNG state right before the producer module's call (for the scene's replay).
+    rng_state: RngState | None = None
     input_stats: list[tuple[str, TensorStats]] = field(default_factory=list)
     bad_stats: TensorStats | None = None
     inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)

@@ -191,8 +191,10 @@ class ForwardChecks:
                 inputs=named_inputs,
                 inputs_finite=not input_kinds,
             )
-            if replay is not None and self.replay_into(finding, produced, *replay):
-                return
+            if replay is not None:
+                finding.rng_state = replay[0].rng_state
+                if self.replay_into(finding, produced, *replay):
+                    return
         if detected_at:
             finding.notes.append(detected_at)
         self.watch.emit(finding)

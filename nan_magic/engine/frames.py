@@ -25,13 +25,17 @@ _LIBRARY_DIRS = tuple(
     for module_file in (torch.__file__, os.path.dirname(__file__))
 )
 # Frames that are plumbing rather than the user's code: the context manager
-# protocol, decorators, importlib, the IPython kernel that runs the cell.
+# protocol, decorators, importlib, the IPython kernel that runs the cell,
+# pytest and runpy (which run the user's tests and scripts).
 _PLUMBING_FILES = (
     "contextlib.py",
     "functools.py",
     "<frozen ",
     f"{os.sep}IPython{os.sep}",
     f"{os.sep}ipykernel{os.sep}",
+    f"{os.sep}_pytest{os.sep}",
+    f"{os.sep}pluggy{os.sep}",
+    f"{os.sep}runpy.py",
 )
 
 

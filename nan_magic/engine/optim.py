@@ -57,6 +57,8 @@ class OptimizerChecks:
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.last_grad_norm: float | None = None
+        # Optimizers seen stepping (targets or not), for the scene and the roll-back.
+        self.seen: list[torch.optim.Optimizer] = list(watch.targets.optimizers)
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
         # Deferred mode: a step's parameter/state norms, read at the next sync.
@@ -77,6 +79,8 @@ class OptimizerChecks:
         watch = self.watch
         if not watch.mine() or not self.watches(opt):
             return
+        if not any(opt is known for known in self.seen):
+            self.seen.append(opt)
         with_grad = [(name, p.grad) for name, p in self.named_parameters(opt) if p.grad is not None and _float_tensor(p.grad)]
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []

@@ -106,12 +106,12 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
             name: {sub_name: sub.training for sub_name, sub in module.named_modules()}
             for name, module in _named_roots(watch)
         },
-        "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in watch.targets.optimizers],
+        "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in watch.optimizers.seen],
         "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in watch.targets.scalers],
         "last_good": lambda: _last_good(watch),
         "batch": lambda: _batch(watch, notes),
         "producer_inputs": lambda: _producer_inputs(finding, notes),
-        "rng": lambda: _rng(watch),
+        "rng": lambda: _rng(watch, finding),
         "versions": _versions,
     }
     scene: dict[str, Any] = {
@@ -246,7 +246,7 @@ def _last_good(watch: Watch) -> dict[str, Any] | None:
     return {
         "step": last_good.step,
         "models": {name: last_good.state_of(module) for name, module in _named_roots(watch)},
-        "optimizers": [_typed_state(opt, last_good.state_of(opt)) for opt in watch.targets.optimizers],
+        "optimizers": [_typed_state(opt, last_good.state_of(opt)) for opt in watch.optimizers.seen],
     }
 
 
@@ -293,8 +293,8 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
     return inputs
 
 
-def _rng(watch: Watch) -> dict[str, Any]:
-    """The generators' state at the event, and the best known one to re-run the step from."""
+def _rng(watch: Watch, finding: Finding) -> dict[str, Any]:
+    """The generators' state at the event, before the producer's call, and to re-run the step from."""
     step, source = None, "unknown"
     running = watch.forward.stack[0].rng_state if watch.forward.stack else None
     if running is not None:
@@ -302,7 +302,12 @@ def _rng(watch: Watch) -> dict[str, Any]:
         step, source = running, "before the failing step's top-level forward call"
     elif watch.last_good.rng is not None:
         step, source = watch.last_good.rng, "right after the last step that ended finite"
-    return {"step": _rng_dict(step), "step_source": source, "event": _rng_dict(capture_rng_state())}
+    return {
+        "step": _rng_dict(step),
+        "step_source": source,
+        "producer": _rng_dict(finding.rng_state),
+        "event": _rng_dict(capture_rng_state()),
+    }
 
 
 def _rng_dict(state: RngState | None) -> dict[str, Any] | None:
@@ -431,7 +436,15 @@ class Scene:
     @property
     def rng_state(self) -> RngState | None:
         """The RNG state to re-run the failing step from, where known (see ``data['rng']``)."""
-        saved = (self.data.get("rng") or {}).get("step")
+        return self._saved_rng("step")
+
+    @property
+    def producer_rng_state(self) -> RngState | None:
+        """The RNG state right before the producer module's call (its dropout masks), where known."""
+        return self._saved_rng("producer")
+
+    def _saved_rng(self, key: str) -> RngState | None:
+        saved = (self.data.get("rng") or {}).get(key)
         if saved is None:
             return None
         # CUDA generator states can only be set where CUDA is available.
@@ -544,7 +557,7 @@ class Scene:
         device = next((t.device for t in (*module.parameters(), *module.buffers())), None)
         if device is not None:
             args, kwargs = _moved(args, device), _moved(kwargs, device)
-        rng = self.rng_state if report.module == "" else None
+        rng = self.producer_rng_state or (self.rng_state if report.module == "" else None)
         return replay_module(
             module,
             args,

@@ -126,7 +126,7 @@ class LastGood:
             for _label, module in watch.targets.roots:
                 _, old = kept.models.get(id(module), (None, None))
                 kept.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), self.where))
-            for optimizer in watch.targets.optimizers:
+            for optimizer in watch.optimizers.seen:
                 _, old = kept.optimizers.get(id(optimizer), (None, None))
                 kept.optimizers[id(optimizer)] = (
                     weakref.ref(optimizer),

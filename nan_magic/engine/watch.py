@@ -144,6 +144,9 @@ class Watch:
             self._detach()
             self._forget_tensors()
             self._resume_outer()
+            if self.report is None:
+                # Nothing to roll back to: do not keep a copy of the model alive.
+                self.last_good = LastGood(self.config.keep_last_good)
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
         return False
