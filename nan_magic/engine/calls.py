@@ -9,10 +9,10 @@ still alive gets its full statistics, otherwise the probe's.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
 __all__ = ["Call", "StepLog", "TensorRecord", "version_of"]
 
+_NONE: frozenset[str] = frozenset()
+
 
 def version_of(tensor: torch.Tensor) -> int:
     """In-place version counter; inference tensors have none (they read as 0)."""
@@ -32,7 +34,10 @@ def version_of(tensor: torch.Tensor) -> int:
 class TensorRecord:
     """One probed tensor: where it came from and its ``(min, max)``."""
 
-    __slots__ = ("_probe", "call", "consumers", "dtype", "high", "low", "outer", "path", "ref", "shape", "status", "version")
+    __slots__ = (
+        "_probe", "call", "consumers", "dtype", "high", "kinds", "low", "outer", "path", "ref", "shape", "status",
+        "version",
+    )
 
     def __init__(self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool) -> None:
         self.path = path
@@ -50,16 +55,20 @@ class TensorRecord:
         if defer:
             self._probe: tuple[torch.Tensor, torch.Tensor] | None = (low, high)
             self.low = self.high = math.nan
+            #: Non-finite kinds the probe shows; empty until a pending probe is read.
+            self.kinds: frozenset[str] = _NONE
         else:
             self._probe = None
-            self.low, self.high = low.item(), high.item()
+            self.set_probe(low.item(), high.item())
+
+    def set_probe(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+        # Finite is the common case: skip the classification then.
+        self.kinds = _NONE if -math.inf < low <= high < math.inf else probe_kinds(low, high)
 
     @property
     def pending(self) -> bool:
         return self._probe is not None
-
-    def kinds(self) -> frozenset[str]:
-        return probe_kinds(self.low, self.high)
 
     def live(self) -> torch.Tensor | None:
         """The tensor itself if it is still alive and unchanged since probed."""
@@ -76,21 +85,23 @@ class TensorRecord:
         return probe_stats(self.dtype, self.shape, self.low, self.high)
 
 
-@dataclass(eq=False)
 class Call:
-    """One call of a watched module (or the data entering a root)."""
+    """One call of a watched module (or the data entering a root, or the loss)."""
 
-    index: int
-    phase: Phase
-    info: ModuleInfo | None
-    module: Any = None
-    parent: Call | None = None
-    inputs: list[tuple[str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = field(default_factory=list)
-    outputs: list[TensorRecord] = field(default_factory=list)
-    finished: int = -1
-    # Kinds that the outputs of calls made inside this one held: a parent
-    # passing on what its child produced is a propagator, not a producer.
-    inner_kinds: frozenset[str] = frozenset()
+    __slots__ = ("finished", "index", "info", "inner_kinds", "inputs", "module", "outputs", "parent", "phase")
+
+    def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
+        self.index = index
+        self.phase = phase
+        self.info = info
+        self.module = module
+        self.parent = parent
+        self.inputs: list[tuple[str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = []
+        self.outputs: list[TensorRecord] = []
+        self.finished = -1
+        # Kinds that the outputs of calls made inside this one produced: a
+        # parent passing on what its child produced is a propagator.
+        self.inner_kinds: frozenset[str] = _NONE
 
     @property
     def name(self) -> str | None:
@@ -133,7 +144,7 @@ class StepLog:
         return sorted((call for call in self.calls if call.finished >= 0), key=lambda call: call.finished)
 
     def new_call(self, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> Call:
-        call = Call(index=self.count, phase=phase, info=info, module=module, parent=parent)
+        call = Call(self.count, phase, info, module, parent)
         self.count += 1
         if len(self.calls) == self.calls.maxlen:
             self.dropped += 1
@@ -176,7 +187,7 @@ class StepLog:
         scalars = [value for record in pending for value in record._probe]  # type: ignore[union-attr]
         values = read_scalars(scalars + extra) if scalars or extra else []
         for position, record in enumerate(pending):
-            record.low, record.high = values[2 * position], values[2 * position + 1]
+            record.set_probe(values[2 * position], values[2 * position + 1])
             record._probe = None
         return values[len(scalars):]
 
@@ -205,30 +216,35 @@ class StepLog:
         cut = max(0, len(rows) - limit)
         return tuple(rows[cut:]), cut + self.dropped
 
-    def absmax(self, phase: Phase = Phase.FORWARD) -> float | None:
-        """Largest finite |value| over the step's resolved tensors of one phase."""
-        values = [abs_max for _call, record, abs_max in self._finite_records(phase)]
-        return max(values) if values else None
+    def summary(self) -> tuple[float | None, float | None, tuple[float, str | None, str] | None]:
+        """One pass over the step's read probes: ``(absmax, data absmax, headroom)``.
 
-    def headroom(self) -> tuple[float, str | None, str] | None:
-        """Smallest ``finfo(dtype).max / |x|`` over the forward outputs: how close to overflow.
-
-        Returns ``(ratio, module, dtype)`` or None when nothing was recorded.
+        ``absmax`` is the largest finite |value| of the forward outputs, ``data
+        absmax`` of the tensors entering the model; ``headroom`` is the
+        smallest ``finfo(dtype).max / |x|`` over forward outputs (how close to
+        overflow), as ``(ratio, module, dtype)``.
         """
-        best: tuple[float, str | None, str] | None = None
-        for call, record, abs_max in self._finite_records(Phase.FORWARD):
-            if abs_max == 0:
+        absmax = data_absmax = None
+        headroom: tuple[float, str | None, str] | None = None
+        for call in self.calls:
+            if call.phase not in (Phase.FORWARD, Phase.DATA) or call.info is None:
                 continue
-            ratio = torch.finfo(record.dtype).max / abs_max
-            if best is None or ratio < best[0]:
-                best = (ratio, call.name, str(record.dtype).removeprefix("torch."))
-        return best
+            for record in call.outputs:
+                if record.pending or record.kinds:
+                    continue
+                value = max(-record.low, record.high)
+                if call.phase == Phase.DATA:
+                    data_absmax = value if data_absmax is None or value > data_absmax else data_absmax
+                    continue
+                if absmax is None or value > absmax:
+                    absmax = value
+                if value > 0:
+                    ratio = _finite_max(record.dtype) / value
+                    if headroom is None or ratio < headroom[0]:
+                        headroom = (ratio, call.name, str(record.dtype).removeprefix("torch."))
+        return absmax, data_absmax, headroom
 
-    def _finite_records(self, phase: Phase) -> list[tuple[Call, TensorRecord, float]]:
-        return [
-            (call, record, max(abs(record.low), abs(record.high)))
-            for call in self.calls
-            if call.phase == phase
-            for record in call.outputs
-            if not record.pending and not record.kinds()
-        ]
+
+@functools.lru_cache(maxsize=None)
+def _finite_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max

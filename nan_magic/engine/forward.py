@@ -151,7 +151,7 @@ class ForwardChecks:
         none of its inputs held (before the call) and none of the parameters
         and buffers it read holds; a non-finite parameter is reported as such.
         """
-        out_kinds = relevant_kinds(record.kinds(), self.watch.config.kinds)
+        out_kinds = relevant_kinds(record.kinds, self.watch.config.kinds)
         if not out_kinds:
             return
         tensor = record.live()
@@ -260,7 +260,7 @@ class ForwardChecks:
                 # Mutated in place by this module: its value before the call is
                 # what the producer rule compares against, and the probe of the
                 # call that made it still knows it.
-                kinds |= record.kinds()
+                kinds |= record.kinds
         return relevant_kinds(frozenset(kinds), self.watch.config.kinds)
 
     def _named_inputs(self, call: Call) -> list[tuple[str, torch.Tensor]]:

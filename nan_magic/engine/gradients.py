@@ -79,10 +79,10 @@ class GradientChecks:
         """A non-finite loss: produced by the code outside the modules when they were all finite."""
         watch = self.watch
         record = call.outputs[0]
-        if record.status != "ok" or not relevant_kinds(record.kinds(), watch.config.kinds):
+        if record.status != "ok" or not relevant_kinds(record.kinds, watch.config.kinds):
             return
         every_output_finite = all(
-            not output.kinds()
+            not output.kinds
             for other in watch.log.calls
             if other.info is not None
             for output in other.outputs
@@ -120,7 +120,7 @@ class GradientChecks:
         """Report the first non-finite gradient of a backward pass."""
         watch = self.watch
         record = call.outputs[0]
-        if self.reported_this_pass or not relevant_kinds(record.kinds(), watch.config.kinds):
+        if self.reported_this_pass or not relevant_kinds(record.kinds, watch.config.kinds):
             return
         self.reported_this_pass = True
         tensor = record.live()

@@ -57,6 +57,7 @@ class OptimizerChecks:
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.last_grad_norm: float | None = None
+        self._parameter_names: dict[int, str] = {}
         # Optimizers seen stepping (targets or not), for the scene and the roll-back.
         self.seen: list[torch.optim.Optimizer] = list(watch.targets.optimizers)
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
@@ -205,15 +206,24 @@ class OptimizerChecks:
     # -- naming --------------------------------------------------------------------
 
     def named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """The optimizer's parameters under their names in the watched models."""
-        names: dict[int, str] = {}
-        for _label, root in self.watch.targets.roots:
-            for name, parameter in root.named_parameters():
-                names.setdefault(id(parameter), name)
+        """The optimizer's parameters under their names in the watched models.
+
+        Names are looked up once per watch (walking a large model every step
+        would cost more than the checks themselves); a parameter the map does
+        not know, added since, triggers one new walk.
+        """
+        names = self._parameter_names
+        if any(id(p) not in names for group in opt.param_groups for p in group["params"]):
+            names.clear()
+            for _label, root in self.watch.targets.roots:
+                for name, parameter in root.named_parameters():
+                    names.setdefault(id(parameter), name)
+            # Parameters outside every watched model keep their position as name.
+            for group_index, group in enumerate(opt.param_groups):
+                for position, parameter in enumerate(group["params"]):
+                    names.setdefault(id(parameter), f"param_groups[{group_index}][{position}]")
         return [
-            (names.get(id(parameter), f"param_groups[{group_index}][{position}]"), parameter)
-            for group_index, group in enumerate(opt.param_groups)
-            for position, parameter in enumerate(group["params"])
+            (names[id(parameter)], parameter) for group in opt.param_groups for parameter in group["params"]
         ]
 
     def _attribute(self, finding: Finding) -> None:

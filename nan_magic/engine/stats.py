@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -200,29 +200,45 @@ def sample_values(tensor: torch.Tensor, label: str, size: int) -> Sample:
     return Sample(label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel())
 
 
-def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every checkable tensor in a nested output.
+def iter_tensors(value: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every checkable tensor in a nested value.
 
     Handles tensors, tuples/lists, mappings (including Hugging Face
     ``ModelOutput``, an ordered dict) and dataclasses. Paths read like Python:
-    ``[1]``, ``['logits']``, ``.hidden``. Depth is bounded so that odd
+    ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
+    and a flat tuple of tensors take a fast path; depth is bounded so that odd
     self-referencing containers cannot hang a hook.
     """
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect(value, path, 0, found)
+    return found
+
+
+_LEAVES = (str, bytes, int, float, bool, type(None))
+
+
+def _collect(value: Any, path: str, depth: int, found: list[tuple[str, torch.Tensor]]) -> None:
     if isinstance(value, torch.Tensor):
         if is_checkable(value):
-            yield path, value
-        return
-    if depth > 6 or value is None or isinstance(value, (str, bytes, int, float, bool)):
-        return
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from iter_tensors(item, f"{path}[{key!r}]", depth + 1)
-    elif isinstance(value, (tuple, list)):
+            found.append((path, value))
+    elif type(value) is tuple or type(value) is list:
         for index, item in enumerate(value):
-            yield from iter_tensors(item, f"{path}[{index}]", depth + 1)
+            if isinstance(item, torch.Tensor):
+                if is_checkable(item):
+                    found.append((f"{path}[{index}]", item))
+            elif not isinstance(item, _LEAVES) and depth < 6:
+                _collect(item, f"{path}[{index}]", depth + 1, found)
+    elif isinstance(value, _LEAVES) or depth >= 6:
+        return
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _collect(item, f"{path}[{key!r}]", depth + 1, found)
+    elif isinstance(value, (tuple, list)):  # namedtuples and other subclasses
+        for index, item in enumerate(value):
+            _collect(item, f"{path}[{index}]", depth + 1, found)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item_field in dataclasses.fields(value):
-            yield from iter_tensors(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1)
+            _collect(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1, found)
 
 
 def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

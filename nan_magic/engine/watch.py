@@ -268,16 +268,16 @@ class Watch:
 
     def end_step(self) -> None:
         """Close the step that just completed (the counter already moved on)."""
-        headroom = self.log.headroom()
+        absmax, data_absmax, headroom = self.log.summary()
         summary = StepSummary(
             step=self.step - 1,
             loss=self.gradients.last_loss,
-            absmax=self.log.absmax(),
+            absmax=absmax,
             grad_norm=self.optimizers.last_grad_norm,
             headroom=headroom[0] if headroom else None,
             headroom_module=headroom[1] if headroom else None,
             headroom_dtype=headroom[2] if headroom else None,
-            input_absmax=self.log.absmax(Phase.DATA),
+            input_absmax=data_absmax,
             # Reading the scale is a host sync: only where syncs are free.
             scale=self.optimizers.scale() if not self.defer else None,
         )

@@ -1,0 +1,510 @@
+"""Diagnosis: one fixture per cause of the checklist through the real watch, and the rules on hand-built Reports."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from faults import FORWARD_FAULTS, Fault
+from torch import nn
+from torch.nn import functional as F
+
+import nan_magic
+from nan_magic import NonFiniteError
+from nan_magic.engine import diagnose as diagnose_module
+from nan_magic.engine.diagnose import DIVERGENCE_RISES, LABELS, diagnose
+from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorStats
+
+
+def raised(run, *targets, **options) -> Report:
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
+        run()
+    return caught.value.report
+
+
+def assert_cause(report: Report, label: str, *named: str) -> Cause:
+    """The report's cause has ``label`` and its hint names each of ``named``."""
+    cause = report.cause
+    assert cause is not None
+    assert cause.label == label, f"{cause.label}: {cause.hint}"
+    for text in named:
+        assert text in cause.hint, f"{text!r} not in {cause.hint!r}"
+    assert cause.evidence
+    return cause
+
+
+def line_of(marker: str) -> int:
+    """Line number of the ``# at: marker`` comment in this file."""
+    lines = inspect.getsource(inspect.getmodule(line_of)).splitlines()
+    (number,) = [n for n, text in enumerate(lines, 1) if text.rstrip().endswith(f"# at: {marker}")]
+    return number
+
+
+# -- the fault library ------------------------------------------------------------------
+
+EXPECTED = {  # fault -> (label with replay, label in ops mode)
+    "inf_weight": ("parameter-already-nonfinite", "unclassified"),  # ops mode sees inf·0 in addmm, not the weight
+    "log_negative": ("log-domain", "log-domain"),
+    "zero_variance": ("division-by-zero", "division-by-zero"),
+    "fp16_overflow": ("half-precision-overflow", "half-precision-overflow"),
+    "nan_in_batch": ("bad-input-data", "bad-input-data"),
+    "tuple_output": ("sqrt-domain", "sqrt-domain"),
+    "dict_output": ("division-by-zero", "division-by-zero"),
+    "called_twice": ("half-precision-overflow", "half-precision-overflow"),
+    "shared_submodule": ("log-domain", "log-domain"),
+}
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+@pytest.mark.parametrize("fault", FORWARD_FAULTS, ids=lambda f: f.name)
+def test_every_fault_gets_its_cause_and_a_hint_naming_the_producer(fault: Fault, ops: bool) -> None:
+    model, run = fault.build()
+    report = raised(run, model, ops=ops)
+    named = fault.tensor if fault.phase == "data" else f"{fault.module} ({fault.module_type})"
+    assert_cause(report, EXPECTED[fault.name][ops], named)
+
+
+def _fault(name: str) -> Fault:
+    return next(fault for fault in FORWARD_FAULTS if fault.name == name)
+
+
+# -- one fixture per cause ----------------------------------------------------------------
+
+
+def test_half_precision_matmul_overflow_names_the_inputs_and_the_limit() -> None:
+    model, run = _fault("fp16_overflow").build()
+    cause = assert_cause(raised(run, model, ops=True), "half-precision-overflow", "1 (HalfMatmul)", "65504")
+    assert "20 (`self`), 60 (`mat2`)" in cause.hint
+    assert "float32" in cause.hint  # the fix
+
+
+class ExpScores(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+def test_exp_overflow() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), ExpScores())
+    with torch.no_grad():
+        model[0].bias.fill_(100.0)
+    report = raised(lambda: model(torch.randn(3, 4)), model)
+    assert report.op == "aten.exp.default"
+    assert_cause(report, "exp-overflow", "1 (ExpScores)", "88.72")
+
+
+def test_zero_variance_names_the_rows_of_the_divisor() -> None:
+    model, run = _fault("zero_variance").build()
+    assert_cause(raised(run, model, ops=True), "division-by-zero", "1 (HandNorm)", "0 for 4 rows", "add eps")
+    model, run = _fault("zero_variance").build()
+    assert_cause(raised(run, model), "division-by-zero", "input[0] of 1 (HandNorm) is constant")
+
+
+class BatchStandardize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0)) / x.std(0)
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_std_over_a_batch_of_one_is_a_division_by_n_minus_one() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), BatchStandardize())
+    report = raised(lambda: model(torch.randn(1, 4)), model)
+    assert_cause(report, "division-by-zero", "1 (BatchStandardize)", "N - 1 = 0", "(1, 4)")
+
+
+class LogLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_log_of_zeros_counts_them() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), LogLayer())
+    x = torch.randn(4, 8)
+    zeros = int((model[1](model[0](x)) == 0).sum())
+    report = raised(lambda: model(x), model)
+    assert zeros > 0 and report.neginf == zeros
+    assert_cause(report, "log-domain", f"log got {zeros} zeros and 0 negatives in input[0] of 2 (LogLayer)")
+
+
+def test_log_of_negatives() -> None:
+    model, run = _fault("log_negative").build()
+    assert_cause(raised(run, model), "log-domain", "17 negatives in input[0] of 1 (LogLayer)", "log_softmax")
+
+
+def test_sqrt_of_negatives() -> None:
+    model, run = _fault("tuple_output").build()
+    assert_cause(raised(run, model, ops=True), "sqrt-domain", "sqrt got 32 negatives in `self`", "1 (TwoHeads)")
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(((a - b) ** 2).sum(-1))  # at: sqrt
+
+
+def test_sqrt_at_zero_in_backward_names_the_forward_line() -> None:
+    torch.manual_seed(0)
+    embed = nn.Linear(8, 4)
+    anchor = torch.randn(3, 8)
+    report = raised(lambda: distance(embed(anchor), embed(anchor.clone())).sum().backward(), embed, ops=True)
+    assert report.phase == "backward"
+    assert_cause(report, "sqrt-domain", f"test_diagnose.py:{line_of('sqrt')}", "torch.sqrt(", "add eps")
+
+
+class SignedRoot(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x**0.5
+
+
+def test_pow_of_a_negative_base_with_a_fractional_exponent() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SignedRoot())
+    report = raised(lambda: model(torch.randn(3, 4)), model)
+    assert report.op is not None and report.op.startswith("aten.pow")
+    assert_cause(report, "pow-domain", "1 (SignedRoot)", "negative base")
+
+
+class MaskedAttention(nn.Module):
+    """Masks and normalises in one module: the replay must see through the deliberate -inf."""
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(mask, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_fully_masked_softmax_row(ops: bool) -> None:
+    model = MaskedAttention()
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1] = True  # every key of row 1 masked
+    report = raised(lambda: model(torch.randn(3, 5), mask), model, ops=ops)
+    assert_cause(report, "masked-softmax", "1 row(s) of 5 positions", "<root> (MaskedAttention)")
+
+
+def _regression(lr: float, steps: int = 400, **options) -> nan_magic.Watch:
+    """Least squares by SGD: above 2/λmax every step multiplies the error, the loss grows geometrically."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x = torch.randn(64, 4)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    with nan_magic.watch(model, opt, **options) as w:
+        for _ in range(steps):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if w.report is not None:
+                break
+    return w
+
+
+def test_learning_rate_too_high_needs_the_loss_growing_before_the_event() -> None:
+    w = _regression(lr=1.0, on_detect="log")
+    report = w.report
+    assert report is not None and report.tensor == "loss" and report.step > 20
+    cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "the loss became 1 +inf",
+                         "lower the learning rate")
+    assert any(f"rising on each of the last {DIVERGENCE_RISES} steps" in line for line in cause.evidence)
+    assert _regression(lr=0.1, on_detect="log").report is None  # the same problem, converging
+
+
+def test_adam_epsilon_underflow_in_float16() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.tensor([1, 2])).float().sum().backward()
+        opt.step()
+
+    cause = assert_cause(raised(step, model, opt), "optimizer-eps-underflow", "Adam", "0.weight", "1e-8", "float32")
+    assert "dtype float16" in cause.evidence
+
+
+def test_nan_in_the_batch_is_bad_input_data() -> None:
+    model, run = _fault("nan_in_batch").build()
+    assert_cause(raised(run, model), "bad-input-data", "input[0]", "1 nan", "(2, 3)")
+
+
+class ToHalf(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.half()
+
+
+def test_an_overflow_in_a_step_whose_batch_is_extreme_blames_the_batch() -> None:
+    model = nn.Sequential(ToHalf(), nn.Linear(4, 4).half())
+    x = torch.randn(2, 4) * 1e7  # far beyond float16's 65504
+    cause = assert_cause(raised(lambda: model(x), model), "bad-input-data", "input[0]", "0 (ToHalf)")
+    assert any("half-precision-overflow" in line for line in cause.evidence)  # what it then did
+
+
+def test_cross_entropy_with_every_target_ignored_is_an_empty_reduction() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x, labels = torch.randn(4, 8), torch.full((4,), -100)
+    report = raised(lambda: F.cross_entropy(model(x), labels).backward(), model, ops=True)
+    assert_cause(report, "empty-reduction", "aten.nll_loss_forward.default", "ignore_index")
+    # without the op (the loss is not replayed) two readings fit: say so, do not guess
+    cause = assert_cause(raised(lambda: F.cross_entropy(model(x), labels).backward(), model), "unclassified",
+                         "empty selection", "ops=True")
+    assert "domain error" in cause.hint
+
+
+def test_a_parameter_already_nonfinite() -> None:
+    model, run = _fault("inf_weight").build()
+    assert_cause(raised(run, model), "parameter-already-nonfinite", "2.weight", "2 (Linear)", "1 +inf")
+
+
+# -- two readings -------------------------------------------------------------------------
+
+
+class Ratio(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x / y
+
+
+def test_a_half_precision_division_without_its_divisor_is_unclassified_and_with_it_is_not() -> None:
+    model = Ratio()
+    x = torch.full((2, 3), 300.0, dtype=torch.float16)
+    y = torch.tensor([[1e-3, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float16)  # 3e5 overflows, and a 0
+    cause = assert_cause(raised(lambda: model(x, y), model), "unclassified", "<root> (Ratio)",
+                         "a zero divisor or a quotient above 65504")
+    assert "ops=True" in cause.hint
+    assert_cause(raised(lambda: model(x, y), model, ops=True), "division-by-zero", "`other`", "1 zeros")
+
+
+def test_an_unknown_op_is_read_from_its_inputs_only_when_one_reading_fits() -> None:
+    model, run = _fault("fp16_overflow").build()  # inputs all 20.0: only an overflow fits
+    assert_cause(raised(run, model, replay=False), "half-precision-overflow", "1 (HalfMatmul)")
+    model, _ = _fault("fp16_overflow").build()
+    x = torch.full((2, 64), 20.0, dtype=torch.float16)
+    x[:, 0] = 0.0  # zeros in the input: a division by zero fits as well
+    cause = assert_cause(raised(lambda: model(x), model, replay=False), "unclassified", "1 (HalfMatmul)",
+                         "an overflow of float16", "a division by zero")
+    assert "ops=True" in cause.hint
+
+
+def test_a_half_precision_overflow_after_a_diverging_loss_is_the_learning_rate() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(64, 8) * 3
+    y = x.sum(1, keepdim=True)
+
+    def train() -> None:
+        for _ in range(50):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = F.mse_loss(out.float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(train, model, opt)
+    assert report.dtype == "float16" and report.step > DIVERGENCE_RISES
+    cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "2 (Linear)")
+    assert any(line.startswith("then: half-precision-overflow") for line in cause.evidence)
+
+
+# -- in the report views ---------------------------------------------------------------------
+
+
+def test_cause_and_hint_are_in_the_text_and_html_summaries() -> None:
+    model, run = _fault("log_negative").build()
+    report = raised(run, model)
+    text, html = report.to_text(), report.to_html()
+    assert "log-domain" in text and report.cause.hint in text
+    assert "log-domain" in html and "17 negatives in input[0] of 1 (LogLayer)" in html
+    assert report.to_dict()["cause"]["label"] == "log-domain"
+
+
+# -- rules on hand-built Reports ---------------------------------------------------------------
+
+
+def stats(dtype: str = "float32", shape: tuple[int, ...] = (4, 4), **fields) -> TensorStats:
+    base = {"min": -1.0, "max": 1.0, "mean": 0.0, "std": 0.5, "absmax": 1.0, "zeros": 0, "negatives": 8}
+    base.update(fields)
+    numel = 1
+    for size in shape:
+        numel *= size
+    return TensorStats(dtype=dtype, shape=shape, numel=numel, **base)
+
+
+def report(**fields) -> Report:
+    base = {
+        "phase": Phase.FORWARD, "module": "encoder.log", "module_type": "LogLayer", "step": 3,
+        "nan": 0, "posinf": 0, "neginf": 0, "numel": 16, "dtype": "float32", "tensor": "output",
+    }
+    base.update(fields)
+    return Report(**base)
+
+
+def test_log_counts_zeros_and_negatives_from_the_output() -> None:
+    cause = diagnose(report(op="aten.log.default", nan=3, neginf=12, input_stats=(("self", stats()),)))
+    assert cause.label == "log-domain"
+    assert "log got 12 zeros and 3 negatives in `self` of aten.log.default in encoder.log (LogLayer)" in cause.hint
+
+
+def test_log1p_speaks_of_values_below_minus_one() -> None:
+    cause = diagnose(report(op="aten.log1p.default", nan=2))
+    assert cause.label == "log-domain" and "2 values <= -1" in cause.hint
+
+
+@pytest.mark.parametrize(
+    ("counts", "label"),
+    [({"posinf": 4}, "division-by-zero"), ({"nan": 4}, "sqrt-domain")],
+    ids=["zeros", "negatives"],
+)
+def test_rsqrt_of_zeros_is_a_zero_variance_and_of_negatives_a_domain_error(counts, label) -> None:
+    cause = diagnose(report(op="aten.rsqrt.default", input_stats=(("self", stats()),), **counts))
+    assert cause.label == label and "encoder.log (LogLayer)" in cause.hint
+
+
+def test_pow_readings() -> None:
+    def pow_cause(dtype: str = "float32", inputs=(), **counts) -> Cause:
+        return diagnose(report(op="aten.pow.Tensor_Scalar", dtype=dtype, input_stats=inputs, **counts))
+
+    assert pow_cause(nan=2).label == "pow-domain"
+    assert pow_cause(posinf=3, inputs=(("self", stats(zeros=3)),)).label == "pow-domain"
+    assert pow_cause("float16", posinf=3, inputs=(("self", stats("float16")),)).label == "half-precision-overflow"
+    unknown = pow_cause(posinf=3, inputs=(("input[0]", stats()),))  # the module's input, not the base
+    assert unknown.label == "unclassified" and "zero to a negative power or an overflow" in unknown.hint
+
+
+def test_a_scalar_zero_over_zero_is_an_empty_reduction() -> None:
+    inputs = (("self", stats(shape=(), absmax=0.0, min=0.0, max=0.0, zeros=1)),
+              ("other", stats(shape=(), absmax=0.0, min=0.0, max=0.0, zeros=1)))
+    cause = diagnose(report(op="aten.div.Tensor", module=None, module_type=None, nan=1, numel=1,
+                            input_stats=inputs))
+    assert cause.label == "empty-reduction"
+
+
+def test_a_half_quotient_without_a_zero_divisor_is_an_overflow() -> None:
+    inputs = (("self", stats("float16", absmax=3e4)), ("other", stats("float16", zeros=0, absmax=1e-3)))
+    cause = diagnose(report(op="aten.div.Tensor", dtype="float16", posinf=2, input_stats=inputs))
+    assert cause.label == "half-precision-overflow" and "30000 (`self`)" in cause.hint
+
+
+def test_exp_that_made_no_inf_is_not_an_exp_overflow() -> None:
+    assert diagnose(report(op="aten.exp.default", nan=1)).label == "unclassified"
+
+
+@pytest.mark.parametrize(
+    ("node", "label"),
+    [("SqrtBackward0", "sqrt-domain"), ("LogBackward0", "log-domain"), ("PowBackward0", "pow-domain"),
+     ("DivBackward0", "division-by-zero"), ("LinalgVectorNormBackward0", "division-by-zero"),
+     ("ExpBackward0", "exp-overflow"), ("AcosBackward0", "sqrt-domain")],
+)
+def test_a_backward_op_is_read_through_its_forward_function(node: str, label: str) -> None:
+    line = SourcePointer("/home/me/model.py", 42, "forward", "    d = torch.linalg.vector_norm(x - y, dim=-1)")
+    cause = diagnose(report(
+        phase=Phase.BACKWARD, op="aten.div.Tensor", tensor="output of aten.div.Tensor", posinf=3, source=line,
+        notes=(f"aten.div.Tensor ran in the backward of the forward line ({node})",),
+    ))
+    assert cause.label == label
+    assert "model.py:42 `d = torch.linalg.vector_norm(x - y, dim=-1)`" in cause.hint
+    assert f"autograd node {node}" in cause.evidence
+
+
+def test_a_backward_without_its_op_gives_the_checklist_not_a_guess() -> None:
+    cause = diagnose(report(phase=Phase.BACKWARD, module="head", module_type="AngleHead", tensor="grad of input[1]",
+                            nan=16))
+    assert cause.label == "unclassified"
+    assert "head (AngleHead)" in cause.hint and "ops=True" in cause.hint and "acos" in cause.hint
+
+
+def test_a_gradient_about_to_be_applied() -> None:
+    cause = diagnose(report(phase=Phase.BACKWARD, module="", module_type="Linear", tensor="gradient of weight",
+                            posinf=1))
+    assert cause.label == "unclassified" and "gradient of weight" in cause.hint
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tensor", "note", "counts", "label"),
+    [
+        ("float16", "state exp_avg_sq of fc.weight", "the Adam step made exp_avg_sq of fc.weight non-finite",
+         {"posinf": 5}, "half-precision-overflow"),
+        ("float16", "parameter fc.weight", "the AdamW step made fc.weight non-finite", {"nan": 5},
+         "optimizer-eps-underflow"),
+        ("bfloat16", "parameter fc.weight", "the Adam step made fc.weight non-finite", {"nan": 5}, "unclassified"),
+        ("float32", "parameter fc.weight", "the SGD step made fc.weight non-finite", {"nan": 5}, "unclassified"),
+        ("float16", "parameter fc.weight", "the SGD step made fc.weight non-finite", {"posinf": 5},
+         "half-precision-overflow"),
+    ],
+    ids=["fp16-state-overflow", "fp16-adamw", "bf16-holds-eps", "fp32-sgd", "fp16-sgd-overflow"],
+)
+def test_optimizer_rules_need_the_dtype_and_the_optimizer(dtype, tensor, note, counts, label) -> None:
+    cause = diagnose(report(phase=Phase.OPTIMIZER, module="fc", module_type="Linear", dtype=dtype, tensor=tensor,
+                            notes=(note,), **counts))
+    assert cause.label == label
+    assert "fc.weight" in cause.hint
+
+
+def test_an_epsilon_division_op_without_a_note_still_counts_in_float16() -> None:
+    cause = diagnose(report(phase=Phase.OPTIMIZER, op="aten.addcdiv_.default", dtype="float16", nan=4,
+                            tensor="output of aten.addcdiv_.default"))
+    assert cause.label == "optimizer-eps-underflow"
+
+
+def history(losses: list[float]) -> tuple[StepSummary, ...]:
+    return tuple(StepSummary(step=step, loss=loss, absmax=1.0) for step, loss in enumerate(losses))
+
+
+def test_divergence_needs_growth_and_a_steady_rise() -> None:
+    overflow = {"op": "aten.mm.default", "posinf": 3}
+    rising = history([1.0, 0.9, 1.1, 0.8, 2.0, 8.0, 40.0])
+    assert diagnose(report(history=rising, **overflow)).label == "learning-rate-too-high"
+    one_spike = history([1.0, 0.9, 1.1, 0.8, 0.7, 0.9, 40.0])  # one bad batch, not a climb
+    assert diagnose(report(history=one_spike, **overflow)).label == "unclassified"
+    slow = history([1.0, 1.1, 1.2, 1.3, 1.4, 1.5])  # rising, but far from 10x
+    assert diagnose(report(history=slow, **overflow)).label == "unclassified"
+
+
+def test_divergence_does_not_override_an_op_specific_cause_but_is_listed() -> None:
+    rising = history([1.0, 0.9, 1.1, 0.8, 2.0, 8.0, 40.0])
+    cause = diagnose(report(op="aten.log.default", nan=2, history=rising))
+    assert cause.label == "log-domain"
+    assert any("the loss rose to 40" in line for line in cause.evidence)
+
+
+def test_softmax_nan_that_fills_no_whole_row_is_unclassified() -> None:
+    cause = diagnose(report(op="aten._softmax.default", nan=3, output_stats=stats(shape=(4, 4)),
+                            input_stats=(("self", stats()),)))
+    assert cause.label == "unclassified"
+
+
+def test_an_op_fed_an_infinity_is_unclassified_and_names_that_input() -> None:
+    cause = diagnose(report(op="aten.addmm.default", nan=1, module="fc", module_type="Linear",
+                            input_stats=(("mat2", stats(posinf=1)),)))
+    assert cause.label == "unclassified" and "`mat2` of aten.addmm.default in fc (Linear) held 1 +inf" in cause.hint
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("tensor", ["output", "loss", "parameter w", "state exp_avg of w", "gradient of w"])
+@pytest.mark.parametrize("op", [None, "aten.mm.default", "aten.log.default", "mylib.kernel"])
+def test_bare_reports_never_break_the_diagnosis(phase: Phase, tensor: str, op: str | None) -> None:
+    cause = diagnose(Report(phase=phase, module=None, module_type=None, step=0, nan=1, posinf=0, neginf=0,
+                            numel=1, tensor=tensor, op=op))
+    assert cause.label in LABELS and cause.hint and cause.evidence
+
+
+def test_every_label_is_documented() -> None:
+    for label in LABELS:
+        assert f"``{label}``" in (diagnose_module.__doc__ or "")
+
+
+class Mask(nn.Module):
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(mask, float("-inf"))
+
+
+def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
+    model = Mask()
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[0, 2:] = True
+    with nan_magic.watch(model) as w:
+        model(torch.randn(2, 4), mask)
+    (event,) = w.events
+    assert event.benign and event.cause is not None
+    assert event.cause.label == "unclassified" and event.cause.hint.startswith("benign:")
+    assert any("deliberate infinity" in line for line in event.cause.evidence)
