@@ -39,7 +39,9 @@ class TensorRecord:
         "version",
     )
 
-    def __init__(self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool) -> None:
+    def __init__(
+        self, path: str, tensor: torch.Tensor, call: Call | None, defer: bool, same: TensorRecord | None = None
+    ) -> None:
         self.path = path
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
@@ -51,7 +53,13 @@ class TensorRecord:
         # The record of the same tensor returned again by an enclosing call
         # (nn.Sequential returns its last child's output object).
         self.outer: TensorRecord | None = None
-        low, high = probe(tensor)
+        if same is not None and not same.pending:
+            # The same, unchanged tensor returned again (nn.Sequential returns
+            # its last child's output): its probe is already known.
+            self._probe = None
+            self.set_probe(same.low, same.high)
+            return
+        low, high = probe(tensor) if same is None else same._probe  # type: ignore[misc]
         if defer:
             self._probe: tuple[torch.Tensor, torch.Tensor] | None = (low, high)
             self.low = self.high = math.nan
@@ -153,7 +161,8 @@ class StepLog:
 
     def record_output(self, call: Call, path: str, tensor: torch.Tensor) -> TensorRecord:
         inner = self.lookup(tensor)
-        record = TensorRecord(path, tensor, call, self.defer)
+        same = inner if inner is not None and inner.live() is not None else None
+        record = TensorRecord(path, tensor, call, self.defer, same)
         if inner is not None:
             inner.outer = record
         call.outputs.append(record)

@@ -105,10 +105,15 @@ class OptimizerChecks:
         if not watch.mine() or not self.watches(opt):
             return
         try:
-            updated = [(f"parameter {name}", p) for name, p in self.named_parameters(opt)]
-            for name, parameter in self.named_parameters(opt):
+            named = self.named_parameters(opt)
+            updated = [(f"parameter {name}", p) for name, p in named]
+            for name, parameter in named:
+                # Half-precision state can overflow while its parameter stays
+                # finite (Adam's exp_avg_sq = inf freezes the update at 0);
+                # float32 state cannot without the gradients showing it first,
+                # so its extra pass over memory is skipped.
                 for key, value in opt.state.get(parameter, {}).items():
-                    if _float_tensor(value) and value.dim() > 0:
+                    if _float_tensor(value) and value.dim() > 0 and value.element_size() < 4:
                         updated.append((f"state {key} of {name}", value))
             result = _StepResult(opt, self.steps, updated, norms([tensor for _label, tensor in updated]))
             if watch.defer:

@@ -68,7 +68,8 @@ def capture_rng_state() -> RngState:
     start a CUDA context in a CPU-only program.
     """
     cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized first: it is a flag read, is_available() is not (hot path).
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
         cuda = tuple(torch.cuda.get_rng_state_all())
     return RngState(cpu=torch.get_rng_state(), cuda=cuda)
 
