@@ -321,7 +321,7 @@ class NanMagics(Magics):
 
     def pre_run_cell(self, info: Any = None) -> None:
         if self._persistent is not None and self._cell_watch is None:
-            line, args = self._persistent
+            _line, args = self._persistent
             try:
                 watch = self._make_watch(args, "%nanwatch on")
             except UsageError as error:

@@ -53,9 +53,9 @@ def test_inputs_of_a_producer_are_finite_and_described() -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
     report = run_fault(fault).report
     assert report.inputs_finite
-    (name, stats), = report.input_stats
-    assert name == "input[0]"
-    assert stats.finite and stats.negatives > 0  # why log went NaN is visible
+    inputs = dict(report.input_stats)
+    assert list(inputs) == ["input[0]", "self"]  # the module's input, then the op's (from the replay)
+    assert inputs["input[0]"].finite and inputs["input[0]"].negatives > 0  # why log went NaN is visible
     assert report.nan == report.output_stats.nan > 0
     assert report.first_bad_index is not None
 
@@ -224,10 +224,12 @@ def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
     model, run = fault.build()
     log_file = tmp_path / "events.jsonl"
-    with pytest.warns(RuntimeWarning, match="first non-finite output in forward step 0: 1 \\(LogLayer\\)"):
-        with nan_magic.watch(model, on_detect="warn", log_file=str(log_file)) as w:
-            run()
-            run()
+    expected = r"first non-finite output in forward step 0: 1 \(LogLayer\)"
+    with pytest.warns(RuntimeWarning, match=expected), nan_magic.watch(
+        model, on_detect="warn", log_file=str(log_file)
+    ) as w:
+        run()
+        run()
     assert w.report is not None and w.report.module == "1"
     assert [event.step for event in w.events] == [0, 1]
     lines = log_file.read_text().splitlines()

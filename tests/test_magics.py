@@ -164,7 +164,7 @@ def test_bad_input_is_a_one_line_usage_error_and_nothing_runs(ip, ns, cell, mess
     from IPython.core.error import UsageError
 
     before = global_hook_counts()
-    result, captured = run(ip, cell)
+    result, _ = run(ip, cell)
     error = result.error_in_exec
     assert isinstance(error, UsageError), error
     assert message in str(error) and "\n" not in str(error)
@@ -191,7 +191,7 @@ def test_nanwatch_arms_only_the_rest_of_the_cell(ip, ns) -> None:
 
 def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     before = global_hook_counts()
-    result, captured = run(ip, "%nanwatch on model")
+    _, captured = run(ip, "%nanwatch on model")
     assert "watching every cell" in captured.stdout
     assert global_hook_counts() == before  # nothing attached between cells
     result, _ = run(ip, "y = model(x)")
@@ -227,7 +227,7 @@ def test_unload_removes_magics_and_events(ip) -> None:
 
 
 def test_ops_mode_debug_opens_on_the_producing_line_with_its_locals(ip, ns) -> None:
-    result, _ = run(ip, "%%nantrace model --ops\n" + TRAIN)
+    run(ip, "%%nantrace model --ops\n" + TRAIN)
     report = ns["_nan_report"]
     assert (report.module, report.op) == ("log", "aten.log.default")
     assert report.source.line == "return torch.log(h)"

@@ -239,13 +239,13 @@ def test_on_finding_stops_at_the_op_and_reset_rearms() -> None:
     tracer = OpTracer(on_finding=stop)
     x = torch.tensor([-1.0])
     after: list[int] = []
-    with pytest.raises(FloatingPointError, match="aten.log.default"), tracer:
+    with pytest.raises(FloatingPointError, match=r"aten\.log\.default"), tracer:
         torch.log(x)
         after.append(1)
     assert after == [] and len(seen) == 1
     tracer.reset()
     assert tracer.finding is None and tracer.producer_tensors == ()
-    with pytest.raises(FloatingPointError, match="aten.sqrt.default"), tracer:
+    with pytest.raises(FloatingPointError, match=r"aten\.sqrt\.default"), tracer:
         torch.sqrt(x)
 
 
@@ -254,7 +254,7 @@ def test_on_finding_raises_out_of_backward() -> None:
         raise FloatingPointError(finding.op)
 
     a = torch.zeros(2, requires_grad=True)
-    with pytest.raises(FloatingPointError, match="aten.div.Tensor"), OpTracer(on_finding=stop):
+    with pytest.raises(FloatingPointError, match=r"aten\.div\.Tensor"), OpTracer(on_finding=stop):
         a.sqrt().sum().backward()
     assert a.grad is None
 

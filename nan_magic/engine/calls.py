@@ -53,20 +53,19 @@ class TensorRecord:
         # The record of the same tensor returned again by an enclosing call
         # (nn.Sequential returns its last child's output object).
         self.outer: TensorRecord | None = None
-        if same is not None and not same.pending:
+        self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.low = self.high = math.nan
+        #: Non-finite kinds the probe shows; empty until a pending probe is read.
+        self.kinds: frozenset[str] = _NONE
+        if same is not None and same._probe is None:
             # The same, unchanged tensor returned again (nn.Sequential returns
             # its last child's output): its probe is already known.
-            self._probe = None
             self.set_probe(same.low, same.high)
             return
-        low, high = probe(tensor) if same is None else same._probe  # type: ignore[misc]
+        low, high = same._probe if same is not None and same._probe is not None else probe(tensor)
         if defer:
-            self._probe: tuple[torch.Tensor, torch.Tensor] | None = (low, high)
-            self.low = self.high = math.nan
-            #: Non-finite kinds the probe shows; empty until a pending probe is read.
-            self.kinds: frozenset[str] = _NONE
+            self._probe = (low, high)
         else:
-            self._probe = None
             self.set_probe(low.item(), high.item())
 
     def set_probe(self, low: float, high: float) -> None:
@@ -254,6 +253,6 @@ class StepLog:
         return absmax, data_absmax, headroom
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _finite_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max

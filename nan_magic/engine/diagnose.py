@@ -748,13 +748,19 @@ def _input_label(report: Report, name: str) -> str:
 
 
 def _input_named(report: Report, zeros: int, negatives: int) -> str:
-    """The input whose zeros and negatives the op's output accounts for, by name where the evidence says which."""
-    own = _named_input(report, "self")
-    if own is not None:
+    """The input whose zeros and negatives the op's output accounts for, by name where the evidence says which.
+
+    The module's own input is the name the user knows; the op's ``self`` is
+    named when no module input matches (the op ran on an intermediate value).
+    """
+    matching = [
+        name for name, stats in report.input_stats
+        if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite
+    ]
+    for name in sorted(matching, key=lambda name: not _is_module_input(name)):
+        return _input_label(report, name)
+    if _named_input(report, "self") is not None:
         return _input_label(report, "self")
-    for name, stats in report.input_stats:
-        if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite:
-            return _input_label(report, name)
     return f"the input of {report.op} in {_where(report)}"
 
 

@@ -89,6 +89,11 @@ def apply_op_finding(
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
+    else:
+        # Found by a replay of the producer module: its inputs are known; the
+        # op's own (named by schema argument: ``self``, ``other``) say more,
+        # e.g. which operand of a division held the zeros.
+        finding.input_stats.extend(op.input_stats)
 
 
 def build_report(
@@ -106,10 +111,11 @@ def build_report(
     if stats is None and finding.bad is not None:
         stats = tensor_stats(finding.bad)
     samples: list[Sample] = []
-    input_stats = list(finding.input_stats)
+    input_stats: list[tuple[str, TensorStats]] = []
     for name, tensor in finding.inputs:
         input_stats.append((name, tensor_stats(tensor)))
         samples.append(sample_values(tensor, f"{name}", sample_size))
+    input_stats.extend(finding.input_stats)
     if finding.bad is not None:
         samples.append(sample_values(finding.bad, finding.tensor, sample_size))
     samples.extend(finding.extra_samples)

@@ -775,10 +775,13 @@ def _op_name(func: torch._ops.OpOverload) -> str:
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # nan_magic's own files, and torch's machinery between a Python call and a
 # dispatch mode: a frame there is never the line that ran an op.
-_PLUMBING = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,) + tuple(
-    _TORCH_DIR + path
-    for path in ("_ops.py", "utils/_python_dispatch.py", "_tensor.py", "overrides.py",
-                 "autograd/__init__.py", "autograd/graph.py", "_dynamo", "_compile.py")
+_PLUMBING = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    *(
+        _TORCH_DIR + path
+        for path in ("_ops.py", "utils/_python_dispatch.py", "_tensor.py", "overrides.py",
+                     "autograd/__init__.py", "autograd/graph.py", "_dynamo", "_compile.py")
+    ),
 )
 
 # id(code) -> (code, is library code); holding the code keeps its id unique.

@@ -82,7 +82,9 @@ class OptimizerChecks:
             return
         if not any(opt is known for known in self.seen):
             self.seen.append(opt)
-        with_grad = [(name, p.grad) for name, p in self.named_parameters(opt) if p.grad is not None and _float_tensor(p.grad)]
+        with_grad = [
+            (name, p.grad) for name, p in self.named_parameters(opt) if p.grad is not None and _float_tensor(p.grad)
+        ]
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
         values = watch.sync(carried_norms + norms([grad for _name, grad in with_grad]))

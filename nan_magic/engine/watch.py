@@ -84,6 +84,7 @@ class Watch:
         self.history: deque[StepSummary] = deque(maxlen=self.config.history)
         self.warnings: deque[EarlyWarning] = deque(maxlen=self.config.max_events)
         self._active = False
+        self._step_open = False
         self._exit_stack: ExitStack | None = None
         self._thread: int | None = None
         self._suspended: list[Watch] = []
