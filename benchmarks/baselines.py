@@ -114,8 +114,7 @@ class DebugUnderflowOverflow:
         self.frame = []
         if self.detected_overflow:
             raise FloatingPointError(
-                f"inf/nan detected during batch_number={self.batch_number}:\n"
-                + "\n".join(self.frames)
+                f"inf/nan detected during batch_number={self.batch_number}:\n" + "\n".join(self.frames)
             )
 
     @contextlib.contextmanager

@@ -17,14 +17,15 @@ import os
 import platform
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import baselines
 import torch
 from torch import nn
 
-WatchFactory = Callable[[nn.Module], ContextManager[Any]]
+WatchFactory = Callable[[nn.Module], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Column:
     unavailable: str | None = None
 
 
-def _unwatched(model: nn.Module) -> ContextManager[None]:
+def _unwatched(model: nn.Module) -> AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
@@ -65,14 +66,13 @@ def _nan_magic_columns() -> list[Column]:
         reason = f"nan_magic.watch unavailable: {type(exc).__name__}: {exc}"
         return [Column(key, title, None, reason) for key, title in titles.items()]
 
-    def default(model: nn.Module) -> ContextManager[Any]:
+    def default(model: nn.Module) -> AbstractContextManager[Any]:
         return watch(model)
 
-    def ops(model: nn.Module) -> ContextManager[Any]:
+    def ops(model: nn.Module) -> AbstractContextManager[Any]:
         return watch(model, ops=True)
 
-    return [Column("nan_magic", titles["nan_magic"], default),
-            Column("nan_magic_ops", titles["nan_magic_ops"], ops)]
+    return [Column("nan_magic", titles["nan_magic"], default), Column("nan_magic_ops", titles["nan_magic_ops"], ops)]
 
 
 def all_columns() -> list[Column]:
@@ -131,9 +131,7 @@ def format_header(info: dict[str, Any]) -> str:
     )
     if info["load_average"] is not None:
         # Other processes on a shared machine are the main source of noise: say so.
-        line += "\nload average before the run (1/5/15 min): " + " ".join(
-            f"{x:.2f}" for x in info["load_average"])
+        line += "\nload average before the run (1/5/15 min): " + " ".join(f"{x:.2f}" for x in info["load_average"])
     if info["device"] == "cuda":
         line += f" ({info['gpu']}, CUDA {info['cuda']})"
     return line
-

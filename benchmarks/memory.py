@@ -195,8 +195,7 @@ def growth(bench: Benchmark, column: Column, steps: int, device: str) -> list[Gr
     return points
 
 
-def measure_model(name: str, columns: list[Column], args: argparse.Namespace,
-                  log: Any) -> ModelMemory:
+def measure_model(name: str, columns: list[Column], args: argparse.Namespace, log: Any) -> ModelMemory:
     """Step memory under every available column; growth for the nan_magic columns."""
     bench = build(name, args.device)
     result = ModelMemory(name, bench.description)
@@ -222,8 +221,7 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace,
             try:
                 result.growth[column.key] = growth(bench, column, args.growth_steps, args.device)
             except Exception as exc:
-                result.notes[column.key + " growth"] = (
-                    f"failed: {type(exc).__name__}: {exc}".splitlines()[0])
+                result.notes[column.key + " growth"] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
     del bench
     gc.collect()
     return result
@@ -248,18 +246,17 @@ def format_tables(results: list[ModelMemory], columns: list[Column], device: str
             m = res.steps.get(c.key)
             cells.append("n/a" if m is None else f"{m.peak / base:.3f} [{m.peak / MB:.0f}]")
         lines.append(row(res.name, cells))
-    lines.append(row("target", [f"<= {PEAK_TARGET:.2f}" if c.key == "nan_magic" else ""
-                                for c in columns]))
+    lines.append(row("target", [f"<= {PEAK_TARGET:.2f}" if c.key == "nan_magic" else "" for c in columns]))
 
-    lines += ["", "Held between steps beyond unwatched / transient peak / retained by the step [MB]",
-              header, rule]
+    lines += ["", "Held between steps beyond unwatched / transient peak / retained by the step [MB]", header, rule]
     for res in results:
         base = res.steps["unwatched"].live
         cells = []
         for c in columns:
             m = res.steps.get(c.key)
-            cells.append("n/a" if m is None else
-                         f"{(m.live - base) / MB:+.1f}/{m.transient_peak / MB:.1f}/{m.retained / MB:.1f}")
+            cells.append(
+                "n/a" if m is None else f"{(m.live - base) / MB:+.1f}/{m.transient_peak / MB:.1f}/{m.retained / MB:.1f}"
+            )
         lines.append(row(res.name, cells))
 
     grown = [(res, key, pts) for res in results for key, pts in res.growth.items()]
@@ -267,21 +264,22 @@ def format_tables(results: list[ModelMemory], columns: list[Column], device: str
         lines += ["", "Growth within one watch entry (after step: RSS MB, live tensors, live MB)"]
         for res, key, pts in grown:
             title = next(c.title for c in columns if c.key == key)
-            cells = "  ".join(f"{p.step}: {p.rss / MB:.0f}, {p.live_tensors}, {p.live_bytes / MB:.1f}"
-                              for p in pts)
+            points = "  ".join(f"{p.step}: {p.rss / MB:.0f}, {p.live_tensors}, {p.live_bytes / MB:.1f}" for p in pts)
             # The second half is the verdict: bounded histories may fill during the first.
             half = pts[-2] if len(pts) > 2 else pts[0]
-            lines.append(f"  {res.name:<{name_w}} {title:<14} {cells}")
-            lines.append(f"  {'':<{name_w}} {'':<14} second half: "
-                         f"RSS {(pts[-1].rss - half.rss) / MB:+.1f} MB, "
-                         f"tensors {pts[-1].live_tensors - half.live_tensors:+d}, "
-                         f"{(pts[-1].live_bytes - half.live_bytes) / MB:+.2f} MB")
+            lines.append(f"  {res.name:<{name_w}} {title:<14} {points}")
+            lines.append(
+                f"  {'':<{name_w}} {'':<14} second half: "
+                f"RSS {(pts[-1].rss - half.rss) / MB:+.1f} MB, "
+                f"tensors {pts[-1].live_tensors - half.live_tensors:+d}, "
+                f"{(pts[-1].live_bytes - half.live_bytes) / MB:+.2f} MB"
+            )
 
     lines += ["", "Models:"] + [f"  {r.name:<{name_w}} {r.description}" for r in results]
     notes = [f"  {c.title}: n/a: {c.unavailable}" for c in columns if c.unavailable]
     notes += [f"  {r.name}: {k}: {v}" for r in results for k, v in r.notes.items()]
     if notes:
-        lines += ["", "Notes:"] + notes
+        lines += ["", "Notes:", *notes]
     return "\n".join(lines)
 
 
@@ -290,8 +288,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="growth over 100 steps, not 1000")
     p.add_argument("--models", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
-    p.add_argument("--growth-models", nargs="*", choices=list(BUILDERS), default=["mlp"],
-                   help="models whose growth is measured (default: mlp)")
+    p.add_argument(
+        "--growth-models",
+        nargs="*",
+        choices=list(BUILDERS),
+        default=["mlp"],
+        help="models whose growth is measured (default: mlp)",
+    )
     p.add_argument("--growth-steps", type=int, help="steps per growth run (default 1000, quick 100)")
     p.add_argument("--warmup", type=int, default=2, help="watched steps before the measured one")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -324,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_tables(results, columns, args.device))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "args": vars(args),
-                       "models": [asdict(r) for r in results]}, f, indent=1)
+            json.dump({"machine": info, "args": vars(args), "models": [asdict(r) for r in results]}, f, indent=1)
     return 0
 
 

@@ -127,9 +127,7 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.downsample: nn.Module | None = None
         if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -205,8 +203,7 @@ class BertSelfAttention(nn.Module):
         q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
         scores = q @ k.transpose(-1, -2) / math.sqrt(HIDDEN // HEADS) + mask_bias
         probs = self.dropout(scores.softmax(dim=-1))
-        b, _, t, _ = probs.shape
-        return (probs @ v).transpose(1, 2).reshape(b, t, HIDDEN)
+        return (probs @ v).transpose(1, 2).reshape(x.shape)
 
 
 class BertLayer(nn.Module):
@@ -245,7 +242,7 @@ class BertMLM(nn.Module):
         self.decoder_bias = nn.Parameter(torch.zeros(VOCAB))
 
     def forward(self, ids: Tensor, attention_mask: Tensor) -> Tensor:
-        b, t = ids.shape
+        t = ids.shape[1]
         pos = torch.arange(t, device=ids.device)
         x = self.word_embeddings(ids) + self.position_embeddings(pos)
         x = x + self.token_type_embeddings(torch.zeros_like(ids))
@@ -289,6 +286,8 @@ def _bert(device: torch.device) -> Benchmark:
 class CausalSelfAttention(nn.Module):
     """GPT-2 attention with a fused QKV projection and a ``-inf`` causal mask (nanoGPT)."""
 
+    bias: Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.c_attn = nn.Linear(HIDDEN, 3 * HIDDEN)
@@ -317,7 +316,9 @@ class GPT2Block(nn.Module):
         self.attn = CausalSelfAttention()
         self.ln_2 = nn.LayerNorm(HIDDEN)
         self.mlp = nn.Sequential(
-            nn.Linear(HIDDEN, FFN), nn.GELU(approximate="tanh"), nn.Linear(FFN, HIDDEN),
+            nn.Linear(HIDDEN, FFN),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(FFN, HIDDEN),
             nn.Dropout(0.1),
         )
 
