@@ -34,6 +34,7 @@ import torch
 
 from nan_magic.engine.errors import NonFiniteError
 from nan_magic.engine.watch import Watch
+from nan_magic.options import WATCH_OPTIONS, config_from_args
 from nan_magic.records import Report, WatchConfig
 
 __all__ = ["main"]
@@ -53,25 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a Python script under the NaN/Inf watch. Exit status: 0 clean, 1 a real non-finite "
         "event, 2 usage error, 3 the script raised; a script's own sys.exit(n) gives n.",
     )
-    mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--warn", action="store_const", const="warn", dest="on_detect",
-                      help="warn at each event and let the script continue")
-    mode.add_argument("--log", action="store_const", const="log", dest="on_detect",
-                      help="record events silently and let the script continue")
-    run.add_argument("--kinds", default="nan,inf", help="which kinds count: nan, inf or nan,inf (default)")
-    run.add_argument("--include", action="append", default=[], metavar="PATTERN",
-                     help="watch only modules whose qualified name matches (fnmatch; repeatable)")
-    run.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                     help="skip modules whose qualified name matches (fnmatch; repeatable)")
-    run.add_argument("--types", default="", metavar="TYPES",
-                     help="watch only these module types, comma-separated (e.g. Linear,LayerNorm)")
-    run.add_argument("--log-file", default=None, metavar="PATH", help="append one JSON line per event")
-    run.add_argument("--ops", action="store_true", help="op-level tracing (exact op and line; slower)")
-    run.add_argument("--no-replay", action="store_true", help="do not replay the producer to find its op")
-    run.add_argument("--no-backward", action="store_true", help="do not check gradients")
-    run.add_argument("--defer", action="store_true", default=None,
-                     help="check once per step instead of per module")
-    run.add_argument("--dump", default=None, metavar="DIR", help="save the crash scene in DIR at the first real event")
+    for flags, spec in WATCH_OPTIONS:
+        run.add_argument(*flags, **spec)
     run.add_argument("--html", default=None, metavar="PATH",
                      help="write the HTML report here (default with --dump: DIR/nan_report.html)")
     run.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
@@ -85,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        config = _config(args)
+        config = config_from_args(args)
     except ValueError as error:
         parser.error(str(error))
     if not os.path.isfile(args.script):
@@ -93,20 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(args, config)
 
 
-def _config(args: argparse.Namespace) -> WatchConfig:
-    return WatchConfig(
-        on_detect=args.on_detect or "raise",
-        kinds=frozenset(kind.strip() for kind in args.kinds.split(",") if kind.strip()),
-        include=tuple(args.include),
-        exclude=tuple(args.exclude),
-        types=tuple(t.strip() for t in args.types.split(",") if t.strip()),
-        log_file=args.log_file,
-        defer=args.defer,
-        ops=args.ops,
-        replay=not args.no_replay,
-        backward=not args.no_backward,
-        dump=args.dump,
-    )
 
 
 def _run(args: argparse.Namespace, config: WatchConfig) -> int:

@@ -25,7 +25,8 @@ from torch import nn
 from nan_magic.engine.errors import NonFiniteError
 from nan_magic.engine.targets import _is_grad_scaler
 from nan_magic.engine.watch import Watch
-from nan_magic.records import Report, WatchConfig
+from nan_magic.options import WATCH_OPTIONS, config_from_args
+from nan_magic.records import Report
 
 __all__ = ["NanMagics", "load", "unload"]
 
@@ -35,32 +36,11 @@ _loaded: dict[int, NanMagics] = {}
 
 
 def _watch_options(func: Any) -> Any:
-    """The options %%nantrace and %nanwatch share (applied bottom-up)."""
+    """The options %%nantrace and %nanwatch share (see nan_magic.options)."""
     decorators = [
         argument("targets", nargs="*", help="names or expressions of models, optimizers, GradScalers "
                  "(default: every one in the namespace)"),
-        argument("--warn", action="store_const", const="warn", dest="on_detect",
-                 help="warn at each event and let the code continue"),
-        argument("--log", action="store_const", const="log", dest="on_detect",
-                 help="record events silently and let the code continue"),
-        argument("--kinds", default="nan,inf", help="which kinds count: nan, inf or nan,inf (default)"),
-        argument("--include", action="append", default=[], metavar="PATTERN",
-                 help="watch only modules whose qualified name matches (fnmatch; repeatable)"),
-        argument("--exclude", action="append", default=[], metavar="PATTERN",
-                 help="skip modules whose qualified name matches (fnmatch; repeatable)"),
-        argument("--types", default="", metavar="TYPES",
-                 help="watch only these module types, comma-separated (e.g. Linear,LayerNorm)"),
-        argument("--log-file", default=None, metavar="PATH", help="append one JSON line per event"),
-        argument("--ops", action="store_true", help="op-level tracing (exact op and line; slower)"),
-        argument("--no-replay", action="store_true", help="do not replay the producer to find its op"),
-        argument("--no-backward", action="store_true", help="do not check gradients"),
-        argument("--defer", action="store_true", default=None,
-                 help="check once per step instead of per module (default on CUDA)"),
-        argument("--dump", default=None, metavar="DIR",
-                 help="at the first real event, save the crash scene in DIR (see %%nanreplay)"),
-        argument("--keep-last-good", nargs="?", const="cpu", default=None, choices=["cpu", "device"],
-                 help="keep the state of the last finite step (on the cpu, default, or the device) "
-                 "for report.restore()"),
+        *(argument(*flags, **spec) for flags, spec in WATCH_OPTIONS),
         argument("-o", "--output", default=_REPORT_NAME, metavar="NAME",
                  help=f"user variable that receives the report (default {_REPORT_NAME})"),
         argument("-q", "--quiet", action="store_true", help="do not display the report"),
@@ -229,20 +209,7 @@ class NanMagics(Magics):
 
     def _make_watch(self, args: Any, name: str) -> Watch:
         try:
-            config = WatchConfig(
-                on_detect=args.on_detect or "raise",
-                kinds=frozenset(kind.strip() for kind in args.kinds.split(",") if kind.strip()),
-                include=tuple(args.include),
-                exclude=tuple(args.exclude),
-                types=tuple(t.strip() for t in args.types.split(",") if t.strip()),
-                log_file=args.log_file,
-                defer=args.defer,
-                ops=args.ops,
-                replay=not args.no_replay,
-                backward=not args.no_backward,
-                dump=args.dump,
-                keep_last_good=args.keep_last_good,
-            )
+            config = config_from_args(args)
         except ValueError as error:
             raise UsageError(f"{name}: {error}") from None
         if not args.output.isidentifier():
