@@ -13,8 +13,13 @@
 - :func:`anomaly_detection`: ``torch.autograd.set_detect_anomaly(True)``, which records
   a Python stack for every autograd node in forward and checks every gradient in backward
   for NaN.
+- :func:`naive_dispatch_checker`: the op-level checker people write first, the yardstick
+  for ``ops=True``: a ``TorchDispatchMode`` that checks every floating output of every
+  op (forward, backward and optimizer) with ``torch.isfinite(t).all().item()``, one host
+  synchronisation per op output.
 
-All three are forward-only or autograd-global; none watches the optimizer step.
+Only the dispatch checker sees the optimizer step; the others are forward-only or
+autograd-global.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -144,4 +150,28 @@ def anomaly_detection(model: nn.Module) -> Iterator[None]:
     """
     # set_detect_anomaly rather than detect_anomaly: the latter warns on every entry.
     with torch.autograd.set_detect_anomaly(True, check_nan=True):
+        yield
+
+
+class _FiniteEveryOp(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flagged: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in _tensors(out):
+            if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(tensor).all().item():
+                self.flagged.append(str(func))
+        return out
+
+
+@contextlib.contextmanager
+def naive_dispatch_checker(model: nn.Module) -> Iterator[None]:
+    """Check every op's floating outputs with ``isfinite().all().item()`` while active.
+
+    It records the ops it flags instead of raising: it cannot tell GPT-2's deliberate
+    ``masked_fill(-inf)`` causal mask from a fault, and a raise would end the benchmark.
+    """
+    with _FiniteEveryOp():
         yield

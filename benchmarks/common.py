@@ -83,6 +83,7 @@ def all_columns() -> list[Column]:
         Column("isnan_hook", "isnan hook", baselines.naive_isnan_hooks),
         Column("debug_uo", "DebugUO", baselines.debug_underflow_overflow),
         Column("anomaly", "anomaly", baselines.anomaly_detection),
+        Column("naive_dispatch", "naive ops", baselines.naive_dispatch_checker),
     ]
 
 
