@@ -126,12 +126,17 @@ class LayerCall:
 
 @dataclass(frozen=True)
 class Sample:
-    """A bounded sample of one tensor's finite values, for histograms."""
+    """A bounded sample of one tensor's finite values, for histograms.
+
+    ``producer`` is false for the samples of other layers of the failing
+    step (the calls that returned just before the producer's).
+    """
 
     label: str
     dtype: str
     values: tuple[float, ...]
     numel: int
+    producer: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,9 @@ class StepSummary:
 
     ``headroom`` is the smallest ``finfo(dtype).max / |x|`` over the step's
     module outputs (how many times larger a value could grow before it
-    overflows its dtype), with the module and dtype where it was smallest.
+    overflows its dtype), with the module and dtype where it was smallest;
+    ``grad_headroom`` the same over the gradients flowing through the modules
+    (None under a GradScaler, whose scaled gradients overflow by design).
     """
 
     step: int
@@ -150,6 +157,9 @@ class StepSummary:
     headroom: float | None = None
     headroom_module: str | None = None
     headroom_dtype: str | None = None
+    grad_headroom: float | None = None
+    grad_headroom_module: str | None = None
+    grad_headroom_dtype: str | None = None
     input_absmax: float | None = None
     scale: float | None = None
     nonfinite: bool = False

@@ -283,3 +283,40 @@ def test_an_extreme_batch_warns_in_deferred_mode_from_the_step_summary() -> None
     (warning,) = w.warnings
     assert (warning.kind, warning.step) == ("extreme-input", 1)
     assert "the batch entering the model" in warning.message
+
+
+def test_gradients_near_the_half_precision_limit_warn_before_they_overflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).half()
+    with torch.no_grad():
+        model[1].weight.fill_(1.0)  # the gradient into layer 1's input is the output's: 20000
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.full((1, 4), 0.5).half()
+    with nan_magic.watch(model, opt) as w:
+        for _ in range(2):
+            opt.zero_grad()
+            (model(x).sum() * 20000.0).backward()
+            opt.step()
+    assert w.report is None  # 20000 still fits in float16
+    grads = [warning for warning in w.warnings if warning.kind == "overflow-risk" and "gradient" in warning.message]
+    assert grads and grads[0].step == 0
+    assert "float16 gradient of" in grads[0].message and "65504" in grads[0].message
+    assert w.history[0].grad_headroom is not None and w.history[0].grad_headroom < 4
+
+
+def test_no_gradient_overflow_warning_under_a_grad_scaler() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with nan_magic.watch(model, opt, scaler) as w:
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert all(summary.grad_headroom is None for summary in w.history)
+    assert not [warning for warning in w.warnings if "gradient" in warning.message]

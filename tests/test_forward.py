@@ -259,3 +259,13 @@ def test_step_counts_forward_passes_without_an_optimizer() -> None:
                 model[0].bias.zero_()
             model(x)
     assert caught.value.report.step == 2
+
+
+def test_report_samples_the_layers_before_the_producer_for_histograms() -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    report = run_fault(fault).report
+    producer = [sample.label for sample in report.samples if sample.producer]
+    others = [sample for sample in report.samples if not sample.producer]
+    assert producer == ["input[0]", "self", "output"] or producer[-1] == "output"
+    assert [sample.label for sample in others] == ["(root) input[0]", "0 output"]  # the batch, then Linear 0
+    assert all(0 < len(sample.values) <= 1024 for sample in others)

@@ -408,3 +408,19 @@ def test_text_render_stays_light() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_widget_selector_offers_other_layers_but_all_means_the_producer() -> None:
+    import dataclasses
+
+    from nan_magic.render.widget import ALL_SAMPLES, HistogramsView
+
+    report = make_report()
+    other = Sample("encoder.0 output", "float32", (1.0, 2.0, 3.0), 3, producer=False)
+    view = HistogramsView(dataclasses.replace(report, samples=(*report.samples, other)))
+    labels = [label for label, _ in view.selector.options]
+    assert labels == ["all samples of the producer", "0: input[0]", "1: output", "2: encoder.0 output"]
+    view.selector.value = ALL_SAMPLES
+    assert view.output.outputs[0]["data"]["text/plain"] == "<histograms of input[0], output>"
+    view.selector.value = 2
+    assert view.output.outputs[0]["data"]["text/plain"] == "<histograms of encoder.0 output>"

@@ -25,6 +25,9 @@ __all__ = ["Call", "StepLog", "TensorRecord", "version_of"]
 
 _NONE: frozenset[str] = frozenset()
 
+#: ``(finfo(dtype).max / |x|, module, dtype)``: how far a value is from overflowing.
+Headroom = tuple[float, str | None, str]
+
 
 def version_of(tensor: torch.Tensor) -> int:
     """In-place version counter; inference tensors have none (they read as 0)."""
@@ -224,19 +227,20 @@ class StepLog:
         cut = max(0, len(rows) - limit)
         return tuple(rows[cut:]), cut + self.dropped
 
-    def summary(self) -> tuple[float | None, float | None, tuple[float, str | None, str] | None]:
-        """One pass over the step's read probes: ``(absmax, data absmax, headroom)``.
+    def summary(self) -> tuple[float | None, float | None, Headroom | None, Headroom | None]:
+        """One pass over the step's read probes.
 
-        ``absmax`` is the largest finite |value| of the forward outputs, ``data
-        absmax`` of the tensors entering the model; ``headroom`` is the
-        smallest ``finfo(dtype).max / |x|`` over forward outputs (how close to
-        overflow), as ``(ratio, module, dtype)``.
+        Returns ``(absmax, data absmax, headroom, gradient headroom)``:
+        the largest finite |value| of the forward outputs and of the tensors
+        entering the model, and the smallest ``finfo(dtype).max / |x|`` (how
+        close to overflow) over forward outputs and over gradients, each as
+        ``(ratio, module, dtype)``.
         """
         absmax = data_absmax = None
-        headroom: tuple[float, str | None, str] | None = None
+        headroom: dict[Phase, Headroom] = {}
         for call in self.calls:
-            if call.phase not in (Phase.FORWARD, Phase.DATA) or call.info is None:
-                continue
+            if call.info is None and call.phase != Phase.BACKWARD:
+                continue  # the loss: not a module output
             for record in call.outputs:
                 if record.pending or record.kinds:
                     continue
@@ -244,13 +248,14 @@ class StepLog:
                 if call.phase == Phase.DATA:
                     data_absmax = value if data_absmax is None or value > data_absmax else data_absmax
                     continue
-                if absmax is None or value > absmax:
+                if call.phase == Phase.FORWARD and (absmax is None or value > absmax):
                     absmax = value
                 if value > 0:
                     ratio = _finite_max(record.dtype) / value
-                    if headroom is None or ratio < headroom[0]:
-                        headroom = (ratio, call.name, str(record.dtype).removeprefix("torch."))
-        return absmax, data_absmax, headroom
+                    best = headroom.get(call.phase)
+                    if best is None or ratio < best[0]:
+                        headroom[call.phase] = (ratio, call.name, str(record.dtype).removeprefix("torch."))
+        return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
 
 
 @functools.cache

@@ -119,7 +119,14 @@ class EarlyWarnings:
     def observe_step(self, summary: StepSummary) -> list[EarlyWarning]:
         """Warnings raised by one completed step."""
         found = [
-            self._overflow_risk(summary),
+            _overflow_risk(summary.step, "output", summary.headroom, summary.headroom_dtype, summary.headroom_module),
+            _overflow_risk(
+                summary.step,
+                "gradient",
+                summary.grad_headroom,
+                summary.grad_headroom_dtype,
+                summary.grad_headroom_module,
+            ),
             self._spike("loss-spike", "loss", self._loss, summary.step, summary.loss),
             self._spike("grad-norm-spike", "gradient norm", self._grad_norm, summary.step, summary.grad_norm),
             self._scale_falling(summary),
@@ -140,23 +147,6 @@ class EarlyWarnings:
         return [warning for warning in found if warning is not None and self._due(warning)]
 
     # -- per-step rules --------------------------------------------------------------
-
-    def _overflow_risk(self, summary: StepSummary) -> EarlyWarning | None:
-        headroom, dtype = summary.headroom, summary.headroom_dtype
-        if headroom is None or dtype not in _HALF or headroom >= HEADROOM_LIMIT:
-            return None
-        limit = torch.finfo(getattr(torch, dtype)).max
-        module = summary.headroom_module
-        return EarlyWarning(
-            step=summary.step,
-            kind="overflow-risk",
-            message=(
-                f"{dtype} output of {_module_label(module)} reached |x| = {limit / headroom:.3g}, within "
-                f"{headroom:.2g}x of the {dtype} limit {limit:.5g}: compute it in float32 or scale it down"
-            ),
-            module=module,
-            value=headroom,
-        )
 
     @staticmethod
     def _spike(kind: str, label: str, series: _Spikes, step: int, value: float | None) -> EarlyWarning | None:
@@ -257,3 +247,26 @@ def _module_label(module: str | None) -> str:
     if module is None:
         return "code outside the watched modules"
     return module or "<root>"
+
+
+def _overflow_risk(
+    step: int, what: str, headroom: float | None, dtype: str | None, module: str | None
+) -> EarlyWarning | None:
+    """A half-precision value of the step within HEADROOM_LIMIT of its dtype's limit.
+
+    ``what`` is ``"output"`` (a module's forward output) or ``"gradient"``
+    (the gradient flowing through the module in backward).
+    """
+    if headroom is None or dtype not in _HALF or headroom >= HEADROOM_LIMIT:
+        return None
+    limit = torch.finfo(getattr(torch, dtype)).max
+    return EarlyWarning(
+        step=step,
+        kind="overflow-risk",
+        message=(
+            f"{dtype} {what} of {_module_label(module)} reached |x| = {limit / headroom:.3g}, within "
+            f"{headroom:.2g}x of the {dtype} limit {limit:.5g}: compute it in float32 or scale it down"
+        ),
+        module=module,
+        value=headroom,
+    )

@@ -50,7 +50,6 @@ class Finding:
     source: SourcePointer | None = None
     cause: Cause | None = None
     notes: list[str] = field(default_factory=list)
-    extra_samples: list[Sample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:
@@ -96,6 +95,31 @@ def apply_op_finding(
         finding.input_stats.extend(op.input_stats)
 
 
+#: Other layers of the failing step sampled for the histogram selector.
+NEARBY_LAYERS = 8
+
+
+def _nearby_samples(log: StepLog, producer: TensorRecord | None, size: int) -> list[Sample]:
+    """Samples of the layers that returned just before the producer, while still alive.
+
+    Bounded (``NEARBY_LAYERS`` tensors of ``size`` values) so that a report
+    stays small; tensors freed since their call cannot be sampled.
+    """
+    records = [record for call in log.finished() for record in call.outputs if record is not producer]
+    if producer is not None and producer.call is not None and producer.call.finished >= 0:
+        records = [r for r in records if r.call is not None and r.call.finished <= producer.call.finished]
+    samples = []
+    for record in reversed(records):
+        tensor = record.live()
+        if tensor is None or record.call is None:
+            continue
+        name = record.call.name if record.call.name is not None else "loss"
+        samples.append(sample_values(tensor, f"{name or '(root)'} {record.path}", size, producer=False))
+        if len(samples) == NEARBY_LAYERS:
+            break
+    return samples[::-1]
+
+
 def build_report(
     finding: Finding,
     *,
@@ -118,7 +142,7 @@ def build_report(
     input_stats.extend(finding.input_stats)
     if finding.bad is not None:
         samples.append(sample_values(finding.bad, finding.tensor, sample_size))
-    samples.extend(finding.extra_samples)
+    samples.extend(_nearby_samples(log, finding.record, sample_size // 4))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"
     layers, dropped = log.layer_calls(max_layers)

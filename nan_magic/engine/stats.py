@@ -186,7 +186,7 @@ def probe_stats(tensor_dtype: torch.dtype, shape: tuple[int, ...], low: float, h
     )
 
 
-def sample_values(tensor: torch.Tensor, label: str, size: int) -> Sample:
+def sample_values(tensor: torch.Tensor, label: str, size: int, producer: bool = True) -> Sample:
     """A bounded, deterministic sample of the finite values, copied to the CPU.
 
     Strided rather than random: drawing from torch's generator would change
@@ -197,7 +197,9 @@ def sample_values(tensor: torch.Tensor, label: str, size: int) -> Sample:
         finite = flat[torch.isfinite(flat)]
         stride = max(1, finite.numel() // size)
         values = finite[::stride][:size].double().cpu().tolist()
-    return Sample(label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel())
+    return Sample(
+        label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel(), producer=producer
+    )
 
 
 def iter_tensors(value: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -269,7 +269,9 @@ class Watch:
 
     def end_step(self) -> None:
         """Close the step that just completed (the counter already moved on)."""
-        absmax, data_absmax, headroom = self.log.summary()
+        absmax, data_absmax, headroom, grad_headroom = self.log.summary()
+        if self.optimizers.scaler_active():
+            grad_headroom = None  # scaled gradients overflow by design: the scaler's job
         summary = StepSummary(
             step=self.step - 1,
             loss=self.gradients.last_loss,
@@ -278,6 +280,9 @@ class Watch:
             headroom=headroom[0] if headroom else None,
             headroom_module=headroom[1] if headroom else None,
             headroom_dtype=headroom[2] if headroom else None,
+            grad_headroom=grad_headroom[0] if grad_headroom else None,
+            grad_headroom_module=grad_headroom[1] if grad_headroom else None,
+            grad_headroom_dtype=grad_headroom[2] if grad_headroom else None,
             input_absmax=data_absmax,
             # Reading the scale is a host sync: only where syncs are free.
             scale=self.optimizers.scale() if not self.defer else None,

@@ -195,10 +195,11 @@ def layers_html(layers: tuple[LayerCall, ...], dropped: int) -> str:
 
 
 def histograms_html(report: Report) -> str:
-    """Embedded PNG histograms of the first samples."""
-    if not report.samples:
+    """Embedded PNG histograms of the producer's samples (other layers: the widget's selector)."""
+    producer = [sample for sample in report.samples if sample.producer]
+    if not producer:
         return ""
-    shown = report.samples[:HTML_MAX_SAMPLES]
+    shown = tuple(producer[:HTML_MAX_SAMPLES])
     html = "<h4>Histograms (finite values, log counts)</h4>\n" + png_img(
         histogram_png(shown), "histograms of " + ", ".join(s.label for s in shown)
     )

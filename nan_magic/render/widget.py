@@ -154,7 +154,7 @@ class HistogramsView:
             (f"{position}: {sample.label}", position)
             for position, sample in enumerate(self.samples)
         ]
-        if len(self.samples) > 1:
+        if sum(sample.producer for sample in self.samples) > 1:
             options.insert(0, ("all samples of the producer", ALL_SAMPLES))
         self.selector = widgets.Dropdown(
             options=options,
@@ -172,7 +172,8 @@ class HistogramsView:
             self.output.outputs = (_display("No value samples were recorded for this event."),)
             return
         choice = self.selector.value
-        chosen = self.samples if choice == ALL_SAMPLES else (self.samples[choice],)
+        producer = tuple(sample for sample in self.samples if sample.producer)
+        chosen = producer if choice == ALL_SAMPLES else (self.samples[choice],)
         shown = chosen[:HTML_MAX_SAMPLES]
         label = ", ".join(sample.label for sample in shown)
         outputs = [_display(f"<histograms of {label}>", histogram_png(shown))]
