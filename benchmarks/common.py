@@ -16,6 +16,7 @@ import contextlib
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -136,3 +137,13 @@ def format_header(info: dict[str, Any]) -> str:
     if info["device"] == "cuda":
         line += f" ({info['gpu']}, CUDA {info['cuda']})"
     return line
+
+
+def progress_logger() -> Callable[[str], None]:
+    """A ``log(message)`` that prints to stderr with the seconds since it was made."""
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"{time.perf_counter() - started:6.1f}s {message}", file=sys.stderr, flush=True)
+
+    return log

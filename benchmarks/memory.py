@@ -52,12 +52,11 @@ import gc
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import Column, all_columns, format_header, machine_info, setup_torch
+from common import Column, all_columns, format_header, machine_info, progress_logger, setup_torch
 from models import BUILDERS, Benchmark, build
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -316,10 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(args.device)
     columns = all_columns()
 
-    started = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"{time.perf_counter() - started:6.1f}s {msg}", file=sys.stderr, flush=True)
+    log = progress_logger()
 
     results = [measure_model(name, columns, args, log) for name in args.models]
     print("nan_magic memory: full training step (forward, loss, backward, optimizer step), fp32")

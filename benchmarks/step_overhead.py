@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import Column, all_columns, format_header, machine_info, setup_torch
+from common import Column, all_columns, format_header, machine_info, progress_logger, setup_torch
 from models import BUILDERS, Benchmark, build
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -406,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = all_columns()
 
     started = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"{time.perf_counter() - started:6.1f}s {msg}", file=sys.stderr, flush=True)
+    log = progress_logger()
 
     results = []
     for i, name in enumerate(args.models):
