@@ -32,3 +32,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./scripts/test" in ci and "./scripts/test" in readme
     assert "./scripts/demo" in readme
+
+
+def test_the_demo_blows_up_and_writes_its_reports(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_blowup.py"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "producer    blocks.0.attn (NaiveAttention)" in out.stdout
+    assert "op          aten.exp.default" in out.stdout
+    assert "train_blowup.py:" in out.stdout  # the line of the overflowing exp
+    import json
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["module"], report["phase"], report["op"]) == ("blocks.0.attn", "forward", "aten.exp.default")
+    assert "<table" in (tmp_path / "report.html").read_text()

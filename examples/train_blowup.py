@@ -1,6 +1,6 @@
 """The demo: a small training run that blows up under the watch.
 
-``python -m nan_magic.demo --out DIR`` trains a tiny attention model with a
+``python examples/train_blowup.py --out DIR`` (what ``./scripts/demo`` runs) trains a tiny attention model with a
 hand-written softmax (``exp(s) / exp(s).sum()``, no max subtraction) and a
 learning rate that is too high. After a few steps the attention scores grow
 past ``log(float32 max) ~ 88.7``, ``exp`` overflows to +inf, and inf/inf is
