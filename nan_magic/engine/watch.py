@@ -18,6 +18,10 @@ Mechanisms, and why none of them changes what the model computes:
 Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
 whatever way it ends, no hook of ours remains and the user's hooks were never
 touched.
+
+This module owns the lifecycle, the step counter, the deferred check (one
+transfer per step) and the events; the checks themselves live in
+``forward.py``, ``gradients.py`` and ``optim.py``.
 """
 
 from __future__ import annotations
