@@ -147,3 +147,13 @@ def progress_logger() -> Callable[[str], None]:
         print(f"{time.perf_counter() - started:6.1f}s {message}", file=sys.stderr, flush=True)
 
     return log
+
+
+def footer_lines(results: list[Any], columns: list[Column], name_w: int) -> list[str]:
+    """The tables' common end: each model's description, then notes (unavailable columns, cut runs)."""
+    lines = ["", "Models:"] + [f"  {r.name:<{name_w}} {r.description}" for r in results]
+    notes = [f"  {c.title}: n/a: {c.unavailable}" for c in columns if c.unavailable]
+    notes += [f"  {r.name}: {k}: {v}" for r in results for k, v in r.notes.items()]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return lines

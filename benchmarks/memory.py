@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import Column, all_columns, format_header, machine_info, progress_logger, setup_torch
+from common import Column, all_columns, footer_lines, format_header, machine_info, progress_logger, setup_torch
 from models import BUILDERS, Benchmark, build
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -274,11 +274,7 @@ def format_tables(results: list[ModelMemory], columns: list[Column], device: str
                 f"{(pts[-1].live_bytes - half.live_bytes) / MB:+.2f} MB"
             )
 
-    lines += ["", "Models:"] + [f"  {r.name:<{name_w}} {r.description}" for r in results]
-    notes = [f"  {c.title}: n/a: {c.unavailable}" for c in columns if c.unavailable]
-    notes += [f"  {r.name}: {k}: {v}" for r in results for k, v in r.notes.items()]
-    if notes:
-        lines += ["", "Notes:", *notes]
+    lines += footer_lines(results, columns, name_w)
     return "\n".join(lines)
 
 

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import Column, all_columns, format_header, machine_info, progress_logger, setup_torch
+from common import Column, all_columns, footer_lines, format_header, machine_info, progress_logger, setup_torch
 from models import BUILDERS, Benchmark, build
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -364,11 +364,7 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
         # The promise is about nan_magic's own syncs: at most one above the unwatched floor.
         lines.append(row("target", ["unwatched + 1" if c.key == "nan_magic" else "" for c in columns]))
 
-    lines += ["", "Models:"] + [f"  {r.name:<{name_w}} {r.description}" for r in results]
-    notes = [f"  {c.title}: n/a: {c.unavailable}" for c in columns if c.unavailable]
-    notes += [f"  {r.name}: {k}: {v}" for r in results for k, v in r.notes.items()]
-    if notes:
-        lines += ["", "Notes:", *notes]
+    lines += footer_lines(results, columns, name_w)
     return "\n".join(lines)
 
 

@@ -34,3 +34,15 @@ def no_leaked_hooks():
     yield
     assert global_hook_counts() == before, "a watch left global hooks behind"
     assert torch.Tensor.backward is backward, "a watch left Tensor.backward wrapped"
+
+
+@pytest.fixture(scope="module")
+def ip():
+    """A real in-process IPython shell with the extension loaded (unloaded after the module)."""
+    from IPython.testing import globalipapp
+
+    # Attribute lookups: start_ipython rebinds globalipapp.get_ipython once it has run.
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "nan_magic")
+    yield shell
+    shell.run_line_magic("unload_ext", "nan_magic")

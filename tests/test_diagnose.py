@@ -9,18 +9,12 @@ import torch
 from faults import FORWARD_FAULTS, Fault
 from torch import nn
 from torch.nn import functional as F
+from watching import raised, sgd_regression
 
 import nan_magic
-from nan_magic import NonFiniteError
 from nan_magic.engine import diagnose as diagnose_module
 from nan_magic.engine.diagnose import DIVERGENCE_RISES, LABELS, diagnose
 from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorStats
-
-
-def raised(run, *targets, **options) -> Report:
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
-        run()
-    return caught.value.report
 
 
 def assert_cause(report: Report, label: str, *named: str) -> Cause:
@@ -182,32 +176,14 @@ def test_a_fully_masked_softmax_row(ops: bool) -> None:
     assert_cause(report, "masked-softmax", "1 row(s) of 5 positions", "<root> (MaskedAttention)")
 
 
-def _regression(lr: float, steps: int = 400, **options) -> nan_magic.Watch:
-    """Least squares by SGD: above 2/λmax every step multiplies the error, the loss grows geometrically."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    x = torch.randn(64, 4)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-    with nan_magic.watch(model, opt, **options) as w:
-        for _ in range(steps):
-            loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if w.report is not None:
-                break
-    return w
-
-
 def test_learning_rate_too_high_needs_the_loss_growing_before_the_event() -> None:
-    w = _regression(lr=1.0, on_detect="log")
+    w = sgd_regression(lr=1.0, on_detect="log")
     report = w.report
     assert report is not None and report.tensor == "loss" and report.step > 20
     cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "the loss became 1 +inf",
                          "lower the learning rate")
     assert any(f"rising on each of the last {DIVERGENCE_RISES} steps" in line for line in cause.evidence)
-    assert _regression(lr=0.1, on_detect="log").report is None  # the same problem, converging
+    assert sgd_regression(lr=0.1, on_detect="log").report is None  # the same problem, converging
 
 
 def test_adam_epsilon_underflow_in_float16() -> None:

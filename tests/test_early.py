@@ -9,6 +9,7 @@ import torch
 from test_healthy import TinyCNN, TinyTransformer
 from torch import nn
 from torch.nn import functional as F
+from watching import sgd_regression
 
 import nan_magic
 from nan_magic import NanMagicWarning, NonFiniteError
@@ -23,26 +24,8 @@ def kinds(found) -> list[str]:
 # -- through the watch: before the first non-finite value ----------------------------------
 
 
-def _diverging_regression(**options) -> nan_magic.Watch:
-    """Least squares by SGD at lr above 2/λmax: the loss grows geometrically until it overflows."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    x = torch.randn(64, 4)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-    with nan_magic.watch(model, opt, **options) as w:
-        for _ in range(400):
-            loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if w.report is not None:
-                break
-    return w
-
-
 def test_a_geometrically_growing_loss_warns_long_before_it_overflows() -> None:
-    w = _diverging_regression(on_detect="log")
+    w = sgd_regression(lr=1.0, on_detect="log")
     report = w.report
     assert report is not None
     spikes = [warning for warning in report.warnings if warning.kind == "loss-spike"]
@@ -55,7 +38,7 @@ def test_a_geometrically_growing_loss_warns_long_before_it_overflows() -> None:
 def test_warn_mode_shows_each_warning_as_it_happens_before_the_event() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        w = _diverging_regression(on_detect="warn")
+        w = sgd_regression(lr=1.0, on_detect="warn")
     shown = [(item.category, str(item.message)) for item in caught]
     first_early = next(i for i, (category, _m) in enumerate(shown) if category is NanMagicWarning)
     first_event = next(i for i, (category, _m) in enumerate(shown) if category is RuntimeWarning)

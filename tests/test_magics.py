@@ -8,7 +8,6 @@ from unittest import mock
 
 import pytest
 from conftest import global_hook_counts
-from IPython.testing import globalipapp
 from IPython.utils.capture import capture_output
 
 SETUP = """
@@ -46,14 +45,6 @@ for step in range(10):
     loss = model(x).abs().mean()
     opt.zero_grad(); loss.backward(); opt.step()
 """
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "nan_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "nan_magic")
 
 
 @pytest.fixture

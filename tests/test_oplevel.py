@@ -8,9 +8,9 @@ import torch
 from faults import FORWARD_FAULTS, Fault
 from torch import nn
 from torch.nn import functional as F
+from watching import raised
 
 import nan_magic
-from nan_magic import NonFiniteError
 
 OP_FAULTS = [fault for fault in FORWARD_FAULTS if fault.op is not None]
 
@@ -23,11 +23,6 @@ def marker_line(key: str) -> int:
     (number,) = [n for n, text in enumerate(lines, 1) if text.rstrip().endswith(f"# at: {key}")]
     return number
 
-
-def raised(run, *targets, **options) -> nan_magic.Report:
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
-        run()
-    return caught.value.report
 
 
 @pytest.mark.parametrize("mode", ["replay", "ops"])

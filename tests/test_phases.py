@@ -6,17 +6,11 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.engine.optim import COLLAPSE_SKIPS
-
-
-def raised(run, *targets, **options) -> nan_magic.Report:
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
-        run()
-    return caught.value.report
-
 
 # -- backward ------------------------------------------------------------------------
 

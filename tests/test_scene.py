@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from watching import raised
 
 import nan_magic
-from nan_magic import NanMagicWarning, NonFiniteError
+from nan_magic import NanMagicWarning
 from nan_magic.engine import snapshot
 
 # -- a model whose failure has an obvious fix ----------------------------------------------------
@@ -85,11 +86,6 @@ def same_bits(a: Any, b: Any) -> bool:
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_bits, a, b))
     return a == b or (a != a and b != b)  # NaN scalars (an lr) are unequal to themselves
 
-
-def raised(run: Any, *targets: Any, **options: Any) -> nan_magic.Report:
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
-        run()
-    return caught.value.report
 
 
 # -- dump and load ---------------------------------------------------------------------------
@@ -383,17 +379,6 @@ def test_an_unpicklable_part_is_left_out_and_the_rest_saved(tmp_path) -> None:
 
 
 # -- the magics ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ip():
-    from IPython.testing import globalipapp
-
-    # Attribute lookups: start_ipython rebinds globalipapp.get_ipython once it has run.
-    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "nan_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "nan_magic")
 
 
 def test_nantrace_dumps_and_nanreplay_rebuilds_the_scene(ip, tmp_path) -> None:

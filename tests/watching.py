@@ -1,0 +1,39 @@
+"""Helpers shared by the test modules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+
+def raised(run: Callable[[], Any], *targets: Any, **options: Any) -> nan_magic.Report:
+    """Run ``run()`` under ``watch(*targets, **options)``; the report of the error it must raise."""
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*targets, **options):
+        run()
+    return caught.value.report
+
+
+def sgd_regression(lr: float, steps: int = 400, **options) -> nan_magic.Watch:
+    """Least squares by SGD: above 2/λmax every step multiplies the error, the loss grows geometrically."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x = torch.randn(64, 4)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    with nan_magic.watch(model, opt, **options) as w:
+        for _ in range(steps):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if w.report is not None:
+                break
+    return w
