@@ -13,6 +13,8 @@ print ``n/a`` for them instead of failing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import platform
 import sys
@@ -93,6 +95,36 @@ def setup_torch(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+# mallopt() parameters from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def pin_malloc() -> str:
+    """Fix glibc's heap thresholds so that a step's time does not flip between two modes.
+
+    glibc moves its mmap and trim thresholds as blocks are freed; depending on which
+    small allocations happen to sit at the top of the heap, the multi-megabyte
+    weight-sized tensors of a step are either reused or handed back to the kernel and
+    page-faulted in again on every step. On the MLP that alone moves an *unwatched*
+    step between about 35 and 47 ms from one block of steps to the next (measured on
+    the 2-core benchmark machine), an effect of heap layout, not of any watcher. With
+    the thresholds fixed (no mmap, no trim), every column keeps its memory and the
+    ratios measure the watchers. ``--malloc default`` measures without this.
+
+    Returns a one-line description for the table header.
+    """
+    path = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(path) if path else None
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return "default (mallopt unavailable)"
+    ok = all(
+        mallopt(option, value)
+        for option, value in ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
+    )
+    return "glibc, heap thresholds pinned (no mmap, no trim)" if ok else "default (mallopt refused)"
+
+
 def machine_info(device: str) -> dict[str, Any]:
     """Facts needed to compare runs: CPU, threads, torch and Python versions, device."""
     info: dict[str, Any] = {
@@ -131,6 +163,8 @@ def format_header(info: dict[str, Any]) -> str:
         f"software: torch {info['torch']}, Python {info['python']}, {info['platform']}\n"
         f"device: {info['device']}"
     )
+    if info.get("malloc"):
+        line += f"\nallocator: {info['malloc']}"
     if info["load_average"] is not None:
         # Other processes on a shared machine are the main source of noise: say so.
         line += "\nload average before the run (1/5/15 min): " + " ".join(f"{x:.2f}" for x in info["load_average"])

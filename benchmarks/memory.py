@@ -56,7 +56,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import Column, all_columns, footer_lines, format_header, machine_info, progress_logger, setup_torch
+from common import (
+    Column,
+    all_columns,
+    footer_lines,
+    format_header,
+    machine_info,
+    pin_malloc,
+    progress_logger,
+    setup_torch,
+)
 from models import BUILDERS, Benchmark, build
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -293,6 +302,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--growth-steps", type=int, help="steps per growth run (default 1000, quick 100)")
     p.add_argument("--warmup", type=int, default=2, help="watched steps before the measured one")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--columns", nargs="+", choices=[c.key for c in all_columns()[1:]],
+        help="only these columns (unwatched always runs: it is the denominator)",
+    )
+    p.add_argument(
+        "--malloc", choices=["pinned", "default"], default="default",
+        help="leave glibc's heap thresholds moving (default: RSS growth is measured) or pin them",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write all measurements as JSON")
     args = p.parse_args(argv)
@@ -307,9 +324,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Measure and print; progress goes to stderr."""
     args = parse_args(argv)
+    malloc = pin_malloc() if args.malloc == "pinned" else "default"
     setup_torch(args.threads)
     info = machine_info(args.device)
-    columns = all_columns()
+    info["malloc"] = malloc
+    columns = [c for c in all_columns() if c.key == "unwatched" or not args.columns or c.key in args.columns]
 
     log = progress_logger()
 

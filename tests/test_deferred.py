@@ -55,7 +55,8 @@ def test_a_healthy_training_step_costs_one_transfer(transfers) -> None:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-    steps = 5
+    # The last step is a full parameter check (optim.FULL_CHECK_EVERY), read at the end.
+    steps = optim.FULL_CHECK_EVERY + 1
     with nan_magic.watch(model, opt, defer=True) as w:
         for _ in range(steps):
             loss = F.cross_entropy(model(x), y)

@@ -13,7 +13,7 @@ from watching import sgd_regression
 
 import nan_magic
 from nan_magic import NanMagicWarning, NonFiniteError
-from nan_magic.engine.early import HEADROOM_LIMIT, SCALE_FALLS, WARMUP, WARN_EVERY, EarlyWarnings
+from nan_magic.engine.early import BATCH_RULE_EVERY, HEADROOM_LIMIT, SCALE_FALLS, WARMUP, WARN_EVERY, EarlyWarnings
 from nan_magic.records import StepSummary
 
 
@@ -303,3 +303,18 @@ def test_no_gradient_overflow_warning_under_a_grad_scaler() -> None:
             scaler.update()
     assert all(summary.grad_headroom is None for summary in w.history)
     assert not [warning for warning in w.warnings if "gradient" in warning.message]
+
+
+def test_the_per_feature_batch_rule_runs_on_the_first_steps_then_every_few() -> None:
+    table = torch.randn(8, 4)
+    table[:, 3] = 1.0  # a constant feature
+
+    def warns(step: int) -> bool:
+        return bool(EarlyWarnings().observe_batch(step, "input[0]", table))
+
+    assert [warns(step) for step in range(BATCH_RULE_EVERY)] == [True] * BATCH_RULE_EVERY
+    assert not warns(BATCH_RULE_EVERY + 1)
+    assert warns(2 * BATCH_RULE_EVERY)
+    # The extreme-input rule reads the probe the watch already has, every step.
+    probe = (float(table.min()), 2e7)
+    assert kinds(EarlyWarnings().observe_batch(BATCH_RULE_EVERY + 1, "input[0]", table, probe)) == ["extreme-input"]

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +16,8 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.engine.optim import COLLAPSE_SKIPS
+from nan_magic.engine import optim
+from nan_magic.engine.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
 
 # -- backward ------------------------------------------------------------------------
 
@@ -69,6 +76,11 @@ def test_acos_at_one_after_a_clamp_names_the_module_whose_backward_produced_it()
     assert (report.phase, report.module, report.module_type) == ("backward", "head", "AngleHead")
     assert report.tensor.startswith("grad of input[")
     assert report.neginf + report.posinf + report.nan > 0
+    # The replay of head's backward names the forward line that created the node.
+    assert report.source is not None and report.source.function == "forward"
+    assert report.source.line == "return torch.acos(cosine.clamp(-1.0, 1.0))"
+    assert report.source.filename == __file__
+    assert any("(AcosBackward0)" in note for note in report.notes)
 
 
 class GuardedExp(nn.Module):
@@ -93,6 +105,69 @@ def test_where_with_an_overflowing_unselected_branch_is_found_through_the_gradie
     report = raised(step, model)
     assert (report.phase, report.module, report.module_type) == ("backward", "1", "GuardedExp")
     assert report.nan > 0
+    # GuardedExp's input is not saved by autograd (exp saves its result):
+    # the replay recomputes it from model[0] to name the line and the node.
+    assert report.source is not None and report.source.line == "return torch.where(x < 20, torch.exp(x), x)"
+    assert report.op == "aten.mul.Tensor"
+    assert any("(ExpBackward0)" in note for note in report.notes)
+
+
+def test_a_backward_replay_leaves_gradients_parameters_and_rng_as_they_were() -> None:
+    def run(watched: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), GuardedExp(), nn.Linear(4, 1))
+        with torch.no_grad():
+            model[0].bias.fill_(100.0)
+        x = torch.randn(3, 4)
+        with nan_magic.watch(model, on_detect="log") if watched else contextlib.nullcontext() as w:
+            model(x).sum().backward()
+        if watched:
+            assert w.report is not None and w.report.source is not None  # a replay ran
+        grads = [p.grad.clone() for p in model.parameters()]
+        return grads, torch.cat([p.detach().flatten() for p in model.parameters()]), torch.rand(3)
+
+    plain, watched = run(False), run(True)
+    for mine, theirs in zip(plain[0], watched[0]):
+        assert torch.equal(mine.nan_to_num(nan=7.0), theirs.nan_to_num(nan=7.0))
+    assert torch.equal(plain[1], watched[1])
+    assert torch.equal(plain[2], watched[2])  # the random stream continues as it would have
+
+
+def test_inputs_held_for_a_backward_replay_are_released_with_their_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 1))
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    handles = [module.register_forward_hook(lambda _m, _a, out: outputs.append(weakref.ref(out))) for module in model]
+    x = torch.randn(5, 4)
+    with nan_magic.watch(model):
+        loss = model(x).sum()
+        # The watch holds the inputs that autograd saved (free: autograd keeps them anyway)...
+        assert any(ref() is not None for ref in outputs)
+        loss.backward()
+        del loss
+        gc.collect()
+        # ...for a replay of a backward producer, and none past its backward.
+        assert [ref() for ref in outputs] == [None] * 5
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_graph_dropped_without_a_backward_takes_the_held_inputs_with_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(5, 4)
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    with nan_magic.watch(model, opt):
+        model(x).sum().backward()
+        opt.step()
+        handle = model[1].register_forward_hook(lambda _m, _a, out: outputs.append(weakref.ref(out)))
+        for _ in range(3):
+            out = model(x)  # evaluation that forgot no_grad: graphs built, never used
+        del out
+        handle.remove()
+        gc.collect()
+        assert [ref() for ref in outputs] == [None] * 3
 
 
 def test_in_place_ops_and_modules_called_twice_work_with_gradient_checks() -> None:
@@ -189,6 +264,78 @@ def test_adam_in_pure_fp16_with_an_epsilon_that_rounds_to_zero() -> None:
     assert report.nan == 32  # 8 untouched rows x 4
     assert report.step == 0
     assert any("Adam step made 0.weight non-finite" in note for note in report.notes)
+
+
+def _adamw_steps(steps: int, between: Callable[[int, nn.Module, torch.optim.Optimizer], None], **options: Any):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4)
+    with nan_magic.watch(model, opt, **options) as w:
+        for step in range(steps):
+            opt.zero_grad()
+            model(x).sum().backward()
+            between(step, model, opt)
+            opt.step()
+    return w
+
+
+def test_bounded_steps_check_parameters_every_full_check_step(monkeypatch) -> None:
+    checked: list[int] = []
+    real = optim.norms
+
+    def counting(tensors, *, finiteness_only=False):
+        if finiteness_only:
+            checked.append(len(tensors))
+        return real(tensors, finiteness_only=finiteness_only)
+
+    monkeypatch.setattr(optim, "norms", counting)
+    w = _adamw_steps(2 * FULL_CHECK_EVERY + 1, lambda *_: None)
+    assert w.report is None
+    assert checked == [4, 4, 4]  # steps 0, 16 and 32: four parameters each
+
+
+def test_a_step_that_is_not_bounded_is_checked_at_once() -> None:
+    def infinite_lr(step: int, _model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        if step == 5:
+            opt.param_groups[0]["lr"] = float("inf")  # a schedule gone wrong
+
+    with pytest.raises(NonFiniteError) as caught:
+        _adamw_steps(8, infinite_lr)
+    report = caught.value.report
+    assert (report.phase, report.step, report.tensor) == ("optimizer", 5, "parameter 0.weight")
+    assert any("AdamW step made 0.weight non-finite" in note for note in report.notes)
+
+
+class WithSpare(nn.Module):
+    """Two layers, and a third the optimizer updates but forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.spare = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_check() -> None:
+    torch.manual_seed(0)
+    model = WithSpare()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4)
+
+    def steps() -> None:
+        for step in range(FULL_CHECK_EVERY + 1):
+            opt.zero_grad()
+            model(x).sum().backward()
+            if step == 3:
+                with torch.no_grad():
+                    model.spare.bias.fill_(float("nan"))  # no forward check ever reads it
+            opt.step()
+
+    report = raised(steps, model, opt)
+    assert (report.phase, report.step, report.tensor) == ("optimizer", FULL_CHECK_EVERY, "parameter spare.bias")
+    assert any("last checked after step 0" in note and "outside the optimizer" in note for note in report.notes)
 
 
 def test_a_nonfinite_gradient_is_reported_before_the_step_runs() -> None:

@@ -13,7 +13,7 @@ import functools
 import math
 import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,10 @@ from nan_magic.engine.stats import probe, probe_kinds, probe_stats, read_scalars
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
-__all__ = ["Call", "StepLog", "TensorRecord", "version_of"]
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.engine.replay import HeldArguments, RngState
+
+__all__ = ["Alias", "Call", "StepLog", "TensorRecord", "version_of"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -38,8 +41,8 @@ class TensorRecord:
     """One probed tensor: where it came from and its ``(min, max)``."""
 
     __slots__ = (
-        "_probe", "call", "consumers", "dtype", "high", "kinds", "low", "outer", "path", "ref", "shape", "status",
-        "version",
+        "_probe", "call", "consumers", "dtype", "high", "inner", "kinds", "low", "outer", "path", "ref", "shape",
+        "status", "version",
     )
 
     def __init__(
@@ -56,6 +59,8 @@ class TensorRecord:
         # The record of the same tensor returned again by an enclosing call
         # (nn.Sequential returns its last child's output object).
         self.outer: TensorRecord | None = None
+        # The record of the same tensor object seen earlier this step (set by StepLog).
+        self.inner: TensorRecord | None = None
         self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
         self.low = self.high = math.nan
         #: Non-finite kinds the probe shows; empty until a pending probe is read.
@@ -98,7 +103,10 @@ class TensorRecord:
 class Call:
     """One call of a watched module (or the data entering a root, or the loss)."""
 
-    __slots__ = ("finished", "index", "info", "inner_kinds", "inputs", "module", "outputs", "parent", "phase")
+    __slots__ = (
+        "consumer", "finished", "held", "index", "info", "inner_kinds", "inputs", "module", "outputs", "parent",
+        "phase", "rng_state",
+    )
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
         self.index = index
@@ -112,6 +120,12 @@ class Call:
         # Kinds that the outputs of calls made inside this one produced: a
         # parent passing on what its child produced is a propagator.
         self.inner_kinds: frozenset[str] = _NONE
+        # For a backward replay of a forward call (replay.py): its arguments
+        # held weakly, and the RNG state before it.
+        self.held: HeldArguments | None = None
+        self.rng_state: RngState | None = None
+        # For a backward check: the forward call whose backward computed the gradient.
+        self.consumer: Call | None = None
 
     @property
     def name(self) -> str | None:
@@ -120,6 +134,38 @@ class Call:
     @property
     def module_type(self) -> str | None:
         return self.info.module_type if self.info is not None else None
+
+
+class Alias:
+    """The output of a passed-through call (transparent.py), standing for its input's record.
+
+    ``record`` is the record the call's input goes back to (through chains
+    of pass-throughs), used to find consumers; ``origin`` is what the input
+    itself can be recomputed from (its record, or the alias of the
+    pass-through before), so a replay can recompute the output too.
+    """
+
+    __slots__ = ("bound", "input", "module", "origin", "record", "ref", "rng_state", "version")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        record: TensorRecord,
+        module: Any,
+        source: torch.Tensor,
+        origin: TensorRecord | Alias,
+        rng_state: RngState | None,
+        bound: float,
+    ) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = version_of(tensor)
+        self.record = record
+        self.module = module
+        self.input = weakref.ref(source)
+        self.origin = origin
+        self.rng_state = rng_state
+        #: A bound on the output's magnitude (transparent.output_bound).
+        self.bound = bound
 
 
 class StepLog:
@@ -136,10 +182,12 @@ class StepLog:
         self.count = 0
         self.finished_count = 0
         self._by_id: dict[int, TensorRecord] = {}
+        self._aliases: dict[int, Alias] = {}
 
     def clear(self) -> None:
         self.calls.clear()
         self._by_id.clear()
+        self._aliases.clear()
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
@@ -167,6 +215,7 @@ class StepLog:
         record = TensorRecord(path, tensor, call, self.defer, same)
         if inner is not None:
             inner.outer = record
+            record.inner = inner
         call.outputs.append(record)
         self._by_id[id(tensor)] = record
         return record
@@ -178,8 +227,40 @@ class StepLog:
             return record
         return None
 
+    def alias(self, output: torch.Tensor, source: torch.Tensor, module: Any, rng_state: Any, bound: float) -> None:
+        """Let a passed-through call's output stand for the record of its input.
+
+        ``bound`` bounds the output's magnitude (from the input's range).
+        """
+        known = self.known_finite(source)
+        origin = self.lookup(source) or self.alias_of(source)
+        if known is not None and origin is not None:
+            self._aliases[id(output)] = Alias(output, known[0], module, source, origin, rng_state, bound)
+
+    def alias_of(self, tensor: torch.Tensor) -> Alias | None:
+        alias = self._aliases.get(id(tensor))
+        return alias if alias is not None and alias.ref() is tensor else None
+
+    def known_finite(self, tensor: torch.Tensor) -> tuple[TensorRecord, float, float] | None:
+        """``(record, low, high)`` when the tensor is known finite and unchanged since; None otherwise.
+
+        Known from its own read probe, or through the pass-throughs it came from.
+        """
+        record = self.lookup(tensor)
+        if record is not None:
+            if record.pending or record.kinds or version_of(tensor) != record.version:
+                return None
+            return record, record.low, record.high
+        alias = self.alias_of(tensor)
+        if alias is None or version_of(tensor) != alias.version:
+            return None
+        return alias.record, -alias.bound, alias.bound
+
     def note_input(self, call: Call, path: str, tensor: torch.Tensor) -> None:
         record = self.lookup(tensor)
+        if record is None:
+            alias = self.alias_of(tensor)
+            record = alias.record if alias is not None else None
         if record is not None:
             record.consumers.append(call)
         call.inputs.append((path, record, weakref.ref(tensor), version_of(tensor)))

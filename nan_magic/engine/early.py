@@ -19,7 +19,8 @@ Kinds (exact strings)
     the model in immediate mode, from the step summary otherwise).
 ``constant-feature``
     A feature (last dim of a 2-D batch, channel of a 4-D or 5-D one) took one
-    value over a batch of more than one row.
+    value over a batch of more than one row (checked on the first
+    :data:`BATCH_RULE_EVERY` steps, then every :data:`BATCH_RULE_EVERY`-th).
 ``scale-falling``
     A GradScaler's scale fell between each of :data:`SCALE_FALLS` consecutive
     completed steps.
@@ -39,6 +40,7 @@ import torch
 from nan_magic.records import EarlyWarning, StepSummary
 
 __all__ = [
+    "BATCH_RULE_EVERY",
     "EXTREME_INPUT",
     "HEADROOM_LIMIT",
     "SCALE_FALLS",
@@ -54,6 +56,9 @@ __all__ = [
 #: squared norm, a few steps of growth) overflow it. float16 values above
 #: 8188 are rare in healthy models.
 HEADROOM_LIMIT = 8.0
+
+#: The per-feature batch rule runs on the first steps and then every this many steps.
+BATCH_RULE_EVERY = 8
 #: A loss or gradient norm this many times its running median is a spike:
 #: healthy runs move within a few-fold; a diverging one multiplies every step.
 SPIKE_FACTOR = 10.0
@@ -136,14 +141,27 @@ class EarlyWarnings:
         ]
         return [warning for warning in found if warning is not None and self._due(warning)]
 
-    def observe_batch(self, step: int, name: str, tensor: torch.Tensor) -> list[EarlyWarning]:
-        """Warnings about one floating tensor entering a watched model."""
+    def observe_batch(
+        self, step: int, name: str, tensor: torch.Tensor, probe: tuple[float, float] | None = None
+    ) -> list[EarlyWarning]:
+        """Warnings about one floating tensor entering a watched model.
+
+        ``probe`` is the tensor's ``(min, max)`` when the watch already read
+        it. The per-feature rule reads the batch once more, so it runs on the
+        first :data:`BATCH_RULE_EVERY` steps and then on every
+        :data:`BATCH_RULE_EVERY`-th: a constant column of a dataset shows in
+        every batch.
+        """
         with torch.no_grad():
-            low, high = _feature_ranges(tensor.detach())
-            absmax = float(torch.maximum(low.abs().max(), high.abs().max()))
-            found = [_extreme_input(step, f"{name} of the batch", absmax)]
-            if tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
-                found.append(_constant_feature(step, name, tensor, low, high))
+            if probe is None:
+                low, high = (float(value) for value in torch.aminmax(tensor.detach()))
+            else:
+                low, high = probe
+            found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
+            due = step < BATCH_RULE_EVERY or step % BATCH_RULE_EVERY == 0
+            if due and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
+                feature_low, feature_high = _feature_ranges(tensor.detach())
+                found.append(_constant_feature(step, name, tensor, feature_low, feature_high))
         return [warning for warning in found if warning is not None and self._due(warning)]
 
     # -- per-step rules --------------------------------------------------------------

@@ -15,30 +15,56 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nan_magic.engine.calls import Call, TensorRecord, version_of
+from nan_magic.engine.calls import Alias, Call, TensorRecord, version_of
 from nan_magic.engine.findings import Finding, apply_op_finding
 from nan_magic.engine.ops import OpFinding, OpTracer
-from nan_magic.engine.replay import RngState, capture_rng_state, replay_module
+from nan_magic.engine.replay import (
+    RngState,
+    capture_rng_state,
+    hold_arguments,
+    recompute,
+    replay_backward,
+    replay_module,
+    run_again,
+)
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
+from nan_magic.engine.transparent import output_bound, passes_through
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.watch import Watch
 
-__all__ = ["ForwardChecks"]
+__all__ = ["REGENERATE_DEPTH", "ForwardChecks"]
+
+#: How many calls back a backward replay recomputes freed inputs from.
+REGENERATE_DEPTH = 3
 
 
 class Frame:
-    """A watched module call in progress (the module stack)."""
+    """A watched module call in progress (the module stack).
 
-    __slots__ = ("call", "info", "module", "rng_state")
+    A passed-through call (transparent.py) has no ``call``; ``through`` is
+    the input it received.
+    """
 
-    def __init__(self, module: nn.Module, info: ModuleInfo, call: Call, rng_state: RngState | None) -> None:
+    __slots__ = ("bound", "call", "info", "module", "rng_state", "through")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        info: ModuleInfo,
+        call: Call | None,
+        rng_state: RngState | None,
+        through: torch.Tensor | None = None,
+        bound: float = 0.0,
+    ) -> None:
         self.module = module
         self.info = info
         self.call = call
         self.rng_state = rng_state
+        self.through = through
+        self.bound = bound
 
 
 
@@ -53,6 +79,9 @@ class ForwardChecks:
         self.replaying = False
         config = watch.config
         self.can_replay = config.replay and not config.ops and not watch.defer
+        # A backward producer is replayed from the gradient hook, after its
+        # forward returned: its calls keep their arguments (weakly) and RNG state.
+        self.keeps_calls = self.can_replay and config.backward
         self.tracer: OpTracer | None = None
 
     def make_tracer(self) -> OpTracer:
@@ -71,6 +100,14 @@ class ForwardChecks:
         info = self.watch.module_info(module)
         if info is None:
             return
+        if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
+            known = self.watch.log.known_finite(args[0])
+            if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
+                # Cannot make its finite input non-finite: nothing to check (transparent.py).
+                rng = capture_rng_state() if info.transparent == "dropout" and self.keeps_calls else None
+                bound = output_bound(info.transparent, module, known[1], known[2])
+                self.stack.append(Frame(module, info, None, rng, through=args[0], bound=bound))
+                return
         top_level = not self.stack
         if top_level:
             self.watch.begin_step_if_needed()
@@ -97,22 +134,34 @@ class ForwardChecks:
             return
         kwargs, output = rest
         call = frame.call
+        if call is None:
+            if type(output) is torch.Tensor and output is not frame.through:
+                self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound)  # type: ignore[arg-type]
+            return
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             for path, tensor in iter_tensors(kwargs, "kwargs"):
                 self.watch.log.note_input(call, path, tensor)
             if not self.stack or frame.info.is_root:
                 self.record_data(frame.info, module, kwargs, "kwargs")
+        log = self.watch.log
         if frame.info.watched:
+            hook_gradients = self.watch.config.backward
+            anchor = None
             for path, tensor in iter_tensors(output, "output"):
-                fresh = self.watch.log.lookup(tensor) is None
-                record = self.watch.log.record_output(call, path, tensor)
-                if self.watch.config.backward:
-                    self.watch.gradients.hook_output(record, tensor, fresh)
-        self.watch.log.finish(call)
+                record = log.record_output(call, path, tensor)
+                if hook_gradients:
+                    self.watch.gradients.hook_output(record, tensor)
+                if anchor is None and tensor.grad_fn is not None:
+                    anchor = tensor
+            if self.keeps_calls and anchor is not None:
+                call.held = hold_arguments(args, kwargs, self._classify, anchor)
+                call.rng_state = frame.rng_state
+        log.finish(call)
         if frame.info.watched and not self.watch.defer:
             for record in call.outputs:
-                self.judge(call, record, replay=(frame, args, kwargs))
+                if record.kinds:  # finite outputs (the hot path) need no judging
+                    self.judge(call, record, replay=(frame, args, kwargs))
         if not self.stack and not self.watch.optimizer_in_use():
             # Inference (no optimizer seen): a top-level forward is a step.
             self.watch.sync()
@@ -135,8 +184,9 @@ class ForwardChecks:
         if not self.watch.defer:
             for record in call.outputs:
                 self.judge(call, record)
-            for path, tensor in tensors:
-                self.watch.warn(self.watch.early.observe_batch(self.watch.step, path, tensor))
+            for (path, tensor), record in zip(tensors, call.outputs):
+                probe = (record.low, record.high)
+                self.watch.warn(self.watch.early.observe_batch(self.watch.step, path, tensor, probe))
 
     def judge(
         self,
@@ -209,7 +259,7 @@ class ForwardChecks:
         is recorded as benign and not raised; a consumer that turns it into a
         NaN is the producer then.
         """
-        if not self.can_replay or frame.rng_state is None:
+        if not self.can_replay or frame.rng_state is None or frame.call is None:
             return False
         if id(frame.module) in self.masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
@@ -248,6 +298,85 @@ class ForwardChecks:
         if result.note:
             finding.notes.append(result.note)
         return False
+
+    def _classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]:
+        """A call input's record, and whether holding it until its gradient is computed adds no memory.
+
+        Holding is free when something besides its Python object holds the
+        tensor (``_use_count() > 1``: autograd saved it for the backward)
+        and it is a recorded output with our gradient hook, which releases
+        it (:meth:`GradientChecks.release`) as soon as its gradient is
+        complete. Other inputs are held weakly, and recomputed from their
+        record if a replay needs them (:meth:`_regenerate`).
+        """
+        record = self.watch.log.lookup(tensor)
+        if record is None:
+            return self.watch.log.alias_of(tensor), False
+        return record, tensor.requires_grad and _held_elsewhere(tensor)
+
+    def _regenerate(self, record: TensorRecord | Alias, depth: int = 0) -> torch.Tensor | None:
+        """A freed module output, recomputed by replaying the call that returned it.
+
+        Its own freed inputs are recomputed the same way, up to
+        :data:`REGENERATE_DEPTH` calls back. The value is the one the
+        consumer saw only when the tensor was not changed in place in
+        between; :meth:`HeldArguments.resolve` checked the version.
+        """
+        if depth >= REGENERATE_DEPTH:
+            return None
+        if isinstance(record, Alias):
+            # A passed-through call's output: run that module again on its input.
+            source = record.input() or self._regenerate(record.origin, depth + 1)
+            return None if source is None else run_again(record.module, (source,), {}, record.rng_state)
+        call = record.call
+        if call is None or call.phase != Phase.FORWARD:
+            return None
+        if call.held is None or call.rng_state is None or call.module is None:
+            return None
+        output = recompute(call.module, call.held, call.rng_state, lambda inner: self._regenerate(inner, depth + 1))
+        for path, tensor in iter_tensors(output, "output"):
+            if path == record.path:
+                return tensor
+        return None
+
+    def replay_backward_into(self, finding: Finding, consumer: Call, target: TensorRecord) -> None:
+        """Replay the consumer whose backward made a gradient non-finite, to name the op and line.
+
+        Called from the gradient hook (immediate mode) while the consumer's
+        arguments may still be alive: autograd saves most of them for its
+        backward. ``target`` is the consumer's input whose gradient went bad.
+        """
+        label = consumer.name or "the root module"
+        if consumer.held is None or consumer.rng_state is None:
+            finding.notes.append(
+                f"{label}'s arguments were not kept, so its backward cannot be replayed; "
+                "watch with ops=True (%%nantrace --ops) for the op and line"
+            )
+            return
+        chain: list[TensorRecord | Alias] = []
+        current: TensorRecord | None = target
+        while current is not None:
+            chain.append(current)
+            current = current.outer
+        # The consumer may have received it through a pass-through (a dropout, an activation).
+        mine = {id(record) for record in chain}
+        chain += [held for held in consumer.held.records() if isinstance(held, Alias) and id(held.record) in mine]
+        self.replaying = True
+        try:
+            result = replay_backward(
+                consumer.module, consumer.held, chain, rng_state=consumer.rng_state, regenerate=self._regenerate,
+                kinds=self.watch.config.kinds, module_name=consumer.name or "",
+            )
+        finally:
+            self.replaying = False
+        if result.finding is None:
+            finding.notes.append(f"{result.note}; watch with ops=True (%%nantrace --ops) for the op and line")
+            return
+        apply_op_finding(finding, result.finding)
+        finding.notes.append(
+            f"replay of {label}'s forward and backward (a gradient of ones into its outputs) found the op: "
+            f"{result.finding.op} in the backward of {result.finding.autograd_node or 'an autograd node'}"
+        )
 
     def input_kinds(self, call: Call) -> frozenset[str]:
         """Kinds the call's inputs held *before* the call (in-place aware)."""
@@ -304,6 +433,12 @@ class ForwardChecks:
             self.watch.on_gradient_event(finding)
         else:
             self.watch.emit(finding)
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """More than one owner of the tensor (its Python object and, say, autograd's saved copy)."""
+    use_count = getattr(tensor, "_use_count", None)  # a private torch method: absent, hold nothing
+    return use_count is not None and use_count() > 1
 
 
 def _mutated(tensor: torch.Tensor | None, version: int) -> bool:

@@ -40,13 +40,13 @@ class GradientChecks:
         self.reported_this_pass = False
         self.backward_runs = 0
 
-    def hook_output(self, record: TensorRecord, tensor: torch.Tensor, fresh: bool) -> None:
+    def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
 
-        ``fresh`` is false for a tensor a child call returned first: it already
-        has our hook, and :meth:`consumer` follows it outwards.
+        A tensor a child call returned first (``record.inner``) already has
+        our hook, and :meth:`consumer` follows it outwards.
         """
-        if fresh and tensor.requires_grad and tensor.grad_fn is not None:
+        if record.inner is None and tensor.requires_grad and tensor.grad_fn is not None:
             tensor.register_hook(functools.partial(self._on_output_grad, record))
 
     def on_backward_start(self, loss: torch.Tensor) -> None:
@@ -111,13 +111,32 @@ class GradientChecks:
             return
         consumer = self.consumer(record)
         call = watch.log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
+        call.consumer = consumer
         watch.log.record_output(call, self.label(record, consumer), grad)
         watch.log.finish(call)
         if not watch.defer:
-            self.judge(call)
+            self.judge(call, record)
+        self.release(record)
 
-    def judge(self, call: Call) -> None:
-        """Report the first non-finite gradient of a backward pass."""
+    @staticmethod
+    def release(record: TensorRecord) -> None:
+        """The gradient of this tensor is complete: its consumers need not hold it any more."""
+        tensor = record.ref()
+        if tensor is None:
+            return
+        current: TensorRecord | None = record
+        while current is not None:
+            for consumer in current.consumers:
+                if consumer.held is not None:
+                    consumer.held.release(tensor)
+            current = current.outer
+
+    def judge(self, call: Call, target: TensorRecord | None = None) -> None:
+        """Report the first non-finite gradient of a backward pass.
+
+        ``target`` (immediate mode) is the forward tensor whose gradient
+        this is: the consumer's backward can then be replayed for its op.
+        """
         watch = self.watch
         record = call.outputs[0]
         if self.reported_this_pass or not relevant_kinds(record.kinds, watch.config.kinds):
@@ -139,6 +158,8 @@ class GradientChecks:
                 f"the gradient flowing into {call.info.name or 'the root module'} was finite; "
                 "the gradient its backward computed is not"
             )
+            if target is not None and call.consumer is not None and watch.forward.keeps_calls:
+                watch.forward.replay_backward_into(finding, call.consumer, target)
         watch.on_gradient_event(finding)
 
     @staticmethod

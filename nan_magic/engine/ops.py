@@ -204,6 +204,9 @@ class OpTracer(TorchDispatchMode):
         # Set by replay: called with each tensor an op is about to write, even
         # by a passive op or after the finding.
         self._before_write: Callable[[torch.Tensor], None] | None = None
+        #: The autograd graph task whose ops count as forward ops: set by a
+        #: replay that runs a forward inside a gradient hook (-1: none).
+        self.forward_task = -1
 
     def reset(self) -> None:
         """Forget the finding and check again."""
@@ -227,7 +230,8 @@ class OpTracer(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        in_backward = torch._C._current_graph_task_id() != -1
+        task = torch._C._current_graph_task_id()
+        in_backward = task != -1 and task != self.forward_task
         if not isinstance(func, torch._ops.OpOverload):
             return self._opaque(func, args, kwargs, in_backward)
         plan = _plan(func)

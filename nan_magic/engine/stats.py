@@ -43,31 +43,73 @@ def is_checkable(value: Any) -> bool:
     )
 
 
+#: From this many elements on, a CPU probe is ``amin`` then ``amax`` (see :func:`probe`).
+_SPLIT_PROBE_NUMEL = 1 << 19
+
+
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fused reduction: ``(min, max)`` as 0-d tensors on the tensor's device.
+    """``(min, max)`` as 0-d tensors on the tensor's device; both NaN if any element is.
 
-    No host synchronisation happens here; the caller decides when to read.
+    One fused ``aminmax`` on a GPU (one kernel) and for small CPU tensors.
+    On the CPU, ``aminmax`` of a large tensor runs a scalar loop, while
+    ``amin`` and ``amax`` each run a vectorised one: the two passes together
+    take about 30% less time from half a million elements on (measured
+    with torch 2.13 on 2 cores: 55 vs 76 us for 1M floats); below that the
+    second call's fixed cost wins. ``amin``/``amax`` propagate NaN like
+    ``aminmax``. No host synchronisation happens here; the caller decides
+    when to read.
     """
-    return torch.aminmax(tensor.detach())
+    tensor = tensor.detach()
+    if tensor.is_cpu and tensor.numel() >= _SPLIT_PROBE_NUMEL:
+        return torch.amin(tensor), torch.amax(tensor)
+    return torch.aminmax(tensor)
 
 
-def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+#: Below this many elements one fused ``_foreach_norm`` call beats a call per tensor.
+_DOT_MIN_NUMEL = 1 << 15
+_DOT_DTYPES = (torch.float32, torch.float64)
+
+
+def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list[torch.Tensor]:
     """2-norms of many tensors as 0-d device tensors, in order; no host sync.
 
-    One fused ``_foreach_norm`` per (device, dtype) group: the cheapest
-    finiteness test for whole parameter sets (NaN and inf propagate into the
-    norm). A norm can also overflow for huge finite values; callers confirm
-    with :func:`kinds_of` before reporting, so that costs time, never truth.
+    With ``finiteness_only`` a large CPU tensor gets its plain sum instead
+    (a parallel reduction, faster than the dot): only whether the value is
+    finite is meant then, and a sum is non-finite exactly when the tensor
+    is, or when huge finite values overflow it (confirmed as below).
+
+    The cheapest finiteness test for whole parameter sets (NaN and inf
+    propagate into the norm). A norm can also overflow for huge finite
+    values; callers confirm with :func:`kinds_of` before reporting, so that
+    costs time, never truth.
+
+    On a GPU, one fused ``_foreach_norm`` per (device, dtype) group (one
+    launch). On the CPU a large contiguous float32/float64 tensor gets
+    ``sqrt(dot(x, x))`` instead: the BLAS dot runs at memory speed and takes
+    about half the time of ``_foreach_norm`` on the benchmark models'
+    weights; small tensors still share one ``_foreach_norm``.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    result: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    result: list[torch.Tensor] = [_EMPTY] * len(tensors)
     with torch.no_grad():
+        for index, tensor in enumerate(tensors):
+            if (
+                tensor.is_cpu
+                and tensor.dtype in _DOT_DTYPES
+                and tensor.numel() >= _DOT_MIN_NUMEL
+                and tensor.is_contiguous()
+            ):
+                flat = tensor.view(-1)
+                result[index] = flat.sum() if finiteness_only else torch.dot(flat, flat).sqrt_()
+            else:
+                groups.setdefault((tensor.device, tensor.dtype), []).append(index)
         for indices in groups.values():
-            for index, norm in zip(indices, torch._foreach_norm([tensors[i].detach() for i in indices], 2)):
+            for index, norm in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2)):
                 result[index] = norm
     return result
+
+
+_EMPTY = torch.empty(0)
 
 
 def read_scalars(scalars: list[torch.Tensor]) -> list[float]:
@@ -77,7 +119,8 @@ def read_scalars(scalars: list[torch.Tensor]) -> list[float]:
         by_device.setdefault(scalar.device, []).append(index)
     values = [math.nan] * len(scalars)
     for indices in by_device.values():
-        for index, value in zip(indices, torch.stack([scalars[i].float() for i in indices]).tolist()):
+        same_dtype = [scalars[i] if scalars[i].dtype is torch.float32 else scalars[i].float() for i in indices]
+        for index, value in zip(indices, torch.stack(same_dtype).tolist()):
             values[index] = value
     return values
 
@@ -100,6 +143,8 @@ def probe_kinds(low: float, high: float) -> frozenset[str]:
 
 def relevant_kinds(kinds: frozenset[str], watched: frozenset[str]) -> frozenset[str]:
     """Restrict kinds to what the watch counts (``"inf"`` covers both signs)."""
+    if not kinds:
+        return kinds  # the hot path: a finite tensor
     keep = {"nan"} if "nan" in watched else set()
     if "inf" in watched:
         keep |= {"+inf", "-inf"}

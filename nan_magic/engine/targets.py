@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.engine.transparent import Transparency, transparency
 from nan_magic.records import WatchConfig
 
 __all__ = ["ModuleInfo", "Targets", "describe", "resolve_targets"]
@@ -28,6 +29,8 @@ class ModuleInfo:
     model: str | None
     watched: bool
     is_root: bool
+    #: How its calls may be passed through unchecked (transparent.py); None: always checked.
+    transparent: Transparency | None = None
 
 
 @dataclass
@@ -60,12 +63,15 @@ class Targets:
             if id(submodule) in self.modules:
                 continue
             is_root = submodule is module
+            # A module the user picked out by name or type is always checked.
+            chosen = bool(config.include or config.types)
             self.modules[id(submodule)] = ModuleInfo(
                 name=name,
                 module_type=type(submodule).__name__,
                 model=label,
                 watched=is_root or _selected(name, submodule, config),
                 is_root=is_root,
+                transparent=None if is_root or chosen else transparency(submodule),
             )
 
 

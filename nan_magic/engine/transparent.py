@@ -1,0 +1,90 @@
+"""Modules that cannot turn a finite input into a non-finite output: no check of their own.
+
+A ReLU, a GELU or a dropout is often every third module call of a model. When
+its input is known finite (the probe of the call that returned it was read,
+and the tensor was not written since), its output is finite too, and its
+backward cannot make a finite gradient non-finite either: checking it would
+cost a probe, a gradient hook and a record, and could never name it. Such a
+call is *passed through*: nothing is recorded, and its output stands for its
+input's record, so that the module consuming it is still found as the
+consumer in backward (``StepLog.alias``). With a non-finite input, or an
+input of unknown finiteness (deferred mode, a tensor from outside the
+watch), the call is checked like any other.
+
+The list is strict. The factor by which each backward multiplies the
+gradient is at most 1 for ``ANY_DTYPE``; it exceeds 1 slightly for
+``WIDE_ONLY`` modules (GELU up to 1.13, dropout ``1/(1-p)``), which a
+float16 gradient near its limit could overflow, so those pass through only
+in float32 and float64. A dropout's forward also multiplies by ``1/(1-p)``:
+it passes through only when the input's largest magnitude times that stays
+below the dtype's maximum. Subclasses are not trusted (their forward may
+differ), and functions that map an infinite input to NaN (GELU of ``-inf``)
+are harmless here because only finite inputs pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = ["ANY_DTYPE", "WIDE_ONLY", "Transparency", "output_bound", "passes_through", "transparency"]
+
+Transparency = Literal["any", "wide", "dropout"]
+
+#: Finite in, finite out; the backward multiplies the gradient by at most 1.
+ANY_DTYPE: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.Sigmoid, nn.Softsign, nn.Hardsigmoid,
+)
+
+#: Finite in, finite out; the backward may multiply the gradient by a little more than 1.
+WIDE_ONLY: tuple[type[nn.Module], ...] = (nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish)
+
+_DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def transparency(module: nn.Module) -> Transparency | None:
+    """How ``module`` may be passed through (None: it is always checked)."""
+    cls = type(module)
+    if cls in ANY_DTYPE:
+        return "any"
+    if cls is nn.LeakyReLU:
+        return "any" if abs(float(getattr(module, "negative_slope", math.inf))) <= 1 else None
+    if cls is nn.ELU:
+        return "wide" if math.isfinite(float(getattr(module, "alpha", math.inf))) else None
+    if cls in WIDE_ONLY:
+        return "wide"
+    if cls in _DROPOUTS:
+        return "dropout"
+    return None
+
+
+def passes_through(kind: Transparency, module: nn.Module, tensor: torch.Tensor, low: float, high: float) -> bool:
+    """Whether a call on ``tensor``, known finite with range ``[low, high]``, needs no check."""
+    if kind == "any":
+        return True
+    if tensor.dtype not in _WIDE:
+        return False
+    if kind == "wide" or not module.training:
+        return True
+    keep = 1.0 - float(getattr(module, "p", 1.0))
+    return keep > 0 and max(-low, high) / keep < torch.finfo(tensor.dtype).max
+
+
+def output_bound(kind: Transparency, module: nn.Module, low: float, high: float) -> float:
+    """A bound on ``|output|`` of a passed-through call whose input lies in ``[low, high]``.
+
+    The activations listed never grow a magnitude above ``max(|x|, 1)``
+    (sigmoid-like ones stay within 1, ReLU-like ones within ``|x|``; an ELU
+    within its ``alpha`` below zero); a training dropout scales by
+    ``1/(1-p)``. A chain of pass-throughs (a dropout after a GELU) is judged
+    on this bound.
+    """
+    magnitude = max(-low, high)
+    if kind == "dropout":
+        return magnitude / (1.0 - float(getattr(module, "p", 0.0))) if module.training else magnitude
+    return max(magnitude, 1.0, abs(float(getattr(module, "alpha", 1.0))))

@@ -1,0 +1,73 @@
+"""The fast reductions: the probe (fused and split), ``norms`` (CPU dot and sum paths, fused groups), reads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nan_magic.engine.stats import _DOT_MIN_NUMEL, _SPLIT_PROBE_NUMEL, norms, probe, read_scalars
+
+BIG = (_DOT_MIN_NUMEL // 64, 64)  # large enough for the per-tensor CPU path
+
+
+def _tensors() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [
+        torch.randn(BIG),  # dot path
+        torch.randn(BIG, dtype=torch.float64),  # dot path, double
+        torch.randn(BIG[1], BIG[0]).t(),  # large but not contiguous: the fused group
+        torch.randn(7),  # small: the fused group
+        torch.randn(BIG).half(),  # half precision: the fused group
+    ]
+
+
+def test_norms_equal_the_two_norm_on_every_path() -> None:
+    tensors = _tensors()
+    got = read_scalars(norms(tensors))
+    expected = [float(torch.linalg.vector_norm(tensor.double())) for tensor in tensors]
+    for value, truth in zip(got, expected):
+        assert value == pytest.approx(truth, rel=2e-3)
+
+
+@pytest.mark.parametrize("finiteness_only", [False, True])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_single_bad_element_shows_on_every_path(bad: float, finiteness_only: bool) -> None:
+    tensors = _tensors()
+    for index in range(len(tensors)):
+        spoiled = [tensor.clone() for tensor in tensors]
+        spoiled[index][(5,) * spoiled[index].dim()] = bad
+        values = read_scalars(norms(spoiled, finiteness_only=finiteness_only))
+        assert [math.isfinite(value) for value in values] == [i != index for i in range(len(tensors))]
+
+
+def test_finiteness_only_gives_the_sum_of_a_large_cpu_tensor() -> None:
+    tensor = torch.full(BIG, 0.5)
+    (value,) = read_scalars(norms([tensor], finiteness_only=True))
+    assert value == pytest.approx(0.5 * tensor.numel())
+
+
+def test_norms_keep_the_order_and_do_not_touch_autograd() -> None:
+    weight = torch.randn(BIG, requires_grad=True)
+    small = torch.ones(3, requires_grad=True)
+    result = norms([small, weight, small])
+    assert all(not value.requires_grad for value in result)
+    assert read_scalars(result)[0] == pytest.approx(math.sqrt(3))
+    assert read_scalars(result)[2] == pytest.approx(math.sqrt(3))
+
+
+@pytest.mark.parametrize("numel", [1000, _SPLIT_PROBE_NUMEL])  # the fused and the split CPU probe
+def test_the_probe_gives_min_max_and_shows_every_kind(numel: int) -> None:
+    torch.manual_seed(0)
+    tensor = torch.randn(numel)
+    low, high = probe(tensor)
+    assert (float(low), float(high)) == (float(tensor.min()), float(tensor.max()))
+    for bad, expected in [(math.nan, (math.nan, math.nan)), (math.inf, (float(low), math.inf))]:
+        spoiled = tensor.clone()
+        spoiled[numel // 2] = bad
+        got = tuple(float(value) for value in probe(spoiled))
+        assert got == pytest.approx(expected, nan_ok=True)
+    spoiled = tensor.clone()
+    spoiled[-1] = -math.inf
+    assert float(probe(spoiled)[0]) == -math.inf

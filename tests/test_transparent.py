@@ -1,0 +1,102 @@
+"""Pass-through modules: activations and dropouts on a finite input are not checked on their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from watching import raised
+
+import nan_magic
+from nan_magic.engine.transparent import transparency
+
+
+def _forward_modules(report: nan_magic.Report) -> list[str | None]:
+    return [row.module for row in report.layers if row.phase == "forward"]
+
+
+class LogAfter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x - 1.0)  # NaN below 1
+
+
+def test_an_activation_on_a_finite_input_has_no_row_and_changes_no_verdict() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.GELU(), nn.Dropout(0.1), LogAfter())  # a chain
+    report = raised(lambda: model(torch.randn(3, 4)), model)
+    assert (report.phase, report.module, report.module_type) == ("forward", "4", "LogAfter")
+    rows = _forward_modules(report)
+    assert "0" in rows and "4" in rows
+    assert not {"1", "2", "3"} & set(rows)  # passed through: finite in, finite out
+
+
+def test_a_backward_producer_behind_a_pass_through_is_still_its_consumer() -> None:
+    class AcosHead(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.acos(x.clamp(-1.0, 1.0))  # infinite derivative at +-1
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), AcosHead())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2) * 100)  # tanh saturates at exactly 1.0
+        model[0].bias.zero_()
+    report = raised(lambda: model(torch.ones(1, 2)).sum().backward(), model)
+    # The gradient is checked at Linear's output; its consumer is AcosHead, through the Tanh.
+    assert (report.phase, report.module, report.module_type) == ("backward", "2", "AcosHead")
+    assert report.source is not None and report.source.line.startswith("return torch.acos(x.clamp(-1.0, 1.0))")
+
+
+def test_an_activation_given_a_nonfinite_input_is_checked_as_a_propagator() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].bias[0] = float("inf")
+    with nan_magic.watch(model, on_detect="log") as w:
+        model(torch.randn(2, 4))
+        calls = {call.name: call for call in w.log.calls if call.phase == "forward"}
+        assert "1" in calls  # ReLU(inf) = inf: checked, since its input was not finite
+        assert [record.status for record in calls["1"].outputs] == ["propagated"]
+    assert w.report is not None and (w.report.module, w.report.tensor) == ("0", "parameter 0.bias")
+
+
+def test_a_dropout_whose_scaling_would_overflow_is_checked() -> None:
+    model = nn.Sequential(nn.Linear(1, 1), nn.Dropout(0.5))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    torch.manual_seed(0)
+    x = torch.full((64, 1), 2e38)  # finite, but 2e38 / (1 - 0.5) overflows float32
+    report = raised(lambda: model(x), model)
+    assert (report.phase, report.module, report.module_type) == ("forward", "1", "Dropout")
+    assert report.posinf > 0
+
+
+def test_dropout_in_half_precision_is_always_checked() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), LogAfter()).half()
+    report = raised(lambda: model(torch.randn(3, 4).half()), model)
+    assert "1" in _forward_modules(report)
+
+
+def test_a_module_chosen_by_type_is_always_checked() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), LogAfter())
+    report = raised(lambda: model(torch.randn(3, 4)), model, types=["GELU", "LogAfter"])
+    assert "1" in _forward_modules(report)
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [
+        (nn.ReLU(), "any"),
+        (nn.Tanh(), "any"),
+        (nn.LeakyReLU(0.1), "any"),
+        (nn.LeakyReLU(2.0), None),  # scales up: a backward factor above 1
+        (nn.GELU(), "wide"),
+        (nn.SiLU(), "wide"),
+        (nn.Dropout(0.2), "dropout"),
+        (nn.Softplus(), None),  # not on the list: checked
+        (type("MyReLU", (nn.ReLU,), {})(), None),  # a subclass may compute anything
+    ],
+)
+def test_which_modules_may_pass_through(module: nn.Module, expected: str | None) -> None:
+    assert transparency(module) == expected
