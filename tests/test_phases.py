@@ -43,6 +43,9 @@ def test_sqrt_at_zero_distance_in_a_triplet_loss_is_a_backward_producer_in_the_l
     assert report.module is None  # the loss code, outside every module
     assert report.nan > 0
     assert any("outside every watched module" in note for note in report.notes)
+    # The loss code's nodes are listed; of them only the two square roots can have an infinite derivative.
+    (region,) = [note for note in report.notes if "autograd nodes" in note]
+    assert "can be infinite: SqrtBackward0 x2;" in region and "PowBackward0" in region
     forward_rows = [row for row in report.layers if row.phase == "forward"]
     assert forward_rows and all(row.stats.nonfinite == 0 for row in forward_rows)
 

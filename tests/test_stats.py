@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
+import nan_magic
 from nan_magic.engine.stats import _DOT_MIN_NUMEL, _SPLIT_PROBE_NUMEL, norms, probe, read_scalars
 
 BIG = (_DOT_MIN_NUMEL // 64, 64)  # large enough for the per-tensor CPU path
@@ -71,3 +73,23 @@ def test_the_probe_gives_min_max_and_shows_every_kind(numel: int) -> None:
     spoiled = tensor.clone()
     spoiled[-1] = -math.inf
     assert float(probe(spoiled)[0]) == -math.inf
+
+
+def test_a_float32_gradient_is_checked_by_its_sum_and_an_overflowing_sum_is_no_alarm() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(1, 4)
+    x = torch.full((2, 1), 1e-3)
+    with nan_magic.watch(model) as w:
+        out = model(x)
+        out.backward(torch.full_like(out, 1.0))
+        (ordinary,) = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
+        assert not ordinary.ranged  # finiteness only: a sum
+        stats = ordinary.stats()
+        assert (stats.nan, stats.posinf, stats.neginf, stats.min, stats.max) == (0, 0, 0, None, None)
+    with nan_magic.watch(model) as w:
+        out = model(x)
+        # Finite gradients whose sum overflows float32: the exact probe clears them.
+        out.backward(torch.full_like(out, 3e38))
+        (huge,) = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
+        assert huge.ranged and huge.kinds == frozenset() and huge.high == pytest.approx(3e38)
+    assert w.report is None

@@ -83,6 +83,7 @@ class ForwardChecks:
         # forward returned: its calls keep their arguments (weakly) and RNG state.
         self.keeps_calls = self.can_replay and config.backward
         self.tracer: OpTracer | None = None
+        self.last_forward_seq = 0
 
     def make_tracer(self) -> OpTracer:
         """The op tracer of ops mode, naming modules from this stack."""
@@ -162,6 +163,9 @@ class ForwardChecks:
             for record in call.outputs:
                 if record.kinds:  # finite outputs (the hot path) need no judging
                     self.judge(call, record, replay=(frame, args, kwargs))
+        if not self.stack:
+            # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
+            self.last_forward_seq = torch._C._autograd._get_sequence_nr()
         if not self.stack and not self.watch.optimizer_in_use():
             # Inference (no optimizer seen): a top-level forward is a step.
             self.watch.sync()

@@ -22,6 +22,7 @@ import torch
 
 from nan_magic.engine.calls import Call, TensorRecord
 from nan_magic.engine.findings import Finding
+from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.engine.stats import kinds_of, relevant_kinds
 from nan_magic.records import Phase
 
@@ -112,7 +113,9 @@ class GradientChecks:
         consumer = self.consumer(record)
         call = watch.log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
         call.consumer = consumer
-        watch.log.record_output(call, self.label(record, consumer), grad)
+        # A gradient's range is only shown for half precision (its headroom); in
+        # float32 on the CPU its finiteness is read by a cheaper sum.
+        watch.log.record_output(call, self.label(record, consumer), grad, ranged=False)
         watch.log.finish(call)
         if not watch.defer:
             self.judge(call, record)
@@ -153,6 +156,10 @@ class GradientChecks:
         )
         if call.info is None:
             finding.notes.append("computed by the backward of code outside every watched module (e.g. the loss)")
+            loss = self.loss_record.ref() if self.loss_record is not None else None
+            region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
+            if region:
+                finding.notes.append(region)
         else:
             finding.notes.append(
                 f"the gradient flowing into {call.info.name or 'the root module'} was finite; "

@@ -21,6 +21,7 @@ import torch
 from nan_magic.records import KINDS, Sample, TensorStats
 
 __all__ = [
+    "finite_stats",
     "is_checkable",
     "iter_tensors",
     "kinds_of",
@@ -228,6 +229,13 @@ def probe_stats(tensor_dtype: torch.dtype, shape: tuple[int, ...], low: float, h
         min=low if finite_range else None,
         max=high if finite_range else None,
         absmax=max(abs(low), abs(high)) if finite_range else None,
+    )
+
+
+def finite_stats(tensor_dtype: torch.dtype, shape: tuple[int, ...]) -> TensorStats:
+    """Stats of a freed tensor known to have been finite, range not measured."""
+    return TensorStats(
+        dtype=_dtype_name(tensor_dtype), shape=shape, numel=math.prod(shape), nan=0, posinf=0, neginf=0
     )
 
 

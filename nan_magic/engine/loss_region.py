@@ -1,0 +1,74 @@
+"""The autograd nodes of the code between the watched modules and the loss.
+
+A gradient that first turns non-finite in the backward of that code (a
+``sqrt`` of a zero distance in a hand-written loss) has no module to replay.
+Its nodes are still reachable from the loss when the gradient hook fires
+(their saved tensors are freed, their names and links are not), and the
+nodes created after the last top-level module call belong to that code (the
+autograd sequence counter orders node creation). Listing them, and those
+whose derivative can be infinite, points at the op; its line needs the op
+tracer (``ops=True``), which records where each node was created.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+__all__ = ["SINGULAR_NODES", "describe_loss_region", "loss_region_nodes"]
+
+#: Backward nodes of ops whose derivative is infinite somewhere in their finite domain.
+SINGULAR_NODES = frozenset({
+    "SqrtBackward0", "RsqrtBackward0", "AcosBackward0", "AsinBackward0", "AtanhBackward0", "LogBackward0",
+    "Log2Backward0", "Log10Backward0", "Log1pBackward0", "ReciprocalBackward0", "DivBackward0", "DivBackward1",
+    "PowBackward1", "PowBackward2", "NormBackward0", "NormBackward1", "LinalgVectorNormBackward0",
+    "CdistBackward0", "Atan2Backward0", "ExpBackward0", "StdBackward0", "VarBackward0", "XlogyBackward0",
+})
+
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_MAX_NODES = 256
+
+
+def loss_region_nodes(loss: Any, boundary: int) -> list[Any]:
+    """Nodes reachable from ``loss.grad_fn`` created at or after sequence number ``boundary``.
+
+    Breadth first from the loss, so in about the order backward ran them;
+    at most 256 (a loss region is a few ops; anything longer is cut).
+    """
+    start = getattr(loss, "grad_fn", None)
+    found: list[Any] = []
+    seen: set[int] = set()
+    queue: deque[Any] = deque([start])
+    while queue and len(found) < _MAX_NODES:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name() == _ACCUMULATE or node._sequence_nr() < boundary:
+            continue
+        found.append(node)
+        queue.extend(child for child, _index in node.next_functions)
+    return found
+
+
+def describe_loss_region(nodes: list[Any]) -> str | None:
+    """One sentence naming the loss region's nodes and the suspects among them."""
+    if not nodes:
+        return None
+    names = [node.name() for node in nodes]
+    suspects = [node.name() for node in nodes if _singular(node)]
+    shown = ", ".join(dict.fromkeys(names))
+    sentence = f"the backward of that code ran {len(names)} autograd nodes ({shown})"
+    if suspects:
+        counted = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
+                            for name in dict.fromkeys(suspects))
+        sentence += f"; the ones whose derivative can be infinite: {counted}"
+    return sentence + "; watch with ops=True (%%nantrace --ops) for the op and its forward line"
+
+
+def _singular(node: Any) -> bool:
+    name = node.name()
+    if name == "PowBackward0":  # x ** c: singular at 0 only for c < 1
+        exponent = getattr(node, "_saved_exponent", None)
+        return not isinstance(exponent, (int, float)) or exponent < 1
+    return name in SINGULAR_NODES
