@@ -93,3 +93,24 @@ def test_a_float32_gradient_is_checked_by_its_sum_and_an_overflowing_sum_is_no_a
         (huge,) = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
         assert huge.ranged and huge.kinds == frozenset() and huge.high == pytest.approx(3e38)
     assert w.report is None
+
+
+class TwoBranches(nn.Module):
+    """A residual-style sum: autograd hands one gradient tensor to both branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) + self.right(x)
+
+
+def test_one_gradient_tensor_seen_twice_keeps_its_finiteness_only_probe() -> None:
+    torch.manual_seed(0)
+    model = TwoBranches()
+    with nan_magic.watch(model) as w:
+        model(torch.randn(3, 4)).sum().backward()
+        grads = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
+        assert len(grads) >= 2 and all(not record.ranged and not record.kinds for record in grads)
+    assert w.report is None

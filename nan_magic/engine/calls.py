@@ -22,7 +22,8 @@ from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.engine.replay import HeldArguments, RngState
+    from nan_magic.engine.held import HeldArguments
+    from nan_magic.engine.replay import RngState
 
 __all__ = ["Alias", "Call", "StepLog", "TensorRecord", "version_of"]
 
@@ -84,9 +85,12 @@ class TensorRecord:
             self.ranged = False
             return
         if same is not None and same._probe is None:
-            # The same, unchanged tensor returned again (nn.Sequential returns
-            # its last child's output): its probe is already known.
-            self.set_probe(same.low, same.high)
+            # The same, unchanged tensor seen again (nn.Sequential returns its
+            # last child's output; an add passes one gradient to both inputs):
+            # its probe is already known.
+            self.ranged = same.ranged
+            if same.ranged:
+                self.set_probe(same.low, same.high)
             return
         low, high = same._probe if same is not None and same._probe is not None else probe(tensor)
         if defer:

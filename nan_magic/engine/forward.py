@@ -17,11 +17,11 @@ from torch import nn
 
 from nan_magic.engine.calls import Alias, Call, TensorRecord, version_of
 from nan_magic.engine.findings import Finding, apply_op_finding
+from nan_magic.engine.held import hold_arguments
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.replay import (
     RngState,
     capture_rng_state,
-    hold_arguments,
     recompute,
     replay_backward,
     replay_module,
