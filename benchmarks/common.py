@@ -191,3 +191,26 @@ def footer_lines(results: list[Any], columns: list[Column], name_w: int) -> list
     if notes:
         lines += ["", "Notes:", *notes]
     return lines
+
+
+def add_run_arguments(parser: Any, *, pin_by_default: bool) -> None:
+    """``--columns`` and ``--malloc``, shared by both scripts."""
+    parser.add_argument(
+        "--columns", nargs="+", choices=[c.key for c in all_columns()[1:]],
+        help="only these columns (unwatched always runs: it is the denominator)",
+    )
+    parser.add_argument(
+        "--malloc", choices=["pinned", "default"], default="pinned" if pin_by_default else "default",
+        help=f"pin glibc's heap thresholds or leave them moving (default: {'pinned' if pin_by_default else 'default'}"
+        "; see common.pin_malloc)",
+    )
+
+
+def start_run(args: Any) -> tuple[dict[str, Any], list[Column]]:
+    """Pin the heap if asked, set the threads; the machine facts and the columns to run."""
+    malloc = pin_malloc() if args.malloc == "pinned" else "default"
+    setup_torch(args.threads)
+    info = machine_info(args.device)
+    info["malloc"] = malloc
+    columns = [c for c in all_columns() if c.key == "unwatched" or not args.columns or c.key in args.columns]
+    return info, columns

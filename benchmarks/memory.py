@@ -56,16 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import (
-    Column,
-    all_columns,
-    footer_lines,
-    format_header,
-    machine_info,
-    pin_malloc,
-    progress_logger,
-    setup_torch,
-)
+from common import Column, add_run_arguments, footer_lines, format_header, progress_logger, start_run
 from models import BUILDERS, Benchmark, build
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -302,14 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--growth-steps", type=int, help="steps per growth run (default 1000, quick 100)")
     p.add_argument("--warmup", type=int, default=2, help="watched steps before the measured one")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument(
-        "--columns", nargs="+", choices=[c.key for c in all_columns()[1:]],
-        help="only these columns (unwatched always runs: it is the denominator)",
-    )
-    p.add_argument(
-        "--malloc", choices=["pinned", "default"], default="default",
-        help="leave glibc's heap thresholds moving (default: RSS growth is measured) or pin them",
-    )
+    add_run_arguments(p, pin_by_default=False)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--json", metavar="PATH", help="also write all measurements as JSON")
     args = p.parse_args(argv)
@@ -324,11 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Measure and print; progress goes to stderr."""
     args = parse_args(argv)
-    malloc = pin_malloc() if args.malloc == "pinned" else "default"
-    setup_torch(args.threads)
-    info = machine_info(args.device)
-    info["malloc"] = malloc
-    columns = [c for c in all_columns() if c.key == "unwatched" or not args.columns or c.key in args.columns]
+    info, columns = start_run(args)
 
     log = progress_logger()
 

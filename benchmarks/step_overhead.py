@@ -47,16 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from common import (
-    Column,
-    all_columns,
-    footer_lines,
-    format_header,
-    machine_info,
-    pin_malloc,
-    progress_logger,
-    setup_torch,
-)
+from common import Column, add_run_arguments, footer_lines, format_header, progress_logger, start_run
 from models import BUILDERS, Benchmark, build
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -383,14 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="about one minute instead of ~6")
     p.add_argument("--models", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument(
-        "--columns", nargs="+", choices=[c.key for c in all_columns()[1:]],
-        help="only these columns (unwatched always runs: it is the denominator)",
-    )
-    p.add_argument(
-        "--malloc", choices=["pinned", "default"], default="pinned",
-        help="pin glibc's heap thresholds (default; see common.pin_malloc) or leave them moving",
-    )
+    add_run_arguments(p, pin_by_default=True)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--rounds", type=int, help="rounds per model (default 15, quick 3)")
     p.add_argument("--budget", type=float, help="seconds of timed rounds per model (default 80, quick 9)")
@@ -414,11 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the tables; progress goes to stderr."""
     args = parse_args(argv)
-    malloc = pin_malloc() if args.malloc == "pinned" else "default"
-    setup_torch(args.threads)
-    info = machine_info(args.device)
-    info["malloc"] = malloc
-    columns = [c for c in all_columns() if c.key == "unwatched" or not args.columns or c.key in args.columns]
+    info, columns = start_run(args)
 
     started = time.perf_counter()
     log = progress_logger()

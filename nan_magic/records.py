@@ -362,8 +362,10 @@ class WatchConfig:
     ops
         Op-level tracing for the whole watched code.
     replay
-        Re-run a forward producer module on its inputs under op-level tracing to
-        name the op and the line.
+        Re-run a producer module on its inputs under op-level tracing to name
+        the op and the line: a forward producer as it was called, a backward
+        producer's forward and backward from the gradient hook that found it
+        (immediate mode only).
     history
         How many steps of scalar history to keep.
     sample_size
