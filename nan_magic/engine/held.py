@@ -156,10 +156,13 @@ def hold_arguments(
         return held
     kept = _Kept()
     kept.tensors = strong
-    metadata: Any = node.metadata  # a dict owned by the C++ node (anomaly mode keeps its traceback there)
-    if callable(metadata):
-        metadata = metadata()
-    metadata.setdefault(_KEPT_KEY, []).append(kept)
+    try:
+        metadata: Any = node.metadata  # a dict owned by the C++ node (anomaly mode keeps its traceback there)
+        if callable(metadata):
+            metadata = metadata()
+        metadata.setdefault(_KEPT_KEY, []).append(kept)
+    except (AttributeError, TypeError):
+        return held  # a node without metadata: hold nothing strongly
     return held._replace(kept=weakref.ref(kept))
 
 
