@@ -273,7 +273,7 @@ class StepLog:
         """
         record = self.lookup(tensor)
         if record is not None:
-            if record.pending or record.kinds or version_of(tensor) != record.version:
+            if record.pending or record.kinds or not record.ranged or version_of(tensor) != record.version:
                 return None
             return record, record.low, record.high
         alias = self.alias_of(tensor)

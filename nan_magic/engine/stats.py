@@ -74,11 +74,6 @@ _DOT_DTYPES = (torch.float32, torch.float64)
 def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list[torch.Tensor]:
     """2-norms of many tensors as 0-d device tensors, in order; no host sync.
 
-    With ``finiteness_only`` a large CPU tensor gets its plain sum instead
-    (a parallel reduction, faster than the dot): only whether the value is
-    finite is meant then, and a sum is non-finite exactly when the tensor
-    is, or when huge finite values overflow it (confirmed as below).
-
     The cheapest finiteness test for whole parameter sets (NaN and inf
     propagate into the norm). A norm can also overflow for huge finite
     values; callers confirm with :func:`kinds_of` before reporting, so that
@@ -86,9 +81,12 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
 
     On a GPU, one fused ``_foreach_norm`` per (device, dtype) group (one
     launch). On the CPU a large contiguous float32/float64 tensor gets
-    ``sqrt(dot(x, x))`` instead: the BLAS dot runs at memory speed and takes
-    about half the time of ``_foreach_norm`` on the benchmark models'
-    weights; small tensors still share one ``_foreach_norm``.
+    ``sqrt(dot(x, x))`` instead: the BLAS dot takes about half the time of
+    ``_foreach_norm`` on the benchmark models' weights; small tensors still
+    share one ``_foreach_norm``. With ``finiteness_only`` (no norm wanted)
+    such a tensor gets its plain sum, a little faster still: a sum is
+    non-finite exactly when the tensor is, or when huge finite values
+    overflow it (confirmed as above).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     result: list[torch.Tensor] = [_EMPTY] * len(tensors)
