@@ -426,3 +426,84 @@ def test_grad_scaler_whose_scale_keeps_collapsing_raises() -> None:
     assert report.cause.label == "grad-scaler-collapse"
     assert report.module == "1"
     assert len(w.events) == COLLAPSE_SKIPS + 1  # the benign skips, then the raise
+
+
+# -- gradients measured in backward ("hot gradients", optim.py) -------------------------
+
+
+def _wide_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))  # 65536 weights: measured hot
+
+
+def _cold_sizes(monkeypatch) -> list[list[int]]:
+    """The sizes of the gradients each optimizer step had to measure itself (not in backward)."""
+    cold: list[list[int]] = []
+    in_step = []
+    real_norms, real_pre = optim.norms, optim.OptimizerChecks.on_step_pre
+
+    def recording(tensors, *, finiteness_only=False):
+        if in_step and not finiteness_only:
+            cold.append(sorted(tensor.numel() for tensor in tensors))
+        return real_norms(tensors, finiteness_only=finiteness_only)
+
+    def pre(self, *args):
+        in_step.append(True)
+        try:
+            return real_pre(self, *args)
+        finally:
+            in_step.pop()
+
+    monkeypatch.setattr(optim, "norms", recording)
+    monkeypatch.setattr(optim.OptimizerChecks, "on_step_pre", pre)
+    return cold
+
+
+def test_large_gradients_are_measured_in_backward_and_reused_at_the_step(monkeypatch) -> None:
+    cold = _cold_sizes(monkeypatch)
+    model = _wide_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 256)
+    with nan_magic.watch(model, opt) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert w.report is None and w.history[-1].grad_norm is not None
+    # At each step only the small gradients (the biases and the 256-weight head) are measured.
+    assert cold == [[1, 256, 256]] * 3
+
+
+def test_a_gradient_changed_after_backward_is_measured_again_at_the_step() -> None:
+    model = _wide_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    before = model[0].weight.detach().clone()
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(4, 256)).sum().backward()
+        model[0].weight.grad[3, 7] = float("inf")  # after its hot measurement
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.tensor, report.posinf) == ("backward", "gradient of 0.weight", 1)
+    assert torch.equal(model[0].weight, before)  # the step never ran
+
+
+def test_accumulated_gradients_fall_back_to_measuring_at_the_step(monkeypatch) -> None:
+    cold = _cold_sizes(monkeypatch)
+    model = _wide_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nan_magic.watch(model, opt) as w:
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(2):
+                batch = torch.randn(4, 256)
+                if step == 1 and micro == 1:
+                    batch[0, 0] = float("nan")  # a NaN in the second micro-batch
+                with contextlib.suppress(NonFiniteError):
+                    model(batch).sum().backward()
+            if w.report is None:
+                opt.step()
+    assert w.report is not None and (w.report.phase, w.report.step) == ("data", 1)
+    assert any(65536 in sizes for sizes in cold)  # measured at the step once accumulation was seen

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import nan_magic
-from nan_magic.engine.stats import _DOT_MIN_NUMEL, _SPLIT_PROBE_NUMEL, norms, probe, read_scalars
+from nan_magic.engine.stats import _SPLIT_PROBE_NUMEL, DOT_MIN_NUMEL, norms, probe, read_scalars
 
-BIG = (_DOT_MIN_NUMEL // 64, 64)  # large enough for the per-tensor CPU path
+BIG = (DOT_MIN_NUMEL // 64, 64)  # large enough for the per-tensor CPU path
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 from nan_magic.records import KINDS, Sample, TensorStats
 
 __all__ = [
+    "DOT_MIN_NUMEL",
     "finite_stats",
     "is_checkable",
     "iter_tensors",
@@ -67,7 +68,7 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: Below this many elements one fused ``_foreach_norm`` call beats a call per tensor.
-_DOT_MIN_NUMEL = 1 << 15
+DOT_MIN_NUMEL = 1 << 15
 _DOT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -95,7 +96,7 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
             if (
                 tensor.is_cpu
                 and tensor.dtype in _DOT_DTYPES
-                and tensor.numel() >= _DOT_MIN_NUMEL
+                and tensor.numel() >= DOT_MIN_NUMEL
                 and tensor.is_contiguous()
             ):
                 flat = tensor.view(-1)

@@ -13,7 +13,8 @@ Mechanisms, and why none of them changes what the model computes:
   gradient flowing into that module, in backward execution order. No
   ``register_full_backward_hook`` (it breaks in-place ops on outputs).
 * Optimizer: global optimizer step pre/post hooks check gradients before a
-  step and parameters after it.
+  step and parameters after it; a post-accumulate-grad hook on each large
+  CPU parameter measures its gradient early, while it is in cache (optim.py).
 
 Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
 whatever way it ends, no hook of ours remains and the user's hooks were never
@@ -168,6 +169,9 @@ class Watch:
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.optimizers.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            for _label, root in self.targets.roots:
+                for handle in self.optimizers.arm(root):
+                    stack.callback(handle.remove)
             if self.config.ops:
                 stack.enter_context(self.forward.make_tracer())
         except BaseException:
@@ -235,6 +239,9 @@ class Watch:
             # root, named as its own ``named_modules()`` would name it.
             self.targets.add_root(module, type(module).__name__, self.config)
             info = self.targets.modules[id(module)]
+            if self._exit_stack is not None:
+                for handle in self.optimizers.arm(module):
+                    self._exit_stack.callback(handle.remove)
         return info
 
     def mine(self) -> bool:
