@@ -8,7 +8,7 @@ from torch import nn
 from watching import raised
 
 import nan_magic
-from nan_magic.engine.transparent import transparency
+from nan_magic.engine.transparent import output_bound, transparency
 
 
 def _forward_modules(report: nan_magic.Report) -> list[str | None]:
@@ -100,3 +100,11 @@ def test_a_module_chosen_by_type_is_always_checked() -> None:
 )
 def test_which_modules_may_pass_through(module: nn.Module, expected: str | None) -> None:
     assert transparency(module) == expected
+
+
+def test_the_output_bound_covers_a_modules_own_constants() -> None:
+    assert output_bound("any", nn.ReLU(), -3.0, 2.0) == 3.0
+    assert output_bound("any", nn.Hardtanh(5.0, 10.0), 0.0, 0.0) == 10.0  # clamps 0 up to 5, at most 10
+    assert output_bound("wide", nn.ELU(alpha=4.0), -0.5, 0.5) == 4.0
+    assert output_bound("dropout", nn.Dropout(0.5), -1.0, 2.0) == 4.0
+    assert output_bound("dropout", nn.Dropout(0.5).eval(), -1.0, 2.0) == 2.0

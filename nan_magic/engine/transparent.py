@@ -79,12 +79,13 @@ def output_bound(kind: Transparency, module: nn.Module, low: float, high: float)
     """A bound on ``|output|`` of a passed-through call whose input lies in ``[low, high]``.
 
     The activations listed never grow a magnitude above ``max(|x|, 1)``
-    (sigmoid-like ones stay within 1, ReLU-like ones within ``|x|``; an ELU
-    within its ``alpha`` below zero); a training dropout scales by
-    ``1/(1-p)``. A chain of pass-throughs (a dropout after a GELU) is judged
-    on this bound.
+    (sigmoid-like ones stay within 1, ReLU-like ones within ``|x|``), except
+    by their own constants: an ELU's ``alpha`` below zero, a Hardtanh's
+    bounds. A training dropout scales by ``1/(1-p)``. A chain of
+    pass-throughs (a dropout after a GELU) is judged on this bound.
     """
     magnitude = max(-low, high)
     if kind == "dropout":
         return magnitude / (1.0 - float(getattr(module, "p", 0.0))) if module.training else magnitude
-    return max(magnitude, 1.0, abs(float(getattr(module, "alpha", 1.0))))
+    constants = (getattr(module, name, 1.0) for name in ("alpha", "min_val", "max_val"))
+    return max(magnitude, 1.0, *(abs(float(value)) for value in constants))
