@@ -17,12 +17,47 @@ import torch
 from torch import nn
 
 
-def marked_line(key: str, kind: str = "producer") -> int:
-    """Line number in this file of the ``# producer: key`` (or ``# caller: key``) comment."""
-    lines = inspect.getsource(inspect.getmodule(marked_line)).splitlines()  # type: ignore[arg-type]
+def marked_line(key: str, kind: str = "producer", where: Any = None) -> int:
+    """Line number of the ``# producer: key`` (or ``# <kind>: key``) comment.
+
+    In this file, or in the module that defines ``where`` (a test module's
+    ``sys.modules[__name__]``).
+    """
+    module = inspect.getmodule(where if where is not None else marked_line)
+    lines = inspect.getsource(module).splitlines()  # type: ignore[arg-type]
     matches = [number for number, text in enumerate(lines, 1) if text.rstrip().endswith(f"# {kind}: {key}")]
     assert len(matches) == 1, f"marker {key!r} found {len(matches)} times"
     return matches[0]
+
+
+class GuardedExp(nn.Module):
+    """exp for small inputs, identity otherwise; exp overflows in the branch not taken."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x < 20, torch.exp(x), x)  # producer: guarded exp
+
+
+def fp16_adam_step() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """Adam in pure float16 with eps=1e-8, which rounds to 0: rows with zero gradients get 0 / 0.
+
+    Returns ``(model, opt, step)``; only rows 1 and 2 of the embedding (of 10 x 4) get gradients.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+    tokens = torch.tensor([1, 2])
+
+    def step() -> None:
+        opt.zero_grad()
+        model(tokens).float().sum().backward()
+        opt.step()  # producer: adam
+
+    return model, opt, step
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Euclidean distance per row: sqrt at 0 (equal rows) has an infinite derivative."""
+    return torch.sqrt(((a - b) ** 2).sum(-1))  # producer: distance
 
 
 @dataclass

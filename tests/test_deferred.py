@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from faults import fp16_adam_step
 from torch import nn
 from torch.nn import functional as F
 
@@ -89,13 +90,9 @@ def test_deferred_finds_backward_producers() -> None:
 
 
 def test_deferred_finds_optimizer_producers_at_the_next_sync() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
-    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+    model, opt, step = fp16_adam_step()
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=True):
-        opt.zero_grad()
-        model(torch.tensor([1, 2])).float().sum().backward()
-        opt.step()
+        step()
     report = caught.value.report
     assert (report.phase, report.module, report.tensor, report.step) == ("optimizer", "0", "parameter 0.weight", 0)
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
-from faults import FORWARD_FAULTS, Fault
+from faults import FORWARD_FAULTS, Fault, distance, fp16_adam_step, marked_line
 from torch import nn
 from torch.nn import functional as F
 from watching import raised, sgd_regression
@@ -26,13 +24,6 @@ def assert_cause(report: Report, label: str, *named: str) -> Cause:
         assert text in cause.hint, f"{text!r} not in {cause.hint!r}"
     assert cause.evidence
     return cause
-
-
-def line_of(marker: str) -> int:
-    """Line number of the ``# at: marker`` comment in this file."""
-    lines = inspect.getsource(inspect.getmodule(line_of)).splitlines()
-    (number,) = [n for n, text in enumerate(lines, 1) if text.rstrip().endswith(f"# at: {marker}")]
-    return number
 
 
 # -- the fault library ------------------------------------------------------------------
@@ -134,17 +125,13 @@ def test_sqrt_of_negatives() -> None:
     assert_cause(raised(run, model, ops=True), "sqrt-domain", "sqrt got 32 negatives in `self`", "1 (TwoHeads)")
 
 
-def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.sqrt(((a - b) ** 2).sum(-1))  # at: sqrt
-
-
 def test_sqrt_at_zero_in_backward_names_the_forward_line() -> None:
     torch.manual_seed(0)
     embed = nn.Linear(8, 4)
     anchor = torch.randn(3, 8)
     report = raised(lambda: distance(embed(anchor), embed(anchor.clone())).sum().backward(), embed, ops=True)
     assert report.phase == "backward"
-    assert_cause(report, "sqrt-domain", f"test_diagnose.py:{line_of('sqrt')}", "torch.sqrt(", "add eps")
+    assert_cause(report, "sqrt-domain", f"faults.py:{marked_line('distance')}", "torch.sqrt(", "add eps")
 
 
 class SignedRoot(nn.Module):
@@ -187,15 +174,7 @@ def test_learning_rate_too_high_needs_the_loss_growing_before_the_event() -> Non
 
 
 def test_adam_epsilon_underflow_in_float16() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
-    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
-
-    def step() -> None:
-        opt.zero_grad()
-        model(torch.tensor([1, 2])).float().sum().backward()
-        opt.step()
-
+    model, opt, step = fp16_adam_step()
     cause = assert_cause(raised(step, model, opt), "optimizer-eps-underflow", "Adam", "0.weight", "1e-8", "float32")
     assert "dtype float16" in cause.evidence
 

@@ -9,7 +9,7 @@ import torch
 from test_healthy import TinyCNN, TinyTransformer
 from torch import nn
 from torch.nn import functional as F
-from watching import sgd_regression
+from watching import amp_training, sgd_regression
 
 import nan_magic
 from nan_magic import NanMagicWarning, NonFiniteError
@@ -162,17 +162,12 @@ def test_a_healthy_cnn_gets_no_warning_in_300_steps() -> None:
 def test_healthy_mixed_precision_with_a_grad_scaler_gets_no_warning() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # the first steps overflow and find a scale
+    # The first steps overflow while the scaler finds its scale.
+    opt, scaler, train = amp_training(
+        model, 200, init_scale=2.0**24, lr=0.05, batch=lambda: (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    )
     with nan_magic.watch(model, opt, scaler) as w:
-        for _ in range(200):
-            x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        train()
     assert w.report is None and w.events  # benign skips happened
     assert list(w.warnings) == []
 

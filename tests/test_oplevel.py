@@ -5,7 +5,7 @@ from __future__ import annotations
 import faults
 import pytest
 import torch
-from faults import FORWARD_FAULTS, Fault
+from faults import FORWARD_FAULTS, Fault, GuardedExp
 from torch import nn
 from torch.nn import functional as F
 from watching import raised
@@ -17,11 +17,7 @@ OP_FAULTS = [fault for fault in FORWARD_FAULTS if fault.op is not None]
 
 def marker_line(key: str) -> int:
     """Line of ``# at: key`` in this file."""
-    import inspect
-
-    lines = inspect.getsource(inspect.getmodule(marker_line)).splitlines()
-    (number,) = [n for n, text in enumerate(lines, 1) if text.rstrip().endswith(f"# at: {key}")]
-    return number
+    return faults.marked_line(key, "at", where=marker_line)
 
 
 
@@ -50,28 +46,19 @@ def test_ops_mode_stops_at_the_op_and_debug_frame_is_its_line() -> None:
 # -- backward and optimizer ------------------------------------------------------
 
 
-def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.sqrt(((a - b) ** 2).sum(-1))  # at: sqrt
-
-
 def test_backward_op_names_the_forward_line_that_created_its_node() -> None:
     torch.manual_seed(0)
     embed = nn.Linear(8, 4)
     anchor = torch.randn(3, 8)
 
     def step() -> None:
-        distance(embed(anchor), embed(anchor.clone())).sum().backward()
+        faults.distance(embed(anchor), embed(anchor.clone())).sum().backward()
 
     report = raised(step, embed, ops=True)
     assert report.phase == "backward"
     assert report.op is not None and report.op.startswith("aten.")
-    assert report.source.lineno == marker_line("sqrt")
+    assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("distance"))
     assert any("SqrtBackward0" in note for note in report.notes)
-
-
-class GuardedExp(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x < 20, torch.exp(x), x)  # at: exp
 
 
 def test_where_with_an_overflowing_branch_is_a_forward_op_in_ops_mode() -> None:
@@ -81,24 +68,16 @@ def test_where_with_an_overflowing_branch_is_a_forward_op_in_ops_mode() -> None:
         model[0].bias.fill_(100.0)
     report = raised(lambda: model(torch.randn(3, 4)).sum().backward(), model, ops=True)
     assert (report.phase, report.module, report.op) == ("forward", "1", "aten.exp.default")
-    assert report.source.lineno == marker_line("exp")
+    assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("guarded exp"))
     assert report.posinf > 0
 
 
 def test_adam_fp16_step_is_an_optimizer_op() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
-    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
-
-    def step() -> None:
-        opt.zero_grad()
-        model(torch.tensor([1, 2])).float().sum().backward()
-        opt.step()  # at: adam
-
+    model, opt, step = faults.fp16_adam_step()
     report = raised(step, model, opt, ops=True)
     assert report.phase == "optimizer"
     assert "addcdiv" in report.op or "div" in report.op
-    assert report.source.lineno == marker_line("adam")
+    assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("adam"))
 
 
 # -- deliberate infinities -------------------------------------------------------------

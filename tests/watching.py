@@ -21,6 +21,38 @@ def raised(run: Callable[[], Any], *targets: Any, **options: Any) -> nan_magic.R
     return caught.value.report
 
 
+def amp_training(
+    model: nn.Module,
+    steps: int,
+    init_scale: float,
+    lr: float = 0.01,
+    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.optim.SGD, torch.amp.GradScaler, Callable[[], None]]:
+    """A float16-autocast classifier loop with a GradScaler: ``(opt, scaler, train)``.
+
+    ``batch()`` gives each step's ``(x, y)``; by default one fixed batch of 32 x 16 features, 4 classes.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    if batch is None:
+        fixed = torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            return fixed
+
+    def train() -> None:
+        for _ in range(steps):
+            x, y = batch()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    return opt, scaler, train
+
+
 def sgd_regression(lr: float, steps: int = 400, **options) -> nan_magic.Watch:
     """Least squares by SGD: above 2/λmax every step multiplies the error, the loss grows geometrically."""
     torch.manual_seed(0)

@@ -13,11 +13,20 @@ import functools
 import math
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.engine.stats import finite_stats, probe, probe_kinds, probe_stats, read_scalars, tensor_stats
+from nan_magic.engine.stats import (
+    WIDE_FLOATS,
+    finite_stats,
+    probe,
+    probe_kinds,
+    probe_stats,
+    read_scalars,
+    tensor_stats,
+)
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
@@ -28,9 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Alias", "Call", "StepLog", "TensorRecord", "version_of"]
 
 _NONE: frozenset[str] = frozenset()
-
-#: Dtypes whose finiteness-only probe is a sum (see TensorRecord).
-_SUMMED = (torch.float32, torch.float64)
 
 #: ``(finfo(dtype).max / |x|, module, dtype)``: how far a value is from overflowing.
 Headroom = tuple[float, str | None, str]
@@ -80,7 +86,7 @@ class TensorRecord:
         # Only finiteness asked (a float32 gradient): a sum, a third of the time
         # of aminmax on the CPU, answers it. A non-finite sum (or one that
         # overflowed) gets the exact probe below.
-        summed = not ranged and not defer and same is None and tensor.is_cpu and tensor.dtype in _SUMMED
+        summed = not ranged and not defer and same is None and tensor.is_cpu and tensor.dtype in WIDE_FLOATS
         if summed and math.isfinite(float(tensor.detach().sum())):
             self.ranged = False
             return
@@ -102,6 +108,13 @@ class TensorRecord:
         self.low, self.high = low, high
         # Finite is the common case: skip the classification then.
         self.kinds = _NONE if -math.inf < low <= high < math.inf else probe_kinds(low, high)
+
+    def outward(self) -> Iterator[TensorRecord]:
+        """This record, then those of the enclosing calls that returned the same tensor again."""
+        record: TensorRecord | None = self
+        while record is not None:
+            yield record
+            record = record.outer
 
     @property
     def pending(self) -> bool:

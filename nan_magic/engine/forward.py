@@ -166,11 +166,11 @@ class ForwardChecks:
         if not self.stack:
             # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
             self.last_forward_seq = torch._C._autograd._get_sequence_nr()
-        if not self.stack and not self.watch.optimizer_in_use():
-            # Inference (no optimizer seen): a top-level forward is a step.
-            self.watch.sync()
-            self.watch.forward_passes += 1
-            self.watch.end_step()
+            if not self.watch.optimizer_in_use():
+                # Inference (no optimizer seen): a top-level forward is a step.
+                self.watch.sync()
+                self.watch.forward_passes += 1
+                self.watch.end_step()
 
     def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
         """Tensors entering a watched model from outside, as a ``data`` call.
@@ -357,11 +357,7 @@ class ForwardChecks:
                 "watch with ops=True (%%nantrace --ops) for the op and line"
             )
             return
-        chain: list[TensorRecord | Alias] = []
-        current: TensorRecord | None = target
-        while current is not None:
-            chain.append(current)
-            current = current.outer
+        chain: list[TensorRecord | Alias] = list(target.outward())
         # The consumer may have received it through a pass-through (a dropout, an activation).
         mine = {id(record) for record in chain}
         chain += [held for held in consumer.held.records() if isinstance(held, Alias) and id(held.record) in mine]

@@ -127,12 +127,10 @@ class GradientChecks:
         tensor = record.ref()
         if tensor is None:
             return
-        current: TensorRecord | None = record
-        while current is not None:
+        for current in record.outward():
             for consumer in current.consumers:
                 if consumer.held is not None:
                     consumer.held.release(tensor)
-            current = current.outer
 
     def judge(self, call: Call, target: TensorRecord | None = None) -> None:
         """Report the first non-finite gradient of a backward pass.
@@ -178,8 +176,7 @@ class GradientChecks:
         level: the loss). A tensor that enclosing calls returned as their own
         output is consumed where the outermost of them handed it on.
         """
-        while record.outer is not None:
-            record = record.outer
+        *_, record = record.outward()
         if record.consumers:
             return record.consumers[-1]
         return record.call.parent if record.call is not None else None

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from nan_magic.engine.calls import version_of
+
 __all__ = ["Classify", "HeldArguments", "Regenerate", "Resolved", "hold_arguments"]
 
 
@@ -30,7 +32,7 @@ class _Held:
 
     def __init__(self, tensor: torch.Tensor, record: Any) -> None:
         self.ref = weakref.ref(tensor)
-        self.version = _version(tensor)
+        self.version = version_of(tensor)
         #: The watch's record of the tensor (None for one it never saw), to recompute it from.
         self.record = record
 
@@ -181,7 +183,7 @@ def _hold(value: Any, hold: Callable[[torch.Tensor], _Held], depth: int) -> Any:
 def _unhold(value: Any, regenerate: Regenerate | None, by_record: dict[int, torch.Tensor]) -> Any:
     if type(value) is _Held:
         tensor = value.ref()
-        if tensor is not None and _version(tensor) != value.version:
+        if tensor is not None and version_of(tensor) != value.version:
             raise _Gone("an input tensor of that call was changed in place after its forward")
         if tensor is None and regenerate is not None and value.record is not None:
             tensor = regenerate(value.record)
@@ -195,7 +197,3 @@ def _unhold(value: Any, regenerate: Regenerate | None, by_record: dict[int, torc
     if type(value) is dict:
         return {key: _unhold(item, regenerate, by_record) for key, item in value.items()}
     return value
-
-
-def _version(tensor: torch.Tensor) -> int:
-    return 0 if tensor.is_inference() else tensor._version

@@ -54,7 +54,7 @@ from torch import nn
 
 from nan_magic.engine.calls import version_of
 from nan_magic.engine.findings import Finding
-from nan_magic.engine.stats import DOT_MIN_NUMEL, kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.engine.stats import DOT_MIN_NUMEL, WIDE_FLOATS, kinds_of, norms, read_scalars, relevant_kinds
 from nan_magic.records import Cause, Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,7 +138,6 @@ class OptimizerChecks:
         # Deferred mode: a step's parameter/state norms, read at the next sync.
         self.carried: _StepResult | None = None
         # Set before a step whose parameters need no check after it (bounded_step).
-        self._skip_parameter_pass = False
         self._bounded = False
         self._last_checked_step: int | None = None
         # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
@@ -166,7 +165,7 @@ class OptimizerChecks:
         if not self._hot_enabled or not self.watch.mine():
             return
         grad = parameter.grad
-        if grad is None or not grad.is_contiguous() or grad.dtype not in (torch.float32, torch.float64):
+        if grad is None or not grad.is_contiguous() or grad.dtype not in WIDE_FLOATS:
             return
         if id(parameter) in self._hot:
             # A second backward before the step: gradients accumulate here.
@@ -198,10 +197,11 @@ class OptimizerChecks:
             return
         if not any(opt is known for known in self.seen):
             self.seen.append(opt)
-        self._bounded = self._skip_parameter_pass = False
+        self._bounded = False
+        layout = self.layout(opt)
         with_grad: list[tuple[str, torch.Tensor]] = []
         parameters: list[torch.Tensor] = []
-        for name, parameter in self.layout(opt).named:
+        for name, parameter in layout.named:
             grad = parameter.grad
             if grad is not None and _float_tensor(grad):
                 with_grad.append((name, grad))
@@ -221,15 +221,7 @@ class OptimizerChecks:
                 self._attribute(finding)
                 watch.emit(finding)
                 return
-        self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(
-            opt, self.layout(opt)
-        )
-        self._skip_parameter_pass = (
-            self._bounded
-            and self.steps % FULL_CHECK_EVERY != 0
-            # The roll-back snapshot must only ever hold checked parameters.
-            and watch.last_good.where is None
-        )
+        self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
         self.in_step = True
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -238,9 +230,11 @@ class OptimizerChecks:
         if not watch.mine() or not self.watches(opt):
             return
         try:
-            skip, self._skip_parameter_pass = self._skip_parameter_pass, False
-            if skip:
-                return  # a bounded step: see the module docstring
+            # A bounded step needs no check (module docstring), except every
+            # FULL_CHECK_EVERY steps, and whenever the roll-back snapshot is
+            # kept: it must only ever hold checked parameters.
+            if self._bounded and self.steps % FULL_CHECK_EVERY != 0 and watch.last_good.where is None:
+                return
             layout = self.layout(opt)
             updated = [parameter for _name, parameter in layout.named]
             # Half-precision state can overflow while its parameter stays
@@ -368,7 +362,7 @@ class OptimizerChecks:
         layout = self._layouts.get(id(opt))
         if layout is None or layout.signature != signature:
             named = self.named_parameters(opt)
-            wide = all(parameter.dtype in (torch.float32, torch.float64) for _name, parameter in named)
+            wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
             layout = self._layouts[id(opt)] = _Layout(signature, named, wide)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.

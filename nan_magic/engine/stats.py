@@ -22,6 +22,7 @@ from nan_magic.records import KINDS, Sample, TensorStats
 
 __all__ = [
     "DOT_MIN_NUMEL",
+    "WIDE_FLOATS",
     "finite_stats",
     "is_checkable",
     "iter_tensors",
@@ -67,9 +68,11 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(tensor)
 
 
+#: Float dtypes of 32 bits or more: where sums and dots do not overflow at ordinary magnitudes.
+WIDE_FLOATS = (torch.float32, torch.float64)
+
 #: Below this many elements one fused ``_foreach_norm`` call beats a call per tensor.
 DOT_MIN_NUMEL = 1 << 15
-_DOT_DTYPES = (torch.float32, torch.float64)
 
 
 def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list[torch.Tensor]:
@@ -95,7 +98,7 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
         for index, tensor in enumerate(tensors):
             if (
                 tensor.is_cpu
-                and tensor.dtype in _DOT_DTYPES
+                and tensor.dtype in WIDE_FLOATS
                 and tensor.numel() >= DOT_MIN_NUMEL
                 and tensor.is_contiguous()
             ):

@@ -30,6 +30,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from nan_magic.engine.stats import WIDE_FLOATS
+
 __all__ = ["ANY_DTYPE", "WIDE_ONLY", "Transparency", "output_bound", "passes_through", "transparency"]
 
 Transparency = Literal["any", "wide", "dropout"]
@@ -43,8 +45,6 @@ ANY_DTYPE: tuple[type[nn.Module], ...] = (
 WIDE_ONLY: tuple[type[nn.Module], ...] = (nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish)
 
 _DROPOUTS: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
-
-_WIDE = (torch.float32, torch.float64)
 
 
 def transparency(module: nn.Module) -> Transparency | None:
@@ -67,7 +67,7 @@ def passes_through(kind: Transparency, module: nn.Module, tensor: torch.Tensor, 
     """Whether a call on ``tensor``, known finite with range ``[low, high]``, needs no check."""
     if kind == "any":
         return True
-    if tensor.dtype not in _WIDE:
+    if tensor.dtype not in WIDE_FLOATS:
         return False
     if kind == "wide" or not module.training:
         return True
