@@ -62,6 +62,49 @@ def _step(model, opt, x, y) -> float:
     return loss.item()
 
 
+class Tapped(nn.Module):
+    """Registers a gradient hook of its own on its output, before the watch registers one."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        out.register_hook(lambda g: self.seen.append("inside forward"))
+        return out
+
+
+class SqrtOfZero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x - x.detach())  # 0 forward; its derivative there is +inf
+
+
+def test_user_gradient_hooks_on_module_outputs_run_and_detach_as_before() -> None:
+    seen: list[str] = []
+    model = nn.Sequential(nn.Linear(3, 3), Tapped(seen), nn.Linear(3, 1))
+    handles = []
+    # Module forward hooks run after the watch's global ones: these register after it.
+    model[0].register_forward_hook(lambda m, i, o: handles.append(o.register_hook(lambda g: seen.append("after"))))
+    model[2].register_forward_hook(lambda m, i, o: handles.append(o.register_hook(lambda g: seen.append("removed"))))
+    with nan_magic.watch(model):
+        out = model(torch.ones(2, 3))
+        handles[1].remove()
+        out.sum().backward()
+    assert seen == ["inside forward", "after"]
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_gradient_whose_tensor_already_had_a_user_hook_is_still_checked() -> None:
+    seen: list[str] = []
+    model = nn.Sequential(nn.Linear(3, 3), Tapped(seen), SqrtOfZero())
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.ones(2, 3)).sum().backward()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type) == ("backward", "2", "SqrtOfZero")
+    assert seen == ["inside forward"]  # the user's hook ran first, as registered
+
+
 def test_hooks_gone_after_success_and_user_hooks_kept() -> None:
     model = small_model()
     calls = user_hooks(model)

@@ -17,7 +17,7 @@ from watching import amp_training, raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.engine import optim
+from nan_magic.engine import forward, optim
 from nan_magic.engine.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
 
 # -- backward ------------------------------------------------------------------------
@@ -144,6 +144,37 @@ def test_inputs_held_for_a_backward_replay_are_released_with_their_gradient() ->
         assert [ref() for ref in outputs] == [None] * 5
     for handle in handles:
         handle.remove()
+
+
+def test_torch_leaf_modules_are_replayed_without_saving_the_rng_state(monkeypatch) -> None:
+    saved: list[int] = []
+    capture = forward.capture_rng_state
+    monkeypatch.setattr(forward, "capture_rng_state", lambda: saved.append(1) or capture())
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+        model[2].weight.fill_(3e38)  # finite; 4 inputs of 4.0 times it overflow
+
+    report = raised(lambda: model(torch.ones(2, 4)).sum().backward(), model)
+    assert (report.phase, report.module, report.module_type) == ("forward", "2", "Linear")
+    assert report.op == "aten.addmm.default"  # the replay ran, with no RNG state saved for it
+    # Only the root Sequential's call saved one: Linear and ReLU draw no random numbers.
+    assert len(saved) == 1
+
+
+def test_a_module_that_draws_random_numbers_is_replayed_with_the_same_draw() -> None:
+    class CoinLog(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            keep = torch.rand(()) < 0.5  # heads: log(x); tails: log(0) = -inf
+            return torch.log(x * keep)  # marker
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), CoinLog())
+    torch.manual_seed(1)  # the first draw is tails (0.76), the next one heads (0.28)
+    report = raised(lambda: model(torch.ones(2, 4)), model)
+    # The replay drew the same tails: with the generator left where it was, it would draw heads and stay finite.
+    assert (report.module, report.module_type, report.op) == ("2", "CoinLog", "aten.log.default")
+    assert report.source is not None and report.source.line.endswith("# marker")
 
 
 def test_a_graph_dropped_without_a_backward_takes_the_held_inputs_with_it() -> None:

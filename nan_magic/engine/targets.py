@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.engine.deterministic import draws_no_random
 from nan_magic.engine.transparent import Transparency, transparency
 from nan_magic.records import WatchConfig
 
@@ -31,6 +32,8 @@ class ModuleInfo:
     is_root: bool
     #: How its calls may be passed through unchecked (transparent.py); None: always checked.
     transparent: Transparency | None = None
+    #: Its calls draw no random numbers: a replay needs no RNG state (deterministic.py).
+    deterministic: bool = False
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Targets:
                 watched=is_root or _selected(name, submodule, config),
                 is_root=is_root,
                 transparent=None if is_root or chosen else transparency(submodule),
+                deterministic=draws_no_random(submodule),
             )
 
 

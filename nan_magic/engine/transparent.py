@@ -87,5 +87,8 @@ def output_bound(kind: Transparency, module: nn.Module, low: float, high: float)
     magnitude = max(-low, high)
     if kind == "dropout":
         return magnitude / (1.0 - float(getattr(module, "p", 0.0))) if module.training else magnitude
-    constants = (getattr(module, name, 1.0) for name in ("alpha", "min_val", "max_val"))
+    # Read from the instance dict: a missing attribute sent through
+    # ``nn.Module.__getattr__`` costs about 10 us (it formats an error).
+    attributes = vars(module)
+    constants = (attributes.get(name, 1.0) for name in ("alpha", "min_val", "max_val"))
     return max(magnitude, 1.0, *(abs(float(value)) for value in constants))
