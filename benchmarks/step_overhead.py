@@ -9,9 +9,14 @@ Usage::
 
 Method (issue 6): for each model, every column (unwatched, nan_magic, nan_magic ops and
 the baselines of :mod:`baselines`) first runs warm-up steps. Then come R rounds; in each
-round every column runs one block of K training steps, in an order rotated by one column
+round every column runs one block of training steps, in an order rotated by one column
 per round, so that no column always runs first, last or after the same neighbour. A block
-enters the watcher once and runs its K steps inside it, as a notebook cell wraps its loop.
+enters the watcher once and runs its steps inside it, as a notebook cell wraps its loop:
+first one *entry step*, then K timed steps. The entry step carries what a watcher does
+once per entry (nan_magic checks every parameter after its first optimizer step and
+reads the batch per feature; the isnan and DebugUO hooks build their module tables);
+it is timed apart and reported as such, so that the ratios are those of a watcher left
+on, as the host-sync count on CUDA already was.
 
 Every step is timed on its own (CPU: ``perf_counter``; CUDA: a pair of CUDA events around
 the step, read after the block, so timing adds no host synchronisation). A column's step
@@ -23,7 +28,7 @@ spread (inter-quartile range / median) says how noisy the machine was. Where oth
 processes slow down more than half of the steps, ``--quantile 0.25`` reads a lower
 quantile instead of the median: still fair between columns, since all share the noise.
 The time to enter and leave the watcher, once per block, is reported apart (``attach
-ms``), not folded into the step.
+ms``), and so is the entry step (``entry step ms``), not folded into the step.
 
 K and R are chosen per model from the warm-up timings so that each model's rounds take
 about ``--budget`` seconds; slow columns therefore lower K rather than the run's
@@ -76,6 +81,8 @@ class ModelResult:
     step_s: dict[str, list[float]] = field(default_factory=dict)
     # column key -> seconds to enter plus leave the watcher, one per block
     attach_s: dict[str, list[float]] = field(default_factory=dict)
+    # column key -> seconds of the first (untimed) step of each block
+    entry_step_s: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     # column key -> {"warnings": syncs/step, "runtime": syncs/step or None}
     syncs: dict[str, dict[str, float | None]] = field(default_factory=dict)
@@ -119,11 +126,12 @@ def stat_name(q: float) -> str:
     return "median" if q == 0.5 else f"{q:.0%} quantile"
 
 
-def run_block(bench: Benchmark, column: Column, steps: int, device: str) -> tuple[list[float], float]:
-    """Run ``steps`` training steps inside one entry of ``column``.
+def run_block(bench: Benchmark, column: Column, steps: int, device: str) -> tuple[list[float], float, float]:
+    """Run an entry step and then ``steps`` timed training steps inside one entry of ``column``.
 
-    Returns the seconds of each step and the seconds spent entering and leaving the
-    watcher (on CUDA, host time: the steps' device work may still be running then).
+    Returns the seconds of each timed step, the seconds spent entering and leaving the
+    watcher (on CUDA, host time: the steps' device work may still be running then) and
+    the seconds of the entry step (on CUDA, until its device work is done).
     """
     assert column.factory is not None
     cuda = device == "cuda"
@@ -134,6 +142,10 @@ def run_block(bench: Benchmark, column: Column, steps: int, device: str) -> tupl
     entered = time.perf_counter()
     with column.factory(bench.model):
         first = time.perf_counter()
+        bench.train_step()  # the entry step
+        if cuda:
+            torch.cuda.synchronize()
+        entry_step = time.perf_counter() - first
         for i in range(steps):
             if cuda:
                 events[i][0].record()
@@ -148,7 +160,7 @@ def run_block(bench: Benchmark, column: Column, steps: int, device: str) -> tupl
     if cuda:
         torch.cuda.synchronize()
         times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
-    return times, (first - entered) + (left - last)
+    return times, (first - entered) + (left - last), entry_step
 
 
 def describe_failure(column: Column, exc: BaseException) -> str:
@@ -237,17 +249,18 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
             result.notes[column.key] = describe_failure(column, exc)
             active.remove(column)
 
-    # One round costs K * sum(step times); fit R rounds in the budget, K >= 1, and
-    # drop rounds (not below 3) only when even K = 1 does not fit.
+    # One round costs (K + 1) * sum(step times), with the entry step; fit R rounds in
+    # the budget, K >= 1, and drop rounds (not below 3) only when even K = 1 does not fit.
     budget = min(args.budget, deadline - time.perf_counter())
     round_s = sum(warm_s.values())
-    steps = max(1, int(budget / (args.rounds * round_s)))
-    rounds = args.rounds if args.rounds * round_s <= budget else max(3, int(budget / round_s))
+    steps = max(1, int(budget / (args.rounds * round_s)) - 1)
+    fits = args.rounds * (steps + 1) * round_s <= budget
+    rounds = args.rounds if fits else max(3, int(budget / ((steps + 1) * round_s)))
     result.steps_per_block = steps
     log(
         f"[{name}] warm-up step ms: "
         + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in warm_s.items())
-        + f"; K={steps} steps x R={rounds} rounds, about {rounds * steps * round_s:.0f} s"
+        + f"; K={steps} steps x R={rounds} rounds, about {rounds * (steps + 1) * round_s:.0f} s"
     )
 
     # Other processes can slow every step several-fold; past 1.5x the budget or the
@@ -261,7 +274,7 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
         shift = r % len(active)
         for column in active[shift:] + active[:shift]:
             try:
-                times, attach = run_block(bench, column, steps, args.device)
+                times, attach, entry_step = run_block(bench, column, steps, args.device)
             except Exception as exc:
                 if column.key == "unwatched":
                     raise
@@ -269,9 +282,11 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
                 active.remove(column)
                 result.step_s.pop(column.key, None)
                 result.attach_s.pop(column.key, None)
+                result.entry_step_s.pop(column.key, None)
                 continue
             result.step_s.setdefault(column.key, []).extend(times)
             result.attach_s.setdefault(column.key, []).append(attach)
+            result.entry_step_s.setdefault(column.key, []).append(entry_step)
 
     if not all(torch.isfinite(p).all() for p in bench.model.parameters()):
         result.notes["model"] = "parameters became non-finite during the run: timings suspect"
@@ -343,6 +358,12 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
     for res in results:
         attach = {k: statistics.median(v) * 1e3 for k, v in res.attach_s.items()}
         lines.append(row(res.name, [f"{attach[c.key]:.2f}" if c.key in attach else "n/a" for c in columns]))
+
+    lines += ["", "Entry step (the first step inside each entry, untimed above) [ms], median over blocks", header,
+              "-" * len(header)]
+    for res in results:
+        entry = {k: statistics.median(v) * 1e3 for k, v in res.entry_step_s.items()}
+        lines.append(row(res.name, [f"{entry[c.key]:.1f}" if c.key in entry else "n/a" for c in columns]))
 
     if device == "cuda":
         lines += [

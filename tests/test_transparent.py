@@ -70,6 +70,61 @@ def test_a_dropout_whose_scaling_would_overflow_is_checked() -> None:
     assert report.posinf > 0
 
 
+class Attention(nn.Module):
+    """Softmax, then a dropout module on it: the dropout's input is this module's own value."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.scale = scale
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale
+        scores = y @ y.transpose(-1, -2)  # overflows to inf for a huge scale
+        return self.drop(scores.softmax(-1)) @ x
+
+
+def _called(watch: nan_magic.Watch) -> set[str | None]:
+    return {call.name for call in watch.log.calls if call.phase == "forward" and call.info is not None}
+
+
+def test_a_dropout_on_a_value_its_parent_computed_is_left_to_the_parent() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Attention())
+    with nan_magic.watch(model) as w:
+        model(torch.randn(2, 3, 4)).sum().backward()
+        assert _called(w) == {"", "0", "1"}  # no call of 1.drop: Attention's output check covers it
+    with nan_magic.watch(model, defer=True) as w:  # no replay to fall back on: checked
+        model(torch.randn(2, 3, 4))
+        assert "1.drop" in _called(w)
+
+    model[1].scale = 1e25
+    report = raised(lambda: model(torch.randn(2, 3, 4)), model)
+    assert (report.phase, report.module, report.module_type) == ("forward", "1", "Attention")
+    assert report.op == "aten.bmm.default" and report.source is not None
+    assert report.source.line.startswith("scores = y @ y.transpose(-1, -2)")
+
+
+def test_a_dropout_that_overflows_inside_its_parent_is_named_by_the_replay() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(x * 1e38)  # 2e38 is finite; the dropout's 1 / (1 - 0.5) overflows it
+
+    model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(2.0)
+    torch.manual_seed(0)
+    report = raised(lambda: model(torch.ones(64, 4)), model)
+    assert (report.phase, report.module, report.module_type) == ("forward", "1", "Scaled")
+    assert report.source is not None and report.source.line.startswith("return self.drop(x * 1e38)")
+    assert "aten.mul.Tensor ran inside 1.drop, called from this line" in report.notes
+
+
 def test_dropout_in_half_precision_is_always_checked() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), LogAfter()).half()

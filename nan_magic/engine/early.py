@@ -19,8 +19,8 @@ Kinds (exact strings)
     the model in immediate mode, from the step summary otherwise).
 ``constant-feature``
     A feature (last dim of a 2-D batch, channel of a 4-D or 5-D one) took one
-    value over a batch of more than one row (checked on the first
-    :data:`BATCH_RULE_EVERY` steps, then every :data:`BATCH_RULE_EVERY`-th).
+    value over a batch of more than one row (checked at the first step of a
+    watch, then every :data:`BATCH_RULE_EVERY`-th).
 ``scale-falling``
     A GradScaler's scale fell between each of :data:`SCALE_FALLS` consecutive
     completed steps.
@@ -57,7 +57,7 @@ __all__ = [
 #: 8188 are rare in healthy models.
 HEADROOM_LIMIT = 8.0
 
-#: The per-feature batch rule runs on the first steps and then every this many steps.
+#: The per-feature batch rule runs at the first step and then every this many steps.
 BATCH_RULE_EVERY = 8
 #: A loss or gradient norm this many times its running median is a spike:
 #: healthy runs move within a few-fold; a diverging one multiplies every step.
@@ -147,10 +147,10 @@ class EarlyWarnings:
         """Warnings about one floating tensor entering a watched model.
 
         ``probe`` is the tensor's ``(min, max)`` when the watch already read
-        it. The per-feature rule reads the batch once more, so it runs on the
-        first :data:`BATCH_RULE_EVERY` steps and then on every
-        :data:`BATCH_RULE_EVERY`-th: a constant column of a dataset shows in
-        every batch.
+        it. The per-feature rule reads the batch once more, so it runs at the
+        first step of a watch and then on every :data:`BATCH_RULE_EVERY`-th:
+        a constant column of a dataset shows in every batch, and a cell that
+        runs a few steps at a time should not pay for it at each.
         """
         # Only detached tensors are read: no graph is recorded, without the
         # cost of entering ``no_grad`` at every step.
@@ -159,7 +159,7 @@ class EarlyWarnings:
         else:
             low, high = probe
         found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
-        due = step < BATCH_RULE_EVERY or step % BATCH_RULE_EVERY == 0
+        due = step % BATCH_RULE_EVERY == 0
         if due and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
             feature_low, feature_high = _feature_ranges(tensor.detach())
             found.append(_constant_feature(step, name, tensor, feature_low, feature_high))

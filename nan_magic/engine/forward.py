@@ -29,7 +29,7 @@ from nan_magic.engine.replay import (
 )
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
-from nan_magic.engine.transparent import output_bound, passes_through
+from nan_magic.engine.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,6 +109,10 @@ class ForwardChecks:
                 bound = output_bound(info.transparent, module, known[1], known[2])
                 self.stack.append(Frame(module, info, None, rng, through=args[0], bound=bound))
                 return
+            if known is None and self._computed_by_parent(args[0]) and passes_through_unseen(info.transparent, args[0]):
+                # Its parent's check covers it (transparent.py); nothing stands for its output.
+                self.stack.append(Frame(module, info, None, None))
+                return
         top_level = not self.stack
         if top_level:
             self.watch.begin_step_if_needed()
@@ -137,8 +141,8 @@ class ForwardChecks:
         kwargs, output = rest
         call = frame.call
         if call is None:
-            if type(output) is torch.Tensor and output is not frame.through:
-                self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound)  # type: ignore[arg-type]
+            if frame.through is not None and type(output) is torch.Tensor and output is not frame.through:
+                self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound)
             return
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
@@ -172,6 +176,22 @@ class ForwardChecks:
                 self.watch.sync()
                 self.watch.forward_passes += 1
                 self.watch.end_step()
+
+    def _computed_by_parent(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a value of the running parent's own code, which a replay can reach.
+
+        No watched call returned it (it has no record, and is no
+        pass-through's output), the parent is a checked call, and its replay
+        runs (immediate mode, see :func:`transparent.passes_through_unseen`).
+        """
+        parent = self.stack[-1]
+        return (
+            self.can_replay
+            and parent.call is not None
+            and parent.info.watched
+            and self.watch.log.lookup(tensor) is None
+            and self.watch.log.alias_of(tensor) is None
+        )
 
     def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
         """Tensors entering a watched model from outside, as a ``data`` call.
@@ -290,6 +310,9 @@ class ForwardChecks:
                 f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
                 f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
             )
+            if op.module is not None and op.module != frame.info.name:
+                # A child without a check of its own (a pass-through, transparent.py).
+                finding.notes.append(f"{op.op} ran inside {op.module}, called from this line")
             return False
         if result.held_by_inputs and produced <= {"+inf", "-inf"}:
             self.masks.add(id(frame.module))

@@ -9,7 +9,9 @@ call is *passed through*: nothing is recorded, and its output stands for its
 input's record, so that the module consuming it is still found as the
 consumer in backward (``StepLog.alias``). With a non-finite input, or an
 input of unknown finiteness (deferred mode, a tensor from outside the
-watch), the call is checked like any other.
+watch), the call is checked like any other, with one exception: an input
+its parent's own code computed (``softmax`` before an attention dropout)
+is left to the parent's check (:func:`passes_through_unseen`).
 
 The list is strict. The factor by which each backward multiplies the
 gradient is at most 1 for ``ANY_DTYPE``; it exceeds 1 slightly for
@@ -32,7 +34,15 @@ from torch import nn
 
 from nan_magic.engine.stats import WIDE_FLOATS
 
-__all__ = ["ANY_DTYPE", "WIDE_ONLY", "Transparency", "output_bound", "passes_through", "transparency"]
+__all__ = [
+    "ANY_DTYPE",
+    "WIDE_ONLY",
+    "Transparency",
+    "output_bound",
+    "passes_through",
+    "passes_through_unseen",
+    "transparency",
+]
 
 Transparency = Literal["any", "wide", "dropout"]
 
@@ -73,6 +83,21 @@ def passes_through(kind: Transparency, module: nn.Module, tensor: torch.Tensor, 
         return True
     keep = 1.0 - float(getattr(module, "p", 1.0))
     return keep > 0 and max(-low, high) / keep < torch.finfo(tensor.dtype).max
+
+
+def passes_through_unseen(kind: Transparency, tensor: torch.Tensor) -> bool:
+    """Whether a call on ``tensor``, a value its parent's own code computed, needs no check.
+
+    The parent's output is checked, and a non-finite value its code computed
+    is the parent's (``functional code in a parent is blamed on the
+    parent``), whether or not a pass-through sits between. A check of the
+    call itself could only add the call's own overflow: none for an
+    activation; for a dropout, an input beyond ``finfo.max * (1 - p)``, which
+    the replay of the parent then names at the dropout's op. The caller
+    allows this only where that replay runs (immediate mode). The backward
+    factors are those of :func:`passes_through`, hence the same dtype rule.
+    """
+    return kind == "any" or tensor.dtype in WIDE_FLOATS
 
 
 def output_bound(kind: Transparency, module: nn.Module, low: float, high: float) -> float:
