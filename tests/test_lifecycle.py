@@ -277,3 +277,29 @@ def test_nothing_kept_alive_after_the_watch() -> None:
     gc.collect()
     assert ref() is None
     assert len(w.log.calls) == 0
+
+
+def test_a_finished_step_is_freed_without_the_garbage_collector() -> None:
+    import gc
+
+    from nan_magic.engine.calls import Call, TensorRecord
+
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    with nan_magic.watch(model, opt):
+        _step(model, opt, x, y)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
+        try:
+            for _ in range(3):
+                _step(model, opt, x, y)
+            gc.collect()
+            cyclic = [obj for obj in gc.garbage if isinstance(obj, (Call, TensorRecord))]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    # Each new step cleared the one before: its calls and records went with their last reference.
+    assert cyclic == []

@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 import nan_magic
-from nan_magic.engine.stats import _SPLIT_PROBE_NUMEL, DOT_MIN_NUMEL, norms, probe, read_batched, read_scalars
+from nan_magic.engine.stats import (
+    _SPLIT_PROBE_MAX_BYTES,
+    _SPLIT_PROBE_NUMEL,
+    DOT_MIN_NUMEL,
+    norms,
+    probe,
+    read_batched,
+    read_scalars,
+)
 
 BIG = (DOT_MIN_NUMEL // 64, 64)  # large enough for the per-tensor CPU path
 
@@ -68,7 +76,8 @@ def test_scalars_are_read_in_order_whatever_their_dtype(read) -> None:
     assert values[0] == 1.5 and math.isnan(values[1]) and values[2:] == [-math.inf, 2.0, 3.0]
 
 
-@pytest.mark.parametrize("numel", [1000, _SPLIT_PROBE_NUMEL])  # the fused and the split CPU probe
+# The fused CPU probe, the split one, and the fused one again for a tensor beyond the cache.
+@pytest.mark.parametrize("numel", [1000, _SPLIT_PROBE_NUMEL, _SPLIT_PROBE_MAX_BYTES // 4])
 def test_the_probe_gives_min_max_and_shows_every_kind(numel: int) -> None:
     torch.manual_seed(0)
     tensor = torch.randn(numel)

@@ -222,6 +222,23 @@ class StepLog:
         self._aliases: dict[int, Alias] = {}
 
     def clear(self) -> None:
+        """Forget the step's calls, freeing them now rather than at Python's next garbage collection.
+
+        Calls and records refer to each other (a call to its outputs and
+        back, a consumer to its inputs' records and back, a record to the one
+        it returned again): left as they are, every step leaves a few
+        objects per module call in reference cycles, and the collector's
+        passes over them cost about 1.5% of a ResNet-18 step. Cutting the
+        call-side edges lets reference counting free them. A record still
+        reachable afterwards (from the gradient hook of a tensor kept alive)
+        keeps its call, consumers and enclosing records.
+        """
+        for call in self.calls:
+            for record in call.outputs:
+                record.inner = None
+            call.outputs = []
+            call.inputs = []
+            call.held = None
         self.calls.clear()
         self._by_id.clear()
         self._aliases.clear()
