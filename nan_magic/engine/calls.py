@@ -227,9 +227,10 @@ class StepLog:
         Calls and records refer to each other (a call to its outputs and
         back, a consumer to its inputs' records and back, a record to the one
         it returned again): left as they are, every step leaves a few
-        objects per module call in reference cycles, and the collector's
-        passes over them cost about 1.5% of a ResNet-18 step. Cutting the
-        call-side edges lets reference counting free them. A record still
+        objects per module call in reference cycles, for the collector to
+        find (on ResNet-18, 0.65 ms of its 43 ms step went to collections;
+        0.3 ms without the cycles, measured with ``gc.callbacks``). Cutting
+        the call-side edges lets reference counting free them. A record still
         reachable afterwards (from the gradient hook of a tensor kept alive)
         keeps its call, consumers and enclosing records.
         """

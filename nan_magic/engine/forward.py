@@ -312,7 +312,7 @@ class ForwardChecks:
             )
             if op.module is not None and op.module != frame.info.name:
                 # A child without a check of its own (a pass-through, transparent.py).
-                finding.notes.append(f"{op.op} ran inside {op.module}, called from this line")
+                finding.notes.append(f"{op.op} ran inside {op.module}, which is not checked on its own")
             return False
         if result.held_by_inputs and produced <= {"+inf", "-inf"}:
             self.masks.add(id(frame.module))
