@@ -125,6 +125,35 @@ def test_a_dropout_that_overflows_inside_its_parent_is_named_by_the_replay() -> 
     assert "aten.mul.Tensor ran inside 1.drop, which is not checked on its own" in report.notes
 
 
+def test_a_module_consuming_such_a_pass_through_is_still_named_for_its_backward() -> None:
+    class AcosHead(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.acos(x.clamp(-1.0, 1.0))  # infinite derivative at +-1
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+            self.act = nn.ReLU()
+            self.acos = AcosHead()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # tanh is this module's own code: the ReLU on it is left to Head's check...
+            return self.acos(self.act(torch.tanh(self.inner(x))))
+
+    model = nn.Sequential(nn.Linear(2, 2), Head())
+    with torch.no_grad():
+        model[1].inner.weight.copy_(torch.eye(2) * 100)  # tanh saturates at exactly 1.0
+        model[1].inner.bias.zero_()
+    with nan_magic.watch(model) as w:
+        model(torch.ones(4, 2))
+        assert "1.act" not in _called(w)
+    report = raised(lambda: model(torch.ones(4, 2)).sum().backward(), model)
+    # ...but the gradient AcosHead's backward computes for its input is checked, and names AcosHead.
+    assert (report.phase, report.module, report.module_type) == ("backward", "1.acos", "AcosHead")
+    assert report.source is not None and report.source.line.startswith("return torch.acos(x.clamp(-1.0, 1.0))")
+
+
 def test_dropout_in_half_precision_is_always_checked() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), LogAfter()).half()

@@ -220,6 +220,8 @@ class StepLog:
         self.finished_count = 0
         self._by_id: dict[int, TensorRecord] = {}
         self._aliases: dict[int, Alias] = {}
+        # Outputs of pass-throughs left to their parent's check (transparent.py), by id.
+        self._unseen: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def clear(self) -> None:
         """Forget the step's calls, freeing them now rather than at Python's next garbage collection.
@@ -243,6 +245,7 @@ class StepLog:
         self.calls.clear()
         self._by_id.clear()
         self._aliases.clear()
+        self._unseen.clear()
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
@@ -311,6 +314,27 @@ class StepLog:
         if alias is None or version_of(tensor) != alias.version:
             return None
         return alias.record, -alias.bound, alias.bound
+
+    def unseen(self, output: torch.Tensor) -> None:
+        """Note the output of a pass-through left to its parent's check: nothing stands for it yet."""
+        self._unseen[id(output)] = weakref.ref(output)
+
+    def is_unseen(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is such an output, not yet adopted (:meth:`adopt`)."""
+        ref = self._unseen.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def adopt(self, tensor: torch.Tensor) -> TensorRecord:
+        """A record of an unseen output that a module consumes, belonging to no call.
+
+        It holds no claim a pass-through could rely on (its finiteness is
+        read by a sum, not its range), and no layer row: it exists so that
+        the gradient flowing back into it names that module as its consumer.
+        """
+        del self._unseen[id(tensor)]
+        record = TensorRecord("output", tensor, None, self.defer, ranged=False)
+        self._by_id[id(tensor)] = record
+        return record
 
     def note_input(self, call: Call, path: str, tensor: torch.Tensor) -> None:
         record = self.lookup(tensor)

@@ -119,6 +119,8 @@ class ForwardChecks:
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
         for path, tensor in iter_tensors(args, "input"):
+            if self.watch.log.is_unseen(tensor):
+                self._adopt(tensor)
             self.watch.log.note_input(call, path, tensor)
         # The generators' state before the call, so a replay draws the same
         # dropout mask (a few microseconds; only where a replay can happen and
@@ -141,7 +143,11 @@ class ForwardChecks:
         kwargs, output = rest
         call = frame.call
         if call is None:
-            if frame.through is not None and type(output) is torch.Tensor and output is not frame.through:
+            if type(output) is not torch.Tensor:
+                return
+            if frame.through is None:
+                self.watch.log.unseen(output)
+            elif output is not frame.through:
                 self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound)
             return
         if kwargs:
@@ -176,6 +182,17 @@ class ForwardChecks:
                 self.watch.sync()
                 self.watch.forward_passes += 1
                 self.watch.end_step()
+
+    def _adopt(self, tensor: torch.Tensor) -> None:
+        """A module consumes the output of a pass-through left to its parent: watch its gradient.
+
+        Forward, the parent's check and replay cover that pass-through. In
+        backward, the gradient this module computes for its input must still
+        be checked where it appears, to name this module as its producer.
+        """
+        record = self.watch.log.adopt(tensor)
+        if self.watch.config.backward:
+            self.watch.gradients.hook_output(record, tensor)
 
     def _computed_by_parent(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a value of the running parent's own code, which a replay can reach.

@@ -11,7 +11,9 @@ consumer in backward (``StepLog.alias``). With a non-finite input, or an
 input of unknown finiteness (deferred mode, a tensor from outside the
 watch), the call is checked like any other, with one exception: an input
 its parent's own code computed (``softmax`` before an attention dropout)
-is left to the parent's check (:func:`passes_through_unseen`).
+is left to the parent's check (:func:`passes_through_unseen`); should a
+module consume that call's output, the gradient it computes for it is still
+checked, so its backward is still named (``StepLog.adopt``).
 
 The list is strict. The factor by which each backward multiplies the
 gradient is at most 1 for ``ANY_DTYPE``; it exceeds 1 slightly for
