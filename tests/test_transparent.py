@@ -125,7 +125,8 @@ def test_a_dropout_that_overflows_inside_its_parent_is_named_by_the_replay() -> 
     assert "aten.mul.Tensor ran inside 1.drop, which is not checked on its own" in report.notes
 
 
-def test_a_module_consuming_such_a_pass_through_is_still_named_for_its_backward() -> None:
+@pytest.mark.parametrize("by_keyword", [False, True])  # kwargs are noted when the call returns
+def test_a_module_consuming_such_a_pass_through_is_still_named_for_its_backward(by_keyword: bool) -> None:
     class AcosHead(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.acos(x.clamp(-1.0, 1.0))  # infinite derivative at +-1
@@ -139,7 +140,8 @@ def test_a_module_consuming_such_a_pass_through_is_still_named_for_its_backward(
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             # tanh is this module's own code: the ReLU on it is left to Head's check...
-            return self.acos(self.act(torch.tanh(self.inner(x))))
+            y = self.act(torch.tanh(self.inner(x)))
+            return self.acos(x=y) if by_keyword else self.acos(y)
 
     model = nn.Sequential(nn.Linear(2, 2), Head())
     with torch.no_grad():

@@ -327,9 +327,10 @@ class StepLog:
     def adopt(self, tensor: torch.Tensor) -> TensorRecord:
         """A record of an unseen output that a module consumes, belonging to no call.
 
-        It holds no claim a pass-through could rely on (its finiteness is
-        read by a sum, not its range), and no layer row: it exists so that
-        the gradient flowing back into it names that module as its consumer.
+        Probed like a gradient (a sum where it can answer, so usually with no
+        range a pass-through could rely on), with no layer row: it exists so
+        that the gradient flowing back into it names that module as its
+        consumer.
         """
         del self._unseen[id(tensor)]
         record = TensorRecord("output", tensor, None, self.defer, ranged=False)

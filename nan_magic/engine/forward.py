@@ -118,10 +118,7 @@ class ForwardChecks:
             self.watch.begin_step_if_needed()
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
-        for path, tensor in iter_tensors(args, "input"):
-            if self.watch.log.is_unseen(tensor):
-                self._adopt(tensor)
-            self.watch.log.note_input(call, path, tensor)
+        self._note_inputs(call, args, "input")
         # The generators' state before the call, so a replay draws the same
         # dropout mask (a few microseconds; only where a replay can happen and
         # the module may draw random numbers).
@@ -152,8 +149,7 @@ class ForwardChecks:
             return
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
-            for path, tensor in iter_tensors(kwargs, "kwargs"):
-                self.watch.log.note_input(call, path, tensor)
+            self._note_inputs(call, kwargs, "kwargs")
             if not self.stack or frame.info.is_root:
                 self.record_data(frame.info, module, kwargs, "kwargs")
         log = self.watch.log
@@ -183,16 +179,20 @@ class ForwardChecks:
                 self.watch.forward_passes += 1
                 self.watch.end_step()
 
-    def _adopt(self, tensor: torch.Tensor) -> None:
-        """A module consumes the output of a pass-through left to its parent: watch its gradient.
+    def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
+        """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
 
-        Forward, the parent's check and replay cover that pass-through. In
-        backward, the gradient this module computes for its input must still
-        be checked where it appears, to name this module as its producer.
+        Forward, the parent's check and replay cover such a pass-through. In
+        backward, the gradient this call computes for its output must still
+        be checked where it appears, to name this call as its producer.
         """
-        record = self.watch.log.adopt(tensor)
-        if self.watch.config.backward:
-            self.watch.gradients.hook_output(record, tensor)
+        log = self.watch.log
+        for path, tensor in iter_tensors(values, prefix):
+            if log.is_unseen(tensor):
+                record = log.adopt(tensor)
+                if self.watch.config.backward:
+                    self.watch.gradients.hook_output(record, tensor)
+            log.note_input(call, path, tensor)
 
     def _computed_by_parent(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a value of the running parent's own code, which a replay can reach.

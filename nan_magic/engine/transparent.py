@@ -77,11 +77,9 @@ def transparency(module: nn.Module) -> Transparency | None:
 
 def passes_through(kind: Transparency, module: nn.Module, tensor: torch.Tensor, low: float, high: float) -> bool:
     """Whether a call on ``tensor``, known finite with range ``[low, high]``, needs no check."""
-    if kind == "any":
-        return True
-    if tensor.dtype not in WIDE_FLOATS:
+    if not passes_through_unseen(kind, tensor):
         return False
-    if kind == "wide" or not module.training:
+    if kind != "dropout" or not module.training:
         return True
     keep = 1.0 - float(getattr(module, "p", 1.0))
     return keep > 0 and max(-low, high) / keep < torch.finfo(tensor.dtype).max
@@ -96,8 +94,9 @@ def passes_through_unseen(kind: Transparency, tensor: torch.Tensor) -> bool:
     call itself could only add the call's own overflow: none for an
     activation; for a dropout, an input beyond ``finfo.max * (1 - p)``, which
     the replay of the parent then names at the dropout's op. The caller
-    allows this only where that replay runs (immediate mode). The backward
-    factors are those of :func:`passes_through`, hence the same dtype rule.
+    allows this only where that replay runs (immediate mode). It is also
+    the dtype rule of :func:`passes_through`: a backward factor above 1
+    only in float32 and float64.
     """
     return kind == "any" or tensor.dtype in WIDE_FLOATS
 
