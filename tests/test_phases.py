@@ -84,6 +84,46 @@ def test_acos_at_one_after_a_clamp_names_the_module_whose_backward_produced_it()
     assert any("(AcosBackward0)" in note for note in report.notes)
 
 
+class AcosOfInput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.acos(x.clamp(-1.0, 1.0))  # infinite derivative at +-1
+
+
+def _acos_chain() -> tuple[nn.Sequential, Callable[[], None]]:
+    """Linear, acos, Linear: the acos's backward makes the third gradient infinite."""
+    model = nn.Sequential(nn.Linear(2, 2), AcosOfInput(), nn.Linear(2, 3))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2))
+        model[0].bias.zero_()
+    return model, lambda: model(torch.ones(1, 2)).sum().backward()
+
+
+def test_the_finite_gradients_before_a_backward_producer_are_rows_of_its_table() -> None:
+    model, step = _acos_chain()
+    report = raised(step, model)
+    rows = [row for row in report.layers if row.phase == "backward"]
+    assert [(row.module, row.module_type, row.tensor, row.status) for row in rows] == [
+        (None, None, "grad of 2 output", "ok"),  # computed by the loss code
+        ("2", "Linear", "grad of input[0]", "ok"),
+        ("1", "AcosOfInput", "grad of input[0]", "producer"),
+    ]
+    assert [row.stats.shape for row in rows] == [(1, 3), (1, 2), (1, 2)]
+    assert [row.stats.nonfinite for row in rows[:2]] == [0, 0] and rows[2].stats.nonfinite == 2
+    # In the order autograd computed them, after every forward row.
+    assert [row.index for row in rows] == sorted(row.index for row in rows)
+    assert min(row.index for row in rows) > max(row.index for row in report.layers if row.phase != "backward")
+
+
+def test_a_table_bounded_by_max_layers_counts_the_gradient_rows_it_drops() -> None:
+    model, step = _acos_chain()
+    whole = raised(step, model)
+    model, step = _acos_chain()
+    bounded = raised(step, model, max_layers=3)
+    assert [row.tensor for row in bounded.layers] == [row.tensor for row in whole.layers[-3:]]
+    assert bounded.layers[-1].status == "producer"
+    assert bounded.layers_dropped == len(whole.layers) - 3
+
+
 def test_where_with_an_overflowing_unselected_branch_is_found_through_the_gradient() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), GuardedExp(), nn.Linear(4, 1))

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.held import HeldArguments
     from nan_magic.engine.replay import RngState
 
-__all__ = ["Alias", "Call", "StepLog", "TensorRecord", "version_of"]
+__all__ = ["Alias", "Call", "StepLog", "TensorRecord", "consumer_of", "gradient_label", "version_of"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -104,6 +104,16 @@ class TensorRecord:
         else:
             self.set_probe(low.item(), high.item())
 
+    @classmethod
+    def finite(cls, path: str, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:
+        """The record of a tensor found finite earlier by its sum, no longer referred to."""
+        record = cls.__new__(cls)
+        record.path, record.dtype, record.shape, record.call = path, dtype, shape, call
+        record.ref, record.version = _gone, 0  # type: ignore[assignment]  # called like a dead weakref
+        record.status, record.consumers, record.outer, record.inner = "ok", [], None, None
+        record._probe, record.low, record.high, record.kinds, record.ranged = None, math.nan, math.nan, _NONE, False
+        return record
+
     def set_probe(self, low: float, high: float) -> None:
         self.low, self.high = low, high
         # Finite is the common case: skip the classification then.
@@ -135,6 +145,11 @@ class TensorRecord:
         if not self.ranged:
             return finite_stats(self.dtype, self.shape)
         return probe_stats(self.dtype, self.shape, self.low, self.high)
+
+
+def _gone() -> None:
+    """A dead reference: what :meth:`TensorRecord.finite` records point to."""
+    return None
 
 
 class Call:
@@ -214,7 +229,11 @@ class StepLog:
 
     def __init__(self, max_calls: int, defer: bool) -> None:
         self.defer = defer
-        self.calls: deque[Call] = deque(maxlen=max_calls)
+        self._calls: deque[Call] = deque(maxlen=max_calls)
+        # Gradients found finite, not yet made into calls (:meth:`finite_gradient`),
+        # and those gradient tensors by id, with their version then.
+        self._finite_gradients: deque[_FiniteGradient] = deque(maxlen=max_calls)
+        self._finite_ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
@@ -222,6 +241,9 @@ class StepLog:
         self._aliases: dict[int, Alias] = {}
         # Outputs of pass-throughs left to their parent's check (transparent.py), by id.
         self._unseen: dict[int, weakref.ref[torch.Tensor]] = {}
+        # (phase, dtype) -> (largest finite |value| this step, its call), kept as
+        # probes are read (:meth:`summary`).
+        self._largest: dict[tuple[Phase, torch.dtype], tuple[float, Call]] = {}
 
     def clear(self) -> None:
         """Forget the step's calls, freeing them now rather than at Python's next garbage collection.
@@ -236,19 +258,71 @@ class StepLog:
         reachable afterwards (from the gradient hook of a tensor kept alive)
         keeps its call, consumers and enclosing records.
         """
-        for call in self.calls:
+        for call in self._calls:
             for record in call.outputs:
                 record.inner = None
             call.outputs = []
             call.inputs = []
             call.held = None
-        self.calls.clear()
+        self._calls.clear()
+        self._finite_gradients.clear()
+        self._finite_ids.clear()
         self._by_id.clear()
         self._aliases.clear()
         self._unseen.clear()
+        self._largest.clear()
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
+
+    @property
+    def calls(self) -> deque[Call]:
+        """The step's calls, oldest first by creation (at most ``max_calls``)."""
+        if self._finite_gradients:
+            self._make_gradient_calls()
+        return self._calls
+
+    def finite_gradient(self, record: TensorRecord, grad: torch.Tensor) -> None:
+        """Note that the gradient of ``record``'s tensor was found finite (the backward hot path).
+
+        Made into a backward call with its record only when the calls are
+        read (:attr:`calls`): for a report, at most once per step. Until
+        then it is a tuple, which in a 43 ms ResNet-18 step saves about a
+        millisecond over building its call and record in the hook.
+        """
+        if len(self._finite_gradients) == self._finite_gradients.maxlen:
+            self.dropped += 1
+        self._finite_gradients.append((self.count, self.finished_count, record, grad.dtype, grad.shape))
+        self._finite_ids[id(grad)] = (weakref.ref(grad), version_of(grad))
+        self.count += 1
+        self.finished_count += 1
+
+    def known_finite_gradient(self, grad: torch.Tensor) -> bool:
+        """Whether this very gradient, unchanged, was found finite already.
+
+        Autograd hands one gradient tensor to several places (an addition
+        passes it to both of its inputs): it is summed once.
+        """
+        known = self._finite_ids.get(id(grad))
+        return known is not None and known[0]() is grad and known[1] == version_of(grad)
+
+    def _make_gradient_calls(self) -> None:
+        """The backward calls of the gradients noted by :meth:`finite_gradient`, merged in creation order."""
+        made = []
+        for index, finished, target, dtype, shape in self._finite_gradients:
+            consumer = consumer_of(target)
+            call = Call(index, Phase.BACKWARD, consumer.info if consumer is not None else None, None, None)
+            call.consumer, call.finished = consumer, finished
+            call.outputs.append(TensorRecord.finite(gradient_label(target, consumer), dtype, tuple(shape), call))
+            made.append(call)
+        self._finite_gradients.clear()
+        limit = self._calls.maxlen
+        merged = sorted([*self._calls, *made], key=lambda call: call.index)
+        if limit is not None and len(merged) > limit:
+            # The oldest go, as in :meth:`new_call`.
+            self.dropped += len(merged) - limit
+            merged = merged[len(merged) - limit :]
+        self._calls = deque(merged, maxlen=limit)
 
     def finish(self, call: Call) -> None:
         """Mark a call as returned: children return before their parent."""
@@ -262,9 +336,9 @@ class StepLog:
     def new_call(self, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> Call:
         call = Call(self.count, phase, info, module, parent)
         self.count += 1
-        if len(self.calls) == self.calls.maxlen:
+        if len(self._calls) == self._calls.maxlen:
             self.dropped += 1
-        self.calls.append(call)
+        self._calls.append(call)
         return call
 
     def record_output(self, call: Call, path: str, tensor: torch.Tensor, ranged: bool = True) -> TensorRecord:
@@ -277,7 +351,25 @@ class StepLog:
             record.inner = inner
         call.outputs.append(record)
         self._by_id[id(tensor)] = record
+        if record.ranged and record._probe is None:
+            self._note_range(call, record)
         return record
+
+    def _note_range(self, call: Call, record: TensorRecord) -> None:
+        """Keep the step's largest finite ``|value|`` per phase and dtype, for :meth:`summary`.
+
+        Noted as each probe is read, while the record is still in cache:
+        a pass over every record at the end of the step cost more (on
+        ResNet-18, about 0.2 ms of a 43 ms step).
+        """
+        if record.kinds or (call.info is None and call.phase is not Phase.BACKWARD):
+            return  # non-finite, or the loss (not a module output)
+        low, high = record.low, record.high
+        value = high if high > -low else -low
+        key = (call.phase, record.dtype)
+        largest = self._largest.get(key)
+        if largest is None or value > largest[0]:
+            self._largest[key] = (value, call)
 
     def lookup(self, tensor: torch.Tensor) -> TensorRecord | None:
         """The record of a tensor seen earlier in this step, if it is that very tensor."""
@@ -362,6 +454,8 @@ class StepLog:
         for position, record in enumerate(pending):
             record.set_probe(values[2 * position], values[2 * position + 1])
             record._probe = None
+            if record.call is not None:
+                self._note_range(record.call, record)
         return values[len(scalars):]
 
     def layer_calls(self, limit: int) -> tuple[tuple[LayerCall, ...], int]:
@@ -390,7 +484,7 @@ class StepLog:
         return tuple(rows[cut:]), cut + self.dropped
 
     def summary(self) -> tuple[float | None, float | None, Headroom | None, Headroom | None]:
-        """One pass over the step's read probes.
+        """What the step's read probes say, from the largest values noted as they were read.
 
         Returns ``(absmax, data absmax, headroom, gradient headroom)``:
         the largest finite |value| of the forward outputs and of the tensors
@@ -400,24 +494,47 @@ class StepLog:
         """
         absmax = data_absmax = None
         headroom: dict[Phase, Headroom] = {}
-        for call in self.calls:
-            if call.info is None and call.phase != Phase.BACKWARD:
-                continue  # the loss: not a module output
-            for record in call.outputs:
-                if record.pending or record.kinds or not record.ranged:
-                    continue
-                value = max(-record.low, record.high)
-                if call.phase == Phase.DATA:
-                    data_absmax = value if data_absmax is None or value > data_absmax else data_absmax
-                    continue
-                if call.phase == Phase.FORWARD and (absmax is None or value > absmax):
-                    absmax = value
-                if value > 0:
-                    ratio = _finite_max(record.dtype) / value
-                    best = headroom.get(call.phase)
-                    if best is None or ratio < best[0]:
-                        headroom[call.phase] = (ratio, call.name, str(record.dtype).removeprefix("torch."))
+        for (phase, dtype), (value, call) in self._largest.items():
+            if phase is Phase.DATA:
+                data_absmax = value if data_absmax is None or value > data_absmax else data_absmax
+                continue
+            if phase is Phase.FORWARD and (absmax is None or value > absmax):
+                absmax = value
+            if value > 0:
+                ratio = _finite_max(dtype) / value
+                best = headroom.get(phase)
+                if best is None or ratio < best[0]:
+                    headroom[phase] = (ratio, call.name, str(dtype).removeprefix("torch."))
         return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
+
+
+#: ``(call index, finished index, record of the forward tensor, gradient dtype, gradient shape)``
+_FiniteGradient = tuple[int, int, TensorRecord, torch.dtype, torch.Size]
+
+
+def consumer_of(record: TensorRecord) -> Call | None:
+    """The call whose backward computes the gradient of ``record``'s tensor.
+
+    The innermost watched module that took the tensor as input; with none,
+    the functional code of the producing call's parent (None at top
+    level: the loss). A tensor that enclosing calls returned as their own
+    output is consumed where the outermost of them handed it on.
+    """
+    while record.outer is not None:
+        record = record.outer
+    if record.consumers:
+        return record.consumers[-1]
+    return record.call.parent if record.call is not None else None
+
+
+def gradient_label(record: TensorRecord, consumer: Call | None) -> str:
+    """``grad of input[0]`` as the consumer saw it, else of the producing output."""
+    if consumer is not None:
+        for path, input_record, _ref, _version in consumer.inputs:
+            if input_record is record:
+                return f"grad of {path}"
+    owner = record.call.name if record.call is not None else None
+    return f"grad of {owner or 'model'} {record.path}".rstrip()
 
 
 @functools.cache

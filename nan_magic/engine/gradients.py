@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nan_magic.engine.calls import Call, TensorRecord
+from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
-from nan_magic.engine.stats import kinds_of, relevant_kinds
+from nan_magic.engine.stats import WIDE_FLOATS, kinds_of, relevant_kinds
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -112,13 +112,25 @@ class GradientChecks:
         watch = self.watch
         if not watch.mine() or grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return
-        consumer = self.consumer(record)
-        call = watch.log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
+        log = watch.log
+        # The hot path. A gradient's range is only shown for half precision
+        # (its headroom); in float32 on the CPU a sum answers whether it is
+        # finite, and a finite one is only noted.
+        if (
+            not watch.defer
+            and grad.is_cpu
+            and grad.dtype in WIDE_FLOATS
+            and log.lookup(grad) is None
+            and (log.known_finite_gradient(grad) or math.isfinite(float(grad.detach().sum())))
+        ):
+            log.finite_gradient(record, grad)
+            self.release(record)
+            return
+        consumer = consumer_of(record)
+        call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
         call.consumer = consumer
-        # A gradient's range is only shown for half precision (its headroom); in
-        # float32 on the CPU its finiteness is read by a cheaper sum.
-        watch.log.record_output(call, self.label(record, consumer), grad, ranged=False)
-        watch.log.finish(call)
+        log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
+        log.finish(call)
         if not watch.defer:
             self.judge(call, record)
         self.release(record)
@@ -168,30 +180,6 @@ class GradientChecks:
             if target is not None and call.consumer is not None and watch.forward.keeps_calls:
                 watch.forward.replay_backward_into(finding, call.consumer, target)
         watch.on_gradient_event(finding)
-
-    @staticmethod
-    def consumer(record: TensorRecord) -> Call | None:
-        """The call whose backward computes this output's gradient.
-
-        The innermost watched module that took the tensor as input; with none,
-        the functional code of the producing call's parent (None at top
-        level: the loss). A tensor that enclosing calls returned as their own
-        output is consumed where the outermost of them handed it on.
-        """
-        *_, record = record.outward()
-        if record.consumers:
-            return record.consumers[-1]
-        return record.call.parent if record.call is not None else None
-
-    @staticmethod
-    def label(record: TensorRecord, consumer: Call | None) -> str:
-        """``grad of input[0]`` as the consumer saw it, else of the producing output."""
-        if consumer is not None:
-            for path, input_record, _ref, _version in consumer.inputs:
-                if input_record is record:
-                    return f"grad of {path}"
-        owner = record.call.name if record.call is not None else None
-        return f"grad of {owner or 'model'} {record.path}".rstrip()
 
     def check_parameter_grads(self, named: list[tuple[str, torch.Tensor]], context: str) -> Finding | None:
         """A finding for the first non-finite ``.grad`` among named parameters."""

@@ -100,6 +100,8 @@ class _Layout:
 
     signature: tuple[int, ...]
     named: list[tuple[str, torch.Tensor]]
+    #: The floating parameters with elements: those whose gradients are checked.
+    floating: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     #: Every parameter is float32 or float64.
     wide: bool = False
     state_count: int = -1
@@ -175,16 +177,27 @@ class OptimizerChecks:
         (norm,) = norms([grad])
         self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), norm)
 
-    def _grad_norms(self, parameters: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Norms of the gradients about to be applied: taken in backward if unchanged since, else now."""
+    def _gradients(self, layout: _Layout) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """The gradients about to be applied, with their norms: taken in backward if unchanged since, else now."""
         hot, self._hot = self._hot, {}
-        result: list[torch.Tensor | None] = []
-        for parameter, grad in zip(parameters, grads):
+        with_grad: list[tuple[str, torch.Tensor]] = []
+        known: list[torch.Tensor | None] = []
+        cold: list[torch.Tensor] = []
+        for name, parameter in layout.floating:
+            grad = parameter.grad
+            if grad is None:
+                continue
+            with_grad.append((name, grad))
             entry = hot.get(id(parameter))
-            fresh = entry is not None and entry[0]() is grad and entry[1] == version_of(grad)
-            result.append(entry[2] if entry is not None and fresh else None)
-        cold = iter(norms([grad for grad, norm in zip(grads, result) if norm is None]))
-        return [norm if norm is not None else next(cold) for norm in result]
+            if entry is not None and entry[0]() is grad and entry[1] == version_of(grad):
+                known.append(entry[2])
+            else:
+                known.append(None)
+                cold.append(grad)
+        if not cold:
+            return with_grad, known  # type: ignore[return-value]
+        measured = iter(norms(cold))
+        return with_grad, [norm if norm is not None else next(measured) for norm in known]
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before a step: the previous step's result, then the gradients about to be applied.
@@ -199,28 +212,23 @@ class OptimizerChecks:
             self.seen.append(opt)
         self._bounded = False
         layout = self.layout(opt)
-        with_grad: list[tuple[str, torch.Tensor]] = []
-        parameters: list[torch.Tensor] = []
-        for name, parameter in layout.named:
-            grad = parameter.grad
-            if grad is not None and _float_tensor(grad):
-                with_grad.append((name, grad))
-                parameters.append(parameter)
-        grad_norms = self._grad_norms(parameters, [grad for _name, grad in with_grad])
+        with_grad, grad_norms = self._gradients(layout)
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
         values = watch.sync(carried_norms + grad_norms)
         if carried is not None and not self._report_step_result(carried, values[: len(carried_norms)]):
             watch.on_finite_step()
         grad_values = values[len(carried_norms) :]
-        self.last_grad_norm = math.sqrt(sum(v * v for v in grad_values)) if grad_values else None
-        for (name, grad), value in zip(with_grad, grad_values):
-            if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
-                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
-                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
-                self._attribute(finding)
-                watch.emit(finding)
-                return
+        # hypot: NaN if any value is, inf if any is; never overflows on finite values.
+        self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
+        if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
+            for (name, grad), value in zip(with_grad, grad_values):
+                if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
+                    finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+                    finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                    self._attribute(finding)
+                    watch.emit(finding)
+                    return
         self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
         self.in_step = True
 
@@ -363,7 +371,10 @@ class OptimizerChecks:
         if layout is None or layout.signature != signature:
             named = self.named_parameters(opt)
             wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
-            layout = self._layouts[id(opt)] = _Layout(signature, named, wide)
+            # A gradient has its parameter's dtype and shape (autograd and the
+            # ``.grad`` setter enforce it), so this is decided once per layout.
+            floating = [(name, parameter) for name, parameter in named if _float_tensor(parameter)]
+            layout = self._layouts[id(opt)] = _Layout(signature, named, floating, wide)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
             layout.state_count = len(opt.state)

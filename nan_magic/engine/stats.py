@@ -98,17 +98,20 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     result: list[torch.Tensor] = [_EMPTY] * len(tensors)
-    # Detached inputs record no graph: cheaper than entering ``no_grad``
-    # (a few microseconds, and this runs for every large gradient).
     for index, tensor in enumerate(tensors):
         if tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.numel() >= DOT_MIN_NUMEL and tensor.is_contiguous():
-            flat = tensor.detach().view(-1)
+            # Only a tensor that requires grad (a gradient of create_graph=True)
+            # is detached: the others record no graph, at no cost.
+            flat = (tensor.detach() if tensor.requires_grad else tensor).view(-1)
             result[index] = flat.sum() if finiteness_only else torch.dot(flat, flat).sqrt_()
         else:
             groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    for indices in groups.values():
-        for index, norm in zip(indices, torch._foreach_norm([tensors[i].detach() for i in indices], 2)):
-            result[index] = norm
+    if groups:
+        # One no_grad for the small tensors: cheaper than detaching each of them.
+        with torch.no_grad():
+            for indices in groups.values():
+                for index, norm in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2)):
+                    result[index] = norm
     return result
 
 
