@@ -9,7 +9,6 @@ still alive gets its full statistics, otherwise the probe's.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections import deque
@@ -20,6 +19,7 @@ import torch
 
 from nan_magic.engine.stats import (
     WIDE_FLOATS,
+    finite_max,
     finite_stats,
     probe,
     probe_kinds,
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.held import HeldArguments
     from nan_magic.engine.replay import RngState
 
-__all__ = ["Alias", "Call", "StepLog", "TensorRecord", "consumer_of", "gradient_label", "version_of"]
+__all__ = ["Alias", "Call", "KnownFinite", "StepLog", "TensorRecord", "consumer_of", "gradient_label", "version_of"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -378,34 +378,38 @@ class StepLog:
             return record
         return None
 
-    def alias(self, output: torch.Tensor, source: torch.Tensor, module: Any, rng_state: Any, bound: float) -> None:
+    def alias(self, output: torch.Tensor, source: torch.Tensor, module: Any, rng_state: Any, bound: float,
+              known: KnownFinite) -> None:
         """Let a passed-through call's output stand for the record of its input.
 
-        ``bound`` bounds the output's magnitude (from the input's range).
+        ``known`` is what :meth:`known_finite` said of ``source`` when the
+        call began; ``bound`` bounds the output's magnitude (from the
+        input's range).
         """
-        known = self.known_finite(source)
-        origin = self.lookup(source) or self.alias_of(source)
-        if known is not None and origin is not None:
-            self._aliases[id(output)] = Alias(output, known[0], module, source, origin, rng_state, bound)
+        record, _low, _high, origin = known
+        if version_of(source) == origin.version:  # not written during the call
+            self._aliases[id(output)] = Alias(output, record, module, source, origin, rng_state, bound)
 
     def alias_of(self, tensor: torch.Tensor) -> Alias | None:
         alias = self._aliases.get(id(tensor))
         return alias if alias is not None and alias.ref() is tensor else None
 
-    def known_finite(self, tensor: torch.Tensor) -> tuple[TensorRecord, float, float] | None:
-        """``(record, low, high)`` when the tensor is known finite and unchanged since; None otherwise.
+    def known_finite(self, tensor: torch.Tensor) -> KnownFinite | None:
+        """``(record, low, high, origin)`` when the tensor is known finite and unchanged since; None otherwise.
 
-        Known from its own read probe, or through the pass-throughs it came from.
+        Known from its own read probe (``origin`` is then its record), or
+        through the pass-throughs it came from (``origin`` is the alias it
+        is the output of; ``record`` the record the chain goes back to).
         """
         record = self.lookup(tensor)
         if record is not None:
             if record.pending or record.kinds or not record.ranged or version_of(tensor) != record.version:
                 return None
-            return record, record.low, record.high
+            return record, record.low, record.high, record
         alias = self.alias_of(tensor)
         if alias is None or version_of(tensor) != alias.version:
             return None
-        return alias.record, -alias.bound, alias.bound
+        return alias.record, -alias.bound, alias.bound, alias
 
     def unseen(self, output: torch.Tensor) -> None:
         """Note the output of a pass-through left to its parent's check: nothing stands for it yet."""
@@ -501,12 +505,15 @@ class StepLog:
             if phase is Phase.FORWARD and (absmax is None or value > absmax):
                 absmax = value
             if value > 0:
-                ratio = _finite_max(dtype) / value
+                ratio = finite_max(dtype) / value
                 best = headroom.get(phase)
                 if best is None or ratio < best[0]:
                     headroom[phase] = (ratio, call.name, str(dtype).removeprefix("torch."))
         return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
 
+
+#: ``(record, low, high, origin)``: see :meth:`StepLog.known_finite`.
+KnownFinite = tuple[TensorRecord, float, float, "TensorRecord | Alias"]
 
 #: ``(call index, finished index, record of the forward tensor, gradient dtype, gradient shape)``
 _FiniteGradient = tuple[int, int, TensorRecord, torch.dtype, torch.Size]
@@ -536,7 +543,3 @@ def gradient_label(record: TensorRecord, consumer: Call | None) -> str:
     owner = record.call.name if record.call is not None else None
     return f"grad of {owner or 'model'} {record.path}".rstrip()
 
-
-@functools.cache
-def _finite_max(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).max

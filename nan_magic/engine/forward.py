@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nan_magic.engine.calls import Alias, Call, TensorRecord, version_of
+from nan_magic.engine.calls import Alias, Call, KnownFinite, TensorRecord, version_of
 from nan_magic.engine.findings import Finding, apply_op_finding
 from nan_magic.engine.held import hold_arguments
 from nan_magic.engine.ops import OpFinding, OpTracer
@@ -27,7 +27,7 @@ from nan_magic.engine.replay import (
     replay_module,
     run_again,
 )
-from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.engine.stats import is_checkable, iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.engine.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.records import Phase
@@ -48,7 +48,7 @@ class Frame:
     the input it received.
     """
 
-    __slots__ = ("bound", "call", "info", "module", "rng_state", "through")
+    __slots__ = ("bound", "call", "info", "known", "module", "rng_state", "through")
 
     def __init__(
         self,
@@ -58,6 +58,7 @@ class Frame:
         rng_state: RngState | None,
         through: torch.Tensor | None = None,
         bound: float = 0.0,
+        known: KnownFinite | None = None,
     ) -> None:
         self.module = module
         self.info = info
@@ -65,6 +66,8 @@ class Frame:
         self.rng_state = rng_state
         self.through = through
         self.bound = bound
+        #: What was known of ``through`` when the call began.
+        self.known = known
 
 
 
@@ -107,7 +110,7 @@ class ForwardChecks:
                 # Cannot make its finite input non-finite: nothing to check (transparent.py).
                 rng = capture_rng_state() if info.transparent == "dropout" and self.keeps_calls else None
                 bound = output_bound(info.transparent, module, known[1], known[2])
-                self.stack.append(Frame(module, info, None, rng, through=args[0], bound=bound))
+                self.stack.append(Frame(module, info, None, rng, through=args[0], bound=bound, known=known))
                 return
             if known is None and self._computed_by_parent(args[0]) and passes_through_unseen(info.transparent, args[0]):
                 # Its parent's check covers it (transparent.py); nothing stands for its output.
@@ -144,8 +147,8 @@ class ForwardChecks:
                 return
             if frame.through is None:
                 self.watch.log.unseen(output)
-            elif output is not frame.through:
-                self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound)
+            elif output is not frame.through and frame.known is not None:
+                self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound, frame.known)
             return
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
@@ -187,7 +190,12 @@ class ForwardChecks:
         be checked where it appears, to name this call as its producer.
         """
         log = self.watch.log
-        for path, tensor in iter_tensors(values, prefix):
+        if prefix == "input" and len(values) == 1 and type(values[0]) is torch.Tensor:
+            # The hot path, ``module(x)``: no walk of the arguments.
+            found = [("input[0]", values[0])] if is_checkable(values[0]) else []
+        else:
+            found = iter_tensors(values, prefix)
+        for path, tensor in found:
             if log.is_unseen(tensor):
                 record = log.adopt(tensor)
                 if self.watch.config.backward:

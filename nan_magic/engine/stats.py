@@ -12,6 +12,7 @@ the first bad index.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from nan_magic.records import KINDS, Sample, TensorStats
 __all__ = [
     "DOT_MIN_NUMEL",
     "WIDE_FLOATS",
+    "finite_max",
     "finite_stats",
     "is_checkable",
     "iter_tensors",
@@ -116,6 +118,12 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
 
 
 _EMPTY = torch.empty(0)
+
+
+@functools.cache
+def finite_max(dtype: torch.dtype) -> float:
+    """The largest finite value of a floating dtype (cached: ``torch.finfo`` takes microseconds)."""
+    return torch.finfo(dtype).max
 
 
 def read_scalars(scalars: list[torch.Tensor]) -> list[float]:

@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from nan_magic.engine.stats import WIDE_FLOATS
+from nan_magic.engine.stats import WIDE_FLOATS, finite_max
 
 __all__ = [
     "ANY_DTYPE",
@@ -82,7 +82,7 @@ def passes_through(kind: Transparency, module: nn.Module, tensor: torch.Tensor, 
     if kind != "dropout" or not module.training:
         return True
     keep = 1.0 - float(getattr(module, "p", 1.0))
-    return keep > 0 and max(-low, high) / keep < torch.finfo(tensor.dtype).max
+    return keep > 0 and max(-low, high) / keep < finite_max(tensor.dtype)
 
 
 def passes_through_unseen(kind: Transparency, tensor: torch.Tensor) -> bool:
@@ -116,5 +116,13 @@ def output_bound(kind: Transparency, module: nn.Module, low: float, high: float)
     # Read from the instance dict: a missing attribute sent through
     # ``nn.Module.__getattr__`` costs about 10 us (it formats an error).
     attributes = vars(module)
-    constants = (attributes.get(name, 1.0) for name in ("alpha", "min_val", "max_val"))
-    return max(magnitude, 1.0, *(abs(float(value)) for value in constants))
+    bound = magnitude if magnitude > 1.0 else 1.0
+    for name in _CONSTANTS:
+        value = attributes.get(name)
+        if value is not None:
+            bound = max(bound, abs(float(value)))
+    return bound
+
+
+#: The attributes of the listed activations that can bound their output.
+_CONSTANTS = ("alpha", "min_val", "max_val")
