@@ -18,7 +18,7 @@ import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,8 +49,10 @@ class GradientChecks:
         A tensor a child call returned first (``record.inner``) already has
         our hook, and :meth:`consumer` follows it outwards.
         """
-        if record.inner is None and tensor.requires_grad and tensor.grad_fn is not None:
-            _register_grad_hook(tensor, functools.partial(self._on_output_grad, record))
+        if record.inner is None:
+            grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
+            if grad_fn is not None:
+                _register_grad_hook(tensor, grad_fn, functools.partial(self._on_output_grad, record))
 
     def on_backward_start(self, loss: torch.Tensor) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
@@ -141,10 +143,12 @@ class GradientChecks:
         tensor = record.ref()
         if tensor is None:
             return
-        for current in record.outward():
+        current: TensorRecord | None = record
+        while current is not None:  # record.outward(), without a generator: this runs for every gradient
             for consumer in current.consumers:
-                if consumer.held is not None:
+                if consumer.held is not None and consumer.held.kept is not None:
                     consumer.held.release(tensor)
+            current = current.outer
 
     def judge(self, call: Call, target: TensorRecord | None = None) -> None:
         """Report the first non-finite gradient of a backward pass.
@@ -194,7 +198,7 @@ class GradientChecks:
         return None
 
 
-def _register_grad_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+def _register_grad_hook(tensor: torch.Tensor, grad_fn: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """``tensor.register_hook(hook)``, for a tensor without hooks at about 60% of its cost.
 
     This runs once per module output. ``Tensor.register_hook`` makes a
@@ -204,8 +208,8 @@ def _register_grad_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Non
     ``register_hook`` itself attaches it. Any other tensor takes the public
     path.
     """
-    if type(tensor) is torch.Tensor and tensor._backward_hooks is None and tensor.grad_fn is not None:
-        register_dict = getattr(tensor.grad_fn, "_register_hook_dict", None)
+    if type(tensor) is torch.Tensor and tensor._backward_hooks is None:
+        register_dict = getattr(grad_fn, "_register_hook_dict", None)
         if register_dict is not None:
             # An OrderedDict, as torch makes it: a RemovableHandle the user
             # registers later holds a weak reference to it.

@@ -109,8 +109,12 @@ class HeldArguments(NamedTuple):
     def release(self, tensor: torch.Tensor) -> None:
         """Stop holding ``tensor`` strongly (its gradient is complete)."""
         kept = self.kept() if self.kept is not None else None
-        if kept is not None and any(held is tensor for held in kept.tensors):
-            kept.tensors = [held for held in kept.tensors if held is not tensor]
+        if kept is None:
+            return
+        for held in kept.tensors:
+            if held is tensor:
+                kept.tensors = [held for held in kept.tensors if held is not tensor]
+                return
 
 
 class _Gone(Exception):

@@ -54,7 +54,15 @@ from torch import nn
 
 from nan_magic.engine.calls import version_of
 from nan_magic.engine.findings import Finding
-from nan_magic.engine.stats import DOT_MIN_NUMEL, WIDE_FLOATS, kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.engine.stats import (
+    DOT_MIN_NUMEL,
+    WIDE_FLOATS,
+    dot_norm,
+    kinds_of,
+    norms,
+    read_scalars,
+    relevant_kinds,
+)
 from nan_magic.records import Cause, Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -174,8 +182,9 @@ class OptimizerChecks:
             self._hot_enabled = False
             self._hot.clear()
             return
-        (norm,) = norms([grad])
-        self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), norm)
+        # A CPU parameter of DOT_MIN_NUMEL elements or more (arm), so its
+        # contiguous wide gradient takes norms()' dot, called directly.
+        self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), dot_norm(grad))
 
     def _gradients(self, layout: _Layout) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
         """The gradients about to be applied, with their norms: taken in backward if unchanged since, else now."""

@@ -24,6 +24,7 @@ from nan_magic.records import KINDS, Sample, TensorStats
 __all__ = [
     "DOT_MIN_NUMEL",
     "WIDE_FLOATS",
+    "dot_norm",
     "finite_max",
     "finite_stats",
     "is_checkable",
@@ -102,10 +103,7 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
     result: list[torch.Tensor] = [_EMPTY] * len(tensors)
     for index, tensor in enumerate(tensors):
         if tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.numel() >= DOT_MIN_NUMEL and tensor.is_contiguous():
-            # Only a tensor that requires grad (a gradient of create_graph=True)
-            # is detached: the others record no graph, at no cost.
-            flat = (tensor.detach() if tensor.requires_grad else tensor).view(-1)
-            result[index] = flat.sum() if finiteness_only else torch.dot(flat, flat).sqrt_()
+            result[index] = _flat(tensor).sum() if finiteness_only else dot_norm(tensor)
         else:
             groups.setdefault((tensor.device, tensor.dtype), []).append(index)
     if groups:
@@ -115,6 +113,18 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
                 for index, norm in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2)):
                     result[index] = norm
     return result
+
+
+def dot_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of a contiguous CPU float32/float64 tensor by a BLAS dot (see :func:`norms`)."""
+    flat = _flat(tensor)
+    return torch.dot(flat, flat).sqrt_()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    # Only a tensor that requires grad (a gradient of create_graph=True) is
+    # detached: the others record no graph, at no cost.
+    return (tensor.detach() if tensor.requires_grad else tensor).view(-1)
 
 
 _EMPTY = torch.empty(0)
