@@ -312,3 +312,28 @@ def test_the_per_feature_batch_rule_runs_at_the_first_step_then_every_few() -> N
     # The extreme-input rule reads the probe the watch already has, every step.
     probe = (float(table.min()), 2e7)
     assert kinds(EarlyWarnings().observe_batch(BATCH_RULE_EVERY + 1, "input[0]", table, probe)) == ["extreme-input"]
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_step_summary_holds_the_largest_values_and_where_the_headroom_is_least(defer: bool) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[3.0, 0.0], [0.0, -5.0]]))  # outputs 3 and -10
+        model[0].bias.zero_()
+        model[1].weight.fill_(1.0)  # output -7
+        model[1].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nan_magic.watch(model, opt, defer=defer) as w:
+        opt.zero_grad()
+        model(torch.tensor([[1.0, 2.0]])).sum().backward()
+        opt.step()
+    (summary,) = w.history
+    assert (summary.absmax, summary.input_absmax) == (10.0, 2.0)
+    assert summary.headroom == pytest.approx(torch.finfo(torch.float32).max / 10.0)
+    assert (summary.headroom_module, summary.headroom_dtype) == ("0", "float32")
+    if defer:
+        # Deferred gradients get a range (every gradient here is 1), read with the step's one transfer.
+        assert summary.grad_headroom == pytest.approx(torch.finfo(torch.float32).max)
+        assert summary.grad_headroom_dtype == "float32"
+    else:
+        assert summary.grad_headroom is None  # float32 CPU gradients: finiteness only, by a sum

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -131,4 +132,27 @@ def test_one_gradient_tensor_seen_twice_keeps_its_finiteness_only_probe() -> Non
         model(torch.randn(3, 4)).sum().backward()
         grads = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
         assert len(grads) >= 2 and all(not record.ranged and not record.kinds for record in grads)
+    assert w.report is None
+
+
+def test_one_gradient_tensor_handed_to_two_branches_is_summed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = TwoBranches()
+    summed: list[tuple[int, ...]] = []
+    original = torch.Tensor.sum
+
+    def counting_sum(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        summed.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    with nan_magic.watch(model) as w:
+        out = model(torch.randn(3, 4))
+        loss = out.sum()
+        monkeypatch.setattr(torch.Tensor, "sum", counting_sum)
+        loss.backward()
+        monkeypatch.undo()
+        rows = [call.outputs[0].path for call in w.log.calls if call.phase == "backward"]
+    # The addition hands the model output's gradient to both branches: three checks, one sum.
+    assert rows == ["grad of model output", "grad of right output", "grad of left output"]
+    assert summed.count((3, 4)) == 1
     assert w.report is None
