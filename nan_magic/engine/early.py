@@ -100,12 +100,12 @@ class _Spikes:
             return None
         magnitude = abs(value)
         ratio = None
-        if self.seen >= WARMUP:
-            median = statistics.median(self.recent)
-            if median > 0 and magnitude > SPIKE_FACTOR * median and magnitude > self.warmup_max:
-                ratio = magnitude / median
-        else:
+        if self.seen < WARMUP:
             self.warmup_max = max(self.warmup_max, magnitude)
+        elif magnitude > self.warmup_max:  # else no spike, and no median to take (most steps)
+            median = statistics.median(self.recent)
+            if median > 0 and magnitude > SPIKE_FACTOR * median:
+                ratio = magnitude / median
         self.seen += 1
         self.recent.append(magnitude)
         return ratio
