@@ -13,6 +13,10 @@
 - :func:`anomaly_detection`: ``torch.autograd.set_detect_anomaly(True)``, which records
   a Python stack for every autograd node in forward and checks every gradient in backward
   for NaN.
+- :func:`checks_floor`: not a watcher but a yardstick: the reads nan_magic's default
+  checks make (one ``aminmax`` per module output, one ``sum`` per output gradient, one
+  norm per parameter gradient), with almost no Python around them. What nan_magic costs
+  beyond it is its bookkeeping (records, replays, reports, warnings).
 - :func:`naive_dispatch_checker`: the op-level checker people write first, the yardstick
   for ``ops=True``: a ``TorchDispatchMode`` that checks every floating output of every
   op (forward, backward and optimizer) with ``torch.isfinite(t).all().item()``, one host
@@ -26,11 +30,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -151,6 +158,69 @@ def anomaly_detection(model: nn.Module) -> Iterator[None]:
     # set_detect_anomaly rather than detect_anomaly: the latter warns on every entry.
     with torch.autograd.set_detect_anomaly(True, check_nan=True):
         yield
+
+
+@contextlib.contextmanager
+def checks_floor(model: nn.Module) -> Iterator[None]:
+    """The reads of nan_magic's default checks with almost no Python: what they cost at the least.
+
+    Every module output gets one ``aminmax`` read on the host and a gradient hook
+    that reads its gradient's ``sum``; every large CPU float parameter gets a
+    post-accumulate-grad hook taking its gradient's norm by a dot while it is in
+    cache; before an optimizer step the other gradients' norms come from one
+    ``_foreach_norm`` and every norm is read. These are nan_magic's reads, except
+    that nan_magic skips the outputs of activations whose input it knows finite.
+    It names nothing and keeps nothing: a yardstick, not a watcher.
+
+    Raises
+    ------
+    FloatingPointError
+        At the first non-finite module output, output gradient or parameter gradient.
+    """
+    watched = {id(module) for module in model.modules()}
+    hot: dict[int, torch.Tensor] = {}
+
+    def check_gradient(grad: torch.Tensor) -> None:
+        if not math.isfinite(float(grad.detach().sum())):
+            raise FloatingPointError("a non-finite output gradient")
+
+    def check_output(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in watched:
+            return
+        for tensor in _tensors(output):
+            if tensor.is_floating_point() and tensor.numel():
+                low, high = torch.aminmax(tensor.detach())
+                if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+                    raise FloatingPointError("a non-finite module output")
+                if tensor.grad_fn is not None:
+                    tensor.register_hook(check_gradient)
+
+    def take_norm(parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if grad is not None and grad.is_contiguous():
+            flat = grad.detach().view(-1)
+            hot[id(parameter)] = torch.dot(flat, flat).sqrt_()
+
+    def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        cold = [p.grad for group in optimizer.param_groups for p in group["params"]
+                if p.grad is not None and id(p) not in hot]
+        norms = [*hot.values(), *(torch._foreach_norm(cold, 2) if cold else [])]
+        hot.clear()
+        if not all(math.isfinite(norm.item()) for norm in norms):
+            raise FloatingPointError("a non-finite parameter gradient")
+
+    handles = [register_module_forward_hook(check_output), register_optimizer_step_pre_hook(check_step)]
+    handles += [
+        parameter.register_post_accumulate_grad_hook(take_norm)
+        for parameter in model.parameters()
+        if parameter.requires_grad and parameter.is_cpu and parameter.dtype in (torch.float32, torch.float64)
+        and parameter.numel() >= 1 << 15
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class _FiniteEveryOp(TorchDispatchMode):

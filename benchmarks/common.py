@@ -87,6 +87,7 @@ def all_columns() -> list[Column]:
         Column("debug_uo", "DebugUO", baselines.debug_underflow_overflow),
         Column("anomaly", "anomaly", baselines.anomaly_detection),
         Column("naive_dispatch", "naive ops", baselines.naive_dispatch_checker),
+        Column("floor", "reads floor", baselines.checks_floor),
     ]
 
 

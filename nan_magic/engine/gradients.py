@@ -47,7 +47,7 @@ class GradientChecks:
         """Arm a gradient check on one module output (called from the forward hook).
 
         A tensor a child call returned first (``record.inner``) already has
-        our hook, and :meth:`consumer` follows it outwards.
+        our hook, and :func:`~nan_magic.engine.calls.consumer_of` follows it outwards.
         """
         if record.inner is None:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
