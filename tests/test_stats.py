@@ -156,3 +156,15 @@ def test_one_gradient_tensor_handed_to_two_branches_is_summed_once(monkeypatch: 
     assert rows == ["grad of model output", "grad of right output", "grad of left output"]
     assert summed.count((3, 4)) == 1
     assert w.report is None
+
+
+def test_a_record_made_for_a_finite_gradient_has_every_field_of_a_probed_one() -> None:
+    from nan_magic.engine.calls import Call, TensorRecord
+    from nan_magic.records import Phase
+
+    call = Call(0, Phase.BACKWARD, None, None, None)
+    record = TensorRecord.finite("grad of input[0]", torch.float32, (2, 3), call)
+    assert all(hasattr(record, name) for name in TensorRecord.__slots__)
+    assert record.live() is None and not record.ranged and not record.kinds and record.status == "ok"
+    stats = record.stats()
+    assert (stats.shape, stats.numel, stats.nan, stats.min) == ((2, 3), 6, 0, None)

@@ -50,6 +50,7 @@ def version_of(tensor: torch.Tensor) -> int:
 class TensorRecord:
     """One probed tensor: where it came from and its ``(min, max)``."""
 
+    # Both __init__ and finite() set every slot: a slot added here goes in both.
     __slots__ = (
         "_probe", "call", "consumers", "dtype", "high", "inner", "kinds", "low", "outer", "path", "ranged", "ref",
         "shape", "status", "version",
