@@ -48,7 +48,7 @@ class Frame:
     the input it received.
     """
 
-    __slots__ = ("bound", "call", "info", "known", "module", "rng_state", "through")
+    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
 
     def __init__(
         self,
@@ -57,7 +57,6 @@ class Frame:
         call: Call | None,
         rng_state: RngState | None,
         through: torch.Tensor | None = None,
-        bound: float = 0.0,
         known: KnownFinite | None = None,
     ) -> None:
         self.module = module
@@ -65,10 +64,8 @@ class Frame:
         self.call = call
         self.rng_state = rng_state
         self.through = through
-        self.bound = bound
         #: What was known of ``through`` when the call began.
         self.known = known
-
 
 
 class ForwardChecks:
@@ -109,8 +106,7 @@ class ForwardChecks:
             if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
                 # Cannot make its finite input non-finite: nothing to check (transparent.py).
                 rng = capture_rng_state() if info.transparent == "dropout" and self.keeps_calls else None
-                bound = output_bound(info.transparent, module, known[1], known[2])
-                self.stack.append(Frame(module, info, None, rng, through=args[0], bound=bound, known=known))
+                self.stack.append(Frame(module, info, None, rng, through=args[0], known=known))
                 return
             if known is None and self._computed_by_parent(args[0]) and passes_through_unseen(info.transparent, args[0]):
                 # Its parent's check covers it (transparent.py); nothing stands for its output.
@@ -147,8 +143,10 @@ class ForwardChecks:
                 return
             if frame.through is None:
                 self.watch.log.unseen(output)
-            elif output is not frame.through and frame.known is not None:
-                self.watch.log.alias(output, frame.through, module, frame.rng_state, frame.bound, frame.known)
+            elif output is not frame.through and frame.known is not None and frame.info.transparent is not None:
+                _record, low, high, _origin = frame.known
+                bound = output_bound(frame.info.transparent, module, low, high)
+                self.watch.log.alias(output, frame.through, module, frame.rng_state, bound, frame.known)
             return
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
