@@ -332,14 +332,18 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
     medians = {k: statistics.median(v) if v else None for k, v in per_model.items()}
     # The targets apply to the median over the models of the per-model ratios.
     lines.append(row("median", ["n/a" if medians[c.key] is None else f"{medians[c.key]:.3f}" for c in columns]))
-    lines.append(row("target", [f"<= {TARGETS[c.key]:.2f}" if c.key in TARGETS else "" for c in columns]))
-    verdicts = []
-    for c in columns:
-        m = medians[c.key]
-        verdicts.append(
-            "" if c.key not in TARGETS else "n/a" if m is None else "PASS" if m <= TARGETS[c.key] else "FAIL"
-        )
-    lines.append(row("verdict", verdicts))
+    if device == "cuda":
+        # Issue 6's time targets are for CPU steps; on a GPU its promise is the host syncs (below).
+        lines.append("(the time targets are for the CPU run; on CUDA the target is host syncs per step, below)")
+    else:
+        lines.append(row("target", [f"<= {TARGETS[c.key]:.2f}" if c.key in TARGETS else "" for c in columns]))
+        verdicts = []
+        for c in columns:
+            m = medians[c.key]
+            verdicts.append(
+                "" if c.key not in TARGETS else "n/a" if m is None else "PASS" if m <= TARGETS[c.key] else "FAIL"
+            )
+        lines.append(row("verdict", verdicts))
 
     lines += [
         "",
@@ -384,9 +388,25 @@ def format_tables(results: list[ModelResult], columns: list[Column], device: str
             lines.append(row(res.name, cells))
         # The promise is about nan_magic's own syncs: at most one above the unwatched floor.
         lines.append(row("target", ["unwatched + 1" if c.key == "nan_magic" else "" for c in columns]))
+        lines.append(row("verdict", [sync_verdict(results) if c.key == "nan_magic" else "" for c in columns]))
 
     lines += footer_lines(results, columns, name_w)
     return "\n".join(lines)
+
+
+def sync_verdict(results: list[ModelResult]) -> str:
+    """PASS when, on every model, nan_magic syncs at most once per step more than the unwatched step.
+
+    Both counts must agree where the profiler gave one; n/a when a model has no count.
+    """
+    for res in results:
+        watched, plain = res.syncs.get("nan_magic"), res.syncs.get("unwatched")
+        if watched is None or plain is None or watched["warnings"] is None:
+            return "n/a"
+        for key in ("warnings", "runtime"):
+            if watched[key] is not None and plain[key] is not None and watched[key] > plain[key] + 1:
+                return "FAIL"
+    return "PASS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -55,6 +55,36 @@ def fp16_adam_step() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], Non
     return model, opt, step
 
 
+class Gram(nn.Module):
+    """``x @ x.T``: finite in float32; in float16 it overflows once |x| is about 32 over 64 features."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ x.transpose(-1, -2)  # producer: gram
+
+
+def autocast_overflow(device: str) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """A training step whose forward runs under float16 autocast; ``Gram`` overflows only there.
+
+    The LayerNorm runs in float32 under autocast (its output reaches about 40 * 3); autocast casts
+    it to float16 for the matmul. Returns ``(model, opt, step)``; the producer is module ``"1"``.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(64), Gram()).to(device)
+    with torch.no_grad():
+        model[0].weight.fill_(40.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 64, device=device)
+
+    def step() -> None:
+        with torch.autocast(device, dtype=torch.float16):
+            loss = model(x).float().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return model, opt, step
+
+
 def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Euclidean distance per row: sqrt at 0 (equal rows) has an infinite derivative."""
     return torch.sqrt(((a - b) ** 2).sum(-1))  # producer: distance

@@ -7,11 +7,13 @@ and a transfer counter stands in for CUDA's sync debug mode.
 
 from __future__ import annotations
 
+import faults
 import pytest
 import torch
 from faults import fp16_adam_step
 from torch import nn
 from torch.nn import functional as F
+from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -87,6 +89,8 @@ def test_deferred_finds_backward_producers() -> None:
         torch.sqrt(((embed(x) - embed(x.clone())) ** 2).sum(-1)).sum().backward()
     report = caught.value.report
     assert (report.phase, report.module) == ("backward", None)
+    # The loss code's nodes, described before backward freed them.
+    assert any("can be infinite: SqrtBackward0" in note for note in report.notes)
 
 
 def test_deferred_finds_optimizer_producers_at_the_next_sync() -> None:
@@ -110,11 +114,50 @@ def test_deferred_names_a_freed_producer_from_its_probe() -> None:
     assert "detected at the deferred check" in report.notes
 
 
+def sync_sites(run) -> list[str]:
+    """Where each host synchronisation that ``run()`` makes comes from.
+
+    CUDA's sync debug mode warns at every synchronising call; each warning
+    raised while ``run`` is on the stack is kept, as its innermost nan_magic
+    and test frames, so that a failure says which line synchronised.
+    (Switching the mode on can itself warn: that one is not ``run``'s.)
+    """
+    import sys
+    import traceback
+    import warnings
+
+    sites: list[str] = []
+
+    def inside_run() -> bool:
+        frame = sys._getframe()
+        while frame is not None and frame.f_code is not run.__code__:
+            frame = frame.f_back
+        return frame is not None
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message) and inside_run():
+            frames = [
+                f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+                for frame in traceback.extract_stack()[:-1]
+                if "nan_magic" in frame.filename or "tests" in frame.filename
+            ]
+            sites.append(" < ".join(reversed(frames[-4:])))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_step_makes_at_most_one_host_sync() -> None:
-    import warnings
-
     torch.manual_seed(0)
     model = _mlp().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
@@ -126,23 +169,102 @@ def test_cuda_step_makes_at_most_one_host_sync() -> None:
         loss.backward()
         opt.step()
 
-    def syncs(watched: bool) -> int:
-        step()  # warm-up outside the count
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                if watched:
-                    with nan_magic.watch(model, opt) as w:
-                        for _ in range(3):
-                            step()
-                        w.optimizers.carried = None  # the exit flush is not part of a step
-                else:
-                    for _ in range(3):
-                        step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(item.message) for item in caught)
+    def three_steps() -> None:
+        for _ in range(3):
+            step()
 
-    assert syncs(True) - syncs(False) <= 3
+    def watched() -> None:
+        with nan_magic.watch(model, opt) as w:
+            three_steps()
+            assert w.defer
+            w.optimizers.carried = None  # the exit flush is not part of a step
+
+    step()  # warm-up outside the count
+    plain = sync_sites(three_steps)
+    assert plain == []  # capturable AdamW: the unwatched step never waits for the device
+    sites = sync_sites(watched)
+    assert len(sites) <= 3, "\n".join(sites)
+
+
+# -- the op and line, found by replay at the deferred check ------------------------------------
+
+
+class Parent(nn.Module):
+    """Its log child receives a value of the parent's own code, which no watched call returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.log = faults.LogLayer()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.log(self.fc(x) * 1.0))
+
+
+def _train_once(model: nn.Module, **options) -> nan_magic.Report:
+    """One SGD step under a deferred watch: the check runs at ``opt.step()``, after backward freed the graph."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return raised(step, model, opt, defer=True, **options)
+
+
+def test_a_producer_whose_inputs_were_freed_is_replayed_from_its_recomputed_inputs() -> None:
+    torch.manual_seed(0)
+    report = _train_once(nn.Sequential(nn.Linear(8, 8), faults.LogLayer(), nn.Linear(8, 2)))
+    assert (report.phase, report.module, report.module_type) == ("forward", "1", "LogLayer")
+    assert report.op == "aten.log.default"
+    assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("log"))
+    # The output was freed too: counted again by running the producer on the same inputs.
+    assert report.nan > 0 and report.nan + report.posinf + report.neginf <= report.numel == 32
+    assert any("running 1 again on the same inputs" in note for note in report.notes)
+    # Its input, recomputed from the Linear that returned it, is described and finite (then the op's, "self").
+    assert [name for name, _stats in report.input_stats] == ["input[0]", "self"]
+    assert report.input_stats[0][1].nonfinite == 0 and report.input_stats[0][1].numel == 32
+
+
+def test_a_producer_fed_by_its_parents_code_is_found_by_replaying_the_parent() -> None:
+    torch.manual_seed(0)
+    report = _train_once(Parent())
+    assert (report.module, report.module_type, report.op) == ("log", "LogLayer", "aten.log.default")
+    assert report.source.lineno == faults.marked_line("log")
+    assert any("a replay of the root module, which called it, found the op in log" in note for note in report.notes)
+
+
+def test_gradients_checked_on_autograds_own_thread() -> None:
+    """On CUDA, autograd runs the backward on a device thread, not the one that called ``backward()``."""
+    import threading
+
+    torch.manual_seed(0)
+    embed = nn.Linear(8, 4)
+    anchor = torch.randn(3, 8)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, defer=True):
+        embedded = embed(anchor)
+        loss = faults.distance(embedded, embedded).sum()  # sqrt'(0) = inf, then 0 * inf in backward
+        worker = threading.Thread(target=torch.autograd.backward, args=(loss,))
+        worker.start()
+        worker.join()
+    report = caught.value.report
+    assert (report.phase, report.module, report.tensor) == ("backward", None, "grad of model output")
+
+
+def test_without_replay_the_deferred_report_still_names_the_producer() -> None:
+    torch.manual_seed(0)
+    report = _train_once(nn.Sequential(nn.Linear(8, 8), faults.LogLayer(), nn.Linear(8, 2)), replay=False)
+    assert (report.module, report.op, report.source) == ("1", None, None)
+    assert "detected at the deferred check" in report.notes
+
+
+def test_an_autocast_overflow_is_replayed_under_the_same_autocast() -> None:
+    model, opt, step = faults.autocast_overflow("cpu")
+    report = raised(step, model, opt, defer=True)
+    assert (report.module, report.module_type, report.op) == ("1", "Gram", "aten.mm.default")
+    assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("gram"))
+    assert report.posinf > 0 and report.dtype == "float16"

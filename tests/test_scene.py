@@ -262,6 +262,18 @@ def test_deferred_mode_keeps_a_finite_step_too() -> None:
     assert same_bits(model.state_dict(), kept[3][0]) and same_bits(opt.state_dict(), kept[3][1])
 
 
+def test_a_deferred_scene_holds_the_producers_inputs_recomputed_after_backward(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=5), model, opt, defer=True, dump=str(tmp_path))
+    assert (report.module, report.op) == ("1", "aten.div.Tensor")  # found by replay at the check
+    scene = nan_magic.load_scene(report.scene)
+    assert list(scene.producer_inputs) == ["input[0]"]
+    assert torch.isfinite(scene.producer_inputs["input[0]"]).all()
+    fresh, _ = build()
+    scene.restore_into(fresh)
+    assert scene.replay(fresh).reproduced
+
+
 def test_restore_says_why_it_cannot() -> None:
     model, opt = build()
     plain = raised(lambda: train(model, opt, bad_step=1, how="lr"), model, opt)

@@ -32,7 +32,7 @@ from nan_magic.records import LayerCall, LayerStatus, Phase, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.held import HeldArguments
-    from nan_magic.engine.replay import RngState
+    from nan_magic.engine.replay import AutocastState, RngState
 
 __all__ = ["Alias", "Call", "KnownFinite", "StepLog", "TensorRecord", "consumer_of", "gradient_label", "version_of"]
 
@@ -157,8 +157,8 @@ class Call:
     """One call of a watched module (or the data entering a root, or the loss)."""
 
     __slots__ = (
-        "consumer", "finished", "held", "index", "info", "inner_kinds", "inputs", "module", "outputs", "parent",
-        "phase", "rng_state",
+        "autocast", "consumer", "finished", "held", "index", "info", "inner_kinds", "inputs", "module", "outputs",
+        "parent", "phase", "rng_state",
     )
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
@@ -173,10 +173,12 @@ class Call:
         # Kinds that the outputs of calls made inside this one produced: a
         # parent passing on what its child produced is a propagator.
         self.inner_kinds: frozenset[str] = _NONE
-        # For a backward replay of a forward call (replay.py): its arguments
-        # held weakly, and the RNG state before it.
+        # For a replay of a forward call after it returned (replay.py: its
+        # backward, or the call at the deferred check): its arguments held
+        # weakly, the RNG state before it and the autocast regions it ran in.
         self.held: HeldArguments | None = None
         self.rng_state: RngState | None = None
+        self.autocast: AutocastState | None = None
         # For a backward check: the forward call whose backward computed the gradient.
         self.consumer: Call | None = None
 

@@ -5,11 +5,15 @@ Global module hooks call :meth:`ForwardChecks.on_forward_pre` and
 recorded. Each floating output gets one probe; the producer rule
 (:meth:`ForwardChecks.judge`) runs on the few that are non-finite, at once or
 at the deferred check. A forward producer is then replayed alone under the op
-tracer to name its op and line (:meth:`ForwardChecks.replay_into`).
+tracer to name its op and line (:meth:`ForwardChecks.replay_into`); at the
+deferred check, from the arguments its call kept
+(:meth:`ForwardChecks.replay_deferred`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,10 +21,11 @@ from torch import nn
 
 from nan_magic.engine.calls import Alias, Call, KnownFinite, TensorRecord, version_of
 from nan_magic.engine.findings import Finding, apply_op_finding
-from nan_magic.engine.held import hold_arguments
+from nan_magic.engine.held import Resolved, hold_arguments
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.replay import (
     RngState,
+    capture_autocast,
     capture_rng_state,
     recompute,
     replay_backward,
@@ -78,12 +83,22 @@ class ForwardChecks:
         self.masks: set[int] = set()
         self.replaying = False
         config = watch.config
-        self.can_replay = config.replay and not config.ops and not watch.defer
+        self.can_replay = config.replay and not config.ops
         # A backward producer is replayed from the gradient hook, after its
-        # forward returned: its calls keep their arguments (weakly) and RNG state.
-        self.keeps_calls = self.can_replay and config.backward
+        # forward returned, and in deferred mode any producer is replayed at
+        # the check: calls keep their arguments (weakly) and RNG state.
+        self.keeps_calls = self.can_replay and (config.backward or watch.defer)
         self.tracer: OpTracer | None = None
         self.last_forward_seq = 0
+
+    @contextlib.contextmanager
+    def standing_aside(self) -> Iterator[None]:
+        """The watch's hooks ignore the calls a replay makes (:meth:`Watch.mine`); nests."""
+        was, self.replaying = self.replaying, True
+        try:
+            yield
+        finally:
+            self.replaying = was
 
     def make_tracer(self) -> OpTracer:
         """The op tracer of ops mode, naming modules from this stack."""
@@ -163,9 +178,11 @@ class ForwardChecks:
                     self.watch.gradients.hook_output(record, tensor)
                 if anchor is None and tensor.grad_fn is not None:
                     anchor = tensor
-            if self.keeps_calls and anchor is not None:
+            if self.keeps_calls and (anchor is not None or self.watch.defer):
+                # Without a graph (no_grad) only the deferred check replays the call: held weakly.
                 call.held = hold_arguments(args, kwargs, self._classify, anchor)
                 call.rng_state = frame.rng_state
+                call.autocast = capture_autocast()
         log.finish(call)
         if frame.info.watched and not self.watch.defer:
             for record in call.outputs:
@@ -210,6 +227,7 @@ class ForwardChecks:
         parent = self.stack[-1]
         return (
             self.can_replay
+            and not self.watch.defer
             and parent.call is not None
             and parent.info.watched
             and self.watch.log.lookup(tensor) is None
@@ -293,6 +311,8 @@ class ForwardChecks:
                 finding.rng_state = replay[0].rng_state
                 if self.replay_into(finding, produced, *replay):
                     return
+            elif self.watch.defer and self.keeps_calls and self.replay_deferred(finding, produced, call):
+                return
         if detected_at:
             finding.notes.append(detected_at)
         self.watch.emit(finding)
@@ -318,14 +338,11 @@ class ForwardChecks:
                 "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
             )
             return False
-        self.replaying = True
-        try:
+        with self.standing_aside():
             result = replay_module(
                 frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.watch.config.kinds,
-                module_name=frame.info.name,
+                module_name=frame.info.name, autocast=frame.call.autocast,
             )
-        finally:
-            self.replaying = False
         if result.finding is not None:
             op = result.finding
             apply_op_finding(finding, op)
@@ -349,6 +366,95 @@ class ForwardChecks:
         if result.note:
             finding.notes.append(result.note)
         return False
+
+    def replay_deferred(self, finding: Finding, produced: frozenset[str], call: Call) -> bool:
+        """Name the op and line of a producer found at the deferred check, long after its call.
+
+        Its arguments come from what the call kept (held.py), a freed one
+        recomputed from the call that returned it. When they cannot be had
+        (a value of its parent's own code that is gone), the nearest
+        enclosing call whose arguments can is replayed instead, and its op
+        is taken only if it ran inside the producer. Returns what
+        :meth:`replay_into` returns.
+        """
+        label = call.name or "the root module"
+        missing: str | None = None  # why the producer's own arguments cannot be had
+        enclosing: Call | None = call
+        arguments: Resolved | str = ""
+        while enclosing is not None:
+            arguments = self._kept_arguments(enclosing)
+            if isinstance(arguments, Resolved):
+                break
+            missing = missing or arguments
+            enclosing = enclosing.parent
+        if enclosing is None or not isinstance(arguments, Resolved):
+            finding.notes.append(
+                f"{label}'s arguments are gone by the deferred check ({missing}); "
+                "watch with ops=True (%%nantrace --ops) for the op and line"
+            )
+            return False
+        if enclosing is call:
+            finding.rng_state = call.rng_state
+            self._recompute_freed(finding, call, arguments)
+            frame = Frame(call.module, call.info, call, call.rng_state)  # type: ignore[arg-type]
+            return self.replay_into(finding, produced, frame, arguments.args, arguments.kwargs)
+        outer = enclosing.name or "the root module"
+        with self.standing_aside():
+            result = replay_module(
+                enclosing.module, arguments.args, arguments.kwargs, rng_state=enclosing.rng_state,
+                kinds=self.watch.config.kinds, module_name=enclosing.name or "", autocast=enclosing.autocast,
+            )
+        op = result.finding
+        if op is not None and _within(op.module, call.name or ""):
+            apply_op_finding(finding, op)
+            finding.notes.append(
+                f"{label}'s own arguments are gone by the deferred check ({missing}); a replay of {outer}, which "
+                f"called it, found the op in {op.module or label}: {op.nan} nan, {op.posinf} +inf, "
+                f"{op.neginf} -inf in {op.op}"
+            )
+            return False
+        found = f"found {op.op} in {op.module}, not in {label}" if op is not None else (result.note or "stayed finite")
+        finding.notes.append(
+            f"{label}'s own arguments are gone by the deferred check ({missing}), and a replay of {outer} {found}; "
+            "watch with ops=True (%%nantrace --ops) for the op and line"
+        )
+        return False
+
+    def _kept_arguments(self, call: Call) -> Resolved | str:
+        """A finished call's arguments again, from what it kept; or why not, in a few words."""
+        if call.held is None or call.module is None or call.phase != Phase.FORWARD:
+            return "its arguments were not kept"
+        if not _replayable(call, call.rng_state):
+            return "its random state was not kept"
+        with self.standing_aside():  # a freed argument is recomputed by running its call again
+            return call.held.resolve(self._regenerate)
+
+    def _recompute_freed(self, finding: Finding, call: Call, arguments: Resolved) -> None:
+        """Give a finding whose tensors were freed before the deferred check exact values again.
+
+        The producer's inputs (for the report and the scene) are the ones
+        resolved for the replay; its output is recomputed by running the
+        call again, and used only if it holds the kinds the probe saw.
+        """
+        if not finding.inputs:
+            for path, held_record, ref, _version in call.inputs:
+                tensor = ref()
+                if tensor is None and held_record is not None:
+                    tensor = arguments.by_record.get(id(held_record))
+                if tensor is not None:
+                    finding.inputs.append((path, tensor.detach()))
+        record = finding.record
+        if finding.bad is not None or record is None:
+            return
+        with self.standing_aside():
+            output = run_again(call.module, arguments.args, arguments.kwargs, call.rng_state, call.autocast)
+        again = next((tensor for path, tensor in iter_tensors(output, "output") if path == record.path), None)
+        if again is not None and record.kinds and record.kinds <= kinds_of(again):
+            finding.bad, finding.bad_stats = again, None
+            finding.notes.append(
+                f"{record.path} was freed before the deferred check: its counts and values are from "
+                f"running {call.name or 'the root module'} again on the same inputs"
+            )
 
     def _classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]:
         """A call input's record, and whether holding it until its gradient is computed adds no memory.
@@ -384,7 +490,9 @@ class ForwardChecks:
             return None
         if call.held is None or call.module is None or not _replayable(call, call.rng_state):
             return None
-        output = recompute(call.module, call.held, call.rng_state, lambda inner: self._regenerate(inner, depth + 1))
+        output = recompute(
+            call.module, call.held, call.rng_state, lambda inner: self._regenerate(inner, depth + 1), call.autocast
+        )
         for path, tensor in iter_tensors(output, "output"):
             if path == record.path:
                 return tensor
@@ -408,14 +516,11 @@ class ForwardChecks:
         # The consumer may have received it through a pass-through (a dropout, an activation).
         mine = {id(record) for record in chain}
         chain += [held for held in consumer.held.records() if isinstance(held, Alias) and id(held.record) in mine]
-        self.replaying = True
-        try:
+        with self.standing_aside():
             result = replay_backward(
                 consumer.module, consumer.held, chain, rng_state=consumer.rng_state, regenerate=self._regenerate,
-                kinds=self.watch.config.kinds, module_name=consumer.name or "",
+                kinds=self.watch.config.kinds, module_name=consumer.name or "", autocast=consumer.autocast,
             )
-        finally:
-            self.replaying = False
         if result.finding is None:
             finding.notes.append(f"{result.note}; watch with ops=True (%%nantrace --ops) for the op and line")
             return
@@ -467,7 +572,7 @@ class ForwardChecks:
 
     def on_op_finding(self, op_finding: OpFinding) -> None:
         """The op tracer found the producer op: report it at the op, where it ran."""
-        if not self.watch.mine():
+        if not self.watch.listening():
             return
         frame = self.stack[-1] if self.stack and op_finding.phase == Phase.FORWARD else None
         finding = Finding(op_finding.phase, frame.call if frame else None, f"{op_finding.tensor} of {op_finding.op}")
@@ -480,6 +585,13 @@ class ForwardChecks:
             self.watch.on_gradient_event(finding)
         else:
             self.watch.emit(finding)
+
+
+def _within(module: str | None, producer: str) -> bool:
+    """Whether the module named ``module`` is ``producer`` or one of its submodules (qualified names)."""
+    if module is None:
+        return False
+    return not producer or module == producer or module.startswith(producer + ".")
 
 
 def _replayable(call: Call, rng_state: RngState | None) -> bool:

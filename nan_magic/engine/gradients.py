@@ -40,6 +40,9 @@ class GradientChecks:
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
         self.loss_record: TensorRecord | None = None
+        # Deferred mode: the loss code's autograd nodes, described before
+        # backward frees them (a backward producer there is found after).
+        self.loss_region: str | None = None
         self.reported_this_pass = False
         self.backward_runs = 0
 
@@ -71,6 +74,8 @@ class GradientChecks:
         watch.log.finish(call)
         if not watch.defer:
             self.judge_loss(call)
+        else:  # a few nodes, walked once per backward
+            self.loss_region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
 
     @property
     def last_loss(self) -> float | None:
@@ -112,7 +117,7 @@ class GradientChecks:
 
     def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
         watch = self.watch
-        if not watch.mine() or grad is None or not grad.is_floating_point() or grad.numel() == 0:
+        if not watch.listening() or grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return
         log = watch.log
         # The hot path. A gradient's range is only shown for half precision
@@ -172,8 +177,11 @@ class GradientChecks:
         )
         if call.info is None:
             finding.notes.append("computed by the backward of code outside every watched module (e.g. the loss)")
-            loss = self.loss_record.ref() if self.loss_record is not None else None
-            region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
+            if watch.defer:
+                region = self.loss_region
+            else:
+                loss = self.loss_record.ref() if self.loss_record is not None else None
+                region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
             if region:
                 finding.notes.append(region)
         else:

@@ -172,7 +172,7 @@ class OptimizerChecks:
 
     def on_grad_accumulated(self, parameter: torch.Tensor) -> None:
         """Take a gradient's norm while it is in cache (see "Hot gradients" above)."""
-        if not self._hot_enabled or not self.watch.mine():
+        if not self._hot_enabled or not self.watch.listening():
             return
         grad = parameter.grad
         if grad is None or not grad.is_contiguous() or grad.dtype not in WIDE_FLOATS:

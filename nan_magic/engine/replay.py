@@ -35,8 +35,10 @@ from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds
 from nan_magic.records import Phase
 
 __all__ = [
+    "AutocastState",
     "ReplayResult",
     "RngState",
+    "capture_autocast",
     "capture_rng_state",
     "recompute",
     "replay_backward",
@@ -54,6 +56,13 @@ class RngState(NamedTuple):
 
     cpu: torch.Tensor
     cuda: tuple[torch.Tensor, ...] | None = None
+
+
+#: The autocast regions a call ran in, as ``((device_type, dtype), ...)``.
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+#: Device types whose autocast state a call records.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,28 @@ def capture_rng_state() -> RngState:
     return RngState(cpu=torch.get_rng_state(), cuda=cuda)
 
 
+def capture_autocast() -> AutocastState | None:
+    """The autocast regions active now, or None (the hot path: one flag read).
+
+    A replay that runs later than the call (a backward producer's, from its
+    gradient hook; any producer's, at the deferred check) runs after the
+    user's ``torch.autocast`` block exited: without this, a float16 overflow
+    of an autocast matmul would be replayed in float32 and not reproduce.
+    """
+    if not _any_autocast():
+        return None
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)
+    ) or None
+
+
+def _any_autocast() -> bool:
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)  # private, one call; else ask per device
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+
+
 def restore_rng_state(state: RngState) -> None:
     """Set the default generators back to ``state``."""
     torch.set_rng_state(state.cpu)
@@ -109,6 +140,7 @@ def replay_module(
     rng_state: RngState | None,
     kinds: frozenset[str] = frozenset({"nan", "inf"}),
     module_name: str = "",
+    autocast: AutocastState | None = None,
 ) -> ReplayResult:
     """Run ``module(*args, **kwargs)`` again under an :class:`OpTracer`.
 
@@ -130,6 +162,9 @@ def replay_module(
     module_name
         Qualified name of ``module``; the finding names submodules under it
         (``"encoder.2.attn"``).
+    autocast
+        :func:`capture_autocast` from the original call, for a replay that
+        runs outside the user's autocast block.
 
     Returns
     -------
@@ -150,7 +185,7 @@ def replay_module(
         args, kwargs = _copy(tuple(args), copies), _copy(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
-    with _isolated(module, module_name, rng_state, kinds, on_finding=_stop) as tracer:
+    with _isolated(module, module_name, rng_state, kinds, on_finding=_stop, autocast=autocast) as tracer:
         try:
             with torch.no_grad(), tracer:
                 output = module(*args, **kwargs)
@@ -263,6 +298,7 @@ def replay_backward(
     regenerate: Regenerate | None = None,
     kinds: frozenset[str] = frozenset({"nan", "inf"}),
     module_name: str = "",
+    autocast: AutocastState | None = None,
 ) -> ReplayResult:
     """Re-run a call's forward with gradients, then its backward, to name a backward op.
 
@@ -294,7 +330,7 @@ def replay_backward(
     if target_copy is None:
         return ReplayResult(finding=None, reproduced=False, note=f"cannot replay {label}: the input is not an argument")
     failure: Exception | None = None
-    with _isolated(module, module_name, rng_state, kinds) as tracer:
+    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         # The forward runs inside the user's backward (this is a gradient
         # hook): its ops belong to that graph task, and are the replay's forward.
         tracer.forward_task = torch._C._current_graph_task_id()
@@ -318,23 +354,36 @@ def replay_backward(
     return ReplayResult(finding=None, reproduced=False, note=note)
 
 
-def recompute(module: nn.Module, held: HeldArguments, rng_state: RngState | None, regenerate: Regenerate) -> Any:
+def recompute(
+    module: nn.Module,
+    held: HeldArguments,
+    rng_state: RngState | None,
+    regenerate: Regenerate,
+    autocast: AutocastState | None = None,
+) -> Any:
     """Run a call's forward again (no gradients, no trace) for its output; None if it cannot."""
     arguments = held.resolve(regenerate)
     if isinstance(arguments, str):
         return None
-    return run_again(module, arguments.args, arguments.kwargs, rng_state)
+    return run_again(module, arguments.args, arguments.kwargs, rng_state, autocast)
 
 
-def run_again(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rng_state: RngState | None) -> Any:
+def run_again(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rng_state: RngState | None,
+    autocast: AutocastState | None = None,
+) -> Any:
     """``module(*args, **kwargs)`` once more, on copies, leaving no trace; None if it raises.
 
-    With ``rng_state`` the generators start from it (the same dropout mask).
+    With ``rng_state`` the generators start from it (the same dropout mask);
+    with ``autocast``, in the autocast regions the call ran in.
     """
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         args, kwargs = _copy(tuple(args), copies), _copy(dict(kwargs), copies)
-    with _isolated(module, "", rng_state, frozenset({"nan", "inf"})) as tracer:
+    with _isolated(module, "", rng_state, frozenset({"nan", "inf"}), autocast=autocast) as tracer:
         tracer.forward_task = torch._C._current_graph_task_id()
         try:
             with torch.no_grad(), tracer:
@@ -350,12 +399,14 @@ def _isolated(
     rng_state: RngState | None,
     kinds: frozenset[str],
     on_finding: Callable[[OpFinding], None] | None = None,
+    autocast: AutocastState | None = None,
 ) -> Iterator[OpTracer]:
     """Set up a replay of ``module`` that leaves no trace, and give its tracer.
 
     The generators start from ``rng_state`` and are put back afterwards;
     buffers are swapped for copies; parameters written in place are
-    restored; the tracer names submodules under ``module_name``.
+    restored; the tracer names submodules under ``module_name``; the
+    ``autocast`` regions of the original call are entered.
     """
     names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
     stack: list[str] = []
@@ -379,6 +430,8 @@ def _isolated(
         cleanup.enter_context(_swapped_buffers(module))
         cleanup.enter_context(register_module_forward_pre_hook(enter))
         cleanup.enter_context(register_module_forward_hook(leave, always_call=True))
+        for device, dtype in autocast or ():
+            cleanup.enter_context(torch.autocast(device, dtype=dtype))
         if rng_state is not None:
             restore_rng_state(rng_state)
         yield tracer

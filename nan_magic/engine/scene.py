@@ -282,9 +282,13 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
     if finding.call is None or finding.call.phase == Phase.DATA:
         return {name: _copy(tensor) for name, tensor in finding.inputs}
     inputs: dict[str, torch.Tensor] = {}
+    # At the deferred check a freed input may have been recomputed for the replay (forward.py).
+    recomputed = dict(finding.inputs)
     for path, _record, ref, version in finding.call.inputs:
         tensor = ref()
-        if tensor is None:
+        if tensor is None and path in recomputed:
+            inputs[path] = _copy(recomputed[path])
+        elif tensor is None:
             notes.append(f"the scene lacks the producer's {path}: it was freed before the event")
         elif version_of(tensor) != version:
             notes.append(f"the scene lacks the producer's {path}: the producer changed it in place")

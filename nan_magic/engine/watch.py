@@ -248,6 +248,16 @@ class Watch:
         """Hooks are global: act only for the thread that entered the watch, not during a replay."""
         return self._active and not self.forward.replaying and threading.get_ident() == self._thread
 
+    def listening(self) -> bool:
+        """:meth:`mine` for hooks that only the watched code reaches, from any thread.
+
+        The gradient hooks on its outputs and parameters and the op tracer it
+        entered run inside its backward, and autograd runs a CUDA backward
+        on a thread of its own (one per device), not on the thread that
+        called ``backward()``.
+        """
+        return self._active and not self.forward.replaying
+
     # -- backward and optimizer (see gradients.py, optim.py) -------------------------
 
     def optimizer_in_use(self) -> bool:
