@@ -175,21 +175,14 @@ x = torch.randn(5, 4, device="cuda")
 steps_run = 0
 """
 
-CELL_TRAIN = """
-for step in range(10):
-    steps_run += 1
-    loss = model(x).abs().mean()
-    opt.zero_grad(); loss.backward(); opt.step()
-"""
-
-
 def test_nantrace_cell_on_cuda_reports_the_module_op_and_line(ip) -> None:
     from IPython.utils.capture import capture_output
+    from test_magics import TRAIN  # the same training cell as on the CPU
 
     ip.run_cell(CELL_SETUP)
     ip.user_ns.pop("_nan_report", None)
     with capture_output() as captured:
-        result = ip.run_cell("%%nantrace\n" + CELL_TRAIN)
+        result = ip.run_cell("%%nantrace\n" + TRAIN)
     assert isinstance(result.error_in_exec, NonFiniteError)
     assert ip.user_ns["steps_run"] == 1
     report = ip.user_ns["_nan_report"]
