@@ -21,11 +21,12 @@ def marker_line(key: str) -> int:
 
 
 
-@pytest.mark.parametrize("mode", ["replay", "ops"])
+@pytest.mark.parametrize("mode", ["replay", "ops", "deferred"])
 @pytest.mark.parametrize("fault", OP_FAULTS, ids=lambda f: f.name)
 def test_forward_fixtures_name_op_and_line(fault: Fault, mode: str) -> None:
     model, run = fault.build()
-    report = raised(run, model, ops=(mode == "ops"))
+    # deferred: judged after the forward returned (as on CUDA), replayed from the arguments the call kept
+    report = raised(run, model, ops=(mode == "ops"), defer=(mode == "deferred"))
     assert report.op == fault.op
     assert report.source is not None
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line(fault.marker))
