@@ -7,6 +7,10 @@ and a transfer counter stands in for CUDA's sync debug mode.
 
 from __future__ import annotations
 
+import sys
+import traceback
+import warnings
+
 import faults
 import pytest
 import torch
@@ -122,10 +126,6 @@ def sync_sites(run) -> list[str]:
     and test frames, so that a failure says which line synchronised.
     (Switching the mode on can itself warn: that one is not ``run``'s.)
     """
-    import sys
-    import traceback
-    import warnings
-
     sites: list[str] = []
 
     def inside_run() -> bool:
