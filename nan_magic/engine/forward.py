@@ -378,21 +378,14 @@ class ForwardChecks:
         :meth:`replay_into` returns.
         """
         label = call.name or "the root module"
-        missing: str | None = None  # why the producer's own arguments cannot be had
-        enclosing: Call | None = call
-        arguments: Resolved | str = ""
-        while enclosing is not None:
-            arguments = self._kept_arguments(enclosing)
-            if isinstance(arguments, Resolved):
-                break
-            missing = missing or arguments
-            enclosing = enclosing.parent
-        if enclosing is None or not isinstance(arguments, Resolved):
+        nearest = self._nearest_kept(call)
+        if isinstance(nearest, str):
             finding.notes.append(
-                f"{label}'s arguments are gone by the deferred check ({missing}); "
+                f"{label}'s arguments are gone by the deferred check ({nearest}); "
                 "watch with ops=True (%%nantrace --ops) for the op and line"
             )
             return False
+        enclosing, arguments, missing = nearest
         if enclosing is call:
             finding.rng_state = call.rng_state
             self._recompute_freed(finding, call, arguments)
@@ -419,6 +412,22 @@ class ForwardChecks:
             "watch with ops=True (%%nantrace --ops) for the op and line"
         )
         return False
+
+    def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
+        """The call itself or its nearest enclosing call whose arguments can be had, with them.
+
+        Also why the call's own arguments cannot be had (None when they can);
+        only that reason when no enclosing call's can either.
+        """
+        missing: str | None = None
+        enclosing: Call | None = call
+        while enclosing is not None:
+            arguments = self._kept_arguments(enclosing)
+            if isinstance(arguments, Resolved):
+                return enclosing, arguments, missing
+            missing = missing or arguments
+            enclosing = enclosing.parent
+        return missing or "its arguments were not kept"
 
     def _kept_arguments(self, call: Call) -> Resolved | str:
         """A finished call's arguments again, from what it kept; or why not, in a few words."""
