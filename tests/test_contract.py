@@ -1,0 +1,80 @@
+"""The contract table (tests/contract/): each case, in each mode, says what it must say or nothing."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from contract import MODE_OPTIONS, Case, all_cases, source_line
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+CASES = all_cases()
+
+
+def _params() -> list[Any]:
+    return [
+        pytest.param(case, mode, id=f"{case.name}-{mode}", marks=case.marks)
+        for case in CASES
+        for mode in case.modes
+    ]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-identical nested results (NaN equal to NaN in the same place)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        try:
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0, equal_nan=True)
+        except AssertionError:
+            return False
+        return True
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize(("case", "mode"), _params())
+def test_contract(case: Case, mode: str) -> None:
+    options = MODE_OPTIONS[mode]
+    if case.expect is None:
+        expected = case.build().run()
+        scenario = case.build()
+        with nan_magic.watch(*scenario.targets, **options, **scenario.options) as w:
+            got = scenario.run()
+        assert w.report is None, f"false alarm: {w.report.message if w.report else ''}"
+        assert same(got, expected), "the watched run computed something else"
+        if case.benign is not None:
+            assert sum(event.benign for event in w.events) == case.benign, [e.message for e in w.events]
+        return
+    expect = case.expect
+    scenario = case.build()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options, **scenario.options) as w:
+        scenario.run()
+    report = caught.value.report
+    seen = (report.phase, report.module, report.step)
+    assert seen == (expect.phase, expect.module, expect.step), f"{report.message}"
+    if expect.module_type is not None:
+        assert report.module_type == expect.module_type
+    if expect.tensor is not None:
+        assert report.tensor == expect.tensor
+    if expect.kinds is not None:
+        kinds = {kind for kind, count in report.counts.items() if count}
+        assert kinds == set(expect.kinds), report.counts
+    if expect.cause is not None:
+        assert report.cause is not None and report.cause.label == expect.cause, report.cause
+    if expect.benign_events is not None:
+        assert sum(event.benign for event in w.events) == expect.benign_events
+    if mode in expect.op_modes:
+        assert report.op == expect.op, f"op {report.op!r}; {report.message}"
+        if expect.marker is not None:
+            filename, line = source_line(case, expect.marker)
+            assert report.source is not None, "no source line"
+            assert (os.path.basename(report.source.filename), report.source.lineno) == (
+                os.path.basename(filename), line), report.source
