@@ -55,7 +55,8 @@ def test_contract(case: Case, mode: str) -> None:
         return
     expect = case.expect
     scenario = case.build()
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options, **scenario.options) as w:
+    watch = nan_magic.watch(*scenario.targets, **options, **scenario.options)
+    with pytest.raises(NonFiniteError) as caught, watch as w:
         scenario.run()
     report = caught.value.report
     seen = (report.phase, report.module, report.step)
