@@ -13,6 +13,7 @@ deferred check, from the arguments its call kept
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -278,11 +279,16 @@ class ForwardChecks:
         if tensor is not None:
             out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.watch.config.kinds)
         input_kinds = self.input_kinds(call)
-        produced = out_kinds - input_kinds - call.inner_kinds
+        # PRODUCT.md: the producer is where the *first* non-finite value
+        # appeared. A call that received one, or inside which a child made
+        # one, passes it on, even where it makes a new kind (inf - inf).
+        produced = out_kinds if not input_kinds and not call.inner_kinds else frozenset()
         if call.parent is not None:
             call.parent.inner_kinds |= call.inner_kinds | produced
         if not produced:
             record.status = "propagated"
+            if input_kinds and not call.inner_kinds:
+                self._blame_own_code(call, detected_at)
             return
         named_inputs = self._named_inputs(call)
         bad_parameter = self._bad_parameter(call)
@@ -316,6 +322,77 @@ class ForwardChecks:
         if detected_at:
             finding.notes.append(detected_at)
         self.watch.emit(finding)
+
+    def _blame_own_code(self, call: Call, detected_at: str | None) -> None:
+        """``call`` received a non-finite input that no checked call returned: its caller's own code made it.
+
+        The value was computed between the children of an enclosing call
+        (``h = h / x[:, :1]; return self.b(h)``), so the enclosing call is the
+        producer: the innermost one whose own inputs were finite. Its forward
+        is replayed, from its running frame's arguments (immediate mode) or
+        what it kept (deferred), to name the op and line.
+        """
+        consumer, origin = call, self._made_by_caller(call)
+        enclosing = call.parent
+        while origin is not None and enclosing is not None and self.input_kinds(enclosing):
+            # The enclosing call received it too: look further out.
+            consumer, origin, enclosing = enclosing, self._made_by_caller(enclosing), enclosing.parent
+        if origin is None or enclosing is None or enclosing.info is None:
+            return  # a value entering the watched code is judged as data, where it enters
+        path, tensor = origin
+        kinds = relevant_kinds(kinds_of(tensor), self.watch.config.kinds)
+        # Its own output check, later, must see a propagator.
+        enclosing.inner_kinds |= kinds
+        finding = Finding(
+            Phase.FORWARD, enclosing, f"{path} of {consumer.name}", bad=tensor.detach(),
+            inputs=self._named_inputs(enclosing),
+        )
+        finding.notes.append(
+            f"{enclosing.name or 'the root module'}'s own code made it, and passed it to {consumer.name} as {path}"
+        )
+        if detected_at:
+            finding.notes.append(detected_at)
+        replayed = self._replay_enclosing(finding, kinds, enclosing)
+        if replayed is not True:
+            self.watch.emit(finding)
+
+    def _made_by_caller(self, call: Call) -> tuple[str, torch.Tensor] | None:
+        """A non-finite input of ``call`` not returned non-finite by any checked call (nor the data).
+
+        Inputs a checked call (or the data check) returned non-finite were
+        judged there. One with no record, or whose record was finite but
+        which is non-finite now (changed in place since), was made by the
+        caller's own code.
+        """
+        for path, record, ref, version in call.inputs:
+            if record is not None and record.call is not None and record.kinds:
+                continue
+            tensor = ref()
+            if tensor is None or version_of(tensor) != version or not is_checkable(tensor):
+                continue
+            if relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
+                return path, tensor
+        return None
+
+    def _replay_enclosing(self, finding: Finding, kinds: frozenset[str], enclosing: Call) -> bool | None:
+        """Replay the enclosing call for its op; None when it cannot be (the notes say why)."""
+        if not self.can_replay:
+            return None
+        if self.watch.defer:
+            arguments = self._kept_arguments(enclosing)
+            if isinstance(arguments, str):
+                finding.notes.append(f"{finding.module or 'the root module'}'s arguments are gone by the deferred "
+                                     f"check ({arguments}); watch with ops=True (%%nantrace --ops) for the op and line")
+                return None
+            frame = Frame(enclosing.module, enclosing.info, enclosing, enclosing.rng_state)  # type: ignore[arg-type]
+            finding.rng_state = enclosing.rng_state
+            return self.replay_into(finding, kinds, frame, arguments.args, arguments.kwargs)
+        running = next((frame for frame in reversed(self.stack) if frame.call is enclosing), None)
+        passed = _running_arguments(enclosing.module)
+        if running is None or passed is None:
+            return None
+        finding.rng_state = running.rng_state
+        return self.replay_into(finding, kinds, running, *passed)
 
     def replay_into(
         self, finding: Finding, produced: frozenset[str], frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -406,12 +483,39 @@ class ForwardChecks:
                 f"{op.neginf} -inf in {op.op}"
             )
             return False
+        caller = _caller_named(call, op.module) if op is not None else None
+        if op is not None and caller is not None:
+            # The first non-finite value was made by the own code of a call
+            # enclosing the one whose output was found: that caller is the producer.
+            self._move_to(finding, caller, f"output of {op.op}")
+            finding.rng_state = caller.rng_state
+            apply_op_finding(finding, op)
+            finding.notes.append(
+                f"a replay of {outer} found the first non-finite value in {op.module or 'the root module'}'s own "
+                f"code ({op.op}), before {label}, which passed it on"
+            )
+            return False
         found = f"found {op.op} in {op.module}, not in {label}" if op is not None else (result.note or "stayed finite")
         finding.notes.append(
             f"{label}'s own arguments are gone by the deferred check ({missing}), and a replay of {outer} {found}; "
             "watch with ops=True (%%nantrace --ops) for the op and line"
         )
         return False
+
+    def _move_to(self, finding: Finding, caller: Call, tensor: str) -> None:
+        """Make ``finding`` name ``caller`` (an enclosing call) as the producer of ``tensor``, with its inputs.
+
+        The output first found (a child's) only passed the value on: it is
+        no longer the finding's tensor, nor its layer row the producer's.
+        """
+        if finding.record is not None:
+            finding.record.status = "propagated"
+        finding.tensor, finding.record = tensor, None
+        finding.call = caller
+        finding.module, finding.module_type = caller.name, caller.module_type
+        finding.model = caller.info.model if caller.info is not None else None
+        finding.inputs = self._named_inputs(caller)
+        finding.bad, finding.bad_stats = None, None
 
     def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
         """The call itself or its nearest enclosing call whose arguments can be had, with them.
@@ -594,6 +698,42 @@ class ForwardChecks:
             self.watch.on_gradient_event(finding)
         else:
             self.watch.emit(finding)
+
+
+#: The code objects of ``nn.Module.__call__``'s frames, which hold a running call's arguments.
+_CALL_CODES = frozenset(
+    code for code in (getattr(getattr(nn.Module, name, None), "__code__", None)
+                      for name in ("_call_impl", "_wrapped_call_impl")) if code is not None
+)
+
+
+def _running_arguments(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments of ``module``'s call that is running now, from its ``__call__`` frame.
+
+    Global forward pre-hooks never see keyword arguments, so a call still in
+    progress (a parent whose own code made a value its child received) has
+    them only in the frame of ``Module._call_impl`` (the innermost such
+    frame: the arguments after the module's own pre-hooks). Only read on an
+    event, never on the hot path. None when no such frame is found.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            local = frame.f_locals
+            if local.get("self") is module and "args" in local:
+                return tuple(local["args"]), dict(local.get("kwargs") or {})
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _caller_named(call: Call, module: str | None) -> Call | None:
+    """The call enclosing ``call`` (not ``call`` itself) of the module named ``module``, if any."""
+    caller = call.parent
+    while caller is not None:
+        if caller.name == module:
+            return caller
+        caller = caller.parent
+    return None
 
 
 def _within(module: str | None, producer: str) -> bool:
