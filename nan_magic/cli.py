@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
         sys.stdout.flush()
     report = watch.report
     if report is None:
-        print(f"nan_magic: no real non-finite event ({len(watch.events)} benign) in {watch.step} step(s)",
+        print(f"nan_magic: no real non-finite event ({len(watch.events)} benign) in {watch.steps_taken} step(s)",
               file=sys.stderr)
         return status
     print(report.to_text(), file=sys.stderr)

@@ -157,8 +157,8 @@ class Call:
     """One call of a watched module (or the data entering a root, or the loss)."""
 
     __slots__ = (
-        "autocast", "consumer", "finished", "held", "index", "info", "inner_kinds", "inputs", "module", "outputs",
-        "parent", "phase", "rng_state",
+        "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
+        "module", "outputs", "parent", "phase", "rng_state",
     )
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
@@ -173,6 +173,8 @@ class Call:
         # Kinds that the outputs of calls made inside this one produced: a
         # parent passing on what its child produced is a propagator.
         self.inner_kinds: frozenset[str] = _NONE
+        # Deliberate infinities (masks) that calls made inside this one produced.
+        self.deliberate_kinds: frozenset[str] = _NONE
         # For a replay of a forward call after it returned (replay.py: its
         # backward, or the call at the deferred check): its arguments held
         # weakly, the RNG state before it and the autocast regions it ran in.

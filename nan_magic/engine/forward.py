@@ -131,6 +131,7 @@ class ForwardChecks:
         top_level = not self.stack
         if top_level:
             self.watch.begin_step_if_needed()
+            self.watch.forward_starts += 1
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
         self._note_inputs(call, args, "input")
@@ -195,8 +196,7 @@ class ForwardChecks:
             if not self.watch.optimizer_in_use():
                 # Inference (no optimizer seen): a top-level forward is a step.
                 self.watch.sync()
-                self.watch.forward_passes += 1
-                self.watch.end_step()
+                self.watch.end_step(self.watch.step)
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
@@ -264,9 +264,13 @@ class ForwardChecks:
     ) -> None:
         """Producer or propagator? The one rule, for immediate and deferred checks.
 
-        A call produced a non-finite value when its output holds a kind that
-        none of its inputs held (before the call) and none of the parameters
-        and buffers it read holds; a non-finite parameter is reported as such.
+        PRODUCT.md: the producer is where the *first* non-finite value
+        appeared. A call that received one (before the call: in-place
+        aware), or inside which a child made one, passes it on, even where
+        it makes a new kind of it (inf - inf). Only a deliberate infinity
+        (a mask, see :meth:`replay_into`) may come in: then the call is the
+        producer of a kind it did not receive (softmax of a fully masked
+        row). A non-finite parameter or buffer it read is reported as such.
         """
         out_kinds = relevant_kinds(record.kinds, self.watch.config.kinds)
         if not out_kinds:
@@ -278,25 +282,44 @@ class ForwardChecks:
             return
         if tensor is not None:
             out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.watch.config.kinds)
-        input_kinds = self.input_kinds(call)
-        # PRODUCT.md: the producer is where the *first* non-finite value
-        # appeared. A call that received one, or inside which a child made
-        # one, passes it on, even where it makes a new kind (inf - inf).
-        produced = out_kinds if not input_kinds and not call.inner_kinds else frozenset()
-        if call.parent is not None:
-            call.parent.inner_kinds |= call.inner_kinds | produced
-        if not produced:
+        input_kinds, deliberate = self.input_kinds(call)
+        parent = call.parent
+        if parent is not None:
+            parent.inner_kinds |= call.inner_kinds
+            parent.deliberate_kinds |= call.deliberate_kinds
+        if input_kinds or call.inner_kinds:
             record.status = "propagated"
             if input_kinds and not call.inner_kinds:
                 self._blame_own_code(call, detected_at)
             return
+        produced = out_kinds - deliberate - call.deliberate_kinds
+        if not produced:
+            record.status = "benign"  # passes on the deliberate infinity it received
+            return
+        benign = self._report_producer(call, record, tensor, produced, detected_at, replay)
+        if parent is not None:
+            if benign:
+                parent.deliberate_kinds |= produced
+            else:
+                parent.inner_kinds |= produced
+
+    def _report_producer(
+        self,
+        call: Call,
+        record: TensorRecord,
+        tensor: torch.Tensor | None,
+        produced: frozenset[str],
+        detected_at: str | None,
+        replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None,
+    ) -> bool:
+        """Emit the finding of a producer call, replayed for its op; True when it proved benign."""
         named_inputs = self._named_inputs(call)
         bad_parameter = self._bad_parameter(call)
         if bad_parameter is None and self.tracer is not None:
             # Ops mode sees every op: had one produced this, it would have been
             # reported at the op. What is left came from an infinite scalar.
             record.status = "benign"
-            return
+            return True
         if bad_parameter is not None:
             name, parameter = bad_parameter
             finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
@@ -311,17 +334,17 @@ class ForwardChecks:
                 record=record,
                 bad_stats=None if tensor is not None else record.stats(),
                 inputs=named_inputs,
-                inputs_finite=not input_kinds,
             )
             if replay is not None:
                 finding.rng_state = replay[0].rng_state
                 if self.replay_into(finding, produced, *replay):
-                    return
+                    return True
             elif self.watch.defer and self.keeps_calls and self.replay_deferred(finding, produced, call):
-                return
+                return True
         if detected_at:
             finding.notes.append(detected_at)
         self.watch.emit(finding)
+        return False
 
     def _blame_own_code(self, call: Call, detected_at: str | None) -> None:
         """``call`` received a non-finite input that no checked call returned: its caller's own code made it.
@@ -334,7 +357,7 @@ class ForwardChecks:
         """
         consumer, origin = call, self._made_by_caller(call)
         enclosing = call.parent
-        while origin is not None and enclosing is not None and self.input_kinds(enclosing):
+        while origin is not None and enclosing is not None and self.input_kinds(enclosing)[0]:
             # The enclosing call received it too: look further out.
             consumer, origin, enclosing = enclosing, self._made_by_caller(enclosing), enclosing.parent
         if origin is None or enclosing is None or enclosing.info is None:
@@ -643,19 +666,28 @@ class ForwardChecks:
             f"{result.finding.op} in the backward of {result.finding.autograd_node or 'an autograd node'}"
         )
 
-    def input_kinds(self, call: Call) -> frozenset[str]:
-        """Kinds the call's inputs held *before* the call (in-place aware)."""
+    def input_kinds(self, call: Call) -> tuple[frozenset[str], frozenset[str]]:
+        """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
+
+        The second holds the kinds of inputs recorded as benign: deliberate
+        infinities (a mask) that the call may consume.
+        """
         kinds: set[str] = set()
+        deliberate: set[str] = set()
         for _path, record, ref, version in call.inputs:
+            found = kinds
+            if record is not None and record.status == "benign":
+                found = deliberate
             tensor = ref()
             if tensor is not None and version_of(tensor) == version:
-                kinds |= kinds_of(tensor)
+                found |= kinds_of(tensor)
             elif record is not None and not record.pending:
                 # Mutated in place by this module: its value before the call is
                 # what the producer rule compares against, and the probe of the
                 # call that made it still knows it.
-                kinds |= record.kinds
-        return relevant_kinds(frozenset(kinds), self.watch.config.kinds)
+                found |= record.kinds
+        wanted = self.watch.config.kinds
+        return relevant_kinds(frozenset(kinds), wanted), relevant_kinds(frozenset(deliberate), wanted)
 
     def _named_inputs(self, call: Call) -> list[tuple[str, torch.Tensor]]:
         named = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_label
+from nan_magic.engine.entering import entering_tensors, saved_leaves
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.engine.stats import WIDE_FLOATS, kinds_of, relevant_kinds
@@ -45,6 +47,8 @@ class GradientChecks:
         self.loss_region: str | None = None
         self.reported_this_pass = False
         self.backward_runs = 0
+        # Deferred mode: leaves the loss code saved, held weakly until the check (entering.py).
+        self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] = []
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
@@ -75,7 +79,10 @@ class GradientChecks:
         if not watch.defer:
             self.judge_loss(call)
         else:  # a few nodes, walked once per backward
-            self.loss_region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
+            nodes = loss_region_nodes(loss, watch.forward.last_forward_seq)
+            self.loss_region = describe_loss_region(nodes)
+            # Backward frees what they saved; the data among it is judged at the check.
+            self.loss_data = saved_leaves(nodes)
 
     @property
     def last_loss(self) -> float | None:
@@ -94,11 +101,13 @@ class GradientChecks:
         every_output_finite = all(
             not output.kinds
             for other in watch.log.calls
-            if other.info is not None
+            if other.info is not None and other.phase == Phase.FORWARD  # at the deferred check, gradients are in
             for output in other.outputs
             if not output.pending
         )
         tensor = record.live()
+        if every_output_finite and self._given_to_the_loss(tensor):
+            return
         finding = Finding(
             Phase.FORWARD,
             None,
@@ -114,6 +123,24 @@ class GradientChecks:
             else "some module outputs of this step were already non-finite"
         )
         watch.emit(finding)
+
+    def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:
+        """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did."""
+        watch = self.watch
+        saved = [(label, tensor) for label, ref in self.loss_data if (tensor := ref()) is not None]
+        entered = entering_tensors(
+            loss, watch.forward.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
+        )
+        if not entered:
+            return False
+        label, tensor = entered[0]
+        finding = Finding(Phase.DATA, None, label, bad=tensor.detach(), inputs_finite=False)
+        finding.notes.append(
+            "every watched module output of this step was finite; this tensor, which no watched code produced, "
+            "entered the code outside the modules (the loss) already non-finite"
+        )
+        watch.emit(finding)
+        return True
 
     def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
         watch = self.watch

@@ -134,7 +134,9 @@ class OptimizerChecks:
 
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
+        #: Training iterations completed (see :meth:`_count_step`).
         self.steps = 0
+        self._step_counts: dict[int, tuple[torch.optim.Optimizer, int]] = {}
         self.pending_overflow: Finding | None = None
         self.skipped_in_a_row = 0
         self.skipped_total = 0
@@ -244,13 +246,16 @@ class OptimizerChecks:
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After a step: parameters and optimizer state it made non-finite (phase ``optimizer``)."""
         watch = self.watch
-        if not watch.mine() or not self.watches(opt):
+        if not watch.mine():
+            return
+        step = self._count_step(opt)
+        if not self.watches(opt):
             return
         try:
             # A bounded step needs no check (module docstring), except every
             # FULL_CHECK_EVERY steps, and whenever the roll-back snapshot is
             # kept: it must only ever hold checked parameters.
-            if self._bounded and self.steps % FULL_CHECK_EVERY != 0 and watch.last_good.where is None:
+            if self._bounded and step % FULL_CHECK_EVERY != 0 and watch.last_good.where is None:
                 return
             layout = self.layout(opt)
             updated = [parameter for _name, parameter in layout.named]
@@ -262,10 +267,10 @@ class OptimizerChecks:
                 value = opt.state.get(parameter, {}).get(key)
                 updated.append(value if _float_tensor(value) else _FINITE)
             result = _StepResult(
-                opt, self.steps, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step,
+                opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step,
                 self._bounded,
             )
-            self._last_checked_step = self.steps
+            self._last_checked_step = step
             if watch.defer:
                 # Read with the next step's single transfer, not now.
                 self.carried = result
@@ -273,10 +278,28 @@ class OptimizerChecks:
                 watch.on_finite_step()
         finally:
             self.in_step = False
-            self.steps += 1
             self.pending_overflow = None
             self.skipped_in_a_row = 0
-            watch.end_step()
+            watch.end_step(step)
+
+    def _count_step(self, opt: torch.optim.Optimizer) -> int:
+        """Count a step of ``opt`` (watched or not); the index of the iteration it completes.
+
+        Every optimizer steps once an iteration (a GAN's two, one per
+        parameter group), so the iterations completed are the steps of the
+        optimizer that stepped most.
+        """
+        # The optimizer is held with its count for the watch's life, so its id stays its own.
+        _opt, index = self._step_counts.get(id(opt), (opt, 0))
+        self._step_counts[id(opt)] = (opt, index + 1)
+        self.steps = max(self.steps, index + 1)
+        return index
+
+    def absorb_steps(self, inner: OptimizerChecks) -> None:
+        """Add the steps a nested watch counted while it had taken over from this one."""
+        for key, (opt, count) in inner._step_counts.items():
+            self._step_counts[key] = (opt, self._step_counts.get(key, (opt, 0))[1] + count)
+        self.steps = max((count for _opt, count in self._step_counts.values()), default=self.steps)
 
     def flush(self) -> None:
         """Check a deferred step result still unread (at the end of the watch)."""

@@ -103,10 +103,23 @@ class Watch:
 
     @property
     def step(self) -> int:
-        """0-based step (PRODUCT.md): optimizer steps completed, else forward passes."""
-        if self.optimizers.steps or self.targets.optimizers:
+        """The 0-based step an event now belongs to (PRODUCT.md).
+
+        The training iterations completed: the steps of the optimizer seen
+        stepping most often (passed to the watch or not; every optimizer
+        steps once an iteration). Before any optimizer is seen (inference,
+        or the first iteration of a loop whose optimizer was not passed):
+        the index of the latest top-level forward call started, so the loss
+        and backward of the first iteration are step 0.
+        """
+        if self.optimizer_in_use():
             return self.optimizers.steps
-        return self.forward_passes
+        return max(self.forward_starts - 1, 0)
+
+    @property
+    def steps_taken(self) -> int:
+        """Training iterations completed, or top-level forward calls started where no optimizer stepped."""
+        return self.optimizers.steps if self.optimizer_in_use() else self.forward_starts
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -187,6 +200,9 @@ class Watch:
     def _resume_outer(self) -> None:
         for outer in self._suspended:
             if outer._active:
+                # The steps taken while this watch had taken over are the outer watch's steps too.
+                outer.optimizers.absorb_steps(self.optimizers)
+                outer.forward_starts += self.forward_starts
                 outer._attach()
         self._suspended = []
 
@@ -215,7 +231,7 @@ class Watch:
         self.early = EarlyWarnings()
         self.last_good = LastGood(self.config.keep_last_good)
         self.forward = ForwardChecks(self)
-        self.forward_passes = 0
+        self.forward_starts = 0
         self._step_open = False
         self._raised = False
 
@@ -277,7 +293,10 @@ class Watch:
     def begin_step_if_needed(self) -> None:
         if self._step_open and self.gradients.backward_runs:
             # A backward ran since the last optimizer step, and no step: with
-            # a GradScaler, the scaler skipped it.
+            # a GradScaler, the scaler skipped it; without, gradients are
+            # accumulating. Either way the log is about to be cleared: what
+            # the deferred check has not judged yet is judged now.
+            self.sync()
             self.optimizers.on_step_boundary()
             self._step_open = False
         if not self._step_open:
@@ -288,13 +307,13 @@ class Watch:
                 self.forward.tracer.reset()
             self._step_open = True
 
-    def end_step(self) -> None:
-        """Close the step that just completed (the counter already moved on)."""
+    def end_step(self, step: int) -> None:
+        """Close step ``step``, which just completed."""
         absmax, data_absmax, headroom, grad_headroom = self.log.summary()
         if self.optimizers.scaler_active():
             grad_headroom = None  # scaled gradients overflow by design: the scaler's job
         summary = StepSummary(
-            step=self.step - 1,
+            step=step,
             loss=self.gradients.last_loss,
             absmax=absmax,
             grad_norm=self.optimizers.last_grad_norm,
@@ -308,6 +327,10 @@ class Watch:
             # Reading the scale is a host sync: only where syncs are free.
             scale=self.optimizers.scale() if not self.defer else None,
         )
+        if self.history and self.history[-1].step == step:
+            # Closed once already: the first forward of a loop whose optimizer
+            # was not passed looks like inference until the optimizer steps.
+            self.history.pop()
         self.history.append(summary)
         self.warn(self.early.observe_step(summary))
         self._step_open = False
