@@ -221,6 +221,9 @@ class Report:
     first_bad_index: tuple[int, ...] | None = None
     dtype: str | None = None
     output_stats: TensorStats | None = None
+    #: Where the op was named by a replay: ``(name, stats)`` of the producer module's output, which
+    #: the check saw (``tensor`` and the counts are then the op's own output).
+    module_output: tuple[str, TensorStats] | None = None
     input_stats: tuple[tuple[str, TensorStats], ...] = ()
     layers: tuple[LayerCall, ...] = ()
     layers_dropped: int = 0
@@ -268,7 +271,9 @@ class Report:
         if self.source is not None:
             where += f" at {self.source.filename.rsplit('/', 1)[-1]}:{self.source.lineno}"
         verb = "benign non-finite" if self.benign else "first non-finite"
-        return f"{verb} {self.tensor} in {self.phase} step {self.step}: {where} ({kinds} of {self.numel})"
+        # The op's own output needs no second naming: "op aten.div.Tensor" follows.
+        tensor = "value" if self.op and self.tensor == f"output of {self.op}" else self.tensor
+        return f"{verb} {tensor} in {self.phase} step {self.step}: {where} ({kinds} of {self.numel})"
 
     # -- views (renderers are imported lazily: `import nan_magic` stays light) --
 

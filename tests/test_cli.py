@@ -84,7 +84,7 @@ def test_a_real_event_exits_1_with_the_report_the_scene_and_html_and_json(script
     assert "done" not in done.stdout  # stopped at the event
     # the traceback starts in the script, not in runpy or nan_magic
     assert done.stderr.startswith("Traceback (most recent call last):\n  File \"" + str(script))
-    assert "nan_magic: first non-finite output in forward step 2: 1 (Norm), op aten.div.Tensor" in done.stderr
+    assert "nan_magic: first non-finite value in forward step 2: 1 (Norm), op aten.div.Tensor" in done.stderr
     assert "scene saved: scenes/nan_scene_step2.pt" in done.stderr
     assert sorted(path.name for path in (tmp_path / "scenes").iterdir()) == ["nan_report.html", "nan_scene_step2.pt"]
     assert "nan-magic-report" in (tmp_path / "scenes" / "nan_report.html").read_text()
@@ -113,7 +113,7 @@ def test_warn_mode_runs_the_script_to_the_end_and_still_fails(script, tmp_path) 
     done = run("run", "--warn", str(script), "warn", cwd=tmp_path)
     assert done.returncode == 1
     assert "done" in done.stdout
-    assert "nan_magic: first non-finite output in forward step 2" in done.stderr
+    assert "nan_magic: first non-finite value in forward step 2" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,11 @@ def test_reports_the_producer(fault: Fault, defer: bool) -> None:
     assert report.phase == fault.phase
     assert report.module == fault.module
     assert report.module_type == fault.module_type
-    assert report.tensor == fault.tensor
+    if fault.op is None:
+        assert report.tensor == fault.tensor and report.module_output is None
+    else:  # the replay named the op: its output is the report's tensor, the module's output is kept beside it
+        assert report.tensor == f"output of {fault.op}"
+        assert report.module_output is not None and report.module_output[0] == fault.tensor
     assert report.step == 0
     kinds = {kind for kind, count in report.counts.items() if count}
     assert kinds and kinds <= fault.kinds, f"counts {report.counts} do not match {fault.kinds}"
@@ -141,7 +145,9 @@ def test_nested_outputs_of_every_shape_are_checked() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Nested())
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(torch.randn(2, 4))
-    assert caught.value.report.tensor == "output.extra[1]['deep'][1]"
+    report = caught.value.report
+    assert report.tensor == "output of aten.div.Tensor"
+    assert report.module_output is not None and report.module_output[0] == "output.extra[1]['deep'][1]"
 
 
 def test_hugging_face_model_output_is_walked() -> None:
@@ -155,7 +161,9 @@ def test_hugging_face_model_output_is_walked() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Encoder())
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(torch.randn(2, 4))
-    assert caught.value.report.tensor == "output['last_hidden_state']"
+    report = caught.value.report
+    assert report.tensor == "output of aten.sqrt.default"
+    assert report.module_output is not None and report.module_output[0] == "output['last_hidden_state']"
     assert transformers is not None
 
 
@@ -224,7 +232,7 @@ def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
     model, run = fault.build()
     log_file = tmp_path / "events.jsonl"
-    expected = r"first non-finite output in forward step 0: 1 \(LogLayer\)"
+    expected = r"first non-finite value in forward step 0: 1 \(LogLayer\), op aten.log.default"
     with pytest.warns(RuntimeWarning, match=expected), nan_magic.watch(
         model, on_detect="warn", log_file=str(log_file)
     ) as w:
@@ -266,6 +274,7 @@ def test_report_samples_the_layers_before_the_producer_for_histograms() -> None:
     report = run_fault(fault).report
     producer = [sample.label for sample in report.samples if sample.producer]
     others = [sample for sample in report.samples if not sample.producer]
-    assert producer == ["input[0]", "self", "output"] or producer[-1] == "output"
+    # the module's input, the op's operand and output (from the replay), then the module's output
+    assert producer == ["input[0]", "self", "output of aten.log.default", "1 output"]
     assert [sample.label for sample in others] == ["(root) input[0]", "0 output"]  # the batch, then Linear 0
     assert all(0 < len(sample.values) <= 1024 for sample in others)

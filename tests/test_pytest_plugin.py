@@ -104,14 +104,14 @@ def test_fixture_and_marker_fail_exactly_the_non_finite_tests(pytester: pytest.P
     # each failure is the text report (its headline first), not a traceback into nan_magic
     result.stdout.fnmatch_lines([
         "*_ test_fixture_fails_a_non_finite_step _*",
-        "nan_magic: first non-finite output in forward step 0: 1 (Norm)*",
+        "nan_magic: first non-finite value in forward step 0: 1 (Norm), op aten.div.Tensor*",
         "*cause*division-by-zero*",
         "*_ test_fixture_fails_in_warn_mode_too _*",
-        "nan_magic: first non-finite output in forward step 0: 1 (Norm)*",
+        "nan_magic: first non-finite value in forward step 0: 1 (Norm), op aten.div.Tensor*",
         "*_ test_marker_fails_the_whole_test _*",
-        "nan_magic: first non-finite output* in forward step 0: 1 (Norm), op aten.div.Tensor*",
+        "nan_magic: first non-finite value in forward step 0: 1 (Norm), op aten.div.Tensor*",
         "*_ test_marker_watches_a_named_fixture _*",
-        "nan_magic: first non-finite output in forward step 0: 1 (Norm)*",
+        "nan_magic: first non-finite value in forward step 0: 1 (Norm), op aten.div.Tensor*",
         "*_ test_marker_naming_an_unknown_fixture _*",
         "@pytest.mark.nan_watch names 'nothing': not fixtures this test uses",
     ])

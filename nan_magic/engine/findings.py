@@ -50,6 +50,9 @@ class Finding:
     source: SourcePointer | None = None
     cause: Cause | None = None
     notes: list[str] = field(default_factory=list)
+    # Where a replay named the op: the module output the check saw, as
+    # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
+    module_output: tuple[str, TensorStats, torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:
@@ -89,10 +92,23 @@ def apply_op_finding(
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
     else:
-        # Found by a replay of the producer module: its inputs are known; the
-        # op's own (named by schema argument: ``self``, ``other``) say more,
-        # e.g. which operand of a division held the zeros.
-        finding.input_stats.extend(op.input_stats)
+        # Found by a replay of the producer module (or of its caller). The
+        # op's output is what the report describes: the header's counts and
+        # the cause are the op's (a float16 bmm made 2 +inf), not those of
+        # the module output the check saw (64 nan after a softmax), which
+        # stays beside it. The op's operands (named by schema argument:
+        # ``self``, ``other``) say e.g. which one held the zeros.
+        bad = finding.bad if finding.bad is not None else None
+        module_stats = finding.bad_stats if bad is None else tensor_stats(bad)
+        if module_stats is not None:
+            finding.module_output = (finding.tensor, module_stats, bad)
+        finding.tensor = f"{op.tensor} of {op.op}"
+        if tensors:
+            finding.bad, finding.bad_stats = tensors[0][1], None
+            finding.inputs.extend(tensors[1:])
+        else:
+            finding.bad, finding.bad_stats = None, op.output_stats
+            finding.input_stats.extend(op.input_stats)
 
 
 #: Other layers of the failing step sampled for the histogram selector.
@@ -142,6 +158,12 @@ def build_report(
     input_stats.extend(finding.input_stats)
     if finding.bad is not None:
         samples.append(sample_values(finding.bad, finding.tensor, sample_size))
+    module_output = None
+    if finding.module_output is not None:
+        name, module_stats, module_tensor = finding.module_output
+        module_output = (name, module_stats)
+        if module_tensor is not None:
+            samples.append(sample_values(module_tensor, f"{finding.module or '(root)'} {name}", sample_size))
     samples.extend(_nearby_samples(log, finding.record, sample_size // 4))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"
@@ -165,6 +187,7 @@ def build_report(
         first_bad_index=stats.first_bad_index if stats else None,
         dtype=stats.dtype if stats else None,
         output_stats=stats,
+        module_output=module_output,
         input_stats=tuple(input_stats),
         layers=layers,
         layers_dropped=dropped,

@@ -88,6 +88,8 @@ class ReplayResult:
     reproduced: bool
     note: str | None = None
     held_by_inputs: bool = False
+    #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
+    tensors: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 def capture_rng_state() -> RngState:
@@ -194,7 +196,7 @@ def replay_module(
         except Exception as error:
             failure = error
     if tracer.finding is not None:
-        return ReplayResult(finding=tracer.finding, reproduced=True)
+        return ReplayResult(finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors)
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
     elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):

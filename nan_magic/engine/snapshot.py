@@ -132,10 +132,10 @@ class LastGood:
                     weakref.ref(optimizer),
                     _copy_state(old, optimizer.state_dict(), self.where),
                 )
-        # The optimizer hooks count steps after the post hook: during the post
-        # hook (in_step) the step just completed is ``watch.step``; at the next
-        # step's deferred check the counter has already moved on.
-        kept.step = watch.step if right_after else watch.step - 1
+        # The optimizer hooks count a step as its post hook begins: right
+        # after it, as at the next step's deferred check, the counter has
+        # moved on past the step that just completed.
+        kept.step = watch.step - 1
         kept.rng = capture_rng_state() if right_after else None
 
     def hand_over(self) -> _Kept:
