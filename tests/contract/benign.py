@@ -10,6 +10,7 @@ stay events: an overflowed +inf batch feature, a mask holding a NaN.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -255,6 +256,93 @@ class GuardedExp(nn.Module):
         return torch.where(x < 20, torch.exp(x), x)
 
 
+# -- healthy idioms: silent and bit-identical over STEPS training steps ------------------
+
+
+def _bf16_autocast() -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+
+    def loss_of(step: int) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(model(x), y)
+
+    opt, run = _train(model, loss_of, lr=0.05)
+    return Scenario((model, opt), run)
+
+
+def _batchnorm_and_dropout() -> Scenario:
+    """BatchNorm statistics and dropout masks: the watch must draw no random number and touch no buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout2d(0.2), nn.Flatten(),
+        nn.Dropout(0.3), nn.Linear(4 * 6 * 6, 3), nn.BatchNorm1d(3),
+    )
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 3, (8,))
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for step in range(STEPS):
+            model.train(step % 10 != 9)  # an eval pass now and then: running statistics in use
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            if model.training:
+                loss.backward()
+                opt.step()
+            losses.append(loss.detach())
+        return losses, [t.detach().clone() for t in model.state_dict().values()]
+
+    return Scenario((model,), run)
+
+
+def _accumulation_and_clipping() -> Scenario:
+    """Gradients accumulated over three micro-batches, clipped with clip_grad_norm_, then Adam."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(3)]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        norms = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            for x, y in batches:
+                (F.mse_loss(model(x), y) / len(batches)).backward()
+            norms.append(nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
+            opt.step()
+        return norms, [p.detach().clone() for p in model.parameters()]
+
+    return Scenario((model, opt), run)
+
+
+def _hugging_face(kind: str, attention: str) -> Scenario:
+    """A tiny GPT-2 or BERT built from a config (random init, nothing downloaded), padded batches."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = {"vocab_size": 40, "attn_implementation": attention, "bos_token_id": 1, "eos_token_id": 2}
+    ids = torch.randint(3, 40, (2, 8))
+    attention_mask = torch.ones(2, 8, dtype=torch.long)
+    attention_mask[1, 5:] = 0
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_positions=8, n_embd=16, n_layer=1, n_head=2, pad_token_id=0, **common)
+        model = transformers.GPT2LMHeadModel(config)
+        labels = ids.masked_fill(attention_mask == 0, -100)
+    else:
+        config = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=8, **common)
+        model = transformers.BertForSequenceClassification(config)
+        labels = torch.tensor([0, 1])
+    assert model.config._attn_implementation == attention
+
+    def loss_of(step: int) -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+
+    opt, run = _train(model, loss_of, lr=0.05)
+    return Scenario((model, opt), run)
+
+
 _SOFTMAX_OP = "aten._softmax.default"
 
 CASES = [
@@ -278,11 +366,21 @@ CASES = [
          Expect("data", "", "SelfAttention", kinds=frozenset({"nan", "-inf"}), op=None)),
     Case("all_infinite_mask_is_data", _all_inf_named_mask,
          Expect("data", "", "Transformer", kinds=frozenset({"-inf"}), op=None)),
-    Case("grad_scaler_unpassed_skips_are_benign", lambda: _amp(2.0**24, STEPS, pass_optimizer=True), None),
-    Case("grad_scaler_and_optimizer_unpassed", lambda: _amp(2.0**24, STEPS, pass_optimizer=False), None),
+    # From a scale of 2**24 the scaler skips the first 5 steps (scale 2**19 after them), each a benign event.
+    Case("grad_scaler_unpassed_skips_are_benign", lambda: _amp(2.0**24, STEPS, pass_optimizer=True), None,
+         benign=5),
+    Case("grad_scaler_and_optimizer_unpassed", lambda: _amp(2.0**24, STEPS, pass_optimizer=False), None,
+         benign=5),
     Case("grad_scaler_unpassed_collapse_raises", lambda: _amp(2.0**16, 40, True, guarded=True),
          Expect("backward", "1", "GuardedExp", cause="grad-scaler-collapse", benign_events=15, op=None,
                 op_modes=()),
          modes=("default", "defer"),
          note="ops: raises at the forward exp that torch.where discards (issue 15 item 11, the ops worktree's)"),
+    Case("bf16_autocast", _bf16_autocast, None, benign=0),
+    Case("batchnorm_and_dropout_with_eval_passes", _batchnorm_and_dropout, None, benign=0),
+    Case("gradient_accumulation_and_clip_grad_norm", _accumulation_and_clipping, None, benign=0),
+    Case("gpt2_eager", lambda: _hugging_face("gpt2", "eager"), None, benign=0),
+    Case("gpt2_sdpa", lambda: _hugging_face("gpt2", "sdpa"), None, benign=0),
+    Case("bert_eager", lambda: _hugging_face("bert", "eager"), None, benign=0),
+    Case("bert_sdpa", lambda: _hugging_face("bert", "sdpa"), None, benign=0),
 ]
