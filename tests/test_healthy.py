@@ -195,3 +195,15 @@ def test_a_named_mask_may_fold_in_a_bias_an_unnamed_one_may_not() -> None:
         model(x, bias=_alibi(3))
     report = caught.value.report
     assert (report.phase, report.tensor, report.benign) == ("data", "kwargs['bias']", False)
+
+
+def test_a_collapsing_scale_raises_with_the_scaler_unpassed_and_its_scene_holds_the_scaler(tmp_path) -> None:
+    scenario = benign_cases._amp(2.0**16, 40, pass_optimizer=True, guarded=True)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, dump=str(tmp_path)) as w:
+        scenario.run()
+    report = caught.value.report
+    assert report.cause is not None and report.cause.label == "grad-scaler-collapse"
+    assert sum(event.benign for event in w.events) == 15  # COLLAPSE_SKIPS benign skips first
+    assert report.scene is not None
+    scalers = nan_magic.load_scene(report.scene).data["scalers"]
+    assert [entry["type"] for entry in scalers] == ["GradScaler"]
