@@ -27,13 +27,15 @@ def global_hook_counts() -> tuple[int, ...]:
 
 @pytest.fixture(autouse=True)
 def no_leaked_hooks():
-    """Fail any test after which a global hook or the backward wrapper remains."""
+    """Fail any test after which a global hook, the backward wrapper or a GradScaler wrapper remains."""
     before = global_hook_counts()
     backward = torch.Tensor.backward
+    scaler_methods = (torch.amp.GradScaler.scale, torch.amp.GradScaler.step)
     torch.manual_seed(0)
     yield
     assert global_hook_counts() == before, "a watch left global hooks behind"
     assert torch.Tensor.backward is backward, "a watch left Tensor.backward wrapped"
+    assert (torch.amp.GradScaler.scale, torch.amp.GradScaler.step) == scaler_methods, "a watch left GradScaler wrapped"
 
 
 @pytest.fixture(scope="module")

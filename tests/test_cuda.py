@@ -10,6 +10,7 @@ and, with ``defer=True``, in test_forward.py.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -190,3 +191,39 @@ def test_nantrace_cell_on_cuda_reports_the_module_op_and_line(ip) -> None:
     assert report.op == "aten.log.default"
     assert report.source is not None and report.source.line == "return torch.log(x)"
     assert any("2 (LogLayer)" in out.data.get("text/plain", "") for out in captured.outputs)
+
+
+@pytest.mark.parametrize("make_scaler", [
+    lambda: torch.amp.GradScaler("cuda", init_scale=2.0**24),
+    lambda: torch.cuda.amp.GradScaler(init_scale=2.0**24),  # deprecated, still common: the same code path
+], ids=["torch.amp", "torch.cuda.amp"])
+def test_steps_an_unpassed_cuda_grad_scaler_skips_are_benign(make_scaler: Callable[[], Any]) -> None:
+    """fp16 autocast with a GradScaler not passed to watch: its skipped steps are recorded, not raised."""
+
+    def train(watched: bool) -> tuple[list[float], float, nan_magic.Watch | None]:
+        model, x, y = on_cuda(_classifier)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.cuda.amp.GradScaler is deprecated
+            scaler = make_scaler()
+        torch.cuda.manual_seed(1)
+        losses: list[torch.Tensor] = []
+        watch = nan_magic.watch(model, opt) if watched else None
+        with watch if watch is not None else contextlib.nullcontext():
+            for _ in range(30):
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.detach())
+        return [float(loss) for loss in losses], scaler.get_scale(), watch
+
+    plain_losses, plain_scale, _ = train(False)
+    losses, scale, w = train(True)
+    assert w is not None and w.defer and w.report is None
+    skipped = len(w.events)
+    assert skipped >= 1 and all(event.benign and event.phase == "backward" for event in w.events)
+    assert scale == plain_scale == 2.0**24 / 2**skipped
+    assert losses == plain_losses

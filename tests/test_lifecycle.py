@@ -9,6 +9,7 @@ import torch
 from conftest import global_hook_counts
 from faults import FORWARD_FAULTS
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -253,16 +254,45 @@ def test_compiled_model_is_refused_with_a_clear_message() -> None:
         nan_magic.watch(wrapper)
 
 
+class _DispatchedOps(TorchDispatchMode):
+    """The aten ops that ran inside the block, by name (``_transformer_encoder_layer_fwd``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _fused_encoder_ran(layer: nn.Module, x: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    with _DispatchedOps() as seen:
+        out = layer(x)
+    return "_transformer_encoder_layer_fwd" in seen.names, out
+
+
 def test_transformer_fast_path_still_taken_under_the_watch() -> None:
     """Global hooks leave nn.TransformerEncoderLayer's fused inference path alone."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
     x = torch.randn(2, 5, 16)
     with torch.inference_mode():
-        plain = layer(x)
+        fused, plain = _fused_encoder_ran(layer, x)
+        assert fused  # the fast path exists for this layer and input
         with nan_magic.watch(layer):
-            watched = layer(x)
-    assert torch.equal(plain, watched)
+            fused, watched = _fused_encoder_ran(layer, x)
+        assert fused, "the watch made the layer take its slow path"
+        assert torch.equal(plain, watched)
+        # The negative control: an instance hook (what the watch must not
+        # add) makes the layer skip the fused op, and the check sees it.
+        handle = layer.register_forward_hook(lambda module, args, output: None)
+        try:
+            with nan_magic.watch(layer):
+                fused, _ = _fused_encoder_ran(layer, x)
+        finally:
+            handle.remove()
+        assert not fused
 
 
 def test_nothing_kept_alive_after_the_watch() -> None:

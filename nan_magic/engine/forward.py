@@ -23,6 +23,7 @@ from torch import nn
 from nan_magic.engine.calls import Alias, Call, KnownFinite, TensorRecord, version_of
 from nan_magic.engine.findings import Finding, apply_op_finding
 from nan_magic.engine.held import Resolved, hold_arguments
+from nan_magic.engine.masks import DeliberateMasks, argument_name
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.replay import (
     RngState,
@@ -82,6 +83,8 @@ class ForwardChecks:
         self.stack: list[Frame] = []
         # Modules whose infinities a replay showed to be deliberate (masks).
         self.masks: set[int] = set()
+        # Infinite mask tensors given as arguments or held as buffers (masks.py).
+        self.deliberate = DeliberateMasks()
         self.replaying = False
         config = watch.config
         self.can_replay = config.replay and not config.ops
@@ -252,6 +255,8 @@ class ForwardChecks:
             for record in call.outputs:
                 self.judge(call, record)
             for (path, tensor), record in zip(tensors, call.outputs):
+                if record.status == "benign":
+                    continue  # a deliberate mask is no batch to warn about
                 probe = (record.low, record.high)
                 self.watch.warn(self.watch.early.observe_batch(self.watch.step, path, tensor, probe))
 
@@ -277,6 +282,9 @@ class ForwardChecks:
             return
         tensor = record.live()
         if call.phase == Phase.DATA:
+            if self.is_benign_input(call, record.path, tensor, record):
+                self._note_mask(call, record, tensor, "an infinite mask given as an argument")
+                return
             self.watch.emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
                                bad_stats=record.stats() if tensor is None else None, inputs_finite=False))
             return
@@ -293,6 +301,9 @@ class ForwardChecks:
                 self._blame_own_code(call, detected_at)
             return
         produced = out_kinds - deliberate - call.deliberate_kinds
+        if produced and call.module is not None:
+            # A -inf from a mask buffer it holds is passed on, like one from a mask argument (masks.py).
+            produced -= self._mask_buffer_kinds(call)
         if not produced:
             record.status = "benign"  # passes on the deliberate infinity it received
             return
@@ -393,8 +404,10 @@ class ForwardChecks:
             tensor = ref()
             if tensor is None or version_of(tensor) != version or not is_checkable(tensor):
                 continue
-            if relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
-                return path, tensor
+            if relevant_kinds(kinds_of(tensor), self.watch.config.kinds) and not self.is_benign_input(
+                call, path, tensor, record
+            ):
+                return path, tensor  # a deliberate mask made by the caller is no fault of its own code
         return None
 
     def _replay_enclosing(self, finding: Finding, kinds: frozenset[str], enclosing: Call) -> bool | None:
@@ -669,23 +682,28 @@ class ForwardChecks:
     def input_kinds(self, call: Call) -> tuple[frozenset[str], frozenset[str]]:
         """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
 
-        The second holds the kinds of inputs recorded as benign: deliberate
-        infinities (a mask) that the call may consume.
+        The second holds the kinds of deliberate infinities (a mask) that the
+        call may consume: inputs recorded as benign, and masks (masks.py).
         """
         kinds: set[str] = set()
         deliberate: set[str] = set()
-        for _path, record, ref, version in call.inputs:
-            found = kinds
-            if record is not None and record.status == "benign":
-                found = deliberate
+        for path, record, ref, version in call.inputs:
             tensor = ref()
             if tensor is not None and version_of(tensor) == version:
-                found |= kinds_of(tensor)
+                found = kinds_of(tensor)
             elif record is not None and not record.pending:
                 # Mutated in place by this module: its value before the call is
                 # what the producer rule compares against, and the probe of the
                 # call that made it still knows it.
-                found |= record.kinds
+                found, tensor = record.kinds, None
+            else:
+                continue
+            if not found:
+                continue
+            if (record is not None and record.status == "benign") or self.is_benign_input(call, path, tensor, record):
+                deliberate |= found
+            else:
+                kinds |= found
         wanted = self.watch.config.kinds
         return relevant_kinds(frozenset(kinds), wanted), relevant_kinds(frozenset(deliberate), wanted)
 
@@ -698,13 +716,58 @@ class ForwardChecks:
         return named
 
     def _bad_parameter(self, call: Call) -> tuple[str, torch.Tensor] | None:
-        """A non-finite parameter or buffer of the called module (recursively)."""
+        """A non-finite parameter or buffer of the called module (recursively); deliberate masks excepted."""
         prefix = f"{call.name}." if call.name else ""
         module = call.module
+        masks = {id(buffer) for _name, buffer in self.deliberate.buffers(module, prefix)}
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if id(tensor) in masks:
+                continue
             if tensor.is_floating_point() and relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
                 return prefix + name, tensor
         return None
+
+    # -- deliberate infinities (masks.py) ---------------------------------------------
+
+    def is_benign_input(
+        self, call: Call, path: str, tensor: torch.Tensor | None, record: TensorRecord | None = None
+    ) -> bool:
+        """Whether a non-finite argument of ``call`` (at ``path``) is a deliberate mask (masks.py).
+
+        ``tensor`` is the live value; when it is gone, ``record``'s probe
+        decides, which takes a name that says mask.
+        """
+        name = argument_name(call.module, path) if call.module is not None else None
+        if tensor is not None:
+            return self.deliberate.is_mask(tensor, name, first=path == "input[0]")
+        return record is not None and self.deliberate.probe_is_mask(record.low, record.high, name)
+
+    def _mask_buffer_kinds(self, call: Call) -> frozenset[str]:
+        """The kinds the call's deliberate mask buffers hold; each is recorded once as a benign event."""
+        prefix = f"{call.name}." if call.name else ""
+        kinds: set[str] = set()
+        for name, buffer in self.deliberate.buffers(call.module, prefix):
+            kinds |= kinds_of(buffer)
+            if self.deliberate.first_sighting(call.name, name):
+                finding = Finding(Phase.FORWARD, call, f"buffer {name}", bad=buffer.detach(), benign=True)
+                finding.notes.append(
+                    f"{name} is an infinite mask held as a buffer: a deliberate infinity, "
+                    "benign while what consumes it stays finite"
+                )
+                self.watch.emit(finding)
+        return frozenset(kinds)
+
+    def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None, what: str) -> None:
+        """Mark a deliberate mask benign; the first sighting at its place is recorded as a benign event."""
+        record.status = "benign"
+        if not self.deliberate.first_sighting(call.name, record.path):
+            return
+        finding = Finding(call.phase, call, record.path, bad=_detached(tensor), record=record,
+                          bad_stats=record.stats() if tensor is None else None, inputs_finite=False, benign=True)
+        finding.notes.append(
+            f"{record.path} is {what}: a deliberate infinity, benign while what consumes it stays finite"
+        )
+        self.watch.emit(finding)
 
 
     # -- op-level tracing (ops=True) --------------------------------------------------

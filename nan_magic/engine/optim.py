@@ -5,11 +5,15 @@ a non-finite gradient about to be applied is reported; after it, a parameter
 or optimizer state the step made non-finite is reported as phase
 ``optimizer``.
 
-GradScaler rule. With a watched, enabled GradScaler, a non-finite gradient
-in backward is first held as *pending*: the scaler may skip the step. If the
-next step starts without an optimizer step having run, the scaler skipped
-it, and the pending event is recorded as benign (never raised). The run is
-not healthy, and the watch raises, when the scale keeps collapsing:
+GradScaler rule. With an enabled GradScaler in use, a non-finite gradient
+in backward is first held as *pending*: the scaler may skip the step. A
+scaler is in use when it was passed to ``watch`` or when its ``scale()`` ran
+under the watch (scaler_patch.py: most people never pass it). A
+``scaler.step(opt)`` that made no optimizer step call is a skipped step
+(seen as it returns); so is, for a scaler whose ``step`` was not seen, a
+new step that starts without an optimizer step having run. The pending
+event is then recorded as benign (never raised). The run is not healthy,
+and the watch raises, when the scale keeps collapsing:
 :data:`COLLAPSE_SKIPS` skipped steps in a row (with the default backoff of
 0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients
 overflow). A non-finite unscaled gradient that reaches an optimizer step is
@@ -145,6 +149,10 @@ class OptimizerChecks:
         self._layouts: dict[int, _Layout] = {}
         # Optimizers seen stepping (targets or not), for the scene and the roll-back.
         self.seen: list[torch.optim.Optimizer] = list(watch.targets.optimizers)
+        # GradScalers passed to the watch or seen scaling a loss (scaler_patch.py).
+        self.scalers: list[Any] = list(watch.targets.scalers)
+        # Optimizer step calls seen (any optimizer): a scaler.step that adds none skipped its step.
+        self.step_calls = 0
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
         # Deferred mode: a step's parameter/state norms, read at the next sync.
@@ -217,7 +225,10 @@ class OptimizerChecks:
         host synchronisation per step).
         """
         watch = self.watch
-        if not watch.mine() or not self.watches(opt):
+        if not watch.mine():
+            return
+        self.step_calls += 1
+        if not self.watches(opt):
             return
         if not any(opt is known for known in self.seen):
             self.seen.append(opt)
@@ -332,12 +343,29 @@ class OptimizerChecks:
     # -- GradScaler ------------------------------------------------------------------
 
     def scaler_active(self) -> bool:
-        return any(scaler.is_enabled() for scaler in self.watch.targets.scalers)
+        return any(scaler.is_enabled() for scaler in self.scalers)
 
     def scale(self) -> float | None:
         """The smallest scale of the enabled GradScalers (None without one)."""
-        scales = [scaler.get_scale() for scaler in self.watch.targets.scalers if scaler.is_enabled()]
+        scales = [scaler.get_scale() for scaler in self.scalers if scaler.is_enabled()]
         return min(scales) if scales else None
+
+    def on_scale(self, scaler: Any) -> None:
+        """``scaler.scale(loss)`` ran (scaler_patch.py): the scaler is in use, passed to watch or not."""
+        if self.watch.mine() and not any(scaler is known for known in self.scalers):
+            self.scalers.append(scaler)
+
+    def before_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer) -> int:
+        return self.step_calls
+
+    def after_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer, step_calls: int) -> None:
+        """``scaler.step(opt)`` returned: without an optimizer step call in between, it skipped the step."""
+        if not self.watch.mine() or not scaler.is_enabled() or self.step_calls != step_calls:
+            return
+        self.on_scale(scaler)
+        if not any(opt is known for known in self.seen):
+            self.seen.append(opt)
+        self.watch.step_skipped(opt)
 
     def hold_gradient_event(self, finding: Finding) -> bool:
         """Hold a backward event while a GradScaler may still skip the step."""
@@ -347,13 +375,14 @@ class OptimizerChecks:
             self.pending_overflow = finding
         return True
 
-    def on_step_boundary(self) -> None:
-        """A new step starts after a backward but no optimizer step: was it skipped?
+    def on_step_boundary(self, skipped_by: torch.optim.Optimizer | None = None) -> None:
+        """A step ended after a backward but no optimizer step: was it skipped?
 
         With an enabled GradScaler that is the scaler skipping an overflowed
-        step. The held gradient event says where it overflowed; when only a
-        parameter gradient overflowed (the activation gradients were finite),
-        the parameter gradients, still in place, say which.
+        step (``skipped_by``: the optimizer whose ``scaler.step`` was seen
+        skipping). The held gradient event says where it overflowed; when
+        only a parameter gradient overflowed (the activation gradients were
+        finite), the parameter gradients, still in place, say which.
         """
         if self.scaler_active():
             # A skipped step, not gradient accumulation: the next backward's
@@ -361,8 +390,9 @@ class OptimizerChecks:
             self._hot.clear()
         finding, self.pending_overflow = self.pending_overflow, None
         if finding is None and self.scaler_active():
+            optimizers = [skipped_by] if skipped_by is not None else self._optimizers()
             finding = self.watch.gradients.check_parameter_grads(
-                [(name, p) for opt in self._optimizers() for name, p in self.named_parameters(opt)],
+                [(name, p) for opt in optimizers for name, p in self.named_parameters(opt)],
                 "a parameter gradient overflowed while the activation gradients stayed finite",
             )
             if finding is not None:
@@ -371,11 +401,11 @@ class OptimizerChecks:
             return
         self.skipped_in_a_row += 1
         self.skipped_total += 1
-        scale = min(scaler.get_scale() for scaler in self.watch.targets.scalers if scaler.is_enabled())
+        scale = min(scaler.get_scale() for scaler in self.scalers if scaler.is_enabled())
         finding.benign = True
         finding.notes.append(
             f"the GradScaler skipped this step: its scaled gradients were non-finite "
-            f"({self.skipped_in_a_row} skipped in a row, {self.skipped_total} in all; scale now {scale:g})"
+            f"({self.skipped_in_a_row} skipped in a row, {self.skipped_total} in all; scale {scale:g})"
         )
         self.watch.emit(finding)
         if self.skipped_in_a_row >= COLLAPSE_SKIPS or scale < 1.0:
@@ -392,7 +422,7 @@ class OptimizerChecks:
             self.watch.emit(finding)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return list(self.watch.targets.optimizers)
+        return list(self.watch.targets.optimizers or self.seen)
 
     # -- naming --------------------------------------------------------------------
 

@@ -107,7 +107,7 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
             for name, module in _named_roots(watch)
         },
         "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in watch.optimizers.seen],
-        "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in watch.targets.scalers],
+        "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in watch.optimizers.scalers],
         "last_good": lambda: _last_good(watch),
         "batch": lambda: _batch(watch, notes),
         "producer_inputs": lambda: _producer_inputs(finding, notes),

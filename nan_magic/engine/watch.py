@@ -9,6 +9,9 @@ Mechanisms, and why none of them changes what the model computes:
   module stack unwinds when a forward raises.
 * Loss: ``torch.Tensor.backward`` is wrapped while the watch is active (and
   restored in ``finally``) to check the tensor backward starts from.
+* GradScaler: ``scale`` and ``step`` are wrapped the same way, so a scaler
+  that was not passed is seen in use and its skipped steps are benign
+  (scaler_patch.py).
 * Backward: a tensor hook on each watched module's floating outputs sees the
   gradient flowing into that module, in backward execution order. No
   ``register_full_backward_hook`` (it breaks in-place ops on outputs).
@@ -42,7 +45,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
-from nan_magic.engine import backward_patch
+from nan_magic.engine import backward_patch, scaler_patch
 from nan_magic.engine.calls import StepLog
 from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
@@ -182,6 +185,10 @@ class Watch:
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.optimizers.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            optimizers = self.optimizers
+            stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
+                optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step
+            )))
             for _label, root in self.targets.roots:
                 for handle in self.optimizers.arm(root):
                     stack.callback(handle.remove)
@@ -282,6 +289,20 @@ class Watch:
     def on_finite_step(self) -> None:
         """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
         self.last_good.capture(self)
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.
+
+        In deferred mode the backward's probes are read first (the read the
+        skipped step's optimizer hook would have made), so the held event
+        names where the gradients overflowed.
+        """
+        if not self.gradients.backward_runs:
+            return  # settled already (a second optimizer's skipped step of the same backward)
+        self.sync()
+        self.optimizers.on_step_boundary(optimizer)
+        self.gradients.backward_runs = 0
+        self._step_open = False
 
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""
