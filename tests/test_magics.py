@@ -187,12 +187,12 @@ def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     assert global_hook_counts() == before  # nothing attached between cells
     result, _ = run(ip, "y = model(x)")
     assert result.error_in_exec is not None
-    _, status = run(ip, "%nanwatch")
+    _, status = run(ip, "%nanwatch status")
     assert "on for every cell" in status.stdout and "last report" in status.stdout
     run(ip, "%nanwatch off")
     result, _ = run(ip, "y = model(x)")
     assert result.error_in_exec is None
-    _, status = run(ip, "%nanwatch")
+    _, status = run(ip, "%nanwatch status")
     assert "nan_magic: off" in status.stdout
     assert global_hook_counts() == before
 

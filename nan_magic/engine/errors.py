@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from nan_magic.engine.frames import short_traceback, trim_to_user_code
+from nan_magic.locations import running_shell
 from nan_magic.records import Report
 
 __all__ = ["NanMagicWarning", "NonFiniteError"]
@@ -21,6 +25,36 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, report: Report) -> None:
         super().__init__(report.message)
         self.report = report
+        self._shown = False
 
     def __reduce__(self) -> tuple[type, tuple[Report]]:
         return (type(self), (self.report,))
+
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows this error (its ``_render_traceback_`` protocol).
+
+        First our hook's frames are cut off the traceback, in place: IPython
+        has already stored it as ``sys.last_traceback``, so ``%debug`` opens
+        in the user's frame nearest the producer. The first time (the cell
+        stops), the short error: headline, the user's frames, the producer's
+        line, so that the report under it is on the first screen. Shown again
+        (``%tb``), IPython's own full traceback.
+        """
+        __tracebackhide__ = True
+        trim_to_user_code(self.__traceback__)
+        if self._shown:
+            full = _full_traceback(self)
+            if full is not None:
+                return full
+        self._shown = True
+        headline = f"{type(self).__name__}: {self}"
+        return short_traceback(headline, self.__traceback__, self.report.source)
+
+
+def _full_traceback(error: BaseException) -> Any:
+    """IPython's structured traceback of ``error`` (None outside IPython)."""
+    shell = running_shell()
+    formatter = getattr(shell, "InteractiveTB", None)
+    if formatter is None:
+        return None
+    return formatter.structured_traceback(type(error), error, error.__traceback__)

@@ -16,9 +16,10 @@ from types import FrameType, TracebackType
 
 import torch
 
+from nan_magic.locations import name_location
 from nan_magic.records import SourcePointer
 
-__all__ = ["frames_of", "is_library_file", "pointer", "trim_to_user_code", "user_frames_of"]
+__all__ = ["frames_of", "is_library_file", "pointer", "short_traceback", "trim_to_user_code", "user_frames_of"]
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module_file)) + os.sep
@@ -82,3 +83,43 @@ def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
 def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     """Like :func:`frames_of`, keeping only the user's own frames."""
     return tuple(p for p in frames_of(tb) if not is_library_file(p.filename))
+
+
+def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePointer | None) -> list[str]:
+    """The short error: the headline, the user's frames, the producer's line.
+
+    What a notebook shows first when a watched cell stops (IPython prints it
+    through ``NonFiniteError._render_traceback_``): no frame of torch, of
+    nan_magic or of IPython's plumbing, locations named as IPython names
+    them (``Cell In[5], line 14``), so the report below stays on the first screen.
+    """
+    frames = list(user_frames_of(tb))
+    lines = [headline]
+    if len(frames) > _MAX_SHORT_FRAMES:
+        # The outermost two (the cell's own lines) and the innermost ones (nearest the producer).
+        hidden = len(frames) - _MAX_SHORT_FRAMES + 1
+        for frame in frames[:2]:
+            lines.extend(_frame_lines(frame))
+        lines.append(f"    ... {hidden} more frames (%tb shows them)")
+        frames = frames[2 + hidden:]
+    for frame in frames:
+        lines.extend(_frame_lines(frame))
+    if producer is not None and (producer.filename, producer.lineno) not in {
+        (frame.filename, frame.lineno) for frame in user_frames_of(tb)
+    }:
+        lines.extend(_frame_lines(producer, "producer: "))
+    lines.append("%tb shows the full traceback; %debug opens the debugger in the last frame above")
+    return lines
+
+
+_MAX_SHORT_FRAMES = 5
+
+
+def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
+    where = name_location(frame.filename, frame.lineno)
+    if frame.function != "<module>":
+        where += f", in {frame.function}"
+    lines = [prefix + where]
+    if frame.line:
+        lines.append(f"    {frame.line.strip()}")
+    return lines
