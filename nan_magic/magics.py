@@ -49,7 +49,7 @@ def _watch_options(func: Any) -> Any:
     """The options %%nantrace and %nanwatch share (see nan_magic.options)."""
     decorators = [
         argument("targets", nargs="*", help="names or expressions of models, optimizers, GradScalers "
-                 "(default: every one in the namespace)"),
+                 "(default: every one the cell calls, created in it or not)"),
         *(argument(*flags, **spec) for flags, spec in WATCH_OPTIONS),
         argument("-o", "--output", default=_REPORT_NAME, metavar="NAME",
                  help=f"user variable that receives the report (default {_REPORT_NAME})"),
