@@ -186,7 +186,7 @@ def test_the_users_custom_exception_handler_survives(ip, ns) -> None:
 
 
 def test_the_short_error_comes_first_and_names_cells(ip, ns) -> None:
-    result, captured = run(ip, "%%nantrace\n" + TRAIN)
+    _, captured = run(ip, "%%nantrace\n" + TRAIN)
     # the short error is printed while the cell stops, the report displayed after it
     error_part = captured.stdout
     assert any("log (LogLayer)" in out.data.get("text/plain", "") for out in captured.outputs)
@@ -299,7 +299,9 @@ def test_help_is_real_help_with_an_example(ip) -> None:
     assert "%nanwatch on" in ip.find_line_magic("nanwatch").__doc__
 
 
-@pytest.mark.parametrize(("query", "expected"), [("%%nantrace?", "%%nantrace model opt"), ("%nanwatch?", "%nanwatch on")])
+@pytest.mark.parametrize(
+    ("query", "expected"), [("%%nantrace?", "%%nantrace model opt"), ("%nanwatch?", "%nanwatch on")]
+)
 def test_help_is_reachable_the_ipython_way(ip, query, expected) -> None:
     # IPython turns "%%nantrace?" into its pinfo magic, which pages the docstring
     pages = []
