@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import FrameType
 
 import torch
 
@@ -50,6 +51,8 @@ class Finding:
     source: SourcePointer | None = None
     cause: Cause | None = None
     notes: list[str] = field(default_factory=list)
+    # The replay's frame that ran the producing op (replay.py), for %debug.
+    frame: FrameType | None = None
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:

@@ -446,6 +446,7 @@ class ForwardChecks:
         if result.finding is not None:
             op = result.finding
             apply_op_finding(finding, op)
+            finding.frame = result.frame
             finding.notes.append(
                 f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
                 f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
@@ -500,6 +501,7 @@ class ForwardChecks:
         op = result.finding
         if op is not None and _within(op.module, call.name or ""):
             apply_op_finding(finding, op)
+            finding.frame = result.frame
             finding.notes.append(
                 f"{label}'s own arguments are gone by the deferred check ({missing}); a replay of {outer}, which "
                 f"called it, found the op in {op.module or label}: {op.nan} nan, {op.posinf} +inf, "

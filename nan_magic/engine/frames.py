@@ -19,7 +19,16 @@ import torch
 from nan_magic.locations import name_location
 from nan_magic.records import SourcePointer
 
-__all__ = ["frames_of", "is_library_file", "pointer", "short_traceback", "trim_to_user_code", "user_frames_of"]
+__all__ = [
+    "end_at_producer",
+    "frames_of",
+    "is_library_file",
+    "last_user_frame",
+    "pointer",
+    "short_traceback",
+    "trim_to_user_code",
+    "user_frames_of",
+]
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module_file)) + os.sep
@@ -71,6 +80,31 @@ def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
     return last_user
 
 
+def end_at_producer(tb: TracebackType | None, producer: FrameType | None) -> TracebackType | None:
+    """Cut ``tb`` after its last user frame, then append the producer's frame; return the last entry.
+
+    ``producer`` is the frame that ran the producing op when the traceback
+    does not reach it: a replay found the op (replay.py) after the module
+    had returned. Appended, it is where ``%debug`` and ``pdb.post_mortem``
+    open, with the producer's locals. Calling it again changes nothing.
+    """
+    last = trim_to_user_code(tb)
+    if last is None or producer is None or last.tb_frame is producer:
+        return last
+    last.tb_next = TracebackType(None, producer, producer.f_lasti, producer.f_lineno)
+    return last.tb_next
+
+
+def last_user_frame(tb: TracebackType | None) -> FrameType | None:
+    """The innermost frame of ``tb`` that is the user's code, or None."""
+    found = None
+    while tb is not None:
+        if not is_library_file(tb.tb_frame.f_code.co_filename):
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
 def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     """Source pointers of every entry of a traceback, outermost first."""
     pointers = []
@@ -94,21 +128,27 @@ def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePoi
     them (``Cell In[5], line 14``), so the report below stays on the first screen.
     """
     frames = list(user_frames_of(tb))
+    at_producer = producer is not None and (producer.filename, producer.lineno) in {
+        (frame.filename, frame.lineno) for frame in frames
+    }
+    if producer is not None and not at_producer:
+        frames.append(producer)
+
+    def lines_of(frame: SourcePointer) -> list[str]:
+        is_producer = producer is not None and (frame.filename, frame.lineno) == (producer.filename, producer.lineno)
+        return _frame_lines(frame, "producer: " if is_producer else "")
+
     lines = [headline]
     if len(frames) > _MAX_SHORT_FRAMES:
         # The outermost two (the cell's own lines) and the innermost ones (nearest the producer).
         hidden = len(frames) - _MAX_SHORT_FRAMES + 1
         for frame in frames[:2]:
-            lines.extend(_frame_lines(frame))
+            lines.extend(lines_of(frame))
         lines.append(f"    ... {hidden} more frames (%tb shows them)")
         frames = frames[2 + hidden:]
     for frame in frames:
-        lines.extend(_frame_lines(frame))
-    if producer is not None and (producer.filename, producer.lineno) not in {
-        (frame.filename, frame.lineno) for frame in user_frames_of(tb)
-    }:
-        lines.extend(_frame_lines(producer, "producer: "))
-    lines.append("%tb shows the full traceback; %debug opens the debugger in the last frame above")
+        lines.extend(lines_of(frame))
+    lines.append("%tb shows the full traceback, %debug opens the debugger")
     return lines
 
 

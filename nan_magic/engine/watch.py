@@ -48,7 +48,7 @@ from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.forward import ForwardChecks
-from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
+from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
 from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.scene import record_scene
@@ -411,7 +411,7 @@ class Watch:
             return
         if self.config.on_detect == "raise":
             self._raised = True
-            self.raised = NonFiniteError(report)
+            self.raised = NonFiniteError(report, producer_frame=finding.frame)
             raise self.raised
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=2)
@@ -434,7 +434,7 @@ class Watch:
         Called by ``__exit__``, and by the magics where IPython catches the
         exception first.
         """
-        last = trim_to_user_code(tb)
+        last = end_at_producer(tb, error.producer_frame)
         if last is None:
             return
         tensor_locals = tuple(
