@@ -277,6 +277,24 @@ def test_nanwatch_arms_only_the_rest_of_the_cell(ip, ns) -> None:
     assert result.error_in_exec is None  # the next cell is not watched
 
 
+def test_a_nantrace_cell_takes_over_from_nanwatch_on(ip, ns) -> None:
+    before = global_hook_counts()
+    run(ip, "%nanwatch on other")
+    result, _ = run(ip, "%%nantrace model\n" + TRAIN)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    assert (ns["_nan_report"].model, ns["_nan_report"].module) == ("model", "log")
+    run(ip, "%nanwatch off")
+    assert global_hook_counts() == before
+
+
+def test_run_cell_magic_called_directly_runs_the_body_through_the_shell(ip, ns) -> None:
+    before = global_hook_counts()
+    with capture_output():
+        ip.run_cell_magic("nantrace", "model", "%time " + TRAIN.strip().splitlines()[2].strip() + "\n" + TRAIN)
+    assert (ns["_nan_report"].model, ns["_nan_report"].module) == ("model", "log")
+    assert global_hook_counts() == before
+
+
 def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     before = global_hook_counts()
     _, captured = run(ip, "%nanwatch on model")
