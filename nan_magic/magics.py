@@ -240,7 +240,7 @@ class NanMagics(Magics):
             if config.defer is None:
                 config = dataclasses.replace(config, defer=_models_on_a_device(namespace))
         try:
-            return Watch(targets, labels=labels, config=config, name_new_root=_root_namer(namespace, args.targets))
+            return Watch(targets, labels=labels, config=config, name_new_target=_target_namer(namespace, args.targets))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{name}: {error}") from None
 
@@ -388,28 +388,29 @@ def _models_on_a_device(namespace: dict[str, Any]) -> bool:
     return False
 
 
-def _root_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable[[nn.Module], str | None]:
-    """How a model first called at top level joins the watch (see ``Watch``).
+def _target_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable[[Any], str | None]:
+    """How a model first called at top level, or an optimizer first stepping, joins the watch.
 
-    Without targets, every one joins, under its name in the namespace (or
-    its class name). With targets, one joins when a target expression, looked
-    up again now, is that model: a cell that rebuilds ``model`` is watched on
-    the new one, and nothing else is.
+    Without targets, every model joins, under its name in the namespace (or
+    its class name); every optimizer is watched anyway. With targets, one
+    joins when a target expression, looked up again now, is that object: a
+    cell that rebuilds ``model, opt`` is watched on the new ones, and
+    nothing else is.
     """
 
-    def name_new_root(module: nn.Module) -> str | None:
+    def name_new_target(target: Any) -> str | None:
         if not expressions:
-            names = (name for name, value in list(namespace.items()) if value is module and not name.startswith("_"))
-            return next(names, type(module).__name__)
+            names = (name for name, value in list(namespace.items()) if value is target and not name.startswith("_"))
+            return next(names, type(target).__name__)
         for expression in expressions:
             try:
-                if eval(expression, namespace) is module:
+                if eval(expression, namespace) is target:
                     return expression
-            except Exception:  # a name the cell has deleted, say: not this model
+            except Exception:  # a name the cell has deleted, say: not this object
                 continue
         return None
 
-    return name_new_root
+    return name_new_target
 
 
 _NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")

@@ -135,6 +135,24 @@ def test_a_model_the_cell_rebuilds_is_watched_as_the_new_one(ip, ns) -> None:
         assert (report.model, report.module, report.module_type) == ("model", "log", "LogLayer"), magic_line
 
 
+def test_an_optimizer_the_cell_rebuilds_is_watched_when_named(ip, ns) -> None:
+    ip.run_cell("lin = nn.Linear(4, 2)\nfast = torch.optim.SGD(lin.parameters(), lr=0.1)")
+    cell = (
+        "%%nantrace lin fast\n"
+        "lin = nn.Linear(4, 2)\n"
+        "fast = torch.optim.SGD(lin.parameters(), lr=1e38)\n"
+        "for step in range(3):\n"
+        "    loss = lin(x).pow(2).sum()\n"
+        "    fast.zero_grad(); loss.backward(); fast.step()\n"
+    )
+    result, _ = run(ip, cell)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    report = ns["_nan_report"]
+    assert (report.phase, report.model, report.step) == ("optimizer", "lin", 0)
+    for name in ("lin", "fast"):
+        ns.pop(name)
+
+
 def test_with_targets_only_those_models_are_watched(ip, ns) -> None:
     result, _ = run(ip, "%%nantrace other\n" + TRAIN)
     assert result.error_in_exec is not None

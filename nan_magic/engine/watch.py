@@ -79,16 +79,17 @@ class Watch:
         *,
         labels: Iterable[str | None] | None = None,
         config: WatchConfig | None = None,
-        name_new_root: Callable[[nn.Module], str | None] | None = None,
+        name_new_target: Callable[[Any], str | None] | None = None,
     ) -> None:
         self.config = config or WatchConfig()
         # Resolving validates the targets now, so bad input fails before any
         # user code runs and before anything is attached.
         self.targets: Targets = resolve_targets(targets, labels, self.config)
-        # Which module first called at top level joins the watch, and under
-        # what label (None: it stays unwatched). By default: every one when
-        # no module was given (discovery), none otherwise.
-        self._name_new_root = name_new_root
+        # Which module first called at top level, or optimizer first seen
+        # stepping, joins the watch, and under what label (None: it stays
+        # unwatched). By default: every module when no module was given
+        # (discovery), nothing else.
+        self._name_new_target = name_new_target
         #: The NonFiniteError this watch raised, once it has (the magics
         #: adopt its traceback after IPython has shown it).
         self.raised: NonFiniteError | None = None
@@ -275,9 +276,16 @@ class Watch:
         return info
 
     def _new_root_label(self, module: nn.Module) -> str | None:
-        if self._name_new_root is not None:
-            return self._name_new_root(module)
+        if self._name_new_target is not None:
+            return self._name_new_target(module)
         return type(module).__name__ if self.targets.discover else None
+
+    def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether an optimizer that is not a target joins the watch (see ``name_new_target``)."""
+        if self._name_new_target is None or self._name_new_target(opt) is None:
+            return False
+        self.targets.optimizers.append(opt)
+        return True
 
     def mine(self) -> bool:
         """Hooks are global: act only for the thread that entered the watch, not during a replay."""
