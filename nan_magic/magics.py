@@ -94,7 +94,8 @@ class NanMagics(Magics):
         producer. Without targets, every model, optimizer and GradScaler the
         cell calls is watched, including ones the cell creates; with
         targets, only those (their names are looked up again when a model is
-        called, so ``model, opt = build()`` inside the cell is followed).
+        called or an optimizer steps, so ``model, opt = build()`` inside the
+        cell is followed).
         Hooks exist only while the cell runs.
 
         Example::
