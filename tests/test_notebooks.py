@@ -175,7 +175,7 @@ KERNEL_TRAIN = """for step in range(3):
 KERNEL_CELLS = {
     "setup": KERNEL_SETUP,
     "ipython_syntax": (
-        "%%nantrace other\n%time y = other(torch.ones(1, 3))\n!echo shell-says-hi\n"
+        "%%nantrace other\n%matplotlib inline\n%time y = other(torch.ones(1, 3))\n!echo shell-says-hi\n"
         "import asyncio\nawait asyncio.sleep(0)\ny.shape[1] + 1"
     ),
     "handler": (
