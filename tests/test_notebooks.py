@@ -194,7 +194,7 @@ RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch"}
 
 
 @pytest.fixture(scope="module")
-def kernel_cells(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def kernel_nb(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
@@ -205,8 +205,13 @@ def kernel_cells(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         nb.cells.append(cell)
     path = tmp_path_factory.mktemp("kernel") / "magics.ipynb"
     nbformat.write(nb, path)
-    executed = execute_notebook(path)
-    return {cell.metadata["name"]: cell for cell in executed.cells}
+    return execute_notebook(path)
+
+
+def named(nb: Any, name: str) -> Any:
+    """The cell of the kernel notebook that KERNEL_CELLS calls ``name``."""
+    (cell,) = [cell for cell in nb.cells if cell.metadata["name"] == name]
+    return cell
 
 
 def stream_text(cell: Any) -> str:
@@ -217,8 +222,8 @@ def errors_of(cell: Any) -> list[Any]:
     return [out for out in cell.outputs if out.output_type == "error"]
 
 
-def test_kernel_runs_the_nantrace_cell_as_ipython_does(kernel_cells: dict[str, Any]) -> None:
-    cell = kernel_cells["ipython_syntax"]
+def test_kernel_runs_the_nantrace_cell_as_ipython_does(kernel_nb: Any) -> None:
+    cell = named(kernel_nb, "ipython_syntax")
     assert not errors_of(cell)
     text = stream_text(cell)
     assert "Wall time" in text and "shell-says-hi" in text
@@ -226,8 +231,8 @@ def test_kernel_runs_the_nantrace_cell_as_ipython_does(kernel_cells: dict[str, A
     assert result["data"]["text/plain"] == "4" and result["execution_count"] == cell.execution_count
 
 
-def test_kernel_short_error_first_then_the_report(kernel_cells: dict[str, Any]) -> None:
-    cell = kernel_cells["stops"]
+def test_kernel_short_error_first_then_the_report(kernel_nb: Any) -> None:
+    cell = named(kernel_nb, "stops")
     (error,) = errors_of(cell)
     assert error.ename == "NonFiniteError"
     lines = "\n".join(error.traceback).splitlines()
@@ -246,19 +251,28 @@ def test_kernel_short_error_first_then_the_report(kernel_cells: dict[str, Any]) 
     assert "Cell In[" in report["data"]["text/plain"] and "ipykernel_" not in report["data"]["text/plain"]
 
 
-def test_kernel_keeps_the_users_exception_handler(kernel_cells: dict[str, Any]) -> None:
-    assert "my handler saw ZeroDivisionError" in stream_text(kernel_cells["handler_kept"])
+def test_kernel_debug_tab_shows_the_producers_frame_and_locals(kernel_nb: Any) -> None:
+    tree = report_widgets(kernel_nb, named(kernel_nb, "stops"))
+    debug = html_values(descendants(tree["states"], tree["children"][TAB_TITLES.index("Debug")]))
+    # the replayed producer's own frame (LogLayer.forward), named as a cell, with its tensor local x
+    assert re.search(r"%debug opens in <code>Cell In\[\d+\], line \d+, in forward</code>", debug), debug
+    assert "return torch.log(x * 1.0)" in debug
+    assert "<code>x</code>: " in debug
 
 
-def test_kernel_watches_the_model_the_cell_rebuilds(kernel_cells: dict[str, Any]) -> None:
-    (error,) = errors_of(kernel_cells["rebuilt"])
+def test_kernel_keeps_the_users_exception_handler(kernel_nb: Any) -> None:
+    assert "my handler saw ZeroDivisionError" in stream_text(named(kernel_nb, "handler_kept"))
+
+
+def test_kernel_watches_the_model_the_cell_rebuilds(kernel_nb: Any) -> None:
+    (error,) = errors_of(named(kernel_nb, "rebuilt"))
     assert error.ename == "NonFiniteError"
-    assert stream_text(kernel_cells["rebuilt_report"]).split() == ["model", "log"]
+    assert stream_text(named(kernel_nb, "rebuilt_report")).split() == ["model", "log"]
 
 
-def test_kernel_bare_nanwatch_watches_the_rest_of_the_cell(kernel_cells: dict[str, Any]) -> None:
-    (error,) = errors_of(kernel_cells["bare_nanwatch"])
+def test_kernel_bare_nanwatch_watches_the_rest_of_the_cell(kernel_nb: Any) -> None:
+    (error,) = errors_of(named(kernel_nb, "bare_nanwatch"))
     assert error.ename == "NonFiniteError"
-    text = stream_text(kernel_cells["bare_report"])
+    text = stream_text(named(kernel_nb, "bare_report"))
     assert text.split("\n")[0].split() == ["model", "log"]
     assert "nan_magic: off" in text and "last report" in text
