@@ -330,6 +330,13 @@ def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     assert global_hook_counts() == before
 
 
+def test_a_terminal_nantrace_cell_still_ends_at_a_blank_line(ip) -> None:
+    # check_complete decides when terminal IPython runs what was typed; a cell magic ends at a blank line
+    check = ip.input_transformer_manager.check_complete
+    assert check("%%nantrace model\ny = model(x)\n")[0] == "incomplete"
+    assert check("%%nantrace model\ny = model(x)\n\n")[0] == "complete"
+
+
 def test_help_is_real_help_with_an_example(ip) -> None:
     magic = ip.find_cell_magic("nantrace")
     doc = magic.__doc__
