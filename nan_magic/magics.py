@@ -1,20 +1,30 @@
 """IPython front end: ``%%nantrace`` and ``%nanwatch``.
 
-Thin by design: parse (IPython's ``magic_arguments``, so ``%nantrace?`` is the
-help and bad input is a ``UsageError``), build a :class:`WatchConfig`, run the
-engine, store and display the report. Only public IPython APIs are used:
-``register_magics``, ``events.register``/``unregister``, ``set_custom_exc``.
+Thin by design: parse (IPython's ``magic_arguments``, so ``%%nantrace?`` and
+``%nanwatch?`` are the help and bad input is a ``UsageError``), build a
+:class:`Watch`, arm it, store and display the report.
 
-Where the report appears: IPython prints the cell's traceback when the cell
-ends; the report is displayed from the ``post_run_cell`` event, so it opens
-*under* the short error line.
+The cell is IPython's: an input transformer (IPython's public
+``input_transformers_cleanup``) rewrites a ``%%nantrace ARGS`` cell into the
+same cell with its first line replaced by a call that arms the watch; the
+rest is the user's cell, which IPython transforms, compiles and runs as any
+other, so line magics, ``!`` commands, top-level ``await``, the display of
+the last value, ``In``/``Out``/``_`` and ``Cell In[5], line 14`` in
+tracebacks (with the user's own line numbers) all behave as without the
+magic. The watch is disarmed by the ``post_execute`` event, which IPython
+triggers after every cell, ``ipython script.ipy``'s silent ones included.
+
+The user's ``set_custom_exc`` handlers are left alone: the short error comes
+from ``NonFiniteError._render_traceback_``, which IPython honours. The report
+is displayed from ``post_execute``, so it opens *under* the short error.
 """
 
 from __future__ import annotations
 
-import ast
+import dataclasses
+import re
 import sys
-from types import TracebackType
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -39,7 +49,7 @@ def _watch_options(func: Any) -> Any:
     """The options %%nantrace and %nanwatch share (see nan_magic.options)."""
     decorators = [
         argument("targets", nargs="*", help="names or expressions of models, optimizers, GradScalers "
-                 "(default: every one in the namespace)"),
+                 "(default: every one the cell calls, created in it or not)"),
         *(argument(*flags, **spec) for flags, spec in WATCH_OPTIONS),
         argument("-o", "--output", default=_REPORT_NAME, metavar="NAME",
                  help=f"user variable that receives the report (default {_REPORT_NAME})"),
@@ -61,6 +71,8 @@ class NanMagics(Magics):
         self._persistent: tuple[str, Any] | None = None
         self._pending: Report | None = None
         self._last: Watch | None = None
+        self._cell_args: Any = None
+        self._cell_from_persistent = False
 
     @property
     def _shell(self) -> Any:
@@ -72,13 +84,19 @@ class NanMagics(Magics):
 
     @_watch_options
     @cell_magic
-    def nantrace(self, line: str, cell: str) -> Any:
+    def nantrace(self, line: str, cell: str | None) -> None:
         """Run this cell under a NaN/Inf watch; stop at the first non-finite value.
 
-        The report (producer module, op and line, per-layer table, histograms,
-        likely cause) opens under the error, is stored as ``_nan_report`` and
-        ``%debug`` opens in the frame that produced the value. Hooks exist only
-        while the cell runs.
+        The cell runs as any other (magics, ``!`` commands and ``await`` work
+        in it). The report (producer module, op and line, per-layer table,
+        histograms, likely cause) opens under a short error, is stored as
+        ``_nan_report``, and ``%debug`` opens in the frame nearest the
+        producer. Without targets, every model, optimizer and GradScaler the
+        cell calls is watched, including ones the cell creates; with
+        targets, only those (their names are looked up again when a model is
+        called or an optimizer steps, so ``model, opt = build()`` inside the
+        cell is followed).
+        Hooks exist only while the cell runs.
 
         Example::
 
@@ -89,26 +107,24 @@ class NanMagics(Magics):
         """
         __tracebackhide__ = True
         args = self._parse(self.nantrace, line, "%%nantrace")
-        if not cell.strip():
+        if cell is not None and not cell.strip():
             raise UsageError("%%nantrace: the cell is empty; put the code to watch below the magic line")
-        watch = self._make_watch(args, "%%nantrace")
-        code, last_expr = self._compile_cell(cell)
-        try:
-            with watch:
-                exec(code, self._shell.user_ns)
-                result = eval(last_expr, self._shell.user_ns) if last_expr is not None else None
-        finally:
-            self._finish(watch, args)
-        return result
+        self._arm_for_cell(self._make_watch(args, "%%nantrace"), args, "%%nantrace")
+        if cell is not None:
+            # Called directly (run_cell_magic), not from a transformed cell:
+            # the shell runs the body; its post_execute disarms the watch.
+            self._shell.run_cell(cell)
 
     @_watch_options
     @line_magic
     def nanwatch(self, line: str) -> None:
         """Arm a NaN/Inf watch: for the rest of this cell, or ``on`` for every cell.
 
-        ``%nanwatch [targets] [options]`` watches the rest of the current cell;
+        ``%nanwatch [targets] [options]`` watches the rest of the current cell
+        (bare ``%nanwatch``: every model, optimizer and GradScaler it calls);
         ``%nanwatch on [targets] [options]`` every following cell until
-        ``%nanwatch off``; bare ``%nanwatch`` prints the status.
+        ``%nanwatch off``; ``%nanwatch status`` prints what is armed and the
+        last report.
 
         Example::
 
@@ -117,16 +133,16 @@ class NanMagics(Magics):
             %nanwatch off
         """
         words = line.split()
-        if not words:
-            print(self._status())
-            return
-        if words[0] == "off":
+        if words[:1] in (["off"], ["status"]):
             if len(words) > 1:
-                raise UsageError("%nanwatch off takes no arguments")
+                raise UsageError(f"%nanwatch {words[0]} takes no arguments")
+            if words[0] == "status":
+                print(self._status())
+                return
             self._persistent = None
             print("nan_magic: watch off")
             return
-        persistent = words[0] == "on"
+        persistent = words[:1] == ["on"]
         rest = line.split(None, 1)[1] if persistent and len(words) > 1 else ("" if persistent else line)
         args = self._parse(self.nanwatch, rest, "%nanwatch")
         watch = self._make_watch(args, "%nanwatch")
@@ -134,7 +150,7 @@ class NanMagics(Magics):
             self._persistent = (rest, args)
             print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
             return
-        self._arm_for_cell(watch, args)
+        self._arm_for_cell(watch, args, "%nanwatch")
 
     @magic_arguments()
     @argument("path", help="a scene file saved with --dump")
@@ -214,79 +230,64 @@ class NanMagics(Magics):
             raise UsageError(f"{name}: {error}") from None
         if not args.output.isidentifier():
             raise UsageError(f"{name}: -o needs a Python identifier, not {args.output!r}")
-        labels, targets = self._targets(args.targets, name)
+        namespace = self._shell.user_ns
+        if args.targets:
+            labels, targets = self._targets(args.targets, name)
+        else:
+            # Models are found when the cell calls them (it may build them);
+            # the namespace's GradScalers are passed so their skipped steps
+            # are known as benign, and its models only decide where to check.
+            labels, targets = _namespace_scalers(namespace)
+            if config.defer is None:
+                config = dataclasses.replace(config, defer=_models_on_a_device(namespace))
         try:
-            return Watch(targets, labels=labels, config=config)
+            return Watch(targets, labels=labels, config=config, name_new_target=_target_namer(namespace, args.targets))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{name}: {error}") from None
 
     def _targets(self, expressions: list[str], name: str) -> tuple[list[str], list[Any]]:
         namespace = self._shell.user_ns
-        if expressions:
-            values = []
-            for expression in expressions:
-                try:
-                    values.append(eval(expression, namespace))
-                except Exception as error:
-                    raise UsageError(f"{name}: cannot evaluate target {expression!r}: {error}") from None
-            return list(expressions), values
-        return _discover(namespace)
-
-    def _compile_cell(self, cell: str) -> tuple[Any, Any]:
-        """Compile the cell like IPython does (its lines show in tracebacks).
-
-        A final expression is evaluated separately so its value is displayed,
-        as it would be without the magic.
-        """
-        compiler = self._shell.compile
-        try:
-            tree = compiler.ast_parse(cell)
-        except SyntaxError as error:
-            raise UsageError(f"%%nantrace: the cell has a syntax error: {error}") from None
-        filename = compiler.cache(cell)
-        last_expr = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last_expr = compile(ast.Expression(tree.body.pop().value), filename, "eval")
-        return compile(tree, filename, "exec"), last_expr
+        values = []
+        for expression in expressions:
+            try:
+                values.append(eval(expression, namespace))
+            except Exception as error:
+                raise UsageError(f"{name}: cannot evaluate target {expression!r}: {error}") from None
+        return list(expressions), values
 
     # -- cell-scoped arming ------------------------------------------------------
 
-    def _arm_for_cell(self, watch: Watch, args: Any) -> None:
+    def _arm_for_cell(self, watch: Watch, args: Any, name: str) -> None:
         if self._cell_watch is not None:
-            raise UsageError("%nanwatch: a watch is already armed for this cell")
+            if not self._cell_from_persistent:
+                raise UsageError(f"{name}: a watch is already armed for this cell")
+            # The cell's own magic takes over from the "%nanwatch on" one.
+            self._disarm_cell()
         watch.__enter__()
         self._cell_watch = watch
         self._cell_args = args
-        # The cell's exception reaches IPython, not us: trim its traceback so
-        # the printed lines and %debug end in the user's frame.
-        self._shell.set_custom_exc((NonFiniteError,), self._show_nonfinite)
-
-    def _show_nonfinite(
-        self, shell: Any, etype: type, value: BaseException, tb: TracebackType, tb_offset: int | None = None
-    ) -> Any:
-        __tracebackhide__ = True
-        watch = self._cell_watch
-        if watch is not None and isinstance(value, NonFiniteError):
-            watch.adopt_traceback(value, tb)
-        return shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        self._cell_from_persistent = name == "%nanwatch on"
 
     def _disarm_cell(self) -> None:
         watch = self._cell_watch
         if watch is None:
             return
         self._cell_watch = None
-        self._shell.set_custom_exc((), None)
         try:
             watch.__exit__(None, None, None)
         except NonFiniteError as error:
             # Deferred mode found it at the final check: report it all the same.
             print(f"NonFiniteError: {error}", file=sys.stderr)
         finally:
+            if watch.raised is not None:
+                # IPython caught and showed it; now cut our frames off its
+                # traceback (if showing did not already) and note its frames.
+                watch.adopt_traceback(watch.raised, watch.raised.__traceback__)
             self._finish(watch, self._cell_args)
 
     # -- events ------------------------------------------------------------------
 
-    def pre_run_cell(self, info: Any = None) -> None:
+    def pre_execute(self) -> None:
         if self._persistent is not None and self._cell_watch is None:
             _line, args = self._persistent
             try:
@@ -295,9 +296,9 @@ class NanMagics(Magics):
                 self._persistent = None
                 print(f"nan_magic: watch off ({error})", file=sys.stderr)
                 return
-            self._arm_for_cell(watch, args)
+            self._arm_for_cell(watch, args, "%nanwatch on")
 
-    def post_run_cell(self, result: Any = None) -> None:
+    def post_execute(self) -> None:
         self._disarm_cell()
         if self._pending is not None:
             report, self._pending = self._pending, None
@@ -369,12 +370,78 @@ def _is_optimizer(value: Any) -> bool:
     return isinstance(value, torch.optim.Optimizer)
 
 
+def _namespace_scalers(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
+    """The GradScalers in the user namespace, each once, with their names."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, value in list(namespace.items()):
+        if not name.startswith("_") and _is_grad_scaler(value):
+            found.setdefault(id(value), (name, value))
+    return [name for name, _ in found.values()], [value for _, value in found.values()]
+
+
+def _models_on_a_device(namespace: dict[str, Any]) -> bool:
+    """Whether a model in the namespace lives off the CPU (the watch then defers its checks)."""
+    for value in list(namespace.values()):
+        if isinstance(value, nn.Module):
+            parameter = next(value.parameters(), None)
+            if parameter is not None and parameter.device.type != "cpu":
+                return True
+    return False
+
+
+def _target_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable[[Any], str | None]:
+    """How a model first called at top level, or an optimizer first stepping, joins the watch.
+
+    Without targets, every model joins, under its name in the namespace (or
+    its class name); every optimizer is watched anyway. With targets, one
+    joins when a target expression, looked up again now, is that object: a
+    cell that rebuilds ``model, opt`` is watched on the new ones, and
+    nothing else is.
+    """
+
+    def name_new_target(target: Any) -> str | None:
+        if not expressions:
+            names = (name for name, value in list(namespace.items()) if value is target and not name.startswith("_"))
+            return next(names, type(target).__name__)
+        for expression in expressions:
+            try:
+                if eval(expression, namespace) is target:
+                    return expression
+            except Exception:  # a name the cell has deleted, say: not this object
+                continue
+        return None
+
+    return name_new_target
+
+
+_NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")
+
+
+def _arm_nantrace_cell(lines: list[str]) -> list[str]:
+    """Input transformer: ``%%nantrace ARGS`` + body -> a call that arms the watch + body.
+
+    The body stays the user's cell, line for line (the call takes the magic
+    line's place), for IPython to transform and run. A ``%%nantrace?`` line
+    (help) and an empty body are left to IPython and the magic.
+    """
+    if not lines or not _NANTRACE_LINE.match(lines[0]) or not "".join(lines[1:]).strip():
+        return lines
+    magic_line = lines[0][len("%%nantrace"):].strip()
+    return [f"get_ipython().run_cell_magic('nantrace', {magic_line!r}, None)\n", *lines[1:]]
+
+
+# IPython's check_complete (is a terminal cell finished?) skips transformers
+# marked like this, so a %%nantrace cell still ends at a blank line there.
+_arm_nantrace_cell.has_side_effects = True  # type: ignore[attr-defined]
+
+
 def load(shell: Any) -> None:
-    """Register the magics and the cell events (``%load_ext nan_magic``)."""
+    """Register the magics, the transformer and the cell events (``%load_ext nan_magic``)."""
     magics = NanMagics(shell)
     shell.register_magics(magics)
-    shell.events.register("pre_run_cell", magics.pre_run_cell)
-    shell.events.register("post_run_cell", magics.post_run_cell)
+    shell.input_transformers_cleanup.append(_arm_nantrace_cell)
+    shell.events.register("pre_execute", magics.pre_execute)
+    shell.events.register("post_execute", magics.post_execute)
     _loaded[id(shell)] = magics
 
 
@@ -384,8 +451,10 @@ def unload(shell: Any) -> None:
     if magics is None:
         return
     magics.disarm_all()
-    shell.events.unregister("pre_run_cell", magics.pre_run_cell)
-    shell.events.unregister("post_run_cell", magics.post_run_cell)
+    if _arm_nantrace_cell in shell.input_transformers_cleanup:
+        shell.input_transformers_cleanup.remove(_arm_nantrace_cell)
+    shell.events.unregister("pre_execute", magics.pre_execute)
+    shell.events.unregister("post_execute", magics.post_execute)
     shell.magics_manager.magics["cell"].pop("nantrace", None)
     shell.magics_manager.magics["line"].pop("nanwatch", None)
     shell.magics_manager.magics["line"].pop("nanreplay", None)

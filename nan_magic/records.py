@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from nan_magic.locations import name_location
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
@@ -105,7 +107,7 @@ class SourcePointer:
     line: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.filename}:{self.lineno} in {self.function}"
+        return f"{name_location(self.filename, self.lineno)}, in {self.function}"
 
 
 LayerStatus = Literal["ok", "producer", "propagated", "benign"]
@@ -269,7 +271,7 @@ class Report:
         if self.op:
             where += f", op {self.op}"
         if self.source is not None:
-            where += f" at {self.source.filename.rsplit('/', 1)[-1]}:{self.source.lineno}"
+            where += f" at {name_location(self.source.filename, self.source.lineno)}"
         verb = "benign non-finite" if self.benign else "first non-finite"
         # The op's own output needs no second naming: "op aten.div.Tensor" follows.
         tensor = "value" if self.op and self.tensor == f"output of {self.op}" else self.tensor

@@ -91,18 +91,21 @@ def test_functional_code_in_a_parent_forward_is_blamed_on_the_parent() -> None:
     assert [row.status for row in report.layers if row.module == "b"] == ["propagated"]
 
 
-def test_traceback_ends_on_the_line_that_called_the_producer() -> None:
+def test_traceback_ends_on_the_line_that_ran_the_producing_op() -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "shared_submodule")
     error = run_fault(fault)
-    last = traceback.extract_tb(error.__traceback__)[-1]
-    assert last.filename == faults.__file__
-    assert last.lineno == faults.marked_line("shared", kind="caller")
+    entries = traceback.extract_tb(error.__traceback__)
+    # the caller's line, then the frame the replay ran the op in: %debug opens there
+    assert (entries[-2].filename, entries[-2].lineno) == (faults.__file__, faults.marked_line("shared", kind="caller"))
+    last = entries[-1]
+    assert (last.filename, last.lineno) == (faults.__file__, faults.marked_line("log"))
     assert error.report.debug_frame is not None
     assert (error.report.debug_frame.filename, error.report.debug_frame.lineno) == (last.filename, last.lineno)
     assert error.report.debug_frame.function == "forward"
-    assert error.report.debug_frame.line == "return self.again(h - 5)  # log of negatives: NaN  # caller: shared"
+    assert error.report.debug_frame.line == "return torch.log(x)  # producer: log"
+    assert [name for name, _stats in error.report.debug_locals] == ["x"]
     # the frames listed run from this test down to that line, all user code
-    assert [frame.function for frame in error.report.frames] == ["run_fault", "<lambda>", "forward"]
+    assert [frame.function for frame in error.report.frames] == ["run_fault", "<lambda>", "forward", "forward"]
 
 
 def test_report_is_frozen_picklable_and_holds_no_tensors() -> None:

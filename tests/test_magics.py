@@ -88,23 +88,27 @@ def test_nantrace_stops_at_the_first_nonfinite_and_stores_the_report(ip, ns) -> 
     assert any("text/html" in out.data for out in captured.outputs)
 
 
-def test_traceback_is_short_and_ends_in_the_users_frame(ip, ns) -> None:
+def test_traceback_ends_in_the_frame_that_ran_the_producing_op(ip, ns) -> None:
     run(ip, "%%nantrace model\n" + TRAIN)
     tb = sys.last_traceback
     while tb.tb_next is not None:
         tb = tb.tb_next
     frame = tb.tb_frame
-    # the line that called the producing module, inside the user's Net.forward
+    # the replay found the op: the producer's own forward at that line, not its parent's call
     assert frame.f_code.co_name == "forward"
-    assert frame.f_locals["self"].__class__.__name__ == "Net"
-    assert "h" in frame.f_locals
-    assert ns["_nan_report"].debug_frame.line == "h = self.log(h)"
+    assert frame.f_locals["self"].__class__.__name__ == "LogLayer"
+    assert tb.tb_lineno == frame.f_code.co_firstlineno + 2  # return torch.log(h)
+    report = ns["_nan_report"]
+    assert report.debug_frame.line == "return torch.log(h)"
+    assert {name for name, _stats in report.debug_locals} == {"x", "h"}
+    assert report.frames[-1].line == "return torch.log(h)"
 
 
 def test_debug_opens_in_the_producing_frame(ip, ns) -> None:
     run(ip, "%%nantrace model\n" + TRAIN)
-    printed = debug_session(ip, "p type(self).__name__\np tuple(h.shape)\nq\n")
-    assert "'Net'" in printed
+    printed = debug_session(ip, "p type(self).__name__\np float(h.min()) < 0\np tuple(h.shape)\nq\n")
+    assert "'LogLayer'" in printed
+    assert "True" in printed  # h, the value log was given, is there to inspect
     assert "(5, 8)" in printed
 
 
@@ -121,13 +125,124 @@ def test_last_expression_is_displayed_and_healthy_cells_run_normally(ip, ns) -> 
     assert "_nan_report" not in ns
 
 
-def test_auto_discovery_watches_top_level_modules_once(ip, ns) -> None:
-    from nan_magic.magics import _discover
+def test_a_model_the_cell_rebuilds_is_watched_as_the_new_one(ip, ns) -> None:
+    ip.run_cell("def build():\n    m = Net()\n    return m, torch.optim.SGD(m.parameters(), lr=0.1)")
+    for magic_line in ("%%nantrace", "%%nantrace model opt"):
+        old_model = ns["model"]
+        run(ip, magic_line + "\nmodel, opt = build()\n" + TRAIN)
+        report = ns["_nan_report"]
+        assert ns["model"] is not old_model
+        assert (report.model, report.module, report.module_type) == ("model", "log", "LogLayer"), magic_line
 
-    labels, values = _discover(ns)
-    assert "model" in labels and "other" in labels and "opt" in labels
-    # the submodules of model are not separate targets
-    assert all(value is not ns["model"].encoder for value in values)
+
+def test_an_optimizer_the_cell_rebuilds_is_watched_when_named(ip, ns) -> None:
+    ip.run_cell("lin = nn.Linear(4, 2)\nfast = torch.optim.SGD(lin.parameters(), lr=0.1)")
+    cell = (
+        "%%nantrace lin fast\n"
+        "lin = nn.Linear(4, 2)\n"
+        "fast = torch.optim.SGD(lin.parameters(), lr=1e38)\n"
+        "for step in range(3):\n"
+        "    loss = lin(x).pow(2).sum()\n"
+        "    fast.zero_grad(); loss.backward(); fast.step()\n"
+    )
+    result, _ = run(ip, cell)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    report = ns["_nan_report"]
+    assert (report.phase, report.model, report.step) == ("optimizer", "lin", 0)
+    for name in ("lin", "fast"):
+        ns.pop(name)
+
+
+def test_with_targets_only_those_models_are_watched(ip, ns) -> None:
+    result, _ = run(ip, "%%nantrace other\n" + TRAIN)
+    assert result.error_in_exec is not None
+    # model is not a target: the NaN is first seen where the watch can see it, not inside model
+    assert ns["_nan_report"].model != "model"
+    assert ns["_nan_report"].module != "log"
+
+
+def test_a_compiled_model_elsewhere_does_not_refuse_the_cell(ip, ns) -> None:
+    run(ip, "compiled = torch.compile(nn.Linear(4, 4))")
+    run(ip, "%%nantrace\n" + TRAIN)
+    assert ns["_nan_report"].module == "log"
+    result, _ = run(ip, "%%nantrace\ny = compiled(x)")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "compiled is compiled with torch.compile" in str(result.error_in_exec)
+    ns.pop("compiled")
+
+
+def test_the_cell_is_run_by_ipython(ip, ns) -> None:
+    cell = (
+        "%%nantrace other\n"
+        "%time y = other(torch.ones(1, 3))\n"
+        "!echo shell-says-hi\n"
+        "import asyncio\n"
+        "await asyncio.sleep(0)\n"
+        "y.shape[1] + 1\n"
+    )
+    with capture_output() as captured:
+        result = ip.run_cell(cell, store_history=True)
+    assert result.error_in_exec is None and result.error_before_exec is None
+    assert "Wall time" in captured.stdout and "shell-says-hi" in captured.stdout
+    # the last value is displayed and kept in the history like any cell's
+    assert result.result == 4
+    assert ns["Out"][result.execution_count] == 4 and ns["_"] == 4
+    assert ns["In"][result.execution_count].startswith("get_ipython().run_cell_magic('nantrace', 'other', None)")
+
+
+def test_the_users_custom_exception_handler_survives(ip, ns) -> None:
+    seen = []
+
+    def handler(shell, etype, value, tb, tb_offset=None):
+        seen.append(etype)
+
+    ip.set_custom_exc((ZeroDivisionError,), handler)
+    try:
+        run(ip, "%%nantrace\n" + TRAIN)
+        run(ip, "%nanwatch model\n" + TRAIN)
+        run(ip, "1 / 0")
+        assert seen == [ZeroDivisionError]
+        assert ip.custom_exceptions == (ZeroDivisionError,)
+    finally:
+        ip.set_custom_exc((), None)
+
+
+def test_the_short_error_comes_first_and_names_cells(ip, ns) -> None:
+    _, captured = run(ip, "%%nantrace\n" + TRAIN)
+    # the short error is printed while the cell stops, the report displayed after it
+    error_part = captured.stdout
+    assert any("log (LogLayer)" in out.data.get("text/plain", "") for out in captured.outputs)
+    lines = error_part.strip().splitlines()
+    assert lines[0].startswith("NonFiniteError: first non-finite output in forward step 0: log (LogLayer)")
+    assert len(lines) <= 15
+    # the cell's line (line 5 of the cell as typed, magic line included) and the producer's line
+    assert "Cell In[" in lines[1] and lines[1].endswith(", line 5")
+    assert lines[2].strip() == "loss = model(x).abs().mean()"
+    assert any(line.strip() == "return torch.log(h)" for line in lines)
+    assert "run_cell_magic" not in error_part and "module.py" not in error_part
+    report_text = ns["_nan_report"].to_text()
+    assert "Cell In[" in report_text and "ipython-input" not in report_text and "/tmp/" not in report_text
+    # the report below it names the source as the user knows it
+    assert str(ns["_nan_report"].source).startswith("Cell In[")
+
+
+def test_tb_shows_the_full_traceback(ip, ns) -> None:
+    run(ip, "%%nantrace\n" + TRAIN)
+    with capture_output() as captured:
+        ip.run_line_magic("tb", "")
+    assert "module.py" in captured.stdout  # torch's frames between the cell and Net.forward
+    assert "h = self.log(h)" in captured.stdout
+    assert "nan_magic" + "/engine" not in captured.stdout  # our hook's frames were cut
+
+
+def test_bare_nanwatch_watches_the_rest_of_the_cell_with_every_target(ip, ns) -> None:
+    before = global_hook_counts()
+    result, _ = run(ip, "y = model(x)\n%nanwatch\n" + TRAIN)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    assert (ns["_nan_report"].model, ns["_nan_report"].module) == ("model", "log")
+    assert global_hook_counts() == before
+    _, status = run(ip, "%nanwatch status")
+    assert "nan_magic: off" in status.stdout and "last report" in status.stdout
 
 
 def test_warn_mode_lets_the_cell_finish(ip, ns) -> None:
@@ -180,6 +295,24 @@ def test_nanwatch_arms_only_the_rest_of_the_cell(ip, ns) -> None:
     assert result.error_in_exec is None  # the next cell is not watched
 
 
+def test_a_nantrace_cell_takes_over_from_nanwatch_on(ip, ns) -> None:
+    before = global_hook_counts()
+    run(ip, "%nanwatch on other")
+    result, _ = run(ip, "%%nantrace model\n" + TRAIN)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    assert (ns["_nan_report"].model, ns["_nan_report"].module) == ("model", "log")
+    run(ip, "%nanwatch off")
+    assert global_hook_counts() == before
+
+
+def test_run_cell_magic_called_directly_runs_the_body_through_the_shell(ip, ns) -> None:
+    before = global_hook_counts()
+    with capture_output():
+        ip.run_cell_magic("nantrace", "model", "%time " + TRAIN.strip().splitlines()[2].strip() + "\n" + TRAIN)
+    assert (ns["_nan_report"].model, ns["_nan_report"].module) == ("model", "log")
+    assert global_hook_counts() == before
+
+
 def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     before = global_hook_counts()
     _, captured = run(ip, "%nanwatch on model")
@@ -187,14 +320,21 @@ def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     assert global_hook_counts() == before  # nothing attached between cells
     result, _ = run(ip, "y = model(x)")
     assert result.error_in_exec is not None
-    _, status = run(ip, "%nanwatch")
+    _, status = run(ip, "%nanwatch status")
     assert "on for every cell" in status.stdout and "last report" in status.stdout
     run(ip, "%nanwatch off")
     result, _ = run(ip, "y = model(x)")
     assert result.error_in_exec is None
-    _, status = run(ip, "%nanwatch")
+    _, status = run(ip, "%nanwatch status")
     assert "nan_magic: off" in status.stdout
     assert global_hook_counts() == before
+
+
+def test_a_terminal_nantrace_cell_still_ends_at_a_blank_line(ip) -> None:
+    # check_complete decides when terminal IPython runs what was typed; a cell magic ends at a blank line
+    check = ip.input_transformer_manager.check_complete
+    assert check("%%nantrace model\ny = model(x)\n")[0] == "incomplete"
+    assert check("%%nantrace model\ny = model(x)\n\n")[0] == "complete"
 
 
 def test_help_is_real_help_with_an_example(ip) -> None:
@@ -204,6 +344,19 @@ def test_help_is_real_help_with_an_example(ip) -> None:
     for option in ("--include", "--exclude", "--types", "--warn", "--ops", "-o"):
         assert option in doc
     assert "%nanwatch on" in ip.find_line_magic("nanwatch").__doc__
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"), [("%%nantrace?", "%%nantrace model opt"), ("%nanwatch?", "%nanwatch on")]
+)
+def test_help_is_reachable_the_ipython_way(ip, query, expected) -> None:
+    # IPython turns "%%nantrace?" into its pinfo magic, which pages the docstring
+    pages = []
+    with mock.patch("IPython.core.page.page", lambda strng, *args, **kwargs: pages.append(strng)):
+        result, _ = run(ip, query)
+    assert result.error_before_exec is None and result.error_in_exec is None
+    text = str(pages)
+    assert expected in text and "Example" in text
 
 
 def test_unload_removes_magics_and_events(ip) -> None:
@@ -226,3 +379,35 @@ def test_ops_mode_debug_opens_on_the_producing_line_with_its_locals(ip, ns) -> N
     assert {name for name, _stats in report.debug_locals} == {"x", "h"}
     printed = debug_session(ip, "p float(h.min()) < 0\nq\n")
     assert "True" in printed  # h, the value log was given, is there to inspect
+
+
+SCRIPT_CELL = """%%nantrace
+import torch
+from torch import nn
+model = nn.Linear(3, 3)
+x = torch.ones(2, 3)
+x[0, 0] = float("inf")
+y = model(x)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["script.ipy", "-c"])
+def test_terminal_ipython_prints_the_short_error_and_the_text_report(tmp_path, how) -> None:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "cell.ipy").write_text(SCRIPT_CELL)
+    command = [sys.executable, "-m", "IPython", "--no-banner", "--ext", "nan_magic"]
+    command += ["cell.ipy"] if how == "script.ipy" else ["-c", SCRIPT_CELL]
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    out = done.stdout
+    assert out.startswith("NonFiniteError: first non-finite input[0] in data step 0: model"), out
+    assert "Cell In[1], line 7\n    y = model(x)" in out
+    # then the text report, after the error
+    assert out.index("\n  producer    model") > out.index("Cell In[1], line 7")
+    assert "bad-input-data" in out

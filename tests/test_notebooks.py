@@ -135,3 +135,144 @@ def test_cnn_report_names_the_loss_code(cnn: Any) -> None:
     producer_cells = re.findall(r'class="[^"]*nm-producer[^"]*" >([^<]*)<', table)
     assert "(outside modules)" in producer_cells and "loss" in producer_cells
 
+
+
+# -- the magics in a real kernel: one notebook, executed once, asserted per cell ----------
+
+KERNEL_SETUP = """
+%load_ext nan_magic
+import torch
+from torch import nn
+
+class LogLayer(nn.Module):
+    def forward(self, x):
+        return torch.log(x * 1.0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.log = LogLayer()
+
+    def forward(self, x):
+        h = self.encoder(x)
+        return self.log(h)
+
+def build():
+    torch.manual_seed(0)
+    net = Net()
+    return net, torch.optim.SGD(net.parameters(), lr=0.1)
+
+model, opt = build()
+other = nn.Linear(3, 3)
+x = torch.randn(5, 4)
+"""
+
+KERNEL_TRAIN = """for step in range(3):
+    loss = model(x).abs().mean()
+    opt.zero_grad(); loss.backward(); opt.step()"""
+
+KERNEL_CELLS = {
+    "setup": KERNEL_SETUP,
+    "ipython_syntax": (
+        "%%nantrace other\n%matplotlib inline\n%time y = other(torch.ones(1, 3))\n!echo shell-says-hi\n"
+        "import asyncio\nawait asyncio.sleep(0)\ny.shape[1] + 1"
+    ),
+    "handler": (
+        "def handler(shell, etype, value, tb, tb_offset=None):\n"
+        "    print('my handler saw', etype.__name__)\n"
+        "get_ipython().set_custom_exc((ZeroDivisionError,), handler)"
+    ),
+    "stops": "%%nantrace\n" + KERNEL_TRAIN,
+    "handler_kept": "1 / 0",
+    "rebuilt": "%%nantrace model opt\nmodel, opt = build()\n" + KERNEL_TRAIN,
+    "rebuilt_report": "print(_nan_report.model, _nan_report.module)",
+    "bare_nanwatch": "model, opt = build()\n%nanwatch\n" + KERNEL_TRAIN,
+    "bare_report": "print(_nan_report.model, _nan_report.module)\n%nanwatch status",
+}
+RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch"}
+
+
+@pytest.fixture(scope="module")
+def kernel_nb(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    for name, source in KERNEL_CELLS.items():
+        cell = nbformat.v4.new_code_cell(source, metadata={"name": name})
+        if name in RAISING:
+            cell.metadata["tags"] = ["raises-exception"]
+        nb.cells.append(cell)
+    path = tmp_path_factory.mktemp("kernel") / "magics.ipynb"
+    nbformat.write(nb, path)
+    return execute_notebook(path)
+
+
+def named(nb: Any, name: str) -> Any:
+    """The cell of the kernel notebook that KERNEL_CELLS calls ``name``."""
+    (cell,) = [cell for cell in nb.cells if cell.metadata["name"] == name]
+    return cell
+
+
+def stream_text(cell: Any) -> str:
+    return "".join(out["text"] for out in cell.outputs if out.output_type == "stream")
+
+
+def errors_of(cell: Any) -> list[Any]:
+    return [out for out in cell.outputs if out.output_type == "error"]
+
+
+def test_kernel_runs_the_nantrace_cell_as_ipython_does(kernel_nb: Any) -> None:
+    cell = named(kernel_nb, "ipython_syntax")
+    assert not errors_of(cell)
+    text = stream_text(cell)
+    assert "Wall time" in text and "shell-says-hi" in text
+    (result,) = [out for out in cell.outputs if out.output_type == "execute_result"]
+    assert result["data"]["text/plain"] == "4" and result["execution_count"] == cell.execution_count
+
+
+def test_kernel_short_error_first_then_the_report(kernel_nb: Any) -> None:
+    cell = named(kernel_nb, "stops")
+    (error,) = errors_of(cell)
+    assert error.ename == "NonFiniteError"
+    lines = "\n".join(error.traceback).splitlines()
+    assert len(lines) <= 15, lines
+    assert lines[0].startswith("NonFiniteError: first non-finite output in forward step 0: log")
+    # the cell's own line, numbered as the user sees the cell (the magic is line 1)
+    assert f"Cell In[{cell.execution_count}], line 3" in lines
+    assert "    loss = model(x).abs().mean()" in lines
+    assert any(line.strip() == "return torch.log(x * 1.0)" for line in lines)
+    joined = "\n".join(lines)
+    assert "run_cell_magic" not in joined and "module.py" not in joined and "ipykernel_" not in joined
+    # the report is displayed under the error
+    kinds = [out.output_type for out in cell.outputs]
+    assert kinds.index("error") < kinds.index("display_data")
+    (report,) = [out for out in cell.outputs if WIDGET_MIME in out.get("data", {})]
+    assert "Cell In[" in report["data"]["text/plain"] and "ipykernel_" not in report["data"]["text/plain"]
+
+
+def test_kernel_debug_tab_shows_the_producers_frame_and_locals(kernel_nb: Any) -> None:
+    tree = report_widgets(kernel_nb, named(kernel_nb, "stops"))
+    debug = html_values(descendants(tree["states"], tree["children"][TAB_TITLES.index("Debug")]))
+    # the replayed producer's own frame (LogLayer.forward), named as a cell, with its tensor local x
+    assert re.search(r"%debug opens in <code>Cell In\[\d+\], line \d+, in forward</code>", debug), debug
+    assert "return torch.log(x * 1.0)" in debug
+    assert "<code>x</code>: " in debug
+
+
+def test_kernel_keeps_the_users_exception_handler(kernel_nb: Any) -> None:
+    assert "my handler saw ZeroDivisionError" in stream_text(named(kernel_nb, "handler_kept"))
+
+
+def test_kernel_watches_the_model_the_cell_rebuilds(kernel_nb: Any) -> None:
+    (error,) = errors_of(named(kernel_nb, "rebuilt"))
+    assert error.ename == "NonFiniteError"
+    assert stream_text(named(kernel_nb, "rebuilt_report")).split() == ["model", "log"]
+
+
+def test_kernel_bare_nanwatch_watches_the_rest_of_the_cell(kernel_nb: Any) -> None:
+    (error,) = errors_of(named(kernel_nb, "bare_nanwatch"))
+    assert error.ename == "NonFiniteError"
+    text = stream_text(named(kernel_nb, "bare_report"))
+    assert text.split("\n")[0].split() == ["model", "log"]
+    assert "nan_magic: off" in text and "last report" in text

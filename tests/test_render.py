@@ -121,7 +121,7 @@ def test_text_names_producer_counts_cause_and_marks_row() -> None:
     text = render_text(make_report())
     assert text.startswith("nan_magic: first non-finite output in forward step 7")
     for expected in (
-        f"{PRODUCER} (SelfAttention)", "aten.bmm.default", "model.py:4 in forward",
+        f"{PRODUCER} (SelfAttention)", "aten.bmm.default", "model.py:4, in forward",
         "scores = q @ k.transpose(-2, -1)", "3 nan, 48 +inf, 0 -inf of 512 elements (9.96%)",
         "inputs      finite", "fp16 overflow", "Scale q by 1/sqrt(d)",
         "also ran in step 6", "%debug opens in", "loss = model(x).sum()",

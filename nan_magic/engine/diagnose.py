@@ -73,6 +73,7 @@ from collections.abc import Callable
 import torch
 
 from nan_magic.engine.early import EXTREME_INPUT
+from nan_magic.locations import name_location
 from nan_magic.records import Cause, Phase, Report, StepSummary, TensorStats
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
@@ -695,7 +696,7 @@ def _optimizer_name(notes: tuple[str, ...]) -> str | None:
 def _where(report: Report) -> str:
     if report.module is None:
         if report.source is not None:
-            return f"the code at {report.source.filename.rsplit('/', 1)[-1]}:{report.source.lineno}"
+            return f"the code at {name_location(report.source.filename, report.source.lineno)}"
         return "code outside the watched modules"
     name = report.module or "<root>"
     return f"{name} ({report.module_type})" if report.module_type else name
@@ -716,7 +717,7 @@ def _line(report: Report) -> str:
     if source is None:
         return _where(report)
     text = f" `{source.line.strip()}`" if source.line else ""
-    return f"{source.filename.rsplit('/', 1)[-1]}:{source.lineno}{text}"
+    return f"{name_location(source.filename, source.lineno)}{text}"
 
 
 def _is_module_input(name: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import FrameType
 
 import torch
 
@@ -53,6 +54,8 @@ class Finding:
     # Where a replay named the op: the module output the check saw, as
     # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
     module_output: tuple[str, TensorStats, torch.Tensor | None] | None = None
+    # The replay's frame that ran the producing op (replay.py), for %debug.
+    frame: FrameType | None = None
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:

@@ -459,6 +459,7 @@ class ForwardChecks:
         if result.finding is not None:
             op = result.finding
             apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
             finding.notes.append(
                 f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
                 f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
@@ -513,6 +514,7 @@ class ForwardChecks:
         op = result.finding
         if op is not None and _within(op.module, call.name or ""):
             apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
             finding.notes.append(
                 f"{label}'s own arguments are gone by the deferred check ({missing}); a replay of {outer}, which "
                 f"called it, found the op in {op.module or label}: {op.nan} nan, {op.posinf} +inf, "
@@ -526,6 +528,7 @@ class ForwardChecks:
             self._move_to(finding, caller, f"output of {op.op}")
             finding.rng_state = caller.rng_state
             apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
             finding.notes.append(
                 f"a replay of {outer} found the first non-finite value in {op.module or 'the root module'}'s own "
                 f"code ({op.op}), before {label}, which passed it on"

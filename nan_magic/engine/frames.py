@@ -16,9 +16,19 @@ from types import FrameType, TracebackType
 
 import torch
 
+from nan_magic.locations import name_location
 from nan_magic.records import SourcePointer
 
-__all__ = ["frames_of", "is_library_file", "pointer", "trim_to_user_code", "user_frames_of"]
+__all__ = [
+    "end_at_producer",
+    "frames_of",
+    "is_library_file",
+    "last_user_frame",
+    "pointer",
+    "short_traceback",
+    "trim_to_user_code",
+    "user_frames_of",
+]
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(module_file)) + os.sep
@@ -70,6 +80,31 @@ def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
     return last_user
 
 
+def end_at_producer(tb: TracebackType | None, producer: FrameType | None) -> TracebackType | None:
+    """Cut ``tb`` after its last user frame, then append the producer's frame; return the last entry.
+
+    ``producer`` is the frame that ran the producing op when the traceback
+    does not reach it: a replay found the op (replay.py) after the module
+    had returned. Appended, it is where ``%debug`` and ``pdb.post_mortem``
+    open, with the producer's locals. Calling it again changes nothing.
+    """
+    last = trim_to_user_code(tb)
+    if last is None or producer is None or last.tb_frame is producer:
+        return last
+    last.tb_next = TracebackType(None, producer, producer.f_lasti, producer.f_lineno)
+    return last.tb_next
+
+
+def last_user_frame(tb: TracebackType | None) -> FrameType | None:
+    """The innermost frame of ``tb`` that is the user's code, or None."""
+    found = None
+    while tb is not None:
+        if not is_library_file(tb.tb_frame.f_code.co_filename):
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
 def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     """Source pointers of every entry of a traceback, outermost first."""
     pointers = []
@@ -82,3 +117,49 @@ def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
 def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     """Like :func:`frames_of`, keeping only the user's own frames."""
     return tuple(p for p in frames_of(tb) if not is_library_file(p.filename))
+
+
+def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePointer | None) -> list[str]:
+    """The short error: the headline, the user's frames, the producer's line.
+
+    What a notebook shows first when a watched cell stops (IPython prints it
+    through ``NonFiniteError._render_traceback_``): no frame of torch, of
+    nan_magic or of IPython's plumbing, locations named as IPython names
+    them (``Cell In[5], line 14``), so the report below stays on the first screen.
+    """
+    frames = list(user_frames_of(tb))
+    at_producer = producer is not None and (producer.filename, producer.lineno) in {
+        (frame.filename, frame.lineno) for frame in frames
+    }
+    if producer is not None and not at_producer:
+        frames.append(producer)
+
+    def lines_of(frame: SourcePointer) -> list[str]:
+        is_producer = producer is not None and (frame.filename, frame.lineno) == (producer.filename, producer.lineno)
+        return _frame_lines(frame, "producer: " if is_producer else "")
+
+    lines = [headline]
+    if len(frames) > _MAX_SHORT_FRAMES:
+        # The outermost two (the cell's own lines) and the innermost ones (nearest the producer).
+        hidden = len(frames) - _MAX_SHORT_FRAMES + 1
+        for frame in frames[:2]:
+            lines.extend(lines_of(frame))
+        lines.append(f"    ... {hidden} more frames (%tb shows them)")
+        frames = frames[2 + hidden:]
+    for frame in frames:
+        lines.extend(lines_of(frame))
+    lines.append("%tb shows the full traceback, %debug opens the debugger")
+    return lines
+
+
+_MAX_SHORT_FRAMES = 5
+
+
+def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
+    where = name_location(frame.filename, frame.lineno)
+    if frame.function != "<module>":
+        where += f", in {frame.function}"
+    lines = [prefix + where]
+    if frame.line:
+        lines.append(f"    {frame.line.strip()}")
+    return lines

@@ -168,7 +168,7 @@ class OptimizerChecks:
 
     def watches(self, opt: torch.optim.Optimizer) -> bool:
         mine = self.watch.targets.optimizers
-        return not mine or any(opt is candidate for candidate in mine)
+        return not mine or any(opt is candidate for candidate in mine) or self.watch.admit_optimizer(opt)
 
     def arm(self, module: nn.Module) -> list[Any]:
         """Post-accumulate-grad hooks on a watched model's parameters; their handles."""

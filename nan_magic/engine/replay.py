@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from nan_magic.engine.frames import last_user_frame
 from nan_magic.engine.held import HeldArguments, Regenerate
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds
@@ -82,6 +84,10 @@ class ReplayResult:
         The replay's output was non-finite but no op inside produced it: its
         inputs, parameters, buffers or scalar arguments (``masked_fill(mask,
         -inf)``) already held that kind.
+    frame
+        The user's frame that ran the producing op in the replay (the
+        producer's ``forward`` at that line), kept with its locals for
+        ``%debug``; None without a finding.
     """
 
     finding: OpFinding | None
@@ -90,6 +96,7 @@ class ReplayResult:
     held_by_inputs: bool = False
     #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+    frame: FrameType | None = None
 
 
 def capture_rng_state() -> RngState:
@@ -187,16 +194,17 @@ def replay_module(
         args, kwargs = _copy(tuple(args), copies), _copy(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
+    frame: FrameType | None = None
     with _isolated(module, module_name, rng_state, kinds, on_finding=_stop, autocast=autocast) as tracer:
         try:
             with torch.no_grad(), tracer:
                 output = module(*args, **kwargs)
-        except _Stop:
-            pass
+        except _Stop as stop:
+            frame = last_user_frame(stop.__traceback__)
         except Exception as error:
             failure = error
     if tracer.finding is not None:
-        return ReplayResult(finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors)
+        return ReplayResult(finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame)
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
     elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):

@@ -18,7 +18,7 @@ from nan_magic.engine.deterministic import draws_no_random
 from nan_magic.engine.transparent import Transparency, transparency
 from nan_magic.records import WatchConfig
 
-__all__ = ["ModuleInfo", "Targets", "describe", "resolve_targets"]
+__all__ = ["ModuleInfo", "Targets", "describe", "refuse_compiled", "resolve_targets"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,21 @@ def _compiled_modules(module: nn.Module) -> list[str]:
     return [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, OptimizedModule)]
 
 
+def refuse_compiled(module: nn.Module, shown: str) -> None:
+    """Raise ValueError when ``module`` holds a ``torch.compile`` wrapper.
+
+    Applied to each model watched: a compiled model elsewhere in the
+    program does not stop the watch of an eager one.
+    """
+    compiled = _compiled_modules(module)
+    if compiled:
+        raise ValueError(
+            f"{shown} is compiled with torch.compile ({', '.join(compiled)}): hooks cannot see "
+            "inside compiled graphs; watch the original module (model._orig_mod) or run eagerly "
+            "while debugging"
+        )
+
+
 def resolve_targets(
     targets: Iterable[Any], labels: Iterable[str | None] | None, config: WatchConfig
 ) -> Targets:
@@ -135,13 +150,7 @@ def resolve_targets(
     for target, label in zip(targets, label_list):
         shown = label or type(target).__name__
         if isinstance(target, nn.Module):
-            compiled = _compiled_modules(target)
-            if compiled:
-                raise ValueError(
-                    f"{shown} is compiled with torch.compile ({', '.join(compiled)}): hooks cannot see "
-                    "inside compiled graphs; watch the original module (model._orig_mod) or run eagerly "
-                    "while debugging"
-                )
+            refuse_compiled(target, shown)
             resolved.add_root(target, label, config)
         elif isinstance(target, torch.optim.Optimizer):
             resolved.optimizers.append(target)

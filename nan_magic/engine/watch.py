@@ -51,13 +51,13 @@ from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.forward import ForwardChecks
-from nan_magic.engine.frames import frames_of, trim_to_user_code, user_frames_of
+from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
 from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
-from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
+from nan_magic.engine.targets import ModuleInfo, Targets, refuse_compiled, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
 __all__ = ["Watch", "watch"]
@@ -82,11 +82,20 @@ class Watch:
         *,
         labels: Iterable[str | None] | None = None,
         config: WatchConfig | None = None,
+        name_new_target: Callable[[Any], str | None] | None = None,
     ) -> None:
         self.config = config or WatchConfig()
         # Resolving validates the targets now, so bad input fails before any
         # user code runs and before anything is attached.
         self.targets: Targets = resolve_targets(targets, labels, self.config)
+        # Which module first called at top level, or optimizer first seen
+        # stepping, joins the watch, and under what label (None: it stays
+        # unwatched). By default: every module when no module was given
+        # (discovery), nothing else.
+        self._name_new_target = name_new_target
+        #: The NonFiniteError this watch raised, once it has (the magics
+        #: adopt its traceback after IPython has shown it).
+        self.raised: NonFiniteError | None = None
         self.events: list[Report] = []
         self.report: Report | None = None
         self.history: deque[StepSummary] = deque(maxlen=self.config.history)
@@ -131,6 +140,7 @@ class Watch:
             raise RuntimeError("this watch is already active; nested use of one watch is not supported")
         self._reset_state()
         self.events = []
+        self.raised = None
         self.report = None
         self.history.clear()
         self.warnings.clear()
@@ -257,15 +267,32 @@ class Watch:
     def module_info(self, module: nn.Module) -> ModuleInfo | None:
         """How a called module is named, or None when it is not watched."""
         info = self.targets.modules.get(id(module))
-        if info is None and self.targets.discover and not self.forward.stack:
-            # No module was named: any module called at top level becomes a
-            # root, named as its own ``named_modules()`` would name it.
-            self.targets.add_root(module, type(module).__name__, self.config)
+        if info is None and not self.forward.stack:
+            label = self._new_root_label(module)
+            if label is None:
+                return None
+            # A module called at top level becomes a root, named as its own
+            # ``named_modules()`` would name it; a compiled one is refused
+            # here, where it is called, not wherever it merely exists.
+            refuse_compiled(module, label)
+            self.targets.add_root(module, label, self.config)
             info = self.targets.modules[id(module)]
             if self._exit_stack is not None:
                 for handle in self.optimizers.arm(module):
                     self._exit_stack.callback(handle.remove)
         return info
+
+    def _new_root_label(self, module: nn.Module) -> str | None:
+        if self._name_new_target is not None:
+            return self._name_new_target(module)
+        return type(module).__name__ if self.targets.discover else None
+
+    def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether an optimizer that is not a target joins the watch (see ``name_new_target``)."""
+        if self._name_new_target is None or self._name_new_target(opt) is None:
+            return False
+        self.targets.optimizers.append(opt)
+        return True
 
     def mine(self) -> bool:
         """Hooks are global: act only for the thread that entered the watch, not during a replay."""
@@ -413,7 +440,8 @@ class Watch:
             return
         if self.config.on_detect == "raise":
             self._raised = True
-            raise NonFiniteError(report)
+            self.raised = NonFiniteError(report, producer_frame=finding.frame)
+            raise self.raised
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=2)
 
@@ -435,7 +463,7 @@ class Watch:
         Called by ``__exit__``, and by the magics where IPython catches the
         exception first.
         """
-        last = trim_to_user_code(tb)
+        last = end_at_producer(tb, error.producer_frame)
         if last is None:
             return
         tensor_locals = tuple(

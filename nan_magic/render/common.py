@@ -9,6 +9,7 @@ from __future__ import annotations
 import linecache
 from dataclasses import dataclass
 
+from nan_magic.locations import name_location
 from nan_magic.records import (
     LayerCall,
     Report,
@@ -144,8 +145,8 @@ def located_at(report: Report) -> str:
 
 
 def pointer_short(pointer: SourcePointer) -> str:
-    """``model.py:12`` (base name only: full paths do not fit a sentence)."""
-    return f"{pointer.filename.rsplit('/', 1)[-1]}:{pointer.lineno}"
+    """``Cell In[5], line 12`` or ``models/net.py:12`` (see nan_magic.locations)."""
+    return name_location(pointer.filename, pointer.lineno)
 
 
 def inputs_phrase(report: Report) -> str:

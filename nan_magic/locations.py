@@ -1,0 +1,61 @@
+"""Name a source location the way the user knows it.
+
+Code typed into a notebook or IPython cell lives in a temporary file named
+after a hash (``/tmp/ipykernel_4242/1234.py``); IPython itself writes it as
+``Cell In[5], line 14``, and so do we. Any other file is named relative to
+the working directory, where the user's own modules usually are.
+
+Stdlib only, and IPython is never imported here: where IPython already
+runs, it is found in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+__all__ = ["name_file", "name_location", "running_shell"]
+
+
+def running_shell() -> Any:
+    """The running IPython shell, or None (without importing IPython)."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    return get_ipython() if get_ipython is not None else None
+
+
+def _cell_name(filename: str) -> str | None:
+    """``In[5]`` for a file IPython compiled from a cell, else None."""
+    shell = running_shell()
+    format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if format_code_name is None:
+        return None
+    named = format_code_name(filename)
+    return f"{named[0]} {named[1]}" if named else None
+
+
+def name_file(filename: str) -> str:
+    """``Cell In[5]`` for a cell, else the path relative to the working directory.
+
+    A path outside the working directory stays absolute (``..`` chains help
+    no one); ``<string>``-like pseudo files are returned as they are.
+    """
+    cell = _cell_name(filename)
+    if cell is not None:
+        return cell
+    if filename.startswith("<") or not os.path.isabs(filename):
+        return filename
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows): no relative path exists
+        return filename
+    return filename if relative.startswith(os.pardir) else relative
+
+
+def name_location(filename: str, lineno: int) -> str:
+    """``Cell In[5], line 14`` for a cell, ``models/net.py:14`` for a file."""
+    named = name_file(filename)
+    if named.startswith("Cell "):
+        return f"{named}, line {lineno}"
+    return f"{named}:{lineno}"
