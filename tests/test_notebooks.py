@@ -237,7 +237,7 @@ def test_kernel_short_error_first_then_the_report(kernel_nb: Any) -> None:
     assert error.ename == "NonFiniteError"
     lines = "\n".join(error.traceback).splitlines()
     assert len(lines) <= 15, lines
-    assert lines[0].startswith("NonFiniteError: first non-finite output in forward step 0: log")
+    assert lines[0].startswith("NonFiniteError: first non-finite value in forward step 0: log")
     # the cell's own line, numbered as the user sees the cell (the magic is line 1)
     assert f"Cell In[{cell.execution_count}], line 3" in lines
     assert "    loss = model(x).abs().mean()" in lines
