@@ -377,8 +377,14 @@ class ForwardChecks:
         kinds = relevant_kinds(kinds_of(tensor), self.watch.config.kinds)
         # Its own output check, later, must see a propagator.
         enclosing.inner_kinds |= kinds
+        # The value its own code made is the producer's row of the layer table
+        # (the enclosing call may never return: the event stops it).
+        log = self.watch.log
+        record = log.record_output(enclosing, f"{path} of {consumer.name}", tensor)
+        if record.pending:
+            log.resolve()  # deferred mode, at the check: read it now
         finding = Finding(
-            Phase.FORWARD, enclosing, f"{path} of {consumer.name}", bad=tensor.detach(),
+            Phase.FORWARD, enclosing, record.path, bad=tensor.detach(), record=record,
             inputs=self._named_inputs(enclosing),
         )
         finding.notes.append(
