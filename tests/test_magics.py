@@ -213,7 +213,8 @@ def test_the_short_error_comes_first_and_names_cells(ip, ns) -> None:
     error_part = captured.stdout
     assert any("log (LogLayer)" in out.data.get("text/plain", "") for out in captured.outputs)
     lines = error_part.strip().splitlines()
-    assert lines[0].startswith("NonFiniteError: first non-finite value in forward step 0: log (LogLayer), op aten.log.default")
+    headline = "NonFiniteError: first non-finite value in forward step 0: log (LogLayer), op aten.log.default"
+    assert lines[0].startswith(headline)
     assert len(lines) <= 15
     # the cell's line (line 5 of the cell as typed, magic line included) and the producer's line
     assert "Cell In[" in lines[1] and lines[1].endswith(", line 5")

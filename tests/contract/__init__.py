@@ -73,11 +73,13 @@ class Case:
     benign: int | None = None
     note: str = ""
     marks: tuple[Any, ...] = ()
+    # The module whose source holds the ``# producer:`` markers (default: the one defining ``build``).
+    source: Any = None
 
 
 def source_line(case: Case, key: str) -> tuple[str, int]:
     """(file, line) of ``# producer: key`` in the module that defines ``case.build``."""
-    module = inspect.getmodule(case.build)
+    module = case.source or inspect.getmodule(case.build)
     assert module is not None and module.__file__ is not None
     lines = inspect.getsource(module).splitlines()
     matches = [n for n, text in enumerate(lines, 1) if text.rstrip().endswith(f"# producer: {key}")]
