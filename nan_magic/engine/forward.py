@@ -410,10 +410,11 @@ class ForwardChecks:
             tensor = ref()
             if tensor is None or version_of(tensor) != version or not is_checkable(tensor):
                 continue
+            # A deliberate mask the caller made is no fault of its own code.
             if relevant_kinds(kinds_of(tensor), self.watch.config.kinds) and not self.is_benign_input(
                 call, path, tensor, record
             ):
-                return path, tensor  # a deliberate mask made by the caller is no fault of its own code
+                return path, tensor
         return None
 
     def _replay_enclosing(self, finding: Finding, kinds: frozenset[str], enclosing: Call) -> bool | None:
