@@ -32,6 +32,7 @@ __all__ = [
     "StepSummary",
     "TensorStats",
     "WatchConfig",
+    "module_label",
 ]
 
 OnDetect = Literal["raise", "warn", "log"]
@@ -53,6 +54,23 @@ class Phase(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+#: How a value outside every watched module is named (``module`` None).
+OUTSIDE_MODULES = "code outside any watched module"
+
+
+def module_label(module: str | None, module_type: str | None = None) -> str:
+    """The one spelling of a module in every view: ``encoder.0 (Linear)``, ``DivNet (root)``.
+
+    ``module`` is the qualified name (``""`` the root, None outside every
+    watched module). The root has no name of its own, so its class names it.
+    """
+    if module is None:
+        return OUTSIDE_MODULES
+    if not module:
+        return f"{module_type} (root)" if module_type else "(root)"
+    return f"{module} ({module_type})" if module_type else module
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,9 @@ class Sample:
     """A bounded sample of one tensor's finite values, for histograms.
 
     ``producer`` is false for the samples of other layers of the failing
-    step (the calls that returned just before the producer's).
+    step (the calls that returned just before the producer's). ``nan``,
+    ``posinf``, ``neginf`` and ``zeros`` count the whole tensor, not the
+    sample (None where not counted).
     """
 
     label: str
@@ -139,6 +159,10 @@ class Sample:
     values: tuple[float, ...]
     numel: int
     producer: bool = True
+    nan: int | None = None
+    posinf: int | None = None
+    neginf: int | None = None
+    zeros: int | None = None
 
 
 @dataclass(frozen=True)
@@ -253,13 +277,8 @@ class Report:
 
     @property
     def where(self) -> str:
-        """Short human name of the producer: ``encoder.1 (Linear)``."""
-        if self.module is None:
-            return "code outside any watched module"
-        name = self.module if self.module else "<root>"
-        if self.model and self.module == "":
-            name = f"{self.model} (root)"
-        return f"{name} ({self.module_type})" if self.module_type else name
+        """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``."""
+        return module_label(self.module, self.module_type)
 
     @property
     def message(self) -> str:

@@ -74,7 +74,7 @@ import torch
 
 from nan_magic.engine.early import EXTREME_INPUT
 from nan_magic.locations import name_location
-from nan_magic.records import Cause, Phase, Report, StepSummary, TensorStats
+from nan_magic.records import Cause, Phase, Report, StepSummary, TensorStats, module_label
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 
@@ -698,8 +698,7 @@ def _where(report: Report) -> str:
         if report.source is not None:
             return f"the code at {name_location(report.source.filename, report.source.lineno)}"
         return "code outside the watched modules"
-    name = report.module or "<root>"
-    return f"{name} ({report.module_type})" if report.module_type else name
+    return module_label(report.module, report.module_type)
 
 
 def _what(report: Report) -> str:

@@ -37,7 +37,7 @@ from collections import deque
 
 import torch
 
-from nan_magic.records import EarlyWarning, StepSummary
+from nan_magic.records import EarlyWarning, StepSummary, module_label
 
 __all__ = [
     "BATCH_RULE_EVERY",
@@ -262,12 +262,6 @@ def _constant_feature(
     )
 
 
-def _module_label(module: str | None) -> str:
-    if module is None:
-        return "code outside the watched modules"
-    return module or "<root>"
-
-
 def _overflow_risk(
     step: int, what: str, headroom: float | None, dtype: str | None, module: str | None
 ) -> EarlyWarning | None:
@@ -283,7 +277,7 @@ def _overflow_risk(
         step=step,
         kind="overflow-risk",
         message=(
-            f"{dtype} {what} of {_module_label(module)} reached |x| = {limit / headroom:.3g}, within "
+            f"{dtype} {what} of {module_label(module)} reached |x| = {limit / headroom:.3g}, within "
             f"{headroom:.2g}x of the {dtype} limit {limit:.5g}: compute it in float32 or scale it down"
         ),
         module=module,

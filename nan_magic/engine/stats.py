@@ -281,8 +281,13 @@ def sample_values(tensor: torch.Tensor, label: str, size: int, producer: bool = 
         finite = flat[torch.isfinite(flat)]
         stride = max(1, finite.numel() // size)
         values = finite[::stride][:size].double().cpu().tolist()
+        # One small tensor of the four counts, read once (one sync on CUDA).
+        nan, posinf, neginf, zeros = torch.stack((
+            torch.isnan(flat).sum(), torch.isposinf(flat).sum(), torch.isneginf(flat).sum(), (flat == 0).sum(),
+        )).tolist()
     return Sample(
-        label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel(), producer=producer
+        label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel(), producer=producer,
+        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros,
     )
 
 
