@@ -6,17 +6,23 @@ never pulls in pandas or matplotlib.
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
+import math
 from dataclasses import dataclass
 
-from nan_magic.locations import name_location
 from nan_magic.records import (
     LayerCall,
     Report,
+    Sample,
     SourcePointer,
     StepSummary,
     TensorStats,
+    module_label,
 )
+from nan_magic.render.operands import op_base, operand_label, operand_names
+
+__all__ = ["module_label"]  # re-exported: renderers spell modules through common
 
 #: Largest finite value of each floating dtype, keyed by its short name.
 FINITE_LIMITS: dict[str, float] = {
@@ -56,6 +62,18 @@ def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
         (field, label)
         for field, label in HISTORY_FIELDS
         if field in _ALWAYS_SHOWN or any(getattr(entry, field) is not None for entry in history)
+    ]
+
+
+def plotted_history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
+    """The :data:`HISTORY_FIELDS` with a finite value at two steps at least: a line, not a dot."""
+    return [
+        (field, label)
+        for field, label in HISTORY_FIELDS
+        if sum(
+            1 for entry in history
+            if (value := getattr(entry, field)) is not None and math.isfinite(value)
+        ) >= 2
     ]
 
 
@@ -113,13 +131,6 @@ def fmt_fraction(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.3g}%"
 
 
-def module_label(module: str | None) -> str:
-    """Display name of a qualified module name (root and outside made visible)."""
-    if module is None:
-        return "(outside modules)"
-    return module or "(root)"
-
-
 def counts_phrase(nan: int | None, posinf: int | None, neginf: int | None) -> str:
     """The three counts apart, always all three: ``"3 nan, 0 +inf, 1 -inf"``."""
     return f"{fmt_count(nan)} nan, {fmt_count(posinf)} +inf, {fmt_count(neginf)} -inf"
@@ -134,46 +145,110 @@ def stats_phrase(stats: TensorStats) -> str:
     return text
 
 
-def located_at(report: Report) -> str:
-    """``", op aten.mm.default at model.py:12"`` where op and source are known."""
-    text = ""
-    if report.op:
-        text += f", op {report.op}"
-    if report.source is not None:
-        text += f" at {pointer_short(report.source)}"
-    return text
+def cause_sentence(report: Report) -> str:
+    """The one sentence under the headline: the likely cause and its fix.
 
-
-def pointer_short(pointer: SourcePointer) -> str:
-    """``Cell In[5], line 12`` or ``models/net.py:12`` (see nan_magic.locations)."""
-    return name_location(pointer.filename, pointer.lineno)
-
-
-def inputs_phrase(report: Report) -> str:
-    """Whether the producer's inputs were finite, as a clause."""
-    if report.inputs_finite:
-        return "its inputs were finite"
-    return "its inputs already held non-finite values of another kind"
-
-
-def summary_sentence(report: Report) -> str:
-    """The one sentence every view opens with (issue 3, Summary tab).
-
-    Names the producer (module, type, op, source line), phase and step, the
-    three counts and the fraction of the tensor, whether the inputs were
-    finite, and the likely cause with its hint.
+    Without a diagnosis, what was seen instead: the counts, the phase and
+    whether the inputs were finite.
     """
-    verb = "produced" if not report.benign else "produced (benign, not raised)"
-    sentence = (
-        f"{report.where}{located_at(report)} {verb} "
+    if report.cause is not None:
+        return f"Likely cause: {report.cause.label}. {report.cause.hint}"
+    inputs = (
+        "from finite inputs" if report.inputs_finite
+        else "from inputs that already held non-finite values of another kind"
+    )
+    return (
+        f"No cause recognised: {report.where} produced "
         f"{counts_phrase(report.nan, report.posinf, report.neginf)} "
         f"({fmt_fraction(report.nonfinite, report.numel)} of {report.numel} elements) "
-        f"in its {report.tensor} during the {report.phase} phase of step {report.step}; "
-        f"{inputs_phrase(report)}."
+        f"in its {report.tensor} {inputs}."
     )
+
+
+def labelled_inputs(report: Report) -> list[tuple[str, TensorStats]]:
+    """The producer's inputs with the names the user wrote where the line says them.
+
+    The op's operands come labelled by aten schema name (``self``,
+    ``mat2``); :func:`~nan_magic.render.operands.operand_names` reads the
+    user's expressions from the source line: ``x (self)``.
+    """
+    names = operand_names(report.op, report.source.line if report.source else None)
+    return [(operand_label(name, names), stats) for name, stats in report.input_stats]
+
+
+def fact_rows(report: Report) -> list[tuple[str, str]]:
+    """The facts under the summary, as ``(label, value)`` rows; text and HTML share them.
+
+    Producer, op and its line, phase and step, the bad tensor and its three
+    counts, the inputs (the user's names for the op's operands where the
+    line says them), the cause's evidence, notes and early warnings. A
+    label repeated for a second value is ``""``.
+    """
+    rows: list[tuple[str, str]] = [("producer", report.where)]
+    if report.op:
+        rows.append(("op", report.op))
+    if report.source is not None:
+        rows.append(("source", str(report.source)))
+        if report.source.line:
+            rows.append(("line", report.source.line.strip()))
+    rows.append(("phase, step", f"{report.phase}, step {report.step}"))
+    tensor = report.tensor
+    if report.dtype:
+        tensor += f" {short_dtype(report.dtype)}"
+    if report.output_stats is not None:
+        tensor += f" {fmt_shape(report.output_stats.shape)}"
+    rows.append(("tensor", tensor))
+    rows.append((
+        "non-finite",
+        f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
+        f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
+    ))
+    if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
+        rows.append(("first at", f"index {report.first_bad_index}"))
+    inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
+    rows.append(("inputs", inputs))
+    rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
+    if report.benign:
+        rows.append(("benign", "yes: recorded, not raised"))
     if report.cause is not None:
-        sentence += f" Likely cause: {report.cause.label}. {report.cause.hint}"
-    return sentence
+        rows.extend(
+            ("evidence" if position == 0 else "", line)
+            for position, line in enumerate(report.cause.evidence)
+        )
+    rows.extend(("note", note) for note in report.notes)
+    rows.extend(("warning", line) for line in warning_lines(report))
+    return rows
+
+
+#: Causes about zeros: their histograms say how many elements are exactly 0.
+ZERO_CAUSES = frozenset({"division-by-zero", "log-domain"})
+_ZERO_OPS = frozenset({"div", "log", "log2", "log10", "reciprocal", "rsqrt", "pow"})
+
+
+def about_zeros(report: Report) -> bool:
+    """Whether the cause is about zeros (``log(0)``, ``0/0``)."""
+    if report.cause is not None and report.cause.label in ZERO_CAUSES:
+        return True
+    return report.op is not None and op_base(report.op) in _ZERO_OPS
+
+
+def labelled_samples(report: Report) -> tuple[Sample, ...]:
+    """The report's samples titled as the user knows them.
+
+    An op operand's schema name gets the user's expression (``x (self of
+    aten.log.default)``); the producer module's own input and output get the
+    module's name (``input[0] of encoder.1 (Linear)``).
+    """
+    names = operand_names(report.op, report.source.line if report.source else None)
+    relabelled = []
+    for sample in report.samples:
+        label = sample.label
+        if sample.producer and report.op and label.endswith(f" of {report.op}"):
+            label = operand_label(label, names)
+        elif sample.producer:
+            label = f"{label} of {report.where}"
+        relabelled.append(dataclasses.replace(sample, label=label))
+    return tuple(relabelled)
 
 
 def producer_position(layers: tuple[LayerCall, ...]) -> int | None:

@@ -14,22 +14,21 @@ from html import escape
 
 from nan_magic.records import LayerCall, Report, SourcePointer, StepSummary
 from nan_magic.render.common import (
-    counts_phrase,
-    fmt_fraction,
+    about_zeros,
+    cause_sentence,
+    fact_rows,
     fmt_number,
-    fmt_shape,
     history_fields,
+    labelled_samples,
     module_label,
     producer_position,
     row_window,
     short_dtype,
     source_excerpt,
     stats_phrase,
-    summary_sentence,
-    warning_lines,
 )
 from nan_magic.render.plots import histogram_png, history_png
-from nan_magic.render.table import TABLE_CSS, style_layers
+from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, style_layers
 
 #: Rows of the per-layer table in the static HTML.
 HTML_MAX_ROWS = 200
@@ -52,13 +51,16 @@ REPORT_CSS = TABLE_CSS + """
 """
 
 
-def render_html(report: Report) -> str:
+def render_html(report: Report, element_id: str | None = None) -> str:
     """Render ``report`` as one self-contained HTML fragment.
 
     Parameters
     ----------
     report
         The report to render.
+    element_id
+        An ``id`` for the outer element, so that a live widget can hide this
+        static copy while it shows (:mod:`nan_magic.render.display`).
 
     Returns
     -------
@@ -77,8 +79,10 @@ def render_html(report: Report) -> str:
         history_html(report),
     ]
     body = "\n".join(section for section in sections if section)
+    identity = f' id="{escape(element_id)}"' if element_id else ""
     page = (
-        f'<div class="nan-magic-report">\n<style>{REPORT_CSS}</style>\n{body}\n</div>'
+        f'<div class="nan-magic-report nm-static"{identity}>\n'
+        f"<style>{REPORT_CSS}</style>\n{body}\n</div>"
     )
     return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
@@ -90,53 +94,26 @@ def png_img(png: bytes, alt: str) -> str:
 
 
 def summary_html(report: Report) -> str:
-    """The headline and the one-sentence summary."""
+    """The headline and one sentence: the likely cause with its fix."""
     return (
-        f"<h3>nan_magic: {escape(report.message)}</h3>\n"
-        f'<p class="nm-summary">{escape(summary_sentence(report))}</p>'
+        f'<h3 class="nm-headline">nan_magic: {escape(report.message)}</h3>\n'
+        f'<p class="nm-summary">{escape(cause_sentence(report))}</p>'
     )
 
 
 def facts_html(report: Report) -> str:
-    """Producer, op, source, phase, step, counts, inputs, cause and notes."""
-    rows: list[tuple[str, str]] = [("producer", escape(report.where))]
-    if report.op:
-        rows.append(("op", f"<code>{escape(report.op)}</code>"))
-    if report.source is not None:
-        rows.append(("source", f"<code>{escape(str(report.source))}</code>"))
-    rows.append(("phase", escape(str(report.phase))))
-    rows.append(("step", str(report.step)))
-    tensor = escape(report.tensor)
-    if report.dtype:
-        tensor += f" {escape(short_dtype(report.dtype))}"
-    if report.output_stats is not None:
-        tensor += f" {fmt_shape(report.output_stats.shape)}"
-    rows.append(("tensor", tensor))
-    rows.append((
-        "non-finite",
-        (
-            f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
-            f"elements ({fmt_fraction(report.nonfinite, report.numel)})"
-        ),
-    ))
-    if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
-        rows.append(("first at", f"index {escape(str(report.first_bad_index))}"))
-    inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
-    inputs += "".join(
-        f"<br/>{escape(name)}: {escape(stats_phrase(stats))}"
-        for name, stats in report.input_stats
+    """The facts table: :func:`~nan_magic.render.common.fact_rows`, in HTML."""
+    body = "".join(
+        f"<tr><td>{escape(label)}</td><td>{_fact_value(label, value)}</td></tr>"
+        for label, value in fact_rows(report)
     )
-    rows.append(("inputs", inputs))
-    if report.benign:
-        rows.append(("benign", "yes: recorded, not raised"))
-    if report.cause is not None:
-        cause = f"<b>{escape(report.cause.label)}</b>: {escape(report.cause.hint)}"
-        cause += "".join(f"<br/>- {escape(line)}" for line in report.cause.evidence)
-        rows.append(("cause", cause))
-    rows.extend(("note", escape(note)) for note in report.notes)
-    rows.extend(("warning", escape(line)) for line in warning_lines(report))
-    body = "".join(f"<tr><td>{label}</td><td>{value}</td></tr>" for label, value in rows)
     return f'<table class="nm-facts">{body}</table>'
+
+
+def _fact_value(label: str, value: str) -> str:
+    if label in ("op", "line"):
+        return f"<code>{escape(value)}</code>"
+    return escape(value)
 
 
 def source_html(pointer: SourcePointer | None, title: str = "Source") -> str:
@@ -189,19 +166,29 @@ def layers_html(layers: tuple[LayerCall, ...], dropped: int) -> str:
     title = f"Layers ({len(layers)} calls"
     title += f"; {dropped} earlier calls not kept)" if dropped else ")"
     notes = [cut + "; <code>report.table</code> has every row"] if cut else []
+    if layers:
+        notes.append(moments_note(layers))
     return f"<h4>{title}</h4>\n{table}" + "".join(
-        f'<p class="nm-cut">{note}</p>' for note in notes
+        f'<p class="nm-cut">{note}</p>' for note in notes if note
     )
+
+
+def moments_note(layers: tuple[LayerCall, ...]) -> str:
+    """Why mean and std are missing or blank: said wherever the table is shown."""
+    if all(layer.stats.mean is not None for layer in layers):
+        return ""
+    return escape(MOMENTS_NOTE) + "."
 
 
 def histograms_html(report: Report) -> str:
     """Embedded PNG histograms of the producer's samples (other layers: the widget's selector)."""
-    producer = [sample for sample in report.samples if sample.producer]
+    producer = [sample for sample in labelled_samples(report) if sample.producer]
     if not producer:
         return ""
     shown = tuple(producer[:HTML_MAX_SAMPLES])
-    html = "<h4>Histograms (finite values, log counts)</h4>\n" + png_img(
-        histogram_png(shown), "histograms of " + ", ".join(s.label for s in shown)
+    html = "<h4>Histograms (elements per value, log scale; red: non-finite)</h4>\n" + png_img(
+        histogram_png(shown, about_zeros(report)),
+        "histograms of " + ", ".join(s.label for s in shown),
     )
     left = len(report.samples) - len(shown)
     if left:
@@ -265,6 +252,6 @@ def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
     title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
     return (
         f"<h4>{title}</h4>\n"
-        + png_img(history_png(report.history), "loss and max |activation| per step")
+        + png_img(history_png(report.history, report.step), "loss and max |activation| per step")
         + f'\n<div class="nm-scroll">{table}</div>'
     )

@@ -11,6 +11,7 @@ import io
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -19,7 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from nan_magic.records import Sample, StepSummary
-from nan_magic.render.common import finite_limit, history_fields, short_dtype
+from nan_magic.render.common import finite_limit, plotted_history_fields, short_dtype
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
@@ -32,25 +33,31 @@ _COLUMNS = 3
 _DPI = 80
 _BAR = "#4c72b0"
 _LIMIT = "#d62728"
+_ZERO = "#2ca02c"
 
 
-def histogram_figure(samples: Sequence[Sample]) -> Figure:
+def histogram_figure(samples: Sequence[Sample], zeros: bool = False) -> Figure:
     """One histogram per sample, side by side (three per row).
 
     Parameters
     ----------
     samples
-        Samples of finite values, e.g. the producer's inputs and output.
+        Samples of one tensor each, e.g. the producing op's operands and
+        output, then the producer module's input and output.
+    zeros
+        Whether the cause is about zeros (``log(0)``, ``0/0``): each
+        histogram then says how many elements are exactly zero.
 
     Returns
     -------
     matplotlib.figure.Figure
-        Counts on a log scale; the dtype's finite range marked (for example
-        fp16's +-65504) so that values near an overflow stand out.
+        Element counts on a log scale; the nan/+inf/-inf counts as red,
+        hatched bars at the ends; the dtype's finite range marked (for
+        example fp16's +-65504) so that values near an overflow stand out.
     """
     columns = max(1, min(_COLUMNS, len(samples)))
     rows = max(1, math.ceil(len(samples) / columns))
-    figure = Figure(figsize=(4.4 * columns, 3.0 * rows), dpi=_DPI, layout="constrained")
+    figure = Figure(figsize=(4.6 * columns, 3.2 * rows), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     if not samples:
         axes = figure.add_subplot()
@@ -58,80 +65,169 @@ def histogram_figure(samples: Sequence[Sample]) -> Figure:
         axes.text(0.5, 0.5, "no samples recorded", ha="center", va="center")
         return figure
     for position, sample in enumerate(samples, start=1):
-        draw_histogram(figure.add_subplot(rows, columns, position), sample)
+        draw_histogram(figure.add_subplot(rows, columns, position), sample, zeros)
     return figure
 
 
-def draw_histogram(axes: Axes, sample: Sample) -> None:
-    """Draw one sample's histogram onto ``axes``."""
+def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
+    """Draw one sample's histogram, its non-finite bars and its dtype's range onto ``axes``."""
     dtype = short_dtype(sample.dtype)
+    bad = {"-inf": sample.neginf or 0, "+inf": sample.posinf or 0, "nan": sample.nan or 0}
+    finite_count = sample.numel - sum(bad.values())
+    counted = "; ".join(f"{count} {kind}" for kind, count in bad.items() if count)
     axes.set_title(
-        f"{sample.label}\n{dtype}, {len(sample.values)} of {sample.numel} values",
+        f"{sample.label}\n{dtype}, {finite_count} finite of {sample.numel}"
+        + (f"; {counted}" if counted else ""),
         fontsize=9,
     )
-    if not sample.values:
-        axes.text(0.5, 0.5, "no finite values", ha="center", va="center",
-                  transform=axes.transAxes, color=_LIMIT)
-        axes.set_yticks([])
-        return
-    axes.hist(sample.values, bins=_BINS, color=_BAR, log=True)
-    axes.set_ylabel("count (log)", fontsize=8)
     axes.tick_params(labelsize=8)
-    limit = finite_limit(dtype)
-    if limit is None:
-        return
-    absmax = max(abs(min(sample.values)), abs(max(sample.values)))
-    label = f"{dtype} finite range \u00b1{limit:.5g}"
-    if absmax >= _LIMIT_VISIBLE * limit:
-        handle = axes.axvline(-limit, color=_LIMIT, linestyle="--", label=label)
-        axes.axvline(limit, color=_LIMIT, linestyle="--")
-        axes.set_xlim(-1.08 * limit, 1.08 * limit)
+    axes.set_ylabel("elements (log)", fontsize=8)
+    axes.set_yscale("log")
+    if sample.values:
+        low, high = min(sample.values), max(sample.values)
+        # The values are a strided sample: weigh them back to the tensor's counts.
+        weight = max(finite_count, len(sample.values)) / len(sample.values)
+        if low == high:  # one value: a visible bar around it, not matplotlib's unit range
+            half = max(abs(low) * 0.05, 1e-3)
+            bins: Any = [low - half, low + half]
+            low, high = low - 4 * half, high + 4 * half
+        else:
+            bins = _BINS
+        _, _, bars = axes.hist(
+            sample.values, bins=bins, color=_BAR, weights=[weight] * len(sample.values)
+        )
+        tallest = max((bar.get_height() for bar in bars), default=1.0)
+        axes.set_xlabel("value (finite elements)", fontsize=8)
     else:
+        low, high = -1.0, 1.0
+        tallest = 1.0
+        axes.set_xlabel("no finite value to draw", fontsize=8)
+        axes.set_xticks([])
+        kinds = [kind for kind, count in bad.items() if count]
+        why = (
+            f"no finite values: all {sample.numel} elements are {kinds[0]}" if len(kinds) == 1
+            else f"no finite values: {counted or 'none counted'}"
+        )
+        axes.text(0.45, 0.6, why, ha="center", va="center", transform=axes.transAxes,
+                  color=_LIMIT, fontsize=8)
+    handles: list[Any] = []
+    limit = finite_limit(dtype)
+    absmax = max(abs(low), abs(high))
+    if limit is not None and (absmax >= _LIMIT_VISIBLE * limit or sample.posinf or sample.neginf):
+        label = f"{dtype} finite range \u00b1{limit:.5g}"
+        handles.append(axes.axvline(-limit, color=_LIMIT, linestyle="--", label=label))
+        axes.axvline(limit, color=_LIMIT, linestyle="--")
+        low, high = min(low, -limit), max(high, limit)
+    elif limit is not None and absmax:
         # A legend entry that is not drawn on the axes: the limit is off scale.
-        text = f"{label}: {limit / absmax:.3g}x the largest |value|" if absmax else label
-        handle = Line2D([], [], linestyle="none", label=text)
-    axes.legend(handles=[handle], fontsize=7, loc="upper right", handlelength=1.5)
+        text = f"{dtype} limit \u00b1{limit:.3g}: {limit / absmax:.3g}x the largest |value|"
+        handles.append(Line2D([], [], linestyle="none", label=text))
+    tallest = max([tallest, *bad.values()])
+    span = (high - low) or max(abs(high), 1.0)
+    _draw_nonfinite(axes, bad, low, high, span)
+    if zeros and sample.zeros:
+        handles.append(axes.axvline(0.0, color=_ZERO, linestyle=":", linewidth=1.5,
+                                    label=f"{sample.zeros} exact zeros"))
+    # Room above the bars for the legend: a log axis needs decades of it.
+    axes.set_ylim(0.5, tallest * 60)
+    if handles:
+        axes.legend(handles=handles, fontsize=7, loc="upper left", handlelength=1.5,
+                    framealpha=0.9)
 
 
-def history_figure(history: tuple[StepSummary, ...]) -> Figure:
+def _draw_nonfinite(axes: Axes, bad: dict[str, int], low: float, high: float, span: float) -> None:
+    """The nan/+inf/-inf counts as hatched red bars beyond the finite range."""
+    width = span / 12
+    places = {"-inf": low - span / 6, "+inf": high + span / 6, "nan": high + span / 3}
+    drawn = {kind: count for kind, count in bad.items() if count}
+    for kind, count in drawn.items():
+        axes.bar(places[kind], count, width=width, color=_LIMIT, hatch="//",
+                 edgecolor="white", linewidth=0)
+        axes.annotate(f"{kind}\n{count}", (places[kind], count), ha="center", va="bottom",
+                      fontsize=7, color=_LIMIT, xytext=(0, 2), textcoords="offset points")
+    left = places["-inf"] - width if "-inf" in drawn else low - span / 20
+    right = (places["nan"] if "nan" in drawn else places["+inf"] if "+inf" in drawn else high + span / 20 - width)
+    axes.set_xlim(left, right + width)
+
+
+def history_figure(history: tuple[StepSummary, ...], failing_step: int | None = None) -> Figure:
     """Loss, largest |activation| and what else was recorded, per step.
 
     Parameters
     ----------
     history
         The scalar history kept by the watch, oldest first.
+    failing_step
+        The report's step. The watch records a step's summary when the step
+        ends, so the failing step is often missing from ``history``: it is
+        marked all the same.
 
     Returns
     -------
     matplotlib.figure.Figure
-        One panel per field of :func:`~nan_magic.render.common.history_fields`
-        (loss and max |activation| always), sharing the step axis; non-finite
-        steps marked in red; a log scale where a field spans decades.
+        One panel per field of
+        :func:`~nan_magic.render.common.plotted_history_fields` (those with
+        at least two finite steps), sharing the step axis; the failing step
+        a red point (at the top edge, marked, where its value is not
+        finite); headroom to overflow on a log axis, others where they
+        span decades.
     """
-    fields = history_fields(history)
-    figure = Figure(figsize=(8.0, 1.9 * len(fields) + 0.4), dpi=_DPI, layout="constrained")
+    fields = plotted_history_fields(history)
+    figure = Figure(figsize=(8.0, 1.8 * max(1, len(fields)) + 0.5), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
+    if not fields:
+        axes = figure.add_subplot()
+        axes.set_axis_off()
+        axes.text(0.5, 0.5, "fewer than two steps recorded: nothing to plot", ha="center", va="center")
+        return figure
     panels = figure.subplots(len(fields), 1, sharex=True, squeeze=False)[:, 0]
+    failing = {entry.step: entry for entry in history if entry.nonfinite}
+    if failing_step is not None and failing_step not in failing:
+        failing[failing_step] = StepSummary(step=failing_step, loss=None, absmax=None, nonfinite=True)
     for axes, (field, label) in zip(panels, fields):
-        points = [
-            (entry.step, value)
-            for entry in history
-            if (value := getattr(entry, field)) is not None and math.isfinite(value)
-        ]
-        if points:
-            steps, values = zip(*points)
-            axes.plot(steps, values, marker=".", color=_BAR)
-            # A log scale only helps when a value spans decades (a slow blow-up).
-            if min(values) > 0 and max(values) > _DECADES * min(values):
-                axes.set_yscale("log")
-        axes.set_ylabel(label, fontsize=8)
-        axes.tick_params(labelsize=8)
-        for entry in history:
-            if entry.nonfinite:
-                axes.axvline(entry.step, color=_LIMIT, alpha=0.6)
+        _draw_history_panel(axes, history, field, label, tuple(failing.values()))
     panels[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    panels[-1].set_xlabel("step (red: non-finite)", fontsize=8)
+    panels[-1].set_xlabel("step (red: the step with the non-finite value)", fontsize=8)
     return figure
+
+
+def _draw_history_panel(
+    axes: Axes,
+    history: tuple[StepSummary, ...],
+    field: str,
+    label: str,
+    failing: tuple[StepSummary, ...],
+) -> None:
+    points = [
+        (entry.step, value)
+        for entry in history
+        if (value := getattr(entry, field)) is not None and math.isfinite(value)
+    ]
+    steps, values = zip(*points)
+    axes.plot(steps, values, marker=".", color=_BAR)
+    positive = min(values) > 0
+    # Headroom is a ratio: its approach to 1 (overflow) reads on a log axis only.
+    if positive and (field == "headroom" or max(values) > _DECADES * min(values)):
+        axes.set_yscale("log")
+    if field == "headroom":
+        axes.axhline(1.0, color=_LIMIT, linestyle="--", linewidth=1)
+        axes.annotate("1: overflow", (0.0, 1.0), xycoords=("axes fraction", "data"),
+                      xytext=(4, 3), textcoords="offset points", fontsize=7, color=_LIMIT)
+    axes.set_ylabel(label, fontsize=8)
+    axes.tick_params(labelsize=8)
+    for entry in failing:
+        value = getattr(entry, field)
+        if value is not None and math.isfinite(value):
+            axes.plot([entry.step], [value], "o", color=_LIMIT, markersize=7)
+        else:
+            # Not finite (or not recorded): a marker at the top edge says which step.
+            axes.plot([entry.step], [1.0], "v", color=_LIMIT, markersize=8,
+                      transform=axes.get_xaxis_transform(), clip_on=False)
+            axes.annotate(
+                f"step {entry.step}: non-finite", (entry.step, 1.0),
+                xycoords=axes.get_xaxis_transform(), xytext=(-8, -10), textcoords="offset points",
+                fontsize=7, color=_LIMIT, ha="right",
+            )
 
 
 def figure_png(figure: Figure) -> bytes:
@@ -142,13 +238,13 @@ def figure_png(figure: Figure) -> bytes:
 
 
 @lru_cache(maxsize=16)
-def histogram_png(samples: tuple[Sample, ...]) -> bytes:
+def histogram_png(samples: tuple[Sample, ...], zeros: bool = False) -> bytes:
     """PNG of :func:`histogram_figure`, cached: the widget and the static
     HTML of one report draw the same samples."""
-    return figure_png(histogram_figure(samples))
+    return figure_png(histogram_figure(samples, zeros))
 
 
 @lru_cache(maxsize=16)
-def history_png(history: tuple[StepSummary, ...]) -> bytes:
+def history_png(history: tuple[StepSummary, ...], failing_step: int | None = None) -> bytes:
     """PNG of :func:`history_figure`, cached like :func:`histogram_png`."""
-    return figure_png(history_figure(history))
+    return figure_png(history_figure(history, failing_step))

@@ -25,7 +25,8 @@ TABLE_CSS = f"""
 .nm-table {{ border-collapse: collapse; font-size: 12px; font-family: monospace; }}
 .nm-table th, .nm-table td {{ padding: 2px 6px; text-align: right; white-space: nowrap; }}
 .nm-table th {{ position: sticky; top: 0; background: rgba(127, 127, 127, 0.25); }}
-.nm-table :is(td, th):is(.col1, .col2, .col3, .col4, .col5, .col6, .col15) {{ text-align: left; }}
+.nm-table td.nm-left {{ text-align: left; }}
+.nm-table th {{ text-align: left; }}
 .nm-table td.{PRODUCER_CLASS} {{ background: rgba(230, 40, 40, 0.30); font-weight: bold; }}
 .nm-table td.{PROPAGATED_CLASS} {{ background: rgba(240, 150, 20, 0.15); }}
 .nm-table td.{BENIGN_CLASS} {{ background: rgba(40, 110, 230, 0.15); }}
@@ -112,6 +113,31 @@ def row_classes(layers: Sequence[LayerCall]) -> list[str]:
     return classes
 
 
+#: Columns of the styled table, in order: what tells the story first (the
+#: status and the three counts), so that they stay visible in a narrow
+#: notebook; ``module`` is the one spelling of module and type together.
+VIEW_COLUMNS = (
+    "call", "status", "nan", "+inf", "-inf", "module", "phase", "tensor", "dtype",
+    "shape", "min", "max", "absmax", "mean", "std",
+)
+_LEFT_ALIGNED = frozenset({"status", "module", "phase", "tensor", "dtype", "shape"})
+
+
+def view_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
+    """The rows as shown: :data:`VIEW_COLUMNS`, module and type in one label."""
+    frame = layers_frame(layers)
+    frame["module"] = pd.Series(
+        [module_label(layer.module, layer.module_type) for layer in layers],
+        index=frame.index, dtype=object,
+    )
+    return frame[list(VIEW_COLUMNS)]
+
+
+def has_moments(layers: Sequence[LayerCall]) -> bool:
+    """Whether any row has a mean and std (only tensors alive at the report have them)."""
+    return any(layer.stats.mean is not None for layer in layers)
+
+
 def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> Styler:
     """A pandas Styler of ``layers`` with the producer's row highlighted.
 
@@ -127,28 +153,40 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     Returns
     -------
     pandas.io.formats.style.Styler
-        Classes from :func:`row_classes` on every cell; render with
+        :data:`VIEW_COLUMNS` (mean and std dropped when no row has them),
+        classes from :func:`row_classes` on every cell; render with
         ``.to_html()`` next to :data:`TABLE_CSS`; the table's classes are
         ``nm-table nm-layers``.
     """
-    frame = layers_frame(layers)
+    frame = view_frame(layers)
+    if not has_moments(layers):
+        frame = frame.drop(columns=["mean", "std"])
     classes = row_classes(layers)
     if after_producer:
         classes = [f"{names} {AFTER_CLASS}".strip() for names in classes]
     class_frame = pd.DataFrame(
-        [[names] * len(frame.columns) for names in classes],
+        [
+            [f"{names} nm-left".strip() if column in _LEFT_ALIGNED else names for column in frame.columns]
+            for names in classes
+        ],
         index=frame.index,
         columns=frame.columns,
     )
+    numbers = [column for column in ("min", "max", "absmax", "mean", "std") if column in frame.columns]
     return (
         frame.style.hide(axis="index")
         .set_td_classes(class_frame)
         .set_table_attributes('class="nm-table nm-layers"')
         # Names come from user code: escape them like any other text.
         .format(escape="html")
-        .format(fmt_number, subset=["min", "max", "mean", "std", "absmax"], na_rep="")
+        .format(fmt_number, subset=numbers, na_rep="")
         .format(fmt_shape, subset=["shape"])
-        .format(module_label, subset=["module"], escape="html")
-        .format(lambda value: value or "", subset=["type"], escape="html")
         .format(str, subset=["nan", "+inf", "-inf"], na_rep="?")
     )
+
+
+#: Said under a table whose rows have no mean and std, or only some.
+MOMENTS_NOTE = (
+    "mean and std are computed only for tensors still alive when the report was built "
+    "(the producer's, the loss); every other call was read once, for its min and max"
+)

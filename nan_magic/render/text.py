@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
-    counts_phrase,
+    cause_sentence,
+    fact_rows,
     fmt_count,
-    fmt_fraction,
     fmt_number,
     fmt_shape,
     module_label,
@@ -17,15 +17,15 @@ from nan_magic.render.common import (
     row_window,
     short_dtype,
     stats_phrase,
-    warning_lines,
 )
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
 TEXT_MAX_ROWS = 30
 
+#: The status and the counts first, as in the HTML table (table.VIEW_COLUMNS).
 _TEXT_COLUMNS = (
-    "call", "phase", "module", "type", "tensor", "dtype", "shape",
-    "min", "max", "absmax", "nan", "+inf", "-inf", "status",
+    "call", "status", "nan", "+inf", "-inf", "module", "phase", "tensor", "dtype", "shape",
+    "min", "max", "absmax",
 )
 _NUMERIC = frozenset({"call", "min", "max", "absmax", "nan", "+inf", "-inf"})
 #: Long module names are cut from the left: the tail names the layer.
@@ -49,7 +49,11 @@ def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
         Headline, producer facts, cause, notes, per-layer table and the
         frame ``%debug`` opens, separated by blank lines.
     """
-    parts = [f"nan_magic: {report.message}", _facts(report)]
+    parts = [
+        f"nan_magic: {report.message}",
+        cause_sentence(report),
+        _facts(report),
+    ]
     if report.layers:
         parts.append(_layer_section(report, max_rows))
     debug = _debug_section(report)
@@ -59,42 +63,7 @@ def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
 
 
 def _facts(report: Report) -> str:
-    rows: list[tuple[str, str]] = [("producer", report.where)]
-    if report.op:
-        rows.append(("op", report.op))
-    if report.source is not None:
-        rows.append(("source", str(report.source)))
-        if report.source.line:
-            rows.append(("", "    " + report.source.line.strip()))
-    rows.append(("phase", str(report.phase)))
-    rows.append(("step", str(report.step)))
-    tensor = report.tensor
-    if report.dtype:
-        tensor += f"  {short_dtype(report.dtype)}"
-    if report.output_stats is not None:
-        tensor += f"  {fmt_shape(report.output_stats.shape)}"
-    rows.append(("tensor", tensor))
-    rows.append((
-        "non-finite",
-        (
-            f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
-            f"elements ({fmt_fraction(report.nonfinite, report.numel)})"
-        ),
-    ))
-    if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
-        rows.append(("first at", f"index {report.first_bad_index}"))
-    inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
-    rows.append(("inputs", inputs))
-    for name, stats in report.input_stats:
-        rows.append(("", f"{name}: {stats_phrase(stats)}"))
-    if report.benign:
-        rows.append(("benign", "yes: recorded, not raised"))
-    if report.cause is not None:
-        rows.append(("cause", report.cause.label))
-        rows.append(("fix", report.cause.hint))
-        rows.extend(("", f"- {line}") for line in report.cause.evidence)
-    rows.extend(("note", note) for note in report.notes)
-    rows.extend(("warning", line) for line in warning_lines(report))
+    rows = fact_rows(report)
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}".rstrip() for label, value in rows)
 
@@ -108,8 +77,7 @@ def _layer_row(layer: LayerCall) -> dict[str, str]:
     return {
         "call": str(layer.index),
         "phase": str(layer.phase),
-        "module": _cell(module_label(layer.module)),
-        "type": _cell(layer.module_type or ""),
+        "module": _cell(module_label(layer.module, layer.module_type)),
         "tensor": layer.tensor,
         "dtype": short_dtype(stats.dtype),
         "shape": fmt_shape(stats.shape),

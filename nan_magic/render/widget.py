@@ -14,7 +14,13 @@ import base64
 import ipywidgets as widgets
 
 from nan_magic.records import LayerCall, Report
-from nan_magic.render.common import module_label, near_rows, producer_position
+from nan_magic.render.common import (
+    about_zeros,
+    labelled_samples,
+    module_label,
+    near_rows,
+    producer_position,
+)
 from nan_magic.render.html import (
     HTML_MAX_ROWS,
     HTML_MAX_SAMPLES,
@@ -23,6 +29,7 @@ from nan_magic.render.html import (
     facts_html,
     history_html,
     layers_table_html,
+    moments_note,
     source_html,
     summary_html,
 )
@@ -36,7 +43,9 @@ NEAR_RADIUS = 10
 ALL_SAMPLES = -1
 
 
-def build_widget(report: Report, max_rows: int = HTML_MAX_ROWS) -> widgets.Tab:
+def build_widget(
+    report: Report, max_rows: int = HTML_MAX_ROWS, hides: str | None = None
+) -> widgets.Tab:
     """Build the tabbed report widget.
 
     Parameters
@@ -45,14 +54,18 @@ def build_widget(report: Report, max_rows: int = HTML_MAX_ROWS) -> widgets.Tab:
         The report to show.
     max_rows
         Most table rows rendered at once in the Layers tab.
+    hides
+        The element id of this report's static copy, hidden while the
+        widget shows (the style lives in the widget, so it goes with it).
 
     Returns
     -------
     ipywidgets.Tab
         Tabs Summary, Layers, Histograms, Debug and History.
     """
+    hide = f"<style>#{hides} {{ display: none; }}</style>" if hides else ""
     children = [
-        _html(summary_html(report) + facts_html(report)),
+        _html(hide + summary_html(report) + facts_html(report)),
         LayersView(report.layers, report.layers_dropped, max_rows).widget,
         HistogramsView(report).widget,
         _html(_debug_body(report)),
@@ -82,8 +95,7 @@ def _debug_body(report: Report) -> str:
 def _row_text(layer: LayerCall) -> str:
     """What the filter box matches against, lower-cased."""
     return " ".join((
-        module_label(layer.module),
-        layer.module_type or "",
+        module_label(layer.module, layer.module_type),
         layer.status,
         str(layer.phase),
         layer.tensor,
@@ -97,11 +109,12 @@ class LayersView:
     def __init__(self, layers: tuple[LayerCall, ...], dropped: int, max_rows: int) -> None:
         self.layers = layers
         self.max_rows = max_rows
+        # No description label: the placeholder says what the box is, and a
+        # label would take the room it needs to be read whole.
         self.filter = widgets.Text(
-            placeholder="filter: module, type, status, dtype (words must all match)",
-            description="Filter",
+            placeholder="filter rows: module, type, status, dtype (all words match)",
             continuous_update=False,
-            layout=widgets.Layout(width="420px"),
+            layout=widgets.Layout(width="440px"),
         )
         self.near = widgets.ToggleButton(
             value=False,
@@ -115,11 +128,13 @@ class LayersView:
         title = f"{len(layers)} calls recorded"
         if dropped:
             title += f"; {dropped} earlier calls not kept"
+        note = moments_note(layers)
         self.widget = widgets.VBox([
             widgets.HBox([self.filter, self.near]),
             widgets.HTML(f"<b>{title}</b>"),
             self.status,
             self.table,
+            widgets.HTML(_styled(f'<p class="nm-cut">{note}</p>') if note else ""),
         ])
         self.filter.observe(self._refresh, names="value")
         self.near.observe(self._refresh, names="value")
@@ -149,7 +164,8 @@ class HistogramsView:
     """The Histograms tab: a sample selector and the figure it picks."""
 
     def __init__(self, report: Report) -> None:
-        self.samples = report.samples
+        self.samples = labelled_samples(report)
+        self.zeros = about_zeros(report)
         options: list[tuple[str, int]] = [
             (f"{position}: {sample.label}", position)
             for position, sample in enumerate(self.samples)
@@ -176,7 +192,7 @@ class HistogramsView:
         chosen = producer if choice == ALL_SAMPLES else (self.samples[choice],)
         shown = chosen[:HTML_MAX_SAMPLES]
         label = ", ".join(sample.label for sample in shown)
-        outputs = [_display(f"<histograms of {label}>", histogram_png(shown))]
+        outputs = [_display(f"<histograms of {label}>", histogram_png(shown, self.zeros))]
         if len(chosen) > len(shown):
             outputs.append(_display(
                 f"{len(chosen) - len(shown)} more samples: pick them one by one above."

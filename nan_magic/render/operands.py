@@ -1,0 +1,121 @@
+"""The user's names for an op's operands, read from the source line.
+
+The op tracer labels an op's tensor arguments by their aten schema names
+(``self``, ``other``, ``mat2``): exact, but not what the user wrote. The
+engine does not know the user's expressions, so they are derived here from
+the text of the producer's line, and only where that is unambiguous: the
+line parses on its own and holds exactly one expression that can have run
+the op (one ``/`` for ``aten.div``, one ``log(...)`` call for
+``aten.log``). Anything else keeps the schema names.
+
+Stdlib only (the text report uses it).
+"""
+
+from __future__ import annotations
+
+import ast
+
+#: aten op base name -> the Python operator that runs it.
+_OPERATORS: dict[str, type[ast.operator]] = {
+    "div": ast.Div, "true_divide": ast.Div, "mul": ast.Mult, "add": ast.Add,
+    "sub": ast.Sub, "mm": ast.MatMult, "bmm": ast.MatMult, "matmul": ast.MatMult,
+    "pow": ast.Pow, "remainder": ast.Mod, "floor_divide": ast.FloorDiv,
+}
+#: Schema names of a binary op's right operand.
+_RIGHT = ("other", "mat2", "exponent")
+
+
+def op_base(op: str) -> str:
+    """``"aten.div.Tensor"`` -> ``"div"``; an in-place ``"aten.div_.Tensor"`` -> ``"div"``."""
+    parts = op.split(".")
+    name = parts[1] if len(parts) > 1 and parts[0] == "aten" else parts[0]
+    return name.rstrip("_")
+
+
+def operand_names(op: str | None, line: str | None) -> dict[str, str]:
+    """Schema argument name -> the expression the user wrote for it.
+
+    ``operand_names("aten.div.Tensor", "return a / b.sqrt()")`` gives
+    ``{"self": "a", "other": "b.sqrt()"}``. Empty when the line does not
+    say it unambiguously.
+    """
+    if not op or not line:
+        return {}
+    text = line.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # one line of a multi-line statement
+        return {}
+    base = op_base(op)
+    operator = _OPERATORS.get(base)
+    if operator is not None:
+        found = [
+            node for node in ast.walk(tree)
+            if isinstance(node, ast.BinOp) and isinstance(node.op, operator)
+        ] + [
+            node for node in ast.walk(tree)
+            if isinstance(node, ast.AugAssign) and isinstance(node.op, operator)
+        ]
+        if len(found) != 1:
+            return {}
+        node = found[0]
+        left = node.left if isinstance(node, ast.BinOp) else node.target
+        right = node.right if isinstance(node, ast.BinOp) else node.value
+        names = {"self": _segment(text, left)}
+        names.update({name: _segment(text, right) for name in _RIGHT})
+        return {key: value for key, value in names.items() if value}
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _called_name(node) == base
+    ]
+    if len(calls) != 1:
+        return {}
+    call = calls[0]
+    # torch.log(x) names its operand as the first argument, x.log() as the receiver.
+    if call.args and not _is_method_on_value(call):
+        subject: ast.expr = call.args[0]
+    elif isinstance(call.func, ast.Attribute) and _is_method_on_value(call):
+        subject = call.func.value
+    else:
+        return {}
+    segment = _segment(text, subject)
+    return {"self": segment} if segment else {}
+
+
+def _called_name(call: ast.Call) -> str | None:
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    return None
+
+
+def _is_method_on_value(call: ast.Call) -> bool:
+    """``x.log()`` rather than ``torch.log(x)`` / ``F.softmax(x)``."""
+    if not isinstance(call.func, ast.Attribute):
+        return False
+    owner = call.func.value
+    return not (isinstance(owner, ast.Name) and owner.id in ("torch", "F", "functional", "nn", "math"))
+
+
+def _segment(text: str, node: ast.expr) -> str:
+    return ast.get_source_segment(text, node) or ""
+
+
+#: Longest user expression kept whole in a label; longer ones keep their start.
+MAX_EXPRESSION = 36
+
+
+def operand_label(name: str, names: dict[str, str]) -> str:
+    """``"centred (self)"`` where the user's expression is known, else ``"self"``.
+
+    ``name`` may carry a suffix: ``"self (before)"`` for an in-place op's
+    value before it.
+    """
+    base, _, rest = name.partition(" ")
+    user = names.get(base)
+    if not user:
+        return name
+    if len(user) > MAX_EXPRESSION:
+        user = user[: MAX_EXPRESSION - 3] + "..."
+    return f"{user} ({base}{' ' + rest if rest else ''})"
