@@ -257,9 +257,15 @@ def test_history_of_one_step_says_there_is_nothing_to_plot() -> None:
 def test_layers_table_puts_status_and_counts_first_in_call_order() -> None:
     from nan_magic.render.table import VIEW_COLUMNS, style_layers
 
+    # The engine records a call when it returns: the root's row comes last.
+    nested = root_report()
+    assert [layer.index for layer in nested.layers] == [1, 2, 0]
+    assert nested.table["call"].tolist() == [0, 1, 2]
+    assert nested.table["module"].tolist() == ["", "", "a"]
+    section = nested.to_text().split("Layers of step 0: 3 calls\n")[1].split("\n\n")[0]
+    rows = section.splitlines()[1:]  # under the header
+    assert [row[1:].split()[0] for row in rows] == ["0", "1", "2"]
     report = deep_report()
-    calls = [layer.index for layer in report.layers]
-    assert calls == sorted(calls)
     html = style_layers(report.layers[:5]).to_html()
     header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', html)
     assert header[:5] == ["call", "status", "nan", "+inf", "-inf"]

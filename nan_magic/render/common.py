@@ -251,6 +251,16 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
     return tuple(relabelled)
 
 
+def in_call_order(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
+    """The rows in the order the calls *started*: a parent before its children.
+
+    The engine records a call when it returns (children first); its
+    ``index`` numbers the calls as they began, which is how people read a
+    model's forward.
+    """
+    return tuple(sorted(layers, key=lambda layer: layer.index))
+
+
 def producer_position(layers: tuple[LayerCall, ...]) -> int | None:
     """Position (not call index) of the producer's row in ``layers``, if any."""
     for position, layer in enumerate(layers):

@@ -19,8 +19,10 @@ from nan_magic.render.common import (
     fact_rows,
     fmt_number,
     history_fields,
+    in_call_order,
     labelled_samples,
     module_label,
+    plotted_history_fields,
     producer_position,
     row_window,
     short_dtype,
@@ -73,7 +75,7 @@ def render_html(report: Report, element_id: str | None = None) -> str:
         summary_html(report),
         facts_html(report),
         source_html(report.source),
-        layers_html(report.layers, report.layers_dropped),
+        layers_html(in_call_order(report.layers), report.layers_dropped),
         histograms_html(report),
         debug_html(report),
         history_html(report),
@@ -250,8 +252,8 @@ def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
     )
     title = f"History ({len(report.history)} steps kept"
     title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
-    return (
-        f"<h4>{title}</h4>\n"
-        + png_img(history_png(report.history, report.step), "loss and max |activation| per step")
-        + f'\n<div class="nm-scroll">{table}</div>'
-    )
+    if plotted_history_fields(report.history):
+        plot = png_img(history_png(report.history, report.step), "loss and max |activation| per step")
+    else:
+        plot = '<p class="nm-cut">No plot: no value was recorded at two steps or more.</p>'
+    return f'<h4>{title}</h4>\n{plot}\n<div class="nm-scroll">{table}</div>'

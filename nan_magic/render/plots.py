@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
+from PIL import Image
 
 from nan_magic.records import Sample, StepSummary
 from nan_magic.render.common import finite_limit, plotted_history_fields, short_dtype
@@ -93,10 +94,10 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
             low, high = low - 4 * half, high + 4 * half
         else:
             bins = _BINS
-        _, _, bars = axes.hist(
+        counts, _, _ = axes.hist(
             sample.values, bins=bins, color=_BAR, weights=[weight] * len(sample.values)
         )
-        tallest = max((bar.get_height() for bar in bars), default=1.0)
+        tallest = max(float(max(counts)), 1.0)
         axes.set_xlabel("value (finite elements)", fontsize=8)
     else:
         low, high = -1.0, 1.0
@@ -104,10 +105,11 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
         axes.set_xlabel("no finite value to draw", fontsize=8)
         axes.set_xticks([])
         kinds = [kind for kind, count in bad.items() if count]
-        why = (
-            f"no finite values: all {sample.numel} elements are {kinds[0]}" if len(kinds) == 1
-            else f"no finite values: {counted or 'none counted'}"
-        )
+        if len(kinds) == 1:
+            every = "its one element is" if sample.numel == 1 else f"all {sample.numel} elements are"
+            why = f"no finite values: {every} {kinds[0]}"
+        else:
+            why = f"no finite values: {counted or 'none counted'}"
         axes.text(0.45, 0.6, why, ha="center", va="center", transform=axes.transAxes,
                   color=_LIMIT, fontsize=8)
     handles: list[Any] = []
@@ -230,11 +232,21 @@ def _draw_history_panel(
             )
 
 
+#: Colours of a saved figure's palette: these plots use a handful, and a
+#: palette PNG is about a third of a true-colour one. Every report saved in
+#: a notebook carries its figures, so their size is the notebook's size.
+_PALETTE = 64
+
+
 def figure_png(figure: Figure) -> bytes:
-    """Encode ``figure`` as PNG bytes."""
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
+    """Encode ``figure`` as a palette PNG."""
+    rendered = io.BytesIO()
+    figure.savefig(rendered, format="png")
+    rendered.seek(0)
+    image = Image.open(rendered).convert("RGB").quantize(_PALETTE, method=Image.Quantize.MEDIANCUT)
+    encoded = io.BytesIO()
+    image.save(encoded, format="png", optimize=True)
+    return encoded.getvalue()
 
 
 @lru_cache(maxsize=16)

@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from nan_magic.records import LayerCall, Report
-from nan_magic.render.common import COLUMNS, fmt_number, fmt_shape, module_label, short_dtype
+from nan_magic.render.common import (
+    COLUMNS,
+    fmt_number,
+    fmt_shape,
+    in_call_order,
+    module_label,
+    short_dtype,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pandas.io.formats.style import Styler
@@ -46,12 +53,13 @@ def layer_table(report: Report) -> pd.DataFrame:
     -------
     pandas.DataFrame
         Columns ``call, phase, module, type, tensor, dtype, shape, min, max,
-        mean, std, absmax, nan, +inf, -inf, status`` in call order. ``module``
+        mean, std, absmax, nan, +inf, -inf, status``, one row per call in
+        the order the calls started. ``module``
         is the qualified name as recorded (``""`` root, ``None`` outside any
         module); statistics cover finite elements and are NaN where not
         computed; counts are nullable integers, ``<NA>`` where unknown.
     """
-    return layers_frame(report.layers)
+    return layers_frame(in_call_order(report.layers))
 
 
 def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from nan_magic.render.common import (
     fmt_count,
     fmt_number,
     fmt_shape,
+    in_call_order,
     module_label,
     producer_position,
     row_window,
@@ -92,7 +93,7 @@ def _layer_row(layer: LayerCall) -> dict[str, str]:
 
 
 def _layer_section(report: Report, max_rows: int) -> str:
-    layers = report.layers
+    layers = in_call_order(report.layers)
     focus = producer_position(layers)
     window = row_window(len(layers), focus, max_rows)
     shown = layers[window.start: window.stop]

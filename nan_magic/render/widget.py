@@ -16,6 +16,7 @@ import ipywidgets as widgets
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     about_zeros,
+    in_call_order,
     labelled_samples,
     module_label,
     near_rows,
@@ -66,7 +67,7 @@ def build_widget(
     hide = f"<style>#{hides} {{ display: none; }}</style>" if hides else ""
     children = [
         _html(hide + summary_html(report) + facts_html(report)),
-        LayersView(report.layers, report.layers_dropped, max_rows).widget,
+        LayersView(in_call_order(report.layers), report.layers_dropped, max_rows).widget,
         HistogramsView(report).widget,
         _html(_debug_body(report)),
         _html(history_html(report) or "<p>No history: the watch kept no earlier steps.</p>"),
