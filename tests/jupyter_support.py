@@ -1,4 +1,4 @@
-"""Helpers for the kernel-level and browser-level tests (see TESTING.md).
+"""Helpers for the kernel-level and browser-level tests.
 
 * :func:`execute_notebook` runs a notebook in a real kernel with nbclient,
   keeping the widget state (``store_widget_state`` stays on: with it off,
