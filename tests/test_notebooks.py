@@ -8,6 +8,7 @@ bundle (widget view plus static fallbacks) and the stored widget state
 from __future__ import annotations
 
 import base64
+import json
 import re
 from typing import Any
 
@@ -39,9 +40,21 @@ def nantrace_cells(nb: Any) -> list[Any]:
 
 
 def report_output(cell: Any) -> dict[str, Any]:
-    """The display output of the report under a failing %%nantrace cell."""
+    """The widget output of the report under a failing %%nantrace cell."""
     (output,) = [out for out in cell.outputs if WIDGET_MIME in out.get("data", {})]
     return dict(output["data"])
+
+
+def static_output(cell: Any) -> dict[str, Any]:
+    """The static report: an output of its own, before the widget's."""
+    positions = [
+        position for position, out in enumerate(cell.outputs)
+        if "nan-magic-report nm-static" in out.get("data", {}).get("text/html", "")
+    ]
+    (static,) = positions
+    (widget,) = [p for p, out in enumerate(cell.outputs) if WIDGET_MIME in out.get("data", {})]
+    assert static < widget
+    return dict(cell.outputs[static]["data"])
 
 
 def report_widgets(nb: Any, cell: Any) -> dict[str, Any]:
@@ -75,14 +88,41 @@ def html_values(models: list[dict[str, Any]]) -> str:
     return "\n".join(m["state"]["value"] for m in models if m["model_name"] == "HTMLModel")
 
 
-def test_notebooks_are_committed_without_outputs() -> None:
+def test_committed_notebooks_show_the_static_report() -> None:
+    """Committed with outputs (scripts/execute-notebooks): GitHub and nbviewer show the report."""
     import nbformat
 
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    assert paths
+    for path in paths:
         nb = nbformat.read(path, as_version=4)
-        code = [cell for cell in nb.cells if cell.cell_type == "code"]
-        assert all(not cell.outputs and cell.execution_count is None for cell in code), path
-        assert "widgets" not in nb.metadata, path
+        (failing, _fixed) = nantrace_cells(nb)
+        html = static_output(failing)["text/html"]
+        assert 'class="nm-headline"' in html and "data:image/png;base64," in html, path
+        # The stored widget state is whole: nbviewer can draw the widget from it.
+        assert report_widgets(nb, failing)["tab"]["titles"] == TAB_TITLES, path
+
+
+def report_bytes(nb: Any, cell: Any) -> tuple[int, int]:
+    """What one report adds to a saved notebook: its outputs, and its widget models.
+
+    JupyterLab saves the outputs (the static report and the widget's view
+    reference); the widget models only with the jupyterlab-manager setting
+    ``saveState``, or when nbclient stores them (scripts/execute-notebooks).
+    """
+    tree = report_widgets(nb, cell)
+    root = tree["states"][report_output(cell)[WIDGET_MIME]["model_id"]]
+    models = descendants(tree["states"], root)
+    outputs = [out for out in cell.outputs if out.get("output_type") == "display_data"]
+    return len(json.dumps(outputs)), len(json.dumps(models))
+
+
+def test_a_saved_report_adds_at_most_about_100_kb(transformer: Any, cnn: Any) -> None:
+    for nb in (transformer, cnn):
+        failing, _fixed = nantrace_cells(nb)
+        outputs, models = report_bytes(nb, failing)
+        assert outputs <= 100 * 1024
+        assert outputs + models <= 160 * 1024  # with the widget state stored too
 
 
 def test_transformer_report_widget_and_fallbacks(transformer: Any) -> None:
@@ -92,19 +132,20 @@ def test_transformer_report_widget_and_fallbacks(transformer: Any) -> None:
     assert "forward step 3: blocks.0.attn (SelfAttention)" in error.evalue
     assert not [out for out in fixed.outputs if out.output_type == "error"]
 
-    bundle = report_output(failing)
-    assert "producer    blocks.0.attn (SelfAttention)" in bundle["text/plain"]
+    bundle = static_output(failing)
+    assert "producer     blocks.0.attn (SelfAttention)" in bundle["text/plain"]
     static = bundle["text/html"]
-    assert re.search(r'class="[^"]*nm-producer[^"]*"[^>]*>blocks\.0\.attn<', static)
+    assert re.search(r'class="[^"]*nm-producer[^"]*"[^>]*>blocks\.0\.attn \(SelfAttention\)<', static)
     assert re.findall(r"data:image/png;base64,", static)
 
     tree = report_widgets(transformer, failing)
     assert tree["tab"]["titles"] == TAB_TITLES
     summary, layers, histograms, _debug, _history = tree["children"]
     assert "blocks.0.attn (SelfAttention)" in summary["state"]["value"]
-    assert "during the forward phase of step 3" in summary["state"]["value"]
+    assert "forward step 3" in summary["state"]["value"]
+    assert '<p class="nm-summary">Likely cause: ' in summary["state"]["value"]
     table = html_values(descendants(tree["states"], layers))
-    assert re.search(r'class="[^"]*nm-producer[^"]*"[^>]*>blocks\.0\.attn<', table)
+    assert re.search(r'class="[^"]*nm-producer[^"]*"[^>]*>blocks\.0\.attn \(SelfAttention\)<', table)
     pngs = pngs_in(descendants(tree["states"], histograms))
     assert pngs and all(png.startswith(PNG_MAGIC) for png in pngs)
 
@@ -122,7 +163,7 @@ def test_cnn_report_names_the_loss_code(cnn: Any) -> None:
     assert error.ename == "NonFiniteError" and "forward step 1" in error.evalue
     assert not [out for out in fixed.outputs if out.output_type == "error"]
 
-    bundle = report_output(failing)
+    bundle = static_output(failing)
     assert "code outside any watched module" in bundle["text/plain"]
     assert "0 nan, 1 +inf, 0 -inf" in bundle["text/html"]
 
@@ -131,9 +172,9 @@ def test_cnn_report_names_the_loss_code(cnn: Any) -> None:
     summary, layers, _histograms, _debug, _history = tree["children"]
     assert "code outside any watched module" in summary["state"]["value"]
     table = html_values(descendants(tree["states"], layers))
-    assert ">Softmax<" in table
+    assert ">8 (Softmax)<" in table
     producer_cells = re.findall(r'class="[^"]*nm-producer[^"]*" >([^<]*)<', table)
-    assert "(outside modules)" in producer_cells and "loss" in producer_cells
+    assert "code outside any watched module" in producer_cells and "loss" in producer_cells
 
 
 
