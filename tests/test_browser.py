@@ -7,6 +7,7 @@ Chromium or Playwright the tests skip, unless ``REQUIRE_BROWSER=1``.
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,15 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 REPORT_TIMEOUT_MS = 180_000
 TRANSPARENT = "rgba(0, 0, 0, 0)"
+#: Each tab, and an element only it shows.
+TAB_CONTENT = {
+    "Summary": ".nm-facts",
+    "Layers": "table.nm-layers",
+    "Histograms": ".jp-OutputArea img",
+    "Debug": "h4:has-text('%debug opens in')",
+    "History": "table.nm-history",
+}
+VIEWPORT_HEIGHT = 1000  # jupyter_support.chromium_page's viewport
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +73,52 @@ def open_tab(widget: Any, title: str) -> None:
     widget.locator(".lm-TabBar-tab", has_text=title).first.click()
 
 
+def failing_cell(page: Any) -> Any:
+    """The notebook cell whose output holds the report widget."""
+    return page.locator(".jp-Cell", has=page.locator(".nan-magic-widget")).first
+
+
+def test_first_screen_is_the_short_error_then_the_report(lab: LabServer, page: Any) -> None:
+    open_and_run_all(page, lab, "transformer_attention_blowup.ipynb")
+    widget = report_widget(page)
+    cell = failing_cell(page)
+    cell.evaluate("cell => cell.scrollIntoView({block: 'start'})")
+    headline = widget.locator(".nm-headline").first
+    headline.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "transformer_first_screen.png"))
+    error = cell.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+    traceback_lines = len(error.first.inner_text().splitlines()) if error.count() else 0
+    assert traceback_lines <= 15, f"{traceback_lines} lines of traceback above the report"
+    box = headline.bounding_box()
+    assert box is not None and box["y"] + box["height"] <= VIEWPORT_HEIGHT, box
+
+
 def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
     open_and_run_all(page, lab, "transformer_attention_blowup.ipynb")
     widget = report_widget(page)
-
+    cell = failing_cell(page)
+    headline = widget.locator(".nm-headline").first
+    headline.wait_for()
     summary = widget.locator(".nm-summary").first
-    summary.wait_for()
-    assert "blocks.0.attn (SelfAttention)" in summary.inner_text()
-    assert "during the forward phase of step 3" in summary.inner_text()
+    assert summary.inner_text().startswith("Likely cause: ")
+    assert "blocks.0.attn (SelfAttention)" in headline.inner_text()
+    # While the widget lives, the static copy above it is hidden.
+    assert not cell.locator(".nm-static").first.is_visible()
+    widget.screenshot(path=str(ARTIFACTS / "report.png"))
+
+    # Every tab renders its own content, and only while it is the current tab.
+    for title, content in TAB_CONTENT.items():
+        open_tab(widget, title)
+        widget.locator(content).first.wait_for(state="visible")
+        for other, hidden in TAB_CONTENT.items():
+            if other != title:
+                assert not widget.locator(hidden).first.is_visible(), (title, other)
 
     open_tab(widget, "Layers")
     producer = widget.locator("td.nm-producer").first
     producer.wait_for()
     row = producer.locator("xpath=..").inner_text()
-    assert "blocks.0.attn" in row and "producer" in row
+    assert "blocks.0.attn (SelfAttention)" in row and "producer" in row
     assert producer.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
     widget.screenshot(path=str(ARTIFACTS / "transformer_layers.png"))
 
@@ -90,10 +132,38 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
     widget.screenshot(path=str(ARTIFACTS / "transformer_histograms.png"))
 
 
+def test_static_report_survives_a_kernel_restart(lab: LabServer, page: Any) -> None:
+    name = "cnn_log_zero.ipynb"
+    open_and_run_all(page, lab, name)
+    report_widget(page)
+    page.keyboard.press("Control+s")
+    page.get_by_text(re.compile(r"Saving completed|Saved")).first.wait_for(timeout=30_000)
+    for kernel in lab.api("/api/kernels"):
+        lab.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
+
+    page.goto(lab.notebook_url(name))
+    page.get_by_text(re.compile(r"Python 3.*\| Idle")).first.wait_for(timeout=120_000)
+    static = page.locator(".nm-static").first
+    static.wait_for(timeout=60_000)
+    static.scroll_into_view_if_needed()
+    assert static.is_visible()
+    assert "code outside any watched module" in static.locator(".nm-headline").inner_text()
+    # Styled by its own stylesheet, not the notebook's table style.
+    module_cell = static.locator("table.nm-layers td.nm-left").first
+    assert module_cell.evaluate("cell => getComputedStyle(cell).textAlign") == "left"
+    producer = static.locator("td.nm-producer").first
+    assert producer.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
+    image = static.locator("img").first
+    page.wait_for_function(
+        "img => img.complete && img.naturalWidth > 100", arg=image.element_handle()
+    )
+    static.screenshot(path=str(ARTIFACTS / "cnn_static_after_restart.png"))
+
+
 def test_cnn_report_filter_box_round_trip(lab: LabServer, page: Any) -> None:
     open_and_run_all(page, lab, "cnn_log_zero.ipynb")
     widget = report_widget(page)
-    assert "code outside any watched module" in widget.locator(".nm-summary").first.inner_text()
+    assert "code outside any watched module" in widget.locator(".nm-headline").first.inner_text()
 
     open_tab(widget, "Layers")
     rows = widget.locator("table.nm-layers tbody tr")

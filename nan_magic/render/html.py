@@ -43,8 +43,10 @@ REPORT_CSS = TABLE_CSS + """
 .nan-magic-report { font-family: sans-serif; font-size: 13px; line-height: 1.4; }
 .nan-magic-report h3 { color: #c62828; font-size: 15px; margin: 4px 0; }
 .nan-magic-report h4 { font-size: 13px; margin: 12px 0 4px 0; }
-.nm-facts td { padding: 1px 10px 1px 0; vertical-align: top; text-align: left; }
-.nm-facts td:first-child { font-weight: bold; }
+.nan-magic-report table.nm-facts td { padding: 1px 10px 1px 0; vertical-align: top;
+                                      text-align: left; }
+.nan-magic-report table.nm-facts td:first-child { font-weight: bold; }
+.nan-magic-report table.nm-facts { margin: 4px 0; }
 .nm-code { font-family: monospace; font-size: 12px; margin: 4px 0; padding: 4px;
            background: rgba(127, 127, 127, 0.12); white-space: pre; overflow-x: auto; }
 .nm-code .nm-mark { background: rgba(230, 40, 40, 0.30); font-weight: bold; }

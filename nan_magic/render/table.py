@@ -28,12 +28,13 @@ BENIGN_CLASS = "nm-benign"
 AFTER_CLASS = "nm-after"
 
 #: Colours are translucent so they read on light and dark notebook themes.
+#: Alignment rules carry the report's class: a notebook's own table style
+#: (JupyterLab right-aligns every cell of an HTML output) must not win.
 TABLE_CSS = f"""
 .nm-table {{ border-collapse: collapse; font-size: 12px; font-family: monospace; }}
 .nm-table th, .nm-table td {{ padding: 2px 6px; text-align: right; white-space: nowrap; }}
 .nm-table th {{ position: sticky; top: 0; background: rgba(127, 127, 127, 0.25); }}
-.nm-table td.nm-left {{ text-align: left; }}
-.nm-table th {{ text-align: left; }}
+.nan-magic-report table.nm-table td.nm-left, .nan-magic-report table.nm-table th {{ text-align: left; }}
 .nm-table td.{PRODUCER_CLASS} {{ background: rgba(230, 40, 40, 0.30); font-weight: bold; }}
 .nm-table td.{PROPAGATED_CLASS} {{ background: rgba(240, 150, 20, 0.15); }}
 .nm-table td.{BENIGN_CLASS} {{ background: rgba(40, 110, 230, 0.15); }}
