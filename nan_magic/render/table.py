@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import pandas as pd
+from pandas.io.formats.style import Styler
 
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
@@ -16,9 +17,6 @@ from nan_magic.render.common import (
     module_label,
     short_dtype,
 )
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from pandas.io.formats.style import Styler
 
 #: CSS class of every cell of a row, by the row's role. Tests and the
 #: stylesheet in :data:`TABLE_CSS` rely on these names.
@@ -182,8 +180,12 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
         columns=frame.columns,
     )
     numbers = [column for column in ("min", "max", "absmax", "mean", "std") if column in frame.columns]
+    # Styler's ids are random by default: a notebook saved twice from the
+    # same report would differ. Ids from the rows' content are stable.
+    content = hashlib.sha1(frame.to_json(default_handler=str).encode()).hexdigest()[:8]
     return (
-        frame.style.hide(axis="index")
+        Styler(frame, uuid=f"nm{content}", cell_ids=False)
+        .hide(axis="index")
         .set_td_classes(class_frame)
         .set_table_attributes('class="nm-table nm-layers"')
         # Names come from user code: escape them like any other text.
