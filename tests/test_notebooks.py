@@ -133,7 +133,7 @@ def test_transformer_report_widget_and_fallbacks(transformer: Any) -> None:
     assert not [out for out in fixed.outputs if out.output_type == "error"]
 
     bundle = static_output(failing)
-    assert "producer     blocks.0.attn (SelfAttention)" in bundle["text/plain"]
+    assert "producer    blocks.0.attn (SelfAttention)" in bundle["text/plain"]
     static = bundle["text/html"]
     assert re.search(r'class="[^"]*nm-propagated[^"]*"[^>]*>blocks\.0\.attn\.proj \(Linear\)<', static)
     assert re.findall(r"data:image/png;base64,", static)

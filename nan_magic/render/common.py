@@ -191,7 +191,8 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("source", str(report.source)))
         if report.source.line:
             rows.append(("line", report.source.line.strip()))
-    rows.append(("phase, step", f"{report.phase}, step {report.step}"))
+    rows.append(("phase", str(report.phase)))
+    rows.append(("step", str(report.step)))
     tensor = report.tensor
     if report.dtype:
         tensor += f" {short_dtype(report.dtype)}"
