@@ -132,12 +132,15 @@ def test_summary_is_headline_then_cause_then_facts() -> None:
     assert "add eps" in summary
     assert html.count("division-by-zero") == 1  # not repeated in the facts
     text = report.to_text().splitlines()
-    assert text[0].startswith("nan_magic: first non-finite output in forward step 0: 1 (HandNorm)")
+    assert text[0].startswith("nan_magic: first non-finite value in forward step 0: 1 (HandNorm)")
     assert text[2].startswith("Likely cause: division-by-zero.")
 
 
 def test_operands_are_named_as_the_user_wrote_them() -> None:
     text = fault_report("zero_variance").to_text()
+    # The op's output is the report's tensor; the module's output the check saw is beside it.
+    assert "tensor      output of aten.div.Tensor float32 4x8" in text
+    assert "module out  output of 1 (HandNorm): float32 4x8: 32 nan, 0 +inf, 0 -inf" in text
     assert "centred (self): float32 4x8: 0 nan, 0 +inf, 0 -inf, finite values in [0, 0]" in text
     assert "centred.pow(2).mean(-1, keepdim=T... (other): float32 4x1" in text
     matmul = fault_report("fp16_overflow").to_text()

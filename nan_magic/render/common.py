@@ -206,6 +206,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     ))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {report.first_bad_index}"))
+    if report.module_output is not None:
+        name, stats = report.module_output
+        rows.append(("module out", f"{name} of {report.where}: {stats_phrase(stats)}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     rows.append(("inputs", inputs))
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
@@ -234,22 +237,37 @@ def about_zeros(report: Report) -> bool:
 
 
 def labelled_samples(report: Report) -> tuple[Sample, ...]:
-    """The report's samples titled as the user knows them.
+    """The report's samples in the order that tells the story, titled as the user knows them.
 
-    An op operand's schema name gets the user's expression (``x (self of
-    aten.log.default)``); the producer module's own input and output get the
-    module's name (``input[0] of encoder.1 (Linear)``).
+    The producing op's operands first (the user's expression for each where
+    the line says it: ``x (self of aten.log.default)``), then the op's
+    output, then the producer module's own inputs and output (``input[0] of
+    encoder.1 (Linear)``); the other layers' samples after them, as they are.
     """
     names = operand_names(report.op, report.source.line if report.source else None)
-    relabelled = []
+    module_output = (
+        f"{report.module or '(root)'} {report.module_output[0]}" if report.module_output else None
+    )
+    operands, op_output, module_inputs, module_outputs, others = [], [], [], [], []
     for sample in report.samples:
         label = sample.label
-        if sample.producer and report.op and label.endswith(f" of {report.op}"):
-            label = operand_label(label, names)
-        elif sample.producer:
-            label = f"{label} of {report.where}"
-        relabelled.append(dataclasses.replace(sample, label=label))
-    return tuple(relabelled)
+        if not sample.producer:
+            others.append(sample)
+        elif label == module_output and report.module_output is not None:
+            module_outputs.append(_titled(sample, f"{report.module_output[0]} of {report.where}"))
+        elif report.op and label == report.tensor:
+            op_output.append(sample)
+        elif label.startswith("input"):
+            module_inputs.append(_titled(sample, f"{label} of {report.where}"))
+        elif report.op:
+            operands.append(_titled(sample, operand_label(f"{label} of {report.op}", names)))
+        else:  # no op named: the module's own output
+            module_outputs.append(_titled(sample, f"{label} of {report.where}"))
+    return tuple(operands + op_output + module_inputs + module_outputs + others)
+
+
+def _titled(sample: Sample, label: str) -> Sample:
+    return dataclasses.replace(sample, label=label)
 
 
 def in_call_order(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
