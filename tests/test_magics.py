@@ -407,8 +407,8 @@ def test_terminal_ipython_prints_the_short_error_and_the_text_report(tmp_path, h
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
     out = done.stdout
-    assert out.startswith("NonFiniteError: first non-finite input[0] in data step 0: model"), out
+    assert out.startswith("NonFiniteError: first non-finite input[0] in data step 0: Linear (root)"), out
     assert "Cell In[1], line 7\n    y = model(x)" in out
     # then the text report, after the error
-    assert out.index("\n  producer    model") > out.index("Cell In[1], line 7")
+    assert out.index("\n  producer    Linear (root)") > out.index("Cell In[1], line 7")
     assert "bad-input-data" in out
