@@ -115,13 +115,11 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
                 assert not widget.locator(hidden).first.is_visible(), (title, other)
 
     open_tab(widget, "Layers")
-    # The producer's own row is missing since issue 15's producer rule (the event is
-    # found at proj's input, before attn returns): the propagator's row is marked.
-    marked = widget.locator("td.nm-propagated").first
-    marked.wait_for()
-    row = marked.locator("xpath=..").inner_text()
-    assert "blocks.0.attn.proj (Linear)" in row and "propagated" in row
-    assert marked.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
+    producer = widget.locator("td.nm-producer").first
+    producer.wait_for()
+    row = producer.locator("xpath=..").inner_text()
+    assert "blocks.0.attn (SelfAttention)" in row and "producer" in row
+    assert producer.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
     widget.screenshot(path=str(ARTIFACTS / "transformer_layers.png"))
 
     open_tab(widget, "Histograms")
