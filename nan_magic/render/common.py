@@ -208,7 +208,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
-        rows.append(("module out", f"{name} of {report.where}: {stats_phrase(stats)}"))
+        rows.append(("module out", f"{module_value(report, name)}: {stats_phrase(stats)}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     rows.append(("inputs", inputs))
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
@@ -254,7 +254,7 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
         if not sample.producer:
             others.append(sample)
         elif label == module_output and report.module_output is not None:
-            module_outputs.append(_titled(sample, f"{report.module_output[0]} of {report.where}"))
+            module_outputs.append(_titled(sample, module_value(report, report.module_output[0])))
         elif report.op and label == report.tensor:
             op_output.append(sample)
         elif label.startswith("input"):
@@ -264,6 +264,12 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
         else:  # no op named: the module's own output
             module_outputs.append(_titled(sample, f"{label} of {report.where}"))
     return tuple(operands + op_output + module_inputs + module_outputs + others)
+
+
+def module_value(report: Report, name: str) -> str:
+    """``output of encoder.1 (Linear)``; a name that says whose it is stays as it is
+    (``input[0] of blocks.0.attn.proj``: a value the producer's own code passed on)."""
+    return name if " of " in name else f"{name} of {report.where}"
 
 
 def _titled(sample: Sample, label: str) -> Sample:
