@@ -91,19 +91,11 @@ class Residual(nn.Module):
         return x + self.fc(torch.log(x))  # producer: residual log
 
 
-def _parent_div() -> Scenario:
+def _divide_by_a_zero(model_type: type[DivParent], row: int) -> Scenario:
     torch.manual_seed(0)
-    model = DivParent()
+    model = model_type()
     x = torch.randn(3, 4)
-    x[0, 0] = 0.0
-    return Scenario((model,), lambda: model(x))
-
-
-def _in_place_div() -> Scenario:
-    torch.manual_seed(0)
-    model = InPlaceDivParent()
-    x = torch.randn(3, 4)
-    x[1, 0] = 0.0
+    x[row, 0] = 0.0
     return Scenario((model,), lambda: model(x))
 
 
@@ -149,9 +141,9 @@ def _residual_in_sequential() -> Scenario:
 
 
 CASES = [
-    Case("parent_own_division", _parent_div,
+    Case("parent_own_division", lambda: _divide_by_a_zero(DivParent, 0),
          Expect("forward", "", "DivParent", op="aten.div.Tensor", marker="parent div")),
-    Case("parent_in_place_division", _in_place_div,
+    Case("parent_in_place_division", lambda: _divide_by_a_zero(InPlaceDivParent, 1),
          Expect("forward", "", "InPlaceDivParent", op="aten.div_.Tensor", marker="in-place div")),
     Case("block_own_exp_two_levels_deep", _deep_exp,
          Expect("forward", "layers.1.block", "ExpBlock", op="aten.exp.default", marker="block exp")),
