@@ -105,6 +105,8 @@ class Watch:
         self._exit_stack: ExitStack | None = None
         self._thread: int | None = None
         self._suspended: list[Watch] = []
+        # Serialises the decorator's check-and-enter (:meth:`__call__`).
+        self._entering = threading.Lock()
         self._reset_state()
 
     # -- public state -----------------------------------------------------------
@@ -229,11 +231,37 @@ class Watch:
         return not self.targets.modules.keys().isdisjoint(other.targets.modules.keys())
 
     def __call__(self, function: F) -> F:
-        """Use the watch as a decorator: every call of ``function`` runs under it."""
+        """Use the watch as a decorator: each outermost call of ``function`` runs under it.
+
+        The watch is entered once per outermost call and left when that call
+        returns. A call made while it is active does not enter it again:
+
+        * on the watching thread (recursion, or the function calling itself
+          through other code), the inner call simply runs inside the watch
+          already active, and is watched as part of it;
+        * on another thread, the call runs unwatched by this watch. Its
+          module hooks are global but act only for the thread that entered
+          the watch (:meth:`mine`): the step counter, the module stack and
+          the deferred check belong to one thread's sequence of steps, and
+          interleaving a second thread's calls into them would attribute
+          one thread's values to the other's step. Give each thread a watch
+          of its own (``with watch(model):`` inside the thread) to watch both.
+
+        ``with w:`` on a watch already active still raises, as before: that is
+        a nesting the code asked for explicitly.
+        """
 
         @functools.wraps(function)
         def watched(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            with self._entering:
+                # Checked and entered under one lock: two threads calling at
+                # once must not both try to enter.
+                entered = None if self._active else ExitStack()
+                if entered is not None:
+                    entered.enter_context(self)
+            if entered is None:
+                return function(*args, **kwargs)
+            with entered:  # leaves the watch with the call's exception, as ``with self:`` does
                 return function(*args, **kwargs)
 
         return watched  # type: ignore[return-value]
