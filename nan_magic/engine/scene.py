@@ -187,7 +187,7 @@ def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]
 #: and enums, stdlib only), the one thing a scene holds beyond what
 #: ``torch.load(weights_only=True)`` allows by default. Derived from the
 #: module, so that a record type added later is allowed too.
-_RECORD_TYPES = [
+_RECORD_TYPES: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     value for value in vars(records).values()
     if inspect.isclass(value) and value.__module__ == records.__name__
     and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))

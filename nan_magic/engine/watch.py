@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import threading
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from types import TracebackType
@@ -279,6 +279,8 @@ class Watch:
         self.forward_starts = 0
         self._step_open = False
         self._raised = False
+        #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
+        self.skipped: Counter[str] = Counter()
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU."""
@@ -456,6 +458,8 @@ class Watch:
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
         )
+        if self.skipped:
+            report = dataclasses.replace(report, skipped=tuple(sorted(self.skipped.items())))
         if not report.benign and self.report is None:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = record_scene(self, finding, report)

@@ -63,6 +63,15 @@ def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
 MAX_WARNINGS = 10
 
 
+def skipped_line(report: Report) -> str | None:
+    """What the watch could not read, or None: ``"12 tensors it cannot read (nested: 12)"``."""
+    if not report.skipped:
+        return None
+    total = sum(count for _reason, count in report.skipped)
+    reasons = ", ".join(f"{reason}: {count}" for reason, count in report.skipped)
+    return f"{total} tensor{'s' if total != 1 else ''} it cannot read, left unchecked ({reasons})"
+
+
 def warning_lines(report: Report) -> list[str]:
     """The report's last early warnings, one line each, plus what was left out.
 

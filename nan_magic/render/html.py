@@ -23,6 +23,7 @@ from nan_magic.render.common import (
     producer_position,
     row_window,
     short_dtype,
+    skipped_line,
     source_excerpt,
     stats_phrase,
     summary_sentence,
@@ -135,6 +136,9 @@ def facts_html(report: Report) -> str:
         rows.append(("cause", cause))
     rows.extend(("note", escape(note)) for note in report.notes)
     rows.extend(("warning", escape(line)) for line in warning_lines(report))
+    skipped = skipped_line(report)
+    if skipped:
+        rows.append(("skipped", escape(skipped)))
     body = "".join(f"<tr><td>{label}</td><td>{value}</td></tr>" for label, value in rows)
     return f'<table class="nm-facts">{body}</table>'
 

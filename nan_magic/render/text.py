@@ -16,6 +16,7 @@ from nan_magic.render.common import (
     producer_position,
     row_window,
     short_dtype,
+    skipped_line,
     stats_phrase,
     warning_lines,
 )
@@ -95,6 +96,9 @@ def _facts(report: Report) -> str:
         rows.extend(("", f"- {line}") for line in report.cause.evidence)
     rows.extend(("note", note) for note in report.notes)
     rows.extend(("warning", line) for line in warning_lines(report))
+    skipped = skipped_line(report)
+    if skipped:
+        rows.append(("skipped", skipped))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}".rstrip() for label, value in rows)
 
