@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -163,6 +164,15 @@ def test_values_to_read_of_each_layout() -> None:
         stats = tensor_stats(tensor)
         assert (stats.numel, stats.nan, stats.posinf, stats.neginf) == (numel, nan, posinf, neginf), tensor
     assert not is_checkable(torch.ones(2, dtype=torch.int64).to_sparse())
+
+
+def test_a_sparse_gradients_norm_is_its_stored_values_norm() -> None:
+    from nan_magic.engine.stats import norms, read_scalars
+
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 3, 3]]), torch.tensor([3.0, 4.0, 0.0]), (10,))
+    spoiled = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([float("inf")]), (10,))
+    dense = torch.full((4,), 2.0)
+    assert read_scalars(norms([grad, dense, spoiled])) == [5.0, 4.0, math.inf]
 
 
 # -- what the watch cannot read (item 12) ----------------------------------------------------------
