@@ -38,6 +38,7 @@ from collections import deque
 import torch
 
 from nan_magic.engine.stats import probe as stats_probe
+from nan_magic.engine.stats import readable
 from nan_magic.records import EarlyWarning, StepSummary
 
 __all__ = [
@@ -156,7 +157,7 @@ class EarlyWarnings:
         # Only detached tensors are read: no graph is recorded, without the
         # cost of entering ``no_grad`` at every step.
         if probe is None:
-            low, high = (float(value) for value in stats_probe(tensor))
+            low, high = (float(value) for value in stats_probe(readable(tensor)))
         else:
             low, high = probe
         found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]

@@ -141,6 +141,9 @@ _SPLIT_PROBE_MAX_BYTES = 8 << 20
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` as 0-d tensors on the tensor's device; both NaN if any element is.
 
+    ``tensor`` is a dense real one (:func:`readable` gives that of any
+    checkable tensor; the callers convert once, as they record).
+
     One fused ``aminmax`` on a GPU (one kernel) and for most CPU tensors.
     On the CPU, ``aminmax`` runs a scalar loop, while ``amin`` and ``amax``
     each run a vectorised one: for a tensor of half a million to two
@@ -152,7 +155,7 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     like ``aminmax``. No host synchronisation happens here; the caller
     decides when to read.
     """
-    tensor = readable(tensor).detach()
+    tensor = tensor.detach()
     if tensor.is_cpu and tensor.numel() >= _SPLIT_PROBE_NUMEL and tensor.nbytes < _SPLIT_PROBE_MAX_BYTES:
         return torch.amin(tensor), torch.amax(tensor)
     return torch.aminmax(tensor)
@@ -272,7 +275,7 @@ def relevant_kinds(kinds: frozenset[str], watched: frozenset[str]) -> frozenset[
 
 def kinds_of(tensor: torch.Tensor) -> frozenset[str]:
     """Exact non-finite kinds of a tensor (slow path)."""
-    low, high = (float(v) for v in probe(tensor))
+    low, high = (float(v) for v in probe(readable(tensor)))
     kinds = probe_kinds(low, high)
     if "nan" not in kinds:
         return kinds
