@@ -233,3 +233,24 @@ def test_meta_and_dispatching_subclass_tensors_are_skipped_and_counted(options: 
     assert torch.equal(got, expected)
     assert w.report is None
     assert w.skipped["meta"] >= 2 and w.skipped["Wrapped"] >= 2, dict(w.skipped)  # input and output of each
+
+
+TRANSFORMS = {
+    "vmap": lambda model, x: torch.func.vmap(model)(x),
+    "grad": lambda model, x: torch.func.grad(lambda row: model(row).sum())(x[0]),
+    "functionalize": lambda model, x: torch.func.functionalize(model)(x[0]),
+}
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
+def test_values_inside_a_torch_func_transform_are_skipped_not_read(transform: str, options: dict[str, Any]) -> None:
+    # Reading a vmapped value to the host raises inside vmap: the watch crashed the user's code.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 2, 4)
+    expected = TRANSFORMS[transform](model, x)
+    with nan_magic.watch(model, **options) as w:
+        got = TRANSFORMS[transform](model, x)
+    assert torch.equal(got, expected)
+    assert w.report is None and w.skipped["functorch"] >= 3, dict(w.skipped)  # input and both outputs, at least

@@ -73,6 +73,7 @@ def is_checkable(value: Any) -> bool:
         and value.layout is torch.strided
         and not value.is_meta
         and not value.is_nested
+        and not _transformed(value)
     ):
         return value.numel() > 0  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
@@ -82,11 +83,13 @@ def unreadable_reason(value: torch.Tensor) -> str | None:
     """Why the watch cannot read a floating or complex tensor, in a word; None when it can (or it is neither).
 
     ``nested`` (a nested tensor has no single shape to reduce), ``meta``
-    (no data), or the class name of a subclass that overrides
-    ``__torch_dispatch__`` (a fake tensor, a functional wrapper, a
-    distributed tensor: a reduction would fail, have no data, or
-    communicate). A subclass overriding only ``__torch_function__`` is read
-    through a plain view of its data, without calling its code.
+    (no data), ``functorch`` (a value inside ``torch.func.vmap``, ``grad``
+    or ``functionalize``: reading it to the host is not allowed there), or
+    the class name of a subclass that overrides ``__torch_dispatch__`` (a
+    fake tensor, a functional wrapper, a distributed tensor: a reduction
+    would fail, have no data, or communicate). A subclass overriding only
+    ``__torch_function__`` is read through a plain view of its data,
+    without calling its code.
     """
     if not (value.is_floating_point() or value.is_complex()):
         return None
@@ -94,9 +97,20 @@ def unreadable_reason(value: torch.Tensor) -> str | None:
         return "nested"
     if value.is_meta:
         return "meta"
+    if _transformed(value):
+        return "functorch"
     if type(value) not in _PLAIN and _dispatches(type(value)):
         return type(value).__name__
     return None
+
+
+#: Whether a tensor is a functorch transform's wrapper (vmap's batched, grad's tracking one).
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _transformed(value: torch.Tensor) -> bool:
+    """A value of a ``torch.func`` transform in progress (one C call each: this is on the hot path)."""
+    return _functorch_wrapped(value) or torch._is_functional_tensor(value)
 
 
 @functools.cache
