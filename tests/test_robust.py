@@ -254,3 +254,17 @@ def test_values_inside_a_torch_func_transform_are_skipped_not_read(transform: st
         got = TRANSFORMS[transform](model, x)
     assert torch.equal(got, expected)
     assert w.report is None and w.skipped["functorch"] >= 3, dict(w.skipped)  # input and both outputs, at least
+
+
+@pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
+def test_fake_tensors_are_skipped_and_counted(options: dict[str, Any]) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(3, 4)
+        with nan_magic.watch(model, **options) as w:
+            out = model(x)
+    assert isinstance(out, FakeTensor) and tuple(out.shape) == (3, 4)
+    assert w.report is None and w.skipped["FakeTensor"] >= 3, dict(w.skipped)
