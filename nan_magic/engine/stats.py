@@ -125,11 +125,11 @@ def values_to_read(tensor: torch.Tensor) -> torch.Tensor:
     Detached; a view where one exists (no copy for a dense complex or a
     sparse tensor). Only for a tensor :func:`is_checkable` accepts.
     """
-    tensor = tensor.detach()
     if type(tensor) not in _PLAIN:
-        # A __torch_function__ subclass: its data, without its code.
+        # A __torch_function__ subclass: its data, without its code (detach too would call it).
         with torch._C.DisableTorchFunctionSubclass():
             tensor = tensor.as_subclass(torch.Tensor)
+    tensor = tensor.detach()
     if tensor.layout is torch.sparse_coo:
         tensor = tensor._values()  # stored values, coalesced or not: a duplicate's own value counts
     elif tensor.layout is not torch.strided:

@@ -73,7 +73,10 @@ class Watch:
 
     Usable as a context manager (``with watch(model) as w:``) and as a
     decorator. ``report`` is the Report of the first non-benign event (or
-    None); ``events`` every event seen, benign ones included, in order.
+    None); ``events`` every event seen, benign ones included, in order;
+    ``skipped`` how many floating tensors it could not read and left
+    unchecked, by reason (``{"nested": 12}``; see ``stats.unreadable_reason``),
+    also carried by each Report as ``report.skipped``.
     """
 
     def __init__(
