@@ -260,6 +260,9 @@ class Report:
     debug_locals: tuple[tuple[str, TensorStats], ...] = ()
     frames: tuple[SourcePointer, ...] = ()
     notes: tuple[str, ...] = ()
+    #: ``(reason, count)``: floating tensors the watch could not read and skipped
+    #: ("nested", "meta", a dispatching subclass's name), so far in the watch.
+    skipped: tuple[tuple[str, int], ...] = ()
     scene: str | None = None
     scene_bytes: int | None = None
     restore_token: int | None = None

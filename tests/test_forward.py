@@ -61,7 +61,13 @@ def test_inputs_of_a_producer_are_finite_and_described() -> None:
     assert list(inputs) == ["input[0]", "self"]  # the module's input, then the op's (from the replay)
     assert inputs["input[0]"].finite and inputs["input[0]"].negatives > 0  # why log went NaN is visible
     assert report.nan == report.output_stats.nan > 0
-    assert report.first_bad_index is not None
+    # The first NaN of LogLayer's output, found by running the same model unwatched.
+    model, run = fault.build()
+    seen: list[torch.Tensor] = []
+    handle = model[1].register_forward_hook(lambda _module, _args, output: seen.append(output))
+    run()
+    handle.remove()
+    assert report.first_bad_index == tuple(torch.isnan(seen[0]).nonzero()[0].tolist())
 
 
 def test_propagators_are_marked_not_blamed() -> None:
@@ -153,21 +159,32 @@ def test_nested_outputs_of_every_shape_are_checked() -> None:
     assert report.module_output is not None and report.module_output[0] == "output.extra[1]['deep'][1]"
 
 
-def test_hugging_face_model_output_is_walked() -> None:
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize(("bad", "path"), [
+    ("last_hidden_state", "output['last_hidden_state']"),
+    ("hidden_states", "output['hidden_states'][1]"),  # inside the tuple a ModelOutput holds
+])
+def test_hugging_face_model_output_is_walked(bad: str, path: str) -> None:
+    pytest.importorskip("transformers")
     from transformers.modeling_outputs import BaseModelOutput
 
     class Encoder(nn.Module):
         def forward(self, x: torch.Tensor) -> BaseModelOutput:
-            return BaseModelOutput(last_hidden_state=x.sqrt(), hidden_states=(x, x))
+            if bad == "last_hidden_state":
+                return BaseModelOutput(last_hidden_state=x.sqrt(), hidden_states=(x, x))
+            return BaseModelOutput(last_hidden_state=x, hidden_states=(x, x.sqrt()))
 
     model = nn.Sequential(nn.Linear(4, 4), Encoder())
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        negatives = int((model[0](x) < 0).sum())  # sqrt makes NaN of each of them
+    assert negatives > 0
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
-        model(torch.randn(2, 4))
+        model(x)
     report = caught.value.report
     assert report.tensor == "output of aten.sqrt.default"
-    assert report.module_output is not None and report.module_output[0] == "output['last_hidden_state']"
-    assert transformers is not None
+    assert report.module_output is not None and report.module_output[0] == path
+    assert (report.module, report.module_type) == ("1", "Encoder")
+    assert report.counts == {"nan": negatives, "+inf": 0, "-inf": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -203,6 +220,9 @@ def test_non_float_outputs_never_crash_the_hook() -> None:
     with nan_magic.watch(model) as w:
         model(torch.randn(2, 3))
     assert w.report is None and w.events == []
+    # The meta tensor is the only one it cannot read (the complex and sparse ones are read, finite):
+    # skipped in Odd's output, then again in the root's, which returns the same tuple.
+    assert dict(w.skipped) == {"meta": 2}
 
 
 def test_kinds_option_ignores_the_other_kind() -> None:
@@ -279,5 +299,7 @@ def test_report_samples_the_layers_before_the_producer_for_histograms() -> None:
     others = [sample for sample in report.samples if not sample.producer]
     # the module's input, the op's operand and output (from the replay), then the module's output
     assert producer == ["input[0]", "self", "output of aten.log.default", "1 output"]
+    output = next(sample for sample in report.samples if sample.label == "output of aten.log.default")
+    assert len(output.values) == report.numel - report.nonfinite  # its finite values only
     assert [sample.label for sample in others] == ["(root) input[0]", "0 output"]  # the batch, then Linear 0
     assert all(0 < len(sample.values) <= 1024 for sample in others)

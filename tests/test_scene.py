@@ -139,6 +139,73 @@ def test_load_scene_refuses_other_files(tmp_path) -> None:
     torch.save({"w": torch.ones(2)}, other)
     with pytest.raises(ValueError, match="not a nan_magic scene"):
         nan_magic.load_scene(other)
+    text = tmp_path / "notes.pt"
+    text.write_text("not a pickle at all")
+    with pytest.raises(ValueError, match=r"notes\.pt is not a nan_magic scene"):
+        nan_magic.load_scene(text)
+
+
+class WritesAFile:
+    """A pickle that, when loaded unsafely, runs code: it creates the file ``target``."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle"])
+def test_load_scene_refuses_a_file_that_would_run_code(tmp_path, writer: str) -> None:
+    target = tmp_path / "written_by_the_scene"
+    hostile = tmp_path / "nan_scene_step0.pt"
+    payload = {"format": nan_magic.engine.scene.SCENE_FORMAT, "version": 1, "report": WritesAFile(str(target))}
+    if writer == "torch.save":
+        torch.save(payload, hostile)
+    else:
+        with open(hostile, "wb") as handle:
+            pickle.dump(payload, handle, protocol=2)
+    with pytest.raises(ValueError) as caught:
+        nan_magic.load_scene(hostile)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{hostile}: refused")
+    assert "needs io.open" in message  # the function it would have called, named
+    assert not target.exists()  # nothing ran
+
+
+def test_nanreplay_refuses_a_file_that_would_run_code_in_one_line(ip, tmp_path) -> None:
+    from IPython.core.error import UsageError
+
+    target = tmp_path / "written_by_the_scene"
+    hostile = tmp_path / "nan_scene_step0.pt"
+    torch.save({"format": nan_magic.engine.scene.SCENE_FORMAT, "x": WritesAFile(str(target))}, hostile)
+    with pytest.raises(UsageError, match="refused") as caught:
+        ip.run_line_magic("nanreplay", str(hostile))
+    assert "\n" not in str(caught.value) and not target.exists()
+
+
+def test_a_scene_loads_with_weights_only_and_nan_magics_records_alone(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    with torch.serialization.safe_globals(nan_magic.engine.scene._RECORD_TYPES):
+        data = torch.load(report.scene, weights_only=True)
+    assert data["report"].message == report.message
+    assert same_bits(data["models"]["Sequential"], model.state_dict())
+
+
+class Schedule:
+    """An object of the user's own class in an optimizer's options: pickles, but a safe load refuses it."""
+
+
+def test_a_part_a_safe_load_would_refuse_is_left_out_and_the_rest_saved(tmp_path) -> None:
+    model, opt = build()
+    opt.param_groups[0]["schedule"] = Schedule()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    left_out = [note for note in report.notes if "leaves out optimizers[0]['state']" in note]
+    assert len(left_out) == 1 and "Schedule" in left_out[0], report.notes
+    scene = nan_magic.load_scene(report.scene)  # loads, safely
+    assert same_bits(scene.data["models"]["Sequential"], model.state_dict())
+    assert scene.data["optimizers"][0]["state"] is None
 
 
 # -- replay ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from nan_magic.engine.stats import (
     probe_kinds,
     probe_stats,
     read_scalars,
+    readable,
     tensor_stats,
 )
 from nan_magic.engine.targets import ModuleInfo
@@ -67,7 +68,11 @@ class TensorRecord:
     ) -> None:
         self.path = path
         self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
+        # The tensor itself is what identity and versions follow; what is probed
+        # is its values (stats.values_to_read: a complex tensor's real view, a
+        # sparse one's stored values), whose shape the stats describe.
+        values = readable(tensor)
+        self.shape = tuple(values.shape)
         self.ref = weakref.ref(tensor)
         self.version = version_of(tensor)
         self.call = call
@@ -87,8 +92,8 @@ class TensorRecord:
         # Only finiteness asked (a float32 gradient): a sum, a third of the time
         # of aminmax on the CPU, answers it. A non-finite sum (or one that
         # overflowed) gets the exact probe below.
-        summed = not ranged and not defer and same is None and tensor.is_cpu and tensor.dtype in WIDE_FLOATS
-        if summed and math.isfinite(float(tensor.detach().sum())):
+        summed = not ranged and not defer and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
+        if summed and math.isfinite(float(values.detach().sum())):
             self.ranged = False
             return
         if same is not None and same._probe is None:
@@ -99,7 +104,7 @@ class TensorRecord:
             if same.ranged:
                 self.set_probe(same.low, same.high)
             return
-        low, high = same._probe if same is not None and same._probe is not None else probe(tensor)
+        low, high = same._probe if same is not None and same._probe is not None else probe(values)
         if defer:
             self._probe = (low, high)
         else:

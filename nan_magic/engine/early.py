@@ -37,6 +37,8 @@ from collections import deque
 
 import torch
 
+from nan_magic.engine.stats import probe as stats_probe
+from nan_magic.engine.stats import readable
 from nan_magic.records import EarlyWarning, StepSummary, module_label
 
 __all__ = [
@@ -155,12 +157,14 @@ class EarlyWarnings:
         # Only detached tensors are read: no graph is recorded, without the
         # cost of entering ``no_grad`` at every step.
         if probe is None:
-            low, high = (float(value) for value in torch.aminmax(tensor.detach()))
+            low, high = (float(value) for value in stats_probe(readable(tensor)))
         else:
             low, high = probe
         found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
         due = step % BATCH_RULE_EVERY == 0
-        if due and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
+        # Features are columns of a dense real batch; a sparse or complex one has no such columns to compare.
+        dense_real = tensor.layout is torch.strided and not tensor.is_complex()
+        if due and dense_real and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
             feature_low, feature_high = _feature_ranges(tensor.detach())
             found.append(_constant_feature(step, name, tensor, feature_low, feature_high))
         return [warning for warning in found if warning is not None and self._due(warning)]

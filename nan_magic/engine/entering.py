@@ -71,7 +71,7 @@ def saved_leaves(nodes: list[Any]) -> list[tuple[str, weakref.ref[torch.Tensor]]
     return [
         (label, weakref.ref(tensor))
         for label, tensor in _saved_tensors(nodes)
-        if tensor.grad_fn is None and not tensor.requires_grad and tensor.is_floating_point()
+        if tensor.grad_fn is None and not tensor.requires_grad and is_checkable(tensor)
     ]
 
 

@@ -177,7 +177,7 @@ class ForwardChecks:
         if frame.info.watched:
             hook_gradients = self.watch.config.backward
             anchor = None
-            for path, tensor in iter_tensors(output, "output"):
+            for path, tensor in iter_tensors(output, "output", self.watch.skipped):
                 record = log.record_output(call, path, tensor)
                 if hook_gradients:
                     self.watch.gradients.hook_output(record, tensor)
@@ -244,7 +244,7 @@ class ForwardChecks:
         Judged like any call (immediately, or at the deferred check), first in
         order, so a NaN already in the batch is reported as phase ``data``.
         """
-        tensors = list(iter_tensors(values, prefix))
+        tensors = list(iter_tensors(values, prefix, self.watch.skipped))
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)
@@ -733,7 +733,7 @@ class ForwardChecks:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if id(tensor) in masks:
                 continue
-            if tensor.is_floating_point() and relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
+            if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
                 return prefix + name, tensor
         return None
 

@@ -27,7 +27,7 @@ from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_lab
 from nan_magic.engine.entering import entering_tensors, saved_leaves
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
-from nan_magic.engine.stats import WIDE_FLOATS, kinds_of, relevant_kinds
+from nan_magic.engine.stats import WIDE_FLOATS, is_checkable, kinds_of, relevant_kinds
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,7 +69,7 @@ class GradientChecks:
         deferred check.
         """
         watch = self.watch
-        if not watch.mine() or not loss.is_floating_point() or loss.numel() == 0:
+        if not watch.mine() or not is_checkable(loss):
             return
         self.reported_this_pass = False
         self.backward_runs += 1
@@ -144,7 +144,7 @@ class GradientChecks:
 
     def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
         watch = self.watch
-        if not watch.listening() or grad is None or not grad.is_floating_point() or grad.numel() == 0:
+        if not watch.listening() or grad is None or not is_checkable(grad):
             return
         log = watch.log
         # The hot path. A gradient's range is only shown for half precision
@@ -154,6 +154,7 @@ class GradientChecks:
             not watch.defer
             and grad.is_cpu
             and grad.dtype in WIDE_FLOATS
+            and grad.layout is torch.strided
             and log.lookup(grad) is None
             and (log.known_finite_gradient(grad) or math.isfinite(float(grad.detach().sum())))
         ):
@@ -224,7 +225,7 @@ class GradientChecks:
         """A finding for the first non-finite ``.grad`` among named parameters."""
         for name, parameter in named:
             grad = parameter.grad
-            if grad is None or not grad.is_floating_point():
+            if grad is None or not is_checkable(grad):
                 continue
             if relevant_kinds(kinds_of(grad), self.watch.config.kinds):
                 finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
+from nan_magic.engine.stats import is_checkable, probe, readable
 
 __all__ = ["DeliberateMasks", "argument_name", "names_a_mask"]
 
@@ -115,9 +116,9 @@ class DeliberateMasks:
         """The module's floating buffers (recursively) that hold a non-finite value and are deliberate masks."""
         found = []
         for name, buffer in module.named_buffers():
-            if not buffer.is_floating_point() or buffer.numel() == 0:
+            if not is_checkable(buffer):  # a meta or nested buffer has nothing to read (stats.py)
                 continue
-            low, high = (float(value) for value in torch.aminmax(buffer.detach()))
+            low, high = (float(value) for value in probe(readable(buffer)))
             if math.isfinite(low) and math.isfinite(high):
                 continue
             if self.is_mask(buffer, name.rsplit(".", 1)[-1]):

@@ -45,7 +45,15 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from nan_magic.engine.frames import is_library_file, pointer
-from nan_magic.engine.stats import probe, probe_kinds, probe_stats, relevant_kinds, tensor_stats
+from nan_magic.engine.stats import (
+    is_checkable,
+    probe,
+    probe_kinds,
+    probe_stats,
+    readable,
+    relevant_kinds,
+    tensor_stats,
+)
 from nan_magic.records import KINDS, Phase, SourcePointer, TensorStats
 
 __all__ = ["OpFinding", "OpTracer"]
@@ -360,13 +368,14 @@ class OpTracer(TorchDispatchMode):
         """
         if plan.overwrites:
             return {}
-        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t)]
+        # Only dense tensors have a storage to compare (a sparse one's values are its own).
+        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t) and _dense(t)]
         storages = {t.untyped_storage().data_ptr() for t in written}
         priors: dict[int, _Prior] = {}
         for _, tensor in _tensors(plan, args, kwargs, plan.reads):
-            if _checkable(tensor) and tensor.untyped_storage().data_ptr() in storages:
+            if _checkable(tensor) and _dense(tensor) and tensor.untyped_storage().data_ptr() in storages:
                 kinds = self._known_kinds(tensor)
-                probed = probe(_wide(tensor)) if kinds is None else None
+                probed = probe(_wide(readable(tensor))) if kinds is None else None
                 priors[id(tensor)] = _Prior(tensor.dtype, tuple(tensor.shape), kinds, probed)
         return priors
 
@@ -387,9 +396,8 @@ class OpTracer(TorchDispatchMode):
         """Exact kinds of a live tensor, from the cache where possible."""
         known = self._known_kinds(tensor)
         if known is None:
-            # A complex value is non-finite where its real or imaginary part is.
-            real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-            known = _exact_kinds(real) if _checkable(real) else frozenset()
+            # A complex value is non-finite where its real or imaginary part is (stats.values_to_read).
+            known = _exact_kinds(tensor) if _checkable(tensor) else frozenset()
             self._remember(tensor, known)
         return known
 
@@ -452,7 +460,7 @@ class OpTracer(TorchDispatchMode):
                 prior = priors.get(id(value))
                 if prior is not None:
                     input_stats.append((f"{name} (before)", prior.stats()))
-                elif value.is_floating_point() and value.numel():
+                elif _checkable(value):
                     input_stats.append((name, tensor_stats(value)))
                     kept.append((name, value.detach().clone()))
             self.producer_tensors = tuple(kept)
@@ -649,21 +657,17 @@ def _list_index(label: str) -> int | None:
 
 
 def _checkable(tensor: torch.Tensor) -> bool:
-    """A dense floating tensor with data, of torch's own type.
+    """A tensor the watch reads, by the rule every check uses (:func:`stats.is_checkable`).
 
-    Subclasses (DTensor, FakeTensor) are left to their own dispatch: reducing
-    them could communicate or has no data.
+    Complex and sparse tensors are read through their real values; nested,
+    meta and dispatching subclasses (DTensor, FakeTensor) are left alone:
+    reducing them fails, has no data or could communicate.
     """
-    return (
-        type(tensor) in _PLAIN
-        and tensor.is_floating_point()
-        and tensor.layout == torch.strided
-        and not tensor.is_meta
-        and tensor.numel() > 0
-    )
+    return is_checkable(tensor)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+def _dense(tensor: torch.Tensor) -> bool:
+    return tensor.layout is torch.strided
 
 
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
@@ -681,6 +685,7 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
     (1M elements: 43 us against 229 us, one thread); on a GPU both are bound
     by memory bandwidth.
     """
+    tensor = readable(tensor)
     if tensor.element_size() < 4:
         return torch.sum(_wide(tensor), dtype=torch.float32)
     return torch.sum(tensor)
@@ -708,7 +713,7 @@ def _range(dtype: torch.dtype) -> float:
 
 
 def _exact_kinds(tensor: torch.Tensor) -> frozenset[str]:
-    low, high = (float(v) for v in probe(_wide(tensor)))
+    low, high = (float(v) for v in probe(_wide(readable(tensor))))
     kinds = probe_kinds(low, high)
     # NaN hides infinities from a probe; count them apart.
     return tensor_stats(tensor).kinds if "nan" in kinds else kinds
@@ -800,9 +805,14 @@ def _is_library_code(code: CodeType) -> bool:
 
 
 def _user_frame(frame: FrameType | None) -> FrameType | None:
-    while frame is not None and _is_library_code(frame.f_code):
+    # A tensor subclass's __torch_function__ is how the op was routed, not the
+    # line that asked for it: that is the caller's (it stays the inner source).
+    while frame is not None and (_is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
         frame = frame.f_back
     return frame
+
+
+_SUBCLASS_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
 
 
 def _is_plumbing(frame: FrameType) -> bool:

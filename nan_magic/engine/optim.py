@@ -62,6 +62,7 @@ from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
     dot_norm,
+    is_checkable,
     kinds_of,
     norms,
     read_scalars,
@@ -185,7 +186,9 @@ class OptimizerChecks:
         if not self._hot_enabled or not self.watch.listening():
             return
         grad = parameter.grad
-        if grad is None or not grad.is_contiguous() or grad.dtype not in WIDE_FLOATS:
+        if grad is None or grad.layout is not torch.strided:  # a sparse gradient: read at the step
+            return
+        if not grad.is_contiguous() or grad.dtype not in WIDE_FLOATS:
             return
         if id(parameter) in self._hot:
             # A second backward before the step: gradients accumulate here.
@@ -515,4 +518,5 @@ _FINITE = torch.zeros(1)
 
 
 def _float_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0
+    """A parameter or state tensor the watch reads (the rule of :func:`stats.is_checkable`)."""
+    return is_checkable(value)

@@ -8,9 +8,16 @@ saves the scene in one ``torch.save`` file in that folder, named
 replays the producer module (or the whole step) under op-level tracing.
 
 The file is a dict of plain values (see :data:`SCENE_KEYS`): state dicts,
-tensors, strings and numbers, plus the :class:`~nan_magic.Report` object. It
-is written to a temporary file in the same folder and renamed into place, so
-a scene file is either complete or absent. Writing never raises into the
+tensors, strings and numbers, plus the :class:`~nan_magic.Report`, whose
+types are nan_magic's own plain records. It loads with
+``torch.load(weights_only=True)``, allowing only those records besides what
+``weights_only`` allows: a scene file passed between teammates cannot run
+code when opened, and :func:`load_scene` refuses, in one line, a file that
+needs anything more. The model is saved as its ``state_dict`` only (never as
+a pickled object, whose class would have to be imported and could run
+code); the user rebuilds the model from their code and restores into it.
+The file is written to a temporary file in the same folder and renamed into
+place, so a scene file is either complete or absent. Writing never raises into the
 user's program: a full disk or a folder that cannot be created ends up as a
 note in the report and a :class:`~nan_magic.NanMagicWarning`; a part that
 cannot be collected or pickled is left out, with a note, and the rest saved.
@@ -22,7 +29,11 @@ import ast
 import contextlib
 import copy
 import dataclasses
+import enum
+import inspect
+import io
 import os
+import pickle
 import platform
 import re
 import secrets
@@ -33,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from nan_magic import records
 from nan_magic.engine.calls import version_of
 from nan_magic.engine.errors import NanMagicWarning
 from nan_magic.engine.replay import ReplayResult, RngState, capture_rng_state, replay_module, restore_rng_state
@@ -148,21 +160,61 @@ def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[str]) 
 def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]) -> str:
     """Save ``scene`` atomically as ``folder/stem.pt`` (or ``stem-2.pt``...) and return the path.
 
-    A part that cannot be pickled is left out (set to None, with a note) and
-    the rest is saved. Raises OSError (disk full, no permission) and, should
-    even the pruned scene not pickle, the pickling error.
+    A part that cannot be pickled, or that a safe load would refuse (an
+    optimizer option or a module's extra state holding an object of the
+    user's class), is left out (set to None, with a note) and the rest is
+    saved: every scene file loads with ``weights_only=True``. Raises OSError
+    (disk full, no permission) and, should even the pruned scene not
+    pickle, the pickling error.
     """
     os.makedirs(folder, exist_ok=True)
     path = _free_name(folder, stem)
     try:
         _save_atomically(scene, path)
+        safe = _loads_safely(path)
     except OSError:
         raise
     except Exception:  # pickling errors come in many types
+        safe = False
+    if not safe:
         for key in list(scene):
             scene[key] = _prune(scene[key], key, notes)
         _save_atomically(scene, path)
     return path
+
+
+#: The types of nan_magic's own records (records.py: plain frozen dataclasses
+#: and enums, stdlib only), the one thing a scene holds beyond what
+#: ``torch.load(weights_only=True)`` allows by default. Derived from the
+#: module, so that a record type added later is allowed too.
+_RECORD_TYPES: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    value for value in vars(records).values()
+    if inspect.isclass(value) and value.__module__ == records.__name__
+    and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+]
+
+
+def _safe_load(source: Any, **options: Any) -> Any:
+    """``torch.load(weights_only=True)``, allowing nan_magic's records for this call only.
+
+    ``safe_globals`` (not ``add_safe_globals``) leaves the user's own
+    ``torch.load`` calls exactly as strict as they were.
+    """
+    with torch.serialization.safe_globals(_RECORD_TYPES):
+        return torch.load(source, weights_only=True, **options)
+
+
+def _loads_safely(path: str) -> bool:
+    """Whether a saved scene loads with ``weights_only=True``.
+
+    Memory-mapped onto the CPU: the check reads the pickled structure, not
+    the tensors' bytes.
+    """
+    try:
+        _safe_load(path, map_location="cpu", mmap=True)
+    except pickle.UnpicklingError:
+        return False
+    return True
 
 
 def _save_atomically(scene: dict[str, Any], path: str) -> None:
@@ -183,27 +235,27 @@ def _save_atomically(scene: dict[str, Any], path: str) -> None:
         raise
 
 
-class _Discard:
-    """A file that forgets what is written: tells whether a value pickles, without storing it."""
-
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-    def flush(self) -> None:
-        return None
-
-
 def _prune(value: Any, label: str, notes: list[str], depth: int = 0) -> Any:
-    """``value`` without the entries that cannot be pickled (replaced by None, with a note)."""
+    """``value`` without the entries that cannot be pickled or loaded safely (replaced by None, with a note).
+
+    Each part is saved and loaded back in memory: this runs only after the
+    whole scene failed to save or to load safely, never on the usual path.
+    """
     try:
-        torch.save(value, _Discard())  # type: ignore[arg-type]
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        _safe_load(buffer)
         return value
     except Exception as error:  # pickling errors come in many types
         if depth < 2 and isinstance(value, dict):
             return {key: _prune(item, f"{label}[{key!r}]", notes, depth + 1) for key, item in value.items()}
         if depth < 2 and type(value) in (list, tuple):
             return type(value)(_prune(item, f"{label}[{index}]", notes, depth + 1) for index, item in enumerate(value))
-        notes.append(_failure_note(f"the scene leaves out {label}", error))
+        if isinstance(error, pickle.UnpicklingError):
+            notes.append(f"the scene leaves out {label}: {_refusal(error)}")
+        else:
+            notes.append(_failure_note(f"the scene leaves out {label}", error))
         return None
 
 
@@ -324,7 +376,7 @@ def _versions() -> dict[str, str | None]:
     from nan_magic import __version__
 
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion, which a safe load would refuse
         "python": platform.python_version(),
         "nan_magic": __version__,
         "cuda": torch.version.cuda,
@@ -380,12 +432,21 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
     -------
     Scene
 
+    Raises
+    ------
+    ValueError
+        One line naming the file: it is not a scene, or it needs more than
+        a scene holds to load (a class or function other than tensors,
+        plain values and nan_magic's records), which could run code; it is
+        refused without running anything.
+
     Notes
     -----
-    The file is read with ``torch.load(weights_only=False)``: it holds a
-    :class:`~nan_magic.Report` object and plain Python values besides
-    tensors, and unpickling can run code. Load only scene files you trust
-    (your own).
+    The file is read with ``torch.load(weights_only=True)``, allowing only
+    nan_magic's own record types besides what that allows by default, so a
+    scene file from someone else cannot run code when opened. A scene
+    written before this rule (which pickled nothing else either) loads the
+    same way.
 
     Examples
     --------
@@ -396,10 +457,30 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
     False
     """
     path = os.fspath(path)
-    data = torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        data = _safe_load(path, map_location=map_location)
+    except pickle.UnpicklingError as error:
+        if _GLOBAL.search(str(error)):
+            raise ValueError(f"{path}: refused, {_refusal(error)}") from None
+        # Not a pickle torch can read (a text file reads as unknown instructions).
+        raise ValueError(f"{path} is not a nan_magic scene file") from None
+    except (EOFError, KeyError):  # what torch.load raises on a file that is no pickle at all
+        raise ValueError(f"{path} is not a nan_magic scene file") from None
     if not isinstance(data, dict) or data.get("format") != SCENE_FORMAT:
         raise ValueError(f"{path} is not a nan_magic scene file")
     return Scene(path, data)
+
+
+#: How torch's refusal names the class or function a file would call.
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """Why a safe load refused, in a few words (torch's own message runs to a paragraph)."""
+    found = _GLOBAL.search(str(error))
+    what = found[1] if found else "a pickle instruction torch does not load safely"
+    return (f"loading it needs {what}, which is neither a tensor, a plain value nor a nan_magic record "
+            "and could run code (torch.load weights_only=True refuses it)")
 
 
 class Scene:

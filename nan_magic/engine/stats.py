@@ -7,6 +7,18 @@ give its range for the per-layer table. It allocates no full-size temporary,
 unlike ``isfinite(x).all()``. :func:`tensor_stats` is the slow path, run only
 on tensors involved in an event: exact counts, stats over the finite elements,
 the first bad index.
+
+What is read of a tensor (:func:`values_to_read`): a real floating tensor's
+own values; a complex tensor's real view (``torch.view_as_real``: a complex
+value is non-finite where its real or imaginary part is); a sparse tensor's
+stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is
+zero). Statistics describe what was read, so a complex tensor's counts are
+*per real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN,
+and its ``shape`` and ``numel`` are those of the real view (a trailing 2);
+a sparse tensor's are those of its stored values. A tensor the watch cannot
+read (:func:`unreadable_reason`: nested, meta, a subclass with its own
+dispatch such as a fake or functional tensor) is skipped and counted, never
+read: reading it would fail or run someone else's code.
 """
 
 from __future__ import annotations
@@ -14,10 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from nan_magic.records import KINDS, Sample, TensorStats
 
@@ -32,21 +46,104 @@ __all__ = [
     "kinds_of",
     "probe",
     "probe_kinds",
+    "readable",
     "relevant_kinds",
     "sample_values",
     "tensor_stats",
+    "unreadable_reason",
+    "values_to_read",
 ]
+
+#: torch's own tensor types: the only ones read without looking closer.
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def is_checkable(value: Any) -> bool:
-    """True for a dense, real floating tensor with data (not meta, not empty)."""
-    return (
-        isinstance(value, torch.Tensor)
+    """True for a floating or complex tensor with values the watch reads (see :func:`values_to_read`).
+
+    Dense, sparse, real or complex; not empty, and not one the watch cannot
+    read (:func:`unreadable_reason`). The one definition every check uses:
+    module outputs, the loss, gradients, parameters and the op tracer.
+    """
+    if not isinstance(value, torch.Tensor):
+        return False
+    if (
+        type(value) in _PLAIN
         and value.is_floating_point()
-        and value.layout == torch.strided
+        and value.layout is torch.strided
         and not value.is_meta
-        and value.numel() > 0
-    )
+        and not value.is_nested
+        and not _transformed(value)
+    ):
+        return value.numel() > 0  # the hot path: a dense real floating tensor of torch's own type
+    return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
+
+
+def unreadable_reason(value: torch.Tensor) -> str | None:
+    """Why the watch cannot read a floating or complex tensor, in a word; None when it can (or it is neither).
+
+    ``nested`` (a nested tensor has no single shape to reduce), ``meta``
+    (no data), ``functorch`` (a value inside ``torch.func.vmap``, ``grad``
+    or ``functionalize``: reading it to the host is not allowed there), or
+    the class name of a subclass that overrides ``__torch_dispatch__`` (a
+    fake tensor, a functional wrapper, a distributed tensor: a reduction
+    would fail, have no data, or communicate). A subclass overriding only
+    ``__torch_function__`` is read through a plain view of its data,
+    without calling its code.
+    """
+    if not (value.is_floating_point() or value.is_complex()):
+        return None
+    if value.is_nested:
+        return "nested"
+    if value.is_meta:
+        return "meta"
+    if _transformed(value):
+        return "functorch"
+    if type(value) not in _PLAIN and _dispatches(type(value)):
+        return type(value).__name__
+    return None
+
+
+#: Whether a tensor is a functorch transform's wrapper (vmap's batched, grad's tracking one).
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _transformed(value: torch.Tensor) -> bool:
+    """A value of a ``torch.func`` transform in progress (one C call each: this is on the hot path)."""
+    return _functorch_wrapped(value) or torch._is_functional_tensor(value)
+
+
+@functools.cache
+def _dispatches(kind: type) -> bool:
+    """Whether a tensor subclass intercepts torch's operators (``__torch_dispatch__``)."""
+    return getattr(kind, "__torch_dispatch__", None) is not getattr(torch.Tensor, "__torch_dispatch__", None)
+
+
+def values_to_read(tensor: torch.Tensor) -> torch.Tensor:
+    """The dense real floating tensor whose values stand for ``tensor``'s (see the module notes).
+
+    Detached; a view where one exists (no copy for a dense complex or a
+    sparse tensor). Only for a tensor :func:`is_checkable` accepts.
+    """
+    if type(tensor) not in _PLAIN:
+        # A __torch_function__ subclass: its data, without its code (detach too would call it).
+        with torch._C.DisableTorchFunctionSubclass():
+            tensor = tensor.as_subclass(torch.Tensor)
+    tensor = tensor.detach()
+    if tensor.layout is torch.sparse_coo:
+        tensor = tensor._values()  # stored values, coalesced or not: a duplicate's own value counts
+    elif tensor.layout is not torch.strided:
+        tensor = tensor.values()  # CSR, CSC, BSR, BSC
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor.resolve_conj())
+    return tensor
+
+
+def readable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it is already what :func:`values_to_read` gives (the hot path)."""
+    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_complex():
+        return tensor
+    return values_to_read(tensor)
 
 
 #: From this many elements on, a CPU probe is ``amin`` then ``amax`` (see :func:`probe`)...
@@ -57,6 +154,9 @@ _SPLIT_PROBE_MAX_BYTES = 8 << 20
 
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` as 0-d tensors on the tensor's device; both NaN if any element is.
+
+    ``tensor`` is a dense real one (:func:`readable` gives that of any
+    checkable tensor; the callers convert once, as they record).
 
     One fused ``aminmax`` on a GPU (one kernel) and for most CPU tensors.
     On the CPU, ``aminmax`` runs a scalar loop, while ``amin`` and ``amax``
@@ -101,7 +201,11 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     result: list[torch.Tensor] = [_EMPTY] * len(tensors)
+    readable = tensors
     for index, tensor in enumerate(tensors):
+        if tensor.layout is not torch.strided:  # a sparse gradient (an Embedding's): its stored values
+            readable = list(tensors) if readable is tensors else readable
+            tensor = readable[index] = values_to_read(tensor)
         if tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.numel() >= DOT_MIN_NUMEL and tensor.is_contiguous():
             result[index] = _flat(tensor).sum() if finiteness_only else dot_norm(tensor)
         else:
@@ -110,7 +214,7 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
         # One no_grad for the small tensors: cheaper than detaching each of them.
         with torch.no_grad():
             for indices in groups.values():
-                for index, norm in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2)):
+                for index, norm in zip(indices, torch._foreach_norm([readable[i] for i in indices], 2)):
                     result[index] = norm
     return result
 
@@ -185,7 +289,7 @@ def relevant_kinds(kinds: frozenset[str], watched: frozenset[str]) -> frozenset[
 
 def kinds_of(tensor: torch.Tensor) -> frozenset[str]:
     """Exact non-finite kinds of a tensor (slow path)."""
-    low, high = (float(v) for v in probe(tensor))
+    low, high = (float(v) for v in probe(readable(tensor)))
     kinds = probe_kinds(low, high)
     if "nan" not in kinds:
         return kinds
@@ -200,7 +304,7 @@ def tensor_stats(tensor: torch.Tensor) -> TensorStats:
     that float16 sums do not overflow while describing an overflow.
     """
     with torch.no_grad():
-        x = tensor.detach()
+        x = values_to_read(tensor)
         wide = x.float() if x.element_size() < 4 else x
         finite_mask = torch.isfinite(wide)
         nan = int(torch.isnan(wide).sum())
@@ -224,8 +328,8 @@ def tensor_stats(tensor: torch.Tensor) -> TensorStats:
             negatives = int((finite < 0).sum())
     return TensorStats(
         dtype=_dtype_name(tensor.dtype),
-        shape=tuple(tensor.shape),
-        numel=tensor.numel(),
+        shape=tuple(x.shape),
+        numel=x.numel(),
         nan=nan,
         posinf=posinf,
         neginf=neginf,
@@ -277,7 +381,7 @@ def sample_values(tensor: torch.Tensor, label: str, size: int, producer: bool = 
     the user's random stream, and the watch must not change results.
     """
     with torch.no_grad():
-        flat = tensor.detach().reshape(-1)
+        flat = values_to_read(tensor).reshape(-1)
         finite = flat[torch.isfinite(flat)]
         stride = max(1, finite.numel() // size)
         values = finite[::stride][:size].double().cpu().tolist()
@@ -286,52 +390,70 @@ def sample_values(tensor: torch.Tensor, label: str, size: int, producer: bool = 
             torch.isnan(flat).sum(), torch.isposinf(flat).sum(), torch.isneginf(flat).sum(), (flat == 0).sum(),
         )).tolist()
     return Sample(
-        label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=tensor.numel(), producer=producer,
+        label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=flat.numel(), producer=producer,
         nan=nan, posinf=posinf, neginf=neginf, zeros=zeros,
     )
 
 
-def iter_tensors(value: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+def iter_tensors(value: Any, path: str = "", skipped: Counter[str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` for every checkable tensor in a nested value.
 
     Handles tensors, tuples/lists, mappings (including Hugging Face
     ``ModelOutput``, an ordered dict) and dataclasses. Paths read like Python:
     ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
     and a flat tuple of tensors take a fast path; depth is bounded so that odd
-    self-referencing containers cannot hang a hook.
+    self-referencing containers cannot hang a hook. A floating tensor the
+    watch cannot read is left out and, given ``skipped``, counted there
+    under its :func:`unreadable_reason`.
     """
     if type(value) is torch.Tensor:  # the common case: one output
-        return [(path, value)] if is_checkable(value) else []
+        if is_checkable(value):
+            return [(path, value)]
+        if skipped is not None:
+            _count_unreadable(value, skipped)
+        return []
     found: list[tuple[str, torch.Tensor]] = []
-    _collect(value, path, 0, found)
+    _collect(value, path, 0, found, skipped)
     return found
+
+
+def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> None:
+    reason = unreadable_reason(tensor) if skipped is not None else None
+    if reason is not None:
+        skipped[reason] += 1  # type: ignore[index]
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))
 
 
-def _collect(value: Any, path: str, depth: int, found: list[tuple[str, torch.Tensor]]) -> None:
+def _collect(
+    value: Any, path: str, depth: int, found: list[tuple[str, torch.Tensor]], skipped: Counter[str] | None
+) -> None:
     if isinstance(value, torch.Tensor):
         if is_checkable(value):
             found.append((path, value))
+        else:
+            _count_unreadable(value, skipped)
     elif type(value) is tuple or type(value) is list:
         for index, item in enumerate(value):
             if isinstance(item, torch.Tensor):
                 if is_checkable(item):
                     found.append((f"{path}[{index}]", item))
+                else:
+                    _count_unreadable(item, skipped)
             elif not isinstance(item, _LEAVES) and depth < 6:
-                _collect(item, f"{path}[{index}]", depth + 1, found)
+                _collect(item, f"{path}[{index}]", depth + 1, found, skipped)
     elif isinstance(value, _LEAVES) or depth >= 6:
         return
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _collect(item, f"{path}[{key!r}]", depth + 1, found)
+            _collect(item, f"{path}[{key!r}]", depth + 1, found, skipped)
     elif isinstance(value, (tuple, list)):  # namedtuples and other subclasses
         for index, item in enumerate(value):
-            _collect(item, f"{path}[{index}]", depth + 1, found)
+            _collect(item, f"{path}[{index}]", depth + 1, found, skipped)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item_field in dataclasses.fields(value):
-            _collect(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1, found)
+            _collect(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1, found, skipped)
 
 
 def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import threading
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from types import TracebackType
@@ -73,7 +73,10 @@ class Watch:
 
     Usable as a context manager (``with watch(model) as w:``) and as a
     decorator. ``report`` is the Report of the first non-benign event (or
-    None); ``events`` every event seen, benign ones included, in order.
+    None); ``events`` every event seen, benign ones included, in order;
+    ``skipped`` how many floating tensors it could not read and left
+    unchecked, by reason (``{"nested": 12}``; see ``stats.unreadable_reason``),
+    also carried by each Report as ``report.skipped``.
     """
 
     def __init__(
@@ -105,6 +108,8 @@ class Watch:
         self._exit_stack: ExitStack | None = None
         self._thread: int | None = None
         self._suspended: list[Watch] = []
+        # Serialises the decorator's check-and-enter (:meth:`__call__`).
+        self._entering = threading.Lock()
         self._reset_state()
 
     # -- public state -----------------------------------------------------------
@@ -229,11 +234,37 @@ class Watch:
         return not self.targets.modules.keys().isdisjoint(other.targets.modules.keys())
 
     def __call__(self, function: F) -> F:
-        """Use the watch as a decorator: every call of ``function`` runs under it."""
+        """Use the watch as a decorator: each outermost call of ``function`` runs under it.
+
+        The watch is entered once per outermost call and left when that call
+        returns. A call made while it is active does not enter it again:
+
+        * on the watching thread (recursion, or the function calling itself
+          through other code), the inner call simply runs inside the watch
+          already active, and is watched as part of it;
+        * on another thread, the call runs unwatched by this watch. Its
+          module hooks are global but act only for the thread that entered
+          the watch (:meth:`mine`): the step counter, the module stack and
+          the deferred check belong to one thread's sequence of steps, and
+          interleaving a second thread's calls into them would attribute
+          one thread's values to the other's step. Give each thread a watch
+          of its own (``with watch(model):`` inside the thread) to watch both.
+
+        ``with w:`` on a watch already active still raises, as before: that is
+        a nesting the code asked for explicitly.
+        """
 
         @functools.wraps(function)
         def watched(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            with self._entering:
+                # Checked and entered under one lock: two threads calling at
+                # once must not both try to enter.
+                entered = None if self._active else ExitStack()
+                if entered is not None:
+                    entered.enter_context(self)
+            if entered is None:
+                return function(*args, **kwargs)
+            with entered:  # leaves the watch with the call's exception, as ``with self:`` does
                 return function(*args, **kwargs)
 
         return watched  # type: ignore[return-value]
@@ -251,6 +282,8 @@ class Watch:
         self.forward_starts = 0
         self._step_open = False
         self._raised = False
+        #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
+        self.skipped: Counter[str] = Counter()
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU."""
@@ -428,6 +461,8 @@ class Watch:
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
         )
+        if self.skipped:
+            report = dataclasses.replace(report, skipped=tuple(sorted(self.skipped.items())))
         if not report.benign and self.report is None:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = record_scene(self, finding, report)

@@ -81,6 +81,15 @@ def plotted_history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, 
 MAX_WARNINGS = 10
 
 
+def skipped_line(report: Report) -> str | None:
+    """What the watch could not read, or None: ``"12 tensors it cannot read (nested: 12)"``."""
+    if not report.skipped:
+        return None
+    total = sum(count for _reason, count in report.skipped)
+    reasons = ", ".join(f"{reason}: {count}" for reason, count in report.skipped)
+    return f"{total} tensor{'s' if total != 1 else ''} it cannot read, left unchecked ({reasons})"
+
+
 def warning_lines(report: Report) -> list[str]:
     """The report's last early warnings, one line each, plus what was left out.
 
@@ -221,6 +230,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         )
     rows.extend(("note", note) for note in report.notes)
     rows.extend(("warning", line) for line in warning_lines(report))
+    skipped = skipped_line(report)
+    if skipped:
+        rows.append(("skipped", skipped))
     return rows
 
 
