@@ -220,6 +220,24 @@ class Cause:
 
 
 @dataclass(frozen=True)
+class AbsorbedOp:
+    """A forward op whose non-finite output reached no boundary, read again by the producer.
+
+    ``exp`` under ``torch.where(x < 20, exp(x), x)``: the +inf it makes is
+    discarded in forward, and its backward multiplies it by a zero gradient
+    (``0 * inf``). The producer is that backward op; this names the op whose
+    absorbed infinity it read.
+    """
+
+    op: str
+    module: str | None
+    source: SourcePointer | None
+    nan: int
+    posinf: int
+    neginf: int
+
+
+@dataclass(frozen=True)
 class Report:
     """Everything known about one non-finite event; holds no tensors.
 
@@ -263,6 +281,8 @@ class Report:
     scene: str | None = None
     scene_bytes: int | None = None
     restore_token: int | None = None
+    #: The absorbed forward op the producer read (see :class:`AbsorbedOp`), or None.
+    absorbed: AbsorbedOp | None = None
 
     # -- derived -------------------------------------------------------------
 

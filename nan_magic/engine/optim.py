@@ -249,6 +249,7 @@ class OptimizerChecks:
                     finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
                     finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
                     self._attribute(finding)
+                    watch.forward.add_op_origin(finding, grad)
                     watch.emit(finding)
                     return
         self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
@@ -326,6 +327,7 @@ class OptimizerChecks:
             label = result.label(index)
             finding = Finding(Phase.OPTIMIZER, None, label, bad=tensor.detach(), step=result.step)
             self._attribute(finding)
+            self.watch.forward.add_op_origin(finding, tensor)
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
             if result.bounded and result.previous_check is not None and result.previous_check < result.step - 1:

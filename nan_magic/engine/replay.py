@@ -347,8 +347,9 @@ def replay_backward(
         try:
             with torch.enable_grad(), tracer:
                 output = module(*args, **kwargs)
-                # A non-finite forward value is not what is asked here.
-                tracer.reset()
+                # A non-finite forward value is not what is asked here; its
+                # origin is kept, for a backward op that reads it (absorbed).
+                tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
                 torch.autograd.grad(
                     outputs, [target_copy], grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
