@@ -197,7 +197,7 @@ class EarlyWarning:
 
     ``kind`` is one of ``"overflow-risk"``, ``"loss-spike"``,
     ``"grad-norm-spike"``, ``"extreme-input"``, ``"constant-feature"``,
-    ``"scale-falling"``.
+    ``"scale-falling"``, ``"grad-norm-overflow"``.
     """
 
     step: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import faults
 import pytest
 import torch
@@ -105,6 +107,24 @@ def test_adam_fp16_step_is_an_optimizer_op() -> None:
     assert report.tensor == "parameter 0.weight"
     assert "the Adam step made 0.weight non-finite" in report.notes
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("adam"))
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+def test_a_gradient_norm_that_overflows_on_finite_gradients_is_a_warning_not_an_event(ops: bool) -> None:
+    # Our own read (the optimizer's gradient norm, aten._foreach_norm) is never judged by the op tracer.
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-30)
+    x = torch.randn(4, 16)
+    with nan_magic.watch(model, opt, ops=ops) as w:
+        loss = (model(x) * 1e25).sum()  # gradient elements near 1e25: their squares overflow float32
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.step()
+    assert w.report is None and w.events == []
+    overflow = [warning for warning in w.warnings if warning.kind == "grad-norm-overflow"]
+    assert [(warning.step, warning.value) for warning in overflow] == [(0, math.inf)]
+    assert "weight" in overflow[0].message and "SGD" in overflow[0].message
 
 
 # -- deliberate infinities -------------------------------------------------------------

@@ -105,6 +105,9 @@ def apply_op_finding(
         if tensors:
             finding.bad = tensors[0][1]
             finding.inputs.extend(tensors[1:])
+            # Inputs freed before the boundary where the op's value was claimed: their stats at the op.
+            alive = {label for label, _tensor in tensors}
+            finding.input_stats.extend((label, stats) for label, stats in op.input_stats if label not in alive)
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)

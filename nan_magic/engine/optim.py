@@ -252,6 +252,9 @@ class OptimizerChecks:
                     watch.forward.add_op_origin(finding, grad)
                     watch.emit(finding)
                     return
+            # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
+            overflowed = [name for (name, _grad), value in zip(with_grad, grad_values) if not math.isfinite(value)]
+            watch.warn(watch.early.observe_norm_overflow(watch.step, type(opt).__name__, overflowed))
         self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
         self.in_step = True
 
