@@ -179,7 +179,12 @@ class OpTracer(TorchDispatchMode):
     at_boundary
         Record origins only; the finding is the origin that :meth:`claim`
         finds for a tensor at a boundary (ops mode). Without it, the first
-        origin is the finding (a replay).
+        origin is the finding.
+    outside_benign
+        A non-finite value from outside the trace counts as benign: in a
+        replay of a module that the watch found to be the producer, it is
+        what the module received (e.g. a masked row's -inf). Otherwise only
+        a mask-like one does, and any other carries no origin.
 
     Notes
     -----
@@ -216,6 +221,7 @@ class OpTracer(TorchDispatchMode):
         phase_hint: Callable[[], Phase | None] | None = None,
         max_sources: int = 200_000,
         at_boundary: bool = False,
+        outside_benign: bool = False,
     ) -> None:
         super().__init__()
         kinds = frozenset(kinds)
@@ -233,6 +239,7 @@ class OpTracer(TorchDispatchMode):
         self._phase_hint = phase_hint
         self._max_sources = max_sources
         self.at_boundary = at_boundary
+        self.outside_benign = outside_benign
         # id(tensor) -> (weak reference, version, written in place, origin) of
         # the non-finite tensors seen (see the module docstring).
         self._origins: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, _Origin | _Benign]] = {}
@@ -525,9 +532,7 @@ class OpTracer(TorchDispatchMode):
                         absorbed = absorbed or entry
                     else:
                         inherited = inherited or entry
-                elif entry is not None or not self.at_boundary or ("nan" not in kinds and _looks_like_mask(value)):
-                    # Without boundaries (a replay of a module found to be the
-                    # producer) a value from outside is what the module received.
+                elif entry is not None or self.outside_benign or ("nan" not in kinds and _looks_like_mask(value)):
                     benign |= kinds
                 else:
                     outside = True

@@ -205,9 +205,10 @@ def replay_module(
             failure = error
     if tracer.finding is not None:
         return ReplayResult(finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame)
+    bad = [t for _, t in iter_tensors(output) if relevant_kinds(kinds_of(t), frozenset(kinds))]
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
-    elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
+    elif bad:
         note = (
             f"replay of {label} gave a non-finite output that no op inside it produced: "
             "its inputs, parameters, buffers or scalar arguments already held it"
@@ -421,7 +422,10 @@ def _isolated(
     """
     names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
     stack: list[str] = []
-    tracer = OpTracer(kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding)
+    # What the replayed module received from outside is what the watch judged it on.
+    tracer = OpTracer(
+        kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding, outside_benign=True
+    )
     guard = _ParameterGuard(module.parameters())
     tracer._before_write = guard.before_write
 

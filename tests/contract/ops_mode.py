@@ -56,6 +56,21 @@ def _gelu_new_fp16() -> Scenario:
     return Scenario((model, opt), run)
 
 
+class GeluThenScale(nn.Module):
+    """gelu_new's absorbed pow overflow first, then a real overflow of the scaled output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        return h * 1000.0  # producer: scaled gelu
+
+
+def _gelu_then_overflow() -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(GeluThenScale(), nn.Linear(8, 2)).half()
+    x = (41 + 159 * torch.rand(6, 8)).half()  # gelu(x) = x, and x * 1000 > 65504 for x > 65.5
+    return Scenario((model,), lambda: model(x))
+
+
 class GuardedExp(nn.Module):
     """exp for small inputs, identity otherwise: exp overflows in the branch not taken."""
 
@@ -342,6 +357,10 @@ _MASKS_ELSEWHERE = (
 CASES = [
     Case("ops_gelu_new_fp16_large_inputs", _gelu_new_fp16, None,
          note="pow overflows float16 inside gelu_new, tanh absorbs it: no boundary sees it"),
+    Case("ops_gelu_new_then_a_real_overflow", _gelu_then_overflow,
+         Expect("forward", "0", "GeluThenScale", op="aten.mul.Tensor", marker="scaled gelu",
+                kinds=frozenset({"+inf"})),
+         note="the producer is the op whose inf reached the output, not gelu's absorbed pow before it"),
     Case("ops_guarded_exp_forward", _guarded_exp_forward, None, note="torch.where discards exp's +inf"),
     Case("ops_guarded_exp_backward", _guarded_exp_backward,
          Expect("backward", "0.act", "GuardedExp", op="aten.mul.Tensor", marker="guarded exp",
