@@ -823,7 +823,9 @@ class ForwardChecks:
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
         finding = Finding(op_finding.phase, call, f"{op_finding.tensor} of {op_finding.op}", record=record)
-        apply_op_finding(finding, op_finding, self.tracer.producer_tensors if self.tracer else ())
+        tracer = self.tracer
+        tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
+        apply_op_finding(finding, op_finding, tensors)
         if finding.module is not None and finding.module_type is None:
             info = self.watch.targets.info_by_name(finding.module)
             if info is not None:

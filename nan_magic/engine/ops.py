@@ -271,6 +271,7 @@ class OpTracer(TorchDispatchMode):
         if origins:
             self._origins.clear()
             self._by_memory.clear()
+            self._witnesses.clear()
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -352,8 +353,8 @@ class OpTracer(TorchDispatchMode):
                 index = _list_index(label) if plan.per_index else None
                 return list(_inputs(plan, args, kwargs, index))
 
-            written = frozenset(id(t) for _, t in _tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
-            self._examine(_op_name(func), bad, inputs_of, priors, in_backward, written)
+            in_place = frozenset(id(t) for _, t in _tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
+            self._examine(_op_name(func), bad, inputs_of, priors, in_backward, in_place)
         return out
 
     def _opaque(

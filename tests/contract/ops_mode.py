@@ -377,9 +377,7 @@ CASES = [
                 kinds=frozenset({"nan"}))),
     Case("ops_in_place_nan_fill", _in_place_nan_fill,
          Expect("forward", "1", "InPlaceNanFill", op="aten.masked_fill_.Scalar", marker="in-place nan fill",
-                kinds=frozenset({"nan"}), op_modes=("ops",)),
-         note="the default modes cannot replay a module whose fill wrote into its own output in place "
-              "(the replay names the op only in ops mode)"),
+                kinds=frozenset({"nan"}))),
     Case("ops_full_like_nan_in_parent_code", _full_like_nan,
          Expect("forward", "", "FullLikePad", op="aten.full_like.default", marker="full_like nan",
                 kinds=frozenset({"nan"}))),
