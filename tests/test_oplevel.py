@@ -68,8 +68,7 @@ def test_backward_op_names_the_forward_line_that_created_its_node() -> None:
         faults.distance(embed(anchor), embed(anchor.clone())).sum().backward()
 
     report = raised(step, embed, ops=True)
-    assert report.phase == "backward"
-    assert report.op is not None and report.op.startswith("aten.")
+    assert (report.phase, report.module, report.op) == ("backward", None, "aten.div.Tensor")  # sqrt's grad / (2 * 0)
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("distance"))
     assert any("SqrtBackward0" in note for note in report.notes)
 

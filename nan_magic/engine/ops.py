@@ -276,8 +276,6 @@ class OpTracer(TorchDispatchMode):
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
         entry = self._origin_entry(tensor)
-        if entry is None and tensor._base is not None:
-            entry = self._origin_entry(tensor._base)
         if isinstance(entry, _Origin):
             return entry.finding
         return "benign" if entry is not None else None
@@ -331,7 +329,7 @@ class OpTracer(TorchDispatchMode):
             return func(*args, **kwargs)
         if plan.passive and not (plan.fills and _odd_scalar(plan, args, kwargs)):
             out = func(*args, **kwargs)
-            if self._origins:
+            if self._origins and not plan.view:
                 self._carry(plan, args, kwargs, out)
             return out
         priors = self._probe_priors(plan, args, kwargs) if plan.writes else {}
@@ -626,7 +624,11 @@ class OpTracer(TorchDispatchMode):
     # -- origins -----------------------------------------------------------------
 
     def _origin_entry(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
+        """The origin noted for ``tensor``, or for the tensor it is a view of (views are not carried)."""
         entry = self._origins.get(id(tensor))
+        if entry is None and tensor._base is not None:
+            entry = self._origins.get(id(tensor._base))
+            tensor = tensor._base
         if entry is None or entry[0]() is not tensor:
             return None
         # Autograd bumps the version of a tensor written in place after the
@@ -762,6 +764,8 @@ class _Plan:
     # Scalar (non-tensor) numeric arguments of a passive op: a fill value that,
     # when not finite, makes the op an origin (NaN) or a benign one (±inf).
     fills: tuple[str, ...] = ()
+    # Returns a view of an input: its origin is found through ``_base``, not carried.
+    view: bool = False
 
 
 @functools.cache
@@ -790,6 +794,9 @@ def _plan(func: torch._ops.OpOverload) -> _Plan:
             if any(word in str(argument.type) for word in ("number", "float", "Tensor"))
         ),
         per_index=packet.startswith(("_foreach_", "_fused_")),
+        view=not writes and any(
+            ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns
+        ),
         fills=tuple(
             argument.name for argument in schema.arguments
             if passive and any(word in str(argument.type) for word in ("number", "float", "Scalar"))
