@@ -340,6 +340,8 @@ class OpTracer(TorchDispatchMode):
             for _, written in _tensors(plan, args, kwargs, plan.writes):
                 self._known.pop(id(written), None)
         if plan.conversion and not _narrows(plan, args, kwargs, out):
+            if self._origins:  # a widening copy (``.float()``) passes its input's origin on
+                self._carry(plan, args, kwargs, out)
             return out
         outputs = list(_flatten("output", out))
         if plan.writes and not outputs:
