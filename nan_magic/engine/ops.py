@@ -533,8 +533,11 @@ class OpTracer(TorchDispatchMode):
                         absorbed = absorbed or entry
                     else:
                         inherited = inherited or entry
-                elif entry is not None or self.outside_benign or ("nan" not in kinds and _looks_like_mask(value)):
+                elif entry is not None or self.outside_benign:
                     benign |= kinds
+                elif "nan" not in kinds and _looks_like_mask(value):
+                    benign |= kinds
+                    self._note_origin(value, _Benign())  # looked at once per step, not at every consumer
                 else:
                     outside = True
             in_place = written is not None and id(tensor) in written
