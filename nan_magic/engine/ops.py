@@ -27,7 +27,8 @@ the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
   starts an origin (an :class:`OpFinding`);
 - an op with a non-finite input that carries an origin inherits it (a
   propagator, even where it turns an inf into a NaN), and so does a passive op
-  (a view, ``cat``, ``where``) that passes such a value on;
+  that passes such a value on (``cat``, ``where``, a widening copy; a view's
+  origin is its base's);
 - a *deliberate* infinity is benign: an op given an infinite scalar
   (``masked_fill(mask, -inf)``), or an infinite mask tensor that entered the
   traced code from outside (a float attention mask, argument or buffer). Its
@@ -44,8 +45,9 @@ boundary (a module output, the loss, a gradient, a parameter) and reports
 that op. A forward value that was absorbed there but is read again by a
 backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``) makes
 that backward op an origin, with the forward op as its ``absorbed`` field.
-Otherwise (a replay) the first origin is the finding at once. After a finding
-the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
+A replay claims the origin of the replayed call's output the same way; without
+``at_boundary`` (the backward replay) the first origin is the finding at once.
+After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
 
 Ops run by nan_magic's own code (its hooks' reductions, the optimizer's
 gradient norms) are never judged: an origin whose op was called from our
