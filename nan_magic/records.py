@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "KINDS",
+    "AbsorbedOp",
     "Cause",
     "LayerCall",
     "OnDetect",
