@@ -218,6 +218,26 @@ def _full_like_nan() -> Scenario:
     return Scenario((model,), lambda: model(x))
 
 
+class WhereNanThenPad(nn.Module):
+    """bfloat16: a NaN scalar through torch.where (wrapped by aten.scalar_tensor), then a -inf pad."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.where(x > 1.0, float("nan"), x)  # producer: where nan scalar
+        return F.pad(h, (0, 1), value=float("-inf")).softmax(-1)
+
+
+class PadNan(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (0, 1), value=float("nan"))  # producer: pad nan
+
+
+def _scalar_fill(module: nn.Module) -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), module).to(torch.bfloat16)
+    x = (torch.randn(3, 4) * 3).to(torch.bfloat16)
+    return Scenario((model,), lambda: model(x))
+
+
 # -- float attention masks (deliberate infinities that enter from outside) ------------------
 
 
@@ -378,6 +398,12 @@ CASES = [
                 kinds=frozenset({"nan"}))),
     Case("ops_in_place_nan_fill", _in_place_nan_fill,
          Expect("forward", "1", "InPlaceNanFill", op="aten.masked_fill_.Scalar", marker="in-place nan fill",
+                kinds=frozenset({"nan"}))),
+    Case("ops_where_nan_scalar_bf16", lambda: _scalar_fill(WhereNanThenPad()),
+         Expect("forward", "1", "WhereNanThenPad", op="aten.scalar_tensor.default", marker="where nan scalar",
+                kinds=frozenset({"nan"}))),
+    Case("ops_pad_nan_value", lambda: _scalar_fill(PadNan()),
+         Expect("forward", "1", "PadNan", op="aten.constant_pad_nd.default", marker="pad nan",
                 kinds=frozenset({"nan"}))),
     Case("ops_full_like_nan_in_parent_code", _full_like_nan,
          Expect("forward", "", "FullLikePad", op="aten.full_like.default", marker="full_like nan",
