@@ -516,7 +516,10 @@ class ForwardChecks:
                 kinds=self.watch.config.kinds, module_name=enclosing.name or "", autocast=enclosing.autocast,
             )
         op = result.finding
-        if op is not None and _within(op.module, call.name or ""):
+        within = op is not None and _within(op.module, call.name or "")
+        if not within and produced <= {"+inf", "-inf"} and (call.name or "") in result.benign_modules:
+            return self._deliberate_in_replay(finding, call, outer)
+        if op is not None and within:
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(
@@ -559,6 +562,18 @@ class ForwardChecks:
         finding.model = caller.info.model if caller.info is not None else None
         finding.inputs = self._named_inputs(caller)
         finding.bad, finding.bad_stats = None, None
+
+    def _deliberate_in_replay(self, finding: Finding, call: Call, outer: str) -> bool:
+        """A replay of the enclosing call showed ``call``'s infinity to be deliberate: recorded as benign."""
+        if call.module is not None:
+            self.masks.add(id(call.module))
+        finding.benign = True
+        finding.notes.append(
+            f"a replay of {outer} showed that {call.name or 'the root module'} made a deliberate infinity (an op "
+            "given an infinite scalar, e.g. masked_fill(mask, -inf)); benign while its consumers stay finite"
+        )
+        self.watch.emit(finding)
+        return True
 
     def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
         """The call itself or its nearest enclosing call whose arguments can be had, with them.

@@ -241,6 +241,8 @@ class OpTracer(TorchDispatchMode):
         self._phase_hint = phase_hint
         self._max_sources = max_sources
         self.at_boundary = at_boundary
+        #: Modules whose code made or carried on a deliberate infinity this step.
+        self.benign_modules: set[str | None] = set()
         self.outside_benign = outside_benign
         # id(tensor) -> (weak reference, version, written in place, origin) of
         # the non-finite tensors seen (see the module docstring).
@@ -274,6 +276,7 @@ class OpTracer(TorchDispatchMode):
             self._origins.clear()
             self._by_memory.clear()
             self._witnesses.clear()
+            self.benign_modules.clear()
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -549,6 +552,8 @@ class OpTracer(TorchDispatchMode):
                 continue  # a propagator of a value from outside the trace: the watch's own rules
             elif out_kinds <= benign:
                 self._note_origin(tensor, _Benign(), in_place)
+                if not in_backward:
+                    self.benign_modules.add(self._module_name())
             elif not _called_by_us():
                 new = frozenset(out_kinds - held) or out_kinds
                 origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed)

@@ -97,6 +97,8 @@ class ReplayResult:
     #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
     frame: FrameType | None = None
+    #: Modules (qualified names) whose code made or carried on a deliberate infinity during the replay.
+    benign_modules: frozenset[str | None] = frozenset()
 
 
 def capture_rng_state() -> RngState:
@@ -203,8 +205,12 @@ def replay_module(
             frame = last_user_frame(stop.__traceback__)
         except Exception as error:
             failure = error
+    benign = frozenset(tracer.benign_modules)
     if tracer.finding is not None:
-        return ReplayResult(finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame)
+        return ReplayResult(
+            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
+            benign_modules=benign,
+        )
     bad = [t for _, t in iter_tensors(output) if relevant_kinds(kinds_of(t), frozenset(kinds))]
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
@@ -213,10 +219,10 @@ def replay_module(
             f"replay of {label} gave a non-finite output that no op inside it produced: "
             "its inputs, parameters, buffers or scalar arguments already held it"
         )
-        return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True)
+        return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True, benign_modules=benign)
     else:
         note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
-    return ReplayResult(finding=None, reproduced=False, note=note)
+    return ReplayResult(finding=None, reproduced=False, note=note, benign_modules=benign)
 
 
 class _Stop(Exception):
