@@ -833,7 +833,11 @@ class ForwardChecks:
             return
         origin = self.tracer.claim(tensor)
         if isinstance(origin, OpFinding):
+            # The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it
+            # and its counts, and the op adds its name, line and operands.
+            kept = finding.tensor, finding.bad, finding.bad_stats
             apply_op_finding(finding, origin)
+            (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""

@@ -296,11 +296,7 @@ class OpTracer(TorchDispatchMode):
         if isinstance(origin, OpFinding) and self.finding is None:
             with self._lock:
                 self.finding = origin
-                self.producer_tensors = tuple(
-                    (label, alive.detach().clone())
-                    for label, ref in self._witnesses.get(id(origin), ())
-                    if (alive := ref()) is not None
-                )
+                self.producer_tensors = self._witnessed(origin)
         return origin
 
     def __enter__(self) -> Self:
@@ -625,13 +621,20 @@ class OpTracer(TorchDispatchMode):
             if self.finding is not None:
                 return
             self.finding = origin.finding
-            self.producer_tensors = tuple(
-                (name, alive.detach().clone())
-                for name, ref in self._witnesses.get(id(origin.finding), ())
-                if (alive := ref()) is not None
-            )
+            self.producer_tensors = self._witnessed(origin.finding)
         if self._on_finding is not None:
             self._on_finding(origin.finding)
+
+    def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
+        """Copies of the op's output, then of its inputs still alive; none when the output is gone.
+
+        An intermediate output is often freed by the boundary where it is
+        claimed: the finding's statistics then stand for it and its inputs.
+        """
+        alive = [(label, ref()) for label, ref in self._witnesses.get(id(finding), ())]
+        if not alive or alive[0][1] is None:
+            return ()
+        return tuple((label, tensor.detach().clone()) for label, tensor in alive if tensor is not None)
 
     # -- origins -----------------------------------------------------------------
 
