@@ -45,8 +45,8 @@ boundary (a module output, the loss, a gradient, a parameter) and reports
 that op. A forward value that was absorbed there but is read again by a
 backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``) makes
 that backward op an origin, with the forward op as its ``absorbed`` field.
-A replay claims the origin of the replayed call's output the same way; without
-``at_boundary`` (the backward replay) the first origin is the finding at once.
+Without ``at_boundary`` (a replay, which stops there to open %debug in that
+op's frame) the first origin is the finding at once.
 After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
 
 Ops run by nan_magic's own code (its hooks' reductions, the optimizer's
