@@ -250,7 +250,7 @@ class OpTracer(TorchDispatchMode):
         # Forward origins by where their values live: autograd saves an op's
         # output for its backward as another tensor object on the same memory
         # (``exp`` saves its result), which a backward op then reads.
-        self._by_memory: dict[tuple[Any, ...], tuple[int, _Origin]] = {}
+        self._by_memory: dict[tuple[Any, ...], tuple[int, _Origin | _Benign]] = {}
         # id(tensor) -> (weak reference, version counter, kinds) of tensors whose
         # kinds are known; the reference and version make stale ids harmless.
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
@@ -645,14 +645,22 @@ class OpTracer(TorchDispatchMode):
             entry = self._origins.get(id(tensor._base))
             tensor = tensor._base
         if entry is None or entry[0]() is not tensor:
-            return None
+            # An op's output that only C++ held (inside matmul) lost its Python
+            # object, and the view of it is seen through a new one: by memory.
+            return self._memory_origin(tensor)
         # Autograd bumps the version of a tensor written in place after the
         # op returns here: such an entry holds for the version before or after.
         if tensor._version - entry[1] not in ((0, 1) if entry[2] else (0,)):
             return None
         return entry[3]
 
-    def _saved_origin(self, tensor: torch.Tensor) -> _Origin | None:
+    def _memory_origin(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
+        if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN:
+            return None
+        entry = self._by_memory.get(_memory_key(tensor))
+        return entry[1] if entry is not None and entry[0] == tensor._version else None
+
+    def _saved_origin(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
         """The forward origin of a tensor autograd saved for backward, found by its memory and version.
 
         Consulted only for a non-finite backward input that has no origin of
@@ -670,6 +678,8 @@ class OpTracer(TorchDispatchMode):
             return  # no version counter
         origins = self._origins
         origins[id(tensor)] = (weakref.ref(tensor), tensor._version, written, origin)
+        if not written and type(tensor) in _PLAIN:
+            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
         if len(origins) > 100_000:
             for key in [key for key, entry in origins.items() if entry[0]() is None]:
                 del origins[key]
