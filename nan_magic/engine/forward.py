@@ -815,6 +815,9 @@ class ForwardChecks:
         if isinstance(origin, OpFinding):
             self.report_op(origin, call if call.name == origin.module else None, record)
             return True
+        received, deliberate = self.input_kinds(call)
+        if received or deliberate or self._mask_buffer_kinds(call):
+            return False  # a mask it was given or holds: the module-level rule records that mask's event
         record.status = "benign"
         if id(call.module) not in self.masks:
             self.masks.add(id(call.module))
