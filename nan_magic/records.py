@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "KINDS",
+    "AbsorbedOp",
     "Cause",
     "LayerCall",
     "OnDetect",
@@ -197,7 +198,7 @@ class EarlyWarning:
 
     ``kind`` is one of ``"overflow-risk"``, ``"loss-spike"``,
     ``"grad-norm-spike"``, ``"extreme-input"``, ``"constant-feature"``,
-    ``"scale-falling"``.
+    ``"scale-falling"``, ``"grad-norm-overflow"``.
     """
 
     step: int
@@ -217,6 +218,24 @@ class Cause:
 
     def __str__(self) -> str:
         return f"{self.label}: {self.hint}"
+
+
+@dataclass(frozen=True)
+class AbsorbedOp:
+    """A forward op whose non-finite output reached no boundary, read again by the producer.
+
+    ``exp`` under ``torch.where(x < 20, exp(x), x)``: the +inf it makes is
+    discarded in forward, and its backward multiplies it by a zero gradient
+    (``0 * inf``). The producer is that backward op; this names the op whose
+    absorbed infinity it read.
+    """
+
+    op: str
+    module: str | None
+    source: SourcePointer | None
+    nan: int
+    posinf: int
+    neginf: int
 
 
 @dataclass(frozen=True)
@@ -266,6 +285,8 @@ class Report:
     scene: str | None = None
     scene_bytes: int | None = None
     restore_token: int | None = None
+    #: The absorbed forward op the producer read (see :class:`AbsorbedOp`), or None.
+    absorbed: AbsorbedOp | None = None
 
     # -- derived -------------------------------------------------------------
 

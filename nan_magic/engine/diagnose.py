@@ -148,7 +148,7 @@ def diagnose(report: Report) -> Cause:
             "or a deliberate infinity); nothing to fix unless it keeps coming back",
             report.notes or (f"{report.tensor}: {_counts(report)}",),
         )
-    cause = _local_cause(report)
+    cause = _with_absorbed(report, _local_cause(report))
     growth = _growth(report.history)
     if cause.label in ("half-precision-overflow", "exp-overflow", "unclassified"):
         # These readings describe how the value overflowed, not why the
@@ -162,6 +162,26 @@ def diagnose(report: Report) -> Cause:
     if growth is not None:
         return dataclasses.replace(cause, evidence=(*cause.evidence, growth))
     return cause
+
+
+def _with_absorbed(report: Report, cause: Cause) -> Cause:
+    """Say so where the producer read a forward infinity that no boundary saw (PRODUCT.md: event)."""
+    absorbed = report.absorbed
+    if absorbed is None:
+        return cause
+    source = absorbed.source
+    where = f" at {source.filename.rsplit('/', 1)[-1]}:{source.lineno}" if source is not None else ""
+    module = absorbed.module if absorbed.module is not None else "code outside the watched modules"
+    counts = _counts_phrase(absorbed.nan, absorbed.posinf, absorbed.neginf)
+    line = (
+        f"absorbed in forward: {absorbed.op}{where} (in {module or '<root>'}) made {counts} that no module output "
+        "kept (torch.where or a saturating function discarded it); its backward multiplied it by a zero gradient"
+    )
+    hint = (
+        f"{cause.hint}; the infinity came from {absorbed.op}{where}, absorbed in forward: compute that branch "
+        "on clamped inputs (e.g. exp(x.clamp(max=...)) inside torch.where) so that it stays finite"
+    )
+    return dataclasses.replace(cause, hint=hint, evidence=(line, *cause.evidence))
 
 
 def _local_cause(report: Report) -> Cause:

@@ -24,6 +24,10 @@ Kinds (exact strings)
 ``scale-falling``
     A GradScaler's scale fell between each of :data:`SCALE_FALLS` consecutive
     completed steps.
+``grad-norm-overflow``
+    A gradient norm overflowed float32 while every element of the gradient
+    was finite: the gradients are near the float32 limit. Not an event (no
+    value the program uses is non-finite), the step before one.
 
 Each kind warns at most once per :data:`WARN_EVERY` steps, so a run that
 stays near a limit gets a reminder, not a flood.
@@ -204,6 +208,20 @@ class EarlyWarnings:
             ),
             value=scale,
         )
+
+    def observe_norm_overflow(self, step: int, optimizer: str, names: list[str]) -> list[EarlyWarning]:
+        """Gradients about to be applied whose norm overflowed, every element finite."""
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warning = EarlyWarning(
+            step=step,
+            kind="grad-norm-overflow",
+            message=(
+                f"the gradient norm of {shown} overflowed float32 before the {optimizer} step although every "
+                "element is finite: gradients are near the float32 limit; lower the learning rate or clip them"
+            ),
+            value=math.inf,
+        )
+        return [warning] if self._due(warning) else []
 
     def _due(self, warning: EarlyWarning) -> bool:
         """At most one warning of a kind per :data:`WARN_EVERY` steps."""

@@ -18,7 +18,17 @@ from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.ops import OpFinding
 from nan_magic.engine.replay import RngState
 from nan_magic.engine.stats import sample_values, tensor_stats
-from nan_magic.records import Cause, EarlyWarning, Phase, Report, Sample, SourcePointer, StepSummary, TensorStats
+from nan_magic.records import (
+    AbsorbedOp,
+    Cause,
+    EarlyWarning,
+    Phase,
+    Report,
+    Sample,
+    SourcePointer,
+    StepSummary,
+    TensorStats,
+)
 
 __all__ = ["Finding", "build_report"]
 
@@ -56,6 +66,7 @@ class Finding:
     module_output: tuple[str, TensorStats, torch.Tensor | None] | None = None
     # The replay's frame that ran the producing op (replay.py), for %debug.
     frame: FrameType | None = None
+    absorbed: AbsorbedOp | None = None
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:
@@ -75,6 +86,9 @@ def apply_op_finding(
     inputs, used for histograms.
     """
     finding.op = op.op
+    if op.absorbed is not None:
+        inner = op.absorbed
+        finding.absorbed = AbsorbedOp(inner.op, inner.module, inner.source, inner.nan, inner.posinf, inner.neginf)
     if op.phase == Phase.BACKWARD:
         finding.source = op.forward_source or op.source
         node = f" ({op.autograd_node})" if op.autograd_node else ""
@@ -91,6 +105,9 @@ def apply_op_finding(
         if tensors:
             finding.bad = tensors[0][1]
             finding.inputs.extend(tensors[1:])
+            # Inputs freed before the boundary where the op's value was claimed: their stats at the op.
+            alive = {label for label, _tensor in tensors}
+            finding.input_stats.extend((label, stats) for label, stats in op.input_stats if label not in alive)
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
@@ -198,6 +215,7 @@ def build_report(
         history=history,
         warnings=warnings,
         notes=tuple(finding.notes),
+        absorbed=finding.absorbed,
     )
     if report.cause is None:
         report = dataclasses.replace(report, cause=diagnose(report))

@@ -109,8 +109,8 @@ class ForwardChecks:
         self.tracer = OpTracer(
             kinds=self.watch.config.kinds,
             module_name=self.current_module_name,
-            on_finding=self.on_op_finding,
             phase_hint=self.phase_hint,
+            at_boundary=True,
         )
         return self.tracer
 
@@ -288,6 +288,8 @@ class ForwardChecks:
             self.watch.emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
                                bad_stats=record.stats() if tensor is None else None, inputs_finite=False))
             return
+        if tensor is not None and self.tracer is not None and self._judged_by_tracer(call, record, tensor):
+            return
         if tensor is not None:
             out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.watch.config.kinds)
         input_kinds, deliberate = self.input_kinds(call)
@@ -326,11 +328,6 @@ class ForwardChecks:
         """Emit the finding of a producer call, replayed for its op; True when it proved benign."""
         named_inputs = self._named_inputs(call)
         bad_parameter = self._bad_parameter(call)
-        if bad_parameter is None and self.tracer is not None:
-            # Ops mode sees every op: had one produced this, it would have been
-            # reported at the op. What is left came from an infinite scalar.
-            record.status = "benign"
-            return True
         if bad_parameter is not None:
             name, parameter = bad_parameter
             finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
@@ -519,7 +516,10 @@ class ForwardChecks:
                 kinds=self.watch.config.kinds, module_name=enclosing.name or "", autocast=enclosing.autocast,
             )
         op = result.finding
-        if op is not None and _within(op.module, call.name or ""):
+        within = op is not None and _within(op.module, call.name or "")
+        if not within and produced <= {"+inf", "-inf"} and (call.name or "") in result.benign_modules:
+            return self._deliberate_in_replay(finding, call, outer)
+        if op is not None and within:
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(
@@ -562,6 +562,18 @@ class ForwardChecks:
         finding.model = caller.info.model if caller.info is not None else None
         finding.inputs = self._named_inputs(caller)
         finding.bad, finding.bad_stats = None, None
+
+    def _deliberate_in_replay(self, finding: Finding, call: Call, outer: str) -> bool:
+        """A replay of the enclosing call showed ``call``'s infinity to be deliberate: recorded as benign."""
+        if call.module is not None:
+            self.masks.add(id(call.module))
+        finding.benign = True
+        finding.notes.append(
+            f"a replay of {outer} showed that {call.name or 'the root module'} made a deliberate infinity (an op "
+            "given an infinite scalar, e.g. masked_fill(mask, -inf)); benign while its consumers stay finite"
+        )
+        self.watch.emit(finding)
+        return True
 
     def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
         """The call itself or its nearest enclosing call whose arguments can be had, with them.
@@ -788,14 +800,55 @@ class ForwardChecks:
     def phase_hint(self) -> Phase | None:
         return Phase.OPTIMIZER if self.watch.optimizers.in_step else None
 
-    def on_op_finding(self, op_finding: OpFinding) -> None:
-        """The op tracer found the producer op: report it at the op, where it ran."""
-        if not self.watch.listening():
+    def _judged_by_tracer(self, call: Call, record: TensorRecord, tensor: torch.Tensor) -> bool:
+        """Ops mode: a module output whose non-finite values the tracer saw start; True when it did.
+
+        An op's origin is the event, reported at this boundary; a deliberate
+        infinity is recorded as benign (once per module). A value the tracer
+        saw come from outside (a parameter, the batch) or not at all (a
+        kernel it cannot see) is left to the module-level rule.
+        """
+        assert self.tracer is not None
+        origin = self.tracer.claim(tensor)
+        if origin is None:
+            return False
+        if isinstance(origin, OpFinding):
+            self.report_op(origin, call if call.name == origin.module else None, record)
+            return True
+        received, deliberate = self.input_kinds(call)
+        if received or deliberate or self._mask_buffer_kinds(call):
+            return False  # a mask it was given or holds: the module-level rule records that mask's event
+        record.status = "benign"
+        if id(call.module) not in self.masks:
+            self.masks.add(id(call.module))
+            finding = Finding(Phase.FORWARD, call, record.path or "output", bad=tensor.detach(), record=record,
+                              benign=True)
+            finding.notes.append(
+                "a deliberate infinity: an infinite scalar (masked_fill(mask, -inf)) or an infinite mask carried "
+                "on; benign while its consumers stay finite"
+            )
+            self.watch.emit(finding)
+        return True
+
+    def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:
+        """Ops mode: add the op that started a non-finite boundary tensor (loss, gradient, parameter)."""
+        if self.tracer is None or tensor is None:
             return
-        frame = self.stack[-1] if self.stack and op_finding.phase == Phase.FORWARD else None
-        finding = Finding(op_finding.phase, frame.call if frame else None, f"{op_finding.tensor} of {op_finding.op}")
-        apply_op_finding(finding, op_finding, self.tracer.producer_tensors if self.tracer else ())
-        if finding.module is not None:
+        origin = self.tracer.claim(tensor)
+        if isinstance(origin, OpFinding):
+            # The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it
+            # and its counts, and the op adds its name, line and operands.
+            kept = finding.tensor, finding.bad, finding.bad_stats
+            apply_op_finding(finding, origin)
+            (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+
+    def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
+        """Report the op that started a non-finite value that reached a module's output."""
+        finding = Finding(op_finding.phase, call, f"{op_finding.tensor} of {op_finding.op}", record=record)
+        tracer = self.tracer
+        tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
+        apply_op_finding(finding, op_finding, tensors)
+        if finding.module is not None and finding.module_type is None:
             info = self.watch.targets.info_by_name(finding.module)
             if info is not None:
                 finding.module_type, finding.model = info.module_type, info.model

@@ -122,6 +122,7 @@ class GradientChecks:
             if every_output_finite
             else "some module outputs of this step were already non-finite"
         )
+        watch.forward.add_op_origin(finding, tensor)
         watch.emit(finding)
 
     def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:
@@ -219,6 +220,7 @@ class GradientChecks:
             )
             if target is not None and call.consumer is not None and watch.forward.keeps_calls:
                 watch.forward.replay_backward_into(finding, call.consumer, target)
+        watch.forward.add_op_origin(finding, tensor)
         watch.on_gradient_event(finding)
 
     def check_parameter_grads(self, named: list[tuple[str, torch.Tensor]], context: str) -> Finding | None:

@@ -18,11 +18,40 @@ Speed comes from doing nothing for most ops:
   tensors whose kinds it already knows (same object, same version counter)
   are not looked at again.
 
-The producer is the first op whose output holds a watched non-finite kind that
-none of its inputs held (tensors, scalar arguments, and for an in-place op the
-mutated tensor's value before the op). After the first finding the tracer
-stops checking: everything downstream is a propagator. :meth:`OpTracer.reset`
-re-arms it.
+The producer (PRODUCT.md) is the first op whose inputs were all finite or
+benign and whose output holds a non-finite value. Its inputs are the tensors,
+the scalar arguments, and for an in-place op the mutated tensor's value before
+the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
+
+- an op whose inputs are finite or benign and whose output is non-finite
+  starts an origin (an :class:`OpFinding`);
+- an op with a non-finite input that carries an origin inherits it (a
+  propagator, even where it turns an inf into a NaN), and so does a passive op
+  that passes such a value on (``cat``, ``where``, a widening copy; a view's
+  origin is its base's);
+- a *deliberate* infinity is benign: an op given an infinite scalar
+  (``masked_fill(mask, -inf)``), or an infinite mask tensor that entered the
+  traced code from outside (a float attention mask, argument or buffer). Its
+  consumers stay benign while they only carry those infinities on; one that
+  makes a new kind (softmax over a fully masked row: NaN) starts an origin. A
+  NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
+- a non-finite input from outside the trace that is no mask (a NaN parameter,
+  a bad batch) carries no origin: the watch's module-level rules name it.
+
+An intermediate value that never reaches a boundary is no event: ``tanh``
+absorbs an overflowed ``pow``. In ops mode (``at_boundary=True``) the watch
+asks :meth:`OpTracer.claim` for the origin of a non-finite tensor at a
+boundary (a module output, the loss, a gradient, a parameter) and reports
+that op. A forward value that was absorbed there but is read again by a
+backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``) makes
+that backward op an origin, with the forward op as its ``absorbed`` field.
+Without ``at_boundary`` (a replay, which stops there to open %debug in that
+op's frame) the first origin is the finding at once.
+After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
+
+Ops run by nan_magic's own code (its hooks' reductions, the optimizer's
+gradient norms) are never judged: an origin whose op was called from our
+code is dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +66,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -104,6 +133,11 @@ class OpFinding:
         is known only through its probe (counts of a present kind are None).
     scalars
         ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
+    absorbed
+        For a backward op: the forward op whose non-finite output it read
+        although that value never reached a boundary in forward (absorbed by
+        ``torch.where`` or ``tanh``), e.g. ``exp`` for ``0 * inf`` in
+        ``ExpBackward0``; None otherwise.
     """
 
     op: str
@@ -122,6 +156,7 @@ class OpFinding:
     output_stats: TensorStats
     input_stats: tuple[tuple[str, TensorStats], ...]
     scalars: tuple[tuple[str, float], ...]
+    absorbed: OpFinding | None = None
 
     @property
     def dtype(self) -> str:
@@ -144,12 +179,22 @@ class OpTracer(TorchDispatchMode):
         Called at a finding; returns the qualified name of the module running
         (the watch keeps a module stack), or None.
     on_finding
-        Called once, with the finding, inside the producing op. It may raise
-        to stop the program at that op; the exception leaves through the op
-        (and, in backward, through ``loss.backward()``).
+        Called once, with the finding, inside the producing op (not with
+        ``at_boundary``). It may raise to stop the program at that op; the
+        exception leaves through the op (and, in backward, through
+        ``loss.backward()``).
     phase_hint
         Called at a finding outside the autograd engine; a non-None phase
         (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
+    at_boundary
+        Record origins only; the finding is the origin that :meth:`claim`
+        finds for a tensor at a boundary (ops mode). Without it, the first
+        origin is the finding.
+    outside_benign
+        A non-finite value from outside the trace counts as benign: in a
+        replay of a module that the watch found to be the producer, it is
+        what the module received (e.g. a masked row's -inf). Otherwise only
+        a mask-like one does, and any other carries no origin.
 
     Notes
     -----
@@ -185,6 +230,8 @@ class OpTracer(TorchDispatchMode):
         on_finding: Callable[[OpFinding], None] | None = None,
         phase_hint: Callable[[], Phase | None] | None = None,
         max_sources: int = 200_000,
+        at_boundary: bool = False,
+        outside_benign: bool = False,
     ) -> None:
         super().__init__()
         kinds = frozenset(kinds)
@@ -201,6 +248,17 @@ class OpTracer(TorchDispatchMode):
         self._on_finding = on_finding
         self._phase_hint = phase_hint
         self._max_sources = max_sources
+        self.at_boundary = at_boundary
+        #: Modules whose code made or carried on a deliberate infinity this step.
+        self.benign_modules: set[str | None] = set()
+        self.outside_benign = outside_benign
+        # id(tensor) -> (weak reference, version, written in place, origin) of
+        # the non-finite tensors seen (see the module docstring).
+        self._origins: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, _Origin | _Benign]] = {}
+        # Forward origins by where their values live: autograd saves an op's
+        # output for its backward as another tensor object on the same memory
+        # (``exp`` saves its result), which a backward op then reads.
+        self._by_memory: dict[tuple[Any, ...], tuple[int, _Origin | _Benign]] = {}
         # id(tensor) -> (weak reference, version counter, kinds) of tensors whose
         # kinds are known; the reference and version make stale ids harmless.
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
@@ -209,6 +267,8 @@ class OpTracer(TorchDispatchMode):
         self._seen_seq = 0
         self._last_location: tuple[CodeType, int, str | None] | None = None
         self._lock = threading.Lock()
+        # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
+        self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
         # Set by replay: called with each tensor an op is about to write, even
         # by a passive op or after the finding.
         self._before_write: Callable[[torch.Tensor], None] | None = None
@@ -216,10 +276,36 @@ class OpTracer(TorchDispatchMode):
         #: replay that runs a forward inside a gradient hook (-1: none).
         self.forward_task = -1
 
-    def reset(self) -> None:
-        """Forget the finding and check again."""
+    def reset(self, origins: bool = True) -> None:
+        """Forget the finding and check again; with ``origins``, forget the origins too (a new step)."""
         self.finding = None
         self.producer_tensors = ()
+        if origins:
+            self._origins.clear()
+            self._by_memory.clear()
+            self._witnesses.clear()
+            self.benign_modules.clear()
+
+    def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
+        """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
+        entry = self._origin_entry(tensor)
+        if isinstance(entry, _Origin):
+            return entry.finding
+        return "benign" if entry is not None else None
+
+    def claim(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
+        """:meth:`origin_of` a non-finite tensor at a boundary, made the finding when it is an op.
+
+        The tracer then stops checking until :meth:`reset`, and
+        :attr:`producer_tensors` holds copies of the op's output and inputs
+        that are still alive.
+        """
+        origin = self.origin_of(tensor)
+        if isinstance(origin, OpFinding) and self.finding is None:
+            with self._lock:
+                self.finding = origin
+                self.producer_tensors = self._witnessed(origin)
+        return origin
 
     def __enter__(self) -> Self:
         # Tensors may have changed outside the trace without our knowledge.
@@ -248,8 +334,13 @@ class OpTracer(TorchDispatchMode):
         if plan.writes and self._before_write is not None:
             for _, tensor in _tensors(plan, args, kwargs, plan.writes):
                 self._before_write(tensor)
-        if plan.passive or self.finding is not None:
+        if self.finding is not None:
             return func(*args, **kwargs)
+        if plan.passive and not (plan.fills and _odd_scalar(plan, args, kwargs)):
+            out = func(*args, **kwargs)
+            if self._origins and not plan.view:
+                self._carry(plan, args, kwargs, out)
+            return out
         priors = self._probe_priors(plan, args, kwargs) if plan.writes else {}
         out = func(*args, **kwargs)
         if plan.writes:
@@ -258,6 +349,8 @@ class OpTracer(TorchDispatchMode):
             for _, written in _tensors(plan, args, kwargs, plan.writes):
                 self._known.pop(id(written), None)
         if plan.conversion and not _narrows(plan, args, kwargs, out):
+            if self._origins:  # a widening copy (``.float()``) passes its input's origin on
+                self._carry(plan, args, kwargs, out)
             return out
         outputs = list(_flatten("output", out))
         if plan.writes and not outputs:
@@ -269,7 +362,8 @@ class OpTracer(TorchDispatchMode):
                 index = _list_index(label) if plan.per_index else None
                 return list(_inputs(plan, args, kwargs, index))
 
-            self._examine(_op_name(func), bad, inputs_of, priors, in_backward)
+            in_place = frozenset(id(t) for _, t in _tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
+            self._examine(_op_name(func), bad, inputs_of, priors, in_backward, in_place)
         return out
 
     def _opaque(
@@ -291,7 +385,7 @@ class OpTracer(TorchDispatchMode):
             bad = self._suspects(list(_flatten("output", outputs)))
             if bad:
                 name = f"higher_order.{func.name()}"
-                self._examine(name, bad, lambda _label: inputs, {}, in_backward)
+                self._examine(name, bad, lambda _label: inputs, {}, in_backward, None)
         return out
 
     # -- forward line of autograd nodes ----------------------------------------
@@ -376,7 +470,8 @@ class OpTracer(TorchDispatchMode):
             if _checkable(tensor) and _dense(tensor) and tensor.untyped_storage().data_ptr() in storages:
                 kinds = self._known_kinds(tensor)
                 probed = probe(_wide(readable(tensor))) if kinds is None else None
-                priors[id(tensor)] = _Prior(tensor.dtype, tuple(tensor.shape), kinds, probed)
+                origin = self._origin_entry(tensor) if self._origins else None
+                priors[id(tensor)] = _Prior(tensor.dtype, tuple(tensor.shape), kinds, probed, origin)
         return priors
 
     def _suspects(self, outputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -410,30 +505,68 @@ class OpTracer(TorchDispatchMode):
         inputs_of: Callable[[str], list[tuple[str, Any]]],
         priors: dict[int, _Prior],
         in_backward: bool,
+        written: frozenset[int] | None,
     ) -> None:
-        """Decide whether a non-finite output makes this op the producer."""
+        """Give each non-finite output its origin: inherited, benign, none, or this op.
+
+        ``written``: ids of the tensors the op writes in place, if any.
+        """
         for label, tensor in bad:
             out_kinds = relevant_kinds(self._kinds(tensor), self.kinds)
             if not out_kinds:
                 continue
             inputs = inputs_of(label)
+            inherited: _Origin | None = None
+            absorbed: _Origin | None = None
             held: set[str] = set()
+            benign: set[str] = set()
+            outside = False
             for _, value in inputs:
-                held |= self._input_kinds(value, priors)
-                if out_kinds <= held:
-                    break
-            new = out_kinds - held
-            if new:
-                self._found(op, label, tensor, new, inputs, priors, in_backward)
+                if not isinstance(value, torch.Tensor):
+                    kinds = _scalar_kinds(value)
+                    held |= kinds
+                    benign |= kinds - {"nan"}  # a NaN scalar is never a deliberate infinity
+                    continue
+                prior = priors.get(id(value))
+                kinds = relevant_kinds(prior.kinds() if prior is not None else self._kinds(value), self.kinds)
+                if not kinds:
+                    continue
+                held |= kinds
+                entry = prior.origin if prior is not None else self._origin_entry(value)
+                if entry is None and in_backward and self._by_memory:
+                    entry = self._saved_origin(value)
+                if isinstance(entry, _Origin):
+                    if in_backward and entry.finding.phase != Phase.BACKWARD:
+                        # A forward value read by a gradient formula, which reached no
+                        # forward boundary (it would have been reported there).
+                        absorbed = absorbed or entry
+                    else:
+                        inherited = inherited or entry
+                elif entry is not None or self.outside_benign:
+                    benign |= kinds
+                elif "nan" not in kinds and _looks_like_mask(value):
+                    benign |= kinds
+                    self._note_origin(value, _Benign())  # looked at once per step, not at every consumer
+                else:
+                    outside = True
+            in_place = written is not None and id(tensor) in written
+            if inherited is not None:
+                self._note_origin(tensor, inherited, in_place)
+            elif outside:
+                continue  # a propagator of a value from outside the trace: the watch's own rules
+            elif out_kinds <= benign:
+                self._note_origin(tensor, _Benign(), in_place)
+                if not in_backward:
+                    self.benign_modules.add(self._module_name())
+            elif not _called_by_us():
+                new = frozenset(out_kinds - held) or out_kinds
+                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed)
+                self._note_origin(tensor, origin, in_place)
+                self._report(origin)
+            if self.finding is not None:
                 return
 
-    def _input_kinds(self, value: Any, priors: dict[int, _Prior]) -> frozenset[str]:
-        if isinstance(value, torch.Tensor):
-            prior = priors.get(id(value))
-            return prior.kinds() if prior is not None else self._kinds(value)
-        return _scalar_kinds(value)
-
-    def _found(
+    def _start_origin(
         self,
         op: str,
         label: str,
@@ -442,51 +575,140 @@ class OpTracer(TorchDispatchMode):
         inputs: list[tuple[str, Any]],
         priors: dict[int, _Prior],
         in_backward: bool,
-    ) -> None:
+        absorbed: _Origin | None,
+    ) -> _Origin:
+        """An origin: this op made ``tensor`` non-finite from finite or benign inputs."""
+        node = torch._C._current_autograd_node() if in_backward else None
+        phase = Phase.BACKWARD if in_backward else None
+        if phase is None and self._phase_hint is not None:
+            phase = self._phase_hint()
+        source, inner = _sources_of_op(sys._getframe(1))
+        output_stats = tensor_stats(tensor)
+        input_stats = []
+        witnesses = [(label, weakref.ref(tensor))]
+        for name, value in inputs:
+            if not isinstance(value, torch.Tensor):
+                continue
+            prior = priors.get(id(value))
+            if prior is not None:
+                input_stats.append((f"{name} (before)", prior.stats()))
+            elif _checkable(value):
+                input_stats.append((name, tensor_stats(value)))
+                witnesses.append((name, weakref.ref(value)))
+        forward_source, forward_module = self._forward_source(node)
+        finding = OpFinding(
+            op=op,
+            phase=phase or Phase.FORWARD,
+            module=forward_module if in_backward else self._module_name(),
+            source=source,
+            inner_source=inner,
+            forward_source=forward_source,
+            autograd_node=node.name() if node is not None else None,
+            tensor=label,
+            new_kinds=tuple(kind for kind in KINDS if kind in new),
+            nan=output_stats.nan or 0,
+            posinf=output_stats.posinf or 0,
+            neginf=output_stats.neginf or 0,
+            numel=output_stats.numel,
+            output_stats=output_stats,
+            input_stats=tuple(input_stats),
+            scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
+            absorbed=absorbed.finding if absorbed is not None else None,
+        )
+        self._witnesses[id(finding)] = tuple(witnesses)
+        origin = _Origin(finding)
+        if not in_backward and not tensor.is_inference():
+            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
+        return origin
+
+    def _report(self, origin: _Origin) -> None:
+        """Without ``at_boundary``, the first origin is the finding, reported inside its op."""
+        if self.at_boundary:
+            return
         with self._lock:
             if self.finding is not None:
                 return
-            node = torch._C._current_autograd_node() if in_backward else None
-            phase = Phase.BACKWARD if in_backward else None
-            if phase is None and self._phase_hint is not None:
-                phase = self._phase_hint()
-            source, inner = _sources_of_op(sys._getframe(1))
-            output_stats = tensor_stats(tensor)
-            input_stats = []
-            kept = [(label, tensor.detach().clone())]
-            for name, value in inputs:
-                if not isinstance(value, torch.Tensor):
-                    continue
-                prior = priors.get(id(value))
-                if prior is not None:
-                    input_stats.append((f"{name} (before)", prior.stats()))
-                elif _checkable(value):
-                    input_stats.append((name, tensor_stats(value)))
-                    kept.append((name, value.detach().clone()))
-            self.producer_tensors = tuple(kept)
-            forward_source, forward_module = self._forward_source(node)
-            self.finding = OpFinding(
-                op=op,
-                phase=phase or Phase.FORWARD,
-                module=forward_module if in_backward else self._module_name(),
-                source=source,
-                inner_source=inner,
-                forward_source=forward_source,
-                autograd_node=node.name() if node is not None else None,
-                tensor=label,
-                new_kinds=tuple(kind for kind in KINDS if kind in new),
-                nan=output_stats.nan or 0,
-                posinf=output_stats.posinf or 0,
-                neginf=output_stats.neginf or 0,
-                numel=output_stats.numel,
-                output_stats=output_stats,
-                input_stats=tuple(input_stats),
-                scalars=tuple(
-                    (name, value) for name, value in inputs if isinstance(value, (int, float))
-                ),
-            )
+            self.finding = origin.finding
+            self.producer_tensors = self._witnessed(origin.finding)
         if self._on_finding is not None:
-            self._on_finding(self.finding)
+            self._on_finding(origin.finding)
+
+    def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
+        """Copies of the op's output, then of its inputs still alive; none when the output is gone.
+
+        An intermediate output is often freed by the boundary where it is
+        claimed: the finding's statistics then stand for it and its inputs.
+        """
+        alive = [(label, ref()) for label, ref in self._witnesses.get(id(finding), ())]
+        if not alive or alive[0][1] is None:
+            return ()
+        return tuple((label, tensor.detach().clone()) for label, tensor in alive if tensor is not None)
+
+    # -- origins -----------------------------------------------------------------
+
+    def _origin_entry(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
+        """The origin noted for ``tensor``, or for the tensor it is a view of (views are not carried)."""
+        entry = self._origins.get(id(tensor))
+        if entry is None and tensor._base is not None:
+            entry = self._origins.get(id(tensor._base))
+            tensor = tensor._base
+        if entry is None or entry[0]() is not tensor:
+            # An op's output that only C++ held (inside matmul) lost its Python
+            # object, and the view of it is seen through a new one: by memory.
+            return self._memory_origin(tensor)
+        # Autograd bumps the version of a tensor written in place after the
+        # op returns here: such an entry holds for the version before or after.
+        if tensor._version - entry[1] not in ((0, 1) if entry[2] else (0,)):
+            return None
+        return entry[3]
+
+    def _memory_origin(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
+        if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN:
+            return None
+        entry = self._by_memory.get(_memory_key(tensor))
+        return entry[1] if entry is not None and entry[0] == tensor._version else None
+
+    def _saved_origin(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
+        """The forward origin of a tensor autograd saved for backward, found by its memory and version.
+
+        Consulted only for a non-finite backward input that has no origin of
+        its own, and forgotten at every step: memory reused by another
+        tensor since would have to hold non-finite values at the same offset,
+        shape, strides and version to be mistaken for it.
+        """
+        entry = self._by_memory.get(_memory_key(tensor))
+        if entry is None or tensor.is_inference() or entry[0] != tensor._version:
+            return None
+        return entry[1]
+
+    def _note_origin(self, tensor: torch.Tensor, origin: _Origin | _Benign, written: bool = False) -> None:
+        if tensor.is_inference():
+            return  # no version counter
+        origins = self._origins
+        origins[id(tensor)] = (weakref.ref(tensor), tensor._version, written, origin)
+        if not written and type(tensor) in _PLAIN:
+            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
+        if len(origins) > 100_000:
+            for key in [key for key, entry in origins.items() if entry[0]() is None]:
+                del origins[key]
+
+    def _carry(self, plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """A passive op passes its input's origin on to its outputs (a view, ``cat``, ``where``).
+
+        A carried origin counts only where the output is non-finite (it is
+        looked up only for such a tensor), so one carried to a finite output
+        is harmless.
+        """
+        for _, tensor in _tensors(plan, args, kwargs, plan.reads):
+            entry = self._origin_entry(tensor)
+            if entry is not None:
+                break
+        else:
+            return
+        for _, output in _flatten("output", out):
+            self._note_origin(output, entry)
+        for _, written in _tensors(plan, args, kwargs, plan.writes):
+            self._note_origin(written, entry, written=True)
 
 
 # -- what an op does, from its schema (computed once per overload) --------------
@@ -572,6 +794,11 @@ class _Plan:
     # Not int or bool: sizes, dims and flags.
     numbers: frozenset[str]
     per_index: bool  # foreach/fused: element i of the outputs depends on element i of the inputs
+    # Scalar (non-tensor) numeric arguments of a passive op: a fill value that,
+    # when not finite, makes the op an origin (NaN) or a benign one (±inf).
+    fills: tuple[str, ...] = ()
+    # Returns a view of an input: its origin is found through ``_base``, not carried.
+    view: bool = False
 
 
 @functools.cache
@@ -600,6 +827,14 @@ def _plan(func: torch._ops.OpOverload) -> _Plan:
             if any(word in str(argument.type) for word in ("number", "float", "Tensor"))
         ),
         per_index=packet.startswith(("_foreach_", "_fused_")),
+        view=not writes and any(
+            ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns
+        ),
+        fills=tuple(
+            argument.name for argument in schema.arguments
+            if passive and any(word in str(argument.type) for word in ("number", "float", "Scalar"))
+            and "Tensor" not in str(argument.type)
+        ),
     )
 
 
@@ -670,6 +905,10 @@ def _dense(tensor: torch.Tensor) -> bool:
     return tensor.layout is torch.strided
 
 
+#: Tensor types whose memory can stand for a tensor whose Python object is gone (origins by memory).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
     # Reductions have no float8 kernels; widening keeps nan and inf.
     return tensor.float() if tensor.element_size() == 1 else tensor
@@ -733,6 +972,42 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+            tensor.dtype, tensor.device)
+
+
+def _odd_scalar(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a passive op was given a non-finite fill value (``masked_fill(mask, nan)``)."""
+    return any(
+        name in plan.fills and isinstance(value, float) and not math.isfinite(value)
+        for name, value in _arguments(plan, args, kwargs)
+    )
+
+
+def _looks_like_mask(tensor: torch.Tensor) -> bool:
+    """An additive float mask: every entry 0 or infinite (``generate_square_subsequent_mask``).
+
+    Asked only of an infinite tensor, without NaN, that entered the traced
+    code from outside (an argument or a buffer) and reached an op whose
+    output is non-finite.
+    """
+    if not _checkable(tensor):
+        return False
+    return bool(((tensor == 0) | tensor.isinf()).all())
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """A non-finite value started by an op (its finding)."""
+
+    finding: OpFinding
+
+
+class _Benign:
+    """A non-finite value that is a deliberate infinity (a mask, an infinite fill), or carries one."""
+
+
 def _scalar_kinds(value: Any) -> frozenset[str]:
     if not isinstance(value, float) or math.isfinite(value):
         return frozenset()
@@ -749,6 +1024,7 @@ class _Prior:
     shape: tuple[int, ...]
     known: frozenset[str] | None
     probed: tuple[torch.Tensor, torch.Tensor] | None
+    origin: _Origin | _Benign | None = None
 
     def kinds(self) -> frozenset[str]:
         if self.known is not None:
@@ -820,6 +1096,32 @@ def _is_plumbing(frame: FrameType) -> bool:
     return os.path.abspath(filename).startswith(_PLUMBING) or filename.endswith(
         ("contextlib.py", "functools.py")
     )
+
+
+_THIS_FILE = os.path.abspath(__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep
+# Our files that call the user's code: the wrapped Tensor.backward, and a
+# replay running a module (whose ops are the module's, even an nn.Linear's).
+_RUNS_USER_CODE = tuple(os.path.join(_OWN_DIR, "engine", name) for name in ("backward_patch.py", "replay.py"))
+
+
+def _called_by_us() -> bool:
+    """Whether the current op was called by nan_magic's own code (a hook's reduction, a norm).
+
+    The innermost frame outside torch and this tracer decides; the autograd
+    engine runs the user's backward with no such frame, or below our wrapped
+    ``Tensor.backward``.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename == _THIS_FILE or filename.startswith(_TORCH_DIR) or filename.endswith(
+            ("contextlib.py", "functools.py")
+        ):
+            frame = frame.f_back
+            continue
+        return filename.startswith(_OWN_DIR) and filename not in _RUNS_USER_CODE
+    return False
 
 
 def _sources_of_op(frame: FrameType | None) -> tuple[SourcePointer | None, SourcePointer | None]:

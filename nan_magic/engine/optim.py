@@ -252,8 +252,12 @@ class OptimizerChecks:
                     finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
                     finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
                     self._attribute(finding)
+                    watch.forward.add_op_origin(finding, grad)
                     watch.emit(finding)
                     return
+            # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
+            overflowed = [name for (name, _grad), value in zip(with_grad, grad_values) if not math.isfinite(value)]
+            watch.warn(watch.early.observe_norm_overflow(watch.step, type(opt).__name__, overflowed))
         self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
         self.in_step = True
 
@@ -329,6 +333,7 @@ class OptimizerChecks:
             label = result.label(index)
             finding = Finding(Phase.OPTIMIZER, None, label, bad=tensor.detach(), step=result.step)
             self._attribute(finding)
+            self.watch.forward.add_op_origin(finding, tensor)
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
             if result.bounded and result.previous_check is not None and result.previous_check < result.step - 1:

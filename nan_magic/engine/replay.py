@@ -97,6 +97,8 @@ class ReplayResult:
     #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
     frame: FrameType | None = None
+    #: Modules (qualified names) whose code made or carried on a deliberate infinity during the replay.
+    benign_modules: frozenset[str | None] = frozenset()
 
 
 def capture_rng_state() -> RngState:
@@ -203,19 +205,24 @@ def replay_module(
             frame = last_user_frame(stop.__traceback__)
         except Exception as error:
             failure = error
+    benign = frozenset(tracer.benign_modules)
     if tracer.finding is not None:
-        return ReplayResult(finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame)
+        return ReplayResult(
+            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
+            benign_modules=benign,
+        )
+    bad = [t for _, t in iter_tensors(output) if relevant_kinds(kinds_of(t), frozenset(kinds))]
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
-    elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
+    elif bad:
         note = (
             f"replay of {label} gave a non-finite output that no op inside it produced: "
             "its inputs, parameters, buffers or scalar arguments already held it"
         )
-        return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True)
+        return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True, benign_modules=benign)
     else:
         note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
-    return ReplayResult(finding=None, reproduced=False, note=note)
+    return ReplayResult(finding=None, reproduced=False, note=note, benign_modules=benign)
 
 
 class _Stop(Exception):
@@ -347,8 +354,9 @@ def replay_backward(
         try:
             with torch.enable_grad(), tracer:
                 output = module(*args, **kwargs)
-                # A non-finite forward value is not what is asked here.
-                tracer.reset()
+                # A non-finite forward value is not what is asked here; its
+                # origin is kept, for a backward op that reads it (absorbed).
+                tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
                 torch.autograd.grad(
                     outputs, [target_copy], grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
@@ -420,7 +428,10 @@ def _isolated(
     """
     names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
     stack: list[str] = []
-    tracer = OpTracer(kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding)
+    # What the replayed module received from outside is what the watch judged it on.
+    tracer = OpTracer(
+        kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding, outside_benign=True
+    )
     guard = _ParameterGuard(module.parameters())
     tracer._before_write = guard.before_write
 

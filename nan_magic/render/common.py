@@ -221,6 +221,14 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     rows.append(("inputs", inputs))
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
+    if report.absorbed is not None:
+        absorbed = report.absorbed
+        at = f" at {absorbed.source.filename.rsplit('/', 1)[-1]}:{absorbed.source.lineno}" if absorbed.source else ""
+        rows.append((
+            "absorbed",
+            f"{absorbed.op}{at} made {counts_phrase(absorbed.nan, absorbed.posinf, absorbed.neginf)} in forward "
+            "that reached no boundary; this op read it",
+        ))
     if report.benign:
         rows.append(("benign", "yes: recorded, not raised"))
     if report.cause is not None:
