@@ -663,7 +663,7 @@ class OpTracer(TorchDispatchMode):
         return entry[3]
 
     def _memory_origin(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
-        if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN:
+        if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not _dense(tensor):
             return None
         entry = self._by_memory.get(_memory_key(tensor))
         return entry[1] if entry is not None and entry[0] == tensor._version else None
@@ -686,7 +686,7 @@ class OpTracer(TorchDispatchMode):
             return  # no version counter
         origins = self._origins
         origins[id(tensor)] = (weakref.ref(tensor), tensor._version, written, origin)
-        if not written and type(tensor) in _PLAIN:
+        if not written and type(tensor) in _PLAIN and _dense(tensor):  # a sparse tensor has no one storage
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
         if len(origins) > 100_000:
             for key in [key for key, entry in origins.items() if entry[0]() is None]:
@@ -992,8 +992,8 @@ def _looks_like_mask(tensor: torch.Tensor) -> bool:
     code from outside (an argument or a buffer) and reached an op whose
     output is non-finite.
     """
-    if not _checkable(tensor):
-        return False
+    if not _checkable(tensor) or not _dense(tensor) or tensor.is_complex():
+        return False  # a mask is a dense real tensor
     return bool(((tensor == 0) | tensor.isinf()).all())
 
 
