@@ -848,6 +848,8 @@ class ForwardChecks:
         tracer = self.tracer
         tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
         apply_op_finding(finding, op_finding, tensors)
+        if tracer is not None:
+            finding.frame = tracer.frame_of(op_finding)  # %debug opens where the op ran
         if finding.module is not None and finding.module_type is None:
             info = self.watch.targets.info_by_name(finding.module)
             if info is not None:

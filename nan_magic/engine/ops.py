@@ -269,6 +269,8 @@ class OpTracer(TorchDispatchMode):
         self._lock = threading.Lock()
         # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
         self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
+        # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
+        self._frames: dict[int, FrameType] = {}
         # Set by replay: called with each tensor an op is about to write, even
         # by a passive op or after the finding.
         self._before_write: Callable[[torch.Tensor], None] | None = None
@@ -284,6 +286,7 @@ class OpTracer(TorchDispatchMode):
             self._origins.clear()
             self._by_memory.clear()
             self._witnesses.clear()
+            self._frames.clear()
             self.benign_modules.clear()
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
@@ -616,6 +619,10 @@ class OpTracer(TorchDispatchMode):
             absorbed=absorbed.finding if absorbed is not None else None,
         )
         self._witnesses[id(finding)] = tuple(witnesses)
+        if not in_backward:
+            frame = _user_frame(_skip_plumbing(sys._getframe(1)))
+            if frame is not None:
+                self._frames[id(finding)] = frame
         origin = _Origin(finding)
         if not in_backward and not tensor.is_inference():
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
@@ -632,6 +639,10 @@ class OpTracer(TorchDispatchMode):
             self.producer_tensors = self._witnessed(origin.finding)
         if self._on_finding is not None:
             self._on_finding(origin.finding)
+
+    def frame_of(self, finding: OpFinding) -> FrameType | None:
+        """The user's frame that ran a forward origin's op, while it is this step's; for ``%debug``."""
+        return self._frames.get(id(finding))
 
     def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
         """Copies of the op's output, then of its inputs still alive; none when the output is gone.
@@ -1124,10 +1135,15 @@ def _called_by_us() -> bool:
     return False
 
 
-def _sources_of_op(frame: FrameType | None) -> tuple[SourcePointer | None, SourcePointer | None]:
-    """The user's line that ran the current op, and the innermost line below it."""
+def _skip_plumbing(frame: FrameType | None) -> FrameType | None:
     while frame is not None and _is_plumbing(frame):
         frame = frame.f_back
+    return frame
+
+
+def _sources_of_op(frame: FrameType | None) -> tuple[SourcePointer | None, SourcePointer | None]:
+    """The user's line that ran the current op, and the innermost line below it."""
+    frame = _skip_plumbing(frame)
     user = _user_frame(frame)
     if frame is None:
         return None, None

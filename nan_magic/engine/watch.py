@@ -296,6 +296,8 @@ class Watch:
     def _forget_tensors(self) -> None:
         self.forward.stack.clear()
         self.log.clear()
+        if self.forward.tracer is not None:
+            self.forward.tracer.reset()  # its origins hold frames and tensors of the last step
 
     def module_info(self, module: nn.Module) -> ModuleInfo | None:
         """How a called module is named, or None when it is not watched."""
