@@ -36,17 +36,18 @@ def test_forward_fixtures_name_op_and_line(fault: Fault, mode: str) -> None:
     assert report.nonfinite > 0
 
 
-def test_ops_mode_stops_where_the_value_reaches_the_module_output() -> None:
+def test_ops_mode_stops_at_the_boundary_and_debug_opens_where_the_op_ran() -> None:
     # An op's non-finite output is an event only once it reaches a boundary
-    # (PRODUCT.md), so ops mode raises at the producing module's output: the
-    # report's source is the op's line, and %debug opens on the line that
-    # called the module (the default mode opens its replay's frame instead).
+    # (PRODUCT.md), so ops mode raises at the producing module's output; the
+    # report's source is the op's line, and %debug opens in the frame that ran
+    # the op (kept with its origin), as the default mode opens its replay's.
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
     model, run = fault.build()
     report = raised(run, model, ops=True)
     assert report.source is not None and report.source.lineno == faults.marked_line("log")
     assert report.debug_frame is not None
-    assert (report.debug_frame.filename, report.debug_frame.function) == (faults.__file__, "<lambda>")
+    assert (report.debug_frame.filename, report.debug_frame.function) == (faults.__file__, "forward")
+    assert report.debug_frame.lineno == faults.marked_line("log")
     assert "x" in [name for name, _stats in report.debug_locals]
 
 
