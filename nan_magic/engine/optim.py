@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
+from nan_magic.engine.distributed import data_parallel_paths, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
@@ -467,8 +468,9 @@ class OptimizerChecks:
         if any(id(p) not in names for group in opt.param_groups for p in group["params"]):
             names.clear()
             for _label, root in self.watch.targets.roots:
+                data_parallel = data_parallel_paths(root)
                 for name, parameter in root.named_parameters():
-                    names.setdefault(id(parameter), name)
+                    names.setdefault(id(parameter), user_name(name, data_parallel))
             # Parameters outside every watched model keep their position as name.
             for group_index, group in enumerate(opt.param_groups):
                 for position, parameter in enumerate(group["params"]):
