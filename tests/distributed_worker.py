@@ -78,9 +78,21 @@ def describe(error: BaseException | None) -> dict[str, Any]:
     return seen
 
 
-def train(rank: int, world: int, port: int, scenario: str, out: str) -> None:
-    """One rank of a faulty run; ``scenario`` says which rank fails where."""
+#: The runs every rank makes, in order, in one process group (one process start for all of them).
+SCENARIOS = ("forward_rank1", "backward_rank0", "data_rank1")
+
+
+def run_all(rank: int, world: int, port: int, out: str) -> None:
+    """Every faulty scenario, then the healthy comparison, in one process group."""
     init(rank, world, port)
+    for scenario in SCENARIOS:
+        train(rank, world, scenario, out)
+    healthy(rank, out)
+    dist.destroy_process_group()
+
+
+def train(rank: int, world: int, scenario: str, out: str) -> None:
+    """One rank of a faulty run; ``scenario`` says which rank fails where."""
     middle: nn.Module = Root() if scenario == "backward_rank0" else LogLayer()
     model = DistributedDataParallel(tiny_model(middle))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -104,21 +116,19 @@ def train(rank: int, world: int, port: int, scenario: str, out: str) -> None:
                 model(x).pow(2).mean().backward()
                 opt.step()
                 steps += 1
-    except Exception as caught:  # noqa: BLE001 - the rank stays alive, as in a notebook
+    except Exception as caught:  # the rank stays alive, as in a notebook
         error = caught
     seen = describe(error)
     seen.update(rank=rank, steps=steps, seconds=time.monotonic() - started)
-    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+    with open(os.path.join(out, f"{scenario}.rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(seen, handle)
-    # Staying alive after the error (a notebook, a try/except) must not leave another rank waiting:
-    # a barrier now would hang if a rank were still inside a collective of the failed step.
+    # Each rank stays alive after its error (as in a notebook): the next collective must not find
+    # another rank still inside a collective of the failed step (that would hang, or abort gloo).
     dist.barrier()
-    dist.destroy_process_group()
 
 
-def healthy(rank: int, world: int, port: int, out: str) -> None:
+def healthy(rank: int, out: str) -> None:
     """30 steps of the same DDP run with and without a watch: the parameters must be bit-identical."""
-    init(rank, world, port)
     results = []
     for watched in (False, True):
         model = DistributedDataParallel(tiny_model(LogLayer()))
@@ -131,9 +141,8 @@ def healthy(rank: int, world: int, port: int, out: str) -> None:
                 opt.step()
         results.append([p.detach().clone() for p in model.parameters()])
     same = all(torch.equal(a, b) for a, b in zip(*results))
-    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+    with open(os.path.join(out, f"healthy.rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump({"rank": rank, "identical": same, "params": len(results[0])}, handle)
-    dist.destroy_process_group()
 
 
 class _nothing:

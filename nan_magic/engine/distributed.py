@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,22 +45,38 @@ from nan_magic.records import Phase, Report
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.findings import Finding
 
-__all__ = ["Agreement", "data_parallel_paths", "launched", "per_rank_path", "process_group", "stamp", "user_name"]
+__all__ = [
+    "Agreement", "data_parallel_paths", "launched", "leave_together", "per_rank_path", "process_group", "stamp",
+    "user_name", "user_type",
+]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+_DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 #: How telling a rank's event is: a producer on that rank beats a non-finite
 #: parameter gradient seen at the step, which may have arrived through DDP's all-reduce.
 _PRODUCED, _ARRIVED = 2, 1
 
 _KEY = "nan_magic/event/{round}/{rank}"
+_LEAVING = "nan_magic/leaving"
 
 
 def data_parallel_paths(root: nn.Module) -> frozenset[str]:
     """Qualified names of the DDP / DataParallel wrappers in ``root``, whose ``module`` child is not the user's."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return frozenset(name for name, sub in root.named_modules() if isinstance(sub, wrappers))
+    return frozenset(name for name, sub in root.named_modules() if isinstance(sub, _DATA_PARALLEL))
+
+
+def user_type(module: nn.Module) -> str:
+    """The class name of the module a wrapper holds (DDP's ``module``, FSDP1's, checkpointing's), else its own."""
+    while True:
+        inner = getattr(module, "module", None) if isinstance(module, _DATA_PARALLEL) else None
+        for part in _WRAPPER_PARTS:
+            inner = inner or getattr(module, part, None)
+        if not isinstance(inner, nn.Module):
+            return type(module).__name__
+        module = inner
 
 
 def user_name(name: str, data_parallel: frozenset[str] = frozenset()) -> str:
@@ -119,6 +136,22 @@ def per_rank_path(path: str) -> str:
     return f"{root}.rank{group[0]}{extension}"
 
 
+def leave_together(timeout_s: float = 10.0) -> None:
+    """Wait, at most ``timeout_s``, until every rank has called this (a no-op outside a process group).
+
+    Through the store, not a collective: a rank that stopped elsewhere (its
+    script's own error) must cost the others this timeout, not a hang.
+    """
+    group = process_group()
+    if group is None:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.add(_LEAVING, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(_LEAVING, 0) < group[1] and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class Agreement:
     """One watch's part in the per-step agreement (see the module docstring).
 
@@ -161,10 +194,14 @@ class Agreement:
         if value == 0:
             return None
         first = world - 1 - value % world
-        if first == rank:
-            return own
-        report: Report = pickle.loads(store.get(_KEY.format(round=round_, rank=first)))
-        return PeerNonFiniteError(_as_seen_here(report, own, rank), local_report=own.report if own else None)
+        error = own
+        if first != rank:
+            report: Report = pickle.loads(store.get(_KEY.format(round=round_, rank=first)))
+            error = PeerNonFiniteError(_as_seen_here(report, own, rank), local_report=own.report if own else None)
+        # Only when stopping: wait until every rank has read the report, so that the rank
+        # that serves the store (rank 0 under torchrun) does not exit before the others have it.
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64))
+        return error
 
 
 def _as_seen_here(report: Report, own: NonFiniteError | None, rank: int) -> Report:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.deterministic import draws_no_random
-from nan_magic.engine.distributed import data_parallel_paths, user_name
+from nan_magic.engine.distributed import data_parallel_paths, user_name, user_type
 from nan_magic.engine.transparent import Transparency, transparency
 from nan_magic.records import WatchConfig
 
@@ -79,7 +79,7 @@ class Targets:
             chosen = bool(config.include or config.types)
             self.modules[id(submodule)] = ModuleInfo(
                 name=name,
-                module_type=type(submodule).__name__,
+                module_type=user_type(submodule),
                 model=label,
                 watched=is_root or _selected(name, submodule, config),
                 is_root=is_root,
