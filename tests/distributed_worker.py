@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -79,7 +80,7 @@ def describe(error: BaseException | None) -> dict[str, Any]:
 
 
 #: The runs every rank makes, in order, in one process group (one process start for all of them).
-SCENARIOS = ("forward_rank1", "backward_rank0", "data_rank1")
+SCENARIOS = ("forward_rank1", "backward_rank0", "data_rank1", "fsdp2_forward_rank1")
 
 
 def run_all(rank: int, world: int, port: int, out: str) -> None:
@@ -94,7 +95,12 @@ def run_all(rank: int, world: int, port: int, out: str) -> None:
 def train(rank: int, world: int, scenario: str, out: str) -> None:
     """One rank of a faulty run; ``scenario`` says which rank fails where."""
     middle: nn.Module = Root() if scenario == "backward_rank0" else LogLayer()
-    model = DistributedDataParallel(tiny_model(middle))
+    model: nn.Module
+    if scenario.startswith("fsdp2"):
+        # FSDP2 on CPU/gloo: the middle block is sharded on its own, inside the sharded root.
+        model = fully_shard(tiny_model(fully_shard(middle)))
+    else:
+        model = DistributedDataParallel(tiny_model(middle))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
     if scenario == "data_rank1":
@@ -106,9 +112,10 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
     started = time.monotonic()
     steps = 0
     try:
-        with nan_magic.watch(model, opt):
+        # FSDP2: a replay would run a sharded module again on one rank alone (see test_distributed.py).
+        with nan_magic.watch(model, opt, replay=not scenario.startswith("fsdp2")):
             for step, (x,) in enumerate(loader):
-                if step == FAULT_STEP and scenario == "forward_rank1" and rank == 1:
+                if step == FAULT_STEP and scenario.endswith("forward_rank1") and rank == 1:
                     middle.offset = -100.0  # type: ignore[assignment]
                 if step == FAULT_STEP and scenario == "backward_rank0" and rank == 0:
                     middle.gate = 0.0  # type: ignore[assignment]

@@ -198,3 +198,16 @@ def test_cli_under_torchrun(tmp_path):
     assert SUMMARY in output.splitlines()
     # torchrun's own summary: the first rank to exit did so with status 1 (the others may then get its SIGTERM).
     assert re.search(r"exitcode\s*: 1 ", output)
+
+
+def test_fsdp2_forward_fault_on_rank_1_is_named_with_the_users_class(ranks):
+    rank0, rank1 = ranks["fsdp2_forward_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank0["error"] == "PeerNonFiniteError"
+    # fully_shard makes the class FSDPLogLayer; the report names the user's LogLayer. Watched with
+    # replay=False: a replay would run a sharded module again on one rank alone, and its forward
+    # gathers parameters from every rank (FSDP2 support stops there for now).
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer)"
+    assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+    # Rank 0's own view: its shard of a gradient that the reduce-scatter made NaN, by its user's name.
+    assert rank0["local_tensor"] == "gradient of 0.weight"

@@ -46,12 +46,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.findings import Finding
 
 __all__ = [
-    "Agreement", "data_parallel_paths", "launched", "leave_together", "per_rank_path", "process_group", "stamp",
-    "user_name", "user_type",
+    "Agreement", "data_parallel_paths", "launched", "leave_together", "local_shard", "per_rank_path", "process_group",
+    "stamp", "user_name", "user_type",
 ]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDP_MODULE
+except ImportError:  # pragma: no cover - a torch without FSDP2
+    _FSDP_MODULE = None
 
 _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
@@ -69,14 +74,19 @@ def data_parallel_paths(root: nn.Module) -> frozenset[str]:
 
 
 def user_type(module: nn.Module) -> str:
-    """The class name of the module a wrapper holds (DDP's ``module``, FSDP1's, checkpointing's), else its own."""
+    """The user's class name: that of the module a wrapper holds (DDP, FSDP1, checkpointing), without FSDP2's prefix."""
     while True:
         inner = getattr(module, "module", None) if isinstance(module, _DATA_PARALLEL) else None
         for part in _WRAPPER_PARTS:
             inner = inner or getattr(module, part, None)
         if not isinstance(inner, nn.Module):
-            return type(module).__name__
+            break
         module = inner
+    cls = type(module)
+    if _FSDP_MODULE is not None and issubclass(cls, _FSDP_MODULE):
+        # fully_shard swaps the class for FSDP<Name>(FSDPModule, <Name>): the user's class is the next one.
+        cls = next(base for base in cls.__mro__ if not issubclass(base, _FSDP_MODULE))
+    return cls.__name__
 
 
 def user_name(name: str, data_parallel: frozenset[str] = frozenset()) -> str:
@@ -97,6 +107,16 @@ def user_name(name: str, data_parallel: frozenset[str] = frozenset()) -> str:
         if not wrapper_part:
             kept.append(part)
     return ".".join(kept)
+
+
+def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor (FSDP2's sharded gradients), else the tensor itself.
+
+    Checked locally: no collective, and indexing a DTensor (the report's
+    statistics) has no sharding rule.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def process_group() -> tuple[int, int] | None:
@@ -207,7 +227,7 @@ class Agreement:
 def _as_seen_here(report: Report, own: NonFiniteError | None, rank: int) -> Report:
     """The producing rank's report, with a note of how the event reached this rank."""
     if own is not None and own.report.phase == Phase.BACKWARD:
-        note = (f"rank {rank} received it through the gradient all-reduce "
+        note = (f"rank {rank} received it through the gradient all-reduce (or FSDP's reduce-scatter) "
                 f"(its own first non-finite value: {own.report.tensor})")
     elif own is not None:
         note = f"rank {rank} also saw a non-finite value: {own.report.message}"

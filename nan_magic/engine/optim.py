@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
-from nan_magic.engine.distributed import data_parallel_paths, user_name
+from nan_magic.engine.distributed import data_parallel_paths, local_shard, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
@@ -207,7 +207,7 @@ class OptimizerChecks:
         known: list[torch.Tensor | None] = []
         cold: list[torch.Tensor] = []
         for name, parameter in layout.floating:
-            grad = parameter.grad
+            grad = local_shard(parameter.grad)
             if grad is None:
                 continue
             with_grad.append((name, grad))
