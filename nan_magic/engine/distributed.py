@@ -53,8 +53,11 @@ __all__ = [
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
+_FSDP_MODULE: type | None
 try:
-    from torch.distributed.fsdp import FSDPModule as _FSDP_MODULE
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDP_MODULE = FSDPModule
 except ImportError:  # pragma: no cover - a torch without FSDP2
     _FSDP_MODULE = None
 
@@ -76,13 +79,14 @@ def data_parallel_paths(root: nn.Module) -> frozenset[str]:
 def user_type(module: nn.Module) -> str:
     """The user's class name: that of the module a wrapper holds (DDP, FSDP1, checkpointing), without FSDP2's prefix."""
     while True:
-        inner = getattr(module, "module", None) if isinstance(module, _DATA_PARALLEL) else None
+        children = module._modules  # a dict lookup: no AttributeError raised per module of a large model
+        inner = children.get("module") if isinstance(module, _DATA_PARALLEL) else None
         for part in _WRAPPER_PARTS:
-            inner = inner or getattr(module, part, None)
+            inner = inner or children.get(part)
         if not isinstance(inner, nn.Module):
             break
         module = inner
-    cls = type(module)
+    cls: type = type(module)
     if _FSDP_MODULE is not None and issubclass(cls, _FSDP_MODULE):
         # fully_shard swaps the class for FSDP<Name>(FSDPModule, <Name>): the user's class is the next one.
         cls = next(base for base in cls.__mro__ if not issubclass(base, _FSDP_MODULE))
@@ -205,7 +209,7 @@ class Agreement:
         flag = 0
         if own is not None:
             # Put the report where the others can read it before they learn there is one to read.
-            store.set(_KEY.format(round=round_, rank=rank), pickle.dumps(own.report))
+            store.set(_KEY.format(round=round_, rank=rank), pickle.dumps(own.report))  # type: ignore[arg-type] # the store keeps bytes
             arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
             flag = (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)
         agreed = torch.tensor([flag], dtype=torch.int64)
