@@ -104,7 +104,7 @@ def test_nan_batch_on_rank_1_is_data_there_and_named_on_rank_0(ranks):
     # The root is named as the user's model, not as DDP's wrapper.
     assert rank1["report"]["module_type"] == "Sequential"
     assert rank0["error"] == "PeerNonFiniteError"
-    assert rank0["message"] == "rank 1 found a non-finite value at step 3: data, <root> (Sequential)"
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: data, Sequential (root)"
     assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
 
 
