@@ -211,3 +211,63 @@ def test_fsdp2_forward_fault_on_rank_1_is_named_with_the_users_class(ranks):
     assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
     # Rank 0's own view: its shard of a gradient that the reduce-scatter made NaN, by its user's name.
     assert rank0["local_tensor"] == "gradient of 0.weight"
+
+
+# -- without processes: names, paths, and the report's rank in every rendering ---------------------
+
+
+def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():
+    from nan_magic.engine.distributed import user_name
+
+    ddp_root = frozenset({""})
+    assert user_name("module.1.weight", ddp_root) == "1.weight"
+    assert user_name("module", ddp_root) == ""
+    # A user's submodule called "module" inside a DDP-wrapped model is the user's name.
+    assert user_name("module.encoder.module.proj", ddp_root) == "encoder.module.proj"
+    assert user_name("encoder.module.proj") == "encoder.module.proj"
+    assert user_name("_orig_mod.layers._checkpoint_wrapped_module.0._fsdp_wrapped_module.fc") == "layers.0.fc"
+
+
+def test_watch_names_modules_and_parameters_of_a_wrapped_model_by_the_users_names():
+    from torch import nn
+
+    from nan_magic.engine.watch import Watch
+
+    class Holder(nn.Module):  # a user's own attribute called "module"
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    model = nn.Sequential(nn.Linear(2, 2), Holder())
+    wrapped = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    nn.Module.__init__(wrapped)  # the wrapper's module tree without a process group
+    wrapped.module = model
+    watch = Watch([wrapped])
+    names = {info.name: info.module_type for info in watch.targets.modules.values()}
+    assert names == {"": "Sequential", "0": "Linear", "1": "Holder", "1.module": "Linear"}
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    assert [name for name, _ in watch.optimizers.named_parameters(opt)] == [
+        "0.weight", "0.bias", "1.module.weight", "1.module.bias"]
+
+
+def test_output_paths_get_a_rank_suffix_only_when_several_ranks_run(monkeypatch):
+    from nan_magic.engine.distributed import per_rank_path
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert per_rank_path("out/report.json") == "out/report.json"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert per_rank_path("out/report.json") == "out/report.rank3.json"
+    assert per_rank_path("nan_scene_step7") == "nan_scene_step7.rank3"
+
+
+def test_rank_is_shown_in_text_html_and_json_and_absent_outside_a_process_group():
+    from nan_magic.records import Phase, Report
+
+    plain = Report(Phase.FORWARD, "fc", "Linear", 3, 1, 0, 0, 4)
+    ranked = Report(Phase.FORWARD, "fc", "Linear", 3, 1, 0, 0, 4, rank=1, world_size=2)
+    assert (plain.rank, plain.world_size) == (None, None)
+    assert json.loads(ranked.to_json())["rank"] == 1 and json.loads(ranked.to_json())["world_size"] == 2
+    assert re.search(r"^\s*rank\s+1 of 2$", ranked.to_text(), re.MULTILINE)
+    assert "1 of 2" in ranked.to_html() and "1 of 2" not in plain.to_html()
+    assert not re.search(r"^\s*rank\s", plain.to_text(), re.MULTILINE)
