@@ -25,6 +25,16 @@ that encodes which rank found the most telling event (see :meth:`Agreement.settl
 A rank that found one first puts its pickled report in the process group's
 store, so the others can name it. Where no process group exists, the cost is
 one ``is_initialized()`` call per optimizer step.
+
+Covered: a real event of any phase judged at a step's check, in ``raise``
+mode, in a loop where every rank of the default group calls
+``optimizer.step()``, whether the failing rank then exits or stays alive.
+Not covered (the failing rank raises alone; its peers get gloo's "Connection
+closed by peer" if it exits, or wait until the timeout if it stays alive): an
+event judged outside a step's check (a backward without a step: gradient
+accumulation, a GradScaler's skipped step, inference; the last step's
+parameter check at the watch's exit), ``defer=False`` given explicitly
+(checks raise mid-forward), and any other exception on one rank.
 """
 
 from __future__ import annotations
@@ -193,6 +203,9 @@ class Agreement:
         group = process_group()
         self._open = group is not None and group[1] > 1
 
+    def close(self) -> None:
+        self._open = False
+
     def settle(self, own: NonFiniteError | None, finding: Finding | None = None) -> NonFiniteError | None:
         """The error this rank raises: its own, a peer's (:class:`PeerNonFiniteError`), or None.
 
@@ -212,7 +225,7 @@ class Agreement:
             store.set(_KEY.format(round=round_, rank=rank), pickle.dumps(own.report))  # type: ignore[arg-type] # the store keeps bytes
             arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
             flag = (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)
-        agreed = torch.tensor([flag], dtype=torch.int64)
+        agreed = torch.tensor([flag], dtype=torch.int64, device=_flag_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         value = int(agreed.item())
         if value == 0:
@@ -224,8 +237,16 @@ class Agreement:
             error = PeerNonFiniteError(_as_seen_here(report, own, rank), local_report=own.report if own else None)
         # Only when stopping: wait until every rank has read the report, so that the rank
         # that serves the store (rank 0 under torchrun) does not exit before the others have it.
-        dist.all_reduce(torch.zeros(1, dtype=torch.int64))
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=agreed.device))
         return error
+
+
+def _flag_device() -> torch.device:
+    """Where the flag must live for the default group's backend: NCCL alone reduces only CUDA tensors."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _as_seen_here(report: Report, own: NonFiniteError | None, rank: int) -> Report:

@@ -375,8 +375,13 @@ class Watch:
         """The optimizer step's checks, then this step's agreement with the other ranks (distributed.py)."""
         if self.mine():
             self.agreement.open()
-        self.optimizers.on_step_pre(opt, args, kwargs)
-        self._raise_agreed(self.agreement.settle(None))
+        try:
+            self.optimizers.on_step_pre(opt, args, kwargs)
+            agreed = self.agreement.settle(None)
+        finally:
+            # Settled, or failed in our own code: no later check may take part in this step's collective.
+            self.agreement.close()
+        self._raise_agreed(agreed)
 
     def _raise_agreed(self, error: NonFiniteError | None, own: NonFiniteError | None = None) -> None:
         """Raise what the ranks agreed on: ``own``, another rank's event, or nothing."""
