@@ -92,6 +92,13 @@ def run_all(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def last_rank_fails(rank: int, world: int, port: int, out: str) -> None:
+    """A forward fault on the last rank of a larger group (the 4-process test)."""
+    init(rank, world, port)
+    train(rank, world, "forward_last_rank", out)
+    dist.destroy_process_group()
+
+
 def train(rank: int, world: int, scenario: str, out: str) -> None:
     """One rank of a faulty run; ``scenario`` says which rank fails where."""
     middle: nn.Module = Root() if scenario == "backward_rank0" else LogLayer()
@@ -115,7 +122,8 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
         # FSDP2: a replay would run a sharded module again on one rank alone (see test_distributed.py).
         with nan_magic.watch(model, opt, replay=not scenario.startswith("fsdp2")):
             for step, (x,) in enumerate(loader):
-                if step == FAULT_STEP and scenario.endswith("forward_rank1") and rank == 1:
+                failing = world - 1 if scenario == "forward_last_rank" else 1
+                if step == FAULT_STEP and scenario.endswith(("forward_rank1", "forward_last_rank")) and rank == failing:
                     middle.offset = -100.0  # type: ignore[assignment]
                 if step == FAULT_STEP and scenario == "backward_rank0" and rank == 0:
                     middle.gate = 0.0  # type: ignore[assignment]

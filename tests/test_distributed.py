@@ -39,12 +39,10 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """What each of two ranks saw in each scenario: ``seen[scenario][rank]``."""
-    out = tmp_path_factory.mktemp("ddp")
+def spawn(function, world: int, out: Path) -> None:
+    """Run ``function(rank, world, port, out)`` on ``world`` processes; a rank alive at the deadline fails the test."""
     context = mp.start_processes(
-        worker.run_all, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn", join=False
+        function, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn", join=False
     )
     deadline = time.monotonic() + JOIN_DEADLINE_S
     try:
@@ -55,6 +53,13 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, 
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """What each of two ranks saw in each scenario: ``seen[scenario][rank]``."""
+    out = tmp_path_factory.mktemp("ddp")
+    spawn(worker.run_all, 2, out)
     return {
         scenario: [json.loads((out / f"{scenario}.rank{rank}.json").read_text()) for rank in range(2)]
         for scenario in (*worker.SCENARIOS, "healthy")
@@ -112,6 +117,16 @@ def test_healthy_ddp_run_is_bit_identical_to_the_unwatched_run(ranks):
     for seen in ranks["healthy"]:
         assert seen["params"] == 4
         assert seen["identical"] is True
+
+
+def test_four_ranks_all_stop_at_rank_3s_forward_fault(tmp_path):
+    spawn(worker.last_rank_fails, 4, tmp_path)
+    seen = [json.loads((tmp_path / f"forward_last_rank.rank{rank}.json").read_text()) for rank in range(4)]
+    assert [rank["error"] for rank in seen] == ["PeerNonFiniteError"] * 3 + ["NonFiniteError"]
+    for rank in seen[:3]:
+        assert rank["message"] == "rank 3 found a non-finite value at step 3: forward, 1 (LogLayer), aten.log.default"
+    assert {rank["steps"] for rank in seen} == {worker.FAULT_STEP}
+    assert {rank["report"]["world_size"] for rank in seen} == {4}
 
 
 TRAIN_SCRIPT = '''
