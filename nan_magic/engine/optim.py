@@ -444,7 +444,8 @@ class OptimizerChecks:
             wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
             # A gradient has its parameter's dtype and shape (autograd and the
             # ``.grad`` setter enforce it), so this is decided once per layout.
-            floating = [(name, parameter) for name, parameter in named if _float_tensor(parameter)]
+            # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
+            floating = [(name, parameter) for name, parameter in named if _float_tensor(local_shard(parameter))]
             layout = self._layouts[id(opt)] = _Layout(signature, named, floating, wide)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
