@@ -6,6 +6,7 @@ Usage::
     python benchmarks/step_overhead.py --quick         # about one minute
     python benchmarks/step_overhead.py --models mlp gpt2 --json out.json
     python benchmarks/step_overhead.py --device cuda   # GPU: also counts host syncs per step
+    python benchmarks/step_overhead.py --ddp 2 --quick --models mlp   # DDP: 2 processes, gloo, CPU
 
 Method (issue 6): for each model, every column (unwatched, nan_magic, nan_magic ops and
 the baselines of :mod:`baselines`) first runs warm-up steps. Then come R rounds; in each
@@ -35,6 +36,12 @@ about ``--budget`` seconds; slow columns therefore lower K rather than the run's
 predictability. If other processes slow the steps down so much that the rounds pass 1.5x
 the budget, or the model's share of ``--time-limit`` (9 minutes; 50 s with ``--quick``),
 the remaining rounds are dropped (at least 3 are kept) and a note says so.
+
+``--ddp N``: N processes on this machine (gloo, 127.0.0.1, one torch thread each), each
+timing the model wrapped in ``DistributedDataParallel``, unwatched and under nan_magic only;
+the ranks agree on K, R and when to stop (a max over ranks), so their gradient all-reduces
+pair up, and rank 0 prints its tables. The watch's extra cost there is its deferred checks
+and its one-element all-reduce per step (nan_magic/engine/distributed.py).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import gc
 import json
 import os
 import random
+import socket
 import statistics
 import sys
 import time
@@ -52,8 +60,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from common import Column, add_run_arguments, footer_lines, format_header, progress_logger, start_run
 from models import BUILDERS, Benchmark, build
+from torch.nn.parallel import DistributedDataParallel
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 # CUDA runtime calls that block the host until the device catches up. cudaMemcpy (not
@@ -234,6 +245,8 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
     rounds stop there, once at least 3 have run.
     """
     bench = build(name, args.device)
+    if dist.is_initialized():
+        bench.model = DistributedDataParallel(bench.model)
     result = ModelResult(name, bench.description, args.quantile)
     active = [column for column in columns if column.factory is not None]
 
@@ -252,7 +265,7 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
     # One round costs (K + 1) * sum(step times), with the entry step; fit R rounds in
     # the budget, K >= 1, and drop rounds (not below 3) only when even K = 1 does not fit.
     budget = min(args.budget, deadline - time.perf_counter())
-    round_s = sum(warm_s.values())
+    round_s = _slowest_rank(sum(warm_s.values()))
     steps = max(1, int(budget / (args.rounds * round_s)) - 1)
     fits = args.rounds * (steps + 1) * round_s <= budget
     rounds = args.rounds if fits else max(3, int(budget / ((steps + 1) * round_s)))
@@ -267,7 +280,7 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
     # deadline, stop after the current round (keeping at least 3).
     stop_at = min(time.perf_counter() + 1.5 * budget, deadline)
     for r in range(rounds):
-        if r >= 3 and time.perf_counter() > stop_at:
+        if r >= 3 and _slowest_rank(float(time.perf_counter() > stop_at)):
             result.notes["rounds"] = f"stopped after {r} of {rounds} rounds: steps ran slower than warm-up"
             break
         result.rounds = r + 1
@@ -409,6 +422,31 @@ def sync_verdict(results: list[ModelResult]) -> str:
     return "PASS"
 
 
+def _slowest_rank(value: float) -> float:
+    """``value`` maxed over the DDP ranks (itself without a process group): every rank then runs the same steps."""
+    if not dist.is_initialized():
+        return value
+    agreed = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return float(agreed.item())
+
+
+def _ddp_rank(rank: int, argv: list[str], port: int) -> None:
+    """One rank of ``--ddp N``: the benchmark in a gloo process group; only rank 0 prints."""
+    args = parse_args(argv)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ddp)
+    args.ddp = 0
+    args.threads = 1
+    args.columns = ["nan_magic"]
+    try:
+        if rank != 0:
+            sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - for the rest of this process
+            sys.stderr = sys.stdout
+        _measure_and_print(args)
+    finally:
+        dist.destroy_process_group()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; ``--quick`` only changes the defaults of the timing knobs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -426,6 +464,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantile", type=float, default=0.5, help="statistic of the step times (default 0.5, the median)")
     p.add_argument("--sync-steps", type=int, default=10, help="CUDA steps counted for syncs")
     p.add_argument("--json", metavar="PATH", help="also write all measurements as JSON")
+    p.add_argument("--ddp", type=int, default=0, metavar="N",
+                   help="N processes under DistributedDataParallel (gloo, CPU), unwatched vs nan_magic")
     args = p.parse_args(argv)
     knobs = (("rounds", 15, 3), ("budget", 80.0, 9.0), ("warmup", 3, 2), ("time_limit", 540.0, 50.0))
     for knob, full, quick in knobs:
@@ -439,6 +479,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the tables; progress goes to stderr."""
     args = parse_args(argv)
+    if args.ddp > 1:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        argv = sys.argv[1:] if argv is None else list(argv)
+        mp.start_processes(_ddp_rank, args=(argv, port), nprocs=args.ddp, start_method="spawn")
+        return 0
+    return _measure_and_print(args)
+
+
+def _measure_and_print(args: argparse.Namespace) -> int:
     info, columns = start_run(args)
 
     started = time.perf_counter()
@@ -450,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure_model(name, columns, args, log, time.perf_counter() + share))
     elapsed = time.perf_counter() - started
 
-    print("nan_magic step overhead: full training step (forward, loss, backward, optimizer step), fp32")
+    ddp = f", DDP over {dist.get_world_size()} processes (gloo)" if dist.is_initialized() else ""
+    print(f"nan_magic step overhead: full training step (forward, loss, backward, optimizer step), fp32{ddp}")
     print(format_header(info))
     after = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"run: {'quick' if args.quick else 'full'}, {elapsed:.0f} s; load average after: {after}\n")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from nan_magic.engine.checkpoint_guard import CheckpointGuard, guard_checkpoints
-from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
+from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.engine.scene import Scene, load_scene
 from nan_magic.engine.watch import Watch, watch
 from nan_magic.records import (
@@ -32,6 +32,7 @@ __all__ = [
     "LayerCall",
     "NanMagicWarning",
     "NonFiniteError",
+    "PeerNonFiniteError",
     "Phase",
     "Report",
     "Scene",

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from nan_magic.engine.errors import NonFiniteError
+from nan_magic.engine.distributed import leave_together, per_rank_path
+from nan_magic.engine.errors import NonFiniteError, peer_message
 from nan_magic.engine.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
 from nan_magic.records import Report, WatchConfig
@@ -102,9 +103,28 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
         print(f"nan_magic: no real non-finite event ({len(watch.events)} benign) in {watch.steps_taken} step(s)",
               file=sys.stderr)
         return status
-    print(report.to_text(), file=sys.stderr)
+    if report.rank is None:
+        print(report.to_text(), file=sys.stderr)
+    else:
+        _print_ranks_summary(report)
     _write_outputs(report, args)
+    # torchrun stops the other ranks as soon as one exits: they first finish their outputs.
+    leave_together()
     return EXIT_EVENT
+
+
+def _print_ranks_summary(report: Report) -> None:
+    """Under ``torchrun``: rank 0 shows the report, with one line for the whole job; the others one line each.
+
+    Every rank that stopped at the agreement holds the report of the rank
+    that found the event (distributed.py), so rank 0's copy names it.
+    """
+    here = int(os.environ.get("RANK", "0") or 0)
+    if here == 0:
+        print(report.to_text(), file=sys.stderr)
+        print(f"nan_magic: {report.world_size} ranks: {peer_message(report)}", file=sys.stderr)
+    else:
+        print(f"nan_magic: rank {here} stopped: {peer_message(report)}", file=sys.stderr)
 
 
 def _print_traceback(error: BaseException, script: str) -> None:
@@ -125,7 +145,9 @@ def _exit_status(code: Any) -> int:
 def _write_outputs(report: Report, args: argparse.Namespace) -> None:
     """The HTML and JSON reports; a failure to write them is shown, not raised (the exit status stays 1)."""
     html = args.html or (os.path.join(args.dump, "nan_report.html") if args.dump else None)
-    outputs = [(html, lambda path: report.to_html(path)), (args.json, lambda path: _write_json(report, path))]
+    # Under torchrun every rank writes: each to its own file (report.rank1.json).
+    html, json_path = (per_rank_path(path) if path else None for path in (html, args.json))
+    outputs = [(html, lambda path: report.to_html(path)), (json_path, lambda path: _write_json(report, path))]
     for path, write in outputs:
         if path is None:
             continue

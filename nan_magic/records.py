@@ -287,6 +287,10 @@ class Report:
     restore_token: int | None = None
     #: The absorbed forward op the producer read (see :class:`AbsorbedOp`), or None.
     absorbed: AbsorbedOp | None = None
+    #: The rank of the process that found the event and the size of its process group
+    #: (``torch.distributed``); None outside a process group.
+    rank: int | None = None
+    world_size: int | None = None
 
     # -- derived -------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from nan_magic.engine.frames import end_at_producer, short_traceback
 from nan_magic.locations import running_shell
 from nan_magic.records import Report
 
-__all__ = ["NanMagicWarning", "NonFiniteError"]
+__all__ = ["NanMagicWarning", "NonFiniteError", "PeerNonFiniteError"]
 
 
 class NanMagicWarning(RuntimeWarning):
@@ -53,6 +53,39 @@ class NonFiniteError(FloatingPointError):
         self._shown = True
         headline = f"{type(self).__name__}: {self}"
         return short_traceback(headline, self.__traceback__, self.report.source)
+
+
+class PeerNonFiniteError(NonFiniteError):
+    """Another rank of the process group found a non-finite value; this rank stops with it.
+
+    Raised under ``torch.distributed`` on every rank but the one that found
+    the event, at the same step, so that no rank waits in a collective for
+    one that stopped. ``error.report`` is that rank's report (its ``rank``
+    names it) with a note of how the value reached this rank;
+    ``error.local_report`` is this rank's own report of the step, or None
+    when it saw nothing non-finite. ``error.rank`` is the rank that found it.
+    """
+
+    def __init__(self, report: Report, *, local_report: Report | None = None) -> None:
+        super().__init__(report)
+        self.args = (peer_message(report),)
+        self.rank = report.rank
+        self.local_report = local_report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_peer_error, (self.report, self.local_report))
+
+
+def _peer_error(report: Report, local_report: Report | None) -> PeerNonFiniteError:
+    return PeerNonFiniteError(report, local_report=local_report)
+
+
+def peer_message(report: Report) -> str:
+    """``rank 1 found a non-finite value at step 3: forward, 1 (LogLayer), aten.log.default``."""
+    what = f"{report.phase}, {report.where}"
+    if report.op:
+        what += f", {report.op}"
+    return f"rank {report.rank} found a non-finite value at step {report.step}: {what}"
 
 
 def _full_traceback(error: BaseException) -> Any:

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
+from nan_magic.engine.distributed import data_parallel_paths, local_shard, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
@@ -206,7 +207,7 @@ class OptimizerChecks:
         known: list[torch.Tensor | None] = []
         cold: list[torch.Tensor] = []
         for name, parameter in layout.floating:
-            grad = parameter.grad
+            grad = local_shard(parameter.grad)
             if grad is None:
                 continue
             with_grad.append((name, grad))
@@ -443,7 +444,8 @@ class OptimizerChecks:
             wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
             # A gradient has its parameter's dtype and shape (autograd and the
             # ``.grad`` setter enforce it), so this is decided once per layout.
-            floating = [(name, parameter) for name, parameter in named if _float_tensor(parameter)]
+            # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
+            floating = [(name, parameter) for name, parameter in named if _float_tensor(local_shard(parameter))]
             layout = self._layouts[id(opt)] = _Layout(signature, named, floating, wide)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
@@ -467,8 +469,9 @@ class OptimizerChecks:
         if any(id(p) not in names for group in opt.param_groups for p in group["params"]):
             names.clear()
             for _label, root in self.watch.targets.roots:
+                data_parallel = data_parallel_paths(root)
                 for name, parameter in root.named_parameters():
-                    names.setdefault(id(parameter), name)
+                    names.setdefault(id(parameter), user_name(name, data_parallel))
             # Parameters outside every watched model keep their position as name.
             for group_index, group in enumerate(opt.param_groups):
                 for position, parameter in enumerate(group["params"]):

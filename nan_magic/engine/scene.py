@@ -46,6 +46,7 @@ from torch import nn
 
 from nan_magic import records
 from nan_magic.engine.calls import version_of
+from nan_magic.engine.distributed import per_rank_path
 from nan_magic.engine.errors import NanMagicWarning
 from nan_magic.engine.replay import ReplayResult, RngState, capture_rng_state, replay_module, restore_rng_state
 from nan_magic.engine.snapshot import keep
@@ -146,7 +147,8 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
 
 def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[str]) -> Report:
     try:
-        path = _write_scene(scene, folder, f"nan_scene_step{report.step}", notes)
+        # One folder for every rank; each rank's file has its own suffix (distributed.py).
+        path = _write_scene(scene, folder, per_rank_path(f"nan_scene_step{report.step}"), notes)
     except Exception as error:  # disk full, no permission, not a folder...
         note = _failure_note(f"could not save the scene in {folder}", error)
         notes.append(note)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.deterministic import draws_no_random
+from nan_magic.engine.distributed import data_parallel_paths, user_name, user_type
 from nan_magic.engine.transparent import Transparency, transparency
 from nan_magic.records import WatchConfig
 
@@ -60,17 +61,25 @@ class Targets:
         return None
 
     def add_root(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
-        """Name every submodule of ``module``; modules already named keep their name."""
+        """Name every submodule of ``module``; modules already named keep their name.
+
+        Names are the user's: the parts a wrapper adds (DDP's ``module.``,
+        FSDP's, checkpointing's, ``torch.compile``'s) are left out, here
+        and in parameter names (optim.py), so ``include``/``exclude``
+        patterns and reports use the names of the unwrapped model.
+        """
         self.roots.append((label, module))
-        for name, submodule in module.named_modules():
+        data_parallel = data_parallel_paths(module)
+        for raw_name, submodule in module.named_modules():
             if id(submodule) in self.modules:
                 continue
+            name = user_name(raw_name, data_parallel)
             is_root = submodule is module
             # A module the user picked out by name or type is always checked.
             chosen = bool(config.include or config.types)
             self.modules[id(submodule)] = ModuleInfo(
                 name=name,
-                module_type=type(submodule).__name__,
+                module_type=user_type(submodule),
                 model=label,
                 watched=is_root or _selected(name, submodule, config),
                 is_root=is_root,

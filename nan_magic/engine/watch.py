@@ -47,6 +47,7 @@ from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch, scaler_patch
 from nan_magic.engine.calls import StepLog
+from nan_magic.engine.distributed import Agreement, launched, per_rank_path, stamp
 from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
@@ -197,7 +198,7 @@ class Watch:
                     self.forward.on_forward, with_kwargs=True, always_call=True
                 )
             )
-            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.optimizers.on_step_pre))
+            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self._on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
             optimizers = self.optimizers
@@ -284,12 +285,18 @@ class Watch:
         self._raised = False
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
+        self.agreement = Agreement()
 
     def _wants_defer(self) -> bool:
-        """Deferred checks by default where the models live on a GPU."""
+        """Deferred checks by default where the models live on a GPU, and under a process group.
+
+        Under a process group, every check of a step is then judged at the
+        optimizer step's pre-hook, the one point where all ranks can agree
+        to stop (distributed.py).
+        """
         if self.config.defer is not None:
             return self.config.defer
-        return any(
+        return launched() or any(
             parameter.device.type != "cpu" for _label, root in self.targets.roots for parameter in root.parameters()
         )
 
@@ -365,6 +372,30 @@ class Watch:
         self.optimizers.on_step_boundary(optimizer)
         self.gradients.backward_runs = 0
         self._step_open = False
+
+    def _on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer step's checks, then this step's agreement with the other ranks (distributed.py)."""
+        if self.mine():
+            self.agreement.open()
+        try:
+            self.optimizers.on_step_pre(opt, args, kwargs)
+            agreed = self.agreement.settle(None)
+        finally:
+            # Settled, or failed in our own code: no later check may take part in this step's collective.
+            self.agreement.close()
+        self._raise_agreed(agreed)
+
+    def _raise_agreed(self, error: NonFiniteError | None, own: NonFiniteError | None = None) -> None:
+        """Raise what the ranks agreed on: ``own``, another rank's event, or nothing."""
+        if error is None:
+            return
+        if error is not own:
+            self.report = error.report
+            if len(self.events) < self.config.max_events:
+                self.events.append(error.report)
+        self._raised = True
+        self.raised = error
+        raise error
 
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""
@@ -454,7 +485,7 @@ class Watch:
         tracer = self.forward.tracer
         if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
             return  # the op tracer already reported this step's producer, at its op
-        report = build_report(
+        report = stamp(build_report(
             finding,
             step=self.step if finding.step is None else finding.step,
             log=self.log,
@@ -462,7 +493,7 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
-        )
+        ))
         if self.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.skipped.items())))
         if not report.benign and self.report is None:
@@ -476,16 +507,15 @@ class Watch:
         if report.benign:
             return
         if self.config.on_detect == "raise":
-            self._raised = True
-            self.raised = NonFiniteError(report, producer_frame=finding.frame)
-            raise self.raised
+            own = NonFiniteError(report, producer_frame=finding.frame)
+            self._raise_agreed(self.agreement.settle(own, finding), own)
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=2)
 
     def _append_log(self, report: Report) -> None:
         """One JSON line per event; a failing log (disk full) must not stop the user's run."""
         try:
-            with open(self.config.log_file, "a", encoding="utf-8") as handle:  # type: ignore[arg-type]
+            with open(per_rank_path(self.config.log_file), "a", encoding="utf-8") as handle:  # type: ignore[arg-type]
                 handle.write(report.to_json() + "\n")
         except OSError as error:
             warnings.warn(f"nan_magic could not write the event log {self.config.log_file}: {error}",

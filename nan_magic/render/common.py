@@ -202,6 +202,8 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
             rows.append(("line", report.source.line.strip()))
     rows.append(("phase", str(report.phase)))
     rows.append(("step", str(report.step)))
+    if report.rank is not None:
+        rows.append(("rank", f"{report.rank} of {report.world_size}"))
     tensor = report.tensor
     if report.dtype:
         tensor += f" {short_dtype(report.dtype)}"

@@ -1,0 +1,168 @@
+"""What each rank of the distributed tests runs (spawned by tests/test_distributed.py).
+
+A rank trains a tiny DDP model under a watch, catches whatever stops it,
+and writes what its user would see (the error's class and message, the
+report's fields) to ``out/rank<N>.json``. Only the module-level functions
+here are spawned, so that ``torch.multiprocessing`` can import them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import nan_magic
+
+#: The step at which the faults below fire.
+FAULT_STEP = 3
+
+
+class LogLayer(nn.Module):
+    """log of a shifted input; ``offset`` < -|x| makes it NaN (set on one rank only: not a buffer DDP syncs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x.abs() + self.offset)  # producer: log
+
+
+class Root(nn.Module):
+    """sqrt(gate * x**2): finite forward for any gate; with gate 0 its backward is inf * 0 = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(self.gate * x * x + 0.0)  # producer: sqrt
+
+
+def tiny_model(middle: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), middle, nn.Linear(8, 1))
+
+
+def init(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+
+
+def describe(error: BaseException | None) -> dict[str, Any]:
+    """What the user sees of the error that stopped a rank, as JSON."""
+    if error is None:
+        return {"error": None}
+    seen: dict[str, Any] = {"error": type(error).__name__, "message": str(error)}
+    report = getattr(error, "report", None)
+    if report is not None:
+        seen["report"] = {
+            "phase": str(report.phase), "module": report.module, "module_type": report.module_type,
+            "op": report.op, "step": report.step, "rank": report.rank, "world_size": report.world_size,
+            "tensor": report.tensor, "notes": list(report.notes), "text": report.to_text(),
+        }
+        seen["json_rank"] = json.loads(report.to_json())["rank"]
+    local = getattr(error, "local_report", None)
+    seen["local_tensor"] = local.tensor if local is not None else None
+    return seen
+
+
+#: The runs every rank makes, in order, in one process group (one process start for all of them).
+SCENARIOS = ("forward_rank1", "backward_rank0", "data_rank1", "fsdp2_forward_rank1")
+
+
+def run_all(rank: int, world: int, port: int, out: str) -> None:
+    """Every faulty scenario, then the healthy comparison, in one process group."""
+    init(rank, world, port)
+    for scenario in SCENARIOS:
+        train(rank, world, scenario, out)
+    healthy(rank, out)
+    dist.destroy_process_group()
+
+
+def last_rank_fails(rank: int, world: int, port: int, out: str) -> None:
+    """A forward fault on the last rank of a larger group (the 4-process test)."""
+    init(rank, world, port)
+    train(rank, world, "forward_last_rank", out)
+    dist.destroy_process_group()
+
+
+def train(rank: int, world: int, scenario: str, out: str) -> None:
+    """One rank of a faulty run; ``scenario`` says which rank fails where."""
+    middle: nn.Module = Root() if scenario == "backward_rank0" else LogLayer()
+    model: nn.Module
+    if scenario.startswith("fsdp2"):
+        # FSDP2 on CPU/gloo: the middle block is sharded on its own, inside the sharded root.
+        model = fully_shard(tiny_model(fully_shard(middle)))
+    else:
+        model = DistributedDataParallel(tiny_model(middle))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    if scenario == "data_rank1":
+        # DistributedSampler without shuffling gives rank 1 the odd indices: step 3's batch holds 13 and 15.
+        data[13, 2] = float("nan")
+    loader = DataLoader(TensorDataset(data), batch_size=2, sampler=DistributedSampler(
+        TensorDataset(data), num_replicas=world, rank=rank, shuffle=False))
+    error: BaseException | None = None
+    started = time.monotonic()
+    steps = 0
+    try:
+        # FSDP2: a replay would run a sharded module again on one rank alone (see test_distributed.py).
+        with nan_magic.watch(model, opt, replay=not scenario.startswith("fsdp2")):
+            for step, (x,) in enumerate(loader):
+                failing = world - 1 if scenario == "forward_last_rank" else 1
+                if step == FAULT_STEP and scenario.endswith(("forward_rank1", "forward_last_rank")) and rank == failing:
+                    middle.offset = -100.0  # type: ignore[assignment]
+                if step == FAULT_STEP and scenario == "backward_rank0" and rank == 0:
+                    middle.gate = 0.0  # type: ignore[assignment]
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+                steps += 1
+    except Exception as caught:  # the rank stays alive, as in a notebook
+        error = caught
+    seen = describe(error)
+    seen.update(rank=rank, steps=steps, seconds=time.monotonic() - started)
+    with open(os.path.join(out, f"{scenario}.rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(seen, handle)
+    # Each rank stays alive after its error (as in a notebook): the next collective must not find
+    # another rank still inside a collective of the failed step (that would hang, or abort gloo).
+    dist.barrier()
+
+
+def healthy(rank: int, out: str) -> None:
+    """30 steps of the same DDP run with and without a watch: the parameters must be bit-identical."""
+    results = []
+    for watched in (False, True):
+        model = DistributedDataParallel(tiny_model(LogLayer()))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(10 + rank)
+        with nan_magic.watch(model, opt) if watched else _nothing():
+            for _step in range(30):
+                opt.zero_grad()
+                model(torch.randn(4, 4, generator=generator)).pow(2).mean().backward()
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    same = all(torch.equal(a, b) for a, b in zip(*results))
+    with open(os.path.join(out, f"healthy.rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump({"rank": rank, "identical": same, "params": len(results[0])}, handle)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

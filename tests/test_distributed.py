@@ -1,0 +1,288 @@
+"""DDP under a watch: every rank stops at one rank's event, named on every rank (issue 18).
+
+Two processes on gloo, CPU, 127.0.0.1 (tests/distributed_worker.py). Every
+scenario runs in one process group, one after the other, so the processes
+start once; each rank stays alive after its error, as in a notebook, and
+meets the others at a barrier before the next scenario, which would hang (and
+fail here, at the join's deadline) if any rank were left inside a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import distributed_worker as worker
+import pytest
+import torch
+import torch.multiprocessing as mp
+from faults import marked_line
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+#: A hang fails the test at this deadline, well before the process group's own timeout would matter to CI.
+JOIN_DEADLINE_S = 120
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def spawn(function, world: int, out: Path) -> None:
+    """Run ``function(rank, world, port, out)`` on ``world`` processes; a rank alive at the deadline fails the test."""
+    context = mp.start_processes(
+        function, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + JOIN_DEADLINE_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"a rank hung: not finished after {JOIN_DEADLINE_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """What each of two ranks saw in each scenario: ``seen[scenario][rank]``."""
+    out = tmp_path_factory.mktemp("ddp")
+    spawn(worker.run_all, 2, out)
+    return {
+        scenario: [json.loads((out / f"{scenario}.rank{rank}.json").read_text()) for rank in range(2)]
+        for scenario in (*worker.SCENARIOS, "healthy")
+    }
+
+
+def test_forward_fault_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(ranks):
+    rank0, rank1 = ranks["forward_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank1["report"]["rank"] == 1 and rank1["report"]["world_size"] == 2
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer), aten.log.default"
+    for seen in (rank0, rank1):
+        # Both stopped at the fault's step, within seconds (no wait for the process group's timeout).
+        assert seen["steps"] == worker.FAULT_STEP
+        assert seen["seconds"] < 20
+        report = seen["report"]
+        assert (report["phase"], report["module"], report["module_type"], report["op"], report["step"]) == (
+            "forward", "1", "LogLayer", "aten.log.default", worker.FAULT_STEP)
+        assert f"distributed_worker.py:{marked_line('log', where=worker)}" in report["text"]
+        assert re.search(r"^\s*rank\s+1 of 2$", report["text"], re.MULTILINE)
+        assert seen["json_rank"] == 1
+    # Rank 0's own gradients went NaN only through DDP's all-reduce; its report says so.
+    assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert "rank 0 received it through the gradient all-reduce" in rank0["report"]["notes"][-1]
+
+
+def test_backward_fault_on_rank_0_is_named_on_every_rank_as_rank_0s(ranks):
+    rank0, rank1 = ranks["backward_rank0"]
+    assert rank0["error"] == "NonFiniteError"
+    assert rank1["error"] == "PeerNonFiniteError"
+    assert rank1["message"] == "rank 0 found a non-finite value at step 3: backward, 1 (Root)"
+    for seen in (rank0, rank1):
+        assert seen["steps"] == worker.FAULT_STEP
+        report = seen["report"]
+        assert (report["rank"], report["phase"], report["module"], report["module_type"]) == (
+            0, "backward", "1", "Root")
+    # Rank 1 saw the all-reduced NaN gradient, under the user's parameter name (no "module." of DDP).
+    assert rank1["local_tensor"] == "gradient of 0.weight"
+    assert rank1["report"]["notes"][-1].startswith("rank 1 received it through the gradient all-reduce")
+
+
+def test_nan_batch_on_rank_1_is_data_there_and_named_on_rank_0(ranks):
+    rank0, rank1 = ranks["data_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert (rank1["report"]["phase"], rank1["report"]["tensor"]) == ("data", "input[0]")
+    # The root is named as the user's model, not as DDP's wrapper.
+    assert rank1["report"]["module_type"] == "Sequential"
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: data, Sequential (root)"
+    assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+
+
+def test_healthy_ddp_run_is_bit_identical_to_the_unwatched_run(ranks):
+    for seen in ranks["healthy"]:
+        assert seen["params"] == 4
+        assert seen["identical"] is True
+
+
+def test_four_ranks_all_stop_at_rank_3s_forward_fault(tmp_path):
+    spawn(worker.last_rank_fails, 4, tmp_path)
+    seen = [json.loads((tmp_path / f"forward_last_rank.rank{rank}.json").read_text()) for rank in range(4)]
+    assert [rank["error"] for rank in seen] == ["PeerNonFiniteError"] * 3 + ["NonFiniteError"]
+    for rank in seen[:3]:
+        assert rank["message"] == "rank 3 found a non-finite value at step 3: forward, 1 (LogLayer), aten.log.default"
+    assert {rank["steps"] for rank in seen} == {worker.FAULT_STEP}
+    assert {rank["report"]["world_size"] for rank in seen} == {4}
+
+
+TRAIN_SCRIPT = '''
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+class LogLayer(nn.Module):
+    offset = 2.0
+
+    def forward(self, x):
+        return torch.log(x.abs() + self.offset)
+
+
+torch.manual_seed(0)
+middle = LogLayer()
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), middle, nn.Linear(8, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    if step == 2 and rank == 1:
+        middle.offset = -100.0
+    opt.zero_grad()
+    model(torch.randn(4, 4)).pow(2).mean().backward()
+    opt.step()
+dist.destroy_process_group()
+'''
+
+SUMMARY = "nan_magic: 2 ranks: rank 1 found a non-finite value at step 2: forward, 1 (LogLayer)"
+
+
+def run_cli_ranks(tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+    """``python -m nan_magic run`` on two ranks, in torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    port = str(free_port())
+    launched = [
+        subprocess.Popen(
+            [sys.executable, "-m", "nan_magic", "run", "--json", str(tmp_path / "report.json"), str(script)],
+            env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(2)
+    ]
+    results = []
+    try:
+        for process in launched:
+            out, err = process.communicate(timeout=JOIN_DEADLINE_S)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in launched:
+            process.kill()
+    return results
+
+
+def test_cli_every_rank_exits_1_writes_its_own_report_and_rank_0_sums_up(tmp_path):
+    rank0, rank1 = run_cli_ranks(tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (1, 1), rank0.stderr + rank1.stderr
+    assert SUMMARY in rank0.stderr.splitlines()
+    assert "first non-finite output in forward step 2: 1 (LogLayer)" in rank0.stderr  # the full report
+    assert f"nan_magic: rank 1 stopped: {SUMMARY.split(': ', 2)[2]}" in rank1.stderr.splitlines()
+    assert SUMMARY not in rank1.stderr
+    for rank in range(2):
+        written = json.loads((tmp_path / f"report.rank{rank}.json").read_text())
+        assert (written["rank"], written["world_size"], written["module"], written["step"]) == (1, 2, "1", 2)
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_cli_under_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    # torchrun itself: ``python -m torch.distributed.run`` is what the torchrun command runs.
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "nan_magic", "run", str(script)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=JOIN_DEADLINE_S,
+    )
+    assert done.returncode == 1
+    output = done.stdout + done.stderr
+    assert SUMMARY in output.splitlines()
+    # torchrun's own summary: the first rank to exit did so with status 1 (the others may then get its SIGTERM).
+    assert re.search(r"exitcode\s*: 1 ", output)
+
+
+def test_fsdp2_forward_fault_on_rank_1_is_named_with_the_users_class(ranks):
+    rank0, rank1 = ranks["fsdp2_forward_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank0["error"] == "PeerNonFiniteError"
+    # fully_shard makes the class FSDPLogLayer; the report names the user's LogLayer. Watched with
+    # replay=False: a replay would run a sharded module again on one rank alone, and its forward
+    # gathers parameters from every rank (FSDP2 support stops there for now).
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer)"
+    assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+    # Rank 0's own view: its shard of a gradient that the reduce-scatter made NaN, by its user's name.
+    assert rank0["local_tensor"] == "gradient of 0.weight"
+
+
+# -- without processes: names, paths, and the report's rank in every rendering ---------------------
+
+
+def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():
+    from nan_magic.engine.distributed import user_name
+
+    ddp_root = frozenset({""})
+    assert user_name("module.1.weight", ddp_root) == "1.weight"
+    assert user_name("module", ddp_root) == ""
+    # A user's submodule called "module" inside a DDP-wrapped model is the user's name.
+    assert user_name("module.encoder.module.proj", ddp_root) == "encoder.module.proj"
+    assert user_name("encoder.module.proj") == "encoder.module.proj"
+    assert user_name("_orig_mod.layers._checkpoint_wrapped_module.0._fsdp_wrapped_module.fc") == "layers.0.fc"
+
+
+def test_watch_names_modules_and_parameters_of_a_wrapped_model_by_the_users_names():
+    from torch import nn
+
+    from nan_magic.engine.watch import Watch
+
+    class Holder(nn.Module):  # a user's own attribute called "module"
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    model = nn.Sequential(nn.Linear(2, 2), Holder())
+    wrapped = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    nn.Module.__init__(wrapped)  # the wrapper's module tree without a process group
+    wrapped.module = model
+    watch = Watch([wrapped])
+    names = {info.name: info.module_type for info in watch.targets.modules.values()}
+    assert names == {"": "Sequential", "0": "Linear", "1": "Holder", "1.module": "Linear"}
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    assert [name for name, _ in watch.optimizers.named_parameters(opt)] == [
+        "0.weight", "0.bias", "1.module.weight", "1.module.bias"]
+
+
+def test_output_paths_get_a_rank_suffix_only_when_several_ranks_run(monkeypatch):
+    from nan_magic.engine.distributed import per_rank_path
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert per_rank_path("out/report.json") == "out/report.json"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert per_rank_path("out/report.json") == "out/report.rank3.json"
+    assert per_rank_path("nan_scene_step7") == "nan_scene_step7.rank3"
+
+
+def test_rank_is_shown_in_text_html_and_json_and_absent_outside_a_process_group():
+    from nan_magic.records import Phase, Report
+
+    plain = Report(Phase.FORWARD, "fc", "Linear", 3, 1, 0, 0, 4)
+    ranked = Report(Phase.FORWARD, "fc", "Linear", 3, 1, 0, 0, 4, rank=1, world_size=2)
+    assert (plain.rank, plain.world_size) == (None, None)
+    assert json.loads(ranked.to_json())["rank"] == 1 and json.loads(ranked.to_json())["world_size"] == 2
+    assert re.search(r"^\s*rank\s+1 of 2$", ranked.to_text(), re.MULTILINE)
+    assert "1 of 2" in ranked.to_html() and "1 of 2" not in plain.to_html()
+    assert not re.search(r"^\s*rank\s", plain.to_text(), re.MULTILINE)
