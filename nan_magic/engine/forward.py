@@ -389,8 +389,7 @@ class ForwardChecks:
         )
         if detected_at:
             finding.notes.append(detected_at)
-        replayed = self._replay_enclosing(finding, kinds, enclosing)
-        if replayed is not True:
+        if not self._replay_enclosing(finding, kinds, enclosing):
             self.watch.emit(finding)
 
     def _made_by_caller(self, call: Call) -> tuple[str, torch.Tensor] | None:
@@ -414,23 +413,23 @@ class ForwardChecks:
                 return path, tensor
         return None
 
-    def _replay_enclosing(self, finding: Finding, kinds: frozenset[str], enclosing: Call) -> bool | None:
-        """Replay the enclosing call for its op; None when it cannot be (the notes say why)."""
+    def _replay_enclosing(self, finding: Finding, kinds: frozenset[str], enclosing: Call) -> bool:
+        """Replay the enclosing call for its op (the notes say why it cannot be); True when it proved benign."""
         if not self.can_replay:
-            return None
+            return False
         if self.watch.defer:
             arguments = self._kept_arguments(enclosing)
             if isinstance(arguments, str):
                 finding.notes.append(f"{finding.module or 'the root module'}'s arguments are gone by the deferred "
                                      f"check ({arguments}); watch with ops=True (%%nantrace --ops) for the op and line")
-                return None
+                return False
             frame = Frame(enclosing.module, enclosing.info, enclosing, enclosing.rng_state)  # type: ignore[arg-type]
             finding.rng_state = enclosing.rng_state
             return self.replay_into(finding, kinds, frame, arguments.args, arguments.kwargs)
         running = next((frame for frame in reversed(self.stack) if frame.call is enclosing), None)
         passed = _running_arguments(enclosing.module)
         if running is None or passed is None:
-            return None
+            return False
         finding.rng_state = running.rng_state
         return self.replay_into(finding, kinds, running, *passed)
 
@@ -474,12 +473,7 @@ class ForwardChecks:
             return False
         if result.held_by_inputs and produced <= {"+inf", "-inf"}:
             self.masks.add(id(frame.module))
-            finding.benign = True
-            finding.notes.append(
-                "a deliberate infinity: an op inside was given an infinite scalar (e.g. masked_fill(mask, -inf)); "
-                "benign while its consumers stay finite"
-            )
-            self.watch.emit(finding)
+            self._record_deliberate(finding, "an op inside was given an infinite scalar, e.g. masked_fill(mask, -inf)")
             return True
         if result.note:
             finding.notes.append(result.note)
@@ -567,12 +561,9 @@ class ForwardChecks:
         """A replay of the enclosing call showed ``call``'s infinity to be deliberate: recorded as benign."""
         if call.module is not None:
             self.masks.add(id(call.module))
-        finding.benign = True
-        finding.notes.append(
-            f"a replay of {outer} showed that {call.name or 'the root module'} made a deliberate infinity (an op "
-            "given an infinite scalar, e.g. masked_fill(mask, -inf)); benign while its consumers stay finite"
+        self._record_deliberate(
+            finding, f"a replay of {outer} showed an op of {call.name or 'the root module'} given an infinite scalar"
         )
-        self.watch.emit(finding)
         return True
 
     def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
@@ -771,12 +762,8 @@ class ForwardChecks:
         for name, buffer in self.deliberate.buffers(call.module, prefix):
             kinds |= kinds_of(buffer)
             if self.deliberate.first_sighting(call.name, name):
-                finding = Finding(Phase.FORWARD, call, f"buffer {name}", bad=buffer.detach(), benign=True)
-                finding.notes.append(
-                    f"{name} is an infinite mask held as a buffer: a deliberate infinity, "
-                    "benign while what consumes it stays finite"
-                )
-                self.watch.emit(finding)
+                finding = Finding(Phase.FORWARD, call, f"buffer {name}", bad=buffer.detach())
+                self._record_deliberate(finding, f"{name} is an infinite mask held as a buffer")
         return frozenset(kinds)
 
     def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None, what: str) -> None:
@@ -785,10 +772,13 @@ class ForwardChecks:
         if not self.deliberate.first_sighting(call.name, record.path):
             return
         finding = Finding(call.phase, call, record.path, bad=_detached(tensor), record=record,
-                          bad_stats=record.stats() if tensor is None else None, inputs_finite=False, benign=True)
-        finding.notes.append(
-            f"{record.path} is {what}: a deliberate infinity, benign while what consumes it stays finite"
-        )
+                          bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
+        self._record_deliberate(finding, f"{record.path} is {what}")
+
+    def _record_deliberate(self, finding: Finding, how: str) -> None:
+        """Record ``finding`` as a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity."""
+        finding.benign = True
+        finding.notes.append(f"a deliberate infinity ({how}): benign while what consumes it stays finite")
         self.watch.emit(finding)
 
 
@@ -821,13 +811,8 @@ class ForwardChecks:
         record.status = "benign"
         if id(call.module) not in self.masks:
             self.masks.add(id(call.module))
-            finding = Finding(Phase.FORWARD, call, record.path or "output", bad=tensor.detach(), record=record,
-                              benign=True)
-            finding.notes.append(
-                "a deliberate infinity: an infinite scalar (masked_fill(mask, -inf)) or an infinite mask carried "
-                "on; benign while its consumers stay finite"
-            )
-            self.watch.emit(finding)
+            finding = Finding(Phase.FORWARD, call, record.path or "output", bad=tensor.detach(), record=record)
+            self._record_deliberate(finding, "an infinite scalar, e.g. masked_fill(mask, -inf), or a mask carried on")
         return True
 
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:

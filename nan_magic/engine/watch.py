@@ -366,8 +366,15 @@ class Watch:
         skipped step's optimizer hook would have made), so the held event
         names where the gradients overflowed.
         """
-        if not self.gradients.backward_runs:
-            return  # settled already (a second optimizer's skipped step of the same backward)
+        if self.gradients.backward_runs:  # else settled already (a second optimizer's skip of the same backward)
+            self._settle_backward(optimizer)
+
+    def _settle_backward(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """A backward ran and no optimizer step followed it: a skipped step, or gradients accumulating.
+
+        What the deferred check has not judged yet is judged now (the step's
+        log is about to be cleared), then the GradScaler rule settles a skip.
+        """
         self.sync()
         self.optimizers.on_step_boundary(optimizer)
         self.gradients.backward_runs = 0
@@ -406,13 +413,7 @@ class Watch:
 
     def begin_step_if_needed(self) -> None:
         if self._step_open and self.gradients.backward_runs:
-            # A backward ran since the last optimizer step, and no step: with
-            # a GradScaler, the scaler skipped it; without, gradients are
-            # accumulating. Either way the log is about to be cleared: what
-            # the deferred check has not judged yet is judged now.
-            self.sync()
-            self.optimizers.on_step_boundary()
-            self._step_open = False
+            self._settle_backward()
         if not self._step_open:
             self.log.clear()
             self.gradients.backward_runs = 0
