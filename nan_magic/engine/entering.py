@@ -27,6 +27,7 @@ import torch
 
 from nan_magic.engine.frames import is_library_file
 from nan_magic.engine.loss_region import loss_region_nodes
+from nan_magic.engine.masks import is_additive_mask
 from nan_magic.engine.stats import is_checkable, kinds_of
 
 __all__ = ["entering_tensors", "saved_leaves"]
@@ -128,11 +129,5 @@ def _is_bad_data(tensor: torch.Tensor) -> bool:
     """A non-finite floating leaf that no code of the step computed with gradients."""
     if tensor.grad_fn is not None or tensor.requires_grad or not is_checkable(tensor):
         return False
-    kinds = kinds_of(tensor)
-    if not kinds:
-        return False
-    if "nan" not in kinds:
-        finite = tensor[torch.isfinite(tensor)]
-        if finite.numel() == 0 or not finite.any():
-            return False  # an additive mask: 0 where attended, -inf (or +inf) where not
-    return True
+    # An additive attention mask (masks.py) is deliberate, not data.
+    return bool(kinds_of(tensor)) and not is_additive_mask(tensor)

@@ -45,7 +45,7 @@ from torch import nn
 from nan_magic.engine.calls import version_of
 from nan_magic.engine.stats import is_checkable, probe, readable
 
-__all__ = ["DeliberateMasks", "argument_name", "names_a_mask"]
+__all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask"]
 
 _MASK_NAME = re.compile("mask", re.IGNORECASE)
 _POSITION = re.compile(r"^input\[(\d+)\]")
@@ -132,6 +132,18 @@ class DeliberateMasks:
             return False
         self._reported.add(key)
         return True
+
+
+def is_additive_mask(tensor: torch.Tensor) -> bool:
+    """The rule of the module docstring for a tensor with no name to go by: 0 where attended, ±inf where not.
+
+    For the op tracer (a tensor entering the traced code) and the loss code's
+    data (entering.py): no NaN, one sign of infinity, a finite element, and
+    every finite element 0. A dense real tensor only.
+    """
+    if not is_checkable(tensor) or tensor.layout is not torch.strided or tensor.is_complex():
+        return False
+    return _holds_a_mask(tensor, named=False)
 
 
 def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:

@@ -74,6 +74,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from nan_magic.engine.frames import is_library_file, pointer
+from nan_magic.engine.masks import is_additive_mask
 from nan_magic.engine.stats import (
     is_checkable,
     probe,
@@ -547,7 +548,7 @@ class OpTracer(TorchDispatchMode):
                         inherited = inherited or entry
                 elif entry is not None or self.outside_benign:
                     benign |= kinds
-                elif "nan" not in kinds and _looks_like_mask(value):
+                elif "nan" not in kinds and is_additive_mask(value):
                     benign |= kinds
                     self._note_origin(value, _Benign())  # looked at once per step, not at every consumer
                 else:
@@ -994,18 +995,6 @@ def _odd_scalar(plan: _Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> boo
         name in plan.fills and isinstance(value, float) and not math.isfinite(value)
         for name, value in _arguments(plan, args, kwargs)
     )
-
-
-def _looks_like_mask(tensor: torch.Tensor) -> bool:
-    """An additive float mask: every entry 0 or infinite (``generate_square_subsequent_mask``).
-
-    Asked only of an infinite tensor, without NaN, that entered the traced
-    code from outside (an argument or a buffer) and reached an op whose
-    output is non-finite.
-    """
-    if not _checkable(tensor) or not _dense(tensor) or tensor.is_complex():
-        return False  # a mask is a dense real tensor
-    return bool(((tensor == 0) | tensor.isinf()).all())
 
 
 @dataclass(frozen=True)
