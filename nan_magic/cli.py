@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.engine.distributed import leave_together, per_rank_path
+from nan_magic.engine.distributed import launched_rank, leave_together, per_rank_path
 from nan_magic.engine.errors import NonFiniteError, peer_message
 from nan_magic.engine.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
@@ -119,7 +119,7 @@ def _print_ranks_summary(report: Report) -> None:
     Every rank that stopped at the agreement holds the report of the rank
     that found the event (distributed.py), so rank 0's copy names it.
     """
-    here = int(os.environ.get("RANK", "0") or 0)
+    here = launched_rank()
     if here == 0:
         print(report.to_text(), file=sys.stderr)
         print(f"nan_magic: {report.world_size} ranks: {peer_message(report)}", file=sys.stderr)

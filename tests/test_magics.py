@@ -365,8 +365,9 @@ def test_unload_removes_magics_and_events(ip) -> None:
     shell.run_line_magic("unload_ext", "nan_magic")
     assert shell.find_cell_magic("nantrace") is None
     assert shell.find_line_magic("nanwatch") is None
-    callbacks = shell.events.callbacks["post_run_cell"]
-    assert not any(getattr(cb, "__self__", None).__class__.__name__ == "NanMagics" for cb in callbacks)
+    for event in ("pre_execute", "post_execute"):  # the events the extension registers
+        callbacks = shell.events.callbacks[event]
+        assert not any(getattr(cb, "__self__", None).__class__.__name__ == "NanMagics" for cb in callbacks)
     shell.run_line_magic("load_ext", "nan_magic")
     assert shell.find_cell_magic("nantrace") is not None
 

@@ -170,11 +170,11 @@ def _with_absorbed(report: Report, cause: Cause) -> Cause:
     if absorbed is None:
         return cause
     source = absorbed.source
-    where = f" at {source.filename.rsplit('/', 1)[-1]}:{source.lineno}" if source is not None else ""
-    module = absorbed.module if absorbed.module is not None else "code outside the watched modules"
+    where = f" at {name_location(source.filename, source.lineno)}" if source is not None else ""
     counts = _counts_phrase(absorbed.nan, absorbed.posinf, absorbed.neginf)
     line = (
-        f"absorbed in forward: {absorbed.op}{where} (in {module or '<root>'}) made {counts} that no module output "
+        f"absorbed in forward: {absorbed.op}{where} (in {module_label(absorbed.module)}) made {counts} that no "
+        "module output "
         "kept (torch.where or a saturating function discarded it); its backward multiplied it by a zero gradient"
     )
     hint = (

@@ -56,8 +56,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.findings import Finding
 
 __all__ = [
-    "Agreement", "data_parallel_paths", "launched", "leave_together", "local_shard", "per_rank_path", "process_group",
-    "stamp", "user_name", "user_type",
+    "Agreement", "data_parallel_paths", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
+    "process_group", "stamp", "user_name", "user_type",
 ]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
@@ -140,6 +140,11 @@ def process_group() -> tuple[int, int] | None:
     return dist.get_rank(), dist.get_world_size()
 
 
+def launched_rank() -> int:
+    """This process's rank as ``torchrun`` set it in the environment (0 when it did not)."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def launched() -> bool:
     """Whether this process is one of several ranks (a process group, or ``torchrun``'s environment)."""
     group = process_group()
@@ -163,7 +168,7 @@ def per_rank_path(path: str) -> str:
     """
     group = process_group()
     if group is None and launched():
-        group = int(os.environ.get("RANK", "0") or 0), int(os.environ["WORLD_SIZE"])
+        group = launched_rank(), int(os.environ["WORLD_SIZE"])
     if group is None or group[1] <= 1:
         return path
     root, extension = os.path.splitext(path)

@@ -118,7 +118,7 @@ def apply_op_finding(
         # the module output the check saw (64 nan after a softmax), which
         # stays beside it. The op's operands (named by schema argument:
         # ``self``, ``other``) say e.g. which one held the zeros.
-        bad = finding.bad if finding.bad is not None else None
+        bad = finding.bad
         module_stats = finding.bad_stats if bad is None else tensor_stats(bad)
         if module_stats is not None:
             finding.module_output = (finding.tensor, module_stats, bad)

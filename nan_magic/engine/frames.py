@@ -69,14 +69,18 @@ def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
 
     Returns ``None`` (and leaves ``tb`` alone) when no entry is user code.
     """
-    last_user = None
-    entry = tb
-    while entry is not None:
-        if not is_library_file(entry.tb_frame.f_code.co_filename):
-            last_user = entry
-        entry = entry.tb_next
+    last_user = _last_user_entry(tb)
     if last_user is not None:
         last_user.tb_next = None
+    return last_user
+
+
+def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
+    last_user = None
+    while tb is not None:
+        if not is_library_file(tb.tb_frame.f_code.co_filename):
+            last_user = tb
+        tb = tb.tb_next
     return last_user
 
 
@@ -97,12 +101,8 @@ def end_at_producer(tb: TracebackType | None, producer: FrameType | None) -> Tra
 
 def last_user_frame(tb: TracebackType | None) -> FrameType | None:
     """The innermost frame of ``tb`` that is the user's code, or None."""
-    found = None
-    while tb is not None:
-        if not is_library_file(tb.tb_frame.f_code.co_filename):
-            found = tb.tb_frame
-        tb = tb.tb_next
-    return found
+    entry = _last_user_entry(tb)
+    return entry.tb_frame if entry is not None else None
 
 
 def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:

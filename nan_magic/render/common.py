@@ -11,6 +11,7 @@ import linecache
 import math
 from dataclasses import dataclass
 
+from nan_magic.locations import name_location
 from nan_magic.records import (
     LayerCall,
     Report,
@@ -225,7 +226,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
     if report.absorbed is not None:
         absorbed = report.absorbed
-        at = f" at {absorbed.source.filename.rsplit('/', 1)[-1]}:{absorbed.source.lineno}" if absorbed.source else ""
+        at = f" at {name_location(absorbed.source.filename, absorbed.source.lineno)}" if absorbed.source else ""
         rows.append((
             "absorbed",
             f"{absorbed.op}{at} made {counts_phrase(absorbed.nan, absorbed.posinf, absorbed.neginf)} in forward "

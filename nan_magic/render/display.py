@@ -17,10 +17,10 @@ rich view drops that view, never the report.
 from __future__ import annotations
 
 import contextlib
-import sys
 import uuid
 from typing import Any
 
+from nan_magic.locations import running_shell
 from nan_magic.records import Report
 from nan_magic.render.text import render_text
 
@@ -73,8 +73,5 @@ def _kernel_shell() -> Any:
     IPython is only looked up, never imported: if nobody imported it, this
     is not a kernel. Terminal IPython has no ``kernel`` attribute.
     """
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return None
-    shell = ipython.get_ipython()
+    shell = running_shell()
     return shell if getattr(shell, "kernel", None) is not None else None
