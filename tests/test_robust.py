@@ -268,3 +268,15 @@ def test_fake_tensors_are_skipped_and_counted(options: dict[str, Any]) -> None:
             out = model(x)
     assert isinstance(out, FakeTensor) and tuple(out.shape) == (3, 4)
     assert w.report is None and w.skipped["FakeTensor"] >= 3, dict(w.skipped)
+
+
+def test_ops_tracer_starts_an_origin_on_a_sparse_output_without_reading_its_storage() -> None:
+    # A sparse tensor has no one storage: the tracer's memory key must not be built for it.
+    from nan_magic.engine.ops import OpTracer
+
+    values = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
+    tracer = OpTracer(kinds=frozenset({"nan", "inf"}), at_boundary=True)
+    with tracer:
+        overflowed = values * 1e39  # float32 overflows: +inf stored values
+    origin = tracer.origin_of(overflowed)
+    assert origin is not None and origin != "benign" and origin.op == "aten.mul.Tensor"

@@ -41,8 +41,7 @@ from collections import deque
 
 import torch
 
-from nan_magic.engine.stats import probe as stats_probe
-from nan_magic.engine.stats import readable
+from nan_magic.engine.stats import read_probe
 from nan_magic.records import EarlyWarning, StepSummary, module_label
 
 __all__ = [
@@ -161,7 +160,7 @@ class EarlyWarnings:
         # Only detached tensors are read: no graph is recorded, without the
         # cost of entering ``no_grad`` at every step.
         if probe is None:
-            low, high = (float(value) for value in stats_probe(readable(tensor)))
+            low, high = read_probe(tensor)
         else:
             low, high = probe
         found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
-from nan_magic.engine.stats import is_checkable, probe, readable
+from nan_magic.engine.stats import is_checkable, read_probe
 
 __all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask"]
 
@@ -118,7 +118,7 @@ class DeliberateMasks:
         for name, buffer in module.named_buffers():
             if not is_checkable(buffer):  # a meta or nested buffer has nothing to read (stats.py)
                 continue
-            low, high = (float(value) for value in probe(readable(buffer)))
+            low, high = read_probe(buffer)
             if math.isfinite(low) and math.isfinite(high):
                 continue
             if self.is_mask(buffer, name.rsplit(".", 1)[-1]):

@@ -467,11 +467,11 @@ class OpTracer(TorchDispatchMode):
         if plan.overwrites:
             return {}
         # Only dense tensors have a storage to compare (a sparse one's values are its own).
-        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if _checkable(t) and _dense(t)]
+        written = [t for _, t in _tensors(plan, args, kwargs, plan.writes) if is_checkable(t) and _dense(t)]
         storages = {t.untyped_storage().data_ptr() for t in written}
         priors: dict[int, _Prior] = {}
         for _, tensor in _tensors(plan, args, kwargs, plan.reads):
-            if _checkable(tensor) and _dense(tensor) and tensor.untyped_storage().data_ptr() in storages:
+            if is_checkable(tensor) and _dense(tensor) and tensor.untyped_storage().data_ptr() in storages:
                 kinds = self._known_kinds(tensor)
                 probed = probe(_wide(readable(tensor))) if kinds is None else None
                 origin = self._origin_entry(tensor) if self._origins else None
@@ -480,7 +480,7 @@ class OpTracer(TorchDispatchMode):
 
     def _suspects(self, outputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """The outputs that may be non-finite; the others are remembered as finite."""
-        checked = [(label, t) for label, t in outputs if _checkable(t)]
+        checked = [(label, t) for label, t in outputs if is_checkable(t)]
         if not checked:
             return []
         suspects = []
@@ -496,7 +496,7 @@ class OpTracer(TorchDispatchMode):
         known = self._known_kinds(tensor)
         if known is None:
             # A complex value is non-finite where its real or imaginary part is (stats.values_to_read).
-            known = _exact_kinds(tensor) if _checkable(tensor) else frozenset()
+            known = _exact_kinds(tensor) if is_checkable(tensor) else frozenset()
             self._remember(tensor, known)
         return known
 
@@ -538,19 +538,21 @@ class OpTracer(TorchDispatchMode):
                 held |= kinds
                 entry = prior.origin if prior is not None else self._origin_entry(value)
                 if entry is None and in_backward and self._by_memory:
-                    entry = self._saved_origin(value)
+                    # A forward value autograd saved has lost its Python object: found by its memory.
+                    entry = self._memory_origin(value)
                 if isinstance(entry, _Origin):
                     if in_backward and entry.finding.phase != Phase.BACKWARD:
                         # A forward value read by a gradient formula, which reached no
                         # forward boundary (it would have been reported there).
                         absorbed = absorbed or entry
                     else:
-                        inherited = inherited or entry
+                        inherited = entry
+                        break  # the output carries this origin: the other inputs change nothing
                 elif entry is not None or self.outside_benign:
                     benign |= kinds
                 elif "nan" not in kinds and is_additive_mask(value):
                     benign |= kinds
-                    self._note_origin(value, _Benign())  # looked at once per step, not at every consumer
+                    self._note_origin(value, _BENIGN)  # looked at once per step, not at every consumer
                 else:
                     outside = True
             in_place = written is not None and id(tensor) in written
@@ -559,7 +561,7 @@ class OpTracer(TorchDispatchMode):
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
             elif out_kinds <= benign:
-                self._note_origin(tensor, _Benign(), in_place)
+                self._note_origin(tensor, _BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
             elif not _called_by_us():
@@ -586,7 +588,7 @@ class OpTracer(TorchDispatchMode):
         phase = Phase.BACKWARD if in_backward else None
         if phase is None and self._phase_hint is not None:
             phase = self._phase_hint()
-        source, inner = _sources_of_op(sys._getframe(1))
+        source, inner, user_frame = _sources_of_op(sys._getframe(1))
         output_stats = tensor_stats(tensor)
         input_stats = []
         witnesses = [(label, weakref.ref(tensor))]
@@ -596,7 +598,7 @@ class OpTracer(TorchDispatchMode):
             prior = priors.get(id(value))
             if prior is not None:
                 input_stats.append((f"{name} (before)", prior.stats()))
-            elif _checkable(value):
+            elif is_checkable(value):
                 input_stats.append((name, tensor_stats(value)))
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self._forward_source(node)
@@ -620,12 +622,10 @@ class OpTracer(TorchDispatchMode):
             absorbed=absorbed.finding if absorbed is not None else None,
         )
         self._witnesses[id(finding)] = tuple(witnesses)
-        if not in_backward:
-            frame = _user_frame(_skip_plumbing(sys._getframe(1)))
-            if frame is not None:
-                self._frames[id(finding)] = frame
+        if not in_backward and user_frame is not None:
+            self._frames[id(finding)] = user_frame
         origin = _Origin(finding)
-        if not in_backward and not tensor.is_inference():
+        if not in_backward and not tensor.is_inference() and type(tensor) in _PLAIN and _dense(tensor):
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
         return origin
 
@@ -679,19 +679,6 @@ class OpTracer(TorchDispatchMode):
             return None
         entry = self._by_memory.get(_memory_key(tensor))
         return entry[1] if entry is not None and entry[0] == tensor._version else None
-
-    def _saved_origin(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
-        """The forward origin of a tensor autograd saved for backward, found by its memory and version.
-
-        Consulted only for a non-finite backward input that has no origin of
-        its own, and forgotten at every step: memory reused by another
-        tensor since would have to hold non-finite values at the same offset,
-        shape, strides and version to be mistaken for it.
-        """
-        entry = self._by_memory.get(_memory_key(tensor))
-        if entry is None or tensor.is_inference() or entry[0] != tensor._version:
-            return None
-        return entry[1]
 
     def _note_origin(self, tensor: torch.Tensor, origin: _Origin | _Benign, written: bool = False) -> None:
         if tensor.is_inference():
@@ -903,16 +890,6 @@ def _list_index(label: str) -> int | None:
     return None
 
 
-def _checkable(tensor: torch.Tensor) -> bool:
-    """A tensor the watch reads, by the rule every check uses (:func:`stats.is_checkable`).
-
-    Complex and sparse tensors are read through their real values; nested,
-    meta and dispatching subclasses (DTensor, FakeTensor) are left alone:
-    reducing them fails, has no data or could communicate.
-    """
-    return is_checkable(tensor)
-
-
 def _dense(tensor: torch.Tensor) -> bool:
     return tensor.layout is torch.strided
 
@@ -964,7 +941,7 @@ def _range(dtype: torch.dtype) -> float:
 
 
 def _exact_kinds(tensor: torch.Tensor) -> frozenset[str]:
-    low, high = (float(v) for v in probe(_wide(readable(tensor))))
+    low, high = _read(list(probe(_wide(readable(tensor)))))
     kinds = probe_kinds(low, high)
     # NaN hides infinities from a probe; count them apart.
     return tensor_stats(tensor).kinds if "nan" in kinds else kinds
@@ -1006,6 +983,9 @@ class _Origin:
 
 class _Benign:
     """A non-finite value that is a deliberate infinity (a mask, an infinite fill), or carries one."""
+
+
+_BENIGN = _Benign()
 
 
 def _scalar_kinds(value: Any) -> frozenset[str]:
@@ -1124,18 +1104,15 @@ def _called_by_us() -> bool:
     return False
 
 
-def _skip_plumbing(frame: FrameType | None) -> FrameType | None:
+def _sources_of_op(
+    frame: FrameType | None,
+) -> tuple[SourcePointer | None, SourcePointer | None, FrameType | None]:
+    """The user's line that ran the current op, the innermost line below it, and the user's frame."""
     while frame is not None and _is_plumbing(frame):
         frame = frame.f_back
-    return frame
-
-
-def _sources_of_op(frame: FrameType | None) -> tuple[SourcePointer | None, SourcePointer | None]:
-    """The user's line that ran the current op, and the innermost line below it."""
-    frame = _skip_plumbing(frame)
     user = _user_frame(frame)
     if frame is None:
-        return None, None
+        return None, None, None
     if user is None:
-        return None, pointer(frame)
-    return pointer(user), (pointer(frame) if frame is not user else None)
+        return None, pointer(frame), None
+    return pointer(user), (pointer(frame) if frame is not user else None), user

@@ -211,10 +211,9 @@ def replay_module(
             finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
             benign_modules=benign,
         )
-    bad = [t for _, t in iter_tensors(output) if relevant_kinds(kinds_of(t), frozenset(kinds))]
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
-    elif bad:
+    elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
         note = (
             f"replay of {label} gave a non-finite output that no op inside it produced: "
             "its inputs, parameters, buffers or scalar arguments already held it"

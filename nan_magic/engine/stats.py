@@ -46,6 +46,7 @@ __all__ = [
     "kinds_of",
     "probe",
     "probe_kinds",
+    "read_probe",
     "readable",
     "relevant_kinds",
     "sample_values",
@@ -287,9 +288,15 @@ def relevant_kinds(kinds: frozenset[str], watched: frozenset[str]) -> frozenset[
     return kinds & keep
 
 
+def read_probe(tensor: torch.Tensor) -> tuple[float, float]:
+    """``(min, max)`` of a checkable tensor as floats, read in one transfer (slow path)."""
+    low, high = read_scalars(list(probe(readable(tensor))))
+    return low, high
+
+
 def kinds_of(tensor: torch.Tensor) -> frozenset[str]:
     """Exact non-finite kinds of a tensor (slow path)."""
-    low, high = (float(v) for v in probe(readable(tensor)))
+    low, high = read_probe(tensor)
     kinds = probe_kinds(low, high)
     if "nan" not in kinds:
         return kinds
