@@ -371,12 +371,9 @@ def _is_optimizer(value: Any) -> bool:
 
 
 def _namespace_scalers(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
-    """The GradScalers in the user namespace, each once, with their names."""
-    found: dict[int, tuple[str, Any]] = {}
-    for name, value in list(namespace.items()):
-        if not name.startswith("_") and _is_grad_scaler(value):
-            found.setdefault(id(value), (name, value))
-    return [name for name, _ in found.values()], [value for _, value in found.values()]
+    """The GradScalers in the user namespace, each once, with their names (as :func:`_discover` finds them)."""
+    scalers = [(name, value) for name, value in zip(*_discover(namespace)) if _is_grad_scaler(value)]
+    return [name for name, _ in scalers], [value for _, value in scalers]
 
 
 def _models_on_a_device(namespace: dict[str, Any]) -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "TensorStats",
     "WatchConfig",
     "module_label",
+    "sample_label",
 ]
 
 OnDetect = Literal["raise", "warn", "log"]
@@ -59,6 +60,11 @@ class Phase(str, enum.Enum):
 
 #: How a value outside every watched module is named (``module`` None).
 OUTSIDE_MODULES = "code outside any watched module"
+
+
+def sample_label(module: str | None, tensor: str) -> str:
+    """A histogram sample's label: ``encoder.1 output``, ``(root) input[0]`` (the renderers find samples by it)."""
+    return f"{module or '(root)'} {tensor}"
 
 
 def module_label(module: str | None, module_type: str | None = None) -> str:

@@ -28,6 +28,7 @@ from nan_magic.records import (
     SourcePointer,
     StepSummary,
     TensorStats,
+    sample_label,
 )
 
 __all__ = ["Finding", "build_report"]
@@ -150,7 +151,7 @@ def _nearby_samples(log: StepLog, producer: TensorRecord | None, size: int) -> l
         if tensor is None or record.call is None:
             continue
         name = record.call.name if record.call.name is not None else "loss"
-        samples.append(sample_values(tensor, f"{name or '(root)'} {record.path}", size, producer=False))
+        samples.append(sample_values(tensor, sample_label(name, record.path), size, producer=False))
         if len(samples) == NEARBY_LAYERS:
             break
     return samples[::-1]
@@ -183,7 +184,7 @@ def build_report(
         name, module_stats, module_tensor = finding.module_output
         module_output = (name, module_stats)
         if module_tensor is not None:
-            samples.append(sample_values(module_tensor, f"{finding.module or '(root)'} {name}", sample_size))
+            samples.append(sample_values(module_tensor, sample_label(finding.module, name), sample_size))
     samples.extend(_nearby_samples(log, finding.record, sample_size // 4))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"

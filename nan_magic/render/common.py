@@ -20,6 +20,7 @@ from nan_magic.records import (
     StepSummary,
     TensorStats,
     module_label,
+    sample_label,
 )
 from nan_magic.render.operands import op_base, operand_label, operand_names
 
@@ -268,9 +269,7 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
     encoder.1 (Linear)``); the other layers' samples after them, as they are.
     """
     names = operand_names(report.op, report.source.line if report.source else None)
-    module_output = (
-        f"{report.module or '(root)'} {report.module_output[0]}" if report.module_output else None
-    )
+    module_output = sample_label(report.module, report.module_output[0]) if report.module_output else None
     operands, op_output, module_inputs, module_outputs, others = [], [], [], [], []
     for sample in report.samples:
         label = sample.label
