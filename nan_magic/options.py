@@ -27,7 +27,10 @@ WATCH_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--types",), {"default": "", "metavar": "TYPES",
                     "help": "watch only these module types, comma-separated (e.g. Linear,LayerNorm)"}),
     (("--log-file",), {"default": None, "metavar": "PATH", "help": "append one JSON line per event"}),
-    (("--ops",), {"action": "store_true", "help": "op-level tracing (exact op and line; slower)"}),
+    (("--full",), {"action": "store_const", "const": "full", "default": "tiered", "dest": "mode",
+                   "help": "check every module call of every step (default: the step's boundaries, and a replay "
+                   "of the failing step)"}),
+    (("--ops",), {"action": "store_true", "help": "op-level tracing of every step (exact op and line; slower)"}),
     (("--no-replay",), {"action": "store_true", "help": "do not replay the producer to find its op"}),
     (("--no-backward",), {"action": "store_true", "help": "do not check gradients"}),
     (("--defer",), {"action": "store_true", "default": None,
@@ -54,6 +57,7 @@ def config_from_args(args: Any) -> WatchConfig:
     """
     return WatchConfig(
         on_detect=args.on_detect or "raise",
+        mode=args.mode,
         kinds=frozenset(_names(args.kinds)),
         include=tuple(args.include),
         exclude=tuple(args.exclude),

@@ -26,6 +26,7 @@ __all__ = [
     "Cause",
     "LayerCall",
     "OnDetect",
+    "WatchMode",
     "Phase",
     "Report",
     "Sample",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 OnDetect = Literal["raise", "warn", "log"]
+WatchMode = Literal["tiered", "full"]
 
 #: The three kinds of non-finite value, in the order reports show them.
 KINDS = ("nan", "+inf", "-inf")
@@ -297,6 +299,10 @@ class Report:
     #: (``torch.distributed``); None outside a process group.
     rank: int | None = None
     world_size: int | None = None
+    #: Whether the replay of the failing step (the default, tiered watch) saw the event again at the
+    #: same boundary with the same counts: True, False (then the report holds what the step's
+    #: boundary checks saw, and ``mode="full"`` finds the producer), None where nothing was replayed.
+    reproduced: bool | None = None
 
     # -- derived -------------------------------------------------------------
 
@@ -400,6 +406,16 @@ class WatchConfig:
 
     Parameters
     ----------
+    mode
+        ``"tiered"`` (default): check the step's boundaries (the batch, the
+        model's outputs, the loss, the gradients, the parameters) and, at an
+        event, replay the failing step under per-module and op-level checks
+        to name the producer; a per-module step every ``full_every`` steps
+        feeds the per-layer early warnings. ``"full"``: check every module
+        call of every step (``ops=True`` implies it).
+    full_every
+        In the tiered mode, the watch's second step and every
+        ``full_every``-th step after it are per-module steps.
     on_detect
         ``"raise"`` (default) stops at the first non-benign event with
         :class:`nan_magic.NonFiniteError`; ``"warn"`` emits one warning per
@@ -442,6 +458,8 @@ class WatchConfig:
     """
 
     on_detect: OnDetect = "raise"
+    mode: WatchMode = "tiered"
+    full_every: int = 50
     kinds: frozenset[str] = frozenset({"nan", "inf"})
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -463,6 +481,8 @@ class WatchConfig:
             raise ValueError(
                 f"on_detect must be 'raise', 'warn' or 'log', not {self.on_detect!r}"
             )
+        if self.mode not in ("tiered", "full"):
+            raise ValueError(f"mode must be 'tiered' or 'full', not {self.mode!r}")
         kinds = frozenset(self.kinds)
         unknown = kinds - {"nan", "inf"}
         if unknown or not kinds:
@@ -472,6 +492,11 @@ class WatchConfig:
         object.__setattr__(self, "kinds", kinds)
         if self.keep_last_good not in (None, "cpu", "device"):
             raise ValueError(f"keep_last_good must be 'cpu', 'device' or None, not {self.keep_last_good!r}")
-        for name in ("history", "sample_size", "max_layers", "max_events"):
+        for name in ("history", "sample_size", "max_layers", "max_events", "full_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether steps are checked at their boundaries only (``ops=True`` checks every op of every step)."""
+        return self.mode == "tiered" and not self.ops

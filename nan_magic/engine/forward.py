@@ -24,6 +24,7 @@ from nan_magic.engine.calls import Alias, Call, KnownFinite, TensorRecord, versi
 from nan_magic.engine.findings import Finding, apply_op_finding
 from nan_magic.engine.held import Resolved, hold_arguments
 from nan_magic.engine.masks import DeliberateMasks, argument_name
+from nan_magic.engine.module_hooks import is_compiled
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.replay import (
     RngState,
@@ -87,7 +88,8 @@ class ForwardChecks:
         self.deliberate = DeliberateMasks()
         self.replaying = False
         config = watch.config
-        self.can_replay = config.replay and not config.ops
+        # The tiered watch replays the whole failing step instead (step_replay.py).
+        self.can_replay = config.replay and not config.ops and not config.tiered
         # A backward producer is replayed from the gradient hook, after its
         # forward returned, and in deferred mode any producer is replayed at
         # the check: calls keep their arguments (weakly) and RNG state.
@@ -118,8 +120,8 @@ class ForwardChecks:
         if not self.watch.mine():
             return
         info = self.watch.module_info(module)
-        if info is None:
-            return
+        if info is None or (self.stack and not self.watch.full_step):
+            return  # unwatched, or inside a top-level call of a tiered step (only its boundaries are checked)
         if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
             known = self.watch.log.known_finite(args[0])
             if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
@@ -135,6 +137,10 @@ class ForwardChecks:
         if top_level:
             self.watch.begin_step_if_needed()
             self.watch.forward_starts += 1
+            if self.watch.replays is not None:
+                self.watch.replays.begin(module, info, args)
+            if is_compiled(module):
+                self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
         self._note_inputs(call, args, "input")
@@ -155,6 +161,8 @@ class ForwardChecks:
             return
         frame = self.stack.pop()
         if len(rest) != 2:
+            if not self.stack and frame.call is not None:
+                self.watch.on_forward_failed(module, frame.call)
             return
         kwargs, output = rest
         call = frame.call
@@ -168,6 +176,8 @@ class ForwardChecks:
                 bound = output_bound(frame.info.transparent, module, low, high)
                 self.watch.log.alias(output, frame.through, module, frame.rng_state, bound, frame.known)
             return
+        if not self.stack and self.watch.replays is not None:
+            self.watch.replays.finish(module, call, kwargs)
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             self._note_inputs(call, kwargs, "kwargs")
@@ -427,7 +437,7 @@ class ForwardChecks:
             finding.rng_state = enclosing.rng_state
             return self.replay_into(finding, kinds, frame, arguments.args, arguments.kwargs)
         running = next((frame for frame in reversed(self.stack) if frame.call is enclosing), None)
-        passed = _running_arguments(enclosing.module)
+        passed = running_arguments(enclosing.module)
         if running is None or passed is None:
             return False
         finding.rng_state = running.rng_state
@@ -852,7 +862,7 @@ _CALL_CODES = frozenset(
 )
 
 
-def _running_arguments(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def running_arguments(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The arguments of ``module``'s call that is running now, from its ``__call__`` frame.
 
     Global forward pre-hooks never see keyword arguments, so a call still in

@@ -1082,7 +1082,10 @@ _THIS_FILE = os.path.abspath(__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep
 # Our files that call the user's code: the wrapped Tensor.backward, and a
 # replay running a module (whose ops are the module's, even an nn.Linear's).
-_RUNS_USER_CODE = tuple(os.path.join(_OWN_DIR, "engine", name) for name in ("backward_patch.py", "replay.py"))
+# Our files whose own lines run the user's code: a replayed call and its backward are the user's ops.
+_RUNS_USER_CODE = tuple(
+    os.path.join(_OWN_DIR, "engine", name) for name in ("backward_patch.py", "replay.py", "step_replay.py")
+)
 
 
 def _called_by_us() -> bool:

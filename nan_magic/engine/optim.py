@@ -252,7 +252,7 @@ class OptimizerChecks:
                 if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
                     finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
                     finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
-                    self._attribute(finding)
+                    self.attribute(finding)
                     watch.forward.add_op_origin(finding, grad)
                     watch.emit(finding)
                     return
@@ -333,7 +333,7 @@ class OptimizerChecks:
                 continue
             label = result.label(index)
             finding = Finding(Phase.OPTIMIZER, None, label, bad=tensor.detach(), step=result.step)
-            self._attribute(finding)
+            self.attribute(finding)
             self.watch.forward.add_op_origin(finding, tensor)
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
@@ -405,7 +405,7 @@ class OptimizerChecks:
                 "a parameter gradient overflowed while the activation gradients stayed finite",
             )
             if finding is not None:
-                self._attribute(finding)
+                self.attribute(finding)
         if finding is None:
             return
         self.skipped_in_a_row += 1
@@ -480,7 +480,7 @@ class OptimizerChecks:
             (names[id(parameter)], parameter) for group in opt.param_groups for parameter in group["params"]
         ]
 
-    def _attribute(self, finding: Finding) -> None:
+    def attribute(self, finding: Finding) -> None:
         """Name the module that owns the parameter in ``finding.tensor``."""
         parameter_name = finding.tensor.rsplit(" ", 1)[-1]
         owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""

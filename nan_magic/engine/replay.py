@@ -42,6 +42,7 @@ __all__ = [
     "RngState",
     "capture_autocast",
     "capture_rng_state",
+    "copy_tensors",
     "recompute",
     "replay_backward",
     "replay_module",
@@ -193,7 +194,7 @@ def replay_module(
     label = module_name or "the root module"
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        args, kwargs = _copy(tuple(args), copies), _copy(dict(kwargs), copies)
+        args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
     frame: FrameType | None = None
@@ -236,18 +237,18 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _copy(value: Any, copies: dict[int, torch.Tensor]) -> Any:
+def copy_tensors(value: Any, copies: dict[int, torch.Tensor]) -> Any:
     """Copy the tensors in tuples, lists and dicts; one copy per tensor object."""
     if isinstance(value, torch.Tensor):
         if id(value) not in copies:
             copies[id(value)] = value.detach().clone()
         return copies[id(value)]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_copy(item, copies) for item in value))
+        return type(value)(*(copy_tensors(item, copies) for item in value))
     if type(value) in (tuple, list):
-        return type(value)(_copy(item, copies) for item in value)
+        return type(value)(copy_tensors(item, copies) for item in value)
     if type(value) is dict:
-        return {key: _copy(item, copies) for key, item in value.items()}
+        return {key: copy_tensors(item, copies) for key, item in value.items()}
     return value
 
 
@@ -339,7 +340,7 @@ def replay_backward(
     originals = {id(tensor): tensor for _path, tensor in iter_tensors((args, kwargs))}
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        args, kwargs = _copy(tuple(args), copies), _copy(dict(kwargs), copies)
+        args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     for key, original in originals.items():
         copies[key].requires_grad_(original.requires_grad or original is target_tensor)
     target_copy = copies.get(id(target_tensor))
@@ -399,7 +400,7 @@ def run_again(
     """
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        args, kwargs = _copy(tuple(args), copies), _copy(dict(kwargs), copies)
+        args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     with _isolated(module, "", rng_state, frozenset({"nan", "inf"}), autocast=autocast) as tracer:
         tracer.forward_task = torch._C._current_graph_task_id()
         try:

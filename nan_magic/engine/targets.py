@@ -133,9 +133,9 @@ def refuse_compiled(module: nn.Module, shown: str) -> None:
     compiled = _compiled_modules(module)
     if compiled:
         raise ValueError(
-            f"{shown} is compiled with torch.compile ({', '.join(compiled)}): hooks cannot see "
-            "inside compiled graphs; watch the original module (model._orig_mod) or run eagerly "
-            "while debugging"
+            f"{shown} is compiled with torch.compile ({', '.join(compiled)}): per-module hooks cannot see "
+            "inside compiled graphs; watch it in the default (tiered) mode, which replays a failing step "
+            "eagerly, or watch the original module (model._orig_mod)"
         )
 
 
@@ -159,7 +159,8 @@ def resolve_targets(
     for target, label in zip(targets, label_list):
         shown = label or type(target).__name__
         if isinstance(target, nn.Module):
-            refuse_compiled(target, shown)
+            if not config.tiered:
+                refuse_compiled(target, shown)
             resolved.add_root(target, label, config)
         elif isinstance(target, torch.optim.Optimizer):
             resolved.optimizers.append(target)

@@ -37,12 +37,11 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch, scaler_patch
@@ -51,13 +50,15 @@ from nan_magic.engine.distributed import Agreement, launched, per_rank_path, sta
 from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
-from nan_magic.engine.forward import ForwardChecks
+from nan_magic.engine.forward import ForwardChecks, running_arguments
 from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
+from nan_magic.engine.module_hooks import GlobalModuleHooks
 from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
+from nan_magic.engine.step_replay import StepReplays
 from nan_magic.engine.targets import ModuleInfo, Targets, refuse_compiled, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
@@ -87,8 +88,12 @@ class Watch:
         labels: Iterable[str | None] | None = None,
         config: WatchConfig | None = None,
         name_new_target: Callable[[Any], str | None] | None = None,
+        replay_of: Watch | None = None,
     ) -> None:
         self.config = config or WatchConfig()
+        #: The tiered watch whose failing step this watch replays (step_replay.py): it runs inside
+        #: that watch, which stands aside, instead of taking over from it.
+        self.replay_of = replay_of
         # Resolving validates the targets now, so bad input fails before any
         # user code runs and before anything is attached.
         self.targets: Targets = resolve_targets(targets, labels, self.config)
@@ -100,6 +105,8 @@ class Watch:
         #: The NonFiniteError this watch raised, once it has (the magics
         #: adopt its traceback after IPython has shown it).
         self.raised: NonFiniteError | None = None
+        #: The frame that ran the first real event's producing op, where a replay named it (for %debug).
+        self.producer_frame: FrameType | None = None
         self.events: list[Report] = []
         self.report: Report | None = None
         self.history: deque[StepSummary] = deque(maxlen=self.config.history)
@@ -147,13 +154,14 @@ class Watch:
         self._reset_state()
         self.events = []
         self.raised = None
+        self.producer_frame = None
         self.report = None
         self.history.clear()
         self.warnings.clear()
         # A watch nested over the same modules takes over from the outer one
         # (whose hooks are removed until this one exits): never two sets of
         # our hooks on one model.
-        self._suspended = [outer for outer in _ACTIVE if outer._overlaps(self)]
+        self._suspended = [] if self.replay_of else [outer for outer in _ACTIVE if outer._overlaps(self)]
         for outer in self._suspended:
             outer._detach()
         try:
@@ -192,12 +200,7 @@ class Watch:
     def _attach(self) -> None:
         stack = ExitStack()
         try:
-            stack.enter_context(module_hooks.register_module_forward_pre_hook(self.forward.on_forward_pre))
-            stack.enter_context(
-                module_hooks.register_module_forward_hook(
-                    self.forward.on_forward, with_kwargs=True, always_call=True
-                )
-            )
+            self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self._on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
@@ -280,6 +283,11 @@ class Watch:
         self.early = EarlyWarnings()
         self.last_good = LastGood(self.config.keep_last_good)
         self.forward = ForwardChecks(self)
+        self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
+        # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
+        self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
+        self.full_step = not self.config.tiered
+        self._steps_opened = 0
         self.forward_starts = 0
         self._step_open = False
         self._raised = False
@@ -302,6 +310,8 @@ class Watch:
 
     def _forget_tensors(self) -> None:
         self.forward.stack.clear()
+        if self.replays is not None:
+            self.replays.clear()
         self.log.clear()
         if self.forward.tracer is not None:
             self.forward.tracer.reset()  # its origins hold frames and tensors of the last step
@@ -314,9 +324,10 @@ class Watch:
             if label is None:
                 return None
             # A module called at top level becomes a root, named as its own
-            # ``named_modules()`` would name it; a compiled one is refused
-            # here, where it is called, not wherever it merely exists.
-            refuse_compiled(module, label)
+            # ``named_modules()`` would name it; the full watch refuses a
+            # compiled one here, where it is called, not wherever it merely exists.
+            if not self.config.tiered:
+                refuse_compiled(module, label)
             self.targets.add_root(module, label, self.config)
             info = self.targets.modules[id(module)]
             if self._exit_stack is not None:
@@ -404,6 +415,23 @@ class Watch:
         self.raised = error
         raise error
 
+    def on_forward_failed(self, module: nn.Module, call: Any) -> None:
+        """A top-level forward raised: when a replay finds a non-finite value came first, report it.
+
+        Called from the forward hook while the exception propagates; the
+        NonFiniteError raised here keeps the original as its cause.
+        """
+        if self.replays is None:
+            return
+        explained = self.replays.explain_failure(module, call, running_arguments(module))
+        if explained is None:
+            return
+        report, frame, error = explained
+        try:
+            self.emit(Finding(Phase.FORWARD, call, "output"), replayed=(report, frame))
+        except NonFiniteError as stop:
+            raise stop from error
+
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""
         if not self.optimizers.hold_gradient_event(finding):
@@ -416,6 +444,12 @@ class Watch:
             self._settle_backward()
         if not self._step_open:
             self.log.clear()
+            if self.replays is not None:
+                self.replays.clear()
+            # The tiered watch's second step, and every ``full_every``-th after it, checks every module
+            # call: the per-layer history and early warnings come from those steps.
+            self.full_step = not self.config.tiered or self._steps_opened % self.config.full_every == 1
+            self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
             if self.forward.tracer is not None:
@@ -481,26 +515,37 @@ class Watch:
 
     # -- events ---------------------------------------------------------------------
 
-    def emit(self, finding: Finding) -> None:
-        """Record an event; raise or warn for the first non-benign one as configured."""
+    def emit(self, finding: Finding, replayed: tuple[Report, FrameType | None] | None = None) -> None:
+        """Record an event; raise or warn for the first non-benign one as configured.
+
+        In the tiered mode a real forward or backward event is first
+        localized by a replay of its step (step_replay.py); ``replayed`` is
+        a replay's report and producer frame already made.
+        """
         tracer = self.forward.tracer
         if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
             return  # the op tracer already reported this step's producer, at its op
-        report = stamp(build_report(
-            finding,
-            step=self.step if finding.step is None else finding.step,
-            log=self.log,
-            history=tuple(self.history),
-            warnings=tuple(self.warnings),
-            max_layers=self.config.max_layers,
-            sample_size=self.config.sample_size,
-        ))
+        if replayed is None:
+            report = stamp(build_report(
+                finding,
+                step=self.step if finding.step is None else finding.step,
+                log=self.log,
+                history=tuple(self.history),
+                warnings=tuple(self.warnings),
+                max_layers=self.config.max_layers,
+                sample_size=self.config.sample_size,
+            ))
+            if self.replays is not None and not finding.benign:
+                replayed = self.replays.localize(finding, report)
+        if replayed is not None:
+            report, finding.frame = stamp(replayed[0]), replayed[1]
         if self.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.skipped.items())))
         if not report.benign and self.report is None:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = record_scene(self, finding, report)
             self.report = report
+            self.producer_frame = finding.frame
         if len(self.events) < self.config.max_events:
             self.events.append(report)
         if self.config.log_file:
@@ -552,6 +597,7 @@ class Watch:
 def watch(
     *targets: Any,
     on_detect: str = "raise",
+    mode: str = "tiered",
     kinds: Iterable[str] = ("nan", "inf"),
     include: Iterable[str] = (),
     exclude: Iterable[str] = (),
@@ -576,7 +622,7 @@ def watch(
     *targets
         ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
         no module, every module called at top level is watched.
-    on_detect, kinds, include, exclude, types, log_file, defer, ops, replay,
+    on_detect, mode, kinds, include, exclude, types, log_file, defer, ops, replay,
     backward, history, sample_size, max_layers, max_events, dump
         See :class:`nan_magic.WatchConfig`.
     keep_last_good
@@ -597,6 +643,7 @@ def watch(
     """
     config = WatchConfig(
         on_detect=on_detect,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
         kinds=frozenset(kinds),
         include=tuple(include),
         exclude=tuple(exclude),

@@ -2,7 +2,7 @@
 
 Each module of this package holds the cases of one area in a list ``CASES``;
 ``tests/test_contract.py`` runs every case in each of its modes (the default
-watch, ``defer=True`` and ``ops=True``) and asserts what a user would see: the
+tiered watch, immediate and ``defer=True``, ``mode="full"`` and ``ops=True``) and asserts what a user would see: the
 phase, the module and its type, the step, the op and the source line (marked
 in the case's own file with a ``# producer: <key>`` comment), and for a healthy
 idiom that the watch stays silent and changes nothing.
@@ -22,10 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("default", "defer", "ops")
+MODES = ("default", "defer", "full", "ops")
 
-# What each mode passes to watch().
-MODE_OPTIONS: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "ops": {"ops": True}}
+# What each mode passes to watch(): the tiered default (immediate, and deferred as on CUDA), the
+# per-module watch of every step, and op-level tracing of every step.
+MODE_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True},
+}
 
 
 @dataclass

@@ -374,7 +374,7 @@ CASES = [
     Case("grad_scaler_unpassed_collapse_raises", lambda: _amp(2.0**16, 40, True, guarded=True),
          Expect("backward", "1", "GuardedExp", cause="grad-scaler-collapse", benign_events=15, op=None,
                 op_modes=()),
-         modes=("default", "defer"),
+         modes=("default", "defer", "full"),
          note="ops: raises at the forward exp that torch.where discards (issue 15 item 11, the ops worktree's)"),
     Case("bf16_autocast", _bf16_autocast, None, benign=0),
     Case("batchnorm_and_dropout_with_eval_passes", _batchnorm_and_dropout, None, benign=0),

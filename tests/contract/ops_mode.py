@@ -364,11 +364,9 @@ def _huge_finite_gradients() -> Scenario:
     return Scenario((model, opt), run)
 
 
-_DEFER_BACKWARD = "defer=True cannot replay a backward producer for its op (its arguments are gone by then)"
 _MASKS_ELSEWHERE = (
-    "default and defer: a -inf buffer consumed into NaN is still reported as a non-finite parameter (the "
-    "module-level side of issue 15 item 9, on its own branch). The same mask given to the root as an argument "
-    "is reported as data in every mode for the same reason, so it has no case here yet"
+    "full: a -inf buffer consumed into NaN is still reported as a non-finite parameter (the module-level side of "
+    "issue 15 item 9); the tiered modes replay the step under the op tracer, as ops mode does"
 )
 
 CASES = [
@@ -376,15 +374,15 @@ CASES = [
          note="pow overflows float16 inside gelu_new, tanh absorbs it: no boundary sees it"),
     Case("ops_gelu_new_then_a_real_overflow", _gelu_then_overflow,
          Expect("forward", "0", "GeluThenScale", op="aten.mul.Tensor", marker="scaled gelu",
-                op_modes=("ops",)),
-         note="the producer is the op whose inf reached the output, not gelu's absorbed pow before it. The default "
-              "modes' replay stops at the first op that made an inf (to open %debug in its frame), so it names "
-              "the absorbed pow: op and line asserted in ops mode only"),
+                op_modes=("default", "defer", "ops")),
+         note="the producer is the op whose inf reached the output, not gelu's absorbed pow before it. The full "
+              "mode's module replay stops at the first op that made an inf (to open %debug in its frame), so it "
+              "names the absorbed pow: op and line asserted in the tiered and ops modes"),
     Case("ops_guarded_exp_forward", _guarded_exp_forward, None, note="torch.where discards exp's +inf"),
     Case("ops_guarded_exp_backward", _guarded_exp_backward,
          Expect("backward", "0.act", "GuardedExp", op="aten.mul.Tensor", marker="guarded exp",
-                op_modes=("default", "ops")),
-         note=f"the absorbed +inf times a zero gradient; {_DEFER_BACKWARD}"),
+                op_modes=("default", "defer", "full", "ops")),
+         note="the absorbed +inf times a zero gradient"),
     Case("ops_masked_fill_neginf_partly_masked", lambda: _attention(full_row=False), None),
     Case("ops_masked_fill_neginf_fully_masked_row", lambda: _attention(full_row=True),
          Expect("forward", "attn.softmax", "Softmax", op="aten._softmax.default", marker="softmax call"),
@@ -410,7 +408,7 @@ CASES = [
     Case("ops_causal_mask_buffer_fully_masked_row", lambda: _causal(as_buffer=True, fully_masked_row=True),
          Expect("forward", "", "CausalScores", op="aten._softmax.default", marker="causal softmax",
                 kinds=frozenset({"nan"})),
-         modes=("ops",), note=_MASKS_ELSEWHERE),
+         modes=("default", "defer", "ops"), note=_MASKS_ELSEWHERE),
     Case("ops_adam_fp16_eps", _adam_fp16,
          Expect("optimizer", "0", "Embedding", op="aten.addcdiv_.default", marker="adam step",
                 tensor="parameter 0.weight", kinds=frozenset({"nan"}), op_modes=("ops",)),

@@ -1,0 +1,104 @@
+"""The watch's two global module hooks, and how they step aside for a compiled model.
+
+Global hooks (``register_module_forward_pre_hook`` and
+``register_module_forward_hook``) see every module call, and cost a few
+microseconds each: the default watch acts only on top-level calls of the
+watched models and returns at once for the others.
+
+A model compiled with ``torch.compile`` must run *without* them: dynamo
+traces the submodules' ``_call_impl``, so global hooks present while it
+compiles break the graph at every submodule, and adding or removing them
+later makes it recompile. So when a compiled model (an ``OptimizedModule``)
+is called at top level, the pre-hook takes both global hooks off, and a hook
+on that ``OptimizedModule`` (registered for the watch's lifetime) puts them
+back when its call returns or raises, and runs the watch's post-hook for it.
+The compiled graph therefore never sees a hook of ours: no graph break, no
+recompile, and the watch checks the compiled call's inputs and outputs from
+outside. ``OptimizedModule.__call__`` warns when global hooks exist; that
+one warning is filtered while the watch is active (our hooks are off by the
+time the compiled code runs).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GlobalModuleHooks", "is_compiled"]
+
+_GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return isinstance(module, OptimizedModule)
+
+
+class GlobalModuleHooks:
+    """The pre- and post-hook of one watch, attached globally, detachable around a compiled call."""
+
+    def __init__(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
+        self.pre = pre
+        self.post = post
+        self._handles: tuple[RemovableHandle, ...] = ()
+        self._wrapped: set[int] = set()
+        self._stack: ExitStack | None = None
+
+    def attach(self, stack: ExitStack) -> None:
+        """Attach the global hooks until ``stack`` closes."""
+        self._stack = stack
+        self._on()
+        stack.callback(self._off)
+        warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
+        added = warnings.filters[0]
+        stack.callback(_remove_filter, added)
+
+    def step_aside_for(self, compiled: nn.Module) -> None:
+        """Take the global hooks off while ``compiled`` runs; they come back when it returns."""
+        self._off()
+        if id(compiled) not in self._wrapped and self._stack is not None:
+            self._wrapped.add(id(compiled))
+            handle = compiled.register_forward_hook(self._compiled_returned, with_kwargs=True, always_call=True)
+            self._stack.callback(handle.remove)
+            self._stack.callback(self._wrapped.discard, id(compiled))
+
+    def _compiled_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+                           ) -> None:
+        if self._stack is None or self._handles:
+            return  # a call made before the watch stepped aside (or after it ended)
+        self._on()
+        if output is None and sys.exc_info()[1] is not None:
+            self.post(module, args, output)  # the always_call form of a call that raised
+        else:
+            self.post(module, args, kwargs, output)
+
+    def _on(self) -> None:
+        if not self._handles:
+            self._handles = (
+                register_module_forward_pre_hook(self.pre),
+                register_module_forward_hook(self.post, with_kwargs=True, always_call=True),
+            )
+
+    def _off(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = ()
+
+
+def _remove_filter(added: Any) -> None:
+    try:
+        warnings.filters.remove(added)
+    except ValueError:  # somebody reset the filters meanwhile
+        pass
+    warnings._filters_mutated()  # type: ignore[attr-defined]

@@ -1,0 +1,404 @@
+"""Tier 2 of the default watch: replay the failing step's model call to name the producer.
+
+The default (tiered) watch checks only a step's boundaries: the batch entering
+each watched model, the model's outputs, the loss, the gradient flowing into
+the outputs, the parameter gradients and the parameters (watch.py). A NaN,
+once born, reaches one of them; the search for where it was born is paid only
+for the step that failed. For that, :class:`StepReplays` keeps, for the
+current step only, what a replay of each top-level model call needs:
+
+* its arguments (alive for the step anyway) and their version counters, to
+  know whether they were modified in place since;
+* the CPU and CUDA generators' state and the autocast regions at its start,
+  and whether gradients were enabled;
+* copies of the buffers the call may change, as they were before it
+  (BatchNorm's running statistics): all of them at a model's first call,
+  afterwards those whose version counter an earlier call moved;
+* the gradient that flowed into its outputs (for a backward event).
+
+At a non-benign forward or backward event, :meth:`StepReplays.localize` runs
+that call again, eagerly (a compiled model's ``_orig_mod``, DDP's ``module``),
+under a nested watch with ``mode="full", ops=True``: per-module records and
+the op tracer, the producer rule of PRODUCT.md. For a backward event it then
+runs ``torch.autograd.grad`` from the replayed outputs with the captured
+gradients, into scratch gradients: never ``.grad``, and no accumulate-grad
+hook fires (DDP's reducer stays quiet). The replay leaves no trace: copies of
+the arguments and buffers, the user's generators put back afterwards, the
+outer watch standing aside.
+
+The report is the nested watch's, for the same step. It says whether the
+replay *reproduced* the event (the same boundary with the same counts); when
+it did not (a non-deterministic kernel, inputs modified since, side effects),
+the report is what the boundary check saw, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.engine.calls import version_of
+from nan_magic.engine.distributed import data_parallel_paths, user_name
+from nan_magic.engine.findings import Finding
+from nan_magic.engine.replay import (
+    AutocastState,
+    RngState,
+    capture_autocast,
+    capture_rng_state,
+    copy_tensors,
+    restore_rng_state,
+)
+from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.records import Phase, Report, TensorStats
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.engine.calls import Call
+    from nan_magic.engine.targets import ModuleInfo
+    from nan_magic.engine.watch import Watch
+
+__all__ = ["RootCall", "StepReplays", "replay_target"]
+
+#: Top-level calls kept for one step (a GAN's two models, a siamese model called twice, a few
+#: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed.
+MAX_CALLS = 8
+
+
+@dataclass
+class RootCall:
+    """What one top-level call of a watched model needs to be run again."""
+
+    module: nn.Module
+    info: ModuleInfo
+    args: tuple[Any, ...]
+    rng: RngState
+    grad_enabled: bool
+    autocast: AutocastState | None
+    #: ``id(buffer)`` -> its value before the call, for the buffers the call may change.
+    buffers: dict[int, torch.Tensor]
+    versions: list[tuple[torch.Tensor, int]]
+    buffer_versions: list[tuple[torch.Tensor, int]]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The watch's record of the call (set when it returns).
+    call: Call | None = None
+    #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
+    output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Outcome:
+    """What one replay found: the nested watch's report, the producer's frame, the boundary's stats."""
+
+    report: Report | None = None
+    frame: FrameType | None = None
+    boundary: TensorStats | None = None
+    failure: BaseException | None = None
+    why_not: str | None = None
+
+
+def replay_target(module: nn.Module) -> nn.Module | None:
+    """The eager module a replay runs: ``_orig_mod`` of a compiled model, ``module`` of DDP.
+
+    None for a model sharded by FSDP: its forward gathers parameters with
+    collectives that the other ranks would have to join.
+    """
+    if "fsdp" in type(module).__module__.lower() or any(
+        "fsdp" in type(sub).__module__.lower() for sub in module.modules()
+    ):
+        return None
+    unwrapped = getattr(module, "_orig_mod", module)
+    if isinstance(unwrapped, nn.parallel.DistributedDataParallel):
+        unwrapped = unwrapped.module
+    return unwrapped
+
+
+class StepReplays:
+    """The top-level calls of the current step, and their replay at an event."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
+        # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
+        self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._mutable: dict[int, set[int] | None] = {}
+
+    # -- tier 1: keeping what a replay needs --------------------------------------------
+
+    def begin(self, module: nn.Module, info: ModuleInfo, args: tuple[Any, ...]) -> None:
+        """A top-level call of a watched model starts (its forward pre-hook)."""
+        slots = self._slots.get(id(module))
+        if slots is None:
+            slots = self._slots[id(module)] = [
+                (owner, name) for owner in module.modules() for name in owner._buffers
+            ]
+        mutable = self._mutable.get(id(module))
+        buffers: dict[int, torch.Tensor] = {}
+        buffer_versions = []
+        for owner, name in slots:
+            buffer = owner._buffers.get(name)
+            if buffer is None:
+                continue
+            buffer_versions.append((buffer, version_of(buffer)))
+            if (mutable is None or id(buffer) in mutable) and id(buffer) not in buffers:
+                buffers[id(buffer)] = buffer.detach().clone()
+        self.calls.append(RootCall(
+            module=module,
+            info=info,
+            args=args,
+            rng=capture_rng_state(),
+            grad_enabled=torch.is_grad_enabled(),
+            autocast=capture_autocast(),
+            buffers=buffers,
+            versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
+            buffer_versions=buffer_versions,
+        ))
+
+    def finish(self, module: nn.Module, call: Call, kwargs: dict[str, Any]) -> None:
+        """The top-level call returned (or raised): note its record and keyword arguments."""
+        root = self._latest(module)
+        if root is None:
+            return
+        root.call = call
+        root.kwargs = dict(kwargs)
+        root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
+        known = self._mutable.get(id(module))
+        self._mutable[id(module)] = moved | (known or set())
+
+    def capture_gradient(self, call: Call, path: str, grad: torch.Tensor) -> None:
+        """The gradient flowing into output ``path`` of a top-level call (its tensor hook)."""
+        for root in self.calls:
+            if root.call is call:
+                root.output_grads[path] = grad
+                return
+
+    def clear(self) -> None:
+        """The step is over (or settled): nothing of it can need a replay any more."""
+        self.calls.clear()
+
+    def _latest(self, module: nn.Module) -> RootCall | None:
+        for root in reversed(self.calls):
+            if root.module is module:
+                return root
+        return None
+
+    # -- tier 2: the replay ---------------------------------------------------------------
+
+    def localize(self, finding: Finding, seen: Report) -> tuple[Report, FrameType | None]:
+        """The report of a tier-1 event ``seen``: the replay's where it reproduced the event, else ``seen``."""
+        if finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
+            top = finding.call
+            while top.parent is not None:
+                top = top.parent
+            candidates = [root for root in self.calls if root.call is top]
+            backward = False
+        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None):
+            # Backward runs the last call first; each call's gradients are replayed apart.
+            candidates = [root for root in reversed(self.calls) if root.output_grads]
+            backward = True
+        else:  # data, the loss code's forward or backward, the optimizer: the boundary check named it
+            return seen, finding.frame
+        if not candidates:
+            return self._not_replayed(seen, "its model call was no longer held (more than "
+                                            f"{MAX_CALLS} calls in the step)"), finding.frame
+        outcome = _Outcome()
+        for root in candidates:
+            outcome = self._run(root, backward, finding.tensor)
+            if outcome.report is not None:
+                break
+        if outcome.report is None:
+            return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), finding.frame
+        if not _same_counts(outcome.boundary, seen):
+            return self._not_replayed(
+                seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
+            ), finding.frame
+        report = self._replayed(outcome.report, seen.step)
+        if finding.cause is not None:
+            # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
+            report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
+        return report, outcome.frame
+
+    def explain_failure(self, module: nn.Module, call: Call, running: tuple[tuple[Any, ...], dict[str, Any]] | None
+                        ) -> tuple[Report, FrameType | None, BaseException] | None:
+        """A top-level forward raised: whether a non-finite value came first, and its producer.
+
+        ``torch.multinomial`` on NaN probabilities, an index computed from a
+        NaN: the exception stops the forward before its outputs reach the
+        boundary check, so the call is replayed; None when the replay meets
+        no non-finite value before the same exception.
+        """
+        error = sys.exc_info()[1]
+        root = self._latest(module)
+        if error is None or root is None:
+            return None
+        self.finish(module, call, running[1] if running is not None else {})
+        outcome = self._run(root, False, None)
+        if outcome.report is None:
+            return None
+        report = self._replayed(outcome.report, self.watch.step)
+        note = f"then the forward raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return dataclasses.replace(report, notes=(*report.notes, note.rstrip(": "))), outcome.frame, error
+
+    def _run(self, root: RootCall, backward: bool, boundary: str | None) -> _Outcome:
+        """Run ``root`` again under a nested full watch with op-level tracing."""
+        from nan_magic.engine.watch import Watch  # the nested watch is a watch like any other
+
+        model = self._model_of(root.module)
+        target = replay_target(root.module)
+        if target is None or model is None:
+            return _Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
+        config = dataclasses.replace(
+            self.watch.config, mode="full", ops=True, defer=False, on_detect="log",
+            log_file=None, dump=None, keep_last_good=None,
+        )
+        try:
+            # The whole model is watched, so that a submodule called at top level keeps its qualified name.
+            inner = Watch([model], labels=[root.info.model], config=config, replay_of=self.watch)
+        except ValueError as refused:  # a compiled submodule inside: its graph cannot be replayed eagerly
+            return _Outcome(why_not=str(refused))
+        outcome = _Outcome()
+        with contextlib.ExitStack() as stack:
+            stack.callback(restore_rng_state, capture_rng_state())
+            stack.enter_context(self.watch.forward.standing_aside())
+            stack.enter_context(_buffers_as_before(root.module, root.buffers))
+            for device, dtype in root.autocast or ():
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
+            with torch.no_grad():
+                args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
+            restore_rng_state(root.rng)
+            try:
+                with inner:
+                    output = target(*args, **kwargs)
+                    if not backward:
+                        outcome.boundary = _stats_at(output, boundary)
+                    else:
+                        outcome.boundary = self._backward(inner, target, root, output, boundary)
+            except Exception as error:  # the replay of a failing forward fails too, after its event
+                outcome.failure = error
+        outcome.report = inner.report
+        outcome.frame = inner.producer_frame
+        if outcome.report is None:
+            changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
+            if changed:
+                outcome.why_not = "the call's inputs were modified in place since the call"
+            elif outcome.failure is not None:
+                outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
+        return outcome
+
+    def _model_of(self, module: nn.Module) -> nn.Module | None:
+        """The eager model (replay_target) of the watched root that holds ``module``."""
+        for _label, root in self.watch.targets.roots:
+            if root is module or any(sub is module for sub in root.modules()):
+                return replay_target(root)
+        return None
+
+    @staticmethod
+    def _backward(inner: Watch, target: nn.Module, root: RootCall, output: Any, boundary: str | None
+                  ) -> TensorStats | None:
+        """The call's backward from the captured output gradients, into scratch gradients.
+
+        The nested watch sees the gradients flowing into each module; a
+        gradient that only a parameter's own formula made non-finite (its
+        weight gradient) is found among the returned gradients. Returns the
+        stats of the parameter gradient named by ``boundary``.
+        """
+        pairs = [
+            (tensor, root.output_grads[path])
+            for path, tensor in iter_tensors(output, "output")
+            if path in root.output_grads and tensor.requires_grad
+        ]
+        data_parallel = data_parallel_paths(target)
+        named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
+        if not pairs or not named:
+            return None
+        grads = torch.autograd.grad(
+            [tensor for tensor, _grad in pairs], [p for _name, p in named],
+            grad_outputs=[grad for _tensor, grad in pairs], allow_unused=True,
+        )
+        found = None
+        for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
+            if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
+                continue
+            if f"gradient of {name}" == boundary:
+                found = tensor_stats(grad)
+            if inner.report is None:
+                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+                finding.notes.append("the gradients flowing into every module were finite; this parameter's "
+                                     "own gradient formula made it")
+                inner.optimizers.attribute(finding)
+                inner.forward.add_op_origin(finding, grad)
+                inner.emit(finding)
+        return found
+
+    def _replayed(self, report: Report, step: int) -> Report:
+        watch = self.watch
+        return dataclasses.replace(
+            report,
+            step=step,
+            history=tuple(watch.history),
+            warnings=tuple(watch.warnings),
+            reproduced=True,
+            notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
+                                  "op-level checks; the replay saw the same event"),
+        )
+
+    @staticmethod
+    def _not_replayed(seen: Report, why: str) -> Report:
+        note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
+                "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
+        return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
+
+
+def _stats_at(output: Any, path: str | None) -> TensorStats | None:
+    for tensor_path, tensor in iter_tensors(output, "output"):
+        if tensor_path == path:
+            return tensor_stats(tensor)
+    return None
+
+
+def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
+    """Whether the replay saw the boundary's event again.
+
+    A boundary the replay does not measure (a module's gradient) counts as
+    seen; where the check has no counts (the deferred check, after the tensor
+    was freed), a non-finite value at the boundary is enough.
+    """
+    if replayed is None:
+        return True
+    if not seen.nonfinite:
+        return bool(replayed.nonfinite)
+    return (replayed.nan, replayed.posinf, replayed.neginf) == (seen.nan, seen.posinf, seen.neginf)
+
+
+@contextlib.contextmanager
+def _buffers_as_before(module: nn.Module, before: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Give every submodule copies of its buffers, as they were before the call, for the duration.
+
+    The originals are never touched (nor their version counters, which
+    autograd checks for the user's pending backward). A buffer the call was
+    not seen changing is copied as it is now.
+    """
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for sub in module.modules():
+            for name, buffer in list(sub._buffers.items()):
+                if buffer is None:
+                    continue
+                if id(buffer) not in copies:
+                    copies[id(buffer)] = (before.get(id(buffer), buffer)).detach().clone()
+                swapped.append((sub, name, buffer))
+                sub._buffers[name] = copies[id(buffer)]
+        yield
+    finally:
+        for sub, name, buffer in swapped:
+            sub._buffers[name] = buffer
