@@ -22,10 +22,11 @@ def run_fault(fault: Fault, **options) -> NonFiniteError:
     return caught.value
 
 
+@pytest.mark.parametrize("mode", ["tiered", "full"])
 @pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
 @pytest.mark.parametrize("fault", FORWARD_FAULTS, ids=lambda f: f.name)
-def test_reports_the_producer(fault: Fault, defer: bool) -> None:
-    report = run_fault(fault, defer=defer).report
+def test_reports_the_producer(fault: Fault, defer: bool, mode: str) -> None:
+    report = run_fault(fault, defer=defer, mode=mode).report
     assert report.phase == fault.phase
     assert report.module == fault.module
     assert report.module_type == fault.module_type
@@ -55,7 +56,7 @@ def test_producer_row_is_marked_and_nothing_before_it_is(fault: Fault) -> None:
 
 def test_inputs_of_a_producer_are_finite_and_described() -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
-    report = run_fault(fault).report
+    report = run_fault(fault, mode="full").report
     assert report.inputs_finite
     inputs = dict(report.input_stats)
     assert list(inputs) == ["input[0]", "self"]  # the module's input, then the op's (from the replay)
@@ -99,7 +100,7 @@ def test_functional_code_in_a_parent_forward_is_blamed_on_the_parent() -> None:
 
 def test_traceback_ends_on_the_line_that_ran_the_producing_op() -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "shared_submodule")
-    error = run_fault(fault)
+    error = run_fault(fault, mode="full")  # tiered: tests/test_tiered.py
     entries = traceback.extract_tb(error.__traceback__)
     # the caller's line, then the frame the replay ran the op in: %debug opens there
     assert (entries[-2].filename, entries[-2].lineno) == (faults.__file__, faults.marked_line("shared", kind="caller"))
@@ -201,7 +202,8 @@ class LogOf(nn.Module):
         return torch.log(x)
 
 
-def test_non_float_outputs_never_crash_the_hook() -> None:
+@pytest.mark.parametrize(("mode", "meta_reads"), [("full", 2), ("tiered", 1)])
+def test_non_float_outputs_never_crash_the_hook(mode: str, meta_reads: int) -> None:
     class Odd(nn.Module):
         def forward(self, x: torch.Tensor):
             return (
@@ -217,12 +219,13 @@ def test_non_float_outputs_never_crash_the_hook() -> None:
             )
 
     model = nn.Sequential(nn.Linear(3, 3), Odd())
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode=mode) as w:
         model(torch.randn(2, 3))
     assert w.report is None and w.events == []
     # The meta tensor is the only one it cannot read (the complex and sparse ones are read, finite):
-    # skipped in Odd's output, then again in the root's, which returns the same tuple.
-    assert dict(w.skipped) == {"meta": 2}
+    # the full watch skips it in Odd's output, then again in the root's, which returns the same tuple;
+    # the tiered watch reads the root's output only.
+    assert dict(w.skipped) == {"meta": meta_reads}
 
 
 def test_kinds_option_ignores_the_other_kind() -> None:
@@ -294,7 +297,7 @@ def test_step_counts_forward_passes_without_an_optimizer() -> None:
 
 def test_report_samples_the_layers_before_the_producer_for_histograms() -> None:
     fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
-    report = run_fault(fault).report
+    report = run_fault(fault, mode="full").report  # tiered: tests/test_tiered.py
     producer = [sample.label for sample in report.samples if sample.producer]
     others = [sample for sample in report.samples if not sample.producer]
     # the module's input, the op's operand and output (from the replay), then the module's output

@@ -135,6 +135,8 @@ class ForwardChecks:
                 return
         top_level = not self.stack
         if top_level:
+            if self.watch.outside is not None:
+                self.watch.outside.stop()
             self.watch.begin_step_if_needed()
             self.watch.forward_starts += 1
             if self.watch.replays is not None:
@@ -210,6 +212,8 @@ class ForwardChecks:
                 # Inference (no optimizer seen): a top-level forward is a step.
                 self.watch.sync()
                 self.watch.end_step(self.watch.step)
+            if self.watch.outside is not None:
+                self.watch.outside.start("loss")
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
@@ -795,7 +799,11 @@ class ForwardChecks:
     # -- op-level tracing (ops=True) --------------------------------------------------
 
     def current_module_name(self) -> str | None:
-        return self.stack[-1].info.name if self.stack else None
+        """The innermost watched module running (``exclude``/``include`` leave modules unwatched)."""
+        for frame in reversed(self.stack):
+            if frame.info.watched:
+                return frame.info.name
+        return None
 
     def phase_hint(self) -> Phase | None:
         return Phase.OPTIMIZER if self.watch.optimizers.in_step else None
@@ -826,10 +834,19 @@ class ForwardChecks:
         return True
 
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:
-        """Ops mode: add the op that started a non-finite boundary tensor (loss, gradient, parameter)."""
-        if self.tracer is None or tensor is None:
+        """Add the op that started a non-finite boundary tensor (loss, gradient, parameter).
+
+        Ops mode traces everything; the tiered mode traces the code outside
+        the models (outside.py), where the loss and data code run.
+        """
+        tracer = self.tracer or self.watch.outside
+        if tracer is None or tensor is None:
             return
-        origin = self.tracer.claim(tensor)
+        if tracer is self.watch.outside and finding.module is None:
+            note = self.watch.outside.note()
+            if note is not None:
+                finding.notes.append(note)
+        origin = tracer.claim(tensor)
         if isinstance(origin, OpFinding):
             # The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it
             # and its counts, and the op adds its name, line and operands.
@@ -839,10 +856,18 @@ class ForwardChecks:
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
+        if call is None and record is not None:
+            # The op ran in another module's code (an enclosing call's own code): this boundary passed it on.
+            record.status, record = "propagated", None
         finding = Finding(op_finding.phase, call, f"{op_finding.tensor} of {op_finding.op}", record=record)
         tracer = self.tracer
         tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
         apply_op_finding(finding, op_finding, tensors)
+        if record is not None and finding.phase == Phase.FORWARD:
+            # The module output where the op's value reached the boundary, beside the op's own output.
+            live = record.live()
+            finding.module_output = (record.path or "output", tensor_stats(live) if live is not None
+                                     else record.stats(), live)
         if tracer is not None:
             finding.frame = tracer.frame_of(op_finding)  # %debug opens where the op ran
         if finding.module is not None and finding.module_type is None:

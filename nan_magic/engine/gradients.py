@@ -69,7 +69,11 @@ class GradientChecks:
         deferred check.
         """
         watch = self.watch
-        if not watch.mine() or not is_checkable(loss):
+        if not watch.mine():
+            return
+        if watch.outside is not None:
+            watch.outside.stop()  # the backward, the model's included, is not traced
+        if not is_checkable(loss):
             return
         self.reported_this_pass = False
         self.backward_runs += 1

@@ -661,6 +661,8 @@ class OpTracer(TorchDispatchMode):
     def _origin_entry(self, tensor: torch.Tensor) -> _Origin | _Benign | None:
         """The origin noted for ``tensor``, or for the tensor it is a view of (views are not carried)."""
         entry = self._origins.get(id(tensor))
+        if entry is not None and entry[0]() is not tensor:
+            entry = None  # a dead tensor's entry under a reused id: it must not hide the base's
         if entry is None and tensor._base is not None:
             entry = self._origins.get(id(tensor._base))
             tensor = tensor._base

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
+from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.distributed import data_parallel_paths, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.replay import (
@@ -341,7 +342,7 @@ class StepReplays:
 
     def _replayed(self, report: Report, step: int) -> Report:
         watch = self.watch
-        return dataclasses.replace(
+        report = dataclasses.replace(
             report,
             step=step,
             history=tuple(watch.history),
@@ -350,6 +351,8 @@ class StepReplays:
             notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
                                   "op-level checks; the replay saw the same event"),
         )
+        # The cause reads the run's history (a diverging loss), which the replay did not have.
+        return dataclasses.replace(report, cause=diagnose(report))
 
     @staticmethod
     def _not_replayed(seen: Report, why: str) -> Report:

@@ -55,6 +55,7 @@ from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
 from nan_magic.engine.module_hooks import GlobalModuleHooks
 from nan_magic.engine.optim import OptimizerChecks
+from nan_magic.engine.outside import OutsideTracer
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
@@ -177,6 +178,8 @@ class Watch:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
+        if self.outside is not None:
+            self.outside.stop()
         try:
             if exc is None:
                 self.sync()
@@ -202,7 +205,7 @@ class Watch:
         try:
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self._on_step_pre))
-            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.optimizers.on_step_post))
+            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self._on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
             optimizers = self.optimizers
             stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
@@ -219,6 +222,8 @@ class Watch:
         self._exit_stack = stack
 
     def _detach(self) -> None:
+        if self.outside is not None:
+            self.outside.stop()
         if self._exit_stack is not None:
             stack, self._exit_stack = self._exit_stack, None
             stack.close()
@@ -286,6 +291,8 @@ class Watch:
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
+        # ... and traces the code between the models' calls (the loss, data code in the loop).
+        self.outside = OutsideTracer(self.config.kinds) if self.config.tiered else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
         self.forward_starts = 0
@@ -395,6 +402,8 @@ class Watch:
         """The optimizer step's checks, then this step's agreement with the other ranks (distributed.py)."""
         if self.mine():
             self.agreement.open()
+            if self.outside is not None:
+                self.outside.stop()
         try:
             self.optimizers.on_step_pre(opt, args, kwargs)
             agreed = self.agreement.settle(None)
@@ -402,6 +411,11 @@ class Watch:
             # Settled, or failed in our own code: no later check may take part in this step's collective.
             self.agreement.close()
         self._raise_agreed(agreed)
+
+    def _on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizers.on_step_post(opt, args, kwargs)
+        if self.outside is not None and self.mine():
+            self.outside.start("data")  # the code until the next model call: data loading, within a budget
 
     def _raise_agreed(self, error: NonFiniteError | None, own: NonFiniteError | None = None) -> None:
         """Raise what the ranks agreed on: ``own``, another rank's event, or nothing."""
@@ -452,8 +466,9 @@ class Watch:
             self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
-            if self.forward.tracer is not None:
-                self.forward.tracer.reset()
+            for tracer in (self.forward.tracer, self.outside):
+                if tracer is not None:
+                    tracer.reset()
             self._step_open = True
 
     def end_step(self, step: int) -> None:
