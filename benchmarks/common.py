@@ -59,8 +59,8 @@ def _unwatched(model: nn.Module) -> AbstractContextManager[None]:
 
 
 def _nan_magic_columns() -> list[Column]:
-    """The two nan_magic columns, or ``n/a`` columns saying why nan_magic is missing."""
-    titles = {"nan_magic": "nan_magic", "nan_magic_ops": "nan_magic ops"}
+    """The nan_magic columns (the tiered default, mode="full", ops=True), or ``n/a`` columns saying why not."""
+    titles = {"nan_magic": "nan_magic", "nan_magic_full": "nan_magic full", "nan_magic_ops": "nan_magic ops"}
     try:
         import nan_magic
 
@@ -72,10 +72,17 @@ def _nan_magic_columns() -> list[Column]:
     def default(model: nn.Module) -> AbstractContextManager[Any]:
         return watch(model)
 
+    def full(model: nn.Module) -> AbstractContextManager[Any]:
+        return watch(model, mode="full")
+
     def ops(model: nn.Module) -> AbstractContextManager[Any]:
         return watch(model, ops=True)
 
-    return [Column("nan_magic", titles["nan_magic"], default), Column("nan_magic_ops", titles["nan_magic_ops"], ops)]
+    return [
+        Column("nan_magic", titles["nan_magic"], default),
+        Column("nan_magic_full", titles["nan_magic_full"], full),
+        Column("nan_magic_ops", titles["nan_magic_ops"], ops),
+    ]
 
 
 def all_columns() -> list[Column]:

@@ -245,6 +245,8 @@ def measure_model(name: str, columns: list[Column], args: argparse.Namespace, lo
     rounds stop there, once at least 3 have run.
     """
     bench = build(name, args.device)
+    if args.compile:
+        bench.model = torch.compile(bench.model, backend=args.compile)
     if dist.is_initialized():
         bench.model = DistributedDataParallel(bench.model)
     result = ModelResult(name, bench.description, args.quantile)
@@ -464,6 +466,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantile", type=float, default=0.5, help="statistic of the step times (default 0.5, the median)")
     p.add_argument("--sync-steps", type=int, default=10, help="CUDA steps counted for syncs")
     p.add_argument("--json", metavar="PATH", help="also write all measurements as JSON")
+    p.add_argument("--compile", metavar="BACKEND",
+                   help="time the models compiled with torch.compile(backend=BACKEND), e.g. aot_eager")
     p.add_argument("--ddp", type=int, default=0, metavar="N",
                    help="N processes under DistributedDataParallel (gloo, CPU), unwatched vs nan_magic")
     args = p.parse_args(argv)

@@ -18,6 +18,8 @@ def global_hook_counts() -> tuple[int, ...]:
     return (
         len(module_hooks._global_forward_pre_hooks),
         len(module_hooks._global_forward_hooks),
+        len(module_hooks._global_forward_hooks_with_kwargs),  # torch's handles forget this one
+        len(module_hooks._global_forward_hooks_always_called),
         len(module_hooks._global_backward_hooks),
         len(module_hooks._global_backward_pre_hooks),
         len(optimizer_hooks._global_optimizer_pre_hooks),

@@ -64,7 +64,7 @@ def test_a_healthy_training_step_costs_one_transfer(transfers) -> None:
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
     # The last step is a full parameter check (optim.FULL_CHECK_EVERY), read at the end.
     steps = optim.FULL_CHECK_EVERY + 1
-    with nan_magic.watch(model, opt, defer=True) as w:
+    with nan_magic.watch(model, opt, defer=True, mode="full") as w:
         for _ in range(steps):
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
@@ -79,7 +79,7 @@ def test_a_healthy_training_step_costs_one_transfer(transfers) -> None:
 
 def test_inference_costs_one_transfer_per_forward(transfers) -> None:
     model = _mlp().eval()
-    with torch.no_grad(), nan_magic.watch(model, defer=True):
+    with torch.no_grad(), nan_magic.watch(model, defer=True, mode="full"):
         for _ in range(4):
             model(torch.randn(2, 8))
     assert transfers["reads"] == 4
@@ -89,7 +89,7 @@ def test_deferred_finds_backward_producers() -> None:
     torch.manual_seed(0)
     embed = nn.Linear(8, 4)
     x = torch.randn(3, 8)
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, defer=True):
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, defer=True, mode="full"):
         torch.sqrt(((embed(x) - embed(x.clone())) ** 2).sum(-1)).sum().backward()
     report = caught.value.report
     assert (report.phase, report.module) == ("backward", None)
@@ -99,7 +99,7 @@ def test_deferred_finds_backward_producers() -> None:
 
 def test_deferred_finds_optimizer_producers_at_the_next_sync() -> None:
     model, opt, step = fp16_adam_step()
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=True):
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=True, mode="full"):
         step()
     report = caught.value.report
     assert (report.phase, report.module, report.tensor, report.step) == ("optimizer", "0", "parameter 0.weight", 0)
@@ -111,7 +111,7 @@ def test_deferred_names_a_freed_producer_from_its_probe() -> None:
             return torch.log(x)
 
     model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
-    with pytest.raises(NonFiniteError) as caught, torch.no_grad(), nan_magic.watch(model, defer=True):
+    with pytest.raises(NonFiniteError) as caught, torch.no_grad(), nan_magic.watch(model, defer=True, mode="full"):
         model(torch.randn(8, 4))  # no autograd: Log's output is freed before the check
     report = caught.value.report
     assert (report.module, report.module_type) == ("1", "Log")
@@ -174,7 +174,7 @@ def test_cuda_step_makes_at_most_one_host_sync() -> None:
             step()
 
     def watched() -> None:
-        with nan_magic.watch(model, opt) as w:
+        with nan_magic.watch(model, opt, mode="full") as w:
             three_steps()
             assert w.defer
             w.optimizers.carried = None  # the exit flush is not part of a step
@@ -213,7 +213,7 @@ def _train_once(model: nn.Module, **options) -> nan_magic.Report:
         loss.backward()
         opt.step()
 
-    return raised(step, model, opt, defer=True, **options)
+    return raised(step, model, opt, defer=True, **options, mode="full")
 
 
 def test_a_producer_whose_inputs_were_freed_is_replayed_from_its_recomputed_inputs() -> None:
@@ -245,7 +245,7 @@ def test_gradients_checked_on_autograds_own_thread() -> None:
     torch.manual_seed(0)
     embed = nn.Linear(8, 4)
     anchor = torch.randn(3, 8)
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, defer=True):
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, defer=True, mode="full"):
         embedded = embed(anchor)
         loss = faults.distance(embedded, embedded).sum()  # sqrt'(0) = inf, then 0 * inf in backward
         worker = threading.Thread(target=torch.autograd.backward, args=(loss,))
@@ -264,7 +264,7 @@ def test_without_replay_the_deferred_report_still_names_the_producer() -> None:
 
 def test_an_autocast_overflow_is_replayed_under_the_same_autocast() -> None:
     model, opt, step = faults.autocast_overflow("cpu")
-    report = raised(step, model, opt, defer=True)
+    report = raised(step, model, opt, defer=True, mode="full")
     assert (report.module, report.module_type, report.op) == ("1", "Gram", "aten.mm.default")
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("gram"))
     assert report.posinf > 0 and report.dtype == "float16"

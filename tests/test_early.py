@@ -71,7 +71,7 @@ def test_float16_activations_drifting_towards_the_limit_warn_before_they_overflo
             for _ in range(100):
                 state = model(state)
 
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model) as w:
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, mode="full") as w:
         roll()
     report = caught.value.report
     (risk,) = [warning for warning in report.warnings if warning.kind == "overflow-risk"]
@@ -100,7 +100,7 @@ def test_a_grad_scaler_scale_that_keeps_falling_warns_before_it_collapses() -> N
             scaler.step(opt)
             scaler.update()
 
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, scaler):
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, scaler, mode="full"):
         train()
     report = caught.value.report
     assert report.cause.label == "grad-scaler-collapse"
@@ -115,7 +115,7 @@ def test_extreme_and_constant_inputs_warn_without_raising() -> None:
     batch = torch.randn(16, 5)
     batch[:, 2] = 3.0  # a constant feature
     batch[0, 0] = 5e7  # an extreme value
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         model(batch)
     assert w.report is None
     assert sorted(kinds(w.warnings)) == ["constant-feature", "extreme-input"]
@@ -128,7 +128,7 @@ def test_extreme_and_constant_inputs_warn_without_raising() -> None:
 
 def _train(model: nn.Module, batches, steps: int) -> nan_magic.Watch:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with nan_magic.watch(model, opt) as w:
+    with nan_magic.watch(model, opt, mode="full") as w:
         for step in range(steps):
             x, y = batches(step)
             loss = F.cross_entropy(model(x), y)
@@ -166,7 +166,7 @@ def test_healthy_mixed_precision_with_a_grad_scaler_gets_no_warning() -> None:
     opt, scaler, train = amp_training(
         model, 200, init_scale=2.0**24, lr=0.05, batch=lambda: (torch.randn(32, 16), torch.randint(0, 4, (32,)))
     )
-    with nan_magic.watch(model, opt, scaler) as w:
+    with nan_magic.watch(model, opt, scaler, mode="full") as w:
         train()
     assert w.report is None and w.events  # benign skips happened
     assert list(w.warnings) == []
@@ -253,7 +253,7 @@ def test_an_extreme_batch_warns_in_deferred_mode_from_the_step_summary() -> None
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with nan_magic.watch(model, opt, defer=True) as w:
+    with nan_magic.watch(model, opt, defer=True, mode="full") as w:
         for scale in (1.0, 1e7):
             opt.zero_grad()
             model(torch.randn(8, 4) * scale).mean().backward()
@@ -270,7 +270,7 @@ def test_gradients_near_the_half_precision_limit_warn_before_they_overflow() -> 
         model[1].weight.fill_(1.0)  # the gradient into layer 1's input is the output's: 20000
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.full((1, 4), 0.5).half()
-    with nan_magic.watch(model, opt) as w:
+    with nan_magic.watch(model, opt, mode="full") as w:
         for _ in range(2):
             opt.zero_grad()
             (model(x).sum() * 20000.0).backward()
@@ -288,7 +288,7 @@ def test_no_gradient_overflow_warning_under_a_grad_scaler() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with nan_magic.watch(model, opt, scaler) as w:
+    with nan_magic.watch(model, opt, scaler, mode="full") as w:
         for _ in range(5):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -323,7 +323,7 @@ def test_a_step_summary_holds_the_largest_values_and_where_the_headroom_is_least
         model[1].weight.fill_(1.0)  # output -7
         model[1].bias.zero_()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with nan_magic.watch(model, opt, defer=defer) as w:
+    with nan_magic.watch(model, opt, defer=defer, mode="full") as w:
         opt.zero_grad()
         model(torch.tensor([[1.0, 2.0]])).sum().backward()
         opt.step()

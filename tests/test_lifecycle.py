@@ -99,11 +99,18 @@ def test_user_gradient_hooks_on_module_outputs_run_and_detach_as_before() -> Non
 def test_a_gradient_whose_tensor_already_had_a_user_hook_is_still_checked() -> None:
     seen: list[str] = []
     model = nn.Sequential(nn.Linear(3, 3), Tapped(seen), SqrtOfZero())
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, mode="full"):
         model(torch.ones(2, 3)).sum().backward()
     report = caught.value.report
     assert (report.phase, report.module, report.module_type) == ("backward", "2", "SqrtOfZero")
     assert seen == ["inside forward"]  # the user's hook ran first, as registered
+    # The tiered watch replays the step, forward code included: a hook that forward registers runs
+    # again for the replay's gradient (documented in the README's limitations).
+    seen.clear()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.ones(2, 3)).sum().backward()
+    assert (caught.value.report.module, caught.value.report.reproduced) == ("2", True)
+    assert seen == ["inside forward"] * 2
 
 
 def test_hooks_gone_after_success_and_user_hooks_kept() -> None:
@@ -244,14 +251,15 @@ def test_bad_options_are_one_line_errors(options, message) -> None:
     assert "\n" not in str(caught.value)
 
 
-def test_compiled_model_is_refused_with_a_clear_message() -> None:
+def test_the_full_mode_refuses_a_compiled_model_with_a_clear_message() -> None:
+    """Per-module hooks cannot see inside a compiled graph; the tiered default watches it (test_compiled.py)."""
     model = small_model()
     compiled = torch.compile(model)
-    with pytest.raises(ValueError, match=r"compiled with torch.compile .*model._orig_mod"):
-        nan_magic.watch(compiled)
+    with pytest.raises(ValueError, match=r"compiled with torch.compile .*default \(tiered\) mode.*model._orig_mod"):
+        nan_magic.watch(compiled, mode="full")
     wrapper = nn.Sequential(compiled)
     with pytest.raises(ValueError, match=r"compiled with torch.compile \(0\)"):
-        nan_magic.watch(wrapper)
+        nan_magic.watch(wrapper, mode="full")
 
 
 class _DispatchedOps(TorchDispatchMode):

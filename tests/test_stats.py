@@ -98,14 +98,14 @@ def test_a_float32_gradient_is_checked_by_its_sum_and_an_overflowing_sum_is_no_a
     torch.manual_seed(0)
     model = nn.Linear(1, 4)
     x = torch.full((2, 1), 1e-3)
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         out = model(x)
         out.backward(torch.full_like(out, 1.0))
         (ordinary,) = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
         assert not ordinary.ranged  # finiteness only: a sum
         stats = ordinary.stats()
         assert (stats.nan, stats.posinf, stats.neginf, stats.min, stats.max) == (0, 0, 0, None, None)
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         out = model(x)
         # Finite gradients whose sum overflows float32: the exact probe clears them.
         out.backward(torch.full_like(out, 3e38))
@@ -128,7 +128,7 @@ class TwoBranches(nn.Module):
 def test_one_gradient_tensor_seen_twice_keeps_its_finiteness_only_probe() -> None:
     torch.manual_seed(0)
     model = TwoBranches()
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         model(torch.randn(3, 4)).sum().backward()
         grads = [call.outputs[0] for call in w.log.calls if call.phase == "backward"]
         assert len(grads) >= 2 and all(not record.ranged and not record.kinds for record in grads)
@@ -145,7 +145,7 @@ def test_one_gradient_tensor_handed_to_two_branches_is_summed_once(monkeypatch: 
         summed.append(tuple(self.shape))
         return original(self, *args, **kwargs)
 
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         out = model(torch.randn(3, 4))
         loss = out.sum()
         monkeypatch.setattr(torch.Tensor, "sum", counting_sum)

@@ -23,7 +23,7 @@ class LogAfter(nn.Module):
 def test_an_activation_on_a_finite_input_has_no_row_and_changes_no_verdict() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.GELU(), nn.Dropout(0.1), LogAfter())  # a chain
-    report = raised(lambda: model(torch.randn(3, 4)), model)
+    report = raised(lambda: model(torch.randn(3, 4)), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("forward", "4", "LogAfter")
     rows = _forward_modules(report)
     assert "0" in rows and "4" in rows
@@ -39,7 +39,7 @@ def test_a_backward_producer_behind_a_pass_through_is_still_its_consumer() -> No
     with torch.no_grad():
         model[0].weight.copy_(torch.eye(2) * 100)  # tanh saturates at exactly 1.0
         model[0].bias.zero_()
-    report = raised(lambda: model(torch.ones(1, 2)).sum().backward(), model)
+    report = raised(lambda: model(torch.ones(1, 2)).sum().backward(), model, mode="full")
     # The gradient is checked at Linear's output; its consumer is AcosHead, through the Tanh.
     assert (report.phase, report.module, report.module_type) == ("backward", "2", "AcosHead")
     assert report.source is not None and report.source.line.startswith("return torch.acos(x.clamp(-1.0, 1.0))")
@@ -50,7 +50,7 @@ def test_an_activation_given_a_nonfinite_input_is_checked_as_a_propagator() -> N
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     with torch.no_grad():
         model[0].bias[0] = float("inf")
-    with nan_magic.watch(model, on_detect="log") as w:
+    with nan_magic.watch(model, on_detect="log", mode="full") as w:
         model(torch.randn(2, 4))
         calls = {call.name: call for call in w.log.calls if call.phase == "forward"}
         assert "1" in calls  # ReLU(inf) = inf: checked, since its input was not finite
@@ -65,7 +65,7 @@ def test_a_dropout_whose_scaling_would_overflow_is_checked() -> None:
         model[0].bias.zero_()
     torch.manual_seed(0)
     x = torch.full((64, 1), 2e38)  # finite, but 2e38 / (1 - 0.5) overflows float32
-    report = raised(lambda: model(x), model)
+    report = raised(lambda: model(x), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("forward", "1", "Dropout")
     assert report.posinf > 0
 
@@ -91,15 +91,15 @@ def _called(watch: nan_magic.Watch) -> set[str | None]:
 def test_a_dropout_on_a_value_its_parent_computed_is_left_to_the_parent() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Attention())
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         model(torch.randn(2, 3, 4)).sum().backward()
         assert _called(w) == {"", "0", "1"}  # no call of 1.drop: Attention's output check covers it
-    with nan_magic.watch(model, defer=True) as w:  # no replay to fall back on: checked
+    with nan_magic.watch(model, defer=True, mode="full") as w:  # no replay to fall back on: checked
         model(torch.randn(2, 3, 4))
         assert "1.drop" in _called(w)
 
     model[1].scale = 1e25
-    report = raised(lambda: model(torch.randn(2, 3, 4)), model)
+    report = raised(lambda: model(torch.randn(2, 3, 4)), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("forward", "1", "Attention")
     assert report.op == "aten.bmm.default" and report.source is not None
     assert report.source.line.startswith("scores = y @ y.transpose(-1, -2)")
@@ -119,7 +119,7 @@ def test_a_dropout_that_overflows_inside_its_parent_is_named_by_the_replay() -> 
         model[0].weight.zero_()
         model[0].bias.fill_(2.0)
     torch.manual_seed(0)
-    report = raised(lambda: model(torch.ones(64, 4)), model)
+    report = raised(lambda: model(torch.ones(64, 4)), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("forward", "1", "Scaled")
     assert report.source is not None and report.source.line.startswith("return self.drop(x * 1e38)")
     assert "aten.mul.Tensor ran inside 1.drop, which is not checked on its own" in report.notes
@@ -147,10 +147,10 @@ def test_a_module_consuming_such_a_pass_through_is_still_named_for_its_backward(
     with torch.no_grad():
         model[1].inner.weight.copy_(torch.eye(2) * 100)  # tanh saturates at exactly 1.0
         model[1].inner.bias.zero_()
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         model(torch.ones(4, 2))
         assert "1.act" not in _called(w)
-    report = raised(lambda: model(torch.ones(4, 2)).sum().backward(), model)
+    report = raised(lambda: model(torch.ones(4, 2)).sum().backward(), model, mode="full")
     # ...but the gradient AcosHead's backward computes for its input is checked, and names AcosHead.
     assert (report.phase, report.module, report.module_type) == ("backward", "1.acos", "AcosHead")
     assert report.source is not None and report.source.line.startswith("return torch.acos(x.clamp(-1.0, 1.0))")
@@ -159,14 +159,14 @@ def test_a_module_consuming_such_a_pass_through_is_still_named_for_its_backward(
 def test_dropout_in_half_precision_is_always_checked() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), LogAfter()).half()
-    report = raised(lambda: model(torch.randn(3, 4).half()), model)
+    report = raised(lambda: model(torch.randn(3, 4).half()), model, mode="full")
     assert "1" in _forward_modules(report)
 
 
 def test_a_module_chosen_by_type_is_always_checked() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), LogAfter())
-    report = raised(lambda: model(torch.randn(3, 4)), model, types=["GELU", "LogAfter"])
+    report = raised(lambda: model(torch.randn(3, 4)), model, types=["GELU", "LogAfter"], mode="full")
     assert "1" in _forward_modules(report)
 
 

@@ -28,6 +28,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as module_registry
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -93,6 +94,9 @@ class GlobalModuleHooks:
     def _off(self) -> None:
         for handle in self._handles:
             handle.remove()
+            # torch's handle forgets this registry (torch 2.13): an entry left there keeps
+            # ``_has_any_global_hook()`` true, and OptimizedModule warning, after the watch.
+            module_registry._global_forward_hooks_with_kwargs.pop(handle.id, None)
         self._handles = ()
 
 

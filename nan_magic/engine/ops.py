@@ -268,6 +268,9 @@ class OpTracer(TorchDispatchMode):
         self._seen_seq = 0
         self._last_location: tuple[CodeType, int, str | None] | None = None
         self._lock = threading.Lock()
+        #: Every origin started this step, in execution order (a replay cut short by an exception
+        #: reports the first).
+        self.started: list[OpFinding] = []
         # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
         self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
         # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
@@ -284,6 +287,7 @@ class OpTracer(TorchDispatchMode):
         self.finding = None
         self.producer_tensors = ()
         if origins:
+            self.started.clear()
             self._origins.clear()
             self._by_memory.clear()
             self._witnesses.clear()
@@ -622,6 +626,7 @@ class OpTracer(TorchDispatchMode):
             absorbed=absorbed.finding if absorbed is not None else None,
         )
         self._witnesses[id(finding)] = tuple(witnesses)
+        self.started.append(finding)
         if not in_backward and user_frame is not None:
             self._frames[id(finding)] = user_frame
         origin = _Origin(finding)
@@ -1082,9 +1087,10 @@ def _is_plumbing(frame: FrameType) -> bool:
 
 _THIS_FILE = os.path.abspath(__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep
-# Our files that call the user's code: the wrapped Tensor.backward, and a
-# replay running a module (whose ops are the module's, even an nn.Linear's).
-# Our files whose own lines run the user's code: a replayed call and its backward are the user's ops.
+# The tracers' own dispatch code (this file, and the outside tracer's subclass).
+_TRACER_FILES = (_THIS_FILE, os.path.join(_OWN_DIR, "engine", "outside.py"))
+# Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
+# (whose ops are the module's, even an nn.Linear's), and a replayed step and its backward.
 _RUNS_USER_CODE = tuple(
     os.path.join(_OWN_DIR, "engine", name) for name in ("backward_patch.py", "replay.py", "step_replay.py")
 )
@@ -1100,7 +1106,7 @@ def _called_by_us() -> bool:
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        if filename == _THIS_FILE or filename.startswith(_TORCH_DIR) or filename.endswith(
+        if filename in _TRACER_FILES or filename.startswith(_TORCH_DIR) or filename.endswith(
             ("contextlib.py", "functools.py")
         ):
             frame = frame.f_back

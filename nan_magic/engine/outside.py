@@ -18,9 +18,11 @@ for the rest of the watch, and reports say so. The loss region has a larger
 budget, :data:`LOSS_BUDGET`, for loops that compute metrics there.
 
 A Python dispatch mode costs a few microseconds per op, so this is cheap for
-a loss and bounded elsewhere. The tracer is only ever popped when it is the
-innermost mode (a mode the user entered since stays in place; ours then
-waits, inert, until it is on top again).
+a loss and bounded elsewhere. Dispatch modes form a stack that ``with``
+blocks push and pop, so the tracer is pushed only onto an empty stack (not
+inside a mode the user entered around the model call, which their ``with``
+must pop), and popped only when it is the innermost mode (a mode the user
+entered since stays in place; ours then waits, inert, until it is on top).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from nan_magic.engine.ops import OpTracer
@@ -59,7 +62,9 @@ class OutsideTracer(OpTracer):
             return
         self._region = region
         self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
-        if not self.pushed:
+        if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
+            # Only onto an empty stack: a mode the user entered around the model call must be the one
+            # their ``with`` pops when it ends, not ours.
             self.__enter__()
             self.pushed = True
 

@@ -201,10 +201,14 @@ class StepReplays:
                 top = top.parent
             candidates = [root for root in self.calls if root.call is top]
             backward = False
+            # On a per-module step the boundary may be a submodule's output: the replay's report then
+            # stands for it (the replay measures the model's outputs only).
+            boundary = finding.tensor if finding.call is top else None
         elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None):
             # Backward runs the last call first; each call's gradients are replayed apart.
             candidates = [root for root in reversed(self.calls) if root.output_grads]
             backward = True
+            boundary = finding.tensor
         else:  # data, the loss code's forward or backward, the optimizer: the boundary check named it
             return seen, finding.frame
         if not candidates:
@@ -212,7 +216,7 @@ class StepReplays:
                                             f"{MAX_CALLS} calls in the step)"), finding.frame
         outcome = _Outcome()
         for root in candidates:
-            outcome = self._run(root, backward, finding.tensor)
+            outcome = self._run(root, backward, boundary)
             if outcome.report is not None:
                 break
         if outcome.report is None:
@@ -276,15 +280,19 @@ class StepReplays:
             with torch.no_grad():
                 args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
             restore_rng_state(root.rng)
-            try:
-                with inner:
+            with inner:
+                try:
                     output = target(*args, **kwargs)
                     if not backward:
                         outcome.boundary = _stats_at(output, boundary)
                     else:
                         outcome.boundary = self._backward(inner, target, root, output, boundary)
-            except Exception as error:  # the replay of a failing forward fails too, after its event
-                outcome.failure = error
+                except Exception as error:  # the replay of a failing forward fails too, after its event
+                    outcome.failure = error
+                    tracer = inner.forward.tracer
+                    if inner.report is None and tracer is not None and tracer.started:
+                        # Stopped before the value reached a boundary: the first op that made one is the producer.
+                        inner.forward.report_op(tracer.started[0])
         outcome.report = inner.report
         outcome.frame = inner.producer_frame
         if outcome.report is None:

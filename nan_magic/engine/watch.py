@@ -46,7 +46,14 @@ from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch, scaler_patch
 from nan_magic.engine.calls import StepLog
-from nan_magic.engine.distributed import Agreement, launched, per_rank_path, stamp
+from nan_magic.engine.distributed import (
+    Agreement,
+    data_parallel_paths,
+    launched,
+    per_rank_path,
+    stamp,
+    user_name,
+)
 from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
 from nan_magic.engine.findings import Finding, build_report
@@ -180,12 +187,15 @@ class Watch:
     ) -> Literal[False]:
         if self.outside is not None:
             self.outside.stop()
+        explained = self._raise_explained(exc)
         try:
             if exc is None:
                 self.sync()
                 self.optimizers.flush()
                 if self._step_open and self.gradients.backward_runs:
                     self.optimizers.on_step_boundary()
+                if self.gradients.backward_runs:
+                    self._check_unstepped_gradients()
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -196,6 +206,9 @@ class Watch:
             if self.report is None:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
+        if explained is not None:
+            self.adopt_traceback(explained, tb)
+            raise explained from exc
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
         return False
@@ -298,6 +311,8 @@ class Watch:
         self.forward_starts = 0
         self._step_open = False
         self._raised = False
+        # A forward that raised after a non-finite value: what the watch raises on exit (on_forward_failed).
+        self._explained: tuple[Finding, Report, FrameType | None, BaseException] | None = None
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
         self.agreement = Agreement()
@@ -395,8 +410,35 @@ class Watch:
         """
         self.sync()
         self.optimizers.on_step_boundary(optimizer)
+        self._check_unstepped_gradients()
         self.gradients.backward_runs = 0
         self._step_open = False
+
+    def _check_unstepped_gradients(self) -> None:
+        """The tiered watch, where no optimizer steps: the parameter gradients a backward left.
+
+        The per-module watch sees a backward producer in the gradients
+        flowing into each module; the tiered watch sees the gradients into
+        the model's outputs, then the parameter gradients when an optimizer
+        is about to step. A backward with no optimizer after it (saliency,
+        a gradient check, the last backward of a watched cell) has its
+        parameter gradients read here instead, when the next forward starts
+        or the watch ends.
+        """
+        if (not self.config.tiered or not self.config.backward or self.optimizer_in_use() or self._raised
+                or self.optimizers.scaler_active()):
+            return  # an optimizer's check reads them, or a GradScaler settles them (a skipped step)
+        named = [
+            (user_name(name, data_parallel_paths(root)), parameter)
+            for _label, root in self.targets.roots
+            for name, parameter in root.named_parameters()
+        ]
+        finding = self.gradients.check_parameter_grads(
+            named, "no optimizer stepped after this backward: its parameter gradients were read when it ended"
+        )
+        if finding is not None:
+            self.optimizers.attribute(finding)
+            self.emit(finding)
 
     def _on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (distributed.py)."""
@@ -441,10 +483,24 @@ class Watch:
         if explained is None:
             return
         report, frame, error = explained
+        finding = Finding(Phase.FORWARD, call, "output")
+        if self.config.on_detect == "raise":
+            # torch silences an exception raised by this hook: the watch raises it on exit, from ``error``.
+            self._explained = (finding, report, frame, error)
+        else:
+            self.emit(finding, replayed=(report, frame))
+
+    def _raise_explained(self, exc: BaseException | None) -> NonFiniteError | None:
+        """The NonFiniteError of a forward that raised after a non-finite value (on_forward_failed), if ``exc`` is it."""
+        explained, self._explained = self._explained, None
+        if explained is None or exc is None or explained[3] is not exc:
+            return None
+        finding, report, frame, _error = explained
         try:
-            self.emit(Finding(Phase.FORWARD, call, "output"), replayed=(report, frame))
+            self.emit(finding, replayed=(report, frame))
         except NonFiniteError as stop:
-            raise stop from error
+            return stop
+        return None
 
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""
@@ -456,13 +512,17 @@ class Watch:
     def begin_step_if_needed(self) -> None:
         if self._step_open and self.gradients.backward_runs:
             self._settle_backward()
+        elif self.gradients.backward_runs and not self.optimizer_in_use():
+            self._check_unstepped_gradients()  # inference steps end with their forward; a backward followed
+            self.gradients.backward_runs = 0
         if not self._step_open:
             self.log.clear()
             if self.replays is not None:
                 self.replays.clear()
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
-            self.full_step = not self.config.tiered or self._steps_opened % self.config.full_every == 1
+            every = self.config.full_every
+            self.full_step = not self.config.tiered or self._steps_opened % every == min(1, every - 1)
             self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
@@ -613,6 +673,7 @@ def watch(
     *targets: Any,
     on_detect: str = "raise",
     mode: str = "tiered",
+    full_every: int = 50,
     kinds: Iterable[str] = ("nan", "inf"),
     include: Iterable[str] = (),
     exclude: Iterable[str] = (),
@@ -637,7 +698,7 @@ def watch(
     *targets
         ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
         no module, every module called at top level is watched.
-    on_detect, mode, kinds, include, exclude, types, log_file, defer, ops, replay,
+    on_detect, mode, full_every, kinds, include, exclude, types, log_file, defer, ops, replay,
     backward, history, sample_size, max_layers, max_events, dump
         See :class:`nan_magic.WatchConfig`.
     keep_last_good
@@ -659,6 +720,7 @@ def watch(
     config = WatchConfig(
         on_detect=on_detect,  # type: ignore[arg-type]
         mode=mode,  # type: ignore[arg-type]
+        full_every=full_every,
         kinds=frozenset(kinds),
         include=tuple(include),
         exclude=tuple(exclude),

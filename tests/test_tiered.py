@@ -1,0 +1,311 @@
+"""The default, tiered watch: boundary checks every step, the failing step replayed to name the producer.
+
+What a user sees: the same module, op and line as ``ops=True``; whether the
+replay reproduced the event; nothing of the replay left on the model, its
+gradients or the random stream; compiled models watched; an exception that
+a NaN caused explained; the loss code's op named by the outside tracer.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import faults
+import nan_magic
+from nan_magic import NonFiniteError
+
+
+def _marked(key: str) -> int:
+    return faults.marked_line(key, where=sys.modules[__name__])
+
+
+class ExpBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + torch.exp(x)  # producer: block exp
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.2)
+        self.norm = nn.BatchNorm1d(8)
+        self.block = ExpBlock()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.drop(torch.relu(self.inp(x))))))
+
+
+def _net(seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net()
+    return model, torch.optim.SGD(model.parameters(), lr=0.001)  # healthy until a batch 400 times larger
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for x in batches:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _batches(n: int, big_at: int | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    batches = [torch.randn(16, 8) for _ in range(n)]
+    if big_at is not None:
+        batches[big_at] = batches[big_at] * 400.0
+    return batches
+
+
+def test_a_forward_producer_deep_inside_is_named_with_its_op_line_and_step() -> None:
+    model, opt = _net()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        _train(model, opt, _batches(6, big_at=3))
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.step) == ("forward", "block", "ExpBlock", 3)
+    assert report.op == "aten.exp.default"
+    assert report.source is not None and report.source.lineno == _marked("block exp")
+    assert report.reproduced is True
+    assert report.posinf > 0 and report.tensor == "output of aten.exp.default"
+    # The per-layer table is the replayed step's: the producer row, and the rows before it finite.
+    producers = [row.module for row in report.layers if row.status == "producer"]
+    assert producers == ["block"]
+    # %debug opens in the frame that ran the op, with its locals.
+    last = traceback.extract_tb(caught.value.__traceback__)[-1]
+    assert last.lineno == _marked("block exp")
+    assert report.debug_frame is not None and report.debug_frame.function == "forward"
+    assert {name for name, _stats in report.debug_locals} >= {"x", "h"}
+
+
+def test_a_healthy_run_is_bit_identical_and_leaves_buffers_and_the_random_stream_alone() -> None:
+    watched, opt_w = _net()
+    plain, opt_p = _net()
+    batches = _batches(60)
+    torch.manual_seed(7)
+    expected = _train(plain, opt_p, batches)
+    after_plain = torch.rand(3)
+    torch.manual_seed(7)
+    with nan_magic.watch(watched, opt_w) as w:
+        got = _train(watched, opt_w, batches)
+    after_watched = torch.rand(3)
+    assert w.report is None and w.events == []
+    assert got == expected
+    assert torch.equal(after_plain, after_watched)
+    for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    # History: a row per step; the per-module steps (the second, then every 50th) measured the layers.
+    assert [row.step for row in w.history][:3] == [0, 1, 2] and len(w.history) == 60
+
+
+def test_the_replay_changes_no_gradient_buffer_parameter_or_random_draw() -> None:
+    """on_detect="log": training goes on after the event exactly as it would unwatched."""
+    batches = _batches(6, big_at=3)
+    plain, opt_p = _net()
+    torch.manual_seed(3)
+    expected = _train(plain, opt_p, batches)
+    watched, opt_w = _net()
+    torch.manual_seed(3)
+    with nan_magic.watch(watched, opt_w, on_detect="log") as w:
+        got = _train(watched, opt_w, batches)
+    assert w.report is not None and w.report.module == "block" and w.report.reproduced
+    assert str(got) == str(expected)  # NaN-aware comparison of the losses
+    for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    for a, b in zip(watched.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)
+
+
+class SqrtAtZero(nn.Module):
+    """Finite forward (sqrt of 0); sqrt's derivative at 0 is +inf, times the gradient: the backward makes inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + torch.sqrt(h - h.detach())  # producer: sqrt at zero
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_backward_producer_inside_the_model_is_named_by_replaying_forward_and_backward(defer: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtAtZero(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    grads_before = None
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        grads_before = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type) == ("backward", "1", "SqrtAtZero")
+    assert report.op is not None and report.op.startswith("aten.")
+    assert report.source is not None and report.source.lineno == _marked("sqrt at zero")
+    assert report.reproduced is True
+    # The replay's backward went into scratch gradients: .grad is what the user's backward left.
+    for p, before in zip(model.parameters(), grads_before):
+        torch.testing.assert_close(p.grad, before, rtol=0, atol=0, equal_nan=True)
+
+
+class FirstCallOnly(nn.Module):
+    """Makes a NaN on its first call only: a side effect the replay cannot reproduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * float("nan") if self.calls == 1 else x
+
+
+def test_an_event_the_replay_does_not_reproduce_is_reported_as_the_boundary_saw_it() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), FirstCallOnly())
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(2, 3))
+    report = caught.value.report
+    assert report.reproduced is False
+    assert (report.phase, report.module, report.nan) == ("forward", "", 6)  # the model's output, as seen
+    assert report.op is None
+    assert any("did not reproduce" in note and 'mode="full"' in note for note in report.notes)
+    assert "reproduce" in report.to_text()
+
+
+class Sampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.logits(x) * float("inf"), -1)  # producer: inf logits
+        return torch.multinomial(probs, 1)
+
+
+def test_an_exception_a_nan_caused_is_explained_and_stays_chained() -> None:
+    torch.manual_seed(0)
+    model = Sampler()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(3, 4))
+    report = caught.value.report
+    assert report.phase == "forward" and report.module == ""
+    assert report.op is not None and report.source is not None and report.source.lineno == _marked("inf logits")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert any("then the forward raised RuntimeError" in note for note in report.notes)
+
+
+def test_an_exception_without_a_nan_before_it_is_left_alone() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyError("not ours")
+
+    with pytest.raises(KeyError), nan_magic.watch(Fails()) as w:
+        w.targets.roots[0][1](torch.ones(2))
+    assert w.report is None
+
+
+def test_loss_code_is_traced_for_its_op_and_line() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        p = model(x)
+        loss = torch.log(p - 2.0).mean()  # producer: log of negatives
+        opt.zero_grad()
+        loss.backward()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op) == ("forward", None, "aten.log.default")
+    assert report.source is not None and report.source.lineno == _marked("log of negatives")
+
+
+def test_loss_code_running_more_ops_than_the_budget_is_said_to_be_untraced() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt) as w:
+        for step in range(2):
+            out = model(x)
+            for _ in range(600):  # metrics computed in the loss region
+                out.detach().abs().mean()
+            loss = out.mean() / (0.0 if step == 1 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, None)
+    assert any("ran more ops a step than the watch traces" in note for note in report.notes)
+    assert "loss" in w.outside.untraced
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_per_module_steps_come_every_full_every_steps(every: int) -> None:
+    model, opt = _net()
+    seen = []
+    with nan_magic.watch(model, opt, full_every=every) as w:
+        for x in _batches(7):
+            _train(model, opt, [x])
+            seen.append(w.full_step)  # decided when the step's forward began
+    expected = [True] * 7 if every == 1 else [i % 3 == 1 for i in range(7)]
+    assert seen == expected
+
+
+def test_the_full_mode_checks_every_module_and_bad_modes_are_refused() -> None:
+    model, opt = _net()
+    with nan_magic.watch(model, opt, mode="full") as w:
+        _train(model, opt, _batches(2))
+    assert w.full_step
+    with pytest.raises(ValueError, match="mode must be 'tiered' or 'full', not 'fast'"):
+        nan_magic.watch(model, mode="fast")
+    with pytest.raises(ValueError, match="full_every must be at least 1"):
+        nan_magic.watch(model, full_every=0)
+
+
+def test_a_top_level_call_of_a_submodule_keeps_its_qualified_name() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("body", nn.Sequential(nn.Linear(3, 3), ExpBlockSmall()))
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model.body(torch.full((2, 3), 50.0))
+    assert caught.value.report.module == "body.1"
+
+
+class ExpBlockSmall(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x * 100.0)
+
+
+def test_a_watch_entered_for_one_step_is_as_cheap_as_its_boundaries() -> None:
+    """The decorator form: one step per entry, and the replay still names the producer."""
+    model, opt = _net()
+    batches = _batches(4, big_at=2)
+
+    @nan_magic.watch(model, opt)
+    def step(x: torch.Tensor) -> None:
+        _train(model, opt, [x])
+
+    step(batches[0])
+    step(batches[1])
+    with pytest.raises(NonFiniteError) as caught:
+        step(batches[2])
+    assert (caught.value.report.module, caught.value.report.op) == ("block", "aten.exp.default")
+    assert copy.deepcopy(caught.value.report).reproduced is True
