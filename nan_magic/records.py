@@ -26,7 +26,6 @@ __all__ = [
     "Cause",
     "LayerCall",
     "OnDetect",
-    "WatchMode",
     "Phase",
     "Report",
     "Sample",
@@ -34,6 +33,7 @@ __all__ = [
     "StepSummary",
     "TensorStats",
     "WatchConfig",
+    "WatchMode",
     "module_label",
     "sample_label",
 ]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import sys
 
+import faults
 import pytest
 import torch
 from torch import nn
 
-import faults
 import nan_magic
 from nan_magic import NonFiniteError
 

@@ -1,4 +1,9 @@
-"""Diagnosis: one fixture per cause of the checklist through the real watch, and the rules on hand-built Reports."""
+"""Diagnosis: one fixture per cause of the checklist through the real watch, and the rules on hand-built Reports.
+
+The fixtures run under ``mode="full"``, whose reports also carry each module's inputs as evidence; the
+rules are the same for the tiered default (whose replay reads the producing op's operands), checked
+where the two differ.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ EXPECTED = {  # fault -> (label with replay, label in ops mode)
 @pytest.mark.parametrize("fault", FORWARD_FAULTS, ids=lambda f: f.name)
 def test_every_fault_gets_its_cause_and_a_hint_naming_the_producer(fault: Fault, ops: bool) -> None:
     model, run = fault.build()
-    report = raised(run, model, ops=ops)
+    report = raised(run, model, ops=ops, mode="full")
     named = fault.tensor if fault.phase == "data" else f"{fault.module} ({fault.module_type})"
     assert_cause(report, EXPECTED[fault.name][ops], named)
 
@@ -74,7 +79,7 @@ def test_exp_overflow() -> None:
     model = nn.Sequential(nn.Linear(4, 4), ExpScores())
     with torch.no_grad():
         model[0].bias.fill_(100.0)
-    report = raised(lambda: model(torch.randn(3, 4)), model)
+    report = raised(lambda: model(torch.randn(3, 4)), model, mode="full")
     assert report.op == "aten.exp.default"
     assert_cause(report, "exp-overflow", "1 (ExpScores)", "88.72")
 
@@ -84,7 +89,7 @@ def test_zero_variance_names_the_rows_of_the_divisor() -> None:
     assert_cause(raised(run, model, ops=True), "division-by-zero", "1 (HandNorm)", "0 for 4 rows", "add eps")
     model, run = _fault("zero_variance").build()
     # the replay gives the default mode the division's own operands too
-    report = raised(run, model)
+    report = raised(run, model, mode="full")
     assert_cause(report, "division-by-zero", "1 (HandNorm)", "0 for 4 rows", "add eps")
     assert any("input[0] of 1 (HandNorm) is constant" in line for line in report.cause.evidence)
 
@@ -97,7 +102,7 @@ class BatchStandardize(nn.Module):
 @pytest.mark.filterwarnings("ignore:std\\(\\)")
 def test_std_over_a_batch_of_one_is_a_division_by_n_minus_one() -> None:
     model = nn.Sequential(nn.Linear(4, 4), BatchStandardize())
-    report = raised(lambda: model(torch.randn(1, 4)), model)
+    report = raised(lambda: model(torch.randn(1, 4)), model, mode="full")
     assert_cause(report, "division-by-zero", "1 (BatchStandardize)", "N - 1 = 0", "(1, 4)")
 
 
@@ -111,14 +116,19 @@ def test_log_of_zeros_counts_them() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), LogLayer())
     x = torch.randn(4, 8)
     zeros = int((model[1](model[0](x)) == 0).sum())
-    report = raised(lambda: model(x), model)
+    report = raised(lambda: model(x), model, mode="full")
     assert zeros > 0 and report.neginf == zeros
     assert_cause(report, "log-domain", f"log got {zeros} zeros and 0 negatives in input[0] of 2 (LogLayer)")
 
 
 def test_log_of_negatives() -> None:
     model, run = _fault("log_negative").build()
-    assert_cause(raised(run, model), "log-domain", "17 negatives in input[0] of 1 (LogLayer)", "log_softmax")
+    assert_cause(raised(run, model, mode="full"), "log-domain", "17 negatives in input[0] of 1 (LogLayer)",
+                 "log_softmax")
+    # The tiered default's replay reads the op's own operand.
+    model, run = _fault("log_negative").build()
+    assert_cause(raised(run, model), "log-domain", "17 negatives in `self` of aten.log.default in 1 (LogLayer)",
+                 "log_softmax")
 
 
 def test_sqrt_of_negatives() -> None:
@@ -143,7 +153,7 @@ class SignedRoot(nn.Module):
 def test_pow_of_a_negative_base_with_a_fractional_exponent() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SignedRoot())
-    report = raised(lambda: model(torch.randn(3, 4)), model)
+    report = raised(lambda: model(torch.randn(3, 4)), model, mode="full")
     assert report.op == "aten.pow.Tensor_Scalar"
     assert_cause(report, "pow-domain", "1 (SignedRoot)", "negative base")
 
@@ -160,7 +170,7 @@ def test_a_fully_masked_softmax_row(ops: bool) -> None:
     model = MaskedAttention()
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[1] = True  # every key of row 1 masked
-    report = raised(lambda: model(torch.randn(3, 5), mask), model, ops=ops)
+    report = raised(lambda: model(torch.randn(3, 5), mask), model, ops=ops, mode="full")
     assert_cause(report, "masked-softmax", "1 row(s) of 5 positions", "MaskedAttention (root)")
 
 
@@ -168,7 +178,7 @@ def test_learning_rate_too_high_needs_the_loss_growing_before_the_event() -> Non
     w = sgd_regression(lr=1.0, on_detect="log")
     report = w.report
     assert report is not None and report.tensor == "loss" and report.step > 20
-    cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "the loss became 1 +inf",
+    cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "became 1 +inf",
                          "lower the learning rate")
     assert any(f"rising on each of the last {DIVERGENCE_RISES} steps" in line for line in cause.evidence)
     assert sgd_regression(lr=0.1, on_detect="log").report is None  # the same problem, converging
@@ -182,7 +192,7 @@ def test_adam_epsilon_underflow_in_float16() -> None:
 
 def test_nan_in_the_batch_is_bad_input_data() -> None:
     model, run = _fault("nan_in_batch").build()
-    assert_cause(raised(run, model), "bad-input-data", "input[0]", "1 nan", "(2, 3)")
+    assert_cause(raised(run, model, mode="full"), "bad-input-data", "input[0]", "1 nan", "(2, 3)")
 
 
 class ToHalf(nn.Module):
@@ -193,7 +203,7 @@ class ToHalf(nn.Module):
 def test_an_overflow_in_a_step_whose_batch_is_extreme_blames_the_batch() -> None:
     model = nn.Sequential(ToHalf(), nn.Linear(4, 4).half())
     x = torch.randn(2, 4) * 1e7  # far beyond float16's 65504
-    cause = assert_cause(raised(lambda: model(x), model), "bad-input-data", "input[0]", "0 (ToHalf)")
+    cause = assert_cause(raised(lambda: model(x), model, mode="full"), "bad-input-data", "input[0]", "0 (ToHalf)")
     assert any("half-precision-overflow" in line for line in cause.evidence)  # what it then did
 
 
@@ -203,15 +213,18 @@ def test_cross_entropy_with_every_target_ignored_is_an_empty_reduction() -> None
     x, labels = torch.randn(4, 8), torch.full((4,), -100)
     report = raised(lambda: F.cross_entropy(model(x), labels).backward(), model, ops=True)
     assert_cause(report, "empty-reduction", "aten.nll_loss_forward.default", "ignore_index")
-    # without the op (the loss is not replayed) two readings fit: say so, do not guess
-    cause = assert_cause(raised(lambda: F.cross_entropy(model(x), labels).backward(), model), "unclassified",
-                         "empty selection", "ops=True")
+    # the tiered default traces the loss code: the same op, the same reading
+    report = raised(lambda: F.cross_entropy(model(x), labels).backward(), model)
+    assert_cause(report, "empty-reduction", "aten.nll_loss_forward.default", "ignore_index")
+    # without the op (the per-module watch does not trace the loss) two readings fit: say so, do not guess
+    cause = assert_cause(raised(lambda: F.cross_entropy(model(x), labels).backward(), model, mode="full"),
+                         "unclassified", "empty selection", "ops=True")
     assert "domain error" in cause.hint
 
 
 def test_a_parameter_already_nonfinite() -> None:
     model, run = _fault("inf_weight").build()
-    assert_cause(raised(run, model), "parameter-already-nonfinite", "2.weight", "2 (Linear)", "1 +inf")
+    assert_cause(raised(run, model, mode="full"), "parameter-already-nonfinite", "2.weight", "2 (Linear)", "1 +inf")
 
 
 # -- two readings -------------------------------------------------------------------------
@@ -226,21 +239,21 @@ def test_a_half_precision_division_without_its_divisor_is_unclassified_and_with_
     model = Ratio()
     x = torch.full((2, 3), 300.0, dtype=torch.float16)
     y = torch.tensor([[1e-3, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float16)  # 3e5 overflows, and a 0
-    cause = assert_cause(raised(lambda: model(x, y), model, replay=False), "unclassified", "Ratio (root)",
+    cause = assert_cause(raised(lambda: model(x, y), model, replay=False, mode="full"), "unclassified", "Ratio (root)",
                          "an overflow of float16 (max 65504)", "a division by zero")
     assert "ops=True" in cause.hint
     # the op's operands settle it: from the replay in the default mode, or at the op in ops mode
-    assert_cause(raised(lambda: model(x, y), model), "division-by-zero", "`other`", "1 zeros")
+    assert_cause(raised(lambda: model(x, y), model, mode="full"), "division-by-zero", "`other`", "1 zeros")
     assert_cause(raised(lambda: model(x, y), model, ops=True), "division-by-zero", "`other`", "1 zeros")
 
 
 def test_an_unknown_op_is_read_from_its_inputs_only_when_one_reading_fits() -> None:
     model, run = _fault("fp16_overflow").build()  # inputs all 20.0: only an overflow fits
-    assert_cause(raised(run, model, replay=False), "half-precision-overflow", "1 (HalfMatmul)")
+    assert_cause(raised(run, model, replay=False, mode="full"), "half-precision-overflow", "1 (HalfMatmul)")
     model, _ = _fault("fp16_overflow").build()
     x = torch.full((2, 64), 20.0, dtype=torch.float16)
     x[:, 0] = 0.0  # zeros in the input: a division by zero fits as well
-    cause = assert_cause(raised(lambda: model(x), model, replay=False), "unclassified", "1 (HalfMatmul)",
+    cause = assert_cause(raised(lambda: model(x), model, replay=False, mode="full"), "unclassified", "1 (HalfMatmul)",
                          "an overflow of float16", "a division by zero")
     assert "ops=True" in cause.hint
 
@@ -261,7 +274,7 @@ def test_a_half_precision_overflow_after_a_diverging_loss_is_the_learning_rate()
             loss.backward()
             opt.step()
 
-    report = raised(train, model, opt)
+    report = raised(train, model, opt, mode="full")
     assert report.dtype == "float16" and report.step > DIVERGENCE_RISES
     cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "2 (Linear)")
     assert any(line.startswith("then: half-precision-overflow") for line in cause.evidence)
@@ -272,7 +285,7 @@ def test_a_half_precision_overflow_after_a_diverging_loss_is_the_learning_rate()
 
 def test_cause_and_hint_are_in_the_text_and_html_summaries() -> None:
     model, run = _fault("log_negative").build()
-    report = raised(run, model)
+    report = raised(run, model, mode="full")
     text, html = report.to_text(), report.to_html()
     assert "log-domain" in text and report.cause.hint in text
     assert "log-domain" in html and "17 negatives in input[0] of 1 (LogLayer)" in html
@@ -463,7 +476,7 @@ def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
     model = Mask()
     mask = torch.zeros(2, 4, dtype=torch.bool)
     mask[0, 2:] = True
-    with nan_magic.watch(model) as w:
+    with nan_magic.watch(model, mode="full") as w:
         model(torch.randn(2, 4), mask)
     (event,) = w.events
     assert event.benign and event.cause is not None

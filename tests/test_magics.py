@@ -161,11 +161,13 @@ def test_with_targets_only_those_models_are_watched(ip, ns) -> None:
     assert ns["_nan_report"].module != "log"
 
 
-def test_a_compiled_model_elsewhere_does_not_refuse_the_cell(ip, ns) -> None:
-    run(ip, "compiled = torch.compile(nn.Linear(4, 4))")
+def test_a_compiled_model_is_watched_and_refused_only_by_the_full_mode(ip, ns) -> None:
+    run(ip, "compiled = torch.compile(nn.Linear(4, 4), backend='aot_eager')")
     run(ip, "%%nantrace\n" + TRAIN)
     assert ns["_nan_report"].module == "log"
     result, _ = run(ip, "%%nantrace\ny = compiled(x)")
+    assert result.error_in_exec is None  # the tiered default watches it from outside its graph
+    result, _ = run(ip, "%%nantrace --full\ny = compiled(x)")
     assert isinstance(result.error_in_exec, ValueError)
     assert "compiled is compiled with torch.compile" in str(result.error_in_exec)
     ns.pop("compiled")
@@ -231,8 +233,11 @@ def test_tb_shows_the_full_traceback(ip, ns) -> None:
     run(ip, "%%nantrace\n" + TRAIN)
     with capture_output() as captured:
         ip.run_line_magic("tb", "")
-    assert "module.py" in captured.stdout  # torch's frames between the cell and Net.forward
-    assert "h = self.log(h)" in captured.stdout
+    # The tiered watch raises once the model's call returned, after its replay: the traceback runs
+    # from the cell's line to the producer's frame (the per-module watch raises inside the forward).
+    assert "Traceback (most recent call last)" in captured.stdout
+    assert "loss = model(x).abs().mean()" in captured.stdout
+    assert "return torch.log(h)" in captured.stdout  # the producer's frame, from the replay
     assert "nan_magic" + "/engine" not in captured.stdout  # our hook's frames were cut
 
 

@@ -149,15 +149,17 @@ def _masks(full_row: bool) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
-def test_partly_masked_rows_are_benign(ops: bool) -> None:
+@pytest.mark.parametrize("options", [{"mode": "full"}, {}, {"ops": True}], ids=["full", "tiered", "ops"])
+def test_partly_masked_rows_are_benign(options: dict) -> None:
     model = Attention()
-    with nan_magic.watch(model, ops=ops) as w:
+    with nan_magic.watch(model, **options) as w:
         out = model(torch.randn(2, 4), _masks(full_row=False))
     assert torch.isfinite(out).all()
     assert w.report is None
-    if not ops:  # the module-level watch saw -inf leave Mask: recorded as benign
+    if options == {"mode": "full"}:  # the module-level watch saw -inf leave Mask: recorded as benign
         assert [(event.module, event.benign) for event in w.events] == [("mask", True)]
+    elif not options:  # the tiered watch checks the model's output only, and it is finite
+        assert w.events == []
 
 
 @pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
@@ -193,14 +195,15 @@ def test_in_place_division_counts_the_prior_value(ops: bool) -> None:
 
 def test_a_module_dividing_its_own_input_in_place_is_still_the_producer() -> None:
     model = nn.Sequential(nn.Linear(3, 3), InPlaceOnInput())
-    report = raised(lambda: model(torch.randn(2, 3)), model)
+    report = raised(lambda: model(torch.randn(2, 3)), model, mode="full")
     # its input was finite before the call, though it is not any more
     assert (report.module, report.inputs_finite) == ("1", True)
-    assert report.op is None  # the values it received are gone: no replay
+    assert report.op is None  # the values it received are gone: no replay of the module alone
     assert any("changed its input in place" in note for note in report.notes)
-    report = raised(lambda: model(torch.randn(2, 3)), model, ops=True)
-    assert (report.module, report.op) == ("1", "aten.div_.Tensor")
-    assert report.source.lineno == marker_line("input div_")
+    for options in ({"ops": True}, {}):  # op tracing, and the tiered replay of the whole call
+        report = raised(lambda: model(torch.randn(2, 3)), model, **options)
+        assert (report.module, report.op) == ("1", "aten.div_.Tensor")
+        assert report.source.lineno == marker_line("input div_")
 
 
 class DropoutLog(nn.Module):
@@ -212,7 +215,7 @@ def test_replay_draws_the_same_dropout_mask() -> None:
     model = nn.Sequential(nn.Identity(), DropoutLog()).train()
     x = torch.rand(64, 64) + 0.5  # positive: only dropped elements give log(0) = -inf
     torch.manual_seed(123)
-    report = raised(lambda: model(x), model)
+    report = raised(lambda: model(x), model, mode="full")
     assert report.op == "aten.log.default"
     assert report.source.lineno == marker_line("dropout")
     # the replay's -inf count is the original's: the same elements were dropped
@@ -257,6 +260,6 @@ def test_replay_that_stays_finite_says_so_instead_of_guessing() -> None:
             return x / 0 if Flaky.calls == 1 else x  # not reproducible on replay
 
     model = nn.Sequential(nn.Linear(2, 2), Flaky())
-    report = raised(lambda: model(torch.randn(1, 2)), model)
+    report = raised(lambda: model(torch.randn(1, 2)), model, mode="full")
     assert report.op is None
     assert any("stayed finite; the op is unknown" in note for note in report.notes)

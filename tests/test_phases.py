@@ -73,7 +73,7 @@ def test_acos_at_one_after_a_clamp_names_the_module_whose_backward_produced_it()
     model = Siamese()
     x = torch.eye(4)  # one-hot rows: cosine exactly 1 with themselves
 
-    report = raised(lambda: model(x, x.clone()).mean().backward(), model)
+    report = raised(lambda: model(x, x.clone()).mean().backward(), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("backward", "head", "AngleHead")
     # The replay named the op: its output is the report's tensor; the gradient the check saw is kept beside it.
     assert report.tensor == "output of aten.rsqrt.default" and report.posinf > 0
@@ -197,7 +197,7 @@ def test_torch_leaf_modules_are_replayed_without_saving_the_rng_state(monkeypatc
         model[0].bias.zero_()
         model[2].weight.fill_(3e38)  # finite; 4 inputs of 4.0 times it overflow
 
-    report = raised(lambda: model(torch.ones(2, 4)).sum().backward(), model)
+    report = raised(lambda: model(torch.ones(2, 4)).sum().backward(), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("forward", "2", "Linear")
     assert report.op == "aten.addmm.default"  # the replay ran, with no RNG state saved for it
     # Only the root Sequential's call saved one: Linear and ReLU draw no random numbers.

@@ -29,10 +29,10 @@ FAULTS = {fault.name: fault for fault in FORWARD_FAULTS}
 
 
 @cache
-def fault_report(name: str) -> Report:
-    """The report of fault ``name`` (cached: a report is frozen)."""
+def fault_report(name: str, **options: Any) -> Report:
+    """The report of fault ``name`` under ``watch(model, **options)``."""
     model, run = FAULTS[name].build()
-    return raised(run, model)
+    return raised(run, model, **options)
 
 
 class DivNet(nn.Module):
@@ -177,7 +177,7 @@ def test_histograms_show_op_operands_output_then_module_tensors() -> None:
     from nan_magic.render.common import about_zeros, labelled_samples
     from nan_magic.render.plots import histogram_figure
 
-    report = fault_report("zero_variance")
+    report = fault_report("zero_variance", mode="full")  # the full mode also samples the module's input
     producer = tuple(sample for sample in labelled_samples(report) if sample.producer)
     figure = histogram_figure(producer, about_zeros(report))
     assert titles(figure) == [

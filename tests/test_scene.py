@@ -91,9 +91,10 @@ def same_bits(a: Any, b: Any) -> bool:
 # -- dump and load ---------------------------------------------------------------------------
 
 
-def test_dump_is_one_file_read_back_bit_for_bit(tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["full", "tiered"])
+def test_dump_is_one_file_read_back_bit_for_bit(tmp_path, mode: str) -> None:
     model, opt = build()
-    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path), mode=mode)
     path = str(tmp_path / "nan_scene_step2.pt")
     assert report.scene == path and report.scene_bytes == os.path.getsize(path)
     assert os.listdir(tmp_path) == ["nan_scene_step2.pt"]  # written whole, no temporary left
@@ -108,9 +109,15 @@ def test_dump_is_one_file_read_back_bit_for_bit(tmp_path) -> None:
     assert scene.data["optimizers"][0]["type"] == "Adam"
     assert same_bits(scene.data["optimizers"][0]["state"], opt.state_dict())
     assert same_bits(scene.batch, {"input[0]": BATCHES[2]})
-    assert same_bits(scene.producer_inputs, {"input[0]": torch.zeros(8, 4)})
     assert same_bits(scene.data["rng"]["event"]["cpu"], torch.get_rng_state())
-    assert scene.data["rng"]["step_source"] == "before the failing step's top-level forward call"
+    if mode == "full":  # the producer module's own call: its input, and the generators before the step
+        assert (scene.call_module, scene.module) == ("1", "1")
+        assert same_bits(scene.producer_inputs, {"input[0]": torch.zeros(8, 4)})
+        assert scene.data["rng"]["step_source"] == "before the failing step's top-level forward call"
+    else:  # the model call the tiered watch replayed: the batch, and the generators before that call
+        assert (scene.call_module, scene.module) == ("", "1")
+        assert same_bits(scene.producer_inputs, {"input[0]": BATCHES[2]})
+        assert scene.data["rng"]["producer"] is not None
     assert scene.versions["torch"] == torch.__version__ and scene.versions["nan_magic"] == nan_magic.__version__
     assert scene.data["training"]["Sequential"] == {"": True, "0": True, "1": True, "2": True}
     assert scene.data["last_good"] is None  # no keep_last_good
@@ -214,7 +221,8 @@ def test_a_part_a_safe_load_would_refuse_is_left_out_and_the_rest_saved(tmp_path
 @pytest.fixture
 def scene(tmp_path) -> nan_magic.Scene:
     model, opt = build()
-    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    # The producer module's own call (the tiered default saves the model call: test_dump_is_one_file...).
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path), mode="full")
     return nan_magic.load_scene(report.scene, map_location="cpu")
 
 

@@ -12,11 +12,11 @@ import copy
 import sys
 import traceback
 
+import faults
 import pytest
 import torch
 from torch import nn
 
-import faults
 import nan_magic
 from nan_magic import NonFiniteError
 

@@ -139,12 +139,12 @@ class ForwardChecks:
                 self.watch.outside.stop()
             self.watch.begin_step_if_needed()
             self.watch.forward_starts += 1
-            if self.watch.replays is not None:
-                self.watch.replays.begin(module, info, args)
             if is_compiled(module):
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
+        if top_level and self.watch.replays is not None:
+            self.watch.replays.begin(module, info, call, args)
         self._note_inputs(call, args, "input")
         # The generators' state before the call, so a replay draws the same
         # dropout mask (a few microseconds; only where a replay can happen and
@@ -179,7 +179,7 @@ class ForwardChecks:
                 self.watch.log.alias(output, frame.through, module, frame.rng_state, bound, frame.known)
             return
         if not self.stack and self.watch.replays is not None:
-            self.watch.replays.finish(module, call, kwargs)
+            self.watch.replays.finish(module, kwargs)
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             self._note_inputs(call, kwargs, "kwargs")
@@ -839,14 +839,14 @@ class ForwardChecks:
         Ops mode traces everything; the tiered mode traces the code outside
         the models (outside.py), where the loss and data code run.
         """
-        tracer = self.tracer or self.watch.outside
+        outside = self.watch.outside
+        tracer: OpTracer | None = self.tracer or outside
         if tracer is None or tensor is None:
             return
-        if tracer is self.watch.outside and finding.module is None:
-            note = self.watch.outside.note()
-            if note is not None:
-                finding.notes.append(note)
         origin = tracer.claim(tensor)
+        untraced = outside.note() if outside is not None and self.tracer is None else None
+        if untraced is not None and finding.module is None:
+            finding.notes.append(untraced)
         if isinstance(origin, OpFinding):
             # The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it
             # and its counts, and the op adds its name, line and operands.

@@ -151,9 +151,10 @@ class GradientChecks:
         watch = self.watch
         if not watch.listening() or grad is None or not is_checkable(grad):
             return
-        if watch.replays is not None and record.call.parent is None:
-            # Kept for a replay of this step's backward (step_replay.py), until the optimizer step.
-            watch.replays.capture_gradient(record.call, record.path, grad)
+        call = record.call
+        if watch.replays is not None and call is not None and call.parent is None:
+            # Kept for a replay of this step's backward (step_replay.py), until the step ends.
+            watch.replays.capture_gradient(call, record.path, grad)
         log = watch.log
         # The hot path. A gradient's range is only shown for half precision
         # (its headroom); in float32 on the CPU a sum answers whether it is

@@ -21,6 +21,7 @@ time the compiled code runs).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Callable
@@ -101,8 +102,6 @@ class GlobalModuleHooks:
 
 
 def _remove_filter(added: Any) -> None:
-    try:
-        warnings.filters.remove(added)
-    except ValueError:  # somebody reset the filters meanwhile
-        pass
+    with contextlib.suppress(ValueError):  # somebody reset the filters meanwhile
+        warnings.filters.remove(added)  # type: ignore[attr-defined]
     warnings._filters_mutated()  # type: ignore[attr-defined]

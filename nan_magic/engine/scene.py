@@ -74,12 +74,15 @@ SCENE_VERSION = 1
 #:   (with ``keep_last_good``), else None
 #: - ``batch``: ``{path: tensor}`` that entered the model in the failing step
 #:   (``"input[0]"``, ``"kwargs['mask']"``; prefixed ``"name:"`` with several models)
-#: - ``producer_inputs``: ``{path: tensor}`` the producer module was called with
+#: - ``producer_inputs``: ``{path: tensor}`` the producer module was called with, or, where the
+#:   tiered watch replayed the whole model call, the inputs of that call
+#: - ``call_module``: the qualified name of the module whose call ``producer_inputs`` are (the
+#:   producer, or the top-level model call that held it); absent in older scenes: ``module``
 #: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source": str, "event": {"cpu", "cuda"}}``
 #: - ``versions``: ``{"torch", "python", "nan_magic", "cuda", "platform"}``
 SCENE_KEYS = (
     "format", "version", "report", "step", "phase", "module", "kinds", "models", "training",
-    "optimizers", "scalers", "last_good", "batch", "producer_inputs", "rng", "versions",
+    "optimizers", "scalers", "last_good", "batch", "producer_inputs", "call_module", "rng", "versions",
 )
 
 
@@ -134,6 +137,8 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
         "step": report.step,
         "phase": str(report.phase),
         "module": report.module,
+        "call_module": finding.call.info.name if finding.call is not None and finding.call.info is not None
+        else report.module,
         "kinds": sorted(watch.config.kinds),
     }
     for key, collect in parts.items():
@@ -513,6 +518,8 @@ class Scene:
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
         self.module: str | None = data["module"]
+        #: The module whose call ``producer_inputs`` are: the producer, or the model call that held it.
+        self.call_module: str | None = data.get("call_module", self.module)
         self.batch: dict[str, torch.Tensor] = data.get("batch") or {}
         self.producer_inputs: dict[str, torch.Tensor] = data.get("producer_inputs") or {}
         self.versions: dict[str, str | None] = data.get("versions") or {}
@@ -605,7 +612,7 @@ class Scene:
     # -- replay -------------------------------------------------------------------
 
     def replay(self, model: nn.Module, *args: Any, **kwargs: Any) -> ReplayResult:
-        """Run the producer module of ``model`` again on the saved inputs, under op-level tracing.
+        """Run the producer module of ``model`` (or the model call that held it) again, under op-level tracing.
 
         ``model`` is used as it is: call :meth:`restore_into` first to give it
         the scene's weights, then change what you want to try (``model.norm.eps
@@ -633,25 +640,27 @@ class Scene:
                 f"the producer ran in {report.phase}{where}: only a forward producer module can be replayed "
                 "alone; re-run the whole step with scene.rerun_step(step, model, optimizer)"
             )
+        called = self.call_module if self.call_module is not None else report.module
         try:
-            module = model.get_submodule(report.module)
+            module = model.get_submodule(called)
         except AttributeError:
             raise ValueError(
-                f"{type(model).__name__} has no submodule {report.module!r} (the producer, a {report.module_type})"
+                f"{type(model).__name__} has no submodule {called!r} (the call that held the producer "
+                f"{report.module!r}, a {report.module_type})"
             ) from None
         if not args and not kwargs:
             args, kwargs = self.producer_call()
         device = next((t.device for t in (*module.parameters(), *module.buffers())), None)
         if device is not None:
             args, kwargs = _moved(args, device), _moved(kwargs, device)
-        rng = self.producer_rng_state or (self.rng_state if report.module == "" else None)
+        rng = self.producer_rng_state or (self.rng_state if called == "" else None)
         return replay_module(
             module,
             args,
             kwargs,
             rng_state=rng or capture_rng_state(),
             kinds=frozenset(self.data.get("kinds") or ("nan", "inf")),
-            module_name=report.module,
+            module_name=called,
         )
 
     def producer_call(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:

@@ -50,6 +50,7 @@ from nan_magic.engine.calls import version_of
 from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.distributed import data_parallel_paths, user_name
 from nan_magic.engine.findings import Finding
+from nan_magic.engine.forward import running_arguments
 from nan_magic.engine.replay import (
     AutocastState,
     RngState,
@@ -87,9 +88,11 @@ class RootCall:
     buffers: dict[int, torch.Tensor]
     versions: list[tuple[torch.Tensor, int]]
     buffer_versions: list[tuple[torch.Tensor, int]]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    #: The watch's record of the call (set when it returns).
+    #: The watch's record of the call.
     call: Call | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Whether the call returned (its keyword arguments are known then: global pre-hooks never see them).
+    returned: bool = False
     #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -99,6 +102,8 @@ class _Outcome:
     """What one replay found: the nested watch's report, the producer's frame, the boundary's stats."""
 
     report: Report | None = None
+    #: The replay's first benign event, where it found no real one (a deliberate infinity).
+    benign: Report | None = None
     frame: FrameType | None = None
     boundary: TensorStats | None = None
     failure: BaseException | None = None
@@ -133,8 +138,8 @@ class StepReplays:
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
-    def begin(self, module: nn.Module, info: ModuleInfo, args: tuple[Any, ...]) -> None:
-        """A top-level call of a watched model starts (its forward pre-hook)."""
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> None:
+        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record."""
         slots = self._slots.get(id(module))
         if slots is None:
             slots = self._slots[id(module)] = [
@@ -160,14 +165,15 @@ class StepReplays:
             buffers=buffers,
             versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
             buffer_versions=buffer_versions,
+            call=call,
         ))
 
-    def finish(self, module: nn.Module, call: Call, kwargs: dict[str, Any]) -> None:
-        """The top-level call returned (or raised): note its record and keyword arguments."""
+    def finish(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
         root = self._latest(module)
-        if root is None:
+        if root is None or root.returned:
             return
-        root.call = call
+        root.returned = True
         root.kwargs = dict(kwargs)
         root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
@@ -214,13 +220,19 @@ class StepReplays:
         if not candidates:
             return self._not_replayed(seen, "its model call was no longer held (more than "
                                             f"{MAX_CALLS} calls in the step)"), finding.frame
-        outcome = _Outcome()
+        outcome, root = _Outcome(), candidates[0]
         for root in candidates:
             outcome = self._run(root, backward, boundary)
             if outcome.report is not None:
                 break
+        if outcome.report is None and outcome.benign is not None:
+            # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
+            return self._replayed(outcome.benign, seen.step), None
         if outcome.report is None:
             return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), finding.frame
+        if not backward:
+            # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
+            finding.rng_state = root.rng
         if not _same_counts(outcome.boundary, seen):
             return self._not_replayed(
                 seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
@@ -242,9 +254,9 @@ class StepReplays:
         """
         error = sys.exc_info()[1]
         root = self._latest(module)
-        if error is None or root is None:
-            return None
-        self.finish(module, call, running[1] if running is not None else {})
+        if error is None or root is None or self.watch.raised is not None or isinstance(error, FloatingPointError):
+            return None  # no exception, or our own NonFiniteError (a FloatingPointError) on its way out
+        self.finish(module, running[1] if running is not None else {})
         outcome = self._run(root, False, None)
         if outcome.report is None:
             return None
@@ -277,6 +289,11 @@ class StepReplays:
             for device, dtype in root.autocast or ():
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
+            if not root.returned:
+                # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
+                running = running_arguments(root.module)
+                if running is not None:
+                    root.kwargs = running[1]
             with torch.no_grad():
                 args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
             restore_rng_state(root.rng)
@@ -294,6 +311,7 @@ class StepReplays:
                         # Stopped before the value reached a boundary: the first op that made one is the producer.
                         inner.forward.report_op(tracer.started[0])
         outcome.report = inner.report
+        outcome.benign = next((event for event in inner.events if event.benign), None)
         outcome.frame = inner.producer_frame
         if outcome.report is None:
             changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]

@@ -305,7 +305,7 @@ class Watch:
         # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
         # ... and traces the code between the models' calls (the loss, data code in the loop).
-        self.outside = OutsideTracer(self.config.kinds) if self.config.tiered else None
+        self.outside: OutsideTracer | None = OutsideTracer(self.config.kinds) if self.config.tiered else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
         self.forward_starts = 0
@@ -428,7 +428,7 @@ class Watch:
         if (not self.config.tiered or not self.config.backward or self.optimizer_in_use() or self._raised
                 or self.optimizers.scaler_active()):
             return  # an optimizer's check reads them, or a GradScaler settles them (a skipped step)
-        named = [
+        named: list[tuple[str, torch.Tensor]] = [
             (user_name(name, data_parallel_paths(root)), parameter)
             for _label, root in self.targets.roots
             for name, parameter in root.named_parameters()
@@ -491,7 +491,7 @@ class Watch:
             self.emit(finding, replayed=(report, frame))
 
     def _raise_explained(self, exc: BaseException | None) -> NonFiniteError | None:
-        """The NonFiniteError of a forward that raised after a non-finite value (on_forward_failed), if ``exc`` is it."""
+        """The NonFiniteError of a forward that raised after a non-finite value (on_forward_failed), for ``exc``."""
         explained, self._explained = self._explained, None
         if explained is None or exc is None or explained[3] is not exc:
             return None
