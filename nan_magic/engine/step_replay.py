@@ -217,6 +217,8 @@ class StepReplays:
             boundary = finding.tensor
         else:  # data, the loss code's forward or backward, the optimizer: the boundary check named it
             return seen, finding.frame
+        if candidates and replay_target(candidates[0].module) is None:
+            return seen, finding.frame  # FSDP: every step is a per-module step, which named the module
         if not candidates:
             return self._not_replayed(seen, "its model call was no longer held (more than "
                                             f"{MAX_CALLS} calls in the step)"), finding.frame

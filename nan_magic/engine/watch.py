@@ -66,7 +66,7 @@ from nan_magic.engine.outside import OutsideTracer
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
-from nan_magic.engine.step_replay import StepReplays
+from nan_magic.engine.step_replay import StepReplays, replay_target
 from nan_magic.engine.targets import ModuleInfo, Targets, refuse_compiled, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
@@ -308,6 +308,7 @@ class Watch:
         self.outside: OutsideTracer | None = OutsideTracer(self.config.kinds) if self.config.tiered else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
+        self._sharded_roots: dict[int, bool] = {}
         self.forward_starts = 0
         self._step_open = False
         self._raised = False
@@ -413,6 +414,17 @@ class Watch:
         self._check_unstepped_gradients()
         self.gradients.backward_runs = 0
         self._step_open = False
+
+    def _sharded(self) -> bool:
+        """Whether a watched model is sharded by FSDP: its calls cannot be replayed on one rank alone.
+
+        Its every step is then a per-module step (the tiered watch could name the model only).
+        """
+        cache = self._sharded_roots
+        for _label, root in self.targets.roots:
+            if id(root) not in cache:
+                cache[id(root)] = replay_target(root) is None
+        return any(cache.values())
 
     def _check_unstepped_gradients(self) -> None:
         """The tiered watch, where no optimizer steps: the parameter gradients a backward left.
@@ -522,7 +534,8 @@ class Watch:
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
             every = self.config.full_every
-            self.full_step = not self.config.tiered or self._steps_opened % every == min(1, every - 1)
+            self.full_step = (not self.config.tiered or self._steps_opened % every == min(1, every - 1)
+                              or self._sharded())
             self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
