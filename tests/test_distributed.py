@@ -190,7 +190,8 @@ def test_cli_every_rank_exits_1_writes_its_own_report_and_rank_0_sums_up(tmp_pat
     rank0, rank1 = run_cli_ranks(tmp_path)
     assert (rank0.returncode, rank1.returncode) == (1, 1), rank0.stderr + rank1.stderr
     assert SUMMARY in rank0.stderr.splitlines()
-    assert "first non-finite value in forward step 2: 1 (LogLayer), op aten.log.default" in rank0.stderr  # the full report
+    # the full report
+    assert "first non-finite value in forward step 2: 1 (LogLayer), op aten.log.default" in rank0.stderr
     assert f"nan_magic: rank 1 stopped: {SUMMARY.split(': ', 2)[2]}" in rank1.stderr.splitlines()
     assert SUMMARY not in rank1.stderr
     for rank in range(2):

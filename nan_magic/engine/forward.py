@@ -821,7 +821,18 @@ class ForwardChecks:
         if origin is None:
             return False
         if isinstance(origin, OpFinding):
-            self.report_op(origin, call if call.name == origin.module else None, record)
+            if call.name == origin.module:
+                self.report_op(origin, call, record)
+                return True
+            enclosing = _caller_named(call, origin.module)
+            if enclosing is None:
+                self.report_op(origin, None, record)
+                return True
+            # The op ran in an enclosing call's own code, which passed the value here: that call's
+            # row of the layer table is the producer's (as the module-level rule records it).
+            record.status = "propagated"
+            own = self.watch.log.record_output(enclosing, f"{record.path} of {call.name}", tensor)
+            self.report_op(origin, enclosing, own)
             return True
         received, deliberate = self.input_kinds(call)
         if received or deliberate or self._mask_buffer_kinds(call):
@@ -857,7 +868,7 @@ class ForwardChecks:
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
         if call is None and record is not None:
-            # The op ran in another module's code (an enclosing call's own code): this boundary passed it on.
+            # The op ran in another module's code than the boundary's: this boundary passed it on.
             record.status, record = "propagated", None
         finding = Finding(op_finding.phase, call, f"{op_finding.tensor} of {op_finding.op}", record=record)
         tracer = self.tracer
