@@ -120,7 +120,7 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
     steps = 0
     try:
         # FSDP2: a replay would run a sharded module again on one rank alone (see test_distributed.py).
-        with nan_magic.watch(model, opt, replay=not scenario.startswith("fsdp2")):
+        with nan_magic.watch(model, opt):
             for step, (x,) in enumerate(loader):
                 failing = world - 1 if scenario == "forward_last_rank" else 1
                 if step == FAULT_STEP and scenario.endswith(("forward_rank1", "forward_last_rank")) and rank == failing:

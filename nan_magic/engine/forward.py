@@ -24,7 +24,7 @@ from nan_magic.engine.calls import Alias, Call, KnownFinite, TensorRecord, versi
 from nan_magic.engine.findings import Finding, apply_op_finding
 from nan_magic.engine.held import Resolved, hold_arguments
 from nan_magic.engine.masks import DeliberateMasks, argument_name
-from nan_magic.engine.module_hooks import is_compiled
+from nan_magic.engine.module_hooks import is_compiled, may_step_aside
 from nan_magic.engine.ops import OpFinding, OpTracer
 from nan_magic.engine.replay import (
     RngState,
@@ -139,7 +139,8 @@ class ForwardChecks:
                 self.watch.outside.stop()
             self.watch.begin_step_if_needed()
             self.watch.forward_starts += 1
-            if is_compiled(module):
+            if is_compiled(module) or (not self.watch.full_step and may_step_aside(module)):
+                # Only this call's boundaries are checked: its submodules' calls need no hook at all.
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)

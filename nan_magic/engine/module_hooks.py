@@ -1,11 +1,12 @@
-"""The watch's two global module hooks, and how they step aside for a compiled model.
+"""The watch's two global module hooks, and how they step aside while a model runs.
 
 Global hooks (``register_module_forward_pre_hook`` and
 ``register_module_forward_hook``) see every module call, and cost a few
-microseconds each: the default watch acts only on top-level calls of the
-watched models and returns at once for the others.
+microseconds each. The tiered watch checks only top-level calls of the
+watched models, so on its boundary-only steps the hooks step aside while a
+model's call runs (below): its submodules' calls then cost nothing.
 
-A model compiled with ``torch.compile`` must run *without* them: dynamo
+A model compiled with ``torch.compile`` must always run *without* them: dynamo
 traces the submodules' ``_call_impl``, so global hooks present while it
 compiles break the graph at every submodule, and adding or removing them
 later makes it recompile. So when a compiled model (an ``OptimizedModule``)
@@ -14,7 +15,9 @@ on that ``OptimizedModule`` (registered for the watch's lifetime) puts them
 back when its call returns or raises, and runs the watch's post-hook for it.
 The compiled graph therefore never sees a hook of ours: no graph break, no
 recompile, and the watch checks the compiled call's inputs and outputs from
-outside. ``OptimizedModule.__call__`` warns when global hooks exist; that
+outside. An eager model steps aside the same way, except an
+``nn.TransformerEncoderLayer`` called at top level: its fused inference path
+is not taken while a hook sits on the layer itself. ``OptimizedModule.__call__`` warns when global hooks exist; that
 one warning is filtered while the watch is active (our hooks are off by the
 time the compiled code runs).
 """
@@ -33,7 +36,7 @@ from torch.nn.modules import module as module_registry
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GlobalModuleHooks", "is_compiled"]
+__all__ = ["GlobalModuleHooks", "is_compiled", "may_step_aside"]
 
 _GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -45,6 +48,11 @@ def is_compiled(module: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without dynamo
         return False
     return isinstance(module, OptimizedModule)
+
+
+def may_step_aside(module: nn.Module) -> bool:
+    """Whether a hook on ``module`` itself (while the global ones step aside) leaves its forward alone."""
+    return not isinstance(module, nn.TransformerEncoderLayer)  # its fast path checks its own hooks
 
 
 class GlobalModuleHooks:
@@ -66,17 +74,17 @@ class GlobalModuleHooks:
         added = warnings.filters[0]
         stack.callback(_remove_filter, added)
 
-    def step_aside_for(self, compiled: nn.Module) -> None:
-        """Take the global hooks off while ``compiled`` runs; they come back when it returns."""
+    def step_aside_for(self, model: nn.Module) -> None:
+        """Take the global hooks off while ``model`` runs; they come back when its call returns or raises."""
         self._off()
-        if id(compiled) not in self._wrapped and self._stack is not None:
-            self._wrapped.add(id(compiled))
-            handle = compiled.register_forward_hook(self._compiled_returned, with_kwargs=True, always_call=True)
+        if id(model) not in self._wrapped and self._stack is not None:
+            self._wrapped.add(id(model))
+            handle = model.register_forward_hook(self._model_returned, with_kwargs=True, always_call=True)
             self._stack.callback(handle.remove)
-            self._stack.callback(self._wrapped.discard, id(compiled))
+            self._stack.callback(self._wrapped.discard, id(model))
 
-    def _compiled_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-                           ) -> None:
+    def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+                        ) -> None:
         if self._stack is None or self._handles:
             return  # a call made before the watch stepped aside (or after it ended)
         self._on()

@@ -17,8 +17,11 @@ preprocessing in the loop) is traced too, but fetching one batch from a
 for the rest of the watch, and reports say so. The loss region has a larger
 budget, :data:`LOSS_BUDGET`, for loops that compute metrics there.
 
-A Python dispatch mode costs a few microseconds per op, so this is cheap for
-a loss and bounded elsewhere. Dispatch modes form a stack that ``with``
+A Python dispatch mode costs a few microseconds per op, and the tracer reads
+each op's output (a sum, read on the host), so this is cheap for a loss and
+bounded elsewhere. That read is a host synchronisation on CUDA: the deferred
+mode (CUDA, process groups, ``defer=True``) does not trace the code outside
+the models, keeping its one synchronisation per step. Dispatch modes form a stack that ``with``
 blocks push and pop, so the tracer is pushed only onto an empty stack (not
 inside a mode the user entered around the model call, which their ``with``
 must pop), and popped only when it is the innermost mode (a mode the user
@@ -85,6 +88,9 @@ class OutsideTracer(OpTracer):
         regions = " and ".join(sorted(self.untraced))
         return (f"the code outside the models ({regions}) ran more ops a step than the watch traces "
                 f"({LOSS_BUDGET} for the loss, {DATA_BUDGET} for data code): its op and line are not named")
+
+    def _note_node(self, *_: Any) -> None:
+        """Not traced here: the forward line of the loss code's autograd nodes (its backward is not traced)."""
 
     def __torch_dispatch__(
         self,

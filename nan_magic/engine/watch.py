@@ -305,7 +305,10 @@ class Watch:
         # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
         # ... and traces the code between the models' calls (the loss, data code in the loop).
-        self.outside: OutsideTracer | None = OutsideTracer(self.config.kinds) if self.config.tiered else None
+        # (immediate mode only: its reads would add host synchronisations on CUDA, see outside.py).
+        self.outside: OutsideTracer | None = (
+            OutsideTracer(self.config.kinds) if self.config.tiered and not self.defer else None
+        )
         self.full_step = not self.config.tiered
         self._steps_opened = 0
         self._sharded_roots: dict[int, bool] = {}
