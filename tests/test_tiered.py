@@ -253,7 +253,7 @@ def test_loss_code_running_more_ops_than_the_budget_is_said_to_be_untraced() -> 
             opt.step()
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, None)
-    assert any("ran more ops a step than the watch traces" in note for note in report.notes)
+    assert any("ran more ops a step than the watch records" in note for note in report.notes)
     assert "loss" in w.outside.untraced
 
 
@@ -309,3 +309,55 @@ def test_a_watch_entered_for_one_step_is_as_cheap_as_its_boundaries() -> None:
         step(batches[2])
     assert (caught.value.report.module, caught.value.report.op) == ("block", "aten.exp.default")
     assert copy.deepcopy(caught.value.report).reproduced is True
+
+
+def test_a_batch_the_loop_computes_is_data_named_at_its_op_and_line() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw = [torch.randn(8, 4), torch.randn(8, 4), torch.ones(8, 4)]  # the third has no spread
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for batch in raw:
+            x = (batch - batch.mean(0)) / batch.std(0)  # producer: normalise the batch
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.tensor) == ("data", "", 2, "input[0]")
+    assert report.op == "aten.div.Tensor"
+    assert report.source is not None and report.source.lineno == _marked("normalise the batch")
+
+
+def test_replaying_the_loss_code_leaves_the_users_tensors_alone() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    y = torch.tensor([[1.0, -1.0]] * 3)
+    kept = y.clone()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        out = model(torch.randn(3, 4))
+        target = y.clamp_(min=0.0)  # in place on the user's tensor, once
+        loss = (out - target).abs().log().sum() + torch.log(out.sum() * 0)  # producer: log of zero
+        loss.backward()
+    assert (caught.value.report.op, caught.value.report.source.lineno) == ("aten.log.default", _marked("log of zero"))
+    assert torch.equal(y, kept.clamp(min=0.0))  # clamped once, by the user's line; the replay used a copy
+
+
+def test_a_dispatch_mode_the_user_enters_around_the_model_stays_balanced() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model = nn.Linear(4, 1)
+    with nan_magic.watch(model) as w:
+        with Counting() as counting:
+            model(torch.randn(2, 4)).sum()
+        assert _get_current_dispatch_mode() is None or _get_current_dispatch_mode() is w.outside
+    assert _get_current_dispatch_mode() is None and counting.ops > 0

@@ -300,8 +300,11 @@ class ForwardChecks:
             if self.is_benign_input(call, record.path, tensor, record):
                 self._note_mask(call, record, tensor, "an infinite mask given as an argument")
                 return
-            self.watch.emit(Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
-                               bad_stats=record.stats() if tensor is None else None, inputs_finite=False))
+            finding = Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
+                              bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
+            if self.watch.outside is not None:
+                self.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
+            self.watch.emit(finding)
             return
         if tensor is not None and self.tracer is not None and self._judged_by_tracer(call, record, tensor):
             return
@@ -846,19 +849,23 @@ class ForwardChecks:
         return True
 
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:
-        """Add the op that started a non-finite boundary tensor (loss, gradient, parameter).
+        """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
 
-        Ops mode traces everything; the tiered mode traces the code outside
+        Ops mode traces everything; the tiered mode records the code outside
         the models (outside.py), where the loss and data code run.
         """
         outside = self.watch.outside
-        tracer: OpTracer | None = self.tracer or outside
-        if tracer is None or tensor is None:
+        if tensor is None:
             return
-        origin = tracer.claim(tensor)
-        untraced = outside.note() if outside is not None and self.tracer is None else None
-        if untraced is not None and finding.module is None:
-            finding.notes.append(untraced)
+        if self.tracer is not None:
+            origin = self.tracer.claim(tensor)
+        elif outside is not None:
+            origin = outside.claim(tensor)
+            untraced = outside.note()
+            if untraced is not None and finding.module is None:
+                finding.notes.append(untraced)
+        else:
+            return
         if isinstance(origin, OpFinding):
             # The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it
             # and its counts, and the op adds its name, line and operands.

@@ -82,6 +82,8 @@ class GradientChecks:
         watch.log.finish(call)
         if not watch.defer:
             self.judge_loss(call)
+            if watch.outside is not None:
+                watch.outside.forget()  # the loss code's values: judged, and autograd's to free now
         else:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.forward.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)

@@ -86,7 +86,7 @@ from nan_magic.engine.stats import (
 )
 from nan_magic.records import KINDS, Phase, SourcePointer, TensorStats
 
-__all__ = ["OpFinding", "OpTracer"]
+__all__ = ["OpFinding", "OpTracer", "user_frame"]
 
 
 @dataclass(frozen=True)
@@ -406,7 +406,7 @@ class OpTracer(TorchDispatchMode):
         # made outside this thread's forward (a backward with create_graph).
         first = max(self._seen_seq, seq - 8)
         self._seen_seq = seq
-        frame = _user_frame(sys._getframe(2))
+        frame = user_frame(sys._getframe(2))
         location = (frame.f_code, frame.f_lineno, self._module_name()) if frame is not None else None
         sources = self._sources
         own = torch.is_grad_enabled() and any(
@@ -1067,7 +1067,8 @@ def _is_library_code(code: CodeType) -> bool:
     return entry[1]
 
 
-def _user_frame(frame: FrameType | None) -> FrameType | None:
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame at or above ``frame`` that is the user's code (not torch's, not ours)."""
     # A tensor subclass's __torch_function__ is how the op was routed, not the
     # line that asked for it: that is the caller's (it stays the inner source).
     while frame is not None and (_is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
@@ -1087,12 +1088,12 @@ def _is_plumbing(frame: FrameType) -> bool:
 
 _THIS_FILE = os.path.abspath(__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep
-# The tracers' own dispatch code (this file, and the outside tracer's subclass).
-_TRACER_FILES = (_THIS_FILE, os.path.join(_OWN_DIR, "engine", "outside.py"))
 # Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
-# (whose ops are the module's, even an nn.Linear's), and a replayed step and its backward.
+# (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the
+# recorded ops of the code outside the models, run again.
 _RUNS_USER_CODE = tuple(
-    os.path.join(_OWN_DIR, "engine", name) for name in ("backward_patch.py", "replay.py", "step_replay.py")
+    os.path.join(_OWN_DIR, "engine", name)
+    for name in ("backward_patch.py", "replay.py", "step_replay.py", "outside.py")
 )
 
 
@@ -1106,7 +1107,7 @@ def _called_by_us() -> bool:
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        if filename in _TRACER_FILES or filename.startswith(_TORCH_DIR) or filename.endswith(
+        if filename == _THIS_FILE or filename.startswith(_TORCH_DIR) or filename.endswith(
             ("contextlib.py", "functools.py")
         ):
             frame = frame.f_back
@@ -1121,7 +1122,7 @@ def _sources_of_op(
     """The user's line that ran the current op, the innermost line below it, and the user's frame."""
     while frame is not None and _is_plumbing(frame):
         frame = frame.f_back
-    user = _user_frame(frame)
+    user = user_frame(frame)
     if frame is None:
         return None, None, None
     if user is None:

@@ -1,78 +1,103 @@
-"""Op-level tracing of the code between the watched models' calls: the loss, and data code in the loop.
+"""The code between the watched models' calls (the loss, data code in the loop): recorded, replayed at an event.
 
 The tiered watch replays a failing model call to name its op (step_replay.py),
-but code outside every watched module cannot be replayed: the loss, a
-normalisation of the batch inside the loop, an advantage computed from
-rewards. That code is short (a loss is a handful of ops), so it is traced
-while it runs: an :class:`~nan_magic.engine.ops.OpTracer` is pushed when a
-top-level model call returns and popped when the next one starts, when
-``backward()`` starts and when an optimizer steps (the model's own forward
-and backward, and the optimizer, are never traced: their ops are many).
-When the loss holds a non-finite value, its origin names the op and the line.
+but code outside every watched module is not a call it can run again: the
+loss, a normalisation of the batch inside the loop, an advantage computed from
+rewards. So that code's ops are *recorded* while it runs: a dispatch mode is
+pushed when a top-level model call returns and popped when the next one
+starts, when ``backward()`` starts and when an optimizer steps (the model's
+own forward and backward, and the optimizer, are never recorded: their ops are
+many). A record is the op, its arguments and outputs (references, no copies)
+and the user's line that ran it; nothing is read. When the loss (or a batch
+built in the loop) holds a non-finite value, :meth:`OutsideRecorder.claim`
+runs the recorded ops that led to it again, on copies of what they read from
+outside, under the op tracer: its first origin is the producer, named at the
+recorded line.
 
-The code between an optimizer step and the next model call (data loading,
-preprocessing in the loop) is traced too, but fetching one batch from a
-``DataLoader`` runs a hundred ops or more: it is traced for at most
-:data:`DATA_BUDGET` ops a step; a step that runs more turns its tracing off
-for the rest of the watch, and reports say so. The loss region has a larger
-budget, :data:`LOSS_BUDGET`, for loops that compute metrics there.
+Recording costs a few microseconds per op and reads nothing, so it adds no
+host synchronisation on CUDA. The references keep the loss code's values
+alive only until ``backward()`` starts, when the loss is judged (values
+autograd keeps anyway, for the most part), and a data region's until the next
+model call has judged its batch. The deferred check judges the loss later,
+after ``backward()`` freed them, so the deferred mode does not record.
 
-A Python dispatch mode costs a few microseconds per op, and the tracer reads
-each op's output (a sum, read on the host), so this is cheap for a loss and
-bounded elsewhere. That read is a host synchronisation on CUDA: the deferred
-mode (CUDA, process groups, ``defer=True``) does not trace the code outside
-the models, keeping its one synchronisation per step. Dispatch modes form a stack that ``with``
-blocks push and pop, so the tracer is pushed only onto an empty stack (not
-inside a mode the user entered around the model call, which their ``with``
-must pop), and popped only when it is the innermost mode (a mode the user
-entered since stays in place; ours then waits, inert, until it is on top).
+Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
+after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step
+and the loss region for :data:`LOSS_BUDGET`; a step that runs more turns that
+region's recording off for the rest of the watch, and reports say so.
+
+Dispatch modes form a stack that ``with`` blocks push and pop: the recorder
+is pushed only onto an empty stack (not inside a mode the user entered around
+the model call, which their ``with`` must pop) and popped only when it is the
+innermost mode (a mode the user entered since stays in place; ours then
+waits, inert, until it is on top).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import linecache
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_leaves, tree_map
 
-from nan_magic.engine.ops import OpTracer
+from nan_magic.engine.ops import OpFinding, OpTracer, user_frame
+from nan_magic.records import SourcePointer
 
-__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideTracer"]
+__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
 
-#: Ops a step traced in the code between an optimizer step and the next model call.
+#: Ops a step recorded in the code between an optimizer step and the next model call.
 DATA_BUDGET = 64
-#: Ops a step traced between a model call's return and ``backward()`` (the loss, and metrics).
+#: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
-# The budget of a tracer that passes every op through (spent, or stopped under a mode entered since).
+# The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
 _INERT = -1
 
 
-class OutsideTracer(OpTracer):
-    """An op tracer for the code outside the watched models, switched on and off at their boundaries."""
+@dataclass(frozen=True)
+class _Op:
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    code: CodeType | None
+    lineno: int
+    globals: dict[str, Any] | None
+
+
+class OutsideRecorder(TorchDispatchMode):
+    """Records the ops of the code outside the watched models, switched on and off at their boundaries."""
 
     def __init__(self, kinds: frozenset[str]) -> None:
-        super().__init__(kinds=kinds, at_boundary=True)
+        super().__init__()
+        self.kinds = kinds
         self.pushed = False
         self._budget = 0
         self._region = "loss"
-        #: Regions whose tracing a step turned off by running more ops than their budget.
+        self._ops: list[_Op] = []
+        self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
+        #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
 
     def start(self, region: str) -> None:
-        """Trace ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step)."""
+        """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh."""
+        self.forget()
         if region in self.untraced:
             return
         self._region = region
         self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            # Only onto an empty stack: a mode the user entered around the model call must be the one
-            # their ``with`` pops when it ends, not ours.
             self.__enter__()
             self.pushed = True
 
     def stop(self) -> None:
-        """Stop tracing (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
+        """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
         if _get_current_dispatch_mode() is self:
@@ -81,16 +106,18 @@ class OutsideTracer(OpTracer):
         else:
             self._budget = _INERT
 
+    def forget(self) -> None:
+        """Drop the records (and the references they hold)."""
+        self._ops.clear()
+        self._produced.clear()
+
     def note(self) -> str | None:
-        """What a report says where the code outside the models went untraced."""
+        """What a report says where the code outside the models went unrecorded."""
         if not self.untraced:
             return None
         regions = " and ".join(sorted(self.untraced))
-        return (f"the code outside the models ({regions}) ran more ops a step than the watch traces "
+        return (f"the code outside the models ({regions}) ran more ops a step than the watch records "
                 f"({LOSS_BUDGET} for the loss, {DATA_BUDGET} for data code): its op and line are not named")
-
-    def _note_node(self, *_: Any) -> None:
-        """Not traced here: the forward line of the loss code's autograd nodes (its backward is not traced)."""
 
     def __torch_dispatch__(
         self,
@@ -99,10 +126,76 @@ class OutsideTracer(OpTracer):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if self._budget <= 0:
-            if self._budget == 0:  # over budget: the region is not traced again
+            if self._budget == 0:  # over budget: the region is not recorded again
                 self._budget = _INERT
                 self.untraced.add(self._region)
-            return func(*args, **(kwargs or {}))
+                self.forget()
+            return out
         self._budget -= 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        frame = user_frame(sys._getframe(1))
+        index = len(self._ops)
+        self._ops.append(_Op(func, tuple(args), kwargs, out, frame.f_code if frame else None,
+                             frame.f_lineno if frame else 0, frame.f_globals if frame else None))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._produced[id(tensor)] = index
+        return out
+
+    # -- at an event ----------------------------------------------------------------------
+
+    def claim(self, tensor: torch.Tensor) -> OpFinding | None:
+        """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
+
+        None when ``tensor`` was not made by recorded code, or when its
+        non-finite values came from outside the record (a model output).
+        """
+        index = self._produced.get(id(tensor))
+        if index is None or not any(out is tensor for out in tree_leaves(self._ops[index].out)):
+            return None
+        ops = self._ops[: index + 1]
+        copies = _copies_of_what_came_from_outside(ops)
+        tracer = OpTracer(kinds=self.kinds)
+        producer: _Op | None = None
+        with torch.no_grad(), tracer:
+            for op in ops:
+                out = self._run(op, copies)
+                for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
+                    if isinstance(old, torch.Tensor):
+                        copies[id(old)] = new
+                if tracer.finding is not None:
+                    producer = op
+                    break
+        if tracer.finding is None or producer is None:
+            return None
+        return dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
+
+    @staticmethod
+    def _run(op: _Op, copies: dict[int, torch.Tensor]) -> Any:
+        """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
+        def swap(value: Any) -> Any:
+            return copies.get(id(value), value) if isinstance(value, torch.Tensor) else value
+
+        return op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+
+
+def _copies_of_what_came_from_outside(ops: list[_Op]) -> dict[int, torch.Tensor]:
+    """Copies of the tensors the ops read that no earlier op returned: a replayed in-place op leaves them alone."""
+    made: set[int] = set()
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for op in ops:
+            for value in tree_leaves((op.args, op.kwargs)):
+                if isinstance(value, torch.Tensor) and id(value) not in made and id(value) not in copies:
+                    copies[id(value)] = value.detach().clone()
+            made.update(id(t) for t in tree_leaves(op.out) if isinstance(t, torch.Tensor))
+    return copies
+
+
+def _source(op: _Op) -> SourcePointer | None:
+    if op.code is None:
+        return None
+    text = linecache.getline(op.code.co_filename, op.lineno, op.globals).strip() or None
+    return SourcePointer(op.code.co_filename, op.lineno, op.code.co_name, text)

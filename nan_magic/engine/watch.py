@@ -62,7 +62,7 @@ from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks
 from nan_magic.engine.module_hooks import GlobalModuleHooks
 from nan_magic.engine.optim import OptimizerChecks
-from nan_magic.engine.outside import OutsideTracer
+from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
@@ -304,10 +304,10 @@ class Watch:
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
-        # ... and traces the code between the models' calls (the loss, data code in the loop).
-        # (immediate mode only: its reads would add host synchronisations on CUDA, see outside.py).
-        self.outside: OutsideTracer | None = (
-            OutsideTracer(self.config.kinds) if self.config.tiered and not self.defer else None
+        # ... and records the code between the models' calls (the loss, data code in the loop), to
+        # replay it at an event (immediate mode: the deferred check judges after backward freed it).
+        self.outside: OutsideRecorder | None = (
+            OutsideRecorder(self.config.kinds) if self.config.tiered and not self.defer else None
         )
         self.full_step = not self.config.tiered
         self._steps_opened = 0
@@ -336,6 +336,8 @@ class Watch:
 
     def _forget_tensors(self) -> None:
         self.forward.stack.clear()
+        if self.outside is not None:
+            self.outside.forget()
         if self.replays is not None:
             self.replays.clear()
         self.log.clear()
@@ -542,9 +544,8 @@ class Watch:
             self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
-            for tracer in (self.forward.tracer, self.outside):
-                if tracer is not None:
-                    tracer.reset()
+            if self.forward.tracer is not None:
+                self.forward.tracer.reset()
             self._step_open = True
 
     def end_step(self, step: int) -> None:
