@@ -361,3 +361,21 @@ def test_a_dispatch_mode_the_user_enters_around_the_model_stays_balanced() -> No
             model(torch.randn(2, 4)).sum()
         assert _get_current_dispatch_mode() is None or _get_current_dispatch_mode() is w.outside
     assert _get_current_dispatch_mode() is None and counting.ops > 0
+
+
+def test_nothing_of_a_step_is_held_once_its_optimizer_stepped() -> None:
+    import weakref
+
+    model, opt = _net()
+    x = _batches(1)[0]
+    with nan_magic.watch(model, opt) as w:
+        out = model(x)
+        output = weakref.ref(out)
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        assert w.replays is not None and w.replays.calls[-1].output_grads  # held for a replay until the step
+        opt.step()
+        assert not w.replays.calls  # the step is over: its arguments and gradients are released
+        del out, loss
+        assert output() is None

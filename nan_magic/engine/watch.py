@@ -575,6 +575,10 @@ class Watch:
         self.history.append(summary)
         self.warn(self.early.observe_step(summary))
         self._step_open = False
+        if self.replays is not None and self.optimizer_in_use():
+            # The optimizer stepped: nothing of this step can need a replay, nor stay alive after it.
+            # (Inference steps end with their forward; a backward may follow, read when it ends.)
+            self.replays.clear()
 
     def warn(self, early: list[EarlyWarning]) -> None:
         """Keep early warnings for the report; in ``warn`` mode also show them now."""
