@@ -379,3 +379,20 @@ def test_nothing_of_a_step_is_held_once_its_optimizer_stepped() -> None:
         assert not w.replays.calls  # the step is over: its arguments and gradients are released
         del out, loss
         assert output() is None
+
+
+class TwoLines(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.exp(x * 100.0)  # producer: exp before the end
+        total = weights.sum(-1, keepdim=True)
+        return weights / total
+
+
+def test_debug_opens_on_the_producers_line_though_the_replay_ran_on() -> None:
+    model = nn.Sequential(nn.Identity(), TwoLines())
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.full((2, 3), 5.0))
+    last = traceback.extract_tb(caught.value.__traceback__)[-1]
+    assert last.lineno == _marked("exp before the end")
+    report = caught.value.report
+    assert report.debug_frame is not None and report.debug_frame.lineno == _marked("exp before the end")

@@ -23,12 +23,20 @@ class NonFiniteError(FloatingPointError):
     else (see :class:`nan_magic.Report`).
     """
 
-    def __init__(self, report: Report, *, producer_frame: FrameType | None = None) -> None:
+    def __init__(
+        self,
+        report: Report,
+        *,
+        producer_frame: FrameType | None = None,
+        producer_position: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__(report.message)
         self.report = report
         #: The frame that ran the producing op where the traceback does not
-        #: reach it (a replay found the op): %debug opens there (frames.py).
+        #: reach it (a replay found the op): %debug opens there (frames.py),
+        #: at ``producer_position`` (``(f_lasti, f_lineno)`` when the op ran), where known.
         self.producer_frame = producer_frame
+        self.producer_position = producer_position
         self._shown = False
 
     def __reduce__(self) -> tuple[type, tuple[Report]]:
@@ -45,7 +53,7 @@ class NonFiniteError(FloatingPointError):
         (``%tb``), IPython's own full traceback.
         """
         __tracebackhide__ = True
-        end_at_producer(self.__traceback__, self.producer_frame)
+        end_at_producer(self.__traceback__, self.producer_frame, self.producer_position)
         if self._shown:
             full = _full_traceback(self)
             if full is not None:

@@ -65,8 +65,10 @@ class Finding:
     # Where a replay named the op: the module output the check saw, as
     # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
     module_output: tuple[str, TensorStats, torch.Tensor | None] | None = None
-    # The replay's frame that ran the producing op (replay.py), for %debug.
+    # The replay's frame that ran the producing op (replay.py), for %debug, and its
+    # ``(f_lasti, f_lineno)`` when the op ran, where the frame ran on after it.
     frame: FrameType | None = None
+    frame_position: tuple[int, int] | None = None
     absorbed: AbsorbedOp | None = None
 
     def __post_init__(self) -> None:

@@ -888,7 +888,7 @@ class ForwardChecks:
             finding.module_output = (record.path or "output", tensor_stats(live) if live is not None
                                      else record.stats(), live)
         if tracer is not None:
-            finding.frame = tracer.frame_of(op_finding)  # %debug opens where the op ran
+            finding.frame, finding.frame_position = tracer.frame_of(op_finding)  # %debug opens where the op ran
         if finding.module is not None and finding.module_type is None:
             info = self.watch.targets.info_by_name(finding.module)
             if info is not None:

@@ -84,18 +84,23 @@ def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
     return last_user
 
 
-def end_at_producer(tb: TracebackType | None, producer: FrameType | None) -> TracebackType | None:
+def end_at_producer(
+    tb: TracebackType | None, producer: FrameType | None, position: tuple[int, int] | None = None
+) -> TracebackType | None:
     """Cut ``tb`` after its last user frame, then append the producer's frame; return the last entry.
 
     ``producer`` is the frame that ran the producing op when the traceback
     does not reach it: a replay found the op (replay.py) after the module
     had returned. Appended, it is where ``%debug`` and ``pdb.post_mortem``
-    open, with the producer's locals. Calling it again changes nothing.
+    open, with the producer's locals. ``position`` is ``(f_lasti, f_lineno)``
+    when the op ran, where the frame ran on after it (a replay of a whole
+    step continues to its end). Calling it again changes nothing.
     """
     last = trim_to_user_code(tb)
     if last is None or producer is None or last.tb_frame is producer:
         return last
-    last.tb_next = TracebackType(None, producer, producer.f_lasti, producer.f_lineno)
+    lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
+    last.tb_next = TracebackType(None, producer, lasti, lineno)
     return last.tb_next
 
 

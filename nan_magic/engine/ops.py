@@ -274,7 +274,7 @@ class OpTracer(TorchDispatchMode):
         # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
         self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
         # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
-        self._frames: dict[int, FrameType] = {}
+        self._frames: dict[int, tuple[FrameType, tuple[int, int]]] = {}
         # Set by replay: called with each tensor an op is about to write, even
         # by a passive op or after the finding.
         self._before_write: Callable[[torch.Tensor], None] | None = None
@@ -628,7 +628,8 @@ class OpTracer(TorchDispatchMode):
         self._witnesses[id(finding)] = tuple(witnesses)
         self.started.append(finding)
         if not in_backward and user_frame is not None:
-            self._frames[id(finding)] = user_frame
+            # The frame runs on after the op: where it was then is where %debug opens.
+            self._frames[id(finding)] = (user_frame, (user_frame.f_lasti, user_frame.f_lineno))
         origin = _Origin(finding)
         if not in_backward and not tensor.is_inference() and type(tensor) in _PLAIN and _dense(tensor):
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
@@ -646,9 +647,9 @@ class OpTracer(TorchDispatchMode):
         if self._on_finding is not None:
             self._on_finding(origin.finding)
 
-    def frame_of(self, finding: OpFinding) -> FrameType | None:
-        """The user's frame that ran a forward origin's op, while it is this step's; for ``%debug``."""
-        return self._frames.get(id(finding))
+    def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
+        """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
+        return self._frames.get(id(finding), (None, None))
 
     def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
         """Copies of the op's output, then of its inputs still alive; none when the output is gone.

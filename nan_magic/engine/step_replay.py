@@ -67,7 +67,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.engine.targets import ModuleInfo
     from nan_magic.engine.watch import Watch
 
-__all__ = ["RootCall", "StepReplays", "replay_target"]
+__all__ = ["Producer", "RootCall", "StepReplays", "replay_target"]
+
+#: The frame that ran a producing op, and where it was then: ``(frame, (f_lasti, f_lineno))`` (frames.py).
+Producer = tuple[FrameType | None, tuple[int, int] | None]
 
 #: Top-level calls kept for one step (a GAN's two models, a siamese model called twice, a few
 #: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed.
@@ -105,6 +108,8 @@ class _Outcome:
     #: The replay's first benign event, where it found no real one (a deliberate infinity).
     benign: Report | None = None
     frame: FrameType | None = None
+    #: ``(f_lasti, f_lineno)`` of ``frame`` when the op ran (the replay ran on to its end).
+    position: tuple[int, int] | None = None
     boundary: TensorStats | None = None
     failure: BaseException | None = None
     why_not: str | None = None
@@ -199,7 +204,7 @@ class StepReplays:
 
     # -- tier 2: the replay ---------------------------------------------------------------
 
-    def localize(self, finding: Finding, seen: Report) -> tuple[Report, FrameType | None]:
+    def localize(self, finding: Finding, seen: Report) -> tuple[Report, Producer]:
         """The report of a tier-1 event ``seen``: the replay's where it reproduced the event, else ``seen``."""
         if finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
             top = finding.call
@@ -216,12 +221,12 @@ class StepReplays:
             backward = True
             boundary = finding.tensor
         else:  # data, the loss code's forward or backward, the optimizer: the boundary check named it
-            return seen, finding.frame
+            return seen, (finding.frame, None)
         if candidates and replay_target(candidates[0].module) is None:
-            return seen, finding.frame  # FSDP: every step is a per-module step, which named the module
+            return seen, (finding.frame, None)  # FSDP: every step is a per-module step, which named the module
         if not candidates:
             return self._not_replayed(seen, "its model call was no longer held (more than "
-                                            f"{MAX_CALLS} calls in the step)"), finding.frame
+                                            f"{MAX_CALLS} calls in the step)"), (finding.frame, None)
         outcome, root = _Outcome(), candidates[0]
         for root in candidates:
             outcome = self._run(root, backward, boundary)
@@ -229,24 +234,24 @@ class StepReplays:
                 break
         if outcome.report is None and outcome.benign is not None:
             # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
-            return self._replayed(outcome.benign, seen.step), None
+            return self._replayed(outcome.benign, seen.step), (None, None)
         if outcome.report is None:
-            return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), finding.frame
+            return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), (finding.frame, None)
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
             finding.rng_state = root.rng
         if not _same_counts(outcome.boundary, seen):
             return self._not_replayed(
                 seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
-            ), finding.frame
+            ), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step)
         if finding.cause is not None:
             # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
             report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
-        return report, outcome.frame
+        return report, (outcome.frame, outcome.position)
 
     def explain_failure(self, module: nn.Module, call: Call, running: tuple[tuple[Any, ...], dict[str, Any]] | None
-                        ) -> tuple[Report, FrameType | None, BaseException] | None:
+                        ) -> tuple[Report, Producer, BaseException] | None:
         """A top-level forward raised: whether a non-finite value came first, and its producer.
 
         ``torch.multinomial`` on NaN probabilities, an index computed from a
@@ -264,7 +269,8 @@ class StepReplays:
             return None
         report = self._replayed(outcome.report, self.watch.step)
         note = f"then the forward raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        return dataclasses.replace(report, notes=(*report.notes, note.rstrip(": "))), outcome.frame, error
+        report = dataclasses.replace(report, notes=(*report.notes, note.rstrip(": ")))
+        return report, (outcome.frame, outcome.position), error
 
     def _run(self, root: RootCall, backward: bool, boundary: str | None) -> _Outcome:
         """Run ``root`` again under a nested full watch with op-level tracing."""
@@ -314,7 +320,7 @@ class StepReplays:
                         inner.forward.report_op(tracer.started[0])
         outcome.report = inner.report
         outcome.benign = next((event for event in inner.events if event.benign), None)
-        outcome.frame = inner.producer_frame
+        outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
         if outcome.report is None:
             changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
             if changed:

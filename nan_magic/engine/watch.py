@@ -66,7 +66,7 @@ from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
-from nan_magic.engine.step_replay import StepReplays, replay_target
+from nan_magic.engine.step_replay import Producer, StepReplays, replay_target
 from nan_magic.engine.targets import ModuleInfo, Targets, refuse_compiled, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
@@ -113,8 +113,10 @@ class Watch:
         #: The NonFiniteError this watch raised, once it has (the magics
         #: adopt its traceback after IPython has shown it).
         self.raised: NonFiniteError | None = None
-        #: The frame that ran the first real event's producing op, where a replay named it (for %debug).
+        #: The frame that ran the first real event's producing op, where a replay named it (for %debug),
+        #: and its ``(f_lasti, f_lineno)`` then.
         self.producer_frame: FrameType | None = None
+        self.producer_position: tuple[int, int] | None = None
         self.events: list[Report] = []
         self.report: Report | None = None
         self.history: deque[StepSummary] = deque(maxlen=self.config.history)
@@ -163,6 +165,7 @@ class Watch:
         self.events = []
         self.raised = None
         self.producer_frame = None
+        self.producer_position = None
         self.report = None
         self.history.clear()
         self.warnings.clear()
@@ -316,7 +319,7 @@ class Watch:
         self._step_open = False
         self._raised = False
         # A forward that raised after a non-finite value: what the watch raises on exit (on_forward_failed).
-        self._explained: tuple[Finding, Report, FrameType | None, BaseException] | None = None
+        self._explained: tuple[Finding, Report, Producer, BaseException] | None = None
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
         self.agreement = Agreement()
@@ -499,22 +502,22 @@ class Watch:
         explained = self.replays.explain_failure(module, call, running_arguments(module))
         if explained is None:
             return
-        report, frame, error = explained
+        report, producer, error = explained
         finding = Finding(Phase.FORWARD, call, "output")
         if self.config.on_detect == "raise":
             # torch silences an exception raised by this hook: the watch raises it on exit, from ``error``.
-            self._explained = (finding, report, frame, error)
+            self._explained = (finding, report, producer, error)
         else:
-            self.emit(finding, replayed=(report, frame))
+            self.emit(finding, replayed=(report, producer))
 
     def _raise_explained(self, exc: BaseException | None) -> NonFiniteError | None:
         """The NonFiniteError of a forward that raised after a non-finite value (on_forward_failed), for ``exc``."""
         explained, self._explained = self._explained, None
         if explained is None or exc is None or explained[3] is not exc:
             return None
-        finding, report, frame, _error = explained
+        finding, report, producer, _error = explained
         try:
-            self.emit(finding, replayed=(report, frame))
+            self.emit(finding, replayed=(report, producer))
         except NonFiniteError as stop:
             return stop
         return None
@@ -611,12 +614,12 @@ class Watch:
 
     # -- events ---------------------------------------------------------------------
 
-    def emit(self, finding: Finding, replayed: tuple[Report, FrameType | None] | None = None) -> None:
+    def emit(self, finding: Finding, replayed: tuple[Report, Producer] | None = None) -> None:
         """Record an event; raise or warn for the first non-benign one as configured.
 
         In the tiered mode a real forward or backward event is first
         localized by a replay of its step (step_replay.py); ``replayed`` is
-        a replay's report and producer frame already made.
+        a replay's report and producer (frame, position) already made.
         """
         tracer = self.forward.tracer
         if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
@@ -633,8 +636,9 @@ class Watch:
             ))
             if self.replays is not None and not finding.benign:
                 replayed = self.replays.localize(finding, report)
+        position = None
         if replayed is not None:
-            report, finding.frame = stamp(replayed[0]), replayed[1]
+            report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
         if self.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.skipped.items())))
         if not report.benign and self.report is None:
@@ -642,6 +646,11 @@ class Watch:
             report = record_scene(self, finding, report)
             self.report = report
             self.producer_frame = finding.frame
+            if finding.frame is not None:
+                # Where the op ran: the frame of a replay that went on to its end has moved since.
+                self.producer_position = (
+                    position or finding.frame_position or (finding.frame.f_lasti, finding.frame.f_lineno)
+                )
         if len(self.events) < self.config.max_events:
             self.events.append(report)
         if self.config.log_file:
@@ -649,7 +658,7 @@ class Watch:
         if report.benign:
             return
         if self.config.on_detect == "raise":
-            own = NonFiniteError(report, producer_frame=finding.frame)
+            own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position)
             self._raise_agreed(self.agreement.settle(own, finding), own)
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=2)
@@ -672,7 +681,7 @@ class Watch:
         Called by ``__exit__``, and by the magics where IPython catches the
         exception first.
         """
-        last = end_at_producer(tb, error.producer_frame)
+        last = end_at_producer(tb, error.producer_frame, error.producer_position)
         if last is None:
             return
         tensor_locals = tuple(
