@@ -13,6 +13,7 @@ import faults
 import pytest
 import torch
 from torch import nn
+from watching import train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -44,17 +45,6 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), Gate(), nn.Linear(8, 1))
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for x in batches:
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _batches(n: int) -> list[torch.Tensor]:
     torch.manual_seed(1)
     return [torch.randn(4, 8) for _ in range(n)]
@@ -79,7 +69,7 @@ def test_a_healthy_compiled_run_is_silent_identical_and_never_recompiled() -> No
     batches = _batches(12)
     plain = _model()
     opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-    expected = _train(torch.compile(plain, backend=counting), opt, batches)
+    expected = train_steps(torch.compile(plain, backend=counting), opt, batches)
     unwatched_graphs = len(graphs)
     dynamo.reset()
     graphs.clear()
@@ -87,10 +77,10 @@ def test_a_healthy_compiled_run_is_silent_identical_and_never_recompiled() -> No
     compiled = torch.compile(watched, backend=counting)
     opt_w = torch.optim.SGD(watched.parameters(), lr=0.01)
     with nan_magic.watch(compiled, opt_w) as w:
-        got = _train(compiled, opt_w, batches[:6])
+        got = train_steps(compiled, opt_w, batches[:6])
     with nan_magic.watch(compiled, opt_w):  # a second entry: no recompile either
-        got += _train(compiled, opt_w, batches[6:])
-    _train(compiled, opt_w, [batches[0]])  # and none after the watch
+        got += train_steps(compiled, opt_w, batches[6:])
+    train_steps(compiled, opt_w, [batches[0]])  # and none after the watch
     assert w.report is None and w.events == []
     assert got == expected
     assert len(graphs) == unwatched_graphs  # the graphs of the unwatched run: no break, no recompile
@@ -105,7 +95,7 @@ def test_a_forward_fault_in_a_compiled_model_is_named_through_the_eager_replay()
     batches = _batches(3)
     batches[2] = batches[2] * 200.0  # exp(x) of the 200x batch overflows
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(compiled, opt):
-        _train(compiled, opt, batches)
+        train_steps(compiled, opt, batches)
     report = caught.value.report
     assert (report.phase, report.module, report.module_type, report.step) == ("forward", "1", "Gate", 2)
     assert report.op == "aten.exp.default"
@@ -120,7 +110,7 @@ def test_a_backward_fault_in_a_compiled_model_is_named_through_the_eager_replay(
     compiled = torch.compile(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(compiled, opt):
-        _train(compiled, opt, [torch.randn(3, 4)])
+        train_steps(compiled, opt, [torch.randn(3, 4)])
     report = caught.value.report
     assert (report.phase, report.module, report.module_type) == ("backward", "1", "RootOfZero")
     assert report.op is not None and report.op.startswith("aten.")

@@ -16,6 +16,7 @@ import faults
 import pytest
 import torch
 from torch import nn
+from watching import train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -54,17 +55,6 @@ def _net(seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.001)  # healthy until a batch 400 times larger
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for x in batches:
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _batches(n: int, big_at: int | None = None) -> list[torch.Tensor]:
     torch.manual_seed(1)
     batches = [torch.randn(16, 8) for _ in range(n)]
@@ -76,7 +66,7 @@ def _batches(n: int, big_at: int | None = None) -> list[torch.Tensor]:
 def test_a_forward_producer_deep_inside_is_named_with_its_op_line_and_step() -> None:
     model, opt = _net()
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
-        _train(model, opt, _batches(6, big_at=3))
+        train_steps(model, opt, _batches(6, big_at=3))
     report = caught.value.report
     assert (report.phase, report.module, report.module_type, report.step) == ("forward", "block", "ExpBlock", 3)
     assert report.op == "aten.exp.default"
@@ -98,11 +88,11 @@ def test_a_healthy_run_is_bit_identical_and_leaves_buffers_and_the_random_stream
     plain, opt_p = _net()
     batches = _batches(60)
     torch.manual_seed(7)
-    expected = _train(plain, opt_p, batches)
+    expected = train_steps(plain, opt_p, batches)
     after_plain = torch.rand(3)
     torch.manual_seed(7)
     with nan_magic.watch(watched, opt_w) as w:
-        got = _train(watched, opt_w, batches)
+        got = train_steps(watched, opt_w, batches)
     after_watched = torch.rand(3)
     assert w.report is None and w.events == []
     assert got == expected
@@ -118,11 +108,11 @@ def test_the_replay_changes_no_gradient_buffer_parameter_or_random_draw() -> Non
     batches = _batches(6, big_at=3)
     plain, opt_p = _net()
     torch.manual_seed(3)
-    expected = _train(plain, opt_p, batches)
+    expected = train_steps(plain, opt_p, batches)
     watched, opt_w = _net()
     torch.manual_seed(3)
     with nan_magic.watch(watched, opt_w, on_detect="log") as w:
-        got = _train(watched, opt_w, batches)
+        got = train_steps(watched, opt_w, batches)
     assert w.report is not None and w.report.module == "block" and w.report.reproduced
     assert str(got) == str(expected)  # NaN-aware comparison of the losses
     for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values()):
@@ -263,7 +253,7 @@ def test_per_module_steps_come_every_full_every_steps(every: int) -> None:
     seen = []
     with nan_magic.watch(model, opt, full_every=every) as w:
         for x in _batches(7):
-            _train(model, opt, [x])
+            train_steps(model, opt, [x])
             seen.append(w.full_step)  # decided when the step's forward began
     expected = [True] * 7 if every == 1 else [i % 3 == 1 for i in range(7)]
     assert seen == expected
@@ -272,7 +262,7 @@ def test_per_module_steps_come_every_full_every_steps(every: int) -> None:
 def test_the_full_mode_checks_every_module_and_bad_modes_are_refused() -> None:
     model, opt = _net()
     with nan_magic.watch(model, opt, mode="full") as w:
-        _train(model, opt, _batches(2))
+        train_steps(model, opt, _batches(2))
     assert w.full_step
     with pytest.raises(ValueError, match="mode must be 'tiered' or 'full', not 'fast'"):
         nan_magic.watch(model, mode="fast")
@@ -301,7 +291,7 @@ def test_a_watch_entered_for_one_step_is_as_cheap_as_its_boundaries() -> None:
 
     @nan_magic.watch(model, opt)
     def step(x: torch.Tensor) -> None:
-        _train(model, opt, [x])
+        train_steps(model, opt, [x])
 
     step(batches[0])
     step(batches[1])

@@ -48,6 +48,7 @@ __all__ = [
     "replay_module",
     "restore_rng_state",
     "run_again",
+    "swapped_buffers",
 ]
 
 
@@ -253,13 +254,15 @@ def copy_tensors(value: Any, copies: dict[int, torch.Tensor]) -> Any:
 
 
 @contextlib.contextmanager
-def _swapped_buffers(module: nn.Module) -> Iterator[None]:
+def swapped_buffers(module: nn.Module, before: Mapping[int, torch.Tensor] | None = None) -> Iterator[None]:
     """Give every submodule copies of its buffers for the duration.
 
     BatchNorm updates its running statistics during the replay; the originals
     are never touched (not even their version counters, which autograd checks
     for the user's pending backward). A buffer shared by several modules
-    gets one shared copy.
+    gets one shared copy. ``before`` maps ``id(buffer)`` to its value before
+    the replayed call, where the call changed it (step_replay.py); other
+    buffers are copied as they are now.
     """
     copies: dict[int, torch.Tensor] = {}
     swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -269,7 +272,7 @@ def _swapped_buffers(module: nn.Module) -> Iterator[None]:
                 if buffer is None:
                     continue
                 if id(buffer) not in copies:
-                    copies[id(buffer)] = buffer.detach().clone()
+                    copies[id(buffer)] = (before or {}).get(id(buffer), buffer).detach().clone()
                 swapped.append((sub, name, buffer))
                 sub._buffers[name] = copies[id(buffer)]
         yield
@@ -448,7 +451,7 @@ def _isolated(
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(restore_rng_state, user_rng)
         cleanup.callback(guard.restore)
-        cleanup.enter_context(_swapped_buffers(module))
+        cleanup.enter_context(swapped_buffers(module))
         cleanup.enter_context(register_module_forward_pre_hook(enter))
         cleanup.enter_context(register_module_forward_hook(leave, always_call=True))
         for device, dtype in autocast or ():

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import sys
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -58,6 +57,7 @@ from nan_magic.engine.replay import (
     capture_rng_state,
     copy_tensors,
     restore_rng_state,
+    swapped_buffers,
 )
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.records import Phase, Report, TensorStats
@@ -293,7 +293,7 @@ class StepReplays:
         with contextlib.ExitStack() as stack:
             stack.callback(restore_rng_state, capture_rng_state())
             stack.enter_context(self.watch.forward.standing_aside())
-            stack.enter_context(_buffers_as_before(root.module, root.buffers))
+            stack.enter_context(swapped_buffers(root.module, root.buffers))
             for device, dtype in root.autocast or ():
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
@@ -414,28 +414,3 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
     if not seen.nonfinite:
         return bool(replayed.nonfinite)
     return (replayed.nan, replayed.posinf, replayed.neginf) == (seen.nan, seen.posinf, seen.neginf)
-
-
-@contextlib.contextmanager
-def _buffers_as_before(module: nn.Module, before: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Give every submodule copies of its buffers, as they were before the call, for the duration.
-
-    The originals are never touched (nor their version counters, which
-    autograd checks for the user's pending backward). A buffer the call was
-    not seen changing is copied as it is now.
-    """
-    copies: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-    try:
-        for sub in module.modules():
-            for name, buffer in list(sub._buffers.items()):
-                if buffer is None:
-                    continue
-                if id(buffer) not in copies:
-                    copies[id(buffer)] = (before.get(id(buffer), buffer)).detach().clone()
-                swapped.append((sub, name, buffer))
-                sub._buffers[name] = copies[id(buffer)]
-        yield
-    finally:
-        for sub, name, buffer in swapped:
-            sub._buffers[name] = buffer
