@@ -3,7 +3,7 @@
 What a user sees: the same module, op and line as ``ops=True``; whether the
 replay reproduced the event; nothing of the replay left on the model, its
 gradients or the random stream; compiled models watched; an exception that
-a NaN caused explained; the loss code's op named by the outside tracer.
+a NaN caused explained; the loss code's op named from its recorded ops.
 """
 
 from __future__ import annotations
