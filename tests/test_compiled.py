@@ -7,6 +7,7 @@ no graph break, no recompile); a failing step is replayed eagerly on
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import faults
@@ -124,3 +125,19 @@ def test_the_discovering_watch_watches_a_compiled_model_called_in_the_cell() -> 
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch():
         compiled(batch)
     assert (caught.value.report.module, caught.value.report.op) == ("1", "aten.exp.default")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_the_default_backend_is_watched_and_named_through_the_eager_replay() -> None:
+    """torch.compile's default backend (inductor: generated C++ on the CPU); about 20 s of compiling."""
+    model = _model()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = _batches(3)
+    batches[2] = batches[2] * 200.0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(compiled, opt):
+        train_steps(compiled, opt, batches)
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.step) == ("forward", "1", "aten.exp.default", 2)
+    assert report.source is not None and report.source.lineno == _marked("compiled exp")
+    assert report.reproduced is True
