@@ -225,8 +225,9 @@ class StepReplays:
         if candidates and replay_target(candidates[0].module) is None:
             return seen, (finding.frame, None)  # FSDP: every step is a per-module step, which named the module
         if not candidates:
-            return self._not_replayed(seen, "its model call was no longer held (more than "
-                                            f"{MAX_CALLS} calls in the step)"), (finding.frame, None)
+            why = ("no gradient flowing into the model's outputs was held for this step" if backward
+                   else f"its model call was no longer held (more than {MAX_CALLS} calls in the step)")
+            return self._not_replayed(seen, why), (finding.frame, None)
         outcome, root = _Outcome(), candidates[0]
         for root in candidates:
             outcome = self._run(root, backward, boundary)
