@@ -494,8 +494,10 @@ class Watch:
     def on_forward_failed(self, module: nn.Module, call: Any) -> None:
         """A top-level forward raised: when a replay finds a non-finite value came first, report it.
 
-        Called from the forward hook while the exception propagates; the
-        NonFiniteError raised here keeps the original as its cause.
+        Called from the forward hook while the exception propagates. torch
+        silences what a hook raises then, so in ``raise`` mode the
+        NonFiniteError is raised when the watch is left, from the original
+        exception (:meth:`_raise_explained`); ``warn``/``log`` record it now.
         """
         if self.replays is None:
             return
