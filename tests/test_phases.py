@@ -8,9 +8,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import faults
 import pytest
 import torch
-from faults import GuardedExp, distance, fp16_adam_step
+from faults import GuardedExp, distance, fp16_adam_step, marked_line
 from torch import nn
 from torch.nn import functional as F
 from watching import amp_training, raised
@@ -43,7 +44,10 @@ def test_sqrt_at_zero_distance_in_a_triplet_loss_is_a_backward_producer_in_the_l
     assert any("outside every watched module" in note for note in report.notes)
     # The loss code's nodes are listed; of them only the two square roots can have an infinite derivative.
     (region,) = [note for note in report.notes if "autograd nodes" in note]
-    assert "can be infinite: SqrtBackward0 x2;" in region and "PowBackward0" in region
+    assert "can be infinite: SqrtBackward0 x2" in region and "PowBackward0" in region
+    # The tiered default replays the loss code's recorded ops with their backward: the op and its line.
+    assert (report.op, report.source.lineno if report.source else None) == (
+        "aten.div.Tensor", marked_line("distance", where=faults))
     forward_rows = [row for row in report.layers if row.phase == "forward"]
     assert forward_rows and all(row.stats.nonfinite == 0 for row in forward_rows)
 

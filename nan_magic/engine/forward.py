@@ -867,11 +867,7 @@ class ForwardChecks:
         else:
             return
         if isinstance(origin, OpFinding):
-            # The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it
-            # and its counts, and the op adds its name, line and operands.
-            kept = finding.tensor, finding.bad, finding.bad_stats
-            apply_op_finding(finding, origin)
-            (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+            attach_origin(finding, origin)
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
@@ -904,6 +900,18 @@ _CALL_CODES = frozenset(
     code for code in (getattr(getattr(nn.Module, name, None), "__code__", None)
                       for name in ("_call_impl", "_wrapped_call_impl")) if code is not None
 )
+
+
+def attach_origin(finding: Finding, origin: OpFinding) -> None:
+    """Add the op that started a boundary's non-finite value to its finding.
+
+    The event is the boundary tensor (the loss, a parameter, a gradient):
+    the report keeps it and its counts, and the op adds its name, line and
+    operands.
+    """
+    kept = finding.tensor, finding.bad, finding.bad_stats
+    apply_op_finding(finding, origin)
+    (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
 
 
 def running_arguments(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:

@@ -26,6 +26,7 @@ import torch
 from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.engine.entering import entering_tensors, saved_leaves
 from nan_magic.engine.findings import Finding
+from nan_magic.engine.forward import attach_origin
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.engine.stats import WIDE_FLOATS, is_checkable, kinds_of, relevant_kinds
 from nan_magic.records import Phase
@@ -81,9 +82,7 @@ class GradientChecks:
         self.loss_record = watch.log.record_output(call, "loss", loss)
         watch.log.finish(call)
         if not watch.defer:
-            self.judge_loss(call)
-            if watch.outside is not None:
-                watch.outside.forget()  # the loss code's values: judged, and autograd's to free now
+            self.judge_loss(call)  # the loss code's records stay for its backward (outside.py)
         else:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.forward.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)
@@ -153,10 +152,10 @@ class GradientChecks:
         watch = self.watch
         if not watch.listening() or grad is None or not is_checkable(grad):
             return
-        call = record.call
-        if watch.replays is not None and call is not None and call.parent is None:
+        returned_by = record.call
+        if watch.replays is not None and returned_by is not None and returned_by.parent is None:
             # Kept for a replay of this step's backward (step_replay.py), until the step ends.
-            watch.replays.capture_gradient(call, record.path, grad)
+            watch.replays.capture_gradient(returned_by, record.path, grad)
         log = watch.log
         # The hot path. A gradient's range is only shown for half precision
         # (its headroom); in float32 on the CPU a sum answers whether it is
@@ -223,6 +222,13 @@ class GradientChecks:
                 region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
             if region:
                 finding.notes.append(region)
+            # Its recorded ops, replayed with their backward, name the backward op and its forward line.
+            loss = self.loss_record.ref() if self.loss_record is not None else None
+            origin = watch.outside.claim_backward(loss) if watch.outside is not None else None
+            if origin is not None:
+                attach_origin(finding, origin)
+            elif watch.forward.tracer is None:
+                finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")
         else:
             finding.notes.append(
                 f"the gradient flowing into {call.info.name or 'the root module'} was finite; "

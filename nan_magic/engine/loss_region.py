@@ -63,7 +63,7 @@ def describe_loss_region(nodes: list[Any]) -> str | None:
         counted = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
                             for name in dict.fromkeys(suspects))
         sentence += f"; the ones whose derivative can be infinite: {counted}"
-    return sentence + "; watch with ops=True (%%nantrace --ops) for the op and its forward line"
+    return sentence
 
 
 def _singular(node: Any) -> bool:

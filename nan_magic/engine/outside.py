@@ -12,14 +12,17 @@ and the user's line that ran it; nothing is read. When the loss (or a batch
 built in the loop) holds a non-finite value, :meth:`OutsideRecorder.claim`
 runs the recorded ops that led to it again, on copies of what they read from
 outside, under the op tracer: its first origin is the producer, named at the
-recorded line.
+recorded line. When the gradient flowing from the loss code into a model's
+output is non-finite, :meth:`OutsideRecorder.claim_backward` runs them again
+with gradients, then their backward: the op tracer names the backward op and
+its autograd node, and the record the forward line that created that node.
 
 Recording costs a few microseconds per op and reads nothing, so it adds no
 host synchronisation on CUDA. The references keep the loss code's values
-alive only until ``backward()`` starts, when the loss is judged (values
-autograd keeps anyway, for the most part), and a data region's until the next
-model call has judged its batch. The deferred check judges the loss later,
-after ``backward()`` freed them, so the deferred mode does not record.
+alive until the optimizer steps (its backward may need them; autograd keeps
+most of them until then anyway), and a data region's until the next model
+call has judged its batch. The deferred check judges later, after
+``backward()`` freed what a replay needs, so the deferred mode does not record.
 
 Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
 after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step
@@ -152,19 +155,15 @@ class OutsideRecorder(TorchDispatchMode):
         None when ``tensor`` was not made by recorded code, or when its
         non-finite values came from outside the record (a model output).
         """
-        index = self._produced.get(id(tensor))
-        if index is None or not any(out is tensor for out in tree_leaves(self._ops[index].out)):
+        ops = self._ops_to(tensor)
+        if ops is None:
             return None
-        ops = self._ops[: index + 1]
-        copies = _copies_of_what_came_from_outside(ops)
+        copies, _requiring = _copies_of_what_came_from_outside(ops)
         tracer = OpTracer(kinds=self.kinds)
         producer: _Op | None = None
         with torch.no_grad(), tracer:
             for op in ops:
-                out = self._run(op, copies)
-                for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
-                    if isinstance(old, torch.Tensor):
-                        copies[id(old)] = new
+                self._run(op, copies)
                 if tracer.finding is not None:
                     producer = op
                     break
@@ -172,26 +171,72 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         return dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
 
+    def claim_backward(self, loss: torch.Tensor | None) -> OpFinding | None:
+        """The backward op of the recorded loss code that first made a gradient non-finite, or None.
+
+        The ops that made ``loss`` run again with gradients, from copies of
+        what they read from outside (those that required gradients still do),
+        then their backward from a gradient of ones, under the op tracer: it
+        names the backward op, its autograd node and, from the record, the
+        forward line that created that node. Only for a scalar loss (the
+        gradient ``backward()`` starts from is then ones).
+        """
+        ops = self._ops_to(loss) if loss is not None and loss.numel() == 1 else None
+        if ops is None or loss is None:
+            return None
+        copies, requiring = _copies_of_what_came_from_outside(ops)
+        tracer = OpTracer(kinds=self.kinds)
+        with torch.enable_grad(), tracer:
+            for op in ops:
+                before = torch._C._autograd._get_sequence_nr()
+                self._run(op, copies)
+                if op.code is not None:
+                    for node in range(before, torch._C._autograd._get_sequence_nr()):
+                        # The node's forward line is the recorded op's (the tracer would see this replay's).
+                        tracer._sources[node] = (op.code, op.lineno, None)
+            replayed = copies[id(loss)]
+            if requiring and replayed.requires_grad:
+                torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed), allow_unused=True)
+        return tracer.finding
+
+    def _ops_to(self, tensor: torch.Tensor) -> list[_Op] | None:
+        """The recorded ops up to the one that returned ``tensor``; None when none did."""
+        index = self._produced.get(id(tensor))
+        if index is None or not any(out is tensor for out in tree_leaves(self._ops[index].out)):
+            return None
+        return self._ops[: index + 1]
+
     @staticmethod
-    def _run(op: _Op, copies: dict[int, torch.Tensor]) -> Any:
+    def _run(op: _Op, copies: dict[int, torch.Tensor]) -> None:
         """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
         def swap(value: Any) -> Any:
             return copies.get(id(value), value) if isinstance(value, torch.Tensor) else value
 
-        return op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+        out = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+        for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
+            if isinstance(old, torch.Tensor):
+                copies[id(old)] = new
 
 
-def _copies_of_what_came_from_outside(ops: list[_Op]) -> dict[int, torch.Tensor]:
-    """Copies of the tensors the ops read that no earlier op returned: a replayed in-place op leaves them alone."""
+def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
+
+    A replayed in-place op leaves the originals alone; a copy of a tensor
+    that required gradients (a model output) requires them too, for a
+    replay of the backward.
+    """
     made: set[int] = set()
     copies: dict[int, torch.Tensor] = {}
+    requiring: list[torch.Tensor] = []
     with torch.no_grad():
         for op in ops:
             for value in tree_leaves((op.args, op.kwargs)):
                 if isinstance(value, torch.Tensor) and id(value) not in made and id(value) not in copies:
-                    copies[id(value)] = value.detach().clone()
+                    copy = copies[id(value)] = value.detach().clone()
+                    if value.requires_grad and copy.is_floating_point():
+                        requiring.append(copy.requires_grad_())
             made.update(id(t) for t in tree_leaves(op.out) if isinstance(t, torch.Tensor))
-    return copies
+    return copies, requiring
 
 
 def _source(op: _Op) -> SourcePointer | None:

@@ -466,6 +466,7 @@ class Watch:
             self.agreement.open()
             if self.outside is not None:
                 self.outside.stop()
+                self.outside.forget()  # the loss code's backward has run: its records can go
         try:
             self.optimizers.on_step_pre(opt, args, kwargs)
             agreed = self.agreement.settle(None)

@@ -15,12 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from contract import Case, Expect, Scenario
 
-# The tiered default traces the loss code's forward ops (outside.py) in its immediate mode (not deferred,
-# where the tracer's reads would be host synchronisations on CUDA), not its backward; mode="full" neither.
-LOSS_FORWARD = ("default", "ops")
-LOSS_BACKWARD_GAP = ("ops",)
-LOSS_BACKWARD_NOTE = ("the default and full modes name a producer in the loss code's backward by its autograd node, "
-                      "not its op: that backward is not traced")
+# The tiered default records the loss code's ops (outside.py) and replays them, forward and backward, at an
+# event, in its immediate mode (the deferred check comes after backward freed them); mode="full" does not.
+LOSS_CODE_OPS = ("default", "ops")
+LOSS_CODE_NOTE = "defer and full: the loss code is not recorded; a backward producer there is named by its node"
 
 
 def _regression(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -171,11 +169,11 @@ def _loader_with_workers() -> Scenario:
 
 CASES = [
     Case("loss_log_first_iteration_optimizer_not_passed", _log_loss_first_iteration,
-         Expect("forward", None, step=0, op="aten.log.default", marker="log loss", op_modes=LOSS_FORWARD),
-         note="defer and full: the loss code is not traced"),
+         Expect("forward", None, step=0, op="aten.log.default", marker="log loss", op_modes=LOSS_CODE_OPS),
+         note=LOSS_CODE_NOTE),
     Case("loss_sqrt_backward_third_iteration_optimizer_not_passed", _sqrt_backward_third_iteration,
-         Expect("backward", None, step=2, op="aten.div.Tensor", marker="distance", op_modes=LOSS_BACKWARD_GAP),
-         note=LOSS_BACKWARD_NOTE),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="distance", op_modes=LOSS_CODE_OPS),
+         note=LOSS_CODE_NOTE),
     Case("third_inference_call", _third_inference_call,
          Expect("forward", "1", "LogLayer", step=2, op="aten.log.default", marker="inference log")),
     Case("two_optimizers_not_passed", _two_optimizers,
