@@ -47,6 +47,7 @@ class GradientChecks:
         # backward frees them (a backward producer there is found after).
         self.loss_region: str | None = None
         self.reported_this_pass = False
+        self.forget_queued = False
         self.backward_runs = 0
         # Deferred mode: leaves the loss code saved, held weakly until the check (entering.py).
         self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] = []
@@ -77,12 +78,13 @@ class GradientChecks:
         if not is_checkable(loss):
             return
         self.reported_this_pass = False
+        self.forget_queued = False
         self.backward_runs += 1
         call = watch.log.new_call(Phase.FORWARD, None, None, None)
         self.loss_record = watch.log.record_output(call, "loss", loss)
         watch.log.finish(call)
         if not watch.defer:
-            self.judge_loss(call)  # the loss code's records stay for its backward (outside.py)
+            self.judge_loss(call)  # the loss code's records stay for its backward (_on_output_grad)
         else:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.forward.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)
@@ -153,9 +155,15 @@ class GradientChecks:
         if not watch.listening() or grad is None or not is_checkable(grad):
             return
         returned_by = record.call
-        if watch.replays is not None and returned_by is not None and returned_by.parent is None:
-            # Kept for a replay of this step's backward (step_replay.py), until the step ends.
-            watch.replays.capture_gradient(returned_by, record.path, grad)
+        if returned_by is not None and returned_by.parent is None:
+            if watch.replays is not None:
+                # Kept for a replay of this step's backward (step_replay.py), until the step ends.
+                watch.replays.capture_gradient(returned_by, record.path, grad)
+            if watch.outside is not None and not self.forget_queued:
+                # The loss code's records serve its backward, which runs before this gradient
+                # arrives: they go when this backward pass ends (after every such hook judged).
+                torch.autograd.Variable._execution_engine.queue_callback(watch.outside.forget)
+                self.forget_queued = True
         log = watch.log
         # The hot path. A gradient's range is only shown for half precision
         # (its headroom); in float32 on the CPU a sum answers whether it is

@@ -19,8 +19,8 @@ its autograd node, and the record the forward line that created that node.
 
 Recording costs a few microseconds per op and reads nothing, so it adds no
 host synchronisation on CUDA. The references keep the loss code's values
-alive until the optimizer steps (its backward may need them; autograd keeps
-most of them until then anyway), and a data region's until the next model
+alive until the backward pass that follows ends (autograd keeps most of them
+until its nodes have run anyway), and a data region's until the next model
 call has judged its batch. The deferred check judges later, after
 ``backward()`` freed what a replay needs, so the deferred mode does not record.
 
