@@ -386,3 +386,17 @@ def test_debug_opens_on_the_producers_line_though_the_replay_ran_on() -> None:
     assert last.lineno == _marked("exp before the end")
     report = caught.value.report
     assert report.debug_frame is not None and report.debug_frame.lineno == _marked("exp before the end")
+
+
+def test_during_backward_the_loss_code_is_held_weakly_and_a_freed_input_gives_up_quietly() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model) as w:
+        # The model's output is not kept by the user nor saved by autograd here (sqrt saves its result):
+        loss = torch.sqrt(model(torch.randn(2, 4)) * 0.0).sum()
+        assert w.outside is not None and w.outside._ops  # recorded, strongly, until backward starts
+        loss.backward()
+    report = caught.value.report
+    assert (report.phase, report.module) == ("backward", None)
+    assert report.op is None  # the replay needed the freed output: no guess, the autograd node instead
+    assert any("SqrtBackward0" in note for note in report.notes)

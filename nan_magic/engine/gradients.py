@@ -84,7 +84,9 @@ class GradientChecks:
         self.loss_record = watch.log.record_output(call, "loss", loss)
         watch.log.finish(call)
         if not watch.defer:
-            self.judge_loss(call)  # the loss code's records stay for its backward (_on_output_grad)
+            self.judge_loss(call)
+            if watch.outside is not None:
+                watch.outside.weaken()  # for its backward, without keeping what autograd frees
         else:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.forward.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)

@@ -19,9 +19,9 @@ its autograd node, and the record the forward line that created that node.
 
 Recording costs a few microseconds per op and reads nothing, so it adds no
 host synchronisation on CUDA. The references keep the loss code's values
-alive until the backward pass that follows ends (autograd keeps most of them
-until its nodes have run anyway), and a data region's until the next model
-call has judged its batch. The deferred check judges later, after
+alive until ``backward()`` starts and the loss is judged (values autograd
+keeps anyway, for the most part), then only weakly until that backward pass
+ends; a data region's until the next model call has judged its batch. The deferred check judges later, after
 ``backward()`` freed what a replay needs, so the deferred mode does not record.
 
 Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import CodeType
@@ -72,6 +73,38 @@ class _Op:
     code: CodeType | None
     lineno: int
     globals: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class _Weak:
+    """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded."""
+
+    ref: weakref.ref[torch.Tensor]
+    key: int
+
+
+class _Gone(Exception):
+    """A tensor a replay needs was freed (only weak references are kept during backward)."""
+
+
+def _weak(value: Any) -> Any:
+    return _Weak(weakref.ref(value), id(value)) if isinstance(value, torch.Tensor) else value
+
+
+def _key(value: Any) -> int | None:
+    """The recorded tensor's id, for a tensor or a :class:`_Weak`; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return id(value)
+    return value.key if isinstance(value, _Weak) else None
+
+
+def _alive(value: Any) -> torch.Tensor:
+    if isinstance(value, _Weak):
+        tensor = value.ref()
+        if tensor is None:
+            raise _Gone
+        return tensor
+    return value
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -113,6 +146,19 @@ class OutsideRecorder(TorchDispatchMode):
         """Drop the records (and the references they hold)."""
         self._ops.clear()
         self._produced.clear()
+
+    def weaken(self) -> None:
+        """``backward()`` starts, the loss judged: keep only weak references, for its backward.
+
+        What autograd saved for that backward stays reachable until its node
+        has run; the rest (a model's logits, a log-softmax's output) is freed
+        as it would be unwatched. A replay that needs a freed tensor gives up.
+        """
+        self._ops = [
+            dataclasses.replace(op, args=tree_map(_weak, op.args), kwargs=tree_map(_weak, op.kwargs),
+                                out=tree_map(_weak, op.out))
+            for op in self._ops
+        ]
 
     def note(self) -> str | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -158,15 +204,18 @@ class OutsideRecorder(TorchDispatchMode):
         ops = self._ops_to(tensor)
         if ops is None:
             return None
-        copies, _requiring = _copies_of_what_came_from_outside(ops)
         tracer = OpTracer(kinds=self.kinds)
         producer: _Op | None = None
-        with torch.no_grad(), tracer:
-            for op in ops:
-                self._run(op, copies)
-                if tracer.finding is not None:
-                    producer = op
-                    break
+        try:
+            copies, _requiring = _copies_of_what_came_from_outside(ops)
+            with torch.no_grad(), tracer:
+                for op in ops:
+                    self._run(op, copies)
+                    if tracer.finding is not None:
+                        producer = op
+                        break
+        except _Gone:
+            return None
         if tracer.finding is None or producer is None:
             return None
         return dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
@@ -184,25 +233,32 @@ class OutsideRecorder(TorchDispatchMode):
         ops = self._ops_to(loss) if loss is not None and loss.numel() == 1 else None
         if ops is None or loss is None:
             return None
-        copies, requiring = _copies_of_what_came_from_outside(ops)
         tracer = OpTracer(kinds=self.kinds)
-        with torch.enable_grad(), tracer:
-            for op in ops:
-                before = torch._C._autograd._get_sequence_nr()
-                self._run(op, copies)
-                if op.code is not None:
-                    for node in range(before, torch._C._autograd._get_sequence_nr()):
-                        # The node's forward line is the recorded op's (the tracer would see this replay's).
-                        tracer._sources[node] = (op.code, op.lineno, None)
-            replayed = copies[id(loss)]
-            if requiring and replayed.requires_grad:
-                torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed), allow_unused=True)
+        try:
+            copies, requiring = _copies_of_what_came_from_outside(ops)
+            with torch.enable_grad(), tracer:
+                for op in ops:
+                    before = torch._C._autograd._get_sequence_nr()
+                    self._run(op, copies)
+                    if op.code is not None:
+                        for node in range(before, torch._C._autograd._get_sequence_nr()):
+                            # The node's forward line is the recorded op's (the tracer would see this replay's).
+                            tracer._sources[node] = (op.code, op.lineno, None)
+                replayed = copies[id(loss)]
+                if requiring and replayed.requires_grad:
+                    torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
+                                        allow_unused=True)
+        except _Gone:
+            return None
         return tracer.finding
 
     def _ops_to(self, tensor: torch.Tensor) -> list[_Op] | None:
         """The recorded ops up to the one that returned ``tensor``; None when none did."""
         index = self._produced.get(id(tensor))
-        if index is None or not any(out is tensor for out in tree_leaves(self._ops[index].out)):
+        if index is None:
+            return None
+        outs = tree_leaves(self._ops[index].out)
+        if not any(out is tensor or (isinstance(out, _Weak) and out.ref() is tensor) for out in outs):
             return None
         return self._ops[: index + 1]
 
@@ -210,12 +266,14 @@ class OutsideRecorder(TorchDispatchMode):
     def _run(op: _Op, copies: dict[int, torch.Tensor]) -> None:
         """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
         def swap(value: Any) -> Any:
-            return copies.get(id(value), value) if isinstance(value, torch.Tensor) else value
+            key = _key(value)
+            return value if key is None else copies.get(key) if key in copies else _alive(value)
 
         out = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
         for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
-            if isinstance(old, torch.Tensor):
-                copies[id(old)] = new
+            key = _key(old)
+            if key is not None:
+                copies[key] = new
 
 
 def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
@@ -231,11 +289,13 @@ def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.T
     with torch.no_grad():
         for op in ops:
             for value in tree_leaves((op.args, op.kwargs)):
-                if isinstance(value, torch.Tensor) and id(value) not in made and id(value) not in copies:
-                    copy = copies[id(value)] = value.detach().clone()
-                    if value.requires_grad and copy.is_floating_point():
+                key = _key(value)
+                if key is not None and key not in made and key not in copies:
+                    original = _alive(value)
+                    copy = copies[key] = original.detach().clone()
+                    if original.requires_grad and copy.is_floating_point():
                         requiring.append(copy.requires_grad_())
-            made.update(id(t) for t in tree_leaves(op.out) if isinstance(t, torch.Tensor))
+            made.update(key for key in map(_key, tree_leaves(op.out)) if key is not None)
     return copies, requiring
 
 
