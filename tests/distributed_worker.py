@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -89,14 +90,28 @@ def run_all(rank: int, world: int, port: int, out: str) -> None:
     for scenario in SCENARIOS:
         train(rank, world, scenario, out)
     healthy(rank, out)
-    dist.destroy_process_group()
+    leave()
 
 
 def last_rank_fails(rank: int, world: int, port: int, out: str) -> None:
     """A forward fault on the last rank of a larger group (the 4-process test)."""
     init(rank, world, port)
     train(rank, world, "forward_last_rank", out)
-    dist.destroy_process_group()
+    leave()
+
+
+def leave() -> None:
+    """End this rank once every result is written, without tearing the process group down.
+
+    gloo's teardown after the failed steps' collectives now and then aborts the
+    process ("terminate called without an active exception", SIGABRT: about one
+    run in six), after the results are on disk; it is the harness's exit, not
+    what the tests check, so the ranks agree to stop and leave at once.
+    """
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train(rank: int, world: int, scenario: str, out: str) -> None:
