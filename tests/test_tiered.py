@@ -8,6 +8,7 @@ a NaN caused explained; the loss code's op named from its recorded ops.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import traceback
@@ -400,3 +401,109 @@ def test_during_backward_the_loss_code_is_held_weakly_and_a_freed_input_gives_up
     assert (report.phase, report.module) == ("backward", None)
     assert report.op is None  # the replay needed the freed output: no guess, the autograd node instead
     assert any("SqrtBackward0" in note for note in report.notes)
+
+
+def test_a_compiled_loss_function_still_compiles_under_the_watch() -> None:
+    import torch._dynamo as dynamo
+
+    graphs: list[object] = []
+
+    def counting(graph, inputs):  # type: ignore[no-untyped-def]
+        graphs.append(graph)
+        return dynamo.lookup_backend("aot_eager")(graph, inputs)
+
+    @torch.compile(backend=counting)
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return (out.tanh() * 2).pow(2).mean()
+
+    dynamo.reset()
+    model, opt = _net()
+    with nan_magic.watch(model, opt):
+        for x in _batches(3):
+            loss = loss_fn(model(x))  # recorded by the watch, yet compiled: the recorder yields to dynamo
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert len(graphs) == 1
+    dynamo.reset()
+
+
+def test_replaying_the_loss_code_draws_the_same_noise_and_leaves_the_random_stream_alone() -> None:
+    def run(watched: bool) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with nan_magic.watch(model, opt, on_detect="log") if watched else contextlib.nullcontext() as w:
+            for step in range(3):
+                out = model(torch.randn(8, 4))
+                noisy = out + 0.1 * torch.randn_like(out)
+                loss = torch.log(noisy.abs().mean() * (0.0 if step == 1 else 1.0))  # producer: noisy log
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        if watched:
+            assert w.report is not None and w.report.op == "aten.log.default"
+            assert w.report.source is not None and w.report.source.lineno == _marked("noisy log")
+        return losses, torch.rand(3)
+
+    assert str(run(True)) == str(run(False))  # the same draws after the replay as unwatched
+
+
+def test_an_inference_loop_does_not_keep_the_previous_iterations_values() -> None:
+    import gc
+    import weakref
+
+    model = nn.Linear(4, 6)
+    seen: list[weakref.ref[torch.Tensor]] = []
+    with torch.no_grad(), nan_magic.watch(model):
+        for _ in range(3):
+            logits = model(torch.randn(2, 4))
+            scores = logits.log_softmax(-1)
+            seen.append(weakref.ref(scores))
+            del logits, scores
+            gc.collect()
+        # every iteration's values are free once the next model call has judged its batch
+        assert [ref() for ref in seen[:-1]] == [None, None]
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.lin(z)
+        return h + torch.sqrt(h - h.detach())  # producer: generator sqrt
+
+
+def test_a_gan_generators_backward_producer_is_named_after_the_discriminators_step() -> None:
+    torch.manual_seed(0)
+    g, d = Generator(), nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.01), torch.optim.SGD(d.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(g, d, opt_g, opt_d):
+        fake = g(torch.randn(5, 3))
+        loss_d = d(fake.detach()).mean() - d(torch.randn(5, 4)).mean()
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        loss_g = -d(fake).mean()
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.reproduced) == (
+        "backward", "", "Generator", True), report.message
+    assert report.source is not None and report.source.lineno == _marked("generator sqrt")
+
+
+def test_a_nested_watch_leaves_the_outer_watchs_warning_filter_in_place() -> None:
+    import warnings
+
+    outer_model, inner_model = nn.Linear(2, 2), nn.Linear(2, 2)
+    with nan_magic.watch(outer_model):
+        before = list(warnings.filters)
+        with nan_magic.watch(inner_model, mode="full"):
+            pass
+        assert warnings.filters == before

@@ -154,6 +154,8 @@ class ForwardChecks:
         self.stack.append(Frame(module, info, call, rng))
         if top_level or info.is_root:
             self.record_data(info, module, args, "input")
+        if top_level and self.watch.outside is not None:
+            self.watch.outside.forget()  # the batch is judged: what the loop computed need not stay alive
 
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the

@@ -24,7 +24,7 @@ time the compiled code runs).
 
 from __future__ import annotations
 
-import contextlib
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -70,8 +70,11 @@ class GlobalModuleHooks:
         self._stack = stack
         self._on()
         stack.callback(self._off)
-        warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
-        added = warnings.filters[0]
+        # Inserted by hand: filterwarnings() would first remove an equal filter (an outer watch's, or
+        # the user's own), which our exit would then take away.
+        added = ("ignore", re.compile(_GLOBAL_HOOK_WARNING, re.I), UserWarning, None, 0)
+        warnings.filters.insert(0, added)  # type: ignore[attr-defined]
+        warnings._filters_mutated()  # type: ignore[attr-defined]
         stack.callback(_remove_filter, added)
 
     def step_aside_for(self, model: nn.Module) -> None:
@@ -110,6 +113,9 @@ class GlobalModuleHooks:
 
 
 def _remove_filter(added: Any) -> None:
-    with contextlib.suppress(ValueError):  # somebody reset the filters meanwhile
-        warnings.filters.remove(added)  # type: ignore[attr-defined]
+    """Remove this very filter (an equal one, another watch's, stays); gone already if the filters were reset."""
+    for index, entry in enumerate(warnings.filters):
+        if entry is added:
+            del warnings.filters[index]  # type: ignore[attr-defined]
+            break
     warnings._filters_mutated()  # type: ignore[attr-defined]

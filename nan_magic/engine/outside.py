@@ -38,11 +38,12 @@ waits, inert, until it is on top).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import linecache
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -52,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.engine.ops import OpFinding, OpTracer, user_frame
+from nan_magic.engine.replay import RngState, capture_rng_state, restore_rng_state
 from nan_magic.records import SourcePointer
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
@@ -110,6 +112,14 @@ def _alive(value: Any) -> torch.Tensor:
 class OutsideRecorder(TorchDispatchMode):
     """Records the ops of the code outside the watched models, switched on and off at their boundaries."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A ``torch.compile``d loss or step compiles as unwatched (its fused ops are not recorded).
+
+        Dynamo declines to compile while any other dispatch mode is active.
+        """
+        return True
+
     def __init__(self, kinds: frozenset[str]) -> None:
         super().__init__()
         self.kinds = kinds
@@ -118,6 +128,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._region = "loss"
         self._ops: list[_Op] = []
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
+        self._rng: RngState | None = None
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
 
@@ -126,6 +137,8 @@ class OutsideRecorder(TorchDispatchMode):
         self.forget()
         if region in self.untraced:
             return
+        # A replay restarts the region from here: the same dropout masks and random draws.
+        self._rng = capture_rng_state()
         self._region = region
         self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
@@ -208,7 +221,7 @@ class OutsideRecorder(TorchDispatchMode):
         producer: _Op | None = None
         try:
             copies, _requiring = _copies_of_what_came_from_outside(ops)
-            with torch.no_grad(), tracer:
+            with torch.no_grad(), self._generators_as_recorded(), tracer:
                 for op in ops:
                     self._run(op, copies)
                     if tracer.finding is not None:
@@ -236,7 +249,7 @@ class OutsideRecorder(TorchDispatchMode):
         tracer = OpTracer(kinds=self.kinds)
         try:
             copies, requiring = _copies_of_what_came_from_outside(ops)
-            with torch.enable_grad(), tracer:
+            with torch.enable_grad(), self._generators_as_recorded(), tracer:
                 for op in ops:
                     before = torch._C._autograd._get_sequence_nr()
                     self._run(op, copies)
@@ -251,6 +264,17 @@ class OutsideRecorder(TorchDispatchMode):
         except _Gone:
             return None
         return tracer.finding
+
+    @contextlib.contextmanager
+    def _generators_as_recorded(self) -> Iterator[None]:
+        """The generators as the region started (same random draws), and the user's put back afterwards."""
+        user = capture_rng_state()
+        try:
+            if self._rng is not None:
+                restore_rng_state(self._rng)
+            yield
+        finally:
+            restore_rng_state(user)
 
     def _ops_to(self, tensor: torch.Tensor) -> list[_Op] | None:
         """The recorded ops up to the one that returned ``tensor``; None when none did."""

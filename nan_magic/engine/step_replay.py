@@ -72,8 +72,9 @@ __all__ = ["Producer", "RootCall", "StepReplays", "replay_target"]
 #: The frame that ran a producing op, and where it was then: ``(frame, (f_lasti, f_lineno))`` (frames.py).
 Producer = tuple[FrameType | None, tuple[int, int] | None]
 
-#: Top-level calls kept for one step (a GAN's two models, a siamese model called twice, a few
-#: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed.
+#: Top-level calls kept at most (a GAN's two models, a siamese model called twice, a few
+#: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed. A call
+#: is released when an optimizer has stepped every trainable parameter of its model.
 MAX_CALLS = 8
 
 
@@ -140,6 +141,8 @@ class StepReplays:
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
         self._mutable: dict[int, set[int] | None] = {}
+        # Parameters that an optimizer stepped since the step began (release_stepped).
+        self._stepped: set[int] = set()
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
@@ -193,8 +196,33 @@ class StepReplays:
                 return
 
     def clear(self) -> None:
-        """The step is over (or settled): nothing of it can need a replay any more."""
+        """The watch ends: nothing can need a replay any more."""
         self.calls.clear()
+        self._stepped.clear()
+
+    def new_step(self, training: bool) -> None:
+        """A step begins: inference steps drop the last call; training keeps the calls not yet stepped."""
+        self._stepped.clear()
+        if not training:
+            self.calls.clear()
+
+    def release_stepped(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` stepped: drop the calls of models with nothing left to step this step.
+
+        A call is kept while its model has a trainable parameter that no
+        optimizer stepped since the step began: a GAN's generator call,
+        made before the discriminator's step, waits for its own optimizer
+        (its backward may still fail). A model without trainable parameters
+        (a frozen teacher) is dropped at the first step.
+        """
+        self._stepped.update(id(parameter) for group in opt.param_groups for parameter in group["params"])
+        stepped = self._stepped
+        waiting = [
+            root for root in self.calls
+            if any(p.requires_grad and id(p) not in stepped for p in root.module.parameters())
+        ]
+        if len(waiting) != len(self.calls):
+            self.calls = deque(waiting, maxlen=MAX_CALLS)
 
     def _latest(self, module: nn.Module) -> RootCall | None:
         for root in reversed(self.calls):

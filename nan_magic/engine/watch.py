@@ -476,7 +476,12 @@ class Watch:
         self._raise_agreed(agreed)
 
     def _on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.optimizers.on_step_post(opt, args, kwargs)
+        try:
+            self.optimizers.on_step_post(opt, args, kwargs)
+        finally:
+            if self.replays is not None and self.mine():
+                # Its models' calls can need no replay now, nor stay alive.
+                self.replays.release_stepped(opt)
         if self.outside is not None and self.mine():
             self.outside.start("data")  # the code until the next model call: data loading, within a budget
 
@@ -541,7 +546,9 @@ class Watch:
         if not self._step_open:
             self.log.clear()
             if self.replays is not None:
-                self.replays.clear()
+                # Training: a call waits for the optimizer of its model (a GAN's G across D's step),
+                # see _on_step_post. Inference: each forward is a step of its own.
+                self.replays.new_step(self.optimizer_in_use())
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
             every = self.config.full_every
@@ -581,10 +588,6 @@ class Watch:
         self.history.append(summary)
         self.warn(self.early.observe_step(summary))
         self._step_open = False
-        if self.replays is not None and self.optimizer_in_use():
-            # The optimizer stepped: nothing of this step can need a replay, nor stay alive after it.
-            # (Inference steps end with their forward; a backward may follow, read when it ends.)
-            self.replays.clear()
 
     def warn(self, early: list[EarlyWarning]) -> None:
         """Keep early warnings for the report; in ``warn`` mode also show them now."""
