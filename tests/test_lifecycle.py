@@ -105,7 +105,7 @@ def test_a_gradient_whose_tensor_already_had_a_user_hook_is_still_checked() -> N
     assert (report.phase, report.module, report.module_type) == ("backward", "2", "SqrtOfZero")
     assert seen == ["inside forward"]  # the user's hook ran first, as registered
     # The tiered watch replays the step, forward code included: a hook that forward registers runs
-    # again for the replay's gradient (documented in the README's limitations).
+    # again for the replay's gradient (documented in docs/guide.md, Limitations).
     seen.clear()
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(torch.ones(2, 3)).sum().backward()
