@@ -137,8 +137,6 @@ class OutsideRecorder(TorchDispatchMode):
         self.forget()
         if region in self.untraced:
             return
-        # A replay restarts the region from here: the same dropout masks and random draws.
-        self._rng = capture_rng_state()
         self._region = region
         self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
@@ -159,6 +157,7 @@ class OutsideRecorder(TorchDispatchMode):
         """Drop the records (and the references they hold)."""
         self._ops.clear()
         self._produced.clear()
+        self._rng = None
 
     def weaken(self) -> None:
         """``backward()`` starts, the loss judged: keep only weak references, for its backward.
@@ -189,6 +188,10 @@ class OutsideRecorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self._rng is None and self._budget > 0 and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            # The region's first random op: a replay draws the same numbers from this state (taken
+            # only where the region draws any, so the usual loss costs no copy of the generators).
+            self._rng = capture_rng_state()
         out = func(*args, **kwargs)
         if self._budget <= 0:
             if self._budget == 0:  # over budget: the region is not recorded again
@@ -267,7 +270,7 @@ class OutsideRecorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def _generators_as_recorded(self) -> Iterator[None]:
-        """The generators as the region started (same random draws), and the user's put back afterwards."""
+        """The generators as the region's first random op found them (the same draws); the user's put back."""
         user = capture_rng_state()
         try:
             if self._rng is not None:
