@@ -83,12 +83,17 @@ def describe(error: BaseException | None) -> dict[str, Any]:
 #: The runs every rank makes, in order, in one process group (one process start for all of them).
 SCENARIOS = ("forward_rank1", "backward_rank0", "data_rank1", "fsdp2_forward_rank1")
 
+#: Runs whose event is judged between two optimizer steps' agreements (between_points).
+BETWEEN_POINTS = ("accumulation_rank1", "immediate_rank1", "last_step_rank1", "inference_rank1", "ddp_inference_rank1")
+
 
 def run_all(rank: int, world: int, port: int, out: str) -> None:
     """Every faulty scenario, then the healthy comparison, in one process group."""
     init(rank, world, port)
     for scenario in SCENARIOS:
         train(rank, world, scenario, out)
+    for scenario in BETWEEN_POINTS:
+        between_points(rank, scenario, out)
     healthy(rank, out)
     leave()
 
@@ -98,6 +103,43 @@ def last_rank_fails(rank: int, world: int, port: int, out: str) -> None:
     init(rank, world, port)
     train(rank, world, "forward_last_rank", out)
     leave()
+
+
+def crash_after_event(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1's held event breaks ``torch.multinomial`` in its loop, and rank 1 exits.
+
+    Rank 0 is then inside DDP's gradient all-reduce, waiting for rank 1: gloo
+    fails it when rank 1's process ends, and rank 0 must name rank 1's event.
+    """
+    init(rank, world, port)
+    torch.manual_seed(0)
+    middle = LogLayer()
+    model = DistributedDataParallel(tiny_model(middle))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    error: BaseException | None = None
+    started = time.monotonic()
+    steps = 0
+    try:
+        with nan_magic.watch(model, opt):
+            for step in range(6):
+                if rank == 1 and step == FAULT_STEP:
+                    middle.offset = -100.0
+                opt.zero_grad()
+                out_ = model(torch.randn(2, 4))
+                torch.multinomial(out_.abs().reshape(1, -1), 1)  # raises on rank 1's NaN
+                out_.pow(2).mean().backward()
+                opt.step()
+                steps += 1
+    except Exception as caught:
+        error = caught
+    seen = describe(error)
+    seen.update(rank=rank, steps=steps, seconds=time.monotonic() - started)
+    seen["cause"] = type(error.__cause__).__name__ if error is not None and error.__cause__ is not None else None
+    with open(os.path.join(out, f"crash.rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(seen, handle)
+    # Rank 1's process ends (gloo closes its connections); rank 0 serves the store and leaves last.
+    time.sleep(1 if rank == 0 else 0)
+    os._exit(0)
 
 
 def leave() -> None:
@@ -148,13 +190,69 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
                 steps += 1
     except Exception as caught:  # the rank stays alive, as in a notebook
         error = caught
+    record(rank, scenario, out, error, steps, started)
+
+
+def record(rank: int, scenario: str, out: str, error: BaseException | None, steps: int, started: float) -> None:
+    """Write what stopped this rank, then meet the other ranks before the next scenario."""
     seen = describe(error)
     seen.update(rank=rank, steps=steps, seconds=time.monotonic() - started)
+    if error is not None and error.__cause__ is not None:
+        seen["cause"] = type(error.__cause__).__name__
     with open(os.path.join(out, f"{scenario}.rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(seen, handle)
     # Each rank stays alive after its error (as in a notebook): the next collective must not find
     # another rank still inside a collective of the failed step (that would hang, or abort gloo).
     dist.barrier()
+
+
+def between_points(rank: int, scenario: str, out: str) -> None:
+    """A fault on rank 1 judged between two optimizer steps' agreements; every rank must still stop.
+
+    ``accumulation_rank1``: two micro-batches a step (DDP's ``no_sync`` on the
+    first); the first micro-batch's forward fault is judged when the second
+    starts. ``immediate_rank1``: ``defer=False``, checks judged mid-forward.
+    ``last_step_rank1``: rank 1's last optimizer step makes its parameters
+    inf (an infinite learning rate there only), judged at the watch's exit.
+    ``inference_rank1``: each rank evaluates its own copy (no DDP, no
+    optimizer). ``ddp_inference_rank1``: a DDP model evaluated without an optimizer.
+    """
+    torch.manual_seed(0)
+    middle = LogLayer()
+    inner = tiny_model(middle)
+    inference = scenario.endswith("inference_rank1")
+    model: nn.Module = inner if scenario == "inference_rank1" else DistributedDataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    targets: tuple[Any, ...] = (model,) if inference else (model, opt)
+    generator = torch.Generator().manual_seed(3 + rank)
+    error: BaseException | None = None
+    started = time.monotonic()
+    steps = 0
+    last = 5
+    try:
+        with nan_magic.watch(*targets, defer=False if scenario == "immediate_rank1" else None):
+            for step in range(last + 1):
+                if rank == 1 and step == FAULT_STEP and scenario != "last_step_rank1":
+                    middle.offset = -100.0
+                if rank == 1 and step == last and scenario == "last_step_rank1":
+                    opt.param_groups[0]["lr"] = float("inf")
+                if inference:
+                    if rank == 0:
+                        time.sleep(0.2)  # its own work; no collective keeps the ranks in step
+                    with torch.no_grad():
+                        model(torch.randn(2, 4, generator=generator))
+                    steps += 1
+                    continue
+                opt.zero_grad()
+                if scenario == "accumulation_rank1":
+                    with model.no_sync():  # type: ignore[operator]
+                        model(torch.randn(2, 4, generator=generator)).pow(2).mean().backward()
+                model(torch.randn(2, 4, generator=generator)).pow(2).mean().backward()
+                opt.step()
+                steps += 1
+    except Exception as caught:
+        error = caught
+    record(rank, scenario, out, error, steps, started)
 
 
 def healthy(rank: int, out: str) -> None:

@@ -268,3 +268,26 @@ def test_an_autocast_overflow_is_replayed_under_the_same_autocast() -> None:
     assert (report.module, report.module_type, report.op) == ("1", "Gram", "aten.mm.default")
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("gram"))
     assert report.posinf > 0 and report.dtype == "float16"
+
+
+def test_an_exception_after_an_unjudged_non_finite_value_is_explained_by_it() -> None:
+    # The deferred check would judge the step at the optimizer step; torch.multinomial on the
+    # NaN probabilities raises first. The watch names the producer, from multinomial's error.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), faults.LogLayer(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = -10 * torch.ones(2, 8)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=True):
+        torch.multinomial(model(x).softmax(-1), 1)
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.op) == (
+        "forward", "1", "LogLayer", "aten.log.default")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert "probability tensor contains" in str(caught.value.__cause__)
+
+
+def test_an_exception_with_nothing_non_finite_before_it_leaves_the_watch_unchanged() -> None:
+    model = nn.Linear(4, 2)
+    with pytest.raises(KeyError, match="batch"), nan_magic.watch(model, defer=True):
+        model(torch.ones(1, 4))
+        raise KeyError("batch")

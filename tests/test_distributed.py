@@ -62,7 +62,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, 
     spawn(worker.run_all, 2, out)
     return {
         scenario: [json.loads((out / f"{scenario}.rank{rank}.json").read_text()) for rank in range(2)]
-        for scenario in (*worker.SCENARIOS, "healthy")
+        for scenario in (*worker.SCENARIOS, *worker.BETWEEN_POINTS, "healthy")
     }
 
 
@@ -111,6 +111,73 @@ def test_nan_batch_on_rank_1_is_data_there_and_named_on_rank_0(ranks):
     assert rank0["error"] == "PeerNonFiniteError"
     assert rank0["message"] == "rank 1 found a non-finite value at step 3: data, Sequential (root)"
     assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+
+
+LOG_AT_FAULT_STEP = (
+    f"rank 1 found a non-finite value at step {worker.FAULT_STEP}: forward, 1 (LogLayer), aten.log.default"
+)
+
+
+@pytest.mark.parametrize("scenario", ["accumulation_rank1", "immediate_rank1"])
+def test_an_event_judged_between_optimizer_steps_waits_for_the_next_one_and_every_rank_stops_there(ranks, scenario):
+    # accumulation: judged when the next micro-batch starts; immediate (defer=False): judged mid-forward.
+    # Either way rank 1 goes on to the optimizer step, where both ranks stop before it is taken.
+    rank0, rank1 = ranks[scenario]
+    assert rank1["error"] == "NonFiniteError"
+    assert (rank1["report"]["phase"], rank1["report"]["module"], rank1["report"]["op"]) == (
+        "forward", "1", "aten.log.default")
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == LOG_AT_FAULT_STEP
+    for seen in (rank0, rank1):
+        assert seen["steps"] == worker.FAULT_STEP
+        assert seen["seconds"] < 20
+
+
+def test_the_last_steps_parameters_judged_at_the_exit_stop_every_rank_there(ranks):
+    rank0, rank1 = ranks["last_step_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert (rank1["report"]["phase"], rank1["report"]["step"]) == ("optimizer", 5)
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"].startswith("rank 1 found a non-finite value at step 5: optimizer")
+    # Rank 0's own parameters are finite: only rank 1's learning rate was infinite.
+    assert rank0["local_tensor"] is None
+    for seen in (rank0, rank1):
+        assert seen["steps"] == 6  # the loop ended; the exit judged the last step
+        assert seen["seconds"] < 20
+
+
+def test_inference_on_each_rank_stops_the_other_ranks_through_the_stop_channel(ranks):
+    rank0, rank1 = ranks["inference_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank1["steps"] == worker.FAULT_STEP
+    # No optimizer step lets the ranks meet: rank 0 reads the stop channel after each of its steps.
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == LOG_AT_FAULT_STEP
+    assert rank0["steps"] < 6
+    assert rank0["report"]["notes"][-1] == "rank 0 saw no non-finite value of its own at this step"
+
+
+def test_a_ddp_model_evaluated_without_an_optimizer_stops_every_rank_at_the_watchs_exit(ranks):
+    rank0, rank1 = ranks["ddp_inference_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == LOG_AT_FAULT_STEP
+    assert rank0["steps"] == rank1["steps"] == 6
+
+
+def test_a_rank_that_stops_alone_and_exits_is_named_by_the_others(tmp_path):
+    # Rank 1 held its forward event for the optimizer step, but its loop's torch.multinomial broke on
+    # the NaN first: it raises its event from that error, posts it, and exits. Rank 0, waiting in
+    # DDP's all-reduce, gets gloo's error and names rank 1's event from it.
+    spawn(worker.crash_after_event, 2, tmp_path)
+    rank0, rank1 = (json.loads((tmp_path / f"crash.rank{rank}.json").read_text()) for rank in range(2))
+    assert (rank1["error"], rank1["cause"]) == ("NonFiniteError", "RuntimeError")
+    assert rank1["message"].startswith("first non-finite value in forward step 3: 1 (LogLayer), op aten.log.default")
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == LOG_AT_FAULT_STEP
+    assert rank0["cause"] in ("DistBackendError", "RuntimeError")
+    assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+    assert rank0["seconds"] < 20
 
 
 def test_healthy_ddp_run_is_bit_identical_to_the_unwatched_run(ranks):

@@ -1,62 +1,25 @@
-"""Many processes: which rank a report comes from, and every rank stopping at one rank's event.
+"""Many processes: which rank a report comes from, and the user's names of a wrapped model.
 
-Under ``torch.distributed`` (DDP, FSDP, ``torchrun``) each rank runs its own
-watch. A rank that raises alone leaves the others waiting in a collective.
-What gloo does then (measured on torch 2.13, CPU, see the test file
-``tests/test_distributed.py``):
-
-* the failing rank raises and its process exits: the others get
-  "Connection closed by peer" from their pending collective within about
-  two seconds; no hang, but an error that names nothing;
-* the failing rank raises and stays alive (``try/except``, a notebook): the
-  others wait in DDP's gradient all-reduce until the process-group timeout;
-* the failing rank issues a one-element all-reduce while the others are in
-  DDP's bucket all-reduce: gloo aborts the process (``gloo::EnforceNotMet``,
-  SIGABRT). An agreement collective may therefore only be issued at a point
-  where no rank has a DDP collective pending.
-
-So the agreement happens at the optimizer step's pre-hook, which every rank
-reaches after backward (DDP's all-reduce is complete) and before the step.
-Under a process group the watch defers its checks (``defer=True``, see
-:func:`launched`): every event of a step, data, forward, loss and backward,
-is judged at that hook, in the one host read it already makes. There each
-rank takes part in exactly one all-reduce (MAX) of a one-element integer
-that encodes which rank found the most telling event (see :meth:`Agreement.settle`).
-A rank that found one first puts its pickled report in the process group's
-store, so the others can name it. Where no process group exists, the cost is
-one ``is_initialized()`` call per optimizer step.
-
-Covered: a real event of any phase judged at a step's check, in ``raise``
-mode, in a loop where every rank of the default group calls
-``optimizer.step()``, whether the failing rank then exits or stays alive.
-Not covered (the failing rank raises alone; its peers get gloo's "Connection
-closed by peer" if it exits, or wait until the timeout if it stays alive): an
-event judged outside a step's check (a backward without a step: gradient
-accumulation, a GradScaler's skipped step, inference; the last step's
-parameter check at the watch's exit), ``defer=False`` given explicitly
-(checks raise mid-forward), and any other exception on one rank.
+Under ``torch.distributed`` each rank runs its own watch. This module says
+which rank that is, names modules and parameters as the user does (without
+the parts DDP, FSDP, checkpointing and ``torch.compile`` add), and gives
+output files a per-rank suffix. How the ranks stop together: agreement.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from nan_magic.engine.errors import NonFiniteError, PeerNonFiniteError
-from nan_magic.records import Phase, Report
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.engine.findings import Finding
+from nan_magic.records import Report
 
 __all__ = [
-    "Agreement", "data_parallel_paths", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
+    "data_parallel_paths", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
     "process_group", "stamp", "user_name", "user_type",
 ]
 
@@ -73,11 +36,6 @@ except ImportError:  # pragma: no cover - a torch without FSDP2
 
 _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
-#: How telling a rank's event is: a producer on that rank beats a non-finite
-#: parameter gradient seen at the step, which may have arrived through DDP's all-reduce.
-_PRODUCED, _ARRIVED = 2, 1
-
-_KEY = "nan_magic/event/{round}/{rank}"
 _LEAVING = "nan_magic/leaving"
 
 
@@ -189,78 +147,3 @@ def leave_together(timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while store.add(_LEAVING, 0) < group[1] and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-class Agreement:
-    """One watch's part in the per-step agreement (see the module docstring).
-
-    :meth:`open` marks the optimizer step's pre-hook (the agreement point);
-    :meth:`settle` takes part in its one collective, once.
-    """
-
-    def __init__(self) -> None:
-        self._open = False
-        # Every rank takes part in the same collectives in the same order, so
-        # this count names the same round on every rank (store keys).
-        self._round = 0
-
-    def open(self) -> None:
-        group = process_group()
-        self._open = group is not None and group[1] > 1
-
-    def close(self) -> None:
-        self._open = False
-
-    def settle(self, own: NonFiniteError | None, finding: Finding | None = None) -> NonFiniteError | None:
-        """The error this rank raises: its own, a peer's (:class:`PeerNonFiniteError`), or None.
-
-        Outside the agreement point (or outside a process group) ``own`` is
-        returned unchanged: a collective issued where a peer may be inside
-        DDP's all-reduce would abort both processes.
-        """
-        if not self._open:
-            return own
-        self._open = False
-        rank, world = process_group() or (0, 1)
-        round_, self._round = self._round, self._round + 1
-        store = dist.distributed_c10d._get_default_store()
-        flag = 0
-        if own is not None:
-            # Put the report where the others can read it before they learn there is one to read.
-            store.set(_KEY.format(round=round_, rank=rank), pickle.dumps(own.report))  # type: ignore[arg-type] # the store keeps bytes
-            arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
-            flag = (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)
-        agreed = torch.tensor([flag], dtype=torch.int64, device=_flag_device())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        value = int(agreed.item())
-        if value == 0:
-            return None
-        first = world - 1 - value % world
-        error = own
-        if first != rank:
-            report: Report = pickle.loads(store.get(_KEY.format(round=round_, rank=first)))
-            error = PeerNonFiniteError(_as_seen_here(report, own, rank), local_report=own.report if own else None)
-        # Only when stopping: wait until every rank has read the report, so that the rank
-        # that serves the store (rank 0 under torchrun) does not exit before the others have it.
-        dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=agreed.device))
-        return error
-
-
-def _flag_device() -> torch.device:
-    """Where the flag must live for the default group's backend: NCCL alone reduces only CUDA tensors."""
-    backend = str(dist.get_backend())
-    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _as_seen_here(report: Report, own: NonFiniteError | None, rank: int) -> Report:
-    """The producing rank's report, with a note of how the event reached this rank."""
-    if own is not None and own.report.phase == Phase.BACKWARD:
-        note = (f"rank {rank} received it through the gradient all-reduce (or FSDP's reduce-scatter) "
-                f"(its own first non-finite value: {own.report.tensor})")
-    elif own is not None:
-        note = f"rank {rank} also saw a non-finite value: {own.report.message}"
-    else:
-        note = f"rank {rank} saw no non-finite value of its own at this step"
-    return dataclasses.replace(report, notes=(*report.notes, note))

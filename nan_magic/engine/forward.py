@@ -215,6 +215,7 @@ class ForwardChecks:
                 # Inference (no optimizer seen): a top-level forward is a step.
                 self.watch.sync()
                 self.watch.end_step(self.watch.step)
+                self.watch.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None:
                 self.watch.outside.start("loss")
 

@@ -45,9 +45,9 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch, scaler_patch
+from nan_magic.engine.agreement import Agreement
 from nan_magic.engine.calls import StepLog
 from nan_magic.engine.distributed import (
-    Agreement,
     data_parallel_paths,
     launched,
     per_rank_path,
@@ -55,7 +55,7 @@ from nan_magic.engine.distributed import (
     user_name,
 )
 from nan_magic.engine.early import EarlyWarnings
-from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
+from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.forward import ForwardChecks, running_arguments
 from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
@@ -190,6 +190,7 @@ class Watch:
     ) -> Literal[False]:
         if self.outside is not None:
             self.outside.stop()
+        self._leaving = exc is not None  # an event found now raises at once, from ``exc``
         explained = self._raise_explained(exc)
         try:
             if exc is None:
@@ -199,6 +200,9 @@ class Watch:
                     self.optimizers.on_step_boundary()
                 if self.gradients.backward_runs:
                     self._check_unstepped_gradients()
+                self._raise_agreed(self.agreement.leave(self._lockstep()))
+            elif explained is None and isinstance(exc, Exception) and not isinstance(exc, NonFiniteError):
+                explained = self._judge_pending() or self._agreed(self.agreement.left_by(exc))
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -322,7 +326,8 @@ class Watch:
         self._explained: tuple[Finding, Report, Producer, BaseException] | None = None
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
-        self.agreement = Agreement()
+        self.agreement: Agreement = Agreement()
+        self._leaving = False
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU, and under a process group.
@@ -423,6 +428,22 @@ class Watch:
         self.gradients.backward_runs = 0
         self._step_open = False
 
+    def _lockstep(self) -> bool:
+        """Whether this watch's ranks step together: it has an optimizer, or a DDP or FSDP model (agreement.py).
+
+        Then every rank reaches the next optimizer step, or the watch's exit,
+        and an event found on one rank waits there for the others.
+        """
+        return self.replay_of is None and (
+            self.optimizer_in_use() or self._sharded()
+            or any(data_parallel_paths(root) for _label, root in self.targets.roots)
+        )
+
+    def check_peers(self) -> None:
+        """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
+        if self.agreement.several and not self._raised and self.config.on_detect == "raise":
+            self._raise_agreed(self.agreement.peer_stop())
+
     def _sharded(self) -> bool:
         """Whether a watched model is sharded by FSDP: its calls cannot be replayed on one rank alone.
 
@@ -485,17 +506,23 @@ class Watch:
         if self.outside is not None and self.mine():
             self.outside.start("data")  # the code until the next model call: data loading, within a budget
 
-    def _raise_agreed(self, error: NonFiniteError | None, own: NonFiniteError | None = None) -> None:
-        """Raise what the ranks agreed on: ``own``, another rank's event, or nothing."""
+    def _raise_agreed(self, error: NonFiniteError | None) -> None:
+        """Raise what the ranks agreed on: this rank's event, another rank's, or nothing."""
+        agreed = self._agreed(error)
+        if agreed is not None:
+            raise agreed
+
+    def _agreed(self, error: NonFiniteError | None) -> NonFiniteError | None:
+        """Note ``error`` as what this watch raises; another rank's report becomes this watch's report."""
         if error is None:
-            return
-        if error is not own:
+            return None
+        if isinstance(error, PeerNonFiniteError):
             self.report = error.report
             if len(self.events) < self.config.max_events:
                 self.events.append(error.report)
         self._raised = True
         self.raised = error
-        raise error
+        return error
 
     def on_forward_failed(self, module: nn.Module, call: Any) -> None:
         """A top-level forward raised: when a replay finds a non-finite value came first, report it.
@@ -517,6 +544,21 @@ class Watch:
             self._explained = (finding, report, producer, error)
         else:
             self.emit(finding, replayed=(report, producer))
+
+    def _judge_pending(self) -> NonFiniteError | None:
+        """An exception is leaving the watch: a non-finite value made before it and not judged yet comes first.
+
+        The deferred mode judges a step's values at the optimizer step; an
+        exception that stops the step before (``torch.multinomial`` on NaN
+        probabilities in the loop) is then raised ``from`` by the event.
+        """
+        if not self.defer or self._raised:
+            return None
+        try:
+            self.sync()
+        except NonFiniteError as error:
+            return error
+        return None
 
     def _raise_explained(self, exc: BaseException | None) -> NonFiniteError | None:
         """The NonFiniteError of a forward that raised after a non-finite value (on_forward_failed), for ``exc``."""
@@ -627,6 +669,8 @@ class Watch:
         localized by a replay of its step (step_replay.py); ``replayed`` is
         a replay's report and producer (frame, position) already made.
         """
+        if self.agreement.holding:
+            return  # this rank's first event waits for the next agreement point (agreement.py)
         tracer = self.forward.tracer
         if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
             return  # the op tracer already reported this step's producer, at its op
@@ -665,7 +709,11 @@ class Watch:
             return
         if self.config.on_detect == "raise":
             own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position)
-            self._raise_agreed(self.agreement.settle(own, finding), own)
+            if not self._leaving and self.agreement.hold(own, finding, self._lockstep()):
+                # Between agreement points: this rank checks nothing more and stops with the others at the next.
+                self._raised = True
+                return
+            self._raise_agreed(self.agreement.settle(own, finding))
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=2)
 

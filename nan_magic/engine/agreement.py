@@ -1,0 +1,322 @@
+"""Many processes: every rank stops at one rank's event, and names the rank that found it.
+
+Under ``torch.distributed`` (DDP, FSDP, ``torchrun``) each rank runs its own
+watch. A rank that raises alone leaves the others waiting in a collective.
+What gloo does then (measured on torch 2.13, CPU, see the test file
+``tests/test_distributed.py``):
+
+* the failing rank raises and its process exits: the others get
+  "Connection closed by peer" from their pending collective within about
+  two seconds; no hang, but an error that names nothing;
+* the failing rank raises and stays alive (``try/except``, a notebook): the
+  others wait in DDP's gradient all-reduce until the process-group timeout.
+  ``ProcessGroup.abort()`` does not help: on gloo it closes no connection
+  (measured: the peers still wait, until the failing process exits);
+* the failing rank issues a one-element all-reduce while the others are in
+  DDP's bucket all-reduce: gloo aborts the process (``gloo::EnforceNotMet``,
+  SIGABRT). An agreement collective may therefore only be issued at a point
+  every rank reaches with no DDP collective pending.
+
+So the ranks agree at **agreement points**, and a rank never raises alone
+between them:
+
+* **The optimizer step's pre-hook**, which every rank reaches after backward
+  (DDP's all-reduce is complete) and before the step. Under a process group
+  the watch defers its checks (``defer=True``): every event of a step, data,
+  forward, loss and backward, is judged there, in the one host read it
+  already makes. Each rank takes part in exactly one all-reduce (MAX) of a
+  one-element integer that encodes which rank found the most telling event
+  (:meth:`Agreement.settle`). A rank that found one first puts its pickled
+  report in the process group's store, so the others can name it.
+* **The watch's exit**, through the store rather than a collective (a rank
+  that stopped elsewhere must cost the others a bounded wait, not a hang):
+  each rank posts what it found and waits for the others' posts
+  (:meth:`Agreement.leave`). Only a watch in *lockstep* does this:
+  one that has an optimizer or a DDP/FSDP model, whose ranks step together.
+
+An event judged between agreement points in a lockstep watch (``defer=False``
+checks mid-forward, a backward without a step: gradient accumulation or a
+GradScaler's skipped step, the last step's parameters at the exit) is
+**held** (:meth:`Agreement.hold`): the rank goes on, checks nothing more, and
+raises with the others at the next point, at most one step later. The
+optimizer step that would apply the non-finite values is never taken.
+
+A rank that must raise alone (an inference watch, which has no point where
+all ranks meet; an exception out of the watch while an event is held) posts
+its report through the store's **stop channel** (:meth:`Agreement.post`):
+
+* an inference watch reads the channel after each step (one store round
+  trip, about 50 µs on one host; only under a process group and only where
+  no optimizer steps), so the other ranks stop at their next step;
+* a rank whose collective fails because the failing rank exited ("Connection
+  closed by peer") or timed out reads it as its watch is left, and raises
+  the failing rank's error ``from`` the collective's.
+
+Not covered: a failing rank that stays alive after an exception it did not
+hold off (its peers then wait in their collective until the process group's
+timeout, as without a watch); a failing rank 0 that serves the store itself
+(``init_method="tcp://"``, not ``torchrun``, whose agent serves it) and
+exits: the others then get gloo's error alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import pickle
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from nan_magic.engine.distributed import process_group
+from nan_magic.engine.errors import NonFiniteError, PeerNonFiniteError
+from nan_magic.records import Phase, Report
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.engine.findings import Finding
+
+__all__ = ["EXIT_WAIT_S", "Agreement"]
+
+#: How telling a rank's event is: a producer on that rank beats a non-finite
+#: parameter gradient seen at the step, which may have arrived through DDP's all-reduce.
+_PRODUCED, _ARRIVED = 2, 1
+
+_EVENT_KEY = "nan_magic/event/{round}/{rank}"
+_STOPS = "nan_magic/stops"
+_STOP_KEY = "nan_magic/stop/{count}"
+
+#: How long a rank waits at the watch's exit for the others to reach theirs.
+EXIT_WAIT_S = 30.0
+
+# Exit rounds taken by this process. Every rank leaves its lockstep watches in the
+# same order, so this count names the same round on every rank (store keys).
+_EXIT_ROUNDS = itertools.count()
+
+
+class Agreement:
+    """One watch's part in stopping every rank together (see the module docstring).
+
+    :meth:`open` marks the optimizer step's pre-hook (the agreement point);
+    :meth:`settle` takes part in its one collective, once. :meth:`hold`
+    keeps an event judged elsewhere for the next point; :meth:`leave` and
+    :meth:`left_by` settle at the watch's exit; :meth:`post` and
+    :meth:`peer_stop` are the stop channel.
+    """
+
+    def __init__(self) -> None:
+        self._open = False
+        # Every rank takes part in the same collectives in the same order, so
+        # this count names the same round on every rank (store keys).
+        self._round = 0
+        self._held: tuple[NonFiniteError, Finding | None] | None = None
+        # The stop channel's count when the watch began (or the process group did, when the
+        # watched script starts it: ``python -m nan_magic run``): only later posts are this run's.
+        self._stops_seen: int | None = None
+        self._baseline()
+
+    @property
+    def _group(self) -> tuple[int, int] | None:
+        return process_group()
+
+    @property
+    def several(self) -> bool:
+        """Whether this watch runs as one rank of several (asked each time: the process group may start late)."""
+        group = process_group()
+        return group is not None and group[1] > 1
+
+    def _baseline(self) -> None:
+        if self._stops_seen is None and self.several:
+            self._stops_seen = _store().add(_STOPS, 0)
+
+    @property
+    def holding(self) -> bool:
+        """Whether an event waits for the next agreement point (no later event counts)."""
+        return self._held is not None
+
+    def open(self) -> None:
+        self._open = self.several
+        self._baseline()
+
+    def close(self) -> None:
+        self._open = False
+
+    def hold(self, own: NonFiniteError, finding: Finding | None, lockstep: bool) -> bool:
+        """Keep ``own`` for the next agreement point instead of raising it now; True when kept.
+
+        Only between points of a watch in ``lockstep`` (every rank steps
+        together, so every rank reaches the next point): elsewhere the rank
+        raises at once and posts its report (:meth:`post`).
+        """
+        if self._open or not self.several or not lockstep:
+            return False
+        if self._held is None:
+            self._held = (own, finding)
+        return True
+
+    def settle(self, own: NonFiniteError | None, finding: Finding | None = None) -> NonFiniteError | None:
+        """The error this rank raises: its own (or the one it held), a peer's (:class:`PeerNonFiniteError`), or None.
+
+        Outside the agreement point (or outside a process group) ``own`` is
+        returned unchanged, and posted (:meth:`post`): a collective issued
+        where a peer may be inside DDP's all-reduce would abort both processes.
+        """
+        if not self._open:
+            if own is not None:
+                self.post(own)  # this rank raises alone: the others learn of it through the stop channel
+            return own
+        self._open = False
+        if self._held is not None:
+            (own, finding), self._held = self._held, None
+        rank, world = self._group or (0, 1)
+        round_, self._round = self._round, self._round + 1
+        store = _store()
+        flag = 0
+        if own is not None:
+            # Put the report where the others can read it before they learn there is one to read.
+            store.set(_EVENT_KEY.format(round=round_, rank=rank), pickle.dumps(own.report))
+            flag = _flag(own, finding, rank, world)
+        agreed = torch.tensor([flag], dtype=torch.int64, device=_flag_device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        value = int(agreed.item())
+        if value == 0:
+            return None
+        first = world - 1 - value % world
+        error = own
+        if first != rank:
+            report: Report = pickle.loads(store.get(_EVENT_KEY.format(round=round_, rank=first)))
+            error = _peer_error(report, own, rank)
+        # Only when stopping: wait until every rank has read the report, so that the rank
+        # that serves the store (rank 0 under torchrun) does not exit before the others have it.
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=agreed.device))
+        return error
+
+    def leave(self, lockstep: bool) -> NonFiniteError | None:
+        """The error this rank raises as its watch is left normally: held, agreed at the exit, or posted by a peer.
+
+        A lockstep watch meets the other ranks' exits through the store
+        (:meth:`_exit_round`); an inference watch reads the stop channel.
+        """
+        own, finding = self._held or (None, None)
+        self._held = None
+        if not self.several:
+            return own
+        if lockstep:
+            return self._exit_round(own, finding)
+        return own or self.peer_stop()
+
+    def left_by(self, exception: BaseException) -> NonFiniteError | None:
+        """What this rank raises, ``from exception``, as an exception leaves its watch; None: the exception itself.
+
+        A held event is this rank's cause (a value it held went on to break
+        an op): it is posted, since this rank now stops alone. Otherwise the
+        exception may be a collective failing because another rank stopped
+        (gloo's "Connection closed by peer", a timeout): its posted error
+        names it.
+        """
+        own = self._held[0] if self._held is not None else None
+        self._held = None
+        if own is not None:
+            self.post(own)
+            return own
+        return self.peer_stop()
+
+    def post(self, own: NonFiniteError) -> None:
+        """Put ``own``'s report in the stop channel: this rank raises without the others meeting it."""
+        if not self.several:
+            return
+        store = _store()
+        count = store.add(_STOPS, 1)
+        store.set(_STOP_KEY.format(count=count), pickle.dumps(own.report))
+        self._stops_seen = count
+
+    def peer_stop(self) -> PeerNonFiniteError | None:
+        """Another rank's error posted in the stop channel since this watch began, or None (one store round trip)."""
+        if not self.several:
+            return None
+        try:
+            store = _store()
+            count = store.add(_STOPS, 0)
+            if self._stops_seen is None:
+                self._stops_seen = count  # the first look since the process group started
+            if count <= self._stops_seen:
+                return None
+            report: Report = pickle.loads(store.get(_STOP_KEY.format(count=self._stops_seen + 1)))
+        except RuntimeError:  # the store went with the rank that served it: nothing to name
+            return None
+        self._stops_seen = count
+        return _peer_error(report, None, (self._group or (0, 1))[0])
+
+    def _exit_round(self, own: NonFiniteError | None, finding: Finding | None) -> NonFiniteError | None:
+        """Every rank's exit posts what it holds; the most telling event is raised on every rank.
+
+        Through the store, with a bounded wait: a rank that stopped elsewhere
+        costs the others :data:`EXIT_WAIT_S`, not a hang. A rank with an event
+        appends its flag to one key; a second arrival, only then, keeps the
+        rank that serves the store (rank 0 without torchrun) alive until
+        every rank has read the report.
+        """
+        rank, world = self._group or (0, 1)
+        prefix = f"nan_magic/exit/{next(_EXIT_ROUNDS)}"
+        try:
+            store = _store()
+            if own is not None:
+                store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
+                store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")
+            if not _arrive(store, f"{prefix}/arrived", world) or not store.check([f"{prefix}/flags"]):
+                return own
+            flags = [int(flag) for flag in store.get(f"{prefix}/flags").decode().split(",") if flag]
+            first = world - 1 - max(flags) % world
+            error = own
+            if first != rank:
+                error = _peer_error(pickle.loads(store.get(f"{prefix}/report/{first}")), own, rank)
+            _arrive(store, f"{prefix}/read", world)
+            return error
+        except RuntimeError:  # the store went with the rank that served it
+            return own
+
+
+def _arrive(store: Any, key: str, world: int) -> bool:
+    """Count this rank in at ``key`` and wait, at most :data:`EXIT_WAIT_S`, for all ``world``; True when all came."""
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", b"1")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=EXIT_WAIT_S))
+    except RuntimeError:  # a rank stopped elsewhere: go on with the posts that came
+        return False
+    return True
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _flag(own: NonFiniteError, finding: Finding | None, rank: int, world: int) -> int:
+    """The one integer a rank's event is reduced as: how telling it is, then the lowest rank first."""
+    arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
+    return (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)
+
+
+def _flag_device() -> torch.device:
+    """Where the flag must live for the default group's backend: NCCL alone reduces only CUDA tensors."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _peer_error(report: Report, own: NonFiniteError | None, rank: int) -> PeerNonFiniteError:
+    return PeerNonFiniteError(_as_seen_here(report, own, rank), local_report=own.report if own else None)
+
+
+def _as_seen_here(report: Report, own: NonFiniteError | None, rank: int) -> Report:
+    """The producing rank's report, with a note of how the event reached this rank."""
+    if own is not None and own.report.phase == Phase.BACKWARD:
+        note = (f"rank {rank} received it through the gradient all-reduce (or FSDP's reduce-scatter) "
+                f"(its own first non-finite value: {own.report.tensor})")
+    elif own is not None:
+        note = f"rank {rank} also saw a non-finite value: {own.report.message}"
+    else:
+        note = f"rank {rank} saw no non-finite value of its own at this step"
+    return dataclasses.replace(report, notes=(*report.notes, note))
