@@ -9,6 +9,7 @@ here are spawned, so that ``torch.multiprocessing`` can import them.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -77,11 +78,15 @@ def describe(error: BaseException | None) -> dict[str, Any]:
         seen["json_rank"] = json.loads(report.to_json())["rank"]
     local = getattr(error, "local_report", None)
     seen["local_tensor"] = local.tensor if local is not None else None
+    seen["local_module"] = [local.module, local.module_type] if local is not None else None
     return seen
 
 
 #: The runs every rank makes, in order, in one process group (one process start for all of them).
-SCENARIOS = ("forward_rank1", "backward_rank0", "data_rank1", "fsdp2_forward_rank1")
+SCENARIOS = (
+    "forward_rank1", "backward_rank0", "data_rank1", "fsdp2_forward_rank1", "fsdp1_forward_rank1",
+    "fsdp1_flat_forward_rank1",
+)
 
 #: Runs whose event is judged between two optimizer steps' agreements (between_points).
 BETWEEN_POINTS = ("accumulation_rank1", "immediate_rank1", "last_step_rank1", "inference_rank1", "ddp_inference_rank1")
@@ -163,6 +168,13 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
     if scenario.startswith("fsdp2"):
         # FSDP2 on CPU/gloo: the middle block is sharded on its own, inside the sharded root.
         model = fully_shard(tiny_model(fully_shard(middle)))
+    elif scenario.startswith("fsdp1"):
+        # FSDP1 on CPU/gloo needs device_id=cpu (without it: "FSDP needs a non-CPU accelerator device").
+        # The middle block is wrapped on its own, inside the wrapped root; "flat": use_orig_params=False,
+        # the optimizer then steps FlatParameters, each holding several of the user's parameters.
+        fsdp1 = functools.partial(
+            FullyShardedDataParallel, device_id=torch.device("cpu"), use_orig_params="flat" not in scenario)
+        model = fsdp1(tiny_model(fsdp1(middle)))
     else:
         model = DistributedDataParallel(tiny_model(middle))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -177,7 +189,8 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
     steps = 0
     try:
         # FSDP2: a replay would run a sharded module again on one rank alone (see test_distributed.py).
-        with nan_magic.watch(model, opt):
+        # FSDP1 with use_orig_params=True is watched with op-level tracing (ops=True): it names the op, replay or not.
+        with nan_magic.watch(model, opt, ops=scenario == "fsdp1_forward_rank1"):
             for step, (x,) in enumerate(loader):
                 failing = world - 1 if scenario == "forward_last_rank" else 1
                 if step == FAULT_STEP and scenario.endswith(("forward_rank1", "forward_last_rank")) and rank == failing:

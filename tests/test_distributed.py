@@ -84,6 +84,7 @@ def test_forward_fault_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(ranks)
         assert seen["json_rank"] == 1
     # Rank 0's own gradients went NaN only through DDP's all-reduce; its report says so.
     assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert rank0["local_module"] == ["0", "Linear"]  # found by the user's name, which DDP's module tree lacks
     assert "rank 0 received it through the gradient all-reduce" in rank0["report"]["notes"][-1]
 
 
@@ -296,7 +297,72 @@ def test_fsdp2_forward_fault_on_rank_1_is_named_with_the_users_class(ranks):
     assert rank0["local_tensor"] == "gradient of 0.weight"
 
 
+def test_fsdp1_forward_fault_on_rank_1_is_named_by_the_users_names(ranks):
+    # FSDP1 (FullyShardedDataParallel, device_id=cpu on gloo), the middle block wrapped on its own, watched
+    # with ops=True: the op is named without a replay (which FSDP's sharded forward rules out).
+    rank0, rank1 = ranks["fsdp1_forward_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer), aten.log.default"
+    for seen in (rank0, rank1):
+        assert seen["steps"] == worker.FAULT_STEP
+        assert seen["seconds"] < 20
+        report = seen["report"]
+        # "1", not "_fsdp_wrapped_module.1._fsdp_wrapped_module"; LogLayer, not FullyShardedDataParallel.
+        assert (report["phase"], report["module"], report["module_type"], report["op"], report["step"]) == (
+            "forward", "1", "LogLayer", "aten.log.default", worker.FAULT_STEP)
+        assert (report["rank"], report["world_size"]) == (1, 2)
+        assert f"distributed_worker.py:{marked_line('log', where=worker)}" in report["text"]
+        assert "_fsdp_wrapped_module" not in report["text"]
+    # Rank 0's own view: its shard of 0.weight's gradient (a view of the flat shard), under the user's names.
+    assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert rank0["local_module"] == ["0", "Linear"]
+    assert rank0["report"]["notes"][-1].startswith("rank 0 received it through the gradient all-reduce (or FSDP's")
+
+
+def test_fsdp1_flat_parameters_are_named_as_the_users_parameters(ranks):
+    # use_orig_params=False: the optimizer steps FlatParameters ("_fsdp_wrapped_module._flat_param", rank 0's
+    # shard holding 25 of 0.weight's 32 elements); the gradient is named by the user's parameter it belongs to.
+    rank0, rank1 = ranks["fsdp1_flat_forward_rank1"]
+    assert rank1["error"] == "NonFiniteError"
+    assert rank0["error"] == "PeerNonFiniteError"
+    # The default (tiered) watch: no replay under FSDP, so the module is named and the op is not (as for FSDP2).
+    assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer)"
+    assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+    assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert rank0["local_module"] == ["0", "Linear"]
+    assert "_flat_param" not in rank0["report"]["text"]
+
+
 # -- without processes: names, paths, and the report's rank in every rendering ---------------------
+
+
+def test_a_flat_parameter_is_named_by_the_parameter_its_non_finite_element_belongs_to():
+    from torch import nn
+    from torch.distributed.fsdp._flat_param import _ShardParamInfo
+
+    from nan_magic.engine.distributed import unflattened_name
+
+    # What FSDP1 registers on a wrapped block "1" with use_orig_params=False: this rank's shard of the
+    # concatenated lin.weight (elements 2..7 here) and lin.bias (both), found by its _fqns and offsets.
+    flat = nn.Parameter(torch.zeros(9))
+    flat._fqns = ("lin.weight", "lin.bias")  # type: ignore[attr-defined]
+    flat._shard_param_infos = (  # type: ignore[attr-defined]
+        _ShardParamInfo(True, 0, 6, 2, 7), _ShardParamInfo(True, 6, 2, 0, 1))
+    block = nn.Module()
+    block.register_parameter("_flat_param", flat)
+    model = nn.Sequential(nn.Linear(2, 2), block)
+    values = torch.zeros(9)
+    values[7] = float("nan")
+    assert unflattened_name("1._flat_param", [model], values) == "1.lin.bias"
+    values[3] = float("inf")
+    assert unflattened_name("1._flat_param", [model], values) == "1.lin.weight"
+    # The padding, a finite tensor, and every other name stay as they are.
+    assert unflattened_name("1._flat_param", [model], torch.zeros(9)) == "1._flat_param"
+    padded = torch.zeros(9)
+    padded[8] = float("nan")
+    assert unflattened_name("1._flat_param", [model], padded) == "1._flat_param"
+    assert unflattened_name("0.weight", [model], values) == "0.weight"
 
 
 def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():

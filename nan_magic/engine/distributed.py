@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,13 +19,19 @@ from torch import nn
 
 from nan_magic.records import Report
 
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterable
+
 __all__ = [
     "data_parallel_paths", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
-    "process_group", "stamp", "user_name", "user_type",
+    "process_group", "stamp", "unflattened_name", "user_name", "user_type",
 ]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+#: The attribute under which FSDP1 (``use_orig_params=False``) registers a wrapped module's FlatParameter.
+_FLAT_PARAM = "_flat_param"
 
 _FSDP_MODULE: type | None
 try:
@@ -79,6 +86,47 @@ def user_name(name: str, data_parallel: frozenset[str] = frozenset()) -> str:
         if not wrapper_part:
             kept.append(part)
     return ".".join(kept)
+
+
+def unflattened_name(name: str, roots: Iterable[nn.Module], values: torch.Tensor | None) -> str:
+    """The user's parameter that ``name``, an FSDP1 flat parameter, holds the first non-finite element of ``values`` in.
+
+    Under ``use_orig_params=False`` the optimizer steps FlatParameters, each
+    this rank's shard of the concatenated parameters of one wrapped module,
+    registered as ``_flat_param``: a name the user never wrote (``1._flat_param``
+    -> ``1.lin.bias``). ``values`` (its gradient, the parameter itself or an
+    optimizer state) is laid out like the shard, so the element's offset says
+    whose it is. Any other name, or a finite ``values``, is returned
+    unchanged. Walks the models: called per finding, never per step.
+    """
+    owner, _dot, last = name.rpartition(".")
+    if last != _FLAT_PARAM or values is None:
+        return name
+    for root in roots:
+        data_parallel = data_parallel_paths(root)
+        for raw_name, parameter in root.named_parameters():
+            if user_name(raw_name, data_parallel) == name:
+                part = _flat_part(parameter, values)
+                if part is None:
+                    return name
+                return f"{owner}.{part}" if owner else part
+    return name
+
+
+def _flat_part(flat: torch.Tensor, values: torch.Tensor) -> str | None:
+    """The name, relative to its wrapped module, of the parameter whose part of ``flat``'s shard is first non-finite."""
+    fqns = getattr(flat, "_fqns", None)
+    infos = getattr(flat, "_shard_param_infos", None)  # one per parameter: is it in this rank's shard, and where
+    if fqns is None or infos is None or values.shape != flat.shape:
+        return None
+    bad = torch.nonzero(~torch.isfinite(values.detach().reshape(-1)))
+    if bad.numel() == 0:
+        return None
+    index = int(bad[0, 0])
+    for fqn, info in zip(fqns, infos):
+        if info.in_shard and info.offset_in_shard <= index < info.offset_in_shard + info.numel_in_shard:
+            return str(fqn)
+    return None  # the shard's padding
 
 
 def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.calls import version_of
-from nan_magic.engine.distributed import data_parallel_paths, local_shard, user_name
+from nan_magic.engine.distributed import data_parallel_paths, local_shard, unflattened_name, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
@@ -481,16 +481,23 @@ class OptimizerChecks:
         ]
 
     def attribute(self, finding: Finding) -> None:
-        """Name the module that owns the parameter in ``finding.tensor``."""
+        """Name the module that owns the parameter in ``finding.tensor``.
+
+        By the watch's names (targets.py), not ``get_submodule``: those are the
+        user's names, which a wrapper's module tree does not have (DDP's
+        ``module.``), and the user's types (not ``FullyShardedDataParallel``).
+        FSDP1's flat parameter is named as the user's parameter it holds the
+        non-finite element of (:func:`unflattened_name`).
+        """
         parameter_name = finding.tensor.rsplit(" ", 1)[-1]
+        unflattened = unflattened_name(parameter_name, (root for _label, root in self.watch.targets.roots), finding.bad)
+        if unflattened != parameter_name:
+            finding.tensor = finding.tensor.removesuffix(parameter_name) + unflattened
+            parameter_name = unflattened
         owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
-        for label, root in self.watch.targets.roots:
-            try:
-                module = root.get_submodule(owner)
-            except AttributeError:
-                continue
-            finding.module, finding.module_type, finding.model = owner, type(module).__name__, label
-            return
+        info = self.watch.targets.info_by_name(owner)
+        if info is not None:
+            finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
 
 
 def bounded_step(opt: torch.optim.Optimizer, layout: _Layout) -> bool:
