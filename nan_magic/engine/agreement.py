@@ -105,7 +105,9 @@ class Agreement:
     :meth:`peer_stop` are the stop channel.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, alone: bool = False) -> None:
+        # A replay's watch (step_replay.py) runs on one rank alone, inside the watch that agrees.
+        self._alone = alone
         self._open = False
         # Every rank takes part in the same collectives in the same order, so
         # this count names the same round on every rank (store keys).
@@ -123,7 +125,7 @@ class Agreement:
     @property
     def several(self) -> bool:
         """Whether this watch runs as one rank of several (asked each time: the process group may start late)."""
-        group = process_group()
+        group = None if self._alone else process_group()
         return group is not None and group[1] > 1
 
     def _baseline(self) -> None:

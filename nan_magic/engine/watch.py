@@ -326,7 +326,7 @@ class Watch:
         self._explained: tuple[Finding, Report, Producer, BaseException] | None = None
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
-        self.agreement: Agreement = Agreement()
+        self.agreement: Agreement = Agreement(alone=self.replay_of is not None)
         self._leaving = False
 
     def _wants_defer(self) -> bool:
