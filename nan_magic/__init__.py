@@ -11,7 +11,7 @@ from typing import Any
 
 from nan_magic.engine.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.engine.scene import Scene, load_scene
+from nan_magic.engine.scene_replay import Scene, load_scene
 from nan_magic.engine.watch import Watch, watch
 from nan_magic.records import (
     Cause,

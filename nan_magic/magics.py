@@ -176,7 +176,7 @@ class NanMagics(Magics):
             model.norm.eps = 1e-5
             %nanreplay dumps/nan_scene_step41.pt model   # "... stayed finite"
         """
-        from nan_magic.engine.scene import load_scene, replay_summary
+        from nan_magic.engine.scene_replay import load_scene, replay_summary
 
         args = self._parse(self.nanreplay, line, "%nanreplay")
         if not args.output.isidentifier():

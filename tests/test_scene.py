@@ -194,7 +194,7 @@ def test_nanreplay_refuses_a_file_that_would_run_code_in_one_line(ip, tmp_path) 
 def test_a_scene_loads_with_weights_only_and_nan_magics_records_alone(tmp_path) -> None:
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
-    with torch.serialization.safe_globals(nan_magic.engine.scene._RECORD_TYPES):
+    with torch.serialization.safe_globals(nan_magic.engine.scene.RECORD_TYPES):
         data = torch.load(report.scene, weights_only=True)
     assert data["report"].message == report.message
     assert same_bits(data["models"]["Sequential"], model.state_dict())
@@ -238,7 +238,7 @@ def test_replay_reproduces_the_event_on_a_fresh_model_and_is_finite_after_the_fi
     fresh[1].eps = 1e-5  # the fix
     fixed = scene.replay(fresh)
     assert not fixed.reproduced and fixed.finding is None
-    assert "stayed finite" in nan_magic.engine.scene.replay_summary(fixed, scene.module)
+    assert "stayed finite" in nan_magic.engine.scene_replay.replay_summary(fixed, scene.module)
     assert same_bits(fresh.state_dict(), before)  # a replay leaves the model as it was
 
 
