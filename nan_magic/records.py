@@ -295,6 +295,11 @@ class Report:
     restore_token: int | None = None
     #: The absorbed forward op the producer read (see :class:`AbsorbedOp`), or None.
     absorbed: AbsorbedOp | None = None
+    #: For a backward op, the autograd node that ran it (``"SqrtBackward0"``), else None.
+    autograd_node: str | None = None
+    #: The class of the optimizer whose step made the value non-finite (``"Adam"``), or that was
+    #: about to step with the non-finite gradient; None where no optimizer was involved.
+    optimizer: str | None = None
     #: The rank of the process that found the event and the size of its process group
     #: (``torch.distributed``); None outside a process group.
     rank: int | None = None

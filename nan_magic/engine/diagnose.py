@@ -2,8 +2,9 @@
 
 :func:`diagnose` runs the checklist of people who debug non-finite training
 runs on the evidence a :class:`Report` carries: the producer's op, the dtype,
-the phase, the statistics of the producer's inputs and output, the notes the
-watch left, the batch of the failing step and the history of earlier steps.
+the phase, the statistics of the producer's inputs and output, the autograd
+node and the optimizer the watch named (fields, never read back from the
+notes), the batch of the failing step and the history of earlier steps.
 When the evidence does not single out one cause the label is
 ``"unclassified"`` and the hint gives the facts, never a confident guess.
 
@@ -227,7 +228,7 @@ def _parameter(report: Report) -> Cause:
 
 
 def _optimizer(report: Report) -> Cause:
-    optimizer = _optimizer_name(report.notes)
+    optimizer = report.optimizer
     subject = report.tensor.removeprefix("parameter ")
     infinite = report.posinf + report.neginf
     facts = (f"phase optimizer: the {optimizer or 'optimizer'} step made {subject} {_counts(report)}",
@@ -269,8 +270,8 @@ def _optimizer(report: Report) -> Cause:
 
 
 def _backward(report: Report) -> Cause:
-    node = _autograd_node(report.notes)
-    rule = _NODE_RULES.get(node) if node else None
+    node = report.autograd_node
+    rule = _NODE_RULES.get(_node_function(node)) if node else None
     if rule is not None:
         return rule(report)
     if report.posinf + report.neginf and report.dtype in _HALF:
@@ -304,7 +305,7 @@ def _node_cause(label: str, derivative: str, fix: str) -> Callable[[Report], Cau
         return Cause(
             label,
             f"{derivative} at {_line(report)}{zeros}: its backward gave {_counts(report)} ({report.op}); {fix}",
-            (f"autograd node {_autograd_node(report.notes, raw=True)}", f"{report.tensor}: {_counts(report)}"),
+            (f"autograd node {report.autograd_node}", f"{report.tensor}: {_counts(report)}"),
         )
 
     return rule
@@ -696,21 +697,9 @@ def _op_base(op: str | None) -> str | None:
     return name.strip("_")
 
 
-def _autograd_node(notes: tuple[str, ...], raw: bool = False) -> str | None:
-    """The forward function of the backward node in the notes: ``"(SqrtBackward0)"`` → ``"sqrt"``."""
-    for note in notes:
-        match = re.search(r"\((\w+?)Backward\d*\)", note)
-        if match:
-            return match.group(0)[1:-1] if raw else match.group(1).lower()
-    return None
-
-
-def _optimizer_name(notes: tuple[str, ...]) -> str | None:
-    for note in notes:
-        match = re.search(r"the (\w+) step made", note)
-        if match:
-            return match.group(1)
-    return None
+def _node_function(node: str) -> str:
+    """The forward function of an autograd node: ``"SqrtBackward0"`` → ``"sqrt"``, ``"DivBackward1"`` → ``"div"``."""
+    return node.rstrip("0123456789").removesuffix("Backward").lower()
 
 
 def _where(report: Report) -> str:

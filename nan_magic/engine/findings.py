@@ -70,6 +70,9 @@ class Finding:
     frame: FrameType | None = None
     frame_position: tuple[int, int] | None = None
     absorbed: AbsorbedOp | None = None
+    # Facts the diagnosis reads (see Report): the backward node that ran the op, the optimizer that stepped.
+    autograd_node: str | None = None
+    optimizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:
@@ -94,6 +97,7 @@ def apply_op_finding(
         finding.absorbed = AbsorbedOp(inner.op, inner.module, inner.source, inner.nan, inner.posinf, inner.neginf)
     if op.phase == Phase.BACKWARD:
         finding.source = op.forward_source or op.source
+        finding.autograd_node = op.autograd_node
         node = f" ({op.autograd_node})" if op.autograd_node else ""
         finding.notes.append(f"{op.op} ran in the backward of the forward line{node}")
     else:
@@ -219,6 +223,8 @@ def build_report(
         warnings=warnings,
         notes=tuple(finding.notes),
         absorbed=finding.absorbed,
+        autograd_node=finding.autograd_node,
+        optimizer=finding.optimizer,
     )
     if report.cause is None:
         report = dataclasses.replace(report, cause=diagnose(report))

@@ -252,6 +252,7 @@ class OptimizerChecks:
                 if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
                     finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
                     finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                    finding.optimizer = type(opt).__name__
                     self.attribute(finding)
                     watch.forward.add_op_origin(finding, grad)
                     watch.emit(finding)
@@ -337,6 +338,7 @@ class OptimizerChecks:
             self.watch.forward.add_op_origin(finding, tensor)
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
+            finding.optimizer = optimizer
             if result.bounded and result.previous_check is not None and result.previous_check < result.step - 1:
                 finding.notes.append(
                     f"{subject} was non-finite after the {optimizer} step; parameters were last checked after step "

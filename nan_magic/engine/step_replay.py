@@ -273,7 +273,7 @@ class StepReplays:
             return self._not_replayed(
                 seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
             ), (finding.frame, None)
-        report = self._replayed(outcome.report, seen.step)
+        report = self._replayed(outcome.report, seen.step, seen)
         if finding.cause is not None:
             # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
             report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
@@ -403,11 +403,18 @@ class StepReplays:
                 inner.emit(finding)
         return found
 
-    def _replayed(self, report: Report, step: int) -> Report:
+    def _replayed(self, report: Report, step: int, seen: Report | None = None) -> Report:
+        """The replay's report for ``step``; ``seen``, the boundary's report, adds the facts the replay lacks.
+
+        The replay runs the model call only: the optimizer that was about to
+        step with the gradient is known to the boundary check alone.
+        """
         watch = self.watch
         report = dataclasses.replace(
             report,
             step=step,
+            autograd_node=report.autograd_node or (seen.autograd_node if seen else None),
+            optimizer=report.optimizer or (seen.optimizer if seen else None),
             history=tuple(watch.history),
             warnings=tuple(watch.warnings),
             reproduced=True,
