@@ -389,9 +389,9 @@ def test_debug_opens_on_the_producers_line_though_the_replay_ran_on() -> None:
     assert report.debug_frame is not None and report.debug_frame.lineno == _marked("exp before the end")
 
 
-def test_during_backward_the_loss_code_is_held_weakly_and_a_freed_input_gives_up_quietly() -> None:
+def test_during_backward_the_loss_codes_large_tensors_are_held_weakly_and_a_freed_one_gives_up_quietly() -> None:
     torch.manual_seed(0)
-    model = nn.Linear(4, 3)
+    model = nn.Linear(4, 2**18)  # its output, 2 MiB, is over the size the recorder keeps through backward
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model) as w:
         # The model's output is not kept by the user nor saved by autograd here (sqrt saves its result):
         loss = torch.sqrt(model(torch.randn(2, 4)) * 0.0).sum()
@@ -401,6 +401,23 @@ def test_during_backward_the_loss_code_is_held_weakly_and_a_freed_input_gives_up
     assert (report.phase, report.module) == ("backward", None)
     assert report.op is None  # the replay needed the freed output: no guess, the autograd node instead
     assert any("SqrtBackward0" in note for note in report.notes)
+
+
+def test_a_one_line_loss_whose_intermediates_autograd_frees_is_still_named_at_its_op_and_line() -> None:
+    # A contrastive distance written in one line: backward frees each intermediate as its node runs.
+    # Small tensors stay held through backward, so the replay of the loss's backward names the op.
+    torch.manual_seed(0)
+    embed = nn.Linear(8, 4)
+    opt = torch.optim.SGD(embed.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(embed, opt):
+        torch.sqrt(((embed(x) - embed(x.clone())) ** 2).sum(-1)).sum().backward()  # producer: one-line distance
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.autograd_node) == (
+        "backward", None, "aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("one-line distance")
+    assert report.cause is not None and report.cause.label == "sqrt-domain"
 
 
 def test_a_compiled_loss_function_still_compiles_under_the_watch() -> None:

@@ -62,6 +62,11 @@ __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
 DATA_BUDGET = 64
 #: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
+#: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
+#: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
+#: model's logits) are held weakly, freed as they would be unwatched.
+KEEP_BYTES = 1 << 20
+KEEP_TOTAL = 8 << 20
 # The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
 _INERT = -1
 
@@ -91,6 +96,15 @@ class _Gone(Exception):
 
 def _weak(value: Any) -> Any:
     return _Weak(weakref.ref(value), id(value)) if isinstance(value, torch.Tensor) else value
+
+
+def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``(storage key, bytes)`` of what holding ``tensor`` keeps alive (a view keeps its whole base), or None."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested, a subclass)
+        return None
 
 
 def _key(value: Any) -> int | None:
@@ -160,15 +174,30 @@ class OutsideRecorder(TorchDispatchMode):
         self._rng = None
 
     def weaken(self) -> None:
-        """``backward()`` starts, the loss judged: keep only weak references, for its backward.
+        """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
 
         What autograd saved for that backward stays reachable until its node
-        has run; the rest (a model's logits, a log-softmax's output) is freed
-        as it would be unwatched. A replay that needs a freed tensor gives up.
+        has run; the rest of a large tensor (a model's logits, a
+        log-softmax's output) is freed as it would be unwatched. Small ones
+        stay (:data:`KEEP_BYTES`, :data:`KEEP_TOTAL`): the backward replay of
+        a one-line loss needs its intermediates, which autograd frees as
+        each node runs. A replay that needs a freed tensor gives up.
         """
+        kept: dict[int, int] = {}  # storage -> bytes, each storage counted once
+
+        def weak_unless_small(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            size = _storage_bytes(value)
+            if size is not None and (size[0] in kept or (
+                    size[1] <= KEEP_BYTES and sum(kept.values()) + size[1] <= KEEP_TOTAL)):
+                kept[size[0]] = size[1]
+                return value
+            return _weak(value)
+
         self._ops = [
-            dataclasses.replace(op, args=tree_map(_weak, op.args), kwargs=tree_map(_weak, op.kwargs),
-                                out=tree_map(_weak, op.out))
+            dataclasses.replace(op, args=tree_map(weak_unless_small, op.args),
+                                kwargs=tree_map(weak_unless_small, op.kwargs), out=tree_map(weak_unless_small, op.out))
             for op in self._ops
         ]
 
