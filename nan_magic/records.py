@@ -300,6 +300,8 @@ class Report:
     #: The class of the optimizer whose step made the value non-finite (``"Adam"``), or that was
     #: about to step with the non-finite gradient; None where no optimizer was involved.
     optimizer: str | None = None
+    #: That optimizer's ``eps`` for the parameter (its parameter group's), where it has one.
+    optimizer_eps: float | None = None
     #: The rank of the process that found the event and the size of its process group
     #: (``torch.distributed``); None outside a process group.
     rank: int | None = None

@@ -272,6 +272,34 @@ def test_an_adam_step_reports_its_optimizer(options: dict[str, bool]) -> None:
     assert_cause(report, "optimizer-eps-underflow", "the Adam step", "0.weight")
 
 
+def test_a_float16_adam_step_that_overflows_with_an_eps_float16_holds_is_not_blamed_on_eps() -> None:
+    # eps=1e-3 is a float16 number: the step's inf comes from the huge learning rate's update, not from 0/0.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e5, eps=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 4).half()).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model(torch.randn(2, 4).half()).float().sum().backward()
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.optimizer, report.optimizer_eps) == ("optimizer", "Adam", 1e-3)
+    assert report.cause is not None and report.cause.label != "optimizer-eps-underflow"
+    assert "eps" not in report.cause.hint.split(":")[0]
+
+
+def test_the_eps_a_float16_step_lost_is_the_one_the_hint_names() -> None:
+    model, opt, step = fp16_adam_step()
+    opt.param_groups[0]["eps"] = 1e-10
+    report = raised(step, model, opt)
+    assert report.optimizer_eps == 1e-10
+    assert_cause(report, "optimizer-eps-underflow", "eps = 1e-10 rounds to 0")
+
+
 def test_the_facts_survive_json_pickle_and_the_scene(tmp_path) -> None:
     model, opt, step = fp16_adam_step()
     report = raised(step, model, opt, dump=str(tmp_path))

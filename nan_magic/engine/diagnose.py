@@ -242,14 +242,18 @@ def _optimizer(report: Report) -> Cause:
             facts,
         )
     divides = optimizer is not None and (optimizer in _EPS_OPTIMIZERS or "adam" in optimizer.lower())
-    if report.dtype == "float16" and (divides or _op_base(report.op) in _EPS_OPS):
+    eps = report.optimizer_eps
+    # An eps float16 holds (1e-3) does not vanish: such a step overflows, or fails otherwise.
+    eps_vanishes = eps is None or float(torch.tensor(eps, dtype=torch.float16)) == 0.0
+    if report.dtype == "float16" and eps_vanishes and (divides or _op_base(report.op) in _EPS_OPS):
+        shown = _fmt(eps) if eps is not None else "1e-8 (the default)"
         return Cause(
             "optimizer-eps-underflow",
-            f"the {optimizer or 'optimizer'} step divides by sqrt(v) + eps, and eps = 1e-8 rounds to 0 in float16 "
-            f"(smallest positive 6e-8): where a gradient of {subject} is 0 that is 0/0, giving "
+            f"the {optimizer or 'optimizer'} step divides by sqrt(v) + eps, and eps = {shown} rounds to 0 in "
+            f"float16 (smallest positive 6e-8): where a gradient of {subject} is 0 that is 0/0, giving "
             f"{_counts(report)}; keep float32 master weights (float32 parameters under torch.autocast with a "
             "GradScaler) or use eps >= 1e-4 in float16",
-            (*facts, "float16 cannot hold eps = 1e-8"),
+            (*facts, f"float16 cannot hold eps = {shown}"),
         )
     if infinite and report.dtype in _HALF:
         return Cause(

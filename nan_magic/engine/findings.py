@@ -73,6 +73,7 @@ class Finding:
     # Facts the diagnosis reads (see Report): the backward node that ran the op, the optimizer that stepped.
     autograd_node: str | None = None
     optimizer: str | None = None
+    optimizer_eps: float | None = None
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:
@@ -225,6 +226,7 @@ def build_report(
         absorbed=finding.absorbed,
         autograd_node=finding.autograd_node,
         optimizer=finding.optimizer,
+        optimizer_eps=finding.optimizer_eps,
     )
     if report.cause is None:
         report = dataclasses.replace(report, cause=diagnose(report))

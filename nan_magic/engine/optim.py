@@ -339,6 +339,7 @@ class OptimizerChecks:
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
+            finding.optimizer_eps = group_eps(result.optimizer, tensor)
             if result.bounded and result.previous_check is not None and result.previous_check < result.step - 1:
                 finding.notes.append(
                     f"{subject} was non-finite after the {optimizer} step; parameters were last checked after step "
@@ -500,6 +501,14 @@ class OptimizerChecks:
         info = self.watch.targets.info_by_name(owner)
         if info is not None:
             finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
+
+
+def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
+    """The ``eps`` of the parameter group holding ``tensor`` (of every group, for a state tensor, where they agree)."""
+    groups = [group for group in opt.param_groups if any(p is tensor for p in group["params"])] or opt.param_groups
+    values = {group.get("eps") for group in groups}
+    eps = values.pop() if len(values) == 1 else None
+    return float(eps) if isinstance(eps, (int, float)) else None  # Adafactor's is a pair: no single eps
 
 
 def bounded_step(opt: torch.optim.Optimizer, layout: _Layout) -> bool:
