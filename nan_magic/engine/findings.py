@@ -15,7 +15,7 @@ import torch
 
 from nan_magic.engine.calls import Call, StepLog, TensorRecord
 from nan_magic.engine.diagnose import diagnose
-from nan_magic.engine.ops import OpFinding
+from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.replay import RngState
 from nan_magic.engine.stats import sample_values, tensor_stats
 from nan_magic.records import (

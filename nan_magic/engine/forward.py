@@ -25,7 +25,8 @@ from nan_magic.engine.findings import Finding, apply_op_finding
 from nan_magic.engine.held import Resolved, hold_arguments
 from nan_magic.engine.masks import DeliberateMasks, argument_name
 from nan_magic.engine.module_hooks import is_compiled, may_step_aside
-from nan_magic.engine.ops import OpFinding, OpTracer
+from nan_magic.engine.op_origins import OpFinding
+from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.replay import (
     RngState,
     capture_autocast,

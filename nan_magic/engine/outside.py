@@ -52,7 +52,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from nan_magic.engine.ops import OpFinding, OpTracer, user_frame
+from nan_magic.engine.op_origins import OpFinding
+from nan_magic.engine.op_sources import user_frame
+from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.replay import RngState, capture_rng_state, restore_rng_state
 from nan_magic.records import SourcePointer
 
@@ -288,7 +290,7 @@ class OutsideRecorder(TorchDispatchMode):
                     if op.code is not None:
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
-                            tracer._sources[node] = (op.code, op.lineno, None)
+                            tracer.node_sources.record(node, op.code, op.lineno)
                 replayed = copies[id(loss)]
                 if requiring and replayed.requires_grad:
                     torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),

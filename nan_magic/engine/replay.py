@@ -32,7 +32,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from nan_magic.engine.frames import last_user_frame
 from nan_magic.engine.held import HeldArguments, Regenerate
-from nan_magic.engine.ops import OpFinding, OpTracer
+from nan_magic.engine.op_origins import OpFinding
+from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds
 from nan_magic.records import Phase
 
