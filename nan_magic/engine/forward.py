@@ -29,7 +29,7 @@ from nan_magic.engine.call_replay import CallReplay, Frame
 from nan_magic.engine.calls import Call, TensorRecord
 from nan_magic.engine.held import hold_arguments
 from nan_magic.engine.module_hooks import is_compiled, may_step_aside
-from nan_magic.engine.op_origins import OpOrigins
+from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.producer import ProducerRule
 from nan_magic.engine.replay import capture_autocast, capture_rng_state
 from nan_magic.engine.stats import is_checkable, iter_tensors

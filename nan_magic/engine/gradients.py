@@ -14,7 +14,7 @@ wraps outputs in a view that breaks in-place ops.
 Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`,
 which the watch hands them as a plain callable; the gradient checks know no
 forward checker in return. What they need of the forward side comes at
-construction: the op origins (op_origins.py), and ``replay_backward``,
+construction: the op origins (op_tracing.py), and ``replay_backward``,
 :meth:`CallReplay.replay_backward_into` where calls keep their arguments
 (call_replay.py). The step log carries where the last forward ended
 (:attr:`StepLog.last_forward_seq`).
@@ -35,7 +35,7 @@ from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_lab
 from nan_magic.engine.entering import entering_tensors, saved_leaves
 from nan_magic.engine.findings import Finding, attach_origin
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
-from nan_magic.engine.op_origins import OpOrigins
+from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.stats import WIDE_FLOATS, is_checkable, kinds_of, relevant_kinds
 from nan_magic.records import Phase
 

@@ -10,7 +10,7 @@ own code (:meth:`ProducerRule._blame_own_code`): that caller is the producer.
 Who calls whom: the forward hooks (forward.py) own the module stack and
 call :meth:`~ProducerRule.judge`, as does the watch's deferred check. The
 rule calls down only: the call replay (call_replay.py) to name a producer's
-op, the op origins (op_origins.py) in ops mode, and ``emit``. It never calls
+op, the op origins (op_tracing.py) in ops mode, and ``emit``. It never calls
 the forward hooks or the gradient checks.
 """
 
@@ -26,7 +26,7 @@ from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
 from nan_magic.engine.findings import Finding, mark_deliberate, named_inputs
 from nan_magic.engine.held import running_arguments
 from nan_magic.engine.masks import DeliberateMasks, argument_name
-from nan_magic.engine.op_origins import OpOrigins
+from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.ops import OpFinding
 from nan_magic.engine.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.records import Phase, WatchConfig

@@ -31,7 +31,7 @@ and ``optim.py``.
 Who may call whom. The watch builds every part in :meth:`Watch._reset_state`
 and hands each the narrow services it uses; no checker reaches another
 checker through the watch. Services first, which call no checker:
-``op_origins.py`` (the op behind a boundary's value) and ``call_replay.py``
+``op_tracing.py`` (the op behind a boundary's value) and ``call_replay.py``
 (replays of one module call). Then the checkers, which call only services
 and the watch's own lifecycle: the gradient checks get the op origins and
 the backward replay; the optimizer checks get ``add_op_origin``; the forward
@@ -76,7 +76,7 @@ from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks, check_parameter_grads
 from nan_magic.engine.held import running_arguments
 from nan_magic.engine.module_hooks import GlobalModuleHooks
-from nan_magic.engine.op_origins import OpOrigins
+from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.scene import record_scene
