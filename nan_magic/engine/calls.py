@@ -254,6 +254,11 @@ class StepLog:
         # (phase, dtype) -> (largest finite |value| this step, its call), kept as
         # probes are read (:meth:`summary`).
         self._largest: dict[tuple[Phase, torch.dtype], tuple[float, Call]] = {}
+        #: The autograd sequence number when the last top-level forward returned: nodes numbered from it on
+        #: belong to the code outside the modules (loss_region.py). Written by the forward hooks, read by the
+        #: gradient checks. :meth:`clear` keeps it: a step is cleared as the next top-level forward starts,
+        #: and until that forward returns, the last one that did still marks where the outside code began.
+        self.last_forward_seq = 0
 
     def clear(self) -> None:
         """Forget the step's calls, freeing them now rather than at Python's next garbage collection.

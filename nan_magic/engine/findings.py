@@ -31,7 +31,7 @@ from nan_magic.records import (
     sample_label,
 )
 
-__all__ = ["Finding", "build_report"]
+__all__ = ["Finding", "apply_op_finding", "attach_origin", "build_report", "mark_deliberate", "named_inputs"]
 
 
 @dataclass
@@ -137,6 +137,35 @@ def apply_op_finding(
         else:
             finding.bad, finding.bad_stats = None, op.output_stats
             finding.input_stats.extend(op.input_stats)
+
+
+def attach_origin(finding: Finding, origin: OpFinding) -> None:
+    """Add the op that started a boundary's non-finite value to its finding.
+
+    The event is the boundary tensor (the loss, a parameter, a gradient):
+    the report keeps it and its counts, and the op adds its name, line and
+    operands.
+    """
+    kept = finding.tensor, finding.bad, finding.bad_stats
+    apply_op_finding(finding, origin)
+    (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+
+
+def mark_deliberate(finding: Finding, how: str) -> Finding:
+    """Make ``finding`` a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity."""
+    finding.benign = True
+    finding.notes.append(f"a deliberate infinity ({how}): benign while what consumes it stays finite")
+    return finding
+
+
+def named_inputs(call: Call) -> list[tuple[str, torch.Tensor]]:
+    """The inputs of ``call`` still alive, detached, by path: a finding's inputs."""
+    named = []
+    for path, _record, ref, _version in call.inputs:
+        tensor = ref()
+        if tensor is not None:
+            named.append((path, tensor.detach()))
+    return named
 
 
 #: Other layers of the failing step sampled for the histogram selector.

@@ -10,6 +10,14 @@ downstream of the cause.
 
 Only tensor hooks on module outputs are used: ``register_full_backward_hook``
 wraps outputs in a view that breaks in-place ops.
+
+Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`,
+which the watch hands them as a plain callable; the gradient checks know no
+forward checker in return. What they need of the forward side comes at
+construction: the op origins (op_tracing.py), and ``replay_backward``,
+:meth:`CallReplay.replay_backward_into` where calls keep their arguments
+(call_replay.py). The step log carries where the last forward ended
+(:attr:`StepLog.last_forward_seq`).
 """
 
 from __future__ import annotations
@@ -25,23 +33,31 @@ import torch
 
 from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.engine.entering import entering_tensors, saved_leaves
-from nan_magic.engine.findings import Finding
-from nan_magic.engine.forward import attach_origin
+from nan_magic.engine.findings import Finding, attach_origin
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
+from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.stats import WIDE_FLOATS, is_checkable, kinds_of, relevant_kinds
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.watch import Watch
 
-__all__ = ["GradientChecks"]
+__all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
+
+#: Replays the consumer whose backward made a gradient non-finite (:meth:`CallReplay.replay_backward_into`).
+ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
 
 class GradientChecks:
-    """Loss and per-module gradient checks of one watch."""
+    """Loss and per-module gradient checks of one watch.
 
-    def __init__(self, watch: Watch) -> None:
+    ``replay_backward`` is None where calls keep no arguments to replay.
+    """
+
+    def __init__(self, watch: Watch, origins: OpOrigins, replay_backward: ReplayBackward | None) -> None:
         self.watch = watch
+        self.origins = origins
+        self._replay_backward = replay_backward
         self.loss_record: TensorRecord | None = None
         # Deferred mode: the loss code's autograd nodes, described before
         # backward frees them (a backward producer there is found after).
@@ -88,7 +104,7 @@ class GradientChecks:
             if watch.outside is not None:
                 watch.outside.weaken()  # for its backward, without keeping what autograd frees
         else:  # a few nodes, walked once per backward
-            nodes = loss_region_nodes(loss, watch.forward.last_forward_seq)
+            nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)
             # Backward frees what they saved; the data among it is judged at the check.
             self.loss_data = saved_leaves(nodes)
@@ -131,7 +147,7 @@ class GradientChecks:
             if every_output_finite
             else "some module outputs of this step were already non-finite"
         )
-        watch.forward.add_op_origin(finding, tensor)
+        self.origins.add_op_origin(finding, tensor)
         watch.emit(finding)
 
     def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:
@@ -139,7 +155,7 @@ class GradientChecks:
         watch = self.watch
         saved = [(label, tensor) for label, ref in self.loss_data if (tensor := ref()) is not None]
         entered = entering_tensors(
-            loss, watch.forward.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
+            loss, watch.log.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
         )
         if not entered:
             return False
@@ -229,7 +245,7 @@ class GradientChecks:
                 region = self.loss_region
             else:
                 loss = self.loss_record.ref() if self.loss_record is not None else None
-                region = describe_loss_region(loss_region_nodes(loss, watch.forward.last_forward_seq))
+                region = describe_loss_region(loss_region_nodes(loss, watch.log.last_forward_seq))
             if region:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.
@@ -237,29 +253,35 @@ class GradientChecks:
             origin = watch.outside.claim_backward(loss) if watch.outside is not None else None
             if origin is not None:
                 attach_origin(finding, origin)
-            elif watch.forward.tracer is None:
+            elif self.origins.tracer is None:
                 finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")
         else:
             finding.notes.append(
                 f"the gradient flowing into {call.info.name or 'the root module'} was finite; "
                 "the gradient its backward computed is not"
             )
-            if target is not None and call.consumer is not None and watch.forward.keeps_calls:
-                watch.forward.replay_backward_into(finding, call.consumer, target)
-        watch.forward.add_op_origin(finding, tensor)
+            if target is not None and call.consumer is not None and self._replay_backward is not None:
+                self._replay_backward(finding, call.consumer, target)
+        self.origins.add_op_origin(finding, tensor)
         watch.on_gradient_event(finding)
 
-    def check_parameter_grads(self, named: list[tuple[str, torch.Tensor]], context: str) -> Finding | None:
-        """A finding for the first non-finite ``.grad`` among named parameters."""
-        for name, parameter in named:
-            grad = parameter.grad
-            if grad is None or not is_checkable(grad):
-                continue
-            if relevant_kinds(kinds_of(grad), self.watch.config.kinds):
-                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
-                finding.notes.append(context)
-                return finding
-        return None
+
+def check_parameter_grads(
+    named: list[tuple[str, torch.Tensor]], context: str, kinds: frozenset[str]
+) -> Finding | None:
+    """A finding for the first non-finite ``.grad`` among named parameters.
+
+    A function, not a method: the optimizer checks use it too, without reaching the gradient checks.
+    """
+    for name, parameter in named:
+        grad = parameter.grad
+        if grad is None or not is_checkable(grad):
+            continue
+        if relevant_kinds(kinds_of(grad), kinds):
+            finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+            finding.notes.append(context)
+            return finding
+    return None
 
 
 def _register_grad_hook(tensor: torch.Tensor, grad_fn: Any, hook: Callable[[torch.Tensor], None]) -> None:

@@ -9,20 +9,25 @@ keeps the same tensor for the backward anyway (its use count shows a second
 owner). Those strong references live in the metadata of the call's output
 node, so they die with the graph, and are dropped as soon as the tensor's
 gradient is complete. A freed argument can still be recomputed from the
-call that returned it (``regenerate``, see forward.py).
+call that returned it (``regenerate``, see call_replay.py).
+
+A call still running has its arguments in its ``Module.__call__`` frame
+(:func:`running_arguments`).
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from nan_magic.engine.calls import version_of
 
-__all__ = ["Classify", "HeldArguments", "Regenerate", "Resolved", "hold_arguments"]
+__all__ = ["Classify", "HeldArguments", "Regenerate", "Resolved", "hold_arguments", "running_arguments"]
 
 
 class _Held:
@@ -206,3 +211,29 @@ def _unhold(value: Any, regenerate: Regenerate | None, by_record: dict[int, torc
     if type(value) is dict:
         return {key: _unhold(item, regenerate, by_record) for key, item in value.items()}
     return value
+
+
+#: The code objects of ``nn.Module.__call__``'s frames, which hold a running call's arguments.
+_CALL_CODES = frozenset(
+    code for code in (getattr(getattr(nn.Module, name, None), "__code__", None)
+                      for name in ("_call_impl", "_wrapped_call_impl")) if code is not None
+)
+
+
+def running_arguments(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments of ``module``'s call that is running now, from its ``__call__`` frame.
+
+    Global forward pre-hooks never see keyword arguments, so a call still in
+    progress (a parent whose own code made a value its child received) has
+    them only in the frame of ``Module._call_impl`` (the innermost such
+    frame: the arguments after the module's own pre-hooks). Only read on an
+    event, never on the hot path. None when no such frame is found.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            local = frame.f_locals
+            if local.get("self") is module and "args" in local:
+                return tuple(local["args"]), dict(local.get("kwargs") or {})
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

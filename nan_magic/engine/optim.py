@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,7 @@ from torch import nn
 from nan_magic.engine.calls import version_of
 from nan_magic.engine.distributed import data_parallel_paths, local_shard, unflattened_name, user_name
 from nan_magic.engine.findings import Finding
+from nan_magic.engine.gradients import check_parameter_grads
 from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
@@ -136,10 +138,15 @@ _BOUNDED_GRAD_NORM = 1e18
 
 
 class OptimizerChecks:
-    """Optimizer step hooks and the GradScaler rule for one watch."""
+    """Optimizer step hooks and the GradScaler rule for one watch.
 
-    def __init__(self, watch: Watch) -> None:
+    ``add_op_origin`` (:meth:`OpOrigins.add_op_origin`, given by the watch)
+    names the op that started a non-finite gradient or parameter.
+    """
+
+    def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None]) -> None:
         self.watch = watch
+        self._add_op_origin = add_op_origin
         #: Training iterations completed (see :meth:`_count_step`).
         self.steps = 0
         self._step_counts: dict[int, tuple[torch.optim.Optimizer, int]] = {}
@@ -254,7 +261,7 @@ class OptimizerChecks:
                     finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
                     finding.optimizer = type(opt).__name__
                     self.attribute(finding)
-                    watch.forward.add_op_origin(finding, grad)
+                    self._add_op_origin(finding, grad)
                     watch.emit(finding)
                     return
             # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
@@ -335,7 +342,7 @@ class OptimizerChecks:
             label = result.label(index)
             finding = Finding(Phase.OPTIMIZER, None, label, bad=tensor.detach(), step=result.step)
             self.attribute(finding)
-            self.watch.forward.add_op_origin(finding, tensor)
+            self._add_op_origin(finding, tensor)
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
@@ -403,9 +410,10 @@ class OptimizerChecks:
         finding, self.pending_overflow = self.pending_overflow, None
         if finding is None and self.scaler_active():
             optimizers = [skipped_by] if skipped_by is not None else self._optimizers()
-            finding = self.watch.gradients.check_parameter_grads(
+            finding = check_parameter_grads(
                 [(name, p) for opt in optimizers for name, p in self.named_parameters(opt)],
                 "a parameter gradient overflowed while the activation gradients stayed finite",
+                self.watch.config.kinds,
             )
             if finding is not None:
                 self.attribute(finding)

@@ -343,7 +343,7 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
     if finding.call is None or finding.call.phase == Phase.DATA:
         return {name: _copy(tensor) for name, tensor in finding.inputs}
     inputs: dict[str, torch.Tensor] = {}
-    # At the deferred check a freed input may have been recomputed for the replay (forward.py).
+    # At the deferred check a freed input may have been recomputed for the replay (call_replay.py).
     recomputed = dict(finding.inputs)
     for path, _record, ref, version in finding.call.inputs:
         tensor = ref()

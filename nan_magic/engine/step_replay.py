@@ -49,7 +49,7 @@ from nan_magic.engine.calls import version_of
 from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.distributed import data_parallel_paths, user_name
 from nan_magic.engine.findings import Finding
-from nan_magic.engine.forward import running_arguments
+from nan_magic.engine.held import running_arguments
 from nan_magic.engine.replay import (
     AutocastState,
     RngState,
@@ -321,7 +321,7 @@ class StepReplays:
         outcome = _Outcome()
         with contextlib.ExitStack() as stack:
             stack.callback(restore_rng_state, capture_rng_state())
-            stack.enter_context(self.watch.forward.standing_aside())
+            stack.enter_context(self.watch.call_replay.standing_aside())
             stack.enter_context(swapped_buffers(root.module, root.buffers))
             for device, dtype in root.autocast or ():
                 stack.enter_context(torch.autocast(device, dtype=dtype))
@@ -343,10 +343,10 @@ class StepReplays:
                         outcome.boundary = self._backward(inner, target, root, output, boundary)
                 except Exception as error:  # the replay of a failing forward fails too, after its event
                     outcome.failure = error
-                    tracer = inner.forward.tracer
+                    tracer = inner.origins.tracer
                     if inner.report is None and tracer is not None and tracer.started:
                         # Stopped before the value reached a boundary: the first op that made one is the producer.
-                        inner.forward.report_op(tracer.started[0])
+                        inner.origins.report_op(tracer.started[0])
         outcome.report = inner.report
         outcome.benign = next((event for event in inner.events if event.benign), None)
         outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
@@ -399,7 +399,7 @@ class StepReplays:
                 finding.notes.append("the gradients flowing into every module were finite; this parameter's "
                                      "own gradient formula made it")
                 inner.optimizers.attribute(finding)
-                inner.forward.add_op_origin(finding, grad)
+                inner.origins.add_op_origin(finding, grad)
                 inner.emit(finding)
         return found
 

@@ -25,7 +25,20 @@ touched.
 
 This module owns the lifecycle, the step counter, the deferred check (one
 transfer per step) and the events; the checks themselves live in
-``forward.py``, ``gradients.py`` and ``optim.py``.
+``forward.py`` (with the producer rule, ``producer.py``), ``gradients.py``
+and ``optim.py``.
+
+Who may call whom. The watch builds every part in :meth:`Watch._reset_state`
+and hands each the narrow services it uses; no checker reaches another
+checker through the watch. Services first, which call no checker:
+``op_tracing.py`` (the op behind a boundary's value) and ``call_replay.py``
+(replays of one module call). Then the checkers, which call only services
+and the watch's own lifecycle: the gradient checks get the op origins and
+the backward replay; the optimizer checks get ``add_op_origin``; the forward
+hooks get the call replay, the op origins, and the gradient checks'
+``hook_output`` as a plain callable. Where the last forward ended is data in
+the step log (``StepLog.last_forward_seq``), written by the forward hooks and
+read by the gradient checks.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch, scaler_patch
 from nan_magic.engine.agreement import Agreement
+from nan_magic.engine.call_replay import CallReplay
 from nan_magic.engine.calls import StepLog
 from nan_magic.engine.distributed import (
     data_parallel_paths,
@@ -57,10 +71,12 @@ from nan_magic.engine.distributed import (
 from nan_magic.engine.early import EarlyWarnings
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.engine.findings import Finding, build_report
-from nan_magic.engine.forward import ForwardChecks, running_arguments
+from nan_magic.engine.forward import ForwardChecks
 from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
-from nan_magic.engine.gradients import GradientChecks
+from nan_magic.engine.gradients import GradientChecks, check_parameter_grads
+from nan_magic.engine.held import running_arguments
 from nan_magic.engine.module_hooks import GlobalModuleHooks
+from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.scene import record_scene
@@ -235,7 +251,9 @@ class Watch:
                 for handle in self.optimizers.arm(root):
                     stack.callback(handle.remove)
             if self.config.ops:
-                stack.enter_context(self.forward.make_tracer())
+                # The tracer names the innermost watched module running, from the forward hooks' stack.
+                tracer = self.origins.make_tracer(self.config.kinds, self.forward.current_module_name, self._phase_hint)
+                stack.enter_context(tracer)
         except BaseException:
             stack.close()
             raise
@@ -303,19 +321,24 @@ class Watch:
     def _reset_state(self) -> None:
         self.defer = self._wants_defer()
         self.log = StepLog(self.config.max_layers, self.defer)
-        self.gradients = GradientChecks(self)
-        self.optimizers = OptimizerChecks(self)
-        self.early = EarlyWarnings()
-        self.last_good = LastGood(self.config.keep_last_good)
-        self.forward = ForwardChecks(self)
-        self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
-        # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
-        self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
-        # ... and records the code between the models' calls (the loss, data code in the loop), to
+        # The tiered watch records the code between the models' calls (the loss, data code in the loop), to
         # replay it at an event (immediate mode: the deferred check judges after backward freed it).
         self.outside: OutsideRecorder | None = (
             OutsideRecorder(self.config.kinds) if self.config.tiered and not self.defer else None
         )
+        # Services, built first: the checkers below receive them, never each other.
+        self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
+        self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
+        replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
+        self.gradients = GradientChecks(self, self.origins, replay_backward)
+        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin)
+        self.early = EarlyWarnings()
+        self.last_good = LastGood(self.config.keep_last_good)
+        hook_gradient = self.gradients.hook_output if self.config.backward else None
+        self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
+        self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
+        # The tiered watch checks only top-level calls, except on a per-module step (begin_step_if_needed).
+        self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
         self._sharded_roots: dict[int, bool] = {}
@@ -349,8 +372,8 @@ class Watch:
         if self.replays is not None:
             self.replays.clear()
         self.log.clear()
-        if self.forward.tracer is not None:
-            self.forward.tracer.reset()  # its origins hold frames and tensors of the last step
+        if self.origins.tracer is not None:
+            self.origins.tracer.reset()  # its origins hold frames and tensors of the last step
 
     def module_info(self, module: nn.Module) -> ModuleInfo | None:
         """How a called module is named, or None when it is not watched."""
@@ -395,9 +418,13 @@ class Watch:
         on a thread of its own (one per device), not on the thread that
         called ``backward()``.
         """
-        return self._active and not self.forward.replaying
+        return self._active and not self.call_replay.replaying
 
     # -- backward and optimizer (see gradients.py, optim.py) -------------------------
+
+    def _phase_hint(self) -> Phase | None:
+        """The op tracer's phase for an op outside the autograd engine: the optimizer's while it steps."""
+        return Phase.OPTIMIZER if self.optimizers.in_step else None
 
     def optimizer_in_use(self) -> bool:
         return bool(self.optimizers.steps or self.targets.optimizers)
@@ -474,8 +501,9 @@ class Watch:
             for _label, root in self.targets.roots
             for name, parameter in root.named_parameters()
         ]
-        finding = self.gradients.check_parameter_grads(
-            named, "no optimizer stepped after this backward: its parameter gradients were read when it ended"
+        finding = check_parameter_grads(
+            named, "no optimizer stepped after this backward: its parameter gradients were read when it ended",
+            self.config.kinds,
         )
         if finding is not None:
             self.optimizers.attribute(finding)
@@ -599,8 +627,8 @@ class Watch:
             self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
-            if self.forward.tracer is not None:
-                self.forward.tracer.reset()
+            if self.origins.tracer is not None:
+                self.origins.tracer.reset()
             self._step_open = True
 
     def end_step(self, step: int) -> None:
@@ -655,7 +683,7 @@ class Watch:
             else:
                 for record in call.outputs:
                     if record.status == "ok":
-                        self.forward.judge(call, record, "detected at the deferred check")
+                        self.forward.rule.judge(call, record, "detected at the deferred check")
             if self._raised:
                 break
         return values
@@ -671,7 +699,7 @@ class Watch:
         """
         if self.agreement.holding:
             return  # this rank's first event waits for the next agreement point (agreement.py)
-        tracer = self.forward.tracer
+        tracer = self.origins.tracer
         if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
             return  # the op tracer already reported this step's producer, at its op
         if replayed is None:
