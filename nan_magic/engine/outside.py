@@ -100,6 +100,21 @@ def _weak(value: Any) -> Any:
     return _Weak(weakref.ref(value), id(value)) if isinstance(value, torch.Tensor) else value
 
 
+def _map_tensors(function: Any, value: Any) -> Any:
+    """``value`` with each tensor in it (in tuples, lists and dicts, as aten's arguments nest) mapped by ``function``.
+
+    What ``tree_map`` does for the few shapes an op's arguments take, at a
+    fraction of its cost: it runs for every recorded op of every step.
+    """
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if type(value) in (tuple, list):
+        return type(value)(_map_tensors(function, item) for item in value)
+    if type(value) is dict:
+        return {key: _map_tensors(function, item) for key, item in value.items()}
+    return value
+
+
 def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(storage key, bytes)`` of what holding ``tensor`` keeps alive (a view keeps its whole base), or None."""
     try:
@@ -185,21 +200,23 @@ class OutsideRecorder(TorchDispatchMode):
         a one-line loss needs its intermediates, which autograd frees as
         each node runs. A replay that needs a freed tensor gives up.
         """
-        kept: dict[int, int] = {}  # storage -> bytes, each storage counted once
+        kept: set[int] = set()  # storages held, each counted once
+        total = 0
 
-        def weak_unless_small(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
+        def weak_unless_small(value: torch.Tensor) -> Any:
+            nonlocal total
             size = _storage_bytes(value)
-            if size is not None and (size[0] in kept or (
-                    size[1] <= KEEP_BYTES and sum(kept.values()) + size[1] <= KEEP_TOTAL)):
-                kept[size[0]] = size[1]
+            if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
+                if size[0] not in kept:
+                    kept.add(size[0])
+                    total += size[1]
                 return value
             return _weak(value)
 
         self._ops = [
-            dataclasses.replace(op, args=tree_map(weak_unless_small, op.args),
-                                kwargs=tree_map(weak_unless_small, op.kwargs), out=tree_map(weak_unless_small, op.out))
+            dataclasses.replace(op, args=_map_tensors(weak_unless_small, op.args),
+                                kwargs=_map_tensors(weak_unless_small, op.kwargs),
+                                out=_map_tensors(weak_unless_small, op.out))
             for op in self._ops
         ]
 
@@ -235,9 +252,12 @@ class OutsideRecorder(TorchDispatchMode):
         index = len(self._ops)
         self._ops.append(_Op(func, tuple(args), kwargs, out, frame.f_code if frame else None,
                              frame.f_lineno if frame else 0, frame.f_globals if frame else None))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self._produced[id(tensor)] = index
+        if isinstance(out, torch.Tensor):  # most ops: no walk of a pytree
+            self._produced[id(out)] = index
+        else:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._produced[id(tensor)] = index
         return out
 
     # -- at an event ----------------------------------------------------------------------

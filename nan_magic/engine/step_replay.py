@@ -143,6 +143,8 @@ class StepReplays:
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped).
         self._stepped: set[int] = set()
+        # Per model: its trainable parameters, learned at its first call (release_stepped).
+        self._trainable: dict[int, frozenset[int]] = {}
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
@@ -153,6 +155,7 @@ class StepReplays:
             slots = self._slots[id(module)] = [
                 (owner, name) for owner in module.modules() for name in owner._buffers
             ]
+            self._trainable[id(module)] = frozenset(id(p) for p in module.parameters() if p.requires_grad)
         mutable = self._mutable.get(id(module))
         buffers: dict[int, torch.Tensor] = {}
         buffer_versions = []
@@ -213,14 +216,15 @@ class StepReplays:
         optimizer stepped since the step began: a GAN's generator call,
         made before the discriminator's step, waits for its own optimizer
         (its backward may still fail). A model without trainable parameters
-        (a frozen teacher) is dropped at the first step.
+        (a frozen teacher) is dropped at the first step. The trainable
+        parameters are those of the model's first call in the watch (a set
+        per model, not a walk of its parameters each step); a layer frozen
+        since then and taken out of every optimizer keeps its model's calls
+        until :data:`MAX_CALLS` newer ones push them out.
         """
         self._stepped.update(id(parameter) for group in opt.param_groups for parameter in group["params"])
         stepped = self._stepped
-        waiting = [
-            root for root in self.calls
-            if any(p.requires_grad and id(p) not in stepped for p in root.module.parameters())
-        ]
+        waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
         if len(waiting) != len(self.calls):
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
