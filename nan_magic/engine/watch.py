@@ -23,10 +23,11 @@ Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
 whatever way it ends, no hook of ours remains and the user's hooks were never
 touched.
 
-This module owns the lifecycle, the step counter, the deferred check (one
-transfer per step) and the events; the checks themselves live in
-``forward.py`` (with the producer rule, ``producer.py``), ``gradients.py``
-and ``optim.py``.
+This module owns the lifecycle, the step counter and the deferred check
+(one transfer per step); the checks themselves live in ``forward.py`` (with
+the producer rule, ``producer.py``), ``gradients.py`` and ``optim.py``; the
+outcome (the report, the events, how the run stops) in ``events.py``, which
+gets callables, not the watch.
 
 Who may call whom. The watch builds every part in :meth:`Watch._reset_state`
 and hands each the narrow services it uses; no checker reaches another
@@ -43,7 +44,6 @@ read by the gradient checks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import warnings
@@ -58,21 +58,19 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.engine import backward_patch, scaler_patch
-from nan_magic.engine.agreement import Agreement
 from nan_magic.engine.call_replay import CallReplay
 from nan_magic.engine.calls import StepLog
 from nan_magic.engine.distributed import (
     data_parallel_paths,
     launched,
-    per_rank_path,
     stamp,
     user_name,
 )
 from nan_magic.engine.early import EarlyWarnings
-from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
+from nan_magic.engine.errors import NanMagicWarning, NonFiniteError
+from nan_magic.engine.events import EventContext, Events
 from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.forward import ForwardChecks
-from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.gradients import GradientChecks, check_parameter_grads
 from nan_magic.engine.held import running_arguments
 from nan_magic.engine.module_hooks import GlobalModuleHooks
@@ -81,7 +79,7 @@ from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
-from nan_magic.engine.stats import is_checkable, read_scalars, tensor_stats
+from nan_magic.engine.stats import read_scalars
 from nan_magic.engine.step_replay import Producer, StepReplays, replay_target
 from nan_magic.engine.targets import ModuleInfo, Targets, refuse_compiled, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
@@ -126,15 +124,6 @@ class Watch:
         # unwatched). By default: every module when no module was given
         # (discovery), nothing else.
         self._name_new_target = name_new_target
-        #: The NonFiniteError this watch raised, once it has (the magics
-        #: adopt its traceback after IPython has shown it).
-        self.raised: NonFiniteError | None = None
-        #: The frame that ran the first real event's producing op, where a replay named it (for %debug),
-        #: and its ``(f_lasti, f_lineno)`` then.
-        self.producer_frame: FrameType | None = None
-        self.producer_position: tuple[int, int] | None = None
-        self.events: list[Report] = []
-        self.report: Report | None = None
         self.history: deque[StepSummary] = deque(maxlen=self.config.history)
         self.warnings: deque[EarlyWarning] = deque(maxlen=self.config.max_events)
         self._active = False
@@ -147,6 +136,30 @@ class Watch:
         self._reset_state()
 
     # -- public state -----------------------------------------------------------
+
+    @property
+    def report(self) -> Report | None:
+        """The Report of the first non-benign event, or None (events.py)."""
+        return self.outcome.report
+
+    @property
+    def events(self) -> list[Report]:
+        """Every event seen, benign ones included, in order."""
+        return self.outcome.events
+
+    @property
+    def raised(self) -> NonFiniteError | None:
+        """The NonFiniteError this watch raised, once it has (the magics adopt its traceback)."""
+        return self.outcome.raised
+
+    @property
+    def producer_frame(self) -> FrameType | None:
+        """The frame that ran the first real event's producing op, where a replay named it (for %debug)."""
+        return self.outcome.producer_frame
+
+    @property
+    def producer_position(self) -> tuple[int, int] | None:
+        return self.outcome.producer_position
 
     @property
     def active(self) -> bool:
@@ -178,11 +191,6 @@ class Watch:
         if self._active:
             raise RuntimeError("this watch is already active; nested use of one watch is not supported")
         self._reset_state()
-        self.events = []
-        self.raised = None
-        self.producer_frame = None
-        self.producer_position = None
-        self.report = None
         self.history.clear()
         self.warnings.clear()
         # A watch nested over the same modules takes over from the outer one
@@ -206,8 +214,8 @@ class Watch:
     ) -> Literal[False]:
         if self.outside is not None:
             self.outside.stop()
-        self._leaving = exc is not None  # an event found now raises at once, from ``exc``
-        explained = self._raise_explained(exc)
+        self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
+        explained = self.outcome.explain(exc)
         try:
             if exc is None:
                 self.sync()
@@ -216,9 +224,9 @@ class Watch:
                     self.optimizers.on_step_boundary()
                 if self.gradients.backward_runs:
                     self._check_unstepped_gradients()
-                self._raise_agreed(self.agreement.leave(self._lockstep()))
+                self.outcome.raise_agreed(self.outcome.agreement.leave(self._lockstep()))
             elif explained is None and isinstance(exc, Exception) and not isinstance(exc, NonFiniteError):
-                explained = self._judge_pending() or self._agreed(self.agreement.left_by(exc))
+                explained = self._judge_pending() or self.outcome.agreed(self.outcome.agreement.left_by(exc))
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -344,20 +352,23 @@ class Watch:
         self._sharded_roots: dict[int, bool] = {}
         self.forward_starts = 0
         self._step_open = False
-        self._raised = False
-        # A forward that raised after a non-finite value: what the watch raises on exit (on_forward_failed).
-        self._explained: tuple[Finding, Report, Producer, BaseException] | None = None
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
-        self.agreement: Agreement = Agreement(alone=self.replay_of is not None)
-        self._leaving = False
+        self.outcome: Events = Events(self.config, EventContext(
+            build=self._build_report,
+            localize=self.replays.localize if self.replays is not None else _nothing_replayed,
+            record_scene=functools.partial(record_scene, self),
+            traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
+            lockstep=self._lockstep,
+            skipped=self.skipped,
+        ), alone=self.replay_of is not None)
 
     def _wants_defer(self) -> bool:
         """Deferred checks by default where the models live on a GPU, and under a process group.
 
         Under a process group, every check of a step is then judged at the
         optimizer step's pre-hook, the one point where all ranks can agree
-        to stop (distributed.py).
+        to stop (agreement.py).
         """
         if self.config.defer is not None:
             return self.config.defer
@@ -468,8 +479,7 @@ class Watch:
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
-        if self.agreement.several and not self._raised and self.config.on_detect == "raise":
-            self._raise_agreed(self.agreement.peer_stop())
+        self.outcome.check_peers()
 
     def _sharded(self) -> bool:
         """Whether a watched model is sharded by FSDP: its calls cannot be replayed on one rank alone.
@@ -493,7 +503,7 @@ class Watch:
         parameter gradients read here instead, when the next forward starts
         or the watch ends.
         """
-        if (not self.config.tiered or not self.config.backward or self.optimizer_in_use() or self._raised
+        if (not self.config.tiered or not self.config.backward or self.optimizer_in_use() or self.outcome.stopped
                 or self.optimizers.scaler_active()):
             return  # an optimizer's check reads them, or a GradScaler settles them (a skipped step)
         named: list[tuple[str, torch.Tensor]] = [
@@ -511,18 +521,19 @@ class Watch:
 
     def _on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (distributed.py)."""
+        agreement = self.outcome.agreement
         if self.mine():
-            self.agreement.open()
+            agreement.open()
             if self.outside is not None:
                 self.outside.stop()
                 self.outside.forget()  # the loss code's backward has run: its records can go
         try:
             self.optimizers.on_step_pre(opt, args, kwargs)
-            agreed = self.agreement.settle(None)
+            agreed = agreement.settle(None)
         finally:
             # Settled, or failed in our own code: no later check may take part in this step's collective.
-            self.agreement.close()
-        self._raise_agreed(agreed)
+            agreement.close()
+        self.outcome.raise_agreed(agreed)
 
     def _on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
@@ -534,31 +545,13 @@ class Watch:
         if self.outside is not None and self.mine():
             self.outside.start("data")  # the code until the next model call: data loading, within a budget
 
-    def _raise_agreed(self, error: NonFiniteError | None) -> None:
-        """Raise what the ranks agreed on: this rank's event, another rank's, or nothing."""
-        agreed = self._agreed(error)
-        if agreed is not None:
-            raise agreed
-
-    def _agreed(self, error: NonFiniteError | None) -> NonFiniteError | None:
-        """Note ``error`` as what this watch raises; another rank's report becomes this watch's report."""
-        if error is None:
-            return None
-        if isinstance(error, PeerNonFiniteError):
-            self.report = error.report
-            if len(self.events) < self.config.max_events:
-                self.events.append(error.report)
-        self._raised = True
-        self.raised = error
-        return error
-
     def on_forward_failed(self, module: nn.Module, call: Any) -> None:
         """A top-level forward raised: when a replay finds a non-finite value came first, report it.
 
         Called from the forward hook while the exception propagates. torch
         silences what a hook raises then, so in ``raise`` mode the
         NonFiniteError is raised when the watch is left, from the original
-        exception (:meth:`_raise_explained`); ``warn``/``log`` record it now.
+        exception (events.py); ``warn``/``log`` record it now.
         """
         if self.replays is None:
             return
@@ -566,12 +559,7 @@ class Watch:
         if explained is None:
             return
         report, producer, error = explained
-        finding = Finding(Phase.FORWARD, call, "output")
-        if self.config.on_detect == "raise":
-            # torch silences an exception raised by this hook: the watch raises it on exit, from ``error``.
-            self._explained = (finding, report, producer, error)
-        else:
-            self.emit(finding, replayed=(report, producer))
+        self.outcome.hold_explained(Finding(Phase.FORWARD, call, "output"), (report, producer), error)
 
     def _judge_pending(self) -> NonFiniteError | None:
         """An exception is leaving the watch: a non-finite value made before it and not judged yet comes first.
@@ -580,24 +568,12 @@ class Watch:
         exception that stops the step before (``torch.multinomial`` on NaN
         probabilities in the loop) is then raised ``from`` by the event.
         """
-        if not self.defer or self._raised:
+        if not self.defer or self.outcome.stopped:
             return None
         try:
             self.sync()
         except NonFiniteError as error:
             return error
-        return None
-
-    def _raise_explained(self, exc: BaseException | None) -> NonFiniteError | None:
-        """The NonFiniteError of a forward that raised after a non-finite value (on_forward_failed), for ``exc``."""
-        explained, self._explained = self._explained, None
-        if explained is None or exc is None or explained[3] is not exc:
-            return None
-        finding, report, producer, _error = explained
-        try:
-            self.emit(finding, replayed=(report, producer))
-        except NonFiniteError as stop:
-            return stop
         return None
 
     def on_gradient_event(self, finding: Finding) -> None:
@@ -672,7 +648,7 @@ class Watch:
         In deferred mode, the calls are then judged in the order they
         returned. Returns the values of ``extra``.
         """
-        if not self.defer or self._raised:
+        if not self.defer or self.outcome.stopped:
             return read_scalars(extra) if extra else []
         values = self.log.resolve(extra)
         for call in self.log.finished():
@@ -684,101 +660,35 @@ class Watch:
                 for record in call.outputs:
                     if record.status == "ok":
                         self.forward.rule.judge(call, record, "detected at the deferred check")
-            if self._raised:
+            if self.outcome.stopped:
                 break
         return values
 
     # -- events ---------------------------------------------------------------------
 
     def emit(self, finding: Finding, replayed: tuple[Report, Producer] | None = None) -> None:
-        """Record an event; raise or warn for the first non-benign one as configured.
+        """Record an event; raise or warn for the first non-benign one as configured (events.py)."""
+        self.outcome.emit(finding, replayed)
 
-        In the tiered mode a real forward or backward event is first
-        localized by a replay of its step (step_replay.py); ``replayed`` is
-        a replay's report and producer (frame, position) already made.
-        """
-        if self.agreement.holding:
-            return  # this rank's first event waits for the next agreement point (agreement.py)
-        tracer = self.origins.tracer
-        if not finding.benign and finding.op is None and tracer is not None and tracer.finding:
-            return  # the op tracer already reported this step's producer, at its op
-        if replayed is None:
-            report = stamp(build_report(
-                finding,
-                step=self.step if finding.step is None else finding.step,
-                log=self.log,
-                history=tuple(self.history),
-                warnings=tuple(self.warnings),
-                max_layers=self.config.max_layers,
-                sample_size=self.config.sample_size,
-            ))
-            if self.replays is not None and not finding.benign:
-                replayed = self.replays.localize(finding, report)
-        position = None
-        if replayed is not None:
-            report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
-        if self.skipped:
-            report = dataclasses.replace(report, skipped=tuple(sorted(self.skipped.items())))
-        if not report.benign and self.report is None:
-            # The first real event: save the scene / arm the roll-back (scene.py).
-            report = record_scene(self, finding, report)
-            self.report = report
-            self.producer_frame = finding.frame
-            if finding.frame is not None:
-                # Where the op ran: the frame of a replay that went on to its end has moved since.
-                self.producer_position = (
-                    position or finding.frame_position or (finding.frame.f_lasti, finding.frame.f_lineno)
-                )
-        if len(self.events) < self.config.max_events:
-            self.events.append(report)
-        if self.config.log_file:
-            self._append_log(report)
-        if report.benign:
-            return
-        if self.config.on_detect == "raise":
-            own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position)
-            if not self._leaving and self.agreement.hold(own, finding, self._lockstep()):
-                # Between agreement points: this rank checks nothing more and stops with the others at the next.
-                self._raised = True
-                return
-            self._raise_agreed(self.agreement.settle(own, finding))
-        if self.config.on_detect == "warn":
-            warnings.warn(report.message, RuntimeWarning, stacklevel=2)
-
-    def _append_log(self, report: Report) -> None:
-        """One JSON line per event; a failing log (disk full) must not stop the user's run."""
-        try:
-            with open(per_rank_path(self.config.log_file), "a", encoding="utf-8") as handle:  # type: ignore[arg-type]
-                handle.write(report.to_json() + "\n")
-        except OSError as error:
-            warnings.warn(f"nan_magic could not write the event log {self.config.log_file}: {error}",
-                          NanMagicWarning, stacklevel=3)
+    def _build_report(self, finding: Finding) -> Report:
+        """``finding``'s report as the step's boundary saw it: this step's log, history and warnings."""
+        return stamp(build_report(
+            finding,
+            step=self.step if finding.step is None else finding.step,
+            log=self.log,
+            history=tuple(self.history),
+            warnings=tuple(self.warnings),
+            max_layers=self.config.max_layers,
+            sample_size=self.config.sample_size,
+        ))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
-        """Cut ``tb`` after the user's frame and record that frame in the report.
+        """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
+        self.outcome.adopt_traceback(error, tb)
 
-        ``%debug`` and ``pdb.post_mortem`` open the last frame of a traceback;
-        after this, that is the user's line nearest the producer (the line that
-        called the producing module, ``loss.backward()`` or ``opt.step()``).
-        Called by ``__exit__``, and by the magics where IPython catches the
-        exception first.
-        """
-        last = end_at_producer(tb, error.producer_frame, error.producer_position)
-        if last is None:
-            return
-        tensor_locals = tuple(
-            (name, tensor_stats(value))
-            for name, value in last.tb_frame.f_locals.items()
-            if isinstance(value, torch.Tensor) and is_checkable(value)
-        )
-        report = dataclasses.replace(
-            error.report, debug_frame=frames_of(last)[0], debug_locals=tensor_locals, frames=user_frames_of(tb)
-        )
-        error.report = report
-        if self.report is not None and self.report is not report:
-            self.report = report
-        if self.events:
-            self.events[-1] = report
+
+def _nothing_replayed(finding: Finding, report: Report) -> None:
+    return None
 
 
 def watch(
