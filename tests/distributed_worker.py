@@ -8,6 +8,7 @@ here are spawned, so that ``torch.multiprocessing`` can import them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -89,7 +90,10 @@ SCENARIOS = (
 )
 
 #: Runs whose event is judged between two optimizer steps' agreements (between_points).
-BETWEEN_POINTS = ("accumulation_rank1", "immediate_rank1", "last_step_rank1", "inference_rank1", "ddp_inference_rank1")
+BETWEEN_POINTS = (
+    "accumulation_rank1", "immediate_rank1", "last_step_rank1", "inference_rank1", "ddp_inference_rank1",
+    "ddp_grad_inference_rank1",
+)
 
 
 def run_all(rank: int, world: int, port: int, out: str) -> None:
@@ -228,12 +232,15 @@ def between_points(rank: int, scenario: str, out: str) -> None:
     ``last_step_rank1``: rank 1's last optimizer step makes its parameters
     inf (an infinite learning rate there only), judged at the watch's exit.
     ``inference_rank1``: each rank evaluates its own copy (no DDP, no
-    optimizer). ``ddp_inference_rank1``: a DDP model evaluated without an optimizer.
+    optimizer). ``ddp_inference_rank1``: a DDP model evaluated under
+    ``no_grad`` without an optimizer; ``ddp_grad_inference_rank1``: the same
+    with gradients enabled (DDP's forward then prepares its all-reduce).
     """
     torch.manual_seed(0)
     middle = LogLayer()
     inner = tiny_model(middle)
     inference = scenario.endswith("inference_rank1")
+    no_grad = scenario != "ddp_grad_inference_rank1"
     model: nn.Module = inner if scenario == "inference_rank1" else DistributedDataParallel(inner)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     targets: tuple[Any, ...] = (model,) if inference else (model, opt)
@@ -252,7 +259,7 @@ def between_points(rank: int, scenario: str, out: str) -> None:
                 if inference:
                     if rank == 0:
                         time.sleep(0.2)  # its own work; no collective keeps the ranks in step
-                    with torch.no_grad():
+                    with torch.no_grad() if no_grad else contextlib.nullcontext():
                         model(torch.randn(2, 4, generator=generator))
                     steps += 1
                     continue

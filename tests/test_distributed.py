@@ -158,8 +158,20 @@ def test_inference_on_each_rank_stops_the_other_ranks_through_the_stop_channel(r
     assert rank0["report"]["notes"][-1] == "rank 0 saw no non-finite value of its own at this step"
 
 
-def test_a_ddp_model_evaluated_without_an_optimizer_stops_every_rank_at_the_watchs_exit(ranks):
+def test_a_ddp_model_evaluated_under_no_grad_stops_its_rank_at_once_and_the_other_soon_after(ranks):
+    # Under no_grad DDP's forward runs no collective: rank 1 stops at its step, rank 0 reads the stop
+    # channel after its next step, or at its exit if it had finished (no step makes the ranks meet).
     rank0, rank1 = ranks["ddp_inference_rank1"]
+    assert (rank1["error"], rank1["steps"]) == ("NonFiniteError", worker.FAULT_STEP)
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == LOG_AT_FAULT_STEP
+    assert rank0["seconds"] < 20
+
+
+def test_a_ddp_model_evaluated_with_gradients_stops_every_rank_at_the_watchs_exit(ranks):
+    # With gradients DDP's forward may sync buffers with the other ranks: rank 1 must not stop alone
+    # mid-loop, so its event waits for the watch's exit, where both ranks stop.
+    rank0, rank1 = ranks["ddp_grad_inference_rank1"]
     assert rank1["error"] == "NonFiniteError"
     assert rank0["error"] == "PeerNonFiniteError"
     assert rank0["message"] == LOG_AT_FAULT_STEP

@@ -31,8 +31,10 @@ between them:
 * **The watch's exit**, through the store rather than a collective (a rank
   that stopped elsewhere must cost the others a bounded wait, not a hang):
   each rank posts what it found and waits for the others' posts
-  (:meth:`Agreement.leave`). Only a watch in *lockstep* does this:
-  one that has an optimizer or a DDP/FSDP model, whose ranks step together.
+  (:meth:`Agreement.leave`). Only a watch in *lockstep* does this, one
+  whose ranks step together: it has an optimizer, an FSDP model, or a DDP
+  model run with gradients (under ``no_grad`` DDP runs no collective after
+  its first call, so its ranks are treated as an inference watch's).
 
 An event judged between agreement points in a lockstep watch (``defer=False``
 checks mid-forward, a backward without a step: gradient accumulation or a
@@ -43,14 +45,16 @@ optimizer step that would apply the non-finite values is never taken.
 
 A rank that must raise alone (an inference watch, which has no point where
 all ranks meet; an exception out of the watch while an event is held) posts
-its report through the store's **stop channel** (:meth:`Agreement.post`):
+its report through the store's **stop channel** (:meth:`Agreement.post`),
+which the others read:
 
 * an inference watch reads the channel after each step (one store round
   trip, about 50 µs on one host; only under a process group and only where
   no optimizer steps), so the other ranks stop at their next step;
 * a rank whose collective fails because the failing rank exited ("Connection
   closed by peer") or timed out reads it as its watch is left, and raises
-  the failing rank's error ``from`` the collective's.
+  the failing rank's error ``from`` the collective's;
+* a rank waiting at the exit for a rank that stopped reads it there.
 
 Not covered: a failing rank that stays alive after an exception it did not
 hold off (its peers then wait in their collective until the process group's
@@ -62,9 +66,10 @@ exits: the others then get gloo's error alone.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import pickle
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +94,8 @@ _STOP_KEY = "nan_magic/stop/{count}"
 
 #: How long a rank waits at the watch's exit for the others to reach theirs.
 EXIT_WAIT_S = 30.0
+# How often a waiting rank looks again.
+_POLL_S = 0.01
 
 # Exit rounds taken by this process. Every rank leaves its lockstep watches in the
 # same order, so this count names the same round on every rank (store keys).
@@ -250,11 +257,16 @@ class Agreement:
         self._stops_seen = count
         return _peer_error(report, None, (self._group or (0, 1))[0])
 
+    def _stop_posted(self) -> bool:
+        count = _store().add(_STOPS, 0)
+        return self._stops_seen is not None and count > self._stops_seen
+
     def _exit_round(self, own: NonFiniteError | None, finding: Finding | None) -> NonFiniteError | None:
         """Every rank's exit posts what it holds; the most telling event is raised on every rank.
 
         Through the store, with a bounded wait: a rank that stopped elsewhere
-        costs the others :data:`EXIT_WAIT_S`, not a hang. A rank with an event
+        costs the others :data:`EXIT_WAIT_S` at most, not a hang, and no
+        wait at all when it posted its event in the stop channel. A rank with an event
         appends its flag to one key; a second arrival, only then, keeps the
         rank that serves the store (rank 0 without torchrun) alive until
         every rank has read the report.
@@ -266,7 +278,10 @@ class Agreement:
             if own is not None:
                 store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
                 store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")
-            if not _arrive(store, f"{prefix}/arrived", world) or not store.check([f"{prefix}/flags"]):
+            if not _arrive(store, f"{prefix}/arrived", world, self._stop_posted):
+                # A rank did not come: it stopped elsewhere, and may have posted why.
+                return own or self.peer_stop()
+            if not store.check([f"{prefix}/flags"]):
                 return own
             flags = [int(flag) for flag in store.get(f"{prefix}/flags").decode().split(",") if flag]
             first = world - 1 - max(flags) % world
@@ -279,14 +294,19 @@ class Agreement:
             return own
 
 
-def _arrive(store: Any, key: str, world: int) -> bool:
-    """Count this rank in at ``key`` and wait, at most :data:`EXIT_WAIT_S`, for all ``world``; True when all came."""
+def _arrive(store: Any, key: str, world: int, stopped: Callable[[], bool] = lambda: False) -> bool:
+    """Count this rank in at ``key`` and wait for all ``world``; True when all came.
+
+    The wait ends early, False, after :data:`EXIT_WAIT_S` or as soon as
+    ``stopped()`` (a rank posted in the stop channel: it will not come).
+    """
     if store.add(key, 1) == world:
-        store.set(f"{key}/all", b"1")
-    try:
-        store.wait([f"{key}/all"], datetime.timedelta(seconds=EXIT_WAIT_S))
-    except RuntimeError:  # a rank stopped elsewhere: go on with the posts that came
-        return False
+        return True
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline or stopped():
+            return False
+        time.sleep(_POLL_S)
     return True
 
 

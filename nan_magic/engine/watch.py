@@ -467,14 +467,19 @@ class Watch:
         self._step_open = False
 
     def _lockstep(self) -> bool:
-        """Whether this watch's ranks step together: it has an optimizer, or a DDP or FSDP model (agreement.py).
+        """Whether this watch's ranks step together (agreement.py): an event found on one rank then waits.
 
-        Then every rank reaches the next optimizer step, or the watch's exit,
-        and an event found on one rank waits there for the others.
+        It has an optimizer, or an FSDP model (whose forward gathers
+        parameters from every rank), or a DDP model run with gradients (its
+        forward syncs buffers, its backward all-reduces). Every rank then
+        reaches the next optimizer step, or the watch's exit, and stops
+        there. A DDP model evaluated under ``no_grad`` runs no collective
+        after its first such call: its rank can stop at once, and the others
+        read the stop channel after their next step.
         """
         return self.replay_of is None and (
             self.optimizer_in_use() or self._sharded()
-            or any(data_parallel_paths(root) for _label, root in self.targets.roots)
+            or (torch.is_grad_enabled() and any(data_parallel_paths(root) for _label, root in self.targets.roots))
         )
 
     def check_peers(self) -> None:
