@@ -13,8 +13,11 @@
 - :func:`anomaly_detection`: ``torch.autograd.set_detect_anomaly(True)``, which records
   a Python stack for every autograd node in forward and checks every gradient in backward
   for NaN.
-- :func:`checks_floor`: not a watcher but a yardstick: the reads nan_magic's default
-  checks make (one ``aminmax`` per module output, one ``sum`` per output gradient, one
+- :func:`boundary_floor`: a yardstick for the tiered default: the reads its tier 1 makes
+  (the batch, the model's output, the gradient into it, every parameter gradient's norm),
+  with almost no Python around them.
+- :func:`checks_floor`: not a watcher but a yardstick: the reads nan_magic's per-module
+  checks (``mode="full"``) make (one ``aminmax`` per module output, one ``sum`` per output gradient, one
   norm per parameter gradient), with almost no Python around them. What nan_magic costs
   beyond it is its bookkeeping (records, replays, reports, warnings).
 - :func:`naive_dispatch_checker`: the op-level checker people write first, the yardstick
@@ -162,7 +165,7 @@ def anomaly_detection(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def checks_floor(model: nn.Module) -> Iterator[None]:
-    """The reads of nan_magic's default checks with almost no Python: what they cost at the least.
+    """The reads of nan_magic's per-module checks (``mode="full"``) with almost no Python: their least cost.
 
     Every module output gets one ``aminmax`` read on the host and a gradient hook
     that reads its gradient's ``sum``; every large CPU float parameter gets a
@@ -210,6 +213,76 @@ def checks_floor(model: nn.Module) -> Iterator[None]:
             raise FloatingPointError("a non-finite parameter gradient")
 
     handles = [register_module_forward_hook(check_output), register_optimizer_step_pre_hook(check_step)]
+    handles += [
+        parameter.register_post_accumulate_grad_hook(take_norm)
+        for parameter in model.parameters()
+        if parameter.requires_grad and parameter.is_cpu and parameter.dtype in (torch.float32, torch.float64)
+        and parameter.numel() >= 1 << 15
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def boundary_floor(model: nn.Module) -> Iterator[None]:
+    """The reads of nan_magic's tiered default (tier 1) with almost no Python: what they cost at the least.
+
+    Only the step's boundaries, as the tiered watch checks them: one ``aminmax``
+    of the batch entering the model and of its output, read on the host; the
+    ``sum`` of the gradient flowing into the output; the norm of every parameter
+    gradient (a dot in backward for the large CPU ones, one ``_foreach_norm`` for
+    the rest), all read before the optimizer step. No records, no replay
+    material, no loss recorder: what the tiered watch costs beyond this is its
+    bookkeeping.
+
+    Raises
+    ------
+    FloatingPointError
+        At the first non-finite batch, output, output gradient or parameter gradient.
+    """
+    hot: dict[int, torch.Tensor] = {}
+
+    def finite(tensor: torch.Tensor) -> bool:
+        low, high = torch.aminmax(tensor.detach())
+        return math.isfinite(low.item()) and math.isfinite(high.item())
+
+    def check_gradient(grad: torch.Tensor) -> None:
+        if not math.isfinite(float(grad.detach().sum())):
+            raise FloatingPointError("a non-finite output gradient")
+
+    def check_batch(module: nn.Module, args: Any) -> None:
+        if not all(finite(tensor) for tensor in _tensors(args) if tensor.is_floating_point() and tensor.numel()):
+            raise FloatingPointError("a non-finite batch")
+
+    def check_output(module: nn.Module, args: Any, output: Any) -> None:
+        for tensor in _tensors(output):
+            if tensor.is_floating_point() and tensor.numel():
+                if not finite(tensor):
+                    raise FloatingPointError("a non-finite model output")
+                if tensor.grad_fn is not None:
+                    tensor.register_hook(check_gradient)
+
+    def take_norm(parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if grad is not None and grad.is_contiguous():
+            flat = grad.detach().view(-1)
+            hot[id(parameter)] = torch.dot(flat, flat).sqrt_()
+
+    def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        cold = [p.grad for group in optimizer.param_groups for p in group["params"]
+                if p.grad is not None and id(p) not in hot]
+        norms = [*hot.values(), *(torch._foreach_norm(cold, 2) if cold else [])]
+        hot.clear()
+        if not math.isfinite(float(torch.stack(norms).sum())):
+            raise FloatingPointError("a non-finite parameter gradient")
+
+    handles = [
+        model.register_forward_pre_hook(check_batch), model.register_forward_hook(check_output),
+        register_optimizer_step_pre_hook(check_step),
+    ]
     handles += [
         parameter.register_post_accumulate_grad_hook(take_norm)
         for parameter in model.parameters()

@@ -95,6 +95,7 @@ def all_columns() -> list[Column]:
         Column("anomaly", "anomaly", baselines.anomaly_detection),
         Column("naive_dispatch", "naive ops", baselines.naive_dispatch_checker),
         Column("floor", "reads floor", baselines.checks_floor),
+        Column("boundary_floor", "boundary floor", baselines.boundary_floor),
     ]
 
 
