@@ -171,7 +171,7 @@ def checks_floor(model: nn.Module) -> Iterator[None]:
     that reads its gradient's ``sum``; every large CPU float parameter gets a
     post-accumulate-grad hook taking its gradient's norm by a dot while it is in
     cache; before an optimizer step the other gradients' norms come from one
-    ``_foreach_norm`` and every norm is read. These are nan_magic's reads, except
+    ``_foreach_norm`` and every norm is read, in one read. These are nan_magic's reads, except
     that nan_magic skips the outputs of activations whose input it knows finite.
     It names nothing and keeps nothing: a yardstick, not a watcher.
 
@@ -181,7 +181,6 @@ def checks_floor(model: nn.Module) -> Iterator[None]:
         At the first non-finite module output, output gradient or parameter gradient.
     """
     watched = {id(module) for module in model.modules()}
-    hot: dict[int, torch.Tensor] = {}
 
     def check_gradient(grad: torch.Tensor) -> None:
         if not math.isfinite(float(grad.detach().sum())):
@@ -198,27 +197,7 @@ def checks_floor(model: nn.Module) -> Iterator[None]:
                 if tensor.grad_fn is not None:
                     tensor.register_hook(check_gradient)
 
-    def take_norm(parameter: torch.Tensor) -> None:
-        grad = parameter.grad
-        if grad is not None and grad.is_contiguous():
-            flat = grad.detach().view(-1)
-            hot[id(parameter)] = torch.dot(flat, flat).sqrt_()
-
-    def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        cold = [p.grad for group in optimizer.param_groups for p in group["params"]
-                if p.grad is not None and id(p) not in hot]
-        norms = [*hot.values(), *(torch._foreach_norm(cold, 2) if cold else [])]
-        hot.clear()
-        if not all(math.isfinite(norm.item()) for norm in norms):
-            raise FloatingPointError("a non-finite parameter gradient")
-
-    handles = [register_module_forward_hook(check_output), register_optimizer_step_pre_hook(check_step)]
-    handles += [
-        parameter.register_post_accumulate_grad_hook(take_norm)
-        for parameter in model.parameters()
-        if parameter.requires_grad and parameter.is_cpu and parameter.dtype in (torch.float32, torch.float64)
-        and parameter.numel() >= 1 << 15
-    ]
+    handles = [register_module_forward_hook(check_output), *_gradient_norm_hooks(model)]
     try:
         yield
     finally:
@@ -243,8 +222,6 @@ def boundary_floor(model: nn.Module) -> Iterator[None]:
     FloatingPointError
         At the first non-finite batch, output, output gradient or parameter gradient.
     """
-    hot: dict[int, torch.Tensor] = {}
-
     def finite(tensor: torch.Tensor) -> bool:
         low, high = torch.aminmax(tensor.detach())
         return math.isfinite(low.item()) and math.isfinite(high.item())
@@ -265,6 +242,26 @@ def boundary_floor(model: nn.Module) -> Iterator[None]:
                 if tensor.grad_fn is not None:
                     tensor.register_hook(check_gradient)
 
+    handles = [
+        model.register_forward_pre_hook(check_batch), model.register_forward_hook(check_output),
+        *_gradient_norm_hooks(model),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _gradient_norm_hooks(model: nn.Module) -> list[Any]:
+    """Every parameter gradient's norm, all read at once before each optimizer step (both floors share it).
+
+    As nan_magic takes them: a large CPU float gradient by a dot as soon as it
+    is accumulated (still in cache), the others by one ``_foreach_norm``.
+    Returns the hooks' handles.
+    """
+    hot: dict[int, torch.Tensor] = {}
+
     def take_norm(parameter: torch.Tensor) -> None:
         grad = parameter.grad
         if grad is not None and grad.is_contiguous():
@@ -276,24 +273,15 @@ def boundary_floor(model: nn.Module) -> Iterator[None]:
                 if p.grad is not None and id(p) not in hot]
         norms = [*hot.values(), *(torch._foreach_norm(cold, 2) if cold else [])]
         hot.clear()
-        if not math.isfinite(float(torch.stack(norms).sum())):
+        if norms and not math.isfinite(float(torch.stack(norms).sum())):
             raise FloatingPointError("a non-finite parameter gradient")
 
-    handles = [
-        model.register_forward_pre_hook(check_batch), model.register_forward_hook(check_output),
-        register_optimizer_step_pre_hook(check_step),
-    ]
-    handles += [
+    return [register_optimizer_step_pre_hook(check_step)] + [
         parameter.register_post_accumulate_grad_hook(take_norm)
         for parameter in model.parameters()
         if parameter.requires_grad and parameter.is_cpu and parameter.dtype in (torch.float32, torch.float64)
         and parameter.numel() >= 1 << 15
     ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class _FiniteEveryOp(TorchDispatchMode):
