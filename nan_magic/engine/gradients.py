@@ -101,9 +101,9 @@ class GradientChecks:
         watch.log.finish(call)
         if not watch.defer:
             self.judge_loss(call)
-            if watch.outside is not None:
-                watch.outside.weaken()  # for its backward, without keeping what autograd frees
-        else:  # a few nodes, walked once per backward
+        if watch.outside is not None:
+            watch.outside.weaken()  # for its backward and the deferred check, without keeping what autograd frees
+        if watch.defer:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)
             # Backward frees what they saved; the data among it is judged at the check.
@@ -177,9 +177,10 @@ class GradientChecks:
             if watch.replays is not None:
                 # Kept for a replay of this step's backward (step_replay.py), until the step ends.
                 watch.replays.capture_gradient(returned_by, record.path, grad)
-            if watch.outside is not None and not self.forget_queued:
+            if watch.outside is not None and not self.forget_queued and not watch.defer:
                 # The loss code's records serve its backward, which runs before this gradient
                 # arrives: they go when this backward pass ends (after every such hook judged).
+                # The deferred check reads them at the optimizer step, which lets them go.
                 torch.autograd.Variable._execution_engine.queue_callback(watch.outside.forget)
                 self.forget_queued = True
         log = watch.log

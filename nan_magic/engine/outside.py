@@ -20,9 +20,13 @@ its autograd node, and the record the forward line that created that node.
 Recording costs a few microseconds per op and reads nothing, so it adds no
 host synchronisation on CUDA. The references keep the loss code's values
 alive until ``backward()`` starts and the loss is judged (values autograd
-keeps anyway, for the most part), then only weakly until that backward pass
-ends; a data region's until the next model call has judged its batch. The deferred check judges later, after
-``backward()`` freed what a replay needs, so the deferred mode does not record.
+keeps anyway, for the most part); then small tensors stay (:data:`KEEP_BYTES`
+each, :data:`KEEP_TOTAL` in all) and large ones (logits) are held only
+weakly, until that backward pass ends or, for the deferred check (CUDA,
+process groups), until the optimizer step has judged the step. A data
+region's go when the next model call has judged its batch; the deferred
+mode records no data region (it judges the batch at the optimizer step,
+after the loss region has replaced those records).
 
 Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
 after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step

@@ -330,10 +330,8 @@ class Watch:
         self.defer = self._wants_defer()
         self.log = StepLog(self.config.max_layers, self.defer)
         # The tiered watch records the code between the models' calls (the loss, data code in the loop), to
-        # replay it at an event (immediate mode: the deferred check judges after backward freed it).
-        self.outside: OutsideRecorder | None = (
-            OutsideRecorder(self.config.kinds) if self.config.tiered and not self.defer else None
-        )
+        # replay it at an event (the deferred check, judging at the optimizer step, records the loss only).
+        self.outside: OutsideRecorder | None = OutsideRecorder(self.config.kinds) if self.config.tiered else None
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
         self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
@@ -531,13 +529,14 @@ class Watch:
             agreement.open()
             if self.outside is not None:
                 self.outside.stop()
-                self.outside.forget()  # the loss code's backward has run: its records can go
         try:
             self.optimizers.on_step_pre(opt, args, kwargs)
             agreed = agreement.settle(None)
         finally:
             # Settled, or failed in our own code: no later check may take part in this step's collective.
             agreement.close()
+            if self.outside is not None and self.mine():
+                self.outside.forget()  # the step is judged (the deferred check too): the loss code's records go
         self.outcome.raise_agreed(agreed)
 
     def _on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -547,8 +546,10 @@ class Watch:
             if self.replays is not None and self.mine():
                 # Its models' calls can need no replay now, nor stay alive.
                 self.replays.release_stepped(opt)
-        if self.outside is not None and self.mine():
-            self.outside.start("data")  # the code until the next model call: data loading, within a budget
+        if self.outside is not None and self.mine() and not self.defer:
+            # The code until the next model call: data loading, within a budget. (The deferred check judges
+            # the batch at the optimizer step, after the loss region replaced these records.)
+            self.outside.start("data")
 
     def on_forward_failed(self, module: nn.Module, call: Any) -> None:
         """A top-level forward raised: when a replay finds a non-finite value came first, report it.

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from contract import Case, Expect, Scenario
 
 # The tiered default records the loss code's ops (outside.py) and replays them, forward and backward, at an
-# event, in its immediate mode (the deferred check comes after backward freed them); mode="full" does not.
-LOSS_CODE_OPS = ("default", "ops")
-LOSS_CODE_NOTE = "defer and full: the loss code is not recorded; a backward producer there is named by its node"
+# event, immediate or deferred (its small tensors are kept for the deferred check); mode="full" does not.
+LOSS_CODE_OPS = ("default", "defer", "ops")
+LOSS_CODE_NOTE = "full: the loss code is not recorded; a backward producer there is named by its node"
 
 
 def _regression(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
