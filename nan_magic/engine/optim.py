@@ -29,21 +29,9 @@ an edit by hand) is measured again there. When a gradient accumulates over
 several backward passes the hook would measure it each time, so the watch
 falls back to measuring at the step.
 
-Bounded steps. Checking every parameter after every step reads all of them
-once more (on the benchmark MLP, 34 MB and about 3% of a step). A step of
-plain ``SGD``, ``Adam`` or ``AdamW`` on float32/float64 parameters and state,
-with finite hyperparameters, ``eps > 0``, betas in [0, 1) and gradients that
-were just checked finite (each gradient's norm below 1e18, so its square is
-finite too), computes a finite update from finite state: momentum and
-moments are averages of finite gradients, and Adam divides by at least
-``eps``. Such a step cannot make a parameter non-finite unless a parameter
-is already within reach of the float32 maximum, so its parameter pass is
-skipped; every :data:`FULL_CHECK_EVERY` steps, and at the first step of a
-watch, the parameters are checked anyway (which also covers a parameter
-written outside the optimizer). A non-finite parameter read by a module is
-reported by the forward pass at the next step whatever happens here. Any
-other optimizer, half-precision parameter or state, or a non-finite
-gradient applied (``on_detect="warn"``) gets the full check every step.
+Bounded steps: a step that cannot make a finite parameter non-finite has its
+parameters checked only every :data:`FULL_CHECK_EVERY` steps (step_layout.py
+gives the argument and the conditions).
 """
 
 from __future__ import annotations
@@ -51,7 +39,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,6 +58,7 @@ from nan_magic.engine.stats import (
     read_scalars,
     relevant_kinds,
 )
+from nan_magic.engine.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps
 from nan_magic.records import Cause, Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,63 +67,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks"]
 
 
-@dataclass
-class _StepResult:
-    """What one optimizer step updated, with the norms that say if it stayed finite.
-
-    ``updated`` is the optimizer's parameters then its half-precision state
-    tensors; their labels are only built for a report (:meth:`label`).
-    """
-
-    optimizer: torch.optim.Optimizer
-    step: int
-    layout: _Layout
-    updated: list[torch.Tensor]
-    norms: list[torch.Tensor]
-    #: The step after which the parameters were last checked before this one (None: never).
-    previous_check: int | None = None
-    #: The step was a bounded one, checked only because a full check was due.
-    bounded: bool = False
-
-    def label(self, index: int) -> str:
-        parameters = self.layout.named
-        if index < len(parameters):
-            return f"parameter {parameters[index][0]}"
-        name, _parameter, key = self.layout.half_state[index - len(parameters)]
-        return f"state {key} of {name}"
-
-
-@dataclass
-class _Layout:
-    """An optimizer's parameters under their model names, cached between steps.
-
-    Walking the parameter groups and the optimizer state every step costs
-    Python time per parameter; the layout is rebuilt only when the parameter
-    list (``signature``) or the number of parameters with state changes.
-    """
-
-    signature: tuple[int, ...]
-    named: list[tuple[str, torch.Tensor]]
-    #: The floating parameters with elements: those whose gradients are checked.
-    floating: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    #: Every parameter is float32 or float64.
-    wide: bool = False
-    state_count: int = -1
-    #: ``(name, parameter, key)`` of state tensors below 32 bits.
-    half_state: list[tuple[str, torch.Tensor, str]] = field(default_factory=list)
-
 #: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
 COLLAPSE_SKIPS = 15
 
 #: A bounded step's parameters are still checked every this many steps.
 FULL_CHECK_EVERY = 16
-
-#: Optimizers whose step is bounded by its gradients (see the module docstring).
-_BOUNDED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
-#: Below this per-tensor gradient norm, every squared gradient element is finite in float32.
-_BOUNDED_GRAD_NORM = 1e18
-
 
 class OptimizerChecks:
     """Optimizer step hooks and the GradScaler rule for one watch.
@@ -155,7 +91,7 @@ class OptimizerChecks:
         self.skipped_total = 0
         self.last_grad_norm: float | None = None
         self._parameter_names: dict[int, str] = {}
-        self._layouts: dict[int, _Layout] = {}
+        self._layouts: dict[int, Layout] = {}
         # Optimizers seen stepping (targets or not), for the scene and the roll-back.
         self.seen: list[torch.optim.Optimizer] = list(watch.targets.optimizers)
         # GradScalers passed to the watch or seen scaling a loss (scaler_patch.py).
@@ -165,7 +101,7 @@ class OptimizerChecks:
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
         # Deferred mode: a step's parameter/state norms, read at the next sync.
-        self.carried: _StepResult | None = None
+        self.carried: StepResult | None = None
         # Set before a step whose parameters need no check after it (bounded_step).
         self._bounded = False
         self._last_checked_step: int | None = None
@@ -207,7 +143,7 @@ class OptimizerChecks:
         # contiguous wide gradient takes norms()' dot, called directly.
         self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), dot_norm(grad))
 
-    def _gradients(self, layout: _Layout) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+    def _gradients(self, layout: Layout) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
         """The gradients about to be applied, with their norms: taken in backward if unchanged since, else now."""
         hot, self._hot = self._hot, {}
         with_grad: list[tuple[str, torch.Tensor]] = []
@@ -267,7 +203,7 @@ class OptimizerChecks:
             # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
             overflowed = [name for (name, _grad), value in zip(with_grad, grad_values) if not math.isfinite(value)]
             watch.warn(watch.early.observe_norm_overflow(watch.step, type(opt).__name__, overflowed))
-        self._bounded = all(value < _BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
+        self._bounded = all(value < BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
         self.in_step = True
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -293,7 +229,7 @@ class OptimizerChecks:
             for _name, parameter, key in layout.half_state:
                 value = opt.state.get(parameter, {}).get(key)
                 updated.append(value if _float_tensor(value) else _FINITE)
-            result = _StepResult(
+            result = StepResult(
                 opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step,
                 self._bounded,
             )
@@ -334,7 +270,7 @@ class OptimizerChecks:
         if carried is not None and not self._report_step_result(carried, read_scalars(carried.norms)):
             self.watch.on_finite_step()
 
-    def _report_step_result(self, result: _StepResult, values: list[float]) -> bool:
+    def _report_step_result(self, result: StepResult, values: list[float]) -> bool:
         """Report what the step made non-finite; True when it did."""
         for index, (tensor, value) in enumerate(zip(result.updated, values)):
             if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
@@ -446,7 +382,7 @@ class OptimizerChecks:
 
     # -- naming --------------------------------------------------------------------
 
-    def layout(self, opt: torch.optim.Optimizer) -> _Layout:
+    def layout(self, opt: torch.optim.Optimizer) -> Layout:
         """The optimizer's named parameters and half-precision state, rebuilt when they change."""
         signature = tuple(id(parameter) for group in opt.param_groups for parameter in group["params"])
         layout = self._layouts.get(id(opt))
@@ -457,7 +393,7 @@ class OptimizerChecks:
             # ``.grad`` setter enforce it), so this is decided once per layout.
             # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
             floating = [(name, parameter) for name, parameter in named if _float_tensor(local_shard(parameter))]
-            layout = self._layouts[id(opt)] = _Layout(signature, named, floating, wide)
+            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
             layout.state_count = len(opt.state)
@@ -509,42 +445,6 @@ class OptimizerChecks:
         info = self.watch.targets.info_by_name(owner)
         if info is not None:
             finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
-
-
-def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
-    """The ``eps`` of the parameter group holding ``tensor`` (of every group, for a state tensor, where they agree)."""
-    groups = [group for group in opt.param_groups if any(p is tensor for p in group["params"])] or opt.param_groups
-    values = {group.get("eps") for group in groups}
-    eps = values.pop() if len(values) == 1 else None
-    return float(eps) if isinstance(eps, (int, float)) else None  # Adafactor's is a pair: no single eps
-
-
-def bounded_step(opt: torch.optim.Optimizer, layout: _Layout) -> bool:
-    """Whether a step of ``opt`` on finite gradients keeps finite parameters finite.
-
-    See the module docstring for the argument; this checks its conditions
-    (the gradients are checked by the caller).
-    """
-    if type(opt) not in _BOUNDED_OPTIMIZERS or not layout.wide or layout.half_state:
-        return False
-    adam = type(opt) is not torch.optim.SGD
-    for group in opt.param_groups:
-        lr = group.get("lr")
-        if isinstance(lr, torch.Tensor):
-            if not lr.is_cpu or lr.numel() != 1:
-                return False  # reading it would synchronise with the device
-            lr = lr.item()
-        numbers = [lr, group.get("weight_decay", 0.0), group.get("momentum", 0.0), group.get("dampening", 0.0)]
-        if adam:
-            eps, betas = group.get("eps"), group.get("betas")
-            if not isinstance(eps, float) or not eps > 1e-30 or not isinstance(betas, tuple):
-                return False
-            if not all(isinstance(beta, float) and 0.0 <= beta < 1.0 for beta in betas):
-                return False
-            numbers.append(eps)
-        if not all(isinstance(number, (int, float)) and math.isfinite(number) for number in numbers):
-            return False
-    return True
 
 
 #: Stands in for a state tensor that has gone (its check then passes).
