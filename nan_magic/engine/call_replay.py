@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.engine.calls import Alias, Call, KnownFinite, StepLog, TensorRecord, version_of
+from nan_magic.engine.call_records import Alias, Call, KnownFinite, TensorRecord, version_of
+from nan_magic.engine.calls import StepLog
 from nan_magic.engine.findings import Finding, apply_op_finding, mark_deliberate, named_inputs
 from nan_magic.engine.held import Resolved
 from nan_magic.engine.replay import RngState, recompute, replay_backward, replay_module, run_again

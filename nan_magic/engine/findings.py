@@ -13,7 +13,8 @@ from types import FrameType
 
 import torch
 
-from nan_magic.engine.calls import Call, StepLog, TensorRecord
+from nan_magic.engine.call_records import Call, TensorRecord
+from nan_magic.engine.calls import StepLog
 from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.replay import RngState

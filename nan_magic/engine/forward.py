@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from nan_magic.engine.call_records import Call, TensorRecord
 from nan_magic.engine.call_replay import CallReplay, Frame
-from nan_magic.engine.calls import Call, TensorRecord
 from nan_magic.engine.held import hold_arguments
 from nan_magic.engine.module_hooks import is_compiled, may_step_aside
 from nan_magic.engine.op_tracing import OpOrigins

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.engine.calls import Call, TensorRecord, consumer_of, gradient_label
+from nan_magic.engine.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.engine.entering import entering_tensors, saved_leaves
 from nan_magic.engine.findings import Finding, attach_origin
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
@@ -72,7 +72,7 @@ class GradientChecks:
         """Arm a gradient check on one module output (called from the forward hook).
 
         A tensor a child call returned first (``record.inner``) already has
-        our hook, and :func:`~nan_magic.engine.calls.consumer_of` follows it outwards.
+        our hook, and :func:`~nan_magic.engine.call_records.consumer_of` follows it outwards.
         """
         if record.inner is None:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad

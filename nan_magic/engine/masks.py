@@ -42,7 +42,7 @@ import weakref
 import torch
 from torch import nn
 
-from nan_magic.engine.calls import version_of
+from nan_magic.engine.call_records import version_of
 from nan_magic.engine.stats import is_checkable, read_probe
 
 __all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from nan_magic.engine.calls import Call, TensorRecord
+from nan_magic.engine.call_records import Call, TensorRecord
 from nan_magic.engine.findings import Finding, apply_op_finding, attach_origin
 from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.ops import OpTracer

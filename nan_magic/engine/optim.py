@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nan_magic.engine.calls import version_of
+from nan_magic.engine.call_records import version_of
 from nan_magic.engine.distributed import data_parallel_paths, local_shard, unflattened_name, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.gradients import check_parameter_grads

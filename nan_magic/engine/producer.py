@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from nan_magic.engine.call_records import Call, TensorRecord, version_of
 from nan_magic.engine.call_replay import CallReplay, Frame, caller_named
-from nan_magic.engine.calls import Call, StepLog, TensorRecord, version_of
+from nan_magic.engine.calls import StepLog
 from nan_magic.engine.findings import Finding, mark_deliberate, named_inputs
 from nan_magic.engine.held import running_arguments
 from nan_magic.engine.masks import DeliberateMasks, argument_name

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from nan_magic import records
-from nan_magic.engine.calls import version_of
+from nan_magic.engine.call_records import version_of
 from nan_magic.engine.distributed import per_rank_path
 from nan_magic.engine.errors import NanMagicWarning
 from nan_magic.engine.replay import RngState, capture_rng_state

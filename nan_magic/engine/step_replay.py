@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nan_magic.engine.calls import version_of
+from nan_magic.engine.call_records import version_of
 from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.distributed import data_parallel_paths, user_name
 from nan_magic.engine.findings import Finding
@@ -63,7 +63,7 @@ from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tenso
 from nan_magic.records import Phase, Report, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nan_magic.engine.calls import Call
+    from nan_magic.engine.call_records import Call
     from nan_magic.engine.targets import ModuleInfo
     from nan_magic.engine.watch import Watch
 
