@@ -117,7 +117,7 @@ def _print_ranks_summary(report: Report) -> None:
     """Under ``torchrun``: rank 0 shows the report, with one line for the whole job; the others one line each.
 
     Every rank that stopped at the agreement holds the report of the rank
-    that found the event (distributed.py), so rank 0's copy names it.
+    that found the event (agreement.py), so rank 0's copy names it.
     """
     here = launched_rank()
     if here == 0:

@@ -89,6 +89,9 @@ SCENARIOS = (
     "fsdp1_flat_forward_rank1",
 )
 
+#: Runs of the agreement's edges: a GradScaler's skips, an exception exit, an optimizer of one rank.
+AGREEMENT_EDGES = ("scaler_collapse", "after_an_exception", "probe_optimizer")
+
 #: Runs whose event is judged between two optimizer steps' agreements (between_points).
 BETWEEN_POINTS = (
     "accumulation_rank1", "immediate_rank1", "last_step_rank1", "inference_rank1", "ddp_inference_rank1",
@@ -103,6 +106,9 @@ def run_all(rank: int, world: int, port: int, out: str) -> None:
         train(rank, world, scenario, out)
     for scenario in BETWEEN_POINTS:
         between_points(rank, scenario, out)
+    scaler_collapse(rank, out)
+    after_an_exception(rank, out)
+    probe_optimizer(rank, out)
     healthy(rank, out)
     leave()
 
@@ -111,6 +117,139 @@ def last_rank_fails(rank: int, world: int, port: int, out: str) -> None:
     """A forward fault on the last rank of a larger group (the 4-process test)."""
     init(rank, world, port)
     train(rank, world, "forward_last_rank", out)
+    leave()
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """Identity forward; its backward makes every gradient infinite, at any GradScaler scale."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")  # producer: infinite gradient
+
+
+class Overflowing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(InfiniteGradient.apply(self.a(x)))
+
+
+def scaler_collapse(rank: int, out: str) -> None:
+    """A GradScaler skipping every step under DDP: no optimizer step ever runs, yet every rank must stop.
+
+    The skipped ``scaler.step`` is an agreement point: the ranks stop at the
+    collapse (15 skips in a row), not at the end of the loop.
+    """
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Overflowing())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    error: BaseException | None = None
+    started, steps = time.monotonic(), 0
+    try:
+        with nan_magic.watch(model, opt, scaler):
+            for _step in range(40):
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                steps += 1
+    except Exception as caught:
+        error = caught
+    record(rank, "scaler_collapse", out, error, steps, started)
+
+
+def after_an_exception(rank: int, out: str) -> None:
+    """Rank 1 leaves a first watch by an error of its own; a second watch must still agree, and at once.
+
+    Every exit of a watch whose ranks step together takes part in one round
+    through the store; rank 1's exception exit counts itself in without
+    waiting, so rank 0 neither waits for it nor loses count of the rounds.
+    """
+    torch.manual_seed(0)
+    model = DistributedDataParallel(tiny_model(LogLayer()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(last_lr: float | None = None) -> None:
+        for step in range(3):
+            if last_lr is not None and step == 2:
+                opt.param_groups[0]["lr"] = last_lr
+            opt.zero_grad()
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+
+    started = time.monotonic()
+    try:
+        with nan_magic.watch(model, opt):
+            train()
+            if rank == 1:
+                raise ValueError("rank 1's own bookkeeping failed")
+    except ValueError:
+        pass
+    first_exit = time.monotonic() - started
+    error: BaseException | None = None
+    try:
+        with nan_magic.watch(model, opt):
+            train(last_lr=float("inf") if rank == 1 else None)
+    except Exception as caught:
+        error = caught
+    record(rank, "after_an_exception", out, error, 3, started, first_exit_seconds=first_exit)
+
+
+def probe_optimizer(rank: int, out: str) -> None:
+    """Rank 0 alone also steps a small probe's optimizer inside the watch: no collective may wait for rank 1."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(tiny_model(LogLayer()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe = nn.Linear(1, 1)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.01)
+    error: BaseException | None = None
+    started, steps = time.monotonic(), 0
+    try:
+        with nan_magic.watch(model, opt):
+            for _step in range(3):
+                opt.zero_grad()
+                output = model(torch.randn(2, 4))
+                output.pow(2).mean().backward()
+                opt.step()
+                if rank == 0:
+                    probe_opt.zero_grad()
+                    probe(output.detach()).pow(2).mean().backward()
+                    probe_opt.step()
+                steps += 1
+    except Exception as caught:
+        error = caught
+    record(rank, "probe_optimizer", out, error, steps, started)
+
+
+def inference_before_the_process_group(rank: int, world: int, port: int, out: str) -> None:
+    """The watch is entered before the process group starts (as ``python -m nan_magic run`` does); inference."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    middle = LogLayer()
+    model = tiny_model(middle)
+    error: BaseException | None = None
+    started, steps = time.monotonic(), 0
+    try:
+        with nan_magic.watch(model):
+            init(rank, world, port)
+            for step in range(40):
+                if rank == 1 and step == 0:
+                    middle.offset = -100.0  # type: ignore[assignment]
+                if rank == 0:
+                    time.sleep(0.2)
+                with torch.no_grad():
+                    model(torch.randn(2, 4))
+                steps += 1
+    except Exception as caught:
+        error = caught
+    record(rank, "before_the_process_group", out, error, steps, started)
     leave()
 
 
@@ -210,10 +349,12 @@ def train(rank: int, world: int, scenario: str, out: str) -> None:
     record(rank, scenario, out, error, steps, started)
 
 
-def record(rank: int, scenario: str, out: str, error: BaseException | None, steps: int, started: float) -> None:
-    """Write what stopped this rank, then meet the other ranks before the next scenario."""
+def record(
+    rank: int, scenario: str, out: str, error: BaseException | None, steps: int, started: float, **extra: Any
+) -> None:
+    """Write what stopped this rank (and ``extra``), then meet the other ranks before the next scenario."""
     seen = describe(error)
-    seen.update(rank=rank, steps=steps, seconds=time.monotonic() - started)
+    seen.update(rank=rank, steps=steps, seconds=time.monotonic() - started, **extra)
     if error is not None and error.__cause__ is not None:
         seen["cause"] = type(error.__cause__).__name__
     with open(os.path.join(out, f"{scenario}.rank{rank}.json"), "w", encoding="utf-8") as handle:
@@ -248,7 +389,8 @@ def between_points(rank: int, scenario: str, out: str) -> None:
     error: BaseException | None = None
     started = time.monotonic()
     steps = 0
-    last = 5
+    # Each rank evaluating its own copy runs on its own clock: rank 0's 40 paced steps leave rank 1 ample time.
+    last = 40 if scenario == "inference_rank1" else 5
     try:
         with nan_magic.watch(*targets, defer=False if scenario == "immediate_rank1" else None):
             for step in range(last + 1):

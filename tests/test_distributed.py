@@ -62,7 +62,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, 
     spawn(worker.run_all, 2, out)
     return {
         scenario: [json.loads((out / f"{scenario}.rank{rank}.json").read_text()) for rank in range(2)]
-        for scenario in (*worker.SCENARIOS, *worker.BETWEEN_POINTS, "healthy")
+        for scenario in (*worker.SCENARIOS, *worker.BETWEEN_POINTS, *worker.AGREEMENT_EDGES, "healthy")
     }
 
 
@@ -154,7 +154,7 @@ def test_inference_on_each_rank_stops_the_other_ranks_through_the_stop_channel(r
     # No optimizer step lets the ranks meet: rank 0 reads the stop channel after each of its steps.
     assert rank0["error"] == "PeerNonFiniteError"
     assert rank0["message"] == LOG_AT_FAULT_STEP
-    assert rank0["steps"] < 6
+    assert rank0["steps"] < 40
     assert rank0["report"]["notes"][-1] == "rank 0 saw no non-finite value of its own at this step"
 
 
@@ -191,6 +191,46 @@ def test_a_rank_that_stops_alone_and_exits_is_named_by_the_others(tmp_path):
     assert rank0["cause"] in ("DistBackendError", "RuntimeError")
     assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
     assert rank0["seconds"] < 20
+
+
+def test_a_collapsing_grad_scaler_stops_every_rank_at_the_collapse_not_at_the_end_of_the_loop(ranks):
+    # No optimizer step ever runs: the skipped scaler.step is where the ranks agree.
+    seen = ranks["scaler_collapse"]
+    assert sorted(rank["error"] for rank in seen) == ["NonFiniteError", "PeerNonFiniteError"]
+    for rank in seen:
+        assert rank["steps"] == 14  # the 15th skip in a row, of 40 iterations
+        assert "grad-scaler-collapse" in rank["report"]["text"]
+        assert rank["seconds"] < 20
+
+
+def test_a_rank_leaving_a_watch_by_its_own_error_neither_delays_nor_confuses_the_next_watch(ranks):
+    rank0, rank1 = ranks["after_an_exception"]
+    # The first watch: rank 0 left normally, without waiting for rank 1, which left by its ValueError.
+    assert rank0["first_exit_seconds"] < 5
+    # The second: rank 1's last step made its parameters inf; both ranks stop at the exit's round.
+    assert rank1["error"] == "NonFiniteError"
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"].startswith("rank 1 found a non-finite value at step 2: optimizer")
+    assert rank0["seconds"] < 10
+
+
+def test_an_optimizer_only_one_rank_steps_is_no_agreement_point(ranks):
+    # Rank 0's probe optimizer steps a module of its own: a collective there would wait for rank 1 forever.
+    for rank in ranks["probe_optimizer"]:
+        assert (rank["error"], rank["steps"]) == (None, 3)
+        assert rank["seconds"] < 20
+
+
+def test_a_watch_entered_before_the_process_group_still_hears_of_another_ranks_event(tmp_path):
+    # As `python -m nan_magic run` does: the watch starts first. Rank 1 fails at its first step.
+    spawn(worker.inference_before_the_process_group, 2, tmp_path)
+    rank0, rank1 = (
+        json.loads((tmp_path / f"before_the_process_group.rank{rank}.json").read_text()) for rank in range(2)
+    )
+    assert (rank1["error"], rank1["steps"]) == ("NonFiniteError", 0)
+    assert rank0["error"] == "PeerNonFiniteError"
+    assert rank0["message"] == "rank 1 found a non-finite value at step 0: forward, 1 (LogLayer), aten.log.default"
+    assert rank0["steps"] < 40
 
 
 def test_healthy_ddp_run_is_bit_identical_to_the_unwatched_run(ranks):

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import sys
 import traceback
+import weakref
 
 import faults
 import pytest
@@ -21,6 +22,7 @@ from watching import train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.engine.outside import KEEP_BYTES
 
 
 def _marked(key: str) -> int:
@@ -391,7 +393,8 @@ def test_debug_opens_on_the_producers_line_though_the_replay_ran_on() -> None:
 
 def test_during_backward_the_loss_codes_large_tensors_are_held_weakly_and_a_freed_one_gives_up_quietly() -> None:
     torch.manual_seed(0)
-    model = nn.Linear(4, 2**18)  # its output, 2 MiB, is over the size the recorder keeps through backward
+    # Its output, two rows of KEEP_BYTES / 4 floats, is over the size the recorder keeps through backward.
+    model = nn.Linear(4, KEEP_BYTES // 4)
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model) as w:
         # The model's output is not kept by the user nor saved by autograd here (sqrt saves its result):
         loss = torch.sqrt(model(torch.randn(2, 4)) * 0.0).sum()
@@ -401,6 +404,25 @@ def test_during_backward_the_loss_codes_large_tensors_are_held_weakly_and_a_free
     assert (report.phase, report.module) == ("backward", None)
     assert report.op is None  # the replay needed the freed output: no guess, the autograd node instead
     assert any("SqrtBackward0" in note for note in report.notes)
+
+
+def test_a_kept_small_value_does_not_keep_the_large_tensors_its_autograd_node_saved() -> None:
+    # A metric in the loop: logsumexp's 256-byte output is small enough to keep through backward, but its
+    # autograd node saved a 16 MiB tensor, which must be freed by backward as it would be unwatched.
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    alive_in_backward = []
+    with nan_magic.watch(model, opt):
+        h = model(torch.randn(64, 16))
+        big = h.exp().repeat(1, 4000)
+        freed = weakref.ref(big)
+        big.logsumexp(-1).mean().item()
+        del big
+        h.register_hook(lambda grad: alive_in_backward.append(freed() is not None))
+        h.pow(2).mean().backward()
+        opt.step()
+    assert alive_in_backward == [False]
 
 
 def test_a_one_line_loss_whose_intermediates_autograd_frees_is_still_named_at_its_op_and_line() -> None:

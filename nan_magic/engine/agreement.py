@@ -20,8 +20,13 @@ What gloo does then (measured on torch 2.13, CPU, see the test file
 So the ranks agree at **agreement points**, and a rank never raises alone
 between them:
 
-* **The optimizer step's pre-hook**, which every rank reaches after backward
-  (DDP's all-reduce is complete) and before the step. Under a process group
+* **The optimizer step's pre-hook** (of an optimizer that steps a watched
+  DDP or FSDP model: one that a single rank steps for itself, a probe,
+  must not issue a collective the others never join), which every rank
+  reaches after backward (DDP's all-reduce is complete) and before the
+  step; and a GradScaler's skipped ``scaler.step`` in its place (every
+  rank skips the same step: DDP's gradients, and so ``found_inf``, are the
+  same on all, and FSDP's ShardedGradScaler all-reduces it). Under a process group
   the watch defers its checks (``defer=True``): every event of a step, data,
   forward, loss and backward, is judged there, in the one host read it
   already makes. Each rank takes part in exactly one all-reduce (MAX) of a
@@ -31,10 +36,14 @@ between them:
 * **The watch's exit**, through the store rather than a collective (a rank
   that stopped elsewhere must cost the others a bounded wait, not a hang):
   each rank posts what it found and waits for the others' posts
-  (:meth:`Agreement.leave`). Only a watch in *lockstep* does this, one
-  whose ranks step together: it has an optimizer, an FSDP model, or a DDP
-  model run with gradients (under ``no_grad`` DDP runs no collective after
-  its first call, so its ranks are treated as an inference watch's).
+  (:meth:`Agreement.leave`); a rank leaving by an exception counts itself
+  in without waiting (:meth:`Agreement.left_by`), so that the others
+  neither wait for it nor lose count of the rounds. Only a watch in
+  *lockstep* does this, one whose ranks step together: it watches an FSDP
+  model, or a DDP model trained or run with gradients (under ``no_grad``
+  and without an optimizer DDP runs no collective after its first call, so
+  its ranks are treated as an inference watch's, as are models each rank
+  has for itself).
 
 An event judged between agreement points in a lockstep watch (``defer=False``
 checks mid-forward, a backward without a step: gradient accumulation or a
@@ -43,8 +52,8 @@ GradScaler's skipped step, the last step's parameters at the exit) is
 raises with the others at the next point, at most one step later. The
 optimizer step that would apply the non-finite values is never taken.
 
-A rank that must raise alone (an inference watch, which has no point where
-all ranks meet; an exception out of the watch while an event is held) posts
+A rank that must raise alone (a watch not in lockstep, which has no point
+where all ranks meet; an exception out of the watch while an event is held) posts
 its report through the store's **stop channel** (:meth:`Agreement.post`),
 which the others read:
 
@@ -56,16 +65,20 @@ which the others read:
   the failing rank's error ``from`` the collective's;
 * a rank waiting at the exit for a rank that stopped reads it there.
 
-Not covered: a failing rank that stays alive after an exception it did not
-hold off (its peers then wait in their collective until the process group's
-timeout, as without a watch); a failing rank 0 that serves the store itself
+Not covered: a failing rank that stays alive after an exception broke its
+step before the next agreement point (its peers then wait in their
+collective until the process group's timeout, as without a watch; when it
+exits they name its event); a failing rank 0 that serves the store itself
 (``init_method="tcp://"``, not ``torchrun``, whose agent serves it) and
-exits: the others then get gloo's error alone.
+exits: the others then get gloo's error alone. Every rank must enter the
+watch: a watch entered on one rank only, over a DDP model, waits in DDP's
+own collectives anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import pickle
 import time
@@ -94,8 +107,8 @@ _STOP_KEY = "nan_magic/stop/{count}"
 
 #: How long a rank waits at the watch's exit for the others to reach theirs.
 EXIT_WAIT_S = 30.0
-# How often a waiting rank looks again.
-_POLL_S = 0.01
+# How long a waiting rank waits before it looks at the stop channel again.
+_POLL_S = 0.25
 
 # Exit rounds taken by this process. Every rank leaves its lockstep watches in the
 # same order, so this count names the same round on every rank (store keys).
@@ -120,10 +133,11 @@ class Agreement:
         # this count names the same round on every rank (store keys).
         self._round = 0
         self._held: tuple[NonFiniteError, Finding | None] | None = None
-        # The stop channel's count when the watch began (or the process group did, when the
-        # watched script starts it: ``python -m nan_magic run``): only later posts are this run's.
-        self._stops_seen: int | None = None
-        self._baseline()
+        # The stop channel's count when the watch began: only later posts are this run's. Without a
+        # process group yet (the watched script starts it: ``python -m nan_magic run``), every post is.
+        self._stops_seen = 0
+        if self.several:
+            self._stops_seen = _store_count(_STOPS)
 
     @property
     def _group(self) -> tuple[int, int] | None:
@@ -135,10 +149,6 @@ class Agreement:
         group = None if self._alone else process_group()
         return group is not None and group[1] > 1
 
-    def _baseline(self) -> None:
-        if self._stops_seen is None and self.several:
-            self._stops_seen = _store().add(_STOPS, 0)
-
     @property
     def holding(self) -> bool:
         """Whether an event waits for the next agreement point (no later event counts)."""
@@ -146,7 +156,6 @@ class Agreement:
 
     def open(self) -> None:
         self._open = self.several
-        self._baseline()
 
     def close(self) -> None:
         self._open = False
@@ -215,29 +224,43 @@ class Agreement:
             return self._exit_round(own, finding)
         return own or self.peer_stop()
 
-    def left_by(self, exception: BaseException) -> NonFiniteError | None:
+    def left_by(self, exception: BaseException, lockstep: bool) -> NonFiniteError | None:
         """What this rank raises, ``from exception``, as an exception leaves its watch; None: the exception itself.
 
-        A held event is this rank's cause (a value it held went on to break
-        an op): it is posted, since this rank now stops alone. Otherwise the
-        exception may be a collective failing because another rank stopped
-        (gloo's "Connection closed by peer", a timeout): its posted error
-        names it.
+        A lockstep watch counts this rank in at the exit's round without
+        waiting (the others, at their exit, must neither wait for it nor
+        lose count of the rounds). A held event is this rank's cause (a
+        value it held went on to break an op): it is posted, since this
+        rank now stops alone. Otherwise an exception other than our own may
+        be a collective failing because another rank stopped (gloo's
+        "Connection closed by peer", a timeout): its posted error names it.
         """
         own = self._held[0] if self._held is not None else None
+        finding = self._held[1] if self._held is not None else None
         self._held = None
+        if not self.several:
+            return own
+        if lockstep:
+            self._depart(own, finding)
         if own is not None:
             self.post(own)
             return own
-        return self.peer_stop()
+        return None if isinstance(exception, NonFiniteError) else self.peer_stop()
 
     def post(self, own: NonFiniteError) -> None:
-        """Put ``own``'s report in the stop channel: this rank raises without the others meeting it."""
+        """Put ``own``'s report in the stop channel: this rank raises without the others meeting it.
+
+        Fail-soft: a store that went (the rank serving it exited) costs the
+        others the name, never this rank its own report.
+        """
         if not self.several:
             return
-        store = _store()
-        count = store.add(_STOPS, 1)
-        store.set(_STOP_KEY.format(count=count), pickle.dumps(own.report))
+        try:
+            store = _store()
+            count = store.add(_STOPS, 1)
+            store.set(_STOP_KEY.format(count=count), pickle.dumps(own.report))
+        except RuntimeError:
+            return
         self._stops_seen = count
 
     def peer_stop(self) -> PeerNonFiniteError | None:
@@ -247,8 +270,6 @@ class Agreement:
         try:
             store = _store()
             count = store.add(_STOPS, 0)
-            if self._stops_seen is None:
-                self._stops_seen = count  # the first look since the process group started
             if count <= self._stops_seen:
                 return None
             report: Report = pickle.loads(store.get(_STOP_KEY.format(count=self._stops_seen + 1)))
@@ -258,31 +279,30 @@ class Agreement:
         return _peer_error(report, None, (self._group or (0, 1))[0])
 
     def _stop_posted(self) -> bool:
-        count = _store().add(_STOPS, 0)
-        return self._stops_seen is not None and count > self._stops_seen
+        return _store_count(_STOPS) > self._stops_seen
 
     def _exit_round(self, own: NonFiniteError | None, finding: Finding | None) -> NonFiniteError | None:
         """Every rank's exit posts what it holds; the most telling event is raised on every rank.
 
         Through the store, with a bounded wait: a rank that stopped elsewhere
         costs the others :data:`EXIT_WAIT_S` at most, not a hang, and no
-        wait at all when it posted its event in the stop channel. A rank with an event
-        appends its flag to one key; a second arrival, only then, keeps the
-        rank that serves the store (rank 0 without torchrun) alive until
-        every rank has read the report.
+        wait at all when it left its watch by an exception (it counts itself
+        in, :meth:`_depart`) or posted its event in the stop channel. A rank
+        with an event appends its flag to one key; a second arrival, only
+        then, keeps the rank that serves the store (rank 0 without torchrun)
+        alive until every rank has read the report.
         """
         rank, world = self._group or (0, 1)
         prefix = f"nan_magic/exit/{next(_EXIT_ROUNDS)}"
         try:
             store = _store()
             if own is not None:
-                store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
-                store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")
+                _post_flag(store, prefix, own, finding, rank, world)
             if not _arrive(store, f"{prefix}/arrived", world, self._stop_posted):
                 # A rank did not come: it stopped elsewhere, and may have posted why.
                 return own or self.peer_stop()
             if not store.check([f"{prefix}/flags"]):
-                return own
+                return own or self.peer_stop()
             flags = [int(flag) for flag in store.get(f"{prefix}/flags").decode().split(",") if flag]
             first = world - 1 - max(flags) % world
             error = own
@@ -293,25 +313,57 @@ class Agreement:
         except RuntimeError:  # the store went with the rank that served it
             return own
 
+    def _depart(self, own: NonFiniteError | None, finding: Finding | None) -> None:
+        """Take this rank's part in the exit's round without waiting: it is leaving by an exception."""
+        rank, world = self._group or (0, 1)
+        prefix = f"nan_magic/exit/{next(_EXIT_ROUNDS)}"
+        try:
+            store = _store()
+            if own is not None:
+                _post_flag(store, prefix, own, finding, rank, world)
+            for barrier in ("arrived", "read"):  # it reads nothing: counted in at both
+                if store.add(f"{prefix}/{barrier}", 1) == world:
+                    store.set(f"{prefix}/{barrier}/all", b"1")
+        except RuntimeError:
+            return
+
+
+def _post_flag(store: Any, prefix: str, own: NonFiniteError, finding: Finding | None, rank: int, world: int) -> None:
+    """Put a rank's event in an exit round: its report, then its flag (read only once every rank came)."""
+    store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
+    store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")
+
 
 def _arrive(store: Any, key: str, world: int, stopped: Callable[[], bool] = lambda: False) -> bool:
     """Count this rank in at ``key`` and wait for all ``world``; True when all came.
 
-    The wait ends early, False, after :data:`EXIT_WAIT_S` or as soon as
-    ``stopped()`` (a rank posted in the stop channel: it will not come).
+    The last to come sets ``key/all``, which the others wait on; the wait
+    ends early, False, after :data:`EXIT_WAIT_S` or as soon as ``stopped()``
+    (a rank posted in the stop channel: it will not come).
     """
-    if store.add(key, 1) == world:
+    if store.add(key, 1) >= world:
+        store.set(f"{key}/all", b"1")
         return True
     deadline = time.monotonic() + EXIT_WAIT_S
-    while store.add(key, 0) < world:
-        if time.monotonic() > deadline or stopped():
-            return False
-        time.sleep(_POLL_S)
-    return True
+    while True:
+        try:
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=_POLL_S))
+            return True
+        except dist.DistStoreError:  # this slice timed out
+            if time.monotonic() > deadline or stopped():
+                return False
 
 
 def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
+
+
+def _store_count(key: str) -> int:
+    """A counter in the store (0 when the store cannot be reached: nothing to learn from it)."""
+    try:
+        return int(_store().add(key, 0))
+    except RuntimeError:
+        return 0
 
 
 def _flag(own: NonFiniteError, finding: Finding | None, rank: int, world: int) -> int:

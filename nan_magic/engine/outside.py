@@ -90,18 +90,29 @@ class _Op:
 
 @dataclass(frozen=True)
 class _Weak:
-    """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded."""
+    """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded.
+
+    A small one keeps its values (``kept``, detached: holding the tensor itself
+    would keep its autograd node, and every tensor that node saved, alive
+    through backward); ``requires_grad`` is the original's, for a replay of
+    the backward.
+    """
 
     ref: weakref.ref[torch.Tensor]
     key: int
+    kept: torch.Tensor | None = None
+    requires_grad: bool = False
 
 
 class _Gone(Exception):
     """A tensor a replay needs was freed (only weak references are kept during backward)."""
 
 
-def _weak(value: Any) -> Any:
-    return _Weak(weakref.ref(value), id(value)) if isinstance(value, torch.Tensor) else value
+def _weak(value: Any, keep: bool = False) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    kept = value.detach() if keep else None
+    return _Weak(weakref.ref(value), id(value), kept, value.requires_grad)
 
 
 def _map_tensors(function: Any, value: Any) -> Any:
@@ -139,9 +150,16 @@ def _alive(value: Any) -> torch.Tensor:
     if isinstance(value, _Weak):
         tensor = value.ref()
         if tensor is None:
+            tensor = value.kept
+        if tensor is None:
             raise _Gone
         return tensor
     return value
+
+
+def _requires_grad(value: Any) -> bool:
+    """Whether the recorded tensor required gradients (a kept value is a detached one)."""
+    return value.requires_grad if isinstance(value, (_Weak, torch.Tensor)) else False
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -214,7 +232,7 @@ class OutsideRecorder(TorchDispatchMode):
                 if size[0] not in kept:
                     kept.add(size[0])
                     total += size[1]
-                return value
+                return _weak(value, keep=True)
             return _weak(value)
 
         self._ops = [
@@ -375,7 +393,7 @@ def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.T
                 if key is not None and key not in made and key not in copies:
                     original = _alive(value)
                     copy = copies[key] = original.detach().clone()
-                    if original.requires_grad and copy.is_floating_point():
+                    if _requires_grad(value) and copy.is_floating_point():
                         requiring.append(copy.requires_grad_())
             made.update(key for key in map(_key, tree_leaves(op.out)) if key is not None)
     return copies, requiring

@@ -155,7 +155,7 @@ class StepReplays:
             slots = self._slots[id(module)] = [
                 (owner, name) for owner in module.modules() for name in owner._buffers
             ]
-            self._trainable[id(module)] = frozenset(id(p) for p in module.parameters() if p.requires_grad)
+            self._trainable[id(module)] = _trainable(module)
         mutable = self._mutable.get(id(module))
         buffers: dict[int, torch.Tensor] = {}
         buffer_versions = []
@@ -204,10 +204,18 @@ class StepReplays:
         self._stepped.clear()
 
     def new_step(self, training: bool) -> None:
-        """A step begins: inference steps drop the last call; training keeps the calls not yet stepped."""
+        """A step begins: inference steps drop the last call; training keeps the calls not yet stepped.
+
+        A call still waiting from an earlier step is one whose model's
+        trainable parameters (learned at its first call) no optimizer
+        stepped: they may have changed since (a layer unfrozen, an embedding
+        resized), so they are learned again.
+        """
         self._stepped.clear()
         if not training:
             self.calls.clear()
+        for module in {id(root.module): root.module for root in self.calls}.values():
+            self._trainable[id(module)] = _trainable(module)
 
     def release_stepped(self, opt: torch.optim.Optimizer) -> None:
         """``opt`` stepped: drop the calls of models with nothing left to step this step.
@@ -218,9 +226,8 @@ class StepReplays:
         (its backward may still fail). A model without trainable parameters
         (a frozen teacher) is dropped at the first step. The trainable
         parameters are those of the model's first call in the watch (a set
-        per model, not a walk of its parameters each step); a layer frozen
-        since then and taken out of every optimizer keeps its model's calls
-        until :data:`MAX_CALLS` newer ones push them out.
+        per model, not a walk of its parameters each step), learned again
+        for a call still waiting when the next step begins (new_step).
         """
         self._stepped.update(id(parameter) for group in opt.param_groups for parameter in group["params"])
         stepped = self._stepped
@@ -454,3 +461,8 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
     if not seen.nonfinite:
         return bool(replayed.nonfinite)
     return (replayed.nan, replayed.posinf, replayed.neginf) == (seen.nan, seen.posinf, seen.neginf)
+
+
+def _trainable(module: nn.Module) -> frozenset[int]:
+    """The ids of ``module``'s parameters that require gradients (release_stepped waits for them)."""
+    return frozenset(id(parameter) for parameter in module.parameters() if parameter.requires_grad)

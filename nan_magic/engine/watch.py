@@ -39,7 +39,10 @@ the backward replay; the optimizer checks get ``add_op_origin``; the forward
 hooks get the call replay, the op origins, and the gradient checks'
 ``hook_output`` as a plain callable. Where the last forward ended is data in
 the step log (``StepLog.last_forward_seq``), written by the forward hooks and
-read by the gradient checks.
+read by the gradient checks. Two parts still reach through the watch: the
+tiered watch's step replays (``watch.replays``: the forward hooks give them
+each top-level call, the gradient checks its output gradients) and the code
+recorder (``watch.outside``, switched at the boundaries the hooks see).
 """
 
 from __future__ import annotations
@@ -215,8 +218,9 @@ class Watch:
         if self.outside is not None:
             self.outside.stop()
         self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
-        explained = self.outcome.explain(exc)
+        explained = None
         try:
+            explained = self.outcome.explain(exc)
             if exc is None:
                 self.sync()
                 self.optimizers.flush()
@@ -225,8 +229,15 @@ class Watch:
                 if self.gradients.backward_runs:
                     self._check_unstepped_gradients()
                 self.outcome.raise_agreed(self.outcome.agreement.leave(self._lockstep()))
-            elif explained is None and isinstance(exc, Exception) and not isinstance(exc, NonFiniteError):
-                explained = self._judge_pending() or self.outcome.agreed(self.outcome.agreement.left_by(exc))
+            else:
+                # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
+                explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
+                if explained is None and explainable:
+                    explained = self._judge_pending()
+                # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
+                left = self.outcome.agreement.left_by(exc, self._lockstep())
+                if explained is None and explainable:
+                    explained = self.outcome.agreed(left)
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -348,6 +359,8 @@ class Watch:
         self.full_step = not self.config.tiered
         self._steps_opened = 0
         self._sharded_roots: dict[int, bool] = {}
+        self._parallel_parameters: frozenset[int] | None = None
+        self._agreeing: dict[int, bool] = {}  # per optimizer: _agrees_at
         self.forward_starts = 0
         self._step_open = False
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
@@ -397,6 +410,7 @@ class Watch:
             if not self.config.tiered:
                 refuse_compiled(module, label)
             self.targets.add_root(module, label, self.config)
+            self._parallel_parameters, self._agreeing = None, {}  # a new model may be data-parallel
             info = self.targets.modules[id(module)]
             if self._exit_stack is not None:
                 for handle in self.optimizers.arm(module):
@@ -449,8 +463,19 @@ class Watch:
         skipped step's optimizer hook would have made), so the held event
         names where the gradients overflowed.
         """
-        if self.gradients.backward_runs:  # else settled already (a second optimizer's skip of the same backward)
+        if not self.gradients.backward_runs:
+            return  # settled already (a second optimizer's skip of the same backward)
+        # Like the step it replaces, an agreement point (agreement.py): every rank skips the same step (DDP's
+        # gradients, and so the scaler's found_inf, are the same on all; FSDP's ShardedGradScaler all-reduces it).
+        agreement = self.outcome.agreement
+        if self.mine() and self._agrees_at(optimizer):
+            agreement.open()
+        try:
             self._settle_backward(optimizer)
+            agreed = agreement.settle(None)
+        finally:
+            agreement.close()
+        self.outcome.raise_agreed(agreed)
 
     def _settle_backward(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """A backward ran and no optimizer step followed it: a skipped step, or gradients accumulating.
@@ -467,18 +492,46 @@ class Watch:
     def _lockstep(self) -> bool:
         """Whether this watch's ranks step together (agreement.py): an event found on one rank then waits.
 
-        It has an optimizer, or an FSDP model (whose forward gathers
-        parameters from every rank), or a DDP model run with gradients (its
-        forward syncs buffers, its backward all-reduces). Every rank then
+        It watches an FSDP model (whose forward gathers parameters from
+        every rank), or a DDP model trained or run with gradients (its
+        backward all-reduces, its forward syncs buffers). Every rank then
         reaches the next optimizer step, or the watch's exit, and stops
-        there. A DDP model evaluated under ``no_grad`` runs no collective
-        after its first such call: its rank can stop at once, and the others
+        there. A DDP model evaluated under ``no_grad`` outside training runs
+        no collective after its first such call, and a model of one rank's
+        own no collective at all: its rank can stop at once, and the others
         read the stop channel after their next step.
         """
-        return self.replay_of is None and (
-            self.optimizer_in_use() or self._sharded()
-            or (torch.is_grad_enabled() and any(data_parallel_paths(root) for _label, root in self.targets.roots))
-        )
+        if self.replay_of is not None or not self._data_parallel_parameters():
+            return False
+        return self._sharded() or self.optimizer_in_use() or torch.is_grad_enabled()
+
+    def _data_parallel_parameters(self) -> frozenset[int]:
+        """The parameters of the watched DDP and FSDP models: the ones every rank steps together."""
+        if self._parallel_parameters is None:
+            self._parallel_parameters = frozenset(
+                id(parameter)
+                for _label, root in self.targets.roots
+                if data_parallel_paths(root) or replay_target(root) is None
+                for parameter in root.parameters()
+            )
+        return self._parallel_parameters
+
+    def _agrees_at(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt``'s step is an agreement point: it steps a DDP or FSDP model's parameters.
+
+        Every rank steps such an optimizer at the same point of its loop; an
+        optimizer of one rank's own (a probe, a model only rank 0 trains)
+        must not issue a collective that the others never join.
+        """
+        if not self.outcome.agreement.several:
+            return False  # one process: nothing to agree on, nothing to walk
+        known = self._agreeing.get(id(opt))
+        if known is None:
+            parallel = self._data_parallel_parameters()
+            known = self._agreeing[id(opt)] = any(
+                id(p) in parallel for group in opt.param_groups for p in group["params"]
+            )
+        return known
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
@@ -523,10 +576,11 @@ class Watch:
             self.emit(finding)
 
     def _on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The optimizer step's checks, then this step's agreement with the other ranks (distributed.py)."""
+        """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
         agreement = self.outcome.agreement
         if self.mine():
-            agreement.open()
+            if self._agrees_at(opt):
+                agreement.open()
             if self.outside is not None:
                 self.outside.stop()
         try:
