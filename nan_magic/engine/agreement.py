@@ -103,6 +103,7 @@ _PRODUCED, _ARRIVED = 2, 1
 
 _EVENT_KEY = "nan_magic/event/{round}/{rank}"
 _STOPS = "nan_magic/stops"
+_EXIT_PREFIX = "nan_magic/exit/{number}"
 _STOP_KEY = "nan_magic/stop/{count}"
 
 #: How long a rank waits at the watch's exit for the others to reach theirs.
@@ -293,12 +294,13 @@ class Agreement:
         alive until every rank has read the report.
         """
         rank, world = self._group or (0, 1)
-        prefix = f"nan_magic/exit/{next(_EXIT_ROUNDS)}"
+        number = next(_EXIT_ROUNDS)
+        prefix = _EXIT_PREFIX.format(number=number)
         try:
             store = _store()
             if own is not None:
                 _post_flag(store, prefix, own, finding, rank, world)
-            if not _arrive(store, f"{prefix}/arrived", world, self._stop_posted):
+            if not _arrive(store, f"{prefix}/arrived", world, self._stop_posted, number):
                 # A rank did not come: it stopped elsewhere, and may have posted why.
                 return own or self.peer_stop()
             if not store.check([f"{prefix}/flags"]):
@@ -316,7 +318,8 @@ class Agreement:
     def _depart(self, own: NonFiniteError | None, finding: Finding | None) -> None:
         """Take this rank's part in the exit's round without waiting: it is leaving by an exception."""
         rank, world = self._group or (0, 1)
-        prefix = f"nan_magic/exit/{next(_EXIT_ROUNDS)}"
+        number = next(_EXIT_ROUNDS)
+        prefix = _EXIT_PREFIX.format(number=number)
         try:
             store = _store()
             if own is not None:
@@ -324,6 +327,8 @@ class Agreement:
             for barrier in ("arrived", "read"):  # it reads nothing: counted in at both
                 if store.add(f"{prefix}/{barrier}", 1) == world:
                     store.set(f"{prefix}/{barrier}/all", b"1")
+                    if barrier == "arrived":
+                        _forget_round(store, number - 1, world)
         except RuntimeError:
             return
 
@@ -334,15 +339,20 @@ def _post_flag(store: Any, prefix: str, own: NonFiniteError, finding: Finding | 
     store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")
 
 
-def _arrive(store: Any, key: str, world: int, stopped: Callable[[], bool] = lambda: False) -> bool:
+def _arrive(
+    store: Any, key: str, world: int, stopped: Callable[[], bool] = lambda: False, number: int | None = None
+) -> bool:
     """Count this rank in at ``key`` and wait for all ``world``; True when all came.
 
     The last to come sets ``key/all``, which the others wait on; the wait
     ends early, False, after :data:`EXIT_WAIT_S` or as soon as ``stopped()``
-    (a rank posted in the stop channel: it will not come).
+    (a rank posted in the stop channel: it will not come). The last to come
+    to round ``number`` also clears the round before it from the store.
     """
     if store.add(key, 1) >= world:
         store.set(f"{key}/all", b"1")
+        if number is not None:
+            _forget_round(store, number - 1, world)
         return True
     deadline = time.monotonic() + EXIT_WAIT_S
     while True:
@@ -352,6 +362,26 @@ def _arrive(store: Any, key: str, world: int, stopped: Callable[[], bool] = lamb
         except dist.DistStoreError:  # this slice timed out
             if time.monotonic() > deadline or stopped():
                 return False
+
+
+def _forget_round(store: Any, number: int, world: int) -> None:
+    """Delete exit round ``number``'s keys: every rank has come to the next round, so none reads them again.
+
+    (A watch entered once per step, as a decorator, would otherwise leave a
+    few keys in the store at every step.)
+    """
+    if number < 0:
+        return
+    prefix = _EXIT_PREFIX.format(number=number)
+    try:
+        if store.check([f"{prefix}/flags"]):
+            for flag in store.get(f"{prefix}/flags").decode().split(","):
+                if flag:
+                    store.delete_key(f"{prefix}/report/{world - 1 - int(flag) % world}")
+        for key in ("arrived", "arrived/all", "read", "read/all", "flags"):
+            store.delete_key(f"{prefix}/{key}")
+    except RuntimeError:  # a store that went takes its keys with it
+        return
 
 
 def _store() -> Any:
