@@ -293,13 +293,10 @@ class Agreement:
         then, keeps the rank that serves the store (rank 0 without torchrun)
         alive until every rank has read the report.
         """
-        rank, world = self._group or (0, 1)
         number = next(_EXIT_ROUNDS)
-        prefix = _EXIT_PREFIX.format(number=number)
+        rank, world = self._group or (0, 1)
         try:
-            store = _store()
-            if own is not None:
-                _post_flag(store, prefix, own, finding, rank, world)
+            store, prefix = self._enter_round(number, own, finding)
             if not _arrive(store, f"{prefix}/arrived", world, self._stop_posted, number):
                 # A rank did not come: it stopped elsewhere, and may have posted why.
                 return own or self.peer_stop()
@@ -315,15 +312,22 @@ class Agreement:
         except RuntimeError:  # the store went with the rank that served it
             return own
 
+    def _enter_round(self, number: int, own: NonFiniteError | None, finding: Finding | None) -> tuple[Any, str]:
+        """The store and exit round ``number``'s key prefix, with this rank's event posted in it (if any)."""
+        rank, world = self._group or (0, 1)
+        store = _store()
+        prefix = _EXIT_PREFIX.format(number=number)
+        if own is not None:
+            store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
+            store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")  # read once every rank came
+        return store, prefix
+
     def _depart(self, own: NonFiniteError | None, finding: Finding | None) -> None:
         """Take this rank's part in the exit's round without waiting: it is leaving by an exception."""
-        rank, world = self._group or (0, 1)
         number = next(_EXIT_ROUNDS)
-        prefix = _EXIT_PREFIX.format(number=number)
+        world = (self._group or (0, 1))[1]
         try:
-            store = _store()
-            if own is not None:
-                _post_flag(store, prefix, own, finding, rank, world)
+            store, prefix = self._enter_round(number, own, finding)
             for barrier in ("arrived", "read"):  # it reads nothing: counted in at both
                 if store.add(f"{prefix}/{barrier}", 1) == world:
                     store.set(f"{prefix}/{barrier}/all", b"1")
@@ -331,12 +335,6 @@ class Agreement:
                         _forget_round(store, number - 1, world)
         except RuntimeError:
             return
-
-
-def _post_flag(store: Any, prefix: str, own: NonFiniteError, finding: Finding | None, rank: int, world: int) -> None:
-    """Put a rank's event in an exit round: its report, then its flag (read only once every rank came)."""
-    store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
-    store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")
 
 
 def _arrive(
