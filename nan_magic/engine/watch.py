@@ -76,6 +76,7 @@ from nan_magic.engine.findings import Finding, build_report
 from nan_magic.engine.forward import ForwardChecks
 from nan_magic.engine.gradients import GradientChecks, check_parameter_grads
 from nan_magic.engine.held import running_arguments
+from nan_magic.engine.lockstep import Lockstep
 from nan_magic.engine.module_hooks import GlobalModuleHooks
 from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.optim import OptimizerChecks
@@ -83,7 +84,7 @@ from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.scene import record_scene
 from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.stats import read_scalars
-from nan_magic.engine.step_replay import Producer, StepReplays, replay_target
+from nan_magic.engine.step_replay import Producer, StepReplays
 from nan_magic.engine.targets import ModuleInfo, Targets, refuse_compiled, resolve_targets
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
 
@@ -358,9 +359,9 @@ class Watch:
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
-        self._sharded_roots: dict[int, bool] = {}
-        self._parallel_parameters: frozenset[int] | None = None
-        self._agreeing: dict[int, bool] = {}  # per optimizer: _agrees_at
+        self.lockstep = Lockstep(
+            lambda: (root for _label, root in self.targets.roots), alone=self.replay_of is not None
+        )
         self.forward_starts = 0
         self._step_open = False
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
@@ -410,7 +411,7 @@ class Watch:
             if not self.config.tiered:
                 refuse_compiled(module, label)
             self.targets.add_root(module, label, self.config)
-            self._parallel_parameters, self._agreeing = None, {}  # a new model may be data-parallel
+            self.lockstep.forget()  # a new model may be data-parallel
             info = self.targets.modules[id(module)]
             if self._exit_stack is not None:
                 for handle in self.optimizers.arm(module):
@@ -490,63 +491,16 @@ class Watch:
         self._step_open = False
 
     def _lockstep(self) -> bool:
-        """Whether this watch's ranks step together (agreement.py): an event found on one rank then waits.
-
-        It watches an FSDP model (whose forward gathers parameters from
-        every rank), or a DDP model trained or run with gradients (its
-        backward all-reduces, its forward syncs buffers). Every rank then
-        reaches the next optimizer step, or the watch's exit, and stops
-        there. A DDP model evaluated under ``no_grad`` outside training runs
-        no collective after its first such call, and a model of one rank's
-        own no collective at all: its rank can stop at once, and the others
-        read the stop channel after their next step.
-        """
-        if self.replay_of is not None or not self._data_parallel_parameters():
-            return False
-        return self._sharded() or self.optimizer_in_use() or torch.is_grad_enabled()
-
-    def _data_parallel_parameters(self) -> frozenset[int]:
-        """The parameters of the watched DDP and FSDP models: the ones every rank steps together."""
-        if self._parallel_parameters is None:
-            self._parallel_parameters = frozenset(
-                id(parameter)
-                for _label, root in self.targets.roots
-                if data_parallel_paths(root) or replay_target(root) is None
-                for parameter in root.parameters()
-            )
-        return self._parallel_parameters
+        """Whether this watch's ranks step together now (lockstep.py): an event found on one rank then waits."""
+        return self.lockstep.in_step(self.optimizer_in_use())
 
     def _agrees_at(self, opt: torch.optim.Optimizer) -> bool:
-        """Whether ``opt``'s step is an agreement point: it steps a DDP or FSDP model's parameters.
-
-        Every rank steps such an optimizer at the same point of its loop; an
-        optimizer of one rank's own (a probe, a model only rank 0 trains)
-        must not issue a collective that the others never join.
-        """
-        if not self.outcome.agreement.several:
-            return False  # one process: nothing to agree on, nothing to walk
-        known = self._agreeing.get(id(opt))
-        if known is None:
-            parallel = self._data_parallel_parameters()
-            known = self._agreeing[id(opt)] = any(
-                id(p) in parallel for group in opt.param_groups for p in group["params"]
-            )
-        return known
+        """Whether ``opt``'s step is an agreement point: under a process group, for a DDP or FSDP model's optimizer."""
+        return self.outcome.agreement.several and self.lockstep.agrees_at(opt)
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
         self.outcome.check_peers()
-
-    def _sharded(self) -> bool:
-        """Whether a watched model is sharded by FSDP: its calls cannot be replayed on one rank alone.
-
-        Its every step is then a per-module step (the tiered watch could name the model only).
-        """
-        cache = self._sharded_roots
-        for _label, root in self.targets.roots:
-            if id(root) not in cache:
-                cache[id(root)] = replay_target(root) is None
-        return any(cache.values())
 
     def _check_unstepped_gradients(self) -> None:
         """The tiered watch, where no optimizer steps: the parameter gradients a backward left.
@@ -659,7 +613,7 @@ class Watch:
             # call: the per-layer history and early warnings come from those steps.
             every = self.config.full_every
             self.full_step = (not self.config.tiered or self._steps_opened % every == min(1, every - 1)
-                              or self._sharded())
+                              or self.lockstep.sharded())
             self._steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False

@@ -1,0 +1,83 @@
+"""Which of a watch's models every rank of a process group runs in step, and so where the ranks can agree.
+
+A DDP model's backward all-reduces and its forward may sync buffers; an
+FSDP model's forward gathers parameters from every rank. Every rank runs
+such a model, and steps its optimizer, at the same point of its loop: those
+optimizer steps are agreement points (agreement.py), and an event found
+between them waits for the next. A model each rank has for itself, or an
+optimizer that only one rank steps (a probe), runs no collective: a
+collective issued there would wait forever for the ranks that never come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from nan_magic.engine.distributed import data_parallel_paths
+from nan_magic.engine.step_replay import replay_target
+
+__all__ = ["Lockstep"]
+
+
+class Lockstep:
+    """The watched models' data-parallel facts, learned once (and again when a model joins the watch).
+
+    ``roots`` gives the watched models; ``alone``: a replay's watch, which
+    runs on one rank inside the watch that agrees, is never in step.
+    """
+
+    def __init__(self, roots: Callable[[], Iterable[nn.Module]], *, alone: bool) -> None:
+        self._roots = roots
+        self._alone = alone
+        self.forget()
+
+    def forget(self) -> None:
+        """A model joined the watch: it may be data-parallel."""
+        self._sharded: dict[int, bool] = {}
+        self._parameters: frozenset[int] | None = None
+        self._agreeing: dict[int, bool] = {}  # per optimizer: agrees_at
+
+    def sharded(self) -> bool:
+        """Whether a watched model is sharded by FSDP: its calls cannot be replayed on one rank alone."""
+        for root in self._roots():
+            if id(root) not in self._sharded:
+                self._sharded[id(root)] = replay_target(root) is None
+        return any(self._sharded.values())
+
+    def in_step(self, training: bool) -> bool:
+        """Whether the ranks step together now: an event found on one rank then waits for the others.
+
+        The watch has an FSDP model, or a DDP model trained (``training``:
+        an optimizer steps) or run with gradients. A DDP model evaluated
+        under ``no_grad`` outside training runs no collective after its
+        first such call, and a model of one rank's own none at all: its rank
+        can stop at once, and the others read the stop channel after their
+        next step.
+        """
+        if self._alone or not self.parameters():
+            return False
+        return self.sharded() or training or torch.is_grad_enabled()
+
+    def parameters(self) -> frozenset[int]:
+        """The parameters of the watched DDP and FSDP models: the ones every rank steps together."""
+        if self._parameters is None:
+            self._parameters = frozenset(
+                id(parameter)
+                for root in self._roots()
+                if data_parallel_paths(root) or replay_target(root) is None
+                for parameter in root.parameters()
+            )
+        return self._parameters
+
+    def agrees_at(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt``'s step is an agreement point: it steps a DDP or FSDP model's parameters."""
+        known = self._agreeing.get(id(opt))
+        if known is None:
+            parallel = self.parameters()
+            known = self._agreeing[id(opt)] = any(
+                id(p) in parallel for group in opt.param_groups for p in group["params"]
+            )
+        return known
