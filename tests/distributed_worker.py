@@ -374,12 +374,15 @@ def between_points(rank: int, scenario: str, out: str) -> None:
     inf (an infinite learning rate there only), judged at the watch's exit.
     ``inference_rank1``: each rank evaluates its own copy (no DDP, no
     optimizer). ``ddp_inference_rank1``: a DDP model evaluated under
-    ``no_grad`` without an optimizer; ``ddp_grad_inference_rank1``: the same
-    with gradients enabled (DDP's forward then prepares its all-reduce).
+    ``no_grad`` without an optimizer; ``ddp_grad_inference_rank1``: one with
+    a BatchNorm (buffers) evaluated with gradients, whose every forward then
+    syncs its buffers with the other ranks.
     """
     torch.manual_seed(0)
     middle = LogLayer()
     inner = tiny_model(middle)
+    if scenario == "ddp_grad_inference_rank1":
+        inner.insert(2, nn.BatchNorm1d(8))  # after the LogLayer: it stays module "1"
     inference = scenario.endswith("inference_rank1")
     no_grad = scenario != "ddp_grad_inference_rank1"
     model: nn.Module = inner if scenario == "inference_rank1" else DistributedDataParallel(inner)

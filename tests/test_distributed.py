@@ -160,7 +160,7 @@ def test_inference_on_each_rank_stops_the_other_ranks_through_the_stop_channel(r
 
 def test_a_ddp_model_evaluated_under_no_grad_stops_its_rank_at_once_and_the_other_soon_after(ranks):
     # Under no_grad DDP's forward runs no collective: rank 1 stops at its step, rank 0 reads the stop
-    # channel after its next step, or at its exit if it had finished (no step makes the ranks meet).
+    # channel after its next step, or at the watch's exit, where every rank of a DDP model meets.
     rank0, rank1 = ranks["ddp_inference_rank1"]
     assert (rank1["error"], rank1["steps"]) == ("NonFiniteError", worker.FAULT_STEP)
     assert rank0["error"] == "PeerNonFiniteError"
@@ -168,9 +168,9 @@ def test_a_ddp_model_evaluated_under_no_grad_stops_its_rank_at_once_and_the_othe
     assert rank0["seconds"] < 20
 
 
-def test_a_ddp_model_evaluated_with_gradients_stops_every_rank_at_the_watchs_exit(ranks):
-    # With gradients DDP's forward may sync buffers with the other ranks: rank 1 must not stop alone
-    # mid-loop, so its event waits for the watch's exit, where both ranks stop.
+def test_a_ddp_model_syncing_its_buffers_stops_every_rank_at_the_watchs_exit(ranks):
+    # Evaluated with gradients, DDP syncs the BatchNorm's buffers at every forward: rank 1 must not stop
+    # alone mid-loop (rank 0 would wait in that sync), so its event waits for the exit, where both stop.
     rank0, rank1 = ranks["ddp_grad_inference_rank1"]
     assert rank1["error"] == "NonFiniteError"
     assert rank0["error"] == "PeerNonFiniteError"

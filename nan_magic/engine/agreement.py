@@ -38,17 +38,15 @@ between them:
   each rank posts what it found and waits for the others' posts
   (:meth:`Agreement.leave`); a rank leaving by an exception counts itself
   in without waiting (:meth:`Agreement.left_by`), so that the others
-  neither wait for it nor lose count of the rounds. Only a watch in
-  *lockstep* does this, one whose ranks step together: it watches an FSDP
-  model, or a DDP model trained or run with gradients (under ``no_grad``
-  and without an optimizer DDP runs no collective after its first call, so
-  its ranks are treated as an inference watch's, as are models each rank
-  has for itself).
+  neither wait for it nor lose count of the rounds. Only a watch of a DDP
+  or FSDP model does this (every rank leaves it at the same point); one of
+  models each rank has for itself does not (lockstep.py).
 
-An event judged between agreement points in a lockstep watch (``defer=False``
-checks mid-forward, a backward without a step: gradient accumulation or a
-GradScaler's skipped step, the last step's parameters at the exit) is
-**held** (:meth:`Agreement.hold`): the rank goes on, checks nothing more, and
+An event judged between agreement points in a *lockstep* watch, one whose
+ranks step together (an FSDP model, or a DDP model trained or syncing its
+buffers: lockstep.py), is **held**: ``defer=False`` checks mid-forward, a
+backward without a step (gradient accumulation), the last step's parameters
+at the exit (:meth:`Agreement.hold`). The rank goes on, checks nothing more, and
 raises with the others at the next point, at most one step later. The
 optimizer step that would apply the non-finite values is never taken.
 
@@ -211,24 +209,25 @@ class Agreement:
         dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=agreed.device))
         return error
 
-    def leave(self, lockstep: bool) -> NonFiniteError | None:
+    def leave(self, together: bool) -> NonFiniteError | None:
         """The error this rank raises as its watch is left normally: held, agreed at the exit, or posted by a peer.
 
-        A lockstep watch meets the other ranks' exits through the store
-        (:meth:`_exit_round`); an inference watch reads the stop channel.
+        Where every rank leaves ``together`` (a DDP or FSDP model is watched:
+        lockstep.py), the exit is a round through the store
+        (:meth:`_exit_round`); elsewhere it reads the stop channel.
         """
         own, finding = self._held or (None, None)
         self._held = None
         if not self.several:
             return own
-        if lockstep:
+        if together:
             return self._exit_round(own, finding)
         return own or self.peer_stop()
 
-    def left_by(self, exception: BaseException, lockstep: bool) -> NonFiniteError | None:
+    def left_by(self, exception: BaseException, together: bool) -> NonFiniteError | None:
         """What this rank raises, ``from exception``, as an exception leaves its watch; None: the exception itself.
 
-        A lockstep watch counts this rank in at the exit's round without
+        Where every rank leaves ``together``, this rank counts itself in at the exit's round without
         waiting (the others, at their exit, must neither wait for it nor
         lose count of the rounds). A held event is this rank's cause (a
         value it held went on to break an op): it is posted, since this
@@ -241,7 +240,7 @@ class Agreement:
         self._held = None
         if not self.several:
             return own
-        if lockstep:
+        if together:
             self._depart(own, finding)
         if own is not None:
             self.post(own)

@@ -38,6 +38,7 @@ class Lockstep:
         """A model joined the watch: it may be data-parallel."""
         self._sharded: dict[int, bool] = {}
         self._parameters: frozenset[int] | None = None
+        self._data_parallel: list[nn.parallel.DistributedDataParallel] | None = None
         self._agreeing: dict[int, bool] = {}  # per optimizer: agrees_at
 
     def sharded(self) -> bool:
@@ -50,16 +51,37 @@ class Lockstep:
     def in_step(self, training: bool) -> bool:
         """Whether the ranks step together now: an event found on one rank then waits for the others.
 
-        The watch has an FSDP model, or a DDP model trained (``training``:
-        an optimizer steps) or run with gradients. A DDP model evaluated
-        under ``no_grad`` outside training runs no collective after its
-        first such call, and a model of one rank's own none at all: its rank
-        can stop at once, and the others read the stop channel after their
-        next step.
+        The watch has an FSDP model, or a DDP model that is trained
+        (``training``: an optimizer steps) or whose next forward syncs its
+        buffers with the other ranks (DDP's own test: evaluated with
+        gradients, with buffers). A DDP model evaluated otherwise runs no
+        collective (DDP stops syncing buffers after a call under
+        ``no_grad``), nor does a model of one rank's own: its rank can stop
+        at once, and the others read the stop channel after their next step.
         """
         if self._alone or not self.parameters():
             return False
-        return self.sharded() or training or torch.is_grad_enabled()
+        return self.sharded() or training or any(ddp.will_sync_module_buffers() for ddp in self.data_parallel())
+
+    def meets_at_exit(self) -> bool:
+        """Whether every rank leaves the watch at the same point: it watches a DDP or FSDP model.
+
+        Then the exit is a round through the store (agreement.py), even where
+        no step is in step: ranks that evaluate without a collective still
+        leave together, and an event one of them found stops the others there.
+        A watch of one rank's own models has no such exit (the others would
+        wait for a rank that never comes).
+        """
+        return not self._alone and bool(self.parameters())
+
+    def data_parallel(self) -> list[nn.parallel.DistributedDataParallel]:
+        """The DDP wrappers in the watched models."""
+        if self._data_parallel is None:
+            self._data_parallel = [
+                module for root in self._roots() for module in root.modules()
+                if isinstance(module, nn.parallel.DistributedDataParallel)
+            ]
+        return self._data_parallel
 
     def parameters(self) -> frozenset[int]:
         """The parameters of the watched DDP and FSDP models: the ones every rank steps together."""

@@ -229,14 +229,14 @@ class Watch:
                     self.optimizers.on_step_boundary()
                 if self.gradients.backward_runs:
                     self._check_unstepped_gradients()
-                self.outcome.raise_agreed(self.outcome.agreement.leave(self._lockstep()))
+                self.outcome.raise_agreed(self.outcome.agreement.leave(self.lockstep.meets_at_exit()))
             else:
                 # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
                 explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
                 if explained is None and explainable:
                     explained = self._judge_pending()
                 # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
-                left = self.outcome.agreement.left_by(exc, self._lockstep())
+                left = self.outcome.agreement.left_by(exc, self.lockstep.meets_at_exit())
                 if explained is None and explainable:
                     explained = self.outcome.agreed(left)
         finally:
@@ -359,7 +359,7 @@ class Watch:
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
-        self.lockstep = Lockstep(
+        self.lockstep: Lockstep = Lockstep(
             lambda: (root for _label, root in self.targets.roots), alone=self.replay_of is not None
         )
         self.forward_starts = 0
