@@ -229,14 +229,14 @@ class Watch:
                     self.optimizers.on_step_boundary()
                 if self.gradients.backward_runs:
                     self._check_unstepped_gradients()
-                self.outcome.raise_agreed(self.outcome.agreement.leave(self.lockstep.meets_at_exit()))
+                self.outcome.raise_agreed(self.outcome.agreement.leave(self._leave_together()))
             else:
                 # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
                 explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
                 if explained is None and explainable:
                     explained = self._judge_pending()
                 # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
-                left = self.outcome.agreement.left_by(exc, self.lockstep.meets_at_exit())
+                left = self.outcome.agreement.left_by(exc, self._leave_together())
                 if explained is None and explainable:
                     explained = self.outcome.agreed(left)
         finally:
@@ -489,6 +489,10 @@ class Watch:
         self._check_unstepped_gradients()
         self.gradients.backward_runs = 0
         self._step_open = False
+
+    def _leave_together(self) -> bool:
+        """Whether the exit is a round with the other ranks (lockstep.py); one process walks no model for it."""
+        return self.outcome.agreement.several and self.lockstep.meets_at_exit()
 
     def _lockstep(self) -> bool:
         """Whether this watch's ranks step together now (lockstep.py): an event found on one rank then waits."""
