@@ -336,19 +336,6 @@ def test_cli_under_torchrun(tmp_path):
     assert re.search(r"exitcode\s*: 1 ", output)
 
 
-def test_fsdp2_forward_fault_on_rank_1_is_named_with_the_users_class(ranks):
-    rank0, rank1 = ranks["fsdp2_forward_rank1"]
-    assert rank1["error"] == "NonFiniteError"
-    assert rank0["error"] == "PeerNonFiniteError"
-    # fully_shard makes the class FSDPLogLayer; the report names the user's LogLayer. Watched with
-    # replay=False: a replay would run a sharded module again on one rank alone, and its forward
-    # gathers parameters from every rank (FSDP2 support stops there for now).
-    assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer)"
-    assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
-    # Rank 0's own view: its shard of a gradient that the reduce-scatter made NaN, by its user's name.
-    assert rank0["local_tensor"] == "gradient of 0.weight"
-
-
 def test_fsdp1_forward_fault_on_rank_1_is_named_by_the_users_names(ranks):
     # FSDP1 (FullyShardedDataParallel, device_id=cpu on gloo), the middle block wrapped on its own, watched
     # with ops=True: the op is named without a replay (which FSDP's sharded forward rules out).
@@ -372,15 +359,18 @@ def test_fsdp1_forward_fault_on_rank_1_is_named_by_the_users_names(ranks):
     assert rank0["report"]["notes"][-1].startswith("rank 0 received it through the gradient all-reduce (or FSDP's")
 
 
-def test_fsdp1_flat_parameters_are_named_as_the_users_parameters(ranks):
-    # use_orig_params=False: the optimizer steps FlatParameters ("_fsdp_wrapped_module._flat_param", rank 0's
-    # shard holding 25 of 0.weight's 32 elements); the gradient is named by the user's parameter it belongs to.
-    rank0, rank1 = ranks["fsdp1_flat_forward_rank1"]
+@pytest.mark.parametrize("scenario", ["fsdp2_forward_rank1", "fsdp1_flat_forward_rank1"])
+def test_a_sharded_models_fault_is_named_by_the_users_class_and_parameter_names(ranks, scenario):
+    # FSDP2 (fully_shard makes the class FSDPLogLayer) and FSDP1 with use_orig_params=False (the optimizer
+    # steps FlatParameters, "_fsdp_wrapped_module._flat_param", rank 0's shard holding 25 of 0.weight's 32
+    # elements). The default (tiered) watch: a replay would run a sharded module again on one rank alone,
+    # and its forward gathers parameters from every rank, so the module is named and the op is not.
+    rank0, rank1 = ranks[scenario]
     assert rank1["error"] == "NonFiniteError"
     assert rank0["error"] == "PeerNonFiniteError"
-    # The default (tiered) watch: no replay under FSDP, so the module is named and the op is not (as for FSDP2).
     assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer)"
     assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
+    # Rank 0's own view: its shard of a gradient that the reduce-scatter made NaN, by its user's name.
     assert rank0["local_tensor"] == "gradient of 0.weight"
     assert rank0["local_module"] == ["0", "Linear"]
     assert "_flat_param" not in rank0["report"]["text"]
