@@ -138,9 +138,14 @@ class Agreement:
         if self.several:
             self._stops_seen = _store_count(_STOPS)
 
-    @property
-    def _group(self) -> tuple[int, int] | None:
-        return process_group()
+    @staticmethod
+    def _rank_world() -> tuple[int, int]:
+        return process_group() or (0, 1)
+
+    def _take_held(self) -> tuple[NonFiniteError | None, Finding | None]:
+        """The event held for the next agreement point (or none), no longer held."""
+        held, self._held = self._held, None
+        return held or (None, None)
 
     @property
     def several(self) -> bool:
@@ -159,14 +164,15 @@ class Agreement:
     def close(self) -> None:
         self._open = False
 
-    def hold(self, own: NonFiniteError, finding: Finding | None, lockstep: bool) -> bool:
+    def hold(self, own: NonFiniteError, finding: Finding | None, lockstep: Callable[[], bool]) -> bool:
         """Keep ``own`` for the next agreement point instead of raising it now; True when kept.
 
-        Only between points of a watch in ``lockstep`` (every rank steps
-        together, so every rank reaches the next point): elsewhere the rank
-        raises at once and posts its report (:meth:`post`).
+        Only between points of a watch in ``lockstep()`` (every rank steps
+        together, so every rank reaches the next point; asked only under a
+        process group): elsewhere the rank raises at once and posts its
+        report (:meth:`post`).
         """
-        if self._open or not self.several or not lockstep:
+        if self._open or not self.several or not lockstep():
             return False
         if self._held is None:
             self._held = (own, finding)
@@ -185,8 +191,8 @@ class Agreement:
             return own
         self._open = False
         if self._held is not None:
-            (own, finding), self._held = self._held, None
-        rank, world = self._group or (0, 1)
+            own, finding = self._take_held()
+        rank, world = self._rank_world()
         round_, self._round = self._round, self._round + 1
         store = _store()
         flag = 0
@@ -199,7 +205,7 @@ class Agreement:
         value = int(agreed.item())
         if value == 0:
             return None
-        first = world - 1 - value % world
+        first = _rank_of(value, world)
         error = own
         if first != rank:
             report: Report = pickle.loads(store.get(_EVENT_KEY.format(round=round_, rank=first)))
@@ -216,8 +222,7 @@ class Agreement:
         lockstep.py), the exit is a round through the store
         (:meth:`_exit_round`); elsewhere it reads the stop channel.
         """
-        own, finding = self._held or (None, None)
-        self._held = None
+        own, finding = self._take_held()
         if not self.several:
             return own
         if together:
@@ -235,9 +240,7 @@ class Agreement:
         be a collective failing because another rank stopped (gloo's
         "Connection closed by peer", a timeout): its posted error names it.
         """
-        own = self._held[0] if self._held is not None else None
-        finding = self._held[1] if self._held is not None else None
-        self._held = None
+        own, finding = self._take_held()
         if not self.several:
             return own
         if together:
@@ -276,7 +279,7 @@ class Agreement:
         except RuntimeError:  # the store went with the rank that served it: nothing to name
             return None
         self._stops_seen = count
-        return _peer_error(report, None, (self._group or (0, 1))[0])
+        return _peer_error(report, None, self._rank_world()[0])
 
     def _stop_posted(self) -> bool:
         return _store_count(_STOPS) > self._stops_seen
@@ -293,7 +296,7 @@ class Agreement:
         alive until every rank has read the report.
         """
         number = next(_EXIT_ROUNDS)
-        rank, world = self._group or (0, 1)
+        rank, world = self._rank_world()
         try:
             store, prefix = self._enter_round(number, own, finding)
             if not _arrive(store, f"{prefix}/arrived", world, self._stop_posted, number):
@@ -302,7 +305,7 @@ class Agreement:
             if not store.check([f"{prefix}/flags"]):
                 return own or self.peer_stop()
             flags = [int(flag) for flag in store.get(f"{prefix}/flags").decode().split(",") if flag]
-            first = world - 1 - max(flags) % world
+            first = _rank_of(max(flags), world)
             error = own
             if first != rank:
                 error = _peer_error(pickle.loads(store.get(f"{prefix}/report/{first}")), own, rank)
@@ -313,7 +316,7 @@ class Agreement:
 
     def _enter_round(self, number: int, own: NonFiniteError | None, finding: Finding | None) -> tuple[Any, str]:
         """The store and exit round ``number``'s key prefix, with this rank's event posted in it (if any)."""
-        rank, world = self._group or (0, 1)
+        rank, world = self._rank_world()
         store = _store()
         prefix = _EXIT_PREFIX.format(number=number)
         if own is not None:
@@ -324,16 +327,26 @@ class Agreement:
     def _depart(self, own: NonFiniteError | None, finding: Finding | None) -> None:
         """Take this rank's part in the exit's round without waiting: it is leaving by an exception."""
         number = next(_EXIT_ROUNDS)
-        world = (self._group or (0, 1))[1]
+        world = self._rank_world()[1]
         try:
             store, prefix = self._enter_round(number, own, finding)
-            for barrier in ("arrived", "read"):  # it reads nothing: counted in at both
-                if store.add(f"{prefix}/{barrier}", 1) == world:
-                    store.set(f"{prefix}/{barrier}/all", b"1")
-                    if barrier == "arrived":
-                        _forget_round(store, number - 1, world)
+            _count_in(store, f"{prefix}/arrived", world, number)
+            _count_in(store, f"{prefix}/read", world)  # it reads nothing: counted in at both
         except RuntimeError:
             return
+
+
+def _count_in(store: Any, key: str, world: int, number: int | None = None) -> bool:
+    """Count this rank in at ``key``; True when it is the last of ``world``, which then says so at ``key/all``.
+
+    The last to come to exit round ``number`` also clears the round before it from the store.
+    """
+    if store.add(key, 1) < world:
+        return False
+    store.set(f"{key}/all", b"1")
+    if number is not None:
+        _forget_round(store, number - 1, world)
+    return True
 
 
 def _arrive(
@@ -346,10 +359,7 @@ def _arrive(
     (a rank posted in the stop channel: it will not come). The last to come
     to round ``number`` also clears the round before it from the store.
     """
-    if store.add(key, 1) >= world:
-        store.set(f"{key}/all", b"1")
-        if number is not None:
-            _forget_round(store, number - 1, world)
+    if _count_in(store, key, world, number):
         return True
     deadline = time.monotonic() + EXIT_WAIT_S
     while True:
@@ -374,7 +384,7 @@ def _forget_round(store: Any, number: int, world: int) -> None:
         if store.check([f"{prefix}/flags"]):
             for flag in store.get(f"{prefix}/flags").decode().split(","):
                 if flag:
-                    store.delete_key(f"{prefix}/report/{world - 1 - int(flag) % world}")
+                    store.delete_key(f"{prefix}/report/{_rank_of(int(flag), world)}")
         for key in ("arrived", "arrived/all", "read", "read/all", "flags"):
             store.delete_key(f"{prefix}/{key}")
     except RuntimeError:  # a store that went takes its keys with it
@@ -397,6 +407,11 @@ def _flag(own: NonFiniteError, finding: Finding | None, rank: int, world: int) -
     """The one integer a rank's event is reduced as: how telling it is, then the lowest rank first."""
     arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
     return (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)
+
+
+def _rank_of(flag: int, world: int) -> int:
+    """The rank whose event :func:`_flag` reduced to ``flag``."""
+    return world - 1 - flag % world
 
 
 def _flag_device() -> torch.device:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Iterable
 
 __all__ = [
-    "data_parallel_paths", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
+    "data_parallel_paths", "is_sharded", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
     "process_group", "stamp", "unflattened_name", "user_name", "user_type",
 ]
 
@@ -41,9 +41,26 @@ try:
 except ImportError:  # pragma: no cover - a torch without FSDP2
     _FSDP_MODULE = None
 
+_SHARDED: tuple[type, ...]
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    _SHARDED = (FullyShardedDataParallel, *([_FSDP_MODULE] if _FSDP_MODULE is not None else []))
+except ImportError:  # pragma: no cover - a torch without FSDP1
+    _SHARDED = (_FSDP_MODULE,) if _FSDP_MODULE is not None else ()
+
 _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 _LEAVING = "nan_magic/leaving"
+
+
+def is_sharded(root: nn.Module) -> bool:
+    """Whether ``root`` holds a module sharded by FSDP (``FullyShardedDataParallel`` or ``fully_shard``).
+
+    Its forward gathers parameters with collectives every rank joins: it
+    cannot run again on one rank alone (a replay), and its ranks run in step.
+    """
+    return bool(_SHARDED) and any(isinstance(module, _SHARDED) for module in root.modules())
 
 
 def data_parallel_paths(root: nn.Module) -> frozenset[str]:

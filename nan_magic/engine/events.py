@@ -12,10 +12,11 @@ explains it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
@@ -72,8 +73,6 @@ class Events:
         #: and its ``(f_lasti, f_lineno)`` then.
         self.producer_frame: FrameType | None = None
         self.producer_position: tuple[int, int] | None = None
-        #: A real event was raised or is held: the watch's checks stand down.
-        self.stopped = False
         #: The watch is being left by an exception: an event found now raises at once, from it.
         self.leaving = False
         # A forward that raised after a non-finite value: what the watch raises on exit (hold_explained).
@@ -121,10 +120,8 @@ class Events:
             return
         if self.config.on_detect == "raise":
             own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position)
-            if not self.leaving and self.agreement.hold(own, finding, self.context.lockstep()):
-                # Between agreement points: this rank checks nothing more and stops with the others at the next.
-                self.stopped = True
-                return
+            if not self.leaving and self.agreement.hold(own, finding, self.context.lockstep):
+                return  # between agreement points: this rank checks nothing more, stops with the others at the next
             self.raise_agreed(self.agreement.settle(own, finding))
         if self.config.on_detect == "warn":
             warnings.warn(report.message, RuntimeWarning, stacklevel=3)
@@ -154,9 +151,38 @@ class Events:
             self.report = error.report
             if len(self.events) < self.config.max_events:
                 self.events.append(error.report)
-        self.stopped = True
         self.raised = error
         return error
+
+    @property
+    def stopped(self) -> bool:
+        """A real event was raised or is held: the watch's checks stand down."""
+        return self.raised is not None or self.agreement.holding
+
+    @contextlib.contextmanager
+    def agreement_point(self, opened: bool) -> Iterator[None]:
+        """Run a step's checks as an agreement point (``opened``: this rank takes part), then stop as agreed.
+
+        Whatever the checks find is settled in the point's one collective;
+        once settled, or failed in our own code, no later check takes part.
+        """
+        if opened:
+            self.agreement.open()
+        try:
+            yield
+            agreed = self.agreement.settle(None)
+        finally:
+            self.agreement.close()
+        self.raise_agreed(agreed)
+
+    def leave(self, together: bool) -> None:
+        """The watch is left normally: raise what the ranks agree on at the exit (agreement.py)."""
+        self.raise_agreed(self.agreement.leave(together))
+
+    def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None:
+        """The watch is left by ``exception``: what to raise from it, where ``explainable`` (agreement.py)."""
+        left = self.agreement.left_by(exception, together)
+        return self.agreed(left) if explainable else None
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import linecache
 import os
-from types import FrameType, TracebackType
+from types import CodeType, FrameType, TracebackType
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "is_library_file",
     "last_user_frame",
     "pointer",
+    "pointer_at",
     "short_traceback",
     "trim_to_user_code",
     "user_frames_of",
@@ -58,10 +60,13 @@ def is_library_file(filename: str) -> bool:
 
 def pointer(frame: FrameType, lineno: int | None = None) -> SourcePointer:
     """A :class:`SourcePointer` for a live frame (``lineno`` defaults to its current line)."""
-    code = frame.f_code
-    line_number = frame.f_lineno if lineno is None else lineno
-    text = linecache.getline(code.co_filename, line_number, frame.f_globals).strip() or None
-    return SourcePointer(code.co_filename, line_number, code.co_name, text)
+    return pointer_at(frame.f_code, frame.f_lineno if lineno is None else lineno, frame.f_globals)
+
+
+def pointer_at(code: CodeType, lineno: int, module_globals: dict[str, Any] | None) -> SourcePointer:
+    """A :class:`SourcePointer` for line ``lineno`` of ``code`` (a frame's, or one recorded earlier)."""
+    text = linecache.getline(code.co_filename, lineno, module_globals).strip() or None
+    return SourcePointer(code.co_filename, lineno, code.co_name, text)
 
 
 def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:

@@ -44,10 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import linecache
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -56,10 +55,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from nan_magic.engine.frames import pointer_at
 from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.op_sources import user_frame
 from nan_magic.engine.ops import OpTracer
-from nan_magic.engine.replay import RngState, capture_rng_state, restore_rng_state
+from nan_magic.engine.replay import RngState, capture_rng_state, generators_at, map_tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
@@ -108,26 +108,9 @@ class _Gone(Exception):
     """A tensor a replay needs was freed (only weak references are kept during backward)."""
 
 
-def _weak(value: Any, keep: bool = False) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
+def _weak(value: torch.Tensor, keep: bool = False) -> _Weak:
     kept = value.detach() if keep else None
     return _Weak(weakref.ref(value), id(value), kept, value.requires_grad)
-
-
-def _map_tensors(function: Any, value: Any) -> Any:
-    """``value`` with each tensor in it (in tuples, lists and dicts, as aten's arguments nest) mapped by ``function``.
-
-    What ``tree_map`` does for the few shapes an op's arguments take, at a
-    fraction of its cost: it runs for every recorded op of every step.
-    """
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if type(value) in (tuple, list):
-        return type(value)(_map_tensors(function, item) for item in value)
-    if type(value) is dict:
-        return {key: _map_tensors(function, item) for key, item in value.items()}
-    return value
 
 
 def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -155,11 +138,6 @@ def _alive(value: Any) -> torch.Tensor:
             raise _Gone
         return tensor
     return value
-
-
-def _requires_grad(value: Any) -> bool:
-    """Whether the recorded tensor required gradients (a kept value is a detached one)."""
-    return value.requires_grad if isinstance(value, (_Weak, torch.Tensor)) else False
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -236,9 +214,9 @@ class OutsideRecorder(TorchDispatchMode):
             return _weak(value)
 
         self._ops = [
-            dataclasses.replace(op, args=_map_tensors(weak_unless_small, op.args),
-                                kwargs=_map_tensors(weak_unless_small, op.kwargs),
-                                out=_map_tensors(weak_unless_small, op.out))
+            dataclasses.replace(op, args=map_tensors(weak_unless_small, op.args),
+                                kwargs=map_tensors(weak_unless_small, op.kwargs),
+                                out=map_tensors(weak_unless_small, op.out))
             for op in self._ops
         ]
 
@@ -341,16 +319,9 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         return tracer.finding
 
-    @contextlib.contextmanager
-    def _generators_as_recorded(self) -> Iterator[None]:
+    def _generators_as_recorded(self) -> contextlib.AbstractContextManager[None]:
         """The generators as the region's first random op found them (the same draws); the user's put back."""
-        user = capture_rng_state()
-        try:
-            if self._rng is not None:
-                restore_rng_state(self._rng)
-            yield
-        finally:
-            restore_rng_state(user)
+        return generators_at(self._rng)
 
     def _ops_to(self, tensor: torch.Tensor) -> list[_Op] | None:
         """The recorded ops up to the one that returned ``tensor``; None when none did."""
@@ -393,14 +364,12 @@ def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.T
                 if key is not None and key not in made and key not in copies:
                     original = _alive(value)
                     copy = copies[key] = original.detach().clone()
-                    if _requires_grad(value) and copy.is_floating_point():
+                    # A kept value is a detached one: its record says whether the original required gradients.
+                    if value.requires_grad and copy.is_floating_point():
                         requiring.append(copy.requires_grad_())
             made.update(key for key in map(_key, tree_leaves(op.out)) if key is not None)
     return copies, requiring
 
 
 def _source(op: _Op) -> SourcePointer | None:
-    if op.code is None:
-        return None
-    text = linecache.getline(op.code.co_filename, op.lineno, op.globals).strip() or None
-    return SourcePointer(op.code.co_filename, op.lineno, op.code.co_name, text)
+    return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None

@@ -44,6 +44,8 @@ __all__ = [
     "capture_autocast",
     "capture_rng_state",
     "copy_tensors",
+    "generators_at",
+    "map_tensors",
     "recompute",
     "replay_backward",
     "replay_module",
@@ -146,6 +148,18 @@ def restore_rng_state(state: RngState) -> None:
         torch.cuda.set_rng_state_all(list(state.cuda))
 
 
+@contextlib.contextmanager
+def generators_at(state: RngState | None) -> Iterator[None]:
+    """The default generators at ``state`` (as they are, for None) for the duration; the user's put back after."""
+    user = capture_rng_state()
+    try:
+        if state is not None:
+            restore_rng_state(state)
+        yield
+    finally:
+        restore_rng_state(user)
+
+
 def replay_module(
     module: nn.Module,
     args: Sequence[Any],
@@ -239,19 +253,31 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with each tensor in its tuples, named tuples, lists and dicts mapped by ``function``.
+
+    What ``tree_map`` does for the shapes a call's arguments take, at a
+    fraction of its cost (the loss recorder maps every recorded op's).
+    """
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(function, item) for item in value))
+    if type(value) in (tuple, list):
+        return type(value)(map_tensors(function, item) for item in value)
+    if type(value) is dict:
+        return {key: map_tensors(function, item) for key, item in value.items()}
+    return value
+
+
 def copy_tensors(value: Any, copies: dict[int, torch.Tensor]) -> Any:
     """Copy the tensors in tuples, lists and dicts; one copy per tensor object."""
-    if isinstance(value, torch.Tensor):
-        if id(value) not in copies:
-            copies[id(value)] = value.detach().clone()
-        return copies[id(value)]
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(copy_tensors(item, copies) for item in value))
-    if type(value) in (tuple, list):
-        return type(value)(copy_tensors(item, copies) for item in value)
-    if type(value) is dict:
-        return {key: copy_tensors(item, copies) for key, item in value.items()}
-    return value
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.detach().clone()
+        return copies[id(tensor)]
+
+    return map_tensors(copy, value)
 
 
 @contextlib.contextmanager
@@ -448,15 +474,12 @@ def _isolated(
         if id(sub) in names and stack:
             stack.pop()
 
-    user_rng = capture_rng_state()
     with contextlib.ExitStack() as cleanup:
-        cleanup.callback(restore_rng_state, user_rng)
         cleanup.callback(guard.restore)
         cleanup.enter_context(swapped_buffers(module))
         cleanup.enter_context(register_module_forward_pre_hook(enter))
         cleanup.enter_context(register_module_forward_hook(leave, always_call=True))
         for device, dtype in autocast or ():
             cleanup.enter_context(torch.autocast(device, dtype=dtype))
-        if rng_state is not None:
-            restore_rng_state(rng_state)
+        cleanup.enter_context(generators_at(rng_state))
         yield tracer

@@ -47,7 +47,7 @@ from torch import nn
 
 from nan_magic.engine.call_records import version_of
 from nan_magic.engine.diagnose import diagnose
-from nan_magic.engine.distributed import data_parallel_paths, user_name
+from nan_magic.engine.distributed import data_parallel_paths, is_sharded, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.held import running_arguments
 from nan_magic.engine.replay import (
@@ -56,7 +56,7 @@ from nan_magic.engine.replay import (
     capture_autocast,
     capture_rng_state,
     copy_tensors,
-    restore_rng_state,
+    generators_at,
     swapped_buffers,
 )
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
@@ -122,9 +122,7 @@ def replay_target(module: nn.Module) -> nn.Module | None:
     None for a model sharded by FSDP: its forward gathers parameters with
     collectives that the other ranks would have to join.
     """
-    if "fsdp" in type(module).__module__.lower() or any(
-        "fsdp" in type(sub).__module__.lower() for sub in module.modules()
-    ):
+    if is_sharded(module):
         return None
     unwrapped = getattr(module, "_orig_mod", module)
     if isinstance(unwrapped, nn.parallel.DistributedDataParallel):
@@ -331,7 +329,6 @@ class StepReplays:
             return _Outcome(why_not=str(refused))
         outcome = _Outcome()
         with contextlib.ExitStack() as stack:
-            stack.callback(restore_rng_state, capture_rng_state())
             stack.enter_context(self.watch.call_replay.standing_aside())
             stack.enter_context(swapped_buffers(root.module, root.buffers))
             for device, dtype in root.autocast or ():
@@ -344,7 +341,7 @@ class StepReplays:
                     root.kwargs = running[1]
             with torch.no_grad():
                 args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
-            restore_rng_state(root.rng)
+            stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
             with inner:
                 try:
                     output = target(*args, **kwargs)

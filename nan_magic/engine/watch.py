@@ -229,16 +229,15 @@ class Watch:
                     self.optimizers.on_step_boundary()
                 if self.gradients.backward_runs:
                     self._check_unstepped_gradients()
-                self.outcome.raise_agreed(self.outcome.agreement.leave(self._leave_together()))
+                self.outcome.leave(self._leave_together())
             else:
                 # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
                 explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
                 if explained is None and explainable:
                     explained = self._judge_pending()
                 # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
-                left = self.outcome.agreement.left_by(exc, self._leave_together())
-                if explained is None and explainable:
-                    explained = self.outcome.agreed(left)
+                left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
+                explained = explained or left
         finally:
             self._active = False
             if self in _ACTIVE:
@@ -359,9 +358,7 @@ class Watch:
         self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
         self.full_step = not self.config.tiered
         self._steps_opened = 0
-        self.lockstep: Lockstep = Lockstep(
-            lambda: (root for _label, root in self.targets.roots), alone=self.replay_of is not None
-        )
+        self.lockstep: Lockstep = Lockstep(lambda: (root for _label, root in self.targets.roots))
         self.forward_starts = 0
         self._step_open = False
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
@@ -468,15 +465,8 @@ class Watch:
             return  # settled already (a second optimizer's skip of the same backward)
         # Like the step it replaces, an agreement point (agreement.py): every rank skips the same step (DDP's
         # gradients, and so the scaler's found_inf, are the same on all; FSDP's ShardedGradScaler all-reduces it).
-        agreement = self.outcome.agreement
-        if self.mine() and self._agrees_at(optimizer):
-            agreement.open()
-        try:
+        with self.outcome.agreement_point(self.mine() and self._agrees_at(optimizer)):
             self._settle_backward(optimizer)
-            agreed = agreement.settle(None)
-        finally:
-            agreement.close()
-        self.outcome.raise_agreed(agreed)
 
     def _settle_backward(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """A backward ran and no optimizer step followed it: a skipped step, or gradients accumulating.
@@ -495,7 +485,10 @@ class Watch:
         return self.outcome.agreement.several and self.lockstep.meets_at_exit()
 
     def _lockstep(self) -> bool:
-        """Whether this watch's ranks step together now (lockstep.py): an event found on one rank then waits."""
+        """Whether this watch's ranks step together now (lockstep.py): an event found on one rank then waits.
+
+        Asked only under a process group (Agreement.hold), so one process walks no model for it.
+        """
         return self.lockstep.in_step(self.optimizer_in_use())
 
     def _agrees_at(self, opt: torch.optim.Optimizer) -> bool:
@@ -535,21 +528,14 @@ class Watch:
 
     def _on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
-        agreement = self.outcome.agreement
-        if self.mine():
-            if self._agrees_at(opt):
-                agreement.open()
-            if self.outside is not None:
-                self.outside.stop()
+        if self.mine() and self.outside is not None:
+            self.outside.stop()
         try:
-            self.optimizers.on_step_pre(opt, args, kwargs)
-            agreed = agreement.settle(None)
+            with self.outcome.agreement_point(self.mine() and self._agrees_at(opt)):
+                self.optimizers.on_step_pre(opt, args, kwargs)
         finally:
-            # Settled, or failed in our own code: no later check may take part in this step's collective.
-            agreement.close()
             if self.outside is not None and self.mine():
                 self.outside.forget()  # the step is judged (the deferred check too): the loss code's records go
-        self.outcome.raise_agreed(agreed)
 
     def _on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
