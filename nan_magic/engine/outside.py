@@ -202,8 +202,15 @@ class OutsideRecorder(TorchDispatchMode):
         """
         kept: set[int] = set()  # storages held, each counted once
         total = 0
+        made: dict[int, _Weak] = {}  # one record per tensor: an op's output is often the next op's input
 
         def weak_unless_small(value: torch.Tensor) -> Any:
+            weak = made.get(id(value))
+            if weak is None:
+                weak = made[id(value)] = weaken_one(value)
+            return weak
+
+        def weaken_one(value: torch.Tensor) -> _Weak:
             nonlocal total
             size = _storage_bytes(value)
             if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
@@ -236,6 +243,9 @@ class OutsideRecorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "namespace", None) == "profiler":
+            # record_function's markers (zero_grad's, the optimizer step's): no values, nothing to replay.
+            return func(*args, **kwargs)
         if self._rng is None and self._budget > 0 and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).

@@ -250,14 +250,20 @@ def read_scalars(scalars: list[torch.Tensor]) -> list[float]:
 
 
 def read_batched(scalars: list[torch.Tensor]) -> list[float]:
-    """:func:`read_scalars` as one stacked copy per device (what a GPU gets)."""
-    by_device: dict[torch.device, list[int]] = {}
+    """:func:`read_scalars` as one stacked copy per device (what a GPU gets).
+
+    Stacked per dtype first, then converted to float32 once per dtype (not
+    once per scalar: a bfloat16 optimizer's state would otherwise cost a
+    kernel launch per tensor), then copied in one transfer per device.
+    """
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for index, scalar in enumerate(scalars):
-        by_device.setdefault(scalar.device, []).append(index)
+        groups.setdefault(scalar.device, {}).setdefault(scalar.dtype, []).append(index)
     values = [math.nan] * len(scalars)
-    for indices in by_device.values():
-        same_dtype = [scalars[i] if scalars[i].dtype is torch.float32 else scalars[i].float() for i in indices]
-        for index, value in zip(indices, torch.stack(same_dtype).tolist()):
+    for by_dtype in groups.values():
+        order = [index for indices in by_dtype.values() for index in indices]
+        parts = [torch.stack([scalars[i] for i in indices]).float() for indices in by_dtype.values()]
+        for index, value in zip(order, torch.cat(parts).tolist()):
             values[index] = value
     return values
 
