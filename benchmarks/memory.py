@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 from common import Column, add_run_arguments, footer_lines, format_header, progress_logger, start_run
-from models import BUILDERS, Benchmark, build
+from models import BUILDERS, Benchmark, build, default_models
 from torch.profiler import ProfilerActivity, profile, record_function
 
 MB = 2**20
@@ -282,7 +282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; ``--quick`` shortens the growth run."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="growth over 100 steps, not 1000")
-    p.add_argument("--models", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
+    p.add_argument("--models", nargs="+", choices=list(BUILDERS),
+                   help="default: the four models, and gpt2_small with --device cuda")
     p.add_argument(
         "--growth-models",
         nargs="*",
@@ -299,6 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.growth_steps is None:
         args.growth_steps = 100 if args.quick else 1000
+    args.models = args.models or default_models(args.device)
     args.growth_models = [m for m in args.growth_models if m in args.models]
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     log = progress_logger()
 
     results = [measure_model(name, columns, args, log) for name in args.models]
-    print("nan_magic memory: full training step (forward, loss, backward, optimizer step), fp32")
+    print("nan_magic memory: full training step (forward, loss, backward, optimizer step), fp32 (gpt2_small: bf16 autocast)")
     print(format_header(info) + "\n")
     print(format_tables(results, columns, args.device))
     if args.json:

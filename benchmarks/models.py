@@ -13,6 +13,10 @@ package runs:
   through a weight-tied head, AdamW.
 - ``gpt2``: a 6-layer pre-LayerNorm GPT-2 decoder (hidden 256, 4 heads, FFN 1024),
   seq 128, batch 4, causal mask, next-token loss through a weight-tied head, AdamW.
+- ``gpt2_small``: the same decoder at GPT-2 small's size (12 layers, hidden 768, 12
+  heads, FFN 3072, vocabulary 50257), batch 8 x 512 tokens, under bfloat16 autocast:
+  the GPU-bound model of issue 17's CUDA table. Not in the CPU tables (:data:`GPU_ONLY`):
+  a step of it takes minutes on a laptop's cores.
 
 Both transformers use a vocabulary of 8192 rather than BERT's 30522 or GPT-2's 50257:
 with the real vocabularies the embedding and the output softmax dominate the step, which
@@ -74,6 +78,8 @@ class Benchmark:
     optimizer: torch.optim.Optimizer
     batch: tuple[Tensor, ...]
     loss_fn: Callable[..., Tensor]
+    #: Forward and loss run under ``torch.autocast`` to this dtype (None: in the model's own dtype).
+    autocast: torch.dtype | None = None
 
     def train_step(self) -> None:
         """Run one full training step: zero_grad, forward, loss, backward, optimizer step.
@@ -82,7 +88,9 @@ class Benchmark:
         no host synchronisation on CUDA and any sync counted is the watcher's.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, *self.batch)
+        device = self.batch[0].device.type
+        with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            loss = self.loss_fn(self.model, *self.batch)
         loss.backward()
         self.optimizer.step()
 
@@ -283,24 +291,41 @@ def _bert(device: torch.device) -> Benchmark:
 # -------------------------------------------------------------------------- GPT-2
 
 
+@dataclass(frozen=True)
+class GPT2Config:
+    """A GPT-2 decoder's size; the default is the CPU benchmark's ``gpt2``."""
+
+    layers: int = LAYERS
+    hidden: int = HIDDEN
+    heads: int = HEADS
+    ffn: int = FFN
+    vocab: int = VOCAB
+    seq: int = SEQ
+
+
+#: GPT-2 small (124M parameters) at a 512-token context: the GPU-bound model.
+GPT2_SMALL = GPT2Config(layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=512)
+
+
 class CausalSelfAttention(nn.Module):
     """GPT-2 attention with a fused QKV projection and a ``-inf`` causal mask (nanoGPT)."""
 
     bias: Tensor
 
-    def __init__(self) -> None:
+    def __init__(self, config: GPT2Config) -> None:
         super().__init__()
-        self.c_attn = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.c_proj = nn.Linear(HIDDEN, HIDDEN)
+        self.hidden, self.heads = config.hidden, config.heads
+        self.c_attn = nn.Linear(config.hidden, 3 * config.hidden)
+        self.c_proj = nn.Linear(config.hidden, config.hidden)
         self.attn_dropout = nn.Dropout(0.1)
         self.resid_dropout = nn.Dropout(0.1)
-        self.register_buffer("bias", torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)))
+        self.register_buffer("bias", torch.tril(torch.ones(config.seq, config.seq, dtype=torch.bool)))
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(HIDDEN, dim=2)
-        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // HEADS))
+        q, k, v = self.c_attn(x).split(self.hidden, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
         att = att.masked_fill(~self.bias[:t, :t], float("-inf"))
         att = self.attn_dropout(att.softmax(dim=-1))
         y = (att @ v).transpose(1, 2).reshape(b, t, c)
@@ -310,15 +335,15 @@ class CausalSelfAttention(nn.Module):
 class GPT2Block(nn.Module):
     """Pre-LayerNorm decoder block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: GPT2Config) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(HIDDEN)
-        self.attn = CausalSelfAttention()
-        self.ln_2 = nn.LayerNorm(HIDDEN)
+        self.ln_1 = nn.LayerNorm(config.hidden)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.hidden)
         self.mlp = nn.Sequential(
-            nn.Linear(HIDDEN, FFN),
+            nn.Linear(config.hidden, config.ffn),
             nn.GELU(approximate="tanh"),
-            nn.Linear(FFN, HIDDEN),
+            nn.Linear(config.ffn, config.hidden),
             nn.Dropout(0.1),
         )
 
@@ -330,14 +355,14 @@ class GPT2Block(nn.Module):
 class GPT2LM(nn.Module):
     """GPT-2 decoder with learned positions and a weight-tied LM head."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: GPT2Config = GPT2Config()) -> None:
         super().__init__()
-        self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.wpe = nn.Embedding(SEQ, HIDDEN)
+        self.wte = nn.Embedding(config.vocab, config.hidden)
+        self.wpe = nn.Embedding(config.seq, config.hidden)
         self.drop = nn.Dropout(0.1)
-        self.h = nn.ModuleList(GPT2Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(HIDDEN)
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.layers))
+        self.ln_f = nn.LayerNorm(config.hidden)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.lm_head.weight = self.wte.weight
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -348,25 +373,39 @@ class GPT2LM(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def _gpt2(device: torch.device) -> Benchmark:
-    batch = 4
+def gpt2_benchmark(
+    device: torch.device, config: GPT2Config = GPT2Config(), batch: int = 4, autocast: torch.dtype | None = None,
+    name: str = "gpt2",
+) -> Benchmark:
+    """A GPT-2 decoder of ``config``'s size training on one fixed batch of random tokens."""
     gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
-    model = GPT2LM().to(device)
+    ids = torch.randint(0, config.vocab, (batch, config.seq), generator=gen)
+    model = GPT2LM(config).to(device)
 
     def loss_fn(m: nn.Module, ids: Tensor) -> Tensor:
         logits = m(ids)
         # Next-token prediction: position t predicts token t + 1.
-        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, config.vocab), ids[:, 1:].reshape(-1))
 
+    precision = f", {str(autocast).removeprefix('torch.')} autocast" if autocast is not None else ""
     return Benchmark(
-        "gpt2",
-        f"GPT-2 decoder, {LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, batch {batch}, AdamW",
+        name,
+        f"GPT-2 decoder, {config.layers} layers, hidden {config.hidden}, seq {config.seq}, batch {batch}, "
+        f"AdamW{precision}",
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-4),
         (ids.to(device),),
         loss_fn,
+        autocast,
     )
+
+
+def _gpt2(device: torch.device) -> Benchmark:
+    return gpt2_benchmark(device)
+
+
+def _gpt2_small(device: torch.device) -> Benchmark:
+    return gpt2_benchmark(device, GPT2_SMALL, batch=8, autocast=torch.bfloat16, name="gpt2_small")
 
 
 BUILDERS: dict[str, Callable[[torch.device], Benchmark]] = {
@@ -374,8 +413,17 @@ BUILDERS: dict[str, Callable[[torch.device], Benchmark]] = {
     "resnet18": _resnet18,
     "bert": _bert,
     "gpt2": _gpt2,
+    "gpt2_small": _gpt2_small,
 }
 """Benchmark name -> builder, in the order the tables list them."""
+
+#: Models measured only on a GPU by default (``--models`` still takes them anywhere).
+GPU_ONLY = ("gpt2_small",)
+
+
+def default_models(device: str) -> list[str]:
+    """The models a table lists by default on ``device``: all four, and on a GPU the GPU-bound one too."""
+    return [name for name in BUILDERS if device == "cuda" or name not in GPU_ONLY]
 
 
 def build(name: str, device: torch.device | str = "cpu", seed: int = 0) -> Benchmark:

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import Column, add_run_arguments, footer_lines, format_header, progress_logger, start_run
-from models import BUILDERS, Benchmark, build
+from models import BUILDERS, Benchmark, build, default_models
 from torch.nn.parallel import DistributedDataParallel
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -461,7 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; ``--quick`` only changes the defaults of the timing knobs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="about one minute instead of ~6")
-    p.add_argument("--models", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
+    p.add_argument("--models", nargs="+", choices=list(BUILDERS),
+                   help="default: the four models, and gpt2_small with --device cuda")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     add_run_arguments(p, pin_by_default=True)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
@@ -485,6 +486,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, knob, quick if args.quick else full)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
+    args.models = args.models or default_models(args.device)
     return args
 
 
@@ -514,7 +516,7 @@ def _measure_and_print(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
 
     ddp = f", DDP over {dist.get_world_size()} processes (gloo)" if dist.is_initialized() else ""
-    print(f"nan_magic step overhead: full training step (forward, loss, backward, optimizer step), fp32{ddp}")
+    print(f"nan_magic step overhead: full training step (forward, loss, backward, optimizer step), fp32 (gpt2_small: bf16 autocast){ddp}")
     print(format_header(info))
     after = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"run: {'quick' if args.quick else 'full'}, {elapsed:.0f} s; load average after: {after}\n")
