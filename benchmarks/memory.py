@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     log = progress_logger()
 
     results = [measure_model(name, columns, args, log) for name in args.models]
-    print("nan_magic memory: full training step (forward, loss, backward, optimizer step), fp32 (gpt2_small: bf16 autocast)")
+    print("nan_magic memory: full training step (forward, loss, backward, optimizer step), "
+          "fp32 (gpt2_small: bf16 autocast)")
     print(format_header(info) + "\n")
     print(format_tables(results, columns, args.device))
     if args.json:

@@ -516,7 +516,8 @@ def _measure_and_print(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
 
     ddp = f", DDP over {dist.get_world_size()} processes (gloo)" if dist.is_initialized() else ""
-    print(f"nan_magic step overhead: full training step (forward, loss, backward, optimizer step), fp32 (gpt2_small: bf16 autocast){ddp}")
+    print("nan_magic step overhead: full training step (forward, loss, backward, optimizer step), "
+          f"fp32 (gpt2_small: bf16 autocast){ddp}")
     print(format_header(info))
     after = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"run: {'quick' if args.quick else 'full'}, {elapsed:.0f} s; load average after: {after}\n")

@@ -10,7 +10,7 @@ import torch
 import nan_magic
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import models  # noqa: E402  (benchmarks/ is scripts, not a package)
+import models  # benchmarks/ holds scripts, not a package: imported from its path
 
 TINY = models.GPT2Config(layers=2, hidden=32, heads=4, ffn=64, vocab=128, seq=16)
 

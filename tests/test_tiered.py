@@ -536,3 +536,65 @@ def test_a_nested_watch_leaves_the_outer_watchs_warning_filter_in_place() -> Non
         with nan_magic.watch(inner_model, mode="full"):
             pass
         assert warnings.filters == before
+
+
+#: What each call of Stateful left on its module, appended as its forward returns (a replay's call too).
+_STATES: list[tuple[object, ...]] = []
+
+
+class Stateful(nn.Module):
+    """A forward with side effects on its module: a counter, a cache list and dict, in-place writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.frozen = nn.Parameter(torch.zeros(8), requires_grad=False)  # an EMA kept in a frozen parameter
+        self.calls = 0
+        self.seen: list[torch.Tensor] = []
+        self.by_call: dict[int, float] = {}
+        self.running = torch.zeros(8)  # a plain tensor attribute, written in place
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(x.detach())
+        self.by_call[self.calls] = float(x.abs().sum())
+        with torch.no_grad():
+            self.frozen.mul_(0.5).add_(x.mean(0))
+            self.running.add_(1.0)
+        h = self.lin(x)
+        self.last = h.detach()
+        _STATES.append((self.calls, list(self.seen), dict(self.by_call), self.frozen.detach().clone(),
+                        self.running.clone(), self.last))
+        return torch.exp(h)  # producer: stateful exp
+
+
+@pytest.mark.parametrize("mode", ["tiered", "full"])
+def test_the_replay_leaves_the_modules_python_state_and_in_place_writes_as_the_step_left_them(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Stateful()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = [torch.randn(4, 8) for _ in range(3)] + [torch.full((4, 8), 200.0)]
+    weight = model.lin.weight.detach().clone()
+    _STATES.clear()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, mode=mode):
+        for x in batches:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.module, report.op, report.step) == ("", "aten.exp.default", 3)
+    assert report.source is not None and report.source.lineno == _marked("stateful exp")
+    if mode == "tiered":
+        assert report.reproduced is True
+    # The user's fourth call left this; the replay ran the forward again after it (a fifth state)...
+    assert len(_STATES) >= 5
+    calls, seen, by_call, frozen, running, last = _STATES[3]
+    # ...and the module is as the user's call left it: nothing of the replay remains.
+    assert model.calls == calls == 4
+    assert len(model.seen) == 4 and all(a is b for a, b in zip(model.seen, seen))
+    assert model.by_call == by_call and sorted(by_call) == [1, 2, 3, 4]
+    assert torch.equal(model.frozen, frozen)
+    assert torch.equal(model.running, running) and torch.equal(running, torch.full((8,), 4.0))
+    assert model.last is last  # the attribute the user's call bound, not the replay's
+    assert torch.equal(model.lin.weight, weight)

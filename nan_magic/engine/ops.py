@@ -192,9 +192,9 @@ class OpTracer(TorchDispatchMode):
         self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
         # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
         self._frames: dict[int, tuple[FrameType, tuple[int, int]]] = {}
-        # Set by replay: called with each tensor an op is about to write, even
-        # by a passive op or after the finding.
-        self._before_write: Callable[[torch.Tensor], None] | None = None
+        #: Set by a replay (untouched.py): called with each tensor an op is about to write, even
+        #: by a passive op or after the finding.
+        self.before_write: Callable[[torch.Tensor], None] | None = None
         #: The autograd graph task whose ops count as forward ops: set by a
         #: replay that runs a forward inside a gradient hook (-1: none).
         self.forward_task = -1
@@ -253,9 +253,9 @@ class OpTracer(TorchDispatchMode):
         plan = plan_of(func)
         if not in_backward:
             self.node_sources.note(plan, args, kwargs)
-        if plan.writes and self._before_write is not None:
+        if plan.writes and self.before_write is not None:
             for _, tensor in tensors(plan, args, kwargs, plan.writes):
-                self._before_write(tensor)
+                self.before_write(tensor)
         if self.finding is not None:
             return func(*args, **kwargs)
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):

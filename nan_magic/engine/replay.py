@@ -35,6 +35,7 @@ from nan_magic.engine.held import HeldArguments, Regenerate
 from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds
+from nan_magic.engine.untouched import untouched
 from nan_magic.records import Phase
 
 __all__ = [
@@ -308,34 +309,6 @@ def swapped_buffers(module: nn.Module, before: Mapping[int, torch.Tensor] | None
             sub._buffers[name] = buffer
 
 
-class _ParameterGuard:
-    """Copy-on-write for parameters: restore any that the forward writes in place.
-
-    Parameters are not copied up front (that would double a large module's
-    memory); the tracer calls :meth:`before_write` ahead of every op that
-    writes a tensor, and the storage of a parameter about to change is saved
-    once. Restoring writes the storage back bit for bit.
-    """
-
-    def __init__(self, parameters: Iterator[nn.Parameter]) -> None:
-        self._storages = {
-            p.untyped_storage().data_ptr(): p.untyped_storage() for p in parameters if p.numel()
-        }
-        self._saved: dict[int, torch.UntypedStorage] = {}
-
-    def before_write(self, tensor: torch.Tensor) -> None:
-        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
-            return
-        key = tensor.untyped_storage().data_ptr()
-        if key in self._storages and key not in self._saved:
-            self._saved[key] = self._storages[key].clone()
-
-    def restore(self) -> None:
-        for key, saved in self._saved.items():
-            self._storages[key].copy_(saved)
-        self._saved.clear()
-
-
 def replay_backward(
     module: nn.Module,
     held: HeldArguments,
@@ -452,9 +425,10 @@ def _isolated(
     """Set up a replay of ``module`` that leaves no trace, and give its tracer.
 
     The generators start from ``rng_state`` and are put back afterwards;
-    buffers are swapped for copies; parameters written in place are
-    restored; the tracer names submodules under ``module_name``; the
-    ``autocast`` regions of the original call are entered.
+    buffers are swapped for copies; parameters and other tensors written in
+    place and the modules' Python state are put back (untouched.py); the
+    tracer names submodules under ``module_name``; the ``autocast`` regions
+    of the original call are entered.
     """
     names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
     stack: list[str] = []
@@ -462,8 +436,6 @@ def _isolated(
     tracer = OpTracer(
         kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding, outside_benign=True
     )
-    guard = _ParameterGuard(module.parameters())
-    tracer._before_write = guard.before_write
 
     def enter(sub: nn.Module, _args: Any) -> None:
         name = names.get(id(sub))
@@ -475,7 +447,7 @@ def _isolated(
             stack.pop()
 
     with contextlib.ExitStack() as cleanup:
-        cleanup.callback(guard.restore)
+        tracer.before_write = cleanup.enter_context(untouched(module)).before_write
         cleanup.enter_context(swapped_buffers(module))
         cleanup.enter_context(register_module_forward_pre_hook(enter))
         cleanup.enter_context(register_module_forward_hook(leave, always_call=True))

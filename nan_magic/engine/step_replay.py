@@ -24,7 +24,8 @@ runs ``torch.autograd.grad`` from the replayed outputs with the captured
 gradients, into scratch gradients: never ``.grad``, and no accumulate-grad
 hook fires (DDP's reducer stays quiet). The replay leaves no trace: copies of
 the arguments and buffers, the user's generators put back afterwards, the
-outer watch standing aside.
+outer watch standing aside, and what the forward writes in place or changes
+in the modules' Python state put back (untouched.py).
 
 The report is the nested watch's, for the same step. It says whether the
 replay *reproduced* the event (the same boundary with the same counts); when
@@ -60,6 +61,7 @@ from nan_magic.engine.replay import (
     swapped_buffers,
 )
 from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.engine.untouched import untouched
 from nan_magic.records import Phase, Report, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -329,6 +331,7 @@ class StepReplays:
             return _Outcome(why_not=str(refused))
         outcome = _Outcome()
         with contextlib.ExitStack() as stack:
+            guard = stack.enter_context(untouched(target))
             stack.enter_context(self.watch.call_replay.standing_aside())
             stack.enter_context(swapped_buffers(root.module, root.buffers))
             for device, dtype in root.autocast or ():
@@ -343,6 +346,8 @@ class StepReplays:
                 args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
             stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
             with inner:
+                if inner.origins.tracer is not None:
+                    inner.origins.tracer.before_write = guard.before_write
                 try:
                     output = target(*args, **kwargs)
                     if not backward:

@@ -1,0 +1,128 @@
+"""A replay leaves no trace on the user's model, whatever its forward does to it.
+
+A replay runs the user's forward once more (step_replay.py, replay.py). Its
+buffers are swapped for copies (``replay.swapped_buffers``); what else a
+forward may change is put back here:
+
+* tensors it writes in place: parameters (a max-norm ``clamp_``, an EMA kept
+  in a frozen parameter) and tensors the modules hold as plain attributes or
+  in a list, tuple or dict attribute (a cache filled in place). Copy-on-write,
+  nothing is copied up front: the op tracer calls :meth:`ModelGuard.before_write`
+  ahead of every op that writes a tensor, and the storage about to change is
+  saved once, then written back bit for bit;
+* the modules' Python state: an attribute rebound (a call counter, the last
+  attention map kept for plotting) and the contents of a list, dict, set or
+  deque attribute (a cache appended to), as they were when the replay began.
+
+Not covered: a tensor that a container holds inside another container, and
+``param.data = ...``, which rebinds a parameter's storage without an op.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModelGuard", "untouched"]
+
+#: Containers whose contents are put back in place (their identity is the user's).
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+class ModelGuard:
+    """What a module tree was when a replay began, to put it back after (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        modules = list(model.modules())
+        self._attributes = [(module, dict(module.__dict__)) for module in modules]
+        self._contents: list[tuple[Any, Any]] = [
+            (value, _contents(value))
+            for _module, attributes in self._attributes
+            for value in attributes.values()
+            if isinstance(value, _CONTAINERS)
+        ]
+        held: list[torch.Tensor | None] = [parameter for module in modules for parameter in module._parameters.values()]
+        held += [tensor for _module, attributes in self._attributes for tensor in _tensors_in(attributes.values())]
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        for tensor in held:
+            if tensor is not None and _guardable(tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                self._storages.setdefault(storage.data_ptr(), storage)
+        self._saved: dict[int, torch.UntypedStorage] = {}
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        """An op is about to write ``tensor``: save its storage first if it is the model's."""
+        if not _guardable(tensor):
+            return
+        key = tensor.untyped_storage().data_ptr()
+        if key in self._storages and key not in self._saved:
+            self._saved[key] = self._storages[key].clone()
+
+    def restore(self) -> None:
+        """Put back the tensors written and the Python state changed since the guard began."""
+        for key, saved in self._saved.items():
+            self._storages[key].copy_(saved)
+        self._saved.clear()
+        for module, attributes in self._attributes:
+            if not _same_items(list(module.__dict__.items()), list(attributes.items())):
+                module.__dict__.clear()
+                module.__dict__.update(attributes)
+        for container, contents in self._contents:
+            _put_back(container, contents)
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[ModelGuard]:
+    """Run a replay of ``model``'s forward; give the guard whose ``before_write`` the op tracer must call."""
+    guard = ModelGuard(model)
+    try:
+        yield guard
+    finally:
+        guard.restore()
+
+
+def _guardable(tensor: Any) -> bool:
+    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.layout is torch.strided and not tensor.is_meta
+
+
+def _tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among ``values`` and directly inside those that are lists, tuples or dicts."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple, collections.deque)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+        elif isinstance(value, dict):
+            yield from (item for item in value.values() if isinstance(item, torch.Tensor))
+
+
+def _contents(container: Any) -> list[Any]:
+    return list(container.items()) if isinstance(container, dict) else list(container)
+
+
+def _put_back(container: Any, contents: list[Any]) -> None:
+    if _same_items(_contents(container), contents):
+        return  # unchanged: leave the user's container alone
+    container.clear()
+    if isinstance(container, (dict, set)):
+        container.update(contents)
+    else:
+        container.extend(contents)
+
+
+def _same_items(now: list[Any], before: list[Any]) -> bool:
+    """By identity, not ``==``: comparing tensors elementwise is neither cheap nor a bool."""
+    if len(now) != len(before):
+        return False
+    for a, b in zip(now, before):
+        if isinstance(a, tuple) and isinstance(b, tuple):  # a dict's items are new tuples each time
+            if len(a) != len(b) or any(x is not y for x, y in zip(a, b)):
+                return False
+        elif a is not b:
+            return False
+    return True
