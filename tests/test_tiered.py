@@ -257,7 +257,7 @@ def test_per_module_steps_come_every_full_every_steps(every: int) -> None:
     with nan_magic.watch(model, opt, full_every=every) as w:
         for x in _batches(7):
             train_steps(model, opt, [x])
-            seen.append(w.full_step)  # decided when the step's forward began
+            seen.append(w.cycle.full_step)  # decided when the step's forward began
     expected = [True] * 7 if every == 1 else [i % 3 == 1 for i in range(7)]
     assert seen == expected
 
@@ -266,7 +266,7 @@ def test_the_full_mode_checks_every_module_and_bad_modes_are_refused() -> None:
     model, opt = _net()
     with nan_magic.watch(model, opt, mode="full") as w:
         train_steps(model, opt, _batches(2))
-    assert w.full_step
+    assert w.cycle.full_step
     with pytest.raises(ValueError, match="mode must be 'tiered' or 'full', not 'fast'"):
         nan_magic.watch(model, mode="fast")
     with pytest.raises(ValueError, match="full_every must be at least 1"):

@@ -14,7 +14,9 @@ The hooks call down into the producer rule (which they own, sharing the
 module stack with it read-only), the call replay (whether calls keep their
 arguments), and ``hook_gradient``: the gradient checks' hook on a module
 output, given by the watch as a plain callable (None without backward
-checks), so this module does not know the gradient checks.
+checks), so this module does not know the gradient checks. Top-level
+calls open and (in inference) close the watch's steps, through its step
+cycle (``watch.cycle``, step_cycle.py).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class ForwardChecks:
         if not self.watch.mine():
             return
         info = self.watch.module_info(module)
-        if info is None or (self.stack and not self.watch.full_step):
+        if info is None or (self.stack and not self.watch.cycle.full_step):
             return  # unwatched, or inside a top-level call of a tiered step (only its boundaries are checked)
         if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
             known = self.watch.log.known_finite(args[0])
@@ -79,9 +81,8 @@ class ForwardChecks:
         if top_level:
             if self.watch.outside is not None:
                 self.watch.outside.stop()
-            self.watch.begin_step_if_needed()
-            self.watch.forward_starts += 1
-            if is_compiled(module) or (not self.watch.full_step and may_step_aside(module)):
+            self.watch.cycle.forward_started()
+            if is_compiled(module) or (not self.watch.cycle.full_step and may_step_aside(module)):
                 # Only this call's boundaries are checked: its submodules' calls need no hook at all.
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
@@ -153,11 +154,12 @@ class ForwardChecks:
         if not self.stack:
             # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
             self.watch.log.last_forward_seq = torch._C._autograd._get_sequence_nr()
-            if not self.watch.optimizer_in_use():
+            cycle = self.watch.cycle
+            if not cycle.training():
                 # Inference (no optimizer seen): a top-level forward is a step.
-                self.watch.sync()
-                self.watch.end_step(self.watch.step)
-                self.watch.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
+                cycle.sync()
+                cycle.end_step(cycle.step)
+                cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None:
                 self.watch.outside.start("loss")
 
@@ -218,7 +220,8 @@ class ForwardChecks:
                 if record.status == "benign":
                     continue  # a deliberate mask is no batch to warn about
                 probe = (record.low, record.high)
-                self.watch.warn(self.watch.early.observe_batch(self.watch.step, path, tensor, probe))
+                cycle = self.watch.cycle
+                cycle.warn(cycle.early.observe_batch(cycle.step, path, tensor, probe))
 
     def current_module_name(self) -> str | None:
         """The innermost watched module running (``exclude``/``include`` leave modules unwatched)."""

@@ -7,8 +7,8 @@ optimizer steps are agreement points (agreement.py), and an event found
 between them waits for the next. A model each rank has for itself, or an
 optimizer that only one rank steps (a probe), runs no collective: a
 collective issued there would wait forever for the ranks that never come.
-Asked only under a process group (the watch checks ``Agreement.several``
-first): one process walks no model for it.
+Asked only under a process group (its callers, the step cycle and the
+events, check ``Agreement.several`` first): one process walks no model for it.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ __all__ = ["Lockstep"]
 class Lockstep:
     """The watched models' data-parallel facts, learned once (and again when a model joins the watch).
 
-    ``roots`` gives the watched models.
+    ``roots`` gives the watched models; ``training`` whether an optimizer is in use (:meth:`OptimizerChecks.in_use`).
     """
 
-    def __init__(self, roots: Callable[[], Iterable[nn.Module]]) -> None:
+    def __init__(self, roots: Callable[[], Iterable[nn.Module]], training: Callable[[], bool]) -> None:
         self._roots = roots
+        self._training = training
         self.forget()
 
     def forget(self) -> None:
@@ -62,11 +63,13 @@ class Lockstep:
             self._parameters = frozenset(id(parameter) for owner in owners for parameter in owner.parameters())
         return self._parameters
 
-    def in_step(self, training: bool) -> bool:
+    def in_step(self) -> bool:
         """Whether the ranks step together now: an event found on one rank then waits for the others.
 
-        The watch has an FSDP model, or a DDP model that is trained
-        (``training``: an optimizer steps) or whose next forward syncs its
+        The watch's events ask it (``EventContext.lockstep``), only under a
+        process group (``Agreement.hold``), so one process walks no model for
+        it. The watch has an FSDP model, or a DDP model that is trained
+        (``training()``: an optimizer steps) or whose next forward syncs its
         buffers with the other ranks (DDP's own test: evaluated with
         gradients, with buffers). A DDP model evaluated otherwise runs no
         collective (DDP stops syncing buffers after a call under
@@ -75,7 +78,7 @@ class Lockstep:
         """
         if not self.parameters():
             return False
-        return self.sharded() or training or any(ddp.will_sync_module_buffers() for ddp in self.data_parallel())
+        return self.sharded() or self._training() or any(ddp.will_sync_module_buffers() for ddp in self.data_parallel())
 
     def meets_at_exit(self) -> bool:
         """Whether every rank leaves the watch at the same point: it watches a DDP or FSDP model.

@@ -111,9 +111,13 @@ class OptimizerChecks:
 
     # -- hooks -------------------------------------------------------------------
 
+    def in_use(self) -> bool:
+        """Whether an optimizer is in use: one stepped under the watch, or one was passed to it."""
+        return bool(self.steps or self.watch.targets.optimizers)
+
     def watches(self, opt: torch.optim.Optimizer) -> bool:
         mine = self.watch.targets.optimizers
-        return not mine or any(opt is candidate for candidate in mine) or self.watch.admit_optimizer(opt)
+        return not mine or any(opt is candidate for candidate in mine) or self.watch.targets.admit_optimizer(opt)
 
     def arm(self, module: nn.Module) -> list[Any]:
         """Post-accumulate-grad hooks on a watched model's parameters; their handles."""
@@ -184,7 +188,7 @@ class OptimizerChecks:
         with_grad, grad_norms = self._gradients(layout)
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
-        values = watch.sync(carried_norms + grad_norms)
+        values = watch.cycle.sync(carried_norms + grad_norms)
         if carried is not None and not self._report_step_result(carried, values[: len(carried_norms)]):
             watch.on_finite_step()
         grad_values = values[len(carried_norms) :]
@@ -202,7 +206,8 @@ class OptimizerChecks:
                     return
             # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
             overflowed = [name for (name, _grad), value in zip(with_grad, grad_values) if not math.isfinite(value)]
-            watch.warn(watch.early.observe_norm_overflow(watch.step, type(opt).__name__, overflowed))
+            cycle = watch.cycle
+            cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
         self._bounded = all(value < BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
         self.in_step = True
 
@@ -243,7 +248,7 @@ class OptimizerChecks:
             self.in_step = False
             self.pending_overflow = None
             self.skipped_in_a_row = 0
-            watch.end_step(step)
+            watch.cycle.end_step(step)
 
     def _count_step(self, opt: torch.optim.Optimizer) -> int:
         """Count a step of ``opt`` (watched or not); the index of the iteration it completes.
@@ -320,7 +325,7 @@ class OptimizerChecks:
         self.on_scale(scaler)
         if not any(opt is known for known in self.seen):
             self.seen.append(opt)
-        self.watch.step_skipped(opt)
+        self.watch.cycle.step_skipped(opt)
 
     def hold_gradient_event(self, finding: Finding) -> bool:
         """Hold a backward event while a GradScaler may still skip the step."""

@@ -1,13 +1,15 @@
 """What a watch looks at: modules (with their qualified names), optimizers, scalers.
 
 Resolving targets never touches them: no hooks, no attributes, only a map
-from module identity to the name the user knows it by.
+from module identity to the name the user knows it by. Nor does a module or
+optimizer joining the watch once it runs (:meth:`Targets.join`,
+:meth:`Targets.admit_optimizer`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,11 @@ class Targets:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     scalers: list[Any] = field(default_factory=list)
     discover: bool = False
+    #: Which module first called at top level, or optimizer first seen
+    #: stepping, joins the watch, and under what label (None: it stays
+    #: unwatched). By default (None here): every module when no module was
+    #: given (discovery), nothing else.
+    name_new: Callable[[Any], str | None] | None = None
 
     def info_by_name(self, name: str) -> ModuleInfo | None:
         """The info of a watched module by qualified name (first root that has it)."""
@@ -59,6 +66,31 @@ class Targets:
             if info.name == name:
                 return info
         return None
+
+    def join(self, module: nn.Module, config: WatchConfig) -> ModuleInfo | None:
+        """A module called at top level that no root holds: its info once it joins the watch, or None."""
+        label = self._new_root_label(module)
+        if label is None:
+            return None
+        # A module called at top level becomes a root, named as its own
+        # ``named_modules()`` would name it; the full watch refuses a
+        # compiled one here, where it is called, not wherever it merely exists.
+        if not config.tiered:
+            refuse_compiled(module, label)
+        self.add_root(module, label, config)
+        return self.modules[id(module)]
+
+    def _new_root_label(self, module: nn.Module) -> str | None:
+        if self.name_new is not None:
+            return self.name_new(module)
+        return type(module).__name__ if self.discover else None
+
+    def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether an optimizer that is not a target joins the watch (see :attr:`name_new`)."""
+        if self.name_new is None or self.name_new(opt) is None:
+            return False
+        self.optimizers.append(opt)
+        return True
 
     def add_root(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
         """Name every submodule of ``module``; modules already named keep their name.
@@ -140,9 +172,14 @@ def refuse_compiled(module: nn.Module, shown: str) -> None:
 
 
 def resolve_targets(
-    targets: Iterable[Any], labels: Iterable[str | None] | None, config: WatchConfig
+    targets: Iterable[Any],
+    labels: Iterable[str | None] | None,
+    config: WatchConfig,
+    name_new: Callable[[Any], str | None] | None = None,
 ) -> Targets:
     """Sort targets into modules, optimizers and scalers; refuse anything else.
+
+    ``name_new`` names what joins the watch later (:attr:`Targets.name_new`).
 
     Raises
     ------
@@ -155,7 +192,7 @@ def resolve_targets(
     label_list = list(labels) if labels is not None else [None] * len(targets)
     if len(label_list) != len(targets):
         raise ValueError(f"got {len(label_list)} labels for {len(targets)} targets")
-    resolved = Targets()
+    resolved = Targets(name_new=name_new)
     for target, label in zip(targets, label_list):
         shown = label or type(target).__name__
         if isinstance(target, nn.Module):
