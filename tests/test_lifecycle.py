@@ -105,12 +105,19 @@ def test_a_gradient_whose_tensor_already_had_a_user_hook_is_still_checked() -> N
     assert (report.phase, report.module, report.module_type) == ("backward", "2", "SqrtOfZero")
     assert seen == ["inside forward"]  # the user's hook ran first, as registered
     # The tiered watch replays the step, forward code included: a hook that forward registers runs
-    # again for the replay's gradient (documented in docs/guide.md, Limitations).
+    # again for the replay's gradient (docs/guide.md, Limitations)...
     seen.clear()
+    seen_outside: list[str] = []
+    tap = model[1].register_forward_hook(
+        lambda m, i, o: (o.register_hook(lambda g: seen_outside.append("replayed")), None)[1]
+    )
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(torch.ones(2, 3)).sum().backward()
     assert (caught.value.report.module, caught.value.report.reproduced) == ("2", True)
-    assert seen == ["inside forward"] * 2
+    tap.remove()
+    assert seen_outside == ["replayed"] * 2
+    # ...but what it appended to a list the module holds is put back: the module is as the user's call left it.
+    assert seen == ["inside forward"]
 
 
 def test_hooks_gone_after_success_and_user_hooks_kept() -> None:
