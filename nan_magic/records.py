@@ -12,6 +12,8 @@ import dataclasses
 import enum
 import json
 import math
+import numbers
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -310,6 +312,9 @@ class Report:
     #: same boundary with the same counts: True, False (then the report holds what the step's
     #: boundary checks saw, and ``mode="full"`` finds the producer), None where nothing was replayed.
     reproduced: bool | None = None
+    #: For an event after the first real one (``on_detect="warn"``/``"log"``: the run went on),
+    #: the first one's message; None for the first.
+    follows: str | None = None
 
     # -- derived -------------------------------------------------------------
 
@@ -338,10 +343,11 @@ class Report:
             where += f", op {self.op}"
         if self.source is not None:
             where += f" at {name_location(self.source.filename, self.source.lineno)}"
-        verb = "benign non-finite" if self.benign else "first non-finite"
+        verb = "benign non-finite" if self.benign else "non-finite" if self.follows else "first non-finite"
         # The op's own output needs no second naming: "op aten.div.Tensor" follows.
         tensor = "value" if self.op and self.tensor == f"output of {self.op}" else self.tensor
-        return f"{verb} {tensor} in {self.phase} step {self.step}: {where} ({kinds} of {self.numel})"
+        after = ", after the first event" if self.follows else ""
+        return f"{verb} {tensor} in {self.phase} step {self.step}: {where} ({kinds} of {self.numel}){after}"
 
     # -- views (renderers are imported lazily: `import nan_magic` stays light) --
 
@@ -490,20 +496,52 @@ class WatchConfig:
             )
         if self.mode not in ("tiered", "full"):
             raise ValueError(f"mode must be 'tiered' or 'full', not {self.mode!r}")
-        kinds = frozenset(self.kinds)
+        kinds = frozenset(_names("kinds", self.kinds))
         unknown = kinds - {"nan", "inf"}
         if unknown or not kinds:
             raise ValueError(
                 f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
             )
         object.__setattr__(self, "kinds", kinds)
+        for name in ("include", "exclude"):
+            object.__setattr__(self, name, _names(name, getattr(self, name)))
+        # A class is taken for its qualified name, which the type filter matches (engine/targets.py).
+        types = (f"{t.__module__}.{t.__qualname__}" if isinstance(t, type) else t for t in _items(self.types))
+        object.__setattr__(self, "types", _names("types", tuple(types), "class names or classes"))
         if self.keep_last_good not in (None, "cpu", "device"):
             raise ValueError(f"keep_last_good must be 'cpu', 'device' or None, not {self.keep_last_good!r}")
         for name in ("history", "sample_size", "max_layers", "max_events", "full_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an integer, not {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value!r}")
+        for name in ("ops", "replay", "backward", "defer"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "defer" and value is None):
+                allowed = "True, False or None" if name == "defer" else "True or False"
+                raise TypeError(f"{name} must be {allowed}, not {value!r}")
+        for name in ("log_file", "dump"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)):
+                    raise TypeError(f"{name} must be a path, not {value!r}")
+                object.__setattr__(self, name, os.fspath(value))
 
     @property
     def tiered(self) -> bool:
         """Whether steps are checked at their boundaries only (``ops=True`` checks every op of every step)."""
         return self.mode == "tiered" and not self.ops
+
+
+def _items(value: Any) -> tuple[Any, ...]:
+    """A config list given as one string (``kinds="nan"``) is one item, not its characters."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _names(name: str, value: Any, what: str = "strings") -> tuple[str, ...]:
+    items = _items(value)
+    wrong = [item for item in items if not isinstance(item, str)]
+    if wrong:
+        raise TypeError(f"{name} must be {what}, not {wrong[0]!r}")
+    return items

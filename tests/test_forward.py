@@ -283,6 +283,30 @@ def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
     assert torch.isnan(out).any() and len(w.events) == 1
 
 
+@pytest.mark.parametrize("mode", ["tiered", "full"])
+def test_warn_mode_warns_each_event_once_and_only_the_first_as_first(mode: str) -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LogOf(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, nan_magic.watch(model, opt, on_detect="warn", mode=mode) as w:
+        warnings.simplefilter("always")
+        loss = model(torch.randn(8, 4)).mean()  # log of negatives in model[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()  # applies the NaN gradients: the run goes on, as asked
+    messages = [str(warning.message) for warning in caught if warning.category is RuntimeWarning]
+    # The forward producer once (the optimizer's gradient check meets it again and adds nothing), then what followed.
+    assert (w.events[0].phase, w.events[0].module) == ("forward", "1")
+    assert len(w.events) == len({(e.step, e.phase, e.module, e.op, e.tensor) for e in w.events})
+    assert len(messages) == len(w.events) >= 2
+    assert messages[0].startswith("first non-finite value in forward step 0: 1 (LogOf)")
+    assert all(m.startswith("non-finite ") and m.endswith(", after the first event") for m in messages[1:])
+    assert all(event.follows == messages[0] for event in w.events[1:]) and w.events[0].follows is None
+    assert w.report is w.events[0]
+
+
 def test_step_counts_forward_passes_without_an_optimizer() -> None:
     model = nn.Sequential(nn.Linear(4, 4), LogOf())
     x = torch.ones(2, 4).abs()

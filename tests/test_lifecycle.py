@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -256,6 +257,42 @@ def test_bad_options_are_one_line_errors(options, message) -> None:
     with pytest.raises(ValueError, match=message) as caught:
         nan_magic.watch(small_model(), **options)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"types": [3]}, "types must be class names or classes, not 3"),
+        ({"include": [None]}, "include must be strings, not None"),
+        ({"sample_size": "a"}, "sample_size must be an integer, not 'a'"),
+        ({"full_every": 2.5}, "full_every must be an integer, not 2.5"),
+        ({"ops": "yes"}, "ops must be True or False, not 'yes'"),
+        ({"defer": "x"}, "defer must be True, False or None, not 'x'"),
+        ({"log_file": 3}, "log_file must be a path, not 3"),
+        ({"dump": 3}, "dump must be a path, not 3"),
+    ],
+)
+def test_options_of_the_wrong_type_are_one_line_type_errors(options, message) -> None:
+    before = global_hook_counts()
+    with pytest.raises(TypeError, match=re.escape(message)) as caught:
+        nan_magic.watch(small_model(), **options)
+    assert "\n" not in str(caught.value)
+    assert global_hook_counts() == before
+
+
+class _Exploding(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x - x)
+
+
+def test_a_single_string_is_one_name_and_a_class_is_its_qualified_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Exploding(), nn.Linear(4, 1))
+    assert nan_magic.watch(model, kinds="nan").config.kinds == frozenset({"nan"})
+    assert nan_magic.watch(model, include="0*").config.include == ("0*",)
+    for types in ("_Exploding", ["_Exploding"], [_Exploding]):
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, types=types, mode="full"):
+            model(torch.randn(2, 4))
+        assert (caught.value.report.module, caught.value.report.module_type) == ("1", "_Exploding"), types
 
 
 def test_the_full_mode_refuses_a_compiled_model_with_a_clear_message() -> None:

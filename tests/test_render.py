@@ -136,6 +136,20 @@ def test_summary_is_headline_then_cause_then_facts() -> None:
     assert text[2].startswith("Likely cause: division-by-zero.")
 
 
+def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
+    import dataclasses
+
+    from nan_magic.records import Cause
+    from nan_magic.render.common import cause_sentence
+
+    report = dataclasses.replace(
+        fault_report("zero_variance"), cause=Cause("unclassified", "the backward of x made it", ())
+    )
+    assert cause_sentence(report) == "Likely cause: unclassified. The backward of x made it"
+    named = dataclasses.replace(report, cause=Cause("division-by-zero", "aten.div.Tensor in 1 divided by 0", ()))
+    assert cause_sentence(named) == "Likely cause: division-by-zero. aten.div.Tensor in 1 divided by 0"
+
+
 def test_operands_are_named_as_the_user_wrote_them() -> None:
     text = fault_report("zero_variance").to_text()
     # The op's output is the report's tensor; the module's output the check saw is beside it.

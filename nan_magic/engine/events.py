@@ -102,6 +102,12 @@ class Events:
             report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
         if self.context.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
+        if not report.benign and self.report is not None:
+            # The run went on after the first event (warn, log): a check that meets the same producer again
+            # (the optimizer's gradient check replaying the step the forward check reported) adds nothing.
+            if any(_same_event(report, earlier) for earlier in self.events):
+                return
+            report = dataclasses.replace(report, follows=self.report.message)
         if not report.benign and self.report is None:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
@@ -238,3 +244,12 @@ class Events:
             self.report = report
         if self.events:
             self.events[-1] = report
+
+
+def _same_event(report: Report, earlier: Report) -> bool:
+    """Whether ``report`` names the producer an earlier event of the same step named."""
+    return (
+        not earlier.benign and report.step == earlier.step and report.phase == earlier.phase
+        and report.module == earlier.module and report.op == earlier.op and report.tensor == earlier.tensor
+        and report.source == earlier.source
+    )

@@ -48,6 +48,7 @@ from nan_magic.engine.call_records import version_of
 from nan_magic.engine.distributed import data_parallel_paths, local_shard, unflattened_name, user_name
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.gradients import check_parameter_grads
+from nan_magic.engine.iterations import Iterations
 from nan_magic.engine.stats import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
@@ -83,9 +84,8 @@ class OptimizerChecks:
     def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None]) -> None:
         self.watch = watch
         self._add_op_origin = add_op_origin
-        #: Training iterations completed (see :meth:`_count_step`).
-        self.steps = 0
-        self._step_counts: dict[int, tuple[torch.optim.Optimizer, int]] = {}
+        #: Training iterations completed, from the optimizer steps seen (iterations.py).
+        self.iterations = Iterations(watch.targets.optimizers)
         self.pending_overflow: Finding | None = None
         self.skipped_in_a_row = 0
         self.skipped_total = 0
@@ -113,7 +113,7 @@ class OptimizerChecks:
 
     def in_use(self) -> bool:
         """Whether an optimizer is in use: one stepped under the watch, or one was passed to it."""
-        return bool(self.steps or self.watch.targets.optimizers)
+        return self.iterations.any_stepped or bool(self.watch.targets.optimizers)
 
     def watches(self, opt: torch.optim.Optimizer) -> bool:
         mine = self.watch.targets.optimizers
@@ -250,24 +250,18 @@ class OptimizerChecks:
             self.skipped_in_a_row = 0
             watch.cycle.end_step(step)
 
-    def _count_step(self, opt: torch.optim.Optimizer) -> int:
-        """Count a step of ``opt`` (watched or not); the index of the iteration it completes.
+    @property
+    def steps(self) -> int:
+        """Training iterations completed (iterations.py)."""
+        return self.iterations.completed
 
-        Every optimizer steps once an iteration (a GAN's two, one per
-        parameter group), so the iterations completed are the steps of the
-        optimizer that stepped most.
-        """
-        # The optimizer is held with its count for the watch's life, so its id stays its own.
-        _opt, index = self._step_counts.get(id(opt), (opt, 0))
-        self._step_counts[id(opt)] = (opt, index + 1)
-        self.steps = max(self.steps, index + 1)
-        return index
+    def _count_step(self, opt: torch.optim.Optimizer) -> int:
+        """Count a step of ``opt`` (watched or not); the index of the training iteration it belongs to."""
+        return self.iterations.stepped(opt)
 
     def absorb_steps(self, inner: OptimizerChecks) -> None:
         """Add the steps a nested watch counted while it had taken over from this one."""
-        for key, (opt, count) in inner._step_counts.items():
-            self._step_counts[key] = (opt, self._step_counts.get(key, (opt, 0))[1] + count)
-        self.steps = max((count for _opt, count in self._step_counts.values()), default=self.steps)
+        self.iterations.absorb(inner.iterations)
 
     def flush(self) -> None:
         """Check a deferred step result still unread (at the end of the watch)."""

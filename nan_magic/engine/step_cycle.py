@@ -121,9 +121,9 @@ class StepCycle:
     def step(self) -> int:
         """The 0-based step an event now belongs to (PRODUCT.md).
 
-        The training iterations completed: the steps of the optimizer seen
-        stepping most often (passed to the watch or not; every optimizer
-        steps once an iteration). Before any optimizer is seen (inference,
+        The training iterations completed: an iteration is complete when
+        every optimizer taking part in it has stepped (passed to the watch or
+        not: a GAN's two; iterations.py). Before any optimizer is seen (inference,
         or the first iteration of a loop whose optimizer was not passed):
         the index of the latest top-level forward call started, so the loss
         and backward of the first iteration are step 0.

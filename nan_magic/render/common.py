@@ -163,7 +163,11 @@ def cause_sentence(report: Report) -> str:
     whether the inputs were finite.
     """
     if report.cause is not None:
-        return f"Likely cause: {report.cause.label}. {report.cause.hint}"
+        hint = report.cause.hint
+        first = hint.split(" ", 1)[0]
+        if first.isalpha() and first.islower() and (len(first) > 1 or first == "a"):  # a word, not aten.div, x
+            hint = hint[:1].upper() + hint[1:]
+        return f"Likely cause: {report.cause.label}. {hint}"
     inputs = (
         "from finite inputs" if report.inputs_finite
         else "from inputs that already held non-finite values of another kind"

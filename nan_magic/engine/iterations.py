@@ -1,0 +1,77 @@
+"""Which training iteration an event belongs to, counted from the optimizer steps seen.
+
+PRODUCT.md's *step* is the 0-based index of the training iteration. With one
+optimizer that is its steps completed. With several that take turns in one
+iteration (a GAN's discriminator then generator; an encoder's and a decoder's
+optimizers), counting every step, or the most-stepped optimizer's, runs ahead:
+the generator's backward in iteration 3 comes after the discriminator's fourth
+step. So an iteration is counted complete when every optimizer that takes part
+in it (its *members*) has stepped:
+
+* the members are the optimizers passed to the watch; where none was passed,
+  the first optimizer seen stepping, joined by any optimizer whose first step
+  comes right after an iteration completed, before a member stepped again (a
+  GAN's generator, whose discriminator steps first). Unpassed, the generator
+  is unknown until its first step, so the rest of iteration 0 counts as step 1;
+* an optimizer that steps again before every member has (a WGAN's critic
+  stepping five times a generator step, a passed optimizer that stops
+  stepping) closes the iteration there: the members are then those that did
+  step, so a member that stops stepping costs at most one iteration's lag.
+
+A step a GradScaler skips is not an optimizer step, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["Iterations"]
+
+
+class Iterations:
+    """Training iterations completed, from optimizer steps (see the module docstring)."""
+
+    def __init__(self, passed: Iterable[torch.optim.Optimizer] = ()) -> None:
+        #: Training iterations completed.
+        self.completed = 0
+        self._members: set[int] = {id(opt) for opt in passed}
+        self._round: set[int] = set()
+        # Every optimizer seen stepping, held so that its id stays its own for the watch's life.
+        self._seen: dict[int, torch.optim.Optimizer] = {}
+
+    def stepped(self, opt: torch.optim.Optimizer) -> int:
+        """Count a step of ``opt``; the index of the iteration it belongs to."""
+        key = id(opt)
+        first = key not in self._seen
+        self._seen[key] = opt
+        if first and not self._round and (self.completed or not self._members):
+            # A newcomer right after an iteration closed (or the very first step): it takes part.
+            late = bool(self.completed) and bool(self._members)
+            self._members.add(key)
+            if late:
+                return self.completed - 1  # its step belongs to the iteration just closed
+        if key in self._round:
+            # It steps again before every member has: the iteration closed without the others.
+            self._close()
+        index = self.completed
+        self._round.add(key)
+        if self._members <= self._round:
+            self._close()
+        return index
+
+    @property
+    def any_stepped(self) -> bool:
+        return bool(self._seen)
+
+    def absorb(self, inner: Iterations) -> None:
+        """Add the iterations a nested watch counted while it had taken over."""
+        self.completed += inner.completed
+        self._seen.update(inner._seen)
+        self._members |= inner._members
+
+    def _close(self) -> None:
+        self._members = set(self._round) or self._members
+        self._round = set()
+        self.completed += 1
