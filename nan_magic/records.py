@@ -315,6 +315,9 @@ class Report:
     #: For an event after the first real one (``on_detect="warn"``/``"log"``: the run went on),
     #: the first one's message; None for the first.
     follows: str | None = None
+    #: How many models the watch held: with more than one, :attr:`where` says which model the
+    #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
+    models_watched: int = 1
 
     # -- derived -------------------------------------------------------------
 
@@ -329,8 +332,11 @@ class Report:
 
     @property
     def where(self) -> str:
-        """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``."""
-        return module_label(self.module, self.module_type)
+        """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``, ``main.0 (Conv2d) in netD``."""
+        label = module_label(self.module, self.module_type)
+        if self.models_watched > 1 and self.model and not (self.module == "" and self.model == self.module_type):
+            label += f" in {self.model}"
+        return label
 
     @property
     def message(self) -> str:

@@ -598,3 +598,39 @@ def test_the_replay_leaves_the_modules_python_state_and_in_place_writes_as_the_s
     assert torch.equal(model.running, running) and torch.equal(running, torch.full((8,), 4.0))
     assert model.last is last  # the attribute the user's call bound, not the replay's
     assert torch.equal(model.lin.weight, weight)
+
+
+class _LogHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # producer: log head
+
+
+class _Critic(nn.Module):
+    """A DCGAN-style model: its layers are main.0, main.1, as the generator's are."""
+
+    def __init__(self, bad: bool) -> None:
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(4, 4), _LogHead() if bad else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x)
+
+
+@pytest.mark.parametrize("mode", ["tiered", "full"])
+def test_with_several_models_the_report_says_which_model_the_module_is_in(mode: str) -> None:
+    torch.manual_seed(0)
+    generator, critic, twin = _Critic(bad=False), _Critic(bad=True), _Critic(bad=True)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(generator, critic, mode=mode):
+        critic(generator(torch.randn(3, 4)) - 10.0)
+    report = caught.value.report
+    assert (report.module, report.model, report.models_watched) == ("main.1", "_Critic#2", 2)
+    assert "main.1 (_LogHead) in _Critic#2, op aten.log.default" in report.message
+    # Labelled (the magics pass variable names): the label names it; one model needs no naming.
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(
+        generator, critic, labels=["netG", "netD"], mode=mode
+    ):
+        critic(generator(torch.randn(3, 4)) - 10.0)
+    assert "main.1 (_LogHead) in netD, op" in caught.value.report.message
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(twin, mode=mode):
+        twin(torch.randn(3, 4) - 10.0)
+    assert caught.value.report.message.startswith("first non-finite value in forward step 0: main.1 (_LogHead), op")

@@ -431,6 +431,7 @@ class StepReplays:
             history=tuple(watch.history),
             warnings=tuple(watch.warnings),
             reproduced=True,
+            models_watched=len(watch.targets.roots),
             notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
                                   "op-level checks; the replay saw the same event"),
         )

@@ -9,6 +9,7 @@ optimizer joining the watch once it runs (:meth:`Targets.join`,
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,9 +190,10 @@ def resolve_targets(
         For a model compiled with ``torch.compile``.
     """
     targets = list(targets)
-    label_list = list(labels) if labels is not None else [None] * len(targets)
+    label_list: list[str | None] = list(labels) if labels is not None else [None] * len(targets)
     if len(label_list) != len(targets):
         raise ValueError(f"got {len(label_list)} labels for {len(targets)} targets")
+    label_list = _default_model_labels(targets, label_list)
     resolved = Targets(name_new=name_new)
     for target, label in zip(targets, label_list):
         shown = label or type(target).__name__
@@ -210,3 +212,24 @@ def resolve_targets(
             )
     resolved.discover = not resolved.roots
     return resolved
+
+
+def _default_model_labels(targets: list[Any], labels: list[str | None]) -> list[str | None]:
+    """Several models given without labels are labelled by their class: a report then says which it means.
+
+    A DCGAN's generator and discriminator both have ``main.0``; two models of
+    one class are told apart by their position (``Encoder#1``, ``Encoder#2``).
+    """
+    models = [index for index, target in enumerate(targets) if isinstance(target, nn.Module)]
+    if len(models) < 2:
+        return labels
+    names = {index: type(targets[index]).__name__ for index in models if labels[index] is None}
+    taken = Counter(label for label in labels if label is not None)
+    repeated = Counter(names.values())
+    result = list(labels)
+    seen: Counter[str] = Counter()
+    for index, name in names.items():
+        seen[name] += 1
+        label = f"{name}#{seen[name]}" if repeated[name] > 1 or taken[name] else name
+        result[index] = label
+    return result

@@ -55,6 +55,7 @@ the code recorder (``watch.outside``, switched at the boundaries the hooks see).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections import Counter, deque
@@ -381,7 +382,7 @@ class Watch:
 
     def _build_report(self, finding: Finding) -> Report:
         """``finding``'s report as the step's boundary saw it: this step's log, history and warnings."""
-        return stamp(build_report(
+        return stamp(dataclasses.replace(build_report(
             finding,
             step=self.step if finding.step is None else finding.step,
             log=self.log,
@@ -389,7 +390,7 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
-        ))
+        ), models_watched=len(self.targets.roots)))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
