@@ -598,3 +598,76 @@ def test_the_replay_leaves_the_modules_python_state_and_in_place_writes_as_the_s
     assert torch.equal(model.running, running) and torch.equal(running, torch.full((8,), 4.0))
     assert model.last is last  # the attribute the user's call bound, not the replay's
     assert torch.equal(model.lin.weight, weight)
+
+
+class SqrtSwitch(nn.Module):
+    """Passes its input on until ``bad`` is set; then ``sqrt`` at zero, whose backward divides by zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * 0) if self.bad else x  # producer: switched sqrt
+
+
+class Checkpointed(nn.Module):
+    """A block under ``torch.utils.checkpoint``: recomputed inside backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU(), SqrtSwitch())
+        self.head = nn.Linear(16, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def _train_checkpointed(reentrant: bool, watched: dict[str, object] | None, steps: int = 4) -> Checkpointed:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    context = nan_magic.watch(model, opt, **watched) if watched is not None else contextlib.nullcontext()
+    with context:
+        for _ in range(steps):
+            # The reentrant form needs an input that requires gradients to build its graph.
+            loss = model(torch.randn(8, 16, requires_grad=reentrant)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("options", [{}, {"full_every": 1}, {"mode": "full"}, {"ops": True}],
+                         ids=["tiered", "full_every=1", "full", "ops"])
+def test_checkpointed_training_is_silent_and_bit_identical_to_unwatched(
+        reentrant: bool, options: dict[str, object]) -> None:
+    # The recompute inside backward was taken for a new top-level call: a replay "explained" the
+    # non-reentrant form's early stop and saved tensors it counts (CheckpointError in backward).
+    plain = _train_checkpointed(reentrant, None)
+    watched = _train_checkpointed(reentrant, options)
+    for before, after in zip(plain.parameters(), watched.parameters()):
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("bad_step", [0], ids=["boundary-step"])
+def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: bool, bad_step: int) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for step in range(3):
+            model.block[2].bad = step == bad_step
+            loss = model(torch.randn(8, 16, requires_grad=reentrant)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.step) == (
+        "backward", "block.2", "SqrtSwitch", bad_step), report.message
+    assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
+    assert report.source is not None and report.source.lineno == _marked("switched sqrt")
+

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import sys
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -337,6 +338,8 @@ class StepReplays:
             for device, dtype in root.autocast or ():
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
+            if backward:
+                stack.enter_context(_reentrant_checkpoints_inline())
             if not root.returned:
                 # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
                 running = running_arguments(root.module)
@@ -442,6 +445,37 @@ class StepReplays:
         note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
                 "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
         return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
+
+
+@contextlib.contextmanager
+def _reentrant_checkpoints_inline() -> Iterator[None]:
+    """Run ``checkpoint(..., use_reentrant=True)`` blocks as plain calls while a backward replay runs.
+
+    The reentrant form refuses ``torch.autograd.grad`` (the replay's scratch
+    gradients), and builds its graph only inside backward, where the replay's
+    forward hooks and op tracer would not see the block's modules and lines.
+    Inlined, the block runs the same ops on the same draws (the replay set the
+    generators), with its graph kept: only the memory that checkpointing saves
+    is spent, once, for the failing call.
+    """
+    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    if function is None:  # pragma: no cover - a torch without it
+        yield
+        return
+    own = "apply" in function.__dict__  # normally inherited from autograd.Function
+    original = function.__dict__.get("apply")
+
+    def inline(run_function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
+        return run_function(*args)
+
+    function.apply = staticmethod(inline)
+    try:
+        yield
+    finally:
+        if own:
+            function.apply = original
+        else:
+            del function.apply
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:
