@@ -653,7 +653,7 @@ def test_checkpointed_training_is_silent_and_bit_identical_to_unwatched(
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("bad_step", [0], ids=["boundary-step"])
+@pytest.mark.parametrize("bad_step", [0, 1], ids=["boundary-step", "per-module-step"])
 def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: bool, bad_step: int) -> None:
     torch.manual_seed(0)
     model = Checkpointed(reentrant)
@@ -670,4 +670,37 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
         "backward", "block.2", "SqrtSwitch", bad_step), report.message
     assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
     assert report.source is not None and report.source.lineno == _marked("switched sqrt")
+
+class SqrtAt(nn.Module):
+    """Healthy until ``bad``: then ``sqrt`` at zero, whose backward divides by zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> torch.Tensor:
+        h = self.l1(x) * (0 if bad else 1)
+        return self.l2(torch.sqrt(h if bad else h.abs()))  # producer: sqrt when bad
+
+
+@pytest.mark.parametrize(("bad_step", "options"), [(1, {}), (3, {"full_every": 2}), (2, {"full_every": 1})],
+                         ids=["second-step", "every-2nd", "full_every=1"])
+def test_a_backward_producer_on_a_per_module_step_is_named_like_on_any_other(
+        bad_step: int, options: dict[str, object]) -> None:
+    # On a per-module step the model's output is its last layer's, whose hook holds the gradient:
+    # it was not kept for the replay ("no gradient flowing into the model's outputs was held").
+    torch.manual_seed(0)
+    model = SqrtAt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(4):
+            loss = model(torch.randn(8, 4), bad=step == bad_step).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "", bad_step, True)
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0"), report.message
+    assert report.source is not None and report.source.lineno == _marked("sqrt when bad")
 

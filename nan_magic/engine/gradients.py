@@ -172,11 +172,16 @@ class GradientChecks:
         watch = self.watch
         if not watch.listening() or grad is None or not is_checkable(grad):
             return
-        returned_by = record.call
+        # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module
+        # step a model's output is its last layer's, and the model's own record is the outermost.
+        handed_on = record
+        while handed_on.outer is not None:
+            handed_on = handed_on.outer
+        returned_by = handed_on.call
         if returned_by is not None and returned_by.parent is None:
             if watch.replays is not None:
                 # Kept for a replay of this step's backward (step_replay.py), until the step ends.
-                watch.replays.capture_gradient(returned_by, record.path, grad)
+                watch.replays.capture_gradient(returned_by, handed_on.path, grad)
             if watch.outside is not None and not self.forget_queued and not watch.defer:
                 # The loss code's records serve its backward, which runs before this gradient
                 # arrives: they go when this backward pass ends (after every such hook judged).

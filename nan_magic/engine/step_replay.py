@@ -351,6 +351,9 @@ class StepReplays:
             with inner:
                 if inner.origins.tracer is not None:
                     inner.origins.tracer.before_write = guard.before_write
+                    # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
+                    # its forward ops belong to that graph task, and are the replay's forward, with their lines.
+                    inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
                 try:
                     output = target(*args, **kwargs)
                     if not backward:
