@@ -704,3 +704,83 @@ def test_a_backward_producer_on_a_per_module_step_is_named_like_on_any_other(
     assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0"), report.message
     assert report.source is not None and report.source.lineno == _marked("sqrt when bad")
 
+class ReturnsItsFeatures(nn.Module):
+    """Returns ``(logits, features)`` and feeds the features to its own head (HF output_hidden_states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.head = SqrtAt()
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.enc(x)
+        return self.head(features, bad), features
+
+
+@pytest.mark.parametrize("features_in_loss", [True, False], ids=["features-in-loss", "logits-only"])
+def test_an_output_the_model_also_consumes_does_not_blame_the_loss_code(features_in_loss: bool) -> None:
+    # The hook on `features` sees its whole gradient, which `head`'s backward made NaN: the code
+    # outside the model (the loss) was blamed, with its autograd nodes as the cause.
+    torch.manual_seed(0)
+    model = ReturnsItsFeatures()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for step in range(3):
+            logits, features = model(torch.randn(8, 4), bad=step == 2)
+            loss = logits.mean() + (1e-3 * features.pow(2).mean() if features_in_loss else 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "head", 2, True)
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0"), report.message
+    assert report.source is not None and report.source.lineno == _marked("sqrt when bad")
+
+
+def test_a_loss_whose_own_backward_makes_the_nan_is_still_blamed_with_a_model_output_also_consumed() -> None:
+    torch.manual_seed(0)
+    model = ReturnsItsFeatures()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        logits, features = model(torch.randn(8, 4))
+        loss = logits.mean() + torch.sqrt(features * 0).sum()  # producer: loss sqrt
+        loss.backward()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op) == ("backward", None, "aten.div.Tensor"), report.message
+    assert report.source is not None and report.source.lineno == _marked("loss sqrt")
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> torch.Tensor:
+        h = self.lin(x)
+        return self.out(torch.sqrt(h * 0) if bad else torch.tanh(h))  # producer: critic sqrt
+
+
+def test_a_discriminators_backward_producer_during_the_generators_update_is_named() -> None:
+    # The gradient reaching the generator's output is the discriminator's backward's: it was blamed
+    # on the code outside the models (module None).
+    torch.manual_seed(0)
+    g, d = nn.Linear(2, 4), Critic()
+    opt_g, opt_d = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(g, d, opt_g, opt_d):
+        for it in range(3):
+            fake = g(torch.randn(8, 2))
+            loss_d = nn.functional.softplus(-d(torch.randn(8, 4))).mean() + nn.functional.softplus(
+                d(fake.detach())).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            loss_g = nn.functional.softplus(-d(fake, bad=it == 1)).mean()
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.reproduced) == (
+        "backward", "", "Critic", True), report.message
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("critic sqrt")
+

@@ -255,7 +255,8 @@ class StepReplays:
             # On a per-module step the boundary may be a submodule's output: the replay's report then
             # stands for it (the replay measures the model's outputs only).
             boundary = finding.tensor if finding.call is top else None
-        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None):
+        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None
+                                                  or finding.unconfirmed_outside):
             # Backward runs the last call first; each call's gradients are replayed apart.
             candidates = [root for root in reversed(self.calls) if root.output_grads]
             backward = True
@@ -264,6 +265,8 @@ class StepReplays:
             return seen, (finding.frame, None)
         if candidates and replay_target(candidates[0].module) is None:
             return seen, (finding.frame, None)  # FSDP: every step is a per-module step, which named the module
+        if finding.unconfirmed_outside and not candidates:
+            return seen, (finding.frame, None)
         if not candidates:
             why = ("no gradient flowing into the model's outputs was held for this step" if backward
                    else f"its model call was no longer held (more than {MAX_CALLS} calls in the step)")
@@ -276,7 +279,10 @@ class StepReplays:
         if outcome.report is None and outcome.benign is not None:
             # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
             return self._replayed(outcome.benign, seen.step), (None, None)
-        if outcome.report is None:
+        if outcome.report is None or (finding.unconfirmed_outside and outcome.report.module is None):
+            if finding.unconfirmed_outside:
+                # No model's backward made it either: the code outside them stays the likeliest producer.
+                return seen, (finding.frame, None)
             return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), (finding.frame, None)
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
@@ -395,7 +401,7 @@ class StepReplays:
         stats of the parameter gradient named by ``boundary``.
         """
         pairs = [
-            (tensor, root.output_grads[path])
+            (tensor, _finite_part(root.output_grads[path]))
             for path, tensor in iter_tensors(output, "output")
             if path in root.output_grads and tensor.requires_grad
         ]
@@ -479,6 +485,21 @@ def _reentrant_checkpoints_inline() -> Iterator[None]:
             function.apply = original
         else:
             del function.apply
+
+
+def _finite_part(grad: torch.Tensor) -> torch.Tensor:
+    """A captured output gradient with its non-finite elements zeroed.
+
+    A non-finite gradient flowing into a model's output was made before the
+    model's backward (by the loss, or another model), or is the total of an
+    output the model also consumed itself (an HF ``output_hidden_states``),
+    whose hook sees what the model's own layers added. Fed to the replay as
+    it is, the model's first module would seem to make it; zeroed, the replay
+    finds only what the model's backward makes from the finite rest.
+    """
+    if not kinds_of(grad):
+        return grad
+    return torch.where(torch.isfinite(grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:
