@@ -671,6 +671,7 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
     assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
     assert report.source is not None and report.source.lineno == _marked("switched sqrt")
 
+
 class SqrtAt(nn.Module):
     """Healthy until ``bad``: then ``sqrt`` at zero, whose backward divides by zero."""
 
@@ -703,6 +704,7 @@ def test_a_backward_producer_on_a_per_module_step_is_named_like_on_any_other(
     assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "", bad_step, True)
     assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0"), report.message
     assert report.source is not None and report.source.lineno == _marked("sqrt when bad")
+
 
 class ReturnsItsFeatures(nn.Module):
     """Returns ``(logits, features)`` and feeds the features to its own head (HF output_hidden_states)."""
@@ -784,3 +786,39 @@ def test_a_discriminators_backward_producer_during_the_generators_update_is_name
     assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
     assert report.source is not None and report.source.lineno == _marked("critic sqrt")
 
+
+class FrozenSqrt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x).clamp(min=0) * 0
+        return self.l2(torch.sqrt(h))  # producer: frozen sqrt
+
+
+@pytest.mark.parametrize("use_optimizer", [False, True], ids=["manual-update", "sgd-on-the-input"])
+def test_a_frozen_models_backward_producer_seen_only_in_the_input_gradient_is_named(use_optimizer: bool) -> None:
+    # PGD / saliency: no parameter gradient shows it; the manual update went on silently (then the
+    # next batch was blamed as data), and the replay, without a parameter to differentiate, found nothing.
+    torch.manual_seed(0)
+    model = FrozenSqrt().eval().requires_grad_(False)
+    delta = torch.zeros(8, 4, requires_grad=True)
+    x = torch.randn(8, 4)
+    opt = torch.optim.SGD([delta], lr=0.1) if use_optimizer else None
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, *([opt] if opt else [])):
+        for _ in range(3):
+            loss = -model(x + delta).mean()
+            delta.grad = None
+            loss.backward()
+            if opt is not None:
+                opt.step()
+            else:
+                with torch.no_grad():
+                    delta += 0.1 * delta.grad
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "", 0, True), report.message
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("frozen sqrt")
+    assert bool(delta.isfinite().all())  # stopped before the update

@@ -103,7 +103,7 @@ class ForwardChecks:
         rng = capture_rng_state() if self.replayer.can_replay and not info.deterministic else None
         self.stack.append(Frame(module, info, call, rng))
         if top_level or (info.is_root and not recomputing):
-            self.record_data(info, module, args, "input")
+            self.record_data(info, module, args, "input", call if top_level else None)
         if top_level and self.watch.outside is not None:
             self.watch.outside.forget()  # the batch is judged: what the loop computed need not stay alive
 
@@ -139,7 +139,7 @@ class ForwardChecks:
             # Global pre-hooks never see kwargs, so they are noted on return.
             self._note_inputs(call, kwargs, "kwargs")
             if top_level or (frame.info.is_root and not self._recomputing()):
-                self.record_data(frame.info, module, kwargs, "kwargs")
+                self.record_data(frame.info, module, kwargs, "kwargs", call if top_level else None)
         log = self.watch.log
         if frame.info.watched:
             hook_gradient = self._hook_gradient
@@ -225,18 +225,29 @@ class ForwardChecks:
             and self.watch.log.alias_of(tensor) is None
         )
 
-    def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
+    def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str,
+                    consumer: Call | None = None) -> None:
         """Tensors entering a watched model from outside, as a ``data`` call.
 
         Judged like any call (immediately, or at the deferred check), first in
         order, so a NaN already in the batch is reported as phase ``data``.
+        ``consumer`` is the top-level call they enter: the gradient its
+        backward computes for one that requires gradients (an adversarial
+        perturbation, a saliency map, another model's output) is a boundary
+        too, judged as that call's backward (a frozen model has no parameter
+        gradient to show it).
         """
         tensors = list(iter_tensors(values, prefix, self.watch.skipped))
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)
         for path, tensor in tensors:
-            self.watch.log.record_output(call, path, tensor)
+            record = self.watch.log.record_output(call, path, tensor)
+            if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
+                # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
+                # would stay on it after the watch.
+                record.consumers.append(consumer)
+                self._hook_gradient(record, tensor)
         self.watch.log.finish(call)
         if not self.watch.defer:
             for record in call.outputs:

@@ -351,8 +351,14 @@ class StepReplays:
                 running = running_arguments(root.module)
                 if running is not None:
                     root.kwargs = running[1]
+            copies: dict[int, torch.Tensor] = {}
             with torch.no_grad():
-                args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
+                args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
+            # An argument that required gradients still does: a frozen model's backward reaches its input
+            # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
+            inputs = [copies[id(tensor)].requires_grad_() for _path, tensor in [*iter_tensors(root.args),
+                                                                                 *iter_tensors(root.kwargs)]
+                      if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
             stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
             with inner:
                 if inner.origins.tracer is not None:
@@ -365,7 +371,7 @@ class StepReplays:
                     if not backward:
                         outcome.boundary = _stats_at(output, boundary)
                     else:
-                        outcome.boundary = self._backward(inner, target, root, output, boundary)
+                        outcome.boundary = self._backward(inner, target, root, output, boundary, inputs)
                 except Exception as error:  # the replay of a failing forward fails too, after its event
                     outcome.failure = error
                     tracer = inner.origins.tracer
@@ -391,14 +397,16 @@ class StepReplays:
         return None
 
     @staticmethod
-    def _backward(inner: Watch, target: nn.Module, root: RootCall, output: Any, boundary: str | None
-                  ) -> TensorStats | None:
+    def _backward(inner: Watch, target: nn.Module, root: RootCall, output: Any, boundary: str | None,
+                  inputs: list[torch.Tensor]) -> TensorStats | None:
         """The call's backward from the captured output gradients, into scratch gradients.
 
         The nested watch sees the gradients flowing into each module; a
         gradient that only a parameter's own formula made non-finite (its
-        weight gradient) is found among the returned gradients. Returns the
-        stats of the parameter gradient named by ``boundary``.
+        weight gradient) is found among the returned gradients. ``inputs``
+        are the argument copies that require gradients (differentiated too,
+        so a frozen model's backward runs). Returns the stats of the
+        parameter gradient named by ``boundary``.
         """
         pairs = [
             (tensor, _finite_part(root.output_grads[path]))
@@ -407,12 +415,12 @@ class StepReplays:
         ]
         data_parallel = data_parallel_paths(target)
         named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
-        if not pairs or not named:
+        if not pairs or not (named or inputs):
             return None
         grads = torch.autograd.grad(
-            [tensor for tensor, _grad in pairs], [p for _name, p in named],
+            [tensor for tensor, _grad in pairs], [*(p for _name, p in named), *inputs],
             grad_outputs=[grad for _tensor, grad in pairs], allow_unused=True,
-        )
+        )[: len(named)]
         found = None
         for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
             if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
