@@ -634,3 +634,227 @@ def test_with_several_models_the_report_says_which_model_the_module_is_in(mode: 
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(twin, mode=mode):
         twin(torch.randn(3, 4) - 10.0)
     assert caught.value.report.message.startswith("first non-finite value in forward step 0: main.1 (_LogHead), op")
+
+
+class SqrtSwitch(nn.Module):
+    """Passes its input on until ``bad`` is set; then ``sqrt`` at zero, whose backward divides by zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * 0) if self.bad else x  # producer: switched sqrt
+
+
+class Checkpointed(nn.Module):
+    """A block under ``torch.utils.checkpoint``: recomputed inside backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU(), SqrtSwitch())
+        self.head = nn.Linear(16, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def _train_checkpointed(reentrant: bool, watched: dict[str, object] | None, steps: int = 4) -> Checkpointed:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    context = nan_magic.watch(model, opt, **watched) if watched is not None else contextlib.nullcontext()
+    with context:
+        for _ in range(steps):
+            # The reentrant form needs an input that requires gradients to build its graph.
+            loss = model(torch.randn(8, 16, requires_grad=reentrant)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("options", [{}, {"full_every": 1}, {"mode": "full"}, {"ops": True}],
+                         ids=["tiered", "full_every=1", "full", "ops"])
+def test_checkpointed_training_is_silent_and_bit_identical_to_unwatched(
+        reentrant: bool, options: dict[str, object]) -> None:
+    # The recompute inside backward was taken for a new top-level call: a replay "explained" the
+    # non-reentrant form's early stop and saved tensors it counts (CheckpointError in backward).
+    plain = _train_checkpointed(reentrant, None)
+    watched = _train_checkpointed(reentrant, options)
+    for before, after in zip(plain.parameters(), watched.parameters()):
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("bad_step", [0, 1], ids=["boundary-step", "per-module-step"])
+def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: bool, bad_step: int) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for step in range(3):
+            model.block[2].bad = step == bad_step
+            loss = model(torch.randn(8, 16, requires_grad=reentrant)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.step) == (
+        "backward", "block.2", "SqrtSwitch", bad_step), report.message
+    assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
+    assert report.source is not None and report.source.lineno == _marked("switched sqrt")
+
+
+class SqrtAt(nn.Module):
+    """Healthy until ``bad``: then ``sqrt`` at zero, whose backward divides by zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> torch.Tensor:
+        h = self.l1(x) * (0 if bad else 1)
+        return self.l2(torch.sqrt(h if bad else h.abs()))  # producer: sqrt when bad
+
+
+@pytest.mark.parametrize(("bad_step", "options"), [(1, {}), (3, {"full_every": 2}), (2, {"full_every": 1})],
+                         ids=["second-step", "every-2nd", "full_every=1"])
+def test_a_backward_producer_on_a_per_module_step_is_named_like_on_any_other(
+        bad_step: int, options: dict[str, object]) -> None:
+    # On a per-module step the model's output is its last layer's, whose hook holds the gradient:
+    # it was not kept for the replay ("no gradient flowing into the model's outputs was held").
+    torch.manual_seed(0)
+    model = SqrtAt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(4):
+            loss = model(torch.randn(8, 4), bad=step == bad_step).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "", bad_step, True)
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0"), report.message
+    assert report.source is not None and report.source.lineno == _marked("sqrt when bad")
+
+
+class ReturnsItsFeatures(nn.Module):
+    """Returns ``(logits, features)`` and feeds the features to its own head (HF output_hidden_states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.head = SqrtAt()
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.enc(x)
+        return self.head(features, bad), features
+
+
+@pytest.mark.parametrize("features_in_loss", [True, False], ids=["features-in-loss", "logits-only"])
+def test_an_output_the_model_also_consumes_does_not_blame_the_loss_code(features_in_loss: bool) -> None:
+    # The hook on `features` sees its whole gradient, which `head`'s backward made NaN: the code
+    # outside the model (the loss) was blamed, with its autograd nodes as the cause.
+    torch.manual_seed(0)
+    model = ReturnsItsFeatures()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for step in range(3):
+            logits, features = model(torch.randn(8, 4), bad=step == 2)
+            loss = logits.mean() + (1e-3 * features.pow(2).mean() if features_in_loss else 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "head", 2, True)
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0"), report.message
+    assert report.source is not None and report.source.lineno == _marked("sqrt when bad")
+
+
+def test_a_loss_whose_own_backward_makes_the_nan_is_still_blamed_with_a_model_output_also_consumed() -> None:
+    torch.manual_seed(0)
+    model = ReturnsItsFeatures()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        logits, features = model(torch.randn(8, 4))
+        loss = logits.mean() + torch.sqrt(features * 0).sum()  # producer: loss sqrt
+        loss.backward()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op) == ("backward", None, "aten.div.Tensor"), report.message
+    assert report.source is not None and report.source.lineno == _marked("loss sqrt")
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> torch.Tensor:
+        h = self.lin(x)
+        return self.out(torch.sqrt(h * 0) if bad else torch.tanh(h))  # producer: critic sqrt
+
+
+def test_a_discriminators_backward_producer_during_the_generators_update_is_named() -> None:
+    # The gradient reaching the generator's output is the discriminator's backward's: it was blamed
+    # on the code outside the models (module None).
+    torch.manual_seed(0)
+    g, d = nn.Linear(2, 4), Critic()
+    opt_g, opt_d = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(g, d, opt_g, opt_d):
+        for it in range(3):
+            fake = g(torch.randn(8, 2))
+            loss_d = nn.functional.softplus(-d(torch.randn(8, 4))).mean() + nn.functional.softplus(
+                d(fake.detach())).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            loss_g = nn.functional.softplus(-d(fake, bad=it == 1)).mean()
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.reproduced) == (
+        "backward", "", "Critic", True), report.message
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("critic sqrt")
+
+
+class FrozenSqrt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x).clamp(min=0) * 0
+        return self.l2(torch.sqrt(h))  # producer: frozen sqrt
+
+
+@pytest.mark.parametrize("use_optimizer", [False, True], ids=["manual-update", "sgd-on-the-input"])
+def test_a_frozen_models_backward_producer_seen_only_in_the_input_gradient_is_named(use_optimizer: bool) -> None:
+    # PGD / saliency: no parameter gradient shows it; the manual update went on silently (then the
+    # next batch was blamed as data), and the replay, without a parameter to differentiate, found nothing.
+    torch.manual_seed(0)
+    model = FrozenSqrt().eval().requires_grad_(False)
+    delta = torch.zeros(8, 4, requires_grad=True)
+    x = torch.randn(8, 4)
+    opt = torch.optim.SGD([delta], lr=0.1) if use_optimizer else None
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, *([opt] if opt else [])):
+        for _ in range(3):
+            loss = -model(x + delta).mean()
+            delta.grad = None
+            loss.backward()
+            if opt is not None:
+                opt.step()
+            else:
+                with torch.no_grad():
+                    delta += 0.1 * delta.grad
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.reproduced) == ("backward", "", 0, True), report.message
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("frozen sqrt")
+    assert bool(delta.isfinite().all())  # stopped before the update

@@ -75,6 +75,9 @@ class Finding:
     autograd_node: str | None = None
     optimizer: str | None = None
     optimizer_eps: float | None = None
+    # A model output's gradient blamed on the code outside the models without that code's replay
+    # confirming it: a model's replay may still find the producer (step_replay.py).
+    unconfirmed_outside: bool = False
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:

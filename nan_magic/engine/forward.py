@@ -63,6 +63,12 @@ class ForwardChecks:
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.watch.mine():
             return
+        recomputing = self._recomputing()
+        if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            # Non-reentrant checkpointing regenerates saved tensors under its saved-tensor hooks and
+            # throws the graph away: the original forward's graph, with our hooks, is the one backward runs.
+            # Recording it (probes, a replay of its early stop) would save tensors it does not expect.
+            return
         info = self.watch.module_info(module)
         if info is None or (self.stack and not self.watch.cycle.full_step):
             return  # unwatched, or inside a top-level call of a tiered step (only its boundaries are checked)
@@ -77,7 +83,8 @@ class ForwardChecks:
                 # Its parent's check covers it (transparent.py); nothing stands for its output.
                 self.stack.append(Frame(module, info, None, None))
                 return
-        top_level = not self.stack
+        # A recompute's first call has an empty stack, but starts no step and brings no batch.
+        top_level = not self.stack and not recomputing
         if top_level:
             if self.watch.outside is not None:
                 self.watch.outside.stop()
@@ -95,8 +102,8 @@ class ForwardChecks:
         # the module may draw random numbers).
         rng = capture_rng_state() if self.replayer.can_replay and not info.deterministic else None
         self.stack.append(Frame(module, info, call, rng))
-        if top_level or info.is_root:
-            self.record_data(info, module, args, "input")
+        if top_level or (info.is_root and not recomputing):
+            self.record_data(info, module, args, "input", call if top_level else None)
         if top_level and self.watch.outside is not None:
             self.watch.outside.forget()  # the batch is judged: what the loop computed need not stay alive
 
@@ -108,8 +115,10 @@ class ForwardChecks:
         if not self.stack or self.stack[-1].module is not module:
             return
         frame = self.stack.pop()
+        # A recompute's calls are recorded for their gradients only (see _recomputing).
+        top_level = not self.stack and not self._recomputing()
         if len(rest) != 2:
-            if not self.stack and frame.call is not None:
+            if top_level and frame.call is not None:
                 self.watch.on_forward_failed(module, frame.call)
             return
         kwargs, output = rest
@@ -124,13 +133,13 @@ class ForwardChecks:
                 bound = output_bound(frame.info.transparent, module, low, high)
                 self.watch.log.alias(output, frame.through, module, frame.rng_state, bound, frame.known)
             return
-        if not self.stack and self.watch.replays is not None:
+        if top_level and self.watch.replays is not None:
             self.watch.replays.finish(module, kwargs)
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             self._note_inputs(call, kwargs, "kwargs")
-            if not self.stack or frame.info.is_root:
-                self.record_data(frame.info, module, kwargs, "kwargs")
+            if top_level or (frame.info.is_root and not self._recomputing()):
+                self.record_data(frame.info, module, kwargs, "kwargs", call if top_level else None)
         log = self.watch.log
         if frame.info.watched:
             hook_gradient = self._hook_gradient
@@ -147,7 +156,8 @@ class ForwardChecks:
                 call.rng_state = frame.rng_state
                 call.autocast = capture_autocast()
         log.finish(call)
-        if frame.info.watched and not self.watch.defer:
+        if frame.info.watched and not self.watch.defer and not self._recomputing():
+            # (A recompute's values are the original forward's, judged then.)
             for record in call.outputs:
                 if record.kinds:  # finite outputs (the hot path) need no judging
                     self.rule.judge(call, record, replay=(frame, args, kwargs))
@@ -162,6 +172,21 @@ class ForwardChecks:
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None:
                 self.watch.outside.start("loss")
+
+    def _recomputing(self) -> bool:
+        """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.
+
+        ``torch.utils.checkpoint`` calls the checkpointed modules again inside
+        backward. That is no new call of the user's: no step starts, no batch
+        enters, and its values are the original forward's, judged then. Taken
+        for a top-level call, the non-reentrant form's early stop
+        (``_StopRecomputationError``) was "explained" by a replay, which saved
+        tensors the checkpoint counts, and backward failed. The reentrant form
+        (a custom Function's backward) builds the graph backward then runs, so
+        its calls are recorded for their gradients. A CUDA backward runs on
+        autograd's own thread, where :meth:`Watch.mine` ignores every call.
+        """
+        return torch._C._current_graph_task_id() != self.watch.graph_task
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
@@ -200,18 +225,29 @@ class ForwardChecks:
             and self.watch.log.alias_of(tensor) is None
         )
 
-    def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str) -> None:
+    def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str,
+                    consumer: Call | None = None) -> None:
         """Tensors entering a watched model from outside, as a ``data`` call.
 
         Judged like any call (immediately, or at the deferred check), first in
         order, so a NaN already in the batch is reported as phase ``data``.
+        ``consumer`` is the top-level call they enter: the gradient its
+        backward computes for one that requires gradients (an adversarial
+        perturbation, a saliency map, another model's output) is a boundary
+        too, judged as that call's backward (a frozen model has no parameter
+        gradient to show it).
         """
         tensors = list(iter_tensors(values, prefix, self.watch.skipped))
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)
         for path, tensor in tensors:
-            self.watch.log.record_output(call, path, tensor)
+            record = self.watch.log.record_output(call, path, tensor)
+            if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
+                # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
+                # would stay on it after the watch.
+                record.consumers.append(consumer)
+                self._hook_gradient(record, tensor)
         self.watch.log.finish(call)
         if not self.watch.defer:
             for record in call.outputs:

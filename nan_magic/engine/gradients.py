@@ -172,11 +172,16 @@ class GradientChecks:
         watch = self.watch
         if not watch.listening() or grad is None or not is_checkable(grad):
             return
-        returned_by = record.call
+        # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module
+        # step a model's output is its last layer's, and the model's own record is the outermost.
+        handed_on = record
+        while handed_on.outer is not None:
+            handed_on = handed_on.outer
+        returned_by = handed_on.call
         if returned_by is not None and returned_by.parent is None:
             if watch.replays is not None:
                 # Kept for a replay of this step's backward (step_replay.py), until the step ends.
-                watch.replays.capture_gradient(returned_by, record.path, grad)
+                watch.replays.capture_gradient(returned_by, handed_on.path, grad)
             if watch.outside is not None and not self.forget_queued and not watch.defer:
                 # The loss code's records serve its backward, which runs before this gradient
                 # arrives: they go when this backward pass ends (after every such hook judged).
@@ -254,8 +259,14 @@ class GradientChecks:
             origin = watch.outside.claim_backward(loss) if watch.outside is not None else None
             if origin is not None:
                 attach_origin(finding, origin)
-            elif self.origins.tracer is None:
-                finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")
+            else:
+                # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
+                # model's own backward adds to where the model also consumed it (an output_hidden_states), or
+                # another model's backward made (a GAN's discriminator, during the generator's update). The
+                # step replay tries the model calls before the code outside them is blamed (step_replay.py).
+                finding.unconfirmed_outside = target is not None and _returned_by_a_model(target)
+                if self.origins.tracer is None:
+                    finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")
         else:
             finding.notes.append(
                 f"the gradient flowing into {call.info.name or 'the root module'} was finite; "
@@ -265,6 +276,13 @@ class GradientChecks:
                 self._replay_backward(finding, call.consumer, target)
         self.origins.add_op_origin(finding, tensor)
         watch.on_gradient_event(finding)
+
+
+def _returned_by_a_model(record: TensorRecord) -> bool:
+    """Whether ``record``'s tensor was returned by a call of a watched module (not the batch, not the loss)."""
+    while record.outer is not None:
+        record = record.outer
+    return record.call is not None and record.call.info is not None and record.call.phase == Phase.FORWARD
 
 
 def check_parameter_grads(

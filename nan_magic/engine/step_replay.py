@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import sys
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -254,7 +255,8 @@ class StepReplays:
             # On a per-module step the boundary may be a submodule's output: the replay's report then
             # stands for it (the replay measures the model's outputs only).
             boundary = finding.tensor if finding.call is top else None
-        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None):
+        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None
+                                                  or finding.unconfirmed_outside):
             # Backward runs the last call first; each call's gradients are replayed apart.
             candidates = [root for root in reversed(self.calls) if root.output_grads]
             backward = True
@@ -263,6 +265,8 @@ class StepReplays:
             return seen, (finding.frame, None)
         if candidates and replay_target(candidates[0].module) is None:
             return seen, (finding.frame, None)  # FSDP: every step is a per-module step, which named the module
+        if finding.unconfirmed_outside and not candidates:
+            return seen, (finding.frame, None)
         if not candidates:
             why = ("no gradient flowing into the model's outputs was held for this step" if backward
                    else f"its model call was no longer held (more than {MAX_CALLS} calls in the step)")
@@ -275,7 +279,10 @@ class StepReplays:
         if outcome.report is None and outcome.benign is not None:
             # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
             return self._replayed(outcome.benign, seen.step), (None, None)
-        if outcome.report is None:
+        if outcome.report is None or (finding.unconfirmed_outside and outcome.report.module is None):
+            if finding.unconfirmed_outside:
+                # No model's backward made it either: the code outside them stays the likeliest producer.
+                return seen, (finding.frame, None)
             return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), (finding.frame, None)
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
@@ -337,23 +344,34 @@ class StepReplays:
             for device, dtype in root.autocast or ():
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
+            if backward:
+                stack.enter_context(_reentrant_checkpoints_inline())
             if not root.returned:
                 # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
                 running = running_arguments(root.module)
                 if running is not None:
                     root.kwargs = running[1]
+            copies: dict[int, torch.Tensor] = {}
             with torch.no_grad():
-                args, kwargs = copy_tensors(root.args, {}), copy_tensors(root.kwargs, {})
+                args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
+            # An argument that required gradients still does: a frozen model's backward reaches its input
+            # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
+            inputs = [copies[id(tensor)].requires_grad_() for _path, tensor in [*iter_tensors(root.args),
+                                                                                 *iter_tensors(root.kwargs)]
+                      if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
             stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
             with inner:
                 if inner.origins.tracer is not None:
                     inner.origins.tracer.before_write = guard.before_write
+                    # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
+                    # its forward ops belong to that graph task, and are the replay's forward, with their lines.
+                    inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
                 try:
                     output = target(*args, **kwargs)
                     if not backward:
                         outcome.boundary = _stats_at(output, boundary)
                     else:
-                        outcome.boundary = self._backward(inner, target, root, output, boundary)
+                        outcome.boundary = self._backward(inner, target, root, output, boundary, inputs)
                 except Exception as error:  # the replay of a failing forward fails too, after its event
                     outcome.failure = error
                     tracer = inner.origins.tracer
@@ -379,28 +397,30 @@ class StepReplays:
         return None
 
     @staticmethod
-    def _backward(inner: Watch, target: nn.Module, root: RootCall, output: Any, boundary: str | None
-                  ) -> TensorStats | None:
+    def _backward(inner: Watch, target: nn.Module, root: RootCall, output: Any, boundary: str | None,
+                  inputs: list[torch.Tensor]) -> TensorStats | None:
         """The call's backward from the captured output gradients, into scratch gradients.
 
         The nested watch sees the gradients flowing into each module; a
         gradient that only a parameter's own formula made non-finite (its
-        weight gradient) is found among the returned gradients. Returns the
-        stats of the parameter gradient named by ``boundary``.
+        weight gradient) is found among the returned gradients. ``inputs``
+        are the argument copies that require gradients (differentiated too,
+        so a frozen model's backward runs). Returns the stats of the
+        parameter gradient named by ``boundary``.
         """
         pairs = [
-            (tensor, root.output_grads[path])
+            (tensor, _finite_part(root.output_grads[path]))
             for path, tensor in iter_tensors(output, "output")
             if path in root.output_grads and tensor.requires_grad
         ]
         data_parallel = data_parallel_paths(target)
         named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
-        if not pairs or not named:
+        if not pairs or not (named or inputs):
             return None
         grads = torch.autograd.grad(
-            [tensor for tensor, _grad in pairs], [p for _name, p in named],
+            [tensor for tensor, _grad in pairs], [*(p for _name, p in named), *inputs],
             grad_outputs=[grad for _tensor, grad in pairs], allow_unused=True,
-        )
+        )[: len(named)]
         found = None
         for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
             if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
@@ -443,6 +463,52 @@ class StepReplays:
         note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
                 "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
         return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
+
+
+@contextlib.contextmanager
+def _reentrant_checkpoints_inline() -> Iterator[None]:
+    """Run ``checkpoint(..., use_reentrant=True)`` blocks as plain calls while a backward replay runs.
+
+    The reentrant form refuses ``torch.autograd.grad`` (the replay's scratch
+    gradients), and builds its graph only inside backward, where the replay's
+    forward hooks and op tracer would not see the block's modules and lines.
+    Inlined, the block runs the same ops on the same draws (the replay set the
+    generators), with its graph kept: only the memory that checkpointing saves
+    is spent, once, for the failing call.
+    """
+    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    if function is None:  # pragma: no cover - a torch without it
+        yield
+        return
+    own = "apply" in function.__dict__  # normally inherited from autograd.Function
+    original = function.__dict__.get("apply")
+
+    def inline(run_function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
+        return run_function(*args)
+
+    function.apply = staticmethod(inline)
+    try:
+        yield
+    finally:
+        if own:
+            function.apply = original
+        else:
+            del function.apply
+
+
+def _finite_part(grad: torch.Tensor) -> torch.Tensor:
+    """A captured output gradient with its non-finite elements zeroed.
+
+    A non-finite gradient flowing into a model's output was made before the
+    model's backward (by the loss, or another model), or is the total of an
+    output the model also consumed itself (an HF ``output_hidden_states``),
+    whose hook sees what the model's own layers added. Fed to the replay as
+    it is, the model's first module would seem to make it; zeroed, the replay
+    finds only what the model's backward makes from the finite rest.
+    """
+    if not kinds_of(grad):
+        return grad
+    return torch.where(torch.isfinite(grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:

@@ -64,6 +64,7 @@ from contextlib import ExitStack
 from types import FrameType, TracebackType
 from typing import Any, Literal, TypeVar
 
+import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
@@ -127,6 +128,9 @@ class Watch:
         self._active = False
         self._exit_stack: ExitStack | None = None
         self._thread: int | None = None
+        #: The autograd backward pass the watch was entered in (-1: none; a replay's watch is entered
+        #: inside the backward it localizes). A module call inside any other one is a recomputation.
+        self.graph_task = -1
         self._nesting = Nesting(self, self._attach, self._detach)
         self._reset_state()
 
@@ -180,6 +184,7 @@ class Watch:
         self.warnings.clear()
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
         self._thread = threading.get_ident()
+        self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
         return self
