@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 
 import faults
 import pytest
@@ -121,6 +123,42 @@ def test_a_gradient_norm_that_overflows_on_finite_gradients_is_a_warning_not_an_
     overflow = [warning for warning in w.warnings if warning.kind == "grad-norm-overflow"]
     assert [(warning.step, warning.value) for warning in overflow] == [(0, math.inf)]
     assert "weight" in overflow[0].message and "SGD" in overflow[0].message
+
+
+def _log_of_a_product_by_zero(out: torch.Tensor) -> torch.Tensor:
+    return torch.log(out.abs().mean() * 0.0)  # producer: log of a product by 0.0
+
+
+def _sum_of_a_product_by_3e38(out: torch.Tensor) -> torch.Tensor:
+    return (out * 3e38).sum()  # producer: sum of a product by 3e38
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+@pytest.mark.parametrize(
+    ("loss_fn", "op", "marker"),
+    [(_log_of_a_product_by_zero, "aten.log.default", "log of a product by 0.0"),
+     (_sum_of_a_product_by_3e38, "aten.mul.Tensor", "sum of a product by 3e38")],
+    ids=["log", "overflow"],
+)
+def test_loss_code_multiplying_by_a_python_float_is_named_in_both_modes(
+    ops: bool, loss_fn: Callable[[torch.Tensor], torch.Tensor], op: str, marker: str
+) -> None:
+    # ``out * 0.0`` saves 0.0 as a wrapped-number tensor, which reaches a dispatch mode as a
+    # Python float: the op tracer must still run ops on it (the loss's saved tensors are read
+    # for data given to the loss, under the tracer in ops mode) instead of failing inside the watch.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = loss_fn(model(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 0, op)
+    assert report.source is not None
+    assert report.source.lineno == faults.marked_line(marker, where=sys.modules[__name__])
 
 
 # -- deliberate infinities -------------------------------------------------------------

@@ -87,6 +87,7 @@ from nan_magic.engine.op_plans import (
     op_inputs,
     op_name,
     plan_of,
+    run_op,
     tensors,
 )
 from nan_magic.engine.op_sources import NodeSources, called_by_us, sources_of_op
@@ -257,14 +258,14 @@ class OpTracer(TorchDispatchMode):
             for _, tensor in tensors(plan, args, kwargs, plan.writes):
                 self.before_write(tensor)
         if self.finding is not None:
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs)
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
-            out = func(*args, **kwargs)
+            out = run_op(func, args, kwargs)
             if self._origins and not plan.view:
                 self._carry(plan, args, kwargs, out)
             return out
         priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         if plan.writes:
             # Autograd bumps the version counter only after the op returns
             # here, so a cached entry for a written tensor still looks current.

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.engine.frames import pointer_at
 from nan_magic.engine.op_origins import OpFinding
+from nan_magic.engine.op_plans import run_op
 from nan_magic.engine.op_sources import user_frame
 from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.replay import RngState, capture_rng_state, generators_at, map_tensors
@@ -250,7 +251,7 @@ class OutsideRecorder(TorchDispatchMode):
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
             self._rng = capture_rng_state()
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         if self._budget <= 0:
             if self._budget == 0:  # over budget: the region is not recorded again
                 self._budget = _INERT
