@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import traceback
 from collections.abc import Callable
 
 import faults
@@ -52,6 +53,40 @@ def test_ops_mode_stops_at_the_boundary_and_debug_opens_where_the_op_ran() -> No
     assert (report.debug_frame.filename, report.debug_frame.function) == (faults.__file__, "forward")
     assert report.debug_frame.lineno == faults.marked_line("log")
     assert "x" in [name for name, _stats in report.debug_locals]
+
+
+class DivideThenHead(nn.Module):
+    """The root's own code makes the NaN, then hands it to a child: ops mode raises inside the child's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        r = h / (h - h)  # producer: divide by itself minus itself
+        return self.head(r)
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+def test_debug_opens_on_the_producers_line_while_its_frame_ran_on_to_the_next(ops: bool) -> None:
+    # In ops mode the frame that ran the op is still on the traceback (the value is caught entering
+    # ``head``), at the next line: %debug must open on the op's line, as the default's replay does.
+    torch.manual_seed(0)
+    model = DivideThenHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = model(torch.randn(8, 4)).mean()
+        loss.backward()
+    report = caught.value.report
+    line = faults.marked_line("divide by itself minus itself", where=sys.modules[__name__])
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "", 0, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == line
+    assert report.debug_frame is not None
+    assert (report.debug_frame.function, report.debug_frame.lineno) == ("forward", line)
+    assert "h" in [name for name, _stats in report.debug_locals]
+    assert traceback.extract_tb(caught.value.__traceback__)[-1].lineno == line
 
 
 # -- backward and optimizer ------------------------------------------------------
