@@ -81,7 +81,8 @@ class ForwardChecks:
         if top_level:
             if self.watch.outside is not None:
                 self.watch.outside.stop()
-            self.watch.cycle.forward_started()
+            tracer = self.watch.origins.tracer
+            self.watch.cycle.forward_started([t for _, t in iter_tensors(args, "input")] if tracer else ())
             if is_compiled(module) or (not self.watch.cycle.full_step and may_step_aside(module)):
                 # Only this call's boundaries are checked: its submodules' calls need no hook at all.
                 self.watch.module_hooks.step_aside_for(module)

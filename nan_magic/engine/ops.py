@@ -200,16 +200,34 @@ class OpTracer(TorchDispatchMode):
         #: replay that runs a forward inside a gradient hook (-1: none).
         self.forward_task = -1
 
-    def reset(self, origins: bool = True) -> None:
-        """Forget the finding and check again; with ``origins``, forget the origins too (a new step)."""
+    def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
+        """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
+
+        ``keep``: tensors whose origins stay, with what the report needs of
+        them. A step opens at its first model call, and the batch that call
+        receives was computed before it (``x = (x - mean) / std`` in the
+        loop): its origin is claimed only once the call judges its inputs.
+        """
         self.finding = None
         self.producer_tensors = ()
         if origins:
+            kept = [(tensor, self._origins.entry(tensor)) for tensor in keep]
+            witnesses, frames = dict(self._witnesses), dict(self._frames)
             self.started.clear()
             self._origins.clear()
             self._witnesses.clear()
             self._frames.clear()
             self.benign_modules.clear()
+            for tensor, entry in kept:
+                if entry is None:
+                    continue
+                self._origins.note(tensor, entry)
+                if isinstance(entry, Origin):
+                    key = id(entry.finding)
+                    if key in witnesses:
+                        self._witnesses[key] = witnesses[key]
+                    if key in frames:
+                        self._frames[key] = frames[key]
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
