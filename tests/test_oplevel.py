@@ -6,6 +6,7 @@ import math
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import faults
 import pytest
@@ -104,6 +105,48 @@ def test_backward_op_names_the_forward_line_that_created_its_node() -> None:
     assert (report.phase, report.module, report.op) == ("backward", None, "aten.div.Tensor")  # sqrt's grad / (2 * 0)
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("distance"))
     assert any("SqrtBackward0" in note for note in report.notes)
+
+
+class DivideInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad / torch.zeros_like(grad)  # producer: custom backward divides by zero
+
+
+class CustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(DivideInBackward.apply(self.inner(x)))
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_custom_functions_python_backward_is_named_at_its_own_line(ops: bool) -> None:
+    # The op ran in the Function's backward, whose frame is on the stack: that line, not the forward
+    # line that created the node (``return x * 2`` holds no division), is where it ran.
+    torch.manual_seed(0)
+    model = CustomBackward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = model(torch.randn(8, 4)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    line = faults.marked_line("custom backward divides by zero", where=sys.modules[__name__])
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "", 0, "aten.div.Tensor")
+    assert report.autograd_node == "DivideInBackwardBackward"
+    assert report.source is not None and (report.source.function, report.source.lineno) == ("backward", line)
+    assert any("ran in a Python backward of DivideInBackwardBackward" in note for note in report.notes)
+    assert report.debug_frame is not None
+    assert (report.debug_frame.function, report.debug_frame.lineno) == ("backward", line)
 
 
 @pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])

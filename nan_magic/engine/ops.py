@@ -90,7 +90,7 @@ from nan_magic.engine.op_plans import (
     run_op,
     tensors,
 )
-from nan_magic.engine.op_sources import NodeSources, called_by_us, sources_of_op
+from nan_magic.engine.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
 from nan_magic.engine.stats import is_checkable, relevant_kinds, tensor_stats
 from nan_magic.records import KINDS, Phase
 
@@ -417,7 +417,10 @@ class OpTracer(TorchDispatchMode):
         phase = Phase.BACKWARD if in_backward else None
         if phase is None and self._phase_hint is not None:
             phase = self._phase_hint()
-        source, inner, user_frame = sources_of_op(sys._getframe(1))
+        op_frame = sys._getframe(1)
+        source, inner, user_frame = sources_of_op(op_frame)
+        # A Python backward (a custom Function's) runs its ops in the user's code: its line is where the op ran.
+        backward_code = in_backward and user_frame is not None and called_by_the_engine(op_frame, user_frame)
         output_stats = tensor_stats(tensor)
         input_stats = []
         witnesses = [(label, weakref.ref(tensor))]
@@ -449,10 +452,11 @@ class OpTracer(TorchDispatchMode):
             input_stats=tuple(input_stats),
             scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
             absorbed=absorbed.finding if absorbed is not None else None,
+            backward_code=backward_code,
         )
         self._witnesses[id(finding)] = tuple(witnesses)
         self.started.append(finding)
-        if not in_backward and user_frame is not None:
+        if (not in_backward or backward_code) and user_frame is not None:
             # The frame runs on after the op: where it was then is where %debug opens.
             self._frames[id(finding)] = (user_frame, (user_frame.f_lasti, user_frame.f_lineno))
         origin = Origin(finding)
