@@ -175,6 +175,53 @@ def test_where_with_an_overflowing_branch_is_silent_until_its_backward_multiplie
     assert any(row[:4] == ["absorbed", "aten.exp.default", "at", name_location(*guarded)] for row in rows)
 
 
+class SqrtAtZeroInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x) * 0
+        return self.l2(torch.sqrt(h))  # producer: sqrt at zero under a reentrant checkpoint
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = SqrtAtZeroInside()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_reentrant_checkpoints_backward_op_is_named_at_the_forward_line_it_recomputed(ops: bool) -> None:
+    # The checkpoint recomputes ``a``'s forward inside backward: its nodes' forward lines are noted there
+    # (grad is enabled), and that model call is no boundary of the loss code, whose recorder must not
+    # take the backward's ops for loss code (it named AddmmBackward0 at the loop's line).
+    torch.manual_seed(0)
+    model = ReentrantCheckpoint()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 4, requires_grad=True)  # a reentrant checkpoint needs an input that requires grad
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = model(x).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    line = faults.marked_line("sqrt at zero under a reentrant checkpoint", where=sys.modules[__name__])
+    assert (report.phase, report.module, report.step) == ("backward", "a", 0)
+    if ops:
+        assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
+        assert report.source is not None and report.source.lineno == line
+    else:
+        # The step replay cannot run a reentrant checkpoint's backward (torch refuses it under
+        # autograd.grad): the report says so rather than naming a wrong node or line.
+        assert report.op is None or (report.autograd_node, report.source.lineno) == ("SqrtBackward0", line)
+        assert report.reproduced is False
+
+
 def test_adam_fp16_step_is_an_optimizer_op() -> None:
     model, opt, step = faults.fp16_adam_step()
     report = raised(step, model, opt, ops=True)

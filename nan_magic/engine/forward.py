@@ -78,9 +78,13 @@ class ForwardChecks:
                 self.stack.append(Frame(module, info, None, None))
                 return
         top_level = not self.stack
+        # A model call inside a backward pass (a reentrant checkpoint recomputing its forward) is no
+        # boundary of the code outside the models: that code's records stay, and nothing of the backward
+        # is recorded as loss code.
+        outside = self.watch.outside if torch._C._current_graph_task_id() == -1 else None
         if top_level:
-            if self.watch.outside is not None:
-                self.watch.outside.stop()
+            if outside is not None:
+                outside.stop()
             tracer = self.watch.origins.tracer
             self.watch.cycle.forward_started([t for _, t in iter_tensors(args, "input")] if tracer else ())
             if is_compiled(module) or (not self.watch.cycle.full_step and may_step_aside(module)):
@@ -98,8 +102,8 @@ class ForwardChecks:
         self.stack.append(Frame(module, info, call, rng))
         if top_level or info.is_root:
             self.record_data(info, module, args, "input")
-        if top_level and self.watch.outside is not None:
-            self.watch.outside.forget()  # the batch is judged: what the loop computed need not stay alive
+        if top_level and outside is not None:
+            outside.forget()  # the batch is judged: what the loop computed need not stay alive
 
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the
@@ -161,8 +165,8 @@ class ForwardChecks:
                 cycle.sync()
                 cycle.end_step(cycle.step)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
-            if self.watch.outside is not None:
-                self.watch.outside.start("loss")
+            if self.watch.outside is not None and torch._C._current_graph_task_id() == -1:
+                self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.

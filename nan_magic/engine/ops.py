@@ -270,7 +270,9 @@ class OpTracer(TorchDispatchMode):
         if not isinstance(func, torch._ops.OpOverload):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
-        if not in_backward:
+        if not in_backward or torch.is_grad_enabled():
+            # Forward ops in backward too: a reentrant checkpoint recomputes its forward there, with grad
+            # enabled (a backward formula runs without, unless create_graph).
             self.node_sources.note(plan, args, kwargs)
         if plan.writes and self.before_write is not None:
             for _, tensor in tensors(plan, args, kwargs, plan.writes):
