@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import faults
 import pytest
@@ -52,6 +56,40 @@ def test_ops_mode_stops_at_the_boundary_and_debug_opens_where_the_op_ran() -> No
     assert "x" in [name for name, _stats in report.debug_locals]
 
 
+class DivideThenHead(nn.Module):
+    """The root's own code makes the NaN, then hands it to a child: ops mode raises inside the child's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        r = h / (h - h)  # producer: divide by itself minus itself
+        return self.head(r)
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+def test_debug_opens_on_the_producers_line_while_its_frame_ran_on_to_the_next(ops: bool) -> None:
+    # In ops mode the frame that ran the op is still on the traceback (the value is caught entering
+    # ``head``), at the next line: %debug must open on the op's line, as the default's replay does.
+    torch.manual_seed(0)
+    model = DivideThenHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = model(torch.randn(8, 4)).mean()
+        loss.backward()
+    report = caught.value.report
+    line = faults.marked_line("divide by itself minus itself", where=sys.modules[__name__])
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "", 0, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == line
+    assert report.debug_frame is not None
+    assert (report.debug_frame.function, report.debug_frame.lineno) == ("forward", line)
+    assert "h" in [name for name, _stats in report.debug_locals]
+    assert traceback.extract_tb(caught.value.__traceback__)[-1].lineno == line
+
+
 # -- backward and optimizer ------------------------------------------------------
 
 
@@ -67,6 +105,48 @@ def test_backward_op_names_the_forward_line_that_created_its_node() -> None:
     assert (report.phase, report.module, report.op) == ("backward", None, "aten.div.Tensor")  # sqrt's grad / (2 * 0)
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("distance"))
     assert any("SqrtBackward0" in note for note in report.notes)
+
+
+class DivideInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad / torch.zeros_like(grad)  # producer: custom backward divides by zero
+
+
+class CustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(DivideInBackward.apply(self.inner(x)))
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_custom_functions_python_backward_is_named_at_its_own_line(ops: bool) -> None:
+    # The op ran in the Function's backward, whose frame is on the stack: that line, not the forward
+    # line that created the node (``return x * 2`` holds no division), is where it ran.
+    torch.manual_seed(0)
+    model = CustomBackward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = model(torch.randn(8, 4)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    line = faults.marked_line("custom backward divides by zero", where=sys.modules[__name__])
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "", 0, "aten.div.Tensor")
+    assert report.autograd_node == "DivideInBackwardBackward"
+    assert report.source is not None and (report.source.function, report.source.lineno) == ("backward", line)
+    assert any("ran in a Python backward of DivideInBackwardBackward" in note for note in report.notes)
+    assert report.debug_frame is not None
+    assert (report.debug_frame.function, report.debug_frame.lineno) == ("backward", line)
 
 
 @pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
@@ -95,6 +175,50 @@ def test_where_with_an_overflowing_branch_is_silent_until_its_backward_multiplie
     assert any(row[:4] == ["absorbed", "aten.exp.default", "at", name_location(*guarded)] for row in rows)
 
 
+class SqrtAtZeroInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x) * 0
+        return self.l2(torch.sqrt(h))  # producer: sqrt at zero under a reentrant checkpoint
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = SqrtAtZeroInside()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_reentrant_checkpoints_backward_op_is_named_at_the_forward_line_it_recomputed(ops: bool) -> None:
+    # The checkpoint recomputes ``a``'s forward inside backward: its nodes' forward lines are noted there
+    # (grad is enabled), and that model call is no boundary of the loss code, whose recorder must not
+    # take the backward's ops for loss code (it named AddmmBackward0 at the loop's line).
+    torch.manual_seed(0)
+    model = ReentrantCheckpoint()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 4, requires_grad=True)  # a reentrant checkpoint needs an input that requires grad
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = model(x).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    line = faults.marked_line("sqrt at zero under a reentrant checkpoint", where=sys.modules[__name__])
+    assert (report.phase, report.module, report.step) == ("backward", "a", 0)
+    assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == line
+    # The default watch's step replay runs the checkpointed block inline (torch refuses autograd.grad
+    # through a reentrant checkpoint), and sees the same event.
+    assert report.reproduced is (None if ops else True)
+
+
 def test_adam_fp16_step_is_an_optimizer_op() -> None:
     model, opt, step = faults.fp16_adam_step()
     report = raised(step, model, opt, ops=True)
@@ -121,6 +245,42 @@ def test_a_gradient_norm_that_overflows_on_finite_gradients_is_a_warning_not_an_
     overflow = [warning for warning in w.warnings if warning.kind == "grad-norm-overflow"]
     assert [(warning.step, warning.value) for warning in overflow] == [(0, math.inf)]
     assert "weight" in overflow[0].message and "SGD" in overflow[0].message
+
+
+def _log_of_a_product_by_zero(out: torch.Tensor) -> torch.Tensor:
+    return torch.log(out.abs().mean() * 0.0)  # producer: log of a product by 0.0
+
+
+def _sum_of_a_product_by_3e38(out: torch.Tensor) -> torch.Tensor:
+    return (out * 3e38).sum()  # producer: sum of a product by 3e38
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+@pytest.mark.parametrize(
+    ("loss_fn", "op", "marker"),
+    [(_log_of_a_product_by_zero, "aten.log.default", "log of a product by 0.0"),
+     (_sum_of_a_product_by_3e38, "aten.mul.Tensor", "sum of a product by 3e38")],
+    ids=["log", "overflow"],
+)
+def test_loss_code_multiplying_by_a_python_float_is_named_in_both_modes(
+    ops: bool, loss_fn: Callable[[torch.Tensor], torch.Tensor], op: str, marker: str
+) -> None:
+    # ``out * 0.0`` saves 0.0 as a wrapped-number tensor, which reaches a dispatch mode as a
+    # Python float: the op tracer must still run ops on it (the loss's saved tensors are read
+    # for data given to the loss, under the tracer in ops mode) instead of failing inside the watch.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = loss_fn(model(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 0, op)
+    assert report.source is not None
+    assert report.source.lineno == faults.marked_line(marker, where=sys.modules[__name__])
 
 
 # -- deliberate infinities -------------------------------------------------------------

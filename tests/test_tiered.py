@@ -304,12 +304,17 @@ def test_a_watch_entered_for_one_step_is_as_cheap_as_its_boundaries() -> None:
     assert copy.deepcopy(caught.value.report).reproduced is True
 
 
-def test_a_batch_the_loop_computes_is_data_named_at_its_op_and_line() -> None:
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+@pytest.mark.parametrize("bad", [0, 2], ids=["first batch", "third batch"])
+def test_a_batch_the_loop_computes_is_data_named_at_its_op_and_line(bad: int, ops: bool) -> None:
+    # The first batch too: its data code runs between the watch's entry and the first model call, and
+    # in ops mode the batch's origin outlives the reset of the step its model call opens.
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    raw = [torch.randn(8, 4), torch.randn(8, 4), torch.ones(8, 4)]  # the third has no spread
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+    raw = [torch.randn(8, 4) for _ in range(3)]
+    raw[bad] = torch.ones(8, 4)  # no spread
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
         for batch in raw:
             x = (batch - batch.mean(0)) / batch.std(0)  # producer: normalise the batch
             loss = model(x).pow(2).mean()
@@ -317,9 +322,30 @@ def test_a_batch_the_loop_computes_is_data_named_at_its_op_and_line() -> None:
             loss.backward()
             opt.step()
     report = caught.value.report
-    assert (report.phase, report.module, report.step, report.tensor) == ("data", "", 2, "input[0]")
+    assert (report.phase, report.module, report.step, report.tensor) == ("data", "", bad, "input[0]")
     assert report.op == "aten.div.Tensor"
     assert report.source is not None and report.source.lineno == _marked("normalise the batch")
+
+
+def test_setup_code_over_the_budget_before_the_first_call_leaves_later_batches_recorded() -> None:
+    # A cell often builds its model and data inside the watch: that region's ops over the budget do not
+    # turn off the recording of the data code of the steps after.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt) as w:
+        raw = [torch.randn(8, 4) for _ in range(100)]  # more ops than the data budget
+        raw[1] = torch.ones(8, 4)
+        for batch in raw:
+            x = batch / batch.std(0)  # producer: scale by a zero spread
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("data", "", 1, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == _marked("scale by a zero spread")
+    assert not w.outside.untraced
 
 
 def test_replaying_the_loss_code_leaves_the_users_tensors_alone() -> None:

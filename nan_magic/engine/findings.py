@@ -100,7 +100,15 @@ def apply_op_finding(
     if op.absorbed is not None:
         inner = op.absorbed
         finding.absorbed = AbsorbedOp(inner.op, inner.module, inner.source, inner.nan, inner.posinf, inner.neginf)
-    if op.phase == Phase.BACKWARD:
+    if op.phase == Phase.BACKWARD and op.backward_code and op.source is not None:
+        # A Python backward (a custom Function's) ran the op on its own line: that line is the one to fix.
+        finding.source = op.source
+        finding.autograd_node = op.autograd_node
+        node = f" of {op.autograd_node}" if op.autograd_node else ""
+        created = f", whose node was created at {op.forward_source}" if op.forward_source is not None else ""
+        finding.notes.append(f"{op.op} ran in a Python backward{node} (a custom autograd.Function's "
+                             f"backward, or a gradient hook){created}")
+    elif op.phase == Phase.BACKWARD:
         finding.source = op.forward_source or op.source
         finding.autograd_node = op.autograd_node
         node = f" ({op.autograd_node})" if op.autograd_node else ""

@@ -85,10 +85,15 @@ class ForwardChecks:
                 return
         # A recompute's first call has an empty stack, but starts no step and brings no batch.
         top_level = not self.stack and not recomputing
+        # A model call inside a backward pass (a reentrant checkpoint recomputing its forward) is no
+        # boundary of the code outside the models: that code's records stay, and nothing of the backward
+        # is recorded as loss code.
+        outside = self.watch.outside if torch._C._current_graph_task_id() == -1 else None
         if top_level:
-            if self.watch.outside is not None:
-                self.watch.outside.stop()
-            self.watch.cycle.forward_started()
+            if outside is not None:
+                outside.stop()
+            tracer = self.watch.origins.tracer
+            self.watch.cycle.forward_started([t for _, t in iter_tensors(args, "input")] if tracer else ())
             if is_compiled(module) or (not self.watch.cycle.full_step and may_step_aside(module)):
                 # Only this call's boundaries are checked: its submodules' calls need no hook at all.
                 self.watch.module_hooks.step_aside_for(module)
@@ -104,8 +109,8 @@ class ForwardChecks:
         self.stack.append(Frame(module, info, call, rng))
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None)
-        if top_level and self.watch.outside is not None:
-            self.watch.outside.forget()  # the batch is judged: what the loop computed need not stay alive
+        if top_level and outside is not None:
+            outside.forget()  # the batch is judged: what the loop computed need not stay alive
 
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the
@@ -170,8 +175,8 @@ class ForwardChecks:
                 cycle.sync()
                 cycle.end_step(cycle.step)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
-            if self.watch.outside is not None:
-                self.watch.outside.start("loss")
+            if self.watch.outside is not None and torch._C._current_graph_task_id() == -1:
+                self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)
 
     def _recomputing(self) -> bool:
         """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.

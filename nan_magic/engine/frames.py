@@ -81,29 +81,48 @@ def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
-    last_user = None
+    return _last_user_entries(tb)[1]
+
+
+def _last_user_entries(tb: TracebackType | None) -> tuple[TracebackType | None, TracebackType | None]:
+    """The last entry of ``tb`` that is user code, and the entry before it (None for the first)."""
+    before = last_user = None
+    previous = None
     while tb is not None:
         if not is_library_file(tb.tb_frame.f_code.co_filename):
-            last_user = tb
+            before, last_user = previous, tb
+        previous = tb
         tb = tb.tb_next
-    return last_user
+    return before, last_user
 
 
 def end_at_producer(
     tb: TracebackType | None, producer: FrameType | None, position: tuple[int, int] | None = None
 ) -> TracebackType | None:
-    """Cut ``tb`` after its last user frame, then append the producer's frame; return the last entry.
+    """Cut ``tb`` after its last user frame, then end it at the producer's frame; return the last entry.
 
     ``producer`` is the frame that ran the producing op when the traceback
     does not reach it: a replay found the op (replay.py) after the module
     had returned. Appended, it is where ``%debug`` and ``pdb.post_mortem``
     open, with the producer's locals. ``position`` is ``(f_lasti, f_lineno)``
     when the op ran, where the frame ran on after it (a replay of a whole
-    step continues to its end). Calling it again changes nothing.
+    step continues to its end). When the traceback's last user frame is the
+    producer's but stands at a later line (ops mode raises where the op's
+    value reached a boundary: ``return self.out(r)`` after ``r = h / 0``),
+    that entry is replaced by one at ``position``, so that %debug opens on the
+    op's line as in the default mode. Calling it again changes nothing.
     """
-    last = trim_to_user_code(tb)
-    if last is None or producer is None or last.tb_frame is producer:
+    before, last = _last_user_entries(tb)
+    if last is None:
+        return None
+    last.tb_next = None
+    if producer is None:
         return last
+    if last.tb_frame is producer:
+        if position is None or before is None or (last.tb_lasti, last.tb_lineno) == position:
+            return last  # the first entry cannot be replaced (the exception holds it): it stays
+        before.tb_next = TracebackType(None, producer, *position)
+        return before.tb_next
     lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
     last.tb_next = TracebackType(None, producer, lasti, lineno)
     return last.tb_next

@@ -70,6 +70,10 @@ class OpFinding:
         is known only through its probe (counts of a present kind are None).
     scalars
         ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
+    backward_code
+        For a backward op: it ran in Python code that the autograd engine
+        called (a custom ``autograd.Function``'s ``backward``, a gradient
+        hook), and ``source`` is that code's line, where the op ran.
     absorbed
         For a backward op: the forward op whose non-finite output it read
         although that value never reached a boundary in forward (absorbed by
@@ -94,6 +98,7 @@ class OpFinding:
     input_stats: tuple[tuple[str, TensorStats], ...]
     scalars: tuple[tuple[str, float], ...]
     absorbed: OpFinding | None = None
+    backward_code: bool = False
 
     @property
     def dtype(self) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "op_inputs",
     "op_name",
     "plan_of",
+    "run_op",
     "tensors",
 ]
 
@@ -251,6 +252,54 @@ def odd_scalar(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         name in plan.fills and isinstance(value, float) and not math.isfinite(value)
         for name, value in arguments(plan, args, kwargs)
     )
+
+
+def run_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)``, as a dispatch mode must call it, wrapped numbers included.
+
+    A tensor made from a Python number (``x * 0.5`` saves ``0.5`` as a 0-dim
+    float64 "wrapped number", which autograd nodes hand back as
+    ``_saved_other``) reaches a Python dispatch mode as the number itself.
+    Where another tensor argument is present torch takes the number back, but
+    an op on the wrapped number alone (``.detach()``, ``aminmax``) then fails
+    with "Expected a value of type 'Tensor' ... found type 'float'" (torch
+    2.x). Such an op runs again with the number as the 0-dim tensor it was.
+    Only the failure path pays for the check.
+    """
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        rewrapped = _rewrapped(func, args, kwargs)
+        if rewrapped is None:
+            raise
+        return func(*rewrapped[0], **rewrapped[1])
+
+
+#: The dtype torch gives a tensor wrapped around a Python number.
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _rewrapped(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]] | None:
+    """The arguments with each Python number in a ``Tensor`` slot made a tensor again; None if there is none."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    slots = {argument.name for argument in schema.arguments if str(argument.type) in ("Tensor", "Optional[Tensor]")}
+    found = False
+
+    def wrap(name: str, value: Any) -> Any:
+        nonlocal found
+        if name in slots and type(value) in _WRAPPED_DTYPES:
+            found = True
+            return torch.tensor(value, dtype=_WRAPPED_DTYPES[type(value)])
+        return value
+
+    new_args = [wrap(name, value) for name, value in zip((a.name for a in schema.arguments), args)]
+    new_args += list(args[len(new_args):])
+    new_kwargs = {name: wrap(name, value) for name, value in kwargs.items()}
+    return (new_args, new_kwargs) if found else None
 
 
 def op_name(func: torch._ops.OpOverload) -> str:

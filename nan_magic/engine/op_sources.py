@@ -24,7 +24,7 @@ from nan_magic.engine.frames import is_library_file, pointer
 from nan_magic.engine.op_plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["NodeSources", "called_by_us", "sources_of_op", "user_frame"]
+__all__ = ["NodeSources", "called_by_the_engine", "called_by_us", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # nan_magic's own files, and torch's machinery between a Python call and a
@@ -115,6 +115,28 @@ def sources_of_op(
     if user is None:
         return None, pointer(frame), None
     return pointer(user), (pointer(frame) if frame is not user else None), user
+
+
+# Where Python enters the autograd engine (``loss.backward()``, ``torch.autograd.grad``).
+_ENGINE_ENTRIES = tuple(_TORCH_DIR + os.path.join("autograd", name) for name in ("graph.py", "__init__.py"))
+
+
+def called_by_the_engine(frame: FrameType | None, user: FrameType) -> bool:
+    """Whether ``user``, the user's frame that ran a backward op, was called by the autograd engine.
+
+    ``frame`` is the op's (innermost) frame. A built-in gradient formula
+    (``SqrtBackward0``) runs with no Python frame of its own: the innermost
+    user frame is the line that called ``backward()``, and the engine's entry
+    lies between the op and it. A Python backward (a custom
+    ``autograd.Function``'s ``backward``, a gradient hook) is called by the
+    engine: no entry lies between, and its line is where the op ran. On a
+    device thread of the engine no entry is on the stack at all.
+    """
+    while frame is not None and frame is not user:
+        if os.path.abspath(frame.f_code.co_filename).startswith(_ENGINE_ENTRIES):
+            return False
+        frame = frame.f_back
+    return True
 
 
 class NodeSources:

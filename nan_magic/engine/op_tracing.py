@@ -90,6 +90,9 @@ class OpOrigins:
             return
         if isinstance(origin, OpFinding):
             attach_origin(finding, origin)
+            if origin.backward_code and self.tracer is not None:
+                # A Python backward's frame ran the op (a custom Function's): %debug opens there.
+                finding.frame, finding.frame_position = self.tracer.frame_of(origin)
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""

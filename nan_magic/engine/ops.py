@@ -87,9 +87,10 @@ from nan_magic.engine.op_plans import (
     op_inputs,
     op_name,
     plan_of,
+    run_op,
     tensors,
 )
-from nan_magic.engine.op_sources import NodeSources, called_by_us, sources_of_op
+from nan_magic.engine.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
 from nan_magic.engine.stats import is_checkable, relevant_kinds, tensor_stats
 from nan_magic.records import KINDS, Phase
 
@@ -199,16 +200,34 @@ class OpTracer(TorchDispatchMode):
         #: replay that runs a forward inside a gradient hook (-1: none).
         self.forward_task = -1
 
-    def reset(self, origins: bool = True) -> None:
-        """Forget the finding and check again; with ``origins``, forget the origins too (a new step)."""
+    def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
+        """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
+
+        ``keep``: tensors whose origins stay, with what the report needs of
+        them. A step opens at its first model call, and the batch that call
+        receives was computed before it (``x = (x - mean) / std`` in the
+        loop): its origin is claimed only once the call judges its inputs.
+        """
         self.finding = None
         self.producer_tensors = ()
         if origins:
+            kept = [(tensor, self._origins.entry(tensor)) for tensor in keep]
+            witnesses, frames = dict(self._witnesses), dict(self._frames)
             self.started.clear()
             self._origins.clear()
             self._witnesses.clear()
             self._frames.clear()
             self.benign_modules.clear()
+            for tensor, entry in kept:
+                if entry is None:
+                    continue
+                self._origins.note(tensor, entry)
+                if isinstance(entry, Origin):
+                    key = id(entry.finding)
+                    if key in witnesses:
+                        self._witnesses[key] = witnesses[key]
+                    if key in frames:
+                        self._frames[key] = frames[key]
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -251,20 +270,22 @@ class OpTracer(TorchDispatchMode):
         if not isinstance(func, torch._ops.OpOverload):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
-        if not in_backward:
+        if not in_backward or torch.is_grad_enabled():
+            # Forward ops in backward too: a reentrant checkpoint recomputes its forward there, with grad
+            # enabled (a backward formula runs without, unless create_graph).
             self.node_sources.note(plan, args, kwargs)
         if plan.writes and self.before_write is not None:
             for _, tensor in tensors(plan, args, kwargs, plan.writes):
                 self.before_write(tensor)
         if self.finding is not None:
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs)
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
-            out = func(*args, **kwargs)
+            out = run_op(func, args, kwargs)
             if self._origins and not plan.view:
                 self._carry(plan, args, kwargs, out)
             return out
         priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         if plan.writes:
             # Autograd bumps the version counter only after the op returns
             # here, so a cached entry for a written tensor still looks current.
@@ -398,7 +419,10 @@ class OpTracer(TorchDispatchMode):
         phase = Phase.BACKWARD if in_backward else None
         if phase is None and self._phase_hint is not None:
             phase = self._phase_hint()
-        source, inner, user_frame = sources_of_op(sys._getframe(1))
+        op_frame = sys._getframe(1)
+        source, inner, user_frame = sources_of_op(op_frame)
+        # A Python backward (a custom Function's) runs its ops in the user's code: its line is where the op ran.
+        backward_code = in_backward and user_frame is not None and called_by_the_engine(op_frame, user_frame)
         output_stats = tensor_stats(tensor)
         input_stats = []
         witnesses = [(label, weakref.ref(tensor))]
@@ -430,10 +454,11 @@ class OpTracer(TorchDispatchMode):
             input_stats=tuple(input_stats),
             scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
             absorbed=absorbed.finding if absorbed is not None else None,
+            backward_code=backward_code,
         )
         self._witnesses[id(finding)] = tuple(witnesses)
         self.started.append(finding)
-        if not in_backward and user_frame is not None:
+        if (not in_backward or backward_code) and user_frame is not None:
             # The frame runs on after the op: where it was then is where %debug opens.
             self._frames[id(finding)] = (user_frame, (user_frame.f_lasti, user_frame.f_lineno))
         origin = Origin(finding)

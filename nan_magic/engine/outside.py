@@ -31,7 +31,10 @@ after the loss region has replaced those records).
 Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
 after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step
 and the loss region for :data:`LOSS_BUDGET`; a step that runs more turns that
-region's recording off for the rest of the watch, and reports say so.
+region's recording off for the rest of the watch, and reports say so. The code
+from the watch's entry to its first model call (the first batch) is a data
+region too, within the same budget; running over it there (a cell that builds
+its model inside the watch) leaves only that region unrecorded.
 
 Dispatch modes form a stack that ``with`` blocks push and pop: the recorder
 is pushed only onto an empty stack (not inside a mode the user entered around
@@ -57,6 +60,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.engine.frames import pointer_at
 from nan_magic.engine.op_origins import OpFinding
+from nan_magic.engine.op_plans import run_op
 from nan_magic.engine.op_sources import user_frame
 from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.replay import RngState, capture_rng_state, generators_at, map_tensors
@@ -157,18 +161,26 @@ class OutsideRecorder(TorchDispatchMode):
         self.pushed = False
         self._budget = 0
         self._region = "loss"
+        self._entry = False
         self._ops: list[_Op] = []
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
 
-    def start(self, region: str) -> None:
-        """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh."""
+    def start(self, region: str, entry: bool = False) -> None:
+        """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
+
+        ``entry``: the data code from the watch's entry to its first model call
+        (step 0's batch). That code often builds the model and the optimizer
+        too, so running over the budget there leaves only that region
+        unrecorded, not the data code of the steps after.
+        """
         self.forget()
         if region in self.untraced:
             return
         self._region = region
+        self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
             self.__enter__()
@@ -250,11 +262,12 @@ class OutsideRecorder(TorchDispatchMode):
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
             self._rng = capture_rng_state()
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         if self._budget <= 0:
             if self._budget == 0:  # over budget: the region is not recorded again
                 self._budget = _INERT
-                self.untraced.add(self._region)
+                if not self._entry:
+                    self.untraced.add(self._region)
                 self.forget()
             return out
         self._budget -= 1

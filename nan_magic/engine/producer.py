@@ -89,7 +89,7 @@ class ProducerRule:
                 return
             finding = Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
                               bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
-            if self.origins.outside is not None:
+            if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
             self._emit(finding)
             return

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -148,8 +148,13 @@ class StepCycle:
 
     # -- opening and closing ----------------------------------------------------------------
 
-    def forward_started(self) -> None:
-        """A top-level forward call starts: it opens a step where none is open, and is counted."""
+    def forward_started(self, entering: Sequence[torch.Tensor] = ()) -> None:
+        """A top-level forward call starts: it opens a step where none is open, and is counted.
+
+        ``entering``: the call's tensor arguments, whose origins in the op
+        tracer (ops mode) outlive the new step's reset: a batch the loop
+        computed is judged as the call starts.
+        """
         if self.open and self.gradients.backward_runs:
             self._settle_backward()
         elif self.gradients.backward_runs and not self.training():
@@ -170,7 +175,7 @@ class StepCycle:
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
             if self.origins.tracer is not None:
-                self.origins.tracer.reset()
+                self.origins.tracer.reset(keep=entering)
             self.open = True
         self.forward_starts += 1
 

@@ -187,6 +187,10 @@ class Watch:
         self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
+        if self.outside is not None and not self.defer:
+            # The first batch may be computed in the loop before the first model call, as each later one is
+            # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
+            self.outside.start("data", entry=True)
         return self
 
     def __exit__(
