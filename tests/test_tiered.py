@@ -884,3 +884,50 @@ def test_a_frozen_models_backward_producer_seen_only_in_the_input_gradient_is_na
     assert (report.op, report.autograd_node) == ("aten.div.Tensor", "SqrtBackward0")
     assert report.source is not None and report.source.lineno == _marked("frozen sqrt")
     assert bool(delta.isfinite().all())  # stopped before the update
+
+
+class _ReturnsItsLoss(nn.Module):
+    """A model whose forward returns the loss itself: ``model(x).backward()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.sqrt(self.w)).sum()  # producer: sqrt of a zero weight
+
+
+@pytest.mark.parametrize("step", [True, False], ids=["then-step", "no-step"])
+def test_a_model_that_returns_its_loss_has_its_backward_producer_named(step: bool) -> None:
+    # The gradient into that output is backward()'s own; without a step, the watch's exit reads the gradients.
+    model = _ReturnsItsLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        model(torch.ones(4)).backward()
+        if step:
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.tensor, report.step) == ("backward", "", "gradient of w", 0)
+    assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
+    assert report.source is not None and report.source.lineno == _marked("sqrt of a zero weight")
+    assert torch.equal(model.w.detach(), torch.zeros(4))  # no step was taken with the gradient
+
+
+@pytest.mark.parametrize("mode", ["tiered", "full"])
+def test_a_watch_left_after_backward_but_before_the_step_reads_the_gradients(mode: str) -> None:
+    # A cell that runs backward() and leaves opt.step() to the next cell: its gradients are read at the exit.
+    model = _ReturnsItsLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, mode=mode):
+        (model(torch.ones(4)) * 1.0).backward()
+    report = caught.value.report
+    assert (report.phase, report.tensor) == ("backward", "gradient of w")
+    if mode == "tiered":  # the replay names the op
+        assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
+    else:
+        assert "the watch ended after this backward, before an optimizer step: its parameter gradients were read " \
+            "then" in report.notes
+    healthy = nn.Linear(4, 1)
+    with nan_magic.watch(healthy, torch.optim.SGD(healthy.parameters(), lr=0.1), mode=mode) as w:
+        healthy(torch.ones(2, 4)).sum().backward()
+    assert w.report is None and w.events == []

@@ -295,8 +295,8 @@ class StepCycle:
         """Whether ``opt``'s step is an agreement point: under a process group, for a DDP or FSDP model's optimizer."""
         return self.outcome.agreement.several and self.lockstep.agrees_at(opt)
 
-    def _check_unstepped_gradients(self) -> None:
-        """The tiered watch, where no optimizer steps: the parameter gradients a backward left.
+    def _check_unstepped_gradients(self, leaving: bool = False) -> None:
+        """The parameter gradients a backward left with no optimizer step after it.
 
         The per-module watch sees a backward producer in the gradients
         flowing into each module; the tiered watch sees the gradients into
@@ -304,22 +304,28 @@ class StepCycle:
         is about to step. A backward with no optimizer after it (saliency,
         a gradient check, the last backward of a watched cell) has its
         parameter gradients read here instead, when the next forward starts
-        or the watch ends.
+        or the watch ends. ``leaving``: the watch ends after a backward that
+        no step followed, optimizer or not (a cell that runs ``backward()``
+        and leaves ``opt.step()`` to the next cell); a gradient only its
+        parameter's own formula made non-finite is seen by no other check,
+        in either mode.
         """
-        if (not self.config.tiered or not self.config.backward or self.training() or self.outcome.stopped
-                or self.optimizers.scaler_active()):
-            return  # an optimizer's check reads them, or a GradScaler settles them (a skipped step)
+        if not self.config.backward or self.outcome.stopped or self.optimizers.scaler_active():
+            return  # a GradScaler settles them (a skipped step)
+        if not leaving and (not self.config.tiered or self.training()):
+            return  # an optimizer's check reads them
         named: list[tuple[str, torch.Tensor]] = [
             (user_name(name, data_parallel_paths(root)), parameter)
             for root in self._roots()
             for name, parameter in root.named_parameters()
         ]
-        finding = check_parameter_grads(
-            named, "no optimizer stepped after this backward: its parameter gradients were read when it ended",
-            self.config.kinds,
-        )
+        why = ("the watch ended after this backward, before an optimizer step: its parameter gradients were read "
+               "then") if leaving and self.training() else (
+               "no optimizer stepped after this backward: its parameter gradients were read when it ended")
+        finding = check_parameter_grads(named, why, self.config.kinds)
         if finding is not None:
             self.optimizers.attribute(finding)
+            self.origins.add_op_origin(finding, finding.bad)  # the op, where the op tracer saw it start
             self._emit(finding)
 
     # -- leaving the watch ------------------------------------------------------------------------
@@ -331,7 +337,7 @@ class StepCycle:
         if self.open and self.gradients.backward_runs:
             self.optimizers.on_step_boundary()
         if self.gradients.backward_runs:
-            self._check_unstepped_gradients()
+            self._check_unstepped_gradients(leaving=True)
         self.outcome.leave(self._leave_together())
 
     def left_by(self, exc: BaseException, explained: NonFiniteError | None) -> NonFiniteError | None:
