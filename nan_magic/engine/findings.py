@@ -117,7 +117,9 @@ def apply_op_finding(
         finding.source = op.source
     if op.module is not None and finding.module is None:
         finding.module = op.module
-    if op.inner_source is not None:
+    if op.inner_source is not None and (op.phase != Phase.BACKWARD or op.backward_code):
+        # Where inside the library the op ran; for the autograd engine's own backward that is only whatever
+        # called backward (torch's, or the optimizer hook a replay ran from), which says nothing.
         finding.notes.append(f"inside {op.inner_source}")
     if finding.bad is None and finding.bad_stats is None:
         # Found by the op tracer itself: the op's own output and inputs.
