@@ -931,3 +931,31 @@ def test_a_watch_left_after_backward_but_before_the_step_reads_the_gradients(mod
     with nan_magic.watch(healthy, torch.optim.SGD(healthy.parameters(), lr=0.1), mode=mode) as w:
         healthy(torch.ones(2, 4)).sum().backward()
     assert w.report is None and w.events == []
+
+
+class _SqrtEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + torch.sqrt(h - h.detach() + x.abs().amax())  # producer: encoder sqrt
+
+
+def test_a_siamese_models_first_call_is_replayed_though_no_optimizer_stepped_yet() -> None:
+    # Two calls before the backward, the optimizer not passed and not stepped yet: the first call is kept while
+    # its output lives, so a backward producer in it is named.
+    torch.manual_seed(0)
+    model = _SqrtEncoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    anchor, other = torch.zeros(2, 4), torch.rand(2, 4) + 1.0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        loss = (model(anchor) - model(other)).pow(2).sum()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.autograd_node) == (
+        "backward", "", "aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("encoder sqrt")
+    assert report.reproduced is True

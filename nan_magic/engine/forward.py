@@ -139,7 +139,7 @@ class ForwardChecks:
                 self.watch.log.alias(output, frame.through, module, frame.rng_state, bound, frame.known)
             return
         if top_level and self.watch.replays is not None:
-            self.watch.replays.finish(module, kwargs)
+            self.watch.replays.finish(module, kwargs, output)
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             self._note_inputs(call, kwargs, "kwargs")

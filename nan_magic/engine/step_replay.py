@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,6 +103,12 @@ class RootCall:
     returned: bool = False
     #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
+    outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+
+    def awaits_backward(self) -> bool:
+        """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
+        return any(ref() is not None for ref in self.outputs)
 
 
 @dataclass
@@ -180,13 +187,15 @@ class StepReplays:
             call=call,
         ))
 
-    def finish(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+    def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
         """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
         root = self._latest(module)
         if root is None or root.returned:
             return
         root.returned = True
         root.kwargs = dict(kwargs)
+        if root.grad_enabled:
+            root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
         root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
         known = self._mutable.get(id(module))
@@ -214,7 +223,11 @@ class StepReplays:
         """
         self._stepped.clear()
         if not training:
-            self.calls.clear()
+            # Inference: each forward is a step, and its call is dropped at the next one, unless a backward
+            # may still reach it (a GAN's generator called before the discriminator, while no optimizer
+            # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
+            waiting = [root for root in self.calls if root.awaits_backward()]
+            self.calls = deque(waiting, maxlen=MAX_CALLS)
         for module in {id(root.module): root.module for root in self.calls}.values():
             self._trainable[id(module)] = _trainable(module)
 
