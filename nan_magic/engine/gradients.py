@@ -36,7 +36,7 @@ from nan_magic.engine.entering import entering_tensors, saved_leaves
 from nan_magic.engine.findings import Finding, attach_origin
 from nan_magic.engine.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.engine.op_tracing import OpOrigins
-from nan_magic.engine.stats import WIDE_FLOATS, is_checkable, kinds_of, relevant_kinds
+from nan_magic.engine.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,11 +294,15 @@ def check_parameter_grads(
 
     A function, not a method: the optimizer checks use it too, without reaching the gradient checks.
     """
-    for name, parameter in named:
-        grad = parameter.grad
-        if grad is None or not is_checkable(grad):
-            continue
-        if relevant_kinds(kinds_of(grad), kinds):
+    grads: list[tuple[str, torch.Tensor]] = [
+        (name, parameter.grad)
+        for name, parameter in named
+        if parameter.grad is not None and is_checkable(parameter.grad)
+    ]
+    # One norm each, read in one transfer per device (no per-tensor host read on a GPU); a norm that is not
+    # finite is confirmed elementwise (huge finite values overflow it).
+    for (name, grad), norm in zip(grads, read_scalars(norms([grad for _name, grad in grads]))):
+        if not math.isfinite(norm) and relevant_kinds(kinds_of(grad), kinds):
             finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
             finding.notes.append(context)
             return finding

@@ -334,10 +334,11 @@ class StepCycle:
         """The watch is left normally: the last step's checks, then the ranks' exit round (agreement.py)."""
         self.sync()
         self.optimizers.flush()
-        if self.open and self.gradients.backward_runs:
+        unstepped = bool(self.open and self.gradients.backward_runs)  # a backward no optimizer step followed
+        if unstepped:
             self.optimizers.on_step_boundary()
         if self.gradients.backward_runs:
-            self._check_unstepped_gradients(leaving=True)
+            self._check_unstepped_gradients(leaving=unstepped)
         self.outcome.leave(self._leave_together())
 
     def left_by(self, exc: BaseException, explained: NonFiniteError | None) -> NonFiniteError | None:

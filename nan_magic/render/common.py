@@ -156,6 +156,10 @@ def stats_phrase(stats: TensorStats) -> str:
     return text
 
 
+#: Words a cause's hint may start with that begin a sentence (an op name such as ``log`` stays lower case).
+_ARTICLES = frozenset({"the", "a", "an", "this", "its", "every", "no", "some", "one", "each"})
+
+
 def cause_sentence(report: Report) -> str:
     """The one sentence under the headline: the likely cause and its fix.
 
@@ -164,8 +168,7 @@ def cause_sentence(report: Report) -> str:
     """
     if report.cause is not None:
         hint = report.cause.hint
-        first = hint.split(" ", 1)[0]
-        if first.isalpha() and first.islower() and (len(first) > 1 or first == "a"):  # a word, not aten.div, x
+        if hint.split(" ", 1)[0] in _ARTICLES:  # a sentence; one that starts with an op or a name keeps its case
             hint = hint[:1].upper() + hint[1:]
         return f"Likely cause: {report.cause.label}. {hint}"
     inputs = (
