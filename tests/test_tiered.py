@@ -959,3 +959,32 @@ def test_a_siamese_models_first_call_is_replayed_though_no_optimizer_stepped_yet
         "backward", "", "aten.div.Tensor", "SqrtBackward0")
     assert report.source is not None and report.source.lineno == _marked("encoder sqrt")
     assert report.reproduced is True
+
+
+class _LossInside(nn.Module):
+    """Returns the logits and a loss made from them inside (Hugging Face with labels): fp16 logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).half()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.lin(x)  # producer: fp16 logits, whose weight gradient overflows
+        loss = logits.float().sum() * 40000.0  # a gradient of 40000 per logit: fits in fp16, twice that does not
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_backward_replay_counts_an_output_used_inside_the_model_once() -> None:
+    # The gradient captured on the logits already holds the inner loss's part: starting the replay from both
+    # outputs made it 80000 = inf in fp16, an 'aten.add.Tensor' that only the replay ran.
+    torch.manual_seed(0)
+    model = _LossInside()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        model(torch.ones(2, 4, dtype=torch.half))["loss"].backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.autograd_node, report.reproduced) == (
+        "backward", "lin", "AddmmBackward0", True)
+    assert report.op in ("aten.mm.default", "aten.sum.dim_IntList")  # the weight's or the bias's: both overflow
+    assert report.source is not None and report.source.lineno == _marked("fp16 logits, whose weight gradient overflows")

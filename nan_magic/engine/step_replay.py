@@ -421,11 +421,11 @@ class StepReplays:
         so a frozen model's backward runs). Returns the stats of the
         parameter gradient named by ``boundary``.
         """
-        pairs = [
+        pairs = _outermost([
             (tensor, _finite_part(root.output_grads[path]))
             for path, tensor in iter_tensors(output, "output")
             if path in root.output_grads and tensor.requires_grad
-        ]
+        ])
         data_parallel = data_parallel_paths(target)
         named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
         if not pairs or not (named or inputs):
@@ -522,6 +522,36 @@ def _finite_part(grad: torch.Tensor) -> torch.Tensor:
     if not kinds_of(grad):
         return grad
     return torch.where(torch.isfinite(grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def _outermost(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The outputs whose captured gradients a backward replay starts from: none another output was made from.
+
+    A model that computes its loss inside (``{"loss": ..., "logits": ...}``, Hugging Face with ``labels``)
+    returns the logits and a loss made from them. The gradient captured on the logits is their whole
+    gradient, the loss's contribution included: starting from both would count it twice (an fp16 gradient
+    that overflows only in the replay). The logits are left out; a gradient the user's own code added to
+    them outside the model is then missing, and a replay that differs says so (not reproduced).
+    """
+    if len(pairs) < 2:
+        return pairs
+    made_from: set[Any] = set()
+    for tensor, _grad in pairs:
+        made_from |= _ancestors(tensor.grad_fn)
+    return [(tensor, grad) for tensor, grad in pairs if tensor.grad_fn not in made_from]
+
+
+def _ancestors(node: Any) -> set[Any]:
+    """Every autograd node ``node`` reaches backward, itself excluded."""
+    seen: set[Any] = set()
+    stack = [parent for parent, _index in getattr(node, "next_functions", ()) if parent is not None]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(parent for parent, _index in current.next_functions if parent is not None)
+    return seen
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:
