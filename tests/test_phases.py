@@ -379,14 +379,15 @@ class WithSpare(nn.Module):
         return self.second(self.first(x))
 
 
-def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_check() -> None:
+@pytest.mark.parametrize("steps", [FULL_CHECK_EVERY + 1, 6], ids=["next-full-check", "watch-exit"])
+def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_check_or_the_exit(steps: int) -> None:
     torch.manual_seed(0)
     model = WithSpare()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(8, 4)
 
-    def steps() -> None:
-        for step in range(FULL_CHECK_EVERY + 1):
+    def run() -> None:
+        for step in range(steps):
             opt.zero_grad()
             model(x).sum().backward()
             if step == 3:
@@ -394,9 +395,14 @@ def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_che
                     model.spare.bias.fill_(float("nan"))  # no forward check ever reads it
             opt.step()
 
-    report = raised(steps, model, opt)
-    assert (report.phase, report.step, report.tensor) == ("optimizer", FULL_CHECK_EVERY, "parameter spare.bias")
-    assert any("last checked after step 0" in note and "outside the optimizer" in note for note in report.notes)
+    report = raised(run, model, opt)
+    # Found after bounded steps, which cannot make it: a value no watched code produced (phase data).
+    found_at = FULL_CHECK_EVERY if steps > FULL_CHECK_EVERY else steps - 1
+    assert (report.phase, report.step, report.tensor, report.module) == (
+        "data", found_at, "parameter spare.bias", "spare")
+    assert any("last checked finite, after step 0" in note and "outside the optimizer" in note for note in report.notes)
+    assert report.cause is not None and report.cause.label == "parameter-already-nonfinite"
+    assert report.message.startswith(f"first non-finite parameter spare.bias in data step {found_at}: spare (Linear)")
 
 
 def test_a_nonfinite_gradient_is_reported_before_the_step_runs() -> None:

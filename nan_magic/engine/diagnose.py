@@ -190,12 +190,12 @@ def _with_absorbed(report: Report, cause: Cause) -> Cause:
 
 def _local_cause(report: Report) -> Cause:
     """The cause the event itself shows, before looking upstream."""
-    if report.phase == Phase.DATA:
-        return _bad_data(report)
     if report.phase == Phase.OPTIMIZER:
         return _optimizer(report)
     if report.tensor.startswith("parameter "):
         return _parameter(report)
+    if report.phase == Phase.DATA:
+        return _bad_data(report)
     if report.phase == Phase.BACKWARD:
         return _backward(report)
     return forward_cause(report)
@@ -222,10 +222,12 @@ def _bad_data(report: Report) -> Cause:
 
 def _parameter(report: Report) -> Cause:
     name = report.tensor.removeprefix("parameter ")
+    # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
+    seen = f"when {where(report)} read it" if report.phase != Phase.DATA else f"after step {report.step}"
     hint = (
-        f"{name} already held {counts(report)} when {where(report)} read it: it became non-finite before "
-        "this forward and not in a watched optimizer step (a checkpoint load, a manual edit, an unwatched "
-        "optimizer); reload it from a good checkpoint and find what wrote it"
+        f"{name} already held {counts(report)} {seen}: it became non-finite outside every watched step "
+        "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
+        "what wrote it"
     )
     return Cause("parameter-already-nonfinite", hint, (f"{report.tensor}: {counts(report)} of {report.numel}",))
 

@@ -105,6 +105,8 @@ class OptimizerChecks:
         # Set before a step whose parameters need no check after it (bounded_step).
         self._bounded = False
         self._last_checked_step: int | None = None
+        # Per optimizer: its last bounded step whose parameters went unchecked since its last check (flush).
+        self._unchecked: dict[int, tuple[torch.optim.Optimizer, int]] = {}
         # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
         self._hot: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._hot_enabled = not watch.defer
@@ -224,21 +226,10 @@ class OptimizerChecks:
             # FULL_CHECK_EVERY steps, and whenever the roll-back snapshot is
             # kept: it must only ever hold checked parameters.
             if self._bounded and step % FULL_CHECK_EVERY != 0 and watch.last_good.where is None:
+                self._unchecked[id(opt)] = (opt, step)  # checked at the watch's end if no full check comes first
                 return
-            layout = self.layout(opt)
-            updated = [parameter for _name, parameter in layout.named]
-            # Half-precision state can overflow while its parameter stays
-            # finite (Adam's exp_avg_sq = inf freezes the update at 0);
-            # float32 state cannot without the gradients showing it first,
-            # so its extra pass over memory is skipped.
-            for _name, parameter, key in layout.half_state:
-                value = opt.state.get(parameter, {}).get(key)
-                updated.append(value if _float_tensor(value) else _FINITE)
-            result = StepResult(
-                opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step,
-                self._bounded,
-            )
-            self._last_checked_step = step
+            self._unchecked.pop(id(opt), None)
+            result = self._step_result(opt, step, self._bounded)
             if watch.defer:
                 # Read with the next step's single transfer, not now.
                 self.carried = result
@@ -263,11 +254,38 @@ class OptimizerChecks:
         """Add the steps a nested watch counted while it had taken over from this one."""
         self.iterations.absorb(inner.iterations)
 
+    def _step_result(self, opt: torch.optim.Optimizer, step: int, bounded: bool) -> StepResult:
+        """What ``opt``'s step ``step`` updated, with the norms that say whether it stayed finite (not read yet)."""
+        layout = self.layout(opt)
+        updated = [parameter for _name, parameter in layout.named]
+        # Half-precision state can overflow while its parameter stays
+        # finite (Adam's exp_avg_sq = inf freezes the update at 0);
+        # float32 state cannot without the gradients showing it first,
+        # so its extra pass over memory is skipped.
+        for _name, parameter, key in layout.half_state:
+            value = opt.state.get(parameter, {}).get(key)
+            updated.append(value if _float_tensor(value) else _FINITE)
+        result = StepResult(
+            opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step, bounded
+        )
+        self._last_checked_step = step
+        return result
+
     def flush(self) -> None:
-        """Check a deferred step result still unread (at the end of the watch)."""
+        """At the end of the watch: a deferred step result still unread, and parameters no check has read.
+
+        Bounded steps skip their parameter check (step_layout.py); a parameter
+        written non-finite between steps by code outside the optimizer, and
+        never read by a forward since, would otherwise leave the watch unseen.
+        """
         carried, self.carried = self.carried, None
         if carried is not None and not self._report_step_result(carried, read_scalars(carried.norms)):
             self.watch.on_finite_step()
+        unchecked, self._unchecked = self._unchecked, {}
+        for opt, step in unchecked.values():
+            result = self._step_result(opt, step, True)
+            if self.watch.outcome.stopped or self._report_step_result(result, read_scalars(result.norms)):
+                return
 
     def _report_step_result(self, result: StepResult, values: list[float]) -> bool:
         """Report what the step made non-finite; True when it did."""
@@ -275,18 +293,23 @@ class OptimizerChecks:
             if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
                 continue
             label = result.label(index)
-            finding = Finding(Phase.OPTIMIZER, None, label, bad=tensor.detach(), step=result.step)
+            # A bounded step cannot make a finite parameter non-finite (step_layout.py): code outside the
+            # optimizer wrote it (a hand edit, a loaded checkpoint), a value no watched code produced.
+            phase = Phase.DATA if result.bounded else Phase.OPTIMIZER
+            finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
             self.attribute(finding)
             self._add_op_origin(finding, tensor)
             subject = label.removeprefix("parameter ")
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
-            if result.bounded and result.previous_check is not None and result.previous_check < result.step - 1:
+            if result.bounded:
+                since = ("since the watch began" if result.previous_check is None
+                         else f"since it was last checked finite, after step {result.previous_check}")
                 finding.notes.append(
-                    f"{subject} was non-finite after the {optimizer} step; parameters were last checked after step "
-                    f"{result.previous_check}, and the steps since were bounded steps, which cannot make a finite "
-                    "parameter non-finite short of the float32 limit: code outside the optimizer may have written it"
+                    f"{subject} was non-finite after the {optimizer} step of step {result.step}; the steps {since} "
+                    "were bounded steps, which cannot make a finite parameter non-finite short of the float32 "
+                    "limit: code outside the optimizer wrote it"
                 )
             else:
                 finding.notes.append(f"the {optimizer} step made {subject} non-finite")
