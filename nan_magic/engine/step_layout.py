@@ -3,7 +3,8 @@
 A bounded step. Checking every parameter after every step reads all of them
 once more (on the benchmark MLP, 34 MB and about 3% of a step). A step of
 plain ``SGD``, ``Adam`` or ``AdamW`` on float32/float64 parameters and state,
-with finite hyperparameters, ``eps > 0``, betas in [0, 1) and gradients that
+with finite hyperparameters, a learning rate of at most 1e12 (over 1 - momentum,
+momentum in [0, 1)), ``eps > 0``, betas in [0, 1) and gradients that
 were just checked finite (each gradient's norm below 1e18, so its square is
 finite too), computes a finite update from finite state: momentum and
 moments are averages of finite gradients, and Adam divides by at least
@@ -31,6 +32,10 @@ BOUNDED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 #: Below this per-tensor gradient norm, every squared gradient element is finite in float32.
 BOUNDED_GRAD_NORM = 1e18
+
+#: At most this learning rate (over 1 - momentum; times the weight decay too): an update of at most
+#: about 1e12 x 1e18 = 1e30 cannot overflow float32 (3.4e38) by itself.
+BOUNDED_LR = 1e12
 
 
 @dataclass
@@ -102,7 +107,16 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
             if not lr.is_cpu or lr.numel() != 1:
                 return False  # reading it would synchronise with the device
             lr = lr.item()
-        numbers = [lr, group.get("weight_decay", 0.0), group.get("momentum", 0.0), group.get("dampening", 0.0)]
+        momentum, weight_decay = group.get("momentum", 0.0), group.get("weight_decay", 0.0)
+        if not all(isinstance(number, (int, float)) for number in (lr, momentum, weight_decay)):
+            return False
+        lr, momentum, weight_decay = float(lr), float(momentum), float(weight_decay)  # type: ignore[arg-type]
+        numbers = [lr, weight_decay, momentum, group.get("dampening", 0.0)]
+        # The update is at most about lr x |gradient| / (1 - momentum), with |gradient| < BOUNDED_GRAD_NORM:
+        # a learning rate that makes that reach the float32 limit (lr = 1e38) is no bounded step.
+        if not (0.0 <= momentum < 1.0 and abs(lr) / (1.0 - momentum) <= BOUNDED_LR
+                and abs(lr * weight_decay) <= BOUNDED_LR):
+            return False
         if adam:
             eps, betas = group.get("eps"), group.get("betas")
             if not isinstance(eps, float) or not eps > 1e-30 or not isinstance(betas, tuple):
