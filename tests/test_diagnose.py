@@ -575,3 +575,13 @@ def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
     assert event.benign and event.cause is not None
     assert event.cause.label == "unclassified" and event.cause.hint.startswith("benign:")
     assert any("deliberate infinity" in line for line in event.cause.evidence)
+
+
+def test_an_op_operand_named_input_is_the_op_s_not_the_module_s() -> None:
+    from nan_magic.engine.cause_text import is_module_input, op_inputs
+
+    assert not is_module_input("input") and not is_module_input("input (before)")
+    assert is_module_input("input[0]") and is_module_input("kwargs['mask']")
+    norm = report(op="aten.native_layer_norm.default", input_stats=(
+        ("input[0]", stats(absmax=2.0)), ("input", stats(absmax=6e28)), ("weight", stats())))
+    assert [name for name, _stats in op_inputs(norm)] == ["input", "weight"]
