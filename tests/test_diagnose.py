@@ -585,3 +585,110 @@ def test_an_op_operand_named_input_is_the_op_s_not_the_module_s() -> None:
     norm = report(op="aten.native_layer_norm.default", input_stats=(
         ("input[0]", stats(absmax=2.0)), ("input", stats(absmax=6e28)), ("weight", stats())))
     assert [name for name, _stats in op_inputs(norm)] == ["input", "weight"]
+
+
+# -- overflows in float32, attention, the op's own operands, optimizer facts --------------------
+
+
+class Attention(nn.Module):
+    """q, k, v from one input; ``fused`` runs scaled_dot_product_attention, else the eager q·kᵀ and softmax."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.qk, self.v, self.fused = nn.Linear(16, 32), nn.Linear(16, 16), fused
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, dim=-1)
+        if self.fused:
+            return F.scaled_dot_product_attention(q, k, self.v(x), attn_mask=mask, is_causal=mask is None)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        return (scores if mask is None else scores + mask).softmax(-1) @ self.v(x)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "eager"])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "additive-mask"])
+def test_attention_whose_scores_overflow_is_an_overflow_not_a_masked_row(fused: bool, masked: bool) -> None:
+    torch.manual_seed(0)
+    model = Attention(fused)
+    with torch.no_grad():
+        model.qk.weight.mul_(1e21)  # q and k reach ~1e21: q·kᵀ passes float32's 3.4e38
+    mask = torch.full((6, 6), float("-inf")).triu(1) if masked else None  # no row fully masked
+    report = raised(lambda: model(torch.randn(2, 6, 16), mask), model, mode="full")
+    cause = assert_cause(report, "overflow", "Attention (root)", "float32 (max 3.4e38)", "scale q by d**-0.5")
+    assert "masked" not in cause.hint
+
+
+def test_sdpa_reports_are_read_from_the_mask_and_the_bound_of_the_scores() -> None:
+    def attention(dtype: str = "float32", q: float = 3.0, mask: TensorStats | None = None, **counts) -> Cause:
+        inputs = [("query", stats(dtype, (2, 2, 8, 16), absmax=q)), ("key", stats(dtype, (2, 2, 8, 16), absmax=q)),
+                  ("value", stats(dtype, (2, 2, 8, 16)))]
+        inputs += [("attn_mask", mask)] if mask is not None else []
+        return diagnose(report(op="aten._scaled_dot_product_flash_attention_for_cpu.default", dtype=dtype,
+                               tensor="output[0]", output_stats=stats(dtype, (2, 2, 8, 16)),
+                               input_stats=tuple(inputs), **counts))
+
+    full_row = stats(shape=(2, 1, 8, 8), neginf=8, absmax=0.0)  # 8 -inf: enough for one row of 8 keys
+    masked = attention(mask=full_row, nan=32)
+    assert masked.label == "masked-softmax" and "2 row(s) of 8 positions" in masked.hint
+    assert any("cannot overflow" in line for line in masked.evidence)
+    # the same mask with q and k at 1e20: the scores overflow; the mask is only mentioned
+    overflowed = attention(q=1e20, mask=full_row, nan=32)
+    assert overflowed.label == "overflow" and "normalise them (QK-norm)" in overflowed.hint
+    assert any("q·kᵀ·scale can reach" in line for line in overflowed.evidence)
+    assert any(line.startswith("also: ") for line in overflowed.evidence)
+    assert attention("float16", q=400.0, nan=32).label == "half-precision-overflow"
+    # too few -inf to fill a row, and scores that cannot overflow: neither reading, say so
+    partial = attention(mask=stats(shape=(2, 1, 8, 8), neginf=3, absmax=0.0), nan=32)
+    assert partial.label == "unclassified" and "fewer than the 8 keys of one row" in partial.hint
+    assert "boolean mask" in attention(nan=32).hint  # no float mask read: it may be a boolean one
+
+
+def test_softmax_nan_needs_a_minus_inf_at_each_nan_position() -> None:
+    def softmax(neginf: int) -> Cause:
+        return diagnose(report(op="aten._softmax.default", nan=8, output_stats=stats(shape=(4, 4)),
+                               input_stats=(("self", stats(neginf=neginf)),)))
+
+    assert softmax(neginf=8).label == "masked-softmax"
+    assert softmax(neginf=5).label == "unclassified"  # 5 -inf cannot make two rows of 4 all -inf
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_layer_norm_of_huge_values_names_its_input_and_their_square(ops: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with torch.no_grad():
+        model[0].weight.mul_(1e25)  # the LayerNorm's input reaches ~1e25: its variance overflows float32
+    report = raised(lambda: model(torch.randn(2, 8)), model, ops=ops, mode="full")
+    assert report.op == "aten.native_layer_norm.default"
+    cause = assert_cause(report, "overflow", "1 (LayerNorm)", "(`input`)", "normalise or clip")
+    assert "e25 (`input`)" in cause.hint  # the operand it normalised, not the LayerNorm's weight of 1
+    assert any("its square overflows" in line for line in cause.evidence)
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e20 * 1e20
+
+
+def test_float32_overflows_are_read_from_the_op_and_the_magnitudes() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Scale())
+    report = raised(lambda: model(torch.randn(2, 4)), model, mode="full")
+    assert report.op == "aten.mul.Tensor"
+    assert_cause(report, "overflow", "1 (Scale)", "float32 (max 3.4e38)")
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    with torch.no_grad():
+        model[1].weight.fill_(3e38)  # normalised values of ~1.5 times 3e38
+    cause = assert_cause(raised(lambda: model(torch.randn(2, 4)), model, mode="full"), "overflow", "3e38 (`weight`)")
+    assert any("`weight` reached |x| = 3e38, within 1000x" in line for line in cause.evidence)
+
+
+def test_a_float32_or_float64_op_overflows_only_where_the_evidence_shows_it() -> None:
+    def wide(dtype: str, op: str, absmax: float, **counts) -> str:
+        inputs = (("self", stats(dtype, absmax=absmax)),)
+        return diagnose(report(op=op, dtype=dtype, input_stats=inputs, **counts)).label
+
+    assert wide("float64", "aten.mul.Tensor", 1e200, posinf=2) == "overflow"
+    assert wide("float64", "aten.native_layer_norm.default", 1e200, nan=16) == "overflow"  # > sqrt(1.8e308)
+    assert wide("float64", "aten.native_layer_norm.default", 1e30, nan=16) == "unclassified"
+    assert wide("float32", "mylib.kernel.default", 1e36, posinf=1) == "overflow"  # near the max
+    assert wide("float32", "mylib.kernel.default", 10.0, posinf=1) == "unclassified"

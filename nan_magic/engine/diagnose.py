@@ -32,9 +32,18 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``pow-domain``
     ``pow`` of a negative base with a fractional exponent (NaN), of zero with
     a negative exponent (inf, with the base's zeros seen); its backward at 0.
+``overflow``
+    A float32/float64 op made ±inf (or NaN from an inf - inf inside it) from
+    finite inputs, with the evidence of an overflow: a product, sum or matmul
+    (which make inf from finite values no other way), operands or finite
+    outputs near the dtype's max, a square (a variance, a norm) of values
+    above sqrt(max), or attention scores q·kᵀ that can pass the max.
 ``masked-softmax``
-    A softmax or attention op made NaN where a whole row of its input was
-    -inf: an input held -inf, or the NaN fill whole rows.
+    A softmax or attention op made NaN where every position of a row was
+    masked: a softmax whose input held a -inf at each NaN position (over
+    finite and -inf values it is NaN only in rows all -inf); an attention op
+    whose float mask holds enough -inf to fill a row and whose q and k bound
+    the scores below the dtype's max (so they did not overflow).
 ``learning-rate-too-high``
     The loss or gradient norm of the earlier steps grew at least
     :data:`DIVERGENCE_FACTOR`-fold over its median, rising on each of the last
@@ -86,7 +95,8 @@ from nan_magic.engine.cause_text import (
     where,
     zeros_phrase,
 )
-from nan_magic.engine.diagnose_forward import forward_cause, half_overflow
+from nan_magic.engine.diagnose_forward import forward_cause
+from nan_magic.engine.diagnose_overflow import half_overflow
 from nan_magic.engine.early import EXTREME_INPUT
 from nan_magic.locations import name_location
 from nan_magic.records import Cause, Phase, Report, StepSummary, module_label
@@ -96,6 +106,7 @@ __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 #: Every label :func:`diagnose` (or the watch) can give.
 LABELS = (
     "half-precision-overflow",
+    "overflow",
     "exp-overflow",
     "division-by-zero",
     "log-domain",
@@ -154,7 +165,7 @@ def diagnose(report: Report) -> Cause:
         )
     cause = _with_absorbed(report, _local_cause(report))
     growth = _growth(report.history)
-    if cause.label in ("half-precision-overflow", "exp-overflow", "unclassified"):
+    if cause.label in ("half-precision-overflow", "overflow", "exp-overflow", "unclassified"):
         # These readings describe how the value overflowed, not why the
         # values were that large: an extreme batch or a diverging run is the
         # cause upstream, when the evidence shows one.
