@@ -273,17 +273,17 @@ def test_an_adam_step_reports_its_optimizer(options: dict[str, bool]) -> None:
 
 
 def test_a_float16_adam_step_that_overflows_with_an_eps_float16_holds_is_not_blamed_on_eps() -> None:
-    # eps=1e-3 is a float16 number: the step's inf comes from the huge learning rate's update, not from 0/0.
+    # eps=1e-3 is a float16 number: the step's inf comes from the update of a bias near float16's max, not
+    # from 0/0. lr=1e4 is below that max (an lr past it is learning-rate-too-high itself).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4)).half()
-    opt = torch.optim.Adam(model.parameters(), lr=1e5, eps=1e-3)
+    with torch.no_grad():
+        model[0].bias.fill_(-6e4)  # the forward stays finite; Adam's first update moves it by -lr: -7e4
+    opt = torch.optim.Adam(model.parameters(), lr=1e4, eps=1e-3)
 
     def step() -> None:
         opt.zero_grad()
-        model(torch.randn(2, 4).half()).float().sum().backward()
-        opt.step()
-        opt.zero_grad()
-        model(torch.randn(2, 4).half()).float().sum().backward()
+        model(torch.randn(2, 4).half() * 1e-3).float().sum().backward()
         opt.step()
 
     report = raised(step, model, opt)
@@ -692,3 +692,46 @@ def test_a_float32_or_float64_op_overflows_only_where_the_evidence_shows_it() ->
     assert wide("float64", "aten.native_layer_norm.default", 1e30, nan=16) == "unclassified"
     assert wide("float32", "mylib.kernel.default", 1e36, posinf=1) == "overflow"  # near the max
     assert wide("float32", "mylib.kernel.default", 10.0, posinf=1) == "unclassified"
+
+
+def test_adamw_with_eps_zero_divides_zero_by_zero_in_float32() -> None:
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.tensor([0, 1, 2])).sum().backward()  # rows 3 to 9 get zero gradients: 0/0
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.dtype, report.optimizer_eps) == ("optimizer", "float32", 0.0)
+    cause = assert_cause(report, "optimizer-eps-underflow", "the AdamW step", "eps = 0", "weight", "0/0",
+                         "eps = 1e-8")
+    assert "eps = 0: sqrt(v) + eps is 0 where v is 0" in cause.evidence
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lr", "implementation"),
+    [(torch.float32, 1e39, {"fused": True}), (torch.float16, 1e5, {"foreach": True}),
+     (torch.float16, 1e5, {"foreach": False})],  # lr as the hint writes it: 1e39, 100000
+    ids=["float32-fused", "float16-foreach", "float16-for-loop"],
+)
+def test_a_learning_rate_past_the_dtype_max_is_the_cause_in_any_implementation(dtype, lr, implementation) -> None:
+    # torch's foreach and for-loop steps refuse an lr float32 cannot hold (1e39): float16's max is in their reach
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-3, **implementation)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 4, dtype=dtype)).float().sum().backward()
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.step, report.optimizer_lr) == ("optimizer", 0, lr)
+    limit = "3.4e38" if dtype == torch.float32 else "65504"
+    shown = "1e39" if lr == 1e39 else "100000"
+    cause = assert_cause(report, "learning-rate-too-high", f"lr = {shown}", f"max {limit}", "weight")
+    assert any(line.startswith("lr ") and f">= {str(dtype).removeprefix('torch.')} max" in line
+               for line in cause.evidence)

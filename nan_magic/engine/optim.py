@@ -59,7 +59,7 @@ from nan_magic.engine.stats import (
     read_scalars,
     relevant_kinds,
 )
-from nan_magic.engine.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps
+from nan_magic.engine.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
 from nan_magic.records import Cause, Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -282,6 +282,7 @@ class OptimizerChecks:
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
+            finding.optimizer_lr = group_lr(result.optimizer, tensor)
             if result.bounded and result.previous_check is not None and result.previous_check < result.step - 1:
                 finding.notes.append(
                     f"{subject} was non-finite after the {optimizer} step; parameters were last checked after step "
