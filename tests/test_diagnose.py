@@ -614,8 +614,10 @@ def test_attention_whose_scores_overflow_is_an_overflow_not_a_masked_row(fused: 
         model.qk.weight.mul_(1e21)  # q and k reach ~1e21: q·kᵀ passes float32's 3.4e38
     mask = torch.full((6, 6), float("-inf")).triu(1) if masked else None  # no row fully masked
     report = raised(lambda: model(torch.randn(2, 6, 16), mask), model, mode="full")
-    cause = assert_cause(report, "overflow", "Attention (root)", "float32 (max 3.4e38)", "scale q by d**-0.5")
+    cause = assert_cause(report, "overflow", "Attention (root)", "float32 (max 3.4e38)", "normalise q and k")
     assert "masked" not in cause.hint
+    if not fused:  # the eager q·kᵀ is the producer: the hint also says to scale q
+        assert "scale q by d**-0.5" in cause.hint
 
 
 def test_sdpa_reports_are_read_from_the_mask_and_the_bound_of_the_scores() -> None:
@@ -633,7 +635,7 @@ def test_sdpa_reports_are_read_from_the_mask_and_the_bound_of_the_scores() -> No
     assert any("cannot overflow" in line for line in masked.evidence)
     # the same mask with q and k at 1e20: the scores overflow; the mask is only mentioned
     overflowed = attention(q=1e20, mask=full_row, nan=32)
-    assert overflowed.label == "overflow" and "normalise them (QK-norm)" in overflowed.hint
+    assert overflowed.label == "overflow" and "normalise q and k (QK-norm" in overflowed.hint
     assert any("q·kᵀ·scale can reach" in line for line in overflowed.evidence)
     assert any(line.startswith("also: ") for line in overflowed.evidence)
     assert attention("float16", q=400.0, nan=32).label == "half-precision-overflow"

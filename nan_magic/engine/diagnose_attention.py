@@ -68,8 +68,8 @@ def _attention(report: Report) -> Cause:
     bound = _score_bound(query, key)
     keys = mask.shape[-1] if mask is not None and mask.shape else 0
     masked = mask is not None and keys > 0 and (mask.neginf or 0) >= keys
-    mask_fact = (f"{input_label(report, 'attn_mask')} {mask.shape} held {mask.neginf} -inf: enough to mask every "
-                 f"one of the {keys} keys of some row" if masked and mask is not None else None)
+    mask_fact = (f"{input_label(report, 'attn_mask')}, shape {mask.shape}, held {mask.neginf} -inf: enough to "
+                 f"mask every one of the {keys} keys of some row" if masked and mask is not None else None)
     if bound is not None and bound[1] >= limit and not (masked and report.dtype in HALF):
         # float32 scores past 3.4e38 are a fault in themselves; in half precision a masked row fits as well.
         return _scores_overflow(report, bound[1], mask_fact)

@@ -55,9 +55,10 @@ _SQUARING_OPS = frozenset({
 })
 #: An operand or output within this factor of the dtype's max: any further scale or sum can pass it.
 NEAR_MAX = 1e-3
+#: The attention kernel already scales by d**-0.5: what is left is the size of q and k themselves.
 ATTENTION_FIX = (
-    "scale q by d**-0.5 before q·kᵀ and keep q and k small: normalise them (QK-norm), or find what grew "
-    "the q/k projections (a learning rate too high, no gradient clipping)"
+    "normalise q and k (QK-norm: a LayerNorm or RMSNorm on each) and find what grew them (the q/k projection "
+    "weights: a learning rate too high, no gradient clipping)"
 )
 
 
@@ -114,13 +115,17 @@ def wide_overflow_facts(report: Report) -> list[str]:
 
 def wide_overflow(report: Report, facts: list[str]) -> Cause:
     limit = dtype_max(report.dtype)
-    fix = (
-        f"values this large are not a precision problem ({report.dtype} already holds {fmt(limit)}): find what "
-        "grew them (a parameter or activation growing each step: lower the learning rate, clip gradients; "
-        "inputs that are not normalised) and normalise or clip before this op"
-    )
-    if op_base(report.op) in MATMUL_OPS or attention_op(op_base(report.op)):
-        fix += f" (for attention, {ATTENTION_FIX})"
+    base = op_base(report.op)
+    if attention_op(base):
+        fix = f"the scores q·kᵀ passed it: {ATTENTION_FIX}"
+    else:
+        fix = (
+            f"values this large are not a precision problem ({report.dtype} already holds {fmt(limit)}): find "
+            "what grew them (a parameter or activation growing each step: lower the learning rate, clip "
+            "gradients; inputs that are not normalised) and normalise or clip before this op"
+        )
+    if base in MATMUL_OPS:
+        fix += " (for attention, scale q by d**-0.5 before q·kᵀ and normalise q and k)"
     return Cause(
         "overflow",
         f"{what(report)} made {counts(report)}: it overflowed {report.dtype} (max {fmt(limit)})"
