@@ -737,3 +737,10 @@ def test_a_learning_rate_past_the_dtype_max_is_the_cause_in_any_implementation(d
     cause = assert_cause(report, "learning-rate-too-high", f"lr = {shown}", f"max {limit}", "weight")
     assert any(line.startswith("lr ") and f">= {str(dtype).removeprefix('torch.')} max" in line
                for line in cause.evidence)
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan")])
+def test_a_non_finite_learning_rate_is_the_cause(lr: float) -> None:
+    cause = diagnose(report(phase=Phase.OPTIMIZER, module="fc", module_type="Linear", tensor="parameter fc.weight",
+                            optimizer="SGD", optimizer_lr=lr, nan=16))
+    assert cause.label == "learning-rate-too-high" and f"lr = {lr}" in cause.hint

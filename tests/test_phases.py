@@ -366,6 +366,8 @@ def test_a_step_that_is_not_bounded_is_checked_at_once() -> None:
     report = caught.value.report
     assert (report.phase, report.step, report.tensor) == ("optimizer", 5, "parameter 0.weight")
     assert any("AdamW step made 0.weight non-finite" in note for note in report.notes)
+    assert report.cause is not None and report.cause.label == "learning-rate-too-high"
+    assert "lr = inf" in report.cause.hint
 
 
 class WithSpare(nn.Module):

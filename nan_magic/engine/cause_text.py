@@ -7,6 +7,7 @@ place (:func:`where`, :func:`line`), the op's inputs by role
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -213,6 +214,8 @@ def fmt(value: float | None) -> str:
     """``31000.0`` → ``"3.1e4"``; ``0.52`` → ``"0.52"``."""
     if value is None:
         return "?"
+    if not math.isfinite(value):  # an lr of inf, a bound past float64: int() would raise
+        return str(value)
     if value == int(value) and abs(value) < 1e6:
         return str(int(value))
     text = f"{value:.3g}"

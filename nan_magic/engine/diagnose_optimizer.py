@@ -31,16 +31,17 @@ def optimizer_cause(report: Report) -> Cause:
                                                            ("eps", report.optimizer_eps)) if value is not None]
     limit = dtype_max(report.dtype)
     lr = report.optimizer_lr
-    if lr is not None and lr >= limit:
-        # Adam-like updates are about ±lr, SGD's lr·grad: with lr past the max, any update of size 1 overflows,
-        # whatever the implementation (fused, foreach, for-loop).
+    if lr is not None and not lr < limit:
+        # Adam-like updates are about ±lr, SGD's lr·grad: with lr past the max (or inf, NaN: a schedule gone
+        # wrong), any update of size 1 overflows, whatever the implementation (fused, foreach, for-loop).
+        past = lr >= limit
         return Cause(
             "learning-rate-too-high",
             f"the {optimizer} step made {subject} {counts(report)} at step {report.step}: its learning rate "
-            f"lr = {fmt(lr)} is itself past the {report.dtype} max {fmt(limit)}, so an update of lr · g overflows "
-            "for any |g| >= 1; use a learning rate in the usual range (1e-5 to 1e-1), check how it is computed "
-            "(a scheduler, a scaling rule)",
-            (*facts, f"lr {fmt(lr)} >= {report.dtype} max {fmt(limit)}"),
+            f"lr = {fmt(lr)} is {f'itself past the {report.dtype} max {fmt(limit)}' if past else 'NaN'}, "
+            "so an update of lr · g is non-finite for any |g| >= 1; use a learning rate in the usual range (1e-5 "
+            "to 1e-1), check how it is computed (a scheduler, a scaling rule)",
+            (*facts, f"lr {fmt(lr)} >= {report.dtype} max {fmt(limit)}" if past else f"lr {fmt(lr)} is not a number"),
         )
     infinite = report.posinf + report.neginf
     if report.tensor.startswith("state ") and infinite and report.dtype in HALF:
