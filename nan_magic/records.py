@@ -304,6 +304,8 @@ class Report:
     optimizer: str | None = None
     #: That optimizer's ``eps`` for the parameter (its parameter group's), where it has one.
     optimizer_eps: float | None = None
+    #: That optimizer's learning rate for the parameter (its parameter group's), where it has one.
+    optimizer_lr: float | None = None
     #: The rank of the process that found the event and the size of its process group
     #: (``torch.distributed``); None outside a process group.
     rank: int | None = None

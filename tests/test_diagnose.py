@@ -273,17 +273,17 @@ def test_an_adam_step_reports_its_optimizer(options: dict[str, bool]) -> None:
 
 
 def test_a_float16_adam_step_that_overflows_with_an_eps_float16_holds_is_not_blamed_on_eps() -> None:
-    # eps=1e-3 is a float16 number: the step's inf comes from the huge learning rate's update, not from 0/0.
+    # eps=1e-3 is a float16 number: the step's inf comes from the update of a bias near float16's max, not
+    # from 0/0. lr=50 is far from that max (an lr within 1000x of it is learning-rate-too-high itself).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4)).half()
-    opt = torch.optim.Adam(model.parameters(), lr=1e5, eps=1e-3)
+    with torch.no_grad():
+        model[0].bias.fill_(-65472.0)  # the forward stays finite; Adam's first update moves it by -lr: -65522
+    opt = torch.optim.Adam(model.parameters(), lr=50.0, eps=1e-3)
 
     def step() -> None:
         opt.zero_grad()
-        model(torch.randn(2, 4).half()).float().sum().backward()
-        opt.step()
-        opt.zero_grad()
-        model(torch.randn(2, 4).half()).float().sum().backward()
+        model(torch.randn(2, 4).half() * 1e-3).float().sum().backward()
         opt.step()
 
     report = raised(step, model, opt)
@@ -575,3 +575,172 @@ def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
     assert event.benign and event.cause is not None
     assert event.cause.label == "unclassified" and event.cause.hint.startswith("benign:")
     assert any("deliberate infinity" in line for line in event.cause.evidence)
+
+
+def test_an_op_operand_named_input_is_the_op_s_not_the_module_s() -> None:
+    from nan_magic.engine.cause_text import is_module_input, op_inputs
+
+    assert not is_module_input("input") and not is_module_input("input (before)")
+    assert is_module_input("input[0]") and is_module_input("kwargs['mask']")
+    norm = report(op="aten.native_layer_norm.default", input_stats=(
+        ("input[0]", stats(absmax=2.0)), ("input", stats(absmax=6e28)), ("weight", stats())))
+    assert [name for name, _stats in op_inputs(norm)] == ["input", "weight"]
+
+
+# -- overflows in float32, attention, the op's own operands, optimizer facts --------------------
+
+
+class Attention(nn.Module):
+    """q, k, v from one input; ``fused`` runs scaled_dot_product_attention, else the eager q·kᵀ and softmax."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.qk, self.v, self.fused = nn.Linear(16, 32), nn.Linear(16, 16), fused
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, dim=-1)
+        if self.fused:
+            return F.scaled_dot_product_attention(q, k, self.v(x), attn_mask=mask, is_causal=mask is None)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        return (scores if mask is None else scores + mask).softmax(-1) @ self.v(x)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "eager"])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "additive-mask"])
+def test_attention_whose_scores_overflow_is_an_overflow_not_a_masked_row(fused: bool, masked: bool) -> None:
+    torch.manual_seed(0)
+    model = Attention(fused)
+    with torch.no_grad():
+        model.qk.weight.mul_(1e21)  # q and k reach ~1e21: q·kᵀ passes float32's 3.4e38
+    mask = torch.full((6, 6), float("-inf")).triu(1) if masked else None  # no row fully masked
+    report = raised(lambda: model(torch.randn(2, 6, 16), mask), model, mode="full")
+    cause = assert_cause(report, "overflow", "Attention (root)", "float32 (max 3.4e38)", "normalise q and k")
+    assert "masked" not in cause.hint
+    if not fused:  # the eager q·kᵀ is the producer: the hint also says to scale q
+        assert "scale q by d**-0.5" in cause.hint
+
+
+def test_sdpa_reports_are_read_from_the_mask_and_the_bound_of_the_scores() -> None:
+    def attention(dtype: str = "float32", q: float = 3.0, mask: TensorStats | None = None, **counts) -> Cause:
+        inputs = [("query", stats(dtype, (2, 2, 8, 16), absmax=q)), ("key", stats(dtype, (2, 2, 8, 16), absmax=q)),
+                  ("value", stats(dtype, (2, 2, 8, 16)))]
+        inputs += [("attn_mask", mask)] if mask is not None else []
+        return diagnose(report(op="aten._scaled_dot_product_flash_attention_for_cpu.default", dtype=dtype,
+                               tensor="output[0]", output_stats=stats(dtype, (2, 2, 8, 16)),
+                               input_stats=tuple(inputs), **counts))
+
+    full_row = stats(shape=(2, 1, 8, 8), neginf=8, absmax=0.0)  # 8 -inf: enough for one row of 8 keys
+    masked = attention(mask=full_row, nan=32)
+    assert masked.label == "masked-softmax" and "2 row(s) of 8 positions" in masked.hint
+    assert any("cannot overflow" in line for line in masked.evidence)
+    # the same mask with q and k at 1e20: the scores overflow; the mask is only mentioned
+    overflowed = attention(q=1e20, mask=full_row, nan=32)
+    assert overflowed.label == "overflow" and "normalise q and k (QK-norm" in overflowed.hint
+    assert any("q·kᵀ·scale can reach" in line for line in overflowed.evidence)
+    assert any(line.startswith("also: ") for line in overflowed.evidence)
+    assert attention("float16", q=400.0, nan=32).label == "half-precision-overflow"
+    # too few -inf to fill a row, and scores that cannot overflow: neither reading, say so
+    partial = attention(mask=stats(shape=(2, 1, 8, 8), neginf=3, absmax=0.0), nan=32)
+    assert partial.label == "unclassified" and "fewer than the 8 keys of one row" in partial.hint
+    assert "boolean mask" in attention(nan=32).hint  # no float mask read: it may be a boolean one
+
+
+def test_softmax_nan_needs_a_minus_inf_at_each_nan_position() -> None:
+    def softmax(neginf: int) -> Cause:
+        return diagnose(report(op="aten._softmax.default", nan=8, output_stats=stats(shape=(4, 4)),
+                               input_stats=(("self", stats(neginf=neginf)),)))
+
+    assert softmax(neginf=8).label == "masked-softmax"
+    assert softmax(neginf=5).label == "unclassified"  # 5 -inf cannot make two rows of 4 all -inf
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["replay", "ops"])
+def test_a_layer_norm_of_huge_values_names_its_input_and_their_square(ops: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with torch.no_grad():
+        model[0].weight.mul_(1e25)  # the LayerNorm's input reaches ~1e25: its variance overflows float32
+    report = raised(lambda: model(torch.randn(2, 8)), model, ops=ops, mode="full")
+    assert report.op == "aten.native_layer_norm.default"
+    cause = assert_cause(report, "overflow", "1 (LayerNorm)", "(`input`)", "normalise or clip")
+    assert "e25 (`input`)" in cause.hint  # the operand it normalised, not the LayerNorm's weight of 1
+    assert any("its square overflows" in line for line in cause.evidence)
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e20 * 1e20
+
+
+def test_float32_overflows_are_read_from_the_op_and_the_magnitudes() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Scale())
+    report = raised(lambda: model(torch.randn(2, 4)), model, mode="full")
+    assert report.op == "aten.mul.Tensor"
+    assert_cause(report, "overflow", "1 (Scale)", "float32 (max 3.4e38)")
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    with torch.no_grad():
+        model[1].weight.fill_(3e38)  # normalised values of ~1.5 times 3e38
+    cause = assert_cause(raised(lambda: model(torch.randn(2, 4)), model, mode="full"), "overflow", "3e38 (`weight`)")
+    assert any("`weight` reached |x| = 3e38, within 1000x" in line for line in cause.evidence)
+
+
+def test_a_float32_or_float64_op_overflows_only_where_the_evidence_shows_it() -> None:
+    def wide(dtype: str, op: str, absmax: float, **counts) -> str:
+        inputs = (("self", stats(dtype, absmax=absmax)),)
+        return diagnose(report(op=op, dtype=dtype, input_stats=inputs, **counts)).label
+
+    assert wide("float64", "aten.mul.Tensor", 1e200, posinf=2) == "overflow"
+    assert wide("float64", "aten.native_layer_norm.default", 1e200, nan=16) == "overflow"  # > sqrt(1.8e308)
+    assert wide("float64", "aten.native_layer_norm.default", 1e30, nan=16) == "unclassified"
+    assert wide("float32", "mylib.kernel.default", 1e36, posinf=1) == "overflow"  # near the max
+    assert wide("float32", "mylib.kernel.default", 10.0, posinf=1) == "unclassified"
+
+
+def test_adamw_with_eps_zero_divides_zero_by_zero_in_float32() -> None:
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.tensor([0, 1, 2])).sum().backward()  # rows 3 to 9 get zero gradients: 0/0
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.dtype, report.optimizer_eps) == ("optimizer", "float32", 0.0)
+    cause = assert_cause(report, "optimizer-eps-underflow", "the AdamW step", "eps = 0", "weight", "0/0",
+                         "eps = 1e-8")
+    assert "eps = 0: sqrt(v) + eps is 0 where v is 0" in cause.evidence
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lr", "implementation"),
+    [(torch.float32, 1e39, {"fused": True}), (torch.float16, 1e5, {"foreach": True}),
+     (torch.float16, 1e5, {"foreach": False})],  # lr as the hint writes it: 1e39, 100000
+    ids=["float32-fused", "float16-foreach", "float16-for-loop"],
+)
+def test_a_learning_rate_past_the_dtype_max_is_the_cause_in_any_implementation(dtype, lr, implementation) -> None:
+    # torch's foreach and for-loop steps refuse an lr float32 cannot hold (1e39): float16's max is in their reach
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-3, **implementation)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 4, dtype=dtype)).float().sum().backward()
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert (report.phase, report.step, report.optimizer_lr) == ("optimizer", 0, lr)
+    limit = "3.4e38" if dtype == torch.float32 else "65504"
+    shown = "1e39" if lr == 1e39 else "100000"
+    cause = assert_cause(report, "learning-rate-too-high", f"lr = {shown}", f"max {limit}", "weight")
+    assert any(line.startswith("lr ") and f">= {str(dtype).removeprefix('torch.')} max" in line
+               for line in cause.evidence)
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan")])
+def test_a_non_finite_learning_rate_is_the_cause(lr: float) -> None:
+    cause = diagnose(report(phase=Phase.OPTIMIZER, module="fc", module_type="Linear", tensor="parameter fc.weight",
+                            optimizer="SGD", optimizer_lr=lr, nan=16))
+    assert cause.label == "learning-rate-too-high" and f"lr = {lr}" in cause.hint

@@ -368,6 +368,8 @@ def test_a_step_that_is_not_bounded_is_checked_at_once(lr: float) -> None:
     assert (report.phase, report.step) == ("optimizer", 5) and report.tensor.startswith("parameter ")
     name = report.tensor.removeprefix("parameter ")
     assert any(f"AdamW step made {name} non-finite" in note for note in report.notes)
+    assert report.cause is not None and report.cause.label == "learning-rate-too-high"
+    assert f"lr = {'inf' if lr == float('inf') else '1e38'}" in report.cause.hint
 
 
 class WithSpare(nn.Module):

@@ -7,6 +7,7 @@ place (:func:`where`, :func:`line`), the op's inputs by role
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -99,8 +100,15 @@ def line(report: Report) -> str:
     return f"{name_location(source.filename, source.lineno)}{text}"
 
 
+#: A module's arguments are recorded by path, ``input[0]`` or ``kwargs['mask']``; an op's operands by schema
+#: name, and several ops name their main operand ``input`` (native_layer_norm, convolution, batch_norm,
+#: group_norm): that one is the op's own, so the bracket tells them apart.
+_MODULE_INPUT = re.compile(r"^(input|kwargs)\[")
+
+
 def is_module_input(name: str) -> bool:
-    return name.startswith(("input", "kwargs"))
+    """Whether ``name`` is an argument of the producer module (``input[0]``), not an operand of its op."""
+    return _MODULE_INPUT.match(name) is not None
 
 
 def op_inputs(report: Report) -> list[tuple[str, TensorStats]]:
@@ -206,6 +214,8 @@ def fmt(value: float | None) -> str:
     """``31000.0`` → ``"3.1e4"``; ``0.52`` → ``"0.52"``."""
     if value is None:
         return "?"
+    if not math.isfinite(value):  # an lr of inf, a bound past float64: int() would raise
+        return str(value)
     if value == int(value) and abs(value) < 1e6:
         return str(int(value))
     text = f"{value:.3g}"

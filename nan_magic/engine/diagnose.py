@@ -32,18 +32,30 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``pow-domain``
     ``pow`` of a negative base with a fractional exponent (NaN), of zero with
     a negative exponent (inf, with the base's zeros seen); its backward at 0.
+``overflow``
+    A float32/float64 op made ±inf (or NaN from an inf - inf inside it) from
+    finite inputs, with the evidence of an overflow: a product, sum or matmul
+    (which make inf from finite values no other way), operands or finite
+    outputs near the dtype's max, a square (a variance, a norm) of values
+    above sqrt(max), or attention scores q·kᵀ that can pass the max.
 ``masked-softmax``
-    A softmax or attention op made NaN where a whole row of its input was
-    -inf: an input held -inf, or the NaN fill whole rows.
+    A softmax or attention op made NaN where every position of a row was
+    masked: a softmax whose input held a -inf at each NaN position (over
+    finite and -inf values it is NaN only in rows all -inf); an attention op
+    whose float mask holds enough -inf to fill a row and whose q and k bound
+    the scores below the dtype's max (so they did not overflow).
 ``learning-rate-too-high``
     The loss or gradient norm of the earlier steps grew at least
     :data:`DIVERGENCE_FACTOR`-fold over its median, rising on each of the last
     :data:`DIVERGENCE_RISES` steps, and the event is an overflow or has no
-    op-specific cause: the overflow is the divergence arriving.
+    op-specific cause: the overflow is the divergence arriving. Or an
+    optimizer step whose learning rate is itself past the parameter dtype's
+    max (fused, foreach or for-loop alike).
 ``optimizer-eps-underflow``
-    Phase ``optimizer``, a float16 parameter, and an optimizer that divides by
-    ``sqrt(v) + eps`` (Adam family, RMSprop, Adagrad, Adadelta, or an
-    ``addcdiv``/``div`` op in the step): eps = 1e-8 rounds to 0 in float16.
+    Phase ``optimizer``, an optimizer that divides by ``sqrt(v) + eps``
+    (Adam family, RMSprop, Adagrad, Adadelta, or an ``addcdiv``/``div`` op in
+    the step), and an eps that is 0, or rounds to 0 in the parameter's dtype
+    (the default 1e-8 in float16): 0/0 where a gradient is 0.
 ``bad-input-data``
     Phase ``data`` (the batch already held the values), or an overflow in a
     step whose batch held ``|x| >`` :data:`~nan_magic.engine.early.EXTREME_INPUT`.
@@ -70,23 +82,21 @@ import math
 import statistics
 from collections.abc import Callable
 
-import torch
-
 from nan_magic.engine.cause_text import (
     HALF,
     counts,
     counts_phrase,
-    dtype_max,
     fmt,
     line,
     node_function,
-    op_base,
     unclassified,
     what,
     where,
     zeros_phrase,
 )
-from nan_magic.engine.diagnose_forward import forward_cause, half_overflow
+from nan_magic.engine.diagnose_forward import forward_cause
+from nan_magic.engine.diagnose_optimizer import optimizer_cause
+from nan_magic.engine.diagnose_overflow import half_overflow
 from nan_magic.engine.early import EXTREME_INPUT
 from nan_magic.locations import name_location
 from nan_magic.records import Cause, Phase, Report, StepSummary, module_label
@@ -96,6 +106,7 @@ __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 #: Every label :func:`diagnose` (or the watch) can give.
 LABELS = (
     "half-precision-overflow",
+    "overflow",
     "exp-overflow",
     "division-by-zero",
     "log-domain",
@@ -119,10 +130,6 @@ DIVERGENCE_FACTOR = 10.0
 #: spikes once, a diverging run keeps climbing.
 DIVERGENCE_RISES = 3
 
-_EPS_OPTIMIZERS = frozenset({
-    "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta", "RMSprop",
-})
-_EPS_OPS = frozenset({"addcdiv", "div", "foreach_addcdiv", "foreach_div", "fused_adam", "fused_adamw"})
 #: Where a backward turns a finite gradient non-finite: the checklist to give
 #: when the op is unknown.
 _DERIVATIVE_POLES = (
@@ -154,7 +161,7 @@ def diagnose(report: Report) -> Cause:
         )
     cause = _with_absorbed(report, _local_cause(report))
     growth = _growth(report.history)
-    if cause.label in ("half-precision-overflow", "exp-overflow", "unclassified"):
+    if cause.label in ("half-precision-overflow", "overflow", "exp-overflow", "unclassified"):
         # These readings describe how the value overflowed, not why the
         # values were that large: an extreme batch or a diverging run is the
         # cause upstream, when the evidence shows one.
@@ -191,7 +198,7 @@ def _with_absorbed(report: Report, cause: Cause) -> Cause:
 def _local_cause(report: Report) -> Cause:
     """The cause the event itself shows, before looking upstream."""
     if report.phase == Phase.OPTIMIZER:
-        return _optimizer(report)
+        return optimizer_cause(report)
     if report.tensor.startswith("parameter "):
         return _parameter(report)
     if report.phase == Phase.DATA:
@@ -230,49 +237,6 @@ def _parameter(report: Report) -> Cause:
         "what wrote it"
     )
     return Cause("parameter-already-nonfinite", hint, (f"{report.tensor}: {counts(report)} of {report.numel}",))
-
-
-def _optimizer(report: Report) -> Cause:
-    optimizer = report.optimizer
-    subject = report.tensor.removeprefix("parameter ")
-    infinite = report.posinf + report.neginf
-    facts = (f"phase optimizer: the {optimizer or 'optimizer'} step made {subject} {counts(report)}",
-             f"dtype {report.dtype}")
-    if report.tensor.startswith("state ") and infinite and report.dtype in HALF:
-        return Cause(
-            "half-precision-overflow",
-            f"{subject} overflowed {report.dtype} (max {fmt(dtype_max(report.dtype))}) in the "
-            f"{optimizer or 'optimizer'} step, e.g. a squared gradient above the limit: keep optimizer state "
-            "in float32 (float32 master weights under torch.autocast)",
-            facts,
-        )
-    divides = optimizer is not None and (optimizer in _EPS_OPTIMIZERS or "adam" in optimizer.lower())
-    eps = report.optimizer_eps
-    # An eps float16 holds (1e-3) does not vanish: such a step overflows, or fails otherwise.
-    eps_vanishes = eps is None or float(torch.tensor(eps, dtype=torch.float16)) == 0.0
-    if report.dtype == "float16" and eps_vanishes and (divides or op_base(report.op) in _EPS_OPS):
-        shown = fmt(eps) if eps is not None else "1e-8 (the default)"
-        return Cause(
-            "optimizer-eps-underflow",
-            f"the {optimizer or 'optimizer'} step divides by sqrt(v) + eps, and eps = {shown} rounds to 0 in "
-            f"float16 (smallest positive 6e-8): where a gradient of {subject} is 0 that is 0/0, giving "
-            f"{counts(report)}; keep float32 master weights (float32 parameters under torch.autocast with a "
-            "GradScaler) or use eps >= 1e-4 in float16",
-            (*facts, f"float16 cannot hold eps = {shown}"),
-        )
-    if infinite and report.dtype in HALF:
-        return Cause(
-            "half-precision-overflow",
-            f"the {optimizer or 'optimizer'} update of {subject} overflowed {report.dtype} "
-            f"(max {fmt(dtype_max(report.dtype))}): keep float32 master weights",
-            facts,
-        )
-    return unclassified(
-        report,
-        f"the {optimizer or 'optimizer'} step made {subject} {counts(report)} from finite gradients in "
-        f"{report.dtype}; no rule of the checklist matches",
-        facts,
-    )
 
 
 # -- backward ---------------------------------------------------------------------------

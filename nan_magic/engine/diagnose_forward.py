@@ -27,17 +27,20 @@ from nan_magic.engine.cause_text import (
     short_label,
     stats_counts,
     unclassified,
-    what,
     where,
+)
+from nan_magic.engine.diagnose_attention import softmax_cause
+from nan_magic.engine.diagnose_overflow import (
+    attention_op,
+    half_overflow,
+    overflow,
+    wide_overflow,
+    wide_overflow_facts,
 )
 from nan_magic.records import Cause, Report, TensorStats
 
-__all__ = ["forward_cause", "half_overflow"]
+__all__ = ["forward_cause"]
 
-_MATMUL_OPS = frozenset({
-    "mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot", "einsum",
-    "convolution", "conv1d", "conv2d", "conv3d", "mkldnn_convolution", "cudnn_convolution",
-})
 _SOFTMAX_OPS = frozenset({"softmax", "log_softmax", "safe_softmax"})
 _MEAN_OPS = frozenset({
     "mean", "nanmean", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "nll_loss_nd",
@@ -50,19 +53,19 @@ def forward_cause(report: Report) -> Cause:
     base = op_base(report.op)
     if base is None:
         return _loss(report) if report.tensor == "loss" else _unknown_op(report)
-    if base in _SOFTMAX_OPS or base.startswith("scaled_dot_product"):
-        return _softmax(report)
+    if base in _SOFTMAX_OPS or attention_op(base):
+        return softmax_cause(report)
     carried = [(name, stats) for name, stats in op_inputs(report) if stats.nonfinite]
     if carried or not report.inputs_finite:
         return _carried(report, carried)
     rule = _OP_RULES.get(base)
-    return rule(report) if rule is not None else _overflow(report)
+    return rule(report) if rule is not None else overflow(report)
 
 
 def _log(report: Report) -> Cause:
     zeros, negatives = report.neginf, report.nan
     if not zeros + negatives:
-        return _overflow(report)
+        return overflow(report)
     base = op_base(report.op)
     bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
     return Cause(
@@ -75,7 +78,7 @@ def _log(report: Report) -> Cause:
 
 def _sqrt(report: Report) -> Cause:
     if not report.nan:
-        return _overflow(report)
+        return overflow(report)
     return Cause(
         "sqrt-domain",
         f"sqrt got {report.nan} negatives in {input_named(report, 0, report.nan)}: clamp to >= 0 first "
@@ -89,7 +92,7 @@ def _rsqrt(report: Report) -> Cause:
     if report.nan:
         return _sqrt(report)
     if not zeros:
-        return _overflow(report)
+        return overflow(report)
     return Cause(
         "division-by-zero",
         f"rsqrt got {zeros} zeros in {input_named(report, zeros, 0)}: 1/sqrt(0) is inf; if it is a variance, add eps "
@@ -116,7 +119,7 @@ def _pow(report: Report) -> Cause:
             facts,
         )
     if base is not None:
-        return _overflow(report)
+        return overflow(report)
     return unclassified(
         report,
         f"pow in {where(report)} made {counts(report)}: zero to a negative power or an overflow of "
@@ -127,7 +130,7 @@ def _pow(report: Report) -> Cause:
 
 def _exp(report: Report) -> Cause:
     if not report.posinf:
-        return _overflow(report)
+        return overflow(report)
     threshold = math.log(dtype_max(report.dtype))
     inputs = [(name, stats) for name, stats in op_inputs(report) if stats.max is not None]
     reached = "".join(f", {short_label(name)} reached {fmt(stats.max)}" for name, stats in inputs)
@@ -146,7 +149,7 @@ def _division(report: Report) -> Cause:
     facts = (f"{report.op} made {report.nan} NaN (0/0) and {report.posinf + report.neginf} inf (x/0)",
              *input_lines(report), *constant_inputs(report))
     if divisor is not None and not divisor.zeros:
-        return _overflow(report)
+        return overflow(report)
     numerator = named_input(report, "self") if base != "reciprocal" else None
     if report.numel == 1 and report.nan and numerator is not None and numerator.absmax == 0:
         return empty(report, "a sum over nothing divided by a count of nothing (0/0)")
@@ -172,12 +175,12 @@ def _division(report: Report) -> Cause:
 def _mean(report: Report) -> Cause:
     if report.nan and not report.posinf + report.neginf:
         return empty(report, "an average over zero elements (0/0)")
-    return _overflow(report)
+    return overflow(report)
 
 
 def _corrected(report: Report) -> Cause:
     if not report.nan:
-        return _overflow(report)
+        return overflow(report)
     shapes = [(name, stats.shape) for name, stats in op_inputs(report) if stats.shape]
     shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
     return Cause(
@@ -198,34 +201,6 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(_MEAN_OPS, _mean),
     **dict.fromkeys(_CORRECTED_OPS, _corrected),
 }
-
-
-def _softmax(report: Report) -> Cause:
-    masked = [(name, stats) for name, stats in op_inputs(report) if stats.neginf]
-    overflowing = [name for name, stats in op_inputs(report) if stats.posinf]
-    row = report.output_stats.shape[-1] if report.output_stats and report.output_stats.shape else 0
-    whole_rows = bool(row) and report.nan % row == 0
-    if report.nan and not overflowing and (masked or whole_rows):
-        rows = f"{report.nan // row} row(s) of {row} positions" if whole_rows else "rows"
-        evidence = [f"{report.op} made {report.nan} NaN ({rows})"]
-        evidence += [f"{input_label(report, name)} held {stats.neginf} -inf (masked positions)"
-                     for name, stats in masked]
-        return Cause(
-            "masked-softmax",
-            f"{rows} of {report.op} in {where(report)} had every position masked to -inf, and a softmax over "
-            "nothing is NaN: keep at least one position unmasked per row (e.g. the query's own), mask with "
-            "torch.finfo(dtype).min instead of -inf, or zero fully masked rows after the softmax",
-            tuple(evidence),
-        )
-    if report.posinf + report.neginf and report.dtype in HALF:
-        return half_overflow(report)
-    return unclassified(
-        report,
-        f"{report.op} in {where(report)} made {counts(report)}"
-        + (f", with +inf in {', '.join(overflowing)}" if overflowing else "")
-        + "; the NaN do not fill whole masked rows",
-        tuple(input_lines(report)),
-    )
 
 
 def _carried(report: Report, carried: list[tuple[str, TensorStats]]) -> Cause:
@@ -259,7 +234,10 @@ def _loss(report: Report) -> Cause:
 
 def _unknown_op(report: Report) -> Cause:
     """The op is unknown (no replay, or it stayed finite): read the module's inputs carefully."""
-    overflow = bool(report.posinf + report.neginf) and report.dtype in HALF
+    infinite = bool(report.posinf + report.neginf)
+    # float32 overflows only with values near its max: a reading only where the inputs or output show them.
+    wide = wide_overflow_facts(report) if infinite and report.dtype not in HALF else []
+    overflows = infinite and (report.dtype in HALF or bool(wide))
     others: list[str] = []
     zeros = [name for name, stats in report.input_stats if stats.zeros]
     if zeros:
@@ -267,9 +245,9 @@ def _unknown_op(report: Report) -> Cause:
     negatives = [name for name, stats in report.input_stats if stats.negatives]
     if report.nan and negatives:
         others.append(f"a log, sqrt or pow of a negative ({', '.join(negatives)} held negatives)")
-    if overflow and not others:
-        return half_overflow(report)
-    readings = [f"an overflow of {report.dtype} (max {fmt(dtype_max(report.dtype))})"] * overflow + others
+    if overflows and not others:
+        return half_overflow(report) if report.dtype in HALF else wide_overflow(report, wide)
+    readings = [f"an overflow of {report.dtype} (max {fmt(dtype_max(report.dtype))})"] * overflows + others
     return unclassified(
         report,
         f"{where(report)} made {counts(report)} in {report.tensor}"
@@ -277,34 +255,3 @@ def _unknown_op(report: Report) -> Cause:
         + "; the op is unknown: rerun with ops=True (%%nantrace --ops) to name it",
         tuple(input_lines(report)),
     )
-
-
-def _overflow(report: Report) -> Cause:
-    if report.posinf + report.neginf and report.dtype in HALF:
-        return half_overflow(report)
-    largest = max((stats.absmax for _name, stats in op_inputs(report) if stats.absmax is not None), default=None)
-    size = f"; its inputs reached |x| = {fmt(largest)}" if largest is not None else ""
-    return unclassified(
-        report,
-        f"{report.op or 'the op'} in {where(report)} made {counts(report)} in {report.tensor} from finite "
-        f"{report.dtype} inputs{size}; no rule of the checklist matches",
-        tuple(input_lines(report)),
-    )
-
-
-def half_overflow(report: Report) -> Cause:
-    limit = dtype_max(report.dtype)
-    inputs = [(name, stats.absmax) for name, stats in op_inputs(report) if stats.absmax is not None]
-    reached = ", ".join(f"{fmt(absmax)} ({short_label(name)})" for name, absmax in inputs)
-    fix = "compute it in float32 (cast its inputs, or keep it out of torch.autocast) or scale the inputs down"
-    if op_base(report.op) in _MATMUL_OPS:
-        fix += " (for attention, scale q by d**-0.5 before q·kᵀ)"
-    return Cause(
-        "half-precision-overflow",
-        f"{what(report)} overflowed {report.dtype} (max {fmt(limit)}) in {report.posinf + report.neginf} elements"
-        + (f"; its inputs reached |x| = {reached}" if reached else "") + f"; {fix}",
-        (f"dtype {report.dtype}, finite limit {fmt(limit)}", f"{report.tensor}: {counts(report)}",
-         *input_lines(report)),
-    )
-
-

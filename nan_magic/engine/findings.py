@@ -75,6 +75,7 @@ class Finding:
     autograd_node: str | None = None
     optimizer: str | None = None
     optimizer_eps: float | None = None
+    optimizer_lr: float | None = None
     # A model output's gradient blamed on the code outside the models without that code's replay
     # confirming it: a model's replay may still find the producer (step_replay.py).
     unconfirmed_outside: bool = False
@@ -270,6 +271,7 @@ def build_report(
         autograd_node=finding.autograd_node,
         optimizer=finding.optimizer,
         optimizer_eps=finding.optimizer_eps,
+        optimizer_lr=finding.optimizer_lr,
     )
     if report.cause is None:
         report = dataclasses.replace(report, cause=diagnose(report))

@@ -59,7 +59,7 @@ from nan_magic.engine.stats import (
     read_scalars,
     relevant_kinds,
 )
-from nan_magic.engine.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps
+from nan_magic.engine.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
 from nan_magic.records import Cause, Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -303,6 +303,7 @@ class OptimizerChecks:
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
+            finding.optimizer_lr = group_lr(result.optimizer, tensor)
             if result.bounded:
                 since = ("since the watch began" if result.previous_check is None
                          else f"since it was last checked finite, after step {result.previous_check}")

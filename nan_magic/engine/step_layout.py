@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps"]
+__all__ = ["BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr"]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
 BOUNDED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -86,10 +86,24 @@ class Layout:
 
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
     """The ``eps`` of the parameter group holding ``tensor`` (of every group, for a state tensor, where they agree)."""
+    return _group_number(opt, tensor, "eps")  # Adafactor's is a pair: no single eps
+
+
+def group_lr(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
+    """The learning rate of the parameter group holding ``tensor``, read as :func:`group_eps` reads eps."""
+    return _group_number(opt, tensor, "lr")
+
+
+def _group_number(opt: torch.optim.Optimizer, tensor: torch.Tensor, key: str) -> float | None:
     groups = [group for group in opt.param_groups if any(p is tensor for p in group["params"])] or opt.param_groups
-    values = {group.get("eps") for group in groups}
-    eps = values.pop() if len(values) == 1 else None
-    return float(eps) if isinstance(eps, (int, float)) else None  # Adafactor's is a pair: no single eps
+    values = []
+    for group in groups:
+        value = group.get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()  # a tensor lr (capturable, fused): read once, at the event
+        values.append(value)
+    value = values[0] if values and all(other == values[0] for other in values) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:

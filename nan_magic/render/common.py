@@ -286,7 +286,7 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
             module_outputs.append(_titled(sample, module_value(report, report.module_output[0])))
         elif report.op and label == report.tensor:
             op_output.append(sample)
-        elif label.startswith("input"):
+        elif label.startswith(("input[", "kwargs[")):  # the module's arguments; a bare `input` is an operand
             module_inputs.append(_titled(sample, f"{label} of {report.where}"))
         elif report.op:
             operands.append(_titled(sample, operand_label(f"{label} of {report.op}", names)))
