@@ -80,7 +80,7 @@ _TRACER_FILES = frozenset(
 # recorded ops of the code outside the models, run again.
 _RUNS_USER_CODE = tuple(
     os.path.join(_OWN_DIR, "engine", name)
-    for name in ("backward_patch.py", "replay.py", "step_replay.py", "outside.py")
+    for name in ("backward_patch.py", "replay.py", "step_replay.py", "backward_replay.py", "outside.py")
 )
 
 

@@ -40,7 +40,6 @@ import dataclasses
 import sys
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -48,9 +47,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from nan_magic.engine.backward_replay import reentrant_checkpoints_inline, replay_backward
 from nan_magic.engine.call_records import version_of
 from nan_magic.engine.diagnose import diagnose
-from nan_magic.engine.distributed import data_parallel_paths, is_sharded, user_name
+from nan_magic.engine.distributed import is_sharded
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.held import running_arguments
 from nan_magic.engine.replay import (
@@ -62,7 +62,7 @@ from nan_magic.engine.replay import (
     generators_at,
     swapped_buffers,
 )
-from nan_magic.engine.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.engine.stats import iter_tensors, tensor_stats
 from nan_magic.engine.untouched import untouched
 from nan_magic.records import Phase, Report, TensorStats
 
@@ -358,7 +358,7 @@ class StepReplays:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
             if backward:
-                stack.enter_context(_reentrant_checkpoints_inline())
+                stack.enter_context(reentrant_checkpoints_inline())
             if not root.returned:
                 # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
                 running = running_arguments(root.module)
@@ -384,7 +384,7 @@ class StepReplays:
                     if not backward:
                         outcome.boundary = _stats_at(output, boundary)
                     else:
-                        outcome.boundary = self._backward(inner, target, root, output, boundary, inputs)
+                        outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
                 except Exception as error:  # the replay of a failing forward fails too, after its event
                     outcome.failure = error
                     tracer = inner.origins.tracer
@@ -408,46 +408,6 @@ class StepReplays:
             if root is module or any(sub is module for sub in root.modules()):
                 return replay_target(root)
         return None
-
-    @staticmethod
-    def _backward(inner: Watch, target: nn.Module, root: RootCall, output: Any, boundary: str | None,
-                  inputs: list[torch.Tensor]) -> TensorStats | None:
-        """The call's backward from the captured output gradients, into scratch gradients.
-
-        The nested watch sees the gradients flowing into each module; a
-        gradient that only a parameter's own formula made non-finite (its
-        weight gradient) is found among the returned gradients. ``inputs``
-        are the argument copies that require gradients (differentiated too,
-        so a frozen model's backward runs). Returns the stats of the
-        parameter gradient named by ``boundary``.
-        """
-        pairs = _outermost([
-            (tensor, _finite_part(root.output_grads[path]))
-            for path, tensor in iter_tensors(output, "output")
-            if path in root.output_grads and tensor.requires_grad
-        ])
-        data_parallel = data_parallel_paths(target)
-        named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
-        if not pairs or not (named or inputs):
-            return None
-        grads = torch.autograd.grad(
-            [tensor for tensor, _grad in pairs], [*(p for _name, p in named), *inputs],
-            grad_outputs=[grad for _tensor, grad in pairs], allow_unused=True,
-        )[: len(named)]
-        found = None
-        for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
-            if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
-                continue
-            if f"gradient of {name}" == boundary:
-                found = tensor_stats(grad)
-            if inner.report is None:
-                finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
-                finding.notes.append("the gradients flowing into every module were finite; this parameter's "
-                                     "own gradient formula made it")
-                inner.optimizers.attribute(finding)
-                inner.origins.add_op_origin(finding, grad)
-                inner.emit(finding)
-        return found
 
     def _replayed(self, report: Report, step: int, seen: Report | None = None) -> Report:
         """The replay's report for ``step``; ``seen``, the boundary's report, adds the facts the replay lacks.
@@ -476,82 +436,6 @@ class StepReplays:
         note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
                 "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
         return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
-
-
-@contextlib.contextmanager
-def _reentrant_checkpoints_inline() -> Iterator[None]:
-    """Run ``checkpoint(..., use_reentrant=True)`` blocks as plain calls while a backward replay runs.
-
-    The reentrant form refuses ``torch.autograd.grad`` (the replay's scratch
-    gradients), and builds its graph only inside backward, where the replay's
-    forward hooks and op tracer would not see the block's modules and lines.
-    Inlined, the block runs the same ops on the same draws (the replay set the
-    generators), with its graph kept: only the memory that checkpointing saves
-    is spent, once, for the failing call.
-    """
-    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
-    if function is None:  # pragma: no cover - a torch without it
-        yield
-        return
-    own = "apply" in function.__dict__  # normally inherited from autograd.Function
-    original = function.__dict__.get("apply")
-
-    def inline(run_function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
-        return run_function(*args)
-
-    function.apply = staticmethod(inline)
-    try:
-        yield
-    finally:
-        if own:
-            function.apply = original
-        else:
-            del function.apply
-
-
-def _finite_part(grad: torch.Tensor) -> torch.Tensor:
-    """A captured output gradient with its non-finite elements zeroed.
-
-    A non-finite gradient flowing into a model's output was made before the
-    model's backward (by the loss, or another model), or is the total of an
-    output the model also consumed itself (an HF ``output_hidden_states``),
-    whose hook sees what the model's own layers added. Fed to the replay as
-    it is, the model's first module would seem to make it; zeroed, the replay
-    finds only what the model's backward makes from the finite rest.
-    """
-    if not kinds_of(grad):
-        return grad
-    return torch.where(torch.isfinite(grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-
-
-def _outermost(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The outputs whose captured gradients a backward replay starts from: none another output was made from.
-
-    A model that computes its loss inside (``{"loss": ..., "logits": ...}``, Hugging Face with ``labels``)
-    returns the logits and a loss made from them. The gradient captured on the logits is their whole
-    gradient, the loss's contribution included: starting from both would count it twice (an fp16 gradient
-    that overflows only in the replay). The logits are left out; a gradient the user's own code added to
-    them outside the model is then missing, and a replay that differs says so (not reproduced).
-    """
-    if len(pairs) < 2:
-        return pairs
-    made_from: set[Any] = set()
-    for tensor, _grad in pairs:
-        made_from |= _ancestors(tensor.grad_fn)
-    return [(tensor, grad) for tensor, grad in pairs if tensor.grad_fn not in made_from]
-
-
-def _ancestors(node: Any) -> set[Any]:
-    """Every autograd node ``node`` reaches backward, itself excluded."""
-    seen: set[Any] = set()
-    stack = [parent for parent, _index in getattr(node, "next_functions", ()) if parent is not None]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        stack.extend(parent for parent, _index in current.next_functions if parent is not None)
-    return seen
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:
