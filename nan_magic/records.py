@@ -514,7 +514,7 @@ class WatchConfig:
         for name in ("include", "exclude"):
             object.__setattr__(self, name, _names(name, getattr(self, name)))
         # A class is taken for its qualified name, which the type filter matches (engine/targets.py).
-        types = (f"{t.__module__}.{t.__qualname__}" if isinstance(t, type) else t for t in _items(self.types))
+        types = (f"{t.__module__}.{t.__qualname__}" if isinstance(t, type) else t for t in _items("types", self.types))
         object.__setattr__(self, "types", _names("types", tuple(types), "class names or classes"))
         if self.keep_last_good not in (None, "cpu", "device"):
             raise ValueError(f"keep_last_good must be 'cpu', 'device' or None, not {self.keep_last_good!r}")
@@ -542,13 +542,18 @@ class WatchConfig:
         return self.mode == "tiered" and not self.ops
 
 
-def _items(value: Any) -> tuple[Any, ...]:
-    """A config list given as one string (``kinds="nan"``) is one item, not its characters."""
-    return (value,) if isinstance(value, str) else tuple(value)
+def _items(name: str, value: Any) -> tuple[Any, ...]:
+    """A config list given as one string (``kinds="nan"``) or one class (``types=nn.Linear``) is one item."""
+    if isinstance(value, (str, type)):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:  # None, a number: say which option, not "'NoneType' object is not iterable"
+        raise TypeError(f"{name} must be a string or a list of them, not {value!r}") from None
 
 
 def _names(name: str, value: Any, what: str = "strings") -> tuple[str, ...]:
-    items = _items(value)
+    items = _items(name, value)
     wrong = [item for item in items if not isinstance(item, str)]
     if wrong:
         raise TypeError(f"{name} must be {what}, not {wrong[0]!r}")

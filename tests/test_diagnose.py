@@ -8,6 +8,7 @@ where the two differ.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import pytest
@@ -744,3 +745,20 @@ def test_a_non_finite_learning_rate_is_the_cause(lr: float) -> None:
     cause = diagnose(report(phase=Phase.OPTIMIZER, module="fc", module_type="Linear", tensor="parameter fc.weight",
                             optimizer="SGD", optimizer_lr=lr, nan=16))
     assert cause.label == "learning-rate-too-high" and f"lr = {lr}" in cause.hint
+
+
+def test_a_learning_rate_gone_nan_in_the_optimizer_is_named_by_the_watch() -> None:
+    # The real path (the parameter group's lr read at the event), not a report built by hand: NaN == NaN is
+    # False, and the group's lr must not be taken for groups that disagree.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=float("nan"))
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+
+    report = raised(step, model, opt)
+    assert report.phase == "optimizer" and report.optimizer_lr is not None and math.isnan(report.optimizer_lr)
+    assert report.cause is not None and report.cause.label == "learning-rate-too-high"

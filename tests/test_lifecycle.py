@@ -264,6 +264,8 @@ def test_bad_options_are_one_line_errors(options, message) -> None:
     [
         ({"types": [3]}, "types must be class names or classes, not 3"),
         ({"include": [None]}, "include must be strings, not None"),
+        ({"include": None}, "include must be a string or a list of them, not None"),
+        ({"kinds": None}, "kinds must be a string or a list of them, not None"),
         ({"sample_size": "a"}, "sample_size must be an integer, not 'a'"),
         ({"full_every": 2.5}, "full_every must be an integer, not 2.5"),
         ({"ops": "yes"}, "ops must be True or False, not 'yes'"),
@@ -288,6 +290,7 @@ class _Exploding(nn.Module):
 def test_a_single_string_is_one_name_and_a_class_is_its_qualified_name() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Exploding(), nn.Linear(4, 1))
     assert nan_magic.watch(model, kinds="nan").config.kinds == frozenset({"nan"})
+    assert nan_magic.watch(model, types=nn.Linear).config.types == ("torch.nn.modules.linear.Linear",)
     assert nan_magic.watch(model, include="0*").config.include == ("0*",)
     for types in ("_Exploding", ["_Exploding"], [_Exploding]):
         with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, types=types, mode="full"):

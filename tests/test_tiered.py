@@ -732,6 +732,22 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
         "backward", "block.2", "SqrtSwitch", bad_step), report.message
     assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
     assert report.source is not None and report.source.lineno == _marked("switched sqrt")
+    # The replay inlined reentrant checkpoints by patching torch's class: the patch is gone.
+    assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__
+
+
+def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_raises() -> None:
+    from nan_magic.engine.backward_replay import reentrant_checkpoints_inline
+
+    function = torch.utils.checkpoint.CheckpointFunction
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(ZeroDivisionError), reentrant_checkpoints_inline():
+        out = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+        assert out.grad_fn is not None and type(out.grad_fn).__name__ == "MulBackward0"  # inline: its graph kept
+        raise ZeroDivisionError
+    assert "apply" not in function.__dict__
+    out = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+    assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
 
 
 class SqrtAt(nn.Module):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -102,8 +103,13 @@ def _group_number(opt: torch.optim.Optimizer, tensor: torch.Tensor, key: str) ->
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()  # a tensor lr (capturable, fused): read once, at the event
         values.append(value)
-    value = values[0] if values and all(other == values[0] for other in values) else None
+    # A NaN (a schedule gone wrong) equals no value, itself included: compared as the same number here.
+    value = values[0] if values and all(_same_number(other, values[0]) for other in values) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:

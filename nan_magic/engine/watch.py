@@ -418,7 +418,7 @@ def watch(
     kinds: Iterable[str] | str = ("nan", "inf"),
     include: Iterable[str] | str = (),
     exclude: Iterable[str] | str = (),
-    types: Iterable[str | type] | str = (),
+    types: Iterable[str | type] | str | type = (),
     log_file: str | None = None,
     defer: bool | None = None,
     ops: bool = False,
