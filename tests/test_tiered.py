@@ -750,6 +750,28 @@ def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_r
     assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
 
 
+def test_reentrant_checkpoints_of_other_threads_run_as_usual_while_a_replay_inlines_its_own() -> None:
+    import threading
+
+    from nan_magic.engine.backward_replay import reentrant_checkpoints_inline
+
+    x = torch.ones(2, requires_grad=True)
+    seen: list[str] = []
+
+    def other_thread() -> None:
+        out = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+        seen.append(type(out.grad_fn).__name__)
+
+    with reentrant_checkpoints_inline(), reentrant_checkpoints_inline():  # nested: still one patch
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        inline = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+        assert type(inline.grad_fn).__name__ == "MulBackward0"
+    assert seen == ["CheckpointFunctionBackward"]  # that thread's checkpoint saved its memory, as asked
+    assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__
+
+
 class SqrtAt(nn.Module):
     """Healthy until ``bad``: then ``sqrt`` at zero, whose backward divides by zero."""
 

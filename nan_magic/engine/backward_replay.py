@@ -12,6 +12,7 @@ also consumed itself already holds what the model added (:func:`_outermost`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,14 @@ def replay_backward(inner: Watch, target: nn.Module, output_grads: dict[str, tor
     return found
 
 
+# The patch of CheckpointFunction.apply is the process's while any replay runs; only the threads running a
+# replay take the inline path (a DataParallel replica's checkpoint meanwhile is left alone).
+_patch_lock = threading.Lock()
+_replays_running = 0
+_saved_apply: tuple[bool, Any, Any] | None = None  # (owned by the class, its own attribute, the bound original)
+_inline_here = threading.local()
+
+
 @contextlib.contextmanager
 def reentrant_checkpoints_inline() -> Iterator[None]:
     """Run ``checkpoint(..., use_reentrant=True)`` blocks as plain calls while a backward replay runs.
@@ -78,26 +87,42 @@ def reentrant_checkpoints_inline() -> Iterator[None]:
     forward hooks and op tracer would not see the block's modules and lines.
     Inlined, the block runs the same ops on the same draws (the replay set the
     generators), with its graph kept: only the memory that checkpointing saves
-    is spent, once, for the failing call.
+    is spent, once, for the failing call. The class is patched while any
+    thread replays (counted under a lock, so overlapping replays cannot leave
+    it patched), and only a replaying thread takes the inline path.
     """
+    global _replays_running, _saved_apply
     function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
     if function is None:  # pragma: no cover - a torch without it
         yield
         return
-    own = "apply" in function.__dict__  # normally inherited from autograd.Function
-    original = function.__dict__.get("apply")
-
-    def inline(run_function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
-        return run_function(*args)
-
-    function.apply = staticmethod(inline)
+    with _patch_lock:
+        if _replays_running == 0:
+            own = "apply" in function.__dict__  # normally inherited from autograd.Function
+            _saved_apply = (own, function.__dict__.get("apply"), function.apply)
+            function.apply = staticmethod(_apply_inline_in_replays)
+        _replays_running += 1
+    _inline_here.depth = getattr(_inline_here, "depth", 0) + 1
     try:
         yield
     finally:
-        if own:
-            function.apply = original
-        else:
-            del function.apply
+        _inline_here.depth -= 1
+        with _patch_lock:
+            _replays_running -= 1
+            if _replays_running == 0 and _saved_apply is not None:
+                own, attribute, _bound = _saved_apply
+                if own:
+                    function.apply = attribute
+                else:
+                    del function.apply
+                _saved_apply = None
+
+
+def _apply_inline_in_replays(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+    if getattr(_inline_here, "depth", 0):
+        return run_function(*args)
+    assert _saved_apply is not None  # installed only while saved
+    return _saved_apply[2](run_function, preserve_rng_state, *args)
 
 
 def _finite_part(grad: torch.Tensor) -> torch.Tensor:

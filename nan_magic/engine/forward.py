@@ -121,7 +121,8 @@ class ForwardChecks:
             return
         frame = self.stack.pop()
         # A recompute's calls are recorded for their gradients only (see _recomputing).
-        top_level = not self.stack and not self._recomputing()
+        recomputing = self._recomputing()
+        top_level = not self.stack and not recomputing
         if len(rest) != 2:
             if top_level and frame.call is not None:
                 self.watch.on_forward_failed(module, frame.call)
@@ -143,7 +144,7 @@ class ForwardChecks:
         if kwargs:
             # Global pre-hooks never see kwargs, so they are noted on return.
             self._note_inputs(call, kwargs, "kwargs")
-            if top_level or (frame.info.is_root and not self._recomputing()):
+            if top_level or (frame.info.is_root and not recomputing):
                 self.record_data(frame.info, module, kwargs, "kwargs", call if top_level else None)
         log = self.watch.log
         if frame.info.watched:
@@ -161,7 +162,7 @@ class ForwardChecks:
                 call.rng_state = frame.rng_state
                 call.autocast = capture_autocast()
         log.finish(call)
-        if frame.info.watched and not self.watch.defer and not self._recomputing():
+        if frame.info.watched and not self.watch.defer and not recomputing:
             # (A recompute's values are the original forward's, judged then.)
             for record in call.outputs:
                 if record.kinds:  # finite outputs (the hot path) need no judging

@@ -218,7 +218,7 @@ class OptimizerChecks:
         watch = self.watch
         if not watch.mine():
             return
-        step = self._count_step(opt)
+        step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
         if not self.watches(opt):
             return
         try:
@@ -245,10 +245,6 @@ class OptimizerChecks:
     def steps(self) -> int:
         """Training iterations completed (iterations.py)."""
         return self.iterations.completed
-
-    def _count_step(self, opt: torch.optim.Optimizer) -> int:
-        """Count a step of ``opt`` (watched or not); the index of the training iteration it belongs to."""
-        return self.iterations.stepped(opt)
 
     def absorb_steps(self, inner: OptimizerChecks) -> None:
         """Add the steps a nested watch counted while it had taken over from this one."""

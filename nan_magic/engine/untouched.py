@@ -48,18 +48,20 @@ class ModelGuard:
         ]
         held: list[torch.Tensor | None] = [parameter for module in modules for parameter in module._parameters.values()]
         held += [tensor for _module, attributes in self._attributes for tensor in _tensors_in(attributes.values())]
-        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._storages: dict[tuple[str, int], torch.UntypedStorage] = {}
         for tensor in held:
-            if tensor is not None and _guardable(tensor) and tensor.numel():
-                storage = tensor.untyped_storage()
-                self._storages.setdefault(storage.data_ptr(), storage)
-        self._saved: dict[int, torch.UntypedStorage] = {}
+            if tensor is not None and tensor.numel():
+                storage = _storage_of(tensor)
+                if storage is not None:
+                    self._storages.setdefault((storage.device.type, storage.data_ptr()), storage)
+        self._saved: dict[tuple[str, int], torch.UntypedStorage] = {}
 
     def before_write(self, tensor: torch.Tensor) -> None:
         """An op is about to write ``tensor``: save its storage first if it is the model's."""
-        if not _guardable(tensor):
+        storage = _storage_of(tensor)
+        if storage is None:
             return
-        key = tensor.untyped_storage().data_ptr()
+        key = (storage.device.type, storage.data_ptr())  # two devices may use one address
         if key in self._storages and key not in self._saved:
             self._saved[key] = self._storages[key].clone()
 
@@ -86,8 +88,14 @@ def untouched(model: nn.Module) -> Iterator[ModelGuard]:
         guard.restore()
 
 
-def _guardable(tensor: Any) -> bool:
-    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.layout is torch.strided and not tensor.is_meta
+def _storage_of(tensor: Any) -> torch.UntypedStorage | None:
+    """A plain dense tensor's storage; None for what has none to save (meta, sparse, a lazy device's)."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout is not torch.strided or tensor.is_meta:
+        return None
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (XLA, lazy): nothing to put back
+        return None
 
 
 def _tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
