@@ -1026,3 +1026,28 @@ def test_a_backward_replay_counts_an_output_used_inside_the_model_once() -> None
         "backward", "lin", "AddmmBackward0", True)
     assert report.op in ("aten.mm.default", "aten.sum.dim_IntList")  # the weight's or the bias's: both overflow
     assert report.source is not None and report.source.lineno == _marked("fp16 logits, whose weight gradient overflows")
+
+
+class _Inverts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([[1.0, 2.0], [2.0, 4.0]]))  # singular
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.linalg.inv(self.w)
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["default", "ops"])
+def test_a_linalg_error_stays_the_users_to_catch(ops: bool) -> None:
+    # inv's kernel makes a NaN inside, then raises: that NaN never reached the user's code, so the
+    # LinAlgError is left alone (an `except torch.linalg.LinAlgError` fallback must still work).
+    model = _Inverts()
+    with pytest.raises(torch.linalg.LinAlgError), nan_magic.watch(model, ops=ops) as w:
+        model(torch.ones(1, 2)).sum().backward()
+    assert w.report is None
+    with nan_magic.watch(model, ops=ops) as w:
+        try:
+            model(torch.ones(1, 2))
+        except torch.linalg.LinAlgError:
+            fallback = torch.ones(1, 2) @ torch.linalg.pinv(model.w)
+    assert w.report is None and torch.isfinite(fallback).all()
