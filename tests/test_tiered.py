@@ -1051,3 +1051,35 @@ def test_a_linalg_error_stays_the_users_to_catch(ops: bool) -> None:
         except torch.linalg.LinAlgError:
             fallback = torch.ones(1, 2) @ torch.linalg.pinv(model.w)
     assert w.report is None and torch.isfinite(fallback).all()
+
+
+class _ZeroLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        nn.init.zeros_(self.fc.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)  # producer: importance-weighted gradient overflows here
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip_grad_norm_"])
+def test_gradients_that_clipping_turned_from_inf_to_nan_are_the_same_event_in_the_replay(clip: bool) -> None:
+    # clip_grad_norm_ multiplies inf gradients by max_norm / inf = 0: NaN where the replay makes inf.
+    torch.manual_seed(0)
+    model = _ZeroLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+        x, y = torch.randn(2, 4) * 1e3, torch.tensor([0, 1])
+        weights = 1.0 / torch.tensor([0.5, 1e-37])
+        loss = (weights * nn.functional.cross_entropy(model(x), y, reduction="none")).mean()
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.autograd_node) == (
+        "backward", "fc", "aten.mm.default", "AddmmBackward0")
+    assert report.source is not None and report.source.lineno == _marked("importance-weighted gradient overflows here")
+    assert report.reproduced is True
