@@ -464,7 +464,8 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
         return True
     # Code between backward and the check may turn the infinities the replay makes into NaN (clip_grad_norm_
     # multiplies them by max_norm / inf = 0): the same elements, non-finite, is the same event.
-    return replayed.posinf + replayed.neginf == seen.nan + seen.posinf + seen.neginf and seen.nan > replayed.nan
+    nan, infinite = replayed.nan or 0, (replayed.posinf or 0) + (replayed.neginf or 0)
+    return infinite == seen.nonfinite and seen.nan > nan
 
 
 def _trainable(module: nn.Module) -> frozenset[int]:
