@@ -154,9 +154,15 @@ class GradientChecks:
         """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did."""
         watch = self.watch
         saved = [(label, tensor) for label, ref in self.loss_data if (tensor := ref()) is not None]
-        entered = entering_tensors(
-            loss, watch.log.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
-        )
+        # A tensor the loss code itself made non-finite from finite values (recorded, or traced) is that
+        # code's product, not data, even where it needs no gradient (computed from a detached model output).
+        entered = [
+            (label, tensor)
+            for label, tensor in entering_tensors(
+                loss, watch.log.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
+            )
+            if not self.origins.made_by_recorded_code(tensor)
+        ]
         if not entered:
             return False
         label, tensor = entered[0]

@@ -70,6 +70,16 @@ class OpOrigins:
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
         return self.tracer
 
+    def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
+        """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.
+
+        Such a tensor has a producer there (a ``(adv - adv.mean()) / adv.std()`` in the loss code, on a
+        value detached from a model output): it is not data, even where it needs no gradient.
+        """
+        if self.tracer is not None:
+            return isinstance(self.tracer.origin_of(tensor), OpFinding)
+        return self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
+
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:
         """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
 
