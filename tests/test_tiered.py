@@ -1083,3 +1083,81 @@ def test_gradients_that_clipping_turned_from_inf_to_nan_are_the_same_event_in_th
         "backward", "fc", "aten.mm.default", "AddmmBackward0")
     assert report.source is not None and report.source.lineno == _marked("importance-weighted gradient overflows here")
     assert report.reproduced is True
+
+
+class _ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pi, self.v = nn.Linear(4, 3), nn.Linear(4, 1)
+
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pi(s), self.v(s).squeeze(-1)
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_a_value_the_loss_code_made_from_a_detached_model_output_is_its_producer_not_data(ops: bool) -> None:
+    # adv needs no gradient (built from v.detach()) yet the loss code made its NaN, from finite values.
+    torch.manual_seed(0)
+    model = _ActorCritic()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        logits, v = model(torch.randn(8, 4))
+        adv = torch.ones(8) - v.detach() * 0  # every return equal: std 0
+        adv = (adv - adv.mean()) / adv.std()  # producer: advantage normalisation
+        loss = -(torch.log_softmax(logits, -1)[:, 0] * adv).mean()
+        opt.zero_grad()
+        loss.backward()
+    report = caught.value.report
+    assert (report.phase.value, report.module, report.op) == ("forward", None, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == _marked("advantage normalisation")
+    assert report.cause.label == "division-by-zero"
+    assert "giving 8 NaN" in report.cause.hint and "entering" not in report.cause.hint
+
+
+def _log_of_softmax(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.nll_loss(torch.log(torch.softmax(logits, -1)), y)  # producer: log of a softmax
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_a_loss_code_producer_is_diagnosed_from_its_own_op_output_and_operands(ops: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    opt = torch.optim.SGD(model.parameters(), 1e-3)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with torch.no_grad():
+        zeros = int((torch.softmax(model(x) * 200.0, -1) == 0).sum())
+    assert zeros > 1
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, ops=ops):
+        loss = _log_of_softmax(model(x) * 200.0, y)
+        opt.zero_grad()
+        loss.backward()
+    report = caught.value.report
+    assert (report.phase.value, report.module, report.op) == ("forward", None, "aten.log.default")
+    assert report.source is not None and report.source.lineno == _marked("log of a softmax")
+    # The counts are the op's own output's (one -inf per zero), not the loss's single +inf.
+    assert (report.nan, report.posinf, report.neginf, report.numel) == (0, 0, zeros, 80)
+    assert report.cause.label == "log-domain"
+    assert f"log got {zeros} zeros and 0 negatives" in report.cause.hint
+
+
+def _kl_of(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    return -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())  # producer: kl exp
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_debug_opens_in_the_loss_helper_that_ran_the_producing_op(ops: bool) -> None:
+    torch.manual_seed(0)
+    enc = nn.Linear(8, 8)
+    opt = torch.optim.SGD(enc.parameters(), 1e-3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(enc, opt, ops=ops):
+        h = enc(torch.randn(4, 8))
+        loss = _kl_of(h[:, :4], h[:, 4:] * 1000.0)
+        opt.zero_grad()
+        loss.backward()
+    report = caught.value.report
+    line = _marked("kl exp")
+    assert report.op == "aten.exp.default" and report.source is not None and report.source.lineno == line
+    assert report.debug_frame is not None
+    assert (report.debug_frame.function, report.debug_frame.lineno) == ("_kl_of", line)
+    assert report.frames and (report.frames[-1].function, report.frames[-1].lineno) == ("_kl_of", line)
+    assert caught.value.__traceback__ is not None

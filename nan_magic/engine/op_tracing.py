@@ -24,7 +24,7 @@ from nan_magic.engine.findings import Finding, apply_op_finding, attach_origin
 from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.ops import OpTracer
 from nan_magic.engine.outside import OutsideRecorder
-from nan_magic.engine.stats import tensor_stats
+from nan_magic.engine.stats import TensorStats, tensor_stats
 from nan_magic.engine.targets import ModuleInfo
 from nan_magic.records import Phase
 
@@ -98,11 +98,29 @@ class OpOrigins:
                 finding.notes.append(untraced)
         else:
             return
-        if isinstance(origin, OpFinding):
-            attach_origin(finding, origin)
-            if origin.backward_code and self.tracer is not None:
-                # A Python backward's frame ran the op (a custom Function's): %debug opens there.
-                finding.frame, finding.frame_position = self.tracer.frame_of(origin)
+        if not isinstance(origin, OpFinding):
+            return
+        if finding.phase == Phase.FORWARD and finding.call is None and origin.phase == Phase.FORWARD:
+            # The loss code's op made it, as an op inside a module would: the report's counts, operands and
+            # cause are the op's (log got 7 zeros), the loss stays beside it; %debug opens where the op ran.
+            if self.tracer is not None:
+                tensors = self.tracer.producer_tensors if self.tracer.finding is origin else ()
+                frame, position = self.tracer.frame_of(origin)
+            else:
+                assert outside is not None
+                tensors, frame, position = outside.witness(origin)
+            boundary = finding.tensor
+            apply_op_finding(finding, origin, tensors)
+            if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):
+                # The op returned the loss itself (a cross_entropy whose every label is ignored): it keeps its name.
+                finding.tensor, finding.module_output = boundary, None
+            if frame is not None:
+                finding.frame, finding.frame_position = frame, position
+            return
+        attach_origin(finding, origin)
+        if origin.backward_code and self.tracer is not None:
+            # A Python backward's frame ran the op (a custom Function's): %debug opens there.
+            finding.frame, finding.frame_position = self.tracer.frame_of(origin)
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
@@ -128,3 +146,9 @@ class OpOrigins:
             self._on_gradient_event(finding)
         else:
             self._emit(finding)
+
+
+def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:
+    """Whether the op's output is, by its shape and counts, the boundary tensor itself."""
+    return output is not None and (boundary.shape, boundary.nan, boundary.posinf, boundary.neginf) == (
+        output.shape, output.nan, output.posinf, output.neginf)

@@ -51,7 +51,7 @@ import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -90,6 +90,10 @@ class _Op:
     code: CodeType | None
     lineno: int
     globals: dict[str, Any] | None
+    # The user's frame that ran the op and its ``f_lasti`` then, for %debug (dropped at ``weaken`` unless
+    # that frame is still running: a returned helper's frame would keep its locals alive through backward).
+    frame: FrameType | None = None
+    lasti: int = -1
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,9 @@ class OutsideRecorder(TorchDispatchMode):
         self._ops: list[_Op] = []
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
+        # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
+        self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
+                             tuple[int, int] | None] | None = None
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
 
@@ -201,6 +208,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._ops.clear()
         self._produced.clear()
         self._rng = None
+        self._witness = None
 
     def weaken(self) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
@@ -232,10 +240,16 @@ class OutsideRecorder(TorchDispatchMode):
                 return _weak(value, keep=True)
             return _weak(value)
 
+        running = set()  # the frames still running (holding them costs nothing); a returned one is let go
+        frame: FrameType | None = sys._getframe()
+        while frame is not None:
+            running.add(id(frame))
+            frame = frame.f_back
         self._ops = [
             dataclasses.replace(op, args=map_tensors(weak_unless_small, op.args),
                                 kwargs=map_tensors(weak_unless_small, op.kwargs),
-                                out=map_tensors(weak_unless_small, op.out))
+                                out=map_tensors(weak_unless_small, op.out),
+                                frame=op.frame if id(op.frame) in running else None)
             for op in self._ops
         ]
 
@@ -274,7 +288,8 @@ class OutsideRecorder(TorchDispatchMode):
         frame = user_frame(sys._getframe(1))
         index = len(self._ops)
         self._ops.append(_Op(func, tuple(args), kwargs, out, frame.f_code if frame else None,
-                             frame.f_lineno if frame else 0, frame.f_globals if frame else None))
+                             frame.f_lineno if frame else 0, frame.f_globals if frame else None,
+                             frame, frame.f_lasti if frame else -1))
         if isinstance(out, torch.Tensor):  # most ops: no walk of a pytree
             self._produced[id(out)] = index
         else:
@@ -308,7 +323,23 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         if tracer.finding is None or producer is None:
             return None
-        return dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
+        finding = dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
+        position = (producer.lasti, producer.lineno) if producer.frame is not None else None
+        self._witness = (finding, tracer.producer_tensors, producer.frame, position)
+        return finding
+
+    def witness(
+        self, finding: OpFinding
+    ) -> tuple[tuple[tuple[str, torch.Tensor], ...], FrameType | None, tuple[int, int] | None]:
+        """What :meth:`claim` saw of ``finding``'s op: copies of its output then operands, its frame and position.
+
+        The copies are the replay's (the op's own output and operands, for the report's counts and cause);
+        the frame is the user's that ran the op, where %debug opens, while it is still known.
+        """
+        witness = self._witness
+        if witness is None or witness[0] is not finding:
+            return (), None, None
+        return witness[1], witness[2], witness[3]
 
     def claim_backward(self, loss: torch.Tensor | None) -> OpFinding | None:
         """The backward op of the recorded loss code that first made a gradient non-finite, or None.
