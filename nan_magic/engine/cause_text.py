@@ -204,10 +204,15 @@ def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
     return ", ".join(parts) or "non-finite"
 
 
+def float_dtype(dtype: str | None) -> torch.dtype | None:
+    """The floating dtype a report names (``"float16"``), or None when it names none."""
+    found = getattr(torch, dtype or "", None)
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+
+
 def dtype_max(dtype: str | None) -> float:
     """Largest finite value of a floating dtype named like ``"float16"`` (float32's when unknown)."""
-    found = getattr(torch, dtype or "", None)
-    return torch.finfo(found if isinstance(found, torch.dtype) and found.is_floating_point else torch.float32).max
+    return torch.finfo(float_dtype(dtype) or torch.float32).max
 
 
 def fmt(value: float | None) -> str:

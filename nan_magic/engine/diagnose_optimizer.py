@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nan_magic.engine.cause_text import HALF, counts, dtype_max, fmt, op_base, unclassified
+from nan_magic.engine.cause_text import HALF, counts, dtype_max, float_dtype, fmt, op_base, unclassified
 from nan_magic.records import Cause, Report
 
 __all__ = ["optimizer_cause"]
@@ -92,8 +92,8 @@ def _eps_vanishes(eps: float | None, dtype: str | None) -> bool:
         return dtype == "float16"
     if eps == 0.0:
         return True
-    found = getattr(torch, dtype or "", None)
-    return isinstance(found, torch.dtype) and found.is_floating_point and float(torch.tensor(eps, dtype=found)) == 0
+    found = float_dtype(dtype)
+    return found is not None and float(torch.tensor(eps, dtype=found)) == 0
 
 
 def _eps_cause(report: Report, optimizer: str, subject: str, facts: tuple[str, ...]) -> Cause:
@@ -107,7 +107,7 @@ def _eps_cause(report: Report, optimizer: str, subject: str, facts: tuple[str, .
             (*facts, "eps = 0: sqrt(v) + eps is 0 where v is 0"),
         )
     shown = fmt(eps) if eps is not None else "1e-8 (the default)"
-    found = getattr(torch, report.dtype or "", torch.float16)
+    found = float_dtype(report.dtype) or torch.float16
     smallest = torch.finfo(found).smallest_normal * torch.finfo(found).eps  # the smallest subnormal
     fix = ("keep float32 master weights (float32 parameters under torch.autocast with a GradScaler) or use "
            "eps >= 1e-4 in float16") if report.dtype == "float16" else f"use an eps that {report.dtype} holds"

@@ -63,7 +63,8 @@ class ForwardChecks:
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.watch.mine():
             return
-        recomputing = self._recomputing()
+        task = torch._C._current_graph_task_id()
+        recomputing = self._recomputing(task)
         if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             # Non-reentrant checkpointing regenerates saved tensors under its saved-tensor hooks and
             # throws the graph away: the original forward's graph, with our hooks, is the one backward runs.
@@ -88,7 +89,7 @@ class ForwardChecks:
         # A model call inside a backward pass (a reentrant checkpoint recomputing its forward) is no
         # boundary of the code outside the models: that code's records stay, and nothing of the backward
         # is recorded as loss code.
-        outside = self.watch.outside if torch._C._current_graph_task_id() == -1 else None
+        outside = self.watch.outside if task == -1 else None
         if top_level:
             if outside is not None:
                 outside.stop()
@@ -121,7 +122,8 @@ class ForwardChecks:
             return
         frame = self.stack.pop()
         # A recompute's calls are recorded for their gradients only (see _recomputing).
-        recomputing = self._recomputing()
+        task = torch._C._current_graph_task_id()
+        recomputing = self._recomputing(task)
         top_level = not self.stack and not recomputing
         if len(rest) != 2:
             if top_level and frame.call is not None:
@@ -176,10 +178,10 @@ class ForwardChecks:
                 cycle.sync()
                 cycle.end_step(cycle.step)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
-            if self.watch.outside is not None and torch._C._current_graph_task_id() == -1:
+            if self.watch.outside is not None and task == -1:
                 self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)
 
-    def _recomputing(self) -> bool:
+    def _recomputing(self, task: int) -> bool:
         """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.
 
         ``torch.utils.checkpoint`` calls the checkpointed modules again inside
@@ -191,8 +193,9 @@ class ForwardChecks:
         (a custom Function's backward) builds the graph backward then runs, so
         its calls are recorded for their gradients. A CUDA backward runs on
         autograd's own thread, where :meth:`Watch.mine` ignores every call.
+        ``task`` is the current autograd graph task (``-1`` outside backward).
         """
-        return torch._C._current_graph_task_id() != self.watch.graph_task
+        return task != self.watch.graph_task
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.

@@ -194,7 +194,8 @@ class StepReplays:
             return
         root.returned = True
         root.kwargs = dict(kwargs)
-        if root.grad_enabled:
+        if root.grad_enabled and not self.watch.cycle.training():
+            # Only an inference step drops its calls at the next forward (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
         root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
