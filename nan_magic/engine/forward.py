@@ -61,8 +61,8 @@ class ForwardChecks:
         self.rule = ProducerRule(watch.config, watch.defer, watch.log, watch.emit, replayer, origins, self.stack)
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.watch.mine():
-            return
+        if not self.watch.mine() or (self.stack and not self.watch.cycle.full_step):
+            return  # inside a top-level call of a tiered step, only its boundaries are checked
         task = torch._C._current_graph_task_id()
         recomputing = self._recomputing(task)
         if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
@@ -71,8 +71,8 @@ class ForwardChecks:
             # Recording it (probes, a replay of its early stop) would save tensors it does not expect.
             return
         info = self.watch.module_info(module)
-        if info is None or (self.stack and not self.watch.cycle.full_step):
-            return  # unwatched, or inside a top-level call of a tiered step (only its boundaries are checked)
+        if info is None:
+            return  # unwatched
         if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
             known = self.watch.log.known_finite(args[0])
             if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
