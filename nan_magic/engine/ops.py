@@ -92,7 +92,7 @@ from nan_magic.engine.op_plans import (
 )
 from nan_magic.engine.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
 from nan_magic.engine.stats import is_checkable, relevant_kinds, tensor_stats
-from nan_magic.records import KINDS, Phase
+from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
 
@@ -431,9 +431,9 @@ class OpTracer(TorchDispatchMode):
                 continue
             prior = priors.get(id(value))
             if prior is not None:
-                input_stats.append((f"{name} (before)", prior.stats()))
+                input_stats.append((TensorRef(TensorRole.OPERAND, name, before=True), prior.stats()))
             elif is_checkable(value):
-                input_stats.append((name, tensor_stats(value)))
+                input_stats.append((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)))
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
         finding = OpFinding(

@@ -49,7 +49,7 @@ from nan_magic.engine.distributed import per_rank_path
 from nan_magic.engine.errors import NanMagicWarning
 from nan_magic.engine.replay import RngState, capture_rng_state
 from nan_magic.engine.snapshot import keep
-from nan_magic.records import Phase, Report
+from nan_magic.records import Phase, Report, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.findings import Finding
@@ -322,9 +322,9 @@ def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
         for record in call.outputs:
             tensor = record.live()
             if tensor is None:
-                gone.append(record.path)
+                gone.append(str(record.path))
             else:
-                entries.append((owner, record.path, tensor))
+                entries.append((owner, str(record.path), tensor))
     if gone:
         notes.append(f"the scene's batch lacks {', '.join(gone)}: freed or changed in place before the event")
     several = len({owner for owner, _path, _tensor in entries}) > 1
@@ -341,10 +341,10 @@ def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
 def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tensor]:
     """Copies of the tensors the producer module was called with (else the finding's inputs)."""
     if finding.call is None or finding.call.phase == Phase.DATA:
-        return {name: _copy(tensor) for name, tensor in finding.inputs}
+        return {str(ref): _copy(tensor) for ref, tensor in finding.inputs}
     inputs: dict[str, torch.Tensor] = {}
     # At the deferred check a freed input may have been recomputed for the replay (call_replay.py).
-    recomputed = dict(finding.inputs)
+    recomputed = {ref.path: tensor for ref, tensor in finding.inputs if ref.role is TensorRole.INPUT}
     for path, _record, ref, version in finding.call.inputs:
         tensor = ref()
         if tensor is None and path in recomputed:

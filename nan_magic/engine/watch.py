@@ -89,7 +89,7 @@ from nan_magic.engine.snapshot import LastGood
 from nan_magic.engine.step_cycle import StepCycle, wants_defer
 from nan_magic.engine.step_replay import Producer, StepReplays
 from nan_magic.engine.targets import ModuleInfo, Targets, resolve_targets
-from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, WatchConfig
 
 __all__ = ["Watch", "watch"]
 
@@ -376,7 +376,7 @@ class Watch:
         if explained is None:
             return
         report, producer, error = explained
-        self.outcome.hold_explained(Finding(Phase.FORWARD, call, "output"), (report, producer), error)
+        self.outcome.hold_explained(Finding(Phase.FORWARD, call, TensorRef.output()), (report, producer), error)
 
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""
