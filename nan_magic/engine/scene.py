@@ -9,12 +9,11 @@ model the user provides and replays the producer module (or the whole step)
 under op-level tracing.
 
 The file is a dict of plain values (see :data:`SCENE_KEYS`): state dicts,
-tensors, strings and numbers, plus the :class:`~nan_magic.Report`, whose
-types are nan_magic's own plain records. It loads with
-``torch.load(weights_only=True)``, allowing only those records besides what
-``weights_only`` allows: a scene file passed between teammates cannot run
-code when opened, and :func:`load_scene` refuses, in one line, a file that
-needs anything more. The model is saved as its ``state_dict`` only (never as
+tensors, strings and numbers, the :class:`~nan_magic.Report` included, as
+plain data (:mod:`nan_magic.plain`). It loads with plain
+``torch.load(weights_only=True)``, no allowlist: a scene file passed between
+teammates cannot run code when opened, and :func:`load_scene` refuses, in one
+line, a file that needs anything more. The model is saved as its ``state_dict`` only (never as
 a pickled object, whose class would have to be imported and could run
 code); the user rebuilds the model from their code and restores into it.
 The file is written to a temporary file in the same folder and renamed into
@@ -49,6 +48,7 @@ from nan_magic.engine.distributed import per_rank_path
 from nan_magic.engine.errors import NanMagicWarning
 from nan_magic.engine.replay import RngState, capture_rng_state
 from nan_magic.engine.snapshot import keep
+from nan_magic.plain import to_plain
 from nan_magic.records import Phase, Report, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,13 +61,14 @@ __all__ = [
 ]
 
 SCENE_FORMAT = "nan_magic.scene"
-SCENE_VERSION = 1
+#: 2: the report is plain data; 1 pickled it as nan_magic's records (still read, see :func:`safe_load`).
+SCENE_VERSION = 2
 
 #: What a scene file holds (a dict with these keys; a part that could not be
 #: saved is None and the report says why):
 #:
-#: - ``format``, ``version``: ``"nan_magic.scene"``, 1
-#: - ``report``: the :class:`~nan_magic.Report` of the event
+#: - ``format``, ``version``: ``"nan_magic.scene"``, 2
+#: - ``report``: the :class:`~nan_magic.Report` of the event, as plain data (:func:`nan_magic.plain.to_plain`)
 #: - ``step``, ``phase``, ``module``, ``kinds``: the event in brief, and the kinds watched
 #: - ``models``: ``{name: state_dict}`` of every watched model, as at the event
 #: - ``training``: ``{name: {module name: training flag}}``
@@ -135,7 +136,7 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
     scene: dict[str, Any] = {
         "format": SCENE_FORMAT,
         "version": SCENE_VERSION,
-        "report": report,
+        "report": to_plain(report),
         "step": report.step,
         "phase": str(report.phase),
         "module": report.module,
@@ -193,9 +194,8 @@ def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]
 
 
 #: The types of nan_magic's own records (records.py: plain frozen dataclasses
-#: and enums, stdlib only), the one thing a scene holds beyond what
-#: ``torch.load(weights_only=True)`` allows by default. Derived from the
-#: module, so that a record type added later is allowed too.
+#: and enums, stdlib only), which a version 1 scene pickled its report as.
+#: Derived from the module, so that every record type of that time is allowed.
 RECORD_TYPES: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     value for value in vars(records).values()
     if inspect.isclass(value) and value.__module__ == records.__name__
@@ -204,11 +204,19 @@ RECORD_TYPES: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
 
 
 def safe_load(source: Any, **options: Any) -> Any:
-    """``torch.load(weights_only=True)``, allowing nan_magic's records for this call only.
+    """``torch.load(weights_only=True)``; a version 1 scene, refused for its records, with them allowed.
 
     ``safe_globals`` (not ``add_safe_globals``) leaves the user's own
     ``torch.load`` calls exactly as strict as they were.
     """
+    try:
+        return torch.load(source, weights_only=True, **options)
+    except pickle.UnpicklingError as error:
+        found = REFUSED_GLOBAL.search(str(error))  # torch's message names the class it refused
+        if found is None or not found[1].startswith(f"{records.__name__}."):
+            raise
+    if hasattr(source, "seek"):
+        source.seek(0)
     with torch.serialization.safe_globals(RECORD_TYPES):
         return torch.load(source, weights_only=True, **options)
 

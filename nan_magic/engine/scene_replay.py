@@ -22,6 +22,7 @@ from torch import nn
 
 from nan_magic.engine.replay import ReplayResult, RngState, capture_rng_state, replay_module, restore_rng_state
 from nan_magic.engine.scene import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
+from nan_magic.plain import from_plain
 from nan_magic.records import Phase, Report
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,17 +53,17 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
     ------
     ValueError
         One line naming the file: it is not a scene, or it needs more than
-        a scene holds to load (a class or function other than tensors,
-        plain values and nan_magic's records), which could run code; it is
-        refused without running anything.
+        a scene holds to load (a class or function other than tensors and
+        plain values), which could run code; it is refused without running
+        anything.
 
     Notes
     -----
-    The file is read with ``torch.load(weights_only=True)``, allowing only
-    nan_magic's own record types besides what that allows by default, so a
-    scene file from someone else cannot run code when opened. A scene
-    written before this rule (which pickled nothing else either) loads the
-    same way.
+    The file is read with plain ``torch.load(weights_only=True)``: a scene
+    holds tensors and plain values only (its report as plain data), so a
+    scene file from someone else cannot run code when opened. A version 1
+    scene, which pickled its report as nan_magic's records, is read with
+    those records allowed and nothing else.
 
     Examples
     --------
@@ -111,7 +112,9 @@ class Scene:
     def __init__(self, path: str, data: dict[str, Any]) -> None:
         self.path = path
         self.data = data
-        self.report: Report = dataclasses.replace(data["report"], scene=path, scene_bytes=os.path.getsize(path))
+        # A version 1 scene pickled the report itself; a later one stores it as plain data.
+        report = data["report"] if isinstance(data["report"], Report) else from_plain(Report, data["report"])
+        self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
         self.module: str | None = data["module"]
