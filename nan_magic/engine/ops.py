@@ -81,7 +81,7 @@ from nan_magic.engine.op_plans import (
     Plan,
     flatten,
     is_number,
-    list_index,
+    list_positions,
     narrows,
     odd_scalar,
     op_inputs,
@@ -301,9 +301,10 @@ class OpTracer(TorchDispatchMode):
         bad = self._known.suspects(outputs)
         if bad:
 
+            positions = list_positions(plan, args, kwargs, out) if plan.per_index else {}
+
             def inputs_of(label: str) -> list[tuple[str, Any]]:
-                index = list_index(label) if plan.per_index else None
-                return list(op_inputs(plan, args, kwargs, index))
+                return list(op_inputs(plan, args, kwargs, positions.get(label)))
 
             in_place = frozenset(id(t) for _, t in tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
             self._examine(op_name(func), bad, inputs_of, priors, in_backward, in_place)
