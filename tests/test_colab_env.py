@@ -110,7 +110,8 @@ x = torch.randn(5, 4)
     "on": "%nanwatch on model",
     "watched": "loss = model(x).abs().mean()",
     "status": "%nanwatch status",
-    "off": "%nanwatch off\nloss = model(x).abs().mean()\nprint('unwatched', bool(loss.isnan()))",
+    "off": "%nanwatch off",
+    "unwatched": "loss = model(x).abs().mean()\nprint('unwatched', bool(loss.isnan()))",
 }
 RAISING = {"stops", "watched"}
 
@@ -205,8 +206,9 @@ def test_kernel_nanwatch_on_watches_the_following_cells(magics_nb: Any) -> None:
     assert error.ename == "NonFiniteError"
     the_report(magics_nb, named(magics_nb, "watched"))
     assert "nan_magic: on for every cell (model)" in stream_text(named(magics_nb, "status"))
-    off = stream_text(named(magics_nb, "off"))
-    assert "watch off" in off and "unwatched True" in off and not errors_of(named(magics_nb, "off"))
+    assert "watch off" in stream_text(named(magics_nb, "off"))
+    unwatched = named(magics_nb, "unwatched")
+    assert "unwatched True" in stream_text(unwatched) and not errors_of(unwatched)
 
 
 def test_the_colab_quickstart_runs_in_colabs_stack(quickstart: Any) -> None:
