@@ -76,4 +76,6 @@ def test_the_colab_environment_passed() -> None:
     if not result:
         pytest.skip("the Colab environment's run is scripts/test's (NAN_MAGIC_COLAB_RESULT unset)")
     status, _, summary = Path(result).read_text().partition("\n")
-    assert status == "exit 0", f"the tests in .venv-colab failed ({status}): {summary.strip()}; see test-artifacts/colab-env.log"
+    assert status == "exit 0", (
+        f"the tests in .venv-colab failed ({status}): {summary.strip()}; see test-artifacts/colab-env.log"
+    )

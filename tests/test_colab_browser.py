@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 

@@ -66,8 +66,8 @@ def test_installing_the_package_changes_nothing_installed(tmp_path: Path) -> Non
 
 def test_the_report_widget_uses_ipywidgets_7s_tab_titles() -> None:
     import ipywidgets
-
     from test_render import fault_report
+
     from nan_magic.render.widget import TAB_TITLES as titles
     from nan_magic.render.widget import build_widget
 
