@@ -1,10 +1,11 @@
 """The interactive report: core ipywidgets only (no custom widget JavaScript).
 
 Core controls render in JupyterLab, Notebook 7, VS Code and Colab without
-installing a frontend extension; the code runs on ipywidgets 7 (Colab's) and 8. Everything a tab shows is bounded: the
-table renders at most ``max_rows`` rows (filtering re-renders on demand)
-and a histogram is drawn only for the sample picked in the selector, so a
-model with thousands of module calls does not freeze the kernel or the page.
+installing a frontend extension; the code runs on ipywidgets 7 (Colab's)
+and 8. Everything a tab shows is bounded: the table renders at most
+``max_rows`` rows (filtering re-renders on demand) and a histogram is
+drawn only for the sample picked in the selector, so a model with
+thousands of module calls does not freeze the kernel or the page.
 """
 
 from __future__ import annotations
