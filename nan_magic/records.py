@@ -226,14 +226,41 @@ class EarlyWarning:
 
 @dataclass(frozen=True)
 class Cause:
-    """The likely cause of an event, with the evidence and a concrete fix."""
+    """The likely cause of an event: its kind, which reading of it, and the plain values it rests on.
+
+    ``label`` is the kind (``"learning-rate-too-high"``); ``reading`` names
+    the sentence ``nan_magic.render.cause`` writes for it (one kind can be
+    reached several ways); ``facts`` are ``(name, value)`` pairs of stdlib
+    values (str, int, float, bool, None, tuples of them), so a scene stores a
+    cause as plain data. ``hint`` and ``evidence`` are written from them by
+    ``nan_magic.render.cause``.
+    """
 
     label: str
-    hint: str
-    evidence: tuple[str, ...] = ()
+    reading: str
+    facts: tuple[tuple[str, Any], ...] = ()
 
-    def __str__(self) -> str:
-        return f"{self.label}: {self.hint}"
+    def fact(self, name: str, default: Any = None) -> Any:
+        """The value of the fact ``name``, or ``default`` where the cause has none."""
+        for key, value in self.facts:
+            if key == name:
+                return value
+        return default
+
+    # The sentences are written by render/ (records sit below it, as Report.to_text does).
+    @property
+    def hint(self) -> str:
+        """The one-line explanation with its fix."""
+        from nan_magic.render.cause import cause_hint
+
+        return cause_hint(self)
+
+    @property
+    def evidence(self) -> tuple[str, ...]:
+        """The facts the diagnosis rests on, one line each."""
+        from nan_magic.render.cause import cause_evidence
+
+        return cause_evidence(self)
 
 
 @dataclass(frozen=True)

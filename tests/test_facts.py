@@ -7,6 +7,7 @@ package wrote ("parameter fc.weight".removeprefix, "input[" prefixes, the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,8 @@ from watching import raised
 
 from nan_magic import TensorRef, TensorRole
 from nan_magic.plain import from_plain, to_plain
-from nan_magic.records import Report
+from nan_magic.records import Cause, Report
+from nan_magic.render.cause import cause_evidence, cause_hint
 from nan_magic.render.common import labelled_samples
 
 
@@ -108,3 +110,81 @@ def test_a_report_is_plain_data_both_ways() -> None:
     assert back.tensor == report.tensor and back.input_stats == report.input_stats
     assert back.layers == report.layers and back.message == report.message
     assert json.loads(report.to_json())["tensor"]["role"] == "op output"
+
+
+# -- a cause is its kind and the plain values it rests on; render/cause.py writes its sentences --
+
+_STEP = (("optimizer", "Adam"), ("subject", "fc.weight"), ("dtype", "float16"), ("nan", 3), ("posinf", 1),
+         ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 7))
+_PLACE = (("tensor", "output"), ("tensor_role", "module output"), ("tensor_name", None), ("op", None),
+          ("module", "fc"), ("module_type", "Linear"), ("source", ("model.py", 42)),
+          ("nan", 0), ("posinf", 2), ("neginf", 1))
+_LEGACY = Cause("overflow", "text", (("hint", "fc (Linear) overflowed float32"), ("evidence", ("dtype float32",))))
+#: One cause of each reading render/cause.py writes, with the numbers the test reads back.
+CAUSES = {
+    "optimizer-lr": (Cause("learning-rate-too-high", "optimizer-lr",
+                           (*_STEP[:6], ("lr", 1e38), *_STEP[7:], ("margin", 1000.0))), "lr = 1e38"),
+    "optimizer-state-overflow": (Cause("half-precision-overflow", "optimizer-state-overflow", _STEP), "max 65504"),
+    "optimizer-update-overflow": (Cause("half-precision-overflow", "optimizer-update-overflow", _STEP), "65504"),
+    "optimizer-eps-zero": (Cause("optimizer-eps-underflow", "optimizer-eps-zero",
+                                 (*_STEP[:7], ("eps", 0.0), *_STEP[8:])), "eps = 0"),
+    "optimizer-eps-rounds": (Cause("optimizer-eps-underflow", "optimizer-eps-rounds",
+                                   (*_STEP, ("smallest", 5.96e-08))), "smallest positive 5.96e-8"),
+    "optimizer-unmatched": (Cause("unclassified", "optimizer-unmatched", _STEP), "3 nan, 1 +inf"),
+    "grad-scaler-collapse": (Cause("grad-scaler-collapse", "grad-scaler-collapse", (("skipped", 5), ("scale", 0.5))),
+                             "scale fell to 0.5"),
+    "extreme-batch": (Cause("bad-input-data", "extreme-batch", (
+        ("batch", "input[0]"), ("model", "Net"), ("absmax", 3.5e9), ("bound", 1e6), *_PLACE,
+        ("then", (_LEGACY.label, _LEGACY.reading, _LEGACY.facts)),
+    )), "|x| = 3.5e9"),
+    "diverging": (Cause("learning-rate-too-high", "diverging", (
+        ("growth", ("loss", 2.5e7, 12, 250000.0, 100.0, 0, 3)), *_PLACE, ("phase", "forward"), ("step", 12),
+        ("then", ("half-precision-overflow", "optimizer-update-overflow", _STEP)),
+        ("absorbed", ("aten.exp.default", "model.py", 40, "fc", 0, 4, 0)),
+    )), "the loss rose to 2.5e7 at step 12, 250000x its median 100"),
+    "text": (_LEGACY, "fc (Linear) overflowed float32"),
+}
+
+
+def _stdlib_only(value: object) -> bool:
+    if isinstance(value, tuple):
+        return all(_stdlib_only(item) for item in value)
+    return value is None or type(value) in (str, int, float, bool)
+
+
+def test_every_reading_has_a_round_trip_case() -> None:
+    from nan_magic.render.cause import _READINGS
+
+    assert set(CAUSES) == set(_READINGS)
+
+
+@pytest.mark.parametrize("reading", sorted(CAUSES))
+def test_a_cause_round_trips_through_a_scene_s_plain_data_with_its_numbers(reading: str, tmp_path) -> None:
+    cause, shown = CAUSES[reading]
+    assert cause.reading == reading and _stdlib_only(cause.facts)
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    report = dataclasses.replace(raised(run, model), cause=cause)
+    path = tmp_path / "report.pt"
+    torch.save({"report": to_plain(report)}, path)  # as scene/dump.py stores it
+    back = from_plain(Report, torch.load(path, weights_only=True)["report"]).cause
+    assert back == cause and back.facts == cause.facts
+    assert shown in cause_hint(back) and cause_hint(back) == cause_hint(cause)
+    assert cause_evidence(back) == cause_evidence(cause) and cause_evidence(back)
+    assert shown in report.to_text()  # the sentence a user reads
+
+
+def test_a_diagnosed_cause_holds_only_plain_values() -> None:
+    model = _Adam()
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+
+    def run() -> None:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.full((2, 4), 1e3)).square().sum().backward()
+            opt.step()
+
+    cause = raised(run, model, opt).cause
+    assert cause is not None and cause.reading == "optimizer-lr" and _stdlib_only(cause.facts)
+    assert cause.fact("lr") == 1e38 and cause.fact("dtype") == "float32"
+    assert "lr = 1e38" in cause.hint and "lr 1e38 >= float32 max 3.4e38 / 1000" in cause.evidence

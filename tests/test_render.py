@@ -137,17 +137,29 @@ def test_summary_is_headline_then_cause_then_facts() -> None:
 
 
 def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
+    """A reading that opens with a common word is capitalised; one that opens with a name keeps its case."""
     import dataclasses
 
     from nan_magic.records import Cause
     from nan_magic.render.common import cause_sentence
 
+    step = (("optimizer", "Adam"), ("subject", "fc.weight"), ("dtype", "float16"), ("nan", 3), ("posinf", 0),
+            ("neginf", 0), ("lr", 1e-3), ("eps", None), ("limit", 65504.0), ("step", 7))
     report = dataclasses.replace(
-        fault_report("zero_variance"), cause=Cause("unclassified", "the backward of x made it", ())
+        fault_report("zero_variance"), cause=Cause("unclassified", "optimizer-unmatched", step)
     )
-    assert cause_sentence(report) == "Likely cause: unclassified. The backward of x made it"
-    named = dataclasses.replace(report, cause=Cause("division-by-zero", "aten.div.Tensor in 1 divided by 0", ()))
-    assert cause_sentence(named) == "Likely cause: division-by-zero. aten.div.Tensor in 1 divided by 0"
+    assert cause_sentence(report).startswith("Likely cause: unclassified. The Adam step made fc.weight 3 nan from")
+    state = Cause("half-precision-overflow", "optimizer-state-overflow",
+                  (*step[:1], ("subject", "state exp_avg_sq of fc.weight"), *step[2:]))
+    named = dataclasses.replace(report, cause=state)
+    assert cause_sentence(named).startswith(
+        "Likely cause: half-precision-overflow. state exp_avg_sq of fc.weight overflowed float16 (max 65504)"
+    )
+    # Legacy path: a cause still written as text is capitalised by its first word.
+    legacy = Cause("division-by-zero", "text", (("hint", "aten.div.Tensor in 1 divided by 0"), ("evidence", ())))
+    assert cause_sentence(dataclasses.replace(report, cause=legacy)) == (
+        "Likely cause: division-by-zero. aten.div.Tensor in 1 divided by 0"
+    )
 
 
 def test_operands_are_named_as_the_user_wrote_them() -> None:

@@ -14,7 +14,6 @@ overflow and the mask holds enough -inf to fill a row.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from nan_magic.explain.cause_text import (
@@ -24,6 +23,7 @@ from nan_magic.explain.cause_text import (
     fmt,
     input_label,
     input_lines,
+    legacy_cause,
     named_input,
     op_base,
     op_inputs,
@@ -118,13 +118,14 @@ def _scores_overflow(report: Report, bound: float, mask_fact: str | None) -> Cau
                        if mask_fact else ())
     if report.dtype in HALF:
         cause = half_overflow(report)
-        return dataclasses.replace(cause, evidence=(*extra, *cause.evidence))
+        # Legacy path: half_overflow still writes its evidence as text.
+        return legacy_cause(cause.label, cause.fact("hint"), (*extra, *cause.fact("evidence")))
     return wide_overflow(report, list(extra))
 
 
 def _masked(report: Report, rows: int | None, positions: int, facts: tuple[str, ...]) -> Cause:
     which = f"{rows} row(s) of {positions} positions" if rows is not None else "rows"
-    return Cause(
+    return legacy_cause(
         "masked-softmax",
         f"{which} of {report.op} in {where(report)} had every position masked to -inf, and a softmax over "
         "nothing is NaN: keep at least one position unmasked per row (e.g. the query's own), mask with "

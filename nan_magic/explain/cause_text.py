@@ -28,11 +28,14 @@ __all__ = [
     "input_lines",
     "input_named",
     "is_module_input",
+    "legacy_cause",
     "line",
     "named_input",
     "node_function",
     "op_base",
     "op_inputs",
+    "place_facts",
+    "plain_cause",
     "short_label",
     "stats_counts",
     "stats_phrase",
@@ -46,12 +49,37 @@ __all__ = [
 HALF = ("float16", "bfloat16")
 
 
+def legacy_cause(label: str, hint: str, evidence: tuple[str, ...] | list[str] = ()) -> Cause:
+    """Legacy path: a cause whose hint and evidence this module still writes as text.
+
+    ``nan_magic.render.cause`` reads them back as they are (its ``"text"``
+    reading); a kind converted to numbers gets a reading of its own there.
+    """
+    return Cause(label, "text", (("hint", hint), ("evidence", tuple(evidence))))
+
+
+def place_facts(report: Report) -> tuple[tuple[str, object], ...]:
+    """The bad tensor and where it was made, as a cause's plain facts (render/cause.py names them)."""
+    source = report.source
+    return (
+        ("tensor", str(report.tensor)), ("tensor_role", report.tensor.role.value), ("tensor_name", report.tensor.name),
+        ("op", report.op), ("module", report.module), ("module_type", report.module_type),
+        ("source", (source.filename, source.lineno) if source is not None else None),
+        ("nan", report.nan), ("posinf", report.posinf), ("neginf", report.neginf),
+    )
+
+
+def plain_cause(cause: Cause) -> tuple[str, str, tuple[tuple[str, object], ...]]:
+    """A cause as a plain fact of another (the reading it led to), so a scene stores it as data."""
+    return cause.label, cause.reading, cause.facts
+
+
 def unclassified(report: Report, facts: str, evidence: tuple[str, ...]) -> Cause:
-    return Cause("unclassified", facts, evidence or (f"{report.tensor}: {counts(report)}",))
+    return legacy_cause("unclassified", facts, evidence or (f"{report.tensor}: {counts(report)}",))
 
 
 def empty(report: Report, how: str) -> Cause:
-    return Cause(
+    return legacy_cause(
         "empty-reduction",
         f"{report.op} in {where(report)} gave {report.nan} NaN from finite inputs: {how}, e.g. a loss whose every "
         "target is ignore_index or a masked mean with an empty mask; skip such batches (if mask.any()) or divide "

@@ -85,12 +85,12 @@ from collections.abc import Callable
 from nan_magic.explain.cause_text import (
     HALF,
     counts,
-    counts_phrase,
-    fmt,
+    legacy_cause,
     line,
     node_function,
+    place_facts,
+    plain_cause,
     unclassified,
-    what,
     where,
     zeros_phrase,
 )
@@ -98,8 +98,7 @@ from nan_magic.explain.forward import forward_cause
 from nan_magic.explain.optimizer import optimizer_cause
 from nan_magic.explain.overflow import half_overflow
 from nan_magic.hot.early import EXTREME_INPUT
-from nan_magic.locations import name_location
-from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRole, module_label
+from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRole
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 
@@ -153,7 +152,7 @@ def diagnose(report: Report) -> Cause:
         concerned with its numbers, and the evidence lines behind it.
     """
     if report.benign:
-        return Cause(
+        return legacy_cause(
             "unclassified",
             f"benign: the program handles {report.tensor} of {where(report)} ({counts(report)}: a GradScaler skip "
             "or a deliberate infinity); nothing to fix unless it keeps coming back",
@@ -171,7 +170,7 @@ def diagnose(report: Report) -> Cause:
         if growth is not None:
             return _learning_rate(report, cause, growth)
     if growth is not None:
-        return dataclasses.replace(cause, evidence=(*cause.evidence, growth))
+        return dataclasses.replace(cause, facts=(*cause.facts, ("rising", growth)))
     return cause
 
 
@@ -181,18 +180,11 @@ def _with_absorbed(report: Report, cause: Cause) -> Cause:
     if absorbed is None:
         return cause
     source = absorbed.source
-    where = f" at {name_location(source.filename, source.lineno)}" if source is not None else ""
-    counts = counts_phrase(absorbed.nan, absorbed.posinf, absorbed.neginf)
-    line = (
-        f"absorbed in forward: {absorbed.op}{where} (in {module_label(absorbed.module)}) made {counts} that no "
-        "module output "
-        "kept (torch.where or a saturating function discarded it); its backward multiplied it by a zero gradient"
+    fact = (
+        absorbed.op, source.filename if source is not None else None, source.lineno if source is not None else None,
+        absorbed.module, absorbed.nan, absorbed.posinf, absorbed.neginf,
     )
-    hint = (
-        f"{cause.hint}; the infinity came from {absorbed.op}{where}, absorbed in forward: compute that branch "
-        "on clamped inputs (e.g. exp(x.clamp(max=...)) inside torch.where) so that it stays finite"
-    )
-    return dataclasses.replace(cause, hint=hint, evidence=(line, *cause.evidence))
+    return dataclasses.replace(cause, facts=(*cause.facts, ("absorbed", fact)))
 
 
 def _local_cause(report: Report) -> Cause:
@@ -224,7 +216,7 @@ def _bad_data(report: Report) -> Cause:
         for warning in report.warnings
         if warning.kind in ("extreme-input", "constant-feature")
     ]
-    return Cause("bad-input-data", hint, tuple(evidence))
+    return legacy_cause("bad-input-data", hint, tuple(evidence))
 
 
 def _parameter(report: Report) -> Cause:
@@ -236,7 +228,7 @@ def _parameter(report: Report) -> Cause:
         "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
         "what wrote it"
     )
-    return Cause("parameter-already-nonfinite", hint, (f"{report.tensor}: {counts(report)} of {report.numel}",))
+    return legacy_cause("parameter-already-nonfinite", hint, (f"{report.tensor}: {counts(report)} of {report.numel}",))
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -275,7 +267,7 @@ def _node_cause(label: str, derivative: str, fix: str) -> Callable[[Report], Cau
 
     def rule(report: Report) -> Cause:
         zeros = zeros_phrase(report)
-        return Cause(
+        return legacy_cause(
             label,
             f"{derivative} at {line(report)}{zeros}: its backward gave {counts(report)} ({report.op}); {fix}",
             (f"autograd node {report.autograd_node}", f"{report.tensor}: {counts(report)}"),
@@ -342,17 +334,18 @@ def _extreme_batch(report: Report) -> tuple[str, float] | None:
 
 
 def _bad_batch(report: Report, downstream: Cause, tensor: str, absmax: float) -> Cause:
-    return Cause(
-        "bad-input-data",
-        f"{tensor} entering {report.model or 'the model'} reached |x| = {fmt(absmax)} (> {fmt(EXTREME_INPUT)}) in "
-        f"this step, and {what(report)} then became {counts(report)}: normalise or clip the "
-        "inputs (standardise features, log-scale heavy-tailed ones) before the model",
-        (f"batch {tensor}: |x| up to {fmt(absmax)}", f"then: {downstream.label}: {downstream.hint}"),
-    )
+    return Cause("bad-input-data", "extreme-batch", (
+        ("batch", tensor), ("model", report.model), ("absmax", absmax), ("bound", EXTREME_INPUT),
+        *place_facts(report), ("then", plain_cause(downstream)),
+    ))
 
 
-def _growth(history: tuple[StepSummary, ...]) -> str | None:
-    """Evidence that the loss or gradient norm was diverging before the event, or None."""
+def _growth(history: tuple[StepSummary, ...]) -> tuple[str, float, int, float, float, int, int] | None:
+    """The loss or gradient norm diverging before the event, or None.
+
+    As plain values: what rose, to which value at which step, how many times
+    its median, the median, the first step, over how many steps in a row.
+    """
     for field, label in (("loss", "loss"), ("grad_norm", "gradient norm")):
         series = [(entry.step, abs(value)) for entry in history
                   if (value := getattr(entry, field)) is not None and math.isfinite(value)]
@@ -362,20 +355,14 @@ def _growth(history: tuple[StepSummary, ...]) -> str | None:
         median = statistics.median(value for _step, value in series[:-1])
         (first, _), (last_step, last) = series[0], series[-1]
         if all(b > a for a, b in itertools.pairwise(recent)) and median > 0 and last >= DIVERGENCE_FACTOR * median:
-            return (
-                f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(last / median)}x its median "
-                f"{fmt(median)} since step {first}, rising on each of the last {DIVERGENCE_RISES} steps"
-            )
+            return label, last, last_step, last / median, median, first, DIVERGENCE_RISES
     return None
 
 
-def _learning_rate(report: Report, downstream: Cause, growth: str) -> Cause:
-    return Cause(
-        "learning-rate-too-high",
-        f"{growth}; then {what(report)} became {counts(report)} in {report.phase} step "
-        f"{report.step}: lower the learning rate (e.g. 10x), add warm-up, or clip gradients "
-        "(torch.nn.utils.clip_grad_norm_)",
-        (growth, f"then: {downstream.label}: {downstream.hint}"),
-    )
+def _learning_rate(report: Report, downstream: Cause, growth: tuple[str, float, int, float, float, int, int]) -> Cause:
+    return Cause("learning-rate-too-high", "diverging", (
+        ("growth", growth), *place_facts(report), ("phase", report.phase.value), ("step", report.step),
+        ("then", plain_cause(downstream)),
+    ))
 
 

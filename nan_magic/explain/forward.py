@@ -22,6 +22,7 @@ from nan_magic.explain.cause_text import (
     input_label,
     input_lines,
     input_named,
+    legacy_cause,
     named_input,
     op_base,
     op_inputs,
@@ -68,7 +69,7 @@ def _log(report: Report) -> Cause:
         return overflow(report)
     base = op_base(report.op)
     bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
-    return Cause(
+    return legacy_cause(
         "log-domain",
         f"{base} got {bad} in {input_named(report, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
         "to eps first (x.clamp_min(1e-12)), or use log_softmax / logsumexp for log-probabilities",
@@ -79,7 +80,7 @@ def _log(report: Report) -> Cause:
 def _sqrt(report: Report) -> Cause:
     if not report.nan:
         return overflow(report)
-    return Cause(
+    return legacy_cause(
         "sqrt-domain",
         f"sqrt got {report.nan} negatives in {input_named(report, 0, report.nan)}: clamp to >= 0 first "
         "(x.clamp_min(0)), or compute the value so it cannot go negative (a variance as ((x - mean)**2).mean())",
@@ -93,7 +94,7 @@ def _rsqrt(report: Report) -> Cause:
         return _sqrt(report)
     if not zeros:
         return overflow(report)
-    return Cause(
+    return legacy_cause(
         "division-by-zero",
         f"rsqrt got {zeros} zeros in {input_named(report, zeros, 0)}: 1/sqrt(0) is inf; if it is a variance, add eps "
         "inside (torch.rsqrt(var + 1e-5))",
@@ -104,7 +105,7 @@ def _rsqrt(report: Report) -> Cause:
 def _pow(report: Report) -> Cause:
     facts = (f"{report.op} made {counts(report)} from finite inputs", *input_lines(report))
     if report.nan:
-        return Cause(
+        return legacy_cause(
             "pow-domain",
             f"pow got a negative base with a fractional exponent in {input_named(report, 0, report.nan)} "
             f"({report.nan} NaN): clamp the base to >= 0 (x.clamp_min(0) ** p) or use x.sign() * x.abs() ** p",
@@ -112,7 +113,7 @@ def _pow(report: Report) -> Cause:
         )
     base = named_input(report, "self")
     if base is not None and base.zeros:
-        return Cause(
+        return legacy_cause(
             "pow-domain",
             f"pow raised {base.zeros} zeros of `self` of {report.op} in {where(report)} to a negative power "
             f"({report.posinf + report.neginf} inf): add eps to the base ((x + 1e-12) ** p)",
@@ -134,7 +135,7 @@ def _exp(report: Report) -> Cause:
     threshold = math.log(dtype_max(report.dtype))
     inputs = [(name, stats) for name, stats in op_inputs(report) if stats.max is not None]
     reached = "".join(f", {short_label(name)} reached {fmt(stats.max)}" for name, stats in inputs)
-    return Cause(
+    return legacy_cause(
         "exp-overflow",
         f"{report.op} in {where(report)} overflowed {report.dtype} in {report.posinf} elements: exp(x) is inf for "
         f"x > {threshold:.4g}{reached}; subtract the row max first (softmax / logsumexp do), clamp the input, "
@@ -163,7 +164,7 @@ def _division(report: Report) -> Cause:
     results = [f"{count} {what}" for count, what in ((report.nan, "NaN (0/0)"),
                                                        (report.posinf + report.neginf, "inf (x/0)")) if count]
     constant = "".join(f"; {line}" for line in constant_inputs(report)) if divisor is None else ""
-    return Cause(
+    return legacy_cause(
         "division-by-zero",
         f"{report.op} in {where(report)} divided by zero{divisor_phrase(divisor)}, giving {' and '.join(results)}"
         f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
@@ -183,7 +184,7 @@ def _corrected(report: Report) -> Cause:
         return overflow(report)
     shapes = [(name, stats.shape) for name, stats in op_inputs(report) if stats.shape]
     shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
-    return Cause(
+    return legacy_cause(
         "division-by-zero",
         f"{report.op} in {where(report)} gave {report.nan} NaN: with correction=1 (the default) a std or variance "
         f"over N = 1 element divides by N - 1 = 0{shape}; pass correction=0, or use batches of more than one row",

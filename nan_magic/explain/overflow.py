@@ -20,6 +20,7 @@ from nan_magic.explain.cause_text import (
     dtype_max,
     fmt,
     input_lines,
+    legacy_cause,
     named_input,
     op_base,
     op_inputs,
@@ -126,7 +127,7 @@ def wide_overflow(report: Report, facts: list[str]) -> Cause:
         )
     if base in MATMUL_OPS:
         fix += " (for attention, scale q by d**-0.5 before q·kᵀ and normalise q and k)"
-    return Cause(
+    return legacy_cause(
         "overflow",
         f"{what(report)} made {counts(report)}: it overflowed {report.dtype} (max {fmt(limit)})"
         f"{_reached(report)}; {fix}",
@@ -144,7 +145,7 @@ def half_overflow(report: Report) -> Cause:
         fix += f" ({ATTENTION_FIX})"
     infinite = report.posinf + report.neginf
     made = f"in {infinite} elements" if infinite else f"({counts(report)}: inf - inf inside the op)"
-    return Cause(
+    return legacy_cause(
         "half-precision-overflow",
         f"{what(report)} overflowed {report.dtype} (max {fmt(limit)}) {made}{_reached(report)}; {fix}",
         (f"dtype {report.dtype}, finite limit {fmt(limit)}", f"{report.tensor}: {counts(report)}",

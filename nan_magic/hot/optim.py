@@ -387,10 +387,7 @@ class OptimizerChecks:
         if self.skipped_in_a_row >= COLLAPSE_SKIPS or scale < 1.0:
             finding.benign = False
             finding.cause = Cause(
-                "grad-scaler-collapse",
-                f"the GradScaler skipped {self.skipped_in_a_row} steps in a row and its scale fell to {scale:g}: "
-                "the gradients are non-finite at any scale; find the backward producer named here",
-                (f"{self.skipped_in_a_row} consecutive skipped steps", f"scale {scale:g}"),
+                "grad-scaler-collapse", "grad-scaler-collapse", (("skipped", self.skipped_in_a_row), ("scale", scale))
             )
             finding.notes.append(
                 f"raised because the scale keeps collapsing ({COLLAPSE_SKIPS} skips in a row, or a scale below 1)"

@@ -23,6 +23,7 @@ from nan_magic.records import (
     TensorStats,
     module_label,
 )
+from nan_magic.render.cause import cause_evidence, cause_hint, hint_opens_sentence
 from nan_magic.render.operands import op_base, operand_label, operand_names
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
@@ -157,10 +158,6 @@ def stats_phrase(stats: TensorStats) -> str:
     return text
 
 
-#: Words a cause's hint may start with that begin a sentence (an op name such as ``log`` stays lower case).
-_ARTICLES = frozenset({"the", "a", "an", "this", "its", "every", "no", "some", "one", "each"})
-
-
 def cause_sentence(report: Report) -> str:
     """The one sentence under the headline: the likely cause and its fix.
 
@@ -168,8 +165,8 @@ def cause_sentence(report: Report) -> str:
     whether the inputs were finite.
     """
     if report.cause is not None:
-        hint = report.cause.hint
-        if hint.split(" ", 1)[0] in _ARTICLES:  # a sentence; one that starts with an op or a name keeps its case
+        hint = cause_hint(report.cause)
+        if hint_opens_sentence(report.cause):  # one that starts with an op or a name keeps its case
             hint = hint[:1].upper() + hint[1:]
         return f"Likely cause: {report.cause.label}. {hint}"
     inputs = (
@@ -246,7 +243,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     if report.cause is not None:
         rows.extend(
             ("evidence" if position == 0 else "", line)
-            for position, line in enumerate(report.cause.evidence)
+            for position, line in enumerate(cause_evidence(report.cause))
         )
     rows.extend(("note", note) for note in report.notes)
     rows.extend(("warning", line) for line in warning_lines(report))

@@ -1,0 +1,290 @@
+"""The sentences of a cause: its hint (with the fix) and its evidence, written from its kind and numbers.
+
+The diagnosis (``nan_magic.explain``) returns a :class:`Cause` holding its
+kind (``label``), which reading of that kind (``reading``) and the plain
+values it rests on (``facts``); each reading has one template here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nan_magic.locations import name_location
+from nan_magic.records import Cause, TensorRole, module_label
+
+__all__ = ["cause_evidence", "cause_hint", "counts_phrase", "fmt", "hint_opens_sentence"]
+
+#: The reading of a cause still built as text by the diagnosis (its ``hint`` and ``evidence`` facts).
+LEGACY_TEXT = "text"
+
+
+def fmt(value: float | None) -> str:
+    """``31000.0`` → ``"3.1e4"``; ``0.52`` → ``"0.52"``."""
+    if value is None:
+        return "?"
+    if not math.isfinite(value):  # an lr of inf, a bound past float64: int() would raise
+        return str(value)
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    text = f"{value:.3g}"
+    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'-' if m.group(1) == '-' else ''}{m.group(2)}", text)
+
+
+def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
+    parts = [f"{count} {kind}" for kind, count in (("nan", nan), ("+inf", posinf), ("-inf", neginf)) if count]
+    return ", ".join(parts) or "non-finite"
+
+
+@dataclass(frozen=True)
+class _Reading:
+    hint: Callable[[Cause], str]
+    evidence: Callable[[Cause], tuple[str, ...]]
+    #: Whether the hint opens with a common word ("the ..."), capitalised at a sentence's start;
+    #: one that opens with a name (an op, a parameter) keeps its case.
+    sentence: bool = True
+
+
+def cause_hint(cause: Cause) -> str:
+    """The one-line explanation of ``cause`` with its fix, lower case at its start."""
+    hint = _reading(cause).hint(cause)
+    absorbed = cause.fact("absorbed")
+    if absorbed is not None:
+        op, filename, lineno = absorbed[:3]
+        hint += (
+            f"; the infinity came from {op}{_at(filename, lineno)}, absorbed in forward: compute that branch on "
+            "clamped inputs (e.g. exp(x.clamp(max=...)) inside torch.where) so that it stays finite"
+        )
+    return hint
+
+
+def cause_evidence(cause: Cause) -> tuple[str, ...]:
+    """The facts ``cause`` rests on, one line each."""
+    lines = _reading(cause).evidence(cause)
+    absorbed = cause.fact("absorbed")
+    if absorbed is not None:
+        op, filename, lineno, module, nan, posinf, neginf = absorbed
+        lines = (
+            f"absorbed in forward: {op}{_at(filename, lineno)} (in {module_label(module)}) made "
+            f"{counts_phrase(nan, posinf, neginf)} that no module output kept (torch.where or a saturating function "
+            "discarded it); its backward multiplied it by a zero gradient",
+            *lines,
+        )
+    rising = cause.fact("rising")
+    if rising is not None:
+        lines = (*lines, _growth(rising))
+    return lines
+
+
+def hint_opens_sentence(cause: Cause) -> bool:
+    """Whether the hint starts with a common word, to be capitalised where it starts a sentence."""
+    if cause.reading == LEGACY_TEXT:
+        # Legacy path: the diagnosis wrote this hint as text, so only its first word tells.
+        return cause_hint(cause).split(" ", 1)[0] in _ARTICLES
+    return _reading(cause).sentence
+
+
+#: Words a legacy hint may start with that begin a sentence (an op name such as ``log`` stays lower case).
+_ARTICLES = frozenset({"the", "a", "an", "this", "its", "every", "no", "some", "one", "each"})
+
+
+def _reading(cause: Cause) -> _Reading:
+    reading = _READINGS.get(cause.reading)
+    if reading is None:
+        raise ValueError(f"a cause {cause.label!r} has an unknown reading {cause.reading!r}")
+    return reading
+
+
+def _counts(cause: Cause) -> str:
+    return counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
+
+
+def _at(filename: str | None, lineno: int | None) -> str:
+    return f" at {name_location(filename, lineno)}" if filename is not None and lineno is not None else ""
+
+
+def _where(cause: Cause) -> str:
+    """The producer's place, from a cause's place facts (explain/cause_text.place_facts)."""
+    module = cause.fact("module")
+    if module is None:
+        source = cause.fact("source")
+        return f"the code at {name_location(*source)}" if source is not None else "code outside the watched modules"
+    return module_label(module, cause.fact("module_type"))
+
+
+def _what(cause: Cause) -> str:
+    """The bad tensor with its op and module: ``output of aten.mm.default in 1 (HalfMatmul)``."""
+    tensor, role, op = cause.fact("tensor"), TensorRole(cause.fact("tensor_role")), cause.fact("op")
+    if role is TensorRole.LOSS and op is None:
+        return "the loss"
+    if op is None:
+        return f"{tensor} of {_where(cause)}"
+    if role is TensorRole.OP_OUTPUT and cause.fact("tensor_name") == op:
+        return f"{tensor} in {_where(cause)}"
+    return f"{tensor} of {op} in {_where(cause)}"
+
+
+def _then(cause: Cause) -> str:
+    """The reading the cause led to downstream, stored as its plain (label, reading, facts)."""
+    label, reading, facts = cause.fact("then")
+    downstream = Cause(label, reading, tuple(tuple(pair) for pair in facts))
+    return f"then: {label}: {cause_hint(downstream)}"
+
+
+def _growth(growth: tuple[str, float, int, float, float, int, int]) -> str:
+    label, last, last_step, factor, median, first, rises = growth
+    return (
+        f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(factor)}x its median {fmt(median)} since step "
+        f"{first}, rising on each of the last {rises} steps"
+    )
+
+
+# -- upstream of the producer: an extreme batch, a diverging run (explain/diagnose.py) --
+
+
+def _extreme_batch_hint(cause: Cause) -> str:
+    return (
+        f"{cause.fact('batch')} entering {cause.fact('model') or 'the model'} reached |x| = "
+        f"{fmt(cause.fact('absmax'))} (> {fmt(cause.fact('bound'))}) in this step, and {_what(cause)} then became "
+        f"{_counts(cause)}: normalise or clip the inputs (standardise features, log-scale heavy-tailed ones) before "
+        "the model"
+    )
+
+
+def _diverging_hint(cause: Cause) -> str:
+    return (
+        f"{_growth(cause.fact('growth'))}; then {_what(cause)} became {_counts(cause)} in {cause.fact('phase')} step "
+        f"{cause.fact('step')}: lower the learning rate (e.g. 10x), add warm-up, or clip gradients "
+        "(torch.nn.utils.clip_grad_norm_)"
+    )
+
+
+# -- the optimizer step (explain/optimizer.py) --------------------------------------
+
+
+def _step_facts(cause: Cause) -> tuple[str, ...]:
+    lines = [
+        f"phase optimizer: the {cause.fact('optimizer')} step made {cause.fact('subject')} {_counts(cause)}",
+        f"dtype {cause.fact('dtype')}",
+    ]
+    lines += [f"{name} = {fmt(cause.fact(name))}" for name in ("lr", "eps") if cause.fact(name) is not None]
+    return tuple(lines)
+
+
+def _lr_hint(cause: Cause) -> str:
+    lr, limit, dtype = cause.fact("lr"), cause.fact("limit"), cause.fact("dtype")
+    if lr >= limit:
+        size, what = "1", f"itself past the {dtype} max {fmt(limit)}"
+    elif lr == lr:
+        size, what = fmt(limit / lr), f"within {fmt(limit / lr)}x of the {dtype} max {fmt(limit)}"
+    else:
+        size, what = "1", "NaN"
+    return (
+        f"the {cause.fact('optimizer')} step made {cause.fact('subject')} {_counts(cause)} at step "
+        f"{cause.fact('step')}: its learning rate lr = {fmt(lr)} is {what}, so an update of lr · g is non-finite "
+        f"for any |g| >= {size}; use a learning rate in the usual range (1e-5 to 1e-1), check how it is computed "
+        "(a scheduler, a scaling rule)"
+    )
+
+
+def _lr_evidence(cause: Cause) -> tuple[str, ...]:
+    lr, limit, dtype = cause.fact("lr"), cause.fact("limit"), cause.fact("dtype")
+    if lr >= limit:
+        last = f"lr {fmt(lr)} >= {dtype} max {fmt(limit)}"
+    elif lr == lr:
+        last = f"lr {fmt(lr)} >= {dtype} max {fmt(limit)} / {cause.fact('margin'):g}"
+    else:
+        last = f"lr {fmt(lr)} is not a number"
+    return (*_step_facts(cause), last)
+
+
+def _state_overflow_hint(cause: Cause) -> str:
+    return (
+        f"{cause.fact('subject')} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
+        f"{cause.fact('optimizer')} step, e.g. a squared gradient above the limit: keep optimizer state in float32 "
+        "(float32 master weights under torch.autocast)"
+    )
+
+
+def _update_overflow_hint(cause: Cause) -> str:
+    return (
+        f"the {cause.fact('optimizer')} update of {cause.fact('subject')} overflowed {cause.fact('dtype')} "
+        f"(max {fmt(cause.fact('limit'))}): keep float32 master weights"
+    )
+
+
+def _eps_zero(cause: Cause) -> str:
+    subject = cause.fact("subject")
+    return (
+        f"where a gradient of {subject} is 0 (a parameter this batch did not use: an embedding row, a padded "
+        f"position) that is 0/0, giving {_counts(cause)}"
+    )
+
+
+def _eps_shown(cause: Cause) -> str:
+    eps = cause.fact("eps")
+    return fmt(eps) if eps is not None else "1e-8 (the default)"
+
+
+def _eps_zero_hint(cause: Cause) -> str:
+    return (
+        f"the {cause.fact('optimizer')} step divides by sqrt(v) + eps with eps = 0: {_eps_zero(cause)}; "
+        "use eps = 1e-8 (the default)"
+    )
+
+
+def _eps_rounds_hint(cause: Cause) -> str:
+    dtype = cause.fact("dtype")
+    fix = ("keep float32 master weights (float32 parameters under torch.autocast with a GradScaler) or use "
+           "eps >= 1e-4 in float16") if dtype == "float16" else f"use an eps that {dtype} holds"
+    return (
+        f"the {cause.fact('optimizer')} step divides by sqrt(v) + eps, and eps = {_eps_shown(cause)} rounds to 0 "
+        f"in {dtype} (smallest positive {fmt(cause.fact('smallest'))}): {_eps_zero(cause)}; {fix}"
+    )
+
+
+def _step_unmatched_hint(cause: Cause) -> str:
+    return (
+        f"the {cause.fact('optimizer')} step made {cause.fact('subject')} {_counts(cause)} from finite gradients in "
+        f"{cause.fact('dtype')}; no rule of the checklist matches"
+    )
+
+
+# -- the GradScaler (hot/optim.py) ---------------------------------------------------
+
+
+def _scaler_hint(cause: Cause) -> str:
+    return (
+        f"the GradScaler skipped {cause.fact('skipped')} steps in a row and its scale fell to "
+        f"{cause.fact('scale'):g}: the gradients are non-finite at any scale; find the backward producer named here"
+    )
+
+
+def _scaler_evidence(cause: Cause) -> tuple[str, ...]:
+    return (f"{cause.fact('skipped')} consecutive skipped steps", f"scale {cause.fact('scale'):g}")
+
+
+_READINGS: dict[str, _Reading] = {
+    "optimizer-lr": _Reading(_lr_hint, _lr_evidence),
+    "optimizer-state-overflow": _Reading(_state_overflow_hint, _step_facts, sentence=False),
+    "optimizer-update-overflow": _Reading(_update_overflow_hint, _step_facts),
+    "optimizer-eps-zero": _Reading(
+        _eps_zero_hint, lambda cause: (*_step_facts(cause), "eps = 0: sqrt(v) + eps is 0 where v is 0")
+    ),
+    "optimizer-eps-rounds": _Reading(
+        _eps_rounds_hint,
+        lambda cause: (*_step_facts(cause), f"{cause.fact('dtype')} cannot hold eps = {_eps_shown(cause)}"),
+    ),
+    "optimizer-unmatched": _Reading(_step_unmatched_hint, _step_facts),
+    "extreme-batch": _Reading(
+        _extreme_batch_hint,
+        lambda cause: (f"batch {cause.fact('batch')}: |x| up to {fmt(cause.fact('absmax'))}", _then(cause)),
+        sentence=False,
+    ),
+    "diverging": _Reading(_diverging_hint, lambda cause: (_growth(cause.fact("growth")), _then(cause))),
+    "grad-scaler-collapse": _Reading(_scaler_hint, _scaler_evidence),
+    # Legacy path: causes the diagnosis still writes as text (see explain/cause_text.legacy_cause).
+    LEGACY_TEXT: _Reading(lambda cause: cause.fact("hint"), lambda cause: tuple(cause.fact("evidence", ()))),
+}
