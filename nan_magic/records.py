@@ -415,7 +415,10 @@ class Report:
         restore(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))
+        data = _jsonable(dataclasses.asdict(self))
+        if self.cause is not None:  # its sentences too, for a reader of the JSON without nan_magic
+            data["cause"].update(hint=self.cause.hint, evidence=list(self.cause.evidence))
+        return data
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)

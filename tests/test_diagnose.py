@@ -307,6 +307,10 @@ def test_the_facts_survive_json_pickle_and_the_scene(tmp_path) -> None:
     assert (facts["optimizer"], facts["autograd_node"]) == ("Adam", None)
     assert pickle.loads(pickle.dumps(report)).optimizer == "Adam"
     assert report.scene is not None and nan_magic.load_scene(report.scene).report.optimizer == "Adam"
+    assert report.cause is not None and nan_magic.load_scene(report.scene).report.cause == report.cause
+    # The JSON holds the cause's kind, its plain facts and the sentences a reader without nan_magic needs.
+    assert facts["cause"]["label"] == report.cause.label and facts["cause"]["hint"] == report.cause.hint
+    assert facts["cause"]["evidence"] == list(report.cause.evidence) and facts["cause"]["facts"]
     torch.manual_seed(0)
     embed = nn.Linear(8, 4)
     anchor = torch.randn(3, 8)
