@@ -483,7 +483,8 @@ class SmallCNN(nn.Module):
         stages: list[nn.Module] = []
         cin = 3
         for cout, stride in ((16, 1), (32, 2), (32, 1), (64, 2)):
-            stages.append(nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()))
+            conv = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            stages.append(nn.Sequential(conv, nn.BatchNorm2d(cout), nn.ReLU()))
             cin = cout
         self.features = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)

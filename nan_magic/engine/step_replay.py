@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 import weakref
 from collections import deque
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 
 from nan_magic.engine.backward_replay import reentrant_checkpoints_inline, replay_backward
+from nan_magic.engine.buffer_copies import BufferCopies
 from nan_magic.engine.call_records import version_of
 from nan_magic.engine.diagnose import diagnose
 from nan_magic.engine.distributed import is_sharded
@@ -96,6 +98,8 @@ class RootCall:
     buffers: dict[int, torch.Tensor]
     versions: list[tuple[torch.Tensor, int]]
     buffer_versions: list[tuple[torch.Tensor, int]]
+    #: The buffers copied into ``buffers``, in order (a later call of the model reuses the copies: buffer_copies.py).
+    buffer_sources: list[torch.Tensor] = field(default_factory=list)
     #: The watch's record of the call.
     call: Call | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -153,11 +157,15 @@ class StepReplays:
         self._stepped: set[int] = set()
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
+        self._buffer_copies = BufferCopies()
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
-    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> None:
-        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record."""
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> RngState:
+        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record.
+
+        Returns the generators' state taken for it (the call's own replay uses the same).
+        """
         slots = self._slots.get(id(module))
         if slots is None:
             slots = self._slots[id(module)] = [
@@ -165,27 +173,31 @@ class StepReplays:
             ]
             self._trainable[id(module)] = _trainable(module)
         mutable = self._mutable.get(id(module))
-        buffers: dict[int, torch.Tensor] = {}
+        live: dict[int, torch.Tensor] = {}
         buffer_versions = []
         for owner, name in slots:
             buffer = owner._buffers.get(name)
             if buffer is None:
                 continue
             buffer_versions.append((buffer, version_of(buffer)))
-            if (mutable is None or id(buffer) in mutable) and id(buffer) not in buffers:
-                buffers[id(buffer)] = buffer.detach().clone()
+            if mutable is None or id(buffer) in mutable:
+                live[id(buffer)] = buffer
+        buffers = self._buffer_copies.take(module, live)
+        rng = capture_rng_state()
         self.calls.append(RootCall(
             module=module,
             info=info,
             args=args,
-            rng=capture_rng_state(),
+            rng=rng,
             grad_enabled=torch.is_grad_enabled(),
             autocast=capture_autocast(),
             buffers=buffers,
+            buffer_sources=list(live.values()),
             versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
             buffer_versions=buffer_versions,
             call=call,
         ))
+        return rng
 
     def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
         """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
@@ -213,6 +225,7 @@ class StepReplays:
         """The watch ends: nothing can need a replay any more."""
         self.calls.clear()
         self._stepped.clear()
+        self._buffer_copies.clear()
 
     def new_step(self, training: bool) -> None:
         """A step begins: inference steps drop the last call; training keeps the calls not yet stepped.
@@ -228,7 +241,7 @@ class StepReplays:
             # may still reach it (a GAN's generator called before the discriminator, while no optimizer
             # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
             waiting = [root for root in self.calls if root.awaits_backward()]
-            self.calls = deque(waiting, maxlen=MAX_CALLS)
+            self._keep(waiting)
         for module in {id(root.module): root.module for root in self.calls}.values():
             self._trainable[id(module)] = _trainable(module)
 
@@ -244,10 +257,16 @@ class StepReplays:
         per model, not a walk of its parameters each step), learned again
         for a call still waiting when the next step begins (new_step).
         """
-        self._stepped.update(id(parameter) for group in opt.param_groups for parameter in group["params"])
+        self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
         stepped = self._stepped
         waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
+        self._keep(waiting)
+
+    def _keep(self, waiting: list[RootCall]) -> None:
+        """Keep only the ``waiting`` calls; the buffer copies of the others are free for the next calls."""
         if len(waiting) != len(self.calls):
+            released = [root for root in self.calls if not any(root is kept for kept in waiting)]
+            self._buffer_copies.recycle((root.module, root.buffer_sources, root.buffers) for root in released)
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
     def _latest(self, module: nn.Module) -> RootCall | None:
