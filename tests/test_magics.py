@@ -238,7 +238,8 @@ def test_tb_shows_the_full_traceback(ip, ns) -> None:
     assert "Traceback (most recent call last)" in captured.stdout
     assert "loss = model(x).abs().mean()" in captured.stdout
     assert "return torch.log(h)" in captured.stdout  # the producer's frame, from the replay
-    assert "nan_magic" + "/engine" not in captured.stdout  # our hook's frames were cut
+    engine = ("hot", "localize", "lifecycle", "explain", "errors", "scene", "patches", "distributed")
+    assert not [part for part in engine if f"nan_magic/{part}/" in captured.stdout]  # our hook's frames were cut
 
 
 def test_bare_nanwatch_watches_the_rest_of_the_cell_with_every_target(ip, ns) -> None:

@@ -1,0 +1,195 @@
+"""Source pointers and tracebacks that end in the user's code.
+
+The watch raises from inside a hook, several frames below the user's code
+(torch's ``Module._call_impl``, then our hook). ``%debug`` and
+``pdb.post_mortem`` open the *last* frame of the traceback, so we cut the
+traceback after the last frame that belongs to the user: that is the line
+that called the producing module (or ``loss.backward()``, or ``opt.step()``),
+with its locals.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+from types import CodeType, FrameType, TracebackType
+from typing import Any
+
+import torch
+
+from nan_magic.locations import name_location
+from nan_magic.records import SourcePointer
+
+__all__ = [
+    "end_at_producer",
+    "frames_of",
+    "is_library_file",
+    "last_user_frame",
+    "pointer",
+    "pointer_at",
+    "short_traceback",
+    "trim_to_user_code",
+    "user_frames_of",
+]
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module_file)) + os.sep
+    for module_file in (torch.__file__, os.path.dirname(__file__))
+)
+# Frames that are plumbing rather than the user's code: the context manager
+# protocol, decorators, importlib, the IPython kernel that runs the cell,
+# pytest and runpy (which run the user's tests and scripts).
+_PLUMBING_FILES = (
+    "contextlib.py",
+    "functools.py",
+    "<frozen ",
+    f"{os.sep}IPython{os.sep}",
+    f"{os.sep}ipykernel{os.sep}",
+    f"{os.sep}_pytest{os.sep}",
+    f"{os.sep}pluggy{os.sep}",
+    f"{os.sep}runpy.py",
+)
+
+
+def is_library_file(filename: str) -> bool:
+    """True for torch's and nan_magic's own files and Python plumbing."""
+    if filename.startswith(_LIBRARY_DIRS) or os.path.abspath(filename).startswith(_LIBRARY_DIRS):
+        return True
+    return any(marker in filename for marker in _PLUMBING_FILES)
+
+
+def pointer(frame: FrameType, lineno: int | None = None) -> SourcePointer:
+    """A :class:`SourcePointer` for a live frame (``lineno`` defaults to its current line)."""
+    return pointer_at(frame.f_code, frame.f_lineno if lineno is None else lineno, frame.f_globals)
+
+
+def pointer_at(code: CodeType, lineno: int, module_globals: dict[str, Any] | None) -> SourcePointer:
+    """A :class:`SourcePointer` for line ``lineno`` of ``code`` (a frame's, or one recorded earlier)."""
+    text = linecache.getline(code.co_filename, lineno, module_globals).strip() or None
+    return SourcePointer(code.co_filename, lineno, code.co_name, text)
+
+
+def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
+    """Cut ``tb`` after its last user frame, in place; return that entry.
+
+    Returns ``None`` (and leaves ``tb`` alone) when no entry is user code.
+    """
+    last_user = _last_user_entry(tb)
+    if last_user is not None:
+        last_user.tb_next = None
+    return last_user
+
+
+def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
+    return _last_user_entries(tb)[1]
+
+
+def _last_user_entries(tb: TracebackType | None) -> tuple[TracebackType | None, TracebackType | None]:
+    """The last entry of ``tb`` that is user code, and the entry before it (None for the first)."""
+    before = last_user = None
+    previous = None
+    while tb is not None:
+        if not is_library_file(tb.tb_frame.f_code.co_filename):
+            before, last_user = previous, tb
+        previous = tb
+        tb = tb.tb_next
+    return before, last_user
+
+
+def end_at_producer(
+    tb: TracebackType | None, producer: FrameType | None, position: tuple[int, int] | None = None
+) -> TracebackType | None:
+    """Cut ``tb`` after its last user frame, then end it at the producer's frame; return the last entry.
+
+    ``producer`` is the frame that ran the producing op when the traceback
+    does not reach it: a replay found the op (replay.py) after the module
+    had returned. Appended, it is where ``%debug`` and ``pdb.post_mortem``
+    open, with the producer's locals. ``position`` is ``(f_lasti, f_lineno)``
+    when the op ran, where the frame ran on after it (a replay of a whole
+    step continues to its end). When the traceback's last user frame is the
+    producer's but stands at a later line (ops mode raises where the op's
+    value reached a boundary: ``return self.out(r)`` after ``r = h / 0``),
+    that entry is replaced by one at ``position``, so that %debug opens on the
+    op's line as in the default mode. Calling it again changes nothing.
+    """
+    before, last = _last_user_entries(tb)
+    if last is None:
+        return None
+    last.tb_next = None
+    if producer is None:
+        return last
+    if last.tb_frame is producer:
+        if position is None or before is None or (last.tb_lasti, last.tb_lineno) == position:
+            return last  # the first entry cannot be replaced (the exception holds it): it stays
+        before.tb_next = TracebackType(None, producer, *position)
+        return before.tb_next
+    lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
+    last.tb_next = TracebackType(None, producer, lasti, lineno)
+    return last.tb_next
+
+
+def last_user_frame(tb: TracebackType | None) -> FrameType | None:
+    """The innermost frame of ``tb`` that is the user's code, or None."""
+    entry = _last_user_entry(tb)
+    return entry.tb_frame if entry is not None else None
+
+
+def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
+    """Source pointers of every entry of a traceback, outermost first."""
+    pointers = []
+    while tb is not None:
+        pointers.append(pointer(tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return tuple(pointers)
+
+
+def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
+    """Like :func:`frames_of`, keeping only the user's own frames."""
+    return tuple(p for p in frames_of(tb) if not is_library_file(p.filename))
+
+
+def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePointer | None) -> list[str]:
+    """The short error: the headline, the user's frames, the producer's line.
+
+    What a notebook shows first when a watched cell stops (IPython prints it
+    through ``NonFiniteError._render_traceback_``): no frame of torch, of
+    nan_magic or of IPython's plumbing, locations named as IPython names
+    them (``Cell In[5], line 14``), so the report below stays on the first screen.
+    """
+    frames = list(user_frames_of(tb))
+    at_producer = producer is not None and (producer.filename, producer.lineno) in {
+        (frame.filename, frame.lineno) for frame in frames
+    }
+    if producer is not None and not at_producer:
+        frames.append(producer)
+
+    def lines_of(frame: SourcePointer) -> list[str]:
+        is_producer = producer is not None and (frame.filename, frame.lineno) == (producer.filename, producer.lineno)
+        return _frame_lines(frame, "producer: " if is_producer else "")
+
+    lines = [headline]
+    if len(frames) > _MAX_SHORT_FRAMES:
+        # The outermost two (the cell's own lines) and the innermost ones (nearest the producer).
+        hidden = len(frames) - _MAX_SHORT_FRAMES + 1
+        for frame in frames[:2]:
+            lines.extend(lines_of(frame))
+        lines.append(f"    ... {hidden} more frames (%tb shows them)")
+        frames = frames[2 + hidden:]
+    for frame in frames:
+        lines.extend(lines_of(frame))
+    lines.append("%tb shows the full traceback, %debug opens the debugger")
+    return lines
+
+
+_MAX_SHORT_FRAMES = 5
+
+
+def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
+    where = name_location(frame.filename, frame.lineno)
+    # A cell's top level: IPython 7 names its code "<cell line: 0>", IPython 9 "<module>".
+    if frame.function != "<module>" and not frame.function.startswith("<cell line:"):
+        where += f", in {frame.function}"
+    lines = [prefix + where]
+    if frame.line:
+        lines.append(f"    {frame.line.strip()}")
+    return lines
