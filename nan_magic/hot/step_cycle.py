@@ -35,12 +35,12 @@ from nan_magic.distributed.ranks import data_parallel_paths, launched, user_name
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.early import EarlyWarnings
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.stats import read_scalars
 from nan_magic.hot.step_log import StepLog
 from nan_magic.lifecycle.events import Events
-from nan_magic.lifecycle.findings import Finding
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.step_replay import StepReplays
