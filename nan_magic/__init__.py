@@ -20,11 +20,15 @@ from nan_magic.records import (
     Report,
     SourcePointer,
     StepSummary,
+    TensorRef,
+    TensorRole,
     TensorStats,
     WatchConfig,
     install_views,
 )
+from nan_magic.render.names import tensor_label
 from nan_magic.scene.load import Scene, load_scene
+from nan_magic.tensor_refs import install_labeler
 from nan_magic.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -43,6 +47,8 @@ __all__ = [
     "Scene",
     "SourcePointer",
     "StepSummary",
+    "TensorRef",
+    "TensorRole",
     "TensorStats",
     "Watch",
     "WatchConfig",
@@ -69,6 +75,11 @@ class _Views:
 
         return render_text(report)
 
+    def message(self, report: Report) -> str:
+        from nan_magic.render.message import report_message
+
+        return report_message(report)
+
     def html(self, report: Report) -> str:
         from nan_magic.render.html import render_html
 
@@ -86,6 +97,8 @@ class _Views:
 
 
 install_views(_Views())
+# A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).
+install_labeler(tensor_label)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -14,9 +14,15 @@ import torch
 
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.rng import RngState
-from nan_magic.records import AbsorbedOp, Cause, Phase, SourcePointer, TensorStats
+from nan_magic.records import AbsorbedOp, Cause, Phase, SourcePointer, TensorRef, TensorRole, TensorStats
 
-__all__ = ["Finding", "mark_deliberate", "named_inputs"]
+__all__ = ["Finding", "mark_deliberate", "named_inputs", "record_ref"]
+
+
+def record_ref(record: TensorRecord, role: TensorRole = TensorRole.MODULE_OUTPUT) -> TensorRef:
+    """The reference of a recorded tensor: its own, or ``role`` at its path (a call's output or argument)."""
+    path = record.path
+    return path if isinstance(path, TensorRef) else TensorRef(role, path=path or "output")
 
 
 @dataclass
@@ -29,15 +35,15 @@ class Finding:
 
     phase: Phase
     call: Call | None
-    tensor: str
+    tensor: TensorRef
     bad: torch.Tensor | None = None
     record: TensorRecord | None = None
     step: int | None = None
     # RNG state right before the producer module's call (for the scene's replay).
     rng_state: RngState | None = None
-    input_stats: list[tuple[str, TensorStats]] = field(default_factory=list)
+    input_stats: list[tuple[TensorRef, TensorStats]] = field(default_factory=list)
     bad_stats: TensorStats | None = None
-    inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    inputs: list[tuple[TensorRef, torch.Tensor]] = field(default_factory=list)
     inputs_finite: bool = True
     benign: bool = False
     module: str | None = None
@@ -49,7 +55,7 @@ class Finding:
     notes: list[str] = field(default_factory=list)
     # Where a replay named the op: the module output the check saw, as
     # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
-    module_output: tuple[str, TensorStats, torch.Tensor | None] | None = None
+    module_output: tuple[TensorRef, TensorStats, torch.Tensor | None] | None = None
     # The replay's frame that ran the producing op (replay.py), for %debug, and its
     # ``(f_lasti, f_lineno)`` when the op ran, where the frame ran on after it.
     frame: FrameType | None = None
@@ -78,11 +84,11 @@ def mark_deliberate(finding: Finding, how: str) -> Finding:
     return finding
 
 
-def named_inputs(call: Call) -> list[tuple[str, torch.Tensor]]:
+def named_inputs(call: Call) -> list[tuple[TensorRef, torch.Tensor]]:
     """The inputs of ``call`` still alive, detached, by path: a finding's inputs."""
     named = []
     for path, _record, ref, _version in call.inputs:
         tensor = ref()
         if tensor is not None:
-            named.append((path, tensor.detach()))
+            named.append((TensorRef.argument(path), tensor.detach()))
     return named

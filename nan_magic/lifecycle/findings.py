@@ -19,6 +19,7 @@ from nan_magic.records import (
     Report,
     Sample,
     StepSummary,
+    TensorRef,
     TensorStats,
     sample_label,
 )
@@ -45,7 +46,7 @@ def _nearby_samples(log: StepLog, producer: TensorRecord | None, size: int) -> l
         if tensor is None or record.call is None:
             continue
         name = record.call.name if record.call.name is not None else "loss"
-        samples.append(sample_values(tensor, sample_label(name, record.path), size, producer=False))
+        samples.append(sample_values(tensor, sample_label(name, str(record.path)), size, producer=False))
         if len(samples) == NEARBY_LAYERS:
             break
     return samples[::-1]
@@ -66,19 +67,19 @@ def build_report(
     if stats is None and finding.bad is not None:
         stats = tensor_stats(finding.bad)
     samples: list[Sample] = []
-    input_stats: list[tuple[str, TensorStats]] = []
-    for name, tensor in finding.inputs:
-        input_stats.append((name, tensor_stats(tensor)))
-        samples.append(sample_values(tensor, f"{name}", sample_size))
+    input_stats: list[tuple[TensorRef, TensorStats]] = []
+    for ref, tensor in finding.inputs:
+        input_stats.append((ref, tensor_stats(tensor)))
+        samples.append(sample_values(tensor, str(ref), sample_size, ref=ref))
     input_stats.extend(finding.input_stats)
     if finding.bad is not None:
-        samples.append(sample_values(finding.bad, finding.tensor, sample_size))
+        samples.append(sample_values(finding.bad, str(finding.tensor), sample_size, ref=finding.tensor))
     module_output = None
     if finding.module_output is not None:
         name, module_stats, module_tensor = finding.module_output
         module_output = (name, module_stats)
         if module_tensor is not None:
-            samples.append(sample_values(module_tensor, sample_label(finding.module, name), sample_size))
+            samples.append(sample_values(module_tensor, sample_label(finding.module, str(name)), sample_size, ref=name))
     samples.extend(_nearby_samples(log, finding.record, sample_size // 4))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"

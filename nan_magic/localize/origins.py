@@ -22,7 +22,7 @@ import torch
 
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import tensor_stats
-from nan_magic.records import AbsorbedOp, Phase, SourcePointer, TensorStats
+from nan_magic.records import AbsorbedOp, Phase, SourcePointer, TensorRef, TensorRole, TensorStats
 
 __all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "apply_op_finding", "attach_origin", "dense"]
 
@@ -66,10 +66,10 @@ class OpFinding:
     output_stats
         Statistics of that output.
     input_stats
-        ``(label, stats)`` of every tensor input, labelled by schema argument
-        name (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an
-        in-place op's mutated tensor before the op is ``"self (before)"`` and
-        is known only through its probe (counts of a present kind are None).
+        ``(operand, stats)`` of every tensor input, named by schema argument
+        (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an in-place
+        op's mutated tensor before the op is marked ``before`` and is known
+        only through its probe (counts of a present kind are None).
     scalars
         ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
     backward_code
@@ -97,7 +97,7 @@ class OpFinding:
     neginf: int
     numel: int
     output_stats: TensorStats
-    input_stats: tuple[tuple[str, TensorStats], ...]
+    input_stats: tuple[tuple[TensorRef, TensorStats], ...]
     scalars: tuple[tuple[str, float], ...]
     absorbed: OpFinding | None = None
     backward_code: bool = False
@@ -214,6 +214,8 @@ def apply_op_finding(
     inputs, used for histograms.
     """
     finding.op = op.op
+    # The tracer keeps the op's output, then its operands by schema name.
+    operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:
         inner = op.absorbed
         finding.absorbed = AbsorbedOp(inner.op, inner.module, inner.source, inner.nan, inner.posinf, inner.neginf)
@@ -243,10 +245,10 @@ def apply_op_finding(
         finding.inputs_finite = True
         if tensors:
             finding.bad = tensors[0][1]
-            finding.inputs.extend(tensors[1:])
+            finding.inputs.extend(operands)
             # Inputs freed before the boundary where the op's value was claimed: their stats at the op.
-            alive = {label for label, _tensor in tensors}
-            finding.input_stats.extend((label, stats) for label, stats in op.input_stats if label not in alive)
+            alive = {ref for ref, _tensor in operands}
+            finding.input_stats.extend((ref, stats) for ref, stats in op.input_stats if ref not in alive)
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
@@ -261,10 +263,10 @@ def apply_op_finding(
         module_stats = finding.bad_stats if bad is None else tensor_stats(bad)
         if module_stats is not None:
             finding.module_output = (finding.tensor, module_stats, bad)
-        finding.tensor = f"{op.tensor} of {op.op}"
+        finding.tensor = TensorRef.op_output(op.op, op.tensor)
         if tensors:
             finding.bad, finding.bad_stats = tensors[0][1], None
-            finding.inputs.extend(tensors[1:])
+            finding.inputs.extend(operands)
         else:
             finding.bad, finding.bad_stats = None, op.output_stats
             finding.input_stats.extend(op.input_stats)
