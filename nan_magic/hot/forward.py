@@ -30,13 +30,13 @@ from torch import nn
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.held import hold_arguments
 from nan_magic.hot.module_hooks import is_compiled, may_step_aside
+from nan_magic.hot.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.localize.call_replay import CallReplay, Frame
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.producer import ProducerRule
-from nan_magic.localize.replay import capture_autocast, capture_rng_state
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflattened_name, user_name
-from nan_magic.hot.call_records import version_of
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
 from nan_magic.hot.iterations import Iterations
 from nan_magic.hot.stats import (
@@ -59,9 +59,9 @@ from nan_magic.hot.stats import (
     norms,
     read_scalars,
     relevant_kinds,
+    version_of,
 )
 from nan_magic.hot.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
-from nan_magic.lifecycle.findings import Finding
 from nan_magic.records import Cause, Phase, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -58,11 +58,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
+from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
 from nan_magic.localize.op_plans import run_op
 from nan_magic.localize.op_sources import user_frame
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
-from nan_magic.localize.replay import RngState, capture_rng_state, generators_at, map_tensors
+from nan_magic.localize.replay import map_tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]

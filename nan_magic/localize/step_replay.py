@@ -41,9 +41,10 @@ import itertools
 import sys
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -51,29 +52,23 @@ from torch import nn
 from nan_magic.distributed.ranks import is_sharded
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.buffer_copies import BufferCopies
-from nan_magic.hot.call_records import version_of
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.held import running_arguments
-from nan_magic.hot.stats import iter_tensors, tensor_stats
-from nan_magic.lifecycle.findings import Finding
-from nan_magic.localize.backward_replay import reentrant_checkpoints_inline, replay_backward
-from nan_magic.localize.replay import (
-    AutocastState,
-    RngState,
-    capture_autocast,
-    capture_rng_state,
-    copy_tensors,
-    generators_at,
-    swapped_buffers,
-)
+from nan_magic.hot.rng import AutocastState, RngState, capture_autocast, capture_rng_state, generators_at
+from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
+from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
+from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.untouched import untouched
-from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats, WatchConfig
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.errors.exceptions import NonFiniteError
     from nan_magic.hot.call_records import Call
-    from nan_magic.hot.targets import ModuleInfo
-    from nan_magic.lifecycle.watch import Watch
+    from nan_magic.hot.targets import ModuleInfo, Targets
+    from nan_magic.localize.call_replay import CallReplay
+    from nan_magic.records import EarlyWarning, StepSummary
 
-__all__ = ["Producer", "RootCall", "StepReplays", "replay_target"]
+__all__ = ["NestedWatch", "Producer", "ReplayHost", "RootCall", "StepReplays", "replay_target"]
 
 #: The frame that ran a producing op, and where it was then: ``(frame, (f_lasti, f_lineno))`` (frames.py).
 Producer = tuple[FrameType | None, tuple[int, int] | None]
@@ -144,11 +139,49 @@ def replay_target(module: nn.Module) -> nn.Module | None:
     return unwrapped
 
 
+class _Cycle(Protocol):
+    def training(self) -> bool: ...
+
+
+class ReplayHost(Protocol):
+    """What a step replay reads of the watch it replays for (lifecycle/watch.py)."""
+
+    @property
+    def config(self) -> WatchConfig: ...
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def cycle(self) -> _Cycle: ...
+
+    @property
+    def call_replay(self) -> CallReplay: ...
+
+    @property
+    def raised(self) -> NonFiniteError | None: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def history(self) -> Iterable[StepSummary]: ...
+
+    @property
+    def warnings(self) -> Iterable[EarlyWarning]: ...
+
+
+#: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
+#: ValueError when the model cannot be replayed (a compiled submodule inside).
+NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
+
+
 class StepReplays:
     """The top-level calls of the current step, and their replay at an event."""
 
-    def __init__(self, watch: Watch) -> None:
+    def __init__(self, watch: ReplayHost, nested: NestedWatch) -> None:
         self.watch = watch
+        self._nested = nested
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -358,8 +391,6 @@ class StepReplays:
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> _Outcome:
         """Run ``root`` again under a nested full watch with op-level tracing."""
-        from nan_magic.lifecycle.watch import Watch  # the nested watch is a watch like any other
-
         model = self._model_of(root.module)
         target = replay_target(root.module)
         if target is None or model is None:
@@ -370,7 +401,7 @@ class StepReplays:
         )
         try:
             # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-            inner = Watch([model], labels=[root.info.model], config=config, replay_of=self.watch)
+            inner = self._nested(model, root.info.model, config)
         except ValueError as refused:  # a compiled submodule inside: its graph cannot be replayed eagerly
             return _Outcome(why_not=str(refused))
         outcome = _Outcome()
