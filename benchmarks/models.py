@@ -442,3 +442,84 @@ def build(name: str, device: torch.device | str = "cpu", seed: int = 0) -> Bench
     bench = BUILDERS[name](torch.device(device))
     bench.model.train()
     return bench
+
+
+# ------------------------------------------------------------------ launch-bound models
+#
+# Tiny models whose training step, on one CPU thread, is a few milliseconds made of many
+# small ops: dispatch and Python dominate, as on a launch-bound GPU step (a small model on a
+# Colab T4, a large one at batch 1). benchmarks/launch_bound.py times them; what a watch
+# adds per step and per module call shows there undiluted.
+
+
+def _tiny_lm(device: torch.device) -> Benchmark:
+    config = GPT2Config(layers=6, hidden=32, heads=4, ffn=128, vocab=256, seq=16)
+    return gpt2_benchmark(device, config, batch=2, name="tiny_lm")
+
+
+def _deep_mlp(device: torch.device) -> Benchmark:
+    width, depth, classes, batch = 64, 16, 10, 16
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(width, classes)).to(device)
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(0, classes, (batch,), device=device)
+
+    def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(m(x), y)
+
+    return Benchmark(
+        "deep_mlp", f"MLP, {depth}x Linear({width}) + LayerNorm + ReLU, batch {batch}, Adam", model,
+        torch.optim.Adam(model.parameters(), lr=1e-4), (x, y), loss_fn,
+    )
+
+
+class SmallCNN(nn.Module):
+    """Four conv + BatchNorm + ReLU stages, global pooling and a linear head."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        stages: list[nn.Module] = []
+        cin = 3
+        for cout, stride in ((16, 1), (32, 2), (32, 1), (64, 2)):
+            conv = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            stages.append(nn.Sequential(conv, nn.BatchNorm2d(cout), nn.ReLU()))
+            cin = cout
+        self.features = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
+def _small_cnn(device: torch.device) -> Benchmark:
+    classes, batch, size = 10, 8, 16
+    model = SmallCNN(classes).to(device)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, classes, (batch,), device=device)
+
+    def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(m(x), y)
+
+    return Benchmark(
+        "small_cnn", f"CNN, 4x Conv + BatchNorm + ReLU, batch {batch}, {size}x{size}, SGD momentum", model,
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), (x, y), loss_fn,
+    )
+
+
+#: The launch-bound regime's models (benchmarks/launch_bound.py): name -> builder.
+LAUNCH_BOUND: dict[str, Callable[[torch.device], Benchmark]] = {
+    "tiny_lm": _tiny_lm,
+    "deep_mlp": _deep_mlp,
+    "small_cnn": _small_cnn,
+}
+
+
+def build_launch_bound(name: str, device: torch.device | str = "cpu", seed: int = 0) -> Benchmark:
+    """Build launch-bound model ``name`` (:data:`LAUNCH_BOUND`) as :func:`build` builds the others."""
+    torch.manual_seed(seed)
+    bench = LAUNCH_BOUND[name](torch.device(device))
+    bench.model.train()
+    return bench

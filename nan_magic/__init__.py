@@ -7,7 +7,7 @@ In IPython, ``%load_ext nan_magic`` adds ``%%nantrace`` and ``%nanwatch``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.lifecycle.watch import Watch, watch
@@ -24,8 +24,15 @@ from nan_magic.records import (
     TensorRole,
     TensorStats,
     WatchConfig,
+    install_views,
 )
+from nan_magic.render.names import tensor_label
 from nan_magic.scene.load import Scene, load_scene
+from nan_magic.tensor_refs import install_labeler
+from nan_magic.version import __version__
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import pandas as pd
 
 __all__ = [
     "Cause",
@@ -45,6 +52,7 @@ __all__ = [
     "TensorStats",
     "Watch",
     "WatchConfig",
+    "__version__",
     "guard_checkpoints",
     "load_ipython_extension",
     "load_scene",
@@ -52,7 +60,45 @@ __all__ = [
     "watch",
 ]
 
-__version__ = "0.1.0"
+
+
+class _Views:
+    """A Report's views: rendering and the roll-back, imported on first use (``import nan_magic`` stays light)."""
+
+    def table(self, report: Report) -> pd.DataFrame:
+        from nan_magic.render.table import layer_table
+
+        return layer_table(report)
+
+    def text(self, report: Report) -> str:
+        from nan_magic.render.text import render_text
+
+        return render_text(report)
+
+    def message(self, report: Report) -> str:
+        from nan_magic.render.message import report_message
+
+        return report_message(report)
+
+    def html(self, report: Report) -> str:
+        from nan_magic.render.html import render_html
+
+        return render_html(report)
+
+    def mimebundle(self, report: Report) -> dict[str, Any]:
+        from nan_magic.render.display import mimebundle
+
+        return mimebundle(report)
+
+    def restore(self, report: Report) -> None:
+        from nan_magic.scene.last_good import restore
+
+        restore(report)
+
+
+install_views(_Views())
+# A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).
+install_labeler(tensor_label)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -15,7 +15,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nan_magic.locations import name_location
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
@@ -377,29 +377,22 @@ class Report:
     @property
     def message(self) -> str:
         """The one-line summary used as the exception message (written by :mod:`nan_magic.render.message`)."""
-        from nan_magic.render.message import report_message
+        return _views().message(self)
 
-        return report_message(self)
-
-    # -- views (renderers are imported lazily: `import nan_magic` stays light) --
+    # -- views: render/ and scene/ sit above the records, so they are reached through
+    # -- the ReportViews that nan_magic/__init__.py installs (see install_views) --
 
     @property
     def table(self) -> pd.DataFrame:
         """Per-layer statistics of the failing step as a pandas DataFrame."""
-        from nan_magic.render.table import layer_table
-
-        return layer_table(self)
+        return _views().table(self)
 
     def to_text(self) -> str:
-        from nan_magic.render.text import render_text
-
-        return render_text(self)
+        return _views().text(self)
 
     def to_html(self, path: str | None = None) -> str:
         """A self-contained HTML report; also written to ``path`` if given."""
-        from nan_magic.render.html import render_html
-
-        html = render_html(self)
+        html = _views().html(self)
         if path is not None:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(html)
@@ -410,9 +403,7 @@ class Report:
 
         Needs a watch with ``keep_last_good``; see :mod:`nan_magic.scene.last_good`.
         """
-        from nan_magic.scene.last_good import restore
-
-        restore(self)
+        _views().restore(self)
 
     def to_dict(self) -> dict[str, Any]:
         data = _jsonable(dataclasses.asdict(self))
@@ -430,9 +421,36 @@ class Report:
         printer.text("Report(...)" if cycle else self.to_text())
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        from nan_magic.render.display import mimebundle
+        return _views().mimebundle(self)
 
-        return mimebundle(self)
+
+class ReportViews(Protocol):
+    """What a :class:`Report`'s views call: rendering and the roll-back, which sit above the records."""
+
+    def table(self, report: Report) -> pd.DataFrame: ...
+
+    def text(self, report: Report) -> str: ...
+
+    def message(self, report: Report) -> str: ...
+
+    def html(self, report: Report) -> str: ...
+
+    def mimebundle(self, report: Report) -> dict[str, Any]: ...
+
+    def restore(self, report: Report) -> None: ...
+
+
+_installed: list[ReportViews] = []
+
+
+def install_views(views: ReportViews) -> None:
+    """Serve every Report's views from ``views`` (``nan_magic/__init__.py`` does, on import)."""
+    _installed[:] = [views]
+
+
+def _views() -> ReportViews:
+    # nan_magic/__init__.py runs before any of its modules and installs them.
+    return _installed[0]
 
 
 def _jsonable(value: Any) -> Any:

@@ -8,9 +8,10 @@ Stdlib only; :mod:`nan_magic.records` re-exports them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["LOSS", "OUTPUT", "TensorRef", "TensorRole"]
+__all__ = ["LOSS", "OUTPUT", "TensorRef", "TensorRole", "install_labeler"]
 
 
 class TensorRole(str, enum.Enum):
@@ -88,12 +89,20 @@ class TensorRef:
         return self.role is TensorRole.INPUT
 
     def __str__(self) -> str:
-        from nan_magic.render.names import tensor_label
-
-        return tensor_label(self)
+        return _labeler[0](self)
 
 
 #: The loss, as every report names it.
 LOSS = TensorRef(TensorRole.LOSS)
 #: A module's whole output, the tensor a report names by default.
 OUTPUT = TensorRef(TensorRole.MODULE_OUTPUT, path="output")
+
+
+#: Writes a reference's label: render/names.py's ``tensor_label``, which ``nan_magic/__init__.py``
+#: installs on import (render/ sits above the records and may not be imported from here).
+_labeler: list[Callable[[TensorRef], str]] = []
+
+
+def install_labeler(labeler: Callable[[TensorRef], str]) -> None:
+    """Label every TensorRef with ``labeler`` (its ``str``)."""
+    _labeler[:] = [labeler]

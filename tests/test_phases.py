@@ -490,15 +490,24 @@ def _wide_model() -> nn.Module:
 
 
 def _cold_sizes(monkeypatch) -> list[list[int]]:
-    """The sizes of the gradients each optimizer step had to measure itself (not in backward)."""
+    """The sizes of the gradients each optimizer step had to measure itself (not in backward).
+
+    One list per measuring call: a norm per gradient (``stats.norms``) or one over
+    the small ones concatenated (``optim._flatten``).
+    """
     cold: list[list[int]] = []
     in_step = []
-    real_norms, real_pre = optim.norms, optim.OptimizerChecks.on_step_pre
+    real_norms, real_flatten, real_pre = optim.norms, optim._flatten, optim.OptimizerChecks.on_step_pre
 
     def recording(tensors, *, finiteness_only=False):
         if in_step and not finiteness_only:
             cold.append(sorted(tensor.numel() for tensor in tensors))
         return real_norms(tensors, finiteness_only=finiteness_only)
+
+    def flattening(tensors):
+        if in_step:
+            cold.append(sorted(tensor.numel() for tensor in tensors))
+        return real_flatten(tensors)
 
     def pre(self, *args):
         in_step.append(True)
@@ -508,6 +517,7 @@ def _cold_sizes(monkeypatch) -> list[list[int]]:
             in_step.pop()
 
     monkeypatch.setattr(optim, "norms", recording)
+    monkeypatch.setattr(optim, "_flatten", flattening)
     monkeypatch.setattr(optim.OptimizerChecks, "on_step_pre", pre)
     return cold
 

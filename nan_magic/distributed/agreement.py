@@ -81,7 +81,7 @@ import itertools
 import pickle
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -90,10 +90,18 @@ from nan_magic.distributed.ranks import process_group
 from nan_magic.errors.exceptions import NonFiniteError, PeerNonFiniteError
 from nan_magic.records import Phase, Report
 
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.findings import Finding
+__all__ = ["EXIT_WAIT_S", "Agreement", "Finding"]
 
-__all__ = ["EXIT_WAIT_S", "Agreement"]
+
+class Finding(Protocol):
+    """What agreement reads of the engine's finding (hot/finding.py): a phase, and the module call, if any."""
+
+    @property
+    def phase(self) -> Phase: ...
+
+    @property
+    def call(self) -> object | None: ...
+
 
 #: How telling a rank's event is: a producer on that rank beats a non-finite
 #: parameter gradient seen at the step, which may have arrived through DDP's all-reduce.

@@ -17,22 +17,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.hot.stats import WIDE_FLOATS, finite_stats, probe, probe_kinds, probe_stats, readable, tensor_stats
+from nan_magic.hot.stats import (
+    WIDE_FLOATS,
+    finite_stats,
+    probe,
+    probe_kinds,
+    probe_stats,
+    readable,
+    tensor_stats,
+    version_of,
+)
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.hot.held import HeldArguments
-    from nan_magic.localize.replay import AutocastState, RngState
+    from nan_magic.hot.rng import AutocastState, RngState
 
-__all__ = ["Alias", "Call", "KnownFinite", "TensorRecord", "consumer_of", "gradient_label", "version_of"]
+__all__ = ["Alias", "Call", "KnownFinite", "TensorRecord", "consumer_of", "gradient_label"]
 
 _NONE: frozenset[str] = frozenset()
-
-
-def version_of(tensor: torch.Tensor) -> int:
-    """In-place version counter; inference tensors have none (they read as 0)."""
-    return 0 if tensor.is_inference() else tensor._version
 
 
 class TensorRecord:

@@ -30,13 +30,13 @@ from torch import nn
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.held import hold_arguments
 from nan_magic.hot.module_hooks import is_compiled, may_step_aside
+from nan_magic.hot.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.localize.call_replay import CallReplay, Frame
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.producer import ProducerRule
-from nan_magic.localize.replay import capture_autocast, capture_rng_state
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,13 +100,15 @@ class ForwardChecks:
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
-        if top_level and self.watch.replays is not None:
-            self.watch.replays.begin(module, info, call, args)
-        self._note_inputs(call, args, "input")
         # The generators' state before the call, so a replay draws the same
         # dropout mask (a few microseconds; only where a replay can happen and
-        # the module may draw random numbers).
-        rng = capture_rng_state() if self.replayer.can_replay and not info.deterministic else None
+        # the module may draw random numbers). A top-level call's is the step replay's.
+        rng = None
+        if top_level and self.watch.replays is not None:
+            rng = self.watch.replays.begin(module, info, call, args)
+        self._note_inputs(call, args, "input")
+        if rng is None and self.replayer.can_replay and not info.deterministic:
+            rng = capture_rng_state()
         self.stack.append(Frame(module, info, call, rng))
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None)

@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nan_magic.hot.call_records import Call, TensorRecord, consumer_of, gradient_label
+from nan_magic.hot.finding import Finding, record_ref
 from nan_magic.hot.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
-from nan_magic.lifecycle.findings import Finding, attach_origin, record_ref
 from nan_magic.localize.entering import entering_tensors, saved_leaves
 from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.origins import attach_origin
 from nan_magic.records import LOSS, Phase, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover

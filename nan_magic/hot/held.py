@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import version_of
+from nan_magic.hot.stats import version_of
 
 __all__ = ["Classify", "HeldArguments", "Regenerate", "Resolved", "hold_arguments", "running_arguments"]
 

@@ -37,6 +37,7 @@ gives the argument and the conditions).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import weakref
 from collections.abc import Callable
@@ -46,7 +47,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflattened_name, user_name
-from nan_magic.hot.call_records import version_of
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
 from nan_magic.hot.iterations import Iterations
 from nan_magic.hot.stats import (
@@ -58,9 +59,9 @@ from nan_magic.hot.stats import (
     norms,
     read_scalars,
     relevant_kinds,
+    version_of,
 )
 from nan_magic.hot.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
-from nan_magic.lifecycle.findings import Finding
 from nan_magic.records import Cause, Phase, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,27 +151,80 @@ class OptimizerChecks:
         # contiguous wide gradient takes norms()' dot, called directly.
         self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), dot_norm(grad))
 
-    def _gradients(self, layout: Layout) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
-        """The gradients about to be applied, with their norms: taken in backward if unchanged since, else now."""
+    def _gradient_norms(self, layout: Layout) -> list[torch.Tensor]:
+        """The norms of the gradients about to be applied, as 0-d tensors not read yet (the hot path).
+
+        Per (device, dtype) group of the layout's parameters, a fused
+        ``_foreach_norm`` (one kernel on a GPU), or on the CPU for float32 and
+        float64 one dot over their concatenation: the group's norm, finite
+        exactly when each gradient is, and below :data:`BOUNDED_GRAD_NORM`
+        only when each is. For each large CPU gradient, the norm taken in
+        backward when it is unchanged since (see "Hot gradients"), else a dot
+        now. No Python per parameter beyond fetching its ``.grad``: which
+        gradient a norm belongs to is only worked out at an event
+        (:meth:`_report_gradients`), by measuring them again one by one.
+        """
         hot, self._hot = self._hot, {}
-        with_grad: list[tuple[str, torch.Tensor]] = []
-        known: list[torch.Tensor | None] = []
-        cold: list[torch.Tensor] = []
-        for name, parameter in layout.floating:
-            grad = local_shard(parameter.grad)
+        if layout.generic:
+            return norms([grad for _name, grad in self._named_gradients(layout)])
+        result: list[torch.Tensor] = []
+        with torch.no_grad():  # one no_grad, not a detach per gradient (a create_graph backward's require grad)
+            for group in layout.groups:
+                grads = [grad for parameter in group if (grad := parameter.grad) is not None]
+                if not grads:
+                    continue
+                try:
+                    if layout.flat_ok and grads[0].is_cpu and grads[0].dtype in WIDE_FLOATS:
+                        # One copy into a flat buffer and one BLAS dot: on the CPU, _foreach_norm is a
+                        # norm call per tensor, about twice the time for a tiny model's gradients.
+                        result.append(dot_norm(_flatten(grads)))
+                    else:
+                        result += torch._foreach_norm(grads, 2)  # one fused kernel on a GPU
+                except (RuntimeError, NotImplementedError):
+                    # A sparse gradient (``nn.Embedding(sparse=True)``) has no fused norm: this layout is
+                    # measured the generic way from now on (stats.norms reads its stored values).
+                    layout.generic = True
+                    return norms([grad for _name, grad in self._named_gradients(layout)])
+        for parameter in layout.large:
+            grad = parameter.grad
             if grad is None:
                 continue
-            with_grad.append((name, grad))
             entry = hot.get(id(parameter))
             if entry is not None and entry[0]() is grad and entry[1] == version_of(grad):
-                known.append(entry[2])
+                result.append(entry[2])
             else:
-                known.append(None)
-                cold.append(grad)
-        if not cold:
-            return with_grad, known  # type: ignore[return-value]
-        measured = iter(norms(cold))
-        return with_grad, [norm if norm is not None else next(measured) for norm in known]
+                result += norms([grad])
+        return result
+
+    @staticmethod
+    def _named_gradients(layout: Layout) -> list[tuple[str, torch.Tensor]]:
+        """The gradients about to be applied, under their parameters' names (a sharded one as this rank's shard)."""
+        named = [(name, local_shard(parameter.grad)) for name, parameter in layout.floating]
+        return [(name, grad) for name, grad in named if grad is not None]
+
+    def _report_gradients(self, opt: torch.optim.Optimizer, layout: Layout) -> bool:
+        """A gradient norm read non-finite: report the first non-finite gradient; True when one was.
+
+        The cold path: each gradient is measured again, by name. Every
+        element finite while a norm overflowed is a warning, not an event
+        (our own read overflowed).
+        """
+        watch = self.watch
+        with_grad = self._named_gradients(layout)
+        values = read_scalars(norms([grad for _name, grad in with_grad]))
+        for (name, grad), value in zip(with_grad, values):
+            if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
+                finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
+                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                finding.optimizer = type(opt).__name__
+                self.attribute(finding)
+                self._add_op_origin(finding, grad)
+                watch.emit(finding)
+                return True
+        overflowed = [name for (name, _grad), value in zip(with_grad, values) if not math.isfinite(value)]
+        cycle = watch.cycle
+        cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
+        return False
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before a step: the previous step's result, then the gradients about to be applied.
@@ -188,7 +242,7 @@ class OptimizerChecks:
             self.seen.append(opt)
         self._bounded = False
         layout = self.layout(opt)
-        with_grad, grad_norms = self._gradients(layout)
+        grad_norms = self._gradient_norms(layout)
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
         values = watch.cycle.sync(carried_norms + grad_norms)
@@ -197,21 +251,13 @@ class OptimizerChecks:
         grad_values = values[len(carried_norms) :]
         # hypot: NaN if any value is, inf if any is; never overflows on finite values.
         self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
-        if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
-            for (name, grad), value in zip(with_grad, grad_values):
-                if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
-                    finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
-                    finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
-                    finding.optimizer = type(opt).__name__
-                    self.attribute(finding)
-                    self._add_op_origin(finding, grad)
-                    watch.emit(finding)
-                    return
-            # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
-            overflowed = [name for (name, _grad), value in zip(with_grad, grad_values) if not math.isfinite(value)]
-            cycle = watch.cycle
-            cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
-        self._bounded = all(value < BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
+        nonfinite = self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm)
+        if nonfinite and self._report_gradients(opt, layout):
+            return
+        # (A NaN norm makes the hypot non-finite; max() alone would skip it.)
+        small = self.last_grad_norm is None or (
+            math.isfinite(self.last_grad_norm) and max(grad_values) < BOUNDED_GRAD_NORM)
+        self._bounded = small and bounded_step(opt, layout)
         self.in_step = True
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -401,7 +447,7 @@ class OptimizerChecks:
 
     def layout(self, opt: torch.optim.Optimizer) -> Layout:
         """The optimizer's named parameters and half-precision state, rebuilt when they change."""
-        signature = tuple(id(parameter) for group in opt.param_groups for parameter in group["params"])
+        signature = tuple(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
         layout = self._layouts.get(id(opt))
         if layout is None or layout.signature != signature:
             named = self.named_parameters(opt)
@@ -411,6 +457,17 @@ class OptimizerChecks:
             # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
             floating = [(name, parameter) for name, parameter in named if _float_tensor(local_shard(parameter))]
             layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide)
+            # How the step's gradient norms are taken (_gradient_norms): a large CPU gradient alone, the
+            # others in one fused call per (device, dtype); a sharded parameter's the generic way.
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for _name, parameter in floating:
+                if parameter.is_cpu and parameter.dtype in WIDE_FLOATS and parameter.numel() >= DOT_MIN_NUMEL:
+                    layout.large.append(parameter)
+                else:
+                    groups.setdefault((parameter.device, parameter.dtype), []).append(parameter)
+            layout.groups = list(groups.values())
+            layout.flat_ok = sum(parameter.numel() for group in layout.groups for parameter in group) <= FLAT_MAX_NUMEL
+            layout.generic = any(local_shard(parameter) is not parameter for _name, parameter in floating)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
             layout.state_count = len(opt.state)
@@ -463,6 +520,13 @@ class OptimizerChecks:
         if info is not None:
             finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
 
+
+#: The small CPU gradients of a step are copied into one flat buffer for their norm up to this many elements
+#: in all (16 MB of float32); beyond, a norm per gradient costs less than the copy.
+FLAT_MAX_NUMEL = 1 << 22
+
+#: Concatenates flattened tensors in one C++ call (what ``torch._utils._flatten_dense_tensors`` calls).
+_flatten = torch._C._nn.flatten_dense_tensors
 
 #: Stands in for a state tensor that has gone (its check then passes).
 _FINITE = torch.zeros(1)

@@ -53,10 +53,16 @@ __all__ = [
     "tensor_stats",
     "unreadable_reason",
     "values_to_read",
+    "version_of",
 ]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """In-place version counter; inference tensors have none (they read as 0)."""
+    return 0 if tensor.is_inference() else tensor._version
 
 
 def is_checkable(value: Any) -> bool:

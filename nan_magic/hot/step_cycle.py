@@ -25,28 +25,48 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, launched, user_name
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.early import EarlyWarnings
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.stats import read_scalars
 from nan_magic.hot.step_log import StepLog
-from nan_magic.lifecycle.events import Events
-from nan_magic.lifecycle.findings import Finding
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.step_replay import StepReplays
 from nan_magic.records import EarlyWarning, Phase, StepSummary, WatchConfig
 
-__all__ = ["StepCycle", "wants_defer"]
+__all__ = ["Outcome", "StepCycle", "wants_defer"]
+
+
+class Outcome(Protocol):
+    """What the step cycle asks of the watch's outcome (lifecycle/events.py): whether the checks stand
+    down, and where the ranks agree (agreement.py) on what to raise."""
+
+    @property
+    def stopped(self) -> bool: ...
+
+    @property
+    def agreement(self) -> Agreement: ...
+
+    def agreement_point(self, opened: bool) -> AbstractContextManager[None]: ...
+
+    def check_peers(self) -> None: ...
+
+    def leave(self, together: bool) -> None: ...
+
+    def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None: ...
 
 #: The forward checks' producer rule on one output at the deferred check (:meth:`ProducerRule.judge`).
 JudgeForward = Callable[[Call, TensorRecord, str], None]
@@ -87,7 +107,7 @@ class StepCycle:
         replays: StepReplays | None,
         origins: OpOrigins,
         outside: OutsideRecorder | None,
-        outcome: Events,
+        outcome: Outcome,
         lockstep: Lockstep,
         emit: Callable[[Finding], None],
         mine: Callable[[], bool],

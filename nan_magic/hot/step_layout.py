@@ -85,6 +85,14 @@ class Layout:
     state_count: int = -1
     #: ``(name, parameter, key)`` of state tensors below 32 bits.
     half_state: list[tuple[str, torch.Tensor, str]] = field(default_factory=list)
+    #: The floating parameters whose gradient norms one fused call takes, one list per (device, dtype)...
+    groups: list[list[torch.Tensor]] = field(default_factory=list)
+    #: ...and the large CPU ones, whose norms are taken in backward (optim.py's "Hot gradients").
+    large: list[torch.Tensor] = field(default_factory=list)
+    #: Norms taken one gradient at a time (stats.norms): a sharded parameter, a sparse gradient seen.
+    generic: bool = False
+    #: The small CPU gradients are few enough to be copied into one buffer for their norm (optim.FLAT_MAX_NUMEL).
+    flat_ok: bool = True
 
 
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:

@@ -17,14 +17,40 @@ import functools
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
+    from nan_magic.hot.step_cycle import StepCycle
+    from nan_magic.hot.targets import Targets
 
-__all__ = ["Nesting"]
+__all__ = ["Nested", "Nesting"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+
+class Nested(Protocol):
+    """What a nesting reads of its watch: what it watches, whether it is in, its steps; and entering it."""
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def replay_of(self) -> object | None: ...
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def cycle(self) -> StepCycle: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> Any: ...
+
 
 # The nestings of the watches currently entered, outermost first.
 _ACTIVE: list[Nesting] = []
@@ -33,7 +59,7 @@ _ACTIVE: list[Nesting] = []
 class Nesting:
     """One watch's place among the watches entered at once (see the module docstring)."""
 
-    def __init__(self, watch: Watch, attach: Callable[[], None], detach: Callable[[], None]) -> None:
+    def __init__(self, watch: Nested, attach: Callable[[], None], detach: Callable[[], None]) -> None:
         self._watch = watch
         self._attach = attach
         self._detach = detach

@@ -56,7 +56,6 @@ the code recorder (``watch.outside``, switched at the boundaries the hooks see).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -71,6 +70,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import stamp
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
 from nan_magic.hot.held import running_arguments
@@ -80,7 +80,7 @@ from nan_magic.hot.step_cycle import StepCycle, wants_defer
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events
-from nan_magic.lifecycle.findings import Finding, build_report
+from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
 from nan_magic.localize.op_origins import OpOrigins
@@ -89,7 +89,7 @@ from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import scaler as scaler_patch
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, WatchConfig
-from nan_magic.scene.dump import record_scene
+from nan_magic.scene.dump import SceneSource, record_scene
 from nan_magic.scene.last_good import LastGood
 
 __all__ = ["Watch", "watch"]
@@ -293,14 +293,14 @@ class Watch:
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
-        self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
+        self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
             localize=self.replays.localize if self.replays is not None else _nothing_replayed,
-            record_scene=functools.partial(record_scene, self),
+            record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
             skipped=self.skipped,
@@ -361,7 +361,25 @@ class Watch:
 
     def on_finite_step(self) -> None:
         """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
-        self.last_good.capture(self)
+        self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
+
+    def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
+        """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
+        # The whole model is watched, so that a submodule called at top level keeps its qualified name.
+        return Watch([model], labels=[label], config=config, replay_of=self)
+
+    def _record_scene(self, finding: Finding, report: Report) -> Report:
+        """At the first real event: the scene (dump.py) from what this watch holds."""
+        source = SceneSource(
+            config=self.config,
+            roots=self.targets.roots,
+            optimizers=self.optimizers.seen,
+            scalers=self.optimizers.scalers,
+            calls=lambda: self.log.calls,
+            running_rng=self.forward.stack[0].rng_state if self.forward.stack else None,
+            last_good=self.last_good,
+        )
+        return record_scene(source, finding, report)
 
     def on_forward_failed(self, module: nn.Module, call: Any) -> None:
         """A top-level forward raised: when a replay finds a non-finite value came first, report it.

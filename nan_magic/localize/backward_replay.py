@@ -14,23 +14,59 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
-from nan_magic.lifecycle.findings import Finding
 from nan_magic.records import Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nan_magic.lifecycle.watch import Watch
+    from nan_magic.hot.optim import OptimizerChecks
+    from nan_magic.localize.op_origins import OpOrigins
+    from nan_magic.records import Report, WatchConfig
 
-__all__ = ["reentrant_checkpoints_inline", "replay_backward"]
+__all__ = ["ReplayWatch", "reentrant_checkpoints_inline", "replay_backward"]
 
 
-def replay_backward(inner: Watch, target: nn.Module, output_grads: dict[str, torch.Tensor], output: Any,
+class ReplayWatch(Protocol):
+    """The nested full watch a step replay runs under (lifecycle/watch.py makes it): what the replay reads."""
+
+    @property
+    def config(self) -> WatchConfig: ...
+
+    @property
+    def origins(self) -> OpOrigins: ...
+
+    @property
+    def optimizers(self) -> OptimizerChecks: ...
+
+    @property
+    def report(self) -> Report | None: ...
+
+    @property
+    def events(self) -> list[Report]: ...
+
+    @property
+    def producer_frame(self) -> FrameType | None: ...
+
+    @property
+    def producer_position(self) -> tuple[int, int] | None: ...
+
+    def emit(self, finding: Finding) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> Any: ...
+
+
+def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[str, torch.Tensor], output: Any,
                     boundary: TensorRef | None, inputs: list[torch.Tensor]) -> TensorStats | None:
     """A model call's backward, replayed from its captured output gradients into scratch gradients.
 

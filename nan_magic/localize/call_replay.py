@@ -26,13 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import Alias, Call, KnownFinite, TensorRecord, version_of
+from nan_magic.hot.call_records import Alias, Call, KnownFinite, TensorRecord
+from nan_magic.hot.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.held import Resolved
-from nan_magic.hot.stats import iter_tensors, kinds_of
+from nan_magic.hot.rng import RngState
+from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.lifecycle.findings import Finding, apply_op_finding, mark_deliberate, named_inputs
-from nan_magic.localize.replay import RngState, recompute, replay_backward, replay_module, run_again
+from nan_magic.localize.origins import apply_op_finding
+from nan_magic.localize.replay import recompute, replay_backward, replay_module, run_again
 from nan_magic.records import Phase, TensorRef, WatchConfig
 
 __all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]

@@ -42,8 +42,7 @@ import weakref
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import version_of
-from nan_magic.hot.stats import is_checkable, read_probe
+from nan_magic.hot.stats import is_checkable, read_probe, version_of
 
 __all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask"]
 

@@ -20,11 +20,11 @@ from collections.abc import Callable
 import torch
 
 from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.finding import Finding, record_ref
 from nan_magic.hot.stats import TensorStats, tensor_stats
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.lifecycle.findings import Finding, apply_op_finding, attach_origin, record_ref
 from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.records import Phase, TensorRef
 

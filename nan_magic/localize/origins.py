@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-from nan_magic.records import Phase, SourcePointer, TensorRef, TensorStats
+from nan_magic.hot.finding import Finding
+from nan_magic.hot.stats import tensor_stats
+from nan_magic.records import AbsorbedOp, Phase, SourcePointer, TensorRef, TensorRole, TensorStats
 
-__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "dense"]
+__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "apply_op_finding", "attach_origin", "dense"]
 
 
 @dataclass(frozen=True)
@@ -199,3 +201,84 @@ class Origins:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""
         if not tensor.is_inference() and type(tensor) in _PLAIN and dense(tensor):
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
+
+
+def apply_op_finding(
+    finding: Finding, op: OpFinding, tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+) -> None:
+    """Add what the op tracer knows: the op, the line, and for backward the forward line.
+
+    For a backward op the report's ``source`` is the forward line that created
+    the autograd node (the line to fix); the line that ran backward is in
+    the notes. ``tensors`` are the tracer's copies of the op's output and
+    inputs, used for histograms.
+    """
+    finding.op = op.op
+    # The tracer keeps the op's output, then its operands by schema name.
+    operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
+    if op.absorbed is not None:
+        inner = op.absorbed
+        finding.absorbed = AbsorbedOp(inner.op, inner.module, inner.source, inner.nan, inner.posinf, inner.neginf)
+    if op.phase == Phase.BACKWARD and op.backward_code and op.source is not None:
+        # A Python backward (a custom Function's) ran the op on its own line: that line is the one to fix.
+        finding.source = op.source
+        finding.autograd_node = op.autograd_node
+        node = f" of {op.autograd_node}" if op.autograd_node else ""
+        created = f", whose node was created at {op.forward_source}" if op.forward_source is not None else ""
+        finding.notes.append(f"{op.op} ran in a Python backward{node} (a custom autograd.Function's "
+                             f"backward, or a gradient hook){created}")
+    elif op.phase == Phase.BACKWARD:
+        finding.source = op.forward_source or op.source
+        finding.autograd_node = op.autograd_node
+        node = f" ({op.autograd_node})" if op.autograd_node else ""
+        finding.notes.append(f"{op.op} ran in the backward of the forward line{node}")
+    else:
+        finding.source = op.source
+    if op.module is not None and finding.module is None:
+        finding.module = op.module
+    if op.inner_source is not None and (op.phase != Phase.BACKWARD or op.backward_code):
+        # Where inside the library the op ran; for the autograd engine's own backward that is only whatever
+        # called backward (torch's, or the optimizer hook a replay ran from), which says nothing.
+        finding.notes.append(f"inside {op.inner_source}")
+    if finding.bad is None and finding.bad_stats is None:
+        # Found by the op tracer itself: the op's own output and inputs.
+        finding.inputs_finite = True
+        if tensors:
+            finding.bad = tensors[0][1]
+            finding.inputs.extend(operands)
+            # Inputs freed before the boundary where the op's value was claimed: their stats at the op.
+            alive = {ref for ref, _tensor in operands}
+            finding.input_stats.extend((ref, stats) for ref, stats in op.input_stats if ref not in alive)
+        else:
+            finding.bad_stats = op.output_stats
+            finding.input_stats = list(op.input_stats)
+    else:
+        # Found by a replay of the producer module (or of its caller). The
+        # op's output is what the report describes: the header's counts and
+        # the cause are the op's (a float16 bmm made 2 +inf), not those of
+        # the module output the check saw (64 nan after a softmax), which
+        # stays beside it. The op's operands (named by schema argument:
+        # ``self``, ``other``) say e.g. which one held the zeros.
+        bad = finding.bad
+        module_stats = finding.bad_stats if bad is None else tensor_stats(bad)
+        if module_stats is not None:
+            finding.module_output = (finding.tensor, module_stats, bad)
+        finding.tensor = TensorRef.op_output(op.op, op.tensor)
+        if tensors:
+            finding.bad, finding.bad_stats = tensors[0][1], None
+            finding.inputs.extend(operands)
+        else:
+            finding.bad, finding.bad_stats = None, op.output_stats
+            finding.input_stats.extend(op.input_stats)
+
+
+def attach_origin(finding: Finding, origin: OpFinding) -> None:
+    """Add the op that started a boundary's non-finite value to its finding.
+
+    The event is the boundary tensor (the loss, a parameter, a gradient):
+    the report keeps it and its counts, and the op adds its name, line and
+    operands.
+    """
+    kept = finding.tensor, finding.bad, finding.bad_stats
+    apply_op_finding(finding, origin)
+    (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None

@@ -50,20 +50,20 @@ import dataclasses
 import sys
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
+from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
 from nan_magic.localize.op_plans import run_op
 from nan_magic.localize.op_sources import user_frame
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
-from nan_magic.localize.replay import RngState, capture_rng_state, generators_at, map_tensors
+from nan_magic.localize.replay import map_tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
@@ -81,8 +81,9 @@ KEEP_TOTAL = 8 << 20
 _INERT = -1
 
 
-@dataclass(frozen=True)
-class _Op:
+class _Op(NamedTuple):
+    """One recorded op (a named tuple: one is made per op of the code outside the models, every step)."""
+
     func: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -96,20 +97,20 @@ class _Op:
     lasti: int = -1
 
 
-@dataclass(frozen=True)
 class _Weak:
     """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded.
 
     A small one keeps its values (``kept``, detached: holding the tensor itself
     would keep its autograd node, and every tensor that node saved, alive
     through backward); ``requires_grad`` is the original's, for a replay of
-    the backward.
+    the backward. Not a tuple: pytree would walk into one.
     """
 
-    ref: weakref.ref[torch.Tensor]
-    key: int
-    kept: torch.Tensor | None = None
-    requires_grad: bool = False
+    __slots__ = ("kept", "key", "ref", "requires_grad")
+
+    def __init__(self, ref: weakref.ref[torch.Tensor], key: int, kept: torch.Tensor | None,
+                 requires_grad: bool) -> None:
+        self.ref, self.key, self.kept, self.requires_grad = ref, key, kept, requires_grad
 
 
 class _Gone(Exception):
@@ -117,7 +118,8 @@ class _Gone(Exception):
 
 
 def _weak(value: torch.Tensor, keep: bool = False) -> _Weak:
-    kept = value.detach() if keep else None
+    # A tensor without an autograd node (the batch's labels) is kept as it is: there is no node to hold.
+    kept = (value if value.grad_fn is None else value.detach()) if keep else None
     return _Weak(weakref.ref(value), id(value), kept, value.requires_grad)
 
 
@@ -246,10 +248,10 @@ class OutsideRecorder(TorchDispatchMode):
             running.add(id(frame))
             frame = frame.f_back
         self._ops = [
-            dataclasses.replace(op, args=map_tensors(weak_unless_small, op.args),
-                                kwargs=map_tensors(weak_unless_small, op.kwargs),
-                                out=map_tensors(weak_unless_small, op.out),
-                                frame=op.frame if id(op.frame) in running else None)
+            op._replace(args=_swapped(weak_unless_small, op.args),
+                        kwargs=_swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
+                        out=_swapped(weak_unless_small, op.out),
+                        frame=op.frame if id(op.frame) in running else None)
             for op in self._ops
         ]
 
@@ -272,7 +274,7 @@ class OutsideRecorder(TorchDispatchMode):
         if getattr(func, "namespace", None) == "profiler":
             # record_function's markers (zero_grad's, the optimizer step's): no values, nothing to replay.
             return func(*args, **kwargs)
-        if self._rng is None and self._budget > 0 and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        if self._rng is None and self._budget > 0 and _seeded(func):
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
             self._rng = capture_rng_state()
@@ -399,6 +401,38 @@ class OutsideRecorder(TorchDispatchMode):
             key = _key(old)
             if key is not None:
                 copies[key] = new
+
+
+def _swapped(swap: Any, value: Any) -> Any:
+    """:func:`~nan_magic.localize.replay.map_tensors` for what a dispatched op takes and returns, faster.
+
+    Those are tensors, numbers and flat lists or tuples of them: a list or
+    tuple holding no tensor is kept as it is, without a copy.
+    """
+    kind = type(value)
+    if kind is torch.Tensor:
+        return swap(value)
+    if kind is tuple or kind is list:
+        if any(type(item) is torch.Tensor for item in value):
+            return kind([swap(item) if type(item) is torch.Tensor else _swapped(swap, item) for item in value])
+        if all(type(item) in _FLAT for item in value):
+            return value
+    return map_tensors(swap, value)
+
+
+#: Argument types that hold no tensor (``_swapped`` keeps a list of them as it is).
+_FLAT = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                   torch.memory_format})
+
+_SEEDED: dict[Any, bool] = {}
+
+
+def _seeded(func: Any) -> bool:
+    """Whether an op draws random numbers (looked up once per op: ``func.tags`` builds a list each time)."""
+    seeded = _SEEDED.get(func)
+    if seeded is None:
+        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return seeded
 
 
 def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:

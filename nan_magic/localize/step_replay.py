@@ -37,41 +37,38 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import is_sharded
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.call_records import version_of
+from nan_magic.hot.buffer_copies import BufferCopies
+from nan_magic.hot.finding import Finding
 from nan_magic.hot.held import running_arguments
-from nan_magic.hot.stats import iter_tensors, tensor_stats
-from nan_magic.lifecycle.findings import Finding
-from nan_magic.localize.backward_replay import reentrant_checkpoints_inline, replay_backward
-from nan_magic.localize.replay import (
-    AutocastState,
-    RngState,
-    capture_autocast,
-    capture_rng_state,
-    copy_tensors,
-    generators_at,
-    swapped_buffers,
-)
+from nan_magic.hot.rng import AutocastState, RngState, capture_autocast, capture_rng_state, generators_at
+from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
+from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
+from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.untouched import untouched
-from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats, WatchConfig
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.errors.exceptions import NonFiniteError
     from nan_magic.hot.call_records import Call
-    from nan_magic.hot.targets import ModuleInfo
-    from nan_magic.lifecycle.watch import Watch
+    from nan_magic.hot.targets import ModuleInfo, Targets
+    from nan_magic.localize.call_replay import CallReplay
+    from nan_magic.records import EarlyWarning, StepSummary
 
-__all__ = ["Producer", "RootCall", "StepReplays", "replay_target"]
+__all__ = ["NestedWatch", "Producer", "ReplayHost", "RootCall", "StepReplays", "replay_target"]
 
 #: The frame that ran a producing op, and where it was then: ``(frame, (f_lasti, f_lineno))`` (frames.py).
 Producer = tuple[FrameType | None, tuple[int, int] | None]
@@ -96,6 +93,8 @@ class RootCall:
     buffers: dict[int, torch.Tensor]
     versions: list[tuple[torch.Tensor, int]]
     buffer_versions: list[tuple[torch.Tensor, int]]
+    #: The buffers copied into ``buffers``, in order (a later call of the model reuses the copies: buffer_copies.py).
+    buffer_sources: list[torch.Tensor] = field(default_factory=list)
     #: The watch's record of the call.
     call: Call | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -140,11 +139,49 @@ def replay_target(module: nn.Module) -> nn.Module | None:
     return unwrapped
 
 
+class _Cycle(Protocol):
+    def training(self) -> bool: ...
+
+
+class ReplayHost(Protocol):
+    """What a step replay reads of the watch it replays for (lifecycle/watch.py)."""
+
+    @property
+    def config(self) -> WatchConfig: ...
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def cycle(self) -> _Cycle: ...
+
+    @property
+    def call_replay(self) -> CallReplay: ...
+
+    @property
+    def raised(self) -> NonFiniteError | None: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def history(self) -> Iterable[StepSummary]: ...
+
+    @property
+    def warnings(self) -> Iterable[EarlyWarning]: ...
+
+
+#: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
+#: ValueError when the model cannot be replayed (a compiled submodule inside).
+NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
+
+
 class StepReplays:
     """The top-level calls of the current step, and their replay at an event."""
 
-    def __init__(self, watch: Watch) -> None:
+    def __init__(self, watch: ReplayHost, nested: NestedWatch) -> None:
         self.watch = watch
+        self._nested = nested
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -153,11 +190,15 @@ class StepReplays:
         self._stepped: set[int] = set()
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
+        self._buffer_copies = BufferCopies()
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
-    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> None:
-        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record."""
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> RngState:
+        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record.
+
+        Returns the generators' state taken for it (the call's own replay uses the same).
+        """
         slots = self._slots.get(id(module))
         if slots is None:
             slots = self._slots[id(module)] = [
@@ -165,27 +206,31 @@ class StepReplays:
             ]
             self._trainable[id(module)] = _trainable(module)
         mutable = self._mutable.get(id(module))
-        buffers: dict[int, torch.Tensor] = {}
+        live: dict[int, torch.Tensor] = {}
         buffer_versions = []
         for owner, name in slots:
             buffer = owner._buffers.get(name)
             if buffer is None:
                 continue
             buffer_versions.append((buffer, version_of(buffer)))
-            if (mutable is None or id(buffer) in mutable) and id(buffer) not in buffers:
-                buffers[id(buffer)] = buffer.detach().clone()
+            if mutable is None or id(buffer) in mutable:
+                live[id(buffer)] = buffer
+        buffers = self._buffer_copies.take(module, live)
+        rng = capture_rng_state()
         self.calls.append(RootCall(
             module=module,
             info=info,
             args=args,
-            rng=capture_rng_state(),
+            rng=rng,
             grad_enabled=torch.is_grad_enabled(),
             autocast=capture_autocast(),
             buffers=buffers,
+            buffer_sources=list(live.values()),
             versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
             buffer_versions=buffer_versions,
             call=call,
         ))
+        return rng
 
     def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
         """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
@@ -213,6 +258,7 @@ class StepReplays:
         """The watch ends: nothing can need a replay any more."""
         self.calls.clear()
         self._stepped.clear()
+        self._buffer_copies.clear()
 
     def new_step(self, training: bool) -> None:
         """A step begins: inference steps drop the last call; training keeps the calls not yet stepped.
@@ -228,7 +274,7 @@ class StepReplays:
             # may still reach it (a GAN's generator called before the discriminator, while no optimizer
             # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
             waiting = [root for root in self.calls if root.awaits_backward()]
-            self.calls = deque(waiting, maxlen=MAX_CALLS)
+            self._keep(waiting)
         for module in {id(root.module): root.module for root in self.calls}.values():
             self._trainable[id(module)] = _trainable(module)
 
@@ -244,10 +290,16 @@ class StepReplays:
         per model, not a walk of its parameters each step), learned again
         for a call still waiting when the next step begins (new_step).
         """
-        self._stepped.update(id(parameter) for group in opt.param_groups for parameter in group["params"])
+        self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
         stepped = self._stepped
         waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
+        self._keep(waiting)
+
+    def _keep(self, waiting: list[RootCall]) -> None:
+        """Keep only the ``waiting`` calls; the buffer copies of the others are free for the next calls."""
         if len(waiting) != len(self.calls):
+            released = [root for root in self.calls if not any(root is kept for kept in waiting)]
+            self._buffer_copies.recycle((root.module, root.buffer_sources, root.buffers) for root in released)
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
     def _latest(self, module: nn.Module) -> RootCall | None:
@@ -339,8 +391,6 @@ class StepReplays:
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> _Outcome:
         """Run ``root`` again under a nested full watch with op-level tracing."""
-        from nan_magic.lifecycle.watch import Watch  # the nested watch is a watch like any other
-
         model = self._model_of(root.module)
         target = replay_target(root.module)
         if target is None or model is None:
@@ -351,7 +401,7 @@ class StepReplays:
         )
         try:
             # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-            inner = Watch([model], labels=[root.info.model], config=config, replay_of=self.watch)
+            inner = self._nested(model, root.info.model, config)
         except ValueError as refused:  # a compiled submodule inside: its graph cannot be replayed eagerly
             return _Outcome(why_not=str(refused))
         outcome = _Outcome()

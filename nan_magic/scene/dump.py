@@ -34,7 +34,8 @@ import platform
 import re
 import secrets
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,20 +43,38 @@ from torch import nn
 
 from nan_magic.distributed.ranks import per_rank_path
 from nan_magic.errors.exceptions import NanMagicWarning
-from nan_magic.hot.call_records import version_of
-from nan_magic.localize.replay import RngState, capture_rng_state
+from nan_magic.hot.rng import RngState, capture_rng_state
+from nan_magic.hot.stats import version_of
 from nan_magic.plain import to_plain
 from nan_magic.records import Phase, Report, TensorRole
 from nan_magic.scene.last_good import keep
+from nan_magic.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.findings import Finding
-    from nan_magic.lifecycle.watch import Watch
+    from nan_magic.hot.call_records import Call
+    from nan_magic.hot.finding import Finding
+    from nan_magic.records import WatchConfig
+    from nan_magic.scene.last_good import LastGood
 
 __all__ = [
     "REFUSED_GLOBAL", "SCENE_FORMAT", "SCENE_KEYS", "SCENE_VERSION",
-    "record_scene", "refusal", "safe_load",
+    "SceneSource", "record_scene", "refusal", "safe_load",
 ]
+
+
+@dataclass(frozen=True)
+class SceneSource:
+    """What a watch hands over at an event for its scene: settings, targets, the step's calls, kept state."""
+
+    config: WatchConfig
+    roots: list[tuple[str | None, nn.Module]]
+    optimizers: list[torch.optim.Optimizer]
+    scalers: list[Any]
+    #: The step's calls, read only when the scene is saved (reading makes the pending gradient calls).
+    calls: Callable[[], Iterable[Call]]
+    #: The generators' state before the failing step's top-level forward call, when one is running.
+    running_rng: RngState | None
+    last_good: LastGood
 
 SCENE_FORMAT = "nan_magic.scene"
 #: 2: the report is plain data; 1 pickled it as nan_magic's records, which a plain safe load refuses.
@@ -89,7 +108,7 @@ SCENE_KEYS = (
 # -- recording -------------------------------------------------------------------
 
 
-def record_scene(watch: Watch, finding: Finding, report: Report) -> Report:
+def record_scene(source: SceneSource, finding: Finding, report: Report) -> Report:
     """At the first real event: save the scene (``dump``) and arm ``restore()``; return the report.
 
     Never raises: whatever fails is described in the returned report's notes.
@@ -97,11 +116,11 @@ def record_scene(watch: Watch, finding: Finding, report: Report) -> Report:
     notes: list[str] = []
     try:
         # Collected first: arming restore() hands the last finite step's state over.
-        folder = watch.config.dump
-        scene = _collect(watch, finding, report, notes) if folder else None
-        if watch.config.keep_last_good:
-            kept_step = watch.last_good.step
-            report = dataclasses.replace(report, restore_token=keep(watch.last_good))
+        folder = source.config.dump
+        scene = _collect(source, finding, report, notes) if folder else None
+        if source.config.keep_last_good:
+            kept_step = source.last_good.step
+            report = dataclasses.replace(report, restore_token=keep(source.last_good))
             notes.append(
                 f"report.restore() puts back the model and optimizer state after step {kept_step}"
                 if kept_step is not None
@@ -114,20 +133,20 @@ def record_scene(watch: Watch, finding: Finding, report: Report) -> Report:
     return dataclasses.replace(report, notes=report.notes + tuple(notes))
 
 
-def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -> dict[str, Any]:
+def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[str]) -> dict[str, Any]:
     """The scene as a dict (see :data:`SCENE_KEYS`); a part that fails to collect is None."""
     parts: dict[str, Callable[[], Any]] = {
-        "models": lambda: {name: module.state_dict() for name, module in _named_roots(watch)},
+        "models": lambda: {name: module.state_dict() for name, module in _named_roots(source)},
         "training": lambda: {
             name: {sub_name: sub.training for sub_name, sub in module.named_modules()}
-            for name, module in _named_roots(watch)
+            for name, module in _named_roots(source)
         },
-        "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in watch.optimizers.seen],
-        "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in watch.optimizers.scalers],
-        "last_good": lambda: _last_good(watch),
-        "batch": lambda: _batch(watch, notes),
+        "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in source.optimizers],
+        "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in source.scalers],
+        "last_good": lambda: _last_good(source),
+        "batch": lambda: _batch(source, notes),
         "producer_inputs": lambda: _producer_inputs(finding, notes),
-        "rng": lambda: _rng(watch, finding),
+        "rng": lambda: _rng(source, finding),
         "versions": _versions,
     }
     scene: dict[str, Any] = {
@@ -139,7 +158,7 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
         "module": report.module,
         "call_module": finding.call.info.name if finding.call is not None and finding.call.info is not None
         else report.module,
-        "kinds": sorted(watch.config.kinds),
+        "kinds": sorted(source.config.kinds),
     }
     for key, collect in parts.items():
         try:
@@ -263,11 +282,11 @@ def _free_name(folder: str, stem: str) -> str:
 # -- the parts -------------------------------------------------------------------------
 
 
-def _named_roots(watch: Watch) -> list[tuple[str, nn.Module]]:
+def _named_roots(source: SceneSource) -> list[tuple[str, nn.Module]]:
     """The watched models under unique names: their label, else their class name."""
     named: list[tuple[str, nn.Module]] = []
     taken: set[str] = set()
-    for label, module in watch.targets.roots:
+    for label, module in source.roots:
         name = base = label or type(module).__name__
         number = 2
         while name in taken:
@@ -281,23 +300,23 @@ def _typed_state(owner: Any, state: Any) -> dict[str, Any]:
     return {"type": type(owner).__name__, "state": state}
 
 
-def _last_good(watch: Watch) -> dict[str, Any] | None:
+def _last_good(source: SceneSource) -> dict[str, Any] | None:
     """The state kept after the last finite step (``keep_last_good``), under the scene's names."""
-    last_good = watch.last_good
+    last_good = source.last_good
     if last_good.step is None:
         return None
     return {
         "step": last_good.step,
-        "models": {name: last_good.state_of(module) for name, module in _named_roots(watch)},
-        "optimizers": [_typed_state(opt, last_good.state_of(opt)) for opt in watch.optimizers.seen],
+        "models": {name: last_good.state_of(module) for name, module in _named_roots(source)},
+        "optimizers": [_typed_state(opt, last_good.state_of(opt)) for opt in source.optimizers],
     }
 
 
-def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
+def _batch(source: SceneSource, notes: list[str]) -> dict[str, torch.Tensor]:
     """Copies of the tensors that entered the watched models in the failing step."""
     entries: list[tuple[str, str, torch.Tensor]] = []
     gone: list[str] = []
-    for call in watch.log.calls:
+    for call in source.calls():
         if call.phase != Phase.DATA or call.info is None:
             continue
         owner = call.info.model or call.info.module_type
@@ -340,15 +359,15 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
     return inputs
 
 
-def _rng(watch: Watch, finding: Finding) -> dict[str, Any]:
+def _rng(watched: SceneSource, finding: Finding) -> dict[str, Any]:
     """The generators' state at the event, before the producer's call, and to re-run the step from."""
     step, source = None, "unknown"
-    running = watch.forward.stack[0].rng_state if watch.forward.stack else None
+    running = watched.running_rng
     if running is not None:
         # The watch takes it before each module call it may replay.
         step, source = running, "before the failing step's top-level forward call"
-    elif watch.last_good.rng is not None:
-        step, source = watch.last_good.rng, "right after the last step that ended finite"
+    elif watched.last_good.rng is not None:
+        step, source = watched.last_good.rng, "right after the last step that ended finite"
     return {
         "step": _rng_dict(step),
         "step_source": source,
@@ -364,8 +383,6 @@ def _rng_dict(state: RngState | None) -> dict[str, Any] | None:
 
 
 def _versions() -> dict[str, str | None]:
-    from nan_magic import __version__
-
     return {
         "torch": str(torch.__version__),  # a TorchVersion, which a safe load would refuse
         "python": platform.python_version(),

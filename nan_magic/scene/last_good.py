@@ -27,17 +27,15 @@ import copy
 import secrets
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from nan_magic.localize.replay import RngState, capture_rng_state
+from nan_magic.hot.rng import RngState, capture_rng_state
 from nan_magic.records import Report
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
 
 __all__ = ["KEPT_REPORTS", "LastGood", "keep", "restore"]
 
@@ -110,23 +108,26 @@ class LastGood:
         ref, state = table.get(id(owner), (None, None))
         return state if ref is not None and ref() is owner else None
 
-    def capture(self, watch: Watch) -> None:
+    def capture(
+        self, roots: Iterable[tuple[str | None, nn.Module]], optimizers: Iterable[torch.optim.Optimizer], step: int,
+        right_after: bool,
+    ) -> None:
         """Copy the watched models' and optimizers' state after a step that ended finite.
 
         Called by the watch after each optimizer step whose parameters and
         state it found finite: right after the step, or in deferred mode at
         the next step's check (the parameters have not changed since; the
-        RNG has, so none is kept then).
+        RNG has, so none is kept then): ``right_after`` says which. ``step``
+        is the watch's step counter.
         """
         if self.where is None:
             return
         kept = self._kept
-        right_after = watch.optimizers.in_step
         with torch.no_grad():
-            for _label, module in watch.targets.roots:
+            for _label, module in roots:
                 _, old = kept.models.get(id(module), (None, None))
                 kept.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), self.where))
-            for optimizer in watch.optimizers.seen:
+            for optimizer in optimizers:
                 _, old = kept.optimizers.get(id(optimizer), (None, None))
                 kept.optimizers[id(optimizer)] = (
                     weakref.ref(optimizer),
@@ -135,7 +136,7 @@ class LastGood:
         # The optimizer hooks count a step as its post hook begins: right
         # after it, as at the next step's deferred check, the counter has
         # moved on past the step that just completed.
-        kept.step = watch.step - 1
+        kept.step = step - 1
         kept.rng = capture_rng_state() if right_after else None
 
     def hand_over(self) -> _Kept:

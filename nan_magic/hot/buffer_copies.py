@@ -1,0 +1,53 @@
+"""Copies of a model's buffers before its call, for a replay, without an allocation per step.
+
+A step replay runs a top-level call again with the buffers the call may
+change (BatchNorm's running statistics) as they were before it
+(step_replay.py). Cloning them at every call allocates a tensor per buffer
+every step; instead, the copies of a call that can need no replay any more
+(its optimizer stepped) are kept, and the next call of the same model copies
+into them with one ``_foreach_copy_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["BufferCopies"]
+
+#: ``(the buffers copied, in order; their copies by id(buffer))``
+_Spare = tuple[list[torch.Tensor], dict[int, torch.Tensor]]
+
+
+class BufferCopies:
+    """Buffer copies per model, recycled from released calls."""
+
+    def __init__(self) -> None:
+        self._spare: dict[int, _Spare] = {}
+
+    def take(self, module: nn.Module, live: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Copies of the ``live`` buffers (by id) as they are now.
+
+        Into a released call's copies where it copied these very buffers (the
+        spare holds them, so their ids cannot have been reused), else fresh clones.
+        """
+        spare = self._spare.pop(id(module), None)
+        if spare is not None:
+            sources, copies = spare
+            if len(sources) == len(live) and all(a is b for a, b in zip(sources, live.values())):
+                with torch.no_grad():
+                    torch._foreach_copy_(list(copies.values()), sources)
+                return copies
+        return {key: buffer.detach().clone() for key, buffer in live.items()}
+
+    def recycle(self, released: Iterable[tuple[nn.Module, list[torch.Tensor], dict[int, torch.Tensor]]]) -> None:
+        """``(model, buffers copied, copies)`` of calls that need no replay any more: their copies are free."""
+        for module, sources, copies in released:
+            if copies:
+                self._spare[id(module)] = (sources, copies)
+
+    def clear(self) -> None:
+        """The watch ends: hold no buffer."""
+        self._spare.clear()

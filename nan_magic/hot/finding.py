@@ -1,0 +1,94 @@
+"""A finding: the engine's working note about one event, from its detection to its report.
+
+A :class:`Finding` may still point at live tensors (the non-finite one, the
+producer's inputs); the checkers make one, the localizer adds the op and line
+(localize/origins.py), and lifecycle/findings.py turns it into a frozen Report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import FrameType
+
+import torch
+
+from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.rng import RngState
+from nan_magic.records import AbsorbedOp, Cause, Phase, SourcePointer, TensorRef, TensorRole, TensorStats
+
+__all__ = ["Finding", "mark_deliberate", "named_inputs", "record_ref"]
+
+
+def record_ref(record: TensorRecord, role: TensorRole = TensorRole.MODULE_OUTPUT) -> TensorRef:
+    """The reference of a recorded tensor: its own, or ``role`` at its path (a call's output or argument)."""
+    path = record.path
+    return path if isinstance(path, TensorRef) else TensorRef(role, path=path or "output")
+
+
+@dataclass
+class Finding:
+    """One event as the engine first sees it.
+
+    ``bad`` is the non-finite tensor (or None when only its probe is known);
+    ``inputs`` the tensors the producer read, by name.
+    """
+
+    phase: Phase
+    call: Call | None
+    tensor: TensorRef
+    bad: torch.Tensor | None = None
+    record: TensorRecord | None = None
+    step: int | None = None
+    # RNG state right before the producer module's call (for the scene's replay).
+    rng_state: RngState | None = None
+    input_stats: list[tuple[TensorRef, TensorStats]] = field(default_factory=list)
+    bad_stats: TensorStats | None = None
+    inputs: list[tuple[TensorRef, torch.Tensor]] = field(default_factory=list)
+    inputs_finite: bool = True
+    benign: bool = False
+    module: str | None = None
+    module_type: str | None = None
+    model: str | None = None
+    op: str | None = None
+    source: SourcePointer | None = None
+    cause: Cause | None = None
+    notes: list[str] = field(default_factory=list)
+    # Where a replay named the op: the module output the check saw, as
+    # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
+    module_output: tuple[TensorRef, TensorStats, torch.Tensor | None] | None = None
+    # The replay's frame that ran the producing op (replay.py), for %debug, and its
+    # ``(f_lasti, f_lineno)`` when the op ran, where the frame ran on after it.
+    frame: FrameType | None = None
+    frame_position: tuple[int, int] | None = None
+    absorbed: AbsorbedOp | None = None
+    # Facts the diagnosis reads (see Report): the backward node that ran the op, the optimizer that stepped.
+    autograd_node: str | None = None
+    optimizer: str | None = None
+    optimizer_eps: float | None = None
+    optimizer_lr: float | None = None
+    # A model output's gradient blamed on the code outside the models without that code's replay
+    # confirming it: a model's replay may still find the producer (step_replay.py).
+    unconfirmed_outside: bool = False
+
+    def __post_init__(self) -> None:
+        if self.call is not None and self.call.info is not None and self.module is None:
+            self.module = self.call.info.name
+            self.module_type = self.call.info.module_type
+            self.model = self.call.info.model
+
+
+def mark_deliberate(finding: Finding, how: str) -> Finding:
+    """Make ``finding`` a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity."""
+    finding.benign = True
+    finding.notes.append(f"a deliberate infinity ({how}): benign while what consumes it stays finite")
+    return finding
+
+
+def named_inputs(call: Call) -> list[tuple[TensorRef, torch.Tensor]]:
+    """The inputs of ``call`` still alive, detached, by path: a finding's inputs."""
+    named = []
+    for path, _record, ref, _version in call.inputs:
+        tensor = ref()
+        if tensor is not None:
+            named.append((TensorRef.argument(path), tensor.detach()))
+    return named

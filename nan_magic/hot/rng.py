@@ -1,0 +1,94 @@
+"""The state a module call ran in, kept so that a replay draws the same random numbers.
+
+The hot path takes it before each watched call that may draw random numbers
+(deterministic.py says which do not), so both reads are a few flag and
+state reads; a replay (localize/) sets it back around the call it re-runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "AutocastState",
+    "RngState",
+    "capture_autocast",
+    "capture_rng_state",
+    "generators_at",
+    "restore_rng_state",
+]
+
+
+class RngState(NamedTuple):
+    """The default generators' states: CPU, and each CUDA device's if CUDA is in use.
+
+    A named tuple: one is made per watched module call, so it must be cheap.
+    """
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] | None = None
+
+
+#: The autocast regions a call ran in, as ``((device_type, dtype), ...)``.
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+#: Device types whose autocast state a call records.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def capture_rng_state() -> RngState:
+    """The state of the default CPU and CUDA generators, to replay a call with.
+
+    CUDA is only asked when it is already initialised: capturing must not
+    start a CUDA context in a CPU-only program.
+    """
+    cuda = None
+    # is_initialized first: it is a flag read, is_available() is not (hot path).
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
+        cuda = tuple(torch.cuda.get_rng_state_all())
+    return RngState(cpu=torch.get_rng_state(), cuda=cuda)
+
+
+def capture_autocast() -> AutocastState | None:
+    """The autocast regions active now, or None (the hot path: one flag read).
+
+    A replay that runs later than the call (a backward producer's, from its
+    gradient hook; any producer's, at the deferred check) runs after the
+    user's ``torch.autocast`` block exited: without this, a float16 overflow
+    of an autocast matmul would be replayed in float32 and not reproduce.
+    """
+    if not _any_autocast():
+        return None
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)
+    ) or None
+
+
+def _any_autocast() -> bool:
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)  # private, one call; else ask per device
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+
+
+def restore_rng_state(state: RngState) -> None:
+    """Set the default generators back to ``state``."""
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state_all(list(state.cuda))
+
+
+@contextlib.contextmanager
+def generators_at(state: RngState | None) -> Iterator[None]:
+    """The default generators at ``state`` (as they are, for None) for the duration; the user's put back after."""
+    user = capture_rng_state()
+    try:
+        if state is not None:
+            restore_rng_state(state)
+        yield
+    finally:
+        restore_rng_state(user)
