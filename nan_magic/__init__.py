@@ -95,6 +95,16 @@ class _Views:
 
         restore(report)
 
+    def cause_hint(self, cause: Cause) -> str:
+        from nan_magic.render.cause import cause_hint
+
+        return cause_hint(cause)
+
+    def cause_evidence(self, cause: Cause) -> tuple[str, ...]:
+        from nan_magic.render.cause import cause_evidence
+
+        return cause_evidence(cause)
+
 
 install_views(_Views())
 # A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).

@@ -247,20 +247,16 @@ class Cause:
                 return value
         return default
 
-    # The sentences are written by render/ (records sit below it, as Report.to_text does).
+    # The sentences are written by render/, which sits above the records: reached through the views.
     @property
     def hint(self) -> str:
         """The one-line explanation with its fix."""
-        from nan_magic.render.cause import cause_hint
-
-        return cause_hint(self)
+        return _views().cause_hint(self)
 
     @property
     def evidence(self) -> tuple[str, ...]:
         """The facts the diagnosis rests on, one line each."""
-        from nan_magic.render.cause import cause_evidence
-
-        return cause_evidence(self)
+        return _views().cause_evidence(self)
 
 
 @dataclass(frozen=True)
@@ -438,6 +434,10 @@ class ReportViews(Protocol):
     def mimebundle(self, report: Report) -> dict[str, Any]: ...
 
     def restore(self, report: Report) -> None: ...
+
+    def cause_hint(self, cause: Cause) -> str: ...
+
+    def cause_evidence(self, cause: Cause) -> tuple[str, ...]: ...
 
 
 _installed: list[ReportViews] = []
