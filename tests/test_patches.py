@@ -97,18 +97,18 @@ def test_nothing_is_left_after_a_watch_however_it_ends(ending: str) -> None:
     backward, save, scale = torch.Tensor.backward, torch.save, torch.amp.GradScaler.scale
     expected = {"finish": None, "nonfinite": NonFiniteError, "unrelated": ValueError,
                 "interrupt": KeyboardInterrupt}[ending]
-    with pytest.raises(expected) if expected else contextlib.nullcontext(), nan_magic.guard_checkpoints():
-        with nan_magic.watch(model, opt):
-            names = {name for _owner, name in patches.installed()}
-            assert {"backward", "scale", "step", "save"} <= names
-            model(torch.ones(2, 4)).sum().backward()
-            opt.step()
-            if ending == "nonfinite":
-                nan_step(model)
-            elif ending == "unrelated":
-                raise ValueError("the user's own bug")
-            elif ending == "interrupt":
-                raise KeyboardInterrupt
+    raises = pytest.raises(expected) if expected else contextlib.nullcontext()
+    with raises, nan_magic.guard_checkpoints(), nan_magic.watch(model, opt):
+        names = {name for _owner, name in patches.installed()}
+        assert {"backward", "scale", "step", "save"} <= names
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        if ending == "nonfinite":
+            nan_step(model)
+        elif ending == "unrelated":
+            raise ValueError("the user's own bug")
+        elif ending == "interrupt":
+            raise KeyboardInterrupt
     assert patches.installed() == []
     assert (torch.Tensor.backward, torch.save, torch.amp.GradScaler.scale) == (backward, save, scale)
 
