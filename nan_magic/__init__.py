@@ -13,6 +13,7 @@ from nan_magic.engine.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.engine.scene_replay import Scene, load_scene
 from nan_magic.engine.watch import Watch, watch
+from nan_magic.options import WatchConfig
 from nan_magic.records import (
     Cause,
     EarlyWarning,
@@ -22,7 +23,6 @@ from nan_magic.records import (
     SourcePointer,
     StepSummary,
     TensorStats,
-    WatchConfig,
 )
 
 __all__ = [

@@ -35,8 +35,8 @@ from nan_magic.engine.distributed import launched_rank, leave_together, per_rank
 from nan_magic.engine.errors import NonFiniteError, peer_message
 from nan_magic.engine.patches import ProcessPatch, Wrap
 from nan_magic.engine.watch import Watch
-from nan_magic.options import WATCH_OPTIONS, config_from_args
-from nan_magic.records import Report, WatchConfig
+from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
+from nan_magic.records import Report
 
 __all__ = ["main"]
 

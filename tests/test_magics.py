@@ -353,6 +353,12 @@ def test_help_is_real_help_with_an_example(ip) -> None:
     assert "Example" in doc and "%%nantrace model opt" in doc
     for option in ("--include", "--exclude", "--types", "--warn", "--ops", "-o"):
         assert option in doc
+    from nan_magic.options import WATCH_OPTIONS
+
+    for magic_doc in (doc, ip.find_line_magic("nanwatch").__doc__):  # every watch option, with its help
+        words = " ".join(magic_doc.split())
+        for flags, spec in WATCH_OPTIONS:
+            assert flags[0] in words and " ".join(spec["help"].split()) in words, flags
     assert "%nanwatch on" in ip.find_line_magic("nanwatch").__doc__
 
 

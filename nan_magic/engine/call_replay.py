@@ -33,7 +33,8 @@ from nan_magic.engine.held import Resolved
 from nan_magic.engine.replay import RngState, recompute, replay_backward, replay_module, run_again
 from nan_magic.engine.stats import iter_tensors, kinds_of
 from nan_magic.engine.targets import ModuleInfo
-from nan_magic.records import Phase, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase
 
 __all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]
 

@@ -28,7 +28,8 @@ from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFini
 from nan_magic.engine.findings import Finding
 from nan_magic.engine.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.engine.stats import is_checkable, tensor_stats
-from nan_magic.records import Report, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.engine.step_replay import Producer

@@ -30,7 +30,8 @@ from nan_magic.engine.masks import DeliberateMasks, argument_name
 from nan_magic.engine.op_origins import OpFinding
 from nan_magic.engine.op_tracing import OpOrigins
 from nan_magic.engine.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats
-from nan_magic.records import Phase, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase
 
 __all__ = ["ProducerRule"]
 

@@ -44,7 +44,8 @@ from nan_magic.engine.optim import OptimizerChecks
 from nan_magic.engine.outside import OutsideRecorder
 from nan_magic.engine.stats import read_scalars
 from nan_magic.engine.step_replay import StepReplays
-from nan_magic.records import EarlyWarning, Phase, StepSummary, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import EarlyWarning, Phase, StepSummary
 
 __all__ = ["StepCycle", "wants_defer"]
 
