@@ -286,7 +286,8 @@ def test_an_unknown_option_is_a_type_error_naming_it_and_every_option_is_in_the_
     import dataclasses
     import inspect
 
-    with pytest.raises(TypeError, match=r"^watch\(\) got an unexpected keyword argument 'foo'; its options are on_detect"):
+    unknown = r"^watch\(\) got an unexpected keyword argument 'foo'; its options are on_detect"
+    with pytest.raises(TypeError, match=unknown):
         nan_magic.watch(small_model(), foo=1)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'kind'; did you mean 'kinds'\?$"):
         nan_magic.watch(small_model(), kind="nan")
