@@ -41,7 +41,7 @@ the remaining rounds are dropped (at least 3 are kept) and a note says so.
 timing the model wrapped in ``DistributedDataParallel``, unwatched and under nan_magic only;
 the ranks agree on K, R and when to stop (a max over ranks), so their gradient all-reduces
 pair up, and rank 0 prints its tables. The watch's extra cost there is its deferred checks
-and its one-element all-reduce per step (nan_magic/engine/distributed.py).
+and its one-element all-reduce per step (nan_magic/distributed/ranks.py).
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nan_magic.engine.checkpoint_guard import CheckpointGuard, guard_checkpoints
-from nan_magic.engine.errors import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.engine.scene_replay import Scene, load_scene
-from nan_magic.engine.watch import Watch, watch
+from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
+from nan_magic.lifecycle.watch import Watch, watch
 from nan_magic.options import WatchConfig
+from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.records import (
     Cause,
     EarlyWarning,
@@ -24,6 +23,7 @@ from nan_magic.records import (
     StepSummary,
     TensorStats,
 )
+from nan_magic.scene.load import Scene, load_scene
 
 __all__ = [
     "Cause",
@@ -53,13 +53,13 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nan_magic``: register the magics (imported lazily)."""
-    from nan_magic.magics import load
+    from nan_magic.ipython.magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext nan_magic``: disarm every watch and remove the magics."""
-    from nan_magic.magics import unload
+    from nan_magic.ipython.magics import unload
 
     unload(ipython)

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from nan_magic.engine.distributed import launched_rank, leave_together, per_rank_path
-from nan_magic.engine.errors import NonFiniteError, peer_message
-from nan_magic.engine.patches import ProcessPatch, Wrap
-from nan_magic.engine.watch import Watch
+from nan_magic.distributed.ranks import launched_rank, leave_together, per_rank_path
+from nan_magic.errors.exceptions import NonFiniteError, peer_message
+from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
+from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Report
 
 __all__ = ["main"]

@@ -376,9 +376,9 @@ class Report:
     def restore(self) -> None:
         """Put the model and optimizer back to the last step that ended finite.
 
-        Needs a watch with ``keep_last_good``; see :mod:`nan_magic.engine.snapshot`.
+        Needs a watch with ``keep_last_good``; see :mod:`nan_magic.scene.last_good`.
         """
-        from nan_magic.engine.snapshot import restore
+        from nan_magic.scene.last_good import restore
 
         restore(self)
 

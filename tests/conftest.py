@@ -30,7 +30,7 @@ def global_hook_counts() -> tuple[int, ...]:
 @pytest.fixture(autouse=True)
 def no_leaked_hooks():
     """Fail any test after which a global hook or a process-wide patch (patches.py) remains."""
-    from nan_magic.engine import patches
+    from nan_magic.patches import registry as patches
 
     before = global_hook_counts()
     backward = torch.Tensor.backward

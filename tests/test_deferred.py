@@ -21,7 +21,9 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.engine import calls, optim, stats, watch
+from nan_magic.hot import optim, stats
+from nan_magic.hot import step_log as calls
+from nan_magic.lifecycle import watch
 
 # Functions that read tensor values on the host: none may run in a healthy deferred step.
 PER_TENSOR_READS = ("kinds_of", "tensor_stats")
@@ -44,7 +46,7 @@ def transfers(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a per-tensor host read in a healthy deferred step")
 
-    from nan_magic.engine import gradients
+    from nan_magic.hot import gradients
 
     for module in (watch, gradients, optim):
         for name in PER_TENSOR_READS:

@@ -19,8 +19,8 @@ from torch.nn import functional as F
 from watching import raised, sgd_regression
 
 import nan_magic
-from nan_magic.engine import diagnose as diagnose_module
-from nan_magic.engine.diagnose import DIVERGENCE_RISES, LABELS, diagnose
+from nan_magic.explain import diagnose as diagnose_module
+from nan_magic.explain.diagnose import DIVERGENCE_RISES, LABELS, diagnose
 from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorStats
 
 
@@ -579,7 +579,7 @@ def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
 
 
 def test_an_op_operand_named_input_is_the_op_s_not_the_module_s() -> None:
-    from nan_magic.engine.cause_text import is_module_input, op_inputs
+    from nan_magic.explain.cause_text import is_module_input, op_inputs
 
     assert not is_module_input("input") and not is_module_input("input (before)")
     assert is_module_input("input[0]") and is_module_input("kwargs['mask']")

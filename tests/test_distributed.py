@@ -383,7 +383,7 @@ def test_a_flat_parameter_is_named_by_the_parameter_its_non_finite_element_belon
     from torch import nn
     from torch.distributed.fsdp._flat_param import _ShardParamInfo
 
-    from nan_magic.engine.distributed import unflattened_name
+    from nan_magic.distributed.ranks import unflattened_name
 
     # What FSDP1 registers on a wrapped block "1" with use_orig_params=False: this rank's shard of the
     # concatenated lin.weight (elements 2..7 here) and lin.bias (both), found by its _fqns and offsets.
@@ -408,7 +408,7 @@ def test_a_flat_parameter_is_named_by_the_parameter_its_non_finite_element_belon
 
 
 def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():
-    from nan_magic.engine.distributed import user_name
+    from nan_magic.distributed.ranks import user_name
 
     ddp_root = frozenset({""})
     assert user_name("module.1.weight", ddp_root) == "1.weight"
@@ -422,7 +422,7 @@ def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():
 def test_watch_names_modules_and_parameters_of_a_wrapped_model_by_the_users_names():
     from torch import nn
 
-    from nan_magic.engine.watch import Watch
+    from nan_magic.lifecycle.watch import Watch
 
     class Holder(nn.Module):  # a user's own attribute called "module"
         def __init__(self) -> None:
@@ -442,7 +442,7 @@ def test_watch_names_modules_and_parameters_of_a_wrapped_model_by_the_users_name
 
 
 def test_output_paths_get_a_rank_suffix_only_when_several_ranks_run(monkeypatch):
-    from nan_magic.engine.distributed import per_rank_path
+    from nan_magic.distributed.ranks import per_rank_path
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert per_rank_path("out/report.json") == "out/report.json"

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from nan_magic.engine.op_origins import OpFinding
-from nan_magic.engine.ops import OpTracer
-from nan_magic.engine.replay import capture_rng_state, replay_module
+from nan_magic.localize.op_tracer import OpTracer
+from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.replay import capture_rng_state, replay_module
 from nan_magic.records import Phase
 
 INF = math.inf

@@ -11,9 +11,9 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.engine import patches
-from nan_magic.engine.backward_replay import reentrant_checkpoints_inline
-from nan_magic.engine.patches import ProcessPatch
+from nan_magic.localize.backward_replay import reentrant_checkpoints_inline
+from nan_magic.patches import registry as patches
+from nan_magic.patches.registry import ProcessPatch
 
 
 def user_patch(owner, name, calls: list[str]):

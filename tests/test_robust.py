@@ -150,7 +150,7 @@ def test_a_complex_tensors_counts_are_per_real_component(options: dict[str, Any]
 
 
 def test_values_to_read_of_each_layout() -> None:
-    from nan_magic.engine.stats import is_checkable, tensor_stats, values_to_read
+    from nan_magic.hot.stats import is_checkable, tensor_stats, values_to_read
 
     dense = torch.tensor([[1.0, float("nan")], [0.0, 3.0]])
     coo = dense.to_sparse()  # stores 3 values: 1, nan, 3
@@ -172,7 +172,7 @@ def test_values_to_read_of_each_layout() -> None:
 
 
 def test_a_sparse_gradients_norm_is_its_stored_values_norm() -> None:
-    from nan_magic.engine.stats import norms, read_scalars
+    from nan_magic.hot.stats import norms, read_scalars
 
     grad = torch.sparse_coo_tensor(torch.tensor([[0, 3, 3]]), torch.tensor([3.0, 4.0, 0.0]), (10,))
     spoiled = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([float("inf")]), (10,))
@@ -280,7 +280,7 @@ def test_fake_tensors_are_skipped_and_counted(options: dict[str, Any]) -> None:
 
 def test_ops_tracer_starts_an_origin_on_a_sparse_output_without_reading_its_storage() -> None:
     # A sparse tensor has no one storage: the tracer's memory key must not be built for it.
-    from nan_magic.engine.ops import OpTracer
+    from nan_magic.localize.op_tracer import OpTracer
 
     values = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
     tracer = OpTracer(kinds=frozenset({"nan", "inf"}), at_boundary=True)

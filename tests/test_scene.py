@@ -17,7 +17,7 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NanMagicWarning
-from nan_magic.engine import snapshot
+from nan_magic.scene import last_good as snapshot
 
 # -- a model whose failure has an obvious fix ----------------------------------------------------
 
@@ -103,7 +103,7 @@ def test_dump_is_one_file_read_back_bit_for_bit(tmp_path, mode: str) -> None:
     scene = nan_magic.load_scene(path)
     assert (scene.step, scene.phase, scene.module) == (2, "forward", "1")
     assert scene.report.message == report.message and scene.report.scene == path
-    assert set(scene.data) == set(nan_magic.engine.scene.SCENE_KEYS)
+    assert set(scene.data) == set(nan_magic.scene.dump.SCENE_KEYS)
     # nothing ran after the event: the live objects are the state at the event
     assert same_bits(scene.data["models"]["Sequential"], model.state_dict())
     assert scene.data["optimizers"][0]["type"] == "Adam"
@@ -166,7 +166,7 @@ class WritesAFile:
 def test_load_scene_refuses_a_file_that_would_run_code(tmp_path, writer: str) -> None:
     target = tmp_path / "written_by_the_scene"
     hostile = tmp_path / "nan_scene_step0.pt"
-    payload = {"format": nan_magic.engine.scene.SCENE_FORMAT, "version": 1, "report": WritesAFile(str(target))}
+    payload = {"format": nan_magic.scene.dump.SCENE_FORMAT, "version": 1, "report": WritesAFile(str(target))}
     if writer == "torch.save":
         torch.save(payload, hostile)
     else:
@@ -185,7 +185,7 @@ def test_nanreplay_refuses_a_file_that_would_run_code_in_one_line(ip, tmp_path) 
 
     target = tmp_path / "written_by_the_scene"
     hostile = tmp_path / "nan_scene_step0.pt"
-    torch.save({"format": nan_magic.engine.scene.SCENE_FORMAT, "x": WritesAFile(str(target))}, hostile)
+    torch.save({"format": nan_magic.scene.dump.SCENE_FORMAT, "x": WritesAFile(str(target))}, hostile)
     with pytest.raises(UsageError, match="refused") as caught:
         ip.run_line_magic("nanreplay", str(hostile))
     assert "\n" not in str(caught.value) and not target.exists()
@@ -194,7 +194,7 @@ def test_nanreplay_refuses_a_file_that_would_run_code_in_one_line(ip, tmp_path) 
 def test_a_scene_loads_with_weights_only_and_nan_magics_records_alone(tmp_path) -> None:
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
-    with torch.serialization.safe_globals(nan_magic.engine.scene.RECORD_TYPES):
+    with torch.serialization.safe_globals(nan_magic.scene.dump.RECORD_TYPES):
         data = torch.load(report.scene, weights_only=True)
     assert data["report"].message == report.message
     assert same_bits(data["models"]["Sequential"], model.state_dict())
@@ -238,7 +238,7 @@ def test_replay_reproduces_the_event_on_a_fresh_model_and_is_finite_after_the_fi
     fresh[1].eps = 1e-5  # the fix
     fixed = scene.replay(fresh)
     assert not fixed.reproduced and fixed.finding is None
-    assert "stayed finite" in nan_magic.engine.scene_replay.replay_summary(fixed, scene.module)
+    assert "stayed finite" in nan_magic.scene.load.replay_summary(fixed, scene.module)
     assert same_bits(fresh.state_dict(), before)  # a replay leaves the model as it was
 
 

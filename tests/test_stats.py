@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nan_magic
-from nan_magic.engine.stats import (
+from nan_magic.hot.stats import (
     _SPLIT_PROBE_MAX_BYTES,
     _SPLIT_PROBE_NUMEL,
     DOT_MIN_NUMEL,
@@ -159,7 +159,7 @@ def test_one_gradient_tensor_handed_to_two_branches_is_summed_once(monkeypatch: 
 
 
 def test_a_record_made_for_a_finite_gradient_has_every_field_of_a_probed_one() -> None:
-    from nan_magic.engine.call_records import Call, TensorRecord
+    from nan_magic.hot.call_records import Call, TensorRecord
     from nan_magic.records import Phase
 
     call = Call(0, Phase.BACKWARD, None, None, None)

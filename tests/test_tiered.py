@@ -22,7 +22,7 @@ from watching import train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.engine.outside import KEEP_BYTES
+from nan_magic.localize.outside import KEEP_BYTES
 
 
 def _marked(key: str) -> int:
@@ -737,7 +737,7 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
 
 
 def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_raises() -> None:
-    from nan_magic.engine.backward_replay import reentrant_checkpoints_inline
+    from nan_magic.localize.backward_replay import reentrant_checkpoints_inline
 
     function = torch.utils.checkpoint.CheckpointFunction
     x = torch.ones(2, requires_grad=True)
@@ -753,7 +753,7 @@ def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_r
 def test_reentrant_checkpoints_of_other_threads_run_as_usual_while_a_replay_inlines_its_own() -> None:
     import threading
 
-    from nan_magic.engine.backward_replay import reentrant_checkpoints_inline
+    from nan_magic.localize.backward_replay import reentrant_checkpoints_inline
 
     x = torch.ones(2, requires_grad=True)
     seen: list[str] = []

@@ -8,7 +8,7 @@ from torch import nn
 from watching import raised
 
 import nan_magic
-from nan_magic.engine.transparent import output_bound, transparency
+from nan_magic.hot.transparent import output_bound, transparency
 
 
 def _forward_modules(report: nan_magic.Report) -> list[str | None]:

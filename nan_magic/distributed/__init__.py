@@ -1,0 +1,1 @@
+"""Many processes: ranks, the user's names of wrapped models, agreement between ranks."""

@@ -1,0 +1,1 @@
+"""The exceptions a watch raises, and tracebacks that end in the user's code."""

@@ -1,0 +1,105 @@
+"""The exception a watch raises at the first non-benign event."""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any
+
+from nan_magic.errors.frames import end_at_producer, short_traceback
+from nan_magic.locations import running_shell
+from nan_magic.records import Report
+
+__all__ = ["NanMagicWarning", "NonFiniteError", "PeerNonFiniteError"]
+
+
+class NanMagicWarning(RuntimeWarning):
+    """An early warning: a run heading for a non-finite value (``warn`` mode)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite value was produced under a watch.
+
+    ``str(error)`` is the one-line summary; ``error.report`` holds everything
+    else (see :class:`nan_magic.Report`).
+    """
+
+    def __init__(
+        self,
+        report: Report,
+        *,
+        producer_frame: FrameType | None = None,
+        producer_position: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(report.message)
+        self.report = report
+        #: The frame that ran the producing op where the traceback does not
+        #: reach it (a replay found the op): %debug opens there (frames.py),
+        #: at ``producer_position`` (``(f_lasti, f_lineno)`` when the op ran), where known.
+        self.producer_frame = producer_frame
+        self.producer_position = producer_position
+        self._shown = False
+
+    def __reduce__(self) -> tuple[type, tuple[Report]]:
+        return (type(self), (self.report,))
+
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows this error (its ``_render_traceback_`` protocol).
+
+        First our hook's frames are cut off the traceback, in place, and the
+        producer's frame appended where a replay ran it: IPython has already
+        stored it as ``sys.last_traceback``, so ``%debug`` opens there. The first time (the cell
+        stops), the short error: headline, the user's frames, the producer's
+        line, so that the report under it is on the first screen. Shown again
+        (``%tb``), IPython's own full traceback.
+        """
+        __tracebackhide__ = True
+        end_at_producer(self.__traceback__, self.producer_frame, self.producer_position)
+        if self._shown:
+            full = _full_traceback(self)
+            if full is not None:
+                return full
+        self._shown = True
+        headline = f"{type(self).__name__}: {self}"
+        return short_traceback(headline, self.__traceback__, self.report.source)
+
+
+class PeerNonFiniteError(NonFiniteError):
+    """Another rank of the process group found a non-finite value; this rank stops with it.
+
+    Raised under ``torch.distributed`` on every rank but the one that found
+    the event, at the same step, so that no rank waits in a collective for
+    one that stopped. ``error.report`` is that rank's report (its ``rank``
+    names it) with a note of how the value reached this rank;
+    ``error.local_report`` is this rank's own report of the step, or None
+    when it saw nothing non-finite. ``error.rank`` is the rank that found it.
+    """
+
+    def __init__(self, report: Report, *, local_report: Report | None = None) -> None:
+        super().__init__(report)
+        self.args = (peer_message(report),)
+        self.rank = report.rank
+        self.local_report = local_report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_peer_error, (self.report, self.local_report))
+
+
+def _peer_error(report: Report, local_report: Report | None) -> PeerNonFiniteError:
+    return PeerNonFiniteError(report, local_report=local_report)
+
+
+def peer_message(report: Report) -> str:
+    """``rank 1 found a non-finite value at step 3: forward, 1 (LogLayer), aten.log.default``."""
+    what = f"{report.phase}, {report.where}"
+    if report.op:
+        what += f", {report.op}"
+    return f"rank {report.rank} found a non-finite value at step {report.step}: {what}"
+
+
+def _full_traceback(error: BaseException) -> Any:
+    """IPython's structured traceback of ``error`` (None outside IPython)."""
+    shell = running_shell()
+    formatter = getattr(shell, "InteractiveTB", None)
+    if formatter is None:
+        return None
+    return formatter.structured_traceback(type(error), error, error.__traceback__)

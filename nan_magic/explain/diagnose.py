@@ -1,0 +1,381 @@
+"""The likely cause of an event, with its evidence and a concrete fix.
+
+:func:`diagnose` runs the checklist of people who debug non-finite training
+runs on the evidence a :class:`Report` carries: the producer's op, the dtype,
+the phase, the statistics of the producer's inputs and output, the autograd
+node and the optimizer the watch named (fields, never read back from the
+notes), the batch of the failing step and the history of earlier steps.
+When the evidence does not single out one cause the label is
+``"unclassified"`` and the hint gives the facts, never a confident guess.
+
+Labels (exact strings: tests, renderers and users rely on them)
+----------------------------------------------------------------
+``half-precision-overflow``
+    A float16/bfloat16 op made ±inf from finite inputs (a matmul, a product,
+    a sum, a quotient without a zero divisor, optimizer state), and no
+    op-specific rule below explains it.
+``exp-overflow``
+    ``exp``/``exp2``/``expm1``/``sinh``/``cosh`` made +inf: its input passed
+    ``log(finfo.max)`` (11.09 in float16, 88.72 in float32); or the backward
+    of such an op.
+``division-by-zero``
+    A division whose divisor held zeros, or that made NaN (from finite values
+    only 0/0 does); ``rsqrt`` of zeros; a std/var over N elements with
+    ``N - correction == 0``; the backward of a norm or std at zero. Covers a
+    zero variance or norm.
+``log-domain``
+    ``log``/``log2``/``log10`` of zeros (-inf) or negatives (NaN), ``log1p``
+    of values <= -1; the backward of a log at 0.
+``sqrt-domain``
+    ``sqrt``/``rsqrt`` of negatives; the backward of ``sqrt`` at 0, and of
+    ``acos``/``asin`` at ±1 (whose derivatives are 1/sqrt(1 - x²)).
+``pow-domain``
+    ``pow`` of a negative base with a fractional exponent (NaN), of zero with
+    a negative exponent (inf, with the base's zeros seen); its backward at 0.
+``overflow``
+    A float32/float64 op made ±inf (or NaN from an inf - inf inside it) from
+    finite inputs, with the evidence of an overflow: a product, sum or matmul
+    (which make inf from finite values no other way), operands or finite
+    outputs near the dtype's max, a square (a variance, a norm) of values
+    above sqrt(max), or attention scores q·kᵀ that can pass the max.
+``masked-softmax``
+    A softmax or attention op made NaN where every position of a row was
+    masked: a softmax whose input held a -inf at each NaN position (over
+    finite and -inf values it is NaN only in rows all -inf); an attention op
+    whose float mask holds enough -inf to fill a row and whose q and k bound
+    the scores below the dtype's max (so they did not overflow).
+``learning-rate-too-high``
+    The loss or gradient norm of the earlier steps grew at least
+    :data:`DIVERGENCE_FACTOR`-fold over its median, rising on each of the last
+    :data:`DIVERGENCE_RISES` steps, and the event is an overflow or has no
+    op-specific cause: the overflow is the divergence arriving. Or an
+    optimizer step whose learning rate is itself past the parameter dtype's
+    max (fused, foreach or for-loop alike).
+``optimizer-eps-underflow``
+    Phase ``optimizer``, an optimizer that divides by ``sqrt(v) + eps``
+    (Adam family, RMSprop, Adagrad, Adadelta, or an ``addcdiv``/``div`` op in
+    the step), and an eps that is 0, or rounds to 0 in the parameter's dtype
+    (the default 1e-8 in float16): 0/0 where a gradient is 0.
+``bad-input-data``
+    Phase ``data`` (the batch already held the values), or an overflow in a
+    step whose batch held ``|x| >`` :data:`~nan_magic.hot.early.EXTREME_INPUT`.
+``empty-reduction``
+    ``mean`` or a mean-reduced loss (``nll_loss``, ``mse_loss``, …) made NaN
+    from finite inputs, or a one-element 0/0: an average over an empty
+    selection, e.g. a loss whose every target is ``ignore_index``.
+``parameter-already-nonfinite``
+    A module read a parameter or buffer that already held non-finite values.
+``grad-scaler-collapse``
+    Set by the watch (``optim.py``) when a GradScaler's scale keeps
+    collapsing; :func:`diagnose` is only called where no cause is set.
+``unclassified``
+    No rule matches, or more than one reading fits; the hint says which.
+    Benign events (a GradScaler skip, a deliberate infinity) are not
+    diagnosed: their hint starts with ``benign:``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from collections.abc import Callable
+
+from nan_magic.explain.cause_text import (
+    HALF,
+    counts,
+    counts_phrase,
+    fmt,
+    line,
+    node_function,
+    unclassified,
+    what,
+    where,
+    zeros_phrase,
+)
+from nan_magic.explain.forward import forward_cause
+from nan_magic.explain.optimizer import optimizer_cause
+from nan_magic.explain.overflow import half_overflow
+from nan_magic.hot.early import EXTREME_INPUT
+from nan_magic.locations import name_location
+from nan_magic.records import Cause, Phase, Report, StepSummary, module_label
+
+__all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
+
+#: Every label :func:`diagnose` (or the watch) can give.
+LABELS = (
+    "half-precision-overflow",
+    "overflow",
+    "exp-overflow",
+    "division-by-zero",
+    "log-domain",
+    "sqrt-domain",
+    "pow-domain",
+    "masked-softmax",
+    "learning-rate-too-high",
+    "optimizer-eps-underflow",
+    "bad-input-data",
+    "empty-reduction",
+    "parameter-already-nonfinite",
+    "grad-scaler-collapse",
+    "unclassified",
+)
+
+#: Growth of the loss (or gradient norm) over the median of the earlier steps
+#: that counts as divergence. Healthy runs move their loss within a few-fold;
+#: a too-high learning rate multiplies it every step.
+DIVERGENCE_FACTOR = 10.0
+#: ... and it must have risen on each of this many last steps: one bad batch
+#: spikes once, a diverging run keeps climbing.
+DIVERGENCE_RISES = 3
+
+#: Where a backward turns a finite gradient non-finite: the checklist to give
+#: when the op is unknown.
+_DERIVATIVE_POLES = (
+    "derivatives are infinite for sqrt, pow(x, p<1) and norms at 0, log and 1/x at 0, acos/asin at ±1"
+)
+
+
+def diagnose(report: Report) -> Cause:
+    """The likely cause of ``report``'s event, with its evidence and a fix.
+
+    Parameters
+    ----------
+    report
+        A report without a cause (the watch sets ``grad-scaler-collapse``
+        itself and does not call this then).
+
+    Returns
+    -------
+    Cause
+        One of :data:`LABELS`, a hint naming the tensor, parameter or module
+        concerned with its numbers, and the evidence lines behind it.
+    """
+    if report.benign:
+        return Cause(
+            "unclassified",
+            f"benign: the program handles {report.tensor} of {where(report)} ({counts(report)}: a GradScaler skip "
+            "or a deliberate infinity); nothing to fix unless it keeps coming back",
+            report.notes or (f"{report.tensor}: {counts(report)}",),
+        )
+    cause = _with_absorbed(report, _local_cause(report))
+    growth = _growth(report.history)
+    if cause.label in ("half-precision-overflow", "overflow", "exp-overflow", "unclassified"):
+        # These readings describe how the value overflowed, not why the
+        # values were that large: an extreme batch or a diverging run is the
+        # cause upstream, when the evidence shows one.
+        extreme = _extreme_batch(report)
+        if extreme is not None:
+            return _bad_batch(report, cause, *extreme)
+        if growth is not None:
+            return _learning_rate(report, cause, growth)
+    if growth is not None:
+        return dataclasses.replace(cause, evidence=(*cause.evidence, growth))
+    return cause
+
+
+def _with_absorbed(report: Report, cause: Cause) -> Cause:
+    """Say so where the producer read a forward infinity that no boundary saw (PRODUCT.md: event)."""
+    absorbed = report.absorbed
+    if absorbed is None:
+        return cause
+    source = absorbed.source
+    where = f" at {name_location(source.filename, source.lineno)}" if source is not None else ""
+    counts = counts_phrase(absorbed.nan, absorbed.posinf, absorbed.neginf)
+    line = (
+        f"absorbed in forward: {absorbed.op}{where} (in {module_label(absorbed.module)}) made {counts} that no "
+        "module output "
+        "kept (torch.where or a saturating function discarded it); its backward multiplied it by a zero gradient"
+    )
+    hint = (
+        f"{cause.hint}; the infinity came from {absorbed.op}{where}, absorbed in forward: compute that branch "
+        "on clamped inputs (e.g. exp(x.clamp(max=...)) inside torch.where) so that it stays finite"
+    )
+    return dataclasses.replace(cause, hint=hint, evidence=(line, *cause.evidence))
+
+
+def _local_cause(report: Report) -> Cause:
+    """The cause the event itself shows, before looking upstream."""
+    if report.phase == Phase.OPTIMIZER:
+        return optimizer_cause(report)
+    if report.tensor.startswith("parameter "):
+        return _parameter(report)
+    if report.phase == Phase.DATA:
+        return _bad_data(report)
+    if report.phase == Phase.BACKWARD:
+        return _backward(report)
+    return forward_cause(report)
+
+
+# -- data, parameters, optimizer -----------------------------------------------------
+
+
+def _bad_data(report: Report) -> Cause:
+    where = f" (first at index {report.first_bad_index})" if report.first_bad_index else ""
+    hint = (
+        f"{report.tensor} entering {report.model or 'the model'} already held {counts(report)} of "
+        f"{report.numel}{where}: the batch was bad before the model ran; check the loader and preprocessing "
+        "(a standardisation by a zero std, a log of a zero feature, a corrupt record)"
+    )
+    evidence = [f"phase data: {report.tensor} held {counts(report)} before any watched module ran"]
+    evidence += [
+        f"earlier warning at step {warning.step}: {warning.message}"
+        for warning in report.warnings
+        if warning.kind in ("extreme-input", "constant-feature")
+    ]
+    return Cause("bad-input-data", hint, tuple(evidence))
+
+
+def _parameter(report: Report) -> Cause:
+    name = report.tensor.removeprefix("parameter ")
+    # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
+    seen = f"when {where(report)} read it" if report.phase != Phase.DATA else f"after step {report.step}"
+    hint = (
+        f"{name} already held {counts(report)} {seen}: it became non-finite outside every watched step "
+        "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
+        "what wrote it"
+    )
+    return Cause("parameter-already-nonfinite", hint, (f"{report.tensor}: {counts(report)} of {report.numel}",))
+
+
+# -- backward ---------------------------------------------------------------------------
+
+
+def _backward(report: Report) -> Cause:
+    node = report.autograd_node
+    rule = _NODE_RULES.get(node_function(node)) if node else None
+    if rule is not None:
+        return rule(report)
+    if report.posinf + report.neginf and report.dtype in HALF:
+        return half_overflow(report)
+    if report.tensor.startswith("gradient of "):
+        return unclassified(
+            report,
+            f"{report.tensor} was {counts(report)} when the optimizer was about to step; the backward that "
+            "computed it was not watched (or code after it changed it)",
+            (f"{report.tensor}: {counts(report)}",),
+        )
+    if node is not None:
+        detail = f"in the backward of {node} ({report.op} at {line(report)})"
+    elif report.op is not None:
+        detail = f"in {report.op}"
+    else:
+        detail = "(the op is unknown: rerun with ops=True, %%nantrace --ops, to name it)"
+    return unclassified(
+        report,
+        f"the backward of {where(report)} turned a finite gradient into {counts(report)} in {report.tensor} "
+        f"{detail}; {_DERIVATIVE_POLES}",
+        (f"phase backward: {report.tensor} {counts(report)} of {report.numel}",),
+    )
+
+
+def _node_cause(label: str, derivative: str, fix: str) -> Callable[[Report], Cause]:
+    """A rule for a backward through a function whose derivative has a pole."""
+
+    def rule(report: Report) -> Cause:
+        zeros = zeros_phrase(report)
+        return Cause(
+            label,
+            f"{derivative} at {line(report)}{zeros}: its backward gave {counts(report)} ({report.op}); {fix}",
+            (f"autograd node {report.autograd_node}", f"{report.tensor}: {counts(report)}"),
+        )
+
+    return rule
+
+
+_NODE_RULES: dict[str, Callable[[Report], Cause]] = {
+    "sqrt": _node_cause(
+        "sqrt-domain", "the derivative of sqrt, 1/(2·sqrt(x)), is infinite at x = 0, reached by sqrt",
+        "add eps inside the sqrt (torch.sqrt(x + 1e-12)) or clamp x to >= eps",
+    ),
+    "acos": _node_cause(
+        "sqrt-domain", "the derivative of acos, -1/sqrt(1 - x²), is infinite at x = ±1, reached by acos",
+        "clamp to [-1 + 1e-7, 1 - 1e-7] (a clamp to [-1, 1] still lets ±1 through)",
+    ),
+    "asin": _node_cause(
+        "sqrt-domain", "the derivative of asin, 1/sqrt(1 - x²), is infinite at x = ±1, reached by asin",
+        "clamp to [-1 + 1e-7, 1 - 1e-7] (a clamp to [-1, 1] still lets ±1 through)",
+    ),
+    "log": _node_cause(
+        "log-domain", "the derivative of log, 1/x, is infinite at x = 0, reached by log",
+        "clamp to eps before the log (x.clamp_min(1e-12)) or use log_softmax",
+    ),
+    "div": _node_cause(
+        "division-by-zero", "the derivative of a/b, -a/b², is infinite at b = 0, reached by a division",
+        "add eps to the divisor or clamp it (b.clamp_min(1e-12))",
+    ),
+    "pow": _node_cause(
+        "pow-domain", "the derivative of x**p for p < 1 is infinite at x = 0, reached by pow",
+        "add eps to the base (x + 1e-12) ** p or clamp it",
+    ),
+    "norm": _node_cause(
+        "division-by-zero", "the derivative of a norm, x/‖x‖, divides by 0 at a zero vector, reached by a norm",
+        "add eps inside (torch.sqrt((x**2).sum(-1) + 1e-12)) or clamp the norm",
+    ),
+    "std": _node_cause(
+        "division-by-zero", "the derivative of std divides by the std, 0 at a constant input, reached by std",
+        "add eps inside (torch.sqrt(x.var() + 1e-5))",
+    ),
+    "exp": _node_cause(
+        "exp-overflow", "the derivative of exp is exp(x), which overflows for large x, reached by exp",
+        "subtract the max first (logsumexp) or clamp the input",
+    ),
+}
+_NODE_RULES.update({
+    "rsqrt": _NODE_RULES["sqrt"], "log2": _NODE_RULES["log"], "log10": _NODE_RULES["log"],
+    "log1p": _NODE_RULES["log"], "reciprocal": _NODE_RULES["div"], "linalgvectornorm": _NODE_RULES["norm"],
+    "cdist": _NODE_RULES["norm"], "var": _NODE_RULES["std"], "stdmean": _NODE_RULES["std"],
+})
+
+
+# -- upstream causes ------------------------------------------------------------------------
+
+
+def _extreme_batch(report: Report) -> tuple[str, float] | None:
+    """The batch entering the model in the failing step, when it held ``|x| > EXTREME_INPUT``."""
+    for layer in report.layers:
+        absmax = layer.stats.absmax
+        if layer.phase == Phase.DATA and absmax is not None and absmax > EXTREME_INPUT:
+            return layer.tensor, absmax
+    return None
+
+
+def _bad_batch(report: Report, downstream: Cause, tensor: str, absmax: float) -> Cause:
+    return Cause(
+        "bad-input-data",
+        f"{tensor} entering {report.model or 'the model'} reached |x| = {fmt(absmax)} (> {fmt(EXTREME_INPUT)}) in "
+        f"this step, and {what(report)} then became {counts(report)}: normalise or clip the "
+        "inputs (standardise features, log-scale heavy-tailed ones) before the model",
+        (f"batch {tensor}: |x| up to {fmt(absmax)}", f"then: {downstream.label}: {downstream.hint}"),
+    )
+
+
+def _growth(history: tuple[StepSummary, ...]) -> str | None:
+    """Evidence that the loss or gradient norm was diverging before the event, or None."""
+    for field, label in (("loss", "loss"), ("grad_norm", "gradient norm")):
+        series = [(entry.step, abs(value)) for entry in history
+                  if (value := getattr(entry, field)) is not None and math.isfinite(value)]
+        if len(series) <= DIVERGENCE_RISES + 1:
+            continue
+        recent = [value for _step, value in series[-DIVERGENCE_RISES - 1:]]
+        median = statistics.median(value for _step, value in series[:-1])
+        (first, _), (last_step, last) = series[0], series[-1]
+        if all(b > a for a, b in itertools.pairwise(recent)) and median > 0 and last >= DIVERGENCE_FACTOR * median:
+            return (
+                f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(last / median)}x its median "
+                f"{fmt(median)} since step {first}, rising on each of the last {DIVERGENCE_RISES} steps"
+            )
+    return None
+
+
+def _learning_rate(report: Report, downstream: Cause, growth: str) -> Cause:
+    return Cause(
+        "learning-rate-too-high",
+        f"{growth}; then {what(report)} became {counts(report)} in {report.phase} step "
+        f"{report.step}: lower the learning rate (e.g. 10x), add warm-up, or clip gradients "
+        "(torch.nn.utils.clip_grad_norm_)",
+        (growth, f"then: {downstream.label}: {downstream.hint}"),
+    )
+
+

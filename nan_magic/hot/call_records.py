@@ -1,0 +1,247 @@
+"""The records of one step's calls: a module call, each of its tensors' probe, a pass-through's alias.
+
+Hooks append these and do nothing else on the fast path: one ``aminmax`` per
+floating output, a few Python objects, no host synchronisation when deferred.
+Tensors are held by weak reference only, so nothing is kept alive beyond what
+the user's program (and autograd) keeps; a report built while a tensor is
+still alive gets its full statistics, otherwise the probe's. The step's log
+of them, and the identity map that finds a tensor's consumer: calls.py.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nan_magic.hot.stats import WIDE_FLOATS, finite_stats, probe, probe_kinds, probe_stats, readable, tensor_stats
+from nan_magic.hot.targets import ModuleInfo
+from nan_magic.records import LayerStatus, Phase, TensorStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.hot.held import HeldArguments
+    from nan_magic.localize.replay import AutocastState, RngState
+
+__all__ = ["Alias", "Call", "KnownFinite", "TensorRecord", "consumer_of", "gradient_label", "version_of"]
+
+_NONE: frozenset[str] = frozenset()
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """In-place version counter; inference tensors have none (they read as 0)."""
+    return 0 if tensor.is_inference() else tensor._version
+
+
+class TensorRecord:
+    """One probed tensor: where it came from and its ``(min, max)``."""
+
+    # Both __init__ and finite() set every slot: a slot added here goes in both.
+    __slots__ = (
+        "_probe", "call", "consumers", "dtype", "high", "inner", "kinds", "low", "outer", "path", "ranged", "ref",
+        "shape", "status", "version",
+    )
+
+    def __init__(
+        self,
+        path: str,
+        tensor: torch.Tensor,
+        call: Call | None,
+        defer: bool,
+        same: TensorRecord | None = None,
+        ranged: bool = True,
+    ) -> None:
+        self.path = path
+        self.dtype = tensor.dtype
+        # The tensor itself is what identity and versions follow; what is probed
+        # is its values (stats.values_to_read: a complex tensor's real view, a
+        # sparse one's stored values), whose shape the stats describe.
+        values = readable(tensor)
+        self.shape = tuple(values.shape)
+        self.ref = weakref.ref(tensor)
+        self.version = version_of(tensor)
+        self.call = call
+        self.status: LayerStatus = "ok"
+        self.consumers: list[Call] = []
+        # The record of the same tensor returned again by an enclosing call
+        # (nn.Sequential returns its last child's output object).
+        self.outer: TensorRecord | None = None
+        # The record of the same tensor object seen earlier this step (set by StepLog).
+        self.inner: TensorRecord | None = None
+        self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.low = self.high = math.nan
+        #: Non-finite kinds the probe shows; empty until a pending probe is read.
+        self.kinds: frozenset[str] = _NONE
+        #: Whether ``low`` and ``high`` are known (see ``ranged`` below).
+        self.ranged = True
+        # Only finiteness asked (a float32 gradient): a sum, a third of the time
+        # of aminmax on the CPU, answers it. A non-finite sum (or one that
+        # overflowed) gets the exact probe below.
+        summed = not ranged and not defer and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
+        if summed and math.isfinite(float(values.detach().sum())):
+            self.ranged = False
+            return
+        if same is not None and same._probe is None:
+            # The same, unchanged tensor seen again (nn.Sequential returns its
+            # last child's output; an add passes one gradient to both inputs):
+            # its probe is already known.
+            self.ranged = same.ranged
+            if same.ranged:
+                self.set_probe(same.low, same.high)
+            return
+        low, high = same._probe if same is not None and same._probe is not None else probe(values)
+        if defer:
+            self._probe = (low, high)
+        else:
+            self.set_probe(low.item(), high.item())
+
+    @classmethod
+    def finite(cls, path: str, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:
+        """The record of a tensor found finite earlier by its sum, no longer referred to."""
+        record = cls.__new__(cls)
+        record.path, record.dtype, record.shape, record.call = path, dtype, shape, call
+        record.ref, record.version = _gone, 0  # type: ignore[assignment]  # called like a dead weakref
+        record.status, record.consumers, record.outer, record.inner = "ok", [], None, None
+        record._probe, record.low, record.high, record.kinds, record.ranged = None, math.nan, math.nan, _NONE, False
+        return record
+
+    def set_probe(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+        # Finite is the common case: skip the classification then.
+        self.kinds = _NONE if -math.inf < low <= high < math.inf else probe_kinds(low, high)
+
+    def outward(self) -> Iterator[TensorRecord]:
+        """This record, then those of the enclosing calls that returned the same tensor again."""
+        record: TensorRecord | None = self
+        while record is not None:
+            yield record
+            record = record.outer
+
+    @property
+    def pending(self) -> bool:
+        return self._probe is not None
+
+    def live(self) -> torch.Tensor | None:
+        """The tensor itself if it is still alive and unchanged since probed."""
+        tensor = self.ref()
+        if tensor is None or version_of(tensor) != self.version:
+            return None
+        return tensor
+
+    def stats(self) -> TensorStats:
+        """Exact stats when the tensor is alive, else what the probe knows."""
+        tensor = self.live()
+        if tensor is not None:
+            return tensor_stats(tensor)
+        if not self.ranged:
+            return finite_stats(self.dtype, self.shape)
+        return probe_stats(self.dtype, self.shape, self.low, self.high)
+
+
+def _gone() -> None:
+    """A dead reference: what :meth:`TensorRecord.finite` records point to."""
+    return None
+
+
+class Call:
+    """One call of a watched module (or the data entering a root, or the loss)."""
+
+    __slots__ = (
+        "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
+        "module", "outputs", "parent", "phase", "rng_state",
+    )
+
+    def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
+        self.index = index
+        self.phase = phase
+        self.info = info
+        self.module = module
+        self.parent = parent
+        self.inputs: list[tuple[str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = []
+        self.outputs: list[TensorRecord] = []
+        self.finished = -1
+        # Kinds that the outputs of calls made inside this one produced: a
+        # parent passing on what its child produced is a propagator.
+        self.inner_kinds: frozenset[str] = _NONE
+        # Deliberate infinities (masks) that calls made inside this one produced.
+        self.deliberate_kinds: frozenset[str] = _NONE
+        # For a replay of a forward call after it returned (replay.py: its
+        # backward, or the call at the deferred check): its arguments held
+        # weakly, the RNG state before it and the autocast regions it ran in.
+        self.held: HeldArguments | None = None
+        self.rng_state: RngState | None = None
+        self.autocast: AutocastState | None = None
+        # For a backward check: the forward call whose backward computed the gradient.
+        self.consumer: Call | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self.info.name if self.info is not None else None
+
+    @property
+    def module_type(self) -> str | None:
+        return self.info.module_type if self.info is not None else None
+
+
+class Alias:
+    """The output of a passed-through call (transparent.py), standing for its input's record.
+
+    ``record`` is the record the call's input goes back to (through chains
+    of pass-throughs), used to find consumers; ``origin`` is what the input
+    itself can be recomputed from (its record, or the alias of the
+    pass-through before), so a replay can recompute the output too.
+    """
+
+    __slots__ = ("bound", "input", "module", "origin", "record", "ref", "rng_state", "version")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        record: TensorRecord,
+        module: Any,
+        source: torch.Tensor,
+        origin: TensorRecord | Alias,
+        rng_state: RngState | None,
+        bound: float,
+    ) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = version_of(tensor)
+        self.record = record
+        self.module = module
+        self.input = weakref.ref(source)
+        self.origin = origin
+        self.rng_state = rng_state
+        #: A bound on the output's magnitude (transparent.output_bound).
+        self.bound = bound
+
+
+#: ``(record, low, high, origin)``: see :meth:`StepLog.known_finite`.
+KnownFinite = tuple[TensorRecord, float, float, "TensorRecord | Alias"]
+
+
+def consumer_of(record: TensorRecord) -> Call | None:
+    """The call whose backward computes the gradient of ``record``'s tensor.
+
+    The innermost watched module that took the tensor as input; with none,
+    the functional code of the producing call's parent (None at top
+    level: the loss). A tensor that enclosing calls returned as their own
+    output is consumed where the outermost of them handed it on.
+    """
+    while record.outer is not None:
+        record = record.outer
+    if record.consumers:
+        return record.consumers[-1]
+    return record.call.parent if record.call is not None else None
+
+
+def gradient_label(record: TensorRecord, consumer: Call | None) -> str:
+    """``grad of input[0]`` as the consumer saw it, else of the producing output."""
+    if consumer is not None:
+        for path, input_record, _ref, _version in consumer.inputs:
+            if input_record is record:
+                return f"grad of {path}"
+    owner = record.call.name if record.call is not None else None
+    return f"grad of {owner or 'model'} {record.path}".rstrip()
+

@@ -1,0 +1,306 @@
+"""Early warnings: signs that a run is heading for a non-finite value.
+
+Fed one :class:`StepSummary` per completed step (and, in immediate mode, each
+floating tensor entering a watched model), they compare against running
+statistics and return :class:`EarlyWarning` records; the watch shows them in
+the report and, in ``warn`` mode, as they happen.
+
+Kinds (exact strings)
+---------------------
+``overflow-risk``
+    A float16/bfloat16 module output came within :data:`HEADROOM_LIMIT` of the
+    dtype's largest finite value.
+``loss-spike``, ``grad-norm-spike``
+    After :data:`WARMUP` finite steps, the loss (gradient norm) exceeded
+    :data:`SPIKE_FACTOR` times the median of the last :data:`WINDOW` steps and
+    every value of the warm-up.
+``extreme-input``
+    A batch held a finite ``|x| >`` :data:`EXTREME_INPUT` (seen as it enters
+    the model in immediate mode, from the step summary otherwise).
+``constant-feature``
+    A feature (last dim of a 2-D batch, channel of a 4-D or 5-D one) took one
+    value over a batch of more than one row (checked at the first step of a
+    watch, then every :data:`BATCH_RULE_EVERY`-th).
+``scale-falling``
+    A GradScaler's scale fell between each of :data:`SCALE_FALLS` consecutive
+    completed steps.
+``grad-norm-overflow``
+    A gradient norm overflowed float32 while every element of the gradient
+    was finite: the gradients are near the float32 limit. Not an event (no
+    value the program uses is non-finite), the step before one.
+
+Each kind warns at most once per :data:`WARN_EVERY` steps, so a run that
+stays near a limit gets a reminder, not a flood.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+import torch
+
+from nan_magic.hot.stats import read_probe
+from nan_magic.records import EarlyWarning, StepSummary, module_label
+
+__all__ = [
+    "BATCH_RULE_EVERY",
+    "EXTREME_INPUT",
+    "HEADROOM_LIMIT",
+    "SCALE_FALLS",
+    "SPIKE_FACTOR",
+    "WARMUP",
+    "WARN_EVERY",
+    "WINDOW",
+    "EarlyWarnings",
+]
+
+#: Headroom (``finfo.max / |x|``) below which a half-precision output is at risk:
+#: under 8x, three more doublings (one residual add of a like-sized value, a
+#: squared norm, a few steps of growth) overflow it. float16 values above
+#: 8188 are rare in healthy models.
+HEADROOM_LIMIT = 8.0
+
+#: The per-feature batch rule runs at the first step and then every this many steps.
+BATCH_RULE_EVERY = 8
+#: A loss or gradient norm this many times its running median is a spike:
+#: healthy runs move within a few-fold; a diverging one multiplies every step.
+SPIKE_FACTOR = 10.0
+#: Finite steps needed before spikes are judged: the first steps set the scale.
+WARMUP = 5
+#: Steps in the running median: long enough to ignore one noisy batch.
+WINDOW = 50
+#: Largest |x| a batch may hold without a warning: normalised features are
+#: O(1), and squares or products of 1e6 (1e12) already pass float16's limit by
+#: far and float32's after a few layers of gain.
+EXTREME_INPUT = 1e6
+#: Consecutive completed steps with a falling GradScaler scale that warn: one
+#: fall (the first steps finding a scale) is normal, a scale that falls again
+#: and again between steps that run means overflows keep coming back.
+SCALE_FALLS = 3
+#: Steps between two warnings of the same kind.
+WARN_EVERY = 100
+
+_HALF = ("float16", "bfloat16")
+#: Constant features listed in one warning message.
+_SHOWN_FEATURES = 3
+
+
+class _Spikes:
+    """Running median and warm-up maximum of one positive series (|loss|, grad norm)."""
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=WINDOW)
+        self.seen = 0
+        self.warmup_max = 0.0
+
+    def observe(self, value: float | None) -> float | None:
+        """The ratio of ``|value|`` to the running median when it is a spike, else None.
+
+        A spike must also exceed every warm-up value: a converged loss near 0
+        that jumps 10x from noise is still below where training started.
+        """
+        if value is None or not math.isfinite(value):
+            return None
+        magnitude = abs(value)
+        ratio = None
+        if self.seen < WARMUP:
+            self.warmup_max = max(self.warmup_max, magnitude)
+        elif magnitude > self.warmup_max:  # else no spike, and no median to take (most steps)
+            median = statistics.median(self.recent)
+            if median > 0 and magnitude > SPIKE_FACTOR * median:
+                ratio = magnitude / median
+        self.seen += 1
+        self.recent.append(magnitude)
+        return ratio
+
+
+class EarlyWarnings:
+    """Running state of the early-warning rules for one watch."""
+
+    def __init__(self) -> None:
+        self._loss = _Spikes()
+        self._grad_norm = _Spikes()
+        self._scale: float | None = None
+        self._scale_falls = 0
+        self._last_warned: dict[str, int] = {}
+
+    def observe_step(self, summary: StepSummary) -> list[EarlyWarning]:
+        """Warnings raised by one completed step."""
+        found = [
+            _overflow_risk(summary.step, "output", summary.headroom, summary.headroom_dtype, summary.headroom_module),
+            _overflow_risk(
+                summary.step,
+                "gradient",
+                summary.grad_headroom,
+                summary.grad_headroom_dtype,
+                summary.grad_headroom_module,
+            ),
+            self._spike("loss-spike", "loss", self._loss, summary.step, summary.loss),
+            self._spike("grad-norm-spike", "gradient norm", self._grad_norm, summary.step, summary.grad_norm),
+            self._scale_falling(summary),
+            # Where batches are not observed one by one (deferred mode), the
+            # step's largest input still shows an extreme batch, a step later.
+            _extreme_input(summary.step, "the batch entering the model", summary.input_absmax),
+        ]
+        return [warning for warning in found if warning is not None and self._due(warning)]
+
+    def observe_batch(
+        self, step: int, name: str, tensor: torch.Tensor, probe: tuple[float, float] | None = None
+    ) -> list[EarlyWarning]:
+        """Warnings about one floating tensor entering a watched model.
+
+        ``probe`` is the tensor's ``(min, max)`` when the watch already read
+        it. The per-feature rule reads the batch once more, so it runs at the
+        first step of a watch and then on every :data:`BATCH_RULE_EVERY`-th:
+        a constant column of a dataset shows in every batch, and a cell that
+        runs a few steps at a time should not pay for it at each.
+        """
+        # Only detached tensors are read: no graph is recorded, without the
+        # cost of entering ``no_grad`` at every step.
+        if probe is None:
+            low, high = read_probe(tensor)
+        else:
+            low, high = probe
+        found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
+        due = step % BATCH_RULE_EVERY == 0
+        # Features are columns of a dense real batch; a sparse or complex one has no such columns to compare.
+        dense_real = tensor.layout is torch.strided and not tensor.is_complex()
+        if due and dense_real and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
+            feature_low, feature_high = _feature_ranges(tensor.detach())
+            found.append(_constant_feature(step, name, tensor, feature_low, feature_high))
+        return [warning for warning in found if warning is not None and self._due(warning)]
+
+    # -- per-step rules --------------------------------------------------------------
+
+    @staticmethod
+    def _spike(kind: str, label: str, series: _Spikes, step: int, value: float | None) -> EarlyWarning | None:
+        ratio = series.observe(value)
+        if ratio is None or value is None:
+            return None
+        return EarlyWarning(
+            step=step,
+            kind=kind,
+            message=(
+                f"the {label} reached {value:.3g}, {ratio:.3g}x its running median: a learning rate too high, "
+                "a bad batch, or a run starting to diverge"
+            ),
+            value=value,
+        )
+
+    def _scale_falling(self, summary: StepSummary) -> EarlyWarning | None:
+        scale, previous = summary.scale, self._scale
+        self._scale = scale
+        if scale is None or previous is None or scale >= previous:
+            self._scale_falls = 0
+            return None
+        self._scale_falls += 1
+        if self._scale_falls < SCALE_FALLS:
+            return None
+        return EarlyWarning(
+            step=summary.step,
+            kind="scale-falling",
+            message=(
+                f"the GradScaler scale fell on each of the last {self._scale_falls} steps, to {scale:g}: scaled "
+                "gradients keep overflowing; find the gradient that grows (the report's backward events)"
+            ),
+            value=scale,
+        )
+
+    def observe_norm_overflow(self, step: int, optimizer: str, names: list[str]) -> list[EarlyWarning]:
+        """Gradients about to be applied whose norm overflowed, every element finite."""
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warning = EarlyWarning(
+            step=step,
+            kind="grad-norm-overflow",
+            message=(
+                f"the gradient norm of {shown} overflowed float32 before the {optimizer} step although every "
+                "element is finite: gradients are near the float32 limit; lower the learning rate or clip them"
+            ),
+            value=math.inf,
+        )
+        return [warning] if self._due(warning) else []
+
+    def _due(self, warning: EarlyWarning) -> bool:
+        """At most one warning of a kind per :data:`WARN_EVERY` steps."""
+        last = self._last_warned.get(warning.kind)
+        if last is not None and warning.step - last < WARN_EVERY:
+            return False
+        self._last_warned[warning.kind] = warning.step
+        return True
+
+
+# -- per-batch rules ------------------------------------------------------------------
+
+
+def _feature_ranges(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature ``(min, max)``: over the rows of a 2-D batch, per channel of a 4-D/5-D one.
+
+    Other shapes give the whole tensor's range. One pair of reductions serves
+    both batch rules, and it reads the tensor without copying it.
+    """
+    if tensor.dim() == 2 and tensor.shape[0] > 1:
+        return torch.aminmax(tensor, dim=0)
+    if tensor.dim() in (4, 5) and tensor.shape[0] > 1:
+        dims = (0, *range(2, tensor.dim()))
+        return torch.amin(tensor, dim=dims), torch.amax(tensor, dim=dims)
+    return torch.aminmax(tensor)
+
+
+def _extreme_input(step: int, subject: str, absmax: float | None) -> EarlyWarning | None:
+    # A non-finite batch is an event of its own (phase data), not a warning.
+    if absmax is None or not math.isfinite(absmax) or absmax <= EXTREME_INPUT:
+        return None
+    return EarlyWarning(
+        step=step,
+        kind="extreme-input",
+        message=(
+            f"{subject} holds |x| = {absmax:.3g} (> {EXTREME_INPUT:.0e}): normalise or clip the inputs "
+            "before they overflow a layer"
+        ),
+        value=absmax,
+    )
+
+
+def _constant_feature(
+    step: int, name: str, tensor: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+) -> EarlyWarning | None:
+    constant = (low == high).nonzero().flatten().tolist()
+    if not constant:
+        return None
+    axis = "feature" if tensor.dim() == 2 else "channel"
+    shown = ", ".join(f"{index} (= {float(low[index]):.3g})" for index in constant[:_SHOWN_FEATURES])
+    more = f" and {len(constant) - _SHOWN_FEATURES} more" if len(constant) > _SHOWN_FEATURES else ""
+    return EarlyWarning(
+        step=step,
+        kind="constant-feature",
+        message=(
+            f"{name}: {len(constant)} of {low.numel()} {axis}s are constant over the batch of {tensor.shape[0]} "
+            f"rows: {axis} {shown}{more}; standardising it divides by a zero std"
+        ),
+        value=float(len(constant)),
+    )
+
+
+def _overflow_risk(
+    step: int, what: str, headroom: float | None, dtype: str | None, module: str | None
+) -> EarlyWarning | None:
+    """A half-precision value of the step within HEADROOM_LIMIT of its dtype's limit.
+
+    ``what`` is ``"output"`` (a module's forward output) or ``"gradient"``
+    (the gradient flowing through the module in backward).
+    """
+    if headroom is None or dtype not in _HALF or headroom >= HEADROOM_LIMIT:
+        return None
+    limit = torch.finfo(getattr(torch, dtype)).max
+    return EarlyWarning(
+        step=step,
+        kind="overflow-risk",
+        message=(
+            f"{dtype} {what} of {module_label(module)} reached |x| = {limit / headroom:.3g}, within "
+            f"{headroom:.2g}x of the {dtype} limit {limit:.5g}: compute it in float32 or scale it down"
+        ),
+        module=module,
+        value=headroom,
+    )

@@ -1,0 +1,276 @@
+"""The forward pass: the global module hooks that record each watched call.
+
+Global module hooks call :meth:`ForwardChecks.on_forward_pre` and
+:meth:`ForwardChecks.on_forward` for every module; only watched modules are
+recorded, on a module stack of :class:`~nan_magic.localize.call_replay.Frame`.
+Each floating output gets one probe; the producer rule (producer.py) runs on
+the few that are non-finite, at once or at the deferred check. A forward
+producer is then replayed alone under the op tracer to name its op and line
+(call_replay.py).
+
+Who calls whom: the watch wires these hooks to their services at
+construction, and nothing here reaches another checker through the watch.
+The hooks call down into the producer rule (which they own, sharing the
+module stack with it read-only), the call replay (whether calls keep their
+arguments), and ``hook_gradient``: the gradient checks' hook on a module
+output, given by the watch as a plain callable (None without backward
+checks), so this module does not know the gradient checks. Top-level
+calls open and (in inference) close the watch's steps, through its step
+cycle (``watch.cycle``, step_cycle.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.held import hold_arguments
+from nan_magic.hot.module_hooks import is_compiled, may_step_aside
+from nan_magic.hot.stats import is_checkable, iter_tensors
+from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
+from nan_magic.localize.call_replay import CallReplay, Frame
+from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.producer import ProducerRule
+from nan_magic.localize.replay import capture_autocast, capture_rng_state
+from nan_magic.records import Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["ForwardChecks", "HookGradient"]
+
+#: Arms the gradient check on one module output (:meth:`GradientChecks.hook_output`).
+HookGradient = Callable[[TensorRecord, torch.Tensor], None]
+
+
+class ForwardChecks:
+    """Forward-pass checks of one watch: the module stack, and the producer rule it owns (:attr:`rule`)."""
+
+    def __init__(
+        self, watch: Watch, replayer: CallReplay, origins: OpOrigins, hook_gradient: HookGradient | None
+    ) -> None:
+        self.watch = watch
+        self.stack: list[Frame] = []
+        self.replayer = replayer
+        self._hook_gradient = hook_gradient
+        self.rule = ProducerRule(watch.config, watch.defer, watch.log, watch.emit, replayer, origins, self.stack)
+
+    def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self.watch.mine() or (self.stack and not self.watch.cycle.full_step):
+            return  # inside a top-level call of a tiered step, only its boundaries are checked
+        task = torch._C._current_graph_task_id()
+        recomputing = self._recomputing(task)
+        if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            # Non-reentrant checkpointing regenerates saved tensors under its saved-tensor hooks and
+            # throws the graph away: the original forward's graph, with our hooks, is the one backward runs.
+            # Recording it (probes, a replay of its early stop) would save tensors it does not expect.
+            return
+        info = self.watch.module_info(module)
+        if info is None:
+            return  # unwatched
+        if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
+            known = self.watch.log.known_finite(args[0])
+            if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
+                # Cannot make its finite input non-finite: nothing to check (transparent.py).
+                rng = capture_rng_state() if info.transparent == "dropout" and self.replayer.keeps_calls else None
+                self.stack.append(Frame(module, info, None, rng, through=args[0], known=known))
+                return
+            if known is None and self._computed_by_parent(args[0]) and passes_through_unseen(info.transparent, args[0]):
+                # Its parent's check covers it (transparent.py); nothing stands for its output.
+                self.stack.append(Frame(module, info, None, None))
+                return
+        # A recompute's first call has an empty stack, but starts no step and brings no batch.
+        top_level = not self.stack and not recomputing
+        # A model call inside a backward pass (a reentrant checkpoint recomputing its forward) is no
+        # boundary of the code outside the models: that code's records stay, and nothing of the backward
+        # is recorded as loss code.
+        outside = self.watch.outside if task == -1 else None
+        if top_level:
+            if outside is not None:
+                outside.stop()
+            tracer = self.watch.origins.tracer
+            self.watch.cycle.forward_started([t for _, t in iter_tensors(args, "input")] if tracer else ())
+            if is_compiled(module) or (not self.watch.cycle.full_step and may_step_aside(module)):
+                # Only this call's boundaries are checked: its submodules' calls need no hook at all.
+                self.watch.module_hooks.step_aside_for(module)
+        parent = self.stack[-1].call if self.stack else None
+        call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
+        if top_level and self.watch.replays is not None:
+            self.watch.replays.begin(module, info, call, args)
+        self._note_inputs(call, args, "input")
+        # The generators' state before the call, so a replay draws the same
+        # dropout mask (a few microseconds; only where a replay can happen and
+        # the module may draw random numbers).
+        rng = capture_rng_state() if self.replayer.can_replay and not info.deterministic else None
+        self.stack.append(Frame(module, info, call, rng))
+        if top_level or (info.is_root and not recomputing):
+            self.record_data(info, module, args, "input", call if top_level else None)
+        if top_level and outside is not None:
+            outside.forget()  # the batch is judged: what the loop computed need not stay alive
+
+    def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        # always_call hooks are called with (module, args, output) when the
+        # forward raised, and with (module, args, kwargs, output) otherwise.
+        if not self.watch.mine():
+            return
+        if not self.stack or self.stack[-1].module is not module:
+            return
+        frame = self.stack.pop()
+        # A recompute's calls are recorded for their gradients only (see _recomputing).
+        task = torch._C._current_graph_task_id()
+        recomputing = self._recomputing(task)
+        top_level = not self.stack and not recomputing
+        if len(rest) != 2:
+            if top_level and frame.call is not None:
+                self.watch.on_forward_failed(module, frame.call)
+            return
+        kwargs, output = rest
+        call = frame.call
+        if call is None:
+            if type(output) is not torch.Tensor:
+                return
+            if frame.through is None:
+                self.watch.log.unseen(output)
+            elif output is not frame.through and frame.known is not None and frame.info.transparent is not None:
+                _record, low, high, _origin = frame.known
+                bound = output_bound(frame.info.transparent, module, low, high)
+                self.watch.log.alias(output, frame.through, module, frame.rng_state, bound, frame.known)
+            return
+        if top_level and self.watch.replays is not None:
+            self.watch.replays.finish(module, kwargs, output)
+        if kwargs:
+            # Global pre-hooks never see kwargs, so they are noted on return.
+            self._note_inputs(call, kwargs, "kwargs")
+            if top_level or (frame.info.is_root and not recomputing):
+                self.record_data(frame.info, module, kwargs, "kwargs", call if top_level else None)
+        log = self.watch.log
+        if frame.info.watched:
+            hook_gradient = self._hook_gradient
+            anchor = None
+            for path, tensor in iter_tensors(output, "output", self.watch.skipped):
+                record = log.record_output(call, path, tensor)
+                if hook_gradient is not None:
+                    hook_gradient(record, tensor)
+                if anchor is None and tensor.grad_fn is not None:
+                    anchor = tensor
+            if self.replayer.keeps_calls and (anchor is not None or self.watch.defer):
+                # Without a graph (no_grad) only the deferred check replays the call: held weakly.
+                call.held = hold_arguments(args, kwargs, self.replayer.classify, anchor)
+                call.rng_state = frame.rng_state
+                call.autocast = capture_autocast()
+        log.finish(call)
+        if frame.info.watched and not self.watch.defer and not recomputing:
+            # (A recompute's values are the original forward's, judged then.)
+            for record in call.outputs:
+                if record.kinds:  # finite outputs (the hot path) need no judging
+                    self.rule.judge(call, record, replay=(frame, args, kwargs))
+        if not self.stack:
+            # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
+            self.watch.log.last_forward_seq = torch._C._autograd._get_sequence_nr()
+            cycle = self.watch.cycle
+            if not cycle.training():
+                # Inference (no optimizer seen): a top-level forward is a step.
+                cycle.sync()
+                cycle.end_step(cycle.step)
+                cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
+            if self.watch.outside is not None and task == -1:
+                self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)
+
+    def _recomputing(self, task: int) -> bool:
+        """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.
+
+        ``torch.utils.checkpoint`` calls the checkpointed modules again inside
+        backward. That is no new call of the user's: no step starts, no batch
+        enters, and its values are the original forward's, judged then. Taken
+        for a top-level call, the non-reentrant form's early stop
+        (``_StopRecomputationError``) was "explained" by a replay, which saved
+        tensors the checkpoint counts, and backward failed. The reentrant form
+        (a custom Function's backward) builds the graph backward then runs, so
+        its calls are recorded for their gradients. A CUDA backward runs on
+        autograd's own thread, where :meth:`Watch.mine` ignores every call.
+        ``task`` is the current autograd graph task (``-1`` outside backward).
+        """
+        return task != self.watch.graph_task
+
+    def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
+        """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
+
+        Forward, the parent's check and replay cover such a pass-through. In
+        backward, the gradient this call computes for its output must still
+        be checked where it appears, to name this call as its producer.
+        """
+        log = self.watch.log
+        if prefix == "input" and len(values) == 1 and type(values[0]) is torch.Tensor:
+            # The hot path, ``module(x)``: no walk of the arguments.
+            found = [("input[0]", values[0])] if is_checkable(values[0]) else []
+        else:
+            found = iter_tensors(values, prefix)
+        for path, tensor in found:
+            if log.is_unseen(tensor):
+                record = log.adopt(tensor)
+                if self._hook_gradient is not None:
+                    self._hook_gradient(record, tensor)
+            log.note_input(call, path, tensor)
+
+    def _computed_by_parent(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a value of the running parent's own code, which a replay can reach.
+
+        No watched call returned it (it has no record, and is no
+        pass-through's output), the parent is a checked call, and its replay
+        runs (immediate mode, see :func:`transparent.passes_through_unseen`).
+        """
+        parent = self.stack[-1]
+        return (
+            self.replayer.can_replay
+            and not self.watch.defer
+            and parent.call is not None
+            and parent.info.watched
+            and self.watch.log.lookup(tensor) is None
+            and self.watch.log.alias_of(tensor) is None
+        )
+
+    def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str,
+                    consumer: Call | None = None) -> None:
+        """Tensors entering a watched model from outside, as a ``data`` call.
+
+        Judged like any call (immediately, or at the deferred check), first in
+        order, so a NaN already in the batch is reported as phase ``data``.
+        ``consumer`` is the top-level call they enter: the gradient its
+        backward computes for one that requires gradients (an adversarial
+        perturbation, a saliency map, another model's output) is a boundary
+        too, judged as that call's backward (a frozen model has no parameter
+        gradient to show it).
+        """
+        tensors = list(iter_tensors(values, prefix, self.watch.skipped))
+        if not tensors:
+            return
+        call = self.watch.log.new_call(Phase.DATA, info, module, None)
+        for path, tensor in tensors:
+            record = self.watch.log.record_output(call, path, tensor)
+            if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
+                # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
+                # would stay on it after the watch.
+                record.consumers.append(consumer)
+                self._hook_gradient(record, tensor)
+        self.watch.log.finish(call)
+        if not self.watch.defer:
+            for record in call.outputs:
+                self.rule.judge(call, record)
+            for (path, tensor), record in zip(tensors, call.outputs):
+                if record.status == "benign":
+                    continue  # a deliberate mask is no batch to warn about
+                probe = (record.low, record.high)
+                cycle = self.watch.cycle
+                cycle.warn(cycle.early.observe_batch(cycle.step, path, tensor, probe))
+
+    def current_module_name(self) -> str | None:
+        """The innermost watched module running (``exclude``/``include`` leave modules unwatched)."""
+        for frame in reversed(self.stack):
+            if frame.info.watched:
+                return frame.info.name
+        return None

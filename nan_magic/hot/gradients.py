@@ -1,0 +1,336 @@
+"""Backward-phase checks: the loss, and the gradient flowing through each module.
+
+The gradient of a module's output is computed by the backward of whatever
+*consumed* that output in forward. So the first non-finite output gradient,
+in backward execution order, names its consumer as the backward producer: the
+gradient flowing into the consumer was finite (it came earlier and was
+checked), the one it computed is not. Reporting the first non-finite
+gradient's *owner* instead, as gradient-hook tools do, blames a module
+downstream of the cause.
+
+Only tensor hooks on module outputs are used: ``register_full_backward_hook``
+wraps outputs in a view that breaks in-place ops.
+
+Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`,
+which the watch hands them as a plain callable; the gradient checks know no
+forward checker in return. What they need of the forward side comes at
+construction: the op origins (op_tracing.py), and ``replay_backward``,
+:meth:`CallReplay.replay_backward_into` where calls keep their arguments
+(call_replay.py). The step log carries where the last forward ended
+(:attr:`StepLog.last_forward_seq`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nan_magic.hot.call_records import Call, TensorRecord, consumer_of, gradient_label
+from nan_magic.hot.loss_region import describe_loss_region, loss_region_nodes
+from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.lifecycle.findings import Finding, attach_origin
+from nan_magic.localize.entering import entering_tensors, saved_leaves
+from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.records import Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
+
+#: Replays the consumer whose backward made a gradient non-finite (:meth:`CallReplay.replay_backward_into`).
+ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
+
+
+class GradientChecks:
+    """Loss and per-module gradient checks of one watch.
+
+    ``replay_backward`` is None where calls keep no arguments to replay.
+    """
+
+    def __init__(self, watch: Watch, origins: OpOrigins, replay_backward: ReplayBackward | None) -> None:
+        self.watch = watch
+        self.origins = origins
+        self._replay_backward = replay_backward
+        self.loss_record: TensorRecord | None = None
+        # Deferred mode: the loss code's autograd nodes, described before
+        # backward frees them (a backward producer there is found after).
+        self.loss_region: str | None = None
+        self.reported_this_pass = False
+        self.forget_queued = False
+        self.backward_runs = 0
+        # Deferred mode: leaves the loss code saved, held weakly until the check (entering.py).
+        self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] = []
+
+    def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
+        """Arm a gradient check on one module output (called from the forward hook).
+
+        A tensor a child call returned first (``record.inner``) already has
+        our hook, and :func:`~nan_magic.hot.call_records.consumer_of` follows it outwards.
+        """
+        if record.inner is None:
+            grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
+            if grad_fn is not None:
+                _register_grad_hook(tensor, grad_fn, functools.partial(self._on_output_grad, record))
+
+    def on_backward_start(self, loss: torch.Tensor) -> None:
+        """Called by the wrapped ``Tensor.backward`` before autograd runs.
+
+        The tensor backward starts from (the loss) is logged like a module
+        output of code outside every module, and judged now or at the
+        deferred check.
+        """
+        watch = self.watch
+        if not watch.mine():
+            return
+        if watch.outside is not None:
+            watch.outside.stop()  # the backward, the model's included, is not traced
+        if not is_checkable(loss):
+            return
+        self.reported_this_pass = False
+        self.forget_queued = False
+        self.backward_runs += 1
+        call = watch.log.new_call(Phase.FORWARD, None, None, None)
+        self.loss_record = watch.log.record_output(call, "loss", loss)
+        watch.log.finish(call)
+        if not watch.defer:
+            self.judge_loss(call)
+        if watch.outside is not None:
+            watch.outside.weaken()  # for its backward and the deferred check, without keeping what autograd frees
+        if watch.defer:  # a few nodes, walked once per backward
+            nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
+            self.loss_region = describe_loss_region(nodes)
+            # Backward frees what they saved; the data among it is judged at the check.
+            self.loss_data = saved_leaves(nodes)
+
+    @property
+    def last_loss(self) -> float | None:
+        """The last scalar loss, once its probe has been read."""
+        record = self.loss_record
+        if record is None or record.pending or math.prod(record.shape) != 1:
+            return None
+        return record.low
+
+    def judge_loss(self, call: Call) -> None:
+        """A non-finite loss: produced by the code outside the modules when they were all finite."""
+        watch = self.watch
+        record = call.outputs[0]
+        if record.status != "ok" or not relevant_kinds(record.kinds, watch.config.kinds):
+            return
+        every_output_finite = all(
+            not output.kinds
+            for other in watch.log.calls
+            if other.info is not None and other.phase == Phase.FORWARD  # at the deferred check, gradients are in
+            for output in other.outputs
+            if not output.pending
+        )
+        tensor = record.live()
+        if every_output_finite and self._given_to_the_loss(tensor):
+            return
+        finding = Finding(
+            Phase.FORWARD,
+            None,
+            "loss",
+            bad=tensor.detach() if tensor is not None else None,
+            bad_stats=None if tensor is not None else record.stats(),
+            record=record,
+            inputs_finite=every_output_finite,
+        )
+        finding.notes.append(
+            "every watched module output of this step was finite: code outside the modules (the loss) produced it"
+            if every_output_finite
+            else "some module outputs of this step were already non-finite"
+        )
+        self.origins.add_op_origin(finding, tensor)
+        watch.emit(finding)
+
+    def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:
+        """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did."""
+        watch = self.watch
+        saved = [(label, tensor) for label, ref in self.loss_data if (tensor := ref()) is not None]
+        # A tensor the loss code itself made non-finite from finite values (recorded, or traced) is that
+        # code's product, not data, even where it needs no gradient (computed from a detached model output).
+        entered = [
+            (label, tensor)
+            for label, tensor in entering_tensors(
+                loss, watch.log.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
+            )
+            if not self.origins.made_by_recorded_code(tensor)
+        ]
+        if not entered:
+            return False
+        label, tensor = entered[0]
+        finding = Finding(Phase.DATA, None, label, bad=tensor.detach(), inputs_finite=False)
+        finding.notes.append(
+            "every watched module output of this step was finite; this tensor, which no watched code produced, "
+            "entered the code outside the modules (the loss) already non-finite"
+        )
+        watch.emit(finding)
+        return True
+
+    def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
+        watch = self.watch
+        if not watch.listening() or grad is None or not is_checkable(grad):
+            return
+        # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module
+        # step a model's output is its last layer's, and the model's own record is the outermost.
+        # A model that returns its loss (``model(x, y).backward()``) hands its output on to the loss's
+        # record, which belongs to no model call: the gradient is the model's output gradient all the same.
+        handed_on = record
+        while (outer := handed_on.outer) is not None and outer.call is not None and outer.call.info is not None:
+            handed_on = outer
+        returned_by = handed_on.call
+        if returned_by is not None and returned_by.parent is None:
+            if watch.replays is not None:
+                # Kept for a replay of this step's backward (step_replay.py), until the step ends.
+                watch.replays.capture_gradient(returned_by, handed_on.path, grad)
+            if watch.outside is not None and not self.forget_queued and not watch.defer:
+                # The loss code's records serve its backward, which runs before this gradient
+                # arrives: they go when this backward pass ends (after every such hook judged).
+                # The deferred check reads them at the optimizer step, which lets them go.
+                torch.autograd.Variable._execution_engine.queue_callback(watch.outside.forget)
+                self.forget_queued = True
+        log = watch.log
+        # The hot path. A gradient's range is only shown for half precision
+        # (its headroom); in float32 on the CPU a sum answers whether it is
+        # finite, and a finite one is only noted.
+        if (
+            not watch.defer
+            and grad.is_cpu
+            and grad.dtype in WIDE_FLOATS
+            and grad.layout is torch.strided
+            and log.lookup(grad) is None
+            and (log.known_finite_gradient(grad) or math.isfinite(float(grad.detach().sum())))
+        ):
+            log.finite_gradient(record, grad)
+            self.release(record)
+            return
+        consumer = consumer_of(record)
+        call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
+        call.consumer = consumer
+        log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
+        log.finish(call)
+        if not watch.defer:
+            self.judge(call, record)
+        self.release(record)
+
+    @staticmethod
+    def release(record: TensorRecord) -> None:
+        """The gradient of this tensor is complete: its consumers need not hold it any more."""
+        tensor = record.ref()
+        if tensor is None:
+            return
+        current: TensorRecord | None = record
+        while current is not None:  # record.outward(), without a generator: this runs for every gradient
+            for consumer in current.consumers:
+                if consumer.held is not None and consumer.held.kept is not None:
+                    consumer.held.release(tensor)
+            current = current.outer
+
+    def judge(self, call: Call, target: TensorRecord | None = None) -> None:
+        """Report the first non-finite gradient of a backward pass.
+
+        ``target`` (immediate mode) is the forward tensor whose gradient
+        this is: the consumer's backward can then be replayed for its op.
+        """
+        watch = self.watch
+        record = call.outputs[0]
+        if self.reported_this_pass or not relevant_kinds(record.kinds, watch.config.kinds):
+            return
+        self.reported_this_pass = True
+        tensor = record.live()
+        finding = Finding(
+            Phase.BACKWARD,
+            call,
+            record.path,
+            bad=tensor.detach() if tensor is not None else None,
+            bad_stats=None if tensor is not None else record.stats(),
+            record=record,
+        )
+        if call.info is None:
+            finding.notes.append("computed by the backward of code outside every watched module (e.g. the loss)")
+            if watch.defer:
+                region = self.loss_region
+            else:
+                loss = self.loss_record.ref() if self.loss_record is not None else None
+                region = describe_loss_region(loss_region_nodes(loss, watch.log.last_forward_seq))
+            if region:
+                finding.notes.append(region)
+            # Its recorded ops, replayed with their backward, name the backward op and its forward line.
+            loss = self.loss_record.ref() if self.loss_record is not None else None
+            origin = watch.outside.claim_backward(loss) if watch.outside is not None else None
+            if origin is not None:
+                attach_origin(finding, origin)
+            else:
+                # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
+                # model's own backward adds to where the model also consumed it (an output_hidden_states), or
+                # another model's backward made (a GAN's discriminator, during the generator's update). The
+                # step replay tries the model calls before the code outside them is blamed (step_replay.py).
+                finding.unconfirmed_outside = target is not None and _returned_by_a_model(target)
+                if self.origins.tracer is None:
+                    finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")
+        else:
+            finding.notes.append(
+                f"the gradient flowing into {call.info.name or 'the root module'} was finite; "
+                "the gradient its backward computed is not"
+            )
+            if target is not None and call.consumer is not None and self._replay_backward is not None:
+                self._replay_backward(finding, call.consumer, target)
+        self.origins.add_op_origin(finding, tensor)
+        watch.on_gradient_event(finding)
+
+
+def _returned_by_a_model(record: TensorRecord) -> bool:
+    """Whether ``record``'s tensor was returned by a call of a watched module (not the batch, not the loss)."""
+    while record.outer is not None:
+        record = record.outer
+    return record.call is not None and record.call.info is not None and record.call.phase == Phase.FORWARD
+
+
+def check_parameter_grads(
+    named: list[tuple[str, torch.Tensor]], context: str, kinds: frozenset[str]
+) -> Finding | None:
+    """A finding for the first non-finite ``.grad`` among named parameters.
+
+    A function, not a method: the optimizer checks use it too, without reaching the gradient checks.
+    """
+    grads: list[tuple[str, torch.Tensor]] = [
+        (name, parameter.grad)
+        for name, parameter in named
+        if parameter.grad is not None and is_checkable(parameter.grad)
+    ]
+    # One norm each, read in one transfer per device (no per-tensor host read on a GPU); a norm that is not
+    # finite is confirmed elementwise (huge finite values overflow it).
+    for (name, grad), norm in zip(grads, read_scalars(norms([grad for _name, grad in grads]))):
+        if not math.isfinite(norm) and relevant_kinds(kinds_of(grad), kinds):
+            finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+            finding.notes.append(context)
+            return finding
+    return None
+
+
+def _register_grad_hook(tensor: torch.Tensor, grad_fn: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """``tensor.register_hook(hook)``, for a tensor without hooks at about 60% of its cost.
+
+    This runs once per module output. ``Tensor.register_hook`` makes a
+    ``RemovableHandle`` (never used here: the hook dies with the tensor) and
+    goes through the ``__torch_function__`` check; a plain tensor without
+    hooks gets the same hook dictionary attached directly, the way
+    ``register_hook`` itself attaches it. Any other tensor takes the public
+    path.
+    """
+    if type(tensor) is torch.Tensor and tensor._backward_hooks is None:
+        register_dict = getattr(grad_fn, "_register_hook_dict", None)
+        if register_dict is not None:
+            # An OrderedDict, as torch makes it: a RemovableHandle the user
+            # registers later holds a weak reference to it.
+            tensor._backward_hooks = OrderedDict(nan_magic=hook)
+            register_dict(tensor)
+            return
+    tensor.register_hook(hook)

@@ -1,0 +1,475 @@
+"""Optimizer-phase checks, and what a GradScaler makes benign.
+
+Global optimizer step hooks (no need to pass the optimizer): before a step,
+a non-finite gradient about to be applied is reported; after it, a parameter
+or optimizer state the step made non-finite is reported as phase
+``optimizer``.
+
+GradScaler rule. With an enabled GradScaler in use, a non-finite gradient
+in backward is first held as *pending*: the scaler may skip the step. A
+scaler is in use when it was passed to ``watch`` or when its ``scale()`` ran
+under the watch (scaler_patch.py: most people never pass it). A
+``scaler.step(opt)`` that made no optimizer step call is a skipped step
+(seen as it returns); so is, for a scaler whose ``step`` was not seen, a
+new step that starts without an optimizer step having run. The pending
+event is then recorded as benign (never raised). The run is not healthy,
+and the watch raises, when the scale keeps collapsing:
+:data:`COLLAPSE_SKIPS` skipped steps in a row (with the default backoff of
+0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients
+overflow). A non-finite unscaled gradient that reaches an optimizer step is
+always a real fault.
+
+Hot gradients. A large CPU gradient's norm is taken as soon as autograd has
+accumulated it (a post-accumulate-grad hook on each watched parameter), while
+it is still in cache: on the benchmark MLP that reads its 34 MB of gradients
+in about two thirds of the time the same pass takes at the optimizer step.
+The step then uses that norm if the gradient is still the same tensor at the
+same version; a gradient changed since (clipping, ``GradScaler.unscale_``,
+an edit by hand) is measured again there. When a gradient accumulates over
+several backward passes the hook would measure it each time, so the watch
+falls back to measuring at the step.
+
+Bounded steps: a step that cannot make a finite parameter non-finite has its
+parameters checked only every :data:`FULL_CHECK_EVERY` steps (step_layout.py
+gives the argument and the conditions).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflattened_name, user_name
+from nan_magic.hot.call_records import version_of
+from nan_magic.hot.gradients import check_parameter_grads
+from nan_magic.hot.iterations import Iterations
+from nan_magic.hot.stats import (
+    DOT_MIN_NUMEL,
+    WIDE_FLOATS,
+    dot_norm,
+    is_checkable,
+    kinds_of,
+    norms,
+    read_scalars,
+    relevant_kinds,
+)
+from nan_magic.hot.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
+from nan_magic.lifecycle.findings import Finding
+from nan_magic.records import Cause, Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks"]
+
+
+#: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
+COLLAPSE_SKIPS = 15
+
+#: A bounded step's parameters are still checked every this many steps.
+FULL_CHECK_EVERY = 16
+
+class OptimizerChecks:
+    """Optimizer step hooks and the GradScaler rule for one watch.
+
+    ``add_op_origin`` (:meth:`OpOrigins.add_op_origin`, given by the watch)
+    names the op that started a non-finite gradient or parameter.
+    """
+
+    def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None]) -> None:
+        self.watch = watch
+        self._add_op_origin = add_op_origin
+        #: Training iterations completed, from the optimizer steps seen (iterations.py).
+        self.iterations = Iterations(watch.targets.optimizers)
+        self.pending_overflow: Finding | None = None
+        self.skipped_in_a_row = 0
+        self.skipped_total = 0
+        self.last_grad_norm: float | None = None
+        self._parameter_names: dict[int, str] = {}
+        self._layouts: dict[int, Layout] = {}
+        # Optimizers seen stepping (targets or not), for the scene and the roll-back.
+        self.seen: list[torch.optim.Optimizer] = list(watch.targets.optimizers)
+        # GradScalers passed to the watch or seen scaling a loss (scaler_patch.py).
+        self.scalers: list[Any] = list(watch.targets.scalers)
+        # Optimizer step calls seen (any optimizer): a scaler.step that adds none skipped its step.
+        self.step_calls = 0
+        # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
+        self.in_step = False
+        # Deferred mode: a step's parameter/state norms, read at the next sync.
+        self.carried: StepResult | None = None
+        # Set before a step whose parameters need no check after it (bounded_step).
+        self._bounded = False
+        self._last_checked_step: int | None = None
+        # Per optimizer: its last bounded step whose parameters went unchecked since its last check (flush).
+        self._unchecked: dict[int, tuple[torch.optim.Optimizer, int]] = {}
+        # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
+        self._hot: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+        self._hot_enabled = not watch.defer
+
+    # -- hooks -------------------------------------------------------------------
+
+    def in_use(self) -> bool:
+        """Whether an optimizer is in use: one stepped under the watch, or one was passed to it."""
+        return self.iterations.any_stepped or bool(self.watch.targets.optimizers)
+
+    def watches(self, opt: torch.optim.Optimizer) -> bool:
+        mine = self.watch.targets.optimizers
+        return not mine or any(opt is candidate for candidate in mine) or self.watch.targets.admit_optimizer(opt)
+
+    def arm(self, module: nn.Module) -> list[Any]:
+        """Post-accumulate-grad hooks on a watched model's parameters; their handles."""
+        if not self._hot_enabled:
+            return []
+        return [
+            parameter.register_post_accumulate_grad_hook(self.on_grad_accumulated)
+            for parameter in module.parameters()
+            if parameter.requires_grad and parameter.is_cpu and parameter.numel() >= DOT_MIN_NUMEL
+        ]
+
+    def on_grad_accumulated(self, parameter: torch.Tensor) -> None:
+        """Take a gradient's norm while it is in cache (see "Hot gradients" above)."""
+        if not self._hot_enabled or not self.watch.listening():
+            return
+        grad = parameter.grad
+        if grad is None or grad.layout is not torch.strided:  # a sparse gradient: read at the step
+            return
+        if not grad.is_contiguous() or grad.dtype not in WIDE_FLOATS:
+            return
+        if id(parameter) in self._hot:
+            # A second backward before the step: gradients accumulate here.
+            self._hot_enabled = False
+            self._hot.clear()
+            return
+        # A CPU parameter of DOT_MIN_NUMEL elements or more (arm), so its
+        # contiguous wide gradient takes norms()' dot, called directly.
+        self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), dot_norm(grad))
+
+    def _gradients(self, layout: Layout) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """The gradients about to be applied, with their norms: taken in backward if unchanged since, else now."""
+        hot, self._hot = self._hot, {}
+        with_grad: list[tuple[str, torch.Tensor]] = []
+        known: list[torch.Tensor | None] = []
+        cold: list[torch.Tensor] = []
+        for name, parameter in layout.floating:
+            grad = local_shard(parameter.grad)
+            if grad is None:
+                continue
+            with_grad.append((name, grad))
+            entry = hot.get(id(parameter))
+            if entry is not None and entry[0]() is grad and entry[1] == version_of(grad):
+                known.append(entry[2])
+            else:
+                known.append(None)
+                cold.append(grad)
+        if not cold:
+            return with_grad, known  # type: ignore[return-value]
+        measured = iter(norms(cold))
+        return with_grad, [norm if norm is not None else next(measured) for norm in known]
+
+    def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before a step: the previous step's result, then the gradients about to be applied.
+
+        Everything pending is read in one transfer (the deferred mode's one
+        host synchronisation per step).
+        """
+        watch = self.watch
+        if not watch.mine():
+            return
+        self.step_calls += 1
+        if not self.watches(opt):
+            return
+        if not any(opt is known for known in self.seen):
+            self.seen.append(opt)
+        self._bounded = False
+        layout = self.layout(opt)
+        with_grad, grad_norms = self._gradients(layout)
+        carried, self.carried = self.carried, None
+        carried_norms = carried.norms if carried else []
+        values = watch.cycle.sync(carried_norms + grad_norms)
+        if carried is not None and not self._report_step_result(carried, values[: len(carried_norms)]):
+            watch.on_finite_step()
+        grad_values = values[len(carried_norms) :]
+        # hypot: NaN if any value is, inf if any is; never overflows on finite values.
+        self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
+        if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
+            for (name, grad), value in zip(with_grad, grad_values):
+                if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
+                    finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+                    finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                    finding.optimizer = type(opt).__name__
+                    self.attribute(finding)
+                    self._add_op_origin(finding, grad)
+                    watch.emit(finding)
+                    return
+            # Every element finite, yet a norm overflowed: a warning, not an event (our own read).
+            overflowed = [name for (name, _grad), value in zip(with_grad, grad_values) if not math.isfinite(value)]
+            cycle = watch.cycle
+            cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
+        self._bounded = all(value < BOUNDED_GRAD_NORM for value in grad_values) and bounded_step(opt, layout)
+        self.in_step = True
+
+    def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After a step: parameters and optimizer state it made non-finite (phase ``optimizer``)."""
+        watch = self.watch
+        if not watch.mine():
+            return
+        step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
+        if not self.watches(opt):
+            return
+        try:
+            # A bounded step needs no check (module docstring), except every
+            # FULL_CHECK_EVERY steps, and whenever the roll-back snapshot is
+            # kept: it must only ever hold checked parameters.
+            if self._bounded and step % FULL_CHECK_EVERY != 0 and watch.last_good.where is None:
+                self._unchecked[id(opt)] = (opt, step)  # checked at the watch's end if no full check comes first
+                return
+            self._unchecked.pop(id(opt), None)
+            result = self._step_result(opt, step, self._bounded)
+            if watch.defer:
+                # Read with the next step's single transfer, not now.
+                self.carried = result
+            elif not self._report_step_result(result, read_scalars(result.norms)):
+                watch.on_finite_step()
+        finally:
+            self.in_step = False
+            self.pending_overflow = None
+            self.skipped_in_a_row = 0
+            watch.cycle.end_step(step)
+
+    @property
+    def steps(self) -> int:
+        """Training iterations completed (iterations.py)."""
+        return self.iterations.completed
+
+    def absorb_steps(self, inner: OptimizerChecks) -> None:
+        """Add the steps a nested watch counted while it had taken over from this one."""
+        self.iterations.absorb(inner.iterations)
+
+    def _step_result(self, opt: torch.optim.Optimizer, step: int, bounded: bool) -> StepResult:
+        """What ``opt``'s step ``step`` updated, with the norms that say whether it stayed finite (not read yet)."""
+        layout = self.layout(opt)
+        updated = [parameter for _name, parameter in layout.named]
+        # Half-precision state can overflow while its parameter stays
+        # finite (Adam's exp_avg_sq = inf freezes the update at 0);
+        # float32 state cannot without the gradients showing it first,
+        # so its extra pass over memory is skipped.
+        for _name, parameter, key in layout.half_state:
+            value = opt.state.get(parameter, {}).get(key)
+            updated.append(value if _float_tensor(value) else _FINITE)
+        result = StepResult(
+            opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step, bounded
+        )
+        self._last_checked_step = step
+        return result
+
+    def flush(self) -> None:
+        """At the end of the watch: a deferred step result still unread, and parameters no check has read.
+
+        Bounded steps skip their parameter check (step_layout.py); a parameter
+        written non-finite between steps by code outside the optimizer, and
+        never read by a forward since, would otherwise leave the watch unseen.
+        """
+        carried, self.carried = self.carried, None
+        if carried is not None and not self._report_step_result(carried, read_scalars(carried.norms)):
+            self.watch.on_finite_step()
+        unchecked, self._unchecked = self._unchecked, {}
+        for opt, step in unchecked.values():
+            result = self._step_result(opt, step, True)
+            if self.watch.outcome.stopped or self._report_step_result(result, read_scalars(result.norms)):
+                return
+
+    def _report_step_result(self, result: StepResult, values: list[float]) -> bool:
+        """Report what the step made non-finite; True when it did."""
+        for index, (tensor, value) in enumerate(zip(result.updated, values)):
+            if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
+                continue
+            label = result.label(index)
+            # A bounded step cannot make a finite parameter non-finite (step_layout.py): code outside the
+            # optimizer wrote it (a hand edit, a loaded checkpoint), a value no watched code produced.
+            phase = Phase.DATA if result.bounded else Phase.OPTIMIZER
+            finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
+            self.attribute(finding)
+            self._add_op_origin(finding, tensor)
+            subject = label.removeprefix("parameter ")
+            optimizer = type(result.optimizer).__name__
+            finding.optimizer = optimizer
+            finding.optimizer_eps = group_eps(result.optimizer, tensor)
+            finding.optimizer_lr = group_lr(result.optimizer, tensor)
+            if result.bounded:
+                since = ("since the watch began" if result.previous_check is None
+                         else f"since it was last checked finite, after step {result.previous_check}")
+                finding.notes.append(
+                    f"{subject} was non-finite after the {optimizer} step of step {result.step}; the steps {since} "
+                    "were bounded steps, which cannot make a finite parameter non-finite short of the float32 "
+                    "limit: code outside the optimizer wrote it"
+                )
+            else:
+                finding.notes.append(f"the {optimizer} step made {subject} non-finite")
+            self.watch.emit(finding)
+            return True
+        return False
+
+    # -- GradScaler ------------------------------------------------------------------
+
+    def scaler_active(self) -> bool:
+        return any(scaler.is_enabled() for scaler in self.scalers)
+
+    def scale(self) -> float | None:
+        """The smallest scale of the enabled GradScalers (None without one)."""
+        scales = [scaler.get_scale() for scaler in self.scalers if scaler.is_enabled()]
+        return min(scales) if scales else None
+
+    def on_scale(self, scaler: Any) -> None:
+        """``scaler.scale(loss)`` ran (scaler_patch.py): the scaler is in use, passed to watch or not."""
+        if self.watch.mine() and not any(scaler is known for known in self.scalers):
+            self.scalers.append(scaler)
+
+    def before_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer) -> int:
+        return self.step_calls
+
+    def after_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer, step_calls: int) -> None:
+        """``scaler.step(opt)`` returned: without an optimizer step call in between, it skipped the step."""
+        if not self.watch.mine() or not scaler.is_enabled() or self.step_calls != step_calls:
+            return
+        self.on_scale(scaler)
+        if not any(opt is known for known in self.seen):
+            self.seen.append(opt)
+        self.watch.cycle.step_skipped(opt)
+
+    def hold_gradient_event(self, finding: Finding) -> bool:
+        """Hold a backward event while a GradScaler may still skip the step."""
+        if not self.scaler_active():
+            return False
+        if self.pending_overflow is None:
+            self.pending_overflow = finding
+        return True
+
+    def on_step_boundary(self, skipped_by: torch.optim.Optimizer | None = None) -> None:
+        """A step ended after a backward but no optimizer step: was it skipped?
+
+        With an enabled GradScaler that is the scaler skipping an overflowed
+        step (``skipped_by``: the optimizer whose ``scaler.step`` was seen
+        skipping). The held gradient event says where it overflowed; when
+        only a parameter gradient overflowed (the activation gradients were
+        finite), the parameter gradients, still in place, say which.
+        """
+        if self.scaler_active():
+            # A skipped step, not gradient accumulation: the next backward's
+            # gradients are measured afresh (see "Hot gradients").
+            self._hot.clear()
+        finding, self.pending_overflow = self.pending_overflow, None
+        if finding is None and self.scaler_active():
+            optimizers = [skipped_by] if skipped_by is not None else self._optimizers()
+            finding = check_parameter_grads(
+                [(name, p) for opt in optimizers for name, p in self.named_parameters(opt)],
+                "a parameter gradient overflowed while the activation gradients stayed finite",
+                self.watch.config.kinds,
+            )
+            if finding is not None:
+                self.attribute(finding)
+        if finding is None:
+            return
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        scale = min(scaler.get_scale() for scaler in self.scalers if scaler.is_enabled())
+        finding.benign = True
+        finding.notes.append(
+            f"the GradScaler skipped this step: its scaled gradients were non-finite "
+            f"({self.skipped_in_a_row} skipped in a row, {self.skipped_total} in all; scale {scale:g})"
+        )
+        self.watch.emit(finding)
+        if self.skipped_in_a_row >= COLLAPSE_SKIPS or scale < 1.0:
+            finding.benign = False
+            finding.cause = Cause(
+                "grad-scaler-collapse",
+                f"the GradScaler skipped {self.skipped_in_a_row} steps in a row and its scale fell to {scale:g}: "
+                "the gradients are non-finite at any scale; find the backward producer named here",
+                (f"{self.skipped_in_a_row} consecutive skipped steps", f"scale {scale:g}"),
+            )
+            finding.notes.append(
+                f"raised because the scale keeps collapsing ({COLLAPSE_SKIPS} skips in a row, or a scale below 1)"
+            )
+            self.watch.emit(finding)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.watch.targets.optimizers or self.seen)
+
+    # -- naming --------------------------------------------------------------------
+
+    def layout(self, opt: torch.optim.Optimizer) -> Layout:
+        """The optimizer's named parameters and half-precision state, rebuilt when they change."""
+        signature = tuple(id(parameter) for group in opt.param_groups for parameter in group["params"])
+        layout = self._layouts.get(id(opt))
+        if layout is None or layout.signature != signature:
+            named = self.named_parameters(opt)
+            wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
+            # A gradient has its parameter's dtype and shape (autograd and the
+            # ``.grad`` setter enforce it), so this is decided once per layout.
+            # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
+            floating = [(name, parameter) for name, parameter in named if _float_tensor(local_shard(parameter))]
+            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide)
+        if layout.state_count != len(opt.state):
+            # Optimizers create state lazily, at their first step.
+            layout.state_count = len(opt.state)
+            layout.half_state = [
+                (name, parameter, key)
+                for name, parameter in layout.named
+                for key, value in opt.state.get(parameter, {}).items()
+                if _float_tensor(value) and value.dim() > 0 and value.element_size() < 4
+            ]
+        return layout
+
+    def named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's parameters under their names in the watched models.
+
+        Names are looked up once per watch (walking a large model every step
+        would cost more than the checks themselves); a parameter the map does
+        not know, added since, triggers one new walk.
+        """
+        names = self._parameter_names
+        if any(id(p) not in names for group in opt.param_groups for p in group["params"]):
+            names.clear()
+            for _label, root in self.watch.targets.roots:
+                data_parallel = data_parallel_paths(root)
+                for name, parameter in root.named_parameters():
+                    names.setdefault(id(parameter), user_name(name, data_parallel))
+            # Parameters outside every watched model keep their position as name.
+            for group_index, group in enumerate(opt.param_groups):
+                for position, parameter in enumerate(group["params"]):
+                    names.setdefault(id(parameter), f"param_groups[{group_index}][{position}]")
+        return [
+            (names[id(parameter)], parameter) for group in opt.param_groups for parameter in group["params"]
+        ]
+
+    def attribute(self, finding: Finding) -> None:
+        """Name the module that owns the parameter in ``finding.tensor``.
+
+        By the watch's names (targets.py), not ``get_submodule``: those are the
+        user's names, which a wrapper's module tree does not have (DDP's
+        ``module.``), and the user's types (not ``FullyShardedDataParallel``).
+        FSDP1's flat parameter is named as the user's parameter it holds the
+        non-finite element of (:func:`unflattened_name`).
+        """
+        parameter_name = finding.tensor.rsplit(" ", 1)[-1]
+        unflattened = unflattened_name(parameter_name, (root for _label, root in self.watch.targets.roots), finding.bad)
+        if unflattened != parameter_name:
+            finding.tensor = finding.tensor.removesuffix(parameter_name) + unflattened
+            parameter_name = unflattened
+        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
+        info = self.watch.targets.info_by_name(owner)
+        if info is not None:
+            finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
+
+
+#: Stands in for a state tensor that has gone (its check then passes).
+_FINITE = torch.zeros(1)
+
+
+def _float_tensor(value: Any) -> bool:
+    """A parameter or state tensor the watch reads (the rule of :func:`stats.is_checkable`)."""
+    return is_checkable(value)

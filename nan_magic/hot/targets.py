@@ -1,0 +1,235 @@
+"""What a watch looks at: modules (with their qualified names), optimizers, scalers.
+
+Resolving targets never touches them: no hooks, no attributes, only a map
+from module identity to the name the user knows it by. Nor does a module or
+optimizer joining the watch once it runs (:meth:`Targets.join`,
+:meth:`Targets.admit_optimizer`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nan_magic.distributed.ranks import data_parallel_paths, user_name, user_type
+from nan_magic.hot.deterministic import draws_no_random
+from nan_magic.hot.transparent import Transparency, transparency
+from nan_magic.options import WatchConfig
+
+__all__ = ["ModuleInfo", "Targets", "describe", "refuse_compiled", "resolve_targets"]
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """How one module is named and whether its calls are checked."""
+
+    name: str
+    module_type: str
+    model: str | None
+    watched: bool
+    is_root: bool
+    #: How its calls may be passed through unchecked (transparent.py); None: always checked.
+    transparent: Transparency | None = None
+    #: Its calls draw no random numbers: a replay needs no RNG state (deterministic.py).
+    deterministic: bool = False
+
+
+@dataclass
+class Targets:
+    """Resolved targets of one watch.
+
+    ``modules`` maps ``id(module)`` to its info; the strong references in
+    ``roots`` keep those ids valid for the watch's lifetime. When no module was
+    given, ``discover`` is true: any module called at top level becomes a root
+    on the fly (used by scripts and the CLI).
+    """
+
+    roots: list[tuple[str | None, nn.Module]] = field(default_factory=list)
+    modules: dict[int, ModuleInfo] = field(default_factory=dict)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    scalers: list[Any] = field(default_factory=list)
+    discover: bool = False
+    #: Which module first called at top level, or optimizer first seen
+    #: stepping, joins the watch, and under what label (None: it stays
+    #: unwatched). By default (None here): every module when no module was
+    #: given (discovery), nothing else.
+    name_new: Callable[[Any], str | None] | None = None
+
+    def info_by_name(self, name: str) -> ModuleInfo | None:
+        """The info of a watched module by qualified name (first root that has it)."""
+        for info in self.modules.values():
+            if info.name == name:
+                return info
+        return None
+
+    def join(self, module: nn.Module, config: WatchConfig) -> ModuleInfo | None:
+        """A module called at top level that no root holds: its info once it joins the watch, or None."""
+        label = self._new_root_label(module)
+        if label is None:
+            return None
+        # A module called at top level becomes a root, named as its own
+        # ``named_modules()`` would name it; the full watch refuses a
+        # compiled one here, where it is called, not wherever it merely exists.
+        if not config.tiered:
+            refuse_compiled(module, label)
+        self.add_root(module, label, config)
+        return self.modules[id(module)]
+
+    def _new_root_label(self, module: nn.Module) -> str | None:
+        if self.name_new is not None:
+            return self.name_new(module)
+        return type(module).__name__ if self.discover else None
+
+    def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether an optimizer that is not a target joins the watch (see :attr:`name_new`)."""
+        if self.name_new is None or self.name_new(opt) is None:
+            return False
+        self.optimizers.append(opt)
+        return True
+
+    def add_root(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
+        """Name every submodule of ``module``; modules already named keep their name.
+
+        Names are the user's: the parts a wrapper adds (DDP's ``module.``,
+        FSDP's, checkpointing's, ``torch.compile``'s) are left out, here
+        and in parameter names (optim.py), so ``include``/``exclude``
+        patterns and reports use the names of the unwrapped model.
+        """
+        self.roots.append((label, module))
+        data_parallel = data_parallel_paths(module)
+        for raw_name, submodule in module.named_modules():
+            if id(submodule) in self.modules:
+                continue
+            name = user_name(raw_name, data_parallel)
+            is_root = submodule is module
+            # A module the user picked out by name or type is always checked.
+            chosen = bool(config.include or config.types)
+            self.modules[id(submodule)] = ModuleInfo(
+                name=name,
+                module_type=user_type(submodule),
+                model=label,
+                watched=is_root or _selected(name, submodule, config),
+                is_root=is_root,
+                transparent=None if is_root or chosen else transparency(submodule),
+                deterministic=draws_no_random(submodule),
+            )
+
+
+def _selected(name: str, module: nn.Module, config: WatchConfig) -> bool:
+    if config.include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in config.include):
+        return False
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude):
+        return False
+    if config.types:
+        cls = type(module)
+        names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
+        names |= {base.__name__ for base in cls.__mro__}
+        return bool(names & set(config.types))
+    return True
+
+
+def describe(value: Any) -> str:
+    """Short description of an object for error messages."""
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _is_grad_scaler(value: Any) -> bool:
+    cls_names = {cls.__name__ for cls in type(value).__mro__}
+    return "GradScaler" in cls_names and hasattr(value, "get_scale")
+
+
+def _compiled_modules(module: nn.Module) -> list[str]:
+    """Names of ``torch.compile`` wrappers inside ``module`` (itself included).
+
+    Hooks added after compiling never run inside the compiled graph, so a
+    compiled model would be watched by a silent no-op: we refuse it instead.
+    """
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return []
+    return [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, OptimizedModule)]
+
+
+def refuse_compiled(module: nn.Module, shown: str) -> None:
+    """Raise ValueError when ``module`` holds a ``torch.compile`` wrapper.
+
+    Applied to each model watched: a compiled model elsewhere in the
+    program does not stop the watch of an eager one.
+    """
+    compiled = _compiled_modules(module)
+    if compiled:
+        raise ValueError(
+            f"{shown} is compiled with torch.compile ({', '.join(compiled)}): per-module hooks cannot see "
+            "inside compiled graphs; watch it in the default (tiered) mode, which replays a failing step "
+            "eagerly, or watch the original module (model._orig_mod)"
+        )
+
+
+def resolve_targets(
+    targets: Iterable[Any],
+    labels: Iterable[str | None] | None,
+    config: WatchConfig,
+    name_new: Callable[[Any], str | None] | None = None,
+) -> Targets:
+    """Sort targets into modules, optimizers and scalers; refuse anything else.
+
+    ``name_new`` names what joins the watch later (:attr:`Targets.name_new`).
+
+    Raises
+    ------
+    TypeError
+        For an object that is not a module, optimizer or GradScaler.
+    ValueError
+        For a model compiled with ``torch.compile``.
+    """
+    targets = list(targets)
+    label_list: list[str | None] = list(labels) if labels is not None else [None] * len(targets)
+    if len(label_list) != len(targets):
+        raise ValueError(f"got {len(label_list)} labels for {len(targets)} targets")
+    label_list = _default_model_labels(targets, label_list)
+    resolved = Targets(name_new=name_new)
+    for target, label in zip(targets, label_list):
+        shown = label or type(target).__name__
+        if isinstance(target, nn.Module):
+            if not config.tiered:
+                refuse_compiled(target, shown)
+            resolved.add_root(target, label, config)
+        elif isinstance(target, torch.optim.Optimizer):
+            resolved.optimizers.append(target)
+        elif _is_grad_scaler(target):
+            resolved.scalers.append(target)
+        else:
+            raise TypeError(
+                f"cannot watch {shown} ({describe(target)}): expected an nn.Module, "
+                "a torch.optim.Optimizer or a GradScaler"
+            )
+    resolved.discover = not resolved.roots
+    return resolved
+
+
+def _default_model_labels(targets: list[Any], labels: list[str | None]) -> list[str | None]:
+    """Several models given without labels are labelled by their class: a report then says which it means.
+
+    A DCGAN's generator and discriminator both have ``main.0``; two models of
+    one class are told apart by their position (``Encoder#1``, ``Encoder#2``).
+    """
+    models = [index for index, target in enumerate(targets) if isinstance(target, nn.Module)]
+    if len(models) < 2:
+        return labels
+    names = {index: type(targets[index]).__name__ for index in models if labels[index] is None}
+    taken = Counter(label for label in labels if label is not None)
+    repeated = Counter(names.values())
+    result = list(labels)
+    seen: Counter[str] = Counter()
+    for index, name in names.items():
+        seen[name] += 1
+        label = f"{name}#{seen[name]}" if repeated[name] > 1 or taken[name] else name
+        result[index] = label
+    return result

@@ -1,0 +1,1 @@
+"""The IPython front end: %nanwatch and %%nantrace."""

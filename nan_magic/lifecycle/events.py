@@ -1,0 +1,256 @@
+"""A watch's events: from a finding to the report, the event list, the log file and the stop.
+
+:class:`Events` is the watch's outcome (``report``, ``events``, ``raised``)
+and the one way into it, :meth:`Events.emit`. It gets a narrow context from
+the watch: callables that build a finding's report, localize it by a replay
+and save its scene, and whether the ranks step together (agreement.py).
+It decides how the run stops: raise now (alone, or with the other ranks at
+an agreement point), hold the event for the next point, or warn; and, as the
+watch is left by an exception, whether a non-finite value made before it
+explains it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from nan_magic.distributed.agreement import Agreement
+from nan_magic.distributed.ranks import per_rank_path, stamp
+from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
+from nan_magic.errors.frames import end_at_producer, frames_of, user_frames_of
+from nan_magic.hot.stats import is_checkable, tensor_stats
+from nan_magic.lifecycle.findings import Finding
+from nan_magic.options import WatchConfig
+from nan_magic.records import Report
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.localize.step_replay import Producer
+
+__all__ = ["EventContext", "Events"]
+
+#: A replay's report and the producer's (frame, position) it found.
+Replayed = tuple[Report, "Producer"]
+
+
+@dataclasses.dataclass
+class EventContext:
+    """What :class:`Events` needs of its watch, as callables (the watch wires them)."""
+
+    #: The finding's report as the step's boundary saw it (rank stamped).
+    build: Callable[[Finding], Report]
+    #: The tiered watch's replay of the failing step, or None where it has none or it found nothing.
+    localize: Callable[[Finding, Report], Replayed | None]
+    #: Save the crash scene and arm the roll-back at the first real event; the report, noted.
+    record_scene: Callable[[Finding, Report], Report]
+    #: Whether the op tracer (``ops=True``) has already reported this step's producer at its op.
+    traced: Callable[[], bool]
+    #: Whether the ranks step together: an event found between agreement points waits for the next.
+    lockstep: Callable[[], bool]
+    #: Floating tensors the watch could not read, by reason (every report carries the counts).
+    skipped: Counter[str]
+
+
+class Events:
+    """The outcome of one entry of a watch, and how it stops the run (see the module docstring)."""
+
+    def __init__(self, config: WatchConfig, context: EventContext, *, alone: bool) -> None:
+        self.config = config
+        self.context = context
+        #: Every event, benign ones included, in order (at most ``max_events``).
+        self.events: list[Report] = []
+        #: The Report of the first non-benign event, or None.
+        self.report: Report | None = None
+        #: The NonFiniteError raised, once it has been (the magics adopt its traceback after IPython showed it).
+        self.raised: NonFiniteError | None = None
+        #: The frame that ran the first real event's producing op, where a replay named it (for %debug),
+        #: and its ``(f_lasti, f_lineno)`` then.
+        self.producer_frame: FrameType | None = None
+        self.producer_position: tuple[int, int] | None = None
+        #: The watch is being left by an exception: an event found now raises at once, from it.
+        self.leaving = False
+        # A forward that raised after a non-finite value: what the watch raises on exit (hold_explained).
+        self._explained: tuple[Finding, Replayed, BaseException] | None = None
+        #: This watch's part in every rank stopping together (a replay's watch runs on one rank alone).
+        self.agreement = Agreement(alone=alone)
+
+    # -- the one way in -------------------------------------------------------------------
+
+    def emit(self, finding: Finding, replayed: Replayed | None = None) -> None:
+        """Record an event; raise or warn for the first non-benign one as configured.
+
+        In the tiered mode a real forward or backward event is first
+        localized by a replay of its step (step_replay.py); ``replayed`` is
+        a replay's report and producer (frame, position) already made.
+        """
+        if self.agreement.holding:
+            return  # this rank's first event waits for the next agreement point (agreement.py)
+        if not finding.benign and finding.op is None and self.context.traced():
+            return  # the op tracer already reported this step's producer, at its op
+        if replayed is None:
+            report = self.context.build(finding)
+            if not finding.benign:
+                replayed = self.context.localize(finding, report)
+        position = None
+        if replayed is not None:
+            report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
+        if self.context.skipped:
+            report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
+        if not report.benign and self.report is not None:
+            # The run went on after the first event (warn, log): a check that meets the same producer again
+            # (the optimizer's gradient check replaying the step the forward check reported) adds nothing.
+            if any(_same_event(report, earlier) for earlier in self.events):
+                return
+            report = dataclasses.replace(report, follows=self.report.message)
+        if not report.benign and self.report is None:
+            # The first real event: save the scene / arm the roll-back (scene.py).
+            report = self.context.record_scene(finding, report)
+            self.report = report
+            self.producer_frame = finding.frame
+            if finding.frame is not None:
+                # Where the op ran: the frame of a replay that went on to its end has moved since.
+                self.producer_position = (
+                    position or finding.frame_position or (finding.frame.f_lasti, finding.frame.f_lineno)
+                )
+        if len(self.events) < self.config.max_events:
+            self.events.append(report)
+        if self.config.log_file:
+            self._append_log(report)
+        if report.benign:
+            return
+        if self.config.on_detect == "raise":
+            own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position)
+            if not self.leaving and self.agreement.hold(own, finding, self.context.lockstep):
+                return  # between agreement points: this rank checks nothing more, stops with the others at the next
+            self.raise_agreed(self.agreement.settle(own, finding))
+        if self.config.on_detect == "warn":
+            warnings.warn(report.message, RuntimeWarning, stacklevel=3)
+
+    def _append_log(self, report: Report) -> None:
+        """One JSON line per event; a failing log (disk full) must not stop the user's run."""
+        try:
+            with open(per_rank_path(self.config.log_file), "a", encoding="utf-8") as handle:  # type: ignore[arg-type]
+                handle.write(report.to_json() + "\n")
+        except OSError as error:
+            warnings.warn(f"nan_magic could not write the event log {self.config.log_file}: {error}",
+                          NanMagicWarning, stacklevel=4)
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def raise_agreed(self, error: NonFiniteError | None) -> None:
+        """Raise what the ranks agreed on: this rank's event, another rank's, or nothing."""
+        agreed = self.agreed(error)
+        if agreed is not None:
+            raise agreed
+
+    def agreed(self, error: NonFiniteError | None) -> NonFiniteError | None:
+        """Note ``error`` as what the watch raises; another rank's report becomes the watch's report."""
+        if error is None:
+            return None
+        if isinstance(error, PeerNonFiniteError):
+            self.report = error.report
+            if len(self.events) < self.config.max_events:
+                self.events.append(error.report)
+        self.raised = error
+        return error
+
+    @property
+    def stopped(self) -> bool:
+        """A real event was raised or is held: the watch's checks stand down."""
+        return self.raised is not None or self.agreement.holding
+
+    @contextlib.contextmanager
+    def agreement_point(self, opened: bool) -> Iterator[None]:
+        """Run a step's checks as an agreement point (``opened``: this rank takes part), then stop as agreed.
+
+        Whatever the checks find is settled in the point's one collective;
+        once settled, or failed in our own code, no later check takes part.
+        """
+        if opened:
+            self.agreement.open()
+        try:
+            yield
+            agreed = self.agreement.settle(None)
+        finally:
+            self.agreement.close()
+        self.raise_agreed(agreed)
+
+    def leave(self, together: bool) -> None:
+        """The watch is left normally: raise what the ranks agree on at the exit (agreement.py)."""
+        self.raise_agreed(self.agreement.leave(together))
+
+    def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None:
+        """The watch is left by ``exception``: what to raise from it, where ``explainable`` (agreement.py)."""
+        left = self.agreement.left_by(exception, together)
+        return self.agreed(left) if explainable else None
+
+    def check_peers(self) -> None:
+        """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
+        if self.agreement.several and not self.stopped and self.config.on_detect == "raise":
+            self.raise_agreed(self.agreement.peer_stop())
+
+    def hold_explained(self, finding: Finding, replayed: Replayed, error: BaseException) -> None:
+        """A forward raised ``error`` after the non-finite value ``replayed`` found: the watch raises it on exit.
+
+        torch silences an exception raised by a forward hook while another
+        propagates, so in ``raise`` mode the event waits for the watch's
+        exit (:meth:`explain`); ``warn``/``log`` record it now.
+        """
+        if self.config.on_detect == "raise":
+            self._explained = (finding, replayed, error)
+        else:
+            self.emit(finding, replayed=replayed)
+
+    def explain(self, exc: BaseException | None) -> NonFiniteError | None:
+        """The NonFiniteError of a forward that raised ``exc`` after a non-finite value (:meth:`hold_explained`)."""
+        explained, self._explained = self._explained, None
+        if explained is None or exc is None or explained[2] is not exc:
+            return None
+        finding, replayed, _error = explained
+        try:
+            self.emit(finding, replayed=replayed)
+        except NonFiniteError as stop:
+            return stop
+        return None
+
+    def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
+        """Cut ``tb`` after the user's frame and record that frame in the report.
+
+        ``%debug`` and ``pdb.post_mortem`` open the last frame of a traceback;
+        after this, that is the user's line nearest the producer (the line that
+        called the producing module, ``loss.backward()`` or ``opt.step()``).
+        Called as the watch is left, and by the magics where IPython catches
+        the exception first.
+        """
+        last = end_at_producer(tb, error.producer_frame, error.producer_position)
+        if last is None:
+            return
+        tensor_locals = tuple(
+            (name, tensor_stats(value))
+            for name, value in last.tb_frame.f_locals.items()
+            if isinstance(value, torch.Tensor) and is_checkable(value)
+        )
+        report = dataclasses.replace(
+            error.report, debug_frame=frames_of(last)[0], debug_locals=tensor_locals, frames=user_frames_of(tb)
+        )
+        error.report = report
+        if self.report is not None and self.report is not report:
+            self.report = report
+        if self.events:
+            self.events[-1] = report
+
+
+def _same_event(report: Report, earlier: Report) -> bool:
+    """Whether ``report`` names the producer an earlier event of the same step named."""
+    return (
+        not earlier.benign and report.step == earlier.step and report.phase == earlier.phase
+        and report.module == earlier.module and report.op == earlier.op and report.tensor == earlier.tensor
+        and report.source == earlier.source
+    )

@@ -1,0 +1,94 @@
+"""Watches entered at once, and the watch as a decorator.
+
+A watch nested over the same modules takes over from the outer one (whose
+hooks are removed until this one exits): never two sets of our hooks on one
+model. The steps the nested watch took are the outer watch's steps too. A
+step replay's watch (``replay_of``, step_replay.py) runs inside the watch it
+replays, which stands aside instead of being taken over from.
+
+Who calls whom: each watch owns a :class:`Nesting`, given its own hooks'
+``attach`` and ``detach`` as callables; one watch's nesting removes and
+restores another's hooks only through those.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["Nesting"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The nestings of the watches currently entered, outermost first.
+_ACTIVE: list[Nesting] = []
+
+
+class Nesting:
+    """One watch's place among the watches entered at once (see the module docstring)."""
+
+    def __init__(self, watch: Watch, attach: Callable[[], None], detach: Callable[[], None]) -> None:
+        self._watch = watch
+        self._attach = attach
+        self._detach = detach
+        self._suspended: list[Nesting] = []
+        # Serialises the decorator's check-and-enter (:meth:`decorate`).
+        self._entering = threading.Lock()
+
+    def _overlaps(self, other: Nesting) -> bool:
+        mine, theirs = self._watch.targets, other._watch.targets
+        if mine.discover or theirs.discover:
+            return True
+        return not mine.modules.keys().isdisjoint(theirs.modules.keys())
+
+    def attach(self) -> None:
+        """The watch is being entered: take over from the outer watches it overlaps, then attach its hooks."""
+        self._suspended = [] if self._watch.replay_of else [outer for outer in _ACTIVE if outer._overlaps(self)]
+        for outer in self._suspended:
+            outer._detach()
+        try:
+            self._attach()
+        except BaseException:
+            self.hand_back()
+            raise
+
+    def entered(self) -> None:
+        _ACTIVE.append(self)
+
+    def left(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def hand_back(self) -> None:
+        """The watch is left (its hooks are removed): the outer watches it took over from watch again."""
+        for outer in self._suspended:
+            if outer._watch.active:
+                # The steps taken while this watch had taken over are the outer watch's steps too.
+                outer._watch.cycle.absorb(self._watch.cycle)
+                outer._attach()
+        self._suspended = []
+
+    def decorate(self, function: F) -> F:
+        """``function`` entering the watch at each outermost call (:meth:`Watch.__call__`)."""
+        watch = self._watch
+
+        @functools.wraps(function)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            with self._entering:
+                # Checked and entered under one lock: two threads calling at
+                # once must not both try to enter.
+                entered = None if watch.active else ExitStack()
+                if entered is not None:
+                    entered.enter_context(watch)
+            if entered is None:
+                return function(*args, **kwargs)
+            with entered:  # leaves the watch with the call's exception, as ``with watch:`` does
+                return function(*args, **kwargs)
+
+        return watched  # type: ignore[return-value]

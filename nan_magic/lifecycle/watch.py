@@ -1,0 +1,451 @@
+"""The watch: hooks that exist only while the watched code runs.
+
+Mechanisms, and why none of them changes what the model computes:
+
+* Forward: *global* module hooks (``register_module_forward_pre_hook`` and
+  ``register_module_forward_hook``), filtered to the watched modules. Hooks on
+  a module instance would make ``nn.TransformerEncoderLayer`` skip its fused
+  inference path; global hooks do not. The post hook is ``always_call`` so the
+  module stack unwinds when a forward raises.
+* Loss: ``torch.Tensor.backward`` is wrapped while the watch is active (and
+  restored in ``finally``) to check the tensor backward starts from.
+* GradScaler: ``scale`` and ``step`` are wrapped the same way, so a scaler
+  that was not passed is seen in use and its skipped steps are benign
+  (scaler_patch.py).
+* Backward: a tensor hook on each watched module's floating outputs sees the
+  gradient flowing into that module, in backward execution order. No
+  ``register_full_backward_hook`` (it breaks in-place ops on outputs).
+* Optimizer: global optimizer step pre/post hooks check gradients before a
+  step and parameters after it; a post-accumulate-grad hook on each large
+  CPU parameter measures its gradient early, while it is in cache (optim.py).
+
+Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
+whatever way it ends, no hook of ours remains and the user's hooks were never
+touched.
+
+This module owns the lifecycle: entering and leaving, attaching and
+removing the hooks. The step counter, a step's boundaries and the deferred
+check (one transfer per step) live in ``step_cycle.py``; the checks
+themselves in ``forward.py`` (with the producer rule, ``producer.py``),
+``gradients.py`` and ``optim.py``; the outcome (the report, the events, how
+the run stops) in ``events.py``, which gets callables, not the watch; a
+nested watch's take-over and the decorator in ``nesting.py``; which module
+or optimizer joins the watch as it runs in ``targets.py``.
+
+Who may call whom. The watch builds every part in :meth:`Watch._reset_state`
+and hands each the narrow services it uses; no checker reaches another
+checker through the watch. Services first, which call no checker:
+``op_tracing.py`` (the op behind a boundary's value) and ``call_replay.py``
+(replays of one module call). Then the checkers, which call only services,
+the watch's own lifecycle and its step cycle (``watch.cycle``: the forward
+hooks open a step at each top-level call and close an inference step, the
+optimizer checks read the deferred check and close a training step): the
+gradient checks get the op origins and the backward replay; the optimizer
+checks get ``add_op_origin``; the forward hooks get the call replay, the op
+origins, and the gradient checks' ``hook_output`` as a plain callable. Where
+the last forward ended is data in the step log (``StepLog.last_forward_seq``),
+written by the forward hooks and read by the gradient checks. Last the step
+cycle, handed the checkers it coordinates, the outcome and the lockstep facts
+explicitly (``Lockstep`` itself gets whether an optimizer is in use as a
+callable, so the outcome asks it directly). Two parts still reach through the
+watch: the tiered watch's step replays (``watch.replays``: the forward hooks
+give them each top-level call, the gradient checks its output gradients) and
+the code recorder (``watch.outside``, switched at the boundaries the hooks see).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
+from types import FrameType, TracebackType
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+from torch.optim import optimizer as optimizer_hooks
+
+from nan_magic.distributed.lockstep import Lockstep
+from nan_magic.distributed.ranks import stamp
+from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.hot.forward import ForwardChecks
+from nan_magic.hot.gradients import GradientChecks
+from nan_magic.hot.held import running_arguments
+from nan_magic.hot.module_hooks import GlobalModuleHooks
+from nan_magic.hot.optim import OptimizerChecks
+from nan_magic.hot.step_cycle import StepCycle, wants_defer
+from nan_magic.hot.step_log import StepLog
+from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
+from nan_magic.lifecycle.events import EventContext, Events
+from nan_magic.lifecycle.findings import Finding, build_report
+from nan_magic.lifecycle.nesting import Nesting
+from nan_magic.localize.call_replay import CallReplay
+from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.step_replay import Producer, StepReplays
+from nan_magic.options import WatchConfig, config_from_options
+from nan_magic.patches import backward as backward_patch
+from nan_magic.patches import scaler as scaler_patch
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary
+from nan_magic.scene.dump import record_scene
+from nan_magic.scene.last_good import LastGood
+
+__all__ = ["Watch", "watch"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Watch:
+    """A watch over models, optimizers and GradScalers; see :func:`watch`.
+
+    Usable as a context manager (``with watch(model) as w:``) and as a
+    decorator. ``report`` is the Report of the first non-benign event (or
+    None); ``events`` every event seen, benign ones included, in order;
+    ``skipped`` how many floating tensors it could not read and left
+    unchecked, by reason (``{"nested": 12}``; see ``stats.unreadable_reason``),
+    also carried by each Report as ``report.skipped``.
+    """
+
+    def __init__(
+        self,
+        targets: Iterable[Any] = (),
+        *,
+        labels: Iterable[str | None] | None = None,
+        config: WatchConfig | None = None,
+        name_new_target: Callable[[Any], str | None] | None = None,
+        replay_of: Watch | None = None,
+    ) -> None:
+        self.config = config or WatchConfig()
+        #: The tiered watch whose failing step this watch replays (step_replay.py): it runs inside
+        #: that watch, which stands aside, instead of taking over from it.
+        self.replay_of = replay_of
+        # Resolving validates the targets now, so bad input fails before any
+        # user code runs and before anything is attached.
+        self.targets: Targets = resolve_targets(targets, labels, self.config, name_new_target)
+        self.history: deque[StepSummary] = deque(maxlen=self.config.history)
+        self.warnings: deque[EarlyWarning] = deque(maxlen=self.config.max_events)
+        self._active = False
+        self._exit_stack: ExitStack | None = None
+        self._thread: int | None = None
+        #: The autograd backward pass the watch was entered in (-1: none; a replay's watch is entered
+        #: inside the backward it localizes). A module call inside any other one is a recomputation.
+        self.graph_task = -1
+        self._nesting = Nesting(self, self._attach, self._detach)
+        self._reset_state()
+
+    # -- public state -----------------------------------------------------------
+
+    @property
+    def report(self) -> Report | None:
+        """The Report of the first non-benign event, or None (events.py)."""
+        return self.outcome.report
+
+    @property
+    def events(self) -> list[Report]:
+        """Every event seen, benign ones included, in order."""
+        return self.outcome.events
+
+    @property
+    def raised(self) -> NonFiniteError | None:
+        """The NonFiniteError this watch raised, once it has (the magics adopt its traceback)."""
+        return self.outcome.raised
+
+    @property
+    def producer_frame(self) -> FrameType | None:
+        """The frame that ran the first real event's producing op, where a replay named it (for %debug)."""
+        return self.outcome.producer_frame
+
+    @property
+    def producer_position(self) -> tuple[int, int] | None:
+        return self.outcome.producer_position
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def step(self) -> int:
+        """The 0-based step an event now belongs to (PRODUCT.md; :attr:`StepCycle.step`)."""
+        return self.cycle.step
+
+    @property
+    def steps_taken(self) -> int:
+        """Training iterations completed, or top-level forward calls started where no optimizer stepped."""
+        return self.cycle.steps_taken
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def __enter__(self) -> Watch:
+        if self._active:
+            raise RuntimeError("this watch is already active; nested use of one watch is not supported")
+        self._reset_state()
+        self.history.clear()
+        self.warnings.clear()
+        self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
+        self._thread = threading.get_ident()
+        self.graph_task = torch._C._current_graph_task_id()
+        self._active = True
+        self._nesting.entered()
+        if self.outside is not None and not self.defer:
+            # The first batch may be computed in the loop before the first model call, as each later one is
+            # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
+            self.outside.start("data", entry=True)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        if self.outside is not None:
+            self.outside.stop()
+        self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
+        explained = None
+        try:
+            explained = self.outcome.explain(exc)
+            if exc is None:
+                self.cycle.leave()
+            else:
+                explained = self.cycle.left_by(exc, explained)
+        finally:
+            self._active = False
+            self._nesting.left()
+            self._detach()
+            self._forget_tensors()
+            self._nesting.hand_back()
+            if self.report is None:
+                # Nothing to roll back to: do not keep a copy of the model alive.
+                self.last_good = LastGood(self.config.keep_last_good)
+        if explained is not None:
+            self.adopt_traceback(explained, tb)
+            raise explained from exc
+        if isinstance(exc, NonFiniteError):
+            self.adopt_traceback(exc, tb)
+        return False
+
+    def _attach(self) -> None:
+        stack = ExitStack()
+        try:
+            self.module_hooks.attach(stack)
+            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
+            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
+            stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            optimizers = self.optimizers
+            stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
+                optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step
+            )))
+            for _label, root in self.targets.roots:
+                for handle in self.optimizers.arm(root):
+                    stack.callback(handle.remove)
+            if self.config.ops:
+                # The tracer names the innermost watched module running, from the forward hooks' stack.
+                tracer = self.origins.make_tracer(self.config.kinds, self.forward.current_module_name, self._phase_hint)
+                stack.enter_context(tracer)
+        except BaseException:
+            stack.close()
+            raise
+        self._exit_stack = stack
+
+    def _detach(self) -> None:
+        if self.outside is not None:
+            self.outside.stop()
+        if self._exit_stack is not None:
+            stack, self._exit_stack = self._exit_stack, None
+            stack.close()
+
+    def __call__(self, function: F) -> F:
+        """Use the watch as a decorator: each outermost call of ``function`` runs under it.
+
+        The watch is entered once per outermost call and left when that call
+        returns. A call made while it is active does not enter it again:
+
+        * on the watching thread (recursion, or the function calling itself
+          through other code), the inner call simply runs inside the watch
+          already active, and is watched as part of it;
+        * on another thread, the call runs unwatched by this watch. Its
+          module hooks are global but act only for the thread that entered
+          the watch (:meth:`mine`): the step counter, the module stack and
+          the deferred check belong to one thread's sequence of steps, and
+          interleaving a second thread's calls into them would attribute
+          one thread's values to the other's step. Give each thread a watch
+          of its own (``with watch(model):`` inside the thread) to watch both.
+
+        ``with w:`` on a watch already active still raises, as before: that is
+        a nesting the code asked for explicitly.
+        """
+        return self._nesting.decorate(function)
+
+    # -- state ---------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        self.defer = wants_defer(self.config, self._roots())
+        self.log = StepLog(self.config.max_layers, self.defer)
+        # The tiered watch records the code between the models' calls (the loss, data code in the loop), to
+        # replay it at an event (the deferred check, judging at the optimizer step, records the loss only).
+        self.outside: OutsideRecorder | None = OutsideRecorder(self.config.kinds) if self.config.tiered else None
+        # Services, built first: the checkers below receive them, never each other.
+        self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
+        self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
+        replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
+        self.gradients = GradientChecks(self, self.origins, replay_backward)
+        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin)
+        self.last_good = LastGood(self.config.keep_last_good)
+        hook_gradient = self.gradients.hook_output if self.config.backward else None
+        self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
+        self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
+        self.replays = StepReplays(self) if self.config.tiered and self.config.replay else None
+        self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
+        #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
+        self.skipped: Counter[str] = Counter()
+        self.outcome: Events = Events(self.config, EventContext(
+            build=self._build_report,
+            localize=self.replays.localize if self.replays is not None else _nothing_replayed,
+            record_scene=functools.partial(record_scene, self),
+            traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
+            lockstep=self.lockstep.in_step,
+            skipped=self.skipped,
+        ), alone=self.replay_of is not None)
+        self.cycle: StepCycle = StepCycle(
+            self.config, self.defer, self.log, self.history, self.warnings, roots=self._roots,
+            gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
+            replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
+            lockstep=self.lockstep, emit=self.emit, mine=self.mine,
+        )
+
+    def _roots(self) -> Iterator[nn.Module]:
+        """The watched models (a model called at top level joins them: module_info)."""
+        return (root for _label, root in self.targets.roots)
+
+    def _forget_tensors(self) -> None:
+        self.forward.stack.clear()
+        if self.outside is not None:
+            self.outside.forget()
+        if self.replays is not None:
+            self.replays.clear()
+        self.log.clear()
+        if self.origins.tracer is not None:
+            self.origins.tracer.reset()  # its origins hold frames and tensors of the last step
+
+    def module_info(self, module: nn.Module) -> ModuleInfo | None:
+        """How a called module is named, or None when it is not watched."""
+        info = self.targets.modules.get(id(module))
+        if info is None and not self.forward.stack:
+            info = self.targets.join(module, self.config)  # a module called at top level may join (targets.py)
+            if info is None:
+                return None
+            self.lockstep.forget()  # a new model may be data-parallel
+            if self._exit_stack is not None:
+                for handle in self.optimizers.arm(module):
+                    self._exit_stack.callback(handle.remove)
+        return info
+
+    def mine(self) -> bool:
+        """Hooks are global: act only for the thread that entered the watch, not during a replay."""
+        return self.listening() and threading.get_ident() == self._thread
+
+    def listening(self) -> bool:
+        """:meth:`mine` for hooks that only the watched code reaches, from any thread.
+
+        The gradient hooks on its outputs and parameters and the op tracer it
+        entered run inside its backward, and autograd runs a CUDA backward
+        on a thread of its own (one per device), not on the thread that
+        called ``backward()``.
+        """
+        return self._active and not self.call_replay.replaying
+
+    # -- backward and optimizer (see gradients.py, optim.py) -------------------------
+
+    def _phase_hint(self) -> Phase | None:
+        """The op tracer's phase for an op outside the autograd engine: the optimizer's while it steps."""
+        return Phase.OPTIMIZER if self.optimizers.in_step else None
+
+    def on_finite_step(self) -> None:
+        """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
+        self.last_good.capture(self)
+
+    def on_forward_failed(self, module: nn.Module, call: Any) -> None:
+        """A top-level forward raised: when a replay finds a non-finite value came first, report it.
+
+        Called from the forward hook while the exception propagates. torch
+        silences what a hook raises then, so in ``raise`` mode the
+        NonFiniteError is raised when the watch is left, from the original
+        exception (events.py); ``warn``/``log`` record it now.
+        """
+        if self.replays is None:
+            return
+        explained = self.replays.explain_failure(module, call, running_arguments(module))
+        if explained is None:
+            return
+        report, producer, error = explained
+        self.outcome.hold_explained(Finding(Phase.FORWARD, call, "output"), (report, producer), error)
+
+    def on_gradient_event(self, finding: Finding) -> None:
+        """A non-finite gradient in backward: held while a GradScaler may skip the step."""
+        if not self.optimizers.hold_gradient_event(finding):
+            self.emit(finding)
+
+    # -- events ---------------------------------------------------------------------
+
+    def emit(self, finding: Finding, replayed: tuple[Report, Producer] | None = None) -> None:
+        """Record an event; raise or warn for the first non-benign one as configured (events.py)."""
+        self.outcome.emit(finding, replayed)
+
+    def _build_report(self, finding: Finding) -> Report:
+        """``finding``'s report as the step's boundary saw it: this step's log, history and warnings."""
+        return stamp(dataclasses.replace(build_report(
+            finding,
+            step=self.step if finding.step is None else finding.step,
+            log=self.log,
+            history=tuple(self.history),
+            warnings=tuple(self.warnings),
+            max_layers=self.config.max_layers,
+            sample_size=self.config.sample_size,
+        ), models_watched=len(self.targets.roots)))
+
+    def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
+        """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
+        self.outcome.adopt_traceback(error, tb)
+
+
+def _nothing_replayed(finding: Finding, report: Report) -> None:
+    return None
+
+
+def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: Any) -> Watch:
+    """Watch models, optimizers and GradScalers for the first non-finite value.
+
+    Parameters
+    ----------
+    *targets
+        ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
+        no module, every module called at top level is watched.
+    labels
+        Names for the targets (the magics pass variable names), one per target.
+    **options
+        Any option of :class:`nan_magic.WatchConfig`, by name (``on_detect``,
+        ``mode``, ``kinds``, ``include``, ``keep_last_good``...; each one is
+        documented there). An unknown name is a TypeError naming it.
+
+    Returns
+    -------
+    Watch
+        A context manager and decorator; ``.report`` and ``.events`` afterwards.
+
+    Examples
+    --------
+    >>> with nan_magic.watch(model) as w:          # doctest: +SKIP
+    ...     loss = model(x).sum(); loss.backward()
+    """
+    return Watch(targets, labels=labels, config=config_from_options(options))
+
+
+# help(), IDEs and inspect show every option with its default, from WatchConfig's one declaration.
+watch.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter("targets", inspect.Parameter.VAR_POSITIONAL, annotation="Any"),
+    inspect.Parameter("labels", inspect.Parameter.KEYWORD_ONLY, default=None,
+                      annotation="Iterable[str | None] | None"),
+    *(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=option.type)
+      for option in dataclasses.fields(WatchConfig)),
+], return_annotation="Watch")

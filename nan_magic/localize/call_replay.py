@@ -1,0 +1,390 @@
+"""Replaying one module call: to name the op and line inside a producer, forward or backward.
+
+A producer found at a module's boundary is run again alone under the op
+tracer (replay.py): from its running frame's arguments (immediate mode), or
+from what its call kept (held.py) at the deferred check, a freed argument
+recomputed from the call that returned it. A backward producer's forward and
+backward are replayed from the gradient hook that found it.
+
+Who calls whom: the forward hooks (forward.py) ask :class:`CallReplay`
+whether calls keep their arguments (:attr:`~CallReplay.keeps_calls`,
+:meth:`~CallReplay.classify`); the producer rule (producer.py) replays a
+forward producer (:meth:`~CallReplay.replay_into`,
+:meth:`~CallReplay.replay_deferred`); the gradient checks (gradients.py)
+receive :meth:`~CallReplay.replay_backward_into` as a callable from the
+watch; the step replay and :meth:`Watch.listening` use
+:meth:`~CallReplay.standing_aside`. This module calls none of them: it gets
+the step's log, the config and ``emit`` at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from nan_magic.hot.call_records import Alias, Call, KnownFinite, TensorRecord, version_of
+from nan_magic.hot.held import Resolved
+from nan_magic.hot.stats import iter_tensors, kinds_of
+from nan_magic.hot.step_log import StepLog
+from nan_magic.hot.targets import ModuleInfo
+from nan_magic.lifecycle.findings import Finding, apply_op_finding, mark_deliberate, named_inputs
+from nan_magic.localize.replay import RngState, recompute, replay_backward, replay_module, run_again
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase
+
+__all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]
+
+#: How many calls back a backward replay recomputes freed inputs from.
+REGENERATE_DEPTH = 3
+
+
+class Frame:
+    """A watched module call in progress (the module stack).
+
+    A passed-through call (transparent.py) has no ``call``; ``through`` is
+    the input it received. Defined here, below the forward hooks that push
+    it, because a replay starts from one (:meth:`CallReplay.replay_into`).
+    """
+
+    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        info: ModuleInfo,
+        call: Call | None,
+        rng_state: RngState | None,
+        through: torch.Tensor | None = None,
+        known: KnownFinite | None = None,
+    ) -> None:
+        self.module = module
+        self.info = info
+        self.call = call
+        self.rng_state = rng_state
+        self.through = through
+        #: What was known of ``through`` when the call began.
+        self.known = known
+
+
+class CallReplay:
+    """Replays of single module calls for one watch, and the flag that makes its hooks stand aside."""
+
+    def __init__(self, config: WatchConfig, defer: bool, log: StepLog, emit: Callable[[Finding], None]) -> None:
+        self.kinds = config.kinds
+        self._log = log
+        self._emit = emit
+        # Modules whose infinities a replay showed to be deliberate (masks).
+        self.masks: set[int] = set()
+        self.replaying = False
+        # The tiered watch replays the whole failing step instead (step_replay.py).
+        self.can_replay = config.replay and not config.ops and not config.tiered
+        # A backward producer is replayed from the gradient hook, after its
+        # forward returned, and in deferred mode any producer is replayed at
+        # the check: calls keep their arguments (weakly) and RNG state.
+        self.keeps_calls = self.can_replay and (config.backward or defer)
+
+    @contextlib.contextmanager
+    def standing_aside(self) -> Iterator[None]:
+        """The watch's hooks ignore the calls a replay makes (:meth:`Watch.mine`); nests."""
+        was, self.replaying = self.replaying, True
+        try:
+            yield
+        finally:
+            self.replaying = was
+
+    def classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]:
+        """A call input's record, and whether holding it until its gradient is computed adds no memory.
+
+        Holding is free when something besides its Python object holds the
+        tensor (``_use_count() > 1``: autograd saved it for the backward)
+        and it is a recorded output with our gradient hook, which releases
+        it (:meth:`GradientChecks.release`) as soon as its gradient is
+        complete. Other inputs are held weakly, and recomputed from their
+        record if a replay needs them (:meth:`_regenerate`).
+        """
+        record = self._log.lookup(tensor)
+        if record is None:
+            return self._log.alias_of(tensor), False
+        return record, tensor.requires_grad and _held_elsewhere(tensor)
+
+    def replay_into(
+        self, finding: Finding, produced: frozenset[str], frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """Replay the producer module under the op tracer to name its op and line.
+
+        Returns True when the replay shows a deliberate infinity instead (an
+        op given an infinite scalar, e.g. ``masked_fill(mask, -inf)``): that
+        is recorded as benign and not raised; a consumer that turns it into a
+        NaN is the producer then.
+        """
+        if not self.can_replay or frame.call is None or not _replayable(frame.call, frame.rng_state):
+            return False
+        if id(frame.module) in self.masks:
+            finding.record.status = "benign"  # type: ignore[union-attr]
+            return True
+        if any(_mutated(ref(), version) for _path, _record, ref, version in frame.call.inputs):
+            finding.notes.append(
+                f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
+                "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
+            )
+            return False
+        with self.standing_aside():
+            result = replay_module(
+                frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.kinds,
+                module_name=frame.info.name, autocast=frame.call.autocast,
+            )
+        if result.finding is not None:
+            op = result.finding
+            apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
+            finding.notes.append(
+                f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
+                f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
+            )
+            if op.module is not None and op.module != frame.info.name:
+                # A child without a check of its own (a pass-through, transparent.py).
+                finding.notes.append(f"{op.op} ran inside {op.module}, which is not checked on its own")
+            return False
+        if result.held_by_inputs and produced <= {"+inf", "-inf"}:
+            self.masks.add(id(frame.module))
+            how = "an op inside was given an infinite scalar, e.g. masked_fill(mask, -inf)"
+            self._emit(mark_deliberate(finding, how))
+            return True
+        if result.note:
+            finding.notes.append(result.note)
+        return False
+
+    def replay_deferred(self, finding: Finding, produced: frozenset[str], call: Call) -> bool:
+        """Name the op and line of a producer found at the deferred check, long after its call.
+
+        Its arguments come from what the call kept (held.py), a freed one
+        recomputed from the call that returned it. When they cannot be had
+        (a value of its parent's own code that is gone), the nearest
+        enclosing call whose arguments can is replayed instead, and its op
+        is taken only if it ran inside the producer. Returns what
+        :meth:`replay_into` returns.
+        """
+        label = call.name or "the root module"
+        nearest = self._nearest_kept(call)
+        if isinstance(nearest, str):
+            finding.notes.append(
+                f"{label}'s arguments are gone by the deferred check ({nearest}); "
+                "watch with ops=True (%%nantrace --ops) for the op and line"
+            )
+            return False
+        enclosing, arguments, missing = nearest
+        if enclosing is call:
+            finding.rng_state = call.rng_state
+            self._recompute_freed(finding, call, arguments)
+            frame = Frame(call.module, call.info, call, call.rng_state)  # type: ignore[arg-type]
+            return self.replay_into(finding, produced, frame, arguments.args, arguments.kwargs)
+        outer = enclosing.name or "the root module"
+        with self.standing_aside():
+            result = replay_module(
+                enclosing.module, arguments.args, arguments.kwargs, rng_state=enclosing.rng_state,
+                kinds=self.kinds, module_name=enclosing.name or "", autocast=enclosing.autocast,
+            )
+        op = result.finding
+        within = op is not None and _within(op.module, call.name or "")
+        if not within and produced <= {"+inf", "-inf"} and (call.name or "") in result.benign_modules:
+            return self._deliberate_in_replay(finding, call, outer)
+        if op is not None and within:
+            apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
+            finding.notes.append(
+                f"{label}'s own arguments are gone by the deferred check ({missing}); a replay of {outer}, which "
+                f"called it, found the op in {op.module or label}: {op.nan} nan, {op.posinf} +inf, "
+                f"{op.neginf} -inf in {op.op}"
+            )
+            return False
+        caller = caller_named(call, op.module) if op is not None else None
+        if op is not None and caller is not None:
+            # The first non-finite value was made by the own code of a call
+            # enclosing the one whose output was found: that caller is the producer.
+            self._move_to(finding, caller, f"output of {op.op}")
+            finding.rng_state = caller.rng_state
+            apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
+            finding.notes.append(
+                f"a replay of {outer} found the first non-finite value in {op.module or 'the root module'}'s own "
+                f"code ({op.op}), before {label}, which passed it on"
+            )
+            return False
+        found = f"found {op.op} in {op.module}, not in {label}" if op is not None else (result.note or "stayed finite")
+        finding.notes.append(
+            f"{label}'s own arguments are gone by the deferred check ({missing}), and a replay of {outer} {found}; "
+            "watch with ops=True (%%nantrace --ops) for the op and line"
+        )
+        return False
+
+    def _move_to(self, finding: Finding, caller: Call, tensor: str) -> None:
+        """Make ``finding`` name ``caller`` (an enclosing call) as the producer of ``tensor``, with its inputs.
+
+        The output first found (a child's) only passed the value on: it is
+        no longer the finding's tensor, nor its layer row the producer's.
+        """
+        if finding.record is not None:
+            finding.record.status = "propagated"
+        finding.tensor, finding.record = tensor, None
+        finding.call = caller
+        finding.module, finding.module_type = caller.name, caller.module_type
+        finding.model = caller.info.model if caller.info is not None else None
+        finding.inputs = named_inputs(caller)
+        finding.bad, finding.bad_stats = None, None
+
+    def _deliberate_in_replay(self, finding: Finding, call: Call, outer: str) -> bool:
+        """A replay of the enclosing call showed ``call``'s infinity to be deliberate: recorded as benign."""
+        if call.module is not None:
+            self.masks.add(id(call.module))
+        self._emit(mark_deliberate(
+            finding, f"a replay of {outer} showed an op of {call.name or 'the root module'} given an infinite scalar"
+        ))
+        return True
+
+    def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
+        """The call itself or its nearest enclosing call whose arguments can be had, with them.
+
+        Also why the call's own arguments cannot be had (None when they can);
+        only that reason when no enclosing call's can either.
+        """
+        missing: str | None = None
+        enclosing: Call | None = call
+        while enclosing is not None:
+            arguments = self.kept_arguments(enclosing)
+            if isinstance(arguments, Resolved):
+                return enclosing, arguments, missing
+            missing = missing or arguments
+            enclosing = enclosing.parent
+        return missing or "its arguments were not kept"
+
+    def kept_arguments(self, call: Call) -> Resolved | str:
+        """A finished call's arguments again, from what it kept; or why not, in a few words."""
+        if call.held is None or call.module is None or call.phase != Phase.FORWARD:
+            return "its arguments were not kept"
+        if not _replayable(call, call.rng_state):
+            return "its random state was not kept"
+        with self.standing_aside():  # a freed argument is recomputed by running its call again
+            return call.held.resolve(self._regenerate)
+
+    def _recompute_freed(self, finding: Finding, call: Call, arguments: Resolved) -> None:
+        """Give a finding whose tensors were freed before the deferred check exact values again.
+
+        The producer's inputs (for the report and the scene) are the ones
+        resolved for the replay; its output is recomputed by running the
+        call again, and used only if it holds the kinds the probe saw.
+        """
+        if not finding.inputs:
+            for path, held_record, ref, _version in call.inputs:
+                tensor = ref()
+                if tensor is None and held_record is not None:
+                    tensor = arguments.by_record.get(id(held_record))
+                if tensor is not None:
+                    finding.inputs.append((path, tensor.detach()))
+        record = finding.record
+        if finding.bad is not None or record is None:
+            return
+        with self.standing_aside():
+            output = run_again(call.module, arguments.args, arguments.kwargs, call.rng_state, call.autocast)
+        again = next((tensor for path, tensor in iter_tensors(output, "output") if path == record.path), None)
+        if again is not None and record.kinds and record.kinds <= kinds_of(again):
+            finding.bad, finding.bad_stats = again, None
+            finding.notes.append(
+                f"{record.path} was freed before the deferred check: its counts and values are from "
+                f"running {call.name or 'the root module'} again on the same inputs"
+            )
+
+    def _regenerate(self, record: TensorRecord | Alias, depth: int = 0) -> torch.Tensor | None:
+        """A freed module output, recomputed by replaying the call that returned it.
+
+        Its own freed inputs are recomputed the same way, up to
+        :data:`REGENERATE_DEPTH` calls back. The value is the one the
+        consumer saw only when the tensor was not changed in place in
+        between; :meth:`HeldArguments.resolve` checked the version.
+        """
+        if depth >= REGENERATE_DEPTH:
+            return None
+        if isinstance(record, Alias):
+            # A passed-through call's output: run that module again on its input.
+            source = record.input() or self._regenerate(record.origin, depth + 1)
+            return None if source is None else run_again(record.module, (source,), {}, record.rng_state)
+        call = record.call
+        if call is None or call.phase != Phase.FORWARD:
+            return None
+        if call.held is None or call.module is None or not _replayable(call, call.rng_state):
+            return None
+        output = recompute(
+            call.module, call.held, call.rng_state, lambda inner: self._regenerate(inner, depth + 1), call.autocast
+        )
+        for path, tensor in iter_tensors(output, "output"):
+            if path == record.path:
+                return tensor
+        return None
+
+    def replay_backward_into(self, finding: Finding, consumer: Call, target: TensorRecord) -> None:
+        """Replay the consumer whose backward made a gradient non-finite, to name the op and line.
+
+        Called from the gradient hook (immediate mode) while the consumer's
+        arguments may still be alive: autograd saves most of them for its
+        backward. ``target`` is the consumer's input whose gradient went bad.
+        """
+        label = consumer.name or "the root module"
+        if consumer.held is None or not _replayable(consumer, consumer.rng_state):
+            finding.notes.append(
+                f"{label}'s arguments were not kept, so its backward cannot be replayed; "
+                "watch with ops=True (%%nantrace --ops) for the op and line"
+            )
+            return
+        chain: list[TensorRecord | Alias] = list(target.outward())
+        # The consumer may have received it through a pass-through (a dropout, an activation).
+        mine = {id(record) for record in chain}
+        chain += [held for held in consumer.held.records() if isinstance(held, Alias) and id(held.record) in mine]
+        with self.standing_aside():
+            result = replay_backward(
+                consumer.module, consumer.held, chain, rng_state=consumer.rng_state, regenerate=self._regenerate,
+                kinds=self.kinds, module_name=consumer.name or "", autocast=consumer.autocast,
+            )
+        if result.finding is None:
+            finding.notes.append(f"{result.note}; watch with ops=True (%%nantrace --ops) for the op and line")
+            return
+        apply_op_finding(finding, result.finding)
+        finding.notes.append(
+            f"replay of {label}'s forward and backward (a gradient of ones into its outputs) found the op: "
+            f"{result.finding.op} in the backward of {result.finding.autograd_node or 'an autograd node'}"
+        )
+
+
+def caller_named(call: Call, module: str | None) -> Call | None:
+    """The call enclosing ``call`` (not ``call`` itself) of the module named ``module``, if any."""
+    caller = call.parent
+    while caller is not None:
+        if caller.name == module:
+            return caller
+        caller = caller.parent
+    return None
+
+
+def _within(module: str | None, producer: str) -> bool:
+    """Whether the module named ``module`` is ``producer`` or one of its submodules (qualified names)."""
+    if module is None:
+        return False
+    return not producer or module == producer or module.startswith(producer + ".")
+
+
+def _replayable(call: Call, rng_state: RngState | None) -> bool:
+    """Whether the call's RNG state is known: saved, or not needed (the module draws no random numbers)."""
+    return rng_state is not None or (call.info is not None and call.info.deterministic)
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """More than one owner of the tensor (its Python object and, say, autograd's saved copy)."""
+    use_count = getattr(tensor, "_use_count", None)  # a private torch method: absent, hold nothing
+    return use_count is not None and use_count() > 1
+
+
+def _mutated(tensor: torch.Tensor | None, version: int) -> bool:
+    """Whether a still-alive tensor was written in place since ``version``."""
+    return tensor is not None and version_of(tensor) != version

@@ -1,0 +1,133 @@
+"""Non-finite tensors that entered the loss code from outside the watched code.
+
+A non-finite loss whose model outputs were all finite was either made by the
+loss code or given to it: a NaN label, a target from a DataLoader worker. The
+second is phase ``data`` (PRODUCT.md: a tensor that no watched code
+produced). Only looked for once the loss is known to be non-finite, never on
+the hot path, in two places:
+
+* the saved tensors of the loss code's autograd nodes (``MseLossBackward0``
+  saves its ``target``): a leaf that needs no gradient is data;
+* the local variables of the user's frames that called ``backward()`` (or
+  ``opt.step()``, at the deferred check): ``y`` in ``loss = F.mse_loss(out, y)``
+  when the node saved nothing of it (``(out - y) ** 2``).
+
+A tensor the watch already saw enter a watched model was judged there; an
+additive attention mask (its finite values all 0) is deliberate, not data.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from nan_magic.errors.frames import is_library_file
+from nan_magic.hot.loss_region import loss_region_nodes
+from nan_magic.hot.stats import is_checkable, kinds_of
+from nan_magic.localize.masks import is_additive_mask
+
+__all__ = ["entering_tensors", "saved_leaves"]
+
+#: How many of the user's frames are searched, innermost first.
+_MAX_FRAMES = 8
+
+
+def entering_tensors(
+    loss: torch.Tensor | None,
+    boundary: int,
+    seen: Callable[[torch.Tensor], bool],
+    saved_before: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
+) -> list[tuple[str, torch.Tensor]]:
+    """Non-finite data tensors the loss code may have read, named as the user knows them.
+
+    ``boundary`` is the autograd sequence number where the loss code began
+    (loss_region.py); ``seen(tensor)`` tells a tensor the watch already saw;
+    ``saved_before`` what :func:`saved_leaves` took before backward freed
+    the graph (the deferred check).
+    """
+    bad_locals = {id(tensor): (name, tensor) for name, tensor in _user_locals() if _is_bad_data(tensor)}
+    # What the loss code saved is known to have been read by it: those come
+    # first, named by the user's variable where one holds the same tensor.
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for label, tensor in [*saved_before, *_saved_by_loss_code(loss, boundary)]:
+        if id(tensor) not in found and _is_bad_data(tensor) and not seen(tensor):
+            found[id(tensor)] = (bad_locals.get(id(tensor), (label,))[0], tensor)
+    for key, (name, tensor) in bad_locals.items():
+        if key not in found and not seen(tensor):
+            found[key] = (name, tensor)
+    return list(found.values())
+
+
+def saved_leaves(nodes: list[Any]) -> list[tuple[str, weakref.ref[torch.Tensor]]]:
+    """The floating leaves that need no gradient among what ``nodes`` saved, held weakly.
+
+    Taken when backward starts, in deferred mode, for the check after it
+    (backward frees saved tensors). The names of each node type's saved
+    attributes are looked up once.
+    """
+    return [
+        (label, weakref.ref(tensor))
+        for label, tensor in _saved_tensors(nodes)
+        if tensor.grad_fn is None and not tensor.requires_grad and is_checkable(tensor)
+    ]
+
+
+def _saved_by_loss_code(loss: torch.Tensor | None, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if loss is not None:
+        yield from _saved_tensors(loss_region_nodes(loss, boundary))
+
+
+def _saved_tensors(nodes: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for node in nodes:
+        for attribute in _saved_attributes(type(node)):
+            try:
+                value = getattr(node, attribute)
+            except RuntimeError:  # freed by a backward that already ran
+                continue
+            for tensor in _tensors_in(value):
+                yield f"{attribute.removeprefix('_saved_')} of {node.name()}", tensor
+
+
+_SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attributes(node_type: type) -> tuple[str, ...]:
+    """The ``_saved_*`` attribute names of an autograd node type (looked up once per type)."""
+    names = _SAVED_ATTRIBUTES.get(node_type)
+    if names is None:
+        names = _SAVED_ATTRIBUTES[node_type] = tuple(n for n in dir(node_type) if n.startswith("_saved_"))
+    return names
+
+
+def _user_locals() -> Iterator[tuple[str, torch.Tensor]]:
+    frame = sys._getframe(2)
+    searched = 0
+    while frame is not None and searched < _MAX_FRAMES:
+        if not is_library_file(frame.f_code.co_filename):
+            searched += 1
+            for name, value in list(frame.f_locals.items()):
+                for index, tensor in enumerate(_tensors_in(value)):
+                    yield (name if isinstance(value, torch.Tensor) else f"{name}[{index}]"), tensor
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """A tensor, or the tensors directly inside a tuple, list or dict (a batch ``(x, y)``)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        yield from (item for item in value if isinstance(item, torch.Tensor))
+    elif isinstance(value, dict):
+        yield from (item for item in value.values() if isinstance(item, torch.Tensor))
+
+
+def _is_bad_data(tensor: torch.Tensor) -> bool:
+    """A non-finite floating leaf that no code of the step computed with gradients."""
+    if tensor.grad_fn is not None or tensor.requires_grad or not is_checkable(tensor):
+        return False
+    # An additive attention mask (masks.py) is deliberate, not data.
+    return bool(kinds_of(tensor)) and not is_additive_mask(tensor)

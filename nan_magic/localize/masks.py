@@ -1,0 +1,161 @@
+"""Deliberate infinities: which infinite tensors are attention masks, not faults.
+
+A float attention mask (``nn.Transformer.generate_square_subsequent_mask``,
+a ``key_padding_mask`` turned float, ``masked_fill(mask, -inf)`` on zeros)
+holds -inf on purpose. Passed to a model as an argument, or held as a buffer,
+it is benign for as long as what consumes it stays finite (PRODUCT.md,
+"benign"); a consumer that turns it into a new non-finite kind (softmax over
+a fully masked row gives NaN) is the producer.
+
+The rule, for a tensor that holds a non-finite value:
+
+* it holds no NaN (NaN is never deliberate), and
+* its infinities all have one sign (a mask adds -inf, or +inf before a min;
+  a tensor holding both is arithmetic gone wrong), and
+* it holds a finite element (a mask that hides everything hides nothing
+  deliberately: ``torch.full(shape, inf)`` is an overflow), and
+* either its name (the argument's or buffer's) says ``mask`` (then its
+  finite values may be anything: an additive bias with a mask folded in, as
+  ALiBi or T5 relative biases do), or every finite element is 0 (the pure
+  additive mask) and it is not the first positional argument, which is the
+  batch (``log`` of a 0/1 feature gives the same 0/-inf values as a mask).
+
+A batch feature that overflowed to +inf sits among non-zero finite values
+under a name such as ``input[0]``: it fails the last condition and stays a
+``data`` event. When the tensor itself is gone (the deferred check runs after
+a temporary mask was freed), only its probe is known, ``(min, max)``: it
+must then be named as a mask, and the probe show one sign of infinity (the
+other end of its range is then finite) and no NaN.
+
+The verdict for a live tensor reads it once (one small host transfer on a
+GPU), and is remembered for that tensor object while it is unchanged, so a
+mask kept in a buffer or built once before the loop is read once per watch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import weakref
+
+import torch
+from torch import nn
+
+from nan_magic.hot.call_records import version_of
+from nan_magic.hot.stats import is_checkable, read_probe
+
+__all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask"]
+
+_MASK_NAME = re.compile("mask", re.IGNORECASE)
+_POSITION = re.compile(r"^input\[(\d+)\]")
+_KEYWORD = re.compile(r"^kwargs\['([^']+)'\]")
+
+
+def names_a_mask(name: str | None) -> bool:
+    """Whether an argument or buffer name says it is a mask (``tgt_mask``, ``attn_mask``, ``causal_mask``)."""
+    return name is not None and _MASK_NAME.search(name) is not None
+
+
+def argument_name(module: nn.Module, path: str) -> str | None:
+    """The ``forward`` parameter name behind a recorded path (``input[3]``, ``kwargs['tgt_mask']``).
+
+    Positional arguments are named from the signature of ``module.forward``;
+    ``None`` where the signature does not say (``*args``).
+    """
+    keyword = _KEYWORD.match(path)
+    if keyword is not None:
+        return keyword.group(1)
+    position = _POSITION.match(path)
+    if position is None:
+        return None
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    index = int(position.group(1))
+    if index < len(parameters) and parameters[index].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ):
+        return parameters[index].name
+    return None
+
+
+class DeliberateMasks:
+    """The mask verdicts of one watch, and which masks were already reported as benign events."""
+
+    def __init__(self) -> None:
+        # id(tensor) -> (weak tensor, its version, verdict); a tensor's id may be reused after it dies.
+        self._verdicts: dict[int, tuple[weakref.ref[torch.Tensor], int, bool]] = {}
+        self._reported: set[tuple[str | None, str]] = set()
+
+    def is_mask(self, tensor: torch.Tensor, name: str | None, first: bool = False) -> bool:
+        """The rule of the module docstring, for a live tensor known to hold a non-finite value.
+
+        ``first``: the tensor is the first positional argument (the batch).
+        """
+        named = names_a_mask(name)
+        if first and not named:
+            return False
+        entry = self._verdicts.get(id(tensor))
+        if entry is not None and entry[0]() is tensor and entry[1] == version_of(tensor):
+            return entry[2]
+        verdict = _holds_a_mask(tensor, named)
+        if len(self._verdicts) > 256:
+            self._verdicts = {key: value for key, value in self._verdicts.items() if value[0]() is not None}
+        self._verdicts[id(tensor)] = (weakref.ref(tensor), version_of(tensor), verdict)
+        return verdict
+
+    def probe_is_mask(self, low: float, high: float, name: str | None) -> bool:
+        """The rule when only the probe ``(min, max)`` is left: named a mask, one sign, no NaN."""
+        if math.isnan(low) or math.isnan(high) or not names_a_mask(name):
+            return False
+        return (low == -math.inf) != (high == math.inf)
+
+    def buffers(self, module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """The module's floating buffers (recursively) that hold a non-finite value and are deliberate masks."""
+        found = []
+        for name, buffer in module.named_buffers():
+            if not is_checkable(buffer):  # a meta or nested buffer has nothing to read (stats.py)
+                continue
+            low, high = read_probe(buffer)
+            if math.isfinite(low) and math.isfinite(high):
+                continue
+            if self.is_mask(buffer, name.rsplit(".", 1)[-1]):
+                found.append((prefix + name, buffer))
+        return found
+
+    def first_sighting(self, module: str | None, tensor: str) -> bool:
+        """True the first time a mask is seen at this place: it is recorded as one benign event per watch."""
+        key = (module, tensor)
+        if key in self._reported:
+            return False
+        self._reported.add(key)
+        return True
+
+
+def is_additive_mask(tensor: torch.Tensor) -> bool:
+    """The rule of the module docstring for a tensor with no name to go by: 0 where attended, ±inf where not.
+
+    For the op tracer (a tensor entering the traced code) and the loss code's
+    data (entering.py): no NaN, one sign of infinity, a finite element, and
+    every finite element 0. A dense real tensor only.
+    """
+    if not is_checkable(tensor) or tensor.layout is not torch.strided or tensor.is_complex():
+        return False
+    return _holds_a_mask(tensor, named=False)
+
+
+def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
+    with torch.no_grad():
+        x = tensor.detach()
+        finite = torch.isfinite(x)
+        # One transfer: [any NaN, any +inf, any -inf, any finite, any finite non-zero].
+        flags = torch.stack([
+            torch.isnan(x).any(), (x == math.inf).any(), (x == -math.inf).any(), finite.any(),
+            (finite & (x != 0)).any(),
+        ]).tolist()
+    has_nan, has_posinf, has_neginf, has_finite, has_nonzero = flags
+    if has_nan or has_posinf == has_neginf or not has_finite:  # NaN, both signs or none, all infinite
+        return False
+    return named or not has_nonzero

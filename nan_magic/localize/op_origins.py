@@ -1,0 +1,154 @@
+"""The op behind a non-finite value: the service every checker asks, and that asks none of them.
+
+Ops mode (``ops=True``) traces every op with an :class:`~nan_magic.localize.op_tracer.OpTracer`;
+the tiered watch records the code outside the models
+(:class:`~nan_magic.localize.outside.OutsideRecorder`), where the loss and data
+code run. :class:`OpOrigins` holds whichever of the two this watch has and
+answers, for a non-finite tensor at a boundary (a module output, the loss, a
+gradient, a parameter, the batch), which op started it.
+
+Who calls whom: the producer rule (producer.py), the gradient checks
+(gradients.py), the optimizer checks (optim.py) and the step replay
+(step_replay.py) call it; it calls back only the callables the watch gave it
+(``emit``, ``on_gradient_event``, ``info_by_name``), never a checker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.stats import TensorStats, tensor_stats
+from nan_magic.hot.targets import ModuleInfo
+from nan_magic.lifecycle.findings import Finding, apply_op_finding, attach_origin
+from nan_magic.localize.op_tracer import OpTracer
+from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.records import Phase
+
+__all__ = ["OpOrigins"]
+
+
+class OpOrigins:
+    """Where a boundary tensor's non-finite values started, from the op tracer or the outside recorder.
+
+    Parameters
+    ----------
+    outside
+        The tiered watch's recorder of the code outside the models, or None.
+    emit
+        Records an event (:meth:`Watch.emit`).
+    on_gradient_event
+        Records a backward event, held while a GradScaler may skip the step.
+    info_by_name
+        The info of a watched module by qualified name.
+    """
+
+    def __init__(
+        self,
+        outside: OutsideRecorder | None,
+        emit: Callable[[Finding], None],
+        on_gradient_event: Callable[[Finding], None],
+        info_by_name: Callable[[str], ModuleInfo | None],
+    ) -> None:
+        self.outside = outside
+        self._emit = emit
+        self._on_gradient_event = on_gradient_event
+        self._info_by_name = info_by_name
+        #: The op tracer of ops mode, once the watch is attached (:meth:`make_tracer`).
+        self.tracer: OpTracer | None = None
+
+    def make_tracer(
+        self,
+        kinds: frozenset[str],
+        module_name: Callable[[], str | None],
+        phase_hint: Callable[[], Phase | None],
+    ) -> OpTracer:
+        """The op tracer of ops mode; ``module_name`` names the innermost watched module running."""
+        self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
+        return self.tracer
+
+    def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
+        """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.
+
+        Such a tensor has a producer there (a ``(adv - adv.mean()) / adv.std()`` in the loss code, on a
+        value detached from a model output): it is not data, even where it needs no gradient.
+        """
+        if self.tracer is not None:
+            return isinstance(self.tracer.origin_of(tensor), OpFinding)
+        return self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
+
+    def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:
+        """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
+
+        Ops mode traces everything; the tiered mode records the code outside
+        the models (outside.py), where the loss and data code run.
+        """
+        outside = self.outside
+        if tensor is None:
+            return
+        if self.tracer is not None:
+            origin = self.tracer.claim(tensor)
+        elif outside is not None:
+            origin = outside.claim(tensor)
+            untraced = outside.note()
+            if untraced is not None and finding.module is None:
+                finding.notes.append(untraced)
+        else:
+            return
+        if not isinstance(origin, OpFinding):
+            return
+        if finding.phase == Phase.FORWARD and finding.call is None and origin.phase == Phase.FORWARD:
+            # The loss code's op made it, as an op inside a module would: the report's counts, operands and
+            # cause are the op's (log got 7 zeros), the loss stays beside it; %debug opens where the op ran.
+            if self.tracer is not None:
+                tensors = self.tracer.producer_tensors if self.tracer.finding is origin else ()
+                frame, position = self.tracer.frame_of(origin)
+            else:
+                assert outside is not None
+                tensors, frame, position = outside.witness(origin)
+            boundary = finding.tensor
+            apply_op_finding(finding, origin, tensors)
+            if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):
+                # The op returned the loss itself (a cross_entropy whose every label is ignored): it keeps its name.
+                finding.tensor, finding.module_output = boundary, None
+            if frame is not None:
+                finding.frame, finding.frame_position = frame, position
+            return
+        attach_origin(finding, origin)
+        if origin.backward_code and self.tracer is not None:
+            # A Python backward's frame ran the op (a custom Function's): %debug opens there.
+            finding.frame, finding.frame_position = self.tracer.frame_of(origin)
+
+    def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
+        """Report the op that started a non-finite value that reached a module's output."""
+        if call is None and record is not None:
+            # The op ran in another module's code than the boundary's: this boundary passed it on.
+            record.status, record = "propagated", None
+        finding = Finding(op_finding.phase, call, f"{op_finding.tensor} of {op_finding.op}", record=record)
+        tracer = self.tracer
+        tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
+        apply_op_finding(finding, op_finding, tensors)
+        if record is not None and finding.phase == Phase.FORWARD:
+            # The module output where the op's value reached the boundary, beside the op's own output.
+            live = record.live()
+            finding.module_output = (record.path or "output", tensor_stats(live) if live is not None
+                                     else record.stats(), live)
+        if tracer is not None:
+            finding.frame, finding.frame_position = tracer.frame_of(op_finding)  # %debug opens where the op ran
+        if finding.module is not None and finding.module_type is None:
+            info = self._info_by_name(finding.module)
+            if info is not None:
+                finding.module_type, finding.model = info.module_type, info.model
+        if finding.phase == Phase.BACKWARD:
+            self._on_gradient_event(finding)
+        else:
+            self._emit(finding)
+
+
+def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:
+    """Whether the op's output is, by its shape and counts, the boundary tensor itself."""
+    return output is not None and (boundary.shape, boundary.nan, boundary.posinf, boundary.neginf) == (
+        output.shape, output.nan, output.posinf, output.neginf)

@@ -1,0 +1,231 @@
+"""Where in the user's code an op ran: its line, the frame for ``%debug``, and whose code called it.
+
+The op tracer (:mod:`nan_magic.localize.op_tracer`) runs inside the op, below torch's
+dispatch machinery and its own frames; the line a finding names is the
+innermost frame that is the user's (:func:`user_frame`). A backward op runs in
+the autograd engine, with no user frame on the stack: its forward line is the
+one that created the autograd node being executed, noted while the forward
+ran (:class:`NodeSources`). And an op that nan_magic's own code called (a
+hook's reduction, a gradient norm) is never judged (:func:`called_by_us`).
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from nan_magic.errors.frames import is_library_file, pointer
+from nan_magic.localize.op_plans import Plan, tensors
+from nan_magic.records import SourcePointer
+
+__all__ = ["NodeSources", "called_by_the_engine", "called_by_us", "sources_of_op", "user_frame"]
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# nan_magic's own files, and torch's machinery between a Python call and a
+# dispatch mode: a frame there is never the line that ran an op.
+_PLUMBING = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    *(
+        _TORCH_DIR + path
+        for path in ("_ops.py", "utils/_python_dispatch.py", "_tensor.py", "overrides.py",
+                     "autograd/__init__.py", "autograd/graph.py", "_dynamo", "_compile.py")
+    ),
+)
+
+# id(code) -> (code, is library code); holding the code keeps its id unique.
+_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
+
+
+def _is_library_code(code: CodeType) -> bool:
+    entry = _LIBRARY_CODE.get(id(code))
+    if entry is None:
+        entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
+    return entry[1]
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame at or above ``frame`` that is the user's code (not torch's, not ours)."""
+    # A tensor subclass's __torch_function__ is how the op was routed, not the
+    # line that asked for it: that is the caller's (it stays the inner source).
+    while frame is not None and (_is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
+        frame = frame.f_back
+    return frame
+
+
+_SUBCLASS_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
+
+
+def _is_plumbing(frame: FrameType) -> bool:
+    filename = frame.f_code.co_filename
+    return os.path.abspath(filename).startswith(_PLUMBING) or filename.endswith(
+        ("contextlib.py", "functools.py")
+    )
+
+
+_ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIR = os.path.dirname(_ENGINE_DIR) + os.sep
+# The op tracer's own files: its frames stand between an op and whoever called it.
+_TRACER_FILES = frozenset(
+    os.path.join(_ENGINE_DIR, name)
+    for name in ("op_tracer.py", "op_plans.py", "op_sources.py", "origins.py", "op_kinds.py")
+)
+# Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
+# (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the
+# recorded ops of the code outside the models, run again.
+_RUNS_USER_CODE = tuple(
+    os.path.join(_OWN_DIR, name)
+    for name in (
+        os.path.join("patches", "backward.py"),
+        os.path.join("localize", "replay.py"),
+        os.path.join("localize", "step_replay.py"),
+        os.path.join("localize", "backward_replay.py"),
+        os.path.join("localize", "outside.py"),
+    )
+)
+
+
+def called_by_us() -> bool:
+    """Whether the current op was called by nan_magic's own code (a hook's reduction, a norm).
+
+    The innermost frame outside torch and the tracer decides; the autograd
+    engine runs the user's backward with no such frame, or below our wrapped
+    ``Tensor.backward``.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename in _TRACER_FILES or filename.startswith(_TORCH_DIR) or filename.endswith(
+            ("contextlib.py", "functools.py")
+        ):
+            frame = frame.f_back
+            continue
+        return filename.startswith(_OWN_DIR) and filename not in _RUNS_USER_CODE
+    return False
+
+
+def sources_of_op(
+    frame: FrameType | None,
+) -> tuple[SourcePointer | None, SourcePointer | None, FrameType | None]:
+    """The user's line that ran the current op, the innermost line below it, and the user's frame."""
+    while frame is not None and _is_plumbing(frame):
+        frame = frame.f_back
+    user = user_frame(frame)
+    if frame is None:
+        return None, None, None
+    if user is None:
+        return None, pointer(frame), None
+    return pointer(user), (pointer(frame) if frame is not user else None), user
+
+
+# Where Python enters the autograd engine (``loss.backward()``, ``torch.autograd.grad``).
+_ENGINE_ENTRIES = tuple(_TORCH_DIR + os.path.join("autograd", name) for name in ("graph.py", "__init__.py"))
+
+
+def called_by_the_engine(frame: FrameType | None, user: FrameType) -> bool:
+    """Whether ``user``, the user's frame that ran a backward op, was called by the autograd engine.
+
+    ``frame`` is the op's (innermost) frame. A built-in gradient formula
+    (``SqrtBackward0``) runs with no Python frame of its own: the innermost
+    user frame is the line that called ``backward()``, and the engine's entry
+    lies between the op and it. A Python backward (a custom
+    ``autograd.Function``'s ``backward``, a gradient hook) is called by the
+    engine: no entry lies between, and its line is where the op ran. On a
+    device thread of the engine no entry is on the stack at all.
+    """
+    while frame is not None and frame is not user:
+        if os.path.abspath(frame.f_code.co_filename).startswith(_ENGINE_ENTRIES):
+            return False
+        frame = frame.f_back
+    return True
+
+
+class NodeSources:
+    """The user's forward line of each autograd node created while the tracer is active.
+
+    Autograd numbers the nodes it creates from a thread-local counter
+    (``Node._sequence_nr()``), and an op's node is created just before the op
+    is dispatched to the tracer. So when ``torch._C._autograd._get_sequence_nr()``
+    has moved since the previous op, node ``counter - 1`` belongs to the
+    current op, and :meth:`note` records its user line (a code object and a
+    line number, no frames kept). In backward,
+    ``torch._C._current_autograd_node()._sequence_nr()`` looks that line up
+    (:meth:`forward_source`). This costs a counter read per op and a short
+    stack walk per node created, unlike anomaly mode, which formats a full
+    traceback per node. The most recent ``max_sources`` nodes are remembered.
+
+    Parameters
+    ----------
+    module_name
+        Returns the qualified name of the module running, or None; noted with
+        each line.
+    max_sources
+        How many nodes' lines are kept.
+    """
+
+    def __init__(self, module_name: Callable[[], str | None], max_sources: int) -> None:
+        self._module_name = module_name
+        self._max_sources = max_sources
+        # autograd sequence number -> (code, line) of the forward op that created it
+        self._sources: dict[int, tuple[CodeType, int, str | None]] = {}
+        self._seen_seq = 0
+        self._last_location: tuple[CodeType, int, str | None] | None = None
+
+    def start(self) -> None:
+        """Begin a trace: nodes created before it are not ours to name."""
+        self._seen_seq = torch._C._autograd._get_sequence_nr()
+        self._last_location = None
+
+    def record(self, node: int, code: CodeType, lineno: int) -> None:
+        """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line)."""
+        self._sources[node] = (code, lineno, None)
+
+    def note(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Called by the tracer for each forward op, before it runs: note the lines of the nodes made since."""
+        seq = torch._C._autograd._get_sequence_nr()
+        if seq == self._seen_seq:
+            return
+        # A node or two at most comes between two ops; a long gap is nodes
+        # made outside this thread's forward (a backward with create_graph).
+        first = max(self._seen_seq, seq - 8)
+        self._seen_seq = seq
+        # Frame 1 is the tracer's __torch_dispatch__; the op's caller is above it.
+        frame = user_frame(sys._getframe(2))
+        location = (frame.f_code, frame.f_lineno, self._module_name()) if frame is not None else None
+        sources = self._sources
+        own = torch.is_grad_enabled() and any(
+            t.requires_grad for _, t in tensors(plan, args, kwargs, plan.reads)
+        )
+        if own:
+            # This op's node is the newest; older new nodes were made after the
+            # previous op was dispatched, by its autograd wrapper (CopySlices
+            # of an in-place op on a view).
+            if location is not None:
+                sources[seq - 1] = location
+            if self._last_location is not None:
+                for key in range(first, seq - 1):
+                    sources[key] = self._last_location
+        elif location is not None:
+            # Nodes made since the previous op and none by this one: a custom
+            # autograd.Function, whose forward this op runs in.
+            for key in range(first, seq):
+                sources[key] = location
+        self._last_location = location
+        if len(sources) > self._max_sources:
+            # Keys were inserted in increasing order: drop the oldest half.
+            for key in list(sources)[: len(sources) // 2]:
+                del sources[key]
+
+    def forward_source(self, node: Any) -> tuple[SourcePointer | None, str | None]:
+        """The forward line that created ``node``, and the module it ran in."""
+        entry = self._sources.get(node._sequence_nr()) if node is not None else None
+        if entry is None:
+            return None, None
+        code, lineno, module = entry
+        line = linecache.getline(code.co_filename, lineno).strip() or None
+        return SourcePointer(code.co_filename, lineno, code.co_name, line), module

@@ -1,0 +1,514 @@
+"""Op-level tracing: the aten op that first produced a non-finite value.
+
+:class:`OpTracer` is a ``TorchDispatchMode``. It sees every aten op below
+autograd, including the ops the autograd engine runs for a backward pass and
+the foreach/fused kernels of optimizers, and it leaves fused fast paths alone
+(a ``TorchFunctionMode`` would make ``nn.TransformerEncoderLayer`` skip its
+inference fast path and so change what the model computes).
+
+Speed comes from doing nothing for most ops:
+
+- ops that cannot create a non-finite value from finite inputs (views, copies,
+  indexing, selections such as ``relu``/``max``/``clamp``, comparisons, fills
+  from a scalar) are passed through unchecked; a value they pass on is seen by
+  the next op that is checked;
+- a checked op's outputs get one fused ``torch.aminmax`` each (NaN propagates
+  into both ends, ``+inf`` shows as the max, ``-inf`` as the min) and one read;
+- only a non-finite output makes the tracer look at the op's inputs, and
+  tensors whose kinds it already knows (same object, same version counter)
+  are not looked at again.
+
+The producer (PRODUCT.md) is the first op whose inputs were all finite or
+benign and whose output holds a non-finite value. Its inputs are the tensors,
+the scalar arguments, and for an in-place op the mutated tensor's value before
+the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
+
+- an op whose inputs are finite or benign and whose output is non-finite
+  starts an origin (an :class:`OpFinding`);
+- an op with a non-finite input that carries an origin inherits it (a
+  propagator, even where it turns an inf into a NaN), and so does a passive op
+  that passes such a value on (``cat``, ``where``, a widening copy; a view's
+  origin is its base's);
+- a *deliberate* infinity is benign: an op given an infinite scalar
+  (``masked_fill(mask, -inf)``), or an infinite mask tensor that entered the
+  traced code from outside (a float attention mask, argument or buffer). Its
+  consumers stay benign while they only carry those infinities on; one that
+  makes a new kind (softmax over a fully masked row: NaN) starts an origin. A
+  NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
+- a non-finite input from outside the trace that is no mask (a NaN parameter,
+  a bad batch) carries no origin: the watch's module-level rules name it.
+
+An intermediate value that never reaches a boundary is no event: ``tanh``
+absorbs an overflowed ``pow``. In ops mode (``at_boundary=True``) the watch
+asks :meth:`OpTracer.claim` for the origin of a non-finite tensor at a
+boundary (a module output, the loss, a gradient, a parameter) and reports
+that op. A forward value that was absorbed there but is read again by a
+backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``) makes
+that backward op an origin, with the forward op as its ``absorbed`` field.
+Without ``at_boundary`` (a replay, which stops there to open %debug in that
+op's frame) the first origin is the finding at once.
+After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
+
+Ops run by nan_magic's own code (its hooks' reductions, the optimizer's
+gradient norms) are never judged: an origin whose op was called from our
+code is dropped.
+
+This module is the dispatch mode and the rules above; its parts live beside
+it: :mod:`~nan_magic.localize.op_plans` (what an op does, from its schema),
+:mod:`~nan_magic.localize.op_kinds` (reading kinds cheaply, once per tensor),
+:mod:`~nan_magic.localize.origins` (:class:`OpFinding` and the origins
+table) and :mod:`~nan_magic.localize.op_sources` (the user's line of an op).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
+
+from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
+from nan_magic.localize.masks import is_additive_mask
+from nan_magic.localize.op_kinds import KnownKinds, Prior, probe_priors, scalar_kinds
+from nan_magic.localize.op_plans import (
+    Plan,
+    flatten,
+    is_number,
+    list_index,
+    narrows,
+    odd_scalar,
+    op_inputs,
+    op_name,
+    plan_of,
+    run_op,
+    tensors,
+)
+from nan_magic.localize.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
+from nan_magic.localize.origins import BENIGN, OpFinding, Origin, Origins
+from nan_magic.records import KINDS, Phase
+
+__all__ = ["OpTracer"]
+
+
+def _no_module() -> str | None:
+    return None
+
+
+class OpTracer(TorchDispatchMode):
+    """Find the producer op of the first non-finite value while active.
+
+    Parameters
+    ----------
+    kinds
+        Which kinds count: any of ``"nan"`` and ``"inf"`` (both signs).
+    module_name
+        Called at a finding; returns the qualified name of the module running
+        (the watch keeps a module stack), or None.
+    on_finding
+        Called once, with the finding, inside the producing op (not with
+        ``at_boundary``). It may raise to stop the program at that op; the
+        exception leaves through the op (and, in backward, through
+        ``loss.backward()``).
+    phase_hint
+        Called at a finding outside the autograd engine; a non-None phase
+        (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
+    at_boundary
+        Record origins only; the finding is the origin that :meth:`claim`
+        finds for a tensor at a boundary (ops mode). Without it, the first
+        origin is the finding.
+    outside_benign
+        A non-finite value from outside the trace counts as benign: in a
+        replay of a module that the watch found to be the producer, it is
+        what the module received (e.g. a masked row's -inf). Otherwise only
+        a mask-like one does, and any other carries no origin.
+
+    Notes
+    -----
+    ``forward_source`` of a backward finding is the user's line that created
+    the autograd node being executed, noted while the forward ran by
+    :class:`~nan_magic.localize.op_sources.NodeSources` (a counter read per op,
+    a short stack walk per node created). The most recent ``max_sources``
+    nodes are remembered.
+
+    Examples
+    --------
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> with OpTracer() as tracer:
+    ...     torch.sqrt(x - 1).sum().backward()
+    >>> tracer.finding.op, tracer.finding.phase, tracer.finding.autograd_node
+    ('aten.div.Tensor', <Phase.BACKWARD: 'backward'>, 'SqrtBackward0')
+    """
+
+    #: Higher-order operators (``torch.cond``, eager flex attention) reach
+    #: ``__torch_dispatch__`` as one op instead of raising under this mode.
+    supports_higher_order_operators = True
+
+    def __init__(
+        self,
+        *,
+        kinds: frozenset[str] = frozenset({"nan", "inf"}),
+        module_name: Callable[[], str | None] = _no_module,
+        on_finding: Callable[[OpFinding], None] | None = None,
+        phase_hint: Callable[[], Phase | None] | None = None,
+        max_sources: int = 200_000,
+        at_boundary: bool = False,
+        outside_benign: bool = False,
+    ) -> None:
+        super().__init__()
+        kinds = frozenset(kinds)
+        if not kinds or kinds - {"nan", "inf"}:
+            raise ValueError(
+                f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
+            )
+        self.kinds = kinds
+        self.finding: OpFinding | None = None
+        #: ``(label, tensor)`` copies of the producer's output and live inputs
+        #: (for histograms), kept until :meth:`reset`.
+        self.producer_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+        self._module_name = module_name
+        self._on_finding = on_finding
+        self._phase_hint = phase_hint
+        self.at_boundary = at_boundary
+        #: Modules whose code made or carried on a deliberate infinity this step.
+        self.benign_modules: set[str | None] = set()
+        self.outside_benign = outside_benign
+        # The origin of each non-finite tensor seen (see the module docstring).
+        self._origins = Origins()
+        # The kinds of tensors already read, so that none is read twice.
+        self._known = KnownKinds()
+        #: The user's forward line of each autograd node the traced forward creates.
+        self.node_sources = NodeSources(module_name, max_sources)
+        self._lock = threading.Lock()
+        #: Every origin started this step, in execution order (a replay cut short by an exception
+        #: reports the first).
+        self.started: list[OpFinding] = []
+        # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
+        self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
+        # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
+        self._frames: dict[int, tuple[FrameType, tuple[int, int]]] = {}
+        #: Set by a replay (untouched.py): called with each tensor an op is about to write, even
+        #: by a passive op or after the finding.
+        self.before_write: Callable[[torch.Tensor], None] | None = None
+        #: The autograd graph task whose ops count as forward ops: set by a
+        #: replay that runs a forward inside a gradient hook (-1: none).
+        self.forward_task = -1
+
+    def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
+        """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
+
+        ``keep``: tensors whose origins stay, with what the report needs of
+        them. A step opens at its first model call, and the batch that call
+        receives was computed before it (``x = (x - mean) / std`` in the
+        loop): its origin is claimed only once the call judges its inputs.
+        """
+        self.finding = None
+        self.producer_tensors = ()
+        if origins:
+            kept = [(tensor, self._origins.entry(tensor)) for tensor in keep]
+            witnesses, frames = dict(self._witnesses), dict(self._frames)
+            self.started.clear()
+            self._origins.clear()
+            self._witnesses.clear()
+            self._frames.clear()
+            self.benign_modules.clear()
+            for tensor, entry in kept:
+                if entry is None:
+                    continue
+                self._origins.note(tensor, entry)
+                if isinstance(entry, Origin):
+                    key = id(entry.finding)
+                    if key in witnesses:
+                        self._witnesses[key] = witnesses[key]
+                    if key in frames:
+                        self._frames[key] = frames[key]
+
+    def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
+        """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
+        entry = self._origins.entry(tensor)
+        if isinstance(entry, Origin):
+            return entry.finding
+        return "benign" if entry is not None else None
+
+    def claim(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
+        """:meth:`origin_of` a non-finite tensor at a boundary, made the finding when it is an op.
+
+        The tracer then stops checking until :meth:`reset`, and
+        :attr:`producer_tensors` holds copies of the op's output and inputs
+        that are still alive.
+        """
+        origin = self.origin_of(tensor)
+        if isinstance(origin, OpFinding) and self.finding is None:
+            with self._lock:
+                self.finding = origin
+                self.producer_tensors = self._witnessed(origin)
+        return origin
+
+    def __enter__(self) -> Self:
+        # Tensors may have changed outside the trace without our knowledge.
+        self._known.clear()
+        self.node_sources.start()
+        super().__enter__()
+        return self
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        task = torch._C._current_graph_task_id()
+        in_backward = task != -1 and task != self.forward_task
+        if not isinstance(func, torch._ops.OpOverload):
+            return self._opaque(func, args, kwargs, in_backward)
+        plan = plan_of(func)
+        if not in_backward or torch.is_grad_enabled():
+            # Forward ops in backward too: a reentrant checkpoint recomputes its forward there, with grad
+            # enabled (a backward formula runs without, unless create_graph).
+            self.node_sources.note(plan, args, kwargs)
+        if plan.writes and self.before_write is not None:
+            for _, tensor in tensors(plan, args, kwargs, plan.writes):
+                self.before_write(tensor)
+        if self.finding is not None:
+            return run_op(func, args, kwargs)
+        if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
+            out = run_op(func, args, kwargs)
+            if self._origins and not plan.view:
+                self._carry(plan, args, kwargs, out)
+            return out
+        priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
+        out = run_op(func, args, kwargs)
+        if plan.writes:
+            # Autograd bumps the version counter only after the op returns
+            # here, so a cached entry for a written tensor still looks current.
+            for _, written in tensors(plan, args, kwargs, plan.writes):
+                self._known.forget(written)
+        if plan.conversion and not narrows(plan, args, kwargs, out):
+            if self._origins:  # a widening copy (``.float()``) passes its input's origin on
+                self._carry(plan, args, kwargs, out)
+            return out
+        outputs = list(flatten("output", out))
+        if plan.writes and not outputs:
+            outputs = list(tensors(plan, args, kwargs, plan.writes))
+        bad = self._known.suspects(outputs)
+        if bad:
+
+            def inputs_of(label: str) -> list[tuple[str, Any]]:
+                index = list_index(label) if plan.per_index else None
+                return list(op_inputs(plan, args, kwargs, index))
+
+            in_place = frozenset(id(t) for _, t in tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
+            self._examine(op_name(func), bad, inputs_of, priors, in_backward, in_place)
+        return out
+
+    def _opaque(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], in_backward: bool
+    ) -> Any:
+        """A higher-order operator (``torch.cond``) is checked as one op.
+
+        The ops inside it run without this mode, so they are not seen.
+        """
+        out = func(*args, **kwargs)
+        if self.finding is None:
+            leaves = tree_leaves((args, kwargs))
+            inputs = [
+                (f"operand[{index}]", value)
+                for index, value in enumerate(leaves)
+                if isinstance(value, torch.Tensor) or is_number(value)
+            ]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            bad = self._known.suspects(list(flatten("output", outputs)))
+            if bad:
+                name = f"higher_order.{func.name()}"
+                self._examine(name, bad, lambda _label: inputs, {}, in_backward, None)
+        return out
+
+    # -- a non-finite output ---------------------------------------------------
+
+    def _examine(
+        self,
+        op: str,
+        bad: list[tuple[str, torch.Tensor]],
+        inputs_of: Callable[[str], list[tuple[str, Any]]],
+        priors: dict[int, Prior],
+        in_backward: bool,
+        written: frozenset[int] | None,
+    ) -> None:
+        """Give each non-finite output its origin: inherited, benign, none, or this op.
+
+        ``written``: ids of the tensors the op writes in place, if any.
+        """
+        for label, tensor in bad:
+            out_kinds = relevant_kinds(self._known.kinds(tensor), self.kinds)
+            if not out_kinds:
+                continue
+            inputs = inputs_of(label)
+            inherited: Origin | None = None
+            absorbed: Origin | None = None
+            held: set[str] = set()
+            benign: set[str] = set()
+            outside = False
+            for _, value in inputs:
+                if not isinstance(value, torch.Tensor):
+                    kinds = scalar_kinds(value)
+                    held |= kinds
+                    benign |= kinds - {"nan"}  # a NaN scalar is never a deliberate infinity
+                    continue
+                prior = priors.get(id(value))
+                kinds = relevant_kinds(prior.kinds() if prior is not None else self._known.kinds(value), self.kinds)
+                if not kinds:
+                    continue
+                held |= kinds
+                entry = prior.origin if prior is not None else self._origins.entry(value)
+                if entry is None and in_backward:
+                    # A forward value autograd saved has lost its Python object: found by its memory.
+                    entry = self._origins.memory_entry(value)
+                if isinstance(entry, Origin):
+                    if in_backward and entry.finding.phase != Phase.BACKWARD:
+                        # A forward value read by a gradient formula, which reached no
+                        # forward boundary (it would have been reported there).
+                        absorbed = absorbed or entry
+                    else:
+                        inherited = entry
+                        break  # the output carries this origin: the other inputs change nothing
+                elif entry is not None or self.outside_benign:
+                    benign |= kinds
+                elif "nan" not in kinds and is_additive_mask(value):
+                    benign |= kinds
+                    self._origins.note(value, BENIGN)  # looked at once per step, not at every consumer
+                else:
+                    outside = True
+            in_place = written is not None and id(tensor) in written
+            if inherited is not None:
+                self._origins.note(tensor, inherited, in_place)
+            elif outside:
+                continue  # a propagator of a value from outside the trace: the watch's own rules
+            elif out_kinds <= benign:
+                self._origins.note(tensor, BENIGN, in_place)
+                if not in_backward:
+                    self.benign_modules.add(self._module_name())
+            elif not called_by_us():
+                new = frozenset(out_kinds - held) or out_kinds
+                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed)
+                self._origins.note(tensor, origin, in_place)
+                self._report(origin)
+            if self.finding is not None:
+                return
+
+    def _start_origin(
+        self,
+        op: str,
+        label: str,
+        tensor: torch.Tensor,
+        new: frozenset[str],
+        inputs: list[tuple[str, Any]],
+        priors: dict[int, Prior],
+        in_backward: bool,
+        absorbed: Origin | None,
+    ) -> Origin:
+        """An origin: this op made ``tensor`` non-finite from finite or benign inputs."""
+        node = torch._C._current_autograd_node() if in_backward else None
+        phase = Phase.BACKWARD if in_backward else None
+        if phase is None and self._phase_hint is not None:
+            phase = self._phase_hint()
+        op_frame = sys._getframe(1)
+        source, inner, user_frame = sources_of_op(op_frame)
+        # A Python backward (a custom Function's) runs its ops in the user's code: its line is where the op ran.
+        backward_code = in_backward and user_frame is not None and called_by_the_engine(op_frame, user_frame)
+        output_stats = tensor_stats(tensor)
+        input_stats = []
+        witnesses = [(label, weakref.ref(tensor))]
+        for name, value in inputs:
+            if not isinstance(value, torch.Tensor):
+                continue
+            prior = priors.get(id(value))
+            if prior is not None:
+                input_stats.append((f"{name} (before)", prior.stats()))
+            elif is_checkable(value):
+                input_stats.append((name, tensor_stats(value)))
+                witnesses.append((name, weakref.ref(value)))
+        forward_source, forward_module = self.node_sources.forward_source(node)
+        finding = OpFinding(
+            op=op,
+            phase=phase or Phase.FORWARD,
+            module=forward_module if in_backward else self._module_name(),
+            source=source,
+            inner_source=inner,
+            forward_source=forward_source,
+            autograd_node=node.name() if node is not None else None,
+            tensor=label,
+            new_kinds=tuple(kind for kind in KINDS if kind in new),
+            nan=output_stats.nan or 0,
+            posinf=output_stats.posinf or 0,
+            neginf=output_stats.neginf or 0,
+            numel=output_stats.numel,
+            output_stats=output_stats,
+            input_stats=tuple(input_stats),
+            scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
+            absorbed=absorbed.finding if absorbed is not None else None,
+            backward_code=backward_code,
+        )
+        self._witnesses[id(finding)] = tuple(witnesses)
+        self.started.append(finding)
+        if (not in_backward or backward_code) and user_frame is not None:
+            # The frame runs on after the op: where it was then is where %debug opens.
+            self._frames[id(finding)] = (user_frame, (user_frame.f_lasti, user_frame.f_lineno))
+        origin = Origin(finding)
+        if not in_backward:
+            self._origins.note_memory(tensor, origin)
+        return origin
+
+    def _report(self, origin: Origin) -> None:
+        """Without ``at_boundary``, the first origin is the finding, reported inside its op."""
+        if self.at_boundary:
+            return
+        with self._lock:
+            if self.finding is not None:
+                return
+            self.finding = origin.finding
+            self.producer_tensors = self._witnessed(origin.finding)
+        if self._on_finding is not None:
+            self._on_finding(origin.finding)
+
+    def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
+        """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
+        return self._frames.get(id(finding), (None, None))
+
+    def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
+        """Copies of the op's output, then of its inputs still alive; none when the output is gone.
+
+        An intermediate output is often freed by the boundary where it is
+        claimed: the finding's statistics then stand for it and its inputs.
+        """
+        alive = [(label, ref()) for label, ref in self._witnesses.get(id(finding), ())]
+        if not alive or alive[0][1] is None:
+            return ()
+        return tuple((label, tensor.detach().clone()) for label, tensor in alive if tensor is not None)
+
+    # -- carrying origins on ---------------------------------------------------
+
+    def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """A passive op passes its input's origin on to its outputs (a view, ``cat``, ``where``).
+
+        A carried origin counts only where the output is non-finite (it is
+        looked up only for such a tensor), so one carried to a finite output
+        is harmless.
+        """
+        for _, tensor in tensors(plan, args, kwargs, plan.reads):
+            entry = self._origins.entry(tensor)
+            if entry is not None:
+                break
+        else:
+            return
+        for _, output in flatten("output", out):
+            self._origins.note(output, entry)
+        for _, written in tensors(plan, args, kwargs, plan.writes):
+            self._origins.note(written, entry, written=True)

@@ -1,0 +1,201 @@
+"""The producer op's record, and the origin the op tracer notes for each non-finite tensor.
+
+An :class:`OpFinding` is what the tracer (:mod:`nan_magic.localize.op_tracer`) reports:
+the op that first made a non-finite value from finite or benign inputs, with
+its line, its inputs' statistics and its scalar arguments. Every non-finite
+tensor the tracer sees is noted in an :class:`Origins` table with where its
+values began: an op (:class:`Origin`, holding that op's finding), a deliberate
+infinity (:data:`BENIGN`: a mask, an infinite fill, or what carries one on),
+or nothing (it came from outside the trace). A tensor is known by its
+identity and version counter, and a forward value that autograd saved for
+backward, which then reaches a backward op as a new Python object on the same
+memory, is known by that memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nan_magic.records import Phase, SourcePointer, TensorStats
+
+__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "dense"]
+
+
+@dataclass(frozen=True)
+class OpFinding:
+    """The producer op: the first op whose output held a new non-finite kind.
+
+    Attributes
+    ----------
+    op
+        The aten overload, e.g. ``"aten.div.Tensor"``.
+    phase
+        ``forward``, ``backward`` (the op ran inside the autograd engine) or
+        what the tracer's ``phase_hint`` said (``optimizer``).
+    module
+        What the tracer's ``module_name`` callable returned at the op; for a
+        backward op, what it returned when the forward op that created the
+        node ran.
+    source
+        The innermost frame that is the user's code (outside torch and
+        nan_magic): the line that ran the op, ``loss.backward()`` or
+        ``opt.step()``. ``None`` when no such frame is on the stack (a backward
+        op on an autograd worker thread).
+    inner_source
+        The innermost Python frame below ``source`` that ran the op, e.g. in
+        ``torch/nn/functional.py``; ``None`` when it is ``source`` itself.
+    forward_source
+        For a backward op, the user's line in the forward pass that created
+        the autograd node being executed (see :class:`OpTracer`).
+    autograd_node
+        For a backward op, the name of that node, e.g. ``"SqrtBackward0"``.
+    tensor
+        Which output went bad: ``"output"``, ``"output[1]"``, or for an
+        in-place op without a return value the mutated argument (``"self[3]"``).
+    new_kinds
+        The watched kinds the output held and no input held, in
+        :data:`nan_magic.records.KINDS` order.
+    nan, posinf, neginf, numel
+        Counts of that output.
+    output_stats
+        Statistics of that output.
+    input_stats
+        ``(label, stats)`` of every tensor input, labelled by schema argument
+        name (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an
+        in-place op's mutated tensor before the op is ``"self (before)"`` and
+        is known only through its probe (counts of a present kind are None).
+    scalars
+        ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
+    backward_code
+        For a backward op: it ran in Python code that the autograd engine
+        called (a custom ``autograd.Function``'s ``backward``, a gradient
+        hook), and ``source`` is that code's line, where the op ran.
+    absorbed
+        For a backward op: the forward op whose non-finite output it read
+        although that value never reached a boundary in forward (absorbed by
+        ``torch.where`` or ``tanh``), e.g. ``exp`` for ``0 * inf`` in
+        ``ExpBackward0``; None otherwise.
+    """
+
+    op: str
+    phase: Phase
+    module: str | None
+    source: SourcePointer | None
+    inner_source: SourcePointer | None
+    forward_source: SourcePointer | None
+    autograd_node: str | None
+    tensor: str
+    new_kinds: tuple[str, ...]
+    nan: int
+    posinf: int
+    neginf: int
+    numel: int
+    output_stats: TensorStats
+    input_stats: tuple[tuple[str, TensorStats], ...]
+    scalars: tuple[tuple[str, float], ...]
+    absorbed: OpFinding | None = None
+    backward_code: bool = False
+
+    @property
+    def dtype(self) -> str:
+        """The bad output's dtype name, e.g. ``"float16"``."""
+        return self.output_stats.dtype
+
+
+@dataclass(frozen=True)
+class Origin:
+    """A non-finite value started by an op (its finding)."""
+
+    finding: OpFinding
+
+
+class Benign:
+    """A non-finite value that is a deliberate infinity (a mask, an infinite fill), or carries one."""
+
+
+BENIGN = Benign()
+
+
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is strided: it has one storage (a sparse one's values are its own)."""
+    return tensor.layout is torch.strided
+
+
+#: Tensor types whose memory can stand for a tensor whose Python object is gone (origins by memory).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+            tensor.dtype, tensor.device)
+
+
+class Origins:
+    """The origin of each non-finite tensor seen in a step, by identity and by memory.
+
+    Views are not noted: a view's origin is its base's.
+    """
+
+    def __init__(self) -> None:
+        # id(tensor) -> (weak reference, version, written in place, origin) of
+        # the non-finite tensors seen (see the module docstring).
+        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, Origin | Benign]] = {}
+        # Forward origins by where their values live: autograd saves an op's
+        # output for its backward as another tensor object on the same memory
+        # (``exp`` saves its result), which a backward op then reads.
+        self._by_memory: dict[tuple[Any, ...], tuple[int, Origin | Benign]] = {}
+
+    def __bool__(self) -> bool:
+        """Whether any tensor is noted (until then the tracer has nothing to look up or carry on)."""
+        return bool(self._by_id)
+
+    def clear(self) -> None:
+        """Forget every origin (a new step)."""
+        self._by_id.clear()
+        self._by_memory.clear()
+
+    def entry(self, tensor: torch.Tensor) -> Origin | Benign | None:
+        """The origin noted for ``tensor``, or for the tensor it is a view of (views are not carried)."""
+        entry = self._by_id.get(id(tensor))
+        if entry is not None and entry[0]() is not tensor:
+            entry = None  # a dead tensor's entry under a reused id: it must not hide the base's
+        if entry is None and tensor._base is not None:
+            entry = self._by_id.get(id(tensor._base))
+            tensor = tensor._base
+        if entry is None or entry[0]() is not tensor:
+            # An op's output that only C++ held (inside matmul) lost its Python
+            # object, and the view of it is seen through a new one: by memory.
+            return self.memory_entry(tensor)
+        # Autograd bumps the version of a tensor written in place after the
+        # op returns here: such an entry holds for the version before or after.
+        if tensor._version - entry[1] not in ((0, 1) if entry[2] else (0,)):
+            return None
+        return entry[3]
+
+    def memory_entry(self, tensor: torch.Tensor) -> Origin | Benign | None:
+        """The origin noted for a forward value on ``tensor``'s memory, at its version."""
+        if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not dense(tensor):
+            return None
+        entry = self._by_memory.get(_memory_key(tensor))
+        return entry[1] if entry is not None and entry[0] == tensor._version else None
+
+    def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
+        """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
+        if tensor.is_inference():
+            return  # no version counter
+        origins = self._by_id
+        origins[id(tensor)] = (weakref.ref(tensor), tensor._version, written, origin)
+        if not written and type(tensor) in _PLAIN and dense(tensor):  # a sparse tensor has no one storage
+            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
+        if len(origins) > 100_000:
+            for key in [key for key, entry in origins.items() if entry[0]() is None]:
+                del origins[key]
+
+    def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
+        """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""
+        if not tensor.is_inference() and type(tensor) in _PLAIN and dense(tensor):
+            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)

@@ -1,0 +1,429 @@
+"""The code between the watched models' calls (the loss, data code in the loop): recorded, replayed at an event.
+
+The tiered watch replays a failing model call to name its op (step_replay.py),
+but code outside every watched module is not a call it can run again: the
+loss, a normalisation of the batch inside the loop, an advantage computed from
+rewards. So that code's ops are *recorded* while it runs: a dispatch mode is
+pushed when a top-level model call returns and popped when the next one
+starts, when ``backward()`` starts and when an optimizer steps (the model's
+own forward and backward, and the optimizer, are never recorded: their ops are
+many). A record is the op, its arguments and outputs (references, no copies)
+and the user's line that ran it; nothing is read. When the loss (or a batch
+built in the loop) holds a non-finite value, :meth:`OutsideRecorder.claim`
+runs the recorded ops that led to it again, on copies of what they read from
+outside, under the op tracer: its first origin is the producer, named at the
+recorded line. When the gradient flowing from the loss code into a model's
+output is non-finite, :meth:`OutsideRecorder.claim_backward` runs them again
+with gradients, then their backward: the op tracer names the backward op and
+its autograd node, and the record the forward line that created that node.
+
+Recording costs a few microseconds per op and reads nothing, so it adds no
+host synchronisation on CUDA. The references keep the loss code's values
+alive until ``backward()`` starts and the loss is judged (values autograd
+keeps anyway, for the most part); then small tensors stay (:data:`KEEP_BYTES`
+each, :data:`KEEP_TOTAL` in all) and large ones (logits) are held only
+weakly, until that backward pass ends or, for the deferred check (CUDA,
+process groups), until the optimizer step has judged the step. A data
+region's go when the next model call has judged its batch; the deferred
+mode records no data region (it judges the batch at the optimizer step,
+after the loss region has replaced those records).
+
+Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
+after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step
+and the loss region for :data:`LOSS_BUDGET`; a step that runs more turns that
+region's recording off for the rest of the watch, and reports say so. The code
+from the watch's entry to its first model call (the first batch) is a data
+region too, within the same budget; running over it there (a cell that builds
+its model inside the watch) leaves only that region unrecorded.
+
+Dispatch modes form a stack that ``with`` blocks push and pop: the recorder
+is pushed only onto an empty stack (not inside a mode the user entered around
+the model call, which their ``with`` must pop) and popped only when it is the
+innermost mode (a mode the user entered since stays in place; ours then
+waits, inert, until it is on top).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from nan_magic.errors.frames import pointer_at
+from nan_magic.localize.op_plans import run_op
+from nan_magic.localize.op_sources import user_frame
+from nan_magic.localize.op_tracer import OpTracer
+from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.replay import RngState, capture_rng_state, generators_at, map_tensors
+from nan_magic.records import SourcePointer
+
+__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
+
+#: Ops a step recorded in the code between an optimizer step and the next model call.
+DATA_BUDGET = 64
+#: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
+LOSS_BUDGET = 512
+#: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
+#: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
+#: model's logits) are held weakly, freed as they would be unwatched.
+KEEP_BYTES = 1 << 20
+KEEP_TOTAL = 8 << 20
+# The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
+_INERT = -1
+
+
+@dataclass(frozen=True)
+class _Op:
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    code: CodeType | None
+    lineno: int
+    globals: dict[str, Any] | None
+    # The user's frame that ran the op and its ``f_lasti`` then, for %debug (dropped at ``weaken`` unless
+    # that frame is still running: a returned helper's frame would keep its locals alive through backward).
+    frame: FrameType | None = None
+    lasti: int = -1
+
+
+@dataclass(frozen=True)
+class _Weak:
+    """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded.
+
+    A small one keeps its values (``kept``, detached: holding the tensor itself
+    would keep its autograd node, and every tensor that node saved, alive
+    through backward); ``requires_grad`` is the original's, for a replay of
+    the backward.
+    """
+
+    ref: weakref.ref[torch.Tensor]
+    key: int
+    kept: torch.Tensor | None = None
+    requires_grad: bool = False
+
+
+class _Gone(Exception):
+    """A tensor a replay needs was freed (only weak references are kept during backward)."""
+
+
+def _weak(value: torch.Tensor, keep: bool = False) -> _Weak:
+    kept = value.detach() if keep else None
+    return _Weak(weakref.ref(value), id(value), kept, value.requires_grad)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``(storage key, bytes)`` of what holding ``tensor`` keeps alive (a view keeps its whole base), or None."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested, a subclass)
+        return None
+
+
+def _key(value: Any) -> int | None:
+    """The recorded tensor's id, for a tensor or a :class:`_Weak`; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return id(value)
+    return value.key if isinstance(value, _Weak) else None
+
+
+def _alive(value: Any) -> torch.Tensor:
+    if isinstance(value, _Weak):
+        tensor = value.ref()
+        if tensor is None:
+            tensor = value.kept
+        if tensor is None:
+            raise _Gone
+        return tensor
+    return value
+
+
+class OutsideRecorder(TorchDispatchMode):
+    """Records the ops of the code outside the watched models, switched on and off at their boundaries."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A ``torch.compile``d loss or step compiles as unwatched (its fused ops are not recorded).
+
+        Dynamo declines to compile while any other dispatch mode is active.
+        """
+        return True
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        super().__init__()
+        self.kinds = kinds
+        self.pushed = False
+        self._budget = 0
+        self._region = "loss"
+        self._entry = False
+        self._ops: list[_Op] = []
+        self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
+        self._rng: RngState | None = None
+        # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
+        self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
+                             tuple[int, int] | None] | None = None
+        #: Regions whose recording a step turned off by running more ops than their budget.
+        self.untraced: set[str] = set()
+
+    def start(self, region: str, entry: bool = False) -> None:
+        """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
+
+        ``entry``: the data code from the watch's entry to its first model call
+        (step 0's batch). That code often builds the model and the optimizer
+        too, so running over the budget there leaves only that region
+        unrecorded, not the data code of the steps after.
+        """
+        self.forget()
+        if region in self.untraced:
+            return
+        self._region = region
+        self._entry = entry
+        self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
+        if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
+            self.__enter__()
+            self.pushed = True
+
+    def stop(self) -> None:
+        """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
+        if not self.pushed:
+            return
+        if _get_current_dispatch_mode() is self:
+            self.__exit__(None, None, None)
+            self.pushed = False
+        else:
+            self._budget = _INERT
+
+    def forget(self) -> None:
+        """Drop the records (and the references they hold)."""
+        self._ops.clear()
+        self._produced.clear()
+        self._rng = None
+        self._witness = None
+
+    def weaken(self) -> None:
+        """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
+
+        What autograd saved for that backward stays reachable until its node
+        has run; the rest of a large tensor (a model's logits, a
+        log-softmax's output) is freed as it would be unwatched. Small ones
+        stay (:data:`KEEP_BYTES`, :data:`KEEP_TOTAL`): the backward replay of
+        a one-line loss needs its intermediates, which autograd frees as
+        each node runs. A replay that needs a freed tensor gives up.
+        """
+        kept: set[int] = set()  # storages held, each counted once
+        total = 0
+        made: dict[int, _Weak] = {}  # one record per tensor: an op's output is often the next op's input
+
+        def weak_unless_small(value: torch.Tensor) -> Any:
+            weak = made.get(id(value))
+            if weak is None:
+                weak = made[id(value)] = weaken_one(value)
+            return weak
+
+        def weaken_one(value: torch.Tensor) -> _Weak:
+            nonlocal total
+            size = _storage_bytes(value)
+            if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
+                if size[0] not in kept:
+                    kept.add(size[0])
+                    total += size[1]
+                return _weak(value, keep=True)
+            return _weak(value)
+
+        running = set()  # the frames still running (holding them costs nothing); a returned one is let go
+        frame: FrameType | None = sys._getframe()
+        while frame is not None:
+            running.add(id(frame))
+            frame = frame.f_back
+        self._ops = [
+            dataclasses.replace(op, args=map_tensors(weak_unless_small, op.args),
+                                kwargs=map_tensors(weak_unless_small, op.kwargs),
+                                out=map_tensors(weak_unless_small, op.out),
+                                frame=op.frame if id(op.frame) in running else None)
+            for op in self._ops
+        ]
+
+    def note(self) -> str | None:
+        """What a report says where the code outside the models went unrecorded."""
+        if not self.untraced:
+            return None
+        regions = " and ".join(sorted(self.untraced))
+        return (f"the code outside the models ({regions}) ran more ops a step than the watch records "
+                f"({LOSS_BUDGET} for the loss, {DATA_BUDGET} for data code): its op and line are not named")
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) == "profiler":
+            # record_function's markers (zero_grad's, the optimizer step's): no values, nothing to replay.
+            return func(*args, **kwargs)
+        if self._rng is None and self._budget > 0 and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            # The region's first random op: a replay draws the same numbers from this state (taken
+            # only where the region draws any, so the usual loss costs no copy of the generators).
+            self._rng = capture_rng_state()
+        out = run_op(func, args, kwargs)
+        if self._budget <= 0:
+            if self._budget == 0:  # over budget: the region is not recorded again
+                self._budget = _INERT
+                if not self._entry:
+                    self.untraced.add(self._region)
+                self.forget()
+            return out
+        self._budget -= 1
+        frame = user_frame(sys._getframe(1))
+        index = len(self._ops)
+        self._ops.append(_Op(func, tuple(args), kwargs, out, frame.f_code if frame else None,
+                             frame.f_lineno if frame else 0, frame.f_globals if frame else None,
+                             frame, frame.f_lasti if frame else -1))
+        if isinstance(out, torch.Tensor):  # most ops: no walk of a pytree
+            self._produced[id(out)] = index
+        else:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._produced[id(tensor)] = index
+        return out
+
+    # -- at an event ----------------------------------------------------------------------
+
+    def claim(self, tensor: torch.Tensor) -> OpFinding | None:
+        """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
+
+        None when ``tensor`` was not made by recorded code, or when its
+        non-finite values came from outside the record (a model output).
+        """
+        ops = self._ops_to(tensor)
+        if ops is None:
+            return None
+        tracer = OpTracer(kinds=self.kinds)
+        producer: _Op | None = None
+        try:
+            copies, _requiring = _copies_of_what_came_from_outside(ops)
+            with torch.no_grad(), self._generators_as_recorded(), tracer:
+                for op in ops:
+                    self._run(op, copies)
+                    if tracer.finding is not None:
+                        producer = op
+                        break
+        except _Gone:
+            return None
+        if tracer.finding is None or producer is None:
+            return None
+        finding = dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
+        position = (producer.lasti, producer.lineno) if producer.frame is not None else None
+        self._witness = (finding, tracer.producer_tensors, producer.frame, position)
+        return finding
+
+    def witness(
+        self, finding: OpFinding
+    ) -> tuple[tuple[tuple[str, torch.Tensor], ...], FrameType | None, tuple[int, int] | None]:
+        """What :meth:`claim` saw of ``finding``'s op: copies of its output then operands, its frame and position.
+
+        The copies are the replay's (the op's own output and operands, for the report's counts and cause);
+        the frame is the user's that ran the op, where %debug opens, while it is still known.
+        """
+        witness = self._witness
+        if witness is None or witness[0] is not finding:
+            return (), None, None
+        return witness[1], witness[2], witness[3]
+
+    def claim_backward(self, loss: torch.Tensor | None) -> OpFinding | None:
+        """The backward op of the recorded loss code that first made a gradient non-finite, or None.
+
+        The ops that made ``loss`` run again with gradients, from copies of
+        what they read from outside (those that required gradients still do),
+        then their backward from a gradient of ones, under the op tracer: it
+        names the backward op, its autograd node and, from the record, the
+        forward line that created that node. Only for a scalar loss (the
+        gradient ``backward()`` starts from is then ones).
+        """
+        ops = self._ops_to(loss) if loss is not None and loss.numel() == 1 else None
+        if ops is None or loss is None:
+            return None
+        tracer = OpTracer(kinds=self.kinds)
+        try:
+            copies, requiring = _copies_of_what_came_from_outside(ops)
+            with torch.enable_grad(), self._generators_as_recorded(), tracer:
+                for op in ops:
+                    before = torch._C._autograd._get_sequence_nr()
+                    self._run(op, copies)
+                    if op.code is not None:
+                        for node in range(before, torch._C._autograd._get_sequence_nr()):
+                            # The node's forward line is the recorded op's (the tracer would see this replay's).
+                            tracer.node_sources.record(node, op.code, op.lineno)
+                replayed = copies[id(loss)]
+                if requiring and replayed.requires_grad:
+                    torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
+                                        allow_unused=True)
+        except _Gone:
+            return None
+        return tracer.finding
+
+    def _generators_as_recorded(self) -> contextlib.AbstractContextManager[None]:
+        """The generators as the region's first random op found them (the same draws); the user's put back."""
+        return generators_at(self._rng)
+
+    def _ops_to(self, tensor: torch.Tensor) -> list[_Op] | None:
+        """The recorded ops up to the one that returned ``tensor``; None when none did."""
+        index = self._produced.get(id(tensor))
+        if index is None:
+            return None
+        outs = tree_leaves(self._ops[index].out)
+        if not any(out is tensor or (isinstance(out, _Weak) and out.ref() is tensor) for out in outs):
+            return None
+        return self._ops[: index + 1]
+
+    @staticmethod
+    def _run(op: _Op, copies: dict[int, torch.Tensor]) -> None:
+        """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
+        def swap(value: Any) -> Any:
+            key = _key(value)
+            return value if key is None else copies.get(key) if key in copies else _alive(value)
+
+        out = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+        for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
+            key = _key(old)
+            if key is not None:
+                copies[key] = new
+
+
+def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
+
+    A replayed in-place op leaves the originals alone; a copy of a tensor
+    that required gradients (a model output) requires them too, for a
+    replay of the backward.
+    """
+    made: set[int] = set()
+    copies: dict[int, torch.Tensor] = {}
+    requiring: list[torch.Tensor] = []
+    with torch.no_grad():
+        for op in ops:
+            for value in tree_leaves((op.args, op.kwargs)):
+                key = _key(value)
+                if key is not None and key not in made and key not in copies:
+                    original = _alive(value)
+                    copy = copies[key] = original.detach().clone()
+                    # A kept value is a detached one: its record says whether the original required gradients.
+                    if value.requires_grad and copy.is_floating_point():
+                        requiring.append(copy.requires_grad_())
+            made.update(key for key in map(_key, tree_leaves(op.out)) if key is not None)
+    return copies, requiring
+
+
+def _source(op: _Op) -> SourcePointer | None:
+    return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None

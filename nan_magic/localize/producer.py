@@ -1,0 +1,361 @@
+"""The producer rule: whether a non-finite module output was made by its call or passed on.
+
+PRODUCT.md: the producer is where the *first* non-finite value appeared.
+:meth:`ProducerRule.judge` decides it for one output of one call, at once
+(immediate mode) or at the deferred check, from what the call received (in
+place aware), what its children made, and the deliberate infinities (masks)
+it may consume. A value that no checked call returned was made by a caller's
+own code (:meth:`ProducerRule._blame_own_code`): that caller is the producer.
+
+Who calls whom: the forward hooks (forward.py) own the module stack and
+call :meth:`~ProducerRule.judge`, as does the watch's deferred check. The
+rule calls down only: the call replay (call_replay.py) to name a producer's
+op, the op origins (op_tracing.py) in ops mode, and ``emit``. It never calls
+the forward hooks or the gradient checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nan_magic.hot.call_records import Call, TensorRecord, version_of
+from nan_magic.hot.held import running_arguments
+from nan_magic.hot.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.hot.step_log import StepLog
+from nan_magic.lifecycle.findings import Finding, mark_deliberate, named_inputs
+from nan_magic.localize.call_replay import CallReplay, Frame, caller_named
+from nan_magic.localize.masks import DeliberateMasks, argument_name
+from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.origins import OpFinding
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase
+
+__all__ = ["ProducerRule"]
+
+
+class ProducerRule:
+    """The producer rule of one watch, and the deliberate masks it has seen.
+
+    ``stack`` is the forward hooks' module stack (read only here): a call
+    still running is replayed from its frame's arguments.
+    """
+
+    def __init__(
+        self,
+        config: WatchConfig,
+        defer: bool,
+        log: StepLog,
+        emit: Callable[[Finding], None],
+        replayer: CallReplay,
+        origins: OpOrigins,
+        stack: list[Frame],
+    ) -> None:
+        self.kinds = config.kinds
+        self.defer = defer
+        self._log = log
+        self._emit = emit
+        self.replayer = replayer
+        self.origins = origins
+        self.stack = stack
+        # Infinite mask tensors given as arguments or held as buffers (masks.py).
+        self.deliberate = DeliberateMasks()
+
+    def judge(
+        self,
+        call: Call,
+        record: TensorRecord,
+        detected_at: str | None = None,
+        replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
+    ) -> None:
+        """Producer or propagator? The one rule, for immediate and deferred checks.
+
+        PRODUCT.md: the producer is where the *first* non-finite value
+        appeared. A call that received one (before the call: in-place
+        aware), or inside which a child made one, passes it on, even where
+        it makes a new kind of it (inf - inf). Only a deliberate infinity
+        (a mask, see :meth:`CallReplay.replay_into`) may come in: then the call is the
+        producer of a kind it did not receive (softmax of a fully masked
+        row). A non-finite parameter or buffer it read is reported as such.
+        """
+        out_kinds = relevant_kinds(record.kinds, self.kinds)
+        if not out_kinds:
+            return
+        tensor = record.live()
+        if call.phase == Phase.DATA:
+            if self.is_benign_input(call, record.path, tensor, record):
+                self._note_mask(call, record, tensor, "an infinite mask given as an argument")
+                return
+            finding = Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
+                              bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
+            if self.origins.outside is not None or self.origins.tracer is not None:
+                self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
+            self._emit(finding)
+            return
+        if tensor is not None and self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
+            return
+        if tensor is not None:
+            out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.kinds)
+        input_kinds, deliberate = self.input_kinds(call)
+        parent = call.parent
+        if parent is not None:
+            parent.inner_kinds |= call.inner_kinds
+            parent.deliberate_kinds |= call.deliberate_kinds
+        if input_kinds or call.inner_kinds:
+            record.status = "propagated"
+            if input_kinds and not call.inner_kinds:
+                self._blame_own_code(call, detected_at)
+            return
+        produced = out_kinds - deliberate - call.deliberate_kinds
+        if produced and call.module is not None:
+            # A -inf from a mask buffer it holds is passed on, like one from a mask argument (masks.py).
+            produced -= self._mask_buffer_kinds(call)
+        if not produced:
+            record.status = "benign"  # passes on the deliberate infinity it received
+            return
+        benign = self._report_producer(call, record, tensor, produced, detected_at, replay)
+        if parent is not None:
+            if benign:
+                parent.deliberate_kinds |= produced
+            else:
+                parent.inner_kinds |= produced
+
+    def _report_producer(
+        self,
+        call: Call,
+        record: TensorRecord,
+        tensor: torch.Tensor | None,
+        produced: frozenset[str],
+        detected_at: str | None,
+        replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None,
+    ) -> bool:
+        """Emit the finding of a producer call, replayed for its op; True when it proved benign."""
+        inputs = named_inputs(call)
+        bad_parameter = self._bad_parameter(call)
+        if bad_parameter is not None:
+            name, parameter = bad_parameter
+            finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
+                              inputs=inputs)
+            finding.notes.append(f"{name} was already non-finite when {call.name or 'the root module'} read it")
+        else:
+            finding = Finding(
+                Phase.FORWARD,
+                call,
+                record.path or "output",
+                bad=_detached(tensor),
+                record=record,
+                bad_stats=None if tensor is not None else record.stats(),
+                inputs=inputs,
+            )
+            if replay is not None:
+                finding.rng_state = replay[0].rng_state
+                if self.replayer.replay_into(finding, produced, *replay):
+                    return True
+            elif self.defer and self.replayer.keeps_calls and self.replayer.replay_deferred(finding, produced, call):
+                return True
+        if detected_at:
+            finding.notes.append(detected_at)
+        self._emit(finding)
+        return False
+
+    def _blame_own_code(self, call: Call, detected_at: str | None) -> None:
+        """``call`` received a non-finite input that no checked call returned: its caller's own code made it.
+
+        The value was computed between the children of an enclosing call
+        (``h = h / x[:, :1]; return self.b(h)``), so the enclosing call is the
+        producer: the innermost one whose own inputs were finite. Its forward
+        is replayed, from its running frame's arguments (immediate mode) or
+        what it kept (deferred), to name the op and line.
+        """
+        consumer, origin = call, self._made_by_caller(call)
+        enclosing = call.parent
+        while origin is not None and enclosing is not None and self.input_kinds(enclosing)[0]:
+            # The enclosing call received it too: look further out.
+            consumer, origin, enclosing = enclosing, self._made_by_caller(enclosing), enclosing.parent
+        if origin is None or enclosing is None or enclosing.info is None:
+            return  # a value entering the watched code is judged as data, where it enters
+        path, tensor = origin
+        kinds = relevant_kinds(kinds_of(tensor), self.kinds)
+        # Its own output check, later, must see a propagator.
+        enclosing.inner_kinds |= kinds
+        # The value its own code made is the producer's row of the layer table
+        # (the enclosing call may never return: the event stops it).
+        log = self._log
+        record = log.record_output(enclosing, f"{path} of {consumer.name}", tensor)
+        if record.pending:
+            log.resolve()  # deferred mode, at the check: read it now
+        finding = Finding(
+            Phase.FORWARD, enclosing, record.path, bad=tensor.detach(), record=record,
+            inputs=named_inputs(enclosing),
+        )
+        finding.notes.append(
+            f"{enclosing.name or 'the root module'}'s own code made it, and passed it to {consumer.name} as {path}"
+        )
+        if detected_at:
+            finding.notes.append(detected_at)
+        if not self._replay_enclosing(finding, kinds, enclosing):
+            self._emit(finding)
+
+    def _made_by_caller(self, call: Call) -> tuple[str, torch.Tensor] | None:
+        """A non-finite input of ``call`` not returned non-finite by any checked call (nor the data).
+
+        Inputs a checked call (or the data check) returned non-finite were
+        judged there. One with no record, or whose record was finite but
+        which is non-finite now (changed in place since), was made by the
+        caller's own code.
+        """
+        for path, record, ref, version in call.inputs:
+            if record is not None and record.call is not None and record.kinds:
+                continue
+            tensor = ref()
+            if tensor is None or version_of(tensor) != version or not is_checkable(tensor):
+                continue
+            # A deliberate mask the caller made is no fault of its own code.
+            if relevant_kinds(kinds_of(tensor), self.kinds) and not self.is_benign_input(
+                call, path, tensor, record
+            ):
+                return path, tensor
+        return None
+
+    def _replay_enclosing(self, finding: Finding, kinds: frozenset[str], enclosing: Call) -> bool:
+        """Replay the enclosing call for its op (the notes say why it cannot be); True when it proved benign."""
+        if not self.replayer.can_replay:
+            return False
+        if self.defer:
+            arguments = self.replayer.kept_arguments(enclosing)
+            if isinstance(arguments, str):
+                finding.notes.append(f"{finding.module or 'the root module'}'s arguments are gone by the deferred "
+                                     f"check ({arguments}); watch with ops=True (%%nantrace --ops) for the op and line")
+                return False
+            frame = Frame(enclosing.module, enclosing.info, enclosing, enclosing.rng_state)  # type: ignore[arg-type]
+            finding.rng_state = enclosing.rng_state
+            return self.replayer.replay_into(finding, kinds, frame, arguments.args, arguments.kwargs)
+        running = next((frame for frame in reversed(self.stack) if frame.call is enclosing), None)
+        passed = running_arguments(enclosing.module)
+        if running is None or passed is None:
+            return False
+        finding.rng_state = running.rng_state
+        return self.replayer.replay_into(finding, kinds, running, *passed)
+
+    def input_kinds(self, call: Call) -> tuple[frozenset[str], frozenset[str]]:
+        """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
+
+        The second holds the kinds of deliberate infinities (a mask) that the
+        call may consume: inputs recorded as benign, and masks (masks.py).
+        """
+        kinds: set[str] = set()
+        deliberate: set[str] = set()
+        for path, record, ref, version in call.inputs:
+            tensor = ref()
+            if tensor is not None and version_of(tensor) == version:
+                found = kinds_of(tensor)
+            elif record is not None and not record.pending:
+                # Mutated in place by this module: its value before the call is
+                # what the producer rule compares against, and the probe of the
+                # call that made it still knows it.
+                found, tensor = record.kinds, None
+            else:
+                continue
+            if not found:
+                continue
+            if (record is not None and record.status == "benign") or self.is_benign_input(call, path, tensor, record):
+                deliberate |= found
+            else:
+                kinds |= found
+        wanted = self.kinds
+        return relevant_kinds(frozenset(kinds), wanted), relevant_kinds(frozenset(deliberate), wanted)
+
+    def _bad_parameter(self, call: Call) -> tuple[str, torch.Tensor] | None:
+        """A non-finite parameter or buffer of the called module (recursively); deliberate masks excepted."""
+        prefix = f"{call.name}." if call.name else ""
+        module = call.module
+        masks = {id(buffer) for _name, buffer in self.deliberate.buffers(module, prefix)}
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if id(tensor) in masks:
+                continue
+            if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
+                return prefix + name, tensor
+        return None
+
+    # -- deliberate infinities (masks.py) ---------------------------------------------
+
+    def is_benign_input(
+        self, call: Call, path: str, tensor: torch.Tensor | None, record: TensorRecord | None = None
+    ) -> bool:
+        """Whether a non-finite argument of ``call`` (at ``path``) is a deliberate mask (masks.py).
+
+        ``tensor`` is the live value; when it is gone, ``record``'s probe
+        decides, which takes a name that says mask.
+        """
+        name = argument_name(call.module, path) if call.module is not None else None
+        if tensor is not None:
+            return self.deliberate.is_mask(tensor, name, first=path == "input[0]")
+        return record is not None and self.deliberate.probe_is_mask(record.low, record.high, name)
+
+    def _mask_buffer_kinds(self, call: Call) -> frozenset[str]:
+        """The kinds the call's deliberate mask buffers hold; each is recorded once as a benign event."""
+        prefix = f"{call.name}." if call.name else ""
+        kinds: set[str] = set()
+        for name, buffer in self.deliberate.buffers(call.module, prefix):
+            kinds |= kinds_of(buffer)
+            if self.deliberate.first_sighting(call.name, name):
+                finding = Finding(Phase.FORWARD, call, f"buffer {name}", bad=buffer.detach())
+                self._record_deliberate(finding, f"{name} is an infinite mask held as a buffer")
+        return frozenset(kinds)
+
+    def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None, what: str) -> None:
+        """Mark a deliberate mask benign; the first sighting at its place is recorded as a benign event."""
+        record.status = "benign"
+        if not self.deliberate.first_sighting(call.name, record.path):
+            return
+        finding = Finding(call.phase, call, record.path, bad=_detached(tensor), record=record,
+                          bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
+        self._record_deliberate(finding, f"{record.path} is {what}")
+
+    def _record_deliberate(self, finding: Finding, how: str) -> None:
+        """Record ``finding`` as a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity."""
+        self._emit(mark_deliberate(finding, how))
+
+    # -- op-level tracing (ops=True) --------------------------------------------------
+
+    def _judged_by_tracer(self, call: Call, record: TensorRecord, tensor: torch.Tensor) -> bool:
+        """Ops mode: a module output whose non-finite values the tracer saw start; True when it did.
+
+        An op's origin is the event, reported at this boundary; a deliberate
+        infinity is recorded as benign (once per module). A value the tracer
+        saw come from outside (a parameter, the batch) or not at all (a
+        kernel it cannot see) is left to the module-level rule.
+        """
+        assert self.origins.tracer is not None
+        origin = self.origins.tracer.claim(tensor)
+        if origin is None:
+            return False
+        if isinstance(origin, OpFinding):
+            if call.name == origin.module:
+                self.origins.report_op(origin, call, record)
+                return True
+            enclosing = caller_named(call, origin.module)
+            if enclosing is None:
+                self.origins.report_op(origin, None, record)
+                return True
+            # The op ran in an enclosing call's own code, which passed the value here: that call's
+            # row of the layer table is the producer's (as the module-level rule records it).
+            record.status = "propagated"
+            own = self._log.record_output(enclosing, f"{record.path} of {call.name}", tensor)
+            self.origins.report_op(origin, enclosing, own)
+            return True
+        received, deliberate = self.input_kinds(call)
+        if received or deliberate or self._mask_buffer_kinds(call):
+            return False  # a mask it was given or holds: the module-level rule records that mask's event
+        record.status = "benign"
+        if id(call.module) not in self.replayer.masks:
+            self.replayer.masks.add(id(call.module))
+            finding = Finding(Phase.FORWARD, call, record.path or "output", bad=tensor.detach(), record=record)
+            self._record_deliberate(finding, "an infinite scalar, e.g. masked_fill(mask, -inf), or a mask carried on")
+        return True
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.detach() if tensor is not None else None

@@ -1,0 +1,457 @@
+"""Re-run one module call under op-level tracing to name the producer op.
+
+The per-module watch finds *which module* first produced a non-finite value
+at the cost of one reduction per call. To name the op and the line inside it,
+the watch keeps that call's inputs and the RNG state from just before it, and
+:func:`replay_module` runs the module again on them under an
+:class:`~nan_magic.localize.op_tracer.OpTracer`: same inputs, same dropout masks,
+same kernels. The replay leaves no trace: it runs under ``no_grad`` on copies
+of the inputs, buffers are swapped for copies during the run, a parameter
+that the forward writes in place is restored bit for bit, and the RNG state
+is put back to what it was before the replay.
+
+A backward producer is replayed the same way, later: the gradient hook that
+finds a non-finite gradient runs inside autograd, after the consumer's
+forward returned. The watch keeps that call's arguments (held.py, weakly
+unless autograd keeps them anyway) and :func:`replay_backward` runs the
+forward again with gradients, then its backward, so the tracer names the
+backward op, its autograd node and the forward line that created the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from nan_magic.errors.frames import last_user_frame
+from nan_magic.hot.held import HeldArguments, Regenerate
+from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds
+from nan_magic.localize.op_tracer import OpTracer
+from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.untouched import untouched
+from nan_magic.records import Phase
+
+__all__ = [
+    "AutocastState",
+    "ReplayResult",
+    "RngState",
+    "capture_autocast",
+    "capture_rng_state",
+    "copy_tensors",
+    "generators_at",
+    "map_tensors",
+    "recompute",
+    "replay_backward",
+    "replay_module",
+    "restore_rng_state",
+    "run_again",
+    "swapped_buffers",
+]
+
+
+class RngState(NamedTuple):
+    """The default generators' states: CPU, and each CUDA device's if CUDA is in use.
+
+    A named tuple: one is made per watched module call, so it must be cheap.
+    """
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] | None = None
+
+
+#: The autocast regions a call ran in, as ``((device_type, dtype), ...)``.
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+#: Device types whose autocast state a call records.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay found.
+
+    Attributes
+    ----------
+    finding
+        The producer op inside the module, or None.
+    reproduced
+        Whether the replay produced a non-finite value again (then
+        ``finding`` is set).
+    note
+        Why there is no finding, in one sentence; None when there is one.
+    held_by_inputs
+        The replay's output was non-finite but no op inside produced it: its
+        inputs, parameters, buffers or scalar arguments (``masked_fill(mask,
+        -inf)``) already held that kind.
+    frame
+        The user's frame that ran the producing op in the replay (the
+        producer's ``forward`` at that line), kept with its locals for
+        ``%debug``; None without a finding.
+    """
+
+    finding: OpFinding | None
+    reproduced: bool
+    note: str | None = None
+    held_by_inputs: bool = False
+    #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
+    tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+    frame: FrameType | None = None
+    #: Modules (qualified names) whose code made or carried on a deliberate infinity during the replay.
+    benign_modules: frozenset[str | None] = frozenset()
+
+
+def capture_rng_state() -> RngState:
+    """The state of the default CPU and CUDA generators, to replay a call with.
+
+    CUDA is only asked when it is already initialised: capturing must not
+    start a CUDA context in a CPU-only program.
+    """
+    cuda = None
+    # is_initialized first: it is a flag read, is_available() is not (hot path).
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
+        cuda = tuple(torch.cuda.get_rng_state_all())
+    return RngState(cpu=torch.get_rng_state(), cuda=cuda)
+
+
+def capture_autocast() -> AutocastState | None:
+    """The autocast regions active now, or None (the hot path: one flag read).
+
+    A replay that runs later than the call (a backward producer's, from its
+    gradient hook; any producer's, at the deferred check) runs after the
+    user's ``torch.autocast`` block exited: without this, a float16 overflow
+    of an autocast matmul would be replayed in float32 and not reproduce.
+    """
+    if not _any_autocast():
+        return None
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)
+    ) or None
+
+
+def _any_autocast() -> bool:
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)  # private, one call; else ask per device
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+
+
+def restore_rng_state(state: RngState) -> None:
+    """Set the default generators back to ``state``."""
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state_all(list(state.cuda))
+
+
+@contextlib.contextmanager
+def generators_at(state: RngState | None) -> Iterator[None]:
+    """The default generators at ``state`` (as they are, for None) for the duration; the user's put back after."""
+    user = capture_rng_state()
+    try:
+        if state is not None:
+            restore_rng_state(state)
+        yield
+    finally:
+        restore_rng_state(user)
+
+
+def replay_module(
+    module: nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    rng_state: RngState | None,
+    kinds: frozenset[str] = frozenset({"nan", "inf"}),
+    module_name: str = "",
+    autocast: AutocastState | None = None,
+) -> ReplayResult:
+    """Run ``module(*args, **kwargs)`` again under an :class:`OpTracer`.
+
+    Parameters
+    ----------
+    module
+        The module whose call produced a non-finite value.
+    args, kwargs
+        The arguments that call received (what ``module.__call__`` got, so
+        that the user's own pre-hooks see them again). They are copied first:
+        a forward that works in place on its input must not change the
+        user's tensors a second time.
+    rng_state
+        :func:`capture_rng_state` from right before the original call, so that
+        dropout draws the same mask; None for a module that draws no random
+        numbers (``deterministic.draws_no_random``).
+    kinds
+        The kinds that count, as in :class:`OpTracer`.
+    module_name
+        Qualified name of ``module``; the finding names submodules under it
+        (``"encoder.2.attn"``).
+    autocast
+        :func:`capture_autocast` from the original call, for a replay that
+        runs outside the user's autocast block.
+
+    Returns
+    -------
+    ReplayResult
+        The producer op, or why there is none.
+
+    Notes
+    -----
+    Call it where the original call ran (inside the watch's hook): autocast
+    and the module's train/eval mode must be the same. The replay runs under
+    ``no_grad``; a module that takes a different path without autograd (the
+    fused inference path of ``nn.TransformerEncoderLayer`` in eval mode) may
+    compute differently than a call that recorded a graph.
+    """
+    label = module_name or "the root module"
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
+    output: Any = None
+    failure: Exception | None = None
+    frame: FrameType | None = None
+    with _isolated(module, module_name, rng_state, kinds, on_finding=_stop, autocast=autocast) as tracer:
+        try:
+            with torch.no_grad(), tracer:
+                output = module(*args, **kwargs)
+        except _Stop as stop:
+            frame = last_user_frame(stop.__traceback__)
+        except Exception as error:
+            failure = error
+    benign = frozenset(tracer.benign_modules)
+    if tracer.finding is not None:
+        return ReplayResult(
+            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
+            benign_modules=benign,
+        )
+    if failure is not None:
+        note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
+    elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
+        note = (
+            f"replay of {label} gave a non-finite output that no op inside it produced: "
+            "its inputs, parameters, buffers or scalar arguments already held it"
+        )
+        return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True, benign_modules=benign)
+    else:
+        note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
+    return ReplayResult(finding=None, reproduced=False, note=note, benign_modules=benign)
+
+
+class _Stop(Exception):
+    """Ends a replay at its finding: the rest of the forward is not needed."""
+
+
+def _stop(_finding: OpFinding) -> None:
+    raise _Stop
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with each tensor in its tuples, named tuples, lists and dicts mapped by ``function``.
+
+    What ``tree_map`` does for the shapes a call's arguments take, at a
+    fraction of its cost (the loss recorder maps every recorded op's).
+    """
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(function, item) for item in value))
+    if type(value) in (tuple, list):
+        return type(value)(map_tensors(function, item) for item in value)
+    if type(value) is dict:
+        return {key: map_tensors(function, item) for key, item in value.items()}
+    return value
+
+
+def copy_tensors(value: Any, copies: dict[int, torch.Tensor]) -> Any:
+    """Copy the tensors in tuples, lists and dicts; one copy per tensor object."""
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.detach().clone()
+        return copies[id(tensor)]
+
+    return map_tensors(copy, value)
+
+
+@contextlib.contextmanager
+def swapped_buffers(module: nn.Module, before: Mapping[int, torch.Tensor] | None = None) -> Iterator[None]:
+    """Give every submodule copies of its buffers for the duration.
+
+    BatchNorm updates its running statistics during the replay; the originals
+    are never touched (not even their version counters, which autograd checks
+    for the user's pending backward). A buffer shared by several modules
+    gets one shared copy. ``before`` maps ``id(buffer)`` to its value before
+    the replayed call, where the call changed it (step_replay.py); other
+    buffers are copied as they are now.
+    """
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for sub in module.modules():
+            for name, buffer in list(sub._buffers.items()):
+                if buffer is None:
+                    continue
+                if id(buffer) not in copies:
+                    copies[id(buffer)] = (before or {}).get(id(buffer), buffer).detach().clone()
+                swapped.append((sub, name, buffer))
+                sub._buffers[name] = copies[id(buffer)]
+        yield
+    finally:
+        for sub, name, buffer in swapped:
+            sub._buffers[name] = buffer
+
+
+def replay_backward(
+    module: nn.Module,
+    held: HeldArguments,
+    target: Sequence[Any],
+    *,
+    rng_state: RngState | None,
+    regenerate: Regenerate | None = None,
+    kinds: frozenset[str] = frozenset({"nan", "inf"}),
+    module_name: str = "",
+    autocast: AutocastState | None = None,
+) -> ReplayResult:
+    """Re-run a call's forward with gradients, then its backward, to name a backward op.
+
+    Called from the gradient hook that found the non-finite gradient of the
+    call's input whose records (the tensor's, and those of calls that
+    returned it again) are ``target``. The forward runs again on
+    copies of the call's arguments (a freed one recomputed by
+    ``regenerate``), with the same RNG state; then ``autograd.grad``
+    computes the gradient of the target's copy only, so no ``.grad`` of the
+    user's parameters is touched. The gradient flowing into the outputs is
+    all ones: the real one is not kept (keeping it would retain a tensor per
+    module output). An op whose derivative is infinite at its input
+    (``sqrt`` at 0, ``acos`` at 1, ``0 * inf`` in ``where``) fails under
+    both.
+    """
+    label = module_name or "the root module"
+    arguments = held.resolve(regenerate)
+    if isinstance(arguments, str):
+        return ReplayResult(finding=None, reproduced=False, note=f"cannot replay {label}: {arguments}")
+    args, kwargs, by_record = arguments
+    target_tensor = next((by_record[id(record)] for record in target if id(record) in by_record), None)
+    originals = {id(tensor): tensor for _path, tensor in iter_tensors((args, kwargs))}
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
+    for key, original in originals.items():
+        copies[key].requires_grad_(original.requires_grad or original is target_tensor)
+    target_copy = copies.get(id(target_tensor))
+    if target_copy is None:
+        return ReplayResult(finding=None, reproduced=False, note=f"cannot replay {label}: the input is not an argument")
+    failure: Exception | None = None
+    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
+        # The forward runs inside the user's backward (this is a gradient
+        # hook): its ops belong to that graph task, and are the replay's forward.
+        tracer.forward_task = torch._C._current_graph_task_id()
+        try:
+            with torch.enable_grad(), tracer:
+                output = module(*args, **kwargs)
+                # A non-finite forward value is not what is asked here; its
+                # origin is kept, for a backward op that reads it (absorbed).
+                tracer.reset(origins=False)
+                outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
+                torch.autograd.grad(
+                    outputs, [target_copy], grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
+                )
+        except Exception as error:
+            failure = error
+    if tracer.finding is not None and tracer.finding.phase == Phase.BACKWARD:
+        return ReplayResult(finding=tracer.finding, reproduced=True)
+    if failure is not None:
+        note = f"replay of {label} with gradients raised {type(failure).__name__}: {failure}; the op is unknown"
+    else:
+        note = f"replay of {label} with gradients stayed finite; the op is unknown"
+    return ReplayResult(finding=None, reproduced=False, note=note)
+
+
+def recompute(
+    module: nn.Module,
+    held: HeldArguments,
+    rng_state: RngState | None,
+    regenerate: Regenerate,
+    autocast: AutocastState | None = None,
+) -> Any:
+    """Run a call's forward again (no gradients, no trace) for its output; None if it cannot."""
+    arguments = held.resolve(regenerate)
+    if isinstance(arguments, str):
+        return None
+    return run_again(module, arguments.args, arguments.kwargs, rng_state, autocast)
+
+
+def run_again(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rng_state: RngState | None,
+    autocast: AutocastState | None = None,
+) -> Any:
+    """``module(*args, **kwargs)`` once more, on copies, leaving no trace; None if it raises.
+
+    With ``rng_state`` the generators start from it (the same dropout mask);
+    with ``autocast``, in the autocast regions the call ran in.
+    """
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
+    with _isolated(module, "", rng_state, frozenset({"nan", "inf"}), autocast=autocast) as tracer:
+        tracer.forward_task = torch._C._current_graph_task_id()
+        try:
+            with torch.no_grad(), tracer:
+                return module(*args, **kwargs)
+        except Exception:
+            return None
+
+
+@contextlib.contextmanager
+def _isolated(
+    module: nn.Module,
+    module_name: str,
+    rng_state: RngState | None,
+    kinds: frozenset[str],
+    on_finding: Callable[[OpFinding], None] | None = None,
+    autocast: AutocastState | None = None,
+) -> Iterator[OpTracer]:
+    """Set up a replay of ``module`` that leaves no trace, and give its tracer.
+
+    The generators start from ``rng_state`` and are put back afterwards;
+    buffers are swapped for copies; parameters and other tensors written in
+    place and the modules' Python state are put back (untouched.py); the
+    tracer names submodules under ``module_name``; the ``autocast`` regions
+    of the original call are entered.
+    """
+    names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
+    stack: list[str] = []
+    # What the replayed module received from outside is what the watch judged it on.
+    tracer = OpTracer(
+        kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding, outside_benign=True
+    )
+
+    def enter(sub: nn.Module, _args: Any) -> None:
+        name = names.get(id(sub))
+        if name is not None:
+            stack.append(name)
+
+    def leave(sub: nn.Module, _args: Any, _output: Any) -> None:
+        if id(sub) in names and stack:
+            stack.pop()
+
+    with contextlib.ExitStack() as cleanup:
+        tracer.before_write = cleanup.enter_context(untouched(module)).before_write
+        cleanup.enter_context(swapped_buffers(module))
+        cleanup.enter_context(register_module_forward_pre_hook(enter))
+        cleanup.enter_context(register_module_forward_hook(leave, always_call=True))
+        for device, dtype in autocast or ():
+            cleanup.enter_context(torch.autocast(device, dtype=dtype))
+        cleanup.enter_context(generators_at(rng_state))
+        yield tracer

@@ -1,0 +1,474 @@
+"""Tier 2 of the default watch: replay the failing step's model call to name the producer.
+
+The default (tiered) watch checks only a step's boundaries: the batch entering
+each watched model, the model's outputs, the loss, the gradient flowing into
+the outputs, the parameter gradients and the parameters (watch.py). A NaN,
+once born, reaches one of them; the search for where it was born is paid only
+for the step that failed. For that, :class:`StepReplays` keeps, for the
+current step only, what a replay of each top-level model call needs:
+
+* its arguments (alive for the step anyway) and their version counters, to
+  know whether they were modified in place since;
+* the CPU and CUDA generators' state and the autocast regions at its start,
+  and whether gradients were enabled;
+* copies of the buffers the call may change, as they were before it
+  (BatchNorm's running statistics): all of them at a model's first call,
+  afterwards those whose version counter an earlier call moved;
+* the gradient that flowed into its outputs (for a backward event).
+
+At a non-benign forward or backward event, :meth:`StepReplays.localize` runs
+that call again, eagerly (a compiled model's ``_orig_mod``, DDP's ``module``),
+under a nested watch with ``mode="full", ops=True``: per-module records and
+the op tracer, the producer rule of PRODUCT.md. For a backward event it then
+runs ``torch.autograd.grad`` from the replayed outputs with the captured
+gradients, into scratch gradients: never ``.grad``, and no accumulate-grad
+hook fires (DDP's reducer stays quiet). The replay leaves no trace: copies of
+the arguments and buffers, the user's generators put back afterwards, the
+outer watch standing aside, and what the forward writes in place or changes
+in the modules' Python state put back (untouched.py).
+
+The report is the nested watch's, for the same step. It says whether the
+replay *reproduced* the event (the same boundary with the same counts); when
+it did not (a non-deterministic kernel, inputs modified since, side effects),
+the report is what the boundary check saw, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.distributed.ranks import is_sharded
+from nan_magic.explain.diagnose import diagnose
+from nan_magic.hot.call_records import version_of
+from nan_magic.hot.held import running_arguments
+from nan_magic.hot.stats import iter_tensors, tensor_stats
+from nan_magic.lifecycle.findings import Finding
+from nan_magic.localize.backward_replay import reentrant_checkpoints_inline, replay_backward
+from nan_magic.localize.replay import (
+    AutocastState,
+    RngState,
+    capture_autocast,
+    capture_rng_state,
+    copy_tensors,
+    generators_at,
+    swapped_buffers,
+)
+from nan_magic.localize.untouched import untouched
+from nan_magic.records import Phase, Report, TensorStats
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.hot.call_records import Call
+    from nan_magic.hot.targets import ModuleInfo
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["Producer", "RootCall", "StepReplays", "replay_target"]
+
+#: The frame that ran a producing op, and where it was then: ``(frame, (f_lasti, f_lineno))`` (frames.py).
+Producer = tuple[FrameType | None, tuple[int, int] | None]
+
+#: Top-level calls kept at most (a GAN's two models, a siamese model called twice, a few
+#: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed. A call
+#: is released when an optimizer has stepped every trainable parameter of its model.
+MAX_CALLS = 8
+
+
+@dataclass
+class RootCall:
+    """What one top-level call of a watched model needs to be run again."""
+
+    module: nn.Module
+    info: ModuleInfo
+    args: tuple[Any, ...]
+    rng: RngState
+    grad_enabled: bool
+    autocast: AutocastState | None
+    #: ``id(buffer)`` -> its value before the call, for the buffers the call may change.
+    buffers: dict[int, torch.Tensor]
+    versions: list[tuple[torch.Tensor, int]]
+    buffer_versions: list[tuple[torch.Tensor, int]]
+    #: The watch's record of the call.
+    call: Call | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Whether the call returned (its keyword arguments are known then: global pre-hooks never see them).
+    returned: bool = False
+    #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
+    output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
+    outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+
+    def awaits_backward(self) -> bool:
+        """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
+        return any(ref() is not None for ref in self.outputs)
+
+
+@dataclass
+class _Outcome:
+    """What one replay found: the nested watch's report, the producer's frame, the boundary's stats."""
+
+    report: Report | None = None
+    #: The replay's first benign event, where it found no real one (a deliberate infinity).
+    benign: Report | None = None
+    frame: FrameType | None = None
+    #: ``(f_lasti, f_lineno)`` of ``frame`` when the op ran (the replay ran on to its end).
+    position: tuple[int, int] | None = None
+    boundary: TensorStats | None = None
+    failure: BaseException | None = None
+    why_not: str | None = None
+
+
+def replay_target(module: nn.Module) -> nn.Module | None:
+    """The eager module a replay runs: ``_orig_mod`` of a compiled model, ``module`` of DDP.
+
+    None for a model sharded by FSDP: its forward gathers parameters with
+    collectives that the other ranks would have to join.
+    """
+    if is_sharded(module):
+        return None
+    unwrapped = getattr(module, "_orig_mod", module)
+    if isinstance(unwrapped, nn.parallel.DistributedDataParallel):
+        unwrapped = unwrapped.module
+    return unwrapped
+
+
+class StepReplays:
+    """The top-level calls of the current step, and their replay at an event."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
+        # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
+        self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._mutable: dict[int, set[int] | None] = {}
+        # Parameters that an optimizer stepped since the step began (release_stepped).
+        self._stepped: set[int] = set()
+        # Per model: its trainable parameters, learned at its first call (release_stepped).
+        self._trainable: dict[int, frozenset[int]] = {}
+
+    # -- tier 1: keeping what a replay needs --------------------------------------------
+
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> None:
+        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record."""
+        slots = self._slots.get(id(module))
+        if slots is None:
+            slots = self._slots[id(module)] = [
+                (owner, name) for owner in module.modules() for name in owner._buffers
+            ]
+            self._trainable[id(module)] = _trainable(module)
+        mutable = self._mutable.get(id(module))
+        buffers: dict[int, torch.Tensor] = {}
+        buffer_versions = []
+        for owner, name in slots:
+            buffer = owner._buffers.get(name)
+            if buffer is None:
+                continue
+            buffer_versions.append((buffer, version_of(buffer)))
+            if (mutable is None or id(buffer) in mutable) and id(buffer) not in buffers:
+                buffers[id(buffer)] = buffer.detach().clone()
+        self.calls.append(RootCall(
+            module=module,
+            info=info,
+            args=args,
+            rng=capture_rng_state(),
+            grad_enabled=torch.is_grad_enabled(),
+            autocast=capture_autocast(),
+            buffers=buffers,
+            versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
+            buffer_versions=buffer_versions,
+            call=call,
+        ))
+
+    def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
+        """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
+        root = self._latest(module)
+        if root is None or root.returned:
+            return
+        root.returned = True
+        root.kwargs = dict(kwargs)
+        if root.grad_enabled and not self.watch.cycle.training():
+            # Only an inference step drops its calls at the next forward (new_step): training keeps them anyway.
+            root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
+        root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
+        known = self._mutable.get(id(module))
+        self._mutable[id(module)] = moved | (known or set())
+
+    def capture_gradient(self, call: Call, path: str, grad: torch.Tensor) -> None:
+        """The gradient flowing into output ``path`` of a top-level call (its tensor hook)."""
+        for root in self.calls:
+            if root.call is call:
+                root.output_grads[path] = grad
+                return
+
+    def clear(self) -> None:
+        """The watch ends: nothing can need a replay any more."""
+        self.calls.clear()
+        self._stepped.clear()
+
+    def new_step(self, training: bool) -> None:
+        """A step begins: inference steps drop the last call; training keeps the calls not yet stepped.
+
+        A call still waiting from an earlier step is one whose model's
+        trainable parameters (learned at its first call) no optimizer
+        stepped: they may have changed since (a layer unfrozen, an embedding
+        resized), so they are learned again.
+        """
+        self._stepped.clear()
+        if not training:
+            # Inference: each forward is a step, and its call is dropped at the next one, unless a backward
+            # may still reach it (a GAN's generator called before the discriminator, while no optimizer
+            # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
+            waiting = [root for root in self.calls if root.awaits_backward()]
+            self.calls = deque(waiting, maxlen=MAX_CALLS)
+        for module in {id(root.module): root.module for root in self.calls}.values():
+            self._trainable[id(module)] = _trainable(module)
+
+    def release_stepped(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` stepped: drop the calls of models with nothing left to step this step.
+
+        A call is kept while its model has a trainable parameter that no
+        optimizer stepped since the step began: a GAN's generator call,
+        made before the discriminator's step, waits for its own optimizer
+        (its backward may still fail). A model without trainable parameters
+        (a frozen teacher) is dropped at the first step. The trainable
+        parameters are those of the model's first call in the watch (a set
+        per model, not a walk of its parameters each step), learned again
+        for a call still waiting when the next step begins (new_step).
+        """
+        self._stepped.update(id(parameter) for group in opt.param_groups for parameter in group["params"])
+        stepped = self._stepped
+        waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
+        if len(waiting) != len(self.calls):
+            self.calls = deque(waiting, maxlen=MAX_CALLS)
+
+    def _latest(self, module: nn.Module) -> RootCall | None:
+        for root in reversed(self.calls):
+            if root.module is module:
+                return root
+        return None
+
+    # -- tier 2: the replay ---------------------------------------------------------------
+
+    def localize(self, finding: Finding, seen: Report) -> tuple[Report, Producer]:
+        """The report of a tier-1 event ``seen``: the replay's where it reproduced the event, else ``seen``."""
+        if finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
+            top = finding.call
+            while top.parent is not None:
+                top = top.parent
+            candidates = [root for root in self.calls if root.call is top]
+            backward = False
+            # On a per-module step the boundary may be a submodule's output: the replay's report then
+            # stands for it (the replay measures the model's outputs only).
+            boundary = finding.tensor if finding.call is top else None
+        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None
+                                                  or finding.unconfirmed_outside):
+            # Backward runs the last call first; each call's gradients are replayed apart.
+            candidates = [root for root in reversed(self.calls) if root.output_grads]
+            backward = True
+            boundary = finding.tensor
+        else:  # data, the loss code's forward or backward, the optimizer: the boundary check named it
+            return seen, (finding.frame, None)
+        if candidates and replay_target(candidates[0].module) is None:
+            return seen, (finding.frame, None)  # FSDP: every step is a per-module step, which named the module
+        if finding.unconfirmed_outside and not candidates:
+            return seen, (finding.frame, None)
+        if not candidates:
+            why = ("no gradient flowing into the model's outputs was held for this step" if backward
+                   else f"its model call was no longer held (more than {MAX_CALLS} calls in the step)")
+            return self._not_replayed(seen, why), (finding.frame, None)
+        outcome, root = _Outcome(), candidates[0]
+        for root in candidates:
+            outcome = self._run(root, backward, boundary)
+            if outcome.report is not None:
+                break
+        if outcome.report is None and outcome.benign is not None:
+            # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
+            return self._replayed(outcome.benign, seen.step), (None, None)
+        if outcome.report is None or (finding.unconfirmed_outside and outcome.report.module is None):
+            if finding.unconfirmed_outside:
+                # No model's backward made it either: the code outside them stays the likeliest producer.
+                return seen, (finding.frame, None)
+            return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), (finding.frame, None)
+        if not backward:
+            # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
+            finding.rng_state = root.rng
+        if not _same_counts(outcome.boundary, seen):
+            return self._not_replayed(
+                seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
+            ), (finding.frame, None)
+        report = self._replayed(outcome.report, seen.step, seen)
+        if finding.cause is not None:
+            # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
+            report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
+        return report, (outcome.frame, outcome.position)
+
+    def explain_failure(self, module: nn.Module, call: Call, running: tuple[tuple[Any, ...], dict[str, Any]] | None
+                        ) -> tuple[Report, Producer, BaseException] | None:
+        """A top-level forward raised: whether a non-finite value came first, and its producer.
+
+        ``torch.multinomial`` on NaN probabilities, an index computed from a
+        NaN: the exception stops the forward before its outputs reach the
+        boundary check, so the call is replayed; None when the replay meets
+        no non-finite value before the same exception.
+        """
+        error = sys.exc_info()[1]
+        root = self._latest(module)
+        if error is None or root is None or self.watch.raised is not None or isinstance(error, FloatingPointError):
+            return None  # no exception, or our own NonFiniteError (a FloatingPointError) on its way out
+        if isinstance(error, torch.linalg.LinAlgError):
+            # linalg's verdict on its matrix (singular, not positive-definite): the NaN its ``_ex`` kernel made
+            # inside never reached the user's code, and ``except LinAlgError`` must still catch it.
+            return None
+        self.finish(module, running[1] if running is not None else {})
+        outcome = self._run(root, False, None)
+        if outcome.report is None:
+            return None
+        report = self._replayed(outcome.report, self.watch.step)
+        note = f"then the forward raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        report = dataclasses.replace(report, notes=(*report.notes, note.rstrip(": ")))
+        return report, (outcome.frame, outcome.position), error
+
+    def _run(self, root: RootCall, backward: bool, boundary: str | None) -> _Outcome:
+        """Run ``root`` again under a nested full watch with op-level tracing."""
+        from nan_magic.lifecycle.watch import Watch  # the nested watch is a watch like any other
+
+        model = self._model_of(root.module)
+        target = replay_target(root.module)
+        if target is None or model is None:
+            return _Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
+        config = dataclasses.replace(
+            self.watch.config, mode="full", ops=True, defer=False, on_detect="log",
+            log_file=None, dump=None, keep_last_good=None,
+        )
+        try:
+            # The whole model is watched, so that a submodule called at top level keeps its qualified name.
+            inner = Watch([model], labels=[root.info.model], config=config, replay_of=self.watch)
+        except ValueError as refused:  # a compiled submodule inside: its graph cannot be replayed eagerly
+            return _Outcome(why_not=str(refused))
+        outcome = _Outcome()
+        with contextlib.ExitStack() as stack:
+            guard = stack.enter_context(untouched(target))
+            stack.enter_context(self.watch.call_replay.standing_aside())
+            stack.enter_context(swapped_buffers(root.module, root.buffers))
+            for device, dtype in root.autocast or ():
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
+            if backward:
+                stack.enter_context(reentrant_checkpoints_inline())
+            if not root.returned:
+                # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
+                running = running_arguments(root.module)
+                if running is not None:
+                    root.kwargs = running[1]
+            copies: dict[int, torch.Tensor] = {}
+            with torch.no_grad():
+                args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
+            # An argument that required gradients still does: a frozen model's backward reaches its input
+            # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
+            inputs = [copies[id(tensor)].requires_grad_() for _path, tensor in [*iter_tensors(root.args),
+                                                                                 *iter_tensors(root.kwargs)]
+                      if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
+            stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
+            with inner:
+                if inner.origins.tracer is not None:
+                    inner.origins.tracer.before_write = guard.before_write
+                    # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
+                    # its forward ops belong to that graph task, and are the replay's forward, with their lines.
+                    inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
+                try:
+                    output = target(*args, **kwargs)
+                    if not backward:
+                        outcome.boundary = _stats_at(output, boundary)
+                    else:
+                        outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
+                except Exception as error:  # the replay of a failing forward fails too, after its event
+                    outcome.failure = error
+                    tracer = inner.origins.tracer
+                    if inner.report is None and tracer is not None and tracer.started:
+                        # Stopped before the value reached a boundary: the first op that made one is the producer.
+                        inner.origins.report_op(tracer.started[0])
+        outcome.report = inner.report
+        outcome.benign = next((event for event in inner.events if event.benign), None)
+        outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
+        if outcome.report is None:
+            changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
+            if changed:
+                outcome.why_not = "the call's inputs were modified in place since the call"
+            elif outcome.failure is not None:
+                outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
+        return outcome
+
+    def _model_of(self, module: nn.Module) -> nn.Module | None:
+        """The eager model (replay_target) of the watched root that holds ``module``."""
+        for _label, root in self.watch.targets.roots:
+            if root is module or any(sub is module for sub in root.modules()):
+                return replay_target(root)
+        return None
+
+    def _replayed(self, report: Report, step: int, seen: Report | None = None) -> Report:
+        """The replay's report for ``step``; ``seen``, the boundary's report, adds the facts the replay lacks.
+
+        The replay runs the model call only: the optimizer that was about to
+        step with the gradient is known to the boundary check alone.
+        """
+        watch = self.watch
+        report = dataclasses.replace(
+            report,
+            step=step,
+            autograd_node=report.autograd_node or (seen.autograd_node if seen else None),
+            optimizer=report.optimizer or (seen.optimizer if seen else None),
+            history=tuple(watch.history),
+            warnings=tuple(watch.warnings),
+            reproduced=True,
+            models_watched=len(watch.targets.roots),
+            notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
+                                  "op-level checks; the replay saw the same event"),
+        )
+        # The cause reads the run's history (a diverging loss), which the replay did not have.
+        return dataclasses.replace(report, cause=diagnose(report))
+
+    @staticmethod
+    def _not_replayed(seen: Report, why: str) -> Report:
+        note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
+                "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
+        return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
+
+
+def _stats_at(output: Any, path: str | None) -> TensorStats | None:
+    for tensor_path, tensor in iter_tensors(output, "output"):
+        if tensor_path == path:
+            return tensor_stats(tensor)
+    return None
+
+
+def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
+    """Whether the replay saw the boundary's event again.
+
+    A boundary the replay does not measure (a module's gradient) counts as
+    seen; where the check has no counts (the deferred check, after the tensor
+    was freed), a non-finite value at the boundary is enough.
+    """
+    if replayed is None:
+        return True
+    if not seen.nonfinite:
+        return bool(replayed.nonfinite)
+    if (replayed.nan, replayed.posinf, replayed.neginf) == (seen.nan, seen.posinf, seen.neginf):
+        return True
+    # Code between backward and the check may turn the infinities the replay makes into NaN (clip_grad_norm_
+    # multiplies them by max_norm / inf = 0): the same elements, non-finite, is the same event.
+    nan, infinite = replayed.nan or 0, (replayed.posinf or 0) + (replayed.neginf or 0)
+    return infinite == seen.nonfinite and seen.nan > nan
+
+
+def _trainable(module: nn.Module) -> frozenset[int]:
+    """The ids of ``module``'s parameters that require gradients (release_stepped waits for them)."""
+    return frozenset(id(parameter) for parameter in module.parameters() if parameter.requires_grad)

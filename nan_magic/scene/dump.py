@@ -1,0 +1,432 @@
+"""The crash scene: everything needed to try a fix on exactly the failing step.
+
+At the first real event :func:`record_scene` hands the roll-back state to
+:mod:`nan_magic.scene.last_good` (``keep_last_good``) and, with ``dump``,
+saves the scene in one ``torch.save`` file in that folder, named
+``nan_scene_step{N}.pt``. :func:`~nan_magic.scene.load.load_scene`
+(scene_replay.py) reads it back as a ``Scene`` that restores the state into a
+model the user provides and replays the producer module (or the whole step)
+under op-level tracing.
+
+The file is a dict of plain values (see :data:`SCENE_KEYS`): state dicts,
+tensors, strings and numbers, plus the :class:`~nan_magic.Report`, whose
+types are nan_magic's own plain records. It loads with
+``torch.load(weights_only=True)``, allowing only those records besides what
+``weights_only`` allows: a scene file passed between teammates cannot run
+code when opened, and :func:`load_scene` refuses, in one line, a file that
+needs anything more. The model is saved as its ``state_dict`` only (never as
+a pickled object, whose class would have to be imported and could run
+code); the user rebuilds the model from their code and restores into it.
+The file is written to a temporary file in the same folder and renamed into
+place, so a scene file is either complete or absent. Writing never raises into the
+user's program: a full disk or a folder that cannot be created ends up as a
+note in the report and a :class:`~nan_magic.NanMagicWarning`; a part that
+cannot be collected or pickled is left out, with a note, and the rest saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import inspect
+import io
+import os
+import pickle
+import platform
+import re
+import secrets
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic import records
+from nan_magic.distributed.ranks import per_rank_path
+from nan_magic.errors.exceptions import NanMagicWarning
+from nan_magic.hot.call_records import version_of
+from nan_magic.localize.replay import RngState, capture_rng_state
+from nan_magic.records import Phase, Report
+from nan_magic.scene.last_good import keep
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.findings import Finding
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = [
+    "RECORD_TYPES", "REFUSED_GLOBAL", "SCENE_FORMAT", "SCENE_KEYS", "SCENE_VERSION",
+    "record_scene", "refusal", "safe_load",
+]
+
+SCENE_FORMAT = "nan_magic.scene"
+SCENE_VERSION = 1
+
+#: What a scene file holds (a dict with these keys; a part that could not be
+#: saved is None and the report says why):
+#:
+#: - ``format``, ``version``: ``"nan_magic.scene"``, 1
+#: - ``report``: the :class:`~nan_magic.Report` of the event
+#: - ``step``, ``phase``, ``module``, ``kinds``: the event in brief, and the kinds watched
+#: - ``models``: ``{name: state_dict}`` of every watched model, as at the event
+#: - ``training``: ``{name: {module name: training flag}}``
+#: - ``optimizers``, ``scalers``: ``[{"type": class name, "state": state_dict}]``
+#: - ``last_good``: ``{"step", "models", "optimizers"}`` after the last finite step
+#:   (with ``keep_last_good``), else None
+#: - ``batch``: ``{path: tensor}`` that entered the model in the failing step
+#:   (``"input[0]"``, ``"kwargs['mask']"``; prefixed ``"name:"`` with several models)
+#: - ``producer_inputs``: ``{path: tensor}`` the producer module was called with, or, where the
+#:   tiered watch replayed the whole model call, the inputs of that call
+#: - ``call_module``: the qualified name of the module whose call ``producer_inputs`` are (the
+#:   producer, or the top-level model call that held it); absent in older scenes: ``module``
+#: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source": str, "event": {"cpu", "cuda"}}``
+#: - ``versions``: ``{"torch", "python", "nan_magic", "cuda", "platform"}``
+SCENE_KEYS = (
+    "format", "version", "report", "step", "phase", "module", "kinds", "models", "training",
+    "optimizers", "scalers", "last_good", "batch", "producer_inputs", "call_module", "rng", "versions",
+)
+
+
+# -- recording -------------------------------------------------------------------
+
+
+def record_scene(watch: Watch, finding: Finding, report: Report) -> Report:
+    """At the first real event: save the scene (``dump``) and arm ``restore()``; return the report.
+
+    Never raises: whatever fails is described in the returned report's notes.
+    """
+    notes: list[str] = []
+    try:
+        # Collected first: arming restore() hands the last finite step's state over.
+        folder = watch.config.dump
+        scene = _collect(watch, finding, report, notes) if folder else None
+        if watch.config.keep_last_good:
+            kept_step = watch.last_good.step
+            report = dataclasses.replace(report, restore_token=keep(watch.last_good))
+            notes.append(
+                f"report.restore() puts back the model and optimizer state after step {kept_step}"
+                if kept_step is not None
+                else "keep_last_good: no optimizer step ended finite before this event; nothing to roll back to"
+            )
+        if folder and scene is not None:
+            report = _save(scene, folder, report, notes)
+    except Exception as error:  # the user's run must never fail because of the scene
+        notes.append(_failure_note("could not record the scene", error))
+    return dataclasses.replace(report, notes=report.notes + tuple(notes))
+
+
+def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -> dict[str, Any]:
+    """The scene as a dict (see :data:`SCENE_KEYS`); a part that fails to collect is None."""
+    parts: dict[str, Callable[[], Any]] = {
+        "models": lambda: {name: module.state_dict() for name, module in _named_roots(watch)},
+        "training": lambda: {
+            name: {sub_name: sub.training for sub_name, sub in module.named_modules()}
+            for name, module in _named_roots(watch)
+        },
+        "optimizers": lambda: [_typed_state(opt, opt.state_dict()) for opt in watch.optimizers.seen],
+        "scalers": lambda: [_typed_state(scaler, scaler.state_dict()) for scaler in watch.optimizers.scalers],
+        "last_good": lambda: _last_good(watch),
+        "batch": lambda: _batch(watch, notes),
+        "producer_inputs": lambda: _producer_inputs(finding, notes),
+        "rng": lambda: _rng(watch, finding),
+        "versions": _versions,
+    }
+    scene: dict[str, Any] = {
+        "format": SCENE_FORMAT,
+        "version": SCENE_VERSION,
+        "report": report,
+        "step": report.step,
+        "phase": str(report.phase),
+        "module": report.module,
+        "call_module": finding.call.info.name if finding.call is not None and finding.call.info is not None
+        else report.module,
+        "kinds": sorted(watch.config.kinds),
+    }
+    for key, collect in parts.items():
+        try:
+            scene[key] = collect()
+        except Exception as error:  # a user's state_dict hook may fail; save the rest
+            scene[key] = None
+            notes.append(_failure_note(f"the scene leaves out {key}", error))
+    return scene
+
+
+def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[str]) -> Report:
+    try:
+        # One folder for every rank; each rank's file has its own suffix (distributed.py).
+        path = _write_scene(scene, folder, per_rank_path(f"nan_scene_step{report.step}"), notes)
+    except Exception as error:  # disk full, no permission, not a folder...
+        note = _failure_note(f"could not save the scene in {folder}", error)
+        notes.append(note)
+        _warn(note)
+        return report
+    size = os.path.getsize(path)
+    notes.append(f"scene saved: {path} ({_human_size(size)}); nan_magic.load_scene(path) or %nanreplay rebuilds it")
+    return dataclasses.replace(report, scene=path, scene_bytes=size)
+
+
+def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]) -> str:
+    """Save ``scene`` atomically as ``folder/stem.pt`` (or ``stem-2.pt``...) and return the path.
+
+    A part that cannot be pickled, or that a safe load would refuse (an
+    optimizer option or a module's extra state holding an object of the
+    user's class), is left out (set to None, with a note) and the rest is
+    saved: every scene file loads with ``weights_only=True``. Raises OSError
+    (disk full, no permission) and, should even the pruned scene not
+    pickle, the pickling error.
+    """
+    os.makedirs(folder, exist_ok=True)
+    path = _free_name(folder, stem)
+    try:
+        _save_atomically(scene, path)
+        safe = _loads_safely(path)
+    except OSError:
+        raise
+    except Exception:  # pickling errors come in many types
+        safe = False
+    if not safe:
+        for key in list(scene):
+            scene[key] = _prune(scene[key], key, notes)
+        _save_atomically(scene, path)
+    return path
+
+
+#: The types of nan_magic's own records (records.py: plain frozen dataclasses
+#: and enums, stdlib only), the one thing a scene holds beyond what
+#: ``torch.load(weights_only=True)`` allows by default. Derived from the
+#: module, so that a record type added later is allowed too.
+RECORD_TYPES: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    value for value in vars(records).values()
+    if inspect.isclass(value) and value.__module__ == records.__name__
+    and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+]
+
+
+def safe_load(source: Any, **options: Any) -> Any:
+    """``torch.load(weights_only=True)``, allowing nan_magic's records for this call only.
+
+    ``safe_globals`` (not ``add_safe_globals``) leaves the user's own
+    ``torch.load`` calls exactly as strict as they were.
+    """
+    with torch.serialization.safe_globals(RECORD_TYPES):
+        return torch.load(source, weights_only=True, **options)
+
+
+def _loads_safely(path: str) -> bool:
+    """Whether a saved scene loads with ``weights_only=True``.
+
+    Memory-mapped onto the CPU: the check reads the pickled structure, not
+    the tensors' bytes.
+    """
+    try:
+        safe_load(path, map_location="cpu", mmap=True)
+    except pickle.UnpicklingError:
+        return False
+    return True
+
+
+def _save_atomically(scene: dict[str, Any], path: str) -> None:
+    # A temporary name in the same folder (so the rename is atomic), created
+    # with open() rather than mkstemp so the file gets the usual permissions.
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "xb") as handle:
+            torch.save(scene, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        # Never leave a half-written file behind, whatever interrupted the write.
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _prune(value: Any, label: str, notes: list[str], depth: int = 0) -> Any:
+    """``value`` without the entries that cannot be pickled or loaded safely (replaced by None, with a note).
+
+    Each part is saved and loaded back in memory: this runs only after the
+    whole scene failed to save or to load safely, never on the usual path.
+    """
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        safe_load(buffer)
+        return value
+    except Exception as error:  # pickling errors come in many types
+        if depth < 2 and isinstance(value, dict):
+            return {key: _prune(item, f"{label}[{key!r}]", notes, depth + 1) for key, item in value.items()}
+        if depth < 2 and type(value) in (list, tuple):
+            return type(value)(_prune(item, f"{label}[{index}]", notes, depth + 1) for index, item in enumerate(value))
+        if isinstance(error, pickle.UnpicklingError):
+            notes.append(f"the scene leaves out {label}: {refusal(error)}")
+        else:
+            notes.append(_failure_note(f"the scene leaves out {label}", error))
+        return None
+
+
+def _free_name(folder: str, stem: str) -> str:
+    """A path that does not exist yet: earlier scenes in the same folder are kept."""
+    path = os.path.join(folder, f"{stem}.pt")
+    number = 2
+    while os.path.exists(path):
+        path = os.path.join(folder, f"{stem}-{number}.pt")
+        number += 1
+    return path
+
+
+# -- the parts -------------------------------------------------------------------------
+
+
+def _named_roots(watch: Watch) -> list[tuple[str, nn.Module]]:
+    """The watched models under unique names: their label, else their class name."""
+    named: list[tuple[str, nn.Module]] = []
+    taken: set[str] = set()
+    for label, module in watch.targets.roots:
+        name = base = label or type(module).__name__
+        number = 2
+        while name in taken:
+            name, number = f"{base}#{number}", number + 1
+        taken.add(name)
+        named.append((name, module))
+    return named
+
+
+def _typed_state(owner: Any, state: Any) -> dict[str, Any]:
+    return {"type": type(owner).__name__, "state": state}
+
+
+def _last_good(watch: Watch) -> dict[str, Any] | None:
+    """The state kept after the last finite step (``keep_last_good``), under the scene's names."""
+    last_good = watch.last_good
+    if last_good.step is None:
+        return None
+    return {
+        "step": last_good.step,
+        "models": {name: last_good.state_of(module) for name, module in _named_roots(watch)},
+        "optimizers": [_typed_state(opt, last_good.state_of(opt)) for opt in watch.optimizers.seen],
+    }
+
+
+def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of the tensors that entered the watched models in the failing step."""
+    entries: list[tuple[str, str, torch.Tensor]] = []
+    gone: list[str] = []
+    for call in watch.log.calls:
+        if call.phase != Phase.DATA or call.info is None:
+            continue
+        owner = call.info.model or call.info.module_type
+        for record in call.outputs:
+            tensor = record.live()
+            if tensor is None:
+                gone.append(record.path)
+            else:
+                entries.append((owner, record.path, tensor))
+    if gone:
+        notes.append(f"the scene's batch lacks {', '.join(gone)}: freed or changed in place before the event")
+    several = len({owner for owner, _path, _tensor in entries}) > 1
+    batch: dict[str, torch.Tensor] = {}
+    for owner, path, tensor in entries:
+        key = base = f"{owner}:{path}" if several else path
+        number = 2
+        while key in batch:
+            key, number = f"{base}#{number}", number + 1
+        batch[key] = _copy(tensor)
+    return batch
+
+
+def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of the tensors the producer module was called with (else the finding's inputs)."""
+    if finding.call is None or finding.call.phase == Phase.DATA:
+        return {name: _copy(tensor) for name, tensor in finding.inputs}
+    inputs: dict[str, torch.Tensor] = {}
+    # At the deferred check a freed input may have been recomputed for the replay (call_replay.py).
+    recomputed = dict(finding.inputs)
+    for path, _record, ref, version in finding.call.inputs:
+        tensor = ref()
+        if tensor is None and path in recomputed:
+            inputs[path] = _copy(recomputed[path])
+        elif tensor is None:
+            notes.append(f"the scene lacks the producer's {path}: it was freed before the event")
+        elif version_of(tensor) != version:
+            notes.append(f"the scene lacks the producer's {path}: the producer changed it in place")
+        else:
+            inputs[path] = _copy(tensor)
+    return inputs
+
+
+def _rng(watch: Watch, finding: Finding) -> dict[str, Any]:
+    """The generators' state at the event, before the producer's call, and to re-run the step from."""
+    step, source = None, "unknown"
+    running = watch.forward.stack[0].rng_state if watch.forward.stack else None
+    if running is not None:
+        # The watch takes it before each module call it may replay.
+        step, source = running, "before the failing step's top-level forward call"
+    elif watch.last_good.rng is not None:
+        step, source = watch.last_good.rng, "right after the last step that ended finite"
+    return {
+        "step": _rng_dict(step),
+        "step_source": source,
+        "producer": _rng_dict(finding.rng_state),
+        "event": _rng_dict(capture_rng_state()),
+    }
+
+
+def _rng_dict(state: RngState | None) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    return {"cpu": state.cpu.clone(), "cuda": [s.clone() for s in state.cuda] if state.cuda is not None else None}
+
+
+def _versions() -> dict[str, str | None]:
+    from nan_magic import __version__
+
+    return {
+        "torch": str(torch.__version__),  # a TorchVersion, which a safe load would refuse
+        "python": platform.python_version(),
+        "nan_magic": __version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+    }
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    # A copy: the live tensor may change after the event, and a view would
+    # drag its whole base storage into the file.
+    return tensor.detach().clone()
+
+
+def _failure_note(what: str, error: BaseException) -> str:
+    return f"{what}: {type(error).__name__}: {error}"
+
+
+def _warn(message: str) -> None:
+    # Warnings turned into errors (-W error) must not turn a failed dump into a crash.
+    with contextlib.suppress(Warning):
+        warnings.warn(f"nan_magic {message}", NanMagicWarning, stacklevel=4)
+
+
+def _human_size(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    value, unit = size / 1024, "KB"
+    for bigger in ("MB", "GB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+#: How torch's refusal names the class or function a file would call.
+REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def refusal(error: pickle.UnpicklingError) -> str:
+    """Why a safe load refused, in a few words (torch's own message runs to a paragraph)."""
+    found = REFUSED_GLOBAL.search(str(error))
+    what = found[1] if found else "a pickle instruction torch does not load safely"
+    return (f"loading it needs {what}, which is neither a tensor, a plain value nor a nan_magic record "
+            "and could run code (torch.load weights_only=True refuses it)")

@@ -1,0 +1,218 @@
+"""Roll back: the state of the last step that ended finite.
+
+With ``keep_last_good`` (``"cpu"`` or ``"device"``) the watch calls
+:meth:`LastGood.capture` after every optimizer step that ended finite, and
+the watched models' state (parameters and buffers) and the optimizers' state
+are copied into buffers kept here. At the first real event the copy is handed
+to a registry in this module under a random integer token; the Report carries
+only the token (a Report holds no tensors, so it stays picklable), and
+``report.restore()`` looks it up and copies the state back.
+
+Cost, and why it is opt-in: one more copy of the model and of the optimizer
+state (on the CPU or on the model's device), refreshed after every finite
+step. After the first capture the copies go into the same buffers
+(``copy_``), so steady state allocates nothing; but ``"cpu"`` for a model on
+a GPU is a full device-to-host transfer per step (and a host
+synchronisation), ``"device"`` a device-to-device copy that doubles the
+model's memory. GradScaler state is not kept: the scaler adapts by itself.
+
+The registry holds the kept state strongly (the models and optimizers only
+weakly) for the :data:`KEPT_REPORTS` most recent reports of this process;
+older ones are released, and ``restore()`` on them says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.localize.replay import RngState, capture_rng_state
+from nan_magic.records import Report
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["KEPT_REPORTS", "LastGood", "keep", "restore"]
+
+#: Reports of this process whose kept state ``restore()`` can still put back.
+KEPT_REPORTS = 2
+
+_NO_STATE = "this report has no kept state: watch with keep_last_good='cpu' or 'device'"
+
+
+@dataclass
+class _Kept:
+    """Copies of the watched state after one finite step.
+
+    ``models`` and ``optimizers`` map ``id()`` of the live object to a weak
+    reference to it and the copy of its state (a ``state_dict`` whose tensors
+    are the kept buffers).
+    """
+
+    step: int | None = None
+    models: dict[int, tuple[weakref.ref[nn.Module], dict[str, Any]]] = field(default_factory=dict)
+    optimizers: dict[int, tuple[weakref.ref[torch.optim.Optimizer], dict[str, Any]]] = field(default_factory=dict)
+    rng: RngState | None = None
+
+    def restore(self) -> None:
+        if self.step is None:
+            raise RuntimeError(
+                "no optimizer step ended finite before this event, so there is no state to roll back to"
+            )
+        live = [(ref(), state) for ref, state in self.models.values()]
+        live_optimizers = [(ref(), state) for ref, state in self.optimizers.values()]
+        if any(owner is None for owner, _state in live + live_optimizers):
+            raise RuntimeError("the model or optimizer whose state was kept no longer exists")
+        for module, state in live:
+            # load_state_dict copies into the existing parameters: the optimizer
+            # keeps pointing at the same Parameter objects.
+            module.load_state_dict(state)  # type: ignore[union-attr]
+        for optimizer, state in live_optimizers:
+            # The optimizer adopts tensors it is given on its own device and
+            # dtype without copying them: hand it copies, so that the kept
+            # state survives further training and a second restore().
+            optimizer.load_state_dict(_copy_state(None, state, None))  # type: ignore[union-attr]
+
+
+class LastGood:
+    """The watch's copy of its state after the last step that ended finite.
+
+    Parameters
+    ----------
+    where
+        ``"cpu"``, ``"device"`` (next to each tensor), or None (keep nothing).
+    """
+
+    def __init__(self, where: str | None) -> None:
+        self.where = where
+        self._kept = _Kept()
+
+    @property
+    def step(self) -> int | None:
+        """The step after which the state was kept, or None before the first capture."""
+        return self._kept.step
+
+    @property
+    def rng(self) -> RngState | None:
+        """The RNG state right after that step (None where it was captured later; see :meth:`capture`)."""
+        return self._kept.rng
+
+    def state_of(self, owner: nn.Module | torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The kept ``state_dict`` of a watched model or optimizer, or None."""
+        table: dict[int, Any] = self._kept.models if isinstance(owner, nn.Module) else self._kept.optimizers
+        ref, state = table.get(id(owner), (None, None))
+        return state if ref is not None and ref() is owner else None
+
+    def capture(self, watch: Watch) -> None:
+        """Copy the watched models' and optimizers' state after a step that ended finite.
+
+        Called by the watch after each optimizer step whose parameters and
+        state it found finite: right after the step, or in deferred mode at
+        the next step's check (the parameters have not changed since; the
+        RNG has, so none is kept then).
+        """
+        if self.where is None:
+            return
+        kept = self._kept
+        right_after = watch.optimizers.in_step
+        with torch.no_grad():
+            for _label, module in watch.targets.roots:
+                _, old = kept.models.get(id(module), (None, None))
+                kept.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), self.where))
+            for optimizer in watch.optimizers.seen:
+                _, old = kept.optimizers.get(id(optimizer), (None, None))
+                kept.optimizers[id(optimizer)] = (
+                    weakref.ref(optimizer),
+                    _copy_state(old, optimizer.state_dict(), self.where),
+                )
+        # The optimizer hooks count a step as its post hook begins: right
+        # after it, as at the next step's deferred check, the counter has
+        # moved on past the step that just completed.
+        kept.step = watch.step - 1
+        kept.rng = capture_rng_state() if right_after else None
+
+    def hand_over(self) -> _Kept:
+        """Give up the kept state (to the registry); later captures start afresh.
+
+        In ``warn``/``log`` mode training goes on after the event: its finite
+        steps must not overwrite what the event's ``restore()`` puts back.
+        """
+        kept, self._kept = self._kept, _Kept()
+        return kept
+
+
+# token -> kept state, oldest first (see KEPT_REPORTS).
+_REGISTRY: OrderedDict[int, _Kept] = OrderedDict()
+
+
+def keep(last_good: LastGood) -> int:
+    """Move ``last_good``'s state to the registry; return the token for the Report.
+
+    Tokens are random, not counted: a report unpickled in another process
+    must not find that process's state under the same number.
+    """
+    token = secrets.randbits(62)
+    _REGISTRY[token] = last_good.hand_over()
+    while len(_REGISTRY) > KEPT_REPORTS:
+        _REGISTRY.popitem(last=False)
+    return token
+
+
+def restore(report: Report) -> None:
+    """Put back the state kept for ``report``: the models' and optimizers' after the last finite step.
+
+    Raises
+    ------
+    RuntimeError
+        When the report has no kept state (no ``keep_last_good``), when it was
+        made in another process or released, when no step ended finite before
+        the event, or when the model or optimizer no longer exists.
+    """
+    if report.restore_token is None:
+        raise RuntimeError(_NO_STATE)
+    kept = _REGISTRY.get(report.restore_token)
+    if kept is None:
+        raise RuntimeError(
+            "the state kept for this report is not in this process: it lives only in the process that ran "
+            f"the watch, and only for the {KEPT_REPORTS} most recent reports"
+        )
+    kept.restore()
+
+
+def _copy_state(old: Any, new: Any, where: str | None) -> Any:
+    """Copy a (nested) state dict, reusing the tensors of ``old`` where they fit.
+
+    ``where``: ``"cpu"``, ``"device"`` (next to each tensor) or None (same as
+    ``"device"``: a plain deep copy of the tensors).
+    """
+    if isinstance(new, torch.Tensor):
+        return _copy_tensor(old if isinstance(old, torch.Tensor) else None, new, where)
+    if isinstance(new, dict):
+        old_dict = old if isinstance(old, dict) else {}
+        return type(new)((key, _copy_state(old_dict.get(key), value, where)) for key, value in new.items())
+    if isinstance(new, (list, tuple)) and type(new) in (list, tuple):
+        old_items = old if isinstance(old, (list, tuple)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(_copy_state(before, value, where) for before, value in zip(old_items, new))
+    return copy.deepcopy(new)
+
+
+def _copy_tensor(old: torch.Tensor | None, new: torch.Tensor, where: str | None) -> torch.Tensor:
+    new = new.detach()
+    device = torch.device("cpu") if where == "cpu" else new.device
+    if new.layout != torch.strided:
+        return new.to(device, copy=True)
+    if old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == device:
+        old.copy_(new)
+        return old
+    # Pinned host memory makes the per-step device-to-host copy a fast DMA.
+    pinned = device.type == "cpu" and new.device.type == "cuda"
+    buffer = torch.empty_like(new, device=device, pin_memory=pinned)
+    buffer.copy_(new)
+    return buffer

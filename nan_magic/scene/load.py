@@ -1,0 +1,379 @@
+"""A crash scene read back: restored into the user's model, and the failing call or step replayed.
+
+:func:`load_scene` reads a file that a watch saved with ``dump=`` (scene.py
+writes it and defines its format) as a :class:`Scene`: the state is restored
+into a model the user rebuilt from their code, then the producer module, or
+the whole step, replays under op-level tracing to try a fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import os
+import pickle
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.localize.replay import ReplayResult, RngState, capture_rng_state, replay_module, restore_rng_state
+from nan_magic.records import Phase, Report
+from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nan_magic.lifecycle.watch import Watch
+
+__all__ = ["Scene", "load_scene", "replay_summary"]
+
+_POSITIONAL = re.compile(r"input\[(\d+)\]")
+_KEYWORD = re.compile(r"kwargs\[(.+)\]")
+
+
+def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Scene:
+    """Read a scene saved by a watch with ``dump=``.
+
+    Parameters
+    ----------
+    path
+        A ``nan_scene_step{N}.pt`` file.
+    map_location
+        As for :func:`torch.load`: ``"cpu"`` reads a scene saved on a GPU
+        on a machine without one.
+
+    Returns
+    -------
+    Scene
+
+    Raises
+    ------
+    ValueError
+        One line naming the file: it is not a scene, or it needs more than
+        a scene holds to load (a class or function other than tensors,
+        plain values and nan_magic's records), which could run code; it is
+        refused without running anything.
+
+    Notes
+    -----
+    The file is read with ``torch.load(weights_only=True)``, allowing only
+    nan_magic's own record types besides what that allows by default, so a
+    scene file from someone else cannot run code when opened. A scene
+    written before this rule (which pickled nothing else either) loads the
+    same way.
+
+    Examples
+    --------
+    >>> scene = nan_magic.load_scene("dumps/nan_scene_step41.pt")  # doctest: +SKIP
+    >>> scene.restore_into(model, opt)                              # doctest: +SKIP
+    >>> model.norm.eps = 1e-5                                       # try a fix
+    >>> scene.replay(model).reproduced                              # doctest: +SKIP
+    False
+    """
+    path = os.fspath(path)
+    try:
+        data = safe_load(path, map_location=map_location)
+    except pickle.UnpicklingError as error:
+        if REFUSED_GLOBAL.search(str(error)):
+            raise ValueError(f"{path}: refused, {refusal(error)}") from None
+        # Not a pickle torch can read (a text file reads as unknown instructions).
+        raise ValueError(f"{path} is not a nan_magic scene file") from None
+    except (EOFError, KeyError):  # what torch.load raises on a file that is no pickle at all
+        raise ValueError(f"{path} is not a nan_magic scene file") from None
+    if not isinstance(data, dict) or data.get("format") != SCENE_FORMAT:
+        raise ValueError(f"{path} is not a nan_magic scene file")
+    return Scene(path, data)
+
+
+class Scene:
+    """A crash scene read back by :func:`load_scene`.
+
+    Attributes
+    ----------
+    path
+        The file it was read from.
+    data
+        Everything the file holds (see :data:`SCENE_KEYS`).
+    report
+        The event's Report.
+    step, phase, module
+        The failing step, the phase and the producer module's qualified name.
+    batch
+        ``{path: tensor}``: what entered the watched model in the failing step.
+    producer_inputs
+        ``{path: tensor}``: what the producer module was called with.
+    versions
+        Versions of torch, Python, nan_magic and CUDA that wrote it.
+    """
+
+    def __init__(self, path: str, data: dict[str, Any]) -> None:
+        self.path = path
+        self.data = data
+        self.report: Report = dataclasses.replace(data["report"], scene=path, scene_bytes=os.path.getsize(path))
+        self.step: int = data["step"]
+        self.phase = Phase(data["phase"])
+        self.module: str | None = data["module"]
+        #: The module whose call ``producer_inputs`` are: the producer, or the model call that held it.
+        self.call_module: str | None = data.get("call_module", self.module)
+        self.batch: dict[str, torch.Tensor] = data.get("batch") or {}
+        self.producer_inputs: dict[str, torch.Tensor] = data.get("producer_inputs") or {}
+        self.versions: dict[str, str | None] = data.get("versions") or {}
+
+    def __repr__(self) -> str:
+        return f"Scene({self.path!r}: {self.report.message})"
+
+    @property
+    def rng_state(self) -> RngState | None:
+        """The RNG state to re-run the failing step from, where known (see ``data['rng']``)."""
+        return self._saved_rng("step")
+
+    @property
+    def producer_rng_state(self) -> RngState | None:
+        """The RNG state right before the producer module's call (its dropout masks), where known."""
+        return self._saved_rng("producer")
+
+    def _saved_rng(self, key: str) -> RngState | None:
+        saved = (self.data.get("rng") or {}).get(key)
+        if saved is None:
+            return None
+        # CUDA generator states can only be set where CUDA is available.
+        cuda = tuple(saved["cuda"]) if saved["cuda"] is not None and torch.cuda.is_available() else None
+        return RngState(cpu=saved["cpu"], cuda=cuda)
+
+    # -- state ------------------------------------------------------------------
+
+    def restore_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scaler: Any = None,
+        *,
+        state: str = "auto",
+    ) -> None:
+        """Load the saved state into ``model`` (and optimizers, GradScalers) the user provides.
+
+        Parameters
+        ----------
+        model
+            A model of the same architecture (a fixed version of it is fine:
+            only parameters and buffers are loaded, and train/eval modes set).
+        optimizer, scaler
+            One, or several in the order the watch saw them.
+        state
+            ``"event"``: as at the event; ``"last_good"``: after the last step
+            that ended finite (needs ``keep_last_good``); ``"auto"``: the
+            state the failing step started from, i.e. ``"last_good"`` for an
+            optimizer-phase event (the step had already changed the
+            parameters) and ``"event"`` otherwise.
+        """
+        source = self._state(state)
+        name, saved = self._pick_model(source["models"] or {}, model)
+        model.load_state_dict(saved)
+        modes = (self.data.get("training") or {}).get(name, {})
+        for sub_name, sub in model.named_modules():
+            if sub_name in modes:
+                sub.training = modes[sub_name]
+        _load_each("optimizer", _as_list(optimizer), source["optimizers"] or [])
+        _load_each("GradScaler", _as_list(scaler), self.data.get("scalers") or [])
+
+    def _state(self, state: str) -> dict[str, Any]:
+        last_good = self.data.get("last_good")
+        if state == "auto":
+            state = "last_good" if self.phase == Phase.OPTIMIZER and last_good else "event"
+        if state == "event":
+            return {"models": self.data.get("models"), "optimizers": self.data.get("optimizers")}
+        if state == "last_good":
+            if not last_good:
+                raise ValueError("this scene has no last-good state: watch with keep_last_good and dump together")
+            return last_good
+        raise ValueError(f"state must be 'auto', 'event' or 'last_good', not {state!r}")
+
+    def _pick_model(self, models: dict[str, Any], model: nn.Module) -> tuple[str, Any]:
+        """The saved model ``model`` stands for: the only one, the producer's, or the one with its keys."""
+        candidates = {name: saved for name, saved in models.items() if saved is not None}
+        if len(candidates) == 1:
+            return next(iter(candidates.items()))
+        keys = set(model.state_dict())
+        matching = [name for name, saved in candidates.items() if set(saved) == keys]
+        if self.report.model in matching:
+            return self.report.model, candidates[self.report.model]
+        if len(matching) == 1:
+            return matching[0], candidates[matching[0]]
+        raise ValueError(
+            f"cannot tell which saved model {type(model).__name__} stands for; the scene has "
+            f"{', '.join(candidates) or 'none'}"
+        )
+
+    # -- replay -------------------------------------------------------------------
+
+    def replay(self, model: nn.Module, *args: Any, **kwargs: Any) -> ReplayResult:
+        """Run the producer module of ``model`` (or the model call that held it) again, under op-level tracing.
+
+        ``model`` is used as it is: call :meth:`restore_into` first to give it
+        the scene's weights, then change what you want to try (``model.norm.eps
+        = 1e-5``, a patched ``forward``). The replay runs under ``no_grad`` and
+        leaves the model, its buffers and the RNG as they were.
+
+        Parameters
+        ----------
+        model
+            The model that holds the producer (found by its qualified name).
+        *args, **kwargs
+            The call's arguments, instead of the saved ones (needed when the
+            producer took non-tensor or nested arguments).
+
+        Returns
+        -------
+        ReplayResult
+            ``reproduced`` and ``finding`` (the op and line) when the
+            non-finite value came back; ``reproduced`` False after a fix.
+        """
+        report = self.report
+        if report.phase != Phase.FORWARD or report.module is None:
+            where = " outside every module" if report.module is None else ""
+            raise ValueError(
+                f"the producer ran in {report.phase}{where}: only a forward producer module can be replayed "
+                "alone; re-run the whole step with scene.rerun_step(step, model, optimizer)"
+            )
+        called = self.call_module if self.call_module is not None else report.module
+        try:
+            module = model.get_submodule(called)
+        except AttributeError:
+            raise ValueError(
+                f"{type(model).__name__} has no submodule {called!r} (the call that held the producer "
+                f"{report.module!r}, a {report.module_type})"
+            ) from None
+        if not args and not kwargs:
+            args, kwargs = self.producer_call()
+        device = next((t.device for t in (*module.parameters(), *module.buffers())), None)
+        if device is not None:
+            args, kwargs = _moved(args, device), _moved(kwargs, device)
+        rng = self.producer_rng_state or (self.rng_state if called == "" else None)
+        return replay_module(
+            module,
+            args,
+            kwargs,
+            rng_state=rng or capture_rng_state(),
+            kinds=frozenset(self.data.get("kinds") or ("nan", "inf")),
+            module_name=called,
+        )
+
+    def producer_call(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """The producer's saved inputs as ``(args, kwargs)``.
+
+        Raises
+        ------
+        ValueError
+            When they cannot be rebuilt: the call took non-tensor positional
+            arguments (not saved) or nested containers.
+        """
+        positional: dict[int, torch.Tensor] = {}
+        keywords: dict[str, torch.Tensor] = {}
+        for path, tensor in self.producer_inputs.items():
+            match = _POSITIONAL.fullmatch(path)
+            if match:
+                positional[int(match[1])] = tensor
+                continue
+            match = _KEYWORD.fullmatch(path)
+            key = _literal(match[1]) if match else None
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"the producer was called with a nested input ({path}): pass the arguments yourself, "
+                    "scene.replay(model, *args, **kwargs)"
+                )
+            keywords[key] = tensor
+        if sorted(positional) != list(range(len(positional))):
+            raise ValueError(
+                "the producer was called with non-tensor positional arguments, which the scene does not hold: "
+                "pass the arguments yourself, scene.replay(model, *args, **kwargs)"
+            )
+        return tuple(positional[index] for index in sorted(positional)), keywords
+
+    def rerun_step(
+        self,
+        step: Callable[[], Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scaler: Any = None,
+        *,
+        ops: bool = True,
+        state: str = "auto",
+    ) -> Watch:
+        """Re-run the whole failing step under a watch (op-level by default).
+
+        Restores the state the step started from (see :meth:`restore_into`)
+        and the RNG state where the scene knows it, then calls ``step()``,
+        which the user writes with ``scene.batch`` (the scene holds what
+        entered the model; targets or a loss computed outside it are the
+        user's to supply).
+
+        Returns
+        -------
+        Watch
+            Its ``report`` is None when the step stayed finite; the watch
+            records and continues (``on_detect="log"``), it never raises.
+
+        Notes
+        -----
+        Exact where the step is a function of the saved state, batch and RNG.
+        The RNG state is the one before the failing step's top-level forward
+        (forward events) or right after the last finite step
+        (``keep_last_good``, checked right after each step); otherwise the
+        current state is used and dropout draws other masks.
+        """
+        from nan_magic.lifecycle.watch import watch
+
+        self.restore_into(model, optimizer, scaler, state=state)
+        watcher = watch(model, *_as_list(optimizer), *_as_list(scaler), on_detect="log", ops=ops)
+        rng = self.rng_state
+        if rng is not None:
+            restore_rng_state(rng)
+        with watcher:
+            step()
+        return watcher
+
+
+def replay_summary(result: ReplayResult, module: str | None) -> str:
+    """One line saying what a replay of ``module`` found."""
+    label = module or "the root module"
+    op = result.finding
+    if op is None:
+        return result.note or f"replay of {label} stayed finite"
+    kinds = ", ".join(f"{count} {kind}" for kind, count in (("nan", op.nan), ("+inf", op.posinf), ("-inf", op.neginf))
+                      if count)
+    where = f" at {op.source}" if op.source is not None else ""
+    return f"replay of {label} reproduced {kinds} in {op.op}{where}"
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _load_each(kind: str, owners: list[Any], saved: list[dict[str, Any] | None]) -> None:
+    if len(owners) > len(saved):
+        raise ValueError(f"the scene holds the state of {len(saved)} {kind}(s), not {len(owners)}")
+    for owner, entry in zip(owners, saved):
+        if entry is None or entry.get("state") is None:
+            raise ValueError(f"the scene does not hold this {kind}'s state (see the report's notes)")
+        # A copy: an optimizer adopts tensors on its own device without copying,
+        # and training on must not change the scene.
+        owner.load_state_dict(copy.deepcopy(entry["state"]))
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved(item, device) for item in value)
+    return {key: _moved(item, device) for key, item in value.items()}
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
