@@ -21,6 +21,8 @@ from nan_magic.records import (
     Report,
     SourcePointer,
     StepSummary,
+    TensorRef,
+    TensorRole,
     TensorStats,
 )
 from nan_magic.scene.load import Scene, load_scene
@@ -38,6 +40,8 @@ __all__ = [
     "Scene",
     "SourcePointer",
     "StepSummary",
+    "TensorRef",
+    "TensorRole",
     "TensorStats",
     "Watch",
     "WatchConfig",

@@ -1,9 +1,11 @@
 """Name a source location the way the user knows it.
 
 Code typed into a notebook or IPython cell lives in a temporary file named
-after a hash (``/tmp/ipykernel_4242/1234.py``); IPython itself writes it as
-``Cell In[5], line 14``, and so do we. Any other file is named relative to
-the working directory, where the user's own modules usually are.
+after a hash (``/tmp/ipykernel_4242/1234.py``); IPython 8 and later write it
+as ``Cell In[5], line 14``, and so do we. IPython 7 (Colab's) names cells
+``<ipython-input-5-88efa2196d22>`` and cannot say more; we name those
+``Cell In[5]`` too. Any other file is named relative to the working
+directory, where the user's own modules usually are.
 
 Stdlib only, and IPython is never imported here: where IPython already
 runs, it is found in ``sys.modules``.
@@ -12,6 +14,7 @@ runs, it is found in ``sys.modules``.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -25,14 +28,21 @@ def running_shell() -> Any:
     return get_ipython() if get_ipython is not None else None
 
 
+#: The pseudo file name IPython 7 compiles cell N into (``<ipython-input-5-88efa2196d22>``).
+_IPYTHON7_CELL = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
+
+
 def _cell_name(filename: str) -> str | None:
-    """``In[5]`` for a file IPython compiled from a cell, else None."""
+    """``Cell In[5]`` for a file IPython compiled from a cell, else None."""
     shell = running_shell()
+    # IPython 8+ knows its cells' files (CachingCompiler.format_code_name);
+    # IPython 7 has no such method, but its file names carry the number.
     format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if format_code_name is None:
-        return None
-    named = format_code_name(filename)
-    return f"{named[0]} {named[1]}" if named else None
+    named = format_code_name(filename) if format_code_name is not None else None
+    if named:
+        return f"{named[0]} {named[1]}"
+    match = _IPYTHON7_CELL.fullmatch(filename)
+    return f"Cell In[{match.group(1)}]" if match else None
 
 
 def name_file(filename: str) -> str:

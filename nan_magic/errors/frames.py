@@ -186,7 +186,8 @@ _MAX_SHORT_FRAMES = 5
 
 def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
     where = name_location(frame.filename, frame.lineno)
-    if frame.function != "<module>":
+    # A cell's top level: IPython 7 names its code "<cell line: 0>", IPython 9 "<module>".
+    if frame.function != "<module>" and not frame.function.startswith("<cell line:"):
         where += f", in {frame.function}"
     lines = [prefix + where]
     if frame.line:

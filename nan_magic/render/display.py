@@ -60,11 +60,29 @@ def mimebundle(report: Report) -> dict[str, Any]:
     try:
         from nan_magic.render.widget import build_widget
 
-        view = build_widget(report, hides=static_id)._repr_mimebundle_()[WIDGET_MIME]
+        view = _widget_view(build_widget(report, hides=static_id))
     except Exception:
         return bundle
     shell.display_pub.publish(data=bundle, metadata={})
     return {"text/plain": WIDGET_PLAIN, WIDGET_MIME: view}
+
+
+def _widget_view(widget: Any) -> Any:
+    """The widget's view (its model id), displayed the way its ipywidgets displays widgets.
+
+    ipywidgets 8 returns it from ``_repr_mimebundle_``. ipywidgets 7
+    (Colab's) has no such method: ``_ipython_display_`` publishes the view
+    itself, so that publication is captured (IPython's own capture) and its
+    view returned; the report's bundle then carries it, after the static copy.
+    """
+    repr_mimebundle = getattr(widget, "_repr_mimebundle_", None)
+    if repr_mimebundle is not None:
+        return repr_mimebundle()[WIDGET_MIME]
+    from IPython.utils.capture import capture_output
+
+    with capture_output(stdout=False, stderr=False) as captured:
+        widget._ipython_display_()
+    return next(output.data[WIDGET_MIME] for output in captured.outputs if WIDGET_MIME in output.data)
 
 
 def _kernel_shell() -> Any:

@@ -1,10 +1,11 @@
 """The interactive report: core ipywidgets only (no custom widget JavaScript).
 
 Core controls render in JupyterLab, Notebook 7, VS Code and Colab without
-installing a frontend extension. Everything a tab shows is bounded: the
-table renders at most ``max_rows`` rows (filtering re-renders on demand)
-and a histogram is drawn only for the sample picked in the selector, so a
-model with thousands of module calls does not freeze the kernel or the page.
+installing a frontend extension; the code runs on ipywidgets 7 (Colab's)
+and 8. Everything a tab shows is bounded: the table renders at most
+``max_rows`` rows (filtering re-renders on demand) and a histogram is
+drawn only for the sample picked in the selector, so a model with
+thousands of module calls does not freeze the kernel or the page.
 """
 
 from __future__ import annotations
@@ -72,7 +73,12 @@ def build_widget(
         _html(_debug_body(report)),
         _html(history_html(report) or "<p>No history: the watch kept no earlier steps.</p>"),
     ]
-    tab = widgets.Tab(children=children, titles=TAB_TITLES)
+    tab = widgets.Tab(children=children)
+    if tab.has_trait("titles"):  # ipywidgets 8
+        tab.titles = TAB_TITLES
+    else:  # ipywidgets 7 (Colab's): titles are set one by one
+        for index, title in enumerate(TAB_TITLES):
+            tab.set_title(index, title)
     tab.add_class("nan-magic-widget")
     return tab
 
