@@ -282,6 +282,22 @@ def test_options_of_the_wrong_type_are_one_line_type_errors(options, message) ->
     assert global_hook_counts() == before
 
 
+def test_an_unknown_option_is_a_type_error_naming_it_and_every_option_is_in_the_signature() -> None:
+    import dataclasses
+    import inspect
+
+    unknown = r"^watch\(\) got an unexpected keyword argument 'foo'; its options are on_detect"
+    with pytest.raises(TypeError, match=unknown):
+        nan_magic.watch(small_model(), foo=1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'kind'; did you mean 'kinds'\?$"):
+        nan_magic.watch(small_model(), kind="nan")
+    parameters = inspect.signature(nan_magic.watch).parameters
+    for option in dataclasses.fields(nan_magic.WatchConfig):
+        assert parameters[option.name].default == option.default
+        assert f"\n    {option.name}\n" in nan_magic.WatchConfig.__doc__  # documented where it is declared
+    assert nan_magic.watch(small_model(), keep_last_good=True).config.keep_last_good == "cpu"
+
+
 class _Exploding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / (x - x)

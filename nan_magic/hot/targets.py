@@ -20,7 +20,7 @@ from torch import nn
 from nan_magic.distributed.ranks import data_parallel_paths, user_name, user_type
 from nan_magic.hot.deterministic import draws_no_random
 from nan_magic.hot.transparent import Transparency, transparency
-from nan_magic.records import WatchConfig
+from nan_magic.options import WatchConfig
 
 __all__ = ["ModuleInfo", "Targets", "describe", "refuse_compiled", "resolve_targets"]
 

@@ -59,7 +59,8 @@ from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
 from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.untouched import untouched
-from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
