@@ -20,6 +20,8 @@ from nan_magic.records import (
     Report,
     SourcePointer,
     StepSummary,
+    TensorRef,
+    TensorRole,
     TensorStats,
     WatchConfig,
 )
@@ -38,6 +40,8 @@ __all__ = [
     "Scene",
     "SourcePointer",
     "StepSummary",
+    "TensorRef",
+    "TensorRole",
     "TensorStats",
     "Watch",
     "WatchConfig",

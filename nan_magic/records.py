@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from nan_magic.locations import name_location
+from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
 __all__ = [
     "KINDS",
+    "LOSS",
     "AbsorbedOp",
     "Cause",
     "LayerCall",
@@ -33,6 +35,8 @@ __all__ = [
     "Sample",
     "SourcePointer",
     "StepSummary",
+    "TensorRef",
+    "TensorRole",
     "TensorStats",
     "WatchConfig",
     "WatchMode",
@@ -174,6 +178,8 @@ class Sample:
     posinf: int | None = None
     neginf: int | None = None
     zeros: int | None = None
+    #: Which tensor of the producer it samples (None for the other layers' samples).
+    tensor: TensorRef | None = None
 
 
 @dataclass(frozen=True)
@@ -254,8 +260,8 @@ class Report:
 
     Attributes follow PRODUCT.md. ``module`` is the qualified name within
     ``model`` (``""`` for its root, ``None`` outside every watched module);
-    ``tensor`` says which value went bad (``"output"``, ``"output[1]"``,
-    ``"parameter fc.weight"``, ``"input[0]"``).
+    ``tensor`` says which value went bad, as a :class:`TensorRef` (its role,
+    name and path; ``str()`` gives ``output[1]``, ``parameter fc.weight``).
     """
 
     phase: Phase
@@ -266,7 +272,7 @@ class Report:
     posinf: int
     neginf: int
     numel: int
-    tensor: str = "output"
+    tensor: TensorRef = OUTPUT
     model: str | None = None
     op: str | None = None
     source: SourcePointer | None = None
@@ -278,8 +284,9 @@ class Report:
     output_stats: TensorStats | None = None
     #: Where the op was named by a replay: ``(name, stats)`` of the producer module's output, which
     #: the check saw (``tensor`` and the counts are then the op's own output).
-    module_output: tuple[str, TensorStats] | None = None
-    input_stats: tuple[tuple[str, TensorStats], ...] = ()
+    module_output: tuple[TensorRef, TensorStats] | None = None
+    #: The producer's inputs: the module call's arguments (role input) and the op's operands (role operand).
+    input_stats: tuple[tuple[TensorRef, TensorStats], ...] = ()
     layers: tuple[LayerCall, ...] = ()
     layers_dropped: int = 0
     samples: tuple[Sample, ...] = ()
@@ -342,20 +349,10 @@ class Report:
 
     @property
     def message(self) -> str:
-        """The one-line summary used as the exception message."""
-        kinds = ", ".join(
-            f"{count} {kind}" for kind, count in self.counts.items() if count
-        ) or "non-finite values"
-        where = self.where
-        if self.op:
-            where += f", op {self.op}"
-        if self.source is not None:
-            where += f" at {name_location(self.source.filename, self.source.lineno)}"
-        verb = "benign non-finite" if self.benign else "non-finite" if self.follows else "first non-finite"
-        # The op's own output needs no second naming: "op aten.div.Tensor" follows.
-        tensor = "value" if self.op and self.tensor == f"output of {self.op}" else self.tensor
-        after = ", after the first event" if self.follows else ""
-        return f"{verb} {tensor} in {self.phase} step {self.step}: {where} ({kinds} of {self.numel}){after}"
+        """The one-line summary used as the exception message (written by :mod:`nan_magic.render.message`)."""
+        from nan_magic.render.message import report_message
+
+        return report_message(self)
 
     # -- views (renderers are imported lazily: `import nan_magic` stays light) --
 

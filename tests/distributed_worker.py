@@ -74,11 +74,11 @@ def describe(error: BaseException | None) -> dict[str, Any]:
         seen["report"] = {
             "phase": str(report.phase), "module": report.module, "module_type": report.module_type,
             "op": report.op, "step": report.step, "rank": report.rank, "world_size": report.world_size,
-            "tensor": report.tensor, "notes": list(report.notes), "text": report.to_text(),
+            "tensor": report.to_dict()["tensor"], "notes": list(report.notes), "text": report.to_text(),
         }
         seen["json_rank"] = json.loads(report.to_json())["rank"]
     local = getattr(error, "local_report", None)
-    seen["local_tensor"] = local.tensor if local is not None else None
+    seen["local_tensor"] = local.to_dict()["tensor"] if local is not None else None
     seen["local_module"] = [local.module, local.module_type] if local is not None else None
     return seen
 

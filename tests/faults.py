@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.records import TensorRef
+
 
 def marked_line(key: str, kind: str = "producer", where: Any = None) -> int:
     """Line number of the ``# producer: key`` (or ``# <kind>: key``) comment.
@@ -90,6 +92,9 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(((a - b) ** 2).sum(-1))  # producer: distance
 
 
+_OUTPUT = TensorRef.output()
+
+
 @dataclass
 class Fault:
     name: str
@@ -97,7 +102,7 @@ class Fault:
     phase: str
     module: str | None
     module_type: str | None
-    tensor: str = "output"
+    tensor: TensorRef = _OUTPUT
     kinds: frozenset[str] = frozenset({"nan"})
     op: str | None = None
     marker: str | None = None
@@ -252,16 +257,16 @@ def _shared() -> tuple[nn.Module, Callable[[], Any]]:
 
 
 FORWARD_FAULTS = [
-    Fault("inf_weight", _inf_weight, "forward", "2", "Linear", tensor="parameter 2.weight",
+    Fault("inf_weight", _inf_weight, "forward", "2", "Linear", tensor=TensorRef.parameter("2.weight"),
           kinds=frozenset({"+inf"})),
     Fault("log_negative", _log_negative, "forward", "1", "LogLayer", op="aten.log.default", marker="log"),
     Fault("zero_variance", _zero_variance, "forward", "1", "HandNorm", op="aten.div.Tensor", marker="norm"),
     Fault("fp16_overflow", _fp16_overflow, "forward", "1", "HalfMatmul", kinds=frozenset({"+inf"}),
           op="aten.mm.default", marker="fp16"),
-    Fault("nan_in_batch", _nan_in_batch, "data", "", "Sequential", tensor="input[0]"),
-    Fault("tuple_output", _tuple_output, "forward", "1", "TwoHeads", tensor="output[1]",
+    Fault("nan_in_batch", _nan_in_batch, "data", "", "Sequential", tensor=TensorRef.argument("input[0]")),
+    Fault("tuple_output", _tuple_output, "forward", "1", "TwoHeads", tensor=TensorRef.output("output[1]"),
           op="aten.sqrt.default", marker="tuple"),
-    Fault("dict_output", _dict_output, "forward", "1", "DictHeads", tensor="output['logits']",
+    Fault("dict_output", _dict_output, "forward", "1", "DictHeads", tensor=TensorRef.output("output['logits']"),
           kinds=frozenset({"nan", "+inf", "-inf"}), op="aten.div.Tensor", marker="dict"),
     Fault("called_twice", _called_twice, "forward", "scale", "Scale", kinds=frozenset({"+inf", "-inf"}),
           op="aten.mul.Tensor", marker="twice", extra={"call_of_module": 2}),

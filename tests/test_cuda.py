@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.records import TensorRef
 
 pytestmark = [
     pytest.mark.cuda,
@@ -93,7 +94,8 @@ def test_a_backward_producer_in_the_loss_code_on_cuda() -> None:
 def test_an_optimizer_producer_on_cuda() -> None:
     model, opt, step = on_cuda(faults.fp16_adam_step)
     _w, report = watched_error(step, model, opt)
-    assert (report.phase, report.module, report.tensor, report.step) == ("optimizer", "0", "parameter 0.weight", 0)
+    seen = (report.phase, report.module, report.tensor, report.step)
+    assert seen == ("optimizer", "0", TensorRef.parameter("0.weight"), 0)
 
 
 def test_an_autocast_float16_overflow_on_cuda_is_replayed_in_float16() -> None:

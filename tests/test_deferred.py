@@ -24,6 +24,7 @@ from nan_magic import NonFiniteError
 from nan_magic.hot import optim, stats
 from nan_magic.hot import step_log as calls
 from nan_magic.lifecycle import watch
+from nan_magic.records import TensorRef, TensorRole
 
 # Functions that read tensor values on the host: none may run in a healthy deferred step.
 PER_TENSOR_READS = ("kinds_of", "tensor_stats")
@@ -104,7 +105,8 @@ def test_deferred_finds_optimizer_producers_at_the_next_sync() -> None:
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=True, mode="full"):
         step()
     report = caught.value.report
-    assert (report.phase, report.module, report.tensor, report.step) == ("optimizer", "0", "parameter 0.weight", 0)
+    seen = (report.phase, report.module, report.tensor, report.step)
+    assert seen == ("optimizer", "0", TensorRef.parameter("0.weight"), 0)
 
 
 def test_deferred_names_a_freed_producer_from_its_probe() -> None:
@@ -228,7 +230,8 @@ def test_a_producer_whose_inputs_were_freed_is_replayed_from_its_recomputed_inpu
     assert report.nan > 0 and report.nan + report.posinf + report.neginf <= report.numel == 32
     assert any("running 1 again on the same inputs" in note for note in report.notes)
     # Its input, recomputed from the Linear that returned it, is described and finite (then the op's, "self").
-    assert [name for name, _stats in report.input_stats] == ["input[0]", "self"]
+    operand = TensorRef(TensorRole.OPERAND, "self")
+    assert [name for name, _stats in report.input_stats] == [TensorRef.argument("input[0]"), operand]
     assert report.input_stats[0][1].nonfinite == 0 and report.input_stats[0][1].numel == 32
 
 
@@ -254,7 +257,8 @@ def test_gradients_checked_on_autograds_own_thread() -> None:
         worker.start()
         worker.join()
     report = caught.value.report
-    assert (report.phase, report.module, report.tensor) == ("backward", None, "grad of model output")
+    model_output_gradient = TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output")
+    assert (report.phase, report.module, report.tensor) == ("backward", None, model_output_gradient)
 
 
 def test_without_replay_the_deferred_report_still_names_the_producer() -> None:

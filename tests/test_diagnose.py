@@ -21,7 +21,7 @@ from watching import raised, sgd_regression
 import nan_magic
 from nan_magic.explain import diagnose as diagnose_module
 from nan_magic.explain.diagnose import DIVERGENCE_RISES, LABELS, diagnose
-from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorStats
+from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorRef, TensorRole, TensorStats
 
 
 def assert_cause(report: Report, label: str, *named: str) -> Cause:
@@ -56,7 +56,7 @@ EXPECTED = {  # fault -> (label with replay, label in ops mode)
 def test_every_fault_gets_its_cause_and_a_hint_naming_the_producer(fault: Fault, ops: bool) -> None:
     model, run = fault.build()
     report = raised(run, model, ops=ops, mode="full")
-    named = fault.tensor if fault.phase == "data" else f"{fault.module} ({fault.module_type})"
+    named = str(fault.tensor) if fault.phase == "data" else f"{fault.module} ({fault.module_type})"
     assert_cause(report, EXPECTED[fault.name][ops], named)
 
 
@@ -181,7 +181,7 @@ def test_a_fully_masked_softmax_row(ops: bool) -> None:
 def test_learning_rate_too_high_needs_the_loss_growing_before_the_event() -> None:
     w = sgd_regression(lr=1.0, on_detect="log")
     report = w.report
-    assert report is not None and report.tensor == "loss" and report.step > 20
+    assert report is not None and report.tensor.role is TensorRole.LOSS and report.step > 20
     cause = assert_cause(report, "learning-rate-too-high", "the loss rose", "became 1 +inf",
                          "lower the learning rate")
     assert any(f"rising on each of the last {DIVERGENCE_RISES} steps" in line for line in cause.evidence)
@@ -316,10 +316,11 @@ def test_the_facts_survive_json_pickle_and_the_scene(tmp_path) -> None:
 
 def test_the_diagnosis_never_reads_a_fact_from_the_notes() -> None:
     # A note that reads like a fact is prose for the user: without the field there is no node rule to apply.
-    cause = diagnose(report(phase=Phase.BACKWARD, op="aten.div.Tensor", tensor="output of aten.div.Tensor", posinf=3,
+    cause = diagnose(report(phase=Phase.BACKWARD, op="aten.div.Tensor", tensor=TensorRef.op_output("aten.div.Tensor"),
+                            posinf=3,
                             notes=("aten.div.Tensor ran in the backward of the forward line (SqrtBackward0)",)))
     assert cause.label == "unclassified"
-    cause = diagnose(report(phase=Phase.OPTIMIZER, tensor="parameter fc.weight", dtype="float16", nan=5,
+    cause = diagnose(report(phase=Phase.OPTIMIZER, tensor=TensorRef.parameter("fc.weight"), dtype="float16", nan=5,
                             notes=("the Adam step made fc.weight non-finite",)))
     assert cause.label == "unclassified" and "Adam" not in cause.hint
 
@@ -401,17 +402,21 @@ def stats(dtype: str = "float32", shape: tuple[int, ...] = (4, 4), **fields) -> 
     return TensorStats(dtype=dtype, shape=shape, numel=numel, **base)
 
 
+def operand(name: str) -> TensorRef:
+    return TensorRef(TensorRole.OPERAND, name)
+
+
 def report(**fields) -> Report:
     base = {
         "phase": Phase.FORWARD, "module": "encoder.log", "module_type": "LogLayer", "step": 3,
-        "nan": 0, "posinf": 0, "neginf": 0, "numel": 16, "dtype": "float32", "tensor": "output",
+        "nan": 0, "posinf": 0, "neginf": 0, "numel": 16, "dtype": "float32", "tensor": TensorRef.output(),
     }
     base.update(fields)
     return Report(**base)
 
 
 def test_log_counts_zeros_and_negatives_from_the_output() -> None:
-    cause = diagnose(report(op="aten.log.default", nan=3, neginf=12, input_stats=(("self", stats()),)))
+    cause = diagnose(report(op="aten.log.default", nan=3, neginf=12, input_stats=((operand("self"), stats()),)))
     assert cause.label == "log-domain"
     assert "log got 12 zeros and 3 negatives in `self` of aten.log.default in encoder.log (LogLayer)" in cause.hint
 
@@ -427,7 +432,7 @@ def test_log1p_speaks_of_values_below_minus_one() -> None:
     ids=["zeros", "negatives"],
 )
 def test_rsqrt_of_zeros_is_a_zero_variance_and_of_negatives_a_domain_error(counts, label) -> None:
-    cause = diagnose(report(op="aten.rsqrt.default", input_stats=(("self", stats()),), **counts))
+    cause = diagnose(report(op="aten.rsqrt.default", input_stats=((operand("self"), stats()),), **counts))
     assert cause.label == label and "encoder.log (LogLayer)" in cause.hint
 
 
@@ -436,22 +441,25 @@ def test_pow_readings() -> None:
         return diagnose(report(op="aten.pow.Tensor_Scalar", dtype=dtype, input_stats=inputs, **counts))
 
     assert pow_cause(nan=2).label == "pow-domain"
-    assert pow_cause(posinf=3, inputs=(("self", stats(zeros=3)),)).label == "pow-domain"
-    assert pow_cause("float16", posinf=3, inputs=(("self", stats("float16")),)).label == "half-precision-overflow"
-    unknown = pow_cause(posinf=3, inputs=(("input[0]", stats()),))  # the module's input, not the base
+    assert pow_cause(posinf=3, inputs=((operand("self"), stats(zeros=3)),)).label == "pow-domain"
+    half = pow_cause("float16", posinf=3, inputs=((operand("self"), stats("float16")),))
+    assert half.label == "half-precision-overflow"
+    # The module's input, not the base:
+    unknown = pow_cause(posinf=3, inputs=((TensorRef.argument("input[0]"), stats()),))
     assert unknown.label == "unclassified" and "zero to a negative power or an overflow" in unknown.hint
 
 
 def test_a_scalar_zero_over_zero_is_an_empty_reduction() -> None:
-    inputs = (("self", stats(shape=(), absmax=0.0, min=0.0, max=0.0, zeros=1)),
-              ("other", stats(shape=(), absmax=0.0, min=0.0, max=0.0, zeros=1)))
+    inputs = ((operand("self"), stats(shape=(), absmax=0.0, min=0.0, max=0.0, zeros=1)),
+              (operand("other"), stats(shape=(), absmax=0.0, min=0.0, max=0.0, zeros=1)))
     cause = diagnose(report(op="aten.div.Tensor", module=None, module_type=None, nan=1, numel=1,
                             input_stats=inputs))
     assert cause.label == "empty-reduction"
 
 
 def test_a_half_quotient_without_a_zero_divisor_is_an_overflow() -> None:
-    inputs = (("self", stats("float16", absmax=3e4)), ("other", stats("float16", zeros=0, absmax=1e-3)))
+    inputs = ((operand("self"), stats("float16", absmax=3e4)),
+              (operand("other"), stats("float16", zeros=0, absmax=1e-3)))
     cause = diagnose(report(op="aten.div.Tensor", dtype="float16", posinf=2, input_stats=inputs))
     assert cause.label == "half-precision-overflow" and "30000 (`self`)" in cause.hint
 
@@ -469,7 +477,8 @@ def test_exp_that_made_no_inf_is_not_an_exp_overflow() -> None:
 def test_a_backward_op_is_read_through_its_forward_function(node: str, label: str) -> None:
     line = SourcePointer("/home/me/model.py", 42, "forward", "    d = torch.linalg.vector_norm(x - y, dim=-1)")
     cause = diagnose(report(
-        phase=Phase.BACKWARD, op="aten.div.Tensor", tensor="output of aten.div.Tensor", posinf=3, source=line,
+        phase=Phase.BACKWARD, op="aten.div.Tensor", tensor=TensorRef.op_output("aten.div.Tensor"), posinf=3,
+        source=line,
         autograd_node=node,
     ))
     assert cause.label == label
@@ -478,14 +487,14 @@ def test_a_backward_op_is_read_through_its_forward_function(node: str, label: st
 
 
 def test_a_backward_without_its_op_gives_the_checklist_not_a_guess() -> None:
-    cause = diagnose(report(phase=Phase.BACKWARD, module="head", module_type="AngleHead", tensor="grad of input[1]",
-                            nan=16))
+    gradient = TensorRef(TensorRole.OUTPUT_GRADIENT, None, "input[1]")
+    cause = diagnose(report(phase=Phase.BACKWARD, module="head", module_type="AngleHead", tensor=gradient, nan=16))
     assert cause.label == "unclassified"
     assert "head (AngleHead)" in cause.hint and "ops=True" in cause.hint and "acos" in cause.hint
 
 
 def test_a_gradient_about_to_be_applied() -> None:
-    cause = diagnose(report(phase=Phase.BACKWARD, module="", module_type="Linear", tensor="gradient of weight",
+    cause = diagnose(report(phase=Phase.BACKWARD, module="", module_type="Linear", tensor=TensorRef.gradient("weight"),
                             posinf=1))
     assert cause.label == "unclassified" and "gradient of weight" in cause.hint
 
@@ -493,11 +502,12 @@ def test_a_gradient_about_to_be_applied() -> None:
 @pytest.mark.parametrize(
     ("dtype", "tensor", "optimizer", "counts", "label"),
     [
-        ("float16", "state exp_avg_sq of fc.weight", "Adam", {"posinf": 5}, "half-precision-overflow"),
-        ("float16", "parameter fc.weight", "AdamW", {"nan": 5}, "optimizer-eps-underflow"),
-        ("bfloat16", "parameter fc.weight", "Adam", {"nan": 5}, "unclassified"),
-        ("float32", "parameter fc.weight", "SGD", {"nan": 5}, "unclassified"),
-        ("float16", "parameter fc.weight", "SGD", {"posinf": 5}, "half-precision-overflow"),
+        ("float16", TensorRef(TensorRole.OPTIMIZER_STATE, "fc.weight", "exp_avg_sq"), "Adam", {"posinf": 5},
+         "half-precision-overflow"),
+        ("float16", TensorRef.parameter("fc.weight"), "AdamW", {"nan": 5}, "optimizer-eps-underflow"),
+        ("bfloat16", TensorRef.parameter("fc.weight"), "Adam", {"nan": 5}, "unclassified"),
+        ("float32", TensorRef.parameter("fc.weight"), "SGD", {"nan": 5}, "unclassified"),
+        ("float16", TensorRef.parameter("fc.weight"), "SGD", {"posinf": 5}, "half-precision-overflow"),
     ],
     ids=["fp16-state-overflow", "fp16-adamw", "bf16-holds-eps", "fp32-sgd", "fp16-sgd-overflow"],
 )
@@ -510,7 +520,7 @@ def test_optimizer_rules_need_the_dtype_and_the_optimizer(dtype, tensor, optimiz
 
 def test_an_epsilon_division_op_without_the_optimizer_still_counts_in_float16() -> None:
     cause = diagnose(report(phase=Phase.OPTIMIZER, op="aten.addcdiv_.default", dtype="float16", nan=4,
-                            tensor="output of aten.addcdiv_.default"))
+                            tensor=TensorRef.op_output("aten.addcdiv_.default")))
     assert cause.label == "optimizer-eps-underflow"
 
 
@@ -537,20 +547,23 @@ def test_divergence_does_not_override_an_op_specific_cause_but_is_listed() -> No
 
 def test_softmax_nan_that_fills_no_whole_row_is_unclassified() -> None:
     cause = diagnose(report(op="aten._softmax.default", nan=3, output_stats=stats(shape=(4, 4)),
-                            input_stats=(("self", stats()),)))
+                            input_stats=((operand("self"), stats()),)))
     assert cause.label == "unclassified"
 
 
 def test_an_op_fed_an_infinity_is_unclassified_and_names_that_input() -> None:
     cause = diagnose(report(op="aten.addmm.default", nan=1, module="fc", module_type="Linear",
-                            input_stats=(("mat2", stats(posinf=1)),)))
+                            input_stats=((operand("mat2"), stats(posinf=1)),)))
     assert cause.label == "unclassified" and "`mat2` of aten.addmm.default in fc (Linear) held 1 +inf" in cause.hint
 
 
 @pytest.mark.parametrize("phase", list(Phase))
-@pytest.mark.parametrize("tensor", ["output", "loss", "parameter w", "state exp_avg of w", "gradient of w"])
+@pytest.mark.parametrize("tensor", [
+    TensorRef.output(), TensorRef(TensorRole.LOSS), TensorRef.parameter("w"),
+    TensorRef(TensorRole.OPTIMIZER_STATE, "w", "exp_avg"), TensorRef.gradient("w"),
+], ids=str)
 @pytest.mark.parametrize("op", [None, "aten.mm.default", "aten.log.default", "mylib.kernel"])
-def test_bare_reports_never_break_the_diagnosis(phase: Phase, tensor: str, op: str | None) -> None:
+def test_bare_reports_never_break_the_diagnosis(phase: Phase, tensor: TensorRef, op: str | None) -> None:
     cause = diagnose(Report(phase=phase, module=None, module_type=None, step=0, nan=1, posinf=0, neginf=0,
                             numel=1, tensor=tensor, op=op))
     assert cause.label in LABELS and cause.hint and cause.evidence
@@ -581,11 +594,13 @@ def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
 def test_an_op_operand_named_input_is_the_op_s_not_the_module_s() -> None:
     from nan_magic.explain.cause_text import is_module_input, op_inputs
 
-    assert not is_module_input("input") and not is_module_input("input (before)")
-    assert is_module_input("input[0]") and is_module_input("kwargs['mask']")
+    assert not is_module_input(operand("input"))
+    assert not is_module_input(TensorRef(TensorRole.OPERAND, "input", before=True))
+    assert is_module_input(TensorRef.argument("input[0]")) and is_module_input(TensorRef.argument("kwargs['mask']"))
     norm = report(op="aten.native_layer_norm.default", input_stats=(
-        ("input[0]", stats(absmax=2.0)), ("input", stats(absmax=6e28)), ("weight", stats())))
-    assert [name for name, _stats in op_inputs(norm)] == ["input", "weight"]
+        (TensorRef.argument("input[0]"), stats(absmax=2.0)), (operand("input"), stats(absmax=6e28)),
+        (operand("weight"), stats())))
+    assert [name for name, _stats in op_inputs(norm)] == [operand("input"), operand("weight")]
 
 
 # -- overflows in float32, attention, the op's own operands, optimizer facts --------------------
@@ -623,11 +638,12 @@ def test_attention_whose_scores_overflow_is_an_overflow_not_a_masked_row(fused: 
 
 def test_sdpa_reports_are_read_from_the_mask_and_the_bound_of_the_scores() -> None:
     def attention(dtype: str = "float32", q: float = 3.0, mask: TensorStats | None = None, **counts) -> Cause:
-        inputs = [("query", stats(dtype, (2, 2, 8, 16), absmax=q)), ("key", stats(dtype, (2, 2, 8, 16), absmax=q)),
-                  ("value", stats(dtype, (2, 2, 8, 16)))]
-        inputs += [("attn_mask", mask)] if mask is not None else []
+        inputs = [(operand("query"), stats(dtype, (2, 2, 8, 16), absmax=q)),
+                  (operand("key"), stats(dtype, (2, 2, 8, 16), absmax=q)),
+                  (operand("value"), stats(dtype, (2, 2, 8, 16)))]
+        inputs += [(operand("attn_mask"), mask)] if mask is not None else []
         return diagnose(report(op="aten._scaled_dot_product_flash_attention_for_cpu.default", dtype=dtype,
-                               tensor="output[0]", output_stats=stats(dtype, (2, 2, 8, 16)),
+                               tensor=TensorRef.output("output[0]"), output_stats=stats(dtype, (2, 2, 8, 16)),
                                input_stats=tuple(inputs), **counts))
 
     full_row = stats(shape=(2, 1, 8, 8), neginf=8, absmax=0.0)  # 8 -inf: enough for one row of 8 keys
@@ -649,7 +665,7 @@ def test_sdpa_reports_are_read_from_the_mask_and_the_bound_of_the_scores() -> No
 def test_softmax_nan_needs_a_minus_inf_at_each_nan_position() -> None:
     def softmax(neginf: int) -> Cause:
         return diagnose(report(op="aten._softmax.default", nan=8, output_stats=stats(shape=(4, 4)),
-                               input_stats=(("self", stats(neginf=neginf)),)))
+                               input_stats=((operand("self"), stats(neginf=neginf)),)))
 
     assert softmax(neginf=8).label == "masked-softmax"
     assert softmax(neginf=5).label == "unclassified"  # 5 -inf cannot make two rows of 4 all -inf
@@ -687,7 +703,7 @@ def test_float32_overflows_are_read_from_the_op_and_the_magnitudes() -> None:
 
 def test_a_float32_or_float64_op_overflows_only_where_the_evidence_shows_it() -> None:
     def wide(dtype: str, op: str, absmax: float, **counts) -> str:
-        inputs = (("self", stats(dtype, absmax=absmax)),)
+        inputs = ((operand("self"), stats(dtype, absmax=absmax)),)
         return diagnose(report(op=op, dtype=dtype, input_stats=inputs, **counts)).label
 
     assert wide("float64", "aten.mul.Tensor", 1e200, posinf=2) == "overflow"
@@ -742,7 +758,8 @@ def test_a_learning_rate_past_the_dtype_max_is_the_cause_in_any_implementation(d
 
 @pytest.mark.parametrize("lr", [float("inf"), float("nan")])
 def test_a_non_finite_learning_rate_is_the_cause(lr: float) -> None:
-    cause = diagnose(report(phase=Phase.OPTIMIZER, module="fc", module_type="Linear", tensor="parameter fc.weight",
+    cause = diagnose(report(phase=Phase.OPTIMIZER, module="fc", module_type="Linear",
+                            tensor=TensorRef.parameter("fc.weight"),
                             optimizer="SGD", optimizer_lr=lr, nan=16))
     assert cause.label == "learning-rate-too-high" and f"lr = {lr}" in cause.hint
 

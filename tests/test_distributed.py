@@ -25,12 +25,16 @@ import torch
 import torch.multiprocessing as mp
 from faults import marked_line
 
+from nan_magic.records import TensorRef
+
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 #: A hang fails the test at this deadline, well before the process group's own timeout would matter to CI.
 JOIN_DEADLINE_S = 120
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The parameter gradient the workers report, as its JSON form (to_dict) holds it.
+_GRADIENT = {"role": "parameter gradient", "name": "0.weight", "path": "", "before": False}
 
 
 def free_port() -> int:
@@ -83,7 +87,7 @@ def test_forward_fault_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(ranks)
         assert re.search(r"^\s*rank\s+1 of 2$", report["text"], re.MULTILINE)
         assert seen["json_rank"] == 1
     # Rank 0's own gradients went NaN only through DDP's all-reduce; its report says so.
-    assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert rank0["local_tensor"] == _GRADIENT
     assert rank0["local_module"] == ["0", "Linear"]  # found by the user's name, which DDP's module tree lacks
     assert "rank 0 received it through the gradient all-reduce" in rank0["report"]["notes"][-1]
 
@@ -99,14 +103,15 @@ def test_backward_fault_on_rank_0_is_named_on_every_rank_as_rank_0s(ranks):
         assert (report["rank"], report["phase"], report["module"], report["module_type"]) == (
             0, "backward", "1", "Root")
     # Rank 1 saw the all-reduced NaN gradient, under the user's parameter name (no "module." of DDP).
-    assert rank1["local_tensor"] == "gradient of 0.weight"
+    assert rank1["local_tensor"] == _GRADIENT
     assert rank1["report"]["notes"][-1].startswith("rank 1 received it through the gradient all-reduce")
 
 
 def test_nan_batch_on_rank_1_is_data_there_and_named_on_rank_0(ranks):
     rank0, rank1 = ranks["data_rank1"]
     assert rank1["error"] == "NonFiniteError"
-    assert (rank1["report"]["phase"], rank1["report"]["tensor"]) == ("data", "input[0]")
+    seen = (rank1["report"]["phase"], TensorRef(**rank1["report"]["tensor"]))
+    assert seen == ("data", TensorRef.argument("input[0]"))
     # The root is named as the user's model, not as DDP's wrapper.
     assert rank1["report"]["module_type"] == "Sequential"
     assert rank0["error"] == "PeerNonFiniteError"
@@ -354,7 +359,7 @@ def test_fsdp1_forward_fault_on_rank_1_is_named_by_the_users_names(ranks):
         assert f"distributed_worker.py:{marked_line('log', where=worker)}" in report["text"]
         assert "_fsdp_wrapped_module" not in report["text"]
     # Rank 0's own view: its shard of 0.weight's gradient (a view of the flat shard), under the user's names.
-    assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert rank0["local_tensor"] == _GRADIENT
     assert rank0["local_module"] == ["0", "Linear"]
     assert rank0["report"]["notes"][-1].startswith("rank 0 received it through the gradient all-reduce (or FSDP's")
 
@@ -371,7 +376,7 @@ def test_a_sharded_models_fault_is_named_by_the_users_class_and_parameter_names(
     assert rank0["message"] == "rank 1 found a non-finite value at step 3: forward, 1 (LogLayer)"
     assert rank0["steps"] == rank1["steps"] == worker.FAULT_STEP
     # Rank 0's own view: its shard of a gradient that the reduce-scatter made NaN, by its user's name.
-    assert rank0["local_tensor"] == "gradient of 0.weight"
+    assert rank0["local_tensor"] == _GRADIENT
     assert rank0["local_module"] == ["0", "Linear"]
     assert "_flat_param" not in rank0["report"]["text"]
 

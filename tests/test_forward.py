@@ -13,6 +13,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.records import TensorRef, TensorRole
 
 
 def run_fault(fault: Fault, **options) -> NonFiniteError:
@@ -33,7 +34,7 @@ def test_reports_the_producer(fault: Fault, defer: bool, mode: str) -> None:
     if fault.op is None:
         assert report.tensor == fault.tensor and report.module_output is None
     else:  # the replay named the op: its output is the report's tensor, the module's output is kept beside it
-        assert report.tensor == f"output of {fault.op}"
+        assert report.tensor == TensorRef.op_output(fault.op)
         assert report.module_output is not None and report.module_output[0] == fault.tensor
     assert report.step == 0
     kinds = {kind for kind, count in report.counts.items() if count}
@@ -59,8 +60,9 @@ def test_inputs_of_a_producer_are_finite_and_described() -> None:
     report = run_fault(fault, mode="full").report
     assert report.inputs_finite
     inputs = dict(report.input_stats)
-    assert list(inputs) == ["input[0]", "self"]  # the module's input, then the op's (from the replay)
-    assert inputs["input[0]"].finite and inputs["input[0]"].negatives > 0  # why log went NaN is visible
+    argument, operand = TensorRef.argument("input[0]"), TensorRef(TensorRole.OPERAND, "self")
+    assert list(inputs) == [argument, operand]  # the module's input, then the op's (from the replay)
+    assert inputs[argument].finite and inputs[argument].negatives > 0  # why log went NaN is visible
     assert report.nan == report.output_stats.nan > 0
     # The first NaN of LogLayer's output, found by running the same model unwatched.
     model, run = fault.build()
@@ -156,8 +158,9 @@ def test_nested_outputs_of_every_shape_are_checked() -> None:
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(torch.randn(2, 4))
     report = caught.value.report
-    assert report.tensor == "output of aten.div.Tensor"
-    assert report.module_output is not None and report.module_output[0] == "output.extra[1]['deep'][1]"
+    assert report.tensor == TensorRef.op_output("aten.div.Tensor")
+    deep = TensorRef.output("output.extra[1]['deep'][1]")
+    assert report.module_output is not None and report.module_output[0] == deep
 
 
 @pytest.mark.parametrize(("bad", "path"), [
@@ -182,8 +185,8 @@ def test_hugging_face_model_output_is_walked(bad: str, path: str) -> None:
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(x)
     report = caught.value.report
-    assert report.tensor == "output of aten.sqrt.default"
-    assert report.module_output is not None and report.module_output[0] == path
+    assert report.tensor == TensorRef.op_output("aten.sqrt.default")
+    assert report.module_output is not None and report.module_output[0] == TensorRef.output(path)
     assert (report.module, report.module_type) == ("1", "Encoder")
     assert report.counts == {"nan": negatives, "+inf": 0, "-inf": 0}
 

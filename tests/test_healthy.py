@@ -11,6 +11,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.records import TensorRef, TensorRole
 
 
 class TinyTransformer(nn.Module):
@@ -153,7 +154,8 @@ def test_a_causal_mask_argument_is_one_benign_data_event(mode: str) -> None:
     assert w.report is None
     (event,) = w.events
     assert event.benign
-    assert (event.phase, event.module, event.tensor, event.step) == ("data", "", "kwargs['tgt_mask']", 0)
+    mask = TensorRef.argument("kwargs['tgt_mask']")
+    assert (event.phase, event.module, event.tensor, event.step) == ("data", "", mask, 0)
     assert (event.nan, event.posinf, event.neginf) == (0, 0, 10)  # 5 x 5 causal: 10 masked entries
     assert list(w.warnings) == []  # a mask is no batch: no extreme-input or constant-feature warning
 
@@ -165,7 +167,8 @@ def test_a_mask_buffer_is_a_benign_event_and_what_it_passes_on_is_propagated(mod
         scenario.run()
     assert w.report is None
     (event,) = w.events
-    assert event.benign and (event.phase, event.module, event.tensor) == ("forward", "scores", "buffer scores.causal")
+    causal = TensorRef(TensorRole.BUFFER, "scores.causal")
+    assert event.benign and (event.phase, event.module, event.tensor) == ("forward", "scores", causal)
 
 
 class _Biased(nn.Module):
@@ -194,7 +197,7 @@ def test_a_named_mask_may_fold_in_a_bias_an_unnamed_one_may_not() -> None:
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(x, bias=_alibi(3))
     report = caught.value.report
-    assert (report.phase, report.tensor, report.benign) == ("data", "kwargs['bias']", False)
+    assert (report.phase, report.tensor, report.benign) == ("data", TensorRef.argument("kwargs['bias']"), False)
 
 
 def test_a_collapsing_scale_raises_with_the_scaler_unpassed_and_its_scene_holds_the_scaler(tmp_path) -> None:

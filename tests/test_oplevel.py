@@ -18,6 +18,7 @@ from watching import raised
 
 import nan_magic
 from nan_magic.locations import name_location
+from nan_magic.records import TensorRef
 
 OP_FAULTS = [fault for fault in FORWARD_FAULTS if fault.op is not None]
 
@@ -224,7 +225,7 @@ def test_adam_fp16_step_is_an_optimizer_op() -> None:
     report = raised(step, model, opt, ops=True)
     assert (report.phase, report.module, report.module_type) == ("optimizer", "0", "Embedding")
     assert report.op == "aten.addcdiv_.default"
-    assert report.tensor == "parameter 0.weight"
+    assert report.tensor == TensorRef.parameter("0.weight")
     assert "the Adam step made 0.weight non-finite" in report.notes
     assert (report.source.filename, report.source.lineno) == (faults.__file__, faults.marked_line("adam"))
 

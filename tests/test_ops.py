@@ -21,7 +21,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
 from nan_magic.localize.replay import capture_rng_state, replay_module
-from nan_magic.records import Phase
+from nan_magic.records import Phase, TensorRef, TensorRole
 
 INF = math.inf
 
@@ -74,7 +74,7 @@ def test_log_of_negative() -> None:
     assert (finding.nan, finding.posinf, finding.neginf, finding.numel) == (1, 0, 0, 3)
     assert finding.new_kinds == ("nan",)
     assert finding.module is None
-    assert [label for label, _ in finding.input_stats] == ["self"]
+    assert [label for label, _ in finding.input_stats] == [TensorRef(TensorRole.OPERAND, "self")]
     assert finding.input_stats[0][1].finite
 
 
@@ -98,7 +98,7 @@ def test_zero_variance_in_hand_written_norm() -> None:
     assert finding.source is not None and finding.source.lineno == line_of("norm")
     assert finding.source.function == "forward"
     assert (finding.nan, finding.numel) == (12, 12)
-    assert dict(finding.input_stats)["other"].zeros == 3
+    assert dict(finding.input_stats)[TensorRef(TensorRole.OPERAND, "other")].zeros == 3
 
 
 def test_fp16_matmul_overflow() -> None:
@@ -160,7 +160,7 @@ def test_in_place_division_by_zero() -> None:
     assert finding.source is not None and finding.source.lineno == line_of("div_")
     assert (finding.posinf, finding.neginf) == (2, 1)
     # The value before the op is an input: it was finite.
-    assert finding.input_stats[0][0] == "self (before)"
+    assert finding.input_stats[0][0] == TensorRef(TensorRole.OPERAND, "self", before=True)
     assert finding.input_stats[0][1].finite
     assert ("other", 0) in finding.scalars
 
@@ -206,7 +206,7 @@ def test_fully_masked_row_makes_softmax_the_producer() -> None:
     assert finding.inner_source is not None
     assert finding.inner_source.filename.endswith("functional.py")
     (label, stats), = finding.input_stats
-    assert label == "self" and stats.neginf == 5 and stats.nan == 0
+    assert label == TensorRef(TensorRole.OPERAND, "self") and stats.neginf == 5 and stats.nan == 0
 
 
 def test_kinds_filter() -> None:
@@ -358,7 +358,7 @@ def test_adam_in_fp16_divides_by_a_zero_eps(foreach: bool) -> None:
     assert finding.source is not None and finding.source.lineno == line_of("step")
     assert finding.inner_source is not None and finding.inner_source.filename.endswith("adam.py")
     labels = [label for label, _ in finding.input_stats]
-    assert labels[0] == ("self[0] (before)" if foreach else "self (before)")
+    assert labels[0] == TensorRef(TensorRole.OPERAND, "self[0]" if foreach else "self", before=True)
     assert all(stats.finite for _, stats in finding.input_stats)
 
 

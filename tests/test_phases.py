@@ -20,6 +20,7 @@ import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.hot import forward, optim
 from nan_magic.hot.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
+from nan_magic.records import TensorRef, TensorRole
 
 # -- backward ------------------------------------------------------------------------
 
@@ -80,8 +81,9 @@ def test_acos_at_one_after_a_clamp_names_the_module_whose_backward_produced_it()
     report = raised(lambda: model(x, x.clone()).mean().backward(), model, mode="full")
     assert (report.phase, report.module, report.module_type) == ("backward", "head", "AngleHead")
     # The replay named the op: its output is the report's tensor; the gradient the check saw is kept beside it.
-    assert report.tensor == "output of aten.rsqrt.default" and report.posinf > 0
-    assert report.module_output is not None and report.module_output[0].startswith("grad of input[")
+    assert report.tensor == TensorRef.op_output("aten.rsqrt.default") and report.posinf > 0
+    seen = report.module_output[0] if report.module_output is not None else None
+    assert seen is not None and seen.role is TensorRole.OUTPUT_GRADIENT and seen.path.startswith("input[")
     # The replay of head's backward names the forward line that created the node.
     assert report.source is not None and report.source.function == "forward"
     assert report.source.line == "return torch.acos(cosine.clamp(-1.0, 1.0))"
@@ -274,7 +276,7 @@ def test_cross_entropy_with_every_label_ignored_is_the_loss_code() -> None:
         F.cross_entropy(model(x), labels).backward()
 
     report = raised(step, model)
-    assert (report.phase, report.module, report.tensor) == ("forward", None, "loss")
+    assert (report.phase, report.module, report.tensor) == ("forward", None, TensorRef(TensorRole.LOSS))
     assert report.nan == 1 and report.inputs_finite
     assert any("every watched module output of this step was finite" in note for note in report.notes)
 
@@ -309,7 +311,7 @@ def test_a_dataset_that_standardises_a_constant_column_is_data() -> None:
             opt.step()
 
     report = raised(train, model, opt)
-    assert (report.phase, report.module, report.tensor, report.step) == ("data", "", "input[0]", 0)
+    assert (report.phase, report.module, report.tensor, report.step) == ("data", "", TensorRef.argument("input[0]"), 0)
     assert report.nan == 16  # the whole constant column of the first batch
     assert report.first_bad_index == (0, 2)
 
@@ -321,7 +323,7 @@ def test_adam_in_pure_fp16_with_an_epsilon_that_rounds_to_zero() -> None:
     model, opt, step = fp16_adam_step()  # rows 0, 3..9 get zero gradients: 0 / (0 + eps) with eps == 0
     report = raised(step, model, opt)
     assert (report.phase, report.module, report.module_type) == ("optimizer", "0", "Embedding")
-    assert report.tensor == "parameter 0.weight"
+    assert report.tensor == TensorRef.parameter("0.weight")
     assert report.nan == 32  # 8 untouched rows x 4
     assert report.step == 0
     assert any("Adam step made 0.weight non-finite" in note for note in report.notes)
@@ -365,8 +367,8 @@ def test_a_step_that_is_not_bounded_is_checked_at_once(lr: float) -> None:
     with pytest.raises(NonFiniteError) as caught:
         _adamw_steps(8, infinite_lr)
     report = caught.value.report
-    assert (report.phase, report.step) == ("optimizer", 5) and report.tensor.startswith("parameter ")
-    name = report.tensor.removeprefix("parameter ")
+    assert (report.phase, report.step) == ("optimizer", 5) and report.tensor.role is TensorRole.PARAMETER
+    name = report.tensor.name
     assert any(f"AdamW step made {name} non-finite" in note for note in report.notes)
     assert report.cause is not None and report.cause.label == "learning-rate-too-high"
     assert f"lr = {'inf' if lr == float('inf') else '1e38'}" in report.cause.hint
@@ -403,7 +405,7 @@ def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_che
     # Found after bounded steps, which cannot make it: a value no watched code produced (phase data).
     found_at = FULL_CHECK_EVERY if steps > FULL_CHECK_EVERY else steps - 1
     assert (report.phase, report.step, report.tensor, report.module) == (
-        "data", found_at, "parameter spare.bias", "spare")
+        "data", found_at, TensorRef.parameter("spare.bias"), "spare")
     assert any("last checked finite, after step 0" in note and "outside the optimizer" in note for note in report.notes)
     assert report.cause is not None and report.cause.label == "parameter-already-nonfinite"
     assert report.message.startswith(f"first non-finite parameter spare.bias in data step {found_at}: spare (Linear)")
@@ -422,7 +424,7 @@ def test_a_nonfinite_gradient_is_reported_before_the_step_runs() -> None:
         opt.step()
 
     report = raised(step, model, opt, backward=False)
-    assert (report.phase, report.module, report.tensor) == ("backward", "", "gradient of weight")
+    assert (report.phase, report.module, report.tensor) == ("backward", "", TensorRef.gradient("weight"))
     assert report.posinf == 1
     assert torch.equal(model.weight, before)  # the step never ran
 
@@ -443,7 +445,7 @@ def test_step_counts_optimizer_steps_across_phases() -> None:
                     model.weight.fill_(float("nan"))  # corrupted outside the optimizer
 
     report = raised(train, model, opt)
-    assert (report.phase, report.tensor, report.step) == ("forward", "parameter weight", 3)
+    assert (report.phase, report.tensor, report.step) == ("forward", TensorRef.parameter("weight"), 3)
 
 
 # -- GradScaler -----------------------------------------------------------------------
@@ -537,7 +539,7 @@ def test_a_gradient_changed_after_backward_is_measured_again_at_the_step() -> No
         opt.step()
 
     report = raised(step, model, opt)
-    assert (report.phase, report.tensor, report.posinf) == ("backward", "gradient of 0.weight", 1)
+    assert (report.phase, report.tensor, report.posinf) == ("backward", TensorRef.gradient("0.weight"), 1)
     assert torch.equal(model[0].weight, before)  # the step never ran
 
 

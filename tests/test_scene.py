@@ -17,6 +17,8 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NanMagicWarning
+from nan_magic.plain import from_plain, to_plain
+from nan_magic.records import Report
 from nan_magic.scene import last_good as snapshot
 
 # -- a model whose failure has an obvious fix ----------------------------------------------------
@@ -191,13 +193,29 @@ def test_nanreplay_refuses_a_file_that_would_run_code_in_one_line(ip, tmp_path) 
     assert "\n" not in str(caught.value) and not target.exists()
 
 
-def test_a_scene_loads_with_weights_only_and_nan_magics_records_alone(tmp_path) -> None:
+def test_a_scene_loads_with_plain_weights_only_and_its_report_is_plain_data(tmp_path) -> None:
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
-    with torch.serialization.safe_globals(nan_magic.scene.dump.RECORD_TYPES):
-        data = torch.load(report.scene, weights_only=True)
-    assert data["report"].message == report.message
+    data = torch.load(report.scene, weights_only=True)  # no allowlist: the file names no class
+    plain = data["report"]
+    assert isinstance(plain, dict) and plain["tensor"] == to_plain(report.tensor)
+    assert from_plain(Report, plain).message == report.message
+    scene = nan_magic.load_scene(report.scene)
+    assert scene.report.tensor == report.tensor and scene.report.cause == report.cause
+    assert scene.report.input_stats == report.input_stats and scene.report.layers == report.layers
     assert same_bits(data["models"]["Sequential"], model.state_dict())
+
+
+def test_a_version_1_scene_whose_report_was_pickled_as_records_is_refused_in_one_line(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    data = torch.load(report.scene, weights_only=True)
+    data["version"], data["report"] = 1, from_plain(Report, data["report"])
+    old = tmp_path / "old_scene.pt"
+    torch.save(data, old)
+    with pytest.raises(ValueError, match="older nan_magic") as caught:
+        nan_magic.load_scene(old)
+    assert "\n" not in str(caught.value)
 
 
 class Schedule:

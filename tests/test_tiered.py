@@ -23,6 +23,7 @@ from watching import train_steps
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.localize.outside import KEEP_BYTES
+from nan_magic.records import TensorRef
 
 
 def _marked(key: str) -> int:
@@ -75,7 +76,7 @@ def test_a_forward_producer_deep_inside_is_named_with_its_op_line_and_step() -> 
     assert report.op == "aten.exp.default"
     assert report.source is not None and report.source.lineno == _marked("block exp")
     assert report.reproduced is True
-    assert report.posinf > 0 and report.tensor == "output of aten.exp.default"
+    assert report.posinf > 0 and report.tensor == TensorRef.op_output("aten.exp.default")
     # The per-layer table is the replayed step's: the producer row, and the rows before it finite.
     producers = [row.module for row in report.layers if row.status == "producer"]
     assert producers == ["block"]
@@ -322,7 +323,8 @@ def test_a_batch_the_loop_computes_is_data_named_at_its_op_and_line(bad: int, op
             loss.backward()
             opt.step()
     report = caught.value.report
-    assert (report.phase, report.module, report.step, report.tensor) == ("data", "", bad, "input[0]")
+    seen = (report.phase, report.module, report.step, report.tensor)
+    assert seen == ("data", "", bad, TensorRef.argument("input[0]"))
     assert report.op == "aten.div.Tensor"
     assert report.source is not None and report.source.lineno == _marked("normalise the batch")
 
@@ -945,7 +947,7 @@ def test_a_model_that_returns_its_loss_has_its_backward_producer_named(step: boo
         if step:
             opt.step()
     report = caught.value.report
-    assert (report.phase, report.module, report.tensor, report.step) == ("backward", "", "gradient of w", 0)
+    assert (report.phase, report.module, report.tensor, report.step) == ("backward", "", TensorRef.gradient("w"), 0)
     assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
     assert report.source is not None and report.source.lineno == _marked("sqrt of a zero weight")
     assert torch.equal(model.w.detach(), torch.zeros(4))  # no step was taken with the gradient
@@ -959,7 +961,7 @@ def test_a_watch_left_after_backward_but_before_the_step_reads_the_gradients(mod
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, mode=mode):
         (model(torch.ones(4)) * 1.0).backward()
     report = caught.value.report
-    assert (report.phase, report.tensor) == ("backward", "gradient of w")
+    assert (report.phase, report.tensor) == ("backward", TensorRef.gradient("w"))
     if mode == "tiered":  # the replay names the op
         assert (report.op, report.autograd_node, report.reproduced) == ("aten.div.Tensor", "SqrtBackward0", True)
     else:

@@ -9,6 +9,7 @@ from watching import raised
 
 import nan_magic
 from nan_magic.hot.transparent import output_bound, transparency
+from nan_magic.records import TensorRef
 
 
 def _forward_modules(report: nan_magic.Report) -> list[str | None]:
@@ -55,7 +56,7 @@ def test_an_activation_given_a_nonfinite_input_is_checked_as_a_propagator() -> N
         calls = {call.name: call for call in w.log.calls if call.phase == "forward"}
         assert "1" in calls  # ReLU(inf) = inf: checked, since its input was not finite
         assert [record.status for record in calls["1"].outputs] == ["propagated"]
-    assert w.report is not None and (w.report.module, w.report.tensor) == ("0", "parameter 0.bias")
+    assert w.report is not None and (w.report.module, w.report.tensor) == ("0", TensorRef.parameter("0.bias"))
 
 
 def test_a_dropout_whose_scaling_would_overflow_is_checked() -> None:

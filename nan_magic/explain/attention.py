@@ -53,7 +53,7 @@ def _softmax(report: Report) -> Cause:
         ))
     if report.posinf + report.neginf and report.dtype in HALF:
         return half_overflow(report)
-    held = f", with +inf in {', '.join(overflowing)}" if overflowing else ""
+    held = f", with +inf in {', '.join(map(str, overflowing))}" if overflowing else ""
     return unclassified(
         report,
         f"{report.op} in {where(report)} made {counts(report)}{held}; the -inf of its input do not fill the NaN "

@@ -13,7 +13,7 @@ import re
 import torch
 
 from nan_magic.locations import name_location
-from nan_magic.records import Cause, Report, TensorStats, module_label
+from nan_magic.records import Cause, Report, TensorRef, TensorRole, TensorStats, module_label
 
 __all__ = [
     "HALF",
@@ -84,11 +84,14 @@ def where(report: Report) -> str:
 
 def what(report: Report) -> str:
     """The bad tensor with its op and module: ``output of aten.mm.default in 1 (HalfMatmul)``."""
-    if report.tensor == "loss" and report.op is None:
+    tensor = report.tensor
+    if tensor.role is TensorRole.LOSS and report.op is None:
         return "the loss"
-    if report.op is None or report.op in report.tensor:
-        return f"{report.tensor} of {where(report)}" if report.op is None else f"{report.tensor} in {where(report)}"
-    return f"{report.tensor} of {report.op} in {where(report)}"
+    if report.op is None:
+        return f"{tensor} of {where(report)}"
+    if tensor.role is TensorRole.OP_OUTPUT and tensor.name == report.op:
+        return f"{tensor} in {where(report)}"
+    return f"{tensor} of {report.op} in {where(report)}"
 
 
 def line(report: Report) -> str:
@@ -100,39 +103,34 @@ def line(report: Report) -> str:
     return f"{name_location(source.filename, source.lineno)}{text}"
 
 
-#: A module's arguments are recorded by path, ``input[0]`` or ``kwargs['mask']``; an op's operands by schema
-#: name, and several ops name their main operand ``input`` (native_layer_norm, convolution, batch_norm,
-#: group_norm): that one is the op's own, so the bracket tells them apart.
-_MODULE_INPUT = re.compile(r"^(input|kwargs)\[")
+def is_module_input(ref: TensorRef) -> bool:
+    """Whether ``ref`` is an argument of the producer module (``input[0]``), not an operand of its op."""
+    return ref.role is TensorRole.INPUT
 
 
-def is_module_input(name: str) -> bool:
-    """Whether ``name`` is an argument of the producer module (``input[0]``), not an operand of its op."""
-    return _MODULE_INPUT.match(name) is not None
-
-
-def op_inputs(report: Report) -> list[tuple[str, TensorStats]]:
+def op_inputs(report: Report) -> list[tuple[TensorRef, TensorStats]]:
     """Input stats that are the op's own (ops mode names them by schema argument), else the module's."""
-    own = [(name, stats) for name, stats in report.input_stats if not is_module_input(name)]
+    own = [(ref, stats) for ref, stats in report.input_stats if not is_module_input(ref)]
     return own or list(report.input_stats)
 
 
 def named_input(report: Report, argument: str) -> TensorStats | None:
-    """The op's input named ``argument`` (``"self"``, ``"other"``); its value before an in-place op."""
-    for name, stats in report.input_stats:
-        if name in (argument, f"{argument} (before)"):
+    """The op's operand named ``argument`` (``"self"``, ``"other"``); its value before an in-place op."""
+    for ref, stats in report.input_stats:
+        if ref.role is TensorRole.OPERAND and ref.name == argument:
             return stats
     return None
 
 
-def short_label(name: str) -> str:
-    return name if is_module_input(name) else f"`{name}`"
+def short_label(ref: TensorRef) -> str:
+    return str(ref) if is_module_input(ref) else f"`{ref}`"
 
 
-def input_label(report: Report, name: str) -> str:
-    if is_module_input(name):
-        return f"{name} of {where(report)}"
-    return f"`{name}` of {report.op} in {where(report)}"
+def input_label(report: Report, ref: TensorRef | str) -> str:
+    """``input[0] of fc (Linear)``, or for an operand (a schema name) ```self` of aten.log.default in ...``."""
+    if isinstance(ref, TensorRef) and is_module_input(ref):
+        return f"{ref} of {where(report)}"
+    return f"`{ref}` of {report.op} in {where(report)}"
 
 
 def input_named(report: Report, zeros: int, negatives: int) -> str:
@@ -145,8 +143,8 @@ def input_named(report: Report, zeros: int, negatives: int) -> str:
         name for name, stats in report.input_stats
         if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite
     ]
-    for name in sorted(matching, key=lambda name: not is_module_input(name)):
-        return input_label(report, name)
+    for ref in sorted(matching, key=lambda ref: not is_module_input(ref)):
+        return input_label(report, ref)
     if named_input(report, "self") is not None:
         return input_label(report, "self")
     return f"the input of {report.op} in {where(report)}"

@@ -99,7 +99,7 @@ from nan_magic.explain.optimizer import optimizer_cause
 from nan_magic.explain.overflow import half_overflow
 from nan_magic.hot.early import EXTREME_INPUT
 from nan_magic.locations import name_location
-from nan_magic.records import Cause, Phase, Report, StepSummary, module_label
+from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRole, module_label
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 
@@ -199,7 +199,7 @@ def _local_cause(report: Report) -> Cause:
     """The cause the event itself shows, before looking upstream."""
     if report.phase == Phase.OPTIMIZER:
         return optimizer_cause(report)
-    if report.tensor.startswith("parameter "):
+    if report.tensor.role is TensorRole.PARAMETER:
         return _parameter(report)
     if report.phase == Phase.DATA:
         return _bad_data(report)
@@ -228,7 +228,7 @@ def _bad_data(report: Report) -> Cause:
 
 
 def _parameter(report: Report) -> Cause:
-    name = report.tensor.removeprefix("parameter ")
+    name = report.tensor.name
     # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
     seen = f"when {where(report)} read it" if report.phase != Phase.DATA else f"after step {report.step}"
     hint = (
@@ -249,7 +249,7 @@ def _backward(report: Report) -> Cause:
         return rule(report)
     if report.posinf + report.neginf and report.dtype in HALF:
         return half_overflow(report)
-    if report.tensor.startswith("gradient of "):
+    if report.tensor.role is TensorRole.PARAMETER_GRADIENT:
         return unclassified(
             report,
             f"{report.tensor} was {counts(report)} when the optimizer was about to step; the backward that "

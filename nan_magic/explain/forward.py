@@ -37,7 +37,7 @@ from nan_magic.explain.overflow import (
     wide_overflow,
     wide_overflow_facts,
 )
-from nan_magic.records import Cause, Report, TensorStats
+from nan_magic.records import Cause, Report, TensorRef, TensorRole, TensorStats
 
 __all__ = ["forward_cause"]
 
@@ -52,7 +52,7 @@ _CORRECTED_OPS = frozenset({"std", "var", "std_mean", "var_mean"})
 def forward_cause(report: Report) -> Cause:
     base = op_base(report.op)
     if base is None:
-        return _loss(report) if report.tensor == "loss" else _unknown_op(report)
+        return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
     carried = [(name, stats) for name, stats in op_inputs(report) if stats.nonfinite]
@@ -203,7 +203,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
 }
 
 
-def _carried(report: Report, carried: list[tuple[str, TensorStats]]) -> Cause:
+def _carried(report: Report, carried: list[tuple[TensorRef, TensorStats]]) -> Cause:
     """An op that made a new kind from values already non-finite (inf·0, inf - inf)."""
     held = "; ".join(f"{input_label(report, name)} held {stats_counts(stats)}" for name, stats in carried)
     return unclassified(
@@ -239,10 +239,10 @@ def _unknown_op(report: Report) -> Cause:
     wide = wide_overflow_facts(report) if infinite and report.dtype not in HALF else []
     overflows = infinite and (report.dtype in HALF or bool(wide))
     others: list[str] = []
-    zeros = [name for name, stats in report.input_stats if stats.zeros]
+    zeros = [str(name) for name, stats in report.input_stats if stats.zeros]
     if zeros:
         others.append(f"a division by zero or a log of zero ({', '.join(zeros)} held zeros)")
-    negatives = [name for name, stats in report.input_stats if stats.negatives]
+    negatives = [str(name) for name, stats in report.input_stats if stats.negatives]
     if report.nan and negatives:
         others.append(f"a log, sqrt or pow of a negative ({', '.join(negatives)} held negatives)")
     if overflows and not others:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nan_magic.explain.cause_text import HALF, counts, dtype_max, float_dtype, fmt, op_base, unclassified
-from nan_magic.records import Cause, Report
+from nan_magic.records import Cause, Report, TensorRole
 
 __all__ = ["optimizer_cause"]
 
@@ -28,7 +28,9 @@ _EPS_OPS = frozenset({"addcdiv", "div", "foreach_addcdiv", "foreach_div", "fused
 
 def optimizer_cause(report: Report) -> Cause:
     optimizer = report.optimizer or "optimizer"
-    subject = report.tensor.removeprefix("parameter ")
+    # A parameter by its name; a state tensor as "state exp_avg_sq of fc.weight".
+    tensor = report.tensor
+    subject = tensor.name if tensor.role is TensorRole.PARAMETER and tensor.name else str(tensor)
     facts = [f"phase optimizer: the {optimizer} step made {subject} {counts(report)}", f"dtype {report.dtype}"]
     facts += [f"{name} = {fmt(value)}" for name, value in (("lr", report.optimizer_lr),
                                                            ("eps", report.optimizer_eps)) if value is not None]
@@ -54,7 +56,7 @@ def optimizer_cause(report: Report) -> Cause:
             (*facts, evidence),
         )
     infinite = report.posinf + report.neginf
-    if report.tensor.startswith("state ") and infinite and report.dtype in HALF:
+    if report.tensor.role is TensorRole.OPTIMIZER_STATE and infinite and report.dtype in HALF:
         return Cause(
             "half-precision-overflow",
             f"{subject} overflowed {report.dtype} (max {fmt(limit)}) in the {optimizer} step, e.g. a squared "

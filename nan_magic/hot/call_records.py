@@ -19,7 +19,7 @@ import torch
 
 from nan_magic.hot.stats import WIDE_FLOATS, finite_stats, probe, probe_kinds, probe_stats, readable, tensor_stats
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.records import LayerStatus, Phase, TensorStats
+from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.hot.held import HeldArguments
@@ -44,9 +44,11 @@ class TensorRecord:
         "shape", "status", "version",
     )
 
+    #: ``path`` is where in the call's output (``"output[1]"``) or arguments (``"input[0]"``) the tensor is;
+    #: a tensor that is neither (a gradient, the loss, a value passed to a child) carries its reference.
     def __init__(
         self,
-        path: str,
+        path: str | TensorRef,
         tensor: torch.Tensor,
         call: Call | None,
         defer: bool,
@@ -98,7 +100,7 @@ class TensorRecord:
             self.set_probe(low.item(), high.item())
 
     @classmethod
-    def finite(cls, path: str, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:
+    def finite(cls, path: str | TensorRef, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:
         """The record of a tensor found finite earlier by its sum, no longer referred to."""
         record = cls.__new__(cls)
         record.path, record.dtype, record.shape, record.call = path, dtype, shape, call
@@ -196,6 +198,8 @@ class Alias:
 
     __slots__ = ("bound", "input", "module", "origin", "record", "ref", "rng_state", "version")
 
+    #: ``path`` is where in the call's output (``"output[1]"``) or arguments (``"input[0]"``) the tensor is;
+    #: a tensor that is neither (a gradient, the loss, a value passed to a child) carries its reference.
     def __init__(
         self,
         tensor: torch.Tensor,
@@ -236,12 +240,12 @@ def consumer_of(record: TensorRecord) -> Call | None:
     return record.call.parent if record.call is not None else None
 
 
-def gradient_label(record: TensorRecord, consumer: Call | None) -> str:
-    """``grad of input[0]`` as the consumer saw it, else of the producing output."""
+def gradient_label(record: TensorRecord, consumer: Call | None) -> TensorRef:
+    """The gradient of ``input[0]`` as the consumer saw it, else of the producing call's output."""
     if consumer is not None:
         for path, input_record, _ref, _version in consumer.inputs:
             if input_record is record:
-                return f"grad of {path}"
+                return TensorRef(TensorRole.OUTPUT_GRADIENT, None, path)
     owner = record.call.name if record.call is not None else None
-    return f"grad of {owner or 'model'} {record.path}".rstrip()
+    return TensorRef(TensorRole.OUTPUT_GRADIENT, owner or "", str(record.path))
 

@@ -34,10 +34,10 @@ import torch
 from nan_magic.hot.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
-from nan_magic.lifecycle.findings import Finding, attach_origin
+from nan_magic.lifecycle.findings import Finding, attach_origin, record_ref
 from nan_magic.localize.entering import entering_tensors, saved_leaves
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.records import Phase
+from nan_magic.records import LOSS, Phase, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
@@ -97,7 +97,7 @@ class GradientChecks:
         self.forget_queued = False
         self.backward_runs += 1
         call = watch.log.new_call(Phase.FORWARD, None, None, None)
-        self.loss_record = watch.log.record_output(call, "loss", loss)
+        self.loss_record = watch.log.record_output(call, LOSS, loss)
         watch.log.finish(call)
         if not watch.defer:
             self.judge_loss(call)
@@ -136,7 +136,7 @@ class GradientChecks:
         finding = Finding(
             Phase.FORWARD,
             None,
-            "loss",
+            LOSS,
             bad=tensor.detach() if tensor is not None else None,
             bad_stats=None if tensor is not None else record.stats(),
             record=record,
@@ -166,7 +166,8 @@ class GradientChecks:
         if not entered:
             return False
         label, tensor = entered[0]
-        finding = Finding(Phase.DATA, None, label, bad=tensor.detach(), inputs_finite=False)
+        given = TensorRef.argument(label)
+        finding = Finding(Phase.DATA, None, given, bad=tensor.detach(), inputs_finite=False)
         finding.notes.append(
             "every watched module output of this step was finite; this tensor, which no watched code produced, "
             "entered the code outside the modules (the loss) already non-finite"
@@ -189,7 +190,7 @@ class GradientChecks:
         if returned_by is not None and returned_by.parent is None:
             if watch.replays is not None:
                 # Kept for a replay of this step's backward (step_replay.py), until the step ends.
-                watch.replays.capture_gradient(returned_by, handed_on.path, grad)
+                watch.replays.capture_gradient(returned_by, str(handed_on.path), grad)
             if watch.outside is not None and not self.forget_queued and not watch.defer:
                 # The loss code's records serve its backward, which runs before this gradient
                 # arrives: they go when this backward pass ends (after every such hook judged).
@@ -248,7 +249,7 @@ class GradientChecks:
         finding = Finding(
             Phase.BACKWARD,
             call,
-            record.path,
+            record_ref(record, TensorRole.OUTPUT_GRADIENT),
             bad=tensor.detach() if tensor is not None else None,
             bad_stats=None if tensor is not None else record.stats(),
             record=record,
@@ -309,7 +310,7 @@ def check_parameter_grads(
     # finite is confirmed elementwise (huge finite values overflow it).
     for (name, grad), norm in zip(grads, read_scalars(norms([grad for _name, grad in grads]))):
         if not math.isfinite(norm) and relevant_kinds(kinds_of(grad), kinds):
-            finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+            finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
             finding.notes.append(context)
             return finding
     return None

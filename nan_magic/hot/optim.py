@@ -36,6 +36,7 @@ gives the argument and the conditions).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable
@@ -60,7 +61,7 @@ from nan_magic.hot.stats import (
 )
 from nan_magic.hot.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
 from nan_magic.lifecycle.findings import Finding
-from nan_magic.records import Cause, Phase
+from nan_magic.records import Cause, Phase, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
@@ -199,7 +200,7 @@ class OptimizerChecks:
         if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
             for (name, grad), value in zip(with_grad, grad_values):
                 if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
-                    finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+                    finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
                     finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
                     finding.optimizer = type(opt).__name__
                     self.attribute(finding)
@@ -295,7 +296,7 @@ class OptimizerChecks:
             finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
             self.attribute(finding)
             self._add_op_origin(finding, tensor)
-            subject = label.removeprefix("parameter ")
+            subject = label.name
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
@@ -455,10 +456,10 @@ class OptimizerChecks:
         FSDP1's flat parameter is named as the user's parameter it holds the
         non-finite element of (:func:`unflattened_name`).
         """
-        parameter_name = finding.tensor.rsplit(" ", 1)[-1]
+        parameter_name = finding.tensor.name or ""
         unflattened = unflattened_name(parameter_name, (root for _label, root in self.watch.targets.roots), finding.bad)
         if unflattened != parameter_name:
-            finding.tensor = finding.tensor.removesuffix(parameter_name) + unflattened
+            finding.tensor = dataclasses.replace(finding.tensor, name=unflattened)
             parameter_name = unflattened
         owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
         info = self.watch.targets.info_by_name(owner)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.records import KINDS, Sample, TensorStats
+from nan_magic.records import KINDS, Sample, TensorRef, TensorStats
 
 __all__ = [
     "DOT_MIN_NUMEL",
@@ -387,7 +387,9 @@ def finite_stats(tensor_dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSta
     )
 
 
-def sample_values(tensor: torch.Tensor, label: str, size: int, producer: bool = True) -> Sample:
+def sample_values(
+    tensor: torch.Tensor, label: str, size: int, producer: bool = True, ref: TensorRef | None = None
+) -> Sample:
     """A bounded, deterministic sample of the finite values, copied to the CPU.
 
     Strided rather than random: drawing from torch's generator would change
@@ -404,7 +406,7 @@ def sample_values(tensor: torch.Tensor, label: str, size: int, producer: bool = 
         )).tolist()
     return Sample(
         label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=flat.numel(), producer=producer,
-        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros,
+        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros, tensor=ref,
     )
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from nan_magic.records import TensorRef, TensorRole
+
 __all__ = ["BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr"]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
@@ -57,12 +59,12 @@ class StepResult:
     #: The step was a bounded one, checked only because a full check was due.
     bounded: bool = False
 
-    def label(self, index: int) -> str:
+    def label(self, index: int) -> TensorRef:
         parameters = self.layout.named
         if index < len(parameters):
-            return f"parameter {parameters[index][0]}"
+            return TensorRef.parameter(parameters[index][0])
         name, _parameter, key = self.layout.half_state[index - len(parameters)]
-        return f"state {key} of {name}"
+        return TensorRef(TensorRole.OPTIMIZER_STATE, name, str(key))
 
 
 @dataclass

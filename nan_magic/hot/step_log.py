@@ -28,7 +28,7 @@ from nan_magic.hot.stats import (
     read_scalars,
 )
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.records import LayerCall, Phase
+from nan_magic.records import LayerCall, Phase, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -167,7 +167,9 @@ class StepLog:
         self._calls.append(call)
         return call
 
-    def record_output(self, call: Call, path: str, tensor: torch.Tensor, ranged: bool = True) -> TensorRecord:
+    def record_output(
+        self, call: Call, path: str | TensorRef, tensor: torch.Tensor, ranged: bool = True
+    ) -> TensorRecord:
         """Probe and record a call's output; ``ranged=False``: only its finiteness is needed."""
         inner = self.lookup(tensor)
         same = inner if inner is not None and inner.live() is not None else None
@@ -307,7 +309,7 @@ class StepLog:
                         module_type=call.module_type,
                         stats=record.stats(),
                         status=record.status,
-                        tensor=record.path or "output",
+                        tensor=str(record.path) or "output",
                     )
                 )
         cut = max(0, len(rows) - limit)

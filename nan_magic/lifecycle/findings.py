@@ -28,11 +28,21 @@ from nan_magic.records import (
     Sample,
     SourcePointer,
     StepSummary,
+    TensorRef,
+    TensorRole,
     TensorStats,
     sample_label,
 )
 
-__all__ = ["Finding", "apply_op_finding", "attach_origin", "build_report", "mark_deliberate", "named_inputs"]
+__all__ = [
+    "Finding", "apply_op_finding", "attach_origin", "build_report", "mark_deliberate", "named_inputs", "record_ref",
+]
+
+
+def record_ref(record: TensorRecord, role: TensorRole = TensorRole.MODULE_OUTPUT) -> TensorRef:
+    """The reference of a recorded tensor: its own, or ``role`` at its path (a call's output or argument)."""
+    path = record.path
+    return path if isinstance(path, TensorRef) else TensorRef(role, path=path or "output")
 
 
 @dataclass
@@ -45,15 +55,15 @@ class Finding:
 
     phase: Phase
     call: Call | None
-    tensor: str
+    tensor: TensorRef
     bad: torch.Tensor | None = None
     record: TensorRecord | None = None
     step: int | None = None
     # RNG state right before the producer module's call (for the scene's replay).
     rng_state: RngState | None = None
-    input_stats: list[tuple[str, TensorStats]] = field(default_factory=list)
+    input_stats: list[tuple[TensorRef, TensorStats]] = field(default_factory=list)
     bad_stats: TensorStats | None = None
-    inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    inputs: list[tuple[TensorRef, torch.Tensor]] = field(default_factory=list)
     inputs_finite: bool = True
     benign: bool = False
     module: str | None = None
@@ -65,7 +75,7 @@ class Finding:
     notes: list[str] = field(default_factory=list)
     # Where a replay named the op: the module output the check saw, as
     # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
-    module_output: tuple[str, TensorStats, torch.Tensor | None] | None = None
+    module_output: tuple[TensorRef, TensorStats, torch.Tensor | None] | None = None
     # The replay's frame that ran the producing op (replay.py), for %debug, and its
     # ``(f_lasti, f_lineno)`` when the op ran, where the frame ran on after it.
     frame: FrameType | None = None
@@ -98,6 +108,8 @@ def apply_op_finding(
     inputs, used for histograms.
     """
     finding.op = op.op
+    # The tracer keeps the op's output, then its operands by schema name.
+    operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:
         inner = op.absorbed
         finding.absorbed = AbsorbedOp(inner.op, inner.module, inner.source, inner.nan, inner.posinf, inner.neginf)
@@ -127,10 +139,10 @@ def apply_op_finding(
         finding.inputs_finite = True
         if tensors:
             finding.bad = tensors[0][1]
-            finding.inputs.extend(tensors[1:])
+            finding.inputs.extend(operands)
             # Inputs freed before the boundary where the op's value was claimed: their stats at the op.
-            alive = {label for label, _tensor in tensors}
-            finding.input_stats.extend((label, stats) for label, stats in op.input_stats if label not in alive)
+            alive = {ref for ref, _tensor in operands}
+            finding.input_stats.extend((ref, stats) for ref, stats in op.input_stats if ref not in alive)
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
@@ -145,10 +157,10 @@ def apply_op_finding(
         module_stats = finding.bad_stats if bad is None else tensor_stats(bad)
         if module_stats is not None:
             finding.module_output = (finding.tensor, module_stats, bad)
-        finding.tensor = f"{op.tensor} of {op.op}"
+        finding.tensor = TensorRef.op_output(op.op, op.tensor)
         if tensors:
             finding.bad, finding.bad_stats = tensors[0][1], None
-            finding.inputs.extend(tensors[1:])
+            finding.inputs.extend(operands)
         else:
             finding.bad, finding.bad_stats = None, op.output_stats
             finding.input_stats.extend(op.input_stats)
@@ -173,13 +185,13 @@ def mark_deliberate(finding: Finding, how: str) -> Finding:
     return finding
 
 
-def named_inputs(call: Call) -> list[tuple[str, torch.Tensor]]:
+def named_inputs(call: Call) -> list[tuple[TensorRef, torch.Tensor]]:
     """The inputs of ``call`` still alive, detached, by path: a finding's inputs."""
     named = []
     for path, _record, ref, _version in call.inputs:
         tensor = ref()
         if tensor is not None:
-            named.append((path, tensor.detach()))
+            named.append((TensorRef.argument(path), tensor.detach()))
     return named
 
 
@@ -202,7 +214,7 @@ def _nearby_samples(log: StepLog, producer: TensorRecord | None, size: int) -> l
         if tensor is None or record.call is None:
             continue
         name = record.call.name if record.call.name is not None else "loss"
-        samples.append(sample_values(tensor, sample_label(name, record.path), size, producer=False))
+        samples.append(sample_values(tensor, sample_label(name, str(record.path)), size, producer=False))
         if len(samples) == NEARBY_LAYERS:
             break
     return samples[::-1]
@@ -223,19 +235,19 @@ def build_report(
     if stats is None and finding.bad is not None:
         stats = tensor_stats(finding.bad)
     samples: list[Sample] = []
-    input_stats: list[tuple[str, TensorStats]] = []
-    for name, tensor in finding.inputs:
-        input_stats.append((name, tensor_stats(tensor)))
-        samples.append(sample_values(tensor, f"{name}", sample_size))
+    input_stats: list[tuple[TensorRef, TensorStats]] = []
+    for ref, tensor in finding.inputs:
+        input_stats.append((ref, tensor_stats(tensor)))
+        samples.append(sample_values(tensor, str(ref), sample_size, ref=ref))
     input_stats.extend(finding.input_stats)
     if finding.bad is not None:
-        samples.append(sample_values(finding.bad, finding.tensor, sample_size))
+        samples.append(sample_values(finding.bad, str(finding.tensor), sample_size, ref=finding.tensor))
     module_output = None
     if finding.module_output is not None:
         name, module_stats, module_tensor = finding.module_output
         module_output = (name, module_stats)
         if module_tensor is not None:
-            samples.append(sample_values(module_tensor, sample_label(finding.module, name), sample_size))
+            samples.append(sample_values(module_tensor, sample_label(finding.module, str(name)), sample_size, ref=name))
     samples.extend(_nearby_samples(log, finding.record, sample_size // 4))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"

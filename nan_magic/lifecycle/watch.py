@@ -88,7 +88,7 @@ from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import scaler as scaler_patch
-from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, WatchConfig
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, WatchConfig
 from nan_magic.scene.dump import record_scene
 from nan_magic.scene.last_good import LastGood
 
@@ -377,7 +377,7 @@ class Watch:
         if explained is None:
             return
         report, producer, error = explained
-        self.outcome.hold_explained(Finding(Phase.FORWARD, call, "output"), (report, producer), error)
+        self.outcome.hold_explained(Finding(Phase.FORWARD, call, TensorRef.output()), (report, producer), error)
 
     def on_gradient_event(self, finding: Finding) -> None:
         """A non-finite gradient in backward: held while a GradScaler may skip the step."""

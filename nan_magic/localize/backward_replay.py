@@ -22,7 +22,7 @@ from torch import nn
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.lifecycle.findings import Finding
-from nan_magic.records import Phase, TensorStats
+from nan_magic.records import Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.lifecycle.watch import Watch
@@ -31,7 +31,7 @@ __all__ = ["reentrant_checkpoints_inline", "replay_backward"]
 
 
 def replay_backward(inner: Watch, target: nn.Module, output_grads: dict[str, torch.Tensor], output: Any,
-                    boundary: str | None, inputs: list[torch.Tensor]) -> TensorStats | None:
+                    boundary: TensorRef | None, inputs: list[torch.Tensor]) -> TensorStats | None:
     """A model call's backward, replayed from its captured output gradients into scratch gradients.
 
     The nested watch sees the gradients flowing into each module; a
@@ -58,10 +58,10 @@ def replay_backward(inner: Watch, target: nn.Module, output_grads: dict[str, tor
     for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
         if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
             continue
-        if f"gradient of {name}" == boundary:
+        if TensorRef.gradient(name) == boundary:
             found = tensor_stats(grad)
         if inner.report is None:
-            finding = Finding(Phase.BACKWARD, None, f"gradient of {name}", bad=grad.detach())
+            finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
             finding.notes.append("the gradients flowing into every module were finite; this parameter's "
                                  "own gradient formula made it")
             inner.optimizers.attribute(finding)

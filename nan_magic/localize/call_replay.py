@@ -33,7 +33,7 @@ from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.lifecycle.findings import Finding, apply_op_finding, mark_deliberate, named_inputs
 from nan_magic.localize.replay import RngState, recompute, replay_backward, replay_module, run_again
-from nan_magic.records import Phase, WatchConfig
+from nan_magic.records import Phase, TensorRef, WatchConfig
 
 __all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]
 
@@ -204,7 +204,7 @@ class CallReplay:
         if op is not None and caller is not None:
             # The first non-finite value was made by the own code of a call
             # enclosing the one whose output was found: that caller is the producer.
-            self._move_to(finding, caller, f"output of {op.op}")
+            self._move_to(finding, caller, TensorRef.op_output(op.op))
             finding.rng_state = caller.rng_state
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
@@ -220,7 +220,7 @@ class CallReplay:
         )
         return False
 
-    def _move_to(self, finding: Finding, caller: Call, tensor: str) -> None:
+    def _move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
         """Make ``finding`` name ``caller`` (an enclosing call) as the producer of ``tensor``, with its inputs.
 
         The output first found (a child's) only passed the value on: it is
@@ -282,7 +282,7 @@ class CallReplay:
                 if tensor is None and held_record is not None:
                     tensor = arguments.by_record.get(id(held_record))
                 if tensor is not None:
-                    finding.inputs.append((path, tensor.detach()))
+                    finding.inputs.append((TensorRef.argument(path), tensor.detach()))
         record = finding.record
         if finding.bad is not None or record is None:
             return

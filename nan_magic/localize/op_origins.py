@@ -22,11 +22,11 @@ import torch
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.stats import TensorStats, tensor_stats
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.lifecycle.findings import Finding, apply_op_finding, attach_origin
+from nan_magic.lifecycle.findings import Finding, apply_op_finding, attach_origin, record_ref
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
 from nan_magic.localize.outside import OutsideRecorder
-from nan_magic.records import Phase
+from nan_magic.records import Phase, TensorRef
 
 __all__ = ["OpOrigins"]
 
@@ -127,14 +127,14 @@ class OpOrigins:
         if call is None and record is not None:
             # The op ran in another module's code than the boundary's: this boundary passed it on.
             record.status, record = "propagated", None
-        finding = Finding(op_finding.phase, call, f"{op_finding.tensor} of {op_finding.op}", record=record)
+        finding = Finding(op_finding.phase, call, TensorRef.op_output(op_finding.op, op_finding.tensor), record=record)
         tracer = self.tracer
         tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
         apply_op_finding(finding, op_finding, tensors)
         if record is not None and finding.phase == Phase.FORWARD:
             # The module output where the op's value reached the boundary, beside the op's own output.
             live = record.live()
-            finding.module_output = (record.path or "output", tensor_stats(live) if live is not None
+            finding.module_output = (record_ref(record), tensor_stats(live) if live is not None
                                      else record.stats(), live)
         if tracer is not None:
             finding.frame, finding.frame_position = tracer.frame_of(op_finding)  # %debug opens where the op ran

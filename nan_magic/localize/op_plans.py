@@ -25,7 +25,7 @@ __all__ = [
     "arguments",
     "flatten",
     "is_number",
-    "list_index",
+    "list_positions",
     "narrows",
     "odd_scalar",
     "op_inputs",
@@ -177,7 +177,8 @@ def tensors(
     """``(label, tensor)`` of the tensors in the arguments called ``names`` (lists flattened)."""
     for name, value in arguments(plan, args, kwargs):
         if name in names:
-            yield from flatten(name, value)
+            for label, tensor, _position in _flatten_at(name, value):
+                yield label, tensor
 
 
 def op_inputs(
@@ -204,20 +205,30 @@ def op_inputs(
 
 def flatten(label: str, value: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``(label, tensor)`` of a tensor or of the tensors in a list, labelled ``label[i]``."""
+    for flat_label, tensor, _position in _flatten_at(label, value):
+        yield flat_label, tensor
+
+
+def _flatten_at(label: str, value: Any) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+    """As :func:`flatten`, with each tensor's position in its list (None for a tensor that is no element)."""
     if isinstance(value, torch.Tensor):
-        yield label, value
+        yield label, value, None
     elif isinstance(value, (list, tuple)):
         single = label == "output" and len(value) == 1
         for position, item in enumerate(value):
             if isinstance(item, torch.Tensor):
-                yield (label if single else f"{label}[{position}]"), item
+                yield (label, item, None) if single else (f"{label}[{position}]", item, position)
 
 
-def list_index(label: str) -> int | None:
-    """The position in ``"tensors[2]"``, or None for a label that names no list element."""
-    if label.endswith("]"):
-        return int(label[label.rindex("[") + 1 : -1])
-    return None
+def list_positions(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> dict[str, int]:
+    """Each output label's position in its list (``"tensors[2]"`` -> 2), as the op tracer labels outputs:
+    the returned tensors, else those written in place. A label that names no list element is absent."""
+    found = list(_flatten_at("output", out))
+    if not found:
+        names = plan.writes
+        found = [flat for name, value in arguments(plan, args, kwargs) if name in names
+                 for flat in _flatten_at(name, value)]
+    return {label: position for label, _tensor, position in found if position is not None}
 
 
 def narrows(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> bool:

@@ -81,7 +81,7 @@ from nan_magic.localize.op_plans import (
     Plan,
     flatten,
     is_number,
-    list_index,
+    list_positions,
     narrows,
     odd_scalar,
     op_inputs,
@@ -92,7 +92,7 @@ from nan_magic.localize.op_plans import (
 )
 from nan_magic.localize.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
 from nan_magic.localize.origins import BENIGN, OpFinding, Origin, Origins
-from nan_magic.records import KINDS, Phase
+from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
 
@@ -301,9 +301,10 @@ class OpTracer(TorchDispatchMode):
         bad = self._known.suspects(outputs)
         if bad:
 
+            positions = list_positions(plan, args, kwargs, out) if plan.per_index else {}
+
             def inputs_of(label: str) -> list[tuple[str, Any]]:
-                index = list_index(label) if plan.per_index else None
-                return list(op_inputs(plan, args, kwargs, index))
+                return list(op_inputs(plan, args, kwargs, positions.get(label)))
 
             in_place = frozenset(id(t) for _, t in tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
             self._examine(op_name(func), bad, inputs_of, priors, in_backward, in_place)
@@ -431,9 +432,9 @@ class OpTracer(TorchDispatchMode):
                 continue
             prior = priors.get(id(value))
             if prior is not None:
-                input_stats.append((f"{name} (before)", prior.stats()))
+                input_stats.append((TensorRef(TensorRole.OPERAND, name, before=True), prior.stats()))
             elif is_checkable(value):
-                input_stats.append((name, tensor_stats(value)))
+                input_stats.append((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)))
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
         finding = OpFinding(

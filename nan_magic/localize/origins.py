@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.records import Phase, SourcePointer, TensorStats
+from nan_magic.records import Phase, SourcePointer, TensorRef, TensorStats
 
 __all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "dense"]
 
@@ -64,10 +64,10 @@ class OpFinding:
     output_stats
         Statistics of that output.
     input_stats
-        ``(label, stats)`` of every tensor input, labelled by schema argument
-        name (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an
-        in-place op's mutated tensor before the op is ``"self (before)"`` and
-        is known only through its probe (counts of a present kind are None).
+        ``(operand, stats)`` of every tensor input, named by schema argument
+        (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an in-place
+        op's mutated tensor before the op is marked ``before`` and is known
+        only through its probe (counts of a present kind are None).
     scalars
         ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
     backward_code
@@ -95,7 +95,7 @@ class OpFinding:
     neginf: int
     numel: int
     output_stats: TensorStats
-    input_stats: tuple[tuple[str, TensorStats], ...]
+    input_stats: tuple[tuple[TensorRef, TensorStats], ...]
     scalars: tuple[tuple[str, float], ...]
     absorbed: OpFinding | None = None
     backward_code: bool = False

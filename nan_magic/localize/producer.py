@@ -25,12 +25,12 @@ from nan_magic.hot.call_records import Call, TensorRecord, version_of
 from nan_magic.hot.held import running_arguments
 from nan_magic.hot.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.hot.step_log import StepLog
-from nan_magic.lifecycle.findings import Finding, mark_deliberate, named_inputs
+from nan_magic.lifecycle.findings import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.localize.call_replay import CallReplay, Frame, caller_named
 from nan_magic.localize.masks import DeliberateMasks, argument_name
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.origins import OpFinding
-from nan_magic.records import Phase, WatchConfig
+from nan_magic.records import Phase, TensorRef, TensorRole, WatchConfig
 
 __all__ = ["ProducerRule"]
 
@@ -84,11 +84,11 @@ class ProducerRule:
             return
         tensor = record.live()
         if call.phase == Phase.DATA:
-            if self.is_benign_input(call, record.path, tensor, record):
+            if self.is_benign_input(call, str(record.path), tensor, record):
                 self._note_mask(call, record, tensor, "an infinite mask given as an argument")
                 return
-            finding = Finding(Phase.DATA, call, record.path, bad=_detached(tensor), record=record,
-                              bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
+            finding = Finding(Phase.DATA, call, record_ref(record, TensorRole.INPUT), bad=_detached(tensor),
+                              record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
             self._emit(finding)
@@ -135,14 +135,14 @@ class ProducerRule:
         bad_parameter = self._bad_parameter(call)
         if bad_parameter is not None:
             name, parameter = bad_parameter
-            finding = Finding(Phase.FORWARD, call, f"parameter {name}", bad=parameter.detach(), record=record,
+            finding = Finding(Phase.FORWARD, call, TensorRef.parameter(name), bad=parameter.detach(), record=record,
                               inputs=inputs)
             finding.notes.append(f"{name} was already non-finite when {call.name or 'the root module'} read it")
         else:
             finding = Finding(
                 Phase.FORWARD,
                 call,
-                record.path or "output",
+                record_ref(record),
                 bad=_detached(tensor),
                 record=record,
                 bad_stats=None if tensor is not None else record.stats(),
@@ -182,11 +182,11 @@ class ProducerRule:
         # The value its own code made is the producer's row of the layer table
         # (the enclosing call may never return: the event stops it).
         log = self._log
-        record = log.record_output(enclosing, f"{path} of {consumer.name}", tensor)
+        record = log.record_output(enclosing, TensorRef(TensorRole.INPUT, consumer.name, path), tensor)
         if record.pending:
             log.resolve()  # deferred mode, at the check: read it now
         finding = Finding(
-            Phase.FORWARD, enclosing, record.path, bad=tensor.detach(), record=record,
+            Phase.FORWARD, enclosing, record_ref(record), bad=tensor.detach(), record=record,
             inputs=named_inputs(enclosing),
         )
         finding.notes.append(
@@ -300,16 +300,17 @@ class ProducerRule:
         for name, buffer in self.deliberate.buffers(call.module, prefix):
             kinds |= kinds_of(buffer)
             if self.deliberate.first_sighting(call.name, name):
-                finding = Finding(Phase.FORWARD, call, f"buffer {name}", bad=buffer.detach())
+                finding = Finding(Phase.FORWARD, call, TensorRef(TensorRole.BUFFER, name), bad=buffer.detach())
                 self._record_deliberate(finding, f"{name} is an infinite mask held as a buffer")
         return frozenset(kinds)
 
     def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None, what: str) -> None:
         """Mark a deliberate mask benign; the first sighting at its place is recorded as a benign event."""
         record.status = "benign"
-        if not self.deliberate.first_sighting(call.name, record.path):
+        if not self.deliberate.first_sighting(call.name, str(record.path)):
             return
-        finding = Finding(call.phase, call, record.path, bad=_detached(tensor), record=record,
+        role = TensorRole.INPUT if call.phase == Phase.DATA else TensorRole.MODULE_OUTPUT
+        finding = Finding(call.phase, call, record_ref(record, role), bad=_detached(tensor), record=record,
                           bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
         self._record_deliberate(finding, f"{record.path} is {what}")
 
@@ -342,7 +343,7 @@ class ProducerRule:
             # The op ran in an enclosing call's own code, which passed the value here: that call's
             # row of the layer table is the producer's (as the module-level rule records it).
             record.status = "propagated"
-            own = self._log.record_output(enclosing, f"{record.path} of {call.name}", tensor)
+            own = self._log.record_output(enclosing, TensorRef(TensorRole.INPUT, call.name, str(record.path)), tensor)
             self.origins.report_op(origin, enclosing, own)
             return True
         received, deliberate = self.input_kinds(call)
@@ -351,7 +352,7 @@ class ProducerRule:
         record.status = "benign"
         if id(call.module) not in self.replayer.masks:
             self.replayer.masks.add(id(call.module))
-            finding = Finding(Phase.FORWARD, call, record.path or "output", bad=tensor.detach(), record=record)
+            finding = Finding(Phase.FORWARD, call, record_ref(record), bad=tensor.detach(), record=record)
             self._record_deliberate(finding, "an infinite scalar, e.g. masked_fill(mask, -inf), or a mask carried on")
         return True
 

@@ -64,7 +64,7 @@ from nan_magic.localize.replay import (
     swapped_buffers,
 )
 from nan_magic.localize.untouched import untouched
-from nan_magic.records import Phase, Report, TensorStats
+from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.call_records import Call
@@ -337,7 +337,7 @@ class StepReplays:
         report = dataclasses.replace(report, notes=(*report.notes, note.rstrip(": ")))
         return report, (outcome.frame, outcome.position), error
 
-    def _run(self, root: RootCall, backward: bool, boundary: str | None) -> _Outcome:
+    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> _Outcome:
         """Run ``root`` again under a nested full watch with op-level tracing."""
         from nan_magic.lifecycle.watch import Watch  # the nested watch is a watch like any other
 
@@ -385,7 +385,7 @@ class StepReplays:
                 try:
                     output = target(*args, **kwargs)
                     if not backward:
-                        outcome.boundary = _stats_at(output, boundary)
+                        outcome.boundary = _stats_at(output, _output_path(boundary))
                     else:
                         outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
                 except Exception as error:  # the replay of a failing forward fails too, after its event
@@ -439,6 +439,11 @@ class StepReplays:
         note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
                 "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
         return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
+
+
+def _output_path(boundary: TensorRef | None) -> str | None:
+    """Where in the model's output the boundary is; None for a boundary that is not a model output."""
+    return boundary.path if boundary is not None and boundary.role is TensorRole.MODULE_OUTPUT else None
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:

@@ -18,9 +18,10 @@ from nan_magic.records import (
     Sample,
     SourcePointer,
     StepSummary,
+    TensorRef,
+    TensorRole,
     TensorStats,
     module_label,
-    sample_label,
 )
 from nan_magic.render.operands import op_base, operand_label, operand_names
 
@@ -213,7 +214,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     rows.append(("step", str(report.step)))
     if report.rank is not None:
         rows.append(("rank", f"{report.rank} of {report.world_size}"))
-    tensor = report.tensor
+    tensor = str(report.tensor)
     if report.dtype:
         tensor += f" {short_dtype(report.dtype)}"
     if report.output_stats is not None:
@@ -276,29 +277,32 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
     encoder.1 (Linear)``); the other layers' samples after them, as they are.
     """
     names = operand_names(report.op, report.source.line if report.source else None)
-    module_output = sample_label(report.module, report.module_output[0]) if report.module_output else None
+    module_output = report.module_output[0] if report.module_output else None
     operands, op_output, module_inputs, module_outputs, others = [], [], [], [], []
     for sample in report.samples:
-        label = sample.label
-        if not sample.producer:
+        ref = sample.tensor
+        if not sample.producer or ref is None:
             others.append(sample)
-        elif label == module_output and report.module_output is not None:
-            module_outputs.append(_titled(sample, module_value(report, report.module_output[0])))
-        elif report.op and label == report.tensor:
+        elif ref == module_output and report.module_output is not None:
+            module_outputs.append(_titled(sample, module_value(report, ref)))
+        elif report.op and ref == report.tensor:
             op_output.append(sample)
-        elif label.startswith(("input[", "kwargs[")):  # the module's arguments; a bare `input` is an operand
-            module_inputs.append(_titled(sample, f"{label} of {report.where}"))
+        elif ref.role is TensorRole.INPUT:  # the module's arguments (an op's operand named `input` is no argument)
+            module_inputs.append(_titled(sample, f"{ref} of {report.where}"))
         elif report.op:
-            operands.append(_titled(sample, operand_label(f"{label} of {report.op}", names)))
+            operands.append(_titled(sample, operand_label(ref, names, report.op)))
         else:  # no op named: the module's own output
-            module_outputs.append(_titled(sample, f"{label} of {report.where}"))
+            module_outputs.append(_titled(sample, f"{ref} of {report.where}"))
     return tuple(operands + op_output + module_inputs + module_outputs + others)
 
 
-def module_value(report: Report, name: str) -> str:
-    """``output of encoder.1 (Linear)``; a name that says whose it is stays as it is
-    (``input[0] of blocks.0.attn.proj``: a value the producer's own code passed on)."""
-    return name if " of " in name else f"{name} of {report.where}"
+def module_value(report: Report, ref: TensorRef) -> str:
+    """``output of encoder.1 (Linear)``; a value the producer's own code passed on says whose it is
+    (``input[0] of blocks.0.attn.proj``), as an op's output does."""
+    owned = ref.role in (TensorRole.MODULE_OUTPUT, TensorRole.LOSS, TensorRole.PARAMETER, TensorRole.BUFFER)
+    if owned or (ref.role is TensorRole.INPUT and ref.name is None):
+        return f"{ref} of {report.where}"
+    return str(ref)
 
 
 def _titled(sample: Sample, label: str) -> Sample:

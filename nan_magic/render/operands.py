@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 
+from nan_magic.records import TensorRef, TensorRole
+
 #: aten op base name -> the Python operator that runs it.
 _OPERATORS: dict[str, type[ast.operator]] = {
     "div": ast.Div, "true_divide": ast.Div, "mul": ast.Mult, "add": ast.Add,
@@ -106,16 +108,18 @@ def _segment(text: str, node: ast.expr) -> str:
 MAX_EXPRESSION = 36
 
 
-def operand_label(name: str, names: dict[str, str]) -> str:
+def operand_label(ref: TensorRef, names: dict[str, str], op: str | None = None) -> str:
     """``"centred (self)"`` where the user's expression is known, else ``"self"``.
 
-    ``name`` may carry a suffix: ``"self (before)"`` for an in-place op's
-    value before it.
+    An in-place op's value before it is ``"self (before)"``; with ``op``,
+    ``"centred (self of aten.log.default)"``.
     """
-    base, _, rest = name.partition(" ")
-    user = names.get(base)
+    if ref.role is not TensorRole.OPERAND or ref.name is None:
+        return str(ref)
+    suffix = (" (before)" if ref.before else "") + (f" of {op}" if op else "")
+    user = names.get(ref.name)
     if not user:
-        return name
+        return f"{ref.name}{suffix}"
     if len(user) > MAX_EXPRESSION:
         user = user[: MAX_EXPRESSION - 3] + "..."
-    return f"{user} ({base}{' ' + rest if rest else ''})"
+    return f"{user} ({ref.name}{suffix})"

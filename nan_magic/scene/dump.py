@@ -9,12 +9,11 @@ model the user provides and replays the producer module (or the whole step)
 under op-level tracing.
 
 The file is a dict of plain values (see :data:`SCENE_KEYS`): state dicts,
-tensors, strings and numbers, plus the :class:`~nan_magic.Report`, whose
-types are nan_magic's own plain records. It loads with
-``torch.load(weights_only=True)``, allowing only those records besides what
-``weights_only`` allows: a scene file passed between teammates cannot run
-code when opened, and :func:`load_scene` refuses, in one line, a file that
-needs anything more. The model is saved as its ``state_dict`` only (never as
+tensors, strings and numbers, the :class:`~nan_magic.Report` included, as
+plain data (:mod:`nan_magic.plain`). It loads with plain
+``torch.load(weights_only=True)``, no allowlist: a scene file passed between
+teammates cannot run code when opened, and :func:`load_scene` refuses, in one
+line, a file that needs anything more. The model is saved as its ``state_dict`` only (never as
 a pickled object, whose class would have to be imported and could run
 code); the user rebuilds the model from their code and restores into it.
 The file is written to a temporary file in the same folder and renamed into
@@ -28,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
-import inspect
 import io
 import os
 import pickle
@@ -43,12 +40,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nan_magic import records
 from nan_magic.distributed.ranks import per_rank_path
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.hot.call_records import version_of
 from nan_magic.localize.replay import RngState, capture_rng_state
-from nan_magic.records import Phase, Report
+from nan_magic.plain import to_plain
+from nan_magic.records import Phase, Report, TensorRole
 from nan_magic.scene.last_good import keep
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,18 +53,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
 
 __all__ = [
-    "RECORD_TYPES", "REFUSED_GLOBAL", "SCENE_FORMAT", "SCENE_KEYS", "SCENE_VERSION",
+    "REFUSED_GLOBAL", "SCENE_FORMAT", "SCENE_KEYS", "SCENE_VERSION",
     "record_scene", "refusal", "safe_load",
 ]
 
 SCENE_FORMAT = "nan_magic.scene"
-SCENE_VERSION = 1
+#: 2: the report is plain data; 1 pickled it as nan_magic's records, which a plain safe load refuses.
+SCENE_VERSION = 2
 
 #: What a scene file holds (a dict with these keys; a part that could not be
 #: saved is None and the report says why):
 #:
-#: - ``format``, ``version``: ``"nan_magic.scene"``, 1
-#: - ``report``: the :class:`~nan_magic.Report` of the event
+#: - ``format``, ``version``: ``"nan_magic.scene"``, 2
+#: - ``report``: the :class:`~nan_magic.Report` of the event, as plain data (:func:`nan_magic.plain.to_plain`)
 #: - ``step``, ``phase``, ``module``, ``kinds``: the event in brief, and the kinds watched
 #: - ``models``: ``{name: state_dict}`` of every watched model, as at the event
 #: - ``training``: ``{name: {module name: training flag}}``
@@ -135,7 +133,7 @@ def _collect(watch: Watch, finding: Finding, report: Report, notes: list[str]) -
     scene: dict[str, Any] = {
         "format": SCENE_FORMAT,
         "version": SCENE_VERSION,
-        "report": report,
+        "report": to_plain(report),
         "step": report.step,
         "phase": str(report.phase),
         "module": report.module,
@@ -192,25 +190,9 @@ def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]
     return path
 
 
-#: The types of nan_magic's own records (records.py: plain frozen dataclasses
-#: and enums, stdlib only), the one thing a scene holds beyond what
-#: ``torch.load(weights_only=True)`` allows by default. Derived from the
-#: module, so that a record type added later is allowed too.
-RECORD_TYPES: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-    value for value in vars(records).values()
-    if inspect.isclass(value) and value.__module__ == records.__name__
-    and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
-]
-
-
 def safe_load(source: Any, **options: Any) -> Any:
-    """``torch.load(weights_only=True)``, allowing nan_magic's records for this call only.
-
-    ``safe_globals`` (not ``add_safe_globals``) leaves the user's own
-    ``torch.load`` calls exactly as strict as they were.
-    """
-    with torch.serialization.safe_globals(RECORD_TYPES):
-        return torch.load(source, weights_only=True, **options)
+    """``torch.load(weights_only=True)``, no allowlist: a scene holds tensors and plain values only."""
+    return torch.load(source, weights_only=True, **options)
 
 
 def _loads_safely(path: str) -> bool:
@@ -322,9 +304,9 @@ def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
         for record in call.outputs:
             tensor = record.live()
             if tensor is None:
-                gone.append(record.path)
+                gone.append(str(record.path))
             else:
-                entries.append((owner, record.path, tensor))
+                entries.append((owner, str(record.path), tensor))
     if gone:
         notes.append(f"the scene's batch lacks {', '.join(gone)}: freed or changed in place before the event")
     several = len({owner for owner, _path, _tensor in entries}) > 1
@@ -341,10 +323,10 @@ def _batch(watch: Watch, notes: list[str]) -> dict[str, torch.Tensor]:
 def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tensor]:
     """Copies of the tensors the producer module was called with (else the finding's inputs)."""
     if finding.call is None or finding.call.phase == Phase.DATA:
-        return {name: _copy(tensor) for name, tensor in finding.inputs}
+        return {str(ref): _copy(tensor) for ref, tensor in finding.inputs}
     inputs: dict[str, torch.Tensor] = {}
     # At the deferred check a freed input may have been recomputed for the replay (call_replay.py).
-    recomputed = dict(finding.inputs)
+    recomputed = {ref.path: tensor for ref, tensor in finding.inputs if ref.role is TensorRole.INPUT}
     for path, _record, ref, version in finding.call.inputs:
         tensor = ref()
         if tensor is None and path in recomputed:
@@ -428,5 +410,5 @@ def refusal(error: pickle.UnpicklingError) -> str:
     """Why a safe load refused, in a few words (torch's own message runs to a paragraph)."""
     found = REFUSED_GLOBAL.search(str(error))
     what = found[1] if found else "a pickle instruction torch does not load safely"
-    return (f"loading it needs {what}, which is neither a tensor, a plain value nor a nan_magic record "
+    return (f"loading it needs {what}, which is neither a tensor nor a plain value "
             "and could run code (torch.load weights_only=True refuses it)")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from nan_magic.localize.replay import ReplayResult, RngState, capture_rng_state, replay_module, restore_rng_state
+from nan_magic.plain import from_plain
 from nan_magic.records import Phase, Report
 from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
 
@@ -52,17 +53,17 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
     ------
     ValueError
         One line naming the file: it is not a scene, or it needs more than
-        a scene holds to load (a class or function other than tensors,
-        plain values and nan_magic's records), which could run code; it is
-        refused without running anything.
+        a scene holds to load (a class or function other than tensors and
+        plain values), which could run code; it is refused without running
+        anything.
 
     Notes
     -----
-    The file is read with ``torch.load(weights_only=True)``, allowing only
-    nan_magic's own record types besides what that allows by default, so a
-    scene file from someone else cannot run code when opened. A scene
-    written before this rule (which pickled nothing else either) loads the
-    same way.
+    The file is read with plain ``torch.load(weights_only=True)``: a scene
+    holds tensors and plain values only (its report as plain data), so a
+    scene file from someone else cannot run code when opened. A version 1
+    scene, which pickled its report as nan_magic's records, is refused in
+    one line: record the event again.
 
     Examples
     --------
@@ -76,7 +77,11 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
     try:
         data = safe_load(path, map_location=map_location)
     except pickle.UnpicklingError as error:
-        if REFUSED_GLOBAL.search(str(error)):
+        refused = REFUSED_GLOBAL.search(str(error))  # torch's message names the class it refused
+        if refused and refused[1].startswith("nan_magic."):
+            raise ValueError(f"{path}: a scene of an older nan_magic (format 1, its report pickled as nan_magic's "
+                             "records), which this version does not read: record the event again") from None
+        if refused:
             raise ValueError(f"{path}: refused, {refusal(error)}") from None
         # Not a pickle torch can read (a text file reads as unknown instructions).
         raise ValueError(f"{path} is not a nan_magic scene file") from None
@@ -111,7 +116,8 @@ class Scene:
     def __init__(self, path: str, data: dict[str, Any]) -> None:
         self.path = path
         self.data = data
-        self.report: Report = dataclasses.replace(data["report"], scene=path, scene_bytes=os.path.getsize(path))
+        report = from_plain(Report, data["report"])
+        self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
         self.module: str | None = data["module"]

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nan_magic.records import TensorRef
+
 MODES = ("default", "defer", "full", "ops")
 
 # What each mode passes to watch(): the tiered default (immediate, and deferred as on CUDA), the
@@ -48,7 +50,7 @@ class Expect:
     line, in the file that defines the case's ``build`` (or ``marker_file``'s
     module). ``op_modes`` lists the modes in which op and line are asserted
     (a mode left out is a known gap, stated in the case's ``note``).
-    ``parameter`` is ``report.tensor`` where the event names a parameter.
+    ``tensor`` is ``report.tensor``, the typed reference of the tensor that went bad.
     """
 
     phase: str
@@ -58,7 +60,7 @@ class Expect:
     op: str | None = None
     marker: str | None = None
     kinds: frozenset[str] | None = None
-    tensor: str | None = None
+    tensor: TensorRef | None = None
     cause: str | None = None
     op_modes: tuple[str, ...] = MODES
     benign_events: int | None = None  # benign events recorded before the real one, where it matters

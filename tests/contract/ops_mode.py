@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
+from nan_magic.records import TensorRef
 
 # -- absorbed intermediate infinities --------------------------------------------------
 
@@ -411,7 +412,7 @@ CASES = [
          modes=("default", "defer", "ops"), note=_MASKS_ELSEWHERE),
     Case("ops_adam_fp16_eps", _adam_fp16,
          Expect("optimizer", "0", "Embedding", op="aten.addcdiv_.default", marker="adam step",
-                tensor="parameter 0.weight", kinds=frozenset({"nan"}), op_modes=("ops",)),
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"}), op_modes=("ops",)),
          note="the default modes name the parameter and its owner but do not replay an optimizer step for its op"),
     Case("ops_diverging_regression", _diverging_regression,
          Expect("forward", None, step=64, op="aten.mse_loss.default", marker="regression loss",

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from contract import Case, Expect, Scenario
+from nan_magic.records import TensorRef
 
 # The tiered default records the loss code's ops (outside.py) and replays them, forward and backward, at an
 # event, immediate or deferred (its small tensors are kept for the deferred check); mode="full" does not.
@@ -182,11 +183,11 @@ CASES = [
          Expect("forward", None, step=1, op="aten.log.default", op_modes=()),
          note="the loss code's op is asserted in the other loss cases"),
     Case("nan_label_given_to_mse_loss", _nan_label,
-         Expect("data", None, step=0, tensor="y", op_modes=())),
+         Expect("data", None, step=0, tensor=TensorRef.argument("y"), op_modes=())),
     Case("nan_label_in_hand_written_loss", lambda: _nan_label(hand_written=True),
-         Expect("data", None, step=0, tensor="y", op_modes=())),
+         Expect("data", None, step=0, tensor=TensorRef.argument("y"), op_modes=())),
     Case("nan_soft_labels_to_cross_entropy", _nan_soft_labels,
-         Expect("data", None, step=0, tensor="probabilities", op_modes=())),
+         Expect("data", None, step=0, tensor=TensorRef.argument("probabilities"), op_modes=())),
     Case("nan_label_from_a_loader_worker", _loader_with_workers,
-         Expect("data", None, step=2, tensor="labels", op_modes=())),
+         Expect("data", None, step=2, tensor=TensorRef.argument("labels"), op_modes=())),
 ]

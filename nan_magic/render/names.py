@@ -1,0 +1,32 @@
+"""Short labels of typed tensor references: ``output[1]``, ``parameter fc.weight``, ``self (before)``.
+
+Stdlib only: ``str(TensorRef)`` calls it, from the records as from every view.
+"""
+
+from __future__ import annotations
+
+from nan_magic.records import TensorRef, TensorRole
+
+__all__ = ["tensor_label"]
+
+
+def tensor_label(ref: TensorRef) -> str:
+    role = ref.role
+    if role is TensorRole.INPUT and ref.name is not None:  # a value a call's own code passed to a child
+        return f"{ref.path} of {ref.name}"
+    if role in (TensorRole.MODULE_OUTPUT, TensorRole.INPUT):
+        return ref.path
+    if role is TensorRole.OP_OUTPUT:
+        return f"{ref.path} of {ref.name}"
+    if role is TensorRole.OPERAND:
+        return f"{ref.name}{' (before)' if ref.before else ''}"
+    if role is TensorRole.OUTPUT_GRADIENT:
+        # No owner: the gradient of an argument as its consumer saw it; "" the model's own output.
+        return f"grad of {ref.path}" if ref.name is None else f"grad of {ref.name or 'model'} {ref.path}".rstrip()
+    if role is TensorRole.PARAMETER_GRADIENT:
+        return f"gradient of {ref.name}"
+    if role is TensorRole.OPTIMIZER_STATE:
+        return f"state {ref.path} of {ref.name}"
+    if role is TensorRole.LOSS:
+        return "loss"
+    return f"{role.value} {ref.name}"  # parameter, buffer

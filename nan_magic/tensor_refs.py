@@ -1,0 +1,99 @@
+"""Typed references to tensors: which tensor a fact is about, by role, name and path.
+
+A :class:`~nan_magic.Report` names the tensor that went bad, the producer's
+inputs and its samples with these, never with a label to parse back.
+Stdlib only; :mod:`nan_magic.records` re-exports them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["LOSS", "OUTPUT", "TensorRef", "TensorRole"]
+
+
+class TensorRole(str, enum.Enum):
+    """What a reported tensor is to the program (PRODUCT.md: a typed reference)."""
+
+    #: A module call's output; ``path`` is where in it (``"output"``, ``"output[1]"``).
+    MODULE_OUTPUT = "module output"
+    #: An argument of a module call, the batch for the root; ``path`` is ``"input[0]"`` or ``"kwargs['mask']"``
+    #: (or how the loss code held it). With ``name``, the argument a call's own code passed to its child ``name``.
+    INPUT = "input"
+    #: An op's output; ``name`` is the op (``"aten.div.Tensor"``), ``path`` which output (``"output"``, ``"self[0]"``).
+    OP_OUTPUT = "op output"
+    #: An op's tensor argument; ``name`` is its schema name (``"self"``, ``"mat2"``, ``"tensors[1]"``);
+    #: ``before`` marks an in-place op's value before the op.
+    OPERAND = "operand"
+    #: The gradient flowing into a module output; ``name`` the module that made the tensor (``""``: the
+    #: model, or no module), ``path`` the tensor within it; with ``name`` None, ``path`` is the argument of
+    #: the module call that consumed it (``"input[0]"``).
+    OUTPUT_GRADIENT = "output gradient"
+    #: A parameter's gradient; ``name`` is the parameter's qualified name.
+    PARAMETER_GRADIENT = "parameter gradient"
+    #: ``name`` is the parameter's qualified name.
+    PARAMETER = "parameter"
+    #: A module's buffer; ``name`` is its qualified name.
+    BUFFER = "buffer"
+    #: An optimizer's state tensor; ``name`` is its parameter's qualified name, ``path`` the state key.
+    OPTIMIZER_STATE = "optimizer state"
+    #: The loss the step's backward started from.
+    LOSS = "loss"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Which tensor a fact is about: a role, a name and a path, never a sentence.
+
+    ``str(ref)`` is its short label (``output[1]``, ``parameter fc.weight``),
+    written by :func:`nan_magic.render.names.tensor_label`.
+    """
+
+    role: TensorRole
+    name: str | None = None
+    path: str = ""
+    before: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", TensorRole(self.role))
+
+    @classmethod
+    def output(cls, path: str = "output") -> TensorRef:
+        return cls(TensorRole.MODULE_OUTPUT, path=path or "output")
+
+    @classmethod
+    def argument(cls, path: str) -> TensorRef:
+        """An argument of a module call (the batch for the root): ``input[0]``, ``kwargs['mask']``."""
+        return cls(TensorRole.INPUT, path=path)
+
+    @classmethod
+    def op_output(cls, op: str, path: str = "output") -> TensorRef:
+        return cls(TensorRole.OP_OUTPUT, op, path)
+
+    @classmethod
+    def parameter(cls, name: str) -> TensorRef:
+        return cls(TensorRole.PARAMETER, name)
+
+    @classmethod
+    def gradient(cls, parameter: str) -> TensorRef:
+        return cls(TensorRole.PARAMETER_GRADIENT, parameter)
+
+    @property
+    def is_argument(self) -> bool:
+        """Whether this is an argument of a module call (``input[0]``), not an op's operand."""
+        return self.role is TensorRole.INPUT
+
+    def __str__(self) -> str:
+        from nan_magic.render.names import tensor_label
+
+        return tensor_label(self)
+
+
+#: The loss, as every report names it.
+LOSS = TensorRef(TensorRole.LOSS)
+#: A module's whole output, the tensor a report names by default.
+OUTPUT = TensorRef(TensorRole.MODULE_OUTPUT, path="output")
