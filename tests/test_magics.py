@@ -161,15 +161,18 @@ def test_with_targets_only_those_models_are_watched(ip, ns) -> None:
     assert ns["_nan_report"].module != "log"
 
 
-def test_a_compiled_model_is_watched_and_refused_only_by_the_full_mode(ip, ns) -> None:
+def test_a_compiled_model_is_watched_by_every_mode(ip, ns) -> None:
+    from nan_magic import NanMagicWarning
+
     run(ip, "compiled = torch.compile(nn.Linear(4, 4), backend='aot_eager')")
     run(ip, "%%nantrace\n" + TRAIN)
     assert ns["_nan_report"].module == "log"
     result, _ = run(ip, "%%nantrace\ny = compiled(x)")
     assert result.error_in_exec is None  # the tiered default watches it from outside its graph
-    result, _ = run(ip, "%%nantrace --full\ny = compiled(x)")
-    assert isinstance(result.error_in_exec, ValueError)
-    assert "compiled is compiled with torch.compile" in str(result.error_in_exec)
+    for flag in ("--full", "--ops"):
+        with pytest.warns(NanMagicWarning, match="compiled is compiled with torch.compile; under"):
+            result, _ = run(ip, f"%%nantrace {flag}\ny = compiled(x)")
+        assert result.error_in_exec is None  # run eagerly while the cell runs
     ns.pop("compiled")
 
 

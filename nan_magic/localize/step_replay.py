@@ -400,11 +400,9 @@ class StepReplays:
             self.watch.config, mode="full", ops=True, defer=False, on_detect="log",
             log_file=None, dump=None, keep_last_good=None,
         )
-        try:
-            # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-            inner = self._nested(model, root.info.model, config)
-        except ValueError as refused:  # a compiled submodule inside: its graph cannot be replayed eagerly
-            return _Outcome(why_not=str(refused))
+        # The whole model is watched, so that a submodule called at top level keeps its qualified name
+        # (a compiled submodule inside runs eagerly, as the replayed model does: module_hooks.py).
+        inner = self._nested(model, root.info.model, config)
         outcome = _Outcome()
         with contextlib.ExitStack() as stack:
             guard = stack.enter_context(untouched(target))
