@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.lifecycle.watch import Watch, watch
+from nan_magic.options import WatchConfig
 from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.records import (
     Cause,
@@ -23,7 +24,6 @@ from nan_magic.records import (
     TensorRef,
     TensorRole,
     TensorStats,
-    WatchConfig,
     install_views,
 )
 from nan_magic.render.names import tensor_label

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import runpy
 import sys
@@ -35,8 +34,9 @@ import torch
 from nan_magic.distributed.ranks import launched_rank, leave_together, per_rank_path
 from nan_magic.errors.exceptions import NonFiniteError, peer_message
 from nan_magic.lifecycle.watch import Watch
-from nan_magic.options import WATCH_OPTIONS, config_from_args
-from nan_magic.records import Report, WatchConfig
+from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
+from nan_magic.patches.registry import ProcessPatch, Wrap
+from nan_magic.records import Report
 
 __all__ = ["main"]
 
@@ -175,25 +175,21 @@ def _adopting(watch: Watch) -> Iterator[None]:
     reaches ``optimizer.step()`` must still count as a training step.
     """
     targets = watch.targets
-    wrapped: list[tuple[type, list[Any]]] = [
-        (torch.optim.Optimizer, targets.optimizers),
-        (torch.amp.GradScaler, targets.scalers),
-    ]
-    originals = [vars(cls)["__init__"] for cls, _found in wrapped]
 
-    def adopting(init: Any, found: list[Any]) -> Any:
-        @functools.wraps(init)
-        def adopt(self: Any, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **kwargs)
-            if not any(self is known for known in found):
-                found.append(self)
+    def adopting(found: list[Any]) -> Wrap:
+        def wrap(init: Any) -> Any:
+            def adopt(self: Any, *args: Any, **kwargs: Any) -> None:
+                init(self, *args, **kwargs)
+                if not any(self is known for known in found):
+                    found.append(self)
 
-        return adopt
+            return adopt
 
-    for (cls, found), init in zip(wrapped, originals):
-        setattr(cls, "__init__", adopting(init, found))  # noqa: B010 - mypy refuses __init__ assignment
-    try:
+        return wrap
+
+    patch = ProcessPatch(lambda: [
+        (torch.optim.Optimizer, "__init__", adopting(targets.optimizers)),
+        (torch.amp.GradScaler, "__init__", adopting(targets.scalers)),
+    ])
+    with patch.held():
         yield
-    finally:
-        for (cls, _found), init in zip(wrapped, originals):
-            setattr(cls, "__init__", init)  # noqa: B010

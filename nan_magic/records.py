@@ -12,8 +12,6 @@ import dataclasses
 import enum
 import json
 import math
-import numbers
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -29,7 +27,6 @@ __all__ = [
     "AbsorbedOp",
     "Cause",
     "LayerCall",
-    "OnDetect",
     "Phase",
     "Report",
     "Sample",
@@ -38,14 +35,9 @@ __all__ = [
     "TensorRef",
     "TensorRole",
     "TensorStats",
-    "WatchConfig",
-    "WatchMode",
     "module_label",
     "sample_label",
 ]
-
-OnDetect = Literal["raise", "warn", "log"]
-WatchMode = Literal["tiered", "full"]
 
 #: The three kinds of non-finite value, in the order reports show them.
 KINDS = ("nan", "+inf", "-inf")
@@ -464,142 +456,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
-
-
-@dataclass(frozen=True)
-class WatchConfig:
-    """Options of one watch; shared by the engine, the magics and the CLI.
-
-    Parameters
-    ----------
-    mode
-        ``"tiered"`` (default): check the step's boundaries (the batch, the
-        model's outputs, the loss, the gradients, the parameters) and, at an
-        event, replay the failing step under per-module and op-level checks
-        to name the producer; a per-module step every ``full_every`` steps
-        feeds the per-layer early warnings. ``"full"``: check every module
-        call of every step (``ops=True`` implies it).
-    full_every
-        In the tiered mode, the watch's second step and every
-        ``full_every``-th step after it are per-module steps.
-    on_detect
-        ``"raise"`` (default) stops at the first non-benign event with
-        :class:`nan_magic.NonFiniteError`; ``"warn"`` emits one warning per
-        event and continues; ``"log"`` records silently and continues.
-    kinds
-        Which kinds count: any of ``"nan"`` and ``"inf"`` (``"inf"`` covers both
-        signs).
-    include, exclude
-        ``fnmatch`` patterns on qualified module names; a module is watched when
-        it matches an include pattern (or none is given) and no exclude pattern.
-    types
-        Class names (``"Linear"``) or qualified class names to watch; empty means
-        every type. The root module is always watched for data entering it.
-    log_file
-        A JSON-lines file that receives one line per event.
-    defer
-        Keep per-call results on the device and check them once per phase
-        (``None``: automatic, on for CUDA tensors). Results are identical; only
-        the frame in which the error is raised differs.
-    ops
-        Op-level tracing for the whole watched code.
-    replay
-        Re-run a producer module on its inputs under op-level tracing to name
-        the op and the line: a forward producer as it was called, a backward
-        producer's forward and backward from the gradient hook that found it
-        (immediate mode only).
-    history
-        How many steps of scalar history to keep.
-    sample_size
-        Finite values kept per tensor for histograms (producer only).
-    max_layers
-        Per-layer rows kept for the failing step (oldest dropped first).
-    max_events
-        Events kept in ``watch.events``.
-    dump
-        A folder: at the first real event, save the crash scene there.
-    keep_last_good
-        ``"cpu"`` or ``"device"``: keep the model's and optimizer's state from
-        the last step that ended finite there, for ``report.restore()``.
-    """
-
-    on_detect: OnDetect = "raise"
-    mode: WatchMode = "tiered"
-    full_every: int = 50
-    kinds: frozenset[str] = frozenset({"nan", "inf"})
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    types: tuple[str, ...] = ()
-    log_file: str | None = None
-    defer: bool | None = None
-    ops: bool = False
-    replay: bool = True
-    backward: bool = True
-    history: int = 200
-    sample_size: int = 4096
-    max_layers: int = 2000
-    max_events: int = 100
-    dump: str | None = None
-    keep_last_good: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.on_detect not in ("raise", "warn", "log"):
-            raise ValueError(
-                f"on_detect must be 'raise', 'warn' or 'log', not {self.on_detect!r}"
-            )
-        if self.mode not in ("tiered", "full"):
-            raise ValueError(f"mode must be 'tiered' or 'full', not {self.mode!r}")
-        kinds = frozenset(_names("kinds", self.kinds))
-        unknown = kinds - {"nan", "inf"}
-        if unknown or not kinds:
-            raise ValueError(
-                f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
-            )
-        object.__setattr__(self, "kinds", kinds)
-        for name in ("include", "exclude"):
-            object.__setattr__(self, name, _names(name, getattr(self, name)))
-        # A class is taken for its qualified name, which the type filter matches (engine/targets.py).
-        types = (f"{t.__module__}.{t.__qualname__}" if isinstance(t, type) else t for t in _items("types", self.types))
-        object.__setattr__(self, "types", _names("types", tuple(types), "class names or classes"))
-        if self.keep_last_good not in (None, "cpu", "device"):
-            raise ValueError(f"keep_last_good must be 'cpu', 'device' or None, not {self.keep_last_good!r}")
-        for name in ("history", "sample_size", "max_layers", "max_events", "full_every"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an integer, not {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, not {value!r}")
-        for name in ("ops", "replay", "backward", "defer"):
-            value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "defer" and value is None):
-                allowed = "True, False or None" if name == "defer" else "True or False"
-                raise TypeError(f"{name} must be {allowed}, not {value!r}")
-        for name in ("log_file", "dump"):
-            value = getattr(self, name)
-            if value is not None:
-                if not isinstance(value, (str, os.PathLike)):
-                    raise TypeError(f"{name} must be a path, not {value!r}")
-                object.__setattr__(self, name, os.fspath(value))
-
-    @property
-    def tiered(self) -> bool:
-        """Whether steps are checked at their boundaries only (``ops=True`` checks every op of every step)."""
-        return self.mode == "tiered" and not self.ops
-
-
-def _items(name: str, value: Any) -> tuple[Any, ...]:
-    """A config list given as one string (``kinds="nan"``) or one class (``types=nn.Linear``) is one item."""
-    if isinstance(value, (str, type)):
-        return (value,)
-    try:
-        return tuple(value)
-    except TypeError:  # None, a number: say which option, not "'NoneType' object is not iterable"
-        raise TypeError(f"{name} must be a string or a list of them, not {value!r}") from None
-
-
-def _names(name: str, value: Any, what: str = "strings") -> tuple[str, ...]:
-    items = _items(name, value)
-    wrong = [item for item in items if not isinstance(item, str)]
-    if wrong:
-        raise TypeError(f"{name} must be {what}, not {wrong[0]!r}")
-    return items

@@ -29,7 +29,9 @@ def global_hook_counts() -> tuple[int, ...]:
 
 @pytest.fixture(autouse=True)
 def no_leaked_hooks():
-    """Fail any test after which a global hook, the backward wrapper or a GradScaler wrapper remains."""
+    """Fail any test after which a global hook or a process-wide patch (patches.py) remains."""
+    from nan_magic.patches import registry as patches
+
     before = global_hook_counts()
     backward = torch.Tensor.backward
     scaler_methods = (torch.amp.GradScaler.scale, torch.amp.GradScaler.step)
@@ -38,6 +40,7 @@ def no_leaked_hooks():
     assert global_hook_counts() == before, "a watch left global hooks behind"
     assert torch.Tensor.backward is backward, "a watch left Tensor.backward wrapped"
     assert (torch.amp.GradScaler.scale, torch.amp.GradScaler.step) == scaler_methods, "a watch left GradScaler wrapped"
+    assert patches.installed() == [], "a process-wide patch was left installed"
 
 
 @pytest.fixture(scope="module")

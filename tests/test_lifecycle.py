@@ -282,6 +282,22 @@ def test_options_of_the_wrong_type_are_one_line_type_errors(options, message) ->
     assert global_hook_counts() == before
 
 
+def test_an_unknown_option_is_a_type_error_naming_it_and_every_option_is_in_the_signature() -> None:
+    import dataclasses
+    import inspect
+
+    unknown = r"^watch\(\) got an unexpected keyword argument 'foo'; its options are on_detect"
+    with pytest.raises(TypeError, match=unknown):
+        nan_magic.watch(small_model(), foo=1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'kind'; did you mean 'kinds'\?$"):
+        nan_magic.watch(small_model(), kind="nan")
+    parameters = inspect.signature(nan_magic.watch).parameters
+    for option in dataclasses.fields(nan_magic.WatchConfig):
+        assert parameters[option.name].default == option.default
+        assert f"\n    {option.name}\n" in nan_magic.WatchConfig.__doc__  # documented where it is declared
+    assert nan_magic.watch(small_model(), keep_last_good=True).config.keep_last_good == "cpu"
+
+
 class _Exploding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / (x - x)
@@ -298,15 +314,15 @@ def test_a_single_string_is_one_name_and_a_class_is_its_qualified_name() -> None
         assert (caught.value.report.module, caught.value.report.module_type) == ("1", "_Exploding"), types
 
 
-def test_the_full_mode_refuses_a_compiled_model_with_a_clear_message() -> None:
-    """Per-module hooks cannot see inside a compiled graph; the tiered default watches it (test_compiled.py)."""
+def test_the_full_mode_watches_a_compiled_model_eagerly_with_one_notice() -> None:
+    """Per-module hooks cannot see inside a compiled graph: the model runs eagerly instead (test_compiled.py)."""
     model = small_model()
-    compiled = torch.compile(model)
-    with pytest.raises(ValueError, match=r"compiled with torch.compile .*default \(tiered\) mode.*model._orig_mod"):
-        nan_magic.watch(compiled, mode="full")
-    wrapper = nn.Sequential(compiled)
-    with pytest.raises(ValueError, match=r"compiled with torch.compile \(0\)"):
-        nan_magic.watch(wrapper, mode="full")
+    compiled = torch.compile(model, backend="aot_eager")
+    for watched in (compiled, nn.Sequential(compiled)):
+        notice = pytest.warns(nan_magic.NanMagicWarning, match=r"compiled with torch.compile; under mode=\"full\"")
+        with notice, nan_magic.watch(watched, mode="full") as w:
+            watched(torch.randn(2, 8))
+        assert w.report is None
 
 
 class _DispatchedOps(TorchDispatchMode):

@@ -29,7 +29,7 @@ from torch import nn
 
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.held import hold_arguments
-from nan_magic.hot.module_hooks import is_compiled, may_step_aside
+from nan_magic.hot.module_hooks import may_step_aside
 from nan_magic.hot.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
 from nan_magic.hot.targets import ModuleInfo
@@ -73,6 +73,8 @@ class ForwardChecks:
         info = self.watch.module_info(module)
         if info is None:
             return  # unwatched
+        if info.compiled and not self.watch.config.tiered:
+            self._run_eagerly(info)
         if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
             known = self.watch.log.known_finite(args[0])
             if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
@@ -95,7 +97,8 @@ class ForwardChecks:
                 outside.stop()
             tracer = self.watch.origins.tracer
             self.watch.cycle.forward_started([t for _, t in iter_tensors(args, "input")] if tracer else ())
-            if is_compiled(module) or (not self.watch.cycle.full_step and may_step_aside(module)):
+            if (info.compiled and self.watch.config.tiered) or (not self.watch.cycle.full_step
+                                                                and may_step_aside(module)):
                 # Only this call's boundaries are checked: its submodules' calls need no hook at all.
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
@@ -114,6 +117,15 @@ class ForwardChecks:
             self.record_data(info, module, args, "input", call if top_level else None)
         if top_level and outside is not None:
             outside.forget()  # the batch is judged: what the loop computed need not stay alive
+
+    def _run_eagerly(self, info: ModuleInfo) -> None:
+        """A full watch calls a compiled model: its original module's code runs instead (module_hooks.py)."""
+        config = self.watch.config
+        mode = None if self.watch.replay_of is not None else ("ops=True" if config.ops else 'mode="full"')
+        # The notice points at the call: this hook, torch's _call_impl and _wrapped_call_impl, then
+        # OptimizedModule.__call__ where the model is the one called at top level.
+        self.watch.module_hooks.run_eagerly(info.name or info.model or info.module_type, mode,
+                                            stacklevel=5 if self.stack else 7)
 
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the

@@ -20,6 +20,17 @@ outside. An eager model steps aside the same way, except an
 is not taken while a hook sits on the layer itself. ``OptimizedModule.__call__`` warns when global hooks exist; that
 one warning is filtered while the watch is active (our hooks are off by the
 time the compiled code runs).
+
+The full watch (``mode="full"``, ``ops=True``) must see every module call and
+every op, which a compiled graph hides. At its first call of a compiled
+model it sets dynamo's ``force_eager`` stance until the watch ends
+(:meth:`GlobalModuleHooks.run_eagerly`), as a replay runs ``_orig_mod``: the
+wrapper then calls the original module's code, under the hooks and the op
+tracer. The stance only skips dynamo: the compiled code, its guards and
+caches stay as they are, so nothing recompiles after the watch. It is
+process-wide: while the watch is active, other ``torch.compile``d code (a
+compiled loss, another thread's model) runs eagerly too. One
+:class:`~nan_magic.NanMagicWarning` says so.
 """
 
 from __future__ import annotations
@@ -31,10 +42,13 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_registry
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
+
+from nan_magic.errors.exceptions import NanMagicWarning
 
 __all__ = ["GlobalModuleHooks", "is_compiled", "may_step_aside"]
 
@@ -64,10 +78,13 @@ class GlobalModuleHooks:
         self._handles: tuple[RemovableHandle, ...] = ()
         self._wrapped: set[int] = set()
         self._stack: ExitStack | None = None
+        self._eager = False
+        self._noticed = False
 
     def attach(self, stack: ExitStack) -> None:
         """Attach the global hooks until ``stack`` closes."""
         self._stack = stack
+        self._eager = False  # attached again after a nested watch took over: its stance went with the old stack
         self._on()
         stack.callback(self._off)
         # Inserted by hand: filterwarnings() would first remove an equal filter (an outer watch's, or
@@ -85,6 +102,24 @@ class GlobalModuleHooks:
             handle = model.register_forward_hook(self._model_returned, with_kwargs=True, always_call=True)
             self._stack.callback(handle.remove)
             self._stack.callback(self._wrapped.discard, id(model))
+
+    def run_eagerly(self, shown: str, mode: str | None, stacklevel: int) -> None:
+        """Run compiled code eagerly until the watch ends: a full watch calls compiled model ``shown``.
+
+        ``mode`` names the watch's mode in the one notice (None: a replay's
+        watch, which the user did not ask for, says nothing).
+        """
+        if self._eager or self._stack is None:
+            return
+        self._eager = True
+        self._stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if mode is not None and not self._noticed:
+            self._noticed = True
+            warnings.warn(
+                f"nan_magic: {shown} is compiled with torch.compile; under {mode} it runs eagerly while the watch "
+                "is active (hooks and the op tracer cannot see inside a compiled graph), compiled again after it",
+                NanMagicWarning, stacklevel=stacklevel + 1,
+            )
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
                         ) -> None:

@@ -45,7 +45,8 @@ from nan_magic.hot.step_log import StepLog
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.step_replay import StepReplays
-from nan_magic.records import EarlyWarning, Phase, StepSummary, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import EarlyWarning, Phase, StepSummary
 
 __all__ = ["Outcome", "StepCycle", "wants_defer"]
 

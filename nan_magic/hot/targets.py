@@ -19,10 +19,11 @@ from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, user_name, user_type
 from nan_magic.hot.deterministic import draws_no_random
+from nan_magic.hot.module_hooks import is_compiled
 from nan_magic.hot.transparent import Transparency, transparency
-from nan_magic.records import WatchConfig
+from nan_magic.options import WatchConfig
 
-__all__ = ["ModuleInfo", "Targets", "describe", "refuse_compiled", "resolve_targets"]
+__all__ = ["ModuleInfo", "Targets", "describe", "resolve_targets"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class ModuleInfo:
     transparent: Transparency | None = None
     #: Its calls draw no random numbers: a replay needs no RNG state (deterministic.py).
     deterministic: bool = False
+    #: A ``torch.compile`` wrapper (``OptimizedModule``): a full watch runs it eagerly (module_hooks.py).
+    compiled: bool = False
 
 
 @dataclass
@@ -73,18 +76,14 @@ class Targets:
         label = self._new_root_label(module)
         if label is None:
             return None
-        # A module called at top level becomes a root, named as its own
-        # ``named_modules()`` would name it; the full watch refuses a
-        # compiled one here, where it is called, not wherever it merely exists.
-        if not config.tiered:
-            refuse_compiled(module, label)
+        # A module called at top level becomes a root, named as its own ``named_modules()`` would name it.
         self.add_root(module, label, config)
         return self.modules[id(module)]
 
     def _new_root_label(self, module: nn.Module) -> str | None:
         if self.name_new is not None:
             return self.name_new(module)
-        return type(module).__name__ if self.discover else None
+        return user_type(module) if self.discover else None  # a compiled or DDP model: the class the user wrote
 
     def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
         """Whether an optimizer that is not a target joins the watch (see :attr:`name_new`)."""
@@ -118,6 +117,7 @@ class Targets:
                 is_root=is_root,
                 transparent=None if is_root or chosen else transparency(submodule),
                 deterministic=draws_no_random(submodule),
+                compiled=is_compiled(submodule),
             )
 
 
@@ -144,34 +144,6 @@ def _is_grad_scaler(value: Any) -> bool:
     return "GradScaler" in cls_names and hasattr(value, "get_scale")
 
 
-def _compiled_modules(module: nn.Module) -> list[str]:
-    """Names of ``torch.compile`` wrappers inside ``module`` (itself included).
-
-    Hooks added after compiling never run inside the compiled graph, so a
-    compiled model would be watched by a silent no-op: we refuse it instead.
-    """
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return []
-    return [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, OptimizedModule)]
-
-
-def refuse_compiled(module: nn.Module, shown: str) -> None:
-    """Raise ValueError when ``module`` holds a ``torch.compile`` wrapper.
-
-    Applied to each model watched: a compiled model elsewhere in the
-    program does not stop the watch of an eager one.
-    """
-    compiled = _compiled_modules(module)
-    if compiled:
-        raise ValueError(
-            f"{shown} is compiled with torch.compile ({', '.join(compiled)}): per-module hooks cannot see "
-            "inside compiled graphs; watch it in the default (tiered) mode, which replays a failing step "
-            "eagerly, or watch the original module (model._orig_mod)"
-        )
-
-
 def resolve_targets(
     targets: Iterable[Any],
     labels: Iterable[str | None] | None,
@@ -186,8 +158,6 @@ def resolve_targets(
     ------
     TypeError
         For an object that is not a module, optimizer or GradScaler.
-    ValueError
-        For a model compiled with ``torch.compile``.
     """
     targets = list(targets)
     label_list: list[str | None] = list(labels) if labels is not None else [None] * len(targets)
@@ -198,8 +168,6 @@ def resolve_targets(
     for target, label in zip(targets, label_list):
         shown = label or type(target).__name__
         if isinstance(target, nn.Module):
-            if not config.tiered:
-                refuse_compiled(target, shown)
             resolved.add_root(target, label, config)
         elif isinstance(target, torch.optim.Optimizer):
             resolved.optimizers.append(target)

@@ -1,22 +1,22 @@
-"""IPython front end: ``%%nantrace`` and ``%nanwatch``.
+"""IPython front end: ``%%nantrace``, ``%nanwatch`` and ``%nanreplay``.
 
 Thin by design: parse (IPython's ``magic_arguments``, so ``%%nantrace?`` and
 ``%nanwatch?`` are the help and bad input is a ``UsageError``), build a
-:class:`Watch`, arm it, store and display the report.
+:class:`Watch`, run, store and display the report.
 
-The cell is IPython's: an input transformer (IPython's public
-``input_transformers_cleanup``) rewrites a ``%%nantrace ARGS`` cell into the
-same cell with its first line replaced by a call that arms the watch; the
-rest is the user's cell, which IPython transforms, compiles and runs as any
-other, so line magics, ``!`` commands, top-level ``await``, the display of
-the last value, ``In``/``Out``/``_`` and ``Cell In[5], line 14`` in
-tracebacks (with the user's own line numbers) all behave as without the
-magic. The watch is disarmed by the ``post_execute`` event, which IPython
-triggers after every cell, ``ipython script.ipy``'s silent ones included.
+``%%nantrace`` is ``with watch: run the cell``, as IPython's own ``%%capture``:
+the shell runs the body (``shell.run_cell``), so line magics, ``!`` commands,
+top-level ``await`` and the display of the last value behave as in any cell,
+and the cell's exception, which IPython has shown, leaves the watch as the
+exception of its ``with`` block: the watch has one way out and sees why the
+cell stopped. ``%nanwatch`` (the rest of this cell) and ``%nanwatch on``
+(every cell) hold the same context manager between IPython's public
+``pre_run_cell`` and ``post_run_cell`` events; the latter hands over the
+cell's result, hence its exception.
 
 The user's ``set_custom_exc`` handlers are left alone: the short error comes
 from ``NonFiniteError._render_traceback_``, which IPython honours. The report
-is displayed from ``post_execute``, so it opens *under* the short error.
+is displayed once the watch is left, so it opens *under* the short error.
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ import dataclasses
 import re
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
+from IPython import get_ipython
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
-from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.hot.targets import _is_grad_scaler
+from nan_magic.ipython.watched_cell import as_typed, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
-from nan_magic.records import Report
 
 __all__ = ["NanMagics", "load", "unload"]
 
@@ -67,12 +68,19 @@ class NanMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self._cell_watch: Watch | None = None
+        #: ``%nanwatch on``: its line and parsed options, for a fresh watch at each cell.
         self._persistent: tuple[str, Any] | None = None
-        self._pending: Report | None = None
+        #: A watch held between the events: its ``with`` (an ExitStack), whether ``%nanwatch on`` armed it,
+        #: and the depth of %%nantrace bodies it was armed at (it is left at that depth's post_run_cell).
+        self._held: tuple[Watch, Any, ExitStack, bool, int] | None = None
+        #: %%nantrace bodies running now: the run_cell events they fire are not cells of their own.
+        self._bodies = 0
+        #: What the last %%nantrace body ended with (its result, the watch's own error), for the cell's result.
+        self._outcome: tuple[Any, BaseException | None] | None = None
+        #: Whether the cell running now is counted in the history (``In[N]``; pre_run_cell says).
+        self._cell_counted = False
         self._last: Watch | None = None
-        self._cell_args: Any = None
-        self._cell_from_persistent = False
+        self._unloaded = False
 
     @property
     def _shell(self) -> Any:
@@ -106,14 +114,34 @@ class NanMagics(Magics):
                 opt.zero_grad(); loss.backward(); opt.step()
         """
         __tracebackhide__ = True
+        watch, args = self._start_nantrace(line, cell)
+        self._bodies += 1
+        try:
+            with named_as_the_cell(self._shell, self._cell_counted):
+                self._outcome = run_watched(self._shell, watch, as_typed(line, cell or ""))
+        finally:
+            self._bodies -= 1
+        self._finish(watch, args)
+
+    async def nantrace_async(self, line: str, cell: str) -> None:
+        """``%%nantrace`` for a body with top-level ``await``, awaited by the cell (:func:`awaiting_nantrace`)."""
+        __tracebackhide__ = True
+        watch, args = self._start_nantrace(line, cell)
+        self._bodies += 1
+        try:
+            with named_as_the_cell(self._shell, self._cell_counted):
+                self._outcome = await run_watched_async(self._shell, watch, as_typed(line, cell))
+        finally:
+            self._bodies -= 1
+        self._finish(watch, args)
+
+    def _start_nantrace(self, line: str, cell: str | None) -> tuple[Watch, Any]:
         args = self._parse(self.nantrace, line, "%%nantrace")
-        if cell is not None and not cell.strip():
+        if not (cell or "").strip():
             raise UsageError("%%nantrace: the cell is empty; put the code to watch below the magic line")
-        self._arm_for_cell(self._make_watch(args, "%%nantrace"), args, "%%nantrace")
-        if cell is not None:
-            # Called directly (run_cell_magic), not from a transformed cell:
-            # the shell runs the body; its post_execute disarms the watch.
-            self._shell.run_cell(cell)
+        watch = self._make_watch(args, "%%nantrace")
+        self._take_over("%%nantrace")
+        return watch, args
 
     @_watch_options
     @line_magic
@@ -132,6 +160,7 @@ class NanMagics(Magics):
             train_one_epoch()          # any cell from here on is watched
             %nanwatch off
         """
+        self._check_loaded()
         words = line.split()
         if words[:1] in (["off"], ["status"]):
             if len(words) > 1:
@@ -150,7 +179,8 @@ class NanMagics(Magics):
             self._persistent = (rest, args)
             print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
             return
-        self._arm_for_cell(watch, args, "%nanwatch")
+        self._take_over("%nanwatch")
+        self._hold(watch, args, persistent=False)
 
     @magic_arguments()
     @argument("path", help="a scene file saved with --dump")
@@ -178,6 +208,7 @@ class NanMagics(Magics):
         """
         from nan_magic.scene.load import load_scene, replay_summary
 
+        self._check_loaded()
         args = self._parse(self.nanreplay, line, "%nanreplay")
         if not args.output.isidentifier():
             raise UsageError(f"%nanreplay: -o needs a Python identifier, not {args.output!r}")
@@ -215,7 +246,12 @@ class NanMagics(Magics):
 
     # -- parsing and targets --------------------------------------------------------
 
+    def _check_loaded(self) -> None:
+        if self._unloaded:  # IPython has no public way to remove a magic: an unloaded one says so
+            raise UsageError("nan_magic is unloaded; %load_ext nan_magic to use its magics again")
+
     def _parse(self, magic: Any, line: str, name: str) -> Any:
+        self._check_loaded()
         try:
             return parse_argstring(magic, line)
         except UsageError as error:
@@ -255,40 +291,45 @@ class NanMagics(Magics):
                 raise UsageError(f"{name}: cannot evaluate target {expression!r}: {error}") from None
         return list(expressions), values
 
-    # -- cell-scoped arming ------------------------------------------------------
+    # -- a watch held between the events ---------------------------------------------
 
-    def _arm_for_cell(self, watch: Watch, args: Any, name: str) -> None:
-        if self._cell_watch is not None:
-            if not self._cell_from_persistent:
+    def _take_over(self, name: str) -> None:
+        """Make room for this cell's own watch: it takes over from the one ``%nanwatch on`` armed."""
+        if self._held is not None:
+            if not self._held[3]:
                 raise UsageError(f"{name}: a watch is already armed for this cell")
-            # The cell's own magic takes over from the "%nanwatch on" one.
-            self._disarm_cell()
-        watch.__enter__()
-        self._cell_watch = watch
-        self._cell_args = args
-        self._cell_from_persistent = name == "%nanwatch on"
+            self._release(None)
 
-    def _disarm_cell(self) -> None:
-        watch = self._cell_watch
-        if watch is None:
-            return
-        self._cell_watch = None
+    def _hold(self, watch: Watch, args: Any, persistent: bool) -> None:
+        stack = ExitStack()
+        stack.enter_context(watch)
+        self._held = (watch, args, stack, persistent, self._bodies)
+
+    def _release(self, result: Any) -> None:
+        """Leave the held watch by the cell's exception (``result``: the cell's ExecutionResult)."""
+        assert self._held is not None
+        watch, args, stack, _persistent, _depth = self._held
+        self._held = None
+        error = None if result is None else result.error_in_exec
         try:
-            watch.__exit__(None, None, None)
-        except NonFiniteError as error:
-            # Deferred mode found it at the final check: report it all the same.
-            print(f"NonFiniteError: {error}", file=sys.stderr)
-        finally:
-            if watch.raised is not None:
-                # IPython caught and showed it; now cut our frames off its
-                # traceback (if showing did not already) and note its frames.
-                watch.adopt_traceback(watch.raised, watch.raised.__traceback__)
-            self._finish(watch, self._cell_args)
+            if error is None:
+                stack.close()
+            else:
+                stack.__exit__(type(error), error, error.__traceback__)
+        except Exception as raised:  # the watch's own: a deferred check at the exit, an error it explains
+            self._shell.showtraceback((type(raised), raised, raised.__traceback__))
+            if result is not None:
+                result.error_in_exec = raised
+        self._finish(watch, args)
 
     # -- events ------------------------------------------------------------------
 
-    def pre_execute(self) -> None:
-        if self._persistent is not None and self._cell_watch is None:
+    def pre_run_cell(self, info: Any = None) -> None:
+        if self._bodies:
+            return  # a %%nantrace body: its cell is already watched
+        self._outcome = None  # a body run by a direct run_cell_magic call had no cell of its own
+        self._cell_counted = bool(getattr(info, "store_history", False))
+        if self._persistent is not None and self._held is None:
             _line, args = self._persistent
             try:
                 watch = self._make_watch(args, "%nanwatch on")
@@ -296,29 +337,37 @@ class NanMagics(Magics):
                 self._persistent = None
                 print(f"nan_magic: watch off ({error})", file=sys.stderr)
                 return
-            self._arm_for_cell(watch, args, "%nanwatch on")
+            self._hold(watch, args, persistent=True)
 
-    def post_execute(self) -> None:
-        self._disarm_cell()
-        if self._pending is not None:
-            report, self._pending = self._pending, None
-            from IPython.display import display
-
-            display(report)
+    def post_run_cell(self, result: Any) -> None:
+        if self._bodies == 0 and self._outcome is not None and result is not None:
+            # A %%nantrace cell: IPython ran its body as a cell of its own; its outcome is this cell's.
+            (body, error), self._outcome = self._outcome, None
+            if result.error_in_exec is None:
+                result.error_in_exec = error or body.error_in_exec or body.error_before_exec
+            if result.result is None:
+                result.result = body.result
+        if self._held is not None and self._held[4] == self._bodies:
+            self._release(result)
 
     def _finish(self, watch: Watch, args: Any) -> None:
-        """Store the report in the user namespace and queue its display."""
+        """Store the report in the user namespace and display it."""
         self._last = watch
         if watch.report is None and not watch.events:
             return
         report = watch.report or watch.events[-1]
         self._shell.user_ns[args.output] = report
         if not args.quiet:
-            self._pending = report
+            from IPython.display import display
 
-    def disarm_all(self) -> None:
+            display(report)
+
+    def unload(self) -> None:
+        """Leave any held watch and answer every later call with a usage error."""
         self._persistent = None
-        self._disarm_cell()
+        if self._held is not None:
+            self._release(None)
+        self._unloaded = True
 
     # -- status -------------------------------------------------------------------
 
@@ -333,7 +382,7 @@ class NanMagics(Magics):
         lines = []
         if self._persistent is not None:
             lines.append(f"nan_magic: on for every cell ({self._persistent[0] or 'all targets'})")
-        elif self._cell_watch is not None:
+        elif self._held is not None:
             lines.append("nan_magic: armed for this cell")
         else:
             lines.append("nan_magic: off")
@@ -414,44 +463,63 @@ def _target_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable
 _NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")
 
 
-def _arm_nantrace_cell(lines: list[str]) -> list[str]:
-    """Input transformer: ``%%nantrace ARGS`` + body -> a call that arms the watch + body.
+def _await_nantrace_bodies(lines: list[str]) -> list[str]:
+    """Input transformer: a ``%%nantrace`` cell whose body awaits becomes a cell that awaits the magic.
 
-    The body stays the user's cell, line for line (the call takes the magic
-    line's place), for IPython to transform and run. A ``%%nantrace?`` line
-    (help) and an empty body are left to IPython and the magic.
+    A magic is a plain call: its body would need an event loop of its own,
+    which a kernel (its loop already running) refuses. Awaited by the cell,
+    the body runs on the kernel's loop (:meth:`NanMagics.nantrace_async`).
+    Every other cell, and every other ``%%nantrace`` cell, is left to IPython.
     """
-    if not lines or not _NANTRACE_LINE.match(lines[0]) or not "".join(lines[1:]).strip():
+    if not lines or not _NANTRACE_LINE.match(lines[0]):
         return lines
-    magic_line = lines[0][len("%%nantrace"):].strip()
-    return [f"get_ipython().run_cell_magic('nantrace', {magic_line!r}, None)\n", *lines[1:]]
+    body = "".join(lines[1:])
+    shell = get_ipython()
+    try:
+        awaits = body.strip() and shell.should_run_async(body, transformed_cell=shell.transform_cell(body))
+    except Exception:  # a body IPython cannot transform: the magic's own run reports it
+        return lines
+    if not awaits:
+        return lines
+    line = lines[0][len("%%nantrace"):].strip()
+    return [f"await __import__('nan_magic.ipython.magics').ipython.magics.awaiting_nantrace({line!r}, {body!r})\n"]
 
 
 # IPython's check_complete (is a terminal cell finished?) skips transformers
 # marked like this, so a %%nantrace cell still ends at a blank line there.
-_arm_nantrace_cell.has_side_effects = True  # type: ignore[attr-defined]
+_await_nantrace_bodies.has_side_effects = True  # type: ignore[attr-defined]
+
+
+async def awaiting_nantrace(line: str, cell: str) -> None:
+    """What a ``%%nantrace`` cell whose body awaits runs (:func:`_await_nantrace_bodies`)."""
+    __tracebackhide__ = True
+    magics = _loaded.get(id(get_ipython()))
+    if magics is None:
+        raise UsageError("nan_magic is unloaded; %load_ext nan_magic to use its magics again")
+    await magics.nantrace_async(line, cell)
 
 
 def load(shell: Any) -> None:
     """Register the magics, the transformer and the cell events (``%load_ext nan_magic``)."""
     magics = NanMagics(shell)
     shell.register_magics(magics)
-    shell.input_transformers_cleanup.append(_arm_nantrace_cell)
-    shell.events.register("pre_execute", magics.pre_execute)
-    shell.events.register("post_execute", magics.post_execute)
+    shell.input_transformers_cleanup.append(_await_nantrace_bodies)
+    shell.events.register("pre_run_cell", magics.pre_run_cell)
+    shell.events.register("post_run_cell", magics.post_run_cell)
     _loaded[id(shell)] = magics
 
 
 def unload(shell: Any) -> None:
-    """Disarm, unregister events and remove the magics (``%unload_ext nan_magic``)."""
+    """Disarm and unregister the events (``%unload_ext nan_magic``).
+
+    IPython has no public way to remove a magic: the magics stay registered
+    and answer that nan_magic is unloaded, until ``%load_ext`` replaces them.
+    """
     magics = _loaded.pop(id(shell), None)
     if magics is None:
         return
-    magics.disarm_all()
-    if _arm_nantrace_cell in shell.input_transformers_cleanup:
-        shell.input_transformers_cleanup.remove(_arm_nantrace_cell)
-    shell.events.unregister("pre_execute", magics.pre_execute)
-    shell.events.unregister("post_execute", magics.post_execute)
-    shell.magics_manager.magics["cell"].pop("nantrace", None)
-    shell.magics_manager.magics["line"].pop("nanwatch", None)
-    shell.magics_manager.magics["line"].pop("nanreplay", None)
+    magics.unload()
+    if _await_nantrace_bodies in shell.input_transformers_cleanup:
+        shell.input_transformers_cleanup.remove(_await_nantrace_bodies)
+    shell.events.unregister("pre_run_cell", magics.pre_run_cell)
+    shell.events.unregister("post_run_cell", magics.post_run_cell)

@@ -28,7 +28,8 @@ from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNon
 from nan_magic.errors.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import is_checkable, tensor_stats
-from nan_magic.records import Report, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.localize.step_replay import Producer

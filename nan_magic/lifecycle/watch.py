@@ -56,6 +56,7 @@ the code recorder (``watch.outside``, switched at the boundaries the hooks see).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -86,9 +87,10 @@ from nan_magic.localize.call_replay import CallReplay
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.step_replay import Producer, StepReplays
+from nan_magic.options import WatchConfig, config_from_options
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import scaler as scaler_patch
-from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, WatchConfig
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef
 from nan_magic.scene.dump import SceneSource, record_scene
 from nan_magic.scene.last_good import LastGood
 
@@ -429,28 +431,7 @@ def _nothing_replayed(finding: Finding, report: Report) -> None:
     return None
 
 
-def watch(
-    *targets: Any,
-    on_detect: str = "raise",
-    mode: str = "tiered",
-    full_every: int = 50,
-    kinds: Iterable[str] | str = ("nan", "inf"),
-    include: Iterable[str] | str = (),
-    exclude: Iterable[str] | str = (),
-    types: Iterable[str | type] | str | type = (),
-    log_file: str | None = None,
-    defer: bool | None = None,
-    ops: bool = False,
-    replay: bool = True,
-    backward: bool = True,
-    history: int = 200,
-    sample_size: int = 4096,
-    max_layers: int = 2000,
-    max_events: int = 100,
-    dump: str | None = None,
-    keep_last_good: bool | str | None = None,
-    labels: Iterable[str | None] | None = None,
-) -> Watch:
+def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: Any) -> Watch:
     """Watch models, optimizers and GradScalers for the first non-finite value.
 
     Parameters
@@ -458,14 +439,12 @@ def watch(
     *targets
         ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
         no module, every module called at top level is watched.
-    on_detect, mode, full_every, kinds, include, exclude, types, log_file, defer, ops, replay,
-    backward, history, sample_size, max_layers, max_events, dump
-        See :class:`nan_magic.WatchConfig`.
-    keep_last_good
-        ``True`` or ``"cpu"``: keep the last finite step's state on the CPU;
-        ``"device"``: where the model lives. ``report.restore()`` puts it back.
     labels
         Names for the targets (the magics pass variable names), one per target.
+    **options
+        Any option of :class:`nan_magic.WatchConfig`, by name (``on_detect``,
+        ``mode``, ``kinds``, ``include``, ``keep_last_good``...; each one is
+        documented there). An unknown name is a TypeError naming it.
 
     Returns
     -------
@@ -477,25 +456,14 @@ def watch(
     >>> with nan_magic.watch(model) as w:          # doctest: +SKIP
     ...     loss = model(x).sum(); loss.backward()
     """
-    config = WatchConfig(
-        on_detect=on_detect,  # type: ignore[arg-type]
-        mode=mode,  # type: ignore[arg-type]
-        full_every=full_every,
-        kinds=kinds,  # type: ignore[arg-type]  # WatchConfig checks and normalises these
-        include=include,  # type: ignore[arg-type]
-        exclude=exclude,  # type: ignore[arg-type]
-        types=types,  # type: ignore[arg-type]
-        log_file=log_file,
-        defer=defer,
-        ops=ops,
-        replay=replay,
-        backward=backward,
-        history=history,
-        sample_size=sample_size,
-        max_layers=max_layers,
-        max_events=max_events,
-        dump=dump,
-        keep_last_good="cpu" if keep_last_good is True else (keep_last_good or None),
-    )
-    return Watch(targets, labels=labels, config=config)
+    return Watch(targets, labels=labels, config=config_from_options(options))
 
+
+# help(), IDEs and inspect show every option with its default, from WatchConfig's one declaration.
+watch.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter("targets", inspect.Parameter.VAR_POSITIONAL, annotation="Any"),
+    inspect.Parameter("labels", inspect.Parameter.KEYWORD_ONLY, default=None,
+                      annotation="Iterable[str | None] | None"),
+    *(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=option.type)
+      for option in dataclasses.fields(WatchConfig)),
+], return_annotation="Watch")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,12 +23,14 @@ from torch import nn
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.optim import OptimizerChecks
     from nan_magic.localize.op_origins import OpOrigins
-    from nan_magic.records import Report, WatchConfig
+    from nan_magic.options import WatchConfig
+    from nan_magic.records import Report
 
 __all__ = ["ReplayWatch", "reentrant_checkpoints_inline", "replay_backward"]
 
@@ -106,12 +108,27 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
     return found
 
 
-# The patch of CheckpointFunction.apply is the process's while any replay runs; only the threads running a
-# replay take the inline path (a DataParallel replica's checkpoint meanwhile is left alone).
-_patch_lock = threading.Lock()
-_replays_running = 0
-_saved_apply: tuple[bool, Any, Any] | None = None  # (owned by the class, its own attribute, the bound original)
+# The patch of CheckpointFunction.apply is the process's while any replay runs (patches.py counts the
+# replays under a lock); only the threads running a replay take the inline path (a DataParallel replica's
+# checkpoint meanwhile is left alone).
 _inline_here = threading.local()
+
+
+def _inline_in_replays(apply: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_or_inline(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        if getattr(_inline_here, "depth", 0):
+            return run_function(*args)
+        return apply(run_function, preserve_rng_state, *args)
+
+    return apply_or_inline
+
+
+def _checkpoint_plan() -> list[tuple[Any, str, Wrap]]:
+    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    return [] if function is None else [(function, "apply", _inline_in_replays)]
+
+
+_CHECKPOINT_PATCH = ProcessPatch(_checkpoint_plan)
 
 
 @contextlib.contextmanager
@@ -124,41 +141,14 @@ def reentrant_checkpoints_inline() -> Iterator[None]:
     Inlined, the block runs the same ops on the same draws (the replay set the
     generators), with its graph kept: only the memory that checkpointing saves
     is spent, once, for the failing call. The class is patched while any
-    thread replays (counted under a lock, so overlapping replays cannot leave
-    it patched), and only a replaying thread takes the inline path.
+    thread replays, and only a replaying thread takes the inline path.
     """
-    global _replays_running, _saved_apply
-    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
-    if function is None:  # pragma: no cover - a torch without it
-        yield
-        return
-    with _patch_lock:
-        if _replays_running == 0:
-            own = "apply" in function.__dict__  # normally inherited from autograd.Function
-            _saved_apply = (own, function.__dict__.get("apply"), function.apply)
-            function.apply = staticmethod(_apply_inline_in_replays)
-        _replays_running += 1
-    _inline_here.depth = getattr(_inline_here, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _inline_here.depth -= 1
-        with _patch_lock:
-            _replays_running -= 1
-            if _replays_running == 0 and _saved_apply is not None:
-                own, attribute, _bound = _saved_apply
-                if own:
-                    function.apply = attribute
-                else:
-                    del function.apply
-                _saved_apply = None
-
-
-def _apply_inline_in_replays(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
-    if getattr(_inline_here, "depth", 0):
-        return run_function(*args)
-    assert _saved_apply is not None  # installed only while saved
-    return _saved_apply[2](run_function, preserve_rng_state, *args)
+    with _CHECKPOINT_PATCH.held():
+        _inline_here.depth = getattr(_inline_here, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _inline_here.depth -= 1
 
 
 def _finite_part(grad: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.localize.origins import apply_op_finding
 from nan_magic.localize.replay import recompute, replay_backward, replay_module, run_again
-from nan_magic.records import Phase, TensorRef, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase, TensorRef
 
 __all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]
 

@@ -30,7 +30,8 @@ from nan_magic.localize.call_replay import CallReplay, Frame, caller_named
 from nan_magic.localize.masks import DeliberateMasks, argument_name
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.origins import OpFinding
-from nan_magic.records import Phase, TensorRef, TensorRole, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase, TensorRef, TensorRole
 
 __all__ = ["ProducerRule"]
 

@@ -59,7 +59,8 @@ from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
 from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.untouched import untouched
-from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats, WatchConfig
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -399,11 +400,9 @@ class StepReplays:
             self.watch.config, mode="full", ops=True, defer=False, on_detect="log",
             log_file=None, dump=None, keep_last_good=None,
         )
-        try:
-            # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-            inner = self._nested(model, root.info.model, config)
-        except ValueError as refused:  # a compiled submodule inside: its graph cannot be replayed eagerly
-            return _Outcome(why_not=str(refused))
+        # The whole model is watched, so that a submodule called at top level keeps its qualified name
+        # (a compiled submodule inside runs eagerly, as the replayed model does: module_hooks.py).
+        inner = self._nested(model, root.info.model, config)
         outcome = _Outcome()
         with contextlib.ExitStack() as stack:
             guard = stack.enter_context(untouched(target))

@@ -1,1 +1,1 @@
-"""Process-wide patches while a watch needs them: Tensor.backward, GradScaler, torch.save."""
+"""Process-wide patches while a watch needs them (Tensor.backward, GradScaler, torch.save), through registry.py."""

@@ -15,7 +15,6 @@ tensor on a GPU, which is small next to writing the file.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -26,16 +25,13 @@ from torch import nn
 
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.hot.stats import is_checkable, kinds_of, tensor_stats
+from nan_magic.patches.registry import ProcessPatch
 from nan_magic.records import KINDS
 
 __all__ = ["CheckpointGuard", "guard_checkpoints", "nonfinite_entries"]
 
 #: Entries named in one warning; the rest are counted.
 MAX_NAMED = 10
-
-# The guards that are on; the wrapper is installed while there is one.
-_ENABLED: list[CheckpointGuard] = []
-_original_save: Callable[..., Any] | None = None
 
 
 class CheckpointGuard:
@@ -46,27 +42,16 @@ class CheckpointGuard:
 
     def enable(self) -> CheckpointGuard:
         """Wrap ``torch.save`` (once for all guards that are on)."""
-        global _original_save
-        if self.enabled:
-            return self
-        if not _ENABLED:
-            _original_save = torch.save
-            torch.save = _guarded(torch.save)
-        _ENABLED.append(self)
-        self.enabled = True
+        if not self.enabled:
+            _PATCH.acquire()
+            self.enabled = True
         return self
 
     def disable(self) -> None:
-        """Put ``torch.save`` back once no guard is on (unless someone replaced it since)."""
-        global _original_save
-        if not self.enabled:
-            return
-        self.enabled = False
-        _ENABLED.remove(self)
-        if not _ENABLED and _original_save is not None:
-            if getattr(torch.save, "__wrapped__", None) is _original_save:
-                torch.save = _original_save  # type: ignore[assignment]
-            _original_save = None
+        """Put ``torch.save`` back once no guard is on (unless someone replaced it since: patches.py)."""
+        if self.enabled:
+            self.enabled = False
+            _PATCH.release()
 
     def __enter__(self) -> CheckpointGuard:
         return self.enable()
@@ -97,21 +82,23 @@ def guard_checkpoints() -> CheckpointGuard:
 
 
 def _guarded(save: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(save)
     def save_checked(obj: Any, *args: Any, **kwargs: Any) -> Any:
         bad = nonfinite_entries(obj)
         if bad:
             named = [f"{name} ({count})" for name, count in bad[:MAX_NAMED]]
             more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
-            # stacklevel 2: the warning points at the user's torch.save line.
+            # stacklevel 3: past the patch's dispatch (patches.py), the warning points at the user's torch.save line.
             warnings.warn(
                 f"torch.save is about to write non-finite values: {', '.join(named)}{more}",
                 NanMagicWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         return save(obj, *args, **kwargs)
 
     return save_checked
+
+
+_PATCH = ProcessPatch.of(torch, "save", _guarded)
 
 
 def nonfinite_entries(obj: Any) -> list[tuple[str, str]]:

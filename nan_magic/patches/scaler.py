@@ -6,8 +6,8 @@ overflowed is benign (PRODUCT.md). GradScaler has no hooks, so while at
 least one watch needs it, ``scale`` and ``step`` of ``torch.amp.GradScaler``
 (and of every subclass that defines its own, e.g. the deprecated
 ``torch.cuda.amp.GradScaler`` defines neither and shares these) are wrapped,
-and restored when the last watch leaves, as backward_patch.py does for
-``Tensor.backward``. The wrappers call the originals unchanged:
+and restored when the last watch leaves (patches.py), as ``Tensor.backward``
+is for backward_patch.py. The wrappers call the originals unchanged:
 
 * ``scale(outputs)`` tells the watch that this scaler is in use, before the
   backward whose overflow it must hold;
@@ -18,7 +18,6 @@ and restored when the last watch leaves, as backward_patch.py does for
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from nan_magic.patches.registry import ProcessPatch, Wrap
 
 __all__ = ["ScalerCallbacks", "watch_scalers"]
 
@@ -41,7 +42,6 @@ class ScalerCallbacks:
 
 
 _callbacks: list[ScalerCallbacks] = []
-_originals: list[tuple[type, str, Any]] = []
 # A subclass's ``step`` that calls ``super().step`` must report once, from the outermost call.
 _depth = threading.local()
 
@@ -59,7 +59,6 @@ def _scaler_classes() -> list[type]:
 
 
 def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
         __tracebackhide__ = True
         for callbacks in list(_callbacks):
@@ -70,7 +69,6 @@ def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
     def step(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         depth = getattr(_depth, "value", 0)
@@ -90,30 +88,21 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _install() -> None:
-    for cls in _scaler_classes():
-        for name, wrap in (("scale", _wrap_scale), ("step", _wrap_step)):
-            if name in vars(cls):
-                original = vars(cls)[name]
-                _originals.append((cls, name, original))
-                setattr(cls, name, wrap(original))
+def _plan() -> list[tuple[type, str, Wrap]]:
+    """Each scaler class's own ``scale`` and ``step`` (a subclass that inherits them shares the base's)."""
+    wraps = (("scale", _wrap_scale), ("step", _wrap_step))
+    return [(cls, name, wrap) for cls in _scaler_classes() for name, wrap in wraps if name in vars(cls)]
 
 
-def _uninstall() -> None:
-    while _originals:
-        cls, name, original = _originals.pop()
-        setattr(cls, name, original)
+_PATCH = ProcessPatch(_plan)
 
 
 @contextmanager
 def watch_scalers(callbacks: ScalerCallbacks) -> Iterator[None]:
     """Call ``callbacks`` from every GradScaler's ``scale`` and ``step`` inside the block."""
-    if not _callbacks:
-        _install()
-    _callbacks.append(callbacks)
-    try:
-        yield
-    finally:
-        _callbacks.remove(callbacks)
-        if not _callbacks:
-            _uninstall()
+    with _PATCH.held():
+        _callbacks.append(callbacks)
+        try:
+            yield
+        finally:
+            _callbacks.remove(callbacks)

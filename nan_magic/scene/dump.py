@@ -53,7 +53,7 @@ from nan_magic.version import __version__
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.hot.call_records import Call
     from nan_magic.hot.finding import Finding
-    from nan_magic.records import WatchConfig
+    from nan_magic.options import WatchConfig
     from nan_magic.scene.last_good import LastGood
 
 __all__ = [

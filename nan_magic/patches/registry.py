@@ -1,0 +1,137 @@
+"""Process-wide patches: one place installs them and one rule takes them back.
+
+Some things the watch must see have no hook in torch: the tensor
+``backward()`` starts from, a GradScaler's ``scale`` and ``step``,
+``torch.save`` (the checkpoint guard), the optimizers and scalers a script
+constructs (the command line adopts them), a reentrant checkpoint during a
+backward replay. Each is seen by replacing an attribute of a class or module
+for as long as someone needs it, and every such replacement is a
+:class:`ProcessPatch`:
+
+* it is installed when its first holder takes it and taken back when its
+  last holder lets go (counted under a lock: holders may be on several
+  threads, and a watch may be nested in another);
+* it is taken back only if the attribute still holds our replacement. A user
+  (or another library) that patched the same attribute after us wrapped
+  ours: putting the original back would silently drop their patch. Theirs
+  stays, and ours goes inert: from then on it only calls what it replaced.
+
+:func:`installed` lists what is installed now, so that tests can check that
+nothing is left after a watch, however it ended.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["ProcessPatch", "Wrap", "installed"]
+
+#: ``wrap(original) -> replacement``: the replacement receives what the original would, and calls it.
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+_MISSING = object()
+_live: list[ProcessPatch] = []
+
+
+class _Installed:
+    """One attribute replaced: what we set, what was there, and whether ours still acts."""
+
+    def __init__(self, owner: Any, name: str, wrap: Wrap) -> None:
+        self.owner, self.name = owner, name
+        # What the replacement calls: the attribute as code reads it (a classmethod comes bound).
+        original = getattr(owner, name)
+        # What goes back: the owner's own entry, or nothing when the attribute was inherited.
+        self.previous = vars(owner).get(name, _MISSING)
+        self.acting = True
+        replacement = wrap(original)
+
+        @functools.wraps(original)
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            return (replacement if self.acting else original)(*args, **kwargs)
+
+        # A bound original (classmethod) or a staticmethod takes no instance: ours must not either.
+        static = inspect.getattr_static(owner, name)
+        self.value: Any = staticmethod(dispatch) if isinstance(static, (classmethod, staticmethod)) else dispatch
+        setattr(owner, name, self.value)
+
+    def take_back(self) -> None:
+        if vars(self.owner).get(self.name, _MISSING) is self.value:
+            if self.previous is _MISSING:
+                delattr(self.owner, self.name)
+            else:
+                setattr(self.owner, self.name, self.previous)
+        else:
+            # Someone patched it after us and wraps ours: leave theirs, make ours a pass-through.
+            self.acting = False
+
+
+class ProcessPatch:
+    """Attributes replaced while at least one holder holds the patch.
+
+    Parameters
+    ----------
+    plan
+        Called at each installation: the ``(owner, name, wrap)`` of every
+        attribute to replace (computed then, so that it may depend on what
+        exists at that time, e.g. the subclasses imported so far).
+    """
+
+    def __init__(self, plan: Callable[[], Iterable[tuple[Any, str, Wrap]]]) -> None:
+        self._plan = plan
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._installed: list[_Installed] = []
+
+    @classmethod
+    def of(cls, owner: Any, name: str, wrap: Wrap) -> ProcessPatch:
+        """The patch of one attribute."""
+        return cls(lambda: [(owner, name, wrap)])
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                try:
+                    for owner, name, wrap in self._plan():
+                        self._installed.append(_Installed(owner, name, wrap))
+                except BaseException:
+                    self._take_back()
+                    raise
+                _live.append(self)
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                raise RuntimeError("release() of a patch that is not held")
+            self._holders -= 1
+            if self._holders == 0:
+                _live.remove(self)
+                self._take_back()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the patch for the duration of the block, however it ends."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _take_back(self) -> None:
+        while self._installed:  # last installed first, in case two entries touch one owner
+            self._installed.pop().take_back()
+
+    def targets(self) -> list[tuple[Any, str]]:
+        """The ``(owner, name)`` of every attribute replaced now."""
+        return [(entry.owner, entry.name) for entry in self._installed]
+
+
+def installed() -> list[tuple[Any, str]]:
+    """Every attribute replaced by nan_magic right now, as ``(owner, name)``."""
+    return [target for patch in list(_live) for target in patch.targets()]

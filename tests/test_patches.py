@@ -1,0 +1,178 @@
+"""Process-wide patches (engine/patches.py): installed once, taken back only while still ours."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+from nan_magic.localize.backward_replay import reentrant_checkpoints_inline
+from nan_magic.patches import registry as patches
+from nan_magic.patches.registry import ProcessPatch
+
+
+def user_patch(owner, name, calls: list[str]):
+    """A user's own wrapper of ``owner.name``, as a profiler or logging library would install it."""
+    wrapped = getattr(owner, name)
+
+    def theirs(*args, **kwargs):
+        calls.append("user")
+        return wrapped(*args, **kwargs)
+
+    setattr(owner, name, theirs)
+    return theirs
+
+
+def nan_step(model: nn.Module) -> None:
+    model(torch.full((2, 4), float("nan"))).sum().backward()
+
+
+def test_a_users_backward_patch_after_ours_stays_and_ours_goes_inert() -> None:
+    original = torch.Tensor.backward
+    model = nn.Linear(4, 1)
+    calls: list[str] = []
+    try:
+        with nan_magic.watch(model, mode="full") as w:
+            theirs = user_patch(torch.Tensor, "backward", calls)
+            model(torch.ones(2, 4)).sum().backward()
+        assert w.report is None and calls == ["user"]
+        assert torch.Tensor.backward is theirs  # not dropped when the watch left
+        assert patches.installed() == []
+        # Ours under theirs only passes through now: a watch ended, so nothing of it may act.
+        model(torch.ones(2, 4)).sum().backward()
+        assert calls == ["user", "user"]
+        # A later watch installs afresh on top of theirs, and sees backward() again.
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, mode="full"):
+            loss = model(torch.ones(2, 4)).sum() * float("inf")
+            loss.backward()
+        assert caught.value.report is not None
+        assert torch.Tensor.backward is theirs and calls[-1] == "user"
+    finally:
+        torch.Tensor.backward = original
+
+
+def test_a_users_torch_save_patch_after_the_guard_stays(tmp_path) -> None:
+    original = torch.save
+    calls: list[str] = []
+    try:
+        guard = nan_magic.guard_checkpoints()
+        theirs = user_patch(torch, "save", calls)
+        guard.disable()
+        assert torch.save is theirs
+        bad = nn.Linear(2, 2)
+        with torch.no_grad():
+            bad.bias[0] = float("nan")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the inert guard no longer warns
+            torch.save(bad.state_dict(), tmp_path / "ckpt.pt")
+        assert calls == ["user"] and (tmp_path / "ckpt.pt").exists()
+    finally:
+        torch.save = original
+
+
+def test_a_users_scaler_patch_after_ours_stays() -> None:
+    scale = torch.amp.GradScaler.scale
+    calls: list[str] = []
+    try:
+        with nan_magic.watch(nn.Linear(2, 2)):
+            theirs = user_patch(torch.amp.GradScaler, "scale", calls)
+        assert torch.amp.GradScaler.scale is theirs
+        assert torch.amp.GradScaler.step is not theirs and "step" in vars(torch.amp.GradScaler)
+        assert patches.installed() == []
+    finally:
+        torch.amp.GradScaler.scale = scale
+
+
+@pytest.mark.parametrize("ending", ["finish", "nonfinite", "unrelated", "interrupt"])
+def test_nothing_is_left_after_a_watch_however_it_ends(ending: str) -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward, save, scale = torch.Tensor.backward, torch.save, torch.amp.GradScaler.scale
+    expected = {"finish": None, "nonfinite": NonFiniteError, "unrelated": ValueError,
+                "interrupt": KeyboardInterrupt}[ending]
+    raises = pytest.raises(expected) if expected else contextlib.nullcontext()
+    with raises, nan_magic.guard_checkpoints(), nan_magic.watch(model, opt):
+        names = {name for _owner, name in patches.installed()}
+        assert {"backward", "scale", "step", "save"} <= names
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        if ending == "nonfinite":
+            nan_step(model)
+        elif ending == "unrelated":
+            raise ValueError("the user's own bug")
+        elif ending == "interrupt":
+            raise KeyboardInterrupt
+    assert patches.installed() == []
+    assert (torch.Tensor.backward, torch.save, torch.amp.GradScaler.scale) == (backward, save, scale)
+
+
+def test_an_inherited_classmethod_is_patched_on_the_class_and_deleted_after() -> None:
+    function = torch.utils.checkpoint.CheckpointFunction
+    assert "apply" not in vars(function)  # inherited from autograd.Function
+    x = torch.ones(2, requires_grad=True)
+    with reentrant_checkpoints_inline():
+        assert [name for _owner, name in patches.installed()] == ["apply"]
+        out = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+        assert type(out.grad_fn).__name__ == "MulBackward0"  # inline, through the bound original's stand-in
+    assert "apply" not in vars(function)
+    out = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+    assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
+
+
+def test_holders_share_one_installation_across_threads() -> None:
+    class Owner:
+        def value(self) -> int:
+            return 1
+
+    installs: list[int] = []
+
+    def wrap(original):
+        installs.append(1)
+        return lambda self: original(self) + 10
+
+    patch = ProcessPatch.of(Owner, "value", wrap)
+    barrier = threading.Barrier(4)
+    seen: list[int] = []
+
+    def hold() -> None:
+        with patch.held():
+            barrier.wait()
+            seen.append(Owner().value())
+            barrier.wait()
+
+    threads = [threading.Thread(target=hold) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert installs == [1] and seen == [11] * 4
+    assert Owner().value() == 1 and "value" in vars(Owner) and patches.installed() == []
+    with pytest.raises(RuntimeError, match="not held"):
+        patch.release()
+
+
+def test_a_failing_plan_installs_nothing() -> None:
+    class Owner:
+        def a(self) -> int:
+            return 1
+
+        def b(self) -> int:
+            return 2
+
+    def broken(original):
+        raise RuntimeError("cannot wrap")
+
+    a = Owner.a
+    patch = ProcessPatch(lambda: [(Owner, "a", lambda original: original), (Owner, "b", broken)])
+    with pytest.raises(RuntimeError, match="cannot wrap"):
+        patch.acquire()
+    assert vars(Owner)["a"] is a and patches.installed() == []
+    with pytest.raises(RuntimeError, match="not held"):
+        patch.release()
