@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -34,7 +33,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
-from nan_magic.hot.targets import _is_grad_scaler
+from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
 from nan_magic.ipython.watched_cell import as_typed, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
@@ -236,7 +235,7 @@ class NanMagics(Magics):
         elif isinstance(namespace.get(saved_name or ""), nn.Module):
             model = namespace[saved_name]
         else:
-            models = [value for value in _discover(namespace)[1] if isinstance(value, nn.Module)]
+            models = [value for value in discover(namespace)[1] if isinstance(value, nn.Module)]
             if len(models) != 1:
                 raise UsageError("%nanreplay: name the model to rebuild the scene on: %nanreplay PATH MODEL")
             model = models[0]
@@ -273,11 +272,11 @@ class NanMagics(Magics):
             # Models are found when the cell calls them (it may build them);
             # the namespace's GradScalers are passed so their skipped steps
             # are known as benign, and its models only decide where to check.
-            labels, targets = _namespace_scalers(namespace)
+            labels, targets = namespace_scalers(namespace)
             if config.defer is None:
-                config = dataclasses.replace(config, defer=_models_on_a_device(namespace))
+                config = dataclasses.replace(config, defer=models_on_a_device(namespace))
         try:
-            return Watch(targets, labels=labels, config=config, name_new_target=_target_namer(namespace, args.targets))
+            return Watch(targets, labels=labels, config=config, name_new_target=target_namer(namespace, args.targets))
         except (TypeError, ValueError) as error:
             raise UsageError(f"{name}: {error}") from None
 
@@ -389,75 +388,6 @@ class NanMagics(Magics):
         if self._last is not None and self._last.report is not None:
             lines.append(f"last report: {self._last.report.message}")
         return "\n".join(lines)
-
-
-def _discover(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
-    """Every top-level module, optimizer and GradScaler in the user namespace.
-
-    A module contained in another discovered module is left to its container
-    (watched once, under the container's names).
-    """
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-    for name, value in list(namespace.items()):
-        if name.startswith("_") or id(value) in seen:
-            continue
-        if isinstance(value, (nn.Module,)) or _is_optimizer(value) or _is_grad_scaler(value):
-            found.append((name, value))
-            seen.add(id(value))
-    contained: set[int] = set()
-    for _name, value in found:
-        if isinstance(value, nn.Module):
-            contained |= {id(sub) for sub in value.modules() if sub is not value}
-    kept = [(name, value) for name, value in found if id(value) not in contained]
-    return [name for name, _ in kept], [value for _, value in kept]
-
-
-def _is_optimizer(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.optim.Optimizer)
-
-
-def _namespace_scalers(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
-    """The GradScalers in the user namespace, each once, with their names (as :func:`_discover` finds them)."""
-    scalers = [(name, value) for name, value in zip(*_discover(namespace)) if _is_grad_scaler(value)]
-    return [name for name, _ in scalers], [value for _, value in scalers]
-
-
-def _models_on_a_device(namespace: dict[str, Any]) -> bool:
-    """Whether a model in the namespace lives off the CPU (the watch then defers its checks)."""
-    for value in list(namespace.values()):
-        if isinstance(value, nn.Module):
-            parameter = next(value.parameters(), None)
-            if parameter is not None and parameter.device.type != "cpu":
-                return True
-    return False
-
-
-def _target_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable[[Any], str | None]:
-    """How a model first called at top level, or an optimizer first stepping, joins the watch.
-
-    Without targets, every model joins, under its name in the namespace (or
-    its class name); every optimizer is watched anyway. With targets, one
-    joins when a target expression, looked up again now, is that object: a
-    cell that rebuilds ``model, opt`` is watched on the new ones, and
-    nothing else is.
-    """
-
-    def name_new_target(target: Any) -> str | None:
-        if not expressions:
-            names = (name for name, value in list(namespace.items()) if value is target and not name.startswith("_"))
-            return next(names, type(target).__name__)
-        for expression in expressions:
-            try:
-                if eval(expression, namespace) is target:
-                    return expression
-            except Exception:  # a name the cell has deleted, say: not this object
-                continue
-        return None
-
-    return name_new_target
 
 
 _NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")
