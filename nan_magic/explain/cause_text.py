@@ -7,12 +7,10 @@ place (:func:`where`, :func:`line`), the op's inputs by role
 
 from __future__ import annotations
 
-import math
-import re
-
 import torch
 
 from nan_magic.locations import name_location
+from nan_magic.number_words import counts_phrase, fmt
 from nan_magic.records import Cause, Report, TensorRef, TensorRole, TensorStats, module_label
 
 __all__ = [
@@ -225,10 +223,6 @@ def counts(report: Report) -> str:
     return counts_phrase(report.nan, report.posinf, report.neginf)
 
 
-def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
-    parts = [f"{count} {kind}" for kind, count in (("nan", nan), ("+inf", posinf), ("-inf", neginf)) if count]
-    return ", ".join(parts) or "non-finite"
-
 
 def float_dtype(dtype: str | None) -> torch.dtype | None:
     """The floating dtype a report names (``"float16"``), or None when it names none."""
@@ -241,13 +235,3 @@ def dtype_max(dtype: str | None) -> float:
     return torch.finfo(float_dtype(dtype) or torch.float32).max
 
 
-def fmt(value: float | None) -> str:
-    """``31000.0`` → ``"3.1e4"``; ``0.52`` → ``"0.52"``."""
-    if value is None:
-        return "?"
-    if not math.isfinite(value):  # an lr of inf, a bound past float64: int() would raise
-        return str(value)
-    if value == int(value) and abs(value) < 1e6:
-        return str(int(value))
-    text = f"{value:.3g}"
-    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'-' if m.group(1) == '-' else ''}{m.group(2)}", text)

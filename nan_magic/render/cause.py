@@ -7,12 +7,11 @@ values it rests on (``facts``); each reading has one template here.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from nan_magic.locations import name_location
+from nan_magic.number_words import counts_phrase, fmt
 from nan_magic.records import Cause, TensorRole, module_label
 
 __all__ = ["cause_evidence", "cause_hint", "counts_phrase", "fmt", "hint_opens_sentence"]
@@ -21,21 +20,6 @@ __all__ = ["cause_evidence", "cause_hint", "counts_phrase", "fmt", "hint_opens_s
 LEGACY_TEXT = "text"
 
 
-def fmt(value: float | None) -> str:
-    """``31000.0`` → ``"3.1e4"``; ``0.52`` → ``"0.52"``."""
-    if value is None:
-        return "?"
-    if not math.isfinite(value):  # an lr of inf, a bound past float64: int() would raise
-        return str(value)
-    if value == int(value) and abs(value) < 1e6:
-        return str(int(value))
-    text = f"{value:.3g}"
-    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'-' if m.group(1) == '-' else ''}{m.group(2)}", text)
-
-
-def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
-    parts = [f"{count} {kind}" for kind, count in (("nan", nan), ("+inf", posinf), ("-inf", neginf)) if count]
-    return ", ".join(parts) or "non-finite"
 
 
 @dataclass(frozen=True)
