@@ -1,10 +1,11 @@
 """A watch's steps: where one opens and closes, what it counts, and the deferred check.
 
 A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`)
-and closes at the optimizer step's post-hook, at the end of a top-level
-forward where no optimizer steps (inference: each forward is a step), where
-a backward is settled without a step (a GradScaler's skip, gradients
-accumulating) or when the watch is left. Closing a step keeps its
+and closes at the optimizer step's post-hook; where no optimizer steps
+(inference), when the step's first top-level module is called again (so
+``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step);
+where a backward is settled without a step (a GradScaler's skip, gradients
+accumulating); or when the watch is left. Closing a step keeps its
 :class:`StepSummary` in the history and feeds the early warnings. In deferred
 mode the checks' probes stay on the device until :meth:`StepCycle.sync`
 reads them in one transfer, at the optimizer step's pre-hook: under a process
@@ -132,8 +133,10 @@ class StepCycle:
         self.early = EarlyWarnings()
         # The tiered watch checks only top-level calls, except on a per-module step (forward_started).
         self.full_step = not config.tiered
-        self._steps_opened = 0
-        self.forward_starts = 0
+        #: Steps opened (a nested watch's included: absorb); where no optimizer steps, they are the steps.
+        self.steps_opened = 0
+        # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
+        self._first: nn.Module | None = None
         self.open = False
 
     # -- the counter --------------------------------------------------------------------
@@ -146,12 +149,13 @@ class StepCycle:
         every optimizer taking part in it has stepped (passed to the watch or
         not: a GAN's two; iterations.py). Before any optimizer is seen (inference,
         or the first iteration of a loop whose optimizer was not passed):
-        the index of the latest top-level forward call started, so the loss
+        the index of the step opened last (a step begins when the first
+        top-level module of the one before is called again), so the loss
         and backward of the first iteration are step 0.
         """
         if self.training():
             return self.optimizers.steps
-        return max(self.forward_starts - 1, 0)
+        return max(self.steps_opened - 1, 0)
 
     def training(self) -> bool:
         """Whether an optimizer is in use: a step then ends at its optimizer step, not with its forward."""
@@ -159,29 +163,35 @@ class StepCycle:
 
     @property
     def steps_taken(self) -> int:
-        """Training iterations completed, or top-level forward calls started where no optimizer stepped."""
-        return self.optimizers.steps if self.training() else self.forward_starts
+        """Training iterations completed, or steps begun where no optimizer stepped."""
+        return self.optimizers.steps if self.training() else self.steps_opened
 
     def absorb(self, inner: StepCycle) -> None:
         """The steps taken while a nested watch had taken over from this one are this watch's steps too."""
         self.optimizers.absorb_steps(inner.optimizers)
-        self.forward_starts += inner.forward_starts
+        self.steps_opened += inner.steps_opened
 
     # -- opening and closing ----------------------------------------------------------------
 
-    def forward_started(self, entering: Sequence[torch.Tensor] = ()) -> None:
-        """A top-level forward call starts: it opens a step where none is open, and is counted.
+    def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None:
+        """A top-level call of ``module`` starts: it opens a step where none is open.
 
-        ``entering``: the call's tensor arguments, whose origins in the op
-        tracer (ops mode) outlive the new step's reset: a batch the loop
-        computed is judged as the call starts.
+        Where no optimizer steps, the open step ends here when ``module`` is
+        its first top-level module (PRODUCT.md's step rule). ``entering``:
+        the call's tensor arguments, whose origins in the op tracer (ops
+        mode) outlive the new step's reset: a batch the loop computed is
+        judged as the call starts.
         """
-        if self.open and self.gradients.backward_runs:
+        training = self.training()
+        if self.open and self.gradients.backward_runs and training:
             self._settle_backward()
-        elif self.gradients.backward_runs and not self.training():
-            self._check_unstepped_gradients()  # inference steps end with their forward; a backward followed
+        elif self.gradients.backward_runs and not training:
+            self._check_unstepped_gradients()  # an inference step's backward (a saliency map): no optimizer reads it
             self.gradients.backward_runs = 0
+        if self.open and not training and module is self._first:
+            self.end_step(self.step)
         if not self.open:
+            self._first = module
             self.log.clear()
             if self.replays is not None:
                 # Training: a call waits for the optimizer of its model (a GAN's G across D's step),
@@ -190,15 +200,14 @@ class StepCycle:
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
             every = self.config.full_every
-            self.full_step = (not self.config.tiered or self._steps_opened % every == min(1, every - 1)
+            self.full_step = (not self.config.tiered or self.steps_opened % every == min(1, every - 1)
                               or self.lockstep.sharded())
-            self._steps_opened += 1
+            self.steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
             if self.origins.tracer is not None:
                 self.origins.tracer.reset(keep=entering)
             self.open = True
-        self.forward_starts += 1
 
     def end_step(self, step: int) -> None:
         """Close step ``step``, which just completed."""
@@ -354,6 +363,8 @@ class StepCycle:
     def leave(self) -> None:
         """The watch is left normally: the last step's checks, then the ranks' exit round (agreement.py)."""
         self.sync()
+        if self.open and not self.training():
+            self.end_step(self.step)  # the last inference step: nothing calls its first module again
         self.optimizers.flush()
         unstepped = bool(self.open and self.gradients.backward_runs)  # a backward no optimizer step followed
         if unstepped:
