@@ -345,6 +345,69 @@ def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     assert global_hook_counts() == before
 
 
+SPLIT_SETUP = """
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.log = LogLayer()
+
+    def forward(self, x):
+        return self.log(self.lin(x).abs() + x[:, :1])
+
+torch.manual_seed(0)
+shifted = Shifted()
+sgd = torch.optim.SGD(shifted.parameters(), lr=0.01)
+batches = [torch.rand(3, 4) for _ in range(8)]
+batches[5] = torch.full((3, 4), -100.0)  # log of negatives in the 6th iteration
+i = 0
+"""
+SPLIT_FORWARD = "loss = shifted(batches[i]).mean(); sgd.zero_grad(); loss.backward()"
+SPLIT_STEP = "sgd.step(); i += 1"
+
+
+def test_nanwatch_on_counts_a_loop_split_over_cells_as_one_run(ip, ns) -> None:
+    before = global_hook_counts()
+    ip.run_cell(SPLIT_SETUP)
+    run(ip, "%nanwatch on")
+    failed = None
+    for iteration in range(8):
+        result, _ = run(ip, SPLIT_FORWARD)
+        assert global_hook_counts() == before  # paused between cells: nothing attached
+        if result.error_in_exec is not None:
+            failed = iteration
+            break
+        run(ip, SPLIT_STEP)
+    assert failed == 5
+    report = ns["_nan_report"]
+    assert (report.module, report.step) == ("log", 5)  # the user's iteration, as one cell would count it
+    assert report.message.startswith("first non-finite value in forward step 5: log (LogLayer)")
+    assert [entry.step for entry in report.history] == [0, 1, 2, 3, 4]
+    # The run raised: the next cell starts a new one, counted from step 0.
+    ns["i"] = 5
+    result, _ = run(ip, SPLIT_FORWARD)
+    assert ns["_nan_report"].step == 0 and not ns["_nan_report"].history
+    run(ip, "%nanwatch off")
+    assert global_hook_counts() == before
+
+
+def test_an_error_of_the_users_own_leaves_the_run_going_on(ip, ns) -> None:
+    ip.run_cell(SPLIT_SETUP)
+    run(ip, "%nanwatch on shifted")
+    for _ in range(2):
+        run(ip, SPLIT_FORWARD)
+        run(ip, SPLIT_STEP)
+    result, _ = run(ip, "undefined_name")  # a typo: the run is not over
+    assert isinstance(result.error_in_exec, NameError)
+    for _ in range(3):
+        run(ip, SPLIT_FORWARD)
+        run(ip, SPLIT_STEP)
+    result, _ = run(ip, SPLIT_FORWARD)
+    assert result.error_in_exec is not None
+    assert ns["_nan_report"].step == 5
+    run(ip, "%nanwatch off")
+
+
 def test_a_terminal_nantrace_cell_still_ends_at_a_blank_line(ip) -> None:
     # check_complete decides when terminal IPython runs what was typed; a cell magic ends at a blank line
     check = ip.input_transformer_manager.check_complete

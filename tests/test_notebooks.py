@@ -236,8 +236,34 @@ KERNEL_CELLS = {
     "rebuilt_report": "print(_nan_report.model, _nan_report.module)",
     "bare_nanwatch": "model, opt = build()\n%nanwatch\n" + KERNEL_TRAIN,
     "bare_report": "print(_nan_report.model, _nan_report.module)\n%nanwatch status",
+    "split_setup": (
+        "class Shifted(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin, self.log = nn.Linear(4, 4), LogLayer()\n"
+        "    def forward(self, x):\n"
+        "        return self.log(self.lin(x).abs() + x[:, :1])\n"
+        "torch.manual_seed(0)\n"
+        "shifted = Shifted()\n"
+        "sgd = torch.optim.SGD(shifted.parameters(), lr=0.01)\n"
+        "batches = [torch.rand(3, 4) for _ in range(6)]\n"
+        "batches[5] = torch.full((3, 4), -100.0)  # log of negatives in the 6th iteration\n"
+        "i = 0\n"
+        "%nanwatch on"
+    ),
+    # %nanwatch on, forward and backward in one cell, the optimizer step in the next: six iterations.
+    **{
+        name: source
+        for iteration in range(6)
+        for name, source in (
+            (f"split_forward_{iteration}", "loss = shifted(batches[i]).mean(); sgd.zero_grad(); loss.backward()"),
+            (f"split_step_{iteration}", "sgd.step(); i += 1"),
+        )
+        if name != "split_step_5"
+    },
+    "split_report": "print(_nan_report.step, [entry.step for entry in _nan_report.history])\n%nanwatch off",
 }
-RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch"}
+RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch", "split_forward_5"}
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +350,17 @@ def test_kernel_bare_nanwatch_watches_the_rest_of_the_cell(kernel_nb: Any) -> No
     text = stream_text(named(kernel_nb, "bare_report"))
     assert text.split("\n")[0].split() == ["model", "log"]
     assert "nan_magic: off" in text and "last report" in text
+
+
+def test_kernel_nanwatch_on_counts_a_loop_split_over_cells_as_one_run(kernel_nb: Any) -> None:
+    for iteration in range(5):
+        assert not errors_of(named(kernel_nb, f"split_forward_{iteration}"))
+    failing = named(kernel_nb, "split_forward_5")
+    (error,) = errors_of(failing)
+    assert error.evalue.startswith("first non-finite value in forward step 5: log (LogLayer)"), error.evalue
+    assert stream_text(named(kernel_nb, "split_report")).splitlines()[0] == "5 [0, 1, 2, 3, 4]"
+    # The report's History holds the five steps before the event, in the static report and in the widget.
+    assert "History (5 steps kept)" in static_output(failing)["text/html"]
+    tree = report_widgets(kernel_nb, failing)
+    history = html_values(descendants(tree["states"], tree["children"][TAB_TITLES.index("History")]))
+    assert "History (5 steps kept)" in history and "No history" not in history

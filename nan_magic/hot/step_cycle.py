@@ -373,6 +373,11 @@ class StepCycle:
             self._check_unstepped_gradients(leaving=unstepped)
         self.outcome.leave(self._leave_together())
 
+    def pause(self) -> None:
+        """A part of the run ends (a ``%nanwatch on`` cell): its values are judged now; the step stays open."""
+        self.sync()
+        self.optimizers.flush()
+
     def left_by(self, exc: BaseException, explained: NonFiniteError | None) -> NonFiniteError | None:
         """The watch is left by ``exc``: what to raise from it (``explained``: a failed forward's event, events.py)."""
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.

@@ -130,6 +130,7 @@ class Watch:
         self.warnings: deque[EarlyWarning] = deque(maxlen=self.config.max_events)
         self._active = False
         self._exit_stack: ExitStack | None = None
+        self._paused = False  # left by pause() with the run going on: resume() continues it
         self._thread: int | None = None
         #: The autograd backward pass the watch was entered in (-1: none; a replay's watch is entered
         #: inside the backward it localizes). A module call inside any other one is a recomputation.
@@ -180,32 +181,59 @@ class Watch:
     # -- lifecycle ----------------------------------------------------------------
 
     def __enter__(self) -> Watch:
+        return self._enter(resume=False)
+
+    def resume(self) -> Watch:
+        """Enter again, the run :meth:`pause` left going on: its step counter, open step, history and warnings
+        (``%nanwatch on`` runs each cell as a part of one run). A watch not paused is entered afresh."""
+        return self._enter(resume=self._paused)
+
+    def pause(self, exc: BaseException | None = None) -> None:
+        """``__exit__`` (``exc``: what ended this part), keeping the run and its open step for :meth:`resume`;
+        an event raised ends the run."""
+        self._leave(exc, None if exc is None else exc.__traceback__, pause=True)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _enter(self, resume: bool) -> Watch:
         if self._active:
             raise RuntimeError("this watch is already active; nested use of one watch is not supported")
-        self._reset_state()
-        self.history.clear()
-        self.warnings.clear()
+        if not resume:
+            self._reset_state()
+            self.history.clear()
+            self.warnings.clear()
+        self._paused = False
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
         self._thread = threading.get_ident()
         self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
         if self.outside is not None and not self.defer:
-            # The first batch may be computed in the loop before the first model call, as each later one is
-            # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
-            self.outside.start("data", entry=True)
+            if not resume:
+                # The first batch may be computed in the loop before the first model call, as each later one is
+                # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
+                self.outside.start("data", entry=True)
+            else:
+                self.outside.resume()  # the code the last part ended in (the next batch, after an optimizer step)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
+        return self._leave(exc, tb, pause=False)
+
+    def _leave(self, exc: BaseException | None, tb: TracebackType | None, pause: bool) -> Literal[False]:
         if self.outside is not None:
-            self.outside.stop()
+            self.outside.pause()
         self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
         explained = None
         try:
             explained = self.outcome.explain(exc)
-            if exc is None:
+            if exc is None and pause:
+                self.cycle.pause()
+            elif exc is None:
                 self.cycle.leave()
             else:
                 explained = self.cycle.left_by(exc, explained)
@@ -213,9 +241,10 @@ class Watch:
             self._active = False
             self._nesting.left()
             self._detach()
-            self._forget_tensors()
+            self._paused = pause and not self.outcome.stopped and explained is None
+            self._forget_tensors(keep_step=self._paused)
             self._nesting.hand_back()
-            if self.report is None:
+            if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
         if explained is not None:
@@ -301,7 +330,7 @@ class Watch:
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
-            localize=self.replays.localize if self.replays is not None else _nothing_replayed,
+            localize=self.replays.localize if self.replays is not None else lambda finding, report: None,
             record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
@@ -318,8 +347,10 @@ class Watch:
         """The watched models (a model called at top level joins them: module_info)."""
         return (root for _label, root in self.targets.roots)
 
-    def _forget_tensors(self) -> None:
+    def _forget_tensors(self, keep_step: bool = False) -> None:
         self.forward.stack.clear()
+        if keep_step:
+            return  # a paused run's open step: its records and replays are the next part's
         if self.outside is not None:
             self.outside.forget()
         if self.replays is not None:
@@ -425,10 +456,6 @@ class Watch:
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
-
-
-def _nothing_replayed(finding: Finding, report: Report) -> None:
-    return None
 
 
 def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: Any) -> Watch:

@@ -165,6 +165,7 @@ class OutsideRecorder(TorchDispatchMode):
         super().__init__()
         self.kinds = kinds
         self.pushed = False
+        self._resumes = False
         self._budget = 0
         self._region = "loss"
         self._entry = False
@@ -204,6 +205,17 @@ class OutsideRecorder(TorchDispatchMode):
             self.pushed = False
         else:
             self._budget = _INERT
+
+    def pause(self) -> None:
+        """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume)."""
+        self._resumes = self.pushed
+        self.stop()
+
+    def resume(self) -> None:
+        """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
+        if self._resumes and not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
+            self.__enter__()
+            self.pushed = True
 
     def forget(self) -> None:
         """Drop the records (and the references they hold)."""
