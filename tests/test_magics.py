@@ -112,6 +112,37 @@ def test_debug_opens_in_the_producing_frame(ip, ns) -> None:
     assert "(5, 8)" in printed
 
 
+ATTENTION = """
+class Attention(nn.Module):
+    def forward(self, x):
+        q = x * 1e20
+        att = q @ q.transpose(-2, -1)  # overflows: +inf scores
+        att = att - att.amax(-1, keepdim=True)  # inf - inf: NaN
+        out = att.softmax(-1)
+        return out @ x
+
+attention = Attention()
+"""
+
+
+@pytest.mark.parametrize("options", ["", "--ops"])
+def test_debug_and_tb_show_the_producing_line_with_the_state_it_left(ip, ns, options) -> None:
+    ip.run_cell(ATTENTION)
+    run(ip, f"%%nantrace attention {options}\ny = attention(torch.rand(2, 3, 4) + 1)")
+    assert ns["_nan_report"].source.line == "att = q @ q.transpose(-2, -1)  # overflows: +inf scores"
+    printed = debug_session(ip, "p bool(att.isinf().any()), bool(att.isnan().any())\np 'out' in dir()\nll\nwhere\nq\n")
+    # att is the line's fresh +inf scores, not the NaN the next line made; out, defined later, is absent
+    assert "(True, False)" in printed and "False" in printed.split("(True, False)")[1]
+    # The arrow of the frame pdb opens, of ll and of where (after the cell's own line): the producing line
+    arrows = [line for line in printed.splitlines() if "---->" in line]
+    producing = [line for line in arrows if "att = q @ q.transpose(-2, -1)" in line]
+    assert len(producing) == 3 and len(arrows) == 4 and "y = attention(" in arrows[2], printed
+    with capture_output() as shown:
+        ip.run_line_magic("tb", "")
+    last = [line for line in shown.stdout.splitlines() if "---->" in line or "-->" in line][-1]
+    assert "att = q @ q.transpose(-2, -1)" in last, shown.stdout
+
+
 def test_output_option_names_the_variable(ip, ns) -> None:
     run(ip, "%%nantrace model opt -o rep\n" + TRAIN)
     assert ns["rep"].module == "log"

@@ -262,8 +262,27 @@ KERNEL_CELLS = {
         if name != "split_step_5"
     },
     "split_report": "print(_nan_report.step, [entry.step for entry in _nan_report.history])\n%nanwatch off",
+    "attention_setup": (
+        "class Attention(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        q = x * 1e20\n"
+        "        att = q @ q.transpose(-2, -1)  # overflows: +inf scores\n"
+        "        att = att - att.amax(-1, keepdim=True)  # inf - inf: NaN\n"
+        "        out = att.softmax(-1)\n"
+        "        return out @ x\n"
+        "attention = Attention()"
+    ),
+    "attention_fails": "%%nantrace attention\ny = attention(torch.rand(2, 3, 4) + 1)",
+    # %debug with its commands piped in (the kernel's stdin is the notebook's, which nbclient does not serve).
+    "attention_debug": (
+        "from unittest import mock\n"
+        "commands = ['p bool(att.isinf().any()), bool(att.isnan().any())', \"p 'out' in dir()\", 'll', 'where', 'q']\n"
+        "with mock.patch('builtins.input', side_effect=commands):\n"
+        "    %debug"
+    ),
+    "attention_tb": "%tb",
 }
-RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch", "split_forward_5"}
+RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch", "split_forward_5", "attention_fails", "attention_tb"}
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +383,17 @@ def test_kernel_nanwatch_on_counts_a_loop_split_over_cells_as_one_run(kernel_nb:
     tree = report_widgets(kernel_nb, failing)
     history = html_values(descendants(tree["states"], tree["children"][TAB_TITLES.index("History")]))
     assert "History (5 steps kept)" in history and "No history" not in history
+
+
+def test_kernel_debug_and_tb_open_at_the_producing_line_with_the_state_it_left(kernel_nb: Any) -> None:
+    failing = named(kernel_nb, "attention_fails")
+    assert errors_of(failing)[0].ename == "NonFiniteError"
+    printed = stream_text(named(kernel_nb, "attention_debug"))
+    # att is the line's fresh +inf scores, not the NaN of the next line; out, assigned later, is absent
+    assert "(True, False)\n" in printed and "\nFalse\n" in printed.split("(True, False)")[1], printed
+    arrows = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in printed.splitlines() if "---->" in line]
+    producing = [line for line in arrows if "att = q @ q.transpose(-2, -1)" in line]
+    assert len(producing) == 3 and len(producing) == len(arrows) - 1, printed  # pdb's stop, ll, where
+    (tb,) = errors_of(named(kernel_nb, "attention_tb"))
+    shown = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in "\n".join(tb.traceback).splitlines()]
+    assert "att = q @ q.transpose(-2, -1)" in [line for line in shown if "---->" in line][-1], shown
