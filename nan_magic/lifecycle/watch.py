@@ -204,7 +204,7 @@ class Watch:
             self._reset_state()
             self.history.clear()
             self.warnings.clear()
-        self._paused = False
+        self._paused = self.outcome.leaving = False  # (a part the user's own error ended left it set)
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
         self._thread = threading.get_ident()
         self.graph_task = torch._C._current_graph_task_id()
