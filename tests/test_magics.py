@@ -125,7 +125,7 @@ attention = Attention()
 """
 
 
-@pytest.mark.parametrize("options", ["", "--ops"])
+@pytest.mark.parametrize("options", ["", "--ops", "--defer", "--full"])
 def test_debug_and_tb_show_the_producing_line_with_the_state_it_left(ip, ns, options) -> None:
     ip.run_cell(ATTENTION)
     run(ip, f"%%nantrace attention {options}\ny = attention(torch.rand(2, 3, 4) + 1)")
