@@ -241,7 +241,7 @@ class StepReplays:
         root.returned = True
         root.kwargs = dict(kwargs)
         if root.grad_enabled and not self.watch.cycle.training():
-            # Only an inference step drops its calls at the next forward (new_step): training keeps them anyway.
+            # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
         root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
@@ -262,7 +262,7 @@ class StepReplays:
         self._buffer_copies.clear()
 
     def new_step(self, training: bool) -> None:
-        """A step begins: inference steps drop the last call; training keeps the calls not yet stepped.
+        """A step begins: inference steps drop the last step's calls; training keeps the calls not yet stepped.
 
         A call still waiting from an earlier step is one whose model's
         trainable parameters (learned at its first call) no optimizer
@@ -271,7 +271,7 @@ class StepReplays:
         """
         self._stepped.clear()
         if not training:
-            # Inference: each forward is a step, and its call is dropped at the next one, unless a backward
+            # Inference: the last step's calls are dropped as the next step begins, each unless a backward
             # may still reach it (a GAN's generator called before the discriminator, while no optimizer
             # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
             waiting = [root for root in self.calls if root.awaits_backward()]
