@@ -7,18 +7,20 @@ explain/forward.py or explain/attention.py gave.
 
 from __future__ import annotations
 
-from nan_magic.records import Cause
+from collections.abc import Callable
+
+from nan_magic.records import Cause, Report
 from nan_magic.render.cause_words import (
     Reading,
     constant_inputs,
     counts,
     divisor_phrase,
-    event_of,
     fmt,
     input_label,
     input_lines,
     input_named,
     inputs_or_counts,
+    on_event,
     short_label,
     stats_counts,
     where,
@@ -27,8 +29,12 @@ from nan_magic.render.cause_words import (
 __all__ = ["OP_READINGS"]
 
 
-def _log_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _made(counted: Callable[[Report], str]) -> Callable[[Report, Cause], tuple[str, ...]]:
+    """Evidence that the op made ``counted`` values from finite inputs, then the inputs."""
+    return lambda event, _cause: (f"{event.op} made {counted(event)} from finite inputs", *input_lines(event))
+
+
+def _log_hint(event: Report, cause: Cause) -> str:
     zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
     bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
     return (
@@ -37,26 +43,18 @@ def _log_hint(cause: Cause) -> str:
     )
 
 
-def _log_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
-    return (f"{event.op} made {event.neginf} -inf and {event.nan} nan from finite inputs", *input_lines(event))
 
 
-def _sqrt_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _sqrt_hint(event: Report, cause: Cause) -> str:
     return (
         f"sqrt got {event.nan} negatives in {input_named(event, 0, event.nan)}: clamp to >= 0 first "
         "(x.clamp_min(0)), or compute the value so it cannot go negative (a variance as ((x - mean)**2).mean())"
     )
 
 
-def _nan_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
-    return (f"{event.op} made {event.nan} nan from finite inputs", *input_lines(event))
 
 
-def _rsqrt_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _rsqrt_hint(event: Report, cause: Cause) -> str:
     zeros = event.posinf + event.neginf
     return (
         f"rsqrt got {zeros} zeros in {input_named(event, zeros, 0)}: 1/sqrt(0) is inf; if it is a variance, add eps "
@@ -64,26 +62,18 @@ def _rsqrt_hint(cause: Cause) -> str:
     )
 
 
-def _rsqrt_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
-    return (f"{event.op} made {event.posinf + event.neginf} inf from finite inputs", *input_lines(event))
 
 
-def _made_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
-    return (f"{event.op} made {counts(event)} from finite inputs", *input_lines(event))
 
 
-def _pow_negative_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _pow_negative_hint(event: Report, cause: Cause) -> str:
     return (
         f"pow got a negative base with a fractional exponent in {input_named(event, 0, event.nan)} "
         f"({event.nan} NaN): clamp the base to >= 0 (x.clamp_min(0) ** p) or use x.sign() * x.abs() ** p"
     )
 
 
-def _pow_zero_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _pow_zero_hint(event: Report, cause: Cause) -> str:
     zeros = event.operand("self").zeros  # type: ignore[union-attr]  # the rule read them
     return (
         f"pow raised {zeros} zeros of `self` of {event.op} in {where(event)} to a negative power "
@@ -91,16 +81,14 @@ def _pow_zero_hint(cause: Cause) -> str:
     )
 
 
-def _pow_unknown_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _pow_unknown_hint(event: Report, cause: Cause) -> str:
     return (
         f"pow in {where(event)} made {counts(event)}: zero to a negative power or an overflow of "
         f"{event.dtype}; the base is not known here (rerun with ops=True)"
     )
 
 
-def _exp_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _exp_hint(event: Report, cause: Cause) -> str:
     inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
     reached = "".join(f", {short_label(ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
     return (
@@ -110,19 +98,14 @@ def _exp_hint(cause: Cause) -> str:
     )
 
 
-def _exp_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
-    return (f"{event.op} made {event.posinf} +inf from finite inputs", *input_lines(event))
 
 
-def _division_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _division_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (f"{event.op} made {event.nan} NaN (0/0) and {event.posinf + event.neginf} inf (x/0)",
             *input_lines(event), *constant_inputs(event))
 
 
-def _division_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _division_hint(event: Report, cause: Cause) -> str:
     divisor = event.operand(cause.fact("divisor"))
     results = [f"{count} {what}" for count, what in ((event.nan, "NaN (0/0)"),
                                                        (event.posinf + event.neginf, "inf (x/0)")) if count]
@@ -134,8 +117,7 @@ def _division_hint(cause: Cause) -> str:
     )
 
 
-def _division_unknown_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _division_unknown_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} made {counts(event)} in {event.dtype}: a zero divisor or a quotient "
         f"above {fmt(cause.fact('limit'))}; the divisor is not known here (rerun with ops=True)"
@@ -143,23 +125,17 @@ def _division_unknown_hint(cause: Cause) -> str:
 
 
 def _empty(how: str) -> Reading:
-    def hint(cause: Cause) -> str:
-        event = event_of(cause)
+    def hint(event: Report, _cause: Cause) -> str:
         return (
             f"{event.op} in {where(event)} gave {event.nan} NaN from finite inputs: {how}, e.g. a loss whose every "
             "target is ignore_index or a masked mean with an empty mask; skip such batches (if mask.any()) or "
             "divide a sum by count.clamp_min(1)"
         )
 
-    def evidence(cause: Cause) -> tuple[str, ...]:
-        event = event_of(cause)
-        return (f"{event.op} made {event.nan} NaN and no inf from finite inputs", *input_lines(event))
-
-    return Reading(hint, evidence, sentence=False)
+    return on_event(hint, _made(lambda event: f"{event.nan} NaN and no inf"), sentence=False)
 
 
-def _corrected_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _corrected_hint(event: Report, cause: Cause) -> str:
     shapes = [(ref, stats.shape) for ref, stats in event.op_inputs if stats.shape]
     shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
     return (
@@ -168,8 +144,7 @@ def _corrected_hint(cause: Cause) -> str:
     )
 
 
-def _carried_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _carried_hint(event: Report, cause: Cause) -> str:
     held = "; ".join(f"{input_label(event, ref)} held {stats_counts(stats)}"
                      for ref, stats in event.op_inputs if stats.nonfinite)
     return (
@@ -182,8 +157,7 @@ def _carried_hint(cause: Cause) -> str:
 # -- softmax and attention (explain/attention.py) -----------------------------------------
 
 
-def _masked_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _masked_hint(event: Report, cause: Cause) -> str:
     return (
         f"{_rows(cause)} of {event.op} in {where(event)} had every position masked to -inf, and a softmax over "
         "nothing is NaN: keep at least one position unmasked per row (e.g. the query's own), mask with "
@@ -196,8 +170,7 @@ def _rows(cause: Cause) -> str:
     return f"{rows} row(s) of {cause.fact('positions')} positions" if rows is not None else "rows"
 
 
-def _masked_softmax_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _masked_softmax_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     scores = event.operand("self")
     return (
         f"{event.op} made {event.nan} NaN ({_rows(cause)})",
@@ -206,28 +179,25 @@ def _masked_softmax_evidence(cause: Cause) -> tuple[str, ...]:
     )
 
 
-def _masked_attention_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _masked_attention_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"{event.op} made {event.nan} NaN ({_rows(cause)})",
         f"|q·kᵀ| <= {fmt(cause.fact('bound'))} (|q|max · |k|max · d), below the {event.dtype} max "
         f"{fmt(cause.fact('limit'))}: the scores cannot overflow, so the NaN rows are rows whose every key was "
         "masked",
-        mask_phrase(cause, cause.fact("positions")),
+        mask_phrase(event, cause.fact("positions")),
     )
 
 
-def mask_phrase(cause: Cause, keys: int) -> str:
+def mask_phrase(event: Report, keys: int) -> str:
     """The float attention mask that holds enough -inf to mask a whole row."""
-    event = event_of(cause)
     mask = event.operand("attn_mask")
     assert mask is not None  # the rule read it
     return (f"{input_label(event, 'attn_mask')}, shape {mask.shape}, held {mask.neginf} -inf: enough to mask every "
             f"one of the {keys} keys of some row")
 
 
-def _softmax_unmatched_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _softmax_unmatched_hint(event: Report, cause: Cause) -> str:
     overflowing = [str(ref) for ref, stats in event.op_inputs if stats.posinf]
     held = f", with +inf in {', '.join(overflowing)}" if overflowing else ""
     return (
@@ -236,8 +206,7 @@ def _softmax_unmatched_hint(cause: Cause) -> str:
     )
 
 
-def _attention_unmatched_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
     bound, limit, keys = cause.fact("bound"), cause.fact("limit"), cause.fact("keys")
     mask = event.operand("attn_mask")
     readings = []
@@ -258,21 +227,21 @@ def _attention_unmatched_hint(cause: Cause) -> str:
 
 
 OP_READINGS: dict[str, Reading] = {
-    "log-domain": Reading(_log_hint, _log_evidence, sentence=False),
-    "sqrt-negative": Reading(_sqrt_hint, _nan_evidence, sentence=False),
-    "rsqrt-zero": Reading(_rsqrt_hint, _rsqrt_evidence, sentence=False),
-    "pow-negative-base": Reading(_pow_negative_hint, _made_evidence, sentence=False),
-    "pow-zero-base": Reading(_pow_zero_hint, _made_evidence, sentence=False),
-    "pow-unknown-base": Reading(_pow_unknown_hint, _made_evidence, sentence=False),
-    "exp-overflow": Reading(_exp_hint, _exp_evidence, sentence=False),
-    "division-by-zero": Reading(_division_hint, _division_evidence, sentence=False),
-    "division-unknown-divisor": Reading(_division_unknown_hint, _division_evidence, sentence=False),
+    "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
+    "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
+    "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
+    "pow-negative-base": on_event(_pow_negative_hint, _made(counts), sentence=False),
+    "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),
+    "pow-unknown-base": on_event(_pow_unknown_hint, _made(counts), sentence=False),
+    "exp-overflow": on_event(_exp_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
+    "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),
+    "division-unknown-divisor": on_event(_division_unknown_hint, _division_evidence, sentence=False),
     "empty-quotient": _empty("a sum over nothing divided by a count of nothing (0/0)"),
     "empty-mean": _empty("an average over zero elements (0/0)"),
-    "corrected-one": Reading(_corrected_hint, _nan_evidence, sentence=False),
-    "carried": Reading(_carried_hint, inputs_or_counts, sentence=False),
-    "masked-softmax": Reading(_masked_hint, _masked_softmax_evidence, sentence=False),
-    "masked-attention": Reading(_masked_hint, _masked_attention_evidence, sentence=False),
-    "softmax-unmatched": Reading(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
-    "attention-unmatched": Reading(_attention_unmatched_hint, inputs_or_counts, sentence=False),
+    "corrected-one": on_event(_corrected_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
+    "carried": on_event(_carried_hint, inputs_or_counts, sentence=False),
+    "masked-softmax": on_event(_masked_hint, _masked_softmax_evidence, sentence=False),
+    "masked-attention": on_event(_masked_hint, _masked_attention_evidence, sentence=False),
+    "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
+    "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
 }

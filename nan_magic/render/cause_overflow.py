@@ -19,6 +19,7 @@ from nan_magic.render.cause_words import (
     fmt,
     input_lines,
     inputs_or_counts,
+    on_event,
     short_label,
     what,
     where,
@@ -33,8 +34,7 @@ _ATTENTION_FIX = (
 )
 
 
-def _half_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _half_hint(event: Report, cause: Cause) -> str:
     fix = "compute it in float32 (cast its inputs, or keep it out of torch.autocast) or scale the inputs down"
     if cause.fact("matmul"):
         fix += " (for attention, scale q by d**-0.5 before q·kᵀ)"
@@ -45,14 +45,12 @@ def _half_hint(cause: Cause) -> str:
     return f"{what(event)} overflowed {event.dtype} (max {fmt(cause.fact('limit'))}) {made}{_reached(event)}; {fix}"
 
 
-def _half_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _half_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (*_signs(cause), f"dtype {event.dtype}, finite limit {fmt(cause.fact('limit'))}",
             f"{event.tensor}: {counts(event)}", *input_lines(event))
 
 
-def _wide_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _wide_hint(event: Report, cause: Cause) -> str:
     limit = cause.fact("limit")
     if cause.fact("attention"):
         fix = f"the scores q·kᵀ passed it: {_ATTENTION_FIX}"
@@ -68,8 +66,7 @@ def _wide_hint(cause: Cause) -> str:
             f"{fix}")
 
 
-def _wide_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _wide_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (f"dtype {event.dtype}, finite limit {fmt(cause.fact('limit'))}", *_signs(cause), *input_lines(event))
 
 
@@ -107,7 +104,7 @@ def _sign(cause: Cause, kind: str, *numbers: Any) -> str:
                 f"{fmt(bound)}, past the {event.dtype} max {fmt(limit)}: scores of +inf and -inf in a row make "
                 "inf - inf = NaN in the softmax")
     if kind == "mask":
-        return f"also: {mask_phrase(cause, numbers[0])}; if NaN remain once q and k are small, look for such a row"
+        return f"also: {mask_phrase(event, numbers[0])}; if NaN remain once q and k are small, look for such a row"
     raise ValueError(f"an overflow sign of an unknown kind {kind!r}")
 
 
@@ -115,8 +112,7 @@ def _operand(ref: object) -> str:
     return short_label(from_plain(TensorRef, ref))
 
 
-def _unmatched_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _unmatched_hint(event: Report, cause: Cause) -> str:
     largest = max((stats.absmax for _ref, stats in event.op_inputs if stats.absmax is not None), default=None)
     size = f"; its inputs reached |x| = {fmt(largest)}" if largest is not None else ""
     return (
@@ -125,14 +121,13 @@ def _unmatched_hint(cause: Cause) -> str:
     )
 
 
-def _opens_with_the_loss(cause: Cause) -> bool:
-    event = event_of(cause)
+def _opens_with_the_loss(event: Report) -> bool:
     return event.tensor.role is TensorRole.LOSS and event.op is None
 
 
 OVERFLOW_READINGS: dict[str, Reading] = {
-    "half-overflow": Reading(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
-    "wide-overflow": Reading(_wide_hint, _wide_evidence, sentence=_opens_with_the_loss),
-    "op-unmatched": Reading(_unmatched_hint, inputs_or_counts,
-                            sentence=lambda cause: event_of(cause).op is None),
+    "half-overflow": on_event(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
+    "wide-overflow": on_event(_wide_hint, _wide_evidence, sentence=_opens_with_the_loss),
+    "op-unmatched": on_event(_unmatched_hint, inputs_or_counts,
+                            sentence=lambda event: event.op is None),
 }

@@ -7,8 +7,8 @@ derivative has a pole, and a module or loss whose op is not known.
 
 from __future__ import annotations
 
-from nan_magic.records import Cause, Phase
-from nan_magic.render.cause_words import Reading, counts, event_of, fmt, inputs_or_counts, line, where, zeros_phrase
+from nan_magic.records import Cause, Phase, Report
+from nan_magic.render.cause_words import Reading, counts, fmt, inputs_or_counts, line, on_event, where, zeros_phrase
 
 __all__ = ["STEP_READINGS"]
 
@@ -40,21 +40,18 @@ _DERIVATIVE_POLES = (
 )
 
 
-def _benign_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _benign_hint(event: Report, cause: Cause) -> str:
     return (
         f"benign: the program handles {event.tensor} of {where(event)} ({counts(event)}: a GradScaler skip "
         "or a deliberate infinity); nothing to fix unless it keeps coming back"
     )
 
 
-def _benign_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return event.notes or (f"{event.tensor}: {counts(event)}",)
 
 
-def _bad_batch_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
     return (
         f"{event.tensor} entering {event.model or 'the model'} already held {counts(event)} of "
@@ -63,8 +60,7 @@ def _bad_batch_hint(cause: Cause) -> str:
     )
 
 
-def _bad_batch_evidence(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _bad_batch_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"phase data: {event.tensor} held {counts(event)} before any watched module ran",
         *(f"earlier warning at step {warning.step}: {warning.message}" for warning in event.warnings
@@ -72,8 +68,7 @@ def _bad_batch_evidence(cause: Cause) -> tuple[str, ...]:
     )
 
 
-def _parameter_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _parameter_hint(event: Report, cause: Cause) -> str:
     # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
     seen = f"when {where(event)} read it" if event.phase != Phase.DATA else f"after step {event.step}"
     return (
@@ -83,22 +78,19 @@ def _parameter_hint(cause: Cause) -> str:
     )
 
 
-def _pole_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _pole_hint(event: Report, cause: Cause) -> str:
     derivative, fix = _POLES[cause.fact("function")]
     return f"{derivative} at {line(event)}{zeros_phrase(event)}: its backward gave {counts(event)} ({event.op}); {fix}"
 
 
-def _unwatched_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _unwatched_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.tensor} was {counts(event)} when the optimizer was about to step; the backward that "
         "computed it was not watched (or code after it changed it)"
     )
 
 
-def _backward_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _backward_hint(event: Report, cause: Cause) -> str:
     if event.autograd_node is not None:
         detail = f"in the backward of {event.autograd_node} ({event.op} at {line(event)})"
     elif event.op is not None:
@@ -111,8 +103,7 @@ def _backward_hint(cause: Cause) -> str:
     )
 
 
-def _loss_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _loss_hint(event: Report, cause: Cause) -> str:
     finite = " while every watched module output was finite" if event.inputs_finite else ""
     if event.nan and not event.posinf + event.neginf:
         readings = (
@@ -124,8 +115,7 @@ def _loss_hint(cause: Cause) -> str:
     return f"the loss was {counts(event)}{finite}: {readings}; rerun with ops=True (%%nantrace --ops) to name the op"
 
 
-def _module_hint(cause: Cause) -> str:
-    event = event_of(cause)
+def _module_hint(event: Report, cause: Cause) -> str:
     readings = [f"an overflow of {event.dtype} (max {fmt(cause.fact('limit'))})"] * cause.fact("overflows")
     zeros = [str(ref) for ref, stats in event.input_stats if stats.zeros]
     if zeros:
@@ -140,31 +130,28 @@ def _module_hint(cause: Cause) -> str:
     )
 
 
-def _tensor_counts(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _tensor_counts(event: Report, cause: Cause) -> tuple[str, ...]:
     return (f"{event.tensor}: {counts(event)}",)
 
 
-def _tensor_counts_of(cause: Cause) -> tuple[str, ...]:
-    event = event_of(cause)
+def _tensor_counts_of(event: Report, cause: Cause) -> tuple[str, ...]:
     return (f"{event.tensor}: {counts(event)} of {event.numel}",)
 
 
 STEP_READINGS: dict[str, Reading] = {
-    "benign": Reading(_benign_hint, _benign_evidence, sentence=False),
-    "bad-batch": Reading(_bad_batch_hint, _bad_batch_evidence, sentence=False),
-    "parameter-nonfinite": Reading(_parameter_hint, _tensor_counts_of, sentence=False),
-    "derivative-pole": Reading(
-        _pole_hint, lambda cause: (f"autograd node {event_of(cause).autograd_node}", *_tensor_counts(cause))
+    "benign": on_event(_benign_hint, _benign_evidence, sentence=False),
+    "bad-batch": on_event(_bad_batch_hint, _bad_batch_evidence, sentence=False),
+    "parameter-nonfinite": on_event(_parameter_hint, _tensor_counts_of, sentence=False),
+    "derivative-pole": on_event(
+        _pole_hint, lambda event, cause: (f"autograd node {event.autograd_node}", *_tensor_counts(event, cause))
     ),
-    "gradient-unwatched": Reading(_unwatched_hint, _tensor_counts, sentence=False),
-    "backward-unmatched": Reading(_backward_hint, lambda cause: (
-        f"phase backward: {event_of(cause).tensor} {counts(event_of(cause))} of {event_of(cause).numel}",
+    "gradient-unwatched": on_event(_unwatched_hint, _tensor_counts, sentence=False),
+    "backward-unmatched": on_event(_backward_hint, lambda event, _cause: (
+        f"phase backward: {event.tensor} {counts(event)} of {event.numel}",
     )),
-    "loss-unknown-op": Reading(_loss_hint, lambda cause: (
-        f"loss: {counts(event_of(cause))}", f"inputs finite: {event_of(cause).inputs_finite}",
+    "loss-unknown-op": on_event(_loss_hint, lambda event, _cause: (
+        f"loss: {counts(event)}", f"inputs finite: {event.inputs_finite}",
     )),
-    "module-unknown-op": Reading(_module_hint, inputs_or_counts,
-                                 sentence=lambda cause: event_of(cause).module is None
-                                 and event_of(cause).source is not None),
+    "module-unknown-op": on_event(_module_hint, inputs_or_counts,
+                                 sentence=lambda event: event.module is None and event.source is not None),
 }

@@ -31,6 +31,7 @@ __all__ = [
     "input_named",
     "inputs_or_counts",
     "line",
+    "on_event",
     "short_label",
     "stats_counts",
     "what",
@@ -48,6 +49,16 @@ class Reading:
     #: Whether the hint opens with a common word ("the ..."), capitalised at a sentence's start; one that
     #: opens with a name (an op, a parameter) keeps its case. A callable where the opening word varies.
     sentence: bool | Callable[[Cause], bool] = True
+
+
+def on_event(
+    hint: Callable[[Report, Cause], str],
+    evidence: Callable[[Report, Cause], tuple[str, ...]],
+    sentence: bool | Callable[[Report], bool] = True,
+) -> Reading:
+    """A reading of one event, written from the event (:func:`event_of`) and the cause's own numbers."""
+    opens = sentence if isinstance(sentence, bool) else lambda cause: sentence(event_of(cause))
+    return Reading(lambda cause: hint(event_of(cause), cause), lambda cause: evidence(event_of(cause), cause), opens)
 
 
 def event_of(cause: Cause) -> Report:
@@ -147,9 +158,8 @@ def input_lines(report: Report) -> tuple[str, ...]:
     return tuple(f"{input_label(report, ref)}: {_stats_phrase(stats)}" for ref, stats in report.input_stats)
 
 
-def inputs_or_counts(cause: Cause) -> tuple[str, ...]:
+def inputs_or_counts(event: Report, _cause: Cause) -> tuple[str, ...]:
     """The evidence of a reading that fits no rule: the inputs, or where none was read the counts."""
-    event = event_of(cause)
     return input_lines(event) or (f"{event.tensor}: {counts(event)}",)
 
 
