@@ -175,7 +175,7 @@ CAUSES = {
     "sqrt-negative": (_of_event("sqrt-domain", "sqrt-negative"), "sqrt got 4 negatives"),
     "rsqrt-zero": (_of_event("division-by-zero", "rsqrt-zero"), "rsqrt got 3 zeros"),
     "pow-negative-base": (_of_event("pow-domain", "pow-negative-base"), "fractional exponent"),
-    "pow-zero-base": (_of_event("pow-domain", "pow-zero-base"), "pow raised 2 zeros"),
+    "pow-zero-base": (_of_event("pow-domain", "pow-zero-base", zeros=2), "pow raised 2 zeros"),
     "pow-unknown-base": (_of_event("unclassified", "pow-unknown-base"), "the base is not known"),
     "exp-overflow": (_of_event("exp-overflow", "exp-overflow", threshold=88.72), "x > 88.72"),
     "division-by-zero": (_of_event("division-by-zero", "division-by-zero", divisor="other"), "held 2 zeros of 8"),

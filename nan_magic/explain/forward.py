@@ -64,7 +64,7 @@ def _pow(report: Report) -> Cause:
         return event_cause("pow-domain", "pow-negative-base", report)
     base = report.operand("self")
     if base is not None and base.zeros:
-        return event_cause("pow-domain", "pow-zero-base", report)
+        return event_cause("pow-domain", "pow-zero-base", report, zeros=base.zeros)
     if base is not None:
         return overflow(report)
     return event_cause("unclassified", "pow-unknown-base", report)

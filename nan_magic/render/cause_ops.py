@@ -43,15 +43,11 @@ def _log_hint(event: Report, cause: Cause) -> str:
     )
 
 
-
-
 def _sqrt_hint(event: Report, cause: Cause) -> str:
     return (
         f"sqrt got {event.nan} negatives in {input_named(event, 0, event.nan)}: clamp to >= 0 first "
         "(x.clamp_min(0)), or compute the value so it cannot go negative (a variance as ((x - mean)**2).mean())"
     )
-
-
 
 
 def _rsqrt_hint(event: Report, cause: Cause) -> str:
@@ -62,10 +58,6 @@ def _rsqrt_hint(event: Report, cause: Cause) -> str:
     )
 
 
-
-
-
-
 def _pow_negative_hint(event: Report, cause: Cause) -> str:
     return (
         f"pow got a negative base with a fractional exponent in {input_named(event, 0, event.nan)} "
@@ -74,9 +66,8 @@ def _pow_negative_hint(event: Report, cause: Cause) -> str:
 
 
 def _pow_zero_hint(event: Report, cause: Cause) -> str:
-    zeros = event.operand("self").zeros  # type: ignore[union-attr]  # the rule read them
     return (
-        f"pow raised {zeros} zeros of `self` of {event.op} in {where(event)} to a negative power "
+        f"pow raised {cause.fact('zeros')} zeros of `self` of {event.op} in {where(event)} to a negative power "
         f"({event.posinf + event.neginf} inf): add eps to the base ((x + 1e-12) ** p)"
     )
 
@@ -96,8 +87,6 @@ def _exp_hint(event: Report, cause: Cause) -> str:
         f"x > {cause.fact('threshold'):.4g}{reached}; subtract the row max first (softmax / logsumexp do), clamp "
         "the input, or compute it in float32"
     )
-
-
 
 
 def _division_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
