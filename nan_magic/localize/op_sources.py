@@ -77,7 +77,7 @@ _TRACER_FILES = frozenset(
 )
 # Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
 # (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the
-# recorded ops of the code outside the models, run again.
+# recorded ops of the code outside the models, run again, and a replayed optimizer step.
 _RUNS_USER_CODE = tuple(
     os.path.join(_OWN_DIR, name)
     for name in (
@@ -86,6 +86,7 @@ _RUNS_USER_CODE = tuple(
         os.path.join("localize", "step_replay.py"),
         os.path.join("localize", "backward_replay.py"),
         os.path.join("localize", "outside.py"),
+        os.path.join("localize", "optimizer_replay.py"),
     )
 )
 

@@ -59,19 +59,21 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
-from nan_magic.localize.op_plans import run_op
+from nan_magic.localize.op_plans import plan_of, run_op, tensors
 from nan_magic.localize.op_sources import user_frame
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
 from nan_magic.localize.replay import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
+__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
 #: Ops a step recorded in the code between an optimizer step and the next model call.
 DATA_BUDGET = 64
 #: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
+#: Ops a step recorded between ``backward()`` and the next optimizer step or model call (loop_writes.py).
+UPDATE_BUDGET = 256
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
 #: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
 #: model's logits) are held weakly, freed as they would be unwatched.
@@ -190,7 +192,7 @@ class OutsideRecorder(TorchDispatchMode):
             return
         self._region = region
         self._entry = entry
-        self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
+        self._budget = {"data": DATA_BUDGET, "update": UPDATE_BUDGET}.get(region, LOSS_BUDGET)
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
             self.__enter__()
             self.pushed = True
@@ -299,6 +301,18 @@ class OutsideRecorder(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
         return out
+
+    def written(self) -> list[torch.Tensor]:
+        """The tensors the recorded ops wrote in place, each once, in the order first written."""
+        seen: dict[int, torch.Tensor] = {}
+        for op in self._ops:
+            plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+            if plan is None or not plan.writes:
+                continue
+            for _label, tensor in tensors(plan, op.args, op.kwargs, plan.writes):
+                if isinstance(tensor, torch.Tensor):
+                    seen.setdefault(id(tensor), tensor)
+        return list(seen.values())
 
     # -- at an event ----------------------------------------------------------------------
 
