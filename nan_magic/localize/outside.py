@@ -357,7 +357,7 @@ class OutsideRecorder(TorchDispatchMode):
             return (), None, None
         return witness[1], witness[2], witness[3]
 
-    def claim_backward(self, loss: torch.Tensor | None) -> OpFinding | None:
+    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
         """The backward op of the recorded loss code that first made a gradient non-finite, or None.
 
         The ops that made ``loss`` run again with gradients, from copies of
@@ -365,10 +365,16 @@ class OutsideRecorder(TorchDispatchMode):
         then their backward from a gradient of ones, under the op tracer: it
         names the backward op, its autograd node and, from the record, the
         forward line that created that node. Only for a scalar loss (the
-        gradient ``backward()`` starts from is then ones).
+        gradient ``backward()`` starts from is then ones). ``key``: the loss's
+        id when backward started, for a deferred check that runs after the
+        loss was freed (its recorded value is kept, being small).
         """
-        ops = self._ops_to(loss) if loss is not None and loss.numel() == 1 else None
-        if ops is None or loss is None:
+        if loss is not None:
+            key = id(loss)
+            ops = self._ops_to(loss) if loss.numel() == 1 else None
+        else:
+            ops = self._ops_to_key(key) if key is not None else None
+        if ops is None or key is None:
             return None
         tracer = OpTracer(kinds=self.kinds)
         try:
@@ -381,7 +387,9 @@ class OutsideRecorder(TorchDispatchMode):
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
                             tracer.node_sources.record(node, op.code, op.lineno)
-                replayed = copies[id(loss)]
+                replayed = copies[key]
+                if replayed.numel() != 1:
+                    return None
                 if requiring and replayed.requires_grad:
                     torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
                                         allow_unused=True)
@@ -400,6 +408,15 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         outs = tree_leaves(self._ops[index].out)
         if not any(out is tensor or (isinstance(out, _Weak) and out.ref() is tensor) for out in outs):
+            return None
+        return self._ops[: index + 1]
+
+    def _ops_to_key(self, key: int) -> list[_Op] | None:
+        """:meth:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
+        index = self._produced.get(key)
+        if index is None:
+            return None
+        if not any(isinstance(out, _Weak) and out.key == key for out in tree_leaves(self._ops[index].out)):
             return None
         return self._ops[: index + 1]
 
