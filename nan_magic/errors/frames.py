@@ -30,6 +30,7 @@ __all__ = [
     "short_traceback",
     "trim_to_user_code",
     "user_frames_of",
+    "user_line",
 ]
 
 _LIBRARY_DIRS = tuple(
@@ -67,6 +68,16 @@ def pointer_at(code: CodeType, lineno: int, module_globals: dict[str, Any] | Non
     """A :class:`SourcePointer` for line ``lineno`` of ``code`` (a frame's, or one recorded earlier)."""
     text = linecache.getline(code.co_filename, lineno, module_globals).strip() or None
     return SourcePointer(code.co_filename, lineno, code.co_name, text)
+
+
+def user_line(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] | None:
+    """``(code, line, globals)`` of the user's frame at or above ``frame`` as it is now, for :func:`pointer_at` later.
+
+    Cheaper than a :class:`SourcePointer` (no line text read): a record kept in case it is reported.
+    """
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
 
 
 def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflattened_name, user_name
-from nan_magic.errors.frames import is_library_file, pointer_at
+from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
 from nan_magic.hot.iterations import Iterations
@@ -302,7 +302,7 @@ class OptimizerChecks:
             if watch.defer and (self._bounded or not wild_hyperparameters(opt)):
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
-                result.caller = None if self._bounded else _caller(sys._getframe(1))
+                result.caller = None if self._bounded else user_line(sys._getframe(1))
                 self.carried = result
             elif not self._report_step_result(result, read_scalars(result.norms)):
                 watch.on_finite_step()
@@ -558,13 +558,6 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 #: Stands in for a state tensor that has gone (its check then passes).
 _FINITE = torch.zeros(1)
-
-
-def _caller(frame: Any) -> tuple[Any, int, dict[str, Any]] | None:
-    """``(code, line, globals)`` of the user's frame at or above ``frame`` (the line that called a step)."""
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        frame = frame.f_back
-    return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
 
 
 def _float_tensor(value: Any) -> bool:

@@ -179,8 +179,8 @@ class LoopWrites:
     def _report_traced(self) -> None:
         """Ops mode: a watched parameter whose values an op of the loop code started is reported now."""
         tracer = self._tracer() if self._tracer is not None else None
-        if tracer is None or tracer.finding is not None:
-            return
+        if tracer is None or tracer.finding is not None or not tracer.started:
+            return  # a healthy step started no origin: no parameter to look up
         for name, parameter in self._named_parameters():
             origin = tracer.origin_of(parameter)
             if not isinstance(origin, OpFinding) or origin.phase == Phase.BACKWARD:
@@ -194,4 +194,5 @@ class LoopWrites:
 
 
 def _memory(tensor: torch.Tensor) -> tuple[int, int]:
-    return tensor.untyped_storage().data_ptr(), tensor.storage_offset()
+    """Where a tensor's values start: a parameter and its ``.data`` share it."""
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())

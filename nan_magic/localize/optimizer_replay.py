@@ -57,7 +57,7 @@ def name_optimizer_op(
         return
     try:
         replayed, origin = _replay(opt, parameter, key, kinds)
-    except Exception:  # noqa: BLE001 - any optimizer (a closure it needs, a custom class): the event stands
+    except Exception:  # any optimizer (a closure it needs, a custom class): the event stands
         finding.notes.append(f"the {type(opt).__name__} step could not be replayed to name its op")
         return
     with torch.no_grad():
@@ -87,7 +87,7 @@ def _replay(
     replica.__dict__.update(opt.__dict__)
     replica.param_groups = [{**group, "params": [copy]}]
     replica.state = defaultdict(dict, {copy: state} if state else {})
-    step = type(opt).step
+    step: Any = type(opt).step
     # The step without the hooks torch wraps around it: the watch's own optimizer hooks must not see the replay.
     raw = step.__wrapped__ if getattr(step, "hooked", False) else step
     tracer = OpTracer(kinds=kinds, phase_hint=lambda: Phase.OPTIMIZER, at_boundary=True)
