@@ -75,9 +75,20 @@ def user_line(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] |
 
     Cheaper than a :class:`SourcePointer` (no line text read): a record kept in case it is reported.
     """
-    while frame is not None and is_library_file(frame.f_code.co_filename):
+    while frame is not None and _library_code(frame.f_code):
         frame = frame.f_back
     return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
+
+
+# id(code) -> (code, is library code), for user_line (holding the code keeps its id unique).
+_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
+
+
+def _library_code(code: CodeType) -> bool:
+    entry = _LIBRARY_CODE.get(id(code))
+    if entry is None:
+        entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
+    return entry[1]
 
 
 def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
