@@ -23,6 +23,7 @@ from nan_magic.records import SourcePointer
 __all__ = [
     "end_at_producer",
     "frames_of",
+    "is_library_code",
     "is_library_file",
     "last_user_frame",
     "pointer",
@@ -75,16 +76,17 @@ def user_line(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] |
 
     Cheaper than a :class:`SourcePointer` (no line text read): a record kept in case it is reported.
     """
-    while frame is not None and _library_code(frame.f_code):
+    while frame is not None and is_library_code(frame.f_code):
         frame = frame.f_back
     return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
 
 
-# id(code) -> (code, is library code), for user_line (holding the code keeps its id unique).
+# id(code) -> (code, is library code); holding the code keeps its id unique.
 _LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
 
 
-def _library_code(code: CodeType) -> bool:
+def is_library_code(code: CodeType) -> bool:
+    """:func:`is_library_file` for a code object, cached (asked for every frame of a walk up the stack)."""
     entry = _LIBRARY_CODE.get(id(code))
     if entry is None:
         entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.errors.frames import is_library_file, pointer
+from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.localize.op_plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
@@ -38,22 +38,11 @@ _PLUMBING = (
     ),
 )
 
-# id(code) -> (code, is library code); holding the code keeps its id unique.
-_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
-
-
-def _is_library_code(code: CodeType) -> bool:
-    entry = _LIBRARY_CODE.get(id(code))
-    if entry is None:
-        entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
-    return entry[1]
-
-
 def user_frame(frame: FrameType | None) -> FrameType | None:
     """The innermost frame at or above ``frame`` that is the user's code (not torch's, not ours)."""
     # A tensor subclass's __torch_function__ is how the op was routed, not the
     # line that asked for it: that is the caller's (it stays the inner source).
-    while frame is not None and (_is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
+    while frame is not None and (is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
         frame = frame.f_back
     return frame
 
