@@ -264,12 +264,18 @@ class OptimizerChecks:
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
 
+        finite: list[bool] = []
+
         def judge_carried(values: list[float]) -> None:
             # The previous step's result first: the forward since read what it made non-finite.
-            if carried is not None and not self._report_step_result(carried, values[: len(carried_norms)]):
-                watch.on_finite_step()
+            if carried is not None:
+                finite.append(not self._report_step_result(carried, values[: len(carried_norms)]))
 
         values = watch.cycle.sync(carried_norms + grad_norms, judge_carried)
+        if finite and finite[0]:
+            # Kept as the last good state only once this step's calls are judged finite too: the loop may have
+            # written the parameters since (a hand edit before the forward that then failed).
+            watch.on_finite_step()
         grad_values = values[len(carried_norms) :]
         # hypot: NaN if any value is, inf if any is; never overflows on finite values.
         self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
