@@ -29,7 +29,6 @@ __all__ = [
     "pointer",
     "pointer_at",
     "short_traceback",
-    "trim_to_user_code",
     "user_frames_of",
     "user_line",
 ]
@@ -91,17 +90,6 @@ def is_library_code(code: CodeType) -> bool:
     if entry is None:
         entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
     return entry[1]
-
-
-def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
-    """Cut ``tb`` after its last user frame, in place; return that entry.
-
-    Returns ``None`` (and leaves ``tb`` alone) when no entry is user code.
-    """
-    last_user = _last_user_entry(tb)
-    if last_user is not None:
-        last_user.tb_next = None
-    return last_user
 
 
 def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
