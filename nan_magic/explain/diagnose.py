@@ -166,7 +166,11 @@ def _with_absorbed(report: Report, cause: Cause) -> Cause:
 def _local_cause(report: Report) -> Cause:
     """The cause the event itself shows, before looking upstream."""
     if report.phase == Phase.OPTIMIZER:
-        return optimizer_cause(report)
+        cause = optimizer_cause(report)
+        if cause.label == "unclassified" and report.optimizer is None and report.op is not None:
+            # A hand-written update (loop code, no optimizer) is read by its op, as forward code is.
+            return forward_cause(report)
+        return cause
     if report.tensor.role is TensorRole.PARAMETER:
         return _parameter(report)
     if report.phase == Phase.DATA:

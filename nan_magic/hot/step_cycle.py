@@ -49,7 +49,7 @@ from nan_magic.localize.step_replay import StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Phase, StepSummary
 
-__all__ = ["Outcome", "StepCycle", "wants_defer"]
+__all__ = ["Outcome", "StepCycle", "UpdateCode", "wants_defer"]
 
 
 class Outcome(Protocol):
@@ -69,6 +69,22 @@ class Outcome(Protocol):
     def leave(self, together: bool) -> None: ...
 
     def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None: ...
+
+class UpdateCode(Protocol):
+    """The loop code between ``backward()`` and the next step (localize/loop_writes.py): the parameters it wrote."""
+
+    def begin(self) -> None: ...
+
+    def end(self) -> list[torch.Tensor]: ...
+
+    def judge(self, values: list[float]) -> None: ...
+
+    def forget(self) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
 
 #: The forward checks' producer rule on one output at the deferred check (:meth:`ProducerRule.judge`).
 JudgeForward = Callable[[Call, TensorRecord, str], None]
@@ -113,6 +129,7 @@ class StepCycle:
         lockstep: Lockstep,
         emit: Callable[[Finding], None],
         mine: Callable[[], bool],
+        update_code: UpdateCode | None = None,
     ) -> None:
         self.config = config
         self.defer = defer
@@ -130,6 +147,11 @@ class StepCycle:
         self.lockstep = lockstep
         self._emit = emit
         self._mine = mine
+        self.update_code = update_code
+        # The norms of the parameters the update code wrote, read with the deferred check's transfer, and
+        # whether that code ran before the calls the transfer judges (it ended as a model call began).
+        self._written: list[torch.Tensor] = []
+        self._written_first = False
         self.early = EarlyWarnings()
         # The tiered watch checks only top-level calls, except on a per-module step (forward_started).
         self.full_step = not config.tiered
@@ -182,6 +204,7 @@ class StepCycle:
         mode) outlive the new step's reset: a batch the loop computed is
         judged as the call starts.
         """
+        self._end_update(by_a_call=True)
         training = self.training()
         if self.open and self.gradients.backward_runs and training:
             self._settle_backward()
@@ -244,15 +267,32 @@ class StepCycle:
             if self.config.on_detect == "warn":
                 warnings.warn(warning.message, NanMagicWarning, stacklevel=3)
 
-    def sync(self, extra: list[torch.Tensor] | None = None) -> list[float]:
+    def sync(
+        self, extra: list[torch.Tensor] | None = None, first: Callable[[list[float]], None] | None = None
+    ) -> list[float]:
         """Read pending probes (deferred mode) and ``extra`` scalars in one transfer.
 
-        In deferred mode, the calls are then judged in the order they
-        returned. Returns the values of ``extra``.
+        ``first`` judges the values of ``extra`` before any call is (the
+        previous optimizer step's result: a step that made a parameter
+        non-finite comes before the forward that then read it). In deferred
+        mode, the calls are then judged in the order they returned. Returns
+        the values of ``extra``.
         """
+        written, self._written = self._written, []
         if not self.defer or self.outcome.stopped:
-            return read_scalars(extra) if extra else []
-        values = self.log.resolve(extra)
+            values = read_scalars(extra) if extra else []
+            if first is not None:
+                first(values)
+            return values
+        count = len(extra) if extra else 0
+        values = self.log.resolve((extra or []) + written)
+        values, written_values = values[:count], values[count:]
+        if first is not None:
+            first(values)
+        if written and self._written_first and not self.outcome.stopped:
+            self._judge_written(written_values)
+        if self.outcome.stopped:
+            return values
         for call in self.log.finished():
             if call.phase == Phase.BACKWARD:
                 self.gradients.judge(call)
@@ -264,7 +304,36 @@ class StepCycle:
                         self._judge_forward(call, record, "detected at the deferred check")
             if self.outcome.stopped:
                 break
+        if written and not self._written_first and not self.outcome.stopped:
+            self._judge_written(written_values)  # after the calls: the update code ran after them
         return values
+
+    def _judge_written(self, values: list[float]) -> None:
+        if self.update_code is not None:
+            self.update_code.judge(values)
+
+    # -- the update code (loop_writes.py) ---------------------------------------------------
+
+    def backward_finished(self, _loss: torch.Tensor) -> None:
+        """``backward()`` returned: the update code begins."""
+        if self.update_code is not None and self._mine():
+            self.update_code.begin()
+
+    def _end_update(self, by_a_call: bool = False) -> None:
+        """The update code ends (an optimizer step, a model call, the watch's end): check what it wrote.
+
+        ``by_a_call``: a model call ends it, so the deferred check judges it
+        before that call's outputs.
+        """
+        if self.update_code is None:
+            return
+        written = self.update_code.end()
+        if not written:
+            return
+        if self.defer:
+            self._written, self._written_first = written, by_a_call  # read with this step's single transfer
+        else:
+            self.update_code.judge(read_scalars(written))
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
@@ -278,6 +347,8 @@ class StepCycle:
             self.outside.stop()
         try:
             with self.outcome.agreement_point(self._mine() and self._agrees_at(opt)):
+                if self._mine():
+                    self._end_update()
                 self.optimizers.on_step_pre(opt, args, kwargs)
         finally:
             if self.outside is not None and self._mine():
@@ -362,6 +433,7 @@ class StepCycle:
 
     def leave(self) -> None:
         """The watch is left normally: the last step's checks, then the ranks' exit round (agreement.py)."""
+        self._end_update()
         self.sync()
         if self.open and not self.training():
             self.end_step(self.step)  # the last inference step: nothing calls its first module again

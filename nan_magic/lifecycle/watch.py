@@ -56,6 +56,7 @@ the code recorder (``watch.outside``, switched at the boundaries the hooks see).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import threading
 from collections import Counter, deque
@@ -69,7 +70,7 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.distributed.lockstep import Lockstep
-from nan_magic.distributed.ranks import stamp
+from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
@@ -84,7 +85,9 @@ from nan_magic.lifecycle.events import EventContext, Events
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
+from nan_magic.localize.loop_writes import LoopWrites
 from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.optimizer_replay import name_optimizer_op
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.options import WatchConfig, config_from_options
@@ -217,6 +220,8 @@ class Watch:
                 self.outside.start("data", entry=True)
             else:
                 self.outside.resume()  # the code the last part ended in (the next batch, after an optimizer step)
+        if resume and self.cycle.update_code is not None:
+            self.cycle.update_code.resume()  # a part that ended between backward() and the step (split cells)
         return self
 
     def __exit__(
@@ -227,6 +232,8 @@ class Watch:
     def _leave(self, exc: BaseException | None, tb: TracebackType | None, pause: bool) -> Literal[False]:
         if self.outside is not None:
             self.outside.pause()
+        if self.cycle.update_code is not None:
+            self.cycle.update_code.pause()
         self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
         explained = None
         try:
@@ -260,7 +267,8 @@ class Watch:
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
-            stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
+                                                              self.cycle.backward_finished))
             optimizers = self.optimizers
             stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
                 optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step
@@ -319,7 +327,9 @@ class Watch:
         self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         self.gradients = GradientChecks(self, self.origins, replay_backward)
-        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin)
+        # Where no op tracer watches every step, an optimizer step's op is named by replaying it (ops mode traced it).
+        replay_step = None if self.config.ops else functools.partial(name_optimizer_op, kinds=self.config.kinds)
+        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, replay_step)
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
@@ -340,17 +350,29 @@ class Watch:
             self.config, self.defer, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
-            lockstep=self.lockstep, emit=self.emit, mine=self.mine,
+            lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
+                self.config.kinds, self._named_parameters, self.optimizers.attribute, self.emit, lambda: self.step,
+                tracer=(lambda: self.origins.tracer) if self.config.ops else None,
+            ),
         )
 
     def _roots(self) -> Iterator[nn.Module]:
         """The watched models (a model called at top level joins them: module_info)."""
         return (root for _label, root in self.targets.roots)
 
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The watched models' parameters under the user's names."""
+        for root in self._roots():
+            data_parallel = data_parallel_paths(root)
+            for name, parameter in root.named_parameters():
+                yield user_name(name, data_parallel), parameter
+
     def _forget_tensors(self, keep_step: bool = False) -> None:
         self.forward.stack.clear()
         if keep_step:
             return  # a paused run's open step: its records and replays are the next part's
+        if self.cycle.update_code is not None:
+            self.cycle.update_code.forget()
         if self.outside is not None:
             self.outside.forget()
         if self.replays is not None:
