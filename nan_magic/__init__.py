@@ -105,6 +105,11 @@ class _Views:
 
         return cause_evidence(cause)
 
+    def fix_description(self, trial: FixTrial) -> str:
+        from nan_magic.render.fixes import fix_description
+
+        return fix_description(trial)
+
 
 install_views(_Views())
 # A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).

@@ -26,6 +26,7 @@ __all__ = [
     "LOSS",
     "AbsorbedOp",
     "Cause",
+    "FixTrial",
     "LayerCall",
     "Phase",
     "Report",
@@ -269,6 +270,42 @@ class AbsorbedOp:
     neginf: int
 
 
+#: The remedies a fix trial knows (nan_magic.fixes), in the order they are tried.
+FIX_KINDS = ("float32", "eps", "stable", "mask", "lr", "skip-batch", "scale")
+
+
+@dataclass(frozen=True)
+class FixTrial:
+    """One remedy (a :data:`FIX_KINDS` kind) tried on a replay of the failing step at ``op``/``module``/``source``.
+
+    ``facts``: the plain values render/fixes.py describes it from. ``finite``: True only when the replayed
+    step (forward, backward, optimizer step, on copies) came out finite end to end; ``failed`` says where
+    it did not, ``untried`` why it was not run (``finite`` None). ``output_change``: the largest change of
+    the model's output against the unremedied replay's finite part.
+    """
+
+    kind: str
+    op: str | None = None
+    module: str | None = None
+    source: SourcePointer | None = None
+    facts: tuple[tuple[str, Any], ...] = ()
+    finite: bool | None = None
+    loss: float | None = None
+    output_change: float | None = None
+    seconds: float = 0.0
+    failed: str | None = None
+    untried: str | None = None
+
+    def fact(self, name: str, default: Any = None) -> Any:
+        """The value of the fact ``name``, or ``default``."""
+        return next((value for key, value in self.facts if key == name), default)
+
+    @property
+    def description(self) -> str:
+        """What the remedy changed, in one line (written by render/)."""
+        return _views().fix_description(self)
+
+
 @dataclass(frozen=True)
 class Report:
     """Everything known about one non-finite event; holds no tensors.
@@ -342,6 +379,8 @@ class Report:
     #: How many models the watch held: with more than one, :attr:`where` says which model the
     #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
     models_watched: int = 1
+    #: The remedies tried on a replay of the failing step (:class:`FixTrial`), verified ones first.
+    fixes: tuple[FixTrial, ...] = ()
 
     # -- derived -------------------------------------------------------------
 
@@ -430,6 +469,8 @@ class ReportViews(Protocol):
     def cause_hint(self, cause: Cause) -> str: ...
 
     def cause_evidence(self, cause: Cause) -> tuple[str, ...]: ...
+
+    def fix_description(self, trial: FixTrial) -> str: ...
 
 
 _installed: list[ReportViews] = []

@@ -71,6 +71,8 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import stamp
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.fixes.runner import try_fixes
+from nan_magic.fixes.step import FailingStep
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
@@ -80,13 +82,13 @@ from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.step_cycle import StepCycle, wants_defer
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
-from nan_magic.lifecycle.events import EventContext, Events
+from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
-from nan_magic.localize.step_replay import Producer, StepReplays
+from nan_magic.localize.step_replay import Producer, StepReplays, replay_target
 from nan_magic.options import WatchConfig, config_from_options
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import scaler as scaler_patch
@@ -301,7 +303,7 @@ class Watch:
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
-            localize=self.replays.localize if self.replays is not None else _nothing_replayed,
+            localize=self._localize if self.replays is not None else _nothing_replayed,
             record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
@@ -364,6 +366,20 @@ class Watch:
     def on_finite_step(self) -> None:
         """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
         self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
+
+    def _localize(self, finding: Finding, seen: Report) -> Replayed:
+        """The replay's report of a real event, with the remedies tried on the step it replayed (fixes/)."""
+        replays = self.replays
+        assert replays is not None  # wired only for a watch with step replays
+        replays.replayed = None
+        report, producer = replays.localize(finding, seen)
+        root = replays.replayed
+        if self.config.fixes and root is not None and report.reproduced and not report.benign:
+            model, target = replays.model_of(root.module), replay_target(root.module)
+            if model is not None and target is not None:
+                step = FailingStep(root, model, target, tuple(self.optimizers.seen), self.call_replay.standing_aside)
+                report = dataclasses.replace(report, fixes=try_fixes(report, step))
+        return report, producer
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
         """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""

@@ -1,0 +1,124 @@
+"""At a real event: pick the remedies that fit its cause, try each on a replay of the failing step.
+
+Which remedy fits (issue 28's table): ``float32`` where the producer ran in
+half or bfloat16 or under autocast; ``eps`` where its function has a domain
+(log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
+log that may be of a softmax. Each is tried alone (step.py) and judged
+against one unremedied replay: the step must come out finite end to end to
+count as verified, and ``output_change`` shows what else it changed.
+
+The trials run only at an event (a healthy step pays nothing), within a
+budget of :data:`STEP_TIMES` times the unremedied replay's time (at least
+:data:`MIN_BUDGET` seconds); a remedy left over says so.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from nan_magic.fixes.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.precision import HALF, float32
+from nan_magic.fixes.site import Remedy, Site
+from nan_magic.fixes.stable import StableFix
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
+from nan_magic.records import FixTrial, Report
+
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "try_fixes"]
+
+#: The trials' budget, in replays of the failing step (each trial is about one).
+STEP_TIMES = 8
+#: ... and at least this many seconds (a step of a tiny model takes a millisecond).
+MIN_BUDGET = 2.0
+
+
+def producer_site(report: Report) -> Site:
+    """Where the producer ran, and the torch function behind its op (a backward op: its node's forward)."""
+    function = None
+    if report.autograd_node:
+        function = re.sub(r"Backward\d*$", "", report.autograd_node).lower()
+    elif report.op and report.op.count(".") >= 1:
+        function = report.op.split(".")[1].rstrip("_")
+    return Site(report.module, report.source, function)
+
+
+def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str, Remedy]]:
+    remedies: list[tuple[str, Remedy]] = []
+    half = report.dtype is not None and report.dtype.removeprefix("torch.") in {str(d)[6:] for d in HALF}
+    if half or step.root.autocast:
+        remedies.append(("float32", float32))
+    if site.function in FUNCTIONS:
+        remedies.append(("eps", DomainFix(site.function)))
+    if site.function in ("exp", "log"):
+        remedies.append(("stable", StableFix(site.function)))
+    return remedies
+
+
+def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
+    """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first."""
+    site = producer_site(report)
+    candidates = _candidates(report, site, step)
+    if not candidates or report.module is None:
+        return ()
+    base = replay_step(step, None, None)
+    if base.failed is None:
+        return ()  # the unremedied replay came out finite: nothing to fix on it
+    budget = max(MIN_BUDGET, STEP_TIMES * base.seconds)
+    spent = base.seconds
+    trials = []
+    for kind, remedy in candidates:
+        where = {"op": report.op, "module": report.module, "source": report.source}
+        if spent > budget:
+            trials.append(FixTrial(kind, **where, untried=f"the time budget ({budget:.2g} s) was spent"))
+            continue
+        outcome = replay_step(step, site, remedy)
+        spent += outcome.seconds
+        facts = _facts(kind, remedy, report, step, outcome)
+        if not outcome.applied:
+            trials.append(FixTrial(kind, **where, facts=facts, seconds=outcome.seconds,
+                                   untried="it found nothing to change at the producer's line"))
+            continue
+        trials.append(FixTrial(
+            kind, **where, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+            output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
+        ))
+    order = {True: 0, False: 1, None: 2}
+    return tuple(sorted(trials, key=lambda trial: order[trial.finite]))
+
+
+def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
+           ) -> tuple[tuple[str, object], ...]:
+    facts: list[tuple[str, object]] = [("stepped", outcome.stepped),
+                                       ("backward_from", _backward_from(step, outcome))]
+    if kind == "float32":
+        facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
+    if isinstance(remedy, DomainFix):
+        facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
+    if isinstance(remedy, StableFix):
+        facts += [("function", remedy.function), ("form", remedy.form)]
+    return tuple(facts)
+
+
+def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
+    """Where the replayed backward started (step.py): the held output gradient, the model's loss, or ones."""
+    if step.root.output_grads:
+        return "output-gradient"
+    return "loss" if outcome.loss is not None else "ones"
+
+
+def _change(base: StepOutcome, outcome: StepOutcome) -> float | None:
+    """The largest change of an output against the unremedied replay's finite values (None: none compared)."""
+    largest: float | None = None
+    for path, before in base.outputs.items():
+        after = outcome.outputs.get(path)
+        if after is None or after.shape != before.shape:
+            continue
+        finite = torch.isfinite(before)
+        if not bool(finite.any()):
+            continue
+        difference = (after.double() - before.double()).abs()[finite]
+        value = float(difference.max()) if difference.numel() else 0.0
+        largest = value if largest is None or math.isnan(value) or value > largest else largest
+    return largest
