@@ -28,8 +28,8 @@ FUNCTIONS: dict[str, dict[str, int]] = {
     "sqrt": {"sqrt": 0},
     "rsqrt": {"rsqrt": 0},
     "pow": {"pow": 0, "__pow__": 0},
-    "div": {"div": 1, "divide": 1, "true_divide": 1, "__truediv__": 1, "__rtruediv__": 0},
-    "reciprocal": {"reciprocal": 0},
+    "div": {"div": 1, "divide": 1, "true_divide": 1, "__truediv__": 1, "__rtruediv__": 0, "__rdiv__": 0},
+    "reciprocal": {"reciprocal": 0, "__rtruediv__": 0, "__rdiv__": 0},
     "acos": {"acos": 0, "arccos": 0},
     "asin": {"asin": 0, "arcsin": 0},
 }

@@ -20,6 +20,7 @@ gradient of ones into each floating output, standing for the loss.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,11 +119,12 @@ def _optimizers(optimizers: tuple[torch.optim.Optimizer, ...], copies: dict[int,
         if any(parameter is None for group in groups for parameter in group["params"]):
             continue
         try:
-            copy = type(optimizer)(groups)
-            copy.load_state_dict(optimizer.state_dict())  # loads copies of the state tensors
+            rebuilt_one = type(optimizer)(groups)
+            # load_state_dict keeps the very tensors it is given (``.to`` of the same dtype and device): copies.
+            rebuilt_one.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         except (TypeError, ValueError, KeyError):
             continue
-        rebuilt.append(copy)
+        rebuilt.append(rebuilt_one)
     return rebuilt
 
 

@@ -125,7 +125,7 @@ class _Edit(ast.NodeTransformer):
         if kind == "float32" and isinstance(node.op, (ast.MatMult, ast.Mult, ast.Add, ast.Pow)):
             node.left, node.right = _method(node.left, "float"), _method(node.right, "float")
             return self._mark(node)
-        if kind == "eps" and function == "div" and isinstance(node.op, ast.Div):
+        if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
             node.right = _denominator(node.right, self.trial)
             return self._mark(node)
         if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow):
