@@ -178,6 +178,23 @@ class HalfDivide(nn.Module):
         return 100 / d
 
 
+class MaskedAttention(nn.Module):
+    """Self-attention whose first query may see no key: softmax of an all -inf row."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.q, self.k, self.fixed = nn.Linear(4, 4), nn.Linear(4, 4), fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-2, -1)
+        hidden = torch.zeros(x.shape[0], x.shape[0], dtype=torch.bool)
+        hidden[0] = True
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if self.fixed:
+            return torch.softmax(scores, -1).nan_to_num(0.0) @ x
+        return torch.softmax(scores, -1) @ x
+
+
 def _batch(model: nn.Module) -> torch.Tensor:
     torch.manual_seed(1)
     dtype = next(model.parameters()).dtype
@@ -240,6 +257,7 @@ WORKS = [
     (Acos, "eps", None),
     (RootPow, "eps", None),
     (Reciprocal, "eps", "division-by-zero"),
+    (MaskedAttention, "mask", "masked-softmax"),
 ]
 
 

@@ -3,7 +3,8 @@
 Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
 (log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
-log that may be of a softmax. Each is tried alone (step.py) and judged
+log that may be of a softmax; ``mask`` for a softmax over a fully masked
+row. Each is tried alone (step.py) and judged
 against one unremedied replay: the step must come out finite end to end to
 count as verified, and ``output_change`` shows what else it changed.
 
@@ -20,6 +21,7 @@ import re
 import torch
 
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.mask import MASKED, zero_masked_rows
 from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
@@ -53,6 +55,8 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
         remedies.append(("eps", DomainFix(site.function)))
     if site.function in ("exp", "log"):
         remedies.append(("stable", StableFix(site.function)))
+    if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
+        remedies.append(("mask", zero_masked_rows))
     return remedies
 
 

@@ -40,6 +40,8 @@ def fix_description(trial: FixTrial) -> str:
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
         return "the log of a softmax fused into log_softmax"
+    if trial.kind == "mask":
+        return "the fully masked rows' output made 0 instead of NaN"
     return trial.kind
 
 
@@ -169,6 +171,8 @@ class _Edit(ast.NodeTransformer):
                 return self._mark(ast.Call(ast.parse("torch.log_softmax", mode="eval").body,
                                            list(inner.args), list(inner.keywords)))
             return node
+        if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
+            return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
         if kind == "float32" and name not in (None, "float", "to", "transpose", "view", "reshape"):
             node.args = [_method(argument, "float") for argument in node.args]
             return self._mark(node)
