@@ -345,3 +345,29 @@ def test_an_untried_remedy_says_why() -> None:
 def test_a_trial_round_trips_through_plain_data() -> None:
     trial = FixTrial("eps", "aten.log.default", "fc", None, (("eps", 1e-7),), True, 1.0, 0.5, 0.01)
     assert dataclasses.replace(trial) == trial and trial.fact("eps") == 1e-7
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_batch_with_nan_samples_is_verified_without_them(defer: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(6, 4)
+    x[2, 1] = float("nan")
+    x[4, 0] = float("inf")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(nan_magic.NonFiniteError) as raised:
+        with nan_magic.watch(model, opt, defer=defer):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    report = raised.value.report
+    assert report.phase == "data"
+    trial = _trial(report, "skip-batch")
+    assert trial.finite is True and trial.fact("dropped") == (2, 4) and trial.fact("batch") == 6
+    assert "rows 2, 4" in report.to_text()
+    keep = torch.isfinite(x).flatten(1).all(1)  # the suggested edit, by hand
+    with nan_magic.watch(model, opt, defer=defer):
+        for _ in range(3):
+            opt.zero_grad()
+            model(x[keep]).sum().backward()
+            opt.step()

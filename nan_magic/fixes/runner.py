@@ -4,7 +4,7 @@ Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
 (log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
 log that may be of a softmax; ``mask`` for a softmax over a fully masked
-row. Each is tried alone (step.py) and judged
+row; ``skip-batch`` for a batch that entered holding non-finite values. Each is tried alone (step.py) and judged
 against one unremedied replay: the step must come out finite end to end to
 count as verified, and ``output_change`` shows what else it changed.
 
@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 import torch
 
+from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.mask import MASKED, zero_masked_rows
 from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
-from nan_magic.records import FixTrial, Report
+from nan_magic.localize.step_replay import RootCall
+from nan_magic.records import FixTrial, Phase, Report
 
-__all__ = ["MIN_BUDGET", "STEP_TIMES", "try_fixes"]
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "try_fixes"]
 
 #: The trials' budget, in replays of the failing step (each trial is about one).
 STEP_TIMES = 8
@@ -60,8 +63,15 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
     return remedies
 
 
+def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
+    """The latest model call of the step that was given non-finite data (a ``data`` event's), or None."""
+    return next((root for root in reversed(list(calls)) if holds_nonfinite(root)), None)
+
+
 def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first."""
+    if report.phase == Phase.DATA:
+        return _skip_batch(report, step)
     site = producer_site(report)
     candidates = _candidates(report, site, step)
     if not candidates or report.module is None:
@@ -90,6 +100,21 @@ def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
         ))
     order = {True: 0, False: 1, None: 2}
     return tuple(sorted(trials, key=lambda trial: order[trial.finite]))
+
+
+def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
+    """``skip-batch`` (batch.py): the step without the samples whose data is non-finite."""
+    where = {"op": report.op, "module": report.module, "source": report.source}
+    left = without_bad_samples(step)
+    if left is None:
+        return (FixTrial("skip-batch", **where, untried="no sample could be left out: every one, or none along "
+                                                       "the batch's first dimension, holds the non-finite value"),)
+    smaller, dropped, size = left
+    outcome = replay_step(smaller, None, None)
+    facts = (("stepped", outcome.stepped), ("backward_from", _backward_from(smaller, outcome)),
+             ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
+    return (FixTrial("skip-batch", **where, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+                     seconds=outcome.seconds, failed=outcome.failed),)
 
 
 def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome

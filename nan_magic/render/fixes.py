@@ -40,6 +40,10 @@ def fix_description(trial: FixTrial) -> str:
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
         return "the log of a softmax fused into log_softmax"
+    if trial.kind == "skip-batch":
+        dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
+        return (f"the batch without its {trial.fact('left_out')} of {trial.fact('batch')} samples holding "
+                f"non-finite values (rows {dropped})")
     if trial.kind == "mask":
         return "the fully masked rows' output made 0 instead of NaN"
     return trial.kind
@@ -91,6 +95,8 @@ def fixes_text(report: Report) -> str:
 
 def suggested_edit(trial: FixTrial) -> str | None:
     """The producer's line as the remedy changed it, ``file:line: code`` (None where it cannot be written)."""
+    if trial.kind == "skip-batch":
+        return "keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]  (x the batch, y its targets)"
     source = trial.source
     if source is None or not source.line:
         return None
