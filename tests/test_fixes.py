@@ -371,3 +371,65 @@ def test_a_batch_with_nan_samples_is_verified_without_them(defer: bool) -> None:
             opt.zero_grad()
             model(x[keep]).sum().backward()
             opt.step()
+
+
+def _diverging(lr: float, keep: bool = True) -> Report | None:
+    """float16 weights; step 1's gradient (1e3, the loss scaled up) times lr passes 65504 at lr 100, not at 10."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False).half()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x = torch.ones(1, 4, dtype=torch.float16)
+    try:
+        with nan_magic.watch(model, opt, keep_last_good=keep):
+            for scale in (1e-3, 1e3, 1e-3):
+                opt.zero_grad()
+                (model(x).float().sum() * scale).backward()
+                opt.step()
+    except nan_magic.NonFiniteError as error:
+        return error.report
+    return None
+
+
+def test_a_learning_rate_too_high_is_verified_at_a_tenth_and_training_continues_there() -> None:
+    report = _diverging(100.0)
+    assert report is not None and report.phase == "optimizer"
+    assert report.cause is not None and report.cause.label == "learning-rate-too-high"
+    trial = _trial(report, "lr")
+    assert trial.finite is True and trial.fact("new_lr") == 10.0 and trial.fact("from_step") == 0
+    assert "lr=10" in (suggested_edit(trial) or "")
+    assert _diverging(10.0) is None  # the learning rate lowered by hand: training continues
+
+
+def test_a_tenth_that_is_not_enough_is_not_verified_and_no_last_good_state_says_so() -> None:
+    report = _diverging(1000.0)
+    assert report is not None
+    assert _trial(report, "lr").finite is False
+    assert _diverging(100.0) is not None  # by hand: a tenth still overflows
+    untried = _trial(_diverging(100.0, keep=False), "lr")
+    assert untried.finite is None and "keep_last_good" in (untried.untried or "")
+
+
+def _unfrozen_embedding(eps: float) -> Report | None:
+    """A float16 embedding unfrozen at step 1 gets gradients in two rows: Adam's eps 1e-8 rounds to 0, the rest 0 / 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), eps=eps)
+    try:
+        with nan_magic.watch(model, opt, keep_last_good=True):
+            for step in range(3):
+                model[0].weight.requires_grad_(step > 0)
+                opt.zero_grad()
+                model(torch.tensor([1, 2])).float().sum().backward()
+                opt.step()
+    except nan_magic.NonFiniteError as error:
+        return error.report
+    return None
+
+
+def test_an_optimizer_eps_that_rounds_to_zero_is_raised_to_one_float16_holds() -> None:
+    report = _unfrozen_embedding(1e-8)
+    assert report is not None and report.phase == "optimizer"
+    assert report.cause is not None and report.cause.label == "optimizer-eps-underflow"
+    trial = _trial(report, "eps")
+    assert trial.finite is True and trial.fact("new_eps") == torch.finfo(torch.float16).eps
+    assert _unfrozen_embedding(trial.fact("new_eps")) is None  # the edit, by hand: training continues

@@ -20,9 +20,11 @@ import re
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.mask import MASKED, zero_masked_rows
 from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.site import Remedy, Site
@@ -30,8 +32,12 @@ from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
 from nan_magic.localize.step_replay import RootCall
 from nan_magic.records import FixTrial, Phase, Report
+from nan_magic.scene.last_good import LastGood
 
-__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "try_fixes"]
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "try_fixes", "try_optimizer_fixes"]
+
+#: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
+_STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
 
 #: The trials' budget, in replays of the failing step (each trial is about one).
 STEP_TIMES = 8
@@ -100,6 +106,22 @@ def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
         ))
     order = {True: 0, False: 1, None: 2}
     return tuple(sorted(trials, key=lambda trial: order[trial.finite]))
+
+
+def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
+                        last_good: LastGood) -> tuple[FixTrial, ...]:
+    """An optimizer event's remedy (``lr``, the optimizer's ``eps``): its step redone from the last good state."""
+    kind = _STEP_REMEDIES.get(report.cause.label if report.cause is not None else "")
+    optimizer = next((opt for opt in optimizers if type(opt).__name__ == report.optimizer), None)
+    if kind is None or optimizer is None:
+        return ()
+    where = {"op": report.op, "module": report.module, "source": report.source}
+    try:
+        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind)
+    except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
+        untried, finite, facts, seconds = f"its optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
+    return (FixTrial(kind, **where, facts=(("optimizer", report.optimizer), ("stepped", True), *facts.items()), finite=finite,
+                     seconds=seconds, failed=None if finite is not False else "optimizer step", untried=untried),)
 
 
 def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:

@@ -71,7 +71,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import stamp
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import batch_call, try_fixes
+from nan_magic.fixes.runner import batch_call, try_fixes, try_optimizer_fixes
 from nan_magic.fixes.step import FailingStep
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
@@ -375,6 +375,9 @@ class Watch:
         report, producer = replays.localize(finding, seen)
         # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
         root = replays.replayed if report.reproduced else batch_call(replays.calls) if report.phase == Phase.DATA else None
+        if self.config.fixes and report.phase == Phase.OPTIMIZER and not report.benign:
+            trials = try_optimizer_fixes(report, self.optimizers.seen, self._roots(), self.last_good)
+            return dataclasses.replace(report, fixes=trials), producer
         if self.config.fixes and root is not None and not report.benign:
             model, target = replays.model_of(root.module), replay_target(root.module)
             if model is not None and target is not None:

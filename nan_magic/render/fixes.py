@@ -23,6 +23,9 @@ _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt",
 
 def fix_description(trial: FixTrial) -> str:
     """What the remedy changed, in one line."""
+    if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        return (f"the {trial.fact('optimizer')} step redone from the state after step {trial.fact('from_step')} "
+                f"with eps {fmt(trial.fact('eps'))} -> {fmt(trial.fact('new_eps'))} (the parameters' dtype holds it)")
     if trial.kind == "float32":
         regions = trial.fact("autocast") or ()
         region = f" with autocast ({', '.join(regions)}) off" if regions else ""
@@ -40,6 +43,10 @@ def fix_description(trial: FixTrial) -> str:
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
         return "the log of a softmax fused into log_softmax"
+    if trial.kind == "lr":
+        return (f"the {trial.fact('optimizer') or 'optimizer'} step redone from the state after step "
+                f"{trial.fact('from_step')} at a tenth of its learning rate ({fmt(trial.fact('lr'))} -> "
+                f"{fmt(trial.fact('new_lr'))})")
     if trial.kind == "skip-batch":
         dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
         return (f"the batch without its {trial.fact('left_out')} of {trial.fact('batch')} samples holding "
@@ -95,6 +102,10 @@ def fixes_text(report: Report) -> str:
 
 def suggested_edit(trial: FixTrial) -> str | None:
     """The producer's line as the remedy changed it, ``file:line: code`` (None where it cannot be written)."""
+    if trial.kind == "lr":
+        return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
+    if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
     if trial.kind == "skip-batch":
         return "keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]  (x the batch, y its targets)"
     source = trial.source
