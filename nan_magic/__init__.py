@@ -16,6 +16,7 @@ from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoint
 from nan_magic.records import (
     Cause,
     EarlyWarning,
+    FixTrial,
     LayerCall,
     Phase,
     Report,
@@ -38,6 +39,7 @@ __all__ = [
     "Cause",
     "CheckpointGuard",
     "EarlyWarning",
+    "FixTrial",
     "LayerCall",
     "NanMagicWarning",
     "NonFiniteError",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -87,8 +86,8 @@ class HalfExp(nn.Module):
         s = x * self.scale
         if self.fixed:
             e = torch.exp(s - s.amax(-1, keepdim=True))
-        else:
-            e = torch.exp(s)
+            return e / e.sum(-1, keepdim=True)
+        e = torch.exp(s)
         return e / e.sum(-1, keepdim=True)
 
 
@@ -103,8 +102,8 @@ class HandSoftmax(nn.Module):
         s = self.fc(x) * 1000
         if self.fixed:
             e = torch.exp(s - s.amax(-1, keepdim=True))
-        else:
-            e = torch.exp(s)
+            return e / e.sum(-1, keepdim=True)
+        e = torch.exp(s)
         return e / e.sum(-1, keepdim=True)
 
 
@@ -307,11 +306,10 @@ def test_the_trials_leave_the_users_model_optimizer_and_generators_untouched() -
     before = ({k: v.clone() for k, v in model.state_dict().items()},
               {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()})
     x_before = x.clone()
-    with pytest.raises(nan_magic.NonFiniteError) as raised:
-        with nan_magic.watch(model, opt):
-            opt.zero_grad()
-            rng = torch.get_rng_state()
-            model(x).sum().backward()
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt):
+        opt.zero_grad()
+        rng = torch.get_rng_state()
+        model(x).sum().backward()
     assert torch.equal(torch.get_rng_state(), rng)
     assert _trial(raised.value.report, "eps").finite is True
     assert all(torch.equal(before[0][k], v) for k, v in model.state_dict().items())
@@ -355,11 +353,10 @@ def test_a_batch_with_nan_samples_is_verified_without_them(defer: bool) -> None:
     x[2, 1] = float("nan")
     x[4, 0] = float("inf")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with pytest.raises(nan_magic.NonFiniteError) as raised:
-        with nan_magic.watch(model, opt, defer=defer):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt, defer=defer):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
     report = raised.value.report
     assert report.phase == "data"
     trial = _trial(report, "skip-batch")
@@ -410,7 +407,7 @@ def test_a_tenth_that_is_not_enough_is_not_verified_and_no_last_good_state_says_
 
 
 def _unfrozen_embedding(eps: float) -> Report | None:
-    """A float16 embedding unfrozen at step 1 gets gradients in two rows: Adam's eps 1e-8 rounds to 0, the rest 0 / 0."""
+    """A float16 embedding unfrozen at step 1, two rows with gradients: Adam's eps 1e-8 rounds to 0, the rest 0 / 0."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
     opt = torch.optim.Adam(model.parameters(), eps=eps)

@@ -84,7 +84,7 @@ def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept
               .requires_grad_(parameter.requires_grad) for parameter in parameters}
     groups = [{**group, "params": [copies[id(parameter)] for parameter in group["params"]]}
               for group in optimizer.param_groups]
-    redone = type(optimizer)(groups)
+    redone = type(optimizer)(groups)  # type: ignore[call-arg]  # its defaults are in the groups
     redone.load_state_dict(copy.deepcopy(kept_state))
     if remedy == "eps":
         eps = _eps_for(optimizer)

@@ -18,14 +18,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
-from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.mask import MASKED, zero_masked_rows
+from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
@@ -89,19 +90,18 @@ def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     spent = base.seconds
     trials = []
     for kind, remedy in candidates:
-        where = {"op": report.op, "module": report.module, "source": report.source}
         if spent > budget:
-            trials.append(FixTrial(kind, **where, untried=f"the time budget ({budget:.2g} s) was spent"))
+            trials.append(_at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))
             continue
         outcome = replay_step(step, site, remedy)
         spent += outcome.seconds
         facts = _facts(kind, remedy, report, step, outcome)
         if not outcome.applied:
-            trials.append(FixTrial(kind, **where, facts=facts, seconds=outcome.seconds,
+            trials.append(_at_producer(kind, report, facts=facts, seconds=outcome.seconds,
                                    untried="it found nothing to change at the producer's line"))
             continue
-        trials.append(FixTrial(
-            kind, **where, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+        trials.append(_at_producer(
+            kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
             output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
         ))
     order = {True: 0, False: 1, None: 2}
@@ -115,28 +115,32 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
     optimizer = next((opt for opt in optimizers if type(opt).__name__ == report.optimizer), None)
     if kind is None or optimizer is None:
         return ()
-    where = {"op": report.op, "module": report.module, "source": report.source}
     try:
         untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind)
     except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
-        untried, finite, facts, seconds = f"its optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
-    return (FixTrial(kind, **where, facts=(("optimizer", report.optimizer), ("stepped", True), *facts.items()), finite=finite,
-                     seconds=seconds, failed=None if finite is not False else "optimizer step", untried=untried),)
+        untried, finite, facts, seconds = f"the optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
+    facts_of = (("optimizer", report.optimizer), ("stepped", True), *facts.items())
+    return (_at_producer(kind, report, facts=facts_of, finite=finite, seconds=seconds,
+                     failed=None if finite is not False else "optimizer step", untried=untried),)
 
 
 def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     """``skip-batch`` (batch.py): the step without the samples whose data is non-finite."""
-    where = {"op": report.op, "module": report.module, "source": report.source}
     left = without_bad_samples(step)
     if left is None:
-        return (FixTrial("skip-batch", **where, untried="no sample could be left out: every one, or none along "
+        return (_at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "
                                                        "the batch's first dimension, holds the non-finite value"),)
     smaller, dropped, size = left
     outcome = replay_step(smaller, None, None)
     facts = (("stepped", outcome.stepped), ("backward_from", _backward_from(smaller, outcome)),
              ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
-    return (FixTrial("skip-batch", **where, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+    return (_at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
                      seconds=outcome.seconds, failed=outcome.failed),)
+
+
+def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
+    """A trial of ``kind`` applied where ``report``'s producer ran."""
+    return FixTrial(kind, report.op, report.module, report.source, **outcome)
 
 
 def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome

@@ -46,7 +46,7 @@ def function_name(func: Any) -> str:
     name = getattr(func, "__name__", None)
     if name is None:
         name = getattr(getattr(func, "fget", None), "__name__", "")
-    return name
+    return str(name)
 
 
 class _AtProducer(TorchFunctionMode):

@@ -119,7 +119,7 @@ def _optimizers(optimizers: tuple[torch.optim.Optimizer, ...], copies: dict[int,
         if any(parameter is None for group in groups for parameter in group["params"]):
             continue
         try:
-            rebuilt_one = type(optimizer)(groups)
+            rebuilt_one = type(optimizer)(groups)  # type: ignore[call-arg]  # its defaults are in the groups
             # load_state_dict keeps the very tensors it is given (``.to`` of the same dtype and device): copies.
             rebuilt_one.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         except (TypeError, ValueError, KeyError):

@@ -374,7 +374,9 @@ class Watch:
         replays.replayed = None
         report, producer = replays.localize(finding, seen)
         # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
-        root = replays.replayed if report.reproduced else batch_call(replays.calls) if report.phase == Phase.DATA else None
+        root = replays.replayed if report.reproduced else None
+        if report.phase == Phase.DATA:
+            root = batch_call(replays.calls)
         if self.config.fixes and report.phase == Phase.OPTIMIZER and not report.benign:
             trials = try_optimizer_fixes(report, self.optimizers.seen, self._roots(), self.last_good)
             return dataclasses.replace(report, fixes=trials), producer

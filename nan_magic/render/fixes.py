@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import ast
 
+from nan_magic.locations import name_location
 from nan_magic.number_words import fmt
 from nan_magic.records import FixTrial, Report
-from nan_magic.locations import name_location
 
-__all__ = ["fix_description", "fix_lines", "fixes_title", "fixes_text", "suggested_edit"]
+__all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
                  "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "div": "div"}
@@ -199,7 +199,7 @@ class _Edit(ast.NodeTransformer):
 def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
     eps = _eps(trial)
     if function in ("acos", "asin"):
-        bound = 1 - float(eps.value)
+        bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
         return (ast.Constant(-bound), ast.Constant(bound))
     return (eps,)
 
@@ -215,6 +215,6 @@ def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
     return _method(node, "clamp_min", _eps(trial))
 
 
-def _method(node: ast.expr, name: str, *args: ast.expr, **keywords: object) -> ast.expr:
+def _method(node: ast.expr, name: str, *args: ast.expr, **keywords: bool) -> ast.expr:
     return ast.Call(ast.Attribute(node, name, ast.Load()), list(args),
                     [ast.keyword(key, ast.Constant(value)) for key, value in keywords.items()])
