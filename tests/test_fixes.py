@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import faults
 import pytest
 import torch
 from torch import nn
 
 import nan_magic
+from nan_magic.fixes import runner
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.fixes import suggested_edit
 
@@ -430,3 +432,34 @@ def test_an_optimizer_eps_that_rounds_to_zero_is_raised_to_one_float16_holds() -
     trial = _trial(report, "eps")
     assert trial.finite is True and trial.fact("new_eps") == torch.finfo(torch.float16).eps
     assert _unfrozen_embedding(trial.fact("new_eps")) is None  # the edit, by hand: training continues
+
+
+class FixedGram(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast('cpu', enabled=False): return x.float() @ x.transpose(-1, -2).float()  # noqa: E701
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_an_autocast_overflow_is_verified_in_float32_with_autocast_off(defer: bool) -> None:
+    model, opt, step = faults.autocast_overflow("cpu")
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt, defer=defer):
+        step()
+    report = raised.value.report
+    assert report.module == "1" and report.cause is not None and report.cause.label == "half-precision-overflow"
+    trial = _trial(report, "float32")
+    assert trial.finite is True and trial.fact("autocast") == ("cpu",)
+    edit = suggested_edit(trial)
+    assert edit is not None and edit.endswith(inspect.getsource(FixedGram.forward).splitlines()[-1].split("  #")[0]
+                                               .strip())
+    model[1] = FixedGram()  # the edit, by hand
+    with nan_magic.watch(model, opt, defer=defer):
+        for _ in range(3):
+            step()
+
+
+def test_a_remedy_past_the_time_budget_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "MIN_BUDGET", 0.0)
+    monkeypatch.setattr(runner, "STEP_TIMES", 0)
+    report = _train(_make(LogOf))
+    assert report is not None and all(trial.finite is None for trial in report.fixes)
+    assert all("time budget" in (trial.untried or "") for trial in report.fixes)
