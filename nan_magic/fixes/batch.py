@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from nan_magic.fixes.step import FailingStep
-from nan_magic.hot.stats import iter_tensors
+from nan_magic.hot.stats import iter_tensors, values_to_read
 from nan_magic.localize.replay import map_tensors
 from nan_magic.localize.step_replay import RootCall
 
@@ -25,7 +25,7 @@ __all__ = ["holds_nonfinite", "without_bad_samples"]
 
 def holds_nonfinite(root: RootCall) -> bool:
     """Whether the call's arguments hold a non-finite value (the batch it was given)."""
-    return any(not bool(torch.isfinite(tensor).all())
+    return any(not bool(torch.isfinite(values_to_read(tensor)).all())
                for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.is_floating_point())
 
 
@@ -33,14 +33,15 @@ def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...]
     """``step`` with the bad samples left out, their indices and the batch size; None where none can be."""
     root = step.root
     tensors = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.dim() > 0]
-    bad = [tensor for tensor in tensors if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    bad = [tensor for tensor in tensors
+           if tensor.is_floating_point() and not bool(torch.isfinite(values_to_read(tensor)).all())]
     if not bad:
         return None
     size = bad[0].shape[0]
     keep = torch.ones(size, dtype=torch.bool, device=bad[0].device)
     for tensor in bad:
         if tensor.shape[0] == size:
-            keep &= torch.isfinite(tensor.reshape(size, -1)).all(dim=1)
+            keep &= torch.isfinite(values_to_read(tensor).reshape(size, -1)).all(dim=1)
     dropped = tuple(int(index) for index in (~keep).nonzero().flatten().tolist())
     if not dropped or len(dropped) == size:
         return None  # nothing to leave out, or nothing would be left

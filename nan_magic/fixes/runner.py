@@ -15,9 +15,10 @@ budget of :data:`STEP_TIMES` times the unremedied replay's time (at least
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,11 +32,11 @@ from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
-from nan_magic.localize.step_replay import RootCall
+from nan_magic.localize.step_replay import RootCall, StepReplays, replay_target
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
 
-__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "try_fixes", "try_optimizer_fixes"]
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes"]
 
 #: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
@@ -68,6 +69,23 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
     if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
         remedies.append(("mask", zero_masked_rows))
     return remedies
+
+
+def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
+              roots: Iterable[nn.Module], last_good: LastGood,
+              standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> tuple[FixTrial, ...]:
+    """The trials for a real event that the watch's step replays localized (lifecycle/watch.py)."""
+    if report.phase == Phase.OPTIMIZER:
+        return try_optimizer_fixes(report, optimizers, roots, last_good)
+    # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
+    root = replays.replayed if report.reproduced else None
+    if report.phase == Phase.DATA:
+        root = batch_call(replays.calls)
+    model = replays.model_of(root.module) if root is not None else None
+    if root is None or model is None:
+        return ()
+    target = replay_target(root.module) or model
+    return try_fixes(report, FailingStep(root, model, target, tuple(optimizers), standing_aside))
 
 
 def batch_call(calls: Iterable[RootCall]) -> RootCall | None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from nan_magic.fixes.site import Remedy, Site, at_producer
 from nan_magic.hot.rng import generators_at
-from nan_magic.hot.stats import iter_tensors
+from nan_magic.hot.stats import iter_tensors, values_to_read
 from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.step_replay import RootCall
 from nan_magic.localize.untouched import untouched
@@ -142,11 +142,11 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[torch.Tensor],
            optimizers: list[torch.optim.Optimizer]) -> None:
     tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
-    outcome.outputs = {path: tensor.detach() for path, tensor in tensors}
+    outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
     if len(losses) == 1:
         outcome.loss = float(losses[0].detach())
-    if not all(bool(torch.isfinite(tensor).all()) for tensor in outcome.outputs.values()):
+    if not all(_finite(tensor) for tensor in outcome.outputs.values()):
         outcome.failed = "forward"
         return
     starts = _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)
@@ -155,7 +155,7 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
         return
     grads = torch.autograd.grad([tensor for tensor, _grad in starts], parameters,
                                 grad_outputs=[grad for _tensor, grad in starts], allow_unused=True)
-    if not all(grad is None or bool(torch.isfinite(grad).all()) for grad in grads):
+    if not all(grad is None or _finite(grad) for grad in grads):
         outcome.failed = "backward"
         return
     if not optimizers:
@@ -167,8 +167,13 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
     outcome.stepped = True
     state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
-    if not all(bool(torch.isfinite(tensor).all()) for tensor in [*parameters, *state]):
+    if not all(_finite(tensor) for tensor in [*parameters, *state]):
         outcome.failed = "optimizer step"
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, read through a subclass's data (a subclass may refuse reductions)."""
+    return bool(torch.isfinite(values_to_read(tensor)).all())
 
 
 def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall,

@@ -71,8 +71,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import stamp
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import batch_call, try_fixes, try_optimizer_fixes
-from nan_magic.fixes.step import FailingStep
+from nan_magic.fixes.runner import fixes_for
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
@@ -88,7 +87,7 @@ from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
-from nan_magic.localize.step_replay import Producer, StepReplays, replay_target
+from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.options import WatchConfig, config_from_options
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import scaler as scaler_patch
@@ -373,19 +372,15 @@ class Watch:
         assert replays is not None  # wired only for a watch with step replays
         replays.replayed = None
         report, producer = replays.localize(finding, seen)
-        # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
-        root = replays.replayed if report.reproduced else None
-        if report.phase == Phase.DATA:
-            root = batch_call(replays.calls)
-        if self.config.fixes and report.phase == Phase.OPTIMIZER and not report.benign:
-            trials = try_optimizer_fixes(report, self.optimizers.seen, self._roots(), self.last_good)
+        if not self.config.fixes or report.benign:
+            return report, producer
+        try:
+            trials = fixes_for(report, replays, self.optimizers.seen, self._roots(), self.last_good,
+                               self.call_replay.standing_aside)
             return dataclasses.replace(report, fixes=trials), producer
-        if self.config.fixes and root is not None and not report.benign:
-            model, target = replays.model_of(root.module), replay_target(root.module)
-            if model is not None and target is not None:
-                step = FailingStep(root, model, target, tuple(self.optimizers.seen), self.call_replay.standing_aside)
-                report = dataclasses.replace(report, fixes=try_fixes(report, step))
-        return report, producer
+        except Exception as error:  # the trials are a sidecar: they never take the report down
+            note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
+            return dataclasses.replace(report, notes=(*report.notes, note)), producer
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
         """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
