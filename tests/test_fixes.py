@@ -77,22 +77,6 @@ class HalfProduct(nn.Module):
         return x @ self.weight / 1000
 
 
-class HalfExp(nn.Module):
-    """exp in float16 of values whose exp passes even float32's max: float32 is not enough, max-subtracting is."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.scale, self.fixed = nn.Parameter(torch.tensor(1000.0, dtype=torch.float16)), fixed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x * self.scale
-        if self.fixed:
-            e = torch.exp(s - s.amax(-1, keepdim=True))
-            return e / e.sum(-1, keepdim=True)
-        e = torch.exp(s)
-        return e / e.sum(-1, keepdim=True)
-
-
 class HandSoftmax(nn.Module):
     """A softmax written by hand in float32: exp of large scores overflows."""
 
@@ -100,13 +84,27 @@ class HandSoftmax(nn.Module):
         super().__init__()
         self.fc, self.fixed = nn.Linear(4, 4), fixed
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 1000
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.fc(x) * 1000
+        s = self.scores(x)
         if self.fixed:
             e = torch.exp(s - s.amax(-1, keepdim=True))
             return e / e.sum(-1, keepdim=True)
         e = torch.exp(s)
         return e / e.sum(-1, keepdim=True)
+
+
+class HalfExp(HandSoftmax):
+    """The same in float16, of values whose exp passes even float32's max: float32 is not enough, max-subtracting is."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.scale, self.fixed = nn.Parameter(torch.tensor(1000.0, dtype=torch.float16)), fixed
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
 
 
 class LogSoftmax(nn.Module):
