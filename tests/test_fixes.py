@@ -19,7 +19,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic.fixes import runner
-from nan_magic.records import FixTrial, Report
+from nan_magic.records import FixTrial, Report, SourcePointer
 from nan_magic.render.fixes import suggested_edit
 
 
@@ -461,3 +461,17 @@ def test_a_remedy_past_the_time_budget_says_so(monkeypatch: pytest.MonkeyPatch) 
     report = _train(_make(LogOf))
     assert report is not None and all(trial.finite is None for trial in report.fixes)
     assert all("time budget" in (trial.untried or "") for trial in report.fixes)
+
+
+@pytest.mark.parametrize(("kind", "facts", "line", "edit"), [
+    ("float32", (), "y = x * 2 @ w", "y = x.float() * 2 @ w.float()"),
+    ("float32", (), "h = self.fc(x)", None),  # a module's parameters: no edit of this line upcasts them
+    ("eps", (("function", "div"), ("eps", 1.19e-07), ("form", "zeros")), "p = a / b",
+     "p = a / torch.where(b == 0, 1.2e-07, b)"),
+    ("eps", (("function", "sqrt"), ("eps", 1.19e-07)), "r = x.sqrt()", "r = x.clamp_min(1.2e-07).sqrt()"),
+    ("stable", (("function", "log"),), "z = torch.log(torch.softmax(s, dim=-1))", "z = torch.log_softmax(s, dim=-1)"),
+])
+def test_the_suggested_edit_is_the_line_as_the_trial_changed_it(kind: str, facts: tuple, line: str,
+                                                               edit: str | None) -> None:
+    trial = FixTrial(kind, source=SourcePointer("model.py", 3, "forward", line), facts=facts, finite=True)
+    assert suggested_edit(trial) == (None if edit is None else f"model.py:3: {edit}")

@@ -117,7 +117,7 @@ def suggested_edit(trial: FixTrial) -> str | None:
         return None
     edit = _Edit(trial)
     code = ast.unparse(edit.visit(tree))
-    if not edit.done:
+    if not edit.done or edit.blocked:
         return None
     regions = trial.fact("autocast") or ()
     if trial.kind == "float32" and regions:
@@ -131,6 +131,8 @@ class _Edit(ast.NodeTransformer):
     def __init__(self, trial: FixTrial) -> None:
         self.trial = trial
         self.done = False
+        #: The line calls a module, which an edit of the line cannot run in float32: no edit is shown.
+        self.blocked = False
 
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
@@ -138,12 +140,12 @@ class _Edit(ast.NodeTransformer):
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
         self.generic_visit(node)
+        kind, function = self.trial.kind, self.trial.fact("function")
+        if kind == "float32":  # every operator of the line: the trial upcast every call on it
+            node.left, node.right = _float(node.left), _float(node.right)
+            return self._mark(node)
         if self.done:
             return node
-        kind, function = self.trial.kind, self.trial.fact("function")
-        if kind == "float32" and isinstance(node.op, (ast.MatMult, ast.Mult, ast.Add, ast.Pow)):
-            node.left, node.right = _method(node.left, "float"), _method(node.right, "float")
-            return self._mark(node)
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
             node.right = _denominator(node.right, self.trial)
             return self._mark(node)
@@ -154,10 +156,12 @@ class _Edit(ast.NodeTransformer):
 
     def visit_Call(self, node: ast.Call) -> ast.expr:
         self.generic_visit(node)
-        if self.done:
-            return node
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         kind, function = self.trial.kind, self.trial.fact("function")
+        if kind == "float32":
+            return self._float32_call(node, name)
+        if self.done:
+            return node
         method = isinstance(node.func, ast.Attribute) and not node.args and name != "float"
         if kind == "eps" and name == _DOMAIN_CALLS.get(function or ""):
             if function == "div":
@@ -190,9 +194,18 @@ class _Edit(ast.NodeTransformer):
             return node
         if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
             return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
-        if kind == "float32" and name not in (None, "float", "to", "transpose", "view", "reshape"):
-            node.args = [_method(argument, "float") for argument in node.args]
-            return self._mark(node)
+        return node
+
+    def _float32_call(self, node: ast.Call, name: str | None) -> ast.expr:
+        """A torch function's tensor arguments upcast; a module's call (``self.fc(x)``) has no such edit."""
+        func = node.func
+        while isinstance(func, ast.Attribute):
+            func = func.value
+        if isinstance(func, ast.Name) and func.id == "self":
+            self.blocked = True  # its parameters are upcast in the trial, not by an edit of this line
+        elif name not in ("float", "to", "transpose", "view", "reshape", "size"):
+            node.args = [_float(argument) for argument in node.args]
+            self.done = True
         return node
 
 
@@ -213,6 +226,16 @@ def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
         zero = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
         return ast.Call(ast.parse("torch.where", mode="eval").body, [zero, _eps(trial), node], [])
     return _method(node, "clamp_min", _eps(trial))
+
+
+def _float(node: ast.expr) -> ast.expr:
+    """``node.float()``; a number stays as it is, and so does an operator's result (its operands are upcast)."""
+    if isinstance(node, (ast.Constant, ast.BinOp)) or (
+            isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant)):
+        return node
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float":
+        return node
+    return _method(node, "float")
 
 
 def _method(node: ast.expr, name: str, *args: ast.expr, **keywords: bool) -> ast.expr:
