@@ -475,3 +475,13 @@ def test_the_suggested_edit_is_the_line_as_the_trial_changed_it(kind: str, facts
                                                                edit: str | None) -> None:
     trial = FixTrial(kind, source=SourcePointer("model.py", 3, "forward", line), facts=facts, finite=True)
     assert suggested_edit(trial) == (None if edit is None else f"model.py:3: {edit}")
+
+
+def test_only_the_first_real_event_is_tried_when_the_run_goes_on() -> None:
+    model = _make(LogOf)
+    x = _batch(model)
+    with pytest.warns(RuntimeWarning), nan_magic.watch(model, on_detect="warn") as w:
+        model(x)
+        model(x + 1)
+    real = [event for event in w.events if not event.benign]
+    assert len(real) == 2 and real[0].fixes and real[1].fixes == ()

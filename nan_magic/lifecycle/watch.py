@@ -372,8 +372,8 @@ class Watch:
         assert replays is not None  # wired only for a watch with step replays
         replays.replayed = None
         report, producer = replays.localize(finding, seen)
-        if not self.config.fixes or report.benign:
-            return report, producer
+        if not self.config.fixes or report.benign or self.outcome.report is not None:
+            return report, producer  # trials for the first real event only (warn/log mode goes on after it)
         try:
             trials = fixes_for(report, replays, self.optimizers.seen, self._roots(), self.last_good,
                                self.call_replay.standing_aside)
