@@ -28,13 +28,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fixes.site import Remedy, Site, at_producer
 from nan_magic.hot.rng import generators_at
 from nan_magic.hot.stats import iter_tensors, values_to_read
+from nan_magic.localize.op_plans import plan_of, tensors
 from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.step_replay import RootCall
-from nan_magic.localize.untouched import untouched
+from nan_magic.localize.untouched import ModelGuard, untouched
 
 __all__ = ["FailingStep", "StepOutcome", "replay_step"]
 
@@ -76,7 +78,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
     root = step.root
     with contextlib.ExitStack() as stack:
         stack.enter_context(step.standing_aside())
-        stack.enter_context(untouched(step.target))
+        guard = stack.enter_context(untouched(step.target))
         stack.enter_context(swapped_buffers(root.module, root.buffers))
         if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
             stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
@@ -93,7 +95,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             mode, remove = at_producer(step.model, site, remedy)
             stack.callback(remove)
         try:
-            output = _forward(step.target, parameters, args, kwargs, root, mode)
+            output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
             if mode is not None:
                 outcome.applied = mode.applied
             _judge(outcome, output, root, list(parameters.values()), optimizers)
@@ -128,9 +130,27 @@ def _optimizers(optimizers: tuple[torch.optim.Optimizer, ...], copies: dict[int,
     return rebuilt
 
 
+class _GuardWrites(TorchDispatchMode):
+    """Saves what the forward writes in place of the module's own tensors (a running count) before it does."""
+
+    def __init__(self, guard: ModelGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.OpOverload):
+            plan = plan_of(func)
+            if plan.writes:
+                for _name, tensor in tensors(plan, args, kwargs, plan.writes):
+                    self.guard.before_write(tensor)
+        return func(*args, **kwargs)
+
+
 def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, kwargs: Any, root: RootCall,
-             mode: Any) -> Any:
+             mode: Any, writes: _GuardWrites) -> Any:
     with contextlib.ExitStack() as stack:
+        stack.enter_context(writes)
         for device, dtype in root.autocast or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
         stack.enter_context(torch.enable_grad())
