@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from nan_magic.locations import name_location
+from nan_magic.fix_records import FixTrial
+from nan_magic.locations import SourcePointer
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -121,19 +122,6 @@ class TensorStats:
     @property
     def finite(self) -> bool:
         return self.nonfinite == 0
-
-
-@dataclass(frozen=True)
-class SourcePointer:
-    """A line of source code: where an op ran or a frame stopped."""
-
-    filename: str
-    lineno: int
-    function: str
-    line: str | None = None
-
-    def __str__(self) -> str:
-        return f"{name_location(self.filename, self.lineno)}, in {self.function}"
 
 
 LayerStatus = Literal["ok", "producer", "propagated", "benign"]
@@ -268,42 +256,6 @@ class AbsorbedOp:
     nan: int
     posinf: int
     neginf: int
-
-
-#: The remedies a fix trial knows (nan_magic.fixes), in the order they are tried.
-FIX_KINDS = ("float32", "eps", "stable", "mask", "lr", "skip-batch", "scale")
-
-
-@dataclass(frozen=True)
-class FixTrial:
-    """One remedy (a :data:`FIX_KINDS` kind) tried on a replay of the failing step at ``op``/``module``/``source``.
-
-    ``facts``: the plain values render/fixes.py describes it from. ``finite``: True only when the replayed
-    step (forward, backward, optimizer step, on copies) came out finite end to end; ``failed`` says where
-    it did not, ``untried`` why it was not run (``finite`` None). ``output_change``: the largest change of
-    the model's output against the unremedied replay's finite part.
-    """
-
-    kind: str
-    op: str | None = None
-    module: str | None = None
-    source: SourcePointer | None = None
-    facts: tuple[tuple[str, Any], ...] = ()
-    finite: bool | None = None
-    loss: float | None = None
-    output_change: float | None = None
-    seconds: float = 0.0
-    failed: str | None = None
-    untried: str | None = None
-
-    def fact(self, name: str, default: Any = None) -> Any:
-        """The value of the fact ``name``, or ``default``."""
-        return next((value for key, value in self.facts if key == name), default)
-
-    @property
-    def description(self) -> str:
-        """What the remedy changed, in one line (written by render/)."""
-        return _views().fix_description(self)
 
 
 @dataclass(frozen=True)
@@ -482,8 +434,6 @@ class ReportViews(Protocol):
     def cause_hint(self, cause: Cause) -> str: ...
 
     def cause_evidence(self, cause: Cause) -> tuple[str, ...]: ...
-
-    def fix_description(self, trial: FixTrial) -> str: ...
 
 
 _installed: list[ReportViews] = []
