@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["name_file", "name_location", "running_shell"]
+__all__ = ["SourcePointer", "name_file", "name_location", "running_shell"]
 
 
 def running_shell() -> Any:
@@ -69,3 +70,16 @@ def name_location(filename: str, lineno: int) -> str:
     """``Cell In[5], line 14`` for a cell, ``models/net.py:14`` for a file."""
     cell = _cell_name(filename)  # a cell is named by its own words, not read back from name_file's
     return f"{cell}, line {lineno}" if cell is not None else f"{_path_name(filename)}:{lineno}"
+
+
+@dataclass(frozen=True)
+class SourcePointer:
+    """A line of source code: where an op ran or a frame stopped."""
+
+    filename: str
+    lineno: int
+    function: str
+    line: str | None = None
+
+    def __str__(self) -> str:
+        return f"{name_location(self.filename, self.lineno)}, in {self.function}"

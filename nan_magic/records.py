@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from nan_magic.locations import name_location
+from nan_magic.fix_records import FixTrial
+from nan_magic.locations import SourcePointer
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -26,6 +27,7 @@ __all__ = [
     "LOSS",
     "AbsorbedOp",
     "Cause",
+    "FixTrial",
     "LayerCall",
     "Phase",
     "Report",
@@ -120,19 +122,6 @@ class TensorStats:
     @property
     def finite(self) -> bool:
         return self.nonfinite == 0
-
-
-@dataclass(frozen=True)
-class SourcePointer:
-    """A line of source code: where an op ran or a frame stopped."""
-
-    filename: str
-    lineno: int
-    function: str
-    line: str | None = None
-
-    def __str__(self) -> str:
-        return f"{name_location(self.filename, self.lineno)}, in {self.function}"
 
 
 LayerStatus = Literal["ok", "producer", "propagated", "benign"]
@@ -342,6 +331,8 @@ class Report:
     #: How many models the watch held: with more than one, :attr:`where` says which model the
     #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
     models_watched: int = 1
+    #: The remedies tried on a replay of the failing step (:class:`FixTrial`), verified ones first.
+    fixes: tuple[FixTrial, ...] = ()
 
     # -- derived -------------------------------------------------------------
 

@@ -72,6 +72,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.fixes.runner import fixes_for
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
@@ -81,7 +82,7 @@ from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.step_cycle import StepCycle, wants_defer
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
-from nan_magic.lifecycle.events import EventContext, Events
+from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
@@ -340,7 +341,7 @@ class Watch:
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
-            localize=self.replays.localize if self.replays is not None else lambda finding, report: None,
+            localize=self._localize if self.replays is not None else lambda finding, report: None,
             record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
@@ -417,6 +418,22 @@ class Watch:
     def on_finite_step(self) -> None:
         """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
         self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
+
+    def _localize(self, finding: Finding, seen: Report) -> Replayed:
+        """The replay's report of a real event, with the remedies tried on the step it replayed (fixes/)."""
+        replays = self.replays
+        assert replays is not None  # wired only for a watch with step replays
+        replays.replayed = None
+        report, producer = replays.localize(finding, seen)
+        if not self.config.fixes or report.benign or self.outcome.report is not None:
+            return report, producer  # trials for the first real event only (warn/log mode goes on after it)
+        try:
+            trials = fixes_for(report, replays, self.optimizers.seen, self._roots(), self.last_good,
+                               self.call_replay.standing_aside)
+            return dataclasses.replace(report, fixes=trials), producer
+        except Exception as error:  # the trials are a sidecar: they never take the report down
+            note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
+            return dataclasses.replace(report, notes=(*report.notes, note)), producer
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
         """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""

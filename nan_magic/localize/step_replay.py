@@ -192,6 +192,8 @@ class StepReplays:
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
         self._buffer_copies = BufferCopies()
+        #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
+        self.replayed: RootCall | None = None
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
@@ -359,6 +361,7 @@ class StepReplays:
                 seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
             ), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step, seen)
+        self.replayed = root
         if finding.cause is not None:
             # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
             report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
@@ -392,7 +395,7 @@ class StepReplays:
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> _Outcome:
         """Run ``root`` again under a nested full watch with op-level tracing."""
-        model = self._model_of(root.module)
+        model = self.model_of(root.module)
         target = replay_target(root.module)
         if target is None or model is None:
             return _Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
@@ -456,7 +459,7 @@ class StepReplays:
                 outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
         return outcome
 
-    def _model_of(self, module: nn.Module) -> nn.Module | None:
+    def model_of(self, module: nn.Module) -> nn.Module | None:
         """The eager model (replay_target) of the watched root that holds ``module``."""
         for _label, root in self.watch.targets.roots:
             if root is module or any(sub is module for sub in root.modules()):

@@ -29,6 +29,7 @@ from nan_magic.render.common import (
     source_excerpt,
     stats_phrase,
 )
+from nan_magic.render.fixes import fix_lines, fixes_title
 from nan_magic.render.plots import histogram_png, history_png
 from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, style_layers
 
@@ -75,6 +76,7 @@ def render_html(report: Report, element_id: str | None = None) -> str:
     """
     sections = [
         summary_html(report),
+        fixes_html(report),
         facts_html(report),
         source_html(report.source),
         layers_html(in_call_order(report.layers), report.layers_dropped),
@@ -103,6 +105,18 @@ def summary_html(report: Report) -> str:
         f'<h3 class="nm-headline">nan_magic: {escape(report.message)}</h3>\n'
         f'<p class="nm-summary">{escape(cause_sentence(report))}</p>'
     )
+
+
+def fixes_html(report: Report) -> str:
+    """The "Fixes tried" section (render/fixes.py): verified ones first, each verified one's edit as a suggestion."""
+    if not report.fixes:
+        return ""
+    items = []
+    for trial, text, edit in fix_lines(report):
+        mark = "nm-verified" if trial.finite else "nm-unverified"
+        suggestion = f'<br/>suggested edit (not applied): <code>{escape(edit)}</code>' if edit else ""
+        items.append(f'<li class="{mark}">{escape(text)}{suggestion}</li>')
+    return f'<div class="nm-fixes"><h4>{escape(fixes_title(report))}</h4><ul>{"".join(items)}</ul></div>'
 
 
 def facts_html(report: Report) -> str:

@@ -29,6 +29,7 @@ from nan_magic.render.html import (
     REPORT_CSS,
     debug_html,
     facts_html,
+    fixes_html,
     history_html,
     layers_table_html,
     moments_note,
@@ -67,7 +68,7 @@ def build_widget(
     """
     hide = f"<style>#{hides} {{ display: none; }}</style>" if hides else ""
     children = [
-        _html(hide + summary_html(report) + facts_html(report)),
+        _html(hide + summary_html(report) + fixes_html(report) + facts_html(report)),
         LayersView(in_call_order(report.layers), report.layers_dropped, max_rows).widget,
         HistogramsView(report).widget,
         _html(_debug_body(report)),
