@@ -86,9 +86,11 @@ from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.samples import Samples
 from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.options import WatchConfig, config_from_options
 from nan_magic.patches import backward as backward_patch
+from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef
 from nan_magic.scene.dump import SceneSource, record_scene
@@ -232,6 +234,7 @@ class Watch:
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            stack.enter_context(loaders_patch.watch_batches(self.samples.on_batch))
             optimizers = self.optimizers
             stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
                 optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step
@@ -296,12 +299,14 @@ class Watch:
         self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
+        #: The latest DataLoader batch's samples, fetched again at a data event (samples.py).
+        self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
-            localize=self.replays.localize if self.replays is not None else _nothing_replayed,
+            localize=self._localize,
             record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
@@ -325,6 +330,7 @@ class Watch:
         if self.replays is not None:
             self.replays.clear()
         self.log.clear()
+        self.samples.forget()
         if self.origins.tracer is not None:
             self.origins.tracer.reset()  # its origins hold frames and tensors of the last step
 
@@ -369,6 +375,12 @@ class Watch:
         """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
         # The whole model is watched, so that a submodule called at top level keeps its qualified name.
         return Watch([model], labels=[label], config=config, replay_of=self)
+
+    def _localize(self, finding: Finding, report: Report) -> tuple[Report, Producer] | None:
+        """An event's replay: a bad batch's samples fetched again (any mode), else the tiered step replay."""
+        if finding.phase == Phase.DATA and finding.op is None:
+            return self.samples.localize(finding, report, self._build_report)
+        return self.replays.localize(finding, report) if self.replays is not None else None
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
@@ -420,15 +432,12 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
+            ops=self.config.ops and self.replay_of is None,
         ), models_watched=len(self.targets.roots)))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
-
-
-def _nothing_replayed(finding: Finding, report: Report) -> None:
-    return None
 
 
 def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: Any) -> Watch:
