@@ -342,6 +342,8 @@ class Report:
     #: How many models the watch held: with more than one, :attr:`where` says which model the
     #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
     models_watched: int = 1
+    #: Whether the watch traced every op (``ops=True``): its hints then never suggest rerunning with it.
+    ops: bool = False
 
     # -- derived -------------------------------------------------------------
 

@@ -34,6 +34,7 @@ __all__ = [
     "op_inputs",
     "place_facts",
     "plain_cause",
+    "rerun_for_op",
     "short_label",
     "stats_counts",
     "stats_phrase",
@@ -65,6 +66,14 @@ def place_facts(report: Report) -> tuple[tuple[str, object], ...]:
         ("source", (source.filename, source.lineno) if source is not None else None),
         ("nan", report.nan), ("posinf", report.posinf), ("neginf", report.neginf),
     )
+
+
+def rerun_for_op(report: Report) -> str:
+    """What a hint says of an op it does not know: rerun with ops=True, unless the watch traced every op."""
+    if report.ops:
+        return ("the op tracer saw no op make it from finite values (the value came from code it does not see: "
+                "another thread, a C extension's own kernel)")
+    return "rerun with ops=True (%%nantrace --ops) to name the op"
 
 
 def plain_cause(cause: Cause) -> tuple[str, str, tuple[tuple[str, object], ...]]:

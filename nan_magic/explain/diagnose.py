@@ -90,6 +90,7 @@ from nan_magic.explain.cause_text import (
     node_function,
     place_facts,
     plain_cause,
+    rerun_for_op,
     unclassified,
     where,
     zeros_phrase,
@@ -241,7 +242,7 @@ def _backward(report: Report) -> Cause:
         return rule(report)
     if report.posinf + report.neginf and report.dtype in HALF:
         return half_overflow(report)
-    if report.tensor.role is TensorRole.PARAMETER_GRADIENT:
+    if report.tensor.role is TensorRole.PARAMETER_GRADIENT and report.op is None:
         return unclassified(
             report,
             f"{report.tensor} was {counts(report)} when the optimizer was about to step; the backward that "
@@ -253,7 +254,7 @@ def _backward(report: Report) -> Cause:
     elif report.op is not None:
         detail = f"in {report.op}"
     else:
-        detail = "(the op is unknown: rerun with ops=True, %%nantrace --ops, to name it)"
+        detail = f"(the op is unknown: {rerun_for_op(report)})"
     return unclassified(
         report,
         f"the backward of {where(report)} turned a finite gradient into {counts(report)} in {report.tensor} "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from nan_magic.explain.attention import softmax_cause
+from nan_magic.explain.attention import logsumexp_cause, softmax_cause
 from nan_magic.explain.cause_text import (
     HALF,
     constant_inputs,
@@ -26,6 +26,7 @@ from nan_magic.explain.cause_text import (
     named_input,
     op_base,
     op_inputs,
+    rerun_for_op,
     short_label,
     stats_counts,
     unclassified,
@@ -56,6 +57,9 @@ def forward_cause(report: Report) -> Cause:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
+    masked = logsumexp_cause(report) if base == "logsumexp" else None
+    if masked is not None:
+        return masked
     carried = [(name, stats) for name, stats in op_inputs(report) if stats.nonfinite]
     if carried or not report.inputs_finite:
         return _carried(report, carried)
@@ -124,7 +128,7 @@ def _pow(report: Report) -> Cause:
     return unclassified(
         report,
         f"pow in {where(report)} made {counts(report)}: zero to a negative power or an overflow of "
-        f"{report.dtype}; the base is not known here (rerun with ops=True)",
+        f"{report.dtype}; the base is not known here: {rerun_for_op(report)}",
         facts,
     )
 
@@ -158,7 +162,7 @@ def _division(report: Report) -> Cause:
         return unclassified(
             report,
             f"{report.op} in {where(report)} made {counts(report)} in {report.dtype}: a zero divisor or a quotient "
-            f"above {fmt(dtype_max(report.dtype))}; the divisor is not known here (rerun with ops=True)",
+            f"above {fmt(dtype_max(report.dtype))}; the divisor is not known here: {rerun_for_op(report)}",
             facts,
         )
     results = [f"{count} {what}" for count, what in ((report.nan, "NaN (0/0)"),
@@ -227,8 +231,7 @@ def _loss(report: Report) -> Cause:
         readings = "a log of a zero probability (-log 0), or an overflow in the loss code (exp, a huge square)"
     return unclassified(
         report,
-        f"the loss was {counts(report)}{finite}: {readings}; rerun with "
-        "ops=True (%%nantrace --ops) to name the op",
+        f"the loss was {counts(report)}{finite}: {readings}; {rerun_for_op(report)}",
         (f"loss: {counts(report)}", f"inputs finite: {report.inputs_finite}"),
     )
 
@@ -253,6 +256,6 @@ def _unknown_op(report: Report) -> Cause:
         report,
         f"{where(report)} made {counts(report)} in {report.tensor}"
         + (f"; readings that fit: {'; '.join(readings)}" if readings else "")
-        + "; the op is unknown: rerun with ops=True (%%nantrace --ops) to name it",
+        + f"; the op is unknown: {rerun_for_op(report)}",
         tuple(input_lines(report)),
     )

@@ -101,6 +101,15 @@ def _no_module() -> str | None:
     return None
 
 
+#: Reductions whose -inf from deliberate -inf inputs means a whole slice was masked: a logsumexp over
+#: nothing is -inf, as a softmax over nothing is NaN, and the loss it feeds is infinite (the producer).
+_MASKED_REDUCTIONS = ("aten.logsumexp.",)
+
+
+def _reduces_nothing(op: str, out_kinds: frozenset[str]) -> bool:
+    return "-inf" in out_kinds and op.startswith(_MASKED_REDUCTIONS)
+
+
 class OpTracer(TorchDispatchMode):
     """Find the producer op of the first non-finite value while active.
 
@@ -392,7 +401,7 @@ class OpTracer(TorchDispatchMode):
                 self._origins.note(tensor, inherited, in_place)
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign:
+            elif out_kinds <= benign and not _reduces_nothing(op, out_kinds):
                 self._origins.note(tensor, BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())

@@ -236,6 +236,26 @@ def _step_unmatched_hint(cause: Cause) -> str:
     )
 
 
+# -- a row masked entirely (explain/attention.py) ------------------------------------
+
+
+def _masked_logsumexp_hint(cause: Cause) -> str:
+    return (
+        f"{cause.fact('rows')} row(s) of {cause.fact('positions')} positions of {cause.fact('op')} in "
+        f"{_where(cause)} had every position masked to -inf, and a logsumexp over nothing is -inf (a loss over it "
+        "is infinite, its gradient NaN): keep at least one position unmasked per row, mask with "
+        "torch.finfo(dtype).min instead of -inf, or leave fully masked rows out of the loss"
+    )
+
+
+def _masked_logsumexp_evidence(cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{cause.fact('op')} made {cause.fact('neginf')} -inf ({cause.fact('rows')} row(s))",
+        f"its input held {cause.fact('masked')} -inf (masked positions) and no NaN or +inf: over finite values and "
+        "-inf, logsumexp is -inf only in a row that is all -inf",
+    )
+
+
 # -- the GradScaler (hot/optim.py) ---------------------------------------------------
 
 
@@ -269,6 +289,7 @@ _READINGS: dict[str, _Reading] = {
     ),
     "diverging": _Reading(_diverging_hint, lambda cause: (_growth(cause.fact("growth")), _then(cause))),
     "grad-scaler-collapse": _Reading(_scaler_hint, _scaler_evidence),
+    "masked-logsumexp": _Reading(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     # Legacy path: causes the diagnosis still writes as text (see explain/cause_text.legacy_cause).
     LEGACY_TEXT: _Reading(lambda cause: cause.fact("hint"), lambda cause: tuple(cause.fact("evidence", ()))),
 }
