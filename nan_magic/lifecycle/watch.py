@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -404,6 +405,10 @@ class Watch:
         exception (events.py); ``warn``/``log`` record it now.
         """
         if self.replays is None:
+            finding = self.call_replay.explain_failure(module, call, running_arguments(module))
+            if finding is not None:
+                replayed = (self._build_report(finding), (finding.frame, None))
+                self.outcome.hold_explained(finding, replayed, sys.exc_info()[1])  # type: ignore[arg-type]
             return
         explained = self.replays.explain_failure(module, call, running_arguments(module))
         if explained is None:
