@@ -1,4 +1,12 @@
-"""Draft: cases of issue 27 (Dataset code, masked reductions, custom ops, multinomial, loss-code backward)."""
+"""Producers the boundary checks see late or not at all: named at their op and line in every mode (issue 27).
+
+Data made in a Dataset's ``__getitem__`` (its samples are fetched again,
+localize/samples.py), a logsumexp over a fully masked row in the loss code or
+a model, a ``torch.library.custom_op`` whose registered backward divides by
+zero, ``torch.multinomial`` raising on the NaN probabilities a temperature of
+0 made (in a model and in the loop), and the ``div`` in log's backward in a
+PPO-style loss; and the healthy versions of each idiom, which stay silent.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +44,12 @@ def _regression(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def _dataset_standardisation(workers: int = 0, shuffle: bool = False) -> Scenario:
+def _dataset_standardisation(workers: int = 0, healthy: bool = False) -> Scenario:
     model, opt = _regression()
-    loader = DataLoader(Standardised(), batch_size=8, num_workers=workers, shuffle=shuffle)
+    dataset = Standardised()
+    if healthy:
+        dataset.x[21] = torch.arange(4.0)
+    loader = DataLoader(dataset, batch_size=8, num_workers=workers)
 
     def run() -> None:
         for features, labels in loader:
@@ -50,8 +61,8 @@ def _dataset_standardisation(workers: int = 0, shuffle: bool = False) -> Scenari
     return Scenario((model, opt), run)
 
 
-def _masked_loss(reduction: str) -> Scenario:
-    """A loss over scores masked with -inf; every class of row 2 is masked."""
+def _masked_loss(reduction: str, healthy: bool = False) -> Scenario:
+    """A loss over scores masked with -inf; every class of row 2 is masked (one is left, ``healthy``)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 6)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -59,6 +70,7 @@ def _masked_loss(reduction: str) -> Scenario:
     mask = torch.zeros(5, 6, dtype=torch.bool)
     mask[0, 3:] = True
     mask[2] = True
+    mask[2, 2] = not healthy
     target = torch.tensor([[0], [1], [2], [0], [1]])
 
     def run() -> None:
@@ -216,6 +228,18 @@ def _multinomial_in_loop() -> Scenario:
     return Scenario((model,), run)
 
 
+def _healthy_multinomial() -> Scenario:
+    torch.manual_seed(0)
+    model = Policy(temperature=0.7)
+    x = torch.randn(3, 4)
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(x) for _ in range(3)]
+
+    return Scenario((model,), run)
+
+
 def _ppo_log_backward() -> Scenario:
     torch.manual_seed(0)
     policy = nn.Linear(4, 3)
@@ -264,6 +288,9 @@ CASES = [
     Case("multinomial_in_loop", _multinomial_in_loop,
          Expect("forward", None, step=0, op="aten.div.Tensor", marker="loop temperature", op_modes=LOSS_CODE_OPS),
          modes=LOSS_CODE_OPS, note="full: the code outside the models is not recorded; its exception is not explained"),
+    Case("healthy_dataset_with_workers", lambda: _dataset_standardisation(workers=1, healthy=True), None),
+    Case("healthy_partly_masked_logsumexp", lambda: _masked_loss("logsumexp", healthy=True), None, benign=None),
+    Case("healthy_multinomial", _healthy_multinomial, None),
     Case("ppo_log_backward", _ppo_log_backward,
          Expect("backward", None, step=0, op="aten.div.Tensor", marker="ppo log", op_modes=LOSS_CODE_OPS)),
 ]
