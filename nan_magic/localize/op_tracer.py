@@ -75,7 +75,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
-from nan_magic.localize.masks import is_additive_mask
+from nan_magic.localize.masks import is_additive_mask, reduces_nothing
 from nan_magic.localize.op_kinds import KnownKinds, Prior, probe_priors, scalar_kinds
 from nan_magic.localize.op_plans import (
     Plan,
@@ -99,15 +99,6 @@ __all__ = ["OpTracer"]
 
 def _no_module() -> str | None:
     return None
-
-
-#: Reductions whose -inf from deliberate -inf inputs means a whole slice was masked: a logsumexp over
-#: nothing is -inf, as a softmax over nothing is NaN, and the loss it feeds is infinite (the producer).
-_MASKED_REDUCTIONS = ("aten.logsumexp.",)
-
-
-def _reduces_nothing(op: str, out_kinds: frozenset[str]) -> bool:
-    return "-inf" in out_kinds and op.startswith(_MASKED_REDUCTIONS)
 
 
 class OpTracer(TorchDispatchMode):
@@ -401,7 +392,7 @@ class OpTracer(TorchDispatchMode):
                 self._origins.note(tensor, inherited, in_place)
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign and not _reduces_nothing(op, out_kinds):
+            elif out_kinds <= benign and not reduces_nothing(op, out_kinds):
                 self._origins.note(tensor, BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
