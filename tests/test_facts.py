@@ -142,6 +142,10 @@ CAUSES = {
         ("then", ("half-precision-overflow", "optimizer-update-overflow", _STEP)),
         ("absorbed", ("aten.exp.default", "model.py", 40, "fc", 0, 4, 0)),
     )), "the loss rose to 2.5e7 at step 12, 250000x its median 100"),
+    "masked-logsumexp": (Cause("masked-softmax", "masked-logsumexp", (
+        *_PLACE[:3], ("op", "aten.logsumexp.default"), *_PLACE[4:7], ("nan", 0), ("posinf", 0), ("neginf", 2),
+        ("rows", 2), ("positions", 6), ("masked", 15),
+    )), "2 row(s) of 6 positions of aten.logsumexp.default in fc (Linear)"),
     "text": (_LEGACY, "fc (Linear) overflowed float32"),
 }
 

@@ -126,8 +126,9 @@ class CallReplay:
         NaN is the producer then. ``draws_again``: replay a call whose random
         state was not kept, drawing numbers of its own.
         """
-        replayable = draws_again or _replayable(frame.call, frame.rng_state) if frame.call is not None else False
-        if not self.can_replay or not replayable:
+        if not self.can_replay or frame.call is None:
+            return False
+        if not draws_again and not _replayable(frame.call, frame.rng_state):
             return False
         if id(frame.module) in self.masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
