@@ -357,6 +357,19 @@ class Report:
         return {"nan": self.nan, "+inf": self.posinf, "-inf": self.neginf}
 
     @property
+    def op_inputs(self) -> tuple[tuple[TensorRef, TensorStats], ...]:
+        """The op's own operands where they were read (ops mode, a replay), else the module call's arguments."""
+        own = tuple((ref, stats) for ref, stats in self.input_stats if not ref.is_argument)
+        return own or self.input_stats
+
+    def operand(self, name: str) -> TensorStats | None:
+        """The op's operand named ``name`` by its schema (``"self"``, ``"other"``); before an in-place op."""
+        for ref, stats in self.input_stats:
+            if ref.role is TensorRole.OPERAND and ref.name == name:
+                return stats
+        return None
+
+    @property
     def where(self) -> str:
         """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``, ``main.0 (Conv2d) in netD``."""
         label = module_label(self.module, self.module_type)

@@ -618,15 +618,13 @@ def test_a_benign_deliberate_infinity_gets_no_fix() -> None:
 
 
 def test_an_op_operand_named_input_is_the_op_s_not_the_module_s() -> None:
-    from nan_magic.explain.cause_text import is_module_input, op_inputs
-
-    assert not is_module_input(operand("input"))
-    assert not is_module_input(TensorRef(TensorRole.OPERAND, "input", before=True))
-    assert is_module_input(TensorRef.argument("input[0]")) and is_module_input(TensorRef.argument("kwargs['mask']"))
+    assert not operand("input").is_argument
+    assert not TensorRef(TensorRole.OPERAND, "input", before=True).is_argument
+    assert TensorRef.argument("input[0]").is_argument and TensorRef.argument("kwargs['mask']").is_argument
     norm = report(op="aten.native_layer_norm.default", input_stats=(
         (TensorRef.argument("input[0]"), stats(absmax=2.0)), (operand("input"), stats(absmax=6e28)),
         (operand("weight"), stats())))
-    assert [name for name, _stats in op_inputs(norm)] == [operand("input"), operand("weight")]
+    assert [name for name, _stats in norm.op_inputs] == [operand("input"), operand("weight")]
 
 
 # -- overflows in float32, attention, the op's own operands, optimizer facts --------------------

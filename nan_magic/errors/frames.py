@@ -28,7 +28,6 @@ __all__ = [
     "pointer",
     "pointer_at",
     "short_traceback",
-    "trim_to_user_code",
     "user_frames_of",
 ]
 
@@ -67,17 +66,6 @@ def pointer_at(code: CodeType, lineno: int, module_globals: dict[str, Any] | Non
     """A :class:`SourcePointer` for line ``lineno`` of ``code`` (a frame's, or one recorded earlier)."""
     text = linecache.getline(code.co_filename, lineno, module_globals).strip() or None
     return SourcePointer(code.co_filename, lineno, code.co_name, text)
-
-
-def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
-    """Cut ``tb`` after its last user frame, in place; return that entry.
-
-    Returns ``None`` (and leaves ``tb`` alone) when no entry is user code.
-    """
-    last_user = _last_user_entry(tb)
-    if last_user is not None:
-        last_user.tb_next = None
-    return last_user
 
 
 def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
