@@ -333,6 +333,8 @@ class Report:
     models_watched: int = 1
     #: The remedies tried on a replay of the failing step (:class:`FixTrial`), verified ones first.
     fixes: tuple[FixTrial, ...] = ()
+    #: Whether the watch traced every op (``ops=True``): its hints then never suggest rerunning with it.
+    ops: bool = False
 
     # -- derived -------------------------------------------------------------
 

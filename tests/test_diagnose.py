@@ -178,6 +178,28 @@ def test_a_fully_masked_softmax_row(ops: bool) -> None:
     assert_cause(report, "masked-softmax", "1 row(s) of 5 positions", "MaskedAttention (root)")
 
 
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"ops": True}], ids=["default", "defer", "ops"])
+def test_a_loss_over_a_fully_masked_logsumexp_row(options: dict) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.zeros(5, 6, dtype=torch.bool)
+    mask[0, 3:] = True
+    mask[2] = True  # every class of row 2 masked: its logsumexp is -inf, the loss +inf
+
+    def step() -> None:
+        scores = model(torch.randn(5, 4)).masked_fill(mask, float("-inf"))
+        loss = -scores.logsumexp(-1).mean()  # the deferred check claims the loss it still holds
+        loss.backward()
+        opt.step()
+
+    report = raised(step, model, opt, **options)
+    assert report.op == "aten.logsumexp.default"
+    cause = assert_cause(report, "masked-softmax", "1 row(s) of 6 positions", "logsumexp over nothing is -inf")
+    assert any("held 9 -inf" in line for line in cause.evidence)
+    assert "ops=True" not in report.to_text()
+
+
 def test_learning_rate_too_high_needs_the_loss_growing_before_the_event() -> None:
     w = sgd_regression(lr=1.0, on_detect="log")
     report = w.report

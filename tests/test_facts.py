@@ -186,6 +186,8 @@ CAUSES = {
     "corrected-one": (_of_event("division-by-zero", "corrected-one"), "correction=1"),
     "carried": (_of_event("unclassified", "carried"), "from inputs already non-finite"),
     "masked-softmax": (_of_event("masked-softmax", "masked-softmax", rows=1, positions=4), "1 row(s) of 4"),
+    "masked-logsumexp": (_of_event("masked-softmax", "masked-logsumexp", rows=2, positions=6, masked=15),
+                         "2 row(s) of 6 positions"),
     "masked-attention": (_of_event("masked-softmax", "masked-attention", rows=None, positions=4, bound=18.0,
                                    limit=3.4e38), "rows of aten.div.Tensor"),
     "softmax-unmatched": (_of_event("unclassified", "softmax-unmatched"), "do not fill the NaN rows"),

@@ -10,6 +10,11 @@ a row whose keys were all masked, or from scores that overflowed (+inf and
 ``|q·kᵀ| <= |q|max·|k|max·d``, ``·d**-0.5`` with the default scale. A fully
 masked row is claimed only where that bound shows the scores cannot
 overflow and the mask holds enough -inf to fill a row.
+
+``logsumexp`` is the softmax's normaliser: over finite values and -inf it is
+-inf exactly in the rows that are all -inf, and a loss over it is then
+infinite or NaN. A -inf there with no NaN or +inf in its input, and -inf
+enough to fill its rows, is a fully masked row.
 """
 
 from __future__ import annotations
@@ -20,12 +25,25 @@ from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
 from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_overflow
 from nan_magic.records import Cause, Report, TensorStats
 
-__all__ = ["softmax_cause"]
+__all__ = ["logsumexp_cause", "softmax_cause"]
 
 
 def softmax_cause(report: Report) -> Cause:
     """The cause of a NaN or inf made by a softmax, log_softmax or scaled_dot_product_attention op."""
     return _attention(report) if attention_op(op_base(report.op)) else _softmax(report)
+
+
+def logsumexp_cause(report: Report) -> Cause | None:
+    """A logsumexp's -inf over rows its input masked entirely; None where the input does not show that."""
+    scores = report.operand("self")
+    if (scores is None or not report.neginf or report.nan or report.posinf or scores.nan or scores.posinf
+            or not report.numel or scores.numel % report.numel):
+        return None
+    positions = scores.numel // report.numel
+    if (scores.neginf or 0) < report.neginf * positions:
+        return None
+    return event_cause("masked-softmax", "masked-logsumexp", report, rows=report.neginf, positions=positions,
+                       masked=scores.neginf)
 
 
 def _softmax(report: Report) -> Cause:

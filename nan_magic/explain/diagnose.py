@@ -202,7 +202,7 @@ def _backward(report: Report) -> Cause:
         return event_cause(_POLE_LABELS[pole], "derivative-pole", report, function=pole)
     if report.posinf + report.neginf and report.dtype in HALF:
         return half_overflow(report)
-    if report.tensor.role is TensorRole.PARAMETER_GRADIENT:
+    if report.tensor.role is TensorRole.PARAMETER_GRADIENT and report.op is None:
         return event_cause("unclassified", "gradient-unwatched", report)
     return event_cause("unclassified", "backward-unmatched", report)
 

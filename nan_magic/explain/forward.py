@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from nan_magic.explain.attention import softmax_cause
+from nan_magic.explain.attention import logsumexp_cause, softmax_cause
 from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
 from nan_magic.records import Cause, Report, TensorRole
@@ -31,6 +31,9 @@ def forward_cause(report: Report) -> Cause:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
+    masked = logsumexp_cause(report) if base == "logsumexp" else None
+    if masked is not None:
+        return masked
     if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:
         # An op that made a new kind from values already non-finite (inf·0, inf - inf).
         return event_cause("unclassified", "carried", report)

@@ -455,10 +455,23 @@ class StepCycle:
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = self._judge_pending()
+            explained = self._judge_pending() or self._explain_failed_op(exc)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left
+
+    def _explain_failed_op(self, exc: BaseException) -> NonFiniteError | None:
+        """An op raised on a non-finite input no boundary judged (multinomial on NaN probabilities): report it."""
+        if self.outcome.stopped:
+            return None
+        finding = self.origins.explain_failure(exc)
+        if finding is None:
+            return None
+        try:
+            self._emit(finding)
+        except NonFiniteError as error:
+            return error
+        return None
 
     def _leave_together(self) -> bool:
         """Whether the exit is a round with the other ranks (lockstep.py); one process walks no model for it."""

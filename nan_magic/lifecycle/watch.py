@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -90,9 +91,11 @@ from nan_magic.localize.loop_writes import LoopWrites
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.optimizer_replay import name_optimizer_op
 from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.samples import Samples
 from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.options import WatchConfig, config_from_options
 from nan_magic.patches import backward as backward_patch
+from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef
 from nan_magic.scene.dump import SceneSource, record_scene
@@ -270,6 +273,7 @@ class Watch:
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
                                                               self.cycle.backward_finished))
+            stack.enter_context(loaders_patch.watch_batches(self.samples.on_batch))
             optimizers = self.optimizers
             stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
                 optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step
@@ -336,12 +340,14 @@ class Watch:
         self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
+        #: The latest DataLoader batch's samples, fetched again at a data event (samples.py).
+        self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
-            localize=self._localize if self.replays is not None else lambda finding, report: None,
+            localize=self._localize,
             record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
@@ -379,6 +385,7 @@ class Watch:
         if self.replays is not None:
             self.replays.clear()
         self.log.clear()
+        self.samples.forget()
         if self.origins.tracer is not None:
             self.origins.tracer.reset()  # its origins hold frames and tensors of the last step
 
@@ -419,14 +426,26 @@ class Watch:
         """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
         self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
 
-    def _localize(self, finding: Finding, seen: Report) -> Replayed:
-        """The replay's report of a real event, with the remedies tried on the step it replayed (fixes/)."""
+    def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
+        """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
+        # The whole model is watched, so that a submodule called at top level keeps its qualified name.
+        return Watch([model], labels=[label], config=config, replay_of=self)
+
+    def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
+        """An event's replay (a bad batch's samples fetched again in any mode, else the tiered step replay),
+        with the remedies tried on the step it replayed (fixes/)."""
         replays = self.replays
-        assert replays is not None  # wired only for a watch with step replays
-        replays.replayed = None
-        report, producer = replays.localize(finding, seen)
+        if replays is not None:
+            replays.replayed = None
+        if finding.phase == Phase.DATA and finding.op is None:
+            replayed = self.samples.localize(finding, seen, self._build_report)
+        else:
+            replayed = replays.localize(finding, seen) if replays is not None else None
+        if replayed is None or replays is None:
+            return replayed
+        report, producer = replayed
         if not self.config.fixes or report.benign or self.outcome.report is not None:
-            return report, producer  # trials for the first real event only (warn/log mode goes on after it)
+            return replayed  # trials for the first real event only (warn/log mode goes on after it)
         try:
             trials = fixes_for(report, replays, self.optimizers.seen, self._roots(), self.last_good,
                                self.call_replay.standing_aside)
@@ -434,11 +453,6 @@ class Watch:
         except Exception as error:  # the trials are a sidecar: they never take the report down
             note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
             return dataclasses.replace(report, notes=(*report.notes, note)), producer
-
-    def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
-        """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
-        # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-        return Watch([model], labels=[label], config=config, replay_of=self)
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
@@ -462,6 +476,10 @@ class Watch:
         exception (events.py); ``warn``/``log`` record it now.
         """
         if self.replays is None:
+            finding = self.call_replay.explain_failure(module, call, running_arguments(module))
+            if finding is not None:
+                replayed = (self._build_report(finding), (finding.frame, None))
+                self.outcome.hold_explained(finding, replayed, sys.exc_info()[1])  # type: ignore[arg-type]
             return
         explained = self.replays.explain_failure(module, call, running_arguments(module))
         if explained is None:
@@ -490,6 +508,7 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
+            ops=self.config.ops and self.replay_of is None,
         ), models_watched=len(self.targets.roots)))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:

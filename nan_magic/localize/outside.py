@@ -388,7 +388,9 @@ class OutsideRecorder(TorchDispatchMode):
             ops = self._ops_to_key(key) if key is not None else None
         if ops is None or key is None:
             return None
-        tracer = OpTracer(kinds=self.kinds)
+        # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
+        # absorbed (a clamp of log(0)) is not the producer; the backward op that read it is.
+        tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         try:
             copies, requiring = _copies_of_what_came_from_outside(ops)
             with torch.enable_grad(), self._generators_as_recorded(), tracer:
@@ -403,8 +405,11 @@ class OutsideRecorder(TorchDispatchMode):
                 if replayed.numel() != 1:
                     return None
                 if requiring and replayed.requires_grad:
-                    torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
-                                        allow_unused=True)
+                    grads = torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
+                                                allow_unused=True)
+                    for grad in grads:
+                        if grad is not None and tracer.finding is None:
+                            tracer.claim(grad)
         except _Gone:
             return None
         return tracer.finding

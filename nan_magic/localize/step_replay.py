@@ -482,6 +482,7 @@ class StepReplays:
             warnings=tuple(watch.warnings),
             reproduced=True,
             models_watched=len(watch.targets.roots),
+            ops=watch.config.ops,
             notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
                                   "op-level checks; the replay saw the same event"),
         )

@@ -21,6 +21,7 @@ from nan_magic.render.cause_words import (
     input_named,
     inputs_or_counts,
     on_event,
+    rerun_for_op,
     short_label,
     stats_counts,
     where,
@@ -75,7 +76,7 @@ def _pow_zero_hint(event: Report, cause: Cause) -> str:
 def _pow_unknown_hint(event: Report, cause: Cause) -> str:
     return (
         f"pow in {where(event)} made {counts(event)}: zero to a negative power or an overflow of "
-        f"{event.dtype}; the base is not known here (rerun with ops=True)"
+        f"{event.dtype}; the base is not known here: {rerun_for_op(event)}"
     )
 
 
@@ -109,7 +110,7 @@ def _division_hint(event: Report, cause: Cause) -> str:
 def _division_unknown_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} made {counts(event)} in {event.dtype}: a zero divisor or a quotient "
-        f"above {fmt(cause.fact('limit'))}; the divisor is not known here (rerun with ops=True)"
+        f"above {fmt(cause.fact('limit'))}; the divisor is not known here: {rerun_for_op(event)}"
     )
 
 
@@ -165,6 +166,22 @@ def _masked_softmax_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
         f"{event.op} made {event.nan} NaN ({_rows(cause)})",
         f"{input_label(event, 'self')} held {scores.neginf if scores else None} -inf (masked positions), one at "
         "least for each NaN: a softmax over finite values and -inf is NaN only in a row that is all -inf",
+    )
+
+
+def _masked_logsumexp_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{_rows(cause)} of {event.op} in {where(event)} had every position masked to -inf, and a logsumexp over "
+        "nothing is -inf (a loss over it is infinite, its gradient NaN): keep at least one position unmasked per "
+        "row, mask with torch.finfo(dtype).min instead of -inf, or leave fully masked rows out of the loss"
+    )
+
+
+def _masked_logsumexp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.neginf} -inf ({_rows(cause)})",
+        f"its input held {cause.fact('masked')} -inf (masked positions) and no NaN or +inf: over finite values and "
+        "-inf, logsumexp is -inf only in a row that is all -inf",
     )
 
 
@@ -231,6 +248,7 @@ OP_READINGS: dict[str, Reading] = {
     "carried": on_event(_carried_hint, inputs_or_counts, sentence=False),
     "masked-softmax": on_event(_masked_hint, _masked_softmax_evidence, sentence=False),
     "masked-attention": on_event(_masked_hint, _masked_attention_evidence, sentence=False),
+    "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
     "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
 }

@@ -8,7 +8,17 @@ derivative has a pole, and a module or loss whose op is not known.
 from __future__ import annotations
 
 from nan_magic.records import Cause, Phase, Report
-from nan_magic.render.cause_words import Reading, counts, fmt, inputs_or_counts, line, on_event, where, zeros_phrase
+from nan_magic.render.cause_words import (
+    Reading,
+    counts,
+    fmt,
+    inputs_or_counts,
+    line,
+    on_event,
+    rerun_for_op,
+    where,
+    zeros_phrase,
+)
 
 __all__ = ["STEP_READINGS"]
 
@@ -96,7 +106,7 @@ def _backward_hint(event: Report, cause: Cause) -> str:
     elif event.op is not None:
         detail = f"in {event.op}"
     else:
-        detail = "(the op is unknown: rerun with ops=True, %%nantrace --ops, to name it)"
+        detail = f"(the op is unknown: {rerun_for_op(event)})"
     return (
         f"the backward of {where(event)} turned a finite gradient into {counts(event)} in {event.tensor} "
         f"{detail}; {_DERIVATIVE_POLES}"
@@ -112,7 +122,7 @@ def _loss_hint(event: Report, cause: Cause) -> str:
         )
     else:
         readings = "a log of a zero probability (-log 0), or an overflow in the loss code (exp, a huge square)"
-    return f"the loss was {counts(event)}{finite}: {readings}; rerun with ops=True (%%nantrace --ops) to name the op"
+    return f"the loss was {counts(event)}{finite}: {readings}; {rerun_for_op(event)}"
 
 
 def _module_hint(event: Report, cause: Cause) -> str:
@@ -126,7 +136,7 @@ def _module_hint(event: Report, cause: Cause) -> str:
     return (
         f"{where(event)} made {counts(event)} in {event.tensor}"
         + (f"; readings that fit: {'; '.join(readings)}" if readings else "")
-        + "; the op is unknown: rerun with ops=True (%%nantrace --ops) to name it"
+        + f"; the op is unknown: {rerun_for_op(event)}"
     )
 
 

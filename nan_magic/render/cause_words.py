@@ -32,6 +32,7 @@ __all__ = [
     "inputs_or_counts",
     "line",
     "on_event",
+    "rerun_for_op",
     "short_label",
     "stats_counts",
     "what",
@@ -87,6 +88,14 @@ def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
     """The non-zero counts only: ``"334 +inf"``; ``"non-finite"`` where none is known."""
     parts = [f"{count} {kind}" for kind, count in (("nan", nan), ("+inf", posinf), ("-inf", neginf)) if count]
     return ", ".join(parts) or "non-finite"
+
+
+def rerun_for_op(report: Report) -> str:
+    """What a hint says of an op it does not know: rerun with ops=True, unless the watch traced every op."""
+    if report.ops:
+        return ("the op tracer saw no op make it from finite values (it came from code it does not see: another "
+                "thread, a C extension's own kernel)")
+    return "rerun with ops=True (%%nantrace --ops) to name the op"
 
 
 def counts(report: Report) -> str:
