@@ -137,7 +137,7 @@ class LoopWrites:
                 recorder.forget()
 
     def pause(self) -> None:
-        """A part of the run ends (a ``%nanwatch on`` cell): stop recording until :meth:`resume`, keeping the records."""
+        """A part of the run ends (a ``%nanwatch on`` cell): stop recording until :meth:`resume`, keep the records."""
         if self._recorder is not None:
             self._recorder.pause()
 
