@@ -16,6 +16,7 @@ budget of :data:`STEP_TIMES` times the unremedied replay's time (at least
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -36,7 +37,7 @@ from nan_magic.localize.step_replay import RootCall, StepReplays, replay_target
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
 
-__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes"]
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes", "with_fixes"]
 
 #: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
@@ -69,6 +70,18 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
     if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
         remedies.append(("mask", zero_masked_rows))
     return remedies
+
+
+def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
+               roots: Iterable[nn.Module], last_good: LastGood,
+               standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> Report:
+    """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
+    try:
+        trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside)
+        return dataclasses.replace(report, fixes=trials)
+    except Exception as error:  # the trials are a sidecar: they never take the report down
+        note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
+        return dataclasses.replace(report, notes=(*report.notes, note))
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],

@@ -23,34 +23,11 @@ Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
 whatever way it ends, no hook of ours remains and the user's hooks were never
 touched.
 
-This module owns the lifecycle: entering and leaving, attaching and
-removing the hooks. The step counter, a step's boundaries and the deferred
-check (one transfer per step) live in ``step_cycle.py``; the checks
-themselves in ``forward.py`` (with the producer rule, ``producer.py``),
-``gradients.py`` and ``optim.py``; the outcome (the report, the events, how
-the run stops) in ``events.py``, which gets callables, not the watch; a
-nested watch's take-over and the decorator in ``nesting.py``; which module
-or optimizer joins the watch as it runs in ``targets.py``.
-
-Who may call whom. The watch builds every part in :meth:`Watch._reset_state`
-and hands each the narrow services it uses; no checker reaches another
-checker through the watch. Services first, which call no checker:
-``op_tracing.py`` (the op behind a boundary's value) and ``call_replay.py``
-(replays of one module call). Then the checkers, which call only services,
-the watch's own lifecycle and its step cycle (``watch.cycle``: the forward
-hooks open a step at each top-level call and close an inference step, the
-optimizer checks read the deferred check and close a training step): the
-gradient checks get the op origins and the backward replay; the optimizer
-checks get ``add_op_origin``; the forward hooks get the call replay, the op
-origins, and the gradient checks' ``hook_output`` as a plain callable. Where
-the last forward ended is data in the step log (``StepLog.last_forward_seq``),
-written by the forward hooks and read by the gradient checks. Last the step
-cycle, handed the checkers it coordinates, the outcome and the lockstep facts
-explicitly (``Lockstep`` itself gets whether an optimizer is in use as a
-callable, so the outcome asks it directly). Two parts still reach through the
-watch: the tiered watch's step replays (``watch.replays``: the forward hooks
-give them each top-level call, the gradient checks its output gradients) and
-the code recorder (``watch.outside``, switched at the boundaries the hooks see).
+This module owns the lifecycle: entering and leaving (pausing and resuming for
+``%nanwatch on``), attaching and removing the hooks, and building every part
+in :meth:`Watch._reset_state`, each handed the narrow callables it uses. The
+step cycle and the checks are in hot/, the event's replays in localize/, the
+outcome in ``events.py``; docs/how-it-watches.md draws who may call whom.
 """
 
 from __future__ import annotations
@@ -73,7 +50,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import fixes_for
+from nan_magic.fixes.runner import with_fixes
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
@@ -446,13 +423,8 @@ class Watch:
         report, producer = replayed
         if not self.config.fixes or report.benign or self.outcome.report is not None:
             return replayed  # trials for the first real event only (warn/log mode goes on after it)
-        try:
-            trials = fixes_for(report, replays, self.optimizers.seen, self._roots(), self.last_good,
-                               self.call_replay.standing_aside)
-            return dataclasses.replace(report, fixes=trials), producer
-        except Exception as error:  # the trials are a sidecar: they never take the report down
-            note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
-            return dataclasses.replace(report, notes=(*report.notes, note)), producer
+        return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
+                          self.call_replay.standing_aside), producer
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
