@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.fix_records import install_describer
-from nan_magic.lifecycle.watch import Watch, watch
+from nan_magic.lifecycle.entry import watch
+from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WatchConfig
 from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.records import (

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import sys
 import threading
 from collections import Counter, deque
@@ -70,7 +69,7 @@ from nan_magic.localize.optimizer_replay import name_optimizer_op
 from nan_magic.localize.outside import OutsideRecorder
 from nan_magic.localize.samples import Samples
 from nan_magic.localize.step_replay import Producer, StepReplays
-from nan_magic.options import WatchConfig, config_from_options
+from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
@@ -78,7 +77,7 @@ from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRe
 from nan_magic.scene.dump import SceneSource, record_scene
 from nan_magic.scene.last_good import LastGood
 
-__all__ = ["Watch", "watch"]
+__all__ = ["Watch"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -486,41 +485,3 @@ class Watch:
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
-
-
-def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: Any) -> Watch:
-    """Watch models, optimizers and GradScalers for the first non-finite value.
-
-    Parameters
-    ----------
-    *targets
-        ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
-        no module, every module called at top level is watched.
-    labels
-        Names for the targets (the magics pass variable names), one per target.
-    **options
-        Any option of :class:`nan_magic.WatchConfig`, by name (``on_detect``,
-        ``mode``, ``kinds``, ``include``, ``keep_last_good``...; each one is
-        documented there). An unknown name is a TypeError naming it.
-
-    Returns
-    -------
-    Watch
-        A context manager and decorator; ``.report`` and ``.events`` afterwards.
-
-    Examples
-    --------
-    >>> with nan_magic.watch(model) as w:          # doctest: +SKIP
-    ...     loss = model(x).sum(); loss.backward()
-    """
-    return Watch(targets, labels=labels, config=config_from_options(options))
-
-
-# help(), IDEs and inspect show every option with its default, from WatchConfig's one declaration.
-watch.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
-    inspect.Parameter("targets", inspect.Parameter.VAR_POSITIONAL, annotation="Any"),
-    inspect.Parameter("labels", inspect.Parameter.KEYWORD_ONLY, default=None,
-                      annotation="Iterable[str | None] | None"),
-    *(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=option.type)
-      for option in dataclasses.fields(WatchConfig)),
-], return_annotation="Watch")
