@@ -413,10 +413,11 @@ class Watch:
         replays = self.replays
         if replays is not None:
             replays.replayed = None
+        replayed = None
         if finding.phase == Phase.DATA and finding.op is None:
-            replayed = self.samples.localize(finding, seen, self._build_report)
-        else:
-            replayed = replays.localize(finding, seen) if replays is not None else None
+            replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
+        if replayed is None and replays is not None:
+            replayed = replays.localize(finding, seen)
         if replayed is None or replays is None:
             return replayed
         report, producer = replayed
