@@ -1,5 +1,8 @@
 """``python -m nan_magic run script.py [args]``: the watch outside notebooks, and a CI gate.
 
+``python -m nan_magic show nan_scene_step5.pt`` prints the report a scene holds (its
+producer, cause and the fixes tried on the failing step) without the code that made it.
+
 The script runs as ``__main__`` (``runpy``, with ``sys.argv`` and
 ``sys.path[0]`` as ``python script.py`` would set them) under a watch with
 no targets: every module the script calls at top level is watched, and each
@@ -37,6 +40,7 @@ from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Report
+from nan_magic.scene.load import load_scene
 
 __all__ = ["main"]
 
@@ -62,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    show = commands.add_parser(
+        "show",
+        help="print the report a crash scene holds (producer, cause, fixes tried)",
+        description="Print the text report of a scene written by a watch with --dump: the producer, the cause "
+        "and the fixes tried on a replay of the failing step. Opens the file with torch.load(weights_only=True).",
+    )
+    show.add_argument("scene", help="a nan_scene_step{N}.pt file")
+    show.add_argument("--html", default=None, metavar="PATH", help="also write the HTML report here")
+    show.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON here")
     return parser
 
 
@@ -69,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command and return the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "show":
+        return _show(args, parser)
     try:
         config = config_from_args(args)
     except ValueError as error:
@@ -78,6 +93,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(args, config)
 
 
+
+
+def _show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print a scene's report on stdout (and write --html/--json); a file that is no scene is a usage error."""
+    if not os.path.isfile(args.scene):
+        parser.error(f"no such scene file: {args.scene}")
+    try:
+        scene = load_scene(args.scene, map_location="cpu")
+    except ValueError as error:
+        parser.error(str(error))
+    print(scene.report.to_text())
+    args.dump = None
+    _write_outputs(scene.report, args)
+    return EXIT_CLEAN
 
 
 def _run(args: argparse.Namespace, config: WatchConfig) -> int:

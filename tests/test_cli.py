@@ -152,3 +152,24 @@ def test_a_dump_that_cannot_be_written_is_reported_and_the_status_stays_1(script
     assert done.returncode == 1
     assert "could not save the scene in blocker/scenes" in done.stderr
     assert "could not write blocker/scenes/nan_report.html" in done.stderr
+
+
+def test_show_prints_a_scenes_report_with_the_fixes_tried(script, tmp_path) -> None:
+    assert run("run", "--dump", "scenes", str(script), "fail", cwd=tmp_path).returncode == 1
+    done = run("show", "scenes/nan_scene_step2.pt", "--json", "shown.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("nan_magic: first non-finite value in forward step 2: 1 (Norm), op aten.div.Tensor")
+    assert "Fixes tried on a replay of step 2" in done.stdout and "eps: its denominator clamped" in done.stdout
+    assert json.loads((tmp_path / "shown.json").read_text())["fixes"][0]["kind"] == "eps"
+
+
+@pytest.mark.parametrize(("name", "text", "error"), [
+    ("notes.txt", "not a scene", "notes.txt is not a nan_magic scene file"),
+    ("missing.pt", None, "no such scene file: missing.pt"),
+])
+def test_show_refuses_what_is_no_scene_in_one_line(tmp_path, name: str, text: str | None, error: str) -> None:
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    done = run("show", name, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1] == f"python -m nan_magic: error: {error}"
