@@ -402,7 +402,10 @@ def test_kernel_gets_static_report_as_its_own_output_then_the_widget(monkeypatch
     (element,) = re.findall(r'<div class="nan-magic-report nm-static" id="([^"]+)"', static["text/html"])
     # The live widget hides that static copy; after a restart its style is gone with it.
     summary = built[0].children[0].value
-    assert f"<style>#{element} {{ display: none; }}</style>" in summary
+    assert f"<style>#{element}, .jp-OutputArea-child:has(#{element}) {{ display: none; }}</style>" in summary
+    # And the static copy hides the widget's output where no live widget renders (after a restart).
+    assert f".jp-OutputArea-child:has(#{element}) + .jp-OutputArea-child:not(:has(.nan-magic-widget))" in (
+        static["text/html"])
 
 
 def test_mimebundle_degrades_when_views_fail(monkeypatch: pytest.MonkeyPatch) -> None:

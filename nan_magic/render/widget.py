@@ -27,12 +27,12 @@ from nan_magic.render.html import (
     HTML_MAX_ROWS,
     HTML_MAX_SAMPLES,
     REPORT_CSS,
-    debug_html,
+    debug_section,
     facts_html,
-    history_html,
+    hide_static_css,
+    history_section,
     layers_table_html,
     moments_note,
-    source_html,
     summary_html,
 )
 from nan_magic.render.plots import histogram_png
@@ -43,6 +43,10 @@ TAB_TITLES = ("Summary", "Layers", "Histograms", "Debug", "History")
 NEAR_RADIUS = 10
 #: Dropdown value that draws every sample at once.
 ALL_SAMPLES = -1
+#: Height of every tab's content: switching tabs must not move the cells
+#: below, and the report must stay well under the ~1,800 px at which
+#: Notebook 7 boxes an output in a scroll area. Longer content scrolls inside.
+PANEL_HEIGHT = "560px"
 
 
 def build_widget(
@@ -65,14 +69,17 @@ def build_widget(
     ipywidgets.Tab
         Tabs Summary, Layers, Histograms, Debug and History.
     """
-    hide = f"<style>#{hides} {{ display: none; }}</style>" if hides else ""
+    hide = hide_static_css(hides) if hides else ""
     children = [
         _html(hide + summary_html(report) + facts_html(report)),
         LayersView(in_call_order(report.layers), report.layers_dropped, max_rows).widget,
         HistogramsView(report).widget,
-        _html(_debug_body(report)),
-        _html(history_html(report) or "<p>No history: the watch kept no earlier steps.</p>"),
+        _html(debug_section(report)[1]),
+        _html(history_section(report)[1]),
     ]
+    for child in children:
+        child.layout.height = PANEL_HEIGHT
+        child.layout.overflow = "auto"
     tab = widgets.Tab(children=children)
     if tab.has_trait("titles"):  # ipywidgets 8
         tab.titles = TAB_TITLES
@@ -90,13 +97,6 @@ def _styled(body: str) -> str:
 
 def _html(body: str) -> widgets.HTML:
     return widgets.HTML(_styled(body))
-
-
-def _debug_body(report: Report) -> str:
-    body = source_html(report.source) + debug_html(report)
-    if report.debug_frame is not None:
-        body += "<p>Run <code>%debug</code> in a new cell to inspect that frame's locals.</p>"
-    return body or "<p>No source location was recorded for this event.</p>"
 
 
 def _row_text(layer: LayerCall) -> str:
