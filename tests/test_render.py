@@ -165,12 +165,45 @@ def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
 def test_operands_are_named_as_the_user_wrote_them() -> None:
     text = fault_report("zero_variance").to_text()
     # The op's output is the report's tensor; the module's output the check saw is beside it.
-    assert "tensor      output of aten.div.Tensor float32 4x8" in text
-    assert "module out  output of 1 (HandNorm): float32 4x8: 32 nan, 0 +inf, 0 -inf" in text
-    assert "centred (self): float32 4x8: 0 nan, 0 +inf, 0 -inf, finite values in [0, 0]" in text
-    assert "centred.pow(2).mean(-1, keepdim=T... (other): float32 4x1" in text
+    # The user's expression for the op beside its aten name; counts only where not zero.
+    assert "op          centred / centred.pow(2).mean(-1, keepdim=True).sqrt()  (aten.div.Tensor)" in text
+    assert "tensor      output of aten.div.Tensor f32[4,8]" in text
+    assert "non-finite  32 nan of 32 elements (100%)" in text
+    assert "module out  output of 1 (HandNorm): f32[4,8] 32 nan\n" in text
+    assert "centred (self): f32[4,8] finite in [0, 0]" in text
+    assert "centred.pow(2).mean(-1, keepdim=T... (other): f32[4,1]" in text
+    assert "0 +inf" not in text and "0 -inf" not in text
     matmul = fault_report("fp16_overflow").to_text()
-    assert "x (self): float16 2x64" in matmul and "self.weight (mat2): float16 64x64" in matmul
+    assert "x (self): f16[2,64]" in matmul and "self.weight (mat2): f16[64,64]" in matmul
+    assert "op          x @ self.weight  (aten.mm.default)" in matmul
+
+
+@pytest.mark.parametrize(("op", "line", "expression"), [
+    ("aten.bmm.default", "scores = q @ k.transpose(-2, -1) * self.head_dim ** -0.5", "q @ k.transpose(-2, -1)"),
+    ("aten.log.default", "return -probs.log().gather(1, target[:, None]).mean()", "probs.log()"),
+    ("aten.div_.Tensor", "h /= scale", "h /= scale"),
+    ("aten.div.Tensor", "return a / b + c / d", ""),
+    ("aten.addmm.default", "return self.proj(x)", ""),
+])
+def test_the_op_is_named_by_the_users_expression(op: str, line: str, expression: str) -> None:
+    from nan_magic.render.operands import op_expression
+
+    assert op_expression(op, line) == expression
+
+
+def test_the_report_title_is_short_and_counts_only_what_is_there() -> None:
+    from nan_magic.render.common import headline
+
+    report = fault_report("zero_variance")
+    title = headline(report)
+    assert title == "32 nan in forward step 0: 1 (HandNorm), centred / centred.pow(2).mean(-1, keepdim=True).sqrt()"
+    from html import escape
+
+    html = widget_views(report)["widget"]
+    (shown,) = re.findall(r'<h3 class="nm-headline"[^>]*>(.*?)</h3>', html)
+    assert shown == escape(title)
+    # The whole sentence only as the title's tooltip: the error above the report says it.
+    assert html.count(escape(report.message)) == 1 and f'title="{escape(report.message)}"' in html
 
 
 @pytest.mark.parametrize(("op", "line", "names"), [

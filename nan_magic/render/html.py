@@ -18,6 +18,7 @@ from nan_magic.render.common import (
     cause_sentence,
     fact_rows,
     fmt_number,
+    headline,
     history_fields,
     in_call_order,
     labelled_samples,
@@ -129,7 +130,7 @@ def png_img(png: bytes, alt: str) -> str:
 def summary_html(report: Report) -> str:
     """The headline and one sentence: the likely cause with its fix."""
     return (
-        f'<h3 class="nm-headline">nan_magic: {escape(report.message)}</h3>\n'
+        f'<h3 class="nm-headline" title="{escape(report.message)}">{escape(headline(report))}</h3>\n'
         f'<p class="nm-summary">{escape(cause_sentence(report))}</p>'
     )
 
