@@ -258,6 +258,60 @@ def test_histograms_show_op_operands_output_then_module_tensors() -> None:
     assert "exact zeros" not in " ".join(t.get_text() for t in module_input.get_legend().get_texts())
 
 
+class HalfAttention(nn.Module):
+    """fp16 attention whose q @ k overflows: the bmm's output is freed long before the module returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) * 0.25
+        return self.proj(scores.softmax(dim=-1) @ v)
+
+
+@cache
+def attention_report() -> Report:
+    torch.manual_seed(1)
+    model = HalfAttention().half()
+    x = torch.randn(2, 8, 16).half()
+    x[1, 3] = 600.0  # one token far larger than the rest, as a badly initialised embedding
+    return raised(lambda: model(x), model)
+
+
+def test_histograms_show_the_failing_ops_operands_and_output_once_each() -> None:
+    from nan_magic.render.common import labelled_samples
+    from nan_magic.render.plots import histogram_figure
+
+    report = attention_report()
+    assert report.op == "aten.bmm.default"
+    samples = labelled_samples(report)
+    producer = [sample for sample in samples if sample.producer]
+    assert [sample.label for sample in producer] == [
+        "q (self of aten.bmm.default)",
+        "k.transpose(-2, -1) (mat2 of aten.bmm.default)",
+        "output of aten.bmm.default",
+        "output of proj",
+    ]
+    # Drawn when the op ran (its output was freed before the module returned): the +inf it made.
+    output = producer[2]
+    assert output.dtype == "float16" and output.posinf == report.posinf > 0 and output.values
+    # The largest operand value is in the sample: the outlier row is what a reader looks for.
+    q_stats = dict(report.input_stats)[producer[0].tensor]
+    assert max(abs(value) for value in producer[0].values) == q_stats.absmax
+    # One entry per tensor: proj's output is the module's output, not listed again under its own name.
+    labels = [sample.label for sample in samples]
+    assert len(labels) == len(set(labels)) and "proj output" not in labels
+    figure = histogram_figure(tuple(producer))
+    # Readable at a notebook's width: no wider than 900 px, so never scaled down, and no text under 10 px.
+    assert figure.get_figwidth() * figure.dpi <= 900
+    sizes = [text.get_fontsize() * figure.dpi / 72 for text in figure.findobj(match=lambda o: hasattr(o, "get_fontsize"))
+             if getattr(text, "get_text", lambda: "")()]
+    assert sizes and min(sizes) >= 10
+
+
 def test_histogram_marks_float16_range_inside_the_axes_above_the_bars() -> None:
     from nan_magic.render.common import labelled_samples
     from nan_magic.render.plots import figure_png, histogram_figure
@@ -328,13 +382,53 @@ def test_layers_table_puts_status_and_counts_first_in_call_order() -> None:
     rows = section.splitlines()[1:]  # under the header
     assert [row[1:].split()[0] for row in rows] == ["0", "1", "2"]
     report = deep_report()
-    html = style_layers(report.layers[:5]).to_html()
+    html = style_layers([layer for layer in report.layers if str(layer.phase) == "forward"][:5]).to_html()
     header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', html)
-    assert header[:5] == ["call", "status", "nan", "+inf", "-inf"]
+    assert header[:4] == ["call", "status", "non-finite", "module"]
     assert set(header) <= set(VIEW_COLUMNS)
+    # Every row is forward, float32, an output: said once under the table, not in three columns.
+    assert "phase" not in header and "dtype" not in header and "tensor" not in header
+    assert "Every row: phase forward, tensor output, dtype float32." in html
     # Most rows were only probed for min/max: the table says why mean and std are blank.
     assert any(layer.stats.mean is None for layer in report.layers)
     assert "mean and std are computed only for tensors still alive" in report.to_html()
+
+
+def table_cells(html: str) -> dict[tuple[str, str], tuple[str, ...]]:
+    """``(module, tensor or "")`` -> the classes of the module cell, the status and the count cell."""
+    rows = re.findall(r"<tr>(.*?)</tr>", html, re.S)[1:]
+    header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', html)
+    found = {}
+    for row in rows:
+        cells = dict(zip(header, re.findall(r'<td class="([^"]*)" >([^<]*)</td>', row)))
+        key = (cells["module"][1], cells["tensor"][1] if "tensor" in cells else "")
+        found[key] = (cells["module"][0], cells["status"][1], cells["non-finite"][1])
+    return found
+
+
+def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
+    from nan_magic.render.common import in_call_order
+    from nan_magic.render.table import style_layers
+    from nan_magic.render.widget import LayersView
+
+    report = attention_report()
+    layers = in_call_order(report.layers)
+    cells = table_cells(style_layers(layers).to_html())
+    root_classes, status, counts = cells[("HalfAttention (root)", "output of proj")]
+    assert status == "producer" and counts.endswith(" nan") and "nm-depth" not in root_classes
+    # Its children, indented one level, ran inside it: not dimmed as rows after it.
+    for child in ("qkv (Linear)", "proj (Linear)"):
+        classes, _, _ = cells[(child, "output")]
+        assert "nm-depth-1" in classes and "nm-after" not in classes
+    # Counts only where not zero: an ok row's count cell is empty.
+    assert cells[("qkv (Linear)", "output")][1:] == ("ok", "")
+    # The toggles are offered only where they change the rows.
+    view = LayersView(layers, dropped=0, max_rows=200)
+    assert view.near.disabled  # four rows: all of them are near the producer
+    assert not view.path.disabled
+    view.path.value = True
+    assert [layer.status for layer in view.rows()] == ["producer", "propagated"]
+
 
 
 def test_html_caps_rows_around_the_producer_and_says_so() -> None:
