@@ -114,12 +114,26 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
             if other != title:
                 assert not widget.locator(hidden).first.is_visible(), (title, other)
 
+    # One height whatever the tab: the cells below do not move when a tab is switched.
+    heights = {}
+    for title in TAB_CONTENT:
+        open_tab(widget, title)
+        widget.locator(TAB_CONTENT[title]).first.wait_for(state="visible")
+        heights[title] = round(widget.bounding_box()["height"])
+    assert max(heights.values()) - min(heights.values()) <= 2, heights
+    assert max(heights.values()) < 800, heights
+
     open_tab(widget, "Layers")
     producer = widget.locator("td.nm-producer").first
     producer.wait_for()
     row = producer.locator("xpath=..").inner_text()
     assert "blocks.0.attn (SelfAttention)" in row and "producer" in row
     assert producer.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
+    # Every number visible without a sideways scroll, with the notebook 900 px wide.
+    table = widget.locator("table.nm-layers").first
+    box = table.locator("xpath=ancestor::div[contains(@class, 'nm-scroll')]").first
+    width = table.evaluate("table => table.scrollWidth")
+    assert width <= 900 and box.evaluate("box => box.scrollWidth <= box.clientWidth"), width
     widget.screenshot(path=str(ARTIFACTS / "transformer_layers.png"))
 
     open_tab(widget, "Histograms")
@@ -129,6 +143,13 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
         "img => img.complete && img.naturalWidth > 100", arg=image.element_handle()
     )
     assert coloured_pixels(image) > 1000
+    # Drawn at its own size (not scaled down), so its 11 px labels stay 11 px.
+    assert image.evaluate("img => img.naturalWidth <= 900 && img.width === img.naturalWidth")
+    # The failing op's operands and output, as the user wrote them.
+    options = [option.replace("\xa0", " ") for option in widget.locator("select option").all_inner_texts()]
+    assert any("q (self of aten.bmm.default)" in option for option in options), options
+    assert any("output of aten.bmm.default" in option for option in options), options
+    assert len(options) == len(set(option.split(": ", 1)[-1] for option in options))
     widget.screenshot(path=str(ARTIFACTS / "transformer_histograms.png"))
 
 

@@ -31,7 +31,8 @@ AFTER_CLASS = "nm-after"
 #: (JupyterLab right-aligns every cell of an HTML output) must not win.
 TABLE_CSS = f"""
 .nm-table {{ border-collapse: collapse; font-size: 12px; font-family: monospace; }}
-.nm-table th, .nm-table td {{ padding: 2px 6px; text-align: right; white-space: nowrap; }}
+.nm-table th, .nm-table td {{ padding: 2px 4px; text-align: right; white-space: nowrap; }}
+.nan-magic-report table.nm-table td.nm-wrap {{ white-space: normal; overflow-wrap: anywhere; max-width: 12em; }}
 .nm-table th {{ position: sticky; top: 0; background: rgba(127, 127, 127, 0.25); }}
 .nan-magic-report table.nm-table td.nm-left, .nan-magic-report table.nm-table th {{ text-align: left; }}
 .nm-table td.{PRODUCER_CLASS} {{ background: rgba(230, 40, 40, 0.30); font-weight: bold; }}
@@ -40,7 +41,7 @@ TABLE_CSS = f"""
 .nm-table td.{AFTER_CLASS} {{ opacity: 0.55; }}
 .nm-table caption {{ caption-side: bottom; text-align: left; font-style: italic; padding-top: 2px; }}
 """ + "".join(
-    f".nan-magic-report table.nm-table td.nm-depth-{depth} {{ padding-left: {0.4 + 1.1 * depth:.1f}em; }}\n"
+    f".nan-magic-report table.nm-table td.nm-depth-{depth} {{ padding-left: {0.4 + 0.8 * depth:.1f}em; }}\n"
     for depth in range(1, 13)
 )
 
@@ -150,6 +151,8 @@ VIEW_COLUMNS = (
 )
 _LEFT_ALIGNED = frozenset({"status", "non-finite", "module", "phase", "tensor", "dtype", "shape"})
 _SHARED = ("phase", "tensor", "dtype")
+#: Long names wrap inside their cell rather than push the numbers out of sight at 900 px.
+_WRAPPED = frozenset({"module", "tensor"})
 
 
 def view_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
@@ -203,9 +206,15 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     if after_producer:
         classes = [f"{names} {AFTER_CLASS}".strip() for names in classes]
 
+    # Indented from the shallowest row shown, as torchinfo's tree: no room spent on levels nobody sees.
+    top = min((depth(layer) for layer in layers), default=0)
+
     def cell_class(names: str, column: str, layer: LayerCall) -> str:
-        if column == "module":
-            names += f" nm-depth-{min(depth(layer), 12)}" if depth(layer) else ""
+        level = min(depth(layer) - top, 12)
+        if column == "module" and level:
+            names += f" nm-depth-{level}"
+        if column in _WRAPPED:
+            names += " nm-wrap"
         return f"{names} nm-left".strip() if column in _LEFT_ALIGNED else names
 
     class_frame = pd.DataFrame(

@@ -77,8 +77,8 @@ def build_widget(
         _html(history_section(report)[1]),
     ]
     for child in children:
-        child.layout.height = PANEL_HEIGHT
-        child.layout.overflow = "auto"
+        # No margin either: an HTML widget has one and a box has none, which would make tabs differ by 4 px.
+        child.layout.height, child.layout.overflow, child.layout.margin = PANEL_HEIGHT, "auto", "0px"
     tab = widgets.Tab(children=children)
     if tab.has_trait("titles"):  # ipywidgets 8
         tab.titles = TAB_TITLES
