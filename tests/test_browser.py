@@ -216,3 +216,37 @@ def test_cnn_report_filter_box_round_trip(lab: LabServer, page: Any) -> None:
     assert "Softmax" in rows.first.inner_text()
     widget.screenshot(path=str(ARTIFACTS / "cnn_layers_filtered.png"))
 
+
+
+def test_notebook7_shows_the_report_unboxed_and_after_a_restart(lab: LabServer, page: Any) -> None:
+    """Notebook 7 puts an output taller than ~1,800 px in a scroll box: nothing the report publishes may be."""
+    pytest.importorskip("notebook", reason="Notebook 7 is not installed (pip install notebook)")
+    name = "transformer_attention_blowup.ipynb"
+    page.goto(f"{lab.base}/notebooks/{name}?token={lab.token}")
+    page.locator(".jp-Notebook .jp-Cell").first.click()
+    page.locator("li.lm-MenuBar-item", has_text="Run").first.click()
+    page.locator('li.lm-Menu-item[data-command="runmenu:run-all"]:not(.lm-mod-disabled)').click()
+    widget = report_widget(page)
+    cell = failing_cell(page)
+    # The last cell ran: every output that will be published was.
+    page.locator(".jp-Cell").last.locator(".jp-OutputArea-output").first.wait_for(timeout=REPORT_TIMEOUT_MS)
+    assert "jp-mod-outputsScrolled" not in (cell.get_attribute("class") or "")
+    assert widget.bounding_box()["height"] < 800
+    cell.evaluate("cell => cell.scrollIntoView({block: 'start'})")
+    page.screenshot(path=str(ARTIFACTS / "notebook7_report.png"))
+
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(2_000)
+    for kernel in lab.api("/api/kernels"):
+        lab.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
+    page.goto(f"{lab.base}/notebooks/{name}?token={lab.token}")
+    static = page.locator(".nm-static").first
+    static.wait_for(timeout=60_000)
+    static.scroll_into_view_if_needed()
+    page.wait_for_timeout(1_000)
+    error = page.get_by_text("Error displaying widget")
+    assert error.count() == 0 or not error.first.is_visible()
+    cell = page.locator(".jp-Cell", has=page.locator(".nm-static")).first
+    assert "jp-mod-outputsScrolled" not in (cell.get_attribute("class") or "")
+    assert static.bounding_box()["height"] < 800
+    page.screenshot(path=str(ARTIFACTS / "notebook7_after_restart.png"))
