@@ -250,3 +250,22 @@ def test_notebook7_shows_the_report_unboxed_and_after_a_restart(lab: LabServer, 
     assert "jp-mod-outputsScrolled" not in (cell.get_attribute("class") or "")
     assert static.bounding_box()["height"] < 800
     page.screenshot(path=str(ARTIFACTS / "notebook7_after_restart.png"))
+
+
+def test_nbconvert_html_export_shows_the_compact_report(chromium: str, page: Any) -> None:
+    """An exported notebook has no kernel and, offline, no widget manager: the static twin is the report."""
+    from jupyter_support import execute_notebook
+    from nbconvert import HTMLExporter
+
+    nb = execute_notebook(NOTEBOOKS / "cnn_log_zero.ipynb")
+    html, _resources = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    page.set_content(html, wait_until="domcontentloaded")
+    static = page.locator(".nm-static").first
+    static.wait_for(state="visible")
+    assert "code outside any watched module" in static.locator(".nm-headline").inner_text()
+    error = page.get_by_text("Error displaying widget")
+    assert error.count() == 0 or not error.first.is_visible()
+    assert static.bounding_box()["height"] < 800
+    static.locator("details.nm-section > summary", has_text="Layers").click()
+    static.locator("td.nm-producer").first.wait_for(state="visible")
+    static.screenshot(path=str(ARTIFACTS / "cnn_nbconvert_export.png"))
