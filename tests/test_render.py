@@ -68,7 +68,7 @@ def deep_report() -> Report:
 
 
 @cache
-def diverging_report() -> Report:
+def diverging_report(**options: Any) -> Report:
     """float16 regression whose loss overflows at step 2: a history of two finite steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)).half()
@@ -82,7 +82,7 @@ def diverging_report() -> Report:
             loss.backward()
             opt.step()
 
-    return raised(train, model, opt)
+    return raised(train, model, opt, **options)
 
 
 def widget_views(report: Report) -> dict[str, str]:
@@ -346,14 +346,24 @@ def test_history_marks_failing_step_and_headroom_on_log_axis() -> None:
     from nan_magic.render.common import plotted_history_fields
     from nan_magic.render.plots import history_figure
 
+    # The tiered watch checks every module on its second step only: step 0 read the model's output.
     report = diverging_report()
-    assert report.step == 2 and [entry.step for entry in report.history] == [0, 1]
+    assert report.step == 2 and [(entry.step, entry.full) for entry in report.history] == [(0, False), (1, True)]
     figure = history_figure(report.history, report.step)
     labels = [axes.get_ylabel() for axes in figure.axes]
     assert labels == [label for _, label in plotted_history_fields(report.history)]
     assert "loss scale" not in labels  # no scaler: nothing to plot
-    headroom = figure.axes[labels.index("headroom to overflow")]
-    assert headroom.get_yscale() == "log"
+    # One step with every module checked: no headroom line drawn from model outputs alone.
+    assert not [label for label in labels if label.startswith("headroom")]
+    outputs = figure.axes[labels.index("max |output|")]
+    assert [text.get_text() for text in outputs.get_legend().get_texts()] == [
+        "every module's output", "the model's outputs only"]
+    assert "(model outputs)" in report.to_html() and "(every module)" in report.to_html()
+
+    full = diverging_report(mode="full")  # every step checks every module
+    figure = history_figure(full.history, full.step)
+    labels = [axes.get_ylabel() for axes in figure.axes]
+    assert figure.axes[labels.index("headroom to overflow, every module")].get_yscale() == "log"
     for axes in figure.axes:
         markers = [line for line in axes.get_lines() if line.get_color() == "#d62728"]
         assert [line.get_xdata()[0] for line in markers if line.get_marker() in ("v", "o")] == [2]

@@ -47,17 +47,35 @@ COLUMNS = (
 )
 
 
-#: StepSummary fields a history can show, with their labels. Loss and
-#: max |activation| always; the others where the watch recorded them.
+#: StepSummary fields a history can show, with labels that say what was measured.
+#: Loss and the largest output always; the others where the watch recorded them.
 HISTORY_FIELDS: tuple[tuple[str, str], ...] = (
     ("loss", "loss"),
-    ("absmax", "max |activation|"),
+    ("absmax", "max |output|"),
     ("grad_norm", "grad norm"),
-    ("headroom", "headroom to overflow"),
-    ("input_absmax", "max |input|"),
+    ("headroom", "headroom to overflow, every module"),
+    ("input_absmax", "max |input batch|"),
     ("scale", "loss scale"),
 )
 _ALWAYS_SHOWN = frozenset({"loss", "absmax"})
+
+
+def measured(entry: StepSummary) -> str:
+    """What a step's ``max |output|`` covers: every module's output on a full-check step, else the model's."""
+    return "every module" if entry.full else "model outputs"
+
+
+def history_value(entry: StepSummary, field: str) -> float | None:
+    """A step's value of ``field``; a headroom only where every module was checked.
+
+    A step that read the model's outputs only cannot say how close the
+    layers inside came to overflowing (a float16 ``q @ k`` at 65,504 under
+    a model output of 48): claiming a headroom from it would reassure wrongly.
+    """
+    if field == "headroom" and not entry.full:
+        return None
+    value: float | None = getattr(entry, field)
+    return value
 
 
 def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
@@ -65,7 +83,7 @@ def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
     return [
         (field, label)
         for field, label in HISTORY_FIELDS
-        if field in _ALWAYS_SHOWN or any(getattr(entry, field) is not None for entry in history)
+        if field in _ALWAYS_SHOWN or any(history_value(entry, field) is not None for entry in history)
     ]
 
 
@@ -76,7 +94,7 @@ def plotted_history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, 
         for field, label in HISTORY_FIELDS
         if sum(
             1 for entry in history
-            if (value := getattr(entry, field)) is not None and math.isfinite(value)
+            if (value := history_value(entry, field)) is not None and math.isfinite(value)
         ) >= 2
     ]
 

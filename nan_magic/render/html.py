@@ -20,8 +20,10 @@ from nan_magic.render.common import (
     fmt_number,
     headline,
     history_fields,
+    history_value,
     in_call_order,
     labelled_samples,
+    measured,
     module_label,
     plotted_history_fields,
     producer_position,
@@ -268,8 +270,10 @@ def debug_html(report: Report) -> str:
 
 
 def _history_cell(entry: StepSummary, field: str) -> str:
-    value = fmt_number(getattr(entry, field))
-    if field == "headroom" and entry.headroom_module is not None:
+    value = fmt_number(history_value(entry, field))
+    if field == "absmax" and value:
+        value += f" ({measured(entry)})"
+    if field == "headroom" and value and entry.headroom_module is not None:
         where = module_label(entry.headroom_module)
         value += f" ({escape(where)} {escape(short_dtype(entry.headroom_dtype))})"
     return value
@@ -295,7 +299,7 @@ def history_section(report: Report, rows: int = HISTORY_ROWS) -> tuple[str, str]
     title = f"History ({len(report.history)} steps kept"
     title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
     if plotted_history_fields(report.history):
-        plot = png_img(history_png(report.history, report.step), "loss and max |activation| per step")
+        plot = png_img(history_png(report.history, report.step), "loss and max |output| per step")
     else:
         plot = '<p class="nm-cut">No plot: no value was recorded at two steps or more.</p>'
     return title, f'{plot}\n<div class="nm-scroll">{table}</div>'

@@ -21,7 +21,7 @@ from matplotlib.ticker import EngFormatter, MaxNLocator
 from PIL import Image
 
 from nan_magic.records import Sample, StepSummary
-from nan_magic.render.common import finite_limit, plotted_history_fields, short_dtype
+from nan_magic.render.common import finite_limit, history_value, plotted_history_fields, short_dtype
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
@@ -209,12 +209,21 @@ def _draw_history_panel(
     failing: tuple[StepSummary, ...],
 ) -> None:
     points = [
-        (entry.step, value)
+        (entry.step, value, entry.full)
         for entry in history
-        if (value := getattr(entry, field)) is not None and math.isfinite(value)
+        if (value := history_value(entry, field)) is not None and math.isfinite(value)
     ]
-    steps, values = zip(*points)
+    steps, values, _ = zip(*points)
     axes.plot(steps, values, marker=".", color=_BAR)
+    if field == "absmax":
+        # Two measures in one panel: say which step read what.
+        full = [(step, value) for step, value, every in points if every]
+        if full:
+            axes.plot(*zip(*full), "s", color=_BAR, markersize=6, label="every module's output")
+        if len(full) < len(points):
+            axes.plot(*zip(*[(s, v) for s, v, every in points if not every]), "o", mfc="white", color=_BAR,
+                      markersize=6, label="the model's outputs only")
+        axes.legend(fontsize=_SMALL, loc="upper left", framealpha=0.9)
     positive = min(values) > 0
     # Headroom is a ratio: its approach to 1 (overflow) reads on a log axis only.
     if positive and (field == "headroom" or max(values) > _DECADES * min(values)):
@@ -226,7 +235,7 @@ def _draw_history_panel(
     axes.set_ylabel(label, fontsize=_SMALL)
     axes.tick_params(labelsize=8)
     for entry in failing:
-        value = getattr(entry, field)
+        value = history_value(entry, field)
         if value is not None and math.isfinite(value):
             axes.plot([entry.step], [value], "o", color=_LIMIT, markersize=7)
         else:
