@@ -61,9 +61,12 @@ def _nearby_samples(
     return samples[::-1]
 
 
-def _same_values(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+def _same_values(tensor: torch.Tensor) -> tuple[object, ...]:
     """What makes two tensors the same values: one memory, one layout (a detached copy of a view is another)."""
-    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+    try:
+        return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+    except RuntimeError:  # a sparse or storage-less tensor has no data pointer: the object itself
+        return (id(tensor),)
 
 
 def build_report(
