@@ -307,8 +307,8 @@ def test_histograms_show_the_failing_ops_operands_and_output_once_each() -> None
     figure = histogram_figure(tuple(producer))
     # Readable at a notebook's width: no wider than 900 px, so never scaled down, and no text under 10 px.
     assert figure.get_figwidth() * figure.dpi <= 900
-    sizes = [text.get_fontsize() * figure.dpi / 72 for text in figure.findobj(match=lambda o: hasattr(o, "get_fontsize"))
-             if getattr(text, "get_text", lambda: "")()]
+    texts = figure.findobj(match=lambda o: hasattr(o, "get_fontsize") and bool(getattr(o, "get_text", str)()))
+    sizes = [text.get_fontsize() * figure.dpi / 72 for text in texts]
     assert sizes and min(sizes) >= 10
 
 

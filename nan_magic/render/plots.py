@@ -214,16 +214,17 @@ def _draw_history_panel(
         if (value := history_value(entry, field)) is not None and math.isfinite(value)
     ]
     steps, values, _ = zip(*points)
-    axes.plot(steps, values, marker=".", color=_BAR)
     if field == "absmax":
-        # Two measures in one panel: say which step read what.
+        # Two measures in one panel, each its own line: a full-check step's value is not the next step's.
         full = [(step, value) for step, value, every in points if every]
         if full:
-            axes.plot(*zip(*full), "s", color=_BAR, markersize=6, label="every module's output")
+            axes.plot(*zip(*full), "s-", color=_BAR, markersize=6, label="every module's output")
         if len(full) < len(points):
-            axes.plot(*zip(*[(s, v) for s, v, every in points if not every]), "o", mfc="white", color=_BAR,
+            axes.plot(*zip(*[(s, v) for s, v, every in points if not every]), "o--", mfc="white", color=_BAR,
                       markersize=6, label="the model's outputs only")
         axes.legend(fontsize=_SMALL, loc="upper left", framealpha=0.9)
+    else:
+        axes.plot(steps, values, marker=".", color=_BAR)
     positive = min(values) > 0
     # Headroom is a ratio: its approach to 1 (overflow) reads on a log axis only.
     if positive and (field == "headroom" or max(values) > _DECADES * min(values)):
