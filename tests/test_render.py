@@ -435,8 +435,8 @@ def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
     # The toggles are offered only where they change the rows.
     view = LayersView(layers, dropped=0, max_rows=200)
     assert view.near.disabled  # four rows: all of them are near the producer
-    assert not view.path.disabled
-    view.path.value = True
+    assert not view.touched.disabled
+    view.touched.value = True
     assert [layer.status for layer in view.rows()] == ["producer", "propagated"]
 
 

@@ -109,7 +109,7 @@ def _row_text(layer: LayerCall) -> str:
     )).lower()
 
 
-def path_rows(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
+def touched_rows(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
     """The producer and every row the event touched (propagated, benign): the rows that are not ok."""
     return tuple(layer for layer in layers if layer.status != "ok")
 
@@ -128,11 +128,11 @@ class LayersView:
             layout=widgets.Layout(width="440px"),
         )
         # Each toggle is offered only where it changes what the table shows.
-        self.path = widgets.ToggleButton(
+        self.touched = widgets.ToggleButton(
             value=False,
             description="only non-finite rows",
             tooltip="the producer and the rows that hold non-finite values",
-            disabled=len(path_rows(layers)) in (0, len(layers)),
+            disabled=len(touched_rows(layers)) in (0, len(layers)),
             layout=widgets.Layout(width="auto"),
         )
         self.near = widgets.ToggleButton(
@@ -149,7 +149,7 @@ class LayersView:
             title += f"; {dropped} earlier calls not kept"
         note = moments_note(layers)
         self.widget = widgets.VBox([
-            widgets.HBox([self.filter, self.path, self.near]),
+            widgets.HBox([self.filter, self.touched, self.near]),
             widgets.HTML(f"<b>{title}</b>"),
             self.status,
             self.table,
@@ -157,14 +157,14 @@ class LayersView:
         ])
         self.filter.observe(self._refresh, names="value")
         self.near.observe(self._refresh, names="value")
-        self.path.observe(self._refresh, names="value")
+        self.touched.observe(self._refresh, names="value")
         self._refresh()
 
     def rows(self) -> tuple[LayerCall, ...]:
         """The rows that pass the toggle and the filter box, in call order."""
         rows = near_rows(self.layers, NEAR_RADIUS) if self.near.value else self.layers
-        if self.path.value:
-            rows = path_rows(rows)
+        if self.touched.value:
+            rows = touched_rows(rows)
         words = self.filter.value.lower().split()
         if words:
             rows = tuple(
