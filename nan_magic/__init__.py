@@ -10,12 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.lifecycle.watch import Watch, watch
+from nan_magic.fix_records import install_describer
+from nan_magic.lifecycle.entry import watch
+from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WatchConfig
 from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.records import (
     Cause,
     EarlyWarning,
+    FixTrial,
     LayerCall,
     Phase,
     Report,
@@ -38,6 +41,7 @@ __all__ = [
     "Cause",
     "CheckpointGuard",
     "EarlyWarning",
+    "FixTrial",
     "LayerCall",
     "NanMagicWarning",
     "NonFiniteError",
@@ -107,6 +111,16 @@ class _Views:
 
 
 install_views(_Views())
+
+
+def _describe_fix(trial: FixTrial) -> str:
+    from nan_magic.render.fixes import fix_description
+
+    return fix_description(trial)
+
+
+# A FixTrial's description is written by render/fixes.py, imported on first use.
+install_describer(_describe_fix)
 # A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).
 install_labeler(tensor_label)
 

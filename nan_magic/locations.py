@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["name_file", "name_location", "running_shell"]
+__all__ = ["SourcePointer", "name_file", "name_location", "running_shell"]
 
 
 def running_shell() -> Any:
@@ -52,8 +53,10 @@ def name_file(filename: str) -> str:
     no one); ``<string>``-like pseudo files are returned as they are.
     """
     cell = _cell_name(filename)
-    if cell is not None:
-        return cell
+    return cell if cell is not None else _path_name(filename)
+
+
+def _path_name(filename: str) -> str:
     if filename.startswith("<") or not os.path.isabs(filename):
         return filename
     try:
@@ -65,7 +68,18 @@ def name_file(filename: str) -> str:
 
 def name_location(filename: str, lineno: int) -> str:
     """``Cell In[5], line 14`` for a cell, ``models/net.py:14`` for a file."""
-    named = name_file(filename)
-    if named.startswith("Cell "):
-        return f"{named}, line {lineno}"
-    return f"{named}:{lineno}"
+    cell = _cell_name(filename)  # a cell is named by its own words, not read back from name_file's
+    return f"{cell}, line {lineno}" if cell is not None else f"{_path_name(filename)}:{lineno}"
+
+
+@dataclass(frozen=True)
+class SourcePointer:
+    """A line of source code: where an op ran or a frame stopped."""
+
+    filename: str
+    lineno: int
+    function: str
+    line: str | None = None
+
+    def __str__(self) -> str:
+        return f"{name_location(self.filename, self.lineno)}, in {self.function}"

@@ -131,6 +131,13 @@ class WatchConfig:
         (immediate mode only).""",
         _flag("--no-replay", action="store_false", help="do not replay the producer to find its op"),
     )
+    fixes: bool = _option(
+        True,
+        """At a real event, try the remedies that fit its cause (float32 at the
+        producer, an eps, the stable form) on copies of the failing step, within
+        a few step-times, and list which made the step finite (``report.fixes``).""",
+        _flag("--no-fixes", action="store_false", help="do not try remedies on a replay of the failing step"),
+    )
     backward: bool = _option(
         True,
         """Check the gradients.""",
@@ -183,7 +190,7 @@ class WatchConfig:
                 raise TypeError(f"{name} must be an integer, not {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, not {value!r}")
-        for name in ("ops", "replay", "backward", "defer"):
+        for name in ("ops", "replay", "fixes", "backward", "defer"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "defer" and value is None):
                 allowed = "True, False or None" if name == "defer" else "True or False"

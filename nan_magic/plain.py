@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["from_plain", "to_plain"]
+__all__ = ["from_plain", "to_pairs", "to_plain"]
 
 T = TypeVar("T")
 
@@ -28,6 +28,19 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(to_plain(item) for item in value)
     return value
+
+
+def to_pairs(value: Any) -> Any:
+    """As :func:`to_plain`, with each record as a tuple of ``(field, value)`` pairs.
+
+    Tuples alone, so the result hashes and fits a :class:`~nan_magic.records.Cause`'s
+    facts; :func:`from_plain` reads it back the same way.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return tuple((field.name, to_pairs(getattr(value, field.name))) for field in dataclasses.fields(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(to_pairs(item) for item in value)
+    return to_plain(value)
 
 
 def from_plain(record_type: type[T], data: Any) -> T:
@@ -57,5 +70,6 @@ def _decode(hint: Any, value: Any) -> Any:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         hints = typing.get_type_hints(hint)
         known = {field.name for field in dataclasses.fields(hint)}
-        return hint(**{name: _decode(hints[name], item) for name, item in value.items() if name in known})
+        items = value.items() if isinstance(value, dict) else value  # to_plain's dict or to_pairs' pairs
+        return hint(**{name: _decode(hints[name], item) for name, item in items if name in known})
     return value

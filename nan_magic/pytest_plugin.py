@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.lifecycle.watch import Watch, watch
+from nan_magic.lifecycle.entry import watch
+from nan_magic.lifecycle.watch import Watch
 from nan_magic.records import Report
 
 __all__ = ["nan_watch", "watching"]

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from nan_magic.locations import name_location
+from nan_magic.fix_records import FixTrial
+from nan_magic.locations import SourcePointer
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -26,6 +27,7 @@ __all__ = [
     "LOSS",
     "AbsorbedOp",
     "Cause",
+    "FixTrial",
     "LayerCall",
     "Phase",
     "Report",
@@ -120,19 +122,6 @@ class TensorStats:
     @property
     def finite(self) -> bool:
         return self.nonfinite == 0
-
-
-@dataclass(frozen=True)
-class SourcePointer:
-    """A line of source code: where an op ran or a frame stopped."""
-
-    filename: str
-    lineno: int
-    function: str
-    line: str | None = None
-
-    def __str__(self) -> str:
-        return f"{name_location(self.filename, self.lineno)}, in {self.function}"
 
 
 LayerStatus = Literal["ok", "producer", "propagated", "benign"]
@@ -346,6 +335,10 @@ class Report:
     #: How many models the watch held: with more than one, :attr:`where` says which model the
     #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
     models_watched: int = 1
+    #: The remedies tried on a replay of the failing step (:class:`FixTrial`), verified ones first.
+    fixes: tuple[FixTrial, ...] = ()
+    #: Whether the watch traced every op (``ops=True``): its hints then never suggest rerunning with it.
+    ops: bool = False
 
     # -- derived -------------------------------------------------------------
 
@@ -357,6 +350,19 @@ class Report:
     def counts(self) -> dict[str, int]:
         """The three counts apart, keyed by :data:`KINDS`."""
         return {"nan": self.nan, "+inf": self.posinf, "-inf": self.neginf}
+
+    @property
+    def op_inputs(self) -> tuple[tuple[TensorRef, TensorStats], ...]:
+        """The op's own operands where they were read (ops mode, a replay), else the module call's arguments."""
+        own = tuple((ref, stats) for ref, stats in self.input_stats if not ref.is_argument)
+        return own or self.input_stats
+
+    def operand(self, name: str) -> TensorStats | None:
+        """The op's operand named ``name`` by its schema (``"self"``, ``"other"``); before an in-place op."""
+        for ref, stats in self.input_stats:
+            if ref.role is TensorRole.OPERAND and ref.name == name:
+                return stats
+        return None
 
     @property
     def where(self) -> str:

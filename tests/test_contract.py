@@ -61,6 +61,10 @@ def test_contract(case: Case, mode: str) -> None:
     report = caught.value.report
     seen = (report.phase, report.module, report.step)
     assert seen == (expect.phase, expect.module, expect.step), f"{report.message}"
+    # A hint or note never suggests the mode already in use (nor one it implies: ops=True runs per-module too).
+    suggestions = {"ops": ("ops=True", "--ops", 'mode="full"', "--full"), "full": ('mode="full"', "--full")}
+    text = report.to_text()
+    assert not [s for s in suggestions.get(mode, ()) if s in text], text
     if expect.module_type is not None:
         assert report.module_type == expect.module_type
     if expect.tensor is not None:

@@ -17,8 +17,9 @@ from torch import nn
 from watching import raised
 
 from nan_magic import TensorRef, TensorRole
-from nan_magic.plain import from_plain, to_plain
-from nan_magic.records import Cause, Report
+from nan_magic.explain.evidence import event, event_cause, plain_cause
+from nan_magic.plain import from_plain, to_pairs, to_plain
+from nan_magic.records import Cause, EarlyWarning, Phase, Report, SourcePointer, TensorStats
 from nan_magic.render.cause import cause_evidence, cause_hint
 from nan_magic.render.common import labelled_samples
 
@@ -116,10 +117,30 @@ def test_a_report_is_plain_data_both_ways() -> None:
 
 _STEP = (("optimizer", "Adam"), ("subject", "fc.weight"), ("dtype", "float16"), ("nan", 3), ("posinf", 1),
          ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 7))
-_PLACE = (("tensor", "output"), ("tensor_role", "module output"), ("tensor_name", None), ("op", None),
-          ("module", "fc"), ("module_type", "Linear"), ("source", ("model.py", 42)),
-          ("nan", 0), ("posinf", 2), ("neginf", 1))
-_LEGACY = Cause("overflow", "text", (("hint", "fc (Linear) overflowed float32"), ("evidence", ("dtype float32",))))
+_INPUT = TensorStats("float32", (2, 4), 8, min=-3.0, max=2.0, absmax=3.0, zeros=2, negatives=3)
+#: One event every reading of a single event can be written from: a module's argument and the op's operands.
+_EVENT = Report(
+    phase=Phase.FORWARD, module="fc", module_type="Linear", step=12, nan=4, posinf=2, neginf=1, numel=8,
+    tensor=TensorRef.op_output("aten.div.Tensor"), model="Net", op="aten.div.Tensor", dtype="float32",
+    source=SourcePointer("model.py", 42, "forward", "return a / b"), autograd_node="DivBackward0",
+    output_stats=TensorStats("float32", (2, 4), 8, nan=4, posinf=2, neginf=1),
+    input_stats=(
+        (TensorRef.argument("input[0]"), _INPUT),
+        *((TensorRef(TensorRole.OPERAND, name), dataclasses.replace(_INPUT, neginf=9))
+          for name in ("self", "other", "query", "key", "attn_mask")),
+    ),
+    warnings=(EarlyWarning(3, "extreme-input", "input[0] reached |x| = 1e9"),), notes=("a mask's -inf",),
+)
+_SIGNS = (("arithmetic", "div"), ("pow",), ("near", to_pairs(TensorRef(TensorRole.OPERAND, "self")), 3e36, 1e-3),
+          ("output-near", 3e35), ("square", to_pairs(TensorRef.argument("input[0]")), 2e19, 1.8e19),
+          ("product", 1e20, 1e19), ("scores", 3.0, 3.0, 4, 18.0), ("mask", 4))
+
+
+def _of_event(label: str, reading: str, **numbers: object) -> Cause:
+    return event_cause(label, reading, _EVENT, **numbers)
+
+
+_DOWNSTREAM = _of_event("overflow", "wide-overflow", limit=3.4e38, signs=(), matmul=False, attention=False)
 #: One cause of each reading render/cause.py writes, with the numbers the test reads back.
 CAUSES = {
     "optimizer-lr": (Cause("learning-rate-too-high", "optimizer-lr",
@@ -134,15 +155,49 @@ CAUSES = {
     "grad-scaler-collapse": (Cause("grad-scaler-collapse", "grad-scaler-collapse", (("skipped", 5), ("scale", 0.5))),
                              "scale fell to 0.5"),
     "extreme-batch": (Cause("bad-input-data", "extreme-batch", (
-        ("batch", "input[0]"), ("model", "Net"), ("absmax", 3.5e9), ("bound", 1e6), *_PLACE,
-        ("then", (_LEGACY.label, _LEGACY.reading, _LEGACY.facts)),
+        ("batch", "input[0]"), ("absmax", 3.5e9), ("bound", 1e6), event(_EVENT), ("then", plain_cause(_DOWNSTREAM)),
     )), "|x| = 3.5e9"),
     "diverging": (Cause("learning-rate-too-high", "diverging", (
-        ("growth", ("loss", 2.5e7, 12, 250000.0, 100.0, 0, 3)), *_PLACE, ("phase", "forward"), ("step", 12),
+        ("growth", ("loss", 2.5e7, 12, 250000.0, 100.0, 0, 3)), event(_EVENT),
         ("then", ("half-precision-overflow", "optimizer-update-overflow", _STEP)),
         ("absorbed", ("aten.exp.default", "model.py", 40, "fc", 0, 4, 0)),
     )), "the loss rose to 2.5e7 at step 12, 250000x its median 100"),
-    "text": (_LEGACY, "fc (Linear) overflowed float32"),
+    "benign": (_of_event("unclassified", "benign"), "4 nan, 2 +inf, 1 -inf"),
+    "bad-batch": (_of_event("bad-input-data", "bad-batch"), "entering Net already held"),
+    "parameter-nonfinite": (_of_event("parameter-already-nonfinite", "parameter-nonfinite"), "when fc (Linear)"),
+    "derivative-pole": (_of_event("division-by-zero", "derivative-pole", function="div"), "-a/b²"),
+    "gradient-unwatched": (_of_event("unclassified", "gradient-unwatched"), "about to step"),
+    "backward-unmatched": (_of_event("unclassified", "backward-unmatched"), "in the backward of DivBackward0"),
+    "loss-unknown-op": (_of_event("unclassified", "loss-unknown-op"), "a log of a zero probability"),
+    "module-unknown-op": (_of_event("unclassified", "module-unknown-op", overflows=True, limit=3.4e38),
+                          "an overflow of float32 (max 3.4e38)"),
+    "log-domain": (_of_event("log-domain", "log-domain", base="log"), "got 1 zeros and 4 negatives"),
+    "sqrt-negative": (_of_event("sqrt-domain", "sqrt-negative"), "sqrt got 4 negatives"),
+    "rsqrt-zero": (_of_event("division-by-zero", "rsqrt-zero"), "rsqrt got 3 zeros"),
+    "pow-negative-base": (_of_event("pow-domain", "pow-negative-base"), "fractional exponent"),
+    "pow-zero-base": (_of_event("pow-domain", "pow-zero-base", zeros=2), "pow raised 2 zeros"),
+    "pow-unknown-base": (_of_event("unclassified", "pow-unknown-base"), "the base is not known"),
+    "exp-overflow": (_of_event("exp-overflow", "exp-overflow", threshold=88.72), "x > 88.72"),
+    "division-by-zero": (_of_event("division-by-zero", "division-by-zero", divisor="other"), "held 2 zeros of 8"),
+    "division-unknown-divisor": (_of_event("unclassified", "division-unknown-divisor", limit=65504.0),
+                                 "above 65504"),
+    "empty-quotient": (_of_event("empty-reduction", "empty-quotient"), "a count of nothing"),
+    "empty-mean": (_of_event("empty-reduction", "empty-mean"), "an average over zero elements"),
+    "corrected-one": (_of_event("division-by-zero", "corrected-one"), "correction=1"),
+    "carried": (_of_event("unclassified", "carried"), "from inputs already non-finite"),
+    "masked-softmax": (_of_event("masked-softmax", "masked-softmax", rows=1, positions=4), "1 row(s) of 4"),
+    "masked-logsumexp": (_of_event("masked-softmax", "masked-logsumexp", rows=2, positions=6, masked=15),
+                         "2 row(s) of 6 positions"),
+    "masked-attention": (_of_event("masked-softmax", "masked-attention", rows=None, positions=4, bound=18.0,
+                                   limit=3.4e38), "rows of aten.div.Tensor"),
+    "softmax-unmatched": (_of_event("unclassified", "softmax-unmatched"), "do not fill the NaN rows"),
+    "attention-unmatched": (_of_event("unclassified", "attention-unmatched", bound=(36.0, 18.0), limit=3.4e38,
+                                      masked=False, keys=4), "not an overflow of the scores (|q·kᵀ| <= 36)"),
+    "half-overflow": (_of_event("half-precision-overflow", "half-overflow", limit=65504.0, signs=_SIGNS,
+                                matmul=True, attention=False), "max 65504"),
+    "wide-overflow": (_of_event("overflow", "wide-overflow", limit=3.4e38, signs=_SIGNS, matmul=False,
+                                attention=True), "the scores q·kᵀ passed it"),
+    "op-unmatched": (_of_event("unclassified", "op-unmatched"), "no rule of the checklist matches"),
 }
 
 

@@ -112,6 +112,37 @@ def test_debug_opens_in_the_producing_frame(ip, ns) -> None:
     assert "(5, 8)" in printed
 
 
+ATTENTION = """
+class Attention(nn.Module):
+    def forward(self, x):
+        q = x * 1e20
+        att = q @ q.transpose(-2, -1)  # overflows: +inf scores
+        att = att - att.amax(-1, keepdim=True)  # inf - inf: NaN
+        out = att.softmax(-1)
+        return out @ x
+
+attention = Attention()
+"""
+
+
+@pytest.mark.parametrize("options", ["", "--ops", "--defer", "--full"])
+def test_debug_and_tb_show_the_producing_line_with_the_state_it_left(ip, ns, options) -> None:
+    ip.run_cell(ATTENTION)
+    run(ip, f"%%nantrace attention {options}\ny = attention(torch.rand(2, 3, 4) + 1)")
+    assert ns["_nan_report"].source.line == "att = q @ q.transpose(-2, -1)  # overflows: +inf scores"
+    printed = debug_session(ip, "p bool(att.isinf().any()), bool(att.isnan().any())\np 'out' in dir()\nll\nwhere\nq\n")
+    # att is the line's fresh +inf scores, not the NaN the next line made; out, defined later, is absent
+    assert "(True, False)" in printed and "False" in printed.split("(True, False)")[1]
+    # The arrow of the frame pdb opens, of ll and of where (after the cell's own line): the producing line
+    arrows = [line for line in printed.splitlines() if "---->" in line]
+    producing = [line for line in arrows if "att = q @ q.transpose(-2, -1)" in line]
+    assert len(producing) == 3 and len(arrows) == 4 and "y = attention(" in arrows[2], printed
+    with capture_output() as shown:
+        ip.run_line_magic("tb", "")
+    last = [line for line in shown.stdout.splitlines() if "---->" in line or "-->" in line][-1]
+    assert "att = q @ q.transpose(-2, -1)" in last, shown.stdout
+
+
 def test_output_option_names_the_variable(ip, ns) -> None:
     run(ip, "%%nantrace model opt -o rep\n" + TRAIN)
     assert ns["rep"].module == "log"
@@ -344,6 +375,69 @@ def test_nanwatch_on_watches_every_cell_until_off(ip, ns) -> None:
     _, status = run(ip, "%nanwatch status")
     assert "nan_magic: off" in status.stdout
     assert global_hook_counts() == before
+
+
+SPLIT_SETUP = """
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.log = LogLayer()
+
+    def forward(self, x):
+        return self.log(self.lin(x).abs() + x[:, :1])
+
+torch.manual_seed(0)
+shifted = Shifted()
+sgd = torch.optim.SGD(shifted.parameters(), lr=0.01)
+batches = [torch.rand(3, 4) for _ in range(8)]
+batches[5] = torch.full((3, 4), -100.0)  # log of negatives in the 6th iteration
+i = 0
+"""
+SPLIT_FORWARD = "loss = shifted(batches[i]).mean(); sgd.zero_grad(); loss.backward()"
+SPLIT_STEP = "sgd.step(); i += 1"
+
+
+def test_nanwatch_on_counts_a_loop_split_over_cells_as_one_run(ip, ns) -> None:
+    before = global_hook_counts()
+    ip.run_cell(SPLIT_SETUP)
+    run(ip, "%nanwatch on")
+    failed = None
+    for iteration in range(8):
+        result, _ = run(ip, SPLIT_FORWARD)
+        assert global_hook_counts() == before  # paused between cells: nothing attached
+        if result.error_in_exec is not None:
+            failed = iteration
+            break
+        run(ip, SPLIT_STEP)
+    assert failed == 5
+    report = ns["_nan_report"]
+    assert (report.module, report.step) == ("log", 5)  # the user's iteration, as one cell would count it
+    assert report.message.startswith("first non-finite value in forward step 5: log (LogLayer)")
+    assert [entry.step for entry in report.history] == [0, 1, 2, 3, 4]
+    # The run raised: the next cell starts a new one, counted from step 0.
+    ns["i"] = 5
+    result, _ = run(ip, SPLIT_FORWARD)
+    assert ns["_nan_report"].step == 0 and not ns["_nan_report"].history
+    run(ip, "%nanwatch off")
+    assert global_hook_counts() == before
+
+
+def test_an_error_of_the_users_own_leaves_the_run_going_on(ip, ns) -> None:
+    ip.run_cell(SPLIT_SETUP)
+    run(ip, "%nanwatch on shifted")
+    for _ in range(2):
+        run(ip, SPLIT_FORWARD)
+        run(ip, SPLIT_STEP)
+    result, _ = run(ip, "undefined_name")  # a typo: the run is not over
+    assert isinstance(result.error_in_exec, NameError)
+    for _ in range(3):
+        run(ip, SPLIT_FORWARD)
+        run(ip, SPLIT_STEP)
+    result, _ = run(ip, SPLIT_FORWARD)
+    assert result.error_in_exec is not None
+    assert ns["_nan_report"].step == 5
+    run(ip, "%nanwatch off")
 
 
 def test_a_terminal_nantrace_cell_still_ends_at_a_blank_line(ip) -> None:

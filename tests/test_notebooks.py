@@ -237,8 +237,53 @@ KERNEL_CELLS = {
     "rebuilt_report": "print(_nan_report.model, _nan_report.module)",
     "bare_nanwatch": "model, opt = build()\n%nanwatch\n" + KERNEL_TRAIN,
     "bare_report": "print(_nan_report.model, _nan_report.module)\n%nanwatch status",
+    "split_setup": (
+        "class Shifted(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin, self.log = nn.Linear(4, 4), LogLayer()\n"
+        "    def forward(self, x):\n"
+        "        return self.log(self.lin(x).abs() + x[:, :1])\n"
+        "torch.manual_seed(0)\n"
+        "shifted = Shifted()\n"
+        "sgd = torch.optim.SGD(shifted.parameters(), lr=0.01)\n"
+        "batches = [torch.rand(3, 4) for _ in range(6)]\n"
+        "batches[5] = torch.full((3, 4), -100.0)  # log of negatives in the 6th iteration\n"
+        "i = 0\n"
+        "%nanwatch on"
+    ),
+    # %nanwatch on, forward and backward in one cell, the optimizer step in the next: six iterations.
+    **{
+        name: source
+        for iteration in range(6)
+        for name, source in (
+            (f"split_forward_{iteration}", "loss = shifted(batches[i]).mean(); sgd.zero_grad(); loss.backward()"),
+            (f"split_step_{iteration}", "sgd.step(); i += 1"),
+        )
+        if name != "split_step_5"
+    },
+    "split_report": "print(_nan_report.step, [entry.step for entry in _nan_report.history])\n%nanwatch off",
+    "attention_setup": (
+        "class Attention(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        q = x * 1e20\n"
+        "        att = q @ q.transpose(-2, -1)  # overflows: +inf scores\n"
+        "        att = att - att.amax(-1, keepdim=True)  # inf - inf: NaN\n"
+        "        out = att.softmax(-1)\n"
+        "        return out @ x\n"
+        "attention = Attention()"
+    ),
+    "attention_fails": "%%nantrace attention\ny = attention(torch.rand(2, 3, 4) + 1)",
+    # %debug with its commands piped in (the kernel's stdin is the notebook's, which nbclient does not serve).
+    "attention_debug": (
+        "from unittest import mock\n"
+        "commands = ['p bool(att.isinf().any()), bool(att.isnan().any())', \"p 'out' in dir()\", 'll', 'where', 'q']\n"
+        "with mock.patch('builtins.input', side_effect=commands):\n"
+        "    %debug"
+    ),
+    "attention_tb": "%tb",
 }
-RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch"}
+RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch", "split_forward_5", "attention_fails", "attention_tb"}
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +370,31 @@ def test_kernel_bare_nanwatch_watches_the_rest_of_the_cell(kernel_nb: Any) -> No
     text = stream_text(named(kernel_nb, "bare_report"))
     assert text.split("\n")[0].split() == ["model", "log"]
     assert "nan_magic: off" in text and "last report" in text
+
+
+def test_kernel_nanwatch_on_counts_a_loop_split_over_cells_as_one_run(kernel_nb: Any) -> None:
+    for iteration in range(5):
+        assert not errors_of(named(kernel_nb, f"split_forward_{iteration}"))
+    failing = named(kernel_nb, "split_forward_5")
+    (error,) = errors_of(failing)
+    assert error.evalue.startswith("first non-finite value in forward step 5: log (LogLayer)"), error.evalue
+    assert stream_text(named(kernel_nb, "split_report")).splitlines()[0] == "5 [0, 1, 2, 3, 4]"
+    # The report's History holds the five steps before the event, in the static report and in the widget.
+    assert "History (5 steps kept)" in static_output(failing)["text/html"]
+    tree = report_widgets(kernel_nb, failing)
+    history = html_values(descendants(tree["states"], tree["children"][TAB_TITLES.index("History")]))
+    assert "History (5 steps kept)" in history and "No history" not in history
+
+
+def test_kernel_debug_and_tb_open_at_the_producing_line_with_the_state_it_left(kernel_nb: Any) -> None:
+    failing = named(kernel_nb, "attention_fails")
+    assert errors_of(failing)[0].ename == "NonFiniteError"
+    printed = stream_text(named(kernel_nb, "attention_debug"))
+    # att is the line's fresh +inf scores, not the NaN of the next line; out, assigned later, is absent
+    assert "(True, False)\n" in printed and "\nFalse\n" in printed.split("(True, False)")[1], printed
+    arrows = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in printed.splitlines() if "---->" in line]
+    producing = [line for line in arrows if "att = q @ q.transpose(-2, -1)" in line]
+    assert len(producing) == 3 and len(producing) == len(arrows) - 1, printed  # pdb's stop, ll, where
+    (tb,) = errors_of(named(kernel_nb, "attention_tb"))
+    shown = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in "\n".join(tb.traceback).splitlines()]
+    assert "att = q @ q.transpose(-2, -1)" in [line for line in shown if "---->" in line][-1], shown

@@ -140,7 +140,8 @@ def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
     """A reading that opens with a common word is capitalised; one that opens with a name keeps its case."""
     import dataclasses
 
-    from nan_magic.records import Cause
+    from nan_magic.explain.evidence import event_cause
+    from nan_magic.records import LOSS, Cause
     from nan_magic.render.common import cause_sentence
 
     step = (("optimizer", "Adam"), ("subject", "fc.weight"), ("dtype", "float16"), ("nan", 3), ("posinf", 0),
@@ -155,10 +156,15 @@ def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
     assert cause_sentence(named).startswith(
         "Likely cause: half-precision-overflow. state exp_avg_sq of fc.weight overflowed float16 (max 65504)"
     )
-    # Legacy path: a cause still written as text is capitalised by its first word.
-    legacy = Cause("division-by-zero", "text", (("hint", "aten.div.Tensor in 1 divided by 0"), ("evidence", ())))
-    assert cause_sentence(dataclasses.replace(report, cause=legacy)) == (
-        "Likely cause: division-by-zero. aten.div.Tensor in 1 divided by 0"
+    # A reading of an event that opens with the op's name keeps its case; one that opens with "the loss" not.
+    division = event_cause("division-by-zero", "division-by-zero", report, divisor="other")
+    assert cause_sentence(dataclasses.replace(report, cause=division)).startswith(
+        "Likely cause: division-by-zero. aten.div.Tensor in 1 (HandNorm) divided by zero"
+    )
+    loss = dataclasses.replace(report, tensor=LOSS, op=None)
+    overflow = event_cause("overflow", "wide-overflow", loss, limit=3.4e38, signs=(), matmul=False, attention=False)
+    assert cause_sentence(dataclasses.replace(report, cause=overflow)).startswith(
+        "Likely cause: overflow. The loss made 32 nan"
     )
 
 

@@ -79,6 +79,7 @@ import dataclasses
 import datetime
 import itertools
 import pickle
+import struct
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -106,6 +107,8 @@ class Finding(Protocol):
 #: How telling a rank's event is: a producer on that rank beats a non-finite
 #: parameter gradient seen at the step, which may have arrived through DDP's all-reduce.
 _PRODUCED, _ARRIVED = 2, 1
+#: A flag as the exit round's store key holds it: one signed 8-byte integer, little-endian.
+_FLAG = struct.Struct("<q")
 
 _EVENT_KEY = "nan_magic/event/{round}/{rank}"
 _STOPS = "nan_magic/stops"
@@ -312,8 +315,7 @@ class Agreement:
                 return own or self.peer_stop()
             if not store.check([f"{prefix}/flags"]):
                 return own or self.peer_stop()
-            flags = [int(flag) for flag in store.get(f"{prefix}/flags").decode().split(",") if flag]
-            first = _rank_of(max(flags), world)
+            first = _rank_of(max(_flags(store, prefix)), world)
             error = own
             if first != rank:
                 error = _peer_error(pickle.loads(store.get(f"{prefix}/report/{first}")), own, rank)
@@ -329,7 +331,8 @@ class Agreement:
         prefix = _EXIT_PREFIX.format(number=number)
         if own is not None:
             store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
-            store.append(f"{prefix}/flags", f"{_flag(own, finding, rank, world)},")  # read once every rank came
+            # One 8-byte integer per rank with an event, appended: read once every rank came.
+            store.append(f"{prefix}/flags", _FLAG.pack(_flag(own, finding, rank, world)))
         return store, prefix
 
     def _depart(self, own: NonFiniteError | None, finding: Finding | None) -> None:
@@ -390,9 +393,8 @@ def _forget_round(store: Any, number: int, world: int) -> None:
     prefix = _EXIT_PREFIX.format(number=number)
     try:
         if store.check([f"{prefix}/flags"]):
-            for flag in store.get(f"{prefix}/flags").decode().split(","):
-                if flag:
-                    store.delete_key(f"{prefix}/report/{_rank_of(int(flag), world)}")
+            for flag in _flags(store, prefix):
+                store.delete_key(f"{prefix}/report/{_rank_of(flag, world)}")
         for key in ("arrived", "arrived/all", "read", "read/all", "flags"):
             store.delete_key(f"{prefix}/{key}")
     except RuntimeError:  # a store that went takes its keys with it
@@ -415,6 +417,11 @@ def _flag(own: NonFiniteError, finding: Finding | None, rank: int, world: int) -
     """The one integer a rank's event is reduced as: how telling it is, then the lowest rank first."""
     arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
     return (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)
+
+
+def _flags(store: Any, prefix: str) -> list[int]:
+    """The flags the ranks with an event appended in an exit round, as the integers they packed."""
+    return [flag for (flag,) in _FLAG.iter_unpack(store.get(f"{prefix}/flags"))]
 
 
 def _rank_of(flag: int, world: int) -> int:

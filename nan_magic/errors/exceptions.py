@@ -59,6 +59,11 @@ class NonFiniteError(FloatingPointError):
             if full is not None:
                 return full
         self._shown = True
+        formatter = getattr(running_shell(), "InteractiveTB", None)
+        if getattr(formatter, "tb", None) is not None:
+            # %debug opens the traceback IPython's formatter formatted last before sys.last_traceback; the short
+            # error is not formatted there, so an earlier cell's error (a NameError) would be the one it opens.
+            formatter.tb = None  # type: ignore[union-attr]
         headline = f"{type(self).__name__}: {self}"
         return short_traceback(headline, self.__traceback__, self.report.source)
 

@@ -24,13 +24,14 @@ from nan_magic.records import SourcePointer
 __all__ = [
     "end_at_producer",
     "frames_of",
+    "is_library_code",
     "is_library_file",
     "last_user_frame",
     "pointer",
     "pointer_at",
     "short_traceback",
-    "trim_to_user_code",
     "user_frames_of",
+    "user_line",
 ]
 
 _LIBRARY_DIRS = tuple(
@@ -70,15 +71,26 @@ def pointer_at(code: CodeType, lineno: int, module_globals: dict[str, Any] | Non
     return SourcePointer(code.co_filename, lineno, code.co_name, text)
 
 
-def trim_to_user_code(tb: TracebackType | None) -> TracebackType | None:
-    """Cut ``tb`` after its last user frame, in place; return that entry.
+def user_line(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] | None:
+    """``(code, line, globals)`` of the user's frame at or above ``frame`` as it is now, for :func:`pointer_at` later.
 
-    Returns ``None`` (and leaves ``tb`` alone) when no entry is user code.
+    Cheaper than a :class:`SourcePointer` (no line text read): a record kept in case it is reported.
     """
-    last_user = _last_user_entry(tb)
-    if last_user is not None:
-        last_user.tb_next = None
-    return last_user
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
+
+
+# id(code) -> (code, is library code); holding the code keeps its id unique.
+_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
+
+
+def is_library_code(code: CodeType) -> bool:
+    """:func:`is_library_file` for a code object, cached (asked for every frame of a walk up the stack)."""
+    entry = _LIBRARY_CODE.get(id(code))
+    if entry is None:
+        entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
+    return entry[1]
 
 
 def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:

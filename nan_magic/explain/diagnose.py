@@ -80,20 +80,8 @@ import dataclasses
 import itertools
 import math
 import statistics
-from collections.abc import Callable
 
-from nan_magic.explain.cause_text import (
-    HALF,
-    counts,
-    legacy_cause,
-    line,
-    node_function,
-    place_facts,
-    plain_cause,
-    unclassified,
-    where,
-    zeros_phrase,
-)
+from nan_magic.explain.evidence import HALF, event, event_cause, node_function, plain_cause
 from nan_magic.explain.forward import forward_cause
 from nan_magic.explain.optimizer import optimizer_cause
 from nan_magic.explain.overflow import half_overflow
@@ -129,13 +117,6 @@ DIVERGENCE_FACTOR = 10.0
 #: spikes once, a diverging run keeps climbing.
 DIVERGENCE_RISES = 3
 
-#: Where a backward turns a finite gradient non-finite: the checklist to give
-#: when the op is unknown.
-_DERIVATIVE_POLES = (
-    "derivatives are infinite for sqrt, pow(x, p<1) and norms at 0, log and 1/x at 0, acos/asin at ±1"
-)
-
-
 def diagnose(report: Report) -> Cause:
     """The likely cause of ``report``'s event, with its evidence and a fix.
 
@@ -152,12 +133,7 @@ def diagnose(report: Report) -> Cause:
         concerned with its numbers, and the evidence lines behind it.
     """
     if report.benign:
-        return legacy_cause(
-            "unclassified",
-            f"benign: the program handles {report.tensor} of {where(report)} ({counts(report)}: a GradScaler skip "
-            "or a deliberate infinity); nothing to fix unless it keeps coming back",
-            report.notes or (f"{report.tensor}: {counts(report)}",),
-        )
+        return event_cause("unclassified", "benign", report)
     cause = _with_absorbed(report, _local_cause(report))
     growth = _growth(report.history)
     if cause.label in ("half-precision-overflow", "overflow", "exp-overflow", "unclassified"):
@@ -190,7 +166,11 @@ def _with_absorbed(report: Report, cause: Cause) -> Cause:
 def _local_cause(report: Report) -> Cause:
     """The cause the event itself shows, before looking upstream."""
     if report.phase == Phase.OPTIMIZER:
-        return optimizer_cause(report)
+        cause = optimizer_cause(report)
+        if cause.label == "unclassified" and report.optimizer is None and report.op is not None:
+            # A hand-written update (loop code, no optimizer) is read by its op, as forward code is.
+            return forward_cause(report)
+        return cause
     if report.tensor.role is TensorRole.PARAMETER:
         return _parameter(report)
     if report.phase == Phase.DATA:
@@ -204,31 +184,11 @@ def _local_cause(report: Report) -> Cause:
 
 
 def _bad_data(report: Report) -> Cause:
-    where = f" (first at index {report.first_bad_index})" if report.first_bad_index else ""
-    hint = (
-        f"{report.tensor} entering {report.model or 'the model'} already held {counts(report)} of "
-        f"{report.numel}{where}: the batch was bad before the model ran; check the loader and preprocessing "
-        "(a standardisation by a zero std, a log of a zero feature, a corrupt record)"
-    )
-    evidence = [f"phase data: {report.tensor} held {counts(report)} before any watched module ran"]
-    evidence += [
-        f"earlier warning at step {warning.step}: {warning.message}"
-        for warning in report.warnings
-        if warning.kind in ("extreme-input", "constant-feature")
-    ]
-    return legacy_cause("bad-input-data", hint, tuple(evidence))
+    return event_cause("bad-input-data", "bad-batch", report)
 
 
 def _parameter(report: Report) -> Cause:
-    name = report.tensor.name
-    # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
-    seen = f"when {where(report)} read it" if report.phase != Phase.DATA else f"after step {report.step}"
-    hint = (
-        f"{name} already held {counts(report)} {seen}: it became non-finite outside every watched step "
-        "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
-        "what wrote it"
-    )
-    return legacy_cause("parameter-already-nonfinite", hint, (f"{report.tensor}: {counts(report)} of {report.numel}",))
+    return event_cause("parameter-already-nonfinite", "parameter-nonfinite", report)
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -236,89 +196,29 @@ def _parameter(report: Report) -> Cause:
 
 def _backward(report: Report) -> Cause:
     node = report.autograd_node
-    rule = _NODE_RULES.get(node_function(node)) if node else None
-    if rule is not None:
-        return rule(report)
+    pole = _POLES.get(node_function(node)) if node else None
+    if pole is not None:
+        # A backward through a function whose derivative has a pole: the function names the reading.
+        return event_cause(_POLE_LABELS[pole], "derivative-pole", report, function=pole)
     if report.posinf + report.neginf and report.dtype in HALF:
         return half_overflow(report)
-    if report.tensor.role is TensorRole.PARAMETER_GRADIENT:
-        return unclassified(
-            report,
-            f"{report.tensor} was {counts(report)} when the optimizer was about to step; the backward that "
-            "computed it was not watched (or code after it changed it)",
-            (f"{report.tensor}: {counts(report)}",),
-        )
-    if node is not None:
-        detail = f"in the backward of {node} ({report.op} at {line(report)})"
-    elif report.op is not None:
-        detail = f"in {report.op}"
-    else:
-        detail = "(the op is unknown: rerun with ops=True, %%nantrace --ops, to name it)"
-    return unclassified(
-        report,
-        f"the backward of {where(report)} turned a finite gradient into {counts(report)} in {report.tensor} "
-        f"{detail}; {_DERIVATIVE_POLES}",
-        (f"phase backward: {report.tensor} {counts(report)} of {report.numel}",),
-    )
+    if report.tensor.role is TensorRole.PARAMETER_GRADIENT and report.op is None:
+        return event_cause("unclassified", "gradient-unwatched", report)
+    return event_cause("unclassified", "backward-unmatched", report)
 
 
-def _node_cause(label: str, derivative: str, fix: str) -> Callable[[Report], Cause]:
-    """A rule for a backward through a function whose derivative has a pole."""
-
-    def rule(report: Report) -> Cause:
-        zeros = zeros_phrase(report)
-        return legacy_cause(
-            label,
-            f"{derivative} at {line(report)}{zeros}: its backward gave {counts(report)} ({report.op}); {fix}",
-            (f"autograd node {report.autograd_node}", f"{report.tensor}: {counts(report)}"),
-        )
-
-    return rule
-
-
-_NODE_RULES: dict[str, Callable[[Report], Cause]] = {
-    "sqrt": _node_cause(
-        "sqrt-domain", "the derivative of sqrt, 1/(2·sqrt(x)), is infinite at x = 0, reached by sqrt",
-        "add eps inside the sqrt (torch.sqrt(x + 1e-12)) or clamp x to >= eps",
-    ),
-    "acos": _node_cause(
-        "sqrt-domain", "the derivative of acos, -1/sqrt(1 - x²), is infinite at x = ±1, reached by acos",
-        "clamp to [-1 + 1e-7, 1 - 1e-7] (a clamp to [-1, 1] still lets ±1 through)",
-    ),
-    "asin": _node_cause(
-        "sqrt-domain", "the derivative of asin, 1/sqrt(1 - x²), is infinite at x = ±1, reached by asin",
-        "clamp to [-1 + 1e-7, 1 - 1e-7] (a clamp to [-1, 1] still lets ±1 through)",
-    ),
-    "log": _node_cause(
-        "log-domain", "the derivative of log, 1/x, is infinite at x = 0, reached by log",
-        "clamp to eps before the log (x.clamp_min(1e-12)) or use log_softmax",
-    ),
-    "div": _node_cause(
-        "division-by-zero", "the derivative of a/b, -a/b², is infinite at b = 0, reached by a division",
-        "add eps to the divisor or clamp it (b.clamp_min(1e-12))",
-    ),
-    "pow": _node_cause(
-        "pow-domain", "the derivative of x**p for p < 1 is infinite at x = 0, reached by pow",
-        "add eps to the base (x + 1e-12) ** p or clamp it",
-    ),
-    "norm": _node_cause(
-        "division-by-zero", "the derivative of a norm, x/‖x‖, divides by 0 at a zero vector, reached by a norm",
-        "add eps inside (torch.sqrt((x**2).sum(-1) + 1e-12)) or clamp the norm",
-    ),
-    "std": _node_cause(
-        "division-by-zero", "the derivative of std divides by the std, 0 at a constant input, reached by std",
-        "add eps inside (torch.sqrt(x.var() + 1e-5))",
-    ),
-    "exp": _node_cause(
-        "exp-overflow", "the derivative of exp is exp(x), which overflows for large x, reached by exp",
-        "subtract the max first (logsumexp) or clamp the input",
-    ),
+#: The kind of each function whose derivative has a pole (render/cause_steps.py writes the derivative).
+_POLE_LABELS = {
+    "sqrt": "sqrt-domain", "acos": "sqrt-domain", "asin": "sqrt-domain", "log": "log-domain",
+    "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
+    "exp": "exp-overflow",
 }
-_NODE_RULES.update({
-    "rsqrt": _NODE_RULES["sqrt"], "log2": _NODE_RULES["log"], "log10": _NODE_RULES["log"],
-    "log1p": _NODE_RULES["log"], "reciprocal": _NODE_RULES["div"], "linalgvectornorm": _NODE_RULES["norm"],
-    "cdist": _NODE_RULES["norm"], "var": _NODE_RULES["std"], "stdmean": _NODE_RULES["std"],
-})
+#: The function of each autograd node that has a pole, by the node's forward function.
+_POLES = {
+    **{function: function for function in _POLE_LABELS},
+    "rsqrt": "sqrt", "log2": "log", "log10": "log", "log1p": "log", "reciprocal": "div",
+    "linalgvectornorm": "norm", "cdist": "norm", "var": "std", "stdmean": "std",
+}
 
 
 # -- upstream causes ------------------------------------------------------------------------
@@ -335,8 +235,8 @@ def _extreme_batch(report: Report) -> tuple[str, float] | None:
 
 def _bad_batch(report: Report, downstream: Cause, tensor: str, absmax: float) -> Cause:
     return Cause("bad-input-data", "extreme-batch", (
-        ("batch", tensor), ("model", report.model), ("absmax", absmax), ("bound", EXTREME_INPUT),
-        *place_facts(report), ("then", plain_cause(downstream)),
+        ("batch", tensor), ("absmax", absmax), ("bound", EXTREME_INPUT), event(report),
+        ("then", plain_cause(downstream)),
     ))
 
 
@@ -360,9 +260,7 @@ def _growth(history: tuple[StepSummary, ...]) -> tuple[str, float, int, float, f
 
 
 def _learning_rate(report: Report, downstream: Cause, growth: tuple[str, float, int, float, float, int, int]) -> Cause:
-    return Cause("learning-rate-too-high", "diverging", (
-        ("growth", growth), *place_facts(report), ("phase", report.phase.value), ("step", report.step),
-        ("then", plain_cause(downstream)),
-    ))
+    return Cause("learning-rate-too-high", "diverging", (("growth", growth), event(report),
+                                                          ("then", plain_cause(downstream))))
 
 

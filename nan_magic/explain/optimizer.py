@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nan_magic.explain.cause_text import HALF, dtype_max, float_dtype, op_base
+from nan_magic.explain.evidence import HALF, dtype_max, float_dtype, op_base
 from nan_magic.records import Cause, Report, TensorRole
 
 __all__ = ["optimizer_cause"]

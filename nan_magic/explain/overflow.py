@@ -14,26 +14,11 @@ from __future__ import annotations
 
 import math
 
-from nan_magic.explain.cause_text import (
-    HALF,
-    counts,
-    dtype_max,
-    fmt,
-    input_lines,
-    legacy_cause,
-    named_input,
-    op_base,
-    op_inputs,
-    short_label,
-    unclassified,
-    what,
-    where,
-)
+from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
+from nan_magic.plain import to_pairs
 from nan_magic.records import Cause, Report
 
-__all__ = [
-    "ATTENTION_FIX", "MATMUL_OPS", "attention_op", "half_overflow", "overflow", "wide_overflow", "wide_overflow_facts",
-]
+__all__ = ["MATMUL_OPS", "Sign", "attention_op", "half_overflow", "overflow", "wide_overflow", "wide_overflow_signs"]
 
 MATMUL_OPS = frozenset({
     "mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot", "einsum",
@@ -56,11 +41,9 @@ _SQUARING_OPS = frozenset({
 })
 #: An operand or output within this factor of the dtype's max: any further scale or sum can pass it.
 NEAR_MAX = 1e-3
-#: The attention kernel already scales by d**-0.5: what is left is the size of q and k themselves.
-ATTENTION_FIX = (
-    "normalise q and k (QK-norm: a LayerNorm or RMSNorm on each) and find what grew them (the q/k projection "
-    "weights: a learning rate too high, no gradient clipping)"
-)
+#: A sign that an op passed its dtype's max, as plain values: ``(kind, *numbers)``; render/cause_overflow.py
+#: writes each kind ("arithmetic", "pow", "near", "output-near", "square", "product", "scores", "mask").
+Sign = tuple[object, ...]
 
 
 def attention_op(base: str | None) -> bool:
@@ -71,94 +54,51 @@ def overflow(report: Report) -> Cause:
     """An op that made a non-finite value from finite inputs and no domain rule explains: an overflow, if shown."""
     if report.posinf + report.neginf and report.dtype in HALF:
         return half_overflow(report)
-    facts = wide_overflow_facts(report) if report.dtype not in HALF else []
-    if facts:
-        return wide_overflow(report, facts)
-    largest = max((stats.absmax for _name, stats in op_inputs(report) if stats.absmax is not None), default=None)
-    size = f"; its inputs reached |x| = {fmt(largest)}" if largest is not None else ""
-    return unclassified(
-        report,
-        f"{report.op or 'the op'} in {where(report)} made {counts(report)} in {report.tensor} from finite "
-        f"{report.dtype} inputs{size}; no rule of the checklist matches",
-        _input_lines(report),
-    )
+    signs = wide_overflow_signs(report) if report.dtype not in HALF else ()
+    if signs:
+        return wide_overflow(report, signs)
+    return event_cause("unclassified", "op-unmatched", report)
 
 
-def wide_overflow_facts(report: Report) -> list[str]:
+def wide_overflow_signs(report: Report) -> tuple[Sign, ...]:
     """What shows that a float32/float64 op passed its dtype's max; empty where nothing does."""
     limit = dtype_max(report.dtype)
     base = op_base(report.op)
-    operands = [(name, stats.absmax) for name, stats in op_inputs(report)
+    operands = [(ref, stats.absmax) for ref, stats in report.op_inputs
                 if stats.absmax is not None and stats.finite]
-    facts = []
+    signs: list[Sign] = []
     if operands and base in _ARITHMETIC_OPS and (base != "mean" or report.posinf + report.neginf):
-        facts.append(f"{base} of finite operands makes inf (or inf - inf = NaN in a sum) only past {fmt(limit)}")
+        signs.append(("arithmetic", base))
     if operands and base in ("pow", "float_power"):
-        self = named_input(report, "self")
+        self = report.operand("self")
         if self is not None and self.zeros == 0 and report.posinf + report.neginf:
-            facts.append(f"pow of a base without zeros makes inf only past {fmt(limit)}")
-    near = [(name, absmax) for name, absmax in operands if absmax >= limit * NEAR_MAX]
-    facts += [f"{short_label(name)} reached |x| = {fmt(absmax)}, within {fmt(1 / NEAR_MAX)}x of the "
-              f"{report.dtype} max" for name, absmax in near]
+            signs.append(("pow",))
+    signs += [("near", to_pairs(ref), absmax, NEAR_MAX) for ref, absmax in operands if absmax >= limit * NEAR_MAX]
     output = report.output_stats
     if output is not None and output.absmax is not None and output.absmax >= limit * NEAR_MAX:
-        facts.append(f"the finite values of {report.tensor} reached |x| = {fmt(output.absmax)}, near the max")
+        signs.append(("output-near", output.absmax))
     if base in _SQUARING_OPS:
         root = math.sqrt(limit)
-        facts += [f"{short_label(name)} reached |x| = {fmt(absmax)} > sqrt(max) = {fmt(root)}: its square "
-                  "overflows" for name, absmax in operands if root <= absmax < limit * NEAR_MAX]
+        signs += [("square", to_pairs(ref), absmax, root) for ref, absmax in operands
+                  if root <= absmax < limit * NEAR_MAX]
     if base in MATMUL_OPS or base == "mul":
-        top = sorted((absmax for _name, absmax in operands), reverse=True)[:2]
+        top = sorted((absmax for _ref, absmax in operands), reverse=True)[:2]
         if len(top) == 2 and top[0] * top[1] >= limit:
-            facts.append(f"the product of its largest operands, {fmt(top[0])} · {fmt(top[1])}, passes the max")
-    return facts
+            signs.append(("product", top[0], top[1]))
+    return tuple(signs)
 
 
-def wide_overflow(report: Report, facts: list[str]) -> Cause:
-    limit = dtype_max(report.dtype)
+def wide_overflow(report: Report, signs: tuple[Sign, ...]) -> Cause:
+    return event_cause("overflow", "wide-overflow", report, limit=dtype_max(report.dtype), signs=signs,
+                       **_kind_of_op(report))
+
+
+def half_overflow(report: Report, signs: tuple[Sign, ...] = ()) -> Cause:
+    return event_cause("half-precision-overflow", "half-overflow", report, limit=dtype_max(report.dtype),
+                       signs=signs, **_kind_of_op(report))
+
+
+def _kind_of_op(report: Report) -> dict[str, bool]:
+    """Whether the op is a matmul or an attention kernel: each has a fix of its own."""
     base = op_base(report.op)
-    if attention_op(base):
-        fix = f"the scores q·kᵀ passed it: {ATTENTION_FIX}"
-    else:
-        fix = (
-            f"values this large are not a precision problem ({report.dtype} already holds {fmt(limit)}): find "
-            "what grew them (a parameter or activation growing each step: lower the learning rate, clip "
-            "gradients; inputs that are not normalised) and normalise or clip before this op"
-        )
-    if base in MATMUL_OPS:
-        fix += " (for attention, scale q by d**-0.5 before q·kᵀ and normalise q and k)"
-    return legacy_cause(
-        "overflow",
-        f"{what(report)} made {counts(report)}: it overflowed {report.dtype} (max {fmt(limit)})"
-        f"{_reached(report)}; {fix}",
-        (f"dtype {report.dtype}, finite limit {fmt(limit)}", *facts, *_input_lines(report)),
-    )
-
-
-def half_overflow(report: Report) -> Cause:
-    limit = dtype_max(report.dtype)
-    fix = "compute it in float32 (cast its inputs, or keep it out of torch.autocast) or scale the inputs down"
-    base = op_base(report.op)
-    if base in MATMUL_OPS:
-        fix += " (for attention, scale q by d**-0.5 before q·kᵀ)"
-    elif attention_op(base):
-        fix += f" ({ATTENTION_FIX})"
-    infinite = report.posinf + report.neginf
-    made = f"in {infinite} elements" if infinite else f"({counts(report)}: inf - inf inside the op)"
-    return legacy_cause(
-        "half-precision-overflow",
-        f"{what(report)} overflowed {report.dtype} (max {fmt(limit)}) {made}{_reached(report)}; {fix}",
-        (f"dtype {report.dtype}, finite limit {fmt(limit)}", f"{report.tensor}: {counts(report)}",
-         *_input_lines(report)),
-    )
-
-
-def _reached(report: Report) -> str:
-    """``; its inputs reached |x| = 20 (`self`), 60 (`mat2`)``: the op's operands in schema order."""
-    inputs = [(name, stats.absmax) for name, stats in op_inputs(report) if stats.absmax is not None]
-    reached = ", ".join(f"{fmt(absmax)} ({short_label(name)})" for name, absmax in inputs)
-    return f"; its inputs reached |x| = {reached}" if reached else ""
-
-
-def _input_lines(report: Report) -> tuple[str, ...]:
-    return tuple(input_lines(report))
+    return {"matmul": base in MATMUL_OPS, "attention": attention_op(base)}

@@ -96,7 +96,7 @@ class ForwardChecks:
             if outside is not None:
                 outside.stop()
             tracer = self.watch.origins.tracer
-            self.watch.cycle.forward_started([t for _, t in iter_tensors(args, "input")] if tracer else ())
+            self.watch.cycle.forward_started(module, [t for _, t in iter_tensors(args, "input")] if tracer else ())
             if (info.compiled and self.watch.config.tiered) or (not self.watch.cycle.full_step
                                                                 and may_step_aside(module)):
                 # Only this call's boundaries are checked: its submodules' calls need no hook at all.
@@ -188,9 +188,9 @@ class ForwardChecks:
             self.watch.log.last_forward_seq = torch._C._autograd._get_sequence_nr()
             cycle = self.watch.cycle
             if not cycle.training():
-                # Inference (no optimizer seen): a top-level forward is a step.
+                # Inference (no optimizer seen): the step's values are judged as each top-level call ends; the
+                # step itself ends when its first top-level module is called again (step_cycle.forward_started).
                 cycle.sync()
-                cycle.end_step(cycle.step)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None and task == -1:
                 self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)

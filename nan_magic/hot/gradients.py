@@ -60,6 +60,9 @@ class GradientChecks:
         self.origins = origins
         self._replay_backward = replay_backward
         self.loss_record: TensorRecord | None = None
+        # The id of the tensor the last backward started from: the deferred check's replay of the loss
+        # code finds its records by it once it is freed (outside.py).
+        self.loss_key: int | None = None
         # Deferred mode: the loss code's autograd nodes, described before
         # backward frees them (a backward producer there is found after).
         self.loss_region: str | None = None
@@ -99,6 +102,7 @@ class GradientChecks:
         self.backward_runs += 1
         call = watch.log.new_call(Phase.FORWARD, None, None, None)
         self.loss_record = watch.log.record_output(call, LOSS, loss)
+        self.loss_key = id(loss)
         watch.log.finish(call)
         if not watch.defer:
             self.judge_loss(call)
@@ -266,7 +270,7 @@ class GradientChecks:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.
             loss = self.loss_record.ref() if self.loss_record is not None else None
-            origin = watch.outside.claim_backward(loss) if watch.outside is not None else None
+            origin = watch.outside.claim_backward(loss, self.loss_key) if watch.outside is not None else None
             if origin is not None:
                 attach_origin(finding, origin)
             else:

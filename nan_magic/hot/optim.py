@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflattened_name, user_name
+from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
 from nan_magic.hot.iterations import Iterations
@@ -61,13 +63,25 @@ from nan_magic.hot.stats import (
     relevant_kinds,
     version_of,
 )
-from nan_magic.hot.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, group_eps, group_lr
-from nan_magic.records import Cause, Phase, TensorRef
+from nan_magic.hot.step_layout import (
+    BOUNDED_GRAD_NORM,
+    Layout,
+    StepResult,
+    bounded_step,
+    group_eps,
+    group_lr,
+    wild_hyperparameters,
+)
+from nan_magic.records import Cause, Phase, SourcePointer, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
 
-__all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks"]
+__all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks", "ReplayStep"]
+
+#: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
+#: line that called the step (None: the line calling it now); localize/optimizer_replay.py.
+ReplayStep = Callable[[Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None], None]
 
 
 #: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
@@ -80,12 +94,16 @@ class OptimizerChecks:
     """Optimizer step hooks and the GradScaler rule for one watch.
 
     ``add_op_origin`` (:meth:`OpOrigins.add_op_origin`, given by the watch)
-    names the op that started a non-finite gradient or parameter.
+    names the op that started a non-finite gradient or parameter;
+    ``replay_step`` (where no op tracer watches the steps) the op of a step
+    that made a parameter or its state non-finite.
     """
 
-    def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None]) -> None:
+    def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
+                 replay_step: ReplayStep | None = None) -> None:
         self.watch = watch
         self._add_op_origin = add_op_origin
+        self._replay_step = replay_step
         #: Training iterations completed, from the optimizer steps seen (iterations.py).
         self.iterations = Iterations(watch.targets.optimizers)
         self.pending_overflow: Finding | None = None
@@ -245,8 +263,18 @@ class OptimizerChecks:
         grad_norms = self._gradient_norms(layout)
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
-        values = watch.cycle.sync(carried_norms + grad_norms)
-        if carried is not None and not self._report_step_result(carried, values[: len(carried_norms)]):
+
+        finite: list[bool] = []
+
+        def judge_carried(values: list[float]) -> None:
+            # The previous step's result first: the forward since read what it made non-finite.
+            if carried is not None:
+                finite.append(not self._report_step_result(carried, values[: len(carried_norms)]))
+
+        values = watch.cycle.sync(carried_norms + grad_norms, judge_carried)
+        if finite and finite[0]:
+            # Kept as the last good state only once this step's calls are judged finite too: the loop may have
+            # written the parameters since (a hand edit before the forward that then failed).
             watch.on_finite_step()
         grad_values = values[len(carried_norms) :]
         # hypot: NaN if any value is, inf if any is; never overflows on finite values.
@@ -277,8 +305,10 @@ class OptimizerChecks:
                 return
             self._unchecked.pop(id(opt), None)
             result = self._step_result(opt, step, self._bounded)
-            if watch.defer:
-                # Read with the next step's single transfer, not now.
+            if watch.defer and (self._bounded or not wild_hyperparameters(opt)):
+                # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
+                # now, step_layout.py); a replay of an unbounded step then names the line that called it.
+                result.caller = None if self._bounded else user_line(sys._getframe(1))
                 self.carried = result
             elif not self._report_step_result(result, read_scalars(result.norms)):
                 watch.on_finite_step()
@@ -342,6 +372,10 @@ class OptimizerChecks:
             finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
             self.attribute(finding)
             self._add_op_origin(finding, tensor)
+            if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
+                parameter, key = result.owner(index)
+                caller = pointer_at(*result.caller) if result.caller is not None else None
+                self._replay_step(finding, result.optimizer, parameter, key, caller)
             subject = label.name
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer

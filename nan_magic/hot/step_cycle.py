@@ -1,10 +1,11 @@
 """A watch's steps: where one opens and closes, what it counts, and the deferred check.
 
 A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`)
-and closes at the optimizer step's post-hook, at the end of a top-level
-forward where no optimizer steps (inference: each forward is a step), where
-a backward is settled without a step (a GradScaler's skip, gradients
-accumulating) or when the watch is left. Closing a step keeps its
+and closes at the optimizer step's post-hook; where no optimizer steps
+(inference), when the step's first top-level module is called again (so
+``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step);
+where a backward is settled without a step (a GradScaler's skip, gradients
+accumulating); or when the watch is left. Closing a step keeps its
 :class:`StepSummary` in the history and feeds the early warnings. In deferred
 mode the checks' probes stay on the device until :meth:`StepCycle.sync`
 reads them in one transfer, at the optimizer step's pre-hook: under a process
@@ -48,7 +49,7 @@ from nan_magic.localize.step_replay import StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Phase, StepSummary
 
-__all__ = ["Outcome", "StepCycle", "wants_defer"]
+__all__ = ["Outcome", "StepCycle", "UpdateCode", "wants_defer"]
 
 
 class Outcome(Protocol):
@@ -68,6 +69,22 @@ class Outcome(Protocol):
     def leave(self, together: bool) -> None: ...
 
     def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None: ...
+
+class UpdateCode(Protocol):
+    """The loop code between ``backward()`` and the next step (localize/loop_writes.py): the parameters it wrote."""
+
+    def begin(self) -> None: ...
+
+    def end(self) -> list[torch.Tensor]: ...
+
+    def judge(self, values: list[float]) -> None: ...
+
+    def forget(self) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
 
 #: The forward checks' producer rule on one output at the deferred check (:meth:`ProducerRule.judge`).
 JudgeForward = Callable[[Call, TensorRecord, str], None]
@@ -112,6 +129,7 @@ class StepCycle:
         lockstep: Lockstep,
         emit: Callable[[Finding], None],
         mine: Callable[[], bool],
+        update_code: UpdateCode | None = None,
     ) -> None:
         self.config = config
         self.defer = defer
@@ -129,11 +147,18 @@ class StepCycle:
         self.lockstep = lockstep
         self._emit = emit
         self._mine = mine
+        self.update_code = update_code
+        # The norms of the parameters the update code wrote, read with the deferred check's transfer, and
+        # whether that code ran before the calls the transfer judges (it ended as a model call began).
+        self._written: list[torch.Tensor] = []
+        self._written_first = False
         self.early = EarlyWarnings()
         # The tiered watch checks only top-level calls, except on a per-module step (forward_started).
         self.full_step = not config.tiered
-        self._steps_opened = 0
-        self.forward_starts = 0
+        #: Steps opened (a nested watch's included: absorb); where no optimizer steps, they are the steps.
+        self.steps_opened = 0
+        # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
+        self._first: nn.Module | None = None
         self.open = False
 
     # -- the counter --------------------------------------------------------------------
@@ -146,12 +171,13 @@ class StepCycle:
         every optimizer taking part in it has stepped (passed to the watch or
         not: a GAN's two; iterations.py). Before any optimizer is seen (inference,
         or the first iteration of a loop whose optimizer was not passed):
-        the index of the latest top-level forward call started, so the loss
+        the index of the step opened last (a step begins when the first
+        top-level module of the one before is called again), so the loss
         and backward of the first iteration are step 0.
         """
         if self.training():
             return self.optimizers.steps
-        return max(self.forward_starts - 1, 0)
+        return max(self.steps_opened - 1, 0)
 
     def training(self) -> bool:
         """Whether an optimizer is in use: a step then ends at its optimizer step, not with its forward."""
@@ -159,46 +185,52 @@ class StepCycle:
 
     @property
     def steps_taken(self) -> int:
-        """Training iterations completed, or top-level forward calls started where no optimizer stepped."""
-        return self.optimizers.steps if self.training() else self.forward_starts
+        """Training iterations completed, or steps begun where no optimizer stepped."""
+        return self.optimizers.steps if self.training() else self.steps_opened
 
     def absorb(self, inner: StepCycle) -> None:
         """The steps taken while a nested watch had taken over from this one are this watch's steps too."""
         self.optimizers.absorb_steps(inner.optimizers)
-        self.forward_starts += inner.forward_starts
+        self.steps_opened += inner.steps_opened
 
     # -- opening and closing ----------------------------------------------------------------
 
-    def forward_started(self, entering: Sequence[torch.Tensor] = ()) -> None:
-        """A top-level forward call starts: it opens a step where none is open, and is counted.
+    def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None:
+        """A top-level call of ``module`` starts: it opens a step where none is open.
 
-        ``entering``: the call's tensor arguments, whose origins in the op
-        tracer (ops mode) outlive the new step's reset: a batch the loop
-        computed is judged as the call starts.
+        Where no optimizer steps, the open step ends here when ``module`` is
+        its first top-level module (PRODUCT.md's step rule). ``entering``:
+        the call's tensor arguments, whose origins in the op tracer (ops
+        mode) outlive the new step's reset: a batch the loop computed is
+        judged as the call starts.
         """
-        if self.open and self.gradients.backward_runs:
+        self._end_update(by_a_call=True)
+        training = self.training()
+        if self.open and self.gradients.backward_runs and training:
             self._settle_backward()
-        elif self.gradients.backward_runs and not self.training():
-            self._check_unstepped_gradients()  # inference steps end with their forward; a backward followed
+        elif self.gradients.backward_runs and not training:
+            self._check_unstepped_gradients()  # an inference step's backward (a saliency map): no optimizer reads it
             self.gradients.backward_runs = 0
+        if self.open and not training and module is self._first:
+            self.end_step(self.step)
         if not self.open:
+            self._first = module
             self.log.clear()
             if self.replays is not None:
                 # Training: a call waits for the optimizer of its model (a GAN's G across D's step),
-                # see on_step_post. Inference: each forward is a step of its own.
+                # see on_step_post. Inference: the last step's calls go as its first module is called again.
                 self.replays.new_step(self.training())
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
             every = self.config.full_every
-            self.full_step = (not self.config.tiered or self._steps_opened % every == min(1, every - 1)
+            self.full_step = (not self.config.tiered or self.steps_opened % every == min(1, every - 1)
                               or self.lockstep.sharded())
-            self._steps_opened += 1
+            self.steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
             if self.origins.tracer is not None:
                 self.origins.tracer.reset(keep=entering)
             self.open = True
-        self.forward_starts += 1
 
     def end_step(self, step: int) -> None:
         """Close step ``step``, which just completed."""
@@ -236,15 +268,32 @@ class StepCycle:
             if self.config.on_detect == "warn":
                 warnings.warn(warning.message, NanMagicWarning, stacklevel=3)
 
-    def sync(self, extra: list[torch.Tensor] | None = None) -> list[float]:
+    def sync(
+        self, extra: list[torch.Tensor] | None = None, first: Callable[[list[float]], None] | None = None
+    ) -> list[float]:
         """Read pending probes (deferred mode) and ``extra`` scalars in one transfer.
 
-        In deferred mode, the calls are then judged in the order they
-        returned. Returns the values of ``extra``.
+        ``first`` judges the values of ``extra`` before any call is (the
+        previous optimizer step's result: a step that made a parameter
+        non-finite comes before the forward that then read it). In deferred
+        mode, the calls are then judged in the order they returned. Returns
+        the values of ``extra``.
         """
+        written, self._written = self._written, []
         if not self.defer or self.outcome.stopped:
-            return read_scalars(extra) if extra else []
-        values = self.log.resolve(extra)
+            values = read_scalars(extra) if extra else []
+            if first is not None:
+                first(values)
+            return values
+        count = len(extra) if extra else 0
+        values = self.log.resolve((extra or []) + written)
+        values, written_values = values[:count], values[count:]
+        if first is not None:
+            first(values)
+        if written and self._written_first and not self.outcome.stopped:
+            self._judge_written(written_values)
+        if self.outcome.stopped:
+            return values
         for call in self.log.finished():
             if call.phase == Phase.BACKWARD:
                 self.gradients.judge(call)
@@ -256,7 +305,36 @@ class StepCycle:
                         self._judge_forward(call, record, "detected at the deferred check")
             if self.outcome.stopped:
                 break
+        if written and not self._written_first and not self.outcome.stopped:
+            self._judge_written(written_values)  # after the calls: the update code ran after them
         return values
+
+    def _judge_written(self, values: list[float]) -> None:
+        if self.update_code is not None:
+            self.update_code.judge(values)
+
+    # -- the update code (loop_writes.py) ---------------------------------------------------
+
+    def backward_finished(self, _loss: torch.Tensor) -> None:
+        """``backward()`` returned: the update code begins."""
+        if self.update_code is not None and self._mine():
+            self.update_code.begin()
+
+    def _end_update(self, by_a_call: bool = False) -> None:
+        """The update code ends (an optimizer step, a model call, the watch's end): check what it wrote.
+
+        ``by_a_call``: a model call ends it, so the deferred check judges it
+        before that call's outputs.
+        """
+        if self.update_code is None:
+            return
+        written = self.update_code.end()
+        if not written:
+            return
+        if self.defer:
+            self._written, self._written_first = written, by_a_call  # read with this step's single transfer
+        else:
+            self.update_code.judge(read_scalars(written))
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
@@ -270,6 +348,8 @@ class StepCycle:
             self.outside.stop()
         try:
             with self.outcome.agreement_point(self._mine() and self._agrees_at(opt)):
+                if self._mine():
+                    self._end_update()
                 self.optimizers.on_step_pre(opt, args, kwargs)
         finally:
             if self.outside is not None and self._mine():
@@ -354,7 +434,10 @@ class StepCycle:
 
     def leave(self) -> None:
         """The watch is left normally: the last step's checks, then the ranks' exit round (agreement.py)."""
+        self._end_update()
         self.sync()
+        if self.open and not self.training():
+            self.end_step(self.step)  # the last inference step: nothing calls its first module again
         self.optimizers.flush()
         unstepped = bool(self.open and self.gradients.backward_runs)  # a backward no optimizer step followed
         if unstepped:
@@ -363,15 +446,33 @@ class StepCycle:
             self._check_unstepped_gradients(leaving=unstepped)
         self.outcome.leave(self._leave_together())
 
+    def pause(self) -> None:
+        """A part of the run ends (a ``%nanwatch on`` cell): its values are judged now; the step stays open."""
+        self.sync()
+        self.optimizers.flush()
+
     def left_by(self, exc: BaseException, explained: NonFiniteError | None) -> NonFiniteError | None:
         """The watch is left by ``exc``: what to raise from it (``explained``: a failed forward's event, events.py)."""
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = self._judge_pending()
+            explained = self._judge_pending() or self._explain_failed_op(exc)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left
+
+    def _explain_failed_op(self, exc: BaseException) -> NonFiniteError | None:
+        """An op raised on a non-finite input no boundary judged (multinomial on NaN probabilities): report it."""
+        if self.outcome.stopped:
+            return None
+        finding = self.origins.explain_failure(exc)
+        if finding is None:
+            return None
+        try:
+            self._emit(finding)
+        except NonFiniteError as error:
+            return error
+        return None
 
     def _leave_together(self) -> bool:
         """Whether the exit is a round with the other ranks (lockstep.py); one process walks no model for it."""

@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 import torch
 
 from nan_magic.records import TensorRef, TensorRole
 
-__all__ = ["BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr"]
+__all__ = [
+    "BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr",
+    "wild_hyperparameters",
+]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
 BOUNDED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -58,6 +62,16 @@ class StepResult:
     previous_check: int | None = None
     #: The step was a bounded one, checked only because a full check was due.
     bounded: bool = False
+    #: The deferred check's record of the user's line that called the step: ``(code, line, globals)``.
+    caller: tuple[CodeType, int, dict[str, Any]] | None = None
+
+    def owner(self, index: int) -> tuple[torch.Tensor, str | None]:
+        """The parameter behind ``updated[index]``, and the state key where it is a state tensor."""
+        parameters = self.layout.named
+        if index < len(parameters):
+            return parameters[index][1], None
+        _name, parameter, key = self.layout.half_state[index - len(parameters)]
+        return parameter, key
 
     def label(self, index: int) -> TensorRef:
         parameters = self.layout.named
@@ -157,3 +171,19 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
         if not all(isinstance(number, (int, float)) and math.isfinite(number) for number in numbers):
             return False
     return True
+
+
+def wild_hyperparameters(opt: torch.optim.Optimizer) -> bool:
+    """Whether a group's learning rate is a float that is NaN, infinite or past :data:`BOUNDED_LR`.
+
+    No healthy run steps so: the deferred check reads such a step's result at
+    once (one more read, paid only by a run about to fail), while its
+    gradients and hyperparameters are the step's, for the replay that names
+    its op (a warm-up schedule's 0/0 learning rate is gone by the next step).
+    A tensor learning rate is not read (that would be a host read per step).
+    """
+    for group in opt.param_groups:
+        lr = group.get("lr")
+        if isinstance(lr, float) and not abs(lr) <= BOUNDED_LR:  # NaN compares False
+            return True
+    return False

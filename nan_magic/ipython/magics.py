@@ -10,9 +10,11 @@ top-level ``await`` and the display of the last value behave as in any cell,
 and the cell's exception, which IPython has shown, leaves the watch as the
 exception of its ``with`` block: the watch has one way out and sees why the
 cell stopped. ``%nanwatch`` (the rest of this cell) and ``%nanwatch on``
-(every cell) hold the same context manager between IPython's public
-``pre_run_cell`` and ``post_run_cell`` events; the latter hands over the
-cell's result, hence its exception.
+(every cell) hold the watch between IPython's public ``pre_run_cell`` and
+``post_run_cell`` events; the latter hands over the cell's result, hence its
+exception. ``%nanwatch on`` holds one watch for its run, paused between cells
+(``Watch.pause`` and ``resume``): a loop whose ``opt.step()`` is in the next
+cell counts its iterations, and keeps its history, as one cell would.
 
 The user's ``set_custom_exc`` handlers are left alone: the short error comes
 from ``NonFiniteError._render_traceback_``, which IPython honours. The report
@@ -24,8 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from contextlib import ExitStack
-from typing import Any
+from typing import Any, NamedTuple
 
 from IPython import get_ipython
 from IPython.core.error import UsageError
@@ -61,17 +62,29 @@ def _watch_options(func: Any) -> Any:
     return magic_arguments()(func)
 
 
+class _Held(NamedTuple):
+    """A watch held between the cell events (see :meth:`NanMagics._hold`)."""
+
+    watch: Watch
+    args: Any
+    #: Whether ``%nanwatch on`` armed it.
+    persistent: bool
+    #: The depth of %%nantrace bodies it was armed at: it is left at that depth's post_run_cell.
+    depth: int
+    #: Its events when the cell began: the cell's are the rest.
+    seen: int
+
+
 @magics_class
 class NanMagics(Magics):
     """The magics; one instance per shell, holding what is armed."""
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        #: ``%nanwatch on``: its line and parsed options, for a fresh watch at each cell.
-        self._persistent: tuple[str, Any] | None = None
-        #: A watch held between the events: its ``with`` (an ExitStack), whether ``%nanwatch on`` armed it,
-        #: and the depth of %%nantrace bodies it was armed at (it is left at that depth's post_run_cell).
-        self._held: tuple[Watch, Any, ExitStack, bool, int] | None = None
+        #: ``%nanwatch on``: its line, parsed options and the watch of its run (made at its first cell, made
+        #: again after the run raised), paused between cells.
+        self._persistent: tuple[str, Any, Watch | None] | None = None
+        self._held: _Held | None = None
         #: %%nantrace bodies running now: the run_cell events they fire are not cells of their own.
         self._bodies = 0
         #: What the last %%nantrace body ended with (its result, the watch's own error), for the cell's result.
@@ -175,7 +188,7 @@ class NanMagics(Magics):
         args = self._parse(self.nanwatch, rest, "%nanwatch")
         watch = self._make_watch(args, "%nanwatch")
         if persistent:
-            self._persistent = (rest, args)
+            self._persistent = (rest, args, None)
             print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
             return
         self._take_over("%nanwatch")
@@ -295,31 +308,38 @@ class NanMagics(Magics):
     def _take_over(self, name: str) -> None:
         """Make room for this cell's own watch: it takes over from the one ``%nanwatch on`` armed."""
         if self._held is not None:
-            if not self._held[3]:
+            if not self._held.persistent:
                 raise UsageError(f"{name}: a watch is already armed for this cell")
             self._release(None)
 
     def _hold(self, watch: Watch, args: Any, persistent: bool) -> None:
-        stack = ExitStack()
-        stack.enter_context(watch)
-        self._held = (watch, args, stack, persistent, self._bodies)
+        if persistent:
+            watch.resume()
+        else:
+            watch.__enter__()
+        self._held = _Held(watch, args, persistent, self._bodies, len(watch.events))
 
     def _release(self, result: Any) -> None:
-        """Leave the held watch by the cell's exception (``result``: the cell's ExecutionResult)."""
+        """Leave the held watch by the cell's exception (``result``: the cell's ExecutionResult).
+
+        The watch of a ``%nanwatch on`` run still armed is paused: the next cell resumes its run.
+        """
         assert self._held is not None
-        watch, args, stack, _persistent, _depth = self._held
+        watch, args, seen = self._held.watch, self._held.args, self._held.seen
         self._held = None
         error = None if result is None else result.error_in_exec
         try:
-            if error is None:
-                stack.close()
+            if self._persistent is not None and self._persistent[2] is watch:
+                watch.pause(error)
+            elif error is None:
+                watch.__exit__(None, None, None)
             else:
-                stack.__exit__(type(error), error, error.__traceback__)
+                watch.__exit__(type(error), error, error.__traceback__)
         except Exception as raised:  # the watch's own: a deferred check at the exit, an error it explains
             self._shell.showtraceback((type(raised), raised, raised.__traceback__))
             if result is not None:
                 result.error_in_exec = raised
-        self._finish(watch, args)
+        self._finish(watch, args, seen)
 
     # -- events ------------------------------------------------------------------
 
@@ -329,13 +349,15 @@ class NanMagics(Magics):
         self._outcome = None  # a body run by a direct run_cell_magic call had no cell of its own
         self._cell_counted = bool(getattr(info, "store_history", False))
         if self._persistent is not None and self._held is None:
-            _line, args = self._persistent
-            try:
-                watch = self._make_watch(args, "%nanwatch on")
-            except UsageError as error:
-                self._persistent = None
-                print(f"nan_magic: watch off ({error})", file=sys.stderr)
-                return
+            line, args, watch = self._persistent
+            if watch is None or not watch.paused:
+                try:
+                    watch = self._make_watch(args, "%nanwatch on")
+                except UsageError as error:
+                    self._persistent = None
+                    print(f"nan_magic: watch off ({error})", file=sys.stderr)
+                    return
+                self._persistent = (line, args, watch)
             self._hold(watch, args, persistent=True)
 
     def post_run_cell(self, result: Any) -> None:
@@ -346,15 +368,16 @@ class NanMagics(Magics):
                 result.error_in_exec = error or body.error_in_exec or body.error_before_exec
             if result.result is None:
                 result.result = body.result
-        if self._held is not None and self._held[4] == self._bodies:
+        if self._held is not None and self._held.depth == self._bodies:
             self._release(result)
 
-    def _finish(self, watch: Watch, args: Any) -> None:
-        """Store the report in the user namespace and display it."""
+    def _finish(self, watch: Watch, args: Any, seen: int = 0) -> None:
+        """Store the report of the events after the first ``seen`` (the cell's) in the user namespace; display it."""
         self._last = watch
-        if watch.report is None and not watch.events:
+        new = watch.events[seen:]
+        if not new:
             return
-        report = watch.report or watch.events[-1]
+        report = next((event for event in new if not event.benign), new[-1])
         self._shell.user_ns[args.output] = report
         if not args.quiet:
             from IPython.display import display

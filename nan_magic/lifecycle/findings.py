@@ -78,8 +78,9 @@ def build_report(
     warnings: tuple[EarlyWarning, ...] = (),
     max_layers: int,
     sample_size: int,
+    ops: bool = False,
 ) -> Report:
-    """Freeze a finding into a Report (exact stats where tensors are alive)."""
+    """Freeze a finding into a Report (exact stats where tensors are alive); ``ops``: the watch traced every op."""
     stats = finding.bad_stats
     if stats is None and finding.bad is not None:
         stats = tensor_stats(finding.bad)
@@ -138,6 +139,7 @@ def build_report(
         optimizer=finding.optimizer,
         optimizer_eps=finding.optimizer_eps,
         optimizer_lr=finding.optimizer_lr,
+        ops=ops,
     )
     if report.cause is None:
         report = dataclasses.replace(report, cause=diagnose(report))

@@ -23,40 +23,18 @@ Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
 whatever way it ends, no hook of ours remains and the user's hooks were never
 touched.
 
-This module owns the lifecycle: entering and leaving, attaching and
-removing the hooks. The step counter, a step's boundaries and the deferred
-check (one transfer per step) live in ``step_cycle.py``; the checks
-themselves in ``forward.py`` (with the producer rule, ``producer.py``),
-``gradients.py`` and ``optim.py``; the outcome (the report, the events, how
-the run stops) in ``events.py``, which gets callables, not the watch; a
-nested watch's take-over and the decorator in ``nesting.py``; which module
-or optimizer joins the watch as it runs in ``targets.py``.
-
-Who may call whom. The watch builds every part in :meth:`Watch._reset_state`
-and hands each the narrow services it uses; no checker reaches another
-checker through the watch. Services first, which call no checker:
-``op_tracing.py`` (the op behind a boundary's value) and ``call_replay.py``
-(replays of one module call). Then the checkers, which call only services,
-the watch's own lifecycle and its step cycle (``watch.cycle``: the forward
-hooks open a step at each top-level call and close an inference step, the
-optimizer checks read the deferred check and close a training step): the
-gradient checks get the op origins and the backward replay; the optimizer
-checks get ``add_op_origin``; the forward hooks get the call replay, the op
-origins, and the gradient checks' ``hook_output`` as a plain callable. Where
-the last forward ended is data in the step log (``StepLog.last_forward_seq``),
-written by the forward hooks and read by the gradient checks. Last the step
-cycle, handed the checkers it coordinates, the outcome and the lockstep facts
-explicitly (``Lockstep`` itself gets whether an optimizer is in use as a
-callable, so the outcome asks it directly). Two parts still reach through the
-watch: the tiered watch's step replays (``watch.replays``: the forward hooks
-give them each top-level call, the gradient checks its output gradients) and
-the code recorder (``watch.outside``, switched at the boundaries the hooks see).
+This module owns the lifecycle: entering and leaving (pausing and resuming for
+``%nanwatch on``), attaching and removing the hooks, and building every part
+in :meth:`Watch._reset_state`, each handed the narrow callables it uses. The
+step cycle and the checks are in hot/, the event's replays in localize/, the
+outcome in ``events.py``; docs/how-it-watches.md draws who may call whom.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
+import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -69,8 +47,9 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.distributed.lockstep import Lockstep
-from nan_magic.distributed.ranks import stamp
+from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.fixes.runner import with_fixes
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
@@ -80,21 +59,25 @@ from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.step_cycle import StepCycle, wants_defer
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
-from nan_magic.lifecycle.events import EventContext, Events
+from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
+from nan_magic.localize.loop_writes import LoopWrites
 from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.optimizer_replay import name_optimizer_op
 from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.samples import Samples
 from nan_magic.localize.step_replay import Producer, StepReplays
-from nan_magic.options import WatchConfig, config_from_options
+from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
+from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef
 from nan_magic.scene.dump import SceneSource, record_scene
 from nan_magic.scene.last_good import LastGood
 
-__all__ = ["Watch", "watch"]
+__all__ = ["Watch"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -130,6 +113,7 @@ class Watch:
         self.warnings: deque[EarlyWarning] = deque(maxlen=self.config.max_events)
         self._active = False
         self._exit_stack: ExitStack | None = None
+        self._paused = False  # left by pause() with the run going on: resume() continues it
         self._thread: int | None = None
         #: The autograd backward pass the watch was entered in (-1: none; a replay's watch is entered
         #: inside the backward it localizes). A module call inside any other one is a recomputation.
@@ -180,32 +164,63 @@ class Watch:
     # -- lifecycle ----------------------------------------------------------------
 
     def __enter__(self) -> Watch:
+        return self._enter(resume=False)
+
+    def resume(self) -> Watch:
+        """Enter again, the run :meth:`pause` left going on: its step counter, open step, history and warnings
+        (``%nanwatch on`` runs each cell as a part of one run). A watch not paused is entered afresh."""
+        return self._enter(resume=self._paused)
+
+    def pause(self, exc: BaseException | None = None) -> None:
+        """``__exit__`` (``exc``: what ended this part), keeping the run and its open step for :meth:`resume`;
+        an event raised ends the run."""
+        self._leave(exc, None if exc is None else exc.__traceback__, pause=True)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _enter(self, resume: bool) -> Watch:
         if self._active:
             raise RuntimeError("this watch is already active; nested use of one watch is not supported")
-        self._reset_state()
-        self.history.clear()
-        self.warnings.clear()
+        if not resume:
+            self._reset_state()
+            self.history.clear()
+            self.warnings.clear()
+        self._paused = self.outcome.leaving = False  # (a part the user's own error ended left it set)
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
         self._thread = threading.get_ident()
         self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
         if self.outside is not None and not self.defer:
-            # The first batch may be computed in the loop before the first model call, as each later one is
-            # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
-            self.outside.start("data", entry=True)
+            if not resume:
+                # The first batch may be computed in the loop before the first model call, as each later one is
+                # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
+                self.outside.start("data", entry=True)
+            else:
+                self.outside.resume()  # the code the last part ended in (the next batch, after an optimizer step)
+        if resume and self.cycle.update_code is not None:
+            self.cycle.update_code.resume()  # a part that ended between backward() and the step (split cells)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
+        return self._leave(exc, tb, pause=False)
+
+    def _leave(self, exc: BaseException | None, tb: TracebackType | None, pause: bool) -> Literal[False]:
         if self.outside is not None:
-            self.outside.stop()
+            self.outside.pause()
+        if self.cycle.update_code is not None:
+            self.cycle.update_code.pause()
         self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
         explained = None
         try:
             explained = self.outcome.explain(exc)
-            if exc is None:
+            if exc is None and pause:
+                self.cycle.pause()
+            elif exc is None:
                 self.cycle.leave()
             else:
                 explained = self.cycle.left_by(exc, explained)
@@ -213,9 +228,10 @@ class Watch:
             self._active = False
             self._nesting.left()
             self._detach()
-            self._forget_tensors()
+            self._paused = pause and not self.outcome.stopped and explained is None
+            self._forget_tensors(keep_step=self._paused)
             self._nesting.hand_back()
-            if self.report is None:
+            if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
         if explained is not None:
@@ -231,7 +247,9 @@ class Watch:
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
-            stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start))
+            stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
+                                                              self.cycle.backward_finished))
+            stack.enter_context(loaders_patch.watch_batches(self.samples.on_batch))
             optimizers = self.optimizers
             stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
                 optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step
@@ -290,18 +308,22 @@ class Watch:
         self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         self.gradients = GradientChecks(self, self.origins, replay_backward)
-        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin)
+        # Where no op tracer watches every step, an optimizer step's op is named by replaying it (ops mode traced it).
+        replay_step = None if self.config.ops else functools.partial(name_optimizer_op, kinds=self.config.kinds)
+        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, replay_step)
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
+        #: The latest DataLoader batch's samples, fetched again at a data event (samples.py).
+        self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
         self.skipped: Counter[str] = Counter()
         self.outcome: Events = Events(self.config, EventContext(
             build=self._build_report,
-            localize=self.replays.localize if self.replays is not None else _nothing_replayed,
+            localize=self._localize,
             record_scene=self._record_scene,
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
@@ -311,20 +333,35 @@ class Watch:
             self.config, self.defer, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
-            lockstep=self.lockstep, emit=self.emit, mine=self.mine,
+            lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
+                self.config.kinds, self._named_parameters, self.optimizers.attribute, self.emit, lambda: self.step,
+                tracer=(lambda: self.origins.tracer) if self.config.ops else None,
+            ),
         )
 
     def _roots(self) -> Iterator[nn.Module]:
         """The watched models (a model called at top level joins them: module_info)."""
         return (root for _label, root in self.targets.roots)
 
-    def _forget_tensors(self) -> None:
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The watched models' parameters under the user's names."""
+        for root in self._roots():
+            data_parallel = data_parallel_paths(root)
+            for name, parameter in root.named_parameters():
+                yield user_name(name, data_parallel), parameter
+
+    def _forget_tensors(self, keep_step: bool = False) -> None:
         self.forward.stack.clear()
+        if keep_step:
+            return  # a paused run's open step: its records and replays are the next part's
+        if self.cycle.update_code is not None:
+            self.cycle.update_code.forget()
         if self.outside is not None:
             self.outside.forget()
         if self.replays is not None:
             self.replays.clear()
         self.log.clear()
+        self.samples.forget()
         if self.origins.tracer is not None:
             self.origins.tracer.reset()  # its origins hold frames and tensors of the last step
 
@@ -370,6 +407,24 @@ class Watch:
         # The whole model is watched, so that a submodule called at top level keeps its qualified name.
         return Watch([model], labels=[label], config=config, replay_of=self)
 
+    def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
+        """An event's replay (a bad batch's samples fetched again in any mode, else the tiered step replay),
+        with the remedies tried on the step it replayed (fixes/)."""
+        replays = self.replays
+        if replays is not None:
+            replays.replayed = None
+        if finding.phase == Phase.DATA and finding.op is None:
+            replayed = self.samples.localize(finding, seen, self._build_report)
+        else:
+            replayed = replays.localize(finding, seen) if replays is not None else None
+        if replayed is None or replays is None:
+            return replayed
+        report, producer = replayed
+        if not self.config.fixes or report.benign or self.outcome.report is not None:
+            return replayed  # trials for the first real event only (warn/log mode goes on after it)
+        return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
+                          self.call_replay.standing_aside), producer
+
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
         source = SceneSource(
@@ -392,6 +447,10 @@ class Watch:
         exception (events.py); ``warn``/``log`` record it now.
         """
         if self.replays is None:
+            finding = self.call_replay.explain_failure(module, call, running_arguments(module))
+            if finding is not None:
+                replayed = (self._build_report(finding), (finding.frame, None))
+                self.outcome.hold_explained(finding, replayed, sys.exc_info()[1])  # type: ignore[arg-type]
             return
         explained = self.replays.explain_failure(module, call, running_arguments(module))
         if explained is None:
@@ -420,50 +479,9 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
+            ops=self.config.ops and self.replay_of is None,
         ), models_watched=len(self.targets.roots)))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
-
-
-def _nothing_replayed(finding: Finding, report: Report) -> None:
-    return None
-
-
-def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: Any) -> Watch:
-    """Watch models, optimizers and GradScalers for the first non-finite value.
-
-    Parameters
-    ----------
-    *targets
-        ``nn.Module``, ``torch.optim.Optimizer`` or ``GradScaler`` objects. With
-        no module, every module called at top level is watched.
-    labels
-        Names for the targets (the magics pass variable names), one per target.
-    **options
-        Any option of :class:`nan_magic.WatchConfig`, by name (``on_detect``,
-        ``mode``, ``kinds``, ``include``, ``keep_last_good``...; each one is
-        documented there). An unknown name is a TypeError naming it.
-
-    Returns
-    -------
-    Watch
-        A context manager and decorator; ``.report`` and ``.events`` afterwards.
-
-    Examples
-    --------
-    >>> with nan_magic.watch(model) as w:          # doctest: +SKIP
-    ...     loss = model(x).sum(); loss.backward()
-    """
-    return Watch(targets, labels=labels, config=config_from_options(options))
-
-
-# help(), IDEs and inspect show every option with its default, from WatchConfig's one declaration.
-watch.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
-    inspect.Parameter("targets", inspect.Parameter.VAR_POSITIONAL, annotation="Any"),
-    inspect.Parameter("labels", inspect.Parameter.KEYWORD_ONLY, default=None,
-                      annotation="Iterable[str | None] | None"),
-    *(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=option.type)
-      for option in dataclasses.fields(WatchConfig)),
-], return_annotation="Watch")

@@ -20,6 +20,7 @@ the step's log, the config and ``emit`` at construction.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from nan_magic.hot.targets import ModuleInfo
 from nan_magic.localize.origins import apply_op_finding
 from nan_magic.localize.replay import recompute, replay_backward, replay_module, run_again
 from nan_magic.options import WatchConfig
-from nan_magic.records import Phase, TensorRef
+from nan_magic.records import KINDS, Phase, TensorRef
 
 __all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]
 
@@ -114,16 +115,20 @@ class CallReplay:
         return record, tensor.requires_grad and _held_elsewhere(tensor)
 
     def replay_into(
-        self, finding: Finding, produced: frozenset[str], frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, finding: Finding, produced: frozenset[str], frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
+        draws_again: bool = False,
     ) -> bool:
         """Replay the producer module under the op tracer to name its op and line.
 
         Returns True when the replay shows a deliberate infinity instead (an
         op given an infinite scalar, e.g. ``masked_fill(mask, -inf)``): that
         is recorded as benign and not raised; a consumer that turns it into a
-        NaN is the producer then.
+        NaN is the producer then. ``draws_again``: replay a call whose random
+        state was not kept, drawing numbers of its own.
         """
-        if not self.can_replay or frame.call is None or not _replayable(frame.call, frame.rng_state):
+        if not self.can_replay or frame.call is None:
+            return False
+        if not draws_again and not _replayable(frame.call, frame.rng_state):
             return False
         if id(frame.module) in self.masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
@@ -159,6 +164,31 @@ class CallReplay:
         if result.note:
             finding.notes.append(result.note)
         return False
+
+    def explain_failure(self, module: nn.Module, call: Call, running: tuple[tuple[Any, ...], dict[str, Any]] | None
+                        ) -> Finding | None:
+        """A top-level forward raised (multinomial on NaN probabilities): the op that made a value non-finite first.
+
+        The per-module watch's counterpart of the tiered step replay's: the
+        call runs again under the op tracer, which stops at the first op that
+        makes a non-finite value; None where none does before the exception.
+        """
+        error = sys.exc_info()[1]
+        if (not self.can_replay or error is None or running is None or call.info is None
+                or isinstance(error, (FloatingPointError, torch.linalg.LinAlgError))):
+            return None  # our own NonFiniteError on its way out, or linalg's verdict on its matrix (step_replay.py)
+        finding = Finding(Phase.FORWARD, call, TensorRef.output())
+        frame = Frame(module, call.info, call, call.rng_state)
+        self.replay_into(finding, frozenset(KINDS), frame, *running, draws_again=True)
+        if finding.op is None:
+            return None
+        if not _replayable(call, call.rng_state):
+            # Its generators were not kept (no backward or deferred check would replay it): the user's stay as
+            # they are, and the replay draws numbers of its own.
+            finding.notes.append("the call's random state was not kept: its replay drew other random numbers")
+        first = str(error).splitlines()[0] if str(error) else ""
+        finding.notes.append(f"then the forward raised {type(error).__name__}: {first}".rstrip(": "))
+        return finding
 
     def replay_deferred(self, finding: Finding, produced: frozenset[str], call: Call) -> bool:
         """Name the op and line of a producer found at the deferred check, long after its call.

@@ -5,7 +5,9 @@ a ``key_padding_mask`` turned float, ``masked_fill(mask, -inf)`` on zeros)
 holds -inf on purpose. Passed to a model as an argument, or held as a buffer,
 it is benign for as long as what consumes it stays finite (PRODUCT.md,
 "benign"); a consumer that turns it into a new non-finite kind (softmax over
-a fully masked row gives NaN) is the producer.
+a fully masked row gives NaN) is the producer, and so is a reduction that
+carries the mask's -inf on over a row it masked entirely (a logsumexp over
+nothing is -inf: the loss it feeds is infinite, its gradient NaN).
 
 The rule, for a tensor that holds a non-finite value:
 
@@ -44,7 +46,7 @@ from torch import nn
 
 from nan_magic.hot.stats import is_checkable, read_probe, version_of
 
-__all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask"]
+__all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_nothing"]
 
 _MASK_NAME = re.compile("mask", re.IGNORECASE)
 _POSITION = re.compile(r"^input\[(\d+)\]")
@@ -158,3 +160,12 @@ def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
     if has_nan or has_posinf == has_neginf or not has_finite:  # NaN, both signs or none, all infinite
         return False
     return named or not has_nonzero
+
+
+#: Reductions whose -inf from deliberate -inf inputs means a whole row was masked (the module docstring).
+_MASKED_REDUCTIONS = ("aten.logsumexp.",)
+
+
+def reduces_nothing(op: str, out_kinds: frozenset[str]) -> bool:
+    """Whether ``op``, given only benign infinities, is the producer of its -inf: a reduction over nothing."""
+    return "-inf" in out_kinds and op.startswith(_MASKED_REDUCTIONS)

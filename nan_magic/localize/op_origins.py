@@ -15,14 +15,17 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.finding import Finding, record_ref
-from nan_magic.hot.stats import TensorStats, tensor_stats
+from nan_magic.hot.stats import TensorStats, is_checkable, relevant_kinds, tensor_stats
 from nan_magic.hot.targets import ModuleInfo
+from nan_magic.localize.op_plans import run_op
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.outside import OutsideRecorder
@@ -122,6 +125,34 @@ class OpOrigins:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)
 
+    def explain_failure(self, error: BaseException) -> Finding | None:
+        """The non-finite input of the op that raised ``error``, with the op that made it; None without one.
+
+        ``torch.multinomial`` on NaN probabilities raises before any boundary
+        sees them. The op that raised ran under our dispatch mode (the op
+        tracer, or the recorder of the code outside the models), so its
+        arguments are in the traceback (:func:`run_op`'s frame); a non-finite
+        one is claimed as a boundary would claim it: the op that made it is
+        the producer, and the failing op is said in a note.
+        """
+        recorder = self.tracer or self.outside
+        if recorder is None:
+            return None
+        for func, arguments in _failed_ops(error):
+            for tensor in arguments:
+                if not relevant_kinds(tensor_stats(tensor).kinds, recorder.kinds):
+                    continue
+                finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"), bad=tensor.detach())
+                self.add_op_origin(finding, tensor)
+                if finding.module is not None and finding.module_type is None:
+                    info = self._info_by_name(finding.module)
+                    if info is not None:
+                        finding.module_type, finding.model = info.module_type, info.model
+                first = str(error).splitlines()[0] if str(error) else ""
+                finding.notes.append(f"then {func} raised {type(error).__name__} on it: {first}".rstrip(": "))
+                return finding
+        return None
+
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
         if call is None and record is not None:
@@ -146,6 +177,20 @@ class OpOrigins:
             self._on_gradient_event(finding)
         else:
             self._emit(finding)
+
+
+def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]]:
+    """The op that raised ``error`` under a dispatch mode of ours, innermost first, with its floating tensors."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is run_op.__code__:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
+        leaves = tree_leaves((args, kwargs))
+        yield func, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and is_checkable(leaf)]
 
 
 def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.errors.frames import is_library_file, pointer
+from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.localize.op_plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
@@ -38,22 +38,11 @@ _PLUMBING = (
     ),
 )
 
-# id(code) -> (code, is library code); holding the code keeps its id unique.
-_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
-
-
-def _is_library_code(code: CodeType) -> bool:
-    entry = _LIBRARY_CODE.get(id(code))
-    if entry is None:
-        entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
-    return entry[1]
-
-
 def user_frame(frame: FrameType | None) -> FrameType | None:
     """The innermost frame at or above ``frame`` that is the user's code (not torch's, not ours)."""
     # A tensor subclass's __torch_function__ is how the op was routed, not the
     # line that asked for it: that is the caller's (it stays the inner source).
-    while frame is not None and (_is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
+    while frame is not None and (is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
         frame = frame.f_back
     return frame
 
@@ -77,7 +66,7 @@ _TRACER_FILES = frozenset(
 )
 # Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
 # (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the
-# recorded ops of the code outside the models, run again.
+# recorded ops of the code outside the models, run again, and a replayed optimizer step.
 _RUNS_USER_CODE = tuple(
     os.path.join(_OWN_DIR, name)
     for name in (
@@ -86,6 +75,7 @@ _RUNS_USER_CODE = tuple(
         os.path.join("localize", "step_replay.py"),
         os.path.join("localize", "backward_replay.py"),
         os.path.join("localize", "outside.py"),
+        os.path.join("localize", "optimizer_replay.py"),
     )
 )
 

@@ -74,8 +74,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
+from nan_magic.errors.line_state import LineEnd, after_line
 from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
-from nan_magic.localize.masks import is_additive_mask
+from nan_magic.localize.masks import is_additive_mask, reduces_nothing
 from nan_magic.localize.op_kinds import KnownKinds, Prior, probe_priors, scalar_kinds
 from nan_magic.localize.op_plans import (
     Plan,
@@ -192,7 +193,7 @@ class OpTracer(TorchDispatchMode):
         # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
         self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
         # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
-        self._frames: dict[int, tuple[FrameType, tuple[int, int]]] = {}
+        self._frames: dict[int, LineEnd] = {}
         #: Set by a replay (untouched.py): called with each tensor an op is about to write, even
         #: by a passive op or after the finding.
         self.before_write: Callable[[torch.Tensor], None] | None = None
@@ -392,7 +393,7 @@ class OpTracer(TorchDispatchMode):
                 self._origins.note(tensor, inherited, in_place)
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign:
+            elif out_kinds <= benign and not reduces_nothing(op, out_kinds):
                 self._origins.note(tensor, BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
@@ -460,9 +461,8 @@ class OpTracer(TorchDispatchMode):
         )
         self._witnesses[id(finding)] = tuple(witnesses)
         self.started.append(finding)
-        if (not in_backward or backward_code) and user_frame is not None:
-            # The frame runs on after the op: where it was then is where %debug opens.
-            self._frames[id(finding)] = (user_frame, (user_frame.f_lasti, user_frame.f_lineno))
+        if (not in_backward or backward_code) and user_frame is not None:  # %debug's frame (line_state.py)
+            self._frames[id(finding)] = after_line(user_frame)
         origin = Origin(finding)
         if not in_backward:
             self._origins.note_memory(tensor, origin)
@@ -482,7 +482,7 @@ class OpTracer(TorchDispatchMode):
 
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
-        return self._frames.get(id(finding), (None, None))
+        return self._frames[id(finding)].where() if id(finding) in self._frames else (None, None)
 
     def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
         """Copies of the op's output, then of its inputs still alive; none when the output is gone.

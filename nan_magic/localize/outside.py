@@ -59,19 +59,21 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
-from nan_magic.localize.op_plans import run_op
+from nan_magic.localize.op_plans import plan_of, run_op, tensors
 from nan_magic.localize.op_sources import user_frame
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
 from nan_magic.localize.replay import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "OutsideRecorder"]
+__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
 #: Ops a step recorded in the code between an optimizer step and the next model call.
 DATA_BUDGET = 64
 #: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
+#: Ops a step recorded between ``backward()`` and the next optimizer step or model call (loop_writes.py).
+UPDATE_BUDGET = 256
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
 #: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
 #: model's logits) are held weakly, freed as they would be unwatched.
@@ -165,6 +167,7 @@ class OutsideRecorder(TorchDispatchMode):
         super().__init__()
         self.kinds = kinds
         self.pushed = False
+        self._resumes = False
         self._budget = 0
         self._region = "loss"
         self._entry = False
@@ -190,7 +193,7 @@ class OutsideRecorder(TorchDispatchMode):
             return
         self._region = region
         self._entry = entry
-        self._budget = DATA_BUDGET if region == "data" else LOSS_BUDGET
+        self._budget = {"data": DATA_BUDGET, "update": UPDATE_BUDGET}.get(region, LOSS_BUDGET)
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
             self.__enter__()
             self.pushed = True
@@ -204,6 +207,17 @@ class OutsideRecorder(TorchDispatchMode):
             self.pushed = False
         else:
             self._budget = _INERT
+
+    def pause(self) -> None:
+        """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume)."""
+        self._resumes = self.pushed
+        self.stop()
+
+    def resume(self) -> None:
+        """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
+        if self._resumes and not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
+            self.__enter__()
+            self.pushed = True
 
     def forget(self) -> None:
         """Drop the records (and the references they hold)."""
@@ -300,6 +314,18 @@ class OutsideRecorder(TorchDispatchMode):
                     self._produced[id(tensor)] = index
         return out
 
+    def written(self) -> list[torch.Tensor]:
+        """The tensors the recorded ops wrote in place, each once, in the order first written."""
+        seen: dict[int, torch.Tensor] = {}
+        for op in self._ops:
+            plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+            if plan is None or not plan.writes:
+                continue
+            for _label, tensor in tensors(plan, op.args, op.kwargs, plan.writes):
+                if isinstance(tensor, torch.Tensor):
+                    seen.setdefault(id(tensor), tensor)
+        return list(seen.values())
+
     # -- at an event ----------------------------------------------------------------------
 
     def claim(self, tensor: torch.Tensor) -> OpFinding | None:
@@ -343,7 +369,7 @@ class OutsideRecorder(TorchDispatchMode):
             return (), None, None
         return witness[1], witness[2], witness[3]
 
-    def claim_backward(self, loss: torch.Tensor | None) -> OpFinding | None:
+    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
         """The backward op of the recorded loss code that first made a gradient non-finite, or None.
 
         The ops that made ``loss`` run again with gradients, from copies of
@@ -351,12 +377,20 @@ class OutsideRecorder(TorchDispatchMode):
         then their backward from a gradient of ones, under the op tracer: it
         names the backward op, its autograd node and, from the record, the
         forward line that created that node. Only for a scalar loss (the
-        gradient ``backward()`` starts from is then ones).
+        gradient ``backward()`` starts from is then ones). ``key``: the loss's
+        id when backward started, for a deferred check that runs after the
+        loss was freed (its recorded value is kept, being small).
         """
-        ops = self._ops_to(loss) if loss is not None and loss.numel() == 1 else None
-        if ops is None or loss is None:
+        if loss is not None:
+            key = id(loss)
+            ops = self._ops_to(loss) if loss.numel() == 1 else None
+        else:
+            ops = self._ops_to_key(key) if key is not None else None
+        if ops is None or key is None:
             return None
-        tracer = OpTracer(kinds=self.kinds)
+        # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
+        # absorbed (a clamp of log(0)) is not the producer; the backward op that read it is.
+        tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         try:
             copies, requiring = _copies_of_what_came_from_outside(ops)
             with torch.enable_grad(), self._generators_as_recorded(), tracer:
@@ -367,10 +401,15 @@ class OutsideRecorder(TorchDispatchMode):
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
                             tracer.node_sources.record(node, op.code, op.lineno)
-                replayed = copies[id(loss)]
+                replayed = copies[key]
+                if replayed.numel() != 1:
+                    return None
                 if requiring and replayed.requires_grad:
-                    torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
-                                        allow_unused=True)
+                    grads = torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
+                                                allow_unused=True)
+                    for grad in grads:
+                        if grad is not None and tracer.finding is None:
+                            tracer.claim(grad)
         except _Gone:
             return None
         return tracer.finding
@@ -386,6 +425,15 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         outs = tree_leaves(self._ops[index].out)
         if not any(out is tensor or (isinstance(out, _Weak) and out.ref() is tensor) for out in outs):
+            return None
+        return self._ops[: index + 1]
+
+    def _ops_to_key(self, key: int) -> list[_Op] | None:
+        """:meth:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
+        index = self._produced.get(key)
+        if index is None:
+            return None
+        if not any(isinstance(out, _Weak) and out.key == key for out in tree_leaves(self._ops[index].out)):
             return None
         return self._ops[: index + 1]
 

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from nan_magic.errors.frames import last_user_frame
 from nan_magic.hot.held import HeldArguments, Regenerate
 from nan_magic.hot.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds
@@ -70,8 +69,8 @@ class ReplayResult:
         -inf)``) already held that kind.
     frame
         The user's frame that ran the producing op in the replay (the
-        producer's ``forward`` at that line), kept with its locals for
-        ``%debug``; None without a finding.
+        producer's ``forward``), at that line with the locals the line left
+        (line_state.py), for ``%debug``; None without a finding.
     """
 
     finding: OpFinding | None
@@ -138,20 +137,19 @@ def replay_module(
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
-    frame: FrameType | None = None
-    with _isolated(module, module_name, rng_state, kinds, on_finding=_stop, autocast=autocast) as tracer:
+    # The replay runs on past the finding (the tracer checks nothing more), so that the producing line ends and
+    # %debug shows the locals it left (line_state.py): its fresh output, not the op's operands alone.
+    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         try:
             with torch.no_grad(), tracer:
                 output = module(*args, **kwargs)
-        except _Stop as stop:
-            frame = last_user_frame(stop.__traceback__)
         except Exception as error:
             failure = error
     benign = frozenset(tracer.benign_modules)
     if tracer.finding is not None:
         return ReplayResult(
-            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
-            benign_modules=benign,
+            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors,
+            frame=tracer.frame_of(tracer.finding)[0], benign_modules=benign,
         )
     if failure is not None:
         note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
@@ -164,14 +162,6 @@ def replay_module(
     else:
         note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
     return ReplayResult(finding=None, reproduced=False, note=note, benign_modules=benign)
-
-
-class _Stop(Exception):
-    """Ends a replay at its finding: the rest of the forward is not needed."""
-
-
-def _stop(_finding: OpFinding) -> None:
-    raise _Stop
 
 
 def _join(prefix: str, name: str) -> str:

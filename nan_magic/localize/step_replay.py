@@ -192,6 +192,8 @@ class StepReplays:
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
         self._buffer_copies = BufferCopies()
+        #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
+        self.replayed: RootCall | None = None
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
@@ -241,7 +243,7 @@ class StepReplays:
         root.returned = True
         root.kwargs = dict(kwargs)
         if root.grad_enabled and not self.watch.cycle.training():
-            # Only an inference step drops its calls at the next forward (new_step): training keeps them anyway.
+            # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
         root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
@@ -262,7 +264,7 @@ class StepReplays:
         self._buffer_copies.clear()
 
     def new_step(self, training: bool) -> None:
-        """A step begins: inference steps drop the last call; training keeps the calls not yet stepped.
+        """A step begins: inference steps drop the last step's calls; training keeps the calls not yet stepped.
 
         A call still waiting from an earlier step is one whose model's
         trainable parameters (learned at its first call) no optimizer
@@ -271,7 +273,7 @@ class StepReplays:
         """
         self._stepped.clear()
         if not training:
-            # Inference: each forward is a step, and its call is dropped at the next one, unless a backward
+            # Inference: the last step's calls are dropped as the next step begins, each unless a backward
             # may still reach it (a GAN's generator called before the discriminator, while no optimizer
             # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
             waiting = [root for root in self.calls if root.awaits_backward()]
@@ -359,6 +361,7 @@ class StepReplays:
                 seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
             ), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step, seen)
+        self.replayed = root
         if finding.cause is not None:
             # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
             report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
@@ -392,7 +395,7 @@ class StepReplays:
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> _Outcome:
         """Run ``root`` again under a nested full watch with op-level tracing."""
-        model = self._model_of(root.module)
+        model = self.model_of(root.module)
         target = replay_target(root.module)
         if target is None or model is None:
             return _Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
@@ -456,7 +459,7 @@ class StepReplays:
                 outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
         return outcome
 
-    def _model_of(self, module: nn.Module) -> nn.Module | None:
+    def model_of(self, module: nn.Module) -> nn.Module | None:
         """The eager model (replay_target) of the watched root that holds ``module``."""
         for _label, root in self.watch.targets.roots:
             if root is module or any(sub is module for sub in root.modules()):
@@ -479,6 +482,7 @@ class StepReplays:
             warnings=tuple(watch.warnings),
             reproduced=True,
             models_watched=len(watch.targets.roots),
+            ops=watch.config.ops,
             notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
                                   "op-level checks; the replay saw the same event"),
         )

@@ -18,6 +18,8 @@ from nan_magic.patches.registry import ProcessPatch
 __all__ = ["watch_backward"]
 
 _callbacks: list[Callable[[torch.Tensor], None]] = []
+# Called after ``backward()`` returned (not when it raised).
+_finished: list[Callable[[torch.Tensor], None]] = []
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -25,7 +27,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         __tracebackhide__ = True
         for callback in _callbacks:
             callback(self)
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        for callback in _finished:
+            callback(self)
+        return result
 
     return backward
 
@@ -34,11 +39,17 @@ _PATCH = ProcessPatch.of(torch.Tensor, "backward", _wrap)
 
 
 @contextmanager
-def watch_backward(callback: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Call ``callback(tensor)`` before every ``tensor.backward()`` inside the block."""
+def watch_backward(
+    callback: Callable[[torch.Tensor], None], finished: Callable[[torch.Tensor], None] | None = None
+) -> Iterator[None]:
+    """Call ``callback(tensor)`` before every ``tensor.backward()`` inside the block, ``finished`` after it returns."""
     with _PATCH.held():
         _callbacks.append(callback)
+        if finished is not None:
+            _finished.append(finished)
         try:
             yield
         finally:
             _callbacks.remove(callback)
+            if finished is not None:
+                _finished.remove(finished)

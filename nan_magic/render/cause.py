@@ -7,28 +7,14 @@ values it rests on (``facts``); each reading has one template here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from nan_magic.locations import name_location
-from nan_magic.number_words import counts_phrase, fmt
-from nan_magic.records import Cause, TensorRole, module_label
+from nan_magic.records import Cause, module_label
+from nan_magic.render.cause_ops import OP_READINGS
+from nan_magic.render.cause_overflow import OVERFLOW_READINGS
+from nan_magic.render.cause_steps import STEP_READINGS
+from nan_magic.render.cause_words import Reading, counts, counts_phrase, event_of, fmt, what
 
-__all__ = ["cause_evidence", "cause_hint", "counts_phrase", "fmt", "hint_opens_sentence"]
-
-#: The reading of a cause still built as text by the diagnosis (its ``hint`` and ``evidence`` facts).
-LEGACY_TEXT = "text"
-
-
-
-
-@dataclass(frozen=True)
-class _Reading:
-    hint: Callable[[Cause], str]
-    evidence: Callable[[Cause], tuple[str, ...]]
-    #: Whether the hint opens with a common word ("the ..."), capitalised at a sentence's start;
-    #: one that opens with a name (an op, a parameter) keeps its case.
-    sentence: bool = True
+__all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
 
 
 def cause_hint(cause: Cause) -> str:
@@ -64,17 +50,11 @@ def cause_evidence(cause: Cause) -> tuple[str, ...]:
 
 def hint_opens_sentence(cause: Cause) -> bool:
     """Whether the hint starts with a common word, to be capitalised where it starts a sentence."""
-    if cause.reading == LEGACY_TEXT:
-        # Legacy path: the diagnosis wrote this hint as text, so only its first word tells.
-        return cause_hint(cause).split(" ", 1)[0] in _ARTICLES
-    return _reading(cause).sentence
+    sentence = _reading(cause).sentence
+    return sentence if isinstance(sentence, bool) else sentence(cause)
 
 
-#: Words a legacy hint may start with that begin a sentence (an op name such as ``log`` stays lower case).
-_ARTICLES = frozenset({"the", "a", "an", "this", "its", "every", "no", "some", "one", "each"})
-
-
-def _reading(cause: Cause) -> _Reading:
+def _reading(cause: Cause) -> Reading:
     reading = _READINGS.get(cause.reading)
     if reading is None:
         raise ValueError(f"a cause {cause.label!r} has an unknown reading {cause.reading!r}")
@@ -87,27 +67,6 @@ def _counts(cause: Cause) -> str:
 
 def _at(filename: str | None, lineno: int | None) -> str:
     return f" at {name_location(filename, lineno)}" if filename is not None and lineno is not None else ""
-
-
-def _where(cause: Cause) -> str:
-    """The producer's place, from a cause's place facts (explain/cause_text.place_facts)."""
-    module = cause.fact("module")
-    if module is None:
-        source = cause.fact("source")
-        return f"the code at {name_location(*source)}" if source is not None else "code outside the watched modules"
-    return module_label(module, cause.fact("module_type"))
-
-
-def _what(cause: Cause) -> str:
-    """The bad tensor with its op and module: ``output of aten.mm.default in 1 (HalfMatmul)``."""
-    tensor, role, op = cause.fact("tensor"), TensorRole(cause.fact("tensor_role")), cause.fact("op")
-    if role is TensorRole.LOSS and op is None:
-        return "the loss"
-    if op is None:
-        return f"{tensor} of {_where(cause)}"
-    if role is TensorRole.OP_OUTPUT and cause.fact("tensor_name") == op:
-        return f"{tensor} in {_where(cause)}"
-    return f"{tensor} of {op} in {_where(cause)}"
 
 
 def _then(cause: Cause) -> str:
@@ -129,18 +88,20 @@ def _growth(growth: tuple[str, float, int, float, float, int, int]) -> str:
 
 
 def _extreme_batch_hint(cause: Cause) -> str:
+    event = event_of(cause)
     return (
-        f"{cause.fact('batch')} entering {cause.fact('model') or 'the model'} reached |x| = "
-        f"{fmt(cause.fact('absmax'))} (> {fmt(cause.fact('bound'))}) in this step, and {_what(cause)} then became "
-        f"{_counts(cause)}: normalise or clip the inputs (standardise features, log-scale heavy-tailed ones) before "
+        f"{cause.fact('batch')} entering {event.model or 'the model'} reached |x| = "
+        f"{fmt(cause.fact('absmax'))} (> {fmt(cause.fact('bound'))}) in this step, and {what(event)} then became "
+        f"{counts(event)}: normalise or clip the inputs (standardise features, log-scale heavy-tailed ones) before "
         "the model"
     )
 
 
 def _diverging_hint(cause: Cause) -> str:
+    event = event_of(cause)
     return (
-        f"{_growth(cause.fact('growth'))}; then {_what(cause)} became {_counts(cause)} in {cause.fact('phase')} step "
-        f"{cause.fact('step')}: lower the learning rate (e.g. 10x), add warm-up, or clip gradients "
+        f"{_growth(cause.fact('growth'))}; then {what(event)} became {counts(event)} in {event.phase} step "
+        f"{event.step}: lower the learning rate (e.g. 10x), add warm-up, or clip gradients "
         "(torch.nn.utils.clip_grad_norm_)"
     )
 
@@ -250,25 +211,26 @@ def _scaler_evidence(cause: Cause) -> tuple[str, ...]:
     return (f"{cause.fact('skipped')} consecutive skipped steps", f"scale {cause.fact('scale'):g}")
 
 
-_READINGS: dict[str, _Reading] = {
-    "optimizer-lr": _Reading(_lr_hint, _lr_evidence),
-    "optimizer-state-overflow": _Reading(_state_overflow_hint, _step_facts, sentence=False),
-    "optimizer-update-overflow": _Reading(_update_overflow_hint, _step_facts),
-    "optimizer-eps-zero": _Reading(
+_READINGS: dict[str, Reading] = {
+    **STEP_READINGS,
+    **OP_READINGS,
+    **OVERFLOW_READINGS,
+    "optimizer-lr": Reading(_lr_hint, _lr_evidence),
+    "optimizer-state-overflow": Reading(_state_overflow_hint, _step_facts, sentence=False),
+    "optimizer-update-overflow": Reading(_update_overflow_hint, _step_facts),
+    "optimizer-eps-zero": Reading(
         _eps_zero_hint, lambda cause: (*_step_facts(cause), "eps = 0: sqrt(v) + eps is 0 where v is 0")
     ),
-    "optimizer-eps-rounds": _Reading(
+    "optimizer-eps-rounds": Reading(
         _eps_rounds_hint,
         lambda cause: (*_step_facts(cause), f"{cause.fact('dtype')} cannot hold eps = {_eps_shown(cause)}"),
     ),
-    "optimizer-unmatched": _Reading(_step_unmatched_hint, _step_facts),
-    "extreme-batch": _Reading(
+    "optimizer-unmatched": Reading(_step_unmatched_hint, _step_facts),
+    "extreme-batch": Reading(
         _extreme_batch_hint,
         lambda cause: (f"batch {cause.fact('batch')}: |x| up to {fmt(cause.fact('absmax'))}", _then(cause)),
         sentence=False,
     ),
-    "diverging": _Reading(_diverging_hint, lambda cause: (_growth(cause.fact("growth")), _then(cause))),
-    "grad-scaler-collapse": _Reading(_scaler_hint, _scaler_evidence),
-    # Legacy path: causes the diagnosis still writes as text (see explain/cause_text.legacy_cause).
-    LEGACY_TEXT: _Reading(lambda cause: cause.fact("hint"), lambda cause: tuple(cause.fact("evidence", ()))),
+    "diverging": Reading(_diverging_hint, lambda cause: (_growth(cause.fact("growth")), _then(cause))),
+    "grad-scaler-collapse": Reading(_scaler_hint, _scaler_evidence),
 }

@@ -32,6 +32,7 @@ from nan_magic.render.common import (
     source_excerpt,
     stats_phrase,
 )
+from nan_magic.render.fixes import fix_lines, fixes_title
 from nan_magic.render.plots import histogram_png, history_png
 from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, style_layers
 
@@ -100,7 +101,7 @@ def render_html(report: Report, element_id: str | None = None) -> str:
     page = (
         f'<div class="nan-magic-report nm-static"{identity}>\n'
         f"<style>{REPORT_CSS}</style>\n{hide_dead_widget}"
-        f"{summary_html(report)}\n{facts_html(report)}\n{sections}</div>"
+        f"{summary_html(report)}\n{fixes_html(report)}\n{facts_html(report)}\n{sections}</div>"
     )
     return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
@@ -135,6 +136,18 @@ def summary_html(report: Report) -> str:
         f'<h3 class="nm-headline" title="{escape(report.message)}">{escape(headline(report))}</h3>\n'
         f'<p class="nm-summary">{escape(cause_sentence(report))}</p>'
     )
+
+
+def fixes_html(report: Report) -> str:
+    """The "Fixes tried" section (render/fixes.py): verified ones first, each verified one's edit as a suggestion."""
+    if not report.fixes:
+        return ""
+    items = []
+    for trial, text, edit in fix_lines(report):
+        mark = "nm-verified" if trial.finite else "nm-unverified"
+        suggestion = f'<br/>suggested edit (not applied): <code>{escape(edit)}</code>' if edit else ""
+        items.append(f'<li class="{mark}">{escape(text)}{suggestion}</li>')
+    return f'<div class="nm-fixes"><h4>{escape(fixes_title(report))}</h4><ul>{"".join(items)}</ul></div>'
 
 
 def facts_html(report: Report) -> str:

@@ -19,6 +19,7 @@ from nan_magic.render.common import (
     short_dtype,
     stats_phrase,
 )
+from nan_magic.render.fixes import fixes_text
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
 TEXT_MAX_ROWS = 30
@@ -53,6 +54,7 @@ def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
     parts = [
         f"nan_magic: {report.message}",
         cause_sentence(report),
+        fixes_text(report),
         _facts(report),
     ]
     if report.layers:
@@ -60,7 +62,7 @@ def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
     debug = _debug_section(report)
     if debug:
         parts.append(debug)
-    return "\n\n".join(parts)
+    return "\n\n".join(part for part in parts if part)
 
 
 def _facts(report: Report) -> str:

@@ -28,6 +28,7 @@ from nan_magic.render.html import (
     REPORT_CSS,
     debug_section,
     facts_html,
+    fixes_html,
     hide_static_css,
     history_section,
     layers_table_html,
@@ -70,7 +71,7 @@ def build_widget(
     """
     hide = hide_static_css(hides) if hides else ""
     children = [
-        _html(hide + summary_html(report) + facts_html(report)),
+        _html(hide + summary_html(report) + fixes_html(report) + facts_html(report)),
         LayersView(in_call_order(report.layers), report.layers_dropped, max_rows).widget,
         HistogramsView(report).widget,
         _html(debug_section(report)[1]),

@@ -330,7 +330,7 @@ class Scene:
         (``keep_last_good``, checked right after each step); otherwise the
         current state is used and dropout draws other masks.
         """
-        from nan_magic.lifecycle.watch import watch
+        from nan_magic.lifecycle.entry import watch
 
         self.restore_into(model, optimizer, scaler, state=state)
         watcher = watch(model, *_as_list(optimizer), *_as_list(scaler), on_detect="log", ops=ops)

@@ -253,7 +253,7 @@ def _amp(init_scale: float, steps: int, pass_optimizer: bool, guarded: bool = Fa
 
 class GuardedExp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x < 20, torch.exp(x), x)
+        return torch.where(x < 20, torch.exp(x), x)  # producer: guarded exp
 
 
 # -- healthy idioms: silent and bit-identical over STEPS training steps ------------------
@@ -372,10 +372,11 @@ CASES = [
     Case("grad_scaler_and_optimizer_unpassed", lambda: _amp(2.0**24, STEPS, pass_optimizer=False), None,
          benign=5),
     Case("grad_scaler_unpassed_collapse_raises", lambda: _amp(2.0**16, 40, True, guarded=True),
-         Expect("backward", "1", "GuardedExp", cause="grad-scaler-collapse", benign_events=15, op=None,
-                op_modes=()),
+         Expect("backward", "1", "GuardedExp", cause="grad-scaler-collapse", benign_events=15,
+                op="aten.mul.Tensor", marker="guarded exp"),
          modes=("default", "defer", "full"),
-         note="ops: raises at the forward exp that torch.where discards (issue 15 item 11, the ops worktree's)"),
+         note="the last collapsed step's producer: exp's +inf times a zero gradient in its backward. "
+              "ops: raises at the forward exp that torch.where discards (issue 15 item 11, the ops worktree's)"),
     Case("bf16_autocast", _bf16_autocast, None, benign=0),
     Case("batchnorm_and_dropout_with_eval_passes", _batchnorm_and_dropout, None, benign=0),
     Case("gradient_accumulation_and_clip_grad_norm", _accumulation_and_clipping, None, benign=0),

@@ -412,8 +412,9 @@ CASES = [
          modes=("default", "defer", "ops"), note=_MASKS_ELSEWHERE),
     Case("ops_adam_fp16_eps", _adam_fp16,
          Expect("optimizer", "0", "Embedding", op="aten.addcdiv_.default", marker="adam step",
-                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"}), op_modes=("ops",)),
-         note="the default modes name the parameter and its owner but do not replay an optimizer step for its op"),
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"})),
+         note="the tiered and full modes replay the optimizer step on copies to name its op "
+              "(localize/optimizer_replay.py)"),
     Case("ops_diverging_regression", _diverging_regression,
          Expect("forward", None, step=64, op="aten.mse_loss.default", marker="regression loss",
                 op_modes=("default", "defer", "ops")),

@@ -1,9 +1,9 @@
 """The step an event belongs to, and non-finite data that enters the loss code.
 
 PRODUCT.md: the step is the training iteration (optimizer steps completed,
-counting optimizers not passed to the watch; before any, the index of the
-top-level forward call started), and a tensor no watched code produced (a NaN
-label) is phase ``data``.
+counting optimizers not passed to the watch; where no optimizer steps, a step
+begins when the first top-level module call of the previous step is called
+again), and a tensor no watched code produced (a NaN label) is phase ``data``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,52 @@ def _third_inference_call() -> Scenario:
             return [model(x) for x in batches]
 
     return Scenario((model,), run)
+
+
+class TinyVAE(nn.Module):
+    """A diffusers-style autoencoder: ``decode`` is a method, not ``forward``, and calls two submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.post_quant_conv = nn.Conv2d(2, 2, 1)
+        self.decoder = nn.Sequential(nn.Conv2d(2, 2, 1), LogLayer())
+        with torch.no_grad():
+            for conv in (self.post_quant_conv, self.decoder[0]):
+                conv.weight.copy_(torch.eye(2).view(2, 2, 1, 1))
+                conv.bias.zero_()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.post_quant_conv(z))
+
+
+def _third_vae_decode() -> Scenario:
+    """Each ``vae.decode`` is one step (two top-level submodule calls); the third decodes negative latents."""
+    torch.manual_seed(0)
+    vae = TinyVAE()
+    latents = [torch.rand(1, 2, 4, 4) + 0.5, torch.rand(1, 2, 4, 4) + 0.5, -torch.rand(1, 2, 4, 4) - 0.5]
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [vae.decode(z) for z in latents]
+
+    return Scenario((vae,), run)
+
+
+def _gan_inference() -> Scenario:
+    """A generator and a discriminator called twice per iteration, no optimizer: the generator fails at iteration 2."""
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(2, 4), LogLayer()), nn.Linear(4, 1)
+    noise, real = [torch.randn(4, 2) for _ in range(4)], torch.rand(4, 4)
+
+    def run() -> list[torch.Tensor]:
+        scores = []
+        with torch.no_grad():
+            for step, z in enumerate(noise):
+                gen[0].bias.fill_(-1000.0 if step == 2 else 1000.0)  # log of negatives in iteration 2
+                scores += [disc(gen(z)), disc(real)]
+        return scores
+
+    return Scenario((gen, disc), run)
 
 
 def _two_optimizers() -> Scenario:
@@ -176,6 +222,10 @@ CASES = [
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="distance", op_modes=LOSS_CODE_OPS),
          note=LOSS_CODE_NOTE),
     Case("third_inference_call", _third_inference_call,
+         Expect("forward", "1", "LogLayer", step=2, op="aten.log.default", marker="inference log")),
+    Case("third_vae_decode_of_two_submodules", _third_vae_decode,
+         Expect("forward", "decoder.1", "LogLayer", step=2, op="aten.log.default", marker="inference log")),
+    Case("gan_inference_discriminator_called_twice", _gan_inference,
          Expect("forward", "1", "LogLayer", step=2, op="aten.log.default", marker="inference log")),
     Case("two_optimizers_not_passed", _two_optimizers,
          Expect("forward", "1", "LogLayer", step=2, op="aten.log.default", marker="inference log")),

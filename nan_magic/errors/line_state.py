@@ -1,0 +1,109 @@
+"""The frame ``%debug`` opens at a producing op: its line, with the locals as that line left them.
+
+A replay (or the op tracer of ``ops=True``) sees the producing op run in the
+user's frame, and the frame then runs on: to the end of ``forward``, where
+its locals are no longer the state the op saw (``att`` already the NaN after
+the softmax, later variables defined) and its current line is no longer the
+op's. So when the op runs, :func:`after_line` arms a trace on that one frame
+(the way ``pdb.set_trace`` traces a frame already running): when the op's
+line ends (the next line starts, or the frame returns or raises), the locals
+are copied, the tensors the line names cloned (a later in-place op must not
+change them). No other frame is traced, and the trace is removed there.
+
+A frame object cannot be rewound, so ``%debug`` is given a stand-in (the
+technique Jinja2 uses to put template lines in tracebacks): a code object
+with the producer's file, function name and first line, that raises at the
+op's line, run with the copied locals and the frame's own globals. pdb's
+``where``, ``ll`` and ``p``, and ``%tb``, then agree on the line, and show
+the state the line left. A debugger or a coverage tool tracing the program
+keeps its trace of that frame: it is called on, before the copy.
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+
+__all__ = ["LineEnd", "after_line"]
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+class LineEnd:
+    """The locals of ``frame`` as its line ``lineno`` (running now) leaves them; the local trace function."""
+
+    def __init__(self, frame: FrameType) -> None:
+        self.frame = frame
+        self.lasti, self.lineno = frame.f_lasti, frame.f_lineno
+        self.stand_in: FrameType | None = None
+        self._previous = frame.f_trace  # a debugger's or coverage tool's trace of this frame
+        self._previous_lines = frame.f_trace_lines
+        self._installed = sys.gettrace() is None
+        if self._installed:
+            sys.settrace(_no_new_frames)  # frames are traced only while a global trace function is set
+        frame.f_trace_lines = True
+        frame.f_trace = self
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        # Any event of this frame after the op ends its line: the next line, a return, an exception passing.
+        frame.f_trace, frame.f_trace_lines = self._previous, self._previous_lines
+        if self._installed and sys.gettrace() is _no_new_frames:
+            sys.settrace(None)
+        try:
+            self.stand_in = _stand_in(frame, self.lineno, _copied_locals(frame, self.lineno))
+        except Exception:  # raised from a trace function, it would stop all tracing, and the program
+            self.stand_in = None  # %debug then opens in the frame as it ran on
+        return self._previous(frame, event, arg) if self._previous is not None else None
+
+    def where(self) -> tuple[FrameType, tuple[int, int]]:
+        """The frame for %debug and its ``(f_lasti, f_lineno)``: the stand-in once the line ended, else the frame
+        at the op (the line still runs: the event stops the program inside it)."""
+        if self.stand_in is not None:
+            return self.stand_in, (self.stand_in.f_lasti, self.lineno)
+        return self.frame, (self.lasti, self.lineno)
+
+
+def after_line(frame: FrameType) -> LineEnd:
+    """Copy ``frame``'s locals when the line it runs now ends (see the module docstring)."""
+    armed = frame.f_trace
+    if isinstance(armed, LineEnd) and armed.stand_in is None and armed.lineno == frame.f_lineno:
+        return armed  # a second op of the same line
+    return LineEnd(frame)
+
+
+def _no_new_frames(frame: FrameType, event: str, arg: Any) -> None:
+    return None
+
+
+def _copied_locals(frame: FrameType, lineno: int) -> dict[str, Any]:
+    """The frame's locals, the tensors its line ``lineno`` names cloned."""
+    named = set(_NAME.findall(linecache.getline(frame.f_code.co_filename, lineno, frame.f_globals)))
+    values = dict(frame.f_locals)
+    for name in named & values.keys():
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            values[name] = value.detach().clone()
+    return values
+
+
+def _stand_in(frame: FrameType, lineno: int, values: dict[str, Any]) -> FrameType | None:
+    """A frame of ``frame``'s function stopped at ``lineno``, its locals ``values`` (see the module docstring)."""
+    code = frame.f_code
+    first = code.co_firstlineno
+    if lineno < first:
+        return None
+    # Compiled from line 1, then moved to the function's first line: its lines are the function's.
+    raising = compile("\n" * (lineno - first) + "raise LookupError", code.co_filename, "exec")
+    raising = raising.replace(co_name=code.co_name, co_qualname=code.co_qualname, co_firstlineno=first)
+    try:
+        exec(raising, frame.f_globals, values)
+    except LookupError as stopped:
+        traceback = stopped.__traceback__
+        if traceback is not None and traceback.tb_next is not None:
+            return traceback.tb_next.tb_frame
+    return None

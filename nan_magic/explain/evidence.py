@@ -1,0 +1,63 @@
+"""What every rule of the diagnosis reads: the op's name, the dtype's limits, and the event as a cause's fact.
+
+A rule returns a :class:`Cause`: its kind, which reading of it, and the
+plain values it rests on. :func:`event` is the fact every reading of a
+single event shares (the bad tensor, the producer, the op, its inputs, the
+counts), so that ``nan_magic.render.cause`` writes each sentence from the
+cause alone, in a scene as in the live report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from nan_magic.plain import to_pairs
+from nan_magic.records import Cause, Report
+
+__all__ = ["HALF", "dtype_max", "event", "event_cause", "float_dtype", "node_function", "op_base", "plain_cause"]
+
+#: The half-precision dtypes, by name.
+HALF = ("float16", "bfloat16")
+
+
+def event(report: Report) -> tuple[str, object]:
+    """The event as a cause's fact: the report's own fields as plain pairs, less the step's tables and samples."""
+    kept = dataclasses.replace(report, cause=None, layers=(), samples=(), history=(), debug_locals=(), frames=())
+    return "event", to_pairs(kept)
+
+
+def event_cause(label: str, reading: str, report: Report, **numbers: object) -> Cause:
+    """A cause of ``report``'s event: its kind, its reading, the event and the numbers the reading rests on."""
+    return Cause(label, reading, (event(report), *numbers.items()))
+
+
+def plain_cause(cause: Cause) -> tuple[str, str, tuple[tuple[str, object], ...]]:
+    """A cause as a plain fact of another (the reading it led to), so a scene stores it as data."""
+    return cause.label, cause.reading, cause.facts
+
+
+def op_base(op: str | None) -> str | None:
+    """``"aten._softmax.default"`` → ``"softmax"``; ``"aten.div_.Tensor"`` → ``"div"`` (torch's op names)."""
+    if op is None:
+        return None
+    parts = op.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    return name.strip("_")
+
+
+def node_function(node: str) -> str:
+    """The forward function of an autograd node (torch's class name): ``"SqrtBackward0"`` → ``"sqrt"``."""
+    return node.rstrip("0123456789").removesuffix("Backward").lower()
+
+
+def float_dtype(dtype: str | None) -> torch.dtype | None:
+    """The floating dtype a report names (``"float16"``), or None when it names none."""
+    found = getattr(torch, dtype or "", None)
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+
+
+def dtype_max(dtype: str | None) -> float:
+    """Largest finite value of a floating dtype named like ``"float16"`` (float32's when unknown)."""
+    return torch.finfo(float_dtype(dtype) or torch.float32).max

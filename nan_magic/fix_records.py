@@ -1,0 +1,59 @@
+"""The record of one fix trial (nan_magic.fixes): stdlib only, below the records that hold it.
+
+Its sentence is written by ``nan_magic.render.fixes``, which sits above:
+reached through the describer ``nan_magic/__init__.py`` installs, as a
+TensorRef's label is (tensor_refs.install_labeler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nan_magic.locations import SourcePointer
+
+__all__ = ["FIX_KINDS", "FixTrial", "install_describer"]
+
+#: The remedies a fix trial knows (nan_magic.fixes), in the order they are tried.
+FIX_KINDS = ("float32", "eps", "stable", "mask", "lr", "skip-batch", "scale")
+
+
+@dataclass(frozen=True)
+class FixTrial:
+    """One remedy (a :data:`FIX_KINDS` kind) tried on a replay of the failing step at ``op``/``module``/``source``.
+
+    ``facts``: the plain values render/fixes.py describes it from. ``finite``: True only when the replayed
+    step (forward, backward, optimizer step, on copies) came out finite end to end; ``failed`` says where
+    it did not, ``untried`` why it was not run (``finite`` None). ``output_change``: the largest change of
+    the model's output against the unremedied replay's finite part.
+    """
+
+    kind: str
+    op: str | None = None
+    module: str | None = None
+    source: SourcePointer | None = None
+    facts: tuple[tuple[str, Any], ...] = ()
+    finite: bool | None = None
+    loss: float | None = None
+    output_change: float | None = None
+    seconds: float = 0.0
+    failed: str | None = None
+    untried: str | None = None
+
+    def fact(self, name: str, default: Any = None) -> Any:
+        """The value of the fact ``name``, or ``default``."""
+        return next((value for key, value in self.facts if key == name), default)
+
+    @property
+    def description(self) -> str:
+        """What the remedy changed, in one line (written by render/)."""
+        return _describer[0](self)
+
+
+_describer: list[Callable[[FixTrial], str]] = []
+
+
+def install_describer(describer: Callable[[FixTrial], str]) -> None:
+    """Describe every FixTrial with ``describer`` (its ``description``)."""
+    _describer[:] = [describer]

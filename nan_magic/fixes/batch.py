@@ -1,0 +1,57 @@
+"""``skip-batch``: the failing step replayed without the samples whose data is non-finite.
+
+A batch that enters the model holding NaN or inf (a corrupt record, a
+division in the data pipeline): the samples are the rows of the call's
+tensors along their first dimension. The rows where any argument of that
+batch size holds a non-finite value are left out of every such argument,
+and the step is replayed on the rest. The loss code's targets are outside
+the model call: the suggested edit drops the same rows from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from nan_magic.fixes.step import FailingStep
+from nan_magic.hot.stats import iter_tensors, values_to_read
+from nan_magic.localize.replay import map_tensors
+from nan_magic.localize.step_replay import RootCall
+
+__all__ = ["holds_nonfinite", "without_bad_samples"]
+
+
+def holds_nonfinite(root: RootCall) -> bool:
+    """Whether the call's arguments hold a non-finite value (the batch it was given)."""
+    return any(not bool(torch.isfinite(values_to_read(tensor)).all())
+               for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.is_floating_point())
+
+
+def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...], int] | None:
+    """``step`` with the bad samples left out, their indices and the batch size; None where none can be."""
+    root = step.root
+    tensors = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.dim() > 0]
+    bad = [tensor for tensor in tensors
+           if tensor.is_floating_point() and not bool(torch.isfinite(values_to_read(tensor)).all())]
+    if not bad:
+        return None
+    size = bad[0].shape[0]
+    keep = torch.ones(size, dtype=torch.bool, device=bad[0].device)
+    for tensor in bad:
+        if tensor.shape[0] == size:
+            keep &= torch.isfinite(values_to_read(tensor).reshape(size, -1)).all(dim=1)
+    dropped = tuple(int(index) for index in (~keep).nonzero().flatten().tolist())
+    if not dropped or len(dropped) == size:
+        return None  # nothing to leave out, or nothing would be left
+
+    def kept(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[keep.to(tensor.device)] if tensor.dim() > 0 and tensor.shape[0] == size else tensor
+
+    args: Any = map_tensors(kept, root.args)
+    kwargs: Any = map_tensors(kept, root.kwargs)
+    # A gradient held for the outputs (the deferred check judges the batch after backward) loses the same rows.
+    grads = {path: kept(grad) for path, grad in root.output_grads.items()}
+    smaller = dataclasses.replace(root, args=args, kwargs=kwargs, output_grads=grads)
+    return dataclasses.replace(step, root=smaller), dropped, size

@@ -1,0 +1,72 @@
+"""``eps``: the producer's operand moved into its function's domain by a small, dtype-aware eps.
+
+``log``/``sqrt``/``rsqrt``/``pow`` of 0 or of a negative: the operand is
+clamped to at least eps; a division by 0: the denominator is clamped to eps
+where it is never negative, else its zeros become eps; ``acos``/``asin`` at
+or beyond +-1: clamped into ``[-1 + eps, 1 - eps]``. eps is the operand's
+dtype's machine epsilon (``torch.finfo(dtype).eps``: 1.2e-7 in float32,
+9.8e-4 in float16), large enough for the gradient to stay finite where the
+derivative is 1/x or 1/sqrt(x), and what the suggested edit writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nan_magic.fixes.site import function_name
+
+__all__ = ["FUNCTIONS", "DomainFix", "denominator_form"]
+
+#: The producer's function -> the torch functions that compute it, and which argument is the operand.
+FUNCTIONS: dict[str, dict[str, int]] = {
+    "log": {"log": 0, "log2": 0, "log10": 0},
+    "log2": {"log2": 0},
+    "log10": {"log10": 0},
+    "sqrt": {"sqrt": 0},
+    "rsqrt": {"rsqrt": 0},
+    "pow": {"pow": 0, "__pow__": 0},
+    "div": {"div": 1, "divide": 1, "true_divide": 1, "__truediv__": 1, "__rtruediv__": 0, "__rdiv__": 0},
+    "reciprocal": {"reciprocal": 0, "__rtruediv__": 0, "__rdiv__": 0},
+    "acos": {"acos": 0, "arccos": 0},
+    "asin": {"asin": 0, "arcsin": 0},
+}
+
+
+def denominator_form(denominator: torch.Tensor) -> str:
+    """How a denominator is moved off 0: ``clamp_min`` where it is never negative, else ``zeros``."""
+    return "clamp_min" if bool((denominator >= 0).all()) else "zeros"
+
+
+class DomainFix:
+    """The remedy for the function ``function`` (a key of :data:`FUNCTIONS`)."""
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+        self.names = FUNCTIONS[function]
+        #: What it did, for the description: eps, the operand's dtype, the denominator's form.
+        self.eps: float | None = None
+        self.dtype: str | None = None
+        self.form: str | None = None
+
+    def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        index = self.names.get(function_name(func))
+        if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
+            return None
+        operand = args[index]
+        if not operand.is_floating_point():
+            return None
+        eps = torch.finfo(operand.dtype).eps
+        self.eps, self.dtype = eps, str(operand.dtype).removeprefix("torch.")
+        if self.function in ("acos", "asin"):
+            moved = operand.clamp(-1 + eps, 1 - eps)
+        elif self.function in ("div", "reciprocal"):
+            self.form = denominator_form(operand)
+            moved = operand.clamp_min(eps) if self.form == "clamp_min" else torch.where(operand == 0, eps, operand)
+        else:
+            moved = operand.clamp_min(eps)
+        remedied = list(args)
+        remedied[index] = moved
+        return func(*remedied, **kwargs)

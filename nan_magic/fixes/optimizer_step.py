@@ -1,0 +1,101 @@
+"""``lr`` and the optimizer's ``eps``: the failing optimizer step redone on copies from the last good state.
+
+An optimizer step that made a parameter non-finite has already written it:
+the step is redone from the state the watch kept after the last step that
+ended finite (``keep_last_good``), with the same gradients, on copies of the
+parameters and of the optimizer state: once as it ran (it must come out
+non-finite again, or the trial says it does not reproduce) and once with the
+remedy: the learning rate at a tenth (``lr``), or an ``eps`` the parameters'
+dtype can hold (``eps``: a float16 Adam's 1e-8 rounds to 0, and a parameter
+that got no gradient divides 0 by 0).
+
+This redoes the failing step's update, not the steps before it: a run that
+diverged over several steps may need more than its last update lowered.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nan_magic.scene.last_good import LastGood
+
+__all__ = ["NO_LAST_GOOD", "redo_step"]
+
+NO_LAST_GOOD = ("no last good state was kept (watch(..., keep_last_good=True) keeps the state the step is redone "
+                "from)")
+
+
+def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last_good: LastGood,
+              remedy: str) -> tuple[str | None, bool | None, dict[str, Any], float]:
+    """``(why not tried, finite, facts, seconds)`` of the step redone with ``remedy`` (``"lr"`` or ``"eps"``)."""
+    start = time.perf_counter()
+    if last_good.where is None:
+        return NO_LAST_GOOD, None, {}, 0.0
+    kept_optimizer = last_good.state_of(optimizer)
+    names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    kept = {}
+    for parameter in parameters:
+        root, name = names.get(id(parameter), (None, None))
+        state = last_good.state_of(root) if root is not None else None
+        if state is None or name not in state:
+            kept_optimizer = None
+            break
+        kept[id(parameter)] = state[name]
+    if last_good.step is None or kept_optimizer is None:
+        return "no optimizer step ended finite before this one: there is no state to redo it from", None, {}, 0.0
+    as_ran = _redo(optimizer, parameters, kept, kept_optimizer, None)
+    if as_ran:
+        return ("the step redone from the last good state as it ran came out finite: the redo does not reproduce it",
+                None, {}, time.perf_counter() - start)
+    finite = _redo(optimizer, parameters, kept, kept_optimizer, remedy)
+    facts = {"from_step": last_good.step, **_settings(optimizer, remedy)}
+    return None, finite, facts, time.perf_counter() - start
+
+
+def _settings(optimizer: torch.optim.Optimizer, remedy: str) -> dict[str, Any]:
+    group = optimizer.param_groups[0]
+    if remedy == "lr":
+        return {"lr": group.get("lr"), "new_lr": _number(group.get("lr")) / 10}
+    return {"eps": group.get("eps"), "new_eps": _eps_for(optimizer)}
+
+
+def _number(value: Any) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _eps_for(optimizer: torch.optim.Optimizer) -> float:
+    """An eps every parameter's dtype holds: its machine epsilon (9.8e-4 in float16), at least the one set."""
+    dtypes = {parameter.dtype for group in optimizer.param_groups for parameter in group["params"]}
+    return max([torch.finfo(dtype).eps for dtype in dtypes if dtype.is_floating_point] + [
+        _number(group.get("eps", 0.0)) for group in optimizer.param_groups])
+
+
+def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept: dict[int, torch.Tensor],
+          kept_state: dict[str, Any], remedy: str | None) -> bool:
+    """Whether the step, redone on copies from the kept state (with ``remedy``), leaves everything finite."""
+    copies = {id(parameter): kept[id(parameter)].detach().to(parameter.device, parameter.dtype, copy=True)
+              .requires_grad_(parameter.requires_grad) for parameter in parameters}
+    groups = [{**group, "params": [copies[id(parameter)] for parameter in group["params"]]}
+              for group in optimizer.param_groups]
+    redone = type(optimizer)(groups)  # type: ignore[call-arg]  # its defaults are in the groups
+    redone.load_state_dict(copy.deepcopy(kept_state))
+    if remedy == "eps":
+        eps = _eps_for(optimizer)
+    for group in redone.param_groups:
+        if remedy == "lr":
+            group["lr"] = _number(group["lr"]) / 10
+        elif remedy == "eps" and "eps" in group:
+            group["eps"] = eps
+    for parameter in parameters:
+        copies[id(parameter)].grad = None if parameter.grad is None else parameter.grad.detach().clone()
+    redone.step()
+    state = [value for entry in redone.state.values() for value in entry.values()
+             if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    return all(bool(torch.isfinite(tensor).all()) for tensor in [*copies.values(), *state])

@@ -1,0 +1,210 @@
+"""At a real event: pick the remedies that fit its cause, try each on a replay of the failing step.
+
+Which remedy fits (issue 28's table): ``float32`` where the producer ran in
+half or bfloat16 or under autocast; ``eps`` where its function has a domain
+(log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
+log that may be of a softmax; ``mask`` for a softmax over a fully masked
+row; ``skip-batch`` for a batch that entered holding non-finite values. Each is tried alone (step.py) and judged
+against one unremedied replay: the step must come out finite end to end to
+count as verified, and ``output_change`` shows what else it changed.
+
+The trials run only at an event (a healthy step pays nothing), within a
+budget of :data:`STEP_TIMES` times the unremedied replay's time (at least
+:data:`MIN_BUDGET` seconds); a remedy left over says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
+from nan_magic.fixes.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.mask import MASKED, zero_masked_rows
+from nan_magic.fixes.optimizer_step import redo_step
+from nan_magic.fixes.precision import HALF, float32
+from nan_magic.fixes.site import Remedy, Site
+from nan_magic.fixes.stable import StableFix
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
+from nan_magic.localize.step_replay import RootCall, StepReplays, replay_target
+from nan_magic.records import FixTrial, Phase, Report
+from nan_magic.scene.last_good import LastGood
+
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes", "with_fixes"]
+
+#: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
+_STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
+
+#: The trials' budget, in replays of the failing step (each trial is about one).
+STEP_TIMES = 8
+#: ... and at least this many seconds (a step of a tiny model takes a millisecond).
+MIN_BUDGET = 2.0
+
+
+def producer_site(report: Report) -> Site:
+    """Where the producer ran, and the torch function behind its op (a backward op: its node's forward)."""
+    function = None
+    if report.autograd_node:
+        function = re.sub(r"Backward\d*$", "", report.autograd_node).lower()
+    elif report.op and report.op.count(".") >= 1:
+        function = report.op.split(".")[1].rstrip("_")
+    return Site(report.module, report.source, function)
+
+
+def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str, Remedy]]:
+    remedies: list[tuple[str, Remedy]] = []
+    half = report.dtype is not None and report.dtype.removeprefix("torch.") in {str(d)[6:] for d in HALF}
+    if half or step.root.autocast:
+        remedies.append(("float32", float32))
+    if site.function in FUNCTIONS:
+        remedies.append(("eps", DomainFix(site.function)))
+    if site.function in ("exp", "log"):
+        remedies.append(("stable", StableFix(site.function)))
+    if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
+        remedies.append(("mask", zero_masked_rows))
+    return remedies
+
+
+def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
+               roots: Iterable[nn.Module], last_good: LastGood,
+               standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> Report:
+    """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
+    try:
+        trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside)
+        return dataclasses.replace(report, fixes=trials)
+    except Exception as error:  # the trials are a sidecar: they never take the report down
+        note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
+        return dataclasses.replace(report, notes=(*report.notes, note))
+
+
+def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
+              roots: Iterable[nn.Module], last_good: LastGood,
+              standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> tuple[FixTrial, ...]:
+    """The trials for a real event that the watch's step replays localized (lifecycle/watch.py)."""
+    if report.phase == Phase.OPTIMIZER:
+        return try_optimizer_fixes(report, optimizers, roots, last_good)
+    # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
+    root = replays.replayed if report.reproduced else None
+    if report.phase == Phase.DATA:
+        root = batch_call(replays.calls)
+    model = replays.model_of(root.module) if root is not None else None
+    if root is None or model is None:
+        return ()
+    target = replay_target(root.module) or model
+    return try_fixes(report, FailingStep(root, model, target, tuple(optimizers), standing_aside))
+
+
+def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
+    """The latest model call of the step that was given non-finite data (a ``data`` event's), or None."""
+    return next((root for root in reversed(list(calls)) if holds_nonfinite(root)), None)
+
+
+def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
+    """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first."""
+    if report.phase == Phase.DATA:
+        return _skip_batch(report, step)
+    site = producer_site(report)
+    candidates = _candidates(report, site, step)
+    if not candidates or report.module is None:
+        return ()
+    base = replay_step(step, None, None)
+    if base.failed is None:
+        return ()  # the unremedied replay came out finite: nothing to fix on it
+    budget = max(MIN_BUDGET, STEP_TIMES * base.seconds)
+    spent = base.seconds
+    trials = []
+    for kind, remedy in candidates:
+        if spent > budget:
+            trials.append(_at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))
+            continue
+        outcome = replay_step(step, site, remedy)
+        spent += outcome.seconds
+        facts = _facts(kind, remedy, report, step, outcome)
+        if not outcome.applied:
+            trials.append(_at_producer(kind, report, facts=facts, seconds=outcome.seconds,
+                                   untried="it found nothing to change at the producer's line"))
+            continue
+        trials.append(_at_producer(
+            kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+            output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
+        ))
+    order = {True: 0, False: 1, None: 2}
+    return tuple(sorted(trials, key=lambda trial: order[trial.finite]))
+
+
+def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
+                        last_good: LastGood) -> tuple[FixTrial, ...]:
+    """An optimizer event's remedy (``lr``, the optimizer's ``eps``): its step redone from the last good state."""
+    kind = _STEP_REMEDIES.get(report.cause.label if report.cause is not None else "")
+    optimizer = next((opt for opt in optimizers if type(opt).__name__ == report.optimizer), None)
+    if kind is None or optimizer is None:
+        return ()
+    try:
+        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind)
+    except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
+        untried, finite, facts, seconds = f"the optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
+    facts_of = (("optimizer", report.optimizer), ("stepped", True), *facts.items())
+    return (_at_producer(kind, report, facts=facts_of, finite=finite, seconds=seconds,
+                     failed=None if finite is not False else "optimizer step", untried=untried),)
+
+
+def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
+    """``skip-batch`` (batch.py): the step without the samples whose data is non-finite."""
+    left = without_bad_samples(step)
+    if left is None:
+        return (_at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "
+                                                       "the batch's first dimension, holds the non-finite value"),)
+    smaller, dropped, size = left
+    outcome = replay_step(smaller, None, None)
+    facts = (("stepped", outcome.stepped), ("backward_from", _backward_from(smaller, outcome)),
+             ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
+    return (_at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+                     seconds=outcome.seconds, failed=outcome.failed),)
+
+
+def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
+    """A trial of ``kind`` applied where ``report``'s producer ran."""
+    return FixTrial(kind, report.op, report.module, report.source, **outcome)
+
+
+def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
+           ) -> tuple[tuple[str, object], ...]:
+    facts: list[tuple[str, object]] = [("stepped", outcome.stepped),
+                                       ("backward_from", _backward_from(step, outcome))]
+    if kind == "float32":
+        facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
+    if isinstance(remedy, DomainFix):
+        facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
+    if isinstance(remedy, StableFix):
+        facts += [("function", remedy.function), ("form", remedy.form)]
+    return tuple(facts)
+
+
+def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
+    """Where the replayed backward started (step.py): the held output gradient, the model's loss, or ones."""
+    if step.root.output_grads:
+        return "output-gradient"
+    return "loss" if outcome.loss is not None else "ones"
+
+
+def _change(base: StepOutcome, outcome: StepOutcome) -> float | None:
+    """The largest change of an output against the unremedied replay's finite values (None: none compared)."""
+    largest: float | None = None
+    for path, before in base.outputs.items():
+        after = outcome.outputs.get(path)
+        if after is None or after.shape != before.shape:
+            continue
+        finite = torch.isfinite(before)
+        if not bool(finite.any()):
+            continue
+        difference = (after.double() - before.double()).abs()[finite]
+        value = float(difference.max()) if difference.numel() else 0.0
+        largest = value if largest is None or math.isnan(value) or value > largest else largest
+    return largest

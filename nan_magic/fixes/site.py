@@ -1,0 +1,124 @@
+"""Where a remedy applies: the producer's line, inside the producing module, and nowhere else.
+
+A remedy changes torch *functions* (``torch.log``, ``Tensor.__matmul__``,
+``F.linear``), not aten ops: a ``TorchFunctionMode`` sits above autograd, so
+the backward of a remedied forward is the remedied function's own derivative
+(an upcast matmul's gradient is computed in float32 too). A function call is
+the producer's when the innermost user frame that made it is the producer's
+line, and the call is inside the producing module (an attention layer's line
+runs in every layer; only the one that produced is remedied). The mode runs
+only inside a fix trial, on a copy of the model: the fused-path caveat of
+function modes (DESIGN.md) does not touch the user's run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from nan_magic.localize.op_sources import user_frame
+from nan_magic.records import SourcePointer
+
+__all__ = ["Remedy", "Site", "at_producer", "function_name"]
+
+#: A remedy at one function call: the remedied result, or None to leave the call as it is.
+Remedy = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Site:
+    """The producer: its module (qualified name, ``""`` the root), its source line, its function."""
+
+    module: str | None
+    source: SourcePointer | None
+    #: The torch function behind the producing op (``log`` for ``aten.log.default`` or ``LogBackward0``).
+    function: str | None
+
+
+def function_name(func: Any) -> str:
+    """``log`` for ``torch.log`` and ``Tensor.log``, ``__matmul__`` for ``@`` (a property's getter: its name)."""
+    name = getattr(func, "__name__", None)
+    if name is None:
+        name = getattr(getattr(func, "fget", None), "__name__", "")
+    return str(name)
+
+
+class _AtProducer(TorchFunctionMode):
+    """Runs ``remedy`` on the function calls made at ``site``'s line while ``site``'s module runs."""
+
+    def __init__(self, site: Site, remedy: Remedy, inside: Callable[[], bool]) -> None:
+        super().__init__()
+        self.site = site
+        self.remedy = remedy
+        self.inside = inside
+        #: How many calls the remedy changed: a trial that changed none was not a trial of it.
+        self.applied = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.inside():
+            return func(*args, **kwargs)
+        if self._at_line():
+            result = self.remedy(func, args, kwargs)
+            if result is not None:
+                self.applied += 1
+                return result
+        result = func(*args, **kwargs)
+        seen = getattr(self.remedy, "seen", None)
+        if seen is not None:  # a remedy that reads what the module computed before the line (stable.py)
+            seen(func, args, kwargs, result)
+        return result
+
+    def _at_line(self) -> bool:
+        source = self.site.source
+        if source is None:
+            return True  # no line known: every call of the producing module (its remedy still picks the function)
+        frame = user_frame(sys._getframe(2))
+        return frame is not None and frame.f_lineno == source.lineno and frame.f_code.co_filename == source.filename
+
+
+class _Depth:
+    """Whether the producing module is running: global module hooks (no hook on the user's module) count it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.depth = 0
+
+    def enter(self, module: nn.Module, *_: Any) -> None:
+        if module is self.module:
+            self.depth += 1
+
+    def leave(self, module: nn.Module, *_: Any) -> None:
+        if module is self.module:
+            self.depth -= 1
+
+    def inside(self) -> bool:
+        return self.depth > 0
+
+
+def at_producer(model: nn.Module, site: Site, remedy: Remedy) -> tuple[_AtProducer, Callable[[], None]]:
+    """The mode that applies ``remedy`` at ``site`` in ``model``, and what removes its hooks.
+
+    The root (``""``) is inside for the whole call; a module the model does
+    not have is never inside (the remedy then changes nothing: untried).
+    """
+    if site.module == "":
+        return _AtProducer(site, remedy, lambda: True), lambda: None
+    try:
+        depth = _Depth(model.get_submodule(site.module or ""))
+    except AttributeError:
+        return _AtProducer(site, remedy, lambda: False), lambda: None
+    handles = [register_module_forward_pre_hook(depth.enter),
+               register_module_forward_hook(depth.leave, always_call=True)]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return _AtProducer(site, remedy, depth.inside), remove

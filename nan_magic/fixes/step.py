@@ -1,0 +1,207 @@
+"""One replay of the failing step on copies, with or without a remedy: forward, backward, optimizer step.
+
+The copies: the called module's parameters (run with
+``torch.func.functional_call``, so no module object is copied and the
+watch's hooks on the originals are not walked), its buffers as the failing
+call found them (``swapped_buffers``), the optimizers that step those
+parameters (rebuilt on the copies, their state loaded), the call's
+arguments; the call's generators are restored around it and the user's put
+back (``generators_at``), and the modules' Python state too (``untouched``).
+Nothing of the user's is written: no ``.grad``, no optimizer state, no
+BatchNorm statistics, no draw from their generators.
+
+The loss code runs outside the model call, and a forward event stops the
+step before it runs: the backward starts from what the step held, in this
+order: the gradient that flowed into the outputs (a backward event), the
+model's own scalar loss (a Hugging Face model given its labels), else a
+gradient of ones into each floating output, standing for the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nan_magic.fixes.site import Remedy, Site, at_producer
+from nan_magic.hot.rng import generators_at
+from nan_magic.hot.stats import iter_tensors, values_to_read
+from nan_magic.localize.op_plans import plan_of, tensors
+from nan_magic.localize.replay import copy_tensors, swapped_buffers
+from nan_magic.localize.step_replay import RootCall
+from nan_magic.localize.untouched import ModelGuard, untouched
+
+__all__ = ["FailingStep", "StepOutcome", "replay_step"]
+
+
+@dataclass
+class FailingStep:
+    """What a fix trial replays: the failing model call, its eager model and module, the optimizers."""
+
+    root: RootCall
+    #: The eager watched model that holds the call's module (step_replay.replay_target), and that module.
+    model: nn.Module
+    target: nn.Module
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    #: The watch's hooks ignore what the trial runs (call_replay.standing_aside).
+    standing_aside: Callable[[], contextlib.AbstractContextManager[None]]
+
+
+@dataclass
+class StepOutcome:
+    """What one replay of the step gave."""
+
+    #: The model's floating outputs by path, detached.
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss: float | None = None
+    #: Where the step first went non-finite (``"forward"``, ``"backward"``, ``"optimizer step"``) or
+    #: what it raised; None for a step finite end to end.
+    failed: str | None = None
+    #: Calls the remedy changed (0: it found nothing to change at the producer).
+    applied: int = 0
+    seconds: float = 0.0
+    #: Whether an optimizer step was replayed (no optimizer of the model was seen stepping).
+    stepped: bool = False
+
+
+def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> StepOutcome:
+    """Replay ``step`` on copies, with ``remedy`` applied at ``site`` (None: as the user's code ran)."""
+    start = time.perf_counter()
+    outcome = StepOutcome()
+    root = step.root
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(step.standing_aside())
+        guard = stack.enter_context(untouched(step.target))
+        stack.enter_context(swapped_buffers(root.module, root.buffers))
+        if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
+            stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
+        with torch.no_grad():
+            parameters = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
+                          for name, parameter in step.target.named_parameters()}
+            copies: dict[int, torch.Tensor] = {}
+            args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
+        originals = dict(step.target.named_parameters())
+        optimizers = _optimizers(step.optimizers, {id(originals[name]): copy for name, copy in parameters.items()})
+        stack.enter_context(generators_at(root.rng))
+        mode = None
+        if remedy is not None and site is not None:
+            mode, remove = at_producer(step.model, site, remedy)
+            stack.callback(remove)
+        try:
+            output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
+            if mode is not None:
+                outcome.applied = mode.applied
+            _judge(outcome, output, root, list(parameters.values()), optimizers)
+        except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
+            outcome.failed = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if mode is not None:
+                outcome.applied = mode.applied
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def _optimizers(optimizers: tuple[torch.optim.Optimizer, ...], copies: dict[int, torch.Tensor]
+                ) -> list[torch.optim.Optimizer]:
+    """The optimizers that step only the called module's parameters, rebuilt on the copies with their state.
+
+    An optimizer that also steps other parameters, or whose class cannot be
+    built from its parameter groups alone, is left out (its step is not replayed).
+    """
+    rebuilt = []
+    for optimizer in optimizers:
+        groups = [{**group, "params": [copies.get(id(parameter)) for parameter in group["params"]]}
+                  for group in optimizer.param_groups]
+        if any(parameter is None for group in groups for parameter in group["params"]):
+            continue
+        try:
+            rebuilt_one = type(optimizer)(groups)  # type: ignore[call-arg]  # its defaults are in the groups
+            # load_state_dict keeps the very tensors it is given (``.to`` of the same dtype and device): copies.
+            rebuilt_one.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        except (TypeError, ValueError, KeyError):
+            continue
+        rebuilt.append(rebuilt_one)
+    return rebuilt
+
+
+class _GuardWrites(TorchDispatchMode):
+    """Saves what the forward writes in place of the module's own tensors (a running count) before it does."""
+
+    def __init__(self, guard: ModelGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.OpOverload):
+            plan = plan_of(func)
+            if plan.writes:
+                for _name, tensor in tensors(plan, args, kwargs, plan.writes):
+                    self.guard.before_write(tensor)
+        return func(*args, **kwargs)
+
+
+def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, kwargs: Any, root: RootCall,
+             mode: Any, writes: _GuardWrites) -> Any:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(writes)
+        for device, dtype in root.autocast or ():
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        stack.enter_context(torch.enable_grad())
+        if mode is not None:
+            stack.enter_context(mode)
+        return torch.func.functional_call(target, parameters, tuple(args), kwargs)
+
+
+def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[torch.Tensor],
+           optimizers: list[torch.optim.Optimizer]) -> None:
+    tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
+    outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
+    losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
+    if len(losses) == 1:
+        outcome.loss = float(losses[0].detach())
+    if not all(_finite(tensor) for tensor in outcome.outputs.values()):
+        outcome.failed = "forward"
+        return
+    starts = _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)
+    parameters = [parameter for parameter in parameters if parameter.requires_grad]
+    if not starts or not parameters:
+        return
+    grads = torch.autograd.grad([tensor for tensor, _grad in starts], parameters,
+                                grad_outputs=[grad for _tensor, grad in starts], allow_unused=True)
+    if not all(grad is None or _finite(grad) for grad in grads):
+        outcome.failed = "backward"
+        return
+    if not optimizers:
+        return
+    for parameter, grad in zip(parameters, grads):
+        parameter.grad = grad
+    for optimizer in optimizers:
+        optimizer.step()
+    outcome.stepped = True
+    state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
+             if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    if not all(_finite(tensor) for tensor in [*parameters, *state]):
+        outcome.failed = "optimizer step"
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, read through a subclass's data (a subclass may refuse reductions)."""
+    return bool(torch.isfinite(values_to_read(tensor)).all())
+
+
+def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall,
+                     loss: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(output, gradient)`` pairs the backward starts from (see the module docstring)."""
+    if root.output_grads:
+        return [(tensor, root.output_grads[path].to(tensor.dtype)) for path, tensor in tensors
+                if path in root.output_grads and tensor.requires_grad]
+    if loss is not None:
+        return [(loss, torch.ones_like(loss))] if loss.requires_grad else []
+    return [(tensor, torch.ones_like(tensor)) for _path, tensor in tensors if tensor.requires_grad]

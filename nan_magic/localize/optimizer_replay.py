@@ -1,0 +1,108 @@
+"""The op inside an optimizer step that made a parameter or its state non-finite: the step replayed on copies.
+
+The tiered watch learns that a step went wrong from the step's result (the
+parameters and half-precision state after it, optim.py), not from its ops:
+tracing every step's ops is what ``ops=True`` pays for. At such an event the
+step is run again under the op tracer, as ops mode would have traced it, on
+copies of the offending parameter, its gradient and its state, by a replica of
+the optimizer (its class, the parameter's group and its hyperparameters, the
+step function without the watch's hooks): the real parameter, gradient and
+state are never touched.
+
+The step wrote its inputs in place, and keeping a copy of them before every
+step would cost every healthy step a pass over the model. So the replay starts
+from what the step left: the parameter and state as they are now, their
+non-finite elements set to 0 (a stand-in for the finite values they held), and
+the gradient the step applied (or, for the deferred check, the one in place
+when the step was judged). The same faults make the same elements non-finite
+again from there (an ``eps`` that rounds to 0 divides 0 by 0 where the
+gradient is 0, a NaN or huge learning rate spoils every update): the op is
+named only when the replay makes every element the step made non-finite
+non-finite again, and the report says the replay started from the state after
+the step. The line is the user's that called the step (``opt.step()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from nan_magic.hot.finding import Finding
+from nan_magic.localize.op_tracer import OpTracer
+from nan_magic.localize.origins import OpFinding, attach_origin
+from nan_magic.records import Phase, SourcePointer
+
+__all__ = ["name_optimizer_op"]
+
+
+def name_optimizer_op(
+    finding: Finding,
+    opt: torch.optim.Optimizer,
+    parameter: torch.Tensor,
+    key: str | None,
+    caller: SourcePointer | None,
+    kinds: frozenset[str],
+) -> None:
+    """Add to ``finding`` the op of ``opt``'s step that made ``parameter`` (or its state ``key``) non-finite.
+
+    ``caller`` is the user's line that called the step; it becomes the
+    report's line. Where the replay does not make the same elements
+    non-finite again, the finding keeps no op and says so.
+    """
+    bad = parameter if key is None else opt.state.get(parameter, {}).get(key)
+    if not isinstance(bad, torch.Tensor):
+        return
+    try:
+        replayed, origin = _replay(opt, parameter, key, kinds)
+    except Exception:  # any optimizer (a closure it needs, a custom class): the event stands
+        finding.notes.append(f"the {type(opt).__name__} step could not be replayed to name its op")
+        return
+    with torch.no_grad():
+        # Every element the step made non-finite is non-finite in the replay too.
+        reproduced = replayed is not None and bool((bad.isfinite() | ~replayed.isfinite()).all())
+    if origin is None or not reproduced:
+        finding.notes.append(f"a replay of the {type(opt).__name__} step from the state it left stayed finite "
+                             "where the step made non-finite values: its op is not named")
+        return
+    attach_origin(finding, dataclasses.replace(origin, source=caller or origin.source))
+    finding.notes.append(f"{origin.op} named by a replay of the {type(opt).__name__} step on copies of the "
+                         "parameter, its gradient and its state as the step left them (non-finite elements as 0)")
+
+
+def _replay(
+    opt: torch.optim.Optimizer, parameter: torch.Tensor, key: str | None, kinds: frozenset[str]
+) -> tuple[torch.Tensor | None, OpFinding | None]:
+    """Run ``opt``'s step for ``parameter`` alone on copies; the replayed bad tensor and the op that started it."""
+    group = next(group for group in opt.param_groups if any(p is parameter for p in group["params"]))
+    with torch.no_grad():
+        copy = _finite_copy(parameter).requires_grad_(parameter.requires_grad)
+        if parameter.grad is not None:
+            copy.grad = parameter.grad.detach().clone()
+        state = {name: _finite_copy(value) if isinstance(value, torch.Tensor) else value
+                 for name, value in opt.state.get(parameter, {}).items()}
+    replica = object.__new__(type(opt))
+    replica.__dict__.update(opt.__dict__)
+    replica.param_groups = [{**group, "params": [copy]}]
+    replica.state = defaultdict(dict, {copy: state} if state else {})
+    step: Any = type(opt).step
+    # The step without the hooks torch wraps around it: the watch's own optimizer hooks must not see the replay.
+    raw = step.__wrapped__ if getattr(step, "hooked", False) else step
+    tracer = OpTracer(kinds=kinds, phase_hint=lambda: Phase.OPTIMIZER, at_boundary=True)
+    with tracer:
+        raw(replica)
+    replayed = copy if key is None else replica.state[copy].get(key)
+    if not isinstance(replayed, torch.Tensor):
+        return None, None
+    origin = tracer.claim(replayed)
+    return replayed.detach(), origin if isinstance(origin, OpFinding) else None
+
+
+def _finite_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` whose non-finite elements are 0: a stand-in for the finite values the step found."""
+    copy: Any = tensor.detach().clone()
+    if copy.is_floating_point() or copy.is_complex():
+        copy = torch.where(copy.isfinite(), copy, torch.zeros((), dtype=copy.dtype, device=copy.device))
+    return copy

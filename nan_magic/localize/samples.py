@@ -1,0 +1,114 @@
+"""A bad batch from a Dataset: its samples fetched again under the op tracer, to name the op and line.
+
+Data made in a map-style Dataset's ``__getitem__`` (a standardisation by a
+zero std) ran before the watch judged the batch, often in a worker process.
+The loader patch (patches/loaders.py) hands over the indices of each batch a
+``DataLoader`` returns; at a data event, :meth:`Samples.localize` runs
+``dataset[i]`` again for each index of the latest batch, in this process,
+under the op tracer: the first op that made a non-finite value is the
+producer, named at its line in ``__getitem__``. The user's loader is not
+touched (no index is drawn, no worker asked) and the random generators
+``__getitem__`` draws from (torch's, Python's, numpy's) are put back after.
+An iterable dataset, or a batch whose indices were not seen, is said in one
+line of the report instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from torch.utils._python_dispatch import _disable_current_modes
+
+from nan_magic.hot.finding import Finding
+from nan_magic.hot.rng import generators_at
+from nan_magic.localize.op_tracer import OpTracer
+from nan_magic.localize.origins import OpFinding, attach_origin
+from nan_magic.patches.loaders import UNKNOWN
+from nan_magic.records import Phase, Report
+
+__all__ = ["Refetched", "Samples"]
+
+#: The op that made the batch's value, the frame that ran it and its ``(f_lasti, f_lineno)`` then; or a note.
+Refetched = tuple[OpFinding, FrameType | None, tuple[int, int] | None] | str
+
+
+class Samples:
+    """The latest batch a DataLoader returned under the watch, and its samples fetched again at an event."""
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        self.kinds = kinds
+        self._dataset: Any = None
+        self._indices: Any = UNKNOWN
+        self._map_style = True
+
+    def on_batch(self, dataset: Any, indices: Any, map_style: bool) -> None:
+        """The loader patch's callback: keep the latest batch's dataset and indices (references only)."""
+        self._dataset, self._indices, self._map_style = dataset, indices, map_style
+
+    def forget(self) -> None:
+        self._dataset, self._indices = None, UNKNOWN
+
+    def localize(self, finding: Finding, seen: Report, build: Callable[[Finding], Report]
+                 ) -> tuple[Report, tuple[FrameType | None, tuple[int, int] | None]] | None:
+        """The report of a data event ``seen``, with the op and line that made it, or a note why not.
+
+        None where no DataLoader returned a batch under the watch (the data was not fetched by one).
+        """
+        refetched = self.refetch()
+        if refetched is None:
+            return None
+        if isinstance(refetched, str):
+            return dataclasses.replace(seen, notes=(*seen.notes, refetched)), (finding.frame, None)
+        origin, frame, position = refetched
+        attach_origin(finding, origin)
+        finding.notes.append(f"named by fetching the batch's samples from {type(self._dataset).__name__} again")
+        return build(finding), (frame, position)
+
+    def refetch(self) -> Refetched | None:
+        """The op in ``__getitem__`` that made the latest batch's non-finite value; None where no loader ran."""
+        if self._dataset is None:
+            return None
+        name = type(self._dataset).__name__
+        if not self._map_style:
+            return (f"the batch came from {name}, an iterable dataset: its samples cannot be fetched again "
+                    "by index, so the op that made the value is not named")
+        if self._indices is UNKNOWN:
+            return (f"the batch's indices into {name} were not seen (drawn before the watch began, or "
+                    "in_order=False), so its samples were not fetched again")
+        indices = self._indices if isinstance(self._indices, list) else [self._indices]
+        tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA)
+        try:
+            # The watch's own dispatch modes (the op tracer of ops=True, the loss-code recorder) stand aside.
+            with _disable_current_modes(), _user_generators(), generators_at(None), tracer:
+                for index in indices:
+                    self._dataset[index]
+                    if tracer.finding is not None:
+                        break
+        except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
+            first = str(error).splitlines()[0] if str(error) else ""
+            return f"fetching the batch's samples from {name} again raised {type(error).__name__}: {first}".rstrip(": ")
+        if tracer.finding is None:
+            return (f"fetching the batch's {len(indices)} sample(s) from {name} again made no non-finite value: "
+                    "it is stored in the dataset itself, or drawn at random")
+        frame, position = tracer.frame_of(tracer.finding)
+        return tracer.finding, frame, position
+
+
+@contextmanager
+def _user_generators() -> Iterator[None]:
+    """Python's and numpy's global random generators as they were, after ``__getitem__`` ran again."""
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        if numpy is not None:
+            numpy.random.set_state(state)

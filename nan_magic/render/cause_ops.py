@@ -1,0 +1,254 @@
+"""The sentences of a forward op's cause: a domain error (log, sqrt, pow), a division, an empty mean, a softmax.
+
+Each reading is written from the cause's event (the op, its inputs by role,
+the counts; render/cause_words.py) and the numbers its rule in
+explain/forward.py or explain/attention.py gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nan_magic.records import Cause, Report
+from nan_magic.render.cause_words import (
+    Reading,
+    constant_inputs,
+    counts,
+    divisor_phrase,
+    fmt,
+    input_label,
+    input_lines,
+    input_named,
+    inputs_or_counts,
+    on_event,
+    rerun_for_op,
+    short_label,
+    stats_counts,
+    where,
+)
+
+__all__ = ["OP_READINGS"]
+
+
+def _made(counted: Callable[[Report], str]) -> Callable[[Report, Cause], tuple[str, ...]]:
+    """Evidence that the op made ``counted`` values from finite inputs, then the inputs."""
+    return lambda event, _cause: (f"{event.op} made {counted(event)} from finite inputs", *input_lines(event))
+
+
+def _log_hint(event: Report, cause: Cause) -> str:
+    zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
+    bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
+    return (
+        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
+        "to eps first (x.clamp_min(1e-12)), or use log_softmax / logsumexp for log-probabilities"
+    )
+
+
+def _sqrt_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"sqrt got {event.nan} negatives in {input_named(event, 0, event.nan)}: clamp to >= 0 first "
+        "(x.clamp_min(0)), or compute the value so it cannot go negative (a variance as ((x - mean)**2).mean())"
+    )
+
+
+def _rsqrt_hint(event: Report, cause: Cause) -> str:
+    zeros = event.posinf + event.neginf
+    return (
+        f"rsqrt got {zeros} zeros in {input_named(event, zeros, 0)}: 1/sqrt(0) is inf; if it is a variance, add eps "
+        "inside (torch.rsqrt(var + 1e-5))"
+    )
+
+
+def _pow_negative_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"pow got a negative base with a fractional exponent in {input_named(event, 0, event.nan)} "
+        f"({event.nan} NaN): clamp the base to >= 0 (x.clamp_min(0) ** p) or use x.sign() * x.abs() ** p"
+    )
+
+
+def _pow_zero_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"pow raised {cause.fact('zeros')} zeros of `self` of {event.op} in {where(event)} to a negative power "
+        f"({event.posinf + event.neginf} inf): add eps to the base ((x + 1e-12) ** p)"
+    )
+
+
+def _pow_unknown_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"pow in {where(event)} made {counts(event)}: zero to a negative power or an overflow of "
+        f"{event.dtype}; the base is not known here: {rerun_for_op(event)}"
+    )
+
+
+def _exp_hint(event: Report, cause: Cause) -> str:
+    inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
+    reached = "".join(f", {short_label(ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
+    return (
+        f"{event.op} in {where(event)} overflowed {event.dtype} in {event.posinf} elements: exp(x) is inf for "
+        f"x > {cause.fact('threshold'):.4g}{reached}; subtract the row max first (softmax / logsumexp do), clamp "
+        "the input, or compute it in float32"
+    )
+
+
+def _division_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.op} made {event.nan} NaN (0/0) and {event.posinf + event.neginf} inf (x/0)",
+            *input_lines(event), *constant_inputs(event))
+
+
+def _division_hint(event: Report, cause: Cause) -> str:
+    divisor = event.operand(cause.fact("divisor"))
+    results = [f"{count} {what}" for count, what in ((event.nan, "NaN (0/0)"),
+                                                       (event.posinf + event.neginf, "inf (x/0)")) if count]
+    constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
+    return (
+        f"{event.op} in {where(event)} divided by zero{divisor_phrase(divisor)}, giving {' and '.join(results)}"
+        f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
+        "x / norm.clamp_min(1e-12)); if it is a count, clamp it to >= 1"
+    )
+
+
+def _division_unknown_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} made {counts(event)} in {event.dtype}: a zero divisor or a quotient "
+        f"above {fmt(cause.fact('limit'))}; the divisor is not known here: {rerun_for_op(event)}"
+    )
+
+
+def _empty(how: str) -> Reading:
+    def hint(event: Report, _cause: Cause) -> str:
+        return (
+            f"{event.op} in {where(event)} gave {event.nan} NaN from finite inputs: {how}, e.g. a loss whose every "
+            "target is ignore_index or a masked mean with an empty mask; skip such batches (if mask.any()) or "
+            "divide a sum by count.clamp_min(1)"
+        )
+
+    return on_event(hint, _made(lambda event: f"{event.nan} NaN and no inf"), sentence=False)
+
+
+def _corrected_hint(event: Report, cause: Cause) -> str:
+    shapes = [(ref, stats.shape) for ref, stats in event.op_inputs if stats.shape]
+    shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
+    return (
+        f"{event.op} in {where(event)} gave {event.nan} NaN: with correction=1 (the default) a std or variance "
+        f"over N = 1 element divides by N - 1 = 0{shape}; pass correction=0, or use batches of more than one row"
+    )
+
+
+def _carried_hint(event: Report, cause: Cause) -> str:
+    held = "; ".join(f"{input_label(event, ref)} held {stats_counts(stats)}"
+                     for ref, stats in event.op_inputs if stats.nonfinite)
+    return (
+        f"{event.op} in {where(event)} made {counts(event)} from inputs already non-finite "
+        f"({held or 'see the inputs'}): inf·0 and inf - inf are NaN; find where that input became non-finite "
+        "(a parameter already non-finite, a deliberate infinity upstream)"
+    )
+
+
+# -- softmax and attention (explain/attention.py) -----------------------------------------
+
+
+def _masked_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{_rows(cause)} of {event.op} in {where(event)} had every position masked to -inf, and a softmax over "
+        "nothing is NaN: keep at least one position unmasked per row (e.g. the query's own), mask with "
+        "torch.finfo(dtype).min instead of -inf, or zero fully masked rows after the softmax"
+    )
+
+
+def _rows(cause: Cause) -> str:
+    rows = cause.fact("rows")
+    return f"{rows} row(s) of {cause.fact('positions')} positions" if rows is not None else "rows"
+
+
+def _masked_softmax_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    scores = event.operand("self")
+    return (
+        f"{event.op} made {event.nan} NaN ({_rows(cause)})",
+        f"{input_label(event, 'self')} held {scores.neginf if scores else None} -inf (masked positions), one at "
+        "least for each NaN: a softmax over finite values and -inf is NaN only in a row that is all -inf",
+    )
+
+
+def _masked_logsumexp_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{_rows(cause)} of {event.op} in {where(event)} had every position masked to -inf, and a logsumexp over "
+        "nothing is -inf (a loss over it is infinite, its gradient NaN): keep at least one position unmasked per "
+        "row, mask with torch.finfo(dtype).min instead of -inf, or leave fully masked rows out of the loss"
+    )
+
+
+def _masked_logsumexp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.neginf} -inf ({_rows(cause)})",
+        f"its input held {cause.fact('masked')} -inf (masked positions) and no NaN or +inf: over finite values and "
+        "-inf, logsumexp is -inf only in a row that is all -inf",
+    )
+
+
+def _masked_attention_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.nan} NaN ({_rows(cause)})",
+        f"|q·kᵀ| <= {fmt(cause.fact('bound'))} (|q|max · |k|max · d), below the {event.dtype} max "
+        f"{fmt(cause.fact('limit'))}: the scores cannot overflow, so the NaN rows are rows whose every key was "
+        "masked",
+        mask_phrase(event, cause.fact("positions")),
+    )
+
+
+def mask_phrase(event: Report, keys: int) -> str:
+    """The float attention mask that holds enough -inf to mask a whole row."""
+    mask = event.operand("attn_mask")
+    assert mask is not None  # the rule read it
+    return (f"{input_label(event, 'attn_mask')}, shape {mask.shape}, held {mask.neginf} -inf: enough to mask every "
+            f"one of the {keys} keys of some row")
+
+
+def _softmax_unmatched_hint(event: Report, cause: Cause) -> str:
+    overflowing = [str(ref) for ref, stats in event.op_inputs if stats.posinf]
+    held = f", with +inf in {', '.join(overflowing)}" if overflowing else ""
+    return (
+        f"{event.op} in {where(event)} made {counts(event)}{held}; the -inf of its input do not fill the NaN "
+        "rows (a fully masked row needs a -inf at every NaN position)"
+    )
+
+
+def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
+    bound, limit, keys = cause.fact("bound"), cause.fact("limit"), cause.fact("keys")
+    mask = event.operand("attn_mask")
+    readings = []
+    if bound is not None and bound[0] >= limit:
+        readings.append(f"an overflow of q·kᵀ (it can reach {fmt(bound[0])} unscaled, past {fmt(limit)})")
+    elif bound is not None:
+        readings.append(f"not an overflow of the scores (|q·kᵀ| <= {fmt(bound[0])})")
+    if cause.fact("masked"):
+        readings.append("a row whose keys are all masked")
+    elif mask is None:
+        readings.append("no float attn_mask was read: a boolean mask with a row all False would give NaN rows")
+    else:
+        readings.append(f"attn_mask held {mask.neginf} -inf, fewer than the {keys} keys of one row")
+    return (
+        f"{event.op} in {where(event)} made {counts(event)}: {'; '.join(readings)}; rerun on the failing step "
+        "with the mask and the q·kᵀ scores in hand"
+    )
+
+
+OP_READINGS: dict[str, Reading] = {
+    "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
+    "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
+    "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
+    "pow-negative-base": on_event(_pow_negative_hint, _made(counts), sentence=False),
+    "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),
+    "pow-unknown-base": on_event(_pow_unknown_hint, _made(counts), sentence=False),
+    "exp-overflow": on_event(_exp_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
+    "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),
+    "division-unknown-divisor": on_event(_division_unknown_hint, _division_evidence, sentence=False),
+    "empty-quotient": _empty("a sum over nothing divided by a count of nothing (0/0)"),
+    "empty-mean": _empty("an average over zero elements (0/0)"),
+    "corrected-one": on_event(_corrected_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
+    "carried": on_event(_carried_hint, inputs_or_counts, sentence=False),
+    "masked-softmax": on_event(_masked_hint, _masked_softmax_evidence, sentence=False),
+    "masked-attention": on_event(_masked_hint, _masked_attention_evidence, sentence=False),
+    "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
+    "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
+    "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
+}

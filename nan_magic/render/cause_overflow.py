@@ -1,0 +1,133 @@
+"""The sentences of an overflow: an op that passed its dtype's largest finite value, and the signs that show it.
+
+explain/overflow.py gives the dtype's max (``limit``), whether the op is a
+matmul or an attention kernel, and the signs of the overflow as plain
+tuples ``(kind, *numbers)``; each kind is written here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nan_magic.plain import from_plain
+from nan_magic.records import Cause, Report, TensorRef, TensorRole
+from nan_magic.render.cause_ops import mask_phrase
+from nan_magic.render.cause_words import (
+    Reading,
+    counts,
+    event_of,
+    fmt,
+    input_lines,
+    inputs_or_counts,
+    on_event,
+    short_label,
+    what,
+    where,
+)
+
+__all__ = ["OVERFLOW_READINGS"]
+
+#: The attention kernel already scales by d**-0.5: what is left is the size of q and k themselves.
+_ATTENTION_FIX = (
+    "normalise q and k (QK-norm: a LayerNorm or RMSNorm on each) and find what grew them (the q/k projection "
+    "weights: a learning rate too high, no gradient clipping)"
+)
+
+
+def _half_hint(event: Report, cause: Cause) -> str:
+    fix = "compute it in float32 (cast its inputs, or keep it out of torch.autocast) or scale the inputs down"
+    if cause.fact("matmul"):
+        fix += " (for attention, scale q by d**-0.5 before q·kᵀ)"
+    elif cause.fact("attention"):
+        fix += f" ({_ATTENTION_FIX})"
+    infinite = event.posinf + event.neginf
+    made = f"in {infinite} elements" if infinite else f"({counts(event)}: inf - inf inside the op)"
+    return f"{what(event)} overflowed {event.dtype} (max {fmt(cause.fact('limit'))}) {made}{_reached(event)}; {fix}"
+
+
+def _half_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (*_signs(cause), f"dtype {event.dtype}, finite limit {fmt(cause.fact('limit'))}",
+            f"{event.tensor}: {counts(event)}", *input_lines(event))
+
+
+def _wide_hint(event: Report, cause: Cause) -> str:
+    limit = cause.fact("limit")
+    if cause.fact("attention"):
+        fix = f"the scores q·kᵀ passed it: {_ATTENTION_FIX}"
+    else:
+        fix = (
+            f"values this large are not a precision problem ({event.dtype} already holds {fmt(limit)}): find "
+            "what grew them (a parameter or activation growing each step: lower the learning rate, clip "
+            "gradients; inputs that are not normalised) and normalise or clip before this op"
+        )
+    if cause.fact("matmul"):
+        fix += " (for attention, scale q by d**-0.5 before q·kᵀ and normalise q and k)"
+    return (f"{what(event)} made {counts(event)}: it overflowed {event.dtype} (max {fmt(limit)}){_reached(event)}; "
+            f"{fix}")
+
+
+def _wide_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"dtype {event.dtype}, finite limit {fmt(cause.fact('limit'))}", *_signs(cause), *input_lines(event))
+
+
+def _reached(event: Report) -> str:
+    """``; its inputs reached |x| = 20 (`self`), 60 (`mat2`)``: the op's operands in schema order."""
+    inputs = [(ref, stats.absmax) for ref, stats in event.op_inputs if stats.absmax is not None]
+    reached = ", ".join(f"{fmt(absmax)} ({short_label(ref)})" for ref, absmax in inputs)
+    return f"; its inputs reached |x| = {reached}" if reached else ""
+
+
+def _signs(cause: Cause) -> tuple[str, ...]:
+    return tuple(_sign(cause, kind, *numbers) for kind, *numbers in cause.fact("signs", ()))
+
+
+def _sign(cause: Cause, kind: str, *numbers: Any) -> str:
+    event, limit = event_of(cause), cause.fact("limit")
+    if kind == "arithmetic":
+        return f"{numbers[0]} of finite operands makes inf (or inf - inf = NaN in a sum) only past {fmt(limit)}"
+    if kind == "pow":
+        return f"pow of a base without zeros makes inf only past {fmt(limit)}"
+    if kind == "near":
+        ref, absmax, near = numbers
+        return (f"{_operand(ref)} reached |x| = {fmt(absmax)}, within {fmt(1 / near)}x of the "
+                f"{event.dtype} max")
+    if kind == "output-near":
+        return f"the finite values of {event.tensor} reached |x| = {fmt(numbers[0])}, near the max"
+    if kind == "square":
+        ref, absmax, root = numbers
+        return f"{_operand(ref)} reached |x| = {fmt(absmax)} > sqrt(max) = {fmt(root)}: its square overflows"
+    if kind == "product":
+        return f"the product of its largest operands, {fmt(numbers[0])} · {fmt(numbers[1])}, passes the max"
+    if kind == "scores":
+        query, key, dim, bound = numbers
+        return (f"q·kᵀ·scale can reach |q|max · |k|max · sqrt(d) = {fmt(query)} · {fmt(key)} · sqrt({dim}) = "
+                f"{fmt(bound)}, past the {event.dtype} max {fmt(limit)}: scores of +inf and -inf in a row make "
+                "inf - inf = NaN in the softmax")
+    if kind == "mask":
+        return f"also: {mask_phrase(event, numbers[0])}; if NaN remain once q and k are small, look for such a row"
+    raise ValueError(f"an overflow sign of an unknown kind {kind!r}")
+
+
+def _operand(ref: object) -> str:
+    return short_label(from_plain(TensorRef, ref))
+
+
+def _unmatched_hint(event: Report, cause: Cause) -> str:
+    largest = max((stats.absmax for _ref, stats in event.op_inputs if stats.absmax is not None), default=None)
+    size = f"; its inputs reached |x| = {fmt(largest)}" if largest is not None else ""
+    return (
+        f"{event.op or 'the op'} in {where(event)} made {counts(event)} in {event.tensor} from finite "
+        f"{event.dtype} inputs{size}; no rule of the checklist matches"
+    )
+
+
+def _opens_with_the_loss(event: Report) -> bool:
+    return event.tensor.role is TensorRole.LOSS and event.op is None
+
+
+OVERFLOW_READINGS: dict[str, Reading] = {
+    "half-overflow": on_event(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
+    "wide-overflow": on_event(_wide_hint, _wide_evidence, sentence=_opens_with_the_loss),
+    "op-unmatched": on_event(_unmatched_hint, inputs_or_counts,
+                            sentence=lambda event: event.op is None),
+}

@@ -1,0 +1,167 @@
+"""The sentences of a cause found without an op rule: the batch, a parameter, a backward, an unknown op.
+
+explain/diagnose.py gives these readings for an event of phase data, a
+parameter that was already non-finite, a backward through a function whose
+derivative has a pole, and a module or loss whose op is not known.
+"""
+
+from __future__ import annotations
+
+from nan_magic.records import Cause, Phase, Report
+from nan_magic.render.cause_words import (
+    Reading,
+    counts,
+    fmt,
+    inputs_or_counts,
+    line,
+    on_event,
+    rerun_for_op,
+    where,
+    zeros_phrase,
+)
+
+__all__ = ["STEP_READINGS"]
+
+#: Each function whose derivative has a pole (explain/diagnose.py names it): the derivative, and the fix.
+_POLES = {
+    "sqrt": ("the derivative of sqrt, 1/(2·sqrt(x)), is infinite at x = 0, reached by sqrt",
+             "add eps inside the sqrt (torch.sqrt(x + 1e-12)) or clamp x to >= eps"),
+    "acos": ("the derivative of acos, -1/sqrt(1 - x²), is infinite at x = ±1, reached by acos",
+             "clamp to [-1 + 1e-7, 1 - 1e-7] (a clamp to [-1, 1] still lets ±1 through)"),
+    "asin": ("the derivative of asin, 1/sqrt(1 - x²), is infinite at x = ±1, reached by asin",
+             "clamp to [-1 + 1e-7, 1 - 1e-7] (a clamp to [-1, 1] still lets ±1 through)"),
+    "log": ("the derivative of log, 1/x, is infinite at x = 0, reached by log",
+            "clamp to eps before the log (x.clamp_min(1e-12)) or use log_softmax"),
+    "div": ("the derivative of a/b, -a/b², is infinite at b = 0, reached by a division",
+            "add eps to the divisor or clamp it (b.clamp_min(1e-12))"),
+    "pow": ("the derivative of x**p for p < 1 is infinite at x = 0, reached by pow",
+            "add eps to the base (x + 1e-12) ** p or clamp it"),
+    "norm": ("the derivative of a norm, x/‖x‖, divides by 0 at a zero vector, reached by a norm",
+             "add eps inside (torch.sqrt((x**2).sum(-1) + 1e-12)) or clamp the norm"),
+    "std": ("the derivative of std divides by the std, 0 at a constant input, reached by std",
+            "add eps inside (torch.sqrt(x.var() + 1e-5))"),
+    "exp": ("the derivative of exp is exp(x), which overflows for large x, reached by exp",
+            "subtract the max first (logsumexp) or clamp the input"),
+}
+
+#: Where a backward turns a finite gradient non-finite: the checklist to give when the op is unknown.
+_DERIVATIVE_POLES = (
+    "derivatives are infinite for sqrt, pow(x, p<1) and norms at 0, log and 1/x at 0, acos/asin at ±1"
+)
+
+
+def _benign_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"benign: the program handles {event.tensor} of {where(event)} ({counts(event)}: a GradScaler skip "
+        "or a deliberate infinity); nothing to fix unless it keeps coming back"
+    )
+
+
+def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return event.notes or (f"{event.tensor}: {counts(event)}",)
+
+
+def _bad_batch_hint(event: Report, cause: Cause) -> str:
+    first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
+    return (
+        f"{event.tensor} entering {event.model or 'the model'} already held {counts(event)} of "
+        f"{event.numel}{first}: the batch was bad before the model ran; check the loader and preprocessing "
+        "(a standardisation by a zero std, a log of a zero feature, a corrupt record)"
+    )
+
+
+def _bad_batch_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"phase data: {event.tensor} held {counts(event)} before any watched module ran",
+        *(f"earlier warning at step {warning.step}: {warning.message}" for warning in event.warnings
+          if warning.kind in ("extreme-input", "constant-feature")),
+    )
+
+
+def _parameter_hint(event: Report, cause: Cause) -> str:
+    # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
+    seen = f"when {where(event)} read it" if event.phase != Phase.DATA else f"after step {event.step}"
+    return (
+        f"{event.tensor.name} already held {counts(event)} {seen}: it became non-finite outside every watched step "
+        "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
+        "what wrote it"
+    )
+
+
+def _pole_hint(event: Report, cause: Cause) -> str:
+    derivative, fix = _POLES[cause.fact("function")]
+    return f"{derivative} at {line(event)}{zeros_phrase(event)}: its backward gave {counts(event)} ({event.op}); {fix}"
+
+
+def _unwatched_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.tensor} was {counts(event)} when the optimizer was about to step; the backward that "
+        "computed it was not watched (or code after it changed it)"
+    )
+
+
+def _backward_hint(event: Report, cause: Cause) -> str:
+    if event.autograd_node is not None:
+        detail = f"in the backward of {event.autograd_node} ({event.op} at {line(event)})"
+    elif event.op is not None:
+        detail = f"in {event.op}"
+    else:
+        detail = f"(the op is unknown: {rerun_for_op(event)})"
+    return (
+        f"the backward of {where(event)} turned a finite gradient into {counts(event)} in {event.tensor} "
+        f"{detail}; {_DERIVATIVE_POLES}"
+    )
+
+
+def _loss_hint(event: Report, cause: Cause) -> str:
+    finite = " while every watched module output was finite" if event.inputs_finite else ""
+    if event.nan and not event.posinf + event.neginf:
+        readings = (
+            "a mean over an empty selection (every target ignore_index, an empty mask: 0/0), or a domain "
+            "error in the loss code (log or sqrt of a negative, 0·log(0))"
+        )
+    else:
+        readings = "a log of a zero probability (-log 0), or an overflow in the loss code (exp, a huge square)"
+    return f"the loss was {counts(event)}{finite}: {readings}; {rerun_for_op(event)}"
+
+
+def _module_hint(event: Report, cause: Cause) -> str:
+    readings = [f"an overflow of {event.dtype} (max {fmt(cause.fact('limit'))})"] * cause.fact("overflows")
+    zeros = [str(ref) for ref, stats in event.input_stats if stats.zeros]
+    if zeros:
+        readings.append(f"a division by zero or a log of zero ({', '.join(zeros)} held zeros)")
+    negatives = [str(ref) for ref, stats in event.input_stats if stats.negatives]
+    if event.nan and negatives:
+        readings.append(f"a log, sqrt or pow of a negative ({', '.join(negatives)} held negatives)")
+    return (
+        f"{where(event)} made {counts(event)} in {event.tensor}"
+        + (f"; readings that fit: {'; '.join(readings)}" if readings else "")
+        + f"; the op is unknown: {rerun_for_op(event)}"
+    )
+
+
+def _tensor_counts(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.tensor}: {counts(event)}",)
+
+
+def _tensor_counts_of(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.tensor}: {counts(event)} of {event.numel}",)
+
+
+STEP_READINGS: dict[str, Reading] = {
+    "benign": on_event(_benign_hint, _benign_evidence, sentence=False),
+    "bad-batch": on_event(_bad_batch_hint, _bad_batch_evidence, sentence=False),
+    "parameter-nonfinite": on_event(_parameter_hint, _tensor_counts_of, sentence=False),
+    "derivative-pole": on_event(
+        _pole_hint, lambda event, cause: (f"autograd node {event.autograd_node}", *_tensor_counts(event, cause))
+    ),
+    "gradient-unwatched": on_event(_unwatched_hint, _tensor_counts, sentence=False),
+    "backward-unmatched": on_event(_backward_hint, lambda event, _cause: (
+        f"phase backward: {event.tensor} {counts(event)} of {event.numel}",
+    )),
+    "loss-unknown-op": on_event(_loss_hint, lambda event, _cause: (
+        f"loss: {counts(event)}", f"inputs finite: {event.inputs_finite}",
+    )),
+    "module-unknown-op": on_event(_module_hint, inputs_or_counts,
+                                 sentence=lambda event: event.module is None and event.source is not None),
+}

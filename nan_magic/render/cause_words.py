@@ -1,0 +1,207 @@
+"""The words every cause's sentences share: the producer's place, the op's inputs by role, counts.
+
+A cause of one event carries that event as its ``event`` fact
+(explain/evidence.py); :func:`event_of` reads it back as a :class:`Report`
+of the producer's fields, and the phrases below name its parts the same way
+for every reading.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nan_magic.locations import name_location
+from nan_magic.plain import from_plain
+from nan_magic.records import Cause, Report, TensorRef, TensorRole, TensorStats, module_label
+
+__all__ = [
+    "Reading",
+    "constant_inputs",
+    "counts",
+    "counts_phrase",
+    "divisor_phrase",
+    "event_of",
+    "fmt",
+    "input_label",
+    "input_lines",
+    "input_named",
+    "inputs_or_counts",
+    "line",
+    "on_event",
+    "rerun_for_op",
+    "short_label",
+    "stats_counts",
+    "what",
+    "where",
+    "zeros_phrase",
+]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How one reading of a cause is written: its hint (with the fix) and its evidence lines."""
+
+    hint: Callable[[Cause], str]
+    evidence: Callable[[Cause], tuple[str, ...]]
+    #: Whether the hint opens with a common word ("the ..."), capitalised at a sentence's start; one that
+    #: opens with a name (an op, a parameter) keeps its case. A callable where the opening word varies.
+    sentence: bool | Callable[[Cause], bool] = True
+
+
+def on_event(
+    hint: Callable[[Report, Cause], str],
+    evidence: Callable[[Report, Cause], tuple[str, ...]],
+    sentence: bool | Callable[[Report], bool] = True,
+) -> Reading:
+    """A reading of one event, written from the event (:func:`event_of`) and the cause's own numbers."""
+    opens = sentence if isinstance(sentence, bool) else lambda cause: sentence(event_of(cause))
+    return Reading(lambda cause: hint(event_of(cause), cause), lambda cause: evidence(event_of(cause), cause), opens)
+
+
+def event_of(cause: Cause) -> Report:
+    """The event a cause is about, as the diagnosis saw it."""
+    return _decoded(cause.fact("event"))
+
+
+@functools.lru_cache(maxsize=64)
+def _decoded(pairs: tuple[tuple[str, object], ...]) -> Report:
+    return from_plain(Report, pairs)
+
+
+def fmt(value: float | None) -> str:
+    """``31000.0`` → ``"3.1e4"``; ``0.52`` → ``"0.52"``."""
+    if value is None:
+        return "?"
+    if not math.isfinite(value):  # an lr of inf, a bound past float64: int() would raise
+        return str(value)
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    text = f"{value:.3g}"
+    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'-' if m.group(1) == '-' else ''}{m.group(2)}", text)
+
+
+def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
+    """The non-zero counts only: ``"334 +inf"``; ``"non-finite"`` where none is known."""
+    parts = [f"{count} {kind}" for kind, count in (("nan", nan), ("+inf", posinf), ("-inf", neginf)) if count]
+    return ", ".join(parts) or "non-finite"
+
+
+def rerun_for_op(report: Report) -> str:
+    """What a hint says of an op it does not know: rerun with ops=True, unless the watch traced every op."""
+    if report.ops:
+        return ("the op tracer saw no op make it from finite values (it came from code it does not see: another "
+                "thread, a C extension's own kernel)")
+    return "rerun with ops=True (%%nantrace --ops) to name the op"
+
+
+def counts(report: Report) -> str:
+    return counts_phrase(report.nan, report.posinf, report.neginf)
+
+
+def stats_counts(stats: TensorStats) -> str:
+    return counts_phrase(stats.nan or 0, stats.posinf or 0, stats.neginf or 0)
+
+
+def where(report: Report) -> str:
+    if report.module is None:
+        if report.source is not None:
+            return f"the code at {name_location(report.source.filename, report.source.lineno)}"
+        return "code outside the watched modules"
+    return module_label(report.module, report.module_type)
+
+
+def what(report: Report) -> str:
+    """The bad tensor with its op and module: ``output of aten.mm.default in 1 (HalfMatmul)``."""
+    tensor = report.tensor
+    if tensor.role is TensorRole.LOSS and report.op is None:
+        return "the loss"
+    if report.op is None:
+        return f"{tensor} of {where(report)}"
+    if tensor.role is TensorRole.OP_OUTPUT and tensor.name == report.op:
+        return f"{tensor} in {where(report)}"
+    return f"{tensor} of {report.op} in {where(report)}"
+
+
+def line(report: Report) -> str:
+    """The forward line a backward op came from, with its text where known."""
+    source = report.source
+    if source is None:
+        return where(report)
+    text = f" `{source.line.strip()}`" if source.line else ""
+    return f"{name_location(source.filename, source.lineno)}{text}"
+
+
+def short_label(ref: TensorRef) -> str:
+    return str(ref) if ref.is_argument else f"`{ref}`"
+
+
+def input_label(report: Report, ref: TensorRef | str) -> str:
+    """``input[0] of fc (Linear)``, or for an operand (a schema name) ```self` of aten.log.default in ...``."""
+    if isinstance(ref, TensorRef) and ref.is_argument:
+        return f"{ref} of {where(report)}"
+    return f"`{ref}` of {report.op} in {where(report)}"
+
+
+def input_named(report: Report, zeros: int, negatives: int) -> str:
+    """The input whose zeros and negatives the op's output accounts for, by name where the evidence says which.
+
+    The module's own input is the name the user knows; the op's ``self`` is
+    named when no module input matches (the op ran on an intermediate value).
+    """
+    matching = [
+        ref for ref, stats in report.input_stats
+        if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite
+    ]
+    for ref in sorted(matching, key=lambda ref: not ref.is_argument):
+        return input_label(report, ref)
+    if report.operand("self") is not None:
+        return input_label(report, "self")
+    return f"the input of {report.op} in {where(report)}"
+
+
+def input_lines(report: Report) -> tuple[str, ...]:
+    return tuple(f"{input_label(report, ref)}: {_stats_phrase(stats)}" for ref, stats in report.input_stats)
+
+
+def inputs_or_counts(event: Report, _cause: Cause) -> tuple[str, ...]:
+    """The evidence of a reading that fits no rule: the inputs, or where none was read the counts."""
+    return input_lines(event) or (f"{event.tensor}: {counts(event)}",)
+
+
+def constant_inputs(report: Report) -> tuple[str, ...]:
+    """Module inputs that are constant: their variance and centred norm are exactly 0."""
+    return tuple(
+        f"{input_label(report, ref)} is constant ({fmt(stats.min)}): its variance and centred norm are 0"
+        for ref, stats in report.input_stats
+        if ref.is_argument and stats.numel > 1 and stats.std == 0 and stats.min is not None
+    )
+
+
+def divisor_phrase(divisor: TensorStats | None) -> str:
+    if divisor is None:
+        return ""
+    rows = ""
+    if len(divisor.shape) > 1 and divisor.shape[-1] == 1:
+        # A keepdim reduction over the last dim (a std, a norm): one value per row.
+        rows = f", a per-row reduction that is 0 for {divisor.zeros} rows"
+    return f" (`other` {divisor.shape} held {divisor.zeros} zeros of {divisor.numel}{rows})"
+
+
+def zeros_phrase(report: Report) -> str:
+    zero_inputs = [(ref, stats.zeros) for ref, stats in report.input_stats if stats.zeros]
+    return "".join(f" ({input_label(report, ref)} held {zeros} zeros)" for ref, zeros in zero_inputs[:1])
+
+
+def _stats_phrase(stats: TensorStats) -> str:
+    parts = [f"{stats.dtype} {stats.shape}"]
+    if stats.min is not None and stats.max is not None:
+        parts.append(f"min {fmt(stats.min)}, max {fmt(stats.max)}")
+    if stats.zeros is not None:
+        parts.append(f"{stats.zeros} zeros, {stats.negatives} negatives")
+    if stats.nonfinite:
+        parts.append(stats_counts(stats))
+    return ", ".join(parts)

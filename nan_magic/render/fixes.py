@@ -1,0 +1,243 @@
+"""The "Fixes tried" section: each remedy's one line, and the edit a verified one stands for.
+
+A trial's facts are plain values (records.FixTrial); the sentences and the
+suggested edit of the producer's line are written here. The edit is made
+with ``ast`` from the line the report holds: the call or operator that the
+remedy changed gets the change (``torch.log(p)`` -> ``torch.log(p.clamp_min(1.2e-07))``);
+where the line is not one the edit can be made on, none is shown.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from nan_magic.locations import name_location
+from nan_magic.records import FixTrial, Report
+from nan_magic.render.cause_words import fmt
+
+__all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
+
+_DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
+                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "div": "div"}
+
+
+def fix_description(trial: FixTrial) -> str:
+    """What the remedy changed, in one line."""
+    if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        return (f"the {trial.fact('optimizer')} step redone from the state after step {trial.fact('from_step')} "
+                f"with eps {fmt(trial.fact('eps'))} -> {fmt(trial.fact('new_eps'))} (the parameters' dtype holds it)")
+    if trial.kind == "float32":
+        regions = trial.fact("autocast") or ()
+        region = f" with autocast ({', '.join(regions)}) off" if regions else ""
+        return f"the producer's line computed in float32{region} (it ran in {trial.fact('dtype') or 'autocast'})"
+    if trial.kind == "eps":
+        function, eps = trial.fact("function"), trial.fact("eps")
+        where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
+        how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
+        if function in ("acos", "asin"):
+            how = "clamped into [-1 + eps, 1 - eps], eps ="
+        return f"{where} {how} {fmt(eps) if eps is not None else 'eps'} (the {trial.fact('dtype') or ''} machine eps)"
+    if trial.kind == "stable":
+        if trial.fact("form") == "log_softmax":
+            return "the log of the softmax fused into log_softmax"
+        if trial.fact("function") == "exp":
+            return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
+        return "the log of a softmax fused into log_softmax"
+    if trial.kind == "lr":
+        return (f"the {trial.fact('optimizer') or 'optimizer'} step redone from the state after step "
+                f"{trial.fact('from_step')} at a tenth of its learning rate ({fmt(trial.fact('lr'))} -> "
+                f"{fmt(trial.fact('new_lr'))})")
+    if trial.kind == "skip-batch":
+        dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
+        return (f"the batch without its {trial.fact('left_out')} of {trial.fact('batch')} samples holding "
+                f"non-finite values (rows {dropped})")
+    if trial.kind == "mask":
+        return "the fully masked rows' output made 0 instead of NaN"
+    return trial.kind
+
+
+def _outcome(trial: FixTrial) -> str:
+    if trial.finite is None:
+        return f"not tried: {trial.untried}"
+    if not trial.finite:
+        failed = trial.failed or "the step"
+        return f"still non-finite ({failed})" if not failed.startswith("raised") else f"the replay {failed}"
+    parts = ["verified: the step came out finite"]
+    if trial.loss is not None:
+        parts.append(f"loss {fmt(trial.loss)}")
+    if trial.output_change is not None:
+        parts.append(f"output changed by at most {fmt(trial.output_change)}")
+    if not trial.fact("stepped"):
+        parts.append("no optimizer step replayed")
+    return ", ".join(parts)
+
+
+def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
+    """``(trial, its line, the suggested edit or None)`` for each trial, verified ones first."""
+    lines = []
+    for trial in report.fixes:
+        text = f"{trial.kind}: {trial.description} -> {_outcome(trial)} ({trial.seconds * 1000:.0f} ms)"
+        edit = suggested_edit(trial) if trial.finite else None
+        lines.append((trial, text, edit))
+    return lines
+
+
+def fixes_title(report: Report) -> str:
+    verified = sum(1 for trial in report.fixes if trial.finite)
+    return (f"Fixes tried on a replay of step {report.step} (on copies: your model, optimizer and data are "
+            f"untouched): {verified} of {len(report.fixes)} verified")
+
+
+def fixes_text(report: Report) -> str:
+    """The section in plain text; empty where no remedy was tried."""
+    if not report.fixes:
+        return ""
+    lines = [fixes_title(report)]
+    for _trial, text, edit in fix_lines(report):
+        lines.append(f"  {text}")
+        if edit:
+            lines.append(f"      suggested edit (not applied): {edit}")
+    return "\n".join(lines)
+
+
+def suggested_edit(trial: FixTrial) -> str | None:
+    """The producer's line as the remedy changed it, ``file:line: code`` (None where it cannot be written)."""
+    if trial.kind == "lr":
+        return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
+    if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
+    if trial.kind == "skip-batch":
+        return "keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]  (x the batch, y its targets)"
+    source = trial.source
+    if source is None or not source.line:
+        return None
+    try:
+        tree = ast.parse(source.line.strip())
+    except SyntaxError:
+        return None
+    edit = _Edit(trial)
+    code = ast.unparse(edit.visit(tree))
+    if not edit.done or edit.blocked:
+        return None
+    regions = trial.fact("autocast") or ()
+    if trial.kind == "float32" and regions:
+        code = f"with torch.autocast({regions[0]!r}, enabled=False): {code}"
+    return f"{name_location(source.filename, source.lineno)}: {code}"
+
+
+class _Edit(ast.NodeTransformer):
+    """Rewrites the first call or operator the remedy changed (see the module docstring)."""
+
+    def __init__(self, trial: FixTrial) -> None:
+        self.trial = trial
+        self.done = False
+        #: The line calls a module, which an edit of the line cannot run in float32: no edit is shown.
+        self.blocked = False
+
+    def _mark(self, node: ast.expr) -> ast.expr:
+        self.done = True
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+        self.generic_visit(node)
+        kind, function = self.trial.kind, self.trial.fact("function")
+        if kind == "float32":  # every operator of the line: the trial upcast every call on it
+            node.left, node.right = _float(node.left), _float(node.right)
+            return self._mark(node)
+        if self.done:
+            return node
+        if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
+            node.right = _denominator(node.right, self.trial)
+            return self._mark(node)
+        if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow):
+            node.left = _method(node.left, "clamp_min", _eps(self.trial))
+            return self._mark(node)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        self.generic_visit(node)
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        kind, function = self.trial.kind, self.trial.fact("function")
+        if kind == "float32":
+            return self._float32_call(node, name)
+        if self.done:
+            return node
+        method = isinstance(node.func, ast.Attribute) and not node.args and name != "float"
+        if kind == "eps" and name == _DOMAIN_CALLS.get(function or ""):
+            if function == "div":
+                if len(node.args) > 1:
+                    node.args[1] = _denominator(node.args[1], self.trial)
+                    return self._mark(node)
+                return node
+            clamp = "clamp" if function in ("acos", "asin") else "clamp_min"
+            if method:
+                assert isinstance(node.func, ast.Attribute)
+                node.func.value = _method(node.func.value, clamp, *_clamp_args(function, self.trial))
+            elif node.args:
+                node.args[0] = _method(node.args[0], clamp, *_clamp_args(function, self.trial))
+            else:
+                return node
+            return self._mark(node)
+        if kind == "stable" and function == "exp" and name == "exp":
+            target = node.func.value if method and isinstance(node.func, ast.Attribute) else (
+                node.args[0] if node.args else None)
+            if target is None:
+                return node
+            shifted = ast.BinOp(target, ast.Sub(), _method(target, "amax", ast.UnaryOp(ast.USub(), ast.Constant(1)),
+                                                           keepdim=True))
+            return self._mark(ast.Call(ast.parse("torch.exp", mode="eval").body, [shifted], []))
+        if kind == "stable" and function == "log" and name == "log":
+            inner = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
+            if isinstance(inner, ast.Call) and getattr(inner.func, "attr", getattr(inner.func, "id", "")) == "softmax":
+                return self._mark(ast.Call(ast.parse("torch.log_softmax", mode="eval").body,
+                                           list(inner.args), list(inner.keywords)))
+            return node
+        if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
+            return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
+        return node
+
+    def _float32_call(self, node: ast.Call, name: str | None) -> ast.expr:
+        """A torch function's tensor arguments upcast; a module's call (``self.fc(x)``) has no such edit."""
+        func = node.func
+        while isinstance(func, ast.Attribute):
+            func = func.value
+        if isinstance(func, ast.Name) and func.id == "self":
+            self.blocked = True  # its parameters are upcast in the trial, not by an edit of this line
+        elif name not in ("float", "to", "transpose", "view", "reshape", "size"):
+            node.args = [_float(argument) for argument in node.args]
+            self.done = True
+        return node
+
+
+def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
+    eps = _eps(trial)
+    if function in ("acos", "asin"):
+        bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
+        return (ast.Constant(-bound), ast.Constant(bound))
+    return (eps,)
+
+
+def _eps(trial: FixTrial) -> ast.Constant:
+    return ast.Constant(float(f"{trial.fact('eps') or 1e-7:.2g}"))
+
+
+def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
+    if trial.fact("form") == "zeros":
+        zero = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
+        return ast.Call(ast.parse("torch.where", mode="eval").body, [zero, _eps(trial), node], [])
+    return _method(node, "clamp_min", _eps(trial))
+
+
+def _float(node: ast.expr) -> ast.expr:
+    """``node.float()``; a number stays as it is, and so does an operator's result (its operands are upcast)."""
+    if isinstance(node, (ast.Constant, ast.BinOp)) or (
+            isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant)):
+        return node
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float":
+        return node
+    return _method(node, "float")
+
+
+def _method(node: ast.expr, name: str, *args: ast.expr, **keywords: bool) -> ast.expr:
+    return ast.Call(ast.Attribute(node, name, ast.Load()), list(args),
+                    [ast.keyword(key, ast.Constant(value)) for key, value in keywords.items()])

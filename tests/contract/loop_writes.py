@@ -1,0 +1,87 @@
+"""Loop code that writes a parameter between ``backward()`` and the next step (issue 27).
+
+A hand-written optimizer over ``model.parameters()`` (no ``torch.optim``), and
+a hand-written update of a tied embedding beside an optimizer: the parameter
+they make non-finite is reported at the step it happened, phase optimizer
+(the user's update code is the optimizer), its owner as the module, with the
+op and line that made it, in every mode (localize/loop_writes.py). Healthy
+versions of both stay silent and compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from contract import Case, Expect, Scenario
+from nan_magic.records import TensorRef
+
+
+def _momentum_sgd_by_hand(dead_first_layer: bool) -> Scenario:
+    """SGD with momentum written by hand, each gradient divided by its norm: a zero gradient makes 0 / 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    if dead_first_layer:
+        with torch.no_grad():
+            model[0].bias.fill_(-100.0)  # every ReLU off: the first layer's gradients are all zero
+    momentum = [torch.zeros_like(p) for p in model.parameters()]
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def run() -> list[torch.Tensor]:
+        for _ in range(3):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for parameter, buffer in zip(model.parameters(), momentum):
+                    buffer.mul_(0.9).add_(parameter.grad / parameter.grad.norm())  # producer: normalised gradient
+                    parameter.sub_(0.01 * buffer)
+                    parameter.grad = None
+        return [p.detach().clone() for p in model.parameters()]
+
+    return Scenario((model,), run)
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose output projection is its embedding (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.embed(tokens))) @ self.embed.weight.t()
+
+
+def _tied_update_by_hand(every_token_seen: bool) -> Scenario:
+    """The tied embedding is updated by hand, its gradient averaged over each token's count; the rest by SGD."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.mix.parameters(), lr=0.1)
+    tokens = torch.tensor([0, 1, 2, 3, 4, 5] if every_token_seen else [0, 1, 2, 2])
+
+    def run() -> list[torch.Tensor]:
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(tokens), tokens)
+            opt.zero_grad()
+            model.embed.weight.grad = None
+            loss.backward()
+            counts = torch.bincount(tokens, minlength=6).float().unsqueeze(1)
+            with torch.no_grad():
+                model.embed.weight.sub_(0.1 * model.embed.weight.grad / counts)  # producer: tied update
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    return Scenario((model, opt), run)
+
+
+CASES = [
+    Case("loop_momentum_sgd_by_hand_zero_gradient_norm", lambda: _momentum_sgd_by_hand(True),
+         Expect("optimizer", "0", "Linear", op="aten.div.Tensor", marker="normalised gradient",
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"}), cause="division-by-zero")),
+    Case("loop_momentum_sgd_by_hand_healthy", lambda: _momentum_sgd_by_hand(False), None),
+    Case("loop_tied_embedding_update_zero_count", lambda: _tied_update_by_hand(False),
+         Expect("optimizer", "embed", "Embedding", op="aten.div.Tensor", marker="tied update",
+                tensor=TensorRef.parameter("embed.weight"), cause="division-by-zero")),
+    Case("loop_tied_embedding_update_healthy", lambda: _tied_update_by_hand(True), None),
+]

@@ -1,0 +1,100 @@
+"""Issue 27: the optimizer step's replay and the loop's update code, beyond what the contract table asserts."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+from nan_magic.records import TensorRef
+
+
+def _adam_fp16_run(watched: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], nan_magic.Watch | None]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), eps=1e-8)
+    tokens = torch.tensor([3, 7])
+
+    def steps() -> None:
+        for _ in range(2):
+            opt.zero_grad()
+            model(tokens).float().sum().backward()
+            opt.step()
+
+    w = None
+    if watched:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nan_magic.watch(model, opt, on_detect="log") as w:
+                steps()
+    else:
+        steps()
+    state = [value for p in model.parameters() for value in opt.state[p].values()]
+    return [p.detach().clone() for p in model.parameters()], state, w
+
+
+def test_the_optimizer_replay_names_the_op_and_leaves_the_real_parameters_and_state_alone() -> None:
+    params, state, w = _adam_fp16_run(watched=True)
+    expected_params, expected_state, _ = _adam_fp16_run(watched=False)
+    assert w is not None and w.report is not None
+    assert (w.report.phase, w.report.op, w.report.step) == ("optimizer", "aten.addcdiv_.default", 0)
+    for got, expected in zip(params + state, expected_params + expected_state):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def _hand_sgd(bad_step: int, through_data: bool = False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def run() -> None:
+        for step in range(4):
+            nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    scale = torch.tensor(0.0 if step == bad_step else 1.0)
+                    target = parameter.data if through_data else parameter
+                    target.sub_(0.01 * parameter.grad * scale / scale)  # producer: scaled update
+                    parameter.grad = None
+
+    return model, run
+
+
+@pytest.mark.parametrize("mode", [{}, {"defer": True}, {"ops": True}])
+def test_a_hand_written_update_is_reported_at_the_step_it_made_a_parameter_non_finite(mode) -> None:
+    model, run = _hand_sgd(bad_step=2)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **mode):
+        run()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, "aten.div.Tensor")
+    assert report.source is not None and report.source.line.endswith("# producer: scaled update")
+
+
+def test_a_write_through_dot_data_is_seen_as_a_write_to_the_parameter() -> None:
+    model, run = _hand_sgd(bad_step=1, through_data=True)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        run()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 1, "aten.div.Tensor")
+    assert report.tensor == TensorRef.parameter("0.weight")
+
+
+def test_a_healthy_loop_runs_its_update_code_without_a_mode_of_ours_after_its_first_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    modes = []
+    with nan_magic.watch(model, opt) as w:
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            modes.append(torch._C._len_torch_dispatch_stack())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    assert w.report is None
+    assert modes[1:] == [0, 0, 0]  # the first step's update code wrote no parameter: not recorded again
