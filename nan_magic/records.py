@@ -187,6 +187,10 @@ class StepSummary:
     input_absmax: float | None = None
     scale: float | None = None
     nonfinite: bool = False
+    #: Whether the step checked every module call (the tiered watch's full-check steps, every step
+    #: of ``tiered=False``): ``absmax`` and ``headroom`` then cover every module's output, else only
+    #: the model's outputs.
+    full: bool = False
 
 
 @dataclass(frozen=True)

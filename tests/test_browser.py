@@ -114,12 +114,26 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
             if other != title:
                 assert not widget.locator(hidden).first.is_visible(), (title, other)
 
+    # One height whatever the tab: the cells below do not move when a tab is switched.
+    heights = {}
+    for title in TAB_CONTENT:
+        open_tab(widget, title)
+        widget.locator(TAB_CONTENT[title]).first.wait_for(state="visible")
+        heights[title] = round(widget.bounding_box()["height"])
+    assert max(heights.values()) - min(heights.values()) <= 2, heights
+    assert max(heights.values()) < 800, heights
+
     open_tab(widget, "Layers")
     producer = widget.locator("td.nm-producer").first
     producer.wait_for()
     row = producer.locator("xpath=..").inner_text()
     assert "blocks.0.attn (SelfAttention)" in row and "producer" in row
     assert producer.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
+    # Every number visible without a sideways scroll, with the notebook 900 px wide.
+    table = widget.locator("table.nm-layers").first
+    box = table.locator("xpath=ancestor::div[contains(@class, 'nm-scroll')]").first
+    width = table.evaluate("table => table.scrollWidth")
+    assert width <= 900 and box.evaluate("box => box.scrollWidth <= box.clientWidth"), width
     widget.screenshot(path=str(ARTIFACTS / "transformer_layers.png"))
 
     open_tab(widget, "Histograms")
@@ -129,10 +143,17 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
         "img => img.complete && img.naturalWidth > 100", arg=image.element_handle()
     )
     assert coloured_pixels(image) > 1000
+    # Drawn at its own size (not scaled down), so its 11 px labels stay 11 px.
+    assert image.evaluate("img => img.naturalWidth <= 900 && img.width === img.naturalWidth")
+    # The failing op's operands and output, as the user wrote them.
+    options = [option.replace("\xa0", " ") for option in widget.locator("select option").all_inner_texts()]
+    assert any("q (self of aten.bmm.default)" in option for option in options), options
+    assert any("output of aten.bmm.default" in option for option in options), options
+    assert len(options) == len(set(option.split(": ", 1)[-1] for option in options))
     widget.screenshot(path=str(ARTIFACTS / "transformer_histograms.png"))
 
 
-def test_static_report_survives_a_kernel_restart(lab: LabServer, page: Any) -> None:
+def test_report_survives_save_restart_and_reopen_compact(lab: LabServer, page: Any) -> None:
     name = "cnn_log_zero.ipynb"
     open_and_run_all(page, lab, name)
     report_widget(page)
@@ -146,18 +167,34 @@ def test_static_report_survives_a_kernel_restart(lab: LabServer, page: Any) -> N
     static = page.locator(".nm-static").first
     static.wait_for(timeout=60_000)
     static.scroll_into_view_if_needed()
-    assert static.is_visible()
+    # The widget's model died with the kernel: its output is hidden, not an error.
+    page.wait_for_timeout(1_000)
+    assert page.get_by_text("Error displaying widget").count() == 0 or not page.get_by_text(
+        "Error displaying widget").first.is_visible()
+    assert not page.locator(".nan-magic-widget").count()
     assert "code outside any watched module" in static.locator(".nm-headline").inner_text()
-    # Styled by its own stylesheet, not the notebook's table style.
+    # Compact: summary and facts, every other section closed, about one screen.
+    height = static.bounding_box()["height"]
+    assert height < 800, height
+    static.screenshot(path=str(ARTIFACTS / "cnn_static_after_restart.png"))
+    sections = static.locator("details.nm-section > summary")
+    assert [title.split(" (")[0] for title in sections.all_inner_texts()] == [
+        "Layers", "Histograms", "Debug", "History"]
+    # One click opens a section, no kernel and no script needed.
+    sections.first.click()
     module_cell = static.locator("table.nm-layers td.nm-left").first
+    module_cell.wait_for(state="visible")
+    # Styled by its own stylesheet, not the notebook's table style.
     assert module_cell.evaluate("cell => getComputedStyle(cell).textAlign") == "left"
     producer = static.locator("td.nm-producer").first
     assert producer.evaluate("cell => getComputedStyle(cell).backgroundColor") != TRANSPARENT
+    sections.nth(1).click()
     image = static.locator("img").first
+    image.wait_for(state="visible")
     page.wait_for_function(
         "img => img.complete && img.naturalWidth > 100", arg=image.element_handle()
     )
-    static.screenshot(path=str(ARTIFACTS / "cnn_static_after_restart.png"))
+    static.screenshot(path=str(ARTIFACTS / "cnn_static_after_restart_open.png"))
 
 
 def test_cnn_report_filter_box_round_trip(lab: LabServer, page: Any) -> None:
@@ -179,3 +216,56 @@ def test_cnn_report_filter_box_round_trip(lab: LabServer, page: Any) -> None:
     assert "Softmax" in rows.first.inner_text()
     widget.screenshot(path=str(ARTIFACTS / "cnn_layers_filtered.png"))
 
+
+
+def test_notebook7_shows_the_report_unboxed_and_after_a_restart(lab: LabServer, page: Any) -> None:
+    """Notebook 7 puts an output taller than ~1,800 px in a scroll box: nothing the report publishes may be."""
+    pytest.importorskip("notebook", reason="Notebook 7 is not installed (pip install notebook)")
+    name = "transformer_attention_blowup.ipynb"
+    page.goto(f"{lab.base}/notebooks/{name}?token={lab.token}")
+    page.locator(".jp-Notebook .jp-Cell").first.click()
+    page.locator("li.lm-MenuBar-item", has_text="Run").first.click()
+    page.locator('li.lm-Menu-item[data-command="runmenu:run-all"]:not(.lm-mod-disabled)').click()
+    widget = report_widget(page)
+    cell = failing_cell(page)
+    # The last cell ran: every output that will be published was.
+    page.locator(".jp-Cell").last.locator(".jp-OutputArea-output").first.wait_for(timeout=REPORT_TIMEOUT_MS)
+    assert "jp-mod-outputsScrolled" not in (cell.get_attribute("class") or "")
+    assert widget.bounding_box()["height"] < 800
+    cell.evaluate("cell => cell.scrollIntoView({block: 'start'})")
+    page.screenshot(path=str(ARTIFACTS / "notebook7_report.png"))
+
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(2_000)
+    for kernel in lab.api("/api/kernels"):
+        lab.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
+    page.goto(f"{lab.base}/notebooks/{name}?token={lab.token}")
+    static = page.locator(".nm-static").first
+    static.wait_for(timeout=60_000)
+    static.scroll_into_view_if_needed()
+    page.wait_for_timeout(1_000)
+    error = page.get_by_text("Error displaying widget")
+    assert error.count() == 0 or not error.first.is_visible()
+    cell = page.locator(".jp-Cell", has=page.locator(".nm-static")).first
+    assert "jp-mod-outputsScrolled" not in (cell.get_attribute("class") or "")
+    assert static.bounding_box()["height"] < 800
+    page.screenshot(path=str(ARTIFACTS / "notebook7_after_restart.png"))
+
+
+def test_nbconvert_html_export_shows_the_compact_report(chromium: str, page: Any) -> None:
+    """An exported notebook has no kernel and, offline, no widget manager: the static twin is the report."""
+    from jupyter_support import execute_notebook
+    from nbconvert import HTMLExporter
+
+    nb = execute_notebook(NOTEBOOKS / "cnn_log_zero.ipynb")
+    html, _resources = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    page.set_content(html, wait_until="domcontentloaded")
+    static = page.locator(".nm-static").first
+    static.wait_for(state="visible")
+    assert "code outside any watched module" in static.locator(".nm-headline").inner_text()
+    error = page.get_by_text("Error displaying widget")
+    assert error.count() == 0 or not error.first.is_visible()
+    assert static.bounding_box()["height"] < 800
+    static.locator("details.nm-section > summary", has_text="Layers").click()
+    static.locator("td.nm-producer").first.wait_for(state="visible")
+    static.screenshot(path=str(ARTIFACTS / "cnn_nbconvert_export.png"))

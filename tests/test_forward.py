@@ -331,5 +331,6 @@ def test_report_samples_the_layers_before_the_producer_for_histograms() -> None:
     assert producer == ["input[0]", "self", "output of aten.log.default", "1 output"]
     output = next(sample for sample in report.samples if sample.label == "output of aten.log.default")
     assert len(output.values) == report.numel - report.nonfinite  # its finite values only
-    assert [sample.label for sample in others] == ["(root) input[0]", "0 output"]  # the batch, then Linear 0
+    # the batch; Linear 0's output is the producer's input[0], drawn once, under that name
+    assert [sample.label for sample in others] == ["(root) input[0]"]
     assert all(0 < len(sample.values) <= 1024 for sample in others)

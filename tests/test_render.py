@@ -68,7 +68,7 @@ def deep_report() -> Report:
 
 
 @cache
-def diverging_report() -> Report:
+def diverging_report(**options: Any) -> Report:
     """float16 regression whose loss overflows at step 2: a history of two finite steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)).half()
@@ -82,7 +82,7 @@ def diverging_report() -> Report:
             loss.backward()
             opt.step()
 
-    return raised(train, model, opt)
+    return raised(train, model, opt, **options)
 
 
 def widget_views(report: Report) -> dict[str, str]:
@@ -171,12 +171,45 @@ def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
 def test_operands_are_named_as_the_user_wrote_them() -> None:
     text = fault_report("zero_variance").to_text()
     # The op's output is the report's tensor; the module's output the check saw is beside it.
-    assert "tensor      output of aten.div.Tensor float32 4x8" in text
-    assert "module out  output of 1 (HandNorm): float32 4x8: 32 nan, 0 +inf, 0 -inf" in text
-    assert "centred (self): float32 4x8: 0 nan, 0 +inf, 0 -inf, finite values in [0, 0]" in text
-    assert "centred.pow(2).mean(-1, keepdim=T... (other): float32 4x1" in text
+    # The user's expression for the op beside its aten name; counts only where not zero.
+    assert "op          centred / centred.pow(2).mean(-1, keepdim=True).sqrt()  (aten.div.Tensor)" in text
+    assert "tensor      output of aten.div.Tensor f32[4,8]" in text
+    assert "non-finite  32 nan of 32 elements (100%)" in text
+    assert "module out  output of 1 (HandNorm): f32[4,8] 32 nan\n" in text
+    assert "centred (self): f32[4,8] finite in [0, 0]" in text
+    assert "centred.pow(2).mean(-1, keepdim=T... (other): f32[4,1]" in text
+    assert "0 +inf" not in text and "0 -inf" not in text
     matmul = fault_report("fp16_overflow").to_text()
-    assert "x (self): float16 2x64" in matmul and "self.weight (mat2): float16 64x64" in matmul
+    assert "x (self): f16[2,64]" in matmul and "self.weight (mat2): f16[64,64]" in matmul
+    assert "op          x @ self.weight  (aten.mm.default)" in matmul
+
+
+@pytest.mark.parametrize(("op", "line", "expression"), [
+    ("aten.bmm.default", "scores = q @ k.transpose(-2, -1) * self.head_dim ** -0.5", "q @ k.transpose(-2, -1)"),
+    ("aten.log.default", "return -probs.log().gather(1, target[:, None]).mean()", "probs.log()"),
+    ("aten.div_.Tensor", "h /= scale", "h /= scale"),
+    ("aten.div.Tensor", "return a / b + c / d", ""),
+    ("aten.addmm.default", "return self.proj(x)", ""),
+])
+def test_the_op_is_named_by_the_users_expression(op: str, line: str, expression: str) -> None:
+    from nan_magic.render.operands import op_expression
+
+    assert op_expression(op, line) == expression
+
+
+def test_the_report_title_is_short_and_counts_only_what_is_there() -> None:
+    from nan_magic.render.common import headline
+
+    report = fault_report("zero_variance")
+    title = headline(report)
+    assert title == "32 nan in forward step 0: 1 (HandNorm), centred / centred.pow(2).mean(-1, keepdim=True).sqrt()"
+    from html import escape
+
+    html = widget_views(report)["widget"]
+    (shown,) = re.findall(r'<h3 class="nm-headline"[^>]*>(.*?)</h3>', html)
+    assert shown == escape(title)
+    # The whole sentence only as the title's tooltip: the error above the report says it.
+    assert html.count(escape(report.message)) == 1 and f'title="{escape(report.message)}"' in html
 
 
 @pytest.mark.parametrize(("op", "line", "names"), [
@@ -231,6 +264,60 @@ def test_histograms_show_op_operands_output_then_module_tensors() -> None:
     assert "exact zeros" not in " ".join(t.get_text() for t in module_input.get_legend().get_texts())
 
 
+class HalfAttention(nn.Module):
+    """fp16 attention whose q @ k overflows: the bmm's output is freed long before the module returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) * 0.25
+        return self.proj(scores.softmax(dim=-1) @ v)
+
+
+@cache
+def attention_report() -> Report:
+    torch.manual_seed(1)
+    model = HalfAttention().half()
+    x = torch.randn(2, 8, 16).half()
+    x[1, 3] = 600.0  # one token far larger than the rest, as a badly initialised embedding
+    return raised(lambda: model(x), model)
+
+
+def test_histograms_show_the_failing_ops_operands_and_output_once_each() -> None:
+    from nan_magic.render.common import labelled_samples
+    from nan_magic.render.plots import histogram_figure
+
+    report = attention_report()
+    assert report.op == "aten.bmm.default"
+    samples = labelled_samples(report)
+    producer = [sample for sample in samples if sample.producer]
+    assert [sample.label for sample in producer] == [
+        "q (self of aten.bmm.default)",
+        "k.transpose(-2, -1) (mat2 of aten.bmm.default)",
+        "output of aten.bmm.default",
+        "output of proj",
+    ]
+    # Drawn when the op ran (its output was freed before the module returned): the +inf it made.
+    output = producer[2]
+    assert output.dtype == "float16" and output.posinf == report.posinf > 0 and output.values
+    # The largest operand value is in the sample: the outlier row is what a reader looks for.
+    q_stats = dict(report.input_stats)[producer[0].tensor]
+    assert max(abs(value) for value in producer[0].values) == q_stats.absmax
+    # One entry per tensor: proj's output is the module's output, not listed again under its own name.
+    labels = [sample.label for sample in samples]
+    assert len(labels) == len(set(labels)) and "proj output" not in labels
+    figure = histogram_figure(tuple(producer))
+    # Readable at a notebook's width: no wider than 900 px, so never scaled down, and no text under 10 px.
+    assert figure.get_figwidth() * figure.dpi <= 900
+    texts = figure.findobj(match=lambda o: hasattr(o, "get_fontsize") and bool(getattr(o, "get_text", str)()))
+    sizes = [text.get_fontsize() * figure.dpi / 72 for text in texts]
+    assert sizes and min(sizes) >= 10
+
+
 def test_histogram_marks_float16_range_inside_the_axes_above_the_bars() -> None:
     from nan_magic.render.common import labelled_samples
     from nan_magic.render.plots import figure_png, histogram_figure
@@ -265,14 +352,24 @@ def test_history_marks_failing_step_and_headroom_on_log_axis() -> None:
     from nan_magic.render.common import plotted_history_fields
     from nan_magic.render.plots import history_figure
 
+    # The tiered watch checks every module on its second step only: step 0 read the model's output.
     report = diverging_report()
-    assert report.step == 2 and [entry.step for entry in report.history] == [0, 1]
+    assert report.step == 2 and [(entry.step, entry.full) for entry in report.history] == [(0, False), (1, True)]
     figure = history_figure(report.history, report.step)
     labels = [axes.get_ylabel() for axes in figure.axes]
     assert labels == [label for _, label in plotted_history_fields(report.history)]
     assert "loss scale" not in labels  # no scaler: nothing to plot
-    headroom = figure.axes[labels.index("headroom to overflow")]
-    assert headroom.get_yscale() == "log"
+    # One step with every module checked: no headroom line drawn from model outputs alone.
+    assert not [label for label in labels if label.startswith("headroom")]
+    outputs = figure.axes[labels.index("max |output|")]
+    assert [text.get_text() for text in outputs.get_legend().get_texts()] == [
+        "every module's output", "the model's outputs only"]
+    assert "(model outputs)" in report.to_html() and "(every module)" in report.to_html()
+
+    full = diverging_report(mode="full")  # every step checks every module
+    figure = history_figure(full.history, full.step)
+    labels = [axes.get_ylabel() for axes in figure.axes]
+    assert figure.axes[labels.index("headroom to overflow, every module")].get_yscale() == "log"
     for axes in figure.axes:
         markers = [line for line in axes.get_lines() if line.get_color() == "#d62728"]
         assert [line.get_xdata()[0] for line in markers if line.get_marker() in ("v", "o")] == [2]
@@ -301,13 +398,53 @@ def test_layers_table_puts_status_and_counts_first_in_call_order() -> None:
     rows = section.splitlines()[1:]  # under the header
     assert [row[1:].split()[0] for row in rows] == ["0", "1", "2"]
     report = deep_report()
-    html = style_layers(report.layers[:5]).to_html()
+    html = style_layers([layer for layer in report.layers if str(layer.phase) == "forward"][:5]).to_html()
     header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', html)
-    assert header[:5] == ["call", "status", "nan", "+inf", "-inf"]
+    assert header[:4] == ["call", "status", "non-finite", "module"]
     assert set(header) <= set(VIEW_COLUMNS)
+    # Every row is forward, float32, an output: said once under the table, not in three columns.
+    assert "phase" not in header and "dtype" not in header and "tensor" not in header
+    assert "Every row: phase forward, tensor output, dtype float32." in html
     # Most rows were only probed for min/max: the table says why mean and std are blank.
     assert any(layer.stats.mean is None for layer in report.layers)
     assert "mean and std are computed only for tensors still alive" in report.to_html()
+
+
+def table_cells(html: str) -> dict[tuple[str, str], tuple[str, ...]]:
+    """``(module, tensor or "")`` -> the classes of the module cell, the status and the count cell."""
+    rows = re.findall(r"<tr>(.*?)</tr>", html, re.S)[1:]
+    header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', html)
+    found = {}
+    for row in rows:
+        cells = dict(zip(header, re.findall(r'<td class="([^"]*)" >([^<]*)</td>', row)))
+        key = (cells["module"][1], cells["tensor"][1] if "tensor" in cells else "")
+        found[key] = (cells["module"][0], cells["status"][1], cells["non-finite"][1])
+    return found
+
+
+def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
+    from nan_magic.render.common import in_call_order
+    from nan_magic.render.table import style_layers
+    from nan_magic.render.widget import LayersView
+
+    report = attention_report()
+    layers = in_call_order(report.layers)
+    cells = table_cells(style_layers(layers).to_html())
+    root_classes, status, counts = cells[("HalfAttention (root)", "output of proj")]
+    assert status == "producer" and counts.endswith(" nan") and "nm-depth" not in root_classes
+    # Its children, indented one level, ran inside it: not dimmed as rows after it.
+    for child in ("qkv (Linear)", "proj (Linear)"):
+        classes, _, _ = cells[(child, "output")]
+        assert "nm-depth-1" in classes and "nm-after" not in classes
+    # Counts only where not zero: an ok row's count cell is empty.
+    assert cells[("qkv (Linear)", "output")][1:] == ("ok", "")
+    # The toggles are offered only where they change the rows.
+    view = LayersView(layers, dropped=0, max_rows=200)
+    assert view.near.disabled  # four rows: all of them are near the producer
+    assert not view.touched.disabled
+    view.touched.value = True
+    assert [layer.status for layer in view.rows()] == ["producer", "propagated"]
+
 
 
 def test_html_caps_rows_around_the_producer_and_says_so() -> None:
@@ -408,7 +545,10 @@ def test_kernel_gets_static_report_as_its_own_output_then_the_widget(monkeypatch
     (element,) = re.findall(r'<div class="nan-magic-report nm-static" id="([^"]+)"', static["text/html"])
     # The live widget hides that static copy; after a restart its style is gone with it.
     summary = built[0].children[0].value
-    assert f"<style>#{element} {{ display: none; }}</style>" in summary
+    assert f"<style>#{element}, .jp-OutputArea-child:has(#{element}) {{ display: none; }}</style>" in summary
+    # And the static copy hides the widget's output where no live widget renders (after a restart).
+    assert f".jp-OutputArea-child:has(#{element}) + .jp-OutputArea-child:not(:has(.nan-magic-widget))" in (
+        static["text/html"])
 
 
 def test_mimebundle_degrades_when_views_fail(monkeypatch: pytest.MonkeyPatch) -> None:

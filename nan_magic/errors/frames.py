@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -179,7 +180,7 @@ def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePoi
         is_producer = producer is not None and (frame.filename, frame.lineno) == (producer.filename, producer.lineno)
         return _frame_lines(frame, "producer: " if is_producer else "")
 
-    lines = [headline]
+    lines = headline_lines(headline)
     if len(frames) > _MAX_SHORT_FRAMES:
         # The outermost two (the cell's own lines) and the innermost ones (nearest the producer).
         hidden = len(frames) - _MAX_SHORT_FRAMES + 1
@@ -194,6 +195,21 @@ def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePoi
 
 
 _MAX_SHORT_FRAMES = 5
+#: Longest headline kept on one line. A notebook wraps a longer error line
+#: wherever it reaches the edge, mid-word ("C|ell In[2]"): so it is broken
+#: here, between its clauses, before any frontend has to.
+_HEADLINE_WIDTH = 90
+#: Where a long headline breaks: after "... step 3: blocks.0.attn (SelfAttention)",
+#: before ", op aten.bmm.default at Cell In[2], line 16 (2 +inf of 2048)" (or " at ...").
+_HEADLINE_CLAUSES = re.compile(r"^(?P<what>.*? step -?\d+: \S.*?)(?:, (?P<op>op \S.*)| (?P<at>at \S.*))$")
+
+
+def headline_lines(headline: str) -> list[str]:
+    """The headline on one line, or on two where it is long: what and where, then the op, its line and counts."""
+    match = _HEADLINE_CLAUSES.match(headline)
+    if len(headline) <= _HEADLINE_WIDTH or match is None:
+        return [headline]
+    return [match["what"], "  " + (match["op"] or match["at"])]
 
 
 def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:

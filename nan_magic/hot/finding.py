@@ -14,7 +14,7 @@ import torch
 
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.rng import RngState
-from nan_magic.records import AbsorbedOp, Cause, Phase, SourcePointer, TensorRef, TensorRole, TensorStats
+from nan_magic.records import AbsorbedOp, Cause, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
 __all__ = ["Finding", "mark_deliberate", "named_inputs", "record_ref"]
 
@@ -44,6 +44,8 @@ class Finding:
     input_stats: list[tuple[TensorRef, TensorStats]] = field(default_factory=list)
     bad_stats: TensorStats | None = None
     inputs: list[tuple[TensorRef, torch.Tensor]] = field(default_factory=list)
+    # Samples drawn when the producing op ran (its output and operands), where the tensors are gone now.
+    samples: list[Sample] = field(default_factory=list)
     inputs_finite: bool = True
     benign: bool = False
     module: str | None = None

@@ -393,6 +393,10 @@ def finite_stats(tensor_dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSta
     )
 
 
+#: The largest-magnitude finite values every sample keeps beside its strided ones.
+_EXTREMES = 16
+
+
 def sample_values(
     tensor: torch.Tensor, label: str, size: int, producer: bool = True, ref: TensorRef | None = None
 ) -> Sample:
@@ -405,7 +409,13 @@ def sample_values(
         flat = values_to_read(tensor).reshape(-1)
         finite = flat[torch.isfinite(flat)]
         stride = max(1, finite.numel() // size)
-        values = finite[::stride][:size].double().cpu().tolist()
+        picked = finite[::stride][:size]
+        if finite.numel() > picked.numel():
+            # A strided sample misses the rare outliers a histogram is read for (one token's
+            # row of 397s among values near 1): the largest magnitudes are always in it.
+            extremes = finite[finite.abs().topk(min(_EXTREMES, finite.numel())).indices]
+            picked = torch.cat((picked[: size - extremes.numel()], extremes))
+        values = picked.double().cpu().tolist()
         # One small tensor of the four counts, read once (one sync on CUDA).
         nan, posinf, neginf, zeros = torch.stack((
             torch.isnan(flat).sum(), torch.isposinf(flat).sum(), torch.isneginf(flat).sum(), (flat == 0).sum(),

@@ -251,6 +251,7 @@ class StepCycle:
             input_absmax=data_absmax,
             # Reading the scale is a host sync: only where syncs are free.
             scale=self.optimizers.scale() if not self.defer else None,
+            full=self.full_step,
         )
         if self.history and self.history[-1].step == step:
             # Closed once already: the first forward of a loop whose optimizer

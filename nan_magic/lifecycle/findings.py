@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.call_records import TensorRecord
 from nan_magic.hot.finding import Finding
@@ -31,12 +33,17 @@ __all__ = ["build_report"]
 NEARBY_LAYERS = 8
 
 
-def _nearby_samples(log: StepLog, producer: TensorRecord | None, size: int) -> list[Sample]:
+def _nearby_samples(
+    log: StepLog, producer: TensorRecord | None, size: int, shown: list[torch.Tensor]
+) -> list[Sample]:
     """Samples of the layers that returned just before the producer, while still alive.
 
     Bounded (``NEARBY_LAYERS`` tensors of ``size`` values) so that a report
-    stays small; tensors freed since their call cannot be sampled.
+    stays small; tensors freed since their call cannot be sampled. A tensor
+    already ``shown`` among the producer's samples (the producer module's
+    output is a child's output too) is not listed a second time under another name.
     """
+    seen = {_same_values(tensor) for tensor in shown}
     records = [record for call in log.finished() for record in call.outputs if record is not producer]
     if producer is not None and producer.call is not None and producer.call.finished >= 0:
         records = [r for r in records if r.call is not None and r.call.finished <= producer.call.finished]
@@ -45,11 +52,21 @@ def _nearby_samples(log: StepLog, producer: TensorRecord | None, size: int) -> l
         tensor = record.live()
         if tensor is None or record.call is None:
             continue
+        if _same_values(tensor) in seen:
+            continue
         name = record.call.name if record.call.name is not None else "loss"
         samples.append(sample_values(tensor, sample_label(name, str(record.path)), size, producer=False))
         if len(samples) == NEARBY_LAYERS:
             break
     return samples[::-1]
+
+
+def _same_values(tensor: torch.Tensor) -> tuple[object, ...]:
+    """What makes two tensors the same values: one memory, one layout (a detached copy of a view is another)."""
+    try:
+        return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+    except RuntimeError:  # a sparse or storage-less tensor has no data pointer: the object itself
+        return (id(tensor),)
 
 
 def build_report(
@@ -75,13 +92,18 @@ def build_report(
     input_stats.extend(finding.input_stats)
     if finding.bad is not None:
         samples.append(sample_values(finding.bad, str(finding.tensor), sample_size, ref=finding.tensor))
+    # The op's own samples, drawn when it ran, stand for the tensors no longer alive.
+    sampled = {sample.tensor for sample in samples}
+    samples.extend(sample for sample in finding.samples if sample.tensor not in sampled)
     module_output = None
+    shown = [tensor for tensor in (finding.bad, *(tensor for _, tensor in finding.inputs)) if tensor is not None]
     if finding.module_output is not None:
         name, module_stats, module_tensor = finding.module_output
         module_output = (name, module_stats)
         if module_tensor is not None:
             samples.append(sample_values(module_tensor, sample_label(finding.module, str(name)), sample_size, ref=name))
-    samples.extend(_nearby_samples(log, finding.record, sample_size // 4))
+            shown.append(module_tensor)
+    samples.extend(_nearby_samples(log, finding.record, sample_size // 4, shown))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"
     layers, dropped = log.layer_calls(max_layers)

@@ -92,7 +92,7 @@ from nan_magic.localize.op_plans import (
     tensors,
 )
 from nan_magic.localize.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
-from nan_magic.localize.origins import BENIGN, OpFinding, Origin, Origins
+from nan_magic.localize.origins import BENIGN, OpFinding, Origin, Origins, op_samples
 from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
@@ -457,6 +457,7 @@ class OpTracer(TorchDispatchMode):
             scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
             absorbed=absorbed.finding if absorbed is not None else None,
             backward_code=backward_code,
+            samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
         )
         self._witnesses[id(finding)] = tuple(witnesses)
         self.started.append(finding)

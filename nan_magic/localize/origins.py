@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from nan_magic.hot.finding import Finding
-from nan_magic.hot.stats import tensor_stats
-from nan_magic.records import AbsorbedOp, Phase, SourcePointer, TensorRef, TensorRole, TensorStats
+from nan_magic.hot.stats import is_checkable, sample_values, tensor_stats
+from nan_magic.records import AbsorbedOp, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
 __all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "apply_op_finding", "attach_origin", "dense"]
 
@@ -101,6 +101,9 @@ class OpFinding:
     scalars: tuple[tuple[str, float], ...]
     absorbed: OpFinding | None = None
     backward_code: bool = False
+    #: Small samples of the op's output and operands, drawn when it ran: for the histograms of a
+    #: report whose op output is freed before the boundary that claims it (most intermediates).
+    samples: tuple[Sample, ...] = ()
 
     @property
     def dtype(self) -> str:
@@ -203,6 +206,21 @@ class Origins:
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
 
 
+#: Finite values kept per tensor in an op's own samples: its histograms, a few per report.
+OP_SAMPLE_SIZE = 1024
+
+
+def op_samples(op: str, label: str, output: torch.Tensor, operands: list[tuple[str, Any]]) -> tuple[Sample, ...]:
+    """Samples of an op's output and of its readable tensor operands (by schema name), while they live."""
+    output_ref = TensorRef.op_output(op, label)
+    samples = [sample_values(output, str(output_ref), OP_SAMPLE_SIZE, ref=output_ref)]
+    for name, value in operands:
+        if isinstance(value, torch.Tensor) and is_checkable(value):
+            ref = TensorRef(TensorRole.OPERAND, name)
+            samples.append(sample_values(value, str(ref), OP_SAMPLE_SIZE, ref=ref))
+    return tuple(samples)
+
+
 def apply_op_finding(
     finding: Finding, op: OpFinding, tensors: tuple[tuple[str, torch.Tensor], ...] = ()
 ) -> None:
@@ -252,6 +270,7 @@ def apply_op_finding(
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
+            finding.samples.extend(op.samples)
     else:
         # Found by a replay of the producer module (or of its caller). The
         # op's output is what the report describes: the header's counts and
@@ -270,6 +289,7 @@ def apply_op_finding(
         else:
             finding.bad, finding.bad_stats = None, op.output_stats
             finding.input_stats.extend(op.input_stats)
+            finding.samples.extend(op.samples)
 
 
 def attach_origin(finding: Finding, origin: OpFinding) -> None:

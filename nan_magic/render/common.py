@@ -24,7 +24,7 @@ from nan_magic.records import (
     module_label,
 )
 from nan_magic.render.cause import cause_evidence, cause_hint, hint_opens_sentence
-from nan_magic.render.operands import op_base, operand_label, operand_names
+from nan_magic.render.operands import op_base, op_expression, operand_label, operand_names
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
 
@@ -47,17 +47,35 @@ COLUMNS = (
 )
 
 
-#: StepSummary fields a history can show, with their labels. Loss and
-#: max |activation| always; the others where the watch recorded them.
+#: StepSummary fields a history can show, with labels that say what was measured.
+#: Loss and the largest output always; the others where the watch recorded them.
 HISTORY_FIELDS: tuple[tuple[str, str], ...] = (
     ("loss", "loss"),
-    ("absmax", "max |activation|"),
+    ("absmax", "max |output|"),
     ("grad_norm", "grad norm"),
-    ("headroom", "headroom to overflow"),
-    ("input_absmax", "max |input|"),
+    ("headroom", "headroom to overflow, every module"),
+    ("input_absmax", "max |input batch|"),
     ("scale", "loss scale"),
 )
 _ALWAYS_SHOWN = frozenset({"loss", "absmax"})
+
+
+def measured(entry: StepSummary) -> str:
+    """What a step's ``max |output|`` covers: every module's output on a full-check step, else the model's."""
+    return "every module" if entry.full else "model outputs"
+
+
+def history_value(entry: StepSummary, field: str) -> float | None:
+    """A step's value of ``field``; a headroom only where every module was checked.
+
+    A step that read the model's outputs only cannot say how close the
+    layers inside came to overflowing (a float16 ``q @ k`` at 65,504 under
+    a model output of 48): claiming a headroom from it would reassure wrongly.
+    """
+    if field == "headroom" and not entry.full:
+        return None
+    value: float | None = getattr(entry, field)
+    return value
 
 
 def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
@@ -65,7 +83,7 @@ def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
     return [
         (field, label)
         for field, label in HISTORY_FIELDS
-        if field in _ALWAYS_SHOWN or any(getattr(entry, field) is not None for entry in history)
+        if field in _ALWAYS_SHOWN or any(history_value(entry, field) is not None for entry in history)
     ]
 
 
@@ -76,7 +94,7 @@ def plotted_history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, 
         for field, label in HISTORY_FIELDS
         if sum(
             1 for entry in history
-            if (value := getattr(entry, field)) is not None and math.isfinite(value)
+            if (value := history_value(entry, field)) is not None and math.isfinite(value)
         ) >= 2
     ]
 
@@ -145,17 +163,30 @@ def fmt_fraction(part: int, whole: int) -> str:
 
 
 def counts_phrase(nan: int | None, posinf: int | None, neginf: int | None) -> str:
-    """The three counts apart, always all three: ``"3 nan, 0 +inf, 1 -inf"``."""
-    return f"{fmt_count(nan)} nan, {fmt_count(posinf)} +inf, {fmt_count(neginf)} -inf"
+    """The counts that are not zero: ``"3 nan, 1 -inf"``; ``"? nan"`` where not counted; ``""`` if none."""
+    return ", ".join(
+        f"{fmt_count(count)} {kind}"
+        for kind, count in (("nan", nan), ("+inf", posinf), ("-inf", neginf))
+        if count != 0
+    )
+
+
+#: Short dtype names, as lovely-tensors and PyTorch's own reprs abbreviate them.
+_SHORT_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+
+
+def tensor_title(dtype: str | None, shape: tuple[int, ...]) -> str:
+    """``"f16[32,64,64]"``: dtype and shape in one word."""
+    name = short_dtype(dtype)
+    return f"{_SHORT_DTYPES.get(name, name)}[{','.join(str(size) for size in shape)}]"
 
 
 def stats_phrase(stats: TensorStats) -> str:
-    """One line about a tensor: dtype, shape, counts and finite range."""
-    text = f"{short_dtype(stats.dtype)} {fmt_shape(stats.shape)}: "
-    text += counts_phrase(stats.nan, stats.posinf, stats.neginf)
+    """One line about a tensor, counts only where not zero: ``"f16[32,64,64] 31691 +inf, finite in [-236, 296]"``."""
+    parts = [counts_phrase(stats.nan, stats.posinf, stats.neginf)]
     if stats.min is not None and stats.max is not None:
-        text += f", finite values in [{fmt_number(stats.min)}, {fmt_number(stats.max)}]"
-    return text
+        parts.append(f"finite in [{fmt_number(stats.min)}, {fmt_number(stats.max)}]")
+    return " ".join(filter(None, (tensor_title(stats.dtype, stats.shape), ", ".join(filter(None, parts)))))
 
 
 def cause_sentence(report: Report) -> str:
@@ -181,6 +212,31 @@ def cause_sentence(report: Report) -> str:
     )
 
 
+def op_phrase(report: Report) -> str:
+    """The op as the user wrote it, then its aten name: ``"q @ k.transpose(-2, -1)  (aten.bmm.default)"``."""
+    if not report.op:
+        return ""
+    expression = op_expression(report.op, report.source.line if report.source else None)
+    return f"{expression}  ({report.op})" if expression else report.op
+
+
+def headline(report: Report) -> str:
+    """The report's title, short enough for one line: counts, phase and step, the producer, the op.
+
+    ``"2 +inf in forward step 3: blocks.0.attn (SelfAttention), q @ k.transpose(-2, -1)"``. The
+    error above a notebook's report already says the whole sentence (:attr:`Report.message`,
+    with the op's line and file); the facts under this title hold the rest.
+    """
+    what = counts_phrase(report.nan, report.posinf, report.neginf) or "non-finite values"
+    if report.benign:
+        what += " (benign)"
+    title = f"{what} in {report.phase} step {report.step}: {report.where}"
+    if report.op:
+        expression = op_expression(report.op, report.source.line if report.source else None)
+        title += f", {expression or report.op}"
+    return title
+
+
 def labelled_inputs(report: Report) -> list[tuple[str, TensorStats]]:
     """The producer's inputs with the names the user wrote where the line says them.
 
@@ -202,7 +258,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     """
     rows: list[tuple[str, str]] = [("producer", report.where)]
     if report.op:
-        rows.append(("op", report.op))
+        rows.append(("op", op_phrase(report)))
     if report.source is not None:
         rows.append(("source", str(report.source)))
         if report.source.line:
@@ -212,10 +268,10 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     if report.rank is not None:
         rows.append(("rank", f"{report.rank} of {report.world_size}"))
     tensor = str(report.tensor)
-    if report.dtype:
-        tensor += f" {short_dtype(report.dtype)}"
     if report.output_stats is not None:
-        tensor += f" {fmt_shape(report.output_stats.shape)}"
+        tensor += f" {tensor_title(report.dtype, report.output_stats.shape)}"
+    elif report.dtype:
+        tensor += f" {short_dtype(report.dtype)}"
     rows.append(("tensor", tensor))
     rows.append((
         "non-finite",

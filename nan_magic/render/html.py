@@ -18,9 +18,12 @@ from nan_magic.render.common import (
     cause_sentence,
     fact_rows,
     fmt_number,
+    headline,
     history_fields,
+    history_value,
     in_call_order,
     labelled_samples,
+    measured,
     module_label,
     plotted_history_fields,
     producer_position,
@@ -53,44 +56,72 @@ REPORT_CSS = TABLE_CSS + """
 .nm-code .nm-mark { background: rgba(230, 40, 40, 0.30); font-weight: bold; }
 .nm-scroll { max-height: 420px; overflow: auto; }
 .nm-cut { font-style: italic; opacity: 0.8; }
+.nan-magic-report details.nm-section { margin: 2px 0; }
+.nan-magic-report details.nm-section > summary { cursor: pointer; font-weight: bold; padding: 3px 0; }
+.nan-magic-report details.nm-section[open] > summary { border-bottom: 1px solid rgba(127, 127, 127, 0.4); }
 """
 
 
 def render_html(report: Report, element_id: str | None = None) -> str:
-    """Render ``report`` as one self-contained HTML fragment.
+    """Render ``report`` as one self-contained HTML fragment: the report's static twin.
 
     Parameters
     ----------
     report
         The report to render.
     element_id
-        An ``id`` for the outer element, so that a live widget can hide this
-        static copy while it shows (:mod:`nan_magic.render.display`).
+        An ``id`` for the outer element. A live widget hides the output that
+        holds it (:mod:`nan_magic.render.display`); and the fragment hides
+        the output right after its own when that holds no live report: the
+        widget's "Error displaying widget: model not found" once the kernel
+        is gone (a saved notebook reopened, an nbconvert export).
 
     Returns
     -------
     str
-        Summary, facts, the styled per-layer table (capped, with what was
-        cut), embedded PNG histograms, source pointer with code around it,
-        debug frames and history, in a ``<div class="nan-magic-report">``.
+        The headline, the cause sentence and the facts, then one closed
+        ``<details>`` per tab of the widget (Layers, Histograms, Debug,
+        History): about one screen tall until a reader opens a section, with
+        no script and no stylesheet needed to open one (GitHub, nbviewer and
+        sanitised outputs keep ``<details>``).
     """
-    sections = [
-        summary_html(report),
-        fixes_html(report),
-        facts_html(report),
-        source_html(report.source),
-        layers_html(in_call_order(report.layers), report.layers_dropped),
-        histograms_html(report),
-        debug_html(report),
-        history_html(report),
-    ]
-    body = "\n".join(section for section in sections if section)
-    identity = f' id="{escape(element_id)}"' if element_id else ""
+    sections = "".join(
+        f'<details class="nm-section"><summary>{title}</summary>\n{body}\n</details>\n'
+        for title, body in (
+            layers_section(in_call_order(report.layers), report.layers_dropped),
+            histograms_section(report),
+            debug_section(report),
+            history_section(report),
+        )
+    )
+    identity, hide_dead_widget = "", ""
+    if element_id:
+        identity = f' id="{escape(element_id)}"'
+        hide_dead_widget = f"<style>{DEAD_WIDGET_CSS.replace('ELEMENT', escape(element_id))}</style>\n"
     page = (
         f'<div class="nan-magic-report nm-static"{identity}>\n'
-        f"<style>{REPORT_CSS}</style>\n{body}\n</div>"
+        f"<style>{REPORT_CSS}</style>\n{hide_dead_widget}"
+        f"{summary_html(report)}\n{fixes_html(report)}\n{facts_html(report)}\n{sections}</div>"
     )
     return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
+#: Hides the output after the static twin's (ELEMENT: its id) unless a live
+#: report widget renders there. JupyterLab and Notebook 7 draw a widget view
+#: whose model is gone (the kernel restarted, the notebook reopened) as "Error
+#: displaying widget: model not found" and do not fall back to another type
+#: of that output; the twin then is the report.
+DEAD_WIDGET_CSS = (
+    ".jp-OutputArea-child:has(#ELEMENT) + .jp-OutputArea-child:not(:has(.nan-magic-widget))"
+    " { display: none; }"
+)
+
+
+def hide_static_css(element_id: str) -> str:
+    """The live widget's style that hides its static twin's output (prompt and margins included)."""
+    return (
+        f"<style>#{element_id}, .jp-OutputArea-child:has(#{element_id}) {{ display: none; }}</style>"
+    )
 
 
 def png_img(png: bytes, alt: str) -> str:
@@ -102,7 +133,7 @@ def png_img(png: bytes, alt: str) -> str:
 def summary_html(report: Report) -> str:
     """The headline and one sentence: the likely cause with its fix."""
     return (
-        f'<h3 class="nm-headline">nan_magic: {escape(report.message)}</h3>\n'
+        f'<h3 class="nm-headline" title="{escape(report.message)}">{escape(headline(report))}</h3>\n'
         f'<p class="nm-summary">{escape(cause_sentence(report))}</p>'
     )
 
@@ -178,17 +209,15 @@ def layers_table_html(
     return f'<div class="nm-scroll">{table}</div>', window.cut_message()
 
 
-def layers_html(layers: tuple[LayerCall, ...], dropped: int) -> str:
-    """The per-layer section: title, table and cut message."""
+def layers_section(layers: tuple[LayerCall, ...], dropped: int) -> tuple[str, str]:
+    """The per-layer section's title and body: the table and what was cut."""
     table, cut = layers_table_html(layers)
     title = f"Layers ({len(layers)} calls"
     title += f"; {dropped} earlier calls not kept)" if dropped else ")"
     notes = [cut + "; <code>report.table</code> has every row"] if cut else []
     if layers:
         notes.append(moments_note(layers))
-    return f"<h4>{title}</h4>\n{table}" + "".join(
-        f'<p class="nm-cut">{note}</p>' for note in notes if note
-    )
+    return title, table + "".join(f'<p class="nm-cut">{note}</p>' for note in notes if note)
 
 
 def moments_note(layers: tuple[LayerCall, ...]) -> str:
@@ -198,20 +227,32 @@ def moments_note(layers: tuple[LayerCall, ...]) -> str:
     return escape(MOMENTS_NOTE) + "."
 
 
-def histograms_html(report: Report) -> str:
+def histograms_section(report: Report) -> tuple[str, str]:
     """Embedded PNG histograms of the producer's samples (other layers: the widget's selector)."""
+    title = "Histograms"
     producer = [sample for sample in labelled_samples(report) if sample.producer]
     if not producer:
-        return ""
+        return title, "<p>No value samples were recorded for this event.</p>"
     shown = tuple(producer[:HTML_MAX_SAMPLES])
-    html = "<h4>Histograms (elements per value, log scale; red: non-finite)</h4>\n" + png_img(
+    body = HISTOGRAMS_CAPTION + png_img(
         histogram_png(shown, about_zeros(report)),
         "histograms of " + ", ".join(s.label for s in shown),
     )
     left = len(report.samples) - len(shown)
     if left:
-        html += f'<p class="nm-cut">{left} more samples not drawn here.</p>'
-    return html
+        body += f'<p class="nm-cut">{left} more samples not drawn here.</p>'
+    return title, body
+
+
+HISTOGRAMS_CAPTION = '<p class="nm-cut">Elements per value, log scale; red: non-finite.</p>\n'
+
+
+def debug_section(report: Report) -> tuple[str, str]:
+    """The Debug section: the source around the line, the frame %debug opens and its locals."""
+    body = source_html(report.source) + debug_html(report)
+    if report.debug_frame is not None:
+        body += "<p>Run <code>%debug</code> in a new cell to inspect that frame's locals.</p>"
+    return "Debug", body or "<p>No source location was recorded for this event.</p>"
 
 
 def debug_html(report: Report) -> str:
@@ -242,17 +283,19 @@ def debug_html(report: Report) -> str:
 
 
 def _history_cell(entry: StepSummary, field: str) -> str:
-    value = fmt_number(getattr(entry, field))
-    if field == "headroom" and entry.headroom_module is not None:
+    value = fmt_number(history_value(entry, field))
+    if field == "absmax" and value:
+        value += f" ({measured(entry)})"
+    if field == "headroom" and value and entry.headroom_module is not None:
         where = module_label(entry.headroom_module)
         value += f" ({escape(where)} {escape(short_dtype(entry.headroom_dtype))})"
     return value
 
 
-def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
+def history_section(report: Report, rows: int = HISTORY_ROWS) -> tuple[str, str]:
     """Loss, largest |activation| and the rest of the history: a plot and the last rows."""
     if not report.history:
-        return ""
+        return "History", "<p>No history: the watch kept no earlier steps.</p>"
     recent = report.history[-rows:]
     fields = history_fields(report.history)
     head = "".join(f"<th>{escape(label)}</th>" for _, label in fields)
@@ -269,7 +312,7 @@ def history_html(report: Report, rows: int = HISTORY_ROWS) -> str:
     title = f"History ({len(report.history)} steps kept"
     title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
     if plotted_history_fields(report.history):
-        plot = png_img(history_png(report.history, report.step), "loss and max |activation| per step")
+        plot = png_img(history_png(report.history, report.step), "loss and max |output| per step")
     else:
         plot = '<p class="nm-cut">No plot: no value was recorded at two steps or more.</p>'
-    return f'<h4>{title}</h4>\n{plot}\n<div class="nm-scroll">{table}</div>'
+    return title, f'{plot}\n<div class="nm-scroll">{table}</div>'

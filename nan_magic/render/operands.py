@@ -34,6 +34,45 @@ def op_base(op: str) -> str:
     return name.rstrip("_")
 
 
+def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
+    """The one expression of ``line`` that can have run ``op``, with the parsed text; else None.
+
+    A binary operator (``a / b``, ``x += y``) for the ops Python's operators
+    run, else a call named like the op (``torch.log(x)``, ``x.log()``).
+    None when the line does not parse alone or holds no such expression, or
+    more than one.
+    """
+    if not op or not line:
+        return None
+    text = line.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # one line of a multi-line statement
+        return None
+    base = op_base(op)
+    operator = _OPERATORS.get(base)
+    if operator is not None:
+        found: list[ast.AST] = [
+            node for node in ast.walk(tree)
+            if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, operator)
+        ]
+    else:
+        found = [
+            node for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and _called_name(node) == base
+        ]
+    return (text, found[0]) if len(found) == 1 else None
+
+
+def op_expression(op: str | None, line: str | None) -> str:
+    """What the user wrote for ``op`` on ``line``: ``"q @ k.transpose(-2, -1)"`` for ``aten.bmm``; ``""`` if unclear."""
+    found = op_node(op, line)
+    if found is None:
+        return ""
+    text, node = found
+    return ast.get_source_segment(text, node) or ""
+
+
 def operand_names(op: str | None, line: str | None) -> dict[str, str]:
     """Schema argument name -> the expression the user wrote for it.
 
@@ -41,43 +80,22 @@ def operand_names(op: str | None, line: str | None) -> dict[str, str]:
     ``{"self": "a", "other": "b.sqrt()"}``. Empty when the line does not
     say it unambiguously.
     """
-    if not op or not line:
+    found = op_node(op, line)
+    if found is None:
         return {}
-    text = line.strip()
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:  # one line of a multi-line statement
-        return {}
-    base = op_base(op)
-    operator = _OPERATORS.get(base)
-    if operator is not None:
-        found = [
-            node for node in ast.walk(tree)
-            if isinstance(node, ast.BinOp) and isinstance(node.op, operator)
-        ] + [
-            node for node in ast.walk(tree)
-            if isinstance(node, ast.AugAssign) and isinstance(node.op, operator)
-        ]
-        if len(found) != 1:
-            return {}
-        node = found[0]
+    text, node = found
+    if isinstance(node, (ast.BinOp, ast.AugAssign)):
         left = node.left if isinstance(node, ast.BinOp) else node.target
         right = node.right if isinstance(node, ast.BinOp) else node.value
         names = {"self": _segment(text, left)}
         names.update({name: _segment(text, right) for name in _RIGHT})
         return {key: value for key, value in names.items() if value}
-    calls = [
-        node for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and _called_name(node) == base
-    ]
-    if len(calls) != 1:
-        return {}
-    call = calls[0]
+    assert isinstance(node, ast.Call)
     # torch.log(x) names its operand as the first argument, x.log() as the receiver.
-    if call.args and not _is_method_on_value(call):
-        subject: ast.expr = call.args[0]
-    elif isinstance(call.func, ast.Attribute) and _is_method_on_value(call):
-        subject = call.func.value
+    if node.args and not _is_method_on_value(node):
+        subject: ast.expr = node.args[0]
+    elif isinstance(node.func, ast.Attribute) and _is_method_on_value(node):
+        subject = node.func.value
     else:
         return {}
     segment = _segment(text, subject)

@@ -17,11 +17,11 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import EngFormatter, MaxNLocator
 from PIL import Image
 
 from nan_magic.records import Sample, StepSummary
-from nan_magic.render.common import finite_limit, plotted_history_fields, short_dtype
+from nan_magic.render.common import finite_limit, history_value, plotted_history_fields, short_dtype
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
@@ -30,8 +30,13 @@ _LIMIT_VISIBLE = 0.25
 #: Ratio of largest to smallest |activation| above which the history uses a log scale.
 _DECADES = 100.0
 _BINS = 60
-_COLUMNS = 3
-_DPI = 80
+#: Two panels a row at 100 dpi: 860 px, the width of a notebook's output, so that
+#: the image is not scaled down and no label is smaller than 10 px (8 pt at 100 dpi is 11 px).
+_COLUMNS = 2
+_DPI = 100
+_PANEL = (4.3, 3.0)
+_SMALL = 8
+_TITLE = 9
 _BAR = "#4c72b0"
 _LIMIT = "#d62728"
 _ZERO = "#2ca02c"
@@ -58,7 +63,7 @@ def histogram_figure(samples: Sequence[Sample], zeros: bool = False) -> Figure:
     """
     columns = max(1, min(_COLUMNS, len(samples)))
     rows = max(1, math.ceil(len(samples) / columns))
-    figure = Figure(figsize=(4.6 * columns, 3.2 * rows), dpi=_DPI, layout="constrained")
+    figure = Figure(figsize=(_PANEL[0] * columns, _PANEL[1] * rows), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     if not samples:
         axes = figure.add_subplot()
@@ -79,10 +84,10 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     axes.set_title(
         f"{sample.label}\n{dtype}, {finite_count} finite of {sample.numel}"
         + (f"; {counted}" if counted else ""),
-        fontsize=9,
+        fontsize=_TITLE,
     )
-    axes.tick_params(labelsize=8)
-    axes.set_ylabel("elements (log)", fontsize=8)
+    axes.tick_params(labelsize=_SMALL)
+    axes.set_ylabel("elements (log)", fontsize=_SMALL)
     axes.set_yscale("log")
     if sample.values:
         low, high = min(sample.values), max(sample.values)
@@ -98,11 +103,11 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
             sample.values, bins=bins, color=_BAR, weights=[weight] * len(sample.values)
         )
         tallest = max(float(max(counts)), 1.0)
-        axes.set_xlabel("value (finite elements)", fontsize=8)
+        axes.set_xlabel("value (finite elements)", fontsize=_SMALL)
     else:
         low, high = -1.0, 1.0
         tallest = 1.0
-        axes.set_xlabel("no finite value to draw", fontsize=8)
+        axes.set_xlabel("no finite value to draw", fontsize=_SMALL)
         axes.set_xticks([])
         kinds = [kind for kind, count in bad.items() if count]
         if len(kinds) == 1:
@@ -111,7 +116,7 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
         else:
             why = f"no finite values: {counted or 'none counted'}"
         axes.text(0.45, 0.6, why, ha="center", va="center", transform=axes.transAxes,
-                  color=_LIMIT, fontsize=8)
+                  color=_LIMIT, fontsize=_SMALL)
     handles: list[Any] = []
     limit = finite_limit(dtype)
     absmax = max(abs(low), abs(high))
@@ -124,6 +129,9 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
         # A legend entry that is not drawn on the axes: the limit is off scale.
         text = f"{dtype} limit \u00b1{limit:.3g}: {limit / absmax:.3g}x the largest |value|"
         handles.append(Line2D([], [], linestyle="none", label=text))
+    # Few, short tick labels: a float16 axis spans -65504..65504 and long ones run into each other.
+    axes.xaxis.set_major_locator(MaxNLocator(5))
+    axes.xaxis.set_major_formatter(EngFormatter(sep=""))
     tallest = max([tallest, *bad.values()])
     span = (high - low) or max(abs(high), 1.0)
     _draw_nonfinite(axes, bad, low, high, span)
@@ -133,7 +141,7 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     # Room above the bars for the legend: a log axis needs decades of it.
     axes.set_ylim(0.5, tallest * 60)
     if handles:
-        axes.legend(handles=handles, fontsize=7, loc="upper left", handlelength=1.5,
+        axes.legend(handles=handles, fontsize=_SMALL, loc="upper left", handlelength=1.5,
                     framealpha=0.9)
 
 
@@ -146,7 +154,7 @@ def _draw_nonfinite(axes: Axes, bad: dict[str, int], low: float, high: float, sp
         axes.bar(places[kind], count, width=width, color=_LIMIT, hatch="//",
                  edgecolor="white", linewidth=0)
         axes.annotate(f"{kind}\n{count}", (places[kind], count), ha="center", va="bottom",
-                      fontsize=7, color=_LIMIT, xytext=(0, 2), textcoords="offset points")
+                      fontsize=_SMALL, color=_LIMIT, xytext=(0, 2), textcoords="offset points")
     left = places["-inf"] - width if "-inf" in drawn else low - span / 20
     right = (places["nan"] if "nan" in drawn else places["+inf"] if "+inf" in drawn else high + span / 20 - width)
     axes.set_xlim(left, right + width)
@@ -189,7 +197,7 @@ def history_figure(history: tuple[StepSummary, ...], failing_step: int | None = 
     for axes, (field, label) in zip(panels, fields):
         _draw_history_panel(axes, history, field, label, tuple(failing.values()))
     panels[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    panels[-1].set_xlabel("step (red: the step with the non-finite value)", fontsize=8)
+    panels[-1].set_xlabel("step (red: the step with the non-finite value)", fontsize=_SMALL)
     return figure
 
 
@@ -201,12 +209,22 @@ def _draw_history_panel(
     failing: tuple[StepSummary, ...],
 ) -> None:
     points = [
-        (entry.step, value)
+        (entry.step, value, entry.full)
         for entry in history
-        if (value := getattr(entry, field)) is not None and math.isfinite(value)
+        if (value := history_value(entry, field)) is not None and math.isfinite(value)
     ]
-    steps, values = zip(*points)
-    axes.plot(steps, values, marker=".", color=_BAR)
+    steps, values, _ = zip(*points)
+    if field == "absmax":
+        # Two measures in one panel, each its own line: a full-check step's value is not the next step's.
+        full = [(step, value) for step, value, every in points if every]
+        if full:
+            axes.plot(*zip(*full), "s-", color=_BAR, markersize=6, label="every module's output")
+        if len(full) < len(points):
+            axes.plot(*zip(*[(s, v) for s, v, every in points if not every]), "o--", mfc="white", color=_BAR,
+                      markersize=6, label="the model's outputs only")
+        axes.legend(fontsize=_SMALL, loc="upper left", framealpha=0.9)
+    else:
+        axes.plot(steps, values, marker=".", color=_BAR)
     positive = min(values) > 0
     # Headroom is a ratio: its approach to 1 (overflow) reads on a log axis only.
     if positive and (field == "headroom" or max(values) > _DECADES * min(values)):
@@ -214,11 +232,11 @@ def _draw_history_panel(
     if field == "headroom":
         axes.axhline(1.0, color=_LIMIT, linestyle="--", linewidth=1)
         axes.annotate("1: overflow", (0.0, 1.0), xycoords=("axes fraction", "data"),
-                      xytext=(4, 3), textcoords="offset points", fontsize=7, color=_LIMIT)
-    axes.set_ylabel(label, fontsize=8)
+                      xytext=(4, 3), textcoords="offset points", fontsize=_SMALL, color=_LIMIT)
+    axes.set_ylabel(label, fontsize=_SMALL)
     axes.tick_params(labelsize=8)
     for entry in failing:
-        value = getattr(entry, field)
+        value = history_value(entry, field)
         if value is not None and math.isfinite(value):
             axes.plot([entry.step], [value], "o", color=_LIMIT, markersize=7)
         else:
@@ -228,7 +246,7 @@ def _draw_history_panel(
             axes.annotate(
                 f"step {entry.step}: non-finite", (entry.step, 1.0),
                 xycoords=axes.get_xaxis_transform(), xytext=(-8, -10), textcoords="offset points",
-                fontsize=7, color=_LIMIT, ha="right",
+                fontsize=_SMALL, color=_LIMIT, ha="right",
             )
 
 

@@ -11,6 +11,7 @@ from pandas.io.formats.style import Styler
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     COLUMNS,
+    counts_phrase,
     fmt_number,
     fmt_shape,
     in_call_order,
@@ -30,14 +31,19 @@ AFTER_CLASS = "nm-after"
 #: (JupyterLab right-aligns every cell of an HTML output) must not win.
 TABLE_CSS = f"""
 .nm-table {{ border-collapse: collapse; font-size: 12px; font-family: monospace; }}
-.nm-table th, .nm-table td {{ padding: 2px 6px; text-align: right; white-space: nowrap; }}
+.nm-table th, .nm-table td {{ padding: 2px 4px; text-align: right; white-space: nowrap; }}
+.nan-magic-report table.nm-table td.nm-wrap {{ white-space: normal; overflow-wrap: anywhere; max-width: 12em; }}
 .nm-table th {{ position: sticky; top: 0; background: rgba(127, 127, 127, 0.25); }}
 .nan-magic-report table.nm-table td.nm-left, .nan-magic-report table.nm-table th {{ text-align: left; }}
 .nm-table td.{PRODUCER_CLASS} {{ background: rgba(230, 40, 40, 0.30); font-weight: bold; }}
 .nm-table td.{PROPAGATED_CLASS} {{ background: rgba(240, 150, 20, 0.15); }}
 .nm-table td.{BENIGN_CLASS} {{ background: rgba(40, 110, 230, 0.15); }}
 .nm-table td.{AFTER_CLASS} {{ opacity: 0.55; }}
-"""
+.nm-table caption {{ caption-side: bottom; text-align: left; font-style: italic; padding-top: 2px; }}
+""" + "".join(
+    f".nan-magic-report table.nm-table td.nm-depth-{depth} {{ padding-left: {0.4 + 0.8 * depth:.1f}em; }}\n"
+    for depth in range(1, 13)
+)
 
 
 def layer_table(report: Report) -> pd.DataFrame:
@@ -100,11 +106,12 @@ def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
 def row_classes(layers: Sequence[LayerCall]) -> list[str]:
     """The CSS class of each row: producer, propagated, benign, after, or none.
 
-    Rows after the producer are dimmed; a propagated row after the producer
-    gets both classes so it stays marked while dimmed.
+    Rows after the producer's (and not inside it) are dimmed; a propagated
+    row after the producer gets both classes so it stays marked while dimmed.
     """
     classes = []
     seen_producer = False
+    producer = next((layer for layer in layers if layer.status == "producer"), None)
     for layer in layers:
         names = []
         if layer.status == "producer":
@@ -113,28 +120,50 @@ def row_classes(layers: Sequence[LayerCall]) -> list[str]:
             names.append(PROPAGATED_CLASS)
         elif layer.status == "benign":
             names.append(BENIGN_CLASS)
-        if seen_producer:
+        # Rows after the producer's are dimmed, but not its children's: they ran inside it, before it returned.
+        if seen_producer and not (producer is not None and contains(producer, layer)):
             names.append(AFTER_CLASS)
         seen_producer = seen_producer or layer.status == "producer"
         classes.append(" ".join(names))
     return classes
 
 
+def depth(layer: LayerCall) -> int:
+    """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
+    return 0 if not layer.module else layer.module.count(".") + 1
+
+
+def contains(outer: LayerCall, inner: LayerCall) -> bool:
+    """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
+    if outer.module is None or inner.module is None or outer.phase != inner.phase:
+        return False
+    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
+
+
 #: Columns of the styled table, in order: what tells the story first (the
-#: status and the three counts), so that they stay visible in a narrow
-#: notebook; ``module`` is the one spelling of module and type together.
+#: status and the non-zero counts), then the module as a tree (indented by
+#: depth, torchinfo-style), then the numbers; ``module`` is the one spelling
+#: of module and type together. Phase, tensor and dtype are dropped where every
+#: row has the same (the caption says it), so that at 900 px nothing scrolls sideways.
 VIEW_COLUMNS = (
-    "call", "status", "nan", "+inf", "-inf", "module", "phase", "tensor", "dtype",
+    "call", "status", "non-finite", "module", "phase", "tensor", "dtype",
     "shape", "min", "max", "absmax", "mean", "std",
 )
-_LEFT_ALIGNED = frozenset({"status", "module", "phase", "tensor", "dtype", "shape"})
+_LEFT_ALIGNED = frozenset({"status", "non-finite", "module", "phase", "tensor", "dtype", "shape"})
+_SHARED = ("phase", "tensor", "dtype")
+#: Long names wrap inside their cell rather than push the numbers out of sight at 900 px.
+_WRAPPED = frozenset({"module", "tensor"})
 
 
 def view_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
-    """The rows as shown: :data:`VIEW_COLUMNS`, module and type in one label."""
+    """The rows as shown: :data:`VIEW_COLUMNS`, module and type in one label, the counts in one phrase."""
     frame = layers_frame(layers)
     frame["module"] = pd.Series(
         [module_label(layer.module, layer.module_type) for layer in layers],
+        index=frame.index, dtype=object,
+    )
+    frame["non-finite"] = pd.Series(
+        [counts_phrase(layer.stats.nan, layer.stats.posinf, layer.stats.neginf) for layer in layers],
         index=frame.index, dtype=object,
     )
     return frame[list(VIEW_COLUMNS)]
@@ -160,22 +189,36 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     Returns
     -------
     pandas.io.formats.style.Styler
-        :data:`VIEW_COLUMNS` (mean and std dropped when no row has them),
-        classes from :func:`row_classes` on every cell; render with
+        :data:`VIEW_COLUMNS` (mean and std dropped when no row has them; phase,
+        tensor and dtype when every row has the same, said in the caption),
+        classes from :func:`row_classes` on every cell, the module indented
+        by its depth (``nm-depth-N``); render with
         ``.to_html()`` next to :data:`TABLE_CSS`; the table's classes are
         ``nm-table nm-layers``.
     """
     frame = view_frame(layers)
     if not has_moments(layers):
         frame = frame.drop(columns=["mean", "std"])
+    shared = [column for column in _SHARED if len(layers) > 1 and frame[column].nunique() == 1]
+    caption = ", ".join(f"{column} {frame[column].iloc[0]}" for column in shared)
+    frame = frame.drop(columns=shared)
     classes = row_classes(layers)
     if after_producer:
         classes = [f"{names} {AFTER_CLASS}".strip() for names in classes]
+
+    # Indented from the shallowest row shown, as torchinfo's tree: no room spent on levels nobody sees.
+    top = min((depth(layer) for layer in layers), default=0)
+
+    def cell_class(names: str, column: str, layer: LayerCall) -> str:
+        level = min(depth(layer) - top, 12)
+        if column == "module" and level:
+            names += f" nm-depth-{level}"
+        if column in _WRAPPED:
+            names += " nm-wrap"
+        return f"{names} nm-left".strip() if column in _LEFT_ALIGNED else names
+
     class_frame = pd.DataFrame(
-        [
-            [f"{names} nm-left".strip() if column in _LEFT_ALIGNED else names for column in frame.columns]
-            for names in classes
-        ],
+        [[cell_class(names, column, layer) for column in frame.columns] for names, layer in zip(classes, layers)],
         index=frame.index,
         columns=frame.columns,
     )
@@ -183,7 +226,7 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     # Styler's ids are random by default: a notebook saved twice from the
     # same report would differ. Ids from the rows' content are stable.
     content = hashlib.sha1(frame.to_json(default_handler=str).encode()).hexdigest()[:8]
-    return (
+    styler = (
         Styler(frame, uuid=f"nm{content}", cell_ids=False)
         .hide(axis="index")
         .set_td_classes(class_frame)
@@ -192,8 +235,8 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
         .format(escape="html")
         .format(fmt_number, subset=numbers, na_rep="")
         .format(fmt_shape, subset=["shape"])
-        .format(str, subset=["nan", "+inf", "-inf"], na_rep="?")
     )
+    return styler.set_caption(f"Every row: {caption}.") if caption else styler
 
 
 #: Said under a table whose rows have no mean and std, or only some.

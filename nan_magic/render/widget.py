@@ -21,19 +21,18 @@ from nan_magic.render.common import (
     labelled_samples,
     module_label,
     near_rows,
-    producer_position,
 )
 from nan_magic.render.html import (
     HTML_MAX_ROWS,
     HTML_MAX_SAMPLES,
     REPORT_CSS,
-    debug_html,
+    debug_section,
     facts_html,
     fixes_html,
-    history_html,
+    hide_static_css,
+    history_section,
     layers_table_html,
     moments_note,
-    source_html,
     summary_html,
 )
 from nan_magic.render.plots import histogram_png
@@ -44,6 +43,10 @@ TAB_TITLES = ("Summary", "Layers", "Histograms", "Debug", "History")
 NEAR_RADIUS = 10
 #: Dropdown value that draws every sample at once.
 ALL_SAMPLES = -1
+#: Height of every tab's content: switching tabs must not move the cells
+#: below, and the report must stay well under the ~1,800 px at which
+#: Notebook 7 boxes an output in a scroll area. Longer content scrolls inside.
+PANEL_HEIGHT = "560px"
 
 
 def build_widget(
@@ -66,14 +69,17 @@ def build_widget(
     ipywidgets.Tab
         Tabs Summary, Layers, Histograms, Debug and History.
     """
-    hide = f"<style>#{hides} {{ display: none; }}</style>" if hides else ""
+    hide = hide_static_css(hides) if hides else ""
     children = [
         _html(hide + summary_html(report) + fixes_html(report) + facts_html(report)),
         LayersView(in_call_order(report.layers), report.layers_dropped, max_rows).widget,
         HistogramsView(report).widget,
-        _html(_debug_body(report)),
-        _html(history_html(report) or "<p>No history: the watch kept no earlier steps.</p>"),
+        _html(debug_section(report)[1]),
+        _html(history_section(report)[1]),
     ]
+    for child in children:
+        # No margin either: an HTML widget has one and a box has none, which would make tabs differ by 4 px.
+        child.layout.height, child.layout.overflow, child.layout.margin = PANEL_HEIGHT, "auto", "0px"
     tab = widgets.Tab(children=children)
     if tab.has_trait("titles"):  # ipywidgets 8
         tab.titles = TAB_TITLES
@@ -93,13 +99,6 @@ def _html(body: str) -> widgets.HTML:
     return widgets.HTML(_styled(body))
 
 
-def _debug_body(report: Report) -> str:
-    body = source_html(report.source) + debug_html(report)
-    if report.debug_frame is not None:
-        body += "<p>Run <code>%debug</code> in a new cell to inspect that frame's locals.</p>"
-    return body or "<p>No source location was recorded for this event.</p>"
-
-
 def _row_text(layer: LayerCall) -> str:
     """What the filter box matches against, lower-cased."""
     return " ".join((
@@ -109,6 +108,11 @@ def _row_text(layer: LayerCall) -> str:
         layer.tensor,
         layer.stats.dtype,
     )).lower()
+
+
+def touched_rows(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
+    """The producer and every row the event touched (propagated, benign): the rows that are not ok."""
+    return tuple(layer for layer in layers if layer.status != "ok")
 
 
 class LayersView:
@@ -124,11 +128,19 @@ class LayersView:
             continuous_update=False,
             layout=widgets.Layout(width="440px"),
         )
+        # Each toggle is offered only where it changes what the table shows.
+        self.touched = widgets.ToggleButton(
+            value=False,
+            description="only non-finite rows",
+            tooltip="the producer and the rows that hold non-finite values",
+            disabled=len(touched_rows(layers)) in (0, len(layers)),
+            layout=widgets.Layout(width="auto"),
+        )
         self.near = widgets.ToggleButton(
             value=False,
             description="only rows near the producer",
             tooltip=f"{NEAR_RADIUS} rows before and after the producer",
-            disabled=producer_position(layers) is None,
+            disabled=len(near_rows(layers, NEAR_RADIUS)) == len(layers),
             layout=widgets.Layout(width="auto"),
         )
         self.status = widgets.HTML()
@@ -138,7 +150,7 @@ class LayersView:
             title += f"; {dropped} earlier calls not kept"
         note = moments_note(layers)
         self.widget = widgets.VBox([
-            widgets.HBox([self.filter, self.near]),
+            widgets.HBox([self.filter, self.touched, self.near]),
             widgets.HTML(f"<b>{title}</b>"),
             self.status,
             self.table,
@@ -146,11 +158,14 @@ class LayersView:
         ])
         self.filter.observe(self._refresh, names="value")
         self.near.observe(self._refresh, names="value")
+        self.touched.observe(self._refresh, names="value")
         self._refresh()
 
     def rows(self) -> tuple[LayerCall, ...]:
         """The rows that pass the toggle and the filter box, in call order."""
         rows = near_rows(self.layers, NEAR_RADIUS) if self.near.value else self.layers
+        if self.touched.value:
+            rows = touched_rows(rows)
         words = self.filter.value.lower().split()
         if words:
             rows = tuple(
