@@ -192,8 +192,10 @@ def test_kernel_shows_the_widget_report_with_its_static_twin(magics_nb: Any) -> 
     summary, _layers, histograms, debug, _history = (
         states[ref.removeprefix("IPY_MODEL_")] for ref in tab["children"]
     )
-    # The live widget hides its static twin; both name the producer.
-    assert f"<style>#{element} {{ display: none; }}</style>" in summary["state"]["value"]
+    # The live widget hides its static twin (on Colab's page the element itself; in Lab its whole output,
+    # prompt and margins); both name the producer.
+    hidden = f"<style>#{element}, .jp-OutputArea-child:has(#{element}) {{ display: none; }}</style>"
+    assert hidden in summary["state"]["value"]
     assert "log (LogLayer)" in summary["state"]["value"] and "log (LogLayer)" in static["text/html"]
     assert "%debug" in debug["state"]["value"] and "return torch.log(x * 1.0)" in debug["state"]["value"]
     output = states[histograms["state"]["children"][1].removeprefix("IPY_MODEL_")]
