@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.distributed.ranks import process_group
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.mask import MASKED, zero_masked_rows
@@ -76,6 +77,12 @@ def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.
                roots: Iterable[nn.Module], last_good: LastGood,
                standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> Report:
     """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
+    group = process_group()
+    if group is not None and group[1] > 1:
+        # A replay's collectives (DDP's gradient reduction, FSDP's gathers, SyncBatchNorm) would wait for
+        # ranks that are not replaying: the trials would hang the job they are meant to help.
+        note = f"no fix was tried: trials do not run under a process group of {group[1]} ranks"
+        return dataclasses.replace(report, notes=(*report.notes, note))
     try:
         trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside)
         return dataclasses.replace(report, fixes=trials)
