@@ -86,6 +86,8 @@ def test_forward_fault_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(ranks)
         assert f"distributed_worker.py:{marked_line('log', where=worker)}" in report["text"]
         assert re.search(r"^\s*rank\s+1 of 2$", report["text"], re.MULTILINE)
         assert seen["json_rank"] == 1
+    # No fix was tried on a replay (its collectives would wait for the other rank), and the report says why.
+    assert "no fix was tried: trials do not run under a process group of 2 ranks" in rank1["report"]["notes"]
     # Rank 0's own gradients went NaN only through DDP's all-reduce; its report says so.
     assert rank0["local_tensor"] == _GRADIENT
     assert rank0["local_module"] == ["0", "Linear"]  # found by the user's name, which DDP's module tree lacks
