@@ -59,8 +59,8 @@ class _Adam(nn.Module):
         return self.fc(x)
 
 
-def test_a_parameter_the_optimizer_made_non_finite_is_named_by_its_reference() -> None:
-    # optim.py took the parameter's name from the label's last word, and its owner from the name.
+def _huge_learning_rate() -> Report:
+    """The report of SGD at lr 1e38 making a parameter non-finite within three steps."""
     model = _Adam()
     opt = torch.optim.SGD(model.parameters(), lr=1e38)
 
@@ -70,7 +70,12 @@ def test_a_parameter_the_optimizer_made_non_finite_is_named_by_its_reference() -
             model(torch.full((2, 4), 1e3)).square().sum().backward()
             opt.step()
 
-    report = raised(run, model, opt)
+    return raised(run, model, opt)
+
+
+def test_a_parameter_the_optimizer_made_non_finite_is_named_by_its_reference() -> None:
+    # optim.py took the parameter's name from the label's last word, and its owner from the name.
+    report = _huge_learning_rate()
     assert report.phase == "optimizer" and report.tensor.role is TensorRole.PARAMETER
     assert report.tensor.name in ("fc.weight", "fc.bias") and report.module == "fc"
     assert report.tensor.name in report.cause.hint  # the cause names the parameter, not "parameter fc.weight"
@@ -230,16 +235,7 @@ def test_a_cause_round_trips_through_a_scene_s_plain_data_with_its_numbers(readi
 
 
 def test_a_diagnosed_cause_holds_only_plain_values() -> None:
-    model = _Adam()
-    opt = torch.optim.SGD(model.parameters(), lr=1e38)
-
-    def run() -> None:
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.full((2, 4), 1e3)).square().sum().backward()
-            opt.step()
-
-    cause = raised(run, model, opt).cause
+    cause = _huge_learning_rate().cause
     assert cause is not None and cause.reading == "optimizer-lr" and _stdlib_only(cause.facts)
     assert cause.fact("lr") == 1e38 and cause.fact("dtype") == "float32"
     assert "lr = 1e38" in cause.hint and "lr 1e38 >= float32 max 3.4e38 / 1000" in cause.evidence
