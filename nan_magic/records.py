@@ -37,6 +37,7 @@ __all__ = [
     "TensorRef",
     "TensorRole",
     "TensorStats",
+    "UNMEASURED",
     "module_label",
     "sample_label",
 ]
@@ -124,18 +125,32 @@ class TensorStats:
         return self.nonfinite == 0
 
 
-LayerStatus = Literal["ok", "producer", "propagated", "benign"]
+LayerStatus = Literal[
+    "ok", "producer", "propagated", "benign", "running", "not reached", "not called", "unchecked", "not measured",
+]
+
+#: Statuses of rows that have no numbers of their own (:attr:`LayerCall.stats` is None): a call that had
+#: not returned when the report was made (``running``), or a module of the model the step did not measure:
+#: ``not reached`` (the report was made, and a raising watch stopped the step, before it ran), ``not called``
+#: (the step ran to its end without calling it), ``unchecked`` (a ReLU, GELU or dropout that passes a finite
+#: input through unmeasured, or was not called), ``not measured`` (a tiered step checks the model's boundaries only).
+UNMEASURED: frozenset[str] = frozenset({"running", "not reached", "not called", "unchecked", "not measured"})
 
 
 @dataclass(frozen=True)
 class LayerCall:
-    """One watched module call (or data entry) of the failing step."""
+    """One watched module call (or data entry) of the failing step, or a module of the model it did not measure.
 
-    index: int
+    ``index`` numbers the calls as they began (None for a module not
+    called, or not seen to be called); ``stats`` is None where the step
+    has no numbers for the row (its status is then in :data:`UNMEASURED`).
+    """
+
+    index: int | None
     phase: Phase
     module: str | None
     module_type: str | None
-    stats: TensorStats
+    stats: TensorStats | None
     status: LayerStatus = "ok"
     tensor: str = "output"
 

@@ -389,12 +389,12 @@ def test_history_of_one_step_says_there_is_nothing_to_plot() -> None:
 def test_layers_table_puts_status_and_counts_first_in_call_order() -> None:
     from nan_magic.render.table import VIEW_COLUMNS, style_layers
 
-    # The engine records a call when it returns: the root's row comes last.
+    # The engine records a call when it returns (the root's last); the report keeps the order calls began.
     nested = root_report()
-    assert [layer.index for layer in nested.layers] == [1, 2, 0]
+    assert [layer.index for layer in nested.layers] == [0, 1, 2]
     assert nested.table["call"].tolist() == [0, 1, 2]
     assert nested.table["module"].tolist() == ["", "", "a"]
-    section = nested.to_text().split("Layers of step 0: 3 calls\n")[1].split("\n\n")[0]
+    section = nested.to_text().split("Layers of step 0: 3 calls measured\n")[1].split("\n\n")[0]
     rows = section.splitlines()[1:]  # under the header
     assert [row[1:].split()[0] for row in rows] == ["0", "1", "2"]
     report = deep_report()
@@ -443,7 +443,9 @@ def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
     assert view.near.disabled  # four rows: all of them are near the producer
     assert not view.touched.disabled
     view.touched.value = True
-    assert [layer.status for layer in view.rows()] == ["producer", "propagated"]
+    # The producer's value where it left through proj, and the root's own output once the replayed step returned.
+    assert [(layer.tensor, layer.status) for layer in view.rows()] == [
+        ("output of proj", "producer"), ("output", "producer"), ("output", "propagated")]
 
 
 
@@ -469,8 +471,10 @@ def test_widget_filter_and_near_toggle_rerender() -> None:
     assert "1 of" in view.status.value and "rows cut" not in view.status.value
     view.filter.value = ""
     view.near.value = True
-    # The watch stops at the producer: the ten calls before it, and it.
-    assert len(view.rows()) == 11 and view.rows()[-1].status == "producer"
+    # Ten rows on either side of the producer: the calls before it, and the replayed step's calls after it.
+    rows = view.rows()
+    assert len(rows) == 21 and rows[10].status == "producer" and rows[10].module == "300"
+    assert {layer.status for layer in rows[11:]} == {"propagated"}
     assert "filter rows" in view.filter.placeholder and view.filter.description == ""
 
 

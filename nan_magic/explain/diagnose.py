@@ -227,7 +227,7 @@ _POLES = {
 def _extreme_batch(report: Report) -> tuple[str, float] | None:
     """The batch entering the model in the failing step, when it held ``|x| > EXTREME_INPUT``."""
     for layer in report.layers:
-        absmax = layer.stats.absmax
+        absmax = layer.stats.absmax if layer.stats is not None else None
         if layer.phase == Phase.DATA and absmax is not None and absmax > EXTREME_INPUT:
             return layer.tensor, absmax
     return None

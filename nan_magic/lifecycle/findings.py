@@ -8,6 +8,7 @@ calls and history, into a Report that holds numbers only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
@@ -16,6 +17,8 @@ from nan_magic.hot.call_records import TensorRecord
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.hot.step_log import StepLog
+from nan_magic.hot.targets import ModuleInfo
+from nan_magic.localize.layer_rows import step_layers
 from nan_magic.records import (
     EarlyWarning,
     Report,
@@ -78,9 +81,16 @@ def build_report(
     warnings: tuple[EarlyWarning, ...] = (),
     max_layers: int,
     sample_size: int,
+    modules: Iterable[ModuleInfo] = (),
+    per_module: bool = True,
     ops: bool = False,
 ) -> Report:
-    """Freeze a finding into a Report (exact stats where tensors are alive); ``ops``: the watch traced every op."""
+    """Freeze a finding into a Report (exact stats where tensors are alive); ``ops``: the watch traced every op.
+
+    ``modules``: the watched models' modules, listed in the layer table
+    where the step has no row of theirs; ``per_module``: whether the step
+    checked every module call (layer_rows.py).
+    """
     stats = finding.bad_stats
     if stats is None and finding.bad is not None:
         stats = tensor_stats(finding.bad)
@@ -106,7 +116,7 @@ def build_report(
     samples.extend(_nearby_samples(log, finding.record, sample_size // 4, shown))
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"
-    layers, dropped = log.layer_calls(max_layers)
+    layers, dropped = step_layers(log, modules, max_layers, per_module)
     report = Report(
         phase=finding.phase,
         module=finding.module,

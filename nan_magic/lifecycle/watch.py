@@ -405,7 +405,13 @@ class Watch:
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
         """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
         # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-        return Watch([model], labels=[label], config=config, replay_of=self)
+        inner = Watch([model], labels=[label], config=config, replay_of=self)
+        # It measures every call, a ReLU's too, which the watch passes through on a finite input (transparent.py):
+        # the report's layer table lists every module of the step with its numbers.
+        modules = inner.targets.modules
+        for key, info in modules.items():
+            modules[key] = dataclasses.replace(info, transparent=None)
+        return inner
 
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
         """An event's replay (a bad batch's samples fetched again in any mode, else the tiered step replay),
@@ -480,6 +486,8 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
+            modules=self.targets.modules.values(),
+            per_module=self.cycle.full_step,
             ops=self.config.ops and self.replay_of is None,
         ), models_watched=len(self.targets.roots)))
 

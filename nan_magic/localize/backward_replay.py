@@ -28,6 +28,8 @@ from nan_magic.records import Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.optim import OptimizerChecks
+    from nan_magic.hot.step_log import StepLog
+    from nan_magic.hot.targets import Targets
     from nan_magic.localize.op_origins import OpOrigins
     from nan_magic.options import WatchConfig
     from nan_magic.records import Report
@@ -49,6 +51,12 @@ class ReplayWatch(Protocol):
 
     @property
     def report(self) -> Report | None: ...
+
+    @property
+    def log(self) -> StepLog: ...
+
+    @property
+    def targets(self) -> Targets: ...
 
     @property
     def events(self) -> list[Report]: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nan_magic.locations import name_location
@@ -367,9 +368,47 @@ def in_call_order(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
 
     The engine records a call when it returns (children first); its
     ``index`` numbers the calls as they began, which is how people read a
-    model's forward.
+    model's forward. A row without a call of its own (a module the step did
+    not measure, index None) keeps its place after the row before it.
     """
-    return tuple(sorted(layers, key=lambda layer: layer.index))
+    keyed, last = [], -1
+    for layer in layers:
+        last = layer.index if layer.index is not None else last
+        keyed.append((last, layer))
+    return tuple(layer for _key, layer in sorted(keyed, key=lambda pair: pair[0]))
+
+
+def depth(layer: LayerCall) -> int:
+    """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
+    return 0 if not layer.module else layer.module.count(".") + 1
+
+
+def contains(outer: LayerCall, inner: LayerCall) -> bool:
+    """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
+    if outer.module is None or inner.module is None or outer.phase != inner.phase:
+        return False
+    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
+
+
+#: What the status column says of the producer's parents: the path to it down the tree.
+CONTAINS_PRODUCER = "contains producer"
+
+
+def shown_statuses(layers: Sequence[LayerCall]) -> list[str]:
+    """Each row's status as the tables show it: the producer's parents say they contain it."""
+    producer = next((layer for layer in layers if layer.status == "producer"), None)
+    return [CONTAINS_PRODUCER if producer is not None and layer.status != "producer" and contains(layer, producer)
+            else layer.status for layer in layers]
+
+
+def layers_count(layers: Sequence[LayerCall]) -> str:
+    """``"26 calls measured; 2 running, 3 not reached"``: what the layer table holds."""
+    unmeasured: dict[str, int] = {}
+    for layer in layers:
+        if layer.stats is None:
+            unmeasured[layer.status] = unmeasured.get(layer.status, 0) + 1
+    measured = f"{len(layers) - sum(unmeasured.values())} calls measured"
+    return "; ".join([measured, ", ".join(f"{count} {status}" for status, count in unmeasured.items())]).rstrip("; ")
 
 
 def producer_position(layers: tuple[LayerCall, ...]) -> int | None:

@@ -22,6 +22,7 @@ from nan_magic.render.common import (
     history_fields,
     history_value,
     in_call_order,
+    layers_count,
     labelled_samples,
     measured,
     module_label,
@@ -212,7 +213,7 @@ def layers_table_html(
 def layers_section(layers: tuple[LayerCall, ...], dropped: int) -> tuple[str, str]:
     """The per-layer section's title and body: the table and what was cut."""
     table, cut = layers_table_html(layers)
-    title = f"Layers ({len(layers)} calls"
+    title = f"Layers ({layers_count(layers)}"
     title += f"; {dropped} earlier calls not kept)" if dropped else ")"
     notes = [cut + "; <code>report.table</code> has every row"] if cut else []
     if layers:
@@ -222,7 +223,7 @@ def layers_section(layers: tuple[LayerCall, ...], dropped: int) -> tuple[str, st
 
 def moments_note(layers: tuple[LayerCall, ...]) -> str:
     """Why mean and std are missing or blank: said wherever the table is shown."""
-    if all(layer.stats.mean is not None for layer in layers):
+    if all(layer.stats is None or layer.stats.mean is not None for layer in layers):
         return ""
     return escape(MOMENTS_NOTE) + "."
 

@@ -8,14 +8,17 @@ from collections.abc import Sequence
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from nan_magic.records import LayerCall, Report
+from nan_magic.records import UNMEASURED, LayerCall, Report
 from nan_magic.render.common import (
     COLUMNS,
+    contains,
     counts_phrase,
+    depth,
     fmt_number,
     fmt_shape,
     in_call_order,
     module_label,
+    shown_statuses,
     short_dtype,
 )
 
@@ -25,6 +28,10 @@ PRODUCER_CLASS = "nm-producer"
 PROPAGATED_CLASS = "nm-propagated"
 BENIGN_CLASS = "nm-benign"
 AFTER_CLASS = "nm-after"
+#: The producer's parents (its module's enclosing modules): the path to it in the tree.
+CONTAINS_CLASS = "nm-contains"
+#: A module of the step without numbers of its own (records.UNMEASURED).
+UNMEASURED_CLASS = "nm-unmeasured"
 
 #: Colours are translucent so they read on light and dark notebook themes.
 #: Alignment rules carry the report's class: a notebook's own table style
@@ -39,6 +46,8 @@ TABLE_CSS = f"""
 .nm-table td.{PROPAGATED_CLASS} {{ background: rgba(240, 150, 20, 0.15); }}
 .nm-table td.{BENIGN_CLASS} {{ background: rgba(40, 110, 230, 0.15); }}
 .nm-table td.{AFTER_CLASS} {{ opacity: 0.55; }}
+.nm-table td.{CONTAINS_CLASS} {{ font-weight: bold; }}
+.nm-table td.{UNMEASURED_CLASS} {{ font-style: italic; opacity: 0.7; }}
 .nm-table caption {{ caption-side: bottom; text-align: left; font-style: italic; padding-top: 2px; }}
 """ + "".join(
     f".nan-magic-report table.nm-table td.nm-depth-{depth} {{ padding-left: {0.4 + 0.8 * depth:.1f}em; }}\n"
@@ -59,7 +68,10 @@ def layer_table(report: Report) -> pd.DataFrame:
     pandas.DataFrame
         Columns ``call, phase, module, type, tensor, dtype, shape, min, max,
         mean, std, absmax, nan, +inf, -inf, status``, one row per call in
-        the order the calls started. ``module``
+        the order the calls started, and one per module of the model that
+        the step did not measure, placed in the model's module order, with
+        its status (``running``, ``not reached``, ``not called``,
+        ``unchecked``, ``not measured``) and no numbers. ``module``
         is the qualified name as recorded (``""`` root, ``None`` outside any
         module); statistics cover finite elements and are NaN where not
         computed; counts are nullable integers, ``<NA>`` where unknown.
@@ -69,27 +81,7 @@ def layer_table(report: Report) -> pd.DataFrame:
 
 def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
     """:func:`layer_table` for any sequence of rows (a filtered subset)."""
-    records = [
-        {
-            "call": layer.index,
-            "phase": str(layer.phase),
-            "module": layer.module,
-            "type": layer.module_type,
-            "tensor": layer.tensor,
-            "dtype": short_dtype(layer.stats.dtype),
-            "shape": layer.stats.shape,
-            "min": layer.stats.min,
-            "max": layer.stats.max,
-            "mean": layer.stats.mean,
-            "std": layer.stats.std,
-            "absmax": layer.stats.absmax,
-            "nan": layer.stats.nan,
-            "+inf": layer.stats.posinf,
-            "-inf": layer.stats.neginf,
-            "status": layer.status,
-        }
-        for layer in layers
-    ]
+    records = [_record(layer) for layer in layers]
     frame = pd.DataFrame.from_records(records, columns=list(COLUMNS))
     # Object columns keep None apart from "" (outside any module vs the root);
     # pandas 3 would infer a string dtype and turn None into NaN.
@@ -99,12 +91,28 @@ def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
         frame[column] = frame[column].astype("float64")
     for column in ("nan", "+inf", "-inf"):
         frame[column] = frame[column].astype("Int64")
-    frame["call"] = frame["call"].astype("int64")
+    frame["call"] = frame["call"].astype("Int64")
     return frame
 
 
+def _record(layer: LayerCall) -> dict[str, object]:
+    """One row of :func:`layers_frame`: a module the step did not measure has its status and nothing else."""
+    stats = layer.stats
+    row: dict[str, object] = {
+        "call": layer.index, "phase": str(layer.phase), "module": layer.module, "type": layer.module_type,
+        "tensor": layer.tensor if stats is not None else None, "status": layer.status,
+    }
+    if stats is not None:
+        row.update({
+            "dtype": short_dtype(stats.dtype), "shape": stats.shape, "min": stats.min, "max": stats.max,
+            "mean": stats.mean, "std": stats.std, "absmax": stats.absmax,
+            "nan": stats.nan, "+inf": stats.posinf, "-inf": stats.neginf,
+        })
+    return row
+
+
 def row_classes(layers: Sequence[LayerCall]) -> list[str]:
-    """The CSS class of each row: producer, propagated, benign, after, or none.
+    """The CSS class of each row: producer, containing it, propagated, benign, unmeasured, after, or none.
 
     Rows after the producer's (and not inside it) are dimmed; a propagated
     row after the producer gets both classes so it stays marked while dimmed.
@@ -116,7 +124,11 @@ def row_classes(layers: Sequence[LayerCall]) -> list[str]:
         names = []
         if layer.status == "producer":
             names.append(PRODUCER_CLASS)
-        elif layer.status == "propagated":
+        elif producer is not None and contains(layer, producer):
+            names.append(CONTAINS_CLASS)
+        elif layer.status in UNMEASURED:
+            names.append(UNMEASURED_CLASS)
+        if layer.status == "propagated":
             names.append(PROPAGATED_CLASS)
         elif layer.status == "benign":
             names.append(BENIGN_CLASS)
@@ -126,18 +138,6 @@ def row_classes(layers: Sequence[LayerCall]) -> list[str]:
         seen_producer = seen_producer or layer.status == "producer"
         classes.append(" ".join(names))
     return classes
-
-
-def depth(layer: LayerCall) -> int:
-    """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
-    return 0 if not layer.module else layer.module.count(".") + 1
-
-
-def contains(outer: LayerCall, inner: LayerCall) -> bool:
-    """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
-    if outer.module is None or inner.module is None or outer.phase != inner.phase:
-        return False
-    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
 
 
 #: Columns of the styled table, in order: what tells the story first (the
@@ -163,15 +163,17 @@ def view_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
         index=frame.index, dtype=object,
     )
     frame["non-finite"] = pd.Series(
-        [counts_phrase(layer.stats.nan, layer.stats.posinf, layer.stats.neginf) for layer in layers],
+        [counts_phrase(layer.stats.nan, layer.stats.posinf, layer.stats.neginf) if layer.stats else ""
+         for layer in layers],
         index=frame.index, dtype=object,
     )
+    frame["status"] = pd.Series(shown_statuses(layers), index=frame.index, dtype=object)
     return frame[list(VIEW_COLUMNS)]
 
 
 def has_moments(layers: Sequence[LayerCall]) -> bool:
     """Whether any row has a mean and std (only tensors alive at the report have them)."""
-    return any(layer.stats.mean is not None for layer in layers)
+    return any(layer.stats is not None and layer.stats.mean is not None for layer in layers)
 
 
 def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> Styler:
@@ -234,7 +236,7 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
         # Names come from user code: escape them like any other text.
         .format(escape="html")
         .format(fmt_number, subset=numbers, na_rep="")
-        .format(fmt_shape, subset=["shape"])
+        .format(fmt_shape, subset=["shape"], na_rep="")
     )
     return styler.set_caption(f"Every row: {caption}.") if caption else styler
 

@@ -13,10 +13,12 @@ from nan_magic.render.common import (
     fmt_number,
     fmt_shape,
     in_call_order,
+    layers_count,
     module_label,
     producer_position,
     row_window,
     short_dtype,
+    shown_statuses,
     stats_phrase,
 )
 from nan_magic.render.fixes import fixes_text
@@ -75,12 +77,18 @@ def _cell(text: str) -> str:
     return text if len(text) <= _MAX_CELL else "..." + text[-(_MAX_CELL - 3):]
 
 
-def _layer_row(layer: LayerCall) -> dict[str, str]:
+def _layer_row(layer: LayerCall, status: str) -> dict[str, str]:
     stats = layer.stats
-    return {
-        "call": str(layer.index),
+    row = {
+        "call": "" if layer.index is None else str(layer.index),
         "phase": str(layer.phase),
         "module": _cell(module_label(layer.module, layer.module_type)),
+        "status": status,
+    }
+    if stats is None:  # a module the step has no numbers for: its status says why
+        return {column: row.get(column, "") for column in _TEXT_COLUMNS}
+    return {
+        **row,
         "tensor": layer.tensor,
         "dtype": short_dtype(stats.dtype),
         "shape": fmt_shape(stats.shape),
@@ -90,7 +98,6 @@ def _layer_row(layer: LayerCall) -> dict[str, str]:
         "nan": fmt_count(stats.nan),
         "+inf": fmt_count(stats.posinf),
         "-inf": fmt_count(stats.neginf),
-        "status": layer.status,
     }
 
 
@@ -99,7 +106,7 @@ def _layer_section(report: Report, max_rows: int) -> str:
     focus = producer_position(layers)
     window = row_window(len(layers), focus, max_rows)
     shown = layers[window.start: window.stop]
-    cells = [_layer_row(layer) for layer in shown]
+    cells = [_layer_row(layer, status) for layer, status in zip(shown, shown_statuses(shown))]
     widths = {
         column: max([len(column)] + [len(row[column]) for row in cells])
         for column in _TEXT_COLUMNS
@@ -112,7 +119,7 @@ def _layer_section(report: Report, max_rows: int) -> str:
         )
         return f"{marker} " + "  ".join(aligned).rstrip()
 
-    title = f"Layers of step {report.step}: {len(layers)} calls"
+    title = f"Layers of step {report.step}: {layers_count(layers)}"
     if report.layers_dropped:
         title += f" ({report.layers_dropped} earlier calls not kept)"
     lines = [title, line({c: c for c in _TEXT_COLUMNS}, " ")]

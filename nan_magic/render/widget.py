@@ -18,6 +18,7 @@ from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     about_zeros,
     in_call_order,
+    layers_count,
     labelled_samples,
     module_label,
     near_rows,
@@ -106,13 +107,13 @@ def _row_text(layer: LayerCall) -> str:
         layer.status,
         str(layer.phase),
         layer.tensor,
-        layer.stats.dtype,
+        layer.stats.dtype if layer.stats is not None else "",
     )).lower()
 
 
 def touched_rows(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
-    """The producer and every row the event touched (propagated, benign): the rows that are not ok."""
-    return tuple(layer for layer in layers if layer.status != "ok")
+    """The producer and every row the event touched (propagated, benign): the measured rows that are not ok."""
+    return tuple(layer for layer in layers if layer.status != "ok" and layer.stats is not None)
 
 
 class LayersView:
@@ -145,7 +146,7 @@ class LayersView:
         )
         self.status = widgets.HTML()
         self.table = widgets.HTML()
-        title = f"{len(layers)} calls recorded"
+        title = layers_count(layers)
         if dropped:
             title += f"; {dropped} earlier calls not kept"
         note = moments_note(layers)

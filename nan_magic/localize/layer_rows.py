@@ -1,0 +1,96 @@
+"""The failing step's layer table: every module of the model, measured or not, in call order.
+
+The step's log (hot/step_log.py) holds the calls that returned, with their
+numbers. A person reading the table expects every module of the model
+(torchinfo's tree), so the modules without a row of their own are added
+where they belong, saying why they have no numbers:
+
+* a call still running when the report was made (the producer's parents,
+  when a raising watch stopped the step inside them): ``running``;
+* a module of a model the step called, that the log has no call of: ``not
+  reached`` when a forward was still running (a raising watch stopped the
+  step there), ``not called`` when the step ran to its end, ``unchecked`` for
+  the modules that pass a finite input through unmeasured (transparent.py),
+  and ``not measured`` on a step that checked the model's boundaries only.
+
+They are placed in the model's module order (``named_modules``): before the
+first measured forward row of a module registered after them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+
+from nan_magic.hot.step_log import StepLog
+from nan_magic.hot.targets import ModuleInfo
+from nan_magic.records import LayerCall, LayerStatus, Phase
+
+__all__ = ["step_layers"]
+
+
+def step_layers(
+    log: StepLog, modules: Iterable[ModuleInfo], limit: int, per_module: bool
+) -> tuple[tuple[LayerCall, ...], int]:
+    """The rows of the step's layer table, in call order, and how many calls were not kept.
+
+    ``modules`` are the watched models' modules in their registration
+    order; ``per_module``: whether the step checked every module call
+    (a tiered step checks only the models' boundaries).
+    """
+    measured, dropped = log.layer_calls(limit)
+    calls = list(log.calls)
+    running = [call for call in calls if call.finished < 0 and not call.outputs and call.phase is Phase.FORWARD]
+    rows = sorted(
+        [*measured, *(LayerCall(call.index, call.phase, call.name, call.module_type, None, "running")
+                      for call in running)],
+        key=lambda row: row.index if row.index is not None else -1,
+    )
+    if dropped:
+        return tuple(rows), dropped  # calls not kept: a module without a row may have been called among them
+    called = {(call.info.model, call.info.name) for call in calls if call.info is not None}
+    models = {model for model, _name in called}
+    stopped = bool(running)
+    order = {}
+    missing = []
+    for info in modules:
+        if info.model not in models:
+            continue  # a model this step did not call
+        order.setdefault(info.name, len(order))
+        if (info.model, info.name) not in called:
+            missing.append(LayerCall(None, Phase.FORWARD, info.name, info.module_type, None,
+                                     _unmeasured(info, stopped, per_module)))
+    return _merged(rows, missing, order), 0
+
+
+def _unmeasured(info: ModuleInfo, stopped: bool, per_module: bool) -> LayerStatus:
+    if not per_module:
+        return "not measured"
+    if info.transparent is not None:
+        return "unchecked"
+    return "not reached" if stopped else "not called"
+
+
+def _merged(rows: list[LayerCall], missing: list[LayerCall], order: dict[str, int]) -> tuple[LayerCall, ...]:
+    """``missing`` put in ``rows``, each before the first forward row of a module registered after it.
+
+    That row is where the running maximum of the forward rows' ranks first
+    exceeds the missing module's: a binary search, so that a model of
+    thousands of modules costs no quadratic pass at the report.
+    """
+    forward = [(position, order.get(row.module or "", -1)) for position, row in enumerate(rows)
+               if row.phase is Phase.FORWARD]
+    peaks = list(itertools.accumulate((rank for _position, rank in forward), max))
+    # With no later forward row: after the last row that is not a backward one (the backward follows the forward).
+    end = max((position + 1 for position, row in enumerate(rows) if row.phase is not Phase.BACKWARD), default=0)
+    slots: dict[int, list[LayerCall]] = {}
+    for row in missing:
+        found = bisect.bisect_right(peaks, order[row.module or ""])
+        slots.setdefault(forward[found][0] if found < len(forward) else end, []).append(row)
+    merged: list[LayerCall] = []
+    for position, row in enumerate(rows):
+        merged.extend(slots.get(position, ()))
+        merged.append(row)
+    merged.extend(slots.get(len(rows), ()))
+    return tuple(merged)
