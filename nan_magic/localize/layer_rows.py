@@ -40,6 +40,8 @@ def step_layers(
     (a tiered step checks only the models' boundaries).
     """
     measured, dropped = log.layer_calls(limit)
+    # The producer rule may record one value a parent passed on twice (judged as two children's input): one row.
+    measured = tuple(dict.fromkeys(measured))
     calls = list(log.calls)
     running = [call for call in calls if call.finished < 0 and not call.outputs and call.phase is Phase.FORWARD]
     rows = sorted(

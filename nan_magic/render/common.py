@@ -411,6 +411,24 @@ def layers_count(layers: Sequence[LayerCall]) -> str:
     return "; ".join([measured, ", ".join(f"{count} {status}" for status, count in unmeasured.items())]).rstrip("; ")
 
 
+#: Why a row of the layer table has no numbers, by its status (records.UNMEASURED).
+UNMEASURED_MEANING = {
+    "running": "had not returned when the report was made",
+    "not reached": "the report was made before it ran (a raising watch stops the step at the event)",
+    "not called": "the step ran to its end without calling it",
+    "unchecked": "passes a finite input through unmeasured (ReLU, GELU, dropout), or was not called",
+    "not measured": "this step checked only the model's boundaries, and no replay measured it",
+}
+
+
+def unmeasured_note(layers: Sequence[LayerCall]) -> str:
+    """``"no numbers: not reached = the report was made before it ran ..."``, for the statuses shown; or ``""``."""
+    shown = shown_statuses(layers)
+    meanings = [f"{status}: {meaning}" for status, meaning in UNMEASURED_MEANING.items()
+                if any(layer.stats is None and text == status for layer, text in zip(layers, shown))]
+    return "Rows without numbers, " + "; ".join(meanings) + "." if meanings else ""
+
+
 def producer_position(layers: tuple[LayerCall, ...]) -> int | None:
     """Position (not call index) of the producer's row in ``layers``, if any."""
     for position, layer in enumerate(layers):

@@ -23,6 +23,7 @@ from nan_magic.render.common import (
     history_value,
     in_call_order,
     layers_count,
+    unmeasured_note,
     labelled_samples,
     measured,
     module_label,
@@ -217,7 +218,7 @@ def layers_section(layers: tuple[LayerCall, ...], dropped: int) -> tuple[str, st
     title += f"; {dropped} earlier calls not kept)" if dropped else ")"
     notes = [cut + "; <code>report.table</code> has every row"] if cut else []
     if layers:
-        notes.append(moments_note(layers))
+        notes.extend((moments_note(layers), escape(unmeasured_note(layers))))
     return title, table + "".join(f'<p class="nm-cut">{note}</p>' for note in notes if note)
 
 

@@ -234,7 +234,7 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
         .set_td_classes(class_frame)
         .set_table_attributes('class="nm-table nm-layers"')
         # Names come from user code: escape them like any other text.
-        .format(escape="html")
+        .format(escape="html", na_rep="")
         .format(fmt_number, subset=numbers, na_rep="")
         .format(fmt_shape, subset=["shape"], na_rep="")
     )

@@ -8,12 +8,14 @@ from __future__ import annotations
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     cause_sentence,
+    depth,
     fact_rows,
     fmt_count,
     fmt_number,
     fmt_shape,
     in_call_order,
     layers_count,
+    unmeasured_note,
     module_label,
     producer_position,
     row_window,
@@ -82,7 +84,8 @@ def _layer_row(layer: LayerCall, status: str) -> dict[str, str]:
     row = {
         "call": "" if layer.index is None else str(layer.index),
         "phase": str(layer.phase),
-        "module": _cell(module_label(layer.module, layer.module_type)),
+        # Indented by depth (two spaces a level, at most eight levels): the model's tree, as torchinfo prints it.
+        "module": "  " * min(depth(layer), 8) + _cell(module_label(layer.module, layer.module_type)),
         "status": status,
     }
     if stats is None:  # a module the step has no numbers for: its status says why
@@ -129,6 +132,9 @@ def _layer_section(report: Report, max_rows: int) -> str:
     )
     if window.cut:
         lines.append(f"  ... {window.cut_message()}; report.table has every row")
+    note = unmeasured_note(shown)
+    if note:
+        lines.append(f"  {note}")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ thousands of module calls does not freeze the kernel or the page.
 from __future__ import annotations
 
 import base64
+from html import escape
 
 import ipywidgets as widgets
 
@@ -19,6 +20,7 @@ from nan_magic.render.common import (
     about_zeros,
     in_call_order,
     layers_count,
+    unmeasured_note,
     labelled_samples,
     module_label,
     near_rows,
@@ -149,7 +151,7 @@ class LayersView:
         title = layers_count(layers)
         if dropped:
             title += f"; {dropped} earlier calls not kept"
-        note = moments_note(layers)
+        note = " ".join(part for part in (moments_note(layers), escape(unmeasured_note(layers))) if part)
         self.widget = widgets.VBox([
             widgets.HBox([self.filter, self.touched, self.near]),
             widgets.HTML(f"<b>{title}</b>"),

@@ -1,0 +1,138 @@
+"""The Layers table is the failing step's module tree: every module, the producer's path marked, gaps said."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+
+import torch
+from torch import nn
+
+from nan_magic import Report
+from tests.watching import raised
+
+
+class Attention(nn.Module):
+    """float16 attention whose ``q @ k`` overflows on a large token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) * 0.25
+        return self.proj(scores.softmax(dim=-1) @ v)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.spare = nn.Linear(16, 16)  # registered, never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x * 30 + self.pre(x)))
+
+
+#: Every module of Net in the order a forward calls them (``spare`` where it is registered).
+MODULES = [
+    "", "pre", "pre.0", "pre.1", "blocks",
+    *(f"blocks.{i}{part}" for i in (0, 1) for part in (
+        "", ".attn", ".attn.qkv", ".attn.proj", ".mlp", ".mlp.0", ".mlp.1", ".mlp.2", ".spare")),
+    "head",
+]
+
+
+@cache
+def net_report(mode: str) -> Report:
+    torch.manual_seed(1)
+    model = Net().half()
+    x = torch.randn(2, 8, 16).half()
+    x[1, 3] = 40.0  # one token far larger than the rest
+    return raised(lambda: model(x), model, mode=mode)
+
+
+def modules_in_order(report: Report) -> list[str]:
+    return list(dict.fromkeys(report.table["module"]))
+
+
+def status_cells(html: str) -> dict[str, set[str]]:
+    """module label -> the status texts of its rows in the report's HTML table."""
+    html = re.search(r'<table[^>]*nm-layers.*?</table>', html, re.S).group(0)  # type: ignore[union-attr]
+    rows = re.findall(r"<tr>(.*?)</tr>", html, re.S)[1:]
+    header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', html)
+    found: dict[str, set[str]] = {}
+    for row in rows:
+        cells = dict(zip(header, re.findall(r'<td class="[^"]*" >([^<]*)</td>', row)))
+        found.setdefault(cells["module"], set()).add(cells["status"])
+    return found
+
+
+def test_replayed_step_lists_every_module_with_its_numbers() -> None:
+    report = net_report("tiered")
+    assert report.module == "blocks.0.attn" and report.op == "aten.bmm.default"
+    table = report.table
+    assert modules_in_order(report) == MODULES
+    # The replay ran the step to its end: the modules after the producer have numbers (NaN carried on).
+    head = table[table["module"] == "head"].iloc[0]
+    assert head["status"] == "propagated" and head["nan"] > 0 and head["shape"] == (2, 8, 4)
+    # A ReLU with a finite input, which the watch passes through unmeasured, is measured by the replay.
+    relu = table[table["module"] == "pre.1"].iloc[0]
+    assert relu["status"] == "ok" and relu["min"] == 0 and relu["max"] > 0
+    # A module the step never called says so, with no numbers (not zeros).
+    spare = table[table["module"] == "blocks.0.spare"].iloc[0]
+    assert spare["status"] == "not called" and spare[["min", "max", "nan"]].isna().all()
+    # Parents come before their children, in the order the calls began.
+    calls = table["call"].dropna().tolist()
+    assert calls == sorted(calls)
+
+
+def test_producer_and_its_parents_are_marked_in_every_view() -> None:
+    report = net_report("tiered")
+    statuses = status_cells(report.to_html())
+    for parent in ("blocks (Sequential)", "blocks.0 (Block)"):
+        assert statuses[parent] == {"contains producer"}, parent
+    assert statuses["Net (root)"] == {"contains producer", "ok"}  # its forward, and the batch entering it
+    assert statuses["blocks.0.attn (Attention)"] == {"producer"}
+    assert statuses["blocks.0.attn.qkv (Linear)"] == {"ok"}
+    assert statuses["blocks.1 (Block)"] == {"propagated"}
+    assert statuses["blocks.0.spare (Linear)"] == {"not called"}
+    assert "not called: the step ran to its end without calling it" in report.to_html()
+    text = report.to_text()
+    # Indented by depth, as in the HTML table.
+    assert re.search(r"^ +6  contains producer +16 +0 +0 {6}blocks\.0 \(Block\)", text, re.M)
+    assert re.search(r"^ +0  contains producer +32 +0 +0  Net \(root\)", text, re.M)
+    assert re.search(r"^>.*producer.*blocks\.0\.attn \(Attention\)", text, re.M)
+    assert f"Layers of step 0: {len(report.table) - 2} calls measured; 2 not called" in text
+
+
+def test_a_raising_full_watch_lists_the_modules_it_did_not_reach() -> None:
+    report = net_report("full")
+    assert report.module == "blocks.0.attn"
+    table = report.table
+    assert modules_in_order(report) == MODULES
+    forward = table[table["phase"] == "forward"]
+    status = dict(zip(forward["module"], forward["status"]))
+    # The step stopped at the event: its parents were still running, and what comes after never ran.
+    assert [status[name] for name in ("", "blocks", "blocks.0")] == ["running"] * 3
+    assert {status[name] for name in MODULES[MODULES.index("blocks.0.mlp"):]} - {"unchecked"} == {"not reached"}
+    # The ReLUs pass finite values through unmeasured under the full watch: said, not shown as zeros.
+    assert status["pre.1"] == "unchecked" and table[table["module"] == "pre.1"]["max"].isna().all()
+    html = report.to_html()
+    assert "not reached: the report was made before it ran" in html
+    assert status_cells(html)["blocks (Sequential)"] == {"contains producer"}
