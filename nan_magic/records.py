@@ -206,6 +206,9 @@ class StepSummary:
     #: of ``tiered=False``): ``absmax`` and ``headroom`` then cover every module's output, else only
     #: the model's outputs.
     full: bool = False
+    #: On such a step, each module's largest finite ``|output|`` and its dtype: ``(module, value, dtype)``,
+    #: in call order (empty on the other steps).
+    layers: tuple[tuple[str, float, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -136,3 +136,40 @@ def test_a_raising_full_watch_lists_the_modules_it_did_not_reach() -> None:
     html = report.to_html()
     assert "not reached: the report was made before it ran" in html
     assert status_cells(html)["blocks (Sequential)"] == {"contains producer"}
+
+
+def test_history_shows_the_layer_magnitudes_of_the_per_module_steps() -> None:
+    torch.manual_seed(1)
+    model = Net().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay put: step 1's values can be checked
+    batches = [torch.randn(2, 8, 16).half() for _ in range(4)]
+    batches[3][1, 3] = 40.0
+
+    def train() -> None:
+        for x in batches:
+            loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(train, model, opt)
+    producer = report.module
+    assert report.step == 3 and producer in ("blocks.0.attn", "blocks.1.attn")
+    # The watch's second step checked every module; it kept a few floats per module, and the other steps none.
+    assert [entry.step for entry in report.history if entry.full] == [1]
+    assert all(not entry.layers for entry in report.history if not entry.full)
+    kept = {name: value for name, value, _dtype in report.history[1].layers}
+    # Every module called, but the ReLUs: with a finite input, they pass it through unmeasured (transparent.py).
+    relus = {"pre.1", "blocks.0.mlp.1", "blocks.1.mlp.1"}
+    assert set(kept) == {name for name in MODULES if "spare" not in name} - relus
+    with torch.no_grad():
+        qkv = model.blocks[0].attn.qkv(batches[1] * 30 + model.pre(batches[1]))
+    assert kept["blocks.0.attn.qkv"] == qkv.abs().max().item()
+    html = report.to_html()
+    assert "Step 1 measured every module&#x27;s output (a per-module step)" in html
+    assert re.search(rf"<li>The producer, {re.escape(producer)}, on the per-module steps: step 1: "
+                     r"max \|output\| [\d.]+, headroom [\d,]+x \(float16\)</li>", html)
+    # The largest layers first, each with its number and how far it is from float16's limit.
+    largest = max(kept.values())
+    assert re.search(rf"<li>[\w.]+: max \|output\| {largest:.4g}, headroom {65504 / largest:,.0f}x \(float16\)</li>",
+                     html)

@@ -252,6 +252,7 @@ class StepCycle:
             # Reading the scale is a host sync: only where syncs are free.
             scale=self.optimizers.scale() if not self.defer else None,
             full=self.full_step,
+            layers=self.log.module_magnitudes() if self.full_step else (),
         )
         if self.history and self.history[-1].step == step:
             # Closed once already: the first forward of a loop whose optimizer

@@ -22,6 +22,7 @@ from nan_magic.render.common import (
     history_fields,
     history_value,
     in_call_order,
+    layer_magnitude_lines,
     layers_count,
     unmeasured_note,
     labelled_samples,
@@ -314,7 +315,12 @@ def history_section(report: Report, rows: int = HISTORY_ROWS) -> tuple[str, str]
     title = f"History ({len(report.history)} steps kept"
     title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
     if plotted_history_fields(report.history):
-        plot = png_img(history_png(report.history, report.step), "loss and max |output| per step")
+        plot = png_img(history_png(report.history, report.step, report.module), "loss and max |output| per step")
     else:
         plot = '<p class="nm-cut">No plot: no value was recorded at two steps or more.</p>'
-    return title, f'{plot}\n<div class="nm-scroll">{table}</div>'
+    lines = layer_magnitude_lines(report.history, report.module)
+    layers = ""
+    if lines:
+        items = "".join(f"<li>{escape(line)}</li>" for line in lines[1:])
+        layers = f'<p class="nm-layers-history">{escape(lines[0])}</p><ul>{items}</ul>\n'
+    return title, f'{plot}\n{layers}<div class="nm-scroll">{table}</div>'

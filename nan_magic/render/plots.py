@@ -160,7 +160,9 @@ def _draw_nonfinite(axes: Axes, bad: dict[str, int], low: float, high: float, sp
     axes.set_xlim(left, right + width)
 
 
-def history_figure(history: tuple[StepSummary, ...], failing_step: int | None = None) -> Figure:
+def history_figure(
+    history: tuple[StepSummary, ...], failing_step: int | None = None, producer: str | None = None
+) -> Figure:
     """Loss, largest |activation| and what else was recorded, per step.
 
     Parameters
@@ -171,6 +173,9 @@ def history_figure(history: tuple[StepSummary, ...], failing_step: int | None = 
         The report's step. The watch records a step's summary when the step
         ends, so the failing step is often missing from ``history``: it is
         marked all the same.
+    producer
+        The producer's module: its largest ``|output|`` on the per-module
+        steps is drawn beside the model's, where those steps measured it.
 
     Returns
     -------
@@ -195,7 +200,7 @@ def history_figure(history: tuple[StepSummary, ...], failing_step: int | None = 
     if failing_step is not None and failing_step not in failing:
         failing[failing_step] = StepSummary(step=failing_step, loss=None, absmax=None, nonfinite=True)
     for axes, (field, label) in zip(panels, fields):
-        _draw_history_panel(axes, history, field, label, tuple(failing.values()))
+        _draw_history_panel(axes, history, field, label, tuple(failing.values()), producer)
     panels[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     panels[-1].set_xlabel("step (red: the step with the non-finite value)", fontsize=_SMALL)
     return figure
@@ -207,6 +212,7 @@ def _draw_history_panel(
     field: str,
     label: str,
     failing: tuple[StepSummary, ...],
+    producer: str | None = None,
 ) -> None:
     points = [
         (entry.step, value, entry.full)
@@ -222,6 +228,10 @@ def _draw_history_panel(
         if len(full) < len(points):
             axes.plot(*zip(*[(s, v) for s, v, every in points if not every]), "o--", mfc="white", color=_BAR,
                       markersize=6, label="the model's outputs only")
+        layer = [(entry.step, value) for entry in history for name, value, _dtype in entry.layers if name == producer]
+        if layer:
+            axes.plot(*zip(*layer), "D:", color=_LIMIT, markersize=6, label=f"{producer or '(root)'} (the producer)")
+            values = (*values, *(value for _step, value in layer))
         axes.legend(fontsize=_SMALL, loc="upper left", framealpha=0.9)
     else:
         axes.plot(steps, values, marker=".", color=_BAR)
@@ -275,6 +285,8 @@ def histogram_png(samples: tuple[Sample, ...], zeros: bool = False) -> bytes:
 
 
 @lru_cache(maxsize=16)
-def history_png(history: tuple[StepSummary, ...], failing_step: int | None = None) -> bytes:
+def history_png(
+    history: tuple[StepSummary, ...], failing_step: int | None = None, producer: str | None = None
+) -> bytes:
     """PNG of :func:`history_figure`, cached like :func:`histogram_png`."""
-    return figure_png(history_figure(history, failing_step))
+    return figure_png(history_figure(history, failing_step, producer))
