@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "KINDS",
     "LOSS",
+    "UNMEASURED",
     "AbsorbedOp",
     "Cause",
     "FixTrial",
@@ -37,7 +38,6 @@ __all__ = [
     "TensorRef",
     "TensorRole",
     "TensorStats",
-    "UNMEASURED",
     "module_label",
     "sample_label",
 ]

@@ -64,6 +64,9 @@ def test_the_quickstart_report_renders_with_ipywidgets_7(lab: LabServer, chromiu
             cell = page.locator(".jp-Cell", has=widget).first
             assert cell.locator(".nm-static").count() == 1
             assert not cell.locator(".nm-static").first.is_visible()
+            # Its whole output goes (prompt and margins): no empty band above the widget.
+            twin = cell.locator(".jp-OutputArea-child").filter(has=page.locator(".nm-static")).first
+            assert twin.evaluate("element => getComputedStyle(element).display") == "none"
             titles = [tab.inner_text().strip() for tab in widget.locator(TAB).all()]
             assert titles == ["Summary", "Layers", "Histograms", "Debug", "History"]
             widget.screenshot(path=str(ARTIFACTS / "colab_ipywidgets7_summary.png"))
@@ -81,3 +84,32 @@ def test_the_quickstart_report_renders_with_ipywidgets_7(lab: LabServer, chromiu
             widget.screenshot(path=str(ARTIFACTS / "colab_ipywidgets7_histograms.png"))
         finally:
             page.screenshot(path=str(ARTIFACTS / "colab_ipywidgets7_page.png"))
+
+
+def test_the_saved_report_after_a_restart_with_ipywidgets_7(lab: LabServer, chromium: str) -> None:
+    """Saved, kernel restarted, reopened: the static copy is the report, and the dead widget shows no error."""
+    import re
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    name = "colab_quickstart.ipynb"
+    with chromium_page(chromium) as page:
+        try:
+            open_and_run_all(page, lab, name)
+            page.locator(".nan-magic-widget").first.wait_for(timeout=180_000)
+            page.keyboard.press("Control+s")
+            page.get_by_text(re.compile(r"Saving completed|Saved")).first.wait_for(timeout=30_000)
+            for kernel in lab.api("/api/kernels"):
+                lab.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
+            page.goto(lab.notebook_url(name))
+            page.get_by_text(re.compile(r"Python 3.*\| Idle")).first.wait_for(timeout=120_000)
+            static = page.locator(".nm-static").first
+            static.wait_for(timeout=60_000)
+            static.scroll_into_view_if_needed()
+            page.wait_for_timeout(1_000)
+            errors = page.get_by_text("Error displaying widget")
+            assert all(not error.is_visible() for error in errors.all())
+            assert not page.locator(".nan-magic-widget").count()
+            assert "norm (Standardize)" in static.locator(".nm-headline").inner_text()
+            assert static.bounding_box()["height"] < 800
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "colab_ipywidgets7_after_restart.png"))

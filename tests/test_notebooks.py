@@ -140,12 +140,28 @@ def test_transformer_report_widget_and_fallbacks(transformer: Any) -> None:
 
     tree = report_widgets(transformer, failing)
     assert tree["tab"]["titles"] == TAB_TITLES
-    summary, layers, histograms, _debug, _history = tree["children"]
+    summary, layers, histograms, _debug, history = tree["children"]
     assert "blocks.0.attn (SelfAttention)" in summary["state"]["value"]
     assert "forward step 3" in summary["state"]["value"]
     assert '<p class="nm-summary">Likely cause: ' in summary["state"]["value"]
     table = html_values(descendants(tree["states"], layers))
     assert re.search(r'class="[^"]*nm-producer[^"]*"[^>]*>blocks\.0\.attn \(SelfAttention\)<', table)
+    # Every module of the 2-block model, the ones after the producer too (the replay ran the step to its end).
+    modules = ["Classifier (root)", "embed (Embedding)", "blocks (Sequential)", "head (Linear)"] + [
+        f"blocks.{block}{part}" for block in (0, 1) for part in (
+            " (Block)", ".attn (SelfAttention)", ".attn.qkv (Linear)", ".attn.proj (Linear)", ".norm1 (LayerNorm)",
+            ".mlp (Sequential)", ".mlp.0 (Linear)", ".mlp.1 (GELU)", ".mlp.2 (Linear)", ".norm2 (LayerNorm)")]
+    assert all(f">{module}<" in table for module in modules), [m for m in modules if f">{m}<" not in table]
+    assert "24 calls measured" in table
+    # The producer's parents: the path to it down the tree.
+    marked = re.findall(r'<tr>\s*<td[^>]*>\d+</td>\s*<td class="[^"]*nm-contains[^"]*" >contains producer</td>'
+                        r'\s*<td[^>]*>[^<]*</td>\s*<td[^>]*>([^<]*)</td>', table)
+    assert set(marked) == {"Classifier (root)", "blocks (Sequential)", "blocks.0 (Block)"}, marked
+    # History: what the per-module step measured inside the model, beside the model output.
+    layers_history = html_values(descendants(tree["states"], history))
+    assert "Step 1 measured every module" in layers_history
+    assert re.search(r"The producer, blocks\.0\.attn, on the per-module steps: step 1: max \|output\| [\d.]+, "
+                     r"headroom [\d,]+x \(float16\)", layers_history)
     pngs = pngs_in(descendants(tree["states"], histograms))
     assert pngs and all(png.startswith(PNG_MAGIC) for png in pngs)
 

@@ -20,14 +20,15 @@ first measured forward row of a module registered after them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Iterable
 
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.records import LayerCall, LayerStatus, Phase
+from nan_magic.records import LayerCall, LayerStatus, Phase, Report
 
-__all__ = ["step_layers"]
+__all__ = ["step_layers", "with_layers"]
 
 
 def step_layers(
@@ -54,7 +55,7 @@ def step_layers(
     called = {(call.info.model, call.info.name) for call in calls if call.info is not None}
     models = {model for model, _name in called}
     stopped = bool(running)
-    order = {}
+    order: dict[str, int] = {}
     missing = []
     for info in modules:
         if info.model not in models:
@@ -64,6 +65,13 @@ def step_layers(
             missing.append(LayerCall(None, Phase.FORWARD, info.name, info.module_type, None,
                                      _unmeasured(info, stopped, per_module)))
     return _merged(rows, missing, order), 0
+
+
+def with_layers(report: Report | None, layers: tuple[tuple[LayerCall, ...], int]) -> Report | None:
+    """``report`` with the rows :func:`step_layers` read (a replay's report takes the whole replayed step's)."""
+    if report is None:
+        return None
+    return dataclasses.replace(report, layers=layers[0], layers_dropped=layers[1])
 
 
 def _unmeasured(info: ModuleInfo, stopped: bool, per_module: bool) -> LayerStatus:

@@ -57,11 +57,11 @@ from nan_magic.hot.held import running_arguments
 from nan_magic.hot.rng import AutocastState, RngState, capture_autocast, capture_rng_state, generators_at
 from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
 from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
-from nan_magic.localize.layer_rows import step_layers
+from nan_magic.localize.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.untouched import untouched
 from nan_magic.options import WatchConfig
-from nan_magic.records import LayerCall, Phase, Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -451,8 +451,8 @@ class StepReplays:
                         inner.origins.report_op(tracer.started[0])
                 # The whole replayed step's table, not the calls made up to the event: read before the watch is left.
                 layers = step_layers(inner.log, inner.targets.modules.values(), config.max_layers, per_module=True)
-        outcome.report = _with_layers(inner.report, layers)
-        outcome.benign = _with_layers(next((event for event in inner.events if event.benign), None), layers)
+        outcome.report = with_layers(inner.report, layers)
+        outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
         outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
         if outcome.report is None:
             changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
@@ -497,12 +497,6 @@ class StepReplays:
         note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
                 "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
         return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
-
-
-def _with_layers(report: Report | None, layers: tuple[tuple[LayerCall, ...], int]) -> Report | None:
-    if report is None:
-        return None
-    return dataclasses.replace(report, layers=layers[0], layers_dropped=layers[1])
 
 
 def _output_path(boundary: TensorRef | None) -> str | None:

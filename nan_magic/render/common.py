@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nan_magic.locations import name_location
@@ -77,64 +76,6 @@ def history_value(entry: StepSummary, field: str) -> float | None:
         return None
     value: float | None = getattr(entry, field)
     return value
-
-
-#: Layers listed per per-module step in History: the closest to overflowing.
-TOP_LAYERS = 5
-
-
-def layer_magnitude_lines(history: tuple[StepSummary, ...], producer: str | None) -> list[str]:
-    """What the last per-module step measured inside the model: its largest layer outputs, and the producer's.
-
-    ``"step 1 (per-module: every module's output measured): blocks.0.attn.qkv max |output| 516, headroom 127x
-    (float16)"``; the model outputs alone cannot show a layer inside near its dtype's limit.
-    """
-    full = [entry for entry in history if entry.layers]
-    if not full:
-        return []
-    last = full[-1]
-    ranked = sorted(_own_values(last.layers), key=lambda layer: -_fill(layer[1], layer[2]))[:TOP_LAYERS]
-    lines = [f"Step {last.step} measured every module's output (a per-module step); the largest, "
-             "nearest their dtype's limit first:"]
-    lines.extend(f"{module_label(name)}: {_magnitude(value, dtype)}" for name, value, dtype in ranked)
-    if producer is not None:
-        seen = [(entry.step, value, dtype) for entry in full for name, value, dtype in entry.layers if name == producer]
-        if seen:
-            lines.append(f"The producer, {module_label(producer)}, on the per-module steps: " + "; ".join(
-                f"step {step}: {_magnitude(value, dtype)}" for step, value, dtype in seen[-3:]))
-    return lines
-
-
-def _own_values(layers: tuple[tuple[str, float, str], ...]) -> list[tuple[str, float, str]]:
-    """The layers without the parents that only return a child's value (a Sequential, a block ending in a norm)."""
-    by_value: dict[tuple[float, str], list[str]] = {}
-    for name, value, dtype in layers:
-        by_value.setdefault((value, dtype), []).append(name)
-    return [(name, value, dtype) for name, value, dtype in layers
-            if not any(other != name and (not name or other.startswith(name + "."))
-                       for other in by_value[(value, dtype)])]
-
-
-def _fill(value: float, dtype: str) -> float:
-    """How full the dtype's range is: |value| over its largest finite value."""
-    limit = finite_limit(dtype)
-    return value / limit if limit else 0.0
-
-
-def _magnitude(value: float, dtype: str) -> str:
-    """``"max |output| 516, headroom 127x (float16)"``; a wider dtype also says what float16 would leave."""
-    limit = finite_limit(dtype)
-    text = f"max |output| {fmt_number(value)}"
-    if limit and value > 0:
-        text += f", headroom {_times(limit / value)} ({short_dtype(dtype)})"
-        if dtype != "float16":
-            text += f", {_times(FINITE_LIMITS['float16'] / value)} in float16"
-    return text
-
-
-def _times(ratio: float) -> str:
-    """``16,811x``, ``1.5x``: a headroom as people read it (no exponent below a billion)."""
-    return f"{ratio:,.0f}x" if 100 <= ratio < 1e9 else f"{ratio:.3g}x"
 
 
 def history_fields(history: tuple[StepSummary, ...]) -> list[tuple[str, str]]:
@@ -434,57 +375,6 @@ def in_call_order(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
         last = layer.index if layer.index is not None else last
         keyed.append((last, layer))
     return tuple(layer for _key, layer in sorted(keyed, key=lambda pair: pair[0]))
-
-
-def depth(layer: LayerCall) -> int:
-    """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
-    return 0 if not layer.module else layer.module.count(".") + 1
-
-
-def contains(outer: LayerCall, inner: LayerCall) -> bool:
-    """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
-    if outer.module is None or inner.module is None or outer.phase != inner.phase:
-        return False
-    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
-
-
-#: What the status column says of the producer's parents: the path to it down the tree.
-CONTAINS_PRODUCER = "contains producer"
-
-
-def shown_statuses(layers: Sequence[LayerCall]) -> list[str]:
-    """Each row's status as the tables show it: the producer's parents say they contain it."""
-    producer = next((layer for layer in layers if layer.status == "producer"), None)
-    return [CONTAINS_PRODUCER if producer is not None and layer.status != "producer" and contains(layer, producer)
-            else layer.status for layer in layers]
-
-
-def layers_count(layers: Sequence[LayerCall]) -> str:
-    """``"26 calls measured; 2 running, 3 not reached"``: what the layer table holds."""
-    unmeasured: dict[str, int] = {}
-    for layer in layers:
-        if layer.stats is None:
-            unmeasured[layer.status] = unmeasured.get(layer.status, 0) + 1
-    measured = f"{len(layers) - sum(unmeasured.values())} calls measured"
-    return "; ".join([measured, ", ".join(f"{count} {status}" for status, count in unmeasured.items())]).rstrip("; ")
-
-
-#: Why a row of the layer table has no numbers, by its status (records.UNMEASURED).
-UNMEASURED_MEANING = {
-    "running": "had not returned when the report was made",
-    "not reached": "the report was made before it ran (a raising watch stops the step at the event)",
-    "not called": "the step ran to its end without calling it",
-    "unchecked": "passes a finite input through unmeasured (ReLU, GELU, dropout), or was not called",
-    "not measured": "this step checked only the model's boundaries, and no replay measured it",
-}
-
-
-def unmeasured_note(layers: Sequence[LayerCall]) -> str:
-    """``"no numbers: not reached = the report was made before it ran ..."``, for the statuses shown; or ``""``."""
-    shown = shown_statuses(layers)
-    meanings = [f"{status}: {meaning}" for status, meaning in UNMEASURED_MEANING.items()
-                if any(layer.stats is None and text == status for layer, text in zip(layers, shown))]
-    return "Rows without numbers, " + "; ".join(meanings) + "." if meanings else ""
 
 
 def producer_position(layers: tuple[LayerCall, ...]) -> int | None:

@@ -22,9 +22,6 @@ from nan_magic.render.common import (
     history_fields,
     history_value,
     in_call_order,
-    layer_magnitude_lines,
-    layers_count,
-    unmeasured_note,
     labelled_samples,
     measured,
     module_label,
@@ -36,6 +33,8 @@ from nan_magic.render.common import (
     stats_phrase,
 )
 from nan_magic.render.fixes import fix_lines, fixes_title
+from nan_magic.render.history_layers import layer_magnitude_lines
+from nan_magic.render.layer_tree import layers_count, unmeasured_note
 from nan_magic.render.plots import histogram_png, history_png
 from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, style_layers
 

@@ -11,16 +11,14 @@ from pandas.io.formats.style import Styler
 from nan_magic.records import UNMEASURED, LayerCall, Report
 from nan_magic.render.common import (
     COLUMNS,
-    contains,
     counts_phrase,
-    depth,
     fmt_number,
     fmt_shape,
     in_call_order,
     module_label,
-    shown_statuses,
     short_dtype,
 )
+from nan_magic.render.layer_tree import contains, depth, shown_statuses
 
 #: CSS class of every cell of a row, by the row's role. Tests and the
 #: stylesheet in :data:`TABLE_CSS` rely on these names.

@@ -8,22 +8,19 @@ from __future__ import annotations
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     cause_sentence,
-    depth,
     fact_rows,
     fmt_count,
     fmt_number,
     fmt_shape,
     in_call_order,
-    layers_count,
-    unmeasured_note,
     module_label,
     producer_position,
     row_window,
     short_dtype,
-    shown_statuses,
     stats_phrase,
 )
 from nan_magic.render.fixes import fixes_text
+from nan_magic.render.layer_tree import depth, layers_count, shown_statuses, unmeasured_note
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
 TEXT_MAX_ROWS = 30

@@ -19,8 +19,6 @@ from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     about_zeros,
     in_call_order,
-    layers_count,
-    unmeasured_note,
     labelled_samples,
     module_label,
     near_rows,
@@ -38,6 +36,7 @@ from nan_magic.render.html import (
     moments_note,
     summary_html,
 )
+from nan_magic.render.layer_tree import layers_count, unmeasured_note
 from nan_magic.render.plots import histogram_png
 
 #: Tab titles, in order. Tests and users' screenshots rely on them.

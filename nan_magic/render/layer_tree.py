@@ -1,0 +1,69 @@
+"""The layer table as a tree: depth, the producer's parents, and what the rows without numbers mean."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nan_magic.records import LayerCall
+
+__all__ = [
+    "CONTAINS_PRODUCER",
+    "UNMEASURED_MEANING",
+    "contains",
+    "depth",
+    "layers_count",
+    "shown_statuses",
+    "unmeasured_note",
+]
+
+
+def depth(layer: LayerCall) -> int:
+    """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
+    return 0 if not layer.module else layer.module.count(".") + 1
+
+
+def contains(outer: LayerCall, inner: LayerCall) -> bool:
+    """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
+    if outer.module is None or inner.module is None or outer.phase != inner.phase:
+        return False
+    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
+
+
+#: What the status column says of the producer's parents: the path to it down the tree.
+CONTAINS_PRODUCER = "contains producer"
+
+
+def shown_statuses(layers: Sequence[LayerCall]) -> list[str]:
+    """Each row's status as the tables show it: the producer's parents say they contain it."""
+    producer = next((layer for layer in layers if layer.status == "producer"), None)
+    return [CONTAINS_PRODUCER if producer is not None and layer.status != "producer" and contains(layer, producer)
+            else layer.status for layer in layers]
+
+
+def layers_count(layers: Sequence[LayerCall]) -> str:
+    """``"26 calls measured; 2 running, 3 not reached"``: what the layer table holds."""
+    unmeasured: dict[str, int] = {}
+    for layer in layers:
+        if layer.stats is None:
+            unmeasured[layer.status] = unmeasured.get(layer.status, 0) + 1
+    # A call may have several rows (a tuple output, a value its own code passed on): calls are counted once.
+    measured = f"{len({layer.index for layer in layers if layer.stats is not None})} calls measured"
+    return "; ".join([measured, ", ".join(f"{count} {status}" for status, count in unmeasured.items())]).rstrip("; ")
+
+
+#: Why a row of the layer table has no numbers, by its status (records.UNMEASURED).
+UNMEASURED_MEANING = {
+    "running": "had not returned when the report was made",
+    "not reached": "the report was made before it ran (a raising watch stops the step at the event)",
+    "not called": "the step ran to its end without calling it",
+    "unchecked": "passes a finite input through unmeasured (ReLU, GELU, dropout), or was not called",
+    "not measured": "this step checked only the model's boundaries, and no replay measured it",
+}
+
+
+def unmeasured_note(layers: Sequence[LayerCall]) -> str:
+    """``"no numbers: not reached = the report was made before it ran ..."``, for the statuses shown; or ``""``."""
+    shown = shown_statuses(layers)
+    meanings = [f"{status}: {meaning}" for status, meaning in UNMEASURED_MEANING.items()
+                if any(layer.stats is None and text == status for layer, text in zip(layers, shown))]
+    return "Rows without numbers, " + "; ".join(meanings) + "." if meanings else ""
