@@ -133,7 +133,8 @@ LayerStatus = Literal[
 #: not returned when the report was made (``running``), or a module of the model the step did not measure:
 #: ``not reached`` (the report was made, and a raising watch stopped the step, before it ran), ``not called``
 #: (the step ran to its end without calling it), ``unchecked`` (a ReLU, GELU or dropout that passes a finite
-#: input through unmeasured, or was not called), ``not measured`` (a tiered step checks the model's boundaries only).
+#: input through unmeasured, or was not called), ``not measured`` (a tiered step checks the model's boundaries only;
+#: a module left out by ``include``/``exclude``/``types``).
 UNMEASURED: frozenset[str] = frozenset({"running", "not reached", "not called", "unchecked", "not measured"})
 
 

@@ -173,3 +173,14 @@ def test_history_shows_the_layer_magnitudes_of_the_per_module_steps() -> None:
     largest = max(kept.values())
     assert re.search(rf"<li>[\w.]+: max \|output\| {largest:.4g}, headroom {65504 / largest:,.0f}x \(float16\)</li>",
                      html)
+
+
+def test_a_module_left_out_by_exclude_is_not_measured() -> None:
+    torch.manual_seed(1)
+    model = Net().half()
+    x = torch.randn(2, 8, 16).half()
+    x[1, 3] = 40.0
+    report = raised(lambda: model(x), model, mode="full", exclude=["head"])
+    status = dict(zip(report.table["module"], report.table["status"]))
+    assert status["head"] == "not measured"
+    assert "a module the include, exclude or types options leave out" in report.to_html()

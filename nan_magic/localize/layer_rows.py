@@ -11,7 +11,8 @@ where they belong, saying why they have no numbers:
   reached`` when a forward was still running (a raising watch stopped the
   step there), ``not called`` when the step ran to its end, ``unchecked`` for
   the modules that pass a finite input through unmeasured (transparent.py),
-  and ``not measured`` on a step that checked the model's boundaries only.
+  and ``not measured`` on a step that checked the model's boundaries only,
+  or for a module that ``include``/``exclude``/``types`` leave out.
 
 They are placed in the model's module order (``named_modules``): before the
 first measured forward row of a module registered after them.
@@ -54,7 +55,7 @@ def step_layers(
         return tuple(rows), dropped  # calls not kept: a module without a row may have been called among them
     called = {(call.info.model, call.info.name) for call in calls if call.info is not None}
     models = {model for model, _name in called}
-    stopped = bool(running)
+    stopped = any(call.finished < 0 and call.phase is Phase.FORWARD for call in calls)
     order: dict[str, int] = {}
     missing = []
     for info in modules:
@@ -75,7 +76,7 @@ def with_layers(report: Report | None, layers: tuple[tuple[LayerCall, ...], int]
 
 
 def _unmeasured(info: ModuleInfo, stopped: bool, per_module: bool) -> LayerStatus:
-    if not per_module:
+    if not per_module or not info.watched:
         return "not measured"
     if info.transparent is not None:
         return "unchecked"

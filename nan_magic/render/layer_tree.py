@@ -57,7 +57,8 @@ UNMEASURED_MEANING = {
     "not reached": "the report was made before it ran (a raising watch stops the step at the event)",
     "not called": "the step ran to its end without calling it",
     "unchecked": "passes a finite input through unmeasured (ReLU, GELU, dropout), or was not called",
-    "not measured": "this step checked only the model's boundaries, and no replay measured it",
+    "not measured": "not checked on this step (a step that checks only the model's boundaries, where no replay "
+                    "ran, or a module the include, exclude or types options leave out)",
 }
 
 
