@@ -250,6 +250,16 @@ def open_and_run_all(page: Any, server: LabServer, name: str, timeout_ms: int = 
     ).click()
 
 
+def save_restart_and_reopen(page: Any, server: LabServer, name: str) -> None:
+    """Save the open notebook in Lab, restart every kernel, open it again: what a reader finds next time."""
+    page.keyboard.press("Control+s")
+    page.get_by_text(re.compile(r"Saving completed|Saved")).first.wait_for(timeout=30_000)
+    for kernel in server.api("/api/kernels"):
+        server.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
+    page.goto(server.notebook_url(name))
+    page.get_by_text(re.compile(r"Python 3.*\| Idle")).first.wait_for(timeout=120_000)
+
+
 def coloured_pixels(image: Any) -> int:
     """How many pixels of a rendered ``<img>`` are clearly not grey."""
     return int(image.evaluate(

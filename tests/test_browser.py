@@ -7,7 +7,6 @@ Chromium or Playwright the tests skip, unless ``REQUIRE_BROWSER=1``.
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from jupyter_support import (
     coloured_pixels,
     jupyterlab,
     open_and_run_all,
+    save_restart_and_reopen,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -134,7 +134,20 @@ def test_transformer_report_in_jupyterlab(lab: LabServer, page: Any) -> None:
     box = table.locator("xpath=ancestor::div[contains(@class, 'nm-scroll')]").first
     width = table.evaluate("table => table.scrollWidth")
     assert width <= 900 and box.evaluate("box => box.scrollWidth <= box.clientWidth"), width
+    # Every module of the step, the producer's parents in bold saying they contain it.
+    assert widget.locator("table.nm-layers tbody tr").count() >= 24
+    parents = widget.locator("td.nm-contains", has_text="contains producer")
+    assert parents.count() >= 3
+    assert parents.first.evaluate("cell => getComputedStyle(cell).fontWeight") in ("700", "bold")
     widget.screenshot(path=str(ARTIFACTS / "transformer_layers.png"))
+
+    open_tab(widget, "History")
+    layers_history = widget.locator(".nm-layers-history").first
+    layers_history.wait_for(state="visible")
+    assert "Step 1 measured every module" in layers_history.inner_text()
+    listed = widget.locator(".nm-layers-history + ul").first.inner_text()
+    assert "The producer, blocks.0.attn, on the per-module steps" in listed
+    widget.screenshot(path=str(ARTIFACTS / "transformer_history.png"))
 
     open_tab(widget, "Histograms")
     image = widget.locator(".jp-OutputArea img").first
@@ -157,13 +170,7 @@ def test_report_survives_save_restart_and_reopen_compact(lab: LabServer, page: A
     name = "cnn_log_zero.ipynb"
     open_and_run_all(page, lab, name)
     report_widget(page)
-    page.keyboard.press("Control+s")
-    page.get_by_text(re.compile(r"Saving completed|Saved")).first.wait_for(timeout=30_000)
-    for kernel in lab.api("/api/kernels"):
-        lab.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
-
-    page.goto(lab.notebook_url(name))
-    page.get_by_text(re.compile(r"Python 3.*\| Idle")).first.wait_for(timeout=120_000)
+    save_restart_and_reopen(page, lab, name)
     static = page.locator(".nm-static").first
     static.wait_for(timeout=60_000)
     static.scroll_into_view_if_needed()

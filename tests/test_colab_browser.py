@@ -25,6 +25,7 @@ from jupyter_support import (  # noqa: E402
     coloured_pixels,
     jupyterlab,
     open_and_run_all,
+    save_restart_and_reopen,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -88,20 +89,13 @@ def test_the_quickstart_report_renders_with_ipywidgets_7(lab: LabServer, chromiu
 
 def test_the_saved_report_after_a_restart_with_ipywidgets_7(lab: LabServer, chromium: str) -> None:
     """Saved, kernel restarted, reopened: the static copy is the report, and the dead widget shows no error."""
-    import re
-
     ARTIFACTS.mkdir(exist_ok=True)
     name = "colab_quickstart.ipynb"
     with chromium_page(chromium) as page:
         try:
             open_and_run_all(page, lab, name)
             page.locator(".nan-magic-widget").first.wait_for(timeout=180_000)
-            page.keyboard.press("Control+s")
-            page.get_by_text(re.compile(r"Saving completed|Saved")).first.wait_for(timeout=30_000)
-            for kernel in lab.api("/api/kernels"):
-                lab.api(f"/api/kernels/{kernel['id']}/restart", method="POST")
-            page.goto(lab.notebook_url(name))
-            page.get_by_text(re.compile(r"Python 3.*\| Idle")).first.wait_for(timeout=120_000)
+            save_restart_and_reopen(page, lab, name)
             static = page.locator(".nm-static").first
             static.wait_for(timeout=60_000)
             static.scroll_into_view_if_needed()

@@ -9,27 +9,14 @@ import torch
 from torch import nn
 
 from nan_magic import Report
+from tests.test_render import HalfAttention
 from tests.watching import raised
-
-
-class Attention(nn.Module):
-    """float16 attention whose ``q @ k`` overflows on a large token."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(16, 48)
-        self.proj = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        scores = q @ k.transpose(-2, -1) * 0.25
-        return self.proj(scores.softmax(dim=-1) @ v)
 
 
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.attn = Attention()
+        self.attn = HalfAttention()
         self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
         self.spare = nn.Linear(16, 16)  # registered, never called
 
@@ -108,7 +95,7 @@ def test_producer_and_its_parents_are_marked_in_every_view() -> None:
     for parent in ("blocks (Sequential)", "blocks.0 (Block)"):
         assert statuses[parent] == {"contains producer"}, parent
     assert statuses["Net (root)"] == {"contains producer", "ok"}  # its forward, and the batch entering it
-    assert statuses["blocks.0.attn (Attention)"] == {"producer"}
+    assert statuses["blocks.0.attn (HalfAttention)"] == {"producer"}
     assert statuses["blocks.0.attn.qkv (Linear)"] == {"ok"}
     assert statuses["blocks.1 (Block)"] == {"propagated"}
     assert statuses["blocks.0.spare (Linear)"] == {"not called"}
@@ -117,7 +104,7 @@ def test_producer_and_its_parents_are_marked_in_every_view() -> None:
     # Indented by depth, as in the HTML table.
     assert re.search(r"^ +6  contains producer +16 +0 +0 {6}blocks\.0 \(Block\)", text, re.M)
     assert re.search(r"^ +0  contains producer +32 +0 +0  Net \(root\)", text, re.M)
-    assert re.search(r"^>.*producer.*blocks\.0\.attn \(Attention\)", text, re.M)
+    assert re.search(r"^>.*producer.*blocks\.0\.attn \(HalfAttention\)", text, re.M)
     assert f"Layers of step 0: {report.table['call'].nunique()} calls measured; 2 not called" in text
 
 
