@@ -6,11 +6,11 @@ import re
 from functools import cache
 
 import torch
+from test_render import HalfAttention
 from torch import nn
+from watching import raised
 
 from nan_magic import Report
-from tests.test_render import HalfAttention
-from tests.watching import raised
 
 
 class Block(nn.Module):

@@ -122,7 +122,9 @@ def test_a_saved_report_adds_at_most_about_100_kb(transformer: Any, cnn: Any) ->
         failing, _fixed = nantrace_cells(nb)
         outputs, models = report_bytes(nb, failing)
         assert outputs <= 100 * 1024
-        assert outputs + models <= 160 * 1024  # with the widget state stored too
+        # With the widget state stored too: the Layers table (every module of the step, 24 rows in the transformer)
+        # is in both, compacted (layers_html).
+        assert outputs + models <= 180 * 1024, (outputs, models)
 
 
 def test_transformer_report_widget_and_fallbacks(transformer: Any) -> None:

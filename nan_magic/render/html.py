@@ -36,7 +36,7 @@ from nan_magic.render.fixes import fix_lines, fixes_title
 from nan_magic.render.history_layers import layer_magnitude_lines
 from nan_magic.render.layer_tree import layers_count, unmeasured_note
 from nan_magic.render.plots import histogram_png, history_png
-from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, style_layers
+from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, layers_html
 
 #: Rows of the per-layer table in the static HTML.
 HTML_MAX_ROWS = 200
@@ -207,7 +207,7 @@ def layers_table_html(
     window = row_window(len(layers), focus, limit)
     shown = layers[window.start: window.stop]
     dim_all = focus is not None and focus < window.start
-    table = style_layers(shown, after_producer=dim_all).to_html()
+    table = layers_html(shown, after_producer=dim_all)
     return f'<div class="nm-scroll">{table}</div>', window.cut_message()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 
 import pandas as pd
@@ -237,6 +238,15 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
         .format(fmt_shape, subset=["shape"], na_rep="")
     )
     return styler.set_caption(f"Every row: {caption}.") if caption else styler
+
+
+def layers_html(layers: Sequence[LayerCall], after_producer: bool = False) -> str:
+    """:func:`style_layers` as HTML, without what only Styler needs: its per-cell position classes
+    (``data row12 col3``: no style refers to them) and the indentation between tags. A saved notebook
+    carries the table twice (the static copy and the widget's state); this halves each."""
+    html = style_layers(layers, after_producer).to_html()
+    html = re.sub(r'class="data row\d+ col\d+ ?', 'class="', html)
+    return re.sub(r">\s+<", "><", html)
 
 
 #: Said under a table whose rows have no mean and std, or only some.
