@@ -37,8 +37,9 @@ UNMEASURED_CLASS = "nm-unmeasured"
 #: (JupyterLab right-aligns every cell of an HTML output) must not win.
 TABLE_CSS = f"""
 .nm-table {{ border-collapse: collapse; font-size: 12px; font-family: monospace; }}
-.nm-table th, .nm-table td {{ padding: 2px 4px; text-align: right; white-space: nowrap; }}
+.nm-table th, .nm-table td {{ padding: 2px 3px; text-align: right; white-space: nowrap; }}
 .nan-magic-report table.nm-table td.nm-wrap {{ white-space: normal; overflow-wrap: anywhere; max-width: 12em; }}
+.nan-magic-report table.nm-table td.nm-status {{ white-space: normal; max-width: 8em; }}
 .nm-table th {{ position: sticky; top: 0; background: rgba(127, 127, 127, 0.25); }}
 .nan-magic-report table.nm-table td.nm-left, .nan-magic-report table.nm-table th {{ text-align: left; }}
 .nm-table td.{PRODUCER_CLASS} {{ background: rgba(230, 40, 40, 0.30); font-weight: bold; }}
@@ -49,7 +50,7 @@ TABLE_CSS = f"""
 .nm-table td.{UNMEASURED_CLASS} {{ font-style: italic; opacity: 0.7; }}
 .nm-table caption {{ caption-side: bottom; text-align: left; font-style: italic; padding-top: 2px; }}
 """ + "".join(
-    f".nan-magic-report table.nm-table td.nm-depth-{depth} {{ padding-left: {0.4 + 0.8 * depth:.1f}em; }}\n"
+    f".nan-magic-report table.nm-table td.nm-depth-{depth} {{ padding-left: {0.3 + 0.6 * depth:.1f}em; }}\n"
     for depth in range(1, 13)
 )
 
@@ -132,7 +133,7 @@ def row_classes(layers: Sequence[LayerCall]) -> list[str]:
         elif layer.status == "benign":
             names.append(BENIGN_CLASS)
         # Rows after the producer's are dimmed, but not its children's: they ran inside it, before it returned.
-        if seen_producer and not (producer is not None and contains(producer, layer)):
+        if seen_producer and layer.status != "producer" and not (producer is not None and contains(producer, layer)):
             names.append(AFTER_CLASS)
         seen_producer = seen_producer or layer.status == "producer"
         classes.append(" ".join(names))
@@ -216,6 +217,8 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
             names += f" nm-depth-{level}"
         if column in _WRAPPED:
             names += " nm-wrap"
+        if column == "status":
+            names += " nm-status"  # "contains producer" on two lines: the numbers stay in 900 px
         return f"{names} nm-left".strip() if column in _LEFT_ALIGNED else names
 
     class_frame = pd.DataFrame(
