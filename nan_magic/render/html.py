@@ -322,4 +322,5 @@ def history_section(report: Report, rows: int = HISTORY_ROWS) -> tuple[str, str]
     if lines:
         items = "".join(f"<li>{escape(line)}</li>" for line in lines[1:])
         layers = f'<p class="nm-layers-history">{escape(lines[0])}</p><ul>{items}</ul>\n'
-    return title, f'{plot}\n{layers}<div class="nm-scroll">{table}</div>'
+    # The layers first: the plot is taller than the tab, and what the layers inside came to is the news.
+    return title, f'{layers}{plot}\n<div class="nm-scroll">{table}</div>'
