@@ -31,10 +31,12 @@ from nan_magic.hot.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
     from nan_magic.hot.held import HeldArguments
     from nan_magic.hot.rng import AutocastState, RngState
 
-__all__ = ["Alias", "Call", "KnownFinite", "TensorRecord", "consumer_of", "gradient_label"]
+__all__ = ["Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "consumer_of", "gradient_label"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -253,3 +255,30 @@ def gradient_label(record: TensorRecord, consumer: Call | None) -> TensorRef:
     owner = record.call.name if record.call is not None else None
     return TensorRef(TensorRole.OUTPUT_GRADIENT, owner or "", str(record.path))
 
+
+class Frame:
+    """A watched module call in progress (the module stack).
+
+    A passed-through call (transparent.py) has no ``call``; ``through`` is
+    the input it received. The forward hooks push it; a replay starts from
+    one (localize/call_replay.py).
+    """
+
+    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        info: ModuleInfo,
+        call: Call | None,
+        rng_state: RngState | None,
+        through: torch.Tensor | None = None,
+        known: KnownFinite | None = None,
+    ) -> None:
+        self.module = module
+        self.info = info
+        self.call = call
+        self.rng_state = rng_state
+        self.through = through
+        #: What was known of ``through`` when the call began.
+        self.known = known

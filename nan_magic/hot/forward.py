@@ -2,7 +2,7 @@
 
 Global module hooks call :meth:`ForwardChecks.on_forward_pre` and
 :meth:`ForwardChecks.on_forward` for every module; only watched modules are
-recorded, on a module stack of :class:`~nan_magic.localize.call_replay.Frame`.
+recorded, on a module stack of :class:`~nan_magic.hot.call_records.Frame`.
 Each floating output gets one probe; the producer rule (producer.py) runs on
 the few that are non-finite, at once or at the deferred check. A forward
 producer is then replayed alone under the op tracer to name its op and line
@@ -22,25 +22,20 @@ cycle (``watch.cycle``, step_cycle.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.call_records import Call, Frame, TensorRecord
 from nan_magic.hot.held import hold_arguments
+from nan_magic.hot.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.module_hooks import may_step_aside
 from nan_magic.hot.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
-from nan_magic.localize.call_replay import CallReplay, Frame
-from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.producer import ProducerRule
 from nan_magic.records import Phase
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
 
 __all__ = ["ForwardChecks", "HookGradient"]
 
@@ -52,13 +47,15 @@ class ForwardChecks:
     """Forward-pass checks of one watch: the module stack, and the producer rule it owns (:attr:`rule`)."""
 
     def __init__(
-        self, watch: Watch, replayer: CallReplay, origins: OpOrigins, hook_gradient: HookGradient | None
+        self, watch: ForwardHost, replayer: CallReplayer, rule: ProducerJudge, stack: list[Frame],
+        hook_gradient: HookGradient | None,
     ) -> None:
         self.watch = watch
-        self.stack: list[Frame] = []
+        #: The module stack, shared with the producer rule ``rule`` (the watch builds both).
+        self.stack = stack
         self.replayer = replayer
         self._hook_gradient = hook_gradient
-        self.rule = ProducerRule(watch.config, watch.defer, watch.log, watch.emit, replayer, origins, self.stack)
+        self.rule = rule
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.watch.mine() or (self.stack and not self.watch.cycle.full_step):

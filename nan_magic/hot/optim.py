@@ -42,7 +42,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflat
 from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
+from nan_magic.hot.hosts import OptimizerHost
 from nan_magic.hot.iterations import Iterations
 from nan_magic.hot.stats import (
     DOT_MIN_NUMEL,
@@ -74,9 +75,6 @@ from nan_magic.hot.step_layout import (
 )
 from nan_magic.records import Cause, Phase, SourcePointer, TensorRef
 
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
-
 __all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks", "ReplayStep"]
 
 #: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
@@ -99,7 +97,7 @@ class OptimizerChecks:
     that made a parameter or its state non-finite.
     """
 
-    def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
+    def __init__(self, watch: OptimizerHost, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
                  replay_step: ReplayStep | None = None) -> None:
         self.watch = watch
         self._add_op_origin = add_op_origin
