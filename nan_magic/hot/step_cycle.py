@@ -424,7 +424,7 @@ class StepCycle:
                "no optimizer stepped after this backward: its parameter gradients were read when it ended")
         finding = check_parameter_grads(named, why, self.config.kinds)
         if finding is not None:
-            self.optimizers.attribute(finding)
+            self.optimizers.reports.attribute(finding)
             self.origins.add_op_origin(finding, finding.bad)  # the op, where the op tracer saw it start
             self._emit(finding)
 

@@ -341,7 +341,8 @@ class Watch:
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
             lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
-                self.config.kinds, self._named_parameters, self.optimizers.attribute, self.emit, lambda: self.step,
+                self.config.kinds, self._named_parameters, self.optimizers.reports.attribute, self.emit,
+                lambda: self.step,
                 tracer=(lambda: self.origins.tracer) if self.config.ops else None,
             ),
         )
