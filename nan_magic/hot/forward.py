@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import Call, Frame, TensorRecord
+from nan_magic.hot.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.held import hold_arguments
 from nan_magic.hot.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.module_hooks import may_step_aside
@@ -218,15 +218,17 @@ class ForwardChecks:
         log = self.watch.log
         if prefix == "input" and len(values) == 1 and type(values[0]) is torch.Tensor:
             # The hot path, ``module(x)``: no walk of the arguments.
-            found = [("input[0]", values[0])] if is_checkable(values[0]) else []
+            found: list[tuple[str, int | str, torch.Tensor]] = (
+                [(FIRST_ARGUMENT, 0, values[0])] if is_checkable(values[0]) else []
+            )
         else:
-            found = iter_tensors(values, prefix)
-        for path, tensor in found:
+            found = argument_tensors(values, prefix)
+        for path, argument, tensor in found:
             if log.is_unseen(tensor):
                 record = log.adopt(tensor)
                 if self._hook_gradient is not None:
                     self._hook_gradient(record, tensor)
-            log.note_input(call, path, tensor)
+            log.note_input(call, path, argument, tensor)
 
     def _computed_by_parent(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a value of the running parent's own code, which a replay can reach.
@@ -257,12 +259,13 @@ class ForwardChecks:
         too, judged as that call's backward (a frozen model has no parameter
         gradient to show it).
         """
-        tensors = list(iter_tensors(values, prefix, self.watch.skipped))
+        tensors = argument_tensors(values, prefix, self.watch.skipped)
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)
-        for path, tensor in tensors:
+        for path, argument, tensor in tensors:
             record = self.watch.log.record_output(call, path, tensor)
+            record.argument = argument
             if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
                 # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
                 # would stay on it after the watch.
@@ -272,7 +275,7 @@ class ForwardChecks:
         if not self.watch.defer:
             for record in call.outputs:
                 self.rule.judge(call, record)
-            for (path, tensor), record in zip(tensors, call.outputs):
+            for (path, _argument, tensor), record in zip(tensors, call.outputs):
                 if record.status == "benign":
                     continue  # a deliberate mask is no batch to warn about
                 probe = (record.low, record.high)

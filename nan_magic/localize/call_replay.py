@@ -104,7 +104,7 @@ class CallReplay:
         if id(frame.module) in self.masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
             return True
-        if any(_mutated(ref(), version) for _path, _record, ref, version in frame.call.inputs):
+        if any(_mutated(ref(), version) for _path, _argument, _record, ref, version in frame.call.inputs):
             finding.notes.append(
                 f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
                 "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
@@ -281,7 +281,7 @@ class CallReplay:
         call again, and used only if it holds the kinds the probe saw.
         """
         if not finding.inputs:
-            for path, held_record, ref, _version in call.inputs:
+            for path, _argument, held_record, ref, _version in call.inputs:
                 tensor = ref()
                 if tensor is None and held_record is not None:
                     tensor = arguments.by_record.get(id(held_record))
