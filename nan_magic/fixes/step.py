@@ -15,6 +15,11 @@ step before it runs: the backward starts from what the step held, in this
 order: the gradient that flowed into the outputs (a backward event), the
 model's own scalar loss (a Hugging Face model given its labels), else a
 gradient of ones into each floating output, standing for the loss.
+
+Under a GradScaler the held output gradient carries the scale:
+``FailingStep.grad_scale`` multiplies the gradient the backward starts from
+(a lower scale, fixes/scale.py) and divides the parameters' gradients before
+the optimizer step, as ``scaler.step`` unscales them.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class FailingStep:
     optimizers: tuple[torch.optim.Optimizer, ...]
     #: The watch's hooks ignore what the trial runs (call_replay.standing_aside).
     standing_aside: Callable[[], contextlib.AbstractContextManager[None]]
+    #: (factor on the gradient the backward starts from, divisor of the parameter gradients before the step).
+    grad_scale: tuple[float, float] = (1.0, 1.0)
+    #: The parameters the replay starts from by name (fixes/diverged.py), instead of the module's own.
+    parameters: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -83,7 +92,8 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
         if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
             stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
         with torch.no_grad():
-            parameters = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
+            given = step.parameters or {}
+            parameters = {name: given.get(name, parameter).detach().clone().requires_grad_(parameter.requires_grad)
                           for name, parameter in step.target.named_parameters()}
             copies: dict[int, torch.Tensor] = {}
             args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
@@ -98,7 +108,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
             if mode is not None:
                 outcome.applied = mode.applied
-            _judge(outcome, output, root, list(parameters.values()), optimizers)
+            _judge(outcome, output, root, list(parameters.values()), optimizers, step.grad_scale)
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if mode is not None:
@@ -160,7 +170,7 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 
 
 def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[torch.Tensor],
-           optimizers: list[torch.optim.Optimizer]) -> None:
+           optimizers: list[torch.optim.Optimizer], grad_scale: tuple[float, float]) -> None:
     tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
@@ -169,7 +179,8 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
     if not all(_finite(tensor) for tensor in outcome.outputs.values()):
         outcome.failed = "forward"
         return
-    starts = _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)
+    starts = [(tensor, grad * grad_scale[0]) for tensor, grad in
+              _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)]
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
     if not starts or not parameters:
         return
@@ -181,7 +192,7 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
     if not optimizers:
         return
     for parameter, grad in zip(parameters, grads):
-        parameter.grad = grad
+        parameter.grad = None if grad is None else grad / grad_scale[1]
     for optimizer in optimizers:
         optimizer.step()
     outcome.stepped = True
