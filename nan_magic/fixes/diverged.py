@@ -4,7 +4,8 @@ The event is in the failing step's forward or backward, so the update that
 pushed the parameters too far is the previous step's, already written.
 With ``keep_last_good`` the watch keeps the models' state after each of the
 last two finite steps (scene/last_good.py): before the previous update
-(``p0``) and after it (``p1``, what the failing step read). An optimizer of
+(``p0``) and after it (``p1``, what the failing step read: the parameters
+now). An optimizer of
 :data:`LINEAR` moves a parameter by ``lr * u`` with ``u`` independent of the
 learning rate (momentum, moments and weight decay included), so that update
 at a tenth is ``p0 + (p1 - p0) / 10``, its state unchanged. The failing step
@@ -33,9 +34,14 @@ __all__ = ["LINEAR", "lowered_update"]
 LINEAR = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"})
 
 
-def lowered_update(step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood
+def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], last_good: LastGood
                    ) -> tuple[FailingStep | None, str | None, dict[str, object]]:
-    """``(step from the lowered update, why not, facts)``: ``step`` starting from ``p0 + (p1 - p0) / 10``."""
+    """``(step from the lowered update, why not, facts)``: ``step`` (the watch's step ``failing``) from ``p0 + (p1 - p0) / 10``.
+
+    ``p1`` is what the failing step read (the parameters now); ``p0`` the state kept after step
+    ``failing - 2``, before the previous update: the last capture in the deferred mode (it captures a
+    step at the next one's check, and this one's check found the event), the one before it otherwise.
+    """
     if last_good.where is None:
         return None, NO_LAST_GOOD, {}
     stepping = [opt for opt in step.optimizers if _steps(opt, step.target)]
@@ -44,24 +50,23 @@ def lowered_update(step: FailingStep, roots: Iterable[nn.Module], last_good: Las
     other = next((type(opt).__name__ for opt in stepping if not _linear(opt)), None)
     if other is not None:
         return None, f"a {other} update is not its learning rate times a step that does not depend on it", {}
+    kept = last_good.state_of if last_good.step == failing - 2 else last_good.before
+    if failing - 2 not in (last_good.step, last_good.before_step):
+        return None, (f"no state was kept after step {failing - 2}, before the previous update (fewer than two "
+                      f"optimizer steps ended finite): there is no update to redo"), {}
     owners = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters: dict[str, torch.Tensor] = {}
     for name, parameter in step.target.named_parameters():
         root, root_name = owners.get(id(parameter), (None, None))
-        after = last_good.state_of(root) if root is not None else None
-        before = last_good.before(root) if root is not None else None
-        if after is None or before is None or root_name not in after or root_name not in before:
-            return None, ("fewer than two optimizer steps ended finite before this one: there is no earlier "
-                          "state to redo the last update from"), {}
-        p0, p1 = before[root_name], after[root_name]
-        if not torch.equal(p1.to(parameter.device), parameter.detach()):
-            return None, "the kept state is not what the failing step read (the parameters changed since)", {}
+        before = kept(root) if root is not None else None
+        if before is None or root_name not in before:
+            return None, f"the state kept after step {failing - 2} does not hold {name}", {}
         with torch.no_grad():
-            parameters[name] = (p0 + (p1 - p0) / 10).to(parameter.device, parameter.dtype)
+            p0, p1 = before[root_name].to(parameter.device, parameter.dtype), parameter.detach()
+            parameters[name] = p0 + (p1 - p0) / 10
     lr = stepping[0].param_groups[0].get("lr")
     lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
-    facts = {"optimizer": type(stepping[0]).__name__, "from_step": last_good.before_step, "lr": lr,
-             "new_lr": lr / 10, "redone": "previous"}
+    facts = {"optimizer": type(stepping[0]).__name__, "from_step": failing - 2, "lr": lr, "new_lr": lr / 10}
     return dataclasses.replace(step, parameters=parameters), None, facts
 
 

@@ -38,7 +38,7 @@ from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
-from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.step_replay import RootCall, StepReplays, replay_target
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
@@ -187,11 +187,11 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
 def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
               base: StepOutcome) -> FixTrial:
     """``lr`` after a divergence (diverged.py): the previous update at a tenth, then the failing step."""
-    lowered, untried, facts = lowered_update(step, roots, last_good)
+    lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
     if lowered is None:
-        return _at_producer("lr", report, untried=untried)
+        return _at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
     outcome = replay_step(lowered, None, None)
-    return _at_producer("lr", report, facts=(*_step_facts(lowered, outcome), *facts.items()),
+    return _at_producer("lr", report, facts=(*_step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
                         finite=outcome.failed is None, loss=outcome.loss, output_change=_change(base, outcome),
                         seconds=outcome.seconds, failed=outcome.failed)
 
@@ -232,7 +232,12 @@ def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
 
 
 def _step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, object], ...]:
-    return (("stepped", outcome.stepped), ("backward_from", _backward_from(step, outcome)))
+    """Whether the optimizer step was replayed, where the backward started, and why no loss is known."""
+    facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
+                                             ("backward_from", _backward_from(step, outcome)))
+    if outcome.loss is None:  # the loss code is not replayed: only a model that returns its loss gives one
+        facts += (("loss_not_computed", "the loss code is outside the model"),)
+    return facts
 
 
 def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
@@ -249,7 +254,7 @@ def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome
 
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
     """Where the replayed backward started (step.py): the held output gradient, the model's loss, or ones."""
-    if step.root.output_grads:
+    if held_gradients(step.root):
         return "output-gradient"
     return "loss" if outcome.loss is not None else "ones"
 

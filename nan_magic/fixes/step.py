@@ -12,7 +12,8 @@ BatchNorm statistics, no draw from their generators.
 
 The loss code runs outside the model call, and a forward event stops the
 step before it runs: the backward starts from what the step held, in this
-order: the gradient that flowed into the outputs (a backward event), the
+order: the gradient that flowed into the outputs (a backward event; a
+finite one, see held_gradients), the
 model's own scalar loss (a Hugging Face model given its labels), else a
 gradient of ones into each floating output, standing for the loss.
 
@@ -43,7 +44,7 @@ from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.step_replay import RootCall
 from nan_magic.localize.untouched import ModelGuard, untouched
 
-__all__ = ["FailingStep", "StepOutcome", "replay_step"]
+__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step"]
 
 
 @dataclass
@@ -210,9 +211,22 @@ def _finite(tensor: torch.Tensor) -> bool:
 def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall,
                      loss: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(output, gradient)`` pairs the backward starts from (see the module docstring)."""
-    if root.output_grads:
-        return [(tensor, root.output_grads[path].to(tensor.dtype)) for path, tensor in tensors
-                if path in root.output_grads and tensor.requires_grad]
+    held = held_gradients(root)
+    if held:
+        return [(tensor, held[path].to(tensor.dtype)) for path, tensor in tensors
+                if path in held and tensor.requires_grad]
     if loss is not None:
         return [(loss, torch.ones_like(loss))] if loss.requires_grad else []
     return [(tensor, torch.ones_like(tensor)) for _path, tensor in tensors if tensor.requires_grad]
+
+
+def held_gradients(root: RootCall) -> dict[str, torch.Tensor]:
+    """The gradients that flowed into the call's outputs, where all are finite (else none).
+
+    A non-finite one is the backward of a loss computed from a non-finite
+    forward (the deferred check runs after it): a remedied forward's
+    backward does not start from it, but from the loss or ones, as where
+    the forward event stopped the step before its backward.
+    """
+    held = root.output_grads
+    return held if all(_finite(grad) for grad in held.values()) else {}

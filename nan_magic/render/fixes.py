@@ -22,6 +22,11 @@ _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt",
                  "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "div": "div"}
 
 
+#: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
+_STARTS = {"ones": " (the backward started from ones into the model's outputs)",
+           "output-gradient": " (the backward started from the gradient the step held for the model's outputs)"}
+
+
 def fix_description(trial: FixTrial) -> str:
     """What the remedy changed, in one line."""
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
@@ -45,6 +50,8 @@ def fix_description(trial: FixTrial) -> str:
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
         return "the log of a softmax fused into log_softmax"
     if trial.kind == "lr" and trial.fact("redone") == "previous":
+        if trial.fact("lr") is None:
+            return "the previous update redone at a tenth of the learning rate, then this step"
         return (f"the previous update (from the state after step {trial.fact('from_step')}) redone at a tenth of "
                 f"the learning rate ({fmt(trial.fact('lr'))} -> {fmt(trial.fact('new_lr'))}), then this step")
     if trial.kind == "scale":
@@ -72,6 +79,9 @@ def _outcome(trial: FixTrial) -> str:
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
         parts.append(f"loss {fmt(trial.loss)}")
+    elif trial.fact("loss_not_computed"):
+        start = _STARTS.get(trial.fact("backward_from"), "")
+        parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
     if trial.output_change is not None:
         parts.append(f"output changed by at most {fmt(trial.output_change)}")
     if not trial.fact("stepped"):
@@ -114,6 +124,8 @@ def suggested_edit(trial: FixTrial) -> str | None:
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
         return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
     if trial.kind == "scale":
+        if trial.fact("new_scale") is None:
+            return None
         return (f"GradScaler(..., init_scale={_power_of_two(trial.fact('new_scale'))})  (where the scaler is "
                 f"built; its scale grows back by itself)")
     if trial.kind == "skip-batch":
@@ -229,7 +241,7 @@ class _Edit(ast.NodeTransformer):
 
 def _power_of_two(value: float) -> str:
     """``2.0**18`` for 262144.0 (a GradScaler's scales are powers of two), else the number."""
-    exponent = math.log2(value) if value > 0 else 0.5
+    exponent = math.log2(value)
     return f"2.0**{int(exponent)}" if exponent == int(exponent) else fmt(value)
 
 
