@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from contract.scaler_collapse import _collapsing
+from test_fixes import LogOf, _train
 from torch import nn
 
 import nan_magic
@@ -23,7 +24,7 @@ from nan_magic.records import FixTrial, Report
 from nan_magic.render.fixes import suggested_edit
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from train_blowup import TinyTransformer  # noqa: E402  # the demo's model
+from train_blowup import TinyTransformer  # the demo's model
 
 
 def _trial(report: Report, kind: str) -> FixTrial:
@@ -48,7 +49,7 @@ class CastOut(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fixed:
-            with torch.autocast('cpu', enabled=False): return self.fc2(torch.relu(self.fc1(x.float()))).float()  # noqa: E701,E501  # fixed
+            with torch.autocast('cpu', enabled=False): return self.fc2(torch.relu(self.fc1(x.float()))).float()  # noqa: E701  # fixed
         return self.fc2(torch.relu(self.fc1(x))).float()  # cast
 
 
@@ -196,40 +197,24 @@ def test_the_demo_verifies_lr_and_says_the_loss_was_not_computed() -> None:
 
 
 class HalfProj(nn.Module):
-    """A float16 Linear whose output passes 65504 (64 * 20 * 60); the line that calls it is the producer's."""
+    """A float16 Linear whose output passes 65504 (weights of 30000); the line that calls it is the producer's."""
 
     def __init__(self, fixed: bool = False) -> None:
         super().__init__()
-        self.proj, self.fixed = nn.Linear(64, 64).half(), fixed
+        self.proj, self.fixed = nn.Linear(4, 4).half(), fixed
         with torch.no_grad():
-            self.proj.weight.fill_(60.0)
+            self.proj.weight.fill_(30000.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fixed:
+        if self.fixed:  # noqa: SIM108  # the fixed line stands alone, as the edit writes it
             h = self.proj.float()(x.float())  # fixed
         else:
             h = self.proj(x)
         return h / 1000
 
 
-def _half_run(fixed: bool = False, steps: int = 3) -> Report | None:
-    torch.manual_seed(0)
-    model = HalfProj(fixed)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x = torch.full((2, 64), 20.0, dtype=torch.float16)
-    try:
-        with nan_magic.watch(model, opt):
-            for _ in range(steps):
-                opt.zero_grad()
-                model(x).float().sum().backward()
-                opt.step()
-    except nan_magic.NonFiniteError as error:
-        return error.report
-    return None
-
-
 def test_a_half_module_call_is_verified_in_float32_and_its_edit_upcasts_the_module() -> None:
-    report = _half_run()
+    report = _train(HalfProj())
     assert report is not None and report.module == "proj"
     assert report.cause is not None and report.cause.label == "half-precision-overflow"
     trial = _trial(report, "float32")
@@ -237,24 +222,17 @@ def test_a_half_module_call_is_verified_in_float32_and_its_edit_upcasts_the_modu
     edit = suggested_edit(trial)
     assert edit is not None and edit.endswith(_line(HalfProj.forward, "# fixed")), edit
     assert "loss not computed" in report.to_text()
-    assert _half_run(fixed=True, steps=5) is None  # the edit by hand: training continues
+    assert _train(HalfProj(fixed=True), steps=5) is None  # the edit by hand: training continues
 
 
 # -- the loss --------------------------------------------------------------------------------------------------
 
 
-class LossOfLog(nn.Module):
+class LossOfLog(LogOf):
     """A model that returns its own loss (as Hugging Face models given labels do): the trial reads it."""
 
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x) - 10
-        if self.fixed:
-            return torch.log(h.clamp_min(1.2e-07)).mean()
-        return torch.log(h).mean()
+        return super().forward(x).mean()
 
 
 def test_a_model_that_returns_its_loss_gives_the_trials_loss_and_no_loss_note() -> None:

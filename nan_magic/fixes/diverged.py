@@ -36,7 +36,7 @@ LINEAR = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop
 
 def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], last_good: LastGood
                    ) -> tuple[FailingStep | None, str | None, dict[str, object]]:
-    """``(step from the lowered update, why not, facts)``: ``step`` (the watch's step ``failing``) from ``p0 + (p1 - p0) / 10``.
+    """``(step from the lowered update, why not, facts)``: ``step`` (step ``failing``) from ``p0 + (p1 - p0) / 10``.
 
     ``p1`` is what the failing step read (the parameters now); ``p0`` the state kept after step
     ``failing - 2``, before the previous update: the last capture in the deferred mode (it captures a
@@ -64,8 +64,8 @@ def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], 
         with torch.no_grad():
             p0, p1 = before[root_name].to(parameter.device, parameter.dtype), parameter.detach()
             parameters[name] = p0 + (p1 - p0) / 10
-    lr = stepping[0].param_groups[0].get("lr")
-    lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+    value = stepping[0].param_groups[0]["lr"]
+    lr = float(value.item() if isinstance(value, torch.Tensor) else value)
     facts = {"optimizer": type(stepping[0]).__name__, "from_step": failing - 2, "lr": lr, "new_lr": lr / 10}
     return dataclasses.replace(step, parameters=parameters), None, facts
 

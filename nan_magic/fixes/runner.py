@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -143,7 +144,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     if base.failed is None:
         return ()  # the unremedied replay came out finite: nothing to fix on it
     tries: list[tuple[str, _Try]] = [
-        (kind, lambda kind=kind, remedy=remedy: _remedy_trial(kind, remedy, report, site, step, base))
+        (kind, functools.partial(_remedy_trial, kind, remedy, report, site, step, base))
         for kind, remedy in candidates]
     if old_scale is not None:
         tries.append(("scale", lambda: _scale_trial(report, step, old_scale)))
