@@ -22,6 +22,7 @@ import nan_magic
 from nan_magic.fixes.scale import lower_scales
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.fixes import suggested_edit
+from nan_magic.scene.last_good import LastGood
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from train_blowup import TinyTransformer  # the demo's model
@@ -247,3 +248,18 @@ def test_a_model_that_returns_its_loss_gives_the_trials_loss_and_no_loss_note() 
     # The fixed line by hand gives the loss the trial reported (its eps, 1.19e-07, is written rounded to 1.2e-07).
     assert trial.loss == pytest.approx(float(fixed(x).detach()), abs=0.01)
     assert f"loss {trial.loss:.3g}" in raised.value.report.to_text()
+
+
+def test_the_last_good_state_keeps_the_models_state_one_capture_earlier_in_two_swapped_buffers() -> None:
+    model, kept = nn.Linear(2, 2), LastGood("cpu")
+    buffers = set()
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        kept.capture([(None, model)], [], step, right_after=True)
+        buffers.add(kept.state_of(model)["weight"].data_ptr())  # type: ignore[index]
+    assert (kept.step, kept.before_step) == (4, 3)
+    assert float(kept.state_of(model)["weight"][0, 0]) == 5 and float(kept.before(model)["weight"][0, 0]) == 4
+    assert len(buffers) == 2  # one copy a step, into the buffers of two captures ago
+    kept.hand_over()
+    assert kept.before(model) is None and kept.before_step is None
