@@ -98,6 +98,16 @@ def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _running_frames() -> set[int]:
+    """The ids of the frames still running in this thread."""
+    running = set()
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return running
+
+
 def _held_bytes(tensor: torch.Tensor) -> int:
     """What holding ``tensor`` keeps alive, as :meth:`OutsideRecorder.weaken`'s shortcut counts it: a large
     one (or one with no storage of its own) past :data:`KEEP_TOTAL` by itself, so that it is held weakly."""
@@ -220,11 +230,7 @@ class OutsideRecorder(TorchDispatchMode):
                 return weak_record(value, keep=True)
             return weak_record(value)
 
-        running = set()  # the frames still running (holding them costs nothing); a returned one is let go
-        frame: FrameType | None = sys._getframe()
-        while frame is not None:
-            running.add(id(frame))
-            frame = frame.f_back
+        running = _running_frames()  # holding them costs nothing; a returned one is let go
         self._ops = [
             op._replace(args=_swapped(weak_unless_small, op.args),
                         kwargs=_swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
@@ -235,11 +241,7 @@ class OutsideRecorder(TorchDispatchMode):
 
     def _let_go_of_returned_frames(self) -> None:
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals)."""
-        running = set()
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            running.add(id(frame))
-            frame = frame.f_back
+        running = _running_frames()
         for index, op in enumerate(self._ops):
             if op.frame is not None and id(op.frame) not in running:
                 self._ops[index] = op._replace(frame=None)
@@ -289,9 +291,13 @@ class OutsideRecorder(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
                     self._held_bytes += _held_bytes(tensor)
-        for value in args:  # what came from outside (a model's logits); an earlier op's output counts again
+        # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
+        # counts again.
+        for value in (*args, *kwargs.values()):
             if type(value) is torch.Tensor:
                 self._held_bytes += _held_bytes(value)
+            elif type(value) is list or type(value) is tuple:
+                self._held_bytes += sum(_held_bytes(item) for item in value if type(item) is torch.Tensor)
         return out
 
     def written(self) -> list[torch.Tensor]:
