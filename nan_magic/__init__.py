@@ -79,10 +79,10 @@ class _Views:
 
         return render_text(report)
 
-    def message(self, report: Report) -> str:
-        from nan_magic.render.message import report_message
+    def message_parts(self, report: Report) -> tuple[str, str, str, str]:
+        from nan_magic.render.message import message_parts
 
-        return report_message(report)
+        return message_parts(report)
 
     def html(self, report: Report) -> str:
         from nan_magic.render.html import render_html

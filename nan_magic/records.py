@@ -394,7 +394,15 @@ class Report:
     @property
     def message(self) -> str:
         """The one-line summary used as the exception message (written by :mod:`nan_magic.render.message`)."""
-        return _views().message(self)
+        return "".join(self.message_parts)
+
+    @property
+    def message_parts(self) -> tuple[str, str, str, str]:
+        """:attr:`message` in its clauses: what and where, a separator, the op and its line, the counts.
+
+        A long headline breaks between the first and the third (errors/frames.py).
+        """
+        return _views().message_parts(self)
 
     # -- views: render/ and scene/ sit above the records, so they are reached through
     # -- the ReportViews that nan_magic/__init__.py installs (see install_views) --
@@ -448,7 +456,7 @@ class ReportViews(Protocol):
 
     def text(self, report: Report) -> str: ...
 
-    def message(self, report: Report) -> str: ...
+    def message_parts(self, report: Report) -> tuple[str, str, str, str]: ...
 
     def html(self, report: Report) -> str: ...
 

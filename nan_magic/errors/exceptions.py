@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import FrameType
 from typing import Any
 
-from nan_magic.errors.frames import end_at_producer, short_traceback
+from nan_magic.errors.frames import end_at_producer, headline_lines, short_traceback
 from nan_magic.locations import running_shell
 from nan_magic.records import Report
 
@@ -64,8 +64,11 @@ class NonFiniteError(FloatingPointError):
             # %debug opens the traceback IPython's formatter formatted last before sys.last_traceback; the short
             # error is not formatted there, so an earlier cell's error (a NameError) would be the one it opens.
             formatter.tb = None  # type: ignore[union-attr]
-        headline = f"{type(self).__name__}: {self}"
-        return short_traceback(headline, self.__traceback__, self.report.source)
+        return short_traceback(self._headline(), self.__traceback__, self.report.source)
+
+    def _headline(self) -> list[str]:
+        what, separator, at, counts = self.report.message_parts
+        return headline_lines(f"{type(self).__name__}: {what}", separator, at, counts)
 
 
 class PeerNonFiniteError(NonFiniteError):
@@ -87,6 +90,9 @@ class PeerNonFiniteError(NonFiniteError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_peer_error, (self.report, self.local_report))
+
+    def _headline(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 def _peer_error(report: Report, local_report: Report | None) -> PeerNonFiniteError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import linecache
 import os
-import re
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -161,8 +160,8 @@ def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     return tuple(p for p in frames_of(tb) if not is_library_file(p.filename))
 
 
-def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePointer | None) -> list[str]:
-    """The short error: the headline, the user's frames, the producer's line.
+def short_traceback(headline: list[str], tb: TracebackType | None, producer: SourcePointer | None) -> list[str]:
+    """The short error: the headline (its lines: :func:`headline_lines`), the user's frames, the producer's line.
 
     What a notebook shows first when a watched cell stops (IPython prints it
     through ``NonFiniteError._render_traceback_``): no frame of torch, of
@@ -180,7 +179,7 @@ def short_traceback(headline: str, tb: TracebackType | None, producer: SourcePoi
         is_producer = producer is not None and (frame.filename, frame.lineno) == (producer.filename, producer.lineno)
         return _frame_lines(frame, "producer: " if is_producer else "")
 
-    lines = headline_lines(headline)
+    lines = list(headline)
     if len(frames) > _MAX_SHORT_FRAMES:
         # The outermost two (the cell's own lines) and the innermost ones (nearest the producer).
         hidden = len(frames) - _MAX_SHORT_FRAMES + 1
@@ -199,17 +198,18 @@ _MAX_SHORT_FRAMES = 5
 #: wherever it reaches the edge, mid-word ("C|ell In[2]"): so it is broken
 #: here, between its clauses, before any frontend has to.
 _HEADLINE_WIDTH = 90
-#: Where a long headline breaks: after "... step 3: blocks.0.attn (SelfAttention)",
-#: before ", op aten.bmm.default at Cell In[2], line 16 (2 +inf of 2048)" (or " at ...").
-_HEADLINE_CLAUSES = re.compile(r"^(?P<what>.*? step -?\d+: \S.*?)(?:, (?P<op>op \S.*)| (?P<at>at \S.*))$")
 
 
-def headline_lines(headline: str) -> list[str]:
-    """The headline on one line, or on two where it is long: what and where, then the op, its line and counts."""
-    match = _HEADLINE_CLAUSES.match(headline)
-    if len(headline) <= _HEADLINE_WIDTH or match is None:
+def headline_lines(what: str, separator: str, at: str, counts: str) -> list[str]:
+    """The headline on one line, or on two where it is long: what and where, then the op, its line and counts.
+
+    The parts are :attr:`Report.message_parts`: a long one breaks after ``... step 3: blocks.0.attn
+    (SelfAttention)``, before ``op aten.bmm.default at Cell In[2], line 16 (2 +inf of 2048)``.
+    """
+    headline = what + separator + at + counts
+    if len(headline) <= _HEADLINE_WIDTH or not at:
         return [headline]
-    return [match["what"], "  " + (match["op"] or match["at"])]
+    return [what, "  " + at + counts]
 
 
 def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
