@@ -166,6 +166,8 @@ class OutsideRecorder(TorchDispatchMode):
     def __init__(self, kinds: frozenset[str]) -> None:
         super().__init__()
         self.kinds = kinds
+        # Values copied before an op wrote them in place, where a replay must start (loop_writes.py fills it).
+        self.before: dict[int, torch.Tensor] = {}
         self.pushed = False
         self._resumes = False
         self._budget = 0
@@ -225,6 +227,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._produced.clear()
         self._rng = None
         self._witness = None
+        self.before.clear()
 
     def weaken(self) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
@@ -314,6 +317,18 @@ class OutsideRecorder(TorchDispatchMode):
                     self._produced[id(tensor)] = index
         return out
 
+    def recorded(self) -> int:
+        """How many ops the region recorded so far."""
+        return len(self._ops)
+
+    def recording(self) -> bool:
+        """Whether the next op is recorded (within the region's budget)."""
+        return self._budget > 0
+
+    def made(self, tensor: torch.Tensor) -> bool:
+        """Whether a recorded op returned ``tensor``."""
+        return id(tensor) in self._produced
+
     def written(self) -> list[torch.Tensor]:
         """The tensors the recorded ops wrote in place, each once, in the order first written."""
         seen: dict[int, torch.Tensor] = {}
@@ -328,19 +343,20 @@ class OutsideRecorder(TorchDispatchMode):
 
     # -- at an event ----------------------------------------------------------------------
 
-    def claim(self, tensor: torch.Tensor) -> OpFinding | None:
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
         """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
 
         None when ``tensor`` was not made by recorded code, or when its
         non-finite values came from outside the record (a model output).
+        ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         """
-        ops = self._ops_to(tensor)
+        ops = self._ops_to(tensor) if tensor is not None else self._ops_to_key(key) if key is not None else None
         if ops is None:
             return None
         tracer = OpTracer(kinds=self.kinds)
         producer: _Op | None = None
         try:
-            copies, _requiring = _copies_of_what_came_from_outside(ops)
+            copies, _requiring = _copies_of_what_came_from_outside(ops, self.before)
             with torch.no_grad(), self._generators_as_recorded(), tracer:
                 for op in ops:
                     self._run(op, copies)
@@ -483,12 +499,14 @@ def _seeded(func: Any) -> bool:
     return seeded
 
 
-def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+def _copies_of_what_came_from_outside(
+    ops: list[_Op], before: dict[int, torch.Tensor] | None = None
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
     """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
 
     A replayed in-place op leaves the originals alone; a copy of a tensor
     that required gradients (a model output) requires them too, for a
-    replay of the backward.
+    replay of the backward. ``before``: values copied before an op wrote them in place.
     """
     made: set[int] = set()
     copies: dict[int, torch.Tensor] = {}
@@ -498,7 +516,7 @@ def _copies_of_what_came_from_outside(ops: list[_Op]) -> tuple[dict[int, torch.T
             for value in tree_leaves((op.args, op.kwargs)):
                 key = _key(value)
                 if key is not None and key not in made and key not in copies:
-                    original = _alive(value)
+                    original = before[key] if before and key in before else _alive(value)
                     copy = copies[key] = original.detach().clone()
                     # A kept value is a detached one: its record says whether the original required gradients.
                     if value.requires_grad and copy.is_floating_point():
