@@ -51,6 +51,7 @@ from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflat
 from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
+from nan_magic.hot.headroom import Headroom
 from nan_magic.hot.iterations import Iterations
 from nan_magic.hot.stats import (
     DOT_MIN_NUMEL,
@@ -81,7 +82,9 @@ __all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks", "ReplayStep"
 
 #: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
 #: line that called the step (None: the line calling it now); localize/optimizer_replay.py.
-ReplayStep = Callable[[Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None], None]
+#: The last argument is a copy of the parameter taken before the step, where one was (headroom.py).
+ReplayStep = Callable[
+    [Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None, torch.Tensor | None], None]
 
 
 #: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
@@ -130,6 +133,9 @@ class OptimizerChecks:
         # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
         self._hot: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._hot_enabled = not watch.defer
+        # Half-precision parameters near their limit, copied before each step for its replay (headroom.py).
+        self._headroom = Headroom() if replay_step is not None else None
+        self._before: dict[int, torch.Tensor] = {}
 
     # -- hooks -------------------------------------------------------------------
 
@@ -286,6 +292,8 @@ class OptimizerChecks:
         small = self.last_grad_norm is None or (
             math.isfinite(self.last_grad_norm) and max(grad_values) < BOUNDED_GRAD_NORM)
         self._bounded = small and bounded_step(opt, layout)
+        if self._headroom is not None:
+            self._before = self._headroom.copies(opt)
         self.in_step = True
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -341,6 +349,7 @@ class OptimizerChecks:
         result = StepResult(
             opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step, bounded
         )
+        result.before, self._before = self._before, {}
         self._last_checked_step = step
         return result
 
@@ -375,7 +384,7 @@ class OptimizerChecks:
             if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
                 caller = pointer_at(*result.caller) if result.caller is not None else None
-                self._replay_step(finding, result.optimizer, parameter, key, caller)
+                self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
             subject = label.name
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
@@ -393,6 +402,8 @@ class OptimizerChecks:
                 finding.notes.append(f"the {optimizer} step made {subject} non-finite")
             self.watch.emit(finding)
             return True
+        if self._headroom is not None:
+            self._headroom.observe(result, values)
         return False
 
     # -- GradScaler ------------------------------------------------------------------
