@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +46,29 @@ def test_gpt2_small_is_listed_by_default_only_on_a_gpu() -> None:
     assert models.default_models("cpu") == ["mlp", "resnet18", "bert", "gpt2"]
     assert models.default_models("cuda") == ["mlp", "resnet18", "bert", "gpt2", "gpt2_small"]
     assert models.GPT2_SMALL.layers == 12 and models.GPT2_SMALL.hidden == 768 and models.GPT2_SMALL.seq == 512
+
+
+def _hot_calls(*arguments: str) -> subprocess.CompletedProcess[str]:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "hot_calls.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parent.parent)}
+    return subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+
+
+def test_hot_calls_counts_the_calls_the_watch_adds_to_a_step_and_names_our_functions() -> None:
+    result = _hot_calls("--models", "small_cnn", "--steps", "5", "--top", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("small_cnn"))
+    _name, module_calls, extra, ours, per_call = row.split()
+    assert int(module_calls) == 20  # as launch_bound.py counts them: a global pre-hook over one step
+    assert int(ours) > 0 and float(extra) >= float(ours)  # ours are among every call added
+    assert float(per_call) == round(float(extra) / 20, 1)
+    top = lines[lines.index(row) + 1 : lines.index(row) + 4]
+    assert all("nan_magic" not in line and ".py:" in line for line in top)  # module:function of ours
+
+
+def test_hot_calls_refuses_a_step_count_below_one_in_one_line() -> None:
+    result = _hot_calls("--steps", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("--steps must be at least 1, not 0")

@@ -134,6 +134,13 @@ def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _held_bytes(tensor: torch.Tensor) -> int:
+    """What holding ``tensor`` keeps alive, as :meth:`OutsideRecorder.weaken`'s shortcut counts it: a large
+    one (or one with no storage of its own) past :data:`KEEP_TOTAL` by itself, so that it is held weakly."""
+    size = _storage_bytes(tensor)
+    return KEEP_TOTAL + 1 if size is None or size[1] > KEEP_BYTES else size[1]
+
+
 def _key(value: Any) -> int | None:
     """The recorded tensor's id, for a tensor or a :class:`_Weak`; None for anything else."""
     if isinstance(value, torch.Tensor):
@@ -176,6 +183,9 @@ class OutsideRecorder(TorchDispatchMode):
         self._ops: list[_Op] = []
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
+        # Bytes of the storages the records hold (over-counted: a storage seen twice counts twice), a large
+        # one counting past KEEP_TOTAL on its own: while within it, weaken() has nothing to let go.
+        self._held_bytes = 0
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
@@ -225,6 +235,7 @@ class OutsideRecorder(TorchDispatchMode):
         """Drop the records (and the references they hold)."""
         self._ops.clear()
         self._produced.clear()
+        self._held_bytes = 0
         self._rng = None
         self._witness = None
         self.before.clear()
@@ -238,7 +249,14 @@ class OutsideRecorder(TorchDispatchMode):
         stay (:data:`KEEP_BYTES`, :data:`KEEP_TOTAL`): the backward replay of
         a one-line loss needs its intermediates, which autograd frees as
         each node runs. A replay that needs a freed tensor gives up.
+
+        The usual launch-bound step holds small tensors only: each would stay,
+        so the records stay as they are (no copy of every op); only the frames
+        of functions that returned are let go.
         """
+        if self._held_bytes <= KEEP_TOTAL:
+            self._let_go_of_returned_frames()
+            return
         kept: set[int] = set()  # storages held, each counted once
         total = 0
         made: dict[int, _Weak] = {}  # one record per tensor: an op's output is often the next op's input
@@ -271,6 +289,17 @@ class OutsideRecorder(TorchDispatchMode):
                         frame=op.frame if id(op.frame) in running else None)
             for op in self._ops
         ]
+
+    def _let_go_of_returned_frames(self) -> None:
+        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals)."""
+        running = set()
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            running.add(id(frame))
+            frame = frame.f_back
+        for index, op in enumerate(self._ops):
+            if op.frame is not None and id(op.frame) not in running:
+                self._ops[index] = op._replace(frame=None)
 
     def note(self) -> str | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -311,10 +340,15 @@ class OutsideRecorder(TorchDispatchMode):
                              frame, frame.f_lasti if frame else -1))
         if isinstance(out, torch.Tensor):  # most ops: no walk of a pytree
             self._produced[id(out)] = index
+            self._held_bytes += _held_bytes(out)
         else:
             for tensor in tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
+                    self._held_bytes += _held_bytes(tensor)
+        for value in args:  # what came from outside (a model's logits); an earlier op's output counts again
+            if type(value) is torch.Tensor:
+                self._held_bytes += _held_bytes(value)
         return out
 
     def recorded(self) -> int:
