@@ -118,12 +118,15 @@ class LoopWrites:
         if recorder is None or not recorder.pushed:
             return []
         recorder.stop()
+        count = recorder.recorded()
+        if not count:  # the usual region (opt.step() right after backward()): nothing to look at or let go
+            self._pending, self._wanted = [], count <= CHEAP_REGION and "update" not in recorder.untraced
+            return []
         # Most regions write only gradients (clipping): the cached index rules them out without a walk of
         # the parameters; a region that wrote one is looked up afresh (a parameter may have been replaced).
         written = [tensor for tensor in recorder.written() if self._parameter_of(tensor) is not None]
         self._pending = self._watched(written) if written else []
-        cheap = recorder.recorded() <= CHEAP_REGION
-        self._wanted = (bool(self._pending) or cheap) and "update" not in recorder.untraced
+        self._wanted = (bool(self._pending) or count <= CHEAP_REGION) and "update" not in recorder.untraced
         if not self._pending:
             recorder.forget()
             return []
