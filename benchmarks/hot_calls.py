@@ -18,7 +18,10 @@ Method: per model, N training steps run unwatched and then under ``nan_magic.wat
 (after 60 watched steps, so the steady state is measured: the window holds one
 per-module step of the tiered watch, as any 100 steps do), each under cProfile; the
 extra calls per step are the difference of the totals over N. Calls of nan_magic's own
-functions are listed with ``--top``.
+functions are listed with ``--top``. Beside them, the same count for the boundary floor of
+baselines.py (the tiered watch's tier-1 reads with almost no Python: a probe of the batch
+and of the output, the output gradient's sum, the fused gradient norms): what the watch
+adds beyond it is its bookkeeping.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import collections
 import pstats
 import sys
 
+import baselines
 import torch
 from models import LAUNCH_BOUND, build_launch_bound
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -87,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print("Python calls the default watch adds to a healthy training step (cProfile primitive calls, "
           f"mean over {options.steps} steps after {SETTLE}); fp32, CPU, one thread")
-    print(f"{'model':<10} {'calls':>6} {'extra/step':>11} {'ours/step':>10} {'extra/call':>11}")
+    print(f"{'model':<10} {'calls':>6} {'extra/step':>11} {'ours/step':>10} {'extra/call':>11} {'floor/step':>11}")
     for name in options.models:
         bench = build_launch_bound(name)
         module_calls = _module_calls(bench)
@@ -99,13 +103,19 @@ def main() -> None:
                 bench.train_step()
             watched = _profiled(bench.train_step, options.steps)
         extra = (watched.prim_calls - unwatched.prim_calls) / options.steps  # type: ignore[attr-defined]
+        with baselines.boundary_floor(bench.model):
+            for _ in range(5):
+                bench.train_step()
+            floor = (_profiled(bench.train_step, options.steps).prim_calls  # type: ignore[attr-defined]
+                     - unwatched.prim_calls) / options.steps  # type: ignore[attr-defined]
         ours = _ours(watched, options.by)
         print(f"{name:<10} {module_calls:>6} {extra:>11.0f} {sum(ours.values()) / options.steps:>10.0f} "
-              f"{extra / module_calls:>11.1f}")
+              f"{extra / module_calls:>11.1f} {floor:>11.0f}")
         for key, count in ours.most_common(options.top):
             print(f"    {count / options.steps:7.1f}  {key}")
     print("extra/step: every call (builtins and torch's Python included); ours/step: nan_magic's functions; "
-          "extra/call: extra/step over the module calls of one step")
+          "extra/call: extra/step over the module calls of one step; floor/step: extra/step of the boundary floor "
+          "(baselines.boundary_floor)")
     sys.stdout.flush()
 
 

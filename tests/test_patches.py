@@ -1,4 +1,4 @@
-"""Process-wide patches (engine/patches.py): installed once, taken back only while still ours."""
+"""Process-wide patches (patches/registry.py): installed once, taken back only while still ours."""
 
 from __future__ import annotations
 
@@ -176,3 +176,61 @@ def test_a_failing_plan_installs_nothing() -> None:
     assert vars(Owner)["a"] is a and patches.installed() == []
     with pytest.raises(RuntimeError, match="not held"):
         patch.release()
+
+
+def _adopting_optimizers():
+    from nan_magic.cli import _adopting
+
+    model = nn.Linear(2, 2)
+    watch = nan_magic.watch(model)
+    return _adopting(watch), lambda: torch.optim.SGD(model.parameters(), lr=0.1), watch.targets.optimizers
+
+
+def _counting_batches():
+    from nan_magic.patches.loaders import watch_batches
+
+    seen: list[int] = []
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+    return watch_batches(lambda _dataset, _indices, _map: seen.append(1)), lambda: list(data), seen
+
+
+def _inline_checkpoints():
+    x = torch.ones(2, requires_grad=True)
+    inlined: list[int] = []
+
+    def run():
+        out = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+        if type(out.grad_fn).__name__ == "MulBackward0":
+            inlined.append(1)
+
+    return reentrant_checkpoints_inline(), run, inlined
+
+
+@pytest.mark.parametrize(("owner", "name", "setup"), [
+    (torch.optim.Optimizer, "__init__", _adopting_optimizers),
+    (torch.utils.data.dataloader._BaseDataLoaderIter, "__next__", _counting_batches),
+    (torch.utils.checkpoint.CheckpointFunction, "apply", _inline_checkpoints),
+], ids=["Optimizer.__init__", "DataLoader iterator", "CheckpointFunction.apply"])
+def test_a_users_patch_after_ours_stays_and_ours_goes_inert(owner, name, setup) -> None:
+    """The command line's optimizer adoption, the samples' DataLoader patch and the replay's inline
+    checkpoints, each wrapped by a user's patch while ours is installed: ours acts while held, theirs
+    stays after, and ours then only passes through."""
+    previous = vars(owner).get(name)
+    # ``effects`` grows each time ours acts: an adopted optimizer, a batch seen, a checkpoint run inline.
+    holding, use, effects = setup()
+    calls: list[str] = []
+    try:
+        with holding:
+            theirs = user_patch(owner, name, calls)
+            use()
+        acted = len(effects)
+        assert acted > 0 and calls  # ours acted under theirs while held
+        assert vars(owner)[name] is theirs and patches.installed() == []
+        calls.clear()
+        use()
+        assert calls and len(effects) == acted  # theirs runs; ours is inert
+    finally:
+        if previous is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)

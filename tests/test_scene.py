@@ -286,6 +286,47 @@ def test_only_forward_producers_in_a_module_replay_alone(tmp_path) -> None:
         nan_magic.load_scene(report.scene).replay(model)
 
 
+class Shifted(nn.Module):
+    """``log(x - shift)``: NaN where ``x`` is below the shift; ``shift`` may come inside a tuple."""
+
+    def forward(self, x: torch.Tensor, shift: Any) -> torch.Tensor:
+        return torch.log(x - (shift[0] if isinstance(shift, tuple) else shift))
+
+
+class CallsShifted(nn.Module):
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.fc, self.shifted, self.nested = nn.Linear(4, 4), Shifted(), nested
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = torch.full((4,), 100.0)
+        return self.shifted(self.fc(x), (shift,)) if self.nested else self.shifted(self.fc(x), shift=shift)
+
+
+def test_the_producers_call_is_saved_by_argument_and_replayed_from_it(tmp_path) -> None:
+    model = CallsShifted(nested=False)
+    report = raised(lambda: model(torch.ones(2, 4)), model, dump=str(tmp_path), mode="full")
+    scene = nan_magic.load_scene(report.scene)
+    assert scene.module == "shifted"
+    call = scene.data["producer_call"]
+    assert (list(call["args"]), list(call["kwargs"]), call["nested"]) == ([0], ["shift"], [])
+    assert same_bits(call["kwargs"]["shift"], torch.full((4,), 100.0))
+    assert same_bits(call["args"][0], scene.producer_inputs["input[0]"])
+    result = scene.replay(CallsShifted(nested=False))
+    assert result.reproduced and result.finding.op == "aten.log.default"
+
+
+def test_a_producer_given_a_tensor_inside_a_container_asks_for_its_arguments(tmp_path) -> None:
+    model = CallsShifted(nested=True)
+    report = raised(lambda: model(torch.ones(2, 4)), model, dump=str(tmp_path), mode="full")
+    scene = nan_magic.load_scene(report.scene)
+    assert scene.data["producer_call"]["nested"] == ["input[1][0]"]
+    with pytest.raises(ValueError, match=r"nested input \(input\[1\]\[0\]\)"):
+        scene.replay(CallsShifted(nested=True))
+    fresh = CallsShifted(nested=True)
+    assert scene.replay(fresh, scene.producer_inputs["input[0]"], (torch.full((4,), 100.0),)).reproduced
+
+
 def test_restore_into_needs_a_model_it_can_tell_apart(scene) -> None:
     with pytest.raises(RuntimeError, match="Missing key"):
         scene.restore_into(nn.Linear(4, 4))

@@ -23,6 +23,7 @@ from watching import train_steps
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.localize.outside import KEEP_BYTES
+from nan_magic.localize.recorded_ops import WeakRecord
 from nan_magic.records import TensorRef
 
 
@@ -432,6 +433,32 @@ def test_during_backward_the_loss_codes_large_tensors_are_held_weakly_and_a_free
     assert (report.phase, report.module) == ("backward", None)
     assert report.op is None  # the replay needed the freed output: no guess, the autograd node instead
     assert any("SqrtBackward0" in note for note in report.notes)
+
+
+def test_a_loss_code_of_small_tensors_keeps_its_records_as_they_are_and_a_large_one_in_a_list_is_weakened() -> None:
+    # weaken()'s shortcut: while every recorded storage is small, backward() leaves the records alone
+    # (each tensor would stay anyway); a large one, even one reached only through a list argument, is not.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    seen: list[list[type]] = []
+    with nan_magic.watch(model) as w:
+        recorder = w.outside
+        assert recorder is not None
+
+        def record_kinds(_grad: torch.Tensor) -> None:  # during backward: after weaken(), before forget()
+            seen.append([type(item) for op in recorder._ops for value in op.args
+                         for item in (value if isinstance(value, list) else [value])])
+
+        out = model(torch.randn(2, 4))
+        out.register_hook(record_kinds)
+        out.pow(2).mean().backward()
+        out = model(torch.randn(2, 4))
+        out.register_hook(record_kinds)
+        norms = torch._foreach_norm([torch.zeros(KEEP_BYTES // 4 + 1)])  # small output, the large one in a list
+        (out.sum() + norms[0]).backward()
+    small, large = seen
+    assert torch.Tensor in small and all(kind is not WeakRecord for kind in small)  # not rebuilt as weak records
+    assert WeakRecord in large
 
 
 def test_a_kept_small_value_does_not_keep_the_large_tensors_its_autograd_node_saved() -> None:

@@ -34,7 +34,8 @@ from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
-from nan_magic.localize.step_replay import RootCall, StepReplays, replay_target
+from nan_magic.localize.root_calls import RootCall, replay_target
+from nan_magic.localize.step_replay import StepReplays
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
 

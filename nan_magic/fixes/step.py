@@ -35,7 +35,7 @@ from nan_magic.hot.rng import generators_at
 from nan_magic.hot.stats import iter_tensors, values_to_read
 from nan_magic.localize.op_plans import plan_of, tensors
 from nan_magic.localize.replay import copy_tensors, swapped_buffers
-from nan_magic.localize.step_replay import RootCall
+from nan_magic.localize.root_calls import RootCall
 from nan_magic.localize.untouched import ModelGuard, untouched
 
 __all__ = ["FailingStep", "StepOutcome", "replay_step"]
@@ -46,7 +46,7 @@ class FailingStep:
     """What a fix trial replays: the failing model call, its eager model and module, the optimizers."""
 
     root: RootCall
-    #: The eager watched model that holds the call's module (step_replay.replay_target), and that module.
+    #: The eager watched model that holds the call's module (root_calls.replay_target), and that module.
     model: nn.Module
     target: nn.Module
     optimizers: tuple[torch.optim.Optimizer, ...]

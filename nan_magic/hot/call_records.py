@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from nan_magic.hot.stats import (
     WIDE_FLOATS,
     finite_stats,
+    iter_tensors,
     probe,
     probe_kinds,
     probe_stats,
@@ -31,12 +33,44 @@ from nan_magic.hot.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
     from nan_magic.hot.held import HeldArguments
     from nan_magic.hot.rng import AutocastState, RngState
 
-__all__ = ["Alias", "Call", "KnownFinite", "TensorRecord", "consumer_of", "gradient_label"]
+__all__ = [
+    "FIRST_ARGUMENT", "Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "argument_path", "argument_tensors",
+    "consumer_of", "gradient_label",
+]
 
 _NONE: frozenset[str] = frozenset()
+
+
+#: The path of the batch: the first positional argument of a model call, ``module(x)``.
+FIRST_ARGUMENT = "input[0]"
+
+
+def argument_path(prefix: str, argument: int | str) -> str:
+    """The path of a whole argument: ``input[0]``, ``kwargs['mask']`` (``prefix``: ``"input"`` or ``"kwargs"``)."""
+    return f"{prefix}[{argument!r}]"
+
+
+def argument_tensors(
+    values: tuple[Any, ...] | Mapping[str, Any], prefix: str, skipped: Counter[str] | None = None
+) -> list[tuple[str, int | str, torch.Tensor]]:
+    """``(path, argument, tensor)`` for every checkable tensor in a call's arguments.
+
+    ``values`` are the positional arguments (``prefix`` ``"input"``) or the
+    keyword arguments (``"kwargs"``); ``argument`` is the position or keyword
+    of the argument that holds the tensor, a field the producer rule reads
+    the forward parameter's name by (masks.py), never parsed from the path.
+    """
+    arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
+    return [
+        (path, argument, tensor)
+        for argument, value in arguments
+        for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped)
+    ]
 
 
 class TensorRecord:
@@ -44,8 +78,8 @@ class TensorRecord:
 
     # Both __init__ and finite() set every slot: a slot added here goes in both.
     __slots__ = (
-        "_probe", "call", "consumers", "dtype", "high", "inner", "kinds", "low", "outer", "path", "ranged", "ref",
-        "shape", "status", "version",
+        "_probe", "argument", "call", "consumers", "dtype", "high", "inner", "kinds", "low", "outer", "path", "ranged",
+        "ref", "shape", "status", "version",
     )
 
     #: ``path`` is where in the call's output (``"output[1]"``) or arguments (``"input[0]"``) the tensor is;
@@ -60,6 +94,8 @@ class TensorRecord:
         ranged: bool = True,
     ) -> None:
         self.path = path
+        #: For a tensor entering a model (a data call's record): the position or keyword of its argument.
+        self.argument: int | str | None = None
         self.dtype = tensor.dtype
         # The tensor itself is what identity and versions follow; what is probed
         # is its values (stats.values_to_read: a complex tensor's real view, a
@@ -107,7 +143,7 @@ class TensorRecord:
     def finite(cls, path: str | TensorRef, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:
         """The record of a tensor found finite earlier by its sum, no longer referred to."""
         record = cls.__new__(cls)
-        record.path, record.dtype, record.shape, record.call = path, dtype, shape, call
+        record.path, record.dtype, record.shape, record.call, record.argument = path, dtype, shape, call, None
         record.ref, record.version = _gone, 0  # type: ignore[assignment]  # called like a dead weakref
         record.status, record.consumers, record.outer, record.inner = "ok", [], None, None
         record._probe, record.low, record.high, record.kinds, record.ranged = None, math.nan, math.nan, _NONE, False
@@ -165,7 +201,9 @@ class Call:
         self.info = info
         self.module = module
         self.parent = parent
-        self.inputs: list[tuple[str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = []
+        # ``(path, argument, record, weak tensor, its version)`` of each tensor argument; ``argument`` is the
+        # position or keyword of the argument that holds it (argument_tensors).
+        self.inputs: list[tuple[str, int | str, TensorRecord | None, weakref.ref[torch.Tensor], int]] = []
         self.outputs: list[TensorRecord] = []
         self.finished = -1
         # Kinds that the outputs of calls made inside this one produced: a
@@ -247,9 +285,36 @@ def consumer_of(record: TensorRecord) -> Call | None:
 def gradient_label(record: TensorRecord, consumer: Call | None) -> TensorRef:
     """The gradient of ``input[0]`` as the consumer saw it, else of the producing call's output."""
     if consumer is not None:
-        for path, input_record, _ref, _version in consumer.inputs:
+        for path, _argument, input_record, _ref, _version in consumer.inputs:
             if input_record is record:
                 return TensorRef(TensorRole.OUTPUT_GRADIENT, None, path)
     owner = record.call.name if record.call is not None else None
     return TensorRef(TensorRole.OUTPUT_GRADIENT, owner or "", str(record.path))
 
+
+class Frame:
+    """A watched module call in progress (the module stack).
+
+    A passed-through call (transparent.py) has no ``call``; ``through`` is
+    the input it received. The forward hooks push it; a replay starts from
+    one (localize/call_replay.py).
+    """
+
+    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        info: ModuleInfo,
+        call: Call | None,
+        rng_state: RngState | None,
+        through: torch.Tensor | None = None,
+        known: KnownFinite | None = None,
+    ) -> None:
+        self.module = module
+        self.info = info
+        self.call = call
+        self.rng_state = rng_state
+        self.through = through
+        #: What was known of ``through`` when the call began.
+        self.known = known

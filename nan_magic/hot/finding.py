@@ -89,7 +89,7 @@ def mark_deliberate(finding: Finding, how: str) -> Finding:
 def named_inputs(call: Call) -> list[tuple[TensorRef, torch.Tensor]]:
     """The inputs of ``call`` still alive, detached, by path: a finding's inputs."""
     named = []
-    for path, _record, ref, _version in call.inputs:
+    for path, _argument, _record, ref, _version in call.inputs:
         tensor = ref()
         if tensor is not None:
             named.append((TensorRef.argument(path), tensor.detach()))

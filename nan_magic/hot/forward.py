@@ -2,7 +2,7 @@
 
 Global module hooks call :meth:`ForwardChecks.on_forward_pre` and
 :meth:`ForwardChecks.on_forward` for every module; only watched modules are
-recorded, on a module stack of :class:`~nan_magic.localize.call_replay.Frame`.
+recorded, on a module stack of :class:`~nan_magic.hot.call_records.Frame`.
 Each floating output gets one probe; the producer rule (producer.py) runs on
 the few that are non-finite, at once or at the deferred check. A forward
 producer is then replayed alone under the op tracer to name its op and line
@@ -22,25 +22,20 @@ cycle (``watch.cycle``, step_cycle.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.held import hold_arguments
+from nan_magic.hot.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.module_hooks import may_step_aside
 from nan_magic.hot.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
 from nan_magic.hot.targets import ModuleInfo
 from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
-from nan_magic.localize.call_replay import CallReplay, Frame
-from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.producer import ProducerRule
 from nan_magic.records import Phase
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
 
 __all__ = ["ForwardChecks", "HookGradient"]
 
@@ -52,13 +47,15 @@ class ForwardChecks:
     """Forward-pass checks of one watch: the module stack, and the producer rule it owns (:attr:`rule`)."""
 
     def __init__(
-        self, watch: Watch, replayer: CallReplay, origins: OpOrigins, hook_gradient: HookGradient | None
+        self, watch: ForwardHost, replayer: CallReplayer, rule: ProducerJudge, stack: list[Frame],
+        hook_gradient: HookGradient | None,
     ) -> None:
         self.watch = watch
-        self.stack: list[Frame] = []
+        #: The module stack, shared with the producer rule ``rule`` (the watch builds both).
+        self.stack = stack
         self.replayer = replayer
         self._hook_gradient = hook_gradient
-        self.rule = ProducerRule(watch.config, watch.defer, watch.log, watch.emit, replayer, origins, self.stack)
+        self.rule = rule
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self.watch.mine() or (self.stack and not self.watch.cycle.full_step):
@@ -221,15 +218,17 @@ class ForwardChecks:
         log = self.watch.log
         if prefix == "input" and len(values) == 1 and type(values[0]) is torch.Tensor:
             # The hot path, ``module(x)``: no walk of the arguments.
-            found = [("input[0]", values[0])] if is_checkable(values[0]) else []
+            found: list[tuple[str, int | str, torch.Tensor]] = (
+                [(FIRST_ARGUMENT, 0, values[0])] if is_checkable(values[0]) else []
+            )
         else:
-            found = iter_tensors(values, prefix)
-        for path, tensor in found:
+            found = argument_tensors(values, prefix)
+        for path, argument, tensor in found:
             if log.is_unseen(tensor):
                 record = log.adopt(tensor)
                 if self._hook_gradient is not None:
                     self._hook_gradient(record, tensor)
-            log.note_input(call, path, tensor)
+            log.note_input(call, path, argument, tensor)
 
     def _computed_by_parent(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a value of the running parent's own code, which a replay can reach.
@@ -260,12 +259,13 @@ class ForwardChecks:
         too, judged as that call's backward (a frozen model has no parameter
         gradient to show it).
         """
-        tensors = list(iter_tensors(values, prefix, self.watch.skipped))
+        tensors = argument_tensors(values, prefix, self.watch.skipped)
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)
-        for path, tensor in tensors:
+        for path, argument, tensor in tensors:
             record = self.watch.log.record_output(call, path, tensor)
+            record.argument = argument
             if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
                 # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
                 # would stay on it after the watch.
@@ -275,7 +275,7 @@ class ForwardChecks:
         if not self.watch.defer:
             for record in call.outputs:
                 self.rule.judge(call, record)
-            for (path, tensor), record in zip(tensors, call.outputs):
+            for (path, _argument, tensor), record in zip(tensors, call.outputs):
                 if record.status == "benign":
                     continue  # a deliberate mask is no batch to warn about
                 probe = (record.low, record.high)

@@ -27,21 +27,16 @@ import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from nan_magic.hot.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.finding import Finding, record_ref
+from nan_magic.hot.hosts import GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.loss_region import describe_loss_region, loss_region_nodes
 from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
-from nan_magic.localize.entering import entering_tensors, saved_leaves
-from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.origins import attach_origin
 from nan_magic.records import LOSS, Phase, TensorRef, TensorRole
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
 
@@ -55,9 +50,11 @@ class GradientChecks:
     ``replay_backward`` is None where calls keep no arguments to replay.
     """
 
-    def __init__(self, watch: Watch, origins: OpOrigins, replay_backward: ReplayBackward | None) -> None:
+    def __init__(self, watch: GradientHost, origins: OriginFinder, loss_code: LossCodeReads,
+                 replay_backward: ReplayBackward | None) -> None:
         self.watch = watch
         self.origins = origins
+        self._loss_code = loss_code
         self._replay_backward = replay_backward
         self.loss_record: TensorRecord | None = None
         # The id of the tensor the last backward started from: the deferred check's replay of the loss
@@ -112,7 +109,7 @@ class GradientChecks:
             nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)
             # Backward frees what they saved; the data among it is judged at the check.
-            self.loss_data = saved_leaves(nodes)
+            self.loss_data = self._loss_code.saved_leaves(nodes)
 
     @property
     def last_loss(self) -> float | None:
@@ -165,7 +162,7 @@ class GradientChecks:
         # code's product, not data, even where it needs no gradient (computed from a detached model output).
         entered = [
             (label, tensor)
-            for label, tensor in entering_tensors(
+            for label, tensor in self._loss_code.entering_tensors(
                 loss, watch.log.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
             )
             if not self.origins.made_by_recorded_code(tensor)
@@ -272,10 +269,7 @@ class GradientChecks:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.
             loss = self.loss_record.ref() if self.loss_record is not None else None
-            origin = watch.outside.claim_backward(loss, self.loss_key) if watch.outside is not None else None
-            if origin is not None:
-                attach_origin(finding, origin)
-            else:
+            if not self.origins.claim_loss_backward(finding, loss, self.loss_key):
                 # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
                 # model's own backward adds to where the model also consumed it (an output_hidden_states), or
                 # another model's backward made (a GAN's discriminator, during the generator's update). The

@@ -36,32 +36,31 @@ gives the argument and the conditions).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from nan_magic.distributed.ranks import data_parallel_paths, local_shard, unflattened_name, user_name
-from nan_magic.errors.frames import pointer_at, user_line
+from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_name
+from nan_magic.errors.frames import user_line
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
 from nan_magic.hot.headroom import Headroom
+from nan_magic.hot.hosts import OptimizerHost
 from nan_magic.hot.iterations import Iterations
+from nan_magic.hot.optim_reports import ReplayStep, StepReports
 from nan_magic.hot.stats import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
     dot_norm,
     is_checkable,
-    kinds_of,
     norms,
     read_scalars,
-    relevant_kinds,
     version_of,
 )
 from nan_magic.hot.step_layout import (
@@ -69,23 +68,11 @@ from nan_magic.hot.step_layout import (
     Layout,
     StepResult,
     bounded_step,
-    group_eps,
-    group_lr,
     wild_hyperparameters,
 )
-from nan_magic.records import Cause, Phase, SourcePointer, TensorRef
+from nan_magic.records import Cause
 
-if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.lifecycle.watch import Watch
-
-__all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks", "ReplayStep"]
-
-#: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
-#: line that called the step (None: the line calling it now); localize/optimizer_replay.py.
-#: The last argument is a copy of the parameter taken before the step, where one was (headroom.py).
-ReplayStep = Callable[
-    [Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None, torch.Tensor | None], None]
-
+__all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks"]
 
 #: Consecutive steps skipped by a GradScaler after which the scale counts as collapsing.
 COLLAPSE_SKIPS = 15
@@ -93,20 +80,19 @@ COLLAPSE_SKIPS = 15
 #: A bounded step's parameters are still checked every this many steps.
 FULL_CHECK_EVERY = 16
 
+
 class OptimizerChecks:
     """Optimizer step hooks and the GradScaler rule for one watch.
 
-    ``add_op_origin`` (:meth:`OpOrigins.add_op_origin`, given by the watch)
-    names the op that started a non-finite gradient or parameter;
-    ``replay_step`` (where no op tracer watches the steps) the op of a step
-    that made a parameter or its state non-finite.
+    ``add_op_origin`` and ``replay_step`` name the op behind a finding
+    (:class:`~nan_magic.hot.optim_reports.StepReports`).
     """
 
-    def __init__(self, watch: Watch, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
+    def __init__(self, watch: OptimizerHost, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
                  replay_step: ReplayStep | None = None) -> None:
         self.watch = watch
-        self._add_op_origin = add_op_origin
-        self._replay_step = replay_step
+        #: What a non-finite read at a step is reported as (optim_reports.py).
+        self.reports = StepReports(watch, add_op_origin, replay_step)
         #: Training iterations completed, from the optimizer steps seen (iterations.py).
         self.iterations = Iterations(watch.targets.optimizers)
         self.pending_overflow: Finding | None = None
@@ -133,8 +119,9 @@ class OptimizerChecks:
         # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
         self._hot: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._hot_enabled = not watch.defer
-        # Half-precision parameters near their limit, copied before each step for its replay (headroom.py).
-        self._headroom = Headroom() if replay_step is not None else None
+        # Half-precision parameters near their limit, copied before each step for its replay (headroom.py);
+        # the reports note them from each step result judged finite.
+        self._headroom = self.reports.headroom = Headroom() if replay_step is not None else None
         self._before: dict[int, torch.Tensor] = {}
 
     # -- hooks -------------------------------------------------------------------
@@ -186,7 +173,7 @@ class OptimizerChecks:
         backward when it is unchanged since (see "Hot gradients"), else a dot
         now. No Python per parameter beyond fetching its ``.grad``: which
         gradient a norm belongs to is only worked out at an event
-        (:meth:`_report_gradients`), by measuring them again one by one.
+        (:meth:`StepReports.gradients`), by measuring them again one by one.
         """
         hot, self._hot = self._hot, {}
         if layout.generic:
@@ -226,30 +213,6 @@ class OptimizerChecks:
         named = [(name, local_shard(parameter.grad)) for name, parameter in layout.floating]
         return [(name, grad) for name, grad in named if grad is not None]
 
-    def _report_gradients(self, opt: torch.optim.Optimizer, layout: Layout) -> bool:
-        """A gradient norm read non-finite: report the first non-finite gradient; True when one was.
-
-        The cold path: each gradient is measured again, by name. Every
-        element finite while a norm overflowed is a warning, not an event
-        (our own read overflowed).
-        """
-        watch = self.watch
-        with_grad = self._named_gradients(layout)
-        values = read_scalars(norms([grad for _name, grad in with_grad]))
-        for (name, grad), value in zip(with_grad, values):
-            if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
-                finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
-                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
-                finding.optimizer = type(opt).__name__
-                self.attribute(finding)
-                self._add_op_origin(finding, grad)
-                watch.emit(finding)
-                return True
-        overflowed = [name for (name, _grad), value in zip(with_grad, values) if not math.isfinite(value)]
-        cycle = watch.cycle
-        cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
-        return False
-
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before a step: the previous step's result, then the gradients about to be applied.
 
@@ -275,7 +238,7 @@ class OptimizerChecks:
         def judge_carried(values: list[float]) -> None:
             # The previous step's result first: the forward since read what it made non-finite.
             if carried is not None:
-                finite.append(not self._report_step_result(carried, values[: len(carried_norms)]))
+                finite.append(not self.reports.step_result(carried, values[: len(carried_norms)]))
 
         values = watch.cycle.sync(carried_norms + grad_norms, judge_carried)
         if finite and finite[0]:
@@ -286,7 +249,7 @@ class OptimizerChecks:
         # hypot: NaN if any value is, inf if any is; never overflows on finite values.
         self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
         nonfinite = self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm)
-        if nonfinite and self._report_gradients(opt, layout):
+        if nonfinite and self.reports.gradients(opt, self._named_gradients(layout)):
             return
         # (A NaN norm makes the hypot non-finite; max() alone would skip it.)
         small = self.last_grad_norm is None or (
@@ -318,7 +281,7 @@ class OptimizerChecks:
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
                 result.caller = None if self._bounded else user_line(sys._getframe(1))
                 self.carried = result
-            elif not self._report_step_result(result, read_scalars(result.norms)):
+            elif not self.reports.step_result(result, read_scalars(result.norms)):
                 watch.on_finite_step()
         finally:
             self.in_step = False
@@ -361,50 +324,13 @@ class OptimizerChecks:
         never read by a forward since, would otherwise leave the watch unseen.
         """
         carried, self.carried = self.carried, None
-        if carried is not None and not self._report_step_result(carried, read_scalars(carried.norms)):
+        if carried is not None and not self.reports.step_result(carried, read_scalars(carried.norms)):
             self.watch.on_finite_step()
         unchecked, self._unchecked = self._unchecked, {}
         for opt, step in unchecked.values():
             result = self._step_result(opt, step, True)
-            if self.watch.outcome.stopped or self._report_step_result(result, read_scalars(result.norms)):
+            if self.watch.outcome.stopped or self.reports.step_result(result, read_scalars(result.norms)):
                 return
-
-    def _report_step_result(self, result: StepResult, values: list[float]) -> bool:
-        """Report what the step made non-finite; True when it did."""
-        for index, (tensor, value) in enumerate(zip(result.updated, values)):
-            if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
-                continue
-            label = result.label(index)
-            # A bounded step cannot make a finite parameter non-finite (step_layout.py): code outside the
-            # optimizer wrote it (a hand edit, a loaded checkpoint), a value no watched code produced.
-            phase = Phase.DATA if result.bounded else Phase.OPTIMIZER
-            finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
-            self.attribute(finding)
-            self._add_op_origin(finding, tensor)
-            if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
-                parameter, key = result.owner(index)
-                caller = pointer_at(*result.caller) if result.caller is not None else None
-                self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
-            subject = label.name
-            optimizer = type(result.optimizer).__name__
-            finding.optimizer = optimizer
-            finding.optimizer_eps = group_eps(result.optimizer, tensor)
-            finding.optimizer_lr = group_lr(result.optimizer, tensor)
-            if result.bounded:
-                since = ("since the watch began" if result.previous_check is None
-                         else f"since it was last checked finite, after step {result.previous_check}")
-                finding.notes.append(
-                    f"{subject} was non-finite after the {optimizer} step of step {result.step}; the steps {since} "
-                    "were bounded steps, which cannot make a finite parameter non-finite short of the float32 "
-                    "limit: code outside the optimizer wrote it"
-                )
-            else:
-                finding.notes.append(f"the {optimizer} step made {subject} non-finite")
-            self.watch.emit(finding)
-            return True
-        if self._headroom is not None:
-            self._headroom.observe(result, values)
-        return False
 
     # -- GradScaler ------------------------------------------------------------------
 
@@ -463,7 +389,7 @@ class OptimizerChecks:
                 self.watch.config.kinds,
             )
             if finding is not None:
-                self.attribute(finding)
+                self.reports.attribute(finding)
         if finding is None:
             return
         self.skipped_in_a_row += 1
@@ -545,26 +471,6 @@ class OptimizerChecks:
         return [
             (names[id(parameter)], parameter) for group in opt.param_groups for parameter in group["params"]
         ]
-
-    def attribute(self, finding: Finding) -> None:
-        """Name the module that owns the parameter in ``finding.tensor``.
-
-        By the watch's names (targets.py), not ``get_submodule``: those are the
-        user's names, which a wrapper's module tree does not have (DDP's
-        ``module.``), and the user's types (not ``FullyShardedDataParallel``).
-        FSDP1's flat parameter is named as the user's parameter it holds the
-        non-finite element of (:func:`unflattened_name`).
-        """
-        parameter_name = finding.tensor.name or ""
-        unflattened = unflattened_name(parameter_name, (root for _label, root in self.watch.targets.roots), finding.bad)
-        if unflattened != parameter_name:
-            finding.tensor = dataclasses.replace(finding.tensor, name=unflattened)
-            parameter_name = unflattened
-        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
-        info = self.watch.targets.info_by_name(owner)
-        if info is not None:
-            finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
-
 
 #: The small CPU gradients of a step are copied into one flat buffer for their norm up to this many elements
 #: in all (16 MB of float32); beyond, a norm per gradient costs less than the copy.

@@ -40,12 +40,10 @@ from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.early import EarlyWarnings
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import GradientChecks, check_parameter_grads
+from nan_magic.hot.hosts import CodeRecorder, OriginFinder, StepReplayer
 from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.stats import read_scalars
 from nan_magic.hot.step_log import StepLog
-from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.outside import OutsideRecorder
-from nan_magic.localize.step_replay import StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Phase, StepSummary
 
@@ -122,9 +120,9 @@ class StepCycle:
         gradients: GradientChecks,
         optimizers: OptimizerChecks,
         judge_forward: JudgeForward,
-        replays: StepReplays | None,
-        origins: OpOrigins,
-        outside: OutsideRecorder | None,
+        replays: StepReplayer | None,
+        origins: OriginFinder,
+        outside: CodeRecorder | None,
         outcome: Outcome,
         lockstep: Lockstep,
         emit: Callable[[Finding], None],
@@ -426,7 +424,7 @@ class StepCycle:
                "no optimizer stepped after this backward: its parameter gradients were read when it ended")
         finding = check_parameter_grads(named, why, self.config.kinds)
         if finding is not None:
-            self.optimizers.attribute(finding)
+            self.optimizers.reports.attribute(finding)
             self.origins.add_op_origin(finding, finding.bad)  # the op, where the op tracer saw it start
             self._emit(finding)
 

@@ -261,14 +261,14 @@ class StepLog:
         self._by_id[id(tensor)] = record
         return record
 
-    def note_input(self, call: Call, path: str, tensor: torch.Tensor) -> None:
+    def note_input(self, call: Call, path: str, argument: int | str, tensor: torch.Tensor) -> None:
         record = self.lookup(tensor)
         if record is None:
             alias = self.alias_of(tensor)
             record = alias.record if alias is not None else None
         if record is not None:
             record.consumers.append(call)
-        call.inputs.append((path, record, weakref.ref(tensor), version_of(tensor)))
+        call.inputs.append((path, argument, record, weakref.ref(tensor), version_of(tensor)))
 
     def pending_records(self) -> list[TensorRecord]:
         return [record for call in self.calls for record in call.outputs if record.pending]

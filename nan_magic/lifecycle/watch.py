@@ -50,10 +50,12 @@ from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.fixes.runner import with_fixes
+from nan_magic.hot.call_records import Frame
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
 from nan_magic.hot.held import running_arguments
+from nan_magic.hot.hosts import LossCodeReads
 from nan_magic.hot.module_hooks import GlobalModuleHooks
 from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.step_cycle import StepCycle, wants_defer
@@ -63,10 +65,12 @@ from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.call_replay import CallReplay
+from nan_magic.localize.entering import entering_tensors, saved_leaves
 from nan_magic.localize.loop_writes import LoopWrites
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.optimizer_replay import name_optimizer_op
 from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.producer import ProducerRule
 from nan_magic.localize.samples import Samples
 from nan_magic.localize.step_replay import Producer, StepReplays
 from nan_magic.options import WatchConfig
@@ -307,13 +311,16 @@ class Watch:
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
         self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
-        self.gradients = GradientChecks(self, self.origins, replay_backward)
+        loss_code = LossCodeReads(saved_leaves=saved_leaves, entering_tensors=entering_tensors)
+        self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
         # Where no op tracer watches every step, an optimizer step's op is named by replaying it (ops mode traced it).
         replay_step = None if self.config.ops else functools.partial(name_optimizer_op, kinds=self.config.kinds)
         self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, replay_step)
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
-        self.forward = ForwardChecks(self, self.call_replay, self.origins, hook_gradient)
+        stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
+        rule = ProducerRule(self.config, self.defer, self.log, self.emit, self.call_replay, self.origins, stack)
+        self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
         #: The latest DataLoader batch's samples, fetched again at a data event (samples.py).
@@ -334,7 +341,8 @@ class Watch:
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
             lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
-                self.config.kinds, self._named_parameters, self.optimizers.attribute, self.emit, lambda: self.step,
+                self.config.kinds, self._named_parameters, self.optimizers.reports.attribute, self.emit,
+                lambda: self.step,
                 tracer=(lambda: self.origins.tracer) if self.config.ops else None,
             ),
         )

@@ -102,7 +102,7 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
             finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
             finding.notes.append("the gradients flowing into every module were finite; this parameter's "
                                  "own gradient formula made it")
-            inner.optimizers.attribute(finding)
+            inner.optimizers.reports.attribute(finding)
             inner.origins.add_op_origin(finding, grad)
             inner.emit(finding)
     return found

@@ -27,50 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import Alias, Call, KnownFinite, TensorRecord
+from nan_magic.hot.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.held import Resolved
 from nan_magic.hot.rng import RngState
 from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
 from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo
 from nan_magic.localize.origins import apply_op_finding
 from nan_magic.localize.replay import recompute, replay_backward, replay_module, run_again
 from nan_magic.options import WatchConfig
 from nan_magic.records import KINDS, Phase, TensorRef
 
-__all__ = ["REGENERATE_DEPTH", "CallReplay", "Frame", "caller_named"]
+__all__ = ["REGENERATE_DEPTH", "CallReplay", "caller_named"]
 
 #: How many calls back a backward replay recomputes freed inputs from.
 REGENERATE_DEPTH = 3
-
-
-class Frame:
-    """A watched module call in progress (the module stack).
-
-    A passed-through call (transparent.py) has no ``call``; ``through`` is
-    the input it received. Defined here, below the forward hooks that push
-    it, because a replay starts from one (:meth:`CallReplay.replay_into`).
-    """
-
-    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
-
-    def __init__(
-        self,
-        module: nn.Module,
-        info: ModuleInfo,
-        call: Call | None,
-        rng_state: RngState | None,
-        through: torch.Tensor | None = None,
-        known: KnownFinite | None = None,
-    ) -> None:
-        self.module = module
-        self.info = info
-        self.call = call
-        self.rng_state = rng_state
-        self.through = through
-        #: What was known of ``through`` when the call began.
-        self.known = known
 
 
 class CallReplay:
@@ -133,7 +104,7 @@ class CallReplay:
         if id(frame.module) in self.masks:
             finding.record.status = "benign"  # type: ignore[union-attr]
             return True
-        if any(_mutated(ref(), version) for _path, _record, ref, version in frame.call.inputs):
+        if any(_mutated(ref(), version) for _path, _argument, _record, ref, version in frame.call.inputs):
             finding.notes.append(
                 f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
                 "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
@@ -310,7 +281,7 @@ class CallReplay:
         call again, and used only if it holds the kinds the probe saw.
         """
         if not finding.inputs:
-            for path, held_record, ref, _version in call.inputs:
+            for path, _argument, held_record, ref, _version in call.inputs:
                 tensor = ref()
                 if tensor is None and held_record is not None:
                     tensor = arguments.by_record.get(id(held_record))

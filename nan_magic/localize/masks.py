@@ -49,8 +49,6 @@ from nan_magic.hot.stats import is_checkable, read_probe, version_of
 __all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_nothing"]
 
 _MASK_NAME = re.compile("mask", re.IGNORECASE)
-_POSITION = re.compile(r"^input\[(\d+)\]")
-_KEYWORD = re.compile(r"^kwargs\['([^']+)'\]")
 
 
 def names_a_mask(name: str | None) -> bool:
@@ -58,23 +56,19 @@ def names_a_mask(name: str | None) -> bool:
     return name is not None and _MASK_NAME.search(name) is not None
 
 
-def argument_name(module: nn.Module, path: str) -> str | None:
-    """The ``forward`` parameter name behind a recorded path (``input[3]``, ``kwargs['tgt_mask']``).
+def argument_name(module: nn.Module, argument: int | str | None) -> str | None:
+    """The ``forward`` parameter name of an argument, given by its position or keyword (call_records.py).
 
     Positional arguments are named from the signature of ``module.forward``;
-    ``None`` where the signature does not say (``*args``).
+    ``None`` where the signature does not say (``*args``) or the argument is unknown.
     """
-    keyword = _KEYWORD.match(path)
-    if keyword is not None:
-        return keyword.group(1)
-    position = _POSITION.match(path)
-    if position is None:
-        return None
+    if argument is None or isinstance(argument, str):
+        return argument
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
-    index = int(position.group(1))
+    index = argument
     if index < len(parameters) and parameters[index].kind in (
         inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
     ):

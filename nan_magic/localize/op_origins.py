@@ -125,6 +125,16 @@ class OpOrigins:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)
 
+    def claim_loss_backward(self, finding: Finding, loss: torch.Tensor | None, key: int | None) -> bool:
+        """Add the backward op of the recorded loss code that made ``finding``'s gradient non-finite; whether one did.
+
+        ``loss`` is what backward started from (None once freed: ``key``, its id then, finds its record).
+        """
+        origin = self.outside.claim_backward(loss, key) if self.outside is not None else None
+        if origin is not None:
+            attach_origin(finding, origin)
+        return origin is not None
+
     def explain_failure(self, error: BaseException) -> Finding | None:
         """The non-finite input of the op that raised ``error``, with the op that made it; None without one.
 

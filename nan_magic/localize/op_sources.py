@@ -62,7 +62,7 @@ _OWN_DIR = os.path.dirname(_ENGINE_DIR) + os.sep
 # The op tracer's own files: its frames stand between an op and whoever called it.
 _TRACER_FILES = frozenset(
     os.path.join(_ENGINE_DIR, name)
-    for name in ("op_tracer.py", "op_plans.py", "op_sources.py", "origins.py", "op_kinds.py")
+    for name in ("op_tracer.py", "op_plans.py", "op_sources.py", "origins.py", "op_kinds.py", "op_witnesses.py")
 )
 # Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
 # (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the
@@ -73,8 +73,10 @@ _RUNS_USER_CODE = tuple(
         os.path.join("patches", "backward.py"),
         os.path.join("localize", "replay.py"),
         os.path.join("localize", "step_replay.py"),
+        os.path.join("localize", "root_calls.py"),
         os.path.join("localize", "backward_replay.py"),
         os.path.join("localize", "outside.py"),
+        os.path.join("localize", "recorded_ops.py"),
         os.path.join("localize", "optimizer_replay.py"),
     )
 )

@@ -57,7 +57,8 @@ This module is the dispatch mode and the rules above; its parts live beside
 it: :mod:`~nan_magic.localize.op_plans` (what an op does, from its schema),
 :mod:`~nan_magic.localize.op_kinds` (reading kinds cheaply, once per tensor),
 :mod:`~nan_magic.localize.origins` (:class:`OpFinding` and the origins
-table) and :mod:`~nan_magic.localize.op_sources` (the user's line of an op).
+table), :mod:`~nan_magic.localize.op_sources` (the user's line of an op) and
+:mod:`~nan_magic.localize.op_witnesses` (an origin's tensors and frame).
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from nan_magic.errors.line_state import LineEnd, after_line
 from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
 from nan_magic.localize.masks import is_additive_mask, reduces_nothing
 from nan_magic.localize.op_kinds import KnownKinds, Prior, probe_priors, scalar_kinds
@@ -92,6 +92,7 @@ from nan_magic.localize.op_plans import (
     tensors,
 )
 from nan_magic.localize.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
+from nan_magic.localize.op_witnesses import OpWitnesses
 from nan_magic.localize.origins import BENIGN, OpFinding, Origin, Origins, op_samples
 from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
@@ -190,10 +191,8 @@ class OpTracer(TorchDispatchMode):
         #: Every origin started this step, in execution order (a replay cut short by an exception
         #: reports the first).
         self.started: list[OpFinding] = []
-        # id(origin finding) -> weak (label, tensor) of its output and inputs, for histograms.
-        self._witnesses: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
-        # id(forward origin finding) -> the user's frame that ran the op, for %debug (cleared each step).
-        self._frames: dict[int, LineEnd] = {}
+        # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
+        self._witnesses = OpWitnesses()
         #: Set by a replay (untouched.py): called with each tensor an op is about to write, even
         #: by a passive op or after the finding.
         self.before_write: Callable[[torch.Tensor], None] | None = None
@@ -213,22 +212,13 @@ class OpTracer(TorchDispatchMode):
         self.producer_tensors = ()
         if origins:
             kept = [(tensor, self._origins.entry(tensor)) for tensor in keep]
-            witnesses, frames = dict(self._witnesses), dict(self._frames)
             self.started.clear()
             self._origins.clear()
-            self._witnesses.clear()
-            self._frames.clear()
             self.benign_modules.clear()
             for tensor, entry in kept:
-                if entry is None:
-                    continue
-                self._origins.note(tensor, entry)
-                if isinstance(entry, Origin):
-                    key = id(entry.finding)
-                    if key in witnesses:
-                        self._witnesses[key] = witnesses[key]
-                    if key in frames:
-                        self._frames[key] = frames[key]
+                if entry is not None:
+                    self._origins.note(tensor, entry)
+            self._witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -248,7 +238,7 @@ class OpTracer(TorchDispatchMode):
         if isinstance(origin, OpFinding) and self.finding is None:
             with self._lock:
                 self.finding = origin
-                self.producer_tensors = self._witnessed(origin)
+                self.producer_tensors = self._witnesses.copies(origin)
         return origin
 
     def __enter__(self) -> Self:
@@ -459,10 +449,10 @@ class OpTracer(TorchDispatchMode):
             backward_code=backward_code,
             samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
         )
-        self._witnesses[id(finding)] = tuple(witnesses)
+        # %debug's frame (line_state.py): a forward op's, or a Python backward's.
+        frame = user_frame if not in_backward or backward_code else None
+        self._witnesses.note(finding, witnesses, frame)
         self.started.append(finding)
-        if (not in_backward or backward_code) and user_frame is not None:  # %debug's frame (line_state.py)
-            self._frames[id(finding)] = after_line(user_frame)
         origin = Origin(finding)
         if not in_backward:
             self._origins.note_memory(tensor, origin)
@@ -476,24 +466,13 @@ class OpTracer(TorchDispatchMode):
             if self.finding is not None:
                 return
             self.finding = origin.finding
-            self.producer_tensors = self._witnessed(origin.finding)
+            self.producer_tensors = self._witnesses.copies(origin.finding)
         if self._on_finding is not None:
             self._on_finding(origin.finding)
 
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
-        return self._frames[id(finding)].where() if id(finding) in self._frames else (None, None)
-
-    def _witnessed(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
-        """Copies of the op's output, then of its inputs still alive; none when the output is gone.
-
-        An intermediate output is often freed by the boundary where it is
-        claimed: the finding's statistics then stand for it and its inputs.
-        """
-        alive = [(label, ref()) for label, ref in self._witnesses.get(id(finding), ())]
-        if not alive or alive[0][1] is None:
-            return ()
-        return tuple((label, tensor.detach().clone()) for label, tensor in alive if tensor is not None)
+        return self._witnesses.frame_of(finding)
 
     # -- carrying origins on ---------------------------------------------------
 

@@ -48,23 +48,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import weakref
 from collections.abc import Sequence
-from types import CodeType, FrameType
-from typing import Any, NamedTuple
+from types import FrameType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
-from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
 from nan_magic.localize.op_plans import plan_of, run_op, tensors
 from nan_magic.localize.op_sources import user_frame
 from nan_magic.localize.op_tracer import OpTracer
 from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.recorded_ops import (
+    Gone,
+    RecordedOp,
+    WeakRecord,
+    copies_from_outside,
+    op_source,
+    rerun_op,
+    weak_record,
+)
 from nan_magic.localize.replay import map_tensors
-from nan_magic.records import SourcePointer
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
@@ -83,48 +89,6 @@ KEEP_TOTAL = 8 << 20
 _INERT = -1
 
 
-class _Op(NamedTuple):
-    """One recorded op (a named tuple: one is made per op of the code outside the models, every step)."""
-
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    out: Any
-    code: CodeType | None
-    lineno: int
-    globals: dict[str, Any] | None
-    # The user's frame that ran the op and its ``f_lasti`` then, for %debug (dropped at ``weaken`` unless
-    # that frame is still running: a returned helper's frame would keep its locals alive through backward).
-    frame: FrameType | None = None
-    lasti: int = -1
-
-
-class _Weak:
-    """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded.
-
-    A small one keeps its values (``kept``, detached: holding the tensor itself
-    would keep its autograd node, and every tensor that node saved, alive
-    through backward); ``requires_grad`` is the original's, for a replay of
-    the backward. Not a tuple: pytree would walk into one.
-    """
-
-    __slots__ = ("kept", "key", "ref", "requires_grad")
-
-    def __init__(self, ref: weakref.ref[torch.Tensor], key: int, kept: torch.Tensor | None,
-                 requires_grad: bool) -> None:
-        self.ref, self.key, self.kept, self.requires_grad = ref, key, kept, requires_grad
-
-
-class _Gone(Exception):
-    """A tensor a replay needs was freed (only weak references are kept during backward)."""
-
-
-def _weak(value: torch.Tensor, keep: bool = False) -> _Weak:
-    # A tensor without an autograd node (the batch's labels) is kept as it is: there is no node to hold.
-    kept = (value if value.grad_fn is None else value.detach()) if keep else None
-    return _Weak(weakref.ref(value), id(value), kept, value.requires_grad)
-
-
 def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(storage key, bytes)`` of what holding ``tensor`` keeps alive (a view keeps its whole base), or None."""
     try:
@@ -134,29 +98,21 @@ def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _running_frames() -> set[int]:
+    """The ids of the frames still running in this thread."""
+    running = set()
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return running
+
+
 def _held_bytes(tensor: torch.Tensor) -> int:
     """What holding ``tensor`` keeps alive, as :meth:`OutsideRecorder.weaken`'s shortcut counts it: a large
     one (or one with no storage of its own) past :data:`KEEP_TOTAL` by itself, so that it is held weakly."""
     size = _storage_bytes(tensor)
     return KEEP_TOTAL + 1 if size is None or size[1] > KEEP_BYTES else size[1]
-
-
-def _key(value: Any) -> int | None:
-    """The recorded tensor's id, for a tensor or a :class:`_Weak`; None for anything else."""
-    if isinstance(value, torch.Tensor):
-        return id(value)
-    return value.key if isinstance(value, _Weak) else None
-
-
-def _alive(value: Any) -> torch.Tensor:
-    if isinstance(value, _Weak):
-        tensor = value.ref()
-        if tensor is None:
-            tensor = value.kept
-        if tensor is None:
-            raise _Gone
-        return tensor
-    return value
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -180,7 +136,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._budget = 0
         self._region = "loss"
         self._entry = False
-        self._ops: list[_Op] = []
+        self._ops: list[RecordedOp] = []
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
         # Bytes of the storages the records hold (over-counted: a storage seen twice counts twice), a large
@@ -259,7 +215,7 @@ class OutsideRecorder(TorchDispatchMode):
             return
         kept: set[int] = set()  # storages held, each counted once
         total = 0
-        made: dict[int, _Weak] = {}  # one record per tensor: an op's output is often the next op's input
+        made: dict[int, WeakRecord] = {}  # one record per tensor: an op's output is often the next op's input
 
         def weak_unless_small(value: torch.Tensor) -> Any:
             weak = made.get(id(value))
@@ -267,21 +223,17 @@ class OutsideRecorder(TorchDispatchMode):
                 weak = made[id(value)] = weaken_one(value)
             return weak
 
-        def weaken_one(value: torch.Tensor) -> _Weak:
+        def weaken_one(value: torch.Tensor) -> WeakRecord:
             nonlocal total
             size = _storage_bytes(value)
             if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
                 if size[0] not in kept:
                     kept.add(size[0])
                     total += size[1]
-                return _weak(value, keep=True)
-            return _weak(value)
+                return weak_record(value, keep=True)
+            return weak_record(value)
 
-        running = set()  # the frames still running (holding them costs nothing); a returned one is let go
-        frame: FrameType | None = sys._getframe()
-        while frame is not None:
-            running.add(id(frame))
-            frame = frame.f_back
+        running = _running_frames()  # holding them costs nothing; a returned one is let go
         self._ops = [
             op._replace(args=_swapped(weak_unless_small, op.args),
                         kwargs=_swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
@@ -292,11 +244,7 @@ class OutsideRecorder(TorchDispatchMode):
 
     def _let_go_of_returned_frames(self) -> None:
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals)."""
-        running = set()
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            running.add(id(frame))
-            frame = frame.f_back
+        running = _running_frames()
         for index, op in enumerate(self._ops):
             if op.frame is not None and id(op.frame) not in running:
                 self._ops[index] = op._replace(frame=None)
@@ -335,7 +283,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._budget -= 1
         frame = user_frame(sys._getframe(1))
         index = len(self._ops)
-        self._ops.append(_Op(func, tuple(args), kwargs, out, frame.f_code if frame else None,
+        self._ops.append(RecordedOp(func, tuple(args), kwargs, out, frame.f_code if frame else None,
                              frame.f_lineno if frame else 0, frame.f_globals if frame else None,
                              frame, frame.f_lasti if frame else -1))
         if isinstance(out, torch.Tensor):  # most ops: no walk of a pytree
@@ -346,9 +294,13 @@ class OutsideRecorder(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
                     self._held_bytes += _held_bytes(tensor)
-        for value in args:  # what came from outside (a model's logits); an earlier op's output counts again
+        # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
+        # counts again.
+        for value in (*args, *kwargs.values()):
             if type(value) is torch.Tensor:
                 self._held_bytes += _held_bytes(value)
+            elif type(value) is list or type(value) is tuple:
+                self._held_bytes += sum(_held_bytes(item) for item in value if type(item) is torch.Tensor)
         return out
 
     def recorded(self) -> int:
@@ -388,20 +340,20 @@ class OutsideRecorder(TorchDispatchMode):
         if ops is None:
             return None
         tracer = OpTracer(kinds=self.kinds)
-        producer: _Op | None = None
+        producer: RecordedOp | None = None
         try:
-            copies, _requiring = _copies_of_what_came_from_outside(ops, self.before)
+            copies, _requiring = copies_from_outside(ops, self.before)
             with torch.no_grad(), self._generators_as_recorded(), tracer:
                 for op in ops:
-                    self._run(op, copies)
+                    rerun_op(op, copies)
                     if tracer.finding is not None:
                         producer = op
                         break
-        except _Gone:
+        except Gone:
             return None
         if tracer.finding is None or producer is None:
             return None
-        finding = dataclasses.replace(tracer.finding, source=_source(producer), inner_source=None)
+        finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
         position = (producer.lasti, producer.lineno) if producer.frame is not None else None
         self._witness = (finding, tracer.producer_tensors, producer.frame, position)
         return finding
@@ -442,11 +394,11 @@ class OutsideRecorder(TorchDispatchMode):
         # absorbed (a clamp of log(0)) is not the producer; the backward op that read it is.
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         try:
-            copies, requiring = _copies_of_what_came_from_outside(ops)
+            copies, requiring = copies_from_outside(ops)
             with torch.enable_grad(), self._generators_as_recorded(), tracer:
                 for op in ops:
                     before = torch._C._autograd._get_sequence_nr()
-                    self._run(op, copies)
+                    rerun_op(op, copies)
                     if op.code is not None:
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
@@ -460,7 +412,7 @@ class OutsideRecorder(TorchDispatchMode):
                     for grad in grads:
                         if grad is not None and tracer.finding is None:
                             tracer.claim(grad)
-        except _Gone:
+        except Gone:
             return None
         return tracer.finding
 
@@ -468,38 +420,24 @@ class OutsideRecorder(TorchDispatchMode):
         """The generators as the region's first random op found them (the same draws); the user's put back."""
         return generators_at(self._rng)
 
-    def _ops_to(self, tensor: torch.Tensor) -> list[_Op] | None:
+    def _ops_to(self, tensor: torch.Tensor) -> list[RecordedOp] | None:
         """The recorded ops up to the one that returned ``tensor``; None when none did."""
         index = self._produced.get(id(tensor))
         if index is None:
             return None
         outs = tree_leaves(self._ops[index].out)
-        if not any(out is tensor or (isinstance(out, _Weak) and out.ref() is tensor) for out in outs):
+        if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
             return None
         return self._ops[: index + 1]
 
-    def _ops_to_key(self, key: int) -> list[_Op] | None:
+    def _ops_to_key(self, key: int) -> list[RecordedOp] | None:
         """:meth:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
         index = self._produced.get(key)
         if index is None:
             return None
-        if not any(isinstance(out, _Weak) and out.key == key for out in tree_leaves(self._ops[index].out)):
+        if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(self._ops[index].out)):
             return None
         return self._ops[: index + 1]
-
-    @staticmethod
-    def _run(op: _Op, copies: dict[int, torch.Tensor]) -> None:
-        """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
-        def swap(value: Any) -> Any:
-            key = _key(value)
-            return value if key is None else copies.get(key) if key in copies else _alive(value)
-
-        out = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
-        for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
-            key = _key(old)
-            if key is not None:
-                copies[key] = new
-
 
 def _swapped(swap: Any, value: Any) -> Any:
     """:func:`~nan_magic.localize.replay.map_tensors` for what a dispatched op takes and returns, faster.
@@ -533,31 +471,3 @@ def _seeded(func: Any) -> bool:
     return seeded
 
 
-def _copies_of_what_came_from_outside(
-    ops: list[_Op], before: dict[int, torch.Tensor] | None = None
-) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
-    """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
-
-    A replayed in-place op leaves the originals alone; a copy of a tensor
-    that required gradients (a model output) requires them too, for a
-    replay of the backward. ``before``: values copied before an op wrote them in place.
-    """
-    made: set[int] = set()
-    copies: dict[int, torch.Tensor] = {}
-    requiring: list[torch.Tensor] = []
-    with torch.no_grad():
-        for op in ops:
-            for value in tree_leaves((op.args, op.kwargs)):
-                key = _key(value)
-                if key is not None and key not in made and key not in copies:
-                    original = before[key] if before and key in before else _alive(value)
-                    copy = copies[key] = original.detach().clone()
-                    # A kept value is a detached one: its record says whether the original required gradients.
-                    if value.requires_grad and copy.is_floating_point():
-                        requiring.append(copy.requires_grad_())
-            made.update(key for key in map(_key, tree_leaves(op.out)) if key is not None)
-    return copies, requiring
-
-
-def _source(op: _Op) -> SourcePointer | None:
-    return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None

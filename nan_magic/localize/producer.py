@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.call_records import Call, TensorRecord
+from nan_magic.hot.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord
 from nan_magic.hot.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.held import running_arguments
 from nan_magic.hot.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats, version_of
 from nan_magic.hot.step_log import StepLog
-from nan_magic.localize.call_replay import CallReplay, Frame, caller_named
+from nan_magic.localize.call_replay import CallReplay, caller_named
 from nan_magic.localize.masks import DeliberateMasks, argument_name
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.origins import OpFinding
@@ -85,7 +85,7 @@ class ProducerRule:
             return
         tensor = record.live()
         if call.phase == Phase.DATA:
-            if self.is_benign_input(call, str(record.path), tensor, record):
+            if self.is_benign_input(call, str(record.path), record.argument, tensor, record):
                 self._note_mask(call, record, tensor, "an infinite mask given as an argument")
                 return
             finding = Finding(Phase.DATA, call, record_ref(record, TensorRole.INPUT), bad=_detached(tensor),
@@ -206,7 +206,7 @@ class ProducerRule:
         which is non-finite now (changed in place since), was made by the
         caller's own code.
         """
-        for path, record, ref, version in call.inputs:
+        for path, argument, record, ref, version in call.inputs:
             if record is not None and record.call is not None and record.kinds:
                 continue
             tensor = ref()
@@ -214,7 +214,7 @@ class ProducerRule:
                 continue
             # A deliberate mask the caller made is no fault of its own code.
             if relevant_kinds(kinds_of(tensor), self.kinds) and not self.is_benign_input(
-                call, path, tensor, record
+                call, path, argument, tensor, record
             ):
                 return path, tensor
         return None
@@ -247,7 +247,7 @@ class ProducerRule:
         """
         kinds: set[str] = set()
         deliberate: set[str] = set()
-        for path, record, ref, version in call.inputs:
+        for path, argument, record, ref, version in call.inputs:
             tensor = ref()
             if tensor is not None and version_of(tensor) == version:
                 found = kinds_of(tensor)
@@ -260,7 +260,9 @@ class ProducerRule:
                 continue
             if not found:
                 continue
-            if (record is not None and record.status == "benign") or self.is_benign_input(call, path, tensor, record):
+            if (record is not None and record.status == "benign") or self.is_benign_input(
+                call, path, argument, tensor, record
+            ):
                 deliberate |= found
             else:
                 kinds |= found
@@ -282,16 +284,17 @@ class ProducerRule:
     # -- deliberate infinities (masks.py) ---------------------------------------------
 
     def is_benign_input(
-        self, call: Call, path: str, tensor: torch.Tensor | None, record: TensorRecord | None = None
+        self, call: Call, path: str, argument: int | str | None, tensor: torch.Tensor | None,
+        record: TensorRecord | None = None,
     ) -> bool:
-        """Whether a non-finite argument of ``call`` (at ``path``) is a deliberate mask (masks.py).
+        """Whether a non-finite argument of ``call`` (at ``path``, in its ``argument``) is a deliberate mask (masks.py).
 
         ``tensor`` is the live value; when it is gone, ``record``'s probe
         decides, which takes a name that says mask.
         """
-        name = argument_name(call.module, path) if call.module is not None else None
+        name = argument_name(call.module, argument) if call.module is not None else None
         if tensor is not None:
-            return self.deliberate.is_mask(tensor, name, first=path == "input[0]")
+            return self.deliberate.is_mask(tensor, name, first=path == FIRST_ARGUMENT)
         return record is not None and self.deliberate.probe_is_mask(record.low, record.high, name)
 
     def _mask_buffer_kinds(self, call: Call) -> frozenset[str]:

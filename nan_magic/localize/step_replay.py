@@ -35,32 +35,26 @@ the report is what the boundary check saw, and says so.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from nan_magic.distributed.ranks import is_sharded
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.buffer_copies import BufferCopies
 from nan_magic.hot.finding import Finding
-from nan_magic.hot.held import running_arguments
-from nan_magic.hot.rng import AutocastState, RngState, capture_autocast, capture_rng_state, generators_at
-from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
-from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
-from nan_magic.localize.replay import copy_tensors, swapped_buffers
-from nan_magic.localize.untouched import untouched
+from nan_magic.hot.rng import RngState, capture_autocast, capture_rng_state
+from nan_magic.hot.stats import iter_tensors, version_of
+from nan_magic.localize.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
-from nan_magic.records import Phase, Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Phase, Report, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -69,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.localize.call_replay import CallReplay
     from nan_magic.records import EarlyWarning, StepSummary
 
-__all__ = ["NestedWatch", "Producer", "ReplayHost", "RootCall", "StepReplays", "replay_target"]
+__all__ = ["Producer", "ReplayHost", "StepReplays"]
 
 #: The frame that ran a producing op, and where it was then: ``(frame, (f_lasti, f_lineno))`` (frames.py).
 Producer = tuple[FrameType | None, tuple[int, int] | None]
@@ -78,66 +72,6 @@ Producer = tuple[FrameType | None, tuple[int, int] | None]
 #: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed. A call
 #: is released when an optimizer has stepped every trainable parameter of its model.
 MAX_CALLS = 8
-
-
-@dataclass
-class RootCall:
-    """What one top-level call of a watched model needs to be run again."""
-
-    module: nn.Module
-    info: ModuleInfo
-    args: tuple[Any, ...]
-    rng: RngState
-    grad_enabled: bool
-    autocast: AutocastState | None
-    #: ``id(buffer)`` -> its value before the call, for the buffers the call may change.
-    buffers: dict[int, torch.Tensor]
-    versions: list[tuple[torch.Tensor, int]]
-    buffer_versions: list[tuple[torch.Tensor, int]]
-    #: The buffers copied into ``buffers``, in order (a later call of the model reuses the copies: buffer_copies.py).
-    buffer_sources: list[torch.Tensor] = field(default_factory=list)
-    #: The watch's record of the call.
-    call: Call | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    #: Whether the call returned (its keyword arguments are known then: global pre-hooks never see them).
-    returned: bool = False
-    #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
-    output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
-    outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
-
-    def awaits_backward(self) -> bool:
-        """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
-        return any(ref() is not None for ref in self.outputs)
-
-
-@dataclass
-class _Outcome:
-    """What one replay found: the nested watch's report, the producer's frame, the boundary's stats."""
-
-    report: Report | None = None
-    #: The replay's first benign event, where it found no real one (a deliberate infinity).
-    benign: Report | None = None
-    frame: FrameType | None = None
-    #: ``(f_lasti, f_lineno)`` of ``frame`` when the op ran (the replay ran on to its end).
-    position: tuple[int, int] | None = None
-    boundary: TensorStats | None = None
-    failure: BaseException | None = None
-    why_not: str | None = None
-
-
-def replay_target(module: nn.Module) -> nn.Module | None:
-    """The eager module a replay runs: ``_orig_mod`` of a compiled model, ``module`` of DDP.
-
-    None for a model sharded by FSDP: its forward gathers parameters with
-    collectives that the other ranks would have to join.
-    """
-    if is_sharded(module):
-        return None
-    unwrapped = getattr(module, "_orig_mod", module)
-    if isinstance(unwrapped, nn.parallel.DistributedDataParallel):
-        unwrapped = unwrapped.module
-    return unwrapped
 
 
 class _Cycle(Protocol):
@@ -170,11 +104,6 @@ class ReplayHost(Protocol):
 
     @property
     def warnings(self) -> Iterable[EarlyWarning]: ...
-
-
-#: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
-#: ValueError when the model cannot be replayed (a compiled submodule inside).
-NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
 
 
 class StepReplays:
@@ -340,7 +269,7 @@ class StepReplays:
             why = ("no gradient flowing into the model's outputs was held for this step" if backward
                    else f"its model call was no longer held (more than {MAX_CALLS} calls in the step)")
             return self._not_replayed(seen, why), (finding.frame, None)
-        outcome, root = _Outcome(), candidates[0]
+        outcome, root = Outcome(), candidates[0]
         for root in candidates:
             outcome = self._run(root, backward, boundary)
             if outcome.report is not None:
@@ -393,71 +322,9 @@ class StepReplays:
         report = dataclasses.replace(report, notes=(*report.notes, note.rstrip(": ")))
         return report, (outcome.frame, outcome.position), error
 
-    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> _Outcome:
-        """Run ``root`` again under a nested full watch with op-level tracing."""
-        model = self.model_of(root.module)
-        target = replay_target(root.module)
-        if target is None or model is None:
-            return _Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
-        config = dataclasses.replace(
-            self.watch.config, mode="full", ops=True, defer=False, on_detect="log",
-            log_file=None, dump=None, keep_last_good=None,
-        )
-        # The whole model is watched, so that a submodule called at top level keeps its qualified name
-        # (a compiled submodule inside runs eagerly, as the replayed model does: module_hooks.py).
-        inner = self._nested(model, root.info.model, config)
-        outcome = _Outcome()
-        with contextlib.ExitStack() as stack:
-            guard = stack.enter_context(untouched(target))
-            stack.enter_context(self.watch.call_replay.standing_aside())
-            stack.enter_context(swapped_buffers(root.module, root.buffers))
-            for device, dtype in root.autocast or ():
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
-            if backward:
-                stack.enter_context(reentrant_checkpoints_inline())
-            if not root.returned:
-                # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
-                running = running_arguments(root.module)
-                if running is not None:
-                    root.kwargs = running[1]
-            copies: dict[int, torch.Tensor] = {}
-            with torch.no_grad():
-                args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
-            # An argument that required gradients still does: a frozen model's backward reaches its input
-            # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
-            inputs = [copies[id(tensor)].requires_grad_() for _path, tensor in [*iter_tensors(root.args),
-                                                                                 *iter_tensors(root.kwargs)]
-                      if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
-            stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
-            with inner:
-                if inner.origins.tracer is not None:
-                    inner.origins.tracer.before_write = guard.before_write
-                    # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
-                    # its forward ops belong to that graph task, and are the replay's forward, with their lines.
-                    inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
-                try:
-                    output = target(*args, **kwargs)
-                    if not backward:
-                        outcome.boundary = _stats_at(output, _output_path(boundary))
-                    else:
-                        outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
-                except Exception as error:  # the replay of a failing forward fails too, after its event
-                    outcome.failure = error
-                    tracer = inner.origins.tracer
-                    if inner.report is None and tracer is not None and tracer.started:
-                        # Stopped before the value reached a boundary: the first op that made one is the producer.
-                        inner.origins.report_op(tracer.started[0])
-        outcome.report = inner.report
-        outcome.benign = next((event for event in inner.events if event.benign), None)
-        outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
-        if outcome.report is None:
-            changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
-            if changed:
-                outcome.why_not = "the call's inputs were modified in place since the call"
-            elif outcome.failure is not None:
-                outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
-        return outcome
+    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> Outcome:
+        return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
+                     self.watch.call_replay.standing_aside, self._nested)
 
     def model_of(self, module: nn.Module) -> nn.Module | None:
         """The eager model (replay_target) of the watched root that holds ``module``."""
@@ -494,18 +361,6 @@ class StepReplays:
         note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
                 "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
         return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
-
-
-def _output_path(boundary: TensorRef | None) -> str | None:
-    """Where in the model's output the boundary is; None for a boundary that is not a model output."""
-    return boundary.path if boundary is not None and boundary.role is TensorRole.MODULE_OUTPUT else None
-
-
-def _stats_at(output: Any, path: str | None) -> TensorStats | None:
-    for tensor_path, tensor in iter_tensors(output, "output"):
-        if tensor_path == path:
-            return tensor_stats(tensor)
-    return None
 
 
 def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:

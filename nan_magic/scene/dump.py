@@ -43,6 +43,7 @@ from torch import nn
 
 from nan_magic.distributed.ranks import per_rank_path
 from nan_magic.errors.exceptions import NanMagicWarning
+from nan_magic.hot.call_records import argument_path
 from nan_magic.hot.rng import RngState, capture_rng_state
 from nan_magic.hot.stats import version_of
 from nan_magic.plain import to_plain
@@ -95,13 +96,16 @@ SCENE_VERSION = 2
 #:   (``"input[0]"``, ``"kwargs['mask']"``; prefixed ``"name:"`` with several models)
 #: - ``producer_inputs``: ``{path: tensor}`` the producer module was called with, or, where the
 #:   tiered watch replayed the whole model call, the inputs of that call
+#: - ``producer_call``: the same tensors by argument, ``{"args": {position: tensor}, "kwargs": {keyword: tensor},
+#:   "nested": [path]}`` (None where no module call produced the event; absent in older scenes)
 #: - ``call_module``: the qualified name of the module whose call ``producer_inputs`` are (the
 #:   producer, or the top-level model call that held it); absent in older scenes: ``module``
 #: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source": str, "event": {"cpu", "cuda"}}``
 #: - ``versions``: ``{"torch", "python", "nan_magic", "cuda", "platform"}``
 SCENE_KEYS = (
     "format", "version", "report", "step", "phase", "module", "kinds", "models", "training",
-    "optimizers", "scalers", "last_good", "batch", "producer_inputs", "call_module", "rng", "versions",
+    "optimizers", "scalers", "last_good", "batch", "producer_inputs", "producer_call", "call_module", "rng",
+    "versions",
 )
 
 
@@ -146,6 +150,8 @@ def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[
         "last_good": lambda: _last_good(source),
         "batch": lambda: _batch(source, notes),
         "producer_inputs": lambda: _producer_inputs(finding, notes),
+        # Evaluated in order, after the inputs: the same copies, by argument.
+        "producer_call": lambda: _producer_call(finding, scene.get("producer_inputs") or {}),
         "rng": lambda: _rng(source, finding),
         "versions": _versions,
     }
@@ -346,7 +352,7 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
     inputs: dict[str, torch.Tensor] = {}
     # At the deferred check a freed input may have been recomputed for the replay (call_replay.py).
     recomputed = {ref.path: tensor for ref, tensor in finding.inputs if ref.role is TensorRole.INPUT}
-    for path, _record, ref, version in finding.call.inputs:
+    for path, _argument, _record, ref, version in finding.call.inputs:
         tensor = ref()
         if tensor is None and path in recomputed:
             inputs[path] = _copy(recomputed[path])
@@ -357,6 +363,26 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
         else:
             inputs[path] = _copy(tensor)
     return inputs
+
+
+def _producer_call(finding: Finding, inputs: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The producer module's saved inputs by argument, to call it again (``Scene.replay``); None without a call.
+
+    ``{"args": {position: tensor}, "kwargs": {keyword: tensor}, "nested": [path, ...]}``: an argument
+    that held its tensors inside a container is listed in ``nested`` (the scene cannot rebuild it).
+    """
+    if finding.call is None or finding.call.phase == Phase.DATA:
+        return None
+    call: dict[str, Any] = {"args": {}, "kwargs": {}, "nested": []}
+    for path, argument, _record, _ref, _version in finding.call.inputs:
+        if path not in inputs:
+            continue
+        positional = isinstance(argument, int)
+        if path != argument_path("input" if positional else "kwargs", argument):
+            call["nested"].append(path)
+        else:
+            call["args" if positional else "kwargs"][argument] = inputs[path]
+    return call
 
 
 def _rng(watched: SceneSource, finding: Finding) -> dict[str, Any]:

@@ -8,12 +8,10 @@ the whole step, replays under op-level tracing to try a fix.
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import os
 import pickle
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +29,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Scene", "load_scene", "replay_summary"]
 
-_POSITIONAL = re.compile(r"input\[(\d+)\]")
-_KEYWORD = re.compile(r"kwargs\[(.+)\]")
 
 
 def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Scene:
@@ -276,21 +272,19 @@ class Scene:
             When they cannot be rebuilt: the call took non-tensor positional
             arguments (not saved) or nested containers.
         """
-        positional: dict[int, torch.Tensor] = {}
-        keywords: dict[str, torch.Tensor] = {}
-        for path, tensor in self.producer_inputs.items():
-            match = _POSITIONAL.fullmatch(path)
-            if match:
-                positional[int(match[1])] = tensor
-                continue
-            match = _KEYWORD.fullmatch(path)
-            key = _literal(match[1]) if match else None
-            if not isinstance(key, str):
-                raise ValueError(
-                    f"the producer was called with a nested input ({path}): pass the arguments yourself, "
-                    "scene.replay(model, *args, **kwargs)"
-                )
-            keywords[key] = tensor
+        call = self.data.get("producer_call")
+        if call is None:
+            raise ValueError(
+                "the scene holds no producer call (no module call produced the event, or an older nan_magic saved "
+                "it): pass the arguments yourself, scene.replay(model, *args, **kwargs)"
+            )
+        if call["nested"]:
+            raise ValueError(
+                f"the producer was called with a nested input ({call['nested'][0]}): pass the arguments yourself, "
+                "scene.replay(model, *args, **kwargs)"
+            )
+        positional: dict[int, torch.Tensor] = call["args"]
+        keywords: dict[str, torch.Tensor] = dict(call["kwargs"])
         if sorted(positional) != list(range(len(positional))):
             raise ValueError(
                 "the producer was called with non-tensor positional arguments, which the scene does not hold: "
@@ -377,10 +371,3 @@ def _moved(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple):
         return tuple(_moved(item, device) for item in value)
     return {key: _moved(item, device) for key, item in value.items()}
-
-
-def _literal(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return None

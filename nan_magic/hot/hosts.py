@@ -1,0 +1,250 @@
+"""What the hot path's checkers read of the watch that built them, and call of the localizer.
+
+The checkers (forward.py, gradients.py, optim.py, step_cycle.py) sit below
+the localizer and the watch (lifecycle/watch.py), which builds them: they
+name what they use of those upper layers with the Protocols here, defined
+at their own level, and the watch passes itself and the localizer's objects
+down. Each Protocol lists only what its checker reads; mypy checks that the
+watch and the localizer's classes provide it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from nan_magic.hot.call_records import Alias, Call, Frame, TensorRecord
+from nan_magic.hot.early import EarlyWarnings
+from nan_magic.hot.finding import Finding
+from nan_magic.hot.module_hooks import GlobalModuleHooks
+from nan_magic.hot.rng import RngState
+from nan_magic.hot.step_log import StepLog
+from nan_magic.hot.targets import ModuleInfo, Targets
+from nan_magic.options import WatchConfig
+from nan_magic.records import EarlyWarning
+
+__all__ = [
+    "CallReplayer", "CodeRecorder", "ForwardHost", "GradientHost", "LossCodeReads", "OpTracing", "OptimizerHost",
+    "OriginFinder", "ProducerJudge", "StepBoundaries", "StepReplayer",
+]
+
+
+# -- the localizer, as the hot path calls it ----------------------------------------------
+
+
+class OpTracing(Protocol):
+    """The op tracer of ``ops=True`` (localize/op_tracer.py): re-armed at each step."""
+
+    def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None: ...
+
+
+class OriginFinder(Protocol):
+    """Names the op that started a boundary's non-finite value (localize/op_origins.py)."""
+
+    @property
+    def tracer(self) -> OpTracing | None: ...
+
+    def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None, key: int | None = None) -> None: ...
+
+    def made_by_recorded_code(self, tensor: torch.Tensor) -> bool: ...
+
+    def claim_loss_backward(self, finding: Finding, loss: torch.Tensor | None, key: int | None) -> bool: ...
+
+    def explain_failure(self, error: BaseException) -> Finding | None: ...
+
+
+class CodeRecorder(Protocol):
+    """Records the code between the model calls (localize/outside.py), switched at the step's boundaries."""
+
+    def start(self, region: str, entry: bool = False) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def forget(self) -> None: ...
+
+    def weaken(self) -> None: ...
+
+
+class StepReplayer(Protocol):
+    """Keeps what a replay of the step's top-level calls needs (localize/step_replay.py)."""
+
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> RngState: ...
+
+    def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None: ...
+
+    def capture_gradient(self, call: Call, path: str, grad: torch.Tensor) -> None: ...
+
+    def new_step(self, training: bool) -> None: ...
+
+    def release_stepped(self, opt: torch.optim.Optimizer) -> None: ...
+
+
+class CallReplayer(Protocol):
+    """Whether module calls keep their arguments for a replay (localize/call_replay.py)."""
+
+    @property
+    def can_replay(self) -> bool: ...
+
+    @property
+    def keeps_calls(self) -> bool: ...
+
+    def classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]: ...
+
+
+class ProducerJudge(Protocol):
+    """The producer rule (localize/producer.py), run on each checked module output."""
+
+    def judge(
+        self,
+        call: Call,
+        record: TensorRecord,
+        detected_at: str | None = None,
+        replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class LossCodeReads:
+    """The localizer's reads of the loss code's inputs that the gradient checks make (localize/entering.py)."""
+
+    #: The data leaves the loss code's autograd nodes saved, held weakly (taken as backward starts).
+    saved_leaves: Callable[[list[Any]], list[tuple[str, weakref.ref[torch.Tensor]]]]
+    #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before)``.
+    entering_tensors: Callable[
+        [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[tuple[str, torch.Tensor]]],
+        list[tuple[str, torch.Tensor]],
+    ]
+
+
+# -- the watch, as its checkers read it ------------------------------------------------------
+
+
+class StepBoundaries(Protocol):
+    """The step cycle (step_cycle.py), as the forward and optimizer checks use it."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def full_step(self) -> bool: ...
+
+    @property
+    def early(self) -> EarlyWarnings: ...
+
+    def training(self) -> bool: ...
+
+    def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None: ...
+
+    def warn(self, early: list[EarlyWarning]) -> None: ...
+
+    def sync(
+        self, extra: list[torch.Tensor] | None = None, first: Callable[[list[float]], None] | None = None
+    ) -> list[float]: ...
+
+    def check_peers(self) -> None: ...
+
+    def end_step(self, step: int) -> None: ...
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+
+class _Checker(Protocol):
+    """What every checker reads of its watch."""
+
+    @property
+    def config(self) -> WatchConfig: ...
+
+    @property
+    def defer(self) -> bool: ...
+
+    def mine(self) -> bool: ...
+
+    def emit(self, finding: Finding) -> None: ...
+
+
+class ForwardHost(_Checker, Protocol):
+    """What the forward checks (forward.py) read of their watch."""
+
+    @property
+    def log(self) -> StepLog: ...
+
+    @property
+    def cycle(self) -> StepBoundaries: ...
+
+    @property
+    def graph_task(self) -> int: ...
+
+    @property
+    def module_hooks(self) -> GlobalModuleHooks: ...
+
+    @property
+    def origins(self) -> OriginFinder: ...
+
+    @property
+    def outside(self) -> CodeRecorder | None: ...
+
+    @property
+    def replays(self) -> StepReplayer | None: ...
+
+    @property
+    def replay_of(self) -> object | None: ...
+
+    @property
+    def skipped(self) -> Counter[str]: ...
+
+    def module_info(self, module: nn.Module) -> ModuleInfo | None: ...
+
+    def on_forward_failed(self, module: nn.Module, call: Any) -> None: ...
+
+
+class GradientHost(_Checker, Protocol):
+    """What the gradient checks (gradients.py) read of their watch."""
+
+    @property
+    def log(self) -> StepLog: ...
+
+    @property
+    def outside(self) -> CodeRecorder | None: ...
+
+    @property
+    def replays(self) -> StepReplayer | None: ...
+
+    def listening(self) -> bool: ...
+
+    def on_gradient_event(self, finding: Finding) -> None: ...
+
+
+class _Stopped(Protocol):
+    @property
+    def stopped(self) -> bool: ...
+
+
+class _Kept(Protocol):
+    @property
+    def where(self) -> str | None: ...
+
+
+class OptimizerHost(_Checker, Protocol):
+    """What the optimizer checks (optim.py) read of their watch."""
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def cycle(self) -> StepBoundaries: ...
+
+    @property
+    def outcome(self) -> _Stopped: ...
+
+    @property
+    def last_good(self) -> _Kept: ...
+
+    def listening(self) -> bool: ...
+
+    def on_finite_step(self) -> None: ...

@@ -1,0 +1,129 @@
+"""What a non-finite read at an optimizer step is reported as: the cold side of optim.py.
+
+The optimizer checks read one norm per step (optim.py); only when one is
+non-finite do they come here, to measure the gradients again one by one and
+name the first non-finite, or to name the parameter or state a step made
+non-finite, the module that owns it, and the op of the step that made it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from nan_magic.distributed.ranks import unflattened_name
+from nan_magic.errors.frames import pointer_at
+from nan_magic.hot.finding import Finding
+from nan_magic.hot.headroom import Headroom
+from nan_magic.hot.hosts import OptimizerHost
+from nan_magic.hot.stats import kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.hot.step_layout import StepResult, group_eps, group_lr
+from nan_magic.records import Phase, SourcePointer, TensorRef
+
+__all__ = ["ReplayStep", "StepReports"]
+
+#: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
+#: line that called the step (None: the line calling it now); localize/optimizer_replay.py.
+#: The last argument is a copy of the parameter taken before the step, where one was (headroom.py).
+ReplayStep = Callable[
+    [Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None, torch.Tensor | None], None]
+
+
+class StepReports:
+    """The findings of one watch's optimizer checks.
+
+    ``add_op_origin`` (:meth:`OpOrigins.add_op_origin`, given by the watch)
+    names the op that started a non-finite gradient or parameter;
+    ``replay_step`` (where no op tracer watches the steps) the op of a step
+    that made a parameter or its state non-finite.
+    """
+
+    def __init__(self, watch: OptimizerHost, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
+                 replay_step: ReplayStep | None) -> None:
+        self.watch = watch
+        self._add_op_origin = add_op_origin
+        self._replay_step = replay_step
+        #: Notes the half-precision parameters near their limit of each step result judged finite.
+        self.headroom: Headroom | None = None
+
+    def gradients(self, opt: torch.optim.Optimizer, with_grad: list[tuple[str, torch.Tensor]]) -> bool:
+        """A gradient norm read non-finite: report the first non-finite of ``with_grad``; True when one was.
+
+        The cold path: each gradient is measured again, by name. Every
+        element finite while a norm overflowed is a warning, not an event
+        (our own read overflowed).
+        """
+        watch = self.watch
+        values = read_scalars(norms([grad for _name, grad in with_grad]))
+        for (name, grad), value in zip(with_grad, values):
+            if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
+                finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
+                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                finding.optimizer = type(opt).__name__
+                self.attribute(finding)
+                self._add_op_origin(finding, grad)
+                watch.emit(finding)
+                return True
+        overflowed = [name for (name, _grad), value in zip(with_grad, values) if not math.isfinite(value)]
+        cycle = watch.cycle
+        cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
+        return False
+
+    def step_result(self, result: StepResult, values: list[float]) -> bool:
+        """Report what the step made non-finite; True when it did."""
+        for index, (tensor, value) in enumerate(zip(result.updated, values)):
+            if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
+                continue
+            label = result.label(index)
+            # A bounded step cannot make a finite parameter non-finite (step_layout.py): code outside the
+            # optimizer wrote it (a hand edit, a loaded checkpoint), a value no watched code produced.
+            phase = Phase.DATA if result.bounded else Phase.OPTIMIZER
+            finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
+            self.attribute(finding)
+            self._add_op_origin(finding, tensor)
+            if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
+                parameter, key = result.owner(index)
+                caller = pointer_at(*result.caller) if result.caller is not None else None
+                self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
+            subject = label.name
+            optimizer = type(result.optimizer).__name__
+            finding.optimizer = optimizer
+            finding.optimizer_eps = group_eps(result.optimizer, tensor)
+            finding.optimizer_lr = group_lr(result.optimizer, tensor)
+            if result.bounded:
+                since = ("since the watch began" if result.previous_check is None
+                         else f"since it was last checked finite, after step {result.previous_check}")
+                finding.notes.append(
+                    f"{subject} was non-finite after the {optimizer} step of step {result.step}; the steps {since} "
+                    "were bounded steps, which cannot make a finite parameter non-finite short of the float32 "
+                    "limit: code outside the optimizer wrote it"
+                )
+            else:
+                finding.notes.append(f"the {optimizer} step made {subject} non-finite")
+            self.watch.emit(finding)
+            return True
+        if self.headroom is not None:
+            self.headroom.observe(result, values)
+        return False
+
+    def attribute(self, finding: Finding) -> None:
+        """Name the module that owns the parameter in ``finding.tensor``.
+
+        By the watch's names (targets.py), not ``get_submodule``: those are the
+        user's names, which a wrapper's module tree does not have (DDP's
+        ``module.``), and the user's types (not ``FullyShardedDataParallel``).
+        FSDP1's flat parameter is named as the user's parameter it holds the
+        non-finite element of (:func:`unflattened_name`).
+        """
+        parameter_name = finding.tensor.name or ""
+        unflattened = unflattened_name(parameter_name, (root for _label, root in self.watch.targets.roots), finding.bad)
+        if unflattened != parameter_name:
+            finding.tensor = dataclasses.replace(finding.tensor, name=unflattened)
+            parameter_name = unflattened
+        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
+        info = self.watch.targets.info_by_name(owner)
+        if info is not None:
+            finding.module, finding.module_type, finding.model = owner, info.module_type, info.model

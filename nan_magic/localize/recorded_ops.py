@@ -1,0 +1,128 @@
+"""The ops of the code outside the models as recorded (outside.py), and running them again at an event.
+
+A :class:`RecordedOp` holds an op, its arguments and outputs by reference,
+and the user's line that ran it. Once ``backward()`` starts, the recorded
+tensors are held as :class:`WeakRecord` s. At an event the recorder runs the
+ops that led to a non-finite value again with :func:`rerun_op`, on
+:func:`copies_from_outside` of what they read, under the op tracer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import CodeType, FrameType
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from nan_magic.errors.frames import pointer_at
+from nan_magic.records import SourcePointer
+
+__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "op_source", "record_key",
+           "rerun_op", "weak_record"]
+
+
+class RecordedOp(NamedTuple):
+    """One recorded op (a named tuple: one is made per op of the code outside the models, every step)."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    code: CodeType | None
+    lineno: int
+    globals: dict[str, Any] | None
+    # The user's frame that ran the op and its ``f_lasti`` then, for %debug (dropped at ``weaken`` unless
+    # that frame is still running: a returned helper's frame would keep its locals alive through backward).
+    frame: FrameType | None = None
+    lasti: int = -1
+
+
+class WeakRecord:
+    """A recorded tensor once ``backward()`` started: held weakly, known by its id when recorded.
+
+    A small one keeps its values (``kept``, detached: holding the tensor itself
+    would keep its autograd node, and every tensor that node saved, alive
+    through backward); ``requires_grad`` is the original's, for a replay of
+    the backward. Not a tuple: pytree would walk into one.
+    """
+
+    __slots__ = ("kept", "key", "ref", "requires_grad")
+
+    def __init__(self, ref: weakref.ref[torch.Tensor], key: int, kept: torch.Tensor | None,
+                 requires_grad: bool) -> None:
+        self.ref, self.key, self.kept, self.requires_grad = ref, key, kept, requires_grad
+
+
+class Gone(Exception):
+    """A tensor a replay needs was freed (only weak references are kept during backward)."""
+
+
+def weak_record(value: torch.Tensor, keep: bool = False) -> WeakRecord:
+    # A tensor without an autograd node (the batch's labels) is kept as it is: there is no node to hold.
+    kept = (value if value.grad_fn is None else value.detach()) if keep else None
+    return WeakRecord(weakref.ref(value), id(value), kept, value.requires_grad)
+
+
+def record_key(value: Any) -> int | None:
+    """The recorded tensor's id, for a tensor or a :class:`WeakRecord`; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return id(value)
+    return value.key if isinstance(value, WeakRecord) else None
+
+
+def alive(value: Any) -> torch.Tensor:
+    if isinstance(value, WeakRecord):
+        tensor = value.ref()
+        if tensor is None:
+            tensor = value.kept
+        if tensor is None:
+            raise Gone
+        return tensor
+    return value
+
+
+def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor]) -> None:
+    """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
+    def swap(value: Any) -> Any:
+        key = record_key(value)
+        return value if key is None else copies.get(key) if key in copies else alive(value)
+
+    out = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+    for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
+        key = record_key(old)
+        if key is not None:
+            copies[key] = new
+
+
+
+
+def copies_from_outside(
+    ops: list[RecordedOp], before: dict[int, torch.Tensor] | None = None
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
+
+    A replayed in-place op leaves the originals alone; a copy of a tensor
+    that required gradients (a model output) requires them too, for a
+    replay of the backward. ``before``: values copied before an op wrote them in place (loop_writes.py).
+    """
+    made: set[int] = set()
+    copies: dict[int, torch.Tensor] = {}
+    requiring: list[torch.Tensor] = []
+    with torch.no_grad():
+        for op in ops:
+            for value in tree_leaves((op.args, op.kwargs)):
+                key = record_key(value)
+                if key is not None and key not in made and key not in copies:
+                    original = before[key] if before and key in before else alive(value)
+                    copy = copies[key] = original.detach().clone()
+                    # A kept value is a detached one: its record says whether the original required gradients.
+                    if value.requires_grad and copy.is_floating_point():
+                        requiring.append(copy.requires_grad_())
+            made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
+    return copies, requiring
+
+
+def op_source(op: RecordedOp) -> SourcePointer | None:
+    return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None

@@ -1,0 +1,187 @@
+"""A top-level model call kept for a replay of its step, and running it again (step_replay.py).
+
+:class:`RootCall` is what tier 1 keeps of each top-level call of a watched
+model; :func:`rerun` runs one again, eagerly, under a nested full watch with
+op-level tracing, and returns what that replay found as an :class:`Outcome`,
+which :class:`~nan_magic.localize.step_replay.StepReplays` turns into the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nan_magic.distributed.ranks import is_sharded
+from nan_magic.hot.held import running_arguments
+from nan_magic.hot.rng import AutocastState, RngState, generators_at
+from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
+from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
+from nan_magic.localize.replay import copy_tensors, swapped_buffers
+from nan_magic.localize.untouched import untouched
+from nan_magic.options import WatchConfig
+from nan_magic.records import Report, TensorRef, TensorRole, TensorStats
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.hot.call_records import Call
+    from nan_magic.hot.targets import ModuleInfo
+
+__all__ = ["NestedWatch", "Outcome", "RootCall", "replay_target", "rerun"]
+
+
+@dataclass
+class RootCall:
+    """What one top-level call of a watched model needs to be run again."""
+
+    module: nn.Module
+    info: ModuleInfo
+    args: tuple[Any, ...]
+    rng: RngState
+    grad_enabled: bool
+    autocast: AutocastState | None
+    #: ``id(buffer)`` -> its value before the call, for the buffers the call may change.
+    buffers: dict[int, torch.Tensor]
+    versions: list[tuple[torch.Tensor, int]]
+    buffer_versions: list[tuple[torch.Tensor, int]]
+    #: The buffers copied into ``buffers``, in order (a later call of the model reuses the copies: buffer_copies.py).
+    buffer_sources: list[torch.Tensor] = field(default_factory=list)
+    #: The watch's record of the call.
+    call: Call | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Whether the call returned (its keyword arguments are known then: global pre-hooks never see them).
+    returned: bool = False
+    #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
+    output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
+    outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+
+    def awaits_backward(self) -> bool:
+        """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
+        return any(ref() is not None for ref in self.outputs)
+
+
+def replay_target(module: nn.Module) -> nn.Module | None:
+    """The eager module a replay runs: ``_orig_mod`` of a compiled model, ``module`` of DDP.
+
+    None for a model sharded by FSDP: its forward gathers parameters with
+    collectives that the other ranks would have to join.
+    """
+    if is_sharded(module):
+        return None
+    unwrapped = getattr(module, "_orig_mod", module)
+    if isinstance(unwrapped, nn.parallel.DistributedDataParallel):
+        unwrapped = unwrapped.module
+    return unwrapped
+
+
+@dataclass
+class Outcome:
+    """What one replay found: the nested watch's report, the producer's frame, the boundary's stats."""
+
+    report: Report | None = None
+    #: The replay's first benign event, where it found no real one (a deliberate infinity).
+    benign: Report | None = None
+    frame: FrameType | None = None
+    #: ``(f_lasti, f_lineno)`` of ``frame`` when the op ran (the replay ran on to its end).
+    position: tuple[int, int] | None = None
+    boundary: TensorStats | None = None
+    failure: BaseException | None = None
+    why_not: str | None = None
+
+
+#: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
+#: ValueError when the model cannot be replayed (a compiled submodule inside).
+NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
+
+
+def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.Module | None,
+          config: WatchConfig, standing_aside: Callable[[], AbstractContextManager[object]],
+          nested: NestedWatch) -> Outcome:
+    """Run ``root`` again under a nested full watch with op-level tracing.
+
+    ``model`` is the eager watched model that holds the call's module (the whole
+    model is watched); ``standing_aside`` makes the outer watch ignore the replay.
+    """
+    target = replay_target(root.module)
+    if target is None or model is None:
+        return Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
+    replay_config = dataclasses.replace(
+        config, mode="full", ops=True, defer=False, on_detect="log",
+        log_file=None, dump=None, keep_last_good=None,
+    )
+    # The whole model is watched, so that a submodule called at top level keeps its qualified name
+    # (a compiled submodule inside runs eagerly, as the replayed model does: module_hooks.py).
+    inner = nested(model, root.info.model, replay_config)
+    outcome = Outcome()
+    with contextlib.ExitStack() as stack:
+        guard = stack.enter_context(untouched(target))
+        stack.enter_context(standing_aside())
+        stack.enter_context(swapped_buffers(root.module, root.buffers))
+        for device, dtype in root.autocast or ():
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
+        if backward:
+            stack.enter_context(reentrant_checkpoints_inline())
+        if not root.returned:
+            # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
+            running = running_arguments(root.module)
+            if running is not None:
+                root.kwargs = running[1]
+        copies: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
+        # An argument that required gradients still does: a frozen model's backward reaches its input
+        # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
+        inputs = [copies[id(tensor)].requires_grad_() for _path, tensor in [*iter_tensors(root.args),
+                                                                             *iter_tensors(root.kwargs)]
+                  if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
+        stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
+        with inner:
+            if inner.origins.tracer is not None:
+                inner.origins.tracer.before_write = guard.before_write
+                # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
+                # its forward ops belong to that graph task, and are the replay's forward, with their lines.
+                inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
+            try:
+                output = target(*args, **kwargs)
+                if not backward:
+                    outcome.boundary = _stats_at(output, _output_path(boundary))
+                else:
+                    outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
+            except Exception as error:  # the replay of a failing forward fails too, after its event
+                outcome.failure = error
+                tracer = inner.origins.tracer
+                if inner.report is None and tracer is not None and tracer.started:
+                    # Stopped before the value reached a boundary: the first op that made one is the producer.
+                    inner.origins.report_op(tracer.started[0])
+    outcome.report = inner.report
+    outcome.benign = next((event for event in inner.events if event.benign), None)
+    outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
+    if outcome.report is None:
+        changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
+        if changed:
+            outcome.why_not = "the call's inputs were modified in place since the call"
+        elif outcome.failure is not None:
+            outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
+    return outcome
+
+
+
+def _output_path(boundary: TensorRef | None) -> str | None:
+    """Where in the model's output the boundary is; None for a boundary that is not a model output."""
+    return boundary.path if boundary is not None and boundary.role is TensorRole.MODULE_OUTPUT else None
+
+
+def _stats_at(output: Any, path: str | None) -> TensorStats | None:
+    for tensor_path, tensor in iter_tensors(output, "output"):
+        if tensor_path == path:
+            return tensor_stats(tensor)
+    return None
