@@ -27,8 +27,8 @@ adds beyond it is its bookkeeping.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import pstats
 import sys
 
