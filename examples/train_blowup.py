@@ -6,6 +6,10 @@ learning rate that is too high. After a few steps the attention scores grow
 past ``log(float32 max) ~ 88.7``, ``exp`` overflows to +inf, and inf/inf is
 NaN. The watch stops at that step, names the attention module, and the demo
 prints the text report and writes ``report.html`` and ``report.json``.
+
+The watch keeps the state of the last finite steps (``keep_last_good``), so
+the report's fix trials can redo the update before the failing step at a
+tenth of the learning rate: ``--lr 0.2`` is that fix applied by hand.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def train(steps: int = 200, lr: float = 2.0) -> nan_magic.Watch:
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
     tokens = torch.randint(0, 64, (8, 16))
-    w = nan_magic.watch(model, opt, labels=["model", "opt"])
+    w = nan_magic.watch(model, opt, labels=["model", "opt"], keep_last_good=True)
     try:
         with w:
             for _ in range(steps):
@@ -84,8 +88,9 @@ def train(steps: int = 200, lr: float = 2.0) -> nan_magic.Watch:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo-output", help="folder for report.html and report.json")
+    parser.add_argument("--lr", type=float, default=2.0, help="the learning rate (2.0 diverges)")
     args = parser.parse_args(argv)
-    w = train()
+    w = train(lr=args.lr)
     if w.report is None:
         print("the run stayed finite: nothing to report", file=sys.stderr)
         return 1

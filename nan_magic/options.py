@@ -156,7 +156,8 @@ class WatchConfig:
         None,
         """``"cpu"`` (or ``True``) or ``"device"``: keep the model's and
         optimizer's state from the last step that ended finite there, for
-        ``report.restore()``.""",
+        ``report.restore()``, and the model's from the step before (the
+        ``lr`` fix trial redoes the update between them).""",
         _flag("--keep-last-good", nargs="?", const="cpu", choices=["cpu", "device"],
               help="keep the state of the last finite step (on the cpu, default, or the device) for report.restore()"),
     )

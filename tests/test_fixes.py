@@ -465,7 +465,9 @@ def test_a_remedy_past_the_time_budget_says_so(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize(("kind", "facts", "line", "edit"), [
     ("float32", (), "y = x * 2 @ w", "y = x.float() * 2 @ w.float()"),
-    ("float32", (), "h = self.fc(x)", None),  # a module's parameters: no edit of this line upcasts them
+    ("float32", (), "h = self.fc(x)", "h = self.fc.float()(x.float())"),  # its half parameters upcast too
+    ("float32", (("autocast", ("cuda",)),), "h = self.fc(torch.relu(x))",
+     "with torch.autocast('cuda', enabled=False): h = self.fc(torch.relu(x.float()))"),
     ("eps", (("function", "div"), ("eps", 1.19e-07), ("form", "zeros")), "p = a / b",
      "p = a / torch.where(b == 0, 1.2e-07, b)"),
     ("eps", (("function", "sqrt"), ("eps", 1.19e-07)), "r = x.sqrt()", "r = x.clamp_min(1.2e-07).sqrt()"),

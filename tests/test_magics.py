@@ -528,7 +528,9 @@ def test_terminal_ipython_prints_the_short_error_and_the_text_report(tmp_path, h
     from pathlib import Path
 
     (tmp_path / "cell.ipy").write_text(SCRIPT_CELL)
-    command = [sys.executable, "-m", "IPython", "--no-banner", "--ext", "nan_magic"]
+    # No terminal title: under an xterm TERM, IPython writes its escape sequence before any output.
+    command = [sys.executable, "-m", "IPython", "--no-banner", "--TerminalInteractiveShell.term_title=False",
+               "--ext", "nan_magic"]
     command += ["cell.ipy"] if how == "script.ipy" else ["-c", SCRIPT_CELL]
     env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython"),
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

@@ -4,7 +4,10 @@ Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
 (log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
 log that may be of a softmax; ``mask`` for a softmax over a fully masked
-row; ``skip-batch`` for a batch that entered holding non-finite values. Each is tried alone (step.py) and judged
+row; ``skip-batch`` for a batch that entered holding non-finite values;
+``scale`` for a collapsing GradScaler (scale.py); ``lr`` for a run that
+diverged before a forward or backward event (diverged.py), or at an
+optimizer event (optimizer_step.py). Each is tried alone (step.py) and judged
 against one unremedied replay: the step must come out finite end to end to
 count as verified, and ``output_change`` shows what else it changed.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -27,13 +31,15 @@ from torch import nn
 
 from nan_magic.distributed.ranks import process_group
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
+from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.mask import MASKED, zero_masked_rows
 from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import HALF, float32
+from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
-from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.root_calls import RootCall, replay_target
 from nan_magic.localize.step_replay import StepReplays
 from nan_magic.records import FixTrial, Phase, Report
@@ -106,7 +112,8 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     if root is None or model is None:
         return ()
     target = replay_target(root.module) or model
-    return try_fixes(report, FailingStep(root, model, target, tuple(optimizers), standing_aside))
+    return try_fixes(report, FailingStep(root, model, target, tuple(optimizers), standing_aside), list(roots),
+                     last_good)
 
 
 def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
@@ -114,37 +121,81 @@ def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
     return next((root for root in reversed(list(calls)) if holds_nonfinite(root)), None)
 
 
-def try_fixes(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
-    """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first."""
+#: A trial to run: what it returns is the record.
+_Try = Callable[[], FixTrial]
+
+
+def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = (),
+              last_good: LastGood | None = None) -> tuple[FixTrial, ...]:
+    """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first.
+
+    ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence.
+    """
     if report.phase == Phase.DATA:
         return _skip_batch(report, step)
     site = producer_site(report)
-    candidates = _candidates(report, site, step)
-    if not candidates or report.module is None:
+    old_scale = collapsed_scale(report)
+    if old_scale is not None:
+        step = scaled(step, old_scale, old_scale)  # the replay unscales the gradients as the scaler did
+    candidates = _candidates(report, site, step) if report.module is not None else []
+    diverged = report.cause is not None and report.cause.label == "learning-rate-too-high"
+    if not candidates and old_scale is None and not diverged:
         return ()
     base = replay_step(step, None, None)
     if base.failed is None:
         return ()  # the unremedied replay came out finite: nothing to fix on it
+    tries: list[tuple[str, _Try]] = [
+        (kind, functools.partial(_remedy_trial, kind, remedy, report, site, step, base))
+        for kind, remedy in candidates]
+    if old_scale is not None:
+        tries.append(("scale", lambda: _scale_trial(report, step, old_scale)))
+    if diverged:
+        tries.append(("lr", lambda: _lr_trial(report, step, roots, last_good or LastGood(None), base)))
     budget = max(MIN_BUDGET, STEP_TIMES * base.seconds)
     spent = base.seconds
     trials = []
-    for kind, remedy in candidates:
+    for kind, run in tries:
         if spent > budget:
             trials.append(_at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))
             continue
-        outcome = replay_step(step, site, remedy)
-        spent += outcome.seconds
-        facts = _facts(kind, remedy, report, step, outcome)
-        if not outcome.applied:
-            trials.append(_at_producer(kind, report, facts=facts, seconds=outcome.seconds,
-                                   untried="it found nothing to change at the producer's line"))
-            continue
-        trials.append(_at_producer(
-            kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-            output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
-        ))
+        trials.append(run())
+        spent += trials[-1].seconds
     order = {True: 0, False: 1, None: 2}
     return tuple(sorted(trials, key=lambda trial: order[trial.finite]))
+
+
+def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: FailingStep,
+                  base: StepOutcome) -> FixTrial:
+    """A remedy applied at the producer's line (site.py) on a replay of the step."""
+    outcome = replay_step(step, site, remedy)
+    facts = _facts(kind, remedy, report, step, outcome)
+    if not outcome.applied:
+        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds,
+                            untried="it found nothing to change at the producer's line")
+    return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed)
+
+
+def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
+    """``scale`` (scale.py): the step replayed at lower GradScaler scales until one is finite."""
+    facts, outcome, seconds = try_scales(step, old)
+    if outcome is None:
+        return _at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
+                            untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
+    return _at_producer("scale", report, facts=(*_step_facts(step, outcome), *facts.items()),
+                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed)
+
+
+def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
+              base: StepOutcome) -> FixTrial:
+    """``lr`` after a divergence (diverged.py): the previous update at a tenth, then the failing step."""
+    lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
+    if lowered is None:
+        return _at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
+    outcome = replay_step(lowered, None, None)
+    return _at_producer("lr", report, facts=(*_step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
+                        finite=outcome.failed is None, loss=outcome.loss, output_change=_change(base, outcome),
+                        seconds=outcome.seconds, failed=outcome.failed)
 
 
 def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
@@ -182,10 +233,18 @@ def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
     return FixTrial(kind, report.op, report.module, report.source, **outcome)
 
 
+def _step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, object], ...]:
+    """Whether the optimizer step was replayed, where the backward started, and why no loss is known."""
+    facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
+                                             ("backward_from", _backward_from(step, outcome)))
+    if outcome.loss is None:  # the loss code is not replayed: only a model that returns its loss gives one
+        facts += (("loss_not_computed", "the loss code is outside the model"),)
+    return facts
+
+
 def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
            ) -> tuple[tuple[str, object], ...]:
-    facts: list[tuple[str, object]] = [("stepped", outcome.stepped),
-                                       ("backward_from", _backward_from(step, outcome))]
+    facts: list[tuple[str, object]] = list(_step_facts(step, outcome))
     if kind == "float32":
         facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
     if isinstance(remedy, DomainFix):
@@ -197,7 +256,7 @@ def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome
 
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
     """Where the replayed backward started (step.py): the held output gradient, the model's loss, or ones."""
-    if step.root.output_grads:
+    if held_gradients(step.root):
         return "output-gradient"
     return "loss" if outcome.loss is not None else "ones"
 

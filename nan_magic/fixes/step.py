@@ -12,9 +12,15 @@ BatchNorm statistics, no draw from their generators.
 
 The loss code runs outside the model call, and a forward event stops the
 step before it runs: the backward starts from what the step held, in this
-order: the gradient that flowed into the outputs (a backward event), the
+order: the gradient that flowed into the outputs (a backward event; a
+finite one, see held_gradients), the
 model's own scalar loss (a Hugging Face model given its labels), else a
 gradient of ones into each floating output, standing for the loss.
+
+Under a GradScaler the held output gradient carries the scale:
+``FailingStep.grad_scale`` multiplies the gradient the backward starts from
+(a lower scale, fixes/scale.py) and divides the parameters' gradients before
+the optimizer step, as ``scaler.step`` unscales them.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from nan_magic.localize.replay import copy_tensors, swapped_buffers
 from nan_magic.localize.root_calls import RootCall
 from nan_magic.localize.untouched import ModelGuard, untouched
 
-__all__ = ["FailingStep", "StepOutcome", "replay_step"]
+__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step"]
 
 
 @dataclass
@@ -52,6 +58,10 @@ class FailingStep:
     optimizers: tuple[torch.optim.Optimizer, ...]
     #: The watch's hooks ignore what the trial runs (call_replay.standing_aside).
     standing_aside: Callable[[], contextlib.AbstractContextManager[None]]
+    #: (factor on the gradient the backward starts from, divisor of the parameter gradients before the step).
+    grad_scale: tuple[float, float] = (1.0, 1.0)
+    #: The parameters the replay starts from by name (fixes/diverged.py), instead of the module's own.
+    parameters: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -83,7 +93,8 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
         if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
             stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
         with torch.no_grad():
-            parameters = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
+            given = step.parameters or {}
+            parameters = {name: given.get(name, parameter).detach().clone().requires_grad_(parameter.requires_grad)
                           for name, parameter in step.target.named_parameters()}
             copies: dict[int, torch.Tensor] = {}
             args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
@@ -98,7 +109,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
             if mode is not None:
                 outcome.applied = mode.applied
-            _judge(outcome, output, root, list(parameters.values()), optimizers)
+            _judge(outcome, output, root, list(parameters.values()), optimizers, step.grad_scale)
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if mode is not None:
@@ -160,7 +171,7 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 
 
 def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[torch.Tensor],
-           optimizers: list[torch.optim.Optimizer]) -> None:
+           optimizers: list[torch.optim.Optimizer], grad_scale: tuple[float, float]) -> None:
     tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
@@ -169,7 +180,8 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
     if not all(_finite(tensor) for tensor in outcome.outputs.values()):
         outcome.failed = "forward"
         return
-    starts = _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)
+    starts = [(tensor, grad * grad_scale[0]) for tensor, grad in
+              _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)]
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
     if not starts or not parameters:
         return
@@ -181,7 +193,7 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
     if not optimizers:
         return
     for parameter, grad in zip(parameters, grads):
-        parameter.grad = grad
+        parameter.grad = None if grad is None else grad / grad_scale[1]
     for optimizer in optimizers:
         optimizer.step()
     outcome.stepped = True
@@ -199,9 +211,22 @@ def _finite(tensor: torch.Tensor) -> bool:
 def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall,
                      loss: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(output, gradient)`` pairs the backward starts from (see the module docstring)."""
-    if root.output_grads:
-        return [(tensor, root.output_grads[path].to(tensor.dtype)) for path, tensor in tensors
-                if path in root.output_grads and tensor.requires_grad]
+    held = held_gradients(root)
+    if held:
+        return [(tensor, held[path].to(tensor.dtype)) for path, tensor in tensors
+                if path in held and tensor.requires_grad]
     if loss is not None:
         return [(loss, torch.ones_like(loss))] if loss.requires_grad else []
     return [(tensor, torch.ones_like(tensor)) for _path, tensor in tensors if tensor.requires_grad]
+
+
+def held_gradients(root: RootCall) -> dict[str, torch.Tensor]:
+    """The gradients that flowed into the call's outputs, where all are finite (else none).
+
+    A non-finite one is the backward of a loss computed from a non-finite
+    forward (the deferred check runs after it): a remedied forward's
+    backward does not start from it, but from the loss or ones, as where
+    the forward event stopped the step before its backward.
+    """
+    held = root.output_grads
+    return held if all(_finite(grad) for grad in held.values()) else {}

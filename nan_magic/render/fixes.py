@@ -10,6 +10,7 @@ where the line is not one the edit can be made on, none is shown.
 from __future__ import annotations
 
 import ast
+import math
 
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
@@ -19,6 +20,11 @@ __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggest
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
                  "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "div": "div"}
+
+
+#: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
+_STARTS = {"ones": " (the backward started from ones into the model's outputs)",
+           "output-gradient": " (the backward started from the gradient the step held for the model's outputs)"}
 
 
 def fix_description(trial: FixTrial) -> str:
@@ -43,6 +49,14 @@ def fix_description(trial: FixTrial) -> str:
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
         return "the log of a softmax fused into log_softmax"
+    if trial.kind == "lr" and trial.fact("redone") == "previous":
+        if trial.fact("lr") is None:
+            return "the previous update redone at a tenth of the learning rate, then this step"
+        return (f"the previous update (from the state after step {trial.fact('from_step')}) redone at a tenth of "
+                f"the learning rate ({fmt(trial.fact('lr'))} -> {fmt(trial.fact('new_lr'))}), then this step")
+    if trial.kind == "scale":
+        tried = ", ".join(fmt(scale) for scale in trial.fact("tried") or ())
+        return f"the GradScaler's scale {fmt(trial.fact('scale'))} lowered (tried {tried or 'none'})"
     if trial.kind == "lr":
         return (f"the {trial.fact('optimizer') or 'optimizer'} step redone from the state after step "
                 f"{trial.fact('from_step')} at a tenth of its learning rate ({fmt(trial.fact('lr'))} -> "
@@ -65,6 +79,9 @@ def _outcome(trial: FixTrial) -> str:
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
         parts.append(f"loss {fmt(trial.loss)}")
+    elif trial.fact("loss_not_computed"):
+        start = _STARTS.get(trial.fact("backward_from"), "")
+        parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
     if trial.output_change is not None:
         parts.append(f"output changed by at most {fmt(trial.output_change)}")
     if not trial.fact("stepped"):
@@ -106,6 +123,11 @@ def suggested_edit(trial: FixTrial) -> str | None:
         return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
         return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
+    if trial.kind == "scale":
+        if trial.fact("new_scale") is None:
+            return None
+        return (f"GradScaler(..., init_scale={_power_of_two(trial.fact('new_scale'))})  (where the scaler is "
+                f"built; its scale grows back by itself)")
     if trial.kind == "skip-batch":
         return "keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]  (x the batch, y its targets)"
     source = trial.source
@@ -117,7 +139,7 @@ def suggested_edit(trial: FixTrial) -> str | None:
         return None
     edit = _Edit(trial)
     code = ast.unparse(edit.visit(tree))
-    if not edit.done or edit.blocked:
+    if not edit.done:
         return None
     regions = trial.fact("autocast") or ()
     if trial.kind == "float32" and regions:
@@ -131,8 +153,8 @@ class _Edit(ast.NodeTransformer):
     def __init__(self, trial: FixTrial) -> None:
         self.trial = trial
         self.done = False
-        #: The line calls a module, which an edit of the line cannot run in float32: no edit is shown.
-        self.blocked = False
+        #: The calls made to compute in float32: their result needs no ``.float()``.
+        self.upcast: set[int] = set()
 
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
@@ -142,7 +164,8 @@ class _Edit(ast.NodeTransformer):
         self.generic_visit(node)
         kind, function = self.trial.kind, self.trial.fact("function")
         if kind == "float32":  # every operator of the line: the trial upcast every call on it
-            node.left, node.right = _float(node.left), _float(node.right)
+            node.left, node.right = _float(node.left, self.upcast), _float(node.right, self.upcast)
+            self.upcast.add(id(node))
             return self._mark(node)
         if self.done:
             return node
@@ -197,16 +220,29 @@ class _Edit(ast.NodeTransformer):
         return node
 
     def _float32_call(self, node: ast.Call, name: str | None) -> ast.expr:
-        """A torch function's tensor arguments upcast; a module's call (``self.fc(x)``) has no such edit."""
+        """A call's tensor arguments upcast; a module's (``self.fc(x)``) also its parameters, outside autocast.
+
+        Under autocast the edit turns autocast off for the line (suggested_edit), and a module's float32
+        parameters are then used as they are: ``self.fc(x.float())``. Without autocast its half parameters
+        are what overflowed: ``self.fc.float()(x.float())`` (``Module.float`` converts them in place, once).
+        """
+        if name in ("float", "to", "transpose", "view", "reshape", "size"):
+            return node
         func = node.func
         while isinstance(func, ast.Attribute):
             func = func.value
-        if isinstance(func, ast.Name) and func.id == "self":
-            self.blocked = True  # its parameters are upcast in the trial, not by an edit of this line
-        elif name not in ("float", "to", "transpose", "view", "reshape", "size"):
-            node.args = [_float(argument) for argument in node.args]
-            self.done = True
+        if isinstance(func, ast.Name) and func.id == "self" and not self.trial.fact("autocast"):
+            node.func = _method(node.func, "float")
+        node.args = [_float(argument, self.upcast) for argument in node.args]
+        self.upcast.add(id(node))
+        self.done = True
         return node
+
+
+def _power_of_two(value: float) -> str:
+    """``2.0**18`` for 262144.0 (a GradScaler's scales are powers of two), else the number."""
+    exponent = math.log2(value)
+    return f"2.0**{int(exponent)}" if exponent == int(exponent) else fmt(value)
 
 
 def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
@@ -228,9 +264,9 @@ def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
     return _method(node, "clamp_min", _eps(trial))
 
 
-def _float(node: ast.expr) -> ast.expr:
-    """``node.float()``; a number stays as it is, and so does an operator's result (its operands are upcast)."""
-    if isinstance(node, (ast.Constant, ast.BinOp)) or (
+def _float(node: ast.expr, upcast: set[int]) -> ast.expr:
+    """``node.float()``; a number stays as it is, and so does a result the edit already computes in float32."""
+    if isinstance(node, (ast.Constant, ast.BinOp)) or id(node) in upcast or (
             isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant)):
         return node
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float":

@@ -16,6 +16,11 @@ a GPU is a full device-to-host transfer per step (and a host
 synchronisation), ``"device"`` a device-to-device copy that doubles the
 model's memory. GradScaler state is not kept: the scaler adapts by itself.
 
+The models' state of the capture before the last one is kept too (a run
+that diverged is remedied by redoing its last update, fixes/diverged.py):
+the buffers are swapped, not copied, so a step still makes one copy, and
+the models' state takes twice the memory (the optimizers' state once).
+
 The registry holds the kept state strongly (the models and optimizers only
 weakly) for the :data:`KEPT_REPORTS` most recent reports of this process;
 older ones are released, and ``restore()`` on them says so.
@@ -91,6 +96,9 @@ class LastGood:
     def __init__(self, where: str | None) -> None:
         self.where = where
         self._kept = _Kept()
+        #: The models' kept state one capture earlier (id -> weak reference, state), and its step.
+        self._before: dict[int, tuple[weakref.ref[nn.Module], dict[str, Any]]] = {}
+        self._before_step: int | None = None
 
     @property
     def step(self) -> int | None:
@@ -101,6 +109,16 @@ class LastGood:
     def rng(self) -> RngState | None:
         """The RNG state right after that step (None where it was captured later; see :meth:`capture`)."""
         return self._kept.rng
+
+    @property
+    def before_step(self) -> int | None:
+        """The step after which :meth:`before` was kept: the capture before the last one (None: none)."""
+        return self._before_step
+
+    def before(self, module: nn.Module) -> dict[str, Any] | None:
+        """A watched model's kept ``state_dict`` one capture before :meth:`state_of`'s, or None."""
+        ref, state = self._before.get(id(module), (None, None))
+        return state if ref is not None and ref() is module else None
 
     def state_of(self, owner: nn.Module | torch.optim.Optimizer) -> dict[str, Any] | None:
         """The kept ``state_dict`` of a watched model or optimizer, or None."""
@@ -125,8 +143,12 @@ class LastGood:
         kept = self._kept
         with torch.no_grad():
             for _label, module in roots:
-                _, old = kept.models.get(id(module), (None, None))
-                kept.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), self.where))
+                # The state two captures ago is overwritten; the last capture's becomes the one before.
+                _, spare = self._before.pop(id(module), (None, None))
+                last = kept.models.get(id(module))
+                if last is not None:
+                    self._before[id(module)] = last
+                kept.models[id(module)] = (weakref.ref(module), _copy_state(spare, module.state_dict(), self.where))
             for optimizer in optimizers:
                 _, old = kept.optimizers.get(id(optimizer), (None, None))
                 kept.optimizers[id(optimizer)] = (
@@ -136,7 +158,7 @@ class LastGood:
         # The optimizer hooks count a step as its post hook begins: right
         # after it, as at the next step's deferred check, the counter has
         # moved on past the step that just completed.
-        kept.step = step - 1
+        self._before_step, kept.step = kept.step, step - 1
         kept.rng = capture_rng_state() if right_after else None
 
     def hand_over(self) -> _Kept:
@@ -146,6 +168,7 @@ class LastGood:
         steps must not overwrite what the event's ``restore()`` puts back.
         """
         kept, self._kept = self._kept, _Kept()
+        self._before, self._before_step = {}, None
         return kept
 
 

@@ -1,0 +1,80 @@
+"""``lr`` for a run that diverged before its event: the previous update redone at a tenth of the learning rate.
+
+The event is in the failing step's forward or backward, so the update that
+pushed the parameters too far is the previous step's, already written.
+With ``keep_last_good`` the watch keeps the models' state after each of the
+last two finite steps (scene/last_good.py): before the previous update
+(``p0``) and after it (``p1``, what the failing step read: the parameters
+now). An optimizer of
+:data:`LINEAR` moves a parameter by ``lr * u`` with ``u`` independent of the
+learning rate (momentum, moments and weight decay included), so that update
+at a tenth is ``p0 + (p1 - p0) / 10``, its state unchanged. The failing step
+is then replayed from those parameters (step.py): forward, backward and the
+optimizer step, on copies.
+
+This lowers one update, not the ones before it: a run that diverged over
+many steps may need more, and the trial then says the step stayed non-finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nan_magic.fixes.optimizer_step import NO_LAST_GOOD
+from nan_magic.fixes.step import FailingStep
+from nan_magic.scene.last_good import LastGood
+
+__all__ = ["LINEAR", "lowered_update"]
+
+#: Optimizers whose whole update is the learning rate times a step that does not depend on it.
+LINEAR = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"})
+
+
+def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], last_good: LastGood
+                   ) -> tuple[FailingStep | None, str | None, dict[str, object]]:
+    """``(step from the lowered update, why not, facts)``: ``step`` (step ``failing``) from ``p0 + (p1 - p0) / 10``.
+
+    ``p1`` is what the failing step read (the parameters now); ``p0`` the state kept after step
+    ``failing - 2``, before the previous update: the last capture in the deferred mode (it captures a
+    step at the next one's check, and this one's check found the event), the one before it otherwise.
+    """
+    if last_good.where is None:
+        return None, NO_LAST_GOOD, {}
+    stepping = [opt for opt in step.optimizers if _steps(opt, step.target)]
+    if not stepping:
+        return None, "no optimizer of the model was seen stepping: there is no update to redo", {}
+    other = next((type(opt).__name__ for opt in stepping if not _linear(opt)), None)
+    if other is not None:
+        return None, f"a {other} update is not its learning rate times a step that does not depend on it", {}
+    kept = last_good.state_of if last_good.step == failing - 2 else last_good.before
+    if failing - 2 not in (last_good.step, last_good.before_step):
+        return None, (f"no state was kept after step {failing - 2}, before the previous update (fewer than two "
+                      f"optimizer steps ended finite): there is no update to redo"), {}
+    owners = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
+    parameters: dict[str, torch.Tensor] = {}
+    for name, parameter in step.target.named_parameters():
+        root, root_name = owners.get(id(parameter), (None, None))
+        before = kept(root) if root is not None else None
+        if before is None or root_name not in before:
+            return None, f"the state kept after step {failing - 2} does not hold {name}", {}
+        with torch.no_grad():
+            p0, p1 = before[root_name].to(parameter.device, parameter.dtype), parameter.detach()
+            parameters[name] = p0 + (p1 - p0) / 10
+    value = stepping[0].param_groups[0]["lr"]
+    lr = float(value.item() if isinstance(value, torch.Tensor) else value)
+    facts = {"optimizer": type(stepping[0]).__name__, "from_step": failing - 2, "lr": lr, "new_lr": lr / 10}
+    return dataclasses.replace(step, parameters=parameters), None, facts
+
+
+def _steps(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+    mine = {id(parameter) for parameter in module.parameters()}
+    return any(id(parameter) in mine for group in optimizer.param_groups for parameter in group["params"])
+
+
+def _linear(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether its update scales with lr: a listed class, without Adagrad's learning-rate decay."""
+    return type(optimizer).__name__ in LINEAR and not any(group.get("lr_decay") for group in optimizer.param_groups)
