@@ -63,7 +63,8 @@ def test_hot_calls_counts_the_calls_the_watch_adds_to_a_step_and_names_our_funct
     _name, module_calls, extra, ours, per_call, floor = row.split()
     assert int(module_calls) == 20  # as launch_bound.py counts them: a global pre-hook over one step
     assert int(ours) > 0 and float(extra) >= float(ours)  # ours are among every call added
-    assert float(per_call) == round(float(extra) / 20, 1)
+    # extra is printed rounded to a whole call, per_call from the unrounded mean: they agree to a rounding.
+    assert abs(float(per_call) - float(extra) / 20) <= 0.5 / 20 + 0.05
     assert 0 < float(floor) < float(extra)  # the tier-1 reads alone cost calls too, fewer than the watch
     top = lines[lines.index(row) + 1 : lines.index(row) + 4]
     assert all("nan_magic" not in line and ".py:" in line for line in top)  # module:function of ours

@@ -396,10 +396,12 @@ def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_che
         for step in range(steps):
             opt.zero_grad()
             model(x).sum().backward()
-            if step == 3:
-                with torch.no_grad():
-                    model.spare.bias.fill_(float("nan"))  # no forward check ever reads it
             opt.step()
+            if step == 3:
+                # After the step, where no check of loop writes looks (between backward() and the step one
+                # does: tests/contract/loop_writes.py); no forward check ever reads it.
+                with torch.no_grad():
+                    model.spare.bias.fill_(float("nan"))
 
     report = raised(run, model, opt)
     # Found after bounded steps, which cannot make it: a value no watched code produced (phase data).

@@ -204,7 +204,18 @@ def _backward(report: Report) -> Cause:
         return half_overflow(report)
     if report.tensor.role is TensorRole.PARAMETER_GRADIENT and report.op is None:
         return event_cause("unclassified", "gradient-unwatched", report)
+    if node is not None and report.op is not None and _python_backward(node):
+        # A custom autograd.Function's or custom op's backward is the user's own code: its node says nothing,
+        # the op it ran does (a division by the zero root of a registered derivative), read as forward code is.
+        cause = forward_cause(report)
+        if cause.label != "unclassified":
+            return cause
     return event_cause("unclassified", "backward-unmatched", report)
+
+
+def _python_backward(node: str) -> bool:
+    """Whether an autograd node is a Python backward (``MyFunctionBackward``; torch's own end ``Backward0``...)."""
+    return node.endswith("Backward")
 
 
 #: The kind of each function whose derivative has a pole (render/cause_steps.py writes the derivative).

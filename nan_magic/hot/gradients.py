@@ -149,7 +149,9 @@ class GradientChecks:
             if every_output_finite
             else "some module outputs of this step were already non-finite"
         )
-        self.origins.add_op_origin(finding, tensor)
+        # A loss that was a temporary (``loss_fn(out, y).backward()``) is gone by the deferred check: its
+        # records still know it by the id it had.
+        self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
         watch.emit(finding)
 
     def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:

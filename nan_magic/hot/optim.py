@@ -50,6 +50,7 @@ from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_n
 from nan_magic.errors.frames import user_line
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
+from nan_magic.hot.headroom import Headroom
 from nan_magic.hot.hosts import OptimizerHost
 from nan_magic.hot.iterations import Iterations
 from nan_magic.hot.optim_reports import ReplayStep, StepReports
@@ -118,6 +119,10 @@ class OptimizerChecks:
         # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
         self._hot: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._hot_enabled = not watch.defer
+        # Half-precision parameters near their limit, copied before each step for its replay (headroom.py);
+        # the reports note them from each step result judged finite.
+        self._headroom = self.reports.headroom = Headroom() if replay_step is not None else None
+        self._before: dict[int, torch.Tensor] = {}
 
     # -- hooks -------------------------------------------------------------------
 
@@ -250,6 +255,8 @@ class OptimizerChecks:
         small = self.last_grad_norm is None or (
             math.isfinite(self.last_grad_norm) and max(grad_values) < BOUNDED_GRAD_NORM)
         self._bounded = small and bounded_step(opt, layout)
+        if self._headroom is not None:
+            self._before = self._headroom.copies(opt)
         self.in_step = True
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -305,6 +312,7 @@ class OptimizerChecks:
         result = StepResult(
             opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step, bounded
         )
+        result.before, self._before = self._before, {}
         self._last_checked_step = step
         return result
 

@@ -17,6 +17,7 @@ import torch
 from nan_magic.distributed.ranks import unflattened_name
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.finding import Finding
+from nan_magic.hot.headroom import Headroom
 from nan_magic.hot.hosts import OptimizerHost
 from nan_magic.hot.stats import kinds_of, norms, read_scalars, relevant_kinds
 from nan_magic.hot.step_layout import StepResult, group_eps, group_lr
@@ -26,7 +27,9 @@ __all__ = ["ReplayStep", "StepReports"]
 
 #: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
 #: line that called the step (None: the line calling it now); localize/optimizer_replay.py.
-ReplayStep = Callable[[Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None], None]
+#: The last argument is a copy of the parameter taken before the step, where one was (headroom.py).
+ReplayStep = Callable[
+    [Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None, torch.Tensor | None], None]
 
 
 class StepReports:
@@ -43,6 +46,8 @@ class StepReports:
         self.watch = watch
         self._add_op_origin = add_op_origin
         self._replay_step = replay_step
+        #: Notes the half-precision parameters near their limit of each step result judged finite.
+        self.headroom: Headroom | None = None
 
     def gradients(self, opt: torch.optim.Optimizer, with_grad: list[tuple[str, torch.Tensor]]) -> bool:
         """A gradient norm read non-finite: report the first non-finite of ``with_grad``; True when one was.
@@ -82,7 +87,7 @@ class StepReports:
             if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
                 caller = pointer_at(*result.caller) if result.caller is not None else None
-                self._replay_step(finding, result.optimizer, parameter, key, caller)
+                self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
             subject = label.name
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
@@ -100,6 +105,8 @@ class StepReports:
                 finding.notes.append(f"the {optimizer} step made {subject} non-finite")
             self.watch.emit(finding)
             return True
+        if self.headroom is not None:
+            self.headroom.observe(result, values)
         return False
 
     def attribute(self, finding: Finding) -> None:

@@ -64,6 +64,8 @@ class StepResult:
     bounded: bool = False
     #: The deferred check's record of the user's line that called the step: ``(code, line, globals)``.
     caller: tuple[CodeType, int, dict[str, Any]] | None = None
+    #: Copies taken before the step of the parameters near their dtype's limit, by id (headroom.py).
+    before: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def owner(self, index: int) -> tuple[torch.Tensor, str | None]:
         """The parameter behind ``updated[index]``, and the state key where it is a state tensor."""

@@ -83,19 +83,19 @@ class OpOrigins:
             return isinstance(self.tracer.origin_of(tensor), OpFinding)
         return self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
 
-    def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None) -> None:
+    def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None, key: int | None = None) -> None:
         """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
 
         Ops mode traces everything; the tiered mode records the code outside
-        the models (outside.py), where the loss and data code run.
+        the models (outside.py), where the loss and data code run. ``key``:
+        the id a tensor freed since had when recorded (the deferred check of
+        a loss that was a temporary), for the recorder.
         """
         outside = self.outside
-        if tensor is None:
-            return
-        if self.tracer is not None:
+        if self.tracer is not None and tensor is not None:
             origin = self.tracer.claim(tensor)
-        elif outside is not None:
-            origin = outside.claim(tensor)
+        elif outside is not None and self.tracer is None and (tensor is not None or key is not None):
+            origin = outside.claim(tensor, key)
             untraced = outside.note()
             if untraced is not None and finding.module is None:
                 finding.notes.append(untraced)

@@ -19,7 +19,11 @@ again from there (an ``eps`` that rounds to 0 divides 0 by 0 where the
 gradient is 0, a NaN or huge learning rate spoils every update): the op is
 named only when the replay makes every element the step made non-finite
 non-finite again, and the report says the replay started from the state after
-the step. The line is the user's that called the step (``opt.step()``).
+the step. A half-precision parameter that an ordinary update pushes past its
+limit (``p.add_(update)`` past 65504 in float16) would stay finite from 0: such
+a parameter, once its values came near the limit, is copied before each step
+(hot/headroom.py), and the replay starts from that copy. The line is the
+user's that called the step (``opt.step()``).
 """
 
 from __future__ import annotations
@@ -44,41 +48,53 @@ def name_optimizer_op(
     parameter: torch.Tensor,
     key: str | None,
     caller: SourcePointer | None,
+    before: torch.Tensor | None = None,
+    *,
     kinds: frozenset[str],
 ) -> None:
     """Add to ``finding`` the op of ``opt``'s step that made ``parameter`` (or its state ``key``) non-finite.
 
     ``caller`` is the user's line that called the step; it becomes the
-    report's line. Where the replay does not make the same elements
-    non-finite again, the finding keeps no op and says so.
+    report's line. ``before``: a copy of the parameter taken before the
+    step (hot/headroom.py), which the replay then starts from. Where the
+    replay does not make the same elements non-finite again, the finding
+    keeps no op and says so.
     """
     bad = parameter if key is None else opt.state.get(parameter, {}).get(key)
     if not isinstance(bad, torch.Tensor):
         return
     try:
-        replayed, origin = _replay(opt, parameter, key, kinds)
+        replayed, origin = _replay(opt, parameter, key, kinds, before)
     except Exception:  # any optimizer (a closure it needs, a custom class): the event stands
         finding.notes.append(f"the {type(opt).__name__} step could not be replayed to name its op")
         return
     with torch.no_grad():
         # Every element the step made non-finite is non-finite in the replay too.
         reproduced = replayed is not None and bool((bad.isfinite() | ~replayed.isfinite()).all())
+    name = type(opt).__name__
     if origin is None or not reproduced:
-        finding.notes.append(f"a replay of the {type(opt).__name__} step from the state it left stayed finite "
-                             "where the step made non-finite values: its op is not named")
+        start = "from the parameter as it was before it" if before is not None else "from the state it left"
+        finding.notes.append(f"a replay of the {name} step {start} stayed finite where the step made non-finite "
+                             "values: its op is not named")
         return
     attach_origin(finding, dataclasses.replace(origin, source=caller or origin.source))
-    finding.notes.append(f"{origin.op} named by a replay of the {type(opt).__name__} step on copies of the "
-                         "parameter, its gradient and its state as the step left them (non-finite elements as 0)")
+    if before is not None:
+        finding.notes.append(f"{origin.op} named by a replay of the {name} step on a copy of the parameter kept "
+                             "before it (its values were near the limit of its dtype), its gradient and its state")
+    else:
+        finding.notes.append(f"{origin.op} named by a replay of the {name} step on copies of the parameter, "
+                             "its gradient and its state as the step left them (non-finite elements as 0)")
 
 
 def _replay(
-    opt: torch.optim.Optimizer, parameter: torch.Tensor, key: str | None, kinds: frozenset[str]
+    opt: torch.optim.Optimizer, parameter: torch.Tensor, key: str | None, kinds: frozenset[str],
+    before: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, OpFinding | None]:
     """Run ``opt``'s step for ``parameter`` alone on copies; the replayed bad tensor and the op that started it."""
     group = next(group for group in opt.param_groups if any(p is parameter for p in group["params"]))
     with torch.no_grad():
-        copy = _finite_copy(parameter).requires_grad_(parameter.requires_grad)
+        start = before if before is not None else parameter
+        copy = _finite_copy(start).requires_grad_(parameter.requires_grad)
         if parameter.grad is not None:
             copy.grad = parameter.grad.detach().clone()
         state = {name: _finite_copy(value) if isinstance(value, torch.Tensor) else value

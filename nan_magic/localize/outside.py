@@ -129,6 +129,8 @@ class OutsideRecorder(TorchDispatchMode):
     def __init__(self, kinds: frozenset[str]) -> None:
         super().__init__()
         self.kinds = kinds
+        # Values copied before an op wrote them in place, where a replay must start (loop_writes.py fills it).
+        self.before: dict[int, torch.Tensor] = {}
         self.pushed = False
         self._resumes = False
         self._budget = 0
@@ -192,6 +194,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._held_bytes = 0
         self._rng = None
         self._witness = None
+        self.before.clear()
 
     def weaken(self) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
@@ -300,6 +303,18 @@ class OutsideRecorder(TorchDispatchMode):
                 self._held_bytes += sum(_held_bytes(item) for item in value if type(item) is torch.Tensor)
         return out
 
+    def recorded(self) -> int:
+        """How many ops the region recorded so far."""
+        return len(self._ops)
+
+    def recording(self) -> bool:
+        """Whether the next op is recorded (within the region's budget)."""
+        return self._budget > 0
+
+    def made(self, tensor: torch.Tensor) -> bool:
+        """Whether a recorded op returned ``tensor``."""
+        return id(tensor) in self._produced
+
     def written(self) -> list[torch.Tensor]:
         """The tensors the recorded ops wrote in place, each once, in the order first written."""
         seen: dict[int, torch.Tensor] = {}
@@ -314,19 +329,20 @@ class OutsideRecorder(TorchDispatchMode):
 
     # -- at an event ----------------------------------------------------------------------
 
-    def claim(self, tensor: torch.Tensor) -> OpFinding | None:
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
         """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
 
         None when ``tensor`` was not made by recorded code, or when its
         non-finite values came from outside the record (a model output).
+        ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         """
-        ops = self._ops_to(tensor)
+        ops = self._ops_to(tensor) if tensor is not None else self._ops_to_key(key) if key is not None else None
         if ops is None:
             return None
         tracer = OpTracer(kinds=self.kinds)
         producer: RecordedOp | None = None
         try:
-            copies, _requiring = copies_from_outside(ops)
+            copies, _requiring = copies_from_outside(ops, self.before)
             with torch.no_grad(), self._generators_as_recorded(), tracer:
                 for op in ops:
                     rerun_op(op, copies)

@@ -98,12 +98,14 @@ def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor]) -> None:
 
 
 
-def copies_from_outside(ops: list[RecordedOp]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+def copies_from_outside(
+    ops: list[RecordedOp], before: dict[int, torch.Tensor] | None = None
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
     """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
 
     A replayed in-place op leaves the originals alone; a copy of a tensor
     that required gradients (a model output) requires them too, for a
-    replay of the backward.
+    replay of the backward. ``before``: values copied before an op wrote them in place (loop_writes.py).
     """
     made: set[int] = set()
     copies: dict[int, torch.Tensor] = {}
@@ -113,7 +115,7 @@ def copies_from_outside(ops: list[RecordedOp]) -> tuple[dict[int, torch.Tensor],
             for value in tree_leaves((op.args, op.kwargs)):
                 key = record_key(value)
                 if key is not None and key not in made and key not in copies:
-                    original = alive(value)
+                    original = before[key] if before and key in before else alive(value)
                     copy = copies[key] = original.detach().clone()
                     # A kept value is a detached one: its record says whether the original required gradients.
                     if value.requires_grad and copy.is_floating_point():

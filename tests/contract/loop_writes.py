@@ -6,6 +6,13 @@ they make non-finite is reported at the step it happened, phase optimizer
 (the user's update code is the optimizer), its owner as the module, with the
 op and line that made it, in every mode (localize/loop_writes.py). Healthy
 versions of both stay silent and compute the same numbers.
+
+Loop code that writes parameters only now and then (a max-norm renormalisation
+every 10th step; a hand-written decay applied only while the loss is above a
+threshold) is caught at the step it writes, not a step late: an update region
+that ran no op stays recorded. One that ran ops and wrote nothing (gradient
+clipping) is not recorded again, for its cost: a renormalisation after
+clipping is caught a step late, with no op, except by ``ops=True``.
 """
 
 from __future__ import annotations
@@ -75,6 +82,51 @@ def _tied_update_by_hand(every_token_seen: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _renormalised_every(period: int, clip: bool) -> Scenario:
+    """Embedding rows renormalised to unit norm every ``period`` steps; the padding row is zero: 0 / 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=0), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.tensor([0, 1, 2, 3, 5])
+
+    def run() -> None:
+        for step in range(period + 2):
+            opt.zero_grad()
+            model(tokens).pow(2).mean().backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step % period == period - 1:
+                with torch.no_grad():
+                    weight = model[0].weight
+                    weight.div_(weight.norm(dim=1, keepdim=True))  # producer: renormalise
+            opt.step()
+
+    return Scenario((model, opt), run)
+
+
+def _decay_while_high(healthy: bool) -> Scenario:
+    """A hand-written decay of the output weight applied only while the loss is above 1, by 1 / (loss - 1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    targets = [0.0, 0.0, 0.0, 3.0, 0.0]
+
+    def run() -> list[torch.Tensor]:
+        for target in targets:
+            opt.zero_grad()
+            loss = (model(x) - target).pow(2).mean()
+            loss.backward()
+            if loss.item() > 1.0:
+                margin = loss.detach() - (1.0 if healthy else loss.detach())
+                with torch.no_grad():
+                    model[2].weight.mul_(1.0 - 0.1 / margin)  # producer: decay while high
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("loop_momentum_sgd_by_hand_zero_gradient_norm", lambda: _momentum_sgd_by_hand(True),
          Expect("optimizer", "0", "Linear", op="aten.div.Tensor", marker="normalised gradient",
@@ -84,4 +136,16 @@ CASES = [
          Expect("optimizer", "embed", "Embedding", op="aten.div.Tensor", marker="tied update",
                 tensor=TensorRef.parameter("embed.weight"), cause="division-by-zero")),
     Case("loop_tied_embedding_update_healthy", lambda: _tied_update_by_hand(True), None),
+    Case("loop_renormalise_every_10th_step", lambda: _renormalised_every(10, clip=False),
+         Expect("optimizer", "0", "Embedding", step=9, op="aten.div_.Tensor", marker="renormalise",
+                tensor=TensorRef.parameter("0.weight"))),
+    Case("loop_renormalise_every_3rd_step_after_clipping", lambda: _renormalised_every(3, clip=True),
+         Expect("optimizer", "0", "Embedding", step=2, op="aten.div_.Tensor", marker="renormalise",
+                tensor=TensorRef.parameter("0.weight")), modes=("ops",),
+         note="default, defer, full: a clipping region that wrote nothing is not recorded again (its cost); "
+              "the write is reported by the next forward, a step late, without its op"),
+    Case("loop_decay_only_while_the_loss_is_high", lambda: _decay_while_high(False),
+         Expect("optimizer", "2", "Linear", step=3, op="aten.reciprocal.default", marker="decay while high",
+                tensor=TensorRef.parameter("2.weight"))),
+    Case("loop_decay_only_while_the_loss_is_high_healthy", lambda: _decay_while_high(True), None),
 ]

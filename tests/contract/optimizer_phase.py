@@ -88,6 +88,31 @@ def _healthy_adam_fp16_eps() -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _fp16_growth(foreach: bool, healthy: bool = False) -> Scenario:
+    """A float16 weight near 65504 that each SGD step moves 1000 further: the update's addition overflows.
+
+    The weight starts at 62000; the third step's ``p += -lr * grad`` reaches 66000, past float16's max
+    (``healthy``: it starts at 52000 and stays below). A replay from the state the step left would start
+    from 0 where the weight went infinite and stay finite: the step is replayed from a copy of the
+    parameter kept before it, since its values came within a factor of the limit (optim.py's headroom).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1)).half()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[52000.0 if healthy else 62000.0, 0.5, -0.5, 0.25]]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e4, foreach=foreach)
+    x = torch.full((8, 4), 0.1, dtype=torch.float16)
+
+    def run() -> list[torch.Tensor]:
+        for _ in range(5):
+            opt.zero_grad()
+            (-model(x).float().mean()).backward()
+            opt.step()  # producer: fp16 growth step
+        return [p.detach().clone() for p in model.parameters()]
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("optimizer_huge_learning_rate", _huge_lr,
          Expect("optimizer", "0", "Linear", op="aten.add_.Tensor", marker="huge lr step",
@@ -102,4 +127,11 @@ CASES = [
          Expect("optimizer", "0", "Embedding", op="aten._foreach_addcdiv_.ScalarList", marker="foreach adam step",
                 tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"}), cause="optimizer-eps-underflow")),
     Case("optimizer_fp16_adam_healthy_eps", _healthy_adam_fp16_eps, None),
+    Case("optimizer_fp16_parameter_overflows_by_addition", lambda: _fp16_growth(foreach=False),
+         Expect("optimizer", "0", "Linear", step=3, op="aten.add_.Tensor", marker="fp16 growth step",
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"+inf"}))),
+    Case("optimizer_fp16_parameter_overflows_by_addition_foreach", lambda: _fp16_growth(foreach=True),
+         Expect("optimizer", "0", "Linear", step=3, op="aten._foreach_add_.List", marker="fp16 growth step",
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"+inf"}))),
+    Case("optimizer_fp16_parameter_near_the_limit_healthy", lambda: _fp16_growth(foreach=True, healthy=True), None),
 ]
