@@ -7,21 +7,16 @@ Mechanisms, and why none of them changes what the model computes:
   a module instance would make ``nn.TransformerEncoderLayer`` skip its fused
   inference path; global hooks do not. The post hook is ``always_call`` so the
   module stack unwinds when a forward raises.
-* Loss: ``torch.Tensor.backward`` is wrapped while the watch is active (and
-  restored in ``finally``) to check the tensor backward starts from.
-* GradScaler: ``scale`` and ``step`` are wrapped the same way, so a scaler
-  that was not passed is seen in use and its skipped steps are benign
-  (scaler_patch.py).
-* Backward: a tensor hook on each watched module's floating outputs sees the
-  gradient flowing into that module, in backward execution order. No
-  ``register_full_backward_hook`` (it breaks in-place ops on outputs).
-* Optimizer: global optimizer step pre/post hooks check gradients before a
-  step and parameters after it; a post-accumulate-grad hook on each large
-  CPU parameter measures its gradient early, while it is in cache (optim.py).
+* Loss and GradScaler: ``torch.Tensor.backward``, ``GradScaler.scale`` and
+  ``step`` are wrapped while the watch is active (patches/registry.py), to
+  check the tensor backward starts from and see a scaler's skipped steps.
+* Backward: a tensor hook on each watched output sees the gradient flowing
+  into it (no ``register_full_backward_hook``: it breaks in-place ops on outputs).
+* Optimizer: global step pre/post hooks check gradients before a step and
+  parameters after it; a large CPU parameter's gradient is measured in cache.
 
-Every handle lives in an ``ExitStack`` closed in ``finally``: after the watch,
-whatever way it ends, no hook of ours remains and the user's hooks were never
-touched.
+Every handle lives in an ``ExitStack`` closed in ``finally``: no hook of ours
+outlives the watch, and the user's hooks are never touched.
 
 This module owns the lifecycle: entering and leaving (pausing and resuming for
 ``%nanwatch on``), attaching and removing the hooks, and building every part
