@@ -430,7 +430,9 @@ def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
     report = attention_report()
     layers = in_call_order(report.layers)
     cells = table_cells(style_layers(layers).to_html())
-    root_classes, status, counts = cells[("HalfAttention (root)", "output of proj")]
+    # The value the root's code passed to proj is the root's own output (it returns proj's): one row, not two.
+    assert ("HalfAttention (root)", "output of proj") not in cells
+    root_classes, status, counts = cells[("HalfAttention (root)", "output")]
     assert status == "producer" and counts.endswith(" nan") and "nm-depth" not in root_classes
     # Its children, indented one level, ran inside it: not dimmed as rows after it.
     for child in ("qkv (Linear)", "proj (Linear)"):
@@ -443,9 +445,9 @@ def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
     assert view.near.disabled  # four rows: all of them are near the producer
     assert not view.touched.disabled
     view.touched.value = True
-    # The producer's value where it left through proj, and the root's own output once the replayed step returned.
-    assert [(layer.tensor, layer.status) for layer in view.rows()] == [
-        ("output of proj", "producer"), ("output", "producer"), ("output", "propagated")]
+    # The root's own output (the producer's row), and proj's, which returned it.
+    assert [(layer.module, layer.tensor, layer.status) for layer in view.rows()] == [
+        ("", "output", "producer"), ("proj", "output", "propagated")]
 
 
 

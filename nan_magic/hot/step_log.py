@@ -300,7 +300,7 @@ class StepLog:
         rows: list[LayerCall] = []
         running = [call for call in self.calls if call.finished < 0]
         for call in self.finished() + running:
-            for record in call.outputs:
+            for record in _own_rows(call):
                 rows.append(
                     LayerCall(
                         index=call.index,
@@ -362,3 +362,15 @@ class StepLog:
 
 #: ``(call index, finished index, record of the forward tensor, gradient dtype, gradient shape)``
 _FiniteGradient = tuple[int, int, TensorRecord, torch.dtype, torch.Size]
+
+
+def _own_rows(call: Call) -> list[TensorRecord]:
+    """``call``'s records, each tensor once: the call's own output, where the producer rule also recorded it
+    as the value its code passed to a child (the child returned it: ``return self.proj(h)``)."""
+    outputs = [record.ref() for record in call.outputs if not isinstance(record.path, TensorRef)]
+    return [
+        record for record in call.outputs
+        if not isinstance(record.path, TensorRef) or (tensor := record.ref()) is None
+        or not any(tensor is output for output in outputs)
+    ]
+
