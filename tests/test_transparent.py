@@ -28,7 +28,10 @@ def test_an_activation_on_a_finite_input_has_no_row_and_changes_no_verdict() -> 
     assert (report.phase, report.module, report.module_type) == ("forward", "4", "LogAfter")
     rows = _forward_modules(report)
     assert "0" in rows and "4" in rows
-    assert not {"1", "2", "3"} & set(rows)  # passed through: finite in, finite out
+    # Passed through (finite in, finite out): listed in the table as unchecked, with no numbers.
+    unchecked = {row.module: row for row in report.layers if row.module in {"1", "2", "3"}}
+    assert set(unchecked) == {"1", "2", "3"}
+    assert all(row.status == "unchecked" and row.stats is None and row.index is None for row in unchecked.values())
 
 
 def test_a_backward_producer_behind_a_pass_through_is_still_its_consumer() -> None:

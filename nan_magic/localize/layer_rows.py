@@ -69,10 +69,22 @@ def step_layers(
 
 
 def with_layers(report: Report | None, layers: tuple[tuple[LayerCall, ...], int]) -> Report | None:
-    """``report`` with the rows :func:`step_layers` read (a replay's report takes the whole replayed step's)."""
+    """``report`` with the rows :func:`step_layers` read (a replay's report takes the whole replayed step's).
+
+    A row the report already had keeps its numbers: they were read at the
+    event, while its tensor was alive (a gradient freed since is known only
+    to have been checked, not what it held).
+    """
     if report is None:
         return None
-    return dataclasses.replace(report, layers=layers[0], layers_dropped=layers[1])
+    at_event = {_key(row): row.stats for row in report.layers if row.stats is not None}
+    rows = tuple(dataclasses.replace(row, stats=at_event[_key(row)]) if _key(row) in at_event else row
+                 for row in layers[0])
+    return dataclasses.replace(report, layers=rows, layers_dropped=layers[1])
+
+
+def _key(row: LayerCall) -> tuple[object, ...]:
+    return row.index, row.phase, row.module, row.tensor
 
 
 def _unmeasured(info: ModuleInfo, stopped: bool, per_module: bool) -> LayerStatus:
