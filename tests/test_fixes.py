@@ -23,11 +23,15 @@ from nan_magic.records import FixTrial, Report, SourcePointer
 from nan_magic.render.fixes import suggested_edit
 
 
-class LogOf(nn.Module):
+class _Fixable(nn.Module):
+    """A Linear(4, 4) followed by the op under test, in its broken form or (``fixed``) as the suggested edit has it."""
+
     def __init__(self, fixed: bool = False) -> None:
         super().__init__()
         self.fc, self.fixed = nn.Linear(4, 4), fixed
 
+
+class LogOf(_Fixable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) - 10
         if self.fixed:
@@ -35,12 +39,8 @@ class LogOf(nn.Module):
         return torch.log(h)
 
 
-class SqrtOf(nn.Module):
+class SqrtOf(_Fixable):
     """sqrt of a square that is 0: finite forward, 0 * inf in the backward."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) ** 2
@@ -49,12 +49,8 @@ class SqrtOf(nn.Module):
         return torch.sqrt(h)
 
 
-class SumNormalise(nn.Module):
+class SumNormalise(_Fixable):
     """Rows divided by their sum: a row of ReLU zeros is 0 / 0."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.fc(x))
@@ -77,12 +73,8 @@ class HalfProduct(nn.Module):
         return x @ self.weight / 1000
 
 
-class HandSoftmax(nn.Module):
+class HandSoftmax(_Fixable):
     """A softmax written by hand in float32: exp of large scores overflows."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x) * 1000
@@ -107,12 +99,8 @@ class HalfExp(HandSoftmax):
         return x * self.scale
 
 
-class LogSoftmax(nn.Module):
+class LogSoftmax(_Fixable):
     """log of a softmax that underflows to 0: -inf where log_softmax is finite."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.fc(x) * 100
@@ -121,12 +109,8 @@ class LogSoftmax(nn.Module):
         return torch.log(torch.softmax(s, -1))
 
 
-class Acos(nn.Module):
+class Acos(_Fixable):
     """acos of a cosine that rounding pushed past 1."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = torch.tanh(self.fc(x)) + 1.5
@@ -135,12 +119,8 @@ class Acos(nn.Module):
         return torch.acos(c)
 
 
-class RootPow(nn.Module):
+class RootPow(_Fixable):
     """A fractional power of negatives."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) - 10
@@ -149,12 +129,8 @@ class RootPow(nn.Module):
         return h ** 0.5
 
 
-class Reciprocal(nn.Module):
+class Reciprocal(_Fixable):
     """1 / x of a signed value with exact zeros."""
-
-    def __init__(self, fixed: bool = False) -> None:
-        super().__init__()
-        self.fc, self.fixed = nn.Linear(4, 4), fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) * (x != 0)

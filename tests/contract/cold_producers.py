@@ -227,15 +227,21 @@ def _healthy_multinomial() -> Scenario:
     return Scenario((model,), run)
 
 
-def _ppo_log_backward() -> Scenario:
+def ppo_setup() -> tuple[nn.Linear, torch.optim.SGD, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A PPO-style policy, its optimizer, and a batch in which state 3 took the action its mask forbids:
+    ``(policy, opt, states, invalid, actions, advantages)``."""
     torch.manual_seed(0)
     policy = nn.Linear(4, 3)
     opt = torch.optim.SGD(policy.parameters(), lr=0.01)
     states = torch.randn(6, 4)
     invalid = torch.zeros(6, 3, dtype=torch.bool)
     invalid[:, 2] = True
-    actions = torch.tensor([[0], [1], [0], [2], [1], [0]])  # state 3 took the invalid action
-    advantages = torch.randn(6)
+    actions = torch.tensor([[0], [1], [0], [2], [1], [0]])
+    return policy, opt, states, invalid, actions, torch.randn(6)
+
+
+def _ppo_log_backward() -> Scenario:
+    policy, opt, states, invalid, actions, advantages = ppo_setup()
 
     def run() -> None:
         probs = policy(states).masked_fill(invalid, float("-inf")).softmax(-1)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
-from contract.cold_producers import LOSS_CODE_NOTE, LOSS_CODE_OPS
+from contract.cold_producers import LOSS_CODE_NOTE, LOSS_CODE_OPS, ppo_setup
 
 
 def _masked_lse_temporary() -> Scenario:
@@ -69,14 +69,7 @@ def _loss_fn_temporary(two_terms: bool = False, autocast: bool = False, healthy:
 
 def _ppo_temporary() -> Scenario:
     """The PPO-style log of a zero probability, its loss a temporary: log's backward divides by 0."""
-    torch.manual_seed(0)
-    policy = nn.Linear(4, 3)
-    opt = torch.optim.SGD(policy.parameters(), lr=0.01)
-    states = torch.randn(6, 4)
-    invalid = torch.zeros(6, 3, dtype=torch.bool)
-    invalid[:, 2] = True
-    actions = torch.tensor([[0], [1], [0], [2], [1], [0]])
-    advantages = torch.randn(6)
+    policy, opt, states, invalid, actions, advantages = ppo_setup()
 
     def run() -> None:
         probs = policy(states).masked_fill(invalid, float("-inf")).softmax(-1)
