@@ -11,9 +11,9 @@ import math
 from collections.abc import Callable
 
 from nan_magic.explain.attention import logsumexp_cause, softmax_cause
-from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
+from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
-from nan_magic.records import Cause, Report, TensorRole
+from nan_magic.records import Cause, Report, TensorRole, op_function
 
 __all__ = ["forward_cause"]
 
@@ -26,7 +26,7 @@ _CORRECTED_OPS = frozenset({"std", "var", "std_mean", "var_mean"})
 
 
 def forward_cause(report: Report) -> Cause:
-    base = op_base(report.op)
+    base = op_function(report.op)
     if base is None:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
@@ -45,7 +45,7 @@ def _log(report: Report) -> Cause:
     zeros, negatives = report.neginf, report.nan
     if not zeros + negatives:
         return overflow(report)
-    return event_cause("log-domain", "log-domain", report, base=op_base(report.op))
+    return event_cause("log-domain", "log-domain", report, base=op_function(report.op))
 
 
 def _sqrt(report: Report) -> Cause:
@@ -80,7 +80,7 @@ def _exp(report: Report) -> Cause:
 
 
 def _division(report: Report) -> Cause:
-    reciprocal = op_base(report.op) == "reciprocal"
+    reciprocal = op_function(report.op) == "reciprocal"
     divisor = report.operand("self" if reciprocal else "other")
     if divisor is not None and not divisor.zeros:
         return overflow(report)

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import process_group
+from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
@@ -42,7 +42,7 @@ from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
-from nan_magic.records import FixTrial, Phase, Report
+from nan_magic.records import FixTrial, Phase, Report, op_function
 from nan_magic.scene.last_good import LastGood
 
 __all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes", "with_fixes"]
@@ -58,11 +58,7 @@ MIN_BUDGET = 2.0
 
 def producer_site(report: Report) -> Site:
     """Where the producer ran, and the torch function behind its op (a backward op: its node's forward)."""
-    function = None
-    if report.autograd_node:
-        function = re.sub(r"Backward\d*$", "", report.autograd_node).lower()
-    elif report.op and report.op.count(".") >= 1:
-        function = report.op.split(".")[1].rstrip("_")
+    function = node_function(report.autograd_node) if report.autograd_node else op_function(report.op)
     return Site(report.module, report.source, function)
 
 
