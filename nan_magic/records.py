@@ -13,7 +13,7 @@ import enum
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nan_magic.fix_records import FixTrial
 from nan_magic.locations import SourcePointer
@@ -39,7 +39,6 @@ __all__ = [
     "TensorRole",
     "TensorStats",
     "module_label",
-    "op_function",
     "sample_label",
 ]
 
@@ -64,27 +63,6 @@ class Phase(str, enum.Enum):
 
 #: How a value outside every watched module is named (``module`` None).
 OUTSIDE_MODULES = "code outside any watched module"
-
-
-@overload
-def op_function(op: str) -> str: ...
-
-
-@overload
-def op_function(op: None) -> None: ...
-
-
-def op_function(op: str | None) -> str | None:
-    """The function an op is for: ``"aten._softmax.default"`` -> ``"softmax"``, ``"aten.div_.Tensor"`` -> ``"div"``.
-
-    ``op`` is torch's own name of an OpOverload (``namespace.name.overload``,
-    PRODUCT.md's ``Report.op``); the report keeps no torch object, so its
-    middle part is read here, the one place that reads it.
-    """
-    if op is None:
-        return None
-    parts = op.split(".")
-    return (parts[1] if len(parts) > 1 else parts[0]).strip("_")
 
 
 def sample_label(module: str | None, tensor: str) -> str:

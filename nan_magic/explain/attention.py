@@ -23,7 +23,8 @@ import math
 
 from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_overflow
-from nan_magic.records import Cause, Report, TensorStats, op_function
+from nan_magic.records import Cause, Report, TensorStats
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["logsumexp_cause", "softmax_cause"]
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from nan_magic.explain.attention import logsumexp_cause, softmax_cause
 from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
-from nan_magic.records import Cause, Report, TensorRole, op_function
+from nan_magic.records import Cause, Report, TensorRole
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["forward_cause"]
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from nan_magic.explain.evidence import HALF, dtype_max, float_dtype
-from nan_magic.records import Cause, Report, TensorRole, op_function
+from nan_magic.records import Cause, Report, TensorRole
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["optimizer_cause"]
 

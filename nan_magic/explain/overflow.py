@@ -16,7 +16,8 @@ import math
 
 from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.plain import to_pairs
-from nan_magic.records import Cause, Report, op_function
+from nan_magic.records import Cause, Report
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["MATMUL_OPS", "Sign", "attention_op", "half_overflow", "overflow", "wide_overflow", "wide_overflow_signs"]
 

@@ -42,8 +42,9 @@ from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
-from nan_magic.records import FixTrial, Phase, Report, op_function
+from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes", "with_fixes"]
 
@@ -169,7 +170,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds,
                             untried="it found nothing to change at the producer's line")
     return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed)
+                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
+                        error=outcome.error)
 
 
 def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
@@ -179,7 +181,8 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
         return _at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
                             untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
     return _at_producer("scale", report, facts=(*_step_facts(step, outcome), *facts.items()),
-                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed)
+                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
+                        error=outcome.error)
 
 
 def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
@@ -191,7 +194,7 @@ def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], las
     outcome = replay_step(lowered, None, None)
     return _at_producer("lr", report, facts=(*_step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
                         finite=outcome.failed is None, loss=outcome.loss, output_change=_change(base, outcome),
-                        seconds=outcome.seconds, failed=outcome.failed)
+                        seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)
 
 
 def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
@@ -221,7 +224,7 @@ def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     facts = (("stepped", outcome.stepped), ("backward_from", _backward_from(smaller, outcome)),
              ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
     return (_at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                     seconds=outcome.seconds, failed=outcome.failed),)
+                     seconds=outcome.seconds, failed=outcome.failed, error=outcome.error),)
 
 
 def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:

@@ -22,10 +22,10 @@ from nan_magic.records import (
     TensorRole,
     TensorStats,
     module_label,
-    op_function,
 )
 from nan_magic.render.cause import cause_evidence, cause_hint, hint_opens_sentence
 from nan_magic.render.operands import op_expression, operand_label, operand_names
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
 

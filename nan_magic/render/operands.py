@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ast
 
-from nan_magic.records import TensorRef, TensorRole, op_function
+from nan_magic.records import TensorRef, TensorRole
+from nan_magic.tensor_refs import op_function
 
 #: aten op base name -> the Python operator that runs it.
 _OPERATORS: dict[str, type[ast.operator]] = {
