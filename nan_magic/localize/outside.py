@@ -329,18 +329,21 @@ class OutsideRecorder(TorchDispatchMode):
             frame = frame.f_back
         index = len(self._ops)
         self._frames.append(frame)
+        # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
-            self._ops.append(RecordedOp(func, tuple(args), kwargs, out, None, 0, None))
+            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1)))
         else:
-            self._ops.append(RecordedOp(func, tuple(args), kwargs, out, frame.f_code, frame.f_lineno,
-                                        frame.f_globals, frame.f_lasti))
+            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, frame.f_code, frame.f_lineno,
+                                                     frame.f_globals, frame.f_lasti)))
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
             base = out._base  # _bytes_held, inlined
             size = (out if base is None else base).nbytes
             self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
         else:
-            for tensor in tree_leaves(out):
+            flat = (type(out) is tuple or type(out) is list) and all(type(item) is not tuple and type(item) is not list
+                                                                    for item in out)
+            for tensor in out if flat else tree_leaves(out):  # (max and its index: a flat tuple, no pytree walk)
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
                     self._held_bytes += _held_bytes(tensor)
@@ -521,6 +524,7 @@ _SEEDED: dict[Any, bool] = {}
 # marker through; record an op; record an op that draws random numbers (taking the generators' state first).
 _PASS, _RECORD, _SEEDED_OP = "pass", "record", "seeded"
 _OPS: dict[int, tuple[str, Any, Any]] = {}  # id(op) -> (kind, callable, the op, kept so its id stays unique)
+_new_tuple = tuple.__new__
 
 
 def _op_entry(func: Any) -> tuple[str, Any, Any]:
