@@ -162,7 +162,7 @@ def main() -> None:
     per_op, clipping = _region_costs(options.steps)
     print(f"loss-code recorder: {per_op:.1f} calls per op of loss code "
           f"(a step with {LOSS_OPS} more elementwise ops between the model's return and backward(), less one without)")
-    print(f"update region: {round(clipping) + 0} calls a step for a clip_grad_norm_ between backward() and step() "
+    print(f"update region: {round(clipping)} calls a step for a clip_grad_norm_ between backward() and step() "
           "(a step with it, less one without)")
     sys.stdout.flush()
 
