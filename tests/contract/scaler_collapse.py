@@ -4,9 +4,9 @@ The collapse is raised on the last skipped step (15 in a row); the report
 names the backward producer of that step's non-finite gradient, as a backward
 event would: inside a model (the step replay), or in the loss code (its
 recorded ops replayed with their backward, also by the deferred check, after
-the loss was freed). The full mode's module replay cannot run a child whose
-input is not an argument, and does not replay the loss code: it names the
-module only.
+the loss was freed), in every mode. Inside the model, the full mode's replay
+of the module cannot compute the gradient of a tensor the module made inside
+(a call is replayed from its arguments): it names the module, and says so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import nn
 
 from contract import Case, Expect, Scenario
 
-_FULL = "full: the module replay names the module only (its input is not an argument; no loss-code replay)"
+FULL = ("full: the module replay names the module only: the tensor whose gradient overflowed (1.proj output) "
+         "is made inside it, not passed to it")
 
 
 class Head(nn.Module):
@@ -57,11 +58,11 @@ CASES = [
     # The gradient into the head's output is finite at the last scales; its matmul's backward overflows.
     Case("grad_scaler_collapse_inside_the_model", lambda: _collapsing(1.0),
          Expect("backward", "1", "Head", op="aten.mm.default", marker="head output", cause="grad-scaler-collapse",
-                benign_events=15, op_modes=("default", "defer", "ops")),
-         note=_FULL),
+                benign_events=15, op_modes=("default", "defer", "ops"),
+                says=(("full", "the tensor whose gradient is not finite was computed inside 1, not passed to it"),)),
+         note=FULL),
     # A loss 1000 times larger: the cast back to float16 in the loss code's backward overflows first.
     Case("grad_scaler_collapse_in_the_loss_code", lambda: _collapsing(1000.0),
          Expect("backward", None, op="aten._to_copy.default", marker="scaled loss", cause="grad-scaler-collapse",
-                benign_events=15, op_modes=("default", "defer", "ops")),
-         note=_FULL),
+                benign_events=15)),
 ]
