@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from contract import Case, Expect, Scenario
 from nan_magic.records import TensorRef
 
-# The loss code's ops are recorded (outside.py) and replayed, forward and backward, at an event, immediate or
-# deferred (its small tensors are kept for the deferred check), in every mode but ops=True, which traces them.
+# The loss code's ops are recorded (localize/outside/recorder.py) and replayed, forward and backward, at an
+# event, immediate or deferred (its small tensors are kept for the deferred check), in every mode but ops=True,
+# which traces them.
 
 
 def _regression(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
