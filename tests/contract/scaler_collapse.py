@@ -31,8 +31,11 @@ class Head(nn.Module):
         return self.out(h) * 64.0  # producer: head output
 
 
-def _collapsing(loss_factor: float) -> Scenario:
-    """float16 autocast, large output weights: a gradient overflows float16 at every scale down to 4."""
+def collapsing(loss_factor: float, unscale_and_clip: bool = False) -> Scenario:
+    """float16 autocast, large output weights: a gradient overflows float16 at every scale down to 4.
+
+    ``unscale_and_clip``: ``scaler.unscale_`` and gradient clipping run between backward and the step.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), Head())
     with torch.no_grad():
@@ -48,6 +51,9 @@ def _collapsing(loss_factor: float) -> Scenario:
             loss = (out.float() - y).pow(2).mean() * loss_factor  # producer: scaled loss
             opt.zero_grad()
             scaler.scale(loss).backward()
+            if unscale_and_clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
 
@@ -56,13 +62,13 @@ def _collapsing(loss_factor: float) -> Scenario:
 
 CASES = [
     # The gradient into the head's output is finite at the last scales; its matmul's backward overflows.
-    Case("grad_scaler_collapse_inside_the_model", lambda: _collapsing(1.0),
+    Case("grad_scaler_collapse_inside_the_model", lambda: collapsing(1.0),
          Expect("backward", "1", "Head", op="aten.mm.default", marker="head output", cause="grad-scaler-collapse",
                 benign_events=15, op_modes=("default", "defer", "ops"),
                 says=(("full", "the tensor whose gradient is not finite was computed inside 1, not passed to it"),)),
          note=FULL),
     # A loss 1000 times larger: the cast back to float16 in the loss code's backward overflows first.
-    Case("grad_scaler_collapse_in_the_loss_code", lambda: _collapsing(1000.0),
+    Case("grad_scaler_collapse_in_the_loss_code", lambda: collapsing(1000.0),
          Expect("backward", None, op="aten._to_copy.default", marker="scaled loss", cause="grad-scaler-collapse",
                 benign_events=15)),
 ]

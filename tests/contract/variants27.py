@@ -18,7 +18,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from contract import Case, Expect, Scenario, scaler_collapse, steps_and_data
-from contract.scaler_collapse import Head
 from contract.steps_and_data import LogLayer
 from nan_magic.records import TensorRef
 
@@ -122,31 +121,6 @@ def _custom_op_forward(healthy: bool) -> Scenario:
             return [model(batch) for batch in batches]
 
     return Scenario((model,), run)
-
-
-def _scaler_with_unscale_and_clipping() -> Scenario:
-    """The collapse of scaler_collapse.py, with ``scaler.unscale_`` and clipping between backward and the step."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), Head())
-    with torch.no_grad():
-        model[1].out.weight.fill_(30.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    x, y = torch.randn(32, 8), torch.randn(32, 4)
-
-    def run() -> None:
-        for _ in range(40):
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-            loss = (out.float() - y).pow(2).mean()
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-
-    return Scenario((model, opt), run)
 
 
 class ThreePartDecoder(nn.Module):
@@ -281,7 +255,8 @@ CASES = [
                 marker="custom op call"),
          note="every mode names the custom op at the line that called it, not the log inside its kernel"),
     Case("variant_custom_op_forward_healthy", lambda: _custom_op_forward(True), None),
-    Case("variant_grad_scaler_collapse_with_unscale_and_clipping", _scaler_with_unscale_and_clipping,
+    Case("variant_grad_scaler_collapse_with_unscale_and_clipping",
+         lambda: scaler_collapse.collapsing(1.0, unscale_and_clip=True),
          Expect("backward", "1", "Head", op="aten.mm.default", marker="head output", cause="grad-scaler-collapse",
                 op_modes=("default", "defer", "ops"),
                 says=(("full", "the tensor whose gradient is not finite was computed inside 1, not passed to it"),)),
