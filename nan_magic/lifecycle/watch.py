@@ -286,8 +286,8 @@ class Watch:
     def _reset_state(self) -> None:
         self.defer = wants_defer(self.config, self._roots())
         self.log = StepLog(self.config.max_layers, self.defer)
-        # How this mode names an event's op (modes.py): the tiered watch records the code between the models'
-        # calls (the loss, data code in the loop) and replays the failing step.
+        # How this mode names an event's op (modes.py): but in ops mode the code between the models' calls (the
+        # loss, data code in the loop) is recorded, and the tiered watch replays the failing step.
         self.localizing: Localizing = localizing(self.config, self, self._nested)
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.

@@ -5,8 +5,9 @@
   failing step's model calls are run again (replay/step.py), an optimizer
   step is run again on copies (replay/optimizer.py).
 * :class:`PerCall` (``mode="full"``): every module call is checked; the
-  producer's call is run again (replay/producer_call.py), an optimizer step
-  on copies.
+  producer's call is run again (replay/producer_call.py), the code between
+  the model calls recorded as the tiered watch records it (a module's replay
+  reaches no code outside the modules), an optimizer step run on copies.
 * :class:`Traced` (``ops=True``, either mode): the op tracer watches every op
   of every step; nothing is run again.
 
@@ -31,7 +32,7 @@ from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.records import Phase
 
-__all__ = ["Localizing", "PerCall", "Tiered", "Traced", "localizing"]
+__all__ = ["Localizing", "PerCall", "Recording", "Tiered", "Traced", "localizing"]
 
 
 class Localizing:
@@ -42,7 +43,7 @@ class Localizing:
 
     def __init__(self, kinds: frozenset[str]) -> None:
         self.kinds = kinds
-        #: The recorder of the code between the model calls (tiered only).
+        #: The recorder of the code between the model calls (all but ops mode).
         self.recorder: OutsideRecorder | None = None
         #: What a replay of the failing step's model calls keeps (tiered, ``replay=True`` only).
         self.replays: StepReplays | None = None
@@ -76,13 +77,12 @@ class Localizing:
         """A step is over: what was kept for its replay goes."""
 
 
-class Tiered(Localizing):
-    """Boundaries only; the loss code recorded and the failing step replayed at an event."""
+class Recording(Localizing):
+    """The modes that record the code between the model calls, to run its ops again at an event."""
 
-    def __init__(self, kinds: frozenset[str], replay: bool, watch: ReplayHost, nested: NestedWatch) -> None:
+    def __init__(self, kinds: frozenset[str]) -> None:
         super().__init__(kinds)
         self.recorder = self._recording = OutsideRecorder(kinds)
-        self.replays = StepReplays(watch, nested) if replay else None
 
     def enter(self, resume: bool, defer: bool) -> None:
         if defer:
@@ -102,11 +102,22 @@ class Tiered(Localizing):
 
     def forget(self) -> None:
         self._recording.forget()
+
+
+class Tiered(Recording):
+    """Boundaries only; the failing step replayed at an event."""
+
+    def __init__(self, kinds: frozenset[str], replay: bool, watch: ReplayHost, nested: NestedWatch) -> None:
+        super().__init__(kinds)
+        self.replays = StepReplays(watch, nested) if replay else None
+
+    def forget(self) -> None:
+        super().forget()
         if self.replays is not None:
             self.replays.clear()
 
 
-class PerCall(Localizing):
+class PerCall(Recording):
     """Every module call checked; the producer's call replayed."""
 
     def __init__(self, kinds: frozenset[str], replay: bool) -> None:
