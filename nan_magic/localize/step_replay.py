@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from nan_magic.errors.frames import is_library_code, user_line
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.buffer_copies import BufferCopies
 from nan_magic.hot.finding import Finding
@@ -120,6 +121,9 @@ class StepReplays:
         self._stepped: set[int] = set()
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
+        # Per model: whether its forward is torch's own code (an nn.Sequential, a compiled wrapper), learned at
+        # its first call: then no op of a replay has a user frame inside the model, and the call's line is kept.
+        self._library_forward: dict[int, bool] = {}
         self._buffer_copies = BufferCopies()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
         self.replayed: RootCall | None = None
@@ -137,6 +141,7 @@ class StepReplays:
                 (owner, name) for owner in module.modules() for name in owner._buffers
             ]
             self._trainable[id(module)] = _trainable(module)
+            self._library_forward[id(module)] = is_library_code(type(module).forward.__code__)
         mutable = self._mutable.get(id(module))
         live: dict[int, torch.Tensor] = {}
         buffer_versions = []
@@ -161,6 +166,8 @@ class StepReplays:
             versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
             buffer_versions=buffer_versions,
             call=call,
+            # Frame 1 is the watch's pre-hook; torch's _call_impl called it.
+            site=user_line(sys._getframe(2)) if self._library_forward[id(module)] else None,
         ))
         return rng
 

@@ -1,6 +1,7 @@
 """Held-out healthy idioms: code that handles infinities on purpose, and must stay silent and bit-identical.
 
-Attention masked with ``-inf`` where every query keeps a key, label
+Attention masked with ``-inf`` where every query keeps a key (one mask
+made by summing a causal and a padding mask), label
 smoothing, ``inf`` as the start of a running minimum, ``nan_to_num`` of a
 log feature, ``-inf`` scores of the beams a beam search starts without,
 ``torch.where`` guarding a log in both directions (the double where), a
@@ -59,6 +60,40 @@ def _masked_attention() -> Scenario:
     padding = torch.zeros(3, 5, dtype=torch.bool)
     padding[1, 3:] = True  # a short sequence: its first key stays
     return _sgd_steps(model, lambda m: m(x, padding).pow(2).mean())
+
+
+class BiasedAttention(nn.Module):
+    """Attention given one additive float mask, made in the loop by summing a causal and a padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return (q @ k.transpose(-1, -2) / 8 ** 0.5 + mask).softmax(-1) @ v
+
+
+def _summed_masks() -> Scenario:
+    torch.manual_seed(0)
+    model = BiasedAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(3, 5, 8)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+
+    def run() -> list[torch.Tensor]:
+        for _ in range(3):
+            causal = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+            pad = torch.zeros(3, 1, 5).masked_fill(padding[:, None, :], float("-inf"))
+            mask = torch.stack(torch.broadcast_tensors(causal, pad)).sum(0)
+            loss = model(x, mask).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    return Scenario((model, opt), run)
 
 
 def _label_smoothing() -> Scenario:
@@ -232,6 +267,7 @@ def _library_forms_of_risky_formulas() -> Scenario:
 
 CASES: list[Case] = [
     Case("holdout_healthy_causal_padded_attention", _masked_attention, None, benign=0),
+    Case("holdout_healthy_masks_combined_by_a_sum", _summed_masks, None),
     Case("holdout_healthy_label_smoothing", _label_smoothing, None, benign=0),
     Case("holdout_healthy_inf_running_minimum", _inf_running_minimum, None, benign=0),
     Case("holdout_healthy_nan_to_num_of_a_log_feature", _nan_to_num_of_a_log_feature, None, benign=0),
