@@ -261,8 +261,15 @@ def replay_backward(
     for key, original in originals.items():
         copies[key].requires_grad_(original.requires_grad or original is target_tensor)
     target_copy = copies.get(id(target_tensor))
-    if target_copy is None:
-        return ReplayResult(finding=None, reproduced=False, note=f"cannot replay {label}: the input is not an argument")
+    # The gradient of a tensor the call made itself (a child's output, which is no argument) is computed on
+    # the way to the parameters that tensor came from: asking for theirs runs the same backward ops.
+    wanted = [target_copy] if target_copy is not None else [
+        *(parameter for parameter in module.parameters() if parameter.requires_grad),
+        *(copy for copy in copies.values() if copy.requires_grad),
+    ]
+    if not wanted:
+        return ReplayResult(finding=None, reproduced=False,
+                            note=f"cannot replay {label}: the input is not an argument, and it has no parameters")
     failure: Exception | None = None
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         # The forward runs inside the user's backward (this is a gradient
@@ -276,7 +283,7 @@ def replay_backward(
                 tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
                 torch.autograd.grad(
-                    outputs, [target_copy], grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
+                    outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
                 )
         except Exception as error:
             failure = error
