@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from contract import Case, Scenario
 
 
-def _sgd_steps(model: nn.Module, loss_of, steps: int = 3, lr: float = 0.01) -> Scenario:
+def sgd_steps(model: nn.Module, loss_of, steps: int = 3, lr: float = 0.01) -> Scenario:
     """``steps`` SGD steps of ``loss_of(model)``; run() returns the parameters after them."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -59,7 +59,7 @@ def _masked_attention() -> Scenario:
     x = torch.randn(3, 5, 8)
     padding = torch.zeros(3, 5, dtype=torch.bool)
     padding[1, 3:] = True  # a short sequence: its first key stays
-    return _sgd_steps(model, lambda m: m(x, padding).pow(2).mean())
+    return sgd_steps(model, lambda m: m(x, padding).pow(2).mean())
 
 
 class BiasedAttention(nn.Module):
@@ -106,7 +106,7 @@ def _label_smoothing() -> Scenario:
         smooth = -logits.log_softmax(-1).mean(-1).mean()
         return F.cross_entropy(logits, y, label_smoothing=0.1) + 0.1 * smooth
 
-    return _sgd_steps(model, loss_of)
+    return sgd_steps(model, loss_of)
 
 
 class FarthestPoints(nn.Module):
@@ -130,7 +130,7 @@ def _inf_running_minimum() -> Scenario:
     torch.manual_seed(0)
     model = FarthestPoints()
     points = torch.randn(10, 3)
-    return _sgd_steps(model, lambda m: m(points).pow(2).mean())
+    return sgd_steps(model, lambda m: m(points).pow(2).mean())
 
 
 class LogCounts(nn.Module):
@@ -150,7 +150,7 @@ def _nan_to_num_of_a_log_feature() -> Scenario:
     counts = torch.randint(0, 5, (8, 3)).float()
     counts[0, 0] = 0.0
     y = torch.randn(8, 1)
-    return _sgd_steps(model, lambda m: F.mse_loss(m(counts), y))
+    return sgd_steps(model, lambda m: F.mse_loss(m(counts), y))
 
 
 class Decoder(nn.Module):
@@ -194,7 +194,7 @@ def _double_where_log() -> Scenario:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SafeLog(), nn.Linear(4, 1))
     x, y = torch.randn(8, 4), torch.randn(8, 1)
-    return _sgd_steps(model, lambda m: F.mse_loss(m(x), y))
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y))
 
 
 def _scaler_unscale_clip_skip() -> Scenario:
@@ -262,7 +262,7 @@ def _library_forms_of_risky_formulas() -> Scenario:
         cosine = F.cosine_similarity(x, h, dim=-1).mean()
         return kl + spread + big + cosine
 
-    return _sgd_steps(model, loss_of)
+    return sgd_steps(model, loss_of)
 
 
 CASES: list[Case] = [

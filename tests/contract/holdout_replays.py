@@ -15,20 +15,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from contract import Case, Expect, Scenario
-
-
-def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 1) -> Scenario:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def run() -> list[torch.Tensor]:
-        for _ in range(steps):
-            loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()]
-
-    return Scenario((model, opt), run)
+from contract.holdout_healthy import sgd_steps
 
 
 def _lppool_of_a_silent_window() -> Scenario:
@@ -40,7 +27,8 @@ def _lppool_of_a_silent_window() -> Scenario:
                           nn.Linear(16, 1))
     x = torch.randn(4, 1, 16)
     x[1, :, 8:] = 0.0  # a clip shorter than the window, padded with zeros
-    return _train(model, x, torch.randn(4, 1))
+    y = torch.randn(4, 1)
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y), steps=1)
 
 
 class DropPath(nn.Module):
@@ -65,7 +53,7 @@ def _drop_path_of_an_unlucky_draw() -> Scenario:
     torch.manual_seed(0)
     model = nn.Sequential(Residual(), nn.Linear(4, 1))
     x, y = torch.randn(2, 4), torch.randn(2, 1)
-    return _train(model, x, y, steps=12)
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y), steps=12)
 
 
 class NormBlock(nn.Module):
@@ -95,7 +83,7 @@ def _checkpointed_norm_backward() -> Scenario:
     model = Checkpointed()
     x, y = torch.randn(6, 4), torch.randn(6, 1)
     x[3] = 0.0
-    return _train(model, x, y)
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y), steps=1)
 
 
 class Bf16Classifier(nn.Module):

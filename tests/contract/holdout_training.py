@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
+from contract.holdout_healthy import sgd_steps
 
 LOSS_CODE_OPS = ("default", "defer", "ops")
 LOSS_CODE_NOTE = "full: the loss code is not recorded; its op is not named"
@@ -26,20 +27,6 @@ LOSS_CODE_NOTE = "full: the loss code is not recorded; its op is not named"
 #: the update region (localize/loop_writes.py, from backward() to the step), so only ops=True names it; the
 #: other modes report the teacher's parameter at its next forward, phase forward, with no op or line.
 EMA_NOTE = "default, defer, full: a write after opt.step() is seen by the next forward, without its op"
-
-
-def _steps(model: nn.Module, loss_of, steps: int = 3, lr: float = 0.01, opt=None) -> Scenario:
-    opt = opt or torch.optim.SGD(model.parameters(), lr=lr)
-
-    def run() -> list[torch.Tensor]:
-        for _ in range(steps):
-            loss = loss_of(model)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()]
-
-    return Scenario((model, opt), run)
 
 
 class Forecaster(nn.Module):
@@ -58,7 +45,7 @@ def _lstm_without_clipping() -> Scenario:
     torch.manual_seed(0)
     model = Forecaster()
     x, y = torch.randn(8, 12, 3), torch.randn(8, 1) * 1e4
-    return _steps(model, lambda m: F.mse_loss(m(x), y), steps=20, lr=5.0)  # producer: lstm loss
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y), steps=20, lr=5.0)  # producer: lstm loss
 
 
 def _ema_momentum_of_zero_total_steps() -> Scenario:
@@ -145,7 +132,7 @@ def _spectral_norm_of_a_zero_init_layer() -> Scenario:
     nn.init.zeros_(model[2].weight)
     nn.utils.parametrizations.spectral_norm(model[2])
     x = torch.randn(6, 4)
-    return _steps(model, lambda m: F.softplus(-m(x)).mean(), steps=1)  # producer: spectral call
+    return sgd_steps(model, lambda m: F.softplus(-m(x)).mean(), steps=1)  # producer: spectral call
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -198,7 +185,7 @@ def _single_where_log_backward() -> Scenario:
     x[5] = 0.0
     with torch.no_grad():
         model[0].weight.abs_()
-    return _steps(model, lambda m: F.mse_loss(m(x), y), steps=1)
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y), steps=1)
 
 
 def _label_smoothing_over_a_masked_vocabulary() -> Scenario:
@@ -213,7 +200,7 @@ def _label_smoothing_over_a_masked_vocabulary() -> Scenario:
         logits = m(x).masked_fill(forbidden, float("-inf"))
         return F.cross_entropy(logits, y, label_smoothing=0.1)  # producer: smoothed masked
 
-    return _steps(model, loss_of, steps=1)
+    return sgd_steps(model, loss_of, steps=1)
 
 
 class LogFeature(nn.Module):
@@ -232,7 +219,7 @@ def _nan_to_num_backward() -> Scenario:
     model = nn.Sequential(LogFeature(), nn.Linear(4, 1))
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     x[2] = 0.0  # a padded row: its features are exactly 0
-    return _steps(model, lambda m: F.mse_loss(m(x), y), steps=1)
+    return sgd_steps(model, lambda m: F.mse_loss(m(x), y), steps=1)
 
 
 CASES: list[Case] = [
