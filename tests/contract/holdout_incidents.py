@@ -14,8 +14,6 @@ the producer a user must be shown.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.nn import functional as F

@@ -104,7 +104,7 @@ def _compiled_model_log() -> Scenario:
 
 
 def _scaler_custom_loss_log_one_minus_sigmoid() -> Scenario:
-    """fp16 autocast with a GradScaler; the loss takes log(1 - sigmoid) of a logit of 12, and 1 - sigmoid rounds to 0."""
+    """fp16 autocast with a GradScaler; the loss takes log(1 - sigmoid) of a logit of 12: 1 - sigmoid rounds to 0."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
