@@ -53,7 +53,7 @@ def logsumexp_cause(report: Report) -> Cause | None:
 def masked_sum_cause(report: Report) -> Cause | None:
     """A sum or mean whose every result is infinite from a mask's infinities of one sign; None otherwise.
 
-    The tracer names such a sum only when its input's infinities were deliberate (localize/masks.py).
+    The tracer names such a sum only when its input's infinities were deliberate (localize/ops/masks.py).
     """
     values = report.operand("self")
     infinite = report.posinf + report.neginf

@@ -1,6 +1,6 @@
 """The code between the watched models' calls (the loss, data code in the loop): recorded, replayed at an event.
 
-The tiered watch replays a failing model call to name its op (step_replay.py),
+The tiered watch replays a failing model call to name its op (replay/step.py),
 but code outside every watched module is not a call it can run again: the
 loss, a normalisation of the batch inside the loop, an advantage computed from
 rewards. So that code's ops are *recorded* while it runs: a dispatch mode is
@@ -57,11 +57,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
-from nan_magic.localize.op_plans import plan_of, run_op, tensors
-from nan_magic.localize.op_sources import user_frame
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding
-from nan_magic.localize.recorded_ops import (
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.plans import plan_of, run_op, tensors
+from nan_magic.localize.ops.sources import user_frame
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
     WeakRecord,
@@ -70,7 +70,7 @@ from nan_magic.localize.recorded_ops import (
     rerun_op,
     weak_record,
 )
-from nan_magic.localize.replay import map_tensors
+from nan_magic.localize.replay.module_run import map_tensors
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
@@ -78,7 +78,7 @@ __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 DATA_BUDGET = 64
 #: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
-#: Ops a step recorded between ``backward()`` and the next optimizer step or model call (loop_writes.py).
+#: Ops a step recorded between ``backward()`` and the next optimizer step or model call (outside/loop_writes.py).
 UPDATE_BUDGET = 256
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
 #: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
@@ -129,7 +129,7 @@ class OutsideRecorder(TorchDispatchMode):
     def __init__(self, kinds: frozenset[str]) -> None:
         super().__init__()
         self.kinds = kinds
-        # Values copied before an op wrote them in place, where a replay must start (loop_writes.py fills it).
+        # Values copied before an op wrote them in place, where a replay must start (outside/loop_writes.py fills it).
         self.before: dict[int, torch.Tensor] = {}
         self.pushed = False
         self._resumes = False
@@ -440,7 +440,7 @@ class OutsideRecorder(TorchDispatchMode):
         return self._ops[: index + 1]
 
 def _swapped(swap: Any, value: Any) -> Any:
-    """:func:`~nan_magic.localize.replay.map_tensors` for what a dispatched op takes and returns, faster.
+    """:func:`~nan_magic.localize.replay.module_run.map_tensors` for what a dispatched op takes and returns, faster.
 
     Those are tensors, numbers and flat lists or tuples of them: a list or
     tuple holding no tensor is kept as it is, without a copy.

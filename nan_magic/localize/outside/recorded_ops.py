@@ -1,4 +1,4 @@
-"""The ops of the code outside the models as recorded (outside.py), and running them again at an event.
+"""The ops of the code outside the models as recorded (outside/recorder.py), and running them again at an event.
 
 A :class:`RecordedOp` holds an op, its arguments and outputs by reference,
 and the user's line that ran it. Once ``backward()`` starts, the recorded
@@ -105,7 +105,7 @@ def copies_from_outside(
 
     A replayed in-place op leaves the originals alone; a copy of a tensor
     that required gradients (a model output) requires them too, for a
-    replay of the backward. ``before``: values copied before an op wrote them in place (loop_writes.py).
+    replay of the backward. ``before``: values copied before an op wrote them in place (outside/loop_writes.py).
     """
     made: set[int] = set()
     copies: dict[int, torch.Tensor] = {}
