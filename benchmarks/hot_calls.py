@@ -5,7 +5,7 @@ Usage::
     python benchmarks/hot_calls.py                      # the three launch-bound models, ~20 s
     python benchmarks/hot_calls.py --top 25             # and the 25 functions of ours called most
     python benchmarks/hot_calls.py --by file --top 15   # the same, by module
-    python benchmarks/hot_calls.py --models             # only the loss-code recorder's cost per op
+    python benchmarks/hot_calls.py --models             # only the loss-code and update regions' costs
 
 Why: on the launch-bound step (launch_bound.py) the watch's cost is almost all Python
 the interpreter runs per step, and the timings of a shared 2-core machine move by
@@ -65,11 +65,14 @@ def _ours(stats: pstats.Stats, by: str) -> collections.Counter[str]:
 LOSS_OPS = 40
 
 
-def _loss_code_cost(steps: int) -> float:
-    """Calls the watch adds per op of loss code: a step with :data:`LOSS_OPS` more ops there, less one without.
+def _region_costs(steps: int) -> tuple[float, float]:
+    """Calls the watch adds per op of loss code, and for a ``clip_grad_norm_`` between backward() and step().
 
-    The model is one ``nn.Linear``; the ops are ``h * 1.0001``, each recorded by
-    the loss-code recorder (localize/outside/recorder.py) as any loss op is.
+    The model is one ``nn.Linear``. Loss code: a step with :data:`LOSS_OPS` more
+    ``h * 1.0001`` ops between the model's return and ``backward()``, less one
+    without, per op (each recorded by localize/outside/recorder.py as any loss op
+    is). Clipping: a step with ``clip_grad_norm_`` before ``opt.step()``, less one
+    without (the update region, localize/outside/loop_writes.py).
     """
     import nan_magic
 
@@ -77,23 +80,25 @@ def _loss_code_cost(steps: int) -> float:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = torch.randn(4, 8)
 
-    def step(ops: int) -> None:
+    def step(ops: int, clip: bool) -> None:
         optimizer.zero_grad(set_to_none=True)
         out = model(batch)
         for _ in range(ops):
             out = out * 1.0001
         out.square().mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    def calls(ops: int) -> float:
-        return _profiled(lambda: step(ops), steps).prim_calls / steps  # type: ignore[attr-defined]
+    def calls(ops: int, clip: bool = False) -> float:
+        return _profiled(lambda: step(ops, clip), steps).prim_calls / steps  # type: ignore[attr-defined]
 
-    unwatched = calls(LOSS_OPS) - calls(0)
+    unwatched = calls(LOSS_OPS) - calls(0), calls(0, clip=True) - calls(0)
     with nan_magic.watch(model, optimizer):
         for _ in range(SETTLE):
-            step(0)
-        watched = calls(LOSS_OPS) - calls(0)
-    return (watched - unwatched) / LOSS_OPS
+            step(0, clip=True)
+        watched = calls(LOSS_OPS) - calls(0), calls(0, clip=True) - calls(0)
+    return (watched[0] - unwatched[0]) / LOSS_OPS, watched[1] - unwatched[1]
 
 
 def _module_calls(bench: object) -> int:
@@ -154,8 +159,11 @@ def main() -> None:
         print("extra/step: every call (builtins and torch's Python included); ours/step: nan_magic's functions; "
               "extra/call: extra/step over the module calls of one step; floor/step: extra/step of the boundary "
               "floor (baselines.boundary_floor)")
-    print(f"loss-code recorder: {_loss_code_cost(options.steps):.1f} calls per op of loss code "
+    per_op, clipping = _region_costs(options.steps)
+    print(f"loss-code recorder: {per_op:.1f} calls per op of loss code "
           f"(a step with {LOSS_OPS} more elementwise ops between the model's return and backward(), less one without)")
+    print(f"update region: {round(clipping)} calls a step for a clip_grad_norm_ between backward() and step() "
+          "(a step with it, less one without)")
     sys.stdout.flush()
 
 

@@ -53,7 +53,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
@@ -131,6 +131,12 @@ def _held_bytes(tensor: torch.Tensor) -> int:
 class OutsideRecorder(TorchDispatchMode):
     """Records the ops of the code outside the watched models, switched on and off at their boundaries."""
 
+    # Pushed and popped with torch's _push_mode/_pop_mode, not ``with``: three regions a step, and
+    # TorchDispatchMode.__enter__/__exit__ cost about 25 Python calls a pair more, for flags that change nothing
+    # for this mode: they tell torch.compile whether a mode that does not ignore compile internals is active
+    # (this one does: :meth:`ignore_compile_internals`), and Inductor whether to route a compiled region through
+    # a higher-order op that this mode would then have to handle.
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (eight Python calls an op).
@@ -188,7 +194,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            self.__enter__()
+            _push_mode(self)
             self.pushed = True
 
     def stop(self) -> None:
@@ -196,7 +202,7 @@ class OutsideRecorder(TorchDispatchMode):
         if not self.pushed:
             return
         if _get_current_dispatch_mode() is self:
-            self.__exit__(None, None, None)
+            _pop_mode()
             self.pushed = False
         else:
             self._budget = _INERT
@@ -209,7 +215,7 @@ class OutsideRecorder(TorchDispatchMode):
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
         if self._resumes and not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            self.__enter__()
+            _push_mode(self)
             self.pushed = True
 
     def forget(self) -> None:
@@ -323,8 +329,8 @@ class OutsideRecorder(TorchDispatchMode):
         # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
-            entry = PASSED_OVER.get(id(frame.f_code))
-            if not (entry[1] if entry is not None else passed_over(frame.f_code)):
+            passed = PASSED_OVER.get(id(frame.f_code))
+            if not (passed[1] if passed is not None else passed_over(frame.f_code)):
                 break
             frame = frame.f_back
         index = len(self._ops)
@@ -529,10 +535,7 @@ _new_tuple = tuple.__new__
 
 def _op_entry(func: Any) -> tuple[str, Any, Any]:
     """``(kind, callable)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping ``__call__``."""
-    if getattr(func, "namespace", None) == "profiler":
-        kind = _PASS
-    else:
-        kind = _SEEDED_OP if _seeded(func) else _RECORD
+    kind = _PASS if getattr(func, "namespace", None) == "profiler" else _SEEDED_OP if _seeded(func) else _RECORD
     entry = _OPS[id(func)] = (kind, func._op if isinstance(func, torch._ops.OpOverload) else func, func)
     return entry
 

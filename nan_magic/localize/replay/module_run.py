@@ -268,8 +268,9 @@ def replay_backward(
         *(copy for copy in copies.values() if copy.requires_grad),
     ]
     if not wanted:
-        return ReplayResult(finding=None, reproduced=False,
-                            note=f"cannot replay {label}: the input is not an argument, and it has no parameters")
+        return ReplayResult(finding=None, reproduced=False, note=(
+            f"cannot replay {label} for the backward op: the tensor whose gradient is not finite was computed "
+            f"inside {label}, not passed to it, and {label} has no parameters to ask for gradients"))
     failure: Exception | None = None
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         # The forward runs inside the user's backward (this is a gradient
