@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
@@ -213,7 +213,7 @@ class LoopWrites:
         entry = _lookup(self._index, tensor)
         return entry[1] if entry is not None else None
 
-    def _storages(self) -> Container[int]:
+    def _storages(self) -> dict[int, list[tuple[int, int, str, torch.Tensor]]]:
         """The storages of the watched parameters (``data_ptr()``): a tensor on another one is none of them."""
         if self._index is None:
             self._index = self._indexed()
@@ -337,6 +337,11 @@ def _lookup(index: _Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | N
     return None
 
 
+# What _writes_parameter maps over a written list, in C (no Python call per tensor).
+_storage_of = torch._C.TensorBase.untyped_storage
+_address = torch.UntypedStorage.data_ptr
+
+
 class _UpdateRecorder(OutsideRecorder):
     """The update region's recorder: a watched parameter is copied before the region first writes it in place.
 
@@ -353,7 +358,7 @@ class _UpdateRecorder(OutsideRecorder):
     """
 
     def __init__(self, kinds: frozenset[str], parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
-                 storages: Callable[[], Container[int]]) -> None:
+                 storages: Callable[[], dict[int, list[tuple[int, int, str, torch.Tensor]]]]) -> None:
         super().__init__(kinds)
         self._parameter_of = parameter_of
         self._storages = storages
@@ -413,6 +418,13 @@ class _UpdateRecorder(OutsideRecorder):
         else:
             written = [tensor for _label, tensor in tensors(plan, args, kwargs, plan.writes)]
         storages = self._storages()
+        try:
+            # One pass in C over what the op writes (clipping's _foreach_mul_ writes every gradient): no tensor on a
+            # parameter's storage is the usual answer, and asking tensor by tensor cost four calls each.
+            if storages.keys().isdisjoint(map(_address, map(_storage_of, written))):
+                return False
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # a sparse tensor, a subclass without storage, a non-tensor: asked one by one below
         return any(
             isinstance(tensor, torch.Tensor)
             and (tensor.layout is not torch.strided or tensor.untyped_storage().data_ptr() in storages)
