@@ -195,6 +195,8 @@ CAUSES = {
                          "2 row(s) of 6 positions"),
     "masked-attention": (_of_event("masked-softmax", "masked-attention", rows=None, positions=4, bound=18.0,
                                    limit=3.4e38), "rows of aten.div.Tensor"),
+    "masked-sum": (_of_event("masked-softmax", "masked-sum", rows=5, masked=10), "all 5 of its results"),
+    "weight-norm-zero": (_of_event("division-by-zero", "weight-norm-zero", zeros=4), "4 values of v are 0"),
     "softmax-unmatched": (_of_event("unclassified", "softmax-unmatched"), "do not fill the NaN rows"),
     "attention-unmatched": (_of_event("unclassified", "attention-unmatched", bound=(36.0, 18.0), limit=3.4e38,
                                       masked=False, keys=4), "not an overflow of the scores (|q·kᵀ| <= 36)"),

@@ -11,6 +11,10 @@ a row whose keys were all masked, or from scores that overflowed (+inf and
 masked row is claimed only where that bound shows the scores cannot
 overflow and the mask holds enough -inf to fill a row.
 
+A sum or mean of values holding a mask's -inf (label smoothing or an
+entropy over a vocabulary masked with -inf) is infinite in every result
+that took in a masked position: the mask was added up, not left out.
+
 ``logsumexp`` is the softmax's normaliser: over finite values and -inf it is
 -inf exactly in the rows that are all -inf, and a loss over it is then
 infinite or NaN. A -inf there with no NaN or +inf in its input, and -inf
@@ -26,7 +30,7 @@ from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_o
 from nan_magic.records import Cause, Report, TensorStats
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["logsumexp_cause", "softmax_cause"]
+__all__ = ["logsumexp_cause", "masked_sum_cause", "softmax_cause"]
 
 
 def softmax_cause(report: Report) -> Cause:
@@ -45,6 +49,20 @@ def logsumexp_cause(report: Report) -> Cause | None:
         return None
     return event_cause("masked-softmax", "masked-logsumexp", report, rows=report.neginf, positions=positions,
                        masked=scores.neginf)
+
+
+def masked_sum_cause(report: Report) -> Cause | None:
+    """A sum or mean whose every result is infinite from a mask's infinities of one sign; None otherwise.
+
+    The tracer names such a sum only when its input's infinities were deliberate (localize/ops/masks.py).
+    """
+    values = report.operand("self")
+    infinite = report.posinf + report.neginf
+    if (values is None or report.nan or values.nan or not report.numel or infinite != report.numel
+            or bool(values.posinf) == bool(values.neginf) or bool(report.posinf) == bool(report.neginf)):
+        return None
+    return event_cause("masked-softmax", "masked-sum", report, rows=infinite,
+                       masked=values.posinf or values.neginf)
 
 
 def _softmax(report: Report) -> Cause:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from nan_magic.explain.attention import logsumexp_cause, softmax_cause
+from nan_magic.explain.attention import logsumexp_cause, masked_sum_cause, softmax_cause
 from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
 from nan_magic.records import Cause, Report, TensorRole
@@ -24,6 +24,7 @@ _MEAN_OPS = frozenset({
     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
 })
 _CORRECTED_OPS = frozenset({"std", "var", "std_mean", "var_mean"})
+_SUM_OPS = frozenset({"sum", "mean", "nansum", "nanmean"})
 
 
 def forward_cause(report: Report) -> Cause:
@@ -32,7 +33,8 @@ def forward_cause(report: Report) -> Cause:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
-    masked = logsumexp_cause(report) if base == "logsumexp" else None
+    masked = logsumexp_cause(report) if base == "logsumexp" else (
+        masked_sum_cause(report) if base in _SUM_OPS else None)
     if masked is not None:
         return masked
     if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:
@@ -96,6 +98,14 @@ def _division(report: Report) -> Cause:
     return event_cause("division-by-zero", "division-by-zero", report, divisor="self" if reciprocal else "other")
 
 
+def _weight_norm(report: Report) -> Cause:
+    """``g * v / ||v||`` per slice of ``v``: NaN where a slice (a pruned or zero-initialised row) is all zeros."""
+    v = report.operand("v")
+    if not report.nan or v is None or not v.zeros:
+        return overflow(report)
+    return event_cause("division-by-zero", "weight-norm-zero", report, zeros=v.zeros)
+
+
 def _mean(report: Report) -> Cause:
     if report.nan and not report.posinf + report.neginf:
         return event_cause("empty-reduction", "empty-mean", report)
@@ -117,6 +127,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("div", "true_divide", "floor_divide", "reciprocal", "fmod", "remainder"), _division),
     **dict.fromkeys(_MEAN_OPS, _mean),
     **dict.fromkeys(_CORRECTED_OPS, _corrected),
+    **dict.fromkeys(("weight_norm_interface", "weight_norm"), _weight_norm),
 }
 
 

@@ -185,6 +185,30 @@ def _masked_logsumexp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _masked_sum_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} added up positions masked to ±inf, so all {cause.fact('rows')} of its "
+        "results are infinite: the mask was summed instead of left out (label smoothing or an entropy over a "
+        "vocabulary masked with -inf); sum "
+        "only the unmasked positions (x.masked_fill(mask, 0).sum(-1)), or mask with torch.finfo(dtype).min"
+    )
+
+
+def _masked_sum_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.posinf + event.neginf} inf, every value of its output",
+        f"its input held {cause.fact('masked')} infinities of one sign (masked positions) and no NaN",
+    )
+
+
+def _weight_norm_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} divides each row of v by its norm, and {cause.fact('zeros')} values of v are "
+        f"0: a row of v that is all zeros (pruned, or zero-initialised) has norm 0, giving {event.nan} NaN (0/0); "
+        "re-initialise or drop the zero rows before weight_norm, or prune after it"
+    )
+
+
 def _masked_attention_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"{event.op} made {event.nan} NaN ({_rows(cause)})",
@@ -249,6 +273,8 @@ OP_READINGS: dict[str, Reading] = {
     "masked-softmax": on_event(_masked_hint, _masked_softmax_evidence, sentence=False),
     "masked-attention": on_event(_masked_hint, _masked_attention_evidence, sentence=False),
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
+    "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
+    "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
     "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
 }

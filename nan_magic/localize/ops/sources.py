@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from nan_magic.errors.frames import is_library_code, pointer
+from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "called_by_the_engine", "called_by_us", "passed_over", "sources_of_op",
-           "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "passed_over",
+           "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -115,6 +115,44 @@ def called_by_us() -> bool:
     return False
 
 
+#: ``(the frame running a replay, the user's line that made the replayed call)``, innermost last.
+_REPLAYED_FROM: list[tuple[FrameType, tuple[CodeType, int, dict[str, Any]]]] = []
+
+
+class ReplayedFrom:
+    """While a replay of a recorded model call runs from ``frame``: its ops' line is the call's ``site``.
+
+    Inside a model whose code is all torch's (an ``nn.Sequential`` of ``nn.Linear``, a
+    parametrization), the innermost user frame of an op is the line that called the
+    model; a replay calls it again from wherever the event was judged (``opt.step()`` for
+    the deferred check, ``loss.backward()`` for a gradient), which is not that line.
+    """
+
+    def __init__(self, site: tuple[CodeType, int, dict[str, Any]] | None, frame: FrameType) -> None:
+        self._entry = (frame, site) if site is not None else None
+
+    def __enter__(self) -> None:
+        if self._entry is not None:
+            _REPLAYED_FROM.append(self._entry)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._entry is not None:
+            _REPLAYED_FROM.remove(self._entry)
+
+
+def _replayed_site(frame: FrameType | None, user: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] | None:
+    """The recorded call's line, where the walk from ``frame`` up to ``user`` passed a replay's frame."""
+    if not _REPLAYED_FROM:
+        return None
+    replays = {id(replay): site for replay, site in _REPLAYED_FROM}
+    while frame is not None and frame is not user:
+        site = replays.get(id(frame))
+        if site is not None:
+            return site
+        frame = frame.f_back
+    return None
+
+
 def sources_of_op(
     frame: FrameType | None,
 ) -> tuple[SourcePointer | None, SourcePointer | None, FrameType | None]:
@@ -124,6 +162,9 @@ def sources_of_op(
     user = user_frame(frame)
     if frame is None:
         return None, None, None
+    site = _replayed_site(frame, user)
+    if site is not None:
+        return pointer_at(*site), pointer(frame), user
     if user is None:
         return None, pointer(frame), None
     return pointer(user), (pointer(frame) if frame is not user else None), user
@@ -201,8 +242,13 @@ class NodeSources:
         first = max(self._seen_seq, seq - 8)
         self._seen_seq = seq
         # Frame 1 is the tracer's __torch_dispatch__; the op's caller is above it.
-        frame = user_frame(sys._getframe(2))
-        location = (frame.f_code, frame.f_lineno, self._module_name()) if frame is not None else None
+        caller = sys._getframe(2)
+        frame = user_frame(caller)
+        site = _replayed_site(caller, frame)
+        if site is not None:
+            location: tuple[CodeType, int, str | None] | None = (site[0], site[1], self._module_name())
+        else:
+            location = (frame.f_code, frame.f_lineno, self._module_name()) if frame is not None else None
         sources = self._sources
         own = torch.is_grad_enabled() and any(
             t.requires_grad for _, t in tensors(plan, args, kwargs, plan.reads)

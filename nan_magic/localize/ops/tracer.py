@@ -77,7 +77,7 @@ from typing_extensions import Self
 
 from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
-from nan_magic.localize.ops.masks import is_additive_mask, reduces_nothing
+from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
 from nan_magic.localize.ops.plans import (
     Plan,
@@ -383,7 +383,7 @@ class OpTracer(TorchDispatchMode):
                 self._origins.note(tensor, inherited, in_place)
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign and not reduces_nothing(op, out_kinds):
+            elif out_kinds <= benign and not reduces_a_mask(op, out_kinds, tensor):
                 self._origins.note(tensor, BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())

@@ -261,12 +261,16 @@ def replay_backward(
     for key, original in originals.items():
         copies[key].requires_grad_(original.requires_grad or original is target_tensor)
     target_copy = copies.get(id(target_tensor))
-    if target_copy is None:
-        # The gradient is that of a tensor the call made inside (a child's output its own code then read), not
-        # of an argument: a replay from the arguments has no handle on it.
-        return ReplayResult(finding=None, reproduced=False, note=(
-            f"cannot replay {label} for the backward op: the tensor whose gradient is not finite was computed "
-            f"inside {label}, not passed to it, and a call is replayed from its arguments"))
+    # The gradient of a tensor the call made itself (a child's output, which is no argument) is computed on
+    # the way to the parameters that tensor came from: asking for theirs runs the same backward ops.
+    wanted = [target_copy] if target_copy is not None else [
+        *(parameter for parameter in module.parameters() if parameter.requires_grad),
+        *(copy for copy in copies.values() if copy.requires_grad),
+    ]
+    inside = (f"cannot replay {label} for the backward op: the tensor whose gradient is not finite was computed "
+              f"inside {label}, not passed to it")
+    if not wanted:
+        return ReplayResult(finding=None, reproduced=False, note=f"{inside}, and it has no parameters")
     failure: Exception | None = None
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         # The forward runs inside the user's backward (this is a gradient
@@ -280,17 +284,34 @@ def replay_backward(
                 tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
                 torch.autograd.grad(
-                    outputs, [target_copy], grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
+                    outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
                 )
         except Exception as error:
             failure = error
     if tracer.finding is not None and tracer.finding.phase == Phase.BACKWARD:
+        if target_copy is None and not _unscaled(tracer.finding):
+            # An overflow depends on the gradient's size, and a replay from the parameters sends ones into the
+            # outputs where the real gradient (scaled by a GradScaler) was larger: another op may overflow first.
+            return ReplayResult(finding=None, reproduced=False, note=f"{inside}, and a replay of its overflow "
+                                "with a gradient of ones need not overflow where the real gradient did")
         return ReplayResult(finding=tracer.finding, reproduced=True)
     if failure is not None:
         note = f"replay of {label} with gradients raised {type(failure).__name__}: {failure}; the op is unknown"
     else:
         note = f"replay of {label} with gradients stayed finite; the op is unknown"
     return ReplayResult(finding=None, reproduced=False, note=note)
+
+
+#: Backward ops whose non-finite values come from their inputs' values (0/0, 1/0, a log or root at 0) and not
+#: from the gradient's size: a replay with a gradient of ones makes them as the real gradient did.
+_DOMAIN_OPS = frozenset({"div", "reciprocal", "pow", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "acos",
+                         "asin", "atanh"})
+
+
+def _unscaled(finding: OpFinding) -> bool:
+    """Whether ``finding`` does not depend on the gradient's size: a NaN, or an op of :data:`_DOMAIN_OPS`."""
+    parts = finding.op.split(".")
+    return "nan" in finding.new_kinds or (len(parts) > 1 and parts[1].strip("_") in _DOMAIN_OPS)
 
 
 def recompute(

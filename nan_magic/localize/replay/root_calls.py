@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,7 @@ from nan_magic.distributed.ranks import is_sharded
 from nan_magic.hot.held import running_arguments
 from nan_magic.hot.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
+from nan_magic.localize.ops.sources import ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
@@ -63,6 +65,8 @@ class RootCall:
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
     outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    #: ``(code, line, globals)`` of the user's line that made the call (errors/frames.user_line).
+    site: tuple[CodeType, int, dict[str, Any]] | None = None
 
     def awaits_backward(self) -> bool:
         """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
@@ -145,6 +149,9 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                                                                              *iter_tensors(root.kwargs)]
                   if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
         stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
+        # An op of the replay with no user frame inside the model (an nn.Linear's, a parametrization's) was
+        # run by the user's line that called the model, not by the line the replay runs from (opt.step()).
+        stack.enter_context(ReplayedFrom(root.site, sys._getframe()))
         with inner:
             if inner.origins.tracer is not None:
                 inner.origins.tracer.before_write = guard.before_write

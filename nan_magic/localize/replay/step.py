@@ -41,12 +41,13 @@ import sys
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from types import FrameType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.buffer_copies import BufferCopies
 from nan_magic.hot.finding import Finding
@@ -106,6 +107,25 @@ class ReplayHost(Protocol):
     def warnings(self) -> Iterable[EarlyWarning]: ...
 
 
+# Code objects of the frames between the watch's pre-hook and the user's line (torch's, ours), and the user's:
+# the walk of each top-level call asks sets, not a function per frame, once a code object is known.
+_PASSED: set[CodeType] = set()
+_USERS: set[CodeType] = set()
+
+
+def _call_site(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] | None:
+    """``(code, line, globals)`` of the user's frame at or above ``frame`` (errors/frames.user_line, cached)."""
+    while frame is not None:
+        code = frame.f_code
+        if code in _USERS:
+            return code, frame.f_lineno, frame.f_globals
+        if code in _PASSED:
+            frame = frame.f_back
+        else:
+            (_PASSED if is_library_code(code) else _USERS).add(code)
+    return None
+
+
 class StepReplays:
     """The top-level calls of the current step, and their replay at an event."""
 
@@ -120,6 +140,9 @@ class StepReplays:
         self._stepped: set[int] = set()
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
+        # Per model: whether its forward is torch's own code (an nn.Sequential, a compiled wrapper), learned at
+        # its first call: then no op of a replay has a user frame inside the model, and the call's line is kept.
+        self._library_forward: dict[int, bool] = {}
         self._buffer_copies = BufferCopies()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
         self.replayed: RootCall | None = None
@@ -137,6 +160,7 @@ class StepReplays:
                 (owner, name) for owner in module.modules() for name in owner._buffers
             ]
             self._trainable[id(module)] = _trainable(module)
+            self._library_forward[id(module)] = is_library_code(type(module).forward.__code__)
         mutable = self._mutable.get(id(module))
         present = [buffer for owner, name in slots if (buffer := owner._buffers.get(name)) is not None]
         buffer_versions = _versions(present)
@@ -156,6 +180,8 @@ class StepReplays:
             versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
             buffer_versions=buffer_versions,
             call=call,
+            # Frame 1 is the watch's pre-hook; torch's _call_impl called it.
+            site=_call_site(sys._getframe(2)) if self._library_forward[id(module)] else None,
         ))
         return rng
 
