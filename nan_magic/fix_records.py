@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["FIX_KINDS", "FixTrial", "install_describer"]
+__all__ = ["FIX_KINDS", "FailedAt", "FixTrial", "install_describer"]
 
 #: The remedies a fix trial knows (nan_magic.fixes), in the order they are tried.
 FIX_KINDS = ("float32", "eps", "stable", "mask", "lr", "skip-batch", "scale")
+
+#: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what).
+FailedAt = Literal["forward", "backward", "optimizer step", "raised"]
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,8 @@ class FixTrial:
 
     ``facts``: the plain values render/fixes.py describes it from. ``finite``: True only when the replayed
     step (forward, backward, optimizer step, on copies) came out finite end to end; ``failed`` says where
-    it did not, ``untried`` why it was not run (``finite`` None). ``output_change``: the largest change of
-    the model's output against the unremedied replay's finite part.
+    it did not (``error``: what it raised), ``untried`` why it was not run (``finite`` None).
+    ``output_change``: the largest change of the model's output against the unremedied replay's finite part.
     """
 
     kind: str
@@ -38,7 +41,9 @@ class FixTrial:
     loss: float | None = None
     output_change: float | None = None
     seconds: float = 0.0
-    failed: str | None = None
+    failed: FailedAt | None = None
+    #: The exception a step that ``failed`` with ``"raised"`` raised: ``(type name, its message's first line)``.
+    error: tuple[str, str] | None = None
     untried: str | None = None
 
     def fact(self, name: str, default: Any = None) -> Any:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import overload
 
-__all__ = ["LOSS", "OUTPUT", "TensorRef", "TensorRole", "install_labeler"]
+__all__ = ["LOSS", "OUTPUT", "TensorRef", "TensorRole", "install_labeler", "op_function"]
 
 
 class TensorRole(str, enum.Enum):
@@ -106,3 +107,24 @@ _labeler: list[Callable[[TensorRef], str]] = []
 def install_labeler(labeler: Callable[[TensorRef], str]) -> None:
     """Label every TensorRef with ``labeler`` (its ``str``)."""
     _labeler[:] = [labeler]
+
+
+@overload
+def op_function(op: str) -> str: ...
+
+
+@overload
+def op_function(op: None) -> None: ...
+
+
+def op_function(op: str | None) -> str | None:
+    """The function an op is for: ``"aten._softmax.default"`` -> ``"softmax"``, ``"aten.div_.Tensor"`` -> ``"div"``.
+
+    ``op`` is torch's own name of an OpOverload (``namespace.name.overload``,
+    PRODUCT.md's ``Report.op``); the report keeps no torch object, so its
+    middle part is read here, the one place that reads it.
+    """
+    if op is None:
+        return None
+    parts = op.split(".")
+    return (parts[1] if len(parts) > 1 else parts[0]).strip("_")

@@ -19,8 +19,9 @@ from torch import nn
 
 import nan_magic
 from nan_magic.fixes import runner
-from nan_magic.records import FixTrial, Report, SourcePointer
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.plain import from_plain, to_plain
+from nan_magic.records import FixTrial, Phase, Report, SourcePointer
+from nan_magic.render.fixes import fix_lines, suggested_edit
 
 
 class _Fixable(nn.Module):
@@ -319,6 +320,17 @@ def test_an_untried_remedy_says_why() -> None:
 def test_a_trial_round_trips_through_plain_data() -> None:
     trial = FixTrial("eps", "aten.log.default", "fc", None, (("eps", 1e-7),), True, 1.0, 0.5, 0.01)
     assert dataclasses.replace(trial) == trial and trial.fact("eps") == 1e-7
+
+
+def test_a_remedy_that_raises_says_what_it_raised() -> None:
+    # A remedy that breaks the code (a float32 operand meeting a half weight) fails with the exception, kept
+    # as its type and first line: the text is written by render/fixes.py, and a scene keeps it as plain data.
+    trial = FixTrial("float32", "aten.mm.default", "fc", None, finite=False, failed="raised",
+                     error=("RuntimeError", "expected mat1 and mat2 to have the same dtype"))
+    text = fix_lines(Report(Phase.FORWARD, "fc", "Linear", 0, 1, 0, 0, 4, fixes=(trial,)))[0][1]
+    assert text.startswith("float32: ")
+    assert "-> the replay raised RuntimeError: expected mat1 and mat2 to have the same dtype" in text
+    assert from_plain(FixTrial, to_plain(trial)) == trial
 
 
 @pytest.mark.parametrize("defer", [False, True])

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import math
 
-from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
+from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_overflow
 from nan_magic.records import Cause, Report, TensorStats
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["logsumexp_cause", "masked_sum_cause", "softmax_cause"]
 
 
 def softmax_cause(report: Report) -> Cause:
     """The cause of a NaN or inf made by a softmax, log_softmax or scaled_dot_product_attention op."""
-    return _attention(report) if attention_op(op_base(report.op)) else _softmax(report)
+    return _attention(report) if attention_op(op_function(report.op)) else _softmax(report)
 
 
 def logsumexp_cause(report: Report) -> Cause | None:

@@ -16,7 +16,7 @@ import torch
 from nan_magic.plain import to_pairs
 from nan_magic.records import Cause, Report
 
-__all__ = ["HALF", "dtype_max", "event", "event_cause", "float_dtype", "node_function", "op_base", "plain_cause"]
+__all__ = ["HALF", "dtype_max", "event", "event_cause", "float_dtype", "node_function", "plain_cause"]
 
 #: The half-precision dtypes, by name.
 HALF = ("float16", "bfloat16")
@@ -37,14 +37,6 @@ def plain_cause(cause: Cause) -> tuple[str, str, tuple[tuple[str, object], ...]]
     """A cause as a plain fact of another (the reading it led to), so a scene stores it as data."""
     return cause.label, cause.reading, cause.facts
 
-
-def op_base(op: str | None) -> str | None:
-    """``"aten._softmax.default"`` → ``"softmax"``; ``"aten.div_.Tensor"`` → ``"div"`` (torch's op names)."""
-    if op is None:
-        return None
-    parts = op.split(".")
-    name = parts[1] if len(parts) > 1 else parts[0]
-    return name.strip("_")
 
 
 def node_function(node: str) -> str:

@@ -11,9 +11,10 @@ import math
 from collections.abc import Callable
 
 from nan_magic.explain.attention import logsumexp_cause, masked_sum_cause, softmax_cause
-from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
+from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
 from nan_magic.records import Cause, Report, TensorRole
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["forward_cause"]
 
@@ -27,7 +28,7 @@ _SUM_OPS = frozenset({"sum", "mean", "nansum", "nanmean"})
 
 
 def forward_cause(report: Report) -> Cause:
-    base = op_base(report.op)
+    base = op_function(report.op)
     if base is None:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
@@ -47,7 +48,7 @@ def _log(report: Report) -> Cause:
     zeros, negatives = report.neginf, report.nan
     if not zeros + negatives:
         return overflow(report)
-    return event_cause("log-domain", "log-domain", report, base=op_base(report.op))
+    return event_cause("log-domain", "log-domain", report, base=op_function(report.op))
 
 
 def _sqrt(report: Report) -> Cause:
@@ -82,7 +83,7 @@ def _exp(report: Report) -> Cause:
 
 
 def _division(report: Report) -> Cause:
-    reciprocal = op_base(report.op) == "reciprocal"
+    reciprocal = op_function(report.op) == "reciprocal"
     divisor = report.operand("self" if reciprocal else "other")
     if divisor is not None and not divisor.zeros:
         return overflow(report)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from nan_magic.explain.evidence import HALF, dtype_max, float_dtype, op_base
+from nan_magic.explain.evidence import HALF, dtype_max, float_dtype
 from nan_magic.records import Cause, Report, TensorRole
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["optimizer_cause"]
 
@@ -48,7 +49,7 @@ def optimizer_cause(report: Report) -> Cause:
     divides = report.optimizer is not None and (
         report.optimizer in _EPS_OPTIMIZERS or "adam" in report.optimizer.lower()
     )
-    if _eps_vanishes(report.optimizer_eps, report.dtype) and (divides or op_base(report.op) in _EPS_OPS):
+    if _eps_vanishes(report.optimizer_eps, report.dtype) and (divides or op_function(report.op) in _EPS_OPS):
         if report.optimizer_eps == 0.0:
             return Cause("optimizer-eps-underflow", "optimizer-eps-zero", facts)
         found = float_dtype(report.dtype) or torch.float16

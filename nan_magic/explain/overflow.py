@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 
-from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_base
+from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.plain import to_pairs
 from nan_magic.records import Cause, Report
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["MATMUL_OPS", "Sign", "attention_op", "half_overflow", "overflow", "wide_overflow", "wide_overflow_signs"]
 
@@ -63,7 +64,7 @@ def overflow(report: Report) -> Cause:
 def wide_overflow_signs(report: Report) -> tuple[Sign, ...]:
     """What shows that a float32/float64 op passed its dtype's max; empty where nothing does."""
     limit = dtype_max(report.dtype)
-    base = op_base(report.op)
+    base = op_function(report.op)
     operands = [(ref, stats.absmax) for ref, stats in report.op_inputs
                 if stats.absmax is not None and stats.finite]
     signs: list[Sign] = []
@@ -100,5 +101,5 @@ def half_overflow(report: Report, signs: tuple[Sign, ...] = ()) -> Cause:
 
 def _kind_of_op(report: Report) -> dict[str, bool]:
     """Whether the op is a matmul or an attention kernel: each has a fix of its own."""
-    base = op_base(report.op)
+    base = op_function(report.op)
     return {"matmul": base in MATMUL_OPS, "attention": attention_op(base)}

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import process_group
+from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
@@ -44,6 +44,7 @@ from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes", "with_fixes"]
 
@@ -58,11 +59,7 @@ MIN_BUDGET = 2.0
 
 def producer_site(report: Report) -> Site:
     """Where the producer ran, and the torch function behind its op (a backward op: its node's forward)."""
-    function = None
-    if report.autograd_node:
-        function = re.sub(r"Backward\d*$", "", report.autograd_node).lower()
-    elif report.op and report.op.count(".") >= 1:
-        function = report.op.split(".")[1].rstrip("_")
+    function = node_function(report.autograd_node) if report.autograd_node else op_function(report.op)
     return Site(report.module, report.source, function)
 
 
@@ -173,7 +170,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds,
                             untried="it found nothing to change at the producer's line")
     return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed)
+                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
+                        error=outcome.error)
 
 
 def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
@@ -183,7 +181,8 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
         return _at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
                             untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
     return _at_producer("scale", report, facts=(*_step_facts(step, outcome), *facts.items()),
-                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed)
+                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
+                        error=outcome.error)
 
 
 def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
@@ -195,7 +194,7 @@ def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], las
     outcome = replay_step(lowered, None, None)
     return _at_producer("lr", report, facts=(*_step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
                         finite=outcome.failed is None, loss=outcome.loss, output_change=_change(base, outcome),
-                        seconds=outcome.seconds, failed=outcome.failed)
+                        seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)
 
 
 def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
@@ -225,7 +224,7 @@ def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     facts = (("stepped", outcome.stepped), ("backward_from", _backward_from(smaller, outcome)),
              ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
     return (_at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                     seconds=outcome.seconds, failed=outcome.failed),)
+                     seconds=outcome.seconds, failed=outcome.failed, error=outcome.error),)
 
 
 def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.site import Remedy, Site, at_producer
 from nan_magic.hot.rng import generators_at
 from nan_magic.hot.stats import iter_tensors, values_to_read
@@ -71,9 +72,10 @@ class StepOutcome:
     #: The model's floating outputs by path, detached.
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: float | None = None
-    #: Where the step first went non-finite (``"forward"``, ``"backward"``, ``"optimizer step"``) or
-    #: what it raised; None for a step finite end to end.
-    failed: str | None = None
+    #: Where the step first went non-finite, or ``"raised"``; None for a step finite end to end.
+    failed: FailedAt | None = None
+    #: What it raised: the exception's type name and its message's first line.
+    error: tuple[str, str] | None = None
     #: Calls the remedy changed (0: it found nothing to change at the producer).
     applied: int = 0
     seconds: float = 0.0
@@ -111,7 +113,8 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
                 outcome.applied = mode.applied
             _judge(outcome, output, root, list(parameters.values()), optimizers, step.grad_scale)
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
-            outcome.failed = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            outcome.failed = "raised"
+            outcome.error = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
             if mode is not None:
                 outcome.applied = mode.applied
     outcome.seconds = time.perf_counter() - start

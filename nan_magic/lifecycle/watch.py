@@ -28,7 +28,6 @@ outcome in ``events.py``; docs/how-it-watches.md draws who may call whom.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import threading
 from collections import Counter, deque
@@ -59,15 +58,14 @@ from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
+from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside.entering import entering_tensors, saved_leaves
 from nan_magic.localize.outside.loop_writes import LoopWrites
-from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.producer import ProducerRule
-from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.replay.samples import Samples
-from nan_magic.localize.replay.step import Producer, StepReplays
+from nan_magic.localize.replay.step import Producer
 from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
@@ -192,13 +190,7 @@ class Watch:
         self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
-        if self.outside is not None and not self.defer:
-            if not resume:
-                # The first batch may be computed in the loop before the first model call, as each later one is
-                # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
-                self.outside.start("data", entry=True)
-            else:
-                self.outside.resume()  # the code the last part ended in (the next batch, after an optimizer step)
+        self.localizing.enter(resume, self.defer)
         if resume and self.cycle.update_code is not None:
             self.cycle.update_code.resume()  # a part that ended between backward() and the step (split cells)
         return self
@@ -209,8 +201,7 @@ class Watch:
         return self._leave(exc, tb, pause=False)
 
     def _leave(self, exc: BaseException | None, tb: TracebackType | None, pause: bool) -> Literal[False]:
-        if self.outside is not None:
-            self.outside.pause()
+        self.localizing.pause()
         if self.cycle.update_code is not None:
             self.cycle.update_code.pause()
         self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
@@ -256,18 +247,14 @@ class Watch:
             for _label, root in self.targets.roots:
                 for handle in self.optimizers.arm(root):
                     stack.callback(handle.remove)
-            if self.config.ops:
-                # The tracer names the innermost watched module running, from the forward hooks' stack.
-                tracer = self.origins.make_tracer(self.config.kinds, self.forward.current_module_name, self._phase_hint)
-                stack.enter_context(tracer)
+            self.localizing.attach(stack, self.origins, self.forward.current_module_name, self._phase_hint)
         except BaseException:
             stack.close()
             raise
         self._exit_stack = stack
 
     def _detach(self) -> None:
-        if self.outside is not None:
-            self.outside.stop()
+        self.localizing.detach()
         if self._exit_stack is not None:
             stack, self._exit_stack = self._exit_stack, None
             stack.close()
@@ -299,26 +286,24 @@ class Watch:
     def _reset_state(self) -> None:
         self.defer = wants_defer(self.config, self._roots())
         self.log = StepLog(self.config.max_layers, self.defer)
-        # The code between the models' calls (the loss, data code in the loop) is recorded, to replay it at an
-        # event (the deferred check, judging at the optimizer step, records the loss only). The full mode too:
-        # its per-module replay reaches no code outside the modules. Ops mode traces that code anyway.
-        self.outside: OutsideRecorder | None = OutsideRecorder(self.config.kinds) if not self.config.ops else None
+        # How this mode names an event's op (modes.py): but in ops mode the code between the models' calls (the
+        # loss, data code in the loop) is recorded, and the tiered watch replays the failing step.
+        self.localizing: Localizing = localizing(self.config, self, self._nested)
+        self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
-        self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)
+        self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.defer, self.log, self.emit)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         loss_code = LossCodeReads(saved_leaves=saved_leaves, entering_tensors=entering_tensors)
         self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
-        # Where no op tracer watches every step, an optimizer step's op is named by replaying it (ops mode traced it).
-        replay_step = None if self.config.ops else functools.partial(name_optimizer_op, kinds=self.config.kinds)
-        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, replay_step)
+        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, self.localizing.optimizer_replay())
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
         rule = ProducerRule(self.config, self.defer, self.log, self.emit, self.call_replay, self.origins, stack)
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
-        self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
+        self.replays = self.localizing.replays
         #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).
         self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
@@ -339,7 +324,7 @@ class Watch:
             lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
                 self.config.kinds, self._named_parameters, self.optimizers.reports.attribute, self.emit,
                 lambda: self.step,
-                tracer=(lambda: self.origins.tracer) if self.config.ops else None,
+                tracer=self.localizing.update_tracer(self.origins),
             ),
         )
 
@@ -360,10 +345,7 @@ class Watch:
             return  # a paused run's open step: its records and replays are the next part's
         if self.cycle.update_code is not None:
             self.cycle.update_code.forget()
-        if self.outside is not None:
-            self.outside.forget()
-        if self.replays is not None:
-            self.replays.clear()
+        self.localizing.forget()
         self.log.clear()
         self.samples.forget()
         if self.origins.tracer is not None:
@@ -493,7 +475,7 @@ class Watch:
             sample_size=self.config.sample_size,
             modules=self.targets.modules.values(),
             per_module=self.cycle.full_step,
-            ops=self.config.ops and self.replay_of is None,
+            ops=self.localizing.traces and self.replay_of is None,
         ), models_watched=len(self.targets.roots)))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:

@@ -24,7 +24,8 @@ from nan_magic.records import (
     module_label,
 )
 from nan_magic.render.cause import cause_evidence, cause_hint, hint_opens_sentence
-from nan_magic.render.operands import op_base, op_expression, operand_label, operand_names
+from nan_magic.render.operands import op_expression, operand_label, operand_names
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
 
@@ -318,7 +319,7 @@ def about_zeros(report: Report) -> bool:
     """Whether the cause is about zeros (``log(0)``, ``0/0``)."""
     if report.cause is not None and report.cause.label in ZERO_CAUSES:
         return True
-    return report.op is not None and op_base(report.op) in _ZERO_OPS
+    return report.op is not None and op_function(report.op) in _ZERO_OPS
 
 
 def labelled_samples(report: Report) -> tuple[Sample, ...]:

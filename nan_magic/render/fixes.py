@@ -74,8 +74,9 @@ def _outcome(trial: FixTrial) -> str:
     if trial.finite is None:
         return f"not tried: {trial.untried}"
     if not trial.finite:
-        failed = trial.failed or "the step"
-        return f"still non-finite ({failed})" if not failed.startswith("raised") else f"the replay {failed}"
+        if trial.failed == "raised" and trial.error is not None:
+            return f"the replay raised {trial.error[0]}: {trial.error[1]}"
+        return f"still non-finite ({trial.failed or 'the step'})"
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
         parts.append(f"loss {fmt(trial.loss)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 
 from nan_magic.records import TensorRef, TensorRole
+from nan_magic.tensor_refs import op_function
 
 #: aten op base name -> the Python operator that runs it.
 _OPERATORS: dict[str, type[ast.operator]] = {
@@ -26,12 +27,6 @@ _OPERATORS: dict[str, type[ast.operator]] = {
 #: Schema names of a binary op's right operand.
 _RIGHT = ("other", "mat2", "exponent")
 
-
-def op_base(op: str) -> str:
-    """``"aten.div.Tensor"`` -> ``"div"``; an in-place ``"aten.div_.Tensor"`` -> ``"div"``."""
-    parts = op.split(".")
-    name = parts[1] if len(parts) > 1 and parts[0] == "aten" else parts[0]
-    return name.rstrip("_")
 
 
 def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
@@ -49,7 +44,7 @@ def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
         tree = ast.parse(text)
     except SyntaxError:  # one line of a multi-line statement
         return None
-    base = op_base(op)
+    base = op_function(op)
     operator = _OPERATORS.get(base)
     if operator is not None:
         found: list[ast.AST] = [

@@ -47,15 +47,17 @@ REGENERATE_DEPTH = 3
 class CallReplay:
     """Replays of single module calls for one watch, and the flag that makes its hooks stand aside."""
 
-    def __init__(self, config: WatchConfig, defer: bool, log: StepLog, emit: Callable[[Finding], None]) -> None:
+    def __init__(
+        self, config: WatchConfig, replays: bool, defer: bool, log: StepLog, emit: Callable[[Finding], None]
+    ) -> None:
         self.kinds = config.kinds
         self._log = log
         self._emit = emit
         # Modules whose infinities a replay showed to be deliberate (masks).
         self.masks: set[int] = set()
         self.replaying = False
-        # The tiered watch replays the whole failing step instead (replay/step.py).
-        self.can_replay = config.replay and not config.ops and not config.tiered
+        # Per-call mode only (modes.py): the tiered watch replays the whole failing step instead (replay/step.py).
+        self.can_replay = replays
         # A backward producer is replayed from the gradient hook, after its
         # forward returned, and in deferred mode any producer is replayed at
         # the check: calls keep their arguments (weakly) and RNG state.

@@ -1,0 +1,153 @@
+"""How a watch names the op behind an event: one object per mode, chosen once (:func:`localizing`).
+
+* :class:`Tiered` (the default, ``mode="tiered"``): steps are checked at their
+  boundaries; the code between the model calls is recorded (outside/), a
+  failing step's model calls are run again (replay/step.py), an optimizer
+  step is run again on copies (replay/optimizer.py).
+* :class:`PerCall` (``mode="full"``): every module call is checked; the
+  producer's call is run again (replay/producer_call.py), the code between
+  the model calls recorded as the tiered watch records it (a module's replay
+  reaches no code outside the modules), an optimizer step run on copies.
+* :class:`Traced` (``ops=True``, either mode): the op tracer watches every op
+  of every step; nothing is run again.
+
+The watch asks its mode for these parts and calls it at its own boundaries
+(entering, pausing, attaching its hooks, forgetting a step), so no other
+place tests which mode it is in for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import ExitStack
+
+from nan_magic.hot.optim_reports import ReplayStep
+from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.replay.optimizer import name_optimizer_op
+from nan_magic.localize.replay.root_calls import NestedWatch
+from nan_magic.localize.replay.step import ReplayHost, StepReplays
+from nan_magic.options import WatchConfig
+from nan_magic.records import Phase
+
+__all__ = ["Localizing", "PerCall", "Recording", "Tiered", "Traced", "localizing"]
+
+
+class Localizing:
+    """What every mode shares: no recorder, no step replays, no module-call replays, no tracer."""
+
+    #: Whether the op tracer watches every op (the report says the op was traced, not replayed).
+    traces = False
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        self.kinds = kinds
+        #: The recorder of the code between the model calls (all but ops mode).
+        self.recorder: OutsideRecorder | None = None
+        #: What a replay of the failing step's model calls keeps (tiered, ``replay=True`` only).
+        self.replays: StepReplays | None = None
+        #: Whether the producer's module call is run again (per-call, ``replay=True`` only).
+        self.replays_calls = False
+
+    def optimizer_replay(self) -> ReplayStep | None:
+        """How an optimizer step's op is named: by running the step again on copies."""
+        return functools.partial(name_optimizer_op, kinds=self.kinds)
+
+    def update_tracer(self, origins: OpOrigins) -> Callable[[], OpTracer | None] | None:
+        """The tracer that already saw the loop's update code (outside/loop_writes.py), if any."""
+        return None
+
+    def enter(self, resume: bool, defer: bool) -> None:
+        """The watch is entered (``resume``: a paused run goes on)."""
+
+    def attach(
+        self, stack: ExitStack, origins: OpOrigins, module_name: Callable[[], str | None],
+        phase_hint: Callable[[], Phase | None],
+    ) -> None:
+        """The watch's hooks go on; what ``stack`` holds comes off with them."""
+
+    def pause(self) -> None:
+        """The watch is left, for now or for good."""
+
+    def detach(self) -> None:
+        """The watch's hooks come off."""
+
+    def forget(self) -> None:
+        """A step is over: what was kept for its replay goes."""
+
+
+class Recording(Localizing):
+    """The modes that record the code between the model calls, to run its ops again at an event."""
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        super().__init__(kinds)
+        self.recorder = self._recording = OutsideRecorder(kinds)
+
+    def enter(self, resume: bool, defer: bool) -> None:
+        if defer:
+            return  # the deferred check judges at the optimizer step: it records the loss code only
+        if not resume:
+            # The first batch may be computed in the loop before the first model call, as each later one is
+            # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
+            self._recording.start("data", entry=True)
+        else:
+            self._recording.resume()  # the code the last part ended in (the next batch, after an optimizer step)
+
+    def pause(self) -> None:
+        self._recording.pause()
+
+    def detach(self) -> None:
+        self._recording.stop()
+
+    def forget(self) -> None:
+        self._recording.forget()
+
+
+class Tiered(Recording):
+    """Boundaries only; the failing step replayed at an event."""
+
+    def __init__(self, kinds: frozenset[str], replay: bool, watch: ReplayHost, nested: NestedWatch) -> None:
+        super().__init__(kinds)
+        self.replays = StepReplays(watch, nested) if replay else None
+
+    def forget(self) -> None:
+        super().forget()
+        if self.replays is not None:
+            self.replays.clear()
+
+
+class PerCall(Recording):
+    """Every module call checked; the producer's call replayed."""
+
+    def __init__(self, kinds: frozenset[str], replay: bool) -> None:
+        super().__init__(kinds)
+        self.replays_calls = replay
+
+
+class Traced(Localizing):
+    """Every op traced; nothing replayed."""
+
+    traces = True
+
+    def optimizer_replay(self) -> ReplayStep | None:
+        return None  # the tracer saw the step's ops
+
+    def update_tracer(self, origins: OpOrigins) -> Callable[[], OpTracer | None] | None:
+        return lambda: origins.tracer
+
+    def attach(
+        self, stack: ExitStack, origins: OpOrigins, module_name: Callable[[], str | None],
+        phase_hint: Callable[[], Phase | None],
+    ) -> None:
+        # The tracer names the innermost watched module running, from the forward hooks' stack.
+        stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint))
+
+
+def localizing(config: WatchConfig, watch: ReplayHost, nested: NestedWatch) -> Localizing:
+    """The mode ``config`` asks for."""
+    if config.ops:
+        return Traced(config.kinds)
+    if config.tiered:
+        return Tiered(config.kinds, config.replay, watch, nested)
+    return PerCall(config.kinds, config.replay)
