@@ -265,8 +265,8 @@ class _UpdateRecorder(OutsideRecorder):
         self._parameter_of = parameter_of
         self._copied = 0
 
-    def forget(self) -> None:
-        super().forget()
+    def forget(self, last: bool = False) -> None:
+        super().forget(last)
         self._copied = 0
 
     def __torch_dispatch__(

@@ -67,6 +67,7 @@ from nan_magic.localize.recorded_ops import (
     WeakRecord,
     copies_from_outside,
     op_source,
+    record_key,
     rerun_op,
     weak_record,
 )
@@ -139,6 +140,8 @@ class OutsideRecorder(TorchDispatchMode):
         self._ops: list[RecordedOp] = []
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
+        # The last loss region's records, kept by forget(): (ops, produced, rng).
+        self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         # Bytes of the storages the records hold (over-counted: a storage seen twice counts twice), a large
         # one counting past KEEP_TOTAL on its own: while within it, weaken() has nothing to let go.
         self._held_bytes = 0
@@ -187,8 +190,18 @@ class OutsideRecorder(TorchDispatchMode):
             self.__enter__()
             self.pushed = True
 
-    def forget(self) -> None:
-        """Drop the records (and the references they hold)."""
+    def forget(self, last: bool = False) -> None:
+        """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
+
+        A loss region's records are kept instead as the last step's (:meth:`loss_code`), until the next one's
+        replace them: a fix trial at the next step's forward event, which stops the step before its loss code
+        runs, computes its loss with them (fixes/loss.py).
+        """
+        if last:
+            self._last = None
+        elif self._region == "loss" and self._ops:
+            self._last = (self._ops, self._produced, self._rng)
+            self._ops, self._produced = [], {}
         self._ops.clear()
         self._produced.clear()
         self._held_bytes = 0
@@ -415,6 +428,18 @@ class OutsideRecorder(TorchDispatchMode):
         except Gone:
             return None
         return tracer.finding
+
+    def loss_code(self, key: int, last: bool) -> tuple[list[RecordedOp], RngState | None] | None:
+        """The recorded ops up to the one that returned the tensor ``backward()`` started from (``key``, its id
+        then), and the generators' state the region's first random op found; None where no recorded op returned
+        it. ``last``: of the last loss region :meth:`forget` kept, not of the region recording now.
+        """
+        ops, produced, rng = (self._last or ([], {}, None)) if last else (self._ops, self._produced, self._rng)
+        index = produced.get(key)
+        # A tensor held strongly is alive, so its id is still its own; a weak record keeps the id it had.
+        if index is None or not any(record_key(out) == key for out in tree_leaves(ops[index].out)):
+            return None
+        return ops[: index + 1], rng
 
     def _generators_as_recorded(self) -> contextlib.AbstractContextManager[None]:
         """The generators as the region's first random op found them (the same draws); the user's put back."""

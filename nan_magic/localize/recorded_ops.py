@@ -99,16 +99,17 @@ def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor]) -> None:
 
 
 def copies_from_outside(
-    ops: list[RecordedOp], before: dict[int, torch.Tensor] | None = None
+    ops: list[RecordedOp], before: dict[int, torch.Tensor] | None = None, given: dict[int, torch.Tensor] | None = None
 ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
     """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
 
     A replayed in-place op leaves the originals alone; a copy of a tensor
     that required gradients (a model output) requires them too, for a
     replay of the backward. ``before``: values copied before an op wrote them in place (loop_writes.py).
+    ``given``: tensors that stand for some of them, by recorded id, taken as they are (a fix trial's outputs).
     """
     made: set[int] = set()
-    copies: dict[int, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = dict(given or {})
     requiring: list[torch.Tensor] = []
     with torch.no_grad():
         for op in ops:

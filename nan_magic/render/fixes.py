@@ -78,12 +78,17 @@ def _outcome(trial: FixTrial) -> str:
         return f"still non-finite ({failed})" if not failed.startswith("raised") else f"the replay {failed}"
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
-        parts.append(f"loss {fmt(trial.loss)}")
+        last = " (the last step's loss code and targets on this step's outputs)"
+        parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
         parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
     if trial.output_change is not None:
         parts.append(f"output changed by at most {fmt(trial.output_change)}")
+    if trial.fact("moved_all"):
+        what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
+        parts.append(f"but every {what} and was replaced: the output no longer depends on it (the NaN is hidden, "
+                     "not fixed: look at why every value is there)")
     if not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
     return ", ".join(parts)
