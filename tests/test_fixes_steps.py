@@ -91,9 +91,33 @@ def test_a_scaler_whose_scale_overflows_is_verified_lower_and_that_scale_trains_
     # The loss without the scaler's scale (scaler.scale(loss) is left out), as the step computed it.
     assert trial.fact("loss_from") == "loss code" and trial.loss == pytest.approx(losses[-1], rel=1e-5)
     assert trial.fact("tried") == (2.0**18,) and trial.fact("stepped") is True
-    assert "init_scale=2.0**18" in (suggested_edit(trial) or "")
+    # The edit is at the line that built the scaler (before the watch: found where scale() first saw it).
+    built = _line(_scaled_run, "GradScaler(")
+    assert trial.fact("scaler_line") == built and trial.fact("scaler_file") == __file__
+    assert (suggested_edit(trial) or "").endswith(
+        f"test_fixes_steps.py:{trial.fact('scaler_lineno')}: scaler = torch.amp.GradScaler('cpu', init_scale=2.0**18)")
     assert "scale: the GradScaler's scale 6.71e7 lowered (tried 262144) -> verified" in report.to_text()
     assert _scaled_run(2.0**18, defer=defer) is None  # the edit by hand: training continues
+
+
+def test_a_scaler_built_inside_the_watch_is_named_at_the_line_that_built_it() -> None:
+    torch.manual_seed(0)
+    model = CastOut()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt):
+        amp = torch.amp.GradScaler("cpu", 2.0**40)  # built
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            opt.zero_grad()
+            amp.scale((out - y).pow(2).mean()).backward()
+            amp.step(opt)
+            amp.update()
+    trial = _trial(raised.value.report, "scale")
+    assert trial.finite is True and trial.fact("scaler_line").split("  #")[0] == _line(
+        test_a_scaler_built_inside_the_watch_is_named_at_the_line_that_built_it, "# built")
+    assert (suggested_edit(trial) or "").endswith("amp = torch.amp.GradScaler('cpu', 2.0**18)")
 
 
 def test_the_same_collapse_is_also_fixed_by_the_float32_edit_of_the_line_that_calls_the_modules() -> None:

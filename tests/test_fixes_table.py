@@ -350,3 +350,71 @@ def test_skip_batch_drops_the_same_rows_from_the_loss_codes_targets() -> None:
     x, y = torch.randn(6, 4), torch.randn(6, 1)
     keep = torch.tensor([True, True, False, True, False, True])
     assert trial.loss == pytest.approx(F.mse_loss(model(x[keep]), y[keep]).item(), rel=1e-5)
+
+
+class LogOfInput(_Fixable):
+    """log of the batch itself: the second batch holds zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed:
+            return torch.log(x.clamp_min(1.2e-07)) + self.fc(x)
+        return torch.log(x) + self.fc(x)
+
+
+def _two_batches(fixed: bool, keep: str | None) -> tuple[Report | None, list[torch.Tensor]]:
+    """Step 0 on a positive batch, step 1 on one with zeros (a forward event); returns the batches and targets."""
+    torch.manual_seed(0)
+    model = LogOfInput(fixed)
+    batches = [torch.rand(3, 4) + 0.5, torch.rand(3, 4).round(), torch.tensor([0, 1, 2]), torch.tensor([3, 2, 1])]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(index: int) -> None:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(batches[index]), batches[2 + index])
+        loss.backward()
+        opt.step()
+
+    return _watched(model, opt, step, 2, False, keep_last_good=keep), batches
+
+
+def test_a_forward_event_after_the_first_step_runs_the_last_steps_loss_code_with_keep_last_good() -> None:
+    report, (_x0, x1, y0, _y1) = _two_batches(False, "cpu")
+    assert report is not None and report.phase == "forward" and report.step == 1
+    trial = _trial(report, "eps")
+    assert trial.finite is True and trial.fact("loss_from") == "last loss code"
+    # Its loss is the last step's loss code, with the last step's targets, on this step's remedied outputs.
+    torch.manual_seed(0)
+    fixed = LogOfInput(fixed=True)
+    opt = torch.optim.SGD(fixed.parameters(), lr=0.1)
+    F.cross_entropy(fixed(_x0), y0).backward()
+    opt.step()
+    assert trial.loss == pytest.approx(F.cross_entropy(fixed(x1), y0).item(), rel=1e-5)
+    assert "(the last step's loss code and targets on this step's outputs)" in report.to_text()
+    without, _batches = _two_batches(False, None)
+    assert without is not None and _trial(without, "eps").fact("loss_not_computed") == (
+        "the forward failed before this step's loss code ran, and the last step's is kept only with keep_last_good")
+    assert _two_batches(True, None)[0] is None  # the edit by hand
+
+
+@pytest.mark.parametrize("keep", [None, "cpu"])
+def test_the_last_steps_loss_code_keeps_none_of_its_tensors_past_its_backward(keep: str | None) -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    handles = [module.register_forward_hook(lambda _m, _a, out: outputs.append(weakref.ref(out))) for module in model]
+    x, y = torch.randn(5, 4), torch.randn(5, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nan_magic.watch(model, opt, keep_last_good=keep) as watch:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        del loss
+        gc.collect()
+        assert [ref() for ref in outputs] == [None] * 3
+        assert (watch.outside.loss_code(watch.gradients.loss_key, True) is not None) == (keep is not None)
+    for handle in handles:
+        handle.remove()

@@ -13,7 +13,9 @@ Which step's loss code: the failing step's, where it ran before the event (a
 backward or optimizer event, and every event of the deferred check, which
 judges the step at its optimizer step). A forward event in the default mode
 stops the step before its loss code runs: the last step's is used, with what
-that step's code read besides the model's outputs (its targets). Its model
+that step's code read besides the model's outputs (its targets), where the
+recorder kept it (with ``keep_last_good``: keeping it costs a copy of its
+records each step, and that option's step already pays more). Its model
 outputs are known by the records of the call (this step) or, for the last
 step, as the inputs that required gradients and are no parameter, where there
 is exactly one; otherwise the trial says why no loss was computed.
@@ -109,6 +111,9 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode
     # event's trials, run after that, find them there.
     found = recorder.loss_code(source.key, last) or (recorder.loss_code(source.key, True) if not last else None)
     if found is None:
+        if last and not recorder.keep_last:
+            return ("the forward failed before this step's loss code ran, and the last step's is kept only with "
+                    "keep_last_good")
         if last:
             return ("the forward failed before this step's loss code ran, and the last step's loss was not made by "
                     "the code recorded after its model call")

@@ -43,6 +43,7 @@ from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.root_calls import RootCall, replay_target
 from nan_magic.localize.step_replay import StepReplays
+from nan_magic.patches.scaler import scaler_source
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
 
@@ -119,7 +120,8 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         return ()
     target = replay_target(root.module) or model
     code = loss_code(loss, root, before_loss=report.phase in (Phase.FORWARD, Phase.DATA))
-    step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code)
+    step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
+                       scalers=tuple(loss.scalers))
     return try_fixes(report, step, list(roots), last_good)
 
 
@@ -189,6 +191,9 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
     if outcome is None:
         return _at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
                             untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
+    built = next((source for scaler in step.scalers if (source := scaler_source(scaler)) is not None), None)
+    if built is not None:  # the edit goes at the line that built the scaler (patches/scaler.py)
+        facts.update(scaler_file=built.filename, scaler_lineno=built.lineno, scaler_line=built.line)
     return _at_producer("scale", report, facts=(*_step_facts(step, outcome), *facts.items()),
                         finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed)
 

@@ -69,6 +69,8 @@ class FailingStep:
     loss_code: LossCode | str | None = None
     #: The samples of the batch the replay keeps (skip-batch): the loss code's targets keep the same rows.
     rows: torch.Tensor | None = None
+    #: The GradScalers the watch saw (the ``scale`` fix's edit is at the line that built one).
+    scalers: tuple[Any, ...] = ()
 
 
 @dataclass

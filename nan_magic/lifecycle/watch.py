@@ -301,7 +301,7 @@ class Watch:
         self.log = StepLog(self.config.max_layers, self.defer)
         # The tiered watch records the code between the models' calls (the loss, data code in the loop), to
         # replay it at an event (the deferred check, judging at the optimizer step, records the loss only).
-        self.outside: OutsideRecorder | None = OutsideRecorder(self.config.kinds) if self.config.tiered else None
+        self.outside: OutsideRecorder | None = OutsideRecorder.of(self.config, self.targets.optimizers)
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
         self.call_replay = CallReplay(self.config, self.defer, self.log, self.emit)

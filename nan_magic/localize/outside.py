@@ -69,9 +69,10 @@ from nan_magic.localize.recorded_ops import (
     op_source,
     record_key,
     rerun_op,
+    swapped,
     weak_record,
 )
-from nan_magic.localize.replay import map_tensors
+from nan_magic.options import WatchConfig
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
@@ -127,9 +128,15 @@ class OutsideRecorder(TorchDispatchMode):
         """
         return True
 
-    def __init__(self, kinds: frozenset[str]) -> None:
+    def __init__(self, kinds: frozenset[str], keep_last: bool = False, stepped: bool = False) -> None:
         super().__init__()
         self.kinds = kinds
+        #: Whether :meth:`forget` keeps the last step's loss code (``keep_last_good``: see :meth:`loss_code`).
+        self.keep_last = keep_last
+        #: Whether an optimizer step follows backward: the default mode's gradient check runs there, and a fix
+        #: trial at it runs the step's loss code, which :meth:`forget` then holds as recorded until that step.
+        self.stepped = stepped
+        self._raw = False
         # Values copied before an op wrote them in place, where a replay must start (loop_writes.py fills it).
         self.before: dict[int, torch.Tensor] = {}
         self.pushed = False
@@ -150,6 +157,11 @@ class OutsideRecorder(TorchDispatchMode):
                              tuple[int, int] | None] | None = None
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
+
+    @classmethod
+    def of(cls, config: WatchConfig, optimizers: Sequence[object]) -> OutsideRecorder | None:
+        """The recorder of a tiered watch with ``config`` and the ``optimizers`` given to it (None: another mode)."""
+        return cls(config.kinds, config.keep_last_good is not None, bool(optimizers)) if config.tiered else None
 
     def start(self, region: str, entry: bool = False) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -193,15 +205,20 @@ class OutsideRecorder(TorchDispatchMode):
     def forget(self, last: bool = False) -> None:
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
 
-        A loss region's records are kept instead as the last step's (:meth:`loss_code`), until the next one's
-        replace them: a fix trial at the next step's forward event, which stops the step before its loss code
-        runs, computes its loss with them (fixes/loss.py).
+        A loss region's records (its backward ended, or its optimizer step began) are kept instead as the last
+        step's (:meth:`loss_code`): with :attr:`stepped`, as recorded until the optimizer step begins; with
+        :attr:`keep_last`, each a detached copy's or weak (nothing of the step's graph stays) until the next
+        step's replace them, for a fix trial at the next step's forward event, which its loss code follows.
         """
         if last:
             self._last = None
-        elif self._region == "loss" and self._ops:
-            self._last = (self._ops, self._produced, self._rng)
+        elif self._region == "loss" and self._ops and (self.keep_last or self.stepped):
+            if self.keep_last:
+                self.weaken(detach=True)
+            self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
             self._ops, self._produced = [], {}
+        elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go
+            self._last, self._raw = None, False
         self._ops.clear()
         self._produced.clear()
         self._held_bytes = 0
@@ -209,8 +226,9 @@ class OutsideRecorder(TorchDispatchMode):
         self._witness = None
         self.before.clear()
 
-    def weaken(self) -> None:
-        """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
+    def weaken(self, detach: bool = False) -> None:
+        """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:
+        small ones as detached copies too, as the last step's records are kept past it: forget).
 
         What autograd saved for that backward stays reachable until its node
         has run; the rest of a large tensor (a model's logits, a
@@ -223,7 +241,7 @@ class OutsideRecorder(TorchDispatchMode):
         so the records stay as they are (no copy of every op); only the frames
         of functions that returned are let go.
         """
-        if self._held_bytes <= KEEP_TOTAL:
+        if self._held_bytes <= KEEP_TOTAL and not detach:
             self._let_go_of_returned_frames()
             return
         kept: set[int] = set()  # storages held, each counted once
@@ -248,9 +266,9 @@ class OutsideRecorder(TorchDispatchMode):
 
         running = _running_frames()  # holding them costs nothing; a returned one is let go
         self._ops = [
-            op._replace(args=_swapped(weak_unless_small, op.args),
-                        kwargs=_swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
-                        out=_swapped(weak_unless_small, op.out),
+            op._replace(args=swapped(weak_unless_small, op.args),
+                        kwargs=swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
+                        out=swapped(weak_unless_small, op.out),
                         frame=op.frame if id(op.frame) in running else None)
             for op in self._ops
         ]
@@ -463,27 +481,6 @@ class OutsideRecorder(TorchDispatchMode):
         if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(self._ops[index].out)):
             return None
         return self._ops[: index + 1]
-
-def _swapped(swap: Any, value: Any) -> Any:
-    """:func:`~nan_magic.localize.replay.map_tensors` for what a dispatched op takes and returns, faster.
-
-    Those are tensors, numbers and flat lists or tuples of them: a list or
-    tuple holding no tensor is kept as it is, without a copy.
-    """
-    kind = type(value)
-    if kind is torch.Tensor:
-        return swap(value)
-    if kind is tuple or kind is list:
-        if any(type(item) is torch.Tensor for item in value):
-            return kind([swap(item) if type(item) is torch.Tensor else _swapped(swap, item) for item in value])
-        if all(type(item) in _FLAT for item in value):
-            return value
-    return map_tensors(swap, value)
-
-
-#: Argument types that hold no tensor (``_swapped`` keeps a list of them as it is).
-_FLAT = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
-                   torch.memory_format})
 
 _SEEDED: dict[Any, bool] = {}
 
