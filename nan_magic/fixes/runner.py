@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.distributed.ranks import process_group
+from nan_magic.distributed.ranks import is_sharded, process_group
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
-from nan_magic.fixes.loss import LossSource, loss_code
+from nan_magic.fixes.loss import LossCode, LossSource, loss_code
 from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import HALF, float32
@@ -87,15 +87,11 @@ def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.
                roots: Iterable[nn.Module], last_good: LastGood,
                standing_aside: Callable[[], contextlib.AbstractContextManager[None]], loss: LossSource) -> Report:
     """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
-    group = process_group()
-    if group is not None and group[1] > 1:
-        # A replay's collectives (DDP's gradient reduction, FSDP's gathers, SyncBatchNorm) would wait for
-        # ranks that are not replaying: the trials would hang the job they are meant to help.
-        note = f"no fix was tried: trials do not run under a process group of {group[1]} ranks"
-        return dataclasses.replace(report, notes=(*report.notes, note))
     try:
         trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside, loss)
         return dataclasses.replace(report, fixes=trials)
+    except _NeedsRanks as needs:
+        return dataclasses.replace(report, notes=(*report.notes, str(needs)))
     except Exception as error:  # the trials are a sidecar: they never take the report down
         note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
         return dataclasses.replace(report, notes=(*report.notes, note))
@@ -110,6 +106,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     ``loss``: the recorded loss code, which each replayed step runs on its outputs (loss.py).
     """
     if report.phase == Phase.OPTIMIZER:
+        _alone(None, None, optimizers, None)
         return try_optimizer_fixes(report, optimizers, roots, last_good)
     # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
     root = replays.replayed if report.reproduced else None
@@ -120,9 +117,47 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         return ()
     target = replay_target(root.module) or model
     code = loss_code(loss, root, before_loss=report.phase in (Phase.FORWARD, Phase.DATA))
+    _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
                        scalers=tuple(loss.scalers))
     return try_fixes(report, step, list(roots), last_good)
+
+
+class _NeedsRanks(Exception):
+    """No trial runs: one would need the other ranks of the process group (the message says why)."""
+
+
+#: The namespaces of the ops that communicate across ranks.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+def _alone(module: nn.Module | None, target: nn.Module | None, optimizers: Iterable[torch.optim.Optimizer],
+           code: LossCode | str | None) -> None:
+    """Raise :class:`_NeedsRanks` where a trial under a process group of several ranks would run a collective.
+
+    A trial runs on this rank alone, while the others wait at the next agreement point: a collective would wait
+    for them, and hang the job. The step replay needs none for a model wrapped by DDP (it runs the wrapped
+    module on copies of its parameters, which carry none of DDP's reduction hooks), an optimizer of torch.optim
+    and loss code of local ops; FSDP, a SyncBatchNorm that trains, an optimizer of torch.distributed (ZeRO) and
+    a collective in the loss code need them.
+    """
+    group = process_group()
+    if group is None or group[1] <= 1:
+        return
+    why = None
+    if module is not None and is_sharded(module):
+        why = "the model is sharded by FSDP (its forward gathers parameters from every rank)"
+    elif target is not None and any(isinstance(sub, nn.SyncBatchNorm) and sub.training for sub in target.modules()):
+        why = "a SyncBatchNorm in training mode syncs its statistics across ranks"
+    elif shared := next((type(opt).__name__ for opt in optimizers
+                         if type(opt).__module__.startswith("torch.distributed")), None):
+        why = f"the {shared} optimizer communicates across ranks"
+    elif isinstance(code, LossCode) and (op := next((op.func for op in code.ops
+                                                     if getattr(op.func, "namespace", "") in _COLLECTIVES), None)):
+        why = f"the loss code runs a collective ({op})"
+    if why is not None:
+        raise _NeedsRanks(f"no fix was tried under a process group of {group[1]} ranks: {why}, and the other "
+                          f"ranks are not replaying")
 
 
 def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
