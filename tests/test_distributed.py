@@ -477,7 +477,7 @@ def test_fix_trials_under_several_ranks_run_only_where_no_collective_is_needed(m
 
     from nan_magic.fixes import runner
     from nan_magic.fixes.loss import LossCode
-    from nan_magic.localize.recorded_ops import RecordedOp
+    from nan_magic.localize.outside.recorded_ops import RecordedOp
 
     monkeypatch.setattr(runner, "process_group", lambda: (1, 2))
     plain = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))

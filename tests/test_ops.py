@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from nan_magic.hot.rng import capture_rng_state
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding
-from nan_magic.localize.replay import replay_module
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.replay.module_run import replay_module
 from nan_magic.records import Phase, TensorRef, TensorRole
 
 INF = math.inf

@@ -280,7 +280,7 @@ def test_fake_tensors_are_skipped_and_counted(options: dict[str, Any]) -> None:
 
 def test_ops_tracer_starts_an_origin_on_a_sparse_output_without_reading_its_storage() -> None:
     # A sparse tensor has no one storage: the tracer's memory key must not be built for it.
-    from nan_magic.localize.op_tracer import OpTracer
+    from nan_magic.localize.ops.tracer import OpTracer
 
     values = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
     tracer = OpTracer(kinds=frozenset({"nan", "inf"}), at_boundary=True)

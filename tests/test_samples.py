@@ -1,4 +1,4 @@
-"""A bad batch made in a Dataset's __getitem__: its samples fetched again name the op and line (localize/samples.py)."""
+"""A bad batch made in a Dataset's __getitem__: its samples fetched again name the op and line (replay/samples.py)."""
 
 from __future__ import annotations
 

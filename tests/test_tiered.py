@@ -22,8 +22,8 @@ from watching import train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.localize.outside import KEEP_BYTES
-from nan_magic.localize.recorded_ops import WeakRecord
+from nan_magic.localize.outside.recorded_ops import WeakRecord
+from nan_magic.localize.outside.recorder import KEEP_BYTES
 from nan_magic.records import TensorRef
 
 
@@ -766,7 +766,7 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
 
 
 def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_raises() -> None:
-    from nan_magic.localize.backward_replay import reentrant_checkpoints_inline
+    from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
 
     function = torch.utils.checkpoint.CheckpointFunction
     x = torch.ones(2, requires_grad=True)
@@ -782,7 +782,7 @@ def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_r
 def test_reentrant_checkpoints_of_other_threads_run_as_usual_while_a_replay_inlines_its_own() -> None:
     import threading
 
-    from nan_magic.localize.backward_replay import reentrant_checkpoints_inline
+    from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
 
     x = torch.ones(2, requires_grad=True)
     seen: list[str] = []

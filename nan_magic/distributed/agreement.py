@@ -136,7 +136,7 @@ class Agreement:
     """
 
     def __init__(self, *, alone: bool = False) -> None:
-        # A replay's watch (step_replay.py) runs on one rank alone, inside the watch that agrees.
+        # A replay's watch (localize/replay/step.py) runs on one rank alone, inside the watch that agrees.
         self._alone = alone
         self._open = False
         # Every rank takes part in the same collectives in the same order, so

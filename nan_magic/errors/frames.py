@@ -114,7 +114,7 @@ def end_at_producer(
     """Cut ``tb`` after its last user frame, then end it at the producer's frame; return the last entry.
 
     ``producer`` is the frame that ran the producing op when the traceback
-    does not reach it: a replay found the op (replay.py) after the module
+    does not reach it: a replay found the op (localize/replay/module_run.py) after the module
     had returned. Appended, it is where ``%debug`` and ``pdb.post_mortem``
     open, with the producer's locals. ``position`` is ``(f_lasti, f_lineno)``
     when the op ran, where the frame ran on after it (a replay of a whole

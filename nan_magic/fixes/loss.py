@@ -1,7 +1,7 @@
 """The trial's loss: the step's recorded loss code run again on the remedied model's outputs.
 
 The loss code runs outside the model (``loss = F.cross_entropy(model(x), y)``).
-The tiered watch records its ops (localize/outside.py): references to their
+The tiered watch records its ops (localize/outside/recorder.py): references to their
 arguments, the user's line. A fix trial reruns the ops that led to the tensor
 ``backward()`` started from, with the model's outputs swapped for the
 trial's and copies of everything else they read (the targets), so the
@@ -30,9 +30,16 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.rng import RngState, generators_at
-from nan_magic.localize.outside import OutsideRecorder
-from nan_magic.localize.recorded_ops import Gone, RecordedOp, WeakRecord, copies_from_outside, record_key, rerun_op
-from nan_magic.localize.root_calls import RootCall
+from nan_magic.localize.outside.recorded_ops import (
+    Gone,
+    RecordedOp,
+    WeakRecord,
+    copies_from_outside,
+    record_key,
+    rerun_op,
+)
+from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.replay.root_calls import RootCall
 
 __all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from nan_magic.fixes.site import function_name
-from nan_magic.localize.replay import map_tensors
+from nan_magic.localize.replay.module_run import map_tensors
 
 __all__ = ["HALF", "float32"]
 

@@ -41,8 +41,8 @@ from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
-from nan_magic.localize.root_calls import RootCall, replay_target
-from nan_magic.localize.step_replay import StepReplays
+from nan_magic.localize.replay.root_calls import RootCall, replay_target
+from nan_magic.localize.replay.step import StepReplays
 from nan_magic.patches.scaler import scaler_source
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood

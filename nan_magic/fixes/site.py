@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from nan_magic.localize.op_sources import user_frame
+from nan_magic.localize.ops.sources import user_frame
 from nan_magic.records import SourcePointer
 
 __all__ = ["Remedy", "Site", "at_producer", "function_name"]

@@ -42,10 +42,10 @@ from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.site import Remedy, Site, at_producer
 from nan_magic.hot.rng import generators_at
 from nan_magic.hot.stats import iter_tensors, values_to_read
-from nan_magic.localize.op_plans import plan_of, tensors
-from nan_magic.localize.replay import copy_tensors, swapped_buffers
-from nan_magic.localize.root_calls import RootCall
-from nan_magic.localize.untouched import ModelGuard, untouched
+from nan_magic.localize.ops.plans import plan_of, tensors
+from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
+from nan_magic.localize.replay.root_calls import RootCall
+from nan_magic.localize.replay.untouched import ModelGuard, untouched
 
 __all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step"]
 

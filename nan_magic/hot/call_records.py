@@ -63,7 +63,7 @@ def argument_tensors(
     ``values`` are the positional arguments (``prefix`` ``"input"``) or the
     keyword arguments (``"kwargs"``); ``argument`` is the position or keyword
     of the argument that holds the tensor, a field the producer rule reads
-    the forward parameter's name by (masks.py), never parsed from the path.
+    the forward parameter's name by (localize/ops/masks.py), never parsed from the path.
     """
     arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
     return [
@@ -211,7 +211,7 @@ class Call:
         self.inner_kinds: frozenset[str] = _NONE
         # Deliberate infinities (masks) that calls made inside this one produced.
         self.deliberate_kinds: frozenset[str] = _NONE
-        # For a replay of a forward call after it returned (replay.py: its
+        # For a replay of a forward call after it returned (localize/replay/module_run.py: its
         # backward, or the call at the deferred check): its arguments held
         # weakly, the RNG state before it and the autocast regions it ran in.
         self.held: HeldArguments | None = None
@@ -297,7 +297,7 @@ class Frame:
 
     A passed-through call (transparent.py) has no ``call``; ``through`` is
     the input it received. The forward hooks push it; a replay starts from
-    one (localize/call_replay.py).
+    one (localize/replay/producer_call.py).
     """
 
     __slots__ = ("call", "info", "known", "module", "rng_state", "through")

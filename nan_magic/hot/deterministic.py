@@ -1,6 +1,6 @@
 """Which module calls need their RNG state to be replayed.
 
-A replay (replay.py) runs a module call again; a dropout inside must draw
+A replay (localize/replay/module_run.py) runs a module call again; a dropout inside must draw
 the same mask, so the hook saves the generators' state before each call.
 That costs a few microseconds per call, and most calls are of torch's own
 leaf modules, which never draw random numbers: those skip it.

@@ -2,7 +2,7 @@
 
 A :class:`Finding` may still point at live tensors (the non-finite one, the
 producer's inputs); the checkers make one, the localizer adds the op and line
-(localize/origins.py), and lifecycle/findings.py turns it into a frozen Report.
+(localize/ops/origins.py), and lifecycle/findings.py turns it into a frozen Report.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Finding:
     # Where a replay named the op: the module output the check saw, as
     # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
     module_output: tuple[TensorRef, TensorStats, torch.Tensor | None] | None = None
-    # The replay's frame that ran the producing op (replay.py), for %debug, and its
+    # The replay's frame that ran the producing op (localize/replay/module_run.py), for %debug, and its
     # ``(f_lasti, f_lineno)`` when the op ran, where the frame ran on after it.
     frame: FrameType | None = None
     frame_position: tuple[int, int] | None = None
@@ -69,7 +69,7 @@ class Finding:
     optimizer_eps: float | None = None
     optimizer_lr: float | None = None
     # A model output's gradient blamed on the code outside the models without that code's replay
-    # confirming it: a model's replay may still find the producer (step_replay.py).
+    # confirming it: a model's replay may still find the producer (localize/replay/step.py).
     unconfirmed_outside: bool = False
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ recorded, on a module stack of :class:`~nan_magic.hot.call_records.Frame`.
 Each floating output gets one probe; the producer rule (producer.py) runs on
 the few that are non-finite, at once or at the deferred check. A forward
 producer is then replayed alone under the op tracer to name its op and line
-(call_replay.py).
+(localize/replay/producer_call.py).
 
 Who calls whom: the watch wires these hooks to their services at
 construction, and nothing here reaches another checker through the watch.

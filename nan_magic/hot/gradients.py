@@ -14,9 +14,9 @@ wraps outputs in a view that breaks in-place ops.
 Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`,
 which the watch hands them as a plain callable; the gradient checks know no
 forward checker in return. What they need of the forward side comes at
-construction: the op origins (op_tracing.py), and ``replay_backward``,
+construction: the op origins (op_origins.py), and ``replay_backward``,
 :meth:`CallReplay.replay_backward_into` where calls keep their arguments
-(call_replay.py). The step log carries where the last forward ended
+(localize/replay/producer_call.py). The step log carries where the last forward ended
 (:attr:`StepLog.last_forward_seq`).
 """
 
@@ -58,7 +58,7 @@ class GradientChecks:
         self._replay_backward = replay_backward
         self.loss_record: TensorRecord | None = None
         # The id of the tensor the last backward started from: the deferred check's replay of the loss
-        # code finds its records by it once it is freed (outside.py).
+        # code finds its records by it once it is freed (localize/outside/recorder.py).
         self.loss_key: int | None = None
         # Deferred mode: the loss code's autograd nodes, described before
         # backward frees them (a backward producer there is found after).
@@ -66,7 +66,7 @@ class GradientChecks:
         self.reported_this_pass = False
         self.forget_queued = False
         self.backward_runs = 0
-        # Deferred mode: leaves the loss code saved, held weakly until the check (entering.py).
+        # Deferred mode: leaves the loss code saved, held weakly until the check (localize/outside/entering.py).
         self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] = []
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
@@ -193,7 +193,7 @@ class GradientChecks:
         returned_by = handed_on.call
         if returned_by is not None and returned_by.parent is None:
             if watch.replays is not None:
-                # Kept for a replay of this step's backward (step_replay.py), until the step ends.
+                # Kept for a replay of this step's backward (localize/replay/step.py), until the step ends.
                 watch.replays.capture_gradient(returned_by, str(handed_on.path), grad)
             if watch.outside is not None and not self.forget_queued and not watch.defer:
                 # The loss code's records serve its backward, which runs before this gradient
@@ -273,7 +273,7 @@ class GradientChecks:
                 # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
                 # model's own backward adds to where the model also consumed it (an output_hidden_states), or
                 # another model's backward made (a GAN's discriminator, during the generator's update). The
-                # step replay tries the model calls before the code outside them is blamed (step_replay.py).
+                # step replay tries the model calls before the code outside them is blamed (localize/replay/step.py).
                 finding.unconfirmed_outside = target is not None and _returned_by_a_model(target)
                 if self.origins.tracer is None:
                     finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")

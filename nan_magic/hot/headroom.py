@@ -2,7 +2,7 @@
 
 A float16 parameter that a step pushes past 65504 by addition
 (``p.add_(update)``) is infinite after it, and its finite value before is
-gone: the replay that names the step's op (localize/optimizer_replay.py)
+gone: the replay that names the step's op (localize/replay/optimizer.py)
 would start from 0 there and stay finite. Keeping a copy of every parameter
 before every step would cost every healthy step a pass over the model; only
 a parameter whose norm, read by the step check after the last step (optim.py,

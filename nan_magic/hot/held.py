@@ -1,7 +1,7 @@
 """A module call's arguments, kept for a replay after the call returned.
 
 A backward producer is replayed from the gradient hook that found it, long
-after its forward returned (replay.py). Keeping every call's arguments
+after its forward returned (localize/replay/module_run.py). Keeping every call's arguments
 alive until then would retain the activations of a whole step; keeping
 none would leave nothing to replay. So every argument is held by weak
 reference, and strongly only where that costs no memory: when autograd
@@ -9,7 +9,7 @@ keeps the same tensor for the backward anyway (its use count shows a second
 owner). Those strong references live in the metadata of the call's output
 node, so they die with the graph, and are dropped as soon as the tensor's
 gradient is complete. A freed argument can still be recomputed from the
-call that returned it (``regenerate``, see call_replay.py).
+call that returned it (``regenerate``, see localize/replay/producer_call.py).
 
 A call still running has its arguments in its ``Module.__call__`` frame
 (:func:`running_arguments`).

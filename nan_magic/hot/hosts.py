@@ -39,7 +39,7 @@ __all__ = [
 
 
 class OpTracing(Protocol):
-    """The op tracer of ``ops=True`` (localize/op_tracer.py): re-armed at each step."""
+    """The op tracer of ``ops=True`` (localize/ops/tracer.py): re-armed at each step."""
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None: ...
 
@@ -60,7 +60,7 @@ class OriginFinder(Protocol):
 
 
 class CodeRecorder(Protocol):
-    """Records the code between the model calls (localize/outside.py), switched at the step's boundaries."""
+    """Records the code between the model calls (localize/outside/recorder.py), switched at the step's boundaries."""
 
     def start(self, region: str, entry: bool = False) -> None: ...
 
@@ -72,7 +72,7 @@ class CodeRecorder(Protocol):
 
 
 class StepReplayer(Protocol):
-    """Keeps what a replay of the step's top-level calls needs (localize/step_replay.py)."""
+    """Keeps what a replay of the step's top-level calls needs (localize/replay/step.py)."""
 
     def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> RngState: ...
 
@@ -86,7 +86,7 @@ class StepReplayer(Protocol):
 
 
 class CallReplayer(Protocol):
-    """Whether module calls keep their arguments for a replay (localize/call_replay.py)."""
+    """Whether module calls keep their arguments for a replay (localize/replay/producer_call.py)."""
 
     @property
     def can_replay(self) -> bool: ...
@@ -111,7 +111,7 @@ class ProducerJudge(Protocol):
 
 @dataclass(frozen=True)
 class LossCodeReads:
-    """The localizer's reads of the loss code's inputs that the gradient checks make (localize/entering.py)."""
+    """The localizer's reads of the loss code's inputs that the gradient checks make (localize/outside/entering.py)."""
 
     #: The data leaves the loss code's autograd nodes saved, held weakly (taken as backward starts).
     saved_leaves: Callable[[list[Any]], list[tuple[str, weakref.ref[torch.Tensor]]]]

@@ -26,7 +26,7 @@ from nan_magic.records import Phase, SourcePointer, TensorRef
 __all__ = ["ReplayStep", "StepReports"]
 
 #: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
-#: line that called the step (None: the line calling it now); localize/optimizer_replay.py.
+#: line that called the step (None: the line calling it now); localize/replay/optimizer.py.
 #: The last argument is a copy of the parameter taken before the step, where one was (headroom.py).
 ReplayStep = Callable[
     [Finding, torch.optim.Optimizer, torch.Tensor, str | None, SourcePointer | None, torch.Tensor | None], None]

@@ -69,7 +69,7 @@ class Outcome(Protocol):
     def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None: ...
 
 class UpdateCode(Protocol):
-    """The loop code between ``backward()`` and the next step (localize/loop_writes.py): the parameters it wrote."""
+    """The loop code between ``backward()`` and the next step (localize/outside/loop_writes.py): parameters it wrote."""
 
     def begin(self) -> None: ...
 
@@ -312,7 +312,7 @@ class StepCycle:
         if self.update_code is not None:
             self.update_code.judge(values)
 
-    # -- the update code (loop_writes.py) ---------------------------------------------------
+    # -- the update code (localize/outside/loop_writes.py) ---------------------------------------------------
 
     def backward_finished(self, _loss: torch.Tensor) -> None:
         """``backward()`` returned: the update code begins."""

@@ -32,7 +32,7 @@ from nan_magic.options import WatchConfig
 from nan_magic.records import Report
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.localize.step_replay import Producer
+    from nan_magic.localize.replay.step import Producer
 
 __all__ = ["EventContext", "Events"]
 
@@ -87,7 +87,7 @@ class Events:
         """Record an event; raise or warn for the first non-benign one as configured.
 
         In the tiered mode a real forward or backward event is first
-        localized by a replay of its step (step_replay.py); ``replayed`` is
+        localized by a replay of its step (localize/replay/step.py); ``replayed`` is
         a replay's report and producer (frame, position) already made.
         """
         if self.agreement.holding:

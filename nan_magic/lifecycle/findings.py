@@ -18,7 +18,7 @@ from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.localize.layer_rows import step_layers
+from nan_magic.localize.replay.layer_rows import step_layers
 from nan_magic.records import (
     EarlyWarning,
     Report,
@@ -89,7 +89,7 @@ def build_report(
 
     ``modules``: the watched models' modules, listed in the layer table
     where the step has no row of theirs; ``per_module``: whether the step
-    checked every module call (layer_rows.py).
+    checked every module call (localize/replay/layer_rows.py).
     """
     stats = finding.bad_stats
     if stats is None and finding.bad is not None:

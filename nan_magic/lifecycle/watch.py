@@ -59,15 +59,15 @@ from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
-from nan_magic.localize.call_replay import CallReplay
-from nan_magic.localize.entering import entering_tensors, saved_leaves
-from nan_magic.localize.loop_writes import LoopWrites
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.optimizer_replay import name_optimizer_op
-from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.outside.entering import entering_tensors, saved_leaves
+from nan_magic.localize.outside.loop_writes import LoopWrites
+from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.producer import ProducerRule
-from nan_magic.localize.samples import Samples
-from nan_magic.localize.step_replay import Producer, StepReplays
+from nan_magic.localize.replay.optimizer import name_optimizer_op
+from nan_magic.localize.replay.producer_call import CallReplay
+from nan_magic.localize.replay.samples import Samples
+from nan_magic.localize.replay.step import Producer, StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
@@ -102,7 +102,7 @@ class Watch:
         replay_of: Watch | None = None,
     ) -> None:
         self.config = config or WatchConfig()
-        #: The tiered watch whose failing step this watch replays (step_replay.py): it runs inside
+        #: The tiered watch whose failing step this watch replays (localize/replay/step.py): it runs inside
         #: that watch, which stands aside, instead of taking over from it.
         self.replay_of = replay_of
         # Resolving validates the targets now, so bad input fails before any
@@ -318,7 +318,7 @@ class Watch:
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = StepReplays(self, self._nested) if self.config.tiered and self.config.replay else None
-        #: The latest DataLoader batch's samples, fetched again at a data event (samples.py).
+        #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).
         self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
         #: Floating tensors the watch could not read and skipped, by reason (stats.unreadable_reason).
@@ -406,7 +406,7 @@ class Watch:
         self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
-        """The full watch a step replay runs ``model`` under (step_replay.py): a watch like any other."""
+        """The full watch a step replay runs ``model`` under (localize/replay/step.py): a watch like any other."""
         # The whole model is watched, so that a submodule called at top level keeps its qualified name.
         inner = Watch([model], labels=[label], config=config, replay_of=self)
         # It measures every call, a ReLU's too, which the watch passes through on a finite input (transparent.py):

@@ -1,15 +1,15 @@
 """The op behind a non-finite value: the service every checker asks, and that asks none of them.
 
-Ops mode (``ops=True``) traces every op with an :class:`~nan_magic.localize.op_tracer.OpTracer`;
+Ops mode (``ops=True``) traces every op with an :class:`~nan_magic.localize.ops.tracer.OpTracer`;
 the tiered watch records the code outside the models
-(:class:`~nan_magic.localize.outside.OutsideRecorder`), where the loss and data
+(:class:`~nan_magic.localize.outside.recorder.OutsideRecorder`), where the loss and data
 code run. :class:`OpOrigins` holds whichever of the two this watch has and
 answers, for a non-finite tensor at a boundary (a module output, the loss, a
 gradient, a parameter, the batch), which op started it.
 
 Who calls whom: the producer rule (producer.py), the gradient checks
 (gradients.py), the optimizer checks (optim.py) and the step replay
-(step_replay.py) call it; it calls back only the callables the watch gave it
+(replay/step.py) call it; it calls back only the callables the watch gave it
 (``emit``, ``on_gradient_event``, ``info_by_name``), never a checker.
 """
 
@@ -25,10 +25,10 @@ from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.finding import Finding, record_ref
 from nan_magic.hot.stats import TensorStats, is_checkable, relevant_kinds, tensor_stats
 from nan_magic.hot.targets import ModuleInfo
-from nan_magic.localize.op_plans import run_op
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding, apply_op_finding, attach_origin
-from nan_magic.localize.outside import OutsideRecorder
+from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
+from nan_magic.localize.ops.plans import run_op
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.records import Phase, TensorRef
 
 __all__ = ["OpOrigins"]
@@ -87,7 +87,7 @@ class OpOrigins:
         """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
 
         Ops mode traces everything; the tiered mode records the code outside
-        the models (outside.py), where the loss and data code run. ``key``:
+        the models (outside/recorder.py), where the loss and data code run. ``key``:
         the id a tensor freed since had when recorded (the deferred check of
         a loss that was a temporary), for the recorder.
         """

@@ -9,8 +9,8 @@ own code (:meth:`ProducerRule._blame_own_code`): that caller is the producer.
 
 Who calls whom: the forward hooks (forward.py) own the module stack and
 call :meth:`~ProducerRule.judge`, as does the watch's deferred check. The
-rule calls down only: the call replay (call_replay.py) to name a producer's
-op, the op origins (op_tracing.py) in ops mode, and ``emit``. It never calls
+rule calls down only: the call replay (replay/producer_call.py) to name a producer's
+op, the op origins (op_origins.py) in ops mode, and ``emit``. It never calls
 the forward hooks or the gradient checks.
 """
 
@@ -26,10 +26,10 @@ from nan_magic.hot.finding import Finding, mark_deliberate, named_inputs, record
 from nan_magic.hot.held import running_arguments
 from nan_magic.hot.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats, version_of
 from nan_magic.hot.step_log import StepLog
-from nan_magic.localize.call_replay import CallReplay, caller_named
-from nan_magic.localize.masks import DeliberateMasks, argument_name
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.replay.producer_call import CallReplay, caller_named
 from nan_magic.options import WatchConfig
 from nan_magic.records import Phase, TensorRef, TensorRole
 
@@ -60,7 +60,7 @@ class ProducerRule:
         self.replayer = replayer
         self.origins = origins
         self.stack = stack
-        # Infinite mask tensors given as arguments or held as buffers (masks.py).
+        # Infinite mask tensors given as arguments or held as buffers (ops/masks.py).
         self.deliberate = DeliberateMasks()
 
     def judge(
@@ -110,7 +110,7 @@ class ProducerRule:
             return
         produced = out_kinds - deliberate - call.deliberate_kinds
         if produced and call.module is not None:
-            # A -inf from a mask buffer it holds is passed on, like one from a mask argument (masks.py).
+            # A -inf from a mask buffer it holds is passed on, like one from a mask argument (ops/masks.py).
             produced -= self._mask_buffer_kinds(call)
         if not produced:
             record.status = "benign"  # passes on the deliberate infinity it received
@@ -243,7 +243,7 @@ class ProducerRule:
         """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
 
         The second holds the kinds of deliberate infinities (a mask) that the
-        call may consume: inputs recorded as benign, and masks (masks.py).
+        call may consume: inputs recorded as benign, and masks (ops/masks.py).
         """
         kinds: set[str] = set()
         deliberate: set[str] = set()
@@ -281,13 +281,13 @@ class ProducerRule:
                 return prefix + name, tensor
         return None
 
-    # -- deliberate infinities (masks.py) ---------------------------------------------
+    # -- deliberate infinities (ops/masks.py) ---------------------------------------------
 
     def is_benign_input(
         self, call: Call, path: str, argument: int | str | None, tensor: torch.Tensor | None,
         record: TensorRecord | None = None,
     ) -> bool:
-        """Whether a non-finite argument of ``call`` (at ``path``, in its ``argument``) is a deliberate mask (masks.py).
+        """Whether a non-finite argument of ``call`` (``path``, its ``argument``) is a deliberate mask (ops/masks.py).
 
         ``tensor`` is the live value; when it is gone, ``record``'s probe
         decides, which takes a name that says mask.

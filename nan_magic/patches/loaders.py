@@ -3,7 +3,7 @@
 A non-finite value made in a Dataset's ``__getitem__`` (a standardisation by a
 zero std) reaches the watch as a bad batch, long after the code that made it
 ran (in a worker process, or before the watch looked). To name that code's op
-and line the watch fetches the batch's samples again (localize/samples.py),
+and line the watch fetches the batch's samples again (localize/replay/samples.py),
 and for that it needs the batch's indices. The sampler is not touched: the
 loader iterator's ``_next_index`` (which draws them from it, for the main
 process or for a worker) is wrapped to note each one as drawn, and

@@ -350,7 +350,7 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
     if finding.call is None or finding.call.phase == Phase.DATA:
         return {str(ref): _copy(tensor) for ref, tensor in finding.inputs}
     inputs: dict[str, torch.Tensor] = {}
-    # At the deferred check a freed input may have been recomputed for the replay (call_replay.py).
+    # At the deferred check a freed input may have been recomputed for the replay (localize/replay/producer_call.py).
     recomputed = {ref.path: tensor for ref, tensor in finding.inputs if ref.role is TensorRole.INPUT}
     for path, _argument, _record, ref, version in finding.call.inputs:
         tensor = ref()

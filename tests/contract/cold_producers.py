@@ -1,7 +1,7 @@
 """Producers the boundary checks see late or not at all: named at their op and line in every mode (issue 27).
 
 Data made in a Dataset's ``__getitem__`` (its samples are fetched again,
-localize/samples.py), a logsumexp over a fully masked row in the loss code or
+localize/replay/samples.py), a logsumexp over a fully masked row in the loss code or
 a model, a ``torch.library.custom_op`` whose registered backward divides by
 zero, ``torch.multinomial`` raising on the NaN probabilities a temperature of
 0 made (in a model and in the loop), and the ``div`` in log's backward in a

@@ -4,7 +4,7 @@ A hand-written optimizer over ``model.parameters()`` (no ``torch.optim``), and
 a hand-written update of a tied embedding beside an optimizer: the parameter
 they make non-finite is reported at the step it happened, phase optimizer
 (the user's update code is the optimizer), its owner as the module, with the
-op and line that made it, in every mode (localize/loop_writes.py). Healthy
+op and line that made it, in every mode (localize/outside/loop_writes.py). Healthy
 versions of both stay silent and compute the same numbers.
 
 Loop code that writes parameters only now and then (a max-norm renormalisation

@@ -2,7 +2,7 @@
 
 The deferred check (CUDA; ``defer=True`` here) judges the loss at the
 optimizer step, after a temporary loss was freed: its recorded ops are found
-by the id the loss had when ``backward()`` started (outside.py), so every
+by the id the loss had when ``backward()`` started (localize/outside/recorder.py), so every
 mode names the producer's op and line as it does for a named ``loss``. The
 producer may sit in a helper the loop calls, in one of two temporaries
 added together, or under autocast; it may also be a backward op.

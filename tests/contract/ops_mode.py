@@ -414,7 +414,7 @@ CASES = [
          Expect("optimizer", "0", "Embedding", op="aten.addcdiv_.default", marker="adam step",
                 tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"})),
          note="the tiered and full modes replay the optimizer step on copies to name its op "
-              "(localize/optimizer_replay.py)"),
+              "(localize/replay/optimizer.py)"),
     Case("ops_diverging_regression", _diverging_regression,
          Expect("forward", None, step=64, op="aten.mse_loss.default", marker="regression loss",
                 op_modes=("default", "defer", "ops")),

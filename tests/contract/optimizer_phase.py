@@ -2,7 +2,7 @@
 
 The tiered watch sees a step's result (its parameters after it); at such an
 event it replays the step on copies under the op tracer
-(localize/optimizer_replay.py), so every mode names the op ``ops=True``
+(localize/replay/optimizer.py), so every mode names the op ``ops=True``
 traces and the line that called the step. The deferred check reads a step
 with wild hyperparameters (a NaN learning rate) at once, so it is reported
 at its own step, in the optimizer phase, not as the next step's forward.

@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from contract import Case, Expect, Scenario
 from nan_magic.records import TensorRef
 
-# The tiered default records the loss code's ops (outside.py) and replays them, forward and backward, at an
-# event, immediate or deferred (its small tensors are kept for the deferred check); mode="full" does not.
+# The tiered default records the loss code's ops (localize/outside/recorder.py) and replays them, forward and
+# backward, at an event, immediate or deferred (its small tensors are kept for the deferred check);
+# mode="full" does not.
 LOSS_CODE_OPS = ("default", "defer", "ops")
 LOSS_CODE_NOTE = "full: the loss code is not recorded; a backward producer there is named by its node"
 

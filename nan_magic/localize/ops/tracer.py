@@ -54,11 +54,11 @@ gradient norms) are never judged: an origin whose op was called from our
 code is dropped.
 
 This module is the dispatch mode and the rules above; its parts live beside
-it: :mod:`~nan_magic.localize.op_plans` (what an op does, from its schema),
-:mod:`~nan_magic.localize.op_kinds` (reading kinds cheaply, once per tensor),
-:mod:`~nan_magic.localize.origins` (:class:`OpFinding` and the origins
-table), :mod:`~nan_magic.localize.op_sources` (the user's line of an op) and
-:mod:`~nan_magic.localize.op_witnesses` (an origin's tensors and frame).
+it: :mod:`~nan_magic.localize.ops.plans` (what an op does, from its schema),
+:mod:`~nan_magic.localize.ops.kinds` (reading kinds cheaply, once per tensor),
+:mod:`~nan_magic.localize.ops.origins` (:class:`OpFinding` and the origins
+table), :mod:`~nan_magic.localize.ops.sources` (the user's line of an op) and
+:mod:`~nan_magic.localize.ops.witnesses` (an origin's tensors and frame).
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
-from nan_magic.localize.masks import is_additive_mask, reduces_nothing
-from nan_magic.localize.op_kinds import KnownKinds, Prior, probe_priors, scalar_kinds
-from nan_magic.localize.op_plans import (
+from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
+from nan_magic.localize.ops.masks import is_additive_mask, reduces_nothing
+from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
+from nan_magic.localize.ops.plans import (
     Plan,
     flatten,
     is_number,
@@ -91,9 +92,8 @@ from nan_magic.localize.op_plans import (
     run_op,
     tensors,
 )
-from nan_magic.localize.op_sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
-from nan_magic.localize.op_witnesses import OpWitnesses
-from nan_magic.localize.origins import BENIGN, OpFinding, Origin, Origins, op_samples
+from nan_magic.localize.ops.sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
+from nan_magic.localize.ops.witnesses import OpWitnesses
 from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
@@ -135,7 +135,7 @@ class OpTracer(TorchDispatchMode):
     -----
     ``forward_source`` of a backward finding is the user's line that created
     the autograd node being executed, noted while the forward ran by
-    :class:`~nan_magic.localize.op_sources.NodeSources` (a counter read per op,
+    :class:`~nan_magic.localize.ops.sources.NodeSources` (a counter read per op,
     a short stack walk per node created). The most recent ``max_sources``
     nodes are remembered.
 
@@ -193,7 +193,7 @@ class OpTracer(TorchDispatchMode):
         self.started: list[OpFinding] = []
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self._witnesses = OpWitnesses()
-        #: Set by a replay (untouched.py): called with each tensor an op is about to write, even
+        #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
         #: by a passive op or after the finding.
         self.before_write: Callable[[torch.Tensor], None] | None = None
         #: The autograd graph task whose ops count as forward ops: set by a

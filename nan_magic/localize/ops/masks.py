@@ -133,7 +133,7 @@ def is_additive_mask(tensor: torch.Tensor) -> bool:
     """The rule of the module docstring for a tensor with no name to go by: 0 where attended, ±inf where not.
 
     For the op tracer (a tensor entering the traced code) and the loss code's
-    data (entering.py): no NaN, one sign of infinity, a finite element, and
+    data (outside/entering.py): no NaN, one sign of infinity, a finite element, and
     every finite element 0. A dense real tensor only.
     """
     if not is_checkable(tensor) or tensor.layout is not torch.strided or tensor.is_complex():

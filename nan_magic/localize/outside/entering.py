@@ -28,7 +28,7 @@ import torch
 from nan_magic.errors.frames import is_library_file
 from nan_magic.hot.loss_region import loss_region_nodes
 from nan_magic.hot.stats import is_checkable, kinds_of
-from nan_magic.localize.masks import is_additive_mask
+from nan_magic.localize.ops.masks import is_additive_mask
 
 __all__ = ["entering_tensors", "saved_leaves"]
 
@@ -129,5 +129,5 @@ def _is_bad_data(tensor: torch.Tensor) -> bool:
     """A non-finite floating leaf that no code of the step computed with gradients."""
     if tensor.grad_fn is not None or tensor.requires_grad or not is_checkable(tensor):
         return False
-    # An additive attention mask (masks.py) is deliberate, not data.
+    # An additive attention mask (ops/masks.py) is deliberate, not data.
     return bool(kinds_of(tensor)) and not is_additive_mask(tensor)

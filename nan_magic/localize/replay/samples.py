@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.rng import generators_at
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.patches.loaders import UNKNOWN
 from nan_magic.records import Phase, Report
 

@@ -1,7 +1,7 @@
 """Replaying one module call: to name the op and line inside a producer, forward or backward.
 
 A producer found at a module's boundary is run again alone under the op
-tracer (replay.py): from its running frame's arguments (immediate mode), or
+tracer (replay/module_run.py): from its running frame's arguments (immediate mode), or
 from what its call kept (held.py) at the deferred check, a freed argument
 recomputed from the call that returned it. A backward producer's forward and
 backward are replayed from the gradient hook that found it.
@@ -33,8 +33,8 @@ from nan_magic.hot.held import Resolved
 from nan_magic.hot.rng import RngState
 from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
 from nan_magic.hot.step_log import StepLog
-from nan_magic.localize.origins import apply_op_finding
-from nan_magic.localize.replay import recompute, replay_backward, replay_module, run_again
+from nan_magic.localize.ops.origins import apply_op_finding
+from nan_magic.localize.replay.module_run import recompute, replay_backward, replay_module, run_again
 from nan_magic.options import WatchConfig
 from nan_magic.records import KINDS, Phase, TensorRef
 
@@ -54,7 +54,7 @@ class CallReplay:
         # Modules whose infinities a replay showed to be deliberate (masks).
         self.masks: set[int] = set()
         self.replaying = False
-        # The tiered watch replays the whole failing step instead (step_replay.py).
+        # The tiered watch replays the whole failing step instead (replay/step.py).
         self.can_replay = config.replay and not config.ops and not config.tiered
         # A backward producer is replayed from the gradient hook, after its
         # forward returned, and in deferred mode any producer is replayed at
@@ -147,7 +147,7 @@ class CallReplay:
         error = sys.exc_info()[1]
         if (not self.can_replay or error is None or running is None or call.info is None
                 or isinstance(error, (FloatingPointError, torch.linalg.LinAlgError))):
-            return None  # our own NonFiniteError on its way out, or linalg's verdict on its matrix (step_replay.py)
+            return None  # our own NonFiniteError on its way out, or linalg's verdict on its matrix (replay/step.py)
         finding = Finding(Phase.FORWARD, call, TensorRef.output())
         frame = Frame(module, call.info, call, call.rng_state)
         self.replay_into(finding, frozenset(KINDS), frame, *running, draws_again=True)

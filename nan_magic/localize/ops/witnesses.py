@@ -1,6 +1,6 @@
 """What an op that started a non-finite value leaves for the report: its tensors and the user's frame.
 
-The op tracer (op_tracer.py) notes, for each origin it starts, weak
+The op tracer (ops/tracer.py) notes, for each origin it starts, weak
 references to the op's output and tensor inputs (the report's histograms
 copy those still alive when the origin is claimed) and, for a forward op or
 a Python backward, the user's frame that ran it, where ``%debug`` opens
@@ -17,7 +17,7 @@ from types import FrameType
 import torch
 
 from nan_magic.errors.line_state import LineEnd, after_line
-from nan_magic.localize.origins import OpFinding
+from nan_magic.localize.ops.origins import OpFinding
 
 __all__ = ["OpWitnesses"]
 

@@ -9,7 +9,7 @@ line can be named any more.
 
 The *update region* runs from ``backward()`` returning to the next optimizer
 step or top-level model call (or the watch's end). The tiered watch records
-it as it records the loss code (outside.py, a recorder of its own, so the
+it as it records the loss code (outside/recorder.py, a recorder of its own, so the
 loss code's records stay for the deferred check): at its end, the watched
 parameters the recorded ops wrote in place are measured (one norm each, read
 at once, or with the deferred check's single transfer), and a non-finite one
@@ -42,10 +42,10 @@ import torch
 
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import kinds_of, norms, relevant_kinds
-from nan_magic.localize.op_plans import plan_of, tensors
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding, attach_origin
-from nan_magic.localize.outside import KEEP_TOTAL, OutsideRecorder
+from nan_magic.localize.ops.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.plans import plan_of, tensors
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorder import KEEP_TOTAL, OutsideRecorder
 from nan_magic.records import Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "LoopWrites"]
@@ -256,7 +256,7 @@ class _UpdateRecorder(OutsideRecorder):
     kept under the parameter and under the tensor written (``p.data``), where
     that is not a recorded op's output (``p.detach()``, which the replay makes
     again from the parameter's copy). Up to
-    :data:`~nan_magic.localize.outside.KEEP_TOTAL` bytes a region; only a
+    :data:`~nan_magic.localize.outside.recorder.KEEP_TOTAL` bytes a region; only a
     loop that writes parameters pays for it.
     """
 

@@ -1,6 +1,6 @@
 """Where in the user's code an op ran: its line, the frame for ``%debug``, and whose code called it.
 
-The op tracer (:mod:`nan_magic.localize.op_tracer`) runs inside the op, below torch's
+The op tracer (:mod:`nan_magic.localize.ops.tracer`) runs inside the op, below torch's
 dispatch machinery and its own frames; the line a finding names is the
 innermost frame that is the user's (:func:`user_frame`). A backward op runs in
 the autograd engine, with no user frame on the stack: its forward line is the
@@ -21,22 +21,26 @@ from typing import Any
 import torch
 
 from nan_magic.errors.frames import is_library_code, pointer
-from nan_magic.localize.op_plans import Plan, tensors
+from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["NodeSources", "called_by_the_engine", "called_by_us", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OPS_DIR = os.path.dirname(os.path.abspath(__file__))
+# nan_magic/, two folders above this one (localize/ops/).
+_OWN_DIR = os.path.dirname(os.path.dirname(_OPS_DIR)) + os.sep
 # nan_magic's own files, and torch's machinery between a Python call and a
 # dispatch mode: a frame there is never the line that ran an op.
 _PLUMBING = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    _OWN_DIR,
     *(
         _TORCH_DIR + path
         for path in ("_ops.py", "utils/_python_dispatch.py", "_tensor.py", "overrides.py",
                      "autograd/__init__.py", "autograd/graph.py", "_dynamo", "_compile.py")
     ),
 )
+
 
 def user_frame(frame: FrameType | None) -> FrameType | None:
     """The innermost frame at or above ``frame`` that is the user's code (not torch's, not ours)."""
@@ -57,12 +61,10 @@ def _is_plumbing(frame: FrameType) -> bool:
     )
 
 
-_ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
-_OWN_DIR = os.path.dirname(_ENGINE_DIR) + os.sep
 # The op tracer's own files: its frames stand between an op and whoever called it.
 _TRACER_FILES = frozenset(
-    os.path.join(_ENGINE_DIR, name)
-    for name in ("op_tracer.py", "op_plans.py", "op_sources.py", "origins.py", "op_kinds.py", "op_witnesses.py")
+    os.path.join(_OPS_DIR, name)
+    for name in ("tracer.py", "plans.py", "sources.py", "origins.py", "kinds.py", "witnesses.py")
 )
 # Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
 # (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the
@@ -71,13 +73,13 @@ _RUNS_USER_CODE = tuple(
     os.path.join(_OWN_DIR, name)
     for name in (
         os.path.join("patches", "backward.py"),
-        os.path.join("localize", "replay.py"),
-        os.path.join("localize", "step_replay.py"),
-        os.path.join("localize", "root_calls.py"),
-        os.path.join("localize", "backward_replay.py"),
-        os.path.join("localize", "outside.py"),
-        os.path.join("localize", "recorded_ops.py"),
-        os.path.join("localize", "optimizer_replay.py"),
+        os.path.join("localize", "replay", "module_run.py"),
+        os.path.join("localize", "replay", "step.py"),
+        os.path.join("localize", "replay", "root_calls.py"),
+        os.path.join("localize", "replay", "step_backward.py"),
+        os.path.join("localize", "outside", "recorder.py"),
+        os.path.join("localize", "outside", "recorded_ops.py"),
+        os.path.join("localize", "replay", "optimizer.py"),
     )
 )
 

@@ -1,4 +1,4 @@
-"""The ops of the code outside the models as recorded (outside.py), and running them again at an event.
+"""The ops of the code outside the models as recorded (outside/recorder.py), and running them again at an event.
 
 A :class:`RecordedOp` holds an op, its arguments and outputs by reference,
 and the user's line that ran it. Once ``backward()`` starts, the recorded
@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
-from nan_magic.localize.replay import map_tensors
+from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "op_source", "record_key",
@@ -107,7 +107,7 @@ def copies_from_outside(
 
     A replayed in-place op leaves the originals alone; a copy of a tensor
     that required gradients (a model output) requires them too, for a
-    replay of the backward. ``before``: values copied before an op wrote them in place (loop_writes.py).
+    replay of the backward. ``before``: values copied before an op wrote them in place (outside/loop_writes.py).
     ``given``: tensors that stand for some of them, by recorded id, taken as they are (a fix trial's outputs).
     """
     made: set[int] = set()
@@ -128,7 +128,7 @@ def copies_from_outside(
 
 
 def swapped(swap: Any, value: Any) -> Any:
-    """:func:`~nan_magic.localize.replay.map_tensors` for what a dispatched op takes and returns, faster.
+    """:func:`~nan_magic.localize.replay.module_run.map_tensors` for what a dispatched op takes and returns, faster.
 
     Those are tensors, numbers and flat lists or tuples of them: a list or
     tuple holding no tensor is kept as it is, without a copy.

@@ -4,7 +4,7 @@ The per-module watch finds *which module* first produced a non-finite value
 at the cost of one reduction per call. To name the op and the line inside it,
 the watch keeps that call's inputs and the RNG state from just before it, and
 :func:`replay_module` runs the module again on them under an
-:class:`~nan_magic.localize.op_tracer.OpTracer`: same inputs, same dropout masks,
+:class:`~nan_magic.localize.ops.tracer.OpTracer`: same inputs, same dropout masks,
 same kernels. The replay leaves no trace: it runs under ``no_grad`` on copies
 of the inputs, buffers are swapped for copies during the run, a parameter
 that the forward writes in place is restored bit for bit, and the RNG state
@@ -33,9 +33,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from nan_magic.hot.held import HeldArguments, Regenerate
 from nan_magic.hot.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding
-from nan_magic.localize.untouched import untouched
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.replay.untouched import untouched
 from nan_magic.records import Phase
 
 __all__ = [
@@ -203,7 +203,7 @@ def swapped_buffers(module: nn.Module, before: Mapping[int, torch.Tensor] | None
     are never touched (not even their version counters, which autograd checks
     for the user's pending backward). A buffer shared by several modules
     gets one shared copy. ``before`` maps ``id(buffer)`` to its value before
-    the replayed call, where the call changed it (step_replay.py); other
+    the replayed call, where the call changed it (replay/step.py); other
     buffers are copied as they are now.
     """
     copies: dict[int, torch.Tensor] = {}
@@ -340,7 +340,7 @@ def _isolated(
 
     The generators start from ``rng_state`` and are put back afterwards;
     buffers are swapped for copies; parameters and other tensors written in
-    place and the modules' Python state are put back (untouched.py); the
+    place and the modules' Python state are put back (replay/untouched.py); the
     tracer names submodules under ``module_name``; the ``autocast`` regions
     of the original call are entered.
     """

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from nan_magic.hot.finding import Finding
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.records import Phase, SourcePointer
 
 __all__ = ["name_optimizer_op"]

@@ -1,9 +1,9 @@
-"""A top-level model call kept for a replay of its step, and running it again (step_replay.py).
+"""A top-level model call kept for a replay of its step, and running it again (replay/step.py).
 
 :class:`RootCall` is what tier 1 keeps of each top-level call of a watched
 model; :func:`rerun` runs one again, eagerly, under a nested full watch with
 op-level tracing, and returns what that replay found as an :class:`Outcome`,
-which :class:`~nan_magic.localize.step_replay.StepReplays` turns into the report.
+which :class:`~nan_magic.localize.replay.step.StepReplays` turns into the report.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from nan_magic.distributed.ranks import is_sharded
 from nan_magic.hot.held import running_arguments
 from nan_magic.hot.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
-from nan_magic.localize.backward_replay import ReplayWatch, reentrant_checkpoints_inline, replay_backward
-from nan_magic.localize.layer_rows import step_layers, with_layers
-from nan_magic.localize.replay import copy_tensors, swapped_buffers
-from nan_magic.localize.untouched import untouched
+from nan_magic.localize.replay.layer_rows import step_layers, with_layers
+from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
+from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
+from nan_magic.localize.replay.untouched import untouched
 from nan_magic.options import WatchConfig
 from nan_magic.records import Report, TensorRef, TensorRole, TensorStats
 

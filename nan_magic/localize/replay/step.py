@@ -25,7 +25,7 @@ gradients, into scratch gradients: never ``.grad``, and no accumulate-grad
 hook fires (DDP's reducer stays quiet). The replay leaves no trace: copies of
 the arguments and buffers, the user's generators put back afterwards, the
 outer watch standing aside, and what the forward writes in place or changes
-in the modules' Python state put back (untouched.py).
+in the modules' Python state put back (replay/untouched.py).
 
 The report is the nested watch's, for the same step. It says whether the
 replay *reproduced* the event (the same boundary with the same counts); when
@@ -52,7 +52,7 @@ from nan_magic.hot.buffer_copies import BufferCopies
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.rng import RngState, capture_autocast, capture_rng_state
 from nan_magic.hot.stats import iter_tensors, version_of
-from nan_magic.localize.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
+from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.records import Phase, Report, TensorRef, TensorStats
 
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
     from nan_magic.hot.call_records import Call
     from nan_magic.hot.targets import ModuleInfo, Targets
-    from nan_magic.localize.call_replay import CallReplay
+    from nan_magic.localize.replay.producer_call import CallReplay
     from nan_magic.records import EarlyWarning, StepSummary
 
 __all__ = ["Producer", "ReplayHost", "StepReplays"]

@@ -1,6 +1,6 @@
 """What an aten op does, read from its schema once per overload, and its arguments.
 
-The op tracer (:mod:`nan_magic.localize.op_tracer`) runs for every op, so everything
+The op tracer (:mod:`nan_magic.localize.ops.tracer`) runs for every op, so everything
 it needs to know about an op that does not depend on the values is computed
 once per overload and cached (:func:`plan_of`): which arguments it reads and
 writes, whether it is *passive* (cannot make a non-finite value from finite

@@ -1,6 +1,6 @@
 """The producer op's record, and the origin the op tracer notes for each non-finite tensor.
 
-An :class:`OpFinding` is what the tracer (:mod:`nan_magic.localize.op_tracer`) reports:
+An :class:`OpFinding` is what the tracer (:mod:`nan_magic.localize.ops.tracer`) reports:
 the op that first made a non-finite value from finite or benign inputs, with
 its line, its inputs' statistics and its scalar arguments. Every non-finite
 tensor the tracer sees is noted in an :class:`Origins` table with where its

@@ -1,6 +1,6 @@
 """The code between the watched models' calls (the loss, data code in the loop): recorded, replayed at an event.
 
-The tiered watch replays a failing model call to name its op (step_replay.py),
+The tiered watch replays a failing model call to name its op (replay/step.py),
 but code outside every watched module is not a call it can run again: the
 loss, a normalisation of the batch inside the loop, an advantage computed from
 rewards. So that code's ops are *recorded* while it runs: a dispatch mode is
@@ -57,11 +57,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
-from nan_magic.localize.op_plans import plan_of, run_op, tensors
-from nan_magic.localize.op_sources import user_frame
-from nan_magic.localize.op_tracer import OpTracer
-from nan_magic.localize.origins import OpFinding
-from nan_magic.localize.recorded_ops import (
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.plans import plan_of, run_op, tensors
+from nan_magic.localize.ops.sources import user_frame
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
     WeakRecord,
@@ -80,7 +80,7 @@ __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 DATA_BUDGET = 64
 #: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
-#: Ops a step recorded between ``backward()`` and the next optimizer step or model call (loop_writes.py).
+#: Ops a step recorded between ``backward()`` and the next optimizer step or model call (outside/loop_writes.py).
 UPDATE_BUDGET = 256
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
 #: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
@@ -137,7 +137,7 @@ class OutsideRecorder(TorchDispatchMode):
         #: trial at it runs the step's loss code, which :meth:`forget` then holds as recorded until that step.
         self.stepped = stepped
         self._raw = False
-        # Values copied before an op wrote them in place, where a replay must start (loop_writes.py fills it).
+        # Values copied before an op wrote them in place, where a replay must start (outside/loop_writes.py fills it).
         self.before: dict[int, torch.Tensor] = {}
         self.pushed = False
         self._resumes = False

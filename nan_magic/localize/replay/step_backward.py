@@ -1,4 +1,4 @@
-"""The backward half of a step replay (step_replay.py): a model call's backward, run again.
+"""The backward half of a step replay (replay/step.py): a model call's backward, run again.
 
 The replayed call's outputs get the gradients that flowed into them in the
 user's step (captured by the watch's tensor hooks), and
@@ -30,11 +30,23 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.optim import OptimizerChecks
     from nan_magic.hot.step_log import StepLog
     from nan_magic.hot.targets import Targets
-    from nan_magic.localize.op_origins import OpOrigins
+    from nan_magic.localize.ops.origins import OpFinding
+    from nan_magic.localize.ops.tracer import OpTracer
     from nan_magic.options import WatchConfig
     from nan_magic.records import Report
 
-__all__ = ["ReplayWatch", "reentrant_checkpoints_inline", "replay_backward"]
+__all__ = ["ReplayOrigins", "ReplayWatch", "reentrant_checkpoints_inline", "replay_backward"]
+
+
+class ReplayOrigins(Protocol):
+    """What a step replay uses of its nested watch's op origins (localize/op_origins.py, a layer above)."""
+
+    @property
+    def tracer(self) -> OpTracer | None: ...
+
+    def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None, key: int | None = None) -> None: ...
+
+    def report_op(self, op_finding: OpFinding) -> None: ...
 
 
 class ReplayWatch(Protocol):
@@ -44,7 +56,7 @@ class ReplayWatch(Protocol):
     def config(self) -> WatchConfig: ...
 
     @property
-    def origins(self) -> OpOrigins: ...
+    def origins(self) -> ReplayOrigins: ...
 
     @property
     def optimizers(self) -> OptimizerChecks: ...

@@ -1,6 +1,6 @@
 """Which non-finite kinds an op's tensors hold, read as cheaply as the op tracer can.
 
-The op tracer (:mod:`nan_magic.localize.op_tracer`) checks a checked op's outputs with
+The op tracer (:mod:`nan_magic.localize.ops.tracer`) checks a checked op's outputs with
 one sum each, read together (a finite sum proves a tensor finite), and reads
 exact kinds only for an output that failed that check and for its inputs.
 :class:`KnownKinds` remembers what it read, by tensor identity and version
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from nan_magic.hot.stats import is_checkable, probe, probe_kinds, probe_stats, readable, tensor_stats
-from nan_magic.localize.op_plans import Plan, tensors
-from nan_magic.localize.origins import Benign, Origin, Origins, dense
+from nan_magic.localize.ops.origins import Benign, Origin, Origins, dense
+from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import KINDS, TensorStats
 
 __all__ = ["KnownKinds", "Prior", "probe_priors", "scalar_kinds"]
