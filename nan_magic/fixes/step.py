@@ -47,7 +47,7 @@ from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.root_calls import RootCall
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
 
-__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step"]
+__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step", "step_alone"]
 
 
 @dataclass
@@ -209,7 +209,7 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     for parameter, grad in zip(parameters, grads):
         parameter.grad = None if grad is None else grad / scale
     for optimizer in optimizers:
-        optimizer.step()
+        step_alone(optimizer)
     outcome.stepped = True
     state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
@@ -234,6 +234,18 @@ def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: F
     if loss is not None:
         outcome.loss = float(values_to_read(loss).detach())
     return loss
+
+
+def step_alone(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` of a trial's rebuilt optimizer, without the global step hooks.
+
+    The watch's hook (hot/step_cycle.py) would take the trial's step for the user's: under a process
+    group, the step of a trial run from inside the user's optimizer step settled that step's agreement
+    collective early, and the ranks fell out of step. ``Optimizer`` wraps each class's ``step`` once
+    (``profile_hook_step``); the function it wraps runs the update alone.
+    """
+    step = type(optimizer).step
+    getattr(step, "__wrapped__", step)(optimizer)
 
 
 def _finite(tensor: torch.Tensor) -> bool:
