@@ -5,6 +5,7 @@ Usage::
     python benchmarks/hot_calls.py                      # the three launch-bound models, ~20 s
     python benchmarks/hot_calls.py --top 25             # and the 25 functions of ours called most
     python benchmarks/hot_calls.py --by file --top 15   # the same, by module
+    python benchmarks/hot_calls.py --models             # only the loss-code and update regions' costs
 
 Why: on the launch-bound step (launch_bound.py) the watch's cost is almost all Python
 the interpreter runs per step, and the timings of a shared 2-core machine move by
@@ -60,6 +61,46 @@ def _ours(stats: pstats.Stats, by: str) -> collections.Counter[str]:
     return counts
 
 
+#: Extra elementwise ops the loss-code probe adds between the model's return and ``backward()``.
+LOSS_OPS = 40
+
+
+def _region_costs(steps: int) -> tuple[float, float]:
+    """Calls the watch adds per op of loss code, and for a ``clip_grad_norm_`` between backward() and step().
+
+    The model is one ``nn.Linear``. Loss code: a step with :data:`LOSS_OPS` more
+    ``h * 1.0001`` ops between the model's return and ``backward()``, less one
+    without, per op (each recorded by localize/outside/recorder.py as any loss op
+    is). Clipping: a step with ``clip_grad_norm_`` before ``opt.step()``, less one
+    without (the update region, localize/outside/loop_writes.py).
+    """
+    import nan_magic
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = torch.randn(4, 8)
+
+    def step(ops: int, clip: bool) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(batch)
+        for _ in range(ops):
+            out = out * 1.0001
+        out.square().mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    def calls(ops: int, clip: bool = False) -> float:
+        return _profiled(lambda: step(ops, clip), steps).prim_calls / steps  # type: ignore[attr-defined]
+
+    unwatched = calls(LOSS_OPS) - calls(0), calls(0, clip=True) - calls(0)
+    with nan_magic.watch(model, optimizer):
+        for _ in range(SETTLE):
+            step(0, clip=True)
+        watched = calls(LOSS_OPS) - calls(0), calls(0, clip=True) - calls(0)
+    return (watched[0] - unwatched[0]) / LOSS_OPS, watched[1] - unwatched[1]
+
+
 def _module_calls(bench: object) -> int:
     calls = 0
 
@@ -77,7 +118,7 @@ def _module_calls(bench: object) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(LAUNCH_BOUND), choices=list(LAUNCH_BOUND))
+    parser.add_argument("--models", nargs="*", default=list(LAUNCH_BOUND), choices=list(LAUNCH_BOUND))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--top", type=int, default=0, help="list the N functions (or modules) of ours called most")
     parser.add_argument("--by", choices=("function", "file"), default="function")
@@ -91,7 +132,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print("Python calls the default watch adds to a healthy training step (cProfile primitive calls, "
           f"mean over {options.steps} steps after {SETTLE}); fp32, CPU, one thread")
-    print(f"{'model':<10} {'calls':>6} {'extra/step':>11} {'ours/step':>10} {'extra/call':>11} {'floor/step':>11}")
+    if options.models:
+        print(f"{'model':<10} {'calls':>6} {'extra/step':>11} {'ours/step':>10} {'extra/call':>11} {'floor/step':>11}")
     for name in options.models:
         bench = build_launch_bound(name)
         module_calls = _module_calls(bench)
@@ -113,9 +155,15 @@ def main() -> None:
               f"{extra / module_calls:>11.1f} {floor:>11.0f}")
         for key, count in ours.most_common(options.top):
             print(f"    {count / options.steps:7.1f}  {key}")
-    print("extra/step: every call (builtins and torch's Python included); ours/step: nan_magic's functions; "
-          "extra/call: extra/step over the module calls of one step; floor/step: extra/step of the boundary floor "
-          "(baselines.boundary_floor)")
+    if options.models:
+        print("extra/step: every call (builtins and torch's Python included); ours/step: nan_magic's functions; "
+              "extra/call: extra/step over the module calls of one step; floor/step: extra/step of the boundary "
+              "floor (baselines.boundary_floor)")
+    per_op, clipping = _region_costs(options.steps)
+    print(f"loss-code recorder: {per_op:.1f} calls per op of loss code "
+          f"(a step with {LOSS_OPS} more elementwise ops between the model's return and backward(), less one without)")
+    print(f"update region: {round(clipping)} calls a step for a clip_grad_norm_ between backward() and step() "
+          "(a step with it, less one without)")
     sys.stdout.flush()
 
 

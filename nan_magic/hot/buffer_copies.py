@@ -36,7 +36,9 @@ class BufferCopies:
         spare = self._spare.pop(id(module), None)
         if spare is not None:
             sources, copies = spare
-            if len(sources) == len(live) and all(a is b for a, b in zip(sources, live.values())):
+            # The same buffers: the copies are keyed by their ids, and the spare holds them, so an id is not reused.
+            # (Paired in the spare's own order below, whatever order ``live`` lists them in.)
+            if copies.keys() == live.keys():
                 with torch.no_grad():
                     torch._foreach_copy_(list(copies.values()), sources)
                 return copies

@@ -80,7 +80,8 @@ def is_checkable(value: Any) -> bool:
         and value.layout is torch.strided
         and not value.is_meta
         and not value.is_nested
-        and not _transformed(value)
+        and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
+        and not torch._is_functional_tensor(value)
     ):
         return value.numel() > 0  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0

@@ -343,11 +343,12 @@ class StepCycle:
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
-        if self._mine() and self.outside is not None:
+        mine = self._mine()
+        if mine and self.outside is not None:
             self.outside.stop()
         try:
-            with self.outcome.agreement_point(self._mine() and self._agrees_at(opt)):
-                if self._mine():
+            with self.outcome.agreement_point(mine and self._agrees_at(opt)):
+                if mine:
                     self._end_update()
                 self.optimizers.on_step_pre(opt, args, kwargs)
         finally:

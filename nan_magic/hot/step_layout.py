@@ -109,6 +109,9 @@ class Layout:
     generic: bool = False
     #: The small CPU gradients are few enough to be copied into one buffer for their norm (optim.FLAT_MAX_NUMEL).
     flat_ok: bool = True
+    #: bounded_step's last verdict and the hyperparameters it was given (plain numbers only), asked every step.
+    bounded_for: list[tuple[Any, ...]] | None = None
+    bounded: bool = False
 
 
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
@@ -146,6 +149,23 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
     """
     if type(opt) not in BOUNDED_OPTIMIZERS or not layout.wide or layout.half_state:
         return False
+    hyperparameters = [tuple(map(group.get, _HYPERPARAMETERS)) for group in opt.param_groups]
+    if hyperparameters == layout.bounded_for:  # the usual step: nothing changed since the last
+        return layout.bounded
+    bounded = _bounded(opt)
+    # A tensor (a capturable learning rate) can change in place and still compare equal: never cached.
+    plain = all(type(value) in _PLAIN_NUMBERS or (type(value) is tuple and all(type(item) is float for item in value))
+                for values in hyperparameters for value in values)
+    layout.bounded_for, layout.bounded = (hyperparameters, bounded) if plain else (None, False)
+    return bounded
+
+
+#: What :func:`_bounded` reads of a parameter group; a verdict holds while these are the same.
+_HYPERPARAMETERS = ("lr", "momentum", "weight_decay", "dampening", "eps", "betas")
+_PLAIN_NUMBERS = frozenset({int, float, bool, type(None)})
+
+
+def _bounded(opt: torch.optim.Optimizer) -> bool:
     adam = type(opt) is not torch.optim.SGD
     for group in opt.param_groups:
         lr = group.get("lr")

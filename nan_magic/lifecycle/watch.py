@@ -383,7 +383,8 @@ class Watch:
 
     def mine(self) -> bool:
         """Hooks are global: act only for the thread that entered the watch, not during a replay."""
-        return self.listening() and threading.get_ident() == self._thread
+        # (listening(), inlined: every hook of every step asks this)
+        return self._active and not self.call_replay.replaying and threading.get_ident() == self._thread
 
     def listening(self) -> bool:
         """:meth:`mine` for hooks that only the watched code reaches, from any thread.

@@ -24,7 +24,8 @@ from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["NodeSources", "called_by_the_engine", "called_by_us", "sources_of_op", "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "called_by_the_engine", "called_by_us", "passed_over", "sources_of_op",
+           "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -44,14 +45,25 @@ _PLUMBING = (
 
 def user_frame(frame: FrameType | None) -> FrameType | None:
     """The innermost frame at or above ``frame`` that is the user's code (not torch's, not ours)."""
-    # A tensor subclass's __torch_function__ is how the op was routed, not the
-    # line that asked for it: that is the caller's (it stays the inner source).
-    while frame is not None and (is_library_code(frame.f_code) or frame.f_code.co_name in _SUBCLASS_HOOKS):
+    while frame is not None and passed_over(frame.f_code):
         frame = frame.f_back
     return frame
 
 
 _SUBCLASS_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
+
+#: id(code) -> (code, whether :func:`user_frame` passes over it); holding the code keeps its id unique.
+#: Read inline by the loss-code recorder, which walks up from every op it records.
+PASSED_OVER: dict[int, tuple[CodeType, bool]] = {}
+
+
+def passed_over(code: CodeType) -> bool:
+    """Whether a frame running ``code`` is never the user's line: library code, or a tensor subclass's
+    ``__torch_function__`` (how the op was routed, not the line that asked for it: the caller's is)."""
+    entry = PASSED_OVER.get(id(code))
+    if entry is None:
+        entry = PASSED_OVER[id(code)] = (code, is_library_code(code) or code.co_name in _SUBCLASS_HOOKS)
+    return entry[1]
 
 
 def _is_plumbing(frame: FrameType) -> bool:

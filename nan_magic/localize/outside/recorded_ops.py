@@ -10,7 +10,7 @@ ops that led to a non-finite value again with :func:`rerun_op`, on
 from __future__ import annotations
 
 import weakref
-from types import CodeType, FrameType
+from types import CodeType
 from typing import Any, NamedTuple
 
 import torch
@@ -35,9 +35,9 @@ class RecordedOp(NamedTuple):
     code: CodeType | None
     lineno: int
     globals: dict[str, Any] | None
-    # The user's frame that ran the op and its ``f_lasti`` then, for %debug (dropped at ``weaken`` unless
-    # that frame is still running: a returned helper's frame would keep its locals alive through backward).
-    frame: FrameType | None = None
+    # The user's frame's ``f_lasti`` when it ran the op, for %debug (the recorder holds the frame itself
+    # beside the record, to let go of it at ``weaken`` unless it is still running: a returned helper's
+    # frame would keep its locals alive through backward).
     lasti: int = -1
 
 

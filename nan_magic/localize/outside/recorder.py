@@ -53,13 +53,13 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors
-from nan_magic.localize.ops.sources import user_frame
+from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
@@ -100,14 +100,27 @@ def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
-def _running_frames() -> set[int]:
-    """The ids of the frames still running in this thread."""
+def _running(frames: set[FrameType]) -> set[FrameType]:
+    """Those of ``frames`` still running in this thread (a walk up the stack, one call per frame found)."""
     running = set()
     frame: FrameType | None = sys._getframe()
     while frame is not None:
-        running.add(id(frame))
+        if frame in frames:
+            running.add(frame)
         frame = frame.f_back
     return running
+
+
+def _bytes_held(tensor: torch.Tensor) -> int:
+    """:func:`_held_bytes` of a plain dense tensor, with no call: its base's size (a view keeps its whole base).
+
+    The recorder counts this for every tensor of every op it records; a tensor with no storage of its
+    own is never a plain ``torch.Tensor``, and a storage larger than its base (``set_``) is rare enough to
+    be under-counted here: :meth:`OutsideRecorder.weaken` measures storages when the total is large.
+    """
+    base = tensor._base
+    size = (tensor if base is None else base).nbytes
+    return KEEP_TOTAL + 1 if size > KEEP_BYTES else size
 
 
 def _held_bytes(tensor: torch.Tensor) -> int:
@@ -119,6 +132,23 @@ def _held_bytes(tensor: torch.Tensor) -> int:
 
 class OutsideRecorder(TorchDispatchMode):
     """Records the ops of the code outside the watched models, switched on and off at their boundaries."""
+
+    # Pushed and popped with torch's _push_mode/_pop_mode, not ``with``: three regions a step, and
+    # TorchDispatchMode.__enter__/__exit__ cost about 25 Python calls a pair more, for flags that change nothing
+    # for this mode: they tell torch.compile whether a mode that does not ignore compile internals is active
+    # (this one does: :meth:`ignore_compile_internals`), and Inductor whether to route a compiled region through
+    # a higher-order op that this mode would then have to handle.
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (eight Python calls an op).
+
+        The wrapper keeps Dynamo from tracing the mode's own frames. This mode
+        is never active while Dynamo traces (:meth:`ignore_compile_internals`,
+        and it is pushed only onto an empty dispatch stack), and it calls only
+        the op it was given.
+        """
+        return False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -145,6 +175,7 @@ class OutsideRecorder(TorchDispatchMode):
         self._region = "loss"
         self._entry = False
         self._ops: list[RecordedOp] = []
+        self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
         # The last loss region's records, kept by forget(): (ops, produced, rng).
@@ -176,9 +207,9 @@ class OutsideRecorder(TorchDispatchMode):
             return
         self._region = region
         self._entry = entry
-        self._budget = {"data": DATA_BUDGET, "update": UPDATE_BUDGET}.get(region, LOSS_BUDGET)
+        self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
         if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            self.__enter__()
+            _push_mode(self)
             self.pushed = True
 
     def stop(self) -> None:
@@ -186,7 +217,7 @@ class OutsideRecorder(TorchDispatchMode):
         if not self.pushed:
             return
         if _get_current_dispatch_mode() is self:
-            self.__exit__(None, None, None)
+            _pop_mode()
             self.pushed = False
         else:
             self._budget = _INERT
@@ -199,7 +230,7 @@ class OutsideRecorder(TorchDispatchMode):
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
         if self._resumes and not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            self.__enter__()
+            _push_mode(self)
             self.pushed = True
 
     def forget(self, last: bool = False) -> None:
@@ -212,19 +243,23 @@ class OutsideRecorder(TorchDispatchMode):
         """
         if last:
             self._last = None
-        elif self._region == "loss" and self._ops and (self.keep_last or self.stepped):
+        elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
                 self.weaken(detach=True)
             self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
             self._ops, self._produced = [], {}
+            self._frames.clear()
         elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go
             self._last, self._raw = None, False
-        self._ops.clear()
-        self._produced.clear()
+        if self._ops:  # (forgetting happens several times a step, mostly with nothing recorded)
+            self._ops.clear()
+            self._frames.clear()
+            self._produced.clear()
         self._held_bytes = 0
         self._rng = None
         self._witness = None
-        self.before.clear()
+        if self.before:
+            self.before.clear()
 
     def weaken(self, detach: bool = False) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:
@@ -264,21 +299,23 @@ class OutsideRecorder(TorchDispatchMode):
                 return weak_record(value, keep=True)
             return weak_record(value)
 
-        running = _running_frames()  # holding them costs nothing; a returned one is let go
         self._ops = [
             op._replace(args=swapped(weak_unless_small, op.args),
                         kwargs=swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
-                        out=swapped(weak_unless_small, op.out),
-                        frame=op.frame if id(op.frame) in running else None)
+                        out=swapped(weak_unless_small, op.out))
             for op in self._ops
         ]
+        self._let_go_of_returned_frames()  # holding a running one costs nothing
 
     def _let_go_of_returned_frames(self) -> None:
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals)."""
-        running = _running_frames()
-        for index, op in enumerate(self._ops):
-            if op.frame is not None and id(op.frame) not in running:
-                self._ops[index] = op._replace(frame=None)
+        held = {frame for frame in self._frames if frame is not None}
+        if not held:
+            return
+        running = _running(held)
+        if len(running) == len(held):  # the usual loss: written in the loop's own frame, still running
+            return
+        self._frames = [frame if frame in running else None for frame in self._frames]
 
     def note(self) -> str | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -295,15 +332,24 @@ class OutsideRecorder(TorchDispatchMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "namespace", None) == "profiler":
-            # record_function's markers (zero_grad's, the optimizer step's): no values, nothing to replay.
-            return func(*args, **kwargs)
-        if self._rng is None and self._budget > 0 and _seeded(func):
+        # Every op of the region passes here, on every healthy step: each line below is paid per op,
+        # so lookups are cached per op and per code object, and nothing is read from a tensor.
+        entry = _OPS.get(id(func))  # by id: an OpOverload's __hash__ is Python
+        if entry is None:
+            entry = _op_entry(func)
+        kind, call, _op = entry
+        if kwargs is None:
+            kwargs = {}
+        if kind is _PASS:  # record_function's markers (zero_grad's, the optimizer step's): nothing to replay
+            return call(*args, **kwargs)
+        if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
             self._rng = capture_rng_state()
-        out = run_op(func, args, kwargs)
+        try:
+            out = call(*args, **kwargs)
+        except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
+            out = run_op(func, args, kwargs)
         if self._budget <= 0:
             if self._budget == 0:  # over budget: the region is not recorded again
                 self._budget = _INERT
@@ -312,26 +358,44 @@ class OutsideRecorder(TorchDispatchMode):
                 self.forget()
             return out
         self._budget -= 1
-        frame = user_frame(sys._getframe(1))
+        # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            entry = PASSED_OVER.get(id(frame.f_code))
+            if not (entry[1] if entry is not None else passed_over(frame.f_code)):
+                break
+            frame = frame.f_back
         index = len(self._ops)
-        self._ops.append(RecordedOp(func, tuple(args), kwargs, out, frame.f_code if frame else None,
-                             frame.f_lineno if frame else 0, frame.f_globals if frame else None,
-                             frame, frame.f_lasti if frame else -1))
-        if isinstance(out, torch.Tensor):  # most ops: no walk of a pytree
-            self._produced[id(out)] = index
-            self._held_bytes += _held_bytes(out)
+        self._frames.append(frame)
+        # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
+        if frame is None:
+            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1)))
         else:
-            for tensor in tree_leaves(out):
+            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, frame.f_code, frame.f_lineno,
+                                                     frame.f_globals, frame.f_lasti)))
+        if type(out) is torch.Tensor:  # most ops: no walk of a pytree
+            self._produced[id(out)] = index
+            base = out._base  # _bytes_held, inlined
+            size = (out if base is None else base).nbytes
+            self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
+        else:
+            flat = (type(out) is tuple or type(out) is list) and all(type(item) is not tuple and type(item) is not list
+                                                                    for item in out)
+            for tensor in out if flat else tree_leaves(out):  # (max and its index: a flat tuple, no pytree walk)
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
                     self._held_bytes += _held_bytes(tensor)
         # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
         # counts again.
-        for value in (*args, *kwargs.values()):
+        for value in args:
             if type(value) is torch.Tensor:
-                self._held_bytes += _held_bytes(value)
+                self._held_bytes += _bytes_held(value)
             elif type(value) is list or type(value) is tuple:
                 self._held_bytes += sum(_held_bytes(item) for item in value if type(item) is torch.Tensor)
+        if kwargs:
+            for value in kwargs.values():
+                if isinstance(value, torch.Tensor):
+                    self._held_bytes += _held_bytes(value)
         return out
 
     def recorded(self) -> int:
@@ -372,21 +436,22 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         tracer = OpTracer(kinds=self.kinds)
         producer: RecordedOp | None = None
+        frame: FrameType | None = None
         try:
             copies, _requiring = copies_from_outside(ops, self.before)
             with torch.no_grad(), self._generators_as_recorded(), tracer:
-                for op in ops:
+                for index, op in enumerate(ops):
                     rerun_op(op, copies)
                     if tracer.finding is not None:
-                        producer = op
+                        producer, frame = op, self._frames[index]
                         break
         except Gone:
             return None
         if tracer.finding is None or producer is None:
             return None
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
-        position = (producer.lasti, producer.lineno) if producer.frame is not None else None
-        self._witness = (finding, tracer.producer_tensors, producer.frame, position)
+        position = (producer.lasti, producer.lineno) if frame is not None else None
+        self._witness = (finding, tracer.producer_tensors, frame, position)
         return finding
 
     def witness(
@@ -483,6 +548,22 @@ class OutsideRecorder(TorchDispatchMode):
         return self._ops[: index + 1]
 
 _SEEDED: dict[Any, bool] = {}
+
+# What the recorder does with an op (cached per op in _OPS with the callable it runs): pass a profiler
+# marker through; record an op; record an op that draws random numbers (taking the generators' state first).
+_PASS, _RECORD, _SEEDED_OP = "pass", "record", "seeded"
+_OPS: dict[int, tuple[str, Any, Any]] = {}  # id(op) -> (kind, callable, the op, kept so its id stays unique)
+_new_tuple = tuple.__new__
+
+
+def _op_entry(func: Any) -> tuple[str, Any, Any]:
+    """``(kind, callable)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping ``__call__``."""
+    if getattr(func, "namespace", None) == "profiler":
+        kind = _PASS
+    else:
+        kind = _SEEDED_OP if _seeded(func) else _RECORD
+    entry = _OPS[id(func)] = (kind, func._op if isinstance(func, torch._ops.OpOverload) else func, func)
+    return entry
 
 
 def _seeded(func: Any) -> bool:

@@ -138,15 +138,10 @@ class StepReplays:
             ]
             self._trainable[id(module)] = _trainable(module)
         mutable = self._mutable.get(id(module))
-        live: dict[int, torch.Tensor] = {}
-        buffer_versions = []
-        for owner, name in slots:
-            buffer = owner._buffers.get(name)
-            if buffer is None:
-                continue
-            buffer_versions.append((buffer, version_of(buffer)))
-            if mutable is None or id(buffer) in mutable:
-                live[id(buffer)] = buffer
+        present = [buffer for owner, name in slots if (buffer := owner._buffers.get(name)) is not None]
+        buffer_versions = _versions(present)
+        live = {id(buffer): buffer for buffer in present} if mutable is None else {
+            key: buffer for buffer in present if (key := id(buffer)) in mutable}
         buffers = self._buffer_copies.take(module, live)
         rng = capture_rng_state()
         self.calls.append(RootCall(
@@ -175,7 +170,10 @@ class StepReplays:
             # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
         root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
-        moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
+        try:  # (``_version`` read directly: this runs at every top-level call; an inference tensor has none)
+            moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
+        except RuntimeError:
+            moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
         known = self._mutable.get(id(module))
         self._mutable[id(module)] = moved | (known or set())
 
@@ -385,3 +383,11 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
 def _trainable(module: nn.Module) -> frozenset[int]:
     """The ids of ``module``'s parameters that require gradients (release_stepped waits for them)."""
     return frozenset(id(parameter) for parameter in module.parameters() if parameter.requires_grad)
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor with its version counter (:func:`version_of`, read directly where none is an inference tensor)."""
+    try:
+        return [(tensor, tensor._version) for tensor in tensors]
+    except RuntimeError:  # an inference tensor has no version counter
+        return [(tensor, version_of(tensor)) for tensor in tensors]
