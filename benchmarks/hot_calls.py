@@ -65,14 +65,12 @@ def _ours(stats: pstats.Stats, by: str) -> collections.Counter[str]:
 LOSS_OPS = 40
 
 
-def _region_costs(steps: int) -> tuple[float, float]:
-    """Calls the watch adds per op of loss code, and for a ``clip_grad_norm_`` between backward() and step().
+def _loss_code_cost(steps: int) -> float:
+    """Calls the watch adds per op of loss code.
 
-    The model is one ``nn.Linear``. Loss code: a step with :data:`LOSS_OPS` more
+    The model is one ``nn.Linear``: a step with :data:`LOSS_OPS` more
     ``h * 1.0001`` ops between the model's return and ``backward()``, less one
-    without, per op (each recorded by localize/outside/recorder.py as any loss op
-    is). Clipping: a step with ``clip_grad_norm_`` before ``opt.step()``, less one
-    without (the update region, localize/outside/loop_writes.py).
+    without, per op (each recorded by localize/outside/recorder.py as any loss op is).
     """
     import nan_magic
 
@@ -80,25 +78,48 @@ def _region_costs(steps: int) -> tuple[float, float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = torch.randn(4, 8)
 
-    def step(ops: int, clip: bool) -> None:
+    def step(ops: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         out = model(batch)
         for _ in range(ops):
             out = out * 1.0001
         out.square().mean().backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    def calls(ops: int, clip: bool = False) -> float:
-        return _profiled(lambda: step(ops, clip), steps).prim_calls / steps  # type: ignore[attr-defined]
+    def calls(ops: int) -> float:
+        return _profiled(lambda: step(ops), steps).prim_calls / steps  # type: ignore[attr-defined]
 
-    unwatched = calls(LOSS_OPS) - calls(0), calls(0, clip=True) - calls(0)
+    unwatched = calls(LOSS_OPS) - calls(0)
     with nan_magic.watch(model, optimizer):
         for _ in range(SETTLE):
-            step(0, clip=True)
-        watched = calls(LOSS_OPS) - calls(0), calls(0, clip=True) - calls(0)
-    return (watched[0] - unwatched[0]) / LOSS_OPS, watched[1] - unwatched[1]
+            step(0)
+        watched = calls(LOSS_OPS) - calls(0)
+    return (watched - unwatched) / LOSS_OPS
+
+
+def _clipping_cost(steps: int) -> float:
+    """Calls the watch adds for a ``clip_grad_norm_`` between ``backward()`` and ``step()`` (the update region,
+    localize/outside/loop_writes.py): deep_mlp's step with it, less one without."""
+    import nan_magic
+
+    bench = build_launch_bound("deep_mlp")
+
+    def step(clip: bool) -> None:
+        bench.optimizer.zero_grad(set_to_none=True)
+        bench.loss_fn(bench.model, *bench.batch).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(bench.model.parameters(), 1.0)
+        bench.optimizer.step()
+
+    def calls(clip: bool) -> float:
+        return _profiled(lambda: step(clip), steps).prim_calls / steps  # type: ignore[attr-defined]
+
+    unwatched = calls(True) - calls(False)
+    with nan_magic.watch(bench.model, bench.optimizer):
+        for _ in range(SETTLE):
+            step(True)
+        watched = calls(True) - calls(False)
+    return watched - unwatched
 
 
 def _module_calls(bench: object) -> int:
@@ -159,11 +180,10 @@ def main() -> None:
         print("extra/step: every call (builtins and torch's Python included); ours/step: nan_magic's functions; "
               "extra/call: extra/step over the module calls of one step; floor/step: extra/step of the boundary "
               "floor (baselines.boundary_floor)")
-    per_op, clipping = _region_costs(options.steps)
-    print(f"loss-code recorder: {per_op:.1f} calls per op of loss code "
+    print(f"loss-code recorder: {_loss_code_cost(options.steps):.1f} calls per op of loss code "
           f"(a step with {LOSS_OPS} more elementwise ops between the model's return and backward(), less one without)")
-    print(f"update region: {round(clipping)} calls a step for a clip_grad_norm_ between backward() and step() "
-          "(a step with it, less one without)")
+    print(f"update region: {round(_clipping_cost(options.steps))} calls a step for a clip_grad_norm_ between "
+          "backward() and step() (deep_mlp, 66 parameters: a step with it, less one without)")
     sys.stdout.flush()
 
 

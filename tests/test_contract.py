@@ -74,6 +74,9 @@ def test_contract(case: Case, mode: str) -> None:
         assert kinds == set(expect.kinds), report.counts
     if expect.cause is not None:
         assert report.cause is not None and report.cause.label == expect.cause, report.cause
+    for says_mode, words in expect.says:
+        if says_mode == mode:
+            assert words in text, text
     if expect.benign_events is not None:
         benign = sum(event.benign for event in w.events)
         if mode in ("default", "defer"):

@@ -21,6 +21,7 @@ from watching import raised, sgd_regression
 import nan_magic
 from nan_magic.explain import diagnose as diagnose_module
 from nan_magic.explain.diagnose import DIVERGENCE_RISES, LABELS, diagnose
+from nan_magic.localize.outside.recorder import LOSS_BUDGET
 from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorRef, TensorRole, TensorStats
 
 
@@ -242,9 +243,18 @@ def test_cross_entropy_with_every_target_ignored_is_an_empty_reduction() -> None
     # the tiered default traces the loss code: the same op, the same reading
     report = raised(lambda: F.cross_entropy(model(x), labels).backward(), model)
     assert_cause(report, "empty-reduction", "aten.nll_loss_forward.default", "ignore_index")
-    # without the op (the per-module watch does not trace the loss) two readings fit: say so, do not guess
-    cause = assert_cause(raised(lambda: F.cross_entropy(model(x), labels).backward(), model, mode="full"),
-                         "unclassified", "empty selection", "ops=True")
+    # the per-module watch records the loss code as the default does: the same reading
+    report = raised(lambda: F.cross_entropy(model(x), labels).backward(), model, mode="full")
+    assert_cause(report, "empty-reduction", "aten.nll_loss_forward.default", "ignore_index")
+
+    def over_budget() -> None:
+        # The loss code runs more ops than a step records (LOSS_BUDGET): its op is not named.
+        out = model(x)
+        offset = sum(torch.zeros(()) for _ in range(LOSS_BUDGET))
+        (F.cross_entropy(out, labels) + offset).backward()
+
+    # without the op two readings fit: say so, do not guess
+    cause = assert_cause(raised(over_budget, model), "unclassified", "empty selection", "ops=True")
     assert "domain error" in cause.hint
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from contract.scaler_collapse import _collapsing
+from contract.scaler_collapse import collapsing
 from test_fixes import LogOf, _train
 from torch import nn
 
@@ -131,7 +131,7 @@ def test_the_same_collapse_is_also_fixed_by_the_float32_edit_of_the_line_that_ca
 
 
 def test_gradients_that_overflow_at_any_scale_never_get_scale_verified() -> None:
-    scenario = _collapsing(1.0)  # the contract case: the head's backward overflows float16 unscaled
+    scenario = collapsing(1.0)  # the contract case: the head's backward overflows float16 unscaled
     with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(*scenario.targets):
         scenario.run()
     report = raised.value.report

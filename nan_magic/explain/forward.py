@@ -85,7 +85,10 @@ def _division(report: Report) -> Cause:
     if divisor is not None and not divisor.zeros:
         return overflow(report)
     numerator = report.operand("self") if not reciprocal else None
-    if report.numel == 1 and report.nan and numerator is not None and numerator.absmax == 0:
+    # A scalar NaN from finite operands and a zero divisor is 0 / 0 (x / 0 is ±inf): the numerator was a sum
+    # over nothing, whether or not its copy is still known (ops mode's is often freed by the boundary).
+    zero_numerator = numerator.absmax == 0 if numerator is not None else divisor is not None and bool(divisor.zeros)
+    if report.numel == 1 and report.nan and not reciprocal and zero_numerator:
         return event_cause("empty-reduction", "empty-quotient", report)
     if divisor is None and not report.nan and report.dtype in HALF:
         return event_cause("unclassified", "division-unknown-divisor", report, limit=dtype_max(report.dtype))

@@ -1,7 +1,7 @@
 """The trial's loss: the step's recorded loss code run again on the remedied model's outputs.
 
 The loss code runs outside the model (``loss = F.cross_entropy(model(x), y)``).
-The tiered watch records its ops (localize/outside/recorder.py): references to their
+The watch records its ops (localize/outside/recorder.py): references to their
 arguments, the user's line. A fix trial reruns the ops that led to the tensor
 ``backward()`` started from, with the model's outputs swapped for the
 trial's and copies of everything else they read (the targets), so the
@@ -106,7 +106,7 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode
     """
     recorder = source.recorder
     if recorder is None:
-        return "the loss code is recorded only by the default (tiered) watch"
+        return "ops mode traces the loss code as it runs, and keeps no record of it to run again"
     if "loss" in recorder.untraced:
         return "the loss code ran more ops a step than the watch records"
     last = before_loss and not source.defer

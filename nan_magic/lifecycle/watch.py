@@ -299,8 +299,9 @@ class Watch:
     def _reset_state(self) -> None:
         self.defer = wants_defer(self.config, self._roots())
         self.log = StepLog(self.config.max_layers, self.defer)
-        # The tiered watch records the code between the models' calls (the loss, data code in the loop), to
-        # replay it at an event (the deferred check, judging at the optimizer step, records the loss only).
+        # The code between the models' calls (the loss, data code in the loop) is recorded, to replay it at an
+        # event (the deferred check, judging at the optimizer step, records the loss only). The full mode too:
+        # its per-module replay reaches no code outside the modules. Ops mode traces that code anyway.
         self.outside: OutsideRecorder | None = OutsideRecorder.of(self.config, self.targets.optimizers)
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)

@@ -64,6 +64,8 @@ class Expect:
     cause: str | None = None
     op_modes: tuple[str, ...] = MODES
     benign_events: int | None = None  # benign events recorded before the real one, where it matters
+    # ``(mode, words)``: the report's text in that mode says ``words`` (why a mode names less than the others).
+    says: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

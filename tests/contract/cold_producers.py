@@ -17,10 +17,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from contract import Case, Expect, Scenario
 
-# As in steps_and_data.py: mode="full" does not record the code outside the models.
-LOSS_CODE_OPS = ("default", "defer", "ops")
-LOSS_CODE_NOTE = "full: the loss code is not recorded; its op is not named"
-
 
 class Standardised(Dataset):
     """Rows standardised in __getitem__; row 21 is constant, so its std is zero."""
@@ -260,14 +256,11 @@ CASES = [
     Case("dataset_getitem_standardisation_in_a_worker", lambda: _dataset_standardisation(workers=1),
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="standardise")),
     Case("loss_masked_log_softmax", lambda: _masked_loss("log_softmax"),
-         Expect("forward", None, step=0, op="aten._log_softmax.default", marker="masked log_softmax",
-                op_modes=LOSS_CODE_OPS), note=LOSS_CODE_NOTE),
+         Expect("forward", None, step=0, op="aten._log_softmax.default", marker="masked log_softmax")),
     Case("loss_masked_logsumexp_minus_target", lambda: _masked_loss("logsumexp"),
-         Expect("forward", None, step=0, op="aten.logsumexp.default", marker="masked lse",
-                op_modes=LOSS_CODE_OPS), note=LOSS_CODE_NOTE),
+         Expect("forward", None, step=0, op="aten.logsumexp.default", marker="masked lse")),
     Case("loss_masked_logsumexp", lambda: _masked_loss("logsumexp alone"),
-         Expect("forward", None, step=0, op="aten.logsumexp.default", marker="masked lse alone",
-                op_modes=LOSS_CODE_OPS), note=LOSS_CODE_NOTE),
+         Expect("forward", None, step=0, op="aten.logsumexp.default", marker="masked lse alone")),
     Case("masked_logsumexp_pool_in_a_model", _masked_pool_in_a_model,
          Expect("forward", "pool", "MaskedPool", step=0, op="aten.logsumexp.default", marker="masked pool")),
     Case("custom_op_backward", _custom_op_backward,
@@ -280,11 +273,10 @@ CASES = [
     Case("multinomial_in_forward", _multinomial_in_forward,
          Expect("forward", "", "Policy", step=0, op="aten.div.Tensor", marker="policy temperature")),
     Case("multinomial_in_loop", _multinomial_in_loop,
-         Expect("forward", None, step=0, op="aten.div.Tensor", marker="loop temperature", op_modes=LOSS_CODE_OPS),
-         modes=LOSS_CODE_OPS, note="full: the code outside the models is not recorded; its exception is not explained"),
+         Expect("forward", None, step=0, op="aten.div.Tensor", marker="loop temperature")),
     Case("healthy_dataset_with_workers", lambda: _dataset_standardisation(workers=1, healthy=True), None),
     Case("healthy_partly_masked_logsumexp", lambda: _masked_loss("logsumexp", healthy=True), None, benign=None),
     Case("healthy_multinomial", _healthy_multinomial, None),
     Case("ppo_log_backward", _ppo_log_backward,
-         Expect("backward", None, step=0, op="aten.div.Tensor", marker="ppo log", op_modes=LOSS_CODE_OPS)),
+         Expect("backward", None, step=0, op="aten.div.Tensor", marker="ppo log")),
 ]

@@ -11,8 +11,11 @@ Loop code that writes parameters only now and then (a max-norm renormalisation
 every 10th step; a hand-written decay applied only while the loss is above a
 threshold) is caught at the step it writes, not a step late: an update region
 that ran no op stays recorded. One that ran ops and wrote nothing (gradient
-clipping) is not recorded again, for its cost: a renormalisation after
-clipping is caught a step late, with no op, except by ``ops=True``.
+clipping, a scheduler) is only watched, for its cost, until it writes a
+parameter: a renormalisation after clipping, and a tied update after clipping
+and a scheduler's step (whose division ran before the write), are caught at
+their step with op and line in every mode. A write into one row of a parameter
+(a view) is caught at its step too, except by ``ops=True`` (a step late).
 """
 
 from __future__ import annotations
@@ -60,23 +63,33 @@ class TiedLM(nn.Module):
         return torch.tanh(self.mix(self.embed(tokens))) @ self.embed.weight.t()
 
 
-def _tied_update_by_hand(every_token_seen: bool) -> Scenario:
-    """The tied embedding is updated by hand, its gradient averaged over each token's count; the rest by SGD."""
+def _tied_update_by_hand(every_token_seen: bool, clip_and_schedule: bool = False) -> Scenario:
+    """The tied embedding is updated by hand, its gradient averaged over each token's count; the rest by SGD.
+
+    ``clip_and_schedule``: the gradients are clipped and a scheduler steps first, and the update begins at
+    step 2 (a warm-up): the update region ran many ops and wrote nothing on the steps before.
+    """
     torch.manual_seed(0)
     model = TiedLM()
     opt = torch.optim.SGD(model.mix.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     tokens = torch.tensor([0, 1, 2, 3, 4, 5] if every_token_seen else [0, 1, 2, 2])
 
     def run() -> list[torch.Tensor]:
-        for _ in range(3):
+        for step in range(4 if clip_and_schedule else 3):
             loss = nn.functional.cross_entropy(model(tokens), tokens)
             opt.zero_grad()
             model.embed.weight.grad = None
             loss.backward()
-            counts = torch.bincount(tokens, minlength=6).float().unsqueeze(1)
-            with torch.no_grad():
-                model.embed.weight.sub_(0.1 * model.embed.weight.grad / counts)  # producer: tied update
+            if clip_and_schedule:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not clip_and_schedule or step >= 2:  # a warm-up keeps the embedding for two steps
+                counts = torch.bincount(tokens, minlength=6).float().unsqueeze(1)
+                with torch.no_grad():
+                    model.embed.weight.sub_(0.1 * model.embed.weight.grad / counts)  # producer: tied update
             opt.step()
+            if clip_and_schedule:
+                scheduler.step()
         return [p.detach().clone() for p in model.parameters()]
 
     return Scenario((model, opt), run)
@@ -99,6 +112,29 @@ def _renormalised_every(period: int, clip: bool) -> Scenario:
                 with torch.no_grad():
                     weight = model[0].weight
                     weight.div_(weight.norm(dim=1, keepdim=True))  # producer: renormalise
+            opt.step()
+
+    return Scenario((model, opt), run)
+
+
+def _one_row_renormalised_after_clipping() -> Scenario:
+    """Clipping, then from step 2 one row of the embedding (a view of it) renormalised in place; that row is 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with torch.no_grad():
+        model[0].weight[3] = 0.0
+    tokens = torch.tensor([0, 1, 2, 3, 5])
+
+    def run() -> None:
+        for step in range(4):
+            opt.zero_grad()
+            model(tokens).pow(2).mean().backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step >= 2:
+                with torch.no_grad():
+                    row = model[0].weight[3]
+                    row.div_(row.norm())  # producer: one row
             opt.step()
 
     return Scenario((model, opt), run)
@@ -136,14 +172,27 @@ CASES = [
          Expect("optimizer", "embed", "Embedding", op="aten.div.Tensor", marker="tied update",
                 tensor=TensorRef.parameter("embed.weight"), cause="division-by-zero")),
     Case("loop_tied_embedding_update_healthy", lambda: _tied_update_by_hand(True), None),
+    Case("loop_tied_update_after_clipping_and_warm_up", lambda: _tied_update_by_hand(False, clip_and_schedule=True),
+         Expect("optimizer", "embed", "Embedding", step=2, op="aten.div.Tensor", marker="tied update",
+                tensor=TensorRef.parameter("embed.weight"), cause="division-by-zero")),
+    Case("loop_tied_update_after_clipping_and_warm_up_healthy",
+         lambda: _tied_update_by_hand(True, clip_and_schedule=True), None),
     Case("loop_renormalise_every_10th_step", lambda: _renormalised_every(10, clip=False),
          Expect("optimizer", "0", "Embedding", step=9, op="aten.div_.Tensor", marker="renormalise",
                 tensor=TensorRef.parameter("0.weight"))),
     Case("loop_renormalise_every_3rd_step_after_clipping", lambda: _renormalised_every(3, clip=True),
          Expect("optimizer", "0", "Embedding", step=2, op="aten.div_.Tensor", marker="renormalise",
-                tensor=TensorRef.parameter("0.weight")), modes=("ops",),
-         note="default, defer, full: a clipping region that wrote nothing is not recorded again (its cost); "
-              "the write is reported by the next forward, a step late, without its op"),
+                tensor=TensorRef.parameter("0.weight"))),
+    Case("loop_one_row_renormalised_after_clipping", _one_row_renormalised_after_clipping,
+         Expect("optimizer", "0", "Embedding", step=2, op="aten.div_.Tensor", marker="one row",
+                tensor=TensorRef.parameter("0.weight"), cause="division-by-zero"),
+         modes=("default", "defer", "full")),
+    # What ops mode reports now: its tracer notes the write's origin on the row (a view), where the lookup by
+    # parameter does not look; the next forward reads the row, a step late, without its op.
+    Case("loop_one_row_renormalised_after_clipping_ops_gap", _one_row_renormalised_after_clipping,
+         Expect("forward", "0", "Embedding", step=3, tensor=TensorRef.parameter("0.weight"),
+                cause="parameter-already-nonfinite"),
+         modes=("ops",), note="ops: a write into a view of a parameter (one row) is found a step late"),
     Case("loop_decay_only_while_the_loss_is_high", lambda: _decay_while_high(False),
          Expect("optimizer", "2", "Linear", step=3, op="aten.reciprocal.default", marker="decay while high",
                 tensor=TensorRef.parameter("2.weight"))),

@@ -4,9 +4,9 @@ The collapse is raised on the last skipped step (15 in a row); the report
 names the backward producer of that step's non-finite gradient, as a backward
 event would: inside a model (the step replay), or in the loss code (its
 recorded ops replayed with their backward, also by the deferred check, after
-the loss was freed). The full mode's module replay cannot run a child whose
-input is not an argument, and does not replay the loss code: it names the
-module only.
+the loss was freed), in every mode. Inside the model, the full mode's replay
+of the module cannot compute the gradient of a tensor the module made inside
+(a call is replayed from its arguments): it names the module, and says so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import nn
 
 from contract import Case, Expect, Scenario
 
-_FULL = "full: the module replay names the module only (its input is not an argument; no loss-code replay)"
+FULL = ("full: the module replay names the module only: the tensor whose gradient overflowed (1.proj output) "
+         "is made inside it, not passed to it")
 
 
 class Head(nn.Module):
@@ -30,8 +31,11 @@ class Head(nn.Module):
         return self.out(h) * 64.0  # producer: head output
 
 
-def _collapsing(loss_factor: float) -> Scenario:
-    """float16 autocast, large output weights: a gradient overflows float16 at every scale down to 4."""
+def collapsing(loss_factor: float, unscale_and_clip: bool = False) -> Scenario:
+    """float16 autocast, large output weights: a gradient overflows float16 at every scale down to 4.
+
+    ``unscale_and_clip``: ``scaler.unscale_`` and gradient clipping run between backward and the step.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), Head())
     with torch.no_grad():
@@ -47,6 +51,9 @@ def _collapsing(loss_factor: float) -> Scenario:
             loss = (out.float() - y).pow(2).mean() * loss_factor  # producer: scaled loss
             opt.zero_grad()
             scaler.scale(loss).backward()
+            if unscale_and_clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
 
@@ -55,13 +62,13 @@ def _collapsing(loss_factor: float) -> Scenario:
 
 CASES = [
     # The gradient into the head's output is finite at the last scales; its matmul's backward overflows.
-    Case("grad_scaler_collapse_inside_the_model", lambda: _collapsing(1.0),
+    Case("grad_scaler_collapse_inside_the_model", lambda: collapsing(1.0),
          Expect("backward", "1", "Head", op="aten.mm.default", marker="head output", cause="grad-scaler-collapse",
-                benign_events=15, op_modes=("default", "defer", "ops")),
-         note=_FULL),
+                benign_events=15, op_modes=("default", "defer", "ops"),
+                says=(("full", "the tensor whose gradient is not finite was computed inside 1, not passed to it"),)),
+         note=FULL),
     # A loss 1000 times larger: the cast back to float16 in the loss code's backward overflows first.
-    Case("grad_scaler_collapse_in_the_loss_code", lambda: _collapsing(1000.0),
+    Case("grad_scaler_collapse_in_the_loss_code", lambda: collapsing(1000.0),
          Expect("backward", None, op="aten._to_copy.default", marker="scaled loss", cause="grad-scaler-collapse",
-                benign_events=15, op_modes=("default", "defer", "ops")),
-         note=_FULL),
+                benign_events=15)),
 ]

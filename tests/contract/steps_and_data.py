@@ -16,11 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from contract import Case, Expect, Scenario
 from nan_magic.records import TensorRef
 
-# The tiered default records the loss code's ops (localize/outside/recorder.py) and replays them, forward and
-# backward, at an event, immediate or deferred (its small tensors are kept for the deferred check);
-# mode="full" does not.
-LOSS_CODE_OPS = ("default", "defer", "ops")
-LOSS_CODE_NOTE = "full: the loss code is not recorded; a backward producer there is named by its node"
+# The loss code's ops are recorded (localize/outside/recorder.py) and replayed, forward and backward, at an
+# event, immediate or deferred (its small tensors are kept for the deferred check), in every mode but ops=True,
+# which traces them.
 
 
 def _regression(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -217,11 +215,9 @@ def _loader_with_workers() -> Scenario:
 
 CASES = [
     Case("loss_log_first_iteration_optimizer_not_passed", _log_loss_first_iteration,
-         Expect("forward", None, step=0, op="aten.log.default", marker="log loss", op_modes=LOSS_CODE_OPS),
-         note=LOSS_CODE_NOTE),
+         Expect("forward", None, step=0, op="aten.log.default", marker="log loss")),
     Case("loss_sqrt_backward_third_iteration_optimizer_not_passed", _sqrt_backward_third_iteration,
-         Expect("backward", None, step=2, op="aten.div.Tensor", marker="distance", op_modes=LOSS_CODE_OPS),
-         note=LOSS_CODE_NOTE),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="distance")),
     Case("third_inference_call", _third_inference_call,
          Expect("forward", "1", "LogLayer", step=2, op="aten.log.default", marker="inference log")),
     Case("third_vae_decode_of_two_submodules", _third_vae_decode,

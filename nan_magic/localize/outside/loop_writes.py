@@ -20,39 +20,56 @@ made it. Ops mode traces that code anyway: its op tracer already knows which
 op started a parameter's values (:meth:`OpTracer.origin_of`).
 
 Cost: loop code that writes parameters only now and then (a renormalisation
-every 100 steps, a decay applied while the loss is high) must be recorded at
-the step it writes, which is not known in advance. A region is recorded
-again while its last recording wrote a parameter or ran at most
+every 100 steps, a decay applied while the loss is high) must be seen at the
+step it writes, which is not known in advance. A region is recorded in full
+while its last recording wrote a parameter or ran at most
 :data:`CHEAP_REGION` ops (the usual ``opt.step()`` right after ``backward()``
 runs none; a ``loss.item()`` to log runs one): pushing and popping the
 recorder costs a few microseconds a step, and each op recorded about as much
 again. A region that ran more ops and wrote no parameter (gradient clipping,
-``scaler.unscale_``: tens of microseconds a step to record) is not recorded
-again; a write there is reported by the next forward that reads the
-parameter, a step late and without its op.
+``scaler.unscale_``, a scheduler) is *watched* instead: each op only passes
+through (its plan looked up, the op and its caller's frame kept in a ring of
+the last :data:`RING` ops, nothing copied or read), until an op writes a
+watched parameter in place; from that op on the region is recorded, the ring
+first, so the write and the ops just before it that made its operand
+(``w.sub_(lr * w.grad / counts)``) are replayed at the step it happened. A
+kept op that a library function ran (``F.normalize``'s) has no line: finding
+the user's line above it at every op would cost more than the watching.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
+from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import kinds_of, norms, relevant_kinds
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
-from nan_magic.localize.ops.plans import plan_of, tensors
+from nan_magic.localize.ops.plans import plan_of, run_op, tensors
+from nan_magic.localize.ops.sources import _is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.recorder import KEEP_TOTAL, OutsideRecorder
 from nan_magic.records import Phase, TensorRef
 
-__all__ = ["CHEAP_REGION", "LoopWrites"]
+__all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
+
+# The watched parameters by id, and by storage with the bytes each spans in it (``p.data``, a row ``p[3]``).
+_Index = tuple[dict[int, tuple[str, torch.Tensor]], dict[int, list[tuple[int, int, str, torch.Tensor]]]]
 
 #: An update region that wrote no watched parameter is recorded again if it ran at most this many ops
 #: (a ``loss.item()`` or two to log; clipping runs eight foreach ops, which would cost tens of µs a step).
 CHEAP_REGION = 4
+#: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
+RING = 16
 
 
 class LoopWrites:
@@ -90,20 +107,23 @@ class LoopWrites:
         self._emit = emit
         self._step = step
         self._tracer = tracer
-        self._recorder = _UpdateRecorder(kinds, self._parameter_of) if tracer is None else None
-        # Record the next update region: the first one, then while the last one wrote a parameter or was cheap.
+        self._recorder = _UpdateRecorder(kinds, self._parameter_of, self._storages) if tracer is None else None
+        # Record the next update region in full: the first one, then while the last one wrote a parameter or
+        # was cheap; otherwise it is watched (the module docstring).
         self._wanted = True
         # The written parameters whose norms the deferred check reads: (name, parameter, tensor written).
         self._pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._pending_step = 0
-        # The watched parameters by id and by memory (_is_parameter), built when first needed.
-        self._index: tuple[dict[int, tuple[str, torch.Tensor]],
-                           dict[tuple[int, int], tuple[str, torch.Tensor]]] | None = None
+        # The watched parameters by id and by storage (_parameter_of), built when first needed.
+        self._index: _Index | None = None
 
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
-        if self._recorder is not None and self._wanted:
-            self._recorder.start("update")
+        if self._recorder is not None:
+            if self._wanted:
+                self._recorder.start("update")
+            else:
+                self._recorder.watch()
 
     def end(self) -> list[torch.Tensor]:
         """The region ends: the norms (not read yet) of the watched parameters its code wrote.
@@ -117,7 +137,13 @@ class LoopWrites:
         recorder = self._recorder
         if recorder is None or not recorder.pushed:
             return []
+        wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
         recorder.stop()
+        recorder.watching = False
+        if not wrote:
+            recorder.forget()
+            self._pending = []
+            return []
         count = recorder.recorded()
         if not count:  # the usual region (opt.step() right after backward()): nothing to look at or let go
             self._pending, self._wanted = [], count <= CHEAP_REGION and "update" not in recorder.untraced
@@ -171,43 +197,47 @@ class LoopWrites:
         self._pending, self._index = [], None
         if self._recorder is not None:
             self._recorder.stop()
+            self._recorder.watching = False
             self._recorder.forget()
 
     # -- helpers ------------------------------------------------------------------------
 
     def _parameter_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The watched parameter ``tensor`` is (or is on the memory of, as ``.data``), or None.
+        """The watched parameter ``tensor`` is, or is on the memory of (``p.data``, a row ``p[3]``), or None.
 
         Asked at every in-place op of the region (clipping's ``_foreach_mul_`` writes every gradient): the
         parameters are indexed once, again whenever a region wrote one (:meth:`_watched`).
         """
         if self._index is None:
             self._index = self._indexed()
-        by_id, by_memory = self._index
-        entry = by_id.get(id(tensor))
-        if entry is None and tensor.layout is torch.strided:
-            entry = by_memory.get(_memory(tensor))
+        entry = _lookup(self._index, tensor)
         return entry[1] if entry is not None else None
 
-    def _indexed(self) -> tuple[dict[int, tuple[str, torch.Tensor]], dict[tuple[int, int], tuple[str, torch.Tensor]]]:
+    def _storages(self) -> dict[int, list[tuple[int, int, str, torch.Tensor]]]:
+        """The storages of the watched parameters (``data_ptr()``): a tensor on another one is none of them."""
+        if self._index is None:
+            self._index = self._indexed()
+        return self._index[1]
+
+    def _indexed(self) -> _Index:
         by_id: dict[int, tuple[str, torch.Tensor]] = {}
-        by_memory: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}
+        by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
         for name, parameter in self._named_parameters():
-            if not parameter.is_floating_point():
+            if not parameter.is_floating_point() or id(parameter) in by_id:
                 continue
-            by_id.setdefault(id(parameter), (name, parameter))
+            by_id[id(parameter)] = (name, parameter)
             if parameter.layout is torch.strided:
-                by_memory.setdefault(_memory(parameter), (name, parameter))
-        return by_id, by_memory
+                first = parameter.data_ptr()
+                by_storage.setdefault(parameter.untyped_storage().data_ptr(), []).append(
+                    (first, first + parameter.numel() * parameter.element_size(), name, parameter))
+        return by_id, by_storage
 
     def _watched(self, written: list[torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """The written tensors that are watched parameters (or their ``.data``), with their names."""
-        by_id, by_memory = self._index = self._indexed()
+        """The written tensors that are watched parameters (or on their memory), with their names."""
+        index = self._index = self._indexed()
         found = []
         for tensor in written:
-            entry = by_id.get(id(tensor))
-            if entry is None and tensor.layout is torch.strided:
-                entry = by_memory.get(_memory(tensor))  # ``p.data.sub_(...)``: another object on its memory
+            entry = _lookup(index, tensor)
             if entry is not None:
                 found.append((entry[0], entry[1], tensor))
         return found
@@ -243,9 +273,73 @@ class LoopWrites:
             return
 
 
-def _memory(tensor: torch.Tensor) -> tuple[int, int]:
-    """Where a tensor's values start: a parameter and its ``.data`` share it."""
-    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())
+# What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
+# or pass it only (record_function's markers: no values, nothing to replay).
+_PASSES, _WRITES, _MARKER = 0, 1, 2
+_SELF = frozenset({"self"})
+# id(op) -> (op, what a watched region does with it). Holding the op keeps its id unique.
+_KINDS: dict[int, tuple[Any, int]] = {}
+
+
+def _kind_of(func: Any) -> int:
+    if not isinstance(func, torch._ops.OpOverload):
+        return _PASSES
+    if func.namespace == "profiler":
+        return _MARKER
+    return _WRITES if plan_of(func).writes else _PASSES
+
+
+# id(code) -> (code, what a frame running it is between a dispatch mode and the line that ran an op: the user's
+# line, torch's plumbing (dispatch, a Tensor operator's wrapper), or a library function). Holding the code keeps
+# its id unique; the id, not the code, is the key: a code's hash is computed anew.
+_USER, _PLUMBING, _LIBRARY = 0, 1, 2
+_CALLERS: dict[int, tuple[CodeType, int]] = {}
+_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
+
+
+def _users(frame: FrameType | None) -> FrameType | None:
+    """The user's frame that ran an op, past torch's plumbing; None where a library function ran it.
+
+    Asked at each op of a watched region, so it walks no further: clipping's
+    ops, run by ``clip_grad_norm_``, are some ten frames below the loop.
+    """
+    while frame is not None:
+        code = frame.f_code
+        entry = _CALLERS.get(id(code))
+        if entry is None:
+            entry = _CALLERS[id(code)] = (code, _caller_kind(frame))
+        if entry[1] == _USER:
+            return frame
+        if entry[1] == _LIBRARY:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _caller_kind(frame: FrameType) -> int:
+    if not is_library_code(frame.f_code) and frame.f_code.co_name not in _HOOKS:
+        return _USER
+    return _PLUMBING if _is_plumbing(frame) or frame.f_code.co_name in _HOOKS else _LIBRARY
+
+
+def _lookup(index: _Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """``(name, parameter)`` of the watched parameter ``tensor`` is or lies inside (``p.data``, ``p[3]``), or None."""
+    by_id, by_storage = index
+    entry = by_id.get(id(tensor))
+    if entry is not None or tensor.layout is not torch.strided:
+        return entry
+    spans = by_storage.get(tensor.untyped_storage().data_ptr())
+    if spans:
+        at = tensor.data_ptr()
+        for first, end, name, parameter in spans:
+            if first <= at < end:
+                return name, parameter
+    return None
+
+
+# What _writes_parameter maps over a written list, in C (no Python call per tensor).
+_storage_of = torch._C.TensorBase.untyped_storage
+_address = torch.UntypedStorage.data_ptr
 
 
 class _UpdateRecorder(OutsideRecorder):
@@ -258,26 +352,97 @@ class _UpdateRecorder(OutsideRecorder):
     again from the parameter's copy). Up to
     :data:`~nan_magic.localize.outside.recorder.KEEP_TOTAL` bytes a region; only a
     loop that writes parameters pays for it.
+
+    :meth:`watch` starts a region that is only watched until it writes a
+    watched parameter (the module docstring).
     """
 
-    def __init__(self, kinds: frozenset[str], parameter_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    def __init__(self, kinds: frozenset[str], parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
+                 storages: Callable[[], dict[int, list[tuple[int, int, str, torch.Tensor]]]]) -> None:
         super().__init__(kinds)
         self._parameter_of = parameter_of
+        self._storages = storages
         self._copied = 0
+        #: Whether the region is watched, not recorded (no watched parameter written yet).
+        self.watching = False
+        # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
+        # f_lasti then).
+        self._ring: deque[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = deque(
+            maxlen=RING)
+
+    def watch(self) -> None:
+        """Watch the update region: record it only from its first write of a watched parameter."""
+        self.start("update")
+        self.watching = self.pushed
 
     def forget(self, last: bool = False) -> None:
         super().forget(last)
         self._copied = 0
+        self._ring.clear()
 
     def __torch_dispatch__(
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        kwargs = kwargs or {}
+        if self.watching:
+            kind = _KINDS.get(id(func))
+            if kind is None:
+                kind = _KINDS[id(func)] = (func, _kind_of(func))
+            if kind[1] == _WRITES and self._writes_parameter(func, args, kwargs):
+                self.watching = False
+                self._record_ring()
+            else:
+                out = run_op(func, args, kwargs)
+                if kind[1] != _MARKER:
+                    frame = _users(sys._getframe(1))
+                    self._ring.append((func, tuple(args), kwargs, out, frame,
+                                       frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
+                return out
         if self.recording() and isinstance(func, torch._ops.OpOverload):
             plan = plan_of(func)
             if plan.writes:
-                for _label, tensor in tensors(plan, args, kwargs or {}, plan.writes):
+                for _label, tensor in tensors(plan, args, kwargs, plan.writes):
                     self._copy(tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _writes_parameter(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether the op writes a watched parameter in place (asked for every in-place op while watching).
+
+        Clipping's ``_foreach_mul_`` writes every gradient: a tensor on a storage no parameter is on is ruled
+        out with two calls.
+        """
+        plan = plan_of(func)
+        if plan.writes == _SELF and args:
+            first = args[0]
+            written = first if type(first) is list or type(first) is tuple else (first,)
+        else:
+            written = [tensor for _label, tensor in tensors(plan, args, kwargs, plan.writes)]
+        storages = self._storages()
+        try:
+            # One pass in C over what the op writes (clipping's _foreach_mul_ writes every gradient): no tensor on a
+            # parameter's storage is the usual answer, and asking tensor by tensor cost four calls each.
+            if storages.keys().isdisjoint(map(_address, map(_storage_of, written))):
+                return False
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # a sparse tensor, a subclass without storage, a non-tensor: asked one by one below
+        return any(
+            isinstance(tensor, torch.Tensor)
+            and (tensor.layout is not torch.strided or tensor.untyped_storage().data_ptr() in storages)
+            and self._parameter_of(tensor) is not None for tensor in written
+        )
+
+    def _record_ring(self) -> None:
+        """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
+        for func, args, kwargs, out, frame, lineno, lasti in self._ring:
+            self._frames.append(frame)
+            self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
+                                        frame.f_globals if frame else None, lasti))
+            index = len(self._ops) - 1
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._produced[id(tensor)] = index
+        self._budget -= len(self._ring)
+        self._ring.clear()
 
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)

@@ -191,8 +191,8 @@ class OutsideRecorder(TorchDispatchMode):
 
     @classmethod
     def of(cls, config: WatchConfig, optimizers: Sequence[object]) -> OutsideRecorder | None:
-        """The recorder of a tiered watch with ``config`` and the ``optimizers`` given to it (None: another mode)."""
-        return cls(config.kinds, config.keep_last_good is not None, bool(optimizers)) if config.tiered else None
+        """The recorder of a watch with ``config`` and the ``optimizers`` given to it (None: ops mode traces it)."""
+        return cls(config.kinds, config.keep_last_good is not None, bool(optimizers)) if not config.ops else None
 
     def start(self, region: str, entry: bool = False) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -361,8 +361,8 @@ class OutsideRecorder(TorchDispatchMode):
         # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
-            entry = PASSED_OVER.get(id(frame.f_code))
-            if not (entry[1] if entry is not None else passed_over(frame.f_code)):
+            passed = PASSED_OVER.get(id(frame.f_code))
+            if not (passed[1] if passed is not None else passed_over(frame.f_code)):
                 break
             frame = frame.f_back
         index = len(self._ops)
@@ -558,10 +558,7 @@ _new_tuple = tuple.__new__
 
 def _op_entry(func: Any) -> tuple[str, Any, Any]:
     """``(kind, callable)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping ``__call__``."""
-    if getattr(func, "namespace", None) == "profiler":
-        kind = _PASS
-    else:
-        kind = _SEEDED_OP if _seeded(func) else _RECORD
+    kind = _PASS if getattr(func, "namespace", None) == "profiler" else _SEEDED_OP if _seeded(func) else _RECORD
     entry = _OPS[id(func)] = (kind, func._op if isinstance(func, torch._ops.OpOverload) else func, func)
     return entry
 

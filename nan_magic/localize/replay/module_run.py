@@ -262,7 +262,11 @@ def replay_backward(
         copies[key].requires_grad_(original.requires_grad or original is target_tensor)
     target_copy = copies.get(id(target_tensor))
     if target_copy is None:
-        return ReplayResult(finding=None, reproduced=False, note=f"cannot replay {label}: the input is not an argument")
+        # The gradient is that of a tensor the call made inside (a child's output its own code then read), not
+        # of an argument: a replay from the arguments has no handle on it.
+        return ReplayResult(finding=None, reproduced=False, note=(
+            f"cannot replay {label} for the backward op: the tensor whose gradient is not finite was computed "
+            f"inside {label}, not passed to it, and a call is replayed from its arguments"))
     failure: Exception | None = None
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         # The forward runs inside the user's backward (this is a gradient
