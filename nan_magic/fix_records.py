@@ -19,7 +19,7 @@ __all__ = ["FIX_KINDS", "FailedAt", "FixTrial", "install_describer"]
 FIX_KINDS = ("float32", "eps", "stable", "mask", "lr", "skip-batch", "scale")
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what).
-FailedAt = Literal["forward", "backward", "optimizer step", "raised"]
+FailedAt = Literal["forward", "loss", "backward", "optimizer step", "raised"]
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def describe(error: BaseException | None) -> dict[str, Any]:
             "phase": str(report.phase), "module": report.module, "module_type": report.module_type,
             "op": report.op, "step": report.step, "rank": report.rank, "world_size": report.world_size,
             "tensor": report.to_dict()["tensor"], "notes": list(report.notes), "text": report.to_text(),
+            "fixes": [[trial.kind, trial.finite, trial.untried] for trial in report.fixes],
         }
         seen["json_rank"] = json.loads(report.to_json())["rank"]
     local = getattr(error, "local_report", None)

@@ -86,8 +86,9 @@ def test_forward_fault_on_rank_1_stops_both_ranks_and_rank_0_names_rank_1(ranks)
         assert f"distributed_worker.py:{marked_line('log', where=worker)}" in report["text"]
         assert re.search(r"^\s*rank\s+1 of 2$", report["text"], re.MULTILINE)
         assert seen["json_rank"] == 1
-    # No fix was tried on a replay (its collectives would wait for the other rank), and the report says why.
-    assert "no fix was tried: trials do not run under a process group of 2 ranks" in rank1["report"]["notes"]
+    # The fix trials ran on rank 1 alone: DDP's module replayed on copies needs no collective (test_fix_trials_...).
+    assert ["eps", True, None] in rank1["report"]["fixes"]
+    assert not any(note.startswith("no fix was tried") for note in rank1["report"]["notes"])
     # Rank 0's own gradients went NaN only through DDP's all-reduce; its report says so.
     assert rank0["local_tensor"] == _GRADIENT
     assert rank0["local_module"] == ["0", "Linear"]  # found by the user's name, which DDP's module tree lacks
@@ -469,3 +470,29 @@ def test_rank_is_shown_in_text_html_and_json_and_absent_outside_a_process_group(
     assert re.search(r"^\s*rank\s+1 of 2$", ranked.to_text(), re.MULTILINE)
     assert "1 of 2" in ranked.to_html() and "1 of 2" not in plain.to_html()
     assert not re.search(r"^\s*rank\s", plain.to_text(), re.MULTILINE)
+
+
+def test_fix_trials_under_several_ranks_run_only_where_no_collective_is_needed(monkeypatch):
+    from torch import nn
+
+    from nan_magic.fixes import runner
+    from nan_magic.fixes.loss import LossCode
+    from nan_magic.localize.outside.recorded_ops import RecordedOp
+
+    monkeypatch.setattr(runner, "process_group", lambda: (1, 2))
+    plain = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    runner._alone(plain, plain, [torch.optim.SGD(plain.parameters())], None)  # DDP's module: nothing to wait for
+    synced = nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2))
+    with pytest.raises(runner._NeedsRanks, match="of 2 ranks: a SyncBatchNorm in training mode syncs its"):
+        runner._alone(synced, synced, [], None)
+    runner._alone(synced.eval(), synced, [], None)  # in eval mode it uses its running statistics
+
+    class ZeroRedundancyOptimizer(torch.optim.SGD):
+        pass
+
+    ZeroRedundancyOptimizer.__module__ = "torch.distributed.optim.zero_redundancy_optimizer"
+    with pytest.raises(runner._NeedsRanks, match="the ZeroRedundancyOptimizer optimizer communicates across ranks"):
+        runner._alone(None, None, [ZeroRedundancyOptimizer(plain.parameters())], None)
+    mean = RecordedOp(torch.ops._c10d_functional.all_reduce.default, (), {}, None, None, 0, None)
+    with pytest.raises(runner._NeedsRanks, match=r"the loss code runs a collective \(_c10d_functional.all_reduce"):
+        runner._alone(plain, plain, [], LossCode([mean], 0, {}, None, False))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from contract.scaler_collapse import _collapsing
+from contract.scaler_collapse import collapsing
 from test_fixes import LogOf, _train
 from torch import nn
 
@@ -54,9 +54,11 @@ class CastOut(nn.Module):
         return self.fc2(torch.relu(self.fc1(x))).float()  # cast
 
 
-def _scaled_run(init_scale: float, fixed: bool = False, defer: bool = False, steps: int = 20) -> Report | None:
+def _scaled_run(init_scale: float, fixed: bool = False, defer: bool = False, steps: int = 20,
+                losses: list[float] | None = None) -> Report | None:
     """A GradScaler at ``init_scale``: from 2**40 it skips 15 steps in a row (the gradient into the float16
-    output passes 65504 above about 2**22) and the watch raises grad-scaler-collapse at scale 2**26."""
+    output passes 65504 above about 2**22) and the watch raises grad-scaler-collapse at scale 2**26.
+    ``losses`` gets each step's loss."""
     torch.manual_seed(0)
     model = CastOut(fixed)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -68,6 +70,8 @@ def _scaled_run(init_scale: float, fixed: bool = False, defer: bool = False, ste
                 with torch.autocast("cpu", dtype=torch.float16):
                     out = model(x)
                 loss = (out - y).pow(2).mean()
+                if losses is not None:
+                    losses.append(loss.item())
                 opt.zero_grad()
                 scaler.scale(loss).backward()
                 scaler.step(opt)
@@ -79,14 +83,41 @@ def _scaled_run(init_scale: float, fixed: bool = False, defer: bool = False, ste
 
 @pytest.mark.parametrize("defer", [False, True])
 def test_a_scaler_whose_scale_overflows_is_verified_lower_and_that_scale_trains_on(defer: bool) -> None:
-    report = _scaled_run(2.0**40, defer=defer)
+    losses: list[float] = []
+    report = _scaled_run(2.0**40, defer=defer, losses=losses)
     assert report is not None and report.cause is not None and report.cause.label == "grad-scaler-collapse"
     trial = _trial(report, "scale")
     assert trial.finite is True and trial.fact("scale") == 2.0**26 and trial.fact("new_scale") == 2.0**18
+    # The loss without the scaler's scale (scaler.scale(loss) is left out), as the step computed it.
+    assert trial.fact("loss_from") == "loss code" and trial.loss == pytest.approx(losses[-1], rel=1e-5)
     assert trial.fact("tried") == (2.0**18,) and trial.fact("stepped") is True
-    assert "init_scale=2.0**18" in (suggested_edit(trial) or "")
+    # The edit is at the line that built the scaler (before the watch: found where scale() first saw it).
+    built = _line(_scaled_run, "GradScaler(")
+    assert trial.fact("scaler_line") == built and trial.fact("scaler_file") == __file__
+    assert (suggested_edit(trial) or "").endswith(
+        f"test_fixes_steps.py:{trial.fact('scaler_lineno')}: scaler = torch.amp.GradScaler('cpu', init_scale=2.0**18)")
     assert "scale: the GradScaler's scale 6.71e7 lowered (tried 262144) -> verified" in report.to_text()
     assert _scaled_run(2.0**18, defer=defer) is None  # the edit by hand: training continues
+
+
+def test_a_scaler_built_inside_the_watch_is_named_at_the_line_that_built_it() -> None:
+    torch.manual_seed(0)
+    model = CastOut()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt):
+        amp = torch.amp.GradScaler("cpu", 2.0**40)  # built
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            opt.zero_grad()
+            amp.scale((out - y).pow(2).mean()).backward()
+            amp.step(opt)
+            amp.update()
+    trial = _trial(raised.value.report, "scale")
+    assert trial.finite is True and trial.fact("scaler_line").split("  #")[0] == _line(
+        test_a_scaler_built_inside_the_watch_is_named_at_the_line_that_built_it, "# built")
+    assert (suggested_edit(trial) or "").endswith("amp = torch.amp.GradScaler('cpu', 2.0**18)")
 
 
 def test_the_same_collapse_is_also_fixed_by_the_float32_edit_of_the_line_that_calls_the_modules() -> None:
@@ -100,7 +131,7 @@ def test_the_same_collapse_is_also_fixed_by_the_float32_edit_of_the_line_that_ca
 
 
 def test_gradients_that_overflow_at_any_scale_never_get_scale_verified() -> None:
-    scenario = _collapsing(1.0)  # the contract case: the head's backward overflows float16 unscaled
+    scenario = collapsing(1.0)  # the contract case: the head's backward overflows float16 unscaled
     with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(*scenario.targets):
         scenario.run()
     report = raised.value.report
@@ -128,8 +159,9 @@ def test_the_scales_tried_fall_by_2_to_the_8_down_to_1() -> None:
 
 
 def _demo(lr: float, steps: int = 40, lowered_at: int | None = None, keep: bool = True,
-          defer: bool = False) -> Report | None:
-    """The demo's training loop (examples/train_blowup.py); step ``lowered_at`` runs at a tenth of ``lr``."""
+          defer: bool = False, losses: list[float] | None = None) -> Report | None:
+    """The demo's training loop (examples/train_blowup.py); step ``lowered_at`` runs at a tenth of ``lr``;
+    ``losses`` gets each step's loss."""
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -141,6 +173,8 @@ def _demo(lr: float, steps: int = 40, lowered_at: int | None = None, keep: bool 
                 opt.param_groups[0]["lr"] = lr / 10 if step == lowered_at else lr
                 logits = model(tokens[:, :-1])
                 loss = loss_fn(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
+                if losses is not None:
+                    losses.append(loss.item())
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -180,17 +214,21 @@ def test_lr_after_a_divergence_says_why_it_could_not_be_tried() -> None:
             "no last good state was kept") in report.to_text()
 
 
-def test_the_demo_verifies_lr_and_says_the_loss_was_not_computed() -> None:
+def test_the_demo_verifies_lr_and_its_loss_is_the_one_the_lowered_update_gives_by_hand() -> None:
     import train_blowup
 
     report = train_blowup.train(steps=20).report
-    assert report is not None
+    assert report is not None and report.phase == "forward" and report.step == 9
     trial = _trial(report, "lr")
-    assert trial.finite is True and trial.loss is None
-    assert trial.fact("loss_not_computed") == "the loss code is outside the model"
+    # The forward failed before step 9's loss code ran: step 8's, with its targets (the same tokens), gives the loss.
+    assert trial.finite is True and trial.fact("loss_from") == "last loss code"
+    assert trial.fact("backward_from") == "loss" and trial.fact("loss_not_computed") is None
+    losses: list[float] = []
+    assert _demo(2.0, steps=10, lowered_at=8, losses=losses) is None  # step 8 at a tenth, by hand
+    assert trial.loss == pytest.approx(losses[9], rel=1e-4)
     assert "1 of 2 verified" in report.to_text()
-    assert ("loss not computed: the loss code is outside the model (the backward started from ones into the "
-            "model's outputs)") in report.to_text()
+    assert (f"loss {trial.loss:.3g} (the last step's loss code and targets on this step's outputs)"
+            in report.to_text())
     assert train_blowup.train(steps=40, lr=0.2).report is None  # the demo at a tenth, by hand
 
 
@@ -222,7 +260,6 @@ def test_a_half_module_call_is_verified_in_float32_and_its_edit_upcasts_the_modu
     assert trial.finite is True and trial.fact("autocast") == ()
     edit = suggested_edit(trial)
     assert edit is not None and edit.endswith(_line(HalfProj.forward, "# fixed")), edit
-    assert "loss not computed" in report.to_text()
     assert _train(HalfProj(fixed=True), steps=5) is None  # the edit by hand: training continues
 
 

@@ -22,8 +22,8 @@ from watching import train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.localize.outside.held import KEEP_BYTES
 from nan_magic.localize.outside.recorded_ops import WeakRecord
-from nan_magic.localize.outside.recorder import KEEP_BYTES
 from nan_magic.records import TensorRef
 
 

@@ -5,7 +5,7 @@ division in the data pipeline): the samples are the rows of the call's
 tensors along their first dimension. The rows where any argument of that
 batch size holds a non-finite value are left out of every such argument,
 and the step is replayed on the rest. The loss code's targets are outside
-the model call: the suggested edit drops the same rows from them.
+the model call: its replay (loss.py) and the suggested edit drop the same rows from them.
 """
 
 from __future__ import annotations
@@ -54,4 +54,4 @@ def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...]
     # A gradient held for the outputs (the deferred check judges the batch after backward) loses the same rows.
     grads = {path: kept(grad) for path, grad in root.output_grads.items()}
     smaller = dataclasses.replace(root, args=args, kwargs=kwargs, output_grads=grads)
-    return dataclasses.replace(step, root=smaller), dropped, size
+    return dataclasses.replace(step, root=smaller, rows=keep), dropped, size

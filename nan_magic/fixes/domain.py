@@ -50,6 +50,8 @@ class DomainFix:
         self.eps: float | None = None
         self.dtype: str | None = None
         self.form: str | None = None
+        #: Operand values moved, of how many: every one means the output no longer depends on the operand.
+        self.moved = self.total = 0
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         index = self.names.get(function_name(func))
@@ -67,6 +69,8 @@ class DomainFix:
             moved = operand.clamp_min(eps) if self.form == "clamp_min" else torch.where(operand == 0, eps, operand)
         else:
             moved = operand.clamp_min(eps)
+        self.moved += int((moved != operand).sum())
+        self.total += operand.numel()
         remedied = list(args)
         remedied[index] = moved
         return func(*remedied, **kwargs)

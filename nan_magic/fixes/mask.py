@@ -17,15 +17,25 @@ import torch
 
 from nan_magic.fixes.site import function_name
 
-__all__ = ["MASKED", "zero_masked_rows"]
+__all__ = ["MASKED", "MaskFix"]
 
 #: The functions whose fully masked rows the remedy zeroes.
 MASKED = frozenset({"softmax", "_softmax", "scaled_dot_product_attention"})
 
 
-def zero_masked_rows(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """The call with its NaN made 0; None for another function."""
-    if function_name(func) not in MASKED:
-        return None
-    result = func(*args, **kwargs)
-    return result.nan_to_num(0.0) if isinstance(result, torch.Tensor) else None
+class MaskFix:
+    """The remedy: the call with its NaN made 0; None for another function."""
+
+    def __init__(self) -> None:
+        #: Values made 0, of how many: every one means every row was masked (an output of zeros, no gradient).
+        self.moved = self.total = 0
+
+    def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if function_name(func) not in MASKED:
+            return None
+        result = func(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            return None
+        self.moved += int(result.isnan().sum())
+        self.total += result.numel()
+        return result.nan_to_num(0.0)

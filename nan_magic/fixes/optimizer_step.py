@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.fixes.step import step_alone
 from nan_magic.scene.last_good import LastGood
 
 __all__ = ["NO_LAST_GOOD", "redo_step"]
@@ -95,7 +96,7 @@ def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept
             group["eps"] = eps
     for parameter in parameters:
         copies[id(parameter)].grad = None if parameter.grad is None else parameter.grad.detach().clone()
-    redone.step()
+    step_alone(redone)
     state = [value for entry in redone.state.values() for value in entry.values()
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
     return all(bool(torch.isfinite(tensor).all()) for tensor in [*copies.values(), *state])

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.distributed.ranks import process_group
+from nan_magic.distributed.ranks import is_sharded, process_group
 from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
-from nan_magic.fixes.mask import MASKED, zero_masked_rows
+from nan_magic.fixes.loss import LossCode, LossSource, loss_code
+from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import HALF, float32
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
@@ -42,11 +43,13 @@ from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
+from nan_magic.patches.scaler import scaler_source
 from nan_magic.records import FixTrial, Phase, Report
 from nan_magic.scene.last_good import LastGood
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["MIN_BUDGET", "STEP_TIMES", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes", "with_fixes"]
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "LossSource", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes",
+           "with_fixes"]
 
 #: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
@@ -73,23 +76,19 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
     if site.function in ("exp", "log"):
         remedies.append(("stable", StableFix(site.function)))
     if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
-        remedies.append(("mask", zero_masked_rows))
+        remedies.append(("mask", MaskFix()))
     return remedies
 
 
 def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
                roots: Iterable[nn.Module], last_good: LastGood,
-               standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> Report:
+               standing_aside: Callable[[], contextlib.AbstractContextManager[None]], loss: LossSource) -> Report:
     """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
-    group = process_group()
-    if group is not None and group[1] > 1:
-        # A replay's collectives (DDP's gradient reduction, FSDP's gathers, SyncBatchNorm) would wait for
-        # ranks that are not replaying: the trials would hang the job they are meant to help.
-        note = f"no fix was tried: trials do not run under a process group of {group[1]} ranks"
-        return dataclasses.replace(report, notes=(*report.notes, note))
     try:
-        trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside)
+        trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside, loss)
         return dataclasses.replace(report, fixes=trials)
+    except _NeedsRanks as needs:
+        return dataclasses.replace(report, notes=(*report.notes, str(needs)))
     except Exception as error:  # the trials are a sidecar: they never take the report down
         note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
         return dataclasses.replace(report, notes=(*report.notes, note))
@@ -97,9 +96,14 @@ def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
               roots: Iterable[nn.Module], last_good: LastGood,
-              standing_aside: Callable[[], contextlib.AbstractContextManager[None]]) -> tuple[FixTrial, ...]:
-    """The trials for a real event that the watch's step replays localized (lifecycle/watch.py)."""
+              standing_aside: Callable[[], contextlib.AbstractContextManager[None]],
+              loss: LossSource) -> tuple[FixTrial, ...]:
+    """The trials for a real event that the watch's step replays localized (lifecycle/watch.py).
+
+    ``loss``: the recorded loss code, which each replayed step runs on its outputs (loss.py).
+    """
     if report.phase == Phase.OPTIMIZER:
+        _alone(None, None, optimizers, None)
         return try_optimizer_fixes(report, optimizers, roots, last_good)
     # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
     root = replays.replayed if report.reproduced else None
@@ -109,8 +113,48 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     if root is None or model is None:
         return ()
     target = replay_target(root.module) or model
-    return try_fixes(report, FailingStep(root, model, target, tuple(optimizers), standing_aside), list(roots),
-                     last_good)
+    code = loss_code(loss, root, before_loss=report.phase in (Phase.FORWARD, Phase.DATA))
+    _alone(root.module, target, optimizers, code)
+    step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
+                       scalers=tuple(loss.scalers))
+    return try_fixes(report, step, list(roots), last_good)
+
+
+class _NeedsRanks(Exception):
+    """No trial runs: one would need the other ranks of the process group (the message says why)."""
+
+
+#: The namespaces of the ops that communicate across ranks.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+def _alone(module: nn.Module | None, target: nn.Module | None, optimizers: Iterable[torch.optim.Optimizer],
+           code: LossCode | str | None) -> None:
+    """Raise :class:`_NeedsRanks` where a trial under a process group of several ranks would run a collective.
+
+    A trial runs on this rank alone, while the others wait at the next agreement point: a collective would wait
+    for them, and hang the job. The step replay needs none for a model wrapped by DDP (it runs the wrapped
+    module on copies of its parameters, which carry none of DDP's reduction hooks), an optimizer of torch.optim
+    and loss code of local ops; FSDP, a SyncBatchNorm that trains, an optimizer of torch.distributed (ZeRO) and
+    a collective in the loss code need them.
+    """
+    group = process_group()
+    if group is None or group[1] <= 1:
+        return
+    why = None
+    if module is not None and is_sharded(module):
+        why = "the model is sharded by FSDP (its forward gathers parameters from every rank)"
+    elif target is not None and any(isinstance(sub, nn.SyncBatchNorm) and sub.training for sub in target.modules()):
+        why = "a SyncBatchNorm in training mode syncs its statistics across ranks"
+    elif shared := next((type(opt).__name__ for opt in optimizers
+                         if type(opt).__module__.startswith("torch.distributed")), None):
+        why = f"the {shared} optimizer communicates across ranks"
+    elif isinstance(code, LossCode) and (op := next((op.func for op in code.ops
+                                                     if getattr(op.func, "namespace", "") in _COLLECTIVES), None)):
+        why = f"the loss code runs a collective ({op})"
+    if why is not None:
+        raise _NeedsRanks(f"no fix was tried under a process group of {group[1]} ranks: {why}, and the other "
+                          f"ranks are not replaying")
 
 
 def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
@@ -157,8 +201,8 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
             continue
         trials.append(run())
         spent += trials[-1].seconds
-    order = {True: 0, False: 1, None: 2}
-    return tuple(sorted(trials, key=lambda trial: order[trial.finite]))
+    order = {True: 0, False: 1, None: 2}  # a verified remedy that hid the NaN (moved_all) after the others
+    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all")))))
 
 
 def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: FailingStep,
@@ -180,6 +224,9 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
     if outcome is None:
         return _at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
                             untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
+    built = next((source for scaler in step.scalers if (source := scaler_source(scaler)) is not None), None)
+    if built is not None:  # the edit goes at the line that built the scaler (patches/scaler.py)
+        facts.update(scaler_file=built.filename, scaler_lineno=built.lineno, scaler_line=built.line)
     return _at_producer("scale", report, facts=(*_step_facts(step, outcome), *facts.items()),
                         finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
                         error=outcome.error)
@@ -221,8 +268,7 @@ def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
                                                        "the batch's first dimension, holds the non-finite value"),)
     smaller, dropped, size = left
     outcome = replay_step(smaller, None, None)
-    facts = (("stepped", outcome.stepped), ("backward_from", _backward_from(smaller, outcome)),
-             ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
+    facts = (*_step_facts(smaller, outcome), ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
     return (_at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
                      seconds=outcome.seconds, failed=outcome.failed, error=outcome.error),)
 
@@ -233,11 +279,13 @@ def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
 
 
 def _step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, object], ...]:
-    """Whether the optimizer step was replayed, where the backward started, and why no loss is known."""
+    """Whether the optimizer step was replayed, where the backward started, where the loss came from or why none."""
     facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
                                              ("backward_from", _backward_from(step, outcome)))
-    if outcome.loss is None:  # the loss code is not replayed: only a model that returns its loss gives one
-        facts += (("loss_not_computed", "the loss code is outside the model"),)
+    if outcome.loss_from is not None:
+        facts += (("loss_from", outcome.loss_from),)
+    elif outcome.no_loss is not None and outcome.failed != "forward":
+        facts += (("loss_not_computed", outcome.no_loss),)
     return facts
 
 
@@ -250,14 +298,17 @@ def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
     if isinstance(remedy, StableFix):
         facts += [("function", remedy.function), ("form", remedy.form)]
+    if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
+        # Every value was out of the domain (every row masked): the output no longer depends on them.
+        facts += [("moved_all", remedy.total)]
     return tuple(facts)
 
 
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
-    """Where the replayed backward started (step.py): the held output gradient, the model's loss, or ones."""
-    if held_gradients(step.root):
-        return "output-gradient"
-    return "loss" if outcome.loss is not None else "ones"
+    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones."""
+    if outcome.loss_from is not None:
+        return "loss"
+    return "output-gradient" if held_gradients(step.root) else "ones"
 
 
 def _change(base: StepOutcome, outcome: StepOutcome) -> float | None:

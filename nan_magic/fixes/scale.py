@@ -18,7 +18,7 @@ import dataclasses
 import time
 from typing import Any
 
-from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
 from nan_magic.records import Report
 
 __all__ = ["STRIDE", "TRIES", "collapsed_scale", "lower_scales", "scaled", "try_scales"]
@@ -47,9 +47,8 @@ def lower_scales(scale: float) -> list[float]:
 
 
 def scaled(step: FailingStep, old: float, new: float) -> FailingStep:
-    """``step`` replayed at the scale ``new``: a held output gradient carries ``old`` already, a start of ones none."""
-    carried = old if held_gradients(step.root) else 1.0
-    return dataclasses.replace(step, grad_scale=(new / carried, new))
+    """``step`` replayed at the scale ``new``: a held output gradient carries ``old`` already (step.py)."""
+    return dataclasses.replace(step, grad_scale=(new, old))
 
 
 def try_scales(step: FailingStep, old: float) -> tuple[dict[str, Any], StepOutcome | None, float]:

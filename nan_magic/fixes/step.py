@@ -10,17 +10,19 @@ back (``generators_at``), and the modules' Python state too (``untouched``).
 Nothing of the user's is written: no ``.grad``, no optimizer state, no
 BatchNorm statistics, no draw from their generators.
 
-The loss code runs outside the model call, and a forward event stops the
-step before it runs: the backward starts from what the step held, in this
-order: the gradient that flowed into the outputs (a backward event; a
-finite one, see held_gradients), the
-model's own scalar loss (a Hugging Face model given its labels), else a
-gradient of ones into each floating output, standing for the loss.
+The loss: the model's own scalar loss (a Hugging Face model given its
+labels), else the recorded loss code run again on the replayed outputs
+(loss.py); a non-finite loss fails the step there. The backward starts from
+that loss; without one, from what the step held: the gradient that flowed
+into the outputs (a backward event; a finite one, see held_gradients), else
+a gradient of ones into each floating output, standing for the loss.
 
-Under a GradScaler the held output gradient carries the scale:
-``FailingStep.grad_scale`` multiplies the gradient the backward starts from
-(a lower scale, fixes/scale.py) and divides the parameters' gradients before
-the optimizer step, as ``scaler.step`` unscales them.
+Under a GradScaler the backward of the step ran at its scale:
+``FailingStep.grad_scale`` is ``(the scale to replay at, the scale the held
+output gradient carries)``. The gradient the backward starts from is scaled
+to the first (fixes/scale.py tries lower ones), and the parameters'
+gradients are divided by it before the optimizer step, as ``scaler.step``
+unscales them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
+from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.site import Remedy, Site, at_producer
 from nan_magic.hot.rng import generators_at
 from nan_magic.hot.stats import iter_tensors, values_to_read
@@ -45,7 +48,7 @@ from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.root_calls import RootCall
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
 
-__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step"]
+__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step", "step_alone"]
 
 
 @dataclass
@@ -59,10 +62,16 @@ class FailingStep:
     optimizers: tuple[torch.optim.Optimizer, ...]
     #: The watch's hooks ignore what the trial runs (call_replay.standing_aside).
     standing_aside: Callable[[], contextlib.AbstractContextManager[None]]
-    #: (factor on the gradient the backward starts from, divisor of the parameter gradients before the step).
+    #: (the GradScaler scale the backward replays at, the scale the held output gradient carries).
     grad_scale: tuple[float, float] = (1.0, 1.0)
     #: The parameters the replay starts from by name (fixes/diverged.py), instead of the module's own.
     parameters: dict[str, torch.Tensor] | None = None
+    #: The recorded loss code (loss.py), or why there is none.
+    loss_code: LossCode | str | None = None
+    #: The samples of the batch the replay keeps (skip-batch): the loss code's targets keep the same rows.
+    rows: torch.Tensor | None = None
+    #: The GradScalers the watch saw (the ``scale`` fix's edit is at the line that built one).
+    scalers: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -81,6 +90,9 @@ class StepOutcome:
     seconds: float = 0.0
     #: Whether an optimizer step was replayed (no optimizer of the model was seen stepping).
     stepped: bool = False
+    #: Where the loss came from (``"model"``, ``"loss code"``, ``"last loss code"``), or why none was computed.
+    loss_from: str | None = None
+    no_loss: str | None = None
 
 
 def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> StepOutcome:
@@ -111,7 +123,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
             if mode is not None:
                 outcome.applied = mode.applied
-            _judge(outcome, output, root, list(parameters.values()), optimizers, step.grad_scale)
+            _judge(outcome, output, step, list(parameters.values()), optimizers)
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = "raised"
             outcome.error = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
@@ -173,18 +185,20 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
         return torch.func.functional_call(target, parameters, tuple(args), kwargs)
 
 
-def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[torch.Tensor],
-           optimizers: list[torch.optim.Optimizer], grad_scale: tuple[float, float]) -> None:
+def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
+           optimizers: list[torch.optim.Optimizer]) -> None:
     tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
-    losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
-    if len(losses) == 1:
-        outcome.loss = float(losses[0].detach())
     if not all(_finite(tensor) for tensor in outcome.outputs.values()):
         outcome.failed = "forward"
         return
-    starts = [(tensor, grad * grad_scale[0]) for tensor, grad in
-              _backward_starts(tensors, root, losses[0] if len(losses) == 1 else None)]
+    loss = _loss(outcome, tensors, step)
+    if loss is not None and not _finite(loss):
+        outcome.failed = "loss"
+        return
+    scale, carried = step.grad_scale
+    starts = [(tensor, grad * (scale / carried if start == "held" else scale)) for tensor, grad, start in
+              _backward_starts(tensors, step.root, loss)]
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
     if not starts or not parameters:
         return
@@ -196,9 +210,9 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
     if not optimizers:
         return
     for parameter, grad in zip(parameters, grads):
-        parameter.grad = None if grad is None else grad / grad_scale[1]
+        parameter.grad = None if grad is None else grad / scale
     for optimizer in optimizers:
-        optimizer.step()
+        step_alone(optimizer)
     outcome.stepped = True
     state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
@@ -206,21 +220,52 @@ def _judge(outcome: StepOutcome, output: Any, root: RootCall, parameters: list[t
         outcome.failed = "optimizer step"
 
 
+def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep) -> torch.Tensor | None:
+    """The step's loss (see the module docstring), its value and origin noted in ``outcome``; None: not computed."""
+    losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
+    loss = None
+    if len(losses) == 1:
+        loss, outcome.loss_from = losses[0], "model"
+    elif isinstance(step.loss_code, LossCode):
+        try:
+            loss = step.loss_code.run(dict(tensors), step.rows)
+            outcome.loss_from = "last loss code" if step.loss_code.last else "loss code"
+        except LossNotComputed as error:
+            outcome.no_loss = str(error)
+    else:
+        outcome.no_loss = step.loss_code
+    if loss is not None:
+        outcome.loss = float(values_to_read(loss).detach())
+    return loss
+
+
+def step_alone(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` of a trial's rebuilt optimizer, without the global step hooks.
+
+    The watch's hook (hot/step_cycle.py) would take the trial's step for the user's: under a process
+    group, the step of a trial run from inside the user's optimizer step settled that step's agreement
+    collective early, and the ranks fell out of step. ``Optimizer`` wraps each class's ``step`` once
+    (``profile_hook_step``); the function it wraps runs the update alone.
+    """
+    step = type(optimizer).step
+    getattr(step, "__wrapped__", step)(optimizer)
+
+
 def _finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, read through a subclass's data (a subclass may refuse reductions)."""
     return bool(torch.isfinite(values_to_read(tensor)).all())
 
 
-def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall,
-                     loss: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(output, gradient)`` pairs the backward starts from (see the module docstring)."""
+def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall, loss: torch.Tensor | None
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """``(output, gradient, "loss" | "held" | "ones")`` the backward starts from (see the module docstring)."""
+    if loss is not None:
+        return [(loss, torch.ones_like(loss), "loss")] if loss.requires_grad else []
     held = held_gradients(root)
     if held:
-        return [(tensor, held[path].to(tensor.dtype)) for path, tensor in tensors
+        return [(tensor, held[path].to(tensor.dtype), "held") for path, tensor in tensors
                 if path in held and tensor.requires_grad]
-    if loss is not None:
-        return [(loss, torch.ones_like(loss))] if loss.requires_grad else []
-    return [(tensor, torch.ones_like(tensor)) for _path, tensor in tensors if tensor.requires_grad]
+    return [(tensor, torch.ones_like(tensor), "ones") for _path, tensor in tensors if tensor.requires_grad]
 
 
 def held_gradients(root: RootCall) -> dict[str, torch.Tensor]:

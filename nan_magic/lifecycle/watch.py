@@ -43,7 +43,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import with_fixes
+from nan_magic.fixes.runner import LossSource, with_fixes
 from nan_magic.hot.call_records import Frame
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.forward import ForwardChecks
@@ -288,7 +288,7 @@ class Watch:
         self.log = StepLog(self.config.max_layers, self.defer)
         # How this mode names an event's op (modes.py): but in ops mode the code between the models' calls (the
         # loss, data code in the loop) is recorded, and the tiered watch replays the failing step.
-        self.localizing: Localizing = localizing(self.config, self, self._nested)
+        self.localizing: Localizing = localizing(self.config, self, self._nested, self.targets.optimizers)
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
@@ -403,10 +403,9 @@ class Watch:
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
         """An event's replay (a bad batch's samples fetched again in any mode, else the tiered step replay),
         with the remedies tried on the step it replayed (fixes/)."""
-        replays = self.replays
+        replays, replayed = self.replays, None
         if replays is not None:
             replays.replayed = None
-        replayed = None
         if finding.phase == Phase.DATA and finding.op is None:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
@@ -416,8 +415,9 @@ class Watch:
         report, producer = replayed
         if not self.config.fixes or report.benign or self.outcome.report is not None:
             return replayed  # trials for the first real event only (warn/log mode goes on after it)
+        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.defer)
         return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
-                          self.call_replay.standing_aside), producer
+                          self.call_replay.standing_aside, loss), producer
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""

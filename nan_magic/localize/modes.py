@@ -19,7 +19,7 @@ place tests which mode it is in for them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 from nan_magic.hot.optim_reports import ReplayStep
@@ -80,9 +80,12 @@ class Localizing:
 class Recording(Localizing):
     """The modes that record the code between the model calls, to run its ops again at an event."""
 
-    def __init__(self, kinds: frozenset[str]) -> None:
-        super().__init__(kinds)
-        self.recorder = self._recording = OutsideRecorder(kinds)
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object]) -> None:
+        super().__init__(config.kinds)
+        # keep_last_good: the last step's loss code is kept for a fix trial at the next forward event; with an
+        # optimizer given, a step's loss code is held until its step (fixes/loss.py).
+        self.recorder = self._recording = OutsideRecorder(config.kinds, config.keep_last_good is not None,
+                                                          bool(optimizers))
 
     def enter(self, resume: bool, defer: bool) -> None:
         if defer:
@@ -101,15 +104,16 @@ class Recording(Localizing):
         self._recording.stop()
 
     def forget(self) -> None:
-        self._recording.forget()
+        self._recording.forget(last=True)
 
 
 class Tiered(Recording):
     """Boundaries only; the failing step replayed at an event."""
 
-    def __init__(self, kinds: frozenset[str], replay: bool, watch: ReplayHost, nested: NestedWatch) -> None:
-        super().__init__(kinds)
-        self.replays = StepReplays(watch, nested) if replay else None
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object], watch: ReplayHost,
+                 nested: NestedWatch) -> None:
+        super().__init__(config, optimizers)
+        self.replays = StepReplays(watch, nested) if config.replay else None
 
     def forget(self) -> None:
         super().forget()
@@ -120,9 +124,9 @@ class Tiered(Recording):
 class PerCall(Recording):
     """Every module call checked; the producer's call replayed."""
 
-    def __init__(self, kinds: frozenset[str], replay: bool) -> None:
-        super().__init__(kinds)
-        self.replays_calls = replay
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object]) -> None:
+        super().__init__(config, optimizers)
+        self.replays_calls = config.replay
 
 
 class Traced(Localizing):
@@ -144,10 +148,12 @@ class Traced(Localizing):
         stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint))
 
 
-def localizing(config: WatchConfig, watch: ReplayHost, nested: NestedWatch) -> Localizing:
-    """The mode ``config`` asks for."""
+def localizing(
+    config: WatchConfig, watch: ReplayHost, nested: NestedWatch, optimizers: Sequence[object]
+) -> Localizing:
+    """The mode ``config`` asks for (``optimizers``: those given to the watch)."""
     if config.ops:
         return Traced(config.kinds)
     if config.tiered:
-        return Tiered(config.kinds, config.replay, watch, nested)
-    return PerCall(config.kinds, config.replay)
+        return Tiered(config, optimizers, watch, nested)
+    return PerCall(config, optimizers)

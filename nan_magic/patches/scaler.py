@@ -14,21 +14,34 @@ is for backward_patch.py. The wrappers call the originals unchanged:
 * ``step(optimizer)`` tells it, after the original returned, whether the
   optimizer stepped: the watch counts optimizer step calls (its global
   step hook), and a ``step`` that made none is a skipped step.
+
+The line that built each scaler is noted once (:func:`scaler_source`), for
+the ``scale`` fix's edit (fixes/scale.py): ``__init__`` is wrapped too, so a
+scaler built while a watch is active names its own line; one built before
+is looked up when ``scale`` first sees it, as the line of the calling code's
+file that assigns the scaler's name from a ``GradScaler(...)`` call.
 """
 
 from __future__ import annotations
 
+import linecache
+import re
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
 
+from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.patches.registry import ProcessPatch, Wrap
+from nan_magic.records import SourcePointer
 
-__all__ = ["ScalerCallbacks", "watch_scalers"]
+__all__ = ["ScalerCallbacks", "scaler_source", "watch_scalers"]
 
 
 @dataclass(frozen=True)
@@ -58,9 +71,61 @@ def _scaler_classes() -> list[type]:
     return found
 
 
+# id(scaler) -> (the scaler, weakly; the line that built it, or None where none was found): noted once a scaler.
+_built_at: dict[int, tuple[weakref.ref[Any], SourcePointer | None]] = {}
+
+
+def _note(scaler: Any, source: SourcePointer | None) -> None:
+    key = id(scaler)
+    _built_at[key] = (weakref.ref(scaler, lambda _ref: _built_at.pop(key, None)), source)
+
+
+def scaler_source(scaler: Any) -> SourcePointer | None:
+    """The line that built ``scaler``, where a watch saw it built or found it when it was first used."""
+    entry = _built_at.get(id(scaler))
+    return entry[1] if entry is not None and entry[0]() is scaler else None
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    return frame
+
+
+def _assignment(scaler: Any, frame: FrameType | None) -> SourcePointer | None:
+    """The line of ``frame``'s file that assigns a name bound to ``scaler`` from a ``GradScaler(...)`` call: the
+    last such line above the frame's, else the first below it; None where the file has none."""
+    frame = _user_frame(frame)
+    if frame is None:
+        return None
+    names = {name for name, value in {**frame.f_globals, **frame.f_locals}.items() if value is scaler}
+    if not names:
+        return None
+    built = re.compile(rf"^\s*(?:{'|'.join(map(re.escape, sorted(names)))})\s*(?::[^=]*)?=.*GradScaler\s*\(")
+    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)
+    found = [number for number, line in enumerate(lines, 1) if built.match(line)]
+    above = [number for number in found if number < frame.f_lineno]
+    if not found:
+        return None
+    return pointer(frame, above[-1] if above else found[0])
+
+
+def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        __tracebackhide__ = True
+        original(self, *args, **kwargs)
+        # A subclass's __init__ calling super().__init__ returns last: its caller's line stays.
+        frame = _user_frame(sys._getframe(1))
+        _note(self, pointer(frame) if frame is not None else None)
+
+    return __init__
+
+
 def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     def scale(self: Any, outputs: Any) -> Any:
         __tracebackhide__ = True
+        if id(self) not in _built_at:  # first seen (built before any watch): once a scaler
+            _note(self, _assignment(self, sys._getframe(1)))
         for callbacks in list(_callbacks):
             callbacks.on_scale(self)
         return original(self, outputs)
@@ -89,8 +154,8 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _plan() -> list[tuple[type, str, Wrap]]:
-    """Each scaler class's own ``scale`` and ``step`` (a subclass that inherits them shares the base's)."""
-    wraps = (("scale", _wrap_scale), ("step", _wrap_step))
+    """Each scaler class's own ``__init__``, ``scale`` and ``step`` (a subclass that inherits one shares the base's)."""
+    wraps = (("__init__", _wrap_init), ("scale", _wrap_scale), ("step", _wrap_step))
     return [(cls, name, wrap) for cls in _scaler_classes() for name, wrap in wraps if name in vars(cls)]
 
 

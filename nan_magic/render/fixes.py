@@ -79,12 +79,17 @@ def _outcome(trial: FixTrial) -> str:
         return f"still non-finite ({trial.failed or 'the step'})"
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
-        parts.append(f"loss {fmt(trial.loss)}")
+        last = " (the last step's loss code and targets on this step's outputs)"
+        parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
         parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
     if trial.output_change is not None:
         parts.append(f"output changed by at most {fmt(trial.output_change)}")
+    if trial.fact("moved_all"):
+        what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
+        parts.append(f"but every {what} and was replaced: the output no longer depends on it (the NaN is hidden, "
+                     "not fixed: look at why every value is there)")
     if not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
     return ", ".join(parts)
@@ -127,8 +132,11 @@ def suggested_edit(trial: FixTrial) -> str | None:
     if trial.kind == "scale":
         if trial.fact("new_scale") is None:
             return None
-        return (f"GradScaler(..., init_scale={_power_of_two(trial.fact('new_scale'))})  (where the scaler is "
-                f"built; its scale grows back by itself)")
+        scale = _power_of_two(trial.fact("new_scale"))
+        built = _scaler_line(trial.fact("scaler_line"), scale)
+        if built is not None:
+            return f"{name_location(trial.fact('scaler_file'), trial.fact('scaler_lineno'))}: {built}"
+        return f"GradScaler(..., init_scale={scale})  (where the scaler is built; its scale grows back by itself)"
     if trial.kind == "skip-batch":
         return "keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]  (x the batch, y its targets)"
     source = trial.source
@@ -146,6 +154,29 @@ def suggested_edit(trial: FixTrial) -> str | None:
     if trial.kind == "float32" and regions:
         code = f"with torch.autocast({regions[0]!r}, enabled=False): {code}"
     return f"{name_location(source.filename, source.lineno)}: {code}"
+
+
+def _scaler_line(line: str | None, scale: str) -> str | None:
+    """The line that built the GradScaler with its initial scale ``scale`` (replacing the one it had, if any)."""
+    try:
+        tree = ast.parse((line or "").strip())
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not ast.unparse(node.func).endswith("GradScaler"):
+            continue
+        value = ast.Name("INIT_SCALE")  # written as the scale's power of two after unparse
+        given = next((keyword for keyword in node.keywords if keyword.arg == "init_scale"), None)
+        # Positionally: torch.amp.GradScaler(device, init_scale, ...), torch.cuda.amp.GradScaler(init_scale, ...).
+        position = 0 if "cuda" in ast.unparse(node.func) else 1
+        if given is not None:
+            given.value = value
+        elif len(node.args) > position:
+            node.args[position] = value
+        else:
+            node.keywords.append(ast.keyword("init_scale", value))
+        return ast.unparse(tree).replace("INIT_SCALE", scale)
+    return None
 
 
 class _Edit(ast.NodeTransformer):

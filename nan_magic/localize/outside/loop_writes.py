@@ -56,8 +56,9 @@ from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors
 from nan_magic.localize.ops.sources import _is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.recorded_ops import RecordedOp
-from nan_magic.localize.outside.recorder import KEEP_TOTAL, OutsideRecorder
+from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.records import Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
@@ -350,7 +351,7 @@ class _UpdateRecorder(OutsideRecorder):
     kept under the parameter and under the tensor written (``p.data``), where
     that is not a recorded op's output (``p.detach()``, which the replay makes
     again from the parameter's copy). Up to
-    :data:`~nan_magic.localize.outside.recorder.KEEP_TOTAL` bytes a region; only a
+    :data:`~nan_magic.localize.outside.held.KEEP_TOTAL` bytes a region; only a
     loop that writes parameters pays for it.
 
     :meth:`watch` starts a region that is only watched until it writes a
@@ -375,8 +376,8 @@ class _UpdateRecorder(OutsideRecorder):
         self.start("update")
         self.watching = self.pushed
 
-    def forget(self) -> None:
-        super().forget()
+    def forget(self, last: bool = False) -> None:
+        super().forget(last)
         self._copied = 0
         self._ring.clear()
 

@@ -17,10 +17,12 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
+from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "op_source", "record_key",
-           "rerun_op", "weak_record"]
+           "rerun_op", "swapped",
+           "weak_record"]
 
 
 class RecordedOp(NamedTuple):
@@ -99,16 +101,17 @@ def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor]) -> None:
 
 
 def copies_from_outside(
-    ops: list[RecordedOp], before: dict[int, torch.Tensor] | None = None
+    ops: list[RecordedOp], before: dict[int, torch.Tensor] | None = None, given: dict[int, torch.Tensor] | None = None
 ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
     """Copies of the tensors the ops read that no earlier op returned, and those of them that require grad.
 
     A replayed in-place op leaves the originals alone; a copy of a tensor
     that required gradients (a model output) requires them too, for a
     replay of the backward. ``before``: values copied before an op wrote them in place (outside/loop_writes.py).
+    ``given``: tensors that stand for some of them, by recorded id, taken as they are (a fix trial's outputs).
     """
     made: set[int] = set()
-    copies: dict[int, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = dict(given or {})
     requiring: list[torch.Tensor] = []
     with torch.no_grad():
         for op in ops:
@@ -123,6 +126,27 @@ def copies_from_outside(
             made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
     return copies, requiring
 
+
+def swapped(swap: Any, value: Any) -> Any:
+    """:func:`~nan_magic.localize.replay.module_run.map_tensors` for what a dispatched op takes and returns, faster.
+
+    Those are tensors, numbers and flat lists or tuples of them: a list or
+    tuple holding no tensor is kept as it is, without a copy.
+    """
+    kind = type(value)
+    if kind is torch.Tensor:
+        return swap(value)
+    if kind is tuple or kind is list:
+        if any(type(item) is torch.Tensor for item in value):
+            return kind([swap(item) if type(item) is torch.Tensor else swapped(swap, item) for item in value])
+        if all(type(item) in _FLAT for item in value):
+            return value
+    return map_tensors(swap, value)
+
+
+#: Argument types that hold no tensor (``swapped`` keeps a list of them as it is).
+_FLAT = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                   torch.memory_format})
 
 def op_source(op: RecordedOp) -> SourcePointer | None:
     return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None

@@ -61,16 +61,16 @@ from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL, bytes_held, held_bytes, still_running, weakened
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
     WeakRecord,
     copies_from_outside,
     op_source,
+    record_key,
     rerun_op,
-    weak_record,
 )
-from nan_magic.localize.replay.module_run import map_tensors
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
@@ -80,52 +80,8 @@ DATA_BUDGET = 64
 LOSS_BUDGET = 512
 #: Ops a step recorded between ``backward()`` and the next optimizer step or model call (outside/loop_writes.py).
 UPDATE_BUDGET = 256
-#: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
-#: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
-#: model's logits) are held weakly, freed as they would be unwatched.
-KEEP_BYTES = 1 << 20
-KEEP_TOTAL = 8 << 20
 # The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
 _INERT = -1
-
-
-def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """``(storage key, bytes)`` of what holding ``tensor`` keeps alive (a view keeps its whole base), or None."""
-    try:
-        storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested, a subclass)
-        return None
-
-
-def _running(frames: set[FrameType]) -> set[FrameType]:
-    """Those of ``frames`` still running in this thread (a walk up the stack, one call per frame found)."""
-    running = set()
-    frame: FrameType | None = sys._getframe()
-    while frame is not None:
-        if frame in frames:
-            running.add(frame)
-        frame = frame.f_back
-    return running
-
-
-def _bytes_held(tensor: torch.Tensor) -> int:
-    """:func:`_held_bytes` of a plain dense tensor, with no call: its base's size (a view keeps its whole base).
-
-    The recorder counts this for every tensor of every op it records; a tensor with no storage of its
-    own is never a plain ``torch.Tensor``, and a storage larger than its base (``set_``) is rare enough to
-    be under-counted here: :meth:`OutsideRecorder.weaken` measures storages when the total is large.
-    """
-    base = tensor._base
-    size = (tensor if base is None else base).nbytes
-    return KEEP_TOTAL + 1 if size > KEEP_BYTES else size
-
-
-def _held_bytes(tensor: torch.Tensor) -> int:
-    """What holding ``tensor`` keeps alive, as :meth:`OutsideRecorder.weaken`'s shortcut counts it: a large
-    one (or one with no storage of its own) past :data:`KEEP_TOTAL` by itself, so that it is held weakly."""
-    size = _storage_bytes(tensor)
-    return KEEP_TOTAL + 1 if size is None or size[1] > KEEP_BYTES else size[1]
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -156,9 +112,15 @@ class OutsideRecorder(TorchDispatchMode):
         """
         return True
 
-    def __init__(self, kinds: frozenset[str]) -> None:
+    def __init__(self, kinds: frozenset[str], keep_last: bool = False, stepped: bool = False) -> None:
         super().__init__()
         self.kinds = kinds
+        #: Whether :meth:`forget` keeps the last step's loss code (``keep_last_good``: see :meth:`loss_code`).
+        self.keep_last = keep_last
+        #: Whether an optimizer step follows backward: the default mode's gradient check runs there, and a fix
+        #: trial at it runs the step's loss code, which :meth:`forget` then holds as recorded until that step.
+        self.stepped = stepped
+        self._raw = False
         # Values copied before an op wrote them in place, where a replay must start (outside/loop_writes.py fills it).
         self.before: dict[int, torch.Tensor] = {}
         self.pushed = False
@@ -170,6 +132,8 @@ class OutsideRecorder(TorchDispatchMode):
         self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
+        # The last loss region's records, kept by forget(): (ops, produced, rng).
+        self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         # Bytes of the storages the records hold (over-counted: a storage seen twice counts twice), a large
         # one counting past KEEP_TOTAL on its own: while within it, weaken() has nothing to let go.
         self._held_bytes = 0
@@ -218,8 +182,24 @@ class OutsideRecorder(TorchDispatchMode):
             _push_mode(self)
             self.pushed = True
 
-    def forget(self) -> None:
-        """Drop the records (and the references they hold)."""
+    def forget(self, last: bool = False) -> None:
+        """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
+
+        A loss region's records (its backward ended, or its optimizer step began) are kept instead as the last
+        step's (:meth:`loss_code`): with :attr:`stepped`, as recorded until the optimizer step begins; with
+        :attr:`keep_last`, each a detached copy's or weak (nothing of the step's graph stays) until the next
+        step's replace them, for a fix trial at the next step's forward event, which its loss code follows.
+        """
+        if last:
+            self._last = None
+        elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
+            if self.keep_last:
+                self.weaken(detach=True)
+            self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
+            self._ops, self._produced = [], {}
+            self._frames.clear()
+        elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go
+            self._last, self._raw = None, False
         if self._ops:  # (forgetting happens several times a step, mostly with nothing recorded)
             self._ops.clear()
             self._frames.clear()
@@ -230,8 +210,9 @@ class OutsideRecorder(TorchDispatchMode):
         if self.before:
             self.before.clear()
 
-    def weaken(self) -> None:
-        """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward.
+    def weaken(self, detach: bool = False) -> None:
+        """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:
+        small ones as detached copies too, as the last step's records are kept past it: forget).
 
         What autograd saved for that backward stays reachable until its node
         has run; the rest of a large tensor (a model's logits, a
@@ -244,35 +225,10 @@ class OutsideRecorder(TorchDispatchMode):
         so the records stay as they are (no copy of every op); only the frames
         of functions that returned are let go.
         """
-        if self._held_bytes <= KEEP_TOTAL:
+        if self._held_bytes <= KEEP_TOTAL and not detach:
             self._let_go_of_returned_frames()
             return
-        kept: set[int] = set()  # storages held, each counted once
-        total = 0
-        made: dict[int, WeakRecord] = {}  # one record per tensor: an op's output is often the next op's input
-
-        def weak_unless_small(value: torch.Tensor) -> Any:
-            weak = made.get(id(value))
-            if weak is None:
-                weak = made[id(value)] = weaken_one(value)
-            return weak
-
-        def weaken_one(value: torch.Tensor) -> WeakRecord:
-            nonlocal total
-            size = _storage_bytes(value)
-            if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
-                if size[0] not in kept:
-                    kept.add(size[0])
-                    total += size[1]
-                return weak_record(value, keep=True)
-            return weak_record(value)
-
-        self._ops = [
-            op._replace(args=_swapped(weak_unless_small, op.args),
-                        kwargs=_swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
-                        out=_swapped(weak_unless_small, op.out))
-            for op in self._ops
-        ]
+        self._ops = weakened(self._ops)
         self._let_go_of_returned_frames()  # holding a running one costs nothing
 
     def _let_go_of_returned_frames(self) -> None:
@@ -280,7 +236,7 @@ class OutsideRecorder(TorchDispatchMode):
         held = {frame for frame in self._frames if frame is not None}
         if not held:
             return
-        running = _running(held)
+        running = still_running(held)
         if len(running) == len(held):  # the usual loss: written in the loop's own frame, still running
             return
         self._frames = [frame if frame in running else None for frame in self._frames]
@@ -352,18 +308,18 @@ class OutsideRecorder(TorchDispatchMode):
             for tensor in out if flat else tree_leaves(out):  # (max and its index: a flat tuple, no pytree walk)
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
-                    self._held_bytes += _held_bytes(tensor)
+                    self._held_bytes += held_bytes(tensor)
         # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
         # counts again.
         for value in args:
             if type(value) is torch.Tensor:
-                self._held_bytes += _bytes_held(value)
+                self._held_bytes += bytes_held(value)
             elif type(value) is list or type(value) is tuple:
-                self._held_bytes += sum(_held_bytes(item) for item in value if type(item) is torch.Tensor)
+                self._held_bytes += sum(held_bytes(item) for item in value if type(item) is torch.Tensor)
         if kwargs:
             for value in kwargs.values():
                 if isinstance(value, torch.Tensor):
-                    self._held_bytes += _held_bytes(value)
+                    self._held_bytes += held_bytes(value)
         return out
 
     def recorded(self) -> int:
@@ -480,6 +436,18 @@ class OutsideRecorder(TorchDispatchMode):
             return None
         return tracer.finding
 
+    def loss_code(self, key: int, last: bool) -> tuple[list[RecordedOp], RngState | None] | None:
+        """The recorded ops up to the one that returned the tensor ``backward()`` started from (``key``, its id
+        then), and the generators' state the region's first random op found; None where no recorded op returned
+        it. ``last``: of the last loss region :meth:`forget` kept, not of the region recording now.
+        """
+        ops, produced, rng = (self._last or ([], {}, None)) if last else (self._ops, self._produced, self._rng)
+        index = produced.get(key)
+        # A tensor held strongly is alive, so its id is still its own; a weak record keeps the id it had.
+        if index is None or not any(record_key(out) == key for out in tree_leaves(ops[index].out)):
+            return None
+        return ops[: index + 1], rng
+
     def _generators_as_recorded(self) -> contextlib.AbstractContextManager[None]:
         """The generators as the region's first random op found them (the same draws); the user's put back."""
         return generators_at(self._rng)
@@ -502,27 +470,6 @@ class OutsideRecorder(TorchDispatchMode):
         if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(self._ops[index].out)):
             return None
         return self._ops[: index + 1]
-
-def _swapped(swap: Any, value: Any) -> Any:
-    """:func:`~nan_magic.localize.replay.module_run.map_tensors` for what a dispatched op takes and returns, faster.
-
-    Those are tensors, numbers and flat lists or tuples of them: a list or
-    tuple holding no tensor is kept as it is, without a copy.
-    """
-    kind = type(value)
-    if kind is torch.Tensor:
-        return swap(value)
-    if kind is tuple or kind is list:
-        if any(type(item) is torch.Tensor for item in value):
-            return kind([swap(item) if type(item) is torch.Tensor else _swapped(swap, item) for item in value])
-        if all(type(item) in _FLAT for item in value):
-            return value
-    return map_tensors(swap, value)
-
-
-#: Argument types that hold no tensor (``_swapped`` keeps a list of them as it is).
-_FLAT = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
-                   torch.memory_format})
 
 _SEEDED: dict[Any, bool] = {}
 

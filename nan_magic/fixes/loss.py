@@ -1,0 +1,181 @@
+"""The trial's loss: the step's recorded loss code run again on the remedied model's outputs.
+
+The loss code runs outside the model (``loss = F.cross_entropy(model(x), y)``).
+The watch records its ops (localize/outside/recorder.py): references to their
+arguments, the user's line. A fix trial reruns the ops that led to the tensor
+``backward()`` started from, with the model's outputs swapped for the
+trial's and copies of everything else they read (the targets), so the
+replayed step is forward, loss, backward and optimizer step, and "finite end
+to end" covers the loss. A ``scaler.scale(loss)`` at the end is left out: the
+trial reports the loss itself, and scales its gradient as its step does.
+
+Which step's loss code: the failing step's, where it ran before the event (a
+backward or optimizer event, and every event of the deferred check, which
+judges the step at its optimizer step). A forward event in the default mode
+stops the step before its loss code runs: the last step's is used, with what
+that step's code read besides the model's outputs (its targets), where the
+recorder kept it (with ``keep_last_good``: keeping it costs a copy of its
+records each step, and that option's step already pays more). Its model
+outputs are known by the records of the call (this step) or, for the last
+step, as the inputs that required gradients and are no parameter, where there
+is exactly one; otherwise the trial says why no loss was computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from nan_magic.hot.rng import RngState, generators_at
+from nan_magic.localize.outside.recorded_ops import (
+    Gone,
+    RecordedOp,
+    WeakRecord,
+    copies_from_outside,
+    record_key,
+    rerun_op,
+)
+from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.replay.root_calls import RootCall
+
+__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code"]
+
+
+class LossNotComputed(Exception):
+    """The recorded loss code could not be run on the trial's outputs (the message says why)."""
+
+
+@dataclass(frozen=True)
+class LossSource:
+    """What the watch holds of the loss code: its recorder, the id of the tensor the last ``backward()`` started
+    from, the GradScalers seen, and whether events are judged at the deferred check."""
+
+    recorder: OutsideRecorder | None
+    key: int | None
+    scalers: Iterable[object]
+    defer: bool
+
+
+@dataclass(frozen=True)
+class LossCode:
+    """The recorded ops that made the loss, ready to run on a trial's outputs."""
+
+    ops: list[RecordedOp]
+    #: The id the loss had when recorded (its op's output).
+    key: int
+    #: The recorded id of each model output the ops read -> its path in the call's output (``output[0]``).
+    outputs: dict[int, str]
+    rng: RngState | None
+    #: Whether these are the last step's ops (a forward event stopped the failing step before its loss code).
+    last: bool
+
+    def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of ``outputs`` (by path, with their graph); ``rows``: the samples kept (skip-batch), which the
+        targets lose too. Raises :class:`LossNotComputed`."""
+        given = {key: outputs[path] for key, path in self.outputs.items() if path in outputs}
+        if len(given) != len(self.outputs):
+            raise LossNotComputed("the replayed model returned other outputs than the loss code read")
+        try:
+            copies, _requiring = copies_from_outside(self.ops, given=given)
+            if rows is not None:
+                size = rows.shape[0]
+                for key, tensor in list(copies.items()):
+                    if key not in given and tensor.dim() > 0 and tensor.shape[0] == size:
+                        copies[key] = tensor[rows.to(tensor.device)]
+            with torch.enable_grad(), generators_at(self.rng):
+                for op in self.ops:
+                    rerun_op(op, copies)
+        except Gone:
+            raise LossNotComputed("a tensor the loss code read was freed (only small ones are kept past "
+                                  "backward())") from None
+        except Exception as error:  # an op of the user's code refusing the remedied outputs (another shape)
+            raise LossNotComputed(f"the loss code raised {type(error).__name__} on the replayed outputs") from error
+        loss = copies[self.key]
+        if loss.numel() != 1 or not loss.is_floating_point():
+            raise LossNotComputed("backward() started from a tensor that is not a scalar loss")
+        return loss
+
+
+def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode | str:
+    """The loss code a trial of ``root``'s step runs, or why there is none.
+
+    ``before_loss``: the event came before the step's loss code ran (a forward or data event, not deferred).
+    """
+    recorder = source.recorder
+    if recorder is None:
+        return "ops mode traces the loss code as it runs, and keeps no record of it to run again"
+    if "loss" in recorder.untraced:
+        return "the loss code ran more ops a step than the watch records"
+    last = before_loss and not source.defer
+    if source.key is None:
+        if last:
+            return "the forward failed before this step's loss code ran, and no earlier step ran backward() watched"
+        return "the backward did not start at Tensor.backward(), so its loss is not known"
+    # The default mode lets the step's records go as its backward pass ends (kept as the last step's): a backward
+    # event's trials, run after that, find them there.
+    found = recorder.loss_code(source.key, last) or (recorder.loss_code(source.key, True) if not last else None)
+    if found is None:
+        if last and not recorder.keep_last:
+            return ("the forward failed before this step's loss code ran, and the last step's is kept only with "
+                    "keep_last_good")
+        if last:
+            return ("the forward failed before this step's loss code ran, and the last step's loss was not made by "
+                    "the code recorded after its model call")
+        return "the tensor backward() started from was not made by the code recorded after the model call"
+    ops, rng = found
+    ops, key = _unscaled(ops, source.key, {id(scale) for scaler in source.scalers
+                                           if isinstance(scale := getattr(scaler, "_scale", None), torch.Tensor)})
+    outputs = _model_outputs(ops, root, last)
+    if isinstance(outputs, str):
+        return outputs
+    return LossCode(ops, key, outputs, rng, last)
+
+
+def _unscaled(ops: list[RecordedOp], key: int, scales: set[int]) -> tuple[list[RecordedOp], int]:
+    """The ops and key of the loss before ``scaler.scale(loss)`` (a mul by a GradScaler's scale tensor), if last."""
+    op = ops[-1]
+    if op.func is torch.ops.aten.mul.Tensor and len(op.args) == 2:
+        first, second = (record_key(value) for value in op.args)
+        if second in scales and first is not None:
+            return ops[:-1], first
+    return ops, key
+
+
+def _outside(ops: list[RecordedOp]) -> dict[int, object]:
+    """The recorded values the ops read that no earlier op returned, by their recorded id, in order."""
+    made: set[int] = set()
+    found: dict[int, object] = {}
+    for op in ops:
+        for value in tree_leaves((op.args, op.kwargs)):
+            key = record_key(value)
+            if key is not None and key not in made:
+                found.setdefault(key, value)
+        made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
+    return found
+
+
+def _model_outputs(ops: list[RecordedOp], root: RootCall, last: bool) -> dict[int, str] | str:
+    """The recorded id of each output of ``root``'s call that the ops read -> its path; or why none is known."""
+    inputs = _outside(ops)
+    records = root.call.outputs if root.call is not None and not last else []
+    outputs: dict[int, str] = {}
+    for record in records:
+        for key, value in inputs.items():
+            # A weak record shares the call record's weak reference (CPython keeps one per tensor), alive or not.
+            if (record.ref is value.ref) if isinstance(value, WeakRecord) else (record.ref() is value):
+                outputs[key] = str(record.path)
+    if outputs:
+        return outputs
+    if not last:
+        return "the loss code read no output of the model call the trial replays"
+    parameters = {id(parameter) for parameter in root.module.parameters()}
+    grads = [key for key, value in inputs.items()
+             if getattr(value, "requires_grad", False) and key not in parameters]
+    paths = [str(record.path) for record in root.call.outputs] if root.call is not None else []
+    if len(grads) != 1 or len(paths) != 1:
+        return (f"the last step's loss code read {len(grads)} tensors that required gradients, and the model call "
+                f"returned {len(paths)}: which output each was is not known")
+    return {grads[0]: paths[0]}

@@ -1,0 +1,97 @@
+"""What the loss-code recorder's records hold alive, and how they let go of it when ``backward()`` starts.
+
+The recorder (recorder.py) keeps references, not copies: until ``backward()``
+starts, the loss code's values stay alive as autograd would keep most of them
+anyway. From then on a large tensor (a language model's logits) is held only
+weakly, so it is freed when it would be unwatched; small ones stay for a
+backward replay of a short loss. The sizes are counted as ops are recorded,
+so the usual step, which holds small tensors only, rebuilds nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+
+from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, swapped, weak_record
+
+__all__ = ["KEEP_BYTES", "KEEP_TOTAL", "bytes_held", "held_bytes", "still_running", "storage_bytes", "weakened"]
+
+#: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
+#: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
+#: model's logits) are held weakly, freed as they would be unwatched.
+KEEP_BYTES = 1 << 20
+KEEP_TOTAL = 8 << 20
+
+
+def storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``(storage key, bytes)`` of what holding ``tensor`` keeps alive (a view keeps its whole base), or None."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested, a subclass)
+        return None
+
+
+def still_running(frames: set[FrameType]) -> set[FrameType]:
+    """Those of ``frames`` still running in this thread (a walk up the stack, one call per frame found)."""
+    running = set()
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        if frame in frames:
+            running.add(frame)
+        frame = frame.f_back
+    return running
+
+
+def bytes_held(tensor: torch.Tensor) -> int:
+    """:func:`held_bytes` of a plain dense tensor, with no call: its base's size (a view keeps its whole base).
+
+    The recorder counts this for every tensor of every op it records; a tensor with no storage of its
+    own is never a plain ``torch.Tensor``, and a storage larger than its base (``set_``) is rare enough to
+    be under-counted here: :meth:`OutsideRecorder.weaken` measures storages when the total is large.
+    """
+    base = tensor._base
+    size = (tensor if base is None else base).nbytes
+    return KEEP_TOTAL + 1 if size > KEEP_BYTES else size
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """What holding ``tensor`` keeps alive, as :meth:`OutsideRecorder.weaken`'s shortcut counts it: a large
+    one (or one with no storage of its own) past :data:`KEEP_TOTAL` by itself, so that it is held weakly."""
+    size = storage_bytes(tensor)
+    return KEEP_TOTAL + 1 if size is None or size[1] > KEEP_BYTES else size[1]
+
+
+def weakened(ops: list[RecordedOp]) -> list[RecordedOp]:
+    """``ops`` with each tensor they hold made a :class:`WeakRecord`: one that keeps its values where it is small
+    (each storage under :data:`KEEP_BYTES`, all under :data:`KEEP_TOTAL`), a weak reference otherwise."""
+    kept: set[int] = set()  # storages held, each counted once
+    total = 0
+    made: dict[int, WeakRecord] = {}  # one record per tensor: an op's output is often the next op's input
+
+    def weak_unless_small(value: torch.Tensor) -> Any:
+        weak = made.get(id(value))
+        if weak is None:
+            weak = made[id(value)] = weaken_one(value)
+        return weak
+
+    def weaken_one(value: torch.Tensor) -> WeakRecord:
+        nonlocal total
+        size = storage_bytes(value)
+        if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
+            if size[0] not in kept:
+                kept.add(size[0])
+                total += size[1]
+            return weak_record(value, keep=True)
+        return weak_record(value)
+
+    return [
+        op._replace(args=swapped(weak_unless_small, op.args),
+                    kwargs=swapped(weak_unless_small, op.kwargs) if op.kwargs else op.kwargs,
+                    out=swapped(weak_unless_small, op.out))
+        for op in ops
+    ]
