@@ -24,8 +24,8 @@ from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "passed_over",
-           "sources_of_op", "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "is_plumbing",
+           "passed_over", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -66,7 +66,9 @@ def passed_over(code: CodeType) -> bool:
     return entry[1]
 
 
-def _is_plumbing(frame: FrameType) -> bool:
+def is_plumbing(frame: FrameType) -> bool:
+    """Whether ``frame`` is torch's or our machinery between a Python call and a dispatch mode (never a line
+    that asked for an op, nor a library function that ran one)."""
     filename = frame.f_code.co_filename
     return os.path.abspath(filename).startswith(_PLUMBING) or filename.endswith(
         ("contextlib.py", "functools.py")
@@ -157,7 +159,7 @@ def sources_of_op(
     frame: FrameType | None,
 ) -> tuple[SourcePointer | None, SourcePointer | None, FrameType | None]:
     """The user's line that ran the current op, the innermost line below it, and the user's frame."""
-    while frame is not None and _is_plumbing(frame):
+    while frame is not None and is_plumbing(frame):
         frame = frame.f_back
     user = user_frame(frame)
     if frame is None:

@@ -54,7 +54,7 @@ from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import kinds_of, norms, relevant_kinds
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors
-from nan_magic.localize.ops.sources import _is_plumbing
+from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.recorded_ops import RecordedOp
@@ -320,7 +320,7 @@ def _users(frame: FrameType | None) -> FrameType | None:
 def _caller_kind(frame: FrameType) -> int:
     if not is_library_code(frame.f_code) and frame.f_code.co_name not in _HOOKS:
         return _USER
-    return _PLUMBING if _is_plumbing(frame) or frame.f_code.co_name in _HOOKS else _LIBRARY
+    return _PLUMBING if is_plumbing(frame) or frame.f_code.co_name in _HOOKS else _LIBRARY
 
 
 def _lookup(index: _Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
