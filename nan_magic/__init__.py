@@ -13,6 +13,7 @@ from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNon
 from nan_magic.fix_records import install_describer
 from nan_magic.lifecycle.entry import watch
 from nan_magic.lifecycle.watch import Watch
+from nan_magic.note_records import Note, install_writer
 from nan_magic.options import WatchConfig
 from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoints
 from nan_magic.records import (
@@ -121,6 +122,14 @@ def _describe_fix(trial: FixTrial) -> str:
 
 # A FixTrial's description is written by render/fixes.py, imported on first use.
 install_describer(_describe_fix)
+def _write_note(note: Note) -> str:
+    from nan_magic.render.note_words import note_text
+
+    return note_text(note)
+
+
+# A Note's sentence is written by render/note_words.py, imported on first use.
+install_writer(_write_note)
 # A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).
 install_labeler(tensor_label)
 

@@ -17,29 +17,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nan_magic.fix_records import FixTrial
 from nan_magic.locations import SourcePointer
+from nan_magic.note_records import Note
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
 __all__ = [
-    "KINDS",
-    "LOSS",
-    "UNMEASURED",
-    "AbsorbedOp",
-    "Cause",
-    "FixTrial",
-    "LayerCall",
-    "Phase",
-    "Report",
-    "Sample",
-    "SourcePointer",
-    "StepSummary",
-    "TensorRef",
-    "TensorRole",
-    "TensorStats",
-    "module_label",
-    "sample_label",
+    "KINDS", "LOSS", "UNMEASURED", "AbsorbedOp", "Cause", "FixTrial", "LayerCall", "Note",
+    "Phase", "Report", "Sample", "SourcePointer", "StepSummary", "TensorRef", "TensorRole", "TensorStats",
+    "module_label", "sample_label",
 ]
 
 #: The three kinds of non-finite value, in the order reports show them.
@@ -322,7 +309,8 @@ class Report:
     debug_frame: SourcePointer | None = None
     debug_locals: tuple[tuple[str, TensorStats], ...] = ()
     frames: tuple[SourcePointer, ...] = ()
-    notes: tuple[str, ...] = ()
+    #: What the engine found or could not do, as data (:class:`Note`); :attr:`notes` gives their sentences.
+    note_facts: tuple[Note, ...] = ()
     #: ``(reason, count)``: floating tensors the watch could not read and skipped
     #: ("nested", "meta", a dispatching subclass's name), so far in the watch.
     skipped: tuple[tuple[str, int], ...] = ()
@@ -384,6 +372,11 @@ class Report:
         return None
 
     @property
+    def notes(self) -> tuple[str, ...]:
+        """The notes' sentences (written by render/note_words.py), in order."""
+        return tuple(note.text for note in self.note_facts)
+
+    @property
     def where(self) -> str:
         """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``, ``main.0 (Conv2d) in netD``."""
         label = module_label(self.module, self.module_type)
@@ -434,6 +427,7 @@ class Report:
         data = _jsonable(dataclasses.asdict(self))
         if self.cause is not None:  # its sentences too, for a reader of the JSON without nan_magic
             data["cause"].update(hint=self.cause.hint, evidence=list(self.cause.evidence))
+        data["notes"] = list(self.notes)  # the sentences too, as for the cause
         return data
 
     def to_json(self, **kwargs: Any) -> str:

@@ -89,7 +89,8 @@ import torch.distributed as dist
 
 from nan_magic.distributed.ranks import process_group
 from nan_magic.errors.exceptions import NonFiniteError, PeerNonFiniteError
-from nan_magic.records import Phase, Report
+from nan_magic.plain import to_pairs
+from nan_magic.records import Note, Phase, Report
 
 __all__ = ["EXIT_WAIT_S", "Agreement", "Finding"]
 
@@ -444,10 +445,11 @@ def _peer_error(report: Report, own: NonFiniteError | None, rank: int) -> PeerNo
 def _as_seen_here(report: Report, own: NonFiniteError | None, rank: int) -> Report:
     """The producing rank's report, with a note of how the event reached this rank."""
     if own is not None and own.report.phase == Phase.BACKWARD:
-        note = (f"rank {rank} received it through the gradient all-reduce (or FSDP's reduce-scatter) "
-                f"(its own first non-finite value: {own.report.tensor})")
+        note = Note.of("rank-reduced", rank=rank, tensor=to_pairs(own.report.tensor))
     elif own is not None:
-        note = f"rank {rank} also saw a non-finite value: {own.report.message}"
+        seen = own.report
+        note = Note.of("rank-also-saw", rank=rank, nan=seen.nan, posinf=seen.posinf, neginf=seen.neginf,
+                       tensor=to_pairs(seen.tensor), where=seen.where, phase=str(seen.phase), op=seen.op)
     else:
-        note = f"rank {rank} saw no non-finite value of its own at this step"
-    return dataclasses.replace(report, notes=(*report.notes, note))
+        note = Note.of("rank-saw-none", rank=rank)
+    return dataclasses.replace(report, note_facts=(*report.note_facts, note))

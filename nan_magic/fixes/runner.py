@@ -44,7 +44,7 @@ from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, repla
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
 from nan_magic.patches.scaler import scaler_source
-from nan_magic.records import FixTrial, Phase, Report
+from nan_magic.records import FixTrial, Note, Phase, Report
 from nan_magic.scene.last_good import LastGood
 from nan_magic.tensor_refs import op_function
 
@@ -88,10 +88,10 @@ def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.
         trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside, loss)
         return dataclasses.replace(report, fixes=trials)
     except _NeedsRanks as needs:
-        return dataclasses.replace(report, notes=(*report.notes, str(needs)))
+        return dataclasses.replace(report, note_facts=(*report.note_facts, needs.note))
     except Exception as error:  # the trials are a sidecar: they never take the report down
-        note = f"the fix trials failed ({type(error).__name__}: {error}); no remedy was tried"
-        return dataclasses.replace(report, notes=(*report.notes, note))
+        note = Note.of("fixes-failed", error=type(error).__name__, message=str(error))
+        return dataclasses.replace(report, note_facts=(*report.note_facts, note))
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
@@ -121,7 +121,11 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
 
 
 class _NeedsRanks(Exception):
-    """No trial runs: one would need the other ranks of the process group (the message says why)."""
+    """No trial runs: one would need the other ranks of the process group (``note`` says why)."""
+
+    def __init__(self, note: Note) -> None:
+        super().__init__(note.kind)
+        self.note = note
 
 
 #: The namespaces of the ops that communicate across ranks.
@@ -143,18 +147,17 @@ def _alone(module: nn.Module | None, target: nn.Module | None, optimizers: Itera
         return
     why = None
     if module is not None and is_sharded(module):
-        why = "the model is sharded by FSDP (its forward gathers parameters from every rank)"
+        why = Note("ranks-sharded")
     elif target is not None and any(isinstance(sub, nn.SyncBatchNorm) and sub.training for sub in target.modules()):
-        why = "a SyncBatchNorm in training mode syncs its statistics across ranks"
+        why = Note("ranks-sync-batchnorm")
     elif shared := next((type(opt).__name__ for opt in optimizers
                          if type(opt).__module__.startswith("torch.distributed")), None):
-        why = f"the {shared} optimizer communicates across ranks"
+        why = Note.of("ranks-optimizer", optimizer=shared)
     elif isinstance(code, LossCode) and (op := next((op.func for op in code.ops
                                                      if getattr(op.func, "namespace", "") in _COLLECTIVES), None)):
-        why = f"the loss code runs a collective ({op})"
+        why = Note.of("ranks-collective", op=str(op))
     if why is not None:
-        raise _NeedsRanks(f"no fix was tried under a process group of {group[1]} ranks: {why}, and the other "
-                          f"ranks are not replaying")
+        raise _NeedsRanks(Note.of("needs-ranks", ranks=group[1], reason=why.pair))
 
 
 def batch_call(calls: Iterable[RootCall]) -> RootCall | None:

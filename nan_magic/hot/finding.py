@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 import torch
 
 from nan_magic.hot.call_records import Call, TensorRecord
 from nan_magic.hot.rng import RngState
-from nan_magic.records import AbsorbedOp, Cause, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
+from nan_magic.records import AbsorbedOp, Cause, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
 __all__ = ["Finding", "mark_deliberate", "named_inputs", "record_ref"]
 
@@ -54,7 +55,7 @@ class Finding:
     op: str | None = None
     source: SourcePointer | None = None
     cause: Cause | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
     # Where a replay named the op: the module output the check saw, as
     # ``(name, stats, tensor or None)``; ``tensor``/``bad`` are then the op's output.
     module_output: tuple[TensorRef, TensorStats, torch.Tensor | None] | None = None
@@ -79,10 +80,10 @@ class Finding:
             self.model = self.call.info.model
 
 
-def mark_deliberate(finding: Finding, how: str) -> Finding:
-    """Make ``finding`` a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity."""
+def mark_deliberate(finding: Finding, how: str, **facts: Any) -> Finding:
+    """Make ``finding`` a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity, ``facts`` where."""
     finding.benign = True
-    finding.notes.append(f"a deliberate infinity ({how}): benign while what consumes it stays finite")
+    finding.notes.append(Note.of("deliberate", how=how, **facts))
     return finding
 
 

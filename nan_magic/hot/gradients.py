@@ -34,9 +34,9 @@ import torch
 from nan_magic.hot.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.finding import Finding, record_ref
 from nan_magic.hot.hosts import GradientHost, LossCodeReads, OriginFinder
-from nan_magic.hot.loss_region import describe_loss_region, loss_region_nodes
+from nan_magic.hot.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
-from nan_magic.records import LOSS, Phase, TensorRef, TensorRole
+from nan_magic.records import LOSS, Note, Phase, TensorRef, TensorRole
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
 
@@ -62,7 +62,7 @@ class GradientChecks:
         self.loss_key: int | None = None
         # Deferred mode: the loss code's autograd nodes, described before
         # backward frees them (a backward producer there is found after).
-        self.loss_region: str | None = None
+        self.loss_region: Note | None = None
         self.reported_this_pass = False
         self.forget_queued = False
         self.backward_runs = 0
@@ -107,7 +107,7 @@ class GradientChecks:
             watch.outside.weaken()  # for its backward and the deferred check, without keeping what autograd frees
         if watch.defer:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
-            self.loss_region = describe_loss_region(nodes)
+            self.loss_region = loss_region_note(nodes)
             # Backward frees what they saved; the data among it is judged at the check.
             self.loss_data = self._loss_code.saved_leaves(nodes)
 
@@ -144,11 +144,7 @@ class GradientChecks:
             record=record,
             inputs_finite=every_output_finite,
         )
-        finding.notes.append(
-            "every watched module output of this step was finite: code outside the modules (the loss) produced it"
-            if every_output_finite
-            else "some module outputs of this step were already non-finite"
-        )
+        finding.notes.append(Note("outside-made-it" if every_output_finite else "outputs-were-bad"))
         # A loss that was a temporary (``loss_fn(out, y).backward()``) is gone by the deferred check: its
         # records still know it by the id it had.
         self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
@@ -172,10 +168,7 @@ class GradientChecks:
         label, tensor = entered[0]
         given = TensorRef.argument(label)
         finding = Finding(Phase.DATA, None, given, bad=tensor.detach(), inputs_finite=False)
-        finding.notes.append(
-            "every watched module output of this step was finite; this tensor, which no watched code produced, "
-            "entered the code outside the modules (the loss) already non-finite"
-        )
+        finding.notes.append(Note("entered-outside"))
         watch.emit(finding)
         return True
 
@@ -259,12 +252,12 @@ class GradientChecks:
             record=record,
         )
         if call.info is None:
-            finding.notes.append("computed by the backward of code outside every watched module (e.g. the loss)")
+            finding.notes.append(Note("outside-backward"))
             if watch.defer:
                 region = self.loss_region
             else:
                 loss = self.loss_record.ref() if self.loss_record is not None else None
-                region = describe_loss_region(loss_region_nodes(loss, watch.log.last_forward_seq))
+                region = loss_region_note(loss_region_nodes(loss, watch.log.last_forward_seq))
             if region:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.
@@ -276,12 +269,9 @@ class GradientChecks:
                 # step replay tries the model calls before the code outside them is blamed (localize/replay/step.py).
                 finding.unconfirmed_outside = target is not None and _returned_by_a_model(target)
                 if self.origins.tracer is None:
-                    finding.notes.append("watch with ops=True (%%nantrace --ops) for the op and its forward line")
+                    finding.notes.append(Note("ops-for-forward-line"))
         else:
-            finding.notes.append(
-                f"the gradient flowing into {call.info.name or 'the root module'} was finite; "
-                "the gradient its backward computed is not"
-            )
+            finding.notes.append(Note.of("module-backward", module=call.info.name))
             if target is not None and call.consumer is not None and self._replay_backward is not None:
                 self._replay_backward(finding, call.consumer, target)
         self.origins.add_op_origin(finding, tensor)
@@ -296,7 +286,7 @@ def _returned_by_a_model(record: TensorRecord) -> bool:
 
 
 def check_parameter_grads(
-    named: list[tuple[str, torch.Tensor]], context: str, kinds: frozenset[str]
+    named: list[tuple[str, torch.Tensor]], context: Note, kinds: frozenset[str]
 ) -> Finding | None:
     """A finding for the first non-finite ``.grad`` among named parameters.
 

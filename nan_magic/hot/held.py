@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from nan_magic.hot.stats import version_of
+from nan_magic.records import Note
 
 __all__ = ["Classify", "HeldArguments", "Regenerate", "Resolved", "hold_arguments", "running_arguments"]
 
@@ -85,8 +86,8 @@ class HeldArguments(NamedTuple):
     kwargs: dict[str, Any]
     kept: weakref.ref[_Kept] | None = None
 
-    def resolve(self, regenerate: Regenerate | None = None) -> Resolved | str:
-        """The arguments again, or why they are gone (a one-line reason).
+    def resolve(self, regenerate: Regenerate | None = None) -> Resolved | Note:
+        """The arguments again, or why they are gone (a note).
 
         A tensor that was freed since is recomputed by ``regenerate`` from
         its record, when it can.
@@ -96,7 +97,7 @@ class HeldArguments(NamedTuple):
             args = _unhold(self.args, regenerate, by_record)
             kwargs = _unhold(self.kwargs, regenerate, by_record)
         except _Gone as gone:
-            return str(gone)
+            return gone.note
         return Resolved(args, kwargs, by_record)
 
     def records(self) -> Iterator[Any]:
@@ -123,7 +124,11 @@ class HeldArguments(NamedTuple):
 
 
 class _Gone(Exception):
-    """An argument was freed or changed in place since the call."""
+    """An argument was freed or changed in place since the call (``note`` says which)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.note = Note(kind)
 
 
 def hold_arguments(
@@ -198,11 +203,11 @@ def _unhold(value: Any, regenerate: Regenerate | None, by_record: dict[int, torc
     if type(value) is _Held:
         tensor = value.ref()
         if tensor is not None and version_of(tensor) != value.version:
-            raise _Gone("an input tensor of that call was changed in place after its forward")
+            raise _Gone("held-changed")
         if tensor is None and regenerate is not None and value.record is not None:
             tensor = regenerate(value.record)
         if tensor is None:
-            raise _Gone("an input tensor of that call was freed after its forward and cannot be recomputed")
+            raise _Gone("held-freed")
         if value.record is not None:
             by_record[id(value.record)] = tensor
         return tensor

@@ -27,7 +27,7 @@ from nan_magic.hot.rng import RngState
 from nan_magic.hot.step_log import StepLog
 from nan_magic.hot.targets import ModuleInfo, Targets
 from nan_magic.options import WatchConfig
-from nan_magic.records import EarlyWarning
+from nan_magic.records import EarlyWarning, Note
 
 __all__ = [
     "CallReplayer", "CodeRecorder", "ForwardHost", "GradientHost", "LossCodeReads", "OpTracing", "OptimizerHost",
@@ -104,7 +104,7 @@ class ProducerJudge(Protocol):
         self,
         call: Call,
         record: TensorRecord,
-        detected_at: str | None = None,
+        detected_at: Note | None = None,
         replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
     ) -> None: ...
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-__all__ = ["SINGULAR_NODES", "describe_loss_region", "loss_region_nodes"]
+from nan_magic.records import Note
+
+__all__ = ["SINGULAR_NODES", "loss_region_nodes", "loss_region_note"]
 
 #: Backward nodes of ops whose derivative is infinite somewhere in their finite domain.
 SINGULAR_NODES = frozenset({
@@ -51,23 +53,19 @@ def loss_region_nodes(loss: Any, boundary: int) -> list[Any]:
     return found
 
 
-def describe_loss_region(nodes: list[Any]) -> str | None:
-    """One sentence naming the loss region's nodes and the suspects among them."""
+def loss_region_note(nodes: list[Any]) -> Note | None:
+    """The loss region's nodes by name, and the ones among them whose derivative can be infinite (render/ says it).
+
+    Runs at every backward of the deferred watch: names only, nothing joined or counted.
+    """
     if not nodes:
         return None
-    names = [node.name() for node in nodes]
-    suspects = [node.name() for node in nodes if _singular(node)]
-    shown = ", ".join(dict.fromkeys(names))
-    sentence = f"the backward of that code ran {len(names)} autograd nodes ({shown})"
-    if suspects:
-        counted = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
-                            for name in dict.fromkeys(suspects))
-        sentence += f"; the ones whose derivative can be infinite: {counted}"
-    return sentence
+    names = tuple([node.name() for node in nodes])
+    singular = tuple([name for node, name in zip(nodes, names) if _singular(node, name)])
+    return Note("loss-region", (("nodes", names), ("singular", singular)))
 
 
-def _singular(node: Any) -> bool:
-    name = node.name()
+def _singular(node: Any, name: str) -> bool:
     if name == "PowBackward0":  # x ** c: singular at 0 only for c < 1
         exponent = getattr(node, "_saved_exponent", None)
         return not isinstance(exponent, (int, float)) or exponent < 1

@@ -70,7 +70,7 @@ from nan_magic.hot.step_layout import (
     bounded_step,
     wild_hyperparameters,
 )
-from nan_magic.records import Cause
+from nan_magic.records import Cause, Note
 
 __all__ = ["COLLAPSE_SKIPS", "FULL_CHECK_EVERY", "OptimizerChecks"]
 
@@ -385,7 +385,7 @@ class OptimizerChecks:
             optimizers = [skipped_by] if skipped_by is not None else self._optimizers()
             finding = check_parameter_grads(
                 [(name, p) for opt in optimizers for name, p in self.named_parameters(opt)],
-                "a parameter gradient overflowed while the activation gradients stayed finite",
+                Note("grads-overflowed"),
                 self.watch.config.kinds,
             )
             if finding is not None:
@@ -397,8 +397,7 @@ class OptimizerChecks:
         scale = min(scaler.get_scale() for scaler in self.scalers if scaler.is_enabled())
         finding.benign = True
         finding.notes.append(
-            f"the GradScaler skipped this step: its scaled gradients were non-finite "
-            f"({self.skipped_in_a_row} skipped in a row, {self.skipped_total} in all; scale {scale:g})"
+            Note.of("scaler-skipped", in_a_row=self.skipped_in_a_row, total=self.skipped_total, scale=scale)
         )
         self.watch.emit(finding)
         if self.skipped_in_a_row >= COLLAPSE_SKIPS or scale < 1.0:
@@ -406,9 +405,7 @@ class OptimizerChecks:
             finding.cause = Cause(
                 "grad-scaler-collapse", "grad-scaler-collapse", (("skipped", self.skipped_in_a_row), ("scale", scale))
             )
-            finding.notes.append(
-                f"raised because the scale keeps collapsing ({COLLAPSE_SKIPS} skips in a row, or a scale below 1)"
-            )
+            finding.notes.append(Note.of("scaler-collapsing", skips=COLLAPSE_SKIPS))
             self.watch.emit(finding)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:

@@ -21,7 +21,7 @@ from nan_magic.hot.headroom import Headroom
 from nan_magic.hot.hosts import OptimizerHost
 from nan_magic.hot.stats import kinds_of, norms, read_scalars, relevant_kinds
 from nan_magic.hot.step_layout import StepResult, group_eps, group_lr
-from nan_magic.records import Phase, SourcePointer, TensorRef
+from nan_magic.records import Note, Phase, SourcePointer, TensorRef
 
 __all__ = ["ReplayStep", "StepReports"]
 
@@ -61,7 +61,7 @@ class StepReports:
         for (name, grad), value in zip(with_grad, values):
             if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
                 finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
-                finding.notes.append(f"{type(opt).__name__} was about to step with this gradient")
+                finding.notes.append(Note.of("about-to-step", optimizer=type(opt).__name__))
                 finding.optimizer = type(opt).__name__
                 self.attribute(finding)
                 self._add_op_origin(finding, grad)
@@ -94,15 +94,10 @@ class StepReports:
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
             finding.optimizer_lr = group_lr(result.optimizer, tensor)
             if result.bounded:
-                since = ("since the watch began" if result.previous_check is None
-                         else f"since it was last checked finite, after step {result.previous_check}")
-                finding.notes.append(
-                    f"{subject} was non-finite after the {optimizer} step of step {result.step}; the steps {since} "
-                    "were bounded steps, which cannot make a finite parameter non-finite short of the float32 "
-                    "limit: code outside the optimizer wrote it"
-                )
+                finding.notes.append(Note.of("written-outside-optimizer", tensor=subject, optimizer=optimizer,
+                                             step=result.step, previous_check=result.previous_check))
             else:
-                finding.notes.append(f"the {optimizer} step made {subject} non-finite")
+                finding.notes.append(Note.of("optimizer-made-it", optimizer=optimizer, tensor=subject))
             self.watch.emit(finding)
             return True
         if self.headroom is not None:

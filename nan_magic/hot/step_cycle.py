@@ -45,7 +45,7 @@ from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.stats import read_scalars
 from nan_magic.hot.step_log import StepLog
 from nan_magic.options import WatchConfig
-from nan_magic.records import EarlyWarning, Phase, StepSummary
+from nan_magic.records import EarlyWarning, Note, Phase, StepSummary
 
 __all__ = ["Outcome", "StepCycle", "UpdateCode", "wants_defer"]
 
@@ -85,7 +85,9 @@ class UpdateCode(Protocol):
 
 
 #: The forward checks' producer rule on one output at the deferred check (:meth:`ProducerRule.judge`).
-JudgeForward = Callable[[Call, TensorRecord, str], None]
+JudgeForward = Callable[[Call, TensorRecord, Note], None]
+#: What a report found at the deferred check says (one note for every such report).
+_DETECTED_DEFERRED = Note("detected-deferred")
 
 
 def wants_defer(config: WatchConfig, roots: Iterable[nn.Module]) -> bool:
@@ -301,7 +303,7 @@ class StepCycle:
             else:
                 for record in call.outputs:
                     if record.status == "ok":
-                        self._judge_forward(call, record, "detected at the deferred check")
+                        self._judge_forward(call, record, _DETECTED_DEFERRED)
             if self.outcome.stopped:
                 break
         if written and not self._written_first and not self.outcome.stopped:
@@ -421,9 +423,7 @@ class StepCycle:
             for root in self._roots()
             for name, parameter in root.named_parameters()
         ]
-        why = ("the watch ended after this backward, before an optimizer step: its parameter gradients were read "
-               "then") if leaving and self.training() else (
-               "no optimizer stepped after this backward: its parameter gradients were read when it ended")
+        why = Note("grads-read-at-exit" if leaving and self.training() else "grads-read-unstepped")
         finding = check_parameter_grads(named, why, self.config.kinds)
         if finding is not None:
             self.optimizers.reports.attribute(finding)

@@ -143,7 +143,7 @@ def build_report(
         samples=tuple(samples),
         history=history,
         warnings=warnings,
-        notes=tuple(finding.notes),
+        note_facts=tuple(finding.notes),
         absorbed=finding.absorbed,
         autograd_node=finding.autograd_node,
         optimizer=finding.optimizer,

@@ -29,7 +29,7 @@ from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_o
 from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.records import Phase, TensorRef
+from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["OpOrigins"]
 
@@ -158,8 +158,7 @@ class OpOrigins:
                     info = self._info_by_name(finding.module)
                     if info is not None:
                         finding.module_type, finding.model = info.module_type, info.model
-                first = str(error).splitlines()[0] if str(error) else ""
-                finding.notes.append(f"then {func} raised {type(error).__name__} on it: {first}".rstrip(": "))
+                finding.notes.append(Note.raised("op-raised", error, func=str(func)))
                 return finding
         return None
 

@@ -31,7 +31,7 @@ from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.replay.producer_call import CallReplay, caller_named
 from nan_magic.options import WatchConfig
-from nan_magic.records import Phase, TensorRef, TensorRole
+from nan_magic.records import Note, Phase, TensorRef, TensorRole
 
 __all__ = ["ProducerRule"]
 
@@ -67,7 +67,7 @@ class ProducerRule:
         self,
         call: Call,
         record: TensorRecord,
-        detected_at: str | None = None,
+        detected_at: Note | None = None,
         replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
     ) -> None:
         """Producer or propagator? The one rule, for immediate and deferred checks.
@@ -86,7 +86,7 @@ class ProducerRule:
         tensor = record.live()
         if call.phase == Phase.DATA:
             if self.is_benign_input(call, str(record.path), record.argument, tensor, record):
-                self._note_mask(call, record, tensor, "an infinite mask given as an argument")
+                self._note_mask(call, record, tensor)
                 return
             finding = Finding(Phase.DATA, call, record_ref(record, TensorRole.INPUT), bad=_detached(tensor),
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
@@ -128,7 +128,7 @@ class ProducerRule:
         record: TensorRecord,
         tensor: torch.Tensor | None,
         produced: frozenset[str],
-        detected_at: str | None,
+        detected_at: Note | None,
         replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None,
     ) -> bool:
         """Emit the finding of a producer call, replayed for its op; True when it proved benign."""
@@ -138,7 +138,7 @@ class ProducerRule:
             name, parameter = bad_parameter
             finding = Finding(Phase.FORWARD, call, TensorRef.parameter(name), bad=parameter.detach(), record=record,
                               inputs=inputs)
-            finding.notes.append(f"{name} was already non-finite when {call.name or 'the root module'} read it")
+            finding.notes.append(Note.of("already-bad", name=name, module=call.name))
         else:
             finding = Finding(
                 Phase.FORWARD,
@@ -160,7 +160,7 @@ class ProducerRule:
         self._emit(finding)
         return False
 
-    def _blame_own_code(self, call: Call, detected_at: str | None) -> None:
+    def _blame_own_code(self, call: Call, detected_at: Note | None) -> None:
         """``call`` received a non-finite input that no checked call returned: its caller's own code made it.
 
         The value was computed between the children of an enclosing call
@@ -190,9 +190,7 @@ class ProducerRule:
             Phase.FORWARD, enclosing, record_ref(record), bad=tensor.detach(), record=record,
             inputs=named_inputs(enclosing),
         )
-        finding.notes.append(
-            f"{enclosing.name or 'the root module'}'s own code made it, and passed it to {consumer.name} as {path}"
-        )
+        finding.notes.append(Note.of("own-code", module=enclosing.name, consumer=consumer.name, path=path))
         if detected_at:
             finding.notes.append(detected_at)
         if not self._replay_enclosing(finding, kinds, enclosing):
@@ -225,9 +223,8 @@ class ProducerRule:
             return False
         if self.defer:
             arguments = self.replayer.kept_arguments(enclosing)
-            if isinstance(arguments, str):
-                finding.notes.append(f"{finding.module or 'the root module'}'s arguments are gone by the deferred "
-                                     f"check ({arguments}); watch with ops=True (%%nantrace --ops) for the op and line")
+            if isinstance(arguments, Note):
+                finding.notes.append(Note.of("arguments-gone", module=finding.module, reason=arguments.pair))
                 return False
             frame = Frame(enclosing.module, enclosing.info, enclosing, enclosing.rng_state)  # type: ignore[arg-type]
             finding.rng_state = enclosing.rng_state
@@ -305,22 +302,18 @@ class ProducerRule:
             kinds |= kinds_of(buffer)
             if self.deliberate.first_sighting(call.name, name):
                 finding = Finding(Phase.FORWARD, call, TensorRef(TensorRole.BUFFER, name), bad=buffer.detach())
-                self._record_deliberate(finding, f"{name} is an infinite mask held as a buffer")
+                self._emit(mark_deliberate(finding, "mask-buffer", name=name))
         return frozenset(kinds)
 
-    def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None, what: str) -> None:
-        """Mark a deliberate mask benign; the first sighting at its place is recorded as a benign event."""
+    def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None) -> None:
+        """Mark a deliberate mask given as an argument benign; its first sighting there is a benign event."""
         record.status = "benign"
         if not self.deliberate.first_sighting(call.name, str(record.path)):
             return
         role = TensorRole.INPUT if call.phase == Phase.DATA else TensorRole.MODULE_OUTPUT
         finding = Finding(call.phase, call, record_ref(record, role), bad=_detached(tensor), record=record,
                           bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
-        self._record_deliberate(finding, f"{record.path} is {what}")
-
-    def _record_deliberate(self, finding: Finding, how: str) -> None:
-        """Record ``finding`` as a benign event (PRODUCT.md): ``how`` says what made the deliberate infinity."""
-        self._emit(mark_deliberate(finding, how))
+        self._emit(mark_deliberate(finding, "mask-argument", path=str(record.path)))
 
     # -- op-level tracing (ops=True) --------------------------------------------------
 
@@ -357,7 +350,7 @@ class ProducerRule:
         if id(call.module) not in self.replayer.masks:
             self.replayer.masks.add(id(call.module))
             finding = Finding(Phase.FORWARD, call, record_ref(record), bad=tensor.detach(), record=record)
-            self._record_deliberate(finding, "an infinite scalar, e.g. masked_fill(mask, -inf), or a mask carried on")
+            self._emit(mark_deliberate(finding, "scalar"))
         return True
 
 

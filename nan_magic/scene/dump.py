@@ -47,7 +47,7 @@ from nan_magic.hot.call_records import argument_path
 from nan_magic.hot.rng import RngState, capture_rng_state
 from nan_magic.hot.stats import version_of
 from nan_magic.plain import to_plain
-from nan_magic.records import Phase, Report, TensorRole
+from nan_magic.records import Note, Phase, Report, TensorRole
 from nan_magic.scene.last_good import keep
 from nan_magic.version import __version__
 
@@ -78,13 +78,14 @@ class SceneSource:
     last_good: LastGood
 
 SCENE_FORMAT = "nan_magic.scene"
-#: 2: the report is plain data; 1 pickled it as nan_magic's records, which a plain safe load refuses.
-SCENE_VERSION = 2
+#: 3: the report's notes are data (a kind and its facts); 2 stored them as sentences (load_scene shows those as
+#: they are); 1 pickled the report as nan_magic's records, which a plain safe load refuses.
+SCENE_VERSION = 3
 
 #: What a scene file holds (a dict with these keys; a part that could not be
 #: saved is None and the report says why):
 #:
-#: - ``format``, ``version``: ``"nan_magic.scene"``, 2
+#: - ``format``, ``version``: ``"nan_magic.scene"``, 3
 #: - ``report``: the :class:`~nan_magic.Report` of the event, as plain data (:func:`nan_magic.plain.to_plain`)
 #: - ``step``, ``phase``, ``module``, ``kinds``: the event in brief, and the kinds watched
 #: - ``models``: ``{name: state_dict}`` of every watched model, as at the event
@@ -117,7 +118,7 @@ def record_scene(source: SceneSource, finding: Finding, report: Report) -> Repor
 
     Never raises: whatever fails is described in the returned report's notes.
     """
-    notes: list[str] = []
+    notes: list[Note] = []
     try:
         # Collected first: arming restore() hands the last finite step's state over.
         folder = source.config.dump
@@ -125,19 +126,15 @@ def record_scene(source: SceneSource, finding: Finding, report: Report) -> Repor
         if source.config.keep_last_good:
             kept_step = source.last_good.step
             report = dataclasses.replace(report, restore_token=keep(source.last_good))
-            notes.append(
-                f"report.restore() puts back the model and optimizer state after step {kept_step}"
-                if kept_step is not None
-                else "keep_last_good: no optimizer step ended finite before this event; nothing to roll back to"
-            )
+            notes.append(Note.of("restore", step=kept_step))
         if folder and scene is not None:
             report = _save(scene, folder, report, notes)
     except Exception as error:  # the user's run must never fail because of the scene
-        notes.append(_failure_note("could not record the scene", error))
-    return dataclasses.replace(report, notes=report.notes + tuple(notes))
+        notes.append(_failure("scene-failed", error))
+    return dataclasses.replace(report, note_facts=(*report.note_facts, *notes))
 
 
-def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[str]) -> dict[str, Any]:
+def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[Note]) -> dict[str, Any]:
     """The scene as a dict (see :data:`SCENE_KEYS`); a part that fails to collect is None."""
     parts: dict[str, Callable[[], Any]] = {
         "models": lambda: {name: module.state_dict() for name, module in _named_roots(source)},
@@ -171,25 +168,25 @@ def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[
             scene[key] = collect()
         except Exception as error:  # a user's state_dict hook may fail; save the rest
             scene[key] = None
-            notes.append(_failure_note(f"the scene leaves out {key}", error))
+            notes.append(_failure("scene-part-failed", error, part=key))
     return scene
 
 
-def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[str]) -> Report:
+def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[Note]) -> Report:
     try:
         # One folder for every rank; each rank's file has its own suffix (distributed.py).
         path = _write_scene(scene, folder, per_rank_path(f"nan_scene_step{report.step}"), notes)
     except Exception as error:  # disk full, no permission, not a folder...
-        note = _failure_note(f"could not save the scene in {folder}", error)
+        note = _failure("scene-save-failed", error, folder=folder)
         notes.append(note)
-        _warn(note)
+        _warn(note.text)
         return report
     size = os.path.getsize(path)
-    notes.append(f"scene saved: {path} ({_human_size(size)}); nan_magic.load_scene(path) or %nanreplay rebuilds it")
+    notes.append(Note.of("scene-saved", path=path, bytes=size))
     return dataclasses.replace(report, scene=path, scene_bytes=size)
 
 
-def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[str]) -> str:
+def _write_scene(scene: dict[str, Any], folder: str, stem: str, notes: list[Note]) -> str:
     """Save ``scene`` atomically as ``folder/stem.pt`` (or ``stem-2.pt``...) and return the path.
 
     A part that cannot be pickled, or that a safe load would refuse (an
@@ -251,7 +248,7 @@ def _save_atomically(scene: dict[str, Any], path: str) -> None:
         raise
 
 
-def _prune(value: Any, label: str, notes: list[str], depth: int = 0) -> Any:
+def _prune(value: Any, label: str, notes: list[Note], depth: int = 0) -> Any:
     """``value`` without the entries that cannot be pickled or loaded safely (replaced by None, with a note).
 
     Each part is saved and loaded back in memory: this runs only after the
@@ -269,9 +266,9 @@ def _prune(value: Any, label: str, notes: list[str], depth: int = 0) -> Any:
         if depth < 2 and type(value) in (list, tuple):
             return type(value)(_prune(item, f"{label}[{index}]", notes, depth + 1) for index, item in enumerate(value))
         if isinstance(error, pickle.UnpicklingError):
-            notes.append(f"the scene leaves out {label}: {refusal(error)}")
+            notes.append(Note.of("scene-part-refused", part=label, reason=_refused(error).pair))
         else:
-            notes.append(_failure_note(f"the scene leaves out {label}", error))
+            notes.append(_failure("scene-part-failed", error, part=label))
         return None
 
 
@@ -318,7 +315,7 @@ def _last_good(source: SceneSource) -> dict[str, Any] | None:
     }
 
 
-def _batch(source: SceneSource, notes: list[str]) -> dict[str, torch.Tensor]:
+def _batch(source: SceneSource, notes: list[Note]) -> dict[str, torch.Tensor]:
     """Copies of the tensors that entered the watched models in the failing step."""
     entries: list[tuple[str, str, torch.Tensor]] = []
     gone: list[str] = []
@@ -333,7 +330,7 @@ def _batch(source: SceneSource, notes: list[str]) -> dict[str, torch.Tensor]:
             else:
                 entries.append((owner, str(record.path), tensor))
     if gone:
-        notes.append(f"the scene's batch lacks {', '.join(gone)}: freed or changed in place before the event")
+        notes.append(Note.of("batch-lacks", paths=tuple(gone)))
     several = len({owner for owner, _path, _tensor in entries}) > 1
     batch: dict[str, torch.Tensor] = {}
     for owner, path, tensor in entries:
@@ -345,7 +342,7 @@ def _batch(source: SceneSource, notes: list[str]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tensor]:
+def _producer_inputs(finding: Finding, notes: list[Note]) -> dict[str, torch.Tensor]:
     """Copies of the tensors the producer module was called with (else the finding's inputs)."""
     if finding.call is None or finding.call.phase == Phase.DATA:
         return {str(ref): _copy(tensor) for ref, tensor in finding.inputs}
@@ -357,9 +354,9 @@ def _producer_inputs(finding: Finding, notes: list[str]) -> dict[str, torch.Tens
         if tensor is None and path in recomputed:
             inputs[path] = _copy(recomputed[path])
         elif tensor is None:
-            notes.append(f"the scene lacks the producer's {path}: it was freed before the event")
+            notes.append(Note.of("input-freed", path=path))
         elif version_of(tensor) != version:
-            notes.append(f"the scene lacks the producer's {path}: the producer changed it in place")
+            notes.append(Note.of("input-changed", path=path))
         else:
             inputs[path] = _copy(tensor)
     return inputs
@@ -424,8 +421,8 @@ def _copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _failure_note(what: str, error: BaseException) -> str:
-    return f"{what}: {type(error).__name__}: {error}"
+def _failure(kind: str, error: BaseException, **facts: Any) -> Note:
+    return Note.of(kind, **facts, error=type(error).__name__, message=str(error))
 
 
 def _warn(message: str) -> None:
@@ -434,24 +431,15 @@ def _warn(message: str) -> None:
         warnings.warn(f"nan_magic {message}", NanMagicWarning, stacklevel=4)
 
 
-def _human_size(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    value, unit = size / 1024, "KB"
-    for bigger in ("MB", "GB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{value:.1f} {unit}"
-
-
 #: How torch's refusal names the class or function a file would call.
 REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def refusal(error: pickle.UnpicklingError) -> str:
     """Why a safe load refused, in a few words (torch's own message runs to a paragraph)."""
-    found = REFUSED_GLOBAL.search(str(error))
-    what = found[1] if found else "a pickle instruction torch does not load safely"
-    return (f"loading it needs {what}, which is neither a tensor nor a plain value "
-            "and could run code (torch.load weights_only=True refuses it)")
+    return _refused(error).text
+
+
+def _refused(error: pickle.UnpicklingError) -> Note:
+    found = REFUSED_GLOBAL.search(str(error))  # torch's message names the class it refused
+    return Note.of("refused", what=found[1] if found else "a pickle instruction torch does not load safely")

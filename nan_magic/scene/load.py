@@ -21,7 +21,7 @@ from torch import nn
 from nan_magic.hot.rng import RngState, capture_rng_state, restore_rng_state
 from nan_magic.localize.replay.module_run import ReplayResult, replay_module
 from nan_magic.plain import from_plain
-from nan_magic.records import Phase, Report
+from nan_magic.records import Note, Phase, Report
 from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -113,7 +113,12 @@ class Scene:
     def __init__(self, path: str, data: dict[str, Any]) -> None:
         self.path = path
         self.data = data
-        report = from_plain(Report, data["report"])
+        plain = data["report"]
+        report = from_plain(Report, plain)
+        if isinstance(plain, dict) and plain.get("notes") and not plain.get("note_facts"):
+            # A version 2 scene kept its notes as sentences: shown as they were written.
+            said = tuple(Note.of("said", text=text) for text in plain["notes"])
+            report = dataclasses.replace(report, note_facts=said)
         self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
@@ -341,7 +346,7 @@ def replay_summary(result: ReplayResult, module: str | None) -> str:
     label = module or "the root module"
     op = result.finding
     if op is None:
-        return result.note or f"replay of {label} stayed finite"
+        return result.note.text if result.note is not None else f"replay of {label} stayed finite"
     kinds = ", ".join(f"{count} {kind}" for kind, count in (("nan", op.nan), ("+inf", op.posinf), ("-inf", op.neginf))
                       if count)
     where = f" at {op.source}" if op.source is not None else ""

@@ -22,7 +22,8 @@ import torch
 
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import is_checkable, sample_values, tensor_stats
-from nan_magic.records import AbsorbedOp, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
+from nan_magic.plain import to_pairs
+from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
 __all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "apply_op_finding", "attach_origin", "dense"]
 
@@ -241,15 +242,12 @@ def apply_op_finding(
         # A Python backward (a custom Function's) ran the op on its own line: that line is the one to fix.
         finding.source = op.source
         finding.autograd_node = op.autograd_node
-        node = f" of {op.autograd_node}" if op.autograd_node else ""
-        created = f", whose node was created at {op.forward_source}" if op.forward_source is not None else ""
-        finding.notes.append(f"{op.op} ran in a Python backward{node} (a custom autograd.Function's "
-                             f"backward, or a gradient hook){created}")
+        created = to_pairs(op.forward_source) if op.forward_source is not None else None
+        finding.notes.append(Note.of("python-backward", op=op.op, node=op.autograd_node, created=created))
     elif op.phase == Phase.BACKWARD:
         finding.source = op.forward_source or op.source
         finding.autograd_node = op.autograd_node
-        node = f" ({op.autograd_node})" if op.autograd_node else ""
-        finding.notes.append(f"{op.op} ran in the backward of the forward line{node}")
+        finding.notes.append(Note.of("autograd-backward", op=op.op, node=op.autograd_node))
     else:
         finding.source = op.source
     if op.module is not None and finding.module is None:
@@ -257,7 +255,7 @@ def apply_op_finding(
     if op.inner_source is not None and (op.phase != Phase.BACKWARD or op.backward_code):
         # Where inside the library the op ran; for the autograd engine's own backward that is only whatever
         # called backward (torch's, or the optimizer hook a replay ran from), which says nothing.
-        finding.notes.append(f"inside {op.inner_source}")
+        finding.notes.append(Note.of("inside", source=to_pairs(op.inner_source)))
     if finding.bad is None and finding.bad_stats is None:
         # Found by the op tracer itself: the op's own output and inputs.
         finding.inputs_finite = True

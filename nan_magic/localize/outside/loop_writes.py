@@ -59,7 +59,7 @@ from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.records import Phase, TensorRef
+from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
 
@@ -247,9 +247,7 @@ class LoopWrites:
         step = self._pending_step if self._tracer is None else self._step()
         finding = Finding(Phase.OPTIMIZER, None, TensorRef.parameter(name), bad=parameter.detach(), step=step)
         self._attribute(finding)
-        finding.notes.append(
-            f"the loop's own code wrote {name} between backward() and the next step (a hand-written update)"
-        )
+        finding.notes.append(Note.of("loop-wrote", name=name))
         return finding
 
     @staticmethod

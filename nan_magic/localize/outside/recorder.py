@@ -71,6 +71,7 @@ from nan_magic.localize.outside.recorded_ops import (
     record_key,
     rerun_op,
 )
+from nan_magic.records import Note
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
 
@@ -241,13 +242,12 @@ class OutsideRecorder(TorchDispatchMode):
             return
         self._frames = [frame if frame in running else None for frame in self._frames]
 
-    def note(self) -> str | None:
+    def note(self) -> Note | None:
         """What a report says where the code outside the models went unrecorded."""
         if not self.untraced:
             return None
-        regions = " and ".join(sorted(self.untraced))
-        return (f"the code outside the models ({regions}) ran more ops a step than the watch records "
-                f"({LOSS_BUDGET} for the loss, {DATA_BUDGET} for data code): its op and line are not named")
+        return Note.of("outside-untraced", regions=tuple(sorted(self.untraced)), loss_budget=LOSS_BUDGET,
+                       data_budget=DATA_BUDGET)
 
     def __torch_dispatch__(
         self,

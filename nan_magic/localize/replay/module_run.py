@@ -36,7 +36,7 @@ from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.untouched import untouched
-from nan_magic.records import Phase
+from nan_magic.records import Note, Phase
 
 __all__ = [
     "ReplayResult",
@@ -62,7 +62,7 @@ class ReplayResult:
         Whether the replay produced a non-finite value again (then
         ``finding`` is set).
     note
-        Why there is no finding, in one sentence; None when there is one.
+        Why there is no finding; None when there is one.
     held_by_inputs
         The replay's output was non-finite but no op inside produced it: its
         inputs, parameters, buffers or scalar arguments (``masked_fill(mask,
@@ -75,7 +75,7 @@ class ReplayResult:
 
     finding: OpFinding | None
     reproduced: bool
-    note: str | None = None
+    note: Note | None = None
     held_by_inputs: bool = False
     #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
@@ -131,7 +131,6 @@ def replay_module(
     fused inference path of ``nn.TransformerEncoderLayer`` in eval mode) may
     compute differently than a call that recorded a graph.
     """
-    label = module_name or "the root module"
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
@@ -152,15 +151,12 @@ def replay_module(
             frame=tracer.frame_of(tracer.finding)[0], benign_modules=benign,
         )
     if failure is not None:
-        note = f"replay of {label} raised {type(failure).__name__}: {failure}; the op is unknown"
+        note = Note.of("replay-raised", module=module_name, error=type(failure).__name__, message=str(failure))
     elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
-        note = (
-            f"replay of {label} gave a non-finite output that no op inside it produced: "
-            "its inputs, parameters, buffers or scalar arguments already held it"
-        )
+        note = Note.of("replay-held", module=module_name)
         return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True, benign_modules=benign)
     else:
-        note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
+        note = Note.of("replay-finite", module=module_name)
     return ReplayResult(finding=None, reproduced=False, note=note, benign_modules=benign)
 
 
@@ -248,10 +244,10 @@ def replay_backward(
     (``sqrt`` at 0, ``acos`` at 1, ``0 * inf`` in ``where``) fails under
     both.
     """
-    label = module_name or "the root module"
     arguments = held.resolve(regenerate)
-    if isinstance(arguments, str):
-        return ReplayResult(finding=None, reproduced=False, note=f"cannot replay {label}: {arguments}")
+    if isinstance(arguments, Note):
+        return ReplayResult(finding=None, reproduced=False,
+                            note=Note.of("cannot-replay", module=module_name, reason=arguments.pair))
     args, kwargs, by_record = arguments
     target_tensor = next((by_record[id(record)] for record in target if id(record) in by_record), None)
     originals = {id(tensor): tensor for _path, tensor in iter_tensors((args, kwargs))}
@@ -267,10 +263,9 @@ def replay_backward(
         *(parameter for parameter in module.parameters() if parameter.requires_grad),
         *(copy for copy in copies.values() if copy.requires_grad),
     ]
-    inside = (f"cannot replay {label} for the backward op: the tensor whose gradient is not finite was computed "
-              f"inside {label}, not passed to it")
     if not wanted:
-        return ReplayResult(finding=None, reproduced=False, note=f"{inside}, and it has no parameters")
+        return ReplayResult(finding=None, reproduced=False,
+                            note=Note.of("computed-inside", module=module_name, overflow=False))
     failure: Exception | None = None
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
         # The forward runs inside the user's backward (this is a gradient
@@ -292,13 +287,14 @@ def replay_backward(
         if target_copy is None and not _unscaled(tracer.finding):
             # An overflow depends on the gradient's size, and a replay from the parameters sends ones into the
             # outputs where the real gradient (scaled by a GradScaler) was larger: another op may overflow first.
-            return ReplayResult(finding=None, reproduced=False, note=f"{inside}, and a replay of its overflow "
-                                "with a gradient of ones need not overflow where the real gradient did")
+            return ReplayResult(finding=None, reproduced=False,
+                                note=Note.of("computed-inside", module=module_name, overflow=True))
         return ReplayResult(finding=tracer.finding, reproduced=True)
     if failure is not None:
-        note = f"replay of {label} with gradients raised {type(failure).__name__}: {failure}; the op is unknown"
+        note = Note.of("backward-replay-raised", module=module_name, error=type(failure).__name__,
+                       message=str(failure))
     else:
-        note = f"replay of {label} with gradients stayed finite; the op is unknown"
+        note = Note.of("backward-replay-finite", module=module_name)
     return ReplayResult(finding=None, reproduced=False, note=note)
 
 
@@ -323,7 +319,7 @@ def recompute(
 ) -> Any:
     """Run a call's forward again (no gradients, no trace) for its output; None if it cannot."""
     arguments = held.resolve(regenerate)
-    if isinstance(arguments, str):
+    if isinstance(arguments, Note):
         return None
     return run_again(module, arguments.args, arguments.kwargs, rng_state, autocast)
 

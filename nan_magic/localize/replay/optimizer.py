@@ -37,7 +37,7 @@ import torch
 from nan_magic.hot.finding import Finding
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
-from nan_magic.records import Phase, SourcePointer
+from nan_magic.records import Note, Phase, SourcePointer
 
 __all__ = ["name_optimizer_op"]
 
@@ -66,24 +66,17 @@ def name_optimizer_op(
     try:
         replayed, origin = _replay(opt, parameter, key, kinds, before)
     except Exception:  # any optimizer (a closure it needs, a custom class): the event stands
-        finding.notes.append(f"the {type(opt).__name__} step could not be replayed to name its op")
+        finding.notes.append(Note.of("optimizer-unreplayable", optimizer=type(opt).__name__))
         return
     with torch.no_grad():
         # Every element the step made non-finite is non-finite in the replay too.
         reproduced = replayed is not None and bool((bad.isfinite() | ~replayed.isfinite()).all())
     name = type(opt).__name__
     if origin is None or not reproduced:
-        start = "from the parameter as it was before it" if before is not None else "from the state it left"
-        finding.notes.append(f"a replay of the {name} step {start} stayed finite where the step made non-finite "
-                             "values: its op is not named")
+        finding.notes.append(Note.of("optimizer-replay-finite", optimizer=name, before=before is not None))
         return
     attach_origin(finding, dataclasses.replace(origin, source=caller or origin.source))
-    if before is not None:
-        finding.notes.append(f"{origin.op} named by a replay of the {name} step on a copy of the parameter kept "
-                             "before it (its values were near the limit of its dtype), its gradient and its state")
-    else:
-        finding.notes.append(f"{origin.op} named by a replay of the {name} step on copies of the parameter, "
-                             "its gradient and its state as the step left them (non-finite elements as 0)")
+    finding.notes.append(Note.of("optimizer-replayed", op=origin.op, optimizer=name, before=before is not None))
 
 
 def _replay(

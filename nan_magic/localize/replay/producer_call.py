@@ -36,7 +36,7 @@ from nan_magic.hot.step_log import StepLog
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.module_run import recompute, replay_backward, replay_module, run_again
 from nan_magic.options import WatchConfig
-from nan_magic.records import KINDS, Phase, TensorRef
+from nan_magic.records import KINDS, Note, Phase, TensorRef
 
 __all__ = ["REGENERATE_DEPTH", "CallReplay", "caller_named"]
 
@@ -107,10 +107,7 @@ class CallReplay:
             finding.record.status = "benign"  # type: ignore[union-attr]
             return True
         if any(_mutated(ref(), version) for _path, _argument, _record, ref, version in frame.call.inputs):
-            finding.notes.append(
-                f"{frame.info.name or 'the root module'} changed its input in place, so a replay cannot start "
-                "from the values it received; watch with ops=True (%%nantrace --ops) for the op and line"
-            )
+            finding.notes.append(Note.of("input-mutated", module=frame.info.name))
             return False
         with self.standing_aside():
             result = replay_module(
@@ -121,18 +118,15 @@ class CallReplay:
             op = result.finding
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
-            finding.notes.append(
-                f"replay of {frame.info.name or 'the root module'} on its inputs found the op: replay reproduced "
-                f"{op.nan} nan, {op.posinf} +inf, {op.neginf} -inf in {op.op}"
-            )
+            finding.notes.append(Note.of("replay-found", module=frame.info.name, nan=op.nan, posinf=op.posinf,
+                                         neginf=op.neginf, op=op.op))
             if op.module is not None and op.module != frame.info.name:
                 # A child without a check of its own (a pass-through, transparent.py).
-                finding.notes.append(f"{op.op} ran inside {op.module}, which is not checked on its own")
+                finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
             return False
         if result.held_by_inputs and produced <= {"+inf", "-inf"}:
             self.masks.add(id(frame.module))
-            how = "an op inside was given an infinite scalar, e.g. masked_fill(mask, -inf)"
-            self._emit(mark_deliberate(finding, how))
+            self._emit(mark_deliberate(finding, "scalar-inside"))
             return True
         if result.note:
             finding.notes.append(result.note)
@@ -158,9 +152,8 @@ class CallReplay:
         if not _replayable(call, call.rng_state):
             # Its generators were not kept (no backward or deferred check would replay it): the user's stay as
             # they are, and the replay draws numbers of its own.
-            finding.notes.append("the call's random state was not kept: its replay drew other random numbers")
-        first = str(error).splitlines()[0] if str(error) else ""
-        finding.notes.append(f"then the forward raised {type(error).__name__}: {first}".rstrip(": "))
+            finding.notes.append(Note("rng-redrawn"))
+        finding.notes.append(Note.raised("forward-raised", error))
         return finding
 
     def replay_deferred(self, finding: Finding, produced: frozenset[str], call: Call) -> bool:
@@ -173,13 +166,9 @@ class CallReplay:
         is taken only if it ran inside the producer. Returns what
         :meth:`replay_into` returns.
         """
-        label = call.name or "the root module"
         nearest = self._nearest_kept(call)
-        if isinstance(nearest, str):
-            finding.notes.append(
-                f"{label}'s arguments are gone by the deferred check ({nearest}); "
-                "watch with ops=True (%%nantrace --ops) for the op and line"
-            )
+        if isinstance(nearest, Note):
+            finding.notes.append(Note.of("arguments-gone", module=call.name, reason=nearest.pair))
             return False
         enclosing, arguments, missing = nearest
         if enclosing is call:
@@ -187,7 +176,7 @@ class CallReplay:
             self._recompute_freed(finding, call, arguments)
             frame = Frame(call.module, call.info, call, call.rng_state)  # type: ignore[arg-type]
             return self.replay_into(finding, produced, frame, arguments.args, arguments.kwargs)
-        outer = enclosing.name or "the root module"
+        outer = enclosing.name
         with self.standing_aside():
             result = replay_module(
                 enclosing.module, arguments.args, arguments.kwargs, rng_state=enclosing.rng_state,
@@ -200,11 +189,10 @@ class CallReplay:
         if op is not None and within:
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
-            finding.notes.append(
-                f"{label}'s own arguments are gone by the deferred check ({missing}); a replay of {outer}, which "
-                f"called it, found the op in {op.module or label}: {op.nan} nan, {op.posinf} +inf, "
-                f"{op.neginf} -inf in {op.op}"
-            )
+            finding.notes.append(Note.of(
+                "found-in-enclosing", module=call.name, reason=_pair(missing), outer_module=outer,
+                op_module=op.module or call.name, nan=op.nan, posinf=op.posinf, neginf=op.neginf, op=op.op,
+            ))
             return False
         caller = caller_named(call, op.module) if op is not None else None
         if op is not None and caller is not None:
@@ -214,16 +202,14 @@ class CallReplay:
             finding.rng_state = caller.rng_state
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
-            finding.notes.append(
-                f"a replay of {outer} found the first non-finite value in {op.module or 'the root module'}'s own "
-                f"code ({op.op}), before {label}, which passed it on"
-            )
+            finding.notes.append(Note.of("found-in-caller", outer_module=outer, op_module=op.module, op=op.op,
+                                         module=call.name))
             return False
-        found = f"found {op.op} in {op.module}, not in {label}" if op is not None else (result.note or "stayed finite")
-        finding.notes.append(
-            f"{label}'s own arguments are gone by the deferred check ({missing}), and a replay of {outer} {found}; "
-            "watch with ops=True (%%nantrace --ops) for the op and line"
-        )
+        finding.notes.append(Note.of(
+            "enclosing-missed", module=call.name, reason=_pair(missing), outer_module=outer,
+            op=op.op if op is not None else None, op_module=op.module if op is not None else None,
+            replay=_pair(result.note),
+        ))
         return False
 
     def _move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
@@ -241,22 +227,20 @@ class CallReplay:
         finding.inputs = named_inputs(caller)
         finding.bad, finding.bad_stats = None, None
 
-    def _deliberate_in_replay(self, finding: Finding, call: Call, outer: str) -> bool:
+    def _deliberate_in_replay(self, finding: Finding, call: Call, outer: str | None) -> bool:
         """A replay of the enclosing call showed ``call``'s infinity to be deliberate: recorded as benign."""
         if call.module is not None:
             self.masks.add(id(call.module))
-        self._emit(mark_deliberate(
-            finding, f"a replay of {outer} showed an op of {call.name or 'the root module'} given an infinite scalar"
-        ))
+        self._emit(mark_deliberate(finding, "scalar-in-replay", outer_module=outer, module=call.name))
         return True
 
-    def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, str | None] | str:
+    def _nearest_kept(self, call: Call) -> tuple[Call, Resolved, Note | None] | Note:
         """The call itself or its nearest enclosing call whose arguments can be had, with them.
 
         Also why the call's own arguments cannot be had (None when they can);
         only that reason when no enclosing call's can either.
         """
-        missing: str | None = None
+        missing: Note | None = None
         enclosing: Call | None = call
         while enclosing is not None:
             arguments = self.kept_arguments(enclosing)
@@ -264,14 +248,14 @@ class CallReplay:
                 return enclosing, arguments, missing
             missing = missing or arguments
             enclosing = enclosing.parent
-        return missing or "its arguments were not kept"
+        return missing or Note("not-kept")
 
-    def kept_arguments(self, call: Call) -> Resolved | str:
-        """A finished call's arguments again, from what it kept; or why not, in a few words."""
+    def kept_arguments(self, call: Call) -> Resolved | Note:
+        """A finished call's arguments again, from what it kept; or why not (a note)."""
         if call.held is None or call.module is None or call.phase != Phase.FORWARD:
-            return "its arguments were not kept"
+            return Note("not-kept")
         if not _replayable(call, call.rng_state):
-            return "its random state was not kept"
+            return Note("rng-not-kept")
         with self.standing_aside():  # a freed argument is recomputed by running its call again
             return call.held.resolve(self._regenerate)
 
@@ -297,10 +281,7 @@ class CallReplay:
         again = next((tensor for path, tensor in iter_tensors(output, "output") if path == record.path), None)
         if again is not None and record.kinds and record.kinds <= kinds_of(again):
             finding.bad, finding.bad_stats = again, None
-            finding.notes.append(
-                f"{record.path} was freed before the deferred check: its counts and values are from "
-                f"running {call.name or 'the root module'} again on the same inputs"
-            )
+            finding.notes.append(Note.of("freed-recomputed", path=str(record.path), module=call.name))
 
     def _regenerate(self, record: TensorRecord | Alias, depth: int = 0) -> torch.Tensor | None:
         """A freed module output, recomputed by replaying the call that returned it.
@@ -336,12 +317,8 @@ class CallReplay:
         arguments may still be alive: autograd saves most of them for its
         backward. ``target`` is the consumer's input whose gradient went bad.
         """
-        label = consumer.name or "the root module"
         if consumer.held is None or not _replayable(consumer, consumer.rng_state):
-            finding.notes.append(
-                f"{label}'s arguments were not kept, so its backward cannot be replayed; "
-                "watch with ops=True (%%nantrace --ops) for the op and line"
-            )
+            finding.notes.append(Note.of("backward-not-kept", module=consumer.name))
             return
         chain: list[TensorRecord | Alias] = list(target.outward())
         # The consumer may have received it through a pass-through (a dropout, an activation).
@@ -353,13 +330,17 @@ class CallReplay:
                 kinds=self.kinds, module_name=consumer.name or "", autocast=consumer.autocast,
             )
         if result.finding is None:
-            finding.notes.append(f"{result.note}; watch with ops=True (%%nantrace --ops) for the op and line")
+            if result.note is not None:
+                finding.notes.append(result.note.adding(ops_hint=True))
             return
         apply_op_finding(finding, result.finding)
-        finding.notes.append(
-            f"replay of {label}'s forward and backward (a gradient of ones into its outputs) found the op: "
-            f"{result.finding.op} in the backward of {result.finding.autograd_node or 'an autograd node'}"
-        )
+        finding.notes.append(Note.of("backward-replay-found", module=consumer.name, op=result.finding.op,
+                                     node=result.finding.autograd_node))
+
+
+def _pair(note: Note | None) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
+    """``note`` as a fact of another note (None stays None)."""
+    return note.pair if note is not None else None
 
 
 def caller_named(call: Call, module: str | None) -> Call | None:

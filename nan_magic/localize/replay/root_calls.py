@@ -31,7 +31,7 @@ from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.options import WatchConfig
-from nan_magic.records import Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Note, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.call_records import Call
@@ -99,7 +99,7 @@ class Outcome:
     position: tuple[int, int] | None = None
     boundary: TensorStats | None = None
     failure: BaseException | None = None
-    why_not: str | None = None
+    why_not: Note | None = None
 
 
 #: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
@@ -117,7 +117,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     """
     target = replay_target(root.module)
     if target is None or model is None:
-        return Outcome(why_not="a model sharded by FSDP is not replayed (its forward needs every rank)")
+        return Outcome(why_not=Note("sharded-not-replayed"))
     replay_config = dataclasses.replace(
         config, mode="full", ops=True, defer=False, on_detect="log",
         log_file=None, dump=None, keep_last_good=None,
@@ -178,9 +178,10 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     if outcome.report is None:
         changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
         if changed:
-            outcome.why_not = "the call's inputs were modified in place since the call"
+            outcome.why_not = Note("inputs-modified")
         elif outcome.failure is not None:
-            outcome.why_not = f"the replay raised {type(outcome.failure).__name__}: {outcome.failure}"
+            outcome.why_not = Note.of("step-replay-raised", error=type(outcome.failure).__name__,
+                                      message=str(outcome.failure))
     return outcome
 
 

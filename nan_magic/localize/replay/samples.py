@@ -30,12 +30,12 @@ from nan_magic.hot.rng import generators_at
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.patches.loaders import UNKNOWN
-from nan_magic.records import Phase, Report
+from nan_magic.records import Note, Phase, Report
 
 __all__ = ["Refetched", "Samples"]
 
 #: The op that made the batch's value, the frame that ran it and its ``(f_lasti, f_lineno)`` then; or a note.
-Refetched = tuple[OpFinding, FrameType | None, tuple[int, int] | None] | str
+Refetched = tuple[OpFinding, FrameType | None, tuple[int, int] | None] | Note
 
 
 class Samples:
@@ -63,11 +63,11 @@ class Samples:
         refetched = self.refetch()
         if refetched is None:
             return None
-        if isinstance(refetched, str):
-            return dataclasses.replace(seen, notes=(*seen.notes, refetched)), (finding.frame, None)
+        if isinstance(refetched, Note):
+            return dataclasses.replace(seen, note_facts=(*seen.note_facts, refetched)), (finding.frame, None)
         origin, frame, position = refetched
         attach_origin(finding, origin)
-        finding.notes.append(f"named by fetching the batch's samples from {type(self._dataset).__name__} again")
+        finding.notes.append(Note.of("refetched", dataset=type(self._dataset).__name__))
         return build(finding), (frame, position)
 
     def refetch(self) -> Refetched | None:
@@ -76,11 +76,9 @@ class Samples:
             return None
         name = type(self._dataset).__name__
         if not self._map_style:
-            return (f"the batch came from {name}, an iterable dataset: its samples cannot be fetched again "
-                    "by index, so the op that made the value is not named")
+            return Note.of("iterable-dataset", dataset=name)
         if self._indices is UNKNOWN:
-            return (f"the batch's indices into {name} were not seen (drawn before the watch began, or "
-                    "in_order=False), so its samples were not fetched again")
+            return Note.of("indices-unseen", dataset=name)
         indices = self._indices if isinstance(self._indices, list) else [self._indices]
         tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA)
         try:
@@ -91,11 +89,9 @@ class Samples:
                     if tracer.finding is not None:
                         break
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
-            first = str(error).splitlines()[0] if str(error) else ""
-            return f"fetching the batch's samples from {name} again raised {type(error).__name__}: {first}".rstrip(": ")
+            return Note.raised("refetch-raised", error, dataset=name)
         if tracer.finding is None:
-            return (f"fetching the batch's {len(indices)} sample(s) from {name} again made no non-finite value: "
-                    "it is stored in the dataset itself, or drawn at random")
+            return Note.of("refetch-finite", count=len(indices), dataset=name)
         frame, position = tracer.frame_of(tracer.finding)
         return tracer.finding, frame, position
 

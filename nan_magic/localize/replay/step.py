@@ -55,7 +55,8 @@ from nan_magic.hot.rng import RngState, capture_autocast, capture_rng_state
 from nan_magic.hot.stats import iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
-from nan_magic.records import Phase, Report, TensorRef, TensorStats
+from nan_magic.plain import to_pairs
+from nan_magic.records import Note, Phase, Report, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -290,8 +291,7 @@ class StepReplays:
         if finding.unconfirmed_outside and not candidates:
             return seen, (finding.frame, None)
         if not candidates:
-            why = ("no gradient flowing into the model's outputs was held for this step" if backward
-                   else f"its model call was no longer held (more than {MAX_CALLS} calls in the step)")
+            why = Note("no-gradient-held") if backward else Note.of("call-not-held", max_calls=MAX_CALLS)
             return self._not_replayed(seen, why), (finding.frame, None)
         outcome, root = Outcome(), candidates[0]
         for root in candidates:
@@ -305,19 +305,21 @@ class StepReplays:
             if finding.unconfirmed_outside:
                 # No model's backward made it either: the code outside them stays the likeliest producer.
                 return seen, (finding.frame, None)
-            return self._not_replayed(seen, outcome.why_not or "the replay stayed finite"), (finding.frame, None)
+            return self._not_replayed(seen, outcome.why_not or Note("step-replay-finite")), (finding.frame, None)
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
             finding.rng_state = root.rng
         if not _same_counts(outcome.boundary, seen):
-            return self._not_replayed(
-                seen, f"the replay found {outcome.report.message}, but not the same counts at {seen.tensor}"
-            ), (finding.frame, None)
+            found = outcome.report
+            return self._not_replayed(seen, Note.of(
+                "other-counts", nan=found.nan, posinf=found.posinf, neginf=found.neginf, tensor=to_pairs(found.tensor),
+                where=found.where, phase=str(found.phase), op=found.op, seen=to_pairs(seen.tensor),
+            )), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step, seen)
         self.replayed = root
         if finding.cause is not None:
             # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
-            report = dataclasses.replace(report, cause=seen.cause, notes=(*seen.notes, *report.notes))
+            report = dataclasses.replace(report, cause=seen.cause, note_facts=(*seen.note_facts, *report.note_facts))
         return report, (outcome.frame, outcome.position)
 
     def explain_failure(self, module: nn.Module, call: Call, running: tuple[tuple[Any, ...], dict[str, Any]] | None
@@ -342,8 +344,7 @@ class StepReplays:
         if outcome.report is None:
             return None
         report = self._replayed(outcome.report, self.watch.step)
-        note = f"then the forward raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        report = dataclasses.replace(report, notes=(*report.notes, note.rstrip(": ")))
+        report = dataclasses.replace(report, note_facts=(*report.note_facts, Note.raised("forward-raised", error)))
         return report, (outcome.frame, outcome.position), error
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> Outcome:
@@ -374,17 +375,15 @@ class StepReplays:
             reproduced=True,
             models_watched=len(watch.targets.roots),
             ops=watch.config.ops,
-            notes=(*report.notes, f"named by replaying step {step}'s model call under per-module and "
-                                  "op-level checks; the replay saw the same event"),
+            note_facts=(*report.note_facts, Note.of("step-replayed", step=step)),
         )
         # The cause reads the run's history (a diverging loss), which the replay did not have.
         return dataclasses.replace(report, cause=diagnose(report))
 
     @staticmethod
-    def _not_replayed(seen: Report, why: str) -> Report:
-        note = (f"the replay of this step did not reproduce the event ({why}); this is what the step's boundary "
-                "check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer")
-        return dataclasses.replace(seen, reproduced=False, notes=(*seen.notes, note))
+    def _not_replayed(seen: Report, why: Note) -> Report:
+        note = Note.of("not-reproduced", reason=why.pair)
+        return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
 
 
 def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:

@@ -24,7 +24,7 @@ from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.hot.finding import Finding
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.patches.registry import ProcessPatch, Wrap
-from nan_magic.records import Phase, TensorRef, TensorStats
+from nan_magic.records import Note, Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.optim import OptimizerChecks
@@ -120,8 +120,7 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
             found = tensor_stats(grad)
         if inner.report is None:
             finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
-            finding.notes.append("the gradients flowing into every module were finite; this parameter's "
-                                 "own gradient formula made it")
+            finding.notes.append(Note("own-gradient-formula"))
             inner.optimizers.reports.attribute(finding)
             inner.origins.add_op_origin(finding, grad)
             inner.emit(finding)

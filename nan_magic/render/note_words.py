@@ -1,0 +1,325 @@
+"""The sentence of each kind of note (records: :class:`~nan_magic.note_records.Note`).
+
+The engine keeps a note's facts; the words are all here. A template is
+filled from the note's facts; a kind whose words depend on them has a
+function. Facts whose name ends in ``module`` hold a module's qualified name
+(``""`` for the root, None where none): they read as ``the root module``
+where empty. A note with the fact ``ops_hint`` ends with the advice to watch
+with ``ops=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nan_magic.locations import SourcePointer
+from nan_magic.note_records import Note
+from nan_magic.plain import from_plain
+from nan_magic.render.names import tensor_label
+from nan_magic.tensor_refs import TensorRef
+
+__all__ = ["human_size", "note_text"]
+
+_OPS = "watch with ops=True (%%nantrace --ops) for the op and line"
+_GONE = "{module}'s arguments are gone by the deferred check ({reason}); " + _OPS
+_FOUND = "{nan} nan, {posinf} +inf, {neginf} -inf in {op}"
+
+#: The notes whose words are their facts filled into a template.
+_TEMPLATES: dict[str, str] = {
+    # hot/: the boundary checks
+    "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
+                       "produced it",
+    "outputs-were-bad": "some module outputs of this step were already non-finite",
+    "entered-outside": "every watched module output of this step was finite; this tensor, which no watched code "
+                       "produced, entered the code outside the modules (the loss) already non-finite",
+    "outside-backward": "computed by the backward of code outside every watched module (e.g. the loss)",
+    "ops-for-forward-line": "watch with ops=True (%%nantrace --ops) for the op and its forward line",
+    "module-backward": "the gradient flowing into {module} was finite; the gradient its backward computed is not",
+    "grads-overflowed": "a parameter gradient overflowed while the activation gradients stayed finite",
+    "grads-read-at-exit": "the watch ended after this backward, before an optimizer step: its parameter gradients "
+                          "were read then",
+    "grads-read-unstepped": "no optimizer stepped after this backward: its parameter gradients were read when it "
+                            "ended",
+    "scaler-collapsing": "raised because the scale keeps collapsing ({skips} skips in a row, or a scale below 1)",
+    "about-to-step": "{optimizer} was about to step with this gradient",
+    "optimizer-made-it": "the {optimizer} step made {tensor} non-finite",
+    "detected-deferred": "detected at the deferred check",
+    "held-changed": "an input tensor of that call was changed in place after its forward",
+    "held-freed": "an input tensor of that call was freed after its forward and cannot be recomputed",
+    # localize/: the producer rule, the op tracer, the replays
+    "already-bad": "{name} was already non-finite when {module} read it",
+    "own-code": "{module}'s own code made it, and passed it to {consumer} as {path}",
+    "arguments-gone": _GONE,
+    "not-kept": "its arguments were not kept",
+    "rng-not-kept": "its random state was not kept",
+    "op-raised": "then {func} raised {error} on it: {message}",
+    "forward-raised": "then the forward raised {error}: {message}",
+    "refetched": "named by fetching the batch's samples from {dataset} again",
+    "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}: {message}",
+    "iterable-dataset": "the batch came from {dataset}, an iterable dataset: its samples cannot be fetched again by "
+                        "index, so the op that made the value is not named",
+    "indices-unseen": "the batch's indices into {dataset} were not seen (drawn before the watch began, or "
+                      "in_order=False), so its samples were not fetched again",
+    "refetch-finite": "fetching the batch's {count} sample(s) from {dataset} again made no non-finite value: it is "
+                      "stored in the dataset itself, or drawn at random",
+    "own-gradient-formula": "the gradients flowing into every module were finite; this parameter's own gradient "
+                            "formula made it",
+    "optimizer-unreplayable": "the {optimizer} step could not be replayed to name its op",
+    "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
+    "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
+                     + _OPS,
+    "replay-found": "replay of {module} on its inputs found the op: replay reproduced " + _FOUND,
+    "ran-inside": "{op} ran inside {op_module}, which is not checked on its own",
+    "rng-redrawn": "the call's random state was not kept: its replay drew other random numbers",
+    "found-in-enclosing": "{module}'s own arguments are gone by the deferred check ({reason}); a replay of "
+                          "{outer_module}, which called it, found the op in {op_module}: " + _FOUND,
+    "found-in-caller": "a replay of {outer_module} found the first non-finite value in {op_module}'s own code "
+                       "({op}), before {module}, which passed it on",
+    "freed-recomputed": "{path} was freed before the deferred check: its counts and values are from running "
+                        "{module} again on the same inputs",
+    "backward-not-kept": "{module}'s arguments were not kept, so its backward cannot be replayed; " + _OPS,
+    "replay-raised": "replay of {module} raised {error}: {message}; the op is unknown",
+    "replay-held": "replay of {module} gave a non-finite output that no op inside it produced: its inputs, "
+                   "parameters, buffers or scalar arguments already held it",
+    "replay-finite": "replay of {module} on its recorded inputs stayed finite; the op is unknown",
+    "cannot-replay": "cannot replay {module}: {reason}",
+    "backward-replay-raised": "replay of {module} with gradients raised {error}: {message}; the op is unknown",
+    "backward-replay-finite": "replay of {module} with gradients stayed finite; the op is unknown",
+    "step-replayed": "named by replaying step {step}'s model call under per-module and op-level checks; the replay "
+                     "saw the same event",
+    "not-reproduced": "the replay of this step did not reproduce the event ({reason}); this is what the step's "
+                      "boundary check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer",
+    "step-replay-finite": "the replay stayed finite",
+    "no-gradient-held": "no gradient flowing into the model's outputs was held for this step",
+    "call-not-held": "its model call was no longer held (more than {max_calls} calls in the step)",
+    "sharded-not-replayed": "a model sharded by FSDP is not replayed (its forward needs every rank)",
+    "inputs-modified": "the call's inputs were modified in place since the call",
+    "step-replay-raised": "the replay raised {error}: {message}",
+    # scene/, fixes/, distributed/
+    "scene-failed": "could not record the scene: {error}: {message}",
+    "scene-part-failed": "the scene leaves out {part}: {error}: {message}",
+    "scene-part-refused": "the scene leaves out {part}: {reason}",
+    "refused": "loading it needs {what}, which is neither a tensor nor a plain value and could run code "
+               "(torch.load weights_only=True refuses it)",
+    "scene-save-failed": "could not save the scene in {folder}: {error}: {message}",
+    "batch-lacks": "the scene's batch lacks {paths}: freed or changed in place before the event",
+    "input-freed": "the scene lacks the producer's {path}: it was freed before the event",
+    "input-changed": "the scene lacks the producer's {path}: the producer changed it in place",
+    "fixes-failed": "the fix trials failed ({error}: {message}); no remedy was tried",
+    "needs-ranks": "no fix was tried under a process group of {ranks} ranks: {reason}, and the other ranks are not "
+                   "replaying",
+    "ranks-sharded": "the model is sharded by FSDP (its forward gathers parameters from every rank)",
+    "ranks-sync-batchnorm": "a SyncBatchNorm in training mode syncs its statistics across ranks",
+    "ranks-optimizer": "the {optimizer} optimizer communicates across ranks",
+    "ranks-collective": "the loss code runs a collective ({op})",
+    "rank-saw-none": "rank {rank} saw no non-finite value of its own at this step",
+    # a note of a scene written before notes were data: its sentence as it was
+    "said": "{text}",
+}
+
+#: What made a deliberate infinity (the ``how`` of a ``deliberate`` note).
+_DELIBERATE: dict[str, str] = {
+    "mask-argument": "{path} is an infinite mask given as an argument",
+    "mask-buffer": "{name} is an infinite mask held as a buffer",
+    "scalar": "an infinite scalar, e.g. masked_fill(mask, -inf), or a mask carried on",
+    "scalar-inside": "an op inside was given an infinite scalar, e.g. masked_fill(mask, -inf)",
+    "scalar-in-replay": "a replay of {outer_module} showed an op of {module} given an infinite scalar",
+}
+
+
+def note_text(note: Note) -> str:
+    """The sentence ``note`` stands for."""
+    words = _WRITERS.get(note.kind)
+    if words is not None:
+        text = words(note)
+    elif note.kind in _TEMPLATES:
+        text = _fill(_TEMPLATES[note.kind], note)
+    else:  # a kind this version does not know (a scene of a later one): its facts, as they are
+        text = f"{note.kind}: " + ", ".join(f"{key} {value}" for key, value in note.facts)
+    return f"{text}; {_OPS}" if note.fact("ops_hint") else text
+
+
+def human_size(size: int) -> str:
+    """``512 B``, ``3.4 KB``, ``1.2 GB``."""
+    if size < 1024:
+        return f"{size} B"
+    value, unit = size / 1024, "KB"
+    for bigger in ("MB", "GB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+def _fill(template: str, note: Note) -> str:
+    values = {key: _word(key, value) for key, value in note.facts}
+    text = template.format_map(values)
+    # An exception without a message: no dangling colon.
+    return text.rstrip(": ") if values.get("message") == "" else text
+
+
+def _word(key: str, value: Any) -> Any:
+    if key.endswith("module"):
+        return value or "the root module"
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and key == "reason":
+        return note_text(Note.from_pair(value))  # a note's reason, itself a note
+    return value
+
+
+def _deliberate(note: Note) -> str:
+    how = _fill(_DELIBERATE[note.fact("how")], note)
+    return f"a deliberate infinity ({how}): benign while what consumes it stays finite"
+
+
+def _loss_region(note: Note) -> str:
+    names: tuple[str, ...] = note.fact("nodes")
+    suspects: tuple[str, ...] = note.fact("singular")
+    sentence = f"the backward of that code ran {len(names)} autograd nodes ({', '.join(dict.fromkeys(names))})"
+    if suspects:
+        counted = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
+                            for name in dict.fromkeys(suspects))
+        sentence += f"; the ones whose derivative can be infinite: {counted}"
+    return sentence
+
+
+def _scaler_skipped(note: Note) -> str:
+    return (f"the GradScaler skipped this step: its scaled gradients were non-finite ({note.fact('in_a_row')} "
+            f"skipped in a row, {note.fact('total')} in all; scale {note.fact('scale'):g})")
+
+
+def _written_outside(note: Note) -> str:
+    previous = note.fact("previous_check")
+    since = "since the watch began" if previous is None else f"since it was last checked finite, after step {previous}"
+    return (f"{note.fact('tensor')} was non-finite after the {note.fact('optimizer')} step of step "
+            f"{note.fact('step')}; the steps {since} were bounded steps, which cannot make a finite parameter "
+            "non-finite short of the float32 limit: code outside the optimizer wrote it")
+
+
+def _python_backward(note: Note) -> str:
+    node, created = note.fact("node"), note.fact("created")
+    of = f" of {node}" if node else ""
+    at = f", whose node was created at {_pointer(created)}" if created is not None else ""
+    return (f"{note.fact('op')} ran in a Python backward{of} (a custom autograd.Function's backward, or a gradient "
+            f"hook){at}")
+
+
+def _inside(note: Note) -> str:
+    return f"inside {_pointer(note.fact('source'))}"
+
+
+def _outside_untraced(note: Note) -> str:
+    return (f"the code outside the models ({' and '.join(note.fact('regions'))}) ran more ops a step than the watch "
+            f"records ({note.fact('loss_budget')} for the loss, {note.fact('data_budget')} for data code): its op and "
+            "line are not named")
+
+
+def _optimizer_replay_finite(note: Note) -> str:
+    start = "from the parameter as it was before it" if note.fact("before") else "from the state it left"
+    return (f"a replay of the {note.fact('optimizer')} step {start} stayed finite where the step made non-finite "
+            "values: its op is not named")
+
+
+def _optimizer_replayed(note: Note) -> str:
+    on = ("on a copy of the parameter kept before it (its values were near the limit of its dtype), its gradient "
+          "and its state") if note.fact("before") else (
+          "on copies of the parameter, its gradient and its state as the step left them (non-finite elements as 0)")
+    return f"{note.fact('op')} named by a replay of the {note.fact('optimizer')} step {on}"
+
+
+def _enclosing_missed(note: Note) -> str:
+    op, replay = note.fact("op"), note.fact("replay")
+    label = note.fact("module") or "the root module"
+    found = (f"found {op} in {note.fact('op_module')}, not in {label}" if op is not None
+             else note_text(Note.from_pair(replay)) if replay is not None else "stayed finite")
+    return (f"{label}'s own arguments are gone by the deferred check ({_word('reason', note.fact('reason'))}), and a "
+            f"replay of {note.fact('outer_module') or 'the root module'} {found}; {_OPS}")
+
+
+def _computed_inside(note: Note) -> str:
+    label = note.fact("module") or "the root module"
+    inside = (f"cannot replay {label} for the backward op: the tensor whose gradient is not finite was computed "
+              f"inside {label}, not passed to it")
+    if note.fact("overflow"):
+        return f"{inside}, and a replay of its overflow with a gradient of ones need not overflow where the real " \
+               "gradient did"
+    return f"{inside}, and it has no parameters"
+
+
+def _restore(note: Note) -> str:
+    step = note.fact("step")
+    if step is None:
+        return "keep_last_good: no optimizer step ended finite before this event; nothing to roll back to"
+    return f"report.restore() puts back the model and optimizer state after step {step}"
+
+
+def _scene_saved(note: Note) -> str:
+    return (f"scene saved: {note.fact('path')} ({human_size(note.fact('bytes'))}); nan_magic.load_scene(path) or "
+            "%nanreplay rebuilds it")
+
+
+def _batch_lacks(note: Note) -> str:
+    return _TEMPLATES["batch-lacks"].format(paths=", ".join(note.fact("paths")))
+
+
+def _autograd_backward(note: Note) -> str:
+    node = note.fact("node")
+    return f"{note.fact('op')} ran in the backward of the forward line" + (f" ({node})" if node else "")
+
+
+def _backward_replay_found(note: Note) -> str:
+    return (f"replay of {note.fact('module') or 'the root module'}'s forward and backward (a gradient of ones into its "
+            f"outputs) found the op: {note.fact('op')} in the backward of {note.fact('node') or 'an autograd node'}")
+
+
+def _other_counts(note: Note) -> str:
+    return f"the replay found {_event(note)}, but not the same counts at {_tensor(note.fact('seen'))}"
+
+
+def _rank_reduced(note: Note) -> str:
+    return (f"rank {note.fact('rank')} received it through the gradient all-reduce (or FSDP's reduce-scatter) (its "
+            f"own first non-finite value: {_tensor(note.fact('tensor'))})")
+
+
+def _rank_also_saw(note: Note) -> str:
+    return f"rank {note.fact('rank')} also saw a non-finite value: {_event(note)}"
+
+
+def _event(note: Note) -> str:
+    """Another event in a few words: ``3 nan, 0 +inf, 0 -inf in output of fc (Linear), forward, op aten.div.Tensor``."""
+    op = note.fact("op")
+    return (f"{note.fact('nan')} nan, {note.fact('posinf')} +inf, {note.fact('neginf')} -inf in "
+            f"{_tensor(note.fact('tensor'))} of {note.fact('where')}, {note.fact('phase')}"
+            + (f", op {op}" if op else ""))
+
+
+def _pointer(pairs: Any) -> SourcePointer:
+    return from_plain(SourcePointer, pairs)
+
+
+def _tensor(pairs: Any) -> str:
+    return tensor_label(from_plain(TensorRef, pairs))
+
+
+#: The notes whose words depend on their facts beyond filling them in.
+_WRITERS: dict[str, Callable[[Note], str]] = {
+    "deliberate": _deliberate,
+    "loss-region": _loss_region,
+    "scaler-skipped": _scaler_skipped,
+    "written-outside-optimizer": _written_outside,
+    "python-backward": _python_backward,
+    "inside": _inside,
+    "outside-untraced": _outside_untraced,
+    "optimizer-replay-finite": _optimizer_replay_finite,
+    "optimizer-replayed": _optimizer_replayed,
+    "enclosing-missed": _enclosing_missed,
+    "computed-inside": _computed_inside,
+    "restore": _restore,
+    "scene-saved": _scene_saved,
+    "batch-lacks": _batch_lacks,
+    "autograd-backward": _autograd_backward,
+    "backward-replay-found": _backward_replay_found,
+    "other-counts": _other_counts,
+    "rank-reduced": _rank_reduced,
+    "rank-also-saw": _rank_also_saw,
+}
