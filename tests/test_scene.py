@@ -206,6 +206,35 @@ def test_a_scene_loads_with_plain_weights_only_and_its_report_is_plain_data(tmp_
     assert same_bits(data["models"]["Sequential"], model.state_dict())
 
 
+def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    data = torch.load(report.scene, weights_only=True)
+    assert data["version"] == 3
+    saved = data["report"]["note_facts"]
+    assert saved == ({"kind": "step-replayed", "facts": (("step", report.step),)},)  # a kind and its facts
+    scene = nan_magic.load_scene(report.scene)
+    # The scene was saved before the notes of its saving were added: the ones it holds read the same.
+    assert scene.report.notes == report.notes[:1]
+    assert scene.report.notes[0].startswith(f"named by replaying step {report.step}'s model call")
+    assert report.notes[-1].startswith(f"scene saved: {report.scene} (")
+
+
+def test_a_version_2_scene_whose_notes_were_sentences_still_shows_them(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    data = torch.load(report.scene, weights_only=True)
+    plain = dict(data["report"])
+    del plain["note_facts"]
+    plain["notes"] = ("the GradScaler skipped this step", "a sentence {with braces} as it was written")
+    data["version"], data["report"] = 2, plain
+    old = tmp_path / "version_2_scene.pt"
+    torch.save(data, old)
+    scene = nan_magic.load_scene(old)
+    assert scene.report.notes == plain["notes"]
+    assert "a sentence {with braces} as it was written" in scene.report.to_text()
+
+
 def test_a_version_1_scene_whose_report_was_pickled_as_records_is_refused_in_one_line(tmp_path) -> None:
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
