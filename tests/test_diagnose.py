@@ -22,7 +22,17 @@ import nan_magic
 from nan_magic.explain import diagnose as diagnose_module
 from nan_magic.explain.diagnose import DIVERGENCE_RISES, LABELS, diagnose
 from nan_magic.localize.outside.recorder import LOSS_BUDGET
-from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorRef, TensorRole, TensorStats
+from nan_magic.records import (
+    Cause,
+    Note,
+    Phase,
+    Report,
+    SourcePointer,
+    StepSummary,
+    TensorRef,
+    TensorRole,
+    TensorStats,
+)
 
 
 def assert_cause(report: Report, label: str, *named: str) -> Cause:
@@ -351,13 +361,13 @@ def test_the_facts_survive_json_pickle_and_the_scene(tmp_path) -> None:
 
 
 def test_the_diagnosis_never_reads_a_fact_from_the_notes() -> None:
-    # A note that reads like a fact is prose for the user: without the field there is no node rule to apply.
+    # A note holds what it says for the user: without the field there is no node rule to apply.
     cause = diagnose(report(phase=Phase.BACKWARD, op="aten.div.Tensor", tensor=TensorRef.op_output("aten.div.Tensor"),
                             posinf=3,
-                            notes=("aten.div.Tensor ran in the backward of the forward line (SqrtBackward0)",)))
+                            note_facts=(Note.of("autograd-backward", op="aten.div.Tensor", node="SqrtBackward0"),)))
     assert cause.label == "unclassified"
     cause = diagnose(report(phase=Phase.OPTIMIZER, tensor=TensorRef.parameter("fc.weight"), dtype="float16", nan=5,
-                            notes=("the Adam step made fc.weight non-finite",)))
+                            note_facts=(Note.of("optimizer-made-it", optimizer="Adam", tensor="fc.weight"),)))
     assert cause.label == "unclassified" and "Adam" not in cause.hint
 
 

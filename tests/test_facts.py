@@ -19,7 +19,7 @@ from watching import raised
 from nan_magic import TensorRef, TensorRole
 from nan_magic.explain.evidence import event, event_cause, plain_cause
 from nan_magic.plain import from_plain, to_pairs, to_plain
-from nan_magic.records import Cause, EarlyWarning, Phase, Report, SourcePointer, TensorStats
+from nan_magic.records import Cause, EarlyWarning, Note, Phase, Report, SourcePointer, TensorStats
 from nan_magic.render.cause import cause_evidence, cause_hint
 from nan_magic.render.common import labelled_samples
 
@@ -134,7 +134,8 @@ _EVENT = Report(
         *((TensorRef(TensorRole.OPERAND, name), dataclasses.replace(_INPUT, neginf=9))
           for name in ("self", "other", "query", "key", "attn_mask")),
     ),
-    warnings=(EarlyWarning(3, "extreme-input", "input[0] reached |x| = 1e9"),), notes=("a mask's -inf",),
+    warnings=(EarlyWarning(3, "extreme-input", "input[0] reached |x| = 1e9"),),
+    note_facts=(Note.of("deliberate", how="scalar"),),
 )
 _SIGNS = (("arithmetic", "div"), ("pow",), ("near", to_pairs(TensorRef(TensorRole.OPERAND, "self")), 3e36, 1e-3),
           ("output-near", 3e35), ("square", to_pairs(TensorRef.argument("input[0]")), 2e19, 1.8e19),
