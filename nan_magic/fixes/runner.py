@@ -124,7 +124,7 @@ class _NeedsRanks(Exception):
     """No trial runs: one would need the other ranks of the process group (``note`` says why)."""
 
     def __init__(self, note: Note) -> None:
-        super().__init__(note.kind)
+        super().__init__(note.text)
         self.note = note
 
 
