@@ -22,17 +22,8 @@ import nan_magic
 from nan_magic.explain import diagnose as diagnose_module
 from nan_magic.explain.diagnose import DIVERGENCE_RISES, LABELS, diagnose
 from nan_magic.localize.outside.recorder import LOSS_BUDGET
-from nan_magic.records import (
-    Cause,
-    Note,
-    Phase,
-    Report,
-    SourcePointer,
-    StepSummary,
-    TensorRef,
-    TensorRole,
-    TensorStats,
-)
+from nan_magic.note_records import Note
+from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorRef, TensorRole, TensorStats
 
 
 def assert_cause(report: Report, label: str, *named: str) -> Cause:
