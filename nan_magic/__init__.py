@@ -46,6 +46,7 @@ __all__ = [
     "LayerCall",
     "NanMagicWarning",
     "NonFiniteError",
+    "Note",
     "PeerNonFiniteError",
     "Phase",
     "Report",
