@@ -82,13 +82,9 @@ LOSS_BUDGET = 512
 UPDATE_BUDGET = 256
 # The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
 _INERT = -1
-
-# torch's dispatch-mode stack, called directly: ``_push_mode``/``_pop_mode`` add a Python frame and an
-# attribute test around each (this mode has no ``_dispatch_key``), three pushes and pops a step.
-_push = torch._C._push_on_torch_dispatch_stack
-_pop = torch._C._pop_torch_dispatch_stack
-_stack_depth = torch._C._len_torch_dispatch_stack
-_stack_at = torch._C._get_dispatch_stack_at
+# torch's dispatch-mode stack, called directly (``_push_mode``/``_pop_mode`` are a Python frame more each).
+_push, _pop = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
+_stack_depth, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -172,8 +168,7 @@ class OutsideRecorder(TorchDispatchMode):
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
-        depth = _stack_depth()
-        if depth and _stack_at(depth - 1) is self:  # the innermost mode: a user's mode pushed since stays balanced
+        if (depth := _stack_depth()) and _stack_at(depth - 1) is self:  # innermost: a user's mode stays balanced
             _pop(None)
             self.pushed = False
         else:
