@@ -98,7 +98,7 @@ def test_a_reason_is_a_note_held_in_the_note_it_explains() -> None:
 def test_an_exception_without_a_message_leaves_no_dangling_colon() -> None:
     assert Note.raised("forward-raised", IndexError()).text == "then the forward raised IndexError"
     assert Note.raised("op-raised", RuntimeError("bad\nmore"), func="aten.multinomial.default").text == (
-        "then aten.multinomial.default raised RuntimeError on it: bad")
+        "then aten.multinomial.default was called on it and raised RuntimeError: bad")
 
 
 def test_a_kind_this_version_does_not_know_shows_its_facts() -> None:

@@ -53,7 +53,7 @@ _TEMPLATES: dict[str, str] = {
     "arguments-gone": _GONE,
     "not-kept": "its arguments were not kept",
     "rng-not-kept": "its random state was not kept",
-    "op-raised": "then {func} raised {error} on it: {message}",
+    "op-raised": "then {func} was called on it and raised {error}: {message}",
     "forward-raised": "then the forward raised {error}: {message}",
     "refetched": "named by fetching the batch's samples from {dataset} again",
     "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}: {message}",
