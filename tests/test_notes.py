@@ -15,7 +15,8 @@ from watching import raised
 import nan_magic
 from nan_magic.hot.finding import Finding
 from nan_magic.note_records import Note
-from nan_magic.records import Report
+from nan_magic.plain import to_pairs
+from nan_magic.records import Report, SourcePointer
 from nan_magic.render import note_words
 
 PACKAGE = Path(nan_magic.__file__).parent
@@ -93,6 +94,14 @@ def test_a_reason_is_a_note_held_in_the_note_it_explains() -> None:
     finite = Note.of("backward-replay-finite", module="head").adding(ops_hint=True)
     assert finite.text == ("replay of head with gradients stayed finite; the op is unknown; "
                            "watch with ops=True (%%nantrace --ops) for the op and line")
+
+
+def test_a_source_line_in_a_note_is_held_as_data_and_reads_as_the_pointer_does() -> None:
+    pointer = SourcePointer("model.py", 12, "forward", "return a / b")
+    note = Note.of("python-backward", op="aten.div.Tensor", node="DivBackward", created=to_pairs(pointer))
+    assert note.text == ("aten.div.Tensor ran in a Python backward of DivBackward (a custom autograd.Function's "
+                         f"backward, or a gradient hook), whose node was created at {pointer}")
+    assert Note.of("inside", source=to_pairs(pointer)).text == f"inside {pointer}"
 
 
 def test_an_exception_without_a_message_leaves_no_dangling_colon() -> None:
