@@ -106,6 +106,8 @@ def test_a_source_line_in_a_note_is_held_as_data_and_reads_as_the_pointer_does()
 
 def test_an_exception_without_a_message_leaves_no_dangling_colon() -> None:
     assert Note.raised("forward-raised", IndexError()).text == "then the forward raised IndexError"
+    assert Note.of("replay-raised", module="fc", error="IndexError", message="").text == (
+        "replay of fc raised IndexError; the op is unknown")
     assert Note.raised("op-raised", RuntimeError("bad\nmore"), func="aten.multinomial.default").text == (
         "then aten.multinomial.default was called on it and raised RuntimeError: bad")
 

@@ -4,8 +4,9 @@ The engine keeps a note's facts; the words are all here. A template is
 filled from the note's facts; a kind whose words depend on them has a
 function. Facts whose name ends in ``module`` hold a module's qualified name
 (``""`` for the root, None where none): they read as ``the root module``
-where empty. A note with the fact ``ops_hint`` ends with the advice to watch
-with ``ops=True``.
+where empty. An ``error`` reads with its ``message``: ``ValueError: bad
+shape``, or the type alone. A note with the fact ``ops_hint`` ends with the
+advice to watch with ``ops=True``.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ _TEMPLATES: dict[str, str] = {
     "arguments-gone": _GONE,
     "not-kept": "its arguments were not kept",
     "rng-not-kept": "its random state was not kept",
-    "op-raised": "then {func} was called on it and raised {error}: {message}",
-    "forward-raised": "then the forward raised {error}: {message}",
+    "op-raised": "then {func} was called on it and raised {error}",
+    "forward-raised": "then the forward raised {error}",
     "refetched": "named by fetching the batch's samples from {dataset} again",
-    "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}: {message}",
+    "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}",
     "iterable-dataset": "the batch came from {dataset}, an iterable dataset: its samples cannot be fetched again by "
                         "index, so the op that made the value is not named",
     "indices-unseen": "the batch's indices into {dataset} were not seen (drawn before the watch began, or "
@@ -79,12 +80,12 @@ _TEMPLATES: dict[str, str] = {
     "freed-recomputed": "{path} was freed before the deferred check: its counts and values are from running "
                         "{module} again on the same inputs",
     "backward-not-kept": "{module}'s arguments were not kept, so its backward cannot be replayed; " + _OPS,
-    "replay-raised": "replay of {module} raised {error}: {message}; the op is unknown",
+    "replay-raised": "replay of {module} raised {error}; the op is unknown",
     "replay-held": "replay of {module} gave a non-finite output that no op inside it produced: its inputs, "
                    "parameters, buffers or scalar arguments already held it",
     "replay-finite": "replay of {module} on its recorded inputs stayed finite; the op is unknown",
     "cannot-replay": "cannot replay {module}: {reason}",
-    "backward-replay-raised": "replay of {module} with gradients raised {error}: {message}; the op is unknown",
+    "backward-replay-raised": "replay of {module} with gradients raised {error}; the op is unknown",
     "backward-replay-finite": "replay of {module} with gradients stayed finite; the op is unknown",
     "step-replayed": "named by replaying step {step}'s model call under per-module and op-level checks; the replay "
                      "saw the same event",
@@ -95,18 +96,18 @@ _TEMPLATES: dict[str, str] = {
     "call-not-held": "its model call was no longer held (more than {max_calls} calls in the step)",
     "sharded-not-replayed": "a model sharded by FSDP is not replayed (its forward needs every rank)",
     "inputs-modified": "the call's inputs were modified in place since the call",
-    "step-replay-raised": "the replay raised {error}: {message}",
+    "step-replay-raised": "the replay raised {error}",
     # scene/, fixes/, distributed/
-    "scene-failed": "could not record the scene: {error}: {message}",
-    "scene-part-failed": "the scene leaves out {part}: {error}: {message}",
+    "scene-failed": "could not record the scene: {error}",
+    "scene-part-failed": "the scene leaves out {part}: {error}",
     "scene-part-refused": "the scene leaves out {part}: {reason}",
     "refused": "loading it needs {what}, which is neither a tensor nor a plain value and could run code "
                "(torch.load weights_only=True refuses it)",
-    "scene-save-failed": "could not save the scene in {folder}: {error}: {message}",
+    "scene-save-failed": "could not save the scene in {folder}: {error}",
     "batch-lacks": "the scene's batch lacks {paths}: freed or changed in place before the event",
     "input-freed": "the scene lacks the producer's {path}: it was freed before the event",
     "input-changed": "the scene lacks the producer's {path}: the producer changed it in place",
-    "fixes-failed": "the fix trials failed ({error}: {message}); no remedy was tried",
+    "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "needs-ranks": "no fix was tried under a process group of {ranks} ranks: {reason}, and the other ranks are not "
                    "replaying",
     "ranks-sharded": "the model is sharded by FSDP (its forward gathers parameters from every rank)",
@@ -154,9 +155,9 @@ def human_size(size: int) -> str:
 
 def _fill(template: str, note: Note) -> str:
     values = {key: _word(key, value) for key, value in note.facts}
-    text = template.format_map(values)
-    # An exception without a message: no dangling colon.
-    return text.rstrip(": ") if values.get("message") == "" else text
+    if values.get("message"):  # an exception: ``ValueError: <its message>``, or its type alone
+        values["error"] = f"{values['error']}: {values['message']}"
+    return template.format_map(values)
 
 
 def _word(key: str, value: Any) -> Any:
