@@ -29,7 +29,7 @@ from nan_magic.hot.stats import (
     tensor_stats,
     version_of,
 )
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -30,11 +30,11 @@ from torch import nn
 from nan_magic.hot.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.held import hold_arguments
 from nan_magic.hot.hosts import CallReplayer, ForwardHost, ProducerJudge
-from nan_magic.hot.module_hooks import may_step_aside
 from nan_magic.hot.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
-from nan_magic.hot.targets import ModuleInfo
-from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
+from nan_magic.hot.watched.module_hooks import may_step_aside
+from nan_magic.hot.watched.targets import ModuleInfo
+from nan_magic.hot.watched.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.records import Phase
 
 __all__ = ["ForwardChecks", "HookGradient"]

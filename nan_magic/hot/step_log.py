@@ -27,7 +27,7 @@ from nan_magic.hot.stats import (
     finite_max,
     read_scalars,
 )
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerCall, Phase, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover

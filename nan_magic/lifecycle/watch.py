@@ -50,11 +50,11 @@ from nan_magic.hot.forward import ForwardChecks
 from nan_magic.hot.gradients import GradientChecks
 from nan_magic.hot.held import running_arguments
 from nan_magic.hot.hosts import LossCodeReads
-from nan_magic.hot.module_hooks import GlobalModuleHooks
 from nan_magic.hot.optim import OptimizerChecks
 from nan_magic.hot.step_cycle import StepCycle, wants_defer
 from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
+from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
+from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Iterable
 
 from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, Report
 
 __all__ = ["step_layers", "with_layers"]

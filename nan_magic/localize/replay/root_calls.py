@@ -35,7 +35,7 @@ from nan_magic.records import Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.call_records import Call
-    from nan_magic.hot.targets import ModuleInfo
+    from nan_magic.hot.watched.targets import ModuleInfo
 
 __all__ = ["NestedWatch", "Outcome", "RootCall", "replay_target", "rerun"]
 

@@ -60,7 +60,7 @@ from nan_magic.records import Phase, Report, TensorRef, TensorStats
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
     from nan_magic.hot.call_records import Call
-    from nan_magic.hot.targets import ModuleInfo, Targets
+    from nan_magic.hot.watched.targets import ModuleInfo, Targets
     from nan_magic.localize.replay.producer_call import CallReplay
     from nan_magic.records import EarlyWarning, StepSummary
 

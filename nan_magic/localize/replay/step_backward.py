@@ -29,7 +29,7 @@ from nan_magic.records import Phase, TensorRef, TensorStats
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.optim import OptimizerChecks
     from nan_magic.hot.step_log import StepLog
-    from nan_magic.hot.targets import Targets
+    from nan_magic.hot.watched.targets import Targets
     from nan_magic.localize.ops.origins import OpFinding
     from nan_magic.localize.ops.tracer import OpTracer
     from nan_magic.options import WatchConfig
