@@ -22,7 +22,7 @@ from watching import raised
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.hot import optim, stats
-from nan_magic.hot import step_log as calls
+from nan_magic.hot.kept import step_log as calls
 from nan_magic.lifecycle import watch
 from nan_magic.records import TensorRef, TensorRole
 

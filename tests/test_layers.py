@@ -78,7 +78,7 @@ def test_type_checking_and_function_level_imports_count() -> None:
     graph = _graph()
     # One import of each kind the graph must hold: one made only under TYPE_CHECKING (a call record's
     # RNG state type), one made only inside a function (the extension's magics, imported on %load_ext).
-    assert graph.direct_import_exists(importer="nan_magic.hot.call_records", imported="nan_magic.hot.rng")
+    assert graph.direct_import_exists(importer="nan_magic.hot.kept.call_records", imported="nan_magic.hot.kept.rng")
     assert graph.direct_import_exists(importer="nan_magic", imported="nan_magic.ipython.magics")
 
 

@@ -48,11 +48,11 @@ from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_name
 from nan_magic.errors.frames import user_line
-from nan_magic.hot.finding import Finding
 from nan_magic.hot.gradients import check_parameter_grads
 from nan_magic.hot.headroom import Headroom
 from nan_magic.hot.hosts import OptimizerHost
 from nan_magic.hot.iterations import Iterations
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.optim_reports import ReplayStep, StepReports
 from nan_magic.hot.stats import (
     DOT_MIN_NUMEL,

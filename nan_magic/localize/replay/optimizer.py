@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.records import Phase, SourcePointer

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.hot.call_records import (
+from nan_magic.hot.kept.call_records import (
     Alias,
     Call,
     KnownFinite,

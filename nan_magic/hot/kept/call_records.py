@@ -35,8 +35,8 @@ from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorS
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-    from nan_magic.hot.held import HeldArguments
-    from nan_magic.hot.rng import AutocastState, RngState
+    from nan_magic.hot.kept.held import HeldArguments
+    from nan_magic.hot.kept.rng import AutocastState, RngState
 
 __all__ = [
     "FIRST_ARGUMENT", "Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "argument_path", "argument_tensors",
