@@ -27,8 +27,8 @@ from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.hot.checks.optim import OptimizerChecks
     from nan_magic.hot.kept.step_log import StepLog
-    from nan_magic.hot.optim import OptimizerChecks
     from nan_magic.hot.watched.targets import Targets
     from nan_magic.localize.ops.origins import OpFinding
     from nan_magic.localize.ops.tracer import OpTracer

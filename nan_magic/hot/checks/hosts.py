@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from nan_magic.hot.early import EarlyWarnings
+from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.hosts import CallReplayer, ForwardHost, ProducerJudge
+from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
