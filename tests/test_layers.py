@@ -107,6 +107,19 @@ def test_every_module_has_a_layer() -> None:
     assert sorted(module for module in _graph().modules if module != "nan_magic" and not placed(module)) == []
 
 
+def test_every_module_inside_a_layered_package_has_a_layer_there() -> None:
+    graph = _graph()
+    unplaced = []
+    for contract in CONFIG["contracts"]:
+        names = [name.strip() for layer in contract.get("layers", []) for name in re.split(r"[|:]", layer)]
+        for container in contract.get("containers", []):
+            layers = [f"{container}.{name}" for name in names]
+            unplaced += [module for module in graph.find_descendants(container)
+                         if not any(module == layer or module.startswith(layer + ".") for layer in layers)]
+    # A new module in hot/ or localize/ outside the contract's layers would escape the order inside it.
+    assert sorted(unplaced) == []
+
+
 def test_no_import_cycle_among_the_package_modules() -> None:
     graph = _graph()
     # The layers contract's known upward imports (pyproject.toml) are the only ones allowed to close a cycle.
