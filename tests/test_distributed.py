@@ -387,32 +387,64 @@ def test_a_sharded_models_fault_is_named_by_the_users_class_and_parameter_names(
 # -- without processes: names, paths, and the report's rank in every rendering ---------------------
 
 
-def test_a_flat_parameter_is_named_by_the_parameter_its_non_finite_element_belongs_to():
+def test_a_flat_parameter_is_placed_as_the_parameter_its_non_finite_element_belongs_to_in_its_module():
     from torch import nn
-    from torch.distributed.fsdp._flat_param import _ShardParamInfo
+    from torch.distributed.fsdp._flat_param import ParamInfo, _ShardParamInfo
 
-    from nan_magic.distributed.ranks import unflattened_name
+    from nan_magic.distributed.ranks import ParameterPlace, parameter_place
 
     # What FSDP1 registers on a wrapped block "1" with use_orig_params=False: this rank's shard of the
-    # concatenated lin.weight (elements 2..7 here) and lin.bias (both), found by its _fqns and offsets.
+    # concatenated lin.weight (elements 2..7 here) and lin.bias (both), found by its _param_infos and offsets.
+    block = nn.Module()
+    block.lin = nn.Linear(2, 2)
     flat = nn.Parameter(torch.zeros(9))
-    flat._fqns = ("lin.weight", "lin.bias")  # type: ignore[attr-defined]
+    flat._param_infos = (  # type: ignore[attr-defined]
+        ParamInfo("weight", block.lin, "lin"), ParamInfo("bias", block.lin, "lin"))
     flat._shard_param_infos = (  # type: ignore[attr-defined]
         _ShardParamInfo(True, 0, 6, 2, 7), _ShardParamInfo(True, 6, 2, 0, 1))
-    block = nn.Module()
     block.register_parameter("_flat_param", flat)
     model = nn.Sequential(nn.Linear(2, 2), block)
     values = torch.zeros(9)
     values[7] = float("nan")
-    assert unflattened_name("1._flat_param", [model], values) == "1.lin.bias"
+    assert parameter_place("1._flat_param", [model], values) == ParameterPlace("1.lin.bias", "1.lin")
     values[3] = float("inf")
-    assert unflattened_name("1._flat_param", [model], values) == "1.lin.weight"
-    # The padding, a finite tensor, and every other name stay as they are.
-    assert unflattened_name("1._flat_param", [model], torch.zeros(9)) == "1._flat_param"
+    assert parameter_place("1._flat_param", [model], values) == ParameterPlace("1.lin.weight", "1.lin")
+    # The padding, or a finite tensor, leaves the flat parameter, held by the wrapped block.
+    assert parameter_place("1._flat_param", [model], torch.zeros(9)) == ParameterPlace("1._flat_param", "1")
     padded = torch.zeros(9)
     padded[8] = float("nan")
-    assert unflattened_name("1._flat_param", [model], padded) == "1._flat_param"
-    assert unflattened_name("0.weight", [model], values) == "0.weight"
+    assert parameter_place("1._flat_param", [model], padded) == ParameterPlace("1._flat_param", "1")
+    # Every other parameter is placed by the module it is registered on; a name in no model has no place.
+    assert parameter_place("0.weight", [model], values) == ParameterPlace("0.weight", "0")
+    assert parameter_place("param_groups[0][1]", [model], values) is None
+
+
+def test_a_parameter_is_placed_in_the_module_it_is_registered_on_under_ddp_and_when_shared():
+    from torch import nn
+
+    from nan_magic.distributed.ranks import ParameterPlace, parameter_place
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2))
+
+    block = nn.Module()
+    block.attn = Attention()
+    model = nn.Module()
+    model.block = nn.ModuleList([block])
+    model.scale = nn.Parameter(torch.ones(1))
+    model.head = nn.Linear(2, 2)
+    model.tied = nn.Linear(2, 2)
+    model.tied.weight = model.head.weight  # tied: named_parameters() names it by its first module only
+    assert parameter_place("block.0.attn.w", [model], None) == ParameterPlace("block.0.attn.w", "block.0.attn")
+    assert parameter_place("scale", [model], None) == ParameterPlace("scale", "")
+    assert parameter_place("head.weight", [model], None) == ParameterPlace("head.weight", "head")
+    assert parameter_place("tied.weight", [model], None) is None
+    # A data-parallel wrapper's "module." is no part of the user's names (DataParallel: DDP needs a process group).
+    wrapped = nn.DataParallel(model)
+    assert parameter_place("block.0.attn.w", [wrapped], None) == ParameterPlace("block.0.attn.w", "block.0.attn")
+    assert parameter_place("block.0.attn.w", [nn.Sequential()], None) is None
 
 
 def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():

@@ -432,6 +432,52 @@ def test_a_nonfinite_gradient_is_reported_before_the_step_runs() -> None:
     assert torch.equal(model.weight, before)  # the step never ran
 
 
+class Attention(nn.Module):
+    """A bare weight, registered on this module three levels down the model (``block.0.attn.w``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Module()
+        block.attn = Attention()
+        self.block = nn.ModuleList([block])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block[0].attn(x))
+
+
+@pytest.mark.parametrize("fault", ["gradient", "step"])
+def test_a_nested_parameter_is_reported_in_the_module_that_holds_it(fault: str) -> None:
+    torch.manual_seed(0)
+    model = Nested()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+
+    def step() -> None:
+        for index in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            if index == 1 and fault == "gradient":
+                model.block[0].attn.w.grad[2] = float("nan")  # a hand-written gradient transform
+            if index == 1 and fault == "step":
+                opt.param_groups[0]["lr"] = float("inf")
+            opt.step()
+
+    report = raised(step, model, opt, backward=False)
+    role = TensorRef.gradient if fault == "gradient" else TensorRef.parameter
+    assert (report.tensor, report.module, report.module_type) == (role("block.0.attn.w"), "block.0.attn", "Attention")
+    assert "block.0.attn (Attention)" in report.message
+
+
 def test_step_counts_optimizer_steps_across_phases() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,15 +24,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Iterable
 
 __all__ = [
-    "data_parallel_paths", "is_sharded", "launched", "launched_rank", "leave_together", "local_shard", "per_rank_path",
-    "process_group", "stamp", "unflattened_name", "user_name", "user_type",
+    "ParameterPlace", "data_parallel_paths", "is_sharded", "launched", "launched_rank", "leave_together", "local_shard",
+    "parameter_place", "per_rank_path", "process_group", "stamp", "user_name", "user_type",
 ]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-#: The attribute under which FSDP1 (``use_orig_params=False``) registers a wrapped module's FlatParameter.
-_FLAT_PARAM = "_flat_param"
 
 _FSDP_MODULE: type | None
 try:
@@ -105,44 +103,68 @@ def user_name(name: str, data_parallel: frozenset[str] = frozenset()) -> str:
     return ".".join(kept)
 
 
-def unflattened_name(name: str, roots: Iterable[nn.Module], values: torch.Tensor | None) -> str:
-    """The user's parameter that ``name``, an FSDP1 flat parameter, holds the first non-finite element of ``values`` in.
+@dataclass(frozen=True)
+class ParameterPlace:
+    """Where a parameter sits in the user's model: its qualified name and the module that holds it (user's names)."""
 
-    Under ``use_orig_params=False`` the optimizer steps FlatParameters, each
-    this rank's shard of the concatenated parameters of one wrapped module,
-    registered as ``_flat_param``: a name the user never wrote (``1._flat_param``
-    -> ``1.lin.bias``). ``values`` (its gradient, the parameter itself or an
-    optimizer state) is laid out like the shard, so the element's offset says
-    whose it is. Any other name, or a finite ``values``, is returned
-    unchanged. Walks the models: called per finding, never per step.
+    #: The parameter's qualified name (``block.0.attn.w``).
+    name: str
+    #: The qualified name of the module it is registered on (``block.0.attn``; ``""``: the root).
+    module: str
+
+
+def parameter_place(name: str, roots: Iterable[nn.Module], values: torch.Tensor | None) -> ParameterPlace | None:
+    """Where the parameter the watch names ``name`` sits, found by walking the models' modules (None: in none).
+
+    The owner comes from the module the parameter is registered on, never
+    from the name. An FSDP1 flat parameter (``use_orig_params=False``: the
+    optimizer steps FlatParameters, each this rank's shard of the concatenated
+    parameters of one wrapped module, registered as ``_flat_param``, a name
+    the user never wrote) is placed as the user's parameter holding the first
+    non-finite element of ``values`` (its gradient, the parameter itself or an
+    optimizer state, laid out like the shard): ``1._flat_param`` ->
+    ``1.lin.bias`` in module ``1.lin``. Its padding, or a finite ``values``,
+    leaves the flat parameter itself. Walks the models: called per finding,
+    never per step.
     """
-    owner, _dot, last = name.rpartition(".")
-    if last != _FLAT_PARAM or values is None:
-        return name
     for root in roots:
         data_parallel = data_parallel_paths(root)
-        for raw_name, parameter in root.named_parameters():
-            if user_name(raw_name, data_parallel) == name:
-                part = _flat_part(parameter, values)
-                if part is None:
-                    return name
-                return f"{owner}.{part}" if owner else part
-    return name
+        seen: set[int] = set()  # named_parameters()' rule: a shared parameter has its first name
+        for raw_module, module in root.named_modules():
+            owner = user_name(raw_module, data_parallel)
+            for leaf, parameter in module.named_parameters(recurse=False):
+                if id(parameter) in seen:
+                    continue
+                seen.add(id(parameter))
+                if _joined(owner, leaf) == name:
+                    inner = _flat_part(parameter, values) if values is not None else None
+                    if inner is None:
+                        return ParameterPlace(name, owner)
+                    inner_module, inner_name = inner
+                    module_name = user_name(_joined(raw_module, inner_module), data_parallel)
+                    return ParameterPlace(_joined(module_name, inner_name), module_name)
+    return None
 
 
-def _flat_part(flat: torch.Tensor, values: torch.Tensor) -> str | None:
-    """The name, relative to its wrapped module, of the parameter whose part of ``flat``'s shard is first non-finite."""
-    fqns = getattr(flat, "_fqns", None)
+def _joined(module: str, name: str) -> str:
+    """A qualified name, as torch's ``named_modules`` writes one: ``module.name``, or ``name`` under the root."""
+    return f"{module}.{name}" if module else name
+
+
+def _flat_part(flat: torch.Tensor, values: torch.Tensor) -> tuple[str, str] | None:
+    """Its module's name within the wrapped module, and its own name, of the parameter whose part of ``flat``'s
+    shard is first non-finite (FSDP's ``ParamInfo``); None for another parameter, a finite ``values`` or padding."""
+    parts = getattr(flat, "_param_infos", None)
     infos = getattr(flat, "_shard_param_infos", None)  # one per parameter: is it in this rank's shard, and where
-    if fqns is None or infos is None or values.shape != flat.shape:
+    if parts is None or infos is None or values.shape != flat.shape:
         return None
     bad = torch.nonzero(~torch.isfinite(values.detach().reshape(-1)))
     if bad.numel() == 0:
         return None
     index = int(bad[0, 0])
-    for fqn, info in zip(fqns, infos):
+    for part, info in zip(parts, infos):
         if info.in_shard and info.offset_in_shard <= index < info.offset_in_shard + info.numel_in_shard:
-            return str(fqn)
+            return part.module_name, part.param_name
     return None  # the shard's padding
 
 

@@ -9,7 +9,14 @@ from nan_magic.errors.frames import end_at_producer, headline_lines, short_trace
 from nan_magic.locations import running_shell
 from nan_magic.records import Report
 
-__all__ = ["NanMagicWarning", "NonFiniteError", "PeerNonFiniteError"]
+__all__ = ["NanMagicWarning", "NonFiniteError", "PeerNonFiniteError", "error_line"]
+
+
+def error_line(error: BaseException) -> str:
+    """How a note names an error the user's code raised: ``ValueError: <its first line>``, or the type alone."""
+    text = str(error)
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 class NanMagicWarning(RuntimeWarning):

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import is_sharded, process_group
+from nan_magic.explain.evidence import HALF as HALF_NAMES
 from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.diverged import lowered_update
@@ -36,7 +37,7 @@ from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
 from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
-from nan_magic.fixes.precision import HALF, float32
+from nan_magic.fixes.precision import float32
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import Remedy, Site
 from nan_magic.fixes.stable import StableFix
@@ -68,7 +69,7 @@ def producer_site(report: Report) -> Site:
 
 def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str, Remedy]]:
     remedies: list[tuple[str, Remedy]] = []
-    half = report.dtype is not None and report.dtype.removeprefix("torch.") in {str(d)[6:] for d in HALF}
+    half = report.dtype in HALF_NAMES
     if half or step.root.autocast:
         remedies.append(("float32", float32))
     if site.function in FUNCTIONS:

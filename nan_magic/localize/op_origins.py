@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from nan_magic.errors.exceptions import error_line
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.stats import TensorStats, is_checkable, relevant_kinds, tensor_stats
@@ -158,8 +159,7 @@ class OpOrigins:
                     info = self._info_by_name(finding.module)
                     if info is not None:
                         finding.module_type, finding.model = info.module_type, info.model
-                first = str(error).splitlines()[0] if str(error) else ""
-                finding.notes.append(f"then {func} raised {type(error).__name__} on it: {first}".rstrip(": "))
+                finding.notes.append(f"then {func} was called on it and raised {error_line(error)}")
                 return finding
         return None
 

@@ -127,16 +127,9 @@ def warning_lines(report: Report) -> list[str]:
     return lines
 
 
-def short_dtype(dtype: str | None) -> str:
-    """``"torch.float16"`` -> ``"float16"``; ``None`` -> ``""``."""
-    if not dtype:
-        return ""
-    return dtype.removeprefix("torch.")
-
-
 def finite_limit(dtype: str | None) -> float | None:
     """The largest finite value of a floating dtype, or ``None`` if unknown."""
-    return FINITE_LIMITS.get(short_dtype(dtype))
+    return FINITE_LIMITS.get(dtype) if dtype else None
 
 
 def fmt_number(value: float | None) -> str:
@@ -178,7 +171,7 @@ _SHORT_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float6
 
 def tensor_title(dtype: str | None, shape: tuple[int, ...]) -> str:
     """``"f16[32,64,64]"``: dtype and shape in one word."""
-    name = short_dtype(dtype)
+    name = dtype or ""
     return f"{_SHORT_DTYPES.get(name, name)}[{','.join(str(size) for size in shape)}]"
 
 
@@ -272,7 +265,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     if report.output_stats is not None:
         tensor += f" {tensor_title(report.dtype, report.output_stats.shape)}"
     elif report.dtype:
-        tensor += f" {short_dtype(report.dtype)}"
+        tensor += f" {report.dtype}"
     rows.append(("tensor", tensor))
     rows.append((
         "non-finite",

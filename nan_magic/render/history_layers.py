@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nan_magic.records import StepSummary, module_label
-from nan_magic.render.common import FINITE_LIMITS, finite_limit, fmt_number, short_dtype
+from nan_magic.render.common import FINITE_LIMITS, finite_limit, fmt_number
 
 __all__ = ["TOP_LAYERS", "layer_magnitude_lines"]
 
@@ -55,7 +55,7 @@ def _magnitude(value: float, dtype: str) -> str:
     limit = finite_limit(dtype)
     text = f"max |output| {fmt_number(value)}"
     if limit and value > 0:
-        text += f", headroom {_times(limit / value)} ({short_dtype(dtype)})"
+        text += f", headroom {_times(limit / value)} ({dtype})"
         if dtype != "float16":
             text += f", {_times(FINITE_LIMITS['float16'] / value)} in float16"
     return text

@@ -28,7 +28,6 @@ from nan_magic.render.common import (
     plotted_history_fields,
     producer_position,
     row_window,
-    short_dtype,
     source_excerpt,
     stats_phrase,
 )
@@ -290,7 +289,7 @@ def _history_cell(entry: StepSummary, field: str) -> str:
         value += f" ({measured(entry)})"
     if field == "headroom" and value and entry.headroom_module is not None:
         where = module_label(entry.headroom_module)
-        value += f" ({escape(where)} {escape(short_dtype(entry.headroom_dtype))})"
+        value += f" ({escape(where)} {escape(entry.headroom_dtype or '')})"
     return value
 
 

@@ -21,7 +21,7 @@ from matplotlib.ticker import EngFormatter, MaxNLocator
 from PIL import Image
 
 from nan_magic.records import Sample, StepSummary
-from nan_magic.render.common import finite_limit, history_value, plotted_history_fields, short_dtype
+from nan_magic.render.common import finite_limit, history_value, plotted_history_fields
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
@@ -77,7 +77,7 @@ def histogram_figure(samples: Sequence[Sample], zeros: bool = False) -> Figure:
 
 def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     """Draw one sample's histogram, its non-finite bars and its dtype's range onto ``axes``."""
-    dtype = short_dtype(sample.dtype)
+    dtype = sample.dtype
     bad = {"-inf": sample.neginf or 0, "+inf": sample.posinf or 0, "nan": sample.nan or 0}
     finite_count = sample.numel - sum(bad.values())
     counted = "; ".join(f"{count} {kind}" for kind, count in bad.items() if count)

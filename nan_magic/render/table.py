@@ -17,7 +17,6 @@ from nan_magic.render.common import (
     fmt_shape,
     in_call_order,
     module_label,
-    short_dtype,
 )
 from nan_magic.render.layer_tree import contains, depth, shown_statuses
 
@@ -104,7 +103,7 @@ def _record(layer: LayerCall) -> dict[str, object]:
     }
     if stats is not None:
         row.update({
-            "dtype": short_dtype(stats.dtype), "shape": stats.shape, "min": stats.min, "max": stats.max,
+            "dtype": stats.dtype, "shape": stats.shape, "min": stats.min, "max": stats.max,
             "mean": stats.mean, "std": stats.std, "absmax": stats.absmax,
             "nan": stats.nan, "+inf": stats.posinf, "-inf": stats.neginf,
         })

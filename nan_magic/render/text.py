@@ -16,7 +16,6 @@ from nan_magic.render.common import (
     module_label,
     producer_position,
     row_window,
-    short_dtype,
     stats_phrase,
 )
 from nan_magic.render.fixes import fixes_text
@@ -90,7 +89,7 @@ def _layer_row(layer: LayerCall, status: str) -> dict[str, str]:
     return {
         **row,
         "tensor": layer.tensor,
-        "dtype": short_dtype(stats.dtype),
+        "dtype": stats.dtype,
         "shape": fmt_shape(stats.shape),
         "min": fmt_number(stats.min),
         "max": fmt_number(stats.max),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from nan_magic.distributed.ranks import unflattened_name
+from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost
@@ -115,15 +115,16 @@ class StepReports:
         By the watch's names (targets.py), not ``get_submodule``: those are the
         user's names, which a wrapper's module tree does not have (DDP's
         ``module.``), and the user's types (not ``FullyShardedDataParallel``).
-        FSDP1's flat parameter is named as the user's parameter it holds the
-        non-finite element of (:func:`unflattened_name`).
+        The owner is the module the parameter is registered on; FSDP1's flat
+        parameter is named as the user's parameter it holds the non-finite
+        element of (:func:`parameter_place`).
         """
-        parameter_name = finding.tensor.name or ""
-        unflattened = unflattened_name(parameter_name, (root for _label, root in self.watch.targets.roots), finding.bad)
-        if unflattened != parameter_name:
-            finding.tensor = dataclasses.replace(finding.tensor, name=unflattened)
-            parameter_name = unflattened
-        owner = parameter_name.rsplit(".", 1)[0] if "." in parameter_name else ""
-        info = self.watch.targets.info_by_name(owner)
+        roots = (root for _label, root in self.watch.targets.roots)
+        place = parameter_place(finding.tensor.name or "", roots, finding.bad)
+        if place is None:
+            return  # a parameter outside every watched model: no module owns it
+        if place.name != finding.tensor.name:
+            finding.tensor = dataclasses.replace(finding.tensor, name=place.name)
+        info = self.watch.targets.info_by_name(place.module)
         if info is not None:
-            finding.module, finding.module_type, finding.model = owner, info.module_type, info.model
+            finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model

@@ -37,6 +37,7 @@ from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.records import Phase
+from nan_magic.tensor_refs import op_function
 
 __all__ = [
     "ReplayResult",
@@ -46,6 +47,7 @@ __all__ = [
     "replay_backward",
     "replay_module",
     "run_again",
+    "submodule_names",
     "swapped_buffers",
 ]
 
@@ -162,6 +164,11 @@ def replay_module(
     else:
         note = f"replay of {label} on its recorded inputs stayed finite; the op is unknown"
     return ReplayResult(finding=None, reproduced=False, note=note, benign_modules=benign)
+
+
+def submodule_names(module: nn.Module, module_name: str) -> dict[int, str]:
+    """The name a replay of ``module`` (called ``module_name``) gives each of its modules, by ``id``."""
+    return {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
 
 
 def _join(prefix: str, name: str) -> str:
@@ -310,8 +317,7 @@ _DOMAIN_OPS = frozenset({"div", "reciprocal", "pow", "log", "log2", "log10", "lo
 
 def _unscaled(finding: OpFinding) -> bool:
     """Whether ``finding`` does not depend on the gradient's size: a NaN, or an op of :data:`_DOMAIN_OPS`."""
-    parts = finding.op.split(".")
-    return "nan" in finding.new_kinds or (len(parts) > 1 and parts[1].strip("_") in _DOMAIN_OPS)
+    return "nan" in finding.new_kinds or op_function(finding.op) in _DOMAIN_OPS
 
 
 def recompute(
@@ -369,7 +375,7 @@ def _isolated(
     tracer names submodules under ``module_name``; the ``autocast`` regions
     of the original call are entered.
     """
-    names = {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
+    names = submodule_names(module, module_name)
     stack: list[str] = []
     # What the replayed module received from outside is what the watch judged it on.
     tracer = OpTracer(

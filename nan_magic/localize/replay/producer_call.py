@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.errors.exceptions import error_line
 from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.kept.held import Resolved
@@ -34,7 +35,13 @@ from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
 from nan_magic.localize.ops.origins import apply_op_finding
-from nan_magic.localize.replay.module_run import recompute, replay_backward, replay_module, run_again
+from nan_magic.localize.replay.module_run import (
+    recompute,
+    replay_backward,
+    replay_module,
+    run_again,
+    submodule_names,
+)
 from nan_magic.options import WatchConfig
 from nan_magic.records import KINDS, Phase, TensorRef
 
@@ -159,8 +166,7 @@ class CallReplay:
             # Its generators were not kept (no backward or deferred check would replay it): the user's stay as
             # they are, and the replay draws numbers of its own.
             finding.notes.append("the call's random state was not kept: its replay drew other random numbers")
-        first = str(error).splitlines()[0] if str(error) else ""
-        finding.notes.append(f"then the forward raised {type(error).__name__}: {first}".rstrip(": "))
+        finding.notes.append(f"then the forward raised {error_line(error)}")
         return finding
 
     def replay_deferred(self, finding: Finding, produced: frozenset[str], call: Call) -> bool:
@@ -194,7 +200,7 @@ class CallReplay:
                 kinds=self.kinds, module_name=enclosing.name or "", autocast=enclosing.autocast,
             )
         op = result.finding
-        within = op is not None and _within(op.module, call.name or "")
+        within = op is not None and _within(op.module, call, enclosing)
         if not within and produced <= {"+inf", "-inf"} and (call.name or "") in result.benign_modules:
             return self._deliberate_in_replay(finding, call, outer)
         if op is not None and within:
@@ -372,11 +378,15 @@ def caller_named(call: Call, module: str | None) -> Call | None:
     return None
 
 
-def _within(module: str | None, producer: str) -> bool:
-    """Whether the module named ``module`` is ``producer`` or one of its submodules (qualified names)."""
+def _within(module: str | None, producer: Call, enclosing: Call) -> bool:
+    """Whether the module named ``module`` in a replay of ``enclosing`` is ``producer``'s or one of its submodules.
+
+    By the modules themselves: the replay's names of those in ``producer``'s tree.
+    """
     if module is None:
         return False
-    return not producer or module == producer or module.startswith(producer + ".")
+    names = submodule_names(enclosing.module, enclosing.name or "")
+    return module in {names.get(id(sub)) for sub in producer.module.modules()}
 
 
 def _replayable(call: Call, rng_state: RngState | None) -> bool:

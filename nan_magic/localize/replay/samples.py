@@ -25,6 +25,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import _disable_current_modes
 
+from nan_magic.errors.exceptions import error_line
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
@@ -91,8 +92,7 @@ class Samples:
                     if tracer.finding is not None:
                         break
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
-            first = str(error).splitlines()[0] if str(error) else ""
-            return f"fetching the batch's samples from {name} again raised {type(error).__name__}: {first}".rstrip(": ")
+            return f"fetching the batch's samples from {name} again raised {error_line(error)}"
         if tracer.finding is None:
             return (f"fetching the batch's {len(indices)} sample(s) from {name} again made no non-finite value: "
                     "it is stored in the dataset itself, or drawn at random")

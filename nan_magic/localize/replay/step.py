@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from nan_magic.errors.exceptions import error_line
 from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
@@ -342,8 +343,7 @@ class StepReplays:
         if outcome.report is None:
             return None
         report = self._replayed(outcome.report, self.watch.step)
-        note = f"then the forward raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        report = dataclasses.replace(report, notes=(*report.notes, note.rstrip(": ")))
+        report = dataclasses.replace(report, notes=(*report.notes, f"then the forward raised {error_line(error)}"))
         return report, (outcome.frame, outcome.position), error
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> Outcome:
