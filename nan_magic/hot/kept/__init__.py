@@ -1,4 +1,4 @@
-"""What a step keeps: the records its hooks append and the state a replay needs, read only at an event.
+"""What a step keeps: the records its hooks append, and the state a replay needs (used only at an event).
 
 call_records (a module call, each tensor's probe, a pass-through's alias; a call's Frame on the
 module stack), step_log (the step's calls in order, probes read in one transfer, consumers
