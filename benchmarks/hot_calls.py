@@ -6,6 +6,7 @@ Usage::
     python benchmarks/hot_calls.py --top 25             # and the 25 functions of ours called most
     python benchmarks/hot_calls.py --by file --top 15   # the same, by module
     python benchmarks/hot_calls.py --models             # only the loss-code and update regions' costs
+    python benchmarks/hot_calls.py --defer              # the deferred mode's (CUDA's default, defer=True)
 
 Why: on the launch-bound step (launch_bound.py) the watch's cost is almost all Python
 the interpreter runs per step, and the timings of a shared 2-core machine move by
@@ -65,7 +66,7 @@ def _ours(stats: pstats.Stats, by: str) -> collections.Counter[str]:
 LOSS_OPS = 40
 
 
-def _loss_code_cost(steps: int) -> float:
+def _loss_code_cost(steps: int, defer: bool) -> float:
     """Calls the watch adds per op of loss code.
 
     The model is one ``nn.Linear``: a step with :data:`LOSS_OPS` more
@@ -90,14 +91,14 @@ def _loss_code_cost(steps: int) -> float:
         return _profiled(lambda: step(ops), steps).prim_calls / steps  # type: ignore[attr-defined]
 
     unwatched = calls(LOSS_OPS) - calls(0)
-    with nan_magic.watch(model, optimizer):
+    with nan_magic.watch(model, optimizer, defer=defer):
         for _ in range(SETTLE):
             step(0)
         watched = calls(LOSS_OPS) - calls(0)
     return (watched - unwatched) / LOSS_OPS
 
 
-def _clipping_cost(steps: int) -> float:
+def _clipping_cost(steps: int, defer: bool) -> float:
     """Calls the watch adds for a ``clip_grad_norm_`` between ``backward()`` and ``step()`` (the update region,
     localize/outside/loop_writes.py): deep_mlp's step with it, less one without."""
     import nan_magic
@@ -115,7 +116,7 @@ def _clipping_cost(steps: int) -> float:
         return _profiled(lambda: step(clip), steps).prim_calls / steps  # type: ignore[attr-defined]
 
     unwatched = calls(True) - calls(False)
-    with nan_magic.watch(bench.model, bench.optimizer):
+    with nan_magic.watch(bench.model, bench.optimizer, defer=defer):
         for _ in range(SETTLE):
             step(True)
         watched = calls(True) - calls(False)
@@ -143,6 +144,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--top", type=int, default=0, help="list the N functions (or modules) of ours called most")
     parser.add_argument("--by", choices=("function", "file"), default="function")
+    parser.add_argument("--defer", action="store_true",
+                        help="count the deferred mode (defer=True: probes read once a step, CUDA's default)")
     options = parser.parse_args()
     if options.steps < 1:
         parser.error(f"--steps must be at least 1, not {options.steps}")
@@ -152,7 +155,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     print("Python calls the default watch adds to a healthy training step (cProfile primitive calls, "
-          f"mean over {options.steps} steps after {SETTLE}); fp32, CPU, one thread")
+          f"mean over {options.steps} steps after {SETTLE}); fp32, CPU, one thread; "
+          f"{'deferred mode (defer=True)' if options.defer else 'immediate mode (the CPU default)'}")
     if options.models:
         print(f"{'model':<10} {'calls':>6} {'extra/step':>11} {'ours/step':>10} {'extra/call':>11} {'floor/step':>11}")
     for name in options.models:
@@ -161,7 +165,7 @@ def main() -> None:
         for _ in range(5):
             bench.train_step()
         unwatched = _profiled(bench.train_step, options.steps)
-        with nan_magic.watch(bench.model, bench.optimizer):
+        with nan_magic.watch(bench.model, bench.optimizer, defer=options.defer):
             for _ in range(SETTLE):
                 bench.train_step()
             watched = _profiled(bench.train_step, options.steps)
@@ -180,9 +184,10 @@ def main() -> None:
         print("extra/step: every call (builtins and torch's Python included); ours/step: nan_magic's functions; "
               "extra/call: extra/step over the module calls of one step; floor/step: extra/step of the boundary "
               "floor (baselines.boundary_floor)")
-    print(f"loss-code recorder: {_loss_code_cost(options.steps):.1f} calls per op of loss code "
+    print(f"loss-code recorder: {_loss_code_cost(options.steps, options.defer):.1f} calls per op of loss code "
           f"(a step with {LOSS_OPS} more elementwise ops between the model's return and backward(), less one without)")
-    print(f"update region: {round(_clipping_cost(options.steps))} calls a step for a clip_grad_norm_ between "
+    clipping = round(_clipping_cost(options.steps, options.defer))
+    print(f"update region: {clipping} calls a step for a clip_grad_norm_ between "
           "backward() and step() (deep_mlp, 66 parameters: a step with it, less one without)")
     sys.stdout.flush()
 

@@ -298,3 +298,46 @@ def test_an_exception_with_nothing_non_finite_before_it_leaves_the_watch_unchang
     with pytest.raises(KeyError, match="batch"), nan_magic.watch(model, defer=True):
         model(torch.ones(1, 4))
         raise KeyError("batch")
+
+
+class _Held:
+    """Holds the labels as an attribute: no local variable of the loop names them."""
+
+
+def _nan_target_step(defer: bool) -> NonFiniteError:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = _Held()
+    held.x, held.y = torch.randn(8, 4), torch.randn(8, 1)
+    held.y[3] = float("nan")
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out * 2, held.y)
+
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        for _ in range(2):
+            opt.zero_grad()
+            loss_of(model(held.x)).backward()
+            opt.step()
+    return caught.value
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_nan_label_no_variable_holds_is_data_named_by_the_recorded_op_that_read_it(defer: bool) -> None:
+    # The recorded loss code's arguments say what entered it: in the deferred mode nothing of the loss
+    # graph is read when backward starts (its saved tensors are gone by the check), in either mode the
+    # same name.
+    report = _nan_target_step(defer).report
+    assert report.phase == "data" and report.module is None
+    assert str(report.tensor) == "target of aten.mse_loss.default"
+    assert (report.nan, report.numel) == (1, 8)
+
+
+def test_an_unrecorded_loss_code_has_its_data_found_in_what_its_nodes_saved(monkeypatch) -> None:
+    # A loss region over the recorder's budget is not recorded: the deferred mode then takes the data
+    # leaves its autograd nodes saved as backward starts, named by the node.
+    monkeypatch.setattr("nan_magic.localize.outside.recorder.LOSS_BUDGET", 1)
+    report = _nan_target_step(True).report
+    assert report.phase == "data"
+    assert str(report.tensor) == "target of MseLossBackward0"

@@ -67,7 +67,8 @@ class GradientChecks:
         self.forget_queued = False
         self.backward_runs = 0
         # Deferred mode: leaves the loss code saved, held weakly until the check (localize/outside/entering.py).
-        self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] = []
+        # (None: the loss code was recorded, and what it read is found in its records at the check.)
+        self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] | None = []
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
@@ -108,8 +109,11 @@ class GradientChecks:
         if watch.defer:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
             self.loss_region = describe_loss_region(nodes)
-            # Backward frees what they saved; the data among it is judged at the check.
-            self.loss_data = self._loss_code.saved_leaves(nodes)
+            # Backward frees what they saved; the data among it is judged at the check. Where the recorder
+            # holds the loss code's ops, their arguments tell it then, and nothing is taken now (per node,
+            # each saved attribute read and named: most of what a longer loss cost this mode each step).
+            recorded = watch.outside is not None and watch.outside.made(loss)
+            self.loss_data = None if recorded else self._loss_code.saved_leaves(nodes)
 
     @property
     def last_loss(self) -> float | None:
@@ -157,7 +161,11 @@ class GradientChecks:
     def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:
         """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did."""
         watch = self.watch
-        saved = [(label, tensor) for label, ref in self.loss_data if (tensor := ref()) is not None]
+        # What the recorded loss code read comes first, named by its op in either mode; then (deferred, where it
+        # was not recorded) what its nodes saved.
+        recorded = self._loss_code.recorded_leaves(self.loss_key) if self.loss_key is not None else None
+        kept = [(label, tensor) for label, ref in self.loss_data or () if (tensor := ref()) is not None]
+        saved = (recorded or []) + kept
         # A tensor the loss code itself made non-finite from finite values (recorded, or traced) is that
         # code's product, not data, even where it needs no gradient (computed from a detached model output).
         entered = [

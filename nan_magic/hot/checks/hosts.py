@@ -70,6 +70,8 @@ class CodeRecorder(Protocol):
 
     def weaken(self) -> None: ...
 
+    def made(self, tensor: torch.Tensor) -> bool: ...
+
 
 class StepReplayer(Protocol):
     """Keeps what a replay of the step's top-level calls needs (localize/replay/step.py)."""
@@ -115,6 +117,9 @@ class LossCodeReads:
 
     #: The data leaves the loss code's autograd nodes saved, held weakly (taken as backward starts).
     saved_leaves: Callable[[list[Any]], list[tuple[str, weakref.ref[torch.Tensor]]]]
+    #: The data leaves the recorded loss code read, up to the op that returned the loss (by its id then);
+    #: None where no recorded op returned it (the region was not recorded).
+    recorded_leaves: Callable[[int], list[tuple[str, torch.Tensor]] | None]
     #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before)``.
     entering_tensors: Callable[
         [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[tuple[str, torch.Tensor]]],

@@ -50,7 +50,7 @@ def capture_rng_state() -> RngState:
     # is_initialized first: it is a flag read, is_available() is not (hot path).
     if torch.cuda.is_initialized() and torch.cuda.is_available():
         cuda = tuple(torch.cuda.get_rng_state_all())
-    return RngState(cpu=torch.get_rng_state(), cuda=cuda)
+    return RngState(cpu=torch.default_generator.get_state(), cuda=cuda)  # torch.get_rng_state(), one frame less
 
 
 def capture_autocast() -> AutocastState | None:

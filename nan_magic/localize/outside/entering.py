@@ -6,8 +6,11 @@ second is phase ``data`` (PRODUCT.md: a tensor that no watched code
 produced). Only looked for once the loss is known to be non-finite, never on
 the hot path, in two places:
 
-* the saved tensors of the loss code's autograd nodes (``MseLossBackward0``
-  saves its ``target``): a leaf that needs no gradient is data;
+* the arguments of the recorded loss code's ops (outside/recorder.py: ``target``
+  of ``aten.mse_loss.default``), or where that code was not recorded, the
+  saved tensors of its autograd nodes (``MseLossBackward0`` saves its
+  ``target``; the deferred mode takes those as backward starts, before backward
+  frees them): a leaf that needs no gradient is data;
 * the local variables of the user's frames that called ``backward()`` (or
   ``opt.step()``, at the deferred check): ``y`` in ``loss = F.mse_loss(out, y)``
   when the node saved nothing of it (``(out - y) ** 2``).
@@ -29,8 +32,10 @@ from nan_magic.errors.frames import is_library_file
 from nan_magic.hot.checks.loss_region import loss_region_nodes
 from nan_magic.hot.stats import is_checkable, kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask
+from nan_magic.localize.outside.recorded_ops import WeakRecord
+from nan_magic.localize.outside.recorder import OutsideRecorder
 
-__all__ = ["entering_tensors", "saved_leaves"]
+__all__ = ["entering_tensors", "recorded_leaves", "saved_leaves"]
 
 #: How many of the user's frames are searched, innermost first.
 _MAX_FRAMES = 8
@@ -74,6 +79,42 @@ def saved_leaves(nodes: list[Any]) -> list[tuple[str, weakref.ref[torch.Tensor]]
         for label, tensor in _saved_tensors(nodes)
         if tensor.grad_fn is None and not tensor.requires_grad and is_checkable(tensor)
     ]
+
+
+def recorded_leaves(recorder: OutsideRecorder | None, key: int) -> list[tuple[str, torch.Tensor]] | None:
+    """The floating tensors that need no gradient among the arguments of the recorded ops that made the loss.
+
+    The deferred check's stand-in for :func:`saved_leaves`, where the loss code
+    was recorded (``key``: the loss's id when ``backward()`` started): what an
+    op read, autograd may have saved, and the records still hold it (a small
+    one strongly, a large one while it lives). Named ``target of
+    aten.mse_loss.default``, as a saved tensor is by its node. None where no
+    recorded op returned the loss.
+    """
+    found = recorder.loss_code(key, last=False) if recorder is not None else None
+    if found is None:
+        return None
+    leaves: dict[int, tuple[str, torch.Tensor]] = {}
+    for op in found[0]:
+        schema = getattr(op.func, "_schema", None)
+        names = [argument.name for argument in schema.arguments] if schema is not None else []
+        for name, value in [*zip(names, op.args), *op.kwargs.items()]:
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                tensor = _recorded_leaf(item)
+                if tensor is not None and id(tensor) not in leaves:
+                    leaves[id(tensor)] = (f"{name} of {op.func}", tensor)
+    return list(leaves.values())
+
+
+def _recorded_leaf(value: Any) -> torch.Tensor | None:
+    """A recorded argument's tensor if it is a checkable one that needs no gradient (as recorded), else None."""
+    if isinstance(value, WeakRecord):
+        if value.requires_grad:
+            return None
+        value = value.ref() if value.kept is None else value.kept
+    if not isinstance(value, torch.Tensor) or value.requires_grad or value.grad_fn is not None:
+        return None
+    return value if is_checkable(value) else None
 
 
 def _saved_by_loss_code(loss: torch.Tensor | None, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:

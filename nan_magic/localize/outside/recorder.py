@@ -53,7 +53,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import RngState, capture_rng_state, generators_at
@@ -82,6 +82,9 @@ LOSS_BUDGET = 512
 UPDATE_BUDGET = 256
 # The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
 _INERT = -1
+# torch's dispatch-mode stack, called directly (``_push_mode``/``_pop_mode`` are a Python frame more each).
+_push, _pop = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
+_stack_depth, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 
 
 class OutsideRecorder(TorchDispatchMode):
@@ -157,16 +160,16 @@ class OutsideRecorder(TorchDispatchMode):
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
-        if not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            _push_mode(self)
+        if not self.pushed and _stack_depth() == 0:
+            _push(self)
             self.pushed = True
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
-        if _get_current_dispatch_mode() is self:
-            _pop_mode()
+        if (depth := _stack_depth()) and _stack_at(depth - 1) is self:  # innermost: a user's mode stays balanced
+            _pop(None)
             self.pushed = False
         else:
             self._budget = _INERT
@@ -178,8 +181,8 @@ class OutsideRecorder(TorchDispatchMode):
 
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
-        if self._resumes and not self.pushed and torch._C._len_torch_dispatch_stack() == 0:
-            _push_mode(self)
+        if self._resumes and not self.pushed and _stack_depth() == 0:
+            _push(self)
             self.pushed = True
 
     def forget(self, last: bool = False) -> None:
