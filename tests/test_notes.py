@@ -13,7 +13,7 @@ from torch import nn
 from watching import raised
 
 import nan_magic
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.note_records import Note
 from nan_magic.plain import to_pairs
 from nan_magic.records import Report, SourcePointer
