@@ -29,13 +29,12 @@ _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _MAX_NODES = 256
 
 
-def loss_region_nodes(loss: Any, boundary: int) -> list[Any]:
-    """Nodes reachable from ``loss.grad_fn`` created at or after sequence number ``boundary``.
+def loss_region_nodes(start: Any, boundary: int) -> list[Any]:
+    """Nodes reachable from ``start`` (a loss's ``grad_fn``) created at or after sequence number ``boundary``.
 
     Breadth first from the loss, so in about the order backward ran them;
     at most 256 (a loss region is a few ops; anything longer is cut).
     """
-    start = getattr(loss, "grad_fn", None)
     found: list[Any] = []
     seen: set[int] = set()
     queue: deque[Any] = deque([start])
