@@ -22,8 +22,9 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.hot import optim, stats
-from nan_magic.hot import step_log as calls
+from nan_magic.hot import stats
+from nan_magic.hot.checks import optim
+from nan_magic.hot.kept import step_log as calls
 from nan_magic.lifecycle import watch
 from nan_magic.records import TensorRef, TensorRole
 
@@ -48,7 +49,7 @@ def transfers(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a per-tensor host read in a healthy deferred step")
 
-    from nan_magic.hot import gradients
+    from nan_magic.hot.checks import gradients
 
     for module in (watch, gradients, optim):
         for name in PER_TENSOR_READS:

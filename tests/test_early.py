@@ -13,7 +13,7 @@ from watching import amp_training, sgd_regression
 
 import nan_magic
 from nan_magic import NanMagicWarning, NonFiniteError
-from nan_magic.hot.early import BATCH_RULE_EVERY, HEADROOM_LIMIT, SCALE_FALLS, WARMUP, WARN_EVERY, EarlyWarnings
+from nan_magic.hot.checks.early import BATCH_RULE_EVERY, HEADROOM_LIMIT, SCALE_FALLS, WARMUP, WARN_EVERY, EarlyWarnings
 from nan_magic.records import StepSummary
 
 

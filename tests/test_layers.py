@@ -78,7 +78,7 @@ def test_type_checking_and_function_level_imports_count() -> None:
     graph = _graph()
     # One import of each kind the graph must hold: one made only under TYPE_CHECKING (a call record's
     # RNG state type), one made only inside a function (the extension's magics, imported on %load_ext).
-    assert graph.direct_import_exists(importer="nan_magic.hot.call_records", imported="nan_magic.hot.rng")
+    assert graph.direct_import_exists(importer="nan_magic.hot.kept.call_records", imported="nan_magic.hot.kept.rng")
     assert graph.direct_import_exists(importer="nan_magic", imported="nan_magic.ipython.magics")
 
 
@@ -105,6 +105,19 @@ def test_every_module_has_a_layer() -> None:
 
     # A new module outside every layer would escape the contract: give it one in pyproject.toml.
     assert sorted(module for module in _graph().modules if module != "nan_magic" and not placed(module)) == []
+
+
+def test_every_module_inside_a_layered_package_has_a_layer_there() -> None:
+    graph = _graph()
+    unplaced = []
+    for contract in CONFIG["contracts"]:
+        names = [name.strip() for layer in contract.get("layers", []) for name in re.split(r"[|:]", layer)]
+        for container in contract.get("containers", []):
+            layers = [f"{container}.{name}" for name in names]
+            unplaced += [module for module in graph.find_descendants(container)
+                         if not any(module == layer or module.startswith(layer + ".") for layer in layers)]
+    # A new module in hot/ or localize/ outside the contract's layers would escape the order inside it.
+    assert sorted(unplaced) == []
 
 
 def test_no_import_cycle_among_the_package_modules() -> None:

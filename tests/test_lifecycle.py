@@ -384,7 +384,7 @@ def test_nothing_kept_alive_after_the_watch() -> None:
 def test_a_finished_step_is_freed_without_the_garbage_collector() -> None:
     import gc
 
-    from nan_magic.hot.call_records import Call, TensorRecord
+    from nan_magic.hot.kept.call_records import Call, TensorRecord
 
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

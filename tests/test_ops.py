@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from nan_magic.hot.rng import capture_rng_state
+from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.module_run import replay_module

@@ -18,8 +18,8 @@ from watching import amp_training, raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.hot import forward, optim
-from nan_magic.hot.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
+from nan_magic.hot.checks import forward, optim
+from nan_magic.hot.checks.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
 from nan_magic.records import TensorRef, TensorRole
 
 # -- backward ------------------------------------------------------------------------

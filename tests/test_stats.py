@@ -160,7 +160,7 @@ def test_one_gradient_tensor_handed_to_two_branches_is_summed_once(monkeypatch: 
 
 
 def test_a_record_made_for_a_finite_gradient_has_every_field_of_a_probed_one() -> None:
-    from nan_magic.hot.call_records import Call, TensorRecord
+    from nan_magic.hot.kept.call_records import Call, TensorRecord
     from nan_magic.records import Phase
 
     call = Call(0, Phase.BACKWARD, None, None, None)

@@ -8,7 +8,7 @@ from torch import nn
 from watching import raised
 
 import nan_magic
-from nan_magic.hot.transparent import output_bound, transparency
+from nan_magic.hot.watched.transparent import output_bound, transparency
 from nan_magic.records import TensorRef
 
 

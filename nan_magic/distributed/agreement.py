@@ -95,7 +95,7 @@ __all__ = ["EXIT_WAIT_S", "Agreement", "Finding"]
 
 
 class Finding(Protocol):
-    """What agreement reads of the engine's finding (hot/finding.py): a phase, and the module call, if any."""
+    """What agreement reads of the engine's finding (hot/kept/finding.py): a phase, and the module call, if any."""
 
     @property
     def phase(self) -> Phase: ...

@@ -58,7 +58,7 @@ Labels (exact strings: tests, renderers and users rely on them)
     (the default 1e-8 in float16): 0/0 where a gradient is 0.
 ``bad-input-data``
     Phase ``data`` (the batch already held the values), or an overflow in a
-    step whose batch held ``|x| >`` :data:`~nan_magic.hot.early.EXTREME_INPUT`.
+    step whose batch held ``|x| >`` :data:`~nan_magic.hot.checks.early.EXTREME_INPUT`.
 ``empty-reduction``
     ``mean`` or a mean-reduced loss (``nll_loss``, ``mse_loss``, …) made NaN
     from finite inputs, or a one-element 0/0: an average over an empty
@@ -85,7 +85,7 @@ from nan_magic.explain.evidence import HALF, event, event_cause, node_function, 
 from nan_magic.explain.forward import forward_cause
 from nan_magic.explain.optimizer import optimizer_cause
 from nan_magic.explain.overflow import half_overflow
-from nan_magic.hot.early import EXTREME_INPUT
+from nan_magic.hot.checks.early import EXTREME_INPUT
 from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRole
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]

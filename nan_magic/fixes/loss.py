@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
-from nan_magic.hot.rng import RngState, generators_at
+from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,

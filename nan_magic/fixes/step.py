@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.site import Remedy, Site, at_producer
-from nan_magic.hot.rng import generators_at
+from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.stats import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers

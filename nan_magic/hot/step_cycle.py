@@ -36,14 +36,14 @@ from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, launched, user_name
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError
-from nan_magic.hot.call_records import Call, TensorRecord
-from nan_magic.hot.early import EarlyWarnings
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.gradients import GradientChecks, check_parameter_grads
-from nan_magic.hot.hosts import CodeRecorder, OriginFinder, StepReplayer
-from nan_magic.hot.optim import OptimizerChecks
+from nan_magic.hot.checks.early import EarlyWarnings
+from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
+from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer
+from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.kept.call_records import Call, TensorRecord
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.stats import read_scalars
-from nan_magic.hot.step_log import StepLog
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Phase, StepSummary
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from nan_magic.hot.targets import _is_grad_scaler
+from nan_magic.hot.watched.targets import _is_grad_scaler
 
 __all__ = ["discover", "models_on_a_device", "namespace_scalers", "target_namer"]
 

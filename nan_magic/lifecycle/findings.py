@@ -13,11 +13,11 @@ from collections.abc import Iterable
 import torch
 
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.call_records import TensorRecord
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.call_records import TensorRecord
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.stats import sample_values, tensor_stats
-from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.replay.layer_rows import step_layers
 from nan_magic.records import (
     EarlyWarning,

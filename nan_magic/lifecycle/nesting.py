@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.hot.step_cycle import StepCycle
-    from nan_magic.hot.targets import Targets
+    from nan_magic.hot.watched.targets import Targets
 
 __all__ = ["Nested", "Nesting"]
 

@@ -45,17 +45,17 @@ from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.fixes.runner import LossSource, with_fixes
-from nan_magic.hot.call_records import Frame
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.forward import ForwardChecks
-from nan_magic.hot.gradients import GradientChecks
-from nan_magic.hot.held import running_arguments
-from nan_magic.hot.hosts import LossCodeReads
-from nan_magic.hot.module_hooks import GlobalModuleHooks
-from nan_magic.hot.optim import OptimizerChecks
+from nan_magic.hot.checks.forward import ForwardChecks
+from nan_magic.hot.checks.gradients import GradientChecks
+from nan_magic.hot.checks.hosts import LossCodeReads
+from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.kept.call_records import Frame
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.step_cycle import StepCycle, wants_defer
-from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo, Targets, resolve_targets
+from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
+from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
-from nan_magic.hot.optim_reports import ReplayStep
+from nan_magic.hot.checks.optim_reports import ReplayStep
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder

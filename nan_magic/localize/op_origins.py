@@ -22,10 +22,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.exceptions import error_line
-from nan_magic.hot.call_records import Call, TensorRecord
-from nan_magic.hot.finding import Finding, record_ref
+from nan_magic.hot.kept.call_records import Call, TensorRecord
+from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.stats import TensorStats, is_checkable, relevant_kinds, tensor_stats
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.tracer import OpTracer

@@ -197,7 +197,7 @@ def _step_unmatched_hint(cause: Cause) -> str:
     )
 
 
-# -- the GradScaler (hot/optim.py) ---------------------------------------------------
+# -- the GradScaler (hot/checks/optim.py) ---------------------------------------------------
 
 
 def _scaler_hint(cause: Cause) -> str:

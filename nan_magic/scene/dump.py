@@ -43,8 +43,8 @@ from torch import nn
 
 from nan_magic.distributed.ranks import per_rank_path
 from nan_magic.errors.exceptions import NanMagicWarning
-from nan_magic.hot.call_records import argument_path
-from nan_magic.hot.rng import RngState, capture_rng_state
+from nan_magic.hot.kept.call_records import argument_path
+from nan_magic.hot.kept.rng import RngState, capture_rng_state
 from nan_magic.hot.stats import version_of
 from nan_magic.plain import to_plain
 from nan_magic.records import Phase, Report, TensorRole
@@ -52,8 +52,8 @@ from nan_magic.scene.last_good import keep
 from nan_magic.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.hot.call_records import Call
-    from nan_magic.hot.finding import Finding
+    from nan_magic.hot.kept.call_records import Call
+    from nan_magic.hot.kept.finding import Finding
     from nan_magic.options import WatchConfig
     from nan_magic.scene.last_good import LastGood
 

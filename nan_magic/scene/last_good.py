@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.rng import RngState, capture_rng_state
+from nan_magic.hot.kept.rng import RngState, capture_rng_state
 from nan_magic.records import Report
 
 __all__ = ["KEPT_REPORTS", "LastGood", "keep", "restore"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nan_magic.hot.rng import RngState, capture_rng_state, restore_rng_state
+from nan_magic.hot.kept.rng import RngState, capture_rng_state, restore_rng_state
 from nan_magic.localize.replay.module_run import ReplayResult, replay_module
 from nan_magic.plain import from_plain
 from nan_magic.records import Phase, Report

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.stats import is_checkable, sample_values, tensor_stats
 from nan_magic.records import AbsorbedOp, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 

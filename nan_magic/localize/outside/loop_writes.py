@@ -50,7 +50,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.stats import kinds_of, norms, relevant_kinds
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors

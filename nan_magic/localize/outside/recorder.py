@@ -56,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nan_magic.hot.rng import RngState, capture_rng_state, generators_at
+from nan_magic.hot.kept.rng import RngState, capture_rng_state, generators_at
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over

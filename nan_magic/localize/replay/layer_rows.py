@@ -1,6 +1,6 @@
 """The failing step's layer table: every module of the model, measured or not, in call order.
 
-The step's log (hot/step_log.py) holds the calls that returned, with their
+The step's log (hot/kept/step_log.py) holds the calls that returned, with their
 numbers. A person reading the table expects every module of the model
 (torchinfo's tree), so the modules without a row of their own are added
 where they belong, saying why they have no numbers:
@@ -25,8 +25,8 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
-from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.kept.step_log import StepLog
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerCall, LayerStatus, Phase, Report
 
 __all__ = ["step_layers", "with_layers"]

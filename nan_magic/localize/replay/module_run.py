@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from nan_magic.hot.held import HeldArguments, Regenerate
-from nan_magic.hot.rng import AutocastState, RngState, generators_at
+from nan_magic.hot.kept.held import HeldArguments, Regenerate
+from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer

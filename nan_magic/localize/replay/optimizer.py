@@ -22,7 +22,7 @@ non-finite again, and the report says the replay started from the state after
 the step. A half-precision parameter that an ordinary update pushes past its
 limit (``p.add_(update)`` past 65504 in float16) would stay finite from 0: such
 a parameter, once its values came near the limit, is copied before each step
-(hot/headroom.py), and the replay starts from that copy. The line is the
+(hot/checks/headroom.py), and the replay starts from that copy. The line is the
 user's that called the step (``opt.step()``).
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.records import Phase, SourcePointer
@@ -56,7 +56,7 @@ def name_optimizer_op(
 
     ``caller`` is the user's line that called the step; it becomes the
     report's line. ``before``: a copy of the parameter taken before the
-    step (hot/headroom.py), which the replay then starts from. Where the
+    step (hot/checks/headroom.py), which the replay then starts from. Where the
     replay does not make the same elements non-finite again, the finding
     keeps no op and says so.
     """

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from nan_magic.errors.exceptions import error_line
-from nan_magic.hot.call_records import Alias, Call, Frame, TensorRecord
-from nan_magic.hot.finding import Finding, mark_deliberate, named_inputs
-from nan_magic.hot.held import Resolved
-from nan_magic.hot.rng import RngState
+from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
+from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs
+from nan_magic.hot.kept.held import Resolved
+from nan_magic.hot.kept.rng import RngState
+from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
-from nan_magic.hot.step_log import StepLog
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.module_run import (
     recompute,

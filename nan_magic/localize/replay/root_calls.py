@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import is_sharded
-from nan_magic.hot.held import running_arguments
-from nan_magic.hot.rng import AutocastState, RngState, generators_at
+from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
 from nan_magic.localize.ops.sources import ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
@@ -34,8 +34,8 @@ from nan_magic.options import WatchConfig
 from nan_magic.records import Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nan_magic.hot.call_records import Call
-    from nan_magic.hot.targets import ModuleInfo
+    from nan_magic.hot.kept.call_records import Call
+    from nan_magic.hot.watched.targets import ModuleInfo
 
 __all__ = ["NestedWatch", "Outcome", "RootCall", "replay_target", "rerun"]
 

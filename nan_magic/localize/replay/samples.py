@@ -26,8 +26,8 @@ from typing import Any
 from torch.utils._python_dispatch import _disable_current_modes
 
 from nan_magic.errors.exceptions import error_line
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.rng import generators_at
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.rng import generators_at
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.patches.loaders import UNKNOWN

@@ -50,9 +50,9 @@ from torch import nn
 from nan_magic.errors.exceptions import error_line
 from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.buffer_copies import BufferCopies
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.rng import RngState, capture_autocast, capture_rng_state
+from nan_magic.hot.kept.buffer_copies import BufferCopies
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
 from nan_magic.hot.stats import iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
@@ -60,8 +60,8 @@ from nan_magic.records import Phase, Report, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
-    from nan_magic.hot.call_records import Call
-    from nan_magic.hot.targets import ModuleInfo, Targets
+    from nan_magic.hot.kept.call_records import Call
+    from nan_magic.hot.watched.targets import ModuleInfo, Targets
     from nan_magic.localize.replay.producer_call import CallReplay
     from nan_magic.records import EarlyWarning, StepSummary
 

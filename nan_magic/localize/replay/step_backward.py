@@ -21,15 +21,15 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
-from nan_magic.hot.finding import Finding
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nan_magic.hot.optim import OptimizerChecks
-    from nan_magic.hot.step_log import StepLog
-    from nan_magic.hot.targets import Targets
+    from nan_magic.hot.checks.optim import OptimizerChecks
+    from nan_magic.hot.kept.step_log import StepLog
+    from nan_magic.hot.watched.targets import Targets
     from nan_magic.localize.ops.origins import OpFinding
     from nan_magic.localize.ops.tracer import OpTracer
     from nan_magic.options import WatchConfig

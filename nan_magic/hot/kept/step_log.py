@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.hot.call_records import (
+from nan_magic.hot.kept.call_records import (
     Alias,
     Call,
     KnownFinite,
@@ -27,7 +27,7 @@ from nan_magic.hot.stats import (
     finite_max,
     read_scalars,
 )
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerCall, Phase, TensorRef
 
 if TYPE_CHECKING:  # pragma: no cover

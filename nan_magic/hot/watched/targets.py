@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, user_name, user_type
-from nan_magic.hot.deterministic import draws_no_random
-from nan_magic.hot.module_hooks import is_compiled
-from nan_magic.hot.transparent import Transparency, transparency
+from nan_magic.hot.watched.deterministic import draws_no_random
+from nan_magic.hot.watched.module_hooks import is_compiled
+from nan_magic.hot.watched.transparent import Transparency, transparency
 from nan_magic.options import WatchConfig
 
 __all__ = ["ModuleInfo", "Targets", "describe", "resolve_targets"]

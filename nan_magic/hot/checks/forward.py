@@ -2,7 +2,7 @@
 
 Global module hooks call :meth:`ForwardChecks.on_forward_pre` and
 :meth:`ForwardChecks.on_forward` for every module; only watched modules are
-recorded, on a module stack of :class:`~nan_magic.hot.call_records.Frame`.
+recorded, on a module stack of :class:`~nan_magic.hot.kept.call_records.Frame`.
 Each floating output gets one probe; the producer rule (producer.py) runs on
 the few that are non-finite, at once or at the deferred check. A forward
 producer is then replayed alone under the op tracer to name its op and line
@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
-from nan_magic.hot.held import hold_arguments
-from nan_magic.hot.hosts import CallReplayer, ForwardHost, ProducerJudge
-from nan_magic.hot.module_hooks import may_step_aside
-from nan_magic.hot.rng import capture_autocast, capture_rng_state
+from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
+from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
+from nan_magic.hot.kept.held import hold_arguments
+from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.stats import is_checkable, iter_tensors
-from nan_magic.hot.targets import ModuleInfo
-from nan_magic.hot.transparent import output_bound, passes_through, passes_through_unseen
+from nan_magic.hot.watched.module_hooks import may_step_aside
+from nan_magic.hot.watched.targets import ModuleInfo
+from nan_magic.hot.watched.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.records import Phase
 
 __all__ = ["ForwardChecks", "HookGradient"]

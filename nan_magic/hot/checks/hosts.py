@@ -19,13 +19,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from nan_magic.hot.call_records import Alias, Call, Frame, TensorRecord
-from nan_magic.hot.early import EarlyWarnings
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.module_hooks import GlobalModuleHooks
-from nan_magic.hot.rng import RngState
-from nan_magic.hot.step_log import StepLog
-from nan_magic.hot.targets import ModuleInfo, Targets
+from nan_magic.hot.checks.early import EarlyWarnings
+from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.rng import RngState
+from nan_magic.hot.kept.step_log import StepLog
+from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
+from nan_magic.hot.watched.targets import ModuleInfo, Targets
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning
 

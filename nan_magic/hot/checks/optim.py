@@ -48,12 +48,19 @@ from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_name
 from nan_magic.errors.frames import user_line
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.gradients import check_parameter_grads
-from nan_magic.hot.headroom import Headroom
-from nan_magic.hot.hosts import OptimizerHost
-from nan_magic.hot.iterations import Iterations
-from nan_magic.hot.optim_reports import ReplayStep, StepReports
+from nan_magic.hot.checks.gradients import check_parameter_grads
+from nan_magic.hot.checks.headroom import Headroom
+from nan_magic.hot.checks.hosts import OptimizerHost
+from nan_magic.hot.checks.iterations import Iterations
+from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
+from nan_magic.hot.checks.step_layout import (
+    BOUNDED_GRAD_NORM,
+    Layout,
+    StepResult,
+    bounded_step,
+    wild_hyperparameters,
+)
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.stats import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
@@ -62,13 +69,6 @@ from nan_magic.hot.stats import (
     norms,
     read_scalars,
     version_of,
-)
-from nan_magic.hot.step_layout import (
-    BOUNDED_GRAD_NORM,
-    Layout,
-    StepResult,
-    bounded_step,
-    wild_hyperparameters,
 )
 from nan_magic.records import Cause
 
@@ -85,7 +85,7 @@ class OptimizerChecks:
     """Optimizer step hooks and the GradScaler rule for one watch.
 
     ``add_op_origin`` and ``replay_step`` name the op behind a finding
-    (:class:`~nan_magic.hot.optim_reports.StepReports`).
+    (:class:`~nan_magic.hot.checks.optim_reports.StepReports`).
     """
 
     def __init__(self, watch: OptimizerHost, add_op_origin: Callable[[Finding, torch.Tensor | None], None],

@@ -29,14 +29,14 @@ from nan_magic.hot.stats import (
     tensor_stats,
     version_of,
 )
-from nan_magic.hot.targets import ModuleInfo
+from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-    from nan_magic.hot.held import HeldArguments
-    from nan_magic.hot.rng import AutocastState, RngState
+    from nan_magic.hot.kept.held import HeldArguments
+    from nan_magic.hot.kept.rng import AutocastState, RngState
 
 __all__ = [
     "FIRST_ARGUMENT", "Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "argument_path", "argument_tensors",

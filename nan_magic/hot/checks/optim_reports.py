@@ -16,11 +16,11 @@ import torch
 
 from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at
-from nan_magic.hot.finding import Finding
-from nan_magic.hot.headroom import Headroom
-from nan_magic.hot.hosts import OptimizerHost
+from nan_magic.hot.checks.headroom import Headroom
+from nan_magic.hot.checks.hosts import OptimizerHost
+from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr
+from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.stats import kinds_of, norms, read_scalars, relevant_kinds
-from nan_magic.hot.step_layout import StepResult, group_eps, group_lr
 from nan_magic.records import Phase, SourcePointer, TensorRef
 
 __all__ = ["ReplayStep", "StepReports"]

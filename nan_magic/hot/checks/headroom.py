@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from nan_magic.hot.step_layout import StepResult
+from nan_magic.hot.checks.step_layout import StepResult
 
 __all__ = ["HEADROOM", "Headroom"]
 

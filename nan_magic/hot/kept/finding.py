@@ -12,8 +12,8 @@ from types import FrameType
 
 import torch
 
-from nan_magic.hot.call_records import Call, TensorRecord
-from nan_magic.hot.rng import RngState
+from nan_magic.hot.kept.call_records import Call, TensorRecord
+from nan_magic.hot.kept.rng import RngState
 from nan_magic.records import AbsorbedOp, Cause, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
 __all__ = ["Finding", "mark_deliberate", "named_inputs", "record_ref"]

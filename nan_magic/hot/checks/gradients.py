@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.call_records import Call, TensorRecord, consumer_of, gradient_label
-from nan_magic.hot.finding import Finding, record_ref
-from nan_magic.hot.hosts import GradientHost, LossCodeReads, OriginFinder
-from nan_magic.hot.loss_region import describe_loss_region, loss_region_nodes
+from nan_magic.hot.checks.hosts import GradientHost, LossCodeReads, OriginFinder
+from nan_magic.hot.checks.loss_region import describe_loss_region, loss_region_nodes
+from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
+from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
 from nan_magic.records import LOSS, Phase, TensorRef, TensorRole
 
@@ -77,7 +77,7 @@ class GradientChecks:
         """Arm a gradient check on one module output (called from the forward hook).
 
         A tensor a child call returned first (``record.inner``) already has
-        our hook, and :func:`~nan_magic.hot.call_records.consumer_of` follows it outwards.
+        our hook, and :func:`~nan_magic.hot.kept.call_records.consumer_of` follows it outwards.
         """
         if record.inner is None:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
