@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import traceback
 import warnings
+import weakref
 
 import faults
 import pytest
@@ -341,3 +342,24 @@ def test_an_unrecorded_loss_code_has_its_data_found_in_what_its_nodes_saved(monk
     report = _nan_target_step(True).report
     assert report.phase == "data"
     assert str(report.tensor) == "target of MseLossBackward0"
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_the_loss_code_and_its_graph_are_let_go_once_the_step_is_judged(defer: bool) -> None:
+    # The deferred watch keeps the loss code's records and the loss's autograd node until the optimizer step has
+    # judged the step (the nodes are walked only at an event): with retain_graph=True they keep what autograd
+    # saved, which the user's own code has let go of by then. Nothing of it outlives the step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with nan_magic.watch(model, opt, defer=defer):
+        for _ in range(2):
+            opt.zero_grad()
+            difference = model(x) - y
+            saved = weakref.ref(difference)  # the square's backward saves it
+            loss = difference.square().mean()
+            loss.backward(retain_graph=True)
+            del loss, difference
+            opt.step()
+            assert saved() is None

@@ -356,6 +356,7 @@ class StepCycle:
         finally:
             if self.outside is not None and self._mine():
                 self.outside.forget()  # the step is judged (the deferred check too): the loss code's records go
+                self.gradients.forget_loss_graph()
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
@@ -364,10 +365,15 @@ class StepCycle:
             if self.replays is not None and self._mine():
                 # Its models' calls can need no replay now, nor stay alive.
                 self.replays.release_stepped(opt)
-        if self.outside is not None and self._mine() and not self.defer:
-            # The code until the next model call: data loading, within a budget. (The deferred check judges
-            # the batch at the optimizer step, after the loss region replaced these records.)
-            self.outside.start("data")
+        if self.outside is not None and self._mine():
+            if self.defer:
+                # The step is judged: the loss code's records held for it go (with retain_graph=True, its graph
+                # too), as the data region's start drops them in the immediate mode.
+                self.outside.forget()
+            else:
+                # The code until the next model call: data loading, within a budget. (The deferred check judges
+                # the batch at the optimizer step, after the loss region replaced these records.)
+                self.outside.start("data")
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.

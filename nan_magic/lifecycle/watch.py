@@ -348,6 +348,7 @@ class Watch:
         if self.cycle.update_code is not None:
             self.cycle.update_code.forget()
         self.localizing.forget()
+        self.gradients.forget_loss_graph()
         self.log.clear()
         self.samples.forget()
         if self.origins.tracer is not None:

@@ -69,6 +69,9 @@ class GradientChecks:
         # Deferred mode: leaves the loss code saved, held weakly until the check (localize/outside/entering.py).
         # (None: the loss code was recorded, and what it read is found in its records at the check.)
         self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] | None = []
+        # Deferred mode, the loss code recorded: the loss's autograd node and where the loss code began, for a walk
+        # at an event (loss_region.py); dropped once the step is judged (forget_loss_graph).
+        self.loss_graph: tuple[Any, int] | None = None
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
@@ -106,14 +109,22 @@ class GradientChecks:
             self.judge_loss(call)
         if watch.outside is not None:
             watch.outside.weaken()  # for its backward and the deferred check, without keeping what autograd frees
-        if watch.defer:  # a few nodes, walked once per backward
-            nodes = loss_region_nodes(loss, watch.log.last_forward_seq)
+        if watch.defer and watch.outside is not None and watch.outside.made(loss):
+            # The loss code was recorded: its records tell at the check what data it read, and its nodes are
+            # walked only at an event there, from the loss's node (held until then: once backward ran it holds
+            # no saved tensor). Per op of loss code, walking and naming them now cost more than recording it.
+            self.loss_region, self.loss_data = None, None
+            self.loss_graph = (loss.grad_fn, watch.log.last_forward_seq)
+        elif watch.defer:  # a few nodes, walked once per backward
+            nodes = loss_region_nodes(loss.grad_fn, watch.log.last_forward_seq)
             self.loss_region = loss_region_note(nodes)
-            # Backward frees what they saved; the data among it is judged at the check. Where the recorder
-            # holds the loss code's ops, their arguments tell it then, and nothing is taken now (per node,
-            # each saved attribute read and named: most of what a longer loss cost this mode each step).
-            recorded = watch.outside is not None and watch.outside.made(loss)
-            self.loss_data = None if recorded else self._loss_code.saved_leaves(nodes)
+            # Backward frees what they saved; the data among it is judged at the check.
+            self.loss_data = self._loss_code.saved_leaves(nodes)
+            self.loss_graph = None
+
+    def forget_loss_graph(self) -> None:
+        """The step is judged (or the watch ends): the loss's autograd graph need not stay."""
+        self.loss_graph = None
 
     @property
     def last_loss(self) -> float | None:
@@ -261,11 +272,12 @@ class GradientChecks:
         )
         if call.info is None:
             finding.notes.append(Note("outside-backward"))
-            if watch.defer:
+            if watch.defer and self.loss_graph is None:
                 region = self.loss_region
             else:
                 loss = self.loss_record.ref() if self.loss_record is not None else None
-                region = loss_region_note(loss_region_nodes(loss, watch.log.last_forward_seq))
+                start, boundary = self.loss_graph or (getattr(loss, "grad_fn", None), watch.log.last_forward_seq)
+                region = loss_region_note(loss_region_nodes(start, boundary))
             if region:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.

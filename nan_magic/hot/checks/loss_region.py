@@ -31,13 +31,12 @@ _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _MAX_NODES = 256
 
 
-def loss_region_nodes(loss: Any, boundary: int) -> list[Any]:
-    """Nodes reachable from ``loss.grad_fn`` created at or after sequence number ``boundary``.
+def loss_region_nodes(start: Any, boundary: int) -> list[Any]:
+    """Nodes reachable from ``start`` (a loss's ``grad_fn``) created at or after sequence number ``boundary``.
 
     Breadth first from the loss, so in about the order backward ran them;
     at most 256 (a loss region is a few ops; anything longer is cut).
     """
-    start = getattr(loss, "grad_fn", None)
     found: list[Any] = []
     seen: set[int] = set()
     queue: deque[Any] = deque([start])
@@ -56,7 +55,8 @@ def loss_region_nodes(loss: Any, boundary: int) -> list[Any]:
 def loss_region_note(nodes: list[Any]) -> Note | None:
     """The loss region's nodes by name, and the ones among them whose derivative can be infinite (render/ says it).
 
-    Runs at every backward of the deferred watch: names only, nothing joined or counted.
+    Runs at each backward of the deferred watch whose loss code was not recorded: names only, nothing joined or
+    counted.
     """
     if not nodes:
         return None

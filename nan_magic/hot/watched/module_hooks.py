@@ -46,7 +46,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_registry
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from nan_magic.errors.exceptions import NanMagicWarning
 
@@ -75,7 +74,8 @@ class GlobalModuleHooks:
     def __init__(self, pre: Callable[..., None], post: Callable[..., None]) -> None:
         self.pre = pre
         self.post = post
-        self._handles: tuple[RemovableHandle, ...] = ()
+        self._ids: tuple[int, int] | None = None  # the ids of our two entries in torch's registries
+        self._attached = False
         self._wrapped: set[int] = set()
         self._stack: ExitStack | None = None
         self._eager = False
@@ -123,7 +123,7 @@ class GlobalModuleHooks:
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
                         ) -> None:
-        if self._stack is None or self._handles:
+        if self._stack is None or self._attached:
             return  # a call made before the watch stepped aside (or after it ended)
         self._on()
         if output is None and sys.exc_info()[1] is not None:
@@ -132,19 +132,33 @@ class GlobalModuleHooks:
             self.post(module, args, kwargs, output)
 
     def _on(self) -> None:
-        if not self._handles:
-            self._handles = (
-                register_module_forward_pre_hook(self.pre),
-                register_module_forward_hook(self.post, with_kwargs=True, always_call=True),
-            )
+        if self._attached:
+            return
+        if self._ids is None:
+            pre = register_module_forward_pre_hook(self.pre)
+            post = register_module_forward_hook(self.post, with_kwargs=True, always_call=True)
+            self._ids = (pre.id, post.id)
+        else:
+            # Back under the ids torch gave them: the entries its registration makes, without two handle objects
+            # and their weak references at every top-level call (the hooks come and go each step).
+            pre_id, post_id = self._ids
+            module_registry._global_forward_pre_hooks[pre_id] = self.pre
+            module_registry._global_forward_hooks[post_id] = self.post
+            module_registry._global_forward_hooks_with_kwargs[post_id] = True
+            module_registry._global_forward_hooks_always_called[post_id] = True
+        self._attached = True
 
     def _off(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-            # torch's handle forgets this registry (torch 2.13): an entry left there keeps
-            # ``_has_any_global_hook()`` true, and OptimizedModule warning, after the watch.
-            module_registry._global_forward_hooks_with_kwargs.pop(handle.id, None)
-        self._handles = ()
+        if not self._attached or self._ids is None:
+            return
+        pre_id, post_id = self._ids
+        module_registry._global_forward_pre_hooks.pop(pre_id, None)
+        # Every entry, as a handle's remove() would, and the kwargs flag, which it forgets (torch 2.13): an entry
+        # left there keeps ``_has_any_global_hook()`` true, and OptimizedModule warning, after the watch.
+        for registry in (module_registry._global_forward_hooks, module_registry._global_forward_hooks_with_kwargs,
+                         module_registry._global_forward_hooks_always_called):
+            registry.pop(post_id, None)
+        self._attached = False
 
 
 def _remove_filter(added: Any) -> None:

@@ -119,7 +119,7 @@ def _recorded_leaf(value: Any) -> torch.Tensor | None:
 
 def _saved_by_loss_code(loss: torch.Tensor | None, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:
     if loss is not None:
-        yield from _saved_tensors(loss_region_nodes(loss, boundary))
+        yield from _saved_tensors(loss_region_nodes(loss.grad_fn, boundary))
 
 
 def _saved_tensors(nodes: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
