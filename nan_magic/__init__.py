@@ -30,7 +30,7 @@ from nan_magic.records import (
     TensorStats,
     install_views,
 )
-from nan_magic.render.names import tensor_label
+from nan_magic.render.words.names import tensor_label
 from nan_magic.scene.load import Scene, load_scene
 from nan_magic.tensor_refs import install_labeler
 from nan_magic.version import __version__
@@ -82,7 +82,7 @@ class _Views:
         return render_text(report)
 
     def message_parts(self, report: Report) -> tuple[str, str, str, str]:
-        from nan_magic.render.message import message_parts
+        from nan_magic.render.words.message import message_parts
 
         return message_parts(report)
 
@@ -102,12 +102,12 @@ class _Views:
         restore(report)
 
     def cause_hint(self, cause: Cause) -> str:
-        from nan_magic.render.cause import cause_hint
+        from nan_magic.render.words.cause import cause_hint
 
         return cause_hint(cause)
 
     def cause_evidence(self, cause: Cause) -> tuple[str, ...]:
-        from nan_magic.render.cause import cause_evidence
+        from nan_magic.render.words.cause import cause_evidence
 
         return cause_evidence(cause)
 
@@ -124,14 +124,14 @@ def _describe_fix(trial: FixTrial) -> str:
 # A FixTrial's description is written by render/fixes.py, imported on first use.
 install_describer(_describe_fix)
 def _write_note(note: Note) -> str:
-    from nan_magic.render.note_words import note_text
+    from nan_magic.render.words.note_words import note_text
 
     return note_text(note)
 
 
-# A Note's sentence is written by render/note_words.py, imported on first use.
+# A Note's sentence is written by render/words/note_words.py, imported on first use.
 install_writer(_write_note)
-# A TensorRef's label (str) is written by render/names.py (stdlib only, so imported at once).
+# A TensorRef's label (str) is written by render/words/names.py (stdlib only, so imported at once).
 install_labeler(tensor_label)
 
 

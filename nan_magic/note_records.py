@@ -2,7 +2,7 @@
 
 The engine says what it found or could not do (a replay that stayed finite,
 a scene part left out) as a :class:`Note`; its sentence is written by
-``nan_magic.render.note_words``, which sits above, reached through the writer
+``nan_magic.render.words.note_words``, which sits above, reached through the writer
 ``nan_magic/__init__.py`` installs (as a FixTrial's description is). Nothing
 reads a sentence back: a note's facts are the data.
 """
@@ -18,7 +18,7 @@ __all__ = ["Note", "install_writer"]
 
 @dataclass(frozen=True)
 class Note:
-    """One note of a report: ``kind`` names the sentence render/note_words.py writes, ``facts`` fill it in.
+    """One note of a report: ``kind`` names the sentence render/words/note_words.py writes, ``facts`` fill it in.
 
     ``facts`` are ``(name, value)`` pairs of stdlib values (str, int, float,
     bool, None, tuples of them), so a scene stores a note as plain data. A
@@ -60,7 +60,7 @@ class Note:
 
     @property
     def text(self) -> str:
-        """The note's sentence (written by render/note_words.py)."""
+        """The note's sentence (written by render/words/note_words.py)."""
         return _writer[0](self)
 
 

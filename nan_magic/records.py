@@ -220,11 +220,11 @@ class Cause:
     """The likely cause of an event: its kind, which reading of it, and the plain values it rests on.
 
     ``label`` is the kind (``"learning-rate-too-high"``); ``reading`` names
-    the sentence ``nan_magic.render.cause`` writes for it (one kind can be
+    the sentence ``nan_magic.render.words.cause`` writes for it (one kind can be
     reached several ways); ``facts`` are ``(name, value)`` pairs of stdlib
     values (str, int, float, bool, None, tuples of them), so a scene stores a
     cause as plain data. ``hint`` and ``evidence`` are written from them by
-    ``nan_magic.render.cause``.
+    ``nan_magic.render.words.cause``.
     """
 
     label: str
@@ -373,7 +373,7 @@ class Report:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        """The notes' sentences (written by render/note_words.py), in order."""
+        """The notes' sentences (written by render/words/note_words.py), in order."""
         return tuple(note.text for note in self.note_facts)
 
     @property
@@ -386,7 +386,7 @@ class Report:
 
     @property
     def message(self) -> str:
-        """The one-line summary used as the exception message (written by :mod:`nan_magic.render.message`)."""
+        """The one-line summary used as the exception message (written by :mod:`nan_magic.render.words.message`)."""
         return "".join(self.message_parts)
 
     @property

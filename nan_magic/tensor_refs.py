@@ -52,7 +52,7 @@ class TensorRef:
     """Which tensor a fact is about: a role, a name and a path, never a sentence.
 
     ``str(ref)`` is its short label (``output[1]``, ``parameter fc.weight``),
-    written by :func:`nan_magic.render.names.tensor_label`.
+    written by :func:`nan_magic.render.words.names.tensor_label`.
     """
 
     role: TensorRole
@@ -99,7 +99,7 @@ LOSS = TensorRef(TensorRole.LOSS)
 OUTPUT = TensorRef(TensorRole.MODULE_OUTPUT, path="output")
 
 
-#: Writes a reference's label: render/names.py's ``tensor_label``, which ``nan_magic/__init__.py``
+#: Writes a reference's label: render/words/names.py's ``tensor_label``, which ``nan_magic/__init__.py``
 #: installs on import (render/ sits above the records and may not be imported from here).
 _labeler: list[Callable[[TensorRef], str]] = []
 

@@ -1,4 +1,4 @@
-"""A report's notes are data (Note: a kind and its facts); only render/note_words.py writes their sentences."""
+"""A report's notes are data (Note: a kind and its facts); only render/words/note_words.py writes their sentences."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.note_records import Note
 from nan_magic.plain import to_pairs
 from nan_magic.records import Report, SourcePointer
-from nan_magic.render import note_words
+from nan_magic.render.words import note_words
 
 PACKAGE = Path(nan_magic.__file__).parent
 #: The calls that make a note of the kind given as their first argument.

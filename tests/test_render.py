@@ -192,7 +192,7 @@ def test_operands_are_named_as_the_user_wrote_them() -> None:
     ("aten.addmm.default", "return self.proj(x)", ""),
 ])
 def test_the_op_is_named_by_the_users_expression(op: str, line: str, expression: str) -> None:
-    from nan_magic.render.operands import op_expression
+    from nan_magic.render.words.operands import op_expression
 
     assert op_expression(op, line) == expression
 
@@ -224,7 +224,7 @@ def test_the_report_title_is_short_and_counts_only_what_is_there() -> None:
     ("aten.div.Tensor", "x / (", {}),  # one line of a multi-line statement
 ])
 def test_operand_names_only_where_the_line_is_unambiguous(op: str, line: str, names: dict[str, str]) -> None:
-    from nan_magic.render.operands import operand_names
+    from nan_magic.render.words.operands import operand_names
 
     found = operand_names(op, line)
     assert {key: found[key] for key in names} == names

@@ -23,8 +23,8 @@ from nan_magic.records import (
     TensorStats,
     module_label,
 )
-from nan_magic.render.cause import cause_evidence, cause_hint, hint_opens_sentence
-from nan_magic.render.operands import op_expression, operand_label, operand_names
+from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
+from nan_magic.render.words.operands import op_expression, operand_label, operand_names
 from nan_magic.tensor_refs import op_function
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
@@ -235,7 +235,7 @@ def labelled_inputs(report: Report) -> list[tuple[str, TensorStats]]:
     """The producer's inputs with the names the user wrote where the line says them.
 
     The op's operands come labelled by aten schema name (``self``,
-    ``mat2``); :func:`~nan_magic.render.operands.operand_names` reads the
+    ``mat2``); :func:`~nan_magic.render.words.operands.operand_names` reads the
     user's expressions from the source line: ``x (self)``.
     """
     names = operand_names(report.op, report.source.line if report.source else None)

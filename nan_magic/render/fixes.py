@@ -14,7 +14,7 @@ import math
 
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
-from nan_magic.render.cause_words import fmt
+from nan_magic.render.words.cause_words import fmt
 
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 

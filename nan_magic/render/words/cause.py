@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from nan_magic.locations import name_location
 from nan_magic.records import Cause, module_label
-from nan_magic.render.cause_ops import OP_READINGS
-from nan_magic.render.cause_overflow import OVERFLOW_READINGS
-from nan_magic.render.cause_steps import STEP_READINGS
-from nan_magic.render.cause_words import Reading, counts, counts_phrase, event_of, fmt, what
+from nan_magic.render.words.cause_ops import OP_READINGS
+from nan_magic.render.words.cause_overflow import OVERFLOW_READINGS
+from nan_magic.render.words.cause_steps import STEP_READINGS
+from nan_magic.render.words.cause_words import Reading, counts, counts_phrase, event_of, fmt, what
 
 __all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
 

@@ -1,7 +1,7 @@
 """The sentences of a forward op's cause: a domain error (log, sqrt, pow), a division, an empty mean, a softmax.
 
 Each reading is written from the cause's event (the op, its inputs by role,
-the counts; render/cause_words.py) and the numbers its rule in
+the counts; render/words/cause_words.py) and the numbers its rule in
 explain/forward.py or explain/attention.py gave.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nan_magic.records import Cause, Report
-from nan_magic.render.cause_words import (
+from nan_magic.render.words.cause_words import (
     Reading,
     constant_inputs,
     counts,

@@ -17,7 +17,7 @@ from typing import Any
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
-from nan_magic.render.names import tensor_label
+from nan_magic.render.words.names import tensor_label
 from nan_magic.tensor_refs import TensorRef
 
 __all__ = ["human_size", "note_text"]
