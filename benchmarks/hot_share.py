@@ -89,7 +89,8 @@ def _innermost_of_ours(frames: list[str]) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="*", default=["tiny_lm", "deep_mlp", "small_cnn"])
+    parser.add_argument("--models", nargs="*", default=["tiny_lm", "deep_mlp", "small_cnn"],
+                        choices=["tiny_lm", "deep_mlp", "small_cnn"])
     parser.add_argument("--seconds", type=float, default=25.0, help="seconds sampled per model (default 25)")
     parser.add_argument("--defer", action="store_true", help="the deferred mode (defer=True, CUDA's default)")
     parser.add_argument("--top", type=int, default=0, help="list the N functions of ours sampled most")
@@ -116,8 +117,14 @@ def main() -> None:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             assert process.stdout is not None
             process.stdout.readline()  # settled: sample the steady state only
-            subprocess.run([spy, "record", "-r", str(RATE), "-f", "raw", "-o", raw, "-d", str(int(options.seconds)),
-                            "-p", str(process.pid)], check=True, capture_output=True)
+            record = [spy, "record", "-r", str(RATE), "-f", "raw", "-o", raw, "-d", str(int(options.seconds)),
+                      "-p", str(process.pid)]
+            sampled = subprocess.run(record, capture_output=True, text=True)
+            if sampled.returncode != 0:
+                process.kill()
+                reason = (sampled.stderr.strip().splitlines() or ["no message"])[-1]
+                parser.error(f"py-spy could not sample the training process ({reason}); it needs ptrace "
+                             "(root, or CAP_SYS_PTRACE)")
             process.wait()
             with open(raw) as handle:
                 steps, ours = share(handle.read())
