@@ -111,6 +111,11 @@ class _Views:
 
         return cause_evidence(cause)
 
+    def warning_message(self, kind: str, facts: tuple[tuple[str, Any], ...]) -> str:
+        from nan_magic.render.words.warning_words import warning_text
+
+        return warning_text(kind, facts)
+
 
 install_views(_Views())
 

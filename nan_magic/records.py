@@ -210,9 +210,17 @@ class EarlyWarning:
 
     step: int
     kind: str
-    message: str
+    #: The numbers it rests on, as ``(name, value)`` pairs (render/words/warning_words.py says them).
+    facts: tuple[tuple[str, Any], ...] = ()
     module: str | None = None
     value: float | None = None
+    #: An older scene's sentence, shown as written (its warnings had no facts).
+    said: str | None = None
+
+    @property
+    def message(self) -> str:
+        """The warning's sentence."""
+        return self.said if self.said is not None else _views().warning_message(self.kind, self.facts)
 
 
 @dataclass(frozen=True)
@@ -461,6 +469,8 @@ class ReportViews(Protocol):
     def cause_hint(self, cause: Cause) -> str: ...
 
     def cause_evidence(self, cause: Cause) -> tuple[str, ...]: ...
+
+    def warning_message(self, kind: str, facts: tuple[tuple[str, Any], ...]) -> str: ...
 
 
 _installed: list[ReportViews] = []

@@ -337,3 +337,19 @@ def test_a_step_summary_holds_the_largest_values_and_where_the_headroom_is_least
         assert summary.grad_headroom_dtype == "float32"
     else:
         assert summary.grad_headroom is None  # float32 CPU gradients: finiteness only, by a sum
+
+
+def test_a_warning_keeps_its_numbers_and_render_writes_its_sentence() -> None:
+    # The watch keeps a warning's kind and facts; its sentence is render/words/warning_words.py's, from them.
+    batch = torch.randn(8, 4)
+    batch[:, 2] = 3.0
+    batch[0, 0] = 1e7
+    found = EarlyWarnings().observe_batch(0, "x", batch)
+    extreme, constant = sorted(found, key=lambda warning: warning.kind, reverse=True)
+    assert (extreme.kind, dict(extreme.facts)["tensor"], dict(extreme.facts)["absmax"]) == ("extreme-input", "x", 1e7)
+    assert extreme.message == ("x of the batch holds |x| = 1e+07 (> 1e+06): normalise or clip the inputs before "
+                               "they overflow a layer")
+    assert dict(constant.facts)["constant"] == ((2, 3.0),)
+    assert constant.message == ("x: 1 of 4 features are constant over the batch of 8 rows: feature 2 (= 3); "
+                                "standardising it divides by a zero std")
+    assert all(isinstance(value, (str, int, float, tuple, type(None))) for _name, value in constant.facts)

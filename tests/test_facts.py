@@ -134,7 +134,7 @@ _EVENT = Report(
         *((TensorRef(TensorRole.OPERAND, name), dataclasses.replace(_INPUT, neginf=9))
           for name in ("self", "other", "query", "key", "attn_mask")),
     ),
-    warnings=(EarlyWarning(3, "extreme-input", "input[0] reached |x| = 1e9"),),
+    warnings=(EarlyWarning(3, "extreme-input", (("tensor", "input[0]"), ("absmax", 1e9), ("limit", 1e6))),),
     note_facts=(Note.of("deliberate", how="scalar"),),
 )
 _SIGNS = (("arithmetic", "div"), ("pow",), ("near", to_pairs(TensorRef(TensorRole.OPERAND, "self")), 3e36, 1e-3),

@@ -210,7 +210,7 @@ def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_p
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
     data = torch.load(report.scene, weights_only=True)
-    assert data["version"] == 3
+    assert data["version"] == 4
     saved = data["report"]["note_facts"]
     assert saved == ({"kind": "step-replayed", "facts": (("step", report.step),)},)  # a kind and its facts
     scene = nan_magic.load_scene(report.scene)
@@ -233,6 +233,20 @@ def test_a_version_2_scene_whose_notes_were_sentences_still_shows_them(tmp_path)
     scene = nan_magic.load_scene(old)
     assert scene.report.notes == plain["notes"]
     assert "a sentence {with braces} as it was written" in scene.report.to_text()
+
+
+def test_a_version_3_scene_whose_warnings_were_sentences_still_shows_them(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    data = torch.load(report.scene, weights_only=True)
+    plain = dict(data["report"])
+    plain["warnings"] = ({"step": 1, "kind": "loss-spike", "message": "the loss reached 1e+09 {as written}",
+                          "module": None, "value": 1e9},)
+    data["version"], data["report"] = 3, plain
+    old = tmp_path / "version_3_scene.pt"
+    torch.save(data, old)
+    scene = nan_magic.load_scene(old)
+    assert [warning.message for warning in scene.report.warnings] == ["the loss reached 1e+09 {as written}"]
 
 
 def test_a_version_1_scene_whose_report_was_pickled_as_records_is_refused_in_one_line(tmp_path) -> None:

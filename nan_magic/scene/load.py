@@ -119,6 +119,11 @@ class Scene:
             # A version 2 scene kept its notes as sentences: shown as they were written.
             said = tuple(Note.of("said", text=text) for text in plain["notes"])
             report = dataclasses.replace(report, note_facts=said)
+        sentences = _warnings_said(plain)
+        if sentences:
+            # A scene of version 3 or older kept its warnings as sentences: shown as they were written.
+            report = dataclasses.replace(report, warnings=tuple(
+                dataclasses.replace(warning, said=text) for warning, text in zip(report.warnings, sentences)))
         self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
@@ -376,3 +381,10 @@ def _moved(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple):
         return tuple(_moved(item, device) for item in value)
     return {key: _moved(item, device) for key, item in value.items()}
+
+
+def _warnings_said(plain: Any) -> list[str | None]:
+    """The sentences an older scene's early warnings were stored as (none where they carry facts)."""
+    warnings = plain.get("warnings") if isinstance(plain, dict) else None
+    said = [dict(item.items() if isinstance(item, dict) else item).get("message") for item in warnings or ()]
+    return said if any(text is not None for text in said) else []

@@ -42,7 +42,7 @@ from collections import deque
 import torch
 
 from nan_magic.hot.stats import read_probe
-from nan_magic.records import EarlyWarning, StepSummary, module_label
+from nan_magic.records import EarlyWarning, StepSummary
 
 __all__ = [
     "BATCH_RULE_EVERY",
@@ -142,7 +142,7 @@ class EarlyWarnings:
             self._scale_falling(summary),
             # Where batches are not observed one by one (deferred mode), the
             # step's largest input still shows an extreme batch, a step later.
-            _extreme_input(summary.step, "the batch entering the model", summary.input_absmax),
+            _extreme_input(summary.step, None, summary.input_absmax),
         ]
         return [warning for warning in found if warning is not None and self._due(warning)]
 
@@ -163,7 +163,7 @@ class EarlyWarnings:
             low, high = read_probe(tensor)
         else:
             low, high = probe
-        found = [_extreme_input(step, f"{name} of the batch", max(-low, high))]
+        found = [_extreme_input(step, name, max(-low, high))]
         due = step % BATCH_RULE_EVERY == 0
         # Features are columns of a dense real batch; a sparse or complex one has no such columns to compare.
         dense_real = tensor.layout is torch.strided and not tensor.is_complex()
@@ -179,15 +179,7 @@ class EarlyWarnings:
         ratio = series.observe(value)
         if ratio is None or value is None:
             return None
-        return EarlyWarning(
-            step=step,
-            kind=kind,
-            message=(
-                f"the {label} reached {value:.3g}, {ratio:.3g}x its running median: a learning rate too high, "
-                "a bad batch, or a run starting to diverge"
-            ),
-            value=value,
-        )
+        return EarlyWarning(step=step, kind=kind, facts=(("value", value), ("ratio", ratio)), value=value)
 
     def _scale_falling(self, summary: StepSummary) -> EarlyWarning | None:
         scale, previous = summary.scale, self._scale
@@ -198,28 +190,13 @@ class EarlyWarnings:
         self._scale_falls += 1
         if self._scale_falls < SCALE_FALLS:
             return None
-        return EarlyWarning(
-            step=summary.step,
-            kind="scale-falling",
-            message=(
-                f"the GradScaler scale fell on each of the last {self._scale_falls} steps, to {scale:g}: scaled "
-                "gradients keep overflowing; find the gradient that grows (the report's backward events)"
-            ),
-            value=scale,
-        )
+        return EarlyWarning(step=summary.step, kind="scale-falling",
+                            facts=(("falls", self._scale_falls), ("scale", scale)), value=scale)
 
     def observe_norm_overflow(self, step: int, optimizer: str, names: list[str]) -> list[EarlyWarning]:
         """Gradients about to be applied whose norm overflowed, every element finite."""
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        warning = EarlyWarning(
-            step=step,
-            kind="grad-norm-overflow",
-            message=(
-                f"the gradient norm of {shown} overflowed float32 before the {optimizer} step although every "
-                "element is finite: gradients are near the float32 limit; lower the learning rate or clip them"
-            ),
-            value=math.inf,
-        )
+        warning = EarlyWarning(step=step, kind="grad-norm-overflow",
+                               facts=(("parameters", tuple(names)), ("optimizer", optimizer)), value=math.inf)
         return [warning] if self._due(warning) else []
 
     def _due(self, warning: EarlyWarning) -> bool:
@@ -248,19 +225,13 @@ def _feature_ranges(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(tensor)
 
 
-def _extreme_input(step: int, subject: str, absmax: float | None) -> EarlyWarning | None:
+def _extreme_input(step: int, tensor: str | None, absmax: float | None) -> EarlyWarning | None:
+    # ``tensor``: the batch's tensor by name, None for the step's largest input (render/words says which).
     # A non-finite batch is an event of its own (phase data), not a warning.
     if absmax is None or not math.isfinite(absmax) or absmax <= EXTREME_INPUT:
         return None
-    return EarlyWarning(
-        step=step,
-        kind="extreme-input",
-        message=(
-            f"{subject} holds |x| = {absmax:.3g} (> {EXTREME_INPUT:.0e}): normalise or clip the inputs "
-            "before they overflow a layer"
-        ),
-        value=absmax,
-    )
+    return EarlyWarning(step=step, kind="extreme-input",
+                        facts=(("tensor", tensor), ("absmax", absmax), ("limit", EXTREME_INPUT)), value=absmax)
 
 
 def _constant_feature(
@@ -269,18 +240,15 @@ def _constant_feature(
     constant = (low == high).nonzero().flatten().tolist()
     if not constant:
         return None
-    axis = "feature" if tensor.dim() == 2 else "channel"
-    shown = ", ".join(f"{index} (= {float(low[index]):.3g})" for index in constant[:_SHOWN_FEATURES])
-    more = f" and {len(constant) - _SHOWN_FEATURES} more" if len(constant) > _SHOWN_FEATURES else ""
-    return EarlyWarning(
-        step=step,
-        kind="constant-feature",
-        message=(
-            f"{name}: {len(constant)} of {low.numel()} {axis}s are constant over the batch of {tensor.shape[0]} "
-            f"rows: {axis} {shown}{more}; standardising it divides by a zero std"
-        ),
-        value=float(len(constant)),
+    facts = (
+        ("tensor", name),
+        ("axis", "feature" if tensor.dim() == 2 else "channel"),
+        ("count", len(constant)),
+        ("features", low.numel()),
+        ("rows", tensor.shape[0]),
+        ("constant", tuple((index, float(low[index])) for index in constant[:_SHOWN_FEATURES])),
     )
+    return EarlyWarning(step=step, kind="constant-feature", facts=facts, value=float(len(constant)))
 
 
 def _overflow_risk(
@@ -293,14 +261,6 @@ def _overflow_risk(
     """
     if headroom is None or dtype not in _HALF or headroom >= HEADROOM_LIMIT:
         return None
-    limit = torch.finfo(getattr(torch, dtype)).max
-    return EarlyWarning(
-        step=step,
-        kind="overflow-risk",
-        message=(
-            f"{dtype} {what} of {module_label(module)} reached |x| = {limit / headroom:.3g}, within "
-            f"{headroom:.2g}x of the {dtype} limit {limit:.5g}: compute it in float32 or scale it down"
-        ),
-        module=module,
-        value=headroom,
-    )
+    facts = (("dtype", dtype), ("what", what), ("module", module), ("headroom", headroom),
+             ("limit", torch.finfo(getattr(torch, dtype)).max))
+    return EarlyWarning(step=step, kind="overflow-risk", facts=facts, module=module, value=headroom)
