@@ -43,7 +43,7 @@ from nan_magic.hot.checks.optim import OptimizerChecks
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.stats import read_scalars
+from nan_magic.hot.reads import read_scalars
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Note, Phase, StepSummary
 
