@@ -22,7 +22,7 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.hot import stats
+from nan_magic.hot import reads
 from nan_magic.hot.checks import optim
 from nan_magic.hot.kept import step_log as calls
 from nan_magic.lifecycle import watch
@@ -36,7 +36,7 @@ PER_TENSOR_READS = ("kinds_of", "tensor_stats")
 def transfers(monkeypatch):
     """Count deferred transfers; fail on any per-tensor read."""
     count = {"reads": 0}
-    real = stats.read_scalars
+    real = reads.read_scalars
 
     def counting(scalars):
         count["reads"] += 1

@@ -35,7 +35,7 @@ from torch import nn
 
 from nan_magic.distributed.ranks import launched
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.hot.stats import WIDE_FLOATS, read_scalars
+from nan_magic.hot.reads import WIDE_FLOATS, read_scalars
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase
 

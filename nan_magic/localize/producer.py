@@ -25,7 +25,8 @@ from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorR
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats, version_of
+from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
+from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding

@@ -31,7 +31,7 @@ from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
-from nan_magic.hot.stats import is_checkable, iter_tensors
+from nan_magic.hot.reads import is_checkable, iter_tensors
 from nan_magic.hot.watched.module_hooks import may_step_aside
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.hot.watched.transparent import output_bound, passes_through, passes_through_unseen

@@ -35,7 +35,8 @@ from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.kept.finding import Finding, record_ref
-from nan_magic.hot.stats import is_checkable, kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.hot.reads import is_checkable, norms, read_scalars, relevant_kinds
+from nan_magic.hot.stats import kinds_of
 from nan_magic.records import LOSS, Note, Phase, TensorRef, TensorRole
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]

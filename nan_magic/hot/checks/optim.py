@@ -61,7 +61,7 @@ from nan_magic.hot.checks.step_layout import (
     wild_hyperparameters,
 )
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
     dot_norm,

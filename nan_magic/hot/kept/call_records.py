@@ -18,16 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     WIDE_FLOATS,
-    finite_stats,
     iter_tensors,
     probe,
     probe_kinds,
-    probe_stats,
     readable,
-    tensor_stats,
     version_of,
+)
+from nan_magic.hot.stats import (
+    finite_stats,
+    probe_stats,
+    tensor_stats,
 )
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats

@@ -23,7 +23,7 @@ from nan_magic.hot.kept.call_records import (
     gradient_label,
     version_of,
 )
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     finite_max,
     read_scalars,
 )

@@ -32,7 +32,8 @@ from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.kept.held import Resolved
 from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
+from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.stats import kinds_of
 from nan_magic.hot.timing import Timing
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.module_run import (
