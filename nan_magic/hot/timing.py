@@ -186,10 +186,10 @@ class Deferred(Timing):
         values, written_values = values[:len(extra)], values[len(extra):]
         if first is not None:
             first(values)
-        stopped = lambda: cycle.outcome.stopped  # noqa: E731 - asked again after every judgement
-        if written and written_first and not stopped():
+        outcome = cycle.outcome  # (its ``stopped`` is asked again after every judgement)
+        if written and written_first and not outcome.stopped:
             cycle.judge_written(written_values)  # the update code ran before the calls: it ended as one began
-        if stopped():
+        if outcome.stopped:
             return values
         for call in cycle.log.finished():
             if call.phase == Phase.BACKWARD:
@@ -200,9 +200,9 @@ class Deferred(Timing):
                 for record in call.outputs:
                     if record.status == "ok":
                         cycle.judge_forward(call, record, _DETECTED_DEFERRED)
-            if stopped():
+            if outcome.stopped:
                 break
-        if written and not written_first and not stopped():
+        if written and not written_first and not outcome.stopped:
             cycle.judge_written(written_values)  # after the calls: the update code ran after them
         return values
 
