@@ -19,7 +19,7 @@ from watching import raised
 from nan_magic import TensorRef, TensorRole
 from nan_magic.explain.evidence import event, event_cause, plain_cause
 from nan_magic.plain import from_plain, to_pairs, to_plain
-from nan_magic.records import Cause, EarlyWarning, Note, Phase, Report, SourcePointer, TensorStats
+from nan_magic.records import Cause, EarlyWarning, EventRef, Note, Phase, Report, SourcePointer, TensorStats
 from nan_magic.render.common import labelled_samples
 from nan_magic.render.words.cause import cause_evidence, cause_hint
 
@@ -116,6 +116,26 @@ def test_a_report_is_plain_data_both_ways() -> None:
     assert back.tensor == report.tensor and back.input_stats == report.input_stats
     assert back.layers == report.layers and back.message == report.message
     assert json.loads(report.to_json())["tensor"]["role"] == "op output"
+
+
+def test_an_event_after_the_first_holds_a_reference_to_it_and_every_view_names_it(tmp_path) -> None:
+    """``follows`` once held the first event's sentence; it is the first's reference, its words written by render/."""
+    later = dataclasses.replace(_EVENT, phase=Phase.OPTIMIZER, step=13, tensor=TensorRef.parameter("fc.weight"),
+                                op=None, source=None, follows=_EVENT.ref, models_watched=2)
+    assert later.follows == EventRef(12, Phase.FORWARD, "fc", "Linear", "Net", "aten.div.Tensor", _EVENT.tensor)
+    after = "after the first event (forward step 12: fc (Linear) in Net, op aten.div.Tensor)"
+    assert later.message == f"non-finite parameter fc.weight in optimizer step 13: fc (Linear) in Net (4 nan, " \
+                            f"2 +inf, 1 -inf of 8), {after}"
+    assert _EVENT.message.startswith("first non-finite value in forward step 12") and "after" not in _EVENT.message
+    # One model watched: the first event's model goes unnamed, as its own message does.
+    assert dataclasses.replace(later, models_watched=1).message.endswith("(forward step 12: fc (Linear), op "
+                                                                         "aten.div.Tensor)")
+    assert after in later.to_text() and after in later.to_html()
+    path = tmp_path / "later.pt"
+    torch.save({"report": to_plain(later)}, path)  # as a scene stores it: plain data, no class named
+    back = from_plain(Report, torch.load(path, weights_only=True)["report"])
+    assert back.follows == later.follows and back.message == later.message
+    assert json.loads(later.to_json())["follows"]["tensor"]["role"] == "op output"
 
 
 # -- a cause is its kind and the plain values it rests on; render/words/cause.py writes its sentences --
