@@ -27,7 +27,7 @@ from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_loa
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
 
-__all__ = ["Scene", "load_scene", "replay_summary"]
+__all__ = ["Scene", "load_scene"]
 
 
 
@@ -344,18 +344,6 @@ class Scene:
         with watcher:
             step()
         return watcher
-
-
-def replay_summary(result: ReplayResult, module: str | None) -> str:
-    """One line saying what a replay of ``module`` found."""
-    label = module or "the root module"
-    op = result.finding
-    if op is None:
-        return result.note.text if result.note is not None else f"replay of {label} stayed finite"
-    kinds = ", ".join(f"{count} {kind}" for kind, count in (("nan", op.nan), ("+inf", op.posinf), ("-inf", op.neginf))
-                      if count)
-    where = f" at {op.source}" if op.source is not None else ""
-    return f"replay of {label} reproduced {kinds} in {op.op}{where}"
 
 
 def _as_list(value: Any) -> list[Any]:
