@@ -131,6 +131,9 @@ class LayerCall:
     stats: TensorStats | None
     status: LayerStatus = "ok"
     tensor: str = "output"
+    #: Its module's place in its model, the names from the root down (``("blocks", "0")``; ``()`` the root):
+    #: the layer table's tree is drawn from it. None outside every watched module.
+    path: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

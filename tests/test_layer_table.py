@@ -10,7 +10,7 @@ from test_render import HalfAttention
 from torch import nn
 from watching import raised
 
-from nan_magic import Report
+from nan_magic import Report, load_scene
 
 
 class Block(nn.Module):
@@ -171,3 +171,39 @@ def test_a_module_left_out_by_exclude_is_not_measured() -> None:
     status = dict(zip(report.table["module"], report.table["status"]))
     assert status["head"] == "not measured"
     assert "a module the include, exclude or types options leave out" in report.to_html()
+
+
+def test_each_row_holds_its_module_s_place_in_the_model_and_an_older_scene_s_tree_still_shows(tmp_path) -> None:
+    """The tree is drawn from each row's path (the names from the root down), not from the dots of its name."""
+    torch.manual_seed(1)
+    model = Net().half()
+    x = torch.randn(2, 8, 16).half()
+    x[1, 3] = 40.0
+    report = raised(lambda: model(x), model, dump=str(tmp_path))
+    paths = {row.module: row.path for row in report.layers}
+    assert paths[""] == () and paths["blocks"] == ("blocks",) and paths["blocks.1.spare"] == ("blocks", "1", "spare")
+    assert paths["blocks.0.attn.qkv"] == ("blocks", "0", "attn", "qkv")
+    data = torch.load(report.scene, weights_only=True)  # still plain data: no class named in the file
+    assert data["version"] == 5 and all(isinstance(row["path"], tuple) for row in data["report"]["layers"])
+    scene = load_scene(report.scene)
+    # A version 4 scene stored no path: its loader reads the rows' places from their names, and draws the same tree.
+    for row in data["report"]["layers"]:
+        del row["path"]
+    data["version"] = 4
+    torch.save(data, tmp_path / "version_4_scene.pt")
+    older = load_scene(tmp_path / "version_4_scene.pt")
+    assert older.report.layers == scene.report.layers
+    tree = layer_lines(scene.report.to_text())
+    assert layer_lines(older.report.to_text()) == tree
+    assert any(re.search(r" {8}blocks\.0\.attn\.qkv \(Linear\)", line) for line in tree)
+    assert statuses_of(older.report)["blocks.0 (Block)"] == {"contains producer"}
+
+
+def layer_lines(text: str) -> list[str]:
+    """The text report's layer table: the lines from its header to the end (it comes last)."""
+    lines = text.splitlines()
+    return lines[next(index for index, line in enumerate(lines) if line.startswith("Layers of step")):]
+
+
+def statuses_of(report: Report) -> dict[str, set[str]]:
+    return status_cells(report.to_html())

@@ -19,14 +19,14 @@ __all__ = [
 
 def depth(layer: LayerCall) -> int:
     """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
-    return 0 if not layer.module else layer.module.count(".") + 1
+    return len(layer.path) if layer.path is not None else 0
 
 
 def contains(outer: LayerCall, inner: LayerCall) -> bool:
     """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
-    if outer.module is None or inner.module is None or outer.phase != inner.phase:
+    if outer.path is None or inner.path is None or outer.phase != inner.phase:
         return False
-    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
+    return len(outer.path) < len(inner.path) and inner.path[:len(outer.path)] == outer.path
 
 
 #: What the status column says of the producer's parents: the path to it down the tree.

@@ -310,6 +310,7 @@ class StepLog:
                         stats=record.stats(),
                         status=record.status,
                         tensor=str(record.path) or "output",
+                        path=call.info.path if call.info is not None else None,
                     )
                 )
         cut = max(0, len(rows) - limit)
