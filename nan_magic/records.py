@@ -187,9 +187,9 @@ class StepSummary:
     #: of ``tiered=False``): ``absmax`` and ``headroom`` then cover every module's output, else only
     #: the model's outputs.
     full: bool = False
-    #: On such a step, each module's largest finite ``|output|`` and its dtype: ``(module, value, dtype)``,
-    #: in call order (empty on the other steps).
-    layers: tuple[tuple[str, float, str], ...] = ()
+    #: On such a step, each module's largest finite ``|output|`` and its dtype: ``(module, value, dtype, path)``
+    #: (``path``: as :attr:`LayerCall.path`), in call order (empty on the other steps).
+    layers: tuple[tuple[str, float, str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

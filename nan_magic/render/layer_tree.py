@@ -11,6 +11,7 @@ __all__ = [
     "UNMEASURED_MEANING",
     "contains",
     "depth",
+    "inside",
     "layers_count",
     "shown_statuses",
     "unmeasured_note",
@@ -26,7 +27,12 @@ def contains(outer: LayerCall, inner: LayerCall) -> bool:
     """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
     if outer.path is None or inner.path is None or outer.phase != inner.phase:
         return False
-    return len(outer.path) < len(inner.path) and inner.path[:len(outer.path)] == outer.path
+    return inside(inner.path, outer.path)
+
+
+def inside(path: tuple[str, ...], outer: tuple[str, ...]) -> bool:
+    """Whether the module at ``path`` sits in the one at ``outer``: its child, grand-child... (not itself)."""
+    return len(path) > len(outer) and path[:len(outer)] == outer
 
 
 #: What the status column says of the producer's parents: the path to it down the tree.

@@ -21,7 +21,7 @@ from torch import nn
 from nan_magic.hot.kept.rng import RngState, capture_rng_state, restore_rng_state
 from nan_magic.localize.replay.module_run import ReplayResult, replay_module
 from nan_magic.plain import from_plain
-from nan_magic.records import LayerCall, Note, Phase, Report
+from nan_magic.records import Note, Phase, Report
 from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,9 +124,9 @@ class Scene:
             # A scene of version 3 or older kept its warnings as sentences: shown as they were written.
             report = dataclasses.replace(report, warnings=tuple(
                 dataclasses.replace(warning, said=text) for warning, text in zip(report.warnings, sentences)))
-        if isinstance(plain, dict) and any("path" not in row for row in plain.get("layers") or ()):
+        if data.get("version", 0) < 5:
             # A scene of version 4 or older kept no layer's place in its model: read from its module's name.
-            report = dataclasses.replace(report, layers=_with_paths(report.layers))
+            report = _with_paths(report)
         self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
@@ -381,14 +381,18 @@ def _warnings_said(plain: Any) -> list[str | None]:
     return said if any(text is not None for text in said) else []
 
 
-def _with_paths(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:
-    """An older scene's layer rows, each with its module's path read from the module's qualified name.
+def _with_paths(report: Report) -> Report:
+    """An older scene's report, each layer (table row, per-module step's magnitude) with its module's path.
 
     The scene loader's compat path, and the one place the package reads a
-    name it stored by its dots: a version 5 scene stores each row's path
+    name it stored by its dots: a version 5 scene stores each layer's path
     (the names from the root down, as torch's ``named_modules`` walk gave them).
     """
-    return tuple(dataclasses.replace(row, path=_path(row.module)) for row in layers)
+    history = tuple(dataclasses.replace(entry, layers=tuple((name, value, dtype, _path(name) or ())
+                                                            for name, value, dtype, *_ in entry.layers))
+                    for entry in report.history)
+    layers = tuple(dataclasses.replace(row, path=_path(row.module)) for row in report.layers)
+    return dataclasses.replace(report, layers=layers, history=history)
 
 
 def _path(module: str | None) -> tuple[str, ...] | None:
