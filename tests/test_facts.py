@@ -7,8 +7,10 @@ package wrote ("parameter fc.weight".removeprefix, "input[" prefixes, the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from faults import FORWARD_FAULTS
 from torch import nn
 from watching import raised
 
+import nan_magic
 from nan_magic import TensorRef, TensorRole
 from nan_magic.explain.evidence import event, event_cause, plain_cause
 from nan_magic.plain import from_plain, to_pairs, to_plain
@@ -262,3 +265,43 @@ def test_a_diagnosed_cause_holds_only_plain_values() -> None:
     assert cause is not None and cause.reading == "optimizer-lr" and _stdlib_only(cause.facts)
     assert cause.fact("lr") == 1e38 and cause.fact("dtype") == "float32"
     assert "lr = 1e38" in cause.hint and "lr 1e38 >= float32 max 3.4e38 / 1000" in cause.evidence
+
+
+# -- nothing reads a stored name by its dots: a module's place in its model is data (LayerCall.path) --
+
+#: The dotted names the package may take apart, each with why it is not a name the package stored.
+_DOTS_READ = {
+    ("tensor_refs.py", "op_function"): "torch's own OpOverload name (namespace.name.overload): the one place it is read",
+    ("distributed/ranks.py", "user_path"): "torch's qualified name from named_modules, as it walks the live model",
+    ("localize/ops/masks.py", "buffers"): "torch's qualified name from named_buffers, of the live module",
+    ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
+}
+_BY_DOTS = {"count", "split", "rsplit", "partition", "rpartition", "find", "rfind", "index", "rindex"}
+
+
+def _reads_dots(node: ast.AST) -> bool:
+    """``name.split(".")`` and its kin, or ``name.startswith(parent + ".")``: a name taken apart by its dots."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or not node.args:
+        return False
+    first = node.args[0]
+    if node.func.attr in _BY_DOTS:
+        return isinstance(first, ast.Constant) and first.value == "."
+    if node.func.attr in ("startswith", "endswith"):  # a name built from another one, then a dot
+        ends = first.right if isinstance(first, ast.BinOp) else first.values[-1] if isinstance(first, ast.JoinedStr) \
+            else None
+        return isinstance(ends, ast.Constant) and isinstance(ends.value, str) and ends.value.endswith(".")
+    return False
+
+
+def test_no_module_reads_a_name_it_stored_by_its_dots() -> None:
+    package = Path(nan_magic.__file__).parent
+    found: dict[tuple[str, str], int] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if _reads_dots(node):
+                        found[(path.relative_to(package).as_posix(), function.name)] = node.lineno
+    assert {place: line for place, line in found.items() if place not in _DOTS_READ} == {}
+    assert set(found) == set(_DOTS_READ)  # each allowed place still reads one (else its entry goes)
