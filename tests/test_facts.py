@@ -271,7 +271,7 @@ def test_a_diagnosed_cause_holds_only_plain_values() -> None:
 
 #: The dotted names the package may take apart, each with why it is not a name the package stored.
 _DOTS_READ = {
-    ("tensor_refs.py", "op_function"): "torch's own OpOverload name (namespace.name.overload): the one place it is read",
+    ("tensor_refs.py", "op_function"): "torch's own OpOverload name (namespace.name.overload), read in one place",
     ("distributed/ranks.py", "user_path"): "torch's qualified name from named_modules, as it walks the live model",
     ("localize/ops/masks.py", "buffers"): "torch's qualified name from named_buffers, of the live module",
     ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
