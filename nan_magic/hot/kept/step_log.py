@@ -311,30 +311,32 @@ class StepLog:
                         stats=record.stats(),
                         status=record.status,
                         tensor=str(record.path) or "output",
+                        path=call.info.path if call.info is not None else None,
                     )
                 )
         cut = max(0, len(rows) - limit)
         return tuple(rows[cut:]), cut + self.dropped
 
-    def module_magnitudes(self) -> tuple[tuple[str, float, str], ...]:
-        """``(module, largest finite |output|, dtype)`` of each module called in forward this step.
+    def module_magnitudes(self) -> tuple[tuple[str, float, str, tuple[str, ...]], ...]:
+        """``(module, largest finite |output|, dtype, module's path)`` of each module called in forward this step.
 
         Read at the end of a per-module step only (step_cycle.py): a few
         floats per module for the history, no tensors kept. A module
         called several times keeps its largest value; outputs with no range
         (non-finite, or only summed) are left out.
         """
-        largest: dict[str, tuple[float, str]] = {}
+        largest: dict[str, tuple[float, str, tuple[str, ...]]] = {}
         for call in self._calls:
-            name = call.name
-            if call.phase is not Phase.FORWARD or name is None:
+            info = call.info
+            if call.phase is not Phase.FORWARD or info is None:
                 continue
+            name = info.name
             for record in call.outputs:
                 if record.ranged and not record.pending and not record.kinds and record.dtype.is_floating_point:
                     value = max(-record.low, record.high)
                     if name not in largest or value > largest[name][0]:
-                        largest[name] = (value, str(record.dtype).removeprefix("torch."))
-        return tuple((name, value, dtype) for name, (value, dtype) in largest.items())
+                        largest[name] = (value, str(record.dtype).removeprefix("torch."), info.path)
+        return tuple((name, value, dtype, path) for name, (value, dtype, path) in largest.items())
 
     def summary(self) -> tuple[float | None, float | None, Headroom | None, Headroom | None]:
         """What the step's read probes say, from the largest values noted as they were read.
