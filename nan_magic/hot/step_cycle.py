@@ -204,7 +204,7 @@ class StepCycle:
             if self.replays is not None:
                 # Training: a call waits for the optimizer of its model (a GAN's G across D's step),
                 # see on_step_post. Inference: the last step's calls go as its first module is called again.
-                self.replays.new_step(self.training())
+                self.replays.new_step(training)
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
             every = self.config.full_every

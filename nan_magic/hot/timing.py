@@ -192,6 +192,11 @@ class Deferred(Timing):
         if outcome.stopped:
             return values
         for call in cycle.log.finished():
+            for record in call.outputs:
+                if record.kinds:
+                    break
+            else:
+                continue  # every output read finite: the judges would return at once
             if call.phase == Phase.BACKWARD:
                 cycle.gradients.judge(call)
             elif call.info is None:

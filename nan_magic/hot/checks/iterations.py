@@ -40,12 +40,15 @@ class Iterations:
         self._round: set[int] = set()
         # Every optimizer seen stepping, held so that its id stays its own for the watch's life.
         self._seen: dict[int, torch.optim.Optimizer] = {}
+        #: Whether any optimizer stepped (an attribute, not a property: every top-level call asks).
+        self.any_stepped = False
 
     def stepped(self, opt: torch.optim.Optimizer) -> int:
         """Count a step of ``opt``; the index of the iteration it belongs to."""
         key = id(opt)
         first = key not in self._seen
         self._seen[key] = opt
+        self.any_stepped = True
         if first and not self._round and (self.completed or not self._members):
             # A newcomer right after an iteration closed (or the very first step): it takes part.
             late = bool(self.completed) and bool(self._members)
@@ -61,14 +64,11 @@ class Iterations:
             self._close()
         return index
 
-    @property
-    def any_stepped(self) -> bool:
-        return bool(self._seen)
-
     def absorb(self, inner: Iterations) -> None:
         """Add the iterations a nested watch counted while it had taken over."""
         self.completed += inner.completed
         self._seen.update(inner._seen)
+        self.any_stepped = bool(self._seen)
         self._members |= inner._members
 
     def _close(self) -> None:

@@ -40,7 +40,7 @@ import itertools
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -132,7 +132,7 @@ class OptimizerChecks:
 
     def watches(self, opt: torch.optim.Optimizer) -> bool:
         mine = self.watch.targets.optimizers
-        return not mine or any(opt is candidate for candidate in mine) or self.watch.targets.admit_optimizer(opt)
+        return not mine or _holds(mine, opt) or self.watch.targets.admit_optimizer(opt)
 
     def arm(self, module: nn.Module) -> list[Any]:
         """Post-accumulate-grad hooks on a watched model's parameters; their handles."""
@@ -225,7 +225,7 @@ class OptimizerChecks:
         self.step_calls += 1
         if not self.watches(opt):
             return
-        if not any(opt is known for known in self.seen):
+        if not _holds(self.seen, opt):
             self.seen.append(opt)
         self._bounded = False
         layout = self.layout(opt)
@@ -355,7 +355,7 @@ class OptimizerChecks:
         if not self.watch.mine() or not scaler.is_enabled() or self.step_calls != step_calls:
             return
         self.on_scale(scaler)
-        if not any(opt is known for known in self.seen):
+        if not _holds(self.seen, opt):
             self.seen.append(opt)
         self.watch.cycle.step_skipped(opt)
 
@@ -483,3 +483,11 @@ _FINITE = torch.zeros(1)
 def _float_tensor(value: Any) -> bool:
     """A parameter or state tensor the watch reads (the rule of :func:`stats.is_checkable`)."""
     return is_checkable(value)
+
+
+def _holds(optimizers: Iterable[object], opt: object) -> bool:
+    """Whether ``opt`` itself is among ``optimizers`` (by identity; a loop, not a generator: asked every step)."""
+    for known in optimizers:  # noqa: SIM110 - any() over a generator is a Python call per optimizer
+        if known is opt:
+            return True
+    return False

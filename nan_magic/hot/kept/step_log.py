@@ -8,6 +8,7 @@ tensor's consumer, and a gradient's producer, can be found.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ if TYPE_CHECKING:  # pragma: no cover
     pass
 
 __all__ = ["StepLog"]
+
+#: A returned call's place in the order calls returned (no Python call per call, as a lambda would be).
+_RETURN_ORDER = operator.attrgetter("finished")
 
 _NONE: frozenset[str] = frozenset()
 
@@ -158,7 +162,7 @@ class StepLog:
 
     def finished(self) -> list[Call]:
         """Returned calls in the order they returned (the order producers are judged in)."""
-        return sorted((call for call in self.calls if call.finished >= 0), key=lambda call: call.finished)
+        return sorted([call for call in self.calls if call.finished >= 0], key=_RETURN_ORDER)
 
     def new_call(self, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> Call:
         call = Call(self.count, phase, info, module, parent)
@@ -272,7 +276,8 @@ class StepLog:
         call.inputs.append((path, argument, record, weakref.ref(tensor), version_of(tensor)))
 
     def pending_records(self) -> list[TensorRecord]:
-        return [record for call in self.calls for record in call.outputs if record.pending]
+        # (``_probe`` read directly: the ``pending`` property is a Python call per record, at every check)
+        return [record for call in self.calls for record in call.outputs if record._probe is not None]
 
     def resolve(self, extra: list[torch.Tensor] | None = None) -> list[float]:
         """Read every pending probe, and ``extra`` scalars, in one device-to-host copy.
