@@ -19,6 +19,7 @@ from nan_magic.patches.checkpoint_guard import CheckpointGuard, guard_checkpoint
 from nan_magic.records import (
     Cause,
     EarlyWarning,
+    EventRef,
     FixTrial,
     LayerCall,
     Phase,
@@ -42,6 +43,7 @@ __all__ = [
     "Cause",
     "CheckpointGuard",
     "EarlyWarning",
+    "EventRef",
     "FixTrial",
     "LayerCall",
     "NanMagicWarning",

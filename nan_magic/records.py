@@ -15,37 +15,24 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from nan_magic.event_refs import EventRef
 from nan_magic.fix_records import FixTrial
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
+from nan_magic.phases import Phase
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
 __all__ = [
-    "KINDS", "LOSS", "UNMEASURED", "AbsorbedOp", "Cause", "FixTrial", "LayerCall", "Note",
+    "KINDS", "LOSS", "UNMEASURED", "AbsorbedOp", "Cause", "EventRef", "FixTrial", "LayerCall", "Note",
     "Phase", "Report", "Sample", "SourcePointer", "StepSummary", "TensorRef", "TensorRole", "TensorStats",
     "module_label", "sample_label",
 ]
 
 #: The three kinds of non-finite value, in the order reports show them.
 KINDS = ("nan", "+inf", "-inf")
-
-
-class Phase(str, enum.Enum):
-    """Where the producer ran (PRODUCT.md: *phase*).
-
-    A ``str`` enum so that ``report.phase == "forward"`` holds.
-    """
-
-    DATA = "data"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: How a value outside every watched module is named (``module`` None).
@@ -57,17 +44,20 @@ def sample_label(module: str | None, tensor: str) -> str:
     return f"{module or '(root)'} {tensor}"
 
 
-def module_label(module: str | None, module_type: str | None = None) -> str:
-    """The one spelling of a module in every view: ``encoder.0 (Linear)``, ``DivNet (root)``.
+def module_label(module: str | None, module_type: str | None = None, model: str | None = None) -> str:
+    """The one spelling of a module in every view: ``encoder.0 (Linear)``, ``DivNet (root)``, ``main.0 in netD``.
 
     ``module`` is the qualified name (``""`` the root, None outside every
     watched module). The root has no name of its own, so its class names it.
+    ``model``, given where a watch holds several, says which one it is in.
     """
     if module is None:
         return OUTSIDE_MODULES
     if not module:
-        return f"{module_type} (root)" if module_type else "(root)"
-    return f"{module} ({module_type})" if module_type else module
+        label = f"{module_type} (root)" if module_type else "(root)"
+    else:
+        label = f"{module} ({module_type})" if module_type else module
+    return label + (f" in {model}" if model and not (module == "" and model == module_type) else "")
 
 
 @dataclass(frozen=True)
@@ -141,6 +131,9 @@ class LayerCall:
     stats: TensorStats | None
     status: LayerStatus = "ok"
     tensor: str = "output"
+    #: Its module's place in its model, the names from the root down (``("blocks", "0")``; ``()`` the root):
+    #: the layer table's tree is drawn from it. None outside every watched module.
+    path: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -194,9 +187,9 @@ class StepSummary:
     #: of ``tiered=False``): ``absmax`` and ``headroom`` then cover every module's output, else only
     #: the model's outputs.
     full: bool = False
-    #: On such a step, each module's largest finite ``|output|`` and its dtype: ``(module, value, dtype)``,
-    #: in call order (empty on the other steps).
-    layers: tuple[tuple[str, float, str], ...] = ()
+    #: On such a step, each module's largest finite ``|output|`` and its dtype: ``(module, value, dtype, path)``
+    #: (``path``: as :attr:`LayerCall.path`), in call order (empty on the other steps).
+    layers: tuple[tuple[str, float, str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -345,8 +338,8 @@ class Report:
     #: boundary checks saw, and ``mode="full"`` finds the producer), None where nothing was replayed.
     reproduced: bool | None = None
     #: For an event after the first real one (``on_detect="warn"``/``"log"``: the run went on),
-    #: the first one's message; None for the first.
-    follows: str | None = None
+    #: which event that was (:class:`EventRef`); None for the first.
+    follows: EventRef | None = None
     #: How many models the watch held: with more than one, :attr:`where` says which model the
     #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
     models_watched: int = 1
@@ -380,6 +373,11 @@ class Report:
         return None
 
     @property
+    def ref(self) -> EventRef:
+        """This event as a reference, which the reports of the events after it hold (:attr:`follows`)."""
+        return EventRef(self.step, self.phase, self.module, self.module_type, self.model, self.op, self.tensor)
+
+    @property
     def notes(self) -> tuple[str, ...]:
         """The notes' sentences (written by render/words/note_words.py), in order."""
         return tuple(note.text for note in self.note_facts)
@@ -387,10 +385,7 @@ class Report:
     @property
     def where(self) -> str:
         """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``, ``main.0 (Conv2d) in netD``."""
-        label = module_label(self.module, self.module_type)
-        if self.models_watched > 1 and self.model and not (self.module == "" and self.model == self.module_type):
-            label += f" in {self.model}"
-        return label
+        return module_label(self.module, self.module_type, self.model if self.models_watched > 1 else None)
 
     @property
     def message(self) -> str:

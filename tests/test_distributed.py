@@ -448,9 +448,13 @@ def test_a_parameter_is_placed_in_the_module_it_is_registered_on_under_ddp_and_w
 
 
 def test_wrapper_parts_leave_names_but_a_users_own_module_attribute_stays():
-    from nan_magic.distributed.ranks import user_name
+    from nan_magic.distributed.ranks import user_name, user_path
 
     ddp_root = frozenset({""})
+    # As the names from the root down (a layer row's path): the wrapper's parts are no level of the tree.
+    assert user_path("module.encoder.module.proj", ddp_root) == ("encoder", "module", "proj")
+    assert user_path("module", ddp_root) == user_path("") == ()
+    assert user_path("_orig_mod.layers._checkpoint_wrapped_module.0") == ("layers", "0")
     assert user_name("module.1.weight", ddp_root) == "1.weight"
     assert user_name("module", ddp_root) == ""
     # A user's submodule called "module" inside a DDP-wrapped model is the user's name.

@@ -7,8 +7,10 @@ package wrote ("parameter fc.weight".removeprefix, "input[" prefixes, the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +18,11 @@ from faults import FORWARD_FAULTS
 from torch import nn
 from watching import raised
 
+import nan_magic
 from nan_magic import TensorRef, TensorRole
 from nan_magic.explain.evidence import event, event_cause, plain_cause
 from nan_magic.plain import from_plain, to_pairs, to_plain
-from nan_magic.records import Cause, EarlyWarning, Note, Phase, Report, SourcePointer, TensorStats
+from nan_magic.records import Cause, EarlyWarning, EventRef, Note, Phase, Report, SourcePointer, TensorStats
 from nan_magic.render.common import labelled_samples
 from nan_magic.render.words.cause import cause_evidence, cause_hint
 
@@ -116,6 +119,26 @@ def test_a_report_is_plain_data_both_ways() -> None:
     assert back.tensor == report.tensor and back.input_stats == report.input_stats
     assert back.layers == report.layers and back.message == report.message
     assert json.loads(report.to_json())["tensor"]["role"] == "op output"
+
+
+def test_an_event_after_the_first_holds_a_reference_to_it_and_every_view_names_it(tmp_path) -> None:
+    """``follows`` once held the first event's sentence; it is the first's reference, its words written by render/."""
+    later = dataclasses.replace(_EVENT, phase=Phase.OPTIMIZER, step=13, tensor=TensorRef.parameter("fc.weight"),
+                                op=None, source=None, follows=_EVENT.ref, models_watched=2)
+    assert later.follows == EventRef(12, Phase.FORWARD, "fc", "Linear", "Net", "aten.div.Tensor", _EVENT.tensor)
+    after = "after the first event (forward step 12: fc (Linear) in Net, op aten.div.Tensor)"
+    assert later.message == f"non-finite parameter fc.weight in optimizer step 13: fc (Linear) in Net (4 nan, " \
+                            f"2 +inf, 1 -inf of 8), {after}"
+    assert _EVENT.message.startswith("first non-finite value in forward step 12") and "after" not in _EVENT.message
+    # One model watched: the first event's model goes unnamed, as its own message does.
+    assert dataclasses.replace(later, models_watched=1).message.endswith("(forward step 12: fc (Linear), op "
+                                                                         "aten.div.Tensor)")
+    assert after in later.to_text() and after in later.to_html()
+    path = tmp_path / "later.pt"
+    torch.save({"report": to_plain(later)}, path)  # as a scene stores it: plain data, no class named
+    back = from_plain(Report, torch.load(path, weights_only=True)["report"])
+    assert back.follows == later.follows and back.message == later.message
+    assert json.loads(later.to_json())["follows"]["tensor"]["role"] == "op output"
 
 
 # -- a cause is its kind and the plain values it rests on; render/words/cause.py writes its sentences --
@@ -242,3 +265,43 @@ def test_a_diagnosed_cause_holds_only_plain_values() -> None:
     assert cause is not None and cause.reading == "optimizer-lr" and _stdlib_only(cause.facts)
     assert cause.fact("lr") == 1e38 and cause.fact("dtype") == "float32"
     assert "lr = 1e38" in cause.hint and "lr 1e38 >= float32 max 3.4e38 / 1000" in cause.evidence
+
+
+# -- nothing reads a stored name by its dots: a module's place in its model is data (LayerCall.path) --
+
+#: The dotted names the package may take apart, each with why it is not a name the package stored.
+_DOTS_READ = {
+    ("tensor_refs.py", "op_function"): "torch's own OpOverload name (namespace.name.overload), read in one place",
+    ("distributed/ranks.py", "user_path"): "torch's qualified name from named_modules, as it walks the live model",
+    ("localize/ops/masks.py", "buffers"): "torch's qualified name from named_buffers, of the live module",
+    ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
+}
+_BY_DOTS = {"count", "split", "rsplit", "partition", "rpartition", "find", "rfind", "index", "rindex"}
+
+
+def _reads_dots(node: ast.AST) -> bool:
+    """``name.split(".")`` and its kin, or ``name.startswith(parent + ".")``: a name taken apart by its dots."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or not node.args:
+        return False
+    first = node.args[0]
+    if node.func.attr in _BY_DOTS:
+        return isinstance(first, ast.Constant) and first.value == "."
+    if node.func.attr in ("startswith", "endswith"):  # a name built from another one, then a dot
+        ends = first.right if isinstance(first, ast.BinOp) else first.values[-1] if isinstance(first, ast.JoinedStr) \
+            else None
+        return isinstance(ends, ast.Constant) and isinstance(ends.value, str) and ends.value.endswith(".")
+    return False
+
+
+def test_no_module_reads_a_name_it_stored_by_its_dots() -> None:
+    package = Path(nan_magic.__file__).parent
+    found: dict[tuple[str, str], int] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if _reads_dots(node):
+                        found[(path.relative_to(package).as_posix(), function.name)] = node.lineno
+    assert {place: line for place, line in found.items() if place not in _DOTS_READ} == {}
+    assert set(found) == set(_DOTS_READ)  # each allowed place still reads one (else its entry goes)

@@ -310,8 +310,12 @@ def test_warn_mode_warns_each_event_once_and_only_the_first_as_first(mode: str) 
     assert len(w.events) == len({(e.step, e.phase, e.module, e.op, e.tensor) for e in w.events})
     assert len(messages) == len(w.events) >= 2
     assert messages[0].startswith("first non-finite value in forward step 0: 1 (LogOf)")
-    assert all(m.startswith("non-finite ") and m.endswith(", after the first event") for m in messages[1:])
-    assert all(event.follows == messages[0] for event in w.events[1:]) and w.events[0].follows is None
+    # Each later one names the first by where it was found, held as data (the first's reference), not its sentence.
+    first = w.events[0]
+    assert first.follows is None and all(event.follows == first.ref for event in w.events[1:])
+    assert (first.ref.step, first.ref.phase, first.ref.module, first.ref.module_type) == (0, "forward", "1", "LogOf")
+    after = f", after the first event (forward step 0: 1 (LogOf), op {first.op})"
+    assert first.op is not None and all(m.startswith("non-finite ") and m.endswith(after) for m in messages[1:])
     assert w.report is w.events[0]
 
 

@@ -10,7 +10,8 @@ from test_render import HalfAttention
 from torch import nn
 from watching import raised
 
-from nan_magic import Report
+from nan_magic import Report, load_scene
+from nan_magic.render.history_layers import TOP_LAYERS
 
 
 class Block(nn.Module):
@@ -125,7 +126,7 @@ def test_a_raising_full_watch_lists_the_modules_it_did_not_reach() -> None:
     assert status_cells(html)["blocks (Sequential)"] == {"contains producer"}
 
 
-def test_history_shows_the_layer_magnitudes_of_the_per_module_steps() -> None:
+def test_history_shows_the_layer_magnitudes_of_the_per_module_steps(tmp_path) -> None:
     torch.manual_seed(1)
     model = Net().half()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay put: step 1's values can be checked
@@ -139,13 +140,15 @@ def test_history_shows_the_layer_magnitudes_of_the_per_module_steps() -> None:
             loss.backward()
             opt.step()
 
-    report = raised(train, model, opt)
+    report = raised(train, model, opt, dump=str(tmp_path))
     producer = report.module
     assert report.step == 3 and producer in ("blocks.0.attn", "blocks.1.attn")
     # The watch's second step checked every module; it kept a few floats per module, and the other steps none.
     assert [entry.step for entry in report.history if entry.full] == [1]
     assert all(not entry.layers for entry in report.history if not entry.full)
-    kept = {name: value for name, value, _dtype in report.history[1].layers}
+    kept = {name: value for name, value, _dtype, _path in report.history[1].layers}
+    assert {name: path for name, _value, _dtype, path in report.history[1].layers}["blocks.0.attn.qkv"] == (
+        "blocks", "0", "attn", "qkv")
     # Every module called, but the ReLUs: with a finite input, they pass it through unmeasured (transparent.py).
     relus = {"pre.1", "blocks.0.mlp.1", "blocks.1.mlp.1"}
     assert set(kept) == {name for name in MODULES if "spare" not in name} - relus
@@ -160,6 +163,23 @@ def test_history_shows_the_layer_magnitudes_of_the_per_module_steps() -> None:
     largest = max(kept.values())
     assert re.search(rf"<li>[\w.]+: max \|output\| {largest:.4g}, headroom {65504 / largest:,.0f}x \(float16\)</li>",
                      html)
+    # A parent that only returns its child's value is left out, its child listed: blocks returns blocks.1's.
+    assert "<li>blocks.1: max |output|" in html and "<li>blocks: " not in html
+    # A version 4 scene kept each layer as (module, value, dtype): its History names the same layers.
+    data = torch.load(report.scene, weights_only=True)
+    for entry in data["report"]["history"]:
+        entry["layers"] = tuple(layer[:3] for layer in entry["layers"])
+    data["version"] = 4
+    torch.save(data, tmp_path / "version_4_scene.pt")
+    older = load_scene(tmp_path / "version_4_scene.pt").report
+    assert older.history == load_scene(report.scene).report.history
+    assert history_lines(older.to_html()) == history_lines(html)
+    assert len(history_lines(html)) == TOP_LAYERS + 1  # the largest layers, and the producer's line
+
+
+def history_lines(html: str) -> list[str]:
+    """The HTML report's History items about the per-module steps' layers."""
+    return re.findall(r"<li>[^<]*max \|output\|[^<]*</li>", html)
 
 
 def test_a_module_left_out_by_exclude_is_not_measured() -> None:
@@ -171,3 +191,39 @@ def test_a_module_left_out_by_exclude_is_not_measured() -> None:
     status = dict(zip(report.table["module"], report.table["status"]))
     assert status["head"] == "not measured"
     assert "a module the include, exclude or types options leave out" in report.to_html()
+
+
+def test_each_row_holds_its_module_s_place_in_the_model_and_an_older_scene_s_tree_still_shows(tmp_path) -> None:
+    """The tree is drawn from each row's path (the names from the root down), not from the dots of its name."""
+    torch.manual_seed(1)
+    model = Net().half()
+    x = torch.randn(2, 8, 16).half()
+    x[1, 3] = 40.0
+    report = raised(lambda: model(x), model, dump=str(tmp_path))
+    paths = {row.module: row.path for row in report.layers}
+    assert paths[""] == () and paths["blocks"] == ("blocks",) and paths["blocks.1.spare"] == ("blocks", "1", "spare")
+    assert paths["blocks.0.attn.qkv"] == ("blocks", "0", "attn", "qkv")
+    data = torch.load(report.scene, weights_only=True)  # still plain data: no class named in the file
+    assert data["version"] == 5 and all(isinstance(row["path"], tuple) for row in data["report"]["layers"])
+    scene = load_scene(report.scene)
+    # A version 4 scene stored no path: its loader reads the rows' places from their names, and draws the same tree.
+    for row in data["report"]["layers"]:
+        del row["path"]
+    data["version"] = 4
+    torch.save(data, tmp_path / "version_4_scene.pt")
+    older = load_scene(tmp_path / "version_4_scene.pt")
+    assert older.report.layers == scene.report.layers
+    tree = layer_lines(scene.report.to_text())
+    assert layer_lines(older.report.to_text()) == tree
+    assert any(re.search(r" {8}blocks\.0\.attn\.qkv \(Linear\)", line) for line in tree)
+    assert statuses_of(older.report)["blocks.0 (Block)"] == {"contains producer"}
+
+
+def layer_lines(text: str) -> list[str]:
+    """The text report's layer table: the lines from its header to the end (it comes last)."""
+    lines = text.splitlines()
+    return lines[next(index for index, line in enumerate(lines) if line.startswith("Layers of step")):]
+
+
+def statuses_of(report: Report) -> dict[str, set[str]]:
+    return status_cells(report.to_html())

@@ -19,6 +19,7 @@ import nan_magic
 from nan_magic import NanMagicWarning
 from nan_magic.plain import from_plain, to_plain
 from nan_magic.records import Report
+from nan_magic.render.words.replay_words import replay_line
 from nan_magic.scene import last_good as snapshot
 
 # -- a model whose failure has an obvious fix ----------------------------------------------------
@@ -210,7 +211,7 @@ def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_p
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
     data = torch.load(report.scene, weights_only=True)
-    assert data["version"] == 4
+    assert data["version"] == 5
     saved = data["report"]["note_facts"]
     assert saved == ({"kind": "step-replayed", "facts": (("step", report.step),)},)  # a kind and its facts
     scene = nan_magic.load_scene(report.scene)
@@ -299,7 +300,12 @@ def test_replay_reproduces_the_event_on_a_fresh_model_and_is_finite_after_the_fi
     fresh[1].eps = 1e-5  # the fix
     fixed = scene.replay(fresh)
     assert not fixed.reproduced and fixed.finding is None
-    assert "stayed finite" in nan_magic.scene.load.replay_summary(fixed, scene.module)
+    # The replay returns data; render/words/replay_words.py writes the line %nanreplay prints.
+    line = replay_line(scene.module, result.finding, result.note)
+    assert line == f"replay of 1 reproduced 32 nan in aten.div.Tensor at {result.finding.source}"
+    assert replay_line(scene.module, fixed.finding, fixed.note) == fixed.note.text  # the replay's own note
+    assert fixed.note.text.startswith("replay of 1 on its recorded inputs stayed finite")
+    assert replay_line("", None, None) == "replay of the root module stayed finite"
     assert same_bits(fresh.state_dict(), before)  # a replay leaves the model as it was
 
 

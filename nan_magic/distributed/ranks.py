@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ParameterPlace", "data_parallel_paths", "is_sharded", "launched", "launched_rank", "leave_together", "local_shard",
-    "parameter_place", "per_rank_path", "process_group", "stamp", "user_name", "user_type",
+    "parameter_place", "per_rank_path", "process_group", "stamp", "user_name", "user_path", "user_type",
 ]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
@@ -93,14 +93,24 @@ def user_name(name: str, data_parallel: frozenset[str] = frozenset()) -> str:
     """
     if not data_parallel and not any(part in name for part in _WRAPPER_PARTS):
         return name  # the common case: no split, no join
+    return ".".join(user_path(name, data_parallel))
+
+
+def user_path(name: str, data_parallel: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """:func:`user_name` as the names from the root down: ``("blocks", "0", "attn")``; ``()`` for the root.
+
+    ``name`` is torch's qualified name (``named_modules``), which joins its
+    children's names with dots: torch refuses a child's name that holds one,
+    so the parts are exactly the names.
+    """
     kept: list[str] = []
     path = ""
-    for part in name.split("."):
+    for part in name.split(".") if name else ():
         wrapper_part = part in _WRAPPER_PARTS or (part == "module" and path in data_parallel)
         path = f"{path}.{part}" if path else part
         if not wrapper_part:
             kept.append(part)
-    return ".".join(kept)
+    return tuple(kept)
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,8 @@ class NanMagics(Magics):
             model.norm.eps = 1e-5
             %nanreplay dumps/nan_scene_step41.pt model   # "... stayed finite"
         """
-        from nan_magic.scene.load import load_scene, replay_summary
+        from nan_magic.render.words.replay_words import replay_line
+        from nan_magic.scene.load import load_scene
 
         self._check_loaded()
         args = self._parse(self.nanreplay, line, "%nanreplay")
@@ -236,7 +237,7 @@ class NanMagics(Magics):
         except (ValueError, RuntimeError) as error:
             raise UsageError(f"%nanreplay: {error}") from None
         self._shell.user_ns[args.output] = scene
-        print(f"nan_magic: {replay_summary(result, scene.module)}")
+        print(f"nan_magic: {replay_line(scene.module, result.finding, result.note)}")
 
     def _replay_model(self, expression: str | None, saved_name: str | None) -> nn.Module:
         namespace = self._shell.user_ns

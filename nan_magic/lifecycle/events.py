@@ -109,7 +109,7 @@ class Events:
             # (the optimizer's gradient check replaying the step the forward check reported) adds nothing.
             if any(_same_event(report, earlier) for earlier in self.events):
                 return
-            report = dataclasses.replace(report, follows=self.report.message)
+            report = dataclasses.replace(report, follows=self.report.ref)
         if not report.benign and self.report is None:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)

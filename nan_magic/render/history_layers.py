@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from nan_magic.records import StepSummary, module_label
 from nan_magic.render.common import FINITE_LIMITS, finite_limit, fmt_number
+from nan_magic.render.layer_tree import inside
 
 __all__ = ["TOP_LAYERS", "layer_magnitude_lines"]
 
+
+#: A per-module step's layer: ``(module, largest finite |output|, dtype, path)`` (:attr:`StepSummary.layers`).
+_Layer = tuple[str, float, str, tuple[str, ...]]
 
 #: Layers listed per per-module step in History: the closest to overflowing.
 TOP_LAYERS = 5
@@ -25,23 +29,22 @@ def layer_magnitude_lines(history: tuple[StepSummary, ...], producer: str | None
     ranked = sorted(_own_values(last.layers), key=lambda layer: -_fill(layer[1], layer[2]))[:TOP_LAYERS]
     lines = [f"Step {last.step} measured every module's output (a per-module step); the largest, "
              "nearest their dtype's limit first:"]
-    lines.extend(f"{module_label(name)}: {_magnitude(value, dtype)}" for name, value, dtype in ranked)
+    lines.extend(f"{module_label(name)}: {_magnitude(value, dtype)}" for name, value, dtype, _path in ranked)
     if producer is not None:
-        seen = [(entry.step, value, dtype) for entry in full for name, value, dtype in entry.layers if name == producer]
+        seen = [(entry.step, value, dtype) for entry in full for name, value, dtype, _path in entry.layers
+                if name == producer]
         if seen:
             lines.append(f"The producer, {module_label(producer)}, on the per-module steps: " + "; ".join(
                 f"step {step}: {_magnitude(value, dtype)}" for step, value, dtype in seen[-3:]))
     return lines
 
 
-def _own_values(layers: tuple[tuple[str, float, str], ...]) -> list[tuple[str, float, str]]:
+def _own_values(layers: tuple[_Layer, ...]) -> list[_Layer]:
     """The layers without the parents that only return a child's value (a Sequential, a block ending in a norm)."""
-    by_value: dict[tuple[float, str], list[str]] = {}
-    for name, value, dtype in layers:
-        by_value.setdefault((value, dtype), []).append(name)
-    return [(name, value, dtype) for name, value, dtype in layers
-            if not any(other != name and (not name or other.startswith(name + "."))
-                       for other in by_value[(value, dtype)])]
+    by_value: dict[tuple[float, str], list[tuple[str, ...]]] = {}
+    for _name, value, dtype, path in layers:
+        by_value.setdefault((value, dtype), []).append(path)
+    return [layer for layer in layers if not any(inside(other, layer[3]) for other in by_value[(layer[1], layer[2])])]
 
 
 def _fill(value: float, dtype: str) -> float:

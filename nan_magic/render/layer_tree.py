@@ -11,6 +11,7 @@ __all__ = [
     "UNMEASURED_MEANING",
     "contains",
     "depth",
+    "inside",
     "layers_count",
     "shown_statuses",
     "unmeasured_note",
@@ -19,14 +20,19 @@ __all__ = [
 
 def depth(layer: LayerCall) -> int:
     """How deep the call's module sits in its model: 0 for the root (and code outside it), 1 for its children."""
-    return 0 if not layer.module else layer.module.count(".") + 1
+    return len(layer.path) if layer.path is not None else 0
 
 
 def contains(outer: LayerCall, inner: LayerCall) -> bool:
     """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
-    if outer.module is None or inner.module is None or outer.phase != inner.phase:
+    if outer.path is None or inner.path is None or outer.phase != inner.phase:
         return False
-    return outer.module != inner.module and (outer.module == "" or inner.module.startswith(outer.module + "."))
+    return inside(inner.path, outer.path)
+
+
+def inside(path: tuple[str, ...], outer: tuple[str, ...]) -> bool:
+    """Whether the module at ``path`` sits in the one at ``outer``: its child, grand-child... (not itself)."""
+    return len(path) > len(outer) and path[:len(outer)] == outer
 
 
 #: What the status column says of the producer's parents: the path to it down the tree.

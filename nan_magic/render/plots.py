@@ -228,7 +228,8 @@ def _draw_history_panel(
         if len(full) < len(points):
             axes.plot(*zip(*[(s, v) for s, v, every in points if not every]), "o--", mfc="white", color=_BAR,
                       markersize=6, label="the model's outputs only")
-        layer = [(entry.step, value) for entry in history for name, value, _dtype in entry.layers if name == producer]
+        layer = [(entry.step, value) for entry in history for name, value, _dtype, _path in entry.layers
+                 if name == producer]
         if layer:
             axes.plot(*zip(*layer), "D:", color=_LIMIT, markersize=6, label=f"{producer or '(root)'} (the producer)")
             values = (*values, *(value for _step, value in layer))

@@ -27,7 +27,7 @@ from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_loa
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
 
-__all__ = ["Scene", "load_scene", "replay_summary"]
+__all__ = ["Scene", "load_scene"]
 
 
 
@@ -124,6 +124,9 @@ class Scene:
             # A scene of version 3 or older kept its warnings as sentences: shown as they were written.
             report = dataclasses.replace(report, warnings=tuple(
                 dataclasses.replace(warning, said=text) for warning, text in zip(report.warnings, sentences)))
+        if data.get("version", 0) < 5:
+            # A scene of version 4 or older kept no layer's place in its model: read from its module's name.
+            report = _with_paths(report)
         self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
@@ -346,18 +349,6 @@ class Scene:
         return watcher
 
 
-def replay_summary(result: ReplayResult, module: str | None) -> str:
-    """One line saying what a replay of ``module`` found."""
-    label = module or "the root module"
-    op = result.finding
-    if op is None:
-        return result.note.text if result.note is not None else f"replay of {label} stayed finite"
-    kinds = ", ".join(f"{count} {kind}" for kind, count in (("nan", op.nan), ("+inf", op.posinf), ("-inf", op.neginf))
-                      if count)
-    where = f" at {op.source}" if op.source is not None else ""
-    return f"replay of {label} reproduced {kinds} in {op.op}{where}"
-
-
 def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -388,3 +379,23 @@ def _warnings_said(plain: Any) -> list[str | None]:
     warnings = plain.get("warnings") if isinstance(plain, dict) else None
     said = [dict(item.items() if isinstance(item, dict) else item).get("message") for item in warnings or ()]
     return said if any(text is not None for text in said) else []
+
+
+def _with_paths(report: Report) -> Report:
+    """An older scene's report, each layer (table row, per-module step's magnitude) with its module's path.
+
+    The scene loader's compat path, and the one place the package reads a
+    name it stored by its dots: a version 5 scene stores each layer's path
+    (the names from the root down, as torch's ``named_modules`` walk gave them).
+    """
+    history = tuple(dataclasses.replace(entry, layers=tuple((name, value, dtype, _path(name) or ())
+                                                            for name, value, dtype, *_ in entry.layers))
+                    for entry in report.history)
+    layers = tuple(dataclasses.replace(row, path=_path(row.module)) for row in report.layers)
+    return dataclasses.replace(report, layers=layers, history=history)
+
+
+def _path(module: str | None) -> tuple[str, ...] | None:
+    if module is None:
+        return None  # outside every module
+    return tuple(module.split(".")) if module else ()  # "" is the root

@@ -91,7 +91,7 @@ class TensorRecord:
         path: str | TensorRef,
         tensor: torch.Tensor,
         call: Call | None,
-        defer: bool,
+        hold: bool,
         same: TensorRecord | None = None,
         ranged: bool = True,
     ) -> None:
@@ -123,7 +123,7 @@ class TensorRecord:
         # Only finiteness asked (a float32 gradient): a sum, a third of the time
         # of aminmax on the CPU, answers it. A non-finite sum (or one that
         # overflowed) gets the exact probe below.
-        summed = not ranged and not defer and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
+        summed = not ranged and not hold and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
         if summed and math.isfinite(float(values.detach().sum())):
             self.ranged = False
             return
@@ -136,8 +136,8 @@ class TensorRecord:
                 self.set_probe(same.low, same.high)
             return
         low, high = same._probe if same is not None and same._probe is not None else probe(values)
-        if defer:
-            self._probe = (low, high)
+        if hold:
+            self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
         else:
             self.set_probe(low.item(), high.item())
 

@@ -48,8 +48,9 @@ class StepLog:
     counted), so a step of a huge model cannot grow memory without limit.
     """
 
-    def __init__(self, max_calls: int, defer: bool) -> None:
-        self.defer = defer
+    def __init__(self, max_calls: int, hold_probes: bool) -> None:
+        #: Whether records keep their probes on the device until :meth:`resolve` (the deferred mode, timing.py).
+        self.hold_probes = hold_probes
         self._calls: deque[Call] = deque(maxlen=max_calls)
         # Gradients found finite, not yet made into calls (:meth:`finite_gradient`),
         # and those gradient tensors by id, with their version then.
@@ -173,7 +174,7 @@ class StepLog:
         """Probe and record a call's output; ``ranged=False``: only its finiteness is needed."""
         inner = self.lookup(tensor)
         same = inner if inner is not None and inner.live() is not None else None
-        record = TensorRecord(path, tensor, call, self.defer, same, ranged)
+        record = TensorRecord(path, tensor, call, self.hold_probes, same, ranged)
         if inner is not None:
             inner.outer = record
             record.inner = inner
@@ -257,7 +258,7 @@ class StepLog:
         consumer.
         """
         del self._unseen[id(tensor)]
-        record = TensorRecord("output", tensor, None, self.defer, ranged=False)
+        record = TensorRecord("output", tensor, None, self.hold_probes, ranged=False)
         self._by_id[id(tensor)] = record
         return record
 
@@ -310,30 +311,32 @@ class StepLog:
                         stats=record.stats(),
                         status=record.status,
                         tensor=str(record.path) or "output",
+                        path=call.info.path if call.info is not None else None,
                     )
                 )
         cut = max(0, len(rows) - limit)
         return tuple(rows[cut:]), cut + self.dropped
 
-    def module_magnitudes(self) -> tuple[tuple[str, float, str], ...]:
-        """``(module, largest finite |output|, dtype)`` of each module called in forward this step.
+    def module_magnitudes(self) -> tuple[tuple[str, float, str, tuple[str, ...]], ...]:
+        """``(module, largest finite |output|, dtype, module's path)`` of each module called in forward this step.
 
         Read at the end of a per-module step only (step_cycle.py): a few
         floats per module for the history, no tensors kept. A module
         called several times keeps its largest value; outputs with no range
         (non-finite, or only summed) are left out.
         """
-        largest: dict[str, tuple[float, str]] = {}
+        largest: dict[str, tuple[float, str, tuple[str, ...]]] = {}
         for call in self._calls:
-            name = call.name
-            if call.phase is not Phase.FORWARD or name is None:
+            info = call.info
+            if call.phase is not Phase.FORWARD or info is None:
                 continue
+            name = info.name
             for record in call.outputs:
                 if record.ranged and not record.pending and not record.kinds and record.dtype.is_floating_point:
                     value = max(-record.low, record.high)
                     if name not in largest or value > largest[name][0]:
-                        largest[name] = (value, str(record.dtype).removeprefix("torch."))
-        return tuple((name, value, dtype) for name, (value, dtype) in largest.items())
+                        largest[name] = (value, str(record.dtype).removeprefix("torch."), info.path)
+        return tuple((name, value, dtype, path) for name, (value, dtype, path) in largest.items())
 
     def summary(self) -> tuple[float | None, float | None, Headroom | None, Headroom | None]:
         """What the step's read probes say, from the largest values noted as they were read.

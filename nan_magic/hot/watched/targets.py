@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.distributed.ranks import data_parallel_paths, user_name, user_type
+from nan_magic.distributed.ranks import data_parallel_paths, user_path, user_type
 from nan_magic.hot.watched.deterministic import draws_no_random
 from nan_magic.hot.watched.module_hooks import is_compiled
 from nan_magic.hot.watched.transparent import Transparency, transparency
@@ -41,6 +41,8 @@ class ModuleInfo:
     deterministic: bool = False
     #: A ``torch.compile`` wrapper (``OptimizedModule``): a full watch runs it eagerly (module_hooks.py).
     compiled: bool = False
+    #: Its place in its model: the user's names from the root down (``name`` is them joined), ``()`` the root.
+    path: tuple[str, ...] = ()
 
 
 @dataclass
@@ -105,7 +107,8 @@ class Targets:
         for raw_name, submodule in module.named_modules():
             if id(submodule) in self.modules:
                 continue
-            name = user_name(raw_name, data_parallel)
+            path = user_path(raw_name, data_parallel)
+            name = ".".join(path)
             is_root = submodule is module
             # A module the user picked out by name or type is always checked.
             chosen = bool(config.include or config.types)
@@ -118,6 +121,7 @@ class Targets:
                 transparent=None if is_root or chosen else transparency(submodule),
                 deterministic=draws_no_random(submodule),
                 compiled=is_compiled(submodule),
+                path=path,
             )
 
 

@@ -6,9 +6,9 @@ Stdlib only: ``Report.message`` calls it, in the hook that raises.
 from __future__ import annotations
 
 from nan_magic.locations import name_location
-from nan_magic.records import Report, TensorRef
+from nan_magic.records import EventRef, Report, TensorRef, module_label
 
-__all__ = ["message_parts"]
+__all__ = ["first_event", "message_parts"]
 
 
 def message_parts(report: Report) -> tuple[str, str, str, str]:
@@ -22,9 +22,16 @@ def message_parts(report: Report) -> tuple[str, str, str, str]:
     if report.source is not None:
         at += f"{' ' if at else ''}at {name_location(report.source.filename, report.source.lineno)}"
     separator = ", " if report.op else " " if at else ""
-    verb = "benign non-finite" if report.benign else "non-finite" if report.follows else "first non-finite"
+    verb = "benign non-finite" if report.benign else "first non-finite" if report.follows is None else "non-finite"
     # The op's own output needs no second naming: "op aten.div.Tensor" follows.
     tensor = "value" if report.op and report.tensor == TensorRef.op_output(report.op) else str(report.tensor)
-    after = ", after the first event" if report.follows else ""
+    after = "" if report.follows is None else f", after the first event ({first_event(report.follows, report)})"
     return (f"{verb} {tensor} in {report.phase} step {report.step}: {report.where}", separator, at,
             f" ({kinds} of {report.numel}){after}")
+
+
+def first_event(first: EventRef, report: Report) -> str:
+    """``forward step 0: encoder.1 (Linear), op aten.log.default``: where the event ``report`` follows was found."""
+    # The same watch found both: its count of models says whether the first one's model needs naming.
+    where = module_label(first.module, first.module_type, first.model if report.models_watched > 1 else None)
+    return f"{first.phase} step {first.step}: {where}" + (f", op {first.op}" if first.op else "")
