@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SourcePointer", "name_file", "name_location", "running_shell"]
+__all__ = ["SourcePointer", "name_location", "running_shell"]
 
 
 def running_shell() -> Any:
@@ -46,17 +46,9 @@ def _cell_name(filename: str) -> str | None:
     return f"Cell In[{match.group(1)}]" if match else None
 
 
-def name_file(filename: str) -> str:
-    """``Cell In[5]`` for a cell, else the path relative to the working directory.
-
-    A path outside the working directory stays absolute (``..`` chains help
-    no one); ``<string>``-like pseudo files are returned as they are.
-    """
-    cell = _cell_name(filename)
-    return cell if cell is not None else _path_name(filename)
-
-
 def _path_name(filename: str) -> str:
+    """The path relative to the working directory; one outside it stays absolute (``..`` chains help no
+    one), and ``<string>``-like pseudo files are returned as they are."""
     if filename.startswith("<") or not os.path.isabs(filename):
         return filename
     try:
@@ -68,7 +60,7 @@ def _path_name(filename: str) -> str:
 
 def name_location(filename: str, lineno: int) -> str:
     """``Cell In[5], line 14`` for a cell, ``models/net.py:14`` for a file."""
-    cell = _cell_name(filename)  # a cell is named by its own words, not read back from name_file's
+    cell = _cell_name(filename)  # a cell is named by its own words
     return f"{cell}, line {lineno}" if cell is not None else f"{_path_name(filename)}:{lineno}"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from nan_magic.locations import name_file, name_location
+from nan_magic.locations import name_location
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,7 +65,7 @@ def test_the_colab_test_extra_accepts_colabs_pins() -> None:
 def test_ipython7_cell_files_are_named_as_cells() -> None:
     # IPython 7 compiles cell 2 into "<ipython-input-2-88efa2196d22>"; IPython 8+ says "Cell In[2]".
     assert name_location("<ipython-input-2-88efa2196d22>", 11) == "Cell In[2], line 11"
-    assert name_file("<ipython-input-15-0123456789ab>") == "Cell In[15]"
+    assert name_location("<ipython-input-15-0123456789ab>", 1) == "Cell In[15], line 1"
     assert name_location("<ipython-input-x>", 3) == "<ipython-input-x>:3"
     assert name_location("<string>", 3) == "<string>:3"
 

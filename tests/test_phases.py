@@ -541,7 +541,7 @@ def _wide_model() -> nn.Module:
 def _cold_sizes(monkeypatch) -> list[list[int]]:
     """The sizes of the gradients each optimizer step had to measure itself (not in backward).
 
-    One list per measuring call: a norm per gradient (``stats.norms``) or one over
+    One list per measuring call: a norm per gradient (``reads.norms``) or one over
     the small ones concatenated (``optim._flatten``).
     """
     cold: list[list[int]] = []

@@ -25,7 +25,6 @@ __all__ = [
     "frames_of",
     "is_library_code",
     "is_library_file",
-    "last_user_frame",
     "pointer",
     "pointer_at",
     "short_traceback",
@@ -92,10 +91,6 @@ def is_library_code(code: CodeType) -> bool:
     return entry[1]
 
 
-def _last_user_entry(tb: TracebackType | None) -> TracebackType | None:
-    return _last_user_entries(tb)[1]
-
-
 def _last_user_entries(tb: TracebackType | None) -> tuple[TracebackType | None, TracebackType | None]:
     """The last entry of ``tb`` that is user code, and the entry before it (None for the first)."""
     before = last_user = None
@@ -138,12 +133,6 @@ def end_at_producer(
     lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
     last.tb_next = TracebackType(None, producer, lasti, lineno)
     return last.tb_next
-
-
-def last_user_frame(tb: TracebackType | None) -> FrameType | None:
-    """The innermost frame of ``tb`` that is the user's code, or None."""
-    entry = _last_user_entry(tb)
-    return entry.tb_frame if entry is not None else None
 
 
 def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:

@@ -172,23 +172,12 @@ def _local_cause(report: Report) -> Cause:
             return forward_cause(report)
         return cause
     if report.tensor.role is TensorRole.PARAMETER:
-        return _parameter(report)
+        return event_cause("parameter-already-nonfinite", "parameter-nonfinite", report)
     if report.phase == Phase.DATA:
-        return _bad_data(report)
+        return event_cause("bad-input-data", "bad-batch", report)
     if report.phase == Phase.BACKWARD:
         return _backward(report)
     return forward_cause(report)
-
-
-# -- data, parameters, optimizer -----------------------------------------------------
-
-
-def _bad_data(report: Report) -> Cause:
-    return event_cause("bad-input-data", "bad-batch", report)
-
-
-def _parameter(report: Report) -> Cause:
-    return event_cause("parameter-already-nonfinite", "parameter-nonfinite", report)
 
 
 # -- backward ---------------------------------------------------------------------------

@@ -34,25 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "DOT_MIN_NUMEL",
-    "WIDE_FLOATS",
-    "dot_norm",
-    "finite_max",
-    "is_checkable",
-    "iter_tensors",
-    "norms",
-    "probe",
-    "probe_kinds",
-    "read_batched",
-    "read_probe",
-    "read_scalars",
-    "readable",
-    "relevant_kinds",
-    "unreadable_reason",
-    "values_to_read",
-    "version_of",
-]
+__all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "dot_norm", "finite_max", "is_checkable", "iter_tensors", "norms",
+           "probe", "probe_kinds", "read_batched", "read_probe", "read_scalars", "readable", "relevant_kinds",
+           "unreadable_reason", "values_to_read", "version_of"]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)

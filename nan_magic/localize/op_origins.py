@@ -155,10 +155,7 @@ class OpOrigins:
                     continue
                 finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"), bad=tensor.detach())
                 self.add_op_origin(finding, tensor)
-                if finding.module is not None and finding.module_type is None:
-                    info = self._info_by_name(finding.module)
-                    if info is not None:
-                        finding.module_type, finding.model = info.module_type, info.model
+                self._name_type_and_model(finding)
                 finding.notes.append(Note.raised("op-raised", error, func=str(func)))
                 return finding
         return None
@@ -179,14 +176,18 @@ class OpOrigins:
                                      else record.stats(), live)
         if tracer is not None:
             finding.frame, finding.frame_position = tracer.frame_of(op_finding)  # %debug opens where the op ran
-        if finding.module is not None and finding.module_type is None:
-            info = self._info_by_name(finding.module)
-            if info is not None:
-                finding.module_type, finding.model = info.module_type, info.model
+        self._name_type_and_model(finding)
         if finding.phase == Phase.BACKWARD:
             self._on_gradient_event(finding)
         else:
             self._emit(finding)
+
+    def _name_type_and_model(self, finding: Finding) -> None:
+        """The type and model of the module the op tracer named (by its name only, as the op ran inside it)."""
+        if finding.module is not None and finding.module_type is None:
+            info = self._info_by_name(finding.module)
+            if info is not None:
+                finding.module_type, finding.model = info.module_type, info.model
 
 
 def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]]:

@@ -193,7 +193,7 @@ class OptimizerChecks:
                         result += torch._foreach_norm(grads, 2)  # one fused kernel on a GPU
                 except (RuntimeError, NotImplementedError):
                     # A sparse gradient (``nn.Embedding(sparse=True)``) has no fused norm: this layout is
-                    # measured the generic way from now on (stats.norms reads its stored values).
+                    # measured the generic way from now on (reads.norms reads its stored values).
                     layout.generic = True
                     return norms([grad for _name, grad in self._named_gradients(layout)])
         for parameter in layout.large:
@@ -481,7 +481,7 @@ _FINITE = torch.zeros(1)
 
 
 def _float_tensor(value: Any) -> bool:
-    """A parameter or state tensor the watch reads (the rule of :func:`stats.is_checkable`)."""
+    """A parameter or state tensor the watch reads (the rule of :func:`reads.is_checkable`)."""
     return is_checkable(value)
 
 

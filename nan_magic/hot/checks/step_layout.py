@@ -105,7 +105,7 @@ class Layout:
     groups: list[list[torch.Tensor]] = field(default_factory=list)
     #: ...and the large CPU ones, whose norms are taken in backward (optim.py's "Hot gradients").
     large: list[torch.Tensor] = field(default_factory=list)
-    #: Norms taken one gradient at a time (stats.norms): a sharded parameter, a sparse gradient seen.
+    #: Norms taken one gradient at a time (reads.norms): a sharded parameter, a sparse gradient seen.
     generic: bool = False
     #: The small CPU gradients are few enough to be copied into one buffer for their norm (optim.FLAT_MAX_NUMEL).
     flat_ok: bool = True

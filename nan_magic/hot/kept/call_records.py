@@ -100,7 +100,7 @@ class TensorRecord:
         self.argument: int | str | None = None
         self.dtype = tensor.dtype
         # The tensor itself is what identity and versions follow; what is probed
-        # is its values (stats.values_to_read: a complex tensor's real view, a
+        # is its values (reads.values_to_read: a complex tensor's real view, a
         # sparse one's stored values), whose shape the stats describe.
         values = readable(tensor)
         self.shape = tuple(values.shape)

@@ -77,7 +77,7 @@ class KnownKinds:
         """Exact kinds of a live tensor, from the cache where possible."""
         known = self.get(tensor)
         if known is None:
-            # A complex value is non-finite where its real or imaginary part is (stats.values_to_read).
+            # A complex value is non-finite where its real or imaginary part is (reads.values_to_read).
             known = _exact_kinds(tensor) if is_checkable(tensor) else frozenset()
             self.remember(tensor, known)
         return known
