@@ -5,6 +5,7 @@ Usage::
     python benchmarks/launch_bound.py                   # about 4 minutes on a quiet 2-core machine
     python benchmarks/launch_bound.py --quick           # about one minute
     python benchmarks/launch_bound.py --models tiny_lm --rounds 30 --json out.json
+    python benchmarks/launch_bound.py --floor           # and the boundary floor: the reads alone
 
 Why (issue 25): on a step dominated by per-op dispatch and Python, which is where a GPU step
 lives when its kernels are small, whatever a watch does in Python on every step and every
@@ -208,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="statistic of the step times (default 0.5, the median; a lower one where other "
                    "processes slow most steps down, fair between columns since all share the noise)")
     p.add_argument("--json", metavar="PATH", help="also write all step times as JSON")
+    p.add_argument("--floor", action="store_true",
+                   help="also time baselines.boundary_floor: the default watch's boundary reads with no bookkeeping")
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 6 if args.quick else 20
@@ -222,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     info = machine_info("cpu")
     info["malloc"] = malloc
-    columns = [c for c in all_columns() if c.key in COLUMNS]
+    keys = COLUMNS + (("boundary_floor",) if args.floor else ())
+    columns = [c for c in all_columns() if c.key in keys]
     missing = [c for c in columns if c.factory is None]
     if missing:
         print(f"cannot run: {missing[0].unavailable}", file=sys.stderr)
         return 1
-    columns.sort(key=lambda c: COLUMNS.index(c.key))
+    columns.sort(key=lambda c: keys.index(c.key))
     log = progress_logger()
     started = time.perf_counter()
     results = [measure(name, columns, args, log) for name in args.models]

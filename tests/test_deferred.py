@@ -22,7 +22,7 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.hot import stats
+from nan_magic.hot import reads
 from nan_magic.hot.checks import optim
 from nan_magic.hot.kept import step_log as calls
 from nan_magic.lifecycle import watch
@@ -36,7 +36,7 @@ PER_TENSOR_READS = ("kinds_of", "tensor_stats")
 def transfers(monkeypatch):
     """Count deferred transfers; fail on any per-tensor read."""
     count = {"reads": 0}
-    real = stats.read_scalars
+    real = reads.read_scalars
 
     def counting(scalars):
         count["reads"] += 1
@@ -363,3 +363,30 @@ def test_the_loss_code_and_its_graph_are_let_go_once_the_step_is_judged(defer: b
             del loss, difference
             opt.step()
             assert saved() is None
+
+
+def test_the_mode_is_chosen_once_as_an_object_and_watch_defer_reads_it() -> None:
+    from nan_magic.hot.timing import Deferred, Immediate
+
+    model = nn.Linear(3, 2)
+    with nan_magic.watch(model) as cpu, nan_magic.watch(model, defer=True) as deferred:
+        pass
+    assert isinstance(cpu.timing, Immediate) and cpu.defer is False  # the CPU default
+    assert isinstance(deferred.timing, Deferred) and deferred.defer is True
+    assert cpu.log.hold_probes is False and deferred.log.hold_probes is True
+
+
+def test_no_part_of_the_hot_path_asks_which_mode_it_runs_in() -> None:
+    """Only hot/timing.py knows the two modes apart: a flag test elsewhere in hot/ is a mode leaking out of it."""
+    import ast
+    from pathlib import Path
+
+    hot = Path(nan_magic.__file__).parent / "hot"
+    asked = []
+    for path in sorted(hot.rglob("*.py")):
+        if path.name == "timing.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ("defer", "deferred", "holds_probes"):
+                asked.append(f"{path.relative_to(hot)}:{node.lineno} .{node.attr}")
+    assert asked == []

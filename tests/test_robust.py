@@ -150,7 +150,8 @@ def test_a_complex_tensors_counts_are_per_real_component(options: dict[str, Any]
 
 
 def test_values_to_read_of_each_layout() -> None:
-    from nan_magic.hot.stats import is_checkable, tensor_stats, values_to_read
+    from nan_magic.hot.reads import is_checkable, values_to_read
+    from nan_magic.hot.stats import tensor_stats
 
     dense = torch.tensor([[1.0, float("nan")], [0.0, 3.0]])
     coo = dense.to_sparse()  # stores 3 values: 1, nan, 3
@@ -172,7 +173,7 @@ def test_values_to_read_of_each_layout() -> None:
 
 
 def test_a_sparse_gradients_norm_is_its_stored_values_norm() -> None:
-    from nan_magic.hot.stats import norms, read_scalars
+    from nan_magic.hot.reads import norms, read_scalars
 
     grad = torch.sparse_coo_tensor(torch.tensor([[0, 3, 3]]), torch.tensor([3.0, 4.0, 0.0]), (10,))
     spoiled = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([float("inf")]), (10,))

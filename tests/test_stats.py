@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nan_magic
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     _SPLIT_PROBE_MAX_BYTES,
     _SPLIT_PROBE_NUMEL,
     DOT_MIN_NUMEL,

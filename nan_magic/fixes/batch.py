@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from nan_magic.fixes.step import FailingStep
-from nan_magic.hot.stats import iter_tensors, values_to_read
+from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.localize.replay.root_calls import RootCall
 

@@ -51,12 +51,12 @@ class LossNotComputed(Exception):
 @dataclass(frozen=True)
 class LossSource:
     """What the watch holds of the loss code: its recorder, the id of the tensor the last ``backward()`` started
-    from, the GradScalers seen, and whether events are judged at the deferred check."""
+    from, the GradScalers seen, and whether events are judged at the deferred check (after the loss code ran)."""
 
     recorder: OutsideRecorder | None
     key: int | None
     scalers: Iterable[object]
-    defer: bool
+    judged_at_check: bool
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode
         return "ops mode traces the loss code as it runs, and keeps no record of it to run again"
     if "loss" in recorder.untraced:
         return "the loss code ran more ops a step than the watch records"
-    last = before_loss and not source.defer
+    last = before_loss and not source.judged_at_check
     if source.key is None:
         if last:
             return "the forward failed before this step's loss code ran, and no earlier step ran backward() watched"

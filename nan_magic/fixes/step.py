@@ -42,7 +42,7 @@ from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.site import Remedy, Site, at_producer
 from nan_magic.hot.kept.rng import generators_at
-from nan_magic.hot.stats import iter_tensors, values_to_read
+from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.root_calls import RootCall

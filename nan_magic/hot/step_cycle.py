@@ -34,20 +34,19 @@ from torch import nn
 
 from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.lockstep import Lockstep
-from nan_magic.distributed.ranks import data_parallel_paths, launched, user_name
+from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError
 from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
-from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer
+from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
 from nan_magic.hot.checks.optim import OptimizerChecks
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.stats import read_scalars
 from nan_magic.options import WatchConfig
-from nan_magic.records import EarlyWarning, Note, Phase, StepSummary
+from nan_magic.records import EarlyWarning, Note, StepSummary
 
-__all__ = ["Outcome", "StepCycle", "UpdateCode", "wants_defer"]
+__all__ = ["Outcome", "StepCycle", "UpdateCode"]
 
 
 class Outcome(Protocol):
@@ -86,20 +85,6 @@ class UpdateCode(Protocol):
 
 #: The forward checks' producer rule on one output at the deferred check (:meth:`ProducerRule.judge`).
 JudgeForward = Callable[[Call, TensorRecord, Note], None]
-#: What a report found at the deferred check says (one note for every such report).
-_DETECTED_DEFERRED = Note("detected-deferred")
-
-
-def wants_defer(config: WatchConfig, roots: Iterable[nn.Module]) -> bool:
-    """Deferred checks by default where the models (``roots``) live on a GPU, and under a process group.
-
-    Under a process group, every check of a step is then judged at the
-    optimizer step's pre-hook, the one point where all ranks can agree
-    to stop (agreement.py).
-    """
-    if config.defer is not None:
-        return config.defer
-    return launched() or any(parameter.device.type != "cpu" for root in roots for parameter in root.parameters())
 
 
 class StepCycle:
@@ -113,7 +98,7 @@ class StepCycle:
     def __init__(
         self,
         config: WatchConfig,
-        defer: bool,
+        timing: WhenJudged,
         log: StepLog,
         history: deque[StepSummary],
         kept_warnings: deque[EarlyWarning],
@@ -132,14 +117,14 @@ class StepCycle:
         update_code: UpdateCode | None = None,
     ) -> None:
         self.config = config
-        self.defer = defer
+        self.timing = timing
         self.log = log
         self.history = history
         self.warnings = kept_warnings
         self._roots = roots
         self.gradients = gradients
         self.optimizers = optimizers
-        self._judge_forward = judge_forward
+        self.judge_forward = judge_forward
         self.replays = replays
         self.origins = origins
         self.outside = outside
@@ -250,7 +235,7 @@ class StepCycle:
             grad_headroom_dtype=grad_headroom[2] if grad_headroom else None,
             input_absmax=data_absmax,
             # Reading the scale is a host sync: only where syncs are free.
-            scale=self.optimizers.scale() if not self.defer else None,
+            scale=self.timing.free_read(self.optimizers.scale),
             full=self.full_step,
             layers=self.log.module_magnitudes() if self.full_step else (),
         )
@@ -272,45 +257,26 @@ class StepCycle:
     def sync(
         self, extra: list[torch.Tensor] | None = None, first: Callable[[list[float]], None] | None = None
     ) -> list[float]:
-        """Read pending probes (deferred mode) and ``extra`` scalars in one transfer.
+        """The step's check: read ``extra`` scalars, and what the step left pending (hot/timing.py), in one transfer.
 
         ``first`` judges the values of ``extra`` before any call is (the
         previous optimizer step's result: a step that made a parameter
-        non-finite comes before the forward that then read it). In deferred
-        mode, the calls are then judged in the order they returned. Returns
-        the values of ``extra``.
+        non-finite comes before the forward that then read it). Returns the
+        values of ``extra``.
         """
-        written, self._written = self._written, []
-        if not self.defer or self.outcome.stopped:
-            values = read_scalars(extra) if extra else []
-            if first is not None:
-                first(values)
-            return values
-        count = len(extra) if extra else 0
-        values = self.log.resolve((extra or []) + written)
-        values, written_values = values[:count], values[count:]
-        if first is not None:
-            first(values)
-        if written and self._written_first and not self.outcome.stopped:
-            self._judge_written(written_values)
-        if self.outcome.stopped:
-            return values
-        for call in self.log.finished():
-            if call.phase == Phase.BACKWARD:
-                self.gradients.judge(call)
-            elif call.info is None:
-                self.gradients.judge_loss(call)
-            else:
-                for record in call.outputs:
-                    if record.status == "ok":
-                        self._judge_forward(call, record, _DETECTED_DEFERRED)
-            if self.outcome.stopped:
-                break
-        if written and not self._written_first and not self.outcome.stopped:
-            self._judge_written(written_values)  # after the calls: the update code ran after them
-        return values
+        return self.timing.check(self, extra or [], first)
 
-    def _judge_written(self, values: list[float]) -> None:
+    def take_written(self) -> tuple[list[torch.Tensor], bool]:
+        """The norms of the parameters the update code wrote, held for the check, and whether it ran first."""
+        written, self._written = self._written, []
+        return written, self._written_first
+
+    def hold_written(self, written: list[torch.Tensor], by_a_call: bool) -> None:
+        """Hold the update code's norms for the step's check (deferred): ``by_a_call``, it ended as a call began."""
+        self._written, self._written_first = written, by_a_call
+
+    def judge_written(self, values: list[float]) -> None:
+        """Judge the norms of the parameters the update code wrote, read."""
         if self.update_code is not None:
             self.update_code.judge(values)
 
@@ -330,12 +296,8 @@ class StepCycle:
         if self.update_code is None:
             return
         written = self.update_code.end()
-        if not written:
-            return
-        if self.defer:
-            self._written, self._written_first = written, by_a_call  # read with this step's single transfer
-        else:
-            self.update_code.judge(read_scalars(written))
+        if written:
+            self.timing.update_code_ended(self, written, by_a_call)
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
@@ -366,14 +328,7 @@ class StepCycle:
                 # Its models' calls can need no replay now, nor stay alive.
                 self.replays.release_stepped(opt)
         if self.outside is not None and self._mine():
-            if self.defer:
-                # The step is judged: the loss code's records held for it go (with retain_graph=True, its graph
-                # too), as the data region's start drops them in the immediate mode.
-                self.outside.forget()
-            else:
-                # The code until the next model call: data loading, within a budget. (The deferred check judges
-                # the batch at the optimizer step, after the loss region replaced these records.)
-                self.outside.start("data")
+            self.timing.step_judged(self.outside)
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.
@@ -462,7 +417,7 @@ class StepCycle:
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = self._judge_pending() or self._explain_failed_op(exc)
+            explained = self.timing.pending_at_exit(self) or self._explain_failed_op(exc)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left
@@ -483,18 +438,3 @@ class StepCycle:
     def _leave_together(self) -> bool:
         """Whether the exit is a round with the other ranks (lockstep.py); one process walks no model for it."""
         return self.outcome.agreement.several and self.lockstep.meets_at_exit()
-
-    def _judge_pending(self) -> NonFiniteError | None:
-        """An exception is leaving the watch: a non-finite value made before it and not judged yet comes first.
-
-        The deferred mode judges a step's values at the optimizer step; an
-        exception that stops the step before (``torch.multinomial`` on NaN
-        probabilities in the loop) is then raised ``from`` by the event.
-        """
-        if not self.defer or self.outcome.stopped:
-            return None
-        try:
-            self.sync()
-        except NonFiniteError as error:
-            return error
-        return None

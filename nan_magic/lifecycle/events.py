@@ -27,7 +27,8 @@ from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.errors.frames import end_at_producer, frames_of, user_frames_of
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import is_checkable, tensor_stats
+from nan_magic.hot.reads import is_checkable
+from nan_magic.hot.stats import tensor_stats
 from nan_magic.options import WatchConfig
 from nan_magic.records import Report
 

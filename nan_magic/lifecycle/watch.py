@@ -53,7 +53,8 @@ from nan_magic.hot.kept.call_records import Frame
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.step_cycle import StepCycle, wants_defer
+from nan_magic.hot.step_cycle import StepCycle
+from nan_magic.hot.timing import Timing, timing_for
 from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
 from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
@@ -120,6 +121,11 @@ class Watch:
         self._reset_state()
 
     # -- public state -----------------------------------------------------------
+
+    @property
+    def defer(self) -> bool:
+        """Whether this watch judges a step's values at its check, not as they are made (hot/timing.py)."""
+        return self.timing.deferred
 
     @property
     def report(self) -> Report | None:
@@ -191,7 +197,7 @@ class Watch:
         self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
-        self.localizing.enter(resume, self.defer)
+        self.localizing.enter(resume, self.timing)
         if resume and self.cycle.update_code is not None:
             self.cycle.update_code.resume()  # a part that ended between backward() and the step (split cells)
         return self
@@ -285,15 +291,16 @@ class Watch:
     # -- state ---------------------------------------------------------------------
 
     def _reset_state(self) -> None:
-        self.defer = wants_defer(self.config, self._roots())
-        self.log = StepLog(self.config.max_layers, self.defer)
+        #: When values are read and judged: as they are made, or at the step's check (hot/timing.py).
+        self.timing: Timing = timing_for(self.config, self._roots())
+        self.log = StepLog(self.config.max_layers, self.timing.holds_probes)
         # How this mode names an event's op (modes.py): but in ops mode the code between the models' calls (the
         # loss, data code in the loop) is recorded, and the tiered watch replays the failing step.
         self.localizing: Localizing = localizing(self.config, self, self._nested, self.targets.optimizers)
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
-        self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.defer, self.log, self.emit)
+        self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         loss_code = LossCodeReads(saved_leaves=saved_leaves, entering_tensors=entering_tensors,
                                   recorded_leaves=functools.partial(recorded_leaves, self.outside))
@@ -302,7 +309,7 @@ class Watch:
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
-        rule = ProducerRule(self.config, self.defer, self.log, self.emit, self.call_replay, self.origins, stack)
+        rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack)
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = self.localizing.replays
@@ -320,7 +327,7 @@ class Watch:
             skipped=self.skipped,
         ), alone=self.replay_of is not None)
         self.cycle: StepCycle = StepCycle(
-            self.config, self.defer, self.log, self.history, self.warnings, roots=self._roots,
+            self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
             lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
@@ -418,7 +425,7 @@ class Watch:
         report, producer = replayed
         if not self.config.fixes or report.benign or self.outcome.report is not None:
             return replayed  # trials for the first real event only (warn/log mode goes on after it)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.defer)
+        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
         return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
                           self.call_replay.standing_aside, loss), producer
 

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
+from nan_magic.hot.checks.hosts import WhenJudged
 from nan_magic.hot.checks.optim_reports import ReplayStep
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer
@@ -58,7 +59,7 @@ class Localizing:
         """The tracer that already saw the loop's update code (outside/loop_writes.py), if any."""
         return None
 
-    def enter(self, resume: bool, defer: bool) -> None:
+    def enter(self, resume: bool, timing: WhenJudged) -> None:
         """The watch is entered (``resume``: a paused run goes on)."""
 
     def attach(
@@ -87,9 +88,11 @@ class Recording(Localizing):
         self.recorder = self._recording = OutsideRecorder(config.kinds, config.keep_last_good is not None,
                                                           bool(optimizers))
 
-    def enter(self, resume: bool, defer: bool) -> None:
-        if defer:
-            return  # the deferred check judges at the optimizer step: it records the loss code only
+    def enter(self, resume: bool, timing: WhenJudged) -> None:
+        # The deferred check judges at the optimizer step: it records the loss code only.
+        timing.now(self._record_data, resume)
+
+    def _record_data(self, resume: bool) -> None:
         if not resume:
             # The first batch may be computed in the loop before the first model call, as each later one is
             # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.

@@ -23,13 +23,14 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding, record_ref
-from nan_magic.hot.stats import TensorStats, is_checkable, relevant_kinds, tensor_stats
+from nan_magic.hot.reads import is_checkable, relevant_kinds
+from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.records import Note, Phase, TensorRef
+from nan_magic.records import Note, Phase, TensorRef, TensorStats
 
 __all__ = ["OpOrigins"]
 

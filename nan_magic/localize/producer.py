@@ -25,7 +25,8 @@ from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorR
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.stats import is_checkable, kinds_of, relevant_kinds, tensor_stats, version_of
+from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
+from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding
@@ -46,7 +47,6 @@ class ProducerRule:
     def __init__(
         self,
         config: WatchConfig,
-        defer: bool,
         log: StepLog,
         emit: Callable[[Finding], None],
         replayer: CallReplay,
@@ -54,7 +54,6 @@ class ProducerRule:
         stack: list[Frame],
     ) -> None:
         self.kinds = config.kinds
-        self.defer = defer
         self._log = log
         self._emit = emit
         self.replayer = replayer
@@ -153,7 +152,7 @@ class ProducerRule:
                 finding.rng_state = replay[0].rng_state
                 if self.replayer.replay_into(finding, produced, *replay):
                     return True
-            elif self.defer and self.replayer.keeps_calls and self.replayer.replay_deferred(finding, produced, call):
+            elif self.replayer.replays_kept and self.replayer.replay_deferred(finding, produced, call):
                 return True
         if detected_at:
             finding.notes.append(detected_at)
@@ -221,7 +220,7 @@ class ProducerRule:
         """Replay the enclosing call for its op (the notes say why it cannot be); True when it proved benign."""
         if not self.replayer.can_replay:
             return False
-        if self.defer:
+        if self.replayer.replays_kept:
             arguments = self.replayer.kept_arguments(enclosing)
             if isinstance(arguments, Note):
                 finding.notes.append(Note.of("arguments-gone", module=finding.module, reason=arguments.pair))

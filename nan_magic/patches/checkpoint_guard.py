@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from nan_magic.errors.exceptions import NanMagicWarning
-from nan_magic.hot.stats import is_checkable, kinds_of, tensor_stats
+from nan_magic.hot.reads import is_checkable
+from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.patches.registry import ProcessPatch
 from nan_magic.records import KINDS
 

@@ -45,7 +45,7 @@ from nan_magic.distributed.ranks import per_rank_path
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.hot.kept.call_records import argument_path
 from nan_magic.hot.kept.rng import RngState, capture_rng_state
-from nan_magic.hot.stats import version_of
+from nan_magic.hot.reads import version_of
 from nan_magic.plain import to_plain
 from nan_magic.records import Note, Phase, Report, TensorRole
 from nan_magic.scene.last_good import keep

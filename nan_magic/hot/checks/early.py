@@ -41,7 +41,7 @@ from collections import deque
 
 import torch
 
-from nan_magic.hot.stats import read_probe
+from nan_magic.hot.reads import read_probe
 from nan_magic.records import EarlyWarning, StepSummary
 
 __all__ = [

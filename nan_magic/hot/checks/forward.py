@@ -31,7 +31,7 @@ from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
-from nan_magic.hot.stats import is_checkable, iter_tensors
+from nan_magic.hot.reads import is_checkable, iter_tensors
 from nan_magic.hot.watched.module_hooks import may_step_aside
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.hot.watched.transparent import output_bound, passes_through, passes_through_unseen
@@ -169,17 +169,17 @@ class ForwardChecks:
                     hook_gradient(record, tensor)
                 if anchor is None and tensor.grad_fn is not None:
                     anchor = tensor
-            if self.replayer.keeps_calls and (anchor is not None or self.watch.defer):
+            if (anchor is not None and self.replayer.keeps_calls) or self.replayer.replays_kept:
                 # Without a graph (no_grad) only the deferred check replays the call: held weakly.
                 call.held = hold_arguments(args, kwargs, self.replayer.classify, anchor)
                 call.rng_state = frame.rng_state
                 call.autocast = capture_autocast()
         log.finish(call)
-        if frame.info.watched and not self.watch.defer and not recomputing:
-            # (A recompute's values are the original forward's, judged then.)
+        if frame.info.watched and not recomputing:  # (a recompute's values are the original forward's, judged then)
             for record in call.outputs:
-                if record.kinds:  # finite outputs (the hot path) need no judging
-                    self.rule.judge(call, record, replay=(frame, args, kwargs))
+                if record.kinds:  # finite outputs (the hot path, and every pending probe) need no judging
+                    self.watch.timing.now(self._judge_outputs, call, frame, args, kwargs)
+                    break
         if not self.stack:
             # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
             self.watch.log.last_forward_seq = torch._C._autograd._get_sequence_nr()
@@ -191,6 +191,11 @@ class ForwardChecks:
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None and task == -1:
                 self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)
+
+    def _judge_outputs(self, call: Call, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for record in call.outputs:
+            if record.kinds:  # finite outputs (the hot path) need no judging
+                self.rule.judge(call, record, replay=(frame, args, kwargs))
 
     def _recomputing(self, task: int) -> bool:
         """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.
@@ -235,12 +240,11 @@ class ForwardChecks:
 
         No watched call returned it (it has no record, and is no
         pass-through's output), the parent is a checked call, and its replay
-        runs (immediate mode, see :func:`transparent.passes_through_unseen`).
+        runs from its running frame (immediate mode, see :func:`transparent.passes_through_unseen`).
         """
         parent = self.stack[-1]
         return (
-            self.replayer.can_replay
-            and not self.watch.defer
+            self.replayer.replays_running
             and parent.call is not None
             and parent.info.watched
             and self.watch.log.lookup(tensor) is None
@@ -272,15 +276,18 @@ class ForwardChecks:
                 record.consumers.append(consumer)
                 self._hook_gradient(record, tensor)
         self.watch.log.finish(call)
-        if not self.watch.defer:
-            for record in call.outputs:
-                self.rule.judge(call, record)
-            for (path, _argument, tensor), record in zip(tensors, call.outputs):
-                if record.status == "benign":
-                    continue  # a deliberate mask is no batch to warn about
-                probe = (record.low, record.high)
-                cycle = self.watch.cycle
-                cycle.warn(cycle.early.observe_batch(cycle.step, path, tensor, probe))
+        self.watch.timing.now(self._judge_data, call, tensors)
+
+    def _judge_data(self, call: Call, tensors: list[tuple[str, int | str, torch.Tensor]]) -> None:
+        """The data call's verdict, and the early warnings of its batch (the deferred mode's come with the step's)."""
+        for record in call.outputs:
+            self.rule.judge(call, record)
+        for (path, _argument, tensor), record in zip(tensors, call.outputs):
+            if record.status == "benign":
+                continue  # a deliberate mask is no batch to warn about
+            probe = (record.low, record.high)
+            cycle = self.watch.cycle
+            cycle.warn(cycle.early.observe_batch(cycle.step, path, tensor, probe))
 
     def current_module_name(self) -> str | None:
         """The innermost watched module running (``exclude``/``include`` leave modules unwatched)."""

@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.checks.hosts import GradientHost, LossCodeReads, OriginFinder
+from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.kept.finding import Finding, record_ref
-from nan_magic.hot.stats import WIDE_FLOATS, is_checkable, kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.hot.reads import is_checkable, norms, read_scalars, relevant_kinds
+from nan_magic.hot.stats import kinds_of
 from nan_magic.records import LOSS, Note, Phase, TensorRef, TensorRole
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
@@ -72,6 +73,8 @@ class GradientChecks:
         # Deferred mode, the loss code recorded: the loss's autograd node and where the loss code began, for a walk
         # at an event (loss_region.py); dropped once the step is judged (forget_loss_graph).
         self.loss_graph: tuple[Any, int] | None = None
+        # Deferred mode, the loss code not recorded: whether ``loss_region`` describes it (taken at backward).
+        self.region_described = False
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
@@ -105,19 +108,25 @@ class GradientChecks:
         self.loss_record = watch.log.record_output(call, LOSS, loss)
         self.loss_key = id(loss)
         watch.log.finish(call)
-        if not watch.defer:
-            self.judge_loss(call)
-        if watch.outside is not None:
-            watch.outside.weaken()  # for its backward and the deferred check, without keeping what autograd frees
-        if watch.defer and watch.outside is not None and watch.outside.made(loss):
+        watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
+
+    def weaken_loss_code(self) -> None:
+        """The loss code's records let go of what autograd frees (its backward and the deferred check need the rest)."""
+        if self.watch.outside is not None:
+            self.watch.outside.weaken()
+
+    def keep_loss_code(self, loss: torch.Tensor) -> None:
+        """Keep what the deferred check needs of the loss code that made ``loss``, before backward frees it."""
+        watch = self.watch
+        if watch.outside is not None and watch.outside.made(loss):
             # The loss code was recorded: its records tell at the check what data it read, and its nodes are
             # walked only at an event there, from the loss's node (held until then: once backward ran it holds
             # no saved tensor). Per op of loss code, walking and naming them now cost more than recording it.
-            self.loss_region, self.loss_data = None, None
+            self.loss_region, self.loss_data, self.region_described = None, None, False
             self.loss_graph = (loss.grad_fn, watch.log.last_forward_seq)
-        elif watch.defer:  # a few nodes, walked once per backward
+        else:  # a few nodes, walked once per backward
             nodes = loss_region_nodes(loss.grad_fn, watch.log.last_forward_seq)
-            self.loss_region = loss_region_note(nodes)
+            self.loss_region, self.region_described = loss_region_note(nodes), True
             # Backward frees what they saved; the data among it is judged at the check.
             self.loss_data = self._loss_code.saved_leaves(nodes)
             self.loss_graph = None
@@ -207,24 +216,14 @@ class GradientChecks:
             if watch.replays is not None:
                 # Kept for a replay of this step's backward (localize/replay/step.py), until the step ends.
                 watch.replays.capture_gradient(returned_by, str(handed_on.path), grad)
-            if watch.outside is not None and not self.forget_queued and not watch.defer:
-                # The loss code's records serve its backward, which runs before this gradient
-                # arrives: they go when this backward pass ends (after every such hook judged).
-                # The deferred check reads them at the optimizer step, which lets them go.
-                torch.autograd.Variable._execution_engine.queue_callback(watch.outside.forget)
-                self.forget_queued = True
+            if watch.outside is not None and not self.forget_queued:
+                # The loss code's records serve its backward, which runs before this gradient arrives: judged
+                # as they come, they go when this backward pass ends (after every such hook judged). The
+                # deferred check reads them at the optimizer step, which lets them go (timing.step_judged).
+                watch.timing.now(self._forget_after_backward, watch.outside)
         log = watch.log
-        # The hot path. A gradient's range is only shown for half precision
-        # (its headroom); in float32 on the CPU a sum answers whether it is
-        # finite, and a finite one is only noted.
-        if (
-            not watch.defer
-            and grad.is_cpu
-            and grad.dtype in WIDE_FLOATS
-            and grad.layout is torch.strided
-            and log.lookup(grad) is None
-            and (log.known_finite_gradient(grad) or math.isfinite(float(grad.detach().sum())))
-        ):
+        # The hot path: a gradient found finite by a sum, judged as it comes, is only noted.
+        if log.lookup(grad) is None and watch.timing.finite_by_sum(grad, log.known_finite_gradient):
             log.finite_gradient(record, grad)
             self.release(record)
             return
@@ -233,9 +232,12 @@ class GradientChecks:
         call.consumer = consumer
         log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
         log.finish(call)
-        if not watch.defer:
-            self.judge(call, record)
+        watch.timing.now(self.judge, call, record)
         self.release(record)
+
+    def _forget_after_backward(self, outside: CodeRecorder) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(outside.forget)
+        self.forget_queued = True
 
     @staticmethod
     def release(record: TensorRecord) -> None:
@@ -272,7 +274,7 @@ class GradientChecks:
         )
         if call.info is None:
             finding.notes.append(Note("outside-backward"))
-            if watch.defer and self.loss_graph is None:
+            if self.region_described:
                 region = self.loss_region
             else:
                 loss = self.loss_record.ref() if self.loss_record is not None else None

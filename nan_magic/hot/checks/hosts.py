@@ -14,11 +14,12 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.kept.finding import Finding
@@ -31,8 +32,10 @@ from nan_magic.records import EarlyWarning, Note
 
 __all__ = [
     "CallReplayer", "CodeRecorder", "ForwardHost", "GradientHost", "LossCodeReads", "OpTracing", "OptimizerHost",
-    "OriginFinder", "ProducerJudge", "StepBoundaries", "StepReplayer",
+    "OriginFinder", "ProducerJudge", "StepBoundaries", "StepReplayer", "WhenJudged",
 ]
+
+T = TypeVar("T")
 
 
 # -- the localizer, as the hot path calls it ----------------------------------------------
@@ -95,6 +98,12 @@ class CallReplayer(Protocol):
 
     @property
     def keeps_calls(self) -> bool: ...
+
+    @property
+    def replays_kept(self) -> bool: ...
+
+    @property
+    def replays_running(self) -> bool: ...
 
     def classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]: ...
 
@@ -159,6 +168,41 @@ class StepBoundaries(Protocol):
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None: ...
 
 
+class WhenJudged(Protocol):
+    """When values are read and judged: the watch's mode, hot/timing.py's ``Immediate`` or ``Deferred``.
+
+    (``cycle`` and ``gradients`` are the step cycle and the gradient checks, above or beside this module.)
+    """
+
+    @property
+    def deferred(self) -> bool: ...
+
+    @property
+    def holds_probes(self) -> bool: ...
+
+    @property
+    def measures_in_backward(self) -> bool: ...
+
+    def now(self, judge: Callable[..., None], *args: Any) -> None: ...
+
+    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool: ...
+
+    def free_read(self, read: Callable[[], T]) -> T | None: ...
+
+    def check(self, cycle: Any, extra: list[torch.Tensor], first: Callable[[list[float]], None] | None
+              ) -> list[float]: ...
+
+    def update_code_ended(self, cycle: Any, written: list[torch.Tensor], by_a_call: bool) -> None: ...
+
+    def loss_logged(self, gradients: Any, call: Call, loss: torch.Tensor) -> None: ...
+
+    def step_judged(self, outside: CodeRecorder) -> None: ...
+
+    def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool: ...
+
+    def pending_at_exit(self, cycle: Any) -> NonFiniteError | None: ...
+
+
 class _Checker(Protocol):
     """What every checker reads of its watch."""
 
@@ -166,7 +210,7 @@ class _Checker(Protocol):
     def config(self) -> WatchConfig: ...
 
     @property
-    def defer(self) -> bool: ...
+    def timing(self) -> WhenJudged: ...
 
     def mine(self) -> bool: ...
 

@@ -61,7 +61,7 @@ from nan_magic.hot.checks.step_layout import (
     wild_hyperparameters,
 )
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
     dot_norm,
@@ -118,7 +118,7 @@ class OptimizerChecks:
         self._unchecked: dict[int, tuple[torch.optim.Optimizer, int]] = {}
         # id(parameter) -> (weak gradient, its version, its norm) taken in backward (hot gradients).
         self._hot: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
-        self._hot_enabled = not watch.defer
+        self._hot_enabled = watch.timing.measures_in_backward
         # Half-precision parameters near their limit, copied before each step for its replay (headroom.py);
         # the reports note them from each step result judged finite.
         self._headroom = self.reports.headroom = Headroom() if replay_step is not None else None
@@ -276,7 +276,7 @@ class OptimizerChecks:
                 return
             self._unchecked.pop(id(opt), None)
             result = self._step_result(opt, step, self._bounded)
-            if watch.defer and (self._bounded or not wild_hyperparameters(opt)):
+            if watch.timing.carries_step_result(self._bounded, lambda: wild_hyperparameters(opt)):
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
                 result.caller = None if self._bounded else user_line(sys._getframe(1))

@@ -20,7 +20,8 @@ from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost
 from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import kinds_of, norms, read_scalars, relevant_kinds
+from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
+from nan_magic.hot.stats import kinds_of
 from nan_magic.records import Note, Phase, SourcePointer, TensorRef
 
 __all__ = ["ReplayStep", "StepReports"]

@@ -18,16 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     WIDE_FLOATS,
-    finite_stats,
     iter_tensors,
     probe,
     probe_kinds,
-    probe_stats,
     readable,
-    tensor_stats,
     version_of,
+)
+from nan_magic.hot.stats import (
+    finite_stats,
+    probe_stats,
+    tensor_stats,
 )
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerStatus, Phase, TensorRef, TensorRole, TensorStats
@@ -89,7 +91,7 @@ class TensorRecord:
         path: str | TensorRef,
         tensor: torch.Tensor,
         call: Call | None,
-        defer: bool,
+        hold: bool,
         same: TensorRecord | None = None,
         ranged: bool = True,
     ) -> None:
@@ -121,7 +123,7 @@ class TensorRecord:
         # Only finiteness asked (a float32 gradient): a sum, a third of the time
         # of aminmax on the CPU, answers it. A non-finite sum (or one that
         # overflowed) gets the exact probe below.
-        summed = not ranged and not defer and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
+        summed = not ranged and not hold and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
         if summed and math.isfinite(float(values.detach().sum())):
             self.ranged = False
             return
@@ -134,8 +136,8 @@ class TensorRecord:
                 self.set_probe(same.low, same.high)
             return
         low, high = same._probe if same is not None and same._probe is not None else probe(values)
-        if defer:
-            self._probe = (low, high)
+        if hold:
+            self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
         else:
             self.set_probe(low.item(), high.item())
 

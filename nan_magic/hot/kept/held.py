@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from nan_magic.hot.stats import version_of
+from nan_magic.hot.reads import version_of
 from nan_magic.records import Note
 
 __all__ = ["Classify", "HeldArguments", "Regenerate", "Resolved", "hold_arguments", "running_arguments"]

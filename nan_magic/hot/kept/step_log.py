@@ -24,7 +24,7 @@ from nan_magic.hot.kept.call_records import (
     version_of,
 )
 from nan_magic.hot.kept.finding import record_ref
-from nan_magic.hot.stats import (
+from nan_magic.hot.reads import (
     finite_max,
     read_scalars,
 )
@@ -49,8 +49,9 @@ class StepLog:
     counted), so a step of a huge model cannot grow memory without limit.
     """
 
-    def __init__(self, max_calls: int, defer: bool) -> None:
-        self.defer = defer
+    def __init__(self, max_calls: int, hold_probes: bool) -> None:
+        #: Whether records keep their probes on the device until :meth:`resolve` (the deferred mode, timing.py).
+        self.hold_probes = hold_probes
         self._calls: deque[Call] = deque(maxlen=max_calls)
         # Gradients found finite, not yet made into calls (:meth:`finite_gradient`),
         # and those gradient tensors by id, with their version then.
@@ -174,7 +175,7 @@ class StepLog:
         """Probe and record a call's output; ``ranged=False``: only its finiteness is needed."""
         inner = self.lookup(tensor)
         same = inner if inner is not None and inner.live() is not None else None
-        record = TensorRecord(path, tensor, call, self.defer, same, ranged)
+        record = TensorRecord(path, tensor, call, self.hold_probes, same, ranged)
         if inner is not None:
             inner.outer = record
             record.inner = inner
@@ -258,7 +259,7 @@ class StepLog:
         consumer.
         """
         del self._unseen[id(tensor)]
-        record = TensorRecord("output", tensor, None, self.defer, ranged=False)
+        record = TensorRecord("output", tensor, None, self.hold_probes, ranged=False)
         self._by_id[id(tensor)] = record
         return record
 

@@ -1,4 +1,4 @@
-"""What a watch looks at, and how its hooks reach it: the bottom of the hot path above stats.py.
+"""What a watch looks at, and how its hooks reach it: the bottom of the hot path above stats.py and reads.py.
 
 targets (the watched modules with the names the user knows them by, the optimizers and
 scalers), module_hooks (torch's two global module hooks, stepping aside while a compiled or

@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from nan_magic.hot.stats import WIDE_FLOATS, finite_max
+from nan_magic.hot.reads import WIDE_FLOATS, finite_max
 
 __all__ = [
     "ANY_DTYPE",

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.stats import is_checkable, probe, probe_kinds, probe_stats, readable, tensor_stats
+from nan_magic.hot.reads import is_checkable, probe, probe_kinds, readable
+from nan_magic.hot.stats import probe_stats, tensor_stats
 from nan_magic.localize.ops.origins import Benign, Origin, Origins, dense
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import KINDS, TensorStats

@@ -45,7 +45,7 @@ import weakref
 import torch
 from torch import nn
 
-from nan_magic.hot.stats import is_checkable, read_probe, version_of
+from nan_magic.hot.reads import is_checkable, read_probe, version_of
 
 __all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_a_mask"]
 
@@ -112,7 +112,7 @@ class DeliberateMasks:
         """The module's floating buffers (recursively) that hold a non-finite value and are deliberate masks."""
         found = []
         for name, buffer in module.named_buffers():
-            if not is_checkable(buffer):  # a meta or nested buffer has nothing to read (stats.py)
+            if not is_checkable(buffer):  # a meta or nested buffer has nothing to read (hot/reads.py)
                 continue
             low, high = read_probe(buffer)
             if math.isfinite(low) and math.isfinite(high):

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import is_checkable, sample_values, tensor_stats
+from nan_magic.hot.reads import is_checkable
+from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.plain import to_pairs
 from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 

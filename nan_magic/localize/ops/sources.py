@@ -92,6 +92,7 @@ _RUNS_USER_CODE = tuple(
         os.path.join("localize", "replay", "root_calls.py"),
         os.path.join("localize", "replay", "step_backward.py"),
         os.path.join("localize", "outside", "recorder.py"),
+        os.path.join("localize", "outside", "region_records.py"),
         os.path.join("localize", "outside", "recorded_ops.py"),
         os.path.join("localize", "replay", "optimizer.py"),
     )

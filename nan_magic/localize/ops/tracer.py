@@ -75,7 +75,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from nan_magic.hot.stats import is_checkable, relevant_kinds, tensor_stats
+from nan_magic.hot.reads import is_checkable, relevant_kinds
+from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples

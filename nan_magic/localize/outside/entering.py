@@ -30,7 +30,8 @@ import torch
 
 from nan_magic.errors.frames import is_library_file
 from nan_magic.hot.checks.loss_region import loss_region_nodes
-from nan_magic.hot.stats import is_checkable, kinds_of
+from nan_magic.hot.reads import is_checkable
+from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask
 from nan_magic.localize.outside.recorded_ops import WeakRecord
 from nan_magic.localize.outside.recorder import OutsideRecorder

@@ -51,7 +51,8 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import kinds_of, norms, relevant_kinds
+from nan_magic.hot.reads import norms, relevant_kinds
+from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.plans import plan_of, run_op, tensors
 from nan_magic.localize.ops.sources import is_plumbing

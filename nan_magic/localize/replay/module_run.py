@@ -32,7 +32,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from nan_magic.hot.kept.held import HeldArguments, Regenerate
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
-from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds
+from nan_magic.hot.reads import iter_tensors, relevant_kinds
+from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.untouched import untouched

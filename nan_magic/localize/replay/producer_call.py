@@ -32,7 +32,9 @@ from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.kept.held import Resolved
 from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
-from nan_magic.hot.stats import iter_tensors, kinds_of, version_of
+from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.stats import kinds_of
+from nan_magic.hot.timing import Timing
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.module_run import (
     recompute,
@@ -54,7 +56,7 @@ class CallReplay:
     """Replays of single module calls for one watch, and the flag that makes its hooks stand aside."""
 
     def __init__(
-        self, config: WatchConfig, replays: bool, defer: bool, log: StepLog, emit: Callable[[Finding], None]
+        self, config: WatchConfig, replays: bool, timing: Timing, log: StepLog, emit: Callable[[Finding], None]
     ) -> None:
         self.kinds = config.kinds
         self._log = log
@@ -67,7 +69,12 @@ class CallReplay:
         # A backward producer is replayed from the gradient hook, after its
         # forward returned, and in deferred mode any producer is replayed at
         # the check: calls keep their arguments (weakly) and RNG state.
-        self.keeps_calls = self.can_replay and (config.backward or defer)
+        self.keeps_calls = self.can_replay and (config.backward or timing.deferred)
+        #: Whether a producer is replayed at the deferred check, from what its call kept: then every call keeps
+        #: its arguments, one with no autograd graph (no_grad) too.
+        self.replays_kept = self.can_replay and timing.deferred
+        #: Whether a producer is replayed as it is judged, from its running frame's arguments (immediate mode).
+        self.replays_running = self.can_replay and not timing.deferred
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:

@@ -24,7 +24,8 @@ from torch import nn
 from nan_magic.distributed.ranks import is_sharded
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
-from nan_magic.hot.stats import iter_tensors, tensor_stats, version_of
+from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.sources import ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers

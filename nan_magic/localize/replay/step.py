@@ -52,7 +52,7 @@ from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
-from nan_magic.hot.stats import iter_tensors, version_of
+from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs

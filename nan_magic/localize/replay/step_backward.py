@@ -22,7 +22,8 @@ from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.stats import iter_tensors, kinds_of, relevant_kinds, tensor_stats
+from nan_magic.hot.reads import iter_tensors, relevant_kinds
+from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Note, Phase, TensorRef, TensorStats
 

@@ -1,0 +1,234 @@
+"""When a step's values are read and judged: one object per mode, chosen once (:func:`timing_for`).
+
+* :class:`Immediate` (the CPU default): a value is read as it is made, a
+  call's outputs are judged as it returns, the loss as ``backward()``
+  starts, a gradient as it arrives. A read costs nothing but the read on the
+  CPU, and the event stops the step where the value was made, with the
+  producer's frame still running.
+* :class:`Deferred` (``defer=True``; the default on a GPU and under a process
+  group): nothing is read mid-step. A record keeps its probe on the device;
+  the step's check (:meth:`Deferred.check`, called by
+  :meth:`StepCycle.sync <nan_magic.hot.step_cycle.StepCycle.sync>` at the
+  optimizer step's pre-hook) reads every probe in one transfer, the step's
+  one host sync, and judges the step's calls in the order they returned. A
+  producer is then long gone from the stack: its op and line come from
+  what its call kept (its arguments, held weakly; its RNG state), replayed.
+
+Everything that differs between the two lives here; the checks and the step
+cycle call these methods at their own points and never ask which mode they
+are in. The checks below see the mode through the ``WhenJudged`` Protocol
+(checks/hosts.py). Above the hot path, the watch passes the mode's facts to
+what it builds: the step log whether records hold their probes, the call
+replays whether a producer is replayed from its running frame or from what
+its call kept (localize/replay/producer_call.py), the fix trials whether an
+event came after the loss code ran (fixes/loss.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+
+from nan_magic.distributed.ranks import launched
+from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.hot.reads import WIDE_FLOATS, read_scalars
+from nan_magic.options import WatchConfig
+from nan_magic.records import Note, Phase
+
+if TYPE_CHECKING:
+    from nan_magic.hot.checks.gradients import GradientChecks
+    from nan_magic.hot.checks.hosts import CodeRecorder
+    from nan_magic.hot.kept.call_records import Call
+    from nan_magic.hot.step_cycle import StepCycle
+
+__all__ = ["Deferred", "Immediate", "Timing", "timing_for"]
+
+T = TypeVar("T")
+
+#: What a report found at the deferred check says (one note for every such report).
+_DETECTED_DEFERRED = Note("detected-deferred")
+
+
+def timing_for(config: WatchConfig, roots: Iterable[nn.Module]) -> Timing:
+    """Deferred checks by default where the models (``roots``) live on a GPU, and under a process group.
+
+    Under a process group, every check of a step is then judged at the
+    optimizer step's pre-hook, the one point where all ranks can agree
+    to stop (agreement.py).
+    """
+    deferred = config.defer
+    if deferred is None:
+        deferred = launched() or any(
+            parameter.device.type != "cpu" for root in roots for parameter in root.parameters()
+        )
+    return Deferred() if deferred else Immediate()
+
+
+class Timing:
+    """The two modes' common face: what the engine asks of the mode it runs in."""
+
+    #: Whether values are judged at the step's check rather than as they are made (``Watch.defer``).
+    deferred = False
+    #: Whether a record keeps its probe on the device until the step's check (call_records.TensorRecord):
+    #: the one fact the per-record hot path reads, as a plain attribute.
+    holds_probes = False
+    #: Whether large CPU gradients are measured in backward, while in cache (optim.py's "Hot gradients"): the
+    #: immediate mode's. The deferred mode's steps run on a GPU, whose fused read is one kernel, or under a
+    #: process group, whose gradients the reduction rewrites after they accumulate.
+    measures_in_backward = False
+
+    def now(self, judge: Callable[..., None], *args: Any) -> None:
+        """``judge(*args)`` where values are judged as they are made; nothing where the step's check judges them.
+
+        What the checks do for a value (or a region of code) at the moment it
+        is made, in the immediate mode only: judging a call's outputs, the
+        loss, a gradient; letting the loss code's records go as its backward
+        ends; recording the data region. The deferred mode does each at the
+        step's check (:meth:`check`, :meth:`step_judged`).
+        """
+
+    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
+        """Whether a gradient is known finite now: ``known(tensor)`` (found so before), or its sum, read now.
+
+        A sum takes a third of a probe's time on the CPU; only finiteness is
+        asked of a float32 gradient (its range shows only a half-precision
+        one's headroom).
+        """
+        return False
+
+    def free_read(self, read: Callable[[], T]) -> T | None:
+        """``read()`` where a host read costs nothing more (a GradScaler's scale for the history), else None."""
+        return None
+
+    def check(self, cycle: StepCycle, extra: list[torch.Tensor], first: Callable[[list[float]], None] | None
+              ) -> list[float]:
+        """The step's check: read ``extra`` scalars (and what the step left pending); return ``extra``'s values.
+
+        ``first`` judges those values before any call is (the previous
+        optimizer step's result: a step that made a parameter non-finite
+        comes before the forward that then read it).
+        """
+        # Every call was judged as it returned (or the watch stands down): only ``extra`` is new.
+        values = read_scalars(extra) if extra else []
+        if first is not None:
+            first(values)
+        return values
+
+    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
+        """The loop's update code wrote parameters (localize/outside/loop_writes.py): their norms are judged."""
+        raise NotImplementedError
+
+    def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
+        """``backward()`` starts from ``loss``, logged as ``call``: judge it, or keep what its check needs."""
+        raise NotImplementedError
+
+    def step_judged(self, outside: CodeRecorder) -> None:
+        """After the optimizer step: the code recorder's next region (the code until the next model call)."""
+        raise NotImplementedError
+
+    def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
+        """Whether an optimizer step's result is read with the next check, not now (optim.py).
+
+        ``bounded``: the step cannot make a parameter non-finite;
+        ``wild()``: its hyperparameters can (step_layout.py), so it is read now.
+        """
+        return False
+
+    def pending_at_exit(self, cycle: StepCycle) -> NonFiniteError | None:
+        """An exception leaves the watch: the event of a value made before it and not judged yet, if any."""
+        return None
+
+
+class Immediate(Timing):
+    """Every value judged as it is made (see the module docstring)."""
+
+    measures_in_backward = True
+
+    def now(self, judge: Callable[..., None], *args: Any) -> None:
+        judge(*args)
+
+    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
+        return (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.layout is torch.strided
+                and (known(tensor) or math.isfinite(float(tensor.detach().sum()))))
+
+    def free_read(self, read: Callable[[], T]) -> T | None:
+        return read()
+
+    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
+        if cycle.update_code is not None:
+            cycle.update_code.judge(read_scalars(written))
+
+    def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
+        gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
+        gradients.weaken_loss_code()
+
+    def step_judged(self, outside: CodeRecorder) -> None:
+        # The code until the next model call: data loading, within a budget.
+        outside.start("data")
+
+
+class Deferred(Timing):
+    """Every value judged at the step's check, from one transfer (see the module docstring)."""
+
+    deferred = True
+    holds_probes = True
+
+    def check(self, cycle: StepCycle, extra: list[torch.Tensor], first: Callable[[list[float]], None] | None
+              ) -> list[float]:
+        written, written_first = cycle.take_written()
+        if cycle.outcome.stopped:
+            return super().check(cycle, extra, first)
+        values = cycle.log.resolve(extra + written)
+        values, written_values = values[:len(extra)], values[len(extra):]
+        if first is not None:
+            first(values)
+        outcome = cycle.outcome  # (its ``stopped`` is asked again after every judgement)
+        if written and written_first and not outcome.stopped:
+            cycle.judge_written(written_values)  # the update code ran before the calls: it ended as one began
+        if outcome.stopped:
+            return values
+        for call in cycle.log.finished():
+            if call.phase == Phase.BACKWARD:
+                cycle.gradients.judge(call)
+            elif call.info is None:
+                cycle.gradients.judge_loss(call)
+            else:
+                for record in call.outputs:
+                    if record.status == "ok":
+                        cycle.judge_forward(call, record, _DETECTED_DEFERRED)
+            if outcome.stopped:
+                break
+        if written and not written_first and not outcome.stopped:
+            cycle.judge_written(written_values)  # after the calls: the update code ran after them
+        return values
+
+    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
+        cycle.hold_written(written, by_a_call)  # read with this step's single transfer
+
+    def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
+        gradients.weaken_loss_code()
+        gradients.keep_loss_code(loss)
+
+    def step_judged(self, outside: CodeRecorder) -> None:
+        # The step is judged: the loss code's records held for it go (with retain_graph=True, its graph too), as
+        # the data region's start drops them in the immediate mode. (The batch is judged at the optimizer step,
+        # after the loss region replaced the data region's records: no data region is recorded.)
+        outside.forget()
+
+    def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
+        return bounded or not wild()
+
+    def pending_at_exit(self, cycle: StepCycle) -> NonFiniteError | None:
+        # A step's values are judged at the optimizer step; an exception that stops the step before
+        # (``torch.multinomial`` on NaN probabilities in the loop) is then raised ``from`` by the event.
+        if cycle.outcome.stopped:
+            return None
+        try:
+            cycle.sync()
+        except NonFiniteError as error:
+            return error
+        return None

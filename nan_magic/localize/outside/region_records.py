@@ -1,0 +1,200 @@
+"""A recorded region's ops, and what an event asks of them: which op made a value non-finite, and how.
+
+:class:`RegionRecords` is what :class:`~nan_magic.localize.outside.recorder.OutsideRecorder`
+(the dispatch mode, which fills it op by op) keeps of the code outside the
+watched models: each op with its arguments and outputs (references, no
+copies), the user's frame that ran it, which op returned which tensor, and the
+generators' state the region's first random op found. Nothing here runs on a
+healthy step: :meth:`RegionRecords.claim` and :meth:`RegionRecords.claim_backward`
+run the recorded ops again under the op tracer when the loss (or a batch built
+in the loop, or the gradient from the loss code) holds a non-finite value;
+:meth:`RegionRecords.loss_code` gives a fix trial the ops that made the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from types import FrameType
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from nan_magic.hot.kept.rng import RngState, generators_at
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.plans import plan_of, tensors
+from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.recorded_ops import (
+    Gone,
+    RecordedOp,
+    WeakRecord,
+    copies_from_outside,
+    op_source,
+    record_key,
+    rerun_op,
+)
+
+__all__ = ["RegionRecords"]
+
+
+class RegionRecords:
+    """The records of the region recording now (and of the last loss region), and the questions put to them."""
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        self.kinds = kinds
+        # Values copied before an op wrote them in place, where a replay must start (outside/loop_writes.py fills it).
+        self.before: dict[int, torch.Tensor] = {}
+        self._ops: list[RecordedOp] = []
+        self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
+        self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
+        self._rng: RngState | None = None
+        # The last loss region's records, kept by forget(): (ops, produced, rng).
+        self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
+        # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
+        self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
+                             tuple[int, int] | None] | None = None
+
+    def recorded(self) -> int:
+        """How many ops the region recorded so far."""
+        return len(self._ops)
+
+    def made(self, tensor: torch.Tensor) -> bool:
+        """Whether a recorded op returned ``tensor``."""
+        return id(tensor) in self._produced
+
+    def written(self) -> list[torch.Tensor]:
+        """The tensors the recorded ops wrote in place, each once, in the order first written."""
+        seen: dict[int, torch.Tensor] = {}
+        for op in self._ops:
+            plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+            if plan is None or not plan.writes:
+                continue
+            for _label, tensor in tensors(plan, op.args, op.kwargs, plan.writes):
+                if isinstance(tensor, torch.Tensor):
+                    seen.setdefault(id(tensor), tensor)
+        return list(seen.values())
+
+    # -- at an event ----------------------------------------------------------------------
+
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+        """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
+
+        None when ``tensor`` was not made by recorded code, or when its
+        non-finite values came from outside the record (a model output).
+        ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
+        """
+        ops = self._ops_to(tensor) if tensor is not None else self._ops_to_key(key) if key is not None else None
+        if ops is None:
+            return None
+        tracer = OpTracer(kinds=self.kinds)
+        producer: RecordedOp | None = None
+        frame: FrameType | None = None
+        try:
+            copies, _requiring = copies_from_outside(ops, self.before)
+            with torch.no_grad(), self._generators_as_recorded(), tracer:
+                for index, op in enumerate(ops):
+                    rerun_op(op, copies)
+                    if tracer.finding is not None:
+                        producer, frame = op, self._frames[index]
+                        break
+        except Gone:
+            return None
+        if tracer.finding is None or producer is None:
+            return None
+        finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
+        position = (producer.lasti, producer.lineno) if frame is not None else None
+        self._witness = (finding, tracer.producer_tensors, frame, position)
+        return finding
+
+    def witness(
+        self, finding: OpFinding
+    ) -> tuple[tuple[tuple[str, torch.Tensor], ...], FrameType | None, tuple[int, int] | None]:
+        """What :meth:`claim` saw of ``finding``'s op: copies of its output then operands, its frame and position.
+
+        The copies are the replay's (the op's own output and operands, for the report's counts and cause);
+        the frame is the user's that ran the op, where %debug opens, while it is still known.
+        """
+        witness = self._witness
+        if witness is None or witness[0] is not finding:
+            return (), None, None
+        return witness[1], witness[2], witness[3]
+
+    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+        """The backward op of the recorded loss code that first made a gradient non-finite, or None.
+
+        The ops that made ``loss`` run again with gradients, from copies of
+        what they read from outside (those that required gradients still do),
+        then their backward from a gradient of ones, under the op tracer: it
+        names the backward op, its autograd node and, from the record, the
+        forward line that created that node. Only for a scalar loss (the
+        gradient ``backward()`` starts from is then ones). ``key``: the loss's
+        id when backward started, for a deferred check that runs after the
+        loss was freed (its recorded value is kept, being small).
+        """
+        if loss is not None:
+            key = id(loss)
+            ops = self._ops_to(loss) if loss.numel() == 1 else None
+        else:
+            ops = self._ops_to_key(key) if key is not None else None
+        if ops is None or key is None:
+            return None
+        # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
+        # absorbed (a clamp of log(0)) is not the producer; the backward op that read it is.
+        tracer = OpTracer(kinds=self.kinds, at_boundary=True)
+        try:
+            copies, requiring = copies_from_outside(ops)
+            with torch.enable_grad(), self._generators_as_recorded(), tracer:
+                for op in ops:
+                    before = torch._C._autograd._get_sequence_nr()
+                    rerun_op(op, copies)
+                    if op.code is not None:
+                        for node in range(before, torch._C._autograd._get_sequence_nr()):
+                            # The node's forward line is the recorded op's (the tracer would see this replay's).
+                            tracer.node_sources.record(node, op.code, op.lineno)
+                replayed = copies[key]
+                if replayed.numel() != 1:
+                    return None
+                if requiring and replayed.requires_grad:
+                    grads = torch.autograd.grad(replayed, requiring, grad_outputs=torch.ones_like(replayed),
+                                                allow_unused=True)
+                    for grad in grads:
+                        if grad is not None and tracer.finding is None:
+                            tracer.claim(grad)
+        except Gone:
+            return None
+        return tracer.finding
+
+    def loss_code(self, key: int, last: bool) -> tuple[list[RecordedOp], RngState | None] | None:
+        """The recorded ops up to the one that returned the tensor ``backward()`` started from (``key``, its id
+        then), and the generators' state the region's first random op found; None where no recorded op returned
+        it. ``last``: of the last loss region :meth:`forget` kept, not of the region recording now.
+        """
+        ops, produced, rng = (self._last or ([], {}, None)) if last else (self._ops, self._produced, self._rng)
+        index = produced.get(key)
+        # A tensor held strongly is alive, so its id is still its own; a weak record keeps the id it had.
+        if index is None or not any(record_key(out) == key for out in tree_leaves(ops[index].out)):
+            return None
+        return ops[: index + 1], rng
+
+    def _generators_as_recorded(self) -> contextlib.AbstractContextManager[None]:
+        """The generators as the region's first random op found them (the same draws); the user's put back."""
+        return generators_at(self._rng)
+
+    def _ops_to(self, tensor: torch.Tensor) -> list[RecordedOp] | None:
+        """The recorded ops up to the one that returned ``tensor``; None when none did."""
+        index = self._produced.get(id(tensor))
+        if index is None:
+            return None
+        outs = tree_leaves(self._ops[index].out)
+        if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
+            return None
+        return self._ops[: index + 1]
+
+    def _ops_to_key(self, key: int) -> list[RecordedOp] | None:
+        """:meth:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
+        index = self._produced.get(key)
+        if index is None:
+            return None
+        if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(self._ops[index].out)):
+            return None
+        return self._ops[: index + 1]
