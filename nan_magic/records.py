@@ -130,10 +130,14 @@ class LayerCall:
     module_type: str | None
     stats: TensorStats | None
     status: LayerStatus = "ok"
-    tensor: str = "output"
+    #: Which of the call's tensors the row is (``output[1]``, the batch's ``input[0]``, a gradient, the loss);
+    #: None only in an older scene's row, which kept its words (``said``).
+    tensor: TensorRef | None = OUTPUT
     #: Its module's place in its model, the names from the root down (``("blocks", "0")``; ``()`` the root):
     #: the layer table's tree is drawn from it. None outside every watched module.
     path: tuple[str, ...] | None = None
+    #: An older scene's tensor label (before version 6 a row stored its words), shown as written.
+    said: str | None = None
 
 
 @dataclass(frozen=True)

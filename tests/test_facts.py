@@ -184,7 +184,8 @@ CAUSES = {
     "grad-scaler-collapse": (Cause("grad-scaler-collapse", "grad-scaler-collapse", (("skipped", 5), ("scale", 0.5))),
                              "scale fell to 0.5"),
     "extreme-batch": (Cause("bad-input-data", "extreme-batch", (
-        ("batch", "input[0]"), ("absmax", 3.5e9), ("bound", 1e6), event(_EVENT), ("then", plain_cause(_DOWNSTREAM)),
+        ("batch", to_pairs(TensorRef.argument("input[0]"))), ("absmax", 3.5e9), ("bound", 1e6), event(_EVENT),
+        ("then", plain_cause(_DOWNSTREAM)),
     )), "|x| = 3.5e9"),
     "diverging": (Cause("learning-rate-too-high", "diverging", (
         ("growth", ("loss", 2.5e7, 12, 250000.0, 100.0, 0, 3)), event(_EVENT),
@@ -258,6 +259,22 @@ def test_a_cause_round_trips_through_a_scene_s_plain_data_with_its_numbers(readi
     assert shown in cause_hint(back) and cause_hint(back) == cause_hint(cause)
     assert cause_evidence(back) == cause_evidence(cause) and cause_evidence(back)
     assert shown in report.to_text()  # the sentence a user reads
+
+
+def test_a_version_5_scene_s_extreme_batch_named_its_batch_by_words_and_reads_back_typed(tmp_path) -> None:
+    cause, shown = CAUSES["extreme-batch"]
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    report = raised(run, model, dump=str(tmp_path))
+    data = torch.load(report.scene, weights_only=True)
+    # Before version 6 the batch was its words: always an argument of the model call.
+    data["report"]["cause"] = to_plain(Cause(cause.label, cause.reading, tuple(
+        (key, "input[0]" if key == "batch" else value) for key, value in cause.facts)))
+    data["version"] = 5
+    torch.save(data, tmp_path / "version_5_scene.pt")
+    back = nan_magic.load_scene(tmp_path / "version_5_scene.pt").report.cause
+    assert back == cause and back.fact("batch") == to_pairs(TensorRef.argument("input[0]"))
+    assert cause_hint(back).startswith(f"input[0] entering Net reached {shown}")
 
 
 def test_a_diagnosed_cause_holds_only_plain_values() -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 from functools import cache
+from html import unescape
 
 import torch
 from test_render import HalfAttention
 from torch import nn
 from watching import raised
 
-from nan_magic import Report, load_scene
+from nan_magic import Phase, Report, TensorRef, TensorRole, load_scene
 from nan_magic.render.history_layers import TOP_LAYERS
 
 
@@ -204,7 +205,7 @@ def test_each_row_holds_its_module_s_place_in_the_model_and_an_older_scene_s_tre
     assert paths[""] == () and paths["blocks"] == ("blocks",) and paths["blocks.1.spare"] == ("blocks", "1", "spare")
     assert paths["blocks.0.attn.qkv"] == ("blocks", "0", "attn", "qkv")
     data = torch.load(report.scene, weights_only=True)  # still plain data: no class named in the file
-    assert data["version"] == 5 and all(isinstance(row["path"], tuple) for row in data["report"]["layers"])
+    assert data["version"] == 6 and all(isinstance(row["path"], tuple) for row in data["report"]["layers"])
     scene = load_scene(report.scene)
     # A version 4 scene stored no path: its loader reads the rows' places from their names, and draws the same tree.
     for row in data["report"]["layers"]:
@@ -227,3 +228,85 @@ def layer_lines(text: str) -> list[str]:
 
 def statuses_of(report: Report) -> dict[str, set[str]]:
     return status_cells(report.to_html())
+
+
+class Pair(nn.Module):
+    """Two outputs, the second from a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, h * mask
+
+
+class PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = Pair()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a, b = self.pair(x, mask=mask)
+        return self.head(a + b).sqrt()  # a zero head: sqrt(0)'s gradient is inf, and inf * 0 NaN
+
+
+def test_each_row_names_its_tensor_by_a_typed_reference_and_an_older_scene_s_words_still_show(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = PairNet()
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.head.bias.zero_()
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    report = raised(lambda: model(x, mask=mask).sum().backward(), model, mode="full", dump=str(tmp_path))
+    rows = [(row.phase, row.module, row.tensor) for row in report.layers]
+    assert rows == [
+        (Phase.FORWARD, "", TensorRef.output()),
+        (Phase.DATA, "", TensorRef.argument("input[0]")),
+        (Phase.FORWARD, "pair", TensorRef.output("output[0]")),
+        (Phase.FORWARD, "pair", TensorRef.output("output[1]")),
+        (Phase.FORWARD, "pair.fc", TensorRef.output()),
+        (Phase.FORWARD, "head", TensorRef.output()),
+        (Phase.DATA, "", TensorRef.argument("kwargs['mask']")),
+        (Phase.FORWARD, None, TensorRef(TensorRole.LOSS)),
+        (Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output")),
+        (Phase.BACKWARD, "", TensorRef(TensorRole.OUTPUT_GRADIENT, "head", "output")),
+    ]
+    # What every view shows of them: the same words in the table, the text and the HTML.
+    words = ["output", "input[0]", "output[0]", "output[1]", "output", "output", "kwargs['mask']", "loss",
+             "grad of model output", "grad of head output"]
+    assert list(report.table["tensor"]) == words
+    assert [line.split("  ")[0] for line in tensor_cells(report.to_text())] == words
+    assert html_cells(report.to_html(), "tensor") == words
+    # A scene keeps each reference as plain data; a version 5 scene kept the words, shown as they were written.
+    data = torch.load(report.scene, weights_only=True)
+    assert data["version"] == 6 and data["report"]["layers"][1]["tensor"] == {
+        "role": "input", "name": None, "path": "input[0]", "before": False}
+    assert load_scene(report.scene).report.layers == report.layers
+    for row, word in zip(data["report"]["layers"], words):
+        row["tensor"] = word
+    data["version"] = 5
+    torch.save(data, tmp_path / "version_5_scene.pt")
+    older = load_scene(tmp_path / "version_5_scene.pt").report
+    assert [row.said for row in older.layers] == words and all(row.tensor is None for row in older.layers)
+    assert list(older.table["tensor"]) == words
+    assert tensor_cells(older.to_text()) == tensor_cells(report.to_text())
+    assert html_cells(older.to_html(), "tensor") == words
+
+
+def html_cells(html: str, column: str) -> list[str]:
+    """The cells of one column of the report's HTML layer table, as the reader sees them."""
+    table = re.search(r'<table[^>]*nm-layers.*?</table>', html, re.S).group(0)  # type: ignore[union-attr]
+    header = re.findall(r'<th [^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', table)
+    rows = [dict(zip(header, re.findall(r'<td class="[^"]*" >([^<]*)</td>', row)))
+            for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)[1:]]
+    return [unescape(row[column]) for row in rows]
+
+
+def tensor_cells(text: str) -> list[str]:
+    """The text layer table's cells from the tensor column on, one per row."""
+    lines = layer_lines(text)
+    start = next(line for line in lines if " tensor " in line).index(" tensor ") + 1
+    return [line[start:].strip() for line in lines if re.match(r"[> ] +\d+ ", line)]

@@ -22,7 +22,7 @@ from torch import nn
 from watching import raised
 
 import nan_magic
-from nan_magic.records import Report
+from nan_magic.records import Report, TensorRef
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FAULTS = {fault.name: fault for fault in FORWARD_FAULTS}
@@ -447,7 +447,7 @@ def test_layers_table_is_a_tree_with_counts_only_where_not_zero() -> None:
     view.touched.value = True
     # The root's own output (the producer's row), and proj's, which returned it.
     assert [(layer.module, layer.tensor, layer.status) for layer in view.rows()] == [
-        ("", "output", "producer"), ("proj", "output", "propagated")]
+        ("", TensorRef.output(), "producer"), ("proj", TensorRef.output(), "propagated")]
 
 
 

@@ -211,7 +211,7 @@ def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_p
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
     data = torch.load(report.scene, weights_only=True)
-    assert data["version"] == 5
+    assert data["version"] == 6
     saved = data["report"]["note_facts"]
     assert saved == ({"kind": "step-replayed", "facts": (("step", report.step),)},)  # a kind and its facts
     scene = nan_magic.load_scene(report.scene)

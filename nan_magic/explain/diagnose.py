@@ -86,7 +86,8 @@ from nan_magic.explain.forward import forward_cause
 from nan_magic.explain.optimizer import optimizer_cause
 from nan_magic.explain.overflow import half_overflow
 from nan_magic.hot.checks.early import EXTREME_INPUT
-from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRole
+from nan_magic.plain import to_pairs
+from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRef, TensorRole
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 
@@ -224,18 +225,18 @@ _POLES = {
 # -- upstream causes ------------------------------------------------------------------------
 
 
-def _extreme_batch(report: Report) -> tuple[str, float] | None:
+def _extreme_batch(report: Report) -> tuple[TensorRef, float] | None:
     """The batch entering the model in the failing step, when it held ``|x| > EXTREME_INPUT``."""
     for layer in report.layers:
         absmax = layer.stats.absmax if layer.stats is not None else None
-        if layer.phase == Phase.DATA and absmax is not None and absmax > EXTREME_INPUT:
+        if layer.phase == Phase.DATA and layer.tensor is not None and absmax is not None and absmax > EXTREME_INPUT:
             return layer.tensor, absmax
     return None
 
 
-def _bad_batch(report: Report, downstream: Cause, tensor: str, absmax: float) -> Cause:
+def _bad_batch(report: Report, downstream: Cause, tensor: TensorRef, absmax: float) -> Cause:
     return Cause("bad-input-data", "extreme-batch", (
-        ("batch", tensor), ("absmax", absmax), ("bound", EXTREME_INPUT), event(report),
+        ("batch", to_pairs(tensor)), ("absmax", absmax), ("bound", EXTREME_INPUT), event(report),
         ("then", plain_cause(downstream)),
     ))
 

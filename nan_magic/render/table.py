@@ -19,6 +19,7 @@ from nan_magic.render.common import (
     module_label,
 )
 from nan_magic.render.layer_tree import contains, depth, shown_statuses
+from nan_magic.render.words.names import row_tensor
 
 #: CSS class of every cell of a row, by the row's role. Tests and the
 #: stylesheet in :data:`TABLE_CSS` rely on these names.
@@ -99,7 +100,7 @@ def _record(layer: LayerCall) -> dict[str, object]:
     stats = layer.stats
     row: dict[str, object] = {
         "call": layer.index, "phase": str(layer.phase), "module": layer.module, "type": layer.module_type,
-        "tensor": layer.tensor if stats is not None else None, "status": layer.status,
+        "tensor": row_tensor(layer) if stats is not None else None, "status": layer.status,
     }
     if stats is not None:
         row.update({

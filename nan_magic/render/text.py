@@ -20,6 +20,7 @@ from nan_magic.render.common import (
 )
 from nan_magic.render.fixes import fixes_text
 from nan_magic.render.layer_tree import depth, layers_count, shown_statuses, unmeasured_note
+from nan_magic.render.words.names import row_tensor
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
 TEXT_MAX_ROWS = 30
@@ -88,7 +89,7 @@ def _layer_row(layer: LayerCall, status: str) -> dict[str, str]:
         return {column: row.get(column, "") for column in _TEXT_COLUMNS}
     return {
         **row,
-        "tensor": layer.tensor,
+        "tensor": row_tensor(layer),
         "dtype": stats.dtype,
         "shape": fmt_shape(stats.shape),
         "min": fmt_number(stats.min),

@@ -38,6 +38,7 @@ from nan_magic.render.html import (
 )
 from nan_magic.render.layer_tree import layers_count, unmeasured_note
 from nan_magic.render.plots import histogram_png
+from nan_magic.render.words.names import row_tensor
 
 #: Tab titles, in order. Tests and users' screenshots rely on them.
 TAB_TITLES = ("Summary", "Layers", "Histograms", "Debug", "History")
@@ -107,7 +108,7 @@ def _row_text(layer: LayerCall) -> str:
         module_label(layer.module, layer.module_type),
         layer.status,
         str(layer.phase),
-        layer.tensor,
+        row_tensor(layer),
         layer.stats.dtype if layer.stats is not None else "",
     )).lower()
 

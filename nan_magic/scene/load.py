@@ -20,8 +20,8 @@ from torch import nn
 
 from nan_magic.hot.kept.rng import RngState, capture_rng_state, restore_rng_state
 from nan_magic.localize.replay.module_run import ReplayResult, replay_module
-from nan_magic.plain import from_plain
-from nan_magic.records import Note, Phase, Report
+from nan_magic.plain import from_plain, to_pairs
+from nan_magic.records import Note, Phase, Report, TensorRef
 from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -114,6 +114,8 @@ class Scene:
         self.path = path
         self.data = data
         plain = data["report"]
+        if data.get("version", 0) < 6 and isinstance(plain, dict):
+            plain = _typed_tensors(plain)
         report = from_plain(Report, plain)
         if isinstance(plain, dict) and plain.get("notes") and not plain.get("note_facts"):
             # A version 2 scene kept its notes as sentences: shown as they were written.
@@ -379,6 +381,24 @@ def _warnings_said(plain: Any) -> list[str | None]:
     warnings = plain.get("warnings") if isinstance(plain, dict) else None
     said = [dict(item.items() if isinstance(item, dict) else item).get("message") for item in warnings or ()]
     return said if any(text is not None for text in said) else []
+
+
+def _typed_tensors(plain: dict[str, Any]) -> dict[str, Any]:
+    """An older scene's report, whose layer rows and extreme-batch cause named their tensor by its words.
+
+    A row's words are kept as written (``said``): they alone do not say the
+    tensor's role. The batch of an extreme-batch cause was always an argument
+    of the model call (``input[0]``, ``kwargs['x']``), whose reference holds
+    that same path.
+    """
+    layers = tuple({**row, "tensor": None, "said": row["tensor"]} if isinstance(row.get("tensor"), str) else row
+                   for row in plain.get("layers") or ())
+    cause = plain.get("cause")
+    if isinstance(cause, dict) and cause.get("reading") == "extreme-batch":
+        cause = {**cause, "facts": tuple(
+            (key, to_pairs(TensorRef.argument(value))) if key == "batch" and isinstance(value, str) else (key, value)
+            for key, value in cause.get("facts") or ())}
+    return {**plain, "layers": layers, "cause": cause}
 
 
 def _with_paths(report: Report) -> Report:

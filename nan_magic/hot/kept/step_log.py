@@ -24,12 +24,13 @@ from nan_magic.hot.kept.call_records import (
     gradient_label,
     version_of,
 )
+from nan_magic.hot.kept.finding import record_ref
 from nan_magic.hot.reads import (
     finite_max,
     read_scalars,
 )
 from nan_magic.hot.watched.targets import ModuleInfo
-from nan_magic.records import LayerCall, Phase, TensorRef
+from nan_magic.records import LayerCall, Phase, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -306,6 +307,9 @@ class StepLog:
         rows: list[LayerCall] = []
         running = [call for call in self.calls if call.finished < 0]
         for call in self.finished() + running:
+            # A data call's records are the batch's arguments, every other call's its outputs
+            # (a gradient, the loss, a value passed to a child carry their own reference).
+            role = TensorRole.INPUT if call.phase is Phase.DATA else TensorRole.MODULE_OUTPUT
             for record in _own_rows(call):
                 rows.append(
                     LayerCall(
@@ -315,7 +319,7 @@ class StepLog:
                         module_type=call.module_type,
                         stats=record.stats(),
                         status=record.status,
-                        tensor=str(record.path) or "output",
+                        tensor=record_ref(record, role),
                         path=call.info.path if call.info is not None else None,
                     )
                 )

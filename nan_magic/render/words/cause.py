@@ -8,7 +8,8 @@ values it rests on (``facts``); each reading has one template here.
 from __future__ import annotations
 
 from nan_magic.locations import name_location
-from nan_magic.records import Cause, module_label
+from nan_magic.plain import from_plain
+from nan_magic.records import Cause, TensorRef, module_label
 from nan_magic.render.words.cause_ops import OP_READINGS
 from nan_magic.render.words.cause_overflow import OVERFLOW_READINGS
 from nan_magic.render.words.cause_steps import STEP_READINGS
@@ -90,11 +91,16 @@ def _growth(growth: tuple[str, float, int, float, float, int, int]) -> str:
 def _extreme_batch_hint(cause: Cause) -> str:
     event = event_of(cause)
     return (
-        f"{cause.fact('batch')} entering {event.model or 'the model'} reached |x| = "
+        f"{_batch(cause)} entering {event.model or 'the model'} reached |x| = "
         f"{fmt(cause.fact('absmax'))} (> {fmt(cause.fact('bound'))}) in this step, and {what(event)} then became "
         f"{counts(event)}: normalise or clip the inputs (standardise features, log-scale heavy-tailed ones) before "
         "the model"
     )
+
+
+def _batch(cause: Cause) -> TensorRef:
+    """The batch tensor that held the extreme values (``input[0]``)."""
+    return from_plain(TensorRef, cause.fact("batch"))
 
 
 def _diverging_hint(cause: Cause) -> str:
@@ -228,7 +234,7 @@ _READINGS: dict[str, Reading] = {
     "optimizer-unmatched": Reading(_step_unmatched_hint, _step_facts),
     "extreme-batch": Reading(
         _extreme_batch_hint,
-        lambda cause: (f"batch {cause.fact('batch')}: |x| up to {fmt(cause.fact('absmax'))}", _then(cause)),
+        lambda cause: (f"batch {_batch(cause)}: |x| up to {fmt(cause.fact('absmax'))}", _then(cause)),
         sentence=False,
     ),
     "diverging": Reading(_diverging_hint, lambda cause: (_growth(cause.fact("growth")), _then(cause))),

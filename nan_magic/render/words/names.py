@@ -5,9 +5,9 @@ Stdlib only: ``str(TensorRef)`` calls it, from the records as from every view.
 
 from __future__ import annotations
 
-from nan_magic.records import TensorRef, TensorRole
+from nan_magic.records import LayerCall, TensorRef, TensorRole
 
-__all__ = ["tensor_label"]
+__all__ = ["row_tensor", "tensor_label"]
 
 
 def tensor_label(ref: TensorRef) -> str:
@@ -30,3 +30,8 @@ def tensor_label(ref: TensorRef) -> str:
     if role is TensorRole.LOSS:
         return "loss"
     return f"{role.value} {ref.name}"  # parameter, buffer
+
+
+def row_tensor(layer: LayerCall) -> str:
+    """A layer row's tensor column: its reference's label, or the words an older scene stored for it."""
+    return tensor_label(layer.tensor) if layer.tensor is not None else layer.said or ""
