@@ -43,6 +43,7 @@ from nan_magic.hot.checks.optim import OptimizerChecks
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.step_log import StepLog
+from nan_magic.hot.watched.coverage import coverage_for
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Note, StepSummary
 
@@ -139,7 +140,9 @@ class StepCycle:
         self._written_first = False
         self.early = EarlyWarnings()
         # The tiered watch checks only top-level calls, except on a per-module step (forward_started).
-        self.full_step = not config.tiered
+        #: Which module calls a step checks (watched/coverage.py: the mode's).
+        self.coverage = coverage_for(config)
+        self.full_step = self.coverage.every_call
         #: Steps opened (a nested watch's included: absorb); where no optimizer steps, they are the steps.
         self.steps_opened = 0
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
@@ -207,9 +210,7 @@ class StepCycle:
                 self.replays.new_step(training)
             # The tiered watch's second step, and every ``full_every``-th after it, checks every module
             # call: the per-layer history and early warnings come from those steps.
-            every = self.config.full_every
-            self.full_step = (not self.config.tiered or self.steps_opened % every == min(1, every - 1)
-                              or self.lockstep.sharded())
+            self.full_step = self.coverage.per_module_step(self.steps_opened, self.lockstep.sharded)
             self.steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
@@ -377,8 +378,8 @@ class StepCycle:
         """
         if not self.config.backward or self.outcome.stopped or self.optimizers.scaler_active():
             return  # a GradScaler settles them (a skipped step)
-        if not leaving and (not self.config.tiered or self.training()):
-            return  # an optimizer's check reads them
+        if not leaving and not self.coverage.reads_unstepped_gradients(self.training()):
+            return  # an optimizer's check reads them, or the per-module checks saw them
         named: list[tuple[str, torch.Tensor]] = [
             (user_name(name, data_parallel_paths(root)), parameter)
             for root in self._roots()

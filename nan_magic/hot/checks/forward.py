@@ -32,7 +32,6 @@ from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorR
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.reads import is_checkable, iter_tensors
-from nan_magic.hot.watched.module_hooks import may_step_aside
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.hot.watched.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.records import Phase
@@ -70,7 +69,7 @@ class ForwardChecks:
         info = self.watch.module_info(module)
         if info is None:
             return  # unwatched
-        if info.compiled and not self.watch.config.tiered:
+        if info.compiled and self.watch.cycle.coverage.runs_compiled_eagerly:
             self._run_eagerly(info)
         if info.transparent is not None and self.stack and len(args) == 1 and type(args[0]) is torch.Tensor:
             known = self.watch.log.known_finite(args[0])
@@ -94,8 +93,8 @@ class ForwardChecks:
                 outside.stop()
             tracer = self.watch.origins.tracer
             self.watch.cycle.forward_started(module, [t for _, t in iter_tensors(args, "input")] if tracer else ())
-            if (info.compiled and self.watch.config.tiered) or (not self.watch.cycle.full_step
-                                                                and may_step_aside(module)):
+            cycle = self.watch.cycle
+            if cycle.coverage.steps_aside(info.compiled, cycle.full_step, module):
                 # Only this call's boundaries are checked: its submodules' calls need no hook at all.
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None

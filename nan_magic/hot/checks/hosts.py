@@ -25,6 +25,7 @@ from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
+from nan_magic.hot.watched.coverage import Coverage
 from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
 from nan_magic.hot.watched.targets import ModuleInfo, Targets
 from nan_magic.options import WatchConfig
@@ -147,6 +148,9 @@ class StepBoundaries(Protocol):
 
     @property
     def full_step(self) -> bool: ...
+
+    @property
+    def coverage(self) -> Coverage: ...
 
     @property
     def early(self) -> EarlyWarnings: ...
