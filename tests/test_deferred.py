@@ -18,7 +18,7 @@ import torch
 from faults import fp16_adam_step
 from torch import nn
 from torch.nn import functional as F
-from watching import raised
+from watching import attributes_read, raised
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -378,15 +378,4 @@ def test_the_mode_is_chosen_once_as_an_object_and_watch_defer_reads_it() -> None
 
 def test_no_part_of_the_hot_path_asks_which_mode_it_runs_in() -> None:
     """Only hot/timing.py knows the two modes apart: a flag test elsewhere in hot/ is a mode leaking out of it."""
-    import ast
-    from pathlib import Path
-
-    hot = Path(nan_magic.__file__).parent / "hot"
-    asked = []
-    for path in sorted(hot.rglob("*.py")):
-        if path.name == "timing.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Attribute) and node.attr in ("defer", "deferred", "holds_probes"):
-                asked.append(f"{path.relative_to(hot)}:{node.lineno} .{node.attr}")
-    assert asked == []
+    assert attributes_read("hot", ("defer", "deferred", "holds_probes"), allowed="timing.py") == []

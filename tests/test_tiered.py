@@ -18,7 +18,7 @@ import faults
 import pytest
 import torch
 from torch import nn
-from watching import train_steps
+from watching import attributes_read, train_steps
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -277,23 +277,13 @@ def test_the_full_mode_checks_every_module_and_bad_modes_are_refused() -> None:
 
 def test_the_coverage_is_the_modes_object_and_no_other_part_of_the_hot_path_asks_the_mode() -> None:
     """Only hot/watched/coverage.py knows the tiered and full modes apart (hot/timing.py the immediate and deferred)."""
-    import ast
-    from pathlib import Path
-
     from nan_magic.hot.watched.coverage import Boundaries, EveryCall
 
     model, opt = _net()
     with nan_magic.watch(model, opt) as tiered, nan_magic.watch(model, opt, mode="full") as full:
         pass
     assert isinstance(tiered.cycle.coverage, Boundaries) and isinstance(full.cycle.coverage, EveryCall)
-    hot = Path(nan_magic.__file__).parent / "hot"
-    asked = [
-        f"{path.relative_to(hot)}:{node.lineno} .{node.attr}"
-        for path in sorted(hot.rglob("*.py")) if path.name != "coverage.py"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-        if isinstance(node, ast.Attribute) and node.attr in ("tiered", "mode", "full_every")
-    ]
-    assert asked == []
+    assert attributes_read("hot", ("tiered", "mode", "full_every"), allowed="coverage.py") == []
 
 
 def test_a_top_level_call_of_a_submodule_keeps_its_qualified_name() -> None:

@@ -81,3 +81,21 @@ def sgd_regression(lr: float, steps: int = 400, **options) -> nan_magic.Watch:
             if w.report is not None:
                 break
     return w
+
+
+def attributes_read(package: str, names: tuple[str, ...], allowed: str) -> list[str]:
+    """Where the modules of nan_magic's ``package`` folder (all but the one named ``allowed``) read one of ``names``.
+
+    The modes are objects (hot/timing.py, hot/watched/coverage.py): a read of the mode's flag elsewhere is a mode
+    leaking out of its object.
+    """
+    import ast
+    from pathlib import Path
+
+    folder = Path(nan_magic.__file__).parent / package
+    return [
+        f"{path.relative_to(folder)}:{node.lineno} .{node.attr}"
+        for path in sorted(folder.rglob("*.py")) if path.name != allowed
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in names
+    ]

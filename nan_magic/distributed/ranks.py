@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ParameterPlace", "data_parallel_paths", "is_sharded", "launched", "launched_rank", "leave_together", "local_shard",
-    "parameter_place", "per_rank_path", "process_group", "stamp", "user_name", "user_path", "user_type",
+    "parameter_place", "per_rank_path", "process_group", "qualified", "stamp", "user_name", "user_path", "user_type",
 ]
 
 #: Attributes under which wrappers hold the user's module: never part of the user's names.
@@ -146,19 +146,20 @@ def parameter_place(name: str, roots: Iterable[nn.Module], values: torch.Tensor 
                 if id(parameter) in seen:
                     continue
                 seen.add(id(parameter))
-                if _joined(owner, leaf) == name:
+                if qualified(owner, leaf) == name:
                     inner = _flat_part(parameter, values) if values is not None else None
                     if inner is None:
                         return ParameterPlace(name, owner)
                     inner_module, inner_name = inner
-                    module_name = user_name(_joined(raw_module, inner_module), data_parallel)
-                    return ParameterPlace(_joined(module_name, inner_name), module_name)
+                    module_name = user_name(qualified(raw_module, inner_module), data_parallel)
+                    return ParameterPlace(qualified(module_name, inner_name), module_name)
     return None
 
 
-def _joined(module: str, name: str) -> str:
-    """A qualified name, as torch's ``named_modules`` writes one: ``module.name``, or ``name`` under the root."""
-    return f"{module}.{name}" if module else name
+def qualified(module: str, name: str) -> str:
+    """A qualified name, as torch's ``named_modules`` writes one: ``module.name``, ``name`` under the root, and
+    ``module`` itself for its own (empty) name."""
+    return f"{module}.{name}" if module and name else module or name
 
 
 def _flat_part(flat: torch.Tensor, values: torch.Tensor) -> tuple[str, str] | None:

@@ -159,8 +159,7 @@ class Immediate(Timing):
         return read()
 
     def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
-        if cycle.update_code is not None:
-            cycle.update_code.judge(read_scalars(written))
+        cycle.judge_written(read_scalars(written))
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
         gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from nan_magic.distributed.ranks import qualified
 from nan_magic.hot.kept.held import HeldArguments, Regenerate
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
@@ -165,11 +166,7 @@ def replay_module(
 
 def submodule_names(module: nn.Module, module_name: str) -> dict[int, str]:
     """The name a replay of ``module`` (called ``module_name``) gives each of its modules, by ``id``."""
-    return {id(sub): _join(module_name, name) for name, sub in module.named_modules()}
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
+    return {id(sub): qualified(module_name, name) for name, sub in module.named_modules()}
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
