@@ -59,7 +59,7 @@ from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.recorded_ops import RecordedOp
-from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.outside.recorder import OutsideRecorder, passes
 from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
@@ -274,19 +274,19 @@ class LoopWrites:
 
 
 # What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
-# or pass it only (record_function's markers: no values, nothing to replay).
+# or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
 _PASSES, _WRITES, _MARKER = 0, 1, 2
 _SELF = frozenset({"self"})
-# id(op) -> (op, what a watched region does with it). Holding the op keeps its id unique.
-_KINDS: dict[int, tuple[Any, int]] = {}
+# id(op) -> (op, what a watched region does with it, the callable that runs it: an OpOverload's C++ ``_op``,
+# skipping its Python ``__call__``). Holding the op keeps its id unique.
+_KINDS: dict[int, tuple[Any, int, Any]] = {}
 
 
-def _kind_of(func: Any) -> int:
+def _kind_of(func: Any) -> tuple[Any, int, Any]:
     if not isinstance(func, torch._ops.OpOverload):
-        return _PASSES
-    if func.namespace == "profiler":
-        return _MARKER
-    return _WRITES if plan_of(func).writes else _PASSES
+        return func, _PASSES, func
+    kind = _MARKER if passes(func) else _WRITES if plan_of(func).writes else _PASSES
+    return func, kind, func._op
 
 
 # id(code) -> (code, what a frame running it is between a dispatch mode and the line that ran an op: the user's
@@ -384,25 +384,33 @@ class _UpdateRecorder(OutsideRecorder):
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        entry = _KINDS.get(id(func))
+        if entry is None:
+            entry = _KINDS[id(func)] = _kind_of(func)
+        _func, kind, call = entry
         if self.watching:
-            kind = _KINDS.get(id(func))
-            if kind is None:
-                kind = _KINDS[id(func)] = (func, _kind_of(func))
-            if kind[1] == _WRITES and self._writes_parameter(func, args, kwargs):
+            if kind == _WRITES and self._writes_parameter(func, args, kwargs):
                 self.watching = False
                 self._record_ring()
             else:
-                out = run_op(func, args, kwargs)
-                if kind[1] != _MARKER:
-                    frame = _users(sys._getframe(1))
+                try:
+                    out = call(*args, **kwargs)
+                except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
+                    out = run_op(func, args, kwargs)
+                if kind != _MARKER:
+                    # The caller's code is looked up here first (_users, inlined): a library function's
+                    # (clip_grad_norm_'s) runs most of a watched region's ops.
+                    caller = sys._getframe(1)
+                    known = _CALLERS.get(id(caller.f_code))
+                    frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
+                             ) if known is not None else _users(caller)
                     self._ring.append((func, tuple(args), kwargs, out, frame,
                                        frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
-        if self.recording() and isinstance(func, torch._ops.OpOverload):
+        if kind == _WRITES and self.recording():
             plan = plan_of(func)
-            if plan.writes:
-                for _label, tensor in tensors(plan, args, kwargs, plan.writes):
-                    self._copy(tensor)
+            for _label, tensor in tensors(plan, args, kwargs, plan.writes):
+                self._copy(tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _writes_parameter(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
