@@ -54,7 +54,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
-from nan_magic.localize.ops.plans import plan_of, run_op, tensors
+from nan_magic.localize.ops.plans import Plan, plan_of, run_op, tensors
 from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.held import KEEP_TOTAL
@@ -278,15 +278,18 @@ class LoopWrites:
 _PASSES, _WRITES, _MARKER = 0, 1, 2
 _SELF = frozenset({"self"})
 # id(op) -> (op, what a watched region does with it, the callable that runs it: an OpOverload's C++ ``_op``,
-# skipping its Python ``__call__``). Holding the op keeps its id unique.
-_KINDS: dict[int, tuple[Any, int, Any]] = {}
+# skipping its Python ``__call__``, and the plan of an op that writes: plan_of hashes the op in Python).
+# Holding the op keeps its id unique.
+_KINDS: dict[int, tuple[Any, int, Any, Plan | None]] = {}
 
 
-def _kind_of(func: Any) -> tuple[Any, int, Any]:
+def _kind_of(func: Any) -> tuple[Any, int, Any, Plan | None]:
     if not isinstance(func, torch._ops.OpOverload):
-        return func, _PASSES, func
-    kind = _MARKER if passes(func) else _WRITES if plan_of(func).writes else _PASSES
-    return func, kind, func._op
+        return func, _PASSES, func, None
+    if passes(func):
+        return func, _MARKER, func._op, None
+    plan = plan_of(func)
+    return (func, _WRITES, func._op, plan) if plan.writes else (func, _PASSES, func._op, None)
 
 
 # id(code) -> (code, what a frame running it is between a dispatch mode and the line that ran an op: the user's
@@ -387,9 +390,9 @@ class _UpdateRecorder(OutsideRecorder):
         entry = _KINDS.get(id(func))
         if entry is None:
             entry = _KINDS[id(func)] = _kind_of(func)
-        _func, kind, call = entry
+        _func, kind, call, plan = entry
         if self.watching:
-            if kind == _WRITES and self._writes_parameter(func, args, kwargs):
+            if plan is not None and self._writes_parameter(plan, args, kwargs):
                 self.watching = False
                 self._record_ring()
             else:
@@ -407,19 +410,17 @@ class _UpdateRecorder(OutsideRecorder):
                     self._ring.append((func, tuple(args), kwargs, out, frame,
                                        frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
-        if kind == _WRITES and self.recording():
-            plan = plan_of(func)
+        if plan is not None and self.recording():
             for _label, tensor in tensors(plan, args, kwargs, plan.writes):
                 self._copy(tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _writes_parameter(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    def _writes_parameter(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether the op writes a watched parameter in place (asked for every in-place op while watching).
 
         Clipping's ``_foreach_mul_`` writes every gradient: a tensor on a storage no parameter is on is ruled
         out with two calls.
         """
-        plan = plan_of(func)
         if plan.writes == _SELF and args:
             first = args[0]
             written = first if type(first) is list or type(first) is tuple else (first,)

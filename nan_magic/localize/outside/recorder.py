@@ -294,9 +294,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             size = (out if base is None else base).nbytes
             self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
         else:
-            flat = (type(out) is tuple or type(out) is list) and all(type(item) is not tuple and type(item) is not list
-                                                                    for item in out)
-            for tensor in out if flat else tree_leaves(out):  # (max and its index: a flat tuple, no pytree walk)
+            flat = type(out) is tuple or type(out) is list  # (max and its index: a flat tuple, no pytree walk)
+            if flat:
+                for item in out:  # (a loop, not all() over a generator: each of its items is a call)
+                    if type(item) is tuple or type(item) is list:
+                        flat = False
+                        break
+            for tensor in out if flat else tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
                     self._held_bytes += bytes_held(tensor) if type(tensor) is torch.Tensor else held_bytes(tensor)
@@ -307,8 +311,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 base = value._base  # bytes_held, inlined: most ops read one or two tensors
                 size = (value if base is None else base).nbytes
                 self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
-            elif type(value) is list or type(value) is tuple:
-                self._held_bytes += sum(bytes_held(item) for item in value if type(item) is torch.Tensor)
+            elif type(value) is list or type(value) is tuple:  # (mostly dims and sizes: a loop, no call)
+                for item in value:
+                    if type(item) is torch.Tensor:
+                        self._held_bytes += bytes_held(item)
         if kwargs:
             for value in kwargs.values():
                 if isinstance(value, torch.Tensor):
