@@ -130,9 +130,9 @@ IDIOMS = {
     "item": "loss.item() logged after the step (data)",
     "metric": "(logits.argmax(-1) == y).float().mean() (loss)",
     "clip": "clip_grad_norm_(params, 1.0) (update)",
-    "scheduler": "a warm-up LambdaLR's step() after opt.step() (data)",
+    "scheduler": "a warm-up LambdaLR's step() after opt.step() (data; a new lr every step)",
     "zero_grad": "zero_grad(set_to_none=False) (data)",
-    "accumulate": "two micro-batches a step, loss / 2 (loss)",
+    "accumulate": "two micro-batches a step, loss / 2 (loss; a model call waits a step)",
     "to_device": "the batch moved with .to(device, float32) (data)",
     "augment": "noise and a normalisation of the batch (data)",
 }
