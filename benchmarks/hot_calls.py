@@ -135,6 +135,8 @@ IDIOMS = {
     "accumulate": "two micro-batches a step, loss / 2 (loss; a model call waits a step)",
     "to_device": "the batch moved with .to(device, float32) (data)",
     "augment": "noise and a normalisation of the batch (data)",
+    "scaler": "a GradScaler: scale(loss).backward(), step(opt), update() (loss, update, data)",
+    "eval": "every 10th iteration a validation forward under no_grad, model.eval()/train()",
 }
 
 
@@ -149,6 +151,8 @@ class RealisticLoop:
         self.x64 = self.x.double()
         self.mean, self.std = self.x.mean(0), self.x.std(0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(bench.optimizer, lambda step: min(1.0, (step + 1) / 1e4))
+        # (On the CPU, fp32: the scale stays at its start, no step is skipped; the ops are those of a GPU loop's.)
+        self.scaler = torch.amp.GradScaler("cpu") if "scaler" in idioms else None
         self.iteration = 0
         self.logged = 0.0
 
@@ -164,13 +168,25 @@ class RealisticLoop:
         loss = torch.nn.functional.cross_entropy(logits, y)
         if "metric" in idioms:
             self.accuracy = (logits.argmax(-1) == y).float().mean()
-        (loss / micro if micro > 1 else loss).backward()
+        scaled = loss / micro if micro > 1 else loss
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         self.iteration += 1
+        if "eval" in idioms and self.iteration % 10 == 0:
+            model.eval()
+            with torch.no_grad():
+                self.validation = torch.nn.functional.cross_entropy(model(self.x), self.y)
+            model.train()
         if self.iteration % micro:
             return
         if "clip" in idioms:
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
         if "scheduler" in idioms:
             self.scheduler.step()
         if "item" in idioms:

@@ -94,6 +94,36 @@ def test_a_write_in_the_update_code_that_divides_by_a_number_read_with_item_is_n
     assert report.source is not None and report.source.lineno == _marked("divide by the spread")
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_write_after_a_grad_scalers_unscale_and_clipping_is_named(defer: bool) -> None:
+    # unscale_ writes every gradient and found_inf in one op (two written arguments), clipping every gradient
+    # again: the watched update region rules each out without walking the gradients, and still sees the row
+    # renormalised in place at step 2, named at its op and line.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight[3] = 0.0
+        model[0].bias[3] = -100.0  # unit 3 never fires: its row stays zero
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(16, 4)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        for step in range(4):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step == 2:
+                with torch.no_grad():
+                    weight = model[0].weight
+                    weight.div_(weight.norm(dim=1, keepdim=True))  # producer: unit rows
+            scaler.step(opt)
+            scaler.update()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, "aten.div_.Tensor")
+    assert report.source is not None and report.source.lineno == _marked("unit rows")
+
+
 def test_numbers_logged_from_the_data_code_are_not_recorded_and_its_producer_is_still_named() -> None:
     # The immediate mode records the data region (the deferred mode judges the batch at the step, unrecorded).
     torch.manual_seed(0)

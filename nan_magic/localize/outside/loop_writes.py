@@ -54,7 +54,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
-from nan_magic.localize.ops.plans import Plan, plan_of, run_op, tensors
+from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.held import KEEP_TOTAL
@@ -340,7 +340,23 @@ def _lookup(index: _Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | N
     return None
 
 
-# What _writes_parameter maps over a written list, in C (no Python call per tensor).
+def _written(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[Any]:
+    """What an op writes in place: its written arguments, lists flattened (a gradient list is not walked in
+    Python: a GradScaler's unscale writes every gradient); a non-tensor in a list is left for the caller."""
+    if plan.writes == _SELF and args:
+        first = args[0]
+        return first if type(first) is list or type(first) is tuple else (first,)
+    written: list[Any] = []
+    for name, value in (*zip(plan.names, args), *kwargs.items()):
+        if name in plan.writes:
+            if type(value) is list or type(value) is tuple:
+                written.extend(value)
+            else:
+                written.append(value)
+    return written
+
+
+# What _on_parameters maps over a written list, in C (no Python call per tensor).
 _storage_of = torch._C.TensorBase.untyped_storage
 _address = torch.UntypedStorage.data_ptr
 
@@ -392,7 +408,7 @@ class _UpdateRecorder(OutsideRecorder):
             entry = _KINDS[id(func)] = _kind_of(func)
         _func, kind, call, plan = entry
         if self.watching:
-            if plan is not None and self._writes_parameter(plan, args, kwargs):
+            if plan is not None and self._on_parameters(_written(plan, args, kwargs)):
                 self.watching = False
                 self._record_ring()
             else:
@@ -411,21 +427,19 @@ class _UpdateRecorder(OutsideRecorder):
                                        frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
         if plan is not None and self.recording():
-            for _label, tensor in tensors(plan, args, kwargs, plan.writes):
-                self._copy(tensor)
+            written = _written(plan, args, kwargs)
+            if self._on_parameters(written):
+                for tensor in written:
+                    if isinstance(tensor, torch.Tensor):
+                        self._copy(tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _writes_parameter(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-        """Whether the op writes a watched parameter in place (asked for every in-place op while watching).
+    def _on_parameters(self, written: Sequence[Any]) -> bool:
+        """Whether any of the tensors an op writes in place is a watched parameter or on one's memory.
 
-        Clipping's ``_foreach_mul_`` writes every gradient: a tensor on a storage no parameter is on is ruled
-        out with two calls.
+        Asked for every in-place op of the region. Clipping's ``_foreach_mul_`` and a GradScaler's unscale
+        write every gradient: a tensor on a storage no parameter is on is ruled out with two calls.
         """
-        if plan.writes == _SELF and args:
-            first = args[0]
-            written = first if type(first) is list or type(first) is tuple else (first,)
-        else:
-            written = [tensor for _label, tensor in tensors(plan, args, kwargs, plan.writes)]
         storages = self._storages()
         try:
             # One pass in C over what the op writes (clipping's _foreach_mul_ writes every gradient): no tensor on a
