@@ -32,6 +32,11 @@ def tensor_label(ref: TensorRef) -> str:
     return f"{role.value} {ref.name}"  # parameter, buffer
 
 
+def subject_label(ref: TensorRef) -> str:
+    """A tensor as a sentence's subject: a parameter by its name alone (``fc.weight``), any other by its label."""
+    return ref.name if ref.role is TensorRole.PARAMETER and ref.name else tensor_label(ref)
+
+
 def row_tensor(layer: LayerCall) -> str:
     """A layer row's tensor column: its reference's label, or the words an older scene stored for it."""
     return tensor_label(layer.tensor) if layer.tensor is not None else layer.said or ""
