@@ -263,6 +263,8 @@ def test_a_version_6_scene_s_tensors_stored_by_name_read_back_as_typed_reference
     plain["cause"] = {"label": "half-precision-overflow", "reading": "optimizer-state-overflow", "facts": (
         ("optimizer", "Adam"), ("subject", "state exp_avg_sq of 0.weight"), ("dtype", "float16"), ("nan", 0),
         ("posinf", 3), ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 2))}
+    # and the engine labelled each histogram's sample.
+    plain["samples"] = tuple({**sample, "label": f"sample {index}"} for index, sample in enumerate(plain["samples"]))
     data["version"], data["report"] = 6, plain
     old = tmp_path / "version_6_scene.pt"
     torch.save(data, old)
@@ -272,6 +274,7 @@ def test_a_version_6_scene_s_tensors_stored_by_name_read_back_as_typed_reference
     assert back.note_facts[0].fact("tensor") == to_pairs(TensorRef.parameter("0.weight"))
     assert back.notes == ("the Adam step made 0.weight non-finite",)
     assert back.cause is not None and back.cause.hint.startswith("state exp_avg_sq of 0.weight overflowed float16")
+    assert [sample.label for sample in back.samples] == [f"sample {index}" for index in range(len(report.samples))]
 
 
 def test_a_version_1_scene_whose_report_was_pickled_as_records_is_refused_in_one_line(tmp_path) -> None:

@@ -118,6 +118,9 @@ class Scene:
             plain = _typed_tensors(plain)
         if data.get("version", 0) < 7 and isinstance(plain, dict):
             plain = _typed_fact_tensors(plain)
+            # Its histograms' samples were labelled by the engine: the labels stay, as their titles.
+            plain["samples"] = tuple({**sample, "title": sample.get("label")} if isinstance(sample, dict) else sample
+                                     for sample in plain.get("samples") or ())
         report = from_plain(Report, plain)
         if isinstance(plain, dict) and plain.get("notes") and not plain.get("note_facts"):
             # A version 2 scene kept its notes as sentences: shown as they were written.
