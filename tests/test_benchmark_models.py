@@ -84,7 +84,8 @@ def test_hot_calls_counts_what_each_idiom_of_a_realistic_loop_adds_in_both_modes
     rows = {cells[0]: cells[1:5] for cells in map(str.split, result.stdout.splitlines()) if cells and cells[0] in names}
     assert list(rows) == names  # one row per idiom, in order
     assert rows["minimal"][1] == rows["minimal"][3] == "0"  # the minimal loop adds nothing to itself
-    # Clipping runs ops in the update region, which both modes watch; the deferred mode records no data region,
-    # so a loss.item() logged after the step costs it nothing.
-    assert int(rows["clip"][1]) > 0 and int(rows["clip"][3]) > 0
-    assert int(rows["item"][3]) == 0
+    # Clipping runs ops in the update region, which both modes watch; a loss.item() logged after the step is let
+    # by unrecorded: it costs less than one of the four ops the accuracy metric records.
+    for column in (1, 3):
+        assert int(rows["clip"][column]) > 0
+        assert 0 <= int(rows["item"][column]) < int(rows["metric"][column]) / 4

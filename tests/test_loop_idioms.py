@@ -124,14 +124,14 @@ def test_a_write_after_a_grad_scalers_unscale_and_clipping_is_named(defer: bool)
     assert report.source is not None and report.source.lineno == _marked("unit rows")
 
 
-def test_numbers_logged_from_the_data_code_are_not_recorded_and_its_producer_is_still_named() -> None:
-    # The immediate mode records the data region (the deferred mode judges the batch at the step, unrecorded).
+@pytest.mark.parametrize("defer", [False, True])
+def test_numbers_logged_from_the_data_code_are_not_recorded_and_its_producer_is_still_named(defer: bool) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     raw = [torch.randn(8, 4) for _ in range(3)]
     raw[2][:, 1] = 2.0  # a feature constant across the batch
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt) as w:
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer) as w:
         for step, batch in enumerate(raw):
             x = (batch - batch.mean(0)) / batch.std(0)  # producer: standardise
             recorded = w.outside.recorded()
@@ -147,17 +147,18 @@ def test_numbers_logged_from_the_data_code_are_not_recorded_and_its_producer_is_
     assert report.source is not None and report.source.lineno == _marked("standardise")
 
 
-def test_zeroing_more_gradients_in_place_than_the_data_budget_leaves_the_data_code_unrecorded() -> None:
+@pytest.mark.parametrize("defer", [False, True])
+def test_zeroing_more_gradients_in_place_than_the_data_budget_leaves_the_data_code_unrecorded(defer: bool) -> None:
     # zero_grad(set_to_none=False) of an optimizer without foreach zeroes each gradient by its own op, in the
     # data region: over DATA_BUDGET of them (a model of more than 64 parameters) turn its recording off from the
-    # first step, as the deferred mode never records it. Passing those ops would keep it on at about ten calls an
-    # op every step (benchmarks/README.md, eighth round). The batch is still judged data at its step, unnamed.
+    # first step. Passing those ops would keep it on at about ten calls an op every step (benchmarks/README.md,
+    # eighth round). The batch is still judged data at its step, its op unnamed.
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(40)))  # 80 parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     raw = [torch.randn(8, 4) for _ in range(3)]
     raw[2][:, 1] = 2.0
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt) as w:
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer) as w:
         for batch in raw:
             x = (batch - batch.mean(0)) / batch.std(0)
             loss = model(x).pow(2).mean()
