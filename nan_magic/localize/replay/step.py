@@ -406,8 +406,14 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
 
 
 def _trainable(module: nn.Module) -> frozenset[int]:
-    """The ids of ``module``'s parameters that require gradients (release_stepped waits for them)."""
-    return frozenset(id(parameter) for parameter in module.parameters() if parameter.requires_grad)
+    """The ids of ``module``'s parameters that require gradients (release_stepped waits for them).
+
+    Each module's own ``_parameters``, not ``module.parameters()``: that walk hashes every parameter in
+    Python (``Tensor.__hash__``) to drop repeats, which the set of ids does; every step of gradient
+    accumulation, which no optimizer steps, learns them again (new_step).
+    """
+    return frozenset(id(parameter) for child in module.modules() for parameter in child._parameters.values()
+                     if parameter is not None and parameter.requires_grad)
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
