@@ -19,6 +19,7 @@ from torch import nn
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.localize.outside.recorder import passes
+from nan_magic.patches.registry import installed
 
 aten = torch.ops.aten
 
@@ -147,24 +148,55 @@ def test_numbers_logged_from_the_data_code_are_not_recorded_and_its_producer_is_
     assert report.source is not None and report.source.lineno == _marked("standardise")
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_zeroing_more_gradients_in_place_than_the_data_budget_leaves_the_data_code_unrecorded(defer: bool) -> None:
-    # zero_grad(set_to_none=False) of an optimizer without foreach zeroes each gradient by its own op, in the
-    # data region: over DATA_BUDGET of them (a model of more than 64 parameters) turn its recording off from the
-    # first step. Passing those ops would keep it on at about ten calls an op every step (benchmarks/README.md,
-    # eighth round). The batch is still judged data at its step, its op unnamed.
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("zeroed_by", ["optimizer", "model"])
+def test_zeroing_more_gradients_in_place_than_the_data_budget_leaves_the_data_code_recorded(
+    defer: bool, zeroed_by: str
+) -> None:
+    # zero_grad(set_to_none=False) without foreach zeroes each gradient by its own op, in the data region: more
+    # than DATA_BUDGET of them (a model of more than 64 parameters) would turn its recording off from the first
+    # step. The recorder steps aside for zero_grad() (patches/zero_grad.py): its ops are neither recorded nor
+    # counted, nor pay the dispatch mode's trampoline.
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(40)))  # 80 parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    owner = opt if zeroed_by == "optimizer" else model
     raw = [torch.randn(8, 4) for _ in range(3)]
     raw[2][:, 1] = 2.0
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer) as w:
         for batch in raw:
-            x = (batch - batch.mean(0)) / batch.std(0)
+            x = (batch - batch.mean(0)) / batch.std(0)  # producer: standardise after zeroing
             loss = model(x).pow(2).mean()
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            owner.zero_grad(set_to_none=False)
     report = caught.value.report
-    assert (report.phase, report.module, report.step, report.op) == ("data", "", 2, None)
-    assert w.outside.untraced == {"data"}
+    if not defer:  # stopped as step 2's batch entered the model: step 1's zero_grad zeroed every gradient
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert (report.phase, report.module, report.step, report.op) == ("data", "", 2, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == _marked("standardise after zeroing")
+    assert w.outside.untraced == set()
+    assert installed() == []  # the zero_grad patch is gone with the watch
+
+
+def test_a_zero_grad_patched_after_the_watch_s_stays_the_user_s() -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    with nan_magic.watch(model, opt):
+        ours = torch.optim.Optimizer.zero_grad
+
+        def theirs(self, *args, **kwargs):  # a user's (or a library's) patch, installed inside the watch
+            calls.append(type(self).__name__)
+            return ours(self, *args, **kwargs)
+
+        torch.optim.Optimizer.zero_grad = theirs
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    try:
+        assert torch.optim.Optimizer.zero_grad is theirs  # not put back over theirs
+        opt.zero_grad()
+        assert calls == ["SGD", "SGD"] and model.weight.grad is None
+    finally:
+        torch.optim.Optimizer.zero_grad = ours.__wrapped__  # torch's own (functools.wraps keeps it)

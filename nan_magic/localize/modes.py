@@ -30,6 +30,7 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
 __all__ = ["Localizing", "PerCall", "Recording", "Tiered", "Traced", "localizing"]
@@ -95,6 +96,15 @@ class Recording(Localizing):
             self._recording.start("data", entry=True)
         else:
             self._recording.resume()  # the code the last part ended in (the next batch, after an optimizer step)
+
+    def attach(
+        self, stack: ExitStack, origins: OpOrigins, module_name: Callable[[], str | None],
+        phase_hint: Callable[[], Phase | None],
+    ) -> None:
+        # zero_grad() runs none of the loop's code: the recorder steps aside for it (its ops cost the dispatch
+        # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
+        recorder = self._recording
+        stack.enter_context(unrecorded_zero_grad(recorder.step_aside, recorder.step_back))
 
     def pause(self) -> None:
         self._recording.pause()

@@ -4,8 +4,9 @@ Some things the watch must see have no hook in torch: the tensor
 ``backward()`` starts from, a GradScaler's ``scale`` and ``step``,
 ``torch.save`` (the checkpoint guard), the optimizers and scalers a script
 constructs (the command line adopts them), a reentrant checkpoint during a
-backward replay. Each is seen by replacing an attribute of a class or module
-for as long as someone needs it, and every such replacement is a
+backward replay, ``zero_grad()`` (run with the loop-code recorder stepped
+aside). Each is seen by replacing an attribute of a class or module for as
+long as someone needs it, and every such replacement is a
 :class:`ProcessPatch`:
 
 * it is installed when its first holder takes it and taken back when its

@@ -185,6 +185,25 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         else:
             self._budget = _INERT
 
+    def step_aside(self) -> bool:
+        """Popped for a call that runs none of the loop's code (``zero_grad()``: patches/zero_grad.py); True if so.
+
+        Only where this recorder is this thread's innermost mode: a mode the
+        user entered since stays balanced, and another thread's stack holds
+        none of ours.
+        """
+        if self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self:
+            _pop(None)
+            self.pushed = False
+            return True
+        return False
+
+    def step_back(self) -> None:
+        """Pushed again after :meth:`step_aside` (onto an empty stack, as :meth:`start` pushes)."""
+        if not self.pushed and _stack_depth() == 0:
+            _push(self)
+            self.pushed = True
+
     def pause(self) -> None:
         """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume)."""
         self._resumes = self.pushed
