@@ -277,6 +277,8 @@ def test_skip_batch_where_every_sample_is_bad_is_not_tried_and_by_hand_nothing_i
     assert report is not None and report.phase == "data"
     trial = _trial(report, "skip-batch")
     assert trial.finite is None and "no sample could be left out" in (trial.untried or "")
+    # What was not tried is described without the numbers of a trial that ran.
+    assert trial.description == "the batch without its samples holding non-finite values"
     assert _bad_rows(True, defer, 3, every=True) is not None  # the edit by hand: an empty batch, a NaN loss
 
 

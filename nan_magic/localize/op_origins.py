@@ -98,7 +98,10 @@ class OpOrigins:
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None):
             origin = outside.claim(tensor, key)
             untraced = outside.note()
-            if untraced is not None and finding.module is None:
+            # Said where the event's tensor came from that code: the loss code's (outside every module), or a
+            # batch the data code made (phase data, at the model's argument) where the data region went unrecorded.
+            data = finding.phase == Phase.DATA and "data" in outside.untraced
+            if untraced is not None and origin is None and (finding.module is None or data):
                 finding.notes.append(untraced)
         else:
             return

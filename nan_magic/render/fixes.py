@@ -62,6 +62,8 @@ def fix_description(trial: FixTrial) -> str:
                 f"{trial.fact('from_step')} at a tenth of its learning rate ({fmt(trial.fact('lr'))} -> "
                 f"{fmt(trial.fact('new_lr'))})")
     if trial.kind == "skip-batch":
+        if trial.fact("left_out") is None:  # not tried: no sample could be left out
+            return "the batch without its samples holding non-finite values"
         dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
         return (f"the batch without its {trial.fact('left_out')} of {trial.fact('batch')} samples holding "
                 f"non-finite values (rows {dropped})")
