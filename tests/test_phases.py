@@ -540,6 +540,37 @@ def test_grad_scaler_overflow_in_the_first_steps_is_benign() -> None:
     assert scaler.get_scale() == 2.0**24 / 2**skipped  # one halving per skipped step
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_gradient_accumulation_under_a_grad_scaler_reads_the_gradients_only_where_the_scaler_skips(
+    defer: bool, monkeypatch
+) -> None:
+    # Each micro-step of accumulation ends with no optimizer step, as a skipped step does, but it is no skip: an
+    # overflow in its backward waits for scaler.step, and only a skip seen there reads the parameter gradients
+    # (every one of them: a host sync on a GPU). Taken for skips, the micro-steps raised a false alarm.
+    reads: list[int] = []
+    read = optim.check_parameter_grads
+    monkeypatch.setattr(optim, "check_parameter_grads", lambda named, *rest: reads.append(len(named)) or read(named,
+                                                                                                          *rest))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # the first steps overflow in float16
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    with nan_magic.watch(model, opt, scaler, defer=defer) as w:
+        for _ in range(8):
+            for _micro in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y) / 4
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    skipped = 8 - w.step
+    assert w.report is None and skipped >= 1 and len(w.events) == skipped  # each skip a benign event
+    assert all(event.benign and "the GradScaler skipped this step" in event.notes[-1] for event in w.events)
+    assert len(reads) <= skipped  # none for the 3 micro-steps of each of the 8 steps
+
+
 def test_grad_scaler_whose_scale_keeps_collapsing_raises() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), GuardedExp(), nn.Linear(16, 4))

@@ -403,7 +403,7 @@ class StepCycle:
         self.optimizers.flush()
         unstepped = bool(self.open and self.gradients.backward_runs)  # a backward no optimizer step followed
         if unstepped:
-            self.optimizers.on_step_boundary()
+            self.optimizers.on_step_boundary(leaving=True)
         if self.gradients.backward_runs:
             self._check_unstepped_gradients(leaving=unstepped)
         self.outcome.leave(self._leave_together())

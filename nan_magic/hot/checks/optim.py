@@ -367,19 +367,25 @@ class OptimizerChecks:
             self.pending_overflow = finding
         return True
 
-    def on_step_boundary(self, skipped_by: torch.optim.Optimizer | None = None) -> None:
+    def on_step_boundary(self, skipped_by: torch.optim.Optimizer | None = None, leaving: bool = False) -> None:
         """A step ended after a backward but no optimizer step: was it skipped?
 
         With an enabled GradScaler that is the scaler skipping an overflowed
         step (``skipped_by``: the optimizer whose ``scaler.step`` was seen
         skipping). The held gradient event says where it overflowed; when
         only a parameter gradient overflowed (the activation gradients were
-        finite), the parameter gradients, still in place, say which.
+        finite), the parameter gradients, still in place, say which: read
+        then, or as the watch is left (``leaving``) after a backward no step
+        followed. A micro-step of gradient accumulation under a scaler (no
+        ``scaler.step`` called yet) is no skip: the held event waits for the
+        scaler's step, which says whether the accumulated gradients overflowed.
         """
         if self.scaler_active():
-            # A skipped step, not gradient accumulation: the next backward's
-            # gradients are measured afresh (see "Hot gradients").
+            # A skipped step, or a micro-step: the next backward's gradients are measured afresh (see "Hot
+            # gradients").
             self._hot.clear()
+            if skipped_by is None and not leaving:
+                return
         finding, self.pending_overflow = self.pending_overflow, None
         if finding is None and self.scaler_active():
             optimizers = [skipped_by] if skipped_by is not None else self._optimizers()
