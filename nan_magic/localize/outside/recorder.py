@@ -40,7 +40,12 @@ Dispatch modes form a stack that ``with`` blocks push and pop: the recorder
 is pushed only onto an empty stack (not inside a mode the user entered around
 the model call, which their ``with`` must pop) and popped only when it is the
 innermost mode (a mode the user entered since stays in place; ours then
-waits, inert, until it is on top).
+waits, inert, until it is on top). ``torch.inference_mode()`` restores the
+whole dispatch-key set it found when its block ends, the Python key included
+that a pushed mode sets: a recorder pushed before the block and popped inside
+it would leave that key on over an empty stack, and every op after the block
+fails in torch's Python fallback. Stopped inside such a block, the recorder
+stays pushed, inert, and is popped after it.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ _INERT = -1
 # torch's dispatch-mode stack, called directly (``_push_mode``/``_pop_mode`` are a Python frame more each).
 _push, _pop = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
 _stack_depth, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+_inference = torch.is_inference_mode_enabled
 
 
 class OutsideRecorder(RegionRecords, TorchDispatchMode):
@@ -118,6 +124,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self.stepped = stepped
         self._raw = False
         self.pushed = False
+        # Whether it was pushed inside an inference_mode block (stop: not popped in a block entered since).
+        self._pushed_inferring = False
         self._resumes = False
         self._budget = 0
         self._region = "loss"
@@ -142,15 +150,22 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
+        self._push()
+
+    def _push(self) -> None:
         if not self.pushed and _stack_depth() == 0:
             _push(self)
             self.pushed = True
+            self._pushed_inferring = _inference()
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
-        if (depth := _stack_depth()) and _stack_at(depth - 1) is self:  # innermost: a user's mode stays balanced
+        # Innermost: a user's mode stays balanced; and not inside an inference_mode block entered since the push,
+        # whose end puts the Python key back (the module docstring).
+        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
+                and (self._pushed_inferring or not _inference())):
             _pop(None)
             self.pushed = False
         else:
@@ -163,9 +178,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
-        if self._resumes and not self.pushed and _stack_depth() == 0:
-            _push(self)
-            self.pushed = True
+        if self._resumes:
+            self._push()
 
     def forget(self, last: bool = False) -> None:
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).

@@ -1,0 +1,111 @@
+"""Idioms of real training loops that the watch got wrong, in both timings (immediate, and deferred as on CUDA).
+
+Each test asserts what the user sees: the report's phase, module, step, op
+and line, the user's own error, and a process left as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # producer: log
+
+
+def log_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Log(), nn.Linear(8, 8), nn.Linear(8, 1))
+
+
+def log_line() -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(Log.forward)
+    return start + next(i for i, line in enumerate(lines) if "producer: log" in line)
+
+
+def dispatch_state() -> tuple[object, ...]:
+    """What a dispatch mode pushed and popped out of step would leave changed (torch's thread-local key set)."""
+    return str(torch._C._dispatch_tls_local_include_set()), torch._C._len_torch_dispatch_stack()
+
+
+def train_then_evaluate(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+    """Three training steps, then an evaluation under ``torch.inference_mode()``."""
+    for _ in range(3):
+        loss = model(torch.rand(4, 8) + 5).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    try:
+        with torch.inference_mode():
+            return model(batch)
+    finally:
+        model.train()
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_in_an_inference_mode_evaluation_is_named_and_leaves_torch_working(options) -> None:
+    # The loop code's recorder, pushed after the optimizer step, was popped inside the block: the block's end
+    # put torch's Python dispatch key back over an empty mode stack, and every op after it failed.
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = dispatch_state()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        train_then_evaluate(model, opt, torch.full((4, 8), -100.0))
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 3, "aten.log.default")
+    assert report.source is not None and report.source.lineno == log_line()
+    assert dispatch_state() == before
+    assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_the_users_error_inside_an_inference_mode_block_is_theirs(options) -> None:
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = dispatch_state()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), nan_magic.watch(model, opt, **options):
+        train_then_evaluate(model, opt, torch.rand(4, 7) + 5)
+    assert dispatch_state() == before
+    assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_healthy_inference_mode_evaluation_between_steps_is_silent_and_identical(options) -> None:
+    def run() -> list[torch.Tensor]:
+        model = log_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        out = [train_then_evaluate(model, opt, torch.rand(4, 8) + 5) for _ in range(2)]
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(1)
+    expected = run()
+    torch.manual_seed(1)
+    before = dispatch_state()
+    with nan_magic.watch(**options) as w:  # the discovering watch: the model is built inside it
+        got = run()
+    assert w.report is None
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert dispatch_state() == before
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_watch_inside_inference_mode_names_the_op(options) -> None:
+    # Inference tensors have no version counter: the op tracer now knows their origins by identity alone.
+    model = log_model()
+    with torch.inference_mode(), pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **options):
+        model(torch.rand(4, 8) + 5)
+        model(torch.full((4, 8), -100.0))
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 1, "aten.log.default")
+    assert report.source is not None and report.source.lineno == log_line()
