@@ -109,3 +109,54 @@ def test_a_watch_inside_inference_mode_names_the_op(options) -> None:
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 1, "aten.log.default")
     assert report.source is not None and report.source.lineno == log_line()
+
+
+def marked_line(marker: str) -> int:
+    import inspect
+    import sys
+
+    lines = inspect.getsource(sys.modules[__name__]).splitlines()
+    return next(number for number, line in enumerate(lines, 1) if line.rstrip().endswith(f"# producer: {marker}"))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_left_in_the_namespace_is_not_the_data_of_a_loss_that_made_its_own(options) -> None:
+    # The loss code was recorded in full: what it read is known, and a NaN kept from an earlier run (a notebook's
+    # namespace, a list of past losses) is not what it read.
+    earlier_losses = [torch.tensor(float("nan"))]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(8, 4)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(2):
+            out = model(x)
+            penalty = torch.log(out[0] * 0 - 1).sum() if step == 1 else 0  # producer: penalty
+            loss = out.pow(2).mean() + penalty
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten.log.default")
+    assert report.source is not None and report.source.lineno == marked_line("penalty")
+    assert len(earlier_losses) == 1
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_label_read_before_the_second_model_call_of_a_loss_is_still_data(options) -> None:
+    # The loss code is recorded from the second call's return only: what its first part read is found as before.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a, b, first_labels, second_labels = torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 1), torch.randn(8, 1)
+    first_labels[3] = float("nan")
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        first = nn.functional.mse_loss(model(a), first_labels)
+        second = nn.functional.mse_loss(model(b), second_labels)
+        opt.zero_grad()
+        (first + second).backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 0, "first_labels")
+    assert (report.nan, report.numel) == (1, 8)
+
