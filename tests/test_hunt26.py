@@ -160,3 +160,43 @@ def test_a_nan_label_read_before_the_second_model_call_of_a_loss_is_still_data(o
     assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 0, "first_labels")
     assert (report.nan, report.numel) == (1, 8)
 
+
+def lbfgs_steps(model: nn.Module, batches: list[torch.Tensor], max_iter: int) -> list[torch.Tensor]:
+    """LBFGS steps, each evaluating its closure (forward and backward) up to ``max_iter`` times; the losses."""
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=max_iter)
+    losses = []
+    for batch in batches:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            return loss
+
+        losses.append(opt.step(closure).detach())
+    return losses
+
+
+@pytest.mark.parametrize("max_iter", [1, 4])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_in_an_lbfgs_closure_is_named_in_the_forward_not_the_step(options, max_iter: int) -> None:
+    # The closure runs the forward and backward inside opt.step(), after the pre-hook's check: the deferred check
+    # judged the parameters LBFGS then wrote before the forward that made its direction NaN.
+    model = log_model()
+    batches = [torch.rand(8, 8) + 5, torch.full((8, 8), -100.0)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **options):
+        lbfgs_steps(model, batches, max_iter)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 1, "aten.log.default")
+    assert report.source is not None and report.source.lineno == log_line()
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_healthy_lbfgs_is_silent_and_identical(options) -> None:
+    batches = [torch.rand(8, 8) + 5 for _ in range(3)]
+    expected = lbfgs_steps(log_model(), batches, 4)
+    model = log_model()
+    with nan_magic.watch(model, **options) as w:
+        got = lbfgs_steps(model, batches, 4)
+    assert w.report is None
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
