@@ -200,3 +200,48 @@ def test_healthy_lbfgs_is_silent_and_identical(options) -> None:
     assert w.report is None
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
+
+class WithScripted(nn.Module):
+    """A model holding a ``torch.jit.script``ed block (a norm layer with buffers among it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.block = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()))
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.block(self.a(x)))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_scripted_submodule_is_watched_at_its_boundary(options) -> None:
+    # Its buffers are a TorchScript dict (no ``get``, no iteration by name): the watch read them as a Python one.
+    torch.manual_seed(0)
+    model = WithScripted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step, x in enumerate(batches):
+            if step == 1:
+                with torch.no_grad():
+                    model.block[0].weight[0, 0] = float("inf")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("forward", "block", 1)
+
+
+def test_a_scripted_model_given_to_the_watch_is_a_one_line_error_and_one_found_by_discovery_runs_unwatched() -> None:
+    torch.manual_seed(0)
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    with pytest.raises(TypeError, match=r"cannot watch RecursiveScriptModule .*before torch.jit.script") as caught:
+        nan_magic.watch(scripted)
+    assert "\n" not in str(caught.value)
+    x = torch.randn(4, 8)
+    with nan_magic.watch() as w:
+        out = scripted(x)
+    assert w.report is None and torch.equal(out, scripted(x))
+
