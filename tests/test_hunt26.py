@@ -166,7 +166,7 @@ def lbfgs_steps(model: nn.Module, batches: list[torch.Tensor], max_iter: int) ->
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=max_iter)
     losses = []
     for batch in batches:
-        def closure() -> torch.Tensor:
+        def closure(batch: torch.Tensor = batch) -> torch.Tensor:
             opt.zero_grad()
             loss = model(batch).pow(2).mean()
             loss.backward()
@@ -244,4 +244,40 @@ def test_a_scripted_model_given_to_the_watch_is_a_one_line_error_and_one_found_b
     with nan_magic.watch() as w:
         out = scripted(x)
     assert w.report is None and torch.equal(out, scripted(x))
+
+
+class KeywordModel(nn.Module):
+    """A model called with keyword arguments only, returning its loss (the Hugging Face way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids))
+        return {"loss": nn.functional.mse_loss(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("bad_step", [0, 1])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_batch_given_by_keyword_is_data_on_every_step(options, bad_step: int) -> None:
+    # Global pre-hooks never see keyword arguments: on a step that checks every module call, the immediate
+    # mode found the NaN entering ``embed`` first and blamed the model's own code (phase forward, the root).
+    torch.manual_seed(0)
+    model = KeywordModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            batch = torch.randn(4, 8)
+            if step == bad_step:
+                batch[0, 0] = float("nan")
+            out = model(input_ids=batch, labels=torch.randn(4, 1))
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", "", bad_step,
+                                                                               "kwargs['input_ids']")
+    assert (report.nan, report.numel) == (1, 32)
 
