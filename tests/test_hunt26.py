@@ -281,3 +281,23 @@ def test_a_nan_batch_given_by_keyword_is_data_on_every_step(options, bad_step: i
                                                                                "kwargs['input_ids']")
     assert (report.nan, report.numel) == (1, 32)
 
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_loss_given_to_torch_autograd_backward_is_judged_like_loss_backward(options) -> None:
+    # A NaN term whose gradient is finite (log of a constant negative) shows only in the loss: a loop that calls
+    # torch.autograd.backward(loss) instead of loss.backward() printed 'loss: nan' under a silent watch.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(8, 4)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(2):
+            out = model(x)
+            offset = torch.log(out[0, 0] * 0 - 1) if step == 1 else 0  # producer: offset
+            loss = out.pow(2).mean() + offset
+            opt.zero_grad()
+            torch.autograd.backward([loss])
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten.log.default")
+    assert report.source is not None and report.source.lineno == marked_line("offset")
