@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -97,6 +98,31 @@ def test_a_healthy_inference_mode_evaluation_between_steps_is_silent_and_identic
     assert w.report is None
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert dispatch_state() == before
+
+
+class _OpNames(TorchDispatchMode):
+    """The aten ops a block ran, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_users_dispatch_mode_after_an_inference_mode_block_sees_the_ops(options) -> None:
+    # The recorder pushed inside the block stayed on the stack past its end with the Python key off (the block
+    # restores the key set it found): a mode the user entered next saw nothing (a FlopCounterMode counting 0).
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nan_magic.watch(model, opt, **options):
+        train_then_evaluate(model, opt, torch.rand(4, 8) + 5)
+        with _OpNames() as seen:
+            torch.ones(2) + 1
+    assert {"ones", "add"} <= set(seen.names)
 
 
 @pytest.mark.parametrize("options", TIMINGS)

@@ -74,7 +74,7 @@ def user_type(module: nn.Module) -> str:
         children = module._modules
         inner = children["module"] if isinstance(module, _DATA_PARALLEL) and "module" in children else None
         for part in _WRAPPER_PARTS:
-            inner = inner or (children[part] if part in children else None)
+            inner = inner or (children[part] if part in children else None)  # noqa: SIM401 (no get: see above)
         if not isinstance(inner, nn.Module):
             break
         module = inner

@@ -45,7 +45,10 @@ whole dispatch-key set it found when its block ends, the Python key included
 that a pushed mode sets: a recorder pushed before the block and popped inside
 it would leave that key on over an empty stack, and every op after the block
 fails in torch's Python fallback. Stopped inside such a block, the recorder
-stays pushed, inert, and is popped after it.
+stays pushed, inert, and is popped after it; and it is pushed only where
+inference mode is as the watch found it (pushed inside the block, it would
+stay on the stack past the block's end with the key off, and a mode the user
+enters after the block would see no op).
 """
 
 from __future__ import annotations
@@ -124,8 +127,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self.stepped = stepped
         self._raw = False
         self.pushed = False
-        # Whether it was pushed inside an inference_mode block (stop: not popped in a block entered since).
+        # Whether it was pushed inside an inference_mode block (stop: not popped in a block entered since), and
+        # whether the watch was entered (or resumed) in one (_push: pushed only as the watch found it).
         self._pushed_inferring = False
+        self._watch_inferring = _inference()
         self._resumes = False
         self._budget = 0
         self._region = "loss"
@@ -153,7 +158,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._push()
 
     def _push(self) -> None:
-        if not self.pushed and _stack_depth() == 0:
+        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring:
             _push(self)
             self.pushed = True
             self._pushed_inferring = _inference()
@@ -178,6 +183,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
+        self._watch_inferring = _inference()
         if self._resumes:
             self._push()
 

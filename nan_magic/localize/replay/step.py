@@ -158,13 +158,14 @@ class StepReplays:
         slots = self._slots.get(id(module))
         if slots is None:
             slots = self._slots[id(module)] = [
-                (buffers if type(buffers := owner._buffers) is dict else _ScriptedBuffers(buffers), name)
-                for owner in module.modules() for name in owner._buffers.keys()
+                (owned if type(owned := owner._buffers) is dict else _ScriptedBuffers(owned), name)
+                # (keys(): a scripted module's buffers cannot be iterated by name)
+                for owner in module.modules() for name in owner._buffers.keys()  # noqa: SIM118
             ]
             self._trainable[id(module)] = _trainable(module)
             self._library_forward[id(module)] = is_library_code(type(module).forward.__code__)
         mutable = self._mutable.get(id(module))
-        present = [buffer for buffers, name in slots if (buffer := buffers.get(name)) is not None]
+        present = [buffer for owned, name in slots if (buffer := owned.get(name)) is not None]
         buffer_versions = _versions(present)
         live = {id(buffer): buffer for buffer in present} if mutable is None else {
             key: buffer for buffer in present if (key := id(buffer)) in mutable}
@@ -428,4 +429,4 @@ class _ScriptedBuffers:
         self._buffers = buffers
 
     def get(self, name: str) -> torch.Tensor | None:
-        return self._buffers[name] if name in self._buffers else None
+        return self._buffers[name] if name in self._buffers else None  # noqa: SIM401 (it has no get)
