@@ -6,6 +6,7 @@ Usage::
     python benchmarks/launch_bound.py --quick           # about one minute
     python benchmarks/launch_bound.py --models tiny_lm --rounds 30 --json out.json
     python benchmarks/launch_bound.py --floor           # and the boundary floor: the reads alone
+    python benchmarks/launch_bound.py --device cuda     # the same tiny models on a GPU, and host syncs per step
 
 Why (issue 25): on a step dominated by per-op dispatch and Python, which is where a GPU step
 lives when its kernels are small, whatever a watch does in Python on every step and every
@@ -28,6 +29,13 @@ The extra columns say where the time is: ``us/step`` is the watched median minus
 unwatched one, ``us/call`` that divided by the module calls of one step (counted with a
 global forward pre-hook in an unwatched step). The host-cost target is 100 us per step plus
 1 us per module call; the ratio targets are issue 25's (each model <= 1.15, median <= 1.10).
+
+``--device cuda``: the same models on a GPU, where such a step is launch-bound: its kernels are
+tiny and the host's Python and launches set the pace. Each step is timed by a pair of CUDA
+events around it, read after the block (as step_overhead.py does), so timing adds no host
+synchronisation; the watch's host synchronisations per step are counted after the rounds
+(step_overhead.count_syncs: the deferred check's one read is the target). The CUDA target is
+issue 25's "a launch-bound small model <= 1.15x"; the host-cost budget is the CPU's.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from typing import Any
 import torch
 from common import Column, all_columns, format_header, machine_info, pin_malloc, progress_logger
 from models import LAUNCH_BOUND, Benchmark, build_launch_bound
-from step_overhead import quantile
+from step_overhead import count_syncs, quantile
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 #: The columns timed, unwatched first (the denominator).
@@ -70,6 +78,8 @@ class LaunchResult:
     steps_per_block: int = 0
     rounds: int = 0
     step_s: dict[str, list[float]] = field(default_factory=dict)
+    #: On CUDA: the default watch's host synchronisations per step (``warnings``, ``runtime``: count_syncs).
+    syncs: dict[str, float | None] = field(default_factory=dict)
 
     def step_us(self, key: str) -> float:
         """The step time of ``key`` at the chosen quantile (the median by default), in microseconds."""
@@ -115,23 +125,37 @@ def count_module_calls(bench: Benchmark) -> int:
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
 
 
-def run_block(bench: Benchmark, column: Column, steps: int, clock: Callable[[], float]) -> list[float]:
-    """Enter ``column``'s watcher, run one untimed entry step, then ``steps`` timed steps; their seconds."""
+def run_block(bench: Benchmark, column: Column, steps: int, clock: Callable[[], float] | None) -> list[float]:
+    """Enter ``column``'s watcher, run one untimed entry step, then ``steps`` timed steps; their seconds.
+
+    ``clock`` None: the steps run on a GPU and are timed by CUDA events, read after the block.
+    """
     assert column.factory is not None
     times = []
+    if clock is None:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        torch.cuda.synchronize()
     with column.factory(bench.model):
         bench.train_step()
-        for _ in range(steps):
-            start = clock()
-            bench.train_step()
-            times.append(clock() - start)
+        for index in range(steps):
+            if clock is None:
+                events[index][0].record()
+                bench.train_step()
+                events[index][1].record()
+            else:
+                start = clock()
+                bench.train_step()
+                times.append(clock() - start)
+    if clock is None:
+        torch.cuda.synchronize()
+        times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
     return times
 
 
 def measure(name: str, columns: list[Column], args: argparse.Namespace, log: Callable[[str], None]) -> LaunchResult:
     """Warm up, size the blocks to ``--budget``, run the interleaved rounds of one model."""
-    clock = CLOCKS[args.clock]
-    bench = build_launch_bound(name)
+    clock = CLOCKS[args.clock] if args.device == "cpu" else None
+    bench = build_launch_bound(name, args.device)
     result = LaunchResult(name, bench.description, count_module_calls(bench), args.quantile)
     warm: dict[str, float] = {}
     for column in columns:
@@ -152,6 +176,9 @@ def measure(name: str, columns: list[Column], args: argparse.Namespace, log: Cal
         result.rounds = r + 1
     if not all(torch.isfinite(p).all() for p in bench.model.parameters()):
         raise RuntimeError(f"{name}: parameters became non-finite during the run")
+    if args.device == "cuda":
+        watched = next(column for column in columns if column.key == "nan_magic")
+        result.syncs = count_syncs(bench, watched, 20)
     return result
 
 
@@ -191,8 +218,17 @@ def format_tables(results: list[LaunchResult], columns: list[Column]) -> str:
     for res in results:
         lines.append(f"{res.name:<10}" + "".join(f"{res.step_us(c.key) / 1e3:>14.3f}" for c in columns)
                      + f"{res.steps_per_block:>6}{res.rounds:>4}{res.spread():>8.1%}")
+    if any(res.syncs for res in results):
+        lines += ["", "Host synchronisations per step under the default watch (target: 1; warnings = torch's "
+                  "sync debug mode, runtime = the profiler's blocking CUDA runtime calls):"]
+        lines += [f"  {res.name:<10} warnings {_count(res.syncs.get('warnings'))}, "
+                  f"runtime {_count(res.syncs.get('runtime'))}" for res in results]
     lines += ["", "Models:"] + [f"  {r.name:<10} {r.description}" for r in results]
     return "\n".join(lines)
+
+
+def _count(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -203,8 +239,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, help="seconds of timed rounds per model (default 60, quick 15)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up blocks of 20 steps per column (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (default): one CPU thread; cuda: the models on a GPU, steps timed by CUDA events")
     p.add_argument("--clock", choices=list(CLOCKS), default="thread",
-                   help="thread: this thread's CPU time (default; see the module notes), wall: perf_counter")
+                   help="on the CPU: thread, this thread's CPU time (default; see the module notes), wall: "
+                   "perf_counter")
     p.add_argument("--quantile", type=float, default=0.5,
                    help="statistic of the step times (default 0.5, the median; a lower one where other "
                    "processes slow most steps down, fair between columns since all share the noise)")
@@ -212,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--floor", action="store_true",
                    help="also time baselines.boundary_floor: the default watch's boundary reads with no bookkeeping")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
     if args.rounds is None:
         args.rounds = 6 if args.quick else 20
     if args.budget is None:
@@ -223,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     malloc = pin_malloc()
     torch.set_num_threads(args.threads)
-    info = machine_info("cpu")
+    info = machine_info(args.device)
     info["malloc"] = malloc
     keys = COLUMNS + (("boundary_floor",) if args.floor else ())
     columns = [c for c in all_columns() if c.key in keys]
@@ -236,10 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = [measure(name, columns, args, log) for name in args.models]
     print("nan_magic in the launch-bound regime: full training steps (forward, loss, backward, optimizer step), "
-          "fp32, CPU")
+          f"fp32, {args.device.upper()}")
     print(format_header(info))
-    print(f"clock: {args.clock} ({'CPU time of this thread' if args.clock == 'thread' else 'perf_counter'}); "
-          f"run: {time.perf_counter() - started:.0f} s\n")
+    timing = ("CUDA events around each step" if args.device == "cuda" else
+              "CPU time of this thread" if args.clock == "thread" else "perf_counter")
+    print(f"clock: {timing}; run: {time.perf_counter() - started:.0f} s\n")
     print(format_tables(results, columns))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -24,6 +24,7 @@ from nan_magic.records import (
     LayerCall,
     Phase,
     Report,
+    Sample,
     SourcePointer,
     StepSummary,
     TensorRef,
@@ -31,7 +32,7 @@ from nan_magic.records import (
     TensorStats,
     install_views,
 )
-from nan_magic.render.words.names import tensor_label
+from nan_magic.render.words.names import sample_label, tensor_label
 from nan_magic.scene.load import Scene, load_scene
 from nan_magic.tensor_refs import install_labeler
 from nan_magic.version import __version__
@@ -117,6 +118,9 @@ class _Views:
         from nan_magic.render.words.warning_words import warning_text
 
         return warning_text(kind, facts)
+
+    def sample_label(self, sample: Sample) -> str:
+        return sample_label(sample)
 
 
 install_views(_Views())

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "KINDS", "LOSS", "UNMEASURED", "AbsorbedOp", "Cause", "EventRef", "FixTrial", "LayerCall", "Note",
     "Phase", "Report", "Sample", "SourcePointer", "StepSummary", "TensorRef", "TensorRole", "TensorStats",
-    "module_label", "sample_label",
+    "module_label",
 ]
 
 #: The three kinds of non-finite value, in the order reports show them.
@@ -37,11 +37,6 @@ KINDS = ("nan", "+inf", "-inf")
 
 #: How a value outside every watched module is named (``module`` None).
 OUTSIDE_MODULES = "code outside any watched module"
-
-
-def sample_label(module: str | None, tensor: str) -> str:
-    """A histogram sample's label: ``encoder.1 output``, ``(root) input[0]`` (the renderers find samples by it)."""
-    return f"{module or '(root)'} {tensor}"
 
 
 def module_label(module: str | None, module_type: str | None = None, model: str | None = None) -> str:
@@ -150,7 +145,6 @@ class Sample:
     sample (None where not counted).
     """
 
-    label: str
     dtype: str
     values: tuple[float, ...]
     numel: int
@@ -159,8 +153,20 @@ class Sample:
     posinf: int | None = None
     neginf: int | None = None
     zeros: int | None = None
-    #: Which tensor of the producer it samples (None for the other layers' samples).
+    #: Which tensor it samples: the producer's (its op's output and operands, its module's inputs and
+    #: output), or another layer's.
     tensor: TensorRef | None = None
+    #: The module whose call ``tensor`` is of, for another layer's sample and the producer module's
+    #: output (``""`` the root); None for the producer op's tensors and for the loss.
+    module: str | None = None
+    #: The title render/ gives it in a report's story (render/common.py's ``labelled_samples``), or an
+    #: older scene's label, as written.
+    title: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Its title: ``encoder.1 output``, ``(root) input[0]``, ``output of aten.log.default``."""
+        return self.title if self.title is not None else _views().sample_label(self)
 
 
 @dataclass(frozen=True)
@@ -470,6 +476,8 @@ class ReportViews(Protocol):
     def cause_evidence(self, cause: Cause) -> tuple[str, ...]: ...
 
     def warning_message(self, kind: str, facts: tuple[tuple[str, Any], ...]) -> str: ...
+
+    def sample_label(self, sample: Sample) -> str: ...
 
 
 _installed: list[ReportViews] = []

@@ -23,6 +23,7 @@ from nan_magic.explain import diagnose as diagnose_module
 from nan_magic.explain.diagnose import DIVERGENCE_RISES, LABELS, diagnose
 from nan_magic.localize.outside.recorder import LOSS_BUDGET
 from nan_magic.note_records import Note
+from nan_magic.plain import to_pairs
 from nan_magic.records import Cause, Phase, Report, SourcePointer, StepSummary, TensorRef, TensorRole, TensorStats
 
 
@@ -358,7 +359,8 @@ def test_the_diagnosis_never_reads_a_fact_from_the_notes() -> None:
                             note_facts=(Note.of("autograd-backward", op="aten.div.Tensor", node="SqrtBackward0"),)))
     assert cause.label == "unclassified"
     cause = diagnose(report(phase=Phase.OPTIMIZER, tensor=TensorRef.parameter("fc.weight"), dtype="float16", nan=5,
-                            note_facts=(Note.of("optimizer-made-it", optimizer="Adam", tensor="fc.weight"),)))
+                            note_facts=(Note.of("optimizer-made-it", optimizer="Adam",
+                                                       tensor=to_pairs(TensorRef.parameter("fc.weight"))),)))
     assert cause.label == "unclassified" and "Adam" not in cause.hint
 
 

@@ -14,7 +14,8 @@ from watching import amp_training, sgd_regression
 import nan_magic
 from nan_magic import NanMagicWarning, NonFiniteError
 from nan_magic.hot.checks.early import BATCH_RULE_EVERY, HEADROOM_LIMIT, SCALE_FALLS, WARMUP, WARN_EVERY, EarlyWarnings
-from nan_magic.records import StepSummary
+from nan_magic.plain import to_pairs
+from nan_magic.records import StepSummary, TensorRef
 
 
 def kinds(found) -> list[str]:
@@ -346,7 +347,9 @@ def test_a_warning_keeps_its_numbers_and_render_writes_its_sentence() -> None:
     batch[0, 0] = 1e7
     found = EarlyWarnings().observe_batch(0, "x", batch)
     extreme, constant = sorted(found, key=lambda warning: warning.kind, reverse=True)
-    assert (extreme.kind, dict(extreme.facts)["tensor"], dict(extreme.facts)["absmax"]) == ("extreme-input", "x", 1e7)
+    # The batch tensor is a typed reference (the model call's argument), stored as plain pairs.
+    assert dict(extreme.facts)["tensor"] == dict(constant.facts)["tensor"] == to_pairs(TensorRef.argument("x"))
+    assert (extreme.kind, dict(extreme.facts)["absmax"]) == ("extreme-input", 1e7)
     assert extreme.message == ("x of the batch holds |x| = 1e+07 (> 1e+06): normalise or clip the inputs before "
                                "they overflow a layer")
     assert dict(constant.facts)["constant"] == ((2, 3.0),)

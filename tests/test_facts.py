@@ -143,8 +143,8 @@ def test_an_event_after_the_first_holds_a_reference_to_it_and_every_view_names_i
 
 # -- a cause is its kind and the plain values it rests on; render/words/cause.py writes its sentences --
 
-_STEP = (("optimizer", "Adam"), ("subject", "fc.weight"), ("dtype", "float16"), ("nan", 3), ("posinf", 1),
-         ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 7))
+_STEP = (("optimizer", "Adam"), ("subject", to_pairs(TensorRef.parameter("fc.weight"))), ("dtype", "float16"),
+         ("nan", 3), ("posinf", 1), ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 7))
 _INPUT = TensorStats("float32", (2, 4), 8, min=-3.0, max=2.0, absmax=3.0, zeros=2, negatives=3)
 #: One event every reading of a single event can be written from: a module's argument and the op's operands.
 _EVENT = Report(
@@ -157,7 +157,8 @@ _EVENT = Report(
         *((TensorRef(TensorRole.OPERAND, name), dataclasses.replace(_INPUT, neginf=9))
           for name in ("self", "other", "query", "key", "attn_mask")),
     ),
-    warnings=(EarlyWarning(3, "extreme-input", (("tensor", "input[0]"), ("absmax", 1e9), ("limit", 1e6))),),
+    warnings=(EarlyWarning(3, "extreme-input", (("tensor", to_pairs(TensorRef.argument("input[0]"))), ("absmax", 1e9),
+                                                 ("limit", 1e6))),),
     note_facts=(Note.of("deliberate", how="scalar"),),
 )
 _SIGNS = (("arithmetic", "div"), ("pow",), ("near", to_pairs(TensorRef(TensorRole.OPERAND, "self")), 3e36, 1e-3),

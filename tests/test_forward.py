@@ -10,6 +10,7 @@ import pytest
 import torch
 from faults import FORWARD_FAULTS, Fault
 from torch import nn
+from watching import raised
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -343,3 +344,24 @@ def test_report_samples_the_layers_before_the_producer_for_histograms() -> None:
     # the batch; Linear 0's output is the producer's input[0], drawn once, under that name
     assert [sample.label for sample in others] == ["(root) input[0]"]
     assert all(0 < len(sample.values) <= 1024 for sample in others)
+    # Each sample names its tensor by a typed reference and the module whose call it is of; render titles it.
+    assert [(sample.module, sample.tensor) for sample in others] == [("", TensorRef.argument("input[0]"))]
+    assert output.module is None and output.tensor == TensorRef.op_output("aten.log.default")
+
+
+def test_a_parent_returning_its_child_s_output_is_not_sampled_again_under_its_own_name() -> None:
+    # nn.Sequential returns its last child's output: one tensor, sampled once, as the child's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+
+    def run() -> None:
+        for step in range(3):
+            out = model(x)
+            loss = (out - 1).pow(2).mean() if step < 1 else torch.log(out.mean() - 100)  # producer: the loss code
+            loss.backward()
+
+    report = raised(run, model)
+    assert (report.phase, report.module, report.op) == ("forward", None, "aten.log.default")
+    others = [sample.label for sample in report.samples if not sample.producer]
+    assert others == ["(root) input[0]", "2 output"]

@@ -333,6 +333,28 @@ def test_adam_in_pure_fp16_with_an_epsilon_that_rounds_to_zero() -> None:
     assert any("Adam step made 0.weight non-finite" in note for note in report.notes)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_half_precision_state_the_step_overflowed_is_named_as_that_state_not_its_parameter(defer: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).half()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(2, 4, dtype=torch.half)
+
+    def run() -> None:
+        for _ in range(3):
+            opt.zero_grad()
+            # A float16 gradient of 1e4 is finite; 0.001 * its square, Adam's update of exp_avg_sq, is not.
+            (model(x).float().sum() * 5000).backward()
+            opt.step()
+
+    report = raised(run, model, opt, defer=defer)
+    state = TensorRef(TensorRole.OPTIMIZER_STATE, "weight", "exp_avg_sq")
+    assert (report.phase, report.step, report.tensor) == ("optimizer", 0, state)
+    assert "the Adam step made state exp_avg_sq of weight non-finite" in report.notes
+    assert report.cause is not None and report.cause.label == "half-precision-overflow"
+    assert report.cause.hint.startswith("state exp_avg_sq of weight overflowed float16 (max 65504) in the Adam step")
+
+
 def _adamw_steps(steps: int, between: Callable[[int, nn.Module, torch.optim.Optimizer], None], **options: Any):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))

@@ -141,17 +141,20 @@ def test_the_cause_sentence_starts_its_hint_with_a_capital() -> None:
     import dataclasses
 
     from nan_magic.explain.evidence import event_cause
-    from nan_magic.records import LOSS, Cause
+    from nan_magic.plain import to_pairs
+    from nan_magic.records import LOSS, Cause, TensorRef, TensorRole
     from nan_magic.render.common import cause_sentence
 
-    step = (("optimizer", "Adam"), ("subject", "fc.weight"), ("dtype", "float16"), ("nan", 3), ("posinf", 0),
+    weight = to_pairs(TensorRef.parameter("fc.weight"))
+    step = (("optimizer", "Adam"), ("subject", weight), ("dtype", "float16"), ("nan", 3), ("posinf", 0),
             ("neginf", 0), ("lr", 1e-3), ("eps", None), ("limit", 65504.0), ("step", 7))
     report = dataclasses.replace(
         fault_report("zero_variance"), cause=Cause("unclassified", "optimizer-unmatched", step)
     )
     assert cause_sentence(report).startswith("Likely cause: unclassified. The Adam step made fc.weight 3 nan from")
     state = Cause("half-precision-overflow", "optimizer-state-overflow",
-                  (*step[:1], ("subject", "state exp_avg_sq of fc.weight"), *step[2:]))
+                  (*step[:1], ("subject", to_pairs(TensorRef(TensorRole.OPTIMIZER_STATE, "fc.weight", "exp_avg_sq"))),
+                   *step[2:]))
     named = dataclasses.replace(report, cause=state)
     assert cause_sentence(named).startswith(
         "Likely cause: half-precision-overflow. state exp_avg_sq of fc.weight overflowed float16 (max 65504)"

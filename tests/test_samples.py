@@ -38,7 +38,7 @@ class Stream(IterableDataset):
     def __iter__(self):  # type: ignore[no-untyped-def]
         for i in range(4):
             row = torch.full((4,), 3.0) if i == 2 else torch.randn(4)
-            yield (row - row.mean()) / row.std(), torch.zeros(1)
+            yield (row - row.mean()) / row.std(), torch.zeros(1)  # producer: stream
 
 
 def train(loader: DataLoader) -> nn.Module:
@@ -89,12 +89,24 @@ def test_fetching_again_leaves_the_loader_and_the_generators_as_they_were() -> N
     assert installed() == []
 
 
-def test_an_iterable_dataset_is_said_in_one_line() -> None:
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(defer=True):
-        train(DataLoader(Stream(), batch_size=2))
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "defer"])
+def test_an_iterable_dataset_in_a_worker_is_said_in_one_line(defer: bool) -> None:
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(defer=defer):
+        train(DataLoader(Stream(), batch_size=2, num_workers=1))
     report = caught.value.report
     assert (report.phase, report.step, report.op) == ("data", 1, None)
     assert any("Stream, an iterable dataset: its samples cannot be fetched again" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "defer"])
+def test_an_iterable_dataset_iterated_in_the_loop_s_process_is_named_at_its_line(defer: bool) -> None:
+    # Its __iter__ runs as the loop's data code, which the watch records (the deferred mode holds the records
+    # until its check judges the batch).
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(defer=defer):
+        train(DataLoader(Stream(), batch_size=2))
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("data", 1, "aten.div.Tensor")
+    assert here(report) == ("test_samples.py", marked_line("stream", where=sys.modules[__name__]))
 
 
 def test_a_value_stored_in_the_dataset_is_said_to_be_stored() -> None:

@@ -17,8 +17,8 @@ from watching import raised
 
 import nan_magic
 from nan_magic import NanMagicWarning
-from nan_magic.plain import from_plain, to_plain
-from nan_magic.records import Report
+from nan_magic.plain import from_plain, to_pairs, to_plain
+from nan_magic.records import Report, TensorRef
 from nan_magic.render.words.replay_words import replay_line
 from nan_magic.scene import last_good as snapshot
 
@@ -211,7 +211,7 @@ def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_p
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
     data = torch.load(report.scene, weights_only=True)
-    assert data["version"] == 6
+    assert data["version"] == 7
     saved = data["report"]["note_facts"]
     assert saved == ({"kind": "step-replayed", "facts": (("step", report.step),)},)  # a kind and its facts
     scene = nan_magic.load_scene(report.scene)
@@ -248,6 +248,33 @@ def test_a_version_3_scene_whose_warnings_were_sentences_still_shows_them(tmp_pa
     torch.save(data, old)
     scene = nan_magic.load_scene(old)
     assert [warning.message for warning in scene.report.warnings] == ["the loss reached 1e+09 {as written}"]
+
+
+def test_a_version_6_scene_s_tensors_stored_by_name_read_back_as_typed_references(tmp_path) -> None:
+    model, opt = build()
+    report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
+    data = torch.load(report.scene, weights_only=True)
+    plain = dict(data["report"])
+    # Before version 7 a batch warning named its tensor by the argument's path, an optimizer note and an
+    # optimizer cause by the parameter's name (a state by its words).
+    plain["warnings"] = ({"step": 1, "kind": "extreme-input", "module": None, "value": 1e9, "said": None,
+                          "facts": (("tensor", "input[0]"), ("absmax", 1e9), ("limit", 1e6))},)
+    plain["note_facts"] = ({"kind": "optimizer-made-it", "facts": (("optimizer", "Adam"), ("tensor", "0.weight"))},)
+    plain["cause"] = {"label": "half-precision-overflow", "reading": "optimizer-state-overflow", "facts": (
+        ("optimizer", "Adam"), ("subject", "state exp_avg_sq of 0.weight"), ("dtype", "float16"), ("nan", 0),
+        ("posinf", 3), ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 2))}
+    # and the engine labelled each histogram's sample.
+    plain["samples"] = tuple({**sample, "label": f"sample {index}"} for index, sample in enumerate(plain["samples"]))
+    data["version"], data["report"] = 6, plain
+    old = tmp_path / "version_6_scene.pt"
+    torch.save(data, old)
+    back = nan_magic.load_scene(old).report
+    assert dict(back.warnings[0].facts)["tensor"] == to_pairs(TensorRef.argument("input[0]"))
+    assert back.warnings[0].message.startswith("input[0] of the batch holds |x| = 1e+09")
+    assert back.note_facts[0].fact("tensor") == to_pairs(TensorRef.parameter("0.weight"))
+    assert back.notes == ("the Adam step made 0.weight non-finite",)
+    assert back.cause is not None and back.cause.hint.startswith("state exp_avg_sq of 0.weight overflowed float16")
+    assert [sample.label for sample in back.samples] == [f"sample {index}" for index in range(len(report.samples))]
 
 
 def test_a_version_1_scene_whose_report_was_pickled_as_records_is_refused_in_one_line(tmp_path) -> None:

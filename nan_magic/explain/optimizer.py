@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from nan_magic.explain.evidence import HALF, dtype_max, float_dtype
+from nan_magic.plain import to_pairs
 from nan_magic.records import Cause, Report, TensorRole
 from nan_magic.tensor_refs import op_function
 
@@ -28,9 +29,8 @@ _EPS_OPS = frozenset({"addcdiv", "div", "foreach_addcdiv", "foreach_div", "fused
 
 
 def optimizer_cause(report: Report) -> Cause:
-    # A parameter by its name; a state tensor as "state exp_avg_sq of fc.weight".
-    tensor = report.tensor
-    subject = tensor.name if tensor.role is TensorRole.PARAMETER and tensor.name else str(tensor)
+    # The parameter or state tensor the step made non-finite, as plain data (render/words names it).
+    subject = to_pairs(report.tensor)
     limit = dtype_max(report.dtype)
     facts = (
         ("optimizer", report.optimizer or "optimizer"), ("subject", subject), ("dtype", report.dtype),

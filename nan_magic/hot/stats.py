@@ -113,9 +113,9 @@ _EXTREMES = 16
 
 
 def sample_values(
-    tensor: torch.Tensor, label: str, size: int, producer: bool = True, ref: TensorRef | None = None
+    tensor: torch.Tensor, ref: TensorRef, size: int, producer: bool = True, module: str | None = None
 ) -> Sample:
-    """A bounded, deterministic sample of the finite values, copied to the CPU.
+    """A bounded, deterministic sample of the finite values of ``ref`` (of ``module``'s call), copied to the CPU.
 
     Strided rather than random: drawing from torch's generator would change
     the user's random stream, and the watch must not change results.
@@ -136,8 +136,8 @@ def sample_values(
             torch.isnan(flat).sum(), torch.isposinf(flat).sum(), torch.isneginf(flat).sum(), (flat == 0).sum(),
         )).tolist()
     return Sample(
-        label=label, dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=flat.numel(), producer=producer,
-        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros, tensor=ref,
+        dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=flat.numel(), producer=producer,
+        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros, tensor=ref, module=module,
     )
 
 def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

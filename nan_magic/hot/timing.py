@@ -87,8 +87,8 @@ class Timing:
         What the checks do for a value (or a region of code) at the moment it
         is made, in the immediate mode only: judging a call's outputs, the
         loss, a gradient; letting the loss code's records go as its backward
-        ends; recording the data region. The deferred mode does each at the
-        step's check (:meth:`check`, :meth:`step_judged`).
+        ends. The deferred mode does each at the step's check (:meth:`check`,
+        :meth:`step_judged`).
         """
 
     def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
@@ -127,8 +127,13 @@ class Timing:
         raise NotImplementedError
 
     def step_judged(self, outside: CodeRecorder) -> None:
-        """After the optimizer step: the code recorder's next region (the code until the next model call)."""
-        raise NotImplementedError
+        """After the optimizer step: the code recorder's next region, the code until the next model call.
+
+        Data loading, within a budget. Starting it lets the step's records
+        go: the loss code's, which the deferred check held for the step, and
+        the last data region's, which it held until it had judged the batch.
+        """
+        outside.start("data")
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
         """Whether an optimizer step's result is read with the next check, not now (optim.py).
@@ -164,10 +169,6 @@ class Immediate(Timing):
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
         gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
         gradients.weaken_loss_code()
-
-    def step_judged(self, outside: CodeRecorder) -> None:
-        # The code until the next model call: data loading, within a budget.
-        outside.start("data")
 
 
 class Deferred(Timing):
@@ -216,12 +217,6 @@ class Deferred(Timing):
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
         gradients.weaken_loss_code()
         gradients.keep_loss_code(loss)
-
-    def step_judged(self, outside: CodeRecorder) -> None:
-        # The step is judged: the loss code's records held for it go (with retain_graph=True, its graph too), as
-        # the data region's start drops them in the immediate mode. (The batch is judged at the optimizer step,
-        # after the loss region replaced the data region's records: no data region is recorded.)
-        outside.forget()
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
         return bounded or not wild()

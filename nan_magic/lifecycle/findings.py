@@ -13,20 +13,21 @@ from collections.abc import Iterable
 import torch
 
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.kept.call_records import TensorRecord
-from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.call_records import Call, TensorRecord
+from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.replay.layer_rows import step_layers
 from nan_magic.records import (
     EarlyWarning,
+    Phase,
     Report,
     Sample,
     StepSummary,
     TensorRef,
+    TensorRole,
     TensorStats,
-    sample_label,
 )
 
 __all__ = ["build_report"]
@@ -43,25 +44,28 @@ def _nearby_samples(
 
     Bounded (``NEARBY_LAYERS`` tensors of ``size`` values) so that a report
     stays small; tensors freed since their call cannot be sampled. A tensor
-    already ``shown`` among the producer's samples (the producer module's
-    output is a child's output too) is not listed a second time under another name.
+    is sampled once, under the name of the call that made it: not again where
+    it is already ``shown`` among the producer's samples (the producer module's
+    output is a child's output too), nor as the output of a parent that
+    returned it (``nn.Sequential`` returns its last child's output).
     """
     seen = {_same_values(tensor) for tensor in shown}
     records = [record for call in log.finished() for record in call.outputs if record is not producer]
     if producer is not None and producer.call is not None and producer.call.finished >= 0:
         records = [r for r in records if r.call is not None and r.call.finished <= producer.call.finished]
+    kept: list[tuple[TensorRecord, Call, torch.Tensor]] = []
+    for record in records:  # in the order the calls returned: a child's output before its parent's
+        tensor, call = record.live(), record.call
+        if tensor is None or call is None or (values := _same_values(tensor)) in seen:
+            continue
+        seen.add(values)
+        kept.append((record, call, tensor))
     samples = []
-    for record in reversed(records):
-        tensor = record.live()
-        if tensor is None or record.call is None:
-            continue
-        if _same_values(tensor) in seen:
-            continue
-        name = record.call.name if record.call.name is not None else "loss"
-        samples.append(sample_values(tensor, sample_label(name, str(record.path)), size, producer=False))
-        if len(samples) == NEARBY_LAYERS:
-            break
-    return samples[::-1]
+    for record, call, tensor in kept[-NEARBY_LAYERS:]:
+        # A data call's records are the batch's arguments, any other call's its outputs (step_log.rows).
+        role = TensorRole.INPUT if call.phase is Phase.DATA else TensorRole.MODULE_OUTPUT
+        samples.append(sample_values(tensor, record_ref(record, role), size, producer=False, module=call.name))
+    return samples
 
 
 def _same_values(tensor: torch.Tensor) -> tuple[object, ...]:
@@ -98,10 +102,10 @@ def build_report(
     input_stats: list[tuple[TensorRef, TensorStats]] = []
     for ref, tensor in finding.inputs:
         input_stats.append((ref, tensor_stats(tensor)))
-        samples.append(sample_values(tensor, str(ref), sample_size, ref=ref))
+        samples.append(sample_values(tensor, ref, sample_size))
     input_stats.extend(finding.input_stats)
     if finding.bad is not None:
-        samples.append(sample_values(finding.bad, str(finding.tensor), sample_size, ref=finding.tensor))
+        samples.append(sample_values(finding.bad, finding.tensor, sample_size))
     # The op's own samples, drawn when it ran, stand for the tensors no longer alive.
     sampled = {sample.tensor for sample in samples}
     samples.extend(sample for sample in finding.samples if sample.tensor not in sampled)
@@ -111,7 +115,7 @@ def build_report(
         name, module_stats, module_tensor = finding.module_output
         module_output = (name, module_stats)
         if module_tensor is not None:
-            samples.append(sample_values(module_tensor, sample_label(finding.module, str(name)), sample_size, ref=name))
+            samples.append(sample_values(module_tensor, name, sample_size, module=finding.module or ""))
             shown.append(module_tensor)
     samples.extend(_nearby_samples(log, finding.record, sample_size // 4, shown))
     if finding.record is not None:

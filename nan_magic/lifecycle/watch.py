@@ -197,7 +197,7 @@ class Watch:
         self.graph_task = torch._C._current_graph_task_id()
         self._active = True
         self._nesting.entered()
-        self.localizing.enter(resume, self.timing)
+        self.localizing.enter(resume)
         if resume and self.cycle.update_code is not None:
             self.cycle.update_code.resume()  # a part that ended between backward() and the step (split cells)
         return self
@@ -296,7 +296,8 @@ class Watch:
         self.log = StepLog(self.config.max_layers, self.timing.holds_probes)
         # How this mode names an event's op (modes.py): but in ops mode the code between the models' calls (the
         # loss, data code in the loop) is recorded, and the tiered watch replays the failing step.
-        self.localizing: Localizing = localizing(self.config, self, self._nested, self.targets.optimizers)
+        self.localizing: Localizing = localizing(self.config, self, self._nested, self.targets.optimizers,
+                                                 self.timing.holds_probes)
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)

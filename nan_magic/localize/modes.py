@@ -22,7 +22,6 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
-from nan_magic.hot.checks.hosts import WhenJudged
 from nan_magic.hot.checks.optim_reports import ReplayStep
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer
@@ -59,7 +58,7 @@ class Localizing:
         """The tracer that already saw the loop's update code (outside/loop_writes.py), if any."""
         return None
 
-    def enter(self, resume: bool, timing: WhenJudged) -> None:
+    def enter(self, resume: bool) -> None:
         """The watch is entered (``resume``: a paused run goes on)."""
 
     def attach(
@@ -81,18 +80,15 @@ class Localizing:
 class Recording(Localizing):
     """The modes that record the code between the model calls, to run its ops again at an event."""
 
-    def __init__(self, config: WatchConfig, optimizers: Sequence[object]) -> None:
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object], holds_data: bool) -> None:
         super().__init__(config.kinds)
         # keep_last_good: the last step's loss code is kept for a fix trial at the next forward event; with an
-        # optimizer given, a step's loss code is held until its step (fixes/loss.py).
+        # optimizer given, a step's loss code is held until its step (fixes/loss.py); holds_data (the deferred
+        # check): a data region's records are held until the check has judged the batch they made.
         self.recorder = self._recording = OutsideRecorder(config.kinds, config.keep_last_good is not None,
-                                                          bool(optimizers))
+                                                          bool(optimizers), holds_data)
 
-    def enter(self, resume: bool, timing: WhenJudged) -> None:
-        # The deferred check judges at the optimizer step: it records the loss code only.
-        timing.now(self._record_data, resume)
-
-    def _record_data(self, resume: bool) -> None:
+    def enter(self, resume: bool) -> None:
         if not resume:
             # The first batch may be computed in the loop before the first model call, as each later one is
             # after an optimizer step (step_cycle.on_step_post): its op and line are named at step 0 too.
@@ -113,9 +109,9 @@ class Recording(Localizing):
 class Tiered(Recording):
     """Boundaries only; the failing step replayed at an event."""
 
-    def __init__(self, config: WatchConfig, optimizers: Sequence[object], watch: ReplayHost,
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object], holds_data: bool, watch: ReplayHost,
                  nested: NestedWatch) -> None:
-        super().__init__(config, optimizers)
+        super().__init__(config, optimizers, holds_data)
         self.replays = StepReplays(watch, nested) if config.replay else None
 
     def forget(self) -> None:
@@ -127,8 +123,8 @@ class Tiered(Recording):
 class PerCall(Recording):
     """Every module call checked; the producer's call replayed."""
 
-    def __init__(self, config: WatchConfig, optimizers: Sequence[object]) -> None:
-        super().__init__(config, optimizers)
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object], holds_data: bool) -> None:
+        super().__init__(config, optimizers, holds_data)
         self.replays_calls = config.replay
 
 
@@ -152,11 +148,12 @@ class Traced(Localizing):
 
 
 def localizing(
-    config: WatchConfig, watch: ReplayHost, nested: NestedWatch, optimizers: Sequence[object]
+    config: WatchConfig, watch: ReplayHost, nested: NestedWatch, optimizers: Sequence[object], holds_data: bool
 ) -> Localizing:
-    """The mode ``config`` asks for (``optimizers``: those given to the watch)."""
+    """The mode ``config`` asks for (``optimizers``: those given to the watch; ``holds_data``: the deferred check's
+    judging the batch after the next model call, with the data code's records held for it)."""
     if config.ops:
         return Traced(config.kinds)
     if config.tiered:
-        return Tiered(config, optimizers, watch, nested)
-    return PerCall(config, optimizers)
+        return Tiered(config, optimizers, holds_data, watch, nested)
+    return PerCall(config, optimizers, holds_data)

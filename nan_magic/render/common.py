@@ -352,8 +352,8 @@ def module_value(report: Report, ref: TensorRef) -> str:
     return str(ref)
 
 
-def _titled(sample: Sample, label: str) -> Sample:
-    return dataclasses.replace(sample, label=label)
+def _titled(sample: Sample, title: str) -> Sample:
+    return dataclasses.replace(sample, title=title)
 
 
 def in_call_order(layers: tuple[LayerCall, ...]) -> tuple[LayerCall, ...]:

@@ -213,6 +213,37 @@ def _loader_with_workers() -> Scenario:
     return Scenario((model, opt), run)
 
 
+def prepare(raw: torch.Tensor) -> torch.Tensor:
+    """A batch's features, log-scaled in a helper the loop calls (its frame has returned by the event)."""
+    return torch.log(raw)  # producer: prepare log
+
+
+def _data_code_in_the_loop(step_of_bad: int | None, helper: bool = False) -> Scenario:
+    """The loop standardises each batch (or log-scales it in a helper); the batch of ``step_of_bad`` makes a NaN.
+
+    A constant feature (std 0) in that batch, or a zero count for the log. The data code is recorded from the
+    optimizer step to the next model call; the deferred check judges the batch at the optimizer step, after
+    the loss code ran, with the data code's records held for it.
+    """
+    model, opt = _regression()
+    raws = [torch.rand(8, 4) + 0.5 for _ in range(4)]
+    if step_of_bad is not None:
+        if helper:
+            raws[step_of_bad][3, 1] = -1.0  # a negative count
+        else:
+            raws[step_of_bad][:, 2] = 7.0  # a constant feature: its std is 0
+
+    def run() -> None:
+        for raw in raws:
+            x = prepare(raw) if helper else (raw - raw.mean(0)) / raw.std(0)  # producer: loop standardise
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("loss_log_first_iteration_optimizer_not_passed", _log_loss_first_iteration,
          Expect("forward", None, step=0, op="aten.log.default", marker="log loss")),
@@ -237,4 +268,12 @@ CASES = [
          Expect("data", None, step=0, tensor=TensorRef.argument("probabilities"), op_modes=())),
     Case("nan_label_from_a_loader_worker", _loader_with_workers,
          Expect("data", None, step=2, tensor=TensorRef.argument("labels"), op_modes=())),
+    Case("data_code_in_the_loop_standardises_a_constant_feature", lambda: _data_code_in_the_loop(2),
+         Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="loop standardise",
+                tensor=TensorRef.argument("input[0]"))),
+    Case("data_code_in_the_loop_first_batch", lambda: _data_code_in_the_loop(0),
+         Expect("data", "", "Sequential", step=0, op="aten.div.Tensor", marker="loop standardise")),
+    Case("data_code_in_a_helper_log_of_a_negative", lambda: _data_code_in_the_loop(3, helper=True),
+         Expect("data", "", "Sequential", step=3, op="aten.log.default", marker="prepare log")),
+    Case("data_code_in_the_loop_healthy", lambda: _data_code_in_the_loop(None), None),
 ]

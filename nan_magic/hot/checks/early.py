@@ -42,7 +42,8 @@ from collections import deque
 import torch
 
 from nan_magic.hot.reads import read_probe
-from nan_magic.records import EarlyWarning, StepSummary
+from nan_magic.plain import to_pairs
+from nan_magic.records import EarlyWarning, StepSummary, TensorRef
 
 __all__ = [
     "BATCH_RULE_EVERY",
@@ -147,9 +148,9 @@ class EarlyWarnings:
         return [warning for warning in found if warning is not None and self._due(warning)]
 
     def observe_batch(
-        self, step: int, name: str, tensor: torch.Tensor, probe: tuple[float, float] | None = None
+        self, step: int, path: str, tensor: torch.Tensor, probe: tuple[float, float] | None = None
     ) -> list[EarlyWarning]:
-        """Warnings about one floating tensor entering a watched model.
+        """Warnings about one floating tensor entering a watched model, the argument at ``path`` (``input[0]``).
 
         ``probe`` is the tensor's ``(min, max)`` when the watch already read
         it. The per-feature rule reads the batch once more, so it runs at the
@@ -163,13 +164,13 @@ class EarlyWarnings:
             low, high = read_probe(tensor)
         else:
             low, high = probe
-        found = [_extreme_input(step, name, max(-low, high))]
+        found = [_extreme_input(step, path, max(-low, high))]
         due = step % BATCH_RULE_EVERY == 0
         # Features are columns of a dense real batch; a sparse or complex one has no such columns to compare.
         dense_real = tensor.layout is torch.strided and not tensor.is_complex()
         if due and dense_real and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
             feature_low, feature_high = _feature_ranges(tensor.detach())
-            found.append(_constant_feature(step, name, tensor, feature_low, feature_high))
+            found.append(_constant_feature(step, path, tensor, feature_low, feature_high))
         return [warning for warning in found if warning is not None and self._due(warning)]
 
     # -- per-step rules --------------------------------------------------------------
@@ -225,23 +226,29 @@ def _feature_ranges(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(tensor)
 
 
-def _extreme_input(step: int, tensor: str | None, absmax: float | None) -> EarlyWarning | None:
-    # ``tensor``: the batch's tensor by name, None for the step's largest input (render/words says which).
+def _batch_tensor(path: str) -> tuple[tuple[str, object], ...]:
+    """A batch tensor as a warning's fact: the model call's argument at ``path``, a typed reference as plain pairs."""
+    return to_pairs(TensorRef.argument(path))
+
+
+def _extreme_input(step: int, path: str | None, absmax: float | None) -> EarlyWarning | None:
+    # ``path``: the batch's argument (``input[0]``), None for the step's largest input (render/words says which).
     # A non-finite batch is an event of its own (phase data), not a warning.
     if absmax is None or not math.isfinite(absmax) or absmax <= EXTREME_INPUT:
         return None
+    tensor = None if path is None else _batch_tensor(path)
     return EarlyWarning(step=step, kind="extreme-input",
                         facts=(("tensor", tensor), ("absmax", absmax), ("limit", EXTREME_INPUT)), value=absmax)
 
 
 def _constant_feature(
-    step: int, name: str, tensor: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    step: int, path: str, tensor: torch.Tensor, low: torch.Tensor, high: torch.Tensor
 ) -> EarlyWarning | None:
     constant = (low == high).nonzero().flatten().tolist()
     if not constant:
         return None
     facts = (
-        ("tensor", name),
+        ("tensor", _batch_tensor(path)),
         ("axis", "feature" if tensor.dim() == 2 else "channel"),
         ("count", len(constant)),
         ("features", low.numel()),

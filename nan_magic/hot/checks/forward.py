@@ -112,7 +112,7 @@ class ForwardChecks:
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None)
         if top_level and outside is not None:
-            outside.forget()  # the batch is judged: what the loop computed need not stay alive
+            outside.batch_entered()  # the batch is judged (or held for the check): what the loop computed can go
 
     def _run_eagerly(self, info: ModuleInfo) -> None:
         """A full watch calls a compiled model: its original module's code runs instead (module_hooks.py)."""

@@ -22,6 +22,7 @@ from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
+from nan_magic.plain import to_pairs
 from nan_magic.records import Note, Phase, SourcePointer, TensorRef
 
 __all__ = ["ReplayStep", "StepReports"]
@@ -89,7 +90,7 @@ class StepReports:
                 parameter, key = result.owner(index)
                 caller = pointer_at(*result.caller) if result.caller is not None else None
                 self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
-            subject = label.name
+            subject = to_pairs(label)  # a parameter, or a half-precision state tensor of one
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)

@@ -223,11 +223,11 @@ OP_SAMPLE_SIZE = 1024
 def op_samples(op: str, label: str, output: torch.Tensor, operands: list[tuple[str, Any]]) -> tuple[Sample, ...]:
     """Samples of an op's output and of its readable tensor operands (by schema name), while they live."""
     output_ref = TensorRef.op_output(op, label)
-    samples = [sample_values(output, str(output_ref), OP_SAMPLE_SIZE, ref=output_ref)]
+    samples = [sample_values(output, output_ref, OP_SAMPLE_SIZE)]
     for name, value in operands:
         if isinstance(value, torch.Tensor) and is_checkable(value):
             ref = TensorRef(TensorRole.OPERAND, name)
-            samples.append(sample_values(value, str(ref), OP_SAMPLE_SIZE, ref=ref))
+            samples.append(sample_values(value, ref, OP_SAMPLE_SIZE))
     return tuple(samples)
 
 

@@ -25,8 +25,8 @@ each, :data:`KEEP_TOTAL` in all) and large ones (logits) are held only
 weakly, until that backward pass ends or, for the deferred check (CUDA,
 process groups), until the optimizer step has judged the step. A data
 region's go when the next model call has judged its batch; the deferred
-mode records no data region (it judges the batch at the optimizer step,
-after the loss region has replaced those records).
+check judges the batch at the optimizer step, so there they are held
+until the next data region starts (:meth:`OutsideRecorder.batch_entered`).
 
 Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
 after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step
@@ -117,9 +117,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """
         return True
 
-    def __init__(self, kinds: frozenset[str], keep_last: bool = False, stepped: bool = False) -> None:
+    def __init__(self, kinds: frozenset[str], keep_last: bool = False, stepped: bool = False,
+                 holds_data: bool = False) -> None:
         TorchDispatchMode.__init__(self)
         RegionRecords.__init__(self, kinds)
+        #: Whether a data region's records are held past the model call that ends it, until the next data
+        #: region starts: the deferred check judges the batch at the optimizer step (:meth:`start`).
+        self.holds_data = holds_data
         #: Whether :meth:`forget` keeps the last step's loss code (``keep_last_good``: see :meth:`loss_code`).
         self.keep_last = keep_last
         #: Whether an optimizer step follows backward: the default mode's gradient check runs there, and a fix
@@ -149,6 +153,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         too, so running over the budget there leaves only that region
         unrecorded, not the data code of the steps after.
         """
+        if region == "data":
+            self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
         self.forget()
         if region in self.untraced:
             return
@@ -162,6 +168,22 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             _push(self)
             self.pushed = True
             self._pushed_inferring = _inference()
+
+    def batch_entered(self) -> None:
+        """A top-level model call began, its batch judged: the data region's records go.
+
+        With :attr:`holds_data` they are held instead, until the next data
+        region starts (:meth:`claim` looks there too): the deferred check
+        judges the batch at the optimizer step.
+        """
+        if self.holds_data and self._region == "data" and self._ops:
+            # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
+            # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
+            ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops
+            self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
+            self._data = (ops, self._produced, self._frames, self._rng)
+            self._ops, self._produced, self._frames = [], {}, []
+        self.forget()
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
@@ -196,7 +218,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         step's replace them, for a fix trial at the next step's forward event, which its loss code follows.
         """
         if last:
-            self._last = None
+            self._last = self._data = None
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
                 self.weaken(detach=True)

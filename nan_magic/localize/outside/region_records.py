@@ -36,6 +36,10 @@ from nan_magic.localize.outside.recorded_ops import (
 
 __all__ = ["RegionRecords"]
 
+#: One region's records: its ops, which op returned which tensor (by id), the user's frame of each op, and the
+#: generators' state its first random op found.
+_Records = tuple[list[RecordedOp], dict[int, int], list[FrameType | None], RngState | None]
+
 
 class RegionRecords:
     """The records of the region recording now (and of the last loss region), and the questions put to them."""
@@ -50,6 +54,9 @@ class RegionRecords:
         self._rng: RngState | None = None
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
+        # The last data region's records, kept by forget() until the deferred check has judged the batch they
+        # made (the recorder's ``holds_data``): (ops, produced, frames, rng).
+        self._data: _Records | None = None
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
@@ -83,7 +90,18 @@ class RegionRecords:
         non-finite values came from outside the record (a model output).
         ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         """
-        ops = self._ops_to(tensor) if tensor is not None else self._ops_to_key(key) if key is not None else None
+        found = self._claim_in((self._ops, self._produced, self._frames, self._rng), tensor, key)
+        if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
+            found = self._claim_in(self._data, tensor, key)
+        return found
+
+    def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None) -> OpFinding | None:
+        """:meth:`claim` in one region's ``records``."""
+        recorded, produced, frames, rng = records
+        if tensor is not None:
+            ops = _ops_to(recorded, produced, tensor)
+        else:
+            ops = _ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None:
             return None
         tracer = OpTracer(kinds=self.kinds)
@@ -91,11 +109,11 @@ class RegionRecords:
         frame: FrameType | None = None
         try:
             copies, _requiring = copies_from_outside(ops, self.before)
-            with torch.no_grad(), self._generators_as_recorded(), tracer:
+            with torch.no_grad(), generators_at(rng), tracer:
                 for index, op in enumerate(ops):
                     rerun_op(op, copies)
                     if tracer.finding is not None:
-                        producer, frame = op, self._frames[index]
+                        producer, frame = op, frames[index]
                         break
         except Gone:
             return None
@@ -133,9 +151,9 @@ class RegionRecords:
         """
         if loss is not None:
             key = id(loss)
-            ops = self._ops_to(loss) if loss.numel() == 1 else None
+            ops = _ops_to(self._ops, self._produced, loss) if loss.numel() == 1 else None
         else:
-            ops = self._ops_to_key(key) if key is not None else None
+            ops = _ops_to_key(self._ops, self._produced, key) if key is not None else None
         if ops is None or key is None:
             return None
         # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
@@ -180,21 +198,23 @@ class RegionRecords:
         """The generators as the region's first random op found them (the same draws); the user's put back."""
         return generators_at(self._rng)
 
-    def _ops_to(self, tensor: torch.Tensor) -> list[RecordedOp] | None:
-        """The recorded ops up to the one that returned ``tensor``; None when none did."""
-        index = self._produced.get(id(tensor))
-        if index is None:
-            return None
-        outs = tree_leaves(self._ops[index].out)
-        if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
-            return None
-        return self._ops[: index + 1]
 
-    def _ops_to_key(self, key: int) -> list[RecordedOp] | None:
-        """:meth:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
-        index = self._produced.get(key)
-        if index is None:
-            return None
-        if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(self._ops[index].out)):
-            return None
-        return self._ops[: index + 1]
+def _ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> list[RecordedOp] | None:
+    """The recorded ops up to the one that returned ``tensor``; None when none did."""
+    index = produced.get(id(tensor))
+    if index is None:
+        return None
+    outs = tree_leaves(ops[index].out)
+    if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
+        return None
+    return ops[: index + 1]
+
+
+def _ops_to_key(ops: list[RecordedOp], produced: dict[int, int], key: int) -> list[RecordedOp] | None:
+    """:func:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
+    index = produced.get(key)
+    if index is None:
+        return None
+    if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(ops[index].out)):
+        return None
+    return ops[: index + 1]

@@ -14,6 +14,7 @@ from nan_magic.render.words.cause_ops import OP_READINGS
 from nan_magic.render.words.cause_overflow import OVERFLOW_READINGS
 from nan_magic.render.words.cause_steps import STEP_READINGS
 from nan_magic.render.words.cause_words import Reading, counts, counts_phrase, event_of, fmt, what
+from nan_magic.render.words.names import subject_label
 
 __all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
 
@@ -60,6 +61,12 @@ def _reading(cause: Cause) -> Reading:
     if reading is None:
         raise ValueError(f"a cause {cause.label!r} has an unknown reading {cause.reading!r}")
     return reading
+
+
+def _subject(cause: Cause) -> str:
+    """The parameter or state tensor an optimizer reading is about (an older scene's: its words, as written)."""
+    subject = cause.fact("subject")
+    return subject if isinstance(subject, str) else subject_label(from_plain(TensorRef, subject))
 
 
 def _counts(cause: Cause) -> str:
@@ -117,7 +124,7 @@ def _diverging_hint(cause: Cause) -> str:
 
 def _step_facts(cause: Cause) -> tuple[str, ...]:
     lines = [
-        f"phase optimizer: the {cause.fact('optimizer')} step made {cause.fact('subject')} {_counts(cause)}",
+        f"phase optimizer: the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)}",
         f"dtype {cause.fact('dtype')}",
     ]
     lines += [f"{name} = {fmt(cause.fact(name))}" for name in ("lr", "eps") if cause.fact(name) is not None]
@@ -133,7 +140,7 @@ def _lr_hint(cause: Cause) -> str:
     else:
         size, what = "1", "NaN"
     return (
-        f"the {cause.fact('optimizer')} step made {cause.fact('subject')} {_counts(cause)} at step "
+        f"the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)} at step "
         f"{cause.fact('step')}: its learning rate lr = {fmt(lr)} is {what}, so an update of lr · g is non-finite "
         f"for any |g| >= {size}; use a learning rate in the usual range (1e-5 to 1e-1), check how it is computed "
         "(a scheduler, a scaling rule)"
@@ -153,7 +160,7 @@ def _lr_evidence(cause: Cause) -> tuple[str, ...]:
 
 def _state_overflow_hint(cause: Cause) -> str:
     return (
-        f"{cause.fact('subject')} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
+        f"{_subject(cause)} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
         f"{cause.fact('optimizer')} step, e.g. a squared gradient above the limit: keep optimizer state in float32 "
         "(float32 master weights under torch.autocast)"
     )
@@ -161,13 +168,13 @@ def _state_overflow_hint(cause: Cause) -> str:
 
 def _update_overflow_hint(cause: Cause) -> str:
     return (
-        f"the {cause.fact('optimizer')} update of {cause.fact('subject')} overflowed {cause.fact('dtype')} "
+        f"the {cause.fact('optimizer')} update of {_subject(cause)} overflowed {cause.fact('dtype')} "
         f"(max {fmt(cause.fact('limit'))}): keep float32 master weights"
     )
 
 
 def _eps_zero(cause: Cause) -> str:
-    subject = cause.fact("subject")
+    subject = _subject(cause)
     return (
         f"where a gradient of {subject} is 0 (a parameter this batch did not use: an embedding row, a padded "
         f"position) that is 0/0, giving {_counts(cause)}"
@@ -198,7 +205,7 @@ def _eps_rounds_hint(cause: Cause) -> str:
 
 def _step_unmatched_hint(cause: Cause) -> str:
     return (
-        f"the {cause.fact('optimizer')} step made {cause.fact('subject')} {_counts(cause)} from finite gradients in "
+        f"the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)} from finite gradients in "
         f"{cause.fact('dtype')}; no rule of the checklist matches"
     )
 

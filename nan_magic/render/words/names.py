@@ -5,9 +5,9 @@ Stdlib only: ``str(TensorRef)`` calls it, from the records as from every view.
 
 from __future__ import annotations
 
-from nan_magic.records import LayerCall, TensorRef, TensorRole
+from nan_magic.records import LayerCall, Sample, TensorRef, TensorRole
 
-__all__ = ["row_tensor", "tensor_label"]
+__all__ = ["row_tensor", "sample_label", "subject_label", "tensor_label"]
 
 
 def tensor_label(ref: TensorRef) -> str:
@@ -30,6 +30,17 @@ def tensor_label(ref: TensorRef) -> str:
     if role is TensorRole.LOSS:
         return "loss"
     return f"{role.value} {ref.name}"  # parameter, buffer
+
+
+def subject_label(ref: TensorRef) -> str:
+    """A tensor as a sentence's subject: a parameter by its name alone (``fc.weight``), any other by its label."""
+    return ref.name if ref.role is TensorRole.PARAMETER and ref.name else tensor_label(ref)
+
+
+def sample_label(sample: Sample) -> str:
+    """A histogram's title: ``encoder.1 output``, ``(root) input[0]`` for a layer's tensor, else its label alone."""
+    tensor = tensor_label(sample.tensor) if sample.tensor is not None else "values"
+    return tensor if sample.module is None else f"{sample.module or '(root)'} {tensor}"
 
 
 def row_tensor(layer: LayerCall) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
-from nan_magic.render.words.names import tensor_label
+from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.tensor_refs import TensorRef
 
 __all__ = ["human_size", "note_text"]
@@ -44,7 +44,6 @@ _TEMPLATES: dict[str, str] = {
                             "ended",
     "scaler-collapsing": "raised because the scale keeps collapsing ({skips} skips in a row, or a scale below 1)",
     "about-to-step": "{optimizer} was about to step with this gradient",
-    "optimizer-made-it": "the {optimizer} step made {tensor} non-finite",
     "detected-deferred": "detected at the deferred check",
     "held-changed": "an input tensor of that call was changed in place after its forward",
     "held-freed": "an input tensor of that call was freed after its forward and cannot be recomputed",
@@ -192,9 +191,13 @@ def _scaler_skipped(note: Note) -> str:
 def _written_outside(note: Note) -> str:
     previous = note.fact("previous_check")
     since = "since the watch began" if previous is None else f"since it was last checked finite, after step {previous}"
-    return (f"{note.fact('tensor')} was non-finite after the {note.fact('optimizer')} step of step "
+    return (f"{_subject(note.fact('tensor'))} was non-finite after the {note.fact('optimizer')} step of step "
             f"{note.fact('step')}; the steps {since} were bounded steps, which cannot make a finite parameter "
             "non-finite short of the float32 limit: code outside the optimizer wrote it")
+
+
+def _optimizer_made_it(note: Note) -> str:
+    return f"the {note.fact('optimizer')} step made {_subject(note.fact('tensor'))} non-finite"
 
 
 def _python_backward(note: Note) -> str:
@@ -302,12 +305,17 @@ def _tensor(pairs: Any) -> str:
     return tensor_label(from_plain(TensorRef, pairs))
 
 
+def _subject(pairs: Any) -> str:
+    return subject_label(from_plain(TensorRef, pairs))
+
+
 #: The notes whose words depend on their facts beyond filling them in.
 _WRITERS: dict[str, Callable[[Note], str]] = {
     "deliberate": _deliberate,
     "loss-region": _loss_region,
     "scaler-skipped": _scaler_skipped,
     "written-outside-optimizer": _written_outside,
+    "optimizer-made-it": _optimizer_made_it,
     "python-backward": _python_backward,
     "inside": _inside,
     "outside-untraced": _outside_untraced,

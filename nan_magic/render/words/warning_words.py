@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nan_magic.note_records import Note
-from nan_magic.records import module_label
+from nan_magic.plain import from_plain
+from nan_magic.records import TensorRef, module_label
+from nan_magic.render.words.names import tensor_label
 
 __all__ = ["WARNING_WORDS"]
 
@@ -34,9 +36,13 @@ def _norm_overflow(note: Note) -> str:
             "every element is finite: gradients are near the float32 limit; lower the learning rate or clip them")
 
 
+def _batch_tensor(note: Note) -> str:
+    """The label of the batch tensor a warning is about (``input[0]``)."""
+    return tensor_label(from_plain(TensorRef, note.fact("tensor")))
+
+
 def _subject(note: Note) -> str:
-    tensor = note.fact("tensor")
-    return "the batch entering the model" if tensor is None else f"{tensor} of the batch"
+    return "the batch entering the model" if note.fact("tensor") is None else f"{_batch_tensor(note)} of the batch"
 
 
 def _extreme_input(note: Note) -> str:
@@ -49,7 +55,7 @@ def _constant_feature(note: Note) -> str:
     constant: tuple[tuple[int, float], ...] = note.fact("constant", ())
     shown = ", ".join(f"{index} (= {value:.3g})" for index, value in constant)
     more = f" and {count - len(constant)} more" if count > len(constant) else ""
-    return (f"{note.fact('tensor')}: {count} of {note.fact('features')} {axis}s are constant over the batch of "
+    return (f"{_batch_tensor(note)}: {count} of {note.fact('features')} {axis}s are constant over the batch of "
             f"{note.fact('rows')} rows: {axis} {shown}{more}; standardising it divides by a zero std")
 
 
