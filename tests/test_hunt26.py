@@ -145,15 +145,19 @@ def marked_line(marker: str) -> int:
     return next(number for number, line in enumerate(lines, 1) if line.rstrip().endswith(f"# producer: {marker}"))
 
 
+def still_regression() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """A linear model, an optimizer that leaves it as it is (lr 0) and one batch: each step computes the same."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.0), torch.randn(8, 4)
+
+
 @pytest.mark.parametrize("options", TIMINGS)
 def test_a_nan_left_in_the_namespace_is_not_the_data_of_a_loss_that_made_its_own(options) -> None:
     # The loss code was recorded in full: what it read is known, and a NaN kept from an earlier run (a notebook's
     # namespace, a list of past losses) is not what it read.
     earlier_losses = [torch.tensor(float("nan"))]
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    x = torch.randn(8, 4)
+    model, opt, x = still_regression()
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
         for step in range(2):
             out = model(x)
@@ -312,10 +316,7 @@ def test_a_nan_batch_given_by_keyword_is_data_on_every_step(options, bad_step: i
 def test_a_nan_loss_given_to_torch_autograd_backward_is_judged_like_loss_backward(options) -> None:
     # A NaN term whose gradient is finite (log of a constant negative) shows only in the loss: a loop that calls
     # torch.autograd.backward(loss) instead of loss.backward() printed 'loss: nan' under a silent watch.
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    x = torch.randn(8, 4)
+    model, opt, x = still_regression()
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
         for step in range(2):
             out = model(x)
