@@ -71,6 +71,27 @@ def test_a_nan_in_an_inference_mode_evaluation_is_named_and_leaves_torch_working
 
 
 @pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_inside_inference_mode_false_leaves_torch_working(options) -> None:
+    # inference_mode(False) inside a loop that is not in inference mode restores the key set as well, and nothing
+    # tells the block from outside: the watch puts the Python key off as it is left, before any op runs.
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = dispatch_state()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for _ in range(2):
+            loss = model(torch.rand(4, 8) + 5).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.inference_mode(False):
+            model(torch.full((4, 8), -100.0))
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 2, "aten.log.default")
+    assert dispatch_state() == before
+    assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
 def test_the_users_error_inside_an_inference_mode_block_is_theirs(options) -> None:
     model = log_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)

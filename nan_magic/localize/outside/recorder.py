@@ -84,6 +84,8 @@ _INERT = -1
 _push, _pop = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
 _stack_depth, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 _inference = torch.is_inference_mode_enabled
+_key_on, _set_key = torch._C._dispatch_tls_is_dispatch_key_included, torch._C._dispatch_tls_set_dispatch_key_included
+_PYTHON, _PYTHON_SNAPSHOT = torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot
 
 
 class OutsideRecorder(RegionRecords, TorchDispatchMode):
@@ -199,9 +201,17 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._budget = _INERT
 
     def pause(self) -> None:
-        """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume)."""
+        """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).
+
+        The first thing the watch does as it is left: where a block that restores the key set ended after the
+        recorder was popped inside it, unseen (``torch.inference_mode(False)`` inside the watch's own mode: no
+        flag tells it from outside), the Python key is on over an empty stack, and is put off before any op runs.
+        """
         self._resumes = self.pushed
         self.stop()
+        if _stack_depth() == 0 and _key_on(_PYTHON):
+            _set_key(_PYTHON, False)
+            _set_key(_PYTHON_SNAPSHOT, False)
 
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
