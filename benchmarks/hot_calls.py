@@ -7,6 +7,7 @@ Usage::
     python benchmarks/hot_calls.py --by file --top 15   # the same, by module
     python benchmarks/hot_calls.py --models             # only the loss-code and update regions' costs
     python benchmarks/hot_calls.py --defer              # the deferred mode's (CUDA's default, defer=True)
+    python benchmarks/hot_calls.py --idioms             # what each idiom of a realistic loop adds, both modes
 
 Why: on the launch-bound step (launch_bound.py) the watch's cost is almost all Python
 the interpreter runs per step, and the timings of a shared 2-core machine move by
@@ -123,6 +124,116 @@ def _clipping_cost(steps: int, defer: bool) -> float:
     return watched - unwatched
 
 
+#: The idioms of a realistic training loop that the benchmarks' minimal step (zero_grad, forward, a one-line
+#: loss, backward, step) leaves out, each with the region of the loop it runs in (localize/outside/).
+IDIOMS = {
+    "item": "loss.item() logged after the step (data)",
+    "metric": "(logits.argmax(-1) == y).float().mean() (loss)",
+    "clip": "clip_grad_norm_(params, 1.0) (update)",
+    "scheduler": "a warm-up LambdaLR's step() after opt.step() (data; a new lr every step)",
+    "zero_grad": "zero_grad(set_to_none=False) (data)",
+    "accumulate": "two micro-batches a step, loss / 2 (loss; a model call waits a step)",
+    "to_device": "the batch moved with .to(device, float32) (data)",
+    "augment": "noise and a normalisation of the batch (data)",
+    "scaler": "a GradScaler: scale(loss).backward(), step(opt), update() (loss, update, data)",
+    "eval": "every 10th iteration a validation forward under no_grad, model.eval()/train()",
+}
+
+
+class RealisticLoop:
+    """deep_mlp trained by a loop with some of :data:`IDIOMS`; :meth:`step` is one iteration (one micro-batch)."""
+
+    def __init__(self, idioms: frozenset[str]) -> None:
+        self.idioms = idioms
+        self.bench = bench = build_launch_bound("deep_mlp")
+        self.x, self.y = bench.batch
+        # A batch as a DataLoader over numpy arrays gives it: float64, converted on its way to the device.
+        self.x64 = self.x.double()
+        self.mean, self.std = self.x.mean(0), self.x.std(0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(bench.optimizer, lambda step: min(1.0, (step + 1) / 1e4))
+        # (On the CPU, fp32: the scale stays at its start, no step is skipped; the ops are those of a GPU loop's.)
+        self.scaler = torch.amp.GradScaler("cpu") if "scaler" in idioms else None
+        self.iteration = 0
+        self.logged = 0.0
+
+    def step(self) -> None:
+        idioms, model, optimizer = self.idioms, self.bench.model, self.bench.optimizer
+        micro = 2 if "accumulate" in idioms else 1
+        if self.iteration % micro == 0:
+            optimizer.zero_grad(set_to_none="zero_grad" not in idioms)
+        x, y = (self.x64.to("cpu", torch.float32), self.y.to("cpu")) if "to_device" in idioms else (self.x, self.y)
+        if "augment" in idioms:
+            x = (x + 0.01 * torch.randn_like(x) - self.mean) / self.std
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        if "metric" in idioms:
+            self.accuracy = (logits.argmax(-1) == y).float().mean()
+        scaled = loss / micro if micro > 1 else loss
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self.iteration += 1
+        if "eval" in idioms and self.iteration % 10 == 0:
+            model.eval()
+            with torch.no_grad():
+                self.validation = torch.nn.functional.cross_entropy(model(self.x), self.y)
+            model.train()
+        if self.iteration % micro:
+            return
+        if "clip" in idioms:
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        if "scheduler" in idioms:
+            self.scheduler.step()
+        if "item" in idioms:
+            self.logged = loss.item()
+
+
+def _loop_calls(idioms: frozenset[str], steps: int, defer: bool | None) -> tuple[float, pstats.Stats]:
+    """Calls per iteration of a :class:`RealisticLoop` (``defer`` None: unwatched), and the watched profile."""
+    import nan_magic
+
+    loop = RealisticLoop(idioms)
+    if defer is None:
+        for _ in range(5):
+            loop.step()
+        stats = _profiled(loop.step, steps)
+    else:
+        with nan_magic.watch(loop.bench.model, loop.bench.optimizer, defer=defer):
+            for _ in range(SETTLE):
+                loop.step()
+            stats = _profiled(loop.step, steps)
+    return stats.prim_calls / steps, stats  # type: ignore[attr-defined]
+
+
+def _idioms_table(steps: int, top: int, by: str) -> None:
+    """One row per idiom: the calls the watch adds per iteration of a loop with it, less of the minimal loop."""
+    rows = [("minimal", frozenset()), *((name, frozenset({name})) for name in IDIOMS), ("all", frozenset(IDIOMS))]
+    print(f"{'idiom':<11} {'immediate':>10} {'adds':>6} {'deferred':>10} {'adds':>6}  what (region)")
+    base: dict[bool, tuple[float, collections.Counter[str]]] = {}
+    for name, idioms in rows:
+        unwatched, _stats = _loop_calls(idioms, steps, None)
+        cells, listed = [], []
+        for defer in (False, True):
+            watched, stats = _loop_calls(idioms, steps, defer)
+            extra, ours = watched - unwatched, _ours(stats, by)
+            if not idioms:
+                base[defer] = (extra, ours)
+            cells.append(f"{extra:>10.0f} {extra - base[defer][0]:>6.0f}")
+            if top and idioms and not defer:
+                listed = (ours - base[defer][1]).most_common(top)
+        what = "the benchmarks' step" if not idioms else "every idiom above" if name == "all" else IDIOMS[name]
+        print(f"{name:<11} {' '.join(cells)}  {what}")
+        for key, count in listed:
+            print(f"    {count / steps:7.1f}  {key}")
+    print(f"deep_mlp (66 parameters), mean over {steps} iterations after {SETTLE}; immediate/deferred: extra calls an "
+          "iteration (watched less unwatched, the same loop); adds: less the minimal loop's")
+
+
 def _module_calls(bench: object) -> int:
     calls = 0
 
@@ -146,6 +257,8 @@ def main() -> None:
     parser.add_argument("--by", choices=("function", "file"), default="function")
     parser.add_argument("--defer", action="store_true",
                         help="count the deferred mode (defer=True: probes read once a step, CUDA's default)")
+    parser.add_argument("--idioms", action="store_true",
+                        help="only the calls each idiom of a realistic loop adds (clipping, .item(), ...), both modes")
     options = parser.parse_args()
     if options.steps < 1:
         parser.error(f"--steps must be at least 1, not {options.steps}")
@@ -154,6 +267,11 @@ def main() -> None:
     import nan_magic
 
     torch.set_num_threads(1)
+    if options.idioms:
+        print("Python calls the default watch adds to an iteration of a realistic loop, per idiom (cProfile "
+              "primitive calls); fp32, CPU, one thread")
+        _idioms_table(options.steps, options.top, options.by)
+        return
     print("Python calls the default watch adds to a healthy training step (cProfile primitive calls, "
           f"mean over {options.steps} steps after {SETTLE}); fp32, CPU, one thread; "
           f"{'deferred mode (defer=True)' if options.defer else 'immediate mode (the CPU default)'}")

@@ -12,7 +12,8 @@ import torch
 import nan_magic
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import models  # benchmarks/ holds scripts, not a package: imported from its path
+import hot_calls  # benchmarks/ holds scripts, not a package: imported from its path
+import models
 
 TINY = models.GPT2Config(layers=2, hidden=32, heads=4, ffn=64, vocab=128, seq=16)
 
@@ -74,3 +75,17 @@ def test_hot_calls_refuses_a_step_count_below_one_in_one_line() -> None:
     result = _hot_calls("--steps", "0")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith("--steps must be at least 1, not 0")
+
+
+def test_hot_calls_counts_what_each_idiom_of_a_realistic_loop_adds_in_both_modes() -> None:
+    result = _hot_calls("--idioms", "--steps", "4")
+    assert result.returncode == 0, result.stderr
+    names = ["minimal", *hot_calls.IDIOMS, "all"]
+    rows = {cells[0]: cells[1:5] for cells in map(str.split, result.stdout.splitlines()) if cells and cells[0] in names}
+    assert list(rows) == names  # one row per idiom, in order
+    assert rows["minimal"][1] == rows["minimal"][3] == "0"  # the minimal loop adds nothing to itself
+    # Clipping runs ops in the update region, which both modes watch; a loss.item() logged after the step is let
+    # by unrecorded: it costs less than one of the four ops the accuracy metric records.
+    for column in (1, 3):
+        assert int(rows["clip"][column]) > 0
+        assert 0 <= int(rows["item"][column]) < int(rows["metric"][column]) / 4

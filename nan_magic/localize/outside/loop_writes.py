@@ -54,12 +54,12 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
-from nan_magic.localize.ops.plans import plan_of, run_op, tensors
+from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.recorded_ops import RecordedOp
-from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.outside.recorder import OutsideRecorder, passes
 from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
@@ -274,19 +274,22 @@ class LoopWrites:
 
 
 # What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
-# or pass it only (record_function's markers: no values, nothing to replay).
+# or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
 _PASSES, _WRITES, _MARKER = 0, 1, 2
 _SELF = frozenset({"self"})
-# id(op) -> (op, what a watched region does with it). Holding the op keeps its id unique.
-_KINDS: dict[int, tuple[Any, int]] = {}
+# id(op) -> (op, what a watched region does with it, the callable that runs it: an OpOverload's C++ ``_op``,
+# skipping its Python ``__call__``, and the plan of an op that writes: plan_of hashes the op in Python).
+# Holding the op keeps its id unique.
+_KINDS: dict[int, tuple[Any, int, Any, Plan | None]] = {}
 
 
-def _kind_of(func: Any) -> int:
+def _kind_of(func: Any) -> tuple[Any, int, Any, Plan | None]:
     if not isinstance(func, torch._ops.OpOverload):
-        return _PASSES
-    if func.namespace == "profiler":
-        return _MARKER
-    return _WRITES if plan_of(func).writes else _PASSES
+        return func, _PASSES, func, None
+    if passes(func):
+        return func, _MARKER, func._op, None
+    plan = plan_of(func)
+    return (func, _WRITES, func._op, plan) if plan.writes else (func, _PASSES, func._op, None)
 
 
 # id(code) -> (code, what a frame running it is between a dispatch mode and the line that ran an op: the user's
@@ -337,7 +340,23 @@ def _lookup(index: _Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | N
     return None
 
 
-# What _writes_parameter maps over a written list, in C (no Python call per tensor).
+def _written(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[Any]:
+    """What an op writes in place: its written arguments, lists flattened (a gradient list is not walked in
+    Python: a GradScaler's unscale writes every gradient); a non-tensor in a list is left for the caller."""
+    if plan.writes == _SELF and args:
+        first = args[0]
+        return first if type(first) is list or type(first) is tuple else (first,)
+    written: list[Any] = []
+    for name, value in (*zip(plan.names, args), *kwargs.items()):
+        if name in plan.writes:
+            if type(value) is list or type(value) is tuple:
+                written.extend(value)
+            else:
+                written.append(value)
+    return written
+
+
+# What _on_parameters maps over a written list, in C (no Python call per tensor).
 _storage_of = torch._C.TensorBase.untyped_storage
 _address = torch.UntypedStorage.data_ptr
 
@@ -384,39 +403,43 @@ class _UpdateRecorder(OutsideRecorder):
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        entry = _KINDS.get(id(func))
+        if entry is None:
+            entry = _KINDS[id(func)] = _kind_of(func)
+        _func, kind, call, plan = entry
         if self.watching:
-            kind = _KINDS.get(id(func))
-            if kind is None:
-                kind = _KINDS[id(func)] = (func, _kind_of(func))
-            if kind[1] == _WRITES and self._writes_parameter(func, args, kwargs):
+            if plan is not None and self._on_parameters(_written(plan, args, kwargs)):
                 self.watching = False
                 self._record_ring()
             else:
-                out = run_op(func, args, kwargs)
-                if kind[1] != _MARKER:
-                    frame = _users(sys._getframe(1))
+                try:
+                    out = call(*args, **kwargs)
+                except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
+                    out = run_op(func, args, kwargs)
+                if kind != _MARKER:
+                    # The caller's code is looked up here first (_users, inlined): a library function's
+                    # (clip_grad_norm_'s) runs most of a watched region's ops.
+                    caller = sys._getframe(1)
+                    known = _CALLERS.get(id(caller.f_code))
+                    frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
+                             ) if known is not None else _users(caller)
                     self._ring.append((func, tuple(args), kwargs, out, frame,
                                        frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
-        if self.recording() and isinstance(func, torch._ops.OpOverload):
-            plan = plan_of(func)
-            if plan.writes:
-                for _label, tensor in tensors(plan, args, kwargs, plan.writes):
-                    self._copy(tensor)
+        if plan is not None and self.recording():
+            written = _written(plan, args, kwargs)
+            if self._on_parameters(written):
+                for tensor in written:
+                    if isinstance(tensor, torch.Tensor):
+                        self._copy(tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _writes_parameter(self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-        """Whether the op writes a watched parameter in place (asked for every in-place op while watching).
+    def _on_parameters(self, written: Sequence[Any]) -> bool:
+        """Whether any of the tensors an op writes in place is a watched parameter or on one's memory.
 
-        Clipping's ``_foreach_mul_`` writes every gradient: a tensor on a storage no parameter is on is ruled
-        out with two calls.
+        Asked for every in-place op of the region. Clipping's ``_foreach_mul_`` and a GradScaler's unscale
+        write every gradient: a tensor on a storage no parameter is on is ruled out with two calls.
         """
-        plan = plan_of(func)
-        if plan.writes == _SELF and args:
-            first = args[0]
-            written = first if type(first) is list or type(first) is tuple else (first,)
-        else:
-            written = [tensor for _label, tensor in tensors(plan, args, kwargs, plan.writes)]
         storages = self._storages()
         try:
             # One pass in C over what the op writes (clipping's _foreach_mul_ writes every gradient): no tensor on a

@@ -63,14 +63,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import capture_rng_state
-from nan_magic.localize.ops.plans import run_op
+from nan_magic.localize.ops.plans import plan_of, run_op
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
-from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL, bytes_held, held_bytes, still_running, weakened
+from nan_magic.localize.outside.held import (
+    KEEP_BYTES,
+    KEEP_TOTAL,
+    bytes_held,
+    held_bytes,
+    still_running,
+    weakened,
+)
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.records import Note
 
-__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder"]
+__all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder", "passes"]
 
 #: Ops a step recorded in the code between an optimizer step and the next model call.
 DATA_BUDGET = 64
@@ -300,7 +307,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         kind, call, _op = entry
         if kwargs is None:
             kwargs = {}
-        if kind is _PASS:  # record_function's markers (zero_grad's, the optimizer step's): nothing to replay
+        if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
             return call(*args, **kwargs)
         if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
@@ -335,23 +342,31 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                                                      frame.f_globals, frame.f_lasti)))
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
-            base = out._base  # _bytes_held, inlined
+            base = out._base  # bytes_held, inlined
             size = (out if base is None else base).nbytes
             self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
         else:
-            flat = (type(out) is tuple or type(out) is list) and all(type(item) is not tuple and type(item) is not list
-                                                                    for item in out)
-            for tensor in out if flat else tree_leaves(out):  # (max and its index: a flat tuple, no pytree walk)
+            flat = type(out) is tuple or type(out) is list  # (max and its index: a flat tuple, no pytree walk)
+            if flat:
+                for item in out:  # (a loop, not all() over a generator: each of its items is a call)
+                    if type(item) is tuple or type(item) is list:
+                        flat = False
+                        break
+            for tensor in out if flat else tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
-                    self._held_bytes += held_bytes(tensor)
+                    self._held_bytes += bytes_held(tensor) if type(tensor) is torch.Tensor else held_bytes(tensor)
         # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
         # counts again.
         for value in args:
             if type(value) is torch.Tensor:
-                self._held_bytes += bytes_held(value)
-            elif type(value) is list or type(value) is tuple:
-                self._held_bytes += sum(held_bytes(item) for item in value if type(item) is torch.Tensor)
+                base = value._base  # bytes_held, inlined: most ops read one or two tensors
+                size = (value if base is None else base).nbytes
+                self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
+            elif type(value) is list or type(value) is tuple:  # (mostly dims and sizes: a loop, no call)
+                for item in value:
+                    if type(item) is torch.Tensor:
+                        self._held_bytes += bytes_held(item)
         if kwargs:
             for value in kwargs.values():
                 if isinstance(value, torch.Tensor):
@@ -373,9 +388,22 @@ _new_tuple = tuple.__new__
 
 def _op_entry(func: Any) -> tuple[str, Any, Any]:
     """``(kind, callable)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping ``__call__``."""
-    kind = _PASS if getattr(func, "namespace", None) == "profiler" else _SEEDED_OP if _seeded(func) else _RECORD
+    kind = _PASS if passes(func) else _SEEDED_OP if _seeded(func) else _RECORD
     entry = _OPS[id(func)] = (kind, func._op if isinstance(func, torch._ops.OpOverload) else func, func)
     return entry
+
+
+def passes(func: Any) -> bool:
+    """Whether the recorders let an op by unrecorded: a profiler marker (``opt.step()``'s, ``zero_grad()``'s), or
+    an op that returns no tensor and writes none (``.item()``'s ``_local_scalar_dense``, ``torch.equal``,
+    ``bool(t)``'s ``is_nonzero``): it makes no value a NaN could be in, and no later op reads what it returned
+    but as a number already in that op's arguments, so a replay never needs it. Looked up once per op.
+    """
+    if getattr(func, "namespace", None) == "profiler":
+        return True
+    if not isinstance(func, torch._ops.OpOverload) or plan_of(func).writes:
+        return False
+    return not any("Tensor" in str(returned.type) for returned in func._schema.returns)
 
 
 def _seeded(func: Any) -> bool:
