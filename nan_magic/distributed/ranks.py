@@ -69,10 +69,12 @@ def data_parallel_paths(root: nn.Module) -> frozenset[str]:
 def user_type(module: nn.Module) -> str:
     """The user's class name: that of the module a wrapper holds (DDP, FSDP1, checkpointing), without FSDP2's prefix."""
     while True:
-        children = module._modules  # a dict lookup: no AttributeError raised per module of a large model
-        inner = children.get("module") if isinstance(module, _DATA_PARALLEL) else None
+        # A dict lookup: no AttributeError raised per module of a large model (``in`` first: a scripted
+        # module's OrderedModuleDict has no ``get``).
+        children = module._modules
+        inner = children["module"] if isinstance(module, _DATA_PARALLEL) and "module" in children else None
         for part in _WRAPPER_PARTS:
-            inner = inner or children.get(part)
+            inner = inner or (children[part] if part in children else None)  # noqa: SIM401 (no get: see above)
         if not isinstance(inner, nn.Module):
             break
         module = inner

@@ -148,6 +148,8 @@ class StepCycle:
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
         self.open = False
+        # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
+        self._closure_ran = False
 
     # -- the counter --------------------------------------------------------------------
 
@@ -193,8 +195,12 @@ class StepCycle:
         judged as the call starts.
         """
         self._end_update(by_a_call=True)
+        if self.optimizers.in_step:
+            self._closure_ran = True
         training = self.training()
         if self.open and self.gradients.backward_runs and training:
+            # The update code just ended ran after every call the step's log holds: it is judged after them.
+            self._written_first = False
             self._settle_backward()
         elif self.gradients.backward_runs and not training:
             self._check_unstepped_gradients()  # an inference step's backward (a saliency map): no optimizer reads it
@@ -322,6 +328,13 @@ class StepCycle:
                 self.gradients.forget_loss_graph()
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._closure_ran:
+            # The step's closure ran the forward and backward (LBFGS) after the pre-hook's check: what they
+            # computed came before the parameters the step then wrote (recorded as update code since the
+            # closure's backward), and is judged first (the deferred check).
+            self._closure_ran = False
+            self._end_update()
+            self.sync()
         try:
             self.optimizers.on_step_post(opt, args, kwargs)
         finally:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord
+from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.step_log import StepLog
@@ -176,6 +176,8 @@ class ProducerRule:
         if origin is None or enclosing is None or enclosing.info is None:
             return  # a value entering the watched code is judged as data, where it enters
         path, tensor = origin
+        if enclosing.parent is None and self._entered_by_keyword(enclosing, tensor):
+            return
         kinds = relevant_kinds(kinds_of(tensor), self.kinds)
         # Its own output check, later, must see a propagator.
         enclosing.inner_kinds |= kinds
@@ -194,6 +196,28 @@ class ProducerRule:
             finding.notes.append(detected_at)
         if not self._replay_enclosing(finding, kinds, enclosing):
             self._emit(finding)
+
+    def _entered_by_keyword(self, top: Call, tensor: torch.Tensor) -> bool:
+        """Judge ``tensor`` as data where a keyword argument of the running top-level call ``top`` holds it.
+
+        Global pre-hooks never see keyword arguments (``model(input_ids=x)``): the
+        watch notes them as the call returns, after its children ran. An event
+        inside the call (the immediate mode) finds them in the call's frame.
+        """
+        passed = running_arguments(top.module)
+        if passed is None:
+            return False
+        entering = [entry for entry in argument_tensors(passed[1], "kwargs") if entry[2] is tensor]
+        if not entering:
+            return False
+        path, argument, _tensor = entering[0]
+        log = self._log
+        call = log.new_call(Phase.DATA, top.info, top.module, None)
+        record = log.record_output(call, path, tensor)
+        record.argument = argument
+        log.finish(call)
+        self.judge(call, record)
+        return True
 
     def _made_by_caller(self, call: Call) -> tuple[str, torch.Tensor] | None:
         """A non-finite input of ``call`` not returned non-finite by any checked call (nor the data).

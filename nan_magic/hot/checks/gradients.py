@@ -184,10 +184,17 @@ class GradientChecks:
         saved = (recorded or []) + kept
         # A tensor the loss code itself made non-finite from finite values (recorded, or traced) is that
         # code's product, not data, even where it needs no gradient (computed from a detached model output).
+        def seen(tensor: torch.Tensor) -> bool:
+            return watch.log.lookup(tensor) is not None
+
+        # Recorded in full, the loss code read only what its records hold: a NaN lying in the user's
+        # namespace is not the step's data.
+        read_all = self.loss_key is not None and recorded is not None and self._loss_code.recorded_in_full(
+            self.loss_key, seen)
         entered = [
             (label, tensor)
             for label, tensor in self._loss_code.entering_tensors(
-                loss, watch.log.last_forward_seq, lambda t: watch.log.lookup(t) is not None, saved
+                loss, watch.log.last_forward_seq, seen, saved, read_all
             )
             if not self.origins.made_by_recorded_code(tensor)
         ]

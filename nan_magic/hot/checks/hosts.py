@@ -132,9 +132,11 @@ class LossCodeReads:
     #: The data leaves the recorded loss code read, up to the op that returned the loss (by its id then);
     #: None where no recorded op returned it (the region was not recorded).
     recorded_leaves: Callable[[int], list[tuple[str, torch.Tensor]] | None]
-    #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before)``.
+    #: Whether the recorded loss code (by the loss's id) is all of it: ``(key, seen)``.
+    recorded_in_full: Callable[[int, Callable[[torch.Tensor], bool]], bool]
+    #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before, read_all)``.
     entering_tensors: Callable[
-        [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[tuple[str, torch.Tensor]]],
+        [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[tuple[str, torch.Tensor]], bool],
         list[tuple[str, torch.Tensor]],
     ]
 

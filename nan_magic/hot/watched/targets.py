@@ -83,6 +83,8 @@ class Targets:
         return self.modules[id(module)]
 
     def _new_root_label(self, module: nn.Module) -> str | None:
+        if isinstance(module, torch.jit.ScriptModule):
+            return None  # TorchScript runs its submodules where no hook sees them (resolve_targets): unwatched
         if self.name_new is not None:
             return self.name_new(module)
         return user_type(module) if self.discover else None  # a compiled or DDP model: the class the user wrote
@@ -171,6 +173,11 @@ def resolve_targets(
     resolved = Targets(name_new=name_new)
     for target, label in zip(targets, label_list):
         shown = label or type(target).__name__
+        if isinstance(target, torch.jit.ScriptModule):
+            raise TypeError(
+                f"cannot watch {shown} ({describe(target)}): TorchScript runs its submodules where no hook "
+                "sees them; watch the module before torch.jit.script or trace (or compile it with torch.compile)"
+            )
         if isinstance(target, nn.Module):
             resolved.add_root(target, label, config)
         elif isinstance(target, torch.optim.Optimizer):

@@ -9,7 +9,9 @@ infinity (:data:`BENIGN`: a mask, an infinite fill, or what carries one on),
 or nothing (it came from outside the trace). A tensor is known by its
 identity and version counter, and a forward value that autograd saved for
 backward, which then reaches a backward op as a new Python object on the same
-memory, is known by that memory.
+memory, is known by that memory. An inference tensor (made under
+``torch.inference_mode()``) has no version counter: it is known by its
+identity alone, and an op that writes it in place notes it again.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ def dense(tensor: torch.Tensor) -> bool:
     return tensor.layout is torch.strided
 
 
+# The version an inference tensor's origin is noted at: it has no version counter.
+_NO_VERSION = -1
+
 #: Tensor types whose memory can stand for a tensor whose Python object is gone (origins by memory).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -177,6 +182,8 @@ class Origins:
             # An op's output that only C++ held (inside matmul) lost its Python
             # object, and the view of it is seen through a new one: by memory.
             return self.memory_entry(tensor)
+        if entry[1] == _NO_VERSION:
+            return entry[3]
         # Autograd bumps the version of a tensor written in place after the
         # op returns here: such an entry holds for the version before or after.
         if tensor._version - entry[1] not in ((0, 1) if entry[2] else (0,)):
@@ -192,9 +199,10 @@ class Origins:
 
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
-        if tensor.is_inference():
-            return  # no version counter
         origins = self._by_id
+        if tensor.is_inference():  # no version counter, nor memory that another tensor object could stand for
+            origins[id(tensor)] = (weakref.ref(tensor), _NO_VERSION, written, origin)
+            return
         origins[id(tensor)] = (weakref.ref(tensor), tensor._version, written, origin)
         if not written and type(tensor) in _PLAIN and dense(tensor):  # a sparse tensor has no one storage
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)

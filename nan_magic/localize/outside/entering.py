@@ -13,7 +13,11 @@ the hot path, in two places:
   frees them): a leaf that needs no gradient is data;
 * the local variables of the user's frames that called ``backward()`` (or
   ``opt.step()``, at the deferred check): ``y`` in ``loss = F.mse_loss(out, y)``
-  when the node saved nothing of it (``(out - y) ** 2``).
+  when the node saved nothing of it (``(out - y) ** 2``). Where the loss code
+  was recorded in full (:func:`recorded_in_full`), its records name every
+  tensor it read: a local variable then only names one of them, and a
+  non-finite tensor the loop left lying about (a NaN kept from an earlier run,
+  in a notebook's namespace) is never taken for the step's data.
 
 A tensor the watch already saw enter a watched model was judged there; an
 additive attention mask (its finite values all 0) is deliberate, not data.
@@ -27,16 +31,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_file
 from nan_magic.hot.checks.loss_region import loss_region_nodes
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask
-from nan_magic.localize.outside.recorded_ops import WeakRecord
+from nan_magic.localize.outside.recorded_ops import WeakRecord, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder
 
-__all__ = ["entering_tensors", "recorded_leaves", "saved_leaves"]
+__all__ = ["entering_tensors", "recorded_in_full", "recorded_leaves", "saved_leaves"]
 
 #: How many of the user's frames are searched, innermost first.
 _MAX_FRAMES = 8
@@ -47,13 +52,16 @@ def entering_tensors(
     boundary: int,
     seen: Callable[[torch.Tensor], bool],
     saved_before: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
+    read_all: bool = False,
 ) -> list[tuple[str, torch.Tensor]]:
     """Non-finite data tensors the loss code may have read, named as the user knows them.
 
     ``boundary`` is the autograd sequence number where the loss code began
     (loss_region.py); ``seen(tensor)`` tells a tensor the watch already saw;
     ``saved_before`` what :func:`saved_leaves` took before backward freed
-    the graph (the deferred check).
+    the graph (the deferred check), or what the recorded loss code read;
+    ``read_all``: that is everything the loss code read (:func:`recorded_in_full`),
+    and the user's local variables only name it.
     """
     bad_locals = {id(tensor): (name, tensor) for name, tensor in _user_locals() if _is_bad_data(tensor)}
     # What the loss code saved is known to have been read by it: those come
@@ -62,7 +70,7 @@ def entering_tensors(
     for label, tensor in [*saved_before, *_saved_by_loss_code(loss, boundary)]:
         if id(tensor) not in found and _is_bad_data(tensor) and not seen(tensor):
             found[id(tensor)] = (bad_locals.get(id(tensor), (label,))[0], tensor)
-    for key, (name, tensor) in bad_locals.items():
+    for key, (name, tensor) in () if read_all else bad_locals.items():
         if key not in found and not seen(tensor):
             found[key] = (name, tensor)
     return list(found.values())
@@ -105,6 +113,33 @@ def recorded_leaves(recorder: OutsideRecorder | None, key: int) -> list[tuple[st
                 if tensor is not None and id(tensor) not in leaves:
                     leaves[id(tensor)] = (f"{name} of {op.func}", tensor)
     return list(leaves.values())
+
+
+def recorded_in_full(recorder: OutsideRecorder | None, key: int, seen: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether the recorded loss code up to the loss (``key``, as in :func:`recorded_leaves`) is all of it.
+
+    It is unless an op read a computed tensor that no recorded op made and no
+    watched model returned (``seen``): a loss summed over two model calls
+    (``mse(m(a), ya) + mse(m(b), yb)``) is recorded from the second call's
+    return on, and what its first part read is not in the records.
+    """
+    found = recorder.loss_code(key, last=False) if recorder is not None else None
+    if found is None:
+        return False
+    made: set[int | None] = set()
+    for op in found[0]:
+        for value in [*op.args, *op.kwargs.values()]:
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if record_key(item) is None or record_key(item) in made:
+                    continue
+                tensor = item.ref() if isinstance(item, WeakRecord) else item
+                if tensor is None:
+                    if item.requires_grad:  # freed since: what made it is not known
+                        return False
+                elif tensor.grad_fn is not None and not seen(tensor):
+                    return False
+        made.update(record_key(out) for out in tree_leaves(op.out))
+    return True
 
 
 def _recorded_leaf(value: Any) -> torch.Tensor | None:

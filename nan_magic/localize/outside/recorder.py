@@ -40,7 +40,15 @@ Dispatch modes form a stack that ``with`` blocks push and pop: the recorder
 is pushed only onto an empty stack (not inside a mode the user entered around
 the model call, which their ``with`` must pop) and popped only when it is the
 innermost mode (a mode the user entered since stays in place; ours then
-waits, inert, until it is on top).
+waits, inert, until it is on top). ``torch.inference_mode()`` restores the
+whole dispatch-key set it found when its block ends, the Python key included
+that a pushed mode sets: a recorder pushed before the block and popped inside
+it would leave that key on over an empty stack, and every op after the block
+fails in torch's Python fallback. Stopped inside such a block, the recorder
+stays pushed, inert, and is popped after it; and it is pushed only where
+inference mode is as the watch found it (pushed inside the block, it would
+stay on the stack past the block's end with the key off, and a mode the user
+enters after the block would see no op).
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ _INERT = -1
 # torch's dispatch-mode stack, called directly (``_push_mode``/``_pop_mode`` are a Python frame more each).
 _push, _pop = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
 _stack_depth, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+_inference = torch.is_inference_mode_enabled
+_key_on, _set_key = torch._C._dispatch_tls_is_dispatch_key_included, torch._C._dispatch_tls_set_dispatch_key_included
+_PYTHON, _PYTHON_SNAPSHOT = torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot
 
 
 class OutsideRecorder(RegionRecords, TorchDispatchMode):
@@ -129,6 +140,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self.stepped = stepped
         self._raw = False
         self.pushed = False
+        # Whether it was pushed inside an inference_mode block (stop: not popped in a block entered since), and
+        # whether the watch was entered (or resumed) in one (_push: pushed only as the watch found it).
+        self._pushed_inferring = False
+        self._watch_inferring = _inference()
         self._resumes = False
         self._budget = 0
         self._region = "loss"
@@ -155,9 +170,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
-        if not self.pushed and _stack_depth() == 0:
+        self._push()
+
+    def _push(self) -> None:
+        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring:
             _push(self)
             self.pushed = True
+            self._pushed_inferring = _inference()
 
     def batch_entered(self) -> None:
         """A top-level model call began, its batch judged: the data region's records go.
@@ -179,7 +198,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
-        if (depth := _stack_depth()) and _stack_at(depth - 1) is self:  # innermost: a user's mode stays balanced
+        # Innermost: a user's mode stays balanced; and not inside an inference_mode block entered since the push,
+        # whose end puts the Python key back (the module docstring).
+        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
+                and (self._pushed_inferring or not _inference())):
             _pop(None)
             self.pushed = False
         else:
@@ -205,15 +227,23 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self.pushed = True
 
     def pause(self) -> None:
-        """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume)."""
+        """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).
+
+        The first thing the watch does as it is left: where a block that restores the key set ended after the
+        recorder was popped inside it, unseen (``torch.inference_mode(False)`` inside the watch's own mode: no
+        flag tells it from outside), the Python key is on over an empty stack, and is put off before any op runs.
+        """
         self._resumes = self.pushed
         self.stop()
+        if _stack_depth() == 0 and _key_on(_PYTHON):
+            _set_key(_PYTHON, False)
+            _set_key(_PYTHON_SNAPSHOT, False)
 
     def resume(self) -> None:
         """Record on after :meth:`pause`, keeping the records and the budget (the watch's run goes on)."""
-        if self._resumes and not self.pushed and _stack_depth() == 0:
-            _push(self)
-            self.pushed = True
+        self._watch_inferring = _inference()
+        if self._resumes:
+            self._push()
 
     def forget(self, last: bool = False) -> None:
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).

@@ -135,7 +135,7 @@ class StepReplays:
         self._nested = nested
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
-        self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._slots: dict[int, list[tuple[Any, str]]] = {}
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped).
         self._stepped: set[int] = set()
@@ -158,12 +158,14 @@ class StepReplays:
         slots = self._slots.get(id(module))
         if slots is None:
             slots = self._slots[id(module)] = [
-                (owner, name) for owner in module.modules() for name in owner._buffers
+                (owned if type(owned := owner._buffers) is dict else _ScriptedBuffers(owned), name)
+                # (keys(): a scripted module's buffers cannot be iterated by name)
+                for owner in module.modules() for name in owner._buffers.keys()  # noqa: SIM118
             ]
             self._trainable[id(module)] = _trainable(module)
             self._library_forward[id(module)] = is_library_code(type(module).forward.__code__)
         mutable = self._mutable.get(id(module))
-        present = [buffer for owner, name in slots if (buffer := owner._buffers.get(name)) is not None]
+        present = [buffer for owned, name in slots if (buffer := owned.get(name)) is not None]
         buffer_versions = _versions(present)
         live = {id(buffer): buffer for buffer in present} if mutable is None else {
             key: buffer for buffer in present if (key := id(buffer)) in mutable}
@@ -422,3 +424,15 @@ def _versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
         return [(tensor, tensor._version) for tensor in tensors]
     except RuntimeError:  # an inference tensor has no version counter
         return [(tensor, version_of(tensor)) for tensor in tensors]
+
+
+class _ScriptedBuffers:
+    """A ``torch.jit.script``ed submodule's buffers, read like a dict (its ``OrderedDictWrapper`` has no ``get``)."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self, buffers: Any) -> None:
+        self._buffers = buffers
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self._buffers[name] if name in self._buffers else None  # noqa: SIM401 (it has no get)
