@@ -196,35 +196,28 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
-        if not self.pushed:
-            return
-        # Innermost: a user's mode stays balanced; and not inside an inference_mode block entered since the push,
-        # whose end puts the Python key back (the module docstring).
-        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and (self._pushed_inferring or not _inference())):
-            _pop(None)
-            self.pushed = False
-        else:
-            self._budget = _INERT
+        if self.pushed and not self.step_aside():
+            self._budget = _INERT  # left on the stack, inert until it is on top
 
     def step_aside(self) -> bool:
-        """Popped for a call that runs none of the loop's code (``zero_grad()``: patches/zero_grad.py); True if so.
+        """Popped, where it may be (True): for :meth:`stop`, and for a call that runs none of the loop's code
+        (``zero_grad()``: patches/zero_grad.py), after which :meth:`step_back` pushes it again.
 
-        Only where this recorder is this thread's innermost mode: a mode the
-        user entered since stays balanced, and another thread's stack holds
-        none of ours.
+        Only where this recorder is this thread's innermost mode (a mode the
+        user entered since stays balanced; another thread's stack holds none
+        of ours), and not inside an inference_mode block entered since the
+        push, whose end puts the Python key back (the module docstring).
         """
-        if self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self:
+        if (self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self
+                and (self._pushed_inferring or not _inference())):
             _pop(None)
             self.pushed = False
             return True
         return False
 
     def step_back(self) -> None:
-        """Pushed again after :meth:`step_aside` (onto an empty stack, as :meth:`start` pushes)."""
-        if not self.pushed and _stack_depth() == 0:
-            _push(self)
-            self.pushed = True
+        """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
+        self._push()
 
     def pause(self) -> None:
         """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).
