@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["from_plain", "to_pairs", "to_plain"]
+__all__ = ["from_plain", "jsonable", "to_pairs", "to_plain"]
 
 T = TypeVar("T")
 
@@ -72,4 +73,17 @@ def _decode(hint: Any, value: Any) -> Any:
         known = {field.name for field in dataclasses.fields(hint)}
         items = value.items() if isinstance(value, dict) else value  # to_plain's dict or to_pairs' pairs
         return hint(**{name: _decode(hints[name], item) for name, item in items if name in known})
+    return value
+
+
+def jsonable(value: Any) -> Any:
+    """``dataclasses.asdict`` output made JSON-safe (Report.to_json): enums and inf/nan as strings."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     return value

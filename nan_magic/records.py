@@ -9,9 +9,7 @@ tensors, so it pickles, crosses processes and outlives the model.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -20,6 +18,7 @@ from nan_magic.fix_records import FixTrial
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.phases import Phase
+from nan_magic.plain import jsonable
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -437,7 +436,7 @@ class Report:
         _views().restore(self)
 
     def to_dict(self) -> dict[str, Any]:
-        data = _jsonable(dataclasses.asdict(self))
+        data = jsonable(dataclasses.asdict(self))
         if self.cause is not None:  # its sentences too, for a reader of the JSON without nan_magic
             data["cause"].update(hint=self.cause.hint, evidence=list(self.cause.evidence))
         data["notes"] = list(self.notes)  # the sentences too, as for the cause
@@ -491,16 +490,3 @@ def install_views(views: ReportViews) -> None:
 def _views() -> ReportViews:
     # nan_magic/__init__.py runs before any of its modules and installs them.
     return _installed[0]
-
-
-def _jsonable(value: Any) -> Any:
-    """Make ``asdict`` output JSON-safe: enums to strings, inf/nan to strings."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
