@@ -117,10 +117,7 @@ class Scene:
         if data.get("version", 0) < 6 and isinstance(plain, dict):
             plain = _typed_tensors(plain)
         if data.get("version", 0) < 7 and isinstance(plain, dict):
-            plain = _typed_fact_tensors(plain)
-            # Its histograms' samples were labelled by the engine: the labels stay, as their titles.
-            plain["samples"] = tuple({**sample, "title": sample.get("label")} if isinstance(sample, dict) else sample
-                                     for sample in plain.get("samples") or ())
+            plain = _as_version_7(plain)
         report = from_plain(Report, plain)
         if isinstance(plain, dict) and plain.get("notes") and not plain.get("note_facts"):
             # A version 2 scene kept its notes as sentences: shown as they were written.
@@ -412,12 +409,14 @@ _NAMED_TENSORS = {"extreme-input": TensorRef.argument, "constant-feature": Tenso
                   "written-outside-optimizer": TensorRef.parameter, "optimizer-made-it": TensorRef.parameter}
 
 
-def _typed_fact_tensors(plain: dict[str, Any]) -> dict[str, Any]:
+def _as_version_7(plain: dict[str, Any]) -> dict[str, Any]:
     """An older scene's report, whose early warnings and optimizer notes named their tensor by a string.
 
     A version 6 scene or older stored the batch warnings' tensor as its
     argument's path and the optimizer notes' as its parameter's name: each is
-    that reference's own field, so the reference is rebuilt, not parsed.
+    that reference's own field, so the reference is rebuilt, not parsed. Its
+    histograms' samples carry the labels the engine gave them: kept, as their
+    titles.
     """
     def typed(record: Any) -> Any:
         made = _NAMED_TENSORS.get(str(record.get("kind"))) if isinstance(record, dict) else None
@@ -427,8 +426,10 @@ def _typed_fact_tensors(plain: dict[str, Any]) -> dict[str, Any]:
             (key, to_pairs(made(value))) if key == "tensor" and isinstance(value, str) else (key, value)
             for key, value in record.get("facts") or ())}
 
+    samples = tuple({**sample, "title": sample.get("label")} if isinstance(sample, dict) else sample
+                    for sample in plain.get("samples") or ())
     return {**plain, "warnings": tuple(typed(record) for record in plain.get("warnings") or ()),
-            "note_facts": tuple(typed(record) for record in plain.get("note_facts") or ())}
+            "note_facts": tuple(typed(record) for record in plain.get("note_facts") or ()), "samples": samples}
 
 
 def _with_paths(report: Report) -> Report:

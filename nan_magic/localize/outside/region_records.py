@@ -13,7 +13,6 @@ in the loop, or the gradient from the loss code) holds a non-finite value;
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from types import FrameType
 
@@ -161,7 +160,8 @@ class RegionRecords:
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         try:
             copies, requiring = copies_from_outside(ops)
-            with torch.enable_grad(), self._generators_as_recorded(), tracer:
+            # (The generators as the region's first random op found them: the same draws; the user's put back.)
+            with torch.enable_grad(), generators_at(self._rng), tracer:
                 for op in ops:
                     before = torch._C._autograd._get_sequence_nr()
                     rerun_op(op, copies)
@@ -193,10 +193,6 @@ class RegionRecords:
         if index is None or not any(record_key(out) == key for out in tree_leaves(ops[index].out)):
             return None
         return ops[: index + 1], rng
-
-    def _generators_as_recorded(self) -> contextlib.AbstractContextManager[None]:
-        """The generators as the region's first random op found them (the same draws); the user's put back."""
-        return generators_at(self._rng)
 
 
 def _ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> list[RecordedOp] | None:
