@@ -400,6 +400,47 @@ def test_a_step_that_is_not_bounded_is_checked_at_once(lr: float) -> None:
     assert f"lr = {'inf' if lr == float('inf') else '1e38'}" in report.cause.hint
 
 
+@pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_schedule_that_changes_lr_every_step_keeps_the_bounded_verdict_right(opt_class) -> None:
+    """The verdict on all but lr is cached; a new lr each step is judged alone, and a change elsewhere afresh."""
+    from nan_magic.hot.checks.step_layout import Layout, bounded_step
+
+    weight = nn.Parameter(torch.ones(3))
+    extra = {"momentum": 0.9} if opt_class is torch.optim.SGD else {}
+    opt = opt_class([weight], lr=1e-3, weight_decay=0.01, **extra)
+    layout = Layout((id(weight),), [("weight", weight)], [("weight", weight)], wide=True)
+    group = opt.param_groups[0]
+    verdicts = []
+    for lr in [1e-3, 2e-3, float("nan"), 5e-4, float("inf"), 1e13, 1e-2]:
+        group["lr"] = lr
+        verdicts.append(bounded_step(opt, layout))
+    assert verdicts == [True, True, False, True, False, False, True]
+    group["weight_decay"] = 1e12  # lr x weight_decay = 1e10: still bounded; 1e15 is not
+    assert bounded_step(opt, layout)
+    group["lr"] = 1e3
+    assert not bounded_step(opt, layout)
+    group["lr"], group["weight_decay"] = 1e-3, float("nan")
+    assert not bounded_step(opt, layout)
+    group["weight_decay"] = 0.0
+    assert bounded_step(opt, layout)
+    group["lr"] = torch.tensor(1e-3)  # a tensor lr: read, never cached
+    assert bounded_step(opt, layout) and layout.bounded_for is None
+    group["lr"].fill_(float("nan"))
+    assert not bounded_step(opt, layout)
+
+
+def test_a_warm_up_schedule_that_turns_lr_nan_is_caught_at_that_step() -> None:
+    def schedule(step: int, _model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        # A warm-up of 0 steps: 0/0 at step 4; every other step a new, finite lr.
+        opt.param_groups[0]["lr"] = 1e-3 * (step + 1) if step != 4 else float("nan")
+
+    with pytest.raises(NonFiniteError) as caught:
+        _adamw_steps(8, schedule)
+    report = caught.value.report
+    assert (report.phase, report.step) == ("optimizer", 4) and report.tensor.role is TensorRole.PARAMETER
+    assert report.cause is not None and report.cause.label == "learning-rate-too-high"
+
+
 class WithSpare(nn.Module):
     """Two layers, and a third the optimizer updates but forward never calls."""
 

@@ -109,7 +109,8 @@ class Layout:
     generic: bool = False
     #: The small CPU gradients are few enough to be copied into one buffer for their norm (optim.FLAT_MAX_NUMEL).
     flat_ok: bool = True
-    #: bounded_step's last verdict and the hyperparameters it was given (plain numbers only), asked every step.
+    #: bounded_step's last verdict on all but the learning rate, and the other hyperparameters it was given
+    #: (plain numbers only), asked every step.
     bounded_for: list[tuple[Any, ...]] | None = None
     bounded: bool = False
 
@@ -145,30 +146,45 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
     """Whether a step of ``opt`` on finite gradients keeps finite parameters finite.
 
     See the module docstring for the argument; this checks its conditions
-    (the gradients are checked by the caller).
+    (the gradients are checked by the caller). The verdict on everything
+    but the learning rate is cached while those hyperparameters stay the
+    same: a schedule changes ``lr`` every step, and only its bound is then
+    checked again, in a few operations a group.
     """
     if type(opt) not in BOUNDED_OPTIMIZERS or not layout.wide or layout.half_state:
         return False
-    hyperparameters = [tuple(map(group.get, _HYPERPARAMETERS)) for group in opt.param_groups]
-    if hyperparameters == layout.bounded_for:  # the usual step: nothing changed since the last
-        return layout.bounded
+    groups = opt.param_groups
+    rest = [tuple(map(group.get, _HYPERPARAMETERS)) for group in groups]
+    if rest == layout.bounded_for:  # the usual step: at most the learning rate changed since the last
+        if not layout.bounded:
+            return False
+        for group, (momentum, weight_decay, *_others) in zip(groups, rest):
+            lr = group["lr"]
+            if type(lr) not in _PLAIN_NUMBERS:
+                break  # a tensor now: judged afresh below
+            if not _lr_bounded(float(lr), float(momentum or 0.0), float(weight_decay or 0.0)):
+                return False
+        else:
+            return True
     bounded = _bounded(opt)
     # A tensor (a capturable learning rate) can change in place and still compare equal: never cached.
-    plain = all(type(value) in _PLAIN_NUMBERS or (type(value) is tuple and all(type(item) is float for item in value))
-                for values in hyperparameters for value in values)
-    layout.bounded_for, layout.bounded = (hyperparameters, bounded) if plain else (None, False)
+    plain = all(type(group.get("lr")) in _PLAIN_NUMBERS for group in groups) and all(
+        type(value) in _PLAIN_NUMBERS or (type(value) is tuple and all(type(item) is float for item in value))
+        for values in rest for value in values)
+    layout.bounded_for, layout.bounded = (rest, _bounded(opt, ignore_lr=True)) if plain else (None, False)
     return bounded
 
 
-#: What :func:`_bounded` reads of a parameter group; a verdict holds while these are the same.
-_HYPERPARAMETERS = ("lr", "momentum", "weight_decay", "dampening", "eps", "betas")
+#: What :func:`_bounded` reads of a parameter group besides ``lr``; a cached verdict holds while these are the same.
+_HYPERPARAMETERS = ("momentum", "weight_decay", "dampening", "eps", "betas")
 _PLAIN_NUMBERS = frozenset({int, float, bool, type(None)})
 
 
-def _bounded(opt: torch.optim.Optimizer) -> bool:
+def _bounded(opt: torch.optim.Optimizer, ignore_lr: bool = False) -> bool:
+    """The module docstring's conditions on every group's hyperparameters (``ignore_lr``: all but the lr's bound)."""
     adam = type(opt) is not torch.optim.SGD
     for group in opt.param_groups:
-        lr = group.get("lr")
+        lr = 0.0 if ignore_lr else group.get("lr")
         if isinstance(lr, torch.Tensor):
             if not lr.is_cpu or lr.numel() != 1:
                 return False  # reading it would synchronise with the device
@@ -177,11 +193,8 @@ def _bounded(opt: torch.optim.Optimizer) -> bool:
         if not all(isinstance(number, (int, float)) for number in (lr, momentum, weight_decay)):
             return False
         lr, momentum, weight_decay = float(lr), float(momentum), float(weight_decay)  # type: ignore[arg-type]
-        numbers = [lr, weight_decay, momentum, group.get("dampening", 0.0)]
-        # The update is at most about lr x |gradient| / (1 - momentum), with |gradient| < BOUNDED_GRAD_NORM:
-        # a learning rate that makes that reach the float32 limit (lr = 1e38) is no bounded step.
-        if not (0.0 <= momentum < 1.0 and abs(lr) / (1.0 - momentum) <= BOUNDED_LR
-                and abs(lr * weight_decay) <= BOUNDED_LR):
+        numbers = [weight_decay, momentum, group.get("dampening", 0.0)]
+        if not (0.0 <= momentum < 1.0 and _lr_bounded(lr, momentum, weight_decay)):
             return False
         if adam:
             eps, betas = group.get("eps"), group.get("betas")
@@ -193,6 +206,12 @@ def _bounded(opt: torch.optim.Optimizer) -> bool:
         if not all(isinstance(number, (int, float)) and math.isfinite(number) for number in numbers):
             return False
     return True
+
+
+def _lr_bounded(lr: float, momentum: float, weight_decay: float) -> bool:
+    """The update is at most about lr x |gradient| / (1 - momentum), with |gradient| < BOUNDED_GRAD_NORM:
+    a learning rate that makes that reach the float32 limit (lr = 1e38) is no bounded step (NaN compares False)."""
+    return abs(lr) / (1.0 - momentum) <= BOUNDED_LR and abs(lr * weight_decay) <= BOUNDED_LR
 
 
 def wild_hyperparameters(opt: torch.optim.Optimizer) -> bool:
