@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
+from nan_magic.fixes.site import InLossCode
 from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
@@ -72,9 +73,11 @@ class LossCode:
     #: Whether these are the last step's ops (a forward event stopped the failing step before its loss code).
     last: bool
 
-    def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
+            remedied: InLossCode | None = None) -> torch.Tensor:
         """The loss of ``outputs`` (by path, with their graph); ``rows``: the samples kept (skip-batch), which the
-        targets lose too. Raises :class:`LossNotComputed`."""
+        targets lose too; ``remedied``: a remedy at the loss code's producer (site.py). Raises
+        :class:`LossNotComputed`."""
         given = {key: outputs[path] for key, path in self.outputs.items() if path in outputs}
         if len(given) != len(self.outputs):
             raise LossNotComputed("the replayed model returned other outputs than the loss code read")
@@ -87,7 +90,7 @@ class LossCode:
                         copies[key] = tensor[rows.to(tensor.device)]
             with torch.enable_grad(), generators_at(self.rng):
                 for op in self.ops:
-                    rerun_op(op, copies)
+                    rerun_op(op, copies, remedied.run if remedied is not None else None)
         except Gone:
             raise LossNotComputed("a tensor the loss code read was freed (only small ones are kept past "
                                   "backward())") from None

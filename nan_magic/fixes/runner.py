@@ -106,15 +106,20 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     if report.phase == Phase.OPTIMIZER:
         _alone(None, None, optimizers, None)
         return try_optimizer_fixes(report, optimizers, roots, last_good)
-    # The call whose replay named the producer; for a batch that entered non-finite, the call given it.
+    # The call whose replay named the producer; for a batch that entered non-finite, the call given it; for a
+    # producer in the loss code, the step's last call (the loss code reads its outputs: loss.py checks).
     root = replays.replayed if report.reproduced else None
     if report.phase == Phase.DATA:
         root = batch_call(replays.calls)
+    elif _in_loss_code(report) and root is None and replays.calls:
+        root = replays.calls[-1]
     model = replays.model_of(root.module) if root is not None else None
     if root is None or model is None:
         return ()
     target = replay_target(root.module) or model
-    code = loss_code(loss, root, before_loss=report.phase in (Phase.FORWARD, Phase.DATA))
+    # A forward event inside a model stops the step before its loss code; one in the loss code comes after it.
+    before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
+    code = loss_code(loss, root, before_loss=before_loss)
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
                        scalers=tuple(loss.scalers))
@@ -182,7 +187,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     old_scale = collapsed_scale(report)
     if old_scale is not None:
         step = scaled(step, old_scale, old_scale)  # the replay unscales the gradients as the scaler did
-    candidates = _candidates(report, site, step) if report.module is not None else []
+    candidates = _candidates(report, site, step) if report.module is not None or _in_loss_code(report) else []
     diverged = report.cause is not None and report.cause.label == "learning-rate-too-high"
     if not candidates and old_scale is None and not diverged:
         return ()
@@ -209,14 +214,21 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all")))))
 
 
+def _in_loss_code(report: Report) -> bool:
+    """Whether the producer ran in the loss code: a forward op outside every module, or its gradient formula."""
+    return report.module is None and report.phase in (Phase.FORWARD, Phase.BACKWARD)
+
+
 def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: FailingStep,
                   base: StepOutcome) -> FixTrial:
     """A remedy applied at the producer's line (site.py) on a replay of the step."""
     outcome = replay_step(step, site, remedy)
     facts = _facts(kind, remedy, report, step, outcome)
     if not outcome.applied:
-        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds,
-                            untried="it found nothing to change at the producer's line")
+        untried = "it found nothing to change at the producer's line"
+        if site.module is None and not isinstance(step.loss_code, LossCode):
+            untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
+        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
     return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
                         output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
                         error=outcome.error)

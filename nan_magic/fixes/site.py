@@ -9,6 +9,13 @@ line, and the call is inside the producing module (an attention layer's line
 runs in every layer; only the one that produced is remedied). The mode runs
 only inside a fix trial, on a copy of the model: the fused-path caveat of
 function modes (DESIGN.md) does not touch the user's run.
+
+A producer in the loss code (outside every module: ``torch.log(p)`` in a
+hand-written loss) is remedied where the trial runs that code again: its
+recorded aten ops (fixes/loss.py), which no function mode sees. There the
+remedy is given each op at the producer's line under the name of the torch
+function it computes (``log`` for ``aten.log.default``), so the same remedies
+apply; their backward is again the remedied op's own derivative.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 
 from nan_magic.localize.ops.sources import user_frame
+from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.records import SourcePointer
 
-__all__ = ["Remedy", "Site", "at_producer", "function_name"]
+__all__ = ["InLossCode", "Remedy", "Site", "at_producer", "function_name"]
 
 #: A remedy at one function call: the remedied result, or None to leave the call as it is.
 Remedy = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
@@ -122,3 +130,44 @@ def at_producer(model: nn.Module, site: Site, remedy: Remedy) -> tuple[_AtProduc
             handle.remove()
 
     return _AtProducer(site, remedy, depth.inside), remove
+
+
+class _AtenCall:
+    """An aten op called as the torch function a remedy knows it by (``log`` for ``aten.log.default``)."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        name = getattr(op, "_opname", "")
+        self.__name__ = _FUNCTION_OF.get(name, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **kwargs)
+
+
+#: aten ops whose torch function has another name.
+_FUNCTION_OF = {"_softmax": "softmax", "_log_softmax": "log_softmax"}
+
+
+class InLossCode:
+    """Runs ``remedy`` on the loss code's recorded ops at ``site``'s line, as a trial runs them again."""
+
+    def __init__(self, site: Site, remedy: Remedy) -> None:
+        self.site = site
+        self.remedy = remedy
+        #: How many ops the remedy changed (as :class:`_AtProducer`'s).
+        self.applied = 0
+
+    def run(self, op: RecordedOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = _AtenCall(op.func)
+        source = self.site.source
+        if source is None or (op.code is not None and op.lineno == source.lineno
+                              and op.code.co_filename == source.filename):
+            result = self.remedy(call, args, kwargs)
+            if result is not None:
+                self.applied += 1
+                return result
+        result = op.func(*args, **kwargs)
+        seen = getattr(self.remedy, "seen", None)
+        if seen is not None:  # (stable.py: a softmax the loss code computed before the line)
+            seen(call, args, kwargs, result)
+        return result

@@ -10,9 +10,10 @@ back (``generators_at``), and the modules' Python state too (``untouched``).
 Nothing of the user's is written: no ``.grad``, no optimizer state, no
 BatchNorm statistics, no draw from their generators.
 
-The loss: the model's own scalar loss (a Hugging Face model given its
-labels), else the recorded loss code run again on the replayed outputs
-(loss.py); a non-finite loss fails the step there. The backward starts from
+The loss: the recorded loss code run again on the replayed outputs
+(loss.py), which may start from the model's own scalar loss (a Hugging Face
+model given its labels: ``out.loss / accumulation``); where no loss code
+could run, that scalar itself; a non-finite loss fails the step there. The backward starts from
 that loss; without one, from what the step held: the gradient that flowed
 into the outputs (a backward event; a finite one, see held_gradients), else
 a gradient of ones into each floating output, standing for the loss.
@@ -40,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
-from nan_magic.fixes.site import Remedy, Site, at_producer
+from nan_magic.fixes.site import InLossCode, Remedy, Site, at_producer
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
@@ -115,20 +116,22 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
         originals = dict(step.target.named_parameters())
         optimizers = _optimizers(step.optimizers, {id(originals[name]): copy for name, copy in parameters.items()})
         stack.enter_context(generators_at(root.rng))
-        mode = None
-        if remedy is not None and site is not None:
+        mode: Any = None
+        in_loss = None
+        if remedy is not None and site is not None and site.module is None:
+            in_loss = mode = InLossCode(site, remedy)  # a producer in the loss code: remedied as it runs again
+        elif remedy is not None and site is not None:
             mode, remove = at_producer(step.model, site, remedy)
             stack.callback(remove)
         try:
-            output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
-            if mode is not None:
-                outcome.applied = mode.applied
-            _judge(outcome, output, step, list(parameters.values()), optimizers)
+            output = _forward(step.target, parameters, args, kwargs, root, mode if in_loss is None else None,
+                              _GuardWrites(guard))
+            _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss)
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = "raised"
             outcome.error = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-            if mode is not None:
-                outcome.applied = mode.applied
+        if mode is not None:
+            outcome.applied = mode.applied
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -186,13 +189,13 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 
 
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
-           optimizers: list[torch.optim.Optimizer]) -> None:
+           optimizers: list[torch.optim.Optimizer], in_loss: InLossCode | None = None) -> None:
     tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     if not all(_finite(tensor) for tensor in outcome.outputs.values()):
         outcome.failed = "forward"
         return
-    loss = _loss(outcome, tensors, step)
+    loss = _loss(outcome, tensors, step, in_loss)
     if loss is not None and not _finite(loss):
         outcome.failed = "loss"
         return
@@ -220,20 +223,25 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
         outcome.failed = "optimizer step"
 
 
-def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep) -> torch.Tensor | None:
-    """The step's loss (see the module docstring), its value and origin noted in ``outcome``; None: not computed."""
+def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep,
+          in_loss: InLossCode | None = None) -> torch.Tensor | None:
+    """The step's loss (see the module docstring), its value and origin noted in ``outcome``; None: not computed.
+
+    ``in_loss``: a remedy at the loss code's producer, applied as that code runs again.
+    """
     losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
     loss = None
-    if len(losses) == 1:
-        loss, outcome.loss_from = losses[0], "model"
-    elif isinstance(step.loss_code, LossCode):
+    if isinstance(step.loss_code, LossCode):
+        # First: the loss code may go on from the model's own loss (``out.loss / accumulation``, a log of it).
         try:
-            loss = step.loss_code.run(dict(tensors), step.rows)
+            loss = step.loss_code.run(dict(tensors), step.rows, in_loss)
             outcome.loss_from = "last loss code" if step.loss_code.last else "loss code"
         except LossNotComputed as error:
             outcome.no_loss = str(error)
     else:
         outcome.no_loss = step.loss_code
+    if loss is None and len(losses) == 1:
+        loss, outcome.loss_from, outcome.no_loss = losses[0], "model", None
     if loss is not None:
         outcome.loss = float(values_to_read(loss).detach())
     return loss

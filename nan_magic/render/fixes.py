@@ -46,9 +46,11 @@ def fix_description(trial: FixTrial) -> str:
     if trial.kind == "stable":
         if trial.fact("form") == "log_softmax":
             return "the log of the softmax fused into log_softmax"
+        if trial.fact("form") == "logsigmoid":
+            return "the log of the sigmoid fused into logsigmoid"
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
-        return "the log of a softmax fused into log_softmax"
+        return "the log of a softmax or sigmoid fused into log_softmax or logsigmoid"
     if trial.kind == "lr" and trial.fact("redone") == "previous":
         if trial.fact("lr") is None:
             return "the previous update redone at a tenth of the learning rate, then this step"
@@ -245,9 +247,10 @@ class _Edit(ast.NodeTransformer):
             return self._mark(ast.Call(ast.parse("torch.exp", mode="eval").body, [shifted], []))
         if kind == "stable" and function == "log" and name == "log":
             inner = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
-            if isinstance(inner, ast.Call) and getattr(inner.func, "attr", getattr(inner.func, "id", "")) == "softmax":
-                return self._mark(ast.Call(ast.parse("torch.log_softmax", mode="eval").body,
-                                           list(inner.args), list(inner.keywords)))
+            inner_name = getattr(inner.func, "attr", getattr(inner.func, "id", "")) if isinstance(inner, ast.Call) else ""
+            fused = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.logsigmoid"}.get(inner_name)
+            if fused is not None and isinstance(inner, ast.Call):
+                return self._mark(ast.Call(ast.parse(fused, mode="eval").body, list(inner.args), list(inner.keywords)))
             return node
         if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
             return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))

@@ -10,6 +10,7 @@ ops that led to a non-finite value again with :func:`rerun_op`, on
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from types import CodeType
 from typing import Any, NamedTuple
 
@@ -85,13 +86,18 @@ def alive(value: Any) -> torch.Tensor:
     return value
 
 
-def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor]) -> None:
-    """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer)."""
+def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor],
+             run: Callable[[RecordedOp, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> None:
+    """One recorded op again, on the replay's tensors (its own line: the user's op, for the tracer).
+
+    ``run(op, args, kwargs)`` runs it instead of ``op.func`` (a fix trial's remedy at the producer's line).
+    """
     def swap(value: Any) -> Any:
         key = record_key(value)
         return value if key is None else copies.get(key) if key in copies else alive(value)
 
-    out = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+    args, kwargs = tree_map(swap, op.args), tree_map(swap, op.kwargs)
+    out = op.func(*args, **kwargs) if run is None else run(op, args, kwargs)
     for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
         key = record_key(old)
         if key is not None:
