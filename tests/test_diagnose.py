@@ -577,6 +577,35 @@ def test_divergence_needs_growth_and_a_steady_rise() -> None:
     assert diagnose(report(history=slow, **overflow)).label == "unclassified"
 
 
+def test_a_run_that_explodes_within_a_few_steps_is_the_learning_rate() -> None:
+    overflow = {"op": "aten.mse_loss.default", "posinf": 1}
+    cause = diagnose(report(history=history([1.16, 4.5e23]), **overflow))  # SGD at lr 1e12: one step
+    assert cause.label == "learning-rate-too-high"
+    assert cause.hint.startswith("the loss rose to 4.5e23 at step 1, 3.88e23x its 1.16 at step 0; then")
+    assert "lower the learning rate" in cause.hint
+    three = history([1.16, 4.5e7, 7.3e17])  # lr 1e4: every step 1e10 times the last
+    assert diagnose(report(history=three, **overflow)).label == "learning-rate-too-high"
+    # Short histories need the explosion; a two-fold rise, or a rise that fell back, is no divergence.
+    for losses in ([1.0, 2.0], [1.0, 1e3], [1.0, 1e7, 1e6], [1e7]):
+        assert diagnose(report(history=history(losses), **overflow)).label == "unclassified", losses
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_sgd_at_a_learning_rate_far_too_high_is_named_as_such_when_its_loss_overflows(defer: bool) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e12)
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(net, opt, defer=defer):
+        for _ in range(10):
+            loss = nn.functional.mse_loss(net(torch.randn(16, 4)), torch.randn(16, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = raised.value.report
+    assert (report.phase, report.module, report.op, report.step) == (Phase.FORWARD, None, "aten.mse_loss.default", 2)
+    assert report.cause.label == "learning-rate-too-high" and "the loss rose to" in report.cause.hint
+
+
 def test_divergence_does_not_override_an_op_specific_cause_but_is_listed() -> None:
     rising = history([1.0, 0.9, 1.1, 0.8, 2.0, 8.0, 40.0])
     cause = diagnose(report(op="aten.log.default", nan=2, history=rising))

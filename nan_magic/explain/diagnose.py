@@ -117,6 +117,10 @@ DIVERGENCE_FACTOR = 10.0
 #: ... and it must have risen on each of this many last steps: one bad batch
 #: spikes once, a diverging run keeps climbing.
 DIVERGENCE_RISES = 3
+#: A run that blows up within a few steps (a learning rate orders of magnitude
+#: too high: the loss 1.2 -> 4e23 -> overflow) has no such history; rising on
+#: every step it has, by this factor over the median before, is divergence too.
+EXPLOSION_FACTOR = 1e6
 
 def diagnose(report: Report) -> Cause:
     """The likely cause of ``report``'s event, with its evidence and a fix.
@@ -250,13 +254,14 @@ def _growth(history: tuple[StepSummary, ...]) -> tuple[str, float, int, float, f
     for field, label in (("loss", "loss"), ("grad_norm", "gradient norm")):
         series = [(entry.step, abs(value)) for entry in history
                   if (value := getattr(entry, field)) is not None and math.isfinite(value)]
-        if len(series) <= DIVERGENCE_RISES + 1:
+        if len(series) < 2:
             continue
         recent = [value for _step, value in series[-DIVERGENCE_RISES - 1:]]
         median = statistics.median(value for _step, value in series[:-1])
         (first, _), (last_step, last) = series[0], series[-1]
-        if all(b > a for a, b in itertools.pairwise(recent)) and median > 0 and last >= DIVERGENCE_FACTOR * median:
-            return label, last, last_step, last / median, median, first, DIVERGENCE_RISES
+        factor = DIVERGENCE_FACTOR if len(series) > DIVERGENCE_RISES + 1 else EXPLOSION_FACTOR
+        if all(b > a for a, b in itertools.pairwise(recent)) and median > 0 and last >= factor * median:
+            return label, last, last_step, last / median, median, first, len(recent) - 1
     return None
 
 

@@ -86,6 +86,8 @@ def _then(cause: Cause) -> str:
 
 def _growth(growth: tuple[str, float, int, float, float, int, int]) -> str:
     label, last, last_step, factor, median, first, rises = growth
+    if rises == 1:
+        return f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(factor)}x its {fmt(median)} at step {first}"
     return (
         f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(factor)}x its median {fmt(median)} since step "
         f"{first}, rising on each of the last {rises} steps"
