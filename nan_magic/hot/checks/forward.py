@@ -112,7 +112,9 @@ class ForwardChecks:
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None)
         if top_level and outside is not None:
-            outside.batch_entered()  # the batch is judged (or held for the check): what the loop computed can go
+            # The batch is judged (or held for the check): what the loop computed can go, but the loss code a
+            # training step computed before this call (recorder.start).
+            outside.batch_entered(goes_on=self._loss_goes_on)
 
     def _run_eagerly(self, info: ModuleInfo) -> None:
         """A full watch calls a compiled model: its original module's code runs instead (module_hooks.py)."""
@@ -189,7 +191,13 @@ class ForwardChecks:
                 cycle.sync()
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None and task == -1:
-                self.watch.outside.start("loss")  # not in a backward pass (see on_forward_pre)
+                # (Not in a backward pass, see on_forward_pre. A training step's loss code may go on across
+                # another model call: recorder.start.)
+                self.watch.outside.start("loss", goes_on=self._loss_goes_on)
+
+    def _loss_goes_on(self) -> bool:
+        """Whether loss code recorded before a top-level call may go on after it: a training step's, with grad on."""
+        return self.watch.cycle.training() and torch.is_grad_enabled()
 
     def _judge_outputs(self, call: Call, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for record in call.outputs:

@@ -54,7 +54,7 @@ enters after the block would see no op).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -83,6 +83,8 @@ __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder", "pa
 DATA_BUDGET = 64
 #: Ops a step recorded between a model call's return and ``backward()`` (the loss, and metrics).
 LOSS_BUDGET = 512
+#: A loss region goes on across another model call of its step while it holds at most this many ops (start).
+GOES_ON_MAX = LOSS_BUDGET // 4
 #: Ops a step recorded between ``backward()`` and the next optimizer step or model call (outside/loop_writes.py).
 UPDATE_BUDGET = 256
 # The budget of a recorder that passes every op through (spent, or stopped under a mode entered since).
@@ -154,14 +156,26 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
 
-    def start(self, region: str, entry: bool = False) -> None:
+    def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
 
         ``entry``: the data code from the watch's entry to its first model call
         (step 0's batch). That code often builds the model and the optimizer
         too, so running over the budget there leaves only that region
         unrecorded, not the data code of the steps after.
+
+        ``goes_on()``: another model call of the same training step returned
+        (no backward since): the loss code may go on from what it computed
+        before that call (``p = model(x).softmax(-1)``, then
+        ``loss = F.cross_entropy(model(x2), y) - entropy(p)``), so its records
+        stay and the region goes on within the same budget, while they are
+        few (:data:`GOES_ON_MAX`; more, as an evaluation loop run with
+        gradients on would record, and it starts afresh).
         """
+        if (goes_on is not None and region == "loss" and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX
+                and self._budget > 0 and goes_on()):
+            self._push()
+            return
         if region == "data":
             self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
         self.forget()
@@ -178,13 +192,16 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self.pushed = True
             self._pushed_inferring = _inference()
 
-    def batch_entered(self) -> None:
+    def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
         """A top-level model call began, its batch judged: the data region's records go.
 
         With :attr:`holds_data` they are held instead, until the next data
         region starts (:meth:`claim` looks there too): the deferred check
-        judges the batch at the optimizer step.
+        judges the batch at the optimizer step. ``goes_on()``: a loss region's
+        few records stay for the call's return to decide (:meth:`start`).
         """
+        if goes_on is not None and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX and goes_on():
+            return
         if self.holds_data and self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
