@@ -454,6 +454,62 @@ def report(**fields) -> Report:
     return Report(**base)
 
 
+@pytest.mark.parametrize("op", ["aten.acos.default", "aten.asin.default"])
+def test_acos_or_asin_past_one_is_a_domain_error_with_its_range(op: str) -> None:
+    past = stats(min=0.9999998807907104, max=1.0000001192092896, zeros=0, negatives=0)
+    cause = diagnose(report(op=op, nan=3, input_stats=((operand("self"), past),)))
+    assert cause.label == "sqrt-domain"
+    base = op.split(".")[1]
+    assert cause.hint.startswith(f"{base} got values outside [-1, 1] in `self` of {op} in encoder.log (LogLayer) "
+                                 "(from 0.999999881 to 1.00000012), where it is NaN")
+    assert "clamp into [-1 + 1e-7, 1 - 1e-7]" in cause.hint
+    inside = stats(min=-0.5, max=0.5)  # a NaN from inside the domain is not this reading
+    assert diagnose(report(op=op, nan=3, input_stats=((operand("self"), inside),))).label == "sqrt-domain"
+
+
+def test_an_acos_of_a_rounded_cosine_in_a_module_is_named_with_a_verified_clamp() -> None:
+    class Angle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            unit = F.normalize(self.fc(x), dim=-1)
+            return torch.acos((unit * unit).sum(-1) * (1 + 1e-6))  # producer: rounded-cosine
+
+    torch.manual_seed(0)
+    model = Angle()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(8, 4)).mean().backward()
+    report = caught.value.report
+    assert (report.module, report.op) == ("", "aten.acos.default")
+    assert report.source.lineno == marked_line("rounded-cosine", where=Angle)
+    assert report.cause.label == "sqrt-domain" and "outside [-1, 1]" in report.cause.hint
+    assert next(trial for trial in report.fixes if trial.kind == "eps").finite is True
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_nan_target_is_bad_data_read_by_the_loss_not_a_models_input(defer: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    targets = torch.randn(24, 1)
+    targets[13] = float("nan")  # a missing label
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        for step in range(3):
+            y = targets[step * 8:(step + 1) * 8]
+            loss = F.mse_loss(model(torch.randn(8, 3)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.tensor.path) == (Phase.DATA, None, 1, "y")
+    assert report.cause.label == "bad-input-data"
+    assert report.cause.hint.startswith("y, read by the code after the model call (the loss), already held 1 nan of 8 "
+                                        "(first at index (5, 0))")
+    assert "entering" not in report.cause.hint
+
+
 def test_log_counts_zeros_and_negatives_from_the_output() -> None:
     cause = diagnose(report(op="aten.log.default", nan=3, neginf=12, input_stats=((operand("self"), stats()),)))
     assert cause.label == "log-domain"

@@ -57,6 +57,15 @@ def _sqrt(report: Report) -> Cause:
     return event_cause("sqrt-domain", "sqrt-negative", report)
 
 
+def _inverse_trig(report: Report) -> Cause:
+    """acos/asin: NaN exactly for operands past [-1, 1] (a cosine that rounding pushed to 1.0000001)."""
+    operand = report.operand("self")
+    if not report.nan or operand is None or operand.min is None or operand.max is None:
+        return overflow(report)
+    return event_cause("sqrt-domain", "outside-unit", report, base=op_function(report.op), low=operand.min,
+                       high=operand.max)
+
+
 def _rsqrt(report: Report) -> Cause:
     if report.nan:
         return _sqrt(report)
@@ -122,6 +131,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("log", "log2", "log10", "log1p"), _log),
     "sqrt": _sqrt,
     "rsqrt": _rsqrt,
+    **dict.fromkeys(("acos", "asin", "arccos", "arcsin"), _inverse_trig),
     **dict.fromkeys(("pow", "float_power"), _pow),
     **dict.fromkeys(("exp", "exp2", "expm1", "sinh", "cosh"), _exp),
     **dict.fromkeys(("div", "true_divide", "floor_divide", "reciprocal", "fmod", "remainder"), _division),

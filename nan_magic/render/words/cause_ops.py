@@ -51,6 +51,16 @@ def _sqrt_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _outside_unit_hint(event: Report, cause: Cause) -> str:
+    base = cause.fact("base")
+    return (
+        # (Nine digits: 1.00000012 is what rounding gives, and fmt's three would show it as 1.)
+        f"{base} got values outside [-1, 1] in {input_label(event, 'self')} (from {cause.fact('low'):.9g} to "
+        f"{cause.fact('high'):.9g}), where it is NaN: a cosine or a dot of unit vectors that rounding pushed past 1; "
+        f"clamp into [-1 + 1e-7, 1 - 1e-7] first (a clamp to [-1, 1] lets the infinite derivative at ±1 through)"
+    )
+
+
 def _rsqrt_hint(event: Report, cause: Cause) -> str:
     zeros = event.posinf + event.neginf
     return (
@@ -259,6 +269,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 OP_READINGS: dict[str, Reading] = {
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
+    "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
     "pow-negative-base": on_event(_pow_negative_hint, _made(counts), sentence=False),
     "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),

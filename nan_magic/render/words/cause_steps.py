@@ -63,6 +63,12 @@ def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
+    if event.module is None:  # no model's input: a tensor the loss code read (the targets)
+        return (
+            f"{event.tensor}, read by the code after the model call (the loss), already held {counts(event)} of "
+            f"{event.numel}{first}: the data was bad before the loss read it; check the loader and preprocessing "
+            "of the targets (a missing label stored as NaN, a corrupt record)"
+        )
     return (
         f"{event.tensor} entering {event.model or 'the model'} already held {counts(event)} of "
         f"{event.numel}{first}: the batch was bad before the model ran; check the loader and preprocessing "
