@@ -204,6 +204,9 @@ CAUSES = {
                           "an overflow of float32 (max 3.4e38)"),
     "log-domain": (_of_event("log-domain", "log-domain", base="log"), "got 1 zeros and 4 negatives"),
     "sqrt-negative": (_of_event("sqrt-domain", "sqrt-negative"), "sqrt got 4 negatives"),
+    "outside-unit": (_of_event("sqrt-domain", "outside-unit", base="acos", low=-0.5, high=1.0000001192092896),
+                     "acos got values outside [-1, 1] in `self` of aten.div.Tensor in fc (Linear) (from -0.5 to "
+                     "1.00000012)"),
     "rsqrt-zero": (_of_event("division-by-zero", "rsqrt-zero"), "rsqrt got 3 zeros"),
     "pow-negative-base": (_of_event("pow-domain", "pow-negative-base"), "fractional exponent"),
     "pow-zero-base": (_of_event("pow-domain", "pow-zero-base", zeros=2), "pow raised 2 zeros"),
