@@ -5,6 +5,7 @@ Usage (needs py-spy: ``pip install -e ".[bench]"``)::
     python benchmarks/hot_share.py                 # the three launch-bound models, ~1.5 minutes
     python benchmarks/hot_share.py --defer         # the deferred mode (defer=True, CUDA's default)
     python benchmarks/hot_share.py --top 10        # and the functions of ours the samples landed in most
+    python benchmarks/hot_share.py --top 10 --by entry   # ... by the hook of ours torch called
 
 Why: launch_bound.py times the watched and the unwatched step one after the other; on a
 shared machine the two move by 10-40% between blocks, more than the watch's cost. py-spy
@@ -56,8 +57,12 @@ def child(name: str, seconds: float, defer: bool) -> None:
             bench.train_step()
 
 
-def share(raw: str) -> tuple[int, collections.Counter[str]]:
-    """Samples inside the training step, and those of ours by innermost function, from py-spy's raw output."""
+def share(raw: str, by_entry: bool = False) -> tuple[int, collections.Counter[str]]:
+    """Samples inside the training step, and those of ours by innermost function, from py-spy's raw output.
+
+    ``by_entry``: by the outermost function of ours instead (the hook or callback torch called: the
+    watch's cost per entry point), the wrappers around the user's own calls passed over.
+    """
     steps = 0
     ours: collections.Counter[str] = collections.Counter()
     for line in raw.splitlines():
@@ -71,8 +76,20 @@ def share(raw: str) -> tuple[int, collections.Counter[str]]:
         steps += int(count)
         function = _innermost_of_ours(frames[start:])
         if function is not None:
-            ours[function] += int(count)
+            ours[_outermost_of_ours(frames[start:]) if by_entry else function] += int(count)
     return steps, ours
+
+
+#: The wrappers of ours around a user's call (their own frames are the user's call, seen from inside).
+_WRAPPERS = ("patches/backward.py", "patches/zero_grad.py", "patches/registry.py")
+
+
+def _outermost_of_ours(frames: list[str]) -> str:
+    for frame in frames:
+        function, _paren, where = frame.partition(" (")
+        if "nan_magic/" in where and not any(wrapper in where for wrapper in _WRAPPERS):
+            return f"{where.split('nan_magic/')[-1].split(':')[0]}:{function}"
+    return "(a wrapper's own frames)"
 
 
 def _innermost_of_ours(frames: list[str]) -> str | None:
@@ -96,6 +113,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=25.0, help="seconds sampled per model (default 25)")
     parser.add_argument("--defer", action="store_true", help="the deferred mode (defer=True, CUDA's default)")
     parser.add_argument("--top", type=int, default=0, help="list the N functions of ours sampled most")
+    parser.add_argument("--by", choices=["function", "entry"], default="function",
+                        help="--top by the innermost function of ours (default), or by the entry point: the hook or "
+                             "callback of ours that torch called")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.seconds <= 0:
@@ -129,7 +149,7 @@ def main() -> None:
                              "(root, or CAP_SYS_PTRACE)")
             process.wait()
             with open(raw) as handle:
-                steps, ours = share(handle.read())
+                steps, ours = share(handle.read(), options.by == "entry")
         part = sum(ours.values()) / max(steps, 1)
         print(f"{name:<10} {steps:>8} {part:>7.1%} {1 / (1 - part):>7.3f}")
         for function, count in ours.most_common(options.top):
