@@ -32,6 +32,7 @@ from nan_magic.distributed.ranks import is_sharded, process_group
 from nan_magic.explain.evidence import HALF as HALF_NAMES
 from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
+from nan_magic.fixes.data_code import remedied_batch
 from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
@@ -39,9 +40,10 @@ from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import float32
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
-from nan_magic.fixes.site import Remedy, Site
+from nan_magic.fixes.site import InLossCode, Remedy, Site
 from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
+from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
 from nan_magic.patches.scaler import scaler_source
@@ -123,7 +125,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
                        scalers=tuple(loss.scalers))
-    return try_fixes(report, step, list(roots), last_good)
+    return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder)
 
 
 class _NeedsRanks(Exception):
@@ -176,13 +178,18 @@ _Try = Callable[[], FixTrial]
 
 
 def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = (),
-              last_good: LastGood | None = None) -> tuple[FixTrial, ...]:
+              last_good: LastGood | None = None, data_code: RegionRecords | None = None) -> tuple[FixTrial, ...]:
     """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first.
 
-    ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence.
+    ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence;
+    ``data_code``: the records of the loop's data code, for a remedy at a producer there (data_code.py).
     """
     if report.phase == Phase.DATA:
-        return _skip_batch(report, step)
+        trials = _skip_batch(report, step)
+        site = producer_site(report)
+        if data_code is not None and report.op is not None and site.function in FUNCTIONS:
+            trials = _verified_first((*trials, _data_code_trial(report, site, step, data_code)))
+        return trials
     site = producer_site(report)
     old_scale = collapsed_scale(report)
     if old_scale is not None:
@@ -210,8 +217,27 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
             continue
         trials.append(run())
         spent += trials[-1].seconds
+    return _verified_first(trials)
+
+
+def _verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
     order = {True: 0, False: 1, None: 2}  # a verified remedy that hid the NaN (moved_all) after the others
     return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all")))))
+
+
+def _data_code_trial(report: Report, site: Site, step: FailingStep, records: RegionRecords) -> FixTrial:
+    """``eps`` at a producer in the data code: the batch made again with it (data_code.py), the step replayed."""
+    remedy = DomainFix(site.function or "")
+    at_line = InLossCode(site, remedy)
+    remade = remedied_batch(step, records, at_line)
+    if isinstance(remade, str):
+        return _at_producer("eps", report, untried=remade)
+    if not at_line.applied:
+        return _at_producer("eps", report, untried="it found nothing to change at the producer's line")
+    outcome = replay_step(remade, None, None)
+    return _at_producer("eps", report, facts=_facts("eps", remedy, report, remade, outcome),
+                        finite=outcome.failed is None, loss=outcome.loss, seconds=outcome.seconds,
+                        failed=outcome.failed, error=outcome.error)
 
 
 def _in_loss_code(report: Report) -> bool:

@@ -195,6 +195,22 @@ class RegionRecords:
         return ops[: index + 1], rng
 
 
+    def data_code(self, tensor: torch.Tensor) -> tuple[list[RecordedOp], RngState | None] | None:
+        """The recorded data code's ops up to the one that returned ``tensor`` (a batch the loop computed), and the
+        generators' state its first random op found; None where no recorded op of the data region returned it.
+
+        The region recording now, or the last one held for the deferred check (:meth:`claim` looks in the same).
+        """
+        regions = [(self._ops, self._produced, self._rng)]
+        if self._data is not None:
+            regions.append((self._data[0], self._data[1], self._data[3]))
+        for recorded, produced, rng in regions:
+            ops = _ops_to(recorded, produced, tensor)
+            if ops is not None:
+                return ops, rng
+        return None
+
+
 def _ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> list[RecordedOp] | None:
     """The recorded ops up to the one that returned ``tensor``; None when none did."""
     index = produced.get(id(tensor))

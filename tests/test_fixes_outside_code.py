@@ -1,10 +1,12 @@
-"""Fix trials at a producer in the loss code: the line outside every module that made the NaN (``torch.log(p)``).
+"""Fix trials at a producer outside every module: in the loss code (``torch.log(p)``) or the data code.
 
-The trial runs the step's recorded loss code again on the replayed outputs
-(nan_magic/fixes/loss.py), with the remedy applied to its ops at the producer's
-line (fixes/site.py ``InLossCode``). Each scenario's loss has a ``fixed`` twin per
-remedy, written by hand as the report's suggested edit: the test checks the
-trial is verified, the edit is that line, and training with the twin goes on.
+The loss code: the trial runs the step's recorded loss code again on the
+replayed outputs (nan_magic/fixes/loss.py), with the remedy applied to its ops
+at the producer's line (fixes/site.py ``InLossCode``). The data code: the batch
+is made again by its recorded ops with the remedy, and the step replayed on it
+(fixes/data_code.py). Each scenario has a ``fixed`` twin per remedy, written by
+hand as the report's suggested edit: the test checks the trial is verified, the
+edit is that line, and training with the twin goes on.
 """
 
 from __future__ import annotations
@@ -170,3 +172,83 @@ def test_a_model_that_returns_its_own_loss_is_remedied_in_the_loss_code_that_goe
     assert report.module is None and report.source.lineno == marked_line("own-loss", where=WithLoss)
     eps = _trial(report, "eps")
     assert eps.finite is True and eps.fact("loss_from") == "loss code", eps
+
+
+class Standardise:
+    """The data code standardises each feature by its std: a constant feature (a sensor stuck) is 0 / 0."""
+
+    def __init__(self, fixed: str | None = None) -> None:
+        self.fixed = fixed
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.fixed == "eps":
+            return (raw - raw.mean(0)) / raw.std(0).clamp_min(1.2e-07)
+        return (raw - raw.mean(0)) / raw.std(0)  # producer: standardise
+
+
+class LogFeature:
+    """The data code log-scales a count feature: a count of 0 is -inf."""
+
+    def __init__(self, fixed: str | None = None) -> None:
+        self.fixed = fixed
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.fixed == "eps":
+            return torch.log(raw.abs().clamp_min(1.2e-07))
+        return torch.log(raw.abs())  # producer: log-feature
+
+
+def _train_on(prepare: object, steps: int = 4, **options: object) -> Report | None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    raw = torch.randn(32, 3)
+    raw[16:24, 1] = 2.0  # batch 2: feature 1 constant (its std is 0), and 0 where abs() is logged below
+    raw[16:24, 2] = 0.0
+    try:
+        with nan_magic.watch(model, opt, **options):
+            for step in range(steps):
+                x = prepare(raw[step * 8:(step + 1) * 8])  # type: ignore[operator]
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    except nan_magic.NonFiniteError as error:
+        return error.report
+    return None
+
+
+DATA = [(Standardise, "standardise"), (LogFeature, "log-feature")]
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize(("cls", "marker"), DATA, ids=[marker for _cls, marker in DATA])
+def test_a_remedy_at_the_data_codes_line_remakes_the_batch_and_is_the_edit_that_lets_training_go_on(
+        cls: type, marker: str, defer: bool) -> None:
+    report = _train_on(cls(), defer=defer)
+    assert report is not None
+    assert report.phase == Phase.DATA and report.step == 2
+    assert report.source is not None and report.source.lineno == marked_line(marker, where=cls)
+    eps = _trial(report, "eps")
+    assert eps.finite is True and eps.source == report.source, eps
+    edit = suggested_edit(eps)
+    assert edit is not None and edit.endswith(_fixed_line(cls, "eps")), (edit, _fixed_line(cls, "eps"))
+    assert report.fixes[0] is eps  # verified first, before skip-batch (every sample holds the NaN here)
+    assert _train_on(cls(fixed="eps"), defer=defer) is None
+
+
+def test_a_bad_batch_no_recorded_code_made_gets_no_data_code_trial() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = [torch.randn(8, 3) for _ in range(3)]
+    batches[1][2, 0] = float("nan")  # loaded that way: no op of the loop made it
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt):
+        for x in batches:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = raised.value.report
+    assert report.phase == Phase.DATA and report.op is None
+    assert [trial.kind for trial in report.fixes] == ["skip-batch"] and report.fixes[0].finite is True

@@ -1,0 +1,54 @@
+"""A remedy at a producer in the loop's data code: the batch made again with it, and the step replayed on that.
+
+``x = (raw - raw.mean(0)) / raw.std(0)`` on a constant feature divides by 0
+before the model runs: the event is the batch entering the model (phase
+``data``), and its producer the division, named by the recorder of the
+code outside the models (localize/outside/). The trial runs that code's
+recorded ops again on copies of what they read, with the remedy applied at
+the producer's line (site.py's ``InLossCode`` serves any recorded code), and
+replays the failing step with the remedied batch in place of the bad one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from nan_magic.fixes.site import InLossCode
+from nan_magic.fixes.step import FailingStep
+from nan_magic.hot.kept.rng import generators_at
+from nan_magic.hot.reads import iter_tensors, values_to_read
+from nan_magic.localize.outside.recorded_ops import Gone, copies_from_outside, rerun_op
+from nan_magic.localize.outside.region_records import RegionRecords
+from nan_magic.localize.replay.module_run import map_tensors
+
+__all__ = ["remedied_batch"]
+
+
+def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InLossCode) -> FailingStep | str:
+    """``step`` with each non-finite tensor of its batch made again by the data code under ``remedy``; or why not."""
+    root = step.root
+    bad = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs))
+           if tensor.is_floating_point() and not bool(torch.isfinite(values_to_read(tensor)).all())]
+    remade: dict[int, torch.Tensor] = {}
+    for tensor in bad:
+        found = records.data_code(tensor)
+        if found is None:
+            return "the non-finite batch was not made by the data code the watch recorded"
+        ops, rng = found
+        try:
+            copies, _requiring = copies_from_outside(ops)
+            with torch.no_grad(), generators_at(rng):
+                for op in ops:
+                    rerun_op(op, copies, remedy.run)
+        except Gone:
+            return "a tensor the data code read was freed since"
+        remade[id(tensor)] = copies[id(tensor)]
+
+    def swap(tensor: torch.Tensor) -> Any:
+        return remade.get(id(tensor), tensor)
+
+    batch = dataclasses.replace(root, args=map_tensors(swap, root.args), kwargs=map_tensors(swap, root.kwargs))
+    return dataclasses.replace(step, root=batch)
