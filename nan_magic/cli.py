@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pathlib
 import runpy
 import sys
 import traceback
@@ -176,7 +177,8 @@ def _write_outputs(report: Report, args: argparse.Namespace) -> None:
     html = args.html or (os.path.join(args.dump, "nan_report.html") if args.dump else None)
     # Under torchrun every rank writes: each to its own file (report.rank1.json).
     html, json_path = (per_rank_path(path) if path else None for path in (html, args.json))
-    outputs = [(html, lambda path: report.to_html(path)), (json_path, lambda path: _write_json(report, path))]
+    outputs = [(html, lambda path: report.to_html(path)),
+               (json_path, lambda path: pathlib.Path(path).write_text(report.to_json(indent=2), encoding="utf-8"))]
     for path, write in outputs:
         if path is None:
             continue
@@ -186,11 +188,6 @@ def _write_outputs(report: Report, args: argparse.Namespace) -> None:
             print(f"nan_magic: could not write {path}: {type(error).__name__}: {error}", file=sys.stderr)
         else:
             print(f"nan_magic: wrote {path}", file=sys.stderr)
-
-
-def _write_json(report: Report, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(report.to_json(indent=2))
 
 
 @contextlib.contextmanager

@@ -232,7 +232,7 @@ WATCH_OPTIONS: list[Flag] = [
 ]
 
 
-def config_from_options(options: Mapping[str, Any], caller: str = "watch()") -> WatchConfig:
+def config_from_options(options: Mapping[str, Any]) -> WatchConfig:
     """The :class:`WatchConfig` of keyword options; an unknown name is a one-line TypeError naming it.
 
     Raises
@@ -244,7 +244,7 @@ def config_from_options(options: Mapping[str, Any], caller: str = "watch()") -> 
         if name not in OPTION_NAMES:
             close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; its options are {', '.join(OPTION_NAMES)}"
-            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint}")
+            raise TypeError(f"watch() got an unexpected keyword argument {name!r}{hint}")
     return WatchConfig(**options)
 
 

@@ -267,9 +267,7 @@ class NanMagics(Magics):
         self._check_loaded()
         try:
             return parse_argstring(magic, line)
-        except UsageError as error:
-            raise UsageError(f"{name}: {error}") from None
-        except ValueError as error:  # unbalanced quotes from the splitter
+        except (UsageError, ValueError) as error:  # ValueError: unbalanced quotes from the splitter
             raise UsageError(f"{name}: {error}") from None
 
     def _make_watch(self, args: Any, name: str) -> Watch:

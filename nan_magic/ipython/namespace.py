@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from nan_magic.hot.watched.targets import _is_grad_scaler
@@ -28,7 +29,7 @@ def discover(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
     for name, value in list(namespace.items()):
         if name.startswith("_") or id(value) in seen:
             continue
-        if isinstance(value, (nn.Module,)) or is_optimizer(value) or _is_grad_scaler(value):
+        if isinstance(value, (nn.Module, torch.optim.Optimizer)) or _is_grad_scaler(value):
             found.append((name, value))
             seen.add(id(value))
     contained: set[int] = set()
@@ -37,12 +38,6 @@ def discover(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
             contained |= {id(sub) for sub in value.modules() if sub is not value}
     kept = [(name, value) for name, value in found if id(value) not in contained]
     return [name for name, _ in kept], [value for _, value in kept]
-
-
-def is_optimizer(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.optim.Optimizer)
 
 
 def namespace_scalers(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:

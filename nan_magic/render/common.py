@@ -431,8 +431,8 @@ def near_rows(layers: tuple[LayerCall, ...], radius: int) -> tuple[LayerCall, ..
     return layers[max(0, focus - radius): focus + radius + 1]
 
 
-def source_excerpt(pointer: SourcePointer, context: int = 3) -> list[tuple[int, str]]:
-    """Lines ``lineno - context .. lineno + context`` of the pointer's file.
+def source_excerpt(pointer: SourcePointer) -> list[tuple[int, str]]:
+    """Lines ``lineno - 3 .. lineno + 3`` of the pointer's file.
 
     Uses :mod:`linecache`, which also knows IPython cells. Empty when the
     file cannot be read (a frozen module, a deleted temp file).
@@ -440,6 +440,5 @@ def source_excerpt(pointer: SourcePointer, context: int = 3) -> list[tuple[int, 
     lines = linecache.getlines(pointer.filename)
     if not lines or not 1 <= pointer.lineno <= len(lines):
         return []
-    first = max(1, pointer.lineno - context)
-    last = min(len(lines), pointer.lineno + context)
+    first, last = max(1, pointer.lineno - 3), min(len(lines), pointer.lineno + 3)
     return [(number, lines[number - 1].rstrip("\n")) for number in range(first, last + 1)]

@@ -293,11 +293,11 @@ def _history_cell(entry: StepSummary, field: str) -> str:
     return value
 
 
-def history_section(report: Report, rows: int = HISTORY_ROWS) -> tuple[str, str]:
+def history_section(report: Report) -> tuple[str, str]:
     """Loss, largest |activation| and the rest of the history: a plot and the last rows."""
     if not report.history:
         return "History", "<p>No history: the watch kept no earlier steps.</p>"
-    recent = report.history[-rows:]
+    recent = report.history[-HISTORY_ROWS:]
     fields = history_fields(report.history)
     head = "".join(f"<th>{escape(label)}</th>" for _, label in fields)
     body = "".join(
@@ -311,7 +311,7 @@ def history_section(report: Report, rows: int = HISTORY_ROWS) -> tuple[str, str]
         f"<th>non-finite</th></tr></thead><tbody>{body}</tbody></table>"
     )
     title = f"History ({len(report.history)} steps kept"
-    title += f"; the table lists the last {rows})" if len(report.history) > rows else ")"
+    title += f"; the table lists the last {HISTORY_ROWS})" if len(report.history) > HISTORY_ROWS else ")"
     if plotted_history_fields(report.history):
         plot = png_img(history_png(report.history, report.step, report.module), "loss and max |output| per step")
     else:

@@ -35,16 +35,14 @@ _NUMERIC = frozenset({"call", "min", "max", "absmax", "nan", "+inf", "-inf"})
 _MAX_CELL = 40
 
 
-def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
+def render_text(report: Report) -> str:
     """Render ``report`` as a plain-text report.
 
     Parameters
     ----------
     report
-        The report to render.
-    max_rows
-        Most rows of the per-layer table to show; rows around the producer
-        are kept and the others summarised as ``"N rows cut"``.
+        The report to render; its per-layer table shows :data:`TEXT_MAX_ROWS` rows at most, those around
+        the producer, the others summarised as ``"N rows cut"``.
 
     Returns
     -------
@@ -59,7 +57,7 @@ def render_text(report: Report, max_rows: int = TEXT_MAX_ROWS) -> str:
         _facts(report),
     ]
     if report.layers:
-        parts.append(_layer_section(report, max_rows))
+        parts.append(_layer_section(report, TEXT_MAX_ROWS))
     debug = _debug_section(report)
     if debug:
         parts.append(debug)

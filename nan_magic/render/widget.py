@@ -52,17 +52,13 @@ ALL_SAMPLES = -1
 PANEL_HEIGHT = "560px"
 
 
-def build_widget(
-    report: Report, max_rows: int = HTML_MAX_ROWS, hides: str | None = None
-) -> widgets.Tab:
+def build_widget(report: Report, hides: str | None = None) -> widgets.Tab:
     """Build the tabbed report widget.
 
     Parameters
     ----------
     report
         The report to show.
-    max_rows
-        Most table rows rendered at once in the Layers tab.
     hides
         The element id of this report's static copy, hidden while the
         widget shows (the style lives in the widget, so it goes with it).
@@ -75,7 +71,7 @@ def build_widget(
     hide = hide_static_css(hides) if hides else ""
     children = [
         _html(hide + summary_html(report) + fixes_html(report) + facts_html(report)),
-        LayersView(in_call_order(report.layers), report.layers_dropped, max_rows).widget,
+        LayersView(in_call_order(report.layers), report.layers_dropped, HTML_MAX_ROWS).widget,
         HistogramsView(report).widget,
         _html(debug_section(report)[1]),
         _html(history_section(report)[1]),

@@ -34,7 +34,7 @@ import platform
 import re
 import secrets
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -292,16 +292,18 @@ def _free_name(folder: str, stem: str) -> str:
 
 def _named_roots(source: SceneSource) -> list[tuple[str, nn.Module]]:
     """The watched models under unique names: their label, else their class name."""
-    named: list[tuple[str, nn.Module]] = []
-    taken: set[str] = set()
+    named: dict[str, nn.Module] = {}
     for label, module in source.roots:
-        name = base = label or type(module).__name__
-        number = 2
-        while name in taken:
-            name, number = f"{base}#{number}", number + 1
-        taken.add(name)
-        named.append((name, module))
-    return named
+        named[_unique(label or type(module).__name__, named)] = module
+    return list(named.items())
+
+
+def _unique(base: str, taken: Container[str]) -> str:
+    """``base``, else the first of ``base#2``, ``base#3``... not ``taken``."""
+    name, number = base, 2
+    while name in taken:
+        name, number = f"{base}#{number}", number + 1
+    return name
 
 
 def _typed_state(owner: Any, state: Any) -> dict[str, Any]:
@@ -339,11 +341,7 @@ def _batch(source: SceneSource, notes: list[Note]) -> dict[str, torch.Tensor]:
     several = len({owner for owner, _path, _tensor in entries}) > 1
     batch: dict[str, torch.Tensor] = {}
     for owner, path, tensor in entries:
-        key = base = f"{owner}:{path}" if several else path
-        number = 2
-        while key in batch:
-            key, number = f"{base}#{number}", number + 1
-        batch[key] = _copy(tensor)
+        batch[_unique(f"{owner}:{path}" if several else path, batch)] = _copy(tensor)
     return batch
 
 

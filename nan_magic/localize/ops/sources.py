@@ -195,6 +195,10 @@ def called_by_the_engine(frame: FrameType | None, user: FrameType) -> bool:
     return True
 
 
+#: How many autograd nodes' forward lines a trace keeps (the most recent).
+MAX_SOURCES = 200_000
+
+
 class NodeSources:
     """The user's forward line of each autograd node created while the tracer is active.
 
@@ -207,20 +211,17 @@ class NodeSources:
     ``torch._C._current_autograd_node()._sequence_nr()`` looks that line up
     (:meth:`forward_source`). This costs a counter read per op and a short
     stack walk per node created, unlike anomaly mode, which formats a full
-    traceback per node. The most recent ``max_sources`` nodes are remembered.
+    traceback per node. The most recent :data:`MAX_SOURCES` nodes are remembered.
 
     Parameters
     ----------
     module_name
         Returns the qualified name of the module running, or None; noted with
         each line.
-    max_sources
-        How many nodes' lines are kept.
     """
 
-    def __init__(self, module_name: Callable[[], str | None], max_sources: int) -> None:
+    def __init__(self, module_name: Callable[[], str | None]) -> None:
         self._module_name = module_name
-        self._max_sources = max_sources
         # autograd sequence number -> (code, line) of the forward op that created it
         self._sources: dict[int, tuple[CodeType, int, str | None]] = {}
         self._seen_seq = 0
@@ -271,7 +272,7 @@ class NodeSources:
             for key in range(first, seq):
                 sources[key] = location
         self._last_location = location
-        if len(sources) > self._max_sources:
+        if len(sources) > MAX_SOURCES:
             # Keys were inserted in increasing order: drop the oldest half.
             for key in list(sources)[: len(sources) // 2]:
                 del sources[key]

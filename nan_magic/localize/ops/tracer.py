@@ -137,8 +137,7 @@ class OpTracer(TorchDispatchMode):
     ``forward_source`` of a backward finding is the user's line that created
     the autograd node being executed, noted while the forward ran by
     :class:`~nan_magic.localize.ops.sources.NodeSources` (a counter read per op,
-    a short stack walk per node created). The most recent ``max_sources``
-    nodes are remembered.
+    a short stack walk per node created).
 
     Examples
     --------
@@ -160,17 +159,11 @@ class OpTracer(TorchDispatchMode):
         module_name: Callable[[], str | None] = _no_module,
         on_finding: Callable[[OpFinding], None] | None = None,
         phase_hint: Callable[[], Phase | None] | None = None,
-        max_sources: int = 200_000,
         at_boundary: bool = False,
         outside_benign: bool = False,
     ) -> None:
         super().__init__()
-        kinds = frozenset(kinds)
-        if not kinds or kinds - {"nan", "inf"}:
-            raise ValueError(
-                f"kinds must be a non-empty subset of {{'nan', 'inf'}}, not {sorted(kinds)!r}"
-            )
-        self.kinds = kinds
+        self.kinds = frozenset(kinds)  # checked by WatchConfig
         self.finding: OpFinding | None = None
         #: ``(label, tensor)`` copies of the producer's output and live inputs
         #: (for histograms), kept until :meth:`reset`.
@@ -187,7 +180,7 @@ class OpTracer(TorchDispatchMode):
         # The kinds of tensors already read, so that none is read twice.
         self._known = KnownKinds()
         #: The user's forward line of each autograd node the traced forward creates.
-        self.node_sources = NodeSources(module_name, max_sources)
+        self.node_sources = NodeSources(module_name)
         self._lock = threading.Lock()
         #: Every origin started this step, in execution order (a replay cut short by an exception
         #: reports the first).

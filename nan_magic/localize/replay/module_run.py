@@ -358,7 +358,6 @@ def _isolated(
     module_name: str,
     rng_state: RngState | None,
     kinds: frozenset[str],
-    on_finding: Callable[[OpFinding], None] | None = None,
     autocast: AutocastState | None = None,
 ) -> Iterator[OpTracer]:
     """Set up a replay of ``module`` that leaves no trace, and give its tracer.
@@ -372,9 +371,7 @@ def _isolated(
     names = submodule_names(module, module_name)
     stack: list[str] = []
     # What the replayed module received from outside is what the watch judged it on.
-    tracer = OpTracer(
-        kinds=kinds, module_name=lambda: stack[-1] if stack else None, on_finding=on_finding, outside_benign=True
-    )
+    tracer = OpTracer(kinds=kinds, module_name=lambda: stack[-1] if stack else None, outside_benign=True)
 
     def enter(sub: nn.Module, _args: Any) -> None:
         name = names.get(id(sub))
