@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import sys
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "short_traceback",
     "user_frames_of",
     "user_line",
+    "user_stacklevel",
 ]
 
 _LIBRARY_DIRS = tuple(
@@ -77,6 +79,19 @@ def user_line(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] |
     while frame is not None and is_library_code(frame.f_code):
         frame = frame.f_back
     return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the caller that names the user's innermost line.
+
+    A warning of the watch is made several frames below the user's code (a
+    hook, torch's ``_call_impl``): a fixed stacklevel names a line of torch or
+    of nan_magic, which the user cannot act on. 1 is the caller itself.
+    """
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and is_library_code(frame.f_code):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 # id(code) -> (code, is library code); holding the code keeps its id unique.

@@ -25,7 +25,7 @@ import torch
 from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.errors.frames import end_at_producer, frames_of, user_frames_of
+from nan_magic.errors.frames import end_at_producer, frames_of, user_frames_of, user_stacklevel
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
@@ -132,7 +132,8 @@ class Events:
                 return  # between agreement points: this rank checks nothing more, stops with the others at the next
             self.raise_agreed(self.agreement.settle(own, finding))
         if self.config.on_detect == "warn":
-            warnings.warn(report.message, RuntimeWarning, stacklevel=3)
+            # Named at the user's line (the cell's), not at the hook several frames below it.
+            warnings.warn(report.message, RuntimeWarning, stacklevel=user_stacklevel())
 
     def _append_log(self, report: Report) -> None:
         """One JSON line per event; a failing log (disk full) must not stop the user's run."""
@@ -233,10 +234,14 @@ class Events:
         last = end_at_producer(tb, error.producer_frame, error.producer_position)
         if last is None:
             return
+        frame = last.tb_frame
+        # A cell's (a script's) top level: its locals are the whole namespace, every tensor of every earlier
+        # cell; the ones its own code names are the ones to show.
+        named = set(frame.f_code.co_names) if frame.f_locals is frame.f_globals else None
         tensor_locals = tuple(
             (name, tensor_stats(value))
-            for name, value in last.tb_frame.f_locals.items()
-            if isinstance(value, torch.Tensor) and is_checkable(value)
+            for name, value in frame.f_locals.items()
+            if isinstance(value, torch.Tensor) and is_checkable(value) and (named is None or name in named)
         )
         report = dataclasses.replace(
             error.report, debug_frame=frames_of(last)[0], debug_locals=tensor_locals, frames=user_frames_of(tb)
