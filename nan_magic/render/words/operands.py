@@ -105,12 +105,18 @@ def _called_name(call: ast.Call) -> str | None:
     return None
 
 
+#: Names that start a path to a module of functions, never a tensor: ``torch.log(x)``, ``F.mse_loss(a, b)``.
+_FUNCTION_MODULES = ("torch", "F", "functional", "nn", "math")
+
+
 def _is_method_on_value(call: ast.Call) -> bool:
-    """``x.log()`` rather than ``torch.log(x)`` / ``F.softmax(x)``."""
+    """``x.log()`` rather than ``torch.log(x)`` / ``F.softmax(x)`` / ``nn.functional.mse_loss(a, b)``."""
     if not isinstance(call.func, ast.Attribute):
         return False
     owner = call.func.value
-    return not (isinstance(owner, ast.Name) and owner.id in ("torch", "F", "functional", "nn", "math"))
+    while isinstance(owner, ast.Attribute):  # torch.nn.functional, torch.special: a dotted path to a module
+        owner = owner.value
+    return not (isinstance(owner, ast.Name) and owner.id in _FUNCTION_MODULES)
 
 
 def _segment(text: str, node: ast.expr) -> str:
