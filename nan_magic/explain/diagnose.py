@@ -179,6 +179,12 @@ def _local_cause(report: Report) -> Cause:
     if report.tensor.role is TensorRole.PARAMETER:
         return event_cause("parameter-already-nonfinite", "parameter-nonfinite", report)
     if report.phase == Phase.DATA:
+        if report.op is not None and report.inputs_finite:
+            # A batch the loop computed, its producing op named (a standardisation by a zero std): the op says
+            # why, as in forward code; a batch that came in non-finite, or an op no rule reads, is the data's.
+            cause = forward_cause(report)
+            if cause.label != "unclassified":
+                return cause
         return event_cause("bad-input-data", "bad-batch", report)
     if report.phase == Phase.BACKWARD:
         return _backward(report)

@@ -309,3 +309,8 @@ def attach_origin(finding: Finding, origin: OpFinding) -> None:
     kept = finding.tensor, finding.bad, finding.bad_stats
     apply_op_finding(finding, origin)
     (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+    # The producer is now the op: whether its inputs were finite is the op's (a batch's finding said the batch
+    # came in non-finite; the division the loop ran on it read finite values). A count of None is a kind present.
+    finding.inputs_finite = not any(
+        stats.nan != 0 or stats.posinf != 0 or stats.neginf != 0 for _ref, stats in origin.input_stats
+    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from nan_magic.locations import name_location
 from nan_magic.plain import from_plain
-from nan_magic.records import Cause, Report, TensorRef, TensorRole, TensorStats, module_label
+from nan_magic.records import Cause, Phase, Report, TensorRef, TensorRole, TensorStats, module_label
 
 __all__ = [
     "Reading",
@@ -107,7 +107,9 @@ def stats_counts(stats: TensorStats) -> str:
 
 
 def where(report: Report) -> str:
-    if report.module is None:
+    # A batch the loop computed: its op ran in the loop's code, before the model it entered (the report's module).
+    in_loop = report.phase == Phase.DATA and report.op is not None
+    if report.module is None or in_loop:
         if report.source is not None:
             return f"the code at {name_location(report.source.filename, report.source.lineno)}"
         return "code outside the watched modules"
