@@ -30,7 +30,7 @@ MATMUL_OPS = frozenset({
 #: quotient reaches here only with a divisor known to hold no zeros (diagnose_forward's rule).
 _ARITHMETIC_OPS = MATMUL_OPS | frozenset({
     "mul", "add", "sub", "rsub", "addcmul", "square", "sum", "cumsum", "prod", "cumprod", "mean",
-    "div", "true_divide", "reciprocal", "var", "std", "var_mean", "std_mean",
+    "div", "true_divide", "reciprocal", "var", "std", "var_mean", "std_mean", "mse_loss",
 })
 #: Ops that square their operand (a variance, a norm): values above sqrt(max) overflow there even
 #: when each value is far below max.
@@ -38,7 +38,7 @@ _SQUARING_OPS = frozenset({
     "square", "pow", "float_power", "var", "std", "var_mean", "std_mean", "norm",
     "linalg_vector_norm", "native_layer_norm", "layer_norm", "native_batch_norm", "batch_norm",
     "native_batch_norm_legit", "native_batch_norm_legit_no_training", "native_group_norm", "group_norm",
-    "rms_norm", "fused_rms_norm", "cudnn_batch_norm", "miopen_batch_norm",
+    "rms_norm", "fused_rms_norm", "cudnn_batch_norm", "miopen_batch_norm", "mse_loss",
 })
 #: An operand or output within this factor of the dtype's max: any further scale or sum can pass it.
 NEAR_MAX = 1e-3
