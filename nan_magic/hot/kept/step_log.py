@@ -311,14 +311,19 @@ class StepLog:
             # (a gradient, the loss, a value passed to a child carry their own reference).
             role = TensorRole.INPUT if call.phase is Phase.DATA else TensorRole.MODULE_OUTPUT
             for record in _own_rows(call):
+                stats = record.stats()
+                # A value the check that stopped the step never judged (the deferred check stops at the loss, the
+                # backward's gradients after it unjudged) is no "ok" where it holds non-finite values: it came
+                # after the producer, which is first by the rule, so it carried them on.
+                unjudged = record.status == "ok" and stats is not None and bool(stats.kinds)
                 rows.append(
                     LayerCall(
                         index=call.index,
                         phase=call.phase,
                         module=call.name,
                         module_type=call.module_type,
-                        stats=record.stats(),
-                        status=record.status,
+                        stats=stats,
+                        status="propagated" if unjudged else record.status,
                         tensor=record_ref(record, role),
                         path=call.info.path if call.info is not None else None,
                     )
