@@ -104,8 +104,10 @@ CELLS = {
         "print(type(sys.last_value).__name__, sys.last_value)\n"
         "print(all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()))"
     ),
+    "nanwatch_maybe": "%nanwatch maybe",
+    "status_after_maybe": "%nanwatch status",
 }
-RAISING = {"loop", "deferred_loop", "zero_std", "big_lr", "own_error"}
+RAISING = {"loop", "deferred_loop", "zero_std", "big_lr", "own_error", "nanwatch_maybe"}
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +226,13 @@ def test_the_users_own_error_is_theirs_and_leaves_nothing_attached(nb: Any) -> N
     (error,) = errors_of(named(nb, "own_error"))
     assert (error.ename, error.evalue) == ("ValueError", "my own bug")
     assert stream(named(nb, "after_own_error")).splitlines() == ["ValueError my own bug", "True"]
+
+
+def test_a_mistyped_nanwatch_subcommand_says_what_it_takes_and_arms_nothing(nb: Any) -> None:
+    cell = named(nb, "nanwatch_maybe")
+    assert not errors_of(cell) and not stream(cell)
+    assert stream(cell, "stderr").strip() == (
+        "UsageError: %nanwatch: 'maybe' is not on, off or status, nor a name defined here "
+        "(the models, optimizers or GradScalers to watch)"
+    )
+    assert stream(named(nb, "status_after_maybe")).splitlines()[0] == "nan_magic: off"

@@ -184,6 +184,10 @@ class NanMagics(Magics):
             print("nan_magic: watch off")
             return
         persistent = words[:1] == ["on"]
+        if words and words[0].isidentifier() and not persistent and words[0] not in self._shell.user_ns:
+            # A mistyped subcommand (%nanwatch of, %nanwatch maybe) would be read as a target: say what is asked.
+            raise UsageError(f"%nanwatch: {words[0]!r} is not on, off or status, nor a name defined here "
+                             "(the models, optimizers or GradScalers to watch)")
         rest = line.split(None, 1)[1] if persistent and len(words) > 1 else ("" if persistent else line)
         args = self._parse(self.nanwatch, rest, "%nanwatch")
         watch = self._make_watch(args, "%nanwatch")
