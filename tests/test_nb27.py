@@ -44,9 +44,9 @@ CELLS = {
     ),
     "loss_helper": (
         "def my_loss(logits, y):\n"
-        "    probs = logits.softmax(-1)\n"
+        "    probs = (logits * 300).softmax(-1)  # sharp: some probabilities are exactly 0\n"
         "    picked = probs[torch.arange(len(y)), y]\n"
-        "    return -(picked * 0).log().mean()"
+        "    return -picked.log().mean()"
     ),
     "loop": (
         "%%nantrace\n"
@@ -165,6 +165,19 @@ def test_a_loop_split_over_cells_names_the_helpers_cell_and_line(nb: Any) -> Non
     assert "local picked: f32[8]" in text
 
 
+@pytest.mark.parametrize("name", ["loop", "deferred_loop"])
+def test_a_log_of_zero_in_the_loss_helper_gets_a_verified_eps_fix(nb: Any, name: str) -> None:
+    """The loss code is outside every module: its eps trial runs on its recorded ops, at the helper's line."""
+    helper = named(nb, "loss_helper").execution_count
+    text = report_text(named(nb, name))
+    assert "Fixes tried on a replay of step 3" in text and "verified" in text, text
+    (trial,) = [line for line in text.splitlines() if line.startswith("  eps: ")]
+    assert "the operand of log clamped to at least 1.19e-7" in trial and "-> verified: the step came out finite" \
+        in trial, trial
+    assert (f"suggested edit (not applied): Cell In[{helper}], line 4: return -picked.clamp_min(1.2e-07).log().mean()"
+            in text)
+
+
 def test_the_deferred_check_names_the_same_producer(nb: Any) -> None:
     helper = named(nb, "loss_helper").execution_count
     (error,) = errors_of(named(nb, "deferred_loop"))
@@ -194,13 +207,14 @@ def test_a_standardisation_by_a_zero_std_is_a_division_by_zero_in_the_loop(nb: A
     assert "already non-finite" not in text
 
 
-def test_a_learning_rate_blow_up_is_an_overflow_of_the_losss_square(nb: Any) -> None:
+def test_a_learning_rate_blow_up_is_the_learning_rate_and_the_overflow_of_the_losss_square(nb: Any) -> None:
     cell = named(nb, "big_lr")
     (error,) = errors_of(cell)
     assert "first non-finite loss in forward step 2" in error.evalue
     text = report_text(cell)
-    assert "Likely cause: overflow." in text and "lower the learning rate" in text
-    assert "its square overflows" in text
+    # Two steps suffice to see the explosion (diagnose.EXPLOSION_FACTOR); how it overflowed is the evidence.
+    assert "Likely cause: learning-rate-too-high." in text and "lower the learning rate" in text, text
+    assert "then: overflow: loss of aten.mse_loss.default" in text, text
     # The loss's operand is the model's output, as written, not the module path the function was called by.
     assert "net(bx) (self): f32[32,1]" in text and "nn.functional (self)" not in text
 
