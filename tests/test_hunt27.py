@@ -1,0 +1,97 @@
+"""Localization gaps of issue #25 and idioms of real loops, in both timings (immediate, and deferred as on CUDA).
+
+Each test asserts what the user sees: the report's phase, module, step, op
+and line, a silent watch on a healthy loop, and results left as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+from tests.faults import marked_line
+
+TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+
+
+def producer_line(marker: str) -> int:
+    import sys
+
+    return marked_line(marker, where=sys.modules[__name__])
+
+
+def still_regression() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """A linear model, an optimizer that leaves it as it is (lr 0) and one batch: each step computes the same."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.0), torch.randn(8, 4)
+
+
+def grads_set_by_hand(loss: torch.Tensor, model: nn.Module) -> None:
+    params = list(model.parameters())
+    for parameter, grad in zip(params, torch.autograd.grad(loss, params), strict=True):
+        parameter.grad = grad
+
+
+def two_losses_backward(loss: torch.Tensor, other: torch.Tensor) -> None:
+    torch.autograd.backward([other, loss])
+
+
+def two_losses_backward_nan_first(loss: torch.Tensor, other: torch.Tensor) -> None:
+    torch.autograd.backward([loss, other])
+
+
+BACKWARDS = {
+    "autograd.grad": lambda loss, other, model: grads_set_by_hand(loss + other, model),
+    "backward([other, nan])": lambda loss, other, model: two_losses_backward(loss, other),
+    "backward([nan, other])": lambda loss, other, model: two_losses_backward_nan_first(loss, other),
+}
+
+
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_loss_given_to_autograd_grad_or_several_to_backward_is_the_loss_codes(options, backward: str) -> None:
+    # A NaN term whose gradient is finite (log of a constant negative) shows only in the loss: these calls started
+    # a backward the watch did not see, and the loop ran on with a NaN loss under a silent watch.
+    model, opt, x = still_regression()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(2):
+            out = model(x)
+            offset = torch.log(out[0, 0] * 0 - 1) if step == 1 else 0  # producer: offset
+            loss = out.pow(2).mean() + offset
+            opt.zero_grad()
+            BACKWARDS[backward](loss, out.abs().mean(), model)
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("offset")
+
+
+def penalized_training(steps: int) -> list[torch.Tensor]:
+    """A critic trained with a gradient penalty (WGAN-GP): ``autograd.grad(create_graph=True)`` inside the loss."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    seen = []
+    for _ in range(steps):
+        x = torch.randn(16, 4, requires_grad=True)
+        score = critic(x)
+        (slope,) = torch.autograd.grad(score.sum(), x, create_graph=True)
+        loss = score.mean() + 10 * (slope.norm(dim=1) - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seen.append(loss.detach())
+    return seen + [p.detach().clone() for p in critic.parameters()]
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_gradient_penalty_is_silent_and_identical(options) -> None:
+    expected = penalized_training(3)
+    with nan_magic.watch(**options) as w:
+        got = penalized_training(3)
+    assert w.report is None
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
