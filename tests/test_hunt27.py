@@ -95,3 +95,60 @@ def test_a_gradient_penalty_is_silent_and_identical(options) -> None:
         got = penalized_training(3)
     assert w.report is None
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def long_loss(out: torch.Tensor, labels: torch.Tensor, terms: int = 600) -> torch.Tensor:
+    """A loss code of more ops than the recorder's budget (512): an MSE and many small terms."""
+    loss = nn.functional.mse_loss(out, labels)
+    for _ in range(terms):
+        loss = loss + 0.0
+    return loss
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_stale_nan_beside_a_loss_code_too_long_to_record_is_a_suspect_not_the_data(options) -> None:
+    # The loss code ran over the recorder's budget: nothing told what it read, and a NaN kept from an earlier run
+    # in the namespace was reported as the step's data (phase data, the variable's name).
+    earlier_losses = [torch.tensor(float("nan"))]
+    model, opt, x = still_regression()
+    labels = torch.randn(8, 1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(2):
+            out = model(x)
+            penalty = torch.log(out[0] * 0 - 1).sum() if step == 1 else 0
+            loss = long_loss(out, labels) + penalty
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, str(report.tensor)) == ("forward", None, 1, "loss")
+    text = report.to_text()
+    assert "earlier_losses[0], among your code's variables, is non-finite too;" in text
+    assert "ran more ops a step than the watch records (512 for the loss" in text
+    assert len(earlier_losses) == 1
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_label_read_by_a_loss_code_too_long_to_record_is_data_or_a_suspect(options) -> None:
+    # Immediate: the event walks the loss code's nodes, and MseLossBackward0 saved the labels (600 nodes deep).
+    # Deferred: backward has freed them by the check, and the walk at backward start stops at 256 nodes (each step
+    # pays it): the labels are named as a suspect beside the loss code, not as data.
+    earlier_losses = [torch.tensor(float("nan"))]
+    model, opt, x = still_regression()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(2):
+            labels = torch.randn(8, 1)
+            if step == 1:
+                labels[2] = float("nan")
+            loss = long_loss(model(x), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    if options:
+        assert (report.phase, report.module, report.step, str(report.tensor)) == ("forward", None, 1, "loss")
+        assert "earlier_losses[0] and labels, among your code's variables, are non-finite too;" in report.to_text()
+    else:
+        assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 1, "labels")
+        assert (report.nan, report.numel) == (1, 8)
+    assert len(earlier_losses) == 1

@@ -62,7 +62,13 @@ from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.outside.entering import entering_tensors, recorded_in_full, recorded_leaves, saved_leaves
+from nan_magic.localize.outside.entering import (
+    entering_tensors,
+    recorded_in_full,
+    recorded_leaves,
+    saved_leaves,
+    unrecorded,
+)
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
 from nan_magic.localize.replay.producer_call import CallReplay
@@ -305,7 +311,8 @@ class Watch:
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         loss_code = LossCodeReads(saved_leaves=saved_leaves, entering_tensors=entering_tensors,
                                   recorded_leaves=functools.partial(recorded_leaves, self.outside),
-                                  recorded_in_full=functools.partial(recorded_in_full, self.outside))
+                                  recorded_in_full=functools.partial(recorded_in_full, self.outside),
+                                  unrecorded=functools.partial(unrecorded, self.outside))
         self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
         self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, self.localizing.optimizer_replay())
         self.last_good = LastGood(self.config.keep_last_good)
