@@ -152,3 +152,88 @@ def test_a_nan_label_read_by_a_loss_code_too_long_to_record_is_data_or_a_suspect
         assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 1, "labels")
         assert (report.nan, report.numel) == (1, 8)
     assert len(earlier_losses) == 1
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # producer: log
+
+
+def log_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Log(), nn.Linear(8, 8), nn.Linear(8, 1))
+
+
+def train_and_evaluate(model: nn.Module, opt: torch.optim.Optimizer, bad: tuple[int, int] | None) -> list[float]:
+    """Three epochs of a step and two evaluation batches under ``torch.inference_mode()``; the evaluation means.
+
+    ``bad``: the (epoch, batch) whose evaluation batch is negative (log of it: NaN).
+    """
+    torch.manual_seed(1)
+    means = []
+    for epoch in range(3):
+        loss = model(torch.rand(4, 8) + 5).abs().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.eval()
+        with torch.inference_mode():
+            for batch in range(2):
+                x = torch.rand(4, 8) + 5
+                if (epoch, batch) == bad:
+                    x = -x
+                means.append(model(x).mean().item())
+        model.train()
+    return means
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_in_a_later_inference_mode_evaluation_batch_is_named(options) -> None:
+    # The recorder pushed after the optimizer step stays on the stack, inert, through the evaluation blocks.
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        train_and_evaluate(model, opt, bad=(2, 1))
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 3, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("log")
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_inference_mode_evaluations_between_steps_are_silent_and_identical(options) -> None:
+    unwatched = log_model()
+    expected = train_and_evaluate(unwatched, torch.optim.SGD(unwatched.parameters(), lr=0.01), None)
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nan_magic.watch(model, opt, **options) as w:
+        got = train_and_evaluate(model, opt, None)
+    assert w.report is None
+    assert got == expected
+
+
+def zero_grad_bound_early(options: dict, bound_before: bool) -> nan_magic.Report:
+    """40 layers (80 gradients), ``zero_grad(set_to_none=False)`` at the top of the loop; step 3's batch: log of <0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    zero = opt.zero_grad  # bound before the watch patches zero_grad
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(4):
+            (zero if bound_before else opt.zero_grad)(set_to_none=False)
+            raw = torch.rand(8, 4) + (5 if step < 3 else -5)
+            x = torch.log(raw)  # producer: batch
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("bound_before", [False, True])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_zero_grad_bound_before_the_watch_leaves_the_data_code_recorded(options, bound_before: bool) -> None:
+    # Its 80 zero_ ops were recorded as the data code's, past that region's budget of 64: its recording went off
+    # for the rest of the watch, and the NaN batch was named without its op and line.
+    report = zero_grad_bound_early(options, bound_before)
+    assert (report.phase, report.step, report.op) == ("data", 3, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("batch")
+    assert not any("ran more ops a step than the watch records" in note for note in report.notes)
