@@ -268,9 +268,10 @@ def _batch_lacks(note: Note) -> str:
 
 def _loss_unrecorded_suspects(note: Note) -> str:
     names = note.fact("tensors")
-    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
-    return (f"{listed}, among your code's variables, {'is' if len(names) == 1 else 'are'} non-finite too; the loss code "
-            f"ran too many ops to be recorded, so whether it read {'it' if len(names) == 1 else 'them'} is not known")
+    one = len(names) == 1
+    listed = names[0] if one else ", ".join(names[:-1]) + f" and {names[-1]}"
+    return (f"{listed}, among your code's variables, {'is' if one else 'are'} non-finite too; the loss code ran too "
+            f"many ops to be recorded, so whether it read {'it' if one else 'them'} is not known")
 
 
 def _autograd_backward(note: Note) -> str:
