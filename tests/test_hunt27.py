@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -237,3 +238,58 @@ def test_a_zero_grad_bound_before_the_watch_leaves_the_data_code_recorded(option
     assert (report.phase, report.step, report.op) == ("data", 3, "aten.log.default")
     assert report.source is not None and report.source.lineno == producer_line("batch")
     assert not any("ran more ops a step than the watch records" in note for note in report.notes)
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops a block ran, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def three_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    for x in batches:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_users_dispatch_mode_around_the_watch_sees_only_the_loops_ops(options) -> None:
+    # It saw the watch's reads too: an aminmax and an item per module output, the optimizer check's norms.
+    batches = [torch.rand(4, 8) + 5 for _ in range(4)]
+    model = log_model()
+    with OpNames() as unwatched:
+        three_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches)
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with OpNames() as watched:
+        with nan_magic.watch(model, opt, **options) as w:
+            three_steps(model, opt, batches)
+        depth = torch._C._len_torch_dispatch_stack()
+    assert w.report is None
+    assert watched.names == unwatched.names
+    assert depth == 1 and torch._C._len_torch_dispatch_stack() == 0
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_under_a_users_dispatch_mode_is_named_and_the_mode_sees_none_of_the_watchs_replay(options) -> None:
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.rand(4, 8) + 5, torch.rand(4, 8) + 5, -torch.rand(4, 8) - 5]
+    with OpNames() as seen:
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+            three_steps(model, opt, batches)
+        depth = torch._C._len_torch_dispatch_stack()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("log")
+    assert depth == 1 and torch._C._len_torch_dispatch_stack() == 0
+    assert "aten.aminmax.default" not in seen.names and "aten._local_scalar_dense.default" not in seen.names
+    assert seen.names.count("aten.log.default") == 3  # the loop's three forwards, not the replay's

@@ -60,6 +60,7 @@ from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
+from nan_magic.lifecycle.users_modes import beside_users_modes, users_modes_active
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside.entering import (
@@ -247,6 +248,8 @@ class Watch:
     def _attach(self) -> None:
         stack = ExitStack()
         try:
+            if users_modes_active():
+                beside_users_modes(self, stack)  # the watch's own ops unseen by them (users_modes.py)
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))

@@ -145,6 +145,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         # whether the watch was entered (or resumed) in one (_push: pushed only as the watch found it).
         self._pushed_inferring = False
         self._watch_inferring = _inference()
+        #: Whether the user's dispatch modes were on the stack as the watch attached: never pushed while it is
+        #: attached (lifecycle/users_modes.py: its callbacks empty the stack for a moment).
+        self.apart = False
         self._resumes = False
         self._budget = 0
         self._region = "loss"
@@ -174,7 +177,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._push()
 
     def _push(self) -> None:
-        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring:
+        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring and not self.apart:
             _push(self)
             self.pushed = True
             self._pushed_inferring = _inference()
