@@ -70,10 +70,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        tensors = _losses(args[0] if args else kwargs.get("tensors"))
-        if getattr(_running, "active", False) or not tensors:
+        if getattr(_running, "active", False):  # (Tensor.backward's own call: seen already)
             return original(*args, **kwargs)
-        return _seen(tensors, original, *args, **kwargs)
+        tensors = _losses(args[0] if args else kwargs.get("tensors"))
+        return _seen(tensors, original, *args, **kwargs) if tensors else original(*args, **kwargs)
 
     return backward
 
