@@ -293,3 +293,37 @@ def test_a_nan_under_a_users_dispatch_mode_is_named_and_the_mode_sees_none_of_th
     assert depth == 1 and torch._C._len_torch_dispatch_stack() == 0
     assert "aten.aminmax.default" not in seen.names and "aten._local_scalar_dense.default" not in seen.names
     assert seen.names.count("aten.log.default") == 3  # the loop's three forwards, not the replay's
+
+
+def two_losses_one_graph(kind: str, loss_a: torch.Tensor, loss_b: torch.Tensor, model: nn.Module) -> None:
+    """Two losses from one forward, each with its own backward over the kept graph."""
+    if kind == "backward":
+        loss_a.backward(retain_graph=True)
+        loss_b.backward()
+    else:  # per-task gradients (PCGrad-like), summed by hand
+        params = list(model.parameters())
+        first = torch.autograd.grad(loss_a, params, retain_graph=True)
+        second = torch.autograd.grad(loss_b, params)
+        for parameter, a, b in zip(params, first, second, strict=True):
+            parameter.grad = a + b
+
+
+@pytest.mark.parametrize("kind", ["backward", "autograd.grad"])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_in_the_second_loss_of_a_retained_graph_is_named(options, kind: str) -> None:
+    # The immediate mode let the loss code's records go as the first backward ended: the second loss, NaN, was
+    # reported without its op and line (the deferred mode named them).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            out = model(torch.randn(4, 8))
+            first = out[:, 0].pow(2).mean()
+            second = out[:, 1].abs().mean() + (torch.log(out[0, 1] * 0 - 1) if step == 2 else 0)  # producer: second
+            opt.zero_grad()
+            two_losses_one_graph(kind, first, second, model)
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("second")

@@ -22,7 +22,7 @@ from nan_magic.patches.registry import ProcessPatch
 
 __all__ = ["watch_backward"]
 
-_callbacks: list[Callable[[torch.Tensor], None]] = []
+_callbacks: list[Callable[[torch.Tensor, Any], None]] = []
 # Called after ``backward()`` returned (not when it raised).
 _finished: list[Callable[[torch.Tensor], None]] = []
 
@@ -31,15 +31,16 @@ _finished: list[Callable[[torch.Tensor], None]] = []
 _running = threading.local()
 
 
-def _seen(tensors: list[torch.Tensor], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``original(*args, **kwargs)``, a backward from ``tensors``, with the callbacks around it.
 
-    Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss.
+    Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss;
+    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one.
     """
     __tracebackhide__ = True
     for tensor in tensors:
         for callback in _callbacks:
-            callback(tensor)
+            callback(tensor, retained)
     outer, _running.active = getattr(_running, "active", False), True
     try:
         result = original(*args, **kwargs)
@@ -59,10 +60,19 @@ def _losses(given: Any) -> list[torch.Tensor]:
     return []
 
 
+def _retained(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+    """Whether a ``torch.autograd`` call keeps its graph: ``retain_graph`` at ``index``, ``create_graph`` after it."""
+    retain = kwargs.get("retain_graph", args[index] if len(args) > index else None)
+    return retain or kwargs.get("create_graph", args[index + 1] if len(args) > index + 1 else False)
+
+
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    # Tensor.backward's own parameters (torch 2.4 to 2.13), taken by name: no call to read retain_graph.
+    def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False,
+                 inputs: Any = None) -> Any:
         __tracebackhide__ = True
-        return _seen([self], original, self, *args, **kwargs)
+        return _seen([self], retain_graph or create_graph, original, self, gradient, retain_graph, create_graph,
+                     inputs)
 
     return backward
 
@@ -73,7 +83,9 @@ def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
         if getattr(_running, "active", False):  # (Tensor.backward's own call: seen already)
             return original(*args, **kwargs)
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
-        return _seen(tensors, original, *args, **kwargs) if tensors else original(*args, **kwargs)
+        if not tensors:
+            return original(*args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 2), original, *args, **kwargs)
 
     return backward
 
@@ -89,7 +101,7 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
         if not tensors:
             return original(*args, **kwargs)
-        return _seen(tensors, original, *args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 3), original, *args, **kwargs)
 
     return grad
 
@@ -100,9 +112,10 @@ _PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", _wrap), (torch.autogra
 
 @contextmanager
 def watch_backward(
-    callback: Callable[[torch.Tensor], None], finished: Callable[[torch.Tensor], None] | None = None
+    callback: Callable[[torch.Tensor, Any], None], finished: Callable[[torch.Tensor], None] | None = None
 ) -> Iterator[None]:
-    """Call ``callback(tensor)`` before every backward inside the block (once per loss), ``finished`` after it returns.
+    """Call ``callback(tensor, retained)`` before every backward inside the block (once per loss; ``retained``:
+    the graph is kept for another backward), ``finished(tensor)`` after it returns.
 
     ``tensor.backward()``, or ``torch.autograd.backward`` or ``grad`` called by the loop itself.
     """

@@ -89,12 +89,14 @@ class GradientChecks:
             if grad_fn is not None:
                 _register_grad_hook(tensor, grad_fn, functools.partial(self._on_output_grad, record))
 
-    def on_backward_start(self, loss: torch.Tensor) -> None:
+    def on_backward_start(self, loss: torch.Tensor, retained: Any = False) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
 
         The tensor backward starts from (the loss) is logged like a module
         output of code outside every module, and judged now or at the
-        deferred check.
+        deferred check. ``retained``: the backward keeps the graph
+        (``l1.backward(retain_graph=True); l2.backward()``): the loss code's
+        records stay past it, for the next loss's judgement.
         """
         watch = self.watch
         if not watch.mine():
@@ -104,7 +106,7 @@ class GradientChecks:
         if not is_checkable(loss):
             return
         self.reported_this_pass = False
-        self.forget_queued = False
+        self.forget_queued = retained  # (not queued for a graph kept for another backward)
         self.backward_runs += 1
         call = watch.log.new_call(Phase.FORWARD, None, None, None)
         self.loss_record = watch.log.record_output(call, LOSS, loss)
