@@ -46,8 +46,8 @@ def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., An
         result = original(*args, **kwargs)
     finally:
         _running.active = outer
-    for callback in _finished:
-        callback(tensors[-1])
+    for done in _finished:
+        done(tensors[-1])
     return result
 
 
