@@ -11,7 +11,8 @@ loader callbacks, and the checks as the watch is left) runs with the
 dispatch stack emptied and put back after, as torch's own
 ``_disable_current_modes`` does; the loop's code, the model's forward and
 backward included, runs under the user's modes as before. Where none are
-(the usual loop) nothing is wrapped: the hot path is the same.
+(the usual loop), or where torch's infra modes are (``FakeTensorMode``:
+they change what a tensor is), nothing is wrapped: the hot path is the same.
 
 The loop-code recorders (localize/outside/recorder.py, and loop_writes.py's
 for the update code) are pushed only onto an empty stack, so they record
@@ -51,8 +52,14 @@ _CALLBACKS = (
 
 def users_modes_active() -> bool:
     """Whether a mode of the user's is on this thread's stack (not a recorder of ours: an outer watch's, inert
-    inside an inference_mode block, around the watch a step replay enters)."""
-    return any(not isinstance(_stack_at(index), (OutsideRecorder, OpTracer)) for index in range(_depth()))
+    inside an inference_mode block, around the watch a step replay enters).
+
+    Not where torch's infra modes are (``FakeTensorMode``, proxy and functional modes: a ``_mode_key``): they
+    change what a tensor is, and the watch's reads of their tensors must run under them.
+    """
+    modes = [_stack_at(index) for index in range(_depth())]
+    users = [mode for mode in modes if not isinstance(mode, (OutsideRecorder, OpTracer))]
+    return bool(users) and all(getattr(mode, "_mode_key", None) is None for mode in users)
 
 
 def beside(function: Callable[..., Any]) -> Callable[..., Any]:
