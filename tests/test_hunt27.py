@@ -349,3 +349,22 @@ def test_a_parameter_the_loop_renormalizes_after_the_step_is_named_by_the_write(
     report = caught.value.report
     assert report.op == "aten.div_.Tensor"
     assert report.source is not None and report.source.lineno == producer_line("renorm")
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops")])
+def test_a_flop_counter_around_the_watch_counts_the_same_and_leaves_no_mode(options) -> None:
+    # In ops mode the watch's op tracer comes and goes across its callbacks: the callbacks do not step beside the
+    # user's modes there (the stack was left without the tracer to pop).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batches = [torch.rand(4, 8) + 5 for _ in range(3)]
+    model = log_model()
+    with FlopCounterMode(display=False) as unwatched:
+        three_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches)
+    model = log_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with FlopCounterMode(display=False) as watched, nan_magic.watch(model, opt, **options) as w:
+        three_steps(model, opt, batches)
+    assert w.report is None
+    assert watched.get_total_flops() == unwatched.get_total_flops() > 0
+    assert torch._C._len_torch_dispatch_stack() == 0

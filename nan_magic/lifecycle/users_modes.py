@@ -13,6 +13,9 @@ dispatch stack emptied and put back after, as torch's own
 backward included, runs under the user's modes as before. Where none are
 (the usual loop), or where torch's infra modes are (``FakeTensorMode``:
 they change what a tensor is), nothing is wrapped: the hot path is the same.
+Nor in ops mode (``ops=True``): its op tracer is a mode of the watch's that
+one callback pushes and another pops, and the user's modes still see the
+watch's ops there.
 
 The loop-code recorders (localize/outside/recorder.py, and loop_writes.py's
 for the update code) are pushed only onto an empty stack, so they record

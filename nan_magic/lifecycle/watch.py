@@ -248,8 +248,10 @@ class Watch:
     def _attach(self) -> None:
         stack = ExitStack()
         try:
-            if users_modes_active():
-                beside_users_modes(self, stack)  # the watch's own ops unseen by them (users_modes.py)
+            if not self.config.ops and users_modes_active():
+                # The watch's own ops unseen by them (users_modes.py); not in ops mode, whose op tracer is pushed
+                # by one callback and popped by another.
+                beside_users_modes(self, stack)
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
