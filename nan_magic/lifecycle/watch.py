@@ -60,9 +60,16 @@ from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
+from nan_magic.lifecycle.users_modes import beside_users_modes, users_modes_active
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.outside.entering import entering_tensors, recorded_in_full, recorded_leaves, saved_leaves
+from nan_magic.localize.outside.entering import (
+    entering_tensors,
+    recorded_in_full,
+    recorded_leaves,
+    saved_leaves,
+    unrecorded,
+)
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
 from nan_magic.localize.replay.producer_call import CallReplay
@@ -241,6 +248,10 @@ class Watch:
     def _attach(self) -> None:
         stack = ExitStack()
         try:
+            if not self.config.ops and users_modes_active():
+                # The watch's own ops unseen by them (users_modes.py); not in ops mode, whose op tracer is pushed
+                # by one callback and popped by another.
+                beside_users_modes(self, stack)
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
@@ -305,7 +316,8 @@ class Watch:
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         loss_code = LossCodeReads(saved_leaves=saved_leaves, entering_tensors=entering_tensors,
                                   recorded_leaves=functools.partial(recorded_leaves, self.outside),
-                                  recorded_in_full=functools.partial(recorded_in_full, self.outside))
+                                  recorded_in_full=functools.partial(recorded_in_full, self.outside),
+                                  unrecorded=functools.partial(unrecorded, self.outside))
         self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
         self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, self.localizing.optimizer_replay())
         self.last_good = LastGood(self.config.keep_last_good)

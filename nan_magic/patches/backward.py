@@ -2,10 +2,11 @@
 
 ``torch.Tensor.backward`` is wrapped (patches.py) while at least one watch
 needs it; the wrapper only looks at the tensor and then calls the original,
-so results do not change. ``torch.autograd.backward(loss)`` is wrapped too
-(what ``Tensor.backward`` calls, and what some loops call themselves), for one
-tensor: several (``backward([loss_a, loss_b])``) have no one loss to judge,
-and their gradients are judged as they flow.
+so results do not change. ``torch.autograd.backward`` is wrapped too (what
+``Tensor.backward`` calls, and what some loops call themselves), and
+``torch.autograd.grad`` from scalar losses (a loop that sets ``p.grad``
+itself): each tensor such a call starts from is judged as a loss, the first
+of ``backward([loss_a, loss_b])`` first.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from nan_magic.patches.registry import ProcessPatch
 
 __all__ = ["watch_backward"]
 
-_callbacks: list[Callable[[torch.Tensor], None]] = []
+_callbacks: list[Callable[[torch.Tensor, Any], None]] = []
 # Called after ``backward()`` returned (not when it raised).
 _finished: list[Callable[[torch.Tensor], None]] = []
 
@@ -30,25 +31,48 @@ _finished: list[Callable[[torch.Tensor], None]] = []
 _running = threading.local()
 
 
-def _seen(tensor: torch.Tensor, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``original(*args, **kwargs)``, a backward from ``tensor``, with the callbacks around it."""
+def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``original(*args, **kwargs)``, a backward from ``tensors``, with the callbacks around it.
+
+    Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss;
+    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one.
+    """
     __tracebackhide__ = True
-    for callback in _callbacks:
-        callback(tensor)
+    for tensor in tensors:
+        for callback in _callbacks:
+            callback(tensor, retained)
     outer, _running.active = getattr(_running, "active", False), True
     try:
         result = original(*args, **kwargs)
     finally:
         _running.active = outer
-    for callback in _finished:
-        callback(tensor)
+    for done in _finished:
+        done(tensors[-1])
     return result
 
 
+def _losses(given: Any) -> list[torch.Tensor]:
+    """The tensors a backward starts from, as ``torch.autograd.backward`` or ``grad`` takes them."""
+    if isinstance(given, torch.Tensor):
+        return [given]
+    if isinstance(given, (list, tuple)):
+        return [tensor for tensor in given if isinstance(tensor, torch.Tensor)]
+    return []
+
+
+def _retained(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+    """Whether a ``torch.autograd`` call keeps its graph: ``retain_graph`` at ``index``, ``create_graph`` after it."""
+    retain = kwargs.get("retain_graph", args[index] if len(args) > index else None)
+    return retain or kwargs.get("create_graph", args[index + 1] if len(args) > index + 1 else False)
+
+
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    # Tensor.backward's own parameters (torch 2.4 to 2.13), taken by name: no call to read retain_graph.
+    def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False,
+                 inputs: Any = None) -> Any:
         __tracebackhide__ = True
-        return _seen(self, original, self, *args, **kwargs)
+        return _seen([self], retain_graph or create_graph, original, self, gradient, retain_graph, create_graph,
+                     inputs)
 
     return backward
 
@@ -56,26 +80,44 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        tensors = args[0] if args else kwargs.get("tensors")
-        if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
-            tensors = tensors[0]
-        if getattr(_running, "active", False) or not isinstance(tensors, torch.Tensor):
+        if getattr(_running, "active", False):  # (Tensor.backward's own call: seen already)
             return original(*args, **kwargs)
-        return _seen(tensors, original, *args, **kwargs)
+        tensors = _losses(args[0] if args else kwargs.get("tensors"))
+        if not tensors:
+            return original(*args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 2), original, *args, **kwargs)
 
     return backward
 
 
-_PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", _wrap), (torch.autograd, "backward", _wrap_function)])
+def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        # A loss's backward: scalar outputs (no grad_outputs given) and no graph kept. ``create_graph`` is a
+        # double backward inside the loss code (a gradient penalty), and the watch's own replays always give
+        # ``grad_outputs``: both run as they are.
+        losses = (not kwargs.get("create_graph") and kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
+                  is None and not getattr(_running, "active", False))
+        tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
+        if not tensors:
+            return original(*args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 3), original, *args, **kwargs)
+
+    return grad
+
+
+_PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", _wrap), (torch.autograd, "backward", _wrap_function),
+                               (torch.autograd, "grad", _wrap_grad)])
 
 
 @contextmanager
 def watch_backward(
-    callback: Callable[[torch.Tensor], None], finished: Callable[[torch.Tensor], None] | None = None
+    callback: Callable[[torch.Tensor, Any], None], finished: Callable[[torch.Tensor], None] | None = None
 ) -> Iterator[None]:
-    """Call ``callback(tensor)`` before every backward from one tensor inside the block, ``finished`` after it returns.
+    """Call ``callback(tensor, retained)`` before every backward inside the block (once per loss; ``retained``:
+    the graph is kept for another backward), ``finished(tensor)`` after it returns.
 
-    ``tensor.backward()``, or ``torch.autograd.backward(tensor)`` called by the loop itself.
+    ``tensor.backward()``, or ``torch.autograd.backward`` or ``grad`` called by the loop itself.
     """
     with _PATCH.held():
         _callbacks.append(callback)

@@ -41,6 +41,8 @@ from nan_magic.records import LOSS, Note, Phase, TensorRef, TensorRole
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
 
+#: How many of the user's non-finite variables a report names as suspects beside a loss code not recorded.
+_SUSPECTS = 3
 #: Replays the consumer whose backward made a gradient non-finite (:meth:`CallReplay.replay_backward_into`).
 ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
@@ -87,12 +89,14 @@ class GradientChecks:
             if grad_fn is not None:
                 _register_grad_hook(tensor, grad_fn, functools.partial(self._on_output_grad, record))
 
-    def on_backward_start(self, loss: torch.Tensor) -> None:
+    def on_backward_start(self, loss: torch.Tensor, retained: Any = False) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
 
         The tensor backward starts from (the loss) is logged like a module
         output of code outside every module, and judged now or at the
-        deferred check.
+        deferred check. ``retained``: the backward keeps the graph
+        (``l1.backward(retain_graph=True); l2.backward()``): the loss code's
+        records stay past it, for the next loss's judgement.
         """
         watch = self.watch
         if not watch.mine():
@@ -102,7 +106,7 @@ class GradientChecks:
         if not is_checkable(loss):
             return
         self.reported_this_pass = False
-        self.forget_queued = False
+        self.forget_queued = retained  # (not queued for a graph kept for another backward)
         self.backward_runs += 1
         call = watch.log.new_call(Phase.FORWARD, None, None, None)
         self.loss_record = watch.log.record_output(call, LOSS, loss)
@@ -157,7 +161,8 @@ class GradientChecks:
             if not output.pending
         )
         tensor = record.live()
-        if every_output_finite and self._given_to_the_loss(tensor):
+        suspects: list[Note] = []
+        if every_output_finite and self._given_to_the_loss(tensor, suspects):
             return
         finding = Finding(
             Phase.FORWARD,
@@ -169,13 +174,18 @@ class GradientChecks:
             inputs_finite=every_output_finite,
         )
         finding.notes.append(Note("outside-made-it" if every_output_finite else "outputs-were-bad"))
+        finding.notes.extend(suspects)
         # A loss that was a temporary (``loss_fn(out, y).backward()``) is gone by the deferred check: its
         # records still know it by the id it had.
         self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
         watch.emit(finding)
 
-    def _given_to_the_loss(self, loss: torch.Tensor | None) -> bool:
-        """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did."""
+    def _given_to_the_loss(self, loss: torch.Tensor | None, suspects: list[Note]) -> bool:
+        """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did.
+
+        Where the loss code ran over the recorder's budget, a non-finite tensor only the user's variables hold
+        is added to ``suspects`` as a note, not reported as data: nothing tells whether the loss read it.
+        """
         watch = self.watch
         # What the recorded loss code read comes first, named by its op in either mode; then (deferred, where it
         # was not recorded) what its nodes saved.
@@ -191,13 +201,19 @@ class GradientChecks:
         # namespace is not the step's data.
         read_all = self.loss_key is not None and recorded is not None and self._loss_code.recorded_in_full(
             self.loss_key, seen)
+        unrecorded = recorded is None and self._loss_code.unrecorded()
         entered = [
             (label, tensor)
             for label, tensor in self._loss_code.entering_tensors(
-                loss, watch.log.last_forward_seq, seen, saved, read_all
+                loss, watch.log.last_forward_seq, seen, saved, read_all or unrecorded
             )
             if not self.origins.made_by_recorded_code(tensor)
         ]
+        if not entered and unrecorded:
+            named = [label for label, _tensor in self._loss_code.entering_tensors(
+                loss, watch.log.last_forward_seq, seen, saved, False)]
+            if named:
+                suspects.append(Note.of("loss-unrecorded-suspects", tensors=tuple(named[:_SUSPECTS])))
         if not entered:
             return False
         label, tensor = entered[0]

@@ -134,6 +134,8 @@ class LossCodeReads:
     recorded_leaves: Callable[[int], list[tuple[str, torch.Tensor]] | None]
     #: Whether the recorded loss code (by the loss's id) is all of it: ``(key, seen)``.
     recorded_in_full: Callable[[int, Callable[[torch.Tensor], bool]], bool]
+    #: Whether the loss code ran over the recorder's budget (what it read is then known only by what it saved).
+    unrecorded: Callable[[], bool]
     #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before, read_all)``.
     entering_tensors: Callable[
         [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[tuple[str, torch.Tensor]], bool],

@@ -31,16 +31,17 @@ _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _MAX_NODES = 256
 
 
-def loss_region_nodes(start: Any, boundary: int) -> list[Any]:
+def loss_region_nodes(start: Any, boundary: int, limit: int = _MAX_NODES) -> list[Any]:
     """Nodes reachable from ``start`` (a loss's ``grad_fn``) created at or after sequence number ``boundary``.
 
     Breadth first from the loss, so in about the order backward ran them;
-    at most 256 (a loss region is a few ops; anything longer is cut).
+    at most ``limit`` (a loss region is a few ops; anything longer is cut:
+    256 at each backward, more for a walk at an event).
     """
     found: list[Any] = []
     seen: set[int] = set()
     queue: deque[Any] = deque([start])
-    while queue and len(found) < _MAX_NODES:
+    while queue and len(found) < limit:
         node = queue.popleft()
         if node is None or id(node) in seen:
             continue

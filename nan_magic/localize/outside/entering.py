@@ -17,7 +17,9 @@ the hot path, in two places:
   was recorded in full (:func:`recorded_in_full`), its records name every
   tensor it read: a local variable then only names one of them, and a
   non-finite tensor the loop left lying about (a NaN kept from an earlier run,
-  in a notebook's namespace) is never taken for the step's data.
+  in a notebook's namespace) is never taken for the step's data. Where it ran
+  over the recorder's budget (:func:`unrecorded`), such a variable is named
+  only as a suspect beside the loss code.
 
 A tensor the watch already saw enter a watched model was judged there; an
 additive attention mask (its finite values all 0) is deliberate, not data.
@@ -41,8 +43,10 @@ from nan_magic.localize.ops.masks import is_additive_mask
 from nan_magic.localize.outside.recorded_ops import WeakRecord, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder
 
-__all__ = ["entering_tensors", "recorded_in_full", "recorded_leaves", "saved_leaves"]
+__all__ = ["entering_tensors", "recorded_in_full", "recorded_leaves", "saved_leaves", "unrecorded"]
 
+#: How many of the loss code's autograd nodes an event walks for what they saved.
+_EVENT_NODES = 8192
 #: How many of the user's frames are searched, innermost first.
 _MAX_FRAMES = 8
 
@@ -142,6 +146,15 @@ def recorded_in_full(recorder: OutsideRecorder | None, key: int, seen: Callable[
     return True
 
 
+def unrecorded(recorder: OutsideRecorder | None) -> bool:
+    """Whether the loss code ran over the recorder's budget: then nothing tells what it read but its saved tensors.
+
+    A non-finite tensor in the user's variables is then only a suspect (one left from an earlier run, or a label
+    the loss read without saving it): the report names it beside the loss code, never as the step's data.
+    """
+    return recorder is not None and "loss" in recorder.untraced
+
+
 def _recorded_leaf(value: Any) -> torch.Tensor | None:
     """A recorded argument's tensor if it is a checkable one that needs no gradient (as recorded), else None."""
     if isinstance(value, WeakRecord):
@@ -155,7 +168,8 @@ def _recorded_leaf(value: Any) -> torch.Tensor | None:
 
 def _saved_by_loss_code(loss: torch.Tensor | None, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:
     if loss is not None:
-        yield from _saved_tensors(loss_region_nodes(loss.grad_fn, boundary))
+        # (At an event only: a loss code too long to be recorded is known by what its nodes saved, deep ones too.)
+        yield from _saved_tensors(loss_region_nodes(loss.grad_fn, boundary, _EVENT_NODES))
 
 
 def _saved_tensors(nodes: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -119,6 +119,11 @@ class LoopWrites:
         # The watched parameters by id and by storage (_parameter_of), built when first needed.
         self._index: _Index | None = None
 
+    @property
+    def recorder(self) -> OutsideRecorder | None:
+        """The update region's recorder (None in ops mode, where the op tracer sees every op)."""
+        return self._recorder
+
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
         if self._recorder is not None:

@@ -53,6 +53,7 @@ enters after the block would see no op).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -146,6 +147,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         # whether the watch was entered (or resumed) in one (_push: pushed only as the watch found it).
         self._pushed_inferring = False
         self._watch_inferring = _inference()
+        #: Whether the user's dispatch modes were on the stack as the watch attached: never pushed while it is
+        #: attached (lifecycle/users_modes.py: its callbacks empty the stack for a moment).
+        self.apart = False
         self._resumes = False
         self._budget = 0
         self._region = "loss"
@@ -187,7 +191,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._push()
 
     def _push(self) -> None:
-        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring:
+        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring and not self.apart:
             _push(self)
             self.pushed = True
             self._pushed_inferring = _inference()
@@ -353,14 +357,16 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                     self.untraced.add(self._region)
                 self.forget()
             return out
-        self._budget -= 1
         # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
-            passed = PASSED_OVER.get(id(frame.f_code))
+            passed = PASSED_OVER.get(code := id(frame.f_code))
             if not (passed[1] if passed is not None else passed_over(frame.f_code)):
                 break
+            if code in _ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's code
+                return out
             frame = frame.f_back
+        self._budget -= 1
         index = len(self._ops)
         self._frames.append(frame)
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
@@ -407,6 +413,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         return self._budget > 0
 
 _SEEDED: dict[Any, bool] = {}
+
+# torch's own zero_grad functions: one the loop bound before the watch began (``zero = opt.zero_grad``) runs
+# without the patch that steps the recorder aside (patches/zero_grad.py), and its ops (a ``zero_`` per gradient
+# with ``set_to_none=False``) are let by here instead, found as the user's frame is looked for.
+_ZERO_GRAD_CODES = frozenset(
+    id(inspect.unwrap(vars(owner)["zero_grad"]).__code__) for owner in (torch.optim.Optimizer, torch.nn.Module)
+)
 
 # What the recorder does with an op (cached per op in _OPS with the callable it runs): pass a profiler
 # marker through; record an op; record an op that draws random numbers (taking the generators' state first).

@@ -266,6 +266,14 @@ def _batch_lacks(note: Note) -> str:
     return _TEMPLATES["batch-lacks"].format(paths=", ".join(note.fact("paths")))
 
 
+def _loss_unrecorded_suspects(note: Note) -> str:
+    names = note.fact("tensors")
+    one = len(names) == 1
+    listed = names[0] if one else ", ".join(names[:-1]) + f" and {names[-1]}"
+    return (f"{listed}, among your code's variables, {'is' if one else 'are'} non-finite too; the loss code ran too "
+            f"many ops to be recorded, so whether it read {'it' if one else 'them'} is not known")
+
+
 def _autograd_backward(note: Note) -> str:
     node = note.fact("node")
     return f"{note.fact('op')} ran in the backward of the forward line" + (f" ({node})" if node else "")
@@ -327,6 +335,7 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "scene-saved": _scene_saved,
     "batch-lacks": _batch_lacks,
     "autograd-backward": _autograd_backward,
+    "loss-unrecorded-suspects": _loss_unrecorded_suspects,
     "backward-replay-found": _backward_replay_found,
     "other-counts": _other_counts,
     "rank-reduced": _rank_reduced,
