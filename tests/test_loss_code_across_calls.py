@@ -55,7 +55,7 @@ def test_an_evaluation_loop_with_gradients_on_does_not_spend_the_loss_codes_budg
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(model, opt) as watch:
-        for step in range(3):
+        for _step in range(3):
             loss = model(torch.randn(8, 4)).pow(2).mean()
             opt.zero_grad()
             loss.backward()

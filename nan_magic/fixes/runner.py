@@ -185,11 +185,11 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     ``data_code``: the records of the loop's data code, for a remedy at a producer there (data_code.py).
     """
     if report.phase == Phase.DATA:
-        trials = _skip_batch(report, step)
+        skipped = _skip_batch(report, step)
         site = producer_site(report)
         if data_code is not None and report.op is not None and site.function in FUNCTIONS:
-            trials = _verified_first((*trials, _data_code_trial(report, site, step, data_code)))
-        return trials
+            return _verified_first((*skipped, _data_code_trial(report, site, step, data_code)))
+        return skipped
     site = producer_site(report)
     old_scale = collapsed_scale(report)
     if old_scale is not None:
@@ -210,7 +210,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
         tries.append(("lr", lambda: _lr_trial(report, step, roots, last_good or LastGood(None), base)))
     budget = max(MIN_BUDGET, STEP_TIMES * base.seconds)
     spent = base.seconds
-    trials = []
+    trials: list[FixTrial] = []
     for kind, run in tries:
         if spent > budget:
             trials.append(_at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))

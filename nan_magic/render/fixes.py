@@ -183,6 +183,10 @@ def _scaler_line(line: str | None, scale: str) -> str | None:
     return None
 
 
+#: The fused form of a log of each function (a softmax's, a sigmoid's), as the stable remedy computes it.
+_FUSED_LOGS = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.logsigmoid"}
+
+
 class _Edit(ast.NodeTransformer):
     """Rewrites the first call or operator the remedy changed (see the module docstring)."""
 
@@ -247,9 +251,10 @@ class _Edit(ast.NodeTransformer):
             return self._mark(ast.Call(ast.parse("torch.exp", mode="eval").body, [shifted], []))
         if kind == "stable" and function == "log" and name == "log":
             inner = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
-            inner_name = getattr(inner.func, "attr", getattr(inner.func, "id", "")) if isinstance(inner, ast.Call) else ""
-            fused = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.logsigmoid"}.get(inner_name)
-            if fused is not None and isinstance(inner, ast.Call):
+            if not isinstance(inner, ast.Call):
+                return node
+            fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")))
+            if fused is not None:
                 return self._mark(ast.Call(ast.parse(fused, mode="eval").body, list(inner.args), list(inner.keywords)))
             return node
         if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
