@@ -5,7 +5,7 @@ before the model runs: the event is the batch entering the model (phase
 ``data``), and its producer the division, named by the recorder of the
 code outside the models (localize/outside/). The trial runs that code's
 recorded ops again on copies of what they read, with the remedy applied at
-the producer's line (site.py's ``InLossCode`` serves any recorded code), and
+the producer's line (site.py's ``InRecordedCode``), and
 replays the failing step with the remedied batch in place of the bad one.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.fixes.site import InLossCode
+from nan_magic.fixes.site import InRecordedCode
 from nan_magic.fixes.step import FailingStep
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.reads import iter_tensors, values_to_read
@@ -27,7 +27,7 @@ from nan_magic.localize.replay.module_run import map_tensors
 __all__ = ["remedied_batch"]
 
 
-def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InLossCode) -> FailingStep | str:
+def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InRecordedCode) -> FailingStep | str:
     """``step`` with each non-finite tensor of its batch made again by the data code under ``remedy``; or why not."""
     root = step.root
     bad = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs))

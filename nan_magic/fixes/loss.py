@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
-from nan_magic.fixes.site import InLossCode
+from nan_magic.fixes.site import InRecordedCode
 from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
@@ -74,7 +74,7 @@ class LossCode:
     last: bool
 
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
-            remedied: InLossCode | None = None) -> torch.Tensor:
+            remedied: InRecordedCode | None = None) -> torch.Tensor:
         """The loss of ``outputs`` (by path, with their graph); ``rows``: the samples kept (skip-batch), which the
         targets lose too; ``remedied``: a remedy at the loss code's producer (site.py). Raises
         :class:`LossNotComputed`."""

@@ -40,7 +40,7 @@ from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import float32
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
-from nan_magic.fixes.site import InLossCode, Remedy, Site
+from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.outside.region_records import RegionRecords
@@ -228,7 +228,7 @@ def _verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
 def _data_code_trial(report: Report, site: Site, step: FailingStep, records: RegionRecords) -> FixTrial:
     """``eps`` at a producer in the data code: the batch made again with it (data_code.py), the step replayed."""
     remedy = DomainFix(site.function or "")
-    at_line = InLossCode(site, remedy)
+    at_line = InRecordedCode(site, remedy)
     remade = remedied_batch(step, records, at_line)
     if isinstance(remade, str):
         return _at_producer("eps", report, untried=remade)

@@ -33,7 +33,7 @@ from nan_magic.localize.ops.sources import user_frame
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.records import SourcePointer
 
-__all__ = ["InLossCode", "Remedy", "Site", "at_producer", "function_name"]
+__all__ = ["InRecordedCode", "Remedy", "Site", "at_producer", "function_name"]
 
 #: A remedy at one function call: the remedied result, or None to leave the call as it is.
 Remedy = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
@@ -148,8 +148,9 @@ class _AtenCall:
 _FUNCTION_OF = {"_softmax": "softmax", "_log_softmax": "log_softmax"}
 
 
-class InLossCode:
-    """Runs ``remedy`` on the loss code's recorded ops at ``site``'s line, as a trial runs them again."""
+class InRecordedCode:
+    """Runs ``remedy`` on recorded ops of the code outside the models (the loss code, the data code) at ``site``'s
+    line, as a trial runs them again."""
 
     def __init__(self, site: Site, remedy: Remedy) -> None:
         self.site = site

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
-from nan_magic.fixes.site import InLossCode, Remedy, Site, at_producer
+from nan_magic.fixes.site import InRecordedCode, Remedy, Site, at_producer
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
@@ -116,22 +116,21 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
         originals = dict(step.target.named_parameters())
         optimizers = _optimizers(step.optimizers, {id(originals[name]): copy for name, copy in parameters.items()})
         stack.enter_context(generators_at(root.rng))
-        mode: Any = None
-        in_loss = None
+        mode = in_loss = None
         if remedy is not None and site is not None and site.module is None:
-            in_loss = mode = InLossCode(site, remedy)  # a producer in the loss code: remedied as it runs again
+            in_loss = InRecordedCode(site, remedy)  # a producer in the loss code: remedied as that code runs again
         elif remedy is not None and site is not None:
             mode, remove = at_producer(step.model, site, remedy)
             stack.callback(remove)
         try:
-            output = _forward(step.target, parameters, args, kwargs, root, mode if in_loss is None else None,
-                              _GuardWrites(guard))
+            output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
             _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss)
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = "raised"
             outcome.error = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-        if mode is not None:
-            outcome.applied = mode.applied
+        remedied = in_loss or mode
+        if remedied is not None:
+            outcome.applied = remedied.applied
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -189,7 +188,7 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 
 
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
-           optimizers: list[torch.optim.Optimizer], in_loss: InLossCode | None = None) -> None:
+           optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None) -> None:
     tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     if not all(_finite(tensor) for tensor in outcome.outputs.values()):
@@ -224,7 +223,7 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
 
 
 def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep,
-          in_loss: InLossCode | None = None) -> torch.Tensor | None:
+          in_loss: InRecordedCode | None = None) -> torch.Tensor | None:
     """The step's loss (see the module docstring), its value and origin noted in ``outcome``; None: not computed.
 
     ``in_loss``: a remedy at the loss code's producer, applied as that code runs again.
