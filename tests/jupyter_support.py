@@ -89,6 +89,29 @@ def execute_notebook(path: Path, timeout: int = 300) -> Any:
     return nb
 
 
+def execute_cells(cells: dict[str, str], raising: set[str], path: Path) -> Any:
+    """Write ``cells`` (each named by its key in the cell's metadata) as a notebook at ``path``, execute it, return it.
+
+    The cells named in ``raising`` are tagged ``raises-exception``: their error is recorded, and the run goes on.
+    """
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    for name, source in cells.items():
+        cell = nbformat.v4.new_code_cell(source, metadata={"name": name})
+        if name in raising:
+            cell.metadata["tags"] = ["raises-exception"]
+        notebook.cells.append(cell)
+    nbformat.write(notebook, path)
+    return execute_notebook(path)
+
+
+def named_cell(nb: Any, name: str) -> Any:
+    """The cell of an :func:`execute_cells` notebook named ``name``."""
+    (cell,) = [cell for cell in nb.cells if cell.metadata["name"] == name]
+    return cell
+
+
 def widget_states(nb: Any) -> dict[str, Any]:
     """Every stored widget model of an executed notebook, by model id."""
     return dict(nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"])

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 import pytest
-from jupyter_support import execute_notebook
+from jupyter_support import execute_cells, named_cell
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -112,22 +112,10 @@ RAISING = {"loop", "deferred_loop", "zero_std", "big_lr", "own_error", "nanwatch
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import nbformat
-
-    notebook = nbformat.v4.new_notebook()
-    for name, source in CELLS.items():
-        cell = nbformat.v4.new_code_cell(source, metadata={"name": name})
-        if name in RAISING:
-            cell.metadata["tags"] = ["raises-exception"]
-        notebook.cells.append(cell)
-    path = tmp_path_factory.mktemp("nb27") / "nb27.ipynb"
-    nbformat.write(notebook, path)
-    return execute_notebook(path)
+    return execute_cells(CELLS, RAISING, tmp_path_factory.mktemp("nb27") / "nb27.ipynb")
 
 
-def named(nb: Any, name: str) -> Any:
-    (cell,) = [cell for cell in nb.cells if cell.metadata["name"] == name]
-    return cell
+named = named_cell
 
 
 def stream(cell: Any, name: str = "stdout") -> str:

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 import pytest
-from jupyter_support import NOTEBOOKS, execute_notebook, widget_states
+from jupyter_support import NOTEBOOKS, execute_cells, execute_notebook, named_cell, widget_states
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -306,23 +306,10 @@ RAISING = {"stops", "handler_kept", "rebuilt", "bare_nanwatch", "split_forward_5
 
 @pytest.fixture(scope="module")
 def kernel_nb(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    for name, source in KERNEL_CELLS.items():
-        cell = nbformat.v4.new_code_cell(source, metadata={"name": name})
-        if name in RAISING:
-            cell.metadata["tags"] = ["raises-exception"]
-        nb.cells.append(cell)
-    path = tmp_path_factory.mktemp("kernel") / "magics.ipynb"
-    nbformat.write(nb, path)
-    return execute_notebook(path)
+    return execute_cells(KERNEL_CELLS, RAISING, tmp_path_factory.mktemp("kernel") / "magics.ipynb")
 
 
-def named(nb: Any, name: str) -> Any:
-    """The cell of the kernel notebook that KERNEL_CELLS calls ``name``."""
-    (cell,) = [cell for cell in nb.cells if cell.metadata["name"] == name]
-    return cell
+named = named_cell
 
 
 def stream_text(cell: Any) -> str:

@@ -63,13 +63,7 @@ from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.lifecycle.users_modes import beside_users_modes, users_modes_active
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.outside.entering import (
-    entering_tensors,
-    recorded_in_full,
-    recorded_leaves,
-    saved_leaves,
-    unrecorded,
-)
+from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
 from nan_magic.localize.replay.producer_call import CallReplay
@@ -249,8 +243,7 @@ class Watch:
         stack = ExitStack()
         try:
             if not self.config.ops and users_modes_active():
-                # The watch's own ops unseen by them (users_modes.py); not in ops mode, whose op tracer is pushed
-                # by one callback and popped by another.
+                # Unseen by the user's modes (users_modes.py); not in ops mode: two callbacks push/pop its tracer.
                 beside_users_modes(self, stack)
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
@@ -314,10 +307,10 @@ class Watch:
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
-        loss_code = LossCodeReads(saved_leaves=saved_leaves, entering_tensors=entering_tensors,
-                                  recorded_leaves=functools.partial(recorded_leaves, self.outside),
-                                  recorded_in_full=functools.partial(recorded_in_full, self.outside),
-                                  unrecorded=functools.partial(unrecorded, self.outside))
+        loss_code = LossCodeReads(saved_leaves=entering.saved_leaves, entering_tensors=entering.entering_tensors,
+                                  recorded_leaves=functools.partial(entering.recorded_leaves, self.outside),
+                                  recorded_in_full=functools.partial(entering.recorded_in_full, self.outside),
+                                  unrecorded=functools.partial(entering.unrecorded, self.outside))
         self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
         self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, self.localizing.optimizer_replay())
         self.last_good = LastGood(self.config.keep_last_good)
