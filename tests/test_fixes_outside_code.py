@@ -12,6 +12,7 @@ edit is that line, and training with the twin goes on.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -74,27 +75,32 @@ class Distance:
         return torch.sqrt(((out - y) ** 2).sum(-1)).mean()  # producer: distance
 
 
-def _train(loss_fn: object, steps: int = 3, **options: object) -> Report | None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 4)
-    with torch.no_grad():
-        model.bias.zero_()
+def _report_of(model: nn.Module, step: Callable[[int], torch.Tensor], steps: int, **options: object) -> Report | None:
+    """Train ``model`` by SGD on the loss ``step(index)`` computes; the report it stopped with, or None."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 4)
-    x[0] = 0.0  # row 0 of the output is the bias: 0, as its target
-    y = torch.randn(8, 4)
-    y[0] = 0.0
     try:
         with nan_magic.watch(model, opt, **options):
-            for _ in range(steps):
-                out = model(x)
-                loss = loss_fn(out, y)  # type: ignore[operator]
+            for index in range(steps):
+                loss = step(index)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
     except nan_magic.NonFiniteError as error:
         return error.report
     return None
+
+
+def _train(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int = 3,
+           **options: object) -> Report | None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.bias.zero_()
+    x = torch.randn(8, 4)
+    x[0] = 0.0  # row 0 of the output is the bias: 0, as its target
+    y = torch.randn(8, 4)
+    y[0] = 0.0
+    return _report_of(model, lambda _index: loss_fn(model(x), y), steps, **options)
 
 
 def _fixed_line(cls: type, kind: str) -> str:
@@ -198,24 +204,14 @@ class LogFeature:
         return torch.log(raw.abs())  # producer: log-feature
 
 
-def _train_on(prepare: object, steps: int = 4, **options: object) -> Report | None:
+def _train_on(prepare: Callable[[torch.Tensor], torch.Tensor], steps: int = 4, **options: object) -> Report | None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     raw = torch.randn(32, 3)
     raw[16:24, 1] = 2.0  # batch 2: feature 1 constant (its std is 0), and 0 where abs() is logged below
     raw[16:24, 2] = 0.0
-    try:
-        with nan_magic.watch(model, opt, **options):
-            for step in range(steps):
-                x = prepare(raw[step * 8:(step + 1) * 8])  # type: ignore[operator]
-                loss = model(x).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    except nan_magic.NonFiniteError as error:
-        return error.report
-    return None
+    return _report_of(model, lambda index: model(prepare(raw[index * 8:(index + 1) * 8])).pow(2).mean(), steps,
+                      **options)
 
 
 DATA = [(Standardise, "standardise"), (LogFeature, "log-feature")]

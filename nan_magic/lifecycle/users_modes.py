@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["beside_users_modes", "users_modes_active"]
-
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
+
+__all__ = ["beside_users_modes", "users_modes_active"]
 
 _depth, _stack_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 _pop, _push = torch._C._pop_torch_dispatch_stack, torch._C._push_on_torch_dispatch_stack
