@@ -401,10 +401,13 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
         return bool(replayed.nonfinite)
     if (replayed.nan, replayed.posinf, replayed.neginf) == (seen.nan, seen.posinf, seen.neginf):
         return True
-    # Code between backward and the check may turn the infinities the replay makes into NaN (clip_grad_norm_
-    # multiplies them by max_norm / inf = 0): the same elements, non-finite, is the same event.
-    nan, infinite = replayed.nan or 0, (replayed.posinf or 0) + (replayed.neginf or 0)
-    return infinite == seen.nonfinite and seen.nan > nan
+    # Code between backward and the check may turn what the replay makes into NaN: clip_grad_norm_ multiplies
+    # every gradient by max_norm / total norm, 0 where the total is inf (inf * 0 = NaN at the same elements, the
+    # NaN the replay made staying NaN), NaN where the total is NaN (every element, finite ones too).
+    nan, posinf, neginf = replayed.nan or 0, replayed.posinf or 0, replayed.neginf or 0
+    turned_nan = (nan + posinf + neginf == seen.nonfinite and seen.nan >= nan and seen.posinf <= posinf
+                  and seen.neginf <= neginf)
+    return turned_nan or (seen.nan == seen.numel and replayed.nonfinite > 0)
 
 
 def _trainable(module: nn.Module) -> frozenset[int]:
