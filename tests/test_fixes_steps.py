@@ -300,3 +300,55 @@ def test_the_last_good_state_keeps_the_models_state_one_capture_earlier_in_two_s
     assert len(buffers) == 2  # one copy a step, into the buffers of two captures ago
     kept.hand_over()
     assert kept.before(model) is None and kept.before_step is None
+
+
+def _optimizer_event(optimizer: str, scale: float = 1.0, **settings: float) -> Report:
+    """Step 2 of a two-layer model whose input's first feature is always 0; ``settings`` set on the optimizer there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-3)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for step in range(4):
+            x = torch.randn(8, 4)
+            x[:, 0] = 0  # column 0 of the first weight never gets a gradient
+            loss = model(x).mean() * scale
+            opt.zero_grad()
+            loss.backward()
+            if step == 2:
+                opt.param_groups[0].update(settings)
+            opt.step()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_learning_rate_is_not_tried_at_a_tenth_and_its_cause_says_every_update(lr: float) -> None:
+    report = _optimizer_event("SGD", lr=lr)
+    assert (report.phase, report.module, report.step, report.optimizer) == ("optimizer", "0", 2, "SGD")
+    trial = _trial(report, "lr")
+    assert trial.finite is None and trial.untried == f"the learning rate is {lr}: a tenth of it is too"
+    text = report.to_text()
+    assert (f"lr: the SGD step redone at a tenth of its learning rate -> not tried: the learning rate is {lr}: "
+            "a tenth of it is too") in text
+    kind = "NaN" if lr != lr else "infinite"
+    assert f"its learning rate lr = {lr} is {kind}, so every update lr · g is non-finite;" in text
+    assert "None" not in text.split("Fixes tried")[1].split("\n\n")[0]
+
+
+def test_an_eps_that_could_not_be_tried_says_what_it_would_change() -> None:
+    # Adam with eps 0: a weight column that never gets a gradient divides 0 by 0. No last good state: not tried,
+    # and the line still says which step and which eps (it read "the operand of None ... the  machine eps").
+    report = _optimizer_event("Adam", eps=0.0)
+    assert report.cause is not None and report.cause.label == "optimizer-eps-underflow"
+    trial = _trial(report, "eps")
+    assert trial.finite is None and "keep_last_good" in (trial.untried or "")
+    assert ("eps: the Adam step redone with eps 0 -> 1.19e-7 (the parameters' dtype holds it) -> not tried: no last "
+            "good state was kept") in report.to_text()
+
+
+def test_an_lr_that_could_not_be_tried_says_from_which_rate_to_which() -> None:
+    report = _optimizer_event("SGD", scale=100.0, lr=3e38)  # near the float32 max: lr * g overflows
+    assert report.cause is not None and report.cause.label == "learning-rate-too-high"
+    trial = _trial(report, "lr")
+    assert trial.finite is None and "keep_last_good" in (trial.untried or "")
+    assert ("lr: the SGD step redone at a tenth of its learning rate (3e38 -> 3e37) -> not tried: no last good "
+            "state was kept") in report.to_text()

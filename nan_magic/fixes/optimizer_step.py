@@ -36,8 +36,8 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
               remedy: str) -> tuple[str | None, bool | None, dict[str, Any], float]:
     """``(why not tried, finite, facts, seconds)`` of the step redone with ``remedy`` (``"lr"`` or ``"eps"``)."""
     start = time.perf_counter()
-    if last_good.where is None:
-        return NO_LAST_GOOD, None, {}, 0.0
+    if last_good.where is None:  # (the settings still say what the trial would change)
+        return NO_LAST_GOOD, None, _settings(optimizer, remedy), 0.0
     kept_optimizer = last_good.state_of(optimizer)
     names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
@@ -50,7 +50,8 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
             break
         kept[id(parameter)] = state[name]
     if last_good.step is None or kept_optimizer is None:
-        return "no optimizer step ended finite before this one: there is no state to redo it from", None, {}, 0.0
+        return ("no optimizer step ended finite before this one: there is no state to redo it from", None,
+                _settings(optimizer, remedy), 0.0)
     as_ran = _redo(optimizer, parameters, kept, kept_optimizer, None)
     if as_ran:
         return ("the step redone from the last good state as it ran came out finite: the redo does not reproduce it",

@@ -297,6 +297,10 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
         untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind)
     except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
         untried, finite, facts, seconds = f"the optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
+    if kind == "lr" and not math.isfinite(facts.get("lr", 0.0)):
+        # A tenth of a NaN or infinite learning rate is one too: the cause's remedy is a finite one.
+        untried, finite, seconds = f"the learning rate is {facts['lr']}: a tenth of it is too", None, 0.0
+        facts = {}
     facts_of = (("optimizer", report.optimizer), ("stepped", True), *facts.items())
     return (_at_producer(kind, report, facts=facts_of, finite=finite, seconds=seconds,
                      failed=None if finite is not False else "optimizer step", untried=untried),)

@@ -30,8 +30,8 @@ _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
 def fix_description(trial: FixTrial) -> str:
     """What the remedy changed, in one line."""
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
-        return (f"the {trial.fact('optimizer')} step redone from the state after step {trial.fact('from_step')} "
-                f"with eps {fmt(trial.fact('eps'))} -> {fmt(trial.fact('new_eps'))} (the parameters' dtype holds it)")
+        return (f"the {trial.fact('optimizer')} step redone{_redone_from(trial)} with eps {fmt(trial.fact('eps'))} "
+                f"-> {fmt(trial.fact('new_eps'))} (the parameters' dtype holds it)")
     if trial.kind == "float32":
         regions = trial.fact("autocast") or ()
         region = f" with autocast ({', '.join(regions)}) off" if regions else ""
@@ -60,9 +60,9 @@ def fix_description(trial: FixTrial) -> str:
         tried = ", ".join(fmt(scale) for scale in trial.fact("tried") or ())
         return f"the GradScaler's scale {fmt(trial.fact('scale'))} lowered (tried {tried or 'none'})"
     if trial.kind == "lr":
-        return (f"the {trial.fact('optimizer') or 'optimizer'} step redone from the state after step "
-                f"{trial.fact('from_step')} at a tenth of its learning rate ({fmt(trial.fact('lr'))} -> "
-                f"{fmt(trial.fact('new_lr'))})")
+        rates = f" ({fmt(trial.fact('lr'))} -> {fmt(trial.fact('new_lr'))})" if trial.fact("lr") is not None else ""
+        return (f"the {trial.fact('optimizer') or 'optimizer'} step redone{_redone_from(trial)} at a tenth of its "
+                f"learning rate{rates}")
     if trial.kind == "skip-batch":
         if trial.fact("left_out") is None:  # not tried: no sample could be left out
             return "the batch without its samples holding non-finite values"
@@ -72,6 +72,11 @@ def fix_description(trial: FixTrial) -> str:
     if trial.kind == "mask":
         return "the fully masked rows' output made 0 instead of NaN"
     return trial.kind
+
+
+def _redone_from(trial: FixTrial) -> str:
+    """Where an optimizer step's redo started: nothing where it was not tried (no state was kept to start from)."""
+    return "" if trial.fact("from_step") is None else f" from the state after step {trial.fact('from_step')}"
 
 
 def _outcome(trial: FixTrial) -> str:

@@ -7,6 +7,8 @@ values it rests on (``facts``); each reading has one template here.
 
 from __future__ import annotations
 
+import math
+
 from nan_magic.locations import name_location
 from nan_magic.plain import from_plain
 from nan_magic.records import Cause, TensorRef, module_label
@@ -135,17 +137,17 @@ def _step_facts(cause: Cause) -> tuple[str, ...]:
 
 def _lr_hint(cause: Cause) -> str:
     lr, limit, dtype = cause.fact("lr"), cause.fact("limit"), cause.fact("dtype")
-    if lr >= limit:
-        size, what = "1", f"itself past the {dtype} max {fmt(limit)}"
-    elif lr == lr:
-        size, what = fmt(limit / lr), f"within {fmt(limit / lr)}x of the {dtype} max {fmt(limit)}"
+    if not math.isfinite(lr):  # a NaN or infinite lr makes every update non-finite, whatever the gradient
+        what = f"{'NaN' if lr != lr else 'infinite'}, so every update lr · g is non-finite"
+    elif lr >= limit:
+        what = f"itself past the {dtype} max {fmt(limit)}, so an update of lr · g is non-finite for any |g| >= 1"
     else:
-        size, what = "1", "NaN"
+        what = (f"within {fmt(limit / lr)}x of the {dtype} max {fmt(limit)}, so an update of lr · g is non-finite "
+                f"for any |g| >= {fmt(limit / lr)}")
     return (
         f"the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)} at step "
-        f"{cause.fact('step')}: its learning rate lr = {fmt(lr)} is {what}, so an update of lr · g is non-finite "
-        f"for any |g| >= {size}; use a learning rate in the usual range (1e-5 to 1e-1), check how it is computed "
-        "(a scheduler, a scaling rule)"
+        f"{cause.fact('step')}: its learning rate lr = {fmt(lr)} is {what}; use a learning rate in the usual range "
+        "(1e-5 to 1e-1), check how it is computed (a scheduler, a scaling rule)"
     )
 
 
