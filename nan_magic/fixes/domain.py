@@ -20,8 +20,7 @@ from nan_magic.fixes.site import function_name
 
 __all__ = ["FUNCTIONS", "DomainFix", "denominator_form"]
 
-#: The producer's function -> the torch functions that compute it, and which argument is the operand.
-FUNCTIONS: dict[str, dict[str, int]] = {
+_OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
     "log2": {"log2": 0},
     "log10": {"log10": 0},
@@ -32,6 +31,13 @@ FUNCTIONS: dict[str, dict[str, int]] = {
     "reciprocal": {"reciprocal": 0, "__rtruediv__": 0, "__rdiv__": 0},
     "acos": {"acos": 0, "arccos": 0},
     "asin": {"asin": 0, "arcsin": 0},
+}
+#: The producer's function -> the torch functions that compute it, and which argument is the operand; the
+#: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).
+FUNCTIONS: dict[str, dict[str, int]] = {
+    function: {**names, **{f"{name}_": index for name, index in names.items() if not name.startswith("__")},
+               **({"__itruediv__": 1, "__idiv__": 1} if function == "div" else {})}
+    for function, names in _OUT_OF_PLACE.items()
 }
 
 
@@ -54,7 +60,8 @@ class DomainFix:
         self.moved = self.total = 0
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        index = self.names.get(function_name(func))
+        name = function_name(func)
+        index = self.names.get(name)
         if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
             return None
         operand = args[index]
@@ -71,6 +78,14 @@ class DomainFix:
             moved = operand.clamp_min(eps)
         self.moved += int((moved != operand).sum())
         self.total += operand.numel()
+        if index == 0 and name.endswith("_") and not name.startswith("__"):
+            # ``p.log_()``: the operand is the tensor written, clamped in place first (``p.clamp_min_(eps).log_()``;
+            # a copy_ of the clamp would overwrite what the clamp's own backward reads).
+            if self.function in ("acos", "asin"):
+                operand.clamp_(-1 + eps, 1 - eps)
+            else:
+                operand.clamp_min_(eps)
+            return func(*args, **kwargs)
         remedied = list(args)
         remedied[index] = moved
         return func(*remedied, **kwargs)

@@ -42,7 +42,9 @@ def fix_description(trial: FixTrial) -> str:
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
         if function in ("acos", "asin"):
             how = "clamped into [-1 + eps, 1 - eps], eps ="
-        return f"{where} {how} {fmt(eps) if eps is not None else 'eps'} (the {trial.fact('dtype') or ''} machine eps)"
+        if eps is None:  # not tried: no operand was met to read a dtype from
+            return f"{where} {how} its dtype's machine eps"
+        return f"{where} {how} {fmt(eps)} (the {trial.fact('dtype')} machine eps)"
     if trial.kind == "stable":
         if trial.fact("form") == "log_softmax":
             return "the log of the softmax fused into log_softmax"
@@ -222,6 +224,15 @@ class _Edit(ast.NodeTransformer):
             return self._mark(node)
         return node
 
+    def visit_AugAssign(self, node: ast.AugAssign) -> ast.AugAssign:
+        """``x /= n``: its denominator, as ``x / n``'s."""
+        self.generic_visit(node)
+        if (not self.done and self.trial.kind == "eps" and self.trial.fact("function") == "div"
+                and isinstance(node.op, ast.Div)):
+            node.value = _denominator(node.value, self.trial)
+            self._mark(node.value)
+        return node
+
     def visit_Call(self, node: ast.Call) -> ast.expr:
         self.generic_visit(node)
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
@@ -231,10 +242,12 @@ class _Edit(ast.NodeTransformer):
         if self.done:
             return node
         method = isinstance(node.func, ast.Attribute) and not node.args and name != "float"
-        if kind == "eps" and name == _DOMAIN_CALLS.get(function or ""):
+        if kind == "eps" and name is not None and name.removesuffix("_") == _DOMAIN_CALLS.get(function or ""):
             if function == "div":
-                if len(node.args) > 1:
-                    node.args[1] = _denominator(node.args[1], self.trial)
+                # torch.div(x, n), or the method x.div(n) and x.div_(n): the denominator is the last positional
+                denominator = 1 if _on_torch(node) else 0
+                if len(node.args) > denominator:
+                    node.args[denominator] = _denominator(node.args[denominator], self.trial)
                     return self._mark(node)
                 return node
             clamp = "clamp" if function in ("acos", "asin") else "clamp_min"
@@ -302,6 +315,12 @@ def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
 
 def _eps(trial: FixTrial) -> ast.Constant:
     return ast.Constant(float(f"{trial.fact('eps') or 1e-7:.2g}"))
+
+
+def _on_torch(node: ast.Call) -> bool:
+    """Whether a call is a function of torch's (``torch.div(x, n)``), not a method of a tensor (``x.div(n)``)."""
+    return isinstance(node.func, ast.Name) or (isinstance(node.func, ast.Attribute)
+                                               and ast.unparse(node.func.value) in ("torch", "torch.Tensor"))
 
 
 def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
