@@ -121,6 +121,17 @@ class HandSoftmax(_Fixable):
         return e / e.sum(-1, keepdim=True)
 
 
+class CheckpointedSoftmax(nn.Module):
+    """HandSoftmax under activation checkpointing: its backward runs the forward again, the producer's line too."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.inner = HandSoftmax(fixed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
 class HalfExp(HandSoftmax):
     """The same in float16, of values whose exp passes even float32's max: float32 is not enough, max-subtracting is."""
 
@@ -524,3 +535,15 @@ def test_an_eps_trial_that_met_no_operand_names_the_eps_without_a_blank(function
     trial = FixTrial("eps", "aten.div_.Tensor", "fc", None, (("function", function),),
                      untried="it found nothing to change at the producer's line")
     assert trial.description == line
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_remedy_in_a_checkpointed_module_also_runs_in_the_forward_its_backward_runs_again(defer: bool) -> None:
+    # Without the remedy in the recomputed forward the backward overflowed again: "still non-finite (backward)".
+    report = _train(CheckpointedSoftmax(), defer=defer)
+    assert report is not None and (report.module, report.op) == ("inner", "aten.exp.default")
+    trial = _trial(report, "stable")
+    assert trial.finite is True, trial
+    edit = suggested_edit(trial)
+    assert edit is not None and edit.endswith(_fixed_line(HandSoftmax)), edit
+    assert _train(CheckpointedSoftmax(fixed=True), steps=5, defer=defer) is None

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from nan_magic.localize.ops.sources import user_frame
 from nan_magic.localize.outside.recorded_ops import RecordedOp
@@ -91,19 +91,37 @@ class _AtProducer(TorchFunctionMode):
         return frame is not None and frame.f_lineno == source.lineno and frame.f_code.co_filename == source.filename
 
 
+_function_modes = _get_current_function_mode_stack
+
+
 class _Depth:
-    """Whether the producing module is running: global module hooks (no hook on the user's module) count it."""
+    """Whether the producing module is running: global module hooks (no hook on the user's module) count it.
+
+    A call of it that runs where the mode is off gets the mode for its duration: torch runs the backward of
+    ``torch.autograd.grad`` inside the mode's own handler, with the mode off, and a checkpointed module runs its
+    forward again there (the producer's line too).
+    """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.depth = 0
+        self.mode: _AtProducer | None = None
+        self._pushed: list[int] = []  # the depths at which a call pushed the mode
 
     def enter(self, module: nn.Module, *_: Any) -> None:
         if module is self.module:
             self.depth += 1
+            mode = self.mode
+            if mode is not None and not any(active is mode for active in _function_modes()):
+                mode.__enter__()
+                self._pushed.append(self.depth)
 
     def leave(self, module: nn.Module, *_: Any) -> None:
         if module is self.module:
+            if self._pushed and self._pushed[-1] == self.depth:
+                self._pushed.pop()
+                assert self.mode is not None
+                self.mode.__exit__(None, None, None)
             self.depth -= 1
 
     def inside(self) -> bool:
@@ -129,7 +147,8 @@ def at_producer(model: nn.Module, site: Site, remedy: Remedy) -> tuple[_AtProduc
         for handle in handles:
             handle.remove()
 
-    return _AtProducer(site, remedy, depth.inside), remove
+    depth.mode = _AtProducer(site, remedy, depth.inside)
+    return depth.mode, remove
 
 
 class _AtenCall:
