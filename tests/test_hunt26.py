@@ -241,6 +241,67 @@ def test_a_nan_in_an_lbfgs_closure_is_named_in_the_forward_not_the_step(options,
     assert report.source is not None and report.source.lineno == log_line()
 
 
+@pytest.mark.parametrize("watched", [False, True], ids=["model", "model-and-optimizer"])
+@pytest.mark.parametrize("max_iter", [1, 4])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_after_a_layer_in_an_lbfgs_closure_is_named_before_the_step_writes_the_layer(options, max_iter: int,
+                                                                                       watched: bool) -> None:
+    # The log reads a Linear's output (through a softplus, 0 below -104): judged after LBFGS wrote that Linear's
+    # weight from the NaN direction (the step's post-hook), the closure's call was replayed on the NaN weight and
+    # named "already non-finite".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Softplus(), Log(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=max_iter)
+    batches = [torch.rand(8, 8), torch.full((8, 8), -1000.0)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, *([opt] if watched else []), **options):
+        for batch in batches:
+            def closure(batch: torch.Tensor = batch) -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(batch).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "2", 1, "aten.log.default")
+    assert report.source is not None and report.source.lineno == log_line()
+    assert report.reproduced is True
+
+
+class RootOfSquare(nn.Module):
+    """sqrt(x ** 2) of a feature that is exactly 0: a finite forward, inf * 0 = NaN in its backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x**2)  # producer: root of a square
+
+
+@pytest.mark.parametrize("max_iter", [1, 4])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_gradient_in_an_lbfgs_closure_is_named_in_its_backward_not_in_the_step(options, max_iter: int) -> None:
+    # The closure's gradients were checked only before the step (none yet): LBFGS applied the NaN ones, and the
+    # report read "the LBFGS step made 0.weight non-finite", unclassified.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), RootOfSquare(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight[3].zero_()
+        model[0].bias[3] = 0.0  # feature 3 is 0 for every batch
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=max_iter)
+    batch = torch.rand(8, 8)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(batch).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.autograd_node) == ("backward", "1", 0, "SqrtBackward0")
+    assert report.source is not None
+    assert report.source.lineno == marked_line("root of a square")
+    assert all(parameter.isfinite().all() for parameter in model.parameters())  # stopped before the step wrote
+
+
 @pytest.mark.parametrize("options", TIMINGS)
 def test_healthy_lbfgs_is_silent_and_identical(options) -> None:
     batches = [torch.rand(8, 8) + 5 for _ in range(3)]

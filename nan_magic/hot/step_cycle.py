@@ -290,7 +290,15 @@ class StepCycle:
     # -- the update code (localize/outside/loop_writes.py) ---------------------------------------------------
 
     def backward_finished(self, _loss: torch.Tensor) -> None:
-        """``backward()`` returned: the update code begins."""
+        """``backward()`` returned: the update code begins.
+
+        Inside an optimizer's closure (LBFGS) the step's check runs now, its
+        gradients' too: the step writes the parameters once the closure
+        returns, from those gradients, and a replay of the closure's model
+        call must read the parameters as that call did.
+        """
+        if self._closure_ran and self._mine() and not self.outcome.stopped:
+            self.optimizers.closure_gradients()
         if self.update_code is not None and self._mine():
             self.update_code.begin()
 

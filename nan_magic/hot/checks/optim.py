@@ -19,15 +19,15 @@ and the watch raises, when the scale keeps collapsing:
 overflow). A non-finite unscaled gradient that reaches an optimizer step is
 always a real fault.
 
-Hot gradients. A large CPU gradient's norm is taken as soon as autograd has
-accumulated it (a post-accumulate-grad hook on each watched parameter), while
-it is still in cache: on the benchmark MLP that reads its 34 MB of gradients
-in about two thirds of the time the same pass takes at the optimizer step.
-The step then uses that norm if the gradient is still the same tensor at the
-same version; a gradient changed since (clipping, ``GradScaler.unscale_``,
-an edit by hand) is measured again there. When a gradient accumulates over
-several backward passes the hook would measure it each time, so the watch
-falls back to measuring at the step.
+Hot gradients. A large CPU gradient's norm is taken as autograd accumulates
+it (a post-accumulate-grad hook), while in cache: two thirds of the time of
+the same read at the step, on the benchmark MLP's 34 MB. The step uses it if
+the gradient is the same tensor at the same version; one changed since
+(clipping, ``unscale_``, an edit) or accumulated over several backward
+passes is measured at the step.
+
+A closure that runs the forward and backward inside the step (LBFGS) has
+its gradients judged as its backward returns (:meth:`closure_gradients`).
 
 Bounded steps: a step that cannot make a finite parameter non-finite has its
 parameters checked only every :data:`FULL_CHECK_EVERY` steps (step_layout.py
@@ -109,6 +109,7 @@ class OptimizerChecks:
         self.step_calls = 0
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
+        self._stepping: torch.optim.Optimizer | None = None  # (that optimizer, for a closure's gradients)
         # Deferred mode: a step's parameter/state norms, read at the next sync.
         self.carried: StepResult | None = None
         # Set before a step whose parameters need no check after it (bounded_step).
@@ -257,7 +258,15 @@ class OptimizerChecks:
         self._bounded = small and bounded_step(opt, layout)
         if self._headroom is not None:
             self._before = self._headroom.copies(opt)
-        self.in_step = True
+        self.in_step, self._stepping = True, opt
+
+    def closure_gradients(self) -> None:
+        """A closure's backward returned inside the step: the step's check, the gradients it then applies too."""
+        opt = self._stepping
+        if opt is not None and self.watches(opt):
+            layout = self.layout(opt)
+            if not all(map(math.isfinite, self.watch.cycle.sync(self._gradient_norms(layout)))):
+                self.reports.gradients(opt, self._named_gradients(layout))
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After a step: parameters and optimizer state it made non-finite (phase ``optimizer``)."""
@@ -284,7 +293,7 @@ class OptimizerChecks:
             elif not self.reports.step_result(result, read_scalars(result.norms)):
                 watch.on_finite_step()
         finally:
-            self.in_step = False
+            self.in_step, self._stepping = False, None
             self.pending_overflow = None
             self.skipped_in_a_row = 0
             watch.cycle.end_step(step)
@@ -308,7 +317,7 @@ class OptimizerChecks:
         # so its extra pass over memory is skipped.
         for _name, parameter, key in layout.half_state:
             value = opt.state.get(parameter, {}).get(key)
-            updated.append(value if _float_tensor(value) else _FINITE)
+            updated.append(value if is_checkable(value) else _FINITE)
         result = StepResult(
             opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step, bounded
         )
@@ -429,7 +438,7 @@ class OptimizerChecks:
             # A gradient has its parameter's dtype and shape (autograd and the
             # ``.grad`` setter enforce it), so this is decided once per layout.
             # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
-            floating = [(name, parameter) for name, parameter in named if _float_tensor(local_shard(parameter))]
+            floating = [(name, parameter) for name, parameter in named if is_checkable(local_shard(parameter))]
             layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide)
             # How the step's gradient norms are taken (_gradient_norms): a large CPU gradient alone, the
             # others in one fused call per (device, dtype); a sharded parameter's the generic way.
@@ -449,17 +458,13 @@ class OptimizerChecks:
                 (name, parameter, key)
                 for name, parameter in layout.named
                 for key, value in opt.state.get(parameter, {}).items()
-                if _float_tensor(value) and value.dim() > 0 and value.element_size() < 4
+                if is_checkable(value) and value.dim() > 0 and value.element_size() < 4
             ]
         return layout
 
     def named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """The optimizer's parameters under their names in the watched models.
-
-        Names are looked up once per watch (walking a large model every step
-        would cost more than the checks themselves); a parameter the map does
-        not know, added since, triggers one new walk.
-        """
+        """The optimizer's parameters under their names in the watched models, looked up once per watch (a walk of a
+        large model every step would cost more than the checks); a parameter added since triggers one new walk."""
         names = self._parameter_names
         if any(id(p) not in names for group in opt.param_groups for p in group["params"]):
             names.clear()
@@ -484,11 +489,6 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 #: Stands in for a state tensor that has gone (its check then passes).
 _FINITE = torch.zeros(1)
-
-
-def _float_tensor(value: Any) -> bool:
-    """A parameter or state tensor the watch reads (the rule of :func:`reads.is_checkable`)."""
-    return is_checkable(value)
 
 
 def _holds(optimizers: Iterable[object], opt: object) -> bool:
