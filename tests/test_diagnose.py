@@ -901,3 +901,37 @@ def test_a_learning_rate_gone_nan_in_the_optimizer_is_named_by_the_watch() -> No
     report = raised(step, model, opt)
     assert report.phase == "optimizer" and report.optimizer_lr is not None and math.isnan(report.optimizer_lr)
     assert report.cause is not None and report.cause.label == "learning-rate-too-high"
+
+
+def _ctc_training(options: dict[str, bool], zero_infinity: bool = False) -> nan_magic.Report | None:
+    """Three steps of a CTC model; at step 1 the inputs are 3 frames long, the targets 6 labels: no alignment fits."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 5)
+    ctc = nn.CTCLoss(zero_infinity=zero_infinity)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nan_magic.watch(model, opt, **options) as watch:
+        for step in range(3):
+            frames = 3 if step == 1 else 10
+            log_probs = model(torch.randn(frames, 2, 8)).log_softmax(-1)
+            targets = torch.randint(1, 5, (2, 6))
+            loss = ctc(log_probs, targets, torch.full((2,), frames), torch.full((2,), 6))  # producer: ctc
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return watch.report
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}], ids=["immediate", "deferred"])
+def test_a_ctc_loss_no_alignment_fits_is_named_with_zero_infinity(options: dict[str, bool]) -> None:
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _ctc_training(options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten._ctc_loss.Tensor")
+    assert report.source is not None and report.source.lineno == marked_line("ctc", where=_ctc_training)
+    assert report.cause is not None and report.cause.label == "ctc-infeasible"
+    assert "gave +inf for 2 of 2 samples" in report.cause.hint and "zero_infinity=True" in report.cause.hint
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"ops": True}], ids=["immediate", "deferred", "ops"])
+def test_a_ctc_loss_with_zero_infinity_is_silent(options: dict[str, bool]) -> None:
+    assert _ctc_training(options, zero_infinity=True) is None

@@ -63,6 +63,11 @@ Labels (exact strings: tests, renderers and users rely on them)
     ``mean`` or a mean-reduced loss (``nll_loss``, ``mse_loss``, …) made NaN
     from finite inputs, or a one-element 0/0: an average over an empty
     selection, e.g. a loss whose every target is ``ignore_index``.
+``ctc-infeasible``
+    ``ctc_loss`` made +inf (and nothing else): a sample whose target no
+    alignment fits, a target longer than its input (or than its input less
+    the blanks its repeated labels need). ``nn.CTCLoss`` returns inf there
+    unless ``zero_infinity=True``.
 ``parameter-already-nonfinite``
     A module read a parameter or buffer that already held non-finite values.
 ``grad-scaler-collapse``
@@ -105,6 +110,7 @@ LABELS = (
     "optimizer-eps-underflow",
     "bad-input-data",
     "empty-reduction",
+    "ctc-infeasible",
     "parameter-already-nonfinite",
     "grad-scaler-collapse",
     "unclassified",

@@ -127,6 +127,12 @@ def _corrected(report: Report) -> Cause:
     return event_cause("division-by-zero", "corrected-one", report)
 
 
+def _ctc(report: Report) -> Cause:
+    if report.posinf and not report.nan + report.neginf:
+        return event_cause("ctc-infeasible", "ctc-infeasible", report)
+    return overflow(report)
+
+
 _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("log", "log2", "log10", "log1p"), _log),
     "sqrt": _sqrt,
@@ -138,6 +144,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(_MEAN_OPS, _mean),
     **dict.fromkeys(_CORRECTED_OPS, _corrected),
     **dict.fromkeys(("weight_norm_interface", "weight_norm"), _weight_norm),
+    **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
 }
 
 

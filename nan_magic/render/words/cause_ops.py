@@ -144,6 +144,14 @@ def _corrected_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _ctc_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} gave +inf for {event.posinf} of {event.numel} samples: no alignment of "
+        "their targets fits their inputs (a target longer than its input length, or than that length less the "
+        "blanks its repeated labels need); pass zero_infinity=True to nn.CTCLoss, or drop or shorten those samples"
+    )
+
+
 def _carried_hint(event: Report, cause: Cause) -> str:
     held = "; ".join(f"{input_label(event, ref)} held {stats_counts(stats)}"
                      for ref, stats in event.op_inputs if stats.nonfinite)
@@ -281,6 +289,7 @@ OP_READINGS: dict[str, Reading] = {
     "empty-mean": _empty("an average over zero elements (0/0)"),
     "corrected-one": on_event(_corrected_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "carried": on_event(_carried_hint, inputs_or_counts, sentence=False),
+    "ctc-infeasible": on_event(_ctc_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "masked-softmax": on_event(_masked_hint, _masked_softmax_evidence, sentence=False),
     "masked-attention": on_event(_masked_hint, _masked_attention_evidence, sentence=False),
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
