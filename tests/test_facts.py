@@ -219,6 +219,7 @@ CAUSES = {
     "empty-mean": (_of_event("empty-reduction", "empty-mean"), "an average over zero elements"),
     "corrected-one": (_of_event("division-by-zero", "corrected-one"), "correction=1"),
     "carried": (_of_event("unclassified", "carried"), "from inputs already non-finite"),
+    "ctc-infeasible": (_of_event("ctc-infeasible", "ctc-infeasible"), "zero_infinity=True"),
     "masked-softmax": (_of_event("masked-softmax", "masked-softmax", rows=1, positions=4), "1 row(s) of 4"),
     "masked-logsumexp": (_of_event("masked-softmax", "masked-logsumexp", rows=2, positions=6, masked=15),
                          "2 row(s) of 6 positions"),
