@@ -7,6 +7,10 @@ unwatched evaluation: benchmarks/evaluation.py). With ``inference_mode.__exit__`
 with the stack (patches/inference_blocks.py), the model calls run with no dispatch mode on the stack. Each test
 asserts what a user sees (the dispatch stack their model runs under, the report's phase, module, op and line, torch
 working after), in both timings, ``mode="full"`` (which records the loop code too) and ``ops=True`` where it names.
+
+A dispatch mode the user enters inside the watch (an op counter, ``FlopCounterMode``) counts what it would
+unwatched (lifecycle/users_modes.py gates its handler against the watch's own ops), but for one residual
+(a strict xfail below).
 """
 
 from __future__ import annotations
@@ -317,17 +321,101 @@ def test_a_flop_counter_entered_inside_the_loop_counts_the_unwatched_flops(optio
     assert flops(options) == flops(None) == [1216] * 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a dispatch mode the user enters inside the watch sees the watch's own ops: the hooks' probes of the batch, "
-    "the output and the output gradient, and the optimizer check's fused norm (detach, aminmax, "
-    "_local_scalar_dense, view, cat, dot, sqrt_): 24 to 47 ops more a step than unwatched (43). Only modes "
-    "entered around the watch are kept apart (lifecycle/users_modes.py: the callbacks are wrapped as the watch "
-    "attaches, before torch holds them); doing so for a mode entered later would wrap every callback (a frame "
-    "each, per parameter for the gradient-accumulation hooks) on every step, or swap the registered hooks in place"
-))
 @pytest.mark.parametrize("options", RECORDING)
 def test_an_op_counter_entered_inside_the_loop_sees_the_unwatched_ops(options) -> None:
     def names(options: dict | None) -> list[list[str]]:
         return [sorted(mode.names) for mode in counted_steps(options, _OpNames)]
 
     assert names(options) == names(None)
+
+
+@pytest.mark.parametrize("options", RECORDING)
+def test_an_op_counter_entered_inside_an_inference_mode_evaluation_sees_the_unwatched_ops(options) -> None:
+    def evaluated(options: dict | None) -> list[str]:
+        from contextlib import nullcontext
+
+        model, opt = log_model()
+        with nan_magic.watch(model, opt, **options) if options is not None else nullcontext():
+            train(model, opt)
+            x = torch.rand(4, 8) + 5
+            with torch.inference_mode(), _OpNames() as seen:
+                model(x).mean().item()
+        return sorted(seen.names)
+
+    assert evaluated(options) == evaluated(None) == sorted(["log", "linear", "relu", "linear", "mean", "item"])
+
+
+def unwatched_steps() -> tuple[list[str], list[str]]:
+    """What the two counters of the test below see of a healthy step, unwatched."""
+    model, opt = log_model()
+    x = torch.rand(4, 8) + 5
+    with _OpNames() as outer:
+        out = model(x)
+        with _OpNames() as inner:
+            loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return outer.names, inner.names
+
+
+@pytest.mark.parametrize("options", RECORDING)
+def test_nested_modes_entered_inside_the_loop_see_the_unwatched_ops_and_a_nan_is_named(options) -> None:
+    model, opt = log_model()
+    before = dispatch_state()
+    steps = []
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            x = torch.rand(4, 8) + (5 if step < 2 else -6)
+            with _OpNames() as outer:
+                out = model(x)
+                with _OpNames() as inner:
+                    loss = out.pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            steps.append((outer.names, inner.names))
+            assert "__torch_dispatch__" not in vars(outer) | vars(inner)  # their handlers as they were, once left
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("log")
+    assert len(steps) == 2 and steps[0] == steps[1] == unwatched_steps()
+    assert steps[0][1] == ["pow", "mean"] and not {"aminmax", "cat", "dot"} & set(steps[0][0])
+    assert dispatch_state() == before and torch_works()
+
+
+def test_a_mode_left_open_past_the_watch_is_left_by_torchs_exit() -> None:
+    before = dispatch_state()
+    model, opt = log_model()
+    mode = _OpNames()
+    with nan_magic.watch(model, opt):
+        train(model, opt)
+        mode.__enter__()
+        train(model, opt, 1)
+    # The watch took its gate off (torch's __exit__ pops the innermost mode: the user's) and its recorder from
+    # under the user's mode (left there, inert, it passed every op on after the watch).
+    assert [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())] == [mode]
+    mode.__exit__(None, None, None)
+    assert dispatch_state() == before and torch_works()
+    assert "addmm" in mode.names and "aminmax" not in mode.names
+    assert "__torch_dispatch__" not in vars(mode)  # its handler as it was: the watch's gate came off as it ended
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a factory op (torch.rand) run under no_grad and a mode the user entered inside a recorded region: the recorder "
+    "holds its output, and torch's binding then dispatches a detach of it from the user's line (no frame of ours "
+    "to tell it by), seen by the user's mode: one op more than unwatched"
+))
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_factory_op_under_a_mode_entered_inside_the_loop_is_counted_once(options) -> None:
+    def names(options: dict | None) -> list[str]:
+        from contextlib import nullcontext
+
+        model, opt = log_model()
+        with nan_magic.watch(model, opt, **options) if options is not None else nullcontext():
+            train(model, opt)
+            with torch.no_grad(), _OpNames() as seen:
+                torch.rand(4, 8)
+        return seen.names
+
+    assert names(options) == names(None) == ["rand"]

@@ -114,7 +114,7 @@ class Recording(Localizing):
         self._recording.pause()
 
     def detach(self) -> None:
-        self._recording.stop()
+        self._recording.take_off()
 
     def forget(self) -> None:
         self._recording.forget(last=True)

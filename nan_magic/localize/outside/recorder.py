@@ -238,6 +238,22 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return True
         return False
 
+    def take_off(self) -> None:
+        """:meth:`stop` as the watch's hooks come off, and off this thread's stack even from under a mode the user
+        entered since and left open past the watch (``mode.__enter__()`` without a ``with``): left there, inert,
+        it would pass every op on through its trampoline after the watch. The modes above it stay, in order."""
+        self.stop()
+        if not self.pushed or not as_blocks_set(self._watch_inferring):
+            return
+        if not any(_stack_at(index) is self for index in range(_stack_depth())):
+            return  # (pushed on another thread's stack: the watch ends on this one)
+        above = []
+        while (mode := _pop(None)) is not self:
+            above.append(mode)
+        self.pushed = False
+        for mode in reversed(above):
+            _push(mode)
+
     def step_back(self) -> None:
         """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
         self._push()
