@@ -15,7 +15,9 @@ own checks cost.
 Method: a 20-layer MLP (width 64, batch 32) trains one step, then evaluates B batches under the context; the time
 of the evaluation alone is the best of R repeats (the minimum: what it costs when nothing else runs), unwatched and
 inside one ``nan_magic.watch`` that trained the step before each evaluation. Besides the times, the ops of the
-evaluation that reached the recorder's ``__torch_dispatch__`` (a count: steady on a busy machine). One CPU thread.
+evaluation that reached the recorder's ``__torch_dispatch__`` (a count: steady on a busy machine). Last, a
+training step under a dispatch mode the user enters inside the loop: its time, and the ops that mode counted
+(unwatched and watched: equal where the watch's own ops are kept from it, lifecycle/users_modes.py). One CPU thread.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nan_magic
 from nan_magic.localize.outside.recorder import OutsideRecorder
@@ -89,6 +92,34 @@ def measure(layers: int, batches: int, repeats: int, context_name: str, watched:
     return best, seen[0]
 
 
+class _Counting(TorchDispatchMode):
+    """A user's dispatch mode entered inside the loop: counts the ops it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure_users_mode(layers: int, repeats: int, watched: bool) -> tuple[float, int]:
+    """(best seconds of a training step under a user's counting mode entered inside the loop, ops it counted)."""
+    model, opt = _model(layers)
+    x = torch.randn(32, 64)
+    best, ops = float("inf"), 0
+    with nan_magic.watch(model, opt) if watched else contextlib.nullcontext():
+        for repeat in range(repeats + 2):
+            start = time.perf_counter()
+            with _Counting() as counting:
+                _train_step(model, opt, x)
+            elapsed = time.perf_counter() - start
+            if repeat >= 2:
+                best, ops = min(best, elapsed), counting.ops
+    return best, ops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=20)
@@ -103,6 +134,11 @@ def main() -> None:
         plain, _ = measure(args.layers, args.batches, args.repeats, name, watched=False)
         watched, ops = measure(args.layers, args.batches, args.repeats, name, watched=True)
         print(f"{name:<16}{plain * 1e3:>14.2f}{watched * 1e3:>12.2f}{watched / plain:>8.2f}{ops:>14}")
+    plain, plain_ops = measure_users_mode(args.layers, args.repeats, watched=False)
+    watched, watched_ops = measure_users_mode(args.layers, args.repeats, watched=True)
+    print(f"\na training step under a dispatch mode the user entered inside the loop (eval28 item 2): unwatched "
+          f"{plain * 1e3:.2f} ms, watched {watched * 1e3:.2f} ms, ratio {watched / plain:.2f}; ops the user's mode "
+          f"counted: {plain_ops} unwatched, {watched_ops} watched")
 
 
 if __name__ == "__main__":
