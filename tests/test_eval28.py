@@ -419,3 +419,37 @@ def test_a_factory_op_under_a_mode_entered_inside_the_loop_is_counted_once(optio
         return seen.names
 
     assert names(options) == names(None) == ["rand"]
+
+
+def test_a_users_dispatch_mode_patch_after_ours_stays_and_ours_goes_inert() -> None:
+    exited = vars(TorchDispatchMode)["__exit__"]
+    calls: list[str] = []
+    model, opt = log_model()
+
+    def counted_step() -> _OpNames:
+        with _OpNames() as seen:
+            train(model, opt, 1)
+        return seen
+
+    try:
+        with nan_magic.watch(model, opt):
+            train(model, opt)
+            wrapped = TorchDispatchMode.__exit__
+
+            def theirs(self: TorchDispatchMode, *exc: object) -> object:
+                calls.append("user")
+                return wrapped(self, *exc)
+
+            TorchDispatchMode.__exit__ = theirs  # type: ignore[method-assign]
+            gated = counted_step()
+        assert calls == ["user"] and not {"aminmax", "dot"} & set(gated.names)  # ours acted under theirs
+        assert vars(TorchDispatchMode)["__exit__"] is theirs and patches.installed() == []
+        assert "__torch_dispatch__" not in vars(gated)
+        counted_step()  # ours only passes through now
+        assert calls == ["user", "user"] and torch_works()
+        with nan_magic.watch(model, opt):  # a later watch installs afresh, above theirs
+            later = counted_step()
+        assert calls[-1] == "user" and not {"aminmax", "dot"} & set(later.names)
+    finally:
+        TorchDispatchMode.__exit__ = exited  # type: ignore[method-assign]
+    assert torch_works() and dispatch_state()[1] == 0
