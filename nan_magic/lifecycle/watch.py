@@ -60,7 +60,7 @@ from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
-from nan_magic.lifecycle.users_modes import beside_users_modes, users_modes_active
+from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import entering
@@ -242,9 +242,7 @@ class Watch:
     def _attach(self) -> None:
         stack = ExitStack()
         try:
-            if not self.config.ops and users_modes_active():
-                # Unseen by the user's modes (users_modes.py); not in ops mode: two callbacks push/pop its tracer.
-                beside_users_modes(self, stack)
+            keep_apart_from_users_modes(self, stack)  # the watch's ops unseen by the user's dispatch modes
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))

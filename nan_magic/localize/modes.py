@@ -30,6 +30,7 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
@@ -105,12 +106,15 @@ class Recording(Localizing):
         # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
         recorder = self._recording
         stack.enter_context(unrecorded_zero_grad(recorder.step_aside, recorder.step_back))
+        # An evaluation under inference_mode: the recorder steps aside at its model calls as it does outside one
+        # (the block's end would put torch's Python key back over an empty stack: patches/inference_blocks.py).
+        stack.enter_context(balanced_inference_blocks())
 
     def pause(self) -> None:
         self._recording.pause()
 
     def detach(self) -> None:
-        self._recording.stop()
+        self._recording.take_off()
 
     def forget(self) -> None:
         self._recording.forget(last=True)

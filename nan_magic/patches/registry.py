@@ -5,7 +5,10 @@ Some things the watch must see have no hook in torch: the tensor
 ``torch.save`` (the checkpoint guard), the optimizers and scalers a script
 constructs (the command line adopts them), a reentrant checkpoint during a
 backward replay, ``zero_grad()`` (run with the loop-code recorder stepped
-aside). Each is seen by replacing an attribute of a class or module for as
+aside), the end of an ``inference_mode`` block (the Python dispatch key put
+back in step with the dispatch-mode stack), a ``TorchDispatchMode`` the
+user enters inside the watch (its handler gated against the watch's ops).
+Each is seen by replacing an attribute of a class or module for as
 long as someone needs it, and every such replacement is a
 :class:`ProcessPatch`:
 

@@ -42,13 +42,16 @@ the model call, which their ``with`` must pop) and popped only when it is the
 innermost mode (a mode the user entered since stays in place; ours then
 waits, inert, until it is on top). ``torch.inference_mode()`` restores the
 whole dispatch-key set it found when its block ends, the Python key included
-that a pushed mode sets: a recorder pushed before the block and popped inside
-it would leave that key on over an empty stack, and every op after the block
-fails in torch's Python fallback. Stopped inside such a block, the recorder
-stays pushed, inert, and is popped after it; and it is pushed only where
-inference mode is as the watch found it (pushed inside the block, it would
-stay on the stack past the block's end with the key off, and a mode the user
-enters after the block would see no op).
+that a pushed mode sets: while the watch records, its ``__exit__`` puts that
+key back in step with the stack (patches/inference_blocks.py), so the recorder
+steps aside at an evaluation's model call inside such a block as it does
+outside one. Where a guard that patch does not see is open
+(``torch._C._InferenceMode`` entered directly), the recorder is neither pushed
+nor popped: popped inside it, it would leave the key on over an empty stack
+and every op after it would fail in torch's Python fallback; pushed inside it,
+it would stay on the stack past its end with the key off, and a mode the user
+enters after it would see no op. It stays pushed, inert, through such a
+guard, and is popped after it.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from nan_magic.localize.outside.held import (
 )
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.region_records import RegionRecords
+from nan_magic.patches.inference_blocks import as_blocks_set
 from nan_magic.records import Note
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder", "passes"]
@@ -143,9 +147,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self.stepped = stepped
         self._raw = False
         self.pushed = False
-        # Whether it was pushed inside an inference_mode block (stop: not popped in a block entered since), and
-        # whether the watch was entered (or resumed) in one (_push: pushed only as the watch found it).
-        self._pushed_inferring = False
+        # Whether the watch was entered (or resumed) in inference mode: pushed and popped only where it is as the
+        # watch found it, or as an inference_mode block entered since set it (as_blocks_set).
         self._watch_inferring = _inference()
         #: Whether the user's dispatch modes were on the stack as the watch attached: never pushed while it is
         #: attached (lifecycle/users_modes.py: its callbacks empty the stack for a moment).
@@ -191,10 +194,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._push()
 
     def _push(self) -> None:
-        if not self.pushed and _stack_depth() == 0 and _inference() == self._watch_inferring and not self.apart:
+        if not self.pushed and _stack_depth() == 0 and not self.apart and as_blocks_set(self._watch_inferring):
             _push(self)
             self.pushed = True
-            self._pushed_inferring = _inference()
 
     def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
         """A top-level model call began, its batch judged: the data region's records go.
@@ -226,15 +228,31 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
         Only where this recorder is this thread's innermost mode (a mode the
         user entered since stays balanced; another thread's stack holds none
-        of ours), and not inside an inference_mode block entered since the
-        push, whose end puts the Python key back (the module docstring).
+        of ours), and not inside an inference-mode guard the watch does not
+        see, whose end puts the Python key back (the module docstring).
         """
         if (self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and (self._pushed_inferring or not _inference())):
+                and as_blocks_set(self._watch_inferring)):
             _pop(None)
             self.pushed = False
             return True
         return False
+
+    def take_off(self) -> None:
+        """:meth:`stop` as the watch's hooks come off, and off this thread's stack even from under a mode the user
+        entered since and left open past the watch (``mode.__enter__()`` without a ``with``): left there, inert,
+        it would pass every op on through its trampoline after the watch. The modes above it stay, in order."""
+        self.stop()
+        if not self.pushed or not as_blocks_set(self._watch_inferring):
+            return
+        if not any(_stack_at(index) is self for index in range(_stack_depth())):
+            return  # (pushed on another thread's stack: the watch ends on this one)
+        above = []
+        while (mode := _pop(None)) is not self:
+            above.append(mode)
+        self.pushed = False
+        for mode in reversed(above):
+            _push(mode)
 
     def step_back(self) -> None:
         """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
@@ -243,9 +261,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     def pause(self) -> None:
         """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).
 
-        The first thing the watch does as it is left: where a block that restores the key set ended after the
-        recorder was popped inside it, unseen (``torch.inference_mode(False)`` inside the watch's own mode: no
-        flag tells it from outside), the Python key is on over an empty stack, and is put off before any op runs.
+        The first thing the watch does as it is left: where a guard that restores the key set ended after the
+        recorder was popped inside it, unseen (``torch._C._InferenceMode(False)`` entered directly in the watch's
+        own mode: no flag tells it from outside), the Python key is on over an empty stack, and is put off before
+        any op runs.
         """
         self._resumes = self.pushed
         self.stop()
