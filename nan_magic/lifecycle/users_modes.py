@@ -52,7 +52,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nan_magic
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.patches.dispatch_modes import seeing_modes_entered
@@ -141,7 +140,7 @@ def keep_apart_from_users_modes(watch: Any, stack: ExitStack) -> None:
 _PASSED, _WATCHS, _USERS = 0, 1, 2
 _KINDS: dict[int, tuple[int, CodeType]] = {}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OURS_DIR = os.path.dirname(nan_magic.__file__) + os.sep
+_OURS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # (the package: no import upward)
 _PATCHES_DIR = os.path.join(_OURS_DIR, "patches") + os.sep
 # Modes not gated: ours (a fix trial's, a replay's); torch's for activation checkpointing (its own machinery, entered
 # at each checkpointed call); FlopCounterMode's (none of the watch's reads has a flop formula: its counts are the
