@@ -45,7 +45,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.coverage import coverage_for
 from nan_magic.options import WatchConfig
-from nan_magic.records import EarlyWarning, Note, StepSummary
+from nan_magic.records import EarlyWarning, Note, Phase, StepSummary, TensorRef, TensorRole
 
 __all__ = ["Outcome", "StepCycle", "UpdateCode"]
 
@@ -439,7 +439,7 @@ class StepCycle:
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = self.timing.pending_at_exit(self) or self._explain_failed_op(exc)
+            explained = self.timing.pending_at_exit(self) or self._explain_failed_op(exc) or self._explain_anomaly(exc)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left
@@ -457,6 +457,32 @@ class StepCycle:
             return error
         return None
 
+    def _explain_anomaly(self, exc: BaseException) -> NonFiniteError | None:
+        """torch's anomaly mode (``detect_anomaly``) stopped a backward at a NaN: the step's backward, replayed, names
+        the producer, its op and line (torch's own error, kept as the cause, names only the autograd node)."""
+        if self.outcome.stopped or not (isinstance(exc, RuntimeError) and _ANOMALY in str(exc)):
+            return None
+        finding = Finding(Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output"))
+        finding.notes.append(Note.raised("anomaly-raised", exc))
+        gradients = self.gradients
+        loss = gradients.loss_record.ref() if gradients.loss_record is not None else None
+        # The loss code's backward first (it runs before the models'), as its recorded ops replay it; else the step
+        # replay of the models' calls (events.py) finds it.
+        with torch.autograd.set_detect_anomaly(False):  # (or its replay would stop as the user's backward did)
+            claimed = self.origins.claim_loss_backward(finding, loss, gradients.loss_key)
+        if claimed and gradients.loss_record is not None:
+            finding.call = gradients.loss_record.call  # named: the loss's call, which no model replay stands for
+        try:
+            self._emit(finding)
+        except NonFiniteError as error:
+            return error
+        return None
+
     def _leave_together(self) -> bool:
         """Whether the exit is a round with the other ranks (lockstep.py); one process walks no model for it."""
         return self.outcome.agreement.several and self.lockstep.meets_at_exit()
+
+
+#: What torch's anomaly mode says as it stops a backward at a NaN ("Function 'SqrtBackward0' returned nan values in
+#: its 0th output."): torch's message, not one of ours.
+_ANOMALY = "returned nan values in its"

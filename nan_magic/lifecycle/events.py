@@ -98,7 +98,9 @@ class Events:
         if replayed is None:
             report = self.context.build(finding)
             if not finding.benign:
-                replayed = self.context.localize(finding, report)
+                # (torch's anomaly mode off: the user may run under it, and a replay's backward would raise)
+                with torch.autograd.set_detect_anomaly(False):
+                    replayed = self.context.localize(finding, report)
         position = None
         if replayed is not None:
             report, (finding.frame, position) = stamp(replayed[0]), replayed[1]

@@ -55,6 +55,7 @@ _TEMPLATES: dict[str, str] = {
     "rng-not-kept": "its random state was not kept",
     "op-raised": "then {func} was called on it and raised {error}",
     "forward-raised": "then the forward raised {error}",
+    "anomaly-raised": "torch's anomaly detection stopped the backward ({message})",
     "refetched": "named by fetching the batch's samples from {dataset} again",
     "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}",
     "iterable-dataset": "the batch came from {dataset}, an iterable dataset: its samples cannot be fetched again by "

@@ -1,0 +1,124 @@
+"""The watch under torch's anomaly mode (``set_detect_anomaly(True)``), which people turn on to hunt NaNs.
+
+Anomaly mode stops a backward with a RuntimeError as soon as an autograd node
+returns NaN, before any boundary of the watch reads the gradient. The watch
+explains that error with its report (the producer's module, op and line,
+raised from torch's error), and runs its own replays and fix trials with
+anomaly mode off, so that they do not stop where the user's backward did.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+from tests.faults import marked_line
+
+TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+
+
+def _line(marker: str) -> int:
+    return marked_line(marker, where=sys.modules[__name__])
+
+
+class _WhereSqrt(nn.Module):
+    """The sqrt of the positive part, by torch.where: finite forward, 0 * NaN in the backward of the discarded side."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))  # producer: where sqrt
+
+
+def _train(model: nn.Module, loss_of: object, options: dict[str, bool], steps: int = 3) -> list[float]:
+    """``steps`` SGD steps under anomaly mode and the watch; the losses."""
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with torch.autograd.set_detect_anomaly(True), nan_magic.watch(model, opt, **options):
+        for step in range(steps):
+            loss = loss_of(model, step)  # type: ignore[operator]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_the_anomaly_mode_stops_in_a_modules_backward_is_named_at_its_op_and_line(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _WhereSqrt(), nn.Linear(4, 1))
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "1", 0, "aten.mul.Scalar")
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("where sqrt")
+    assert report.reproduced is True
+    # torch's own error stays the cause, and anomaly mode is as the user set it once the watch is gone
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert "returned nan values" in str(caught.value.__cause__)
+    assert not torch.is_anomaly_enabled()
+
+
+def _distance_loss(model: nn.Module, step: int) -> torch.Tensor:
+    out = model(torch.randn(3, 4))
+    target = out.detach() if step == 1 else torch.randn(3, 2)  # step 1: the distance is exactly 0
+    return torch.sqrt(((out - target) ** 2).sum())  # producer: distance
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(options) -> None:
+    with pytest.raises(NonFiniteError) as caught:
+        _train(nn.Linear(4, 2), _distance_loss, options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", None, 1, "aten.div.Tensor")
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("distance")
+    assert "torch's anomaly detection stopped the backward (Function 'PowBackward0' returned nan values" in (
+        report.to_text())
+
+
+class _ExpAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)  # producer: exp
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_under_anomaly_mode_a_forward_events_fix_is_still_verified(options) -> None:
+    # The trials replay the step's backward: under the user's anomaly mode that replay would stop at the NaN too.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _ExpAct(), nn.Linear(4, 1))
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(2, 4) * (1000 if step == 2 else 1)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "1", 2, "aten.exp.default")
+    assert report.source is not None and report.source.lineno == _line("exp")
+    assert next(trial for trial in report.fixes if trial.kind == "stable").finite is True
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops")])
+def test_a_healthy_run_under_anomaly_mode_is_silent_and_identical(options) -> None:
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        return model(torch.randn(8, 4)).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    expected = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    expected.load_state_dict(model.state_dict())
+    watched = _train(model, loss_of, options, steps=4)
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(expected.parameters(), lr=0.01)
+    unwatched = []
+    with torch.autograd.set_detect_anomaly(True):
+        for _step in range(4):
+            loss = loss_of(expected, 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            unwatched.append(loss.item())
+    assert watched == unwatched
