@@ -34,7 +34,7 @@ from torch.autograd.grad_mode import inference_mode
 
 from nan_magic.patches.registry import ProcessPatch
 
-__all__ = ["as_blocks_set", "balanced_inference_blocks"]
+__all__ = ["BLOCKS", "as_blocks_set", "balanced_inference_blocks"]
 
 _depth = torch._C._len_torch_dispatch_stack
 _inference = torch.is_inference_mode_enabled
@@ -50,6 +50,8 @@ class _Blocks(threading.local):
 
 
 _blocks = _Blocks()
+#: This thread's open blocks, for a caller on the hot path that inlines :func:`as_blocks_set` (recorder.py).
+BLOCKS = _blocks
 
 
 def as_blocks_set(outside: bool) -> bool:

@@ -79,7 +79,7 @@ from nan_magic.localize.outside.held import (
 )
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.region_records import RegionRecords
-from nan_magic.patches.inference_blocks import as_blocks_set
+from nan_magic.patches.inference_blocks import BLOCKS, as_blocks_set
 from nan_magic.records import Note
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder", "passes"]
@@ -194,7 +194,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._push()
 
     def _push(self) -> None:
-        if not self.pushed and _stack_depth() == 0 and not self.apart and as_blocks_set(self._watch_inferring):
+        # (as_blocks_set, inlined: three pushes and pops a step)
+        if (not self.pushed and _stack_depth() == 0 and not self.apart
+                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
             _push(self)
             self.pushed = True
 
@@ -232,7 +234,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         see, whose end puts the Python key back (the module docstring).
         """
         if (self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and as_blocks_set(self._watch_inferring)):
+                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
             _pop(None)
             self.pushed = False
             return True
