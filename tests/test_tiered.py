@@ -776,6 +776,35 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
     assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__
 
 
+class WhereRoot(nn.Module):
+    """The root of the positive part by torch.where: the NaN of the other side is absorbed, its backward is 0 * NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))  # producer: where root
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"ops": True}], ids=["immediate", "deferred", "ops"])
+def test_a_nan_a_checkpointed_forward_absorbs_is_named_at_the_backward_op_that_reads_it(
+        reentrant: bool, options: dict[str, object]) -> None:
+    # The recompute inside backward ran the forward's sqrt again: taken for a backward op, it was named the
+    # producer ("aten.sqrt.default" in backward, unclassified) instead of SqrtBackward0's mul.
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    model.block = nn.Sequential(nn.Linear(16, 16), WhereRoot())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        loss = model(torch.randn(8, 16, requires_grad=reentrant)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.autograd_node) == (
+        "backward", "block.1", "aten.mul.Scalar", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("where root")
+    assert report.cause is not None and report.cause.label == "sqrt-domain"
+
+
 def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_raises() -> None:
     from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
 
