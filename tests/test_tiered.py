@@ -776,6 +776,60 @@ def test_a_backward_producer_inside_a_checkpointed_block_is_named(reentrant: boo
     assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__
 
 
+class WhereRoot(nn.Module):
+    """The root of the positive part by torch.where: the NaN of the other side is absorbed, its backward is 0 * NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))  # producer: where root
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"ops": True}], ids=["immediate", "deferred", "ops"])
+def test_a_nan_a_checkpointed_forward_absorbs_is_named_at_the_backward_op_that_reads_it(
+        reentrant: bool, options: dict[str, object]) -> None:
+    # The recompute inside backward ran the forward's sqrt again: taken for a backward op, it was named the
+    # producer ("aten.sqrt.default" in backward, unclassified) instead of SqrtBackward0's mul.
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    model.block = nn.Sequential(nn.Linear(16, 16), WhereRoot())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        loss = model(torch.randn(8, 16, requires_grad=reentrant)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.autograd_node) == (
+        "backward", "block.1", "aten.mul.Scalar", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("where root")
+    assert report.cause is not None and report.cause.label == "sqrt-domain"
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["called", "checkpointed"])
+@pytest.mark.parametrize("options", [{}, {"defer": True}], ids=["immediate", "deferred"])
+def test_a_backward_nan_in_the_first_of_two_chained_models_is_named_there(options: dict[str, object],
+                                                                         checkpointed: bool) -> None:
+    # head(body(x)), both watched: the gradient into body's output was kept for the call of head that the
+    # tensor entered (its record of that argument), so body's backward was never replayed and the report named
+    # 0.weight's gradient, unclassified.
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 4), WhereRoot())
+    head = nn.Linear(4, 1)
+    opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(body, head, opt, **options):
+        x = torch.randn(8, 4)
+        hidden = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False) if checkpointed else body(x)
+        loss = head(hidden).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.model, report.module, report.op, report.autograd_node) == (
+        "backward", "Sequential", "1", "aten.mul.Scalar", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _marked("where root")
+    assert report.reproduced is True
+
+
 def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_raises() -> None:
     from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
 

@@ -232,7 +232,9 @@ class GradientChecks:
         # A model that returns its loss (``model(x, y).backward()``) hands its output on to the loss's
         # record, which belongs to no model call: the gradient is the model's output gradient all the same.
         handed_on = record
-        while (outer := handed_on.outer) is not None and outer.call is not None and outer.call.info is not None:
+        # (Not to a record of the tensor entering another model, ``head(body(x))``: its ``argument`` is set.)
+        while ((outer := handed_on.outer) is not None and outer.argument is None and outer.call is not None
+               and outer.call.info is not None):
             handed_on = outer
         returned_by = handed_on.call
         if returned_by is not None and returned_by.parent is None:

@@ -19,13 +19,14 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "is_plumbing",
-           "passed_over", "sources_of_op", "user_frame"]
+           "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -285,3 +286,23 @@ class NodeSources:
         code, lineno, module = entry
         line = linecache.getline(code.co_filename, lineno).strip() or None
         return SourcePointer(code.co_filename, lineno, code.co_name, line), module
+
+
+_REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
+
+
+def recomputing() -> bool:
+    """Whether an op in backward, with grad enabled, belongs to an activation checkpoint's recompute of its forward.
+
+    The non-reentrant form recomputes under its own saved-tensor hooks; the reentrant one inside
+    ``CheckpointFunction.backward``. (Asked only of an op that runs in backward with grad enabled: a
+    recompute, or a ``create_graph`` backward.)
+    """
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        return True
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False

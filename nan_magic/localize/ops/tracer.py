@@ -93,12 +93,11 @@ from nan_magic.localize.ops.plans import (
     run_op,
     tensors,
 )
-from nan_magic.localize.ops.sources import NodeSources, called_by_the_engine, called_by_us, sources_of_op
+from nan_magic.localize.ops.sources import NodeSources, called_by_the_engine, called_by_us, recomputing, sources_of_op
 from nan_magic.localize.ops.witnesses import OpWitnesses
 from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
-
 
 def _no_module() -> str | None:
     return None
@@ -252,6 +251,10 @@ class OpTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         task = torch._C._current_graph_task_id()
         in_backward = task != -1 and task != self.forward_task
+        if in_backward and torch.is_grad_enabled() and recomputing():
+            # A checkpoint's recompute: forward ops, whose NaN a torch.where may still absorb, as in the forward
+            # they repeat (the backward op that reads it is the producer then).
+            in_backward = False
         if not isinstance(func, torch._ops.OpOverload):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
