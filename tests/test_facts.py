@@ -176,6 +176,8 @@ CAUSES = {
     "optimizer-lr": (Cause("learning-rate-too-high", "optimizer-lr",
                            (*_STEP[:6], ("lr", 1e38), *_STEP[7:], ("margin", 1000.0))), "lr = 1e38"),
     "optimizer-state-overflow": (Cause("half-precision-overflow", "optimizer-state-overflow", _STEP), "max 65504"),
+    "optimizer-state-overflow-wide": (Cause("overflow", "optimizer-state-overflow-wide", _STEP),
+                                      "its parameter stayed finite"),
     "optimizer-update-overflow": (Cause("half-precision-overflow", "optimizer-update-overflow", _STEP), "65504"),
     "optimizer-eps-zero": (Cause("optimizer-eps-underflow", "optimizer-eps-zero",
                                  (*_STEP[:7], ("eps", 0.0), *_STEP[8:])), "eps = 0"),

@@ -355,6 +355,60 @@ def test_a_half_precision_state_the_step_overflowed_is_named_as_that_state_not_i
     assert report.cause.hint.startswith("state exp_avg_sq of weight overflowed float16 (max 65504) in the Adam step")
 
 
+@pytest.mark.parametrize("optimizer", ["Adam", "AdamW", "RMSprop"])
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_float32_state_that_huge_finite_gradients_overflowed_is_named(defer: bool, optimizer: str) -> None:
+    # Gradients of about 1e24 are finite, their square is not: exp_avg_sq (square_avg) = inf freezes the
+    # parameter's update at 0, silently, while every boundary stays finite; float32 state was never read.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-3)
+
+    def run() -> None:
+        for step in range(4):
+            loss = model(torch.randn(4, 4)).mean() * (1e25 if step == 2 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, opt, defer=defer)
+    key = "square_avg" if optimizer == "RMSprop" else "exp_avg_sq"
+    assert (report.phase, report.step, report.module, report.optimizer) == ("optimizer", 2, "0", optimizer)
+    assert report.tensor == TensorRef(TensorRole.OPTIMIZER_STATE, "0.weight", key)
+    assert all(parameter.isfinite().all() for parameter in model.parameters())
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == (
+        "overflow", "optimizer-state-overflow-wide")
+    assert f"state {key} of 0.weight overflowed float32 (max 3.4e38)" in report.cause.hint
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_gradients_below_the_bound_leave_float32_state_unread(defer: bool) -> None:
+    # The extra pass over the state is paid only at a step whose gradients reach BOUNDED_GRAD_NORM.
+    from nan_magic.hot.checks import optim
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    read: list[int] = []
+    original = optim.norms
+
+    def counting(tensors: list[torch.Tensor], **kwargs: Any) -> list[torch.Tensor]:
+        read.append(len(tensors))
+        return original(tensors, **kwargs)
+
+    with nan_magic.watch(model, opt, defer=defer), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optim, "norms", counting)
+        for scale in (1.0, 1.0, 1e25, 1.0):
+            read.clear()
+            loss = model(torch.randn(4, 4)).mean() * scale
+            opt.zero_grad()
+            loss.backward()
+            if scale > 1:  # (the step writes inf into exp_avg_sq: an event, reported; stop before it)
+                break
+            opt.step()
+            assert max(read, default=0) <= 4  # the 4 parameters at most, never their 8 state tensors
+
+
 def _adamw_steps(steps: int, between: Callable[[int, nn.Module, torch.optim.Optimizer], None], **options: Any):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))

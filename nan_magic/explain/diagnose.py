@@ -37,7 +37,9 @@ Labels (exact strings: tests, renderers and users rely on them)
     finite inputs, with the evidence of an overflow: a product, sum or matmul
     (which make inf from finite values no other way), operands or finite
     outputs near the dtype's max, a square (a variance, a norm) of values
-    above sqrt(max), or attention scores q·kᵀ that can pass the max.
+    above sqrt(max), or attention scores q·kᵀ that can pass the max. Or an
+    optimizer's float32 state (Adam's ``exp_avg_sq``) past the max while its
+    parameter stays finite: gradients of about 1e19 and more.
 ``masked-softmax``
     A softmax or attention op made NaN where every position of a row was
     masked: a softmax whose input held a -inf at each NaN position (over

@@ -44,8 +44,11 @@ def optimizer_cause(report: Report) -> Cause:
         # whatever the implementation (fused, foreach, for-loop).
         return Cause("learning-rate-too-high", "optimizer-lr", (*facts, ("margin", _LR_MARGIN)))
     infinite = report.posinf + report.neginf
-    if report.tensor.role is TensorRole.OPTIMIZER_STATE and infinite and report.dtype in HALF:
-        return Cause("half-precision-overflow", "optimizer-state-overflow", facts)
+    if report.tensor.role is TensorRole.OPTIMIZER_STATE and infinite:
+        if report.dtype in HALF:
+            return Cause("half-precision-overflow", "optimizer-state-overflow", facts)
+        # A float32 square (exp_avg_sq) past the max: gradients of 1e19 and more, the step's own finite ones.
+        return Cause("overflow", "optimizer-state-overflow-wide", facts)
     divides = report.optimizer is not None and (
         report.optimizer in _EPS_OPTIMIZERS or "adam" in report.optimizer.lower()
     )

@@ -112,8 +112,8 @@ class OptimizerChecks:
         self._stepping: torch.optim.Optimizer | None = None  # (that optimizer, for a closure's gradients)
         # Deferred mode: a step's parameter/state norms, read at the next sync.
         self.carried: StepResult | None = None
-        # Set before a step whose parameters need no check after it (bounded_step).
-        self._bounded = False
+        # A step whose parameters need no check after it (bounded_step); one whose gradients reach
+        self._bounded = self._huge = False  # BOUNDED_GRAD_NORM, whose float32 state is checked too (_step_result)
         self._last_checked_step: int | None = None
         # Per optimizer: its last bounded step whose parameters went unchecked since its last check (flush).
         self._unchecked: dict[int, tuple[torch.optim.Optimizer, int]] = {}
@@ -256,6 +256,7 @@ class OptimizerChecks:
         small = self.last_grad_norm is None or (
             math.isfinite(self.last_grad_norm) and max(grad_values) < BOUNDED_GRAD_NORM)
         self._bounded = small and bounded_step(opt, layout)
+        self._huge = not small  # (finite: a non-finite one was reported above)
         if self._headroom is not None:
             self._before = self._headroom.copies(opt)
         self.in_step, self._stepping = True, opt
@@ -311,16 +312,16 @@ class OptimizerChecks:
         """What ``opt``'s step ``step`` updated, with the norms that say whether it stayed finite (not read yet)."""
         layout = self.layout(opt)
         updated = [parameter for _name, parameter in layout.named]
-        # Half-precision state can overflow while its parameter stays
-        # finite (Adam's exp_avg_sq = inf freezes the update at 0);
-        # float32 state cannot without the gradients showing it first,
-        # so its extra pass over memory is skipped.
-        for _name, parameter, key in layout.half_state:
+        # State can overflow while its parameter stays finite (Adam's exp_avg_sq = inf freezes the update at 0):
+        # half-precision state at every step, float32 state only after gradients of 1e18 or more (a square above
+        # its max), whose step alone pays a pass over it.
+        states = layout.half_state if not self._huge else [
+            (name, parameter, key) for name, parameter in layout.named for key in opt.state.get(parameter, {})]
+        for _name, parameter, key in states:
             value = opt.state.get(parameter, {}).get(key)
             updated.append(value if is_checkable(value) else _FINITE)
-        result = StepResult(
-            opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step, bounded
-        )
+        result = StepResult(opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step,
+                            bounded, states=states)
         result.before, self._before = self._before, {}
         self._last_checked_step = step
         return result

@@ -66,20 +66,23 @@ class StepResult:
     caller: tuple[CodeType, int, dict[str, Any]] | None = None
     #: Copies taken before the step of the parameters near their dtype's limit, by id (headroom.py).
     before: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: The state tensors in ``updated`` after the parameters, ``(name, parameter, key)``: the layout's
+    #: half-precision state, or (after gradients of BOUNDED_GRAD_NORM or more) every state tensor.
+    states: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
 
     def owner(self, index: int) -> tuple[torch.Tensor, str | None]:
         """The parameter behind ``updated[index]``, and the state key where it is a state tensor."""
         parameters = self.layout.named
         if index < len(parameters):
             return parameters[index][1], None
-        _name, parameter, key = self.layout.half_state[index - len(parameters)]
+        _name, parameter, key = self.states[index - len(parameters)]
         return parameter, key
 
     def label(self, index: int) -> TensorRef:
         parameters = self.layout.named
         if index < len(parameters):
             return TensorRef.parameter(parameters[index][0])
-        name, _parameter, key = self.layout.half_state[index - len(parameters)]
+        name, _parameter, key = self.states[index - len(parameters)]
         return TensorRef(TensorRole.OPTIMIZER_STATE, name, str(key))
 
 

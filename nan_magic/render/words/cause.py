@@ -162,6 +162,16 @@ def _lr_evidence(cause: Cause) -> tuple[str, ...]:
     return (*_step_facts(cause), last)
 
 
+def _wide_state_overflow_hint(cause: Cause) -> str:
+    return (
+        f"{_subject(cause)} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
+        f"{cause.fact('optimizer')} step while its parameter stayed finite: a state that squares the gradient "
+        "passes the max only with finite gradients of about 1e19 or more; that parameter's update is 0 from now on "
+        "(a division by inf); clip the gradients (torch.nn.utils.clip_grad_norm_) and find what made them this large "
+        "(a loss scaled up, a learning rate, an input far out of range)"
+    )
+
+
 def _state_overflow_hint(cause: Cause) -> str:
     return (
         f"{_subject(cause)} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
@@ -234,6 +244,7 @@ _READINGS: dict[str, Reading] = {
     **OVERFLOW_READINGS,
     "optimizer-lr": Reading(_lr_hint, _lr_evidence),
     "optimizer-state-overflow": Reading(_state_overflow_hint, _step_facts, sentence=False),
+    "optimizer-state-overflow-wide": Reading(_wide_state_overflow_hint, _step_facts, sentence=False),
     "optimizer-update-overflow": Reading(_update_overflow_hint, _step_facts),
     "optimizer-eps-zero": Reading(
         _eps_zero_hint, lambda cause: (*_step_facts(cause), "eps = 0: sqrt(v) + eps is 0 where v is 0")
