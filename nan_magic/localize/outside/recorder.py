@@ -159,6 +159,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._held_bytes = 0
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
+        #: Called before an op that writes in place runs in a data region being recorded (``on_write(op, args,
+        #: kwargs)``): a parameter the loop writes after the optimizer step (outside/param_writes.py's DataWrites).
+        self.on_write: Callable[[Any, Sequence[Any], dict[str, Any]], None] | None = None
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -182,6 +185,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return
         if region == "data":
             self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
+            self._data_before = {}
         self.forget()
         if region in self.untraced:
             return
@@ -213,6 +217,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             self._data = (ops, self._produced, self._frames, self._rng)
             self._ops, self._produced, self._frames = [], {}, []
+            if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
+                self._data_before, self.before = self.before, {}
         self.forget()
 
     def stop(self) -> None:
@@ -269,6 +275,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """
         if last:
             self._last = self._data = None
+            self._data_before = {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
                 self.weaken(detach=True)
@@ -337,11 +344,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         entry = _OPS.get(id(func))  # by id: an OpOverload's __hash__ is Python
         if entry is None:
             entry = _op_entry(func)
-        kind, call, _op = entry
+        kind, call, _op, writes = entry
         if kwargs is None:
             kwargs = {}
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
             return call(*args, **kwargs)
+        if writes and self._region == "data" and self.on_write is not None and self._budget > 0:
+            self.on_write(func, args, kwargs)  # (before it runs: the parameter is copied as the write found it)
         if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
@@ -424,14 +433,18 @@ _ZERO_GRAD_CODES = frozenset(
 # What the recorder does with an op (cached per op in _OPS with the callable it runs): pass a profiler
 # marker through; record an op; record an op that draws random numbers (taking the generators' state first).
 _PASS, _RECORD, _SEEDED_OP = "pass", "record", "seeded"
-_OPS: dict[int, tuple[str, Any, Any]] = {}  # id(op) -> (kind, callable, the op, kept so its id stays unique)
+# id(op) -> (kind, callable, the op, kept so its id stays unique, whether it writes in place)
+_OPS: dict[int, tuple[str, Any, Any, bool]] = {}
 _new_tuple = tuple.__new__
 
 
-def _op_entry(func: Any) -> tuple[str, Any, Any]:
-    """``(kind, callable)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping ``__call__``."""
+def _op_entry(func: Any) -> tuple[str, Any, Any, bool]:
+    """``(kind, callable, op, writes)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping
+    ``__call__``; ``writes``: it writes a tensor in place (``out=`` too)."""
     kind = _PASS if passes(func) else _SEEDED_OP if _seeded(func) else _RECORD
-    entry = _OPS[id(func)] = (kind, func._op if isinstance(func, torch._ops.OpOverload) else func, func)
+    overload = isinstance(func, torch._ops.OpOverload)
+    writes = overload and kind is not _PASS and bool(plan_of(func).writes)
+    entry = _OPS[id(func)] = (kind, func._op if overload else func, func, writes)
     return entry
 
 

@@ -56,6 +56,8 @@ class RegionRecords:
         # The last data region's records, kept by forget() until the deferred check has judged the batch they
         # made (the recorder's ``holds_data``): (ops, produced, frames, rng).
         self._data: _Records | None = None
+        # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
+        self._data_before: dict[int, torch.Tensor] = {}
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
@@ -89,12 +91,13 @@ class RegionRecords:
         non-finite values came from outside the record (a model output).
         ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         """
-        found = self._claim_in((self._ops, self._produced, self._frames, self._rng), tensor, key)
+        found = self._claim_in((self._ops, self._produced, self._frames, self._rng), tensor, key, self.before)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
-            found = self._claim_in(self._data, tensor, key)
+            found = self._claim_in(self._data, tensor, key, self._data_before)
         return found
 
-    def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None) -> OpFinding | None:
+    def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None,
+                  before: dict[int, torch.Tensor]) -> OpFinding | None:
         """:meth:`claim` in one region's ``records``."""
         recorded, produced, frames, rng = records
         if tensor is not None:
@@ -107,7 +110,7 @@ class RegionRecords:
         producer: RecordedOp | None = None
         frame: FrameType | None = None
         try:
-            copies, _requiring = copies_from_outside(ops, self.before)
+            copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
                 for index, op in enumerate(ops):
                     rerun_op(op, copies)

@@ -67,6 +67,7 @@ _TEMPLATES: dict[str, str] = {
                             "formula made it",
     "optimizer-unreplayable": "the {optimizer} step could not be replayed to name its op",
     "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
+    "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,
     "replay-found": "replay of {module} on its inputs found the op: replay reproduced " + _FOUND,

@@ -1,0 +1,138 @@
+"""Which in-place writes of the loop's code land on a watched parameter, and the copy a replay starts from.
+
+Shared by the two regions whose code writes parameters: the update region
+(``backward()`` to the optimizer step, outside/loop_writes.py) and the data
+region (the optimizer step to the next model call: a max-norm renorm, weight
+clipping, ``p.data.mul_(s)``), whose writes :class:`DataWrites` notes as the
+main recorder (outside/recorder.py) records them. A write is named by
+replaying the region's recorded ops on copies; the producer may be the write
+itself (``w.div_(w.norm())``), so the replay must start from the value the
+write read, copied just before it ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from nan_magic.localize.ops.plans import Plan, plan_of
+from nan_magic.localize.outside.held import KEEP_TOTAL
+from nan_magic.localize.outside.region_records import RegionRecords
+
+__all__ = ["DataWrites", "Index", "Storages", "copy_before", "lookup", "on_parameters", "written_by"]
+
+# The watched parameters by id, and by storage with the bytes each spans in it (``p.data``, a row ``p[3]``).
+Index = tuple[dict[int, tuple[str, torch.Tensor]], dict[int, list[tuple[int, int, str, torch.Tensor]]]]
+Storages = dict[int, list[tuple[int, int, str, torch.Tensor]]]
+_SELF = frozenset({"self"})
+# What on_parameters maps over a written list, in C (no Python call per tensor).
+_storage_of = torch._C.TensorBase.untyped_storage
+_address = torch.UntypedStorage.data_ptr
+
+
+def lookup(index: Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """``(name, parameter)`` of the watched parameter ``tensor`` is or lies inside (``p.data``, ``p[3]``), or None."""
+    by_id, by_storage = index
+    entry = by_id.get(id(tensor))
+    if entry is not None or tensor.layout is not torch.strided:
+        return entry
+    spans = by_storage.get(tensor.untyped_storage().data_ptr())
+    if spans:
+        at = tensor.data_ptr()
+        for first, end, name, parameter in spans:
+            if first <= at < end:
+                return name, parameter
+    return None
+
+
+def written_by(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[Any]:
+    """What an op writes in place: its written arguments, lists flattened (a gradient list is not walked in
+    Python: a GradScaler's unscale writes every gradient); a non-tensor in a list is left for the caller."""
+    if plan.writes == _SELF and args:
+        first = args[0]
+        return first if type(first) is list or type(first) is tuple else (first,)
+    written: list[Any] = []
+    for name, value in (*zip(plan.names, args), *kwargs.items()):
+        if name in plan.writes:
+            if type(value) is list or type(value) is tuple:
+                written.extend(value)
+            else:
+                written.append(value)
+    return written
+
+
+def on_parameters(storages: Storages, parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
+                  written: Sequence[Any]) -> bool:
+    """Whether any of the tensors an op writes in place is a watched parameter or on one's memory.
+
+    Asked for every in-place op of a watched region. Clipping's ``_foreach_mul_`` and a GradScaler's unscale
+    write every gradient: a tensor on a storage no parameter is on is ruled out with two calls.
+    """
+    try:
+        # One pass in C over what the op writes: no tensor on a parameter's storage is the usual answer, and
+        # asking tensor by tensor cost four calls each.
+        if storages.keys().isdisjoint(map(_address, map(_storage_of, written))):
+            return False
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass  # a sparse tensor, a subclass without storage, a non-tensor: asked one by one below
+    return any(
+        isinstance(tensor, torch.Tensor)
+        and (tensor.layout is not torch.strided or tensor.untyped_storage().data_ptr() in storages)
+        and parameter_of(tensor) is not None for tensor in written
+    )
+
+
+def copy_before(records: RegionRecords, tensor: torch.Tensor, parameter: torch.Tensor, copied: int) -> int:
+    """Copy ``parameter`` (and ``tensor``, the view written: ``p.data``) into ``records.before`` before a write.
+
+    Only the first write of each is copied, within :data:`KEEP_TOTAL` bytes a region (``copied``: the bytes
+    copied so far; returned updated). ``tensor`` is not copied where a recorded op made it (``p.detach()``,
+    which the replay makes again from the parameter's copy).
+    """
+    for kept in (parameter, tensor) if parameter is not tensor and not records.made(tensor) else (parameter,):
+        size = kept.numel() * kept.element_size()
+        if id(kept) not in records.before and copied + size <= KEEP_TOTAL:
+            records.before[id(kept)] = kept.detach().clone()
+            copied += size
+    return copied
+
+
+class DataWrites:
+    """The watched parameters the data region's code wrote in place, noted as the main recorder records them.
+
+    The main recorder calls :meth:`on_write` before an op that writes in place
+    runs in its data region (recorder.py: ``on_write``; no other op pays
+    anything); a write on a watched parameter is copied before it runs and
+    noted. :meth:`take`, at the region's end (the next model call, an optimizer
+    step, the watch's end), hands the noted tensors to the update code's check
+    (loop_writes.py), which measures the parameters and names the write.
+    """
+
+    def __init__(self, records: RegionRecords, parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
+                 storages: Callable[[], Storages]) -> None:
+        self.records = records
+        self._parameter_of = parameter_of
+        self._storages = storages
+        #: The tensors written since the last :meth:`take`.
+        self.written: list[torch.Tensor] = []
+        self._copied = 0
+
+    def on_write(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """An op of the data region is about to write ``args``/``kwargs`` in place."""
+        written = written_by(plan_of(func), args, kwargs)
+        if not on_parameters(self._storages(), self._parameter_of, written):
+            return
+        if not self.records.before:  # the region started afresh since (recorder.forget emptied the copies)
+            self._copied = 0
+        for tensor in written:
+            if isinstance(tensor, torch.Tensor) and (parameter := self._parameter_of(tensor)) is not None:
+                self._copied = copy_before(self.records, tensor, parameter, self._copied)
+                if not any(seen is tensor for seen in self.written):
+                    self.written.append(tensor)
+
+    def take(self) -> list[torch.Tensor]:
+        """The tensors written since the last :meth:`take` (each once, in the order first written)."""
+        written, self.written = self.written, []
+        return written
