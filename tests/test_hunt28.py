@@ -3,6 +3,9 @@
 1. A parameter the loop writes after ``opt.step()`` (a max-norm renorm, weight clipping, ``p.data.mul_``,
    ``p.copy_``) is named by the write: its op and line, the owning module, phase ``optimizer``, at the step it
    happened (the optimizer steps completed before it).
+2. The deferred check keeps a returned helper's frame (a loss function) where its tensors are small, so
+   ``%debug`` opens at the producing line inside it with its locals; where they are large it lets the frame
+   go (they are freed as unwatched) and the report says why %debug opens where the step was judged.
 
 Each test asserts what the user sees: the report's phase, module, step, op, line, the frame ``%debug`` opens.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -73,12 +77,7 @@ def test_a_max_norm_renorm_after_the_step_is_named_by_the_write(options) -> None
     assert (report.posinf + report.neginf, report.numel) == (64, 64)
 
 
-@pytest.mark.parametrize("options", [
-    TIMINGS[0],
-    pytest.param({"defer": True}, id="deferred", marks=pytest.mark.xfail(strict=True, reason=(
-        "the data region's records let go of the frame of a function that returned (the helper renorm()) as the "
-        "next model call starts, so %debug opens at the loop's line instead of the write's (item 2)"))),
-])
+@pytest.mark.parametrize("options", TIMINGS)
 def test_debug_opens_at_a_renorm_helper_s_write_after_the_step(options) -> None:
     def renorm(step: int) -> None:
         weight = model[0].weight
@@ -265,3 +264,77 @@ def test_a_renorm_in_a_dataloader_loop_is_named_by_the_write(options, batch_size
                 weight = model[2].weight
                 weight.div_(weight.norm() * (0 if step == 2 else 1))  # producer: renorm beside a loader
     _at_write(caught.value.report, "aten.div_.Tensor", "renorm beside a loader", "2", 3, "2.weight")
+
+
+# -- 2. %debug in a returned helper, deferred ------------------------------------------------------------------
+
+_LARGE: list = []  # weak references to a helper's large local, to see it freed
+
+
+def small_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    p = torch.sigmoid(out) * y
+    return -torch.log(p).mean()  # producer: log in a helper
+
+
+def large_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    scratch = torch.ones(400_000)  # 1.6 MB: more than a held tensor may be (KEEP_BYTES)
+    _LARGE.append(weakref.ref(scratch))
+    p = torch.sigmoid(out) * y * scratch[0]
+    return -torch.log(p).mean()  # producer: log beside a large local
+
+
+def _helper_loop(options: dict, loss_fn: Callable, probe: Callable[[], None] = lambda: None) -> NonFiniteError:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(4):
+            x, y = torch.randn(8, 4), torch.ones(8, 1)
+            if step == 2:
+                y[0] = 0.0  # p = 0 there: log(0)
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            probe()
+            opt.step()
+    return caught.value
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_debug_opens_in_a_returned_loss_helper_at_the_producing_line_with_its_locals(options) -> None:
+    error = _helper_loop(options, small_loss)
+    report = error.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("log in a helper")
+    last = traceback.extract_tb(error.__traceback__)[-1]
+    assert (last.name, last.lineno) == ("small_loss", producer_line("log in a helper"))
+    assert report.debug_frame is not None
+    assert (report.debug_frame.function, report.debug_frame.lineno) == ("small_loss", producer_line("log in a helper"))
+    local = dict(report.debug_locals)
+    assert set(local) == {"out", "y", "p"}
+    assert (local["p"].zeros, local["p"].nan, local["p"].min) == (1, 0, 0.0)  # the zero log() was given
+    assert not any("was let go" in note for note in report.notes)
+
+
+def test_deferred_lets_go_of_a_helper_frame_holding_a_large_tensor_and_says_where_debug_opens() -> None:
+    _LARGE.clear()
+    freed: list[bool] = []
+    error = _helper_loop({"defer": True}, large_loss, probe=lambda: freed.append(_LARGE[-1]() is None))
+    report = error.report
+    # The producer is still named, from the records; only the frame (and its large local) went.
+    assert (report.phase, report.step, report.op) == ("forward", 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("log beside a large local")
+    assert freed and all(freed)  # freed once backward() started, as unwatched
+    assert report.debug_frame is not None and report.debug_frame.function == "_helper_loop"
+    line = producer_line("log beside a large local")
+    assert (f"%debug opens where the step was judged, not in large_loss at line {line}: that function had returned "
+            "and its frame was let go, its tensors too large to keep") in report.notes
+
+
+def test_immediate_opens_in_a_helper_holding_a_large_tensor() -> None:
+    # Judged as backward() starts, before anything is let go: the frame is there, whatever it holds.
+    error = _helper_loop({}, large_loss)
+    report = error.report
+    assert report.debug_frame is not None and report.debug_frame.function == "large_loss"
+    assert report.debug_frame.lineno == producer_line("log beside a large local")
+    assert not any("was let go" in note for note in report.notes)

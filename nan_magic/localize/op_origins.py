@@ -116,6 +116,8 @@ class OpOrigins:
             else:
                 assert outside is not None
                 tensors, frame, position = outside.witness(origin)
+                if frame is None and outside.let_go is not None:
+                    finding.notes.append(outside.let_go)  # %debug opens where the step was judged: said why
             boundary = finding.tensor
             apply_op_finding(finding, origin, tensors)
             if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):

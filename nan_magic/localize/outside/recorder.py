@@ -71,6 +71,7 @@ from nan_magic.localize.outside.held import (
     KEEP_TOTAL,
     bytes_held,
     held_bytes,
+    small_frames,
     still_running,
     weakened,
 )
@@ -316,13 +317,20 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._let_go_of_returned_frames()  # holding a running one costs nothing
 
     def _let_go_of_returned_frames(self) -> None:
-        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals)."""
+        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals).
+
+        The deferred check (:attr:`holds_data`) keeps a returned helper's frame whose tensor locals are small
+        (held.py's small_frames): it judges the step after the helper returned, and %debug opens in that frame
+        at the producing op, with its locals. The immediate check has judged the loss before this is called.
+        """
         held = {frame for frame in self._frames if frame is not None}
         if not held:
             return
         running = still_running(held)
         if len(running) == len(held):  # the usual loss: written in the loop's own frame, still running
             return
+        if self.holds_data:
+            running |= small_frames(held - running)
         self._frames = [frame if frame in running else None for frame in self._frames]
 
     def note(self) -> Note | None:

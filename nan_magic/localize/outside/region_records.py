@@ -32,6 +32,7 @@ from nan_magic.localize.outside.recorded_ops import (
     record_key,
     rerun_op,
 )
+from nan_magic.records import Note
 
 __all__ = ["RegionRecords"]
 
@@ -61,6 +62,9 @@ class RegionRecords:
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
+        #: What a report says where the frame that ran the op :meth:`claim` named was let go (a returned helper's
+        #: whose tensors were too large to keep: recorder.weaken), so %debug cannot open there; None where held.
+        self.let_go: Note | None = None
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -124,6 +128,8 @@ class RegionRecords:
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
+        self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
+                       if frame is None and producer.code is not None else None)
         return finding
 
     def witness(
