@@ -3,6 +3,8 @@
 1. A parameter the loop writes after ``opt.step()`` (a max-norm renorm, weight clipping, ``p.data.mul_``,
    ``p.copy_``) is named by the write: its op and line, the owning module, phase ``optimizer``, at the step it
    happened (the optimizer steps completed before it).
+3. The report's frames from the user's code to a producer in a returned helper read in call order: the loop's
+   line that called the helper, then the helper's line (not ``loss.backward()`` first).
 2. The deferred check keeps a returned helper's frame (a loss function) where its tensors are small, so
    ``%debug`` opens at the producing line inside it with its locals; where they are large it lets the frame
    go (they are freed as unwatched) and the report says why %debug opens where the step was judged.
@@ -32,6 +34,10 @@ TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="d
 
 def producer_line(marker: str) -> int:
     return marked_line(marker, where=sys.modules[__name__])
+
+
+def call_line(marker: str) -> int:
+    return marked_line(marker, kind="call", where=sys.modules[__name__])
 
 
 def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -292,7 +298,7 @@ def _helper_loop(options: dict, loss_fn: Callable, probe: Callable[[], None] = l
             x, y = torch.randn(8, 4), torch.ones(8, 1)
             if step == 2:
                 y[0] = 0.0  # p = 0 there: log(0)
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(model(x), y)  # call: the loop calls the helper
             opt.zero_grad()
             loss.backward()
             probe()
@@ -338,3 +344,100 @@ def test_immediate_opens_in_a_helper_holding_a_large_tensor() -> None:
     assert report.debug_frame is not None and report.debug_frame.function == "large_loss"
     assert report.debug_frame.lineno == producer_line("log beside a large local")
     assert not any("was let go" in note for note in report.notes)
+
+
+# -- 3. the frames to a producer in a returned helper, in call order ----------------------------------------------
+
+
+def nested_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return small_loss(out, y)  # call: the outer helper calls the inner one
+
+
+def _frames(report: nan_magic.Report) -> list[tuple[str, int]]:
+    return [(frame.function, frame.lineno) for frame in report.frames]
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_the_frames_to_a_loss_helper_read_in_call_order(options) -> None:
+    report = _helper_loop(options, small_loss).report
+    assert _frames(report)[-2:] == [("_helper_loop", call_line("the loop calls the helper")),
+                                    ("small_loss", producer_line("log in a helper"))]
+    text = report.to_text()
+    block = text[text.index("Frames from your code to the producer:"):].splitlines()
+    assert block[-4].endswith(f":{call_line('the loop calls the helper')}, in _helper_loop")
+    assert block[-3].strip() == "loss = loss_fn(model(x), y)  # call: the loop calls the helper"
+    assert block[-2].endswith(f":{producer_line('log in a helper')}, in small_loss")
+    assert block[-1].strip() == "return -torch.log(p).mean()  # producer: log in a helper"
+    assert not any("loss.backward()" in line for line in block)
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_the_frames_through_two_helpers_read_in_call_order(options) -> None:
+    report = _helper_loop(options, nested_loss).report
+    assert _frames(report)[-3:] == [("_helper_loop", call_line("the loop calls the helper")),
+                                    ("nested_loss", call_line("the outer helper calls the inner one")),
+                                    ("small_loss", producer_line("log in a helper"))]
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_the_frames_to_a_renorm_helper_after_the_step_read_in_call_order(options) -> None:
+    def renorm(step: int) -> None:
+        weight = model[0].weight
+        weight.div_(weight.norm() * (0 if step == 2 else 1))  # producer: renorm called by the loop
+
+    model, opt = _mlp()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(4):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                renorm(step)  # call: the loop calls renorm
+    assert _frames(caught.value.report)[-2:] == [
+        ("test_the_frames_to_a_renorm_helper_after_the_step_read_in_call_order", call_line("the loop calls renorm")),
+        ("renorm", producer_line("renorm called by the loop"))]
+
+
+_CELL = """\
+import torch
+from torch import nn
+
+def loss_fn(out, y):
+    p = torch.sigmoid(out) * y
+    return -torch.log(p).mean()
+
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x, y = torch.randn(8, 4), torch.ones(8, 1)
+    if step == 2:
+        y[0] = 0.0
+    loss = loss_fn(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("flags", ["", "--defer"], ids=["immediate", "deferred"])
+def test_a_cell_s_traceback_and_short_error_read_in_call_order(ip, flags: str) -> None:
+    # In a cell the loop's frame is not the traceback's first entry: its entry moves to the line that called the
+    # helper, so %tb and %debug's `up` agree with the short error.
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        result = ip.run_cell(f"%%nantrace {flags}\n" + _CELL)
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    entries = [(entry.name, entry.lineno, entry.line) for entry in traceback.extract_tb(sys.last_traceback)]
+    user = [entry for entry in entries if entry[2] in {"loss = loss_fn(model(x), y)", "return -torch.log(p).mean()",
+                                                       "loss.backward()", "opt.step()"}]
+    # (The cell's lines count from the magic's: the call is line 16, the log line 7.)
+    assert [(line, text) for _name, line, text in user] == [(16, "loss = loss_fn(model(x), y)"),
+                                                            (7, "return -torch.log(p).mean()")]
+    short = (captured.stdout + captured.stderr).splitlines()
+    frames = short[short.index("    loss = loss_fn(model(x), y)") - 1:]
+    assert frames[0].endswith("line 16") and frames[1] == "    loss = loss_fn(model(x), y)"
+    assert frames[2].startswith("producer: ") and frames[2].endswith("line 7, in loss_fn")
+    assert frames[3] == "    return -torch.log(p).mean()"
+    assert not any("loss.backward()" in line or "opt.step()" in line for line in short)

@@ -125,6 +125,8 @@ class OpOrigins:
                 finding.tensor, finding.module_output = boundary, None
             if frame is not None:
                 finding.frame, finding.frame_position = frame, position
+                if outside is not None and self.tracer is None:
+                    finding.frame_calls = outside.calls_to(frame)
             return
         attach_origin(finding, origin)
         if origin.backward_code and self.tracer is not None:

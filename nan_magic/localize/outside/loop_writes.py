@@ -224,6 +224,7 @@ class LoopWrites:
                     _tensors, frame, position = records.witness(origin)
                     self._attach(finding, origin)
                     finding.frame, finding.frame_position = frame, position
+                    finding.frame_calls = records.calls_to(frame)
                     if frame is None and records.let_go is not None:
                         finding.notes.append(records.let_go)
                 self._emit(finding)

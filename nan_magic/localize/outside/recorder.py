@@ -186,7 +186,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return
         if region == "data":
             self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
-            self._data_before = {}
+            self._data_before, self._data_calls = {}, {}
         self.forget()
         if region in self.untraced:
             return
@@ -218,6 +218,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             self._data = (ops, self._produced, self._frames, self._rng)
             self._ops, self._produced, self._frames = [], {}, []
+            self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
                 self._data_before, self.before = self.before, {}
         self.forget()
@@ -276,7 +277,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """
         if last:
             self._last = self._data = None
-            self._data_before = {}
+            self._data_before, self._data_calls = {}, {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
                 self.weaken(detach=True)
@@ -289,6 +290,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._ops.clear()
             self._frames.clear()
             self._produced.clear()
+        if self._calls:
+            self._calls, self._last_frame = {}, None  # (no call: forgetting happens several times a step)
         self._held_bytes = 0
         self._rng = None
         self._witness = None
@@ -332,6 +335,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         if self.holds_data:
             running |= small_frames(held - running)
         self._frames = [frame if frame in running else None for frame in self._frames]
+        self._keep_calls(running, self.holds_data)
 
     def note(self) -> Note | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -386,6 +390,14 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._budget -= 1
         index = len(self._ops)
         self._frames.append(frame)
+        if frame is not self._last_frame and frame is not None:  # (a helper's first op: where it was called)
+            self._last_frame = frame
+            if frame not in self._calls:  # (and its caller's: a helper that calls the loss helper)
+                back = frame.f_back
+                self._calls[frame] = None if back is None else (back, back.f_lasti, back.f_lineno)
+                if back is not None and back not in self._calls:
+                    up = back.f_back
+                    self._calls[back] = None if up is None else (up, up.f_lasti, up.f_lineno)
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
             self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1)))

@@ -23,6 +23,7 @@ from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.held import small_frames, still_running
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
@@ -50,6 +51,11 @@ class RegionRecords:
         self.before: dict[int, torch.Tensor] = {}
         self._ops: list[RecordedOp] = []
         self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
+        # Where each of those frames was called: the calling frame, its f_lasti and line then (recorder.py notes
+        # it at a frame's first op), for a report's frames in call order (errors/frames.py); None where unknown.
+        self._calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
+        self._last_frame: FrameType | None = None
+        self._data_calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}  # held with ``_data``
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
         # The last loss region's records, kept by forget(): (ops, produced, rng).
@@ -131,6 +137,43 @@ class RegionRecords:
         self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
                        if frame is None and producer.code is not None else None)
         return finding
+
+    def calls_to(self, frame: FrameType | None) -> tuple[tuple[FrameType, int, int], ...]:
+        """The calls that led to ``frame``, outermost first: each the calling frame, its f_lasti and line then.
+
+        As far as they were noted (a caller that ran no recorded op, and returned, is not); the last one
+        called ``frame``. Empty for a frame not held.
+        """
+        sites: list[tuple[FrameType, int, int]] = []
+        while frame is not None and len(sites) < 32:
+            site = self._calls.get(frame)
+            if site is None:
+                site = self._data_calls.get(frame)
+            if site is None:
+                break
+            sites.append(site)
+            frame = site[0]
+        return tuple(reversed(sites))
+
+    def _keep_calls(self, kept: set[FrameType], keep_small: bool) -> None:
+        """Let go of the calls noted for frames let go, and of those whose caller returned and is let go (a
+        caller's frame held here would keep its locals alive); ``keep_small``: a returned caller whose tensors
+        are small stays (held.small_frames), as the frames that ran ops do for the deferred check."""
+        alive = set(kept)
+        callers: set[FrameType] = set()
+        for site in self._calls.values():  # (a loop, not a comprehension: that is one call more a step)
+            if site is not None and site[0] not in alive:
+                callers.add(site[0])
+        if callers:
+            running = still_running(callers)
+            alive |= running
+            if keep_small and len(running) < len(callers):
+                alive |= small_frames(callers - running)
+        calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
+        for frame, site in self._calls.items():
+            if frame in alive and site is not None and site[0] in alive:
+                calls[frame] = site
+        self._calls, self._last_frame = calls, None
 
     def witness(
         self, finding: OpFinding
