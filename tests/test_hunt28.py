@@ -252,15 +252,12 @@ def test_a_batch_the_loop_standardises_is_still_named_beside_a_renorm(options) -
     assert report.source is not None and report.source.lineno == producer_line("standardise beside renorm")
 
 
-@pytest.mark.parametrize("batch_size", [4, pytest.param(64, marks=pytest.mark.xfail(strict=True, reason=(
-    "fetching a batch of 64 runs more ops than the data region's budget (64): its recording is turned off for the "
-    "rest of the watch, so a write after the step is not seen; the next forward reports the parameter as already "
-    "non-finite")))])
+@pytest.mark.parametrize("batch_size", [4, 64])
 @pytest.mark.parametrize("options", TIMINGS)
 def test_a_renorm_in_a_dataloader_loop_is_named_by_the_write(options, batch_size: int) -> None:
     model, opt = _mlp()
     loader = DataLoader(TensorDataset(torch.randn(16 * batch_size, 8)), batch_size=batch_size)
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options) as watch:
         for step, (x,) in enumerate(loader):
             loss = model(x).pow(2).mean()
             opt.zero_grad()
@@ -270,6 +267,8 @@ def test_a_renorm_in_a_dataloader_loop_is_named_by_the_write(options, batch_size
                 weight = model[2].weight
                 weight.div_(weight.norm() * (0 if step == 2 else 1))  # producer: renorm beside a loader
     _at_write(caught.value.report, "aten.div_.Tensor", "renorm beside a loader", "2", 3, "2.weight")
+    # A batch of 64 ran step 1's data region over its budget: batches are fetched with the recorder aside since.
+    assert watch.outside.untraced == set() and watch.outside.batches_aside == (batch_size == 64)
 
 
 # -- 2. %debug in a returned helper, deferred ------------------------------------------------------------------
@@ -441,3 +440,48 @@ def test_a_cell_s_traceback_and_short_error_read_in_call_order(ip, flags: str) -
     assert frames[2].startswith("producer: ") and frames[2].endswith("line 7, in loss_fn")
     assert frames[3] == "    return -torch.log(p).mean()"
     assert not any("loss.backward()" in line or "opt.step()" in line for line in short)
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_large_dataloader_batch_normalised_in_the_loop_is_still_named(options) -> None:
+    # A batch of 64 from a DataLoader: the data region's normalisation in the loop is named by its op and line,
+    # the DataLoader's own fetch run with the recorder aside once it overran the region's budget.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64 * 4, 8)
+    data[64 * 2:64 * 3, 5] = 3.0  # batch 2: a constant column, std 0
+    loader = DataLoader(TensorDataset(data), batch_size=64)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options) as watch:
+        for (x,) in loader:
+            x = (x - x.mean(0)) / x.std(0)  # producer: normalise a large batch
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("data", 2, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == producer_line("normalise a large batch")
+    assert watch.outside.untraced == set() and watch.outside.batches_aside
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_batch_normalised_in_the_region_that_ran_over_its_budget_says_why_no_op_is_named(options) -> None:
+    # Step 1's data region fetched a batch of 64 with the recorder on and ran over its budget: its records are
+    # gone, so the report names no op, and says why (the next data region is recorded again, batches aside).
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64 * 4, 8)
+    data[64:64 * 2, 5] = 3.0  # batch 1: a constant column, std 0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for (x,) in DataLoader(TensorDataset(data), batch_size=64):
+            x = (x - x.mean(0)) / x.std(0)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("data", 1, None)
+    assert ("the code outside the models (data) ran more ops a step than the watch records (512 for the loss, 64 "
+            "for data code): its op and line are not named") in report.notes

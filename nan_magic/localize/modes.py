@@ -30,6 +30,7 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.loaders import unrecorded_batches
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
@@ -105,6 +106,8 @@ class Recording(Localizing):
         # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
         recorder = self._recording
         stack.enter_context(unrecorded_zero_grad(recorder.step_aside, recorder.step_back))
+        # A DataLoader's batch fetched inside a data region that once ran over its budget (recorder.py).
+        stack.enter_context(unrecorded_batches(recorder.step_aside_for_batch, recorder.step_back))
 
     def pause(self) -> None:
         self._recording.pause()

@@ -67,26 +67,39 @@ def small_frames(frames: set[FrameType]) -> set[FrameType]:
         sizes: dict[int, int] = {}
         for value in frame.f_locals.values():
             kind = type(value)
-            items = (value,) if kind is torch.Tensor or not isinstance(value, dict | list | tuple) else (
-                value.values() if isinstance(value, dict) else value)
+            if kind is torch.Tensor:
+                items: Any = (value,)
+            elif kind is list or kind is tuple:
+                items = value
+            elif dict in kind.__mro__:  # (a ModelOutput too; `in` on a tuple is no call: asked for every local)
+                items = value.values()
+            elif torch.Tensor in kind.__mro__:
+                items = (value,)
+            else:
+                continue
             for item in items:
-                if isinstance(item, torch.Tensor) and type(item) is not torch.nn.Parameter:  # (alive anyway)
+                kind = type(item)
+                if kind is torch.Tensor:
                     base = item._base
                     whole = item if base is None else base
-                    if type(whole) is torch.Tensor:
-                        sizes[id(whole)] = whole.nbytes
-                    else:  # a subclass: its storage, where it has one
-                        storage = storage_bytes(whole)
-                        sizes[id(whole)] = KEEP_TOTAL + 1 if storage is None else storage[1]
+                    sizes[id(whole)] = whole.nbytes if type(whole) is torch.Tensor else _storage_size(whole)
+                elif kind is not torch.nn.Parameter and torch.Tensor in kind.__mro__:  # (a parameter: alive anyway)
+                    sizes[id(item)] = _storage_size(item)
         new = 0
         for key, nbytes in sizes.items():
             if key not in seen:
                 new += nbytes if nbytes <= KEEP_BYTES else KEEP_TOTAL + 1
         if total + new <= KEEP_TOTAL:
-            kept.add(frame)
-            seen.update(sizes)
+            kept |= {frame}
+            seen |= sizes
             total += new
     return kept
+
+
+def _storage_size(tensor: torch.Tensor) -> int:
+    """The bytes of a tensor subclass's storage, past :data:`KEEP_TOTAL` where it has none."""
+    size = storage_bytes(tensor)
+    return KEEP_TOTAL + 1 if size is None else size[1]
 
 
 def bytes_held(tensor: torch.Tensor) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.localize.ops.plans import Plan, plan_of
+from nan_magic.localize.ops.plans import Plan
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.region_records import RegionRecords
 
@@ -119,11 +119,24 @@ class DataWrites:
         self.written: list[torch.Tensor] = []
         self._copied = 0
 
-    def on_write(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """An op of the data region is about to write ``args``/``kwargs`` in place."""
-        written = written_by(plan_of(func), args, kwargs)
-        if not on_parameters(self._storages(), self._parameter_of, written):
-            return
+    def on_write(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """An op of the data region is about to write ``args``/``kwargs`` in place (``plan``: the op's)."""
+        storages = self._storages()
+        first = args[0] if args else None
+        if plan.writes == _SELF and type(first) is torch.Tensor and first.layout is torch.strided:
+            # The usual in-place op (a normalisation of the batch): one storage to rule out, with two calls.
+            if _address(_storage_of(first)) not in storages:
+                return
+            written: Sequence[Any] = (first,)
+        else:
+            written = written_by(plan, args, kwargs)
+            try:  # (a GradScaler's update writes its scale and growth tracker: ruled out in one pass in C)
+                if storages.keys().isdisjoint(map(_address, map(_storage_of, written))):
+                    return
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+            if not on_parameters(storages, self._parameter_of, written):
+                return
         if not self.records.before:  # the region started afresh since (recorder.forget emptied the copies)
             self._copied = 0
         for tensor in written:

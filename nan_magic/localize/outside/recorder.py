@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import capture_rng_state
-from nan_magic.localize.ops.plans import plan_of, run_op
+from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
@@ -160,9 +160,11 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._held_bytes = 0
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
-        #: Called before an op that writes in place runs in a data region being recorded (``on_write(op, args,
-        #: kwargs)``): a parameter the loop writes after the optimizer step (outside/param_writes.py's DataWrites).
-        self.on_write: Callable[[Any, Sequence[Any], dict[str, Any]], None] | None = None
+        #: A data region ran over its budget: DataLoader batches are fetched aside since (patches/loaders.py).
+        self.batches_aside = self._retried = False  # (the next region is recorded again; over it again, off)
+        #: Called before an op that writes in place runs in a data region being recorded (``on_write(its plan,
+        #: args, kwargs)``): a parameter the loop writes after the optimizer step (param_writes.py's DataWrites).
+        self.on_write: Callable[[Plan, Sequence[Any], dict[str, Any]], None] | None = None
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -189,7 +191,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._data_before, self._data_calls = {}, {}
         self.forget()
         if region in self.untraced:
-            return
+            if region != "data" or self._retried or not self.batches_aside:
+                return
+            self.untraced.discard(region)
+            self._retried = True
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
@@ -243,6 +248,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self.pushed = False
             return True
         return False
+
+    def step_aside_for_batch(self) -> bool:  # (while a DataLoader fetches, once a data region ran over budget)
+        return self.batches_aside and self._region == "data" and self.step_aside()
 
     def step_back(self) -> None:
         """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
@@ -320,12 +328,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._let_go_of_returned_frames()  # holding a running one costs nothing
 
     def _let_go_of_returned_frames(self) -> None:
-        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals).
-
-        The deferred check (:attr:`holds_data`) keeps a returned helper's frame whose tensor locals are small
-        (held.py's small_frames): it judges the step after the helper returned, and %debug opens in that frame
-        at the producing op, with its locals. The immediate check has judged the loss before this is called.
-        """
+        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals), but,
+        for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
+        %debug opens there at the op. The immediate check judged the loss before this is called."""
         held = {frame for frame in self._frames if frame is not None}
         if not held:
             return
@@ -334,8 +339,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return
         if self.holds_data:
             running |= small_frames(held - running)
+            self._keep_calls(running)
+        else:  # (judged already: the frames' calls are asked no more)
+            self._calls, self._last_frame = {}, None
         self._frames = [frame if frame in running else None for frame in self._frames]
-        self._keep_calls(running, self.holds_data)
 
     def note(self) -> Note | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -361,8 +368,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             kwargs = {}
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
             return call(*args, **kwargs)
-        if writes and self._region == "data" and self.on_write is not None and self._budget > 0:
-            self.on_write(func, args, kwargs)  # (before it runs: the parameter is copied as the write found it)
+        if writes is not None and self._region == "data" and self.on_write is not None and self._budget > 0:
+            self.on_write(writes, args, kwargs)  # (before it runs: the parameter is copied as the write found it)
         if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
@@ -376,6 +383,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 self._budget = _INERT
                 if not self._entry:
                     self.untraced.add(self._region)
+                    # (A DataLoader's fetch, most often: the data region is tried again once, without it: start.)
+                    self.batches_aside = self.batches_aside or self._region == "data"
                 self.forget()
             return out
         # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
@@ -390,9 +399,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._budget -= 1
         index = len(self._ops)
         self._frames.append(frame)
-        if frame is not self._last_frame and frame is not None:  # (a helper's first op: where it was called)
-            self._last_frame = frame
-            if frame not in self._calls:  # (and its caller's: a helper that calls the loss helper)
+        if frame is not self._last_frame and frame is not None:  # a helper's first op: where it (and its caller)
+            self._last_frame = frame                              # was called, for frames in call order
+            if frame not in self._calls:
                 back = frame.f_back
                 self._calls[frame] = None if back is None else (back, back.f_lasti, back.f_lineno)
                 if back is not None and back not in self._calls:
@@ -453,18 +462,18 @@ _ZERO_GRAD_CODES = frozenset(
 # What the recorder does with an op (cached per op in _OPS with the callable it runs): pass a profiler
 # marker through; record an op; record an op that draws random numbers (taking the generators' state first).
 _PASS, _RECORD, _SEEDED_OP = "pass", "record", "seeded"
-# id(op) -> (kind, callable, the op, kept so its id stays unique, whether it writes in place)
-_OPS: dict[int, tuple[str, Any, Any, bool]] = {}
+# id(op) -> (kind, callable, the op, kept so its id stays unique, its plan where it writes in place)
+_OPS: dict[int, tuple[str, Any, Any, Plan | None]] = {}
 _new_tuple = tuple.__new__
 
 
-def _op_entry(func: Any) -> tuple[str, Any, Any, bool]:
+def _op_entry(func: Any) -> tuple[str, Any, Any, Plan | None]:
     """``(kind, callable, op, writes)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping
-    ``__call__``; ``writes``: it writes a tensor in place (``out=`` too)."""
+    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too)."""
     kind = _PASS if passes(func) else _SEEDED_OP if _seeded(func) else _RECORD
     overload = isinstance(func, torch._ops.OpOverload)
-    writes = overload and kind is not _PASS and bool(plan_of(func).writes)
-    entry = _OPS[id(func)] = (kind, func._op if overload else func, func, writes)
+    plan = plan_of(func) if overload and kind is not _PASS else None
+    entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
     return entry
 
 

@@ -155,20 +155,21 @@ class RegionRecords:
             frame = site[0]
         return tuple(reversed(sites))
 
-    def _keep_calls(self, kept: set[FrameType], keep_small: bool) -> None:
-        """Let go of the calls noted for frames let go, and of those whose caller returned and is let go (a
-        caller's frame held here would keep its locals alive); ``keep_small``: a returned caller whose tensors
-        are small stays (held.small_frames), as the frames that ran ops do for the deferred check."""
+    def _keep_calls(self, kept: set[FrameType]) -> None:
+        """For the deferred check: let go of the calls noted for frames let go, and of those whose caller returned
+        and is let go (a caller's frame held here would keep its locals alive); a returned caller whose tensors
+        are small stays (held.small_frames), as the frames that ran ops do."""
         alive = set(kept)
         callers: set[FrameType] = set()
         for site in self._calls.values():  # (a loop, not a comprehension: that is one call more a step)
             if site is not None and site[0] not in alive:
-                callers.add(site[0])
+                callers |= {site[0]}
         if callers:
             running = still_running(callers)
             alive |= running
-            if keep_small and len(running) < len(callers):
-                alive |= small_frames(callers - running)
+            returned = callers - running
+            if returned:
+                alive |= small_frames(returned)
         calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
         for frame, site in self._calls.items():
             if frame in alive and site is not None and site[0] in alive:
