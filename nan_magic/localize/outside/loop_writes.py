@@ -137,7 +137,7 @@ class LoopWrites:
         #: The data region's parameter writes, noted by the main recorder as it records them.
         self.data: DataWrites | None = None
         if data is not None and tracer is None:
-            self.data = DataWrites(data, self._parameter_of, self._storages)
+            self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
 
     @property
@@ -192,10 +192,8 @@ class LoopWrites:
     def _data_written(self) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
         """The watched parameters the data region's code wrote since it was last asked."""
         assert self.data is not None
-        written = self.data.take()
-        if not written:
-            return []
-        return [(name, parameter, tensor, self.data.records) for name, parameter, tensor in self._watched(written)]
+        # (Named as found when written: the index is not built afresh every step an EMA teacher is updated.)
+        return [(name, parameter, tensor, self.data.records) for tensor, name, parameter in self.data.take()]
 
     def _update_written(self, recorder: _UpdateRecorder, count: int
                         ) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
@@ -265,6 +263,12 @@ class LoopWrites:
             self._index = self._indexed()
         entry = lookup(self._index, tensor)
         return entry[1] if entry is not None else None
+
+    def _cached_index(self) -> Index:
+        """The watched parameters by id and by storage, built when first needed (as :meth:`_parameter_of`'s)."""
+        if self._index is None:
+            self._index = self._indexed()
+        return self._index
 
     def _storages(self) -> Storages:
         """The storages of the watched parameters (``data_ptr()``): a tensor on another one is none of them."""

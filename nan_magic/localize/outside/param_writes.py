@@ -110,42 +110,57 @@ class DataWrites:
     (loop_writes.py), which measures the parameters and names the write.
     """
 
-    def __init__(self, records: RegionRecords, parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
-                 storages: Callable[[], Storages]) -> None:
+    def __init__(self, records: RegionRecords, index: Callable[[], Index]) -> None:
         self.records = records
-        self._parameter_of = parameter_of
-        self._storages = storages
-        #: The tensors written since the last :meth:`take`.
-        self.written: list[torch.Tensor] = []
+        self._index = index
+        #: What was written since the last :meth:`take`, by the id of the tensor written: (tensor, the
+        #: parameter's name, the parameter), in the order first written.
+        self.written: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}
         self._copied = 0
 
     def on_write(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """An op of the data region is about to write ``args``/``kwargs`` in place (``plan``: the op's)."""
-        storages = self._storages()
+        """An op of the data region is about to write ``args``/``kwargs`` in place (``plan``: the op's).
+
+        Asked at every in-place op of the region: an EMA teacher's update writes each of its parameters twice a
+        step (``t.mul_(m).add_(s, alpha=1 - m)``), so a parameter written directly is looked up by its id, and one
+        written already this region costs nothing more.
+        """
+        index = self._index()
         first = args[0] if args else None
-        if plan.writes == _SELF and type(first) is torch.Tensor and first.layout is torch.strided:
-            # The usual in-place op (a normalisation of the batch): one storage to rule out, with two calls.
-            if _address(_storage_of(first)) not in storages:
+        if plan.writes == _SELF and (type(first) is torch.Tensor or type(first) is torch.nn.Parameter):
+            if id(first) in self.written:
                 return
-            written: Sequence[Any] = (first,)
-        else:
-            written = written_by(plan, args, kwargs)
-            try:  # (a GradScaler's update writes its scale and growth tracker: ruled out in one pass in C)
-                if storages.keys().isdisjoint(map(_address, map(_storage_of, written))):
+            entry = index[0].get(id(first))
+            if entry is None:
+                # (A normalisation of the batch: one storage to rule out, with two calls; ``p.data``: found by it.)
+                if first.layout is not torch.strided or _address(_storage_of(first)) not in index[1]:
                     return
-            except (RuntimeError, NotImplementedError, TypeError):
-                pass
-            if not on_parameters(storages, self._parameter_of, written):
+                entry = lookup(index, first)
+                if entry is None:
+                    return
+            self._note(first, *entry)
+            return
+        written = written_by(plan, args, kwargs)
+        try:  # (a GradScaler's update writes its scale and growth tracker: ruled out in one pass in C)
+            if index[1].keys().isdisjoint(map(_address, map(_storage_of, written))):
                 return
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+        for tensor in written:
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in self.written:
+                entry = lookup(index, tensor)
+                if entry is not None:
+                    self._note(tensor, *entry)
+
+    def _note(self, tensor: torch.Tensor, name: str, parameter: torch.Tensor) -> None:
+        """``tensor`` (``parameter`` or a view on it) is about to be written: copied as it is, and noted."""
         if not self.records.before:  # the region started afresh since (recorder.forget emptied the copies)
             self._copied = 0
-        for tensor in written:
-            if isinstance(tensor, torch.Tensor) and (parameter := self._parameter_of(tensor)) is not None:
-                self._copied = copy_before(self.records, tensor, parameter, self._copied)
-                if not any(seen is tensor for seen in self.written):
-                    self.written.append(tensor)
+        self._copied = copy_before(self.records, tensor, parameter, self._copied)
+        self.written[id(tensor)] = (tensor, name, parameter)
 
-    def take(self) -> list[torch.Tensor]:
-        """The tensors written since the last :meth:`take` (each once, in the order first written)."""
-        written, self.written = self.written, []
-        return written
+    def take(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+        """What was written since the last :meth:`take`: (tensor written, name, parameter), in the order first
+        written."""
+        written, self.written = self.written, {}
+        return list(written.values())

@@ -368,8 +368,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             kwargs = {}
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
             return call(*args, **kwargs)
-        if writes is not None and self._region == "data" and self.on_write is not None and self._budget > 0:
-            self.on_write(writes, args, kwargs)  # (before it runs: the parameter is copied as the write found it)
+        if writes is not None and self._region == "data" and not self._entry and self.on_write and self._budget > 0:
+            self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, indexed too early)
         if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
