@@ -510,3 +510,30 @@ def test_a_renorm_after_the_step_beside_a_hand_written_update_is_named_by_the_re
                 weight = model[0].weight
                 weight.div_(weight.norm() * (0 if step == 1 else 1))  # producer: renorm beside a hand update
     _at_write(caught.value.report, "aten.div_.Tensor", "renorm beside a hand update", "0", 2, "0.weight")
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_writes_after_the_step_of_more_than_a_mebibyte_are_not_followed(options) -> None:
+    # An EMA teacher's update writes the whole teacher after every step: copying and measuring it every step would
+    # cost more than the step's gradient check, so after the first such step the writes are not followed; a NaN
+    # written there is found by the next forward, unnamed (the behaviour before writes after the step were
+    # followed).
+    from nan_magic.localize.outside.param_writes import FOLLOWED_BYTES
+
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(1024, 512), nn.Linear(1024, 512).requires_grad_(False)
+    assert teacher.weight.numel() * 4 > FOLLOWED_BYTES
+    opt = torch.optim.SGD(student.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(student, teacher, opt, **options):
+        for step in range(4):
+            x = torch.randn(4, 1024)
+            loss = (student(x) - teacher(x)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for t, s in zip(teacher.parameters(), student.parameters()):
+                    t.mul_(float("nan") if step == 2 else 0.99).add_(s, alpha=0.01)
+    report = caught.value.report
+    assert (report.phase, report.step, report.model, report.op) == ("forward", 3, "Linear#2", None)  # the teacher
+    assert str(report.tensor) == "parameter weight"

@@ -21,7 +21,12 @@ from nan_magic.localize.ops.plans import Plan
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.region_records import RegionRecords
 
-__all__ = ["DataWrites", "Index", "Storages", "copy_before", "lookup", "on_parameters", "written_by"]
+__all__ = ["FOLLOWED_BYTES", "DataWrites", "Index", "Storages", "copy_before", "lookup", "on_parameters",
+           "written_by"]
+
+#: The most bytes of parameters the code after an optimizer step may write in one step and still be followed
+#: (a renorm, a weight clip: a few layers); more (an EMA teacher's update of a whole model) turns it off.
+FOLLOWED_BYTES = 1 << 20
 
 # The watched parameters by id, and by storage with the bytes each spans in it (``p.data``, a row ``p[3]``).
 Index = tuple[dict[int, tuple[str, torch.Tensor]], dict[int, list[tuple[int, int, str, torch.Tensor]]]]
@@ -117,6 +122,10 @@ class DataWrites:
         #: parameter's name, the parameter), in the order first written.
         self.written: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}
         self._copied = 0
+        self._bytes = 0  # of the parameters written since the last take
+        #: A region wrote more than :data:`FOLLOWED_BYTES` of parameters (an EMA teacher's update, every step):
+        #: the writes after the step are no longer followed (the next forward finds such a parameter, unnamed).
+        self.off = False
 
     def on_write(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """An op of the data region is about to write ``args``/``kwargs`` in place (``plan``: the op's).
@@ -125,6 +134,8 @@ class DataWrites:
         step (``t.mul_(m).add_(s, alpha=1 - m)``), so a parameter written directly is looked up by its id, and one
         written already this region costs nothing more.
         """
+        if self.off:
+            return
         index = self._index()
         first = args[0] if args else None
         if plan.writes == _SELF and (type(first) is torch.Tensor or type(first) is torch.nn.Parameter):
@@ -154,6 +165,11 @@ class DataWrites:
 
     def _note(self, tensor: torch.Tensor, name: str, parameter: torch.Tensor) -> None:
         """``tensor`` (``parameter`` or a view on it) is about to be written: copied as it is, and noted."""
+        self._bytes += parameter.numel() * parameter.element_size()
+        if self._bytes > FOLLOWED_BYTES:
+            # Copied and measured every step, they would cost more than the step's own gradient check.
+            self.off, self.written = True, {}
+            return
         if not self.records.before:  # the region started afresh since (recorder.forget emptied the copies)
             self._copied = 0
         self._copied = copy_before(self.records, tensor, parameter, self._copied)
@@ -163,4 +179,5 @@ class DataWrites:
         """What was written since the last :meth:`take`: (tensor written, name, parameter), in the order first
         written."""
         written, self.written = self.written, {}
+        self._bytes = 0
         return list(written.values())
