@@ -519,10 +519,10 @@ def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_che
             model(x).sum().backward()
             opt.step()
             if step == 3:
-                # After the step, where no check of loop writes looks (between backward() and the step one
-                # does: tests/contract/loop_writes.py); no forward check ever reads it.
-                with torch.no_grad():
-                    model.spare.bias.fill_(float("nan"))
+                # Rebound after the step (``.data =``, as vector_to_parameters does): no op writes the parameter,
+                # so no check of loop writes sees it (an in-place write there is named: tests/test_hunt28.py); no
+                # forward check ever reads it.
+                model.spare.bias.data = torch.full((4,), float("nan"))
 
     report = raised(run, model, opt)
     # Found after bounded steps, which cannot make it: a value no watched code produced (phase data).
@@ -614,7 +614,9 @@ def test_step_counts_optimizer_steps_across_phases() -> None:
                     model.weight.fill_(float("nan"))  # corrupted outside the optimizer
 
     report = raised(train, model, opt)
-    assert (report.phase, report.tensor, report.step) == ("forward", TensorRef.parameter("weight"), 3)
+    # The loop's write after step 2's optimizer step: three steps completed (named by the write, phase optimizer).
+    assert (report.phase, report.tensor, report.step) == ("optimizer", TensorRef.parameter("weight"), 3)
+    assert report.op == "aten.fill_.Scalar"
 
 
 # -- GradScaler -----------------------------------------------------------------------

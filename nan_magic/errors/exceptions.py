@@ -29,6 +29,7 @@ class NonFiniteError(FloatingPointError):
         *,
         producer_frame: FrameType | None = None,
         producer_position: tuple[int, int] | None = None,
+        producer_calls: tuple[tuple[FrameType, int, int], ...] = (),
     ) -> None:
         super().__init__(report.message)
         self.report = report
@@ -37,6 +38,9 @@ class NonFiniteError(FloatingPointError):
         #: at ``producer_position`` (``(f_lasti, f_lineno)`` when the op ran), where known.
         self.producer_frame = producer_frame
         self.producer_position = producer_position
+        #: The calls that led to a producer's frame that had returned (a loss helper's), outermost first: the
+        #: traceback reads in call order, the caller at the line that called it (frames.end_at_producer).
+        self.producer_calls = producer_calls
         self._shown = False
 
     def __reduce__(self) -> tuple[type, tuple[Report]]:
@@ -53,7 +57,7 @@ class NonFiniteError(FloatingPointError):
         (``%tb``), IPython's own full traceback.
         """
         __tracebackhide__ = True
-        end_at_producer(self.__traceback__, self.producer_frame, self.producer_position)
+        end_at_producer(self.__traceback__, self.producer_frame, self.producer_position, self.producer_calls)
         if self._shown:
             full = _full_traceback(self)
             if full is not None:
@@ -64,7 +68,7 @@ class NonFiniteError(FloatingPointError):
             # %debug opens the traceback IPython's formatter formatted last before sys.last_traceback; the short
             # error is not formatted there, so an earlier cell's error (a NameError) would be the one it opens.
             formatter.tb = None  # type: ignore[union-attr]
-        return short_traceback(self._headline(), self.__traceback__, self.report.source)
+        return short_traceback(self._headline(), self.__traceback__, self.report.source, self.producer_calls)
 
     def _headline(self) -> list[str]:
         what, separator, at, counts = self.report.message_parts

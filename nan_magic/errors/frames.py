@@ -118,8 +118,13 @@ def _last_user_entries(tb: TracebackType | None) -> tuple[TracebackType | None, 
     return before, last_user
 
 
+#: The calls that led to a producer's frame, outermost first: each the calling frame, its (f_lasti, f_lineno) then.
+Calls = tuple[tuple[FrameType, int, int], ...]
+
+
 def end_at_producer(
-    tb: TracebackType | None, producer: FrameType | None, position: tuple[int, int] | None = None
+    tb: TracebackType | None, producer: FrameType | None, position: tuple[int, int] | None = None,
+    calls: Calls = (),
 ) -> TracebackType | None:
     """Cut ``tb`` after its last user frame, then end it at the producer's frame; return the last entry.
 
@@ -133,6 +138,12 @@ def end_at_producer(
     value reached a boundary: ``return self.out(r)`` after ``r = h / 0``),
     that entry is replaced by one at ``position``, so that %debug opens on the
     op's line as in the default mode. Calling it again changes nothing.
+
+    ``calls``: how the producer's frame was reached where it had returned (a loss helper, judged as
+    ``loss.backward()`` starts). The traceback's last user frame then stands at a later line than the call
+    (``loss.backward()``): where it is among ``calls`` its entry moves to the line that called the helper,
+    and the helpers between follow, so the traceback reads in call order (the entry the exception holds,
+    its first, cannot move: :func:`user_frames_of` reads that one in call order).
     """
     before, last = _last_user_entries(tb)
     if last is None:
@@ -145,9 +156,24 @@ def end_at_producer(
             return last  # the first entry cannot be replaced (the exception holds it): it stays
         before.tb_next = TracebackType(None, producer, *position)
         return before.tb_next
+    outer = _outer_call(calls, last.tb_frame)
+    if outer is not None:
+        for frame, at_lasti, at_line in calls[outer:]:
+            if frame is not last.tb_frame:
+                last.tb_next = last = TracebackType(None, frame, at_lasti, at_line)  # a helper between
+            elif before is not None and (last.tb_lasti, last.tb_lineno) != (at_lasti, at_line):
+                before.tb_next = last = TracebackType(None, frame, at_lasti, at_line)
     lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
     last.tb_next = TracebackType(None, producer, lasti, lineno)
     return last.tb_next
+
+
+def _outer_call(calls: Calls, frame: FrameType) -> int | None:
+    """The index in ``calls`` of the call ``frame`` made (the traceback's last user frame's), or None."""
+    for index, (caller, _lasti, _line) in enumerate(calls):
+        if caller is frame:
+            return index
+    return None
 
 
 def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
@@ -159,12 +185,21 @@ def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
     return tuple(pointers)
 
 
-def user_frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
-    """Like :func:`frames_of`, keeping only the user's own frames."""
-    return tuple(p for p in frames_of(tb) if not is_library_file(p.filename))
+def user_frames_of(tb: TracebackType | None, calls: Calls = ()) -> tuple[SourcePointer, ...]:
+    """Like :func:`frames_of`, keeping only the user's own frames; an entry at a frame that made one of
+    ``calls`` (the traceback's first, which :func:`end_at_producer` cannot move) at the line of that call."""
+    at_call = {id(frame): line for frame, _lasti, line in calls}
+    pointers = []
+    while tb is not None:
+        if not is_library_file(tb.tb_frame.f_code.co_filename):
+            line = at_call.get(id(tb.tb_frame), tb.tb_lineno) if tb.tb_next is not None else tb.tb_lineno
+            pointers.append(pointer(tb.tb_frame, line))
+        tb = tb.tb_next
+    return tuple(pointers)
 
 
-def short_traceback(headline: list[str], tb: TracebackType | None, producer: SourcePointer | None) -> list[str]:
+def short_traceback(headline: list[str], tb: TracebackType | None, producer: SourcePointer | None,
+                    calls: Calls = ()) -> list[str]:
     """The short error: the headline (its lines: :func:`headline_lines`), the user's frames, the producer's line.
 
     What a notebook shows first when a watched cell stops (IPython prints it
@@ -172,7 +207,7 @@ def short_traceback(headline: list[str], tb: TracebackType | None, producer: Sou
     nan_magic or of IPython's plumbing, locations named as IPython names
     them (``Cell In[5], line 14``), so the report below stays on the first screen.
     """
-    frames = list(user_frames_of(tb))
+    frames = list(user_frames_of(tb, calls))
     at_producer = producer is not None and (producer.filename, producer.lineno) in {
         (frame.filename, frame.lineno) for frame in frames
     }

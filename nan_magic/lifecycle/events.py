@@ -129,7 +129,8 @@ class Events:
         if report.benign:
             return
         if self.config.on_detect == "raise":
-            own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position)
+            own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position,
+                                 producer_calls=finding.frame_calls)
             if not self.leaving and self.agreement.hold(own, finding, self.context.lockstep):
                 return  # between agreement points: this rank checks nothing more, stops with the others at the next
             self.raise_agreed(self.agreement.settle(own, finding))
@@ -233,7 +234,7 @@ class Events:
         Called as the watch is left, and by the magics where IPython catches
         the exception first.
         """
-        last = end_at_producer(tb, error.producer_frame, error.producer_position)
+        last = end_at_producer(tb, error.producer_frame, error.producer_position, error.producer_calls)
         if last is None:
             return
         frame = last.tb_frame
@@ -246,7 +247,8 @@ class Events:
             if isinstance(value, torch.Tensor) and is_checkable(value) and (named is None or name in named)
         )
         report = dataclasses.replace(
-            error.report, debug_frame=frames_of(last)[0], debug_locals=tensor_locals, frames=user_frames_of(tb)
+            error.report, debug_frame=frames_of(last)[0], debug_locals=tensor_locals,
+            frames=user_frames_of(tb, error.producer_calls)
         )
         error.report = report
         if self.report is not None and self.report is not report:

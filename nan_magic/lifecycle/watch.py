@@ -338,7 +338,7 @@ class Watch:
             lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
                 self.config.kinds, self._named_parameters, self.optimizers.reports.attribute, self.emit,
                 lambda: self.step,
-                tracer=self.localizing.update_tracer(self.origins),
+                tracer=self.localizing.update_tracer(self.origins), data=self.outside,
             ),
         )
 

@@ -31,6 +31,7 @@ from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
+from nan_magic.patches.loaders import unrecorded_batches
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
@@ -109,6 +110,8 @@ class Recording(Localizing):
         # An evaluation under inference_mode: the recorder steps aside at its model calls as it does outside one
         # (the block's end would put torch's Python key back over an empty stack: patches/inference_blocks.py).
         stack.enter_context(balanced_inference_blocks())
+        # A DataLoader's batch fetched inside a data region that once ran over its budget (recorder.py).
+        stack.enter_context(unrecorded_batches(recorder.step_aside_for_batch, recorder.step_back))
 
     def pause(self) -> None:
         self._recording.pause()

@@ -116,6 +116,8 @@ class OpOrigins:
             else:
                 assert outside is not None
                 tensors, frame, position = outside.witness(origin)
+                if frame is None and outside.let_go is not None:
+                    finding.notes.append(outside.let_go)  # %debug opens where the step was judged: said why
             boundary = finding.tensor
             apply_op_finding(finding, origin, tensors)
             if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):
@@ -123,6 +125,8 @@ class OpOrigins:
                 finding.tensor, finding.module_output = boundary, None
             if frame is not None:
                 finding.frame, finding.frame_position = frame, position
+                if outside is not None and self.tracer is None:
+                    finding.frame_calls = outside.calls_to(frame)
             return
         attach_origin(finding, origin)
         if origin.backward_code and self.tracer is not None:

@@ -11,6 +11,11 @@ process or for a worker) is wrapped to note each one as drawn, and
 batches come back in the order their indices were drawn (``in_order``, the
 default); with ``in_order=False`` the batch's indices are not known.
 Per batch this costs two Python calls, next to the loader's own dozens.
+
+The loop-code recorder (localize/outside/recorder.py) may step aside while a batch is fetched
+(:func:`unrecorded_batches`): a batch of 32 samples or more runs more ops than its data region's budget,
+which would turn that region's recording off (its normalisation in the loop, a parameter written after
+the optimizer step); the Dataset's own ops are named by fetching its samples again instead.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from torch.utils.data import dataloader
 
 from nan_magic.patches.registry import ProcessPatch
 
-__all__ = ["UNKNOWN", "watch_batches"]
+__all__ = ["UNKNOWN", "unrecorded_batches", "watch_batches"]
 
 #: The indices of a batch whose indices were drawn before the watch began, or out of order.
 UNKNOWN = object()
@@ -33,6 +38,8 @@ UNKNOWN = object()
 BatchCallback = Callable[[Any, Any, bool], None]
 
 _callbacks: list[BatchCallback] = []
+#: ``(step_aside, step_back)`` of each recorder active: ``step_aside()`` says whether it stepped aside.
+_recorders: list[tuple[Callable[[], bool], Callable[[], None]]] = []
 # Per live iterator: the indices drawn and not yet returned, by task number (a worker's), or at -1 (the main process).
 _drawn: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
@@ -50,7 +57,12 @@ def _wrap_next_index(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
     def __next__(self: Any) -> Any:
         __tracebackhide__ = True
-        data = original(self)
+        aside = [back for step_aside, back in _recorders if step_aside()]
+        try:
+            data = original(self)
+        finally:
+            for back in reversed(aside):
+                back()
         drawn = _drawn.get(self, {})
         task = self._rcvd_idx - 1 if hasattr(self, "_rcvd_idx") else -1
         ordered = getattr(self, "_in_order", True)
@@ -80,3 +92,16 @@ def watch_batches(callback: BatchCallback) -> Iterator[None]:
             _callbacks.remove(callback)
             if not _callbacks:
                 _drawn.clear()
+
+
+@contextmanager
+def unrecorded_batches(step_aside: Callable[[], bool], step_back: Callable[[], None]) -> Iterator[None]:
+    """Inside the block, each batch a DataLoader fetches is fetched with the recorder stepped aside where
+    ``step_aside()`` says it did, and brought back after (``step_back()``)."""
+    with _PATCH.held():
+        entry = (step_aside, step_back)
+        _recorders.append(entry)
+        try:
+            yield
+        finally:
+            _recorders.remove(entry)

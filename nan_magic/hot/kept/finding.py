@@ -63,6 +63,9 @@ class Finding:
     # ``(f_lasti, f_lineno)`` when the op ran, where the frame ran on after it.
     frame: FrameType | None = None
     frame_position: tuple[int, int] | None = None
+    # The calls that led to that frame where it had returned (a loss helper's): each the calling frame, its
+    # ``(f_lasti, f_lineno)`` at the call, outermost first; the traceback then reads in call order (errors/frames.py).
+    frame_calls: tuple[tuple[FrameType, int, int], ...] = ()
     absorbed: AbsorbedOp | None = None
     # Facts the diagnosis reads (see Report): the backward node that ran the op, the optimizer that stepped.
     autograd_node: str | None = None

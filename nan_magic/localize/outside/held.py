@@ -18,7 +18,10 @@ import torch
 
 from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, swapped, weak_record
 
-__all__ = ["KEEP_BYTES", "KEEP_TOTAL", "bytes_held", "held_bytes", "still_running", "storage_bytes", "weakened"]
+__all__ = [
+    "KEEP_BYTES", "KEEP_TOTAL", "bytes_held", "held_bytes", "small_frames", "still_running", "storage_bytes",
+    "weakened",
+]
 
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
 #: (a contrastive loss's distances), up to :data:`KEEP_TOTAL` in all; larger ones (a language
@@ -45,6 +48,58 @@ def still_running(frames: set[FrameType]) -> set[FrameType]:
             running.add(frame)
         frame = frame.f_back
     return running
+
+
+def small_frames(frames: set[FrameType]) -> set[FrameType]:
+    """Those of ``frames`` (functions that returned) whose tensor locals are small enough to keep alive.
+
+    A returned helper's frame (``loss_fn(out, y)``) is where ``%debug`` opens at its op; holding it keeps its
+    locals alive. Kept while what its tensors hold (directly, or one container deep: a list, a tuple, a dict or
+    a ``ModelOutput``; a view counts its base, each base once) stays within :data:`KEEP_TOTAL` with what the
+    frames kept before it hold; a tensor over :data:`KEEP_BYTES` (a language model's logits) lets it go.
+    Asked once a step where the deferred check's loss code ran in a helper: sizes are read as attributes
+    (:func:`bytes_held`'s way), no call per tensor.
+    """
+    kept: set[FrameType] = set()
+    seen: dict[int, int] = {}
+    total = 0
+    for frame in frames:
+        sizes: dict[int, int] = {}
+        for value in frame.f_locals.values():
+            kind = type(value)
+            if kind is torch.Tensor:
+                items: Any = (value,)
+            elif kind is list or kind is tuple:
+                items = value
+            elif dict in kind.__mro__:  # (a ModelOutput too; `in` on a tuple is no call: asked for every local)
+                items = value.values()
+            elif torch.Tensor in kind.__mro__:
+                items = (value,)
+            else:
+                continue
+            for item in items:
+                kind = type(item)
+                if kind is torch.Tensor:
+                    base = item._base
+                    whole = item if base is None else base
+                    sizes[id(whole)] = whole.nbytes if type(whole) is torch.Tensor else _storage_size(whole)
+                elif kind is not torch.nn.Parameter and torch.Tensor in kind.__mro__:  # (a parameter: alive anyway)
+                    sizes[id(item)] = _storage_size(item)
+        new = 0
+        for key, nbytes in sizes.items():
+            if key not in seen:
+                new += nbytes if nbytes <= KEEP_BYTES else KEEP_TOTAL + 1
+        if total + new <= KEEP_TOTAL:
+            kept |= {frame}
+            seen |= sizes
+            total += new
+    return kept
+
+
+def _storage_size(tensor: torch.Tensor) -> int:
+    """The bytes of a tensor subclass's storage, past :data:`KEEP_TOTAL` where it has none."""
+    size = storage_bytes(tensor)
+    return KEEP_TOTAL + 1 if size is None else size[1]
 
 
 def bytes_held(tensor: torch.Tensor) -> int:

@@ -16,8 +16,11 @@ at once, or with the deferred check's single transfer), and a non-finite one
 is reported as phase ``optimizer`` (the user's update code is the optimizer)
 at the step it happened, its owning module as the module, and the recorded
 ops, run again on copies under the op tracer, name the op and line that
-made it. Ops mode traces that code anyway: its op tracer already knows which
-op started a parameter's values (:meth:`OpTracer.origin_of`).
+made it. The *data region* (the optimizer step to the next model call, recorded by the main recorder)
+is watched for the same writes (a max-norm renorm after ``opt.step()``, weight clipping, an EMA
+teacher's ``t.mul_(m)``): param_writes.py's DataWrites copies a parameter before the region writes it
+in place, and :meth:`LoopWrites.end` judges it with the update code's, as the region ends. Ops mode
+traces that code anyway: its op tracer already knows which op started a parameter's values (:meth:`OpTracer.origin_of`).
 
 Cost: loop code that writes parameters only now and then (a renormalisation
 every 100 steps, a decay applied while the loss is high) must be seen at the
@@ -57,15 +60,21 @@ from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.ops.tracer import OpTracer
-from nan_magic.localize.outside.held import KEEP_TOTAL
+from nan_magic.localize.outside.param_writes import (
+    DataWrites,
+    Index,
+    Storages,
+    copy_before,
+    lookup,
+    on_parameters,
+    written_by,
+)
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.recorder import OutsideRecorder, passes
+from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
-
-# The watched parameters by id, and by storage with the bytes each spans in it (``p.data``, a row ``p[3]``).
-_Index = tuple[dict[int, tuple[str, torch.Tensor]], dict[int, list[tuple[int, int, str, torch.Tensor]]]]
 
 #: An update region that wrote no watched parameter is recorded again if it ran at most this many ops
 #: (a ``loss.item()`` or two to log; clipping runs eight foreach ops, which would cost tens of µs a step).
@@ -92,6 +101,11 @@ class LoopWrites:
     tracer
         Ops mode: gives its op tracer, made when the watch attaches. Without
         it (the tiered and full modes) the region is recorded.
+    data
+        The main recorder (outside/recorder.py), whose data region (the
+        optimizer step to the next model call) is watched for parameter
+        writes too: a max-norm renorm after ``opt.step()`` is judged with
+        the update code's writes, at the region's end, and named by the write.
     """
 
     def __init__(
@@ -102,6 +116,7 @@ class LoopWrites:
         emit: Callable[[Finding], None],
         step: Callable[[], int],
         tracer: Callable[[], OpTracer | None] | None = None,
+        data: OutsideRecorder | None = None,
     ) -> None:
         self._kinds = kinds
         self._named_parameters = named_parameters
@@ -113,11 +128,17 @@ class LoopWrites:
         # Record the next update region in full: the first one, then while the last one wrote a parameter or
         # was cheap; otherwise it is watched (the module docstring).
         self._wanted = True
-        # The written parameters whose norms the deferred check reads: (name, parameter, tensor written).
-        self._pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        # The written parameters whose norms the deferred check reads: (name, parameter, tensor written, the
+        # records that name the write: the update recorder's or the data region's).
+        self._pending: list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]] = []
         self._pending_step = 0
         # The watched parameters by id and by storage (_parameter_of), built when first needed.
-        self._index: _Index | None = None
+        self._index: Index | None = None
+        #: The data region's parameter writes, noted by the main recorder as it records them.
+        self.data: DataWrites | None = None
+        if data is not None and tracer is None:
+            self.data = DataWrites(data, self._cached_index)
+            data.on_write = self.data.on_write
 
     @property
     def recorder(self) -> OutsideRecorder | None:
@@ -133,61 +154,82 @@ class LoopWrites:
                 self._recorder.watch()
 
     def end(self) -> list[torch.Tensor]:
-        """The region ends: the norms (not read yet) of the watched parameters its code wrote.
+        """A region ends: the norms (not read yet) of the watched parameters its code wrote, and of those still
+        pending (the deferred check reads them all in one transfer).
 
+        Called as the update region ends (an optimizer step, a model call, the
+        watch's end) and so as the data region ends too (a model call, the
+        watch's end): the data code's writes come first, as they ran first
+        where both regions end together (a data region ends at a model call).
         Ops mode reads nothing: a parameter its tracer saw an op make
         non-finite is reported now.
         """
         if self._tracer is not None:
             self._report_traced()
             return []
+        # (Asked at every model call and optimizer step: the usual answer, nothing written, costs no call.)
+        data = self.data
+        found = self._data_written() if data is not None and data.written else []
         recorder = self._recorder
-        if recorder is None or not recorder.pushed:
+        if recorder is not None and recorder.pushed:
+            wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
+            recorder.stop()
+            recorder.watching = False
+            if not wrote:
+                recorder.forget()
+            elif not (count := recorder.recorded()):
+                # The usual region (opt.step() right after backward()): nothing to look at or let go.
+                self._wanted = "update" not in recorder.untraced
+            else:
+                found += self._update_written(recorder, count)
+        if not found:
             return []
-        wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
-        recorder.stop()
-        recorder.watching = False
-        if not wrote:
-            recorder.forget()
-            self._pending = []
-            return []
-        count = recorder.recorded()
-        if not count:  # the usual region (opt.step() right after backward()): nothing to look at or let go
-            self._pending, self._wanted = [], count <= CHEAP_REGION and "update" not in recorder.untraced
-            return []
+        if not self._pending:
+            self._pending_step = self._step()
+        self._pending += found
+        return norms([parameter for _name, parameter, _written, _records in self._pending])
+
+    def _data_written(self) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
+        """The watched parameters the data region's code wrote since it was last asked."""
+        assert self.data is not None
+        # (Named as found when written: the index is not built afresh every step an EMA teacher is updated.)
+        return [(name, parameter, tensor, self.data.records) for tensor, name, parameter in self.data.take()]
+
+    def _update_written(self, recorder: _UpdateRecorder, count: int
+                        ) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
+        """The update region (``recorder``'s, ``count`` ops recorded) ended: the watched parameters its code wrote."""
         # Most regions write only gradients (clipping): the cached index rules them out without a walk of
         # the parameters; a region that wrote one is looked up afresh (a parameter may have been replaced).
         written = [tensor for tensor in recorder.written() if self._parameter_of(tensor) is not None]
-        self._pending = self._watched(written) if written else []
-        self._wanted = (bool(self._pending) or count <= CHEAP_REGION) and "update" not in recorder.untraced
-        if not self._pending:
+        found = self._watched(written) if written else []
+        self._wanted = (bool(found) or count <= CHEAP_REGION) and "update" not in recorder.untraced
+        if not found:
             recorder.forget()
-            return []
-        self._pending_step = self._step()
-        return norms([parameter for _name, parameter, _written in self._pending])
+        return [(name, parameter, tensor, recorder) for name, parameter, tensor in found]
 
     def judge(self, values: list[float]) -> None:
         """Report the first written parameter whose norm (``values``, in :meth:`end`'s order) is not finite."""
         pending, self._pending = self._pending, []
-        recorder = self._recorder
         try:
-            for (name, parameter, written), value in zip(pending, values):
+            for (name, parameter, written, records), value in zip(pending, values):
                 if math.isfinite(value):
                     continue
                 if not relevant_kinds(kinds_of(parameter), self._kinds):
                     continue
-                finding = self._finding(name, parameter)
-                if recorder is not None:
-                    origin = recorder.claim(written)
-                    if origin is not None:
-                        _tensors, frame, position = recorder.witness(origin)
-                        self._attach(finding, origin)
-                        finding.frame, finding.frame_position = frame, position
+                finding = self._finding(name, parameter, after_step=records is not self._recorder)
+                origin = records.claim(written)
+                if origin is not None:
+                    _tensors, frame, position = records.witness(origin)
+                    self._attach(finding, origin)
+                    finding.frame, finding.frame_position = frame, position
+                    finding.frame_calls = records.calls_to(frame)
+                    if frame is None and records.let_go is not None:
+                        finding.notes.append(records.let_go)
                 self._emit(finding)
                 return
         finally:
-            if recorder is not None:
-                recorder.forget()
+            if self._recorder is not None:
+                self._recorder.forget()
 
     def pause(self) -> None:
         """A part of the run ends (a ``%nanwatch on`` cell): stop recording until :meth:`resume`, keep the records."""
@@ -202,6 +244,8 @@ class LoopWrites:
     def forget(self) -> None:
         """The watch ends: stop recording and drop what was recorded."""
         self._pending, self._index = [], None
+        if self.data is not None:
+            self.data.take()
         if self._recorder is not None:
             self._recorder.stop()
             self._recorder.watching = False
@@ -217,16 +261,22 @@ class LoopWrites:
         """
         if self._index is None:
             self._index = self._indexed()
-        entry = _lookup(self._index, tensor)
+        entry = lookup(self._index, tensor)
         return entry[1] if entry is not None else None
 
-    def _storages(self) -> dict[int, list[tuple[int, int, str, torch.Tensor]]]:
+    def _cached_index(self) -> Index:
+        """The watched parameters by id and by storage, built when first needed (as :meth:`_parameter_of`'s)."""
+        if self._index is None:
+            self._index = self._indexed()
+        return self._index
+
+    def _storages(self) -> Storages:
         """The storages of the watched parameters (``data_ptr()``): a tensor on another one is none of them."""
         if self._index is None:
             self._index = self._indexed()
         return self._index[1]
 
-    def _indexed(self) -> _Index:
+    def _indexed(self) -> Index:
         by_id: dict[int, tuple[str, torch.Tensor]] = {}
         by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
         for name, parameter in self._named_parameters():
@@ -244,16 +294,16 @@ class LoopWrites:
         index = self._index = self._indexed()
         found = []
         for tensor in written:
-            entry = _lookup(index, tensor)
+            entry = lookup(index, tensor)
             if entry is not None:
                 found.append((entry[0], entry[1], tensor))
         return found
 
-    def _finding(self, name: str, parameter: torch.Tensor) -> Finding:
+    def _finding(self, name: str, parameter: torch.Tensor, after_step: bool = False) -> Finding:
         step = self._pending_step if self._tracer is None else self._step()
         finding = Finding(Phase.OPTIMIZER, None, TensorRef.parameter(name), bad=parameter.detach(), step=step)
         self._attribute(finding)
-        finding.notes.append(Note.of("loop-wrote", name=name))
+        finding.notes.append(Note.of("loop-wrote-after-step" if after_step else "loop-wrote", name=name))
         return finding
 
     @staticmethod
@@ -281,7 +331,6 @@ class LoopWrites:
 # What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
 # or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
 _PASSES, _WRITES, _MARKER = 0, 1, 2
-_SELF = frozenset({"self"})
 # id(op) -> (op, what a watched region does with it, the callable that runs it: an OpOverload's C++ ``_op``,
 # skipping its Python ``__call__``, and the plan of an op that writes: plan_of hashes the op in Python).
 # Holding the op keeps its id unique.
@@ -330,42 +379,6 @@ def _caller_kind(frame: FrameType) -> int:
     return _PLUMBING if is_plumbing(frame) or frame.f_code.co_name in _HOOKS else _LIBRARY
 
 
-def _lookup(index: _Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-    """``(name, parameter)`` of the watched parameter ``tensor`` is or lies inside (``p.data``, ``p[3]``), or None."""
-    by_id, by_storage = index
-    entry = by_id.get(id(tensor))
-    if entry is not None or tensor.layout is not torch.strided:
-        return entry
-    spans = by_storage.get(tensor.untyped_storage().data_ptr())
-    if spans:
-        at = tensor.data_ptr()
-        for first, end, name, parameter in spans:
-            if first <= at < end:
-                return name, parameter
-    return None
-
-
-def _written(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[Any]:
-    """What an op writes in place: its written arguments, lists flattened (a gradient list is not walked in
-    Python: a GradScaler's unscale writes every gradient); a non-tensor in a list is left for the caller."""
-    if plan.writes == _SELF and args:
-        first = args[0]
-        return first if type(first) is list or type(first) is tuple else (first,)
-    written: list[Any] = []
-    for name, value in (*zip(plan.names, args), *kwargs.items()):
-        if name in plan.writes:
-            if type(value) is list or type(value) is tuple:
-                written.extend(value)
-            else:
-                written.append(value)
-    return written
-
-
-# What _on_parameters maps over a written list, in C (no Python call per tensor).
-_storage_of = torch._C.TensorBase.untyped_storage
-_address = torch.UntypedStorage.data_ptr
-
-
 class _UpdateRecorder(OutsideRecorder):
     """The update region's recorder: a watched parameter is copied before the region first writes it in place.
 
@@ -382,7 +395,7 @@ class _UpdateRecorder(OutsideRecorder):
     """
 
     def __init__(self, kinds: frozenset[str], parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
-                 storages: Callable[[], dict[int, list[tuple[int, int, str, torch.Tensor]]]]) -> None:
+                 storages: Callable[[], Storages]) -> None:
         super().__init__(kinds)
         self._parameter_of = parameter_of
         self._storages = storages
@@ -413,7 +426,7 @@ class _UpdateRecorder(OutsideRecorder):
             entry = _KINDS[id(func)] = _kind_of(func)
         _func, kind, call, plan = entry
         if self.watching:
-            if plan is not None and self._on_parameters(_written(plan, args, kwargs)):
+            if plan is not None and on_parameters(self._storages(), self._parameter_of, written_by(plan, args, kwargs)):
                 self.watching = False
                 self._record_ring()
             else:
@@ -432,32 +445,12 @@ class _UpdateRecorder(OutsideRecorder):
                                        frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
         if plan is not None and self.recording():
-            written = _written(plan, args, kwargs)
-            if self._on_parameters(written):
+            written = written_by(plan, args, kwargs)
+            if on_parameters(self._storages(), self._parameter_of, written):
                 for tensor in written:
                     if isinstance(tensor, torch.Tensor):
                         self._copy(tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _on_parameters(self, written: Sequence[Any]) -> bool:
-        """Whether any of the tensors an op writes in place is a watched parameter or on one's memory.
-
-        Asked for every in-place op of the region. Clipping's ``_foreach_mul_`` and a GradScaler's unscale
-        write every gradient: a tensor on a storage no parameter is on is ruled out with two calls.
-        """
-        storages = self._storages()
-        try:
-            # One pass in C over what the op writes (clipping's _foreach_mul_ writes every gradient): no tensor on a
-            # parameter's storage is the usual answer, and asking tensor by tensor cost four calls each.
-            if storages.keys().isdisjoint(map(_address, map(_storage_of, written))):
-                return False
-        except (RuntimeError, NotImplementedError, TypeError):
-            pass  # a sparse tensor, a subclass without storage, a non-tensor: asked one by one below
-        return any(
-            isinstance(tensor, torch.Tensor)
-            and (tensor.layout is not torch.strided or tensor.untyped_storage().data_ptr() in storages)
-            and self._parameter_of(tensor) is not None for tensor in written
-        )
 
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
@@ -474,10 +467,5 @@ class _UpdateRecorder(OutsideRecorder):
 
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)
-        if parameter is None:
-            return
-        for kept in (parameter, tensor) if parameter is not tensor and not self.made(tensor) else (parameter,):
-            size = kept.numel() * kept.element_size()
-            if id(kept) not in self.before and self._copied + size <= KEEP_TOTAL:
-                self.before[id(kept)] = kept.detach().clone()
-                self._copied += size
+        if parameter is not None:
+            self._copied = copy_before(self, tensor, parameter, self._copied)

@@ -67,13 +67,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import capture_rng_state
-from nan_magic.localize.ops.plans import plan_of, run_op
+from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
     KEEP_TOTAL,
     bytes_held,
     held_bytes,
+    small_frames,
     still_running,
     weakened,
 )
@@ -162,6 +163,11 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._held_bytes = 0
         #: Regions whose recording a step turned off by running more ops than their budget.
         self.untraced: set[str] = set()
+        #: A data region ran over its budget: DataLoader batches are fetched aside since (patches/loaders.py).
+        self.batches_aside = self._retried = False  # (the next region is recorded again; over it again, off)
+        #: Called before an op that writes in place runs in a data region being recorded (``on_write(its plan,
+        #: args, kwargs)``): a parameter the loop writes after the optimizer step (param_writes.py's DataWrites).
+        self.on_write: Callable[[Plan, Sequence[Any], dict[str, Any]], None] | None = None
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -185,9 +191,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return
         if region == "data":
             self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
+            self._data_before, self._data_calls = {}, {}
         self.forget()
         if region in self.untraced:
-            return
+            if region != "data" or self._retried or not self.batches_aside:
+                return
+            self.untraced.discard(region)
+            self._retried = True
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
@@ -217,6 +227,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             self._data = (ops, self._produced, self._frames, self._rng)
             self._ops, self._produced, self._frames = [], {}, []
+            self._data_calls, self._calls = self._calls, {}
+            if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
+                self._data_before, self.before = self.before, {}
         self.forget()
 
     def stop(self) -> None:
@@ -256,6 +269,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         for mode in reversed(above):
             _push(mode)
 
+    def step_aside_for_batch(self) -> bool:  # (while a DataLoader fetches, once a data region ran over budget)
+        return self.batches_aside and self._region == "data" and self.step_aside()
+
     def step_back(self) -> None:
         """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
         self._push()
@@ -290,6 +306,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """
         if last:
             self._last = self._data = None
+            self._data_before, self._data_calls = {}, {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
                 self.weaken(detach=True)
@@ -302,6 +319,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._ops.clear()
             self._frames.clear()
             self._produced.clear()
+        if self._calls:
+            self._calls, self._last_frame = {}, None  # (no call: forgetting happens several times a step)
         self._held_bytes = 0
         self._rng = None
         self._witness = None
@@ -330,13 +349,20 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._let_go_of_returned_frames()  # holding a running one costs nothing
 
     def _let_go_of_returned_frames(self) -> None:
-        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals)."""
+        """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals), but,
+        for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
+        %debug opens there at the op. The immediate check judged the loss before this is called."""
         held = {frame for frame in self._frames if frame is not None}
         if not held:
             return
         running = still_running(held)
         if len(running) == len(held):  # the usual loss: written in the loop's own frame, still running
             return
+        if self.holds_data:
+            running |= small_frames(held - running)
+            self._keep_calls(running)
+        else:  # (judged already: the frames' calls are asked no more)
+            self._calls, self._last_frame = {}, None
         self._frames = [frame if frame in running else None for frame in self._frames]
 
     def note(self) -> Note | None:
@@ -358,11 +384,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         entry = _OPS.get(id(func))  # by id: an OpOverload's __hash__ is Python
         if entry is None:
             entry = _op_entry(func)
-        kind, call, _op = entry
+        kind, call, _op, writes = entry
         if kwargs is None:
             kwargs = {}
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
             return call(*args, **kwargs)
+        if writes is not None and self._region == "data" and not self._entry and self.on_write and self._budget > 0:
+            self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, indexed too early)
         if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
@@ -376,6 +404,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 self._budget = _INERT
                 if not self._entry:
                     self.untraced.add(self._region)
+                    # (A DataLoader's fetch, most often: the data region is tried again once, without it: start.)
+                    self.batches_aside = self.batches_aside or self._region == "data"
                 self.forget()
             return out
         # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
@@ -390,6 +420,14 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._budget -= 1
         index = len(self._ops)
         self._frames.append(frame)
+        if frame is not self._last_frame and frame is not None:  # a helper's first op: where it (and its caller)
+            self._last_frame = frame                              # was called, for frames in call order
+            if frame not in self._calls:
+                back = frame.f_back
+                self._calls[frame] = None if back is None else (back, back.f_lasti, back.f_lineno)
+                if back is not None and back not in self._calls:
+                    up = back.f_back
+                    self._calls[back] = None if up is None else (up, up.f_lasti, up.f_lineno)
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
             self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1)))
@@ -445,14 +483,18 @@ _ZERO_GRAD_CODES = frozenset(
 # What the recorder does with an op (cached per op in _OPS with the callable it runs): pass a profiler
 # marker through; record an op; record an op that draws random numbers (taking the generators' state first).
 _PASS, _RECORD, _SEEDED_OP = "pass", "record", "seeded"
-_OPS: dict[int, tuple[str, Any, Any]] = {}  # id(op) -> (kind, callable, the op, kept so its id stays unique)
+# id(op) -> (kind, callable, the op, kept so its id stays unique, its plan where it writes in place)
+_OPS: dict[int, tuple[str, Any, Any, Plan | None]] = {}
 _new_tuple = tuple.__new__
 
 
-def _op_entry(func: Any) -> tuple[str, Any, Any]:
-    """``(kind, callable)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping ``__call__``."""
+def _op_entry(func: Any) -> tuple[str, Any, Any, Plan | None]:
+    """``(kind, callable, op, writes)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping
+    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too)."""
     kind = _PASS if passes(func) else _SEEDED_OP if _seeded(func) else _RECORD
-    entry = _OPS[id(func)] = (kind, func._op if isinstance(func, torch._ops.OpOverload) else func, func)
+    overload = isinstance(func, torch._ops.OpOverload)
+    plan = plan_of(func) if overload and kind is not _PASS else None
+    entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
     return entry
 
 

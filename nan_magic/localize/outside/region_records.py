@@ -23,6 +23,7 @@ from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.held import small_frames, still_running
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
@@ -32,6 +33,7 @@ from nan_magic.localize.outside.recorded_ops import (
     record_key,
     rerun_op,
 )
+from nan_magic.records import Note
 
 __all__ = ["RegionRecords"]
 
@@ -49,6 +51,11 @@ class RegionRecords:
         self.before: dict[int, torch.Tensor] = {}
         self._ops: list[RecordedOp] = []
         self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
+        # Where each of those frames was called: the calling frame, its f_lasti and line then (recorder.py notes
+        # it at a frame's first op), for a report's frames in call order (errors/frames.py); None where unknown.
+        self._calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
+        self._last_frame: FrameType | None = None
+        self._data_calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}  # held with ``_data``
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
         # The last loss region's records, kept by forget(): (ops, produced, rng).
@@ -56,9 +63,14 @@ class RegionRecords:
         # The last data region's records, kept by forget() until the deferred check has judged the batch they
         # made (the recorder's ``holds_data``): (ops, produced, frames, rng).
         self._data: _Records | None = None
+        # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
+        self._data_before: dict[int, torch.Tensor] = {}
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
+        #: What a report says where the frame that ran the op :meth:`claim` named was let go (a returned helper's
+        #: whose tensors were too large to keep: recorder.weaken), so %debug cannot open there; None where held.
+        self.let_go: Note | None = None
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -89,12 +101,13 @@ class RegionRecords:
         non-finite values came from outside the record (a model output).
         ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         """
-        found = self._claim_in((self._ops, self._produced, self._frames, self._rng), tensor, key)
+        found = self._claim_in((self._ops, self._produced, self._frames, self._rng), tensor, key, self.before)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
-            found = self._claim_in(self._data, tensor, key)
+            found = self._claim_in(self._data, tensor, key, self._data_before)
         return found
 
-    def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None) -> OpFinding | None:
+    def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None,
+                  before: dict[int, torch.Tensor]) -> OpFinding | None:
         """:meth:`claim` in one region's ``records``."""
         recorded, produced, frames, rng = records
         if tensor is not None:
@@ -107,7 +120,7 @@ class RegionRecords:
         producer: RecordedOp | None = None
         frame: FrameType | None = None
         try:
-            copies, _requiring = copies_from_outside(ops, self.before)
+            copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
                 for index, op in enumerate(ops):
                     rerun_op(op, copies)
@@ -121,7 +134,47 @@ class RegionRecords:
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
+        self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
+                       if frame is None and producer.code is not None else None)
         return finding
+
+    def calls_to(self, frame: FrameType | None) -> tuple[tuple[FrameType, int, int], ...]:
+        """The calls that led to ``frame``, outermost first: each the calling frame, its f_lasti and line then.
+
+        As far as they were noted (a caller that ran no recorded op, and returned, is not); the last one
+        called ``frame``. Empty for a frame not held.
+        """
+        sites: list[tuple[FrameType, int, int]] = []
+        while frame is not None and len(sites) < 32:
+            site = self._calls.get(frame)
+            if site is None:
+                site = self._data_calls.get(frame)
+            if site is None:
+                break
+            sites.append(site)
+            frame = site[0]
+        return tuple(reversed(sites))
+
+    def _keep_calls(self, kept: set[FrameType]) -> None:
+        """For the deferred check: let go of the calls noted for frames let go, and of those whose caller returned
+        and is let go (a caller's frame held here would keep its locals alive); a returned caller whose tensors
+        are small stays (held.small_frames), as the frames that ran ops do."""
+        alive = set(kept)
+        callers: set[FrameType] = set()
+        for site in self._calls.values():  # (a loop, not a comprehension: that is one call more a step)
+            if site is not None and site[0] not in alive:
+                callers |= {site[0]}
+        if callers:
+            running = still_running(callers)
+            alive |= running
+            returned = callers - running
+            if returned:
+                alive |= small_frames(returned)
+        calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
+        for frame, site in self._calls.items():
+            if frame in alive and site is not None and site[0] in alive:
+                calls[frame] = site
+        self._calls, self._last_frame = calls, None
 
     def witness(
         self, finding: OpFinding

@@ -68,6 +68,9 @@ _TEMPLATES: dict[str, str] = {
                             "formula made it",
     "optimizer-unreplayable": "the {optimizer} step could not be replayed to name its op",
     "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
+    "frame-let-go": "%debug opens where the step was judged, not in {function} at line {line}: that function had "
+                    "returned and its frame was let go, its tensors too large to keep",
+    "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,
     "replay-found": "replay of {module} on its inputs found the op: replay reproduced " + _FOUND,
