@@ -17,41 +17,29 @@ output is non-finite, :meth:`OutsideRecorder.claim_backward` runs them again
 with gradients, then their backward: the op tracer names the backward op and
 its autograd node, and the record the forward line that created that node.
 
-Recording costs a few microseconds per op and reads nothing, so it adds no
-host synchronisation on CUDA. The references keep the loss code's values
-alive until ``backward()`` starts and the loss is judged (values autograd
-keeps anyway, for the most part); then small tensors stay (:data:`KEEP_BYTES`
-each, :data:`KEEP_TOTAL` in all) and large ones (logits) are held only
-weakly, until that backward pass ends or, for the deferred check (CUDA,
-process groups), until the optimizer step has judged the step. A data
-region's go when the next model call has judged its batch; the deferred
-check judges the batch at the optimizer step, so there they are held
-until the next data region starts (:meth:`OutsideRecorder.batch_entered`).
+Recording costs a few microseconds per op and reads nothing (no host sync on
+CUDA). The references keep the loss code's values alive until ``backward()``
+starts and the loss is judged; then small tensors stay (:data:`KEEP_BYTES`
+each, :data:`KEEP_TOTAL` in all), large ones (logits) only weakly, until that
+backward ends or, deferred, until the optimizer step has judged the step. A
+data region's go when the next call has judged its batch (deferred: when the
+next data region starts, :meth:`OutsideRecorder.batch_entered`).
 
-Fetching one batch from a ``DataLoader`` runs a hundred ops or more: the code
-after an optimizer step is recorded for at most :data:`DATA_BUDGET` ops a step
-and the loss region for :data:`LOSS_BUDGET`; a step that runs more turns that
-region's recording off for the rest of the watch, and reports say so. The code
-from the watch's entry to its first model call (the first batch) is a data
-region too, within the same budget; running over it there (a cell that builds
-its model inside the watch) leaves only that region unrecorded.
+Budgets: :data:`DATA_BUDGET` ops a step after an optimizer step (a
+``DataLoader`` fetch runs a hundred or more), :data:`LOSS_BUDGET` after a model
+call; a step over one turns that region off for the rest of the watch (the
+data region is tried once more with DataLoader fetches stepped aside), and
+reports say so. The code from the watch's entry to its first model call is a
+data region within the same budget, left unrecorded alone when over it.
 
-Dispatch modes form a stack that ``with`` blocks push and pop: the recorder
-is pushed only onto an empty stack (not inside a mode the user entered around
-the model call, which their ``with`` must pop) and popped only when it is the
-innermost mode (a mode the user entered since stays in place; ours then
-waits, inert, until it is on top). ``torch.inference_mode()`` restores the
-whole dispatch-key set it found when its block ends, the Python key included
-that a pushed mode sets: while the watch records, its ``__exit__`` puts that
-key back in step with the stack (patches/inference_blocks.py), so the recorder
-steps aside at an evaluation's model call inside such a block as it does
-outside one. Where a guard that patch does not see is open
-(``torch._C._InferenceMode`` entered directly), the recorder is neither pushed
-nor popped: popped inside it, it would leave the key on over an empty stack
-and every op after it would fail in torch's Python fallback; pushed inside it,
-it would stay on the stack past its end with the key off, and a mode the user
-enters after it would see no op. It stays pushed, inert, through such a
-guard, and is popped after it.
+The recorder is pushed only onto an empty dispatch-mode stack and popped only
+when innermost (a mode the user entered since stays; ours waits, inert). An
+``inference_mode`` block restores the dispatch-key set at its end, Python key
+included: its ``__exit__`` puts that key in step with the stack while the
+watch records (patches/inference_blocks.py), so the recorder steps aside
+inside such blocks as outside. Inside a guard that patch does not see
+(``torch._C._InferenceMode``) it is neither pushed nor popped, and stays
+pushed, inert, through it.
 """
 
 from __future__ import annotations
@@ -172,18 +160,11 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
 
-        ``entry``: the data code from the watch's entry to its first model call
-        (step 0's batch). That code often builds the model and the optimizer
-        too, so running over the budget there leaves only that region
-        unrecorded, not the data code of the steps after.
-
-        ``goes_on()``: another model call of the same training step returned
-        (no backward since): the loss code may go on from what it computed
-        before that call (``p = model(x).softmax(-1)``, then
-        ``loss = F.cross_entropy(model(x2), y) - entropy(p)``), so its records
-        stay and the region goes on within the same budget, while they are
-        few (:data:`GOES_ON_MAX`; more, as an evaluation loop run with
-        gradients on would record, and it starts afresh).
+        ``entry``: the data code before the first model call (it often builds the model: over budget there,
+        only that region goes unrecorded). ``goes_on()``: another model call of the same step returned (no
+        backward since): the loss code may go on from what it computed before it (``p = model(x).softmax(-1)``,
+        then ``loss = F.cross_entropy(model(x2), y) - entropy(p)``), so its few records stay
+        (:data:`GOES_ON_MAX`; more, as an evaluation with gradients on records, and it starts afresh).
         """
         if (goes_on is not None and region == "loss" and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX
                 and self._budget > 0 and goes_on()):
@@ -255,8 +236,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
     def take_off(self) -> None:
         """:meth:`stop` as the watch's hooks come off, and off this thread's stack even from under a mode the user
-        entered since and left open past the watch (``mode.__enter__()`` without a ``with``): left there, inert,
-        it would pass every op on through its trampoline after the watch. The modes above it stay, in order."""
+        left open past the watch (inert there, it would pass every op through its trampoline after the watch)."""
         self.stop()
         if not self.pushed or not as_blocks_set(self._watch_inferring):
             return
@@ -269,7 +249,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         for mode in reversed(above):
             _push(mode)
 
-    def step_aside_for_batch(self) -> bool:  # (while a DataLoader fetches, once a data region ran over budget)
+    def step_aside_for_batch(self) -> bool:  # (a DataLoader's fetch, once a data region ran over budget)
         return self.batches_aside and self._region == "data" and self.step_aside()
 
     def step_back(self) -> None:
@@ -331,16 +311,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:
         small ones as detached copies too, as the last step's records are kept past it: forget).
 
-        What autograd saved for that backward stays reachable until its node
-        has run; the rest of a large tensor (a model's logits, a
-        log-softmax's output) is freed as it would be unwatched. Small ones
-        stay (:data:`KEEP_BYTES`, :data:`KEEP_TOTAL`): the backward replay of
-        a one-line loss needs its intermediates, which autograd frees as
-        each node runs. A replay that needs a freed tensor gives up.
-
-        The usual launch-bound step holds small tensors only: each would stay,
-        so the records stay as they are (no copy of every op); only the frames
-        of functions that returned are let go.
+        A large tensor (logits) is freed as it would be unwatched, except what autograd saved; small ones stay
+        (:data:`KEEP_BYTES`, :data:`KEEP_TOTAL`: a backward replay needs the intermediates autograd frees as each
+        node runs; one that needs a freed tensor gives up). The usual launch-bound step holds small tensors only:
+        its records stay as they are, only the frames of functions that returned are let go.
         """
         if self._held_bytes <= KEEP_TOTAL and not detach:
             self._let_go_of_returned_frames()
