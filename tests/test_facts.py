@@ -179,6 +179,12 @@ CAUSES = {
     "optimizer-state-overflow-wide": (Cause("overflow", "optimizer-state-overflow-wide", _STEP),
                                       "its parameter stayed finite"),
     "optimizer-update-overflow": (Cause("half-precision-overflow", "optimizer-update-overflow", _STEP), "65504"),
+    "running-stats-overflow": (Cause("overflow", "running-stats-overflow", (
+        ("subject", to_pairs(TensorRef(TensorRole.BUFFER, "bn.running_var"))), ("module", "bn"),
+        ("module_type", "BatchNorm1d"), ("statistic", "running_var"), ("dtype", "float32"), ("limit", 3.4e38),
+        ("bound", 1.84e19), ("momentum", 0.1), ("nan", 0), ("posinf", 4), ("neginf", 0), ("numel", 4),
+        ("siblings", (("running_mean", 2e18),)), ("read_before", True),
+    )), "inputs spread over more than 1.84e19"),
     "optimizer-eps-zero": (Cause("optimizer-eps-underflow", "optimizer-eps-zero",
                                  (*_STEP[:7], ("eps", 0.0), *_STEP[8:])), "eps = 0"),
     "optimizer-eps-rounds": (Cause("optimizer-eps-underflow", "optimizer-eps-rounds",

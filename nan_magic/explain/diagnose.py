@@ -39,7 +39,9 @@ Labels (exact strings: tests, renderers and users rely on them)
     outputs near the dtype's max, a square (a variance, a norm) of values
     above sqrt(max), or attention scores q·kᵀ that can pass the max. Or an
     optimizer's float32 state (Adam's ``exp_avg_sq``) past the max while its
-    parameter stays finite: gradients of about 1e19 and more.
+    parameter stays finite: gradients of about 1e19 and more. Or, set by the
+    watch (``hot/checks/running_stats.py``), a BatchNorm's running statistic
+    past the max while training went on with the batch's own statistics.
 ``masked-softmax``
     A softmax or attention op made NaN where every position of a row was
     masked: a softmax whose input held a -inf at each NaN position (over

@@ -1,8 +1,7 @@
 """Optimizer-phase checks, and what a GradScaler makes benign.
 
-Global optimizer step hooks (no need to pass the optimizer): before a step,
-a non-finite gradient about to be applied is reported; after it, a parameter
-or optimizer state the step made non-finite is reported as phase
+Global optimizer step hooks (no need to pass the optimizer): before a step, a non-finite gradient about to be
+applied is reported; after it, a parameter or optimizer state the step made non-finite is reported as phase
 ``optimizer``.
 
 GradScaler rule. With an enabled GradScaler in use, a non-finite gradient
@@ -19,12 +18,10 @@ and the watch raises, when the scale keeps collapsing:
 overflow). A non-finite unscaled gradient that reaches an optimizer step is
 always a real fault.
 
-Hot gradients. A large CPU gradient's norm is taken as autograd accumulates
-it (a post-accumulate-grad hook), while in cache: two thirds of the time of
-the same read at the step, on the benchmark MLP's 34 MB. The step uses it if
-the gradient is the same tensor at the same version; one changed since
-(clipping, ``unscale_``, an edit) or accumulated over several backward
-passes is measured at the step.
+Hot gradients. A large CPU gradient's norm is taken as autograd accumulates it (a post-accumulate-grad hook),
+while in cache: two thirds of the time of the same read at the step, on the benchmark MLP's 34 MB. The step
+uses it if the gradient is the same tensor at the same version; one changed since (clipping, ``unscale_``, an
+edit) or accumulated over several backward passes is measured at the step.
 
 A closure that runs the forward and backward inside the step (LBFGS) has
 its gradients judged as its backward returns (:meth:`closure_gradients`).
@@ -53,6 +50,7 @@ from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost
 from nan_magic.hot.checks.iterations import Iterations
 from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
+from nan_magic.hot.checks.running_stats import running_stats_of
 from nan_magic.hot.checks.step_layout import (
     BOUNDED_GRAD_NORM,
     Layout,
@@ -215,11 +213,8 @@ class OptimizerChecks:
         return [(name, grad) for name, grad in named if grad is not None]
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Before a step: the previous step's result, then the gradients about to be applied.
-
-        Everything pending is read in one transfer (the deferred mode's one
-        host synchronisation per step).
-        """
+        """Before a step: the previous step's result, then the running statistics and gradients about to be applied,
+        read in one transfer (the deferred mode's one host synchronisation per step)."""
         watch = self.watch
         if not watch.mine():
             return
@@ -231,6 +226,7 @@ class OptimizerChecks:
         self._bounded = False
         layout = self.layout(opt)
         grad_norms = self._gradient_norms(layout)
+        running = layout.running.norms() if layout.running is not None else []  # (BatchNorm's: running_stats.py)
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
 
@@ -241,12 +237,16 @@ class OptimizerChecks:
             if carried is not None:
                 finite.append(not self.reports.step_result(carried, values[: len(carried_norms)]))
 
-        values = watch.cycle.sync(carried_norms + grad_norms, judge_carried)
+        values = watch.cycle.sync(carried_norms + grad_norms + running, judge_carried)
         if finite and finite[0]:
             # Kept as the last good state only once this step's calls are judged finite too: the loop may have
             # written the parameters since (a hand edit before the forward that then failed).
             watch.on_finite_step()
         grad_values = values[len(carried_norms) :]
+        if running:  # this step's forward wrote them, before its backward made the gradients: judged first
+            if not all(map(math.isfinite, grad_values[len(grad_norms) :])) and (written := layout.running.judge()):
+                watch.emit(written)
+            del grad_values[len(grad_norms) :]
         # hypot: NaN if any value is, inf if any is; never overflows on finite values.
         self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
         nonfinite = self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm)
@@ -304,8 +304,7 @@ class OptimizerChecks:
         """Training iterations completed (iterations.py)."""
         return self.iterations.completed
 
-    def absorb_steps(self, inner: OptimizerChecks) -> None:
-        """Add the steps a nested watch counted while it had taken over from this one."""
+    def absorb_steps(self, inner: OptimizerChecks) -> None:  # the steps a nested watch counted while it had taken over
         self.iterations.absorb(inner.iterations)
 
     def _step_result(self, opt: torch.optim.Optimizer, step: int, bounded: bool) -> StepResult:
@@ -452,6 +451,7 @@ class OptimizerChecks:
             layout.groups = list(groups.values())
             layout.flat_ok = sum(parameter.numel() for group in layout.groups for parameter in group) <= FLAT_MAX_NUMEL
             layout.generic = any(local_shard(parameter) is not parameter for _name, parameter in floating)
+            layout.running = running_stats_of(self.watch.targets.roots, set(signature))
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
             layout.state_count = len(opt.state)

@@ -116,6 +116,8 @@ class Layout:
     #: (plain numbers only), asked every step.
     bounded_for: list[tuple[Any, ...]] | None = None
     bounded: bool = False
+    #: The running statistics the models of these parameters write, read with their gradients (running_stats.py).
+    running: Any = None
 
 
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:

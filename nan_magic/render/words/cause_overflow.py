@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from nan_magic.plain import from_plain
-from nan_magic.records import Cause, Report, TensorRef, TensorRole
+from nan_magic.records import Cause, Report, TensorRef, TensorRole, module_label
 from nan_magic.render.words.cause_ops import mask_phrase
 from nan_magic.render.words.cause_words import (
     Reading,
     counts,
+    counts_phrase,
     event_of,
     fmt,
     input_lines,
@@ -125,7 +126,37 @@ def _opens_with_the_loss(event: Report) -> bool:
     return event.tensor.role is TensorRole.LOSS and event.op is None
 
 
+def _running_hint(cause: Cause) -> str:
+    """A running statistic (hot/checks/running_stats.py) past its dtype's max: what that says of the inputs."""
+    statistic, dtype, limit, bound = (cause.fact(key) for key in ("statistic", "dtype", "limit", "bound"))
+    what_made_it = (
+        f"a running variance passes it only when a batch's variance does: inputs spread over more than "
+        f"{fmt(bound)} (the square root of the max) reached this module" if "var" in statistic else
+        f"a running mean passes it only with inputs of about {fmt(bound)} (the max itself)")
+    when = ("in this step's forward" if cause.fact("read_before") else
+            "in this step's forward, or before the watch began (it was non-finite at the first read)")
+    return (
+        f"the running statistic {statistic} of {module_label(cause.fact('module'), cause.fact('module_type'))} "
+        f"overflowed {dtype} (max {fmt(limit)}) {when}, while training went on with the batch's own statistics: "
+        f"{what_made_it}. In eval() it normalises by it (x / inf = 0: outputs that are "
+        "the module's bias), or makes NaN. Find what made its inputs that large (an unnormalised batch, a layer "
+        "before it that blew up), then reset_running_stats() or reload the statistics from a checkpoint"
+    )
+
+
+def _running_evidence(cause: Cause) -> tuple[str, ...]:
+    counts_of = counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
+    lines = [f"buffer {cause.fact('statistic')}: {counts_of} of {cause.fact('numel')} elements",
+             "finite at the optimizer's previous step" if cause.fact("read_before") else
+             "non-finite at the watch's first read (the first optimizer step): it may have been so before"]
+    lines += [f"{name}: |x| up to {fmt(value)}" for name, value in cause.fact("siblings", ())]
+    if cause.fact("momentum") is not None:
+        lines.append(f"momentum {fmt(cause.fact('momentum'))}")
+    return tuple(lines)
+
+
 OVERFLOW_READINGS: dict[str, Reading] = {
+    "running-stats-overflow": Reading(_running_hint, _running_evidence),
     "half-overflow": on_event(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
     "wide-overflow": on_event(_wide_hint, _wide_evidence, sentence=_opens_with_the_loss),
     "op-unmatched": on_event(_unmatched_hint, inputs_or_counts,

@@ -1,0 +1,110 @@
+"""Localization gaps found by the hunt29 sweep, in both timings (immediate, and deferred as on CUDA).
+
+Each test asserts what the user sees: the report's phase, module, tensor, step,
+op and line; a healthy twin stays silent.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+
+
+def line_of(function: object, marker: str) -> int:
+    """The line of ``function``'s source that holds ``marker`` (a comment on the producing line)."""
+    lines, start = inspect.getsourcelines(function)  # type: ignore[arg-type]
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+# -- 1. BatchNorm's running statistics -----------------------------------------------------------
+
+
+def bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+
+def bn_train(model: nn.Module, opt: torch.optim.Optimizer, huge_at: int | None, steps: int = 4) -> None:
+    for step in range(steps):
+        x = torch.randn(8, 4) * (1e20 if step == huge_at else 1)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_running_variance_that_overflows_is_named_at_its_step(options) -> None:
+    # Inputs of ~1e20 make the batch variance pass float32's max: running_var becomes inf while every boundary
+    # (outputs, loss, gradients) stays finite, and eval() would normalise by inf. It was silent.
+    model = bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        bn_train(model, opt, huge_at=2)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("forward", "1", 2)
+    assert (report.tensor.role.value, report.tensor.name) == ("buffer", "1.running_var")
+    assert report.posinf == 4 and report.nan == 0
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == (
+        "overflow", "running-stats-overflow")
+    text = report.to_text()
+    assert "running statistic running_var of 1 (BatchNorm1d) overflowed float32" in text
+    assert "inputs spread over more than 1.84e19" in text
+    assert "finite at the optimizer's previous step" in text
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_running_statistics_of_healthy_training_and_evaluation_stay_silent(options) -> None:
+    # Healthy twin: large but finite inputs (1e6), then an eval() pass; BatchNorm2d, and an affine-free
+    # BatchNorm (no parameter of its own, its model's optimizer still reads it).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 4),
+                          nn.BatchNorm1d(4, affine=False), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nan_magic.watch(model, opt, **options) as watch:
+        for step in range(5):
+            x = torch.randn(8, 3, 6, 6) * (1e6 if step == 3 else 1)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(8, 3, 6, 6))
+    assert watch.report is None and not [event for event in watch.events if not event.benign]
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_an_overflowed_running_variance_under_log_is_reported_once(options) -> None:
+    # on_detect="log": the buffer stays inf, and is reported at the step it overflowed, not at every step after.
+    model = bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nan_magic.watch(model, opt, on_detect="log", **options) as watch:
+        bn_train(model, opt, huge_at=1, steps=5)
+    buffers = [event for event in watch.events if event.tensor.role.value == "buffer"]
+    assert [(event.tensor.name, event.step) for event in buffers] == [("1.running_var", 1)]
+
+
+def test_models_without_running_statistics_read_none() -> None:
+    # The read costs nothing where no module tracks running statistics (no sum a step): the layout holds none.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nan_magic.watch(model, opt) as watch:
+        bn_train(model, opt, huge_at=None, steps=2)
+        layout = watch.optimizers.layout(opt)
+        assert layout.running is None
+    bn = bn_model()
+    opt = torch.optim.SGD(bn.parameters(), lr=0.01)
+    with nan_magic.watch(bn, opt) as watch:
+        bn_train(bn, opt, huge_at=None, steps=2)
+        running = watch.optimizers.layout(opt).running
+        assert [slot[0] for slot in running.slots] == ["1.running_mean", "1.running_var"] and running.reads == 2
