@@ -108,3 +108,61 @@ def test_models_without_running_statistics_read_none() -> None:
         bn_train(bn, opt, huge_at=None, steps=2)
         running = watch.optimizers.layout(opt).running
         assert [slot[0] for slot in running.slots] == ["1.running_mean", "1.running_var"] and running.reads == 2
+
+
+# -- 2. the sweep's misattributions ----------------------------------------------------------------------------
+
+
+def averaged_model_run(options: dict[str, object]) -> nan_magic.Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    swa = torch.optim.swa_utils.AveragedModel(
+        model, avg_fn=lambda avg, cur, n: (avg * n + cur) / (n - 1))  # producer: n - 1 is 0 at the second update
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, swa, opt, **options):
+        for _step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            swa.update_parameters(model)
+            swa(torch.randn(3, 4))
+    return caught.value.report
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_an_averaged_model_s_update_is_named_by_its_avg_fn(options) -> None:
+    # AveragedModel's update reads its counter n_averaged, then increments it in place (n_averaged += 1) before the
+    # region ends: the replay that names the write read n as the region left it (2: finite), and named no op.
+    # A small tensor the code after the step writes in place is now copied before its first write.
+    report = averaged_model_run(options)
+    # (The write after step 1's optimizer step belongs to step 2, which the next forward opens: test_hunt28.)
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "module.0", 2, "aten.div.Tensor")
+    assert report.source is not None
+    assert report.source.lineno == line_of(averaged_model_run, "producer: n - 1 is 0")
+    assert report.cause is not None and report.cause.label == "division-by-zero"
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ema = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    count = torch.tensor(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, ema, opt, **options):
+        for _step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for average, current in zip(ema.parameters(), model.parameters()):
+                    average.copy_((average * count + current) / (count - 1))  # producer: counter
+            count += 1
+            ema(torch.randn(3, 4))
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, "aten.div.Tensor")
+    assert report.source is not None
+    assert report.source.lineno == line_of(test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it,
+                                           "producer: counter")

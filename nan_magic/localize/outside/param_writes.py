@@ -28,6 +28,10 @@ __all__ = ["FOLLOWED_BYTES", "DataWrites", "Index", "Storages", "copy_before", "
 #: (a renorm, a weight clip: a few layers); more (an EMA teacher's update of a whole model) turns it off.
 FOLLOWED_BYTES = 1 << 20
 
+#: A tensor of at most this many elements that the code after the step writes in place, not a parameter (a step
+#: counter), is copied before its first write (DataWrites._keep_small): a replay must read it as it was.
+SMALL_NUMEL = 64
+
 # The watched parameters by id, and by storage with the bytes each spans in it (``p.data``, a row ``p[3]``).
 Index = tuple[dict[int, tuple[str, torch.Tensor]], dict[int, list[tuple[int, int, str, torch.Tensor]]]]
 Storages = dict[int, list[tuple[int, int, str, torch.Tensor]]]
@@ -145,6 +149,7 @@ class DataWrites:
             if entry is None:
                 # (A normalisation of the batch: one storage to rule out, with two calls; ``p.data``: found by it.)
                 if first.layout is not torch.strided or _address(_storage_of(first)) not in index[1]:
+                    self._keep_small(first)
                     return
                 entry = lookup(index, first)
                 if entry is None:
@@ -162,6 +167,13 @@ class DataWrites:
                 entry = lookup(index, tensor)
                 if entry is not None:
                     self._note(tensor, *entry)
+
+    def _keep_small(self, tensor: torch.Tensor) -> None:
+        """A small tensor that is no parameter, written in place (a counter: AveragedModel's ``n_averaged += 1``
+        after ``(avg * n + p) / (n - 1)`` read it), is copied before its first write: the replay that names a
+        parameter's write reads it as the ops before that write did, not as the region left it."""
+        if tensor.numel() <= SMALL_NUMEL and id(tensor) not in self.records.before and not self.records.made(tensor):
+            self.records.before[id(tensor)] = tensor.detach().clone()
 
     def _note(self, tensor: torch.Tensor, name: str, parameter: torch.Tensor) -> None:
         """``tensor`` (``parameter`` or a view on it) is about to be written: copied as it is, and noted."""
