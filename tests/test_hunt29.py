@@ -166,3 +166,37 @@ def test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_i
     assert report.source is not None
     assert report.source.lineno == line_of(test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it,
                                            "producer: counter")
+
+
+def hooked_model(pre: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    if pre:
+        model[1].register_forward_pre_hook(lambda m, i: (i[0] / i[0].sum(-1, keepdim=True),))  # producer: pre-hook
+    else:
+        model[0].register_forward_hook(lambda m, i, o: o / o.sum(-1, keepdim=True))  # producer: forward hook
+    return model
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops")])
+@pytest.mark.parametrize("pre", [False, True], ids=["forward-hook", "pre-hook"])
+def test_a_user_s_forward_hook_is_named_as_its_module(options, pre) -> None:
+    # A forward hook runs in its module's call after torch's global hooks, which had taken the module off the
+    # watch's stack: its op was named in the parent (the root). The module is the one the hook is registered on.
+    model = hooked_model(pre)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.zero_()
+                    model[0].bias.zero_()
+            loss = model(torch.randn(3, 4)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == (
+        "forward", "1" if pre else "0", 1, "aten.div.Tensor")
+    assert report.source is not None
+    assert report.source.lineno == line_of(hooked_model, "producer: pre-hook" if pre else "producer: forward hook")

@@ -25,7 +25,7 @@ from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "is_plumbing",
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_owner", "is_plumbing",
            "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -176,6 +176,46 @@ def sources_of_op(
 
 # Where Python enters the autograd engine (``loss.backward()``, ``torch.autograd.grad``).
 _ENGINE_ENTRIES = tuple(_TORCH_DIR + os.path.join("autograd", name) for name in ("graph.py", "__init__.py"))
+
+
+#: torch's module call, which calls a module's forward and its hooks.
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def hook_owner(user: FrameType | None, running: str | None) -> str | None:
+    """The module whose forward hook ran a forward op, where ``user`` (the op's user frame) is that hook; else ``running``.
+
+    A forward hook of the user's (``register_forward_hook``: a normalisation of the output) runs in the module's
+    call, after torch's global hooks: the watch has taken that module off its stack by then, and ``running`` (the
+    innermost module on it) is its parent. The hooked module is the ``self`` of the ``_call_impl`` frame that
+    called the hook; its name is found below the parent's own ``_call_impl`` frame's module, named ``running``.
+    Called at an event only.
+    """
+    caller = user.f_back if user is not None else None
+    if caller is not None and caller.f_code.co_filename == _CALL_IMPL.co_filename and caller.f_code is not _CALL_IMPL:
+        caller = caller.f_back  # (torch's ``inner`` closure in ``_call_impl``, which calls the hooks)
+    if caller is None or caller.f_code is not _CALL_IMPL or running is None:
+        return running
+    hooked = caller.f_locals.get("self")
+    if not isinstance(hooked, torch.nn.Module) or all(_code_of(hook) is not user.f_code  # type: ignore[union-attr]
+                                                      for hook in hooked._forward_hooks.values()):
+        return running  # a pre-hook: its module is on the stack already
+    frame = caller.f_back
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    parent = frame.f_locals.get("self") if frame is not None else None
+    if not isinstance(parent, torch.nn.Module):
+        return running  # a root's own hook
+    for name, module in parent.named_modules():
+        if module is hooked and name:
+            return f"{running}.{name}" if running else name
+    return running
+
+
+def _code_of(hook: Any) -> CodeType | None:
+    """A hook's code: a function's, a bound method's or a ``functools.partial``'s."""
+    hook = getattr(hook, "func", hook)
+    return getattr(getattr(hook, "__func__", hook), "__code__", None)
 
 
 def called_by_the_engine(frame: FrameType | None, user: FrameType) -> bool:

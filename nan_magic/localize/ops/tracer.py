@@ -93,7 +93,14 @@ from nan_magic.localize.ops.plans import (
     run_op,
     tensors,
 )
-from nan_magic.localize.ops.sources import NodeSources, called_by_the_engine, called_by_us, recomputing, sources_of_op
+from nan_magic.localize.ops.sources import (
+    NodeSources,
+    called_by_the_engine,
+    called_by_us,
+    hook_owner,
+    recomputing,
+    sources_of_op,
+)
 from nan_magic.localize.ops.witnesses import OpWitnesses
 from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
@@ -428,7 +435,7 @@ class OpTracer(TorchDispatchMode):
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,
-            module=forward_module if in_backward else self._module_name(),
+            module=forward_module if in_backward else hook_owner(user_frame, self._module_name()),
             source=source,
             inner_source=inner,
             forward_source=forward_source,
