@@ -200,3 +200,100 @@ def test_a_user_s_forward_hook_is_named_as_its_module(options, pre) -> None:
         "forward", "1" if pre else "0", 1, "aten.div.Tensor")
     assert report.source is not None
     assert report.source.lineno == line_of(hooked_model, "producer: pre-hook" if pre else "producer: forward hook")
+
+
+class Eigh(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.T @ x / x.shape[0]
+        _values, vectors = torch.linalg.eigh(a)  # producer: eigh
+        return x @ vectors
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_eigh_backward_at_repeated_eigenvalues_reads_as_a_pole(options) -> None:
+    # Named right before (module, line, the backward's div_); its cause was "unclassified": the eigenvectors'
+    # derivative 1/(λi - λj) is a pole at a repeated eigenvalue (here a = 0: all three equal).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Eigh(), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.zero_()
+                    model[0].bias.zero_()
+            loss = model(torch.randn(4, 3)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("backward", "1", 1)
+    assert report.source is not None and report.source.lineno == line_of(Eigh.forward, "producer: eigh")
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == (
+        "division-by-zero", "derivative-pole")
+    assert "1/(λi - λj), infinite where two are equal" in report.to_text()
+
+
+class HookedScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.boost = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * self.boost)  # producer: gradient hook
+        return h
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a tensor hook registered in module 0's forward on its child fc's output is named as 0.fc (the autograd node "
+    "it runs before is fc's AddmmBackward0), while its line is module 0's code: the tracer names a backward op "
+    "by its node's forward module (localize/ops/sources.NodeSources) and knows no module from a hook's code"))
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_user_s_gradient_hook_is_named_as_the_module_that_registered_it(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(HookedScale(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            model[0].boost = 1e39 if step == 1 else 1.0
+            loss = model(torch.randn(3, 4)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert report.source is not None and report.source.lineno == line_of(HookedScale.forward, "producer: gradient")
+    assert (report.phase, report.step, report.op) == ("backward", 1, "aten.mul.Tensor")
+    assert report.module == "0"
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # producer: log
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a model called inside torch.func.vmap returns functorch-batched outputs, which the watch cannot read "
+    "(hot/reads.unreadable_reason 'functorch'): the NaN is first seen in the loss, named as code outside the "
+    "models with no op, and the note says every watched module output of the step was finite, though none was "
+    "read (hot/checks/gradients.judge_loss counts only the outputs it read); reading a batched output through "
+    "its unwrapped tensor and replaying the call under vmap is not built"))
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_nan_made_inside_vmap_is_named_in_its_module(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.abs_()
+        model[0].bias.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            out = torch.func.vmap(model)(torch.rand(3, 4) * (-100 if step == 1 else 1))
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "1", 1, "aten.log.default")

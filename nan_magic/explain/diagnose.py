@@ -21,8 +21,9 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``division-by-zero``
     A division whose divisor held zeros, or that made NaN (from finite values
     only 0/0 does); ``rsqrt`` of zeros; a std/var over N elements with
-    ``N - correction == 0``; the backward of a norm or std at zero. Covers a
-    zero variance or norm.
+    ``N - correction == 0``; the backward of a norm or std at zero; the
+    backward of ``eigh``'s eigenvectors (or ``svd``'s singular vectors) at a
+    repeated value, 1/(λi - λj). Covers a zero variance or norm.
 ``log-domain``
     ``log``/``log2``/``log10`` of zeros (-inf) or negatives (NaN), ``log1p``
     of values <= -1; the backward of a log at 0.
@@ -232,13 +233,14 @@ def _python_backward(node: str) -> bool:
 _POLE_LABELS = {
     "sqrt": "sqrt-domain", "acos": "sqrt-domain", "asin": "sqrt-domain", "log": "log-domain",
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
-    "exp": "exp-overflow",
+    "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero",
 }
 #: The function of each autograd node that has a pole, by the node's forward function.
 _POLES = {
     **{function: function for function in _POLE_LABELS},
     "rsqrt": "sqrt", "log2": "log", "log10": "log", "log1p": "log", "reciprocal": "div",
     "linalgvectornorm": "norm", "cdist": "norm", "var": "std", "stdmean": "std",
+    "linalgeigh": "eigh", "symeig": "eigh", "linalgsvd": "svd",
 }
 
 

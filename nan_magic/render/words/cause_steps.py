@@ -42,11 +42,20 @@ _POLES = {
             "add eps inside (torch.sqrt(x.var() + 1e-5))"),
     "exp": ("the derivative of exp is exp(x), which overflows for large x, reached by exp",
             "subtract the max first (logsumexp) or clamp the input"),
+    "eigh": ("the derivative of eigenvectors divides by the gaps between eigenvalues, 1/(λi - λj), infinite where "
+             "two are equal (a repeated or degenerate eigenvalue: a zero or identity-like matrix), reached by eigh",
+             "use only the eigenvalues where you can (their derivative has no pole), or break the tie: add a small "
+             "distinct diagonal (a + 1e-6 · diag(arange(n)))"),
+    "svd": ("the derivative of singular vectors divides by the gaps between squared singular values, "
+            "1/(σi² - σj²), infinite where two are equal (a repeated singular value: a rank-deficient matrix), "
+            "reached by svd",
+            "use only the singular values (torch.linalg.svdvals) where you can, or add a small distinct diagonal"),
 }
 
 #: Where a backward turns a finite gradient non-finite: the checklist to give when the op is unknown.
 _DERIVATIVE_POLES = (
-    "derivatives are infinite for sqrt, pow(x, p<1) and norms at 0, log and 1/x at 0, acos/asin at ±1"
+    "derivatives are infinite for sqrt, pow(x, p<1) and norms at 0, log and 1/x at 0, acos/asin at ±1, "
+    "eigenvectors and singular vectors at repeated values"
 )
 
 
