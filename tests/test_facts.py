@@ -234,6 +234,8 @@ CAUSES = {
     "masked-attention": (_of_event("masked-softmax", "masked-attention", rows=None, positions=4, bound=18.0,
                                    limit=3.4e38), "rows of aten.div.Tensor"),
     "masked-sum": (_of_event("masked-softmax", "masked-sum", rows=5, masked=10), "all 5 of its results"),
+    "masked-padding": (_of_event("masked-softmax", "masked-padding", rows=1, positions=5, masked=5),
+                       "attended over no key for 1 sample(s)"),
     "weight-norm-zero": (_of_event("division-by-zero", "weight-norm-zero", zeros=4), "4 values of v are 0"),
     "softmax-unmatched": (_of_event("unclassified", "softmax-unmatched"), "do not fill the NaN rows"),
     "attention-unmatched": (_of_event("unclassified", "attention-unmatched", bound=(36.0, 18.0), limit=3.4e38,

@@ -297,3 +297,25 @@ def test_a_nan_made_inside_vmap_is_named_in_its_module(options) -> None:
             opt.step()
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("forward", "1", 1, "aten.log.default")
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("layer_only", [False, True], ids=["encoder", "layer"])
+def test_a_fully_padded_sample_in_the_encoder_fast_path_reads_as_masked(options, layer_only) -> None:
+    # In eval under no_grad, nn.TransformerEncoderLayer runs one fused kernel, which is NaN for a sample whose
+    # every key is padded (the training path returns finite values there). It was named right (the layer, the
+    # fused op), its cause "unclassified: from inputs already non-finite" (the mask's -inf).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    model = (layer if layer_only else nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)).eval()
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1] = True
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **options), torch.no_grad():
+        model(torch.randn(2, 5, 8), src_key_padding_mask=mask)
+    report = caught.value.report
+    assert (report.phase, report.module, report.op) == (
+        "forward", "" if layer_only else "layers.0", "aten._transformer_encoder_layer_fwd.default")
+    assert report.nan == 40
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == (
+        "masked-softmax", "masked-padding")
+    assert "attended over no key for 1 sample(s)" in report.to_text()

@@ -30,12 +30,37 @@ from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_o
 from nan_magic.records import Cause, Report, TensorStats
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["logsumexp_cause", "masked_sum_cause", "softmax_cause"]
+__all__ = ["FUSED_ATTENTION_OPS", "logsumexp_cause", "masked_sum_cause", "padded_cause", "softmax_cause"]
 
 
 def softmax_cause(report: Report) -> Cause:
     """The cause of a NaN or inf made by a softmax, log_softmax or scaled_dot_product_attention op."""
     return _attention(report) if attention_op(op_function(report.op)) else _softmax(report)
+
+
+#: torch's fused inference kernels (``nn.TransformerEncoderLayer``'s and ``nn.MultiheadAttention``'s fast path in
+#: eval under no_grad) take the key padding mask as a float ``mask`` of -inf at padded keys.
+FUSED_ATTENTION_OPS = frozenset({"transformer_encoder_layer_fwd", "native_multi_head_attention"})  # (op_function drops the _)
+
+
+def padded_cause(report: Report) -> Cause | None:
+    """A fused attention kernel's NaN over samples whose every key was padded; None where the mask does not show it.
+
+    Such a kernel is NaN for a sample whose keys are all masked (a softmax over nothing); its mask holds -inf at
+    each padded key, so a mask with -inf for at least a whole row's keys, finite other inputs, and NaN (no inf)
+    only in whole samples of the output is a fully padded sample.
+    """
+    mask = report.operand("mask")
+    keys = mask.shape[-1] if mask is not None and mask.shape else 0
+    if (mask is None or not keys or (mask.neginf or 0) < keys or mask.nan or mask.posinf or not report.nan
+            or report.posinf + report.neginf
+            or any(stats.nonfinite for ref, stats in report.op_inputs if ref.name != "mask")):
+        return None
+    shape = report.output_stats.shape if report.output_stats else ()
+    per_sample = math.prod(shape[1:]) if len(shape) > 1 else 0
+    rows = report.nan // per_sample if per_sample and report.nan % per_sample == 0 else None
+    return event_cause("masked-softmax", "masked-padding", report, rows=rows, positions=keys,
+                       masked=mask.neginf)
 
 
 def logsumexp_cause(report: Report) -> Cause | None:

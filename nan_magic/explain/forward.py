@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from nan_magic.explain.attention import logsumexp_cause, masked_sum_cause, softmax_cause
+from nan_magic.explain.attention import (
+    FUSED_ATTENTION_OPS,
+    logsumexp_cause,
+    masked_sum_cause,
+    padded_cause,
+    softmax_cause,
+)
 from nan_magic.explain.evidence import HALF, dtype_max, event_cause
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
 from nan_magic.records import Cause, Report, TensorRole
@@ -34,7 +40,8 @@ def forward_cause(report: Report) -> Cause:
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
     masked = logsumexp_cause(report) if base == "logsumexp" else (
-        masked_sum_cause(report) if base in _SUM_OPS else None)
+        masked_sum_cause(report) if base in _SUM_OPS else padded_cause(report) if base in FUSED_ATTENTION_OPS
+        else None)
     if masked is not None:
         return masked
     if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:

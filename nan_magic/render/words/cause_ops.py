@@ -173,6 +173,27 @@ def _masked_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _padded_hint(event: Report, cause: Cause) -> str:
+    rows = cause.fact("rows")
+    which = f"{rows} sample(s)" if rows is not None else "some samples"
+    return (
+        f"{event.op} in {where(event)} (the fused fast path of eval under no_grad) attended over no key for {which}: "
+        "every key was padded (a key padding mask True for a whole row), and attention over nothing is NaN for the "
+        "whole sample; drop empty samples from the batch or keep at least one key unmasked (the training path "
+        "may not show it: it returns finite values there)"
+    )
+
+
+def _padded_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    mask = event.operand("mask")
+    shape = mask.shape if mask is not None else ()
+    return (
+        f"{event.op} made {event.nan} NaN, whole samples of its output",
+        f"{input_label(event, 'mask')}, shape {shape}, held {cause.fact('masked')} -inf: enough to mask every one "
+        f"of the {cause.fact('positions')} keys of some row",
+    )
+
+
 def _rows(cause: Cause) -> str:
     rows = cause.fact("rows")
     return f"{rows} row(s) of {cause.fact('positions')} positions" if rows is not None else "rows"
@@ -292,6 +313,7 @@ OP_READINGS: dict[str, Reading] = {
     "ctc-infeasible": on_event(_ctc_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "masked-softmax": on_event(_masked_hint, _masked_softmax_evidence, sentence=False),
     "masked-attention": on_event(_masked_hint, _masked_attention_evidence, sentence=False),
+    "masked-padding": on_event(_padded_hint, _padded_evidence, sentence=False),
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
