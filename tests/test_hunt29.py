@@ -319,3 +319,45 @@ def test_a_fully_padded_sample_in_the_encoder_fast_path_reads_as_masked(options,
     assert report.cause is not None and (report.cause.label, report.cause.reading) == (
         "masked-softmax", "masked-padding")
     assert "attended over no key for 1 sample(s)" in report.to_text()
+
+
+def categorical_run(options: dict[str, object]) -> pytest.ExceptionInfo[NonFiniteError]:
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(policy, opt, **options):
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    policy[0].weight.zero_()
+                    policy[0].bias.fill_(-1.0)  # every score relu'd to 0
+            scores = policy(torch.randn(2, 4)) + (1e-3 if step != 1 else 0)
+            probs = scores / scores.sum(-1, keepdim=True)  # producer: probabilities 0/0
+            dist = torch.distributions.Categorical(probs=probs)
+            loss = -dist.log_prob(dist.sample()).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return caught
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_distribution_s_validation_error_on_nan_probabilities_names_the_op_that_made_them(options) -> None:
+    # Categorical(probs=NaN) raises ValueError from its argument validation (Python code, not an op): the watch
+    # let it through, with no word of the 0/0 in the loop code that made the probabilities.
+    caught = categorical_run(options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == line_of(categorical_run, "producer: probabilities")
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert any("raised ValueError" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_an_error_of_the_user_s_own_passes_through_the_watch(options) -> None:
+    model = nn.Linear(4, 1)
+    with pytest.raises(KeyError), nan_magic.watch(model, **options):
+        out = model(torch.randn(2, 4))
+        nan = out / 0 * 0  # a NaN the loop made, that the error does not hold
+        del nan
+        raise KeyError("not a NaN")

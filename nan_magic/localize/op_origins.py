@@ -15,6 +15,8 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -165,6 +167,16 @@ class OpOrigins:
                 self._name_type_and_model(finding)
                 finding.notes.append(Note.raised("op-raised", error, func=str(func)))
                 return finding
+        # Raised by Python code, not by an op (a distribution's argument validation: Categorical(probs=...) with NaN
+        # probabilities raises ValueError): a tensor a frame of the traceback holds that recorded or traced code
+        # made non-finite is claimed the same way, the function that held it said in the note.
+        for function, tensor in _traceback_tensors(error):
+            if relevant_kinds(tensor_stats(tensor).kinds, recorder.kinds) and self.made_by_recorded_code(tensor):
+                finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"), bad=tensor.detach())
+                self.add_op_origin(finding, tensor)
+                self._name_type_and_model(finding)
+                finding.notes.append(Note.raised("op-raised", error, func=function))
+                return finding
         return None
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
@@ -209,6 +221,28 @@ def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]
         func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
         leaves = tree_leaves((args, kwargs))
         yield func, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and is_checkable(leaf)]
+
+
+def _traceback_tensors(error: BaseException) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(function, tensor)`` for the floating tensors the traceback's frames hold as locals, innermost frame first
+    (each tensor once; nan_magic's own frames left out)."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    seen: set[int] = set()
+    for frame in reversed(frames):
+        if frame.f_code.co_filename.startswith(_OURS):
+            continue
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, torch.Tensor) and id(value) not in seen and is_checkable(value):
+                seen.add(id(value))
+                yield frame.f_code.co_qualname, value
+
+
+#: Where nan_magic's own code lives: its frames in a traceback hold no tensor of the user's.
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:
