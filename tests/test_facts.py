@@ -185,6 +185,12 @@ CAUSES = {
         ("bound", 1.84e19), ("momentum", 0.1), ("nan", 0), ("posinf", 4), ("neginf", 0), ("numel", 4),
         ("siblings", (("running_mean", 2e18),)), ("read_before", True),
     )), "inputs spread over more than 1.84e19"),
+    "buffer-overflow": (Cause("overflow", "buffer-overflow", (
+        ("subject", to_pairs(TensorRef(TensorRole.BUFFER, "0.avg_sq"))), ("module", "0"),
+        ("module_type", "RunningMean"), ("statistic", "avg_sq"), ("dtype", "float32"), ("limit", 3.4e38),
+        ("bound", 3.4e38), ("momentum", None), ("nan", 0), ("posinf", 4), ("neginf", 0), ("numel", 4),
+        ("siblings", ()), ("read_before", True),
+    )), "buffer avg_sq of 0 (RunningMean) held 4 +inf"),
     "optimizer-eps-zero": (Cause("optimizer-eps-underflow", "optimizer-eps-zero",
                                  (*_STEP[:7], ("eps", 0.0), *_STEP[8:])), "eps = 0"),
     "optimizer-eps-rounds": (Cause("optimizer-eps-underflow", "optimizer-eps-rounds",

@@ -361,3 +361,54 @@ def test_an_error_of_the_user_s_own_passes_through_the_watch(options) -> None:
         nan = out / 0 * 0  # a NaN the loop made, that the error does not hold
         del nan
         raise KeyError("not a NaN")
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its squared outputs (a user's own statistic, no BatchNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("avg_sq", torch.zeros(4))
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))  # constant, deliberately -inf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.training:
+            with torch.no_grad():
+                self.avg_sq.mul_(0.9).add_(0.1 * h.pow(2).mean(0))
+        return h + (h @ (self.mask.exp())) * 0  # reads the mask: exp(-inf) = 0
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_user_s_buffer_that_its_forward_writes_is_read_at_the_step_it_overflows(options) -> None:
+    # Learned from its version counter in the first reads; the constant -inf mask is never read (no false alarm).
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningMean(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(4):
+            loss = model(torch.randn(3, 4) * (1e20 if step == 2 else 1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("forward", "0", 2)
+    assert (report.tensor.role.value, report.tensor.name) == ("buffer", "0.avg_sq")
+    assert report.cause is not None and report.cause.reading == "buffer-overflow"
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_constant_buffers_are_not_read(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningMean(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nan_magic.watch(model, opt, **options) as watch:
+        for _step in range(5):
+            loss = model(torch.randn(3, 4)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        running = watch.optimizers.layout(opt).running
+        assert [slot[0] for slot in running.slots] == ["0.avg_sq"] and running.candidates is None
+    assert watch.report is None and not watch.events

@@ -12,11 +12,18 @@ Which: the floating buffers of each module that tracks running statistics
 family) inside a watched model that holds a parameter the optimizer steps;
 only such a model's forward can have written them this step. When: at the
 optimizer's pre-hook, as one more norm in the step's one read of its
-gradients (a concatenation and a dot on the CPU, one fused norm per dtype on
-a GPU; no Python per buffer). Each step reads them, so the step a buffer
-turned non-finite is the step named. The slots (the owner's buffer dict and
-key) are found once per optimizer layout and read as they are each step, so a
-buffer replaced by ``model.to(...)`` or assigned anew is the one read.
+gradients (one concatenation and one sum; no Python per buffer). Each step
+reads them, so the step a buffer turned non-finite is the step named. The
+slots (the owner's buffer dict and key) are found once per optimizer layout
+and read as they are each step, so a buffer replaced by ``model.to(...)`` or
+assigned anew is the one read.
+
+The other floating buffers of those models (a user's running average, an EMA
+of a loss scale) are read too where a forward writes them: their version
+counters are compared during the first :data:`LEARN_READS` reads (Python per
+buffer, those steps only), and one that moved joins the read. A buffer no
+forward writes (a causal mask, a positional table) is never read; one first
+written after those steps is not either.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ __all__ = ["RunningStats", "running_stats_of"]
 #: Concatenates flattened tensors in one C++ call (as optim.py's gradient read does).
 _flatten = torch._C._nn.flatten_dense_tensors
 
+#: Reads during which the other floating buffers' versions are watched for a forward's writes (RunningStats._learn).
+LEARN_READS = 3
+
 #: ``(qualified buffer name, owner's module name, owner, the owner's buffer dict, key)``
 _Slot = tuple[str, str, nn.Module, dict[str, torch.Tensor | None], str]
 
@@ -46,15 +56,23 @@ _Slot = tuple[str, str, nn.Module, dict[str, torch.Tensor | None], str]
 class RunningStats:
     """The running-statistics buffers one optimizer's models write, read at its step."""
 
-    def __init__(self, slots: list[_Slot]) -> None:
+    def __init__(self, slots: list[_Slot], candidates: list[tuple[_Slot, int]]) -> None:
         self.slots = slots
         #: Reads made: every one before the last found them finite (one that did not stops the read of that buffer).
         self.reads = 0
+        #: The other floating buffers, with their version when the layout was built: one whose version a forward
+        #: moves within the first :data:`LEARN_READS` reads is read from then on (a user's running average).
+        self.candidates: list[tuple[_Slot, int]] | None = candidates or None
+        self.learned: set[int] = set()  # (ids of the slots learned so: their cause is a buffer's, not BatchNorm's)
 
     def norms(self) -> list[torch.Tensor]:
         """One sum over them all, not read yet: finite when each buffer is (a sum that overflows on finite values
         is measured again, buffer by buffer, in :meth:`judge`). Buffers on several devices: a sum per tensor."""
         self.reads += 1
+        if self.candidates is not None:
+            self._learn()
+        if not self.slots:
+            return []
         try:  # (subscripts, not ``get``: no Python call per buffer)
             buffers = [buffer for _name, _module, _owner, owned, key in self.slots
                        if (buffer := owned[key]) is not None]
@@ -64,6 +82,24 @@ class RunningStats:
             return self.norms()
         except (RuntimeError, ValueError):  # several devices (or none left): a sum per tensor
             return norms(buffers, finiteness_only=True)
+
+    def _learn(self) -> None:
+        """Promote the candidates a forward wrote since the layout was built (their version moved); after
+        :data:`LEARN_READS` reads, stop looking (a constant buffer, a causal mask, is never read)."""
+        moved = []
+        for slot, version in self.candidates or ():
+            buffer = slot[3].get(slot[4])
+            try:
+                if buffer is not None and buffer._version != version:
+                    moved.append(slot)
+            except RuntimeError:  # an inference tensor has no version
+                continue
+        if moved:
+            self.slots += moved
+            self.learned.update(map(id, moved))
+            self.candidates = [entry for entry in self.candidates or () if not any(entry[0] is m for m in moved)]
+        if self.reads >= LEARN_READS or not self.candidates:
+            self.candidates = None
 
     def judge(self) -> Finding | None:
         """The read was not finite: the first non-finite buffer, as a finding of the forward that wrote it this step.
@@ -76,10 +112,10 @@ class RunningStats:
             buffer = owned.get(key)
             if buffer is None or math.isfinite(read_scalars(norms([buffer], finiteness_only=True))[0]):
                 continue
-            del self.slots[index]
+            slot = self.slots.pop(index)
             finding = Finding(Phase.FORWARD, None, TensorRef(TensorRole.BUFFER, name), bad=buffer.detach())
             finding.module, finding.module_type = module, user_type(owner)
-            finding.cause = _overflow_cause(finding, owner, key, buffer, self.reads > 1)
+            finding.cause = _overflow_cause(finding, owner, key, buffer, self.reads > 1, id(slot) in self.learned)
             return finding
         return None
 
@@ -87,21 +123,28 @@ class RunningStats:
 def running_stats_of(roots: Iterable[tuple[str | None, nn.Module]], parameters: set[int]) -> RunningStats | None:
     """The running-statistics slots of the watched ``roots`` that hold one of ``parameters`` (ids); None if none."""
     slots: list[_Slot] = []
+    candidates: list[tuple[_Slot, int]] = []
     for _label, root in roots:
         if not any(id(parameter) in parameters for parameter in root.parameters()):
             continue
         data_parallel = data_parallel_paths(root)
         for path, module in root.named_modules():
             owned = module._buffers
-            if "num_batches_tracked" not in owned or owned["num_batches_tracked"] is None:
-                continue
+            running = "num_batches_tracked" in owned and owned["num_batches_tracked"] is not None
             name = user_name(path, data_parallel)
-            slots += [(f"{name}.{key}" if name else key, name, module, owned, key)
-                      for key, buffer in owned.items() if key != "num_batches_tracked" and is_checkable(buffer)]
-    return RunningStats(slots) if slots else None
+            for key, buffer in owned.items():
+                if key == "num_batches_tracked" or not is_checkable(buffer) or buffer is None:
+                    continue
+                slot = (f"{name}.{key}" if name else key, name, module, owned, key)
+                if running:
+                    slots.append(slot)
+                elif not buffer.is_inference():
+                    candidates.append((slot, buffer._version))
+    return RunningStats(slots, candidates) if slots or candidates else None
 
 
-def _overflow_cause(finding: Finding, owner: nn.Module, key: str, buffer: torch.Tensor, read_before: bool) -> Cause:
+def _overflow_cause(finding: Finding, owner: nn.Module, key: str, buffer: torch.Tensor, read_before: bool,
+                    learned: bool) -> Cause:
     """What happened: the running statistic passed its dtype's max, and what that says of the inputs.
 
     A running variance is ``(1 - momentum) * old + momentum * var(batch)``:
@@ -125,4 +168,4 @@ def _overflow_cause(finding: Finding, owner: nn.Module, key: str, buffer: torch.
         ("nan", stats.nan), ("posinf", stats.posinf), ("neginf", stats.neginf), ("numel", stats.numel),
         ("siblings", siblings), ("read_before", read_before),
     )
-    return Cause("overflow", "running-stats-overflow", facts)
+    return Cause("overflow", "buffer-overflow" if learned else "running-stats-overflow", facts)

@@ -155,8 +155,31 @@ def _running_evidence(cause: Cause) -> tuple[str, ...]:
     return tuple(lines)
 
 
+def _buffer_hint(cause: Cause) -> str:
+    """A buffer of the user's that a forward writes (hot/checks/running_stats.py), read non-finite at a step."""
+    counts_of = counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
+    when = "this step's forward wrote it" if cause.fact("read_before") else (
+        "it was non-finite at the first read: this step's forward wrote it, or it was so before the watch began")
+    return (
+        f"the buffer {cause.fact('statistic')} of {module_label(cause.fact('module'), cause.fact('module_type'))} "
+        f"held {counts_of} at the optimizer step ({when}), while the module's outputs stayed finite: state it keeps "
+        f"that no output shows (a running average) passed {cause.fact('dtype')}'s max {fmt(cause.fact('limit'))} or "
+        "was computed from a non-finite value; find what made its inputs that large, and reset the buffer"
+    )
+
+
+def _buffer_evidence(cause: Cause) -> tuple[str, ...]:
+    counts_of = counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
+    lines = [f"buffer {cause.fact('statistic')}: {counts_of} of {cause.fact('numel')} elements",
+             "finite at the optimizer's previous step" if cause.fact("read_before") else
+             "non-finite at the watch's first read (the first optimizer step): it may have been so before"]
+    lines += [f"{name}: |x| up to {fmt(value)}" for name, value in cause.fact("siblings", ())]
+    return tuple(lines)
+
+
 OVERFLOW_READINGS: dict[str, Reading] = {
     "running-stats-overflow": Reading(_running_hint, _running_evidence),
+    "buffer-overflow": Reading(_buffer_hint, _buffer_evidence),
     "half-overflow": on_event(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
     "wide-overflow": on_event(_wide_hint, _wide_evidence, sentence=_opens_with_the_loss),
     "op-unmatched": on_event(_unmatched_hint, inputs_or_counts,
