@@ -164,8 +164,8 @@ def test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_i
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, "aten.div.Tensor")
     assert report.source is not None
-    assert report.source.lineno == line_of(test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it,
-                                           "producer: counter")
+    test = test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it
+    assert report.source.lineno == line_of(test, "producer: counter")
 
 
 def hooked_model(pre: bool) -> nn.Module:

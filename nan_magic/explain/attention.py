@@ -39,8 +39,8 @@ def softmax_cause(report: Report) -> Cause:
 
 
 #: torch's fused inference kernels (``nn.TransformerEncoderLayer``'s and ``nn.MultiheadAttention``'s fast path in
-#: eval under no_grad) take the key padding mask as a float ``mask`` of -inf at padded keys.
-FUSED_ATTENTION_OPS = frozenset({"transformer_encoder_layer_fwd", "native_multi_head_attention"})  # (op_function drops the _)
+#: eval under no_grad) take the key padding mask as a float ``mask`` of -inf at padded keys (op_function drops the _).
+FUSED_ATTENTION_OPS = frozenset({"transformer_encoder_layer_fwd", "native_multi_head_attention"})
 
 
 def padded_cause(report: Report) -> Cause | None:

@@ -16,7 +16,6 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable, Iterator
 from typing import Any
 

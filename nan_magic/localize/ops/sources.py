@@ -25,8 +25,8 @@ from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_owner", "is_plumbing",
-           "passed_over", "recomputing", "sources_of_op", "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_owner",
+           "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -183,7 +183,7 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def hook_owner(user: FrameType | None, running: str | None) -> str | None:
-    """The module whose forward hook ran a forward op, where ``user`` (the op's user frame) is that hook; else ``running``.
+    """The module whose forward hook ran a forward op, where ``user`` (the op's frame) is that hook; else ``running``.
 
     A forward hook of the user's (``register_forward_hook``: a normalisation of the output) runs in the module's
     call, after torch's global hooks: the watch has taken that module off its stack by then, and ``running`` (the
