@@ -73,7 +73,12 @@ class OpOrigins:
     ) -> OpTracer:
         """The op tracer of ops mode; ``module_name`` names the innermost watched module running."""
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
+        self.tracer.module_type = self._module_type
         return self.tracer
+
+    def _module_type(self, name: str) -> str | None:
+        info = self._info_by_name(name)
+        return info.module_type if info is not None else None
 
     def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.
@@ -130,6 +135,7 @@ class OpOrigins:
                     finding.frame_calls = outside.calls_to(frame)
             return
         attach_origin(finding, origin)
+        self._name_type_and_model(finding)  # (a Python backward's module may have replaced the owner's: origins.py)
         if origin.backward_code and self.tracer is not None:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)

@@ -25,7 +25,7 @@ from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_owner",
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_definer", "hook_owner",
            "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -210,6 +210,30 @@ def hook_owner(user: FrameType | None, running: str | None) -> str | None:
         if module is hooked and name:
             return f"{running}.{name}" if running else name
     return running
+
+
+def hook_definer(module: str | None, user: FrameType | None, module_type: Callable[[str], str | None] | None
+                 ) -> str | None:
+    """The module whose forward defined the Python backward code ``user`` runs (a gradient hook), else ``module``.
+
+    ``module`` is the forward module of the autograd node the code ran in: for a hook that a module's forward
+    registered on its child's output (``h = self.fc(x); h.register_hook(lambda g: g * s)``), the child, while the
+    hook is the parent's code. A hook or backward defined inside a class's method (its qualified name
+    ``Parent.forward.<locals>.<lambda>``) is named as the nearest module at or above ``module`` of that class;
+    one defined elsewhere (a module-level function, a custom Function's ``backward``) keeps ``module``.
+    """
+    if user is None or module is None or module_type is None:
+        return module
+    definer, _sep, inner = user.f_code.co_qualname.partition(".<locals>")
+    owner = definer.rpartition(".")[0]
+    if not inner or not owner:
+        return module
+    name: str | None = module
+    while name is not None:
+        if module_type(name) == owner:
+            return name
+        name = name.rpartition(".")[0] if name else None
+    return module
 
 
 def _code_of(hook: Any) -> CodeType | None:

@@ -97,6 +97,7 @@ from nan_magic.localize.ops.sources import (
     NodeSources,
     called_by_the_engine,
     called_by_us,
+    hook_definer,
     hook_owner,
     recomputing,
     sources_of_op,
@@ -154,8 +155,7 @@ class OpTracer(TorchDispatchMode):
     ('aten.div.Tensor', <Phase.BACKWARD: 'backward'>, 'SqrtBackward0')
     """
 
-    #: Higher-order operators (``torch.cond``, eager flex attention) reach
-    #: ``__torch_dispatch__`` as one op instead of raising under this mode.
+    #: Higher-order operators (``torch.cond``, eager flex attention) reach ``__torch_dispatch__`` as one op.
     supports_higher_order_operators = True
 
     def __init__(
@@ -171,8 +171,7 @@ class OpTracer(TorchDispatchMode):
         super().__init__()
         self.kinds = frozenset(kinds)  # checked by WatchConfig
         self.finding: OpFinding | None = None
-        #: ``(label, tensor)`` copies of the producer's output and live inputs
-        #: (for histograms), kept until :meth:`reset`.
+        #: ``(label, tensor)`` copies of the producer's output and live inputs (histograms), kept until :meth:`reset`.
         self.producer_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
         self._module_name = module_name
         self._on_finding = on_finding
@@ -188,9 +187,10 @@ class OpTracer(TorchDispatchMode):
         #: The user's forward line of each autograd node the traced forward creates.
         self.node_sources = NodeSources(module_name)
         self._lock = threading.Lock()
-        #: Every origin started this step, in execution order (a replay cut short by an exception
-        #: reports the first).
+        #: Every origin started this step, in execution order (a replay cut short by an exception reports the first).
         self.started: list[OpFinding] = []
+        #: A watched module's class name by its name (op_origins.py sets it): a gradient hook's module (hook_definer).
+        self.module_type: Callable[[str], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self._witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
@@ -435,7 +435,8 @@ class OpTracer(TorchDispatchMode):
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,
-            module=forward_module if in_backward else hook_owner(user_frame, self._module_name()),
+            module=hook_definer(forward_module, user_frame if backward_code else None, self.module_type) if in_backward
+            else hook_owner(user_frame, self._module_name()),
             source=source,
             inner_source=inner,
             forward_source=forward_source,
