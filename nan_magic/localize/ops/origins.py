@@ -259,8 +259,8 @@ def apply_op_finding(
         finding.notes.append(Note.of("autograd-backward", op=op.op, node=op.autograd_node))
     else:
         finding.source = op.source
-    if op.module is not None and (finding.module is None or op.backward_code and finding.module.startswith(
-            f"{op.module}." if op.module else "")):
+    inside = finding.module is not None and finding.module.startswith(f"{op.module}." if op.module else "")
+    if op.module is not None and (finding.module is None or (op.backward_code and inside)):
         # Python backward code (a gradient hook a module's forward registered on its child's output) is that
         # module's code: the producer is it, not the child whose parameter gradient showed the value.
         if finding.module is not None and finding.module != op.module:

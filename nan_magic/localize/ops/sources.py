@@ -25,8 +25,8 @@ from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_definer", "hook_owner",
-           "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_definer",
+           "hook_owner", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
