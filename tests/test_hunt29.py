@@ -411,3 +411,27 @@ def test_constant_buffers_are_not_read(options) -> None:
         running = watch.optimizers.layout(opt).running
         assert [slot[0] for slot in running.slots] == ["0.avg_sq"] and running.candidates is None
     assert watch.report is None and not watch.events
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("kind", ["compiled", "instance-norm"])
+def test_running_statistics_are_read_through_a_compiled_model_and_for_instance_norm(options, kind) -> None:
+    torch.manual_seed(0)
+    if kind == "compiled":
+        model = bn_model()
+        called: nn.Module = torch.compile(model, backend="eager")
+        batch, name = (8, 4), "1"
+    else:
+        model = nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True)),
+                              nn.Flatten(), nn.Linear(16, 1))
+        called, batch, name = model, (3, 2, 6), "0.1"
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(called, opt, **options):
+        for step in range(4):
+            loss = called(torch.randn(*batch) * (1e20 if step == 2 else 1)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("forward", name, 2)
+    assert report.tensor.name == f"{name}.running_var"
