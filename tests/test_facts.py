@@ -196,6 +196,7 @@ CAUSES = {
     "optimizer-eps-rounds": (Cause("optimizer-eps-underflow", "optimizer-eps-rounds",
                                    (*_STEP, ("smallest", 5.96e-08))), "smallest positive 5.96e-8"),
     "optimizer-unmatched": (Cause("unclassified", "optimizer-unmatched", _STEP), "3 nan, 1 +inf"),
+    "loop-write-unmatched": (Cause("unclassified", "loop-write-unmatched", _STEP), "loop's own code (no optimizer)"),
     "grad-scaler-collapse": (Cause("grad-scaler-collapse", "grad-scaler-collapse", (("skipped", 5), ("scale", 0.5))),
                              "scale fell to 0.5"),
     "extreme-batch": (Cause("bad-input-data", "extreme-batch", (
@@ -313,6 +314,7 @@ _DOTS_READ = {
     ("distributed/ranks.py", "user_path"): "torch's qualified name from named_modules, as it walks the live model",
     ("localize/ops/masks.py", "buffers"): "torch's qualified name from named_buffers, of the live module",
     ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
+    ("localize/ops/sources.py", "hook_definer"): "Python's co_qualname of a hook's code (its class), not a module name",
 }
 _BY_DOTS = {"count", "split", "rsplit", "partition", "rpartition", "find", "rfind", "index", "rindex"}
 

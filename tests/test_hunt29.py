@@ -435,3 +435,31 @@ def test_running_statistics_are_read_through_a_compiled_model_and_for_instance_n
     report = caught.value.report
     assert (report.phase, report.module, report.step) == ("forward", name, 2)
     assert report.tensor.name == f"{name}.running_var"
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_loop_write_whose_op_is_not_named_is_not_said_to_be_an_optimizer_s(options) -> None:
+    # A counter of 100 elements (past param_writes.SMALL_NUMEL, not copied) changed in place after the write: the
+    # replay reads it as the region left it and names no op. The cause said "the optimizer step made 0.weight ...
+    # from finite gradients" beside a note that the loop's own code wrote it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ema = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    count = torch.zeros(100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, ema, opt, **options):
+        for _step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for average, current in zip(ema.parameters(), model.parameters()):
+                    average.copy_((average * count[0] + current) / (count[0] - 1))
+            count += 1
+            ema(torch.randn(3, 4))
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, None)
+    assert report.cause is not None and report.cause.reading == "loop-write-unmatched"
+    text = report.to_text()
+    assert "The loop's own code (no optimizer) wrote 0.weight" in text and "optimizer step made" not in text

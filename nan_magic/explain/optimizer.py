@@ -60,6 +60,10 @@ def optimizer_cause(report: Report) -> Cause:
         return Cause("optimizer-eps-underflow", "optimizer-eps-rounds", (*facts, ("smallest", smallest)))
     if infinite and report.dtype in HALF:
         return Cause("half-precision-overflow", "optimizer-update-overflow", facts)
+    if report.optimizer is None:
+        # No optimizer stepped it: the loop's own code wrote it (outside/loop_writes.py, param_writes.py), and
+        # running that code's ops again named no op.
+        return Cause("unclassified", "loop-write-unmatched", facts)
     return Cause("unclassified", "optimizer-unmatched", facts)
 
 

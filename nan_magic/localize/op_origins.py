@@ -73,12 +73,18 @@ class OpOrigins:
     ) -> OpTracer:
         """The op tracer of ops mode; ``module_name`` names the innermost watched module running."""
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
-        self.tracer.module_type = self._module_type
+        self.tracer.enclosing = self._enclosing
         return self.tracer
 
-    def _module_type(self, name: str) -> str | None:
+    def _enclosing(self, name: str, module_type: str) -> str | None:
+        """The nearest watched module of class ``module_type`` at or above module ``name``, by its path in its model."""
         info = self._info_by_name(name)
-        return info.module_type if info is not None else None
+        path = info.path if info is not None else ()
+        for end in range(len(path), -1, -1):
+            above = self._info_by_name(".".join(path[:end]))
+            if above is not None and above.module_type == module_type:
+                return above.name
+        return None
 
     def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.

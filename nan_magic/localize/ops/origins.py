@@ -259,10 +259,9 @@ def apply_op_finding(
         finding.notes.append(Note.of("autograd-backward", op=op.op, node=op.autograd_node))
     else:
         finding.source = op.source
-    inside = finding.module is not None and finding.module.startswith(f"{op.module}." if op.module else "")
-    if op.module is not None and (finding.module is None or (op.backward_code and inside)):
-        # Python backward code (a gradient hook a module's forward registered on its child's output) is that
-        # module's code: the producer is it, not the child whose parameter gradient showed the value.
+    if op.module is not None and (finding.module is None or op.backward_code):
+        # Python backward code (a custom Function's backward, a gradient hook a module's forward registered) is
+        # that module's code: the producer is it, not the module whose parameter gradient showed the value.
         if finding.module is not None and finding.module != op.module:
             finding.module_type = None  # (named again from the name: op_origins._name_type_and_model)
         finding.module = op.module

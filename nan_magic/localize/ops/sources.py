@@ -212,28 +212,22 @@ def hook_owner(user: FrameType | None, running: str | None) -> str | None:
     return running
 
 
-def hook_definer(module: str | None, user: FrameType | None, module_type: Callable[[str], str | None] | None
-                 ) -> str | None:
+def hook_definer(module: str | None, user: FrameType | None,
+                 enclosing: Callable[[str, str], str | None] | None) -> str | None:
     """The module whose forward defined the Python backward code ``user`` runs (a gradient hook), else ``module``.
 
     ``module`` is the forward module of the autograd node the code ran in: for a hook that a module's forward
     registered on its child's output (``h = self.fc(x); h.register_hook(lambda g: g * s)``), the child, while the
-    hook is the parent's code. A hook or backward defined inside a class's method (its qualified name
-    ``Parent.forward.<locals>.<lambda>``) is named as the nearest module at or above ``module`` of that class;
-    one defined elsewhere (a module-level function, a custom Function's ``backward``) keeps ``module``.
+    hook is the parent's code. A hook or backward defined inside a class's method (Python's qualified name of its
+    code, ``Parent.forward.<locals>.<lambda>``) is named as the nearest module of that class at or above
+    ``module`` (``enclosing``: by the modules' places in their model, op_origins.py); one defined elsewhere (a
+    module-level function, a custom Function's ``backward``) keeps ``module``.
     """
-    if user is None or module is None or module_type is None:
+    if user is None or module is None or enclosing is None:
         return module
     definer, _sep, inner = user.f_code.co_qualname.partition(".<locals>")
-    owner = definer.rpartition(".")[0]
-    if not inner or not owner:
-        return module
-    name: str | None = module
-    while name is not None:
-        if module_type(name) == owner:
-            return name
-        name = name.rpartition(".")[0] if name else None
-    return module
+    owner = definer.rpartition(".")[0]  # (Python's qualified name of a code object, not a module's name)
+    return (enclosing(module, owner) or module) if inner and owner else module
 
 
 def _code_of(hook: Any) -> CodeType | None:

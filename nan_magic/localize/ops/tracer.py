@@ -189,8 +189,8 @@ class OpTracer(TorchDispatchMode):
         self._lock = threading.Lock()
         #: Every origin started this step, in execution order (a replay cut short by an exception reports the first).
         self.started: list[OpFinding] = []
-        #: A watched module's class name by its name (op_origins.py sets it): a gradient hook's module (hook_definer).
-        self.module_type: Callable[[str], str | None] | None = None
+        #: The nearest module of a class at or above a module (op_origins.py sets it): a gradient hook's (hook_definer).
+        self.enclosing: Callable[[str, str], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self._witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
@@ -435,7 +435,7 @@ class OpTracer(TorchDispatchMode):
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,
-            module=hook_definer(forward_module, user_frame if backward_code else None, self.module_type) if in_backward
+            module=hook_definer(forward_module, user_frame if backward_code else None, self.enclosing) if in_backward
             else hook_owner(user_frame, self._module_name()),
             source=source,
             inner_source=inner,

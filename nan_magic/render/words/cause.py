@@ -224,6 +224,20 @@ def _step_unmatched_hint(cause: Cause) -> str:
     )
 
 
+def _loop_write_hint(cause: Cause) -> str:
+    return (
+        f"the loop's own code (no optimizer) wrote {_subject(cause)} {_counts(cause)} in {cause.fact('dtype')}, "
+        "after backward() or after the optimizer step; running that code's recorded ops again did not make it (a "
+        "value they read was changed in place afterwards, or it ran where nothing records), so no op is named: "
+        "rerun with ops=True (%%nantrace --ops) to name it"
+    )
+
+
+def _loop_write_facts(cause: Cause) -> tuple[str, ...]:
+    return (f"phase optimizer: code outside any optimizer made {_subject(cause)} {_counts(cause)}",
+            f"dtype {cause.fact('dtype')}")
+
+
 # -- the GradScaler (hot/checks/optim.py) ---------------------------------------------------
 
 
@@ -254,6 +268,7 @@ _READINGS: dict[str, Reading] = {
         lambda cause: (*_step_facts(cause), f"{cause.fact('dtype')} cannot hold eps = {_eps_shown(cause)}"),
     ),
     "optimizer-unmatched": Reading(_step_unmatched_hint, _step_facts),
+    "loop-write-unmatched": Reading(_loop_write_hint, _loop_write_facts),
     "extreme-batch": Reading(
         _extreme_batch_hint,
         lambda cause: (f"batch {_batch(cause)}: |x| up to {fmt(cause.fact('absmax'))}", _then(cause)),
