@@ -488,3 +488,95 @@ def test_an_update_that_overflows_a_parameter_made_half_mid_training_is_the_opti
             opt.step()
     report = caught.value.report
     assert (report.phase, report.step, report.module) == ("optimizer", 2, "0")
+
+
+# -- healthy twins of the sweep's risky idioms: each must stay silent ------------------------------------------
+
+
+def _silent_loop(model: nn.Module, options: dict[str, object], batch, loss_of=lambda out: out.pow(2).mean(),
+                 steps: int = 3, lr: float = 0.01, extra: tuple[nn.Module, ...] = ()) -> nan_magic.Watch:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    with nan_magic.watch(model, *extra, opt, **options) as watch:
+        for step in range(steps):
+            loss = loss_of(model(*batch(step)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return watch
+
+
+def _twin_parametrizations() -> tuple[nn.Module, object, object]:
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.ReLU(),
+                          nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
+                          nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), nn.Linear(4, 1))
+    return model, lambda s: (torch.randn(5, 4),), lambda out: out.pow(2).mean()
+
+
+def _twin_masked_lse() -> tuple[nn.Module, object, object]:
+    allowed = torch.tensor([[True, False, True, False, False]] * 3)
+    return (nn.Linear(4, 5), lambda s: (torch.randn(3, 4),),
+            lambda out: -torch.logsumexp(out.masked_fill(~allowed, float("-inf")), -1).mean())
+
+
+def _twin_encoder_padding() -> tuple[nn.Module, object, object]:
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1] = True  # the training path returns finite values for an all-padded row
+    return (nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0),
+            lambda s: (torch.randn(2, 5, 8), None, mask), lambda out: out.pow(2).mean())
+
+
+TWINS = {
+    "cdist-self-distance": lambda: (nn.Linear(4, 4), lambda s: (torch.randn(5, 4),),
+                                    lambda out: torch.cdist(out, out).mean()),
+    "atan2-at-origin": lambda: (nn.Sequential(nn.Linear(4, 2), nn.ReLU()), lambda s: (torch.randn(5, 4) - 100,),
+                                lambda out: torch.atan2(out[:, 0], out[:, 1]).mean()),
+    "kl-div-zero-targets": lambda: (nn.Linear(4, 3), lambda s: (torch.randn(5, 4),),
+                                    lambda out: torch.nn.functional.kl_div(
+                                        out.log_softmax(-1), torch.tensor([[1.0, 0.0, 0.0]] * 5),
+                                        reduction="batchmean")),
+    "logsumexp-partly-masked": _twin_masked_lse,
+    "gumbel-softmax": lambda: (nn.Linear(4, 5), lambda s: (torch.randn(3, 4),),
+                               lambda out: (torch.nn.functional.gumbel_softmax(out, tau=0.5)
+                                            * torch.arange(5.0)).sum(-1).mean()),
+    "parametrizations": _twin_parametrizations,
+    "embedding-max-norm": lambda: (nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1)),
+                                   lambda s: (torch.randint(0, 10, (6,)),), lambda out: out.pow(2).mean()),
+    "encoder-all-padded-training": _twin_encoder_padding,
+    "gru-long-sequence": lambda: (nn.GRU(4, 8, batch_first=True), lambda s: (torch.randn(2, 200, 4) * 10,),
+                                  lambda out: out[0].pow(2).mean()),
+    "layernorm-constant-rows": lambda: (nn.Sequential(nn.Linear(4, 4, bias=False), nn.LayerNorm(4)),
+                                        lambda s: (torch.zeros(3, 4),), lambda out: out.pow(2).mean()),
+}
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_healthy_twins_stay_silent(options, twin) -> None:
+    torch.manual_seed(0)
+    model, batch, loss_of = TWINS[twin]()
+    watch = _silent_loop(model, options, batch, loss_of)
+    assert watch.report is None and not watch.events
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_an_averaged_model_with_batchnorm_and_a_model_moved_to_float64_stay_silent(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    swa = torch.optim.swa_utils.AveragedModel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nan_magic.watch(model, swa, opt, **options) as watch:
+        for step in range(5):
+            if step == 3:
+                model.to(torch.float64)  # its BatchNorm's buffers are new tensors: the read follows them
+                opt.state.clear()
+            dtype = next(model.parameters()).dtype
+            loss = model(torch.randn(6, 4, dtype=dtype)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step < 3:
+                swa.update_parameters(model)
+        swa.eval()
+        with torch.no_grad():
+            swa(torch.randn(6, 4))
+    assert watch.report is None and not watch.events
