@@ -332,7 +332,7 @@ def categorical_run(options: dict[str, object]) -> pytest.ExceptionInfo[NonFinit
                     policy[0].bias.fill_(-1.0)  # every score relu'd to 0
             scores = policy(torch.randn(2, 4)) + (1e-3 if step != 1 else 0)
             probs = scores / scores.sum(-1, keepdim=True)  # producer: probabilities 0/0
-            dist = torch.distributions.Categorical(probs=probs)
+            dist = torch.distributions.Categorical(probs=probs, validate_args=True)  # (whatever the default is)
             loss = -dist.log_prob(dist.sample()).mean()
             opt.zero_grad()
             loss.backward()
