@@ -234,9 +234,12 @@ class Events:
         Called as the watch is left, and by the magics where IPython catches
         the exception first.
         """
-        last = end_at_producer(tb, error.producer_frame, error.producer_position, error.producer_calls)
+        holder = error if error.__traceback__ is tb else None
+        last = end_at_producer(tb, error.producer_frame, error.producer_position, error.producer_calls, holder)
         if last is None:
             return
+        if holder is not None:
+            tb = error.__traceback__  # its first entry moved to the producer's line (or the call of its helper)
         frame = last.tb_frame
         # A cell's (a script's) top level: its locals are the whole namespace, every tensor of every earlier
         # cell; the ones its own code names are the ones to show.
