@@ -75,6 +75,8 @@ class Events:
         #: and its ``(f_lasti, f_lineno)`` then.
         self.producer_frame: FrameType | None = None
         self.producer_position: tuple[int, int] | None = None
+        #: How the producer's frame was reached where the traceback lacks it (Finding.frame_calls).
+        self.producer_calls: tuple[tuple[FrameType, int, int], ...] = ()
         #: The watch is being left by an exception: an event found now raises at once, from it.
         self.leaving = False
         # A forward that raised after a non-finite value: what the watch raises on exit (hold_explained).
@@ -116,7 +118,7 @@ class Events:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
             self.report = report
-            self.producer_frame = finding.frame
+            self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
                 # Where the op ran: the frame of a replay that went on to its end has moved since.
                 self.producer_position = (

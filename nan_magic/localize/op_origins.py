@@ -28,6 +28,7 @@ from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.plans import run_op
+from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.records import Note, Phase, TensorRef, TensorStats
@@ -183,6 +184,10 @@ class OpOrigins:
                                      else record.stats(), live)
         if tracer is not None:
             finding.frame, finding.frame_position = tracer.frame_of(op_finding)  # %debug opens where the op ran
+            if finding.frame is not None:
+                # From the loop's line that called the model, through each forward of the replay that called the
+                # next, to the op's: the traceback's frames in call order (errors/frames.end_at_producer).
+                finding.frame_calls = calls_from_caller(tracer.witnesses.calls_of(op_finding))
         self._name_type_and_model(finding)
         if finding.phase == Phase.BACKWARD:
             self._on_gradient_event(finding)

@@ -185,7 +185,7 @@ class OpTracer(TorchDispatchMode):
         #: reports the first).
         self.started: list[OpFinding] = []
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
-        self._witnesses = OpWitnesses()
+        self.witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
         #: by a passive op or after the finding.
         self.before_write: Callable[[torch.Tensor], None] | None = None
@@ -211,7 +211,7 @@ class OpTracer(TorchDispatchMode):
             for tensor, entry in kept:
                 if entry is not None:
                     self._origins.note(tensor, entry)
-            self._witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
+            self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -231,7 +231,7 @@ class OpTracer(TorchDispatchMode):
         if isinstance(origin, OpFinding) and self.finding is None:
             with self._lock:
                 self.finding = origin
-                self.producer_tensors = self._witnesses.copies(origin)
+                self.producer_tensors = self.witnesses.copies(origin)
         return origin
 
     def __enter__(self) -> Self:
@@ -448,7 +448,7 @@ class OpTracer(TorchDispatchMode):
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None
-        self._witnesses.note(finding, witnesses, frame)
+        self.witnesses.note(finding, witnesses, frame)
         self.started.append(finding)
         origin = Origin(finding)
         if not in_backward:
@@ -463,13 +463,13 @@ class OpTracer(TorchDispatchMode):
             if self.finding is not None:
                 return
             self.finding = origin.finding
-            self.producer_tensors = self._witnesses.copies(origin.finding)
+            self.producer_tensors = self.witnesses.copies(origin.finding)
         if self._on_finding is not None:
             self._on_finding(origin.finding)
 
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
-        return self._witnesses.frame_of(finding)
+        return self.witnesses.frame_of(finding)
 
     # -- carrying origins on ---------------------------------------------------
 
