@@ -170,6 +170,22 @@ class OpOrigins:
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
+        finding = self._op_finding(op_finding, call, record)
+        if finding.phase == Phase.BACKWARD:
+            self._on_gradient_event(finding)
+        else:
+            self._emit(finding)
+
+    def anomaly_finding(self) -> Finding | None:
+        """Under a live op tracer (``ops=True``): the finding of the first op of this step's backward that made a
+        non-finite value, where torch's anomaly mode stopped the backward before a boundary claimed it; None without
+        one. The first, not the node torch names: anomaly mode looks for NaN only, and an inf born earlier (a sqrt's
+        gradient at 0) becomes NaN in a later node (``PowBackward0``), which carries the inf's origin on."""
+        started = [origin for origin in self.tracer.started if origin.phase == Phase.BACKWARD] if self.tracer else []
+        return self._op_finding(started[0], None, None) if started else None
+
+    def _op_finding(self, op_finding: OpFinding, call: Call | None, record: TensorRecord | None) -> Finding:
+        """The finding of the op that started a non-finite value (``record``: the boundary it reached)."""
         if call is None and record is not None:
             # The op ran in another module's code than the boundary's: this boundary passed it on.
             record.status, record = "propagated", None
@@ -189,10 +205,7 @@ class OpOrigins:
                 # next, to the op's: the traceback's frames in call order (errors/frames.end_at_producer).
                 finding.frame_calls = calls_from_caller(tracer.witnesses.calls_of(op_finding))
         self._name_type_and_model(finding)
-        if finding.phase == Phase.BACKWARD:
-            self._on_gradient_event(finding)
-        else:
-            self._emit(finding)
+        return finding
 
     def _name_type_and_model(self, finding: Finding) -> None:
         """The type and model of the module the op tracer named (by its name only, as the op ran inside it)."""
