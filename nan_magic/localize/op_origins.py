@@ -91,11 +91,13 @@ class OpOrigins:
         Ops mode traces everything; the tiered mode records the code outside
         the models (outside/recorder.py), where the loss and data code run. ``key``:
         the id a tensor freed since had when recorded (the deferred check of
-        a loss that was a temporary), for the recorder.
+        a loss that was a temporary), for the recorder. The tracer finds a
+        tensor freed by the deferred check by its record's weak reference.
         """
         outside = self.outside
-        if self.tracer is not None and tensor is not None:
-            origin = self.tracer.claim(tensor)
+        freed = finding.record.ref if tensor is None and finding.record is not None else None
+        if self.tracer is not None and (tensor is not None or freed is not None):
+            origin = self.tracer.claim(tensor, freed)
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None):
             origin = outside.claim(tensor, key)
             untraced = outside.note()

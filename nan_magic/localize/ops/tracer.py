@@ -200,11 +200,13 @@ class OpTracer(TorchDispatchMode):
         them. A step opens at its first model call, and the batch that call
         receives was computed before it (``x = (x - mean) / std`` in the
         loop): its origin is claimed only once the call judges its inputs.
+        So do the parameters (and state) an optimizer's step made non-finite:
+        the deferred check judges that step once the next has begun.
         """
         self.finding = None
         self.producer_tensors = ()
         if origins:
-            kept = [(tensor, self._origins.entry(tensor)) for tensor in keep]
+            kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *self._origins.stepped()]]
             self.started.clear()
             self._origins.clear()
             self.benign_modules.clear()
@@ -220,14 +222,20 @@ class OpTracer(TorchDispatchMode):
             return entry.finding
         return "benign" if entry is not None else None
 
-    def claim(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
+    def claim(self, tensor: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None
+              ) -> OpFinding | Literal["benign"] | None:
         """:meth:`origin_of` a non-finite tensor at a boundary, made the finding when it is an op.
 
-        The tracer then stops checking until :meth:`reset`, and
+        ``freed``: where the tensor is gone by the check (deferred), the weak
+        reference its boundary record holds. The tracer then stops checking until :meth:`reset`, and
         :attr:`producer_tensors` holds copies of the op's output and inputs
         that are still alive.
         """
-        origin = self.origin_of(tensor)
+        if tensor is not None:
+            origin = self.origin_of(tensor)
+        else:
+            entry = self._origins.entry_by_ref(freed) if freed is not None else None
+            origin = entry.finding if isinstance(entry, Origin) else "benign" if entry is not None else None
         if isinstance(origin, OpFinding) and self.finding is None:
             with self._lock:
                 self.finding = origin
