@@ -114,8 +114,10 @@ class WatchConfig:
     defer: bool | None = _option(
         None,
         """Keep per-call results on the device and check them once per phase
-        (``None``: automatic, on for CUDA tensors). Results are identical; only
-        the frame in which the error is raised differs.""",
+        (``None``: automatic, on for CUDA tensors, and under a process group;
+        with ``ops=True``, whose tracer reads every op as it runs, only under a
+        process group). Results are identical; only the frame in which the error
+        is raised differs.""",
         _flag("--defer", action="store_true", help="check once per step instead of per module (default on CUDA)"),
     )
     ops: bool = _option(

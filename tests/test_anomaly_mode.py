@@ -20,6 +20,8 @@ from nan_magic import NonFiniteError
 from tests.faults import marked_line
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+OPS = [pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
+       pytest.param({"ops": True, "mode": "full"}, id="ops-full")]
 
 
 def _line(marker: str) -> int:
@@ -71,8 +73,10 @@ def _distance_loss(model: nn.Module, step: int) -> torch.Tensor:
     return torch.sqrt(((out - target) ** 2).sum())  # producer: distance
 
 
-@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS])
 def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(options) -> None:
+    # sqrt's gradient at 0 is inf (no NaN: anomaly mode lets it pass); PowBackward0 turns it into NaN and is the
+    # node torch's error names. The value was born at the sqrt's gradient (under ops, the op tracer's first origin).
     with pytest.raises(NonFiniteError) as caught:
         _train(nn.Linear(4, 2), _distance_loss, options)
     report = caught.value.report
@@ -80,6 +84,21 @@ def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(
     assert report.autograd_node == "SqrtBackward0"
     assert report.source is not None and report.source.lineno == _line("distance")
     assert "torch's anomaly detection stopped the backward (Function 'PowBackward0' returned nan values" in (
+        report.to_text())
+
+
+@pytest.mark.parametrize("options", OPS)
+def test_under_ops_the_op_tracer_names_the_op_the_anomaly_mode_stopped_at(options) -> None:
+    # The live tracer saw the op start the NaN; torch's error comes before any boundary claims it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _WhereSqrt(), nn.Linear(4, 1))
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "1", 0, "aten.mul.Scalar")
+    assert (report.autograd_node, report.ops) == ("SqrtBackward0", True)
+    assert report.source is not None and report.source.lineno == _line("where sqrt")
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
         report.to_text())
 
 

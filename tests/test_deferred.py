@@ -379,3 +379,17 @@ def test_the_mode_is_chosen_once_as_an_object_and_watch_defer_reads_it() -> None
 def test_no_part_of_the_hot_path_asks_which_mode_it_runs_in() -> None:
     """Only hot/timing.py knows the two modes apart: a flag test elsewhere in hot/ is a mode leaking out of it."""
     assert attributes_read("hot", ("defer", "deferred", "holds_probes"), allowed="timing.py") == []
+
+
+def test_ops_on_a_device_checks_immediately_but_under_a_process_group() -> None:
+    # ops=True reads every op's output as it runs: the automatic choice (defer=None) does not defer it on a
+    # device, where it would meet at the step's check what the step freed. A model on the meta device stands in
+    # for CUDA here; an explicit defer=True is kept.
+    from nan_magic.hot.timing import Deferred, Immediate, timing_for
+    from nan_magic.options import WatchConfig
+
+    on_a_device = nn.Linear(4, 4, device="meta")
+    assert isinstance(timing_for(WatchConfig(), [on_a_device]), Deferred)
+    assert isinstance(timing_for(WatchConfig(ops=True), [on_a_device]), Immediate)
+    assert isinstance(timing_for(WatchConfig(ops=True, defer=True), [on_a_device]), Deferred)
+    assert isinstance(timing_for(WatchConfig(ops=True), [nn.Linear(4, 4)]), Immediate)

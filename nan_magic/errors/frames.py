@@ -124,7 +124,7 @@ Calls = tuple[tuple[FrameType, int, int], ...]
 
 def end_at_producer(
     tb: TracebackType | None, producer: FrameType | None, position: tuple[int, int] | None = None,
-    calls: Calls = (),
+    calls: Calls = (), holder: BaseException | None = None,
 ) -> TracebackType | None:
     """Cut ``tb`` after its last user frame, then end it at the producer's frame; return the last entry.
 
@@ -144,6 +144,11 @@ def end_at_producer(
     (``loss.backward()``): where it is among ``calls`` its entry moves to the line that called the helper,
     and the helpers between follow, so the traceback reads in call order (the entry the exception holds,
     its first, cannot move: :func:`user_frames_of` reads that one in call order).
+
+    ``holder``: the exception whose traceback ``tb`` is, where it has not been raised on yet (the watch's exit
+    in a script's top level, whose frame is the traceback's first entry). That first entry is then replaced
+    too, by setting the exception's traceback to the new one, so that ``pdb.pm()`` after ``python -i`` opens
+    on the producer's line as ``%debug`` does in a cell.
     """
     before, last = _last_user_entries(tb)
     if last is None:
@@ -151,18 +156,30 @@ def end_at_producer(
     last.tb_next = None
     if producer is None:
         return last
+    first = holder if holder is not None and holder.__traceback__ is tb else None
+
+    def moved(frame: FrameType, at: tuple[int, int]) -> TracebackType | None:
+        """``last`` again at ``at`` in place of ``last``, or None where it cannot move (the exception holds it)."""
+        if before is None and first is None:
+            return None
+        entry = TracebackType(None, frame, *at)
+        if before is None:
+            first.__traceback__ = entry  # type: ignore[union-attr]
+        else:
+            before.tb_next = entry
+        return entry
+
     if last.tb_frame is producer:
-        if position is None or before is None or (last.tb_lasti, last.tb_lineno) == position:
-            return last  # the first entry cannot be replaced (the exception holds it): it stays
-        before.tb_next = TracebackType(None, producer, *position)
-        return before.tb_next
+        if position is None or (last.tb_lasti, last.tb_lineno) == position:
+            return last
+        return moved(producer, position) or last
     outer = _outer_call(calls, last.tb_frame)
     if outer is not None:
         for frame, at_lasti, at_line in calls[outer:]:
             if frame is not last.tb_frame:
                 last.tb_next = last = TracebackType(None, frame, at_lasti, at_line)  # a helper between
-            elif before is not None and (last.tb_lasti, last.tb_lineno) != (at_lasti, at_line):
-                before.tb_next = last = TracebackType(None, frame, at_lasti, at_line)
+            elif (last.tb_lasti, last.tb_lineno) != (at_lasti, at_line):
+                last = moved(frame, (at_lasti, at_line)) or last
     lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
     last.tb_next = TracebackType(None, producer, lasti, lineno)
     return last.tb_next
@@ -187,7 +204,7 @@ def frames_of(tb: TracebackType | None) -> tuple[SourcePointer, ...]:
 
 def user_frames_of(tb: TracebackType | None, calls: Calls = ()) -> tuple[SourcePointer, ...]:
     """Like :func:`frames_of`, keeping only the user's own frames; an entry at a frame that made one of
-    ``calls`` (the traceback's first, which :func:`end_at_producer` cannot move) at the line of that call."""
+    ``calls`` (the traceback's first, where :func:`end_at_producer` could not move it) at the line of that call."""
     at_call = {id(frame): line for frame, _lasti, line in calls}
     pointers = []
     while tb is not None:

@@ -462,6 +462,15 @@ class StepCycle:
         the producer, its op and line (torch's own error, kept as the cause, names only the autograd node)."""
         if self.outcome.stopped or not (isinstance(exc, RuntimeError) and _ANOMALY in str(exc)):
             return None
+        # A live op tracer (ops=True) saw the op start the value; no boundary claimed it before the error.
+        traced = self.origins.anomaly_finding()
+        if traced is not None:
+            traced.notes.append(Note.raised("anomaly-raised", exc))
+            try:
+                self._emit(traced)
+            except NonFiniteError as error:
+                return error
+            return None
         finding = Finding(Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output"))
         finding.notes.append(Note.raised("anomaly-raised", exc))
         gradients = self.gradients

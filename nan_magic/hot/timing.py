@@ -54,7 +54,8 @@ _DETECTED_DEFERRED = Note("detected-deferred")
 
 
 def timing_for(config: WatchConfig, roots: Iterable[nn.Module]) -> Timing:
-    """Deferred checks by default where the models (``roots``) live on a GPU, and under a process group.
+    """Deferred checks by default where the models (``roots``) live on a GPU (but under ``ops=True``), and under a
+    process group.
 
     Under a process group, every check of a step is then judged at the
     optimizer step's pre-hook, the one point where all ranks can agree
@@ -62,9 +63,11 @@ def timing_for(config: WatchConfig, roots: Iterable[nn.Module]) -> Timing:
     """
     deferred = config.defer
     if deferred is None:
-        deferred = launched() or any(
+        # ops=True reads every op's output as it runs (a host read each): deferring the boundaries saves nothing
+        # there, and the deferred check would meet what the step freed since. Ranks that must agree defer anyway.
+        deferred = launched() or (not config.ops and any(
             parameter.device.type != "cpu" for root in roots for parameter in root.parameters()
-        )
+        ))
     return Deferred() if deferred else Immediate()
 
 

@@ -289,7 +289,7 @@ class NanMagics(Magics):
             # the namespace's GradScalers are passed so their skipped steps
             # are known as benign, and its models only decide where to check.
             labels, targets = namespace_scalers(namespace)
-            if config.defer is None:
+            if config.defer is None and not config.ops:  # (ops: immediate but under a process group, hot/timing.py)
                 config = dataclasses.replace(config, defer=models_on_a_device(namespace))
         try:
             return Watch(targets, labels=labels, config=config, name_new_target=target_namer(namespace, args.targets))

@@ -75,6 +75,8 @@ class Events:
         #: and its ``(f_lasti, f_lineno)`` then.
         self.producer_frame: FrameType | None = None
         self.producer_position: tuple[int, int] | None = None
+        #: How the producer's frame was reached where the traceback lacks it (Finding.frame_calls).
+        self.producer_calls: tuple[tuple[FrameType, int, int], ...] = ()
         #: The watch is being left by an exception: an event found now raises at once, from it.
         self.leaving = False
         # A forward that raised after a non-finite value: what the watch raises on exit (hold_explained).
@@ -116,7 +118,7 @@ class Events:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
             self.report = report
-            self.producer_frame = finding.frame
+            self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
                 # Where the op ran: the frame of a replay that went on to its end has moved since.
                 self.producer_position = (
@@ -234,9 +236,12 @@ class Events:
         Called as the watch is left, and by the magics where IPython catches
         the exception first.
         """
-        last = end_at_producer(tb, error.producer_frame, error.producer_position, error.producer_calls)
+        holder = error if error.__traceback__ is tb else None
+        last = end_at_producer(tb, error.producer_frame, error.producer_position, error.producer_calls, holder)
         if last is None:
             return
+        if holder is not None:
+            tb = error.__traceback__  # its first entry moved to the producer's line (or the call of its helper)
         frame = last.tb_frame
         # A cell's (a script's) top level: its locals are the whole namespace, every tensor of every earlier
         # cell; the ones its own code names are the ones to show.

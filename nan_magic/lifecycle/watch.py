@@ -153,6 +153,10 @@ class Watch:
         return self.outcome.producer_position
 
     @property
+    def producer_calls(self) -> tuple[tuple[FrameType, int, int], ...]:
+        return self.outcome.producer_calls
+
+    @property
     def active(self) -> bool:
         return self._active
 
@@ -387,10 +391,8 @@ class Watch:
     def listening(self) -> bool:
         """:meth:`mine` for hooks that only the watched code reaches, from any thread.
 
-        The gradient hooks on its outputs and parameters and the op tracer it
-        entered run inside its backward, and autograd runs a CUDA backward
-        on a thread of its own (one per device), not on the thread that
-        called ``backward()``.
+        The gradient hooks on its outputs and parameters and the op tracer it entered run inside its backward,
+        and autograd runs a CUDA backward on a thread of its own (one per device), not the one that called it.
         """
         return self._active and not self.call_replay.replaying
 

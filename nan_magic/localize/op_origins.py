@@ -29,6 +29,7 @@ from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.plans import run_op
+from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.records import Note, Phase, TensorRef, TensorStats
@@ -102,11 +103,13 @@ class OpOrigins:
         Ops mode traces everything; the tiered mode records the code outside
         the models (outside/recorder.py), where the loss and data code run. ``key``:
         the id a tensor freed since had when recorded (the deferred check of
-        a loss that was a temporary), for the recorder.
+        a loss that was a temporary), for the recorder. The tracer finds a
+        tensor freed by the deferred check by its record's weak reference.
         """
         outside = self.outside
-        if self.tracer is not None and tensor is not None:
-            origin = self.tracer.claim(tensor)
+        freed = finding.record.ref if tensor is None and finding.record is not None else None
+        if self.tracer is not None and (tensor is not None or freed is not None):
+            origin = self.tracer.claim(tensor, freed)
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None):
             origin = outside.claim(tensor, key)
             untraced = outside.note()
@@ -192,6 +195,22 @@ class OpOrigins:
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
         """Report the op that started a non-finite value that reached a module's output."""
+        finding = self._op_finding(op_finding, call, record)
+        if finding.phase == Phase.BACKWARD:
+            self._on_gradient_event(finding)
+        else:
+            self._emit(finding)
+
+    def anomaly_finding(self) -> Finding | None:
+        """Under a live op tracer (``ops=True``): the finding of the first op of this step's backward that made a
+        non-finite value, where torch's anomaly mode stopped the backward before a boundary claimed it; None without
+        one. The first, not the node torch names: anomaly mode looks for NaN only, and an inf born earlier (a sqrt's
+        gradient at 0) becomes NaN in a later node (``PowBackward0``), which carries the inf's origin on."""
+        started = [origin for origin in self.tracer.started if origin.phase == Phase.BACKWARD] if self.tracer else []
+        return self._op_finding(started[0], None, None) if started else None
+
+    def _op_finding(self, op_finding: OpFinding, call: Call | None, record: TensorRecord | None) -> Finding:
+        """The finding of the op that started a non-finite value (``record``: the boundary it reached)."""
         if call is None and record is not None:
             # The op ran in another module's code than the boundary's: this boundary passed it on.
             record.status, record = "propagated", None
@@ -206,11 +225,12 @@ class OpOrigins:
                                      else record.stats(), live)
         if tracer is not None:
             finding.frame, finding.frame_position = tracer.frame_of(op_finding)  # %debug opens where the op ran
+            if finding.frame is not None:
+                # From the loop's line that called the model, through each forward of the replay that called the
+                # next, to the op's: the traceback's frames in call order (errors/frames.end_at_producer).
+                finding.frame_calls = calls_from_caller(tracer.witnesses.calls_of(op_finding))
         self._name_type_and_model(finding)
-        if finding.phase == Phase.BACKWARD:
-            self._on_gradient_event(finding)
-        else:
-            self._emit(finding)
+        return finding
 
     def _name_type_and_model(self, finding: Finding) -> None:
         """The type and model of the module the op tracer named (by its name only, as the op ran inside it)."""

@@ -93,7 +93,7 @@ class ProducerRule:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
             self._emit(finding)
             return
-        if tensor is not None and self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
+        if self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
             return
         if tensor is not None:
             out_kinds = relevant_kinds(tensor_stats(tensor).kinds, self.kinds)
@@ -340,16 +340,18 @@ class ProducerRule:
 
     # -- op-level tracing (ops=True) --------------------------------------------------
 
-    def _judged_by_tracer(self, call: Call, record: TensorRecord, tensor: torch.Tensor) -> bool:
+    def _judged_by_tracer(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None) -> bool:
         """Ops mode: a module output whose non-finite values the tracer saw start; True when it did.
 
         An op's origin is the event, reported at this boundary; a deliberate
         infinity is recorded as benign (once per module). A value the tracer
         saw come from outside (a parameter, the batch) or not at all (a
-        kernel it cannot see) is left to the module-level rule.
+        kernel it cannot see) is left to the module-level rule. ``tensor`` is
+        None where the deferred check comes after it was freed: its record's
+        weak reference finds its origin.
         """
         assert self.origins.tracer is not None
-        origin = self.origins.tracer.claim(tensor)
+        origin = self.origins.tracer.claim(tensor, record.ref)
         if origin is None:
             return False
         if isinstance(origin, OpFinding):
@@ -363,7 +365,8 @@ class ProducerRule:
             # The op ran in an enclosing call's own code, which passed the value here: that call's
             # row of the layer table is the producer's (as the module-level rule records it).
             record.status = "propagated"
-            own = self._log.record_output(enclosing, TensorRef(TensorRole.INPUT, call.name, str(record.path)), tensor)
+            own = None if tensor is None else self._log.record_output(
+                enclosing, TensorRef(TensorRole.INPUT, call.name, str(record.path)), tensor)
             self.origins.report_op(origin, enclosing, own)
             return True
         received, deliberate = self.input_kinds(call)
@@ -372,7 +375,8 @@ class ProducerRule:
         record.status = "benign"
         if id(call.module) not in self.replayer.masks:
             self.replayer.masks.add(id(call.module))
-            finding = Finding(Phase.FORWARD, call, record_ref(record), bad=tensor.detach(), record=record)
+            finding = Finding(Phase.FORWARD, call, record_ref(record), bad=_detached(tensor), record=record,
+                              bad_stats=record.stats() if tensor is None else None)
             self._emit(mark_deliberate(finding, "scalar"))
         return True
 

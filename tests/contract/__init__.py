@@ -27,10 +27,19 @@ from nan_magic.records import TensorRef
 MODES = ("default", "defer", "full", "ops")
 
 # What each mode passes to watch(): the tiered default (immediate, and deferred as on CUDA), the
-# per-module watch of every step, and op-level tracing of every step.
+# per-module watch of every step, and op-level tracing of every step (immediate, and deferred: what ops=True
+# gives on CUDA).
 MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True},
+    "ops-defer": {"ops": True, "defer": True},
 }
+#: A mode that must say what another says, wherever a case runs that one: only the timing differs.
+TIMED_LIKE = {"ops-defer": "ops"}
+
+
+def modes_of(case: Case) -> tuple[str, ...]:
+    """The modes ``case`` runs in: its own, and each timed like one of them."""
+    return (*case.modes, *(mode for mode, like in TIMED_LIKE.items() if like in case.modes))
 
 
 @dataclass
@@ -82,6 +91,9 @@ class Case:
     marks: tuple[Any, ...] = ()
     # The module whose source holds the ``# producer:`` markers (default: the one defining ``build``).
     source: Any = None
+    # ``(mode, why)``: a mode timed like another (TIMED_LIKE) that does not say what that one says yet, a strict
+    # xfail with its reason.
+    gaps: tuple[tuple[str, str], ...] = ()
 
 
 def source_line(case: Case, key: str) -> tuple[str, int]:

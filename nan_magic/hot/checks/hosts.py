@@ -62,6 +62,8 @@ class OriginFinder(Protocol):
 
     def explain_failure(self, error: BaseException) -> Finding | None: ...
 
+    def anomaly_finding(self) -> Finding | None: ...
+
 
 class CodeRecorder(Protocol):
     """Records the code between the model calls (localize/outside/recorder.py), switched at the step's boundaries."""

@@ -160,14 +160,31 @@ class Origins:
         # output for its backward as another tensor object on the same memory
         # (``exp`` saves its result), which a backward op then reads.
         self._by_memory: dict[tuple[Any, ...], tuple[int, Origin | Benign]] = {}
+        # By the weak reference noted (held, so its id stays unique): a tensor freed since, whose id another
+        # tensor may have taken in ``_by_id``, is still found by the reference its boundary record holds.
+        self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign]] = {}
 
     def __bool__(self) -> bool:
         """Whether any tensor is noted (until then the tracer has nothing to look up or carry on)."""
         return bool(self._by_id)
 
+    def entry_by_ref(self, ref: weakref.ref[torch.Tensor]) -> Origin | Benign | None:
+        """The origin noted for the tensor ``ref`` refers to, alive or freed since: a boundary's record holds the
+        same weak reference (``weakref.ref`` hands out one per tensor), which the deferred check has where the
+        tensor is gone (a loss temporary, an output the next op consumed)."""
+        entry = self._by_ref.get(id(ref))
+        return entry[1] if entry is not None and entry[0] is ref else None
+
+    def stepped(self) -> list[torch.Tensor]:
+        """The live tensors an optimizer's step made non-finite (their origin's phase is the optimizer's)."""
+        return [tensor for ref, _version, _written, origin in self._by_id.values()
+                if isinstance(origin, Origin) and origin.finding.phase == Phase.OPTIMIZER
+                and (tensor := ref()) is not None]
+
     def clear(self) -> None:
         """Forget every origin (a new step)."""
         self._by_id.clear()
+        self._by_ref.clear()
         self._by_memory.clear()
 
     def entry(self, tensor: torch.Tensor) -> Origin | Benign | None:
@@ -200,15 +217,18 @@ class Origins:
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
         origins = self._by_id
+        ref = weakref.ref(tensor)
+        self._by_ref[id(ref)] = (ref, origin)
         if tensor.is_inference():  # no version counter, nor memory that another tensor object could stand for
-            origins[id(tensor)] = (weakref.ref(tensor), _NO_VERSION, written, origin)
+            origins[id(tensor)] = (ref, _NO_VERSION, written, origin)
             return
-        origins[id(tensor)] = (weakref.ref(tensor), tensor._version, written, origin)
+        origins[id(tensor)] = (ref, tensor._version, written, origin)
         if not written and type(tensor) in _PLAIN and dense(tensor):  # a sparse tensor has no one storage
             self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
         if len(origins) > 100_000:
             for key in [key for key, entry in origins.items() if entry[0]() is None]:
                 del origins[key]
+            self._by_ref.clear()  # (a check after this many non-finite tensors finds the freed ones no more)
 
     def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""
@@ -229,6 +249,14 @@ def op_samples(op: str, label: str, output: torch.Tensor, operands: list[tuple[s
             ref = TensorRef(TensorRole.OPERAND, name)
             samples.append(sample_values(value, ref, OP_SAMPLE_SIZE))
     return tuple(samples)
+
+
+def _add_operands(finding: Finding, op: OpFinding, operands: list[tuple[TensorRef, torch.Tensor]]) -> None:
+    """The copies of the op's operands still alive, and the stats at the op of those freed before the boundary
+    where its value was claimed (a loss code's masked sum and count, freed by the deferred check)."""
+    finding.inputs.extend(operands)
+    alive = {ref for ref, _tensor in operands}
+    finding.input_stats.extend((ref, stats) for ref, stats in op.input_stats if ref not in alive)
 
 
 def apply_op_finding(
@@ -274,10 +302,7 @@ def apply_op_finding(
         finding.inputs_finite = True
         if tensors:
             finding.bad = tensors[0][1]
-            finding.inputs.extend(operands)
-            # Inputs freed before the boundary where the op's value was claimed: their stats at the op.
-            alive = {ref for ref, _tensor in operands}
-            finding.input_stats.extend((ref, stats) for ref, stats in op.input_stats if ref not in alive)
+            _add_operands(finding, op, operands)
         else:
             finding.bad_stats = op.output_stats
             finding.input_stats = list(op.input_stats)
@@ -296,7 +321,7 @@ def apply_op_finding(
         finding.tensor = TensorRef.op_output(op.op, op.tensor)
         if tensors:
             finding.bad, finding.bad_stats = tensors[0][1], None
-            finding.inputs.extend(operands)
+            _add_operands(finding, op, operands)
         else:
             finding.bad, finding.bad_stats = None, op.output_stats
             finding.input_stats.extend(op.input_stats)

@@ -119,8 +119,14 @@ def called_by_us() -> bool:
     return False
 
 
-#: ``(the frame running a replay, the user's line that made the replayed call)``, innermost last.
-_REPLAYED_FROM: list[tuple[FrameType, tuple[CodeType, int, dict[str, Any]]]] = []
+#: ``(code, id(frame), f_lasti, f_lineno)`` of the user's frame as it called a watched model (no reference to the
+#: frame, which a helper that called the model lets go of as it returns).
+Caller = tuple[CodeType, int, int, int]
+#: Frames the traceback lacks, outermost first, each ``(frame, f_lasti, f_lineno)`` as it called the next.
+Chain = tuple[tuple[FrameType, int, int], ...]
+#: ``(the frame running a replay, the user's line that made the replayed call, where its frame stood then)``,
+#: innermost last.
+_REPLAYED_FROM: list[tuple[FrameType, tuple[CodeType, int, dict[str, Any]] | None, Caller | None]] = []
 
 
 class ReplayedFrom:
@@ -132,29 +138,68 @@ class ReplayedFrom:
     the deferred check, ``loss.backward()`` for a gradient), which is not that line.
     """
 
-    def __init__(self, site: tuple[CodeType, int, dict[str, Any]] | None, frame: FrameType) -> None:
-        self._entry = (frame, site) if site is not None else None
+    def __init__(self, site: tuple[CodeType, int, dict[str, Any]] | None, frame: FrameType,
+                 caller: Caller | None = None) -> None:
+        self._entry = (frame, site, caller)
 
     def __enter__(self) -> None:
-        if self._entry is not None:
-            _REPLAYED_FROM.append(self._entry)
+        _REPLAYED_FROM.append(self._entry)
 
     def __exit__(self, *exc: object) -> None:
-        if self._entry is not None:
-            _REPLAYED_FROM.remove(self._entry)
+        _REPLAYED_FROM.remove(self._entry)
 
 
 def _replayed_site(frame: FrameType | None, user: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] | None:
     """The recorded call's line, where the walk from ``frame`` up to ``user`` passed a replay's frame."""
     if not _REPLAYED_FROM:
         return None
-    replays = {id(replay): site for replay, site in _REPLAYED_FROM}
+    replays = {id(replay): site for replay, site, _caller in _REPLAYED_FROM}
     while frame is not None and frame is not user:
         site = replays.get(id(frame))
         if site is not None:
             return site
         frame = frame.f_back
     return None
+
+
+def replayed_calls(frame: FrameType) -> tuple[Caller | None, Chain] | None:
+    """How a replay reached ``frame`` (the user's frame that ran an op): the replayed call's caller, and the
+    user's frames of the replay between that call and ``frame`` (``Net.forward`` calling ``self.block(x)``).
+
+    None where ``frame`` is not below a replay (a live trace: the traceback holds its callers). The report's
+    frames and ``%debug``'s ``up`` then read from the loop's line that called the model, through each forward
+    that called the next, to the producing line (errors/frames.end_at_producer).
+    """
+    if not _REPLAYED_FROM:
+        return None
+    replays = {id(replay): caller for replay, _site, caller in _REPLAYED_FROM}
+    chain: list[tuple[FrameType, int, int]] = []
+    current = frame.f_back
+    while current is not None:
+        if id(current) in replays:
+            return replays[id(current)], tuple(reversed(chain))
+        if not passed_over(current.f_code):
+            chain.append((current, current.f_lasti, current.f_lineno))
+        current = current.f_back
+    return None
+
+
+def calls_from_caller(replayed: tuple[Caller | None, Chain] | None) -> Chain:
+    """``replayed`` (:func:`replayed_calls`) as the calls from the user's frame that called the model, where that
+    frame is still running (found on the current stack by its code and id); empty where it is not (a helper that
+    called the model has returned: the traceback then reads from where the step was judged, as before)."""
+    if replayed is None:
+        return ()
+    caller, chain = replayed
+    if caller is None:
+        return ()
+    code, key, lasti, lineno = caller
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if id(frame) == key and frame.f_code is code:
+            return ((frame, lasti, lineno), *chain)
+        frame = frame.f_back
+    return ()
 
 
 def sources_of_op(

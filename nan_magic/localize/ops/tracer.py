@@ -192,7 +192,7 @@ class OpTracer(TorchDispatchMode):
         #: The nearest module of a class at or above a module (op_origins.py sets it): a gradient hook's (hook_definer).
         self.enclosing: Callable[[str, str], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
-        self._witnesses = OpWitnesses()
+        self.witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
         #: by a passive op or after the finding.
         self.before_write: Callable[[torch.Tensor], None] | None = None
@@ -207,18 +207,20 @@ class OpTracer(TorchDispatchMode):
         them. A step opens at its first model call, and the batch that call
         receives was computed before it (``x = (x - mean) / std`` in the
         loop): its origin is claimed only once the call judges its inputs.
+        So do the parameters (and state) an optimizer's step made non-finite:
+        the deferred check judges that step once the next has begun.
         """
         self.finding = None
         self.producer_tensors = ()
         if origins:
-            kept = [(tensor, self._origins.entry(tensor)) for tensor in keep]
+            kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *self._origins.stepped()]]
             self.started.clear()
             self._origins.clear()
             self.benign_modules.clear()
             for tensor, entry in kept:
                 if entry is not None:
                     self._origins.note(tensor, entry)
-            self._witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
+            self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -227,18 +229,24 @@ class OpTracer(TorchDispatchMode):
             return entry.finding
         return "benign" if entry is not None else None
 
-    def claim(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
+    def claim(self, tensor: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None
+              ) -> OpFinding | Literal["benign"] | None:
         """:meth:`origin_of` a non-finite tensor at a boundary, made the finding when it is an op.
 
-        The tracer then stops checking until :meth:`reset`, and
+        ``freed``: where the tensor is gone by the check (deferred), the weak
+        reference its boundary record holds. The tracer then stops checking until :meth:`reset`, and
         :attr:`producer_tensors` holds copies of the op's output and inputs
         that are still alive.
         """
-        origin = self.origin_of(tensor)
+        if tensor is not None:
+            origin = self.origin_of(tensor)
+        else:
+            entry = self._origins.entry_by_ref(freed) if freed is not None else None
+            origin = entry.finding if isinstance(entry, Origin) else "benign" if entry is not None else None
         if isinstance(origin, OpFinding) and self.finding is None:
             with self._lock:
                 self.finding = origin
-                self.producer_tensors = self._witnesses.copies(origin)
+                self.producer_tensors = self.witnesses.copies(origin)
         return origin
 
     def __enter__(self) -> Self:
@@ -456,7 +464,7 @@ class OpTracer(TorchDispatchMode):
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None
-        self._witnesses.note(finding, witnesses, frame)
+        self.witnesses.note(finding, witnesses, frame)
         self.started.append(finding)
         origin = Origin(finding)
         if not in_backward:
@@ -471,13 +479,13 @@ class OpTracer(TorchDispatchMode):
             if self.finding is not None:
                 return
             self.finding = origin.finding
-            self.producer_tensors = self._witnesses.copies(origin.finding)
+            self.producer_tensors = self.witnesses.copies(origin.finding)
         if self._on_finding is not None:
             self._on_finding(origin.finding)
 
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
-        return self._witnesses.frame_of(finding)
+        return self.witnesses.frame_of(finding)
 
     # -- carrying origins on ---------------------------------------------------
 

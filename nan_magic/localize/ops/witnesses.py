@@ -18,6 +18,7 @@ import torch
 
 from nan_magic.errors.line_state import LineEnd, after_line
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.sources import Caller, Chain, replayed_calls
 
 __all__ = ["OpWitnesses"]
 
@@ -28,22 +29,32 @@ class OpWitnesses:
     def __init__(self) -> None:
         self._tensors: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
         self._frames: dict[int, LineEnd] = {}
+        #: How a replay reached the frame (sources.replayed_calls); absent for a live trace's.
+        self._calls: dict[int, tuple[Caller | None, Chain]] = {}
 
     def note(self, finding: OpFinding, tensors: Sequence[tuple[str, weakref.ref[torch.Tensor]]],
              frame: FrameType | None) -> None:
         self._tensors[id(finding)] = tuple(tensors)
         if frame is not None:
             self._frames[id(finding)] = after_line(frame)
+            calls = replayed_calls(frame)
+            if calls is not None:
+                self._calls[id(finding)] = calls
 
     def keep_only(self, findings: Sequence[OpFinding]) -> None:
         """Forget every finding's witnesses but those of ``findings`` (a new step)."""
         kept = {id(finding) for finding in findings}
         self._tensors = {key: value for key, value in self._tensors.items() if key in kept}
         self._frames = {key: value for key, value in self._frames.items() if key in kept}
+        self._calls = {key: value for key, value in self._calls.items() if key in kept}
 
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran the op, and its ``(f_lasti, f_lineno)`` then; ``(None, None)`` if unknown."""
         return self._frames[id(finding)].where() if id(finding) in self._frames else (None, None)
+
+    def calls_of(self, finding: OpFinding) -> tuple[Caller | None, Chain] | None:
+        """How a replay reached the frame that ran the op (sources.replayed_calls), or None."""
+        return self._calls.get(id(finding))
 
     def copies(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
         """Copies of the op's output, then of its inputs still alive; none when the output is gone.

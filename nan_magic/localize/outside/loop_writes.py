@@ -318,7 +318,9 @@ class LoopWrites:
             return  # a healthy step started no origin: no parameter to look up
         for name, parameter in self._named_parameters():
             origin = tracer.origin_of(parameter)
-            if not isinstance(origin, OpFinding) or origin.phase == Phase.BACKWARD:
+            if not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
+                # (an optimizer's step made it: the optimizer's check reports it, at its step, which the deferred
+                # check judges after this region of the next step has ended)
                 continue
             finding = self._finding(name, parameter)
             tracer.claim(parameter)

@@ -26,7 +26,7 @@ from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.hot.stats import tensor_stats
-from nan_magic.localize.ops.sources import ReplayedFrom
+from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
@@ -68,6 +68,9 @@ class RootCall:
     outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     #: ``(code, line, globals)`` of the user's line that made the call (errors/frames.user_line).
     site: tuple[CodeType, int, dict[str, Any]] | None = None
+    #: ``(code, id(frame), f_lasti, f_lineno)`` of that user's frame as it made the call: a replay judged later
+    #: (the deferred check at ``opt.step()``) puts the frame back at this line in the traceback (sources.Caller).
+    caller: Caller | None = None
 
     def awaits_backward(self) -> bool:
         """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
@@ -98,6 +101,8 @@ class Outcome:
     frame: FrameType | None = None
     #: ``(f_lasti, f_lineno)`` of ``frame`` when the op ran (the replay ran on to its end).
     position: tuple[int, int] | None = None
+    #: How the replay reached ``frame``: the loop's line that called the model, each forward between.
+    calls: tuple[tuple[FrameType, int, int], ...] = ()
     boundary: TensorStats | None = None
     failure: BaseException | None = None
     why_not: Note | None = None
@@ -152,7 +157,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
         # An op of the replay with no user frame inside the model (an nn.Linear's, a parametrization's) was
         # run by the user's line that called the model, not by the line the replay runs from (opt.step()).
-        stack.enter_context(ReplayedFrom(root.site, sys._getframe()))
+        stack.enter_context(ReplayedFrom(root.site, sys._getframe(), root.caller))
         with inner:
             if inner.origins.tracer is not None:
                 inner.origins.tracer.before_write = guard.before_write
@@ -175,7 +180,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             layers = step_layers(inner.log, inner.targets.modules.values(), config.max_layers, per_module=True)
     outcome.report = with_layers(inner.report, layers)
     outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
-    outcome.frame, outcome.position = inner.producer_frame, inner.producer_position
+    outcome.frame, outcome.position, outcome.calls = inner.producer_frame, inner.producer_position, inner.producer_calls
     if outcome.report is None:
         changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
         if changed:

@@ -114,12 +114,12 @@ _PASSED: set[CodeType] = set()
 _USERS: set[CodeType] = set()
 
 
-def _call_site(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] | None:
-    """``(code, line, globals)`` of the user's frame at or above ``frame`` (errors/frames.user_line, cached)."""
+def _calling_frame(frame: FrameType | None) -> FrameType | None:
+    """The user's frame at or above ``frame`` (errors/frames.user_line, cached by code object)."""
     while frame is not None:
         code = frame.f_code
         if code in _USERS:
-            return code, frame.f_lineno, frame.f_globals
+            return frame
         if code in _PASSED:
             frame = frame.f_back
         else:
@@ -171,6 +171,7 @@ class StepReplays:
             key: buffer for buffer in present if (key := id(buffer)) in mutable}
         buffers = self._buffer_copies.take(module, live)
         rng = capture_rng_state()
+        caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
         self.calls.append(RootCall(
             module=module,
             info=info,
@@ -183,8 +184,9 @@ class StepReplays:
             versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
             buffer_versions=buffer_versions,
             call=call,
-            # Frame 1 is the watch's pre-hook; torch's _call_impl called it.
-            site=_call_site(sys._getframe(2)) if self._library_forward[id(module)] else None,
+            site=(caller.f_code, caller.f_lineno, caller.f_globals)
+            if caller is not None and self._library_forward[id(module)] else None,
+            caller=(caller.f_code, id(caller), caller.f_lasti, caller.f_lineno) if caller is not None else None,
         ))
         return rng
 
@@ -319,6 +321,7 @@ class StepReplays:
             )), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step, seen)
         self.replayed = root
+        finding.frame_calls = outcome.calls  # the traceback's frames from the loop to the producer (events.emit)
         if finding.cause is not None:
             # The boundary check settled the cause (a GradScaler whose scale collapses): the replay adds where.
             report = dataclasses.replace(report, cause=seen.cause, note_facts=(*seen.note_facts, *report.note_facts))
