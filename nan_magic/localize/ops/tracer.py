@@ -1,10 +1,9 @@
 """Op-level tracing: the aten op that first produced a non-finite value.
 
-:class:`OpTracer` is a ``TorchDispatchMode``. It sees every aten op below
-autograd, including the ops the autograd engine runs for a backward pass and
-the foreach/fused kernels of optimizers, and it leaves fused fast paths alone
-(a ``TorchFunctionMode`` would make ``nn.TransformerEncoderLayer`` skip its
-inference fast path and so change what the model computes).
+:class:`OpTracer` is a ``TorchDispatchMode``. It sees every aten op below autograd, including the ops the
+autograd engine runs for a backward pass and the foreach/fused kernels of optimizers, and it leaves fused fast
+paths alone (a ``TorchFunctionMode`` would make ``nn.TransformerEncoderLayer`` skip its inference fast path and
+so change what the model computes).
 
 Speed comes from doing nothing for most ops:
 
@@ -18,10 +17,9 @@ Speed comes from doing nothing for most ops:
   tensors whose kinds it already knows (same object, same version counter)
   are not looked at again.
 
-The producer (PRODUCT.md) is the first op whose inputs were all finite or
-benign and whose output holds a non-finite value. Its inputs are the tensors,
-the scalar arguments, and for an in-place op the mutated tensor's value before
-the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
+The producer (PRODUCT.md) is the first op whose inputs were all finite or benign and whose output holds a
+non-finite value. Its inputs are the tensors, the scalar arguments, and for an in-place op the mutated tensor's
+value before the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
 
 - an op whose inputs are finite or benign and whose output is non-finite
   starts an origin (an :class:`OpFinding`);
@@ -38,26 +36,22 @@ the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
 - a non-finite input from outside the trace that is no mask (a NaN parameter,
   a bad batch) carries no origin: the watch's module-level rules name it.
 
-An intermediate value that never reaches a boundary is no event: ``tanh``
-absorbs an overflowed ``pow``. In ops mode (``at_boundary=True``) the watch
-asks :meth:`OpTracer.claim` for the origin of a non-finite tensor at a
-boundary (a module output, the loss, a gradient, a parameter) and reports
-that op. A forward value that was absorbed there but is read again by a
-backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``) makes
-that backward op an origin, with the forward op as its ``absorbed`` field.
-Without ``at_boundary`` (a replay, which stops there to open %debug in that
-op's frame) the first origin is the finding at once.
+An intermediate value that never reaches a boundary is no event: ``tanh`` absorbs an overflowed ``pow``. In
+ops mode (``at_boundary=True``) the watch asks :meth:`OpTracer.claim` for the origin of a non-finite tensor at a
+boundary (a module output, the loss, a gradient, a parameter) and reports that op. A forward value that was
+absorbed there but is read again by a backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``)
+makes that backward op an origin, with the forward op as its ``absorbed`` field. Without ``at_boundary`` (a
+replay, which stops there to open %debug in that op's frame) the first origin is the finding at once.
 After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
 
 Ops run by nan_magic's own code (its hooks' reductions, the optimizer's
 gradient norms) are never judged: an origin whose op was called from our
 code is dropped.
 
-This module is the dispatch mode and the rules above; its parts live beside
-it: :mod:`~nan_magic.localize.ops.plans` (what an op does, from its schema),
-:mod:`~nan_magic.localize.ops.kinds` (reading kinds cheaply, once per tensor),
-:mod:`~nan_magic.localize.ops.origins` (:class:`OpFinding` and the origins
-table), :mod:`~nan_magic.localize.ops.sources` (the user's line of an op) and
+This module is the dispatch mode and the rules above; its parts live beside it:
+:mod:`~nan_magic.localize.ops.plans` (what an op does, from its schema), :mod:`~nan_magic.localize.ops.kinds`
+(reading kinds cheaply, once per tensor), :mod:`~nan_magic.localize.ops.origins` (:class:`OpFinding` and the
+origins table), :mod:`~nan_magic.localize.ops.sources` (the user's line of an op) and
 :mod:`~nan_magic.localize.ops.witnesses` (an origin's tensors and frame).
 """
 
@@ -233,10 +227,9 @@ class OpTracer(TorchDispatchMode):
               ) -> OpFinding | Literal["benign"] | None:
         """:meth:`origin_of` a non-finite tensor at a boundary, made the finding when it is an op.
 
-        ``freed``: where the tensor is gone by the check (deferred), the weak
-        reference its boundary record holds. The tracer then stops checking until :meth:`reset`, and
-        :attr:`producer_tensors` holds copies of the op's output and inputs
-        that are still alive.
+        ``freed``: where the tensor is gone by the check (deferred), the weak reference its boundary record holds.
+        The tracer then stops checking until :meth:`reset`, and :attr:`producer_tensors` holds copies of the op's
+        output and inputs that are still alive.
         """
         if tensor is not None:
             origin = self.origin_of(tensor)
