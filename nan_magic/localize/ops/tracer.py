@@ -201,8 +201,7 @@ class OpTracer(TorchDispatchMode):
         them. A step opens at its first model call, and the batch that call
         receives was computed before it (``x = (x - mean) / std`` in the
         loop): its origin is claimed only once the call judges its inputs.
-        So do the parameters (and state) an optimizer's step made non-finite:
-        the deferred check judges that step once the next has begun.
+        So do the parameters an optimizer's step made non-finite: the deferred check judges it once the next began.
         """
         self.finding = None
         self.producer_tensors = ()
