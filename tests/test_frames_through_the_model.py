@@ -137,3 +137,4 @@ def test_a_model_called_by_a_helper_keeps_the_producer_and_never_names_a_wrong_c
     else:
         # Deferred: the helper had returned when opt.step() judged the step; its frame is not made up.
         assert "forward_pass" not in [function for function, _line in frames]
+

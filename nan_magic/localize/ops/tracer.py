@@ -7,34 +7,28 @@ so change what the model computes).
 
 Speed comes from doing nothing for most ops:
 
-- ops that cannot create a non-finite value from finite inputs (views, copies,
-  indexing, selections such as ``relu``/``max``/``clamp``, comparisons, fills
-  from a scalar) are passed through unchecked; a value they pass on is seen by
-  the next op that is checked;
-- a checked op's outputs get one fused ``torch.aminmax`` each (NaN propagates
-  into both ends, ``+inf`` shows as the max, ``-inf`` as the min) and one read;
-- only a non-finite output makes the tracer look at the op's inputs, and
-  tensors whose kinds it already knows (same object, same version counter)
-  are not looked at again.
+- ops that cannot create a non-finite value from finite inputs (views, copies, indexing, selections such as
+  ``relu``/``max``/``clamp``, comparisons, fills from a scalar) are passed through unchecked; a value they pass
+  on is seen by the next op that is checked;
+- a checked op's outputs get one fused ``torch.aminmax`` each (NaN propagates into both ends, ``+inf`` shows as
+  the max, ``-inf`` as the min) and one read;
+- only a non-finite output makes the tracer look at the op's inputs, and tensors whose kinds it already knows
+  (same object, same version counter) are not looked at again.
 
 The producer (PRODUCT.md) is the first op whose inputs were all finite or benign and whose output holds a
 non-finite value. Its inputs are the tensors, the scalar arguments, and for an in-place op the mutated tensor's
 value before the op. The tracer keeps, for each non-finite tensor it sees, its *origin*:
 
-- an op whose inputs are finite or benign and whose output is non-finite
-  starts an origin (an :class:`OpFinding`);
-- an op with a non-finite input that carries an origin inherits it (a
-  propagator, even where it turns an inf into a NaN), and so does a passive op
-  that passes such a value on (``cat``, ``where``, a widening copy; a view's
-  origin is its base's);
-- a *deliberate* infinity is benign: an op given an infinite scalar
-  (``masked_fill(mask, -inf)``), or an infinite mask tensor that entered the
-  traced code from outside (a float attention mask, argument or buffer). Its
-  consumers stay benign while they only carry those infinities on; one that
-  makes a new kind (softmax over a fully masked row: NaN) starts an origin. A
-  NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
-- a non-finite input from outside the trace that is no mask (a NaN parameter,
-  a bad batch) carries no origin: the watch's module-level rules name it.
+- an op whose inputs are finite or benign and whose output is non-finite starts an origin (an :class:`OpFinding`);
+- an op with a non-finite input that carries an origin inherits it (a propagator, even where it turns an inf into
+  a NaN; of several, the first born), and so does a passive op that passes such a value on (``cat``, ``where``, a
+  widening copy; a view's origin is its base's);
+- a *deliberate* infinity is benign: an op given an infinite scalar (``masked_fill(mask, -inf)``), or an
+  infinite mask tensor that entered the traced code from outside (a float attention mask, argument or buffer).
+  Its consumers stay benign while they only carry those infinities on; one that makes a new kind (softmax over a
+  fully masked row: NaN) starts an origin. A NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
+- a non-finite input from outside the trace that is no mask (a NaN parameter, a bad batch) carries no origin:
+  the watch's module-level rules name it.
 
 An intermediate value that never reaches a boundary is no event: ``tanh`` absorbs an overflowed ``pow``. In
 ops mode (``at_boundary=True``) the watch asks :meth:`OpTracer.claim` for the origin of a non-finite tensor at a
@@ -372,9 +366,9 @@ class OpTracer(TorchDispatchMode):
                         # A forward value read by a gradient formula, which reached no
                         # forward boundary (it would have been reported there).
                         absorbed = absorbed or entry
-                    else:
-                        inherited = entry
-                        break  # the output carries this origin: the other inputs change nothing
+                    elif inherited is None or self._started_before(entry, inherited):
+                        inherited = entry  # the output carries the first-born origin of its inputs'
+
                 elif entry is not None or self.outside_benign:
                     benign |= kinds
                 elif "nan" not in kinds and is_additive_mask(value):
@@ -398,6 +392,11 @@ class OpTracer(TorchDispatchMode):
                 self._report(origin)
             if self.finding is not None:
                 return
+
+    def _started_before(self, entry: Origin, other: Origin) -> bool:
+        """Whether ``entry``'s op ran first (``-x / scale**2 - log(scale)``: the log's, at scale 0, did)."""
+        order = {id(finding): index for index, finding in enumerate(self.started)}  # (kept from a step before: -1)
+        return order.get(id(entry.finding), -1) < order.get(id(other.finding), -1)
 
     def _start_origin(
         self,

@@ -1,0 +1,47 @@
+"""Under ops=True, a value that several origins reach carries the first-born one (the producer is where the
+first non-finite value appeared), in both timings."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+from tests.faults import marked_line
+
+
+def producer_line(marker: str) -> int:
+    return marked_line(marker, where=sys.modules[__name__])
+
+
+class GaussianHead(nn.Module):
+    """A Gaussian negative log-likelihood by hand: ``(x - mu)**2 / (2 var) + log(scale)``, written term by term."""
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        log_scale = torch.log(scale)  # producer: log of the scale
+        return (x ** 2 / (2 * scale ** 2) + log_scale).mean()
+
+
+@pytest.mark.parametrize("options", [pytest.param({"ops": True}, id="ops"),
+                                     pytest.param({"ops": True, "defer": True}, id="ops-deferred")])
+def test_under_ops_a_value_two_origins_reach_carries_the_first_born(options) -> None:
+    # scale 0: log(0) = -inf first, then x**2 / 0 = +inf; their sum is NaN at the loss. The op tracer used to
+    # name the origin of the sum's first operand (the division); the log was born first.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    head = GaussianHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            scale = torch.full((8, 4), 0.0 if step == 2 else 1.0)
+            loss = head(model(torch.randn(8, 4)), scale)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("forward", 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("log of the scale")
