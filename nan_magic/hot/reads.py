@@ -44,7 +44,10 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 def version_of(tensor: torch.Tensor) -> int:
     """In-place version counter; inference tensors have none (they read as 0)."""
-    return 0 if tensor.is_inference() else tensor._version
+    try:  # (no is_inference() first: one Python call less, on every record of every step)
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return 0
 
 
 def is_checkable(value: Any) -> bool:
@@ -54,18 +57,19 @@ def is_checkable(value: Any) -> bool:
     read (:func:`unreadable_reason`). The one definition every check uses:
     module outputs, the loss, gradients, parameters and the op tracer.
     """
-    if not isinstance(value, torch.Tensor):
-        return False
-    if (
-        type(value) in _PLAIN
-        and value.is_floating_point()
+    # (Attributes, not methods, on the hot path: dtype.is_floating_point, and shape for numel() > 0.)
+    if type(value) not in _PLAIN:
+        if not isinstance(value, torch.Tensor):
+            return False
+    elif (
+        value.dtype.is_floating_point
         and value.layout is torch.strided
         and not value.is_meta
         and not value.is_nested
         and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
         and not torch._is_functional_tensor(value)
     ):
-        return value.numel() > 0  # the hot path: a dense real floating tensor of torch's own type
+        return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
 
 
@@ -131,7 +135,7 @@ def values_to_read(tensor: torch.Tensor) -> torch.Tensor:
 
 def readable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when it is already what :func:`values_to_read` gives (the hot path)."""
-    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_complex():
+    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex:
         return tensor
     return values_to_read(tensor)
 
@@ -160,7 +164,7 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     decides when to read.
     """
     tensor = tensor.detach()
-    if tensor.is_cpu and tensor.numel() >= _SPLIT_PROBE_NUMEL and tensor.nbytes < _SPLIT_PROBE_MAX_BYTES:
+    if tensor.is_cpu and _SPLIT_PROBE_NUMEL * tensor.itemsize <= tensor.nbytes < _SPLIT_PROBE_MAX_BYTES:
         return torch.amin(tensor), torch.amax(tensor)
     return torch.aminmax(tensor)
 

@@ -57,7 +57,7 @@ class ForwardChecks:
         self.rule = rule
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.watch.mine() or (self.stack and not self.watch.cycle.full_step):
+        if not self.watch.here.mine or (self.stack and not self.watch.cycle.full_step):
             return  # inside a top-level call of a tiered step, only its boundaries are checked
         task = torch._C._current_graph_task_id()
         recomputing = self._recomputing(task)
@@ -128,7 +128,7 @@ class ForwardChecks:
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the
         # forward raised, and with (module, args, kwargs, output) otherwise.
-        if not self.watch.mine():
+        if not self.watch.here.mine:
             return
         if not self.stack or self.stack[-1].module is not module:
             return

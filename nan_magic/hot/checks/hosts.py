@@ -27,6 +27,7 @@ from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.coverage import Coverage
 from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
+from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Note
@@ -216,7 +217,8 @@ class _Checker(Protocol):
     @property
     def timing(self) -> WhenJudged: ...
 
-    def mine(self) -> bool: ...
+    @property
+    def here(self) -> HookOwner: ...
 
     def emit(self, finding: Finding) -> None: ...
 

@@ -221,7 +221,7 @@ class OptimizerChecks:
         host synchronisation per step).
         """
         watch = self.watch
-        if not watch.mine():
+        if not watch.here.mine:
             return
         self.step_calls += 1
         if not self.watches(opt):
@@ -272,7 +272,7 @@ class OptimizerChecks:
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After a step: parameters and optimizer state it made non-finite (phase ``optimizer``)."""
         watch = self.watch
-        if not watch.mine():
+        if not watch.here.mine:
             return
         step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
         if not self.watches(opt):
@@ -354,7 +354,7 @@ class OptimizerChecks:
 
     def on_scale(self, scaler: Any) -> None:
         """``scaler.scale(loss)`` ran (scaler_patch.py): the scaler is in use, passed to watch or not."""
-        if self.watch.mine() and not any(scaler is known for known in self.scalers):
+        if self.watch.here.mine and not any(scaler is known for known in self.scalers):
             self.scalers.append(scaler)
 
     def before_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer) -> int:
@@ -362,7 +362,7 @@ class OptimizerChecks:
 
     def after_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer, step_calls: int) -> None:
         """``scaler.step(opt)`` returned: without an optimizer step call in between, it skipped the step."""
-        if not self.watch.mine() or not scaler.is_enabled() or self.step_calls != step_calls:
+        if not self.watch.here.mine or not scaler.is_enabled() or self.step_calls != step_calls:
             return
         self.on_scale(scaler)
         if not _holds(self.seen, opt):

@@ -96,13 +96,21 @@ class StepLog:
             call.outputs = []
             call.inputs = []
             call.held = None
-        self._calls.clear()
-        self._finite_gradients.clear()
-        self._finite_ids.clear()
-        self._by_id.clear()
-        self._aliases.clear()
-        self._unseen.clear()
-        self._largest.clear()
+        # (Each cleared only where it holds anything: a step leaves most of them empty, and a clear is a call.)
+        if self._calls:
+            self._calls.clear()
+        if self._finite_gradients:
+            self._finite_gradients.clear()
+        if self._finite_ids:
+            self._finite_ids.clear()
+        if self._by_id:
+            self._by_id.clear()
+        if self._aliases:
+            self._aliases.clear()
+        if self._unseen:
+            self._unseen.clear()
+        if self._largest:
+            self._largest.clear()
         self.dropped = 0
         self.count = 0
         self.finished_count = 0

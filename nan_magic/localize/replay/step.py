@@ -52,7 +52,7 @@ from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
-from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.reads import is_checkable, iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
@@ -155,21 +155,29 @@ class StepReplays:
 
         Returns the generators' state taken for it (the call's own replay uses the same).
         """
-        slots = self._slots.get(id(module))
+        model = id(module)
+        slots = self._slots.get(model)
         if slots is None:
-            slots = self._slots[id(module)] = [
+            slots = self._slots[model] = [
                 (owned if type(owned := owner._buffers) is dict else _ScriptedBuffers(owned), name)
                 # (keys(): a scripted module's buffers cannot be iterated by name)
                 for owner in module.modules() for name in owner._buffers.keys()  # noqa: SIM118
             ]
-            self._trainable[id(module)] = _trainable(module)
-            self._library_forward[id(module)] = is_library_code(type(module).forward.__code__)
-        mutable = self._mutable.get(id(module))
-        present = [buffer for owned, name in slots if (buffer := owned.get(name)) is not None]
-        buffer_versions = _versions(present)
-        live = {id(buffer): buffer for buffer in present} if mutable is None else {
-            key: buffer for buffer in present if (key := id(buffer)) in mutable}
-        buffers = self._buffer_copies.take(module, live)
+            self._trainable[model] = _trainable(module)
+            self._library_forward[model] = is_library_code(type(module).forward.__code__)
+        if slots:
+            mutable = self._mutable.get(model)
+            present = [buffer for owned, name in slots if (buffer := owned.get(name)) is not None]
+            buffer_versions = _versions(present)
+            live = {id(buffer): buffer for buffer in present} if mutable is None else {
+                key: buffer for buffer in present if (key := id(buffer)) in mutable}
+            buffers = self._buffer_copies.take(module, live)
+        else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
+            buffer_versions, live, buffers = [], {}, {}
+        if len(args) == 1 and type(batch := args[0]) is torch.Tensor:  # (``model(x)``: no walk of the arguments)
+            versions = [(batch, version_of(batch))] if is_checkable(batch) else []
+        else:
+            versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
         rng = capture_rng_state()
         self.calls.append(RootCall(
             module=module,
@@ -180,11 +188,11 @@ class StepReplays:
             autocast=capture_autocast(),
             buffers=buffers,
             buffer_sources=list(live.values()),
-            versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
+            versions=versions,
             buffer_versions=buffer_versions,
             call=call,
             # Frame 1 is the watch's pre-hook; torch's _call_impl called it.
-            site=_call_site(sys._getframe(2)) if self._library_forward[id(module)] else None,
+            site=_call_site(sys._getframe(2)) if self._library_forward[model] else None,
         ))
         return rng
 
@@ -198,7 +206,12 @@ class StepReplays:
         if root.grad_enabled and not self.watch.cycle.training():
             # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
-        root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        if kwargs:
+            root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)
+            if id(module) not in self._mutable:
+                self._mutable[id(module)] = set()
+            return
         try:  # (``_version`` read directly: this runs at every top-level call; an inference tensor has none)
             moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
         except RuntimeError:
@@ -249,7 +262,11 @@ class StepReplays:
         per model, not a walk of its parameters each step), learned again
         for a call still waiting when the next step begins (new_step).
         """
-        self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
+        groups = opt.param_groups
+        if len(groups) == 1:  # (the usual optimizer: no generator over its groups, every step)
+            self._stepped.update(map(id, groups[0]["params"]))
+        else:
+            self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in groups)))
         stepped = self._stepped
         waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
         self._keep(waiting)
@@ -257,8 +274,12 @@ class StepReplays:
     def _keep(self, waiting: list[RootCall]) -> None:
         """Keep only the ``waiting`` calls; the buffer copies of the others are free for the next calls."""
         if len(waiting) != len(self.calls):
-            released = [root for root in self.calls if not any(root is kept for kept in waiting)]
-            self._buffer_copies.recycle((root.module, root.buffer_sources, root.buffers) for root in released)
+            # (Every call released, the usual training step: no test of each against the waiting ones.)
+            released = self.calls if not waiting else [
+                root for root in self.calls if not any(root is kept for kept in waiting)]
+            for root in released:
+                if root.buffers:  # (a model without buffers has no copies to recycle)
+                    self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
     def _latest(self, module: nn.Module) -> RootCall | None:
