@@ -194,23 +194,38 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
     overflow it (confirmed as above).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    result: list[torch.Tensor] = [_EMPTY] * len(tensors)
+    result: list[torch.Tensor | None] = [None] * len(tensors)
     readable = tensors
+    # The small tensors' (device, dtype), while they all share one: grouped only where they do not (no Python
+    # call per tensor for the usual parameter set, a few dozen of one dtype on one device).
+    shared: tuple[torch.device, torch.dtype] | None = None
+    mixed = False
     for index, tensor in enumerate(tensors):
         if tensor.layout is not torch.strided:  # a sparse gradient (an Embedding's): its stored values
             readable = list(tensors) if readable is tensors else readable
             tensor = readable[index] = values_to_read(tensor)
-        if tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.numel() >= DOT_MIN_NUMEL and tensor.is_contiguous():
+        if (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.nbytes >= DOT_MIN_NUMEL * tensor.itemsize
+                and tensor.is_contiguous()):
             result[index] = _flat(tensor).sum() if finiteness_only else dot_norm(tensor)
+        elif shared is None:
+            shared = (tensor.device, tensor.dtype)
+        elif not mixed and (tensor.dtype is not shared[1] or tensor.device != shared[0]):
+            mixed = True
+    if shared is not None:
+        small = [index for index, norm in enumerate(result) if norm is None]
+        if not mixed:
+            groups[shared] = small
         else:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+            for index in small:
+                tensor = readable[index]
+                groups.setdefault((tensor.device, tensor.dtype), []).append(index)
     if groups:
         # One no_grad for the small tensors: cheaper than detaching each of them.
         with torch.no_grad():
             for indices in groups.values():
                 for index, norm in zip(indices, torch._foreach_norm([readable[i] for i in indices], 2)):
                     result[index] = norm
-    return result
+    return result  # type: ignore[return-value]  # (every index set above)
 
 
 def dot_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,9 +240,6 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.detach() if tensor.requires_grad else tensor).view(-1)
 
 
-_EMPTY = torch.empty(0)
-
-
 @functools.cache
 def finite_max(dtype: torch.dtype) -> float:
     """The largest finite value of a floating dtype (cached: ``torch.finfo`` takes microseconds)."""
@@ -236,10 +248,11 @@ def finite_max(dtype: torch.dtype) -> float:
 
 def read_scalars(scalars: list[torch.Tensor]) -> list[float]:
     """Copy many 0-d device tensors to Python floats: one transfer per device."""
-    if all(scalar.is_cpu for scalar in scalars):
-        # No transfer to batch: one ``item()`` each is cheaper than a stack.
-        return [float(scalar.item()) for scalar in scalars]
-    return read_batched(scalars)
+    for scalar in scalars:  # (a loop, not all() over a generator: each of its items is a Python call)
+        if not scalar.is_cpu:
+            return read_batched(scalars)
+    # No transfer to batch: one read each is cheaper than a stack (float(), not .item(): no Python call each).
+    return [float(scalar) for scalar in scalars]
 
 
 def read_batched(scalars: list[torch.Tensor]) -> list[float]:

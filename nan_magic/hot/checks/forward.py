@@ -60,7 +60,7 @@ class ForwardChecks:
         if not self.watch.here.mine or (self.stack and not self.watch.cycle.full_step):
             return  # inside a top-level call of a tiered step, only its boundaries are checked
         task = torch._C._current_graph_task_id()
-        recomputing = self._recomputing(task)
+        recomputing = task != self.watch.graph_task  # (Recomputing, below)
         if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             # Non-reentrant checkpointing regenerates saved tensors under its saved-tensor hooks and
             # throws the graph away: the original forward's graph, with our hooks, is the one backward runs.
@@ -133,9 +133,9 @@ class ForwardChecks:
         if not self.stack or self.stack[-1].module is not module:
             return
         frame = self.stack.pop()
-        # A recompute's calls are recorded for their gradients only (see _recomputing).
+        # A recompute's calls are recorded for their gradients only (see Recomputing).
         task = torch._C._current_graph_task_id()
-        recomputing = self._recomputing(task)
+        recomputing = task != self.watch.graph_task  # (Recomputing, below)
         top_level = not self.stack and not recomputing
         if len(rest) != 2:
             if top_level and frame.call is not None:
@@ -204,21 +204,15 @@ class ForwardChecks:
             if record.kinds:  # finite outputs (the hot path) need no judging
                 self.rule.judge(call, record, replay=(frame, args, kwargs))
 
-    def _recomputing(self, task: int) -> bool:
-        """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.
-
-        ``torch.utils.checkpoint`` calls the checkpointed modules again inside
-        backward. That is no new call of the user's: no step starts, no batch
-        enters, and its values are the original forward's, judged then. Taken
-        for a top-level call, the non-reentrant form's early stop
-        (``_StopRecomputationError``) was "explained" by a replay, which saved
-        tensors the checkpoint counts, and backward failed. The reentrant form
-        (a custom Function's backward) builds the graph backward then runs, so
-        its calls are recorded for their gradients. A CUDA backward runs on
-        autograd's own thread, where :meth:`Watch.mine` ignores every call.
-        ``task`` is the current autograd graph task (``-1`` outside backward).
-        """
-        return task != self.watch.graph_task
+    # Recomputing (``task != watch.graph_task``, inlined in both hooks): whether autograd runs a backward pass
+    # the watch was not entered in: activation checkpointing's recompute. ``torch.utils.checkpoint`` calls the
+    # checkpointed modules again inside backward. That is no new call of the user's: no step starts, no batch
+    # enters, and its values are the original forward's, judged then. Taken for a top-level call, the
+    # non-reentrant form's early stop (``_StopRecomputationError``) was "explained" by a replay, which saved
+    # tensors the checkpoint counts, and backward failed. The reentrant form (a custom Function's backward)
+    # builds the graph backward then runs, so its calls are recorded for their gradients. A CUDA backward runs on
+    # autograd's own thread, where the watch's hooks ignore every call (hot/watched/owner.py). ``task`` is the
+    # current autograd graph task (``-1`` outside backward).
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
