@@ -53,17 +53,12 @@ from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost
 from nan_magic.hot.checks.iterations import Iterations
 from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
-from nan_magic.hot.checks.step_layout import (
-    BOUNDED_GRAD_NORM,
-    Layout,
-    StepResult,
-    bounded_step,
-    wild_hyperparameters,
-)
+from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
+    GradOff,
     dot_norm,
     is_checkable,
     norms,
@@ -180,7 +175,7 @@ class OptimizerChecks:
         if layout.generic:
             return norms([grad for _name, grad in self._named_gradients(layout)])
         result: list[torch.Tensor] = []
-        with torch.no_grad():  # one no_grad, not a detach per gradient (a create_graph backward's require grad)
+        with GradOff():  # one no_grad, not a detach per gradient (a create_graph backward's require grad)
             for group in layout.groups:
                 grads = [grad for parameter in group if (grad := parameter.grad) is not None]
                 if not grads:

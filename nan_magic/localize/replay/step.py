@@ -135,7 +135,8 @@ class StepReplays:
         self._nested = nested
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
-        self._slots: dict[int, list[tuple[Any, str]]] = {}
+        # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
+        self._slots: dict[int, tuple[list[Any], list[str], bool]] = {}
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped).
         self._stepped: set[int] = set()
@@ -158,19 +159,24 @@ class StepReplays:
         model = id(module)
         slots = self._slots.get(model)
         if slots is None:
-            slots = self._slots[model] = [
+            found = [
                 (owned if type(owned := owner._buffers) is dict else _ScriptedBuffers(owned), name)
                 # (keys(): a scripted module's buffers cannot be iterated by name)
                 for owner in module.modules() for name in owner._buffers.keys()  # noqa: SIM118
             ]
+            owners = [owner for owner, _name in found]
+            slots = self._slots[model] = (owners, [name for _owner, name in found],
+                                          all(type(owner) is dict for owner in owners))
             self._trainable[model] = _trainable(module)
             self._library_forward[model] = is_library_code(type(module).forward.__code__)
-        if slots:
+        if slots[1]:
             mutable = self._mutable.get(model)
-            present = [buffer for owned, name in slots if (buffer := owned.get(name)) is not None]
+            owners, names, plain = slots
+            present = [buffer for buffer in map(_dict_get, owners, names) if buffer is not None] if plain else [
+                buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
             buffer_versions = _versions(present)
-            live = {id(buffer): buffer for buffer in present} if mutable is None else {
-                key: buffer for buffer in present if (key := id(buffer)) in mutable}
+            live = dict(zip(map(id, present), present)) if mutable is None else {
+                key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
             buffers = self._buffer_copies.take(module, live)
         else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
             buffer_versions, live, buffers = [], {}, {}
@@ -429,6 +435,9 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
     turned_nan = (nan + posinf + neginf == seen.nonfinite and seen.nan >= nan and seen.posinf <= posinf
                   and seen.neginf <= neginf)
     return turned_nan or (seen.nan == seen.numel and replayed.nonfinite > 0)
+
+
+_dict_get: Any = dict.get
 
 
 def _trainable(module: nn.Module) -> frozenset[int]:
