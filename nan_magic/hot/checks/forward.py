@@ -66,8 +66,8 @@ class ForwardChecks:
             # throws the graph away: the original forward's graph, with our hooks, is the one backward runs.
             # Recording it (probes, a replay of its early stop) would save tensors it does not expect.
             return
-        info = self.watch.module_info(module)
-        if info is None:
+        info = self.watch.targets.modules.get(id(module))  # (module_info's lookup first: every module call)
+        if info is None and (info := self.watch.module_info(module)) is None:
             return  # unwatched
         if info.compiled and self.watch.cycle.coverage.runs_compiled_eagerly:
             self._run_eagerly(info)
@@ -264,7 +264,14 @@ class ForwardChecks:
         too, judged as that call's backward (a frozen model has no parameter
         gradient to show it).
         """
-        tensors = argument_tensors(values, prefix, self.watch.skipped)
+        tensors: list[tuple[str, int | str, torch.Tensor]]
+        if prefix == "input" and len(values) == 1 and type(batch := values[0]) is torch.Tensor:  # model(x)
+            if not (batch.dtype.is_floating_point or batch.dtype.is_complex):
+                return  # token ids: nothing to read, nothing the watch cannot read
+            tensors = [(FIRST_ARGUMENT, 0, batch)] if is_checkable(batch) else argument_tensors(
+                values, prefix, self.watch.skipped)
+        else:
+            tensors = argument_tensors(values, prefix, self.watch.skipped)
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)

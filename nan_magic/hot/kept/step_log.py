@@ -190,7 +190,8 @@ class StepLog:
         self, call: Call, path: str | TensorRef, tensor: torch.Tensor, ranged: bool = True
     ) -> TensorRecord:
         """Probe and record a call's output; ``ranged=False``: only its finiteness is needed."""
-        inner = self._by_id.get(id(tensor))  # (lookup, inlined: every boundary tensor)
+        key = id(tensor)
+        inner = self._by_id.get(key)  # (lookup, inlined: every boundary tensor)
         if inner is not None and inner.ref() is not tensor:
             inner = None
         same = inner if inner is not None and inner.live() is not None else None
@@ -199,9 +200,15 @@ class StepLog:
             inner.outer = record
             record.inner = inner
         call.outputs.append(record)
-        self._by_id[id(tensor)] = record
-        if record.ranged and record._probe is None:
-            self._note_range(call, record)
+        self._by_id[key] = record
+        # (_note_range, inlined: a finite module output or gradient read now)
+        if (record.ranged and record._probe is None and not record.kinds
+                and (call.info is not None or call.phase is Phase.BACKWARD)):
+            low, high = record.low, record.high
+            value = high if high > -low else -low
+            largest = self._largest.get(largest_key := (call.phase, record.dtype))
+            if largest is None or value > largest[0]:
+                self._largest[largest_key] = (value, call)
         return record
 
     def _note_range(self, call: Call, record: TensorRecord) -> None:
