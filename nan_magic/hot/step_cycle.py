@@ -149,7 +149,7 @@ class StepCycle:
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
         self.open = False
-        self._training = False
+        self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
         self._closure_ran = False
 
@@ -173,10 +173,9 @@ class StepCycle:
 
     def training(self) -> bool:
         """Whether an optimizer is in use: a step then ends at its optimizer step, not with its forward."""
-        if self._training:  # (once an optimizer stepped or was passed, it stays in use: asked 4 times a step)
-            return True
-        self._training = training = self.optimizers.in_use()
-        return training
+        if not self.trains:  # (once in use, an optimizer stays so: the hot path reads ``trains`` first)
+            self.trains = self.optimizers.in_use()
+        return self.trains
 
     @property
     def steps_taken(self) -> int:

@@ -185,7 +185,7 @@ class ForwardChecks:
             # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
             self.watch.log.last_forward_seq = torch._C._autograd._get_sequence_nr()
             cycle = self.watch.cycle
-            if not cycle.training():
+            if not (cycle.trains or cycle.training()):
                 # Inference (no optimizer seen): the step's values are judged as each top-level call ends; the
                 # step itself ends when its first top-level module is called again (step_cycle.forward_started).
                 cycle.sync()
@@ -197,7 +197,7 @@ class ForwardChecks:
 
     def _loss_goes_on(self) -> bool:
         """Whether loss code recorded before a top-level call may go on after it: a training step's, with grad on."""
-        return self.watch.cycle.training() and torch.is_grad_enabled()
+        return ((cycle := self.watch.cycle).trains or cycle.training()) and torch.is_grad_enabled()
 
     def _judge_outputs(self, call: Call, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for record in call.outputs:
@@ -230,7 +230,7 @@ class ForwardChecks:
         else:
             found = argument_tensors(values, prefix)
         for path, argument, tensor in found:
-            if log.is_unseen(tensor):
+            if log._unseen and log.is_unseen(tensor):  # (none, the usual case: no call)
                 record = log.adopt(tensor)
                 if self._hook_gradient is not None:
                     self._hook_gradient(record, tensor)

@@ -77,6 +77,8 @@ MAX_CALLS = 8
 
 
 class _Cycle(Protocol):
+    trains: bool
+
     def training(self) -> bool: ...
 
 
@@ -209,7 +211,7 @@ class StepReplays:
             return
         root.returned = True
         root.kwargs = dict(kwargs)
-        if root.grad_enabled and not self.watch.cycle.training():
+        if root.grad_enabled and not ((cycle := self.watch.cycle).trains or cycle.training()):
             # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
         if kwargs:
