@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "dot_norm", "finite_max", "is_checkable", "iter_tensors", "norms",
+__all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "iter_tensors", "norms",
            "probe", "probe_kinds", "read_batched", "read_probe", "read_scalars", "readable", "relevant_kinds",
            "unreadable_reason", "values_to_read", "version_of"]
 
@@ -44,7 +44,10 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 def version_of(tensor: torch.Tensor) -> int:
     """In-place version counter; inference tensors have none (they read as 0)."""
-    return 0 if tensor.is_inference() else tensor._version
+    try:  # (no is_inference() first: one Python call less, on every record of every step)
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return 0
 
 
 def is_checkable(value: Any) -> bool:
@@ -54,18 +57,19 @@ def is_checkable(value: Any) -> bool:
     read (:func:`unreadable_reason`). The one definition every check uses:
     module outputs, the loss, gradients, parameters and the op tracer.
     """
-    if not isinstance(value, torch.Tensor):
-        return False
-    if (
-        type(value) in _PLAIN
-        and value.is_floating_point()
+    # (Attributes, not methods, on the hot path: dtype.is_floating_point, and shape for numel() > 0.)
+    if type(value) not in _PLAIN:
+        if not isinstance(value, torch.Tensor):
+            return False
+    elif (
+        value.dtype.is_floating_point
         and value.layout is torch.strided
         and not value.is_meta
         and not value.is_nested
         and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
         and not torch._is_functional_tensor(value)
     ):
-        return value.numel() > 0  # the hot path: a dense real floating tensor of torch's own type
+        return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
 
 
@@ -131,7 +135,7 @@ def values_to_read(tensor: torch.Tensor) -> torch.Tensor:
 
 def readable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when it is already what :func:`values_to_read` gives (the hot path)."""
-    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_complex():
+    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex:
         return tensor
     return values_to_read(tensor)
 
@@ -160,7 +164,7 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     decides when to read.
     """
     tensor = tensor.detach()
-    if tensor.is_cpu and tensor.numel() >= _SPLIT_PROBE_NUMEL and tensor.nbytes < _SPLIT_PROBE_MAX_BYTES:
+    if tensor.is_cpu and _SPLIT_PROBE_NUMEL * tensor.itemsize <= tensor.nbytes < _SPLIT_PROBE_MAX_BYTES:
         return torch.amin(tensor), torch.amax(tensor)
     return torch.aminmax(tensor)
 
@@ -170,6 +174,23 @@ WIDE_FLOATS = (torch.float32, torch.float64)
 
 #: Below this many elements one fused ``_foreach_norm`` call beats a call per tensor.
 DOT_MIN_NUMEL = 1 << 15
+
+
+class GradOff:
+    """``torch.no_grad()`` for the hot path: ``with GradOff():`` is two Python calls and torch's two C calls,
+    where ``no_grad``'s construction, ``__enter__`` and ``__exit__`` run a dozen (the optimizer's gradient read and
+    the buffer copies use it every step)."""
+
+    __slots__ = ("_was",)
+
+    def __enter__(self) -> None:
+        self._was = torch.is_grad_enabled()
+        if self._was:
+            torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._was:
+            torch._C._set_grad_enabled(True)
 
 
 def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list[torch.Tensor]:
@@ -190,23 +211,38 @@ def norms(tensors: list[torch.Tensor], *, finiteness_only: bool = False) -> list
     overflow it (confirmed as above).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    result: list[torch.Tensor] = [_EMPTY] * len(tensors)
+    result: list[torch.Tensor | None] = [None] * len(tensors)
     readable = tensors
+    # The small tensors' (device, dtype), while they all share one: grouped only where they do not (no Python
+    # call per tensor for the usual parameter set, a few dozen of one dtype on one device).
+    shared: tuple[torch.device, torch.dtype] | None = None
+    mixed = False
     for index, tensor in enumerate(tensors):
         if tensor.layout is not torch.strided:  # a sparse gradient (an Embedding's): its stored values
             readable = list(tensors) if readable is tensors else readable
             tensor = readable[index] = values_to_read(tensor)
-        if tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.numel() >= DOT_MIN_NUMEL and tensor.is_contiguous():
+        if (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.nbytes >= DOT_MIN_NUMEL * tensor.itemsize
+                and tensor.is_contiguous()):
             result[index] = _flat(tensor).sum() if finiteness_only else dot_norm(tensor)
+        elif shared is None:
+            shared = (tensor.device, tensor.dtype)
+        elif not mixed and (tensor.dtype is not shared[1] or tensor.device != shared[0]):
+            mixed = True
+    if shared is not None:
+        small = [index for index, norm in enumerate(result) if norm is None]
+        if not mixed:
+            groups[shared] = small
         else:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+            for index in small:
+                tensor = readable[index]
+                groups.setdefault((tensor.device, tensor.dtype), []).append(index)
     if groups:
         # One no_grad for the small tensors: cheaper than detaching each of them.
-        with torch.no_grad():
+        with GradOff():
             for indices in groups.values():
                 for index, norm in zip(indices, torch._foreach_norm([readable[i] for i in indices], 2)):
                     result[index] = norm
-    return result
+    return result  # type: ignore[return-value]  # (every index set above)
 
 
 def dot_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -221,9 +257,6 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.detach() if tensor.requires_grad else tensor).view(-1)
 
 
-_EMPTY = torch.empty(0)
-
-
 @functools.cache
 def finite_max(dtype: torch.dtype) -> float:
     """The largest finite value of a floating dtype (cached: ``torch.finfo`` takes microseconds)."""
@@ -232,10 +265,11 @@ def finite_max(dtype: torch.dtype) -> float:
 
 def read_scalars(scalars: list[torch.Tensor]) -> list[float]:
     """Copy many 0-d device tensors to Python floats: one transfer per device."""
-    if all(scalar.is_cpu for scalar in scalars):
-        # No transfer to batch: one ``item()`` each is cheaper than a stack.
-        return [float(scalar.item()) for scalar in scalars]
-    return read_batched(scalars)
+    for scalar in scalars:  # (a loop, not all() over a generator: each of its items is a Python call)
+        if not scalar.is_cpu:
+            return read_batched(scalars)
+    # No transfer to batch: one read each is cheaper than a stack (float(), not .item(): no Python call each).
+    return [float(scalar) for scalar in scalars]
 
 
 def read_batched(scalars: list[torch.Tensor]) -> list[float]:

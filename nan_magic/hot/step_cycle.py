@@ -1,16 +1,13 @@
 """A watch's steps: where one opens and closes, what it counts, and the deferred check.
 
-A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`)
-and closes at the optimizer step's post-hook; where no optimizer steps
-(inference), when the step's first top-level module is called again (so
-``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step);
-where a backward is settled without a step (a GradScaler's skip, gradients
-accumulating); or when the watch is left. Closing a step keeps its
-:class:`StepSummary` in the history and feeds the early warnings. In deferred
-mode the checks' probes stay on the device until :meth:`StepCycle.sync`
-reads them in one transfer, at the optimizer step's pre-hook: under a process
-group that is the step's agreement with the other ranks (agreement.py,
-lockstep.py), and so is a step a GradScaler skipped.
+A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`) and closes at the optimizer
+step's post-hook; where no optimizer steps (inference), when the step's first top-level module is called again
+(so ``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step); where a backward is settled
+without a step (a GradScaler's skip, gradients accumulating); or when the watch is left. Closing a step keeps its
+:class:`StepSummary` in the history and feeds the early warnings. In deferred mode the checks' probes stay on the
+device until :meth:`StepCycle.sync` reads them in one transfer, at the optimizer step's pre-hook: under a process
+group that is the step's agreement with the other ranks (agreement.py, lockstep.py), and so is a step a
+GradScaler skipped.
 
 Who calls whom: the watch builds the cycle after the checkers and hands it
 the parts a step's boundaries coordinate, explicitly: the step log, the
@@ -44,6 +41,7 @@ from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.coverage import coverage_for
+from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Note, Phase, StepSummary, TensorRef, TensorRole
 
@@ -92,8 +90,8 @@ class StepCycle:
     """The step counter and the step's boundaries of one entry of a watch (see the module docstring).
 
     ``history`` and ``kept_warnings`` are the watch's (they outlive the entry);
-    ``roots`` gives the watched models; ``emit`` and ``mine`` are the
-    watch's (:meth:`Watch.emit`, :meth:`Watch.mine`).
+    ``roots`` gives the watched models; ``emit`` and ``here`` are the
+    watch's (:meth:`Watch.emit`, :attr:`Watch.here`: whether a hook's call is its own).
     """
 
     def __init__(
@@ -114,7 +112,7 @@ class StepCycle:
         outcome: Outcome,
         lockstep: Lockstep,
         emit: Callable[[Finding], None],
-        mine: Callable[[], bool],
+        here: HookOwner,
         update_code: UpdateCode | None = None,
     ) -> None:
         self.config = config
@@ -132,7 +130,7 @@ class StepCycle:
         self.outcome = outcome
         self.lockstep = lockstep
         self._emit = emit
-        self._mine = mine
+        self._here = here
         self.update_code = update_code
         # The norms of the parameters the update code wrote, read with the deferred check's transfer, and
         # whether that code ran before the calls the transfer judges (it ended as a model call began).
@@ -148,6 +146,7 @@ class StepCycle:
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
         self.open = False
+        self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
         self._closure_ran = False
 
@@ -171,7 +170,9 @@ class StepCycle:
 
     def training(self) -> bool:
         """Whether an optimizer is in use: a step then ends at its optimizer step, not with its forward."""
-        return self.optimizers.in_use()
+        if not self.trains:  # (once in use, an optimizer stays so: the hot path reads ``trains`` first)
+            self.trains = self.optimizers.in_use()
+        return self.trains
 
     @property
     def steps_taken(self) -> int:
@@ -297,9 +298,9 @@ class StepCycle:
         returns, from those gradients, and a replay of the closure's model
         call must read the parameters as that call did.
         """
-        if self._closure_ran and self._mine() and not self.outcome.stopped:
+        if self._closure_ran and self._here.mine and not self.outcome.stopped:
             self.optimizers.closure_gradients()
-        if self.update_code is not None and self._mine():
+        if self.update_code is not None and self._here.mine:
             self.update_code.begin()
 
     def _end_update(self, by_a_call: bool = False) -> None:
@@ -322,16 +323,23 @@ class StepCycle:
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
-        mine = self._mine()
+        mine = self._here.mine
         if mine and self.outside is not None:
             self.outside.stop()
         try:
-            with self.outcome.agreement_point(mine and self._agrees_at(opt)):
+            if not self.outcome.agreement.several:
+                # One process: no point ever opens (agreement.open), and one that is not open settles nothing,
+                # so the checks run as they are (a context manager and its settling are a dozen calls a step).
+                if mine:
+                    self._end_update()
+                self.optimizers.on_step_pre(opt, args, kwargs)
+                return
+            with self.outcome.agreement_point(mine and self.lockstep.agrees_at(opt)):
                 if mine:
                     self._end_update()
                 self.optimizers.on_step_pre(opt, args, kwargs)
         finally:
-            if self.outside is not None and self._mine():
+            if self.outside is not None and self._here.mine:
                 self.outside.forget()  # the step is judged (the deferred check too): the loss code's records go
                 self.gradients.forget_loss_graph()
 
@@ -346,10 +354,10 @@ class StepCycle:
         try:
             self.optimizers.on_step_post(opt, args, kwargs)
         finally:
-            if self.replays is not None and self._mine():
+            if self.replays is not None and self._here.mine:
                 # Its models' calls can need no replay now, nor stay alive.
                 self.replays.release_stepped(opt)
-        if self.outside is not None and self._mine():
+        if self.outside is not None and self._here.mine:
             self.timing.step_judged(self.outside)
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -363,7 +371,7 @@ class StepCycle:
             return  # settled already (a second optimizer's skip of the same backward)
         # Like the step it replaces, an agreement point (agreement.py): every rank skips the same step (DDP's
         # gradients, and so the scaler's found_inf, are the same on all; FSDP's ShardedGradScaler all-reduces it).
-        with self.outcome.agreement_point(self._mine() and self._agrees_at(optimizer)):
+        with self.outcome.agreement_point(self._here.mine and self._agrees_at(optimizer)):
             self._settle_backward(optimizer)
 
     def _settle_backward(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -464,21 +472,14 @@ class StepCycle:
             return None
         # A live op tracer (ops=True) saw the op start the value; no boundary claimed it before the error.
         traced = self.origins.anomaly_finding()
-        if traced is not None:
-            traced.notes.append(Note.raised("anomaly-raised", exc))
-            try:
-                self._emit(traced)
-            except NonFiniteError as error:
-                return error
-            return None
-        finding = Finding(Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output"))
+        finding = traced or Finding(Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output"))
         finding.notes.append(Note.raised("anomaly-raised", exc))
         gradients = self.gradients
         loss = gradients.loss_record.ref() if gradients.loss_record is not None else None
         # The loss code's backward first (it runs before the models'), as its recorded ops replay it; else the step
         # replay of the models' calls (events.py) finds it.
         with torch.autograd.set_detect_anomaly(False):  # (or its replay would stop as the user's backward did)
-            claimed = self.origins.claim_loss_backward(finding, loss, gradients.loss_key)
+            claimed = traced is None and self.origins.claim_loss_backward(finding, loss, gradients.loss_key)
         if claimed and gradients.loss_record is not None:
             finding.call = gradients.loss_record.call  # named: the loss's call, which no model replay stands for
         try:

@@ -18,11 +18,10 @@ Mechanisms, and why none of them changes what the model computes:
 Every handle lives in an ``ExitStack`` closed in ``finally``: no hook of ours
 outlives the watch, and the user's hooks are never touched.
 
-This module owns the lifecycle: entering and leaving (pausing and resuming for
-``%nanwatch on``), attaching and removing the hooks, and building every part
-in :meth:`Watch._reset_state`, each handed the narrow callables it uses. The
-step cycle and the checks are in hot/, the event's replays in localize/, the
-outcome in ``events.py``; docs/how-it-watches.md draws who may call whom.
+This module owns the lifecycle: entering and leaving (pausing and resuming for ``%nanwatch on``), attaching and
+removing the hooks, and building every part in :meth:`Watch._reset_state`, each handed the narrow callables it
+uses. The step cycle and the checks are in hot/, the event's replays in localize/, the outcome in ``events.py``;
+docs/how-it-watches.md draws who may call whom.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
@@ -56,6 +54,7 @@ from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.step_cycle import StepCycle
 from nan_magic.hot.timing import Timing, timing_for
 from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
+from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
@@ -114,7 +113,8 @@ class Watch:
         self._active = False
         self._exit_stack: ExitStack | None = None
         self._paused = False  # left by pause() with the run going on: resume() continues it
-        self._thread: int | None = None
+        #: :meth:`mine` as an attribute the hot path reads (hot/watched/owner.py).
+        self.here = HookOwner()
         #: The autograd backward pass the watch was entered in (-1: none; a replay's watch is entered
         #: inside the backward it localizes). A module call inside any other one is a recomputation.
         self.graph_task = -1
@@ -198,9 +198,8 @@ class Watch:
             self.warnings.clear()
         self._paused = self.outcome.leaving = False  # (a part the user's own error ended left it set)
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
-        self._thread = threading.get_ident()
         self.graph_task = torch._C._current_graph_task_id()
-        self._active = True
+        self._active = self.here.mine = True
         self._nesting.entered()
         self.localizing.enter(resume)
         if resume and self.cycle.update_code is not None:
@@ -227,7 +226,7 @@ class Watch:
             else:
                 explained = self.cycle.left_by(exc, explained)
         finally:
-            self._active = False
+            self._active = self.here.mine = False
             self._nesting.left()
             self._detach()
             self._paused = pause and not self.outcome.stopped and explained is None
@@ -307,7 +306,8 @@ class Watch:
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
-        self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit)
+        self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
+                                      self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         loss_code = LossCodeReads(saved_leaves=entering.saved_leaves, entering_tensors=entering.entering_tensors,
                                   recorded_leaves=functools.partial(entering.recorded_leaves, self.outside),
@@ -339,7 +339,7 @@ class Watch:
             self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
-            lockstep=self.lockstep, emit=self.emit, mine=self.mine, update_code=LoopWrites(
+            lockstep=self.lockstep, emit=self.emit, here=self.here, update_code=LoopWrites(
                 self.config.kinds, self._named_parameters, self.optimizers.reports.attribute, self.emit,
                 lambda: self.step,
                 tracer=self.localizing.update_tracer(self.origins), data=self.outside,
@@ -384,9 +384,9 @@ class Watch:
         return info
 
     def mine(self) -> bool:
-        """Hooks are global: act only for the thread that entered the watch, not during a replay."""
-        # (listening(), inlined: every hook of every step asks this)
-        return self._active and not self.call_replay.replaying and threading.get_ident() == self._thread
+        """Hooks are global: act only for the thread that entered the watch, not during a replay (the hot path
+        reads :attr:`here` instead: hot/watched/owner.py)."""
+        return self.here.mine
 
     def listening(self) -> bool:
         """:meth:`mine` for hooks that only the watched code reaches, from any thread.

@@ -57,17 +57,17 @@ class ForwardChecks:
         self.rule = rule
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.watch.mine() or (self.stack and not self.watch.cycle.full_step):
+        if not self.watch.here.mine or (self.stack and not self.watch.cycle.full_step):
             return  # inside a top-level call of a tiered step, only its boundaries are checked
         task = torch._C._current_graph_task_id()
-        recomputing = self._recomputing(task)
+        recomputing = task != self.watch.graph_task  # (Recomputing, below)
         if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             # Non-reentrant checkpointing regenerates saved tensors under its saved-tensor hooks and
             # throws the graph away: the original forward's graph, with our hooks, is the one backward runs.
             # Recording it (probes, a replay of its early stop) would save tensors it does not expect.
             return
-        info = self.watch.module_info(module)
-        if info is None:
+        info = self.watch.targets.modules.get(id(module))  # (module_info's lookup first: every module call)
+        if info is None and (info := self.watch.module_info(module)) is None:
             return  # unwatched
         if info.compiled and self.watch.cycle.coverage.runs_compiled_eagerly:
             self._run_eagerly(info)
@@ -128,14 +128,14 @@ class ForwardChecks:
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # always_call hooks are called with (module, args, output) when the
         # forward raised, and with (module, args, kwargs, output) otherwise.
-        if not self.watch.mine():
+        if not self.watch.here.mine:
             return
         if not self.stack or self.stack[-1].module is not module:
             return
         frame = self.stack.pop()
-        # A recompute's calls are recorded for their gradients only (see _recomputing).
+        # A recompute's calls are recorded for their gradients only (see Recomputing).
         task = torch._C._current_graph_task_id()
-        recomputing = self._recomputing(task)
+        recomputing = task != self.watch.graph_task  # (Recomputing, below)
         top_level = not self.stack and not recomputing
         if len(rest) != 2:
             if top_level and frame.call is not None:
@@ -185,7 +185,7 @@ class ForwardChecks:
             # Autograd nodes created from here on belong to the code outside the modules (loss_region.py).
             self.watch.log.last_forward_seq = torch._C._autograd._get_sequence_nr()
             cycle = self.watch.cycle
-            if not cycle.training():
+            if not (cycle.trains or cycle.training()):
                 # Inference (no optimizer seen): the step's values are judged as each top-level call ends; the
                 # step itself ends when its first top-level module is called again (step_cycle.forward_started).
                 cycle.sync()
@@ -197,28 +197,22 @@ class ForwardChecks:
 
     def _loss_goes_on(self) -> bool:
         """Whether loss code recorded before a top-level call may go on after it: a training step's, with grad on."""
-        return self.watch.cycle.training() and torch.is_grad_enabled()
+        return ((cycle := self.watch.cycle).trains or cycle.training()) and torch.is_grad_enabled()
 
     def _judge_outputs(self, call: Call, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for record in call.outputs:
             if record.kinds:  # finite outputs (the hot path) need no judging
                 self.rule.judge(call, record, replay=(frame, args, kwargs))
 
-    def _recomputing(self, task: int) -> bool:
-        """Whether autograd runs a backward pass the watch was not entered in: activation checkpointing's recompute.
-
-        ``torch.utils.checkpoint`` calls the checkpointed modules again inside
-        backward. That is no new call of the user's: no step starts, no batch
-        enters, and its values are the original forward's, judged then. Taken
-        for a top-level call, the non-reentrant form's early stop
-        (``_StopRecomputationError``) was "explained" by a replay, which saved
-        tensors the checkpoint counts, and backward failed. The reentrant form
-        (a custom Function's backward) builds the graph backward then runs, so
-        its calls are recorded for their gradients. A CUDA backward runs on
-        autograd's own thread, where :meth:`Watch.mine` ignores every call.
-        ``task`` is the current autograd graph task (``-1`` outside backward).
-        """
-        return task != self.watch.graph_task
+    # Recomputing (``task != watch.graph_task``, inlined in both hooks): whether autograd runs a backward pass
+    # the watch was not entered in: activation checkpointing's recompute. ``torch.utils.checkpoint`` calls the
+    # checkpointed modules again inside backward. That is no new call of the user's: no step starts, no batch
+    # enters, and its values are the original forward's, judged then. Taken for a top-level call, the
+    # non-reentrant form's early stop (``_StopRecomputationError``) was "explained" by a replay, which saved
+    # tensors the checkpoint counts, and backward failed. The reentrant form (a custom Function's backward)
+    # builds the graph backward then runs, so its calls are recorded for their gradients. A CUDA backward runs on
+    # autograd's own thread, where the watch's hooks ignore every call (hot/watched/owner.py). ``task`` is the
+    # current autograd graph task (``-1`` outside backward).
 
     def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
@@ -236,7 +230,7 @@ class ForwardChecks:
         else:
             found = argument_tensors(values, prefix)
         for path, argument, tensor in found:
-            if log.is_unseen(tensor):
+            if log._unseen and log.is_unseen(tensor):  # (none, the usual case: no call)
                 record = log.adopt(tensor)
                 if self._hook_gradient is not None:
                     self._hook_gradient(record, tensor)
@@ -270,7 +264,14 @@ class ForwardChecks:
         too, judged as that call's backward (a frozen model has no parameter
         gradient to show it).
         """
-        tensors = argument_tensors(values, prefix, self.watch.skipped)
+        tensors: list[tuple[str, int | str, torch.Tensor]]
+        if prefix == "input" and len(values) == 1 and type(batch := values[0]) is torch.Tensor:  # model(x)
+            if not (batch.dtype.is_floating_point or batch.dtype.is_complex):
+                return  # token ids: nothing to read, nothing the watch cannot read
+            tensors = [(FIRST_ARGUMENT, 0, batch)] if is_checkable(batch) else argument_tensors(
+                values, prefix, self.watch.skipped)
+        else:
+            tensors = argument_tensors(values, prefix, self.watch.skipped)
         if not tensors:
             return
         call = self.watch.log.new_call(Phase.DATA, info, module, None)

@@ -99,7 +99,7 @@ class GradientChecks:
         records stay past it, for the next loss's judgement.
         """
         watch = self.watch
-        if not watch.mine():
+        if not watch.here.mine:
             return
         if watch.outside is not None:
             watch.outside.stop()  # the backward, the model's included, is not traced

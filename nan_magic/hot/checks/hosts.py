@@ -27,6 +27,7 @@ from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.coverage import Coverage
 from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
+from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Note
@@ -163,6 +164,8 @@ class StepBoundaries(Protocol):
     @property
     def early(self) -> EarlyWarnings: ...
 
+    trains: bool
+
     def training(self) -> bool: ...
 
     def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None: ...
@@ -218,7 +221,8 @@ class _Checker(Protocol):
     @property
     def timing(self) -> WhenJudged: ...
 
-    def mine(self) -> bool: ...
+    @property
+    def here(self) -> HookOwner: ...
 
     def emit(self, finding: Finding) -> None: ...
 
@@ -252,6 +256,9 @@ class ForwardHost(_Checker, Protocol):
 
     @property
     def skipped(self) -> Counter[str]: ...
+
+    @property
+    def targets(self) -> Targets: ...
 
     def module_info(self, module: nn.Module) -> ModuleInfo | None: ...
 

@@ -51,17 +51,12 @@ from nan_magic.hot.checks.hosts import OptimizerHost
 from nan_magic.hot.checks.iterations import Iterations
 from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
 from nan_magic.hot.checks.running_stats import running_stats_of
-from nan_magic.hot.checks.step_layout import (
-    BOUNDED_GRAD_NORM,
-    Layout,
-    StepResult,
-    bounded_step,
-    wild_hyperparameters,
-)
+from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
+    GradOff,
     dot_norm,
     is_checkable,
     norms,
@@ -178,7 +173,7 @@ class OptimizerChecks:
         if layout.generic:
             return norms([grad for _name, grad in self._named_gradients(layout)])
         result: list[torch.Tensor] = []
-        with torch.no_grad():  # one no_grad, not a detach per gradient (a create_graph backward's require grad)
+        with GradOff():  # one no_grad, not a detach per gradient (a create_graph backward's require grad)
             for group in layout.groups:
                 grads = [grad for parameter in group if (grad := parameter.grad) is not None]
                 if not grads:
@@ -216,7 +211,7 @@ class OptimizerChecks:
         """Before a step: the previous step's result, then the running statistics and gradients about to be applied,
         read in one transfer (the deferred mode's one host synchronisation per step)."""
         watch = self.watch
-        if not watch.mine():
+        if not watch.here.mine:
             return
         self.step_calls += 1
         if not self.watches(opt):
@@ -272,7 +267,7 @@ class OptimizerChecks:
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After a step: parameters and optimizer state it made non-finite (phase ``optimizer``)."""
         watch = self.watch
-        if not watch.mine():
+        if not watch.here.mine:
             return
         step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
         if not self.watches(opt):
@@ -353,7 +348,7 @@ class OptimizerChecks:
 
     def on_scale(self, scaler: Any) -> None:
         """``scaler.scale(loss)`` ran (scaler_patch.py): the scaler is in use, passed to watch or not."""
-        if self.watch.mine() and not any(scaler is known for known in self.scalers):
+        if self.watch.here.mine and not any(scaler is known for known in self.scalers):
             self.scalers.append(scaler)
 
     def before_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer) -> int:
@@ -361,7 +356,7 @@ class OptimizerChecks:
 
     def after_scaler_step(self, scaler: Any, opt: torch.optim.Optimizer, step_calls: int) -> None:
         """``scaler.step(opt)`` returned: without an optimizer step call in between, it skipped the step."""
-        if not self.watch.mine() or not scaler.is_enabled() or self.step_calls != step_calls:
+        if not self.watch.here.mine or not scaler.is_enabled() or self.step_calls != step_calls:
             return
         self.on_scale(scaler)
         if not _holds(self.seen, opt):

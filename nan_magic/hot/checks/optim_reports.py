@@ -76,7 +76,8 @@ class StepReports:
 
     def step_result(self, result: StepResult, values: list[float]) -> bool:
         """Report what the step made non-finite; True when it did."""
-        for index, (tensor, value) in enumerate(zip(result.updated, values)):
+        finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
+        for index, (tensor, value) in enumerate(() if finite else zip(result.updated, values)):
             if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
                 continue
             label = result.label(index)

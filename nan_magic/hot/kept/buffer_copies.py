@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from nan_magic.hot.reads import GradOff
+
 __all__ = ["BufferCopies"]
 
 #: ``(the buffers copied, in order; their copies by id(buffer))``
@@ -39,7 +41,7 @@ class BufferCopies:
             # The same buffers: the copies are keyed by their ids, and the spare holds them, so an id is not reused.
             # (Paired in the spare's own order below, whatever order ``live`` lists them in.)
             if copies.keys() == live.keys():
-                with torch.no_grad():
+                with GradOff():
                     torch._foreach_copy_(list(copies.values()), sources)
                 return copies
         return {key: buffer.detach().clone() for key, buffer in live.items()}

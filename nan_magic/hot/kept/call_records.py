@@ -102,10 +102,17 @@ class TensorRecord:
         # The tensor itself is what identity and versions follow; what is probed
         # is its values (reads.values_to_read: a complex tensor's real view, a
         # sparse one's stored values), whose shape the stats describe.
-        values = readable(tensor)
+        # (readable() and version_of() inlined: a record is made for each boundary tensor of every step)
+        if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex:
+            values = tensor
+        else:
+            values = readable(tensor)
         self.shape = tuple(values.shape)
         self.ref = weakref.ref(tensor)
-        self.version = version_of(tensor)
+        try:
+            self.version = tensor._version
+        except RuntimeError:  # an inference tensor has no version counter (version_of)
+            self.version = 0
         self.call = call
         self.status: LayerStatus = "ok"
         self.consumers: list[Call] = []
@@ -139,7 +146,7 @@ class TensorRecord:
         if hold:
             self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
         else:
-            self.set_probe(low.item(), high.item())
+            self.set_probe(float(low), float(high))  # (float(): no Python call of .item())
 
     @classmethod
     def finite(cls, path: str | TensorRef, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:

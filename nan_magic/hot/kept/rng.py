@@ -33,6 +33,10 @@ class RngState(NamedTuple):
     cuda: tuple[torch.Tensor, ...] | None = None
 
 
+#: torch.cuda's private initialised flag, where it has one (None: it is not read).
+_CUDA_FLAG = getattr(torch.cuda, "_initialized", None)
+_new_tuple = tuple.__new__
+
 #: The autocast regions a call ran in, as ``((device_type, dtype), ...)``.
 AutocastState = tuple[tuple[str, torch.dtype], ...]
 
@@ -47,10 +51,12 @@ def capture_rng_state() -> RngState:
     start a CUDA context in a CPU-only program.
     """
     cuda = None
-    # is_initialized first: it is a flag read, is_available() is not (hot path).
-    if torch.cuda.is_initialized() and torch.cuda.is_available():
+    # The module's flag, then is_initialized() (also False in a forked child), then is_available(): a CPU-only
+    # program reads one attribute here (hot path).
+    if (_CUDA_FLAG is None or torch.cuda._initialized) and torch.cuda.is_initialized() and torch.cuda.is_available():
         cuda = tuple(torch.cuda.get_rng_state_all())
-    return RngState(cpu=torch.default_generator.get_state(), cuda=cuda)  # torch.get_rng_state(), one frame less
+    # (torch.get_rng_state(), one frame less; tuple.__new__: the named tuple's own __new__ is a Python call more)
+    return _new_tuple(RngState, (torch.default_generator.get_state(), cuda))
 
 
 def capture_autocast() -> AutocastState | None:
@@ -61,17 +67,18 @@ def capture_autocast() -> AutocastState | None:
     user's ``torch.autocast`` block exited: without this, a float16 overflow
     of an autocast matmul would be replayed in float32 and not reproduce.
     """
-    if not _any_autocast():
+    if not (_ANY_AUTOCAST() if _ANY_AUTOCAST is not None else _any_autocast()):
         return None
     return tuple(
         (device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)
     ) or None
 
 
+#: Whether any autocast region is active: torch's private flag, one call (where it has none: _any_autocast).
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _any_autocast() -> bool:
-    check = getattr(torch._C, "_is_any_autocast_enabled", None)  # private, one call; else ask per device
-    if check is not None:
-        return bool(check())
     return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
 
 

@@ -8,6 +8,7 @@ tensor's consumer, and a gradient's producer, can be found.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections import deque
@@ -96,13 +97,21 @@ class StepLog:
             call.outputs = []
             call.inputs = []
             call.held = None
-        self._calls.clear()
-        self._finite_gradients.clear()
-        self._finite_ids.clear()
-        self._by_id.clear()
-        self._aliases.clear()
-        self._unseen.clear()
-        self._largest.clear()
+        # (Each cleared only where it holds anything: a step leaves most of them empty, and a clear is a call.)
+        if self._calls:
+            self._calls.clear()
+        if self._finite_gradients:
+            self._finite_gradients.clear()
+        if self._finite_ids:
+            self._finite_ids.clear()
+        if self._by_id:
+            self._by_id.clear()
+        if self._aliases:
+            self._aliases.clear()
+        if self._unseen:
+            self._unseen.clear()
+        if self._largest:
+            self._largest.clear()
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
@@ -125,7 +134,11 @@ class StepLog:
         if len(self._finite_gradients) == self._finite_gradients.maxlen:
             self.dropped += 1
         self._finite_gradients.append((self.count, self.finished_count, record, grad.dtype, grad.shape))
-        self._finite_ids[id(grad)] = (weakref.ref(grad), version_of(grad))
+        try:  # (version_of, inlined: every gradient found finite)
+            version = grad._version
+        except RuntimeError:  # an inference tensor has none
+            version = 0
+        self._finite_ids[id(grad)] = (weakref.ref(grad), version)
         self.count += 1
         self.finished_count += 1
 
@@ -177,16 +190,25 @@ class StepLog:
         self, call: Call, path: str | TensorRef, tensor: torch.Tensor, ranged: bool = True
     ) -> TensorRecord:
         """Probe and record a call's output; ``ranged=False``: only its finiteness is needed."""
-        inner = self.lookup(tensor)
+        key = id(tensor)
+        inner = self._by_id.get(key)  # (lookup, inlined: every boundary tensor)
+        if inner is not None and inner.ref() is not tensor:
+            inner = None
         same = inner if inner is not None and inner.live() is not None else None
         record = TensorRecord(path, tensor, call, self.hold_probes, same, ranged)
         if inner is not None:
             inner.outer = record
             record.inner = inner
         call.outputs.append(record)
-        self._by_id[id(tensor)] = record
-        if record.ranged and record._probe is None:
-            self._note_range(call, record)
+        self._by_id[key] = record
+        # (_note_range, inlined: a finite module output or gradient read now)
+        if (record.ranged and record._probe is None and not record.kinds
+                and (call.info is not None or call.phase is Phase.BACKWARD)):
+            low, high = record.low, record.high
+            value = high if high > -low else -low
+            largest = self._largest.get(largest_key := (call.phase, record.dtype))
+            if largest is None or value > largest[0]:
+                self._largest[largest_key] = (value, call)
         return record
 
     def _note_range(self, call: Call, record: TensorRecord) -> None:
@@ -235,9 +257,9 @@ class StepLog:
         through the pass-throughs it came from (``origin`` is the alias it
         is the output of; ``record`` the record the chain goes back to).
         """
-        record = self.lookup(tensor)
-        if record is not None:
-            if record.pending or record.kinds or not record.ranged or version_of(tensor) != record.version:
+        record = self._by_id.get(id(tensor))  # (lookup, inlined)
+        if record is not None and record.ref() is tensor:
+            if record._probe is not None or record.kinds or not record.ranged or version_of(tensor) != record.version:
                 return None
             return record, record.low, record.high, record
         alias = self.alias_of(tensor)
@@ -268,13 +290,17 @@ class StepLog:
         return record
 
     def note_input(self, call: Call, path: str, argument: int | str, tensor: torch.Tensor) -> None:
-        record = self.lookup(tensor)
-        if record is None:
+        record = self._by_id.get(id(tensor))  # (lookup, inlined: every input of every checked call)
+        if record is None or record.ref() is not tensor:
             alias = self.alias_of(tensor)
             record = alias.record if alias is not None else None
         if record is not None:
             record.consumers.append(call)
-        call.inputs.append((path, argument, record, weakref.ref(tensor), version_of(tensor)))
+        try:  # (version_of, inlined)
+            version = tensor._version
+        except RuntimeError:  # an inference tensor has none
+            version = 0
+        call.inputs.append((path, argument, record, weakref.ref(tensor), version))
 
     def pending_records(self) -> list[TensorRecord]:
         # (``_probe`` read directly: the ``pending`` property is a Python call per record, at every check)
@@ -346,11 +372,12 @@ class StepLog:
                 continue
             name = info.name
             for record in call.outputs:
-                if record.ranged and not record.pending and not record.kinds and record.dtype.is_floating_point:
-                    value = max(-record.low, record.high)
+                if record.ranged and record._probe is None and not record.kinds and record.dtype.is_floating_point:
+                    value = record.high if record.high > -record.low else -record.low  # (no max(): a call each)
                     if name not in largest or value > largest[name][0]:
-                        largest[name] = (value, str(record.dtype).removeprefix("torch."), info.path)
-        return tuple((name, value, dtype, path) for name, (value, dtype, path) in largest.items())
+                        largest[name] = (value, _dtype_name(record.dtype), info.path)
+        # (A list, not a generator: each item of a generator is a Python call.)
+        return tuple([(name, value, dtype, path) for name, (value, dtype, path) in largest.items()])
 
     def summary(self) -> tuple[float | None, float | None, Headroom | None, Headroom | None]:
         """What the step's read probes say, from the largest values noted as they were read.
@@ -375,6 +402,12 @@ class StepLog:
                 if best is None or ratio < best[0]:
                     headroom[phase] = (ratio, call.name, str(dtype).removeprefix("torch."))
         return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32`` (cached: a per-module step names one for each module call)."""
+    return str(dtype).removeprefix("torch.")
 
 
 #: ``(call index, finished index, record of the forward tensor, gradient dtype, gradient shape)``

@@ -3,6 +3,6 @@
 targets (the watched modules with the names the user knows them by, the optimizers and
 scalers), coverage (which module calls a step checks: the mode's), module_hooks (torch's
 two global module hooks, stepping aside while a compiled or top-level model runs),
-transparent (pass-through modules: no check of their own) and deterministic (which calls
-draw no random numbers, so keep no RNG state).
+transparent (pass-through modules: no check of their own), deterministic (which calls
+draw no random numbers, so keep no RNG state) and owner (whether a hook's call is the watch's own).
 """

@@ -134,18 +134,15 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         #: Whether an optimizer step follows backward: the default mode's gradient check runs there, and a fix
         #: trial at it runs the step's loss code, which :meth:`forget` then holds as recorded until that step.
         self.stepped = stepped
-        self._raw = False
-        self.pushed = False
+        self._raw = self.pushed = self._resumes = self._entry = False
+        self._budget, self._region = 0, "loss"
         # Whether the watch was entered (or resumed) in inference mode: pushed and popped only where it is as the
         # watch found it, or as an inference_mode block entered since set it (as_blocks_set).
         self._watch_inferring = _inference()
         #: Whether the user's dispatch modes were on the stack as the watch attached: never pushed while it is
         #: attached (lifecycle/users_modes.py: its callbacks empty the stack for a moment).
         self.apart = False
-        self._resumes = False
-        self._budget = 0
-        self._region = "loss"
-        self._entry = False
+        self._walked: tuple[FrameType | None, FrameType | None] = (None, None)  # the last op's walk: (from, found)
         # Bytes of the storages the records hold (over-counted: a storage seen twice counts twice), a large
         # one counting past KEEP_TOTAL on its own: while within it, weaken() has nothing to let go.
         self._held_bytes = 0
@@ -304,6 +301,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._held_bytes = 0
         self._rng = None
         self._witness = None
+        self._walked = (None, None)
         if self.before:
             self.before.clear()
 
@@ -326,6 +324,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals), but,
         for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
         %debug opens there at the op. The immediate check judged the loss before this is called."""
+        self._walked = (None, None)  # (a held frame keeps its locals: a large tensor the records hold weakly)
         held = {frame for frame in self._frames if frame is not None}
         if not held:
             return
@@ -382,15 +381,21 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                     self.batches_aside = self.batches_aside or self._region == "data"
                 self.forget()
             return out
-        # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached).
+        # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached); the last
+        # op's walk where this one runs in the same frame (still running: the same callers), as most ops of a loss do.
         frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            passed = PASSED_OVER.get(code := id(frame.f_code))
-            if not (passed[1] if passed is not None else passed_over(frame.f_code)):
-                break
-            if code in _ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's code
-                return out
-            frame = frame.f_back
+        if frame is self._walked[0]:
+            frame = self._walked[1]
+        else:
+            start = frame
+            while frame is not None:
+                passed = PASSED_OVER.get(code := id(frame.f_code))
+                if not (passed[1] if passed is not None else passed_over(frame.f_code)):
+                    break
+                if code in _ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's
+                    return out
+                frame = frame.f_back
+            self._walked = (start, frame)
         self._budget -= 1
         index = len(self._ops)
         self._frames.append(frame)

@@ -35,6 +35,7 @@ from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.hot.stats import kinds_of
 from nan_magic.hot.timing import Timing
+from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.module_run import (
     recompute,
@@ -56,7 +57,8 @@ class CallReplay:
     """Replays of single module calls for one watch, and the flag that makes its hooks stand aside."""
 
     def __init__(
-        self, config: WatchConfig, replays: bool, timing: Timing, log: StepLog, emit: Callable[[Finding], None]
+        self, config: WatchConfig, replays: bool, timing: Timing, log: StepLog, emit: Callable[[Finding], None],
+        here: HookOwner | None = None,
     ) -> None:
         self.kinds = config.kinds
         self._log = log
@@ -64,6 +66,7 @@ class CallReplay:
         # Modules whose infinities a replay showed to be deliberate (masks).
         self.masks: set[int] = set()
         self.replaying = False
+        self._here = here  # the watch's hooks read it (hot/watched/owner.py): off while a replay runs
         # Per-call mode only (modes.py): the tiered watch replays the whole failing step instead (replay/step.py).
         self.can_replay = replays
         # A backward producer is replayed from the gradient hook, after its
@@ -80,10 +83,15 @@ class CallReplay:
     def standing_aside(self) -> Iterator[None]:
         """The watch's hooks ignore the calls a replay makes (:meth:`Watch.mine`); nests."""
         was, self.replaying = self.replaying, True
+        here = self._here if self._here is not None and self._here.mine else None
+        if here is not None:
+            here.mine = False  # (this thread's: another thread's is False already)
         try:
             yield
         finally:
             self.replaying = was
+            if here is not None:
+                here.mine = True
 
     def classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]:
         """A call input's record, and whether holding it until its gradient is computed adds no memory.

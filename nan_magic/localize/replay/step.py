@@ -52,7 +52,7 @@ from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
-from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.reads import is_checkable, iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
@@ -77,6 +77,8 @@ MAX_CALLS = 8
 
 
 class _Cycle(Protocol):
+    trains: bool
+
     def training(self) -> bool: ...
 
 
@@ -135,7 +137,8 @@ class StepReplays:
         self._nested = nested
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
-        self._slots: dict[int, list[tuple[Any, str]]] = {}
+        # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
+        self._slots: dict[int, tuple[list[Any], list[str], bool]] = {}
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped).
         self._stepped: set[int] = set()
@@ -155,21 +158,34 @@ class StepReplays:
 
         Returns the generators' state taken for it (the call's own replay uses the same).
         """
-        slots = self._slots.get(id(module))
+        model = id(module)
+        slots = self._slots.get(model)
         if slots is None:
-            slots = self._slots[id(module)] = [
+            found = [
                 (owned if type(owned := owner._buffers) is dict else _ScriptedBuffers(owned), name)
                 # (keys(): a scripted module's buffers cannot be iterated by name)
                 for owner in module.modules() for name in owner._buffers.keys()  # noqa: SIM118
             ]
-            self._trainable[id(module)] = _trainable(module)
-            self._library_forward[id(module)] = is_library_code(type(module).forward.__code__)
-        mutable = self._mutable.get(id(module))
-        present = [buffer for owned, name in slots if (buffer := owned.get(name)) is not None]
-        buffer_versions = _versions(present)
-        live = {id(buffer): buffer for buffer in present} if mutable is None else {
-            key: buffer for buffer in present if (key := id(buffer)) in mutable}
-        buffers = self._buffer_copies.take(module, live)
+            owners = [owner for owner, _name in found]
+            slots = self._slots[model] = (owners, [name for _owner, name in found],
+                                          all(type(owner) is dict for owner in owners))
+            self._trainable[model] = _trainable(module)
+            self._library_forward[model] = is_library_code(type(module).forward.__code__)
+        if slots[1]:
+            mutable = self._mutable.get(model)
+            owners, names, plain = slots
+            present = [buffer for buffer in map(_dict_get, owners, names) if buffer is not None] if plain else [
+                buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
+            buffer_versions = _versions(present)
+            live = dict(zip(map(id, present), present)) if mutable is None else {
+                key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
+            buffers = self._buffer_copies.take(module, live)
+        else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
+            buffer_versions, live, buffers = [], {}, {}
+        if len(args) == 1 and type(batch := args[0]) is torch.Tensor:  # (``model(x)``: no walk of the arguments)
+            versions = [(batch, version_of(batch))] if is_checkable(batch) else []
+        else:
+            versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
         rng = capture_rng_state()
         caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
         self.calls.append(RootCall(
@@ -181,11 +197,11 @@ class StepReplays:
             autocast=capture_autocast(),
             buffers=buffers,
             buffer_sources=list(live.values()),
-            versions=[(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)],
+            versions=versions,
             buffer_versions=buffer_versions,
             call=call,
             site=(caller.f_code, caller.f_lineno, caller.f_globals)
-            if caller is not None and self._library_forward[id(module)] else None,
+            if caller is not None and self._library_forward[model] else None,
             caller=(caller.f_code, id(caller), caller.f_lasti, caller.f_lineno) if caller is not None else None,
         ))
         return rng
@@ -197,10 +213,15 @@ class StepReplays:
             return
         root.returned = True
         root.kwargs = dict(kwargs)
-        if root.grad_enabled and not self.watch.cycle.training():
+        if root.grad_enabled and not ((cycle := self.watch.cycle).trains or cycle.training()):
             # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
             root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
-        root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        if kwargs:
+            root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)
+            if id(module) not in self._mutable:
+                self._mutable[id(module)] = set()
+            return
         try:  # (``_version`` read directly: this runs at every top-level call; an inference tensor has none)
             moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
         except RuntimeError:
@@ -251,7 +272,11 @@ class StepReplays:
         per model, not a walk of its parameters each step), learned again
         for a call still waiting when the next step begins (new_step).
         """
-        self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
+        groups = opt.param_groups
+        if len(groups) == 1:  # (the usual optimizer: no generator over its groups, every step)
+            self._stepped.update(map(id, groups[0]["params"]))
+        else:
+            self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in groups)))
         stepped = self._stepped
         waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
         self._keep(waiting)
@@ -259,8 +284,12 @@ class StepReplays:
     def _keep(self, waiting: list[RootCall]) -> None:
         """Keep only the ``waiting`` calls; the buffer copies of the others are free for the next calls."""
         if len(waiting) != len(self.calls):
-            released = [root for root in self.calls if not any(root is kept for kept in waiting)]
-            self._buffer_copies.recycle((root.module, root.buffer_sources, root.buffers) for root in released)
+            # (Every call released, the usual training step: no test of each against the waiting ones.)
+            released = self.calls if not waiting else [
+                root for root in self.calls if not any(root is kept for kept in waiting)]
+            for root in released:
+                if root.buffers:  # (a model without buffers has no copies to recycle)
+                    self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
     def _latest(self, module: nn.Module) -> RootCall | None:
@@ -411,6 +440,9 @@ def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
     turned_nan = (nan + posinf + neginf == seen.nonfinite and seen.nan >= nan and seen.posinf <= posinf
                   and seen.neginf <= neginf)
     return turned_nan or (seen.nan == seen.numel and replayed.nonfinite > 0)
+
+
+_dict_get: Any = dict.get
 
 
 def _trainable(module: nn.Module) -> frozenset[int]:
