@@ -465,14 +465,10 @@ def test_a_loop_write_whose_op_is_not_named_is_not_said_to_be_an_optimizer_s(opt
     assert "The loop's own code (no optimizer) wrote 0.weight" in text and "optimizer step made" not in text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "model.half() mid-training keeps each Parameter object (param.data is converted), so the optimizer's cached "
-    "layout (hot/checks/optim.layout, keyed by parameter ids) still says float32 (Layout.wide): the SGD step is "
-    "taken as bounded and its parameter check skipped, and the float16 weight it overflows is found by the next "
-    "forward, as phase forward, step 3, parameter-already-nonfinite. A layout rebuilt when its first parameter's "
-    "dtype changes (one attribute read a step) would fix it; hot/checks is outside this branch's scope for it"))
 @pytest.mark.parametrize("options", TIMINGS)
 def test_an_update_that_overflows_a_parameter_made_half_mid_training_is_the_optimizer_s(options) -> None:
+    # model.half() converts param.data in place (the Parameter objects and their ids stay): the optimizer's cached
+    # layout is rebuilt for the new dtype (hot/checks/optim.layout), so the step's check sees the float16 update.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.001)

@@ -426,15 +426,16 @@ class OptimizerChecks:
     def layout(self, opt: torch.optim.Optimizer) -> Layout:
         """The optimizer's named parameters and half-precision state, rebuilt when they change."""
         signature = tuple(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
-        layout = self._layouts.get(id(opt))
-        if layout is None or layout.signature != signature:
+        layout, first = self._layouts.get(id(opt)), opt.param_groups[0]["params"] if opt.param_groups else ()
+        dtype = first[0].dtype if first else None
+        if layout is None or layout.signature != signature or layout.dtype is not dtype:
             named = self.named_parameters(opt)
             wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
             # A gradient has its parameter's dtype and shape (autograd and the
             # ``.grad`` setter enforce it), so this is decided once per layout.
             # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
             floating = [(name, parameter) for name, parameter in named if is_checkable(local_shard(parameter))]
-            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide)
+            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide, dtype=dtype)
             # How the step's gradient norms are taken (_gradient_norms): a large CPU gradient alone, the
             # others in one fused call per (device, dtype); a sharded parameter's the generic way.
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

@@ -118,6 +118,9 @@ class Layout:
     bounded: bool = False
     #: The running statistics the models of these parameters write, read with their gradients (running_stats.py).
     running: Any = None
+    #: The first parameter's dtype: ``model.half()`` converts the parameters in place (their ids stay), and the
+    #: layout's verdicts (``wide``, the groups, the bounded step) are rebuilt for the new dtype.
+    dtype: Any = None
 
 
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
