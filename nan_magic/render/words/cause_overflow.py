@@ -145,14 +145,9 @@ def _running_hint(cause: Cause) -> str:
 
 
 def _running_evidence(cause: Cause) -> tuple[str, ...]:
-    counts_of = counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
-    lines = [f"buffer {cause.fact('statistic')}: {counts_of} of {cause.fact('numel')} elements",
-             "finite at the optimizer's previous step" if cause.fact("read_before") else
-             "non-finite at the watch's first read (the first optimizer step): it may have been so before"]
-    lines += [f"{name}: |x| up to {fmt(value)}" for name, value in cause.fact("siblings", ())]
-    if cause.fact("momentum") is not None:
-        lines.append(f"momentum {fmt(cause.fact('momentum'))}")
-    return tuple(lines)
+    """A running statistic's evidence: the buffer's (:func:`_buffer_evidence`), and the module's momentum."""
+    momentum = cause.fact("momentum")
+    return (*_buffer_evidence(cause), *(() if momentum is None else (f"momentum {fmt(momentum)}",)))
 
 
 def _buffer_hint(cause: Cause) -> str:
