@@ -59,6 +59,7 @@ def test_a_running_variance_that_overflows_is_named_at_its_step(options) -> None
     assert "running statistic running_var of 1 (BatchNorm1d) overflowed float32" in text
     assert "inputs spread over more than 1.84e19" in text
     assert "finite at the optimizer's previous step" in text
+    assert "momentum 0.1" in text  # BatchNorm's default: how fast the statistic follows the batches
 
 
 @pytest.mark.parametrize("options", TIMINGS)
