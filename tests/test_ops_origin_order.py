@@ -45,3 +45,25 @@ def test_under_ops_a_value_two_origins_reach_carries_the_first_born(options) -> 
     report = caught.value.report
     assert (report.phase, report.step, report.op) == ("forward", 2, "aten.log.default")
     assert report.source is not None and report.source.lineno == producer_line("log of the scale")
+
+
+@pytest.mark.parametrize("options", [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
+                                     pytest.param({"ops": True}, id="ops"),
+                                     pytest.param({"ops": True, "defer": True}, id="ops-deferred")])
+def test_of_several_overflowed_gradients_the_first_computed_is_named(options) -> None:
+    # A float16 model whose input jumps to 6e4: both weights' gradients overflow in one backward, which
+    # computes the last layer's first. The optimizer's check used to name the first in its parameter order
+    # (0.weight) under ops=True; the default watch's replay named 1.weight, the first born.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 4), nn.Linear(4, 1)).to(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            x = torch.rand(3, 64, dtype=torch.float16) * (6e4 if step == 2 else 1)
+            loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.module, report.op) == ("backward", 2, "1", "aten.mm.default")
+    assert str(report.tensor) == "gradient of 1.weight"

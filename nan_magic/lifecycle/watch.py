@@ -314,7 +314,7 @@ class Watch:
                                   recorded_in_full=functools.partial(entering.recorded_in_full, self.outside),
                                   unrecorded=functools.partial(entering.unrecorded, self.outside))
         self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
-        self.optimizers = OptimizerChecks(self, self.origins.add_op_origin, self.localizing.optimizer_replay())
+        self.optimizers = OptimizerChecks(self, self.origins, self.localizing.optimizer_replay())
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it

@@ -97,6 +97,14 @@ class OpOrigins:
             return isinstance(self.tracer.origin_of(tensor), OpFinding)
         return self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
 
+    def birth_order(self, tensor: torch.Tensor) -> int:
+        """Where the op tracer's origin of ``tensor`` stands among this step's, the first born first (ops mode);
+        after them all where it has none (the tiered mode's replay finds the first born itself)."""
+        tracer = self.tracer
+        origin = tracer.origin_of(tensor) if tracer is not None else None
+        started = tracer.started if tracer is not None else []
+        return next((index for index, finding in enumerate(started) if finding is origin), len(started))
+
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None, key: int | None = None) -> None:
         """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
 

@@ -37,7 +37,7 @@ import itertools
 import math
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_n
 from nan_magic.errors.frames import user_line
 from nan_magic.hot.checks.gradients import check_parameter_grads
 from nan_magic.hot.checks.headroom import Headroom
-from nan_magic.hot.checks.hosts import OptimizerHost
+from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.iterations import Iterations
 from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
 from nan_magic.hot.checks.running_stats import running_stats_of
@@ -77,15 +77,14 @@ FULL_CHECK_EVERY = 16
 class OptimizerChecks:
     """Optimizer step hooks and the GradScaler rule for one watch.
 
-    ``add_op_origin`` and ``replay_step`` name the op behind a finding
+    ``origins`` and ``replay_step`` name the op behind a finding
     (:class:`~nan_magic.hot.checks.optim_reports.StepReports`).
     """
 
-    def __init__(self, watch: OptimizerHost, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
-                 replay_step: ReplayStep | None = None) -> None:
+    def __init__(self, watch: OptimizerHost, origins: OriginFinder, replay_step: ReplayStep | None = None) -> None:
         self.watch = watch
         #: What a non-finite read at a step is reported as (optim_reports.py).
-        self.reports = StepReports(watch, add_op_origin, replay_step)
+        self.reports = StepReports(watch, origins, replay_step)
         #: Training iterations completed, from the optimizer steps seen (iterations.py).
         self.iterations = Iterations(watch.targets.optimizers)
         self.pending_overflow: Finding | None = None

@@ -17,7 +17,7 @@ import torch
 from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.checks.headroom import Headroom
-from nan_magic.hot.checks.hosts import OptimizerHost
+from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
@@ -37,16 +37,16 @@ ReplayStep = Callable[
 class StepReports:
     """The findings of one watch's optimizer checks.
 
-    ``add_op_origin`` (:meth:`OpOrigins.add_op_origin`, given by the watch)
-    names the op that started a non-finite gradient or parameter;
+    ``origins`` (the watch's :class:`OpOrigins`) names the op that started a
+    non-finite gradient or parameter;
     ``replay_step`` (where no op tracer watches the steps) the op of a step
     that made a parameter or its state non-finite.
     """
 
-    def __init__(self, watch: OptimizerHost, add_op_origin: Callable[[Finding, torch.Tensor | None], None],
-                 replay_step: ReplayStep | None) -> None:
+    def __init__(self, watch: OptimizerHost, origins: OriginFinder, replay_step: ReplayStep | None) -> None:
         self.watch = watch
-        self._add_op_origin = add_op_origin
+        self._add_op_origin = origins.add_op_origin
+        self._birth_order = origins.birth_order
         self._replay_step = replay_step
         #: Notes the half-precision parameters near their limit of each step result judged finite.
         self.headroom: Headroom | None = None
@@ -56,19 +56,23 @@ class StepReports:
 
         The cold path: each gradient is measured again, by name. Every
         element finite while a norm overflowed is a warning, not an event
-        (our own read overflowed).
+        (our own read overflowed). Of several non-finite gradients, the one
+        whose op the op tracer saw start first (ops mode: backward computes
+        the last layer's first), else the first in the optimizer's order.
         """
         watch = self.watch
         values = read_scalars(norms([grad for _name, grad in with_grad]))
-        for (name, grad), value in zip(with_grad, values):
-            if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds):
-                finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
-                finding.notes.append(Note.of("about-to-step", optimizer=type(opt).__name__))
-                finding.optimizer = type(opt).__name__
-                self.attribute(finding)
-                self._add_op_origin(finding, grad)
-                watch.emit(finding)
-                return True
+        bad = [(name, grad) for (name, grad), value in zip(with_grad, values)
+               if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds)]
+        if bad:
+            name, grad = min(bad, key=lambda item: self._birth_order(item[1])) if len(bad) > 1 else bad[0]
+            finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
+            finding.notes.append(Note.of("about-to-step", optimizer=type(opt).__name__))
+            finding.optimizer = type(opt).__name__
+            self.attribute(finding)
+            self._add_op_origin(finding, grad)
+            watch.emit(finding)
+            return True
         overflowed = [name for (name, _grad), value in zip(with_grad, values) if not math.isfinite(value)]
         cycle = watch.cycle
         cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
