@@ -144,12 +144,11 @@ def test_an_averaged_model_s_update_is_named_by_its_avg_fn(options) -> None:
     assert report.cause is not None and report.cause.label == "division-by-zero"
 
 
-@pytest.mark.parametrize("options", TIMINGS)
-def test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it(options) -> None:
+def ema_with_a_counter(options: dict, count: torch.Tensor) -> nan_magic.Report:
+    """A hand-written EMA over a model's parameters, divided by ``count[0] - 1`` (0 at the second update)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     ema = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    count = torch.tensor(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, ema, opt, **options):
         for _step in range(4):
@@ -159,14 +158,18 @@ def test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_i
             opt.step()
             with torch.no_grad():
                 for average, current in zip(ema.parameters(), model.parameters()):
-                    average.copy_((average * count + current) / (count - 1))  # producer: counter
+                    average.copy_((average * count[0] + current) / (count[0] - 1))  # producer: counter
             count += 1
             ema(torch.randn(3, 4))
-    report = caught.value.report
+    return caught.value.report
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it(options) -> None:
+    report = ema_with_a_counter(options, torch.zeros(1))  # small: copied before the region writes it
     assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, "aten.div.Tensor")
     assert report.source is not None
-    test = test_a_step_counter_tensor_in_a_hand_written_ema_is_read_as_the_write_read_it
-    assert report.source.lineno == line_of(test, "producer: counter")
+    assert report.source.lineno == line_of(ema_with_a_counter, "producer: counter")
 
 
 def hooked_model(pre: bool) -> nn.Module:
@@ -443,23 +446,7 @@ def test_a_loop_write_whose_op_is_not_named_is_not_said_to_be_an_optimizer_s(opt
     # A counter of 100 elements (past param_writes.SMALL_NUMEL, not copied) changed in place after the write: the
     # replay reads it as the region left it and names no op. The cause said "the optimizer step made 0.weight ...
     # from finite gradients" beside a note that the loop's own code wrote it.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    ema = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    count = torch.zeros(100)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, ema, opt, **options):
-        for _step in range(4):
-            loss = model(torch.randn(3, 4)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            with torch.no_grad():
-                for average, current in zip(ema.parameters(), model.parameters()):
-                    average.copy_((average * count[0] + current) / (count[0] - 1))
-            count += 1
-            ema(torch.randn(3, 4))
-    report = caught.value.report
+    report = ema_with_a_counter(options, torch.zeros(100))
     assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 2, None)
     assert report.cause is not None and report.cause.reading == "loop-write-unmatched"
     text = report.to_text()

@@ -383,13 +383,8 @@ class Watch:
                     self._exit_stack.callback(handle.remove)
         return info
 
-    def mine(self) -> bool:
-        """Hooks are global: act only for the thread that entered the watch, not during a replay (the hot path
-        reads :attr:`here` instead: hot/watched/owner.py)."""
-        return self.here.mine
-
     def listening(self) -> bool:
-        """:meth:`mine` for hooks that only the watched code reaches, from any thread.
+        """``here.mine`` for hooks that only the watched code reaches, from any thread.
 
         The gradient hooks on its outputs and parameters and the op tracer it entered run inside its backward,
         and autograd runs a CUDA backward on a thread of its own (one per device), not the one that called it.

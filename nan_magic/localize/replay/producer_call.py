@@ -81,7 +81,7 @@ class CallReplay:
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
-        """The watch's hooks ignore the calls a replay makes (:meth:`Watch.mine`); nests."""
+        """The watch's hooks ignore the calls a replay makes (``Watch.here.mine``); nests."""
         was, self.replaying = self.replaying, True
         here = self._here if self._here is not None and self._here.mine else None
         if here is not None:

@@ -399,6 +399,8 @@ class StepReplays:
         step with the gradient is known to the boundary check alone.
         """
         watch = self.watch
+        # How the event was met, which the replay cannot know: torch's anomaly mode stopped the user's backward.
+        met = tuple(note for note in seen.note_facts if note.kind == "anomaly-raised") if seen else ()
         report = dataclasses.replace(
             report,
             step=step,
@@ -409,7 +411,7 @@ class StepReplays:
             reproduced=True,
             models_watched=len(watch.targets.roots),
             ops=watch.config.ops,
-            note_facts=(*report.note_facts, Note.of("step-replayed", step=step)),
+            note_facts=(*report.note_facts, Note.of("step-replayed", step=step), *met),
         )
         # The cause reads the run's history (a diverging loss), which the replay did not have.
         return dataclasses.replace(report, cause=diagnose(report))
