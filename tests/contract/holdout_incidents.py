@@ -385,8 +385,5 @@ CASES: list[Case] = [
          Expect("data", "", "Sequential", step=2, op="aten.log.default", marker="log count")),
     Case("holdout_fp16_generation_overflows_later", _fp16_generation_overflows_later,
          Expect("forward", "fc1", "Linear", step=5, op="aten.addmm.default", marker="fc1 overflow",
-                cause="half-precision-overflow"),
-         gaps=(("ops-defer", "ops under defer=True: the check after the last generation step finds fc1's output freed, "
-                "and its record's weak reference is not one the op tracer noted (likely: Linear's 3-d output is a "
-                "view of addmm's, not yet confirmed), so the op is not named"),)),
+                cause="half-precision-overflow")),
 ]

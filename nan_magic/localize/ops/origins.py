@@ -230,6 +230,12 @@ class Origins:
                 del origins[key]
             self._by_ref.clear()  # (a check after this many non-finite tensors finds the freed ones no more)
 
+    def note_view(self, view: torch.Tensor, origin: Origin | Benign) -> None:
+        """A view's origin, by its weak reference alone (:meth:`entry` finds a live view's through its base): a
+        check that finds the view freed has only its record's reference (Linear's 3-d output is a view of addmm's)."""
+        ref = weakref.ref(view)
+        self._by_ref[id(ref)] = (ref, origin)
+
     def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""
         if not tensor.is_inference() and type(tensor) in _PLAIN and dense(tensor):

@@ -270,7 +270,7 @@ class OpTracer(TorchDispatchMode):
             return run_op(func, args, kwargs)
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
             out = run_op(func, args, kwargs)
-            if self._origins and not plan.view:
+            if self._origins:
                 self._carry(plan, args, kwargs, out)
             return out
         priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
@@ -493,7 +493,8 @@ class OpTracer(TorchDispatchMode):
                 break
         else:
             return
+        note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):
-            self._origins.note(output, entry)
+            note(output, entry)
         for _, written in tensors(plan, args, kwargs, plan.writes):
             self._origins.note(written, entry, written=True)
