@@ -16,6 +16,7 @@ import nan_magic
 from nan_magic import NonFiniteError
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+OPS = [pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred")]
 
 
 def line_of(function: object, marker: str) -> int:
@@ -131,11 +132,13 @@ def averaged_model_run(options: dict[str, object]) -> nan_magic.Report:
     return caught.value.report
 
 
-@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS])
 def test_an_averaged_model_s_update_is_named_by_its_avg_fn(options) -> None:
     # AveragedModel's update reads its counter n_averaged, then increments it in place (n_averaged += 1) before the
     # region ends: the replay that names the write read n as the region left it (2: finite), and named no op.
     # A small tensor the code after the step writes in place is now copied before its first write.
+    # Under ops=True the update writes the parameter through an alias (``p.detach().copy_(...)``): the tracer
+    # finds the write's origin by the memory they share (before, "a parameter already non-finite", no op).
     report = averaged_model_run(options)
     # (The write after step 1's optimizer step belongs to step 2, which the next forward opens: test_hunt28.)
     assert (report.phase, report.module, report.step, report.op) == ("optimizer", "module.0", 2, "aten.div.Tensor")

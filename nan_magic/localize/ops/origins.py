@@ -159,7 +159,7 @@ class Origins:
         # Forward origins by where their values live: autograd saves an op's
         # output for its backward as another tensor object on the same memory
         # (``exp`` saves its result), which a backward op then reads.
-        self._by_memory: dict[tuple[Any, ...], tuple[int, Origin | Benign]] = {}
+        self._by_memory: dict[tuple[Any, ...], tuple[int, bool, Origin | Benign]] = {}
         # By the weak reference noted (held, so its id stays unique): a tensor freed since, whose id another
         # tensor may have taken in ``_by_id``, is still found by the reference its boundary record holds.
         self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign]] = {}
@@ -212,7 +212,8 @@ class Origins:
         if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not dense(tensor):
             return None
         entry = self._by_memory.get(_memory_key(tensor))
-        return entry[1] if entry is not None and entry[0] == tensor._version else None
+        # (a write's entry holds for the version after it too: autograd bumps it after the op returns)
+        return entry[2] if entry is not None and tensor._version - entry[0] in ((0, 1) if entry[1] else (0,)) else None
 
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
@@ -223,8 +224,10 @@ class Origins:
             origins[id(tensor)] = (ref, _NO_VERSION, written, origin)
             return
         origins[id(tensor)] = (ref, tensor._version, written, origin)
-        if not written and type(tensor) in _PLAIN and dense(tensor):  # a sparse tensor has no one storage
-            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
+        if type(tensor) in _PLAIN and dense(tensor):  # a sparse tensor has no one storage
+            # A write is found by memory too: ``p.detach().copy_(...)`` (AveragedModel's update) writes the
+            # Parameter through an alias, which is another tensor object on the same memory.
+            self._by_memory[_memory_key(tensor)] = (tensor._version, written, origin)
         if len(origins) > 100_000:
             for key in [key for key, entry in origins.items() if entry[0]() is None]:
                 del origins[key]
@@ -239,7 +242,7 @@ class Origins:
     def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""
         if not tensor.is_inference() and type(tensor) in _PLAIN and dense(tensor):
-            self._by_memory[_memory_key(tensor)] = (tensor._version, origin)
+            self._by_memory[_memory_key(tensor)] = (tensor._version, False, origin)
 
 
 #: Finite values kept per tensor in an op's own samples: its histograms, a few per report.
