@@ -44,6 +44,7 @@ from nan_magic.localize.replay.module_run import (
     run_again,
     submodule_names,
 )
+from nan_magic.localize.replay.untouched import user_generators
 from nan_magic.options import WatchConfig
 from nan_magic.records import KINDS, Note, Phase, TensorRef
 
@@ -81,13 +82,15 @@ class CallReplay:
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
-        """The watch's hooks ignore the calls a replay makes (``Watch.here.mine``); nests."""
+        """The watch's hooks ignore the calls a replay makes (``Watch.here.mine``), and the user's Python and numpy
+        random generators are as they were after it (untouched.user_generators); nests."""
         was, self.replaying = self.replaying, True
         here = self._here if self._here is not None and self._here.mine else None
         if here is not None:
             here.mine = False  # (this thread's: another thread's is False already)
         try:
-            yield
+            with contextlib.nullcontext() if was else user_generators():
+                yield
         finally:
             self.replaying = was
             if here is not None:

@@ -16,10 +16,7 @@ line of the report instead.
 from __future__ import annotations
 
 import dataclasses
-import random
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -29,6 +26,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.replay.untouched import user_generators
 from nan_magic.patches.loaders import UNKNOWN
 from nan_magic.records import Note, Phase, Report
 
@@ -83,7 +81,7 @@ class Samples:
         tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA)
         try:
             # The watch's own dispatch modes (the op tracer of ops=True, the loss-code recorder) stand aside.
-            with _disable_current_modes(), _user_generators(), generators_at(None), tracer:
+            with _disable_current_modes(), user_generators(), generators_at(None), tracer:
                 for index in indices:
                     self._dataset[index]
                     if tracer.finding is not None:
@@ -94,17 +92,3 @@ class Samples:
             return Note.of("refetch-finite", count=len(indices), dataset=name)
         frame, position = tracer.frame_of(tracer.finding)
         return tracer.finding, frame, position
-
-
-@contextmanager
-def _user_generators() -> Iterator[None]:
-    """Python's and numpy's global random generators as they were, after ``__getitem__`` ran again."""
-    python = random.getstate()
-    numpy = sys.modules.get("numpy")
-    state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        if numpy is not None:
-            numpy.random.set_state(state)

@@ -12,7 +12,9 @@ forward may change is put back here:
   saved once, then written back bit for bit;
 * the modules' Python state: an attribute rebound (a call counter, the last
   attention map kept for plotting) and the contents of a list, dict, set or
-  deque attribute (a cache appended to), as they were when the replay began.
+  deque attribute (a cache appended to), as they were when the replay began;
+* Python's and numpy's global random generators (:func:`user_generators`), which a forward may draw from (a
+  stochastic depth by ``random.random()``): a replay must not move the user's run onto other random numbers.
 
 Not covered: a tensor that a container holds inside another container, and
 ``param.data = ...``, which rebinds a parameter's storage without an op.
@@ -22,13 +24,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import random
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ModelGuard", "untouched"]
+__all__ = ["ModelGuard", "untouched", "user_generators"]
 
 #: Containers whose contents are put back in place (their identity is the user's).
 _CONTAINERS = (list, dict, set, collections.deque)
@@ -76,6 +80,20 @@ class ModelGuard:
                 module.__dict__.update(attributes)
         for container, contents in self._contents:
             _put_back(container, contents)
+
+
+@contextlib.contextmanager
+def user_generators() -> Iterator[None]:
+    """Python's and numpy's global random generators as they were, after a replay (or ``__getitem__``) ran."""
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        if numpy is not None:
+            numpy.random.set_state(state)
 
 
 @contextlib.contextmanager
