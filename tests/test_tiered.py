@@ -183,6 +183,35 @@ def test_an_event_the_replay_does_not_reproduce_is_reported_as_the_boundary_saw_
     assert report.op is None
     assert any("did not reproduce" in note and 'mode="full"' in note for note in report.notes)
     assert "reproduce" in report.to_text()
+    assert "\n  seen in     Sequential (root)" in report.to_text() and "\n  producer " not in report.to_text()
+
+
+class FirstCallOnlyBackward(nn.Module):
+    """A sqrt at 0 on its first call only (an infinite derivative in the backward); the replay's call is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.sqrt(x * 0) if self.calls == 1 else x
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_backward_event_the_replay_does_not_reproduce_names_where_it_was_seen_not_a_producer(defer) -> None:
+    # The NaN is born in FirstCallOnlyBackward's backward and flows into 0's weight gradient, which the
+    # optimizer's check sees: 0 is where it was seen, not the producer, and the report must not say otherwise.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), FirstCallOnlyBackward(), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    report = caught.value.report
+    assert report.reproduced is False and report.phase == "backward" and report.op is None
+    text = report.to_text()
+    assert "\n  seen in     0 (Linear)" in text and "\n  producer " not in text
 
 
 class Sampler(nn.Module):

@@ -250,7 +250,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     line says them), the cause's evidence, notes and early warnings. A
     label repeated for a second value is ``""``.
     """
-    rows: list[tuple[str, str]] = [("producer", report.where)]
+    # A replay that did not reproduce the event leaves only where the boundary check saw it: a module whose
+    # gradient was non-finite may have been handed it by the backward of another (a propagator, not the producer).
+    rows: list[tuple[str, str]] = [("producer" if report.reproduced is not False else "seen in", report.where)]
     if report.op:
         rows.append(("op", op_phrase(report)))
     if report.source is not None:
