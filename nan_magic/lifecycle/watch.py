@@ -373,7 +373,9 @@ class Watch:
     def module_info(self, module: nn.Module) -> ModuleInfo | None:
         """How a called module is named, or None when it is not watched."""
         info = self.targets.modules.get(id(module))
-        if info is None and not self.forward.stack:
+        if info is None and self.forward.stack:
+            return self.targets.adopt(module, self.config)  # a submodule added since the watch began
+        if info is None:
             info = self.targets.join(module, self.config)  # a module called at top level may join (targets.py)
             if info is None:
                 return None

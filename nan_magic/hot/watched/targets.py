@@ -3,12 +3,13 @@
 Resolving targets never touches them: no hooks, no attributes, only a map
 from module identity to the name the user knows it by. Nor does a module or
 optimizer joining the watch once it runs (:meth:`Targets.join`,
-:meth:`Targets.admit_optimizer`).
+:meth:`Targets.admit_optimizer`), or a submodule added to a model since (:meth:`Targets.adopt`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class Targets:
     #: unwatched). By default (None here): every module when no module was
     #: given (discovery), nothing else.
     name_new: Callable[[Any], str | None] | None = None
+    #: Modules called inside a watched call that no model holds (one kept in a plain list), by id: looked for once.
+    outside: dict[int, weakref.ref[nn.Module]] = field(default_factory=dict)
 
     def info_by_name(self, name: str) -> ModuleInfo | None:
         """The info of a watched module by qualified name (first root that has it)."""
@@ -81,6 +84,20 @@ class Targets:
         # A module called at top level becomes a root, named as its own ``named_modules()`` would name it.
         self.add_root(module, label, config)
         return self.modules[id(module)]
+
+    def adopt(self, module: nn.Module, config: WatchConfig) -> ModuleInfo | None:
+        """A module called inside a watched call that was not in its model when the watch began: a submodule
+        added or swapped in since (``model.append(layer)``, ``model[1] = Log()``) is named now, as
+        ``named_modules()`` names it, with its subtree; None for a module no model holds (remembered so)."""
+        outside = self.outside.get(id(module))
+        if outside is not None and outside() is module:
+            return None
+        for label, root in self.roots:
+            self._name_modules(root, label, config)
+        info = self.modules.get(id(module))
+        if info is None:
+            self.outside[id(module)] = weakref.ref(module)
+        return info
 
     def _new_root_label(self, module: nn.Module) -> str | None:
         if isinstance(module, torch.jit.ScriptModule):
@@ -105,6 +122,9 @@ class Targets:
         patterns and reports use the names of the unwrapped model.
         """
         self.roots.append((label, module))
+        self._name_modules(module, label, config)
+
+    def _name_modules(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
         data_parallel = data_parallel_paths(module)
         for raw_name, submodule in module.named_modules():
             if id(submodule) in self.modules:

@@ -1,0 +1,127 @@
+"""A model whose structure changes while the watch runs: a layer appended or swapped in, one frozen, a param group
+added (progressive unfreezing). Each is named as ``named_modules()`` names it at the step it fails, in every mode.
+
+The watch names a model's modules when it begins (hot/watched/targets.py); a submodule added since is named the
+first time it is called inside a watched call (``Targets.adopt``). Before, ``ops=True`` and ``mode="full"`` named
+its NaN as its parent's own code (the root, ``""``), while the default watch's replay found it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+MODES = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
+         pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
+         pytest.param({"mode": "full"}, id="full")]
+
+
+class LogWhenTold(nn.Module):
+    """log(x - 10): NaN for the usual activations, on the step the loop sets ``fire``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x - 10) if self.fire else x
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, options: dict, change: object, steps: int = 10) -> None:
+    with nan_magic.watch(model, opt, **options):
+        for step in range(steps):
+            change(step)  # type: ignore[operator]
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def _assert_named(report: nan_magic.Report, options: dict, module: str, step: int) -> None:
+    assert (report.phase, report.module, report.module_type, report.step) == ("forward", module, "LogWhenTold", step)
+    if options.get("ops") or options.get("mode") == "full":
+        assert report.op == "aten.log.default"
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_a_layer_swapped_in_mid_run_is_named_at_its_place(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def change(step: int) -> None:
+        if step == 4:
+            model[1] = LogWhenTold()
+        if step >= 4:
+            model[1].fire = step == 6
+
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, opt, options, change)
+    _assert_named(caught.value.report, options, "1", 6)
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_a_layer_appended_mid_run_is_named_at_its_place(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def change(step: int) -> None:
+        if step == 3:
+            model.append(nn.Sequential(nn.Identity(), LogWhenTold()))  # a subtree: its inner module is named too
+        if step >= 3:
+            model[3][1].fire = step == 6
+
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, opt, options, change)
+    _assert_named(caught.value.report, options, "3.1", 6)
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_a_module_outside_the_model_called_inside_it_stays_its_parents_code(options) -> None:
+    # A module kept in a plain list is no submodule (nn.Module does not register it): its ops are the parent's.
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.unregistered = [LogWhenTold()]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.unregistered[0](self.lin(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Parent(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def change(step: int) -> None:
+        model[0].unregistered[0].fire = step == 5
+
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, opt, options, change)
+    report = caught.value.report
+    assert (report.phase, report.module, report.module_type, report.step) == ("forward", "0", "Parent", 5)
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_progressive_unfreezing_a_param_group_added_mid_run_is_checked(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model[2].requires_grad_(False)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.01)
+
+    def change(step: int) -> None:
+        if step == 5:
+            model[2].requires_grad_(True)
+            opt.add_param_group({"params": model[2].parameters(), "lr": 0.01})
+        if step == 7:
+            opt.param_groups[1]["lr"] = float("inf")
+
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, opt, options, change)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("optimizer", "2", 7)
+    assert report.tensor.name in ("2.weight", "2.bias")
