@@ -125,3 +125,44 @@ def test_progressive_unfreezing_a_param_group_added_mid_run_is_checked(options) 
     report = caught.value.report
     assert (report.phase, report.module, report.step) == ("optimizer", "2", 7)
     assert report.tensor.name in ("2.weight", "2.bias")
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["optimizer-passed", "model-only"])
+@pytest.mark.parametrize("options", MODES)
+def test_an_optimizer_switched_mid_run_is_watched_and_counts_the_steps(options, passed: bool) -> None:
+    # Adam for five steps, then SGD over the same parameters; SGD's learning rate is inf at iteration 6. The new
+    # optimizer was not passed to the watch: it joins because it steps a watched model's parameters, and it takes
+    # Adam's place in the iteration count (before: unwatched when Adam was passed, so the parameter was first seen
+    # in the next forward; and the step read 5, as if SGD's first step belonged to Adam's last iteration).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizers = [torch.optim.Adam(model.parameters(), lr=0.01)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, *optimizers[:passed], **options):
+        for step in range(10):
+            if step == 5:
+                optimizers.append(torch.optim.SGD(model.parameters(), lr=0.01))
+            optimizers[-1].param_groups[0]["lr"] = float("inf") if step == 6 else 0.01
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            optimizers[-1].zero_grad()
+            loss.backward()
+            optimizers[-1].step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("optimizer", "0", 6)
+    assert report.tensor.role.value == "parameter"
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_after_an_optimizer_switch_a_forward_nan_has_the_loops_iteration(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LogWhenTold(), nn.Linear(4, 1))
+    optimizers = [torch.optim.Adam(model.parameters(), lr=0.01)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, optimizers[0], **options):
+        for step in range(12):
+            if step == 5:
+                optimizers.append(torch.optim.SGD(model.parameters(), lr=0.01))
+            model[1].fire = step == 8
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            optimizers[-1].zero_grad()
+            loss.backward()
+            optimizers[-1].step()
+    _assert_named(caught.value.report, options, "1", 8)

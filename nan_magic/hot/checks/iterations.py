@@ -16,7 +16,10 @@ in it (its *members*) has stepped:
 * an optimizer that steps again before every member has (a WGAN's critic
   stepping five times a generator step, a passed optimizer that stops
   stepping) closes the iteration there: the members are then those that did
-  step, so a member that stops stepping costs at most one iteration's lag.
+  step, so a member that stops stepping costs at most one iteration's lag;
+* a new optimizer over a member's parameters (the loop switched from Adam to SGD) takes that member's place
+  from its first step, which starts the next iteration: it does not join the one just closed, as a GAN's
+  generator (whose parameters are its own) does.
 
 A step a GradScaler skips is not an optimizer step, as before.
 """
@@ -37,6 +40,7 @@ class Iterations:
         #: Training iterations completed.
         self.completed = 0
         self._members: set[int] = {id(opt) for opt in passed}
+        self._passed = {id(opt): opt for opt in passed}
         self._round: set[int] = set()
         # Every optimizer seen stepping, held so that its id stays its own for the watch's life.
         self._seen: dict[int, torch.optim.Optimizer] = {}
@@ -49,7 +53,12 @@ class Iterations:
         first = key not in self._seen
         self._seen[key] = opt
         self.any_stepped = True
-        if first and not self._round and (self.completed or not self._members):
+        replaced = self._replaced_by(opt) if first and self._members else set()
+        if replaced:
+            self._members -= replaced
+            self._round -= replaced
+            self._members.add(key)
+        elif first and not self._round and (self.completed or not self._members):
             # A newcomer right after an iteration closed (or the very first step): it takes part.
             late = bool(self.completed) and bool(self._members)
             self._members.add(key)
@@ -63,6 +72,13 @@ class Iterations:
         if self._members <= self._round:
             self._close()
         return index
+
+    def _replaced_by(self, opt: torch.optim.Optimizer) -> set[int]:
+        """The members whose parameters ``opt`` steps too (asked once per optimizer, at its first step)."""
+        mine = {id(parameter) for group in opt.param_groups for parameter in group["params"]}
+        return {key for key in self._members
+                if (member := self._seen.get(key) or self._passed.get(key)) is not None
+                and any(id(parameter) in mine for group in member.param_groups for parameter in group["params"])}
 
     def absorb(self, inner: Iterations) -> None:
         """Add the iterations a nested watch counted while it had taken over."""

@@ -66,8 +66,9 @@ class Targets:
     #: unwatched). By default (None here): every module when no module was
     #: given (discovery), nothing else.
     name_new: Callable[[Any], str | None] | None = None
-    #: Modules called inside a watched call that no model holds (one kept in a plain list), by id: looked for once.
-    outside: dict[int, weakref.ref[nn.Module]] = field(default_factory=dict)
+    #: Modules called inside a watched call that no model holds (one kept in a plain list), and optimizers of no
+    #: watched parameter, by id: looked for once.
+    outside: dict[int, weakref.ref[Any]] = field(default_factory=dict)
 
     def info_by_name(self, name: str) -> ModuleInfo | None:
         """The info of a watched module by qualified name (first root that has it)."""
@@ -107,11 +108,20 @@ class Targets:
         return user_type(module) if self.discover else None  # a compiled or DDP model: the class the user wrote
 
     def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
-        """Whether an optimizer that is not a target joins the watch (see :attr:`name_new`)."""
-        if self.name_new is None or self.name_new(opt) is None:
+        """Whether an optimizer that is not a target joins the watch (see :attr:`name_new`): also one that steps a
+        watched model's parameters, made after the watch began (the loop switched from Adam to SGD); asked once."""
+        if self.name_new is not None and self.name_new(opt) is not None:
+            self.optimizers.append(opt)
+            return True
+        refused = self.outside.get(id(opt))
+        if refused is not None and refused() is opt:
             return False
-        self.optimizers.append(opt)
-        return True
+        watched = {id(parameter) for _label, root in self.roots for parameter in root.parameters()}
+        if any(id(parameter) in watched for group in opt.param_groups for parameter in group["params"]):
+            self.optimizers.append(opt)
+            return True
+        self.outside[id(opt)] = weakref.ref(opt)
+        return False
 
     def add_root(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
         """Name every submodule of ``module``; modules already named keep their name.
