@@ -252,7 +252,8 @@ class StepCycle:
             # was not passed looks like inference until the optimizer steps.
             self.history.pop()
         self.history.append(summary)
-        self.warn(self.early.observe_step(summary))
+        if early := self.early.observe_step(summary):  # (none, most steps: no call)
+            self.warn(early)
         self.open = False
 
     def warn(self, early: list[EarlyWarning]) -> None:

@@ -87,7 +87,8 @@ class CodeRecorder(Protocol):
 class StepReplayer(Protocol):
     """Keeps what a replay of the step's top-level calls needs (localize/replay/step.py)."""
 
-    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> RngState: ...
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...],
+              checkable: bool | None = None) -> RngState: ...
 
     def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None: ...
 

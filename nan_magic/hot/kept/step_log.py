@@ -292,7 +292,7 @@ class StepLog:
     def note_input(self, call: Call, path: str, argument: int | str, tensor: torch.Tensor) -> None:
         record = self._by_id.get(id(tensor))  # (lookup, inlined: every input of every checked call)
         if record is None or record.ref() is not tensor:
-            alias = self.alias_of(tensor)
+            alias = self.alias_of(tensor) if self._aliases else None  # (none on a tiered step: no call)
             record = alias.record if alias is not None else None
         if record is not None:
             record.consumers.append(call)

@@ -44,6 +44,7 @@ pushed, inert, through it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Sequence
@@ -354,10 +355,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     ) -> Any:
         # Every op of the region passes here, on every healthy step: each line below is paid per op,
         # so lookups are cached per op and per code object, and nothing is read from a tensor.
-        entry = _OPS.get(id(func))  # by id: an OpOverload's __hash__ is Python
-        if entry is None:
-            entry = _op_entry(func)
-        kind, call, _op, writes = entry
+        try:  # cached on the op: reading an attribute is no call (a dict by id: two; an OpOverload's hash is Python)
+            kind, call, _op, writes = func._nan_magic_outside
+        except AttributeError:
+            kind, call, _op, writes = _op_entry(func)
         if kwargs is None:
             kwargs = {}
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
@@ -426,9 +427,14 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                         flat = False
                         break
             for tensor in out if flat else tree_leaves(out):
-                if isinstance(tensor, torch.Tensor):
+                if type(tensor) is torch.Tensor:  # (bytes_held, inlined as above: nll_loss's pair, max's)
                     self._produced[id(tensor)] = index
-                    self._held_bytes += bytes_held(tensor) if type(tensor) is torch.Tensor else held_bytes(tensor)
+                    base = tensor._base
+                    size = (tensor if base is None else base).nbytes
+                    self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
+                elif isinstance(tensor, torch.Tensor):
+                    self._produced[id(tensor)] = index
+                    self._held_bytes += held_bytes(tensor)
         # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
         # counts again.
         for value in args:
@@ -450,8 +456,6 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Whether the next op is recorded (within the region's budget)."""
         return self._budget > 0
 
-_SEEDED: dict[Any, bool] = {}
-
 # torch's own zero_grad functions: one the loop bound before the watch began (``zero = opt.zero_grad``) runs
 # without the patch that steps the recorder aside (patches/zero_grad.py), and its ops (a ``zero_`` per gradient
 # with ``set_to_none=False``) are let by here instead, found as the user's frame is looked for.
@@ -469,11 +473,16 @@ _new_tuple = tuple.__new__
 
 def _op_entry(func: Any) -> tuple[str, Any, Any, Plan | None]:
     """``(kind, callable, op, writes)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping
-    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too)."""
-    kind = _PASS if passes(func) else _SEEDED_OP if _seeded(func) else _RECORD
-    overload = isinstance(func, torch._ops.OpOverload)
-    plan = plan_of(func) if overload and kind is not _PASS else None
-    entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
+    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too). Kept as an attribute of
+    the op, and by id for a callable that takes none (then looked up here at each op)."""
+    if (entry := _OPS.get(id(func))) is None:
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())  # (draws random numbers)
+        kind = _PASS if passes(func) else _SEEDED_OP if seeded else _RECORD
+        overload = isinstance(func, torch._ops.OpOverload)
+        plan = plan_of(func) if overload and kind is not _PASS else None
+        entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
+        with contextlib.suppress(AttributeError, TypeError):
+            func._nan_magic_outside = entry
     return entry
 
 
@@ -488,13 +497,3 @@ def passes(func: Any) -> bool:
     if not isinstance(func, torch._ops.OpOverload) or plan_of(func).writes:
         return False
     return not any("Tensor" in str(returned.type) for returned in func._schema.returns)
-
-
-def _seeded(func: Any) -> bool:
-    """Whether an op draws random numbers (looked up once per op: ``func.tags`` builds a list each time)."""
-    seeded = _SEEDED.get(func)
-    if seeded is None:
-        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-    return seeded
-
-
