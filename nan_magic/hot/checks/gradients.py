@@ -86,8 +86,16 @@ class GradientChecks:
         """
         if record.inner is None:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
-            if grad_fn is not None:
-                _register_grad_hook(tensor, grad_fn, functools.partial(self._on_output_grad, record))
+            if grad_fn is None:
+                return
+            hook = functools.partial(self._on_output_grad, record)
+            # (_register_grad_hook's fast path, inlined: every output of every checked call)
+            if (type(tensor) is torch.Tensor and tensor._backward_hooks is None
+                    and hasattr(grad_fn, "_register_hook_dict")):
+                tensor._backward_hooks = OrderedDict(nan_magic=hook)
+                grad_fn._register_hook_dict(tensor)
+            else:
+                _register_grad_hook(tensor, grad_fn, hook)
 
     def on_backward_start(self, loss: torch.Tensor, retained: Any = False) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
@@ -143,8 +151,8 @@ class GradientChecks:
     def last_loss(self) -> float | None:
         """The last scalar loss, once its probe has been read."""
         record = self.loss_record
-        if record is None or record.pending or math.prod(record.shape) != 1:
-            return None
+        if record is None or record._probe is not None or (record.shape and math.prod(record.shape) != 1):
+            return None  # (a scalar's shape is (): no product; pending read directly, as the log does)
         return record.low
 
     def judge_loss(self, call: Call) -> None:

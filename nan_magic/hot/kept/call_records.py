@@ -145,8 +145,9 @@ class TensorRecord:
         low, high = same._probe if same is not None and same._probe is not None else probe(values)
         if hold:
             self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
-        else:
-            self.set_probe(float(low), float(high))  # (float(): no Python call of .item())
+        else:  # (set_probe, inlined: every boundary tensor; float(), not .item(): no Python call)
+            self.low, self.high = low, high = float(low), float(high)
+            self.kinds = _NONE if -math.inf < low <= high < math.inf else probe_kinds(low, high)
 
     @classmethod
     def finite(cls, path: str | TensorRef, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:

@@ -97,21 +97,22 @@ class StepLog:
             call.outputs = []
             call.inputs = []
             call.held = None
-        # (Each cleared only where it holds anything: a step leaves most of them empty, and a clear is a call.)
+        # (Each cleared only where it holds anything: a step leaves most of them empty, and a clear is a call; a
+        # dict, private to the log, is replaced instead: no call.)
         if self._calls:
             self._calls.clear()
         if self._finite_gradients:
             self._finite_gradients.clear()
         if self._finite_ids:
-            self._finite_ids.clear()
+            self._finite_ids = {}
         if self._by_id:
-            self._by_id.clear()
+            self._by_id = {}
         if self._aliases:
-            self._aliases.clear()
+            self._aliases = {}
         if self._unseen:
-            self._unseen.clear()
+            self._unseen = {}
         if self._largest:
-            self._largest.clear()
+            self._largest = {}
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
@@ -148,6 +149,8 @@ class StepLog:
         Autograd hands one gradient tensor to several places (an addition
         passes it to both of its inputs): it is summed once.
         """
+        if not self._finite_ids:  # (the step's first gradient: no lookup)
+            return False
         known = self._finite_ids.get(id(grad))
         return known is not None and known[0]() is grad and known[1] == version_of(grad)
 
@@ -400,7 +403,7 @@ class StepLog:
                 ratio = finite_max(dtype) / value
                 best = headroom.get(phase)
                 if best is None or ratio < best[0]:
-                    headroom[phase] = (ratio, call.name, str(dtype).removeprefix("torch."))
+                    headroom[phase] = (ratio, call.info.name if call.info is not None else None, _dtype_name(dtype))
         return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
 
 

@@ -98,21 +98,16 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     The records, and the replays an event runs of them, are :class:`RegionRecords`'s (region_records.py).
     """
 
-    # Pushed and popped with torch's _push_mode/_pop_mode, not ``with``: three regions a step, and
-    # TorchDispatchMode.__enter__/__exit__ cost about 25 Python calls a pair more, for flags that change nothing
-    # for this mode: they tell torch.compile whether a mode that does not ignore compile internals is active
-    # (this one does: :meth:`ignore_compile_internals`), and Inductor whether to route a compiled region through
-    # a higher-order op that this mode would then have to handle.
+    # Pushed and popped with torch's _push_mode/_pop_mode, not ``with``: three regions a step, and __enter__/__exit__
+    # cost about 25 Python calls a pair more, for flags that change nothing for this mode: they tell torch.compile
+    # whether a mode that does not ignore compile internals is active (this one does: ignore_compile_internals),
+    # and Inductor whether to route a compiled region through a higher-order op this mode would have to handle.
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (eight Python calls an op).
-
-        The wrapper keeps Dynamo from tracing the mode's own frames. This mode
-        is never active while Dynamo traces (:meth:`ignore_compile_internals`,
-        and it is pushed only onto an empty dispatch stack), and it calls only
-        the op it was given.
-        """
+        """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (eight Python calls an op): it keeps
+        Dynamo from tracing the mode's own frames, and this mode is never active while Dynamo traces
+        (:meth:`ignore_compile_internals`; pushed only onto an empty dispatch stack), and calls only the op given."""
         return False
 
     @classmethod
@@ -213,7 +208,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
-        if self.pushed and not self.step_aside():
+        if not self.pushed:
+            return
+        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
+                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
+            _pop(None)  # (as step_aside pops, inlined: three a step)
+            self.pushed = False
+        else:
             self._budget = _INERT  # left on the stack, inert until it is on top
 
     def step_aside(self) -> bool:
