@@ -194,7 +194,7 @@ class Deferred(Timing):
             cycle.judge_written(written_values)  # the update code ran before the calls: it ended as one began
         if outcome.stopped:
             return values
-        for call in cycle.log.finished():
+        for call in cycle.log.finished() if cycle.log.any_kinds() else ():  # (none, most steps: no sort of them)
             for record in call.outputs:
                 if record.kinds:
                     break

@@ -134,7 +134,7 @@ class EarlyWarnings:
         healthy step, is most of this).
         """
         step = summary.step
-        found = []
+        found: list[EarlyWarning | None] = []
         if summary.headroom_dtype in _HALF:
             found.append(_overflow_risk(step, "output", summary.headroom, summary.headroom_dtype,
                                         summary.headroom_module))
@@ -153,7 +153,7 @@ class EarlyWarnings:
         # step's largest input still shows an extreme batch, a step later.
         if (absmax := summary.input_absmax) is not None and absmax > EXTREME_INPUT:
             found.append(_extreme_input(step, None, absmax))
-        return [warning for warning in found if warning is not None and self._due(warning)] if found else found
+        return [warning for warning in found if warning is not None and self._due(warning)] if found else []
 
     def observe_batch(
         self, step: int, path: str, tensor: torch.Tensor, probe: tuple[float, float] | None = None
@@ -179,7 +179,7 @@ class EarlyWarnings:
                 and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1):
             feature_low, feature_high = _feature_ranges(tensor.detach())
             found.append(_constant_feature(step, path, tensor, feature_low, feature_high))
-        return [warning for warning in found if warning is not None and self._due(warning)] if found else found
+        return [warning for warning in found if warning is not None and self._due(warning)] if found else []
 
     # -- per-step rules --------------------------------------------------------------
 

@@ -71,6 +71,9 @@ class OriginFinder(Protocol):
 class CodeRecorder(Protocol):
     """Records the code between the model calls (localize/outside/recorder.py), switched at the step's boundaries."""
 
+    #: Whether it is on the dispatch stack now (recording, or inert under a mode entered since).
+    pushed: bool
+
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None: ...
 
     def stop(self) -> None: ...

@@ -427,9 +427,9 @@ class OptimizerChecks:
 
     def layout(self, opt: torch.optim.Optimizer) -> Layout:
         """The optimizer's named parameters and half-precision state, rebuilt when they change."""
-        groups = opt.param_groups  # (one group, the usual: no generator over them, every step)
-        signature = tuple(map(id, groups[0]["params"] if len(groups) == 1 else itertools.chain.from_iterable(
-            group["params"] for group in groups)))
+        param_groups = opt.param_groups  # (one group, the usual: no generator over them, every step)
+        signature = tuple(map(id, param_groups[0]["params"] if len(param_groups) == 1
+                              else itertools.chain.from_iterable(group["params"] for group in param_groups)))
         layout, first = self._layouts.get(id(opt)), opt.param_groups[0]["params"] if opt.param_groups else ()
         dtype = first[0].dtype if first else None
         if layout is None or layout.signature != signature or layout.dtype is not dtype:

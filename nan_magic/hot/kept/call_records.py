@@ -146,8 +146,8 @@ class TensorRecord:
         if hold:
             self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
         else:  # (set_probe, inlined: every boundary tensor; float(), not .item(): no Python call)
-            self.low, self.high = low, high = float(low), float(high)
-            self.kinds = _NONE if -math.inf < low <= high < math.inf else probe_kinds(low, high)
+            self.low, self.high = read_low, read_high = float(low), float(high)
+            self.kinds = _NONE if -math.inf < read_low <= read_high < math.inf else probe_kinds(read_low, read_high)
 
     @classmethod
     def finite(cls, path: str | TensorRef, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:

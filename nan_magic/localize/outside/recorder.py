@@ -251,9 +251,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     def step_aside_for_batch(self) -> bool:  # (a DataLoader's fetch, once a data region ran over budget)
         return self.batches_aside and self._region == "data" and self.step_aside()
 
-    def step_back(self) -> None:
-        """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
-        self._push()
+    step_back = _push  # pushed again after step_aside, as start pushes (the same function: no call more a step)
 
     def pause(self) -> None:
         """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).
