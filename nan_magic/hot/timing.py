@@ -94,8 +94,8 @@ class Timing:
         :meth:`step_judged`).
         """
 
-    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
-        """Whether a gradient is known finite now: ``known(tensor)`` (found so before), or its sum, read now.
+    def finite_by_sum(self, tensor: torch.Tensor, known: bool) -> bool:
+        """Whether a gradient is known finite now: ``known`` (found so before: StepLog.gradient_seen), or by its sum.
 
         A sum takes a third of a probe's time on the CPU; only finiteness is
         asked of a float32 gradient (its range shows only a half-precision
@@ -159,9 +159,9 @@ class Immediate(Timing):
     def now(self, judge: Callable[..., None], *args: Any) -> None:
         judge(*args)
 
-    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
+    def finite_by_sum(self, tensor: torch.Tensor, known: bool) -> bool:
         return (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.layout is torch.strided
-                and (known(tensor) or math.isfinite(float(tensor.detach().sum()))))
+                and (known or math.isfinite(float(tensor.detach().sum()))))
 
     def free_read(self, read: Callable[[], T]) -> T | None:
         return read()

@@ -76,11 +76,11 @@ class ForwardChecks:
             if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
                 # Cannot make its finite input non-finite: nothing to check (transparent.py).
                 rng = capture_rng_state() if info.transparent == "dropout" and self.replayer.keeps_calls else None
-                self.stack.append(Frame(module, info, None, rng, through=args[0], known=known))
+                self.stack.append(Frame(module, info, None, rng, through=args[0], known=known, task=task))
                 return
             if known is None and self._computed_by_parent(args[0]) and passes_through_unseen(info.transparent, args[0]):
                 # Its parent's check covers it (transparent.py); nothing stands for its output.
-                self.stack.append(Frame(module, info, None, None))
+                self.stack.append(Frame(module, info, None, None, task=task))
                 return
         # A recompute's first call has an empty stack, but starts no step and brings no batch.
         top_level = not self.stack and not recomputing
@@ -110,7 +110,7 @@ class ForwardChecks:
         self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
             rng = capture_rng_state()
-        self.stack.append(Frame(module, info, call, rng))
+        self.stack.append(Frame(module, info, call, rng, task=task))
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None, checkable)
         if top_level and outside is not None:
@@ -135,8 +135,9 @@ class ForwardChecks:
         if not self.stack or self.stack[-1].module is not module:
             return
         frame = self.stack.pop()
-        # A recompute's calls are recorded for their gradients only (see Recomputing).
-        task = torch._C._current_graph_task_id()
+        # A recompute's calls are recorded for their gradients only (see Recomputing). (The task the call began in:
+        # a call returns in the graph task it started in.)
+        task = frame.task
         recomputing = task != self.watch.graph_task  # (Recomputing, below)
         top_level = not self.stack and not recomputing
         if len(rest) != 2:

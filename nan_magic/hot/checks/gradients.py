@@ -256,7 +256,8 @@ class GradientChecks:
                 watch.timing.now(self._forget_after_backward, watch.outside)
         log = watch.log
         # The hot path: a gradient found finite by a sum, judged as it comes, is only noted.
-        if log.lookup(grad) is None and watch.timing.finite_by_sum(grad, log.known_finite_gradient):
+        recorded, known = log.gradient_seen(grad)
+        if not recorded and watch.timing.finite_by_sum(grad, known):
             log.finite_gradient(record, grad)
             self.release(record)
             return

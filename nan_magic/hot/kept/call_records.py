@@ -310,7 +310,7 @@ class Frame:
     one (localize/replay/producer_call.py).
     """
 
-    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
+    __slots__ = ("call", "info", "known", "module", "rng_state", "task", "through")
 
     def __init__(
         self,
@@ -320,6 +320,7 @@ class Frame:
         rng_state: RngState | None,
         through: torch.Tensor | None = None,
         known: KnownFinite | None = None,
+        task: int = -1,
     ) -> None:
         self.module = module
         self.info = info
@@ -328,3 +329,5 @@ class Frame:
         self.through = through
         #: What was known of ``through`` when the call began.
         self.known = known
+        #: The autograd graph task the call began in (-1 outside backward): its post-hook's too, not asked again.
+        self.task = task

@@ -145,16 +145,26 @@ class StepLog:
         self.count += 1
         self.finished_count += 1
 
-    def known_finite_gradient(self, grad: torch.Tensor) -> bool:
-        """Whether this very gradient, unchanged, was found finite already.
+    def gradient_seen(self, grad: torch.Tensor) -> tuple[bool, bool]:
+        """``(recorded, known finite)`` of a gradient a hook receives: whether this very tensor has a record this step
+        (:meth:`lookup`), and whether it was found finite already, unchanged since.
 
         Autograd hands one gradient tensor to several places (an addition
-        passes it to both of its inputs): it is summed once.
+        passes it to both of its inputs): it is summed once. (One look-up of
+        its id for both: every gradient of a per-module step asks.)
         """
-        if not self._finite_ids:  # (the step's first gradient: no lookup)
-            return False
-        known = self._finite_ids.get(id(grad))
-        return known is not None and known[0]() is grad and known[1] == version_of(grad)
+        key = id(grad)
+        record = self._by_id.get(key)
+        if record is not None and record.ref() is grad:
+            return True, False
+        known = self._finite_ids.get(key) if self._finite_ids else None  # (none yet: the step's first gradient)
+        if known is None or known[0]() is not grad:
+            return False, False
+        try:  # (version_of, inlined)
+            version = grad._version
+        except RuntimeError:  # an inference tensor has none
+            version = 0
+        return False, known[1] == version
 
     def _make_gradient_calls(self) -> None:
         """The backward calls of the gradients noted by :meth:`finite_gradient`, merged in creation order."""
@@ -256,12 +266,16 @@ class StepLog:
         is the output of; ``record`` the record the chain goes back to).
         """
         record = self._by_id.get(id(tensor))  # (lookup, inlined)
+        try:  # (version_of, inlined: every pass-through of a per-module step asks)
+            version = tensor._version
+        except RuntimeError:  # an inference tensor has none
+            version = 0
         if record is not None and record.ref() is tensor:
-            if record._probe is not None or record.kinds or not record.ranged or version_of(tensor) != record.version:
+            if record._probe is not None or record.kinds or not record.ranged or version != record.version:
                 return None
             return record, record.low, record.high, record
-        alias = self.alias_of(tensor)
-        if alias is None or version_of(tensor) != alias.version:
+        alias = self.alias_of(tensor) if self._aliases else None
+        if alias is None or version != alias.version:
             return None
         return alias.record, -alias.bound, alias.bound, alias
 
