@@ -170,7 +170,8 @@ class Immediate(Timing):
         cycle.judge_written(read_scalars(written))
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
-        gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
+        if call.outputs[0].kinds:  # (a finite loss, every step's, has nothing to judge: judge_loss's first test)
+            gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
         gradients.weaken_loss_code()
 
 

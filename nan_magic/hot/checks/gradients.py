@@ -259,7 +259,8 @@ class GradientChecks:
         recorded, known = log.gradient_seen(grad)
         if not recorded and watch.timing.finite_by_sum(grad, known):
             log.finite_gradient(record, grad)
-            self.release(record)
+            if record.consumers or record.outer is not None:  # (none: a model's output the loss took, no call)
+                self.release(record)
             return
         consumer = consumer_of(record)
         call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
