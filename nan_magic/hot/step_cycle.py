@@ -164,7 +164,7 @@ class StepCycle:
         top-level module of the one before is called again), so the loss
         and backward of the first iteration are step 0.
         """
-        if self.training():
+        if self.trains or self.training():  # (trains read first, as the hot path does)
             return self.optimizers.steps
         return max(self.steps_opened - 1, 0)
 
@@ -228,7 +228,8 @@ class StepCycle:
     def end_step(self, step: int) -> None:
         """Close step ``step``, which just completed."""
         absmax, data_absmax, headroom, grad_headroom = self.log.summary()
-        if self.optimizers.scaler_active():
+        scalers = bool(self.optimizers.scalers)  # (none, most loops: neither asked)
+        if scalers and self.optimizers.scaler_active():
             grad_headroom = None  # scaled gradients overflow by design: the scaler's job
         summary = StepSummary(
             step=step,
@@ -243,7 +244,7 @@ class StepCycle:
             grad_headroom_dtype=grad_headroom[2] if grad_headroom else None,
             input_absmax=data_absmax,
             # Reading the scale is a host sync: only where syncs are free.
-            scale=self.timing.free_read(self.optimizers.scale),
+            scale=self.timing.free_read(self.optimizers.scale) if scalers else None,
             full=self.full_step,
             layers=self.log.module_magnitudes() if self.full_step else (),
         )
@@ -252,7 +253,8 @@ class StepCycle:
             # was not passed looks like inference until the optimizer steps.
             self.history.pop()
         self.history.append(summary)
-        self.warn(self.early.observe_step(summary))
+        if early := self.early.observe_step(summary):  # (none, most steps: no call)
+            self.warn(early)
         self.open = False
 
     def warn(self, early: list[EarlyWarning]) -> None:
@@ -324,7 +326,7 @@ class StepCycle:
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
         mine = self._here.mine
-        if mine and self.outside is not None:
+        if mine and self.outside is not None and self.outside.pushed:  # (stopped at backward, usually)
             self.outside.stop()
         try:
             if not self.outcome.agreement.several:

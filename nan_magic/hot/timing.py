@@ -94,8 +94,8 @@ class Timing:
         :meth:`step_judged`).
         """
 
-    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
-        """Whether a gradient is known finite now: ``known(tensor)`` (found so before), or its sum, read now.
+    def finite_by_sum(self, tensor: torch.Tensor, known: bool) -> bool:
+        """Whether a gradient is known finite now: ``known`` (found so before: StepLog.gradient_seen), or by its sum.
 
         A sum takes a third of a probe's time on the CPU; only finiteness is
         asked of a float32 gradient (its range shows only a half-precision
@@ -159,9 +159,9 @@ class Immediate(Timing):
     def now(self, judge: Callable[..., None], *args: Any) -> None:
         judge(*args)
 
-    def finite_by_sum(self, tensor: torch.Tensor, known: Callable[[torch.Tensor], bool]) -> bool:
+    def finite_by_sum(self, tensor: torch.Tensor, known: bool) -> bool:
         return (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.layout is torch.strided
-                and (known(tensor) or math.isfinite(float(tensor.detach().sum()))))
+                and (known or math.isfinite(float(tensor.detach().sum()))))
 
     def free_read(self, read: Callable[[], T]) -> T | None:
         return read()
@@ -170,7 +170,8 @@ class Immediate(Timing):
         cycle.judge_written(read_scalars(written))
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
-        gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
+        if call.outputs[0].kinds:  # (a finite loss, every step's, has nothing to judge: judge_loss's first test)
+            gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
         gradients.weaken_loss_code()
 
 
@@ -194,7 +195,7 @@ class Deferred(Timing):
             cycle.judge_written(written_values)  # the update code ran before the calls: it ended as one began
         if outcome.stopped:
             return values
-        for call in cycle.log.finished():
+        for call in cycle.log.finished() if cycle.log.any_kinds() else ():  # (none, most steps: no sort of them)
             for record in call.outputs:
                 if record.kinds:
                     break

@@ -27,8 +27,13 @@ _callbacks: list[Callable[[torch.Tensor, Any], None]] = []
 _finished: list[Callable[[torch.Tensor], None]] = []
 
 
-# Set while a wrapped backward runs on this thread: the torch.autograd.backward it calls is not seen twice.
-_running = threading.local()
+class _Running(threading.local):
+    """Set while a wrapped backward runs on this thread: the torch.autograd.backward it calls is not seen twice."""
+
+    active = False  # (a class default: read as an attribute on every thread, no getattr() call each backward)
+
+
+_running = _Running()
 
 
 def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -41,7 +46,7 @@ def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., An
     for tensor in tensors:
         for callback in _callbacks:
             callback(tensor, retained)
-    outer, _running.active = getattr(_running, "active", False), True
+    outer, _running.active = _running.active, True
     try:
         result = original(*args, **kwargs)
     finally:
@@ -80,7 +85,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        if getattr(_running, "active", False):  # (Tensor.backward's own call: seen already)
+        if _running.active:  # (Tensor.backward's own call: seen already)
             return original(*args, **kwargs)
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
         if not tensors:
@@ -97,7 +102,7 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         # double backward inside the loss code (a gradient penalty), and the watch's own replays always give
         # ``grad_outputs``: both run as they are.
         losses = (not kwargs.get("create_graph") and kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
-                  is None and not getattr(_running, "active", False))
+                  is None and not _running.active)
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
         if not tensors:
             return original(*args, **kwargs)

@@ -128,24 +128,32 @@ class EarlyWarnings:
         self._last_warned: dict[str, int] = {}
 
     def observe_step(self, summary: StepSummary) -> list[EarlyWarning]:
-        """Warnings raised by one completed step."""
-        found = [
-            _overflow_risk(summary.step, "output", summary.headroom, summary.headroom_dtype, summary.headroom_module),
-            _overflow_risk(
-                summary.step,
-                "gradient",
-                summary.grad_headroom,
-                summary.grad_headroom_dtype,
-                summary.grad_headroom_module,
-            ),
-            self._spike("loss-spike", "loss", self._loss, summary.step, summary.loss),
-            self._spike("grad-norm-spike", "gradient norm", self._grad_norm, summary.step, summary.grad_norm),
-            self._scale_falling(summary),
-            # Where batches are not observed one by one (deferred mode), the
-            # step's largest input still shows an extreme batch, a step later.
-            _extreme_input(summary.step, None, summary.input_absmax),
-        ]
-        return [warning for warning in found if warning is not None and self._due(warning)]
+        """Warnings raised by one completed step.
+
+        Every step's: each rule is asked only where its first test could pass (a rule's call each, on a
+        healthy step, is most of this).
+        """
+        step = summary.step
+        found: list[EarlyWarning | None] = []
+        if summary.headroom_dtype in _HALF:
+            found.append(_overflow_risk(step, "output", summary.headroom, summary.headroom_dtype,
+                                        summary.headroom_module))
+        if summary.grad_headroom_dtype in _HALF:
+            found.append(_overflow_risk(step, "gradient", summary.grad_headroom, summary.grad_headroom_dtype,
+                                        summary.grad_headroom_module))
+        if (ratio := self._loss.observe(summary.loss)) is not None:
+            found.append(_spike("loss-spike", step, summary.loss, ratio))
+        if (ratio := self._grad_norm.observe(summary.grad_norm)) is not None:
+            found.append(_spike("grad-norm-spike", step, summary.grad_norm, ratio))
+        if summary.scale is not None or self._scale is not None:
+            found.append(self._scale_falling(summary))
+        else:
+            self._scale_falls = 0
+        # Where batches are not observed one by one (deferred mode), the
+        # step's largest input still shows an extreme batch, a step later.
+        if (absmax := summary.input_absmax) is not None and absmax > EXTREME_INPUT:
+            found.append(_extreme_input(step, None, absmax))
+        return [warning for warning in found if warning is not None and self._due(warning)] if found else []
 
     def observe_batch(
         self, step: int, path: str, tensor: torch.Tensor, probe: tuple[float, float] | None = None
@@ -164,23 +172,16 @@ class EarlyWarnings:
             low, high = read_probe(tensor)
         else:
             low, high = probe
-        found = [_extreme_input(step, path, max(-low, high))]
-        due = step % BATCH_RULE_EVERY == 0
+        absmax = high if high > -low else -low  # (max(-low, high) without its call: every batch)
+        found = [_extreme_input(step, path, absmax)] if absmax > EXTREME_INPUT else []
         # Features are columns of a dense real batch; a sparse or complex one has no such columns to compare.
-        dense_real = tensor.layout is torch.strided and not tensor.is_complex()
-        if due and dense_real and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1:
+        if (step % BATCH_RULE_EVERY == 0 and tensor.layout is torch.strided and not tensor.is_complex()
+                and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1):
             feature_low, feature_high = _feature_ranges(tensor.detach())
             found.append(_constant_feature(step, path, tensor, feature_low, feature_high))
-        return [warning for warning in found if warning is not None and self._due(warning)]
+        return [warning for warning in found if warning is not None and self._due(warning)] if found else []
 
     # -- per-step rules --------------------------------------------------------------
-
-    @staticmethod
-    def _spike(kind: str, label: str, series: _Spikes, step: int, value: float | None) -> EarlyWarning | None:
-        ratio = series.observe(value)
-        if ratio is None or value is None:
-            return None
-        return EarlyWarning(step=step, kind=kind, facts=(("value", value), ("ratio", ratio)), value=value)
 
     def _scale_falling(self, summary: StepSummary) -> EarlyWarning | None:
         scale, previous = summary.scale, self._scale
@@ -229,6 +230,13 @@ def _feature_ranges(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _batch_tensor(path: str) -> tuple[tuple[str, object], ...]:
     """A batch tensor as a warning's fact: the model call's argument at ``path``, a typed reference as plain pairs."""
     return to_pairs(TensorRef.argument(path))
+
+
+def _spike(kind: str, step: int, value: float | None, ratio: float) -> EarlyWarning | None:
+    """A loss or gradient-norm spike: ``ratio`` to the running median (:meth:`_Spikes.observe`)."""
+    if value is None:
+        return None
+    return EarlyWarning(step=step, kind=kind, facts=(("value", value), ("ratio", ratio)), value=value)
 
 
 def _extreme_input(step: int, path: str | None, absmax: float | None) -> EarlyWarning | None:

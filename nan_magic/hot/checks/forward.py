@@ -76,11 +76,11 @@ class ForwardChecks:
             if known is not None and passes_through(info.transparent, module, args[0], known[1], known[2]):
                 # Cannot make its finite input non-finite: nothing to check (transparent.py).
                 rng = capture_rng_state() if info.transparent == "dropout" and self.replayer.keeps_calls else None
-                self.stack.append(Frame(module, info, None, rng, through=args[0], known=known))
+                self.stack.append(Frame(module, info, None, rng, through=args[0], known=known, task=task))
                 return
             if known is None and self._computed_by_parent(args[0]) and passes_through_unseen(info.transparent, args[0]):
                 # Its parent's check covers it (transparent.py); nothing stands for its output.
-                self.stack.append(Frame(module, info, None, None))
+                self.stack.append(Frame(module, info, None, None, task=task))
                 return
         # A recompute's first call has an empty stack, but starts no step and brings no batch.
         top_level = not self.stack and not recomputing
@@ -99,18 +99,20 @@ class ForwardChecks:
                 self.watch.module_hooks.step_aside_for(module)
         parent = self.stack[-1].call if self.stack else None
         call = self.watch.log.new_call(Phase.FORWARD, info, module, parent)
+        # ``model(x)``: whether the batch is read, asked once for the replay's material, the inputs and the data call.
+        checkable = is_checkable(args[0]) if len(args) == 1 and type(args[0]) is torch.Tensor else None
         # The generators' state before the call, so a replay draws the same
         # dropout mask (a few microseconds; only where a replay can happen and
         # the module may draw random numbers). A top-level call's is the step replay's.
         rng = None
         if top_level and self.watch.replays is not None:
-            rng = self.watch.replays.begin(module, info, call, args)
-        self._note_inputs(call, args, "input")
+            rng = self.watch.replays.begin(module, info, call, args, checkable)
+        self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
             rng = capture_rng_state()
-        self.stack.append(Frame(module, info, call, rng))
+        self.stack.append(Frame(module, info, call, rng, task=task))
         if top_level or (info.is_root and not recomputing):
-            self.record_data(info, module, args, "input", call if top_level else None)
+            self.record_data(info, module, args, "input", call if top_level else None, checkable)
         if top_level and outside is not None:
             # The batch is judged (or held for the check): what the loop computed can go, but the loss code a
             # training step computed before this call (recorder.start).
@@ -133,8 +135,9 @@ class ForwardChecks:
         if not self.stack or self.stack[-1].module is not module:
             return
         frame = self.stack.pop()
-        # A recompute's calls are recorded for their gradients only (see Recomputing).
-        task = torch._C._current_graph_task_id()
+        # A recompute's calls are recorded for their gradients only (see Recomputing). (The task the call began in:
+        # a call returns in the graph task it started in.)
+        task = frame.task
         recomputing = task != self.watch.graph_task  # (Recomputing, below)
         top_level = not self.stack and not recomputing
         if len(rest) != 2:
@@ -214,19 +217,18 @@ class ForwardChecks:
     # autograd's own thread, where the watch's hooks ignore every call (hot/watched/owner.py). ``task`` is the
     # current autograd graph task (``-1`` outside backward).
 
-    def _note_inputs(self, call: Call, values: Any, prefix: str) -> None:
+    def _note_inputs(self, call: Call, values: Any, prefix: str, checkable: bool | None = None) -> None:
         """Note a call's tensor arguments, adopting outputs of pass-throughs left to their parent.
 
         Forward, the parent's check and replay cover such a pass-through. In
         backward, the gradient this call computes for its output must still
         be checked where it appears, to name this call as its producer.
+        ``checkable``: ``module(x)``'s ``is_checkable(x)``, asked already (None: not that form).
         """
         log = self.watch.log
-        if prefix == "input" and len(values) == 1 and type(values[0]) is torch.Tensor:
+        if prefix == "input" and checkable is not None:
             # The hot path, ``module(x)``: no walk of the arguments.
-            found: list[tuple[str, int | str, torch.Tensor]] = (
-                [(FIRST_ARGUMENT, 0, values[0])] if is_checkable(values[0]) else []
-            )
+            found: list[tuple[str, int | str, torch.Tensor]] = [(FIRST_ARGUMENT, 0, values[0])] if checkable else []
         else:
             found = argument_tensors(values, prefix)
         for path, argument, tensor in found:
@@ -253,7 +255,7 @@ class ForwardChecks:
         )
 
     def record_data(self, info: ModuleInfo, module: nn.Module, values: Any, prefix: str,
-                    consumer: Call | None = None) -> None:
+                    consumer: Call | None = None, checkable: bool | None = None) -> None:
         """Tensors entering a watched model from outside, as a ``data`` call.
 
         Judged like any call (immediately, or at the deferred check), first in
@@ -262,13 +264,14 @@ class ForwardChecks:
         backward computes for one that requires gradients (an adversarial
         perturbation, a saliency map, another model's output) is a boundary
         too, judged as that call's backward (a frozen model has no parameter
-        gradient to show it).
+        gradient to show it). ``checkable``: as for :meth:`_note_inputs`.
         """
         tensors: list[tuple[str, int | str, torch.Tensor]]
-        if prefix == "input" and len(values) == 1 and type(batch := values[0]) is torch.Tensor:  # model(x)
+        if prefix == "input" and checkable is not None:  # model(x)
+            batch = values[0]
             if not (batch.dtype.is_floating_point or batch.dtype.is_complex):
                 return  # token ids: nothing to read, nothing the watch cannot read
-            tensors = [(FIRST_ARGUMENT, 0, batch)] if is_checkable(batch) else argument_tensors(
+            tensors = [(FIRST_ARGUMENT, 0, batch)] if checkable else argument_tensors(
                 values, prefix, self.watch.skipped)
         else:
             tensors = argument_tensors(values, prefix, self.watch.skipped)
@@ -289,13 +292,15 @@ class ForwardChecks:
     def _judge_data(self, call: Call, tensors: list[tuple[str, int | str, torch.Tensor]]) -> None:
         """The data call's verdict, and the early warnings of its batch (the deferred mode's come with the step's)."""
         for record in call.outputs:
-            self.rule.judge(call, record)
+            if record.kinds:  # (a finite batch, every step's, has no verdict to give: the rule's first test)
+                self.rule.judge(call, record)
         for (path, _argument, tensor), record in zip(tensors, call.outputs):
             if record.status == "benign":
                 continue  # a deliberate mask is no batch to warn about
             probe = (record.low, record.high)
             cycle = self.watch.cycle
-            cycle.warn(cycle.early.observe_batch(cycle.step, path, tensor, probe))
+            if early := cycle.early.observe_batch(cycle.step, path, tensor, probe):
+                cycle.warn(early)
 
     def current_module_name(self) -> str | None:
         """The innermost watched module running (``exclude``/``include`` leave modules unwatched)."""

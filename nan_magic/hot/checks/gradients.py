@@ -86,8 +86,16 @@ class GradientChecks:
         """
         if record.inner is None:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
-            if grad_fn is not None:
-                _register_grad_hook(tensor, grad_fn, functools.partial(self._on_output_grad, record))
+            if grad_fn is None:
+                return
+            hook = functools.partial(self._on_output_grad, record)
+            # (_register_grad_hook's fast path, inlined: every output of every checked call)
+            if (type(tensor) is torch.Tensor and tensor._backward_hooks is None
+                    and hasattr(grad_fn, "_register_hook_dict")):
+                tensor._backward_hooks = OrderedDict(nan_magic=hook)
+                grad_fn._register_hook_dict(tensor)
+            else:
+                _register_grad_hook(tensor, grad_fn, hook)
 
     def on_backward_start(self, loss: torch.Tensor, retained: Any = False) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
@@ -143,8 +151,8 @@ class GradientChecks:
     def last_loss(self) -> float | None:
         """The last scalar loss, once its probe has been read."""
         record = self.loss_record
-        if record is None or record.pending or math.prod(record.shape) != 1:
-            return None
+        if record is None or record._probe is not None or (record.shape and math.prod(record.shape) != 1):
+            return None  # (a scalar's shape is (): no product; pending read directly, as the log does)
         return record.low
 
     def judge_loss(self, call: Call) -> None:
@@ -248,9 +256,11 @@ class GradientChecks:
                 watch.timing.now(self._forget_after_backward, watch.outside)
         log = watch.log
         # The hot path: a gradient found finite by a sum, judged as it comes, is only noted.
-        if log.lookup(grad) is None and watch.timing.finite_by_sum(grad, log.known_finite_gradient):
+        recorded, known = log.gradient_seen(grad)
+        if not recorded and watch.timing.finite_by_sum(grad, known):
             log.finite_gradient(record, grad)
-            self.release(record)
+            if record.consumers or record.outer is not None:  # (none: a model's output the loss took, no call)
+                self.release(record)
             return
         consumer = consumer_of(record)
         call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)

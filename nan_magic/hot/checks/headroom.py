@@ -31,13 +31,14 @@ class Headroom:
     """Which half-precision parameters of each optimizer are near their limit, and their copies before a step."""
 
     def __init__(self) -> None:
-        self._at_risk: dict[int, list[torch.Tensor]] = {}  # id(optimizer) -> parameters near the limit
+        #: id(optimizer) -> parameters near the limit (read before :meth:`copies`: empty, the usual, costs no call).
+        self.at_risk: dict[int, list[torch.Tensor]] = {}
 
     def observe(self, result: StepResult, values: list[float]) -> None:
         """A step's result judged finite: note its parameters whose norm (``values``) came near the limit."""
         opt = id(result.optimizer)
         if result.layout.wide:  # float32 and float64 only
-            self._at_risk.pop(opt, None)
+            self.at_risk.pop(opt, None)
             return
         near = [
             parameter
@@ -48,13 +49,13 @@ class Headroom:
             and not math.isnan(value)
         ]
         if near:
-            self._at_risk[opt] = near
+            self.at_risk[opt] = near
         else:
-            self._at_risk.pop(opt, None)
+            self.at_risk.pop(opt, None)
 
     def copies(self, opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
         """Copies of ``opt``'s parameters near the limit, by parameter id, taken now (before its step)."""
-        at_risk = self._at_risk.get(id(opt))
+        at_risk = self.at_risk.get(id(opt))
         if not at_risk:
             return {}
         with torch.no_grad():

@@ -99,6 +99,7 @@ class OptimizerChecks:
         self.scalers: list[Any] = list(watch.targets.scalers)
         # Optimizer step calls seen (any optimizer): a scaler.step that adds none skipped its step.
         self.step_calls = 0
+        self._last: torch.optim.Optimizer | None = None  # the last step's optimizer: watched, and in ``seen``
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
         self._stepping: torch.optim.Optimizer | None = None  # (that optimizer, for a closure's gradients)
@@ -151,8 +152,7 @@ class OptimizerChecks:
             self._hot_enabled = False
             self._hot.clear()
             return
-        # A CPU parameter of DOT_MIN_NUMEL elements or more (arm), so its
-        # contiguous wide gradient takes norms()' dot, called directly.
+        # A CPU parameter of DOT_MIN_NUMEL elements or more (arm): its contiguous wide gradient takes norms()' dot.
         self._hot[id(parameter)] = (weakref.ref(grad), version_of(grad), dot_norm(grad))
 
     def _gradient_norms(self, layout: Layout) -> list[torch.Tensor]:
@@ -181,7 +181,8 @@ class OptimizerChecks:
                     if layout.flat_ok and grads[0].is_cpu and grads[0].dtype in WIDE_FLOATS:
                         # One copy into a flat buffer and one BLAS dot: on the CPU, _foreach_norm is a
                         # norm call per tensor, about twice the time for a tiny model's gradients.
-                        result.append(dot_norm(_flatten(grads)))
+                        flat = _flatten(grads)  # (dot_norm, inlined: flat, and no graph under GradOff)
+                        result.append(torch.dot(flat, flat).sqrt_())
                     else:
                         result += torch._foreach_norm(grads, 2)  # one fused kernel on a GPU
                 except (RuntimeError, NotImplementedError):
@@ -213,10 +214,12 @@ class OptimizerChecks:
         if not watch.here.mine:
             return
         self.step_calls += 1
-        if not self.watches(opt):
-            return
-        if not _holds(self.seen, opt):
-            self.seen.append(opt)
+        if opt is not self._last:  # (the usual step's optimizer is the last one's: no call to ask again)
+            if not self.watches(opt):
+                return
+            if not _holds(self.seen, opt):
+                self.seen.append(opt)
+            self._last = opt
         self._bounded = False
         layout = self.layout(opt)
         grad_norms = self._gradient_norms(layout)
@@ -252,7 +255,7 @@ class OptimizerChecks:
         self._bounded = small and bounded_step(opt, layout)
         self._huge = not small  # (finite: a non-finite one was reported above)
         if self._headroom is not None:
-            self._before = self._headroom.copies(opt)
+            self._before = self._headroom.copies(opt) if self._headroom.at_risk else {}
         self.in_step, self._stepping = True, opt
 
     def closure_gradients(self) -> None:
@@ -269,7 +272,7 @@ class OptimizerChecks:
         if not watch.here.mine:
             return
         step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
-        if not self.watches(opt):
+        if opt is not self._last and not self.watches(opt):
             return
         try:
             # A bounded step needs no check (module docstring), except every
@@ -424,7 +427,9 @@ class OptimizerChecks:
 
     def layout(self, opt: torch.optim.Optimizer) -> Layout:
         """The optimizer's named parameters and half-precision state, rebuilt when they change."""
-        signature = tuple(map(id, itertools.chain.from_iterable(group["params"] for group in opt.param_groups)))
+        param_groups = opt.param_groups  # (one group, the usual: no generator over them, every step)
+        signature = tuple(map(id, param_groups[0]["params"] if len(param_groups) == 1
+                              else itertools.chain.from_iterable(group["params"] for group in param_groups)))
         layout, first = self._layouts.get(id(opt)), opt.param_groups[0]["params"] if opt.param_groups else ()
         dtype = first[0].dtype if first else None
         if layout is None or layout.signature != signature or layout.dtype is not dtype:

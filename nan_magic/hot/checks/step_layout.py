@@ -170,7 +170,9 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
             lr = group["lr"]
             if type(lr) not in _PLAIN_NUMBERS:
                 break  # a tensor now: judged afresh below
-            if not _lr_bounded(float(lr), float(momentum or 0.0), float(weight_decay or 0.0)):
+            # (_lr_bounded, inlined without abs(): momentum < 1 in a cached verdict; NaN compares False)
+            update, decay = lr / (1.0 - (momentum or 0.0)), lr * (weight_decay or 0.0)
+            if not (-BOUNDED_LR <= update <= BOUNDED_LR and -BOUNDED_LR <= decay <= BOUNDED_LR):
                 return False
         else:
             return True

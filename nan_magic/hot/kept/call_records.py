@@ -145,8 +145,9 @@ class TensorRecord:
         low, high = same._probe if same is not None and same._probe is not None else probe(values)
         if hold:
             self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
-        else:
-            self.set_probe(float(low), float(high))  # (float(): no Python call of .item())
+        else:  # (set_probe, inlined: every boundary tensor; float(), not .item(): no Python call)
+            self.low, self.high = read_low, read_high = float(low), float(high)
+            self.kinds = _NONE if -math.inf < read_low <= read_high < math.inf else probe_kinds(read_low, read_high)
 
     @classmethod
     def finite(cls, path: str | TensorRef, dtype: torch.dtype, shape: tuple[int, ...], call: Call) -> TensorRecord:
@@ -309,7 +310,7 @@ class Frame:
     one (localize/replay/producer_call.py).
     """
 
-    __slots__ = ("call", "info", "known", "module", "rng_state", "through")
+    __slots__ = ("call", "info", "known", "module", "rng_state", "task", "through")
 
     def __init__(
         self,
@@ -319,6 +320,7 @@ class Frame:
         rng_state: RngState | None,
         through: torch.Tensor | None = None,
         known: KnownFinite | None = None,
+        task: int = -1,
     ) -> None:
         self.module = module
         self.info = info
@@ -327,3 +329,5 @@ class Frame:
         self.through = through
         #: What was known of ``through`` when the call began.
         self.known = known
+        #: The autograd graph task the call began in (-1 outside backward): its post-hook's too, not asked again.
+        self.task = task

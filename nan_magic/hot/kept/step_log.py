@@ -9,6 +9,7 @@ tensor's consumer, and a gradient's producer, can be found.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import weakref
 from collections import deque
@@ -28,6 +29,7 @@ from nan_magic.hot.kept.call_records import (
 from nan_magic.hot.kept.finding import record_ref
 from nan_magic.hot.reads import (
     finite_max,
+    probe_kinds,
     read_scalars,
 )
 from nan_magic.hot.watched.targets import ModuleInfo
@@ -97,21 +99,22 @@ class StepLog:
             call.outputs = []
             call.inputs = []
             call.held = None
-        # (Each cleared only where it holds anything: a step leaves most of them empty, and a clear is a call.)
+        # (Each cleared only where it holds anything: a step leaves most of them empty, and a clear is a call; a
+        # dict, private to the log, is replaced instead: no call.)
         if self._calls:
             self._calls.clear()
         if self._finite_gradients:
             self._finite_gradients.clear()
         if self._finite_ids:
-            self._finite_ids.clear()
+            self._finite_ids = {}
         if self._by_id:
-            self._by_id.clear()
+            self._by_id = {}
         if self._aliases:
-            self._aliases.clear()
+            self._aliases = {}
         if self._unseen:
-            self._unseen.clear()
+            self._unseen = {}
         if self._largest:
-            self._largest.clear()
+            self._largest = {}
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
@@ -142,14 +145,26 @@ class StepLog:
         self.count += 1
         self.finished_count += 1
 
-    def known_finite_gradient(self, grad: torch.Tensor) -> bool:
-        """Whether this very gradient, unchanged, was found finite already.
+    def gradient_seen(self, grad: torch.Tensor) -> tuple[bool, bool]:
+        """``(recorded, known finite)`` of a gradient a hook receives: whether this very tensor has a record this step
+        (:meth:`lookup`), and whether it was found finite already, unchanged since.
 
         Autograd hands one gradient tensor to several places (an addition
-        passes it to both of its inputs): it is summed once.
+        passes it to both of its inputs): it is summed once. (One look-up of
+        its id for both: every gradient of a per-module step asks.)
         """
-        known = self._finite_ids.get(id(grad))
-        return known is not None and known[0]() is grad and known[1] == version_of(grad)
+        key = id(grad)
+        record = self._by_id.get(key)
+        if record is not None and record.ref() is grad:
+            return True, False
+        known = self._finite_ids.get(key) if self._finite_ids else None  # (none yet: the step's first gradient)
+        if known is None or known[0]() is not grad:
+            return False, False
+        try:  # (version_of, inlined)
+            version = grad._version
+        except RuntimeError:  # an inference tensor has none
+            version = 0
+        return False, known[1] == version
 
     def _make_gradient_calls(self) -> None:
         """The backward calls of the gradients noted by :meth:`finite_gradient`, merged in creation order."""
@@ -173,6 +188,14 @@ class StepLog:
         """Mark a call as returned: children return before their parent."""
         call.finished = self.finished_count
         self.finished_count += 1
+
+    def any_kinds(self) -> bool:
+        """Whether a record of the step's calls shows a non-finite value (the gradients noted finite hold none)."""
+        for call in self._calls:  # (loops, no generator: a Python call per item)
+            for record in call.outputs:
+                if record.kinds:
+                    return True
+        return False
 
     def finished(self) -> list[Call]:
         """Returned calls in the order they returned (the order producers are judged in)."""
@@ -201,7 +224,8 @@ class StepLog:
             record.inner = inner
         call.outputs.append(record)
         self._by_id[key] = record
-        # (_note_range, inlined: a finite module output or gradient read now)
+        # The step's largest finite |value| per phase and dtype, for summary(): noted as each probe is read, while the
+        # record is in cache (a pass over every record at the step's end cost ~0.2 ms of ResNet-18's 43 ms step).
         if (record.ranged and record._probe is None and not record.kinds
                 and (call.info is not None or call.phase is Phase.BACKWARD)):
             low, high = record.low, record.high
@@ -210,22 +234,6 @@ class StepLog:
             if largest is None or value > largest[0]:
                 self._largest[largest_key] = (value, call)
         return record
-
-    def _note_range(self, call: Call, record: TensorRecord) -> None:
-        """Keep the step's largest finite ``|value|`` per phase and dtype, for :meth:`summary`.
-
-        Noted as each probe is read, while the record is still in cache:
-        a pass over every record at the end of the step cost more (on
-        ResNet-18, about 0.2 ms of a 43 ms step).
-        """
-        if record.kinds or (call.info is None and call.phase is not Phase.BACKWARD):
-            return  # non-finite, or the loss (not a module output)
-        low, high = record.low, record.high
-        value = high if high > -low else -low
-        key = (call.phase, record.dtype)
-        largest = self._largest.get(key)
-        if largest is None or value > largest[0]:
-            self._largest[key] = (value, call)
 
     def lookup(self, tensor: torch.Tensor) -> TensorRecord | None:
         """The record of a tensor seen earlier in this step, if it is that very tensor."""
@@ -258,12 +266,16 @@ class StepLog:
         is the output of; ``record`` the record the chain goes back to).
         """
         record = self._by_id.get(id(tensor))  # (lookup, inlined)
+        try:  # (version_of, inlined: every pass-through of a per-module step asks)
+            version = tensor._version
+        except RuntimeError:  # an inference tensor has none
+            version = 0
         if record is not None and record.ref() is tensor:
-            if record._probe is not None or record.kinds or not record.ranged or version_of(tensor) != record.version:
+            if record._probe is not None or record.kinds or not record.ranged or version != record.version:
                 return None
             return record, record.low, record.high, record
-        alias = self.alias_of(tensor)
-        if alias is None or version_of(tensor) != alias.version:
+        alias = self.alias_of(tensor) if self._aliases else None
+        if alias is None or version != alias.version:
             return None
         return alias.record, -alias.bound, alias.bound, alias
 
@@ -292,7 +304,7 @@ class StepLog:
     def note_input(self, call: Call, path: str, argument: int | str, tensor: torch.Tensor) -> None:
         record = self._by_id.get(id(tensor))  # (lookup, inlined: every input of every checked call)
         if record is None or record.ref() is not tensor:
-            alias = self.alias_of(tensor)
+            alias = self.alias_of(tensor) if self._aliases else None  # (none on a tiered step: no call)
             record = alias.record if alias is not None else None
         if record is not None:
             record.consumers.append(call)
@@ -316,11 +328,21 @@ class StepLog:
         extra = extra or []
         scalars = [value for record in pending for value in record._probe]  # type: ignore[union-attr]
         values = read_scalars(scalars + extra) if scalars or extra else []
+        largest = self._largest
         for position, record in enumerate(pending):
-            record.set_probe(values[2 * position], values[2 * position + 1])
+            # (set_probe, and the largest value noted as record_output notes it: every deferred boundary tensor)
+            record.low, record.high = low, high = values[2 * position], values[2 * position + 1]
             record._probe = None
-            if record.call is not None:
-                self._note_range(record.call, record)
+            if not -math.inf < low <= high < math.inf:
+                record.kinds = probe_kinds(low, high)
+                continue
+            record.kinds = _NONE
+            call = record.call
+            if call is not None and (call.info is not None or call.phase is Phase.BACKWARD):
+                value = high if high > -low else -low
+                noted = largest.get(key := (call.phase, record.dtype))
+                if noted is None or value > noted[0]:
+                    largest[key] = (value, call)
         return values[len(scalars):]
 
     def layer_calls(self, limit: int) -> tuple[tuple[LayerCall, ...], int]:
@@ -400,7 +422,7 @@ class StepLog:
                 ratio = finite_max(dtype) / value
                 best = headroom.get(phase)
                 if best is None or ratio < best[0]:
-                    headroom[phase] = (ratio, call.name, str(dtype).removeprefix("torch."))
+                    headroom[phase] = (ratio, call.info.name if call.info is not None else None, _dtype_name(dtype))
         return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
 
 

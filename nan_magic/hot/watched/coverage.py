@@ -67,10 +67,10 @@ class Boundaries(Coverage):
 
     def __init__(self, full_every: int) -> None:
         self.full_every = full_every
+        self._first = min(1, full_every - 1)  # the first per-module step: the second (the first, every step's)
 
     def per_module_step(self, opened: int, sharded: Callable[[], bool]) -> bool:
-        every = self.full_every
-        return opened % every == min(1, every - 1) or sharded()
+        return opened % self.full_every == self._first or sharded()
 
     def steps_aside(self, compiled: bool, per_module: bool, module: nn.Module) -> bool:
         # A compiled model always: its graph must never see a hook (no graph break, no recompile).

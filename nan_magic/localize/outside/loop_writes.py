@@ -42,6 +42,7 @@ the user's line above it at every op would cost more than the watching.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections import deque
@@ -340,12 +341,19 @@ _KINDS: dict[int, tuple[Any, int, Any, Plan | None]] = {}
 
 
 def _kind_of(func: Any) -> tuple[Any, int, Any, Plan | None]:
-    if not isinstance(func, torch._ops.OpOverload):
-        return func, _PASSES, func, None
-    if passes(func):
-        return func, _MARKER, func._op, None
-    plan = plan_of(func)
-    return (func, _WRITES, func._op, plan) if plan.writes else (func, _PASSES, func._op, None)
+    """An op's entry in :data:`_KINDS`, and an attribute of the op where it takes one (read at each op, no call)."""
+    if (entry := _KINDS.get(id(func))) is None:
+        if not isinstance(func, torch._ops.OpOverload):
+            entry = func, _PASSES, func, None
+        elif passes(func):
+            entry = func, _MARKER, func._op, None
+        else:
+            plan = plan_of(func)
+            entry = (func, _WRITES, func._op, plan) if plan.writes else (func, _PASSES, func._op, None)
+        _KINDS[id(func)] = entry
+        with contextlib.suppress(AttributeError, TypeError):
+            func._nan_magic_update = entry
+    return entry
 
 
 # id(code) -> (code, what a frame running it is between a dispatch mode and the line that ran an op: the user's
@@ -423,10 +431,10 @@ class _UpdateRecorder(OutsideRecorder):
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        entry = _KINDS.get(id(func))
-        if entry is None:
-            entry = _KINDS[id(func)] = _kind_of(func)
-        _func, kind, call, plan = entry
+        try:  # cached on the op, as the recorder's entry is (recorder._op_entry)
+            _func, kind, call, plan = func._nan_magic_update
+        except AttributeError:
+            _func, kind, call, plan = _kind_of(func)
         if self.watching:
             if plan is not None and on_parameters(self._storages(), self._parameter_of, written_by(plan, args, kwargs)):
                 self.watching = False

@@ -44,6 +44,7 @@ pushed, inert, through it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Sequence
@@ -97,21 +98,16 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     The records, and the replays an event runs of them, are :class:`RegionRecords`'s (region_records.py).
     """
 
-    # Pushed and popped with torch's _push_mode/_pop_mode, not ``with``: three regions a step, and
-    # TorchDispatchMode.__enter__/__exit__ cost about 25 Python calls a pair more, for flags that change nothing
-    # for this mode: they tell torch.compile whether a mode that does not ignore compile internals is active
-    # (this one does: :meth:`ignore_compile_internals`), and Inductor whether to route a compiled region through
-    # a higher-order op that this mode would then have to handle.
+    # Pushed and popped with torch's _push_mode/_pop_mode, not ``with``: three regions a step, and __enter__/__exit__
+    # cost about 25 Python calls a pair more, for flags that change nothing for this mode: they tell torch.compile
+    # whether a mode that does not ignore compile internals is active (this one does: ignore_compile_internals),
+    # and Inductor whether to route a compiled region through a higher-order op this mode would have to handle.
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (eight Python calls an op).
-
-        The wrapper keeps Dynamo from tracing the mode's own frames. This mode
-        is never active while Dynamo traces (:meth:`ignore_compile_internals`,
-        and it is pushed only onto an empty dispatch stack), and it calls only
-        the op it was given.
-        """
+        """No ``torch._disable_dynamo`` wrapper around :meth:`__torch_dispatch__` (eight Python calls an op): it keeps
+        Dynamo from tracing the mode's own frames, and this mode is never active while Dynamo traces
+        (:meth:`ignore_compile_internals`; pushed only onto an empty dispatch stack), and calls only the op given."""
         return False
 
     @classmethod
@@ -212,7 +208,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
-        if self.pushed and not self.step_aside():
+        if not self.pushed:
+            return
+        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
+                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
+            _pop(None)  # (as step_aside pops, inlined: three a step)
+            self.pushed = False
+        else:
             self._budget = _INERT  # left on the stack, inert until it is on top
 
     def step_aside(self) -> bool:
@@ -249,9 +251,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     def step_aside_for_batch(self) -> bool:  # (a DataLoader's fetch, once a data region ran over budget)
         return self.batches_aside and self._region == "data" and self.step_aside()
 
-    def step_back(self) -> None:
-        """Pushed again after :meth:`step_aside` (as :meth:`start` pushes)."""
-        self._push()
+    step_back = _push  # pushed again after step_aside, as start pushes (the same function: no call more a step)
 
     def pause(self) -> None:
         """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).
@@ -354,10 +354,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
     ) -> Any:
         # Every op of the region passes here, on every healthy step: each line below is paid per op,
         # so lookups are cached per op and per code object, and nothing is read from a tensor.
-        entry = _OPS.get(id(func))  # by id: an OpOverload's __hash__ is Python
-        if entry is None:
-            entry = _op_entry(func)
-        kind, call, _op, writes = entry
+        try:  # cached on the op: reading an attribute is no call (a dict by id: two; an OpOverload's hash is Python)
+            kind, call, _op, writes = func._nan_magic_outside
+        except AttributeError:
+            kind, call, _op, writes = _op_entry(func)
         if kwargs is None:
             kwargs = {}
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
@@ -426,9 +426,14 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                         flat = False
                         break
             for tensor in out if flat else tree_leaves(out):
-                if isinstance(tensor, torch.Tensor):
+                if type(tensor) is torch.Tensor:  # (bytes_held, inlined as above: nll_loss's pair, max's)
                     self._produced[id(tensor)] = index
-                    self._held_bytes += bytes_held(tensor) if type(tensor) is torch.Tensor else held_bytes(tensor)
+                    base = tensor._base
+                    size = (tensor if base is None else base).nbytes
+                    self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
+                elif isinstance(tensor, torch.Tensor):
+                    self._produced[id(tensor)] = index
+                    self._held_bytes += held_bytes(tensor)
         # What came from outside (a model's logits; in a list for cat or stack); an earlier op's output
         # counts again.
         for value in args:
@@ -450,8 +455,6 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Whether the next op is recorded (within the region's budget)."""
         return self._budget > 0
 
-_SEEDED: dict[Any, bool] = {}
-
 # torch's own zero_grad functions: one the loop bound before the watch began (``zero = opt.zero_grad``) runs
 # without the patch that steps the recorder aside (patches/zero_grad.py), and its ops (a ``zero_`` per gradient
 # with ``set_to_none=False``) are let by here instead, found as the user's frame is looked for.
@@ -469,11 +472,16 @@ _new_tuple = tuple.__new__
 
 def _op_entry(func: Any) -> tuple[str, Any, Any, Plan | None]:
     """``(kind, callable, op, writes)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping
-    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too)."""
-    kind = _PASS if passes(func) else _SEEDED_OP if _seeded(func) else _RECORD
-    overload = isinstance(func, torch._ops.OpOverload)
-    plan = plan_of(func) if overload and kind is not _PASS else None
-    entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
+    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too). Kept as an attribute of
+    the op, and by id for a callable that takes none (then looked up here at each op)."""
+    if (entry := _OPS.get(id(func))) is None:
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())  # (draws random numbers)
+        kind = _PASS if passes(func) else _SEEDED_OP if seeded else _RECORD
+        overload = isinstance(func, torch._ops.OpOverload)
+        plan = plan_of(func) if overload and kind is not _PASS else None
+        entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
+        with contextlib.suppress(AttributeError, TypeError):
+            func._nan_magic_outside = entry
     return entry
 
 
@@ -488,13 +496,3 @@ def passes(func: Any) -> bool:
     if not isinstance(func, torch._ops.OpOverload) or plan_of(func).writes:
         return False
     return not any("Tensor" in str(returned.type) for returned in func._schema.returns)
-
-
-def _seeded(func: Any) -> bool:
-    """Whether an op draws random numbers (looked up once per op: ``func.tags`` builds a list each time)."""
-    seeded = _SEEDED.get(func)
-    if seeded is None:
-        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-    return seeded
-
-

@@ -52,7 +52,7 @@ from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
-from nan_magic.hot.reads import is_checkable, iter_tensors, version_of
+from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
@@ -153,10 +153,12 @@ class StepReplays:
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
-    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...]) -> RngState:
+    def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...],
+              checkable: bool | None = None) -> RngState:
         """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record.
 
-        Returns the generators' state taken for it (the call's own replay uses the same).
+        Returns the generators' state taken for it (the call's own replay uses the same). ``checkable``:
+        ``model(x)``'s ``is_checkable(x)``, asked by the hook already (None: another form of call).
         """
         model = id(module)
         slots = self._slots.get(model)
@@ -182,8 +184,13 @@ class StepReplays:
             buffers = self._buffer_copies.take(module, live)
         else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
             buffer_versions, live, buffers = [], {}, {}
-        if len(args) == 1 and type(batch := args[0]) is torch.Tensor:  # (``model(x)``: no walk of the arguments)
-            versions = [(batch, version_of(batch))] if is_checkable(batch) else []
+        if checkable:  # (``model(x)``: no walk of the arguments; version_of inlined)
+            try:
+                versions = [(args[0], args[0]._version)]
+            except RuntimeError:  # an inference tensor has no version counter
+                versions = [(args[0], 0)]
+        elif checkable is not None:
+            versions = []
         else:
             versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
         rng = capture_rng_state()
@@ -250,7 +257,10 @@ class StepReplays:
         stepped: they may have changed since (a layer unfrozen, an embedding
         resized), so they are learned again.
         """
-        self._stepped.clear()
+        if self._stepped:
+            self._stepped.clear()
+        if not self.calls:  # (a training step released its calls as its optimizer stepped: nothing to learn)
+            return
         if not training:
             # Inference: the last step's calls are dropped as the next step begins, each unless a backward
             # may still reach it (a GAN's generator called before the discriminator, while no optimizer
