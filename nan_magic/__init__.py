@@ -7,7 +7,9 @@ In IPython, ``%load_ext nan_magic`` adds ``%%nantrace`` and ``%nanwatch``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.fix_records import install_describer
@@ -24,7 +26,6 @@ from nan_magic.records import (
     LayerCall,
     Phase,
     Report,
-    Sample,
     SourcePointer,
     StepSummary,
     TensorRef,
@@ -36,9 +37,6 @@ from nan_magic.render.words.names import sample_label, tensor_label
 from nan_magic.scene.load import Scene, load_scene
 from nan_magic.tensor_refs import install_labeler
 from nan_magic.version import __version__
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import pandas as pd
 
 __all__ = [
     "Cause",
@@ -71,77 +69,34 @@ __all__ = [
 
 
 
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported at its first call (``import nan_magic`` stays light)."""
+
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+
+    return call
+
+
 class _Views:
-    """A Report's views: rendering and the roll-back, imported on first use (``import nan_magic`` stays light)."""
+    """A Report's views: rendering and the roll-back, imported on first use."""
 
-    def table(self, report: Report) -> pd.DataFrame:
-        from nan_magic.render.table import layer_table
-
-        return layer_table(report)
-
-    def text(self, report: Report) -> str:
-        from nan_magic.render.text import render_text
-
-        return render_text(report)
-
-    def message_parts(self, report: Report) -> tuple[str, str, str, str]:
-        from nan_magic.render.words.message import message_parts
-
-        return message_parts(report)
-
-    def html(self, report: Report) -> str:
-        from nan_magic.render.html import render_html
-
-        return render_html(report)
-
-    def mimebundle(self, report: Report) -> dict[str, Any]:
-        from nan_magic.render.display import mimebundle
-
-        return mimebundle(report)
-
-    def restore(self, report: Report) -> None:
-        from nan_magic.scene.last_good import restore
-
-        restore(report)
-
-    def cause_hint(self, cause: Cause) -> str:
-        from nan_magic.render.words.cause import cause_hint
-
-        return cause_hint(cause)
-
-    def cause_evidence(self, cause: Cause) -> tuple[str, ...]:
-        from nan_magic.render.words.cause import cause_evidence
-
-        return cause_evidence(cause)
-
-    def warning_message(self, kind: str, facts: tuple[tuple[str, Any], ...]) -> str:
-        from nan_magic.render.words.warning_words import warning_text
-
-        return warning_text(kind, facts)
-
-    def sample_label(self, sample: Sample) -> str:
-        return sample_label(sample)
+    table = staticmethod(_lazy("nan_magic.render.table", "layer_table"))
+    text = staticmethod(_lazy("nan_magic.render.text", "render_text"))
+    message_parts = staticmethod(_lazy("nan_magic.render.words.message", "message_parts"))
+    html = staticmethod(_lazy("nan_magic.render.html", "render_html"))
+    mimebundle = staticmethod(_lazy("nan_magic.render.display", "mimebundle"))
+    restore = staticmethod(_lazy("nan_magic.scene.last_good", "restore"))
+    cause_hint = staticmethod(_lazy("nan_magic.render.words.cause", "cause_hint"))
+    cause_evidence = staticmethod(_lazy("nan_magic.render.words.cause", "cause_evidence"))
+    warning_message = staticmethod(_lazy("nan_magic.render.words.warning_words", "warning_text"))
+    sample_label = staticmethod(sample_label)
 
 
 install_views(_Views())
-
-
-def _describe_fix(trial: FixTrial) -> str:
-    from nan_magic.render.fixes import fix_description
-
-    return fix_description(trial)
-
-
-# A FixTrial's description is written by render/fixes.py, imported on first use.
-install_describer(_describe_fix)
-def _write_note(note: Note) -> str:
-    from nan_magic.render.words.note_words import note_text
-
-    return note_text(note)
-
-
-# A Note's sentence is written by render/words/note_words.py, imported on first use.
-install_writer(_write_note)
+# A FixTrial's description is written by render/fixes.py, a Note's sentence by render/words/note_words.py.
+install_describer(_lazy("nan_magic.render.fixes", "fix_description"))
+install_writer(_lazy("nan_magic.render.words.note_words", "note_text"))
 # A TensorRef's label (str) is written by render/words/names.py (stdlib only, so imported at once).
 install_labeler(tensor_label)
 

@@ -185,6 +185,22 @@ def hooked_model(pre: bool) -> nn.Module:
     return model
 
 
+def zeroed_at_step_1(model: nn.Module, opt: torch.optim.Optimizer, shape: tuple[int, int],
+                     options: dict[str, object]) -> nan_magic.Report:
+    """The report of three training steps whose first layer is zeroed before step 1."""
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.zero_()
+                    model[0].bias.zero_()
+            loss = model(torch.randn(*shape)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return caught.value.report
+
+
 @pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops")])
 @pytest.mark.parametrize("pre", [False, True], ids=["forward-hook", "pre-hook"])
 def test_a_user_s_forward_hook_is_named_as_its_module(options, pre) -> None:
@@ -192,17 +208,7 @@ def test_a_user_s_forward_hook_is_named_as_its_module(options, pre) -> None:
     # watch's stack: its op was named in the parent (the root). The module is the one the hook is registered on.
     model = hooked_model(pre)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
-        for step in range(3):
-            if step == 1:
-                with torch.no_grad():
-                    model[0].weight.zero_()
-                    model[0].bias.zero_()
-            loss = model(torch.randn(3, 4)).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    report = caught.value.report
+    report = zeroed_at_step_1(model, opt, (3, 4), options)
     assert (report.phase, report.module, report.step, report.op) == (
         "forward", "1" if pre else "0", 1, "aten.div.Tensor")
     assert report.source is not None
@@ -223,17 +229,7 @@ def test_eigh_backward_at_repeated_eigenvalues_reads_as_a_pole(options) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), Eigh(), nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
-        for step in range(3):
-            if step == 1:
-                with torch.no_grad():
-                    model[0].weight.zero_()
-                    model[0].bias.zero_()
-            loss = model(torch.randn(4, 3)).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    report = caught.value.report
+    report = zeroed_at_step_1(model, opt, (4, 3), options)
     assert (report.phase, report.module, report.step) == ("backward", "1", 1)
     assert report.source is not None and report.source.lineno == line_of(Eigh.forward, "producer: eigh")
     assert report.cause is not None and (report.cause.label, report.cause.reading) == (

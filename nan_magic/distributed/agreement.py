@@ -211,7 +211,7 @@ class Agreement:
         if own is not None:
             # Put the report where the others can read it before they learn there is one to read.
             store.set(_EVENT_KEY.format(round=round_, rank=rank), pickle.dumps(own.report))
-            flag = _flag(own, finding, rank, world)
+            flag = _flag(finding, rank, world)
         agreed = torch.tensor([flag], dtype=torch.int64, device=_flag_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         value = int(agreed.item())
@@ -333,7 +333,7 @@ class Agreement:
         if own is not None:
             store.set(f"{prefix}/report/{rank}", pickle.dumps(own.report))
             # One 8-byte integer per rank with an event, appended: read once every rank came.
-            store.append(f"{prefix}/flags", _FLAG.pack(_flag(own, finding, rank, world)))
+            store.append(f"{prefix}/flags", _FLAG.pack(_flag(finding, rank, world)))
         return store, prefix
 
     def _depart(self, own: NonFiniteError | None, finding: Finding | None) -> None:
@@ -414,7 +414,7 @@ def _store_count(key: str) -> int:
         return 0
 
 
-def _flag(own: NonFiniteError, finding: Finding | None, rank: int, world: int) -> int:
+def _flag(finding: Finding | None, rank: int, world: int) -> int:
     """The one integer a rank's event is reduced as: how telling it is, then the lowest rank first."""
     arrived = finding is not None and finding.call is None and finding.phase == Phase.BACKWARD
     return (_ARRIVED if arrived else _PRODUCED) * world + (world - 1 - rank)

@@ -246,10 +246,7 @@ class NanMagics(Magics):
     def _replay_model(self, expression: str | None, saved_name: str | None) -> nn.Module:
         namespace = self._shell.user_ns
         if expression is not None:
-            try:
-                model = eval(expression, namespace)
-            except Exception as error:  # any failure is a usage error here
-                raise UsageError(f"%nanreplay: cannot evaluate {expression!r}: {error}") from None
+            model = self._eval(expression, "%nanreplay: cannot evaluate")
         elif isinstance(namespace.get(saved_name or ""), nn.Module):
             model = namespace[saved_name]
         else:
@@ -283,7 +280,8 @@ class NanMagics(Magics):
             raise UsageError(f"{name}: -o needs a Python identifier, not {args.output!r}")
         namespace = self._shell.user_ns
         if args.targets:
-            labels, targets = self._targets(args.targets, name)
+            labels = list(args.targets)
+            targets = [self._eval(expression, f"{name}: cannot evaluate target") for expression in args.targets]
         else:
             # Models are found when the cell calls them (it may build them);
             # the namespace's GradScalers are passed so their skipped steps
@@ -296,15 +294,11 @@ class NanMagics(Magics):
         except (TypeError, ValueError) as error:
             raise UsageError(f"{name}: {error}") from None
 
-    def _targets(self, expressions: list[str], name: str) -> tuple[list[str], list[Any]]:
-        namespace = self._shell.user_ns
-        values = []
-        for expression in expressions:
-            try:
-                values.append(eval(expression, namespace))
-            except Exception as error:
-                raise UsageError(f"{name}: cannot evaluate target {expression!r}: {error}") from None
-        return list(expressions), values
+    def _eval(self, expression: str, failure: str) -> Any:
+        try:
+            return eval(expression, self._shell.user_ns)
+        except Exception as error:  # any failure is a usage error here
+            raise UsageError(f"{failure} {expression!r}: {error}") from None
 
     # -- a watch held between the events ---------------------------------------------
 

@@ -124,13 +124,5 @@ def watch_backward(
 
     ``tensor.backward()``, or ``torch.autograd.backward`` or ``grad`` called by the loop itself.
     """
-    with _PATCH.held():
-        _callbacks.append(callback)
-        if finished is not None:
-            _finished.append(finished)
-        try:
-            yield
-        finally:
-            _callbacks.remove(callback)
-            if finished is not None:
-                _finished.remove(finished)
+    with _PATCH.held((_callbacks, callback), *([(_finished, finished)] if finished is not None else [])):
+        yield

@@ -74,9 +74,5 @@ _PATCH = ProcessPatch(lambda: [(TorchDispatchMode, "__enter__", _wrap_enter),
 def seeing_modes_entered(entered: Entered) -> Iterator[None]:
     """Inside the block, ``entered(mode)`` is called after each ``TorchDispatchMode`` is entered, and what it
     returns (if not None) before that mode is left."""
-    with _PATCH.held():
-        _watchers.append(entered)
-        try:
-            yield
-        finally:
-            _watchers.remove(entered)
+    with _PATCH.held((_watchers, entered)):
+        yield

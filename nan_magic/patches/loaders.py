@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.utils.data import dataloader
 
-from nan_magic.patches.registry import ProcessPatch
+from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
 __all__ = ["UNKNOWN", "unrecorded_batches", "watch_batches"]
 
@@ -38,8 +38,7 @@ UNKNOWN = object()
 BatchCallback = Callable[[Any, Any, bool], None]
 
 _callbacks: list[BatchCallback] = []
-#: ``(step_aside, step_back)`` of each recorder active: ``step_aside()`` says whether it stepped aside.
-_recorders: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+_recorders: list[Recorder] = []  # each recorder active
 # Per live iterator: the indices drawn and not yet returned, by task number (a worker's), or at -1 (the main process).
 _drawn: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
@@ -57,12 +56,7 @@ def _wrap_next_index(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
     def __next__(self: Any) -> Any:
         __tracebackhide__ = True
-        aside = [back for step_aside, back in _recorders if step_aside()]
-        try:
-            data = original(self)
-        finally:
-            for back in reversed(aside):
-                back()
+        data = call_aside(_recorders, original, self)
         drawn = _drawn.get(self, {})
         task = self._rcvd_idx - 1 if hasattr(self, "_rcvd_idx") else -1
         ordered = getattr(self, "_in_order", True)
@@ -84,13 +78,11 @@ _PATCH = ProcessPatch(lambda: [
 @contextmanager
 def watch_batches(callback: BatchCallback) -> Iterator[None]:
     """Call ``callback(dataset, indices, map_style)`` after each batch a DataLoader returns inside the block."""
-    with _PATCH.held():
-        _callbacks.append(callback)
+    with _PATCH.held((_callbacks, callback)):
         try:
             yield
         finally:
-            _callbacks.remove(callback)
-            if not _callbacks:
+            if len(_callbacks) == 1:  # the last one goes as the block ends
                 _drawn.clear()
 
 
@@ -98,10 +90,5 @@ def watch_batches(callback: BatchCallback) -> Iterator[None]:
 def unrecorded_batches(step_aside: Callable[[], bool], step_back: Callable[[], None]) -> Iterator[None]:
     """Inside the block, each batch a DataLoader fetches is fetched with the recorder stepped aside where
     ``step_aside()`` says it did, and brought back after (``step_back()``)."""
-    with _PATCH.held():
-        entry = (step_aside, step_back)
-        _recorders.append(entry)
-        try:
-            yield
-        finally:
-            _recorders.remove(entry)
+    with _PATCH.held((_recorders, (step_aside, step_back))):
+        yield

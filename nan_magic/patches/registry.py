@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["ProcessPatch", "Wrap", "installed"]
+__all__ = ["ProcessPatch", "Recorder", "Wrap", "call_aside", "installed"]
 
 #: ``wrap(original) -> replacement``: the replacement receives what the original would, and calls it.
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -119,12 +119,17 @@ class ProcessPatch:
                 self._take_back()
 
     @contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold the patch for the duration of the block, however it ends."""
+    def held(self, *entries: tuple[list[Any], Any]) -> Iterator[None]:
+        """Hold the patch for the duration of the block, however it ends, with each ``(registry, item)`` of
+        ``entries`` appended to its registry (a list the replacements read) meanwhile."""
         self.acquire()
+        for registry, item in entries:
+            registry.append(item)
         try:
             yield
         finally:
+            for registry, item in entries:
+                registry.remove(item)
             self.release()
 
     def _take_back(self) -> None:
@@ -134,6 +139,23 @@ class ProcessPatch:
     def targets(self) -> list[tuple[Any, str]]:
         """The ``(owner, name)`` of every attribute replaced now."""
         return [(entry.owner, entry.name) for entry in self._installed]
+
+
+#: ``(step_aside, step_back)`` of a recorder that steps aside around a patched call: ``step_aside()`` says
+#: whether it did (patches/zero_grad.py, patches/loaders.py).
+Recorder = tuple[Callable[[], bool], Callable[[], None]]
+
+
+def call_aside(recorders: list[Recorder], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``original(*args, **kwargs)`` with each of ``recorders`` stepped aside where it says it did, and brought
+    back after, innermost first."""
+    __tracebackhide__ = True
+    aside = [back for step_aside, back in recorders if step_aside()]
+    try:
+        return original(*args, **kwargs)
+    finally:
+        for back in aside[::-1]:  # (a slice, not reversed(): no call)
+            back()
 
 
 def installed() -> list[tuple[Any, str]]:

@@ -165,9 +165,5 @@ _PATCH = ProcessPatch(_plan)
 @contextmanager
 def watch_scalers(callbacks: ScalerCallbacks) -> Iterator[None]:
     """Call ``callbacks`` from every GradScaler's ``scale`` and ``step`` inside the block."""
-    with _PATCH.held():
-        _callbacks.append(callbacks)
-        try:
-            yield
-        finally:
-            _callbacks.remove(callbacks)
+    with _PATCH.held((_callbacks, callbacks)):
+        yield

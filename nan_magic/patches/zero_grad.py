@@ -22,23 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.patches.registry import ProcessPatch
+from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
 __all__ = ["unrecorded_zero_grad"]
 
-#: ``(step_aside, step_back)`` of each recorder active: ``step_aside()`` says whether it stepped aside.
-_recorders: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+_recorders: list[Recorder] = []  # each recorder active
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        aside = [back for step_aside, back in _recorders if step_aside()]
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            for back in aside[::-1]:  # (a slice, not reversed(): no call)
-                back()
+        return call_aside(_recorders, original, self, *args, **kwargs)
 
     return zero_grad
 
@@ -50,10 +44,5 @@ _PATCH = ProcessPatch(lambda: [(torch.optim.Optimizer, "zero_grad", _wrap), (nn.
 def unrecorded_zero_grad(step_aside: Callable[[], bool], step_back: Callable[[], None]) -> Iterator[None]:
     """Inside the block, every ``zero_grad()`` runs with the recorder stepped aside (``step_aside()``: whether it
     did) and brought back after (``step_back()``)."""
-    with _PATCH.held():
-        entry = (step_aside, step_back)
-        _recorders.append(entry)
-        try:
-            yield
-        finally:
-            _recorders.remove(entry)
+    with _PATCH.held((_recorders, (step_aside, step_back))):
+        yield
