@@ -22,6 +22,8 @@ from tests.faults import marked_line
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
 OPS = [pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
        pytest.param({"ops": True, "mode": "full"}, id="ops-full")]
+#: The per-module watch without ops: the calls whose backward was running are replayed (CallReplay.replay_anomaly).
+FULL = [pytest.param({"mode": "full"}, id="full"), pytest.param({"mode": "full", "defer": True}, id="full-deferred")]
 
 
 def _line(marker: str) -> int:
@@ -50,9 +52,10 @@ def _train(model: nn.Module, loss_of: object, options: dict[str, bool], steps: i
     return losses
 
 
-@pytest.mark.parametrize("options", [*TIMINGS, *OPS])
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
 def test_a_nan_the_anomaly_mode_stops_in_a_modules_backward_is_named_at_its_op_and_line(options) -> None:
-    # Replayed by the default watch; under ops the live tracer saw the op start it, before any boundary claimed it.
+    # Replayed by the default watch; under ops the live tracer saw the op start it, before any boundary claimed it;
+    # the per-module watch replays the call whose output's gradient arrived last (the where's), which reproduces it.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _WhereSqrt(), nn.Linear(4, 1))
     with pytest.raises(NonFiniteError) as caught:
@@ -61,7 +64,7 @@ def test_a_nan_the_anomaly_mode_stops_in_a_modules_backward_is_named_at_its_op_a
     assert (report.phase, report.module, report.step, report.op) == ("backward", "1", 0, "aten.mul.Scalar")
     assert report.autograd_node == "SqrtBackward0"
     assert report.source is not None and report.source.lineno == _line("where sqrt")
-    assert report.reproduced is (None if options.get("ops") else True)
+    assert report.reproduced is (None if options.get("ops") or options.get("mode") == "full" else True)
     assert report.ops is bool(options.get("ops"))
     assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
         report.to_text())
@@ -77,7 +80,7 @@ def _distance_loss(model: nn.Module, step: int) -> torch.Tensor:
     return torch.sqrt(((out - target) ** 2).sum())  # producer: distance
 
 
-@pytest.mark.parametrize("options", [*TIMINGS, *OPS])
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
 def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(options) -> None:
     # sqrt's gradient at 0 is inf (no NaN: anomaly mode lets it pass); PowBackward0 turns it into NaN and is the
     # node torch's error names. The value was born at the sqrt's gradient (under ops, the op tracer's first origin).
@@ -88,6 +91,36 @@ def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(
     assert report.autograd_node == "SqrtBackward0"
     assert report.source is not None and report.source.lineno == _line("distance")
     assert "torch's anomaly detection stopped the backward (Function 'PowBackward0' returned nan values" in (
+        report.to_text())
+
+
+class _SqrtBetween(nn.Module):
+    """A container whose own code, between its two submodules, takes the where-sqrt (not a submodule's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        h = torch.where(h > 0, torch.sqrt(h), torch.zeros_like(h))  # producer: container sqrt
+        return self.outer(h)
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
+def test_a_nan_the_anomaly_mode_stops_in_a_containers_own_code_is_named_as_the_container(options) -> None:
+    # The last gradient that arrived finite is the outer Linear's output's: its replay stays finite, the container's
+    # (its parent) makes the NaN in its own code.
+    torch.manual_seed(0)
+    model = nn.Sequential(_SqrtBetween())
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "0", 0, "aten.mul.Scalar")
+    assert report.module_type == "_SqrtBetween"
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("container sqrt")
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
         report.to_text())
 
 
