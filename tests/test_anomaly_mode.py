@@ -124,6 +124,48 @@ def test_a_nan_the_anomaly_mode_stops_in_a_containers_own_code_is_named_as_the_c
         report.to_text())
 
 
+class _FirstCallSqrt(nn.Module):
+    """The where-sqrt on its first call only: a replay runs after the counter moved, and takes the other path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))  # producer: first call sqrt
+        return x * 1
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
+def test_a_nan_the_anomaly_mode_stops_at_that_no_replay_makes_again_claims_no_producer(options) -> None:
+    # No check saw the gradient (torch stopped the backward first) and no replay made it again: no module, op,
+    # tensor or counts are claimed; the notes say torch stopped the backward, and to watch with ops=True. The live
+    # op tracer (ops) saw the op itself.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _FirstCallSqrt(), nn.Linear(4, 1))
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    if options.get("ops"):
+        assert (report.phase, report.module, report.op) == ("backward", "1", "aten.mul.Scalar")
+        assert report.source is not None and report.source.lineno == _line("first call sqrt")
+        return
+    assert (report.phase, report.module, report.step, report.op, report.source) == ("backward", None, 0, None, None)
+    assert report.message == "first non-finite value in backward step 0: producer unknown"
+    text = report.to_text()
+    summary = text.split("Layers of step")[0]  # (the layer table lists the loss as code outside the modules)
+    assert "outside any watched module" not in summary and " of 0" not in summary and "grad of model" not in summary
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in text
+    assert "ops=True" in text
+    if options.get("mode") == "full":
+        # The gradient of 1's output arrived last, finite: its backward, or an enclosing one's, was running.
+        assert "the backward was running in 1 or a module enclosing it" in text
+    else:
+        assert report.reproduced is False
+
+
 class _ExpAct(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.exp(x)  # producer: exp
