@@ -184,7 +184,7 @@ def test_under_anomaly_mode_a_forward_events_fix_is_still_verified(options) -> N
     assert next(trial for trial in report.fixes if trial.kind == "stable").finite is True
 
 
-@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops")])
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops"), *FULL])
 def test_a_healthy_run_under_anomaly_mode_is_silent_and_identical(options) -> None:
     def loss_of(model: nn.Module, step: int) -> torch.Tensor:
         return model(torch.randn(8, 4)).pow(2).mean()
