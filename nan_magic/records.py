@@ -36,6 +36,8 @@ KINDS = ("nan", "+inf", "-inf")
 
 #: How a value outside every watched module is named (``module`` None).
 OUTSIDE_MODULES = "code outside any watched module"
+#: How the producer is named where no check saw the value and nothing named it (:attr:`Report.unlocated`).
+UNLOCATED = "producer unknown"
 
 
 def module_label(module: str | None, module_type: str | None = None, model: str | None = None) -> str:
@@ -394,7 +396,13 @@ class Report:
     @property
     def where(self) -> str:
         """Short human name of the producer: ``encoder.1 (Linear)``, ``DivNet (root)``, ``main.0 (Conv2d) in netD``."""
-        return module_label(self.module, self.module_type, self.model if self.models_watched > 1 else None)
+        model = self.model if self.models_watched > 1 else None
+        return UNLOCATED if self.unlocated else module_label(self.module, self.module_type, model)
+
+    @property
+    def unlocated(self) -> bool:
+        """No check saw the value and no replay or trace named it (torch's anomaly mode stopped a backward first)."""
+        return self.module is None and self.op is None and not self.numel
 
     @property
     def message(self) -> str:

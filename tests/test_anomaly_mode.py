@@ -22,6 +22,8 @@ from tests.faults import marked_line
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
 OPS = [pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
        pytest.param({"ops": True, "mode": "full"}, id="ops-full")]
+#: The per-module watch without ops: the calls whose backward was running are replayed (CallReplay.replay_anomaly).
+FULL = [pytest.param({"mode": "full"}, id="full"), pytest.param({"mode": "full", "defer": True}, id="full-deferred")]
 
 
 def _line(marker: str) -> int:
@@ -50,9 +52,10 @@ def _train(model: nn.Module, loss_of: object, options: dict[str, bool], steps: i
     return losses
 
 
-@pytest.mark.parametrize("options", [*TIMINGS, *OPS])
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
 def test_a_nan_the_anomaly_mode_stops_in_a_modules_backward_is_named_at_its_op_and_line(options) -> None:
-    # Replayed by the default watch; under ops the live tracer saw the op start it, before any boundary claimed it.
+    # Replayed by the default watch; under ops the live tracer saw the op start it, before any boundary claimed it;
+    # the per-module watch replays the call whose output's gradient arrived last (the where's), which reproduces it.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _WhereSqrt(), nn.Linear(4, 1))
     with pytest.raises(NonFiniteError) as caught:
@@ -61,7 +64,7 @@ def test_a_nan_the_anomaly_mode_stops_in_a_modules_backward_is_named_at_its_op_a
     assert (report.phase, report.module, report.step, report.op) == ("backward", "1", 0, "aten.mul.Scalar")
     assert report.autograd_node == "SqrtBackward0"
     assert report.source is not None and report.source.lineno == _line("where sqrt")
-    assert report.reproduced is (None if options.get("ops") else True)
+    assert report.reproduced is (None if options.get("ops") or options.get("mode") == "full" else True)
     assert report.ops is bool(options.get("ops"))
     assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
         report.to_text())
@@ -77,7 +80,7 @@ def _distance_loss(model: nn.Module, step: int) -> torch.Tensor:
     return torch.sqrt(((out - target) ** 2).sum())  # producer: distance
 
 
-@pytest.mark.parametrize("options", [*TIMINGS, *OPS])
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
 def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(options) -> None:
     # sqrt's gradient at 0 is inf (no NaN: anomaly mode lets it pass); PowBackward0 turns it into NaN and is the
     # node torch's error names. The value was born at the sqrt's gradient (under ops, the op tracer's first origin).
@@ -89,6 +92,78 @@ def test_a_nan_the_anomaly_mode_stops_in_the_loss_codes_backward_is_named_there(
     assert report.source is not None and report.source.lineno == _line("distance")
     assert "torch's anomaly detection stopped the backward (Function 'PowBackward0' returned nan values" in (
         report.to_text())
+
+
+class _SqrtBetween(nn.Module):
+    """A container whose own code, between its two submodules, takes the where-sqrt (not a submodule's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        h = torch.where(h > 0, torch.sqrt(h), torch.zeros_like(h))  # producer: container sqrt
+        return self.outer(h)
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
+def test_a_nan_the_anomaly_mode_stops_in_a_containers_own_code_is_named_as_the_container(options) -> None:
+    # The last gradient that arrived finite is the outer Linear's output's: its replay stays finite, the container's
+    # (its parent) makes the NaN in its own code.
+    torch.manual_seed(0)
+    model = nn.Sequential(_SqrtBetween())
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "0", 0, "aten.mul.Scalar")
+    assert report.module_type == "_SqrtBetween"
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("container sqrt")
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
+        report.to_text())
+
+
+class _FirstCallSqrt(nn.Module):
+    """The where-sqrt on its first call only: a replay runs after the counter moved, and takes the other path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))  # producer: first call sqrt
+        return x * 1
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, *OPS, *FULL])
+def test_a_nan_the_anomaly_mode_stops_at_that_no_replay_makes_again_claims_no_producer(options) -> None:
+    # No check saw the gradient (torch stopped the backward first) and no replay made it again: no module, op,
+    # tensor or counts are claimed; the notes say torch stopped the backward, and to watch with ops=True. The live
+    # op tracer (ops) saw the op itself.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _FirstCallSqrt(), nn.Linear(4, 1))
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    if options.get("ops"):
+        assert (report.phase, report.module, report.op) == ("backward", "1", "aten.mul.Scalar")
+        assert report.source is not None and report.source.lineno == _line("first call sqrt")
+        return
+    assert (report.phase, report.module, report.step, report.op, report.source) == ("backward", None, 0, None, None)
+    assert report.message == "first non-finite value in backward step 0: producer unknown"
+    text = report.to_text()
+    summary = text.split("Layers of step")[0]  # (the layer table lists the loss as code outside the modules)
+    assert "outside any watched module" not in summary and " of 0" not in summary and "grad of model" not in summary
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in text
+    assert "ops=True" in text
+    if options.get("mode") == "full":
+        # The gradient of 1's output arrived last, finite: its backward, or an enclosing one's, was running.
+        assert "the backward was running in 1 or a module enclosing it" in text
+    else:
+        assert report.reproduced is False
 
 
 class _ExpAct(nn.Module):
@@ -109,7 +184,7 @@ def test_under_anomaly_mode_a_forward_events_fix_is_still_verified(options) -> N
     assert next(trial for trial in report.fixes if trial.kind == "stable").finite is True
 
 
-@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops")])
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"ops": True}, id="ops"), *FULL])
 def test_a_healthy_run_under_anomaly_mode_is_silent_and_identical(options) -> None:
     def loss_of(model: nn.Module, step: int) -> torch.Tensor:
         return model(torch.randn(8, 4)).pow(2).mean()

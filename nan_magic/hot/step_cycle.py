@@ -479,9 +479,11 @@ class StepCycle:
         gradients = self.gradients
         loss = gradients.loss_record.ref() if gradients.loss_record is not None else None
         # The loss code's backward first (it runs before the models'), as its recorded ops replay it; else the step
-        # replay of the models' calls (events.py) finds it.
+        # replay of the models' calls (events.py), or the per-module watch's replay of the calls (replay_anomaly).
         with torch.autograd.set_detect_anomaly(False):  # (or its replay would stop as the user's backward did)
             claimed = traced is None and self.origins.claim_loss_backward(finding, loss, gradients.loss_key)
+            if not claimed and traced is None and gradients.replay_anomaly is not None:
+                gradients.replay_anomaly(finding)  # per-module: the calls whose backward was running, replayed
         if claimed and gradients.loss_record is not None:
             finding.call = gradients.loss_record.call  # named: the loss's call, which no model replay stands for
         try:

@@ -313,7 +313,8 @@ class Watch:
                                   recorded_leaves=functools.partial(entering.recorded_leaves, self.outside),
                                   recorded_in_full=functools.partial(entering.recorded_in_full, self.outside),
                                   unrecorded=functools.partial(entering.unrecorded, self.outside))
-        self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward)
+        self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward,
+                                        self.call_replay.replay_anomaly if replay_backward is not None else None)
         self.optimizers = OptimizerChecks(self, self.origins, self.localizing.optimizer_replay())
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None

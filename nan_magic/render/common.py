@@ -268,19 +268,21 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         tensor += f" {tensor_title(report.dtype, report.output_stats.shape)}"
     elif report.dtype:
         tensor += f" {report.dtype}"
-    rows.append(("tensor", tensor))
-    rows.append((
-        "non-finite",
-        f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
-        f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
-    ))
+    if not report.unlocated:  # (no check saw the value: no tensor, no counts to show)
+        rows.append(("tensor", tensor))
+        rows.append((
+            "non-finite",
+            f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
+            f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
+        ))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
         rows.append(("module out", f"{module_value(report, name)}: {stats_phrase(stats)}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
-    rows.append(("inputs", inputs))
+    if not report.unlocated:
+        rows.append(("inputs", inputs))
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
     if report.absorbed is not None:
         absorbed = report.absorbed

@@ -54,11 +54,15 @@ class GradientChecks:
     """
 
     def __init__(self, watch: GradientHost, origins: OriginFinder, loss_code: LossCodeReads,
-                 replay_backward: ReplayBackward | None) -> None:
+                 replay_backward: ReplayBackward | None,
+                 replay_anomaly: Callable[[Finding], bool] | None = None) -> None:
         self.watch = watch
         self.origins = origins
         self._loss_code = loss_code
         self._replay_backward = replay_backward
+        #: Where torch's anomaly mode stopped a backward that no check saw go non-finite, the module calls whose
+        #: backward was running replayed (:meth:`CallReplay.replay_anomaly`); None where calls keep no arguments.
+        self.replay_anomaly = replay_anomaly
         self.loss_record: TensorRecord | None = None
         # The id of the tensor the last backward started from: the deferred check's replay of the loss
         # code finds its records by it once it is freed (localize/outside/recorder.py).

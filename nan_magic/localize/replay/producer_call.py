@@ -362,6 +362,89 @@ class CallReplay:
                                      node=result.finding.autograd_node))
 
 
+    def replay_anomaly(self, finding: Finding) -> bool:
+        """torch's anomaly mode stopped the backward before any check saw a non-finite gradient (per-module watch).
+
+        The backward was running inside the call that returned the tensor
+        whose gradient arrived last (finite), or inside one of its enclosing
+        calls (the ops between submodules are the container's). Each, from
+        that call outwards, is replayed (forward and backward, anomaly mode
+        off): the first whose replay makes a non-finite value in its backward
+        is the producer. False where none does: nothing is claimed then, and
+        ``finding`` gets the note of the call whose backward was running.
+        """
+        if not self.keeps_calls:
+            return False
+        last = _last_gradient_target(self._log)
+        call = last.call if last is not None else None
+        running = call
+        while call is not None:
+            if call.phase == Phase.FORWARD and call.module is not None and call.held is not None and _replayable(
+                    call, call.rng_state):
+                with self.standing_aside():
+                    result = replay_backward(
+                        call.module, call.held, (), rng_state=call.rng_state, regenerate=self._regenerate,
+                        kinds=self.kinds, module_name=call.name or "", autocast=call.autocast,
+                    )
+                op = result.finding
+                if op is not None:
+                    # The call replayed is the producer: its own code, or a child's inside it (named by the op).
+                    inner = call if op.module in (None, call.name) else _call_named(self._log, call, op.module) or call
+                    finding.call, finding.record = inner, None
+                    finding.module, finding.module_type = inner.name, inner.module_type
+                    finding.model = inner.info.model if inner.info is not None else None
+                    finding.tensor = TensorRef.op_output(op.op)
+                    finding.rng_state = inner.rng_state
+                    finding.inputs = named_inputs(inner)
+                    apply_op_finding(finding, op, result.tensors)
+                    finding.frame = result.frame
+                    finding.notes.append(Note.of("backward-replay-found", module=call.name, op=op.op,
+                                                 node=op.autograd_node))
+                    if op.module is not None and op.module != inner.name:
+                        finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
+                    return True
+            call = call.parent
+        if running is not None and running.info is not None:
+            finding.notes.append(Note.of("anomaly-unreplayed", module=running.name))
+        return False
+
+
+def _last_gradient_target(log: StepLog) -> TensorRecord | None:
+    """The recorded tensor whose gradient arrived last this step (cold: read at an event, from the log's calls).
+
+    A gradient's call names the tensor by its consumer's argument, else by the
+    call that returned it and its path (call_records.gradient_label).
+    """
+    calls = log.calls
+    gradient = next((call for call in reversed(calls) if call.phase == Phase.BACKWARD and call.outputs), None)
+    if gradient is None:
+        return None
+    label = gradient.outputs[0].path
+    if not isinstance(label, TensorRef):
+        return None
+    if gradient.consumer is not None and label.name is None:
+        return next((record for path, _argument, record, _ref, _version in gradient.consumer.inputs
+                     if path == label.path and record is not None), None)
+    for call in reversed(calls):
+        if call.phase == Phase.FORWARD and call.index < gradient.index and call.name == label.name:
+            found = next((record for record in call.outputs if str(record.path) == label.path), None)
+            if found is not None:
+                return found
+    return None
+
+
+def _call_named(log: StepLog, call: Call, module: str | None) -> Call | None:
+    """The latest call of the module named ``module`` made inside ``call`` (a child's code ran the op), if any."""
+    for inner in reversed(log.calls):
+        if inner.phase == Phase.FORWARD and inner.name == module and inner is not call:
+            outer = inner.parent
+            while outer is not None and outer is not call:
+                outer = outer.parent
+            if outer is call:
+                return inner
+    return None
+
+
 def _pair(note: Note | None) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
     """``note`` as a fact of another note (None stays None)."""
     return note.pair if note is not None else None

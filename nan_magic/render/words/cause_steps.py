@@ -116,6 +116,9 @@ def _unwatched_hint(event: Report, cause: Cause) -> str:
 
 
 def _backward_hint(event: Report, cause: Cause) -> str:
+    if event.unlocated:
+        return (f"a backward made a non-finite gradient that no check saw and no replay made again, so its producer "
+                f"is unknown ({rerun_for_op(event)}); {_DERIVATIVE_POLES}")
     if event.autograd_node is not None:
         detail = f"in the backward of {event.autograd_node} ({event.op} at {line(event)})"
     elif event.op is not None:
@@ -172,7 +175,7 @@ STEP_READINGS: dict[str, Reading] = {
     ),
     "gradient-unwatched": on_event(_unwatched_hint, _tensor_counts, sentence=False),
     "backward-unmatched": on_event(_backward_hint, lambda event, _cause: (
-        f"phase backward: {event.tensor} {counts(event)} of {event.numel}",
+        () if event.unlocated else (f"phase backward: {event.tensor} {counts(event)} of {event.numel}",)
     )),
     "loss-unknown-op": on_event(_loss_hint, lambda event, _cause: (
         f"loss: {counts(event)}", f"inputs finite: {event.inputs_finite}",

@@ -25,6 +25,8 @@ def message_parts(report: Report) -> tuple[str, str, str, str]:
     verb = "benign non-finite" if report.benign else "first non-finite" if report.follows is None else "non-finite"
     # The op's own output needs no second naming: "op aten.div.Tensor" follows.
     tensor = "value" if report.op and report.tensor == TensorRef.op_output(report.op) else str(report.tensor)
+    if report.unlocated:  # no check saw the value: neither which tensor it was nor its counts are known
+        return f"{verb} value in {report.phase} step {report.step}: {report.where}", "", "", ""
     after = "" if report.follows is None else f", after the first event ({first_event(report.follows, report)})"
     return (f"{verb} {tensor} in {report.phase} step {report.step}: {report.where}", separator, at,
             f" ({kinds} of {report.numel}){after}")

@@ -56,6 +56,8 @@ _TEMPLATES: dict[str, str] = {
     "op-raised": "then {func} was called on it and raised {error}",
     "forward-raised": "then the forward raised {error}",
     "anomaly-raised": "torch's anomaly detection stopped the backward ({message})",
+    "anomaly-unreplayed": "the backward was running in {module} or a module enclosing it when it stopped; no replay "
+                          "of them made a non-finite value, so the producer is unknown: " + _OPS,
     "refetched": "named by fetching the batch's samples from {dataset} again",
     "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}",
     "iterable-dataset": "the batch came from {dataset}, an iterable dataset: its samples cannot be fetched again by "
