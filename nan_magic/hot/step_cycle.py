@@ -9,13 +9,11 @@ device until :meth:`StepCycle.sync` reads them in one transfer, at the optimizer
 group that is the step's agreement with the other ranks (agreement.py, lockstep.py), and so is a step a
 GradScaler skipped.
 
-Who calls whom: the watch builds the cycle after the checkers and hands it
-the parts a step's boundaries coordinate, explicitly: the step log, the
-gradient and optimizer checks, the forward checks' producer rule (as a
-callable), the step replays, the op origins, the code recorder, the outcome
-and the lockstep facts. The checkers, built first, reach the cycle as
-``watch.cycle``: the forward hooks open and close steps, the optimizer checks
-read the deferred check and close steps, both add early warnings.
+Who calls whom: the watch builds the cycle after the checkers and hands it the parts a step's boundaries coordinate,
+explicitly: the step log, the gradient and optimizer checks, the forward checks' producer rule (as a callable), the
+step replays, the op origins, the code recorder, the outcome and the lockstep facts. The checkers, built first,
+reach the cycle as ``watch.cycle``: the forward hooks open and close steps, the optimizer checks read the deferred
+check and close steps, both add early warnings.
 """
 
 from __future__ import annotations

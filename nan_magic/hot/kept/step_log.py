@@ -43,6 +43,9 @@ __all__ = ["StepLog"]
 #: A returned call's place in the order calls returned (no Python call per call, as a lambda would be).
 _RETURN_ORDER = operator.attrgetter("finished")
 
+#: A finite record's kinds (resolve sets them inline).
+_NONE: frozenset[str] = frozenset()
+
 #: ``(finfo(dtype).max / |x|, module, dtype)``: how far a value is from overflowing.
 Headroom = tuple[float, str | None, str]
 
