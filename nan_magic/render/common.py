@@ -252,7 +252,8 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     """
     # A replay that did not reproduce the event leaves only where the boundary check saw it: a module whose
     # gradient was non-finite may have been handed it by the backward of another (a propagator, not the producer).
-    rows: list[tuple[str, str]] = [("producer" if report.reproduced is not False else "seen in", report.where)]
+    label = "producer" if report.reproduced is not False or report.unlocated else "seen in"
+    rows: list[tuple[str, str]] = [(label, "unknown" if report.unlocated else report.where)]
     if report.op:
         rows.append(("op", op_phrase(report)))
     if report.source is not None:

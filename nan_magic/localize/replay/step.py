@@ -428,7 +428,8 @@ class StepReplays:
 
     @staticmethod
     def _not_replayed(seen: Report, why: Note) -> Report:
-        note = Note.of("not-reproduced", reason=why.pair)
+        # (Unseen: torch's anomaly mode stopped the backward before any check; a mode="full" watch would not see it.)
+        note = Note.of("not-reproduced-unseen" if seen.unlocated else "not-reproduced", reason=why.pair)
         return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
 
 

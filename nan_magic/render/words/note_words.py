@@ -96,6 +96,8 @@ _TEMPLATES: dict[str, str] = {
                      "saw the same event",
     "not-reproduced": "the replay of this step did not reproduce the event ({reason}); this is what the step's "
                       "boundary check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer",
+    "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
+                             "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
     "step-replay-finite": "the replay stayed finite",
     "no-gradient-held": "no gradient flowing into the model's outputs was held for this step",
     "call-not-held": "its model call was no longer held (more than {max_calls} calls in the step)",
