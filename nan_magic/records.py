@@ -313,6 +313,8 @@ class Report:
     module_output: tuple[TensorRef, TensorStats] | None = None
     #: The producer's inputs: the module call's arguments (role input) and the op's operands (role operand).
     input_stats: tuple[tuple[TensorRef, TensorStats], ...] = ()
+    #: ``(operand, value)``: the op's Python-number arguments that were not finite (``mask * float("-inf")``).
+    nonfinite_numbers: tuple[tuple[str, float], ...] = ()
     layers: tuple[LayerCall, ...] = ()
     layers_dropped: int = 0
     samples: tuple[Sample, ...] = ()
@@ -336,17 +338,15 @@ class Report:
     #: The class of the optimizer whose step made the value non-finite (``"Adam"``), or that was
     #: about to step with the non-finite gradient; None where no optimizer was involved.
     optimizer: str | None = None
-    #: That optimizer's ``eps`` for the parameter (its parameter group's), where it has one.
+    #: That optimizer's ``eps`` and learning rate for the parameter (its parameter group's), where it has them.
     optimizer_eps: float | None = None
-    #: That optimizer's learning rate for the parameter (its parameter group's), where it has one.
     optimizer_lr: float | None = None
     #: The rank of the process that found the event and the size of its process group
     #: (``torch.distributed``); None outside a process group.
     rank: int | None = None
     world_size: int | None = None
-    #: Whether the replay of the failing step (the default, tiered watch) saw the event again at the
-    #: same boundary with the same counts: True, False (then the report holds what the step's
-    #: boundary checks saw, and ``mode="full"`` finds the producer), None where nothing was replayed.
+    #: Whether the replay of the failing step (the default, tiered watch) saw the event again at the same boundary
+    #: with the same counts: True, False (the report holds what the checks saw), None where nothing was replayed.
     reproduced: bool | None = None
     #: For an event after the first real one (``on_detect="warn"``/``"log"``: the run went on),
     #: which event that was (:class:`EventRef`); None for the first.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,9 @@ CAUSES = {
     "benign": (_of_event("unclassified", "benign"), "4 nan, 2 +inf, 1 -inf"),
     "bad-batch": (_of_event("bad-input-data", "bad-batch"), "entering Net already held"),
     "parameter-nonfinite": (_of_event("parameter-already-nonfinite", "parameter-nonfinite"), "when fc (Linear)"),
+    "nonfinite-number": (event_cause("nonfinite-number", "nonfinite-number", dataclasses.replace(
+        _EVENT, op="aten.mul.Tensor", nonfinite_numbers=(("other", -math.inf),))),
+        "was given a Python number that is not finite (`other` of aten.mul.Tensor in fc (Linear) = -inf)"),
     "derivative-pole": (_of_event("division-by-zero", "derivative-pole", function="div"), "-a/b²"),
     "gradient-unwatched": (_of_event("unclassified", "gradient-unwatched"), "about to step"),
     "backward-unmatched": (_of_event("unclassified", "backward-unmatched"), "in the backward of DivBackward0"),

@@ -75,6 +75,9 @@ Labels (exact strings: tests, renderers and users rely on them)
     unless ``zero_infinity=True``.
 ``parameter-already-nonfinite``
     A module read a parameter or buffer that already held non-finite values.
+``nonfinite-number``
+    The op was given a Python number that is not finite (``mask * float("-inf")``, a scale or temperature set to
+    inf in a config): no tensor op made the value; the number the code passed did.
 ``grad-scaler-collapse``
     Set by the watch (``optim.py``) when a GradScaler's scale keeps
     collapsing; :func:`diagnose` is only called where no cause is set.
@@ -117,6 +120,7 @@ LABELS = (
     "empty-reduction",
     "ctc-infeasible",
     "parameter-already-nonfinite",
+    "nonfinite-number",
     "grad-scaler-collapse",
     "unclassified",
 )
@@ -185,8 +189,10 @@ def _local_cause(report: Report) -> Cause:
         cause = optimizer_cause(report)
         if cause.label == "unclassified" and report.optimizer is None and report.op is not None:
             # A hand-written update (loop code, no optimizer) is read by its op, as forward code is.
-            return forward_cause(report)
+            return _given_a_number(report) or forward_cause(report)
         return cause
+    if (given := _given_a_number(report)) is not None:
+        return given
     if report.tensor.role is TensorRole.PARAMETER:
         return event_cause("parameter-already-nonfinite", "parameter-nonfinite", report)
     if report.phase == Phase.DATA:
@@ -200,6 +206,11 @@ def _local_cause(report: Report) -> Cause:
     if report.phase == Phase.BACKWARD:
         return _backward(report)
     return forward_cause(report)
+
+
+def _given_a_number(report: Report) -> Cause | None:
+    """The op read a Python number that was not finite: that number, not the op, made the value."""
+    return event_cause("nonfinite-number", "nonfinite-number", report) if report.nonfinite_numbers else None
 
 
 # -- backward ---------------------------------------------------------------------------

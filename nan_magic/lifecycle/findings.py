@@ -142,6 +142,7 @@ def build_report(
         output_stats=stats,
         module_output=module_output,
         input_stats=tuple(input_stats),
+        nonfinite_numbers=tuple(finding.nonfinite_numbers),
         layers=layers,
         layers_dropped=dropped,
         samples=tuple(samples),

@@ -238,8 +238,13 @@ def labelled_inputs(report: Report) -> list[tuple[str, TensorStats]]:
     ``mat2``); :func:`~nan_magic.render.words.operands.operand_names` reads the
     user's expressions from the source line: ``x (self)``.
     """
-    names = operand_names(report.op, report.source.line if report.source else None)
+    names = operand_names(report.op, report.source.line if report.source else None, _tensor_operands(report))
     return [(operand_label(name, names), stats) for name, stats in report.input_stats]
+
+
+def _tensor_operands(report: Report) -> set[str]:
+    """The op's operands that were tensors (by schema name; the others were Python numbers)."""
+    return {ref.name for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name}
 
 
 def fact_rows(report: Report) -> list[tuple[str, str]]:
@@ -282,8 +287,13 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         name, stats = report.module_output
         rows.append(("module out", f"{module_value(report, name)}: {stats_phrase(stats)}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
+    if report.nonfinite_numbers:
+        inputs = "tensors finite; a Python number was not"
     if not report.unlocated:
         rows.append(("inputs", inputs))
+    names = operand_names(report.op, report.source.line if report.source else None, _tensor_operands(report))
+    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
+                for name, value in report.nonfinite_numbers)
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
     if report.absorbed is not None:
         absorbed = report.absorbed

@@ -16,6 +16,7 @@ identity alone, and an op that writes it in place notes it again.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +280,7 @@ def apply_op_finding(
     inputs, used for histograms.
     """
     finding.op = op.op
+    finding.nonfinite_numbers = [(name, value) for name, value in op.scalars if not math.isfinite(value)]
     # The tracer keeps the op's output, then its operands by schema name.
     operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:

@@ -44,6 +44,20 @@ def _log_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _number_hint(event: Report, cause: Cause) -> str:
+    given = ", ".join(f"{input_label(event, name)} = {value}" for name, value in event.nonfinite_numbers)
+    return (
+        f"{event.op} was given a Python number that is not finite ({given}): no tensor op made the value, the "
+        "number the code passed did; find where it is set (a config value, float('-inf') multiplied into a mask "
+        "where masked_fill(mask, float('-inf')) was meant, a division by zero in Python) and keep it finite"
+    )
+
+
+def _number_evidence(event: Report, _cause: Cause) -> tuple[str, ...]:
+    numbers = tuple(f"{input_label(event, name)}: {value}, a Python number" for name, value in event.nonfinite_numbers)
+    return (*numbers, *input_lines(event))
+
+
 def _sqrt_hint(event: Report, cause: Cause) -> str:
     return (
         f"sqrt got {event.nan} negatives in {input_named(event, 0, event.nan)}: clamp to >= 0 first "
@@ -296,6 +310,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 
 
 OP_READINGS: dict[str, Reading] = {
+    "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),

@@ -14,6 +14,7 @@ Stdlib only (the text report uses it).
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 
 from nan_magic.records import TensorRef, TensorRole
 from nan_magic.tensor_refs import op_function
@@ -68,12 +69,12 @@ def op_expression(op: str | None, line: str | None) -> str:
     return ast.get_source_segment(text, node) or ""
 
 
-def operand_names(op: str | None, line: str | None) -> dict[str, str]:
+def operand_names(op: str | None, line: str | None, tensors: Collection[str] | None = None) -> dict[str, str]:
     """Schema argument name -> the expression the user wrote for it.
 
     ``operand_names("aten.div.Tensor", "return a / b.sqrt()")`` gives
     ``{"self": "a", "other": "b.sqrt()"}``. Empty when the line does not
-    say it unambiguously.
+    say it unambiguously. ``tensors``: the operands that were tensors (the others were Python numbers).
     """
     found = op_node(op, line)
     if found is None:
@@ -82,6 +83,13 @@ def operand_names(op: str | None, line: str | None) -> dict[str, str]:
     if isinstance(node, (ast.BinOp, ast.AugAssign)):
         left = node.left if isinstance(node, ast.BinOp) else node.target
         right = node.right if isinstance(node, ast.BinOp) else node.value
+        if isinstance(node, ast.BinOp) and tensors is not None and not any(name in tensors for name in _RIGHT):
+            # A tensor and a Python number: torch runs ``lr * g`` as mul(g, lr), the tensor first whichever side it
+            # is written on; only a literal says which side holds the number.
+            sides = (left, right) if _literal(right) else (right, left) if _literal(left) else None
+            if sides is None:
+                return {}
+            left, right = sides
         names = {"self": _segment(text, left)}
         names.update({name: _segment(text, right) for name in _RIGHT})
         return {key: value for key, value in names.items() if value}
@@ -95,6 +103,14 @@ def operand_names(op: str | None, line: str | None) -> dict[str, str]:
         return {}
     segment = _segment(text, subject)
     return {"self": segment} if segment else {}
+
+
+def _literal(node: ast.expr) -> bool:
+    """A number written out: ``2``, ``-1.0``, ``float("-inf")``."""
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    return isinstance(node, ast.Constant) or (
+        isinstance(node, ast.Call) and _called_name(node) == "float" and all(_literal(arg) for arg in node.args))
 
 
 def _called_name(call: ast.Call) -> str | None:
