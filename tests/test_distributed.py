@@ -532,3 +532,26 @@ def test_fix_trials_under_several_ranks_run_only_where_no_collective_is_needed(m
     mean = RecordedOp(torch.ops._c10d_functional.all_reduce.default, (), {}, None, None, 0, None)
     with pytest.raises(runner._NeedsRanks, match=r"the loss code runs a collective \(_c10d_functional.all_reduce"):
         runner._alone(plain, plain, [], LossCode([mean], 0, {}, None, False))
+
+
+def test_several_is_asked_again_when_the_default_process_group_changes(monkeypatch):
+    # Agreement.several keeps its answer while torch's default process group is the same object (it is asked at
+    # every optimizer step): a group created after the watch began, or destroyed, is seen at the next ask.
+    from nan_magic.distributed import agreement
+
+    if agreement._WORLD is None:
+        pytest.skip("this torch keeps its default process group elsewhere: several asks each time")
+    asked = []
+    monkeypatch.setattr(agreement, "process_group", lambda: asked.append(1) or group)
+    group: tuple[int, int] | None = None
+    watching = agreement.Agreement()
+    asked.clear()
+    assert not watching.several and not watching.several and len(asked) <= 1
+    group = (0, 2)
+    monkeypatch.setattr(agreement._WORLD, "_default_pg", object())  # init_process_group, as torch records it
+    assert watching.several and watching.several
+    assert len(asked) <= 2
+    monkeypatch.setattr(agreement._WORLD, "_default_pg", None)  # destroy_process_group
+    group = None
+    assert not watching.several
+    assert not agreement.Agreement(alone=True).several

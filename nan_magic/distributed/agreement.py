@@ -121,6 +121,19 @@ EXIT_WAIT_S = 30.0
 # How long a waiting rank waits before it looks at the stop channel again.
 _POLL_S = 0.25
 
+# torch's record of the default process group (``_world._default_pg``, which ``dist.is_initialized()`` reads
+# through two properties): Agreement.several keys its kept answer on it. None where torch has no distributed
+# package, or keeps it elsewhere (then several asks process_group() each time).
+_WORLD: Any = None
+try:
+    from torch.distributed.distributed_c10d import _world
+
+    _world._default_pg  # noqa: B018 (present: the key is readable)
+    _WORLD = _world
+except (ImportError, AttributeError):
+    pass
+_UNASKED = object()
+
 # Exit rounds taken by this process. Every rank leaves its lockstep watches in the
 # same order, so this count names the same round on every rank (store keys).
 _EXIT_ROUNDS = itertools.count()
@@ -139,6 +152,9 @@ class Agreement:
     def __init__(self, *, alone: bool = False) -> None:
         # A replay's watch (localize/replay/step.py) runs on one rank alone, inside the watch that agrees.
         self._alone = alone
+        # `several`'s last answer, and the default process group it was given for (_UNASKED: none yet).
+        self._group: Any = _UNASKED
+        self._several = False
         self._open = False
         # Every rank takes part in the same collectives in the same order, so
         # this count names the same round on every rank (store keys).
@@ -161,9 +177,22 @@ class Agreement:
 
     @property
     def several(self) -> bool:
-        """Whether this watch runs as one rank of several (asked each time: the process group may start late)."""
-        group = None if self._alone else process_group()
-        return group is not None and group[1] > 1
+        """Whether this watch runs as one rank of several (asked each time: the process group may start late).
+
+        Asked at every optimizer step: the answer is kept while torch's default process group is the same object
+        (an attribute read, no call; ``process_group()`` is seven Python calls), and asked again when one is
+        created or destroyed. The group is held as the key: an ``is`` test on a live object, never a reused id.
+        """
+        if self._alone:
+            return False
+        if _WORLD is None:  # (a torch that keeps its default group elsewhere: asked each time)
+            group = process_group()
+            return group is not None and group[1] > 1
+        if (default := _WORLD._default_pg) is not self._group:
+            self._group = default
+            group = process_group()
+            self._several = group is not None and group[1] > 1
+        return self._several
 
     @property
     def holding(self) -> bool:
