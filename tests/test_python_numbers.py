@@ -79,3 +79,6 @@ def test_a_finite_number_times_a_tensor_names_both_sides() -> None:
     assert names("y = x * -2.0", {"self"}) == ("x", "-2.0")
     assert names("y = lr * g", {"self"}) == (None, None)
     assert names("y = a * b", {"self", "other"}) == ("a", "b")
+    # A division by a Python number runs div(x, t): its left side is ``self`` whatever t is (2 / x runs reciprocal).
+    divided = operand_names("aten.div.Tensor", "y = self.lin(x) / t", {"self"})
+    assert (divided.get("self"), divided.get("other")) == ("self.lin(x)", "t")

@@ -83,9 +83,11 @@ def operand_names(op: str | None, line: str | None, tensors: Collection[str] | N
     if isinstance(node, (ast.BinOp, ast.AugAssign)):
         left = node.left if isinstance(node, ast.BinOp) else node.target
         right = node.right if isinstance(node, ast.BinOp) else node.value
-        if isinstance(node, ast.BinOp) and tensors is not None and not any(name in tensors for name in _RIGHT):
+        if (isinstance(node, ast.BinOp) and op_function(op) in _REFLECTED and tensors is not None
+                and not any(name in tensors for name in _RIGHT)):
             # A tensor and a Python number: torch runs ``lr * g`` as mul(g, lr), the tensor first whichever side it
-            # is written on; only a literal says which side holds the number.
+            # is written on; only a literal says which side holds the number. (``t / x`` and ``1 - x`` run other
+            # ops, reciprocal and rsub: a div or sub's ``self`` is its left side.)
             sides = (left, right) if _literal(right) else (right, left) if _literal(left) else None
             if sides is None:
                 return {}
@@ -103,6 +105,10 @@ def operand_names(op: str | None, line: str | None, tensors: Collection[str] | N
         return {}
     segment = _segment(text, subject)
     return {"self": segment} if segment else {}
+
+
+#: Ops Python reaches from either side of a number (``__rmul__``, ``__radd__``), with the tensor as ``self``.
+_REFLECTED = ("mul", "add")
 
 
 def _literal(node: ast.expr) -> bool:
