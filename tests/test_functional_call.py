@@ -11,19 +11,8 @@ from torch.func import functional_call
 import nan_magic
 from nan_magic import NonFiniteError
 from tests.faults import marked_line
-
-MODES = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
-         pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
-         pytest.param({"mode": "full"}, id="full")]
-
-
-class LogWhenTold(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fire = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x - 10) if self.fire else x  # producer: log when told
+from tests.watching import FIVE_MODES as MODES
+from tests.watching import LogWhenTold
 
 
 def maml(options: dict, nan_in: str) -> nan_magic.Report:
@@ -51,7 +40,7 @@ def maml(options: dict, nan_in: str) -> nan_magic.Report:
 def test_a_nan_in_a_fast_weight_forward_is_named_at_its_module_op_and_line(options) -> None:
     report = maml(options, "forward")
     assert (report.phase, report.module, report.step, report.op) == ("forward", "1", 3, "aten.log.default")
-    assert report.source is not None and report.source.lineno == marked_line("log when told", where=maml)
+    assert report.source is not None and report.source.lineno == marked_line("log when told", where=LogWhenTold)
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -14,21 +14,8 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
-
-MODES = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
-         pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
-         pytest.param({"mode": "full"}, id="full")]
-
-
-class LogWhenTold(nn.Module):
-    """log(x - 10): NaN for the usual activations, on the step the loop sets ``fire``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fire = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x - 10) if self.fire else x
+from tests.watching import FIVE_MODES as MODES
+from tests.watching import LogWhenTold
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, options: dict, change: object, steps: int = 10) -> None:

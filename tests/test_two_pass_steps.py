@@ -12,19 +12,8 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
-
-MODES = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
-         pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
-         pytest.param({"mode": "full"}, id="full")]
-
-
-class LogWhenTold(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fire = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x - 10) if self.fire else x  # NaN on the iteration the loop says
+from tests.watching import FIVE_MODES as MODES
+from tests.watching import LogWhenTold
 
 
 def lbfgs(options: dict, nan_at: int | None) -> None:

@@ -99,3 +99,20 @@ def attributes_read(package: str, names: tuple[str, ...], allowed: str) -> list[
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
         if isinstance(node, ast.Attribute) and node.attr in names
     ]
+
+
+#: The modes a localization test runs in: the default watch and ops=True, each in both timings, and the full mode.
+FIVE_MODES = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
+              pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
+              pytest.param({"mode": "full"}, id="full")]
+
+
+class LogWhenTold(nn.Module):
+    """log(x - 10): NaN for the usual activations, on the step the loop sets ``fire``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x - 10) if self.fire else x  # producer: log when told
