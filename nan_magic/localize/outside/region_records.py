@@ -247,7 +247,6 @@ class RegionRecords:
             return None
         return ops[: index + 1], rng
 
-
     def data_code(self, tensor: torch.Tensor) -> tuple[list[RecordedOp], RngState | None] | None:
         """The recorded data code's ops up to the one that returned ``tensor`` (a batch the loop computed), and the
         generators' state its first random op found; None where no recorded op of the data region returned it.

@@ -361,7 +361,6 @@ class CallReplay:
         finding.notes.append(Note.of("backward-replay-found", module=consumer.name, op=result.finding.op,
                                      node=result.finding.autograd_node))
 
-
     def replay_anomaly(self, finding: Finding) -> bool:
         """torch's anomaly mode stopped the backward before any check saw a non-finite gradient (per-module watch).
 
