@@ -153,3 +153,24 @@ def test_after_an_optimizer_switch_a_forward_nan_has_the_loops_iteration(options
             loss.backward()
             optimizers[-1].step()
     _assert_named(caught.value.report, options, "1", 8)
+
+
+def test_a_module_freed_mid_run_takes_its_name_with_it() -> None:
+    """A layer swapped out and freed leaves its id to the next object made, often another module (every module
+    instance is one size): the id must not keep the freed layer's name and type, or that module would be named as
+    the freed one ("1 (Tanh)"); a weak reference's callback drops it as the module is freed (Targets.named)."""
+    import gc
+
+    from nan_magic.hot.watched.targets import resolve_targets
+    from nan_magic.options import WatchConfig
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    targets = resolve_targets([model], None, WatchConfig())
+    freed = id(model[1])
+    assert targets.modules[freed].module_type == "Tanh"
+    model[1] = LogWhenTold()
+    gc.collect()
+    assert freed not in targets.modules and freed not in targets.named
+    kept = model[0]
+    assert targets.modules[id(kept)].name == "0"  # a module still alive keeps its name
+    assert {info.name for info in targets.infos()} == {"", "0", "2"}

@@ -488,7 +488,7 @@ class Watch:
             warnings=tuple(self.warnings),
             max_layers=self.config.max_layers,
             sample_size=self.config.sample_size,
-            modules=self.targets.modules.values(),
+            modules=self.targets.infos(),
             per_module=self.cycle.full_step,
             ops=self.localizing.traces and self.replay_of is None,
         ), models_watched=len(self.targets.roots)))

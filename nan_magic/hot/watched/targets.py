@@ -69,10 +69,18 @@ class Targets:
     #: Modules called inside a watched call that no model holds (one kept in a plain list), and optimizers of no
     #: watched parameter, by id: looked for once.
     outside: dict[int, weakref.ref[Any]] = field(default_factory=dict)
+    #: A weak reference to each named module whose callback drops its info when the module is freed: a module
+    #: swapped out of its model and freed leaves its id to the next object made, often another module (all
+    #: modules are one size), which would otherwise be named and typed as the freed one.
+    named: dict[int, weakref.ref[nn.Module]] = field(default_factory=dict)
+
+    def infos(self) -> tuple[ModuleInfo, ...]:
+        """Every named module's info, as a tuple: a module freed while a caller iterates leaves it whole."""
+        return tuple(self.modules.values())
 
     def info_by_name(self, name: str) -> ModuleInfo | None:
         """The info of a watched module by qualified name (first root that has it)."""
-        for info in self.modules.values():
+        for info in self.infos():
             if info.name == name:
                 return info
         return None
@@ -155,6 +163,15 @@ class Targets:
                 compiled=is_compiled(submodule),
                 path=path,
             )
+            self.named[id(submodule)] = weakref.ref(submodule, self._forget_freed(id(submodule)))
+
+    def _forget_freed(self, key: int) -> Callable[[weakref.ref[nn.Module]], None]:
+        def forget(_ref: weakref.ref[nn.Module]) -> None:
+            # Runs as the module is freed, before its memory (its id) can be reused.
+            self.modules.pop(key, None)
+            self.named.pop(key, None)
+
+        return forget
 
 
 def _selected(name: str, module: nn.Module, config: WatchConfig) -> bool:

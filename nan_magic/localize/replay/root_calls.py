@@ -177,7 +177,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                     # Stopped before the value reached a boundary: the first op that made one is the producer.
                     inner.origins.report_op(tracer.started[0])
             # The whole replayed step's table, not the calls made up to the event: read before the watch is left.
-            layers = step_layers(inner.log, inner.targets.modules.values(), config.max_layers, per_module=True)
+            layers = step_layers(inner.log, inner.targets.infos(), config.max_layers, per_module=True)
     outcome.report = with_layers(inner.report, layers)
     outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
     outcome.frame, outcome.position, outcome.calls = inner.producer_frame, inner.producer_position, inner.producer_calls
