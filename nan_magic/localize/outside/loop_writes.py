@@ -435,6 +435,8 @@ class _UpdateRecorder(OutsideRecorder):
             _func, kind, call, plan = func._nan_magic_update
         except AttributeError:
             _func, kind, call, plan = _kind_of(func)
+        if kind == _MARKER:  # opt.step()'s profiler marker, every step: run here, not through the recorder's dispatch
+            return call(*args, **kwargs)  # (which runs it and nothing more, as the watched branch below would)
         if self.watching:
             if plan is not None and on_parameters(self._storages(), self._parameter_of, written_by(plan, args, kwargs)):
                 self.watching = False
@@ -444,15 +446,14 @@ class _UpdateRecorder(OutsideRecorder):
                     out = call(*args, **kwargs)
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
                     out = run_op(func, args, kwargs)
-                if kind != _MARKER:
-                    # The caller's code is looked up here first (_users, inlined): a library function's
-                    # (clip_grad_norm_'s) runs most of a watched region's ops.
-                    caller = sys._getframe(1)
-                    known = _CALLERS.get(id(caller.f_code))
-                    frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
-                             ) if known is not None else _users(caller)
-                    self._ring.append((func, tuple(args), kwargs, out, frame,
-                                       frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
+                # The caller's code is looked up here first (_users, inlined): a library function's
+                # (clip_grad_norm_'s) runs most of a watched region's ops.
+                caller = sys._getframe(1)
+                known = _CALLERS.get(id(caller.f_code))
+                frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
+                         ) if known is not None else _users(caller)
+                self._ring.append((func, tuple(args), kwargs, out, frame,
+                                   frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)

@@ -210,12 +210,18 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
-        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
-            _pop(None)  # (as step_aside pops, inlined: three a step)
-            self.pushed = False
-        else:
-            self._budget = _INERT  # left on the stack, inert until it is on top
+        # (As step_aside pops, inlined: three a step.)
+        if _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring):
+            try:
+                mode = _pop(None)
+            except RuntimeError:  # an empty stack: pushed on another thread's
+                mode = None
+            if mode is self:
+                self.pushed = False
+                return
+            if mode is not None:
+                _push(mode)
+        self._budget = _INERT  # left on the stack, inert until it is on top
 
     def step_aside(self) -> bool:
         """Popped, where it may be (True): for :meth:`stop`, and for a call that runs none of the loop's code
@@ -226,11 +232,18 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         of ours), and not inside an inference-mode guard the watch does not
         see, whose end puts the Python key back (the module docstring).
         """
-        if (self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
-            _pop(None)
-            self.pushed = False
-            return True
+        if self.pushed and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring):
+            # The top mode popped, and put back where it is not this recorder (a mode entered since, or another
+            # thread's stack; an infra mode goes back to its slot): two calls to torch, not four (its depth and top).
+            try:
+                mode = _pop(None)
+            except RuntimeError:  # an empty stack: pushed on another thread's
+                mode = None
+            if mode is self:
+                self.pushed = False
+                return True
+            if mode is not None:
+                _push(mode)
         return False
 
     def take_off(self) -> None:
