@@ -452,6 +452,7 @@ class _UpdateRecorder(OutsideRecorder):
                 known = _CALLERS.get(id(caller.f_code))
                 frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
                          ) if known is not None else _users(caller)
+                self._clean = False
                 self._ring.append((func, tuple(args), kwargs, out, frame,
                                    frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
@@ -465,6 +466,7 @@ class _UpdateRecorder(OutsideRecorder):
 
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
+        self._clean = False
         for func, args, kwargs, out, frame, lineno, lasti in self._ring:
             self._frames.append(frame)
             self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
@@ -479,4 +481,5 @@ class _UpdateRecorder(OutsideRecorder):
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)
         if parameter is not None:
+            self._clean = False
             self._copied = copy_before(self, tensor, parameter, self._copied)

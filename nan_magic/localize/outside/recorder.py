@@ -166,7 +166,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         if region == "data":
             self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
             self._data_before, self._data_calls = {}, {}
-        self.forget()
+        if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
+            self.forget()    # after its model call, the data region's after the optimizer step)
         if region in self.untraced:
             if region != "data" or self._retried or not self.batches_aside:
                 return
@@ -204,7 +205,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
                 self._data_before, self.before = self.before, {}
-        self.forget()
+        if not self._clean:
+            self.forget()
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
@@ -317,6 +319,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._walked = (None, None)
         if self.before:
             self.before.clear()
+        self._clean = not self._raw  # (the last step's loss code held as recorded goes at the next forget)
 
     def weaken(self, detach: bool = False) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:
@@ -376,11 +379,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
             return call(*args, **kwargs)
         if writes is not None and self._region == "data" and not self._entry and self.on_write and self._budget > 0:
+            self._clean = False  # (it may copy a parameter into ``before``)
             self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, indexed too early)
         if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
             self._rng = capture_rng_state()
+            self._clean = False
         try:
             out = call(*args, **kwargs)
         except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
@@ -409,6 +414,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                     return out
                 frame = frame.f_back
             self._walked = (start, frame)
+            self._clean = False  # (every op recorded since forget() walked here first: the walk or the records go)
         self._budget -= 1
         index = len(self._ops)
         self._frames.append(frame)

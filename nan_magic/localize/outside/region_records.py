@@ -71,6 +71,9 @@ class RegionRecords:
         #: What a report says where the frame that ran the op :meth:`claim` named was let go (a returned helper's
         #: whose tensors were too large to keep: recorder.weaken), so %debug cannot open there; None where held.
         self.let_go: Note | None = None
+        # Whether forget() would find nothing to drop: it ran, and nothing was recorded, walked, copied or named
+        # since (set False where each is). Read before the forget at a region's start and at a model call.
+        self._clean = False
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -134,6 +137,7 @@ class RegionRecords:
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
+        self._clean = False
         self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
                        if frame is None and producer.code is not None else None)
         return finding
