@@ -431,7 +431,7 @@ class _UpdateRecorder(OutsideRecorder):
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        try:  # cached on the op, as the recorder's entry is (recorder._op_entry)
+        try:  # cached on the op, as the recorder's entry is (op_entries.op_entry)
             _func, kind, call, plan = func._nan_magic_update
         except AttributeError:
             _func, kind, call, plan = _kind_of(func)
@@ -475,6 +475,7 @@ class _UpdateRecorder(OutsideRecorder):
             for tensor in tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
+        self._n_ops = len(self._ops)
         self._budget -= len(self._ring)
         self._ring.clear()
 

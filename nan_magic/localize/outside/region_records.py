@@ -50,6 +50,7 @@ class RegionRecords:
         # Values copied before an op wrote them in place, where a replay must start (outside/loop_writes.py fills it).
         self.before: dict[int, torch.Tensor] = {}
         self._ops: list[RecordedOp] = []
+        self._n_ops = 0  # len(self._ops), kept where it changes (the recorder's dispatch asks no len() per op)
         self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
         # Where each of those frames was called: the calling frame, its f_lasti and line then (recorder.py notes
         # it at a frame's first op), for a report's frames in call order (errors/frames.py); None where unknown.
@@ -77,7 +78,7 @@ class RegionRecords:
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
-        return len(self._ops)
+        return self._n_ops
 
     def made(self, tensor: torch.Tensor) -> bool:
         """Whether a recorded op returned ``tensor``."""

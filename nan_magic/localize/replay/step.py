@@ -51,7 +51,7 @@ from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
+from nan_magic.hot.kept.rng import RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
@@ -202,7 +202,7 @@ class StepReplays:
             args=args,
             rng=rng,
             grad_enabled=torch.is_grad_enabled(),
-            autocast=capture_autocast(),
+            autocast=capture_autocast() if any_autocast() else None,  # (the usual step's None, with no call more)
             buffers=buffers,
             buffer_sources=list(live.values()),
             versions=versions,
