@@ -340,7 +340,7 @@ class StepCycle:
         finally:
             if self.outside is not None and self._here.mine:
                 self.outside.forget()  # the step is judged (the deferred check too): the loss code's records go
-                self.gradients.forget_loss_graph()
+                self.gradients.loss_graph = None  # (forget_loss_graph, inlined: every step)
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._closure_ran:

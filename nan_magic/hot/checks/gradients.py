@@ -137,11 +137,6 @@ class GradientChecks:
         watch.log.finish(call)
         watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
 
-    def weaken_loss_code(self) -> None:
-        """The loss code's records let go of what autograd frees (its backward and the deferred check need the rest)."""
-        if self.watch.outside is not None:
-            self.watch.outside.weaken()
-
     def keep_loss_code(self, loss: torch.Tensor) -> None:
         """Keep what the deferred check needs of the loss code that made ``loss``, before backward frees it."""
         watch = self.watch

@@ -327,17 +327,16 @@ class StepLog:
             version = 0
         call.inputs.append((path, argument, record, weakref.ref(tensor), version))
 
-    def pending_records(self) -> list[TensorRecord]:
-        # (``_probe`` read directly: the ``pending`` property is a Python call per record, at every check)
-        return [record for call in self.calls for record in call.outputs if record._probe is not None]
-
     def resolve(self, extra: list[torch.Tensor] | None = None) -> list[float]:
         """Read every pending probe, and ``extra`` scalars, in one device-to-host copy.
 
         Returns the values of ``extra``. This is the deferred mode's one host
         synchronisation per step.
         """
-        pending = self.pending_records()
+        # (The calls property read only where gradients wait to be made calls; ``_probe`` read directly: the
+        # ``pending`` property is a Python call per record. Every step's check.)
+        calls = self._calls if not self._finite_gradients else self.calls
+        pending = [record for call in calls for record in call.outputs if record._probe is not None]
         extra = extra or []
         scalars = [value for record in pending for value in record._probe]  # type: ignore[union-attr]
         values = read_scalars(scalars + extra) if scalars or extra else []

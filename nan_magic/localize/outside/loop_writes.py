@@ -178,7 +178,7 @@ class LoopWrites:
             recorder.watching = False
             if not wrote:
                 recorder.forget()
-            elif not (count := recorder.recorded()):
+            elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.
                 self._wanted = "update" not in recorder.untraced
             else:
