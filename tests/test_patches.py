@@ -56,6 +56,35 @@ def test_a_users_backward_patch_after_ours_stays_and_ours_goes_inert() -> None:
         torch.Tensor.backward = original
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_a_users_autograd_backward_patch_made_inside_the_watch_runs_at_every_backward(defer: bool) -> None:
+    """``loss.backward()`` calls the ``torch.autograd.backward`` ours wrapped directly (patches/backward.py) only
+    while ours is the one installed: a user's patch of it made since runs at each ``backward()``, and the loss is
+    still judged."""
+    original = torch.autograd.backward
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[str] = []
+    try:
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            assert calls == []
+            theirs = user_patch(torch.autograd, "backward", calls)
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            assert calls == ["user"]
+            (model(torch.ones(2, 4)).sum() * float("inf")).backward()
+            opt.step()
+        # (The immediate check judges the loss before backward runs: theirs ran once more only deferred.)
+        assert calls == ["user", "user"] if defer else calls == ["user"]
+        report = caught.value.report
+        assert report is not None and report.step == 2 and report.posinf + report.neginf == 1  # the loss, judged
+        assert torch.autograd.backward is theirs and patches.installed() == []
+    finally:
+        torch.autograd.backward = original
+
+
 def test_a_users_torch_save_patch_after_the_guard_stays(tmp_path) -> None:
     original = torch.save
     calls: list[str] = []

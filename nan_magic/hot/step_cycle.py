@@ -163,7 +163,7 @@ class StepCycle:
         and backward of the first iteration are step 0.
         """
         if self.trains or self.training():  # (trains read first, as the hot path does)
-            return self.optimizers.steps
+            return self.optimizers.iterations.completed  # (optimizers.steps, inlined: read at every batch)
         return max(self.steps_opened - 1, 0)
 
     def training(self) -> bool:
@@ -193,10 +193,12 @@ class StepCycle:
         mode) outlive the new step's reset: a batch the loop computed is
         judged as the call starts.
         """
-        self._end_update(by_a_call=True)
+        # (_end_update(by_a_call=True), inlined: every top-level call.)
+        if self.update_code is not None and (written := self.update_code.end()):
+            self.timing.update_code_ended(self, written, True)
         if self.optimizers.in_step:
             self._closure_ran = True
-        training = self.training()
+        training = self.trains or self.training()
         if self.open and self.gradients.backward_runs and training:
             # The update code just ended ran after every call the step's log holds: it is judged after them.
             self._written_first = False
@@ -309,10 +311,7 @@ class StepCycle:
         ``by_a_call``: a model call ends it, so the deferred check judges it
         before that call's outputs.
         """
-        if self.update_code is None:
-            return
-        written = self.update_code.end()
-        if written:
+        if self.update_code is not None and (written := self.update_code.end()):
             self.timing.update_code_ended(self, written, by_a_call)
 
     def check_peers(self) -> None:
@@ -330,8 +329,8 @@ class StepCycle:
             if not self.outcome.agreement.several:
                 # One process: no point ever opens (agreement.open), and one that is not open settles nothing,
                 # so the checks run as they are (a context manager and its settling are a dozen calls a step).
-                if mine:
-                    self._end_update()
+                if mine and self.update_code is not None and (written := self.update_code.end()):
+                    self.timing.update_code_ended(self, written, False)  # (_end_update, inlined: every step)
                 self.optimizers.on_step_pre(opt, args, kwargs)
                 return
             with self.outcome.agreement_point(mine and self.lockstep.agrees_at(opt)):
@@ -341,7 +340,7 @@ class StepCycle:
         finally:
             if self.outside is not None and self._here.mine:
                 self.outside.forget()  # the step is judged (the deferred check too): the loss code's records go
-                self.gradients.forget_loss_graph()
+                self.gradients.loss_graph = None  # (forget_loss_graph, inlined: every step)
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._closure_ran:

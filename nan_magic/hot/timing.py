@@ -172,7 +172,8 @@ class Immediate(Timing):
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
         if call.outputs[0].kinds:  # (a finite loss, every step's, has nothing to judge: judge_loss's first test)
             gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
-        gradients.weaken_loss_code()
+        if (outside := gradients.watch.outside) is not None:  # (weaken_loss_code, inlined: every backward)
+            outside.weaken()
 
 
 class Deferred(Timing):
@@ -219,7 +220,8 @@ class Deferred(Timing):
         cycle.hold_written(written, by_a_call)  # read with this step's single transfer
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
-        gradients.weaken_loss_code()
+        if (outside := gradients.watch.outside) is not None:  # (weaken_loss_code, inlined: every backward)
+            outside.weaken()
         gradients.keep_loss_code(loss)
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:

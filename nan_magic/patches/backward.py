@@ -34,6 +34,7 @@ class _Running(threading.local):
 
 
 _running = _Running()
+_has_torch_function_unary = torch._C._has_torch_function_unary
 
 
 def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -72,10 +73,28 @@ def _retained(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    # torch's own Tensor.backward only calls torch.autograd.backward (where no __torch_function__ applies), and ours
+    # of that, installed after this one (_PATCH), only passes a call made inside _seen through: so where
+    # torch.autograd.backward is still our pass-through of the function it wrapped, that function is called here
+    # directly, as torch's own Tensor.backward would call it (three Python calls less a step: torch's frame, our
+    # dispatch and pass-through). Another patch of either, before ours or since, keeps the full path.
+    code = getattr(original, "__code__", None)
+    torchs = (code is not None and code.co_name == "backward"
+              and code.co_filename.replace("\\", "/").endswith("torch/_tensor.py"))
+    function = torch.autograd.backward  # (what ours of it will wrap: it is installed after this one)
+
     # Tensor.backward's own parameters (torch 2.4 to 2.13), taken by name: no call to read retain_graph.
     def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False,
                  inputs: Any = None) -> Any:
         __tracebackhide__ = True
+        if torchs and not _has_torch_function_unary(self):
+            try:
+                direct = torch.autograd.backward.__wrapped__ is function  # type: ignore[attr-defined]  # (registry.py)
+            except AttributeError:  # (not ours: another's patch since)
+                direct = False
+            if direct:
+                return _seen([self], retain_graph or create_graph, function, self, gradient, retain_graph,
+                             create_graph, inputs=inputs)
         return _seen([self], retain_graph or create_graph, original, self, gradient, retain_graph, create_graph,
                      inputs)
 

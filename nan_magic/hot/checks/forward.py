@@ -107,7 +107,10 @@ class ForwardChecks:
         rng = None
         if top_level and self.watch.replays is not None:
             rng = self.watch.replays.begin(module, info, call, args, checkable)
-        self._note_inputs(call, args, "input", checkable)
+        if checkable and not self.watch.log._unseen:  # (``model(x)``, nothing left unseen: _note_inputs' one note)
+            self.watch.log.note_input(call, FIRST_ARGUMENT, 0, args[0])
+        else:
+            self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
             rng = capture_rng_state()
         self.stack.append(Frame(module, info, call, rng, task=task))

@@ -43,6 +43,15 @@ __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
 
 #: How many of the user's non-finite variables a report names as suspects beside a loss code not recorded.
 _SUSPECTS = 3
+# Autograd node types that have ``_register_hook_dict`` (a C++ node's do; a custom Function's backward does not),
+# and those that have not: asked once per type (_has_hook_dict), not with hasattr() at every output.
+_HOOK_DICT_NODES: set[type] = set()
+_OTHER_NODES: set[type] = set()
+
+
+def _has_hook_dict(node: type, grad_fn: Any) -> bool:
+    (_HOOK_DICT_NODES if (has := hasattr(grad_fn, "_register_hook_dict")) else _OTHER_NODES).add(node)
+    return has
 #: Replays the consumer whose backward made a gradient non-finite (:meth:`CallReplay.replay_backward_into`).
 ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
@@ -93,9 +102,11 @@ class GradientChecks:
             if grad_fn is None:
                 return
             hook = functools.partial(self._on_output_grad, record)
-            # (_register_grad_hook's fast path, inlined: every output of every checked call)
+            # (_register_grad_hook's fast path, inlined: every output of every checked call; whether a node type
+            # has _register_hook_dict asked once per type)
             if (type(tensor) is torch.Tensor and tensor._backward_hooks is None
-                    and hasattr(grad_fn, "_register_hook_dict")):
+                    and ((node := type(grad_fn)) in _HOOK_DICT_NODES
+                         or (node not in _OTHER_NODES and _has_hook_dict(node, grad_fn)))):
                 tensor._backward_hooks = OrderedDict(nan_magic=hook)
                 grad_fn._register_hook_dict(tensor)
             else:
@@ -125,11 +136,6 @@ class GradientChecks:
         self.loss_key = id(loss)
         watch.log.finish(call)
         watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
-
-    def weaken_loss_code(self) -> None:
-        """The loss code's records let go of what autograd frees (its backward and the deferred check need the rest)."""
-        if self.watch.outside is not None:
-            self.watch.outside.weaken()
 
     def keep_loss_code(self, loss: torch.Tensor) -> None:
         """Keep what the deferred check needs of the loss code that made ``loss``, before backward frees it."""

@@ -69,8 +69,9 @@ class Iterations:
             self._close()
         index = self.completed
         self._round.add(key)
-        if self._members <= self._round:
-            self._close()
+        if self._members <= self._round:  # (_close, inlined: the usual step closes its iteration)
+            self._members, self._round = self._round, set()
+            self.completed += 1
         return index
 
     def _replaced_by(self, opt: torch.optim.Optimizer) -> set[int]:

@@ -263,7 +263,10 @@ class Alias:
         bound: float,
     ) -> None:
         self.ref = weakref.ref(tensor)
-        self.version = version_of(tensor)
+        try:  # (version_of, inlined: every pass-through of a per-module step)
+            self.version = tensor._version
+        except RuntimeError:  # an inference tensor has none
+            self.version = 0
         self.record = record
         self.module = module
         self.input = weakref.ref(source)

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "AutocastState",
     "RngState",
+    "any_autocast",
     "capture_autocast",
     "capture_rng_state",
     "generators_at",
@@ -80,6 +81,10 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 def _any_autocast() -> bool:
     return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+
+
+#: Whether any autocast region is active, asked before :func:`capture_autocast` where a call is the hot path.
+any_autocast = _ANY_AUTOCAST if _ANY_AUTOCAST is not None else _any_autocast
 
 
 def restore_rng_state(state: RngState) -> None:

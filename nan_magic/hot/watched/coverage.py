@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from nan_magic.hot.watched.module_hooks import may_step_aside
+from nan_magic.hot.watched.module_hooks import SEES_ITS_HOOKS
 from nan_magic.options import WatchConfig
 
 __all__ = ["Boundaries", "Coverage", "EveryCall", "coverage_for"]
@@ -74,7 +74,7 @@ class Boundaries(Coverage):
 
     def steps_aside(self, compiled: bool, per_module: bool, module: nn.Module) -> bool:
         # A compiled model always: its graph must never see a hook (no graph break, no recompile).
-        return compiled or (not per_module and may_step_aside(module))
+        return compiled or (not per_module and not isinstance(module, SEES_ITS_HOOKS))  # (may_step_aside, inlined)
 
     def reads_unstepped_gradients(self, training: bool) -> bool:
         # Training: an optimizer's check reads them (a skipped step's settle too). Inference (a saliency map):

@@ -49,7 +49,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from nan_magic.errors.exceptions import NanMagicWarning
 
-__all__ = ["GlobalModuleHooks", "is_compiled", "may_step_aside"]
+__all__ = ["SEES_ITS_HOOKS", "GlobalModuleHooks", "is_compiled", "may_step_aside"]
 
 _GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -63,9 +63,13 @@ def is_compiled(module: nn.Module) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+#: Modules whose forward changes with a hook on themselves: TransformerEncoderLayer's fast path checks its own hooks.
+SEES_ITS_HOOKS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
+
+
 def may_step_aside(module: nn.Module) -> bool:
     """Whether a hook on ``module`` itself (while the global ones step aside) leaves its forward alone."""
-    return not isinstance(module, nn.TransformerEncoderLayer)  # its fast path checks its own hooks
+    return not isinstance(module, SEES_ITS_HOOKS)
 
 
 class GlobalModuleHooks:
@@ -152,12 +156,15 @@ class GlobalModuleHooks:
         if not self._attached or self._ids is None:
             return
         pre_id, post_id = self._ids
-        module_registry._global_forward_pre_hooks.pop(pre_id, None)
         # Every entry, as a handle's remove() would, and the kwargs flag, which it forgets (torch 2.13): an entry
-        # left there keeps ``_has_any_global_hook()`` true, and OptimizedModule warning, after the watch.
+        # left there keeps ``_has_any_global_hook()`` true, and OptimizedModule warning, after the watch. (``del``
+        # where present, not ``pop``: no call, at every top-level call.)
+        if pre_id in (pre_hooks := module_registry._global_forward_pre_hooks):
+            del pre_hooks[pre_id]
         for registry in (module_registry._global_forward_hooks, module_registry._global_forward_hooks_with_kwargs,
                          module_registry._global_forward_hooks_always_called):
-            registry.pop(post_id, None)
+            if post_id in registry:
+                del registry[post_id]
         self._attached = False
 
 

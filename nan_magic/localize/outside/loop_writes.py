@@ -178,7 +178,7 @@ class LoopWrites:
             recorder.watching = False
             if not wrote:
                 recorder.forget()
-            elif not (count := recorder.recorded()):
+            elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.
                 self._wanted = "update" not in recorder.untraced
             else:
@@ -431,10 +431,12 @@ class _UpdateRecorder(OutsideRecorder):
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        try:  # cached on the op, as the recorder's entry is (recorder._op_entry)
+        try:  # cached on the op, as the recorder's entry is (op_entries.op_entry)
             _func, kind, call, plan = func._nan_magic_update
         except AttributeError:
             _func, kind, call, plan = _kind_of(func)
+        if kind == _MARKER:  # opt.step()'s profiler marker, every step: run here, not through the recorder's dispatch
+            return call(*args, **kwargs)  # (which runs it and nothing more, as the watched branch below would)
         if self.watching:
             if plan is not None and on_parameters(self._storages(), self._parameter_of, written_by(plan, args, kwargs)):
                 self.watching = False
@@ -444,15 +446,15 @@ class _UpdateRecorder(OutsideRecorder):
                     out = call(*args, **kwargs)
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
                     out = run_op(func, args, kwargs)
-                if kind != _MARKER:
-                    # The caller's code is looked up here first (_users, inlined): a library function's
-                    # (clip_grad_norm_'s) runs most of a watched region's ops.
-                    caller = sys._getframe(1)
-                    known = _CALLERS.get(id(caller.f_code))
-                    frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
-                             ) if known is not None else _users(caller)
-                    self._ring.append((func, tuple(args), kwargs, out, frame,
-                                       frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
+                # The caller's code is looked up here first (_users, inlined): a library function's
+                # (clip_grad_norm_'s) runs most of a watched region's ops.
+                caller = sys._getframe(1)
+                known = _CALLERS.get(id(caller.f_code))
+                frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
+                         ) if known is not None else _users(caller)
+                self._clean = False
+                self._ring.append((func, tuple(args), kwargs, out, frame,
+                                   frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
@@ -464,6 +466,7 @@ class _UpdateRecorder(OutsideRecorder):
 
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
+        self._clean = False
         for func, args, kwargs, out, frame, lineno, lasti in self._ring:
             self._frames.append(frame)
             self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
@@ -472,10 +475,12 @@ class _UpdateRecorder(OutsideRecorder):
             for tensor in tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
+        self._n_ops = len(self._ops)
         self._budget -= len(self._ring)
         self._ring.clear()
 
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)
         if parameter is not None:
+            self._clean = False
             self._copied = copy_before(self, tensor, parameter, self._copied)

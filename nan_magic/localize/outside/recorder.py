@@ -44,8 +44,6 @@ pushed, inert, through it.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -56,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import capture_rng_state
-from nan_magic.localize.ops.plans import Plan, plan_of, run_op
+from nan_magic.localize.ops.plans import Plan, run_op
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
@@ -67,6 +65,7 @@ from nan_magic.localize.outside.held import (
     still_running,
     weakened,
 )
+from nan_magic.localize.outside.op_entries import PASS, SEEDED_OP, ZERO_GRAD_CODES, op_entry, passes
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.patches.inference_blocks import BLOCKS, as_blocks_set
@@ -166,7 +165,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         if region == "data":
             self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
             self._data_before, self._data_calls = {}, {}
-        self.forget()
+        if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
+            self.forget()    # after its model call, the data region's after the optimizer step)
         if region in self.untraced:
             if region != "data" or self._retried or not self.batches_aside:
                 return
@@ -200,22 +200,29 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops
             self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             self._data = (ops, self._produced, self._frames, self._rng)
-            self._ops, self._produced, self._frames = [], {}, []
+            self._ops, self._produced, self._frames, self._n_ops = [], {}, [], 0
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
                 self._data_before, self.before = self.before, {}
-        self.forget()
+        if not self._clean:
+            self.forget()
 
     def stop(self) -> None:
         """Stop recording (a model call, ``backward()`` or an optimizer step begins, or the watch ends)."""
         if not self.pushed:
             return
-        if ((depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
-            _pop(None)  # (as step_aside pops, inlined: three a step)
-            self.pushed = False
-        else:
-            self._budget = _INERT  # left on the stack, inert until it is on top
+        # (As step_aside pops, inlined: three a step.)
+        if _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring):
+            try:
+                mode = _pop(None)
+            except RuntimeError:  # an empty stack: pushed on another thread's
+                mode = None
+            if mode is self:
+                self.pushed = False
+                return
+            if mode is not None:
+                _push(mode)
+        self._budget = _INERT  # left on the stack, inert until it is on top
 
     def step_aside(self) -> bool:
         """Popped, where it may be (True): for :meth:`stop`, and for a call that runs none of the loop's code
@@ -226,11 +233,18 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         of ours), and not inside an inference-mode guard the watch does not
         see, whose end puts the Python key back (the module docstring).
         """
-        if (self.pushed and (depth := _stack_depth()) and _stack_at(depth - 1) is self
-                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
-            _pop(None)
-            self.pushed = False
-            return True
+        if self.pushed and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring):
+            # The top mode popped, and put back where it is not this recorder (a mode entered since, or another
+            # thread's stack; an infra mode goes back to its slot): two calls to torch, not four (its depth and top).
+            try:
+                mode = _pop(None)
+            except RuntimeError:  # an empty stack: pushed on another thread's
+                mode = None
+            if mode is self:
+                self.pushed = False
+                return True
+            if mode is not None:
+                _push(mode)
         return False
 
     def take_off(self) -> None:
@@ -288,12 +302,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             if self.keep_last:
                 self.weaken(detach=True)
             self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
-            self._ops, self._produced = [], {}
+            self._ops, self._produced, self._n_ops = [], {}, 0
             self._frames.clear()
         elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go
             self._last, self._raw = None, False
         if self._ops:  # (forgetting happens several times a step, mostly with nothing recorded)
             self._ops.clear()
+            self._n_ops = 0
             self._frames.clear()
             self._produced.clear()
         if self._calls:
@@ -304,6 +319,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._walked = (None, None)
         if self.before:
             self.before.clear()
+        self._clean = not self._raw  # (the last step's loss code held as recorded goes at the next forget)
 
     def weaken(self, detach: bool = False) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:
@@ -325,11 +341,11 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
         %debug opens there at the op. The immediate check judged the loss before this is called."""
         self._walked = (None, None)  # (a held frame keeps its locals: a large tensor the records hold weakly)
-        held = {frame for frame in self._frames if frame is not None}
+        held: set[FrameType] = set(self._frames) - _NO_FRAME  # type: ignore[assignment]  # (operators: no call)
         if not held:
             return
         running = still_running(held)
-        if len(running) == len(held):  # the usual loss: written in the loop's own frame, still running
+        if running == held:  # the usual loss: written in the loop's own frame, still running
             return
         if self.holds_data:
             running |= small_frames(held - running)
@@ -357,17 +373,19 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         try:  # cached on the op: reading an attribute is no call (a dict by id: two; an OpOverload's hash is Python)
             kind, call, _op, writes = func._nan_magic_outside
         except AttributeError:
-            kind, call, _op, writes = _op_entry(func)
+            kind, call, _op, writes = op_entry(func)
         if kwargs is None:
             kwargs = {}
-        if kind is _PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (_passes)
+        if kind is PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (passes)
             return call(*args, **kwargs)
         if writes is not None and self._region == "data" and not self._entry and self.on_write and self._budget > 0:
+            self._clean = False  # (it may copy a parameter into ``before``)
             self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, indexed too early)
-        if kind is _SEEDED_OP and self._rng is None and self._budget > 0:
+        if kind is SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).
             self._rng = capture_rng_state()
+            self._clean = False
         try:
             out = call(*args, **kwargs)
         except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
@@ -392,12 +410,14 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 passed = PASSED_OVER.get(code := id(frame.f_code))
                 if not (passed[1] if passed is not None else passed_over(frame.f_code)):
                     break
-                if code in _ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's
+                if code in ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's
                     return out
                 frame = frame.f_back
             self._walked = (start, frame)
+            self._clean = False  # (every op recorded since forget() walked here first: the walk or the records go)
         self._budget -= 1
-        index = len(self._ops)
+        index = self._n_ops
+        self._n_ops = index + 1
         self._frames.append(frame)
         if frame is not self._last_frame and frame is not None:  # a helper's first op: where it (and its caller)
             self._last_frame = frame                              # was called, for frames in call order
@@ -455,44 +475,6 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Whether the next op is recorded (within the region's budget)."""
         return self._budget > 0
 
-# torch's own zero_grad functions: one the loop bound before the watch began (``zero = opt.zero_grad``) runs
-# without the patch that steps the recorder aside (patches/zero_grad.py), and its ops (a ``zero_`` per gradient
-# with ``set_to_none=False``) are let by here instead, found as the user's frame is looked for.
-_ZERO_GRAD_CODES = frozenset(
-    id(inspect.unwrap(vars(owner)["zero_grad"]).__code__) for owner in (torch.optim.Optimizer, torch.nn.Module)
-)
 
-# What the recorder does with an op (cached per op in _OPS with the callable it runs): pass a profiler
-# marker through; record an op; record an op that draws random numbers (taking the generators' state first).
-_PASS, _RECORD, _SEEDED_OP = "pass", "record", "seeded"
-# id(op) -> (kind, callable, the op, kept so its id stays unique, its plan where it writes in place)
-_OPS: dict[int, tuple[str, Any, Any, Plan | None]] = {}
 _new_tuple = tuple.__new__
-
-
-def _op_entry(func: Any) -> tuple[str, Any, Any, Plan | None]:
-    """``(kind, callable, op, writes)`` of an op, cached: an ``OpOverload`` runs through its C++ ``_op``, skipping
-    ``__call__``; ``writes``: its plan, where it writes a tensor in place (``out=`` too). Kept as an attribute of
-    the op, and by id for a callable that takes none (then looked up here at each op)."""
-    if (entry := _OPS.get(id(func))) is None:
-        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())  # (draws random numbers)
-        kind = _PASS if passes(func) else _SEEDED_OP if seeded else _RECORD
-        overload = isinstance(func, torch._ops.OpOverload)
-        plan = plan_of(func) if overload and kind is not _PASS else None
-        entry = _OPS[id(func)] = (kind, func._op if overload else func, func, plan if plan and plan.writes else None)
-        with contextlib.suppress(AttributeError, TypeError):
-            func._nan_magic_outside = entry
-    return entry
-
-
-def passes(func: Any) -> bool:
-    """Whether the recorders let an op by unrecorded: a profiler marker (``opt.step()``'s, ``zero_grad()``'s), or
-    an op that returns no tensor and writes none (``.item()``'s ``_local_scalar_dense``, ``torch.equal``,
-    ``bool(t)``'s ``is_nonzero``): it makes no value a NaN could be in, and no later op reads what it returned
-    but as a number already in that op's arguments, so a replay never needs it. Looked up once per op.
-    """
-    if getattr(func, "namespace", None) == "profiler":
-        return True
-    if not isinstance(func, torch._ops.OpOverload) or plan_of(func).writes:
-        return False
-    return not any("Tensor" in str(returned.type) for returned in func._schema.returns)
+_NO_FRAME = frozenset((None,))

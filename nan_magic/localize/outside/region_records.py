@@ -50,6 +50,7 @@ class RegionRecords:
         # Values copied before an op wrote them in place, where a replay must start (outside/loop_writes.py fills it).
         self.before: dict[int, torch.Tensor] = {}
         self._ops: list[RecordedOp] = []
+        self._n_ops = 0  # len(self._ops), kept where it changes (the recorder's dispatch asks no len() per op)
         self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
         # Where each of those frames was called: the calling frame, its f_lasti and line then (recorder.py notes
         # it at a frame's first op), for a report's frames in call order (errors/frames.py); None where unknown.
@@ -71,10 +72,13 @@ class RegionRecords:
         #: What a report says where the frame that ran the op :meth:`claim` named was let go (a returned helper's
         #: whose tensors were too large to keep: recorder.weaken), so %debug cannot open there; None where held.
         self.let_go: Note | None = None
+        # Whether forget() would find nothing to drop: it ran, and nothing was recorded, walked, copied or named
+        # since (set False where each is). Read before the forget at a region's start and at a model call.
+        self._clean = False
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
-        return len(self._ops)
+        return self._n_ops
 
     def made(self, tensor: torch.Tensor) -> bool:
         """Whether a recorded op returned ``tensor``."""
@@ -134,6 +138,7 @@ class RegionRecords:
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
+        self._clean = False
         self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
                        if frame is None and producer.code is not None else None)
         return finding

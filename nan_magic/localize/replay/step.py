@@ -51,7 +51,7 @@ from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
+from nan_magic.hot.kept.rng import RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
@@ -113,6 +113,7 @@ class ReplayHost(Protocol):
 # Code objects of the frames between the watch's pre-hook and the user's line (torch's, ours), and the user's:
 # the walk of each top-level call asks sets, not a function per frame, once a code object is known.
 _PASSED: set[CodeType] = set()
+_NO_PARAMETERS: frozenset[int] = frozenset()
 _USERS: set[CodeType] = set()
 
 
@@ -201,7 +202,7 @@ class StepReplays:
             args=args,
             rng=rng,
             grad_enabled=torch.is_grad_enabled(),
-            autocast=capture_autocast(),
+            autocast=capture_autocast() if any_autocast() else None,  # (the usual step's None, with no call more)
             buffers=buffers,
             buffer_sources=list(live.values()),
             versions=versions,
@@ -215,7 +216,8 @@ class StepReplays:
 
     def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
         """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
-        root = self._latest(module)
+        calls = self.calls  # (the latest call first, inlined: the usual step's one call is it)
+        root = calls[-1] if calls and calls[-1].module is module else self._latest(module)
         if root is None or root.returned:
             return
         root.returned = True
@@ -288,7 +290,15 @@ class StepReplays:
         else:
             self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in groups)))
         stepped = self._stepped
-        waiting = [root for root in self.calls if not self._trainable.get(id(root.module), frozenset()) <= stepped]
+        calls = self.calls
+        if len(calls) == 1:  # (the usual step, one model call: no list of the waiting ones, no _keep)
+            root = calls[0]
+            if self._trainable.get(id(root.module), _NO_PARAMETERS) <= stepped:
+                if root.buffers:  # (a model without buffers has no copies to recycle)
+                    self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
+                self.calls = deque(maxlen=MAX_CALLS)
+            return
+        waiting = [root for root in calls if not self._trainable.get(id(root.module), _NO_PARAMETERS) <= stepped]
         self._keep(waiting)
 
     def _keep(self, waiting: list[RootCall]) -> None:
