@@ -337,8 +337,11 @@ class StepReplays:
             why = Note("no-gradient-held") if backward else Note.of("call-not-held", max_calls=MAX_CALLS)
             return self._not_replayed(seen, why), (finding.frame, None)
         outcome, root = Outcome(), candidates[0]
+        # torch's anomaly mode stopped the user's backward at the first node that returned NaN, which may be one
+        # that a later node's backward zeroes (no boundary sees it): the replay names the first op that made one.
+        anomaly = backward and any(note.kind == "anomaly-raised" for note in finding.notes)
         for root in candidates:
-            outcome = self._run(root, backward, boundary)
+            outcome = self._run(root, backward, boundary, anomaly)
             if outcome.report is not None:
                 break
         if outcome.report is None and outcome.benign is not None:
@@ -391,9 +394,9 @@ class StepReplays:
         report = dataclasses.replace(report, note_facts=(*report.note_facts, Note.raised("forward-raised", error)))
         return report, (outcome.frame, outcome.position), error
 
-    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> Outcome:
+    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None, anomaly: bool = False) -> Outcome:
         return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
-                     self.watch.call_replay.standing_aside, self._nested)
+                     self.watch.call_replay.standing_aside, self._nested, anomaly)
 
     def model_of(self, module: nn.Module) -> nn.Module | None:
         """The eager model (replay_target) of the watched root that holds ``module``."""
