@@ -176,7 +176,8 @@ class LogPlusEps(nn.Module):
 
 
 @pytest.mark.xfail(strict=True, reason="the number is an operand of the add before the log (finite output), not of "
-                   "the log: the report names the log's input (`torch.relu(x) + self.eps` with its zeros), not eps = 0.0")
+                   "the log: the report names the log's input (`torch.relu(x) + self.eps` with its zeros), "
+                   "not eps = 0.0")
 @pytest.mark.parametrize("options", MODES)
 def test_an_eps_of_zero_added_before_a_log_is_shown(options) -> None:
     torch.manual_seed(0)
