@@ -53,10 +53,11 @@ from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState, capture_autocast, capture_rng_state
 from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
-from nan_magic.records import Note, Phase, Report, TensorRef, TensorStats
+from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -312,6 +313,11 @@ class StepReplays:
 
     def localize(self, finding: Finding, seen: Report) -> tuple[Report, Producer]:
         """The report of a tier-1 event ``seen``: the replay's where it reproduced the event, else ``seen``."""
+        if finding.tensor.role is TensorRole.BUFFER and finding.call is None:
+            # A running statistic read at the optimizer step: the step's model calls, run again from their buffers
+            # as they were before them, name the op that wrote it (replay/buffer_writes.py).
+            aside = self.watch.call_replay.standing_aside
+            return buffer_written(self.calls, finding, seen, aside), (finding.frame, None)
         if finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
             top = finding.call
             while top.parent is not None:

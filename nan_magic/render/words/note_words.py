@@ -56,6 +56,11 @@ _TEMPLATES: dict[str, str] = {
     "op-raised": "then {func} was called on it and raised {error}",
     "forward-raised": "then the forward raised {error}",
     "anomaly-raised": "torch's anomaly detection stopped the backward ({message})",
+    "buffer-written": "{op} wrote {buffer} non-finite when step {step}'s model call was run again from its buffers "
+                      "as they were before it",
+    "buffer-written-from-zero": "{op} wrote {buffer} non-finite when step {step}'s model call was run again from "
+                                "the buffer as the step left it, its non-finite elements as 0 (no copy from before "
+                                "the call was kept): each of them came out non-finite again",
     "anomaly-unreplayed": "the backward was running in {module} or a module enclosing it when it stopped; no replay "
                           "of them made a non-finite value, so the producer is unknown: " + _OPS,
     "refetched": "named by fetching the batch's samples from {dataset} again",
