@@ -133,3 +133,33 @@ def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(o
 def test_the_per_module_and_ops_watches_name_the_op_too(options) -> None:
     report = _train(_batch_norm_model(), (8, 4), options)
     assert (report.module, report.op) == ("1", "aten.native_batch_norm.default")
+
+
+class _LargeButFinite(nn.Module):
+    """A buffer of finite values whose sum passes float32's max (4 x 1e38): nothing is non-finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.fill_(1e38)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_buffer_whose_finite_values_overflow_the_reads_sum_is_not_reported(options) -> None:
+    # The read is one sum over the buffers; a sum that overflows is measured buffer by buffer, which summed each
+    # buffer again: 4 x 1e38 overflowed too, and the finite buffer was reported non-finite (no counts).
+    torch.manual_seed(0)
+    model = nn.Sequential(_LargeButFinite(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nan_magic.watch(model, opt, **options) as watch:
+        for _step in range(4):
+            loss = model(torch.randn(3, 4)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert watch.report is None and not watch.events
