@@ -315,6 +315,9 @@ class Report:
     input_stats: tuple[tuple[TensorRef, TensorStats], ...] = ()
     #: ``(operand, value)``: the op's Python-number arguments that were not finite (``mask * float("-inf")``).
     nonfinite_numbers: tuple[tuple[str, float], ...] = ()
+    #: ``(operand, value)``: every Python-number argument of a forward op, finite or not (``logits / t`` with
+    #: ``t = 0.0`` from a config: ``(("other", 0.0),)``); its tensors' stats do not show them.
+    numbers: tuple[tuple[str, float], ...] = ()
     layers: tuple[LayerCall, ...] = ()
     layers_dropped: int = 0
     samples: tuple[Sample, ...] = ()

@@ -206,3 +206,172 @@ def test_a_healthy_run_under_anomaly_mode_is_silent_and_identical(options) -> No
             opt.step()
             unwatched.append(loss.item())
     assert watched == unwatched
+
+
+ALL = [*TIMINGS, *OPS, *FULL]
+
+
+class _Residual(nn.Module):
+    """x + block(x), the where-sqrt inside the block: its backward makes the NaN, the skip path's stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), _WhereSqrt())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_a_nan_the_anomaly_mode_stops_inside_a_residual_branch_is_named_in_the_block(options) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Residual(), nn.Linear(4, 1))
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "1.block.1", 0, "aten.mul.Scalar")
+    assert report.module_type == "_WhereSqrt"
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("where sqrt")
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
+        report.to_text())
+
+
+class _TwiceSqrt(nn.Module):
+    """One where-sqrt module called twice: the first call's input is positive (a finite backward), the second's not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.act, self.second = nn.Linear(4, 4), _WhereSqrt(), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.first(x).abs() + 1)
+        return self.head(self.act(self.second(h) - 2))
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_a_nan_the_anomaly_mode_stops_in_the_second_call_of_a_module_is_named_at_that_call(options) -> None:
+    torch.manual_seed(0)
+    model = _TwiceSqrt()
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "act", 0, "aten.mul.Scalar")
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("where sqrt")
+    # The counts are the second call's: every element of its input (second(h) - 2) is below 0; the first call's
+    # (all >= 1) make none. The gradient of second's output, which the root's own code passed on, is not the producer.
+    assert (report.nan, report.posinf, report.neginf) == (32, 0, 0)
+    assert "producer    act (_WhereSqrt)" in report.to_text()
+    assert not any(layer.status == "producer" and layer.module == "" for layer in report.layers)
+
+
+class _Pair(nn.Module):
+    """A tuple output: the where-sqrt of x and 2 * x; only the first element's backward makes the NaN."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x)), x * 2  # producer: pair sqrt
+
+
+class _PairModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.pair, self.out = nn.Linear(4, 4), _Pair(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        root, double = self.pair(self.inp(x))
+        return self.out(root) + self.out(double)
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_a_nan_the_anomaly_mode_stops_in_one_element_of_a_tuple_output_is_named_in_its_module(options) -> None:
+    torch.manual_seed(0)
+    model = _PairModel()
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(torch.randn(8, 4)).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "pair", 0, "aten.mul.Scalar")
+    assert report.autograd_node == "SqrtBackward0"
+    assert report.source is not None and report.source.lineno == _line("pair sqrt")
+
+
+class _SqrtRelu(nn.Module):
+    """sqrt(relu(x)): at x <= 0 the sqrt's backward divides the upstream gradient by 0: NaN where it is 0, else inf
+    (which relu's backward zeroes: no error). The gain makes the call's own backward reach a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(torch.relu(x * self.gain))  # producer: sqrt relu
+
+
+def _zero_gradient_model(zero_columns: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _SqrtRelu(), nn.Linear(4, 1))
+    if zero_columns:
+        with torch.no_grad():
+            model[2].weight[:, :2] = 0  # no gradient flows into the first two features of the sqrt's output
+    return model
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_a_nan_that_only_the_real_output_gradient_makes_is_named_with_its_counts(options) -> None:
+    # The gradient into the sqrt's output is 0 in two features: 0 / 0 there (NaN, which anomaly mode stops at);
+    # a replay of that call with a gradient of ones makes 1 / 0 (inf) instead. The default watch's step replay sends
+    # the real gradient; the full watch holds none (its hook's gradient is freed as torch stops), so its replay of
+    # the sqrt's call does not stop at a NaN under anomaly mode and is passed over, and the root's replay (ones into
+    # its output, zero through the head's zero columns) does, with the real counts.
+    model = _zero_gradient_model(zero_columns=True)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        at_zero = model[0](x) <= 0
+    expected_nan, expected_inf = int(at_zero[:, :2].sum()), int(at_zero[:, 2:].sum())  # 0 / 0, and g / 0
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: m(x).mean(), options)
+    report = caught.value.report
+    assert (report.phase, report.step) == ("backward", 0)
+    assert "torch's anomaly detection stopped the backward (Function 'SqrtBackward0' returned nan values" in (
+        report.to_text())
+    if report.op is None:  # producer unknown, never a wrong one
+        assert report.module is None
+        pytest.fail(report.to_text())
+    assert (report.module, report.op, report.autograd_node) == ("1", "aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _line("sqrt relu")
+    assert (report.nan, report.posinf + report.neginf) == (expected_nan, expected_inf), report.to_text()
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_the_same_layout_with_a_nonzero_output_gradient_is_healthy(options) -> None:
+    # The same sqrt at 0 with a gradient that is not 0 there: inf, zeroed by relu's backward; nothing is reported.
+    model = _zero_gradient_model(zero_columns=False)
+    x = torch.randn(8, 4)
+    losses = _train(model, lambda m, step: m(x).mean(), options)
+    assert len(losses) == 3
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_a_nan_that_only_the_loss_codes_zero_gradient_makes_is_named_or_left_unknown(options) -> None:
+    # The loss masks out rows: the gradient into the model's output is 0 there, and the sqrt's backward makes 0 / 0
+    # in those rows. The default watch's step replay sends the captured gradient, and the live tracer (ops) sees the
+    # op: both name it. The per-module watch's replays send ones (1 / 0: inf, relu's backward zeroes it), which do
+    # not stop where the user's backward did: the producer is unknown, not a guess.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _SqrtRelu(), nn.Linear(4, 2))
+    x, mask = torch.randn(8, 4), torch.tensor([1.0, 0.0] * 4).unsqueeze(1)
+    with pytest.raises(NonFiniteError) as caught:
+        _train(model, lambda m, step: (m(x) * mask).sum(), options)
+    report = caught.value.report
+    assert (report.phase, report.step) == ("backward", 0)
+    if options.get("mode") == "full" and not options.get("ops"):
+        assert (report.module, report.op, report.source) == (None, None, None)
+        assert "the backward was running in 1 or a module enclosing it when it stopped; no replay of them (from a " \
+               "gradient of ones into their outputs, not the real one) stopped at a NaN as it did" in report.to_text()
+        return
+    assert (report.module, report.op, report.autograd_node) == ("1", "aten.div.Tensor", "SqrtBackward0")
+    assert report.source is not None and report.source.lineno == _line("sqrt relu")
+    with torch.no_grad():
+        at_zero = model[0](x) <= 0
+    assert report.nan == int(at_zero[1::2].sum())  # (the masked rows: 0 / 0)

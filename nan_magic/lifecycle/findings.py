@@ -143,6 +143,7 @@ def build_report(
         module_output=module_output,
         input_stats=tuple(input_stats),
         nonfinite_numbers=tuple(finding.nonfinite_numbers),
+        numbers=tuple(finding.numbers),
         layers=layers,
         layers_dropped=dropped,
         samples=tuple(samples),

@@ -295,6 +295,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
                 for name, value in report.nonfinite_numbers)
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
+    # The finite Python numbers after the tensors, as the op read them (``logits / t``: t = 0.0 from a config).
+    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
+                for name, value in report.numbers if math.isfinite(value))
     if report.absorbed is not None:
         absorbed = report.absorbed
         at = f" at {name_location(absorbed.source.filename, absorbed.source.lineno)}" if absorbed.source else ""

@@ -50,6 +50,8 @@ class Finding:
     inputs_finite: bool = True
     # The producing op's Python-number arguments that were not finite, ``(operand, value)``.
     nonfinite_numbers: list[tuple[str, float]] = field(default_factory=list)
+    # Every Python-number argument of a forward producing op (Report.numbers).
+    numbers: list[tuple[str, float]] = field(default_factory=list)
     benign: bool = False
     module: str | None = None
     module_type: str | None = None

@@ -42,6 +42,7 @@ from nan_magic.records import Note, Phase
 from nan_magic.tensor_refs import op_function
 
 __all__ = [
+    "ANOMALY_STOP",
     "ReplayResult",
     "copy_tensors",
     "map_tensors",
@@ -234,6 +235,7 @@ def replay_backward(
     kinds: frozenset[str] = frozenset({"nan", "inf"}),
     module_name: str = "",
     autocast: AutocastState | None = None,
+    anomaly: bool = False,
 ) -> ReplayResult:
     """Re-run a call's forward with gradients, then its backward, to name a backward op.
 
@@ -248,6 +250,11 @@ def replay_backward(
     module output). An op whose derivative is infinite at its input
     (``sqrt`` at 0, ``acos`` at 1, ``0 * inf`` in ``where``) fails under
     both.
+
+    ``anomaly``: torch's anomaly mode stopped the user's backward at a node that returned NaN, and no check saw
+    which gradient. Every floating argument is differentiated (a module without parameters has a backward too),
+    and the backward runs under anomaly mode: the op is the producer only where this replay stops at a NaN as
+    the user's did. A gradient of ones may make inf where the real one (0 there) made NaN: not reproduced then.
     """
     arguments = held.resolve(regenerate)
     if isinstance(arguments, Note):
@@ -260,7 +267,8 @@ def replay_backward(
     with torch.no_grad():
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     for key, original in originals.items():
-        copies[key].requires_grad_(original.requires_grad or original is target_tensor)
+        every = anomaly and not target and original.is_floating_point()
+        copies[key].requires_grad_(original.requires_grad or original is target_tensor or every)
     target_copy = copies.get(id(target_tensor))
     # The gradient of a tensor the call made itself (a child's output, which is no argument) is computed on
     # the way to the parameters that tensor came from: asking for theirs runs the same backward ops.
@@ -283,11 +291,16 @@ def replay_backward(
                 # origin is kept, for a backward op that reads it (absorbed).
                 tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
-                torch.autograd.grad(
-                    outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
-                )
+                with torch.autograd.set_detect_anomaly(anomaly):
+                    torch.autograd.grad(
+                        outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
+                    )
         except Exception as error:
             failure = error
+    if anomaly and not (isinstance(failure, RuntimeError) and ANOMALY_STOP in str(failure)):
+        # No NaN returned by a node of this replay: torch's stop is not made again (from ones, not the real
+        # gradient), and an op it found would be a guess.
+        return ReplayResult(finding=None, reproduced=False, note=Note.of("backward-replay-finite", module=module_name))
     if tracer.finding is not None and tracer.finding.phase == Phase.BACKWARD:
         if target_copy is None and not _unscaled(tracer.finding):
             # An overflow depends on the gradient's size, and a replay from the parameters sends ones into the
@@ -302,6 +315,10 @@ def replay_backward(
         note = Note.of("backward-replay-finite", module=module_name)
     return ReplayResult(finding=None, reproduced=False, note=note)
 
+
+#: What torch's anomaly mode says as it stops a backward at a NaN ("Function 'SqrtBackward0' returned nan values in
+#: its 0th output."): torch's message, not one of ours.
+ANOMALY_STOP = "returned nan values in its"
 
 #: Backward ops whose non-finite values come from their inputs' values (0/0, 1/0, a log or root at 0) and not
 #: from the gradient's size: a replay with a gradient of ones makes them as the real gradient did.

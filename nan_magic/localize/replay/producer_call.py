@@ -383,7 +383,7 @@ class CallReplay:
                 with self.standing_aside():
                     result = replay_backward(
                         call.module, call.held, (), rng_state=call.rng_state, regenerate=self._regenerate,
-                        kinds=self.kinds, module_name=call.name or "", autocast=call.autocast,
+                        kinds=self.kinds, module_name=call.name or "", autocast=call.autocast, anomaly=True,
                     )
                 op = result.finding
                 if op is not None:

@@ -32,7 +32,7 @@ from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.options import WatchConfig
-from nan_magic.records import Note, Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.kept.call_records import Call
@@ -115,11 +115,14 @@ NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
 
 def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.Module | None,
           config: WatchConfig, standing_aside: Callable[[], AbstractContextManager[object]],
-          nested: NestedWatch) -> Outcome:
+          nested: NestedWatch, anomaly: bool = False) -> Outcome:
     """Run ``root`` again under a nested full watch with op-level tracing.
 
     ``model`` is the eager watched model that holds the call's module (the whole
     model is watched); ``standing_aside`` makes the outer watch ignore the replay.
+    ``anomaly``: torch's anomaly mode stopped the user's backward at a node that returned NaN; where no boundary
+    of the replay sees a non-finite value (a later node's backward zeroed it: relu's, where's), the first
+    backward op that made one is the producer, as the live op tracer names it (op_origins.anomaly_finding).
     """
     target = replay_target(root.module)
     if target is None or model is None:
@@ -170,6 +173,11 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                     outcome.boundary = _stats_at(output, _output_path(boundary))
                 else:
                     outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
+                    tracer = inner.origins.tracer
+                    started = [origin for origin in tracer.started if origin.phase == Phase.BACKWARD] if (
+                        anomaly and inner.report is None and tracer is not None) else []
+                    if started:
+                        inner.origins.report_op(started[0])
             except Exception as error:  # the replay of a failing forward fails too, after its event
                 outcome.failure = error
                 tracer = inner.origins.tracer

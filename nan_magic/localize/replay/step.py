@@ -53,10 +53,11 @@ from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
-from nan_magic.records import Note, Phase, Report, TensorRef, TensorStats
+from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -322,6 +323,11 @@ class StepReplays:
 
     def localize(self, finding: Finding, seen: Report) -> tuple[Report, Producer]:
         """The report of a tier-1 event ``seen``: the replay's where it reproduced the event, else ``seen``."""
+        if finding.tensor.role is TensorRole.BUFFER and finding.call is None:
+            # A running statistic read at the optimizer step: the step's model calls, run again from their buffers
+            # as they were before them, name the op that wrote it (replay/buffer_writes.py).
+            aside = self.watch.call_replay.standing_aside
+            return buffer_written(self.calls, finding, seen, aside), (finding.frame, None)
         if finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
             top = finding.call
             while top.parent is not None:
@@ -347,8 +353,11 @@ class StepReplays:
             why = Note("no-gradient-held") if backward else Note.of("call-not-held", max_calls=MAX_CALLS)
             return self._not_replayed(seen, why), (finding.frame, None)
         outcome, root = Outcome(), candidates[0]
+        # torch's anomaly mode stopped the user's backward at the first node that returned NaN, which may be one
+        # that a later node's backward zeroes (no boundary sees it): the replay names the first op that made one.
+        anomaly = backward and any(note.kind == "anomaly-raised" for note in finding.notes)
         for root in candidates:
-            outcome = self._run(root, backward, boundary)
+            outcome = self._run(root, backward, boundary, anomaly)
             if outcome.report is not None:
                 break
         if outcome.report is None and outcome.benign is not None:
@@ -401,9 +410,9 @@ class StepReplays:
         report = dataclasses.replace(report, note_facts=(*report.note_facts, Note.raised("forward-raised", error)))
         return report, (outcome.frame, outcome.position), error
 
-    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None) -> Outcome:
+    def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None, anomaly: bool = False) -> Outcome:
         return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
-                     self.watch.call_replay.standing_aside, self._nested)
+                     self.watch.call_replay.standing_aside, self._nested, anomaly)
 
     def model_of(self, module: nn.Module) -> nn.Module | None:
         """The eager model (replay_target) of the watched root that holds ``module``."""

@@ -20,6 +20,7 @@ from nan_magic.render.words.cause_words import (
     input_lines,
     input_named,
     inputs_or_counts,
+    number_phrase,
     on_event,
     rerun_for_op,
     short_label,
@@ -92,8 +93,9 @@ def _pow_negative_hint(event: Report, cause: Cause) -> str:
 
 def _pow_zero_hint(event: Report, cause: Cause) -> str:
     return (
-        f"pow raised {cause.fact('zeros')} zeros of `self` of {event.op} in {where(event)} to a negative power "
-        f"({event.posinf + event.neginf} inf): add eps to the base ((x + 1e-12) ** p)"
+        f"pow raised {cause.fact('zeros')} zeros of `self` of {event.op} in {where(event)} to a negative power"
+        f"{number_phrase(event, 'exponent')}, giving {event.posinf + event.neginf} inf: add eps to the base "
+        "((x + 1e-12) ** p)"
     )
 
 
@@ -123,6 +125,13 @@ def _division_hint(event: Report, cause: Cause) -> str:
     divisor = event.operand(cause.fact("divisor"))
     results = [f"{count} {what}" for count, what in ((event.nan, "NaN (0/0)"),
                                                        (event.posinf + event.neginf, "inf (x/0)")) if count]
+    number = number_phrase(event, cause.fact("divisor")) if divisor is None else ""
+    if number:
+        # No tensor was 0: the code passed a zero (a temperature or scale from a config).
+        return (
+            f"{event.op} in {where(event)} divided by zero{number}, giving {' and '.join(results)}; find where "
+            "that number is set (a config value, a temperature, a schedule that reaches 0) and keep it non-zero"
+        )
     constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
     return (
         f"{event.op} in {where(event)} divided by zero{divisor_phrase(divisor)}, giving {' and '.join(results)}"

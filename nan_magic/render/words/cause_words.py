@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from nan_magic.locations import name_location
 from nan_magic.plain import from_plain
 from nan_magic.records import Cause, Phase, Report, TensorRef, TensorRole, TensorStats, module_label
+from nan_magic.render.words.operands import operand_names
 
 __all__ = [
     "Reading",
@@ -181,6 +182,28 @@ def constant_inputs(report: Report) -> tuple[str, ...]:
         for ref, stats in report.input_stats
         if ref.is_argument and stats.numel > 1 and stats.std == 0 and stats.min is not None
     )
+
+
+def number_phrase(report: Report, operand: str) -> str:
+    """`` (t = 0.0, a Python number)`` where the op's ``operand`` (a schema name) was a Python number; else ``""``.
+
+    The user's name for it where the line says it unambiguously (render/words/operands.py), else the schema's.
+    """
+    value = next((value for name, value in report.numbers if name == operand), None)
+    if value is None:
+        return ""
+    tensors = {ref.name for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name}
+    said = operand_names(report.op, report.source.line if report.source else None, tensors).get(operand)
+    name = f"`{operand}`" if said is None or _literal(said) else said  # (``x / 0.0`` names no variable)
+    return f" ({name} = {value}, a Python number)"
+
+
+def _literal(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def divisor_phrase(divisor: TensorStats | None) -> str:

@@ -56,8 +56,14 @@ _TEMPLATES: dict[str, str] = {
     "op-raised": "then {func} was called on it and raised {error}",
     "forward-raised": "then the forward raised {error}",
     "anomaly-raised": "torch's anomaly detection stopped the backward ({message})",
+    "buffer-written": "{op} wrote {buffer} non-finite when step {step}'s model call was run again from its buffers "
+                      "as they were before it",
+    "buffer-written-from-zero": "{op} wrote {buffer} non-finite when step {step}'s model call was run again from "
+                                "the buffer as the step left it, its non-finite elements as 0 (no copy from before "
+                                "the call was kept): each of them came out non-finite again",
     "anomaly-unreplayed": "the backward was running in {module} or a module enclosing it when it stopped; no replay "
-                          "of them made a non-finite value, so the producer is unknown: " + _OPS,
+                          "of them (from a gradient of ones into their outputs, not the real one) stopped at a NaN "
+                          "as it did, so the producer is unknown: " + _OPS,
     "refetched": "named by fetching the batch's samples from {dataset} again",
     "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}",
     "iterable-dataset": "the batch came from {dataset}, an iterable dataset: its samples cannot be fetched again by "
