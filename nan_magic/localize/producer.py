@@ -30,6 +30,7 @@ from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.replay.outward import CHANGED, replay_outward
 from nan_magic.localize.replay.producer_call import CallReplay, caller_named
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase, TensorRef, TensorRole
@@ -152,6 +153,7 @@ class ProducerRule:
                 finding.rng_state = replay[0].rng_state
                 if self.replayer.replay_into(finding, produced, *replay):
                     return True
+                self._replay_outward(finding, call)
             elif self.replayer.replays_kept and self.replayer.replay_deferred(finding, produced, call):
                 return True
         if detected_at:
@@ -257,7 +259,15 @@ class ProducerRule:
         if running is None or passed is None:
             return False
         finding.rng_state = running.rng_state
-        return self.replayer.replay_into(finding, kinds, running, *passed)
+        if self.replayer.replay_into(finding, kinds, running, *passed):
+            return True
+        self._replay_outward(finding, enclosing)
+        return False
+
+    def _replay_outward(self, finding: Finding, call: Call) -> None:
+        """The producer's replay began from an object its call had changed (a KV cache): replay the calls around it."""
+        if finding.op is None and finding.notes and finding.notes[-1].kind == CHANGED:
+            replay_outward(self.replayer, finding, call, self.stack)
 
     def input_kinds(self, call: Call) -> tuple[frozenset[str], frozenset[str]]:
         """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
