@@ -261,9 +261,6 @@ INCIDENTS = {
 
 #: (case, mode) pairs that do not work yet, and why.
 _NOT_YET: dict[tuple[str, str], str] = {
-    ("bert-backward-only-sqrt", "ops-deferred"): "the report's counts are all 0: the tensor is read after the step "
-                                                 "(to investigate)",
-    ("llama-adamw-fp16-weights", "deferred"): "the deferred optimizer check names the parameter but not the op",
 }
 
 

@@ -348,9 +348,20 @@ def attach_origin(finding: Finding, origin: OpFinding) -> None:
     """
     kept = finding.tensor, finding.bad, finding.bad_stats
     apply_op_finding(finding, origin)
-    (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+    if not _counts_unknown(finding.module_output, origin):
+        (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+    # else: the boundary's tensor is gone and its probe knows no counts (a gradient judged at the deferred check,
+    # freed by then): the report describes the op's output, whose counts the tracer kept, and the boundary beside it.
     # The producer is now the op: whether its inputs were finite is the op's (a batch's finding said the batch
     # came in non-finite; the division the loop ran on it read finite values). A count of None is a kind present.
     finding.inputs_finite = not any(
         stats.nan != 0 or stats.posinf != 0 or stats.neginf != 0 for _ref, stats in origin.input_stats
     )
+
+
+def _counts_unknown(boundary: tuple[TensorRef, TensorStats, torch.Tensor | None] | None, origin: OpFinding) -> bool:
+    """Whether the boundary is known only by a probe that counted nothing, and the op's output counts are known."""
+    if boundary is None or boundary[2] is not None or origin.output_stats is None:
+        return False
+    stats = boundary[1]
+    return stats.nan is None or stats.posinf is None or stats.neginf is None
