@@ -281,8 +281,10 @@ def test_an_incident_is_named_where_it_happened(case: str, options: dict) -> Non
     report = raised(run, *targets, **options)
     assert (report.phase, report.step, report.module, report.op) == (phase, step, module, op)
     assert report.nan + report.posinf + report.neginf > 0
-    if line is None:
+    if line is None:  # made before the watch: named by the tensor the module read
         assert report.source is None
+        assert (report.tensor.role.value, report.tensor.name) == ("buffer", "model.rotary_emb.inv_freq")
+        assert report.cause.label == "parameter-already-nonfinite"
     else:
         file, text = line
         assert report.source is not None and report.source.filename.endswith(file)

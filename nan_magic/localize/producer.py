@@ -135,9 +135,9 @@ class ProducerRule:
         inputs = named_inputs(call)
         bad_parameter = self._bad_parameter(call)
         if bad_parameter is not None:
-            name, parameter = bad_parameter
-            finding = Finding(Phase.FORWARD, call, TensorRef.parameter(name), bad=parameter.detach(), record=record,
-                              inputs=inputs)
+            ref, parameter = bad_parameter
+            name = ref.name
+            finding = Finding(Phase.FORWARD, call, ref, bad=parameter.detach(), record=record, inputs=inputs)
             finding.notes.append(Note.of("already-bad", name=name, module=call.name))
         else:
             finding = Finding(
@@ -299,16 +299,19 @@ class ProducerRule:
         wanted = self.kinds
         return relevant_kinds(frozenset(kinds), wanted), relevant_kinds(frozenset(deliberate), wanted)
 
-    def _bad_parameter(self, call: Call) -> tuple[str, torch.Tensor] | None:
-        """A non-finite parameter or buffer of the called module (recursively); deliberate masks excepted."""
+    def _bad_parameter(self, call: Call) -> tuple[TensorRef, torch.Tensor] | None:
+        """A non-finite parameter or buffer of the called module (recursively), by its role; deliberate masks
+        excepted (a rotary embedding's ``inv_freq`` made infinite by ``rope_theta=0`` is a buffer)."""
         prefix = f"{call.name}." if call.name else ""
         module = call.module
         masks = {id(buffer) for _name, buffer in self.deliberate.buffers(module, prefix)}
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        named = [*((TensorRole.PARAMETER, *item) for item in module.named_parameters()),
+                 *((TensorRole.BUFFER, *item) for item in module.named_buffers())]
+        for role, name, tensor in named:
             if id(tensor) in masks:
                 continue
             if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
-                return prefix + name, tensor
+                return TensorRef(role, prefix + name), tensor
         return None
 
     # -- deliberate infinities (ops/masks.py) ---------------------------------------------
