@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hf_models import IDIOMS, WIDTH, bert, gpt2, idiom, llama, padded_batch, state, tokens, traces
+from hf_models import IDIOMS, WIDTH, bert, gpt2, idiom, llama, padded_batch, state, tokens, traces, vit
 from torch import nn
 from watching import FIVE_MODES, raised
 
@@ -230,6 +230,58 @@ def _adamw_on_fp16_weights():
     return (model, opt), lambda: _loop(model, opt, _lm_batches())
 
 
+class _SqrtAbs(nn.Module):
+    """|x| written by hand, swapped into GPT-2's MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x)  # sqrt'(0) is inf, times 2 * x = 0 in the backward
+
+
+def _checkpointed_block_backward():
+    model = gpt2()
+    model.gradient_checkpointing_enable()
+    model.train()
+    mlp = model.transformer.h[1].mlp
+    mlp.act = _SqrtAbs()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def before(step: int) -> None:
+        if step == 1:
+            with torch.no_grad():  # the MLP's input projection zeroed: every activation input is 0
+                mlp.c_fc.weight.zero_()
+                mlp.c_fc.bias.zero_()
+    return (model, opt), lambda: _loop(model, opt, [padded_batch() for _ in range(2)], before)
+
+
+class _LogOnDecode(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x - 10) if x.shape[1] == 1 else torch.tanh(x)  # NaN from the first decoding step on
+
+
+def _generate():
+    model = gpt2().eval()
+    model.transformer.h[1].mlp.act = _LogOnDecode()
+    prompt = tokens(2, 4)
+    return (model,), lambda: model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def _pixel_values_by_keyword():
+    model = vit()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    images = [torch.rand(2, 3, 16, 16) for _ in range(2)]
+    images[1][1] = 0.5  # a blank image: its std is 0
+    labels = torch.tensor([0, 1])
+
+    def run() -> None:
+        for raw in images:
+            pixel_values = (raw - raw.mean(dim=(1, 2, 3), keepdim=True)) / raw.std(dim=(1, 2, 3), keepdim=True)
+            out = model(pixel_values=pixel_values, labels=labels)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+    return (model, opt), run
+
+
 _HF = "transformers"
 _HERE = "test_hf_models.py"
 #: case: (build, phase, step, module, op, (file, text of the line)); a ``_HF`` file is in transformers' source.
@@ -257,10 +309,20 @@ INCIDENTS = {
                                 (_HERE, "return torch.sqrt((r * r).sum(-1))")),
     "llama-adamw-fp16-weights": (_adamw_on_fp16_weights, "optimizer", 0, "model.embed_tokens",
                                  "aten.addcdiv_.default", (_HERE, "opt.step()  # the optimizer's line")),
+    "gpt2-checkpointed-block-backward": (_checkpointed_block_backward, "backward", 1, "transformer.h.1.mlp.act",
+                                         "aten.div.Tensor", (_HERE, "return torch.sqrt(x * x)")),
+    "gpt2-generate": (_generate, "forward", 1, "transformer.h.1.mlp.act", "aten.log.default",
+                      (_HERE, "return torch.log(x - 10) if x.shape[1] == 1")),
+    "vit-pixel-values-by-keyword": (_pixel_values_by_keyword, "data", 1, "", "aten.div.Tensor",
+                                    (_HERE, "pixel_values = (raw - raw.mean(dim=(1, 2, 3), keepdim=True))")),
 }
 
 #: (case, mode) pairs that do not work yet, and why.
 _NOT_YET: dict[tuple[str, str], str] = {
+    ("gpt2-checkpointed-block-backward", "full"): (
+        "gradient checkpointing frees the block's activations: the consumer's arguments are gone when the per-module "
+        "watch checks its gradient (cannot-replay, held-freed), so the module is named but not the op; the report "
+        "says so and points to ops=True"),
 }
 
 
@@ -302,3 +364,41 @@ def test_a_user_mask_with_neg_inf_under_sdpa_stays_finite_and_the_watch_silent()
         with nan_magic.watch(model, opt, **options) as w:
             run()
         assert w.report is None and all(event.benign for event in w.events)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_replays_leave_the_users_kv_cache_and_outputs_as_unwatched(options: dict) -> None:
+    """A replay of GPT-2's attention (the per-module watch's) ran on the DynamicCache the call had appended to, and
+    appended again: the user's cache came back with every key twice. It is put back, and the outputs are the same."""
+    torch.manual_seed(0)
+    model = gpt2(_attn_implementation="eager").eval()
+    ids = tokens(2, 6)
+    mask = torch.full((2, 1, 6, 6), float("-inf")).triu(1)
+    mask[1] = float("-inf")  # an all-masked sequence: softmax gives NaN
+
+    def run():
+        return model(input_ids=ids, attention_mask=mask, use_cache=True)
+
+    expected = run()
+    with nan_magic.watch(model, on_detect="log", **options) as w:
+        got = run()
+    assert (w.report.phase, w.report.module, w.report.op) == ("forward", "transformer.h.0.attn", "aten._softmax.default")
+    assert _same(got.logits, expected.logits)
+    for layer, want in zip(got.past_key_values.layers, expected.past_key_values.layers, strict=True):
+        assert _same(layer.keys, want.keys) and _same(layer.values, want.values)
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_generate_with_a_nan_is_named_and_generates_as_unwatched(options: dict) -> None:
+    torch.manual_seed(0)
+    (model,), run = _generate()
+    expected = run()
+    with nan_magic.watch(model, on_detect="log", **options) as w:
+        got = run()
+    assert torch.equal(got, expected)
+    assert (w.report.phase, w.report.step, w.report.module, w.report.op) == (
+        "forward", 1, "transformer.h.1.mlp.act", "aten.log.default")

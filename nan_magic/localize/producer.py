@@ -62,6 +62,10 @@ class ProducerRule:
         self.stack = stack
         # Infinite mask tensors given as arguments or held as buffers (ops/masks.py).
         self.deliberate = DeliberateMasks()
+        # Keyword-argument data records judged ahead of their turn (_keyword_data_first), by id; the running
+        # top-level call whose keyword arguments were judged so.
+        self._keyword_judged: dict[int, TensorRecord] = {}
+        self._keywords_of: Call | None = None
 
     def judge(
         self,
@@ -69,6 +73,7 @@ class ProducerRule:
         record: TensorRecord,
         detected_at: Note | None = None,
         replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
+        _first: bool = False,
     ) -> None:
         """Producer or propagator? The one rule, for immediate and deferred checks.
 
@@ -83,8 +88,13 @@ class ProducerRule:
         out_kinds = relevant_kinds(record.kinds, self.kinds)
         if not out_kinds:
             return
+        if call.phase == Phase.FORWARD and call.parent is not None and self._keyword_data_first(call):
+            record.status = "propagated"
+            return
         tensor = record.live()
         if call.phase == Phase.DATA:
+            if not _first and self._keyword_judged and self._keyword_judged.pop(id(record), None) is record:
+                return  # judged already, ahead of its turn (_keyword_data_first)
             if self.is_benign_input(call, str(record.path), record.argument, tensor, record):
                 self._note_mask(call, record, tensor)
                 return
@@ -219,7 +229,41 @@ class ProducerRule:
         record.argument = argument
         log.finish(call)
         self.judge(call, record)
-        return True
+        return record.status != "benign"  # (a mask passed by keyword is no event)
+
+    def _keyword_data_first(self, call: Call) -> bool:
+        """Judge the keyword-argument batch of ``call``'s top-level call first, where it holds a non-finite value.
+
+        A batch is judged first in a step (PRODUCT.md: phase data), but global pre-hooks never see a call's keyword
+        arguments (``model(**batch)``, ``model(pixel_values=(x - mean) / std)``): the watch notes them as the call
+        returns, after its children's outputs. A child judged before them would be named the producer (the op
+        tracer's origin of its input, the loop's division, in forward; the deferred check's child whose input it
+        freed) where the batch came in non-finite. True where the batch was the event.
+        """
+        top = call
+        while top.parent is not None:
+            top = top.parent
+        if top.info is None:
+            return False
+        if top.finished < 0:  # running (the immediate check): its keyword arguments are in its frame
+            if self._keywords_of is top:
+                return False
+            self._keywords_of = top  # (once per call: judge runs at each non-finite record)
+            passed = running_arguments(top.module)
+            entering = argument_tensors(passed[1], "kwargs") if passed is not None else []
+            return any(is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds)
+                       and self._entered_by_keyword(top, tensor) for _path, _argument, tensor in entering)
+        for path, _argument, _record, ref, _version in top.inputs:  # returned (the deferred check): recorded then
+            tensor = ref()
+            record = self._log.lookup(tensor) if tensor is not None and path.startswith("kwargs") else None
+            if (record is None or record.call is None or record.call.phase != Phase.DATA or not record.kinds
+                    or self._keyword_judged.get(id(record)) is record):
+                continue
+            self._keyword_judged[id(record)] = record
+            self.judge(record.call, record, _first=True)
+            if record.status != "benign":
+                return True
+        return False
 
     def _made_by_caller(self, call: Call) -> tuple[str, torch.Tensor] | None:
         """A non-finite input of ``call`` not returned non-finite by any checked call (nor the data).

@@ -177,9 +177,12 @@ class Origins:
         return entry[1] if entry is not None and entry[0] is ref else None
 
     def stepped(self) -> list[torch.Tensor]:
-        """The live tensors an optimizer's step made non-finite (their origin's phase is the optimizer's)."""
+        """The live tensors whose origin outlasts the start of a step: those an optimizer's step made non-finite
+        (the deferred check judges them once the next began), and those the loop's code made outside every module
+        (a batch passed by keyword, ``model(pixel_values=x)``, which the call's pre-hook does not see to keep)."""
         return [tensor for ref, _version, _written, origin in self._by_id.values()
-                if isinstance(origin, Origin) and origin.finding.phase == Phase.OPTIMIZER
+                if isinstance(origin, Origin) and (origin.finding.phase == Phase.OPTIMIZER or (
+                    origin.finding.phase == Phase.FORWARD and origin.finding.module is None))
                 and (tensor := ref()) is not None]
 
     def clear(self) -> None:
