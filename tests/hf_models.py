@@ -69,7 +69,7 @@ def tokens(batch: int = 2, length: int = 8) -> torch.Tensor:
 
 
 def padded_batch(batch: int = 3, length: int = 8, left: bool = False) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` (0 on the padding) and ``labels`` (-100 on the padding), as a collator makes."""
+    """``input_ids``, ``attention_mask`` (0 on the padding), ``labels`` (-100 on the padding), as a collator makes."""
     ids = tokens(batch, length)
     mask = torch.ones_like(ids)
     for row in range(1, batch):

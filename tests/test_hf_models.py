@@ -15,7 +15,6 @@ from watching import FIVE_MODES, raised
 
 import nan_magic
 
-
 #: Each idiom's unwatched outputs and final state, computed once for its five modes.
 _UNWATCHED: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
@@ -386,7 +385,8 @@ def test_replays_leave_the_users_kv_cache_and_outputs_as_unwatched(options: dict
     expected = run()
     with nan_magic.watch(model, on_detect="log", **options) as w:
         got = run()
-    assert (w.report.phase, w.report.module, w.report.op) == ("forward", "transformer.h.0.attn", "aten._softmax.default")
+    where = ("forward", "transformer.h.0.attn", "aten._softmax.default")
+    assert (w.report.phase, w.report.module, w.report.op) == where
     assert _same(got.logits, expected.logits)
     for layer, want in zip(got.past_key_values.layers, expected.past_key_values.layers, strict=True):
         assert _same(layer.keys, want.keys) and _same(layer.values, want.values)

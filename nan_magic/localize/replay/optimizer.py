@@ -14,8 +14,9 @@ step would cost every healthy step a pass over the model. So the replay starts
 from what the step left: the parameter and state as they are now, their
 non-finite elements set to 0 (a stand-in for the finite values they held), and
 the gradient the step applied (or, for the deferred check, the one in place
-when the step was judged, its non-finite elements set to 0 too: a later backward's). The same faults make the same elements non-finite
-again from there (an ``eps`` that rounds to 0 divides 0 by 0 where the
+when the step was judged, its non-finite elements set to 0 too: a later
+backward's). The same faults make the same elements non-finite again from
+there (an ``eps`` that rounds to 0 divides 0 by 0 where the
 gradient is 0, a NaN or huge learning rate spoils every update): the op is
 named only when the replay makes every element the step made non-finite
 non-finite again, and the report says the replay started from the state after

@@ -32,7 +32,7 @@ import collections
 import contextlib
 import random
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -115,7 +115,7 @@ def untouched(model: nn.Module) -> Iterator[ModelGuard]:
 class ArgumentGuard:
     """The Python state of the plain objects among a call's arguments, and of those their containers hold."""
 
-    def __init__(self, args: Iterable[Any], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> None:
         objects: dict[int, Any] = {}
         for value in _flattened([*args, *kwargs.values()]):
             _add_object(objects, value)
@@ -142,7 +142,7 @@ class ArgumentGuard:
 
 
 @contextlib.contextmanager
-def arguments_untouched(args: Iterable[Any], kwargs: dict[str, Any]) -> Iterator[ArgumentGuard]:
+def arguments_untouched(args: Iterable[Any], kwargs: Mapping[str, Any]) -> Iterator[ArgumentGuard]:
     """Run a replay on ``args`` and ``kwargs``; the plain objects among them are put back as they were after it."""
     guard = ArgumentGuard(args, kwargs)
     try:
