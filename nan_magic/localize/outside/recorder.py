@@ -197,7 +197,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops
-            self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
+            if self.holds_data:  # (immediate: held through the call only, whose return lets go of them)
+                self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             self._data = (ops, self._produced, self._frames, self._rng)
             self._ops, self._produced, self._frames = [], {}, []
             self._data_calls, self._calls = self._calls, {}
