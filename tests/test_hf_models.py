@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hf_models import IDIOMS, WIDTH, bert, gpt2, idiom, llama, padded_batch, state, tokens, traces, vit
+from hf_models import IDIOMS, WIDTH, bert, gpt2, idiom, llama, padded_batch, state, t5, tokens, traces, vit
 from torch import nn
 from watching import FIVE_MODES, raised
 
@@ -281,6 +281,20 @@ def _pixel_values_by_keyword():
     return (model, opt), run
 
 
+def _fp16_t5_feed_forward():
+    model = t5().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    batch = {"input_ids": tokens(2, 8), "labels": tokens(2, 5)}
+    dense = model.encoder.block[0].layer[-1].DenseReluDense
+
+    def before(step: int) -> None:
+        if step == 1:
+            with torch.no_grad():  # wi then wo, each about 30 times too large: wo's sum passes 65504
+                dense.wi.weight.normal_(0, 30)
+                dense.wo.weight.normal_(0, 30)
+    return (model, opt), lambda: _loop(model, opt, [batch, batch], before)
+
+
 _HF = "transformers"
 _HERE = "test_hf_models.py"
 #: case: (build, phase, step, module, op, (file, text of the line)); a ``_HF`` file is in transformers' source.
@@ -312,6 +326,8 @@ INCIDENTS = {
                                          "aten.div.Tensor", (_HERE, "return torch.sqrt(x * x)")),
     "gpt2-generate": (_generate, "forward", 1, "transformer.h.1.mlp.act", "aten.log.default",
                       (_HERE, "return torch.log(x - 10) if x.shape[1] == 1")),
+    "t5-fp16-feed-forward": (_fp16_t5_feed_forward, "forward", 1, "encoder.block.0.layer.1.DenseReluDense.wo",
+                             "aten.mm.default", ("modeling_t5.py", "hidden_states = self.wo(hidden_states)")),
     "vit-pixel-values-by-keyword": (_pixel_values_by_keyword, "data", 1, "", "aten.div.Tensor",
                                     (_HERE, "pixel_values = (raw - raw.mean(dim=(1, 2, 3), keepdim=True))")),
 }
