@@ -193,7 +193,10 @@ def _local_cause(report: Report) -> Cause:
         return cause
     if (given := _given_a_number(report)) is not None:
         return given
-    if report.tensor.role is TensorRole.PARAMETER:
+    if report.tensor.role is TensorRole.PARAMETER or (
+        # A buffer the module read non-finite (localize/producer.py), not one a check found after the step.
+        report.tensor.role is TensorRole.BUFFER and any(note.kind == "already-bad" for note in report.note_facts)
+    ):
         return event_cause("parameter-already-nonfinite", "parameter-nonfinite", report)
     if report.phase == Phase.DATA:
         if report.op is not None and report.inputs_finite:

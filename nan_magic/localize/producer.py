@@ -30,6 +30,7 @@ from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.replay.outward import CHANGED, replay_outward
 from nan_magic.localize.replay.producer_call import CallReplay, caller_named
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase, TensorRef, TensorRole
@@ -61,6 +62,10 @@ class ProducerRule:
         self.stack = stack
         # Infinite mask tensors given as arguments or held as buffers (ops/masks.py).
         self.deliberate = DeliberateMasks()
+        # Keyword-argument data records judged ahead of their turn (_keyword_data_first), by id; the running
+        # top-level call whose keyword arguments were judged so.
+        self._keyword_judged: dict[int, TensorRecord] = {}
+        self._keywords_of: Call | None = None
 
     def judge(
         self,
@@ -68,6 +73,7 @@ class ProducerRule:
         record: TensorRecord,
         detected_at: Note | None = None,
         replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
+        _first: bool = False,
     ) -> None:
         """Producer or propagator? The one rule, for immediate and deferred checks.
 
@@ -82,8 +88,13 @@ class ProducerRule:
         out_kinds = relevant_kinds(record.kinds, self.kinds)
         if not out_kinds:
             return
+        if call.phase == Phase.FORWARD and call.parent is not None and self._keyword_data_first(call):
+            record.status = "propagated"
+            return
         tensor = record.live()
         if call.phase == Phase.DATA:
+            if not _first and self._keyword_judged and self._keyword_judged.pop(id(record), None) is record:
+                return  # judged already, ahead of its turn (_keyword_data_first)
             if self.is_benign_input(call, str(record.path), record.argument, tensor, record):
                 self._note_mask(call, record, tensor)
                 return
@@ -134,9 +145,9 @@ class ProducerRule:
         inputs = named_inputs(call)
         bad_parameter = self._bad_parameter(call)
         if bad_parameter is not None:
-            name, parameter = bad_parameter
-            finding = Finding(Phase.FORWARD, call, TensorRef.parameter(name), bad=parameter.detach(), record=record,
-                              inputs=inputs)
+            ref, parameter = bad_parameter
+            name = ref.name
+            finding = Finding(Phase.FORWARD, call, ref, bad=parameter.detach(), record=record, inputs=inputs)
             finding.notes.append(Note.of("already-bad", name=name, module=call.name))
         else:
             finding = Finding(
@@ -152,6 +163,7 @@ class ProducerRule:
                 finding.rng_state = replay[0].rng_state
                 if self.replayer.replay_into(finding, produced, *replay):
                     return True
+                self._replay_outward(finding, call)
             elif self.replayer.replays_kept and self.replayer.replay_deferred(finding, produced, call):
                 return True
         if detected_at:
@@ -217,7 +229,41 @@ class ProducerRule:
         record.argument = argument
         log.finish(call)
         self.judge(call, record)
-        return True
+        return record.status != "benign"  # (a mask passed by keyword is no event)
+
+    def _keyword_data_first(self, call: Call) -> bool:
+        """Judge the keyword-argument batch of ``call``'s top-level call first, where it holds a non-finite value.
+
+        A batch is judged first in a step (PRODUCT.md: phase data), but global pre-hooks never see a call's keyword
+        arguments (``model(**batch)``, ``model(pixel_values=(x - mean) / std)``): the watch notes them as the call
+        returns, after its children's outputs. A child judged before them would be named the producer (the op
+        tracer's origin of its input, the loop's division, in forward; the deferred check's child whose input it
+        freed) where the batch came in non-finite. True where the batch was the event.
+        """
+        top = call
+        while top.parent is not None:
+            top = top.parent
+        if top.info is None:
+            return False
+        if top.finished < 0:  # running (the immediate check): its keyword arguments are in its frame
+            if self._keywords_of is top:
+                return False
+            self._keywords_of = top  # (once per call: judge runs at each non-finite record)
+            passed = running_arguments(top.module)
+            entering = argument_tensors(passed[1], "kwargs") if passed is not None else []
+            return any(is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds)
+                       and self._entered_by_keyword(top, tensor) for _path, _argument, tensor in entering)
+        for path, _argument, _record, ref, _version in top.inputs:  # returned (the deferred check): recorded then
+            tensor = ref()
+            record = self._log.lookup(tensor) if tensor is not None and path.startswith("kwargs") else None
+            if (record is None or record.call is None or record.call.phase != Phase.DATA or not record.kinds
+                    or self._keyword_judged.get(id(record)) is record):
+                continue
+            self._keyword_judged[id(record)] = record
+            self.judge(record.call, record, _first=True)
+            if record.status != "benign":
+                return True
+        return False
 
     def _made_by_caller(self, call: Call) -> tuple[str, torch.Tensor] | None:
         """A non-finite input of ``call`` not returned non-finite by any checked call (nor the data).
@@ -257,7 +303,15 @@ class ProducerRule:
         if running is None or passed is None:
             return False
         finding.rng_state = running.rng_state
-        return self.replayer.replay_into(finding, kinds, running, *passed)
+        if self.replayer.replay_into(finding, kinds, running, *passed):
+            return True
+        self._replay_outward(finding, enclosing)
+        return False
+
+    def _replay_outward(self, finding: Finding, call: Call) -> None:
+        """The producer's replay began from an object its call had changed (a KV cache): replay the calls around it."""
+        if finding.op is None and finding.notes and finding.notes[-1].kind == CHANGED:
+            replay_outward(self.replayer, finding, call, self.stack)
 
     def input_kinds(self, call: Call) -> tuple[frozenset[str], frozenset[str]]:
         """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
@@ -289,16 +343,19 @@ class ProducerRule:
         wanted = self.kinds
         return relevant_kinds(frozenset(kinds), wanted), relevant_kinds(frozenset(deliberate), wanted)
 
-    def _bad_parameter(self, call: Call) -> tuple[str, torch.Tensor] | None:
-        """A non-finite parameter or buffer of the called module (recursively); deliberate masks excepted."""
+    def _bad_parameter(self, call: Call) -> tuple[TensorRef, torch.Tensor] | None:
+        """A non-finite parameter or buffer of the called module (recursively), by its role; deliberate masks
+        excepted (a rotary embedding's ``inv_freq`` made infinite by ``rope_theta=0`` is a buffer)."""
         prefix = f"{call.name}." if call.name else ""
         module = call.module
         masks = {id(buffer) for _name, buffer in self.deliberate.buffers(module, prefix)}
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        named = [*((TensorRole.PARAMETER, *item) for item in module.named_parameters()),
+                 *((TensorRole.BUFFER, *item) for item in module.named_buffers())]
+        for role, name, tensor in named:
             if id(tensor) in masks:
                 continue
             if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
-                return prefix + name, tensor
+                return TensorRef(role, prefix + name), tensor
         return None
 
     # -- deliberate infinities (ops/masks.py) ---------------------------------------------

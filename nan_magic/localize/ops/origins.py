@@ -177,9 +177,12 @@ class Origins:
         return entry[1] if entry is not None and entry[0] is ref else None
 
     def stepped(self) -> list[torch.Tensor]:
-        """The live tensors an optimizer's step made non-finite (their origin's phase is the optimizer's)."""
+        """The live tensors whose origin outlasts the start of a step: those an optimizer's step made non-finite
+        (the deferred check judges them once the next began), and those the loop's code made outside every module
+        (a batch passed by keyword, ``model(pixel_values=x)``, which the call's pre-hook does not see to keep)."""
         return [tensor for ref, _version, _written, origin in self._by_id.values()
-                if isinstance(origin, Origin) and origin.finding.phase == Phase.OPTIMIZER
+                if isinstance(origin, Origin) and (origin.finding.phase == Phase.OPTIMIZER or (
+                    origin.finding.phase == Phase.FORWARD and origin.finding.module is None))
                 and (tensor := ref()) is not None]
 
     def clear(self) -> None:
@@ -350,9 +353,20 @@ def attach_origin(finding: Finding, origin: OpFinding) -> None:
     """
     kept = finding.tensor, finding.bad, finding.bad_stats
     apply_op_finding(finding, origin)
-    (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+    if not _counts_unknown(finding.module_output, origin):
+        (finding.tensor, finding.bad, finding.bad_stats), finding.module_output = kept, None
+    # else: the boundary's tensor is gone and its probe knows no counts (a gradient judged at the deferred check,
+    # freed by then): the report describes the op's output, whose counts the tracer kept, and the boundary beside it.
     # The producer is now the op: whether its inputs were finite is the op's (a batch's finding said the batch
     # came in non-finite; the division the loop ran on it read finite values). A count of None is a kind present.
     finding.inputs_finite = not any(
         stats.nan != 0 or stats.posinf != 0 or stats.neginf != 0 for _ref, stats in origin.input_stats
     )
+
+
+def _counts_unknown(boundary: tuple[TensorRef, TensorStats, torch.Tensor | None] | None, origin: OpFinding) -> bool:
+    """Whether the boundary is known only by a probe that counted nothing, and the op's output counts are known."""
+    if boundary is None or boundary[2] is not None or origin.output_stats is None:
+        return False
+    stats = boundary[1]
+    return stats.nan is None or stats.posinf is None or stats.neginf is None

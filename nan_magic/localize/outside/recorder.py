@@ -121,8 +121,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                  holds_data: bool = False) -> None:
         TorchDispatchMode.__init__(self)
         RegionRecords.__init__(self, kinds)
-        #: Whether a data region's records are held past the model call that ends it, until the next data
-        #: region starts: the deferred check judges the batch at the optimizer step (:meth:`start`).
+        #: Whether a data region's records are held past the model call that ends it (not only through it), until
+        #: the next data region starts: the deferred check judges the batch at the optimizer step (:meth:`start`).
         self.holds_data = holds_data
         #: Whether :meth:`forget` keeps the last step's loss code (``keep_last_good``: see :meth:`loss_code`).
         self.keep_last = keep_last
@@ -162,9 +162,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 and self._budget > 0 and goes_on()):
             self._push()
             return
-        if region == "data":
-            self._data = None  # (held by batch_entered: the step's check has judged the batch they made)
-            self._data_before, self._data_calls = {}, {}
+        if region == "data" or not self.holds_data:  # (held by batch_entered: the batch they made is judged,
+            self._data, self._data_before, self._data_calls = None, {}, {}  # at the step's check or the call's end)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
         if region in self.untraced:
@@ -185,20 +184,21 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self.pushed = True
 
     def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
-        """A top-level model call began, its batch judged: the data region's records go.
+        """A top-level model call began, its positional batch judged: the data region's records are held.
 
-        With :attr:`holds_data` they are held instead, until the next data
-        region starts (:meth:`claim` looks there too): the deferred check
-        judges the batch at the optimizer step. ``goes_on()``: a loss region's
-        few records stay for the call's return to decide (:meth:`start`).
+        Until the call returns (:meth:`start`; :meth:`claim` looks there too): a keyword argument
+        (``model(**batch)``, ``model(pixel_values=x)``) is judged there, or where the forward first reads it.
+        With :attr:`holds_data`, until the next data region starts: the deferred check judges the batch at the
+        optimizer step. ``goes_on()``: a loss region's few records stay for the call's return to decide (:meth:`start`).
         """
         if goes_on is not None and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX and goes_on():
             return
-        if self.holds_data and self._region == "data" and self._ops:
+        if self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops
-            self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
+            if self.holds_data:  # (immediate: held through the call only, whose return lets go of them)
+                self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             self._data = (ops, self._produced, self._frames, self._rng)
             self._ops, self._produced, self._frames, self._n_ops = [], {}, [], 0
             self._data_calls, self._calls = self._calls, {}

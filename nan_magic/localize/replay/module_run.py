@@ -37,7 +37,7 @@ from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer
-from nan_magic.localize.replay.untouched import untouched
+from nan_magic.localize.replay.untouched import arguments_untouched, untouched
 from nan_magic.records import Note, Phase
 from nan_magic.tensor_refs import op_function
 
@@ -143,12 +143,19 @@ def replay_module(
     failure: Exception | None = None
     # The replay runs on past the finding (the tracer checks nothing more), so that the producing line ends and
     # %debug shows the locals it left (line_state.py): its fresh output, not the op's operands alone.
-    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
+    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer, \
+            arguments_untouched(args, kwargs) as guard:
         try:
             with torch.no_grad(), tracer:
                 output = module(*args, **kwargs)
         except Exception as error:
             failure = error
+    if guard.changed:
+        # The call changed an object it was given (a KV cache it appended to): the replay began from that object
+        # as the call left it, not as the call found it; what it found is not the call's (producer.py replays an
+        # enclosing call instead).
+        return ReplayResult(finding=None, reproduced=False, note=Note.of("replay-arguments-changed",
+                                                                         module=module_name))
     benign = frozenset(tracer.benign_modules)
     if tracer.finding is not None:
         return ReplayResult(

@@ -14,8 +14,9 @@ step would cost every healthy step a pass over the model. So the replay starts
 from what the step left: the parameter and state as they are now, their
 non-finite elements set to 0 (a stand-in for the finite values they held), and
 the gradient the step applied (or, for the deferred check, the one in place
-when the step was judged). The same faults make the same elements non-finite
-again from there (an ``eps`` that rounds to 0 divides 0 by 0 where the
+when the step was judged, its non-finite elements set to 0 too: a later
+backward's). The same faults make the same elements non-finite again from
+there (an ``eps`` that rounds to 0 divides 0 by 0 where the
 gradient is 0, a NaN or huge learning rate spoils every update): the op is
 named only when the replay makes every element the step made non-finite
 non-finite again, and the report says the replay started from the state after
@@ -89,7 +90,10 @@ def _replay(
         start = before if before is not None else parameter
         copy = _finite_copy(start).requires_grad_(parameter.requires_grad)
         if parameter.grad is not None:
-            copy.grad = parameter.grad.detach().clone()
+            # The step's own gradient was finite (its pre-hook checked it). The deferred check may judge the step
+            # after the next backward, whose gradient the non-finite parameters made non-finite: a stand-in of 0
+            # for those elements, as for the parameter's, not a NaN the replay would only pass on.
+            copy.grad = _finite_copy(parameter.grad)
         state = {name: _finite_copy(value) if isinstance(value, torch.Tensor) else value
                  for name, value in opt.state.get(parameter, {}).items()}
     replica = object.__new__(type(opt))

@@ -18,6 +18,12 @@ forward may change is put back here:
 
 Not covered: a tensor that a container holds inside another container, and
 ``param.data = ...``, which rebinds a parameter's storage without an op.
+
+The arguments are copied when they are tensors or containers of tensors (replay/module_run.py), but an object
+passed as an argument is the user's: a Hugging Face ``DynamicCache`` that each attention layer appends its keys
+to. :func:`arguments_untouched` puts back what a replay rebinds on such an object (and on the objects its list
+and dict attributes hold: the cache's layers), and says whether it rebound anything: then the call it replays
+had changed that object too, the replay started from its state *after* the call, and its finding is not the call's.
 """
 
 from __future__ import annotations
@@ -26,13 +32,13 @@ import collections
 import contextlib
 import random
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ModelGuard", "untouched", "user_generators"]
+__all__ = ["ArgumentGuard", "ModelGuard", "arguments_untouched", "untouched", "user_generators"]
 
 #: Containers whose contents are put back in place (their identity is the user's).
 _CONTAINERS = (list, dict, set, collections.deque)
@@ -104,6 +110,64 @@ def untouched(model: nn.Module) -> Iterator[ModelGuard]:
         yield guard
     finally:
         guard.restore()
+
+
+class ArgumentGuard:
+    """The Python state of the plain objects among a call's arguments, and of those their containers hold."""
+
+    def __init__(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> None:
+        objects: dict[int, Any] = {}
+        for value in _flattened([*args, *kwargs.values()]):
+            _add_object(objects, value)
+            for attribute in list(vars(value).values()) if id(value) in objects else ():
+                if isinstance(attribute, _CONTAINERS):
+                    for item in _flattened(_contents(attribute)):
+                        _add_object(objects, item)  # a cache's layers, one level down
+        self._attributes = [(value, dict(vars(value))) for value in objects.values()]
+        self._contents = [(attribute, _contents(attribute)) for _value, attributes in self._attributes
+                          for attribute in attributes.values() if isinstance(attribute, _CONTAINERS)]
+        #: Whether the replay rebound an attribute or changed a container of one of these objects.
+        self.changed = False
+
+    def restore(self) -> None:
+        for value, attributes in self._attributes:
+            if not _same_items(list(vars(value).items()), list(attributes.items())):
+                self.changed = True
+                vars(value).clear()
+                vars(value).update(attributes)
+        for container, contents in self._contents:
+            if not _same_items(_contents(container), contents):
+                self.changed = True
+                _put_back(container, contents)
+
+
+@contextlib.contextmanager
+def arguments_untouched(args: Iterable[Any], kwargs: Mapping[str, Any]) -> Iterator[ArgumentGuard]:
+    """Run a replay on ``args`` and ``kwargs``; the plain objects among them are put back as they were after it."""
+    guard = ArgumentGuard(args, kwargs)
+    try:
+        yield guard
+    finally:
+        guard.restore()
+
+
+def _flattened(values: Iterable[Any]) -> Iterator[Any]:
+    """``values`` with the items of their tuples, lists and dicts (one level), as a call's arguments hold them."""
+    for value in values:
+        if type(value) in (tuple, list):
+            yield from value
+        elif type(value) is dict:
+            yield from value.values()
+        else:
+            yield value
+
+
+def _add_object(objects: dict[int, Any], value: Any) -> None:
+    """Note ``value`` if it is a plain object with a ``__dict__`` (not a tensor, module, class or function)."""
+    if (isinstance(value, (torch.Tensor, nn.Module, type)) or callable(value)
+            or not isinstance(getattr(value, "__dict__", None), dict)):
+        return
+    objects.setdefault(id(value), value)
 
 
 def _storage_of(tensor: Any) -> torch.UntypedStorage | None:

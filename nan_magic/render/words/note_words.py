@@ -86,6 +86,7 @@ _TEMPLATES: dict[str, str] = {
     "rng-redrawn": "the call's random state was not kept: its replay drew other random numbers",
     "found-in-enclosing": "{module}'s own arguments are gone by the deferred check ({reason}); a replay of "
                           "{outer_module}, which called it, found the op in {op_module}: " + _FOUND,
+    "found-in-running": "a replay of {outer_module}, which called {module}, found the op in {op_module}: " + _FOUND,
     "found-in-caller": "a replay of {outer_module} found the first non-finite value in {op_module}'s own code "
                        "({op}), before {module}, which passed it on",
     "freed-recomputed": "{path} was freed before the deferred check: its counts and values are from running "
@@ -95,6 +96,8 @@ _TEMPLATES: dict[str, str] = {
     "replay-held": "replay of {module} gave a non-finite output that no op inside it produced: its inputs, "
                    "parameters, buffers or scalar arguments already held it",
     "replay-finite": "replay of {module} on its recorded inputs stayed finite; the op is unknown",
+    "replay-arguments-changed": "{module} changed an object it was given (a cache it appended to), so a replay of "
+                                "it from that object does not repeat the call",
     "cannot-replay": "cannot replay {module}: {reason}",
     "backward-replay-raised": "replay of {module} with gradients raised {error}; the op is unknown",
     "backward-replay-finite": "replay of {module} with gradients stayed finite; the op is unknown",

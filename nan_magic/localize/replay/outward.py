@@ -1,0 +1,59 @@
+"""A producer whose own replay cannot repeat its call: replay the running calls around it instead.
+
+A call that changes an object it was given (a Hugging Face attention layer appends its keys to the
+``DynamicCache`` passed down to it) cannot be replayed from its arguments once it has run: the replay would start
+from the cache as the call left it (module_run.py says so, ``replay-arguments-changed``). The call that made that
+object, further out, can: a decoder model creates its cache inside its own ``forward``. The running calls that
+enclose the producer are replayed from their own arguments, innermost first, until one repeats the call, and the
+op is taken only if it ran inside the producer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nan_magic.hot.kept.call_records import Call, Frame
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.held import running_arguments
+from nan_magic.localize.ops.origins import apply_op_finding
+from nan_magic.localize.replay.module_run import replay_module
+from nan_magic.localize.replay.producer_call import CallReplay, _replayable, _within
+from nan_magic.records import Note
+
+__all__ = ["CHANGED", "replay_outward"]
+
+#: The note of a replay that found its arguments changed by the call it replays (module_run.py).
+CHANGED = "replay-arguments-changed"
+
+
+def replay_outward(replayer: CallReplay, finding: Finding, call: Call, stack: Sequence[Frame]) -> None:
+    """Name ``finding``'s op by replaying the running calls around ``call`` (the module stack ``stack``)."""
+    for frame in reversed(stack):
+        outer = frame.call
+        if outer is None or outer is call or not _encloses(outer, call):
+            continue
+        passed = running_arguments(frame.module)
+        if passed is None or not _replayable(outer, frame.rng_state):
+            return
+        with replayer.standing_aside():
+            result = replay_module(frame.module, *passed, rng_state=frame.rng_state, kinds=replayer.kinds,
+                                   module_name=outer.name or "", autocast=outer.autocast)
+        op = result.finding
+        if op is not None and _within(op.module, call, outer):
+            apply_op_finding(finding, op, result.tensors)
+            finding.frame = result.frame
+            finding.notes.append(Note.of("found-in-running", module=call.name, outer_module=outer.name,
+                                         op_module=op.module, nan=op.nan, posinf=op.posinf, neginf=op.neginf,
+                                         op=op.op))
+            return
+        if result.note is None or result.note.kind != CHANGED:
+            return  # it repeated the call and found nothing inside the producer: stop at the nearest
+
+
+def _encloses(outer: Call, call: Call) -> bool:
+    parent = call.parent
+    while parent is not None:
+        if parent is outer:
+            return True
+        parent = parent.parent
+    return False
