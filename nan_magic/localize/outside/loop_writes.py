@@ -51,6 +51,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
@@ -281,8 +282,8 @@ class LoopWrites:
         by_id: dict[int, tuple[str, torch.Tensor]] = {}
         by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
         for name, parameter in self._named_parameters():
-            if not parameter.is_floating_point() or id(parameter) in by_id:
-                continue
+            if not parameter.is_floating_point() or id(parameter) in by_id or not isinstance(parameter, nn.Parameter):
+                continue  # (a tensor functional_call swapped in for a parameter is the loop's own: swapped.py)
             by_id[id(parameter)] = (name, parameter)
             if parameter.layout is torch.strided:
                 first = parameter.data_ptr()
@@ -318,6 +319,8 @@ class LoopWrites:
         if tracer is None or tracer.finding is not None or not tracer.started:
             return  # a healthy step started no origin: no parameter to look up
         for name, parameter in self._named_parameters():
+            if not isinstance(parameter, nn.Parameter):
+                continue  # functional_call's stand-in (MAML's fast weights): the loop made it, wrote no parameter
             origin = tracer.origin_of(parameter)
             if not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
                 # (an optimizer's step made it: the optimizer's check reports it, at its step, which the deferred
