@@ -65,6 +65,7 @@ from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
+    Rebound,
     Storages,
     copy_before,
     lookup,
@@ -77,6 +78,7 @@ from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
+
 
 #: An update region that wrote no watched parameter is recorded again if it ran at most this many ops
 #: (a ``loss.item()`` or two to log; clipping runs eight foreach ops, which would cost tens of µs a step).
@@ -138,9 +140,12 @@ class LoopWrites:
         self._index: Index | None = None
         #: The data region's parameter writes, noted by the main recorder as it records them.
         self.data: DataWrites | None = None
+        self._data_recorder = data if tracer is None else None
         if data is not None and tracer is None:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
+        # The parameters a recorded data region rebound (``param.data = v``: no op writes them).
+        self._rebound = Rebound(self._cached_index, self._fresh_index)
 
     @property
     def recorder(self) -> OutsideRecorder | None:
@@ -172,6 +177,11 @@ class LoopWrites:
         # (Asked at every model call and optimizer step: the usual answer, nothing written, costs no call.)
         data = self.data
         found = self._data_written() if data is not None and data.written else []
+        # A recorded data region after an optimizer step (not the watch's entry, which may build the model) ends
+        # (the recorder's fields read here: asked at every model call and optimizer step, a method would be a
+        # call): a parameter it rebound (``param.data = v``) is judged as one it wrote.
+        if (main := self._data_recorder) is not None and main._ops and main._region == "data" and not main._entry:
+            found += [(name, parameter, made, main) for name, parameter, made in self._rebound.moved(main)]
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
@@ -246,6 +256,7 @@ class LoopWrites:
     def forget(self) -> None:
         """The watch ends: stop recording and drop what was recorded."""
         self._pending, self._index = [], None
+        self._rebound.forget()
         if self.data is not None:
             self.data.take()
         if self._recorder is not None:
@@ -270,6 +281,10 @@ class LoopWrites:
         """The watched parameters by id and by storage, built when first needed (as :meth:`_parameter_of`'s)."""
         if self._index is None:
             self._index = self._indexed()
+        return self._index
+
+    def _fresh_index(self) -> Index:
+        self._index = self._indexed()
         return self._index
 
     def _storages(self) -> Storages:
