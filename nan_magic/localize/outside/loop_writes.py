@@ -220,8 +220,9 @@ class LoopWrites:
         return [(name, parameter, tensor, recorder) for name, parameter, tensor in found]
 
     def judge(self, values: list[float]) -> None:
-        """Report the first written parameter whose norm (``values``, in :meth:`end`'s order) is not finite."""
-        pending, self._pending = self._pending, []
+        """Report the first written parameter whose norm (``values``, of the first pending in :meth:`end`'s order:
+        the deferred check judges the code that ran before the step's calls first) is not finite."""
+        pending, self._pending = self._pending[:len(values)], self._pending[len(values):]
         try:
             for (name, parameter, written, records), value in zip(pending, values):
                 if math.isfinite(value):
@@ -240,7 +241,7 @@ class LoopWrites:
                 self._emit(finding)
                 return
         finally:
-            if self._recorder is not None:
+            if self._recorder is not None and not self._pending:
                 self._recorder.forget()
 
     def pause(self) -> None:
