@@ -212,7 +212,7 @@ class Deferred(Timing):
                         cycle.judge_forward(call, record, _DETECTED_DEFERRED)
             if outcome.stopped:
                 break
-        if len(written) > first_count and not outcome.stopped:
+        if written and len(written) > first_count and not outcome.stopped:  # (no len() call on most steps)
             cycle.judge_written(written_values[first_count:])  # after the calls: the update code ran after them
         return values
 
