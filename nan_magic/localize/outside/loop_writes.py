@@ -68,6 +68,7 @@ from nan_magic.localize.outside.param_writes import (
     Rebound,
     Storages,
     copy_before,
+    data_ptr,
     lookup,
     on_parameters,
     written_by,
@@ -144,8 +145,7 @@ class LoopWrites:
         if data is not None and tracer is None:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
-        # The parameters a recorded data region rebound (``param.data = v``: no op writes them).
-        self._rebound = Rebound(self._cached_index, self._fresh_index)
+        self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
 
     @property
     def recorder(self) -> OutsideRecorder | None:
@@ -177,11 +177,11 @@ class LoopWrites:
         # (Asked at every model call and optimizer step: the usual answer, nothing written, costs no call.)
         data = self.data
         found = self._data_written() if data is not None and data.written else []
-        # A recorded data region after an optimizer step (not the watch's entry, which may build the model) ends
-        # (the recorder's fields read here: asked at every model call and optimizer step, a method would be a
-        # call): a parameter it rebound (``param.data = v``) is judged as one it wrote.
-        if (main := self._data_recorder) is not None and main._ops and main._region == "data" and not main._entry:
-            found += [(name, parameter, made, main) for name, parameter, made in self._rebound.moved(main)]
+        # A recorded data region after a step ends: what it rebound (``param.data = v``) is judged as written (Rebound;
+        # not the watch's entry, which may build the model). Fields read, pointers compared in C: no call a step.
+        if ((main := self._data_recorder) is not None and main._ops and main._region == "data" and not main._entry
+                and ((seen := (rebound := self._rebound).seen) is None or list(map(data_ptr, seen[1])) != seen[2])):
+            found += [(name, parameter, made, main) for name, parameter, made in rebound.moved(main)]
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
