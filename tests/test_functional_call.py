@@ -10,6 +10,7 @@ from torch.func import functional_call
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.records import TensorRole
 from tests.faults import marked_line
 from tests.watching import FIVE_MODES as MODES
 from tests.watching import LogWhenTold
@@ -43,14 +44,12 @@ def test_a_nan_in_a_fast_weight_forward_is_named_at_its_module_op_and_line(optio
     assert report.source is not None and report.source.lineno == marked_line("log when told", where=LogWhenTold)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fast weights are not the module's parameters: functional_call swaps the loop's tensors in, so the forward check "
-    "reads them as parameters of 0 already non-finite (default, full: module 0, no op; deferred: the root), and ops "
-    "names the mul but as 'the loop wrote 0.weight between backward() and step()' (phase optimizer; the inner "
-    "autograd.grad opens the update region). A swapped-in tensor that is no nn.Parameter should be judged as an "
-    "input made by the loop's code (phase forward, module None, its op and line); not built"))
 @pytest.mark.parametrize("options", MODES)
 def test_an_inf_inner_learning_rate_is_named_at_the_loops_update_line(options) -> None:
+    # The fast weights are an input the loop's code made (p - g * inf), not the module's parameters.
     report = maml(options, "inner update")
     assert (report.phase, report.module, report.step, report.op) == ("forward", None, 3, "aten.mul.Tensor")
     assert report.source is not None and report.source.lineno == marked_line("inner update", where=maml)
+    assert report.tensor.role is not TensorRole.PARAMETER
+    assert "parameter-already-nonfinite" not in report.to_text()
+    assert not any("already non-finite" in note or "wrote 0.weight" in note for note in report.notes)

@@ -130,10 +130,10 @@ class StepCycle:
         self._emit = emit
         self._here = here
         self.update_code = update_code
-        # The norms of the parameters the update code wrote, read with the deferred check's transfer, and
-        # whether that code ran before the calls the transfer judges (it ended as a model call began).
+        # The norms of the parameters the loop's code wrote, read with the deferred check's transfer, and how
+        # many of the first ran before the calls it judges (their region ended as a model call began).
         self._written: list[torch.Tensor] = []
-        self._written_first = False
+        self._written_first = 0
         self.early = EarlyWarnings()
         # The tiered watch checks only top-level calls, except on a per-module step (forward_started).
         #: Which module calls a step checks (watched/coverage.py: the mode's).
@@ -276,14 +276,14 @@ class StepCycle:
         """
         return self.timing.check(self, extra or [], first)
 
-    def take_written(self) -> tuple[list[torch.Tensor], bool]:
-        """The norms of the parameters the update code wrote, held for the check, and whether it ran first."""
-        written, self._written = self._written, []
-        return written, self._written_first
+    def take_written(self) -> tuple[list[torch.Tensor], int]:
+        """The norms held for the check (the loop's code's writes), and how many of the first ran before the calls."""
+        written, first, self._written, self._written_first = self._written, self._written_first, [], 0
+        return written, first
 
     def hold_written(self, written: list[torch.Tensor], by_a_call: bool) -> None:
-        """Hold the update code's norms for the step's check (deferred): ``by_a_call``, it ended as a call began."""
-        self._written, self._written_first = written, by_a_call
+        """Hold the norms (those held before first) for the check (deferred): ``by_a_call``, ended as a call began."""
+        self._written, self._written_first = written, len(written) if by_a_call else self._written_first
 
     def judge_written(self, values: list[float]) -> None:
         """Judge the norms of the parameters the update code wrote, read."""

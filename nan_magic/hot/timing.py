@@ -184,7 +184,7 @@ class Deferred(Timing):
 
     def check(self, cycle: StepCycle, extra: list[torch.Tensor], first: Callable[[list[float]], None] | None
               ) -> list[float]:
-        written, written_first = cycle.take_written()
+        written, first_count = cycle.take_written()
         if cycle.outcome.stopped:
             return super().check(cycle, extra, first)
         values = cycle.log.resolve(extra + written)
@@ -192,8 +192,9 @@ class Deferred(Timing):
         if first is not None:
             first(values)
         outcome = cycle.outcome  # (its ``stopped`` is asked again after every judgement)
-        if written and written_first and not outcome.stopped:
-            cycle.judge_written(written_values)  # the update code ran before the calls: it ended as one began
+        if first_count and not outcome.stopped:
+            # The loop's code that ran before the calls (a data region, ended as one began) is judged first.
+            cycle.judge_written(written_values[:first_count])
         if outcome.stopped:
             return values
         for call in cycle.log.finished() if cycle.log.any_kinds() else ():  # (none, most steps: no sort of them)
@@ -212,8 +213,8 @@ class Deferred(Timing):
                         cycle.judge_forward(call, record, _DETECTED_DEFERRED)
             if outcome.stopped:
                 break
-        if written and not written_first and not outcome.stopped:
-            cycle.judge_written(written_values)  # after the calls: the update code ran after them
+        if written and len(written) > first_count and not outcome.stopped:  # (no len() call on most steps)
+            cycle.judge_written(written_values[first_count:])  # after the calls: the update code ran after them
         return values
 
     def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:

@@ -30,6 +30,7 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
@@ -69,6 +70,9 @@ class Localizing:
         phase_hint: Callable[[], Phase | None],
     ) -> None:
         """The watch's hooks go on; what ``stack`` holds comes off with them."""
+        if origins.swapped is not None:
+            # functional_call's stand-ins for parameters, kept for the deferred check (swapped.py).
+            stack.enter_context(noted_swaps(origins.swapped.returned))
 
     def pause(self) -> None:
         """The watch is left, for now or for good."""
@@ -103,6 +107,7 @@ class Recording(Localizing):
         self, stack: ExitStack, origins: OpOrigins, module_name: Callable[[], str | None],
         phase_hint: Callable[[], Phase | None],
     ) -> None:
+        super().attach(stack, origins, module_name, phase_hint)
         # zero_grad() runs none of the loop's code: the recorder steps aside for it (its ops cost the dispatch
         # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
         recorder = self._recording
@@ -160,6 +165,7 @@ class Traced(Localizing):
         self, stack: ExitStack, origins: OpOrigins, module_name: Callable[[], str | None],
         phase_hint: Callable[[], Phase | None],
     ) -> None:
+        super().attach(stack, origins, module_name, phase_hint)
         # The tracer names the innermost watched module running, from the forward hooks' stack.
         stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint))
 

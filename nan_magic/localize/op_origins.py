@@ -32,6 +32,7 @@ from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.swapped import SwappedTensors
 from nan_magic.records import Note, Phase, TensorRef, TensorStats
 
 __all__ = ["OpOrigins"]
@@ -65,6 +66,8 @@ class OpOrigins:
         self._info_by_name = info_by_name
         #: The op tracer of ops mode, once the watch is attached (:meth:`make_tracer`).
         self.tracer: OpTracer | None = None
+        #: What functional_call swapped into the calls' parameter slots (the producer rule's: swapped.py).
+        self.swapped: SwappedTensors | None = None
 
     def make_tracer(
         self,

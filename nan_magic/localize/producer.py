@@ -32,6 +32,7 @@ from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.replay.outward import CHANGED, replay_outward
 from nan_magic.localize.replay.producer_call import CallReplay, caller_named
+from nan_magic.localize.swapped import SwappedTensors, stand_ins
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase, TensorRef, TensorRole
 
@@ -66,6 +67,9 @@ class ProducerRule:
         # top-level call whose keyword arguments were judged so.
         self._keyword_judged: dict[int, TensorRecord] = {}
         self._keywords_of: Call | None = None
+        # What functional_call swapped into a call's parameter slots, for the deferred check (swapped.py); the
+        # watch's mode holds the patch that tells it (modes.py).
+        self.swapped = origins.swapped = SwappedTensors(log)
 
     def judge(
         self,
@@ -143,6 +147,8 @@ class ProducerRule:
     ) -> bool:
         """Emit the finding of a producer call, replayed for its op; True when it proved benign."""
         inputs = named_inputs(call)
+        if self._stand_in_made_by_loop(call, detected_at):
+            return False
         bad_parameter = self._bad_parameter(call)
         if bad_parameter is not None:
             ref, parameter = bad_parameter
@@ -169,6 +175,26 @@ class ProducerRule:
         if detected_at:
             finding.notes.append(detected_at)
         self._emit(finding)
+        return False
+
+    def _stand_in_made_by_loop(self, call: Call, detected_at: Note | None) -> bool:
+        """A non-finite tensor that ``functional_call`` swapped in for a parameter of ``call``: reported (whether one).
+
+        It is not the module's parameter but an input the loop's code made (MAML's ``p - g * lr``): phase
+        forward, no module, the op and line that made it (the recorder of the loop's code, or the op tracer).
+        """
+        prefix = f"{call.name}." if call.name else ""
+        module = call.module
+        for name, tensor in [*stand_ins(module, prefix), *self.swapped.of(call)]:
+            if not (is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds)):
+                continue
+            finding = Finding(Phase.FORWARD, None, TensorRef(TensorRole.INPUT, None, name), bad=tensor.detach())
+            finding.notes.append(Note.of("swapped-in", name=name))
+            self.origins.add_op_origin(finding, tensor)
+            if detected_at:
+                finding.notes.append(detected_at)
+            self._emit(finding)
+            return True
         return False
 
     def _blame_own_code(self, call: Call, detected_at: Note | None) -> None:

@@ -51,6 +51,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
@@ -64,8 +65,10 @@ from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
+    Rebound,
     Storages,
     copy_before,
+    data_ptr,
     lookup,
     on_parameters,
     written_by,
@@ -76,6 +79,7 @@ from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.records import Note, Phase, TensorRef
 
 __all__ = ["CHEAP_REGION", "RING", "LoopWrites"]
+
 
 #: An update region that wrote no watched parameter is recorded again if it ran at most this many ops
 #: (a ``loss.item()`` or two to log; clipping runs eight foreach ops, which would cost tens of µs a step).
@@ -137,9 +141,11 @@ class LoopWrites:
         self._index: Index | None = None
         #: The data region's parameter writes, noted by the main recorder as it records them.
         self.data: DataWrites | None = None
+        self._data_recorder = data if tracer is None else None
         if data is not None and tracer is None:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
+        self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
 
     @property
     def recorder(self) -> OutsideRecorder | None:
@@ -171,6 +177,11 @@ class LoopWrites:
         # (Asked at every model call and optimizer step: the usual answer, nothing written, costs no call.)
         data = self.data
         found = self._data_written() if data is not None and data.written else []
+        # A recorded data region after a step ends: what it rebound (``param.data = v``) is judged as written (Rebound;
+        # not the watch's entry, which may build the model). Fields read, pointers compared in C: no call a step.
+        if ((main := self._data_recorder) is not None and main._ops and main._region == "data" and not main._entry
+                and ((seen := (rebound := self._rebound).seen) is None or list(map(data_ptr, seen[1])) != seen[2])):
+            found += [(name, parameter, made, main) for name, parameter, made in rebound.moved(main)]
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
@@ -209,8 +220,9 @@ class LoopWrites:
         return [(name, parameter, tensor, recorder) for name, parameter, tensor in found]
 
     def judge(self, values: list[float]) -> None:
-        """Report the first written parameter whose norm (``values``, in :meth:`end`'s order) is not finite."""
-        pending, self._pending = self._pending, []
+        """Report the first written parameter whose norm (``values``, of the first pending in :meth:`end`'s order:
+        the deferred check judges the code that ran before the step's calls first) is not finite."""
+        pending, self._pending = self._pending[:len(values)], self._pending[len(values):]
         try:
             for (name, parameter, written, records), value in zip(pending, values):
                 if math.isfinite(value):
@@ -229,7 +241,7 @@ class LoopWrites:
                 self._emit(finding)
                 return
         finally:
-            if self._recorder is not None:
+            if self._recorder is not None and not self._pending:
                 self._recorder.forget()
 
     def pause(self) -> None:
@@ -245,6 +257,7 @@ class LoopWrites:
     def forget(self) -> None:
         """The watch ends: stop recording and drop what was recorded."""
         self._pending, self._index = [], None
+        self._rebound.forget()
         if self.data is not None:
             self.data.take()
         if self._recorder is not None:
@@ -271,6 +284,10 @@ class LoopWrites:
             self._index = self._indexed()
         return self._index
 
+    def _fresh_index(self) -> Index:
+        self._index = self._indexed()
+        return self._index
+
     def _storages(self) -> Storages:
         """The storages of the watched parameters (``data_ptr()``): a tensor on another one is none of them."""
         if self._index is None:
@@ -281,8 +298,8 @@ class LoopWrites:
         by_id: dict[int, tuple[str, torch.Tensor]] = {}
         by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
         for name, parameter in self._named_parameters():
-            if not parameter.is_floating_point() or id(parameter) in by_id:
-                continue
+            if not parameter.is_floating_point() or id(parameter) in by_id or not isinstance(parameter, nn.Parameter):
+                continue  # (a tensor functional_call swapped in for a parameter is the loop's own: swapped.py)
             by_id[id(parameter)] = (name, parameter)
             if parameter.layout is torch.strided:
                 first = parameter.data_ptr()
@@ -318,6 +335,8 @@ class LoopWrites:
         if tracer is None or tracer.finding is not None or not tracer.started:
             return  # a healthy step started no origin: no parameter to look up
         for name, parameter in self._named_parameters():
+            if not isinstance(parameter, nn.Parameter):
+                continue  # functional_call's stand-in (MAML's fast weights): the loop made it, wrote no parameter
             origin = tracer.origin_of(parameter)
             if not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
                 # (an optimizer's step made it: the optimizer's check reports it, at its step, which the deferred

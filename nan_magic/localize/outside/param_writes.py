@@ -21,8 +21,8 @@ from nan_magic.localize.ops.plans import Plan
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.region_records import RegionRecords
 
-__all__ = ["FOLLOWED_BYTES", "DataWrites", "Index", "Storages", "copy_before", "lookup", "on_parameters",
-           "written_by"]
+__all__ = ["FOLLOWED_BYTES", "DataWrites", "Index", "Rebound", "Storages", "copy_before", "data_ptr", "lookup",
+           "on_parameters", "written_by"]
 
 #: The most bytes of parameters the code after an optimizer step may write in one step and still be followed
 #: (a renorm, a weight clip: a few layers); more (an EMA teacher's update of a whole model) turns it off.
@@ -38,6 +38,7 @@ Storages = dict[int, list[tuple[int, int, str, torch.Tensor]]]
 _SELF = frozenset({"self"})
 # What on_parameters maps over a written list, in C (no Python call per tensor).
 _storage_of = torch._C.TensorBase.untyped_storage
+data_ptr = torch.Tensor.data_ptr
 _address = torch.UntypedStorage.data_ptr
 
 
@@ -193,3 +194,52 @@ class DataWrites:
         written, self.written = self.written, {}
         self._bytes = 0
         return list(written.values())
+
+
+class Rebound:
+    """The watched parameters a recorded data region rebound: ``param.data = v``, which runs no op.
+
+    ``vector_to_parameters(v, model.parameters())`` sets each ``param.data`` to a slice of ``v``: no op writes
+    the parameter, so :class:`DataWrites` sees no write, and the next forward would find it already non-finite,
+    unnamed. A parameter whose ``data_ptr()`` moved since the last recorded data region ended is judged as one
+    that region wrote (loop_writes.py): the region's ops read its old memory (an alias of each parameter is
+    kept, sharing its memory until it is rebound), so :meth:`moved` puts that in the region's ``before`` and
+    the replay of the ops that made the new memory (``v / 0``) starts from the values they read. Cost: one
+    ``data_ptr()`` a parameter, mapped in C, as a recorded data region ends. The parameters are those of the
+    first recorded data region, learned again after a rebinding (one added in between is not followed until
+    then).
+    """
+
+    def __init__(self, index: Callable[[], Index], fresh_index: Callable[[], Index]) -> None:
+        self._index = index
+        self._fresh_index = fresh_index
+        # names, parameters, data_ptr() each, an alias of each (its memory then)
+        self.seen: tuple[list[str], list[torch.Tensor], list[int], list[torch.Tensor]] | None = None
+
+    def moved(self, records: RegionRecords) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The parameters rebound since the last call: (name, parameter, the recorded output on its new memory,
+        or the parameter where no recorded op made that memory)."""
+        seen = self.seen
+        if seen is None:
+            self.seen = _memory(self._index())
+            return []
+        names, parameters, pointers, aliases = seen
+        if list(map(data_ptr, parameters)) == pointers:
+            return []
+        found = []
+        for name, parameter, pointer, alias in zip(names, parameters, pointers, aliases):
+            if parameter.data_ptr() != pointer:
+                records.before.setdefault(id(parameter), alias)  # the values the region's ops read from it
+                found.append((name, parameter, records.made_on(parameter) or parameter))
+        self.seen = _memory(self._fresh_index())  # (their storages moved)
+        return found
+
+    def forget(self) -> None:
+        self.seen = None
+
+
+def _memory(index: Index) -> tuple[list[str], list[torch.Tensor], list[int], list[torch.Tensor]]:
+    named = [(name, parameter) for name, parameter in index[0].values() if parameter.layout is torch.strided]
+    parameters = [parameter for _name, parameter in named]
+    return ([name for name, _parameter in named], parameters, list(map(data_ptr, parameters)),
+            [parameter.detach() for parameter in parameters])

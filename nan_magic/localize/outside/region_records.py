@@ -84,6 +84,21 @@ class RegionRecords:
         """Whether a recorded op returned ``tensor``."""
         return id(tensor) in self._produced
 
+    def made_on(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The latest tensor a recorded op of the region recording now returned on ``tensor``'s memory, or None.
+
+        ``param.data = vector[i:j].view_as(param)`` (``vector_to_parameters``) rebinds a parameter to memory a
+        recorded op made, with no op of its own: the op chain to that output names what made it. Asked only for
+        a parameter whose memory changed (loop_writes.py).
+        """
+        address = tensor.untyped_storage().data_ptr()
+        for op in reversed(self._ops):
+            for out in tree_leaves(op.out):
+                if (type(out) is torch.Tensor and out.layout is torch.strided and out.numel()
+                        and out.untyped_storage().data_ptr() == address):
+                    return out
+        return None
+
     def written(self) -> list[torch.Tensor]:
         """The tensors the recorded ops wrote in place, each once, in the order first written."""
         seen: dict[int, torch.Tensor] = {}

@@ -49,6 +49,8 @@ _TEMPLATES: dict[str, str] = {
     "held-freed": "an input tensor of that call was freed after its forward and cannot be recomputed",
     # localize/: the producer rule, the op tracer, the replays
     "already-bad": "{name} was already non-finite when {module} read it",
+    "swapped-in": "torch.func.functional_call ran the model with a tensor of the loop's own code in {name}'s place: "
+                  "it is no parameter of the model, and the op that made it is the producer",
     "own-code": "{module}'s own code made it, and passed it to {consumer} as {path}",
     "arguments-gone": _GONE,
     "not-kept": "its arguments were not kept",
