@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -19,6 +20,7 @@ from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.phases import Phase
 from nan_magic.plain import jsonable
+from nan_magic.step_records import StepSummary
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -171,39 +173,6 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class StepSummary:
-    """Scalar history of one step: enough to see a slow blow-up.
-
-    ``headroom`` is the smallest ``finfo(dtype).max / |x|`` over the step's
-    module outputs (how many times larger a value could grow before it
-    overflows its dtype), with the module and dtype where it was smallest;
-    ``grad_headroom`` the same over the gradients flowing through the modules
-    (None under a GradScaler, whose scaled gradients overflow by design).
-    """
-
-    step: int
-    loss: float | None
-    absmax: float | None
-    grad_norm: float | None = None
-    headroom: float | None = None
-    headroom_module: str | None = None
-    headroom_dtype: str | None = None
-    grad_headroom: float | None = None
-    grad_headroom_module: str | None = None
-    grad_headroom_dtype: str | None = None
-    input_absmax: float | None = None
-    scale: float | None = None
-    nonfinite: bool = False
-    #: Whether the step checked every module call (the tiered watch's full-check steps, every step
-    #: of ``tiered=False``): ``absmax`` and ``headroom`` then cover every module's output, else only
-    #: the model's outputs.
-    full: bool = False
-    #: On such a step, each module's largest finite ``|output|`` and its dtype: ``(module, value, dtype, path)``
-    #: (``path``: as :attr:`LayerCall.path`), in call order (empty on the other steps).
-    layers: tuple[tuple[str, float, str, tuple[str, ...]], ...] = ()
-
-
-@dataclass(frozen=True)
 class EarlyWarning:
     """A sign that a run is heading for a non-finite value, before it happens.
 
@@ -313,10 +282,9 @@ class Report:
     module_output: tuple[TensorRef, TensorStats] | None = None
     #: The producer's inputs: the module call's arguments (role input) and the op's operands (role operand).
     input_stats: tuple[tuple[TensorRef, TensorStats], ...] = ()
-    #: ``(operand, value)``: the op's Python-number arguments that were not finite (``mask * float("-inf")``).
-    nonfinite_numbers: tuple[tuple[str, float], ...] = ()
-    #: ``(operand, value)``: every Python-number argument of a forward op, finite or not (``logits / t`` with
-    #: ``t = 0.0`` from a config: ``(("other", 0.0),)``); its tensors' stats do not show them.
+    #: ``(operand, value)``: the op's Python-number arguments (``logits / t`` with ``t = 0.0`` from a config:
+    #: ``(("other", 0.0),)``; a backward op's only where not finite: autograd's own are finite); its tensors'
+    #: stats do not show them.
     numbers: tuple[tuple[str, float], ...] = ()
     layers: tuple[LayerCall, ...] = ()
     layers_dropped: int = 0
@@ -363,6 +331,11 @@ class Report:
     ops: bool = False
 
     # -- derived -------------------------------------------------------------
+
+    @property
+    def nonfinite_numbers(self) -> tuple[tuple[str, float], ...]:
+        """The op's Python-number arguments that were not finite (``mask * float("-inf")``)."""
+        return tuple((name, value) for name, value in self.numbers if not math.isfinite(value))
 
     @property
     def nonfinite(self) -> int:

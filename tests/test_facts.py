@@ -213,7 +213,7 @@ CAUSES = {
     "bad-batch": (_of_event("bad-input-data", "bad-batch"), "entering Net already held"),
     "parameter-nonfinite": (_of_event("parameter-already-nonfinite", "parameter-nonfinite"), "when fc (Linear)"),
     "nonfinite-number": (event_cause("nonfinite-number", "nonfinite-number", dataclasses.replace(
-        _EVENT, op="aten.mul.Tensor", nonfinite_numbers=(("other", -math.inf),))),
+        _EVENT, op="aten.mul.Tensor", numbers=(("other", -math.inf),))),
         "was given a Python number that is not finite (`other` of aten.mul.Tensor in fc (Linear) = -inf)"),
     "derivative-pole": (_of_event("division-by-zero", "derivative-pole", function="div"), "-a/b²"),
     "gradient-unwatched": (_of_event("unclassified", "gradient-unwatched"), "about to step"),

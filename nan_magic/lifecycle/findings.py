@@ -142,7 +142,6 @@ def build_report(
         output_stats=stats,
         module_output=module_output,
         input_stats=tuple(input_stats),
-        nonfinite_numbers=tuple(finding.nonfinite_numbers),
         numbers=tuple(finding.numbers),
         layers=layers,
         layers_dropped=dropped,

@@ -155,7 +155,7 @@ class OpOrigins:
                     finding.frame_calls = outside.calls_to(frame)
             return
         attach_origin(finding, origin)
-        _narrow_to_submodule(finding, origin)
+        self._narrow_to_submodule(finding, origin)
         self._name_type_and_model(finding)  # (a Python backward's module may have replaced the owner's: origins.py)
         if origin.backward_code and self.tracer is not None:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
@@ -244,38 +244,40 @@ class OpOrigins:
         self._name_type_and_model(finding)
         return finding
 
+    def _narrow_to_submodule(self, finding: Finding, origin: OpFinding) -> None:
+        """Name the submodule whose own forward line made the node of backward op ``origin``, not the module whose
+        gradient showed the value (it passed through that module's own code: ``self.act(self.second(h) - 2)``).
+
+        Only where the line is in the submodule's ``forward``: a torch module's node (a Linear's matmul) has its
+        caller's line, in the enclosing module's code, which stays the producer, as the line says.
+        """
+        call = finding.call
+        if call is not None and call.module is None:
+            call = call.consumer  # (a gradient's call: the forward call whose backward computed it)
+        if origin.phase != Phase.BACKWARD or call is None or call.module is None or finding.module is None:
+            return
+        outer = self._info_by_name(finding.module)
+        inner = self._info_by_name(origin.module) if origin.module is not None else None
+        if outer is None or inner is None or inner is outer or inner.path[:len(outer.path)] != outer.path:
+            return
+        submodule = call.module
+        for part in inner.path[len(outer.path):]:  # (the user's names from the enclosing module down: targets.py)
+            submodule = submodule._modules.get(part)
+            if submodule is None:
+                return
+        if not _holds_line(getattr(type(submodule).forward, "__code__", None), origin.forward_source):
+            return
+        if finding.record is not None:
+            # The boundary's row (the enclosing module's gradient) carried on what the submodule made.
+            finding.record.status, finding.record = "propagated", None
+        finding.module, finding.module_type = inner.name, None  # (its type named again: _name_type_and_model)
+
     def _name_type_and_model(self, finding: Finding) -> None:
         """The type and model of the module the op tracer named (by its name only, as the op ran inside it)."""
         if finding.module is not None and finding.module_type is None:
             info = self._info_by_name(finding.module)
             if info is not None:
                 finding.module_type, finding.model = info.module_type, info.model
-
-
-def _narrow_to_submodule(finding: Finding, origin: OpFinding) -> None:
-    """Name the submodule whose own forward line made the node of backward op ``origin``, not the module whose
-    gradient showed the value (it passed through that module's own code: ``self.act(self.second(h) - 2)``).
-
-    Only where the line is in the submodule's ``forward``: a torch module's node (a Linear's matmul) has its caller's
-    line, in the enclosing module's code, which stays the producer, as the line says.
-    """
-    call, named, inner = finding.call, finding.module, origin.module
-    if call is not None and call.module is None:
-        call = call.consumer  # (a gradient's call: the forward call whose backward computed it)
-    if origin.phase != Phase.BACKWARD or call is None or call.module is None or named is None or inner is None:
-        return
-    if inner == named or not (named == "" or inner.startswith(named + ".")):
-        return
-    try:
-        submodule = call.module.get_submodule(inner[len(named) + 1:] if named else inner)
-    except AttributeError:
-        return
-    if not _holds_line(getattr(type(submodule).forward, "__code__", None), origin.forward_source):
-        return
-    if finding.record is not None:
-        # The boundary's row (the enclosing module's gradient) carried on what the submodule made.
-        finding.record.status, finding.record = "propagated", None
-    finding.module, finding.module_type = inner, None  # (its type named again: _name_type_and_model)
 
 
 def _holds_line(code: Any, source: Any) -> bool:

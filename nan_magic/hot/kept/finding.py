@@ -48,9 +48,7 @@ class Finding:
     # Samples drawn when the producing op ran (its output and operands), where the tensors are gone now.
     samples: list[Sample] = field(default_factory=list)
     inputs_finite: bool = True
-    # The producing op's Python-number arguments that were not finite, ``(operand, value)``.
-    nonfinite_numbers: list[tuple[str, float]] = field(default_factory=list)
-    # Every Python-number argument of a forward producing op (Report.numbers).
+    # The producing op's Python-number arguments, ``(operand, value)`` (Report.numbers).
     numbers: list[tuple[str, float]] = field(default_factory=list)
     benign: bool = False
     module: str | None = None

@@ -283,9 +283,10 @@ def apply_op_finding(
     inputs, used for histograms.
     """
     finding.op = op.op
-    finding.nonfinite_numbers = [(name, value) for name, value in op.scalars if not math.isfinite(value)]
-    # The user's numbers (``logits / t``, t = 0.0): a backward op's are autograd's own (SqrtBackward's 0.5).
-    finding.numbers = list(op.scalars) if op.phase != Phase.BACKWARD or op.backward_code else []
+    # The user's numbers (``logits / t``, t = 0.0): a backward op's finite ones are autograd's own (SqrtBackward's
+    # 0.5); a non-finite one is the forward's number, saved (``x * inf``'s MulBackward).
+    users = op.phase != Phase.BACKWARD or op.backward_code
+    finding.numbers = [(name, value) for name, value in op.scalars if users or not math.isfinite(value)]
     # The tracer keeps the op's output, then its operands by schema name.
     operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:

@@ -1,43 +1,33 @@
 """Loop code that writes a watched parameter between ``backward()`` and the next step: seen at that step.
 
-A hand-written optimizer (SGD with momentum over ``model.parameters()``, no
-``torch.optim``) or a hand-written update of one tensor beside an optimizer
-(``w.sub_(lr * w.grad / counts)`` for a tied embedding) writes parameters in
-the loop's own code. No optimizer hook sees it; without this, the next
-forward meets the parameter already non-finite, a step late, and no op or
-line can be named any more.
+A hand-written optimizer (SGD with momentum over ``model.parameters()``, no ``torch.optim``) or a hand-written update
+of one tensor beside an optimizer (``w.sub_(lr * w.grad / counts)`` for a tied embedding) writes parameters in the
+loop's own code. No optimizer hook sees it; without this, the next forward meets the parameter already non-finite, a
+step late, and no op or line can be named any more.
 
-The *update region* runs from ``backward()`` returning to the next optimizer
-step or top-level model call (or the watch's end). The tiered watch records
-it as it records the loss code (outside/recorder.py, a recorder of its own, so the
-loss code's records stay for the deferred check): at its end, the watched
-parameters the recorded ops wrote in place are measured (one norm each, read
-at once, or with the deferred check's single transfer), and a non-finite one
-is reported as phase ``optimizer`` (the user's update code is the optimizer)
-at the step it happened, its owning module as the module, and the recorded
-ops, run again on copies under the op tracer, name the op and line that
-made it. The *data region* (the optimizer step to the next model call, recorded by the main recorder)
-is watched for the same writes (a max-norm renorm after ``opt.step()``, weight clipping, an EMA
-teacher's ``t.mul_(m)``): param_writes.py's DataWrites copies a parameter before the region writes it
-in place, and :meth:`LoopWrites.end` judges it with the update code's, as the region ends. Ops mode
-traces that code anyway: its op tracer already knows which op started a parameter's values (:meth:`OpTracer.origin_of`).
+The *update region* runs from ``backward()`` returning to the next optimizer step or top-level model call (or the
+watch's end). The tiered watch records it as it records the loss code (outside/recorder.py, a recorder of its own, so
+the loss code's records stay for the deferred check): at its end, the watched parameters the recorded ops wrote in
+place are measured (one norm each, read at once, or with the deferred check's single transfer), and a non-finite one
+is reported as phase ``optimizer`` (the user's update code is the optimizer) at the step it happened, its owning
+module as the module, and the recorded ops, run again on copies under the op tracer, name the op and line that made
+it. The *data region* (the optimizer step to the next model call, recorded by the main recorder) is watched for the
+same writes (a max-norm renorm after ``opt.step()``, weight clipping, an EMA teacher's ``t.mul_(m)``):
+param_writes.py's DataWrites copies a parameter before the region writes it in place, and :meth:`LoopWrites.end`
+judges it with the update code's, as the region ends. Ops mode traces that code anyway: its op tracer already knows
+which op started a parameter's values (:meth:`OpTracer.origin_of`).
 
-Cost: loop code that writes parameters only now and then (a renormalisation
-every 100 steps, a decay applied while the loss is high) must be seen at the
-step it writes, which is not known in advance. A region is recorded in full
-while its last recording wrote a parameter or ran at most
-:data:`CHEAP_REGION` ops (the usual ``opt.step()`` right after ``backward()``
-runs none; a ``loss.item()`` to log runs one): pushing and popping the
-recorder costs a few microseconds a step, and each op recorded about as much
-again. A region that ran more ops and wrote no parameter (gradient clipping,
-``scaler.unscale_``, a scheduler) is *watched* instead: each op only passes
-through (its plan looked up, the op and its caller's frame kept in a ring of
-the last :data:`RING` ops, nothing copied or read), until an op writes a
-watched parameter in place; from that op on the region is recorded, the ring
-first, so the write and the ops just before it that made its operand
-(``w.sub_(lr * w.grad / counts)``) are replayed at the step it happened. A
-kept op that a library function ran (``F.normalize``'s) has no line: finding
-the user's line above it at every op would cost more than the watching.
+Cost: loop code that writes parameters only now and then (a renormalisation every 100 steps, a decay applied while the
+loss is high) must be seen at the step it writes, which is not known in advance. A region is recorded in full while
+its last recording wrote a parameter or ran at most :data:`CHEAP_REGION` ops (the usual ``opt.step()`` right after
+``backward()`` runs none; a ``loss.item()`` to log runs one): pushing and popping the recorder costs a few
+microseconds a step, and each op recorded about as much again. A region that ran more ops and wrote no parameter
+(gradient clipping, ``scaler.unscale_``, a scheduler) is *watched* instead: each op only passes through (its plan
+looked up, the op and its caller's frame kept in a ring of the last :data:`RING` ops, nothing copied or read), until
+an op writes a watched parameter in place; from that op on the region is recorded, the ring first, so the write and
+the ops just before it that made its operand (``w.sub_(lr * w.grad / counts)``) are replayed at the step it happened.
+A kept op that a library function ran (``F.normalize``'s) has no line: finding the user's line above it at every op
+would cost more than the watching.
 """
 
 from __future__ import annotations

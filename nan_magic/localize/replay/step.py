@@ -1,36 +1,28 @@
 """Tier 2 of the default watch: replay the failing step's model call to name the producer.
 
-The default (tiered) watch checks only a step's boundaries: the batch entering
-each watched model, the model's outputs, the loss, the gradient flowing into
-the outputs, the parameter gradients and the parameters (watch.py). A NaN,
-once born, reaches one of them; the search for where it was born is paid only
-for the step that failed. For that, :class:`StepReplays` keeps, for the
-current step only, what a replay of each top-level model call needs:
+The default (tiered) watch checks only a step's boundaries: the batch entering each watched model, the model's
+outputs, the loss, the gradient flowing into the outputs, the parameter gradients and the parameters (watch.py). A
+NaN, once born, reaches one of them; the search for where it was born is paid only for the step that failed. For that,
+:class:`StepReplays` keeps, for the current step only, what a replay of each top-level model call needs:
 
-* its arguments (alive for the step anyway) and their version counters, to
-  know whether they were modified in place since;
-* the CPU and CUDA generators' state and the autocast regions at its start,
-  and whether gradients were enabled;
-* copies of the buffers the call may change, as they were before it
-  (BatchNorm's running statistics): all of them at a model's first call,
-  afterwards those whose version counter an earlier call moved;
+* its arguments (alive for the step anyway) and their version counters, to know whether they were modified in place
+  since;
+* the CPU and CUDA generators' state and the autocast regions at its start, and whether gradients were enabled;
+* copies of the buffers the call may change, as they were before it (BatchNorm's running statistics): all of them at
+  a model's first call, afterwards those whose version counter an earlier call moved;
 * the gradient that flowed into its outputs (for a backward event).
 
-At a non-benign forward or backward event, :meth:`StepReplays.localize` runs
-that call again, eagerly (a compiled model's ``_orig_mod``, DDP's ``module``),
-under a nested watch with ``mode="full", ops=True``: per-module records and
-the op tracer, the producer rule of PRODUCT.md. For a backward event it then
-runs ``torch.autograd.grad`` from the replayed outputs with the captured
-gradients, into scratch gradients: never ``.grad``, and no accumulate-grad
-hook fires (DDP's reducer stays quiet). The replay leaves no trace: copies of
-the arguments and buffers, the user's generators put back afterwards, the
-outer watch standing aside, and what the forward writes in place or changes
-in the modules' Python state put back (replay/untouched.py).
+At a non-benign forward or backward event, :meth:`StepReplays.localize` runs that call again, eagerly (a compiled
+model's ``_orig_mod``, DDP's ``module``), under a nested watch with ``mode="full", ops=True``: per-module records and
+the op tracer, the producer rule of PRODUCT.md. For a backward event it then runs ``torch.autograd.grad`` from the
+replayed outputs with the captured gradients, into scratch gradients: never ``.grad``, and no accumulate-grad hook
+fires (DDP's reducer stays quiet). The replay leaves no trace: copies of the arguments and buffers, the user's
+generators put back afterwards, the outer watch standing aside, and what the forward writes in place or changes in the
+modules' Python state put back (replay/untouched.py).
 
-The report is the nested watch's, for the same step. It says whether the
-replay *reproduced* the event (the same boundary with the same counts); when
-it did not (a non-deterministic kernel, inputs modified since, side effects),
-the report is what the boundary check saw, and says so.
+The report is the nested watch's, for the same step. It says whether the replay *reproduced* the event (the same
+boundary with the same counts); when it did not (a non-deterministic kernel, inputs modified since, side effects), the
+report is what the boundary check saw, and says so.
 """
 
 from __future__ import annotations
