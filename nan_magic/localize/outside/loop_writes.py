@@ -59,6 +59,7 @@ from nan_magic.localize.outside.param_writes import (
     Storages,
     copy_before,
     data_ptr,
+    has_own_memory,
     lookup,
     on_parameters,
     written_by,
@@ -291,7 +292,7 @@ class LoopWrites:
             if not parameter.is_floating_point() or id(parameter) in by_id or not isinstance(parameter, nn.Parameter):
                 continue  # (a tensor functional_call swapped in for a parameter is the loop's own: swapped.py)
             by_id[id(parameter)] = (name, parameter)
-            if parameter.layout is torch.strided:
+            if has_own_memory(parameter):
                 first = parameter.data_ptr()
                 by_storage.setdefault(parameter.untyped_storage().data_ptr(), []).append(
                     (first, first + parameter.numel() * parameter.element_size(), name, parameter))

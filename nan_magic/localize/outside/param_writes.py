@@ -40,6 +40,13 @@ _SELF = frozenset({"self"})
 _storage_of = torch._C.TensorBase.untyped_storage
 data_ptr = torch.Tensor.data_ptr
 _address = torch.UntypedStorage.data_ptr
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def has_own_memory(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is dense memory of its own: not a tensor subclass that dispatches (FSDP2's DTensor,
+    whose shard lives in another tensor: its own ``data_ptr()`` raises)."""
+    return parameter.layout is torch.strided and type(parameter).__torch_dispatch__ is _PLAIN_DISPATCH
 
 
 def lookup(index: Index, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
@@ -230,7 +237,8 @@ class Rebound:
         for name, parameter, pointer, alias in zip(names, parameters, pointers, aliases):
             if parameter.data_ptr() != pointer:
                 records.before.setdefault(id(parameter), alias)  # the values the region's ops read from it
-                found.append((name, parameter, records.made_on(parameter) or parameter))
+                made = records.made_on(parameter)
+                found.append((name, parameter, made if made is not None else parameter))
         self.seen = _memory(self._fresh_index())  # (their storages moved)
         return found
 
@@ -239,7 +247,7 @@ class Rebound:
 
 
 def _memory(index: Index) -> tuple[list[str], list[torch.Tensor], list[int], list[torch.Tensor]]:
-    named = [(name, parameter) for name, parameter in index[0].values() if parameter.layout is torch.strided]
+    named = [(name, parameter) for name, parameter in index[0].values() if has_own_memory(parameter)]
     parameters = [parameter for _name, parameter in named]
     return ([name for name, _parameter in named], parameters, list(map(data_ptr, parameters)),
             [parameter.detach() for parameter in parameters])
