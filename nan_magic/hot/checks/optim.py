@@ -33,7 +33,6 @@ gives the argument and the conditions).
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import weakref
@@ -43,20 +42,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_name
+from nan_magic.distributed.ranks import local_shard
 from nan_magic.errors.frames import user_line
 from nan_magic.hot.checks.gradients import check_parameter_grads
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.iterations import Iterations
+from nan_magic.hot.checks.layouts import Layouts
 from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
-from nan_magic.hot.checks.running_stats import running_stats_of
 from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
-    GradOff,
     dot_norm,
     is_checkable,
     norms,
@@ -91,8 +89,9 @@ class OptimizerChecks:
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.last_grad_norm: float | None = None
-        self._parameter_names: dict[int, str] = {}
-        self._layouts: dict[int, Layout] = {}
+        # Each optimizer's layout and parameter names (layouts.py); bound here, one call as a method was.
+        self.layouts = Layouts(watch.targets)
+        self.layout, self.named_parameters = self.layouts.layout, self.layouts.named_parameters
         # Optimizers seen stepping (targets or not), for the scene and the roll-back.
         self.seen: list[torch.optim.Optimizer] = list(watch.targets.optimizers)
         # GradScalers passed to the watch or seen scaling a loss (scaler_patch.py).
@@ -172,7 +171,12 @@ class OptimizerChecks:
         if layout.generic:
             return norms([grad for _name, grad in self._named_gradients(layout)])
         result: list[torch.Tensor] = []
-        with GradOff():  # one no_grad, not a detach per gradient (a create_graph backward's require grad)
+        # One no_grad, not a detach per gradient (a create_graph backward's gradients require grad); GradOff's
+        # two calls inlined (reads.GradOff): this runs every step.
+        grad_was = torch.is_grad_enabled()
+        if grad_was:
+            torch._C._set_grad_enabled(False)
+        try:
             for group in layout.groups:
                 grads = [grad for parameter in group if (grad := parameter.grad) is not None]
                 if not grads:
@@ -181,7 +185,7 @@ class OptimizerChecks:
                     if layout.flat_ok and grads[0].is_cpu and grads[0].dtype in WIDE_FLOATS:
                         # One copy into a flat buffer and one BLAS dot: on the CPU, _foreach_norm is a
                         # norm call per tensor, about twice the time for a tiny model's gradients.
-                        flat = _flatten(grads)  # (dot_norm, inlined: flat, and no graph under GradOff)
+                        flat = _flatten(grads)  # (dot_norm, inlined: flat, and no graph with grad off)
                         result.append(torch.dot(flat, flat).sqrt_())
                     else:
                         result += torch._foreach_norm(grads, 2)  # one fused kernel on a GPU
@@ -190,6 +194,9 @@ class OptimizerChecks:
                     # measured the generic way from now on (reads.norms reads its stored values).
                     layout.generic = True
                     return norms([grad for _name, grad in self._named_gradients(layout)])
+        finally:
+            if grad_was:
+                torch._C._set_grad_enabled(True)
         for parameter in layout.large:
             grad = parameter.grad
             if grad is None:
@@ -423,67 +430,6 @@ class OptimizerChecks:
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self.watch.targets.optimizers or self.seen)
 
-    # -- naming --------------------------------------------------------------------
-
-    def layout(self, opt: torch.optim.Optimizer) -> Layout:
-        """The optimizer's named parameters and half-precision state, rebuilt when they change."""
-        param_groups = opt.param_groups  # (one group, the usual: no generator over them, every step)
-        signature = tuple(map(id, param_groups[0]["params"] if len(param_groups) == 1
-                              else itertools.chain.from_iterable(group["params"] for group in param_groups)))
-        layout, first = self._layouts.get(id(opt)), opt.param_groups[0]["params"] if opt.param_groups else ()
-        dtype = first[0].dtype if first else None
-        if layout is None or layout.signature != signature or layout.dtype is not dtype:
-            named = self.named_parameters(opt)
-            wide = all(parameter.dtype in WIDE_FLOATS for _name, parameter in named)
-            # A gradient has its parameter's dtype and shape (autograd and the
-            # ``.grad`` setter enforce it), so this is decided once per layout.
-            # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
-            floating = [(name, parameter) for name, parameter in named if is_checkable(local_shard(parameter))]
-            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide, dtype=dtype)
-            # How the step's gradient norms are taken (_gradient_norms): a large CPU gradient alone, the
-            # others in one fused call per (device, dtype); a sharded parameter's the generic way.
-            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for _name, parameter in floating:
-                if parameter.is_cpu and parameter.dtype in WIDE_FLOATS and parameter.numel() >= DOT_MIN_NUMEL:
-                    layout.large.append(parameter)
-                else:
-                    groups.setdefault((parameter.device, parameter.dtype), []).append(parameter)
-            layout.groups = list(groups.values())
-            layout.flat_ok = sum(parameter.numel() for group in layout.groups for parameter in group) <= FLAT_MAX_NUMEL
-            layout.generic = any(local_shard(parameter) is not parameter for _name, parameter in floating)
-            layout.running = running_stats_of(self.watch.targets.roots, set(signature))
-        if layout.state_count != len(opt.state):
-            # Optimizers create state lazily, at their first step.
-            layout.state_count = len(opt.state)
-            layout.half_state = [
-                (name, parameter, key)
-                for name, parameter in layout.named
-                for key, value in opt.state.get(parameter, {}).items()
-                if is_checkable(value) and value.dim() > 0 and value.element_size() < 4
-            ]
-        return layout
-
-    def named_parameters(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """The optimizer's parameters under their names in the watched models, looked up once per watch (a walk of a
-        large model every step would cost more than the checks); a parameter added since triggers one new walk."""
-        names = self._parameter_names
-        if any(id(p) not in names for group in opt.param_groups for p in group["params"]):
-            names.clear()
-            for _label, root in self.watch.targets.roots:
-                data_parallel = data_parallel_paths(root)
-                for name, parameter in root.named_parameters():
-                    names.setdefault(id(parameter), user_name(name, data_parallel))
-            # Parameters outside every watched model keep their position as name.
-            for group_index, group in enumerate(opt.param_groups):
-                for position, parameter in enumerate(group["params"]):
-                    names.setdefault(id(parameter), f"param_groups[{group_index}][{position}]")
-        return [
-            (names[id(parameter)], parameter) for group in opt.param_groups for parameter in group["params"]
-        ]
-
-#: The small CPU gradients of a step are copied into one flat buffer for their norm up to this many elements
-#: in all (16 MB of float32); beyond, a norm per gradient costs less than the copy.
-FLAT_MAX_NUMEL = 1 << 22
 
 #: Concatenates flattened tensors in one C++ call (what ``torch._utils._flatten_dense_tensors`` calls).
 _flatten = torch._C._nn.flatten_dense_tensors

@@ -110,7 +110,7 @@ class Layout:
     large: list[torch.Tensor] = field(default_factory=list)
     #: Norms taken one gradient at a time (reads.norms): a sharded parameter, a sparse gradient seen.
     generic: bool = False
-    #: The small CPU gradients are few enough to be copied into one buffer for their norm (optim.FLAT_MAX_NUMEL).
+    #: The small CPU gradients are few enough to be copied into one buffer for their norm (layouts.FLAT_MAX_NUMEL).
     flat_ok: bool = True
     #: bounded_step's last verdict on all but the learning rate, and the other hyperparameters it was given
     #: (plain numbers only), asked every step.

@@ -478,9 +478,8 @@ class _UpdateRecorder(OutsideRecorder):
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
         self._clean = False
         for func, args, kwargs, out, frame, lineno, lasti in self._ring:
-            self._frames.append(frame)
             self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
-                                        frame.f_globals if frame else None, lasti))
+                                        frame.f_globals if frame else None, lasti, frame))
             index = len(self._ops) - 1
             for tensor in tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):

@@ -36,10 +36,12 @@ class RecordedOp(NamedTuple):
     code: CodeType | None
     lineno: int
     globals: dict[str, Any] | None
-    # The user's frame's ``f_lasti`` when it ran the op, for %debug (the recorder holds the frame itself
-    # beside the record, to let go of it at ``weaken`` unless it is still running: a returned helper's
-    # frame would keep its locals alive through backward).
+    # The user's frame's ``f_lasti`` when it ran the op, for %debug.
     lasti: int = -1
+    # The user's frame that ran the op, while held: the recorder lets go of it (a record with None) at ``weaken``
+    # unless it is still running (a returned helper's frame would keep its locals alive through backward).
+    # In the record, not in a list beside it: one append an op less.
+    frame: Any = None
 
 
 class WeakRecord:

@@ -196,11 +196,11 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         if self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
-            ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops
             if self.holds_data:  # (immediate: held through the call only, whose return lets go of them)
                 self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
-            self._data = (ops, self._produced, self._frames, self._rng)
-            self._ops, self._produced, self._frames, self._n_ops = [], {}, [], 0
+            ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
+            self._data = (ops, self._produced, self._rng)
+            self._ops, self._produced, self._n_ops = [], {}, 0
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
                 self._data_before, self.before = self.before, {}
@@ -303,13 +303,11 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 self.weaken(detach=True)
             self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
             self._ops, self._produced, self._n_ops = [], {}, 0
-            self._frames.clear()
         elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go
             self._last, self._raw = None, False
         if self._ops:  # (forgetting happens several times a step, mostly with nothing recorded)
             self._ops.clear()
             self._n_ops = 0
-            self._frames.clear()
             self._produced.clear()
         if self._calls:
             self._calls, self._last_frame = {}, None  # (no call: forgetting happens several times a step)
@@ -341,7 +339,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
         %debug opens there at the op. The immediate check judged the loss before this is called."""
         self._walked = (None, None)  # (a held frame keeps its locals: a large tensor the records hold weakly)
-        held: set[FrameType] = set(self._frames) - _NO_FRAME  # type: ignore[assignment]  # (operators: no call)
+        held: set[FrameType] = {op[8] for op in self._ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
         if not held:
             return
         running = still_running(held)
@@ -352,7 +350,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._keep_calls(running)
         else:  # (judged already: the frames' calls are asked no more)
             self._calls, self._last_frame = {}, None
-        self._frames = [frame if frame in running else None for frame in self._frames]
+        # (The record again with no frame: tuple.__new__ directly, one call; a named tuple's _replace is four.)
+        self._ops = [op if op[8] is None or op[8] in running else _new_tuple(RecordedOp, (*op[:8], None))
+                     for op in self._ops]
 
     def note(self) -> Note | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -418,7 +418,6 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         self._budget -= 1
         index = self._n_ops
         self._n_ops = index + 1
-        self._frames.append(frame)
         if frame is not self._last_frame and frame is not None:  # a helper's first op: where it (and its caller)
             self._last_frame = frame                              # was called, for frames in call order
             if frame not in self._calls:
@@ -429,10 +428,10 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                     self._calls[back] = None if up is None else (up, up.f_lasti, up.f_lineno)
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
-            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1)))
+            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1, None)))
         else:
             self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, frame.f_code, frame.f_lineno,
-                                                     frame.f_globals, frame.f_lasti)))
+                                                     frame.f_globals, frame.f_lasti, frame)))
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
             base = out._base  # bytes_held, inlined

@@ -37,9 +37,9 @@ from nan_magic.records import Note
 
 __all__ = ["RegionRecords"]
 
-#: One region's records: its ops, which op returned which tensor (by id), the user's frame of each op, and the
-#: generators' state its first random op found.
-_Records = tuple[list[RecordedOp], dict[int, int], list[FrameType | None], RngState | None]
+#: One region's records: its ops (each with the user's frame that ran it, while held), which op returned which
+#: tensor (by id), and the generators' state its first random op found.
+_Records = tuple[list[RecordedOp], dict[int, int], RngState | None]
 
 
 class RegionRecords:
@@ -51,7 +51,6 @@ class RegionRecords:
         self.before: dict[int, torch.Tensor] = {}
         self._ops: list[RecordedOp] = []
         self._n_ops = 0  # len(self._ops), kept where it changes (the recorder's dispatch asks no len() per op)
-        self._frames: list[FrameType | None] = []  # the user's frame that ran each recorded op, while held
         # Where each of those frames was called: the calling frame, its f_lasti and line then (recorder.py notes
         # it at a frame's first op), for a report's frames in call order (errors/frames.py); None where unknown.
         self._calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
@@ -62,7 +61,7 @@ class RegionRecords:
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         # The last data region's records, kept by forget() until the deferred check has judged the batch they
-        # made (the recorder's ``holds_data``): (ops, produced, frames, rng).
+        # made (the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
         # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
         self._data_before: dict[int, torch.Tensor] = {}
@@ -120,7 +119,7 @@ class RegionRecords:
         non-finite values came from outside the record (a model output).
         ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         """
-        found = self._claim_in((self._ops, self._produced, self._frames, self._rng), tensor, key, self.before)
+        found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before)
         return found
@@ -128,7 +127,7 @@ class RegionRecords:
     def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None,
                   before: dict[int, torch.Tensor]) -> OpFinding | None:
         """:meth:`claim` in one region's ``records``."""
-        recorded, produced, frames, rng = records
+        recorded, produced, rng = records
         if tensor is not None:
             ops = _ops_to(recorded, produced, tensor)
         else:
@@ -141,10 +140,10 @@ class RegionRecords:
         try:
             copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
-                for index, op in enumerate(ops):
+                for op in ops:
                     rerun_op(op, copies)
                     if tracer.finding is not None:
-                        producer, frame = op, frames[index]
+                        producer, frame = op, op.frame
                         break
         except Gone:
             return None
@@ -275,7 +274,7 @@ class RegionRecords:
         """
         regions = [(self._ops, self._produced, self._rng)]
         if self._data is not None:
-            regions.append((self._data[0], self._data[1], self._data[3]))
+            regions.append((self._data[0], self._data[1], self._data[2]))
         for recorded, produced, rng in regions:
             ops = _ops_to(recorded, produced, tensor)
             if ops is not None:
