@@ -127,12 +127,30 @@ def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(o
     assert "non-finite elements as 0" not in text
 
 
-@pytest.mark.xfail(strict=True, reason="the per-module watch keeps no step's model calls to replay, and the op tracer "
-                   "does not claim the write for the buffer read at the optimizer step")
+#: Why: the buffer's finding (hot/checks/running_stats.py, at the optimizer step, no call) is localized only by
+#: StepReplays.localize, which only the tiered mode has (Watch.replays is modes.Tiered's); keeping the step's root
+#: calls with their buffer copies in mode="full" means calling StepReplays.begin from the forward pre-hook (the hot
+#: path). In ops mode nothing asks the tracer about that buffer, and native_batch_norm writes its running statistics
+#: without returning them or a write annotation in its schema, so the tracer has no origin for running_var.
+NOT_YET_REASON = ("the buffer read at the optimizer step is localized only by the tiered watch's step replay: "
+                  "mode='full' keeps no root calls to replay, and ops mode does not ask the tracer about the buffer")
+
+
+@pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)
 @pytest.mark.parametrize("options", NOT_YET)
 def test_the_per_module_and_ops_watches_name_the_op_too(options) -> None:
     report = _train(_batch_norm_model(), (8, 4), options)
     assert (report.module, report.op) == ("1", "aten.native_batch_norm.default")
+
+
+@pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)
+@pytest.mark.parametrize("options", NOT_YET)
+def test_the_per_module_and_ops_watches_name_the_add_that_wrote_a_users_buffer(options) -> None:
+    # The default watch names the add_ that wrote it at its line; the pow that overflowed made the value.
+    report = _train(nn.Sequential(_RunningMean(), nn.Linear(4, 1)), (3, 4), options, power=1)
+    assert (report.tensor.role.value, report.tensor.name) == ("buffer", "0.avg_sq")  # (named today, with no op)
+    assert (report.module, report.op) == ("0", "aten.add_.Tensor")
+    assert report.source is not None and report.source.lineno == _line("running mean")
 
 
 class _LargeButFinite(nn.Module):

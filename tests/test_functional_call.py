@@ -53,3 +53,18 @@ def test_an_inf_inner_learning_rate_is_named_at_the_loops_update_line(options) -
     assert report.tensor.role is not TensorRole.PARAMETER
     assert "parameter-already-nonfinite" not in report.to_text()
     assert not any("already non-finite" in note or "wrote 0.weight" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_an_inf_inner_learning_rate_says_the_swapped_in_tensor_is_the_loops(options) -> None:
+    # The text names 0.weight as the loop's tensor functional_call passed in its place, never as a module's
+    # output or a parameter; ops mode's report (the tracer's op, no boundary row) says it in the note alone.
+    report = maml(options, "inner update")
+    text = str(report)
+    assert "0.weight of code outside any watched module" not in text
+    assert "module out" not in text and "parameter 0.weight" not in text
+    assert ("note        torch.func.functional_call ran the model with a tensor of the loop's own code in 0.weight's "
+            "place: it is no parameter of the model") in text
+    row = "swapped in  the loop's tensor torch.func.functional_call passed as 0.weight: f32[4,4] 10 +inf, 6 -inf"
+    assert (row in text) is not options.get("ops", False)
+

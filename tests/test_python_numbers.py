@@ -176,7 +176,9 @@ class LogPlusEps(nn.Module):
 
 
 @pytest.mark.xfail(strict=True, reason="the number is an operand of the add before the log (finite output), not of "
-                   "the log: the report names the log's input (`torch.relu(x) + self.eps` with its zeros), "
+                   "the log: Report.numbers holds the producing op's own Python numbers, and neither the op tracer "
+                   "(it keeps origins of non-finite tensors only) nor a replay (it names one op) records which op "
+                   "made the log's input; the report names that input (`torch.relu(x) + self.eps` with its zeros), "
                    "not eps = 0.0")
 @pytest.mark.parametrize("options", MODES)
 def test_an_eps_of_zero_added_before_a_log_is_shown(options) -> None:

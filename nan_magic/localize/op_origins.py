@@ -205,9 +205,11 @@ class OpOrigins:
                 return finding
         return None
 
-    def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None) -> None:
-        """Report the op that started a non-finite value that reached a module's output."""
+    def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None,
+                  notes: tuple[Note, ...] = ()) -> None:
+        """Report the op that started a non-finite value that reached a module's output (``notes``: said with it)."""
         finding = self._op_finding(op_finding, call, record)
+        finding.notes.extend(notes)
         if finding.phase == Phase.BACKWARD:
             self._on_gradient_event(finding)
         else:

@@ -183,19 +183,39 @@ class ProducerRule:
         It is not the module's parameter but an input the loop's code made (MAML's ``p - g * lr``): phase
         forward, no module, the op and line that made it (the recorder of the loop's code, or the op tracer).
         """
+        found = self._bad_stand_in(call)
+        if found is None:
+            return False
+        name, tensor = found
+        finding = Finding(Phase.FORWARD, None, TensorRef(TensorRole.INPUT, None, name), bad=tensor.detach())
+        finding.notes.append(Note.of("swapped-in", name=name))
+        self.origins.add_op_origin(finding, tensor)
+        if detected_at:
+            finding.notes.append(detected_at)
+        self._emit(finding)
+        return True
+
+    def _bad_stand_in(self, call: Call) -> tuple[str, torch.Tensor] | None:
+        """The first non-finite tensor ``functional_call`` swapped in for a parameter of ``call``, named; or None.
+
+        Inside the swap, the module holds them; after it (the deferred check), what was kept for the call that
+        ``functional_call`` ran: ``call`` or an enclosing one (``functional_call(model, fast, ...)`` swaps the
+        root's slots, and the check judges the child whose output went bad), named from the model's root.
+        """
+        if call.module is None:
+            return None
         prefix = f"{call.name}." if call.name else ""
-        module = call.module
-        for name, tensor in [*stand_ins(module, prefix), *self.swapped.of(call)]:
-            if not (is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds)):
-                continue
-            finding = Finding(Phase.FORWARD, None, TensorRef(TensorRole.INPUT, None, name), bad=tensor.detach())
-            finding.notes.append(Note.of("swapped-in", name=name))
-            self.origins.add_op_origin(finding, tensor)
-            if detected_at:
-                finding.notes.append(detected_at)
-            self._emit(finding)
-            return True
-        return False
+        found = stand_ins(call.module, prefix)
+        swapped: Call | None = call
+        while swapped is not None:
+            outer = f"{swapped.name}." if swapped.name else ""
+            found += [(outer + name, tensor) for name, tensor in self.swapped.of(swapped)
+                      if (outer + name).startswith(prefix)]  # (the slots of call's own module and below)
+            swapped = swapped.parent
+        for name, tensor in found:
+            if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
+                return name, tensor
+        return None
 
     def _blame_own_code(self, call: Call, detected_at: Note | None) -> None:
         """``call`` received a non-finite input that no checked call returned: its caller's own code made it.
@@ -443,7 +463,11 @@ class ProducerRule:
                 return True
             enclosing = caller_named(call, origin.module)
             if enclosing is None:
-                self.origins.report_op(origin, None, record)
+                # An op of the loop's code: where it reached the module as a functional_call stand-in, say so,
+                # as the module-level rule does (_stand_in_made_by_loop).
+                stand_in = self._bad_stand_in(call) if origin.module is None else None
+                notes = (Note.of("swapped-in", name=stand_in[0]),) if stand_in is not None else ()
+                self.origins.report_op(origin, None, record, notes)
                 return True
             # The op ran in an enclosing call's own code, which passed the value here: that call's
             # row of the layer table is the producer's (as the module-level rule records it).

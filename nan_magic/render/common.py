@@ -285,7 +285,8 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
-        rows.append(("module out", f"{module_value(report, name)}: {stats_phrase(stats)}"))
+        label = "swapped in" if stand_in_name(report, name) else "module out"
+        rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     if report.nonfinite_numbers:
         inputs = "tensors finite; a Python number was not"
@@ -364,10 +365,21 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
 def module_value(report: Report, ref: TensorRef) -> str:
     """``output of encoder.1 (Linear)``; a value the producer's own code passed on says whose it is
     (``input[0] of blocks.0.attn.proj``), as an op's output does."""
+    stand_in = stand_in_name(report, ref)
+    if stand_in:  # no module's output and no parameter: the loop's own tensor (localize/swapped.py)
+        return f"the loop's tensor torch.func.functional_call passed as {stand_in}"
     owned = ref.role in (TensorRole.MODULE_OUTPUT, TensorRole.LOSS, TensorRole.PARAMETER, TensorRole.BUFFER)
     if owned or (ref.role is TensorRole.INPUT and ref.name is None):
         return f"{ref} of {report.where}"
     return str(ref)
+
+
+def stand_in_name(report: Report, ref: TensorRef) -> str | None:
+    """The parameter slot ``ref`` stood in for, where ``functional_call`` swapped the loop's tensor into it."""
+    if ref.role is not TensorRole.INPUT or ref.name is not None:
+        return None
+    named = {note.fact("name") for note in report.note_facts if note.kind == "swapped-in"}
+    return ref.path if ref.path in named else None
 
 
 def _titled(sample: Sample, title: str) -> Sample:
