@@ -126,8 +126,12 @@ def _lm_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[dict[s
         opt.step()
 
 
-def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[[], list[torch.Tensor]]]:
-    """``(model, optimizer, run)`` for the idiom ``name`` (see IDIOMS), built from seed 0; ``run()`` the outputs."""
+Idiom = tuple[nn.Module, torch.optim.Optimizer | None, Callable[[], list[torch.Tensor]]]
+
+
+def idiom(name: str, steps: int = 2) -> Idiom:
+    """``(model, optimizer, run)`` for the idiom ``name`` (see IDIOMS), built from seed 0; ``run()`` the outputs of
+    ``steps`` training steps (``generate``: calls)."""
     torch.manual_seed(0)
     outputs: list[torch.Tensor] = []
     model: nn.Module
@@ -137,7 +141,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         opt = _adamw(model)
 
         def run() -> list[torch.Tensor]:
-            for _ in range(2):
+            for _ in range(steps):
                 ids = tokens()
                 out = model(input_ids=ids, labels=ids)
                 opt.zero_grad()
@@ -148,7 +152,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
     elif name in ("llama-padded", "mistral-padded"):  # model(**batch) with left padding and an attention mask
         model = llama() if name.startswith("llama") else mistral()
         opt = _adamw(model)
-        batches = [padded_batch(left=True) for _ in range(2)]
+        batches = [padded_batch(left=True) for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -156,7 +160,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
     elif name == "bert-padded":  # sequence classification, right padding, labels
         model = bert()
         opt = _adamw(model)
-        batches = [padded_batch() for _ in range(2)]
+        batches = [padded_batch() for _ in range(steps)]
         for batch in batches:
             batch["labels"] = torch.randint(0, 3, (3,))
 
@@ -168,7 +172,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         model.gradient_checkpointing_enable()
         model.train()
         opt = _adamw(model)
-        batches = [padded_batch() for _ in range(2)]
+        batches = [padded_batch() for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -176,7 +180,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
     elif name == "llama-autocast-bf16":
         model = llama()
         opt = _adamw(model)
-        batches = [padded_batch() for _ in range(2)]
+        batches = [padded_batch() for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs, autocast=torch.bfloat16)
@@ -185,7 +189,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         model = gpt2().to(torch.bfloat16) if name.startswith("gpt2") else llama().half()
         # SGD: AdamW's eps=1e-8 is 0 in float16, and an embedding row no batch used divides 0 by 0 (an incident).
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        batches = [{"input_ids": (ids := tokens()), "labels": ids} for _ in range(2)]
+        batches = [{"input_ids": (ids := tokens()), "labels": ids} for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -197,6 +201,8 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
 
         def run() -> list[torch.Tensor]:
             outputs.append(model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
+            if steps < 2:
+                return outputs
             torch.manual_seed(1)
             outputs.append(model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0))
             return outputs
@@ -205,7 +211,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         opt = _adamw(model)
 
         def run() -> list[torch.Tensor]:
-            for _ in range(2):
+            for _ in range(steps):
                 model.train()
                 ids = tokens()
                 out = model(input_ids=ids, labels=ids)
@@ -220,7 +226,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
     elif name == "llama-lora":
         model = add_lora(llama())
         opt = _adamw(model, lr=1e-2)
-        batches = [padded_batch() for _ in range(2)]
+        batches = [padded_batch() for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -230,7 +236,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         for p in model.bert.parameters():
             p.requires_grad_(False)
         opt = _adamw(model, lr=1e-2)
-        batches = [padded_batch() for _ in range(2)]
+        batches = [padded_batch() for _ in range(steps)]
         for batch in batches:
             batch["labels"] = torch.randint(0, 3, (3,))
 
@@ -241,7 +247,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         model = t5()
         opt = _adamw(model)
         batches = [{"input_ids": tokens(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long),
-                    "labels": tokens(2, 5)} for _ in range(2)]
+                    "labels": tokens(2, 5)} for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -250,7 +256,7 @@ def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[
         model = vit()
         opt = _adamw(model)
         batches = [{"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.randint(0, 4, (2,))}
-                   for _ in range(2)]
+                   for _ in range(steps)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
