@@ -126,12 +126,8 @@ def _lm_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[dict[s
         opt.step()
 
 
-Idiom = tuple[nn.Module, torch.optim.Optimizer | None, Callable[[], list[torch.Tensor]]]
-
-
-def idiom(name: str, steps: int = 2) -> Idiom:
-    """``(model, optimizer, run)`` for the idiom ``name`` (see IDIOMS), built from seed 0; ``run()`` the outputs of
-    ``steps`` training steps (``generate``: calls)."""
+def idiom(name: str) -> tuple[nn.Module, torch.optim.Optimizer | None, Callable[[], list[torch.Tensor]]]:
+    """``(model, optimizer, run)`` for the idiom ``name`` (see IDIOMS), built from seed 0; ``run()`` the outputs."""
     torch.manual_seed(0)
     outputs: list[torch.Tensor] = []
     model: nn.Module
@@ -141,7 +137,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         opt = _adamw(model)
 
         def run() -> list[torch.Tensor]:
-            for _ in range(steps):
+            for _ in range(2):
                 ids = tokens()
                 out = model(input_ids=ids, labels=ids)
                 opt.zero_grad()
@@ -152,7 +148,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
     elif name in ("llama-padded", "mistral-padded"):  # model(**batch) with left padding and an attention mask
         model = llama() if name.startswith("llama") else mistral()
         opt = _adamw(model)
-        batches = [padded_batch(left=True) for _ in range(steps)]
+        batches = [padded_batch(left=True) for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -160,7 +156,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
     elif name == "bert-padded":  # sequence classification, right padding, labels
         model = bert()
         opt = _adamw(model)
-        batches = [padded_batch() for _ in range(steps)]
+        batches = [padded_batch() for _ in range(2)]
         for batch in batches:
             batch["labels"] = torch.randint(0, 3, (3,))
 
@@ -172,7 +168,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         model.gradient_checkpointing_enable()
         model.train()
         opt = _adamw(model)
-        batches = [padded_batch() for _ in range(steps)]
+        batches = [padded_batch() for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -180,7 +176,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
     elif name == "llama-autocast-bf16":
         model = llama()
         opt = _adamw(model)
-        batches = [padded_batch() for _ in range(steps)]
+        batches = [padded_batch() for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs, autocast=torch.bfloat16)
@@ -189,7 +185,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         model = gpt2().to(torch.bfloat16) if name.startswith("gpt2") else llama().half()
         # SGD: AdamW's eps=1e-8 is 0 in float16, and an embedding row no batch used divides 0 by 0 (an incident).
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        batches = [{"input_ids": (ids := tokens()), "labels": ids} for _ in range(steps)]
+        batches = [{"input_ids": (ids := tokens()), "labels": ids} for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -201,8 +197,6 @@ def idiom(name: str, steps: int = 2) -> Idiom:
 
         def run() -> list[torch.Tensor]:
             outputs.append(model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
-            if steps < 2:
-                return outputs
             torch.manual_seed(1)
             outputs.append(model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0))
             return outputs
@@ -211,7 +205,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         opt = _adamw(model)
 
         def run() -> list[torch.Tensor]:
-            for _ in range(steps):
+            for _ in range(2):
                 model.train()
                 ids = tokens()
                 out = model(input_ids=ids, labels=ids)
@@ -226,7 +220,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
     elif name == "llama-lora":
         model = add_lora(llama())
         opt = _adamw(model, lr=1e-2)
-        batches = [padded_batch() for _ in range(steps)]
+        batches = [padded_batch() for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -236,7 +230,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         for p in model.bert.parameters():
             p.requires_grad_(False)
         opt = _adamw(model, lr=1e-2)
-        batches = [padded_batch() for _ in range(steps)]
+        batches = [padded_batch() for _ in range(2)]
         for batch in batches:
             batch["labels"] = torch.randint(0, 3, (3,))
 
@@ -247,7 +241,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         model = t5()
         opt = _adamw(model)
         batches = [{"input_ids": tokens(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long),
-                    "labels": tokens(2, 5)} for _ in range(steps)]
+                    "labels": tokens(2, 5)} for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)
@@ -256,7 +250,7 @@ def idiom(name: str, steps: int = 2) -> Idiom:
         model = vit()
         opt = _adamw(model)
         batches = [{"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.randint(0, 4, (2,))}
-                   for _ in range(steps)]
+                   for _ in range(2)]
 
         def run() -> list[torch.Tensor]:
             _lm_steps(model, opt, batches, outputs)

@@ -17,22 +17,30 @@ from watching import FIVE_MODES, raised
 
 import nan_magic
 
-#: Each idiom's unwatched outputs and final state by its number of steps, computed once for its five modes.
-_UNWATCHED: dict[tuple[str, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Every op here is smaller than the work of waking torch's thread pool, and on a busy machine the pool's threads
+    wait for cores: a healthy GPT-2 test took 3 s on the default two threads, 0.25 s on one. Put back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+#: Each idiom's unwatched outputs and final state, computed once for its five modes.
+_UNWATCHED: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
 
 @pytest.mark.parametrize("options", FIVE_MODES)
 @pytest.mark.parametrize("name", IDIOMS)
 def test_a_healthy_model_is_silent_untouched_and_bit_identical(name: str, options: dict) -> None:
-    # Two steps (the second from the optimizer state the watched first left) in the two timings, one in the other
-    # three modes (whose incidents below run two steps each): the file's time is the models' own, not the watch's.
-    steps = 2 if options in ({}, {"defer": True}) else 1
-    if (name, steps) not in _UNWATCHED:
-        model, opt, run = idiom(name, steps)
-        _UNWATCHED[name, steps] = run(), state(model)
-    expected, expected_state = _UNWATCHED[name, steps]
+    if name not in _UNWATCHED:
+        model, opt, run = idiom(name)
+        _UNWATCHED[name] = run(), state(model)
+    expected, expected_state = _UNWATCHED[name]
 
-    model, opt, run = idiom(name, steps)
+    model, opt, run = idiom(name)
     before = traces(model)
     with nan_magic.watch(model, *([] if opt is None else [opt]), **options) as w:
         outputs = run()
