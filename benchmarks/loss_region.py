@@ -1,0 +1,211 @@
+"""What recording the loss code costs, and what the alternatives to a dispatch mode would (issue 25, hot14b).
+
+Usage::
+
+    python benchmarks/loss_region.py           # the launch-bound models' loss code under each mechanism, ~1 minute
+    python benchmarks/loss_region.py --rng     # and the generators' capture at a model call, inside a watched step
+
+The first part times one loss computation, unwatched, under each mechanism that could see its ops: a no-op
+``TorchDispatchMode`` (torch's own cost of a Python mode: each aten op leaves C++ for Python and back), a minimal
+recording one (the op, its arguments and output and the user's frame appended: the least a recorder that names an
+op at its line must keep), a no-op ``TorchFunctionMode`` (one Python call per torch function, before it decomposes
+into aten ops), and the watch's own :class:`OutsideRecorder` (start, the ops, stop: what a step pays). The
+configurations run in turn, 40 rounds of 200 calls, and each keeps its fastest round (``time.thread_time``): on a
+shared machine a round that another process slowed is dropped rather than averaged in.
+
+``--rng``: the watch takes the generators' state at each top-level model call (StepReplays.begin) so that a replay
+draws the same dropout masks. In a training step that costs far more than alone (about 1 us): ``--rng`` times, at
+that point of a watched step, a first and a second ``bytearray(5056)`` and ``get_state()``, and ``get_state()``
+against ``clone_state()`` on alternate steps: the first allocation there pays, whatever allocates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nan_magic.localize.outside.recorder import OutsideRecorder
+
+_push, _pop = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
+
+
+class _NoOpDispatch(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func._op(*args, **(kwargs or {}))
+
+
+class _MinimalRecorder(_NoOpDispatch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func._op(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs, out, sys._getframe(1)))
+        return out
+
+
+class _NoOpFunction(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _losses() -> dict[str, Callable[[], torch.Tensor]]:
+    vocab = 256
+    logits = torch.randn(2, 16, vocab, requires_grad=True) * 1.0
+    ids = torch.randint(0, vocab, (2, 16))
+    scores = torch.randn(16, 10, requires_grad=True) * 1.0
+    labels = torch.randint(0, 10, (16,))
+    target = torch.randn(16, 10)
+    return {
+        # tiny_lm's loss_fn (benchmarks/models.py): next-token cross-entropy of shifted logits
+        "tiny_lm": lambda: F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)),
+        # deep_mlp's and small_cnn's
+        "cross_entropy": lambda: F.cross_entropy(scores, labels),
+        # elementwise loss code: one aten op per torch function
+        "mse by hand": lambda: ((scores - target) ** 2).mean(),
+    }
+
+
+def _mechanisms(loss: Callable[[], torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    no_op, minimal, function, recorder = _NoOpDispatch(), _MinimalRecorder(), _NoOpFunction(), OutsideRecorder(
+        frozenset({"nan", "inf"}))
+
+    def dispatch() -> None:
+        _push(no_op)
+        loss()
+        _pop(None)
+
+    def recording() -> None:
+        _push(minimal)
+        loss()
+        _pop(None)
+        minimal.ops.clear()
+
+    def functions() -> None:
+        _push_mode(function)
+        loss()
+        _pop_mode()
+
+    def ours() -> None:
+        recorder.start("loss")
+        loss()
+        recorder.stop()
+
+    def switch() -> None:
+        recorder.start("loss")
+        recorder.stop()
+
+    return {"unwatched": loss, "no-op dispatch mode": dispatch, "minimal recording dispatch mode": recording,
+            "no-op function mode": functions, "OutsideRecorder (start, ops, stop)": ours,
+            "OutsideRecorder start+stop, no op": switch}
+
+
+def _aten_ops(loss: Callable[[], torch.Tensor]) -> list[str]:
+    minimal = _MinimalRecorder()
+    _push(minimal)
+    loss()
+    _pop(None)
+    return [op[0]._opname for op in minimal.ops]
+
+
+def mechanisms(rounds: int = 40, calls: int = 200) -> None:
+    torch.set_num_threads(1)
+    for name, loss in _losses().items():
+        runs = _mechanisms(loss)
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(rounds):
+            for key, run in runs.items():
+                start = time.thread_time_ns()
+                for _ in range(calls):
+                    run()
+                best[key] = min(best[key], (time.thread_time_ns() - start) / calls / 1000)
+        print(f"{name}: aten ops {_aten_ops(loss)}")
+        for key, us in best.items():
+            extra = "" if key == "unwatched" or "no op" in key else f"  +{us - best['unwatched']:.1f}"
+            print(f"  {key:40s} {us:7.1f} us{extra}")
+
+
+def rng(model: str, steps: int = 600) -> None:
+    from models import build_launch_bound
+
+    import nan_magic
+    import nan_magic.localize.replay.step as step_module
+
+    taken = step_module.capture_rng_state
+    generator = torch.default_generator
+    times: dict[str, list[int]] = {key: [] for key in (
+        "bytearray(5056), first", "bytearray(5056), second", "get_state()", "get_state() again",
+        "get_state() alone (odd calls)", "clone_state() alone (even calls)")}
+    calls = [0]
+
+    def timed() -> Any:
+        clock = time.perf_counter_ns
+        start = clock()
+        bytearray(5056)
+        times["bytearray(5056), first"].append(clock() - start)
+        start = clock()
+        bytearray(5056)
+        times["bytearray(5056), second"].append(clock() - start)
+        start = clock()
+        generator.get_state()
+        times["get_state()"].append(clock() - start)
+        start = clock()
+        generator.get_state()
+        times["get_state() again"].append(clock() - start)
+        return taken()
+
+    def alternate() -> Any:
+        calls[0] += 1
+        clock = time.perf_counter_ns
+        start = clock()
+        if calls[0] % 2:
+            generator.get_state()
+            times["get_state() alone (odd calls)"].append(clock() - start)
+        else:
+            generator.clone_state()
+            times["clone_state() alone (even calls)"].append(clock() - start)
+        return taken()
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    for patch in (timed, alternate):
+        step_module.capture_rng_state = patch  # type: ignore[assignment]
+        bench = build_launch_bound(model)
+        with nan_magic.watch(bench.model, bench.optimizer):
+            for _ in range(steps):
+                bench.train_step()
+    step_module.capture_rng_state = taken
+    for key, values in times.items():
+        print(f"  {model:10s} {key:36s} median {statistics.median(values) / 1000:6.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rng", action="store_true", help="and the generators' capture inside a watched step")
+    options = parser.parse_args()
+    mechanisms()
+    if options.rng:
+        for model in ("tiny_lm", "deep_mlp", "small_cnn"):
+            rng(model)
+
+
+if __name__ == "__main__":
+    main()
