@@ -74,7 +74,14 @@ def _losses() -> dict[str, Callable[[], torch.Tensor]]:
     scores = torch.randn(16, 10, requires_grad=True) * 1.0
     labels = torch.randint(0, 10, (16,))
     target = torch.randn(16, 10)
+    # The same loss at the end of a long function (a notebook cell's or a script's training loop, 300 lines above
+    # it): f_lineno scans the code's line table from its start at each read (hot/kept/lines.py).
+    source = "def long_loop():\n" + "".join(f"    x{i} = {i}\n" for i in range(300)) + (
+        "    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))\n")
+    space: dict[str, Any] = {"F": F, "logits": logits, "ids": ids, "vocab": vocab}
+    exec(compile(source, "<a long loop>", "exec"), space)
     return {
+        "tiny_lm's at line 302 of a function": space["long_loop"],
         # tiny_lm's loss_fn (benchmarks/models.py): next-token cross-entropy of shifted logits
         "tiny_lm": lambda: F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)),
         # deep_mlp's and small_cnn's

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
@@ -464,7 +465,7 @@ class _UpdateRecorder(OutsideRecorder):
                          ) if known is not None else _users(caller)
                 self._clean = False
                 self._ring.append((func, tuple(args), kwargs, out, frame,
-                                   frame.f_lineno if frame else 0, frame.f_lasti if frame else -1))
+                                   line_at(frame) if frame else 0, frame.f_lasti if frame else -1))
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)

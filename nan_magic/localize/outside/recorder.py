@@ -53,6 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_op
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
@@ -422,16 +423,23 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._last_frame = frame                              # was called, for frames in call order
             if frame not in self._calls:
                 back = frame.f_back
-                self._calls[frame] = None if back is None else (back, back.f_lasti, back.f_lineno)
+                self._calls[frame] = None if back is None else (back, back.f_lasti, line_at(back))
                 if back is not None and back not in self._calls:
                     up = back.f_back
-                    self._calls[back] = None if up is None else (up, up.f_lasti, up.f_lineno)
+                    self._calls[back] = None if up is None else (up, up.f_lasti, line_at(up))
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
             self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1, None)))
         else:
-            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, frame.f_code, frame.f_lineno,
-                                                     frame.f_globals, frame.f_lasti, frame)))
+            # The line kept by instruction (line_at, inlined: f_lineno scans the code's line table at each read).
+            user_code, lasti = frame.f_code, frame.f_lasti
+            try:
+                line = LINES[user_code.co_linetable, user_code.co_firstlineno, lasti] if frame.f_trace is None else (
+                    frame.f_lineno)
+            except KeyError:
+                line = line_at(frame)
+            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, user_code, line,
+                                                     frame.f_globals, lasti, frame)))
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
             base = out._base  # bytes_held, inlined

@@ -43,6 +43,7 @@ from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.rng import RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.buffer_writes import buffer_written
@@ -189,6 +190,7 @@ class StepReplays:
             versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
         rng = capture_rng_state()
         caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
+        line = line_at(caller) if caller is not None else 0  # (f_lineno scans the code's line table: lines.py)
         self.calls.append(RootCall(
             module=module,
             info=info,
@@ -201,9 +203,9 @@ class StepReplays:
             versions=versions,
             buffer_versions=buffer_versions,
             call=call,
-            site=(caller.f_code, caller.f_lineno, caller.f_globals)
+            site=(caller.f_code, line, caller.f_globals)
             if caller is not None and self._library_forward[model] else None,
-            caller=(caller.f_code, id(caller), caller.f_lasti, caller.f_lineno) if caller is not None else None,
+            caller=(caller.f_code, id(caller), caller.f_lasti, line) if caller is not None else None,
         ))
         return rng
 
@@ -306,10 +308,7 @@ class StepReplays:
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
     def _latest(self, module: nn.Module) -> RootCall | None:
-        for root in reversed(self.calls):
-            if root.module is module:
-                return root
-        return None
+        return next((root for root in reversed(self.calls) if root.module is module), None)
 
     # -- tier 2: the replay ---------------------------------------------------------------
 
