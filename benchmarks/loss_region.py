@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/loss_region.py           # the launch-bound models' loss code under each mechanism, ~1 minute
     python benchmarks/loss_region.py --rng     # and the generators' capture at a model call, inside a watched step
+    python benchmarks/loss_region.py --push    # and the recorder's push at a region's start, inside a watched step
 
 The first part times one loss computation, unwatched, under each mechanism that could see its ops: a no-op
 ``TorchDispatchMode`` (torch's own cost of a Python mode: each aten op leaves C++ for Python and back), a minimal
@@ -204,14 +205,53 @@ def rng(model: str, steps: int = 600) -> None:
         print(f"  {model:10s} {key:36s} median {statistics.median(values) / 1000:6.1f} us")
 
 
+def pushes(model: str, steps: int = 500) -> None:
+    """The recorder's push at each region's start, in a watched step: the first, then a pop and push again."""
+    from models import build_launch_bound
+
+    import nan_magic
+    import nan_magic.localize.outside.recorder as recorder_module
+
+    push, pop = recorder_module._push, recorder_module._pop
+    times: dict[str, list[int]] = {"push": [], "pop and push again": []}
+
+    def timed(mode: Any) -> None:
+        clock = time.perf_counter_ns
+        start = clock()
+        push(mode)
+        times["push"].append(clock() - start)
+        start = clock()
+        pop(None)
+        push(mode)
+        times["pop and push again"].append(clock() - start)
+
+    recorder_module._push = timed
+    try:
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        bench = build_launch_bound(model)
+        with nan_magic.watch(bench.model, bench.optimizer):
+            for _ in range(steps):
+                bench.train_step()
+    finally:
+        recorder_module._push = push
+    for key, values in times.items():
+        median = statistics.median(values) / 1000
+        print(f"  {model:10s} {key:24s} {len(values) / steps:.1f} a step, median {median:5.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rng", action="store_true", help="and the generators' capture inside a watched step")
+    parser.add_argument("--push", action="store_true", help="and the recorder's push inside a watched step")
     options = parser.parse_args()
     mechanisms()
     if options.rng:
         for model in ("tiny_lm", "deep_mlp", "small_cnn"):
             rng(model)
+    if options.push:
+        for model in ("tiny_lm", "small_cnn"):
+            pushes(model)
 
 
 if __name__ == "__main__":
