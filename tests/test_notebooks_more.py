@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import isolated_env, named_cell
+from jupyter_support import isolated_env, named_cell, widget_states
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+TAB_TITLES = ["Summary", "Layers", "Histograms", "Debug", "History"]
 
 #: What a watch could leave behind, as a list of lines (empty: nothing): hooks on any module or parameter, an
 #: attribute a plain module does not have, a patched forward, torch's global hooks, a wrapped Tensor.backward.
@@ -173,6 +174,9 @@ SESSION = {
     "watch_rerun": ITERATION + "\nprint('finite', k, bool(loss.isfinite()))",
     "watch_two_models": OTHER + "\na = model(xs, 0)\nb = other(xs)",
     "watch_two_fields": "r = _nan_report\nprint(r.phase, r.module, r.model, r.op, r.source.lineno)",
+    # A %%nantrace cell while %nanwatch on is armed: its own watch takes over for the cell, the run goes on after.
+    "watch_taken_over": "%%nantrace other --defer\nb = other(xs)",
+    "watch_taken_over_fields": "r = _nan_report\nprint(r.phase, r.module, r.model, r.step)\n%nanwatch status",
     # A real interrupt: the kernel gets SIGINT while the watched loop runs (the cell's timeout below).
     "watch_interrupted": (
         "while True:\n"
@@ -219,7 +223,8 @@ SESSION = {
 }
 RAISING = {
     "forward_fails", "loss_fails", "defer_fails", "full_fails", "ops_fails", "watch_raises_interrupt",
-    "watch_3_fails", "watch_two_models", "watch_interrupted", "nantrace_interrupted", "dump_fails", "dump_other",
+    "watch_3_fails", "watch_two_models", "watch_taken_over", "watch_interrupted", "nantrace_interrupted",
+    "dump_fails", "dump_other",
 } | {name for name in SESSION if name.startswith("bad_") and name != "bad_gone"}
 #: Cells the kernel is interrupted in (seconds after they start).
 INTERRUPTED = {"watch_interrupted": 6, "nantrace_interrupted": 6}
@@ -327,6 +332,14 @@ def static_report(nb: Any, name: str) -> dict[str, Any]:
     return dict(outputs[static]["data"])
 
 
+def tab_titles(nb: Any, name: str) -> list[str]:
+    """The titles of the report widget's Tab, from the stored widget state (the widget is alive)."""
+    (view,) = [out["data"][WIDGET_MIME] for out in named_cell(nb, name).outputs if WIDGET_MIME in out.get("data", {})]
+    tab = widget_states(nb)[view["model_id"]]
+    assert tab["model_name"] == "TabModel"
+    return list(tab["state"]["titles"])
+
+
 def in_cell(nb: Any, name: str) -> int:
     return int(named_cell(nb, name).execution_count)
 
@@ -350,6 +363,7 @@ def test_the_error_names_module_op_line_phase_step_and_the_users_cells(session: 
                            f"at Cell In[{model_cell}], line 7")
     assert "Likely cause: division-by-zero." in text
     assert printed(session, "forward_fields")[0] == "forward body aten.div.Tensor 3 7 model"
+    assert tab_titles(session, "forward_fails") == TAB_TITLES
 
 
 def test_debug_lands_at_the_producing_line_with_its_locals(session: Any) -> None:
@@ -452,6 +466,15 @@ def test_two_models_the_report_names_the_one_that_failed(session: Any) -> None:
     assert printed(session, "watch_two_fields") == ["forward 1 other aten.log.default 3"]
 
 
+def test_a_nantrace_cell_takes_over_from_nanwatch_on_for_its_cell(session: Any) -> None:
+    lines = error_lines(session, "watch_taken_over")
+    # One model watched (the cell's target): the headline names no model.
+    assert lines[0] == "NonFiniteError: first non-finite value in forward step 0: 1 (LogLayer)", lines
+    assert printed(session, "watch_taken_over_fields") == [
+        "forward 1 other 0", "nan_magic: on for every cell (all targets)",
+        "last report: " + error(session, "watch_taken_over").evalue]
+
+
 def test_an_interrupt_from_the_kernel_leaves_the_run_going_and_nothing_behind(session: Any) -> None:
     assert error(session, "watch_interrupted").ename == "KeyboardInterrupt"
     assert printed(session, "watch_after_interrupt") == ["finite True"]
@@ -507,6 +530,7 @@ def test_a_scene_opened_after_a_restart_shows_the_report_alive_and_compact(sessi
     static = static_report(after_restart, "shown")
     assert "Traceback" not in static["text/plain"] and "%debug" not in static["text/plain"].split("\n\n")[0]
     assert "1 of 1 verified" in static["text/plain"]
+    assert tab_titles(after_restart, "shown") == TAB_TITLES
     assert printed(after_restart, "plain") == ["dict"]
     cli = "\n".join(printed(after_restart, "cli"))
     assert cli.startswith("nan_magic: first non-finite value in forward step 3: body (Scale), op aten.div.Tensor")
