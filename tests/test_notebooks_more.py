@@ -193,6 +193,8 @@ SESSION = {
         "    opt.zero_grad(); loss.backward(); opt.step()"
     ),
     "nantrace_interrupted_gone": "print(leftovers(model, other))",
+    # The loop of forward_fails run again after the fix (watch_fixed): it runs through, and shows no report.
+    "nantrace_rerun_fixed": loop() + "\nprint('finite', step, bool(loss.isfinite()))",
     # Bad arguments: one line each, the cell's body not run, nothing armed.
     "bad_option": "%%nantrace --bogus\nprint('ran')",
     "bad_target": "%%nantrace modle\nprint('ran')",
@@ -482,6 +484,12 @@ def test_an_interrupt_from_the_kernel_leaves_the_run_going_and_nothing_behind(se
     assert printed(session, "watch_gone") == ["[]", "nan_magic: off"]
     assert error(session, "nantrace_interrupted").ename == "KeyboardInterrupt"
     assert printed(session, "nantrace_interrupted_gone") == ["[]"]
+
+
+def test_the_loop_rerun_after_the_fix_runs_through_and_shows_no_report(session: Any) -> None:
+    assert printed(session, "nantrace_rerun_fixed") == ["finite 5 True"]
+    outputs = named_cell(session, "nantrace_rerun_fixed").outputs
+    assert [out.output_type for out in outputs] == ["stream"], outputs
 
 
 # -- bad input to every magic ----------------------------------------------------------------------------------
