@@ -557,8 +557,9 @@ def test_a_scene_replays_on_the_rebuilt_model_and_says_when_a_fix_holds(after_re
     assert fixed.startswith("nan_magic: replay of ") and " stayed finite" in fixed, fixed
 
 
-@pytest.mark.xfail(strict=True, reason="a scene saves a call's tensor arguments only (scene/dump.py _producer_call): "
-                   "model(xs, step) replays as model(xs), step=0, and stays finite")
+@pytest.mark.xfail(strict=True, reason="a scene saves a call's tensor arguments only (scene/dump.py _producer_call; "
+                   "Scene.replay(model, *args) takes the others, %nanreplay cannot): model(xs, step) replays as "
+                   "model(xs), step=0, and %nanreplay says it stayed finite, not that an argument is missing")
 def test_a_scene_replays_a_call_with_a_python_argument(after_restart: Any) -> None:
     (line,) = printed(after_restart, "replayed")
     assert "aten.div.Tensor made the first non-finite value" in line, line
