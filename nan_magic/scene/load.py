@@ -41,10 +41,6 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
         As for :func:`torch.load`: ``"cpu"`` reads a scene saved on a GPU
         on a machine without one.
 
-    Returns
-    -------
-    Scene
-
     Raises
     ------
     ValueError
