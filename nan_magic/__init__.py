@@ -68,7 +68,6 @@ __all__ = [
 ]
 
 
-
 def _lazy(module: str, name: str) -> Callable[..., Any]:
     """``module.name``, imported at its first call (``import nan_magic`` stays light)."""
 

@@ -94,8 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(args, config)
 
 
-
-
 def _show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print a scene's report on stdout (and write --html/--json); a file that is no scene is a usage error."""
     if not os.path.isfile(args.scene):

@@ -13,10 +13,7 @@ from typing import Any, Literal
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["FIX_KINDS", "FailedAt", "FixTrial", "install_describer"]
-
-#: The remedies a fix trial knows (nan_magic.fixes), in the order they are tried.
-FIX_KINDS = ("float32", "eps", "stable", "mask", "lr", "skip-batch", "scale")
+__all__ = ["FailedAt", "FixTrial", "install_describer"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what).
 FailedAt = Literal["forward", "loss", "backward", "optimizer step", "raised"]
@@ -24,7 +21,7 @@ FailedAt = Literal["forward", "loss", "backward", "optimizer step", "raised"]
 
 @dataclass(frozen=True)
 class FixTrial:
-    """One remedy (a :data:`FIX_KINDS` kind) tried on a replay of the failing step at ``op``/``module``/``source``.
+    """One remedy (``kind``) tried on a replay of the failing step at ``op``/``module``/``source``.
 
     ``facts``: the plain values render/fixes.py describes it from. ``finite``: True only when the replayed
     step (forward, backward, optimizer step, on copies) came out finite end to end; ``failed`` says where

@@ -48,7 +48,6 @@ class Lockstep:
         return self._sharded
 
     def data_parallel(self) -> list[nn.parallel.DistributedDataParallel]:
-        """The DDP wrappers in the watched models."""
         if self._data_parallel is None:
             self._data_parallel = [
                 module for root in self._roots() for module in root.modules()

@@ -38,7 +38,6 @@ def plain_cause(cause: Cause) -> tuple[str, str, tuple[tuple[str, object], ...]]
     return cause.label, cause.reading, cause.facts
 
 
-
 def node_function(node: str) -> str:
     """The forward function of an autograd node (torch's class name): ``"SqrtBackward0"`` → ``"sqrt"``."""
     return node.rstrip("0123456789").removesuffix("Backward").lower()

@@ -29,7 +29,6 @@ __all__ = ["Nested", "Nesting"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-
 class Nested(Protocol):
     """What a nesting reads of its watch: what it watches, whether it is in, its steps; and entering it."""
 

@@ -128,29 +128,24 @@ def warning_lines(report: Report) -> list[str]:
 
 
 def finite_limit(dtype: str | None) -> float | None:
-    """The largest finite value of a floating dtype, or ``None`` if unknown."""
     return FINITE_LIMITS.get(dtype) if dtype else None
 
 
 def fmt_number(value: float | None) -> str:
-    """Four significant digits; empty for a value that was not computed."""
     if value is None:
         return ""
     return f"{value:.4g}"
 
 
 def fmt_count(value: int | None) -> str:
-    """A count, or ``"?"`` where the engine could not count."""
     return "?" if value is None else str(value)
 
 
 def fmt_shape(shape: tuple[int, ...]) -> str:
-    """``(4, 16)`` -> ``"4x16"``; a 0-d tensor is ``"scalar"``."""
     return "x".join(str(size) for size in shape) if shape else "scalar"
 
 
 def fmt_fraction(part: int, whole: int) -> str:
-    """``part`` of ``whole`` as a percentage with three significant digits."""
     if whole <= 0:
         return "?%"
     return f"{100.0 * part / whole:.3g}%"

@@ -32,11 +32,6 @@ WIDGET_PLAIN = "nan_magic report widget (the static report is the output above)"
 def mimebundle(report: Report) -> dict[str, Any]:
     """The MIME bundle for ``Report._repr_mimebundle_``.
 
-    Parameters
-    ----------
-    report
-        The report to display.
-
     Returns
     -------
     dict

@@ -68,8 +68,6 @@ def render_html(report: Report, element_id: str | None = None) -> str:
 
     Parameters
     ----------
-    report
-        The report to render.
     element_id
         An ``id`` for the outer element. A live widget hides the output that
         holds it (:mod:`nan_magic.render.display`); and the fragment hides
@@ -126,7 +124,6 @@ def hide_static_css(element_id: str) -> str:
 
 
 def png_img(png: bytes, alt: str) -> str:
-    """An ``<img>`` that carries ``png`` inline as base64."""
     data = base64.b64encode(png).decode("ascii")
     return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}"/>'
 
@@ -152,7 +149,6 @@ def fixes_html(report: Report) -> str:
 
 
 def facts_html(report: Report) -> str:
-    """The facts table: :func:`~nan_magic.render.common.fact_rows`, in HTML."""
     body = "".join(
         f"<tr><td>{escape(label)}</td><td>{_fact_value(label, value)}</td></tr>"
         for label, value in fact_rows(report)

@@ -268,7 +268,6 @@ _PALETTE = 64
 
 
 def figure_png(figure: Figure) -> bytes:
-    """Encode ``figure`` as a palette PNG."""
     rendered = io.BytesIO()
     figure.savefig(rendered, format="png")
     rendered.seek(0)
@@ -289,5 +288,4 @@ def histogram_png(samples: tuple[Sample, ...], zeros: bool = False) -> bytes:
 def history_png(
     history: tuple[StepSummary, ...], failing_step: int | None = None, producer: str | None = None
 ) -> bytes:
-    """PNG of :func:`history_figure`, cached like :func:`histogram_png`."""
     return figure_png(history_figure(history, failing_step, producer))

@@ -57,8 +57,6 @@ def build_widget(report: Report, hides: str | None = None) -> widgets.Tab:
 
     Parameters
     ----------
-    report
-        The report to show.
     hides
         The element id of this report's static copy, hidden while the
         widget shows (the style lives in the widget, so it goes with it).

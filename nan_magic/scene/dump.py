@@ -322,7 +322,6 @@ def _named_roots(source: SceneSource) -> list[tuple[str, nn.Module]]:
 
 
 def _unique(base: str, taken: Container[str]) -> str:
-    """``base``, else the first of ``base#2``, ``base#3``... not ``taken``."""
     name, number = base, 2
     while name in taken:
         name, number = f"{base}#{number}", number + 1

@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Scene", "load_scene"]
 
 
-
 def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Scene:
     """Read a scene saved by a watch with ``dump=``.
 
@@ -41,10 +40,6 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
     map_location
         As for :func:`torch.load`: ``"cpu"`` reads a scene saved on a GPU
         on a machine without one.
-
-    Returns
-    -------
-    Scene
 
     Raises
     ------

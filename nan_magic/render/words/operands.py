@@ -29,7 +29,6 @@ _OPERATORS: dict[str, type[ast.operator]] = {
 _RIGHT = ("other", "mat2", "exponent")
 
 
-
 def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
     """The one expression of ``line`` that can have run ``op``, with the parsed text; else None.
 
