@@ -333,10 +333,14 @@ class OptimizerChecks:
         # when huge finite values overflow it: either way they are then measured one by one, at once, as they
         # still are (_read_step_result), and judged as before. (A carried result is read after the next forward.)
         summed = read_now and layout.one_sum and not states and not layout.generic
+        values: list[torch.Tensor] | None = None
         if summed:
-            with GradOff():
-                values = [_flatten(updated).sum()]
-        else:
+            try:
+                with GradOff():
+                    values = [_flatten(updated).sum()]
+            except RuntimeError:  # parameters moved apart since the layout was built (``p.data = p.data.cuda()``)
+                summed = False
+        if values is None:
             values = norms(updated, finiteness_only=True)
         result = StepResult(opt, step, layout, updated, values, self._last_checked_step, bounded, states=states,
                             summed=summed)
