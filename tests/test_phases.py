@@ -390,14 +390,19 @@ def test_gradients_below_the_bound_leave_float32_state_unread(defer: bool) -> No
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     read: list[int] = []
-    original = optim.norms
+    original, original_flatten = optim.norms, optim._flatten
 
     def counting(tensors: list[torch.Tensor], **kwargs: Any) -> list[torch.Tensor]:
         read.append(len(tensors))
         return original(tensors, **kwargs)
 
+    def flattening(tensors: list[torch.Tensor]) -> torch.Tensor:  # (the gradients', and the immediate check's one sum)
+        read.append(len(tensors))
+        return original_flatten(tensors)
+
     with nan_magic.watch(model, opt, defer=defer), pytest.MonkeyPatch.context() as patch:
         patch.setattr(optim, "norms", counting)
+        patch.setattr(optim, "_flatten", flattening)
         for scale in (1.0, 1.0, 1e25, 1.0):
             read.clear()
             loss = model(torch.randn(4, 4)).mean() * scale
