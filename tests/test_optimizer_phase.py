@@ -102,3 +102,47 @@ def test_a_healthy_clipping_loop_is_only_watched_after_its_first_step() -> None:
     # The first step's update code ran clipping's ops and wrote no parameter: from then on it is watched (each
     # op passes through, none recorded) until an op writes a watched parameter (contract/loop_writes.py).
     assert seen == [(False, 8), (True, 0), (True, 0), (True, 0)]
+
+
+TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+
+
+def _one_linear(weight: list[float], bias: float) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(len(weight), 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([weight]))
+        model[0].bias.fill_(bias)
+    return model
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_small_models_step_check_names_the_parameter_the_step_made_non_finite(options: dict[str, bool]) -> None:
+    # A small CPU float32 model's parameters are checked after the step as one sum of their concatenation
+    # (optim.py's _step_result, immediate mode): a non-finite sum is measured one parameter at a time.
+    # The second parameter is the one: the sum is not read as the first's value.
+    model = _one_linear([1.0, 1.0], 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e34)  # bias -= 1e34 * 1e5: -inf; the weight's gradient is 0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        opt.zero_grad()
+        (model(torch.zeros(1, 2)) * 1e5).sum().backward()
+        opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step) == ("optimizer", "0", 0)
+    assert report.tensor == TensorRef.parameter("0.bias")
+    assert bool(torch.isfinite(model[0].weight).all()) and not bool(torch.isfinite(model[0].bias).all())
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_finite_parameters_whose_sum_overflows_are_healthy(options: dict[str, bool]) -> None:
+    # 4 x 3e38 overflows float32's sum (and each square its norm): each parameter, measured alone, is finite.
+    model = _one_linear([3e38, 3e38, 3e38, 3e38], 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an early warning: values near float32's limit)
+        with nan_magic.watch(model, opt, **options) as w:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.zeros(2, 4)).sum().backward()  # a zero input: the weight's gradient is 0
+                opt.step()
+    assert w.report is None and w.step == 3
+    assert bool(torch.isfinite(model[0].weight).all())

@@ -390,14 +390,19 @@ def test_gradients_below_the_bound_leave_float32_state_unread(defer: bool) -> No
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     read: list[int] = []
-    original = optim.norms
+    original, original_flatten = optim.norms, optim._flatten
 
     def counting(tensors: list[torch.Tensor], **kwargs: Any) -> list[torch.Tensor]:
         read.append(len(tensors))
         return original(tensors, **kwargs)
 
+    def flattening(tensors: list[torch.Tensor]) -> torch.Tensor:  # (the gradients', and the immediate check's one sum)
+        read.append(len(tensors))
+        return original_flatten(tensors)
+
     with nan_magic.watch(model, opt, defer=defer), pytest.MonkeyPatch.context() as patch:
         patch.setattr(optim, "norms", counting)
+        patch.setattr(optim, "_flatten", flattening)
         for scale in (1.0, 1.0, 1e25, 1.0):
             read.clear()
             loss = model(torch.randn(4, 4)).mean() * scale
@@ -425,14 +430,13 @@ def _adamw_steps(steps: int, between: Callable[[int, nn.Module, torch.optim.Opti
 
 def test_bounded_steps_check_parameters_every_full_check_step(monkeypatch) -> None:
     checked: list[int] = []
-    real = optim.norms
+    real = optim._read_step_result
 
-    def counting(tensors, *, finiteness_only=False):
-        if finiteness_only:
-            checked.append(len(tensors))
-        return real(tensors, finiteness_only=finiteness_only)
+    def counting(result):  # (every step result read at once: the immediate mode's; one sum of the 4, here)
+        checked.append(len(result.updated))
+        return real(result)
 
-    monkeypatch.setattr(optim, "norms", counting)
+    monkeypatch.setattr(optim, "_read_step_result", counting)
     w = _adamw_steps(2 * FULL_CHECK_EVERY + 1, lambda *_: None)
     assert w.report is None
     assert checked == [4, 4, 4]  # steps 0, 16 and 32: four parameters each

@@ -58,6 +58,11 @@ class Layouts:
             layout.groups = list(groups.values())
             layout.flat_ok = sum(parameter.numel() for group in layout.groups for parameter in group) <= FLAT_MAX_NUMEL
             layout.generic = any(local_shard(parameter) is not parameter for _name, parameter in floating)
+            # One (CPU, float32 or float64) group holding every parameter, none large: the launch-bound regime,
+            # where a norm per parameter costs a call each and one concatenation is cheaper (optim.py).
+            layout.one_sum = (wide and layout.flat_ok and not layout.large and not layout.generic
+                              and len(layout.groups) == 1 and len(floating) == len(named)
+                              and layout.groups[0][0].is_cpu)
             layout.running = running_stats_of(self.targets.roots, set(signature))
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.

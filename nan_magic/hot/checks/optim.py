@@ -55,6 +55,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
     WIDE_FLOATS,
+    GradOff,
     dot_norm,
     is_checkable,
     norms,
@@ -289,13 +290,14 @@ class OptimizerChecks:
                 self._unchecked[id(opt)] = (opt, step)  # checked at the watch's end if no full check comes first
                 return
             self._unchecked.pop(id(opt), None)
-            result = self._step_result(opt, step, self._bounded)
-            if watch.timing.carries_step_result(self._bounded, lambda: wild_hyperparameters(opt)):
+            carry = watch.timing.carries_step_result(self._bounded, lambda: wild_hyperparameters(opt))
+            result = self._step_result(opt, step, self._bounded, read_now=not carry)
+            if carry:
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
                 result.caller = None if self._bounded else user_line(sys._getframe(1))
                 self.carried = result
-            elif not self.reports.step_result(result, read_scalars(result.norms)):
+            elif not self.reports.step_result(result, _read_step_result(result)):
                 watch.on_finite_step()
         finally:
             self.in_step, self._stepping = False, None
@@ -311,8 +313,10 @@ class OptimizerChecks:
     def absorb_steps(self, inner: OptimizerChecks) -> None:  # the steps a nested watch counted while it had taken over
         self.iterations.absorb(inner.iterations)
 
-    def _step_result(self, opt: torch.optim.Optimizer, step: int, bounded: bool) -> StepResult:
-        """What ``opt``'s step ``step`` updated, with the norms that say whether it stayed finite (not read yet)."""
+    def _step_result(self, opt: torch.optim.Optimizer, step: int, bounded: bool, read_now: bool = True
+                     ) -> StepResult:
+        """What ``opt``'s step ``step`` updated, with the norms that say whether it stayed finite (not read yet;
+        ``read_now``: read at once by :func:`_read_step_result`, not carried to the next check)."""
         layout = self.layout(opt)
         updated = [parameter for _name, parameter in layout.named]
         # State can overflow while its parameter stays finite (Adam's exp_avg_sq = inf freezes the update at 0):
@@ -323,8 +327,23 @@ class OptimizerChecks:
         for _name, parameter, key in states:
             value = opt.state.get(parameter, {}).get(key)
             updated.append(value if is_checkable(value) else _FINITE)
-        result = StepResult(opt, step, layout, updated, norms(updated, finiteness_only=True), self._last_checked_step,
-                            bounded, states=states)
+        # The launch-bound regime's parameters (Layout.one_sum), where they are read now (not carried): one sum
+        # of their concatenation, not a norm each (a call per parameter, and a float each to read: 205 -> 67 us
+        # on tiny_lm's 76, benchmarks/README.md fourteenth round). Non-finite exactly when one of them is, or
+        # when huge finite values overflow it: either way they are then measured one by one, at once, as they
+        # still are (_read_step_result), and judged as before. (A carried result is read after the next forward.)
+        summed = read_now and layout.one_sum and not states and not layout.generic
+        values: list[torch.Tensor] | None = None
+        if summed:
+            try:
+                with GradOff():
+                    values = [_flatten(updated).sum()]
+            except RuntimeError:  # parameters moved apart since the layout was built (``p.data = p.data.cuda()``)
+                summed = False
+        if values is None:
+            values = norms(updated, finiteness_only=True)
+        result = StepResult(opt, step, layout, updated, values, self._last_checked_step, bounded, states=states,
+                            summed=summed)
         result.before, self._before = self._before, {}
         self._last_checked_step = step
         return result
@@ -337,12 +356,12 @@ class OptimizerChecks:
         never read by a forward since, would otherwise leave the watch unseen.
         """
         carried, self.carried = self.carried, None
-        if carried is not None and not self.reports.step_result(carried, read_scalars(carried.norms)):
+        if carried is not None and not self.reports.step_result(carried, _read_step_result(carried)):
             self.watch.on_finite_step()
         unchecked, self._unchecked = self._unchecked, {}
         for opt, step in unchecked.values():
             result = self._step_result(opt, step, True)
-            if self.watch.outcome.stopped or self.reports.step_result(result, read_scalars(result.norms)):
+            if self.watch.outcome.stopped or self.reports.step_result(result, _read_step_result(result)):
                 return
 
     # -- GradScaler ------------------------------------------------------------------
@@ -436,6 +455,15 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 #: Stands in for a state tensor that has gone (its check then passes).
 _FINITE = torch.zeros(1)
+
+
+def _read_step_result(result: StepResult) -> list[float]:
+    """A step result's values, read now: one per tensor of ``result.updated``, as :meth:`StepReports.step_result`
+    judges them (a sum that is not finite is followed by a norm each, read at once)."""
+    values = read_scalars(result.norms)
+    if result.summed and not math.isfinite(values[0]):
+        values = read_scalars(norms(result.updated, finiteness_only=True))
+    return values
 
 
 def _holds(optimizers: Iterable[object], opt: object) -> bool:

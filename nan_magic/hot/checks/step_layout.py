@@ -69,6 +69,8 @@ class StepResult:
     #: The state tensors in ``updated`` after the parameters, ``(name, parameter, key)``: the layout's
     #: half-precision state, or (after gradients of BOUNDED_GRAD_NORM or more) every state tensor.
     states: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
+    #: ``norms`` is one sum over all of ``updated`` (Layout.one_sum), measured one by one where it is not finite.
+    summed: bool = False
 
     def owner(self, index: int) -> tuple[torch.Tensor, str | None]:
         """The parameter behind ``updated[index]``, and the state key where it is a state tensor."""
@@ -112,6 +114,9 @@ class Layout:
     generic: bool = False
     #: The small CPU gradients are few enough to be copied into one buffer for their norm (layouts.FLAT_MAX_NUMEL).
     flat_ok: bool = True
+    #: Every parameter is a small CPU one, all of one wide dtype: a step's parameter check reads one sum of their
+    #: concatenation, not a value per parameter (optim.py's _step_result).
+    one_sum: bool = False
     #: bounded_step's last verdict on all but the learning rate, and the other hyperparameters it was given
     #: (plain numbers only), asked every step.
     bounded_for: list[tuple[Any, ...]] | None = None
