@@ -5,8 +5,8 @@ functional helper; a custom ``autograd.Function`` whose backward divides by zero
 guarding a log in the loss (its backward is 0 / 0); a ``reduction="none"`` loss averaged over an empty selection;
 the 2nd of three accumulated micro-batches; a dataclass output whose unused aux field goes bad; a module shared by
 two watched models; a frozen encoder run under ``no_grad`` inside the forward; a frozen block whose backward makes
-the NaN; a user's forward pre-hook that normalises a child's input; a child whose ``forward`` is called directly;
-a parameter whose own gradient alone goes bad.
+the NaN; a user's forward pre-hook that normalises a child's input, a forward hook that rewrites an output, full
+backward hooks; a child whose ``forward`` is called directly; a parameter whose own gradient alone goes bad.
 Each: module, phase, step, op and line, in every mode (hunt14).
 """
 
@@ -357,6 +357,31 @@ def _parameter_gradient_only() -> Scenario:
     return _steps(model, batch)
 
 
+def _forward_hook() -> Scenario:
+    """A user's forward hook (``with_kwargs``) rescales the first Linear's output by its largest entry: 0 / 0 once
+    that Linear is zeroed at step 2. torch runs the watch's global hooks first: the output it checks is finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    def rescale(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return out / out.abs().amax(-1, keepdim=True)  # producer: forward hook
+
+    model[0].register_forward_hook(rescale, with_kwargs=True)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    return _steps(model, lambda step: (xs[step],), zero_at=2)
+
+
+def _full_backward_hook() -> Scenario:
+    """Full backward hooks of the user's (as Opacus and captum register) on the module whose backward makes the NaN
+    and on the next one: each is given its input as a view (BackwardHookFunction), not the tensor the watch saw."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtAbs(), nn.Linear(4, 1))
+    for layer in (model[1], model[2]):
+        layer.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    return _steps(model, lambda step: (xs[step],), zero_at=2)
+
+
 PRE_HOOK_FULL = (
     "full: the per-module watch replays a call from the arguments its forward hook received, which are the user's "
     "pre-hook's output (already NaN), so the pre-hook runs again on them and no op is found (replay-held); the "
@@ -400,6 +425,10 @@ CASES = [
     Case("hunt14_user_pre_hook_normalises_a_zero_input", _pre_hook,
          Expect("forward", "1", "Linear", step=2, op="aten.div.Tensor", marker="pre-hook"),
          gaps=(("full", PRE_HOOK_FULL),)),
+    Case("hunt14_user_forward_hook_rewrites_an_output", _forward_hook,
+         Expect("forward", "0", "Linear", step=2, op="aten.div.Tensor", marker="forward hook")),
+    Case("hunt14_user_full_backward_hooks", _full_backward_hook,
+         Expect("backward", "1", "SqrtAbs", step=2, op="aten.div.Tensor", marker="sqrt")),
     Case("hunt14_only_a_parameter_gradient_goes_bad", _parameter_gradient_only,
          Expect("backward", "1", "ScaleAbs", step=2, op="aten.div.Tensor", marker="scale sqrt"),
          gaps=(("full", PARAMETER_GRADIENT_FULL),)),

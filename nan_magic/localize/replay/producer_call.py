@@ -108,6 +108,11 @@ class CallReplay:
         """
         record = self._log.lookup(tensor)
         if record is None:
+            base = tensor._base
+            if base is not None and _whole_view(tensor, base) and (record := self._log.lookup(base)) is not None:
+                # A module with a full backward hook (the user's: Opacus, captum) is given each input as a view of
+                # it (BackwardHookFunction): the same values, recomputed from that record if freed.
+                return record, False
             return self._log.alias_of(tensor), False
         return record, tensor.requires_grad and _held_elsewhere(tensor)
 
@@ -140,11 +145,18 @@ class CallReplay:
             )
         if result.finding is not None:
             op = result.finding
+            inner = _call_named(self._log, frame.call, op.module) if op.module != frame.info.name else None
+            if inner is not None:
+                # A checked child ran it, after its output was checked: a user's forward hook (torch runs the
+                # watch's global hooks first) rewrote the output. Its module, as ops=True names it.
+                self._move_to(finding, inner, TensorRef.op_output(op.op))
+                finding.rng_state = inner.rng_state
+                finding.notes = [note for note in finding.notes if note.kind != "own-code"]
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(Note.of("replay-found", module=frame.info.name, nan=op.nan, posinf=op.posinf,
                                          neginf=op.neginf, op=op.op))
-            if op.module is not None and op.module != frame.info.name:
+            if op.module is not None and op.module != finding.module:
                 # A child without a check of its own (a pass-through, transparent.py).
                 finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
             return False
@@ -473,6 +485,12 @@ def _within(module: str | None, producer: Call, enclosing: Call) -> bool:
 def _replayable(call: Call, rng_state: RngState | None) -> bool:
     """Whether the call's RNG state is known: saved, or not needed (the module draws no random numbers)."""
     return rng_state is not None or (call.info is not None and call.info.deterministic)
+
+
+def _whole_view(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` sees exactly ``base``'s elements, in the same layout."""
+    return (view.shape == base.shape and view.stride() == base.stride()
+            and view.storage_offset() == base.storage_offset() and view.dtype == base.dtype)
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:
