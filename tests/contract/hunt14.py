@@ -6,7 +6,8 @@ guarding a log in the loss (its backward is 0 / 0); a ``reduction="none"`` loss 
 the 2nd of three accumulated micro-batches; a dataclass output whose unused aux field goes bad; a module shared by
 two watched models; a frozen encoder run under ``no_grad`` inside the forward; a frozen block whose backward makes
 the NaN; a user's forward pre-hook that normalises a child's input, a forward hook that rewrites an output, full
-backward hooks; a child whose ``forward`` is called directly; a parameter whose own gradient alone goes bad.
+backward hooks; a child whose ``forward`` is called directly; a parameter whose own gradient alone goes bad; a max
+pooling over a fully padded sequence.
 Each: module, phase, step, op and line, in every mode (hunt14).
 """
 
@@ -382,6 +383,33 @@ def _full_backward_hook() -> Scenario:
     return _steps(model, lambda step: (xs[step],), zero_at=2)
 
 
+class MaskedMaxPool(nn.Module):
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return h.masked_fill(~mask[..., None], float("-inf")).amax(1)  # producer: max pool
+
+
+class Pooler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.pool, self.head = nn.Linear(4, 4), MaskedMaxPool(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.enc(x), mask))
+
+
+def _max_pool(padded_at: int | None) -> Scenario:
+    """Max pooling over the tokens a padding mask keeps; at step ``padded_at`` sequence 1 is all padding: the max
+    over nothing is -inf (the head then makes NaN of it, and was named, as a consumer of a deliberate -inf)."""
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 5, 4) for _ in range(4)]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.ones(2, 5, dtype=torch.bool)
+        mask[1] = step != padded_at
+        return xs[step], mask
+    return _steps(Pooler(), batch, lr=0.01)
+
+
 PRE_HOOK_FULL = (
     "full: the per-module watch replays a call from the arguments its forward hook received, which are the user's "
     "pre-hook's output (already NaN), so the pre-hook runs again on them and no op is found (replay-held); the "
@@ -429,6 +457,10 @@ CASES = [
          Expect("forward", "0", "Linear", step=2, op="aten.div.Tensor", marker="forward hook")),
     Case("hunt14_user_full_backward_hooks", _full_backward_hook,
          Expect("backward", "1", "SqrtAbs", step=2, op="aten.div.Tensor", marker="sqrt")),
+    Case("hunt14_max_pool_over_a_fully_padded_sequence", lambda: _max_pool(2),
+         Expect("forward", "pool", "MaskedMaxPool", step=2, op="aten.amax.default", marker="max pool",
+                cause="masked-softmax")),
+    Case("hunt14_max_pool_over_padded_sequences_healthy", lambda: _max_pool(None), None),
     Case("hunt14_only_a_parameter_gradient_goes_bad", _parameter_gradient_only,
          Expect("backward", "1", "ScaleAbs", step=2, op="aten.div.Tensor", marker="scale sqrt"),
          gaps=(("full", PARAMETER_GRADIENT_FULL),)),

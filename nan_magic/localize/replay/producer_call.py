@@ -110,9 +110,7 @@ class CallReplay:
         if record is None:
             base = tensor._base
             if base is not None and _whole_view(tensor, base) and (record := self._log.lookup(base)) is not None:
-                # A module with a full backward hook (the user's: Opacus, captum) is given each input as a view of
-                # it (BackwardHookFunction): the same values, recomputed from that record if freed.
-                return record, False
+                return record, False  # a full backward hook's (Opacus', captum's) view of it: the same values
             return self._log.alias_of(tensor), False
         return record, tensor.requires_grad and _held_elsewhere(tensor)
 
@@ -150,7 +148,6 @@ class CallReplay:
                 # A checked child ran it, after its output was checked: a user's forward hook (torch runs the
                 # watch's global hooks first) rewrote the output. Its module, as ops=True names it.
                 self._move_to(finding, inner, TensorRef.op_output(op.op))
-                finding.rng_state = inner.rng_state
                 finding.notes = [note for note in finding.notes if note.kind != "own-code"]
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
@@ -235,7 +232,6 @@ class CallReplay:
             # The first non-finite value was made by the own code of a call
             # enclosing the one whose output was found: that caller is the producer.
             self._move_to(finding, caller, TensorRef.op_output(op.op))
-            finding.rng_state = caller.rng_state
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(Note.of("found-in-caller", outer_module=outer, op_module=op.module, op=op.op,
@@ -249,15 +245,15 @@ class CallReplay:
         return False
 
     def _move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
-        """Make ``finding`` name ``caller`` (an enclosing call) as the producer of ``tensor``, with its inputs.
+        """Make ``finding`` name ``caller`` (an enclosing call, or a child) the producer of ``tensor``, with its inputs.
 
-        The output first found (a child's) only passed the value on: it is
+        The output first found (a child's, or its parent's) only passed the value on: it is
         no longer the finding's tensor, nor its layer row the producer's.
         """
         if finding.record is not None:
             finding.record.status = "propagated"
         finding.tensor, finding.record = tensor, None
-        finding.call = caller
+        finding.call, finding.rng_state = caller, caller.rng_state
         finding.module, finding.module_type = caller.name, caller.module_type
         finding.model = caller.info.model if caller.info is not None else None
         finding.inputs = named_inputs(caller)
@@ -489,8 +485,8 @@ def _replayable(call: Call, rng_state: RngState | None) -> bool:
 
 def _whole_view(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``view`` sees exactly ``base``'s elements, in the same layout."""
-    return (view.shape == base.shape and view.stride() == base.stride()
-            and view.storage_offset() == base.storage_offset() and view.dtype == base.dtype)
+    return view.dtype == base.dtype and (view.shape, view.stride(), view.storage_offset()) == (
+        base.shape, base.stride(), base.storage_offset())
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:
