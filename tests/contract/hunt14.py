@@ -218,6 +218,43 @@ def _accumulated(bad: tuple[int, int]) -> Scenario:
     return Scenario((model, opt), run)
 
 
+class LogClamped(torch.autograd.Function):
+    """log(p) with p clamped in forward, and a backward by hand that forgets the clamp: g / p."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(p)
+        return torch.log(p.clamp_min(1e-12))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (p,) = ctx.saved_tensors
+        return grad / p  # producer: loss function backward
+
+
+def _function_in_the_loss() -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            p = torch.sigmoid(model(torch.randn(3, 4)))
+            if step == 2:
+                p = p * torch.tensor([[0.0], [1.0], [1.0]])
+            loss = -LogClamped.apply(p).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+LOSS_FUNCTION_BACKWARD = (
+    "a custom autograd.Function in the loss code: the recorder sees the aten ops of its forward, not the Function, "
+    "so the recorded ops' backward replay runs aten's log backward (finite) instead of its own g / p; the report "
+    "names the phase, step and its LogClampedBackward node, and points to ops=True, which names the op and line")
+
+
 # ---------------------------------------------------------------- outputs, sharing, freezing
 @dataclass
 class TwoHeadsOutput:
@@ -437,6 +474,9 @@ CASES = [
          Expect("backward", "1", "UsesClampGrad", step=2, op="aten.div.Tensor", marker="function backward")),
     Case("hunt14_where_guarded_log_in_the_loss", _where_log_loss,
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="where log")),
+    Case("hunt14_custom_function_backward_in_the_loss", _function_in_the_loss,
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="loss function backward"),
+         gaps=tuple((mode, LOSS_FUNCTION_BACKWARD) for mode in ("default", "defer", "full"))),
     Case("hunt14_reduction_none_mean_of_an_empty_selection", _empty_selection,
          Expect("forward", None, step=2, op="aten.mean.default", marker="empty mean")),
     Case("hunt14_second_micro_batch_overflows", lambda: _accumulated((1, 1)),
