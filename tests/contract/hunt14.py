@@ -447,6 +447,37 @@ def _max_pool(padded_at: int | None) -> Scenario:
     return _steps(Pooler(), batch, lr=0.01)
 
 
+class SafeSoftmaxThenLog(nn.Module):
+    """A softmax that handles fully masked rows itself (their max set to 0: weights 0), then a log of its output."""
+
+    shift = -100.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s = (self.q(x) @ x.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+        top = s.amax(-1, keepdim=True)  # -inf on the fully masked row: handled on the next line
+        e = (s - torch.where(torch.isinf(top), torch.zeros_like(top), top)).exp()
+        w = e / e.sum(-1, keepdim=True).clamp_min(1e-9)
+        return torch.log(w @ x - self.shift)  # producer: log after a safe softmax
+
+
+def _safe_softmax_then_log() -> Scenario:
+    """Every step has a fully masked row, handled; at step 1 the log's argument goes negative."""
+    torch.manual_seed(0)
+    model = SafeSoftmaxThenLog()
+    xs = [torch.randn(2, 3, 4) for _ in range(3)]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model.shift = 100.0 if step == 1 else -100.0
+        mask = torch.ones(2, 3, 3, dtype=torch.bool)
+        mask[0, 1] = False
+        return xs[step], mask
+    return _steps(model, batch, steps=3)
+
+
 PRE_HOOK_FULL = (
     "full: the per-module watch replays a call from the arguments its forward hook received, which are the user's "
     "pre-hook's output (already NaN), so the pre-hook runs again on them and no op is found (replay-held); the "
@@ -501,6 +532,8 @@ CASES = [
          Expect("forward", "pool", "MaskedMaxPool", step=2, op="aten.amax.default", marker="max pool",
                 cause="masked-softmax")),
     Case("hunt14_max_pool_over_padded_sequences_healthy", lambda: _max_pool(None), None),
+    Case("hunt14_a_safe_softmax_is_not_blamed_for_a_later_log", _safe_softmax_then_log,
+         Expect("forward", "", "SafeSoftmaxThenLog", step=1, op="aten.log.default", marker="log after a safe softmax")),
     Case("hunt14_only_a_parameter_gradient_goes_bad", _parameter_gradient_only,
          Expect("backward", "1", "ScaleAbs", step=2, op="aten.div.Tensor", marker="scale sqrt"),
          gaps=(("full", PARAMETER_GRADIENT_FULL),)),
