@@ -478,6 +478,27 @@ def _safe_softmax_then_log() -> Scenario:
     return _steps(model, batch, steps=3)
 
 
+def _safe_softmax_in_the_loss() -> Scenario:
+    """The same safe softmax in the loss code (replayed by the loss recorder, first op found): a log after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(3):
+            mask = torch.ones(2, 3, dtype=torch.bool)
+            mask[0] = False
+            s = model(torch.randn(2, 4)).masked_fill(~mask, float("-inf"))
+            top = s.amax(-1, keepdim=True)
+            e = (s - torch.where(torch.isinf(top), torch.zeros_like(top), top)).exp()
+            w = e / e.sum(-1, keepdim=True).clamp_min(1e-9)
+            loss = torch.log(w.sum(-1) - (1.0 if step == 1 else -1.0)).sum()  # producer: loss log
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
 PRE_HOOK_FULL = (
     "full: the per-module watch replays a call from the arguments its forward hook received, which are the user's "
     "pre-hook's output (already NaN), so the pre-hook runs again on them and no op is found (replay-held); the "
@@ -534,6 +555,8 @@ CASES = [
     Case("hunt14_max_pool_over_padded_sequences_healthy", lambda: _max_pool(None), None),
     Case("hunt14_a_safe_softmax_is_not_blamed_for_a_later_log", _safe_softmax_then_log,
          Expect("forward", "", "SafeSoftmaxThenLog", step=1, op="aten.log.default", marker="log after a safe softmax")),
+    Case("hunt14_a_safe_softmax_in_the_loss_is_not_blamed_for_a_later_log", _safe_softmax_in_the_loss,
+         Expect("forward", None, step=1, op="aten.log.default", marker="loss log")),
     Case("hunt14_only_a_parameter_gradient_goes_bad", _parameter_gradient_only,
          Expect("backward", "1", "ScaleAbs", step=2, op="aten.div.Tensor", marker="scale sqrt"),
          gaps=(("full", PARAMETER_GRADIENT_FULL),)),

@@ -47,7 +47,7 @@ from torch import nn
 
 from nan_magic.hot.reads import is_checkable, read_probe, version_of
 
-__all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_a_mask"]
+__all__ = ["MAXES", "DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_a_mask"]
 
 _MASK_NAME = re.compile("mask", re.IGNORECASE)
 
@@ -158,8 +158,9 @@ def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
 
 
 #: Reductions whose -inf from deliberate -inf inputs means a whole row was masked (the module docstring): a
-#: logsumexp, or a max pooling over a fully padded sequence (max over nothing).
-_MASKED_REDUCTIONS = ("aten.logsumexp.", "aten.amax.", "aten.max.dim", "aten.max.default")
+#: logsumexp, or a max pooling over a fully padded sequence (max over nothing, MAXES).
+MAXES = ("aten.amax.", "aten.max.dim", "aten.max.default")
+_MASKED_REDUCTIONS = ("aten.logsumexp.", *MAXES)
 #: Reductions that add up what they are given: an infinity from a mask in their input is in their output.
 _SUMS = ("aten.sum.", "aten.mean.", "aten.nansum.", "aten.nanmean.")
 

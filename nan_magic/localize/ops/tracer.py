@@ -66,7 +66,7 @@ from typing_extensions import Self
 from nan_magic.hot.reads import is_checkable, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
-from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
+from nan_magic.localize.ops.masks import MAXES, is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
 from nan_magic.localize.ops.plans import (
     Plan,
@@ -118,9 +118,8 @@ class OpTracer(TorchDispatchMode):
         Called at a finding outside the autograd engine; a non-None phase
         (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
     at_boundary
-        Record origins only; the finding is the origin that :meth:`claim`
-        finds for a tensor at a boundary (ops mode). Without it, the first
-        origin is the finding.
+        Record origins only; the finding is the origin that :meth:`claim` finds for a tensor at a boundary (ops
+        mode). Without it, the first origin is the finding; a max over a fully masked row stays benign (handled?).
     outside_benign
         A non-finite value from outside the trace counts as benign: in a replay of a module that the watch found
         to be the producer, it is what the module received (e.g. a masked row's -inf); otherwise only a mask-like
@@ -381,7 +380,8 @@ class OpTracer(TorchDispatchMode):
                 self._origins.note(tensor, inherited, in_place)
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign and not reduces_a_mask(op, out_kinds, tensor):
+            elif out_kinds <= benign and not (reduces_a_mask(op, out_kinds, tensor) and (
+                    self.at_boundary or self.outside_benign or not op.startswith(MAXES))):
                 self._origins.note(tensor, BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
