@@ -308,6 +308,31 @@ def _fp16_t5_feed_forward():
     return (model, opt), lambda: _loop(model, opt, [batch, batch], before)
 
 
+def _attention_output_divided_by_zero(module, query, key, value, attention_mask, **kwargs):
+    """A user's attention function (``AttentionInterface``): GPT-2's eager attention, its output renormalised by
+    hand, by a norm that is 0 where every value is 0. A NaN made on an attention output was once named
+    ``transformer.h.0``, not its ``attn``, in a probe (session 13)."""
+    attn_output, attn_weights = eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    attn_output = attn_output / attn_output.norm(dim=-1, keepdim=True)  # producer: the attention output
+    return attn_output, attn_weights
+
+
+AttentionInterface.register("nan_magic_test_output_norm", _attention_output_divided_by_zero)
+
+
+def _attention_output():
+    model = gpt2(_attn_implementation="nan_magic_test_output_norm")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    attn = model.transformer.h[0].attn
+
+    def before(step: int) -> None:
+        if step == 1:
+            with torch.no_grad():  # the value projection zeroed: every value, and so the attention output, is 0
+                attn.c_attn.weight[:, 2 * WIDTH:].zero_()
+                attn.c_attn.bias[2 * WIDTH:].zero_()
+    return (model, opt), lambda: _loop(model, opt, _lm_batches(), before)
+
+
 _HF = "transformers"
 _HERE = "test_hf_models.py"
 #: case: (build, phase, step, module, op, (file, text of the line)); a ``_HF`` file is in transformers' source.
@@ -341,6 +366,8 @@ INCIDENTS = {
                       (_HERE, "return torch.log(x - 10) if x.shape[1] == 1")),
     "t5-fp16-feed-forward": (_fp16_t5_feed_forward, "forward", 1, "encoder.block.0.layer.1.DenseReluDense.wo",
                              "aten.mm.default", ("modeling_t5.py", "hidden_states = self.wo(hidden_states)")),
+    "gpt2-attention-output": (_attention_output, "forward", 1, "transformer.h.0.attn", "aten.div.Tensor",
+                              (_HERE, "attn_output = attn_output / attn_output.norm(dim=-1, keepdim=True)")),
     "vit-pixel-values-by-keyword": (_pixel_values_by_keyword, "data", 1, "", "aten.div.Tensor",
                                     (_HERE, "pixel_values = (raw - raw.mean(dim=(1, 2, 3), keepdim=True))")),
 }

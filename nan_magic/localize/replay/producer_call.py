@@ -108,6 +108,9 @@ class CallReplay:
         """
         record = self._log.lookup(tensor)
         if record is None:
+            base = tensor._base
+            if base is not None and _whole_view(tensor, base) and (record := self._log.lookup(base)) is not None:
+                return record, False  # a full backward hook's (Opacus', captum's) view of it: the same values
             return self._log.alias_of(tensor), False
         return record, tensor.requires_grad and _held_elsewhere(tensor)
 
@@ -140,11 +143,17 @@ class CallReplay:
             )
         if result.finding is not None:
             op = result.finding
+            inner = _call_named(self._log, frame.call, op.module) if op.module != frame.info.name else None
+            if inner is not None:
+                # A checked child ran it, after its output was checked: a user's forward hook (torch runs the
+                # watch's global hooks first) rewrote the output. Its module, as ops=True names it.
+                self._move_to(finding, inner, TensorRef.op_output(op.op))
+                finding.notes = [note for note in finding.notes if note.kind != "own-code"]
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(Note.of("replay-found", module=frame.info.name, nan=op.nan, posinf=op.posinf,
                                          neginf=op.neginf, op=op.op))
-            if op.module is not None and op.module != frame.info.name:
+            if op.module is not None and op.module != finding.module:
                 # A child without a check of its own (a pass-through, transparent.py).
                 finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
             return False
@@ -223,7 +232,6 @@ class CallReplay:
             # The first non-finite value was made by the own code of a call
             # enclosing the one whose output was found: that caller is the producer.
             self._move_to(finding, caller, TensorRef.op_output(op.op))
-            finding.rng_state = caller.rng_state
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(Note.of("found-in-caller", outer_module=outer, op_module=op.module, op=op.op,
@@ -237,15 +245,15 @@ class CallReplay:
         return False
 
     def _move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
-        """Make ``finding`` name ``caller`` (an enclosing call) as the producer of ``tensor``, with its inputs.
+        """Make ``finding`` name ``caller`` (an enclosing call, or a child) the producer of ``tensor``, with its inputs.
 
-        The output first found (a child's) only passed the value on: it is
+        The output first found (a child's, or its parent's) only passed the value on: it is
         no longer the finding's tensor, nor its layer row the producer's.
         """
         if finding.record is not None:
             finding.record.status = "propagated"
         finding.tensor, finding.record = tensor, None
-        finding.call = caller
+        finding.call, finding.rng_state = caller, caller.rng_state
         finding.module, finding.module_type = caller.name, caller.module_type
         finding.model = caller.info.model if caller.info is not None else None
         finding.inputs = named_inputs(caller)
@@ -473,6 +481,12 @@ def _within(module: str | None, producer: Call, enclosing: Call) -> bool:
 def _replayable(call: Call, rng_state: RngState | None) -> bool:
     """Whether the call's RNG state is known: saved, or not needed (the module draws no random numbers)."""
     return rng_state is not None or (call.info is not None and call.info.deterministic)
+
+
+def _whole_view(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` sees exactly ``base``'s elements, in the same layout."""
+    return view.dtype == base.dtype and (view.shape, view.stride(), view.storage_offset()) == (
+        base.shape, base.stride(), base.storage_offset())
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:
