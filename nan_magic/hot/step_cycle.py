@@ -193,7 +193,7 @@ class StepCycle:
         mode) outlive the new step's reset: a batch the loop computed is
         judged as the call starts.
         """
-        # (_end_update(by_a_call=True), inlined: every top-level call.)
+        # (_end_update, inlined, ended by a call: every top-level call.)
         if self.update_code is not None and (written := self.update_code.end()):
             self.timing.update_code_ended(self, written, True)
         if self.optimizers.in_step:
@@ -305,14 +305,13 @@ class StepCycle:
         if self.update_code is not None and self._here.mine:
             self.update_code.begin()
 
-    def _end_update(self, by_a_call: bool = False) -> None:
-        """The update code ends (an optimizer step, a model call, the watch's end): check what it wrote.
+    def _end_update(self) -> None:
+        """The update code ends (an optimizer step, the watch's end): check what it wrote.
 
-        ``by_a_call``: a model call ends it, so the deferred check judges it
-        before that call's outputs.
+        (A model call ends it too: inlined in its hook, where the deferred check judges it before the call's outputs.)
         """
         if self.update_code is not None and (written := self.update_code.end()):
-            self.timing.update_code_ended(self, written, by_a_call)
+            self.timing.update_code_ended(self, written, False)
 
     def check_peers(self) -> None:
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""

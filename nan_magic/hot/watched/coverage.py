@@ -73,8 +73,9 @@ class Boundaries(Coverage):
         return opened % self.full_every == self._first or sharded()
 
     def steps_aside(self, compiled: bool, per_module: bool, module: nn.Module) -> bool:
-        # A compiled model always: its graph must never see a hook (no graph break, no recompile).
-        return compiled or (not per_module and not isinstance(module, SEES_ITS_HOOKS))  # (may_step_aside, inlined)
+        # A compiled model always: its graph must never see a hook (no graph break, no recompile). Otherwise where a
+        # hook on the module itself leaves its forward alone (not TransformerEncoderLayer's fast path).
+        return compiled or (not per_module and not isinstance(module, SEES_ITS_HOOKS))
 
     def reads_unstepped_gradients(self, training: bool) -> bool:
         # Training: an optimizer's check reads them (a skipped step's settle too). Inference (a saliency map):

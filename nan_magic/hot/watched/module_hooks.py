@@ -49,7 +49,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from nan_magic.errors.exceptions import NanMagicWarning
 
-__all__ = ["SEES_ITS_HOOKS", "GlobalModuleHooks", "is_compiled", "may_step_aside"]
+__all__ = ["SEES_ITS_HOOKS", "GlobalModuleHooks", "is_compiled"]
 
 _GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -65,11 +65,6 @@ def is_compiled(module: nn.Module) -> bool:
 
 #: Modules whose forward changes with a hook on themselves: TransformerEncoderLayer's fast path checks its own hooks.
 SEES_ITS_HOOKS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
-
-
-def may_step_aside(module: nn.Module) -> bool:
-    """Whether a hook on ``module`` itself (while the global ones step aside) leaves its forward alone."""
-    return not isinstance(module, SEES_ITS_HOOKS)
 
 
 class GlobalModuleHooks:
