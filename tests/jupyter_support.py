@@ -89,8 +89,8 @@ def execute_notebook(path: Path, timeout: int = 300) -> Any:
     return nb
 
 
-def execute_cells(cells: dict[str, str], raising: set[str], path: Path) -> Any:
-    """Write ``cells`` (each named by its key in the cell's metadata) as a notebook at ``path``, execute it, return it.
+def write_cells(cells: dict[str, str], raising: set[str], path: Path) -> Any:
+    """Write ``cells`` (each named by its key in the cell's metadata) as a notebook at ``path``; return it.
 
     The cells named in ``raising`` are tagged ``raises-exception``: their error is recorded, and the run goes on.
     """
@@ -103,6 +103,12 @@ def execute_cells(cells: dict[str, str], raising: set[str], path: Path) -> Any:
             cell.metadata["tags"] = ["raises-exception"]
         notebook.cells.append(cell)
     nbformat.write(notebook, path)
+    return notebook
+
+
+def execute_cells(cells: dict[str, str], raising: set[str], path: Path) -> Any:
+    """:func:`write_cells`, then execute the notebook in a fresh kernel; return it executed."""
+    write_cells(cells, raising, path)
     return execute_notebook(path)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import isolated_env, named_cell, widget_states
+from jupyter_support import isolated_env, named_cell, widget_states, write_cells
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -269,13 +269,7 @@ def execute(cells: dict[str, str], raising: set[str], path: Path, interrupted: d
     from nbclient import NotebookClient
 
     interrupted = interrupted or {}
-    notebook = nbformat.v4.new_notebook()
-    for name, source in cells.items():
-        cell = nbformat.v4.new_code_cell(source, metadata={"name": name})
-        if name in raising:
-            cell.metadata["tags"] = ["raises-exception"]
-        notebook.cells.append(cell)
-    nbformat.write(notebook, path)
+    notebook = write_cells(cells, raising, path)
     client = NotebookClient(
         notebook, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
         timeout_func=lambda cell: interrupted.get(cell.metadata.get("name"), 300), interrupt_on_timeout=True,
