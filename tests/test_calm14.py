@@ -236,7 +236,9 @@ def hf_padded(which: str) -> Build:
     """A Hugging Face model trained on batches whose sequence 1 is all padding (attention mask 0, labels -100)."""
     def build():
         torch.manual_seed(0)
-        m = {"bert": bert, "llama": llama, "llama-sdpa": lambda: llama(_attn_implementation="sdpa"),
+        m = {"bert": bert, "bert-eager": lambda: bert(attn_implementation="eager"),
+             "gpt2-eager": lambda: gpt2(_attn_implementation="eager"),
+             "llama-sdpa": lambda: llama(_attn_implementation="sdpa"),
              "llama-eager": lambda: llama(_attn_implementation="eager")}[which]()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
@@ -244,10 +246,10 @@ def hf_padded(which: str) -> Build:
             torch.manual_seed(1)
             outputs = []
             for _ in range(2):
-                batch = padded_batch(left=which != "bert")
+                batch = padded_batch(left=which.startswith("llama"))
                 batch["attention_mask"][1] = 0
                 batch["input_ids"][1] = 0
-                if which == "bert":
+                if which.startswith("bert"):
                     batch["labels"] = torch.randint(0, 3, (3,))
                 else:
                     batch["labels"][1] = -100
@@ -329,6 +331,8 @@ HEALTHY_MASKS = {
     "sdpa_bool_mask_fully_masked_row": (train(SdpaBool, padded), ()),
     "inference_masked_softmax_then_masked_fill": (inference(InferenceMaskedSoftmax, padded), ()),
     "bert_a_sequence_all_padding": (hf_padded("bert"), ()),
+    "bert_eager_a_sequence_all_padding": (hf_padded("bert-eager"), ()),
+    "gpt2_eager_a_sequence_all_padding": (hf_padded("gpt2-eager"), ()),
     "llama_sdpa_left_padding_a_row_all_padding": (hf_padded("llama-sdpa"), ()),
     "llama_eager_left_padding_a_row_all_padding": (hf_padded("llama-eager"), ()),
     "gpt2_generate_left_padded_beams_top_k": (gpt2_generate_left_padded, ()),

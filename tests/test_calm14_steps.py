@@ -152,3 +152,33 @@ def test_those_steps_take_the_one_sum_and_its_fallback(name: str, monkeypatch) -
     # (summed, measured one by one): the huge parameters' sum overflows at every check, the others' does not (a
     # parameter's dtype changed since the layout was built: the concatenation promotes).
     assert seen == [(True, name.startswith("huge"))] * 4
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+@pytest.mark.parametrize("change", ["layernorm_to_bf16", "last_module_double", "none"])
+def test_a_parameter_the_step_makes_non_finite_after_a_dtype_change_is_named(change: str, options: dict) -> None:
+    # The broken twin: the LayerNorm's own group gets a learning rate of 1e38 at step 3 (RMSprop: an update of
+    # about lr / sqrt(1 - alpha) = 1e39, inf in float32 and bf16), after a dtype changed under a layout built before.
+    from watching import raised
+
+    torch.manual_seed(0)
+    model = Net()
+    norm = list(model.norm.parameters())
+    opt = torch.optim.RMSprop([{"params": [p for p in model.parameters() if all(p is not q for q in norm)]},
+                               {"params": norm}], lr=1e-3)
+
+    def run() -> None:
+        for step in range(5):
+            if step == 2:
+                {"layernorm_to_bf16": _bf16_the_norm, "last_module_double": _double_the_last,
+                 "none": lambda m, o: None}[change](model, opt)
+            if step == 3:
+                opt.param_groups[1]["lr"] = 1e38
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, opt, **options)
+    assert (report.phase.value, report.module, report.step) == ("optimizer", "norm", 3)
+    assert report.tensor.name in ("norm.weight", "norm.bias")
