@@ -107,12 +107,16 @@ def _check(result, options: dict, line: int, bad_at: int | None) -> None:
     assert report.source is not None and report.source.lineno == line, report.source
 
 
+@pytest.mark.parametrize("same_file", [False, True], ids=["own-filenames", "one-filename"])
 @pytest.mark.parametrize("bad_at", [None, 2], ids=["healthy", "broken"])
 @pytest.mark.parametrize("options", FIVE_MODES)
-def test_a_cell_run_again_after_an_edit_is_named_at_its_new_line(options: dict, bad_at: int | None) -> None:
-    # The first run: the same first line, healthy; the cell's second version, its own filename as IPython gives.
-    _check(_watched(_cell(CELL_V1, "<cell-calm14-1>"), options, None), options, 0, None)
-    code = _cell(CELL_V2, "<cell-calm14-2>")
+def test_a_cell_run_again_after_an_edit_is_named_at_its_new_line(options: dict, bad_at: int | None,
+                                                                  same_file: bool) -> None:
+    # The first run: the same first line, healthy; the cell's second version under its own filename (IPython), or
+    # under the first's (a script edited and run again, %run).
+    first, second = ("<cell-calm14-1>", "<cell-calm14-1>" if same_file else "<cell-calm14-2>")
+    _check(_watched(_cell(CELL_V1, first), options, None), options, 0, None)
+    code = _cell(CELL_V2, second)
     result = _watched(code, options, bad_at)
     _check(result, options, _line_of(CELL_V2, "# producer: v2"), bad_at)
     if not options.get("ops"):  # (the recorders, not the op tracer, read lines by instruction: hot/kept/lines.py)
@@ -120,8 +124,10 @@ def test_a_cell_run_again_after_an_edit_is_named_at_its_new_line(options: dict, 
     if bad_at is not None:
         assert "producer: v2" in result.report.source.line
     # and back to the first version: its own line again
-    result = _watched(_cell(CELL_V1, "<cell-calm14-1>"), options, bad_at)
+    result = _watched(_cell(CELL_V1, first), options, bad_at)
     _check(result, options, _line_of(CELL_V1, "# producer: v1"), bad_at)
+    if bad_at is not None:
+        assert "producer: v1" in result.report.source.line
 
 
 @pytest.mark.parametrize("bad_at", [None, 2], ids=["healthy", "broken"])
