@@ -172,10 +172,12 @@ def reduces_a_mask(op: str, out_kinds: frozenset[str], output: torch.Tensor) -> 
     every result took in a masked position (label smoothing or an entropy
     over a vocabulary masked with -inf) has no finite value left to be a mask:
     the mask was added up instead of left out. A sum that leaves finite values
-    (masks combined, ``torch.stack([causal, padding]).sum(0)``) is still a mask.
+    (masks combined, ``torch.stack([causal, padding]).sum(0)``) is still a mask, and so is a max whose output is
+    one (0 / -inf: per-head masks combined, ``masks.amax(0)``); a max pooling's output is not (its finite values
+    are the hidden states').
     """
     if "-inf" in out_kinds and op.startswith(_MASKED_REDUCTIONS):
-        return True
+        return not (op.startswith(MAXES) and is_additive_mask(output))
     if not out_kinds or not op.startswith(_SUMS):
         return False
     with torch.no_grad():
