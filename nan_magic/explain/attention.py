@@ -64,7 +64,7 @@ def padded_cause(report: Report) -> Cause | None:
 
 
 def logsumexp_cause(report: Report) -> Cause | None:
-    """A logsumexp's (or max's) -inf over rows its input masked entirely; None where the input does not show that."""
+    """A logsumexp's -inf over rows its input masked entirely; None where the input does not show that."""
     scores = report.operand("self")
     if (scores is None or not report.neginf or report.nan or report.posinf or scores.nan or scores.posinf
             or not report.numel or scores.numel % report.numel):

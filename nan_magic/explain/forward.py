@@ -39,7 +39,7 @@ def forward_cause(report: Report) -> Cause:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
-    masked = logsumexp_cause(report) if base in ("logsumexp", "amax", "max") else (
+    masked = logsumexp_cause(report) if base == "logsumexp" else (
         masked_sum_cause(report) if base in _SUM_OPS else padded_cause(report) if base in FUSED_ATTENTION_OPS
         else None)
     if masked is not None:

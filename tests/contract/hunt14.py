@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -499,6 +500,11 @@ def _safe_softmax_in_the_loss() -> Scenario:
     return Scenario((model, opt), run)
 
 
+MAX_POOL = (
+    "the consumer that made NaN of the -inf (the head's addmm) is named, not the max: a max is passive "
+    "(ops/plans.py), so a fully masked row's -inf is benign where it is made. Naming the max there (bc7f790) raised "
+    "on healthy code that pools and then cleans that row in a parent module (tests/test_calm14.py); naming it needs "
+    "the -inf benign at the module output and the max blamed only when a consumer makes NaN of it")
 PRE_HOOK_FULL = (
     "full: the per-module watch replays a call from the arguments its forward hook received, which are the user's "
     "pre-hook's output (already NaN), so the pre-hook runs again on them and no op is found (replay-held); the "
@@ -551,7 +557,7 @@ CASES = [
          Expect("backward", "1", "SqrtAbs", step=2, op="aten.div.Tensor", marker="sqrt")),
     Case("hunt14_max_pool_over_a_fully_padded_sequence", lambda: _max_pool(2),
          Expect("forward", "pool", "MaskedMaxPool", step=2, op="aten.amax.default", marker="max pool",
-                cause="masked-softmax")),
+                cause="masked-softmax"), marks=(pytest.mark.xfail(strict=True, reason=MAX_POOL),)),
     Case("hunt14_max_pool_over_padded_sequences_healthy", lambda: _max_pool(None), None),
     Case("hunt14_a_safe_softmax_is_not_blamed_for_a_later_log", _safe_softmax_then_log,
          Expect("forward", "", "SafeSoftmaxThenLog", step=1, op="aten.log.default", marker="log after a safe softmax")),

@@ -6,8 +6,8 @@ holds -inf on purpose. Passed to a model as an argument, or held as a buffer,
 it is benign for as long as what consumes it stays finite (PRODUCT.md,
 "benign"); a consumer that turns it into a new non-finite kind (softmax over
 a fully masked row gives NaN) is the producer, and so is a reduction that
-carries the mask's -inf on over a row it masked entirely (a logsumexp or a
-max over nothing is -inf: the loss it feeds is infinite, its gradient NaN), or a sum
+carries the mask's -inf on over a row it masked entirely (a logsumexp over
+nothing is -inf: the loss it feeds is infinite, its gradient NaN), or a sum
 that adds masked positions up (:func:`reduces_a_mask`).
 
 The rule, for a tensor that holds a non-finite value:
@@ -47,7 +47,7 @@ from torch import nn
 
 from nan_magic.hot.reads import is_checkable, read_probe, version_of
 
-__all__ = ["MAXES", "DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_a_mask"]
+__all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_a_mask"]
 
 _MASK_NAME = re.compile("mask", re.IGNORECASE)
 
@@ -157,10 +157,8 @@ def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
     return named or not has_nonzero
 
 
-#: Reductions whose -inf from deliberate -inf inputs means a whole row was masked (the module docstring): a
-#: logsumexp, or a max pooling over a fully padded sequence (max over nothing, MAXES).
-MAXES = ("aten.amax.", "aten.max.dim", "aten.max.default")
-_MASKED_REDUCTIONS = ("aten.logsumexp.", *MAXES)
+#: Reductions whose -inf from deliberate -inf inputs means a whole row was masked (the module docstring).
+_MASKED_REDUCTIONS = ("aten.logsumexp.",)
 #: Reductions that add up what they are given: an infinity from a mask in their input is in their output.
 _SUMS = ("aten.sum.", "aten.mean.", "aten.nansum.", "aten.nanmean.")
 
@@ -168,16 +166,14 @@ _SUMS = ("aten.sum.", "aten.mean.", "aten.nansum.", "aten.nanmean.")
 def reduces_a_mask(op: str, out_kinds: frozenset[str], output: torch.Tensor) -> bool:
     """Whether ``op``, given only benign infinities, is the producer of its infinities.
 
-    A logsumexp or max over nothing (a fully masked row) is -inf; a sum or mean whose
+    A logsumexp over nothing (a fully masked row) is -inf; a sum or mean whose
     every result took in a masked position (label smoothing or an entropy
     over a vocabulary masked with -inf) has no finite value left to be a mask:
     the mask was added up instead of left out. A sum that leaves finite values
-    (masks combined, ``torch.stack([causal, padding]).sum(0)``) is still a mask, and so is a max whose output is
-    one (0 / -inf: per-head masks combined, ``masks.amax(0)``); a max pooling's output is not (its finite values
-    are the hidden states').
+    (masks combined, ``torch.stack([causal, padding]).sum(0)``) is still a mask.
     """
     if "-inf" in out_kinds and op.startswith(_MASKED_REDUCTIONS):
-        return not (op.startswith(MAXES) and is_additive_mask(output))
+        return True
     if not out_kinds or not op.startswith(_SUMS):
         return False
     with torch.no_grad():

@@ -41,8 +41,7 @@ __all__ = [
 # and bounded elementwise functions, scalar fills, bounded random draws,
 # comparisons and shape queries. An entry is an overload packet ("view") or
 # one overload ("scatter.src"). An op missing here is checked: when in doubt,
-# check, since a passive op's new non-finite value would be blamed on no one. ``max`` and ``amax`` are checked:
-# a max over a row a mask hid entirely is -inf, which makes them producers (masks.reduces_a_mask).
+# check, since a passive op's new non-finite value would be blamed on no one.
 _PASSIVE = frozenset(
     {
         # allocation of uninitialised memory
@@ -74,7 +73,7 @@ _PASSIVE = frozenset(
         "relu", "relu_", "hardtanh", "hardtanh_", "threshold", "threshold_", "threshold_backward",
         "hardtanh_backward", "abs", "abs_", "neg", "neg_", "sign", "sgn", "floor", "ceil",
         "round.default", "trunc", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max",
-        "clamp_max_", "maximum", "minimum", "fmax", "fmin", "min", "amin", "aminmax",
+        "clamp_max_", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin", "aminmax",
         "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "argmax",
         "argmin", "argsort", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
         "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d", "sigmoid",

@@ -66,7 +66,7 @@ from typing_extensions import Self
 from nan_magic.hot.reads import is_checkable, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
-from nan_magic.localize.ops.masks import MAXES, is_additive_mask, reduces_a_mask
+from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
 from nan_magic.localize.ops.plans import (
     Plan,
@@ -118,14 +118,14 @@ class OpTracer(TorchDispatchMode):
         Called at a finding outside the autograd engine; a non-None phase
         (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
     at_boundary
-        Record origins only; the finding is the origin that :meth:`claim` finds for a tensor at a boundary (ops
-        mode). Without it, the first origin is the finding; a max over a fully masked row stays benign (handled?).
+        Record origins only; the finding is the origin that :meth:`claim`
+        finds for a tensor at a boundary (ops mode). Without it, the first
+        origin is the finding.
     outside_benign
-        A non-finite value from outside the trace counts as benign: in a replay of a module that the watch found
-        to be the producer, it is what the module received (e.g. a masked row's -inf); otherwise only a mask-like
-        one does, and any other carries no origin. There a max or logsumexp over a row a mask hid entirely
-        (masks.reduces_a_mask) is the finding only where :meth:`claim` finds it in the replay's output (a safe
-        softmax handles that -inf itself, and a later op may be the producer).
+        A non-finite value from outside the trace counts as benign: in a
+        replay of a module that the watch found to be the producer, it is
+        what the module received (e.g. a masked row's -inf). Otherwise only
+        a mask-like one does, and any other carries no origin.
 
     Notes
     -----
@@ -289,6 +289,7 @@ class OpTracer(TorchDispatchMode):
             outputs = list(tensors(plan, args, kwargs, plan.writes))
         bad = self._known.suspects(outputs)
         if bad:
+
             positions = list_positions(plan, args, kwargs, out) if plan.per_index else {}
 
             def inputs_of(label: str) -> list[tuple[str, Any]]:
@@ -380,17 +381,15 @@ class OpTracer(TorchDispatchMode):
                 self._origins.note(tensor, inherited, in_place)
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign and not (reduces_a_mask(op, out_kinds, tensor) and (
-                    self.at_boundary or self.outside_benign or not op.startswith(MAXES))):
+            elif out_kinds <= benign and not reduces_a_mask(op, out_kinds, tensor):
                 self._origins.note(tensor, BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
             elif not called_by_us():
-                origin = self._start_origin(op, label, tensor, frozenset(out_kinds - held) or out_kinds, inputs,
-                                            priors, in_backward, absorbed)
+                new = frozenset(out_kinds - held) or out_kinds
+                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed)
                 self._origins.note(tensor, origin, in_place)
-                if not (self.outside_benign and out_kinds <= benign):  # (see outside_benign)
-                    self._report(origin)
+                self._report(origin)
             if self.finding is not None:
                 return
 
@@ -484,8 +483,9 @@ class OpTracer(TorchDispatchMode):
     def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """A passive op passes its input's origin on to its outputs (a view, ``cat``, ``where``).
 
-        A carried origin counts only where the output is non-finite (it is looked up only for such a tensor), so
-        one carried to a finite output is harmless.
+        A carried origin counts only where the output is non-finite (it is
+        looked up only for such a tensor), so one carried to a finite output
+        is harmless.
         """
         for _, tensor in tensors(plan, args, kwargs, plan.reads):
             entry = self._origins.entry(tensor)

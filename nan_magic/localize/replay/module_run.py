@@ -157,10 +157,6 @@ def replay_module(
         return ReplayResult(finding=None, reproduced=False, note=Note.of("replay-arguments-changed",
                                                                          module=module_name))
     benign = frozenset(tracer.benign_modules)
-    if tracer.finding is None:  # a masked row's -inf (ops/masks.reduces_a_mask) counts where it reached the output
-        for _, tensor in iter_tensors(output):
-            if relevant_kinds(kinds_of(tensor), frozenset(kinds)) and isinstance(tracer.claim(tensor), OpFinding):
-                break
     if tracer.finding is not None:
         return ReplayResult(
             finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors,

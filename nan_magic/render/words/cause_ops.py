@@ -27,7 +27,6 @@ from nan_magic.render.words.cause_words import (
     stats_counts,
     where,
 )
-from nan_magic.tensor_refs import op_function
 
 __all__ = ["OP_READINGS"]
 
@@ -234,9 +233,8 @@ def _masked_softmax_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _masked_logsumexp_hint(event: Report, cause: Cause) -> str:
     return (
-        f"{_rows(cause)} of {event.op} in {where(event)} had every position masked to -inf, and "
-        f"{op_function(event.op)} over nothing is -inf (a loss over it is infinite, its gradient NaN): keep at least "
-        "one position unmasked per "
+        f"{_rows(cause)} of {event.op} in {where(event)} had every position masked to -inf, and a logsumexp over "
+        "nothing is -inf (a loss over it is infinite, its gradient NaN): keep at least one position unmasked per "
         "row, mask with torch.finfo(dtype).min instead of -inf, or leave fully masked rows out of the loss"
     )
 
@@ -245,7 +243,7 @@ def _masked_logsumexp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"{event.op} made {event.neginf} -inf ({_rows(cause)})",
         f"its input held {cause.fact('masked')} -inf (masked positions) and no NaN or +inf: over finite values and "
-        f"-inf, {op_function(event.op)} is -inf only in a row that is all -inf",
+        "-inf, logsumexp is -inf only in a row that is all -inf",
     )
 
 
