@@ -113,7 +113,7 @@ class ForwardChecks:
             self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
             rng = capture_rng_state()
-        self.stack.append(Frame(module, info, call, rng, task=task))
+        self.stack.append(Frame(module, info, call, rng, task=task, args=args))
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None, checkable)
         if top_level and outside is not None:
@@ -167,6 +167,11 @@ class ForwardChecks:
             if top_level or (frame.info.is_root and not recomputing):
                 self.record_data(frame.info, module, kwargs, "kwargs", call if top_level else None)
         log = self.watch.log
+        if frame.args is not args and frame.args is not None:
+            # The module's own forward pre-hooks replaced the arguments (torch runs the watch's global pre-hook
+            # first, these hooks' output is what this hook gets): a replay calls the module, so those hooks run
+            # again, and on what they received, not on their own output (a normalising hook's 0 / 0 is its op).
+            args = frame.args
         if frame.info.watched:
             hook_gradient = self._hook_gradient
             anchor = None
