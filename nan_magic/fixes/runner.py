@@ -52,7 +52,7 @@ from nan_magic.scene.last_good import LastGood
 from nan_magic.tensor_refs import op_function
 
 __all__ = ["MIN_BUDGET", "STEP_TIMES", "LossSource", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes",
-           "with_fixes"]
+           "untried", "with_fixes"]
 
 #: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
@@ -95,6 +95,21 @@ def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.
     except Exception as error:  # the trials are a sidecar: they never take the report down
         note = Note.of("fixes-failed", error=type(error).__name__, message=str(error))
         return dataclasses.replace(report, note_facts=(*report.note_facts, note))
+
+
+def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, traced: bool) -> tuple[Report, Any] | None:
+    """The first real event of a per-call (``mode="full"``) or traced (``ops=True``) watch: no remedy is tried.
+
+    The trials run on a replay of the failing step, which only the tiered watch keeps (localize/modes.py): the
+    report says so (a note), rather than nothing. ``seen``: the event's report, or ``replayed``'s where a replay
+    (a bad batch's samples) made one; ``frame``: the producer's frame, kept with the report made here.
+    """
+    report = seen if replayed is None else replayed[0]
+    if report.benign:
+        return replayed
+    report = dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-traced" if traced
+                                                                              else "fixes-per-call")))
+    return report, ((frame, None) if replayed is None else replayed[1])
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],

@@ -42,7 +42,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import LossSource, with_fixes
+from nan_magic.fixes.runner import LossSource, untried, with_fixes
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -425,6 +425,8 @@ class Watch:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
+        if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
+            return untried(seen, replayed, finding.frame, self.localizing.traces)  # no step replay to try one on
         if replayed is None or replays is None:
             return replayed
         report, producer = replayed
