@@ -309,6 +309,7 @@ class Watch:
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
+        self.origins.owner_replay = (lambda: self.log.calls, replay_backward) if replay_backward is not None else None
         loss_code = LossCodeReads(saved_leaves=entering.saved_leaves, entering_tensors=entering.entering_tensors,
                                   recorded_leaves=functools.partial(entering.recorded_leaves, self.outside),
                                   recorded_in_full=functools.partial(entering.recorded_in_full, self.outside),
@@ -410,8 +411,7 @@ class Watch:
         inner = Watch([model], labels=[label], config=config, replay_of=self)
         # It measures every call, a ReLU's too, which the watch passes through on a finite input (transparent.py):
         # the report's layer table lists every module of the step with its numbers.
-        modules = inner.targets.modules
-        for key, info in modules.items():
+        for key, info in (modules := inner.targets.modules).items():
             modules[key] = dataclasses.replace(info, transparent=None)
         return inner
 
