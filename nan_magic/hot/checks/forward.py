@@ -57,6 +57,7 @@ class ForwardChecks:
         self.rule = rule
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if not self.watch.here.mine or (self.stack and not self.watch.cycle.full_step):
             return  # inside a top-level call of a tiered step, only its boundaries are checked
         task = torch._C._current_graph_task_id()
@@ -131,6 +132,7 @@ class ForwardChecks:
                                             stacklevel=5 if self.stack else 7)
 
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        __tracebackhide__ = True  # (as on_forward_pre)
         # always_call hooks are called with (module, args, output) when the
         # forward raised, and with (module, args, kwargs, output) otherwise.
         if not self.watch.here.mine:
