@@ -371,6 +371,19 @@ def _pre_hook() -> Scenario:
     return _steps(model, lambda step: (xs[step],), zero_at=2)
 
 
+def _pre_hook_on_a_container() -> Scenario:
+    """The same pre-hook on a Sequential: its child is given the NaN, the container's replay must run the hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+
+    def unit_rows(module: nn.Module, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        return (args[0] / args[0].norm(dim=-1, keepdim=True),)  # producer: container pre-hook
+
+    model[1].register_forward_pre_hook(unit_rows)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    return _steps(model, lambda step: (xs[step],), zero_at=2)
+
+
 class ScaleAbs(nn.Module):
     """Scales by |s|, written by hand: at s = 0 the output is finite and only s's own gradient is 0 / 0."""
 
@@ -537,6 +550,8 @@ CASES = [
          Expect("backward", "1.1", "SqrtAbs", step=2, op="aten.div.Tensor", marker="sqrt")),
     Case("hunt14_user_pre_hook_normalises_a_zero_input", _pre_hook,
          Expect("forward", "1", "Linear", step=2, op="aten.div.Tensor", marker="pre-hook")),
+    Case("hunt14_user_pre_hook_on_a_container", _pre_hook_on_a_container,
+         Expect("forward", "1", "Sequential", step=2, op="aten.div.Tensor", marker="container pre-hook")),
     Case("hunt14_user_forward_hook_rewrites_an_output", _forward_hook,
          Expect("forward", "0", "Linear", step=2, op="aten.div.Tensor", marker="forward hook")),
     Case("hunt14_user_full_backward_hooks", _full_backward_hook,
