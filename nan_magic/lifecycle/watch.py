@@ -416,8 +416,7 @@ class Watch:
         return inner
 
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
-        """An event's replay (a bad batch's samples fetched again in any mode, else the tiered step replay),
-        with the remedies tried on the step it replayed (fixes/)."""
+        """An event's replay (a bad batch's samples fetched again, else the tiered step replay); its fixes' trials."""
         replays, replayed = self.replays, None
         if replays is not None:
             replays.replayed = None
@@ -426,7 +425,8 @@ class Watch:
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
         if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
-            return untried(seen, replayed, finding.frame, self.localizing.traces)  # no step replay to try one on
+            return untried(seen, replayed, finding.frame, self.localizing.traces, self.optimizers.seen, self._roots(),
+                           self.last_good)  # no step replay to try a remedy on (an optimizer step's needs none)
         if replayed is None or replays is None:
             return replayed
         report, producer = replayed
