@@ -52,7 +52,7 @@ from nan_magic.scene.last_good import LastGood
 from nan_magic.tensor_refs import op_function
 
 __all__ = ["MIN_BUDGET", "STEP_TIMES", "LossSource", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes",
-           "with_fixes"]
+           "untried", "with_fixes"]
 
 #: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
@@ -87,14 +87,41 @@ def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.
                roots: Iterable[nn.Module], last_good: LastGood,
                standing_aside: Callable[[], contextlib.AbstractContextManager[None]], loss: LossSource) -> Report:
     """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
+    return _trying(report, functools.partial(fixes_for, report, replays, optimizers, roots, last_good, standing_aside,
+                                             loss))
+
+
+def _trying(report: Report, trials: Callable[[], tuple[FixTrial, ...]]) -> Report:
+    """``report`` with ``trials()``; where they cannot run or fail, a note says why instead."""
     try:
-        trials = fixes_for(report, replays, optimizers, roots, last_good, standing_aside, loss)
-        return dataclasses.replace(report, fixes=trials)
+        return dataclasses.replace(report, fixes=trials())
     except _NeedsRanks as needs:
         return dataclasses.replace(report, note_facts=(*report.note_facts, needs.note))
     except Exception as error:  # the trials are a sidecar: they never take the report down
         note = Note.of("fixes-failed", error=type(error).__name__, message=str(error))
         return dataclasses.replace(report, note_facts=(*report.note_facts, note))
+
+
+def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, traced: bool,
+            optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module], last_good: LastGood,
+            ) -> tuple[Report, Any] | None:
+    """The first real event of a per-call (``mode="full"``) or traced (``ops=True``) watch: no step replay to try on.
+
+    The trials run on a replay of the failing step, which only the tiered watch keeps (localize/modes.py): the
+    report says so (a note), rather than nothing. An optimizer step's remedies need none (its step is redone on
+    copies from the last good state, optimizer_step.py): tried as the tiered watch tries them, but where the op
+    tracer watches (the trial's ops would be traced). ``seen``: the event's report, or ``replayed``'s where a
+    replay (a bad batch's samples) made one; ``frame``: the producer's frame, kept with the report made here.
+    """
+    report = seen if replayed is None else replayed[0]
+    if report.benign:
+        return replayed
+    if report.phase == Phase.OPTIMIZER and not traced:
+        report = _trying(report, functools.partial(_optimizer_fixes, report, list(optimizers), list(roots), last_good))
+    else:
+        report = dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-traced" if traced
+                                                                                  else "fixes-per-call")))
+    return report, ((frame, None) if replayed is None else replayed[1])
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
@@ -106,8 +133,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     ``loss``: the recorded loss code, which each replayed step runs on its outputs (loss.py).
     """
     if report.phase == Phase.OPTIMIZER:
-        _alone(None, None, optimizers, None)
-        return try_optimizer_fixes(report, optimizers, roots, last_good)
+        return _optimizer_fixes(report, optimizers, roots, last_good)
     # The call whose replay named the producer; for a batch that entered non-finite, the call given it; for a
     # producer in the loss code, the step's last call (the loss code reads its outputs: loss.py checks).
     root = replays.replayed if report.reproduced else None
@@ -126,6 +152,13 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
                        scalers=tuple(loss.scalers))
     return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder)
+
+
+def _optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
+                     last_good: LastGood) -> tuple[FixTrial, ...]:
+    """An optimizer event's trials (:func:`try_optimizer_fixes`), where this rank can run them alone."""
+    _alone(None, None, optimizers, None)
+    return try_optimizer_fixes(report, optimizers, roots, last_good)
 
 
 class _NeedsRanks(Exception):

@@ -321,6 +321,7 @@ class StepCycle:
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         mine = self._here.mine
         if mine and self.outside is not None and self.outside.pushed:  # (stopped at backward, usually)
             self.outside.stop()
@@ -342,6 +343,7 @@ class StepCycle:
                 self.gradients.loss_graph = None  # (forget_loss_graph, inlined: every step)
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        __tracebackhide__ = True  # (as on_step_pre)
         if self._closure_ran:
             # The step's closure ran the forward and backward (LBFGS) after the pre-hook's check: what they
             # computed came before the parameters the step then wrote (recorded as update code since the

@@ -42,7 +42,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import LossSource, with_fixes
+from nan_magic.fixes.runner import LossSource, untried, with_fixes
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -309,6 +309,7 @@ class Watch:
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
+        self.origins.owner_replay = (lambda: self.log.calls, replay_backward) if replay_backward is not None else None
         loss_code = LossCodeReads(saved_leaves=entering.saved_leaves, entering_tensors=entering.entering_tensors,
                                   recorded_leaves=functools.partial(entering.recorded_leaves, self.outside),
                                   recorded_in_full=functools.partial(entering.recorded_in_full, self.outside),
@@ -410,14 +411,12 @@ class Watch:
         inner = Watch([model], labels=[label], config=config, replay_of=self)
         # It measures every call, a ReLU's too, which the watch passes through on a finite input (transparent.py):
         # the report's layer table lists every module of the step with its numbers.
-        modules = inner.targets.modules
-        for key, info in modules.items():
+        for key, info in (modules := inner.targets.modules).items():
             modules[key] = dataclasses.replace(info, transparent=None)
         return inner
 
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
-        """An event's replay (a bad batch's samples fetched again in any mode, else the tiered step replay),
-        with the remedies tried on the step it replayed (fixes/)."""
+        """An event's replay (a bad batch's samples fetched again, else the tiered step replay); its fixes' trials."""
         replays, replayed = self.replays, None
         if replays is not None:
             replays.replayed = None
@@ -425,6 +424,9 @@ class Watch:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
+        if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
+            return untried(seen, replayed, finding.frame, self.localizing.traces, self.optimizers.seen, self._roots(),
+                           self.last_good)  # no step replay to try a remedy on (an optimizer step's needs none)
         if replayed is None or replays is None:
             return replayed
         report, producer = replayed

@@ -16,7 +16,7 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.swapped import SwappedTensors
-from nan_magic.records import Note, Phase, TensorRef, TensorStats
+from nan_magic.records import Note, Phase, TensorRef, TensorRole, TensorStats
 
 __all__ = ["OpOrigins"]
 
@@ -68,6 +68,9 @@ class OpOrigins:
         self.tracer: OpTracer | None = None
         #: What functional_call swapped into the calls' parameter slots (the producer rule's: swapped.py).
         self.swapped: SwappedTensors | None = None
+        #: Per-call watch: this step's calls, and the replay of a call's backward (CallReplay.replay_backward_into),
+        #: for a parameter whose own gradient alone went bad (:meth:`_replay_owner`); None elsewhere.
+        self.owner_replay: tuple[Callable[[], Iterable[Call]], Callable[[Finding, Call, None], None]] | None = None
 
     def make_tracer(
         self,
@@ -132,6 +135,8 @@ class OpOrigins:
         else:
             return
         if not isinstance(origin, OpFinding):
+            if self.owner_replay is not None and finding.tensor.role is TensorRole.PARAMETER_GRADIENT:
+                self._replay_owner(finding)
             return
         if finding.phase == Phase.FORWARD and finding.call is None and origin.phase == Phase.FORWARD:
             # The loss code's op made it, as an op inside a module would: the report's counts, operands and
@@ -160,6 +165,20 @@ class OpOrigins:
         if origin.backward_code and self.tracer is not None:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)
+
+    def _replay_owner(self, finding: Finding) -> None:
+        """A parameter's gradient no module's input gradient showed (per-call watch): its owner's call replayed.
+
+        ``x * sqrt(s * s)`` at ``s = 0``: the gradient flowing to ``x`` is 0, only ``s``'s own is 0 / 0, first
+        seen at the optimizer's pre-hook. The tiered watch's step replay names its op; here the owner's latest
+        call of the step runs again from what it kept, forward then backward, for the backward op that made it.
+        """
+        assert self.owner_replay is not None
+        calls, replay_backward = self.owner_replay
+        owner = next((call for call in reversed(list(calls())) if call.phase == Phase.FORWARD and call.info is not None
+                      and call.name == finding.module and call.held is not None), None)
+        if owner is not None and finding.op is None:
+            replay_backward(finding, owner, None)
 
     def claim_loss_backward(self, finding: Finding, loss: torch.Tensor | None, key: int | None) -> bool:
         """Add the backward op of the recorded loss code that made ``finding``'s gradient non-finite; whether one did.

@@ -349,7 +349,9 @@ class ProducerRule:
         if running is None or passed is None:
             return False
         finding.rng_state = running.rng_state
-        if self.replayer.replay_into(finding, kinds, running, *passed):
+        # What its __call__ got, before the module's own pre-hooks (forward.py keeps it): the replay runs them again.
+        args = passed[0] if running.args is None else running.args
+        if self.replayer.replay_into(finding, kinds, running, args, passed[1]):
             return True
         self._replay_outward(finding, enclosing)
         return False

@@ -57,6 +57,7 @@ class ForwardChecks:
         self.rule = rule
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if not self.watch.here.mine or (self.stack and not self.watch.cycle.full_step):
             return  # inside a top-level call of a tiered step, only its boundaries are checked
         task = torch._C._current_graph_task_id()
@@ -113,7 +114,7 @@ class ForwardChecks:
             self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
             rng = capture_rng_state()
-        self.stack.append(Frame(module, info, call, rng, task=task))
+        self.stack.append(Frame(module, info, call, rng, task=task, args=args))
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None, checkable)
         if top_level and outside is not None:
@@ -131,6 +132,7 @@ class ForwardChecks:
                                             stacklevel=5 if self.stack else 7)
 
     def on_forward(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        __tracebackhide__ = True  # (as on_forward_pre)
         # always_call hooks are called with (module, args, output) when the
         # forward raised, and with (module, args, kwargs, output) otherwise.
         if not self.watch.here.mine:
@@ -167,6 +169,11 @@ class ForwardChecks:
             if top_level or (frame.info.is_root and not recomputing):
                 self.record_data(frame.info, module, kwargs, "kwargs", call if top_level else None)
         log = self.watch.log
+        if frame.args is not args and frame.args is not None:
+            # The module's own forward pre-hooks replaced the arguments (torch runs the watch's global pre-hook
+            # first, these hooks' output is what this hook gets): a replay calls the module, so those hooks run
+            # again, and on what they received, not on their own output (a normalising hook's 0 / 0 is its op).
+            args = frame.args
         if frame.info.watched:
             hook_gradient = self._hook_gradient
             anchor = None

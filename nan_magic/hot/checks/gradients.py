@@ -121,6 +121,7 @@ class GradientChecks:
         (``l1.backward(retain_graph=True); l2.backward()``): the loss code's
         records stay past it, for the next loss's judgement.
         """
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         watch = self.watch
         if not watch.here.mine:
             return
@@ -242,6 +243,7 @@ class GradientChecks:
         return True
 
     def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         watch = self.watch
         if not watch.listening() or grad is None or not is_checkable(grad):
             return

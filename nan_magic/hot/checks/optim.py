@@ -140,6 +140,7 @@ class OptimizerChecks:
 
     def on_grad_accumulated(self, parameter: torch.Tensor) -> None:
         """Take a gradient's norm while it is in cache (see "Hot gradients" above)."""
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if not self._hot_enabled or not self.watch.listening():
             return
         grad = parameter.grad

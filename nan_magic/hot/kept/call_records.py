@@ -313,7 +313,7 @@ class Frame:
     one (localize/replay/producer_call.py).
     """
 
-    __slots__ = ("call", "info", "known", "module", "rng_state", "task", "through")
+    __slots__ = ("args", "call", "info", "known", "module", "rng_state", "task", "through")
 
     def __init__(
         self,
@@ -324,6 +324,7 @@ class Frame:
         through: torch.Tensor | None = None,
         known: KnownFinite | None = None,
         task: int = -1,
+        args: tuple[Any, ...] | None = None,
     ) -> None:
         self.module = module
         self.info = info
@@ -334,3 +335,6 @@ class Frame:
         self.known = known
         #: The autograd graph task the call began in (-1 outside backward): its post-hook's too, not asked again.
         self.task = task
+        #: The positional arguments ``module.__call__`` received, before the module's own forward pre-hooks: a
+        #: replay calls the module again, so its pre-hooks run again on them (None where no replay starts here).
+        self.args = args

@@ -122,6 +122,7 @@ class GlobalModuleHooks:
 
     def _model_returned(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
                         ) -> None:
+        __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if self._stack is None or self._attached:
             return  # a call made before the watch stepped aside (or after it ended)
         self._on()

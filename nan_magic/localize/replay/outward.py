@@ -36,7 +36,8 @@ def replay_outward(replayer: CallReplay, finding: Finding, call: Call, stack: Se
         if passed is None or not _replayable(outer, frame.rng_state):
             return
         with replayer.standing_aside():
-            result = replay_module(frame.module, *passed, rng_state=frame.rng_state, kinds=replayer.kinds,
+            args = passed[0] if frame.args is None else frame.args  # before the module's own pre-hooks (forward.py)
+            result = replay_module(frame.module, args, passed[1], rng_state=frame.rng_state, kinds=replayer.kinds,
                                    module_name=outer.name or "", autocast=outer.autocast)
         op = result.finding
         if op is not None and _within(op.module, call, outer):

@@ -342,17 +342,17 @@ class CallReplay:
                 return tensor
         return None
 
-    def replay_backward_into(self, finding: Finding, consumer: Call, target: TensorRecord) -> None:
+    def replay_backward_into(self, finding: Finding, consumer: Call, target: TensorRecord | None) -> None:
         """Replay the consumer whose backward made a gradient non-finite, to name the op and line.
 
-        Called from the gradient hook (immediate mode) while the consumer's
-        arguments may still be alive: autograd saves most of them for its
-        backward. ``target`` is the consumer's input whose gradient went bad.
+        Called from the gradient hook (immediate mode) while the consumer's arguments may still be alive:
+        autograd saves most of them for its backward. ``target`` is the consumer's input whose gradient went
+        bad; None: its parameters' (a parameter whose own gradient alone went bad, op_origins.py).
         """
         if consumer.held is None or not _replayable(consumer, consumer.rng_state):
             finding.notes.append(Note.of("backward-not-kept", module=consumer.name))
             return
-        chain: list[TensorRecord | Alias] = list(target.outward())
+        chain: list[TensorRecord | Alias] = list(target.outward()) if target is not None else []
         # The consumer may have received it through a pass-through (a dropout, an activation).
         mine = {id(record) for record in chain}
         chain += [held for held in consumer.held.records() if isinstance(held, Alias) and id(held.record) in mine]

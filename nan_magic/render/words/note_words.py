@@ -125,6 +125,10 @@ _TEMPLATES: dict[str, str] = {
     "batch-lacks": "the scene's batch lacks {paths}: freed or changed in place before the event",
     "input-freed": "the scene lacks the producer's {path}: it was freed before the event",
     "input-changed": "the scene lacks the producer's {path}: the producer changed it in place",
+    "fixes-per-call": "no fix was tried: a watch that checks every module call keeps no replay of the whole step to "
+                      "try one on (the default watch tries the remedies that fit on a replay of the failing step)",
+    "fixes-traced": "no fix was tried: a watch that traces every op keeps no replay of the whole step to try one on "
+                    "(the default watch tries the remedies that fit on a replay of the failing step)",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "needs-ranks": "no fix was tried under a process group of {ranks} ranks: {reason}, and the other ranks are not "
                    "replaying",
