@@ -53,3 +53,14 @@ def ip():
     shell.run_line_magic("load_ext", "nan_magic")
     yield shell
     shell.run_line_magic("unload_ext", "nan_magic")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module of small models (``pytestmark = pytest.mark.usefixtures(...)``): every op
+    there is smaller than the work of waking torch's thread pool, and on a busy machine the pool's threads wait for
+    cores (a healthy GPT-2 test took 3 s on the default two threads, 0.25 s on one). Put back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,12 +24,7 @@ import nan_magic
 NEG_INF = float("-inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 
 
 Build = Callable[[], tuple[tuple, nn.Module, Callable[[], list[torch.Tensor]]]]

@@ -19,13 +19,7 @@ from watching import FIVE_MODES
 import nan_magic
 from nan_magic.hot.kept import lines
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 
 
 def _cell(source: str, filename: str) -> object:

@@ -17,15 +17,7 @@ from watching import FIVE_MODES, raised
 
 import nan_magic
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Every op here is smaller than the work of waking torch's thread pool, and on a busy machine the pool's threads
-    wait for cores: a healthy GPT-2 test took 3 s on the default two threads, 0.25 s on one. Put back after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 
 
 #: Each idiom's unwatched outputs and final state, computed once for its five modes.
