@@ -339,6 +339,8 @@ class NodeSources:
     def record(self, node: int, code: CodeType, lineno: int) -> None:
         """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line)."""
         self._sources[node] = (code, lineno, None)
+        # Not named again by the next op's note (a custom Function's node is made after its forward's last op).
+        self._seen_seq = max(self._seen_seq, node + 1)
 
     def note(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Called by the tracer for each forward op, before it runs: note the lines of the nodes made since."""

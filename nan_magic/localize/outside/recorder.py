@@ -57,6 +57,7 @@ from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_op
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
+from nan_magic.localize.outside.applied import applied_calls
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
     KEEP_TOTAL,
@@ -314,6 +315,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._calls, self._last_frame = {}, None  # (no call: forgetting happens several times a step)
         self._held_bytes = 0
         self._rng = None
+        if self._applied:
+            self._applied = {}
         self._witness = None
         self._walked = (None, None)
         if self.before:
@@ -346,6 +349,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         running = still_running(held)
         if running == held:  # the usual loss: written in the loop's own frame, still running
             return
+        # (A custom Function's forward is such a frame: its apply, noted for a backward replay: outside/applied.py.)
+        self._applied.update(applied_calls(self._ops, held - running, running, self._calls))
         if self.holds_data:
             running |= small_frames(held - running)
             self._keep_calls(running)

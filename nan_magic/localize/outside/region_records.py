@@ -23,6 +23,7 @@ from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.applied import Applied, rerun_applied
 from nan_magic.localize.outside.held import small_frames, still_running
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
@@ -58,6 +59,9 @@ class RegionRecords:
         self._data_calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}  # held with ``_data``
         self._produced: dict[int, int] = {}  # id(output tensor) -> index of the op that returned it
         self._rng: RngState | None = None
+        # The custom Functions' applies among the ops, by the index of each one's first op (outside/applied.py):
+        # noted as their frames are let go, for a backward replay that runs their own backward.
+        self._applied: dict[int, Applied] = {}
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         # The last data region's records, kept by forget() until the deferred check has judged the batch they
@@ -234,13 +238,20 @@ class RegionRecords:
             copies, requiring = copies_from_outside(ops)
             # (The generators as the region's first random op found them: the same draws; the user's put back.)
             with torch.enable_grad(), generators_at(self._rng), tracer:
-                for op in ops:
+                index = 0
+                while index < len(ops):
                     before = torch._C._autograd._get_sequence_nr()
-                    rerun_op(op, copies)
-                    if op.code is not None:
+                    unit = self._applied.get(index)
+                    if unit is not None and rerun_applied(unit, self._ops, ops, copies, key):
+                        code, lineno, index = unit.code, unit.lineno, unit.last + 1  # its own backward: one node
+                    else:
+                        op = ops[index]
+                        rerun_op(op, copies)
+                        code, lineno, index = op.code, op.lineno, index + 1
+                    if code is not None:
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
-                            tracer.node_sources.record(node, op.code, op.lineno)
+                            tracer.node_sources.record(node, code, lineno)
                 replayed = copies[key]
                 if replayed.numel() != 1:
                     return None

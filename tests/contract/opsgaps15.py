@@ -1,0 +1,240 @@
+"""Op and line in the phases around the models (opsgaps15): the loss code's custom autograd.Function, no_grad, in-place.
+
+A custom ``autograd.Function`` whose backward divides by zero: the loss itself, called from a loss helper that
+returned, given a large input; one in a model's forward, its backward the producer. An op under ``torch.no_grad()``
+in the loss code; an in-place op on a model's output in the loss code; ``backward(retain_graph=True)`` twice.
+Each: module, phase, step, op and line, in every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from contract import Case, Expect, Scenario
+
+
+class RatioLoss(torch.autograd.Function):
+    """``-mean(log(p))`` as one Function, with a backward by hand: ``-g / (n p)``, 0 / 0 where p is 0 and g is."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(p)
+        return -torch.log(p.clamp_min(1e-12)).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (p,) = ctx.saved_tensors
+        return -grad / (p * p.numel())  # producer: ratio loss backward
+
+
+class ClampedLog(torch.autograd.Function):
+    """log with its input clamped; the backward forgets the clamp and the batch's scale (two arguments)."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        ctx.save_for_backward(p)
+        ctx.scale = scale
+        return torch.log(p.clamp_min(1e-12)) * scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (p,) = ctx.saved_tensors
+        return grad * ctx.scale / p, None  # producer: clamped log backward
+
+
+def _probabilities(rows: int = 3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def probabilities(step: int) -> torch.Tensor:
+        p = torch.sigmoid(model(torch.randn(rows, 4)))
+        if step == 2:
+            p = p * (torch.arange(rows) > 0).float().unsqueeze(-1)
+        return p
+    return model, opt, probabilities
+
+
+def _function_is_the_loss() -> Scenario:
+    """``loss = RatioLoss.apply(p)``: the Function returns the loss itself."""
+    model, opt, probabilities = _probabilities()
+
+    def run() -> None:
+        for step in range(4):
+            loss = RatioLoss.apply(probabilities(step))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def nll_of(p: torch.Tensor, scale: float) -> torch.Tensor:
+    """A loss helper the loop calls: its frame has returned when backward runs."""
+    return -ClampedLog.apply(p, scale).mean()
+
+
+def _function_in_a_loss_helper(rows: int = 3) -> Scenario:
+    model, opt, probabilities = _probabilities(rows)
+
+    def run() -> None:
+        for step in range(4):
+            loss = nll_of(probabilities(step), scale=0.5)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+class ClampGradInForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.abs().clamp_min(1e-6).sqrt()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / (2 * x.abs().sqrt())  # producer: model function backward
+
+
+class RootOfAbs(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ClampGradInForward.apply(x)
+
+
+def _function_in_the_model() -> Scenario:
+    """A Function in a model's forward; at step 2 its input holds a 0: its backward divides by 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), RootOfAbs(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight[0].zero_()
+                    model[0].bias[0].zero_()
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def _no_grad_weights_in_the_loss() -> Scenario:
+    """Per-row weights computed under ``no_grad`` in the loss code: 1 / a count that is 0 at step 2."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> None:
+        for step in range(4):
+            out = model(torch.randn(5, 4))
+            keep = torch.full((5, 3), step != 2)
+            with torch.no_grad():
+                weights = 1.0 / keep.sum(-1, keepdim=True).float()  # producer: no_grad weights
+            loss = (out.pow(2) * weights).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def _in_place_on_a_model_output() -> Scenario:
+    """The loss code scales the model's output in place by its rows' sizes, a row of which is 0 at step 2."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            out = model(torch.randn(5, 4))
+            size = out.detach().abs().sum(-1, keepdim=True) * ((torch.arange(5) > 0) | (step != 2)).unsqueeze(-1)
+            out.div_(size)  # producer: in-place scale
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def _rows_zeroed_at_2(model: nn.Module, step: int) -> torch.Tensor:
+    out = model(torch.randn(3, 4))
+    return out * torch.tensor([[0.0], [1.0], [1.0]]) if step == 2 else out
+
+
+def _retained_backward_twice() -> Scenario:
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()``: the loss's sqrt backward is 1 / 0 at step 2."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            loss = _rows_zeroed_at_2(model, step).pow(2).sum(-1).sqrt().sum()  # producer: retained sqrt
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def _second_loss_through_a_retained_graph() -> Scenario:
+    """A first loss's backward keeps the graph; a second loss on the same output, computed after it, is the one
+    whose backward (its sqrt's, 1 / 0 at step 2) goes bad."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            out = _rows_zeroed_at_2(model, step)
+            opt.zero_grad()
+            out.pow(2).mean().backward(retain_graph=True)
+            aux = out.pow(2).sum(-1).sqrt().sum()  # producer: second loss sqrt
+            aux.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+#: Why the large input's case names no op but in ops mode.
+LARGE_INPUT = (
+    "the loss code's tensors over 1 MiB (outside/held.py's KEEP_BYTES) are held only weakly through backward, and "
+    "backward has freed them (the Function's saved input is released as its node runs) before the gradient into "
+    "the model's output is judged: the replay of the recorded ops has nothing to start from (recorded_ops.Gone), as "
+    "for any large loss code; ops=True traces the real backward")
+#: Why the in-place case is wrong but in ops mode.
+IN_PLACE = (
+    "the phase is wrong (data, no op): the loss code's replay copies the model's output as it is at the event, "
+    "after the recorded div_ wrote it, so the first recorded op that reads it (abs) finds it already non-finite. "
+    "The recorder copies a value before an in-place write only in the data region (recorder.on_write); the loss "
+    "region would need the same (in __torch_dispatch__, hot15's) or a replay of the model call for the output")
+#: Why the second loss's case names no op but in ops mode.
+SECOND_LOSS = (
+    "the second loss is computed after the first backward returned: that code is the update region, recorded "
+    "only from its first parameter write (outside/loop_writes.py), so the loss code's replay has the first "
+    "loss's records only and finds no op of the second; a retained graph's backward could start a loss region "
+    "there instead")
+
+CASES = [
+    Case("opsgaps15_custom_function_returns_the_loss", _function_is_the_loss,
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="ratio loss backward")),
+    Case("opsgaps15_custom_function_in_a_returned_loss_helper", _function_in_a_loss_helper,
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="clamped log backward")),
+    Case("opsgaps15_custom_function_in_a_loss_helper_large_input", lambda: _function_in_a_loss_helper(300_000),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="clamped log backward"),
+         gaps=tuple((mode, LARGE_INPUT) for mode in ("default", "defer", "full"))),
+    Case("opsgaps15_custom_function_in_the_model_backward", _function_in_the_model,
+         Expect("backward", "1", "RootOfAbs", step=2, op="aten.div.Tensor", marker="model function backward")),
+    Case("opsgaps15_no_grad_block_in_the_loss_code", _no_grad_weights_in_the_loss,
+         Expect("forward", None, step=2, op="aten.reciprocal.default", marker="no_grad weights")),
+    Case("opsgaps15_in_place_op_on_a_model_output_in_the_loss", _in_place_on_a_model_output,
+         Expect("forward", None, step=2, op="aten.div_.Tensor", marker="in-place scale"),
+         gaps=tuple((mode, IN_PLACE) for mode in ("default", "defer", "full"))),
+    Case("opsgaps15_backward_retain_graph_twice", _retained_backward_twice,
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="retained sqrt")),
+    Case("opsgaps15_second_loss_through_a_retained_graph", _second_loss_through_a_retained_graph,
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="second loss sqrt"),
+         gaps=tuple((mode, SECOND_LOSS) for mode in ("default", "defer", "full"))),
+]
