@@ -365,12 +365,7 @@ INCIDENTS = {
 }
 
 #: (case, mode) pairs that do not work yet, and why.
-_NOT_YET: dict[tuple[str, str], str] = {
-    ("gpt2-checkpointed-block-backward", "full"): (
-        "gradient checkpointing frees the block's activations: the consumer's arguments are gone when the per-module "
-        "watch checks its gradient (cannot-replay, held-freed), so the module is named but not the op; the report "
-        "says so and points to ops=True"),
-}
+_NOT_YET: dict[tuple[str, str], str] = {}
 
 
 def _incident_params():

@@ -21,7 +21,7 @@ backward op, its autograd node and the forward line that created the node.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from nan_magic.distributed.ranks import qualified
+from nan_magic.hot.kept.call_records import Call
 from nan_magic.hot.kept.held import HeldArguments, Regenerate
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
@@ -45,6 +46,7 @@ __all__ = [
     "ANOMALY_STOP",
     "ReplayResult",
     "copy_tensors",
+    "enclosing_output",
     "map_tensors",
     "recompute",
     "replay_backward",
@@ -350,6 +352,28 @@ def recompute(
     if isinstance(arguments, Note):
         return None
     return run_again(module, arguments.args, arguments.kwargs, rng_state, autocast)
+
+
+def enclosing_output(call: Call, calls: Iterable[Call], regenerate: Regenerate) -> Any:
+    """What ``call`` returned, from a run of its enclosing call again (:func:`run_again`) whose arguments are
+    held; None where they are not. For a call whose own argument was made in the enclosing call's code and
+    freed (gradient checkpointing frees a block's activations; the block's input stays, for its recompute)."""
+    parent = call.parent
+    if (parent is None or parent.module is None or parent.held is None
+            or (parent.rng_state is None and not (parent.info is not None and parent.info.deterministic))):
+        return None
+    arguments = parent.held.resolve(regenerate)
+    siblings = [other for other in calls if other.parent is parent and other.module is call.module]
+    ordinal = next((index for index, other in enumerate(siblings) if other is call), None)
+    if isinstance(arguments, Note) or ordinal is None:
+        return None
+    seen: list[Any] = []
+    handle = call.module.register_forward_hook(lambda _module, _args, output: seen.append(output))
+    try:
+        run_again(parent.module, arguments.args, arguments.kwargs, parent.rng_state, parent.autocast)
+    finally:
+        handle.remove()
+    return seen[ordinal] if ordinal < len(seen) else None
 
 
 def run_again(

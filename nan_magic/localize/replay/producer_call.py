@@ -1,20 +1,16 @@
 """Replaying one module call: to name the op and line inside a producer, forward or backward.
 
-A producer found at a module's boundary is run again alone under the op
-tracer (replay/module_run.py): from its running frame's arguments (immediate mode), or
-from what its call kept (held.py) at the deferred check, a freed argument
-recomputed from the call that returned it. A backward producer's forward and
-backward are replayed from the gradient hook that found it.
+A producer found at a module's boundary is run again alone under the op tracer (replay/module_run.py): from its
+running frame's arguments (immediate mode), or from what its call kept (held.py) at the deferred check, a freed
+argument recomputed from the call that returned it (or from its enclosing call). A backward producer's forward
+and backward are replayed from the gradient hook that found it.
 
-Who calls whom: the forward hooks (forward.py) ask :class:`CallReplay`
-whether calls keep their arguments (:attr:`~CallReplay.keeps_calls`,
-:meth:`~CallReplay.classify`); the producer rule (producer.py) replays a
-forward producer (:meth:`~CallReplay.replay_into`,
-:meth:`~CallReplay.replay_deferred`); the gradient checks (gradients.py)
-receive :meth:`~CallReplay.replay_backward_into` as a callable from the
-watch; the step replay and :meth:`Watch.listening` use
-:meth:`~CallReplay.standing_aside`. This module calls none of them: it gets
-the step's log, the config and ``emit`` at construction.
+Who calls whom: the forward hooks (forward.py) ask :class:`CallReplay` whether calls keep their arguments
+(:attr:`~CallReplay.keeps_calls`, :meth:`~CallReplay.classify`); the producer rule (producer.py) replays a forward
+producer (:meth:`~CallReplay.replay_into`, :meth:`~CallReplay.replay_deferred`); the gradient checks
+(gradients.py) receive :meth:`~CallReplay.replay_backward_into` as a callable from the watch; the step replay and
+:meth:`Watch.listening` use :meth:`~CallReplay.standing_aside`. This module calls none of them: it gets the step's
+log, the config and ``emit`` at construction.
 """
 
 from __future__ import annotations
@@ -38,6 +34,7 @@ from nan_magic.hot.timing import Timing
 from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.module_run import (
+    enclosing_output,
     recompute,
     replay_backward,
     replay_module,
@@ -316,12 +313,12 @@ class CallReplay:
             finding.notes.append(Note.of("freed-recomputed", path=str(record.path), module=call.name))
 
     def _regenerate(self, record: TensorRecord | Alias, depth: int = 0) -> torch.Tensor | None:
-        """A freed module output, recomputed by replaying the call that returned it.
+        """A freed module output, recomputed by replaying the call that returned it, else its enclosing call.
 
-        Its own freed inputs are recomputed the same way, up to
-        :data:`REGENERATE_DEPTH` calls back. The value is the one the
-        consumer saw only when the tensor was not changed in place in
-        between; :meth:`HeldArguments.resolve` checked the version.
+        Its own freed inputs are recomputed the same way, up to :data:`REGENERATE_DEPTH` calls back; one made in
+        the enclosing call's own code (a block's residual sum, freed by gradient checkpointing) by replaying that
+        call. The value is the one the consumer saw only when the tensor was not changed in place in between;
+        :meth:`HeldArguments.resolve` checked the version.
         """
         if depth >= REGENERATE_DEPTH:
             return None
@@ -337,6 +334,8 @@ class CallReplay:
         output = recompute(
             call.module, call.held, call.rng_state, lambda inner: self._regenerate(inner, depth + 1), call.autocast
         )
+        if output is None:
+            output = enclosing_output(call, self._log.calls, lambda inner: self._regenerate(inner, depth + 1))
         for path, tensor in iter_tensors(output, "output"):
             if path == record.path:
                 return tensor
