@@ -1,9 +1,10 @@
-"""Op and line in the phases around the models (opsgaps15): the loss code's custom autograd.Function, no_grad, in-place.
+"""Op and line in the phases around the models (opsgaps15): a custom autograd.Function, hooks, update code.
 
 A custom ``autograd.Function`` whose backward divides by zero: the loss itself, called from a loss helper that
 returned, given a large input; one in a model's forward, its backward the producer. An op under ``torch.no_grad()``
-in the loss code; an in-place op on a model's output in the loss code; ``backward(retain_graph=True)`` twice.
-Each: module, phase, step, op and line, in every mode.
+in the loss code; an in-place op on a model's output in the loss code; ``backward(retain_graph=True)`` twice, and a
+second loss through a retained graph; a user's gradient hook on a model output and on a parameter; update code
+that divides the gradients by their norms. Each: module, phase, step, op and line, in every mode.
 """
 
 from __future__ import annotations
@@ -237,4 +238,87 @@ CASES = [
     Case("opsgaps15_second_loss_through_a_retained_graph", _second_loss_through_a_retained_graph,
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="second loss sqrt"),
          gaps=tuple((mode, SECOND_LOSS) for mode in ("default", "defer", "full"))),
+]
+
+
+def _hook_on_a_model_output() -> Scenario:
+    """A user's gradient hook on the model's output normalises each row of the gradient: a zero row at step 2."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            out = model(torch.randn(5, 4))
+            out.register_hook(lambda g: g / g.norm(dim=-1, keepdim=True))  # producer: output hook
+            weight = torch.ones(5, 1)
+            if step == 2:
+                weight[0] = 0.0
+            loss = (out * weight).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def _hook_on_a_parameter() -> Scenario:
+    """A user's gradient hook on a weight scales its gradient by its largest value: all zero at step 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[1].weight.register_hook(lambda g: g / g.abs().max())  # producer: parameter hook
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        for step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean() * (0 if step == 2 else 1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+def _update_code_normalises_gradients() -> Scenario:
+    """The loop divides each gradient by its norm between backward and step: a zero gradient at step 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> None:
+        for step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean() * (0 if step == 2 else 1)
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                p.grad.div_(p.grad.norm())  # producer: update normalise
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+#: Why a user's hook on a model output names no op but in ops mode.
+OUTPUT_HOOK = (
+    "the watch's gradient check on the model's output runs before the user's hook (registered at the forward, the "
+    "user's after it returned), so it sees the finite gradient; the parameters' gradients are caught at the "
+    "optimizer step, and the step replay's outputs carry no user hook: its backward stays finite (not "
+    "reproduced). The replay could carry the output's user hooks (tensor._backward_hooks) to its own outputs")
+#: Why a user's hook on a parameter names no op in mode="full".
+PARAMETER_HOOK = (
+    "the per-module watch replays the owner's call with a gradient of ones into its outputs (module_run."
+    "replay_backward: the real one is not kept), so the hook's g / max|g| sees no all-zero gradient and stays "
+    "finite; the default watch's step replay runs the loss code (times 0) and names it")
+#: Why gradients written by the loop's update code name no op but in ops mode.
+GRADIENT_WRITES = (
+    "the update region (backward() to opt.step()) is recorded from its first write to a parameter "
+    "(outside/loop_writes.py); p.grad.div_() writes a gradient, not a parameter, so nothing is recorded, and the "
+    "step replay's backward is finite (not reproduced); the report's hint to mode='full' names no op either")
+
+CASES += [
+    Case("opsgaps15_gradient_hook_on_a_model_output", _hook_on_a_model_output,
+         Expect("backward", "", step=2, op="aten.div.Tensor", marker="output hook"),
+         gaps=tuple((mode, OUTPUT_HOOK) for mode in ("default", "defer", "full"))),
+    Case("opsgaps15_gradient_hook_on_a_parameter", _hook_on_a_parameter,
+         Expect("backward", "1", step=2, op="aten.div.Tensor", marker="parameter hook"),
+         gaps=(("full", PARAMETER_HOOK),)),
+    Case("opsgaps15_update_code_normalises_gradients", _update_code_normalises_gradients,
+         Expect("backward", "0", step=2, op="aten.div_.Tensor", marker="update normalise"),
+         gaps=tuple((mode, GRADIENT_WRITES) for mode in ("default", "defer", "full"))),
 ]
