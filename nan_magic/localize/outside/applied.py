@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.hot.kept.lines import line_at
-from nan_magic.localize.outside.recorded_ops import RecordedOp, alive, record_key, weak_record
+from nan_magic.localize.outside.recorded_ops import Gone, RecordedOp, alive, record_key, weak_record
 
 __all__ = ["Applied", "applied_calls", "rerun_applied"]
 
@@ -104,7 +104,8 @@ def rerun_applied(unit: Applied, recorded: list[RecordedOp], ops: list[RecordedO
                   key: int) -> bool:
     """``unit``'s ``apply`` again on the replay's tensors (``copies``, by recorded id), its outputs put in
     ``copies`` under the ids of the tensors its recorded ops made that the later ``ops`` read (or the loss,
-    ``key``), in the order made; False where they do not pair one to one (its ops are then run one by one)."""
+    ``key``), in the order made; False where they do not pair one to one, or the apply raised (its ops are then
+    run one by one)."""
     span = recorded[unit.first: unit.last + 1]
     read_after = {record_key(value) for op in ops[unit.last + 1:] for value in tree_leaves((op.args, op.kwargs))}
     read_after.add(key)
@@ -119,7 +120,12 @@ def rerun_applied(unit: Applied, recorded: list[RecordedOp], ops: list[RecordedO
         # An argument no recorded op read (saved for backward only): its value, outside this replay's graph.
         return copies[arg_key] if arg_key in copies else alive(value).detach()
 
-    out = unit.function.apply(*tree_map(swap, unit.args), **tree_map(swap, unit.kwargs))  # type: ignore[attr-defined]
+    try:
+        out = unit.function.apply(*tree_map(swap, unit.args), **tree_map(swap, unit.kwargs))  # type: ignore[attr-defined]
+    except Gone:
+        raise
+    except Exception:  # (a Function that cannot run twice, or not on copies: its ops are run one by one)
+        return False
     outs = [value for value in tree_leaves(out) if isinstance(value, torch.Tensor)]
     if len(outs) != len(made):
         return False

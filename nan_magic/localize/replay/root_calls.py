@@ -172,7 +172,8 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                 if not backward:
                     outcome.boundary = _stats_at(output, _output_path(boundary))
                 else:
-                    outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs)
+                    outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs,
+                                                       _originals(root))
                     tracer = inner.origins.tracer
                     started = [origin for origin in tracer.started if origin.phase == Phase.BACKWARD] if (
                         anomaly and inner.report is None and tracer is not None) else []
@@ -210,3 +211,11 @@ def _stats_at(output: Any, path: str | None) -> TensorStats | None:
         if tensor_path == path:
             return tensor_stats(tensor)
     return None
+
+
+def _originals(root: RootCall) -> dict[str, torch.Tensor]:
+    """The call's outputs that are still alive, by path (a user's gradient hook on one runs in the replay too)."""
+    if root.call is None:
+        return {}
+    alive = ((str(record.path), record.ref()) for record in root.call.outputs)
+    return {path: tensor for path, tensor in alive if tensor is not None}

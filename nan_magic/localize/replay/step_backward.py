@@ -93,7 +93,8 @@ class ReplayWatch(Protocol):
 
 
 def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[str, torch.Tensor], output: Any,
-                    boundary: TensorRef | None, inputs: list[torch.Tensor]) -> TensorStats | None:
+                    boundary: TensorRef | None, inputs: list[torch.Tensor],
+                    originals: dict[str, torch.Tensor] | None = None) -> TensorStats | None:
     """A model call's backward, replayed from its captured output gradients into scratch gradients.
 
     The nested watch sees the gradients flowing into each module; a
@@ -101,8 +102,17 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
     weight gradient) is found among the returned gradients. ``inputs``
     are the argument copies that require gradients (differentiated too,
     so a frozen model's backward runs). Returns the stats of the
-    parameter gradient named by ``boundary``.
+    parameter gradient named by ``boundary``. ``originals``: the call's
+    outputs still alive, by path: the gradient captured is the one the
+    watch's hook saw, before the user's hooks on that output ran (they were
+    registered after it), so theirs run on the replay's output too.
     """
+    for path, tensor in iter_tensors(output, "output"):
+        original = (originals or {}).get(path)
+        hooks = getattr(original, "_backward_hooks", None) or {}
+        for hook in list(hooks.values()):
+            if tensor.requires_grad and not _ours(hook):
+                tensor.register_hook(hook)
     pairs = _outermost([
         (tensor, _finite_part(output_grads[path]))
         for path, tensor in iter_tensors(output, "output")
@@ -129,6 +139,11 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
             inner.origins.add_op_origin(finding, grad)
             inner.emit(finding)
     return found
+
+
+def _ours(hook: Any) -> bool:
+    """Whether a tensor hook is the watch's (a partial of its gradient check), not the user's."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("nan_magic.")
 
 
 # The patch of CheckpointFunction.apply is the process's while any replay runs (patches.py counts the
