@@ -205,12 +205,12 @@ LARGE_INPUT = (
     "backward has freed them (the Function's saved input is released as its node runs) before the gradient into "
     "the model's output is judged: the replay of the recorded ops has nothing to start from (recorded_ops.Gone), as "
     "for any large loss code; ops=True traces the real backward")
-#: Why the in-place case is wrong but in ops mode.
+#: Why the in-place case names no op but in ops mode (its phase is right: tests/test_loss_code_in_place.py).
 IN_PLACE = (
-    "the phase is wrong (data, no op): the loss code's replay copies the model's output as it is at the event, "
-    "after the recorded div_ wrote it, so the first recorded op that reads it (abs) finds it already non-finite. "
+    "the loss code's replay copies the model's output as it is at the event, after the recorded div_ wrote it, so "
+    "the first recorded op that reads it (through out.detach()) finds it already non-finite and no op is claimed. "
     "The recorder copies a value before an in-place write only in the data region (recorder.on_write); the loss "
-    "region would need the same (in __torch_dispatch__, hot15's) or a replay of the model call for the output")
+    "region would need the same (in __torch_dispatch__, hot15's) or the model call run again for its output")
 #: Why the second loss's case names no op but in ops mode.
 SECOND_LOSS = (
     "the second loss is computed after the first backward returned: that code is the update region, recorded "
@@ -322,4 +322,36 @@ CASES += [
     Case("opsgaps15_update_code_normalises_gradients", _update_code_normalises_gradients,
          Expect("backward", "0", step=2, op="aten.div_.Tensor", marker="update normalise"),
          gaps=tuple((mode, GRADIENT_WRITES) for mode in ("default", "defer", "full"))),
+]
+
+
+class LogNoClamp(torch.autograd.Function):
+    """log with a backward by hand; its forward is the producer (log of 0)."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(p)
+        return torch.log(p)  # producer: function forward log
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (p,) = ctx.saved_tensors
+        return grad / p
+
+
+def _function_forward_in_the_loss() -> Scenario:
+    model, opt, probabilities = _probabilities()
+
+    def run() -> None:
+        for step in range(4):
+            loss = -LogNoClamp.apply(probabilities(step)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+CASES += [
+    Case("opsgaps15_custom_function_forward_in_the_loss", _function_forward_in_the_loss,
+         Expect("forward", None, step=2, op="aten.log.default", marker="function forward log")),
 ]

@@ -40,6 +40,7 @@ from nan_magic.hot.checks.loss_region import loss_region_nodes
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask
+from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.outside.recorded_ops import WeakRecord, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder
 
@@ -108,15 +109,39 @@ def recorded_leaves(recorder: OutsideRecorder | None, key: int) -> list[tuple[st
     if found is None:
         return None
     leaves: dict[int, tuple[str, torch.Tensor]] = {}
-    for op in found[0]:
+    # A tensor that this op or a later one wrote in place no longer holds what the op read (``out.div_(size)``
+    # on a model's output, through ``out.detach()`` before it): its value now is that write's, not data's.
+    written_from = _written_from(found[0])
+    for index, op in enumerate(found[0]):
         schema = getattr(op.func, "_schema", None)
         names = [argument.name for argument in schema.arguments] if schema is not None else []
         for name, value in [*zip(names, op.args), *op.kwargs.items()]:
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 tensor = _recorded_leaf(item)
-                if tensor is not None and id(tensor) not in leaves:
+                if tensor is not None and id(tensor) not in leaves and written_from.get(_storage(tensor), -1) < index:
                     leaves[id(tensor)] = (f"{name} of {op.func}", tensor)
     return list(leaves.values())
+
+
+def _written_from(ops: list[Any]) -> dict[int | None, int]:
+    """The storages the recorded ``ops`` wrote in place, each with the index of the last op that wrote it."""
+    written: dict[int | None, int] = {}
+    for index, op in enumerate(ops):
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if plan is not None and plan.writes:
+            for _label, value in tensors(plan, op.args, op.kwargs, plan.writes):
+                tensor = value.ref() if isinstance(value, WeakRecord) else value
+                if isinstance(tensor, torch.Tensor):
+                    written[_storage(tensor)] = index
+    written.pop(None, None)
+    return written
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested, a subclass)
+        return None
 
 
 def recorded_in_full(recorder: OutsideRecorder | None, key: int, seen: Callable[[torch.Tensor], bool]) -> bool:
