@@ -355,3 +355,37 @@ CASES += [
     Case("opsgaps15_custom_function_forward_in_the_loss", _function_forward_in_the_loss,
          Expect("forward", None, step=2, op="aten.log.default", marker="function forward log")),
 ]
+
+
+class LogAndDouble(torch.autograd.Function):
+    """Two outputs, the second made first; the loss reads only the first (the log): its backward is g / p."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(p)
+        double = p * 2
+        return torch.log(p.clamp_min(1e-12)), double
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, grad_double: torch.Tensor) -> torch.Tensor:
+        (p,) = ctx.saved_tensors
+        return grad / p + 2 * grad_double  # producer: two outputs backward
+
+
+def _function_with_an_unused_output() -> Scenario:
+    model, opt, probabilities = _probabilities()
+
+    def run() -> None:
+        for step in range(4):
+            log_p, _double = LogAndDouble.apply(probabilities(step))
+            loss = -log_p.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+CASES += [
+    Case("opsgaps15_custom_function_with_an_unused_output", _function_with_an_unused_output,
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="two outputs backward")),
+]

@@ -104,14 +104,17 @@ def rerun_applied(unit: Applied, recorded: list[RecordedOp], ops: list[RecordedO
                   key: int) -> bool:
     """``unit``'s ``apply`` again on the replay's tensors (``copies``, by recorded id), its outputs put in
     ``copies`` under the ids of the tensors its recorded ops made that the later ``ops`` read (or the loss,
-    ``key``), in the order made; False where they do not pair one to one, or the apply raised (its ops are then
-    run one by one)."""
+    ``key``): each by the recorded value it equals, else one to one in the order made; False where they do not
+    pair, or the apply raised (its ops are then run one by one)."""
     span = recorded[unit.first: unit.last + 1]
     read_after = {record_key(value) for op in ops[unit.last + 1:] for value in tree_leaves((op.args, op.kwargs))}
     read_after.add(key)
-    made = [made_key for op in span for made_key in map(record_key, tree_leaves(op.out))
-            if made_key is not None and made_key in read_after]
-    made = list(dict.fromkeys(made))
+    inside: dict[int, Any] = {}
+    for op in span:
+        for value in tree_leaves(op.out):
+            if (made_key := record_key(value)) is not None:
+                inside.setdefault(made_key, value)
+    made = [made_key for made_key in inside if made_key in read_after]
 
     def swap(value: Any) -> Any:
         arg_key = record_key(value)
@@ -127,7 +130,26 @@ def rerun_applied(unit: Applied, recorded: list[RecordedOp], ops: list[RecordedO
     except Exception:  # (a Function that cannot run twice, or not on copies: its ops are run one by one)
         return False
     outs = [value for value in tree_leaves(out) if isinstance(value, torch.Tensor)]
-    if len(outs) != len(made):
-        return False
-    copies.update(zip(made, outs))
+    # Each output paired with the value its forward's op made (the order made need not be the order returned;
+    # ``a, _ = Pair.apply(p)`` leaves an output no later op read); else, one to one, in the order made.
+    paired: dict[int, torch.Tensor] = {}
+    for new in outs:
+        match = next((made_key for made_key in made if made_key not in paired and _same(new, inside[made_key])), None)
+        if match is not None:
+            paired[match] = new
+    if len(paired) < len(made):
+        if len(outs) != len(made):
+            return False
+        paired = dict(zip(made, outs))
+    copies.update(paired)
     return True
+
+
+def _same(new: torch.Tensor, recorded: Any) -> bool:
+    """Whether the replay's ``new`` holds what the recorded tensor holds (NaN equal to NaN), where it is known."""
+    try:
+        old = alive(recorded)
+    except Gone:
+        return False
+    return (new.shape == old.shape and new.dtype == old.dtype
+            and bool(torch.equal(torch.nan_to_num(new.detach()), torch.nan_to_num(old.detach()))))
