@@ -389,3 +389,28 @@ CASES += [
     Case("opsgaps15_custom_function_with_an_unused_output", _function_with_an_unused_output,
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="two outputs backward")),
 ]
+
+
+def _data_code_standardises_in_place() -> Scenario:
+    """The loop standardises each batch in place; batch 2 has a constant column: 0 / 0."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = [torch.randn(5, 4) for _ in range(4)]
+    batches[2][:, 1] = 3.0
+
+    def run() -> None:
+        for step in range(4):
+            x = batches[step]
+            x.sub_(x.mean(0)).div_(x.std(0))  # producer: standardise in place
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+CASES += [
+    Case("opsgaps15_data_code_standardises_a_batch_in_place", _data_code_standardises_in_place,
+         Expect("data", "", step=2, op="aten.div_.Tensor", marker="standardise in place")),
+]
