@@ -28,6 +28,8 @@ class OpWitnesses:
 
     def __init__(self) -> None:
         self._tensors: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
+        # Their version counters when the op ran: a tensor written in place since no longer shows what it made.
+        self._versions: dict[int, tuple[int | None, ...]] = {}
         self._frames: dict[int, LineEnd] = {}
         #: How a replay reached the frame (sources.replayed_calls); absent for a live trace's.
         self._calls: dict[int, tuple[Caller | None, Chain]] = {}
@@ -35,6 +37,7 @@ class OpWitnesses:
     def note(self, finding: OpFinding, tensors: Sequence[tuple[str, weakref.ref[torch.Tensor]]],
              frame: FrameType | None) -> None:
         self._tensors[id(finding)] = tuple(tensors)
+        self._versions[id(finding)] = tuple(_version(ref()) for _label, ref in tensors)
         if frame is not None:
             self._frames[id(finding)] = after_line(frame)
             calls = replayed_calls(frame)
@@ -45,6 +48,7 @@ class OpWitnesses:
         """Forget every finding's witnesses but those of ``findings`` (a new step)."""
         kept = {id(finding) for finding in findings}
         self._tensors = {key: value for key, value in self._tensors.items() if key in kept}
+        self._versions = {key: value for key, value in self._versions.items() if key in kept}
         self._frames = {key: value for key, value in self._frames.items() if key in kept}
         self._calls = {key: value for key, value in self._calls.items() if key in kept}
 
@@ -62,7 +66,19 @@ class OpWitnesses:
         An intermediate output is often freed by the boundary where it is
         claimed: the finding's statistics then stand for it and its inputs.
         """
-        alive = [(label, ref()) for label, ref in self._tensors.get(id(finding), ())]
+        # An in-place op's own write moves its version once more, after the op returned (autograd's bump).
+        slack = (0, 1) if finding.op.partition(".")[2].partition(".")[0].endswith("_") else (0,)
+        alive: list[tuple[str, torch.Tensor | None]] = []
+        for (label, ref), noted in zip(self._tensors.get(id(finding), ()), self._versions.get(id(finding), ())):
+            tensor = ref()
+            if tensor is not None and noted is not None and (_version(tensor) or 0) - noted not in slack:
+                tensor = None  # written in place since (``q /= q.sum(1)`` after ``q = exp(s)``): not what it was
+            alive.append((label, tensor))
         if not alive or alive[0][1] is None:
-            return ()
+            return ()  # (the finding's statistics, taken as the op ran, stand for the output and its inputs)
         return tuple((label, tensor.detach().clone()) for label, tensor in alive if tensor is not None)
+
+
+def _version(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's version counter; None for an inference tensor (it has none) or a tensor gone."""
+    return tensor._version if tensor is not None and not tensor.is_inference() else None
