@@ -45,6 +45,15 @@ def _log_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _gamma_hint(event: Report, cause: Cause) -> str:
+    zeros, negatives, base = cause.fact("zeros"), cause.fact("negatives"), cause.fact("base")
+    return (
+        f"{base} got {zeros} zeros and {negatives} negatives in {input_named(event, zeros, negatives)}: it is "
+        "infinite at 0 and at each negative integer (lgamma(x) ~ -log(x) near 0); keep its argument positive, "
+        "e.g. a dispersion or concentration as softplus(x) + 1e-4 rather than exp(x), which underflows to 0"
+    )
+
+
 def _number_hint(event: Report, cause: Cause) -> str:
     given = ", ".join(f"{input_label(event, name)} = {value}" for name, value in event.nonfinite_numbers)
     return (
@@ -321,6 +330,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
+    "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
