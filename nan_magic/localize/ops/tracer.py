@@ -289,7 +289,6 @@ class OpTracer(TorchDispatchMode):
             outputs = list(tensors(plan, args, kwargs, plan.writes))
         bad = self._known.suspects(outputs)
         if bad:
-
             positions = list_positions(plan, args, kwargs, out) if plan.per_index else {}
 
             def inputs_of(label: str) -> list[tuple[str, Any]]:
@@ -387,7 +386,7 @@ class OpTracer(TorchDispatchMode):
                     self.benign_modules.add(self._module_name())
             elif not called_by_us():
                 new = frozenset(out_kinds - held) or out_kinds
-                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed)
+                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed, in_place)
                 self._origins.note(tensor, origin, in_place)
                 self._report(origin)
             if self.finding is not None:
@@ -408,6 +407,7 @@ class OpTracer(TorchDispatchMode):
         priors: dict[int, Prior],
         in_backward: bool,
         absorbed: Origin | None,
+        in_place: bool = False,
     ) -> Origin:
         """An origin: this op made ``tensor`` non-finite from finite or benign inputs."""
         node = torch._C._current_autograd_node() if in_backward else None
@@ -455,7 +455,7 @@ class OpTracer(TorchDispatchMode):
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None
-        self.witnesses.note(finding, witnesses, frame)
+        self.witnesses.note(finding, witnesses, frame, in_place)
         self.started.append(finding)
         origin = Origin(finding)
         if not in_backward:

@@ -35,9 +35,12 @@ class OpWitnesses:
         self._calls: dict[int, tuple[Caller | None, Chain]] = {}
 
     def note(self, finding: OpFinding, tensors: Sequence[tuple[str, weakref.ref[torch.Tensor]]],
-             frame: FrameType | None) -> None:
+             frame: FrameType | None, in_place: bool = False) -> None:
         self._tensors[id(finding)] = tuple(tensors)
-        self._versions[id(finding)] = tuple(_version(ref()) for _label, ref in tensors)
+        # (An in-place op's output moves once more after the op returns: autograd's bump, counted here.)
+        self._versions[id(finding)] = tuple(
+            None if (version := _version(ref())) is None else version + (in_place and index == 0)
+            for index, (_label, ref) in enumerate(tensors))
         if frame is not None:
             self._frames[id(finding)] = after_line(frame)
             calls = replayed_calls(frame)
@@ -66,12 +69,10 @@ class OpWitnesses:
         An intermediate output is often freed by the boundary where it is
         claimed: the finding's statistics then stand for it and its inputs.
         """
-        # An in-place op's own write moves its version once more, after the op returned (autograd's bump).
-        slack = (0, 1) if finding.op.partition(".")[2].partition(".")[0].endswith("_") else (0,)
         alive: list[tuple[str, torch.Tensor | None]] = []
         for (label, ref), noted in zip(self._tensors.get(id(finding), ()), self._versions.get(id(finding), ())):
             tensor = ref()
-            if tensor is not None and noted is not None and (_version(tensor) or 0) - noted not in slack:
+            if tensor is not None and noted is not None and _version(tensor) != noted:
                 tensor = None  # written in place since (``q /= q.sum(1)`` after ``q = exp(s)``): not what it was
             alive.append((label, tensor))
         if not alive or alive[0][1] is None:
