@@ -144,6 +144,13 @@ def _gamma(report: Report) -> Cause:
                        negatives=operand.negatives)
 
 
+def _atanh(report: Report) -> Cause:
+    """artanh(x) = log((1 + x) / (1 - x)) / 2: ±inf at ±1, NaN past them (a Poincaré ball's norm at its edge)."""
+    if not report.nan + report.posinf + report.neginf:
+        return overflow(report)
+    return event_cause("log-domain", "atanh-edge", report, base=op_function(report.op))
+
+
 def _ctc(report: Report) -> Cause:
     if report.posinf and not report.nan + report.neginf:
         return event_cause("ctc-infeasible", "ctc-infeasible", report)
@@ -163,6 +170,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("weight_norm_interface", "weight_norm"), _weight_norm),
     **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
+    **dict.fromkeys(("atanh", "arctanh"), _atanh),
 }
 
 

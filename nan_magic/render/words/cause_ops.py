@@ -54,6 +54,15 @@ def _gamma_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _atanh_hint(event: Report, cause: Cause) -> str:
+    edge, past = event.posinf + event.neginf, event.nan
+    return (
+        f"{cause.fact('base')} in {where(event)} got {edge} values at ±1 and {past} past them: artanh(x) = "
+        "log((1 + x) / (1 - x)) / 2 is ±inf at ±1 and NaN beyond; clamp its input to (-1 + eps, 1 - eps) "
+        "(1 - 1e-5 in float32; a norm projected onto a unit ball's edge rounds to 1)"
+    )
+
+
 def _number_hint(event: Report, cause: Cause) -> str:
     given = ", ".join(f"{input_label(event, name)} = {value}" for name, value in event.nonfinite_numbers)
     return (
@@ -331,6 +340,7 @@ OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
+    "atanh-edge": on_event(_atanh_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
