@@ -605,3 +605,144 @@ CASES += [
          gaps=tuple((mode, GRADIENT_PENALTY) for mode in ("default", "defer", "full"))),
     Case("hunt15_gradient_penalty_by_norm_healthy", lambda: _gradient_penalty(True), None),
 ]
+
+
+# ================================================================ third round
+# ---------------------------------------------------------------- a log taken before the selection
+def _log_then_select(safe: bool) -> Scenario:
+    """``-log(softmax(masked))[:, kept]``: from step 2 the vocabulary has a padding entry, masked to -inf; its
+    probability is 0 and its log -inf, which the selection drops: the forward stays finite, and log's backward
+    at 0 is 0 / 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5))
+    xs = _batches(3, 4)
+
+    def loss_fn(logits: torch.Tensor, step: int) -> torch.Tensor:
+        padded = torch.zeros(5, dtype=torch.bool)
+        if step >= 2:
+            padded[4] = True  # the vocabulary grew a padding entry
+        masked = logits.masked_fill(padded, float("-inf"))
+        if safe:  # noqa: SIM108  (the producer's line stands alone)
+            log_p = F.log_softmax(masked, -1)
+        else:
+            log_p = torch.log(F.softmax(masked, -1))  # producer: log before select
+        return -log_p[:, ~padded].mean()
+    return _loop(model, lambda step: (xs[step],), loss_fn)
+
+
+# ---------------------------------------------------------------- a Poincaré ball's logarithmic map
+class PoincareLogmap(nn.Module):
+    """The logarithmic map at 0 of the Poincaré ball: artanh(|x|) x / |x| (hyperbolic embeddings)."""
+
+    def __init__(self, safe: bool) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.safe = safe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h / h.norm(dim=-1, keepdim=True).clamp_min(1.0)  # projected into the closed unit ball
+        norm = h.norm(dim=-1, keepdim=True).clamp_min(1e-15)
+        if self.safe:
+            norm = norm.clamp_max(1 - 1e-5)
+        return self.head(torch.atanh(norm) * h / norm)  # producer: artanh
+
+
+def _poincare(safe: bool) -> Scenario:
+    """At step 2 the embeddings lie on axis 0 outside the ball: projected onto its boundary, |x| is exactly 1 and
+    artanh(1) is inf."""
+    torch.manual_seed(0)
+    model = PoincareLogmap(safe)
+    with torch.no_grad():
+        model.embed.weight.mul_(0.1)  # (inside the ball at first)
+        model.embed.bias.mul_(0.1)
+    xs = [torch.rand(3, 4) + 0.5 for _ in range(4)]
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        if step == 2:
+            with torch.no_grad():
+                model.embed.weight.zero_()
+                model.embed.weight[0] = 2.0
+                model.embed.bias.zero_()
+        return (xs[step],)
+    return _loop(model, batch, lambda out, step: out.pow(2).mean(), lr=0.0)
+
+
+# ---------------------------------------------------------------- a survival loss, log(1 - cdf)
+def _survival(safe: bool) -> Scenario:
+    """A discrete-time survival likelihood: the event's probability mass, and log(1 - cdf) for the censored
+    samples. At step 1 sample 0's mass sits all in the first bin (a saturated softmax): cdf is 1 from there on,
+    and log(1 - 1) is -inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    xs = _batches(4, 4)
+    times = torch.tensor([3, 1, 4, 2])
+    censored = torch.tensor([True, False, True, False])
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        if step == 1:
+            with torch.no_grad():
+                model[2].bias.zero_()
+                model[2].bias[0] = 200.0
+        return (xs[step],)
+
+    def loss_fn(logits: torch.Tensor, step: int) -> torch.Tensor:
+        pmf = F.softmax(logits, -1)
+        cdf = pmf.cumsum(-1).gather(1, times[:, None]).squeeze(1)
+        if safe:  # noqa: SIM108  (the producer's line stands alone)
+            survival = torch.log((1 - cdf).clamp_min(1e-7))
+        else:
+            survival = torch.log(1 - cdf)  # producer: survival
+        event = torch.log(pmf.gather(1, times[:, None]).squeeze(1).clamp_min(1e-7))
+        return -torch.where(censored, survival, event).mean()
+    return _loop(model, batch, loss_fn, lr=0.0)
+
+
+# ---------------------------------------------------------------- NeRF's expected depth along an empty ray
+class VolumeRenderer(nn.Module):
+    """NeRF's volume rendering along each ray: densities, alphas, transmittance, weights, and the expected depth."""
+
+    def __init__(self, safe: bool) -> None:
+        super().__init__()
+        self.density = nn.Linear(3, 1)
+        self.safe = safe
+
+    def forward(self, points: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        sigma = torch.relu(self.density(points)).squeeze(-1)
+        alpha = 1 - torch.exp(-sigma * 0.1)
+        transmittance = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha + 1e-10], -1), -1)[:, :-1]
+        weights = alpha * transmittance
+        if self.safe:
+            return (weights * z).sum(-1) / weights.sum(-1).clamp_min(1e-10)
+        return (weights * z).sum(-1) / weights.sum(-1)  # producer: depth
+
+
+def _nerf(safe: bool) -> Scenario:
+    """At step 2 ray 1 passes through empty space (every sample's density is 0 after the ReLU): its weights are 0,
+    and its expected depth 0 / 0."""
+    torch.manual_seed(0)
+    model = VolumeRenderer(safe)
+    with torch.no_grad():
+        model.density.weight.fill_(1.0)
+        model.density.bias.fill_(0.0)
+    points = [torch.rand(2, 8, 3) for _ in range(4)]
+    points[2][1] = -points[2][1]
+    z = torch.linspace(0.1, 1.0, 8).expand(2, 8)
+    return _loop(model, lambda step: (points[step], z), lambda depth, step: depth.pow(2).mean(), lr=0.0)
+
+
+CASES += [
+    Case("hunt15_log_of_a_softmax_then_a_selection", lambda: _log_then_select(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="log before select", cause="log-domain")),
+    Case("hunt15_log_softmax_then_a_selection_healthy", lambda: _log_then_select(True), None),
+    Case("hunt15_poincare_artanh_at_the_boundary", lambda: _poincare(False),
+         Expect("forward", "", "PoincareLogmap", step=2, op="aten.atanh.default", marker="artanh",
+                cause="log-domain")),
+    Case("hunt15_poincare_artanh_clamped_healthy", lambda: _poincare(True), None),
+    Case("hunt15_survival_log_of_one_minus_a_full_cdf", lambda: _survival(False),
+         Expect("forward", None, step=1, op="aten.log.default", marker="survival", cause="log-domain")),
+    Case("hunt15_survival_log_clamped_healthy", lambda: _survival(True), None),
+    Case("hunt15_nerf_expected_depth_of_an_empty_ray", lambda: _nerf(False),
+         Expect("forward", "", "VolumeRenderer", step=2, op="aten.div.Tensor", marker="depth")),
+    Case("hunt15_nerf_expected_depth_clamped_healthy", lambda: _nerf(True), None),
+]
