@@ -746,3 +746,96 @@ CASES += [
          Expect("forward", "", "VolumeRenderer", step=2, op="aten.div.Tensor", marker="depth")),
     Case("hunt15_nerf_expected_depth_clamped_healthy", lambda: _nerf(True), None),
 ]
+
+
+# ================================================================ fourth round
+# ---------------------------------------------------------------- a detection loss normalised by its positives
+def _positives(safe: bool) -> Scenario:
+    """RetinaNet's loss: summed over every anchor, divided by the number of positive anchors; at step 2 the
+    batch holds no object (a background-only image): the count is 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    xs = _batches(6, 4)
+    labels = [(torch.rand(6) > 0.5).float() for _ in range(4)]
+    labels[2] = torch.zeros(6)
+
+    def loss_fn(logits: torch.Tensor, step: int) -> torch.Tensor:
+        per_anchor = F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels[step], reduction="none")
+        positives = labels[step].sum()
+        if safe:
+            return per_anchor.sum() / positives.clamp(min=1.0)
+        return per_anchor.sum() / positives  # producer: positives
+    return _loop(model, lambda step: (xs[step],), loss_fn)
+
+
+# ---------------------------------------------------------------- batch-hard triplet loss, sqrt of a distance matrix
+def _batch_hard(safe: bool) -> Scenario:
+    """Pairwise distances by ``sqrt(|a|² + |b|² - 2ab)``: its diagonal is 0 (clamped), masked out of the hardest
+    positive; sqrt's backward at 0 is 0 / 0 there, from the first step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    xs, ys = _batches(6, 4), [torch.tensor([0, 0, 1, 1, 2, 2]) for _ in range(4)]
+
+    def loss_fn(emb: torch.Tensor, step: int) -> torch.Tensor:
+        square = (emb * emb).sum(1)
+        d2 = (square[:, None] + square[None, :] - 2 * emb @ emb.T).clamp(min=0)
+        if safe:  # noqa: SIM108  (the producer's line stands alone)
+            dist = torch.sqrt(d2 + 1e-12)
+        else:
+            dist = torch.sqrt(d2)  # producer: pairwise sqrt
+        same = ys[step][:, None] == ys[step][None, :]
+        hardest_positive = (dist * (same & ~torch.eye(6, dtype=torch.bool))).amax(1)
+        hardest_negative = dist.masked_fill(same, float("inf")).amin(1)
+        return F.relu(hardest_positive - hardest_negative + 0.3).mean()
+    return _loop(model, lambda step: (xs[step],), loss_fn)
+
+
+# ---------------------------------------------------------------- -1e9 as a mask value in float16
+class HalfAttention(nn.Module):
+    """A hand-written attention run in float16, masking by an additive bias of a large negative number (as older
+    BERT ports did, ``(1 - mask) * -1e9``); ``masked_fill`` with -1e9 refuses float16 now, the product does not."""
+
+    def __init__(self, safe: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24).half()
+        self.safe = safe
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+        fill = torch.finfo(scores.dtype).min if self.safe else -1e9
+        bias = padding[:, None, :].to(scores.dtype) * fill  # producer: half mask bias
+        scores = scores + bias
+        return (scores.softmax(-1) @ v).float()
+
+
+def _half_mask(safe: bool) -> Scenario:
+    """At step 1 sequence 1 is all padding: in float32 -1e9 everywhere gives a uniform row, in float16 -1e9 is
+    -inf and the softmax of that row is 0 / 0."""
+    torch.manual_seed(0)
+    model = HalfAttention(safe)
+    xs = [torch.randn(2, 3, 8).half() for _ in range(3)]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        padding = torch.zeros(2, 3, dtype=torch.bool)
+        padding[0, 2] = True
+        if step == 1:
+            padding[1] = True
+        return xs[step], padding
+    return _loop(model, batch, lambda out, step: out.pow(2).mean(), steps=3, lr=0.0)
+
+
+CASES += [
+    Case("hunt15_detection_loss_over_no_positive_anchor", lambda: _positives(False),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="positives", cause="division-by-zero")),
+    Case("hunt15_detection_loss_count_clamped_healthy", lambda: _positives(True), None),
+    Case("hunt15_batch_hard_triplet_sqrt_of_the_diagonal", lambda: _batch_hard(False),
+         Expect("backward", None, step=0, op="aten.div.Tensor", marker="pairwise sqrt", cause="sqrt-domain")),
+    Case("hunt15_batch_hard_triplet_sqrt_with_eps_healthy", lambda: _batch_hard(True), None),
+    Case("hunt15_fp16_attention_masked_with_minus_1e9", lambda: _half_mask(False),
+         Expect("forward", "", "HalfAttention", step=1, op="aten.mul.Tensor", marker="half mask bias",
+                cause="half-precision-overflow",
+                says=tuple((mode, "-1e9, is past that max and becomes -inf in float16")
+                           for mode in ("default", "defer", "full", "ops")))),
+    Case("hunt15_fp16_attention_masked_with_finfo_min_healthy", lambda: _half_mask(True), None),
+]
