@@ -151,6 +151,13 @@ def _atanh(report: Report) -> Cause:
     return event_cause("log-domain", "atanh-edge", report, base=op_function(report.op))
 
 
+def _logdet(report: Report) -> Cause:
+    """log|det A| of a singular matrix is -inf (logdet: NaN where the determinant rounds negative)."""
+    if not report.neginf + report.nan:
+        return overflow(report)
+    return event_cause("log-domain", "logdet-singular", report, base=op_function(report.op))
+
+
 def _ctc(report: Report) -> Cause:
     if report.posinf and not report.nan + report.neginf:
         return event_cause("ctc-infeasible", "ctc-infeasible", report)
@@ -171,6 +178,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
     **dict.fromkeys(("atanh", "arctanh"), _atanh),
+    **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),
 }
 
 

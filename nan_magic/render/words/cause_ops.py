@@ -63,6 +63,14 @@ def _atanh_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _logdet_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{cause.fact('base')} in {where(event)} gave {counts(event)}: the matrix is singular (its determinant is 0, "
+        "or rounds below it: repeated or collinear rows, a kernel of a duplicated input); add jitter to its "
+        "diagonal (K + 1e-6 * torch.eye(n)) before the determinant or the Cholesky"
+    )
+
+
 def _number_hint(event: Report, cause: Cause) -> str:
     given = ", ".join(f"{input_label(event, name)} = {value}" for name, value in event.nonfinite_numbers)
     return (
@@ -341,6 +349,7 @@ OP_READINGS: dict[str, Reading] = {
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     "atanh-edge": on_event(_atanh_hint, _made(counts), sentence=False),
+    "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
