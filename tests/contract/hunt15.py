@@ -839,3 +839,81 @@ CASES += [
                            for mode in ("default", "defer", "full", "ops")))),
     Case("hunt15_fp16_attention_masked_with_finfo_min_healthy", lambda: _half_mask(True), None),
 ]
+
+
+# ================================================================ fifth round
+# ---------------------------------------------------------------- weight standardisation of a zero-initialised conv
+class StdConv2d(nn.Conv2d):
+    """Weight Standardization (BiT's StdConv2d): each filter standardised before the convolution."""
+
+    safe = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        mean, std = w.mean((1, 2, 3), keepdim=True), w.std((1, 2, 3), keepdim=True)
+        if self.safe:  # noqa: SIM108  (the producer's line stands alone)
+            w = (w - mean) / (std + 1e-5)
+        else:
+            w = (w - mean) / std  # producer: weight standardisation
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class ResidualBranch(nn.Module):
+    """A residual block whose last conv is zero-initialised (Goyal et al.'s zero-init residual), standardised."""
+
+    def __init__(self, safe: bool) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = StdConv2d(2, 2, 3, padding=1), StdConv2d(2, 2, 3, padding=1)
+        self.conv1.safe = self.conv2.safe = safe
+        self.head = nn.Linear(2 * 4 * 4, 1)
+        nn.init.zeros_(self.conv2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x + self.conv2(torch.relu(self.conv1(x)))).flatten(1))
+
+
+def _std_conv(safe: bool) -> Scenario:
+    """From the first step: the zero-initialised conv's filters have std 0, and standardising them is 0 / 0."""
+    torch.manual_seed(0)
+    model = ResidualBranch(safe)
+    xs = _batches(2, 2, 4, 4)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: out.pow(2).mean())
+
+
+# ---------------------------------------------------------------- a Gaussian process without jitter
+class ExactGP(nn.Module):
+    """The marginal log likelihood of an RBF-kernel Gaussian process, by logdet and solve."""
+
+    def __init__(self, safe: bool) -> None:
+        super().__init__()
+        self.log_lengthscale = nn.Parameter(torch.zeros(()))
+        self.safe = safe
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        kernel = torch.exp(-torch.cdist(x, x).pow(2) / (2 * self.log_lengthscale.exp() ** 2))
+        if self.safe:
+            kernel = kernel + 1e-4 * torch.eye(len(x))
+        fit = y @ torch.linalg.pinv(kernel) @ y
+        return 0.5 * (fit + torch.logdet(kernel))  # producer: logdet
+
+
+def _gp(safe: bool) -> Scenario:
+    """At step 2 the batch holds the same input twice (a duplicated record): two equal rows, a singular kernel,
+    and its logdet -inf (or NaN where rounding makes the determinant negative)."""
+    torch.manual_seed(0)
+    model = ExactGP(safe)
+    xs, ys = [torch.randn(5, 2) for _ in range(4)], _batches(5)
+    xs[2][3] = xs[2][1]
+    return _loop(model, lambda step: (xs[step], ys[step]), lambda nll, step: nll, lr=0.0)
+
+
+CASES += [
+    Case("hunt15_weight_standardisation_of_a_zero_init_conv", lambda: _std_conv(False),
+         Expect("forward", "conv2", "StdConv2d", step=0, op="aten.div.Tensor", marker="weight standardisation",
+                cause="division-by-zero")),
+    Case("hunt15_weight_standardisation_with_eps_healthy", lambda: _std_conv(True), None),
+    Case("hunt15_gaussian_process_logdet_of_a_duplicated_input", lambda: _gp(False),
+         Expect("forward", "", "ExactGP", step=2, op="aten._linalg_slogdet.default", marker="logdet",
+                cause="log-domain")),
+    Case("hunt15_gaussian_process_with_jitter_healthy", lambda: _gp(True), None),
+]
