@@ -917,3 +917,71 @@ CASES += [
                 cause="log-domain")),
     Case("hunt15_gaussian_process_with_jitter_healthy", lambda: _gp(True), None),
 ]
+
+
+# ================================================================ sixth round
+# ---------------------------------------------------------------- SupCon: a sample with no positive in the batch
+def _supcon(safe: bool) -> Scenario:
+    """Supervised contrastive loss (Khosla et al.): the mean log-probability of each anchor's positives; at step 2
+    the batch holds a class seen once, whose anchor has no positive: 0 / 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    xs = _batches(6, 4)
+    ys = [torch.tensor([0, 0, 1, 1, 2, 2]) for _ in range(4)]
+    ys[2] = torch.tensor([0, 0, 1, 1, 1, 2])
+
+    def loss_fn(emb: torch.Tensor, step: int) -> torch.Tensor:
+        z = F.normalize(emb, dim=-1)
+        logits = z @ z.T / 0.1
+        self_mask = torch.eye(6, dtype=torch.bool)
+        logits = logits.masked_fill(self_mask, -1e4)
+        log_prob = logits - torch.logsumexp(logits, 1, keepdim=True)
+        positives = ((ys[step][:, None] == ys[step][None, :]) & ~self_mask).float()
+        if safe:
+            mean_log_prob = (positives * log_prob).sum(1) / positives.sum(1).clamp(min=1.0)
+        else:
+            mean_log_prob = (positives * log_prob).sum(1) / positives.sum(1)  # producer: supcon
+        return -mean_log_prob.mean()
+    return _loop(model, lambda step: (xs[step],), loss_fn)
+
+
+# ---------------------------------------------------------------- a model that computes its loss, every label ignored
+class LanguageModel(nn.Module):
+    """A Hugging Face-style model: given labels, its forward returns the loss with the logits."""
+
+    def __init__(self, safe: bool) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+        self.safe = safe
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.embed(tokens)))
+        flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
+        if self.safe:
+            kept = (flat_labels != -100).sum().clamp(min=1)
+            loss = F.cross_entropy(flat_logits, flat_labels, reduction="sum") / kept
+        else:
+            loss = F.cross_entropy(flat_logits, flat_labels)  # producer: all ignored
+        return {"loss": loss, "logits": logits}
+
+
+def _all_ignored(safe: bool) -> Scenario:
+    """At step 2 the batch is prompts only (every label -100, as a collator masks the prompt): the mean over no
+    label is 0 / 0."""
+    torch.manual_seed(0)
+    model = LanguageModel(safe)
+    tokens = [torch.randint(0, 10, (2, 5)) for _ in range(4)]
+    labels = [t.clone() for t in tokens]
+    labels[2] = torch.full((2, 5), -100)
+    return _loop(model, lambda step: (tokens[step], labels[step]), lambda out, step: out["loss"])
+
+
+CASES += [
+    Case("hunt15_supcon_anchor_without_a_positive", lambda: _supcon(False),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="supcon", cause="division-by-zero")),
+    Case("hunt15_supcon_positive_count_clamped_healthy", lambda: _supcon(True), None),
+    Case("hunt15_model_loss_with_every_label_ignored", lambda: _all_ignored(False),
+         Expect("forward", "", "LanguageModel", step=2, op="aten.nll_loss_forward.default", marker="all ignored",
+                cause="empty-reduction")),
+    Case("hunt15_model_loss_over_a_clamped_count_healthy", lambda: _all_ignored(True), None),
+]
