@@ -159,8 +159,9 @@ def _division_hint(event: Report, cause: Cause) -> str:
             "that number is set (a config value, a temperature, a schedule that reaches 0) and keep it non-zero"
         )
     constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
+    zeros = divisor_phrase(divisor, cause.fact("divisor") or "other")
     return (
-        f"{event.op} in {where(event)} divided by zero{divisor_phrase(divisor)}, giving {' and '.join(results)}"
+        f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
         f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
         "x / norm.clamp_min(1e-12)); if it is a count, clamp it to >= 1"
     )
