@@ -986,3 +986,42 @@ CASES += [
                 cause="empty-reduction")),
     Case("hunt15_model_loss_over_a_clamped_count_healthy", lambda: _all_ignored(True), None),
 ]
+
+
+# ================================================================ seventh round
+# ---------------------------------------------------------------- an eps that float16 rounds to 0
+class HalfPolicyHead(nn.Module):
+    """A policy head run in float16 (a model cast with ``.half()``), taking log(p + eps) of its probabilities."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5).half()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.lin(x).softmax(-1)
+        return torch.log(p + self.eps).float()  # producer: half log eps
+
+
+def _half_eps(eps: float) -> Scenario:
+    """At step 1 one logit is far above the others: their probabilities are 0 in float16, and 1e-8 added to 0
+    is still 0 in float16 (its smallest subnormal is 6e-8; 1e-8 rounds down): log(0)."""
+    torch.manual_seed(0)
+    model = HalfPolicyHead(eps)
+    xs = [torch.randn(3, 4).half() for _ in range(3)]
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        with torch.no_grad():
+            model.lin.bias[0] = 30.0 if step == 1 else 0.0
+        return (xs[step],)
+    return _loop(model, batch, lambda log_p, step: -log_p.mean(), steps=3, lr=0.0)
+
+
+CASES += [
+    Case("hunt15_fp16_log_of_p_plus_an_eps_that_rounds_to_0", lambda: _half_eps(1e-8),
+         Expect("forward", "", "HalfPolicyHead", step=1, op="aten.log.default", marker="half log eps",
+                cause="log-domain", says=tuple((mode, "clamp to eps first (x.clamp_min(1e-4)) (in float16 an eps "
+                                                      "below 3e-8, such as 1e-8, rounds to 0)")
+                                               for mode in ("default", "defer", "full", "ops")))),
+    Case("hunt15_fp16_log_of_p_plus_a_float16_eps_healthy", lambda: _half_eps(1e-4), None),
+]

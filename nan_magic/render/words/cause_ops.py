@@ -36,12 +36,18 @@ def _made(counted: Callable[[Report], str]) -> Callable[[Report, Cause], tuple[s
     return lambda event, _cause: (f"{event.op} made {counted(event)} from finite inputs", *input_lines(event))
 
 
+def _eps(event: Report) -> str:
+    """An eps to suggest in the event's dtype: 1e-12 (and 1e-8) are 0 in float16, whose smallest normal is 6.1e-5."""
+    return "1e-4" if event.dtype == "float16" else "1e-12"
+
+
 def _log_hint(event: Report, cause: Cause) -> str:
     zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
     bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
+    half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
-        "to eps first (x.clamp_min(1e-12)), or use log_softmax / logsumexp for log-probabilities"
+        f"to eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp for log-probabilities"
     )
 
 
@@ -163,7 +169,7 @@ def _division_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
         f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
-        "x / norm.clamp_min(1e-12)); if it is a count, clamp it to >= 1"
+        f"x / norm.clamp_min({_eps(event)})); if it is a count, clamp it to >= 1"
     )
 
 
