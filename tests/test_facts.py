@@ -222,6 +222,10 @@ CAUSES = {
     "module-unknown-op": (_of_event("unclassified", "module-unknown-op", overflows=True, limit=3.4e38),
                           "an overflow of float32 (max 3.4e38)"),
     "log-domain": (_of_event("log-domain", "log-domain", base="log"), "got 1 zeros and 4 negatives"),
+    "gamma-pole": (_of_event("log-domain", "gamma-pole", base="lgamma", zeros=1, negatives=0),
+                   "lgamma got 1 zeros and 0 negatives"),
+    "atanh-edge": (_of_event("log-domain", "atanh-edge", base="atanh"), "got 3 values at ±1 and 4 past them"),
+    "logdet-singular": (_of_event("log-domain", "logdet-singular", base="linalg_slogdet"), "the matrix is singular"),
     "sqrt-negative": (_of_event("sqrt-domain", "sqrt-negative"), "sqrt got 4 negatives"),
     "outside-unit": (_of_event("sqrt-domain", "outside-unit", base="acos", low=-0.5, high=1.0000001192092896),
                      "acos got values outside [-1, 1] in `self` of aten.div.Tensor in fc (Linear) (from -0.5 to "

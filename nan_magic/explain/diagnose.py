@@ -26,7 +26,10 @@ Labels (exact strings: tests, renderers and users rely on them)
     repeated value, 1/(λi - λj). Covers a zero variance or norm.
 ``log-domain``
     ``log``/``log2``/``log10`` of zeros (-inf) or negatives (NaN), ``log1p``
-    of values <= -1; the backward of a log at 0.
+    of values <= -1; the backward of a log at 0; ``lgamma``/``digamma`` at
+    their poles, 0 and the negative integers (lgamma(x) ~ -log(x) near 0);
+    ``atanh`` at ±1 or past them (log((1 + x) / (1 - x)) / 2); the log-determinant
+    of a singular matrix (``logdet``, ``slogdet``).
 ``sqrt-domain``
     ``sqrt``/``rsqrt`` of negatives; the backward of ``sqrt`` at 0, and of
     ``acos``/``asin`` at ±1 (whose derivatives are 1/sqrt(1 - x²)).

@@ -134,6 +134,30 @@ def _corrected(report: Report) -> Cause:
     return event_cause("division-by-zero", "corrected-one", report)
 
 
+def _gamma(report: Report) -> Cause:
+    """lgamma/digamma/polygamma: infinite at their poles, 0 and the negative integers (a dispersion or a
+    concentration that underflowed to 0: ``lgamma(theta)`` of a negative binomial, a Dirichlet's ``lgamma(alpha)``)."""
+    operand = report.operand("self") or report.operand("x")
+    if operand is None or not (operand.zeros or operand.negatives):
+        return overflow(report)
+    return event_cause("log-domain", "gamma-pole", report, base=op_function(report.op), zeros=operand.zeros,
+                       negatives=operand.negatives)
+
+
+def _atanh(report: Report) -> Cause:
+    """artanh(x) = log((1 + x) / (1 - x)) / 2: ±inf at ±1, NaN past them (a Poincaré ball's norm at its edge)."""
+    if not report.nan + report.posinf + report.neginf:
+        return overflow(report)
+    return event_cause("log-domain", "atanh-edge", report, base=op_function(report.op))
+
+
+def _logdet(report: Report) -> Cause:
+    """log|det A| of a singular matrix is -inf (logdet: NaN where the determinant rounds negative)."""
+    if not report.neginf + report.nan:
+        return overflow(report)
+    return event_cause("log-domain", "logdet-singular", report, base=op_function(report.op))
+
+
 def _ctc(report: Report) -> Cause:
     if report.posinf and not report.nan + report.neginf:
         return event_cause("ctc-infeasible", "ctc-infeasible", report)
@@ -152,6 +176,9 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(_CORRECTED_OPS, _corrected),
     **dict.fromkeys(("weight_norm_interface", "weight_norm"), _weight_norm),
     **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
+    **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
+    **dict.fromkeys(("atanh", "arctanh"), _atanh),
+    **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),
 }
 
 

@@ -95,8 +95,13 @@ def wide_overflow(report: Report, signs: tuple[Sign, ...]) -> Cause:
 
 
 def half_overflow(report: Report, signs: tuple[Sign, ...] = ()) -> Cause:
-    return event_cause("half-precision-overflow", "half-overflow", report, limit=dtype_max(report.dtype),
-                       signs=signs, **_kind_of_op(report))
+    limit = dtype_max(report.dtype)
+    # A finite Python number past the dtype's max (a mask bias of -1e9 in float16) is ±inf there: said as such.
+    number = next(((name, value) for name, value in report.numbers if math.isfinite(value) and abs(value) > limit),
+                  None)
+    extra = {"number": number} if number is not None else {}
+    return event_cause("half-precision-overflow", "half-overflow", report, limit=limit, signs=signs,
+                       **_kind_of_op(report), **extra)
 
 
 def _kind_of_op(report: Report) -> dict[str, bool]:

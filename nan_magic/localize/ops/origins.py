@@ -232,6 +232,10 @@ class Origins:
             # A write is found by memory too: ``p.detach().copy_(...)`` (AveragedModel's update) writes the
             # Parameter through an alias, which is another tensor object on the same memory.
             self._by_memory[_memory_key(tensor)] = (tensor._version, written, origin)
+        if written and tensor._base is not None:
+            # A write through a view wrote its base: a later view of that base, seen through a new object
+            # (``q = q.t()`` after ``q /= q.sum(1)``, as autograd saved it), finds the origin there.
+            self.note(tensor._base, origin, written)
         if len(origins) > 100_000:
             for key in [key for key, entry in origins.items() if entry[0]() is None]:
                 del origins[key]
@@ -310,6 +314,11 @@ def apply_op_finding(
         if finding.module is not None and finding.module != op.module:
             finding.module_type = None  # (named again from the name: op_origins._name_type_and_model)
         finding.module = op.module
+    elif (op.phase == Phase.BACKWARD and op.module is None and op.forward_source is not None and not op.backward_code
+          and finding.tensor.role is TensorRole.PARAMETER_GRADIENT):
+        # A gradient formula whose node the code outside every module made (a WGAN-GP penalty's sqrt of the
+        # input gradient, differentiated again): that code is the producer, not the parameter's owner.
+        finding.module, finding.module_type = None, None
     if op.inner_source is not None and (op.phase != Phase.BACKWARD or op.backward_code):
         # Where inside the library the op ran; for the autograd engine's own backward that is only whatever
         # called backward (torch's, or the optimizer hook a replay ran from), which says nothing.

@@ -289,7 +289,6 @@ class OpTracer(TorchDispatchMode):
             outputs = list(tensors(plan, args, kwargs, plan.writes))
         bad = self._known.suspects(outputs)
         if bad:
-
             positions = list_positions(plan, args, kwargs, out) if plan.per_index else {}
 
             def inputs_of(label: str) -> list[tuple[str, Any]]:
@@ -299,9 +298,7 @@ class OpTracer(TorchDispatchMode):
             self._examine(op_name(func), bad, inputs_of, priors, in_backward, in_place)
         return out
 
-    def _opaque(
-        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], in_backward: bool
-    ) -> Any:
+    def _opaque(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], in_backward: bool) -> Any:
         """A higher-order operator (``torch.cond``) is checked as one op.
 
         The ops inside it run without this mode, so they are not seen.
@@ -387,7 +384,7 @@ class OpTracer(TorchDispatchMode):
                     self.benign_modules.add(self._module_name())
             elif not called_by_us():
                 new = frozenset(out_kinds - held) or out_kinds
-                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed)
+                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed, in_place)
                 self._origins.note(tensor, origin, in_place)
                 self._report(origin)
             if self.finding is not None:
@@ -408,6 +405,7 @@ class OpTracer(TorchDispatchMode):
         priors: dict[int, Prior],
         in_backward: bool,
         absorbed: Origin | None,
+        in_place: bool = False,
     ) -> Origin:
         """An origin: this op made ``tensor`` non-finite from finite or benign inputs."""
         node = torch._C._current_autograd_node() if in_backward else None
@@ -455,7 +453,7 @@ class OpTracer(TorchDispatchMode):
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None
-        self.witnesses.note(finding, witnesses, frame)
+        self.witnesses.note(finding, witnesses, frame, in_place)
         self.started.append(finding)
         origin = Origin(finding)
         if not in_backward:
@@ -481,17 +479,18 @@ class OpTracer(TorchDispatchMode):
     # -- carrying origins on ---------------------------------------------------
 
     def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        """A passive op passes its input's origin on to its outputs (a view, ``cat``, ``where``).
+        """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).
 
-        A carried origin counts only where the output is non-finite (it is
-        looked up only for such a tensor), so one carried to a finite output
-        is harmless.
-        """
+        A carried origin counts only where the output is non-finite (it is looked up only for such a tensor), so
+        one carried to a finite output is harmless. Of several origins the first born, as for an op: torch's
+        logdet is ``where(sign == -1, nan, logabsdet)``, and its -inf is slogdet's, not the NaN constant's."""
+        entry = None
         for _, tensor in tensors(plan, args, kwargs, plan.reads):
-            entry = self._origins.entry(tensor)
-            if entry is not None:
-                break
-        else:
+            found = self._origins.entry(tensor)
+            if entry is None or (isinstance(found, Origin) and isinstance(entry, Origin)
+                                 and self._started_before(found, entry)):
+                entry = found
+        if entry is None:
             return
         note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):

@@ -28,13 +28,19 @@ class OpWitnesses:
 
     def __init__(self) -> None:
         self._tensors: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
+        # Their version counters when the op ran: a tensor written in place since no longer shows what it made.
+        self._versions: dict[int, tuple[int | None, ...]] = {}
         self._frames: dict[int, LineEnd] = {}
         #: How a replay reached the frame (sources.replayed_calls); absent for a live trace's.
         self._calls: dict[int, tuple[Caller | None, Chain]] = {}
 
     def note(self, finding: OpFinding, tensors: Sequence[tuple[str, weakref.ref[torch.Tensor]]],
-             frame: FrameType | None) -> None:
+             frame: FrameType | None, in_place: bool = False) -> None:
         self._tensors[id(finding)] = tuple(tensors)
+        # (An in-place op's output moves once more after the op returns: autograd's bump, counted here.)
+        self._versions[id(finding)] = tuple(
+            None if (version := _version(ref())) is None else version + (in_place and index == 0)
+            for index, (_label, ref) in enumerate(tensors))
         if frame is not None:
             self._frames[id(finding)] = after_line(frame)
             calls = replayed_calls(frame)
@@ -45,6 +51,7 @@ class OpWitnesses:
         """Forget every finding's witnesses but those of ``findings`` (a new step)."""
         kept = {id(finding) for finding in findings}
         self._tensors = {key: value for key, value in self._tensors.items() if key in kept}
+        self._versions = {key: value for key, value in self._versions.items() if key in kept}
         self._frames = {key: value for key, value in self._frames.items() if key in kept}
         self._calls = {key: value for key, value in self._calls.items() if key in kept}
 
@@ -62,7 +69,17 @@ class OpWitnesses:
         An intermediate output is often freed by the boundary where it is
         claimed: the finding's statistics then stand for it and its inputs.
         """
-        alive = [(label, ref()) for label, ref in self._tensors.get(id(finding), ())]
+        alive: list[tuple[str, torch.Tensor | None]] = []
+        for (label, ref), noted in zip(self._tensors.get(id(finding), ()), self._versions.get(id(finding), ())):
+            tensor = ref()
+            if tensor is not None and noted is not None and _version(tensor) != noted:
+                tensor = None  # written in place since (``q /= q.sum(1)`` after ``q = exp(s)``): not what it was
+            alive.append((label, tensor))
         if not alive or alive[0][1] is None:
-            return ()
+            return ()  # (the finding's statistics, taken as the op ran, stand for the output and its inputs)
         return tuple((label, tensor.detach().clone()) for label, tensor in alive if tensor is not None)
+
+
+def _version(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's version counter; None for an inference tensor (it has none) or a tensor gone."""
+    return tensor._version if tensor is not None and not tensor.is_inference() else None

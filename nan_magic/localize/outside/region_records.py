@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
-from nan_magic.localize.ops.plans import plan_of, tensors
+from nan_magic.localize.ops.plans import arguments, plan_of, tensors
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.applied import Applied, rerun_applied
 from nan_magic.localize.outside.held import small_frames, still_running
@@ -234,24 +234,32 @@ class RegionRecords:
         # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
         # absorbed (a clamp of log(0)) is not the producer; the backward op that read it is.
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
+        # Judged immediately, this runs inside the user's backward (a gradient hook on the model's output): the
+        # replayed forward ops belong to that graph task and are forward ops, not a gradient formula's (an exp
+        # that overflows there is absorbed, and its backward's 0 * inf is the producer, as at the deferred check).
+        tracer.forward_task = torch._C._current_graph_task_id()
         try:
             copies, requiring = copies_from_outside(ops)
             # (The generators as the region's first random op found them: the same draws; the user's put back.)
+            born: dict[int, RecordedOp] = {}  # the recorded op each forward origin was started by
             with torch.enable_grad(), generators_at(self._rng), tracer:
                 index = 0
                 while index < len(ops):
-                    before = torch._C._autograd._get_sequence_nr()
+                    before, started = torch._C._autograd._get_sequence_nr(), len(tracer.started)
                     unit = self._applied.get(index)
                     if unit is not None and rerun_applied(unit, self._ops, ops, copies, key):
-                        code, lineno, index = unit.code, unit.lineno, unit.last + 1  # its own backward: one node
+                        # Its own backward: one node, made at the line that called apply.
+                        op = ops[unit.first]._replace(code=unit.code, lineno=unit.lineno, globals=None)
+                        index = unit.last + 1
                     else:
                         op = ops[index]
                         rerun_op(op, copies)
-                        code, lineno, index = op.code, op.lineno, index + 1
-                    if code is not None:
+                        index += 1
+                    born.update((id(finding), op) for finding in tracer.started[started:])
+                    if op.code is not None:
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
-                            tracer.node_sources.record(node, code, lineno)
+                            tracer.node_sources.record(node, op.code, op.lineno)
                 replayed = copies[key]
                 if replayed.numel() != 1:
                     return None
@@ -263,7 +271,15 @@ class RegionRecords:
                             tracer.claim(grad)
         except Gone:
             return None
-        return tracer.finding
+        finding = tracer.finding
+        absorbed = finding.absorbed if finding is not None else None
+        if finding is not None and absorbed is not None and id(absorbed) in born:
+            # A forward value this replay made and absorbed: its line is the recorded op's (the tracer would see
+            # this replay's caller, the loop's ``loss.backward()`` or ``opt.step()``).
+            source = op_source(born[id(absorbed)])
+            finding = dataclasses.replace(
+                finding, absorbed=dataclasses.replace(absorbed, source=source, inner_source=None))
+        return finding
 
     def loss_code(self, key: int, last: bool) -> tuple[list[RecordedOp], RngState | None] | None:
         """The recorded ops up to the one that returned the tensor ``backward()`` started from (``key``, its id
@@ -301,7 +317,30 @@ def _ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tenso
     outs = tree_leaves(ops[index].out)
     if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
         return None
-    return ops[: index + 1]
+    return ops[: _last_write(ops, index, tensor) + 1]
+
+
+def _last_write(ops: list[RecordedOp], index: int, tensor: torch.Tensor) -> int:
+    """The last recorded op after ``index`` that wrote ``tensor``'s memory in place, else ``index``.
+
+    ``q = exp(s).t(); q /= q.sum(1, keepdim=True)`` (SwAV's Sinkhorn, under no_grad): the divisions write the
+    exp's output through a view. Its value now is theirs, so a replay that stops at the exp would find it finite
+    and take the tensor for data entering the loss code; replayed up to the last write, the division is named.
+    """
+    if tensor.layout is not torch.strided or not tensor.numel():
+        return index
+    address, last = tensor.untyped_storage().data_ptr(), index
+    for later in range(index + 1, len(ops)):
+        func = ops[later].func
+        plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
+        if plan is None or not plan.writes:
+            continue
+        for name, value in arguments(plan, ops[later].args, ops[later].kwargs):
+            written = value.ref() if isinstance(value, WeakRecord) else value
+            if (name in plan.writes and isinstance(written, torch.Tensor) and written.layout is torch.strided
+                    and written.numel() and written.untyped_storage().data_ptr() == address):
+                last = later
+    return last
 
 
 def _ops_to_key(ops: list[RecordedOp], produced: dict[int, int], key: int) -> list[RecordedOp] | None:

@@ -220,7 +220,7 @@ class CallReplay:
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.append(Note.of(
-                "found-in-enclosing", module=call.name, reason=_pair(missing), outer_module=outer,
+                "found-in-enclosing", module=call.name, reason=missing.pair if missing else None, outer_module=outer,
                 op_module=op.module or call.name, nan=op.nan, posinf=op.posinf, neginf=op.neginf, op=op.op,
             ))
             return False
@@ -235,9 +235,9 @@ class CallReplay:
                                          module=call.name))
             return False
         finding.notes.append(Note.of(
-            "enclosing-missed", module=call.name, reason=_pair(missing), outer_module=outer,
+            "enclosing-missed", module=call.name, reason=missing.pair if missing else None, outer_module=outer,
             op=op.op if op is not None else None, op_module=op.module if op is not None else None,
-            replay=_pair(result.note),
+            replay=result.note.pair if result.note else None,
         ))
         return False
 
@@ -367,6 +367,11 @@ class CallReplay:
         apply_op_finding(finding, result.finding)
         finding.notes.append(Note.of("backward-replay-found", module=consumer.name, op=result.finding.op,
                                      node=result.finding.autograd_node))
+        inner = _call_named(self._log, consumer, result.finding.module) if result.finding.module else None
+        if inner is not None and inner.info is not None:  # the op ran in a child's own code: the child is named
+            if finding.record is not None:
+                finding.record.status, finding.record = "propagated", None
+            finding.module, finding.module_type, finding.model = inner.name, inner.module_type, inner.info.model
 
     def replay_anomaly(self, finding: Finding) -> bool:
         """torch's anomaly mode stopped the backward before any check saw a non-finite gradient (per-module watch).
@@ -449,11 +454,6 @@ def _call_named(log: StepLog, call: Call, module: str | None) -> Call | None:
             if outer is call:
                 return inner
     return None
-
-
-def _pair(note: Note | None) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
-    """``note`` as a fact of another note (None stays None)."""
-    return note.pair if note is not None else None
 
 
 def caller_named(call: Call, module: str | None) -> Call | None:

@@ -36,12 +36,44 @@ def _made(counted: Callable[[Report], str]) -> Callable[[Report, Cause], tuple[s
     return lambda event, _cause: (f"{event.op} made {counted(event)} from finite inputs", *input_lines(event))
 
 
+def _eps(event: Report) -> str:
+    """An eps to suggest in the event's dtype: 1e-12 (and 1e-8) are 0 in float16, whose smallest normal is 6.1e-5."""
+    return "1e-4" if event.dtype == "float16" else "1e-12"
+
+
 def _log_hint(event: Report, cause: Cause) -> str:
     zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
     bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
+    half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
-        "to eps first (x.clamp_min(1e-12)), or use log_softmax / logsumexp for log-probabilities"
+        f"to eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp for log-probabilities"
+    )
+
+
+def _gamma_hint(event: Report, cause: Cause) -> str:
+    zeros, negatives, base = cause.fact("zeros"), cause.fact("negatives"), cause.fact("base")
+    return (
+        f"{base} got {zeros} zeros and {negatives} negatives in {input_named(event, zeros, negatives)}: it is "
+        "infinite at 0 and at each negative integer (lgamma(x) ~ -log(x) near 0); keep its argument positive, "
+        "e.g. a dispersion or concentration as softplus(x) + 1e-4 rather than exp(x), which underflows to 0"
+    )
+
+
+def _atanh_hint(event: Report, cause: Cause) -> str:
+    edge, past = event.posinf + event.neginf, event.nan
+    return (
+        f"{cause.fact('base')} in {where(event)} got {edge} values at ±1 and {past} past them: artanh(x) = "
+        "log((1 + x) / (1 - x)) / 2 is ±inf at ±1 and NaN beyond; clamp its input to (-1 + eps, 1 - eps) "
+        "(1 - 1e-5 in float32; a norm projected onto a unit ball's edge rounds to 1)"
+    )
+
+
+def _logdet_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{cause.fact('base')} in {where(event)} gave {counts(event)}: the matrix is singular (its determinant is 0, "
+        "or rounds below it: repeated or collinear rows, a kernel of a duplicated input); add jitter to its "
+        "diagonal (K + 1e-6 * torch.eye(n)) before the determinant or the Cholesky"
     )
 
 
@@ -133,10 +165,11 @@ def _division_hint(event: Report, cause: Cause) -> str:
             "that number is set (a config value, a temperature, a schedule that reaches 0) and keep it non-zero"
         )
     constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
+    zeros = divisor_phrase(divisor, cause.fact("divisor") or "other")
     return (
-        f"{event.op} in {where(event)} divided by zero{divisor_phrase(divisor)}, giving {' and '.join(results)}"
+        f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
         f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
-        "x / norm.clamp_min(1e-12)); if it is a count, clamp it to >= 1"
+        f"x / norm.clamp_min({_eps(event)})); if it is a count, clamp it to >= 1"
     )
 
 
@@ -321,6 +354,9 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
+    "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
+    "atanh-edge": on_event(_atanh_hint, _made(counts), sentence=False),
+    "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),

@@ -18,6 +18,7 @@ from nan_magic.render.words.cause_words import (
     counts_phrase,
     event_of,
     fmt,
+    input_label,
     input_lines,
     inputs_or_counts,
     on_event,
@@ -37,7 +38,12 @@ _ATTENTION_FIX = (
 
 def _half_hint(event: Report, cause: Cause) -> str:
     fix = "compute it in float32 (cast its inputs, or keep it out of torch.autocast) or scale the inputs down"
-    if cause.fact("matmul"):
+    number = cause.fact("number")
+    if number is not None:
+        fix = (f"the number it was given as {input_label(event, number[0])}, {fmt(number[1])}, is past that max and "
+               f"becomes {'-' if number[1] < 0 else '+'}inf in {event.dtype}: use torch.finfo(dtype).min (or .max) "
+               "for a mask value, or a number within the dtype's range")
+    elif cause.fact("matmul"):
         fix += " (for attention, scale q by d**-0.5 before q·kᵀ)"
     elif cause.fact("attention"):
         fix += f" ({_ATTENTION_FIX})"

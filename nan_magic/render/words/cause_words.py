@@ -206,14 +206,15 @@ def _literal(text: str) -> bool:
     return True
 
 
-def divisor_phrase(divisor: TensorStats | None) -> str:
+def divisor_phrase(divisor: TensorStats | None, name: str = "other") -> str:
+    """The divisor's zeros, by its operand name (``self`` of a reciprocal, ``1.0 / counts``; ``other`` of a div)."""
     if divisor is None:
         return ""
     rows = ""
     if len(divisor.shape) > 1 and divisor.shape[-1] == 1:
         # A keepdim reduction over the last dim (a std, a norm): one value per row.
         rows = f", a per-row reduction that is 0 for {divisor.zeros} rows"
-    return f" (`other` {divisor.shape} held {divisor.zeros} zeros of {divisor.numel}{rows})"
+    return f" (`{name}` {divisor.shape} held {divisor.zeros} zeros of {divisor.numel}{rows})"
 
 
 def zeros_phrase(report: Report) -> str:
