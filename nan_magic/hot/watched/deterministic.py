@@ -31,8 +31,5 @@ _DETERMINISTIC: frozenset[type[nn.Module]] = frozenset({
 
 
 def draws_no_random(module: nn.Module) -> bool:
-    """Whether a call of ``module`` certainly draws no random numbers: a known torch leaf module, or an
-    ``nn.Sequential`` of such (torch's forward only calls them in turn: an MLP's step needs no generators' state)."""
-    kind = type(module)
-    return kind in _DETERMINISTIC or (kind is nn.Sequential and all(
-        child is not None and draws_no_random(child) for child in module._modules.values()))
+    """Whether a call of ``module`` certainly draws no random numbers (a known torch leaf module)."""
+    return type(module) in _DETERMINISTIC

@@ -48,7 +48,7 @@ class RootCall:
     module: nn.Module
     info: ModuleInfo
     args: tuple[Any, ...]
-    rng: RngState | None  # (None: the model draws no random number, deterministic.py)
+    rng: RngState
     grad_enabled: bool
     autocast: AutocastState | None
     #: ``id(buffer)`` -> its value before the call, for the buffers the call may change.
