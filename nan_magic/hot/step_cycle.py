@@ -231,9 +231,9 @@ class StepCycle:
         scalers = bool(self.optimizers.scalers)  # (none, most loops: neither asked)
         if scalers and self.optimizers.scaler_active():
             grad_headroom = None  # scaled gradients overflow by design: the scaler's job
-        summary = StepSummary(
-            step=step,
-            loss=self.gradients.last_loss,
+        # (Not the frozen dataclass's __init__, a call per field: 5.8 us against 0.4. tests/test_step_summary.py)
+        (summary := object.__new__(StepSummary)).__dict__.update(
+            step=step, loss=self.gradients.last_loss,
             absmax=absmax,
             grad_norm=self.optimizers.last_grad_norm,
             headroom=headroom[0] if headroom else None,

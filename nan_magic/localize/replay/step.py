@@ -44,7 +44,7 @@ from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.lines import line_at
-from nan_magic.hot.kept.rng import RngState, any_autocast, capture_autocast, capture_rng_state
+from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
@@ -143,6 +143,7 @@ class StepReplays:
         # its first call: then no op of a replay has a user frame inside the model, and the call's line is kept.
         self._library_forward: dict[int, bool] = {}
         self._buffer_copies = BufferCopies()
+        self._states = ModelStates()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
         self.replayed: RootCall | None = None
 
@@ -188,7 +189,7 @@ class StepReplays:
             versions = []
         else:
             versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
-        rng = capture_rng_state()
+        rng = self._states.take(module)  # (once for a Sequential that draws nothing: rng.py)
         caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
         line = line_at(caller) if caller is not None else 0  # (f_lineno scans the code's line table: lines.py)
         self.calls.append(RootCall(

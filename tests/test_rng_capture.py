@@ -1,0 +1,130 @@
+"""The generators' state a step replay runs the model from: taken at each call where the model may draw.
+
+A top-level call keeps the default generators' state so that its replay draws the same numbers (a dropout
+mask, noise); a model that provably draws none (an ``nn.Sequential`` of torch leaf modules: hot/kept/rng.py's
+ModelStates) is given the state it took first, while its children stay the same. What a user sees: the
+producer named with its op and counts, ``reproduced`` true, in both timings; where the counts depend on the
+draw, only a replay from the same state reproduces them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nan_magic
+from nan_magic import NonFiniteError
+from nan_magic.hot.kept import rng
+
+TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+BIG = 1e38  # finite; twice it is too, four times it is not
+
+
+def _doubling(width: int) -> nn.Linear:
+    layer = nn.Linear(width, width, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(width) * 2)
+    return layer
+
+
+class _FunctionalDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _doubling(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(F.dropout(x, 0.5, self.training))  # kept: 2x, then 4x: inf
+
+
+class _RandInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _doubling(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (torch.rand(x.shape) * 4)  # 2x, then up to 4x: inf where the draw is over 1.7
+
+
+def _noisy(h: torch.Tensor) -> torch.Tensor:
+    return h * (1 + torch.randn_like(h).abs())  # 2e38 times over 1.7: inf
+
+
+class _NoiseInHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _doubling(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _noisy(self.lin(x))
+
+
+def _train(model: nn.Module, batches: list[torch.Tensor], opt: torch.optim.Optimizer) -> None:
+    for x in batches:
+        loss = model(x).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _run(model: nn.Module, options: dict[str, object], swap: nn.Module | None = None) -> nan_magic.Report:
+    """Five steps, the fourth's batch 1e38; ``swap`` replaces ``model[0]`` after the second, mid-watch."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as built
+    torch.manual_seed(1)
+    batches = [torch.rand(16, 8) for _ in range(5)]
+    batches[3] = torch.full((16, 8), BIG)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        _train(model, batches[:2], opt)
+        if swap is not None:
+            model[0] = swap
+        _train(model, batches[2:], opt)
+    return caught.value.report
+
+
+@pytest.mark.parametrize(("model", "taken"), [(lambda: nn.Sequential(nn.ReLU(), _doubling(8)), 1),
+                                              (lambda: nn.Sequential(nn.Dropout(0.5), _doubling(8)), 5),
+                                              (lambda: nn.Sequential(nn.Sequential(_doubling(8))), 5),
+                                              (_FunctionalDropout, 5)])
+def test_the_state_is_taken_once_only_for_a_sequential_of_leaf_modules_that_draw_none(model, taken, monkeypatch
+                                                                                      ) -> None:
+    calls: list[int] = []
+    capture = rng.capture_rng_state
+    monkeypatch.setattr(rng, "capture_rng_state", lambda: calls.append(1) or capture())
+    built = model()
+    opt = torch.optim.SGD(built.parameters(), lr=0.0)
+    with nan_magic.watch(built, opt) as w:
+        _train(built, [torch.rand(16, 8) for _ in range(5)], opt)
+    assert w.report is None and len(calls) == taken
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_sequential_of_torch_leaf_modules_keeps_no_state_and_its_replay_reproduces(options: dict) -> None:
+    report = _run(nn.Sequential(nn.ReLU(), _doubling(8), _doubling(8)), options)
+    assert (report.phase, report.module, report.op, report.step) == ("forward", "2", "aten.mm.default", 3)
+    assert report.reproduced is True and report.posinf == 128
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_dropout_swapped_into_the_sequential_mid_watch_is_replayed_with_its_mask(options: dict) -> None:
+    torch.manual_seed(0)
+    report = _run(nn.Sequential(nn.Identity(), _doubling(8), _doubling(8)), options, swap=nn.Dropout(0.5))
+    assert (report.phase, report.module, report.op, report.step) == ("forward", "1", "aten.mm.default", 3)
+    assert report.reproduced is True and 0 < report.posinf < 128
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_dropout_in_a_sequential_is_replayed_with_the_same_mask(options: dict) -> None:
+    model = nn.Sequential(nn.Dropout(0.5), nn.Sequential(_doubling(8)))
+    torch.manual_seed(0)
+    report = _run(model, options)
+    assert (report.phase, report.module, report.op, report.step) == ("forward", "1.0", "aten.mm.default", 3)
+    assert report.reproduced is True and 0 < report.posinf < 128
+
+
+@pytest.mark.parametrize("model", [_FunctionalDropout, _RandInForward, _NoiseInHelper])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_draw_in_the_models_own_code_is_replayed_with_the_same_numbers(model: type, options: dict) -> None:
+    report = _run(model(), options)
+    assert (report.phase, report.step) == ("forward", 3)
+    assert report.reproduced is True and 0 < report.posinf < 128
