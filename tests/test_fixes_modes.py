@@ -252,3 +252,45 @@ def test_a_step_whose_replay_comes_out_finite_gets_no_verdict_and_says_why(optio
     assert [note.text for note in report.note_facts if note.kind.startswith("fixes-")] == [
         "no fix was tried: the failing step, run again on copies as it ran, came out finite, so no remedy could be "
         "judged on it"]
+
+
+class ShiftedLog(nn.Module):
+    """log of a Linear's output shifted by a keyword argument (``model(x, shift=10.0)``), in a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, shift: float) -> torch.Tensor:
+        return torch.log(self.fc(x) - shift)
+
+
+class KeywordModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = ShiftedLog()
+
+    def forward(self, x: torch.Tensor, *, shift: float) -> torch.Tensor:
+        return self.head(x, shift)
+
+
+@pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
+def test_a_call_stopped_by_its_event_is_replayed_with_its_keyword_arguments(options: dict[str, Any]) -> None:
+    # Immediately, the event stops the model call before it returns: its keyword arguments, which a global pre-hook
+    # never sees, are read from its running frame (fixes/kept.py); without them the replay would raise.
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+        model = KeywordModel()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(3, 4)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(x, shift=10.0).sum().backward()
+            opt.step()
+
+        return model, opt, step
+
+    report = _checked(make, **options)
+    assert (report.phase, report.module, report.op) == (Phase.FORWARD, "head", "aten.log.default")
+    assert _kinds(report) == {"eps": True, "stable": None}
+    assert not any(note.kind.startswith("fixes-") for note in report.note_facts)
