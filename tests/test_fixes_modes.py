@@ -1,8 +1,9 @@
 """Fix trials in ``mode="full"`` and ``ops=True``: the same remedies as the default watch, tried on the failing step.
 
-Those watches name the producer without a replay of the step; they keep the
-step's top-level model calls all the same (localize/modes.py ``kept``), and the
-trials replay the failing one (fixes/kept.py). For each phase (a forward op in
+Those watches (``mode="full"`` and ``ops=True``, each in both timings) name the
+producer without a replay of the step; they keep the step's top-level model
+calls all the same (localize/modes.py ``kept``), and the trials replay the
+failing one (fixes/kept.py). For each phase (a forward op in
 a module, the loss code, a backward op, the optimizer step, a bad batch) a case
 checks which remedies the report says it tried and what each did, in each mode,
 and that the trials left the user's model, optimizer state, gradients and
@@ -25,8 +26,12 @@ from torch import nn
 import nan_magic
 from nan_magic.records import FixTrial, Phase, Report
 
-MODES = [{"mode": "full"}, {"ops": True}, {"ops": True, "defer": True}]
-MODE_IDS = ["full", "ops", "ops-deferred"]
+MODES = [{"mode": "full"}, {"mode": "full", "defer": True}, {"ops": True}, {"ops": True, "defer": True}]
+MODE_IDS = ["full", "full-deferred", "ops", "ops-deferred"]
+
+#: Why no remedy is tried where the watch did not name the producer's op (note_words.py ``fixes-no-op``).
+NO_OP = ("no fix was tried: the remedies fit the producer's op, which was not named; watch with ops=True "
+         "(%%nantrace --ops) for the op and line")
 
 #: Why a trial cannot run the loss code again under ops=True (fixes/loss.py).
 OPS_LOSS = "ops mode traces the loss code as it runs, and keeps no record of it to run again"
@@ -124,6 +129,12 @@ def test_a_forward_producer_in_a_module_gets_its_eps_verified(options: dict[str,
 @pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
 def test_a_backward_producer_in_a_module_gets_its_eps_verified(options: dict[str, Any]) -> None:
     report = _checked(_in_model(SqrtOf), **options)
+    if options == {"mode": "full", "defer": True}:
+        # The per-call watch's deferred check names a backward producer's module, not its op (how-it-watches.md):
+        # no remedy can be chosen, and the report says so.
+        assert (report.phase, report.module, report.op, report.fixes) == (Phase.BACKWARD, "1", None, ())
+        assert [note.text for note in report.note_facts if note.kind.startswith("fixes-")] == [NO_OP]
+        return
     assert (report.phase, report.module, report.op) == (Phase.BACKWARD, "1", "aten.div.Tensor")
     assert _kinds(report) == {"eps": True}
     assert _trial(report, "eps").fact("backward_from") in ("loss", "output-gradient")
@@ -246,6 +257,7 @@ def test_a_step_whose_replay_comes_out_finite_gets_no_verdict_and_says_why(optio
     if not options.get("ops"):
         # The per-call watch's replay of the producer's call does not go non-finite either: no op, no remedy fits.
         assert (report.phase, report.op, report.fixes) == (Phase.FORWARD, None, ())
+        assert [note.text for note in report.note_facts if note.kind.startswith("fixes-")] == [NO_OP]
         return
     assert (report.phase, report.op) == (Phase.FORWARD, "aten.log.default")
     assert report.fixes == ()  # eps and stable fit the log, but a replay that never fails cannot judge them

@@ -272,6 +272,8 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     candidates = _candidates(report, site, step) if report.module is not None or _in_loss_code(report) else []
     diverged = report.cause is not None and report.cause.label == "learning-rate-too-high"
     if not candidates and old_scale is None and not diverged:
+        if reproduce and report.op is None and report.phase in (Phase.FORWARD, Phase.BACKWARD):
+            raise _NoTrial(Note("fixes-no-op"))  # (mode="full" deferred: a backward producer's op is not named)
         return ()
     base = replay_step(step, None, None)
     if reproduce and base.failed == "raised":  # not the event: the step, run again as it ran, raised

@@ -134,6 +134,7 @@ _TEMPLATES: dict[str, str] = {
     "fixes-replay-raised": "no fix was tried: the failing step, run again on copies as it ran, raised {error}",
     "fixes-no-loss-code": "no fix was tried: the producer ran in the loss code, which the trials could not run "
                           "again: {reason}",
+    "fixes-no-op": "no fix was tried: the remedies fit the producer's op, which was not named; " + _OPS,
     "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
