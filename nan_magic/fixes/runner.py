@@ -48,7 +48,7 @@ from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
 from nan_magic.patches.scaler import scaler_source
-from nan_magic.records import FixTrial, Note, Phase, Report
+from nan_magic.records import FixTrial, Note, Phase, Report, TensorRole
 from nan_magic.scene.last_good import LastGood
 from nan_magic.tensor_refs import op_function
 
@@ -156,7 +156,8 @@ def kept_fixes(report: Report, kept: KeptStep, optimizers: Iterable[torch.optim.
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), kept.aside, loss_code=code,
                        scalers=tuple(kept.loss.scalers))
-    return try_fixes(report, step, list(roots), last_good, data_code=kept.loss.recorder, reproduce=True)
+    return try_fixes(report, step, list(roots), last_good, data_code=kept.loss.recorder,
+                     reproduce="traced" if kept.traced else "per-call")
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
@@ -251,13 +252,14 @@ _Try = Callable[[], FixTrial]
 
 def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = (),
               last_good: LastGood | None = None, data_code: RegionRecords | None = None,
-              reproduce: bool = False) -> tuple[FixTrial, ...]:
+              reproduce: str | None = None) -> tuple[FixTrial, ...]:
     """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first.
 
     ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence;
     ``data_code``: the records of the loop's data code, for a remedy at a producer there (data_code.py);
-    ``reproduce``: the event was not localized by a step replay (a per-call or traced watch), so an unremedied
-    replay that comes out finite is said in a note (the tiered watch's replay reproduced the event already).
+    ``reproduce``: the watch that localized the event without a step replay (``"per-call"``, ``"traced"``): an
+    unremedied replay that does not go non-finite is said in a note (the tiered watch's replay reproduced the event
+    already), and a module's producer whose op the per-call watch did not name too.
     """
     if report.phase == Phase.DATA:
         skipped = _skip_batch(report, step)
@@ -272,8 +274,10 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     candidates = _candidates(report, site, step) if report.module is not None or _in_loss_code(report) else []
     diverged = report.cause is not None and report.cause.label == "learning-rate-too-high"
     if not candidates and old_scale is None and not diverged:
-        if reproduce and report.op is None and report.phase in (Phase.FORWARD, Phase.BACKWARD):
-            raise _NoTrial(Note("fixes-no-op"))  # (mode="full" deferred: a backward producer's op is not named)
+        if reproduce == "per-call" and report.op is None and report.module is not None and report.tensor.role in (
+                TensorRole.MODULE_OUTPUT, TensorRole.OUTPUT_GRADIENT, TensorRole.PARAMETER_GRADIENT):
+            # A module's computation whose op the per-call watch did not name (its deferred backward producer's).
+            raise _NoTrial(Note("fixes-no-op"))
         return ()
     base = replay_step(step, None, None)
     if reproduce and base.failed == "raised":  # not the event: the step, run again as it ran, raised
