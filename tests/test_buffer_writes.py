@@ -128,12 +128,13 @@ def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(o
 
 
 #: Why: the buffer's finding (hot/checks/running_stats.py, at the optimizer step, no call) is localized only by
-#: StepReplays.localize, which only the tiered mode has (Watch.replays is modes.Tiered's); keeping the step's root
-#: calls with their buffer copies in mode="full" means calling StepReplays.begin from the forward pre-hook (the hot
-#: path). In ops mode nothing asks the tracer about that buffer, and native_batch_norm writes its running statistics
-#: without returning them or a write annotation in its schema, so the tracer has no origin for running_var.
+#: StepReplays.localize, which only the tiered mode runs (modes.Tiered's ``replays``); mode="full" keeps the step's
+#: root calls with their buffer copies since fixes15 (modes.PerCall's ``kept``, for the fix trials), but does not
+#: localize with them. In ops mode nothing asks the tracer about that buffer, and native_batch_norm writes its running
+#: statistics without returning them or a write annotation in its schema, so the tracer has no origin for running_var.
 NOT_YET_REASON = ("the buffer read at the optimizer step is localized only by the tiered watch's step replay: "
-                  "mode='full' keeps no root calls to replay, and ops mode does not ask the tracer about the buffer")
+                  "mode='full' keeps its root calls for the fix trials only, and ops mode does not ask the tracer "
+                  "about the buffer")
 
 
 @pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)
