@@ -127,18 +127,14 @@ def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(o
     assert "non-finite elements as 0" not in text
 
 
-#: Why: the buffer's finding (hot/checks/running_stats.py, judged at the optimizer's pre-hook, with no call) is emitted
-#: as it is (hot/checks/optim.py) and localized only in lifecycle/watch.py's _localize, by the tiered watch's
-#: StepReplays (replay/buffer_writes.py on the step's root calls). mode="full" keeps no root call, but it does keep
-#: the owner's call (call.held, CallReplay.kept_arguments): buffer_writes' replay could run that call from the buffer
-#: with its non-finite elements as 0 (from_zero, as it does for native_batch_norm); the wiring (a buffer finding
-#: routed to the per-call replay) is lifecycle's, not localize's. In ops mode nothing asks the tracer about that
-#: buffer, and native_batch_norm writes its running statistics without returning them or a write annotation in its
-#: schema, so the tracer has no origin for running_var; for avg_sq the tracer's origin would be the pow that
-#: overflowed (the op rule's producer), not the add_ the default watch names as the op that wrote the buffer.
-NOT_YET_REASON = ("the buffer read at the optimizer step is localized only by the tiered watch's step replay "
-                  "(lifecycle/watch.py _localize): mode='full' keeps the owner's call but no path routes the "
-                  "buffer's finding to its replay, and ops mode does not ask the tracer about the buffer")
+#: Why: the buffer's finding (hot/checks/running_stats.py, at the optimizer step, no call) is localized only by
+#: StepReplays.localize, which only the tiered mode runs (modes.Tiered's ``replays``); mode="full" keeps the step's
+#: root calls with their buffer copies since fixes15 (modes.PerCall's ``kept``, for the fix trials), but does not
+#: localize with them. In ops mode nothing asks the tracer about that buffer, and native_batch_norm writes its running
+#: statistics without returning them or a write annotation in its schema, so the tracer has no origin for running_var.
+NOT_YET_REASON = ("the buffer read at the optimizer step is localized only by the tiered watch's step replay: "
+                  "mode='full' keeps its root calls for the fix trials only, and ops mode does not ask the tracer "
+                  "about the buffer")
 
 
 @pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)
