@@ -42,7 +42,6 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import KeptStep, LossSource, untried, with_fixes
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -58,6 +57,7 @@ from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
+from nan_magic.lifecycle.localize_event import localize_event
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
 from nan_magic.localize.modes import Localizing, localizing
@@ -416,25 +416,8 @@ class Watch:
         return inner
 
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
-        """An event's replay (a bad batch's samples fetched again, else the tiered step replay); its fixes' trials."""
-        replays, replayed = self.localizing.replays, None
-        if replays is not None:
-            replays.replayed = None
-        if finding.phase == Phase.DATA and finding.op is None:
-            replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
-        if replayed is None and replays is not None:
-            replayed = replays.localize(finding, seen)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
-        if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
-            kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
-            return untried(seen, replayed, finding.frame, kept, self.optimizers.seen, self._roots(), self.last_good)
-        if replayed is None or replays is None:
-            return replayed
-        report, producer = replayed
-        if not self.config.fixes or report.benign or self.outcome.report is not None:
-            return replayed  # trials for the first real event only (warn/log mode goes on after it)
-        return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
-                          self.call_replay.standing_aside, loss), producer
+        """An event's replay and its fixes' trials (localize_event.py)."""
+        return localize_event(self, finding, seen)
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
