@@ -21,6 +21,10 @@ from nan_magic import NonFiniteError
 from tests.faults import marked_line
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
+#: The per-module and traced watches keep the step's top-level calls for their fix trials (localize/modes.py
+#: ``kept``): a buffer read non-finite at the step is named from them by the same replay (lifecycle/localize_event.py).
+KEPT = [pytest.param({"mode": "full"}, id="full"), pytest.param({"mode": "full", "defer": True}, id="full-deferred"),
+        pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred")]
 
 
 def _line(marker: str) -> int:
@@ -85,7 +89,7 @@ def test_a_users_running_buffer_is_named_at_the_line_that_wrote_it(options) -> N
     assert "aten.add_.Tensor wrote 0.avg_sq non-finite" in report.to_text()
 
 
-@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("options", [*TIMINGS, *KEPT])
 def test_an_instance_norms_running_variance_is_named_with_the_op_that_wrote_it(options) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True)),
@@ -111,7 +115,7 @@ class _Accumulating(nn.Module):
         return self.fc(x)
 
 
-@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("options", [*TIMINGS, *KEPT])
 def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(options) -> None:
     # Its version counter moved at the first call: the watch copies it before each call, and the replay starts from
     # that copy (3e38), where the same add_ passes the max again.
@@ -122,12 +126,6 @@ def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(o
     text = report.to_text()
     assert "wrote 0.total non-finite when step 2's model call was run again from its buffers as they were" in text
     assert "non-finite elements as 0" not in text
-
-
-#: The per-module and traced watches keep the step's top-level calls for their fix trials (localize/modes.py
-#: ``kept``): a buffer read non-finite at the step is named from them by the same replay (lifecycle/localize_event.py).
-KEPT = [pytest.param({"mode": "full"}, id="full"), pytest.param({"mode": "full", "defer": True}, id="full-deferred"),
-        pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred")]
 
 
 @pytest.mark.parametrize("options", KEPT)
