@@ -306,3 +306,39 @@ def test_a_call_stopped_by_its_event_is_replayed_with_its_keyword_arguments(opti
     assert (report.phase, report.module, report.op) == (Phase.FORWARD, "head", "aten.log.default")
     assert _kinds(report) == {"eps": True, "stable": None}
     assert not any(note.kind.startswith("fixes-") for note in report.note_facts)
+
+
+
+def _two_models(**options: Any) -> tuple[Report | None, dict[str, Any]]:
+    """``head(body(x))``, both watched: the producer is the body's sqrt backward."""
+    torch.manual_seed(0)
+    random.seed(0)
+    body, head = _make(SqrtOf), nn.Linear(4, 1)
+    both = nn.ModuleList([body, head])
+    opt = torch.optim.SGD(both.parameters(), lr=1e-3)
+    x = _batch(body)
+    report = None
+    try:
+        with nan_magic.watch(body, head, opt, **options):
+            for _ in range(3):
+                torch.rand(1)
+                opt.zero_grad()
+                head(body(x)).sum().backward()
+                opt.step()
+    except nan_magic.NonFiniteError as error:
+        report = error.report
+    return report, _state(both, opt)
+
+
+# (Not mode="full" deferred: it names no backward op to choose a remedy by, test_a_backward_producer_in_a_module_...)
+@pytest.mark.parametrize("options", [MODES[0], *MODES[2:]], ids=[MODE_IDS[0], *MODE_IDS[2:]])
+def test_a_backward_producer_in_the_first_of_two_models_is_remedied_on_that_models_call(
+        options: dict[str, Any]) -> None:
+    # Backward reaches the head's call first, but the producer is the body's: its call is the one replayed.
+    report, after = _two_models(**options)
+    untried, untouched = _two_models(fixes=False, **options)
+    assert report is not None and untried is not None and _same(after, untouched)
+    assert (report.phase, report.op) == (Phase.BACKWARD, "aten.div.Tensor")
+    assert _kinds(report) == {"eps": True}
+    assert _trial(report, "eps").fact("backward_from") == "output-gradient"  # the head's gradient into the body
+    assert not any(note.kind.startswith("fixes-") for note in report.note_facts)
