@@ -159,6 +159,7 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
     """The trials on a replay of ``root``, a call ``kept``: :func:`try_fixes` on its step."""
     model = kept.replays.model_of(root.module) if kept.replays is not None else None
     if model is None:
+        _alone(root.module, None, optimizers, None)  # FSDP (no eager model to replay): the other ranks, say so
         raise _NoTrial(Note("fixes-no-call"))
     target = replay_target(root.module) or model
     before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
