@@ -3,12 +3,12 @@
 Those watches (``mode="full"`` and ``ops=True``, each in both timings) name the
 producer without a replay of the step; they keep the step's top-level model
 calls all the same (localize/modes.py ``kept``), and the trials replay the
-failing one (fixes/kept.py). For each phase (a forward op in
-a module, the loss code, a backward op, the optimizer step, a bad batch) a case
-checks which remedies the report says it tried and what each did, in each mode,
-and that the trials left the user's model, optimizer state, gradients and
-generators bit-identical: the same loop under a watch with ``fixes=False`` ends
-in the same state.
+failing one (fixes/kept.py). For each phase (a forward op in a module, the loss
+code, a backward op, the optimizer step, a bad batch, a collapsing GradScaler)
+a case checks which remedies the report says it tried and what each did, in
+each mode, and that the trials left the user's model, optimizer state,
+gradients and generators bit-identical: the same loop under a watch with
+``fixes=False`` ends in the same state.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_fixes import LogOf, SqrtOf, _batch, _make
+from test_fixes_steps import CastOut
 from torch import nn
 
 import nan_magic
@@ -306,3 +307,67 @@ def test_a_call_stopped_by_its_event_is_replayed_with_its_keyword_arguments(opti
     assert (report.phase, report.module, report.op) == (Phase.FORWARD, "head", "aten.log.default")
     assert _kinds(report) == {"eps": True, "stable": None}
     assert not any(note.kind.startswith("fixes-") for note in report.note_facts)
+
+
+
+def _two_models(**options: Any) -> tuple[Report | None, dict[str, Any]]:
+    """``head(body(x))``, both watched: the producer is the body's sqrt backward."""
+    torch.manual_seed(0)
+    random.seed(0)
+    body, head = _make(SqrtOf), nn.Linear(4, 1)
+    both = nn.ModuleList([body, head])
+    opt = torch.optim.SGD(both.parameters(), lr=1e-3)
+    x = _batch(body)
+    report = None
+    try:
+        with nan_magic.watch(body, head, opt, **options):
+            for _ in range(3):
+                torch.rand(1)
+                opt.zero_grad()
+                head(body(x)).sum().backward()
+                opt.step()
+    except nan_magic.NonFiniteError as error:
+        report = error.report
+    return report, _state(both, opt)
+
+
+# (Not mode="full" deferred: it names no backward op to choose a remedy by, test_a_backward_producer_in_a_module_...)
+@pytest.mark.parametrize("options", [MODES[0], *MODES[2:]], ids=[MODE_IDS[0], *MODE_IDS[2:]])
+def test_a_backward_producer_in_the_first_of_two_models_is_remedied_on_that_models_call(
+        options: dict[str, Any]) -> None:
+    # Backward reaches the head's call first, but the producer is the body's: its call is the one replayed.
+    report, after = _two_models(**options)
+    untried, untouched = _two_models(fixes=False, **options)
+    assert report is not None and untried is not None and _same(after, untouched)
+    assert (report.phase, report.op) == (Phase.BACKWARD, "aten.div.Tensor")
+    assert _kinds(report) == {"eps": True}
+    assert _trial(report, "eps").fact("backward_from") == "output-gradient"  # the head's gradient into the body
+    assert not any(note.kind.startswith("fixes-") for note in report.note_facts)
+
+
+def _collapsing_scaler() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """A GradScaler from 2**40 whose scale collapses (test_fixes_steps._scaled_run): raised at scale 2**26."""
+    model = CastOut(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = (out - y).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return model, opt, step
+
+
+@pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
+def test_a_collapsing_scaler_gets_float32_and_a_lower_scale_verified(options: dict[str, Any]) -> None:
+    report = _checked(_collapsing_scaler, steps=20, **options)
+    assert report.cause is not None and report.cause.label == "grad-scaler-collapse"
+    assert _kinds(report) == {"float32": True, "scale": True}
+    scale = _trial(report, "scale")
+    assert (scale.fact("scale"), scale.fact("new_scale")) == (2.0**26, 2.0**18)

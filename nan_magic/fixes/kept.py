@@ -8,8 +8,9 @@ the one that failed:
 
 * a forward event in a model: the top-level call the producer's call ran in
   (the finding's call record, walked up), else the latest;
-* a backward event in a model: the latest call that holds the gradient that
-  flowed into its outputs (backward runs the last call first), else the latest;
+* a backward event in a model: each call that holds the gradient that flowed
+  into its outputs, the latest first (backward runs the last call first), until
+  one's unremedied replay goes non-finite (``head(body(x))``: the body's); else the latest;
 * a producer in the loss code: the step's last call (the loss code reads its outputs);
 * a batch that entered non-finite: the latest call given it (batch.py).
 
@@ -66,28 +67,33 @@ class KeptStep:
         with self.standing_aside(), _disable_current_modes():
             yield
 
-    def failing_call(self, report: Report) -> RootCall | Note:
-        """The kept call the trials replay (the module docstring), with its keyword arguments; or why there is none."""
+    def failing_calls(self, report: Report) -> list[RootCall] | Note:
+        """The kept calls the trials may replay, the likeliest first (the module docstring), with their keyword
+        arguments; or why there is none."""
         calls = list(self.replays.calls) if self.replays is not None else []
         if not calls:
             return Note("fixes-no-call")
-        root: RootCall | None = calls[-1]
+        roots: list[RootCall] = [calls[-1]]
         if report.phase == Phase.DATA:
-            root = next((call for call in reversed(calls) if holds_nonfinite(call)), None)
+            roots = [call for call in reversed(calls) if holds_nonfinite(call)][:1]
         elif report.module is None:
-            root = calls[-1]  # the loss code, after the step's last call
+            roots = [calls[-1]]  # the loss code, after the step's last call
         elif report.phase == Phase.FORWARD:
             top = self.call
             while top is not None and getattr(top, "parent", None) is not None:
                 top = top.parent  # type: ignore[attr-defined]
-            root = next((call for call in reversed(calls) if top is not None and call.call is top), calls[-1])
+            roots = [next((call for call in reversed(calls) if top is not None and call.call is top), calls[-1])]
         elif report.phase == Phase.BACKWARD:
-            root = next((call for call in reversed(calls) if call.output_grads), calls[-1])
-        if root is None:
+            # Each call whose output gradient is held, the last first: the first whose replay fails is the one.
+            roots = [call for call in reversed(calls) if call.output_grads] or [calls[-1]]
+        if not roots:
             return Note("fixes-no-call")
-        if not root.returned:
-            running = running_arguments(root.module)
-            if running is None:
-                return Note("fixes-call-running")
-            root = dataclasses.replace(root, kwargs=running[1])
-        return root
+        found: list[RootCall] = []
+        for root in roots:
+            if not root.returned:
+                running = running_arguments(root.module)
+                if running is None:
+                    return Note("fixes-call-running")
+                root = dataclasses.replace(root, kwargs=running[1])
+            found.append(root)
+        return found

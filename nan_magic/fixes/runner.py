@@ -139,13 +139,27 @@ def kept_fixes(report: Report, kept: KeptStep, optimizers: Iterable[torch.optim.
     """The trials for a real event of a per-call or traced watch, on the top-level call it kept (kept.py).
 
     Honest as the tiered watch's: the remedies are judged against the unremedied replay of that call, which
-    must go non-finite again (else no remedy is tried, and a note says why).
+    must go non-finite again (else no remedy is tried, and a note says why). A backward event's candidates are
+    tried the latest first, as the tiered watch's replay tries them, until one's replay goes non-finite.
     """
-    root = kept.failing_call(report)
-    if isinstance(root, Note):
-        raise _NoTrial(root)
+    calls = kept.failing_calls(report)
+    if isinstance(calls, Note):
+        raise _NoTrial(calls)
+    for index, root in enumerate(calls):
+        try:
+            return _kept_trials(report, kept, root, optimizers, list(roots), last_good)
+        except _NoTrial as none:
+            if none.note.kind != "fixes-not-reproduced" or index == len(calls) - 1:
+                raise  # (a call whose replay stays finite: the next one, a backward event's, may be the one)
+    return ()
+
+
+def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Iterable[torch.optim.Optimizer],
+                 roots: list[nn.Module], last_good: LastGood) -> tuple[FixTrial, ...]:
+    """The trials on a replay of ``root``, a call ``kept``: :func:`try_fixes` on its step."""
     model = kept.replays.model_of(root.module) if kept.replays is not None else None
     if model is None:
+        _alone(root.module, None, optimizers, None)  # FSDP (no eager model to replay): the other ranks, say so
         raise _NoTrial(Note("fixes-no-call"))
     target = replay_target(root.module) or model
     before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
@@ -156,7 +170,7 @@ def kept_fixes(report: Report, kept: KeptStep, optimizers: Iterable[torch.optim.
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), kept.aside, loss_code=code,
                        scalers=tuple(kept.loss.scalers))
-    return try_fixes(report, step, list(roots), last_good, data_code=kept.loss.recorder,
+    return try_fixes(report, step, roots, last_good, data_code=kept.loss.recorder,
                      reproduce="traced" if kept.traced else "per-call")
 
 
