@@ -5,6 +5,7 @@ then runs the step's model call again from the buffers (replay/buffer_writes.py)
 buffer non-finite, with the line the op tracer's rule gives any op: the user's innermost line (a user's
 ``self.avg_sq.mul_(0.9).add_(...)``), or, where the model's code is all torch's (an ``nn.Sequential`` holding a
 BatchNorm), the loop's line that called the model, with torch's own line (``F.batch_norm``'s) in a note.
+``mode="full"`` and ``ops=True`` run the same replay on the top-level calls they keep for the fix trials.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from nan_magic import NonFiniteError
 from tests.faults import marked_line
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
-#: Where the buffer is named without its op yet: the per-module watch keeps no step's calls, and the op tracer does
-#: not claim the write for the buffer's read (it reads each op's outputs; native_batch_norm writes its running
-#: statistics without returning them).
-NOT_YET = [pytest.param({"mode": "full"}, id="full"), pytest.param({"ops": True}, id="ops")]
+#: The per-module and traced watches keep the step's top-level calls for their fix trials (localize/modes.py
+#: ``kept``): a buffer read non-finite at the step is named from them by the same replay (lifecycle/localize_event.py).
+KEPT = [pytest.param({"mode": "full"}, id="full"), pytest.param({"mode": "full", "defer": True}, id="full-deferred"),
+        pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred")]
 
 
 def _line(marker: str) -> int:
@@ -88,7 +89,7 @@ def test_a_users_running_buffer_is_named_at_the_line_that_wrote_it(options) -> N
     assert "aten.add_.Tensor wrote 0.avg_sq non-finite" in report.to_text()
 
 
-@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("options", [*TIMINGS, *KEPT])
 def test_an_instance_norms_running_variance_is_named_with_the_op_that_wrote_it(options) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True)),
@@ -114,7 +115,7 @@ class _Accumulating(nn.Module):
         return self.fc(x)
 
 
-@pytest.mark.parametrize("options", TIMINGS)
+@pytest.mark.parametrize("options", [*TIMINGS, *KEPT])
 def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(options) -> None:
     # Its version counter moved at the first call: the watch copies it before each call, and the replay starts from
     # that copy (3e38), where the same add_ passes the max again.
@@ -127,35 +128,38 @@ def test_a_buffer_that_passes_the_max_by_a_finite_write_is_named_from_its_copy(o
     assert "non-finite elements as 0" not in text
 
 
-#: Why: the buffer's finding (hot/checks/running_stats.py, judged at the optimizer's pre-hook, with no call) is emitted
-#: as it is (hot/checks/optim.py) and localized only in lifecycle/watch.py's _localize, by the tiered watch's
-#: StepReplays (replay/buffer_writes.py on the step's root calls). mode="full" keeps no root call, but it does keep
-#: the owner's call (call.held, CallReplay.kept_arguments): buffer_writes' replay could run that call from the buffer
-#: with its non-finite elements as 0 (from_zero, as it does for native_batch_norm); the wiring (a buffer finding
-#: routed to the per-call replay) is lifecycle's, not localize's. In ops mode nothing asks the tracer about that
-#: buffer, and native_batch_norm writes its running statistics without returning them or a write annotation in its
-#: schema, so the tracer has no origin for running_var; for avg_sq the tracer's origin would be the pow that
-#: overflowed (the op rule's producer), not the add_ the default watch names as the op that wrote the buffer.
-NOT_YET_REASON = ("the buffer read at the optimizer step is localized only by the tiered watch's step replay "
-                  "(lifecycle/watch.py _localize): mode='full' keeps the owner's call but no path routes the "
-                  "buffer's finding to its replay, and ops mode does not ask the tracer about the buffer")
-
-
-@pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)
-@pytest.mark.parametrize("options", NOT_YET)
+@pytest.mark.parametrize("options", KEPT)
 def test_the_per_module_and_ops_watches_name_the_op_too(options) -> None:
     report = _train(_batch_norm_model(), (8, 4), options)
-    assert (report.module, report.op) == ("1", "aten.native_batch_norm.default")
+    assert (report.phase, report.module, report.step, report.op) == (
+        "forward", "1", 2, "aten.native_batch_norm.default")
+    assert (report.tensor.role.value, report.tensor.name) == ("buffer", "1.running_var")
+    assert report.source is not None and report.source.lineno == _line("loop")
+    assert "aten.native_batch_norm.default wrote 1.running_var non-finite when step 2's model call" in report.to_text()
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)
-@pytest.mark.parametrize("options", NOT_YET)
+@pytest.mark.parametrize("options", KEPT)
 def test_the_per_module_and_ops_watches_name_the_add_that_wrote_a_users_buffer(options) -> None:
     # The default watch names the add_ that wrote it at its line; the pow that overflowed made the value.
     report = _train(nn.Sequential(_RunningMean(), nn.Linear(4, 1)), (3, 4), options, power=1)
-    assert (report.tensor.role.value, report.tensor.name) == ("buffer", "0.avg_sq")  # (named today, with no op)
-    assert (report.module, report.op) == ("0", "aten.add_.Tensor")
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "0", 2, "aten.add_.Tensor")
+    assert (report.tensor.role.value, report.tensor.name) == ("buffer", "0.avg_sq")
     assert report.source is not None and report.source.lineno == _line("running mean")
+    assert "aten.add_.Tensor wrote 0.avg_sq non-finite" in report.to_text()
+
+
+#: Why: with ``fixes=False`` a per-module or traced watch keeps no top-level call (localize/modes.py ``_kept``: the
+#: calls are kept for the fix trials), and each module call's own kept arguments are held weakly in immediate mode
+#: (freed once the step's backward ran): nothing is left to run again at the optimizer step.
+NO_KEPT_REASON = "with fixes=False the per-module and traced watches keep no top-level call to run again"
+
+
+@pytest.mark.xfail(strict=True, reason=NO_KEPT_REASON)
+@pytest.mark.parametrize("options", [pytest.param({"mode": "full", "fixes": False}, id="full"),
+                                     pytest.param({"ops": True, "fixes": False}, id="ops")])
+def test_without_fixes_the_per_module_and_ops_watches_keep_no_call_to_name_the_op(options) -> None:
+    report = _train(_batch_norm_model(), (8, 4), options)
+    assert (report.module, report.op) == ("1", "aten.native_batch_norm.default")
 
 
 class _LargeButFinite(nn.Module):

@@ -361,6 +361,10 @@ def test_fsdp1_forward_fault_on_rank_1_is_named_by_the_users_names(ranks):
         assert (report["rank"], report["world_size"]) == (1, 2)
         assert f"distributed_worker.py:{marked_line('log', where=worker)}" in report["text"]
         assert "_fsdp_wrapped_module" not in report["text"]
+    # ops=True tries the remedies on a replay of the failing call, which FSDP's sharded forward rules out on one rank.
+    assert rank1["report"]["fixes"] == [] and rank1["report"]["notes"] == [
+        "no fix was tried under a process group of 2 ranks: the model is sharded by FSDP (its forward gathers "
+        "parameters from every rank), and the other ranks are not replaying"]
     # Rank 0's own view: its shard of 0.weight's gradient (a view of the flat shard), under the user's names.
     assert rank0["local_tensor"] == _GRADIENT
     assert rank0["local_module"] == ["0", "Linear"]

@@ -3,11 +3,14 @@
 ``out.div_(out.detach().abs().sum(-1, keepdim=True))`` on a model's output, with a row of 0 at step 2: the loss is
 inf, and the tensor the loss code read (``out.detach()``, which shares ``out``'s memory) holds the write's inf now.
 It was taken for data that entered the loss code non-finite (phase data); it is the loss code's own (phase forward,
-outside every module). Its op is named only in ops mode (tests/contract/opsgaps15.py says why). A label the loss
-code cleans in place *before* reading it is still data.
+outside every module). Its op is named too, at its line: the recorder copies the output before the loss code's
+``div_`` writes it (region_records.keep_before_write), and the loss code's replay starts from that copy. A label the
+loss code cleans in place *before* reading it is still data.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import nan_magic
+from tests.faults import marked_line
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
 MODES = [*TIMINGS, pytest.param({"mode": "full"}, id="full")]
@@ -28,7 +32,7 @@ def _in_place_on_the_output(options: dict) -> nan_magic.Report:
         for step in range(4):
             out = model(torch.randn(5, 4))
             size = out.detach().abs().sum(-1, keepdim=True) * ((torch.arange(5) > 0) | (step != 2)).unsqueeze(-1)
-            out.div_(size)
+            out.div_(size)  # producer: in-place scale
             loss = out.pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -40,7 +44,10 @@ def _in_place_on_the_output(options: dict) -> nan_magic.Report:
 def test_a_tensor_the_loss_code_wrote_after_reading_it_is_not_data(options: dict) -> None:
     report = _in_place_on_the_output(options)
     assert (report.phase, report.module, report.step) == ("forward", None, 2), report.message
-    assert report.tensor.role.value == "loss"
+    # (the div_'s own output, as for any op of the loss code the replay names)
+    assert (report.op, report.tensor.role.value) == ("aten.div_.Tensor", "op output")
+    assert report.source is not None
+    assert report.source.lineno == marked_line("in-place scale", where=sys.modules[__name__])
 
 
 @pytest.mark.parametrize("options", TIMINGS)
@@ -60,3 +67,43 @@ def test_a_label_cleaned_in_place_before_the_loss_reads_it_is_still_data(options
             opt.step()
     report = caught.value.report
     assert (report.phase, report.module, report.step) == ("data", None, 2), report.message
+
+
+@pytest.mark.parametrize(("loss_code", "asked", "copied"), [
+    pytest.param("none", 0, 0, id="no-write"),
+    # (a zero_grad bound before the watch runs without the patch that steps the recorder aside: it writes the
+    # gradients in the loss code; they are not copied)
+    pytest.param("zero_grad", None, 0, id="bound-zero-grad-not-to-none"),  # (asked per write: foreach or not)
+    pytest.param("div_", 3, 3, id="write"),
+])
+def test_only_a_loss_code_that_writes_its_output_in_place_pays_for_a_copy(monkeypatch, loss_code: str,
+                                                                          asked: int | None, copied: int) -> None:
+    # The recorder copies a model's output before the loss code writes it in place; a loss with no in-place op asks
+    # nothing, and the gradients zero_grad(set_to_none=False) writes in the loss code are not copied.
+    from nan_magic.localize.outside.region_records import RegionRecords
+
+    calls: list[int] = []
+    keep = RegionRecords.keep_before_write
+
+    def counted(self: RegionRecords, *args: object) -> None:
+        had = len(self.before)
+        keep(self, *args)  # type: ignore[arg-type]
+        calls.append(len(self.before) - had)
+
+    monkeypatch.setattr(RegionRecords, "keep_before_write", counted)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    zero_grad = opt.zero_grad
+    with nan_magic.watch(model, opt) as watch:
+        for step in range(3):
+            out = model(torch.randn(5, 4))
+            if loss_code == "div_":
+                out.div_(2.0)
+            loss = out.pow(2).mean()
+            zero_grad(set_to_none=loss_code != "zero_grad" or step == 0)  # (step 0: no gradient to zero yet)
+            loss.backward()
+            opt.step()
+    assert watch.report is None
+    assert (len(calls) if asked is not None else bool(calls), sum(calls)) == (
+        asked if asked is not None else True, copied)

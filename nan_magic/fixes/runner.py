@@ -35,6 +35,7 @@ from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
 from nan_magic.fixes.data_code import remedied_batch
 from nan_magic.fixes.diverged import lowered_update
 from nan_magic.fixes.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
 from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
@@ -47,12 +48,12 @@ from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.step import StepReplays
 from nan_magic.patches.scaler import scaler_source
-from nan_magic.records import FixTrial, Note, Phase, Report
+from nan_magic.records import FixTrial, Note, Phase, Report, TensorRole
 from nan_magic.scene.last_good import LastGood
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["MIN_BUDGET", "STEP_TIMES", "LossSource", "batch_call", "fixes_for", "try_fixes", "try_optimizer_fixes",
-           "untried", "with_fixes"]
+__all__ = ["MIN_BUDGET", "STEP_TIMES", "KeptStep", "LossSource", "batch_call", "fixes_for", "kept_fixes", "try_fixes",
+           "try_optimizer_fixes", "untried", "with_fixes"]
 
 #: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
@@ -95,33 +96,82 @@ def _trying(report: Report, trials: Callable[[], tuple[FixTrial, ...]]) -> Repor
     """``report`` with ``trials()``; where they cannot run or fail, a note says why instead."""
     try:
         return dataclasses.replace(report, fixes=trials())
-    except _NeedsRanks as needs:
-        return dataclasses.replace(report, note_facts=(*report.note_facts, needs.note))
+    except _NoTrial as none:
+        return dataclasses.replace(report, note_facts=(*report.note_facts, none.note))
     except Exception as error:  # the trials are a sidecar: they never take the report down
         note = Note.of("fixes-failed", error=type(error).__name__, message=str(error))
         return dataclasses.replace(report, note_facts=(*report.note_facts, note))
 
 
-def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, traced: bool,
+def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, kept: KeptStep,
             optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module], last_good: LastGood,
             ) -> tuple[Report, Any] | None:
-    """The first real event of a per-call (``mode="full"``) or traced (``ops=True``) watch: no step replay to try on.
+    """The first real event of a per-call (``mode="full"``) or traced (``ops=True``) watch, which localized it
+    without a step replay: its remedies tried on a replay of the failing step all the same (kept.py).
 
-    The trials run on a replay of the failing step, which only the tiered watch keeps (localize/modes.py): the
-    report says so (a note), rather than nothing. An optimizer step's remedies need none (its step is redone on
-    copies from the last good state, optimizer_step.py): tried as the tiered watch tries them, but where the op
-    tracer watches (the trial's ops would be traced). ``seen``: the event's report, or ``replayed``'s where a
-    replay (a bad batch's samples) made one; ``frame``: the producer's frame, kept with the report made here.
+    ``seen``: the event's report, or ``replayed``'s where a replay (a bad batch's samples) made one; ``frame``: the
+    producer's frame, kept with the report made here; ``kept``: the step's top-level calls and what the trials
+    need (none with ``replay=False``: nothing is run again). An optimizer step's remedies need no model call (its
+    step is redone on copies from the last good state, optimizer_step.py); with the op tracer standing aside.
     """
     report = seen if replayed is None else replayed[0]
     if report.benign:
         return replayed
-    if report.phase == Phase.OPTIMIZER and not traced:
-        report = _trying(report, functools.partial(_optimizer_fixes, report, list(optimizers), list(roots), last_good))
-    else:
-        report = dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-traced" if traced
+    if report.phase == Phase.OPTIMIZER:
+        report = _trying(report, functools.partial(_aside, kept.aside, functools.partial(
+            _optimizer_fixes, report, list(optimizers), list(roots), last_good)))
+    elif kept.replays is None:
+        report = dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-traced" if kept.traced
                                                                                   else "fixes-per-call")))
+    else:
+        report = _trying(report, functools.partial(kept_fixes, report, kept, optimizers, roots, last_good))
     return report, ((frame, None) if replayed is None else replayed[1])
+
+
+def _aside(aside: Callable[[], contextlib.AbstractContextManager[None]], trials: Callable[[], tuple[FixTrial, ...]]
+           ) -> tuple[FixTrial, ...]:
+    with aside():
+        return trials()
+
+
+def kept_fixes(report: Report, kept: KeptStep, optimizers: Iterable[torch.optim.Optimizer],
+               roots: Iterable[nn.Module], last_good: LastGood) -> tuple[FixTrial, ...]:
+    """The trials for a real event of a per-call or traced watch, on the top-level call it kept (kept.py).
+
+    Honest as the tiered watch's: the remedies are judged against the unremedied replay of that call, which
+    must go non-finite again (else no remedy is tried, and a note says why). A backward event's candidates are
+    tried the latest first, as the tiered watch's replay tries them, until one's replay goes non-finite.
+    """
+    calls = kept.failing_calls(report)
+    if isinstance(calls, Note):
+        raise _NoTrial(calls)
+    for index, root in enumerate(calls):
+        try:
+            return _kept_trials(report, kept, root, optimizers, list(roots), last_good)
+        except _NoTrial as none:
+            if none.note.kind != "fixes-not-reproduced" or index == len(calls) - 1:
+                raise  # (a call whose replay stays finite: the next one, a backward event's, may be the one)
+    return ()
+
+
+def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Iterable[torch.optim.Optimizer],
+                 roots: list[nn.Module], last_good: LastGood) -> tuple[FixTrial, ...]:
+    """The trials on a replay of ``root``, a call ``kept``: :func:`try_fixes` on its step."""
+    model = kept.replays.model_of(root.module) if kept.replays is not None else None
+    if model is None:
+        _alone(root.module, None, optimizers, None)  # FSDP (no eager model to replay): the other ranks, say so
+        raise _NoTrial(Note("fixes-no-call"))
+    target = replay_target(root.module) or model
+    before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
+    code = loss_code(kept.loss, root, before_loss=before_loss)
+    if _in_loss_code(report) and not isinstance(code, LossCode):
+        # Its remedies go in the loss code, and without it the replayed step never reaches the producer.
+        raise _NoTrial(Note.of("fixes-no-loss-code", reason=code))
+    _alone(root.module, target, optimizers, code)
+    step = FailingStep(root, model, target, tuple(optimizers), kept.aside, loss_code=code,
+                       scalers=tuple(kept.loss.scalers))
+    return try_fixes(report, step, roots, last_good, data_code=kept.loss.recorder,
+                     reproduce="traced" if kept.traced else "per-call")
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
@@ -161,12 +211,16 @@ def _optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer]
     return try_optimizer_fixes(report, optimizers, roots, last_good)
 
 
-class _NeedsRanks(Exception):
-    """No trial runs: one would need the other ranks of the process group (``note`` says why)."""
+class _NoTrial(Exception):
+    """No trial runs (``note`` says why)."""
 
     def __init__(self, note: Note) -> None:
         super().__init__(note.text)
         self.note = note
+
+
+class _NeedsRanks(_NoTrial):
+    """No trial runs: one would need the other ranks of the process group."""
 
 
 #: The namespaces of the ops that communicate across ranks.
@@ -211,11 +265,15 @@ _Try = Callable[[], FixTrial]
 
 
 def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = (),
-              last_good: LastGood | None = None, data_code: RegionRecords | None = None) -> tuple[FixTrial, ...]:
+              last_good: LastGood | None = None, data_code: RegionRecords | None = None,
+              reproduce: str | None = None) -> tuple[FixTrial, ...]:
     """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first.
 
     ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence;
-    ``data_code``: the records of the loop's data code, for a remedy at a producer there (data_code.py).
+    ``data_code``: the records of the loop's data code, for a remedy at a producer there (data_code.py);
+    ``reproduce``: the watch that localized the event without a step replay (``"per-call"``, ``"traced"``): an
+    unremedied replay that does not go non-finite is said in a note (the tiered watch's replay reproduced the event
+    already), and a module's producer whose op the per-call watch did not name too.
     """
     if report.phase == Phase.DATA:
         skipped = _skip_batch(report, step)
@@ -230,9 +288,17 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     candidates = _candidates(report, site, step) if report.module is not None or _in_loss_code(report) else []
     diverged = report.cause is not None and report.cause.label == "learning-rate-too-high"
     if not candidates and old_scale is None and not diverged:
+        if reproduce == "per-call" and report.op is None and report.module is not None and report.tensor.role in (
+                TensorRole.MODULE_OUTPUT, TensorRole.OUTPUT_GRADIENT, TensorRole.PARAMETER_GRADIENT):
+            # A module's computation whose op the per-call watch did not name (its deferred backward producer's).
+            raise _NoTrial(Note("fixes-no-op"))
         return ()
     base = replay_step(step, None, None)
+    if reproduce and base.failed == "raised":  # not the event: the step, run again as it ran, raised
+        raise _NoTrial(Note.of("fixes-replay-raised", error=f"{base.error[0]}: {base.error[1]}" if base.error else ""))
     if base.failed is None:
+        if reproduce:
+            raise _NoTrial(Note("fixes-not-reproduced"))
         return ()  # the unremedied replay came out finite: nothing to fix on it
     tries: list[tuple[str, _Try]] = [
         (kind, functools.partial(_remedy_trial, kind, remedy, report, site, step, base))

@@ -42,7 +42,6 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.fixes.runner import LossSource, untried, with_fixes
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -58,6 +57,7 @@ from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
+from nan_magic.lifecycle.localize_event import localize_event
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
 from nan_magic.localize.modes import Localizing, localizing
@@ -302,7 +302,7 @@ class Watch:
         # How this mode names an event's op (modes.py): but in ops mode the code between the models' calls (the
         # loss, data code in the loop) is recorded, and the tiered watch replays the failing step.
         self.localizing: Localizing = localizing(self.config, self, self._nested, self.targets.optimizers,
-                                                 self.timing.holds_probes)
+                                                 self.timing.holds_probes, trials=self.replay_of is None)
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
@@ -323,7 +323,7 @@ class Watch:
         rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack)
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
-        self.replays = self.localizing.replays
+        self.replays = self.localizing.kept  # the step's top-level calls (the hooks keep them; modes.py)
         #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).
         self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)
@@ -416,25 +416,8 @@ class Watch:
         return inner
 
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
-        """An event's replay (a bad batch's samples fetched again, else the tiered step replay); its fixes' trials."""
-        replays, replayed = self.replays, None
-        if replays is not None:
-            replays.replayed = None
-        if finding.phase == Phase.DATA and finding.op is None:
-            replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
-        if replayed is None and replays is not None:
-            replayed = replays.localize(finding, seen)
-        if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
-            return untried(seen, replayed, finding.frame, self.localizing.traces, self.optimizers.seen, self._roots(),
-                           self.last_good)  # no step replay to try a remedy on (an optimizer step's needs none)
-        if replayed is None or replays is None:
-            return replayed
-        report, producer = replayed
-        if not self.config.fixes or report.benign or self.outcome.report is not None:
-            return replayed  # trials for the first real event only (warn/log mode goes on after it)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
-        return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
-                          self.call_replay.standing_aside, loss), producer
+        """An event's replay and its fixes' trials (localize_event.py)."""
+        return localize_event(self, finding, seen)
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
@@ -457,13 +440,13 @@ class Watch:
         NonFiniteError is raised when the watch is left, from the original
         exception (events.py); ``warn``/``log`` record it now.
         """
-        if self.replays is None:
+        if self.localizing.replays is None:
             finding = self.call_replay.explain_failure(module, call, running_arguments(module))
             if finding is not None:
                 replayed = (self._build_report(finding), (finding.frame, None))
                 self.outcome.hold_explained(finding, replayed, sys.exc_info()[1])  # type: ignore[arg-type]
             return
-        explained = self.replays.explain_failure(module, call, running_arguments(module))
+        explained = self.localizing.replays.explain_failure(module, call, running_arguments(module))
         if explained is None:
             return
         report, producer, error = explained

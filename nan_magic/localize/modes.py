@@ -9,7 +9,14 @@
   the model calls recorded as the tiered watch records it (a module's replay
   reaches no code outside the modules), an optimizer step run on copies.
 * :class:`Traced` (``ops=True``, either mode): the op tracer watches every op
-  of every step; nothing is run again.
+  of every step; nothing is run again to name the op.
+
+Every mode keeps the step's top-level model calls (``kept``, replay/step.py's
+begin at a top-level call's pre-hook) where the first real event's remedies are
+tried on a replay of the failing step (fixes/runner.py); only the tiered watch
+also localizes with them. The per-call and traced watches pay a check or a
+traced op per call already: the kept call adds one RNG capture and one buffer
+copy per top-level call.
 
 The watch asks its mode for these parts and calls it at its own boundaries
 (entering, pausing, attaching its hooks, forgetting a step), so no other
@@ -53,6 +60,8 @@ class Localizing:
         self.replays: StepReplays | None = None
         #: Whether the producer's module call is run again (per-call, ``replay=True`` only).
         self.replays_calls = False
+        #: The step's top-level calls kept for the fix trials (the tiered watch's are ``replays``).
+        self.kept: StepReplays | None = None
 
     def optimizer_replay(self) -> ReplayStep | None:
         """How an optimizer step's op is named: by running the step again on copies."""
@@ -134,7 +143,7 @@ class Tiered(Recording):
     def __init__(self, config: WatchConfig, optimizers: Sequence[object], holds_data: bool, watch: ReplayHost,
                  nested: NestedWatch) -> None:
         super().__init__(config, optimizers, holds_data)
-        self.replays = StepReplays(watch, nested) if config.replay else None
+        self.replays = self.kept = StepReplays(watch, nested) if config.replay else None
 
     def forget(self) -> None:
         super().forget()
@@ -142,18 +151,38 @@ class Tiered(Recording):
             self.replays.clear()
 
 
+def _kept(config: WatchConfig, watch: ReplayHost, nested: NestedWatch, trials: bool) -> StepReplays | None:
+    """The step's top-level calls, kept for the fix trials of a per-call or traced watch (``trials``: it runs them)."""
+    return StepReplays(watch, nested) if trials and config.fixes and config.replay else None
+
+
 class PerCall(Recording):
     """Every module call checked; the producer's call replayed."""
 
-    def __init__(self, config: WatchConfig, optimizers: Sequence[object], holds_data: bool) -> None:
+    def __init__(self, config: WatchConfig, optimizers: Sequence[object], holds_data: bool, kept: StepReplays | None
+                 ) -> None:
         super().__init__(config, optimizers, holds_data)
         self.replays_calls = config.replay
+        self.kept = kept
+
+    def forget(self) -> None:
+        super().forget()
+        if self.kept is not None:
+            self.kept.clear()
 
 
 class Traced(Localizing):
     """Every op traced; nothing replayed."""
 
     traces = True
+
+    def __init__(self, kinds: frozenset[str], kept: StepReplays | None) -> None:
+        super().__init__(kinds)
+        self.kept = kept
+
+    def forget(self) -> None:
+        if self.kept is not None:
+            self.kept.clear()
 
     def optimizer_replay(self) -> ReplayStep | None:
         return None  # the tracer saw the step's ops
@@ -171,12 +200,14 @@ class Traced(Localizing):
 
 
 def localizing(
-    config: WatchConfig, watch: ReplayHost, nested: NestedWatch, optimizers: Sequence[object], holds_data: bool
+    config: WatchConfig, watch: ReplayHost, nested: NestedWatch, optimizers: Sequence[object], holds_data: bool,
+    trials: bool = True,
 ) -> Localizing:
     """The mode ``config`` asks for (``optimizers``: those given to the watch; ``holds_data``: the deferred check's
-    judging the batch after the next model call, with the data code's records held for it)."""
+    judging the batch after the next model call, with the data code's records held for it; ``trials``: the watch
+    tries remedies at its first event, a step replay's nested watch does not)."""
     if config.ops:
-        return Traced(config.kinds)
+        return Traced(config.kinds, _kept(config, watch, nested, trials))
     if config.tiered:
         return Tiered(config, optimizers, holds_data, watch, nested)
-    return PerCall(config, optimizers, holds_data)
+    return PerCall(config, optimizers, holds_data, _kept(config, watch, nested, trials))

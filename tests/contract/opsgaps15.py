@@ -205,12 +205,6 @@ LARGE_INPUT = (
     "backward has freed them (the Function's saved input is released as its node runs) before the gradient into "
     "the model's output is judged: the replay of the recorded ops has nothing to start from (recorded_ops.Gone), as "
     "for any large loss code; ops=True traces the real backward")
-#: Why the in-place case names no op but in ops mode (its phase is right: tests/test_loss_code_in_place.py).
-IN_PLACE = (
-    "the loss code's replay copies the model's output as it is at the event, after the recorded div_ wrote it, so "
-    "the first recorded op that reads it (through out.detach()) finds it already non-finite and no op is claimed. "
-    "The recorder copies a value before an in-place write only in the data region (recorder.on_write); the loss "
-    "region would need the same (in __torch_dispatch__, hot15's) or the model call run again for its output")
 #: Why the second loss's case names no op but in ops mode.
 SECOND_LOSS = (
     "the second loss is computed after the first backward returned: that code is the update region, recorded "
@@ -231,8 +225,8 @@ CASES = [
     Case("opsgaps15_no_grad_block_in_the_loss_code", _no_grad_weights_in_the_loss,
          Expect("forward", None, step=2, op="aten.reciprocal.default", marker="no_grad weights")),
     Case("opsgaps15_in_place_op_on_a_model_output_in_the_loss", _in_place_on_a_model_output,
-         Expect("forward", None, step=2, op="aten.div_.Tensor", marker="in-place scale"),
-         gaps=tuple((mode, IN_PLACE) for mode in ("default", "defer", "full"))),
+         # (the recorder copies the output before the loss code's div_ writes it: region_records.keep_before_write)
+         Expect("forward", None, step=2, op="aten.div_.Tensor", marker="in-place scale")),
     Case("opsgaps15_backward_retain_graph_twice", _retained_backward_twice,
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="retained sqrt")),
     Case("opsgaps15_second_loss_through_a_retained_graph", _second_loss_through_a_retained_graph,
@@ -309,8 +303,9 @@ GRADIENT_WRITES = (
     "the update region (backward() to opt.step(), outside/loop_writes.py) judges the parameters its code wrote, "
     "not the gradients: the gradient is caught at the optimizer step, whose step replay runs the backward (finite: "
     "not reproduced). Its records could name the div_, but a replay of them starts from the gradient as the div_ "
-    "left it (the recorder copies a value before an in-place write only for a parameter, as IN_PLACE says for the "
-    "loss code); the report's hint to mode='full' names no op either")
+    "left it (in the update region the recorder copies a value before an in-place write only for a parameter; "
+    "the loss region copies any tensor it did not make: region_records.keep_before_write); the report's hint to "
+    "mode='full' names no op either")
 
 CASES += [
     Case("opsgaps15_gradient_hook_on_a_model_output", _hook_on_a_model_output,

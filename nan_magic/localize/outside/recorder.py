@@ -384,9 +384,12 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             kwargs = {}
         if kind is PASS:  # record_function's markers, .item()'s _local_scalar_dense: nothing to replay (passes)
             return call(*args, **kwargs)
-        if writes is not None and self._region == "data" and not self._entry and self.on_write and self._budget > 0:
-            self._clean = False  # (it may copy a parameter into ``before``)
-            self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, indexed too early)
+        if writes is not None and self._budget > 0:  # (an op that writes in place: the usual loss has none)
+            if self._region == "loss":
+                self.keep_before_write(writes, args, kwargs)  # a model's output the loss code writes (region_records)
+            elif self._region == "data" and not self._entry and self.on_write:
+                self._clean = False  # (it may copy a parameter into ``before``)
+                self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, too early)
         if kind is SEEDED_OP and self._rng is None and self._budget > 0:
             # The region's first random op: a replay draws the same numbers from this state (taken
             # only where the region draws any, so the usual loss costs no copy of the generators).

@@ -14,17 +14,19 @@ in the loop, or the gradient from the loss code) holds a non-finite value;
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
-from nan_magic.localize.ops.plans import arguments, plan_of, tensors
+from nan_magic.localize.ops.plans import Plan, arguments, plan_of, tensors
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.applied import Applied, rerun_applied
-from nan_magic.localize.outside.held import small_frames, still_running
+from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL, small_frames, still_running
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
@@ -37,6 +39,10 @@ from nan_magic.localize.outside.recorded_ops import (
 from nan_magic.records import Note
 
 __all__ = ["RegionRecords"]
+
+
+def bytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 #: One region's records: its ops (each with the user's frame that ran it, while held), which op returned which
 #: tensor (by id), and the generators' state its first random op found.
@@ -86,6 +92,27 @@ class RegionRecords:
     def made(self, tensor: torch.Tensor) -> bool:
         """Whether a recorded op returned ``tensor``."""
         return id(tensor) in self._produced
+
+    def keep_before_write(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """The loss code is about to write in place a tensor no recorded op made (a model's output: ``out.div_(s)``):
+        copy it first, as the data region copies a parameter (param_writes.py), so that :meth:`claim`'s replay
+        starts from the value the region's ops before the write read, not from the write's result.
+
+        The recorder calls it only for an op that writes in place (a loss without one pays nothing). Only a tensor
+        that requires gradients, passed as itself (not in a list: ``zero_grad(set_to_none=False)``'s
+        ``_foreach_zero_`` of the gradients costs one test), is copied: a model's output, not a gradient or a label;
+        the first write of each, one of at most :data:`KEEP_BYTES` within :data:`KEEP_TOTAL` a region."""
+        for index, name in enumerate(plan.names):
+            if name not in plan.writes:
+                continue
+            tensor = args[index] if index < len(args) else kwargs.get(name)
+            if (type(tensor) is not torch.Tensor or not tensor.requires_grad or id(tensor) in self.before
+                    or self.made(tensor)):
+                continue
+            size = bytes_of(tensor)
+            if size <= KEEP_BYTES and size + sum(map(bytes_of, self.before.values())) <= KEEP_TOTAL:
+                self.before[id(tensor)] = tensor.detach().clone()
+                self._clean = False  # (forget() empties ``before``)
 
     def made_on(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The latest tensor a recorded op of the region recording now returned on ``tensor``'s memory, or None.

@@ -125,10 +125,18 @@ _TEMPLATES: dict[str, str] = {
     "batch-lacks": "the scene's batch lacks {paths}: freed or changed in place before the event",
     "input-freed": "the scene lacks the producer's {path}: it was freed before the event",
     "input-changed": "the scene lacks the producer's {path}: the producer changed it in place",
-    "fixes-per-call": "no fix was tried: a watch that checks every module call keeps no replay of the whole step to "
-                      "try one on (the default watch tries the remedies that fit on a replay of the failing step)",
-    "fixes-traced": "no fix was tried: a watch that traces every op keeps no replay of the whole step to try one on "
-                    "(the default watch tries the remedies that fit on a replay of the failing step)",
+    "fixes-per-call": "no fix was tried: with replay=False a watch that checks every module call keeps no model "
+                      "call of the step to try one on",
+    "fixes-traced": "no fix was tried: with replay=False a watch that traces every op keeps no model call of the "
+                    "step to try one on",
+    "fixes-not-reproduced": "no fix was tried: the failing step, run again on copies as it ran, came out finite, so "
+                            "no remedy could be judged on it",
+    "fixes-replay-raised": "no fix was tried: the failing step, run again on copies as it ran, raised {error}",
+    "fixes-no-loss-code": "no fix was tried: the producer ran in the loss code, which the trials could not run "
+                          "again: {reason}",
+    "fixes-no-op": "no fix was tried: the remedies fit the producer's op, which was not named; " + _OPS,
+    "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
+    "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "needs-ranks": "no fix was tried under a process group of {ranks} ranks: {reason}, and the other ranks are not "
                    "replaying",
