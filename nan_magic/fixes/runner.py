@@ -41,7 +41,7 @@ from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import float32
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
-from nan_magic.fixes.stable import StableFix
+from nan_magic.fixes.stable import StableFix, changes_value
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
@@ -288,6 +288,11 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
+    if isinstance(remedy, StableFix) and (other := changes_value(step, site, remedy, outcome)) is not None:
+        # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not
+        # counted as one (finite None), with why.
+        return _at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
+                            output_change=_change(base, outcome), seconds=outcome.seconds, untried=other)
     return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
                         output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
                         error=outcome.error)
