@@ -38,7 +38,7 @@ from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
 from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
-from nan_magic.fixes.precision import float32
+from nan_magic.fixes.precision import float32, refused_upcast
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.stable import StableFix, changes_value
@@ -288,6 +288,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
+    if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
+        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
     if isinstance(remedy, StableFix) and (other := changes_value(step, site, remedy, outcome)) is not None:
         # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not
         # counted as one (finite None), with why.
