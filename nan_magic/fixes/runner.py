@@ -290,13 +290,15 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
     if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
-    if isinstance(remedy, StableFix) and (other := changes_value(step, site, remedy, outcome)) is not None:
+    other = changes_value(step, site, remedy, outcome) if isinstance(remedy, StableFix) else None
+    seconds = outcome.seconds + (remedy.checked if isinstance(remedy, StableFix) else 0.0)
+    if other is not None:
         # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not
         # counted as one (finite None), with why.
         return _at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
-                            output_change=_change(base, outcome), seconds=outcome.seconds, untried=other)
+                            output_change=_change(base, outcome), seconds=seconds, untried=other)
     return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
+                        output_change=_change(base, outcome), seconds=seconds, failed=outcome.failed,
                         error=outcome.error)
 
 

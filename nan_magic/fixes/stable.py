@@ -43,6 +43,8 @@ class StableFix:
         self._softmaxes: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int | None]] = {}
         #: The form used, for the description: ``"max-subtracted exp"``, ``"log_softmax"`` or ``"logsigmoid"``.
         self.form: str | None = None
+        #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
+        self.checked = 0.0
 
     def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> None:
         """A call the producing module made (anywhere in it): a softmax's or sigmoid's output is remembered."""
@@ -85,6 +87,7 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
     if fix.form != "max-subtracted exp" or outcome.failed is not None:
         return None
     moved = replay_step(step, site, StableFix(fix.function, offsets=True))
+    fix.checked = moved.seconds
     if moved.failed is not None:
         return ("it changes what the line computes: with the max moved by 1 to 2 more the step was non-finite "
                 "(the max does not cancel out of what the line's exp computes, as it does out of a softmax)")
