@@ -124,3 +124,29 @@ def test_a_softmax_by_hands_max_subtracted_exp_is_still_verified(options: dict) 
     trial = next(trial for trial in report.fixes if trial.kind == "stable")
     assert trial.finite is True and trial.fact("changes_value") is None and trial.untried is None
     assert "stable: the exp max-subtracted (exp(x - x.amax(-1, keepdim=True))) -> verified" in report.to_text()
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_no_grad_target_softmax_by_hand_in_the_loss_code_is_verified(options: dict) -> None:
+    """Soft targets made in the loss code under ``no_grad``, ``t = exp(s); t /= t.sum(-1)`` (in place, as SwAV's
+    codes): the trial replays the block without a graph, so the in-place division raises nothing, and the max
+    cancels in the normalisation: the max-subtracted exp is verified."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> None:
+        for step in range(3):
+            scores = model(torch.randn(5, 4) * (1000 if step == 2 else 1))
+            with torch.no_grad():
+                targets = torch.exp(scores / 0.1)
+                targets /= targets.sum(-1, keepdim=True)
+            loss = -(targets * torch.log_softmax(scores, -1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, **options)
+    assert report.op == "aten.exp.default" and report.module is None
+    trial = _only(report, "stable")
+    assert trial.finite is True and trial.error is None and trial.fact("changes_value") is None, trial
