@@ -23,6 +23,7 @@ is exactly one; otherwise the trial says why no loss was computed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ from nan_magic.localize.outside.recorded_ops import (
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.root_calls import RootCall
 
-__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code"]
+__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad"]
 
 
 class LossNotComputed(Exception):
@@ -90,7 +91,8 @@ class LossCode:
                         copies[key] = tensor[rows.to(tensor.device)]
             with torch.enable_grad(), generators_at(self.rng):
                 for op in self.ops:
-                    rerun_op(op, copies, remedied.run if remedied is not None else None)
+                    with torch.no_grad() if ran_without_grad(op) else contextlib.nullcontext():
+                        rerun_op(op, copies, remedied.run if remedied is not None else None)
         except Gone:
             raise LossNotComputed("a tensor the loss code read was freed (only small ones are kept past "
                                   "backward())") from None
@@ -135,6 +137,21 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode
     if isinstance(outputs, str):
         return outputs
     return LossCode(ops, key, outputs, rng, last)
+
+
+def ran_without_grad(op: RecordedOp) -> bool:
+    """Whether ``op`` ran under ``no_grad`` (or ``inference_mode``): it read a tensor that required gradients and
+    returned none that does. The replay runs it so again: SwAV's Sinkhorn codes, ``q = exp(s / eps)`` normalised in
+    place under ``no_grad``, would otherwise be a graph whose saved ``exp`` output the in-place divisions modify, and
+    a trial's backward through it raise autograd's in-place error. (An op that has no derivative returns nothing
+    that requires gradients either: it computes the same under ``no_grad``.)"""
+    outs = [value for value in tree_leaves(op.out) if record_key(value) is not None]
+    ins = [value for value in tree_leaves((op.args, op.kwargs)) if record_key(value) is not None]
+    return bool(outs) and any(map(_requires_grad, ins)) and not any(map(_requires_grad, outs))
+
+
+def _requires_grad(value: object) -> bool:
+    return bool(getattr(value, "requires_grad", False))  # a tensor's, or a WeakRecord's (the original's)
 
 
 def _unscaled(ops: list[RecordedOp], key: int, scales: set[int]) -> tuple[list[RecordedOp], int]:

@@ -4,11 +4,18 @@ Every floating operand of a call at the producer's line is cast to float32
 and the call runs with autocast off, so its result stays float32 (an
 autocast region would cast a matmul back to half). In-place calls are left
 alone: an upcast copy would not write where the user's code reads.
+
+The line's float32 result goes on to the code after it, as the user's edit
+would. Where that code mixes it with tensors still in half (``attn @ v``, a
+half layer) torch refuses (``expected scalar type Float but found Half``):
+the trial then says the line alone cannot be computed in float32 there
+(:func:`refused_upcast`), rather than that the replay raised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +24,7 @@ import torch
 from nan_magic.fixes.site import function_name
 from nan_magic.localize.replay.module_run import map_tensors
 
-__all__ = ["HALF", "float32"]
+__all__ = ["HALF", "float32", "refused_upcast"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -45,3 +52,18 @@ def float32(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         for device in autocast:
             stack.enter_context(torch.autocast(device, enabled=False))
         return func(*args, **kwargs)
+
+
+#: What torch says where an op is given float32 and half operands together (matmul, a layer's weight, addmm).
+_MIXED = re.compile(r"expected scalar type|same dtype|dtype .* and .* dtype|type \(.*\) and .* type|"
+                    r"should be the same|found (Half|BFloat16)", re.IGNORECASE)
+
+
+def refused_upcast(error: tuple[str, str] | None, dtype: str | None) -> str | None:
+    """Why the float32 trial could not run: the code after the line refused its float32 result (``error``, what
+    the replay raised); None for any other outcome."""
+    if error is None or error[0] != "RuntimeError" or not _MIXED.search(error[1]):
+        return None
+    return (f"the code after the producer's line refused its float32 result ({error[0]}: {error[1]}): it meets "
+            f"tensors still in {dtype or 'half precision'} there, so the line cannot be computed in float32 alone; "
+            "that code would need float32 too (or autocast over the region)")

@@ -39,10 +39,10 @@ from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
 from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.optimizer_step import redo_step
-from nan_magic.fixes.precision import float32
+from nan_magic.fixes.precision import float32, refused_upcast
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
-from nan_magic.fixes.stable import StableFix
+from nan_magic.fixes.stable import StableFix, changes_value
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
@@ -354,8 +354,17 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
+    if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
+        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
+    other = changes_value(step, site, remedy, outcome) if isinstance(remedy, StableFix) else None
+    seconds = outcome.seconds + (remedy.checked if isinstance(remedy, StableFix) else 0.0)
+    if other is not None:
+        # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not
+        # counted as one (finite None), with why.
+        return _at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
+                            output_change=_change(base, outcome), seconds=seconds, untried=other)
     return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                        output_change=_change(base, outcome), seconds=outcome.seconds, failed=outcome.failed,
+                        output_change=_change(base, outcome), seconds=seconds, failed=outcome.failed,
                         error=outcome.error)
 
 

@@ -82,6 +82,8 @@ def _redone_from(trial: FixTrial) -> str:
 
 
 def _outcome(trial: FixTrial) -> str:
+    if trial.finite is None and trial.fact("changes_value"):
+        return f"not a fix, though the step came out finite: {trial.untried}"  # (fixes/stable.py)
     if trial.finite is None:
         return f"not tried: {trial.untried}"
     if not trial.finite:

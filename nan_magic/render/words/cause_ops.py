@@ -143,8 +143,10 @@ def _exp_hint(event: Report, cause: Cause) -> str:
     reached = "".join(f", {short_label(ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
     return (
         f"{event.op} in {where(event)} overflowed {event.dtype} in {event.posinf} elements: exp(x) is inf for "
-        f"x > {cause.fact('threshold'):.4g}{reached}; subtract the row max first (softmax / logsumexp do), clamp "
-        "the input, or compute it in float32"
+        f"x > {cause.fact('threshold'):.4g}{reached}; where the exp is normalised by its own sum (a softmax) or "
+        "its sum is logged, subtract the row max first (softmax / logsumexp do); an exp used as a value (a "
+        "probability ratio exp(logp - old_logp), a scale) has no max to take out: clamp its input "
+        "(x.clamp(max=20)) or compute it in float32"
     )
 
 

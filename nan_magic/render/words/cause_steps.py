@@ -41,7 +41,8 @@ _POLES = {
     "std": ("the derivative of std divides by the std, 0 at a constant input, reached by std",
             "add eps inside (torch.sqrt(x.var() + 1e-5))"),
     "exp": ("the derivative of exp is exp(x), which overflows for large x, reached by exp",
-            "subtract the max first (logsumexp) or clamp the input"),
+            "clamp its input (x.clamp(max=20): a probability ratio exp(logp - old_logp), a scale); only where the "
+            "exp is normalised by its own sum (a softmax) or its sum is logged, subtract the max first (logsumexp)"),
     "eigh": ("the derivative of eigenvectors divides by the gaps between eigenvalues, 1/(λi - λj), infinite where "
              "two are equal (a repeated or degenerate eigenvalue: a zero or identity-like matrix), reached by eigh",
              "use only the eigenvalues where you can (their derivative has no pole), or break the tie: add a small "
