@@ -22,7 +22,7 @@ from tests.faults import marked_line
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
 #: The per-module and traced watches keep the step's top-level calls for their fix trials (localize/modes.py
-#: ``kept``): a buffer read non-finite at the step is named from them by the same replay (lifecycle/localize_event.py).
+#: ``kept``): a buffer read non-finite at the step is named from them by the same replay (lifecycle/watch.py _localize).
 KEPT = [pytest.param({"mode": "full"}, id="full"), pytest.param({"mode": "full", "defer": True}, id="full-deferred"),
         pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred")]
 

@@ -20,7 +20,7 @@ import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.hot.checks import forward, optim
 from nan_magic.hot.checks.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
-from nan_magic.localize.replay import step as step_replays
+from nan_magic.hot.kept import rng
 from nan_magic.records import TensorRef, TensorRole
 
 # -- backward ------------------------------------------------------------------------
@@ -202,8 +202,10 @@ def test_torch_leaf_modules_are_replayed_without_saving_the_rng_state(monkeypatc
     saved: list[int] = []
     capture = forward.capture_rng_state
     monkeypatch.setattr(forward, "capture_rng_state", lambda: saved.append(1) or capture())
-    # The root call's, for the fix trials' replay of the step, is taken as the call is kept (localize/modes.py kept).
-    monkeypatch.setattr(step_replays, "capture_rng_state", lambda: saved.append(1) or capture())
+    # The root call's, for the fix trials' replay of the step, is taken as the call is kept (localize/modes.py kept,
+    # hot/kept/rng.py ModelStates).
+    take = rng.ModelStates.take
+    monkeypatch.setattr(rng.ModelStates, "take", lambda states, module: saved.append(1) or take(states, module))
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     with torch.no_grad():
         model[0].weight.fill_(1.0)

@@ -100,7 +100,25 @@ class Nesting:
         self._suspended = []
 
     def decorate(self, function: F) -> F:
-        """``function`` entering the watch at each outermost call (:meth:`Watch.__call__`)."""
+        """``function`` entering the watch at each outermost call (:meth:`Watch.__call__`).
+
+        The watch is entered once per outermost call and left when that call
+        returns. A call made while it is active does not enter it again:
+
+        * on the watching thread (recursion, or the function calling itself
+          through other code), the inner call simply runs inside the watch
+          already active, and is watched as part of it;
+        * on another thread, the call runs unwatched by this watch. Its
+          module hooks are global but act only for the thread that entered
+          the watch (:meth:`mine`): the step counter, the module stack and
+          the deferred check belong to one thread's sequence of steps, and
+          interleaving a second thread's calls into them would attribute
+          one thread's values to the other's step. Give each thread a watch
+          of its own (``with watch(model):`` inside the thread) to watch both.
+
+        ``with w:`` on a watch already active still raises, as before: that is
+        a nesting the code asked for explicitly.
+        """
         watch = self._watch
 
         @functools.wraps(function)

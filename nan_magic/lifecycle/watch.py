@@ -42,6 +42,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, stamp, user_name
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.fixes.runner import KeptStep, LossSource, untried, with_fixes
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -57,7 +58,6 @@ from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
 from nan_magic.lifecycle.findings import build_report
-from nan_magic.lifecycle.localize_event import localize_event
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
 from nan_magic.localize.modes import Localizing, localizing
@@ -65,6 +65,7 @@ from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
+from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.replay.samples import Samples
 from nan_magic.localize.replay.step import Producer
@@ -72,7 +73,7 @@ from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
-from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, TensorRole
 from nan_magic.scene.dump import SceneSource, record_scene
 from nan_magic.scene.last_good import LastGood
 
@@ -272,25 +273,8 @@ class Watch:
             stack.close()
 
     def __call__(self, function: F) -> F:
-        """Use the watch as a decorator: each outermost call of ``function`` runs under it.
-
-        The watch is entered once per outermost call and left when that call
-        returns. A call made while it is active does not enter it again:
-
-        * on the watching thread (recursion, or the function calling itself
-          through other code), the inner call simply runs inside the watch
-          already active, and is watched as part of it;
-        * on another thread, the call runs unwatched by this watch. Its
-          module hooks are global but act only for the thread that entered
-          the watch (:meth:`mine`): the step counter, the module stack and
-          the deferred check belong to one thread's sequence of steps, and
-          interleaving a second thread's calls into them would attribute
-          one thread's values to the other's step. Give each thread a watch
-          of its own (``with watch(model):`` inside the thread) to watch both.
-
-        ``with w:`` on a watch already active still raises, as before: that is
-        a nesting the code asked for explicitly.
-        """
+        """Use the watch as a decorator: each outermost call of ``function`` runs under it (nesting.py's
+        ``decorate``: a call made while the watch is active, on this thread or another, does not enter it again)."""
         return self._nesting.decorate(function)
 
     # -- state ---------------------------------------------------------------------
@@ -416,8 +400,30 @@ class Watch:
         return inner
 
     def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
-        """An event's replay and its fixes' trials (localize_event.py)."""
-        return localize_event(self, finding, seen)
+        """An event's replay (a bad batch's samples fetched again, else the tiered step replay, else a buffer's
+        writer found on the kept calls); its fixes' trials."""
+        replays, replayed = self.localizing.replays, None
+        if replays is not None:
+            replays.replayed = None
+        if finding.phase == Phase.DATA and finding.op is None:
+            replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
+        if replayed is None and replays is not None:
+            replayed = replays.localize(finding, seen)
+        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
+        kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
+        if replays is None and kept.replays is not None and finding.tensor.role is TensorRole.BUFFER and (
+                finding.call is None):
+            # (kept.aside: the op tracer and the recorder do not see the replay's ops, as in a fix trial)
+            replayed = buffer_written(kept.replays.calls, finding, seen, kept.aside), (finding.frame, None)
+        if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
+            return untried(seen, replayed, finding.frame, kept, self.optimizers.seen, self._roots(), self.last_good)
+        if replayed is None or replays is None:
+            return replayed
+        report, producer = replayed
+        if not self.config.fixes or report.benign or self.outcome.report is not None:
+            return replayed  # trials for the first real event only (warn/log mode goes on after it)
+        return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
+                          self.call_replay.standing_aside, loss), producer
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
