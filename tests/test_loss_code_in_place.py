@@ -10,44 +10,31 @@ loss code cleans in place *before* reading it is still data.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import nan_magic
+from tests.contract import opsgaps15
 from tests.faults import marked_line
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
 MODES = [*TIMINGS, pytest.param({"mode": "full"}, id="full")]
 
 
-def _in_place_on_the_output(options: dict) -> nan_magic.Report:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
-        for step in range(4):
-            out = model(torch.randn(5, 4))
-            size = out.detach().abs().sum(-1, keepdim=True) * ((torch.arange(5) > 0) | (step != 2)).unsqueeze(-1)
-            out.div_(size)  # producer: in-place scale
-            loss = out.pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return caught.value.report
-
-
 @pytest.mark.parametrize("options", MODES)
 def test_a_tensor_the_loss_code_wrote_after_reading_it_is_not_data(options: dict) -> None:
-    report = _in_place_on_the_output(options)
+    # The contract table's case (tests/contract/opsgaps15.py), asserted here on what the table does not check.
+    scenario = opsgaps15.in_place_on_a_model_output()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options):
+        scenario.run()
+    report = caught.value.report
     assert (report.phase, report.module, report.step) == ("forward", None, 2), report.message
     # (the div_'s own output, as for any op of the loss code the replay names)
     assert (report.op, report.tensor.role.value) == ("aten.div_.Tensor", "op output")
     assert report.source is not None
-    assert report.source.lineno == marked_line("in-place scale", where=sys.modules[__name__])
+    assert report.source.lineno == marked_line("in-place scale", where=opsgaps15)
 
 
 @pytest.mark.parametrize("options", TIMINGS)

@@ -142,7 +142,7 @@ def _no_grad_weights_in_the_loss() -> Scenario:
     return Scenario((model, opt), run)
 
 
-def _in_place_on_a_model_output() -> Scenario:
+def in_place_on_a_model_output() -> Scenario:
     """The loss code scales the model's output in place by its rows' sizes, a row of which is 0 at step 2."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -224,7 +224,7 @@ CASES = [
          Expect("backward", "1", "RootOfAbs", step=2, op="aten.div.Tensor", marker="model function backward")),
     Case("opsgaps15_no_grad_block_in_the_loss_code", _no_grad_weights_in_the_loss,
          Expect("forward", None, step=2, op="aten.reciprocal.default", marker="no_grad weights")),
-    Case("opsgaps15_in_place_op_on_a_model_output_in_the_loss", _in_place_on_a_model_output,
+    Case("opsgaps15_in_place_op_on_a_model_output_in_the_loss", in_place_on_a_model_output,
          # (the recorder copies the output before the loss code's div_ writes it: region_records.keep_before_write)
          Expect("forward", None, step=2, op="aten.div_.Tensor", marker="in-place scale")),
     Case("opsgaps15_backward_retain_graph_twice", _retained_backward_twice,
