@@ -113,6 +113,21 @@ def test_a_dropout_swapped_into_the_sequential_mid_watch_is_replayed_with_its_ma
     assert report.reproduced is True and 0 < report.posinf < 128
 
 
+def _noise_before(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (_noisy(args[0]),)  # a user's pre-hook that draws: 2e38 times over 1.7 is inf after the next doubling
+
+
+@pytest.mark.parametrize("on_child", [False, True], ids=["on the sequential", "on a child"])
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_users_hook_that_draws_makes_the_sequential_keep_a_state_each_call(options: dict, on_child: bool) -> None:
+    model = nn.Sequential(_doubling(8), _doubling(8))
+    (model[1] if on_child else model).register_forward_pre_hook(_noise_before)
+    torch.manual_seed(0)
+    report = _run(model, options)
+    assert (report.phase, report.step) == ("forward", 3)
+    assert report.reproduced is True and 0 < report.posinf < 128
+
+
 @pytest.mark.parametrize("options", TIMINGS)
 def test_a_dropout_in_a_sequential_is_replayed_with_the_same_mask(options: dict) -> None:
     model = nn.Sequential(nn.Dropout(0.5), nn.Sequential(_doubling(8)))
