@@ -250,6 +250,7 @@ class Watch:
             self.module_hooks.attach(stack)
             stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
             stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
+            stack.enter_context(backward_patch.watch_backward(self._loss_starts))  # (first: called first)
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
                                                               self.cycle.backward_finished))
             stack.enter_context(loaders_patch.watch_batches(self.samples.on_batch))
@@ -321,16 +322,22 @@ class Watch:
             lockstep=self.lockstep.in_step,
             skipped=self.skipped,
         ), alone=self.replay_of is not None)
+        self.update_code = LoopWrites(self.config.kinds, self._named_parameters,
+                                      self.optimizers.reports.attribute, self.emit, lambda: self.step,
+                                      tracer=self.localizing.update_tracer(self.origins), data=self.outside)
         self.cycle: StepCycle = StepCycle(
             self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
-            lockstep=self.lockstep, emit=self.emit, here=self.here, update_code=LoopWrites(
-                self.config.kinds, self._named_parameters, self.optimizers.reports.attribute, self.emit,
-                lambda: self.step,
-                tracer=self.localizing.update_tracer(self.origins), data=self.outside,
-            ),
+            lockstep=self.lockstep, emit=self.emit, here=self.here, update_code=self.update_code,
         )
+
+    def _loss_starts(self, _loss: torch.Tensor, _retained: Any) -> None:
+        """A backward starts while the update region records (not on the usual step: one call): that code was a
+        second loss's, and goes on as the loss region's (LoopWrites.loss_starts), before the loss is judged."""
+        if (recorder := self.update_code.recorder) is not None and recorder.pushed and self.here.mine and (
+                written := self.update_code.loss_starts()):
+            self.timing.update_code_ended(self.cycle, written, False)
 
     def _roots(self) -> Iterator[nn.Module]:
         """The watched models (a model called at top level joins them: module_info)."""

@@ -122,6 +122,8 @@ class LoopWrites:
         self._step = step
         self._tracer = tracer
         self._recorder = _UpdateRecorder(kinds, self._parameter_of, self._storages) if tracer is None else None
+        #: The update region's recorder (None in ops mode, where the op tracer sees every op).
+        self.recorder: OutsideRecorder | None = self._recorder
         # Record the next update region in full: the first one, then while the last one wrote a parameter or
         # was cheap; otherwise it is watched (the module docstring).
         self._wanted = True
@@ -139,11 +141,6 @@ class LoopWrites:
             data.on_write = self.data.on_write
         self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
 
-    @property
-    def recorder(self) -> OutsideRecorder | None:
-        """The update region's recorder (None in ops mode, where the op tracer sees every op)."""
-        return self._recorder
-
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
         if self._recorder is not None:
@@ -151,6 +148,27 @@ class LoopWrites:
                 self._recorder.start("update")
             else:
                 self._recorder.watch()
+
+    def loss_starts(self) -> list[torch.Tensor]:
+        """``backward()`` starts while the update region is recorded: that region's code was a loss's (the second of
+        a step: ``l1.backward(retain_graph=True); l2 = aux(out); l2.backward()``, an auxiliary loss with its own
+        backward, two accumulated losses). Its records go on in the main recorder's loss region, where the loss
+        check and the gradient check of that backward look (a watched region's last ops too), and the region
+        ends as at a model call: :meth:`end`'s norms of what it wrote. Nothing to do, and no call, on the usual
+        step, whose update region begins after its only backward."""
+        recorder, main = self._recorder, self._data_recorder
+        if recorder is None or not recorder.pushed:
+            return []
+        if recorder.watching:  # (its last ops, in the ring: the loss code's, as far as they go back)
+            recorder.watching = False
+            recorder._record_ring()
+        if main is not None and main._region == "loss" and "loss" not in main.untraced and recorder._n_ops:
+            main.adopt(recorder)
+            main._held_bytes += recorder._held_bytes
+        written = self.end()
+        # (The region is recorded again next step, as loss code: watched, its first ops would fall out of the ring.)
+        self._wanted = "update" not in recorder.untraced
+        return written
 
     def end(self) -> list[torch.Tensor]:
         """A region ends: the norms (not read yet) of the watched parameters its code wrote, and of those still

@@ -141,6 +141,23 @@ class RegionRecords:
                     seen.setdefault(id(tensor), tensor)
         return list(seen.values())
 
+    def adopt(self, other: RegionRecords) -> None:
+        """Go on with ``other``'s records after this region's own: the update region's code, which a second
+        ``backward()`` showed to be that loss's code (outside/loop_writes.py's :meth:`LoopWrites.loss_starts`).
+
+        The records are appended (their tensors' indices moved past this region's), so a replay of the ops that
+        made the second loss starts from what the first loss code computed (an output both read, a retained graph).
+        """
+        start = len(self._ops)
+        self._ops.extend(other._ops)
+        self._n_ops = len(self._ops)
+        self._produced.update((key, index + start) for key, index in other._produced.items())
+        self._calls.update(other._calls)
+        self.before.update(other.before)
+        if self._rng is None:
+            self._rng = other._rng
+        self._clean = False
+
     # -- at an event ----------------------------------------------------------------------
 
     def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
