@@ -302,6 +302,8 @@ class Watch:
         self.gradients = GradientChecks(self, self.origins, loss_code, replay_backward,
                                         self.call_replay.replay_anomaly if replay_backward is not None else None)
         self.optimizers = OptimizerChecks(self, self.origins, self.localizing.optimizer_replay())
+        self.origins.last_loss = lambda: (self.gradients.loss_record.ref() if self.gradients.loss_record else None,
+                                          self.gradients.loss_key)
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it

@@ -71,6 +71,9 @@ class OpOrigins:
         #: Per-call watch: this step's calls, and the replay of a call's backward (CallReplay.replay_backward_into),
         #: for a parameter whose own gradient alone went bad (:meth:`_replay_owner`); None elsewhere.
         self.owner_replay: tuple[Callable[[], Iterable[Call]], Callable[[Finding, Call, None], None]] | None = None
+        #: The tensor the step's last backward started from (None once freed) and its id then: a parameter's
+        #: gradient no boundary explained is looked for in its loss code's backward first (:meth:`add_op_origin`).
+        self.last_loss: Callable[[], tuple[torch.Tensor | None, int | None]] | None = None
 
     def make_tracer(
         self,
@@ -134,6 +137,12 @@ class OpOrigins:
                 finding.notes.append(untraced)
         else:
             return
+        if not isinstance(origin, OpFinding) and finding.tensor.role is TensorRole.PARAMETER_GRADIENT and (
+                outside is not None and self.tracer is None and self.last_loss is not None):
+            # No model output's gradient showed it: the loss code's backward may reach the parameter by another
+            # path (a gradient penalty's double backward through autograd.grad(create_graph=True) recorded there,
+            # a parameter the loss code reads). Its recorded ops, run again with their backward, name that op.
+            origin = outside.claim_backward(*self.last_loss(), last=True)
         if not isinstance(origin, OpFinding):
             if self.owner_replay is not None and finding.tensor.role is TensorRole.PARAMETER_GRADIENT:
                 self._replay_owner(finding)

@@ -134,3 +134,154 @@ CASES = [
     Case("gaps16_auxiliary_loss_then_clipping_healthy", lambda: _auxiliary_loss_then_clipping(True), None),
 ]
 
+
+# ---------------------------------------------------------------- gradient penalties: autograd.grad(create_graph=True)
+def _dead_critic() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _kill(critic: nn.Sequential) -> None:
+    """Every ReLU of the critic off (a dead first layer): its input gradient is exactly 0."""
+    with torch.no_grad():
+        critic[0].weight.zero_()
+        critic[0].bias.fill_(-1.0)
+
+
+def _penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, safe: bool) -> torch.Tensor:
+    """WGAN-GP's penalty in a helper that returns it: the norm of the critic's gradient at mixed points, by hand."""
+    alpha = torch.rand(real.size(0), 1)
+    mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+    (g,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+    norm = g.norm(2, dim=1) if safe else torch.sqrt((g ** 2).sum(1))  # producer: helper penalty sqrt
+    return ((norm - 1) ** 2).mean()
+
+
+def _penalty_in_a_helper(safe: bool) -> Scenario:
+    """The penalty computed in a helper the loop calls (its frame returned by the backward): the critic's first
+    layer dies at step 2, the gradient is 0, and sqrt's backward at 0 (the double backward's) is 1 / 0."""
+    critic = _dead_critic()
+    opt = torch.optim.SGD(critic.parameters(), lr=0.0)
+    reals, fakes = [torch.randn(4, 4) for _ in range(4)], [torch.randn(4, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                _kill(critic)
+            gp = _penalty(critic, reals[step], fakes[step], safe)
+            loss = critic(fakes[step]).mean() - critic(reals[step]).mean() + 10 * gp
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((critic, opt), run)
+
+
+def _r1_norm(safe: bool) -> Scenario:
+    """R1 regularisation: the gradient of the critic's output at the real images, its norm taken with a sqrt of
+    the squared norm (1 / 0 in the double backward where the critic is dead, step 2); the twin keeps the squared
+    norm, as R1 is written."""
+    critic = _dead_critic()
+    opt = torch.optim.SGD(critic.parameters(), lr=0.0)
+    reals, fakes = [torch.randn(4, 4) for _ in range(4)], [torch.randn(4, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                _kill(critic)
+            real = reals[step].clone().requires_grad_(True)
+            d_real = critic(real)
+            (g,) = torch.autograd.grad(d_real.sum(), real, create_graph=True)
+            squared = g.pow(2).sum(1)
+            r1 = squared if safe else squared.sqrt()  # producer: r1 sqrt
+            loss = F.softplus(-d_real).mean() + F.softplus(critic(fakes[step])).mean() + 5 * r1.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((critic, opt), run)
+
+
+def _r1_of_a_log(safe: bool) -> Scenario:
+    """R1 of ``log(sigmoid(D(x)))``: at step 2 the critic's logit is -200, its sigmoid 0 and the log -inf (in the
+    loss code, before autograd.grad differentiates it); the twin takes ``logsigmoid``."""
+    critic = _dead_critic()
+    opt = torch.optim.SGD(critic.parameters(), lr=0.0)
+    reals = [torch.randn(4, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    critic[2].weight.zero_()
+                    critic[2].bias.fill_(-200.0)
+            real = reals[step].clone().requires_grad_(True)
+            logit = critic(real)
+            log_d = F.logsigmoid(logit) if safe else torch.log(torch.sigmoid(logit))  # producer: r1 log
+            (g,) = torch.autograd.grad(log_d.sum(), real, create_graph=True)
+            loss = -log_d.mean() + 5 * g.pow(2).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((critic, opt), run)
+
+
+def _weight_norm_penalty(safe: bool) -> Scenario:
+    """A group-lasso penalty written in the loss code, ``sum(sqrt(sum(w ** 2)))`` over the layers' weights: the
+    loss code reads the parameters themselves (no model output between). At step 2 a layer is pruned to 0, and
+    sqrt's backward at 0 is 1 / 0 in that weight's gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model[2].weight.zero_()
+            fit = model(xs[step]).pow(2).mean()
+            eps = 1e-12 if safe else 0.0
+            lasso = sum(torch.sqrt((w ** 2).sum() + eps) for w in (model[0].weight, model[2].weight))  # producer: lasso
+            loss = fit + 1e-3 * lasso
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+#: Why the R1 penalty of a log names the forward log, not its backward, but in ops mode.
+R1_LOG = (
+    "the first event is the gradient into the critic's output inside the loop's autograd.grad(log_d.sum(), real, "
+    "create_graph=True), which is no loss backward (patches/backward.py passes a create_graph grad through): the "
+    "recorder, pushed in the loss region, recorded that backward's ops as loss code, so claim() of the gradient "
+    "replays them forward and names the first op that made a non-finite value, the forward log(0) = -inf, at the "
+    "right line but as op aten.log.default, cause unclassified; ops=True claims at the boundary and names the log's "
+    "backward div (1 / 0), LogBackward0. Naming it needs the autograd.grad's outputs noted as a loss for the "
+    "loss-code backward replay")
+
+CASES += [
+    Case("gaps16_gradient_penalty_in_a_returned_helper", lambda: _penalty_in_a_helper(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="helper penalty sqrt", cause="sqrt-domain")),
+    Case("gaps16_gradient_penalty_in_a_returned_helper_by_norm_healthy", lambda: _penalty_in_a_helper(True), None),
+    Case("gaps16_r1_penalty_square_rooted", lambda: _r1_norm(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="r1 sqrt", cause="sqrt-domain")),
+    Case("gaps16_r1_penalty_squared_healthy", lambda: _r1_norm(True), None),
+    Case("gaps16_group_lasso_of_a_pruned_weight", lambda: _weight_norm_penalty(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="lasso", cause="sqrt-domain")),
+    Case("gaps16_group_lasso_with_eps_healthy", lambda: _weight_norm_penalty(True), None),
+    Case("gaps16_r1_penalty_of_a_log_sigmoid", lambda: _r1_of_a_log(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="r1 log", cause="log-domain"),
+         gaps=tuple((mode, R1_LOG) for mode in ("default", "defer", "full"))),
+    Case("gaps16_r1_penalty_of_a_logsigmoid_healthy", lambda: _r1_of_a_log(True), None),
+]

@@ -70,6 +70,7 @@ class RegionRecords:
         self._applied: dict[int, Applied] = {}
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
+        self._raw = False  # whether ``_last`` holds them as recorded (the step's graph with them: forget)
         # The last data region's records, kept by forget() until the deferred check has judged the batch they
         # made (the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
@@ -256,7 +257,8 @@ class RegionRecords:
             return (), None, None
         return witness[1], witness[2], witness[3]
 
-    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None, last: bool = False
+                       ) -> OpFinding | None:
         """The backward op of the recorded loss code that first made a gradient non-finite, or None.
 
         The ops that made ``loss`` run again with gradients, from copies of
@@ -266,13 +268,19 @@ class RegionRecords:
         forward line that created that node. Only for a scalar loss (the
         gradient ``backward()`` starts from is then ones). ``key``: the loss's
         id when backward started, for a deferred check that runs after the
-        loss was freed (its recorded value is kept, being small).
+        loss was freed (its recorded value is kept, being small). ``last``: or in the last loss region's
+        records, held as recorded until the optimizer step (a parameter's gradient judged there).
         """
+        recorded, produced, rng, applied = self._ops, self._produced, self._rng, self._applied
+        if last and self._raw and self._last is not None and (loss is not None or key is not None) and (
+                (id(loss) if loss is not None else key) not in produced):
+            # The immediate check at the optimizer step: the loss region's records, kept as recorded (forget).
+            (recorded, produced, rng), applied = self._last, {}
         if loss is not None:
             key = id(loss)
-            ops = _ops_to(self._ops, self._produced, loss) if loss.numel() == 1 else None
+            ops = _ops_to(recorded, produced, loss) if loss.numel() == 1 else None
         else:
-            ops = _ops_to_key(self._ops, self._produced, key) if key is not None else None
+            ops = _ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None or key is None:
             return None
         # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
@@ -286,12 +294,12 @@ class RegionRecords:
             copies, requiring = copies_from_outside(ops)
             # (The generators as the region's first random op found them: the same draws; the user's put back.)
             born: dict[int, RecordedOp] = {}  # the recorded op each forward origin was started by
-            with torch.enable_grad(), generators_at(self._rng), tracer:
+            with torch.enable_grad(), generators_at(rng), tracer:
                 index = 0
                 while index < len(ops):
                     before, started = torch._C._autograd._get_sequence_nr(), len(tracer.started)
-                    unit = self._applied.get(index)
-                    if unit is not None and rerun_applied(unit, self._ops, ops, copies, key):
+                    unit = applied.get(index)
+                    if unit is not None and rerun_applied(unit, recorded, ops, copies, key):
                         # Its own backward: one node, made at the line that called apply.
                         op = ops[unit.first]._replace(code=unit.code, lineno=unit.lineno, globals=None)
                         index = unit.last + 1

@@ -329,8 +329,8 @@ class StepReplays:
             # On a per-module step the boundary may be a submodule's output: the replay's report then
             # stands for it (the replay measures the model's outputs only).
             boundary = finding.tensor if finding.call is top else None
-        elif finding.phase == Phase.BACKWARD and (finding.call is None or finding.call.info is not None
-                                                  or finding.unconfirmed_outside):
+        elif finding.phase == Phase.BACKWARD and finding.op is None and (  # (an op named: the loss code's backward)
+                finding.call is None or finding.call.info is not None or finding.unconfirmed_outside):
             # Backward runs the last call first; each call's gradients are replayed apart.
             candidates = [root for root in reversed(self.calls) if root.output_grads]
             backward = True
