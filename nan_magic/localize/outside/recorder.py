@@ -166,6 +166,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return
         if region == "data" or not self.holds_data:  # (held by batch_entered: the batch they made is judged,
             self._data, self._data_before, self._data_calls = None, {}, {}  # at the step's check or the call's end)
+            # (After an optimizer step, given to the watch or not: the loss code is held until the next one's check,
+            # which may need its backward: a gradient penalty's, op_origins.add_op_origin.)
+            self.stepped = self.stepped or (region == "data" and not entry)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
         if region in self.untraced:
