@@ -1,0 +1,187 @@
+"""The update region's recorder (loop_writes.py): recorded in full, or only *watched* until it writes a parameter.
+
+A watched region passes each op through, keeping the last :data:`RING` ops (by reference, with the user's line that
+ran them) until an op writes a watched parameter in place; from that op on the region is recorded, the ring first.
+Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is a
+gradient that the write divides by a value computed from that gradient (``g.div_(g.norm())``), so that a replay of
+the records starts from the value the write read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from nan_magic.errors.frames import is_library_code
+from nan_magic.hot.kept.lines import line_at
+from nan_magic.localize.ops.plans import Plan, plan_of, run_op
+from nan_magic.localize.ops.sources import is_plumbing
+from nan_magic.localize.outside.param_writes import Storages, copy_before, on_parameters, written_by
+from nan_magic.localize.outside.recorded_ops import RecordedOp
+from nan_magic.localize.outside.recorder import OutsideRecorder, passes
+
+__all__ = ["RING", "UpdateRecorder"]
+
+#: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
+RING = 16
+
+
+# What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
+# or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
+_PASSES, _WRITES, _MARKER = 0, 1, 2
+# id(op) -> (op, what a watched region does with it, the callable that runs it: an OpOverload's C++ ``_op``,
+# skipping its Python ``__call__``, and the plan of an op that writes: plan_of hashes the op in Python).
+# Holding the op keeps its id unique.
+_KINDS: dict[int, tuple[Any, int, Any, Plan | None]] = {}
+
+
+def _kind_of(func: Any) -> tuple[Any, int, Any, Plan | None]:
+    """An op's entry in :data:`_KINDS`, and an attribute of the op where it takes one (read at each op, no call)."""
+    if (entry := _KINDS.get(id(func))) is None:
+        if not isinstance(func, torch._ops.OpOverload):
+            entry = func, _PASSES, func, None
+        elif passes(func):
+            entry = func, _MARKER, func._op, None
+        else:
+            plan = plan_of(func)
+            entry = (func, _WRITES, func._op, plan) if plan.writes else (func, _PASSES, func._op, None)
+        _KINDS[id(func)] = entry
+        with contextlib.suppress(AttributeError, TypeError):
+            func._nan_magic_update = entry
+    return entry
+
+
+# id(code) -> (code, what a frame running it is between a dispatch mode and the line that ran an op: the user's
+# line, torch's plumbing (dispatch, a Tensor operator's wrapper), or a library function). Holding the code keeps
+# its id unique; the id, not the code, is the key: a code's hash is computed anew.
+_USER, _PLUMBING, _LIBRARY = 0, 1, 2
+_CALLERS: dict[int, tuple[CodeType, int]] = {}
+_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
+
+
+def _users(frame: FrameType | None) -> FrameType | None:
+    """The user's frame that ran an op, past torch's plumbing; None where a library function ran it.
+
+    Asked at each op of a watched region, so it walks no further: clipping's
+    ops, run by ``clip_grad_norm_``, are some ten frames below the loop.
+    """
+    while frame is not None:
+        code = frame.f_code
+        entry = _CALLERS.get(id(code))
+        if entry is None:
+            entry = _CALLERS[id(code)] = (code, _caller_kind(frame))
+        if entry[1] == _USER:
+            return frame
+        if entry[1] == _LIBRARY:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _caller_kind(frame: FrameType) -> int:
+    if not is_library_code(frame.f_code) and frame.f_code.co_name not in _HOOKS:
+        return _USER
+    return _PLUMBING if is_plumbing(frame) or frame.f_code.co_name in _HOOKS else _LIBRARY
+
+
+class UpdateRecorder(OutsideRecorder):
+    """The update region's recorder: a watched parameter is copied before the region first writes it in place.
+
+    The producer may be that write itself (``w.div_(w.norm())``): a replay
+    must start from the value it divided, not the one it left. The copy is
+    kept under the parameter and under the tensor written (``p.data``), where
+    that is not a recorded op's output (``p.detach()``, which the replay makes
+    again from the parameter's copy). Up to
+    :data:`~nan_magic.localize.outside.held.KEEP_TOTAL` bytes a region; only a
+    loop that writes parameters pays for it.
+
+    :meth:`watch` starts a region that is only watched until it writes a
+    watched parameter (the module docstring).
+    """
+
+    def __init__(self, kinds: frozenset[str], parameter_of: Callable[[torch.Tensor], torch.Tensor | None],
+                 storages: Callable[[], Storages]) -> None:
+        super().__init__(kinds)
+        self._parameter_of = parameter_of
+        self._storages = storages
+        self._copied = 0
+        #: Whether the region is watched, not recorded (no watched parameter written yet).
+        self.watching = False
+        # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
+        # f_lasti then).
+        self._ring: deque[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = deque(
+            maxlen=RING)
+
+    def watch(self) -> None:
+        """Watch the update region: record it only from its first write of a watched parameter."""
+        self.start("update")
+        self.watching = self.pushed
+
+    def forget(self, last: bool = False) -> None:
+        super().forget(last)
+        self._copied = 0
+        self._ring.clear()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        try:  # cached on the op, as the recorder's entry is (op_entries.op_entry)
+            _func, kind, call, plan = func._nan_magic_update
+        except AttributeError:
+            _func, kind, call, plan = _kind_of(func)
+        if kind == _MARKER:  # opt.step()'s profiler marker, every step: run here, not through the recorder's dispatch
+            return call(*args, **kwargs)  # (which runs it and nothing more, as the watched branch below would)
+        if self.watching:
+            if plan is not None and on_parameters(self._storages(), self._parameter_of, written_by(plan, args, kwargs)):
+                self.watching = False
+                self._record_ring()
+            else:
+                try:
+                    out = call(*args, **kwargs)
+                except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
+                    out = run_op(func, args, kwargs)
+                # The caller's code is looked up here first (_users, inlined): a library function's
+                # (clip_grad_norm_'s) runs most of a watched region's ops.
+                caller = sys._getframe(1)
+                known = _CALLERS.get(id(caller.f_code))
+                frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
+                         ) if known is not None else _users(caller)
+                self._clean = False
+                self._ring.append((func, tuple(args), kwargs, out, frame,
+                                   line_at(frame) if frame else 0, frame.f_lasti if frame else -1))
+                return out
+        if plan is not None and self.recording():
+            written = written_by(plan, args, kwargs)
+            if on_parameters(self._storages(), self._parameter_of, written):
+                for tensor in written:
+                    if isinstance(tensor, torch.Tensor):
+                        self._copy(tensor)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _record_ring(self) -> None:
+        """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
+        self._clean = False
+        for func, args, kwargs, out, frame, lineno, lasti in self._ring:
+            self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
+                                        frame.f_globals if frame else None, lasti, frame))
+            index = len(self._ops) - 1
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._produced[id(tensor)] = index
+        self._n_ops = len(self._ops)
+        self._budget -= len(self._ring)
+        self._ring.clear()
+
+    def _copy(self, tensor: torch.Tensor) -> None:
+        parameter = self._parameter_of(tensor)
+        if parameter is not None:
+            self._clean = False
+            self._copied = copy_before(self, tensor, parameter, self._copied)
