@@ -327,6 +327,7 @@ class Watch:
         self.update_code = LoopWrites(self.config.kinds, self._named_parameters,
                                       self.optimizers.reports.attribute, self.emit, lambda: self.step,
                                       tracer=self.localizing.update_tracer(self.origins), data=self.outside)
+        self.origins.written_gradient = self.update_code.claim_gradient
         self.cycle: StepCycle = StepCycle(
             self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,

@@ -74,6 +74,8 @@ class OpOrigins:
         #: The tensor the step's last backward started from (None once freed) and its id then: a parameter's
         #: gradient no boundary explained is looked for in its loss code's backward first (:meth:`add_op_origin`).
         self.last_loss: Callable[[], tuple[torch.Tensor | None, int | None]] | None = None
+        #: The op of the loop's update code that wrote a gradient, run again from what it read (LoopWrites), or None.
+        self.written_gradient: Callable[[torch.Tensor], OpFinding | None] | None = None
 
     def make_tracer(
         self,
@@ -143,6 +145,9 @@ class OpOrigins:
             # path (a gradient penalty's double backward through autograd.grad(create_graph=True) recorded there,
             # a parameter the loss code reads). Its recorded ops, run again with their backward, name that op.
             origin = outside.claim_backward(*self.last_loss(), last=True)
+            if origin is None and self.written_gradient is not None and tensor is not None:
+                # Then the update code between backward and the step (``p.grad.div_(p.grad.norm())``).
+                origin = self.written_gradient(tensor)
         if not isinstance(origin, OpFinding):
             if self.owner_replay is not None and finding.tensor.role is TensorRole.PARAMETER_GRADIENT:
                 self._replay_owner(finding)

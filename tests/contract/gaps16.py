@@ -260,6 +260,72 @@ def _weight_norm_penalty(safe: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- update code that writes the gradients
+def _gradients_per_token(safe: bool) -> Scenario:
+    """Gradient accumulation's division by hand: the summed token losses' gradients divided by the number of
+    tokens, ``p.grad /= tokens``, between backward and step; at step 2 the batch is all padding (0 tokens)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(6, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        for step in range(4):
+            mask = torch.zeros(6) if step == 2 else torch.ones(6)
+            loss = (model(xs[step]).squeeze(-1).pow(2) * mask).sum()
+            opt.zero_grad()
+            loss.backward()
+            tokens = mask.sum().clamp_min(1.0) if safe else mask.sum()
+            for p in model.parameters():
+                p.grad /= tokens  # producer: per-token division
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    return Scenario((model, opt), run)
+
+
+def _clip_by_hand(safe: bool) -> Scenario:
+    """Gradient normalisation written in the loop: ``c = 1 / total_norm``, ``p.grad.mul_(c)``; at step 2 the loss is
+    0 (a batch fully masked), every gradient is 0, the total norm 0 and ``c`` inf (then 0 * inf in the mul_)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(6, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        for step in range(4):
+            loss = model(xs[step]).pow(2).mean() * (0.0 if step == 2 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            total = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+            c = 1.0 / (total + 1e-6) if safe else 1.0 / total  # producer: clip coefficient
+            for p in model.parameters():
+                p.grad.mul_(c)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    return Scenario((model, opt), run)
+
+
+def _gradients_normalised(safe: bool) -> Scenario:
+    """The healthy twin of opsgaps15's per-parameter normalisation (``g / (|g| + eps)``), and the same with the
+    norm kept first: ``n = g.norm(); g.div_(n)``, two lines."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        for step in range(4):
+            loss = model(xs[step]).pow(2).mean() * (0 if step == 2 else 1)
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                n = p.grad.norm()
+                p.grad.div_(n + 1e-12 if safe else n)  # producer: normalised in two lines
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    return Scenario((model, opt), run)
+
+
 #: Why the R1 penalty of a log names the forward log, not its backward, but in ops mode.
 R1_LOG = (
     "the first event is the gradient into the critic's output inside the loop's autograd.grad(log_d.sum(), real, "
@@ -280,6 +346,15 @@ CASES += [
     Case("gaps16_group_lasso_of_a_pruned_weight", lambda: _weight_norm_penalty(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="lasso", cause="sqrt-domain")),
     Case("gaps16_group_lasso_with_eps_healthy", lambda: _weight_norm_penalty(True), None),
+    Case("gaps16_gradients_divided_by_a_token_count_of_zero", lambda: _gradients_per_token(False),
+         Expect("backward", "0", step=2, op="aten.div_.Tensor", marker="per-token division")),
+    Case("gaps16_gradients_divided_by_a_clamped_token_count_healthy", lambda: _gradients_per_token(True), None),
+    Case("gaps16_clip_by_hand_of_a_zero_norm", lambda: _clip_by_hand(False),
+         Expect("backward", "0", step=2, op="aten.reciprocal.default", marker="clip coefficient")),
+    Case("gaps16_clip_by_hand_with_eps_healthy", lambda: _clip_by_hand(True), None),
+    Case("gaps16_gradient_divided_by_its_norm_in_two_lines", lambda: _gradients_normalised(False),
+         Expect("backward", "0", step=2, op="aten.div_.Tensor", marker="normalised in two lines")),
+    Case("gaps16_gradient_divided_by_its_norm_plus_eps_healthy", lambda: _gradients_normalised(True), None),
     Case("gaps16_r1_penalty_of_a_log_sigmoid", lambda: _r1_of_a_log(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="r1 log", cause="log-domain"),
          gaps=tuple((mode, R1_LOG) for mode in ("default", "defer", "full"))),

@@ -183,7 +183,7 @@ class LoopWrites:
             recorder.stop()
             recorder.watching = False
             if not wrote:
-                recorder.forget()
+                self._hold(recorder)
             elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.
                 self._wanted = "update" not in recorder.untraced
@@ -211,8 +211,30 @@ class LoopWrites:
         found = self._watched(written) if written else []
         self._wanted = (bool(found) or count <= CHEAP_REGION) and "update" not in recorder.untraced
         if not found:
-            recorder.forget()
+            self._hold(recorder)
         return [(name, parameter, tensor, recorder) for name, parameter, tensor in found]
+
+    def _hold(self, recorder: UpdateRecorder) -> None:
+        """The region ended writing no parameter: its records (a watched one's last ops) stay until the step's check
+        has judged the gradients it may have written (:meth:`claim_gradient`): the main recorder's next forget."""
+        if (main := self._data_recorder) is not None:
+            main.then_forget = recorder
+        else:
+            recorder.forget()
+
+    def claim_gradient(self, gradient: torch.Tensor) -> OpFinding | None:
+        """The op of the update region (held by :meth:`_hold`) that made a gradient non-finite, or None.
+
+        The gradients are judged at the optimizer step, after the update code (``p.grad.div_(p.grad.norm())``, a
+        clip by hand): its records, run again from what they read (a gradient its write divided by a value made
+        from it was copied before the write: update_recorder.py), name the op and line that made it.
+        """
+        recorder = self._recorder
+        if recorder is None:
+            return None
+        if recorder._ring:
+            recorder._record_ring()
+        return recorder.claim(gradient)
 
     def judge(self, values: list[float]) -> None:
         """Report the first written parameter whose norm (``values``, of the first pending in :meth:`end`'s order:

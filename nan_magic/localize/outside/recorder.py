@@ -150,6 +150,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         #: Called before an op that writes in place runs in a data region being recorded (``on_write(its plan,
         #: args, kwargs)``): a parameter the loop writes after the optimizer step (param_writes.py's DataWrites).
         self.on_write: Callable[[Plan, Sequence[Any], dict[str, Any]], None] | None = None
+        self.then_forget: OutsideRecorder | None = None  # forgotten with the next forget (the update region's records)
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -166,9 +167,7 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             return
         if region == "data" or not self.holds_data:  # (held by batch_entered: the batch they made is judged,
             self._data, self._data_before, self._data_calls = None, {}, {}  # at the step's check or the call's end)
-            # (After an optimizer step, given to the watch or not: the loss code is held until the next one's check,
-            # which may need its backward: a gradient penalty's, op_origins.add_op_origin.)
-            self.stepped = self.stepped or (region == "data" and not entry)
+            self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
         if region in self.untraced:
@@ -296,10 +295,13 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
 
         A loss region's records (its backward ended, or its optimizer step began) are kept instead as the last
-        step's (:meth:`loss_code`): with :attr:`stepped`, as recorded until the optimizer step begins; with
-        :attr:`keep_last`, each a detached copy's or weak (nothing of the step's graph stays) until the next
-        step's replace them, for a fix trial at the next step's forward event, which its loss code follows.
+        step's (:meth:`loss_code`): with :attr:`stepped` (an optimizer given or seen stepping), as recorded until the
+        optimizer step begins; with :attr:`keep_last`, each a detached copy's or weak (nothing of the step's graph
+        stays) until the next step's replace them, for a fix trial at the next step's forward event.
         """
+        if self.then_forget is not None:  # the update region's records, held for the step's check (loop_writes)
+            held, self.then_forget = self.then_forget, None
+            held.forget()
         if last:
             self._last = self._data = None
             self._data_before, self._data_calls = {}, {}

@@ -2,9 +2,9 @@
 
 A watched region passes each op through, keeping the last :data:`RING` ops (by reference, with the user's line that
 ran them) until an op writes a watched parameter in place; from that op on the region is recorded, the ring first.
-Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is a
-gradient that the write divides by a value computed from that gradient (``g.div_(g.norm())``), so that a replay of
-the records starts from the value the write read.
+Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is any
+tensor the user's own code writes in place (a gradient: ``g.div_(g.norm())``, ``g /= n``), so that a replay of the
+records starts from the value the write read.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import is_plumbing
+from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.param_writes import Storages, copy_before, on_parameters, written_by
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.recorder import OutsideRecorder, passes
@@ -140,20 +141,23 @@ class UpdateRecorder(OutsideRecorder):
         if kind == _MARKER:  # opt.step()'s profiler marker, every step: run here, not through the recorder's dispatch
             return call(*args, **kwargs)  # (which runs it and nothing more, as the watched branch below would)
         if self.watching:
-            if plan is not None and on_parameters(self._storages(), self._parameter_of, written_by(plan, args, kwargs)):
+            if plan is not None and on_parameters(self._storages(), self._parameter_of,
+                                                  written := written_by(plan, args, kwargs)):
                 self.watching = False
                 self._record_ring()
             else:
-                try:
-                    out = call(*args, **kwargs)
-                except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
-                    out = run_op(func, args, kwargs)
                 # The caller's code is looked up here first (_users, inlined): a library function's
                 # (clip_grad_norm_'s) runs most of a watched region's ops.
                 caller = sys._getframe(1)
                 known = _CALLERS.get(id(caller.f_code))
                 frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
                          ) if known is not None else _users(caller)
+                if plan is not None and frame is not None:  # the user's own write of a gradient (not a library's)
+                    self._keep_written(written)
+                try:
+                    out = call(*args, **kwargs)
+                except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
+                    out = run_op(func, args, kwargs)
                 self._clean = False
                 self._ring.append((func, tuple(args), kwargs, out, frame,
                                    line_at(frame) if frame else 0, frame.f_lasti if frame else -1))
@@ -164,7 +168,23 @@ class UpdateRecorder(OutsideRecorder):
                 for tensor in written:
                     if isinstance(tensor, torch.Tensor):
                         self._copy(tensor)
+            elif _users(sys._getframe(1)) is not None:
+                self._keep_written(written)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _keep_written(self, written: Sequence[Any]) -> None:
+        """Copy what the user's own update code is about to write in place (not a parameter: a gradient, by
+        ``p.grad /= n``, ``p.grad.div_(p.grad.norm())``, ``p.grad.mul_(c)``): that write may make the value non-finite
+        (0 / 0 where n is 0), or ops before it read the value it changes (a total norm), and a replay must start
+        from the value they read, not the one it left (:meth:`RegionRecords.claim`'s ``before``). Up to
+        :data:`KEEP_TOTAL` bytes a region; a library's writes (``clip_grad_norm_``'s) are not copied."""
+        for tensor in written:
+            if type(tensor) is torch.Tensor and id(tensor) not in self.before:
+                size = tensor.numel() * tensor.element_size()
+                if self._copied + size <= KEEP_TOTAL:
+                    self.before[id(tensor)] = tensor.detach().clone()
+                    self._copied += size
+                    self._clean = False
 
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
