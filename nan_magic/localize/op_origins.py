@@ -199,7 +199,9 @@ class OpOrigins:
 
         ``loss`` is what backward started from (None once freed: ``key``, its id then, finds its record).
         """
-        origin = self.outside.claim_backward(loss, key) if self.outside is not None else None
+        # (Or in the loss region's records held as recorded since its first backward ended: a second loss computed
+        # before that backward, ``l1.backward(); l2.backward()``.)
+        origin = self.outside.claim_backward(loss, key, last=True) if self.outside is not None else None
         if origin is not None:
             attach_origin(finding, origin)
         return origin is not None

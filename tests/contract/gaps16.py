@@ -46,6 +46,30 @@ def _second_output_loss(safe: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _both_losses_first(safe: bool) -> Scenario:
+    """Both losses computed before either backward (no graph retained: they share none): the second's backward,
+    its sqrt's 1 / 0 at step 2, runs after the first backward's end let the loss code's records go."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs = [torch.randn(2, 3, 4) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            out_a, out_b = model(xs[step][0]), model(xs[step][1])
+            rows = _zeroed_at_2(out_b, step).pow(2).sum(-1)
+            first = out_a.pow(2).mean()
+            second = (rows + 1e-12).sqrt().sum() if safe else rows.sqrt().sum()  # producer: both first sqrt
+            opt.zero_grad()
+            first.backward()
+            second.backward()
+            opt.step()
+            losses += [first.detach(), second.detach()]
+        return losses
+    return Scenario((model, opt), run)
+
+
 def _separate_forwards(safe: bool) -> Scenario:
     """Gradient accumulation over two forwards, each loss with its own backward: the second's sqrt at step 2."""
     torch.manual_seed(0)
@@ -123,6 +147,9 @@ CASES = [
     Case("gaps16_second_output_loss_after_the_first_backward", lambda: _second_output_loss(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="second output sqrt", cause="sqrt-domain")),
     Case("gaps16_second_output_loss_eps_healthy", lambda: _second_output_loss(True), None),
+    Case("gaps16_both_losses_before_either_backward", lambda: _both_losses_first(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="both first sqrt", cause="sqrt-domain")),
+    Case("gaps16_both_losses_before_either_backward_eps_healthy", lambda: _both_losses_first(True), None),
     Case("gaps16_accumulated_second_loss_of_a_second_forward", lambda: _separate_forwards(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="accumulated sqrt", cause="sqrt-domain")),
     Case("gaps16_accumulated_second_loss_eps_healthy", lambda: _separate_forwards(True), None),

@@ -218,7 +218,7 @@ class LoopWrites:
         """The region ended writing no parameter: its records (a watched one's last ops) stay until the step's check
         has judged the gradients it may have written (:meth:`claim_gradient`): the main recorder's next forget."""
         if (main := self._data_recorder) is not None:
-            main.then_forget = recorder
+            main.then_forget, main._clean = recorder, False  # (its forget runs then, if nothing else is to go)
         else:
             recorder.forget()
 
