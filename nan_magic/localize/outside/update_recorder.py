@@ -178,11 +178,12 @@ class UpdateRecorder(OutsideRecorder):
         (0 / 0 where n is 0), or ops before it read the value it changes (a total norm), and a replay must start
         from the value they read, not the one it left (:meth:`RegionRecords.claim`'s ``before``). Up to
         :data:`KEEP_TOTAL` bytes a region; a library's writes (``clip_grad_norm_``'s) are not copied."""
-        for tensor in written:
-            if type(tensor) is torch.Tensor and id(tensor) not in self.before:
-                size = tensor.numel() * tensor.element_size()
+        before = self.before
+        for tensor in written:  # (two calls a tensor: its id and its clone; nbytes and requires_grad are fields)
+            if type(tensor) is torch.Tensor and (key := id(tensor)) not in before:
+                size = tensor.nbytes
                 if self._copied + size <= KEEP_TOTAL:
-                    self.before[id(tensor)] = tensor.detach().clone()
+                    before[key] = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
                     self._copied += size
                     self._clean = False
 
