@@ -129,7 +129,8 @@ class OpOrigins:
         freed = finding.record.ref if tensor is None and finding.record is not None else None
         if self.tracer is not None and (tensor is not None or freed is not None):
             origin = self.tracer.claim(tensor, freed)
-        elif outside is not None and self.tracer is None and (tensor is not None or key is not None):
+        elif outside is not None and self.tracer is None and (tensor is not None or key is not None) and (
+                finding.op is None):  # (named by the loss code's backward: a gradient its own autograd.grad made)
             origin = outside.claim(tensor, key)
             untraced = outside.note()
             # Said where the event's tensor came from that code: the loss code's (outside every module), or a
@@ -201,7 +202,16 @@ class OpOrigins:
         """
         # (Or in the loss region's records held as recorded since its first backward ended: a second loss computed
         # before that backward, ``l1.backward(); l2.backward()``.)
-        origin = self.outside.claim_backward(loss, key, last=True) if self.outside is not None else None
+        outside, origin = self.outside, None
+        if outside is None:
+            return False
+        gradient = finding.record.ref() if finding.record is not None else None
+        if gradient is not None and outside.made(gradient) and (root := outside.grad_root()) is not None:
+            # A gradient recorded ops made: the loss code's own autograd.grad (an R1 penalty's), judged as it ran or
+            # at the deferred check, after the loss's backward began: replayed from that grad's output, not the loss.
+            origin = outside.claim_backward(root)
+        if origin is None:
+            origin = outside.claim_backward(loss, key, last=True)
         if origin is not None:
             attach_origin(finding, origin)
         return origin is not None

@@ -353,16 +353,6 @@ def _gradients_normalised(safe: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
-#: Why the R1 penalty of a log names the forward log, not its backward, but in ops mode.
-R1_LOG = (
-    "the first event is the gradient into the critic's output inside the loop's autograd.grad(log_d.sum(), real, "
-    "create_graph=True), which is no loss backward (patches/backward.py passes a create_graph grad through): the "
-    "recorder, pushed in the loss region, recorded that backward's ops as loss code, so claim() of the gradient "
-    "replays them forward and names the first op that made a non-finite value, the forward log(0) = -inf, at the "
-    "right line but as op aten.log.default, cause unclassified; ops=True claims at the boundary and names the log's "
-    "backward div (1 / 0), LogBackward0. Naming it needs the autograd.grad's outputs noted as a loss for the "
-    "loss-code backward replay")
-
 CASES += [
     Case("gaps16_gradient_penalty_in_a_returned_helper", lambda: _penalty_in_a_helper(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="helper penalty sqrt", cause="sqrt-domain")),
@@ -383,7 +373,7 @@ CASES += [
          Expect("backward", "0", step=2, op="aten.div_.Tensor", marker="normalised in two lines")),
     Case("gaps16_gradient_divided_by_its_norm_plus_eps_healthy", lambda: _gradients_normalised(True), None),
     Case("gaps16_r1_penalty_of_a_log_sigmoid", lambda: _r1_of_a_log(False),
-         Expect("backward", None, step=2, op="aten.div.Tensor", marker="r1 log", cause="log-domain"),
-         gaps=tuple((mode, R1_LOG) for mode in ("default", "defer", "full"))),
+         # (its event is inside the loop's own autograd.grad: replayed from that grad's output, op_origins.py)
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="r1 log", cause="log-domain")),
     Case("gaps16_r1_penalty_of_a_logsigmoid_healthy", lambda: _r1_of_a_log(True), None),
 ]

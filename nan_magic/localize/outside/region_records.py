@@ -333,6 +333,18 @@ class RegionRecords:
                 finding, absorbed=dataclasses.replace(absorbed, source=source, inner_source=None))
         return finding
 
+    def grad_root(self) -> torch.Tensor | None:
+        """The scalar the loss code's own ``torch.autograd.grad`` started from (R1's ``log_d.sum()``), or None.
+
+        Such a backward runs while the loss region records: its first op is autograd's ``ones_like`` of that output,
+        recorded with the rest; a gradient into a model output that it made non-finite is no loss backward's.
+        """
+        for op in reversed(self._ops):
+            if op.func is _ONES_LIKE and op.args and type(root := op.args[0]) is torch.Tensor and (
+                    root.requires_grad and root.numel() == 1 and self.made(root)):
+                return root
+        return None
+
     def loss_code(self, key: int, last: bool) -> tuple[list[RecordedOp], RngState | None] | None:
         """The recorded ops up to the one that returned the tensor ``backward()`` started from (``key``, its id
         then), and the generators' state the region's first random op found; None where no recorded op returned
@@ -359,6 +371,9 @@ class RegionRecords:
             if ops is not None:
                 return ops, rng
         return None
+
+
+_ONES_LIKE = torch.ops.aten.ones_like.default
 
 
 def _ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> list[RecordedOp] | None:
