@@ -200,8 +200,6 @@ class OpOrigins:
 
         ``loss`` is what backward started from (None once freed: ``key``, its id then, finds its record).
         """
-        # (Or in the loss region's records held as recorded since its first backward ended: a second loss computed
-        # before that backward, ``l1.backward(); l2.backward()``.)
         outside, origin = self.outside, None
         if outside is None:
             return False
@@ -211,6 +209,8 @@ class OpOrigins:
             # at the deferred check, after the loss's backward began: replayed from that grad's output, not the loss.
             origin = outside.claim_backward(root)
         if origin is None:
+            # (``last``: or in the loss region's records held as recorded since its first backward ended, where a
+            # second loss computed before that backward is: ``l1.backward(); l2.backward()``.)
             origin = outside.claim_backward(loss, key, last=True)
         if origin is not None:
             attach_origin(finding, origin)
