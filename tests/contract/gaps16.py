@@ -206,6 +206,36 @@ def _penalty_in_a_helper(safe: bool) -> Scenario:
     return Scenario((critic, opt), run)
 
 
+def _gan_with_a_penalty(safe: bool) -> Scenario:
+    """A WGAN-GP loop, generator and critic each with its optimizer: the critic's step holds the penalty (its
+    first layer dead at iteration 2, sqrt's backward 1 / 0), the generator's step follows with the critic called
+    on its output."""
+    critic = _dead_critic()
+    generator = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 4))
+    opt_d = torch.optim.SGD(critic.parameters(), lr=0.0)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
+    reals, zs = [torch.randn(4, 4) for _ in range(4)], [torch.randn(4, 2) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                _kill(critic)
+            fake = generator(zs[step])
+            d_loss = critic(fake.detach()).mean() - critic(reals[step]).mean() + 10 * _penalty(
+                critic, reals[step], fake.detach(), safe)
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = -critic(generator(zs[step])).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            losses += [d_loss.detach(), g_loss.detach()]
+        return losses
+    return Scenario((generator, critic, opt_g, opt_d), run)
+
+
 def _r1_norm(safe: bool) -> Scenario:
     """R1 regularisation: the gradient of the critic's output at the real images, its norm taken with a sqrt of
     the squared norm (1 / 0 in the double backward where the critic is dead, step 2); the twin keeps the squared
@@ -357,6 +387,9 @@ CASES += [
     Case("gaps16_gradient_penalty_in_a_returned_helper", lambda: _penalty_in_a_helper(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="helper penalty sqrt", cause="sqrt-domain")),
     Case("gaps16_gradient_penalty_in_a_returned_helper_by_norm_healthy", lambda: _penalty_in_a_helper(True), None),
+    Case("gaps16_wgan_gp_loop_with_the_generator_step", lambda: _gan_with_a_penalty(False),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="helper penalty sqrt", cause="sqrt-domain")),
+    Case("gaps16_wgan_gp_loop_with_the_generator_step_by_norm_healthy", lambda: _gan_with_a_penalty(True), None),
     Case("gaps16_r1_penalty_square_rooted", lambda: _r1_norm(False),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="r1 sqrt", cause="sqrt-domain")),
     Case("gaps16_r1_penalty_squared_healthy", lambda: _r1_norm(True), None),
