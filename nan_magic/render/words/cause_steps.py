@@ -73,11 +73,12 @@ def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
-    if event.module is None:  # no model's input: a tensor the loss code read (the targets)
+    if event.module is None:  # no model's input: a tensor the loss code read (the targets, or a weight it was given)
         return (
             f"{event.tensor}, read by the code after the model call (the loss), already held {counts(event)} of "
-            f"{event.numel}{first}: the data was bad before the loss read it; check the loader and preprocessing "
-            "of the targets (a missing label stored as NaN, a corrupt record)"
+            f"{event.numel}{first}: the data was bad before the loss read it; check how the targets and whatever "
+            "else the loss is given were made (a missing label stored as NaN, a corrupt record, a class weight "
+            "1 / count of a class with no sample)"
         )
     return (
         f"{event.tensor} entering {event.model or 'the model'} already held {counts(event)} of "
