@@ -1571,8 +1571,9 @@ _PGD_GAP = (
     "the NaN is made by loop code between two model calls of one step, after a torch.autograd.grad (no "
     "backward(), no optimizer step): default, defer and full name '' (Sequential) at step 2, phase data, with op "
     "None, no line and cause bad-input-data ('check the loader'; the skip-batch fix is verified); ops=True traces "
-    "the div. Not yet traced why the outside recorder does not name it (its data region starts after an optimizer "
-    "step; the loss region recorded after the first call, through the attack's autograd.grad, is the candidate)"
+    "the div. Likely why (not traced to the line): torch.autograd.grad of the attack's loss is judged as a "
+    "backward start (patches/backward.py), after which the code is the update region, recorded only from a "
+    "parameter write (outside/loop_writes.py), as in opsgaps15_second_loss_through_a_retained_graph"
 )
 
 CASES += [
