@@ -25,7 +25,8 @@ xfail: no check reads it, the NaN shows a step late); a hand-written LARS whose 
 parameter never used; a sparse embedding with SparseAdam; a TorchScript child; SAM's perturbation by a gradient
 norm of 0 (two forward and backward passes a step); sampling at temperature 0 (``torch.multinomial`` raises); a
 temperature annealed by a Python counter attribute to 0 at step 30; an L2 PGD attack normalising a zero input
-gradient between model calls (strict xfail but for ops=True: no op named).
+gradient between model calls (strict xfail but for ops=True: no op named); ``clip_grad_norm_(error_if_nonfinite
+=True)`` raising before the deferred check's optimizer step; distillation from a float16 teacher that overflows.
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
@@ -1582,4 +1583,81 @@ CASES += [
                 cause="division-by-zero"),
          gaps=tuple((mode, _PGD_GAP) for mode in ("default", "defer", "full"))),
     Case("hunt16_l2_pgd_normalise_with_eps_healthy", lambda: _pgd(1e-12), None),
+]
+
+
+# ---------------------------------------------------------------- clip_grad_norm_(error_if_nonfinite=True)
+def _clip_raises(eps: float) -> Scenario:
+    """The loop clips with ``error_if_nonfinite=True``: at step 2 a pair's distance is 0 and sqrt's backward
+    makes the gradients NaN; the clip raises its RuntimeError before the optimizer step, where the deferred check
+    reads the step's probes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    anchors, others = _batches(3, 4), _batches(3, 4)
+    others[2][0] = anchors[2][0]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            squared = (model(anchors[step]) - model(others[step])).pow(2).sum(-1)
+            loss = (squared + eps).sqrt().mean()  # producer: clipped distance
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+CASES += [
+    Case("hunt16_clip_grad_norm_error_if_nonfinite_after_a_sqrt_backward", lambda: _clip_raises(0.0),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="clipped distance", cause="sqrt-domain")),
+    Case("hunt16_clip_grad_norm_error_if_nonfinite_sqrt_with_eps_healthy", lambda: _clip_raises(1e-12), None),
+]
+
+
+# ---------------------------------------------------------------- distillation: the float16 teacher overflows
+class Student(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.body(x / 6e4)))
+
+
+def _distillation(scale: float) -> Scenario:
+    """A float16 teacher (cast with ``.half()`` to save memory) under ``no_grad``, a float32 student, both
+    watched; the batch is raw sensor counts up to 6e4 (fits float16); the teacher's first Linear sums four of
+    them times weights near 1: past 65504 at step 2, where the readings saturate."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).half()
+    with torch.no_grad():
+        teacher[0].weight.copy_(torch.ones(16, 4))
+    student = Student()
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    xs = [torch.rand(3, 4) * 1e4 for _ in range(4)]
+    xs[2] = torch.full((3, 4), 6e4) * scale
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            with torch.no_grad():
+                soft = teacher(xs[step].half()).float().softmax(-1)  # producer: teacher call
+            loss = F.kl_div(student(xs[step]).log_softmax(-1), soft, reduction="batchmean")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((teacher, student, opt), run)
+
+
+CASES += [
+    Case("hunt16_distillation_float16_teacher_overflows", lambda: _distillation(1.0),
+         Expect("forward", "0", "Linear", step=2, op="aten.addmm.default", marker="teacher call",
+                cause="half-precision-overflow")),
+    Case("hunt16_distillation_float16_teacher_in_range_healthy", lambda: _distillation(0.2), None),
 ]
