@@ -51,6 +51,10 @@ _POLES = {
             "1/(σi² - σj²), infinite where two are equal (a repeated singular value: a rank-deficient matrix), "
             "reached by svd",
             "use only the singular values (torch.linalg.svdvals) where you can, or add a small distinct diagonal"),
+    "gamma": ("the derivative of a Gamma (or Dirichlet) sample in its concentration is not finite at a "
+              "concentration of 0 (the Gamma function's pole), reached by rsample",
+              "keep the concentration away from 0: softplus(x) + 1e-3 rather than a bare softplus or exp, which "
+              "underflow to 0"),
 }
 
 #: Where a backward turns a finite gradient non-finite: the checklist to give when the op is unknown.
