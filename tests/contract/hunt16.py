@@ -26,7 +26,8 @@ parameter never used; a sparse embedding with SparseAdam; a TorchScript child; S
 norm of 0 (two forward and backward passes a step); sampling at temperature 0 (``torch.multinomial`` raises); a
 temperature annealed by a Python counter attribute to 0 at step 30; an L2 PGD attack normalising a zero input
 gradient between model calls (strict xfail but for ops=True: no op named); ``clip_grad_norm_(error_if_nonfinite
-=True)`` raising before the deferred check's optimizer step; distillation from a float16 teacher that overflows.
+=True)`` raising before the deferred check's optimizer step; distillation from a float16 teacher that overflows;
+a reparameterised Gamma sample of a concentration 0 (its gradient's pole).
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
@@ -1660,4 +1661,48 @@ CASES += [
          Expect("forward", "0", "Linear", step=2, op="aten.addmm.default", marker="teacher call",
                 cause="half-precision-overflow")),
     Case("hunt16_distillation_float16_teacher_in_range_healthy", lambda: _distillation(0.2), None),
+]
+
+
+# ---------------------------------------------------------------- a reparameterised Gamma sample of a concentration 0
+class GammaEncoder(nn.Module):
+    """A Dirichlet/Gamma VAE's encoder: Gamma concentrations from softplus."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.floor = floor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softplus(self.lin(x)) + self.floor
+
+
+def _gamma_rsample(floor: float) -> Scenario:
+    """Topic proportions drawn by ``Gamma(alpha, 1).rsample()`` (implicit reparameterisation), normalised; at step
+    2 one concentration has underflowed to exactly 0 (softplus of -200, no floor): the sample is 0 and the
+    sampler's gradient in alpha is not finite. The draw is random: a replay must draw what the step drew."""
+    torch.manual_seed(0)
+    model = GammaEncoder(floor)
+    xs, targets = _batches(4, 4), [torch.softmax(torch.randn(4, 3), -1) for _ in range(4)]
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        if step == 2:
+            with torch.no_grad():
+                model.lin.bias[1] = -200.0
+                model.lin.weight[1] = 0.0
+        return (xs[step],)
+
+    def loss_fn(alpha: torch.Tensor, step: int) -> torch.Tensor:
+        dist = torch.distributions.Gamma(alpha, torch.ones_like(alpha), validate_args=False)
+        sample = dist.rsample()  # producer: gamma rsample
+        theta = sample / sample.sum(-1, keepdim=True).clamp(min=1e-12)
+        return (theta - targets[step]).pow(2).mean()
+    return _loop(model, batch, loss_fn, lr=0.0)
+
+
+CASES += [
+    Case("hunt16_gamma_rsample_of_a_concentration_of_0", lambda: _gamma_rsample(0.0),
+         Expect("backward", None, step=2, op="aten._standard_gamma_grad.default", marker="gamma rsample",
+                cause="log-domain")),
+    Case("hunt16_gamma_rsample_with_a_floor_healthy", lambda: _gamma_rsample(1e-3), None),
 ]
