@@ -27,7 +27,9 @@ norm of 0 (two forward and backward passes a step); sampling at temperature 0 (`
 temperature annealed by a Python counter attribute to 0 at step 30; an L2 PGD attack normalising a zero input
 gradient between model calls (strict xfail but for ops=True: no op named); ``clip_grad_norm_(error_if_nonfinite
 =True)`` raising before the deferred check's optimizer step; distillation from a float16 teacher that overflows;
-a reparameterised Gamma sample of a concentration 0 (its gradient's pole).
+a reparameterised Gamma sample of a concentration 0 (its gradient's pole); a shared head whose backward goes bad
+in its first call only; reentrant checkpointing (the block run under no_grad, then again inside the backward),
+forward and backward producers.
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
@@ -1705,4 +1707,132 @@ CASES += [
          Expect("backward", None, step=2, op="aten._standard_gamma_grad.default", marker="gamma rsample",
                 cause="log-domain")),
     Case("hunt16_gamma_rsample_with_a_floor_healthy", lambda: _gamma_rsample(1e-3), None),
+]
+
+
+# ---------------------------------------------------------------- a shared head's backward, only its first call bad
+class NormHead(nn.Module):
+    """Embeds a view and returns its length by hand, sqrt(sum h^2) (a magnitude feature)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        nn.init.zeros_(self.lin.bias)
+        self.eps = eps
+
+    def forward(self, view: torch.Tensor) -> torch.Tensor:
+        h = self.lin(view)
+        return torch.sqrt(h.pow(2).sum(-1) + self.eps)  # producer: view length
+
+
+class TwoViews(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.head = NormHead(eps)
+
+    def forward(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return self.head(first) - self.head(second)
+
+
+def _shared_backward(eps: float) -> Scenario:
+    """At step 1 the first view of sample 0 is blank: its length is sqrt(0) = 0 (finite), and sqrt's backward
+    at 0 divides by 0, in the head's first call only; the second call's backward is finite."""
+    torch.manual_seed(0)
+    model = TwoViews(eps)
+    firsts, seconds, ys = _batches(3, 6), _batches(3, 6), _batches(3)
+    firsts[1][0] = 0.0
+    return _loop(model, lambda step: (firsts[step], seconds[step]),
+                 lambda diff, step: F.mse_loss(diff, ys[step]), lr=0.0)
+
+
+CASES += [
+    Case("hunt16_shared_head_backward_of_its_first_call_only", lambda: _shared_backward(0.0),
+         Expect("backward", "head", "NormHead", step=1, op="aten.div.Tensor", marker="view length",
+                cause="sqrt-domain")),
+    Case("hunt16_shared_head_backward_sqrt_with_eps_healthy", lambda: _shared_backward(1e-12), None),
+]
+
+
+# ---------------------------------------------------------------- reentrant checkpointing (the old default)
+class ReentrantBlock(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        nn.init.zeros_(self.lin.bias)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h / (h.pow(2).sum(-1, keepdim=True) + self.eps).sqrt()  # producer: reentrant norm
+
+
+class ReentrantNet(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.block, self.head = ReentrantBlock(eps), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True))
+
+
+def _reentrant(eps: float) -> Scenario:
+    """``checkpoint(..., use_reentrant=True)``: the block's forward runs under no_grad, then again inside the
+    backward (a nested backward of its own). At step 1 sample 0 is blank: its row's norm is 0, its forward 0 / 0
+    NaN, seen at the block's first (no_grad) call."""
+    torch.manual_seed(0)
+    model = ReentrantNet(eps)
+    xs, ys = _batches(3, 4), _batches(3, 1)
+    for x in xs:
+        x.requires_grad_(True)  # (reentrant checkpointing needs an input that requires grad)
+    xs[1].data[0] = 0.0
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]), lr=0.0)
+
+
+CASES += [
+    Case("hunt16_reentrant_checkpoint_norm_of_a_blank_row", lambda: _reentrant(0.0),
+         Expect("forward", "block", "ReentrantBlock", step=1, op="aten.div.Tensor", marker="reentrant norm",
+                cause="division-by-zero")),
+    Case("hunt16_reentrant_checkpoint_norm_with_eps_healthy", lambda: _reentrant(1e-12), None),
+]
+
+
+# ---------------------------------------------------------------- reentrant checkpointing, a backward-only NaN
+class ReentrantLength(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        nn.init.zeros_(self.lin.bias)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.sqrt(h.pow(2).sum(-1, keepdim=True) + self.eps)  # producer: reentrant length
+
+
+class ReentrantLengthNet(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.block, self.head = ReentrantLength(eps), nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True))
+
+
+def _reentrant_backward(eps: float) -> Scenario:
+    """As the reentrant norm, the block returning the row's length: sqrt(0) = 0 is finite in forward; its
+    backward, run inside the checkpoint's recomputation in the outer backward, divides by 0."""
+    torch.manual_seed(0)
+    model = ReentrantLengthNet(eps)
+    xs, ys = _batches(3, 4), _batches(3, 1)
+    for x in xs:
+        x.requires_grad_(True)
+    xs[1].data[0] = 0.0
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]), lr=0.0)
+
+
+CASES += [
+    Case("hunt16_reentrant_checkpoint_sqrt_backward_of_a_blank_row", lambda: _reentrant_backward(0.0),
+         Expect("backward", "block", "ReentrantLength", step=1, op="aten.div.Tensor", marker="reentrant length",
+                cause="sqrt-domain")),
+    Case("hunt16_reentrant_checkpoint_sqrt_with_eps_healthy", lambda: _reentrant_backward(1e-12), None),
 ]
