@@ -190,9 +190,12 @@ def _local_cause(report: Report) -> Cause:
     """The cause the event itself shows, before looking upstream."""
     if report.phase == Phase.OPTIMIZER:
         cause = optimizer_cause(report)
-        if cause.label == "unclassified" and report.optimizer is None and report.op is not None:
-            # A hand-written update (loop code, no optimizer) is read by its op, as forward code is.
-            return _given_a_number(report) or forward_cause(report)
+        if cause.label == "unclassified" and report.op is not None:
+            # A hand-written update (loop code, no optimizer) is read by its op, as forward code is; so is an
+            # optimizer's op where the op's own rule says why (a hand-written LARS's |w| / |g| of 0 / 0).
+            by_op = _given_a_number(report) or forward_cause(report)
+            if report.optimizer is None or by_op.label not in ("unclassified", "overflow", "half-precision-overflow"):
+                return by_op
         return cause
     if (given := _given_a_number(report)) is not None:
         return given
@@ -251,6 +254,7 @@ _POLE_LABELS = {
     "sqrt": "sqrt-domain", "acos": "sqrt-domain", "asin": "sqrt-domain", "log": "log-domain",
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
     "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero",
+    "gamma": "log-domain",  # (the Gamma function's pole at 0, as lgamma's in forward: explain/forward.py)
 }
 #: The function of each autograd node that has a pole, by the node's forward function.
 _POLES = {
@@ -258,6 +262,7 @@ _POLES = {
     "rsqrt": "sqrt", "log2": "log", "log10": "log", "log1p": "log", "reciprocal": "div",
     "linalgvectornorm": "norm", "cdist": "norm", "var": "std", "stdmean": "std",
     "linalgeigh": "eigh", "symeig": "eigh", "linalgsvd": "svd",
+    "standardgamma": "gamma", "sampledirichlet": "gamma",  # Gamma(...).rsample(), Dirichlet(...).rsample()
 }
 
 

@@ -165,7 +165,9 @@ def _ctc(report: Report) -> Cause:
 
 
 _OP_RULES: dict[str, Callable[[Report], Cause]] = {
-    **dict.fromkeys(("log", "log2", "log10", "log1p"), _log),
+    # xlogy(x, y) = x * log(y): -inf where y is 0 and x > 0 (a Beta's or Dirichlet's log_prob of a value at its
+    # support's edge, 0 or 1), NaN where y < 0; the log's rule, its operand ``other``.
+    **dict.fromkeys(("log", "log2", "log10", "log1p", "xlogy"), _log),
     "sqrt": _sqrt,
     "rsqrt": _rsqrt,
     **dict.fromkeys(("acos", "asin", "arccos", "arcsin"), _inverse_trig),

@@ -283,6 +283,10 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         label = "swapped in" if stand_in_name(report, name) else "module out"
         rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
+    if report.inputs_finite and report.absorbed is not None:
+        # A backward op that read a forward infinity no boundary kept: its inputs are finite but for that one
+        # (the row below shows it), as the rule for an absorbed infinity counts them.
+        inputs = "finite, but for an infinity absorbed in forward (absorbed, below)"
     if report.nonfinite_numbers:
         inputs = "tensors finite; a Python number was not"
     if not report.unlocated:

@@ -366,8 +366,8 @@ class OpTracer(TorchDispatchMode):
                     elif inherited is None or self._started_before(entry, inherited):
                         inherited = entry  # the output carries the first-born origin of its inputs'
 
-                elif entry is not None or self.outside_benign:
-                    benign |= kinds
+                elif entry is not None or (self.outside_benign and not in_backward):  # (a replay's received value;
+                    benign |= kinds  # in backward, one with no entry came from code unseen: a Function's numpy)
                 elif "nan" not in kinds and is_additive_mask(value):
                     benign |= kinds
                     self._origins.note(value, BENIGN)  # looked at once per step, not at every consumer

@@ -7,7 +7,9 @@ there. The tiered watch holds each top-level call of the step with copies of
 the buffers it may change, as they were before it (replay/step.py); at a buffer
 event, each call of the buffer's model is run again, in order, on those copies,
 under a dispatch mode that reads the buffer after each op that writes it in
-place: the first op that leaves it non-finite is named, at the user's line that
+place: the first op that leaves it non-finite is named (where that op read a
+value already non-finite, the first op of the replay that made one of finite
+inputs: the producer, PRODUCT.md, the write a propagator), at the user's line that
 ran it, by the op tracer's line rule (ops/sources.sources_of_op): the user's
 innermost frame, or the line that called the model where its code is all
 torch's (an ``nn.Sequential`` holding an ``nn.BatchNorm1d``), with torch's own
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -28,8 +31,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.localize.ops.plans import op_name
@@ -56,6 +61,8 @@ class BufferWrite:
     source: SourcePointer | None
     inner: SourcePointer | None
     from_zero: bool = False
+    #: The op that wrote the buffer where ``op`` is an earlier one that made the value it wrote (a propagator's).
+    writer: str | None = None
 
 
 def buffer_written(calls: Iterable[RootCall], finding: Finding, seen: Report,
@@ -66,12 +73,18 @@ def buffer_written(calls: Iterable[RootCall], finding: Finding, seen: Report,
     write = buffer_writer(list(calls), module, name[len(module) + 1:] if module else name, standing_aside)
     if write is None:
         return seen
-    notes = [Note.of("buffer-written-from-zero" if write.from_zero else "buffer-written", op=write.op, buffer=name,
-                     step=seen.step)]
+    if write.writer is not None:
+        notes = [Note.of("buffer-carried", op=write.op, writer=write.writer, buffer=name, step=seen.step)]
+    else:
+        notes = [Note.of("buffer-written-from-zero" if write.from_zero else "buffer-written", op=write.op,
+                         buffer=name, step=seen.step)]
     if write.inner is not None and write.inner != write.source:
         notes.append(Note.of("inside", source=to_pairs(write.inner)))  # torch's line (F.batch_norm's), as for any op
-    return dataclasses.replace(seen, op=write.op, source=write.source, reproduced=True,
-                               note_facts=(*seen.note_facts, *notes))
+    found = dataclasses.replace(seen, op=write.op, source=write.source, reproduced=True,
+                                note_facts=(*seen.note_facts, *notes))
+    # The check's cause read the buffer's value (a running average past the max); an op that made the value the
+    # write carried says why by its own rule (a variance of one sample: 0 / 0).
+    return dataclasses.replace(found, cause=diagnose(dataclasses.replace(found, cause=None))) if write.writer else found
 
 
 def buffer_writer(roots: Iterable[RootCall], module: str | None, key: str,
@@ -146,6 +159,9 @@ class _Writes(TorchDispatchMode):
         self.buffer = buffer
         self.before_write = before_write
         self.found: BufferWrite | None = None
+        # The first op that made a non-finite value of finite inputs: the producer where the write only carried
+        # it (``running_var.add_(0.1 * x.var(0))`` of one sample: the var's 0 / 0, not the add_, PRODUCT.md).
+        self.first_made: BufferWrite | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -154,11 +170,28 @@ class _Writes(TorchDispatchMode):
         for tensor in _written(func, args, kwargs):
             if tensor is not self.buffer:
                 self.before_write(tensor)
+        read_bad = _any_nonfinite((args, kwargs))  # (before the op: an in-place op's input is its value before)
         out = func(*args, **kwargs)
+        if self.first_made is None and not read_bad and _any_nonfinite(out):
+            self.first_made = BufferWrite(op_name(func), *sources_of_op(sys._getframe(1))[:2])
         if not bool(torch.isfinite(self.buffer).all()):
             source, inner, _user = sources_of_op(sys._getframe(1))
-            self.found = BufferWrite(op_name(func), source, inner)
+            if read_bad and self.first_made is not None:
+                self.found = dataclasses.replace(self.first_made, writer=op_name(func))
+            else:
+                self.found = BufferWrite(op_name(func), source, inner)
         return out
+
+
+def _any_nonfinite(values: Any) -> bool:
+    """Whether any floating tensor or Python float in ``values`` (nested) holds a NaN or an infinity."""
+    for value in pytree.tree_leaves(values):
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+                return True
+        elif isinstance(value, float) and not math.isfinite(value):
+            return True
+    return False
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> Iterable[torch.Tensor]:

@@ -24,17 +24,21 @@ the step. A half-precision parameter that an ordinary update pushes past its
 limit (``p.add_(update)`` past 65504 in float16) would stay finite from 0: such
 a parameter, once its values came near the limit, is copied before each step
 (hot/checks/headroom.py), and the replay starts from that copy. The line is the
-user's that called the step (``opt.step()``).
+user's that called the step (``opt.step()``), or the op's own where the optimizer
+is the user's code (a hand-written LARS's trust ratio).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections import defaultdict
 from typing import Any
 
 import torch
 
+from nan_magic.errors.frames import is_library_file
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
@@ -76,7 +80,10 @@ def name_optimizer_op(
     if origin is None or not reproduced:
         finding.notes.append(Note.of("optimizer-replay-finite", optimizer=name, before=before is not None))
         return
-    attach_origin(finding, dataclasses.replace(origin, source=caller or origin.source))
+    # The user's line that called the step, unless the op ran in the user's own optimizer code (a hand-written
+    # LARS: its trust-ratio line names the op better than ``opt.step()``, in both timings).
+    own = origin.source is not None and _in_own_code(type(opt), origin.source)
+    attach_origin(finding, dataclasses.replace(origin, source=origin.source if own else caller or origin.source))
     finding.notes.append(Note.of("optimizer-replayed", op=origin.op, optimizer=name, before=before is not None))
 
 
@@ -111,6 +118,13 @@ def _replay(
         return None, None
     origin = tracer.claim(replayed)
     return replayed.detach(), origin if isinstance(origin, OpFinding) else None
+
+
+def _in_own_code(cls: type, source: SourcePointer) -> bool:
+    """Whether ``source`` is a line of the file defining optimizer class ``cls``, where that is the user's code."""
+    filename = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return (filename is not None and not is_library_file(filename)
+            and os.path.abspath(filename) == os.path.abspath(source.filename))
 
 
 def _finite_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,10 @@ _POLES = {
             "1/(σi² - σj²), infinite where two are equal (a repeated singular value: a rank-deficient matrix), "
             "reached by svd",
             "use only the singular values (torch.linalg.svdvals) where you can, or add a small distinct diagonal"),
+    "gamma": ("the derivative of a Gamma (or Dirichlet) sample in its concentration is not finite at a "
+              "concentration of 0 (the Gamma function's pole), reached by rsample",
+              "keep the concentration away from 0: softplus(x) + 1e-3 rather than a bare softplus or exp, which "
+              "underflow to 0"),
 }
 
 #: Where a backward turns a finite gradient non-finite: the checklist to give when the op is unknown.
@@ -73,11 +77,12 @@ def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
-    if event.module is None:  # no model's input: a tensor the loss code read (the targets)
+    if event.module is None:  # no model's input: a tensor the loss code read (the targets, or a weight it was given)
         return (
             f"{event.tensor}, read by the code after the model call (the loss), already held {counts(event)} of "
-            f"{event.numel}{first}: the data was bad before the loss read it; check the loader and preprocessing "
-            "of the targets (a missing label stored as NaN, a corrupt record)"
+            f"{event.numel}{first}: the data was bad before the loss read it; check how the targets and whatever "
+            "else the loss is given were made (a missing label stored as NaN, a corrupt record, a class weight "
+            "1 / count of a class with no sample)"
         )
     return (
         f"{event.tensor} entering {event.model or 'the model'} already held {counts(event)} of "

@@ -92,10 +92,15 @@ def counts_phrase(nan: int, posinf: int, neginf: int) -> str:
 
 
 def rerun_for_op(report: Report) -> str:
-    """What a hint says of an op it does not know: rerun with ops=True, unless the watch traced every op."""
-    if report.ops:
+    """What a hint says of an op it does not know: rerun with ops=True, unless every op was traced already.
+
+    ops=True traced them; so did the default watch's replay of the step, which reproduced the event under the
+    op tracer (its note ``step-replayed``) and still names no op: ops=True would see no more.
+    """
+    if report.ops or any(note.kind == "step-replayed" for note in report.note_facts):
         return ("the op tracer saw no op make it from finite values (it came from code it does not see: another "
-                "thread, a C extension's own kernel)")
+                "thread, a C extension's own kernel, or from a tensor that is no argument, parameter or buffer of "
+                "the module, such as a plain tensor attribute made non-finite in an earlier step)")
     return "rerun with ops=True (%%nantrace --ops) to name the op"
 
 

@@ -60,6 +60,8 @@ _TEMPLATES: dict[str, str] = {
     "anomaly-raised": "torch's anomaly detection stopped the backward ({message})",
     "buffer-written": "{op} wrote {buffer} non-finite when step {step}'s model call was run again from its buffers "
                       "as they were before it",
+    "buffer-carried": "{op} made the non-finite value that {writer} wrote into {buffer} when step {step}'s model "
+                      "call was run again from its buffers as they were before it",
     "buffer-written-from-zero": "{op} wrote {buffer} non-finite when step {step}'s model call was run again from "
                                 "the buffer as the step left it, its non-finite elements as 0 (no copy from before "
                                 "the call was kept): each of them came out non-finite again",
