@@ -12,7 +12,7 @@ test_calm16_loops.py: loop shapes; test_calm16_cells.py: what a notebook does.
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -209,7 +209,7 @@ def test_the_growing_scale_really_overflows_and_backs_off() -> None:
     torch.manual_seed(0)
     loop = AMP["fp16-scale-grows-until-overflow"]()
     scales = [float(t) for t in loop.run()[1::2]]
-    assert any(b < a for a, b in zip(scales, scales[1:], strict=False)) and max(scales) > 2.0 ** 12
+    assert any(b < a for a, b in itertools.pairwise(scales)) and max(scales) > 2.0 ** 12
 
 
 @pytest.mark.parametrize("options", FIVE_MODES)

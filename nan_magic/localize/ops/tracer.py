@@ -249,6 +249,7 @@ class OpTracer(TorchDispatchMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        __tracebackhide__ = True  # (a user's error in an op, a shape mismatch, shows with their frames, not ours)
         kwargs = kwargs or {}
         task = torch._C._current_graph_task_id()
         in_backward = task != -1 and task != self.forward_task

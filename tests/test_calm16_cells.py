@@ -1,0 +1,152 @@
+"""What a notebook does, in the five modes (issue 25; harness: test_calm16.py): the same healthy cell run again
+(the watch entered twice on the same model), and ``%%nantrace`` around a cell that raises an error of its own
+(KeyboardInterrupt mid-step, a shape error in the forward, one in the loss): the user's exception shows unchanged
+(type and message as unwatched, one traceback through the user's frames, not a second run of the failed op chained
+to it: fixed in localize/ops/plans.run_rewrapped), the model's state is what the unwatched cell left, and nothing
+stays behind.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import global_hook_counts
+from IPython.utils.capture import capture_output
+from test_calm16 import Loop, _tensors, _traces, same, sgd_loop
+from torch import nn
+from watching import FIVE_MODES
+
+import nan_magic
+from nan_magic.patches import registry as patches
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_the_watch_entered_again_around_the_same_loop_is_calm_and_identical(options: dict) -> None:
+    """Two executions of one cell: each under its own watch, on the same model and optimizer (Adam: its state and
+    step counts carry over from the first)."""
+    x = torch.randn(8, 4)
+
+    def build() -> Loop:
+        torch.manual_seed(0)
+        return sgd_loop(_net(), lambda m, step: m(x).pow(2).mean())
+    loop = build()
+    expected = loop.run() + loop.run() + [t for obj in loop.held for t in _tensors(obj)]
+    expected_traces = [_traces(obj) for obj in loop.held]
+    loop = build()
+    got = []
+    for _ in range(2):
+        with nan_magic.watch(*loop.targets, **options) as w:
+            got += loop.run()
+        assert w.report is None and not w.events, (w.report, w.events)
+        assert [_traces(obj) for obj in loop.held] == expected_traces
+    got += [t for obj in loop.held for t in _tensors(obj)]
+    assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected, strict=True))
+
+
+SETUP = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+x, y = torch.randn(6, 4), torch.randn(6, 1)
+"""
+
+TRAIN = """
+for step in range(3):
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+#: Cells that raise an error of their own, with the exception type the user must see.
+RAISING = {
+    "keyboard-interrupt": ("""
+for step in range(3):
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad(); loss.backward()
+    if step == 1:
+        raise KeyboardInterrupt
+    opt.step()
+""", KeyboardInterrupt),
+    "shape-error-in-forward": ("""
+for step in range(3):
+    loss = F.mse_loss(model(x if step < 2 else x[:, :3]), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+""", RuntimeError),
+    "shape-error-in-the-loss": ("""
+for step in range(3):
+    loss = F.mse_loss(model(x), y) + (0 if step < 1 else torch.cat([y, x]).sum())
+    opt.zero_grad(); loss.backward(); opt.step()
+""", RuntimeError),
+}
+
+MAGIC_FLAGS = [pytest.param("", id="immediate"), pytest.param("--defer", id="deferred"),
+               pytest.param("--ops", id="ops"), pytest.param("--ops --defer", id="ops-deferred"),
+               pytest.param("--full", id="full")]
+
+
+def _run(ip, cell: str):
+    with capture_output() as captured:
+        result = ip.run_cell(cell)
+    return result, captured
+
+
+def _model_state(ip) -> list[torch.Tensor]:
+    ns = ip.user_ns
+    return [t.detach().clone() for t in ns["model"].parameters()] + [
+        torch.empty(0) if p.grad is None else p.grad.clone() for p in ns["model"].parameters()] + [
+        v.clone() for s in ns["opt"].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("flags", MAGIC_FLAGS)
+@pytest.mark.parametrize("name", RAISING)
+def test_a_cell_that_raises_its_own_error_shows_it_unchanged_and_leaves_nothing(ip, name: str, flags: str) -> None:
+    cell, kind = RAISING[name]
+    ip.run_cell(SETUP)
+    plain, _ = _run(ip, cell)
+    assert isinstance(plain.error_in_exec, kind)
+    expected = _model_state(ip), str(plain.error_in_exec)
+    ip.run_cell(SETUP)
+    before = global_hook_counts(), _traces(ip.user_ns["model"]), _traces(ip.user_ns["opt"])
+    watched, captured = _run(ip, f"%%nantrace model opt {flags}\n{cell}")
+    assert type(watched.error_in_exec) is type(plain.error_in_exec)
+    assert str(watched.error_in_exec) == expected[1]
+    # The traceback as IPython shows it: one error, not chained to a second run of the op; the user's frames, and of
+    # ours at most the dispatch frame the op failed in (IPython always shows the innermost frame, even a hidden one).
+    assert watched.error_in_exec.__context__ is None and "During handling" not in captured.stdout
+    files = re.findall(r"^File (\S+):\d+, in ", captured.stdout, re.M)
+    assert "nan_magic" not in "".join(files[:-1]), captured.stdout
+    assert "NonFiniteError" not in captured.stdout and "_nan_report" not in ip.user_ns
+    assert (global_hook_counts(), _traces(ip.user_ns["model"]), _traces(ip.user_ns["opt"])) == before
+    assert patches.installed() == []
+    got = _model_state(ip)
+    assert len(got) == len(expected[0]) and all(same(a, b) for a, b in zip(got, expected[0], strict=True))
+    after, _ = _run(ip, "z = model(torch.full((1, 4), float('nan')))")  # nothing watches the next cell
+    assert after.error_in_exec is None
+
+
+@pytest.mark.parametrize("flags", MAGIC_FLAGS)
+def test_a_healthy_cell_run_twice_under_nantrace_is_what_it_is_unwatched(ip, flags: str) -> None:
+    ip.run_cell(SETUP)
+    for _ in range(2):
+        assert _run(ip, TRAIN)[0].error_in_exec is None
+    expected = _model_state(ip)
+    ip.run_cell(SETUP)
+    before = global_hook_counts(), _traces(ip.user_ns["model"]), _traces(ip.user_ns["opt"])
+    ip.user_ns.pop("_nan_report", None)
+    for _ in range(2):
+        result, captured = _run(ip, f"%%nantrace {flags}\n{TRAIN}")
+        assert result.error_in_exec is None and captured.stdout == ""
+    assert ip.user_ns.get("_nan_report") is None
+    assert (global_hook_counts(), _traces(ip.user_ns["model"]), _traces(ip.user_ns["opt"])) == before
+    got = _model_state(ip)
+    assert all(same(a, b) for a, b in zip(got, expected, strict=True))
