@@ -150,3 +150,17 @@ def test_a_healthy_cell_run_twice_under_nantrace_is_what_it_is_unwatched(ip, fla
     assert (global_hook_counts(), _traces(ip.user_ns["model"]), _traces(ip.user_ns["opt"])) == before
     got = _model_state(ip)
     assert all(same(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_an_op_that_fails_runs_once_and_raises_its_own_error_and_a_wrapped_number_is_still_retried() -> None:
+    from nan_magic.localize.ops.plans import run_op
+
+    calls = []
+
+    def failing(*args: object) -> None:
+        calls.append(args)
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as caught:
+        run_op(failing, (torch.ones(2, 3), torch.ones(2, 3)), {})
+    assert len(calls) == 1 and caught.value.__context__ is None
+    assert torch.equal(run_op(torch.ops.aten.detach.default, (0.5,), {}), torch.tensor(0.5, dtype=torch.float64))
