@@ -8,6 +8,8 @@ stays behind.
 
 from __future__ import annotations
 
+import copy
+import io
 import re
 
 import pytest
@@ -164,3 +166,63 @@ def test_an_op_that_fails_runs_once_and_raises_its_own_error_and_a_wrapped_numbe
         run_op(failing, (torch.ones(2, 3), torch.ones(2, 3)), {})
     assert len(calls) == 1 and caught.value.__context__ is None
     assert torch.equal(run_op(torch.ops.aten.detach.default, (0.5,), {}), torch.tensor(0.5, dtype=torch.float64))
+
+
+def copies_in_the_loop() -> tuple[Loop, dict]:
+    """A cell that copies the model while it trains: a deep-copied teacher (updated as an EMA), the best model
+    so far (deepcopy), an AveragedModel made in the loop (it deep-copies), a checkpoint of the whole model
+    (``torch.save(model)``) loaded back."""
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 4)
+    kept: dict = {}
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for step in range(3):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 0:
+                kept["teacher"] = copy.deepcopy(model)
+                kept["swa"] = torch.optim.swa_utils.AveragedModel(model)
+                buffer = io.BytesIO()
+                torch.save(model, buffer)
+                kept["file"] = buffer.getvalue()
+            kept["best"] = copy.deepcopy(model)
+            kept["swa"].update_parameters(model)
+            with torch.no_grad():
+                for t, s in zip(kept["teacher"].parameters(), model.parameters(), strict=True):
+                    t.mul_(0.9).add_(s, alpha=0.1)
+                out += [kept["teacher"](x), kept["swa"](x), loss.detach()]
+        return out
+    return Loop((model, opt), (model, opt), run), kept
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_copying_and_saving_the_model_inside_the_watch_works_and_the_copies_carry_nothing_that_runs(
+        options: dict) -> None:
+    # The tiered watch's hook on the model was copied with it: deepcopy raised "cannot pickle 'generator' object",
+    # torch.save "cannot pickle 'weakref.ReferenceType' object" (module_hooks._ModelReturned).
+    torch.manual_seed(0)
+    loop, kept = copies_in_the_loop()
+    expected = loop.run()
+    saved = torch.load(io.BytesIO(kept["file"]), weights_only=False).state_dict()
+    torch.manual_seed(0)
+    loop, kept = copies_in_the_loop()
+    with nan_magic.watch(*loop.targets, **options) as w:
+        got = loop.run()
+    assert w.report is None and not w.events
+    assert all(same(a, b) for a, b in zip(got, expected, strict=True))
+    assert not loop.targets[0]._forward_hooks
+    assert not kept["teacher"]._forward_hooks  # (the stand-in a copy carries went at its first call)
+    best = kept["best"]  # never called: it carries the inert stand-in until then
+    best(torch.randn(2, 4))
+    assert not best._forward_hooks
+    loaded = torch.load(io.BytesIO(kept["file"]), weights_only=False)  # (it loads without nan_magic's code)
+    assert all(same(a, b) for a, b in zip(loaded.state_dict().values(), saved.values(), strict=True))
+    # The file's model carries one inert hook (functools.partial(sys.audit, ...)): it returns None, so the output
+    # is the model's own.
+    assert all(hook(loaded, (), {}, None) is None for hook in loaded._forward_hooks.values())
+    assert len(loaded._forward_hooks) == (1 if options.get("mode") != "full" and not options.get("ops") else 0)
