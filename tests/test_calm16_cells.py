@@ -226,3 +226,35 @@ def test_copying_and_saving_the_model_inside_the_watch_works_and_the_copies_carr
     # is the model's own.
     assert all(hook(loaded, (), {}, None) is None for hook in loaded._forward_hooks.values())
     assert len(loaded._forward_hooks) == (1 if options.get("mode") != "full" and not options.get("ops") else 0)
+
+
+_SCRIPT = ("torch.jit.script compiles a module's forward hooks too, and the hook the tiered watch puts on a model it "
+           "steps aside for (module_hooks._ModelReturned) is Python it cannot compile: scripting the watched model "
+           "inside the watch raises (so did the bound method before it); script after the watch, or under ops=True / "
+           "mode='full', which put no hook on the model")
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="immediate", marks=pytest.mark.xfail(strict=True, raises=(AttributeError, RuntimeError),
+                                                             reason=_SCRIPT)),
+    pytest.param({"defer": True}, id="deferred", marks=pytest.mark.xfail(
+        strict=True, raises=(AttributeError, RuntimeError), reason=_SCRIPT)),
+    pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
+    pytest.param({"mode": "full"}, id="full"),
+])
+def test_exporting_the_model_at_the_end_of_the_watched_cell_works(options: dict) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with nan_magic.watch(model, opt, **options):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected = model(x).detach()
+        traced = torch.jit.trace(model, x)
+        exported = torch.export.export(model, (x,))
+        scripted = torch.jit.script(model)
+    for converted in (traced, exported.module(), scripted):
+        assert torch.allclose(converted(x), expected)
