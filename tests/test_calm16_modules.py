@@ -1,7 +1,8 @@
 """Modules that hold or pass on an infinity on purpose stay calm in the five modes (issue 25; harness:
 test_calm16.py): a submodule that builds the attention mask and returns it (-inf in a module's output, consumed
 finitely by its parent), a running maximum whose buffer starts at -inf, a best-loss buffer at +inf, a model that
-imputes the missing values (NaN) of its own input; and ``%nanwatch on`` left on across healthy cells.
+imputes the missing values (NaN) of its own input; ``%nanwatch on`` left on across healthy cells; whole cells
+under a bare ``%%nantrace`` (a teacher and best model deep-copied in the loop, AMP whose scaler skips).
 """
 
 from __future__ import annotations
@@ -145,3 +146,65 @@ def test_nanwatch_on_across_healthy_cells_is_calm_and_identical(ip, flags: str) 
     got = [p.detach() for p in ip.user_ns["model"].parameters()]
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert not ip.user_ns["model"]._forward_hooks and not ip.user_ns["model"][0]._forward_hooks
+
+
+#: Whole cells as a checker writes them, run under a bare ``%%nantrace`` (every module, optimizer and scaler the
+#: cell uses, created in it or not): a teacher and the best model deep-copied in the loop; AMP whose scaler skips.
+WHOLE_CELLS = {
+"copies": """
+import copy, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+x = torch.randn(8, 4)
+teacher = copy.deepcopy(model).eval()
+best, best_loss = None, float('inf')
+for step in range(4):
+    with torch.no_grad():
+        target = teacher(x)
+    loss = (model(x) - target).pow(2).mean() + model(x).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    with torch.no_grad():
+        for t, s in zip(teacher.parameters(), model.parameters()):
+            t.lerp_(s, 0.1)
+    if loss.item() < best_loss:
+        best_loss, best = loss.item(), copy.deepcopy(model)
+result = [p.detach().clone() for m in (model, teacher, best) for p in m.parameters()]
+""",
+"amp": """
+import torch
+from torch import nn
+from torch.nn import functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+for _ in range(4):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(); scaler.scale(loss).backward(); scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); scaler.step(opt); scaler.update()
+result = [p.detach().clone() for p in model.parameters()] + [torch.tensor(scaler.get_scale())]
+""",
+}
+
+
+@pytest.mark.parametrize("flags", ["", "--defer", "--ops", "--ops --defer", "--full"])
+@pytest.mark.parametrize("name", ["copies", "amp"])
+def test_whole_cells_under_a_bare_nantrace_run_as_unwatched(ip, name: str, flags: str) -> None:
+    cell = WHOLE_CELLS[name]
+    assert ip.run_cell(cell).error_in_exec is None
+    expected = ip.user_ns["result"]
+    ip.user_ns.pop("_nan_report", None)
+    with capture_output() as captured:
+        result = ip.run_cell(f"%%nantrace {flags}\n{cell}")
+    assert result.error_in_exec is None and "NonFinite" not in captured.stdout
+    got = ip.user_ns["result"]
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    report = ip.user_ns.get("_nan_report")
+    if name == "amp":  # the scaler's skipped steps: recorded and shown (the report displayed), never raised
+        assert report is not None and report.benign
+    else:
+        assert report is None
