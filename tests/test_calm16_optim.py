@@ -4,7 +4,7 @@ backward, the weights put back, then the base step), adversarial training by PGD
 sign of its gradient through ``.data``), an input optimised with Adam and clamped in place (style transfer), a
 SimCLR loss whose self-similarities are masked with -inf, a VAE with ``kl_divergence``, activations saved on the
 CPU (``save_on_cpu``), ``backward(inputs=...)``, gradients edited in place (gradient centralisation), and
-``parameters_to_vector``/``vector_to_parameters``.
+``parameters_to_vector``/``vector_to_parameters``; and every stock optimizer, six steps.
 """
 
 from __future__ import annotations
@@ -177,3 +177,45 @@ OPTIM = {
 @pytest.mark.parametrize("name", OPTIM)
 def test_optimisation_idioms_outside_a_plain_step_are_calm(name: str, options: dict) -> None:
     assert_calm(OPTIM[name], options)
+
+
+_O = torch.optim
+#: Every stock optimizer, with the options that keep extra state (amsgrad's max, centered RMSprop, Rprop's step
+#: sizes, ASGD's averages, NAdam's mu product).
+OPTIMIZERS = {
+    "sgd-nesterov": lambda p: _O.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "sgd-maximize": lambda p: _O.SGD(p, lr=0.01, maximize=True),
+    "adam-amsgrad": lambda p: _O.Adam(p, lr=1e-2, amsgrad=True),
+    "adam-foreach-off": lambda p: _O.Adam(p, lr=1e-2, foreach=False),
+    "adamax": lambda p: _O.Adamax(p, lr=1e-2),
+    "nadam-decoupled": lambda p: _O.NAdam(p, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.01),
+    "radam": lambda p: _O.RAdam(p, lr=1e-2),
+    "adagrad-lr-decay": lambda p: _O.Adagrad(p, lr=0.1, lr_decay=0.01),
+    "adadelta": lambda p: _O.Adadelta(p),
+    "rmsprop-centered": lambda p: _O.RMSprop(p, lr=1e-2, centered=True, momentum=0.5),
+    "rprop": lambda p: _O.Rprop(p),
+    "asgd": lambda p: _O.ASGD(p, lr=1e-2, t0=1),
+}
+
+
+def optimizer_loop(name: str) -> Loop:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = OPTIMIZERS[name](model.parameters())
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for _ in range(6):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out
+    return Loop((model, opt), (model, opt), run)
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_stock_optimizer_is_calm(name: str, options: dict) -> None:
+    assert_calm(lambda: optimizer_loop(name), options)
