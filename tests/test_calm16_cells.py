@@ -258,3 +258,29 @@ def test_exporting_the_model_at_the_end_of_the_watched_cell_works(options: dict)
         scripted = torch.jit.script(model)
     for converted in (traced, exported.module(), scripted):
         assert torch.allclose(converted(x), expected)
+
+
+NESTED_TRAIN = ("for step in range(3):\n    loss = F.mse_loss(model(x), y)\n    opt.zero_grad(); loss.backward(); "
+                "opt.step()\n")
+
+
+@pytest.mark.parametrize("flags", [flags for flags, *_ in (p.values for p in MAGIC_FLAGS)])
+@pytest.mark.parametrize("nesting", ["nantrace-under-nanwatch-on", "watch-inside-nantrace"])
+def test_watches_nested_in_a_notebook_are_calm_and_identical(ip, nesting: str, flags: str) -> None:
+    ip.run_cell(SETUP)
+    ip.run_cell(NESTED_TRAIN)
+    expected = _model_state(ip)
+    ip.run_cell(SETUP + "import nan_magic\n")
+    ip.user_ns.pop("_nan_report", None)
+    if nesting == "nantrace-under-nanwatch-on":
+        with capture_output():
+            ip.run_line_magic("nanwatch", f"on {flags}")
+            result, captured = _run(ip, "%%nantrace --ops\n" + NESTED_TRAIN)
+            ip.run_line_magic("nanwatch", "off")
+    else:
+        inner = "with nan_magic.watch(model, opt, ops=True):\n" + "".join(
+            f"    {line}\n" for line in NESTED_TRAIN.splitlines())
+        result, captured = _run(ip, f"%%nantrace {flags}\n{inner}")
+    assert result.error_in_exec is None and ip.user_ns.get("_nan_report") is None, captured.stdout
+    assert all(same(a, b) for a, b in zip(_model_state(ip), expected, strict=True))
+    assert not ip.user_ns["model"]._forward_hooks
