@@ -2,7 +2,8 @@
 step 1, the recorders' budgets), in the five modes (issue 25; harness: test_calm16.py): 25 steps of masked
 attention with dropout and a batch length that changes every step; a GradScaler that overflows and backs off again
 and again (growth_interval=1) on a model with dropout (a skipped step must not move the generators: the outputs
-after it stay bit-identical); gradient accumulation under a GradScaler whose skip falls on an accumulated step.
+after it stay bit-identical); gradient accumulation under a GradScaler whose skip falls on an accumulated step; random draws in the loop's code
+(a shuffling DataLoader, noise, sample dropping, a permutation) with the generator's state compared after.
 """
 
 from __future__ import annotations
@@ -84,7 +85,32 @@ def scaler_cycles(accumulate: int = 1) -> Loop:
     return Loop((model, opt, scaler), (model, opt, scaler), run)
 
 
+def random_loop_code() -> Loop:
+    """Two epochs of a shuffling DataLoader on the global generator, noise, sample dropping and a permutation
+    drawn in the loop, dropout in the model: the generator's state after the loop is one of the outputs."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ds = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randint(0, 2, (40,)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True)
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for _ in range(2):
+            for x, y in loader:
+                x = x + 0.1 * torch.randn_like(x)
+                keep = torch.rand(x.shape[0]) > 0.2
+                perm = torch.randperm(x.shape[0])
+                loss = F.cross_entropy(model(x[perm]), y[perm], reduction="none")[keep].mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.detach())
+        return [*out, torch.rand(3)]
+    return Loop((model, opt), (model, opt), run)
+
+
 LONG = {
+    "random-draws-in-the-loop-code": random_loop_code,
     "masked-attention-dropout-variable-lengths": variable_lengths,
     "scaler-overflow-cycles-with-dropout": scaler_cycles,
     "scaler-cycles-with-accumulation": lambda: scaler_cycles(accumulate=3),
