@@ -2,8 +2,9 @@
 step 1, the recorders' budgets), in the five modes (issue 25; harness: test_calm16.py): 25 steps of masked
 attention with dropout and a batch length that changes every step; a GradScaler that overflows and backs off again
 and again (growth_interval=1) on a model with dropout (a skipped step must not move the generators: the outputs
-after it stay bit-identical); gradient accumulation under a GradScaler whose skip falls on an accumulated step; random draws in
-the loop's code (a shuffling DataLoader, noise, sample dropping, a permutation), the generator's state compared.
+after it stay bit-identical); gradient accumulation under a GradScaler whose skip falls on an accumulated step;
+random draws in the loop's code (a shuffling DataLoader, noise, sample dropping, a permutation), the generator's
+state compared after.
 """
 
 from __future__ import annotations
