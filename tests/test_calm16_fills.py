@@ -13,7 +13,7 @@ from test_calm16 import Loop, assert_calm, sgd_loop
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
-from watching import FIVE_MODES
+from watching import FIVE_MODES, raised
 
 NEG_INF, NAN = float("-inf"), float("nan")
 
@@ -146,3 +146,17 @@ def test_the_fills_leave_every_parameter_and_gradient_finite() -> None:
         loop.run()
         assert all(torch.isfinite(p).all() and torch.isfinite(p.grad).all() for p in loop.targets[0].parameters()
                    if p.grad is not None)
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_a_nan_label_the_loss_does_not_mask_is_named_as_the_data(options: dict) -> None:
+    # Broken twin of the missing labels: one NaN label, the loss taken over every label.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    xs = [torch.randn(8, 6) for _ in range(3)]
+    ys = [torch.randn(8, 3) for _ in range(3)]
+    ys[1][2, 1] = NAN
+    loop = sgd_loop(model, lambda m, step: F.mse_loss(m(xs[step]), ys[step]))
+    report = raised(loop.run, *loop.targets, **options)
+    assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 1, "ys[1]")
+    assert (report.nan, report.numel) == (1, 24)
