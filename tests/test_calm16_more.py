@@ -4,7 +4,8 @@ Deliberate infinities written other ways: top-k / top-p sampling by hand (``logi
 a causal mask built in the forward (``torch.full(-inf).triu(1)``), ``ctc_loss(zero_infinity=True)`` over an
 impossible alignment, an MoE router masking full experts before its top-k, a constrained vocabulary
 (log_softmax over -inf logits), a logsumexp over a fully masked row replaced by ``where``, BCE of a saturated
-sigmoid, MultiheadAttention and TransformerEncoder with padding masks (the inference fast path included).
+sigmoid, MultiheadAttention and TransformerEncoder with padding masks (the inference fast path included),
+nn.Transformer with every mask and dropout, sdpa with ``is_causal`` and dropout.
 More loop shapes: test_calm16_hooks.py.
 """
 
@@ -193,6 +194,63 @@ VALUES = {
     "bce-of-a-saturated-sigmoid": saturated_bce,
     "multihead-attention-masks": lambda: sgd_loop(MHA(), lambda m, s: m(torch.randn(3, 5, 8), _pad()).pow(2).mean()),
     "transformer-encoder-fast-path": encoder_with_fast_path,
+}
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer with a causal target mask and padding masks on source, target and memory, dropout on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(20, 16), nn.Linear(16, 20)
+        self.tr = nn.Transformer(16, 2, 2, 2, 32, dropout=0.1, batch_first=True)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_pad: torch.Tensor, tgt_pad: torch.Tensor
+                ) -> torch.Tensor:
+        mask = self.tr.generate_square_subsequent_mask(tgt.shape[1])
+        return self.out(self.tr(self.emb(src), self.emb(tgt), tgt_mask=mask, src_key_padding_mask=src_pad,
+                                tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad, tgt_is_causal=True))
+
+
+def seq2seq() -> Loop:
+    model = Seq2Seq()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    src, tgt = torch.randint(1, 20, (3, 6)), torch.randint(1, 20, (3, 5))
+    src_pad, tgt_pad = torch.zeros(3, 6, dtype=torch.bool), torch.zeros(3, 4, dtype=torch.bool)
+    src_pad[1, 4:] = True
+    tgt_pad[2, 3:] = True
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for _ in range(3):
+            logits = model(src, tgt[:, :-1], src_pad, tgt_pad)
+            loss = F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        model.eval()
+        with torch.no_grad():
+            out.append(model(src, tgt[:, :-1], src_pad, tgt_pad))
+        model.train()
+        return out
+    return Loop((model, opt), (model, opt), run)
+
+
+class CausalSDPA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1 if self.training else 0.0)
+        return self.o(h.transpose(1, 2).reshape(x.shape))
+
+
+VALUES |= {
+    "nn-transformer-all-masks-dropout": seq2seq,
+    "sdpa-is-causal-dropout": lambda: sgd_loop(CausalSDPA(), lambda m, s: m(torch.randn(2, 5, 16)).pow(2).mean()),
 }
 
 
