@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import re
 
 import pytest
@@ -218,6 +219,7 @@ def test_copying_and_saving_the_model_inside_the_watch_works_and_the_copies_carr
     assert not loop.targets[0]._forward_hooks
     assert not kept["teacher"]._forward_hooks  # (the stand-in a copy carries went at its first call)
     best = kept["best"]  # never called: it carries the inert stand-in until then
+    assert b"nan_magic.hot" not in pickle.dumps(best)  # (saved then, it pickles without a reference to our code)
     best(torch.randn(2, 4))
     assert not best._forward_hooks
     loaded = torch.load(io.BytesIO(kept["file"]), weights_only=False)  # (it loads without nan_magic's code)

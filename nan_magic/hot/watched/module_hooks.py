@@ -189,11 +189,19 @@ class _ModelReturned:
         return _LeftByACopy()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return functools.partial, (sys.audit, "nan_magic.hook_left_by_a_copy")  # returns None, reads nothing
+        return _INERT
+
+
+#: How our hooks pickle: a hook that returns None and reads nothing, made of the standard library only.
+_INERT = functools.partial, (sys.audit, "nan_magic.hook_left_by_a_copy")
 
 
 class _LeftByACopy:
-    """What a deep copy of a watched model carries in place of the watch's hook: its first call takes it off."""
+    """What a deep copy of a watched model carries in place of the watch's hook: its first call takes it off (a
+    copy of the copy, saved before that call, pickles as :data:`_INERT`, as the hook it stands for)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _INERT
 
     def __call__(self, module: nn.Module, *args: Any) -> None:
         for key, hook in list(module._forward_hooks.items()):
