@@ -85,6 +85,25 @@ for step in range(3):
     loss = F.mse_loss(model(x if step < 2 else x[:, :3]), y)
     opt.zero_grad(); loss.backward(); opt.step()
 """, RuntimeError),
+    "error-in-a-custom-backward": ("""
+class Checked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("gradient check failed")
+for step in range(3):
+    out = model(x)
+    loss = F.mse_loss(Checked.apply(out) if step == 1 else out, y)
+    opt.zero_grad(); loss.backward(); opt.step()
+""", ValueError),
+    "error-in-the-optimizer-step": ("""
+for step in range(3):
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad(); loss.backward()
+    opt.step(closure=None) if step < 2 else torch.optim.LBFGS(model.parameters()).step()
+""", TypeError),
     "shape-error-in-the-loss": ("""
 for step in range(3):
     loss = F.mse_loss(model(x), y) + (0 if step < 1 else torch.cat([y, x]).sum())
