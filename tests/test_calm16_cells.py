@@ -12,6 +12,7 @@ import copy
 import io
 import pickle
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -305,3 +306,47 @@ def test_watches_nested_in_a_notebook_are_calm_and_identical(ip, nesting: str, f
     assert result.error_in_exec is None and ip.user_ns.get("_nan_report") is None, captured.stdout
     assert all(same(a, b) for a, b in zip(_model_state(ip), expected, strict=True))
     assert not ip.user_ns["model"]._forward_hooks
+
+
+_STALE = ("ops=True names a non-finite tensor left from the previous run in the caller's variables (earlier[1], "
+          "never read this run) as the step's data instead of the loss code's exp: hot/checks/gradients."
+          "_given_to_the_loss scans the user's locals (localize/outside/entering.py) and, with no outside recorder "
+          "under ops=True, nothing says the loss code did not read it (the tiered modes' records do: read_all)")
+
+
+def _exp_loss_run() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], list[torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    xs = [torch.randn(4, 6) for _ in range(3)]
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for step in range(3):
+            scale = 1.0 if step == 0 else 100.0
+            loss = torch.exp(model(xs[step]) * scale).mean()  # exp overflows at step 1
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out
+    return model, opt, run
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
+    pytest.param({"ops": True}, id="ops", marks=pytest.mark.xfail(strict=True, reason=_STALE)),
+    pytest.param({"ops": True, "defer": True}, id="ops-deferred", marks=pytest.mark.xfail(strict=True, reason=_STALE)),
+    pytest.param({"mode": "full"}, id="full"),
+])
+def test_a_cell_run_again_after_it_overflowed_names_the_op_not_the_last_runs_results(options: dict) -> None:
+    # A notebook: the cell ran once unwatched and overflowed; its results (inf, nan) are still in a variable when
+    # the user runs it again under the watch.
+    earlier = _exp_loss_run()[2]()
+    assert torch.isinf(earlier[1])
+    model, opt, run = _exp_loss_run()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        run()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten.exp.default")
+    assert report.source is not None and "exp overflows at step 1" in report.source.line
