@@ -308,12 +308,6 @@ def test_watches_nested_in_a_notebook_are_calm_and_identical(ip, nesting: str, f
     assert not ip.user_ns["model"]._forward_hooks
 
 
-_STALE = ("ops=True names a non-finite tensor left from the previous run in the caller's variables (earlier[1], "
-          "never read this run) as the step's data instead of the loss code's exp: hot/checks/gradients."
-          "_given_to_the_loss scans the user's locals (localize/outside/entering.py) and, with no outside recorder "
-          "under ops=True, nothing says the loss code did not read it (the tiered modes' records do: read_all)")
-
-
 def _exp_loss_run() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], list[torch.Tensor]]]:
     torch.manual_seed(0)
     model = nn.Linear(6, 4)
@@ -333,15 +327,12 @@ def _exp_loss_run() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], list
     return model, opt, run
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
-    pytest.param({"ops": True}, id="ops", marks=pytest.mark.xfail(strict=True, reason=_STALE)),
-    pytest.param({"ops": True, "defer": True}, id="ops-deferred", marks=pytest.mark.xfail(strict=True, reason=_STALE)),
-    pytest.param({"mode": "full"}, id="full"),
-])
+@pytest.mark.parametrize("options", FIVE_MODES)
 def test_a_cell_run_again_after_it_overflowed_names_the_op_not_the_last_runs_results(options: dict) -> None:
     # A notebook: the cell ran once unwatched and overflowed; its results (inf, nan) are still in a variable when
-    # the user runs it again under the watch.
+    # the user runs it again under the watch. ops=True named that variable (earlier[1], never read this run) as
+    # the step's data: gradients._given_to_the_loss took the user's locals as data where no outside recorder said
+    # what the loss code read; the loss's non-finite values made by a traced op from finite ones now settle it.
     earlier = _exp_loss_run()[2]()
     assert torch.isinf(earlier[1])
     model, opt, run = _exp_loss_run()

@@ -220,6 +220,9 @@ class GradientChecks:
         # namespace is not the step's data.
         read_all = self.loss_key is not None and recorded is not None and self._loss_code.recorded_in_full(
             self.loss_key, seen)
+        # So where the traced code made the loss non-finite from finite values (ops=True: an overflowing exp): no
+        # data entered along that path, and a NaN kept from an earlier run in the user's variables is not it.
+        read_all = read_all or (loss is not None and self.origins.made_by_recorded_code(loss))
         unrecorded = recorded is None and self._loss_code.unrecorded()
         entered = [
             (label, tensor)
