@@ -343,21 +343,10 @@ def test_a_cell_run_again_after_it_overflowed_names_the_op_not_the_last_runs_res
     assert report.source is not None and "exp overflows at step 1" in report.source.line
 
 
-_STALE_BESIDE_DATA = (
-    "ops=True: a NaN label read by `(out - y) ** 2` (its nodes save nothing of y) is found among the user's "
-    "variables only, where a non-finite tensor left from an earlier run comes first: the report names earlier[0]. "
-    "The op tracer read y (the sub's input) and never the stale one (KnownKinds would tell), but entering_tensors "
-    "(localize/outside/entering.py) is not told what the tracer read")
-
-
-@pytest.mark.parametrize("options", [
-    pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred"),
-    pytest.param({"ops": True}, id="ops", marks=pytest.mark.xfail(strict=True, reason=_STALE_BESIDE_DATA)),
-    pytest.param({"ops": True, "defer": True}, id="ops-deferred",
-                 marks=pytest.mark.xfail(strict=True, reason=_STALE_BESIDE_DATA)),
-    pytest.param({"mode": "full"}, id="full"),
-])
+@pytest.mark.parametrize("options", FIVE_MODES)
 def test_a_nan_label_is_named_beside_the_last_runs_results(options: dict) -> None:
+    # ops=True named earlier[0]: the label, read by ``(out - y) ** 2`` whose nodes save nothing of it, was found
+    # only among the user's variables, where the stale tensor came first; what the op tracer read now goes first.
     earlier = [torch.tensor(float("inf")), torch.tensor(float("nan"))]  # a previous run's losses, still in a variable
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -231,6 +231,11 @@ class GradientChecks:
             )
             if not self.origins.made_by_recorded_code(tensor)
         ]
+        tracer = self.origins.tracer
+        if tracer is not None and len(entered) > 1:
+            # ops=True: a tensor the traced loss code read comes before one only the user's variables hold (a NaN
+            # label read by ``(out - y) ** 2``, whose nodes save nothing of it, beside a NaN left from an earlier run).
+            entered.sort(key=lambda item: tracer.known.get(item[1]) is None)
         if not entered and unrecorded:
             named = [label for label, _tensor in self._loss_code.entering_tensors(
                 loss, watch.log.last_forward_seq, seen, saved, False)]

@@ -171,7 +171,7 @@ class OpTracer(TorchDispatchMode):
         # The origin of each non-finite tensor seen (see the module docstring).
         self._origins = Origins()
         # The kinds of tensors already read, so that none is read twice.
-        self._known = KnownKinds()
+        self._known = self.known = KnownKinds()  # (known: read by the loss code's data check, gradients.py)
         #: The user's forward line of each autograd node the traced forward creates.
         self.node_sources = NodeSources(module_name)
         self._lock = threading.Lock()
