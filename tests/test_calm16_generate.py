@@ -1,7 +1,8 @@
 """Hugging Face ``generate`` with the logits processors that write -inf into the scores (min_new_tokens,
 bad_words_ids, no_repeat_ngram_size, top-k / top-p sampling), beam search, left-padded batches: calm and
 bit-identical in the five modes (issue 25; harness: test_calm16.py). The processors run in generate's own code,
-between the model calls; the model's outputs stay finite.
+between the model calls; the model's outputs stay finite. And a fine-tuning loop with everything at once (LoRA,
+gradient checkpointing, fp16 with the default GradScaler, accumulation, OneCycleLR, mostly ignored labels).
 """
 
 from __future__ import annotations
@@ -47,3 +48,40 @@ KINDS = ["gpt2-processors-sampling", "gpt2-beam-search", "llama-min-new-tokens"]
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate_with_processors_that_write_inf_is_calm(kind: str, options: dict) -> None:
     assert_calm(lambda: generation(kind), options)
+
+
+def lora_checkpointing_fp16_accumulation() -> Loop:
+    """Everything at once, as a fine-tuning notebook does it: LoRA on a frozen Llama, gradient checkpointing,
+    float16 autocast with the default GradScaler, unscale_ + clipping, accumulation over two batches, OneCycleLR,
+    left padding, a batch whose labels are nearly all -100."""
+    model = hf_models.add_lora(hf_models.llama())
+    model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=3)
+    scaler = torch.amp.GradScaler("cpu")
+    batches = [hf_models.padded_batch(left=True) for _ in range(3)]
+    batches[1]["labels"][:] = -100
+    batches[1]["labels"][0, -1] = 5
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for i, batch in enumerate(batches):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch).loss / 2
+            scaler.scale(loss).backward()
+            if i % 2 == 1 or i == len(batches) - 1:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+            out.append(loss.detach())
+        return out
+    return Loop((model, opt, scaler), (model, opt, scaler), run)
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_a_fine_tuning_notebooks_loop_with_everything_at_once_is_calm(options: dict) -> None:
+    assert_calm(lora_checkpointing_fp16_accumulation, options)
