@@ -220,6 +220,9 @@ class GradientChecks:
         # namespace is not the step's data.
         read_all = self.loss_key is not None and recorded is not None and self._loss_code.recorded_in_full(
             self.loss_key, seen)
+        # So where the traced code made the loss non-finite from finite values (ops=True: an overflowing exp): no
+        # data entered along that path, and a NaN kept from an earlier run in the user's variables is not it.
+        read_all = read_all or (loss is not None and self.origins.made_by_recorded_code(loss))
         unrecorded = recorded is None and self._loss_code.unrecorded()
         entered = [
             (label, tensor)
@@ -228,6 +231,11 @@ class GradientChecks:
             )
             if not self.origins.made_by_recorded_code(tensor)
         ]
+        tracer = self.origins.tracer
+        if tracer is not None and len(entered) > 1:
+            # ops=True: a tensor the traced loss code read comes before one only the user's variables hold (a NaN
+            # label read by ``(out - y) ** 2``, whose nodes save nothing of it, beside a NaN left from an earlier run).
+            entered.sort(key=lambda item: tracer.known.get(item[1]) is None)
         if not entered and unrecorded:
             named = [label for label, _tensor in self._loss_code.entering_tensors(
                 loss, watch.log.last_forward_seq, seen, saved, False)]

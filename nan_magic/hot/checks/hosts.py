@@ -43,10 +43,20 @@ T = TypeVar("T")
 # -- the localizer, as the hot path calls it ----------------------------------------------
 
 
+class KnownValues(Protocol):
+    """The op tracer's :class:`~nan_magic.localize.ops.kinds.KnownKinds`, as the loss code's data check reads it."""
+
+    def get(self, tensor: torch.Tensor) -> frozenset[str] | None: ...
+
+
 class OpTracing(Protocol):
     """The op tracer of ``ops=True`` (localize/ops/tracer.py): re-armed at each step."""
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None: ...
+
+    @property
+    def known(self) -> KnownValues:
+        """The tensors whose values this trace looked at, as they are now (an op's input or checked output)."""
 
 
 class OriginFinder(Protocol):

@@ -35,6 +35,7 @@ compiled loss, another thread's model) runs eagerly too. One
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import warnings
@@ -98,7 +99,8 @@ class GlobalModuleHooks:
         self._off()
         if id(model) not in self._wrapped and self._stack is not None:
             self._wrapped.add(id(model))
-            handle = model.register_forward_hook(self._model_returned, with_kwargs=True, always_call=True)
+            handle = model.register_forward_hook(_ModelReturned(self._model_returned), with_kwargs=True,
+                                                 always_call=True)
             self._stack.callback(handle.remove)
             self._stack.callback(self._wrapped.discard, id(model))
 
@@ -162,6 +164,51 @@ class GlobalModuleHooks:
             if post_id in registry:
                 del registry[post_id]
         self._attached = False
+
+
+class _ModelReturned:
+    """The hook on a model the watch steps aside for, as a copy of the model sees it.
+
+    ``copy.deepcopy(model)`` (an EMA teacher, the best weights so far) or ``torch.save(model)`` while the watch is
+    active copies the model's hooks, ours with them: the watch behind it cannot be copied or pickled (a generator,
+    weak references), and the user's copy failed. Ours copies as a stand-in that runs nothing (:class:`_LeftByACopy`,
+    gone at the copy's first call), and pickles as an inert hook of the standard library, so that loading the file
+    needs no nan_magic.
+    """
+
+    __slots__ = ("returned",)
+
+    def __init__(self, returned: Callable[..., None]) -> None:
+        self.returned = returned
+
+    def __call__(self, *args: Any) -> None:
+        __tracebackhide__ = True  # (as _model_returned)
+        self.returned(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LeftByACopy:
+        return _LeftByACopy()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _INERT
+
+
+#: How our hooks pickle: a hook that returns None and reads nothing, made of the standard library only.
+_INERT = functools.partial, (sys.audit, "nan_magic.hook_left_by_a_copy")
+
+
+class _LeftByACopy:
+    """What a deep copy of a watched model carries in place of the watch's hook: its first call takes it off (a
+    copy of the copy, saved before that call, pickles as :data:`_INERT`, as the hook it stands for)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _INERT
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        for key, hook in list(module._forward_hooks.items()):
+            if hook is self:  # (torch iterates a tuple of its hooks: removing one while they run is safe)
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
 
 
 def _remove_filter(added: Any) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "op_name",
     "plan_of",
     "run_op",
+    "run_rewrapped",
     "tensors",
 ]
 
@@ -279,11 +280,20 @@ def run_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """
     try:
         return func(*args, **kwargs)
-    except RuntimeError:
-        rewrapped = _rewrapped(func, args, kwargs)
-        if rewrapped is None:
-            raise
-        return func(*rewrapped[0], **rewrapped[1])
+    except RuntimeError as error:
+        __tracebackhide__ = True  # (IPython and pytest show the user's frames of their error, not ours)
+        return run_rewrapped(func, args, kwargs, error)
+
+
+def run_rewrapped(func: Any, args: Sequence[Any], kwargs: dict[str, Any], error: RuntimeError) -> Any:
+    """After ``func(*args, **kwargs)`` raised ``error``: the op again with its wrapped numbers as tensors (run_op
+    says why); where it has none, ``error`` itself, raised again as is: the user's own error (a shape mismatch)
+    shows as unwatched, not run twice and chained to a second copy of itself."""
+    __tracebackhide__ = True
+    rewrapped = _rewrapped(func, args, kwargs)
+    if rewrapped is None:
+        raise error
+    return func(*rewrapped[0], **rewrapped[1])
 
 
 #: The dtype torch gives a tensor wrapped around a Python number.

@@ -171,7 +171,7 @@ class OpTracer(TorchDispatchMode):
         # The origin of each non-finite tensor seen (see the module docstring).
         self._origins = Origins()
         # The kinds of tensors already read, so that none is read twice.
-        self._known = KnownKinds()
+        self._known = self.known = KnownKinds()  # (known: read by the loss code's data check, gradients.py)
         #: The user's forward line of each autograd node the traced forward creates.
         self.node_sources = NodeSources(module_name)
         self._lock = threading.Lock()
@@ -249,6 +249,7 @@ class OpTracer(TorchDispatchMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        __tracebackhide__ = True  # (a user's error in an op, a shape mismatch, shows with their frames, not ours)
         kwargs = kwargs or {}
         task = torch._C._current_graph_task_id()
         in_backward = task != -1 and task != self.forward_task

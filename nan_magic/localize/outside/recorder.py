@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
-from nan_magic.localize.ops.plans import Plan, run_op
+from nan_magic.localize.ops.plans import Plan, run_rewrapped
 from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
 from nan_magic.localize.outside.applied import applied_calls
 from nan_magic.localize.outside.held import (
@@ -402,8 +402,9 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
             self._clean = False
         try:
             out = call(*args, **kwargs)
-        except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
-            out = run_op(func, args, kwargs)
+        except RuntimeError as error:  # a wrapped number alone (run_op says why); only the failure path pays
+            __tracebackhide__ = True  # (the user's own error shows with their frames, as unwatched)
+            out = run_rewrapped(func, args, kwargs, error)
         if self._budget <= 0:
             if self._budget == 0:  # over budget: the region is not recorded again
                 self._budget = _INERT
