@@ -292,6 +292,17 @@ def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
     assert torch.isnan(out).any() and len(w.events) == 1
 
 
+def test_a_log_file_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path) -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    missing = tmp_path / "no such folder" / "events.jsonl"
+    with pytest.warns(nan_magic.NanMagicWarning, match="could not write the event log"), nan_magic.watch(
+        model, on_detect="log", log_file=str(missing)
+    ) as w:
+        out = run()
+    assert torch.isnan(out).any() and len(w.events) == 1 and not missing.exists()
+
+
 @pytest.mark.parametrize("mode", ["tiered", "full"])
 def test_warn_mode_warns_each_event_once_and_only_the_first_as_first(mode: str) -> None:
     import warnings
