@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+from typing import NamedTuple
 
 import faults
 import pytest
@@ -169,6 +170,30 @@ def test_nested_outputs_of_every_shape_are_checked() -> None:
     assert report.module_output is not None and report.module_output[0] == deep
 
 
+class Pair(NamedTuple):
+    values: torch.Tensor
+    scale: torch.Tensor
+
+
+@pytest.mark.parametrize("options", [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")])
+def test_a_named_tuple_output_is_walked_by_its_fields(options: dict) -> None:
+    class Splits(nn.Module):
+        def forward(self, x: torch.Tensor) -> Pair:
+            return Pair(x, x.sqrt())
+
+    model = nn.Sequential(nn.Linear(4, 4), Splits())
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        negatives = int((model[0](x) < 0).sum())  # sqrt makes NaN of each of them
+    assert negatives > 0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **options):
+        model(x).scale.sum().backward()
+    report = caught.value.report
+    assert (report.module, report.module_type, str(report.phase)) == ("1", "Splits", "forward")
+    assert report.module_output is not None and report.module_output[0] == TensorRef.output("output[1]")
+    assert report.counts == {"nan": negatives, "+inf": 0, "-inf": 0}
+
+
 @pytest.mark.parametrize(("bad", "path"), [
     ("last_hidden_state", "output['last_hidden_state']"),
     ("hidden_states", "output['hidden_states'][1]"),  # inside the tuple a ModelOutput holds
@@ -290,6 +315,17 @@ def test_warn_and_log_modes_record_and_continue(tmp_path) -> None:
         with nan_magic.watch(model, on_detect="log") as w:
             out = run()
     assert torch.isnan(out).any() and len(w.events) == 1
+
+
+def test_a_log_file_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path) -> None:
+    fault = next(f for f in FORWARD_FAULTS if f.name == "log_negative")
+    model, run = fault.build()
+    missing = tmp_path / "no such folder" / "events.jsonl"
+    with pytest.warns(nan_magic.NanMagicWarning, match="could not write the event log"), nan_magic.watch(
+        model, on_detect="log", log_file=str(missing)
+    ) as w:
+        out = run()
+    assert torch.isnan(out).any() and len(w.events) == 1 and not missing.exists()
 
 
 @pytest.mark.parametrize("mode", ["tiered", "full"])

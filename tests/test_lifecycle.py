@@ -252,6 +252,9 @@ def test_bad_targets_fail_before_anything_is_attached(target, message) -> None:
         ({"kinds": ["nan", "zero"]}, "kinds must be a non-empty subset"),
         ({"kinds": []}, "kinds must be a non-empty subset"),
         ({"history": 0}, "history must be at least 1"),
+        ({"mode": "fast"}, "mode must be 'tiered' or 'full'"),
+        ({"keep_last_good": "gpu"}, "keep_last_good must be 'cpu', 'device' or None"),
+        ({"labels": ["a", "b"]}, "got 2 labels for 1 targets"),
     ],
 )
 def test_bad_options_are_one_line_errors(options, message) -> None:

@@ -311,6 +311,9 @@ def test_warn_mode_lets_the_cell_finish(ip, ns) -> None:
         ("%%nantrace model\n   \n", "the cell is empty"),
         ("%nanwatch on modle", "cannot evaluate target 'modle'"),
         ("%nanwatch off now", "%nanwatch off takes no arguments"),
+        ("%nanwatch of\nsteps_run = 99", "'of' is not on, off or status, nor a name defined here"),
+        ("%nanwatch model\n%nanwatch model\nsteps_run = 99", "a watch is already armed for this cell"),
+        ("%nanreplay scene.pt -o 1bad\nsteps_run = 99", "%nanreplay: -o needs a Python identifier"),
     ],
 )
 def test_bad_input_is_a_one_line_usage_error_and_nothing_runs(ip, ns, cell, message) -> None:

@@ -8,6 +8,7 @@ engine really produces: its dtype names, operand labels, causes and samples.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 import subprocess
 import sys
@@ -596,3 +597,17 @@ def test_report_survives_pickling_and_renders_the_same() -> None:
     report = fault_report("dict_output")
     assert pickle.loads(pickle.dumps(report)).to_text() == report.to_text()
     assert nan_magic.Report is Report
+
+
+def test_the_last_ten_early_warnings_are_listed_and_the_earlier_ones_counted() -> None:
+    from nan_magic.records import EarlyWarning
+
+    spikes = [EarlyWarning(step, "loss-spike", (("value", 10.0 * step), ("ratio", 5.0))) for step in range(10)]
+    scale = EarlyWarning(10, "scale-falling", (("falls", 3), ("scale", 512.0)))
+    norm = EarlyWarning(11, "grad-norm-overflow", (("parameters", ("a", "b", "c", "d")), ("optimizer", "Adam")))
+    report = fault_report("log_negative")
+    text = dataclasses.replace(report, warnings=(*spikes, scale, norm)).to_text()
+    assert "(2 earlier warnings not listed)" in text
+    assert "step 1: the loss reached 10" not in text and "step 2: the loss reached 20, 5x its running median" in text
+    assert "step 10: the GradScaler scale fell on each of the last 3 steps, to 512" in text
+    assert "step 11: the gradient norm of a, b, c and 1 more overflowed float32 before the Adam step" in text

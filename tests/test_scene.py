@@ -153,6 +153,10 @@ def test_load_scene_refuses_other_files(tmp_path) -> None:
     text.write_text("not a pickle at all")
     with pytest.raises(ValueError, match=r"notes\.pt is not a nan_magic scene"):
         nan_magic.load_scene(text)
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.pt is not a nan_magic scene"):
+        nan_magic.load_scene(empty)
 
 
 class WritesAFile:
@@ -408,6 +412,10 @@ def test_restore_into_needs_a_model_it_can_tell_apart(scene) -> None:
         scene.restore_into(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="no last-good state"):
         scene.restore_into(build()[0], state="last_good")
+    with pytest.raises(ValueError, match="state must be 'auto', 'event' or 'last_good', not 'best'"):
+        scene.restore_into(build()[0], state="best")
+    with pytest.raises(ValueError, match="Linear has no submodule '1'"):
+        scene.replay(nn.Linear(4, 4))
 
 
 # -- roll back -------------------------------------------------------------------------------------

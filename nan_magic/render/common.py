@@ -203,8 +203,7 @@ def cause_sentence(report: Report) -> str:
 
 def op_phrase(report: Report) -> str:
     """The op as the user wrote it, then its aten name: ``"q @ k.transpose(-2, -1)  (aten.bmm.default)"``."""
-    if not report.op:
-        return ""
+    assert report.op is not None  # (its one caller asks only for a report that names an op)
     expression = op_expression(report.op, report.source.line if report.source else None)
     return f"{expression}  ({report.op})" if expression else report.op
 

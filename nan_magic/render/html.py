@@ -201,8 +201,7 @@ def layers_table_html(
     focus = producer_position(layers)
     window = row_window(len(layers), focus, limit)
     shown = layers[window.start: window.stop]
-    dim_all = focus is not None and focus < window.start
-    table = layers_html(shown, after_producer=dim_all)
+    table = layers_html(shown)
     return f'<div class="nm-scroll">{table}</div>', window.cut_message()
 
 

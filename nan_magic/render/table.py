@@ -176,7 +176,7 @@ def has_moments(layers: Sequence[LayerCall]) -> bool:
     return any(layer.stats is not None and layer.stats.mean is not None for layer in layers)
 
 
-def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> Styler:
+def style_layers(layers: Sequence[LayerCall]) -> Styler:
     """A pandas Styler of ``layers`` with the producer's row highlighted.
 
     Parameters
@@ -184,9 +184,6 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     layers
         The rows to show (callers cap them first: Styler output grows with
         every cell).
-    after_producer
-        Whether these rows all come after the producer (a window that starts
-        past it), so that they are dimmed even though the producer is absent.
 
     Returns
     -------
@@ -205,8 +202,6 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     caption = ", ".join(f"{column} {frame[column].iloc[0]}" for column in shared)
     frame = frame.drop(columns=shared)
     classes = row_classes(layers)
-    if after_producer:
-        classes = [f"{names} {AFTER_CLASS}".strip() for names in classes]
 
     # Indented from the shallowest row shown, as torchinfo's tree: no room spent on levels nobody sees.
     top = min((depth(layer) for layer in layers), default=0)
@@ -243,11 +238,11 @@ def style_layers(layers: Sequence[LayerCall], after_producer: bool = False) -> S
     return styler.set_caption(f"Every row: {caption}.") if caption else styler
 
 
-def layers_html(layers: Sequence[LayerCall], after_producer: bool = False) -> str:
+def layers_html(layers: Sequence[LayerCall]) -> str:
     """:func:`style_layers` as HTML, without what only Styler needs: its per-cell position classes
     (``data row12 col3``: no style refers to them) and the indentation between tags. A saved notebook
     carries the table twice (the static copy and the widget's state); this halves each."""
-    html = style_layers(layers, after_producer).to_html()
+    html = style_layers(layers).to_html()
     html = re.sub(r'class="data row\d+ col\d+ ?', 'class="', html)
     return re.sub(r">\s+<", "><", html)
 
