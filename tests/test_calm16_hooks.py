@@ -213,18 +213,17 @@ def test_loops_that_reach_into_autograd_and_hooks_are_calm(name: str, options: d
     assert_calm(HOOKED[name], options)
 
 
-_TIERED_GAP = ("the contract's known gap (tests/contract/hunt15.py GRADIENT_PENALTY): the NaN shows first in "
-               "0.weight's gradient, the report names its owner '0' (Linear), op None, unreproduced: the step replay "
-               "runs no create_graph autograd.grad of the loop's code")
 _OPS_GAP = ("ops=True names the sqrt's backward (aten.div.Tensor, sqrt-domain) and its line, but module '2': the "
             "Linear whose first backward made the gradient the penalty reads, though the sqrt ran in the loss code "
             "(hunt15's critic, zeroed in its first layer, is named None); localize/** (hunt16/gaps16)")
-_FULL_GAP = "mode='full' names module '2', op None, no line (it has no step replay; the same gap as the tiered modes)"
+_FULL_GAP = ("mode='full' names module '2', op None, no line: its per-module replay of the Linear's backward runs no "
+             "create_graph autograd.grad of the loop's code (the default and deferred watch replay the loss code's "
+             "backward, which holds it)")
 
 
 @pytest.mark.parametrize("options", [
-    pytest.param({}, id="immediate", marks=pytest.mark.xfail(strict=True, reason=_TIERED_GAP)),
-    pytest.param({"defer": True}, id="deferred", marks=pytest.mark.xfail(strict=True, reason=_TIERED_GAP)),
+    pytest.param({}, id="immediate"),  # (the loss code's backward replayed: gaps16, op_origins.add_op_origin)
+    pytest.param({"defer": True}, id="deferred"),
     pytest.param({"ops": True}, id="ops", marks=pytest.mark.xfail(strict=True, reason=_OPS_GAP)),
     pytest.param({"ops": True, "defer": True}, id="ops-deferred",
                  marks=pytest.mark.xfail(strict=True, reason=_OPS_GAP)),
