@@ -295,9 +295,8 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
 
         A loss region's records (its backward ended, or its optimizer step began) are kept instead as the last
-        step's (:meth:`loss_code`): with :attr:`stepped` (an optimizer given or seen stepping), as recorded until the
-        optimizer step begins; with :attr:`keep_last`, each a detached copy's or weak (nothing of the step's graph
-        stays) until the next step's replace them, for a fix trial at the next step's forward event.
+        step's (:meth:`loss_code`): with :attr:`stepped` (an optimizer given or seen stepping), as recorded until its
+        step begins; with :attr:`keep_last`, detached or weak until the next step's, for a fix trial at its forward.
         """
         if self.then_forget is not None:  # the update region's records, held for the step's check (loop_writes)
             held, self.then_forget = self.then_forget, None
