@@ -195,11 +195,16 @@ result = [p.detach().clone() for p in model.parameters()] + [torch.tensor(scaler
 @pytest.mark.parametrize("name", ["copies", "amp"])
 def test_whole_cells_under_a_bare_nantrace_run_as_unwatched(ip, name: str, flags: str) -> None:
     cell = WHOLE_CELLS[name]
-    assert ip.run_cell(cell).error_in_exec is None
-    expected = ip.user_ns["result"]
-    ip.user_ns.pop("_nan_report", None)
-    with capture_output() as captured:
-        result = ip.run_cell(f"%%nantrace {flags}\n{cell}")
+    try:
+        assert ip.run_cell(cell).error_in_exec is None
+        expected = ip.user_ns["result"]
+        ip.user_ns.pop("_nan_report", None)
+        with capture_output() as captured:
+            result = ip.run_cell(f"%%nantrace {flags}\n{cell}")
+    finally:
+        # The cells' own ``for _ in ...`` makes ``_`` the user's, and IPython stops updating it in the shared
+        # shell: test_magics reads it later in the same process.
+        ip.user_ns.pop("_", None)
     assert result.error_in_exec is None and "NonFinite" not in captured.stdout
     got = ip.user_ns["result"]
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

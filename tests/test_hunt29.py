@@ -397,7 +397,10 @@ def test_a_user_s_buffer_that_its_forward_writes_is_read_at_the_step_it_overflow
     report = caught.value.report
     assert (report.phase, report.module, report.step) == ("forward", "0", 2)
     assert (report.tensor.role.value, report.tensor.name) == ("buffer", "0.avg_sq")
-    assert report.cause is not None and report.cause.reading == "buffer-overflow"
+    # The buffer's add_ only carried the overflow the squared batch (1e20 ** 2) made: that pow is named, at its
+    # line, with the batch's cause (hunt16: buffer_writes names the op that made a written value non-finite).
+    assert report.op == "aten.pow.Tensor_Scalar" and "h.pow(2)" in report.source.line
+    assert report.cause is not None and report.cause.reading == "extreme-batch"
 
 
 @pytest.mark.parametrize("options", TIMINGS)
