@@ -44,3 +44,22 @@ def test_the_gradient_into_the_model_output_is_the_model_s_in_every_mode(options
     rows = [line for line in text.splitlines() if "code outside any watched module  backward" in line]
     assert rows and all("grad of model output" in row for row in rows), rows
     assert "grad of 1 output" not in text and "grad of 0 output" not in text
+
+
+def test_data_the_loss_code_read_is_named_by_the_forward_op_s_argument_with_its_line_in_every_mode() -> None:
+    # Before names16: "weight of aten.nll_loss_forward.default" with no line in the default, deferred and full
+    # watch, "other of MulBackward0" (a view label smoothing took of it) with ops=True and "weight of
+    # NllLossBackward0" with ops+defer. The contract row asserts the typed reference and the line per mode; this
+    # asserts the words a user reads, the same in the five.
+    from contract import MODE_OPTIONS, hunt16
+
+    (case,) = [c for c in hunt16.CASES if c.name == "hunt16_class_weight_of_a_class_absent_from_the_training_set"]
+    heads = set()
+    for options in MODE_OPTIONS.values():
+        scenario = case.build()
+        report = raised(scenario.run, *scenario.targets, **options)
+        assert report.source is not None and report.source.filename.endswith("hunt16.py")
+        heads.add(report.to_text().splitlines()[0])
+    line = report.source.lineno
+    assert heads == {"nan_magic: first non-finite weight of aten.nll_loss_forward.default in data step 0: code outside "
+                     f"any watched module at tests/contract/hunt16.py:{line} (1 +inf of 5)"}, heads

@@ -91,7 +91,7 @@ from nan_magic.localize.ops.sources import (
     sources_of_op,
 )
 from nan_magic.localize.ops.witnesses import OpWitnesses
-from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
+from nan_magic.records import KINDS, Phase, SourcePointer, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
 
@@ -209,6 +209,10 @@ class OpTracer(TorchDispatchMode):
                     self._origins.note(tensor, entry)
             self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
 
+    def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
+        """The forward op that made autograd node ``node`` in this trace, and its line (names what the node saved)."""
+        return self.node_sources.forward_op(node)
+
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
         entry = self._origins.entry(tensor)
@@ -263,7 +267,7 @@ class OpTracer(TorchDispatchMode):
         if not in_backward or torch.is_grad_enabled():
             # Forward ops in backward too: a reentrant checkpoint recomputes its forward there, with grad
             # enabled (a backward formula runs without, unless create_graph).
-            self.node_sources.note(plan, args, kwargs)
+            self.node_sources.note(plan, args, kwargs, func)
         if plan.writes and self.before_write is not None:
             for _, tensor in tensors(plan, args, kwargs, plan.writes):
                 self.before_write(tensor)
