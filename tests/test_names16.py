@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from watching import FIVE_MODES, raised
 
+from nan_magic.records import TensorRef, TensorRole
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 
 
@@ -63,3 +65,65 @@ def test_data_the_loss_code_read_is_named_by_the_forward_op_s_argument_with_its_
     line = report.source.lineno
     assert heads == {"nan_magic: first non-finite weight of aten.nll_loss_forward.default in data step 0: code outside "
                      f"any watched module at tests/contract/hunt16.py:{line} (1 +inf of 5)"}, heads
+
+
+class _Root(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sqrt()  # sqrt(0) = 0; its backward's division by 2 * sqrt(0) is +inf
+
+
+class _RootNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.root, self.head = nn.Linear(4, 4), _Root(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.root(self.lin(x)))
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_a_backward_producer_s_counts_say_which_tensor_they_are_of_in_every_mode(options: dict) -> None:
+    # ops=True and the tiered watch report the module's gradient, mode="full" and ops+defer the op's own output
+    # (the module's gradient is freed by the deferred check): the numbers may differ, so the message says whose.
+    torch.manual_seed(0)
+    model = _RootNet()
+    with torch.no_grad():
+        model.lin.weight.copy_(torch.eye(4))
+        model.lin.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs = [torch.rand(3, 4) + 0.1 for _ in range(3)]
+    xs[1][1, 3] = 0.0
+
+    def run() -> None:
+        for x in xs:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, opt, **options)
+    assert (report.phase, report.module, report.step, report.op) == ("backward", "root", 1, "aten.div.Tensor")
+    head = report.to_text().splitlines()[0]
+    if report.tensor == TensorRef.op_output("aten.div.Tensor"):
+        assert options in ({"mode": "full"}, {"ops": True, "defer": True})
+        assert head.endswith("(1 +inf of 12 in the op's output)"), head
+    else:
+        assert report.tensor == TensorRef(TensorRole.OUTPUT_GRADIENT, None, "input[0]")
+        assert head.endswith("(1 +inf of 12 in grad of input[0])"), head
+
+
+def test_counts_a_deferred_check_could_not_read_say_why_they_are_missing() -> None:
+    # Before names16, ops+defer said "(non-finite values of 12)" and "non-finite   of 12 elements (0%)" of a
+    # gradient a custom Function's numpy backward made NaN: no op to replay, and the gradient freed by the check.
+    from contract import hunt16
+
+    (case,) = [c for c in hunt16.CASES if c.name == "hunt16_custom_function_numpy_backward_divides_by_a_zero_root"]
+    scenario = case.build()
+    report = raised(scenario.run, *scenario.targets, ops=True, defer=True)
+    text = report.to_text()
+    assert "(? nan of 12, not counted: the tensor was freed before the report was made" in text.splitlines()[0]
+    assert "non-finite  ? nan of 12 elements (not counted: the tensor was freed" in text, text
+    assert "(0%)" not in text
+    # Where the counts were read, they show as before.
+    scenario = case.build()
+    assert "(1 nan of 12)" in raised(scenario.run, *scenario.targets, ops=True).to_text().splitlines()[0]
