@@ -141,7 +141,7 @@ class GradientChecks:
     def _node_origin(self) -> Callable[[Any], tuple[str | None, SourcePointer | None]] | None:
         """ops=True: the tracer names a node's saved tensor by the forward op that made the node, with its line."""
         tracer = self.origins.tracer
-        return tracer.forward_op if tracer is not None else None
+        return tracer.node_sources.forward_op if tracer is not None else None
 
     def keep_loss_code(self, loss: torch.Tensor) -> None:
         """Keep what the deferred check needs of the loss code that made ``loss``, before backward frees it."""

@@ -49,6 +49,13 @@ class KnownValues(Protocol):
     def get(self, tensor: torch.Tensor) -> frozenset[str] | None: ...
 
 
+class NodeOrigins(Protocol):
+    """The op tracer's :class:`~nan_magic.localize.ops.sources.NodeSources`, as the loss code's data check reads it."""
+
+    def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
+        """The traced forward op that made autograd node ``node``, and its line (None, None: not traced)."""
+
+
 class OpTracing(Protocol):
     """The op tracer of ``ops=True`` (localize/ops/tracer.py): re-armed at each step."""
 
@@ -58,8 +65,9 @@ class OpTracing(Protocol):
     def known(self) -> KnownValues:
         """The tensors whose values this trace looked at, as they are now (an op's input or checked output)."""
 
-    def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
-        """The traced forward op that made autograd node ``node``, and its line (None, None: not traced)."""
+    @property
+    def node_sources(self) -> NodeOrigins:
+        """The forward ops and lines of the autograd nodes this trace created."""
 
 
 class OriginFinder(Protocol):

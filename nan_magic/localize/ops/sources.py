@@ -341,6 +341,7 @@ class NodeSources:
     def record(self, node: int, code: CodeType, lineno: int) -> None:
         """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line)."""
         self._sources[node] = (code, lineno, None)
+        self._ops.pop(node, None)  # (its op is not known here)
         # Not named again by the next op's note (a custom Function's node is made after its forward's last op).
         self._seen_seq = max(self._seen_seq, node + 1)
 

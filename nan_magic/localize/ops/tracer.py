@@ -91,7 +91,7 @@ from nan_magic.localize.ops.sources import (
     sources_of_op,
 )
 from nan_magic.localize.ops.witnesses import OpWitnesses
-from nan_magic.records import KINDS, Phase, SourcePointer, TensorRef, TensorRole
+from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
 
@@ -208,10 +208,6 @@ class OpTracer(TorchDispatchMode):
                 if entry is not None:
                     self._origins.note(tensor, entry)
             self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
-
-    def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
-        """The forward op that made autograd node ``node`` in this trace, and its line (names what the node saved)."""
-        return self.node_sources.forward_op(node)
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
