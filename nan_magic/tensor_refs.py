@@ -21,7 +21,9 @@ class TensorRole(str, enum.Enum):
     #: A module call's output; ``path`` is where in it (``"output"``, ``"output[1]"``).
     MODULE_OUTPUT = "module output"
     #: An argument of a module call, the batch for the root; ``path`` is ``"input[0]"`` or ``"kwargs['mask']"``
-    #: (or how the loss code held it). With ``name``, the argument a call's own code passed to its child ``name``.
+    #: (or how the loss code held it). With ``name``, the argument a call's own code passed to its child ``name``,
+    #: or data the loss code read: ``path`` the argument of the forward op ``name`` that read it (``"weight"`` of
+    #: ``"aten.nll_loss_forward.default"``), by the records or the op tracer, else of the autograd node that saved it.
     INPUT = "input"
     #: An op's output; ``name`` is the op (``"aten.div.Tensor"``), ``path`` which output (``"output"``, ``"self[0]"``).
     OP_OUTPUT = "op output"

@@ -113,12 +113,12 @@ def test_the_finite_gradients_before_a_backward_producer_are_rows_of_its_table()
     rows = [row for row in report.layers if row.phase == "backward"]
     gradient = TensorRole.OUTPUT_GRADIENT
     assert [(row.module, row.module_type, row.tensor, row.status) for row in rows] == [
-        (None, None, TensorRef(gradient, "2", "output"), "ok"),  # computed by the loss code
+        (None, None, TensorRef(gradient, "", "output"), "ok"),  # computed by the loss code: the model's output
         ("2", "Linear", TensorRef(gradient, None, "input[0]"), "ok"),
         ("1", "AcosOfInput", TensorRef(gradient, None, "input[0]"), "producer"),
     ]
     table = report.table
-    assert list(table[table["phase"] == "backward"]["tensor"]) == ["grad of 2 output", *["grad of input[0]"] * 2]
+    assert list(table[table["phase"] == "backward"]["tensor"]) == ["grad of model output", *["grad of input[0]"] * 2]
     assert [row.stats.shape for row in rows] == [(1, 3), (1, 2), (1, 2)]
     assert [row.stats.nonfinite for row in rows[:2]] == [0, 0] and rows[2].stats.nonfinite == 2
     # In the order autograd computed them, after every forward row.

@@ -24,6 +24,7 @@ from nan_magic.records import (
     module_label,
 )
 from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
+from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
 from nan_magic.render.words.operands import op_expression, operand_label, operand_names
 from nan_magic.tensor_refs import op_function
 
@@ -215,7 +216,7 @@ def headline(report: Report) -> str:
     error above a notebook's report already says the whole sentence (:attr:`Report.message`,
     with the op's line and file); the facts under this title hold the rest.
     """
-    what = counts_phrase(report.nan, report.posinf, report.neginf) or "non-finite values"
+    what = count_words(report)
     if report.benign:
         what += " (benign)"
     title = f"{what} in {report.phase} step {report.step}: {report.where}"
@@ -270,17 +271,16 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         tensor += f" {report.dtype}"
     if not report.unlocated:  # (no check saw the value: no tensor, no counts to show)
         rows.append(("tensor", tensor))
-        rows.append((
-            "non-finite",
-            f"{counts_phrase(report.nan, report.posinf, report.neginf)} of {report.numel} "
-            f"elements ({fmt_fraction(report.nonfinite, report.numel)})",
-        ))
+        # Counts not read (a gradient the deferred check found freed): the kinds known, and why no number.
+        share = UNCOUNTED if uncounted(report) else fmt_fraction(report.nonfinite, report.numel)
+        rows.append(("non-finite", f"{count_words(report)} of {report.numel} elements ({share})"))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
         label = "swapped in" if stand_in_name(report, name) else "module out"
-        rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}"))
+        counted = None not in (stats.nan, stats.posinf, stats.neginf)
+        rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}{'' if counted else ', not counted'}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     if report.inputs_finite and report.absorbed is not None:
         # A backward op that read a forward infinity no boundary kept: its inputs are finite but for that one

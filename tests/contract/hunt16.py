@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
+from nan_magic.records import TensorRef, TensorRole
 
 
 def _loop(model: nn.Module, batch, loss_fn, steps: int = 4, lr: float = 0.01) -> Scenario:
@@ -595,7 +596,8 @@ def _class_weight_of_an_absent_class(safe: bool) -> Scenario:
         counts = counts.clamp(min=1)
     weight = counts.sum() / (5 * counts)
     return _loop(model, lambda step: (xs[step],),
-                 lambda logits, step: F.cross_entropy(logits, ys[step], weight=weight, label_smoothing=0.1))
+                 lambda logits, step: F.cross_entropy(logits, ys[step], weight=weight,  # producer: class weights
+                                                      label_smoothing=0.1))
 
 
 # ---------------------------------------------------------------- bfloat16 autocast: 1 - sigmoid rounds to 0
@@ -638,7 +640,8 @@ CASES += [
          Expect("forward", None, step=1, op="aten.log.default", marker="gold log", cause="log-domain")),
     Case("hunt16_pointer_generator_log_with_eps_healthy", lambda: _pointer_generator(1e-12), None),
     Case("hunt16_class_weight_of_a_class_absent_from_the_training_set", lambda: _class_weight_of_an_absent_class(False),
-         Expect("data", None, step=0, cause="bad-input-data", op_modes=(),
+         Expect("data", None, step=0, cause="bad-input-data", marker="class weights",
+                tensor=TensorRef(TensorRole.INPUT, "aten.nll_loss_forward.default", "weight"),
                 says=tuple((mode, "a class weight 1 / count of a class with no sample")
                            for mode in ("default", "defer", "full", "ops")))),
     Case("hunt16_class_weight_counts_clamped_healthy", lambda: _class_weight_of_an_absent_class(True), None),

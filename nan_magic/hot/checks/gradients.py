@@ -37,7 +37,7 @@ from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gra
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.reads import is_checkable, norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
-from nan_magic.records import LOSS, Note, Phase, TensorRef, TensorRole
+from nan_magic.records import LOSS, Note, Phase, SourcePointer, TensorRef, TensorRole
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
 
@@ -84,7 +84,7 @@ class GradientChecks:
         self.backward_runs = 0
         # Deferred mode: leaves the loss code saved, held weakly until the check (localize/outside/entering.py).
         # (None: the loss code was recorded, and what it read is found in its records at the check.)
-        self.loss_data: list[tuple[str, weakref.ref[torch.Tensor]]] | None = []
+        self.loss_data: list[tuple[TensorRef, weakref.ref[torch.Tensor], SourcePointer | None]] | None = []
         # Deferred mode, the loss code recorded: the loss's autograd node and where the loss code began, for a walk
         # at an event (loss_region.py); dropped once the step is judged (forget_loss_graph).
         self.loss_graph: tuple[Any, int] | None = None
@@ -138,6 +138,11 @@ class GradientChecks:
         watch.log.finish(call)
         watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
 
+    def _node_origin(self) -> Callable[[Any], tuple[str | None, SourcePointer | None]] | None:
+        """ops=True: the tracer names a node's saved tensor by the forward op that made the node, with its line."""
+        tracer = self.origins.tracer
+        return tracer.node_sources.forward_op if tracer is not None else None
+
     def keep_loss_code(self, loss: torch.Tensor) -> None:
         """Keep what the deferred check needs of the loss code that made ``loss``, before backward frees it."""
         watch = self.watch
@@ -151,7 +156,7 @@ class GradientChecks:
             nodes = loss_region_nodes(loss.grad_fn, watch.log.last_forward_seq)
             self.loss_region, self.region_described = loss_region_note(nodes), True
             # Backward frees what they saved; the data among it is judged at the check.
-            self.loss_data = self._loss_code.saved_leaves(nodes)
+            self.loss_data = self._loss_code.saved_leaves(nodes, self._node_origin())
             self.loss_graph = None
 
     def forget_loss_graph(self) -> None:
@@ -209,7 +214,7 @@ class GradientChecks:
         # What the recorded loss code read comes first, named by its op in either mode; then (deferred, where it
         # was not recorded) what its nodes saved.
         recorded = self._loss_code.recorded_leaves(self.loss_key) if self.loss_key is not None else None
-        kept = [(label, tensor) for label, ref in self.loss_data or () if (tensor := ref()) is not None]
+        kept = [(label, tensor, line) for label, ref, line in self.loss_data or () if (tensor := ref()) is not None]
         saved = (recorded or []) + kept
         # A tensor the loss code itself made non-finite from finite values (recorded, or traced) is that
         # code's product, not data, even where it needs no gradient (computed from a detached model output).
@@ -225,9 +230,9 @@ class GradientChecks:
         read_all = read_all or (loss is not None and self.origins.made_by_recorded_code(loss))
         unrecorded = recorded is None and self._loss_code.unrecorded()
         entered = [
-            (label, tensor)
-            for label, tensor in self._loss_code.entering_tensors(
-                loss, watch.log.last_forward_seq, seen, saved, read_all or unrecorded
+            (label, tensor, line)
+            for label, tensor, line in self._loss_code.entering_tensors(
+                loss, watch.log.last_forward_seq, seen, saved, read_all or unrecorded, self._node_origin()
             )
             if not self.origins.made_by_recorded_code(tensor)
         ]
@@ -235,17 +240,20 @@ class GradientChecks:
         if tracer is not None and len(entered) > 1:
             # ops=True: a tensor the traced loss code read comes before one only the user's variables hold (a NaN
             # label read by ``(out - y) ** 2``, whose nodes save nothing of it, beside a NaN left from an earlier run).
-            entered.sort(key=lambda item: tracer.known.get(item[1]) is None)
+            # A view the traced code took of a data tensor (``weight.unsqueeze(0)``) comes after the tensor itself:
+            # the one the user made, and the one the deferred check (which keeps only what nodes saved) names.
+            bases = {id(tensor) for _label, tensor, _line in entered}
+            entered.sort(key=lambda item: (id(item[1]._base) in bases, tracer.known.get(item[1]) is None))
         if not entered and unrecorded:
-            named = [label for label, _tensor in self._loss_code.entering_tensors(
-                loss, watch.log.last_forward_seq, seen, saved, False)]
+            named = [label for label, _tensor, _line in self._loss_code.entering_tensors(
+                loss, watch.log.last_forward_seq, seen, saved, False, self._node_origin())]
             if named:
-                suspects.append(Note.of("loss-unrecorded-suspects", tensors=tuple(named[:_SUSPECTS])))
+                labels = tuple(str(ref) for ref in named[:_SUSPECTS])  # (str: render's tensor_label)
+                suspects.append(Note.of("loss-unrecorded-suspects", tensors=labels))
         if not entered:
             return False
-        label, tensor = entered[0]
-        given = TensorRef.argument(label)
-        finding = Finding(Phase.DATA, None, given, bad=tensor.detach(), inputs_finite=False)
+        given, tensor, line = entered[0]
+        finding = Finding(Phase.DATA, None, given, bad=tensor.detach(), inputs_finite=False, source=line)
         finding.notes.append(Note("entered-outside"))
         watch.emit(finding)
         return True

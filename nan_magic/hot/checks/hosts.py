@@ -30,7 +30,7 @@ from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
 from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets
 from nan_magic.options import WatchConfig
-from nan_magic.records import EarlyWarning, Note
+from nan_magic.records import EarlyWarning, Note, SourcePointer, TensorRef
 
 __all__ = [
     "CallReplayer", "CodeRecorder", "ForwardHost", "GradientHost", "LossCodeReads", "OpTracing", "OptimizerHost",
@@ -49,6 +49,13 @@ class KnownValues(Protocol):
     def get(self, tensor: torch.Tensor) -> frozenset[str] | None: ...
 
 
+class NodeOrigins(Protocol):
+    """The op tracer's :class:`~nan_magic.localize.ops.sources.NodeSources`, as the loss code's data check reads it."""
+
+    def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
+        """The traced forward op that made autograd node ``node``, and its line (None, None: not traced)."""
+
+
 class OpTracing(Protocol):
     """The op tracer of ``ops=True`` (localize/ops/tracer.py): re-armed at each step."""
 
@@ -57,6 +64,10 @@ class OpTracing(Protocol):
     @property
     def known(self) -> KnownValues:
         """The tensors whose values this trace looked at, as they are now (an op's input or checked output)."""
+
+    @property
+    def node_sources(self) -> NodeOrigins:
+        """The forward ops and lines of the autograd nodes this trace created."""
 
 
 class OriginFinder(Protocol):
@@ -142,23 +153,27 @@ class ProducerJudge(Protocol):
     ) -> None: ...
 
 
+#: A tensor the loss code read: its reference, the tensor, the line that read it (localize/outside/entering.py).
+Entered = tuple[TensorRef, torch.Tensor, SourcePointer | None]
+
+
 @dataclass(frozen=True)
 class LossCodeReads:
     """The localizer's reads of the loss code's inputs that the gradient checks make (localize/outside/entering.py)."""
 
     #: The data leaves the loss code's autograd nodes saved, held weakly (taken as backward starts).
-    saved_leaves: Callable[[list[Any]], list[tuple[str, weakref.ref[torch.Tensor]]]]
+    #: With the op tracer's NodeOrigin (ops=True), each named by the forward op that made its node, with its line.
+    saved_leaves: Callable[[list[Any], Any], list[tuple[TensorRef, weakref.ref[torch.Tensor], SourcePointer | None]]]
     #: The data leaves the recorded loss code read, up to the op that returned the loss (by its id then);
-    #: None where no recorded op returned it (the region was not recorded).
-    recorded_leaves: Callable[[int], list[tuple[str, torch.Tensor]] | None]
+    #: each with the line of the op that read it; None where no recorded op returned it (not recorded).
+    recorded_leaves: Callable[[int], list[Entered] | None]
     #: Whether the recorded loss code (by the loss's id) is all of it: ``(key, seen)``.
     recorded_in_full: Callable[[int, Callable[[torch.Tensor], bool]], bool]
     #: Whether the loss code ran over the recorder's budget (what it read is then known only by what it saved).
     unrecorded: Callable[[], bool]
-    #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before, read_all)``.
+    #: Non-finite data tensors the loss code read: ``(loss, boundary, seen, saved_before, read_all, node_origin)``.
     entering_tensors: Callable[
-        [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[tuple[str, torch.Tensor]], bool],
-        list[tuple[str, torch.Tensor]],
+        [torch.Tensor | None, int, Callable[[torch.Tensor], bool], list[Entered], bool, Any], list[Entered],
     ]
 
 

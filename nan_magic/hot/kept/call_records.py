@@ -296,11 +296,17 @@ def consumer_of(record: TensorRecord) -> Call | None:
 
 
 def gradient_label(record: TensorRecord, consumer: Call | None) -> TensorRef:
-    """The gradient of ``input[0]`` as the consumer saw it, else of the producing call's output."""
+    """The gradient of ``input[0]`` as the consumer saw it, else of the output of the outermost call returning it.
+
+    The outermost (the model, named ``""``), as :func:`consumer_of` walks: the per-module watch records the
+    innermost producer too, the tiered one only the model, and both must name the model's output alike.
+    """
     if consumer is not None:
         for path, _argument, input_record, _ref, _version in consumer.inputs:
             if input_record is record:
                 return TensorRef(TensorRole.OUTPUT_GRADIENT, None, path)
+    while record.outer is not None:
+        record = record.outer
     owner = record.call.name if record.call is not None else None
     return TensorRef(TensorRole.OUTPUT_GRADIENT, owner or "", str(record.path))
 

@@ -326,8 +326,10 @@ class NodeSources:
 
     def __init__(self, module_name: Callable[[], str | None]) -> None:
         self._module_name = module_name
-        # autograd sequence number -> (code, line) of the forward op that created it
+        # autograd sequence number -> (code, line) of the forward op that created it, its module, and the op
+        # (names an operand its node saved as the forward op's argument: ``weight`` of nll_loss_forward)
         self._sources: dict[int, tuple[CodeType, int, str | None]] = {}
+        self._ops: dict[int, Any] = {}
         self._seen_seq = 0
         self._last_location: tuple[CodeType, int, str | None] | None = None
 
@@ -339,10 +341,11 @@ class NodeSources:
     def record(self, node: int, code: CodeType, lineno: int) -> None:
         """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line)."""
         self._sources[node] = (code, lineno, None)
+        self._ops.pop(node, None)  # (its op is not known here)
         # Not named again by the next op's note (a custom Function's node is made after its forward's last op).
         self._seen_seq = max(self._seen_seq, node + 1)
 
-    def note(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def note(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], func: Any = None) -> None:
         """Called by the tracer for each forward op, before it runs: note the lines of the nodes made since."""
         seq = torch._C._autograd._get_sequence_nr()
         if seq == self._seen_seq:
@@ -369,6 +372,7 @@ class NodeSources:
             # of an in-place op on a view).
             if location is not None:
                 sources[seq - 1] = location
+                self._ops[seq - 1] = func
             if self._last_location is not None:
                 for key in range(first, seq - 1):
                     sources[key] = self._last_location
@@ -382,6 +386,7 @@ class NodeSources:
             # Keys were inserted in increasing order: drop the oldest half.
             for key in list(sources)[: len(sources) // 2]:
                 del sources[key]
+                self._ops.pop(key, None)
 
     def forward_source(self, node: Any) -> tuple[SourcePointer | None, str | None]:
         """The forward line that created ``node``, and the module it ran in."""
@@ -391,6 +396,11 @@ class NodeSources:
         code, lineno, module = entry
         line = linecache.getline(code.co_filename, lineno).strip() or None
         return SourcePointer(code.co_filename, lineno, code.co_name, line), module
+
+    def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
+        """The forward op that created ``node`` (``aten.nll_loss_forward.default``) and its line, where traced."""
+        func = self._ops.get(node._sequence_nr())
+        return (str(func) if func is not None else None), self.forward_source(node)[0]
 
 
 _REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__

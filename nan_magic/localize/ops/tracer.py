@@ -263,7 +263,7 @@ class OpTracer(TorchDispatchMode):
         if not in_backward or torch.is_grad_enabled():
             # Forward ops in backward too: a reentrant checkpoint recomputes its forward there, with grad
             # enabled (a backward formula runs without, unless create_graph).
-            self.node_sources.note(plan, args, kwargs)
+            self.node_sources.note(plan, args, kwargs, func)
         if plan.writes and self.before_write is not None:
             for _, tensor in tensors(plan, args, kwargs, plan.writes):
                 self.before_write(tensor)

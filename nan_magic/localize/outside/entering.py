@@ -36,15 +36,20 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_file
+from nan_magic.hot.checks.hosts import Entered
 from nan_magic.hot.checks.loss_region import loss_region_nodes
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask
 from nan_magic.localize.ops.plans import plan_of, tensors
-from nan_magic.localize.outside.recorded_ops import WeakRecord, record_key
+from nan_magic.localize.outside.recorded_ops import WeakRecord, op_source, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.records import SourcePointer, TensorRef, TensorRole
 
-__all__ = ["entering_tensors", "recorded_in_full", "recorded_leaves", "saved_leaves", "unrecorded"]
+__all__ = ["NodeOrigin", "entering_tensors", "recorded_in_full", "recorded_leaves", "saved_leaves", "unrecorded"]
+
+#: The forward op that made an autograd node, and its line (the op tracer's NodeSources.forward_op).
+NodeOrigin = Callable[[Any], tuple[str | None, SourcePointer | None]]
 
 #: How many of the loss code's autograd nodes an event walks for what they saved.
 _EVENT_NODES = 8192
@@ -56,9 +61,10 @@ def entering_tensors(
     loss: torch.Tensor | None,
     boundary: int,
     seen: Callable[[torch.Tensor], bool],
-    saved_before: list[tuple[str, torch.Tensor]] = (),  # type: ignore[assignment]
+    saved_before: list[Entered] = (),  # type: ignore[assignment]
     read_all: bool = False,
-) -> list[tuple[str, torch.Tensor]]:
+    node_origin: NodeOrigin | None = None,
+) -> list[Entered]:
     """Non-finite data tensors the loss code may have read, named as the user knows them.
 
     ``boundary`` is the autograd sequence number where the loss code began
@@ -66,49 +72,56 @@ def entering_tensors(
     ``saved_before`` what :func:`saved_leaves` took before backward freed
     the graph (the deferred check), or what the recorded loss code read;
     ``read_all``: that is everything the loss code read (:func:`recorded_in_full`),
-    and the user's local variables only name it.
+    and the user's local variables only name it. ``node_origin`` (the op tracer's) names what a node saved
+    by the forward op that made the node, with its line. Each comes with the line that read it, where known.
     """
-    bad_locals = {id(tensor): (name, tensor) for name, tensor in _user_locals() if _is_bad_data(tensor)}
+    bad_locals = {id(tensor): (TensorRef.argument(name), tensor, None) for name, tensor in _user_locals()
+                  if _is_bad_data(tensor)}
     # What the loss code saved is known to have been read by it: those come
     # first, named by the user's variable where one holds the same tensor.
-    found: dict[int, tuple[str, torch.Tensor]] = {}
-    for label, tensor in [*saved_before, *_saved_by_loss_code(loss, boundary)]:
+    found: dict[int, Entered] = {}
+    for label, tensor, line in [*saved_before, *_saved_by_loss_code(loss, boundary, node_origin)]:
         if id(tensor) not in found and _is_bad_data(tensor) and not seen(tensor):
-            found[id(tensor)] = (bad_locals.get(id(tensor), (label,))[0], tensor)
-    for key, (name, tensor) in () if read_all else bad_locals.items():
+            found[id(tensor)] = (bad_locals.get(id(tensor), (label,))[0], tensor, line)
+    for key, (name, tensor, line) in () if read_all else bad_locals.items():
         if key not in found and not seen(tensor):
-            found[key] = (name, tensor)
+            found[key] = (name, tensor, line)
     return list(found.values())
 
 
-def saved_leaves(nodes: list[Any]) -> list[tuple[str, weakref.ref[torch.Tensor]]]:
+def saved_leaves(
+    nodes: list[Any], node_origin: NodeOrigin | None = None
+) -> list[tuple[TensorRef, weakref.ref[torch.Tensor], SourcePointer | None]]:
     """The floating leaves that need no gradient among what ``nodes`` saved, held weakly.
 
     Taken when backward starts, in deferred mode, for the check after it
     (backward frees saved tensors). The names of each node type's saved
     attributes are looked up once.
     """
-    return [
-        (label, weakref.ref(tensor))
-        for label, tensor in _saved_tensors(nodes)
+    leaves = [
+        _named(node, attribute, tensor, node_origin)
+        for node, attribute, tensor in _saved_tensors(nodes)
         if tensor.grad_fn is None and not tensor.requires_grad and is_checkable(tensor)
     ]
+    return [(label, weakref.ref(tensor), line) for label, tensor, line in leaves]
 
 
-def recorded_leaves(recorder: OutsideRecorder | None, key: int) -> list[tuple[str, torch.Tensor]] | None:
+def recorded_leaves(
+    recorder: OutsideRecorder | None, key: int
+) -> list[Entered] | None:
     """The floating tensors that need no gradient among the arguments of the recorded ops that made the loss.
 
     The deferred check's stand-in for :func:`saved_leaves`, where the loss code
     was recorded (``key``: the loss's id when ``backward()`` started): what an
     op read, autograd may have saved, and the records still hold it (a small
     one strongly, a large one while it lives). Named ``target of
-    aten.mse_loss.default``, as a saved tensor is by its node. None where no
-    recorded op returned the loss.
+    aten.mse_loss.default``, as a saved tensor is by its node, with the line of the
+    op that read it first. None where no recorded op returned the loss.
     """
     found = recorder.loss_code(key, last=False) if recorder is not None else None
     if found is None:
         return None
-    leaves: dict[int, tuple[str, torch.Tensor]] = {}
+    leaves: dict[int, Entered] = {}
     # A tensor that this op or a later one wrote in place no longer holds what the op read (``out.div_(size)``
     # on a model's output, through ``out.detach()`` before it): its value now is that write's, not data's.
     written_from = _written_from(found[0])
@@ -119,7 +132,7 @@ def recorded_leaves(recorder: OutsideRecorder | None, key: int) -> list[tuple[st
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 tensor = _recorded_leaf(item)
                 if tensor is not None and id(tensor) not in leaves and written_from.get(_storage(tensor), -1) < index:
-                    leaves[id(tensor)] = (f"{name} of {op.func}", tensor)
+                    leaves[id(tensor)] = (TensorRef(TensorRole.INPUT, str(op.func), name), tensor, op_source(op))
     return list(leaves.values())
 
 
@@ -191,13 +204,21 @@ def _recorded_leaf(value: Any) -> torch.Tensor | None:
     return value if is_checkable(value) else None
 
 
-def _saved_by_loss_code(loss: torch.Tensor | None, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _saved_by_loss_code(loss: torch.Tensor | None, boundary: int, node_origin: NodeOrigin | None) -> Iterator[Entered]:
     if loss is not None:
         # (At an event only: a loss code too long to be recorded is known by what its nodes saved, deep ones too.)
-        yield from _saved_tensors(loss_region_nodes(loss.grad_fn, boundary, _EVENT_NODES))
+        for node, attribute, tensor in _saved_tensors(loss_region_nodes(loss.grad_fn, boundary, _EVENT_NODES)):
+            yield _named(node, attribute, tensor, node_origin)
 
 
-def _saved_tensors(nodes: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def _named(node: Any, attribute: str, tensor: torch.Tensor, node_origin: NodeOrigin | None) -> Entered:
+    """A saved tensor by the argument of the forward op that made its node where the tracer saw it (``weight``
+    of ``aten.nll_loss_forward.default``, as the records name it, with its line), else of the node."""
+    op, line = node_origin(node) if node_origin is not None else (None, None)
+    return TensorRef(TensorRole.INPUT, op or node.name(), attribute.removeprefix("_saved_")), tensor, line
+
+
+def _saved_tensors(nodes: list[Any]) -> Iterator[tuple[Any, str, torch.Tensor]]:
     for node in nodes:
         for attribute in _saved_attributes(type(node)):
             try:
@@ -205,7 +226,7 @@ def _saved_tensors(nodes: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
             except RuntimeError:  # freed by a backward that already ran
                 continue
             for tensor in _tensors_in(value):
-                yield f"{attribute.removeprefix('_saved_')} of {node.name()}", tensor
+                yield node, attribute, tensor
 
 
 _SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}

@@ -6,9 +6,9 @@ Stdlib only: ``Report.message`` calls it, in the hook that raises.
 from __future__ import annotations
 
 from nan_magic.locations import name_location
-from nan_magic.records import EventRef, Report, TensorRef, module_label
+from nan_magic.records import EventRef, Phase, Report, TensorRef, module_label
 
-__all__ = ["first_event", "message_parts"]
+__all__ = ["UNCOUNTED", "count_words", "first_event", "message_parts", "uncounted"]
 
 
 def message_parts(report: Report) -> tuple[str, str, str, str]:
@@ -17,7 +17,7 @@ def message_parts(report: Report) -> tuple[str, str, str, str]:
     In four parts that join into the message: what and where (up to ``(Linear)``), the separator,
     the op and its line (``op aten.div.Tensor at model.py:12``, or ``""``), the counts.
     """
-    kinds = ", ".join(f"{count} {kind}" for kind, count in report.counts.items() if count) or "non-finite values"
+    kinds = count_words(report)
     at = f"op {report.op}" if report.op else ""
     if report.source is not None:
         at += f"{' ' if at else ''}at {name_location(report.source.filename, report.source.lineno)}"
@@ -28,8 +28,35 @@ def message_parts(report: Report) -> tuple[str, str, str, str]:
     if report.unlocated:  # no check saw the value: neither which tensor it was nor its counts are known
         return f"{verb} value in {report.phase} step {report.step}: {report.where}", "", "", ""
     after = "" if report.follows is None else f", after the first event ({first_event(report.follows, report)})"
+    if uncounted(report):
+        whose = f", {UNCOUNTED}"
+    elif report.op and report.phase == Phase.BACKWARD:
+        # Which tensor the counts are of: a backward op's own output (the per-module and deferred op-level watch
+        # replay or keep it) or the module's gradient it went into (ops=True), whose counts may differ.
+        whose = " in the op's output" if tensor == "value" else f" in {report.tensor}"
+    else:
+        whose = ""
     return (f"{verb} {tensor} in {report.phase} step {report.step}: {report.where}", separator, at,
-            f" ({kinds} of {report.numel}){after}")
+            f" ({kinds} of {report.numel}{whose}){after}")
+
+
+#: Why a report has no counts: what a deferred check keeps of a gradient is whether it was finite.
+UNCOUNTED = "not counted: the tensor was freed before the report was made; the check kept only that it was not finite"
+
+
+def uncounted(report: Report) -> bool:
+    """Whether the tensor's counts were never read (the deferred check's gradient, freed by then)."""
+    stats = report.output_stats
+    return stats is not None and None in (stats.nan, stats.posinf, stats.neginf)
+
+
+def count_words(report: Report) -> str:
+    """``"1 nan, 2 +inf"``; ``"? nan"`` for a kind present but not counted; ``"non-finite values"`` if none known."""
+    stats = report.output_stats
+    counts = ((stats.nan, "nan"), (stats.posinf, "+inf"), (stats.neginf, "-inf")) if uncounted(report) and stats \
+        else ((count, kind) for kind, count in report.counts.items())
+    return ", ".join(f"{'?' if count is None else count} {kind}" for count, kind in counts if count != 0) \
+        or "non-finite values"
 
 
 def first_event(first: EventRef, report: Report) -> str:
