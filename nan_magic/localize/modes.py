@@ -37,6 +37,7 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.backward import unrecorded_input_grads
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
@@ -121,6 +122,9 @@ class Recording(Localizing):
         # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
         recorder = self._recording
         stack.enter_context(unrecorded_zero_grad(recorder.step_aside, recorder.step_back))
+        # An autograd.grad by no parameter (an attack's input gradient) is loop code, not a loss's backward: the
+        # code around it is recorded on as one region, its backward's ops not (patches/backward.py).
+        stack.enter_context(unrecorded_input_grads(recorder.step_aside, recorder.step_back))
         # An evaluation under inference_mode: the recorder steps aside at its model calls as it does outside one
         # (the block's end would put torch's Python key back over an empty stack: patches/inference_blocks.py).
         stack.enter_context(balanced_inference_blocks())

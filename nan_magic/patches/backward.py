@@ -6,7 +6,11 @@ so results do not change. ``torch.autograd.backward`` is wrapped too (what
 ``Tensor.backward`` calls, and what some loops call themselves), and
 ``torch.autograd.grad`` from scalar losses (a loop that sets ``p.grad``
 itself): each tensor such a call starts from is judged as a loss, the first
-of ``backward([loss_a, loss_b])`` first.
+of ``backward([loss_a, loss_b])`` first. An ``autograd.grad`` by no parameter
+(an adversarial attack's input gradient, ``grad(attack, delta)``) is no loss's
+backward: loop code, whose ops after it are recorded on in the region they ran
+in (the recorder steps aside for its backward only) and whose loss the forward
+check of the next model call judges by what it makes.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ from typing import Any
 
 import torch
 
-from nan_magic.patches.registry import ProcessPatch
+from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
-__all__ = ["watch_backward"]
+__all__ = ["unrecorded_input_grads", "watch_backward"]
 
 _callbacks: list[Callable[[torch.Tensor, Any], None]] = []
 # Called after ``backward()`` returned (not when it raised).
 _finished: list[Callable[[torch.Tensor], None]] = []
+# The recorders that step aside for an ``autograd.grad`` by no parameter (unrecorded_input_grads).
+_recorders: list[Recorder] = []
 
 
 class _Running(threading.local):
@@ -114,6 +120,17 @@ def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
     return backward
 
 
+def _by_parameters(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, tuple[Any, ...], dict[str, Any]]:
+    """Whether an ``autograd.grad`` call differentiates by a parameter, and its arguments with ``inputs`` a tuple
+    (``model.parameters()``, a generator, is read here once: the call gets the tuple)."""
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    if not isinstance(inputs, torch.Tensor) and inputs is not None:
+        inputs = tuple(inputs)
+        args, kwargs = ((args[0], inputs, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "inputs": inputs})
+    given = inputs if isinstance(inputs, tuple) else (inputs,)
+    return any(isinstance(tensor, torch.nn.Parameter) for tensor in given), args, kwargs
+
+
 def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
     def grad(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
@@ -125,6 +142,11 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
         if not tensors:
             return original(*args, **kwargs)
+        # By no parameter (PGD's ``grad(attack, delta)``): the step's loss backward is by the parameters (a loop
+        # that sets ``p.grad`` itself); this one is loop code, its backward alone unrecorded (the module docstring).
+        by_parameters, args, kwargs = _by_parameters(args, kwargs)
+        if not by_parameters:
+            return call_aside(_recorders, original, *args, **kwargs)
         return _seen(tensors, _retained(args, kwargs, 3), original, *args, **kwargs)
 
     return grad
@@ -144,4 +166,12 @@ def watch_backward(
     ``tensor.backward()``, or ``torch.autograd.backward`` or ``grad`` called by the loop itself.
     """
     with _PATCH.held((_callbacks, callback), *([(_finished, finished)] if finished is not None else [])):
+        yield
+
+
+@contextmanager
+def unrecorded_input_grads(step_aside: Callable[[], bool], step_back: Callable[[], None]) -> Iterator[None]:
+    """Inside the block, an ``autograd.grad`` by no parameter runs with the recorder stepped aside (``step_aside()``:
+    whether it did) and brought back after (``step_back()``): the loop code around it is recorded as one region."""
+    with _PATCH.held((_recorders, (step_aside, step_back))):
         yield

@@ -25,7 +25,7 @@ xfail: no check reads it, the NaN shows a step late); a hand-written LARS whose 
 parameter never used; a sparse embedding with SparseAdam; a TorchScript child; SAM's perturbation by a gradient
 norm of 0 (two forward and backward passes a step); sampling at temperature 0 (``torch.multinomial`` raises); a
 temperature annealed by a Python counter attribute to 0 at step 30; an L2 PGD attack normalising a zero input
-gradient between model calls (strict xfail but for ops=True: no op named); ``clip_grad_norm_(error_if_nonfinite
+gradient between model calls (autograd.grad by no parameter: loop code); ``clip_grad_norm_(error_if_nonfinite
 =True)`` raising before the deferred check's optimizer step; distillation from a float16 teacher that overflows;
 a reparameterised Gamma sample of a concentration 0 (its gradient's pole); a shared head whose backward goes bad
 in its first call only; reentrant checkpointing (the block run under no_grad, then again inside the backward),
@@ -1570,21 +1570,10 @@ def _pgd(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
-#: What the boundary-checking modes say of the PGD case, where ops=True names the div at its line.
-_PGD_GAP = (
-    "the NaN is made by loop code between two model calls of one step, after a torch.autograd.grad (no "
-    "backward(), no optimizer step): default, defer and full name '' (Sequential) at step 2, phase data, with op "
-    "None, no line and cause bad-input-data ('check the loader'; the skip-batch fix is verified); ops=True traces "
-    "the div. Likely why (not traced to the line): torch.autograd.grad of the attack's loss is judged as a "
-    "backward start (patches/backward.py), after which the code is the update region, recorded only from a "
-    "parameter write (outside/loop_writes.py), as in opsgaps15_second_loss_through_a_retained_graph"
-)
-
 CASES += [
     Case("hunt16_l2_pgd_normalises_a_zero_input_gradient", lambda: _pgd(0.0),
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="pgd normalise",
-                cause="division-by-zero"),
-         gaps=tuple((mode, _PGD_GAP) for mode in ("default", "defer", "full"))),
+                cause="division-by-zero")),
     Case("hunt16_l2_pgd_normalise_with_eps_healthy", lambda: _pgd(1e-12), None),
 ]
 
