@@ -41,6 +41,7 @@ from nan_magic.patches.backward import unrecorded_input_grads
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
+from nan_magic.patches.scripting import unhooked_scripting
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
@@ -80,6 +81,9 @@ class Localizing:
         phase_hint: Callable[[], Phase | None],
     ) -> None:
         """The watch's hooks go on; what ``stack`` holds comes off with them."""
+        # torch.jit.script of a model inside the watch compiles it without the hook the tiered watch puts on a
+        # model it steps aside for (TorchScript cannot compile it): patches/scripting.py.
+        stack.enter_context(unhooked_scripting())
         if origins.swapped is not None:
             # functional_call's stand-ins for parameters, kept for the deferred check (swapped.py).
             stack.enter_context(noted_swaps(origins.swapped.returned))
