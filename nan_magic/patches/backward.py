@@ -7,10 +7,11 @@ so results do not change. ``torch.autograd.backward`` is wrapped too (what
 ``torch.autograd.grad`` from scalar losses (a loop that sets ``p.grad``
 itself): each tensor such a call starts from is judged as a loss, the first
 of ``backward([loss_a, loss_b])`` first. An ``autograd.grad`` by no parameter
-(an adversarial attack's input gradient, ``grad(attack, delta)``) is no loss's
-backward: loop code, whose ops after it are recorded on in the region they ran
-in (the recorder steps aside for its backward only) and whose loss the forward
-check of the next model call judges by what it makes.
+(an adversarial attack's input gradient, ``grad(attack, delta)``) is not the
+step's loss backward: its loss is judged and its gradients checked as any
+backward's, but the code after it is the loop's code of the same region,
+recorded on (the recorder steps aside for the backward only and comes back),
+not the update code that follows the step's backward.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ _running = _Running()
 _has_torch_function_unary = torch._C._has_torch_function_unary
 
 
-def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _seen(tensors: list[torch.Tensor], retained: Any, finish: bool, original: Callable[..., Any], *args: Any,
+          **kwargs: Any) -> Any:
     """``original(*args, **kwargs)``, a backward from ``tensors``, with the callbacks around it.
 
     Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss;
-    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one.
+    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one;
+    ``finish``: whether the loss's code ends with it (the finished callbacks: the update code begins).
     """
     __tracebackhide__ = True
     for tensor in tensors:
@@ -58,8 +61,9 @@ def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., An
         result = original(*args, **kwargs)
     finally:
         _running.active = outer
-    for done in _finished:
-        done(tensors[-1])
+    if finish:
+        for done in _finished:
+            done(tensors[-1])
     return result
 
 
@@ -99,9 +103,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             except AttributeError:  # (not ours: another's patch since)
                 direct = False
             if direct:
-                return _seen([self], retain_graph or create_graph, function, self, gradient, retain_graph,
+                return _seen([self], retain_graph or create_graph, True, function, self, gradient, retain_graph,
                              create_graph, inputs=inputs)
-        return _seen([self], retain_graph or create_graph, original, self, gradient, retain_graph, create_graph,
+        return _seen([self], retain_graph or create_graph, True, original, self, gradient, retain_graph, create_graph,
                      inputs)
 
     return backward
@@ -115,7 +119,7 @@ def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
         if not tensors:
             return original(*args, **kwargs)
-        return _seen(tensors, _retained(args, kwargs, 2), original, *args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 2), True, original, *args, **kwargs)
 
     return backward
 
@@ -143,11 +147,12 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         if not tensors:
             return original(*args, **kwargs)
         # By no parameter (PGD's ``grad(attack, delta)``): the step's loss backward is by the parameters (a loop
-        # that sets ``p.grad`` itself); this one is loop code, its backward alone unrecorded (the module docstring).
+        # that sets ``p.grad`` itself); this one's loss is judged, but the code after it is the loss code's, recorded
+        # on (the recorder stepped aside for the backward and back after it), no update code (the module docstring).
         by_parameters, args, kwargs = _by_parameters(args, kwargs)
         if not by_parameters:
-            return call_aside(_recorders, original, *args, **kwargs)
-        return _seen(tensors, _retained(args, kwargs, 3), original, *args, **kwargs)
+            return call_aside(_recorders, _seen, tensors, _retained(args, kwargs, 3), False, original, *args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 3), True, original, *args, **kwargs)
 
     return grad
 
