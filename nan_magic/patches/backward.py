@@ -42,6 +42,7 @@ class _Running(threading.local):
 
 _running = _Running()
 _has_torch_function_unary = torch._C._has_torch_function_unary
+_GradientEdge = getattr(torch.autograd.graph, "GradientEdge", ())  # (torch 2.4 on; () matches nothing)
 
 
 def _seen(tensors: list[torch.Tensor], retained: Any, finish: bool, original: Callable[..., Any], *args: Any,
@@ -128,7 +129,9 @@ def _by_parameters(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool,
     """Whether an ``autograd.grad`` call differentiates by a parameter, and its arguments with ``inputs`` a tuple
     (``model.parameters()``, a generator, is read here once: the call gets the tuple)."""
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-    if not isinstance(inputs, torch.Tensor) and inputs is not None:
+    if isinstance(inputs, _GradientEdge):  # (a named tuple: one input, as a tensor is)
+        return False, args, kwargs
+    if not isinstance(inputs, (torch.Tensor, tuple)) and inputs is not None:
         inputs = tuple(inputs)
         args, kwargs = ((args[0], inputs, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "inputs": inputs})
     given = inputs if isinstance(inputs, tuple) else (inputs,)
