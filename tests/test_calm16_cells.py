@@ -250,20 +250,7 @@ def test_copying_and_saving_the_model_inside_the_watch_works_and_the_copies_carr
     assert len(loaded._forward_hooks) == (1 if options.get("mode") != "full" and not options.get("ops") else 0)
 
 
-_SCRIPT = ("torch.jit.script compiles a module's forward hooks too, and the hook the tiered watch puts on a model it "
-           "steps aside for (module_hooks._ModelReturned) is Python it cannot compile: scripting the watched model "
-           "inside the watch raises (so did the bound method before it); script after the watch, or under ops=True / "
-           "mode='full', which put no hook on the model")
-
-
-@pytest.mark.parametrize("options", [
-    pytest.param({}, id="immediate", marks=pytest.mark.xfail(strict=True, raises=(AttributeError, RuntimeError),
-                                                             reason=_SCRIPT)),
-    pytest.param({"defer": True}, id="deferred", marks=pytest.mark.xfail(
-        strict=True, raises=(AttributeError, RuntimeError), reason=_SCRIPT)),
-    pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
-    pytest.param({"mode": "full"}, id="full"),
-])
+@pytest.mark.parametrize("options", FIVE_MODES)
 def test_exporting_the_model_at_the_end_of_the_watched_cell_works(options: dict) -> None:
     torch.manual_seed(0)
     model = _net()
@@ -280,6 +267,37 @@ def test_exporting_the_model_at_the_end_of_the_watched_cell_works(options: dict)
         scripted = torch.jit.script(model)
     for converted in (traced, exported.module(), scripted):
         assert torch.allclose(converted(x), expected)
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.log()  # producer: scripted log
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_a_model_scripted_inside_the_watch_runs_unwatched_and_the_eager_one_stays_watched(options: dict) -> None:
+    """``torch.jit.script(model)`` inside the watch (the tiered watch's hook on the model comes off while it compiles:
+    patches/scripting.py): the scripted model's call of a negative batch goes unjudged by that hook and computes as
+    unwatched; the eager model's call of it is still named, with its module, op and line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Log())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    good, bad = torch.rand(8, 4) + 0.5, -torch.rand(8, 4) - 0.5
+    watch = nan_magic.watch(model, **options)
+    with pytest.raises(nan_magic.NonFiniteError), watch:
+        model(good)
+        hooks = dict(model._forward_hooks)
+        scripted = torch.jit.script(model)
+        assert dict(model._forward_hooks) == hooks  # the eager model's hooks, as they were, in order
+        assert same(scripted(good), model(good))
+        model(bad)
+    report = watch.report
+    assert report is not None
+    assert (report.phase.value, report.module, report.op) == ("forward", "1", "aten.log.default")
+    assert report.source is not None and "producer: scripted log" in report.source.line
+    assert torch.isnan(scripted(bad)).all()  # (scripted: still the model's computation)
 
 
 NESTED_TRAIN = ("for step in range(3):\n    loss = F.mse_loss(model(x), y)\n    opt.zero_grad(); loss.backward(); "

@@ -213,21 +213,14 @@ def test_loops_that_reach_into_autograd_and_hooks_are_calm(name: str, options: d
     assert_calm(HOOKED[name], options)
 
 
-_OPS_GAP = ("ops=True names the sqrt's backward (aten.div.Tensor, sqrt-domain) and its line, but module '2': the "
-            "Linear whose first backward made the gradient the penalty reads, though the sqrt ran in the loss code "
-            "(hunt15's critic, zeroed in its first layer, is named None); localize/** (hunt16/gaps16)")
-_FULL_GAP = ("mode='full' names module '2', op None, no line: its per-module replay of the Linear's backward runs no "
-             "create_graph autograd.grad of the loop's code (the default and deferred watch replay the loss code's "
-             "backward, which holds it)")
-
-
 @pytest.mark.parametrize("options", [
     pytest.param({}, id="immediate"),  # (the loss code's backward replayed: gaps16, op_origins.add_op_origin)
     pytest.param({"defer": True}, id="deferred"),
-    pytest.param({"ops": True}, id="ops", marks=pytest.mark.xfail(strict=True, reason=_OPS_GAP)),
-    pytest.param({"ops": True, "defer": True}, id="ops-deferred",
-                 marks=pytest.mark.xfail(strict=True, reason=_OPS_GAP)),
-    pytest.param({"mode": "full"}, id="full", marks=pytest.mark.xfail(strict=True, reason=_FULL_GAP)),
+    # (ops: the sqrt's backward node was made by the loss code: module None though module 2's input gradient showed
+    # the NaN first, ops/origins.apply_op_finding)
+    pytest.param({"ops": True}, id="ops"), pytest.param({"ops": True, "defer": True}, id="ops-deferred"),
+    # (full: module 2's input gradient its own replay does not explain is claimed in the loss code's backward)
+    pytest.param({"mode": "full"}, id="full"),
 ])
 def test_a_gradient_penalty_of_a_zero_gradient_is_named_in_backward(options: dict) -> None:
     # Broken twin of WGAN-GP: the gradient norm written as sqrt(sum(g ** 2)), of an all-zero gradient (the critic's

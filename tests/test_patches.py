@@ -32,6 +32,30 @@ def nan_step(model: nn.Module) -> None:
     model(torch.full((2, 4), float("nan"))).sum().backward()
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_autograd_grad_by_inputs_of_every_form_computes_as_unwatched(defer: bool) -> None:
+    """``autograd.grad`` by no parameter (patches/backward.py reads its ``inputs``): a tensor, a list, a generator, a
+    GradientEdge, by keyword: each returns what it returns unwatched, and the parameters' by a generator too."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+
+    def grads() -> list[torch.Tensor]:
+        delta = torch.zeros_like(x, requires_grad=True)
+        got = []
+        for by in (lambda: delta, lambda: [delta], lambda: (t for t in [delta]),
+                   lambda: torch.autograd.graph.get_gradient_edge(delta)):
+            got += torch.autograd.grad(model(x + delta).sum(), by())
+        got += torch.autograd.grad(outputs=model(x + delta).sum(), inputs=(t for t in [delta]))
+        got += torch.autograd.grad(model(x + delta).sum(), model.parameters())
+        return got
+
+    expected = grads()
+    with nan_magic.watch(model, defer=defer):
+        got = grads()
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_a_users_backward_patch_after_ours_stays_and_ours_goes_inert() -> None:
     original = torch.Tensor.backward
     model = nn.Linear(4, 1)

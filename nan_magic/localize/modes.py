@@ -37,9 +37,11 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.backward import unrecorded_input_grads
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
+from nan_magic.patches.scripting import unhooked_scripting
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
@@ -79,6 +81,9 @@ class Localizing:
         phase_hint: Callable[[], Phase | None],
     ) -> None:
         """The watch's hooks go on; what ``stack`` holds comes off with them."""
+        # torch.jit.script of a model inside the watch compiles it without the hook the tiered watch puts on a
+        # model it steps aside for (TorchScript cannot compile it): patches/scripting.py.
+        stack.enter_context(unhooked_scripting())
         if origins.swapped is not None:
             # functional_call's stand-ins for parameters, kept for the deferred check (swapped.py).
             stack.enter_context(noted_swaps(origins.swapped.returned))
@@ -121,6 +126,9 @@ class Recording(Localizing):
         # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
         recorder = self._recording
         stack.enter_context(unrecorded_zero_grad(recorder.step_aside, recorder.step_back))
+        # An autograd.grad by no parameter (an attack's input gradient) is loop code, not a loss's backward: the
+        # code around it is recorded on as one region, its backward's ops not (patches/backward.py).
+        stack.enter_context(unrecorded_input_grads(recorder.step_aside, recorder.step_back))
         # An evaluation under inference_mode: the recorder steps aside at its model calls as it does outside one
         # (the block's end would put torch's Python key back over an empty stack: patches/inference_blocks.py).
         stack.enter_context(balanced_inference_blocks())

@@ -6,7 +6,12 @@ so results do not change. ``torch.autograd.backward`` is wrapped too (what
 ``Tensor.backward`` calls, and what some loops call themselves), and
 ``torch.autograd.grad`` from scalar losses (a loop that sets ``p.grad``
 itself): each tensor such a call starts from is judged as a loss, the first
-of ``backward([loss_a, loss_b])`` first.
+of ``backward([loss_a, loss_b])`` first. An ``autograd.grad`` by no parameter
+(an adversarial attack's input gradient, ``grad(attack, delta)``) is not the
+step's loss backward: its loss is judged and its gradients checked as any
+backward's, but the code after it is the loop's code of the same region,
+recorded on (the recorder steps aside for the backward only and comes back),
+not the update code that follows the step's backward.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from typing import Any
 
 import torch
 
-from nan_magic.patches.registry import ProcessPatch
+from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
-__all__ = ["watch_backward"]
+__all__ = ["unrecorded_input_grads", "watch_backward"]
 
 _callbacks: list[Callable[[torch.Tensor, Any], None]] = []
 # Called after ``backward()`` returned (not when it raised).
 _finished: list[Callable[[torch.Tensor], None]] = []
+# The recorders that step aside for an ``autograd.grad`` by no parameter (unrecorded_input_grads).
+_recorders: list[Recorder] = []
 
 
 class _Running(threading.local):
@@ -35,13 +42,16 @@ class _Running(threading.local):
 
 _running = _Running()
 _has_torch_function_unary = torch._C._has_torch_function_unary
+_GradientEdge = getattr(torch.autograd.graph, "GradientEdge", ())  # (torch 2.4 on; () matches nothing)
 
 
-def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _seen(tensors: list[torch.Tensor], retained: Any, finish: bool, original: Callable[..., Any], *args: Any,
+          **kwargs: Any) -> Any:
     """``original(*args, **kwargs)``, a backward from ``tensors``, with the callbacks around it.
 
     Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss;
-    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one.
+    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one;
+    ``finish``: whether the loss's code ends with it (the finished callbacks: the update code begins).
     """
     __tracebackhide__ = True
     for tensor in tensors:
@@ -52,8 +62,9 @@ def _seen(tensors: list[torch.Tensor], retained: Any, original: Callable[..., An
         result = original(*args, **kwargs)
     finally:
         _running.active = outer
-    for done in _finished:
-        done(tensors[-1])
+    if finish:
+        for done in _finished:
+            done(tensors[-1])
     return result
 
 
@@ -93,9 +104,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             except AttributeError:  # (not ours: another's patch since)
                 direct = False
             if direct:
-                return _seen([self], retain_graph or create_graph, function, self, gradient, retain_graph,
+                return _seen([self], retain_graph or create_graph, True, function, self, gradient, retain_graph,
                              create_graph, inputs=inputs)
-        return _seen([self], retain_graph or create_graph, original, self, gradient, retain_graph, create_graph,
+        return _seen([self], retain_graph or create_graph, True, original, self, gradient, retain_graph, create_graph,
                      inputs)
 
     return backward
@@ -109,9 +120,22 @@ def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
         if not tensors:
             return original(*args, **kwargs)
-        return _seen(tensors, _retained(args, kwargs, 2), original, *args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 2), True, original, *args, **kwargs)
 
     return backward
+
+
+def _by_parameters(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, tuple[Any, ...], dict[str, Any]]:
+    """Whether an ``autograd.grad`` call differentiates by a parameter, and its arguments with ``inputs`` a tuple
+    (``model.parameters()``, a generator, is read here once: the call gets the tuple)."""
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    if isinstance(inputs, _GradientEdge):  # (a named tuple: one input, as a tensor is)
+        return False, args, kwargs
+    if not isinstance(inputs, (torch.Tensor, tuple)) and inputs is not None:
+        inputs = tuple(inputs)
+        args, kwargs = ((args[0], inputs, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "inputs": inputs})
+    given = inputs if isinstance(inputs, tuple) else (inputs,)
+    return any(isinstance(tensor, torch.nn.Parameter) for tensor in given), args, kwargs
 
 
 def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -125,7 +149,13 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
         if not tensors:
             return original(*args, **kwargs)
-        return _seen(tensors, _retained(args, kwargs, 3), original, *args, **kwargs)
+        # By no parameter (PGD's ``grad(attack, delta)``): the step's loss backward is by the parameters (a loop
+        # that sets ``p.grad`` itself); this one's loss is judged, but the code after it is the loss code's, recorded
+        # on (the recorder stepped aside for the backward and back after it), no update code (the module docstring).
+        by_parameters, args, kwargs = _by_parameters(args, kwargs)
+        if not by_parameters:
+            return call_aside(_recorders, _seen, tensors, _retained(args, kwargs, 3), False, original, *args, **kwargs)
+        return _seen(tensors, _retained(args, kwargs, 3), True, original, *args, **kwargs)
 
     return grad
 
@@ -144,4 +174,12 @@ def watch_backward(
     ``tensor.backward()``, or ``torch.autograd.backward`` or ``grad`` called by the loop itself.
     """
     with _PATCH.held((_callbacks, callback), *([(_finished, finished)] if finished is not None else [])):
+        yield
+
+
+@contextmanager
+def unrecorded_input_grads(step_aside: Callable[[], bool], step_back: Callable[[], None]) -> Iterator[None]:
+    """Inside the block, an ``autograd.grad`` by no parameter runs with the recorder stepped aside (``step_aside()``:
+    whether it did) and brought back after (``step_back()``): the loop code around it is recorded as one region."""
+    with _PATCH.held((_recorders, (step_aside, step_back))):
         yield

@@ -25,11 +25,11 @@ xfail: no check reads it, the NaN shows a step late); a hand-written LARS whose 
 parameter never used; a sparse embedding with SparseAdam; a TorchScript child; SAM's perturbation by a gradient
 norm of 0 (two forward and backward passes a step); sampling at temperature 0 (``torch.multinomial`` raises); a
 temperature annealed by a Python counter attribute to 0 at step 30; an L2 PGD attack normalising a zero input
-gradient between model calls (strict xfail but for ops=True: no op named); ``clip_grad_norm_(error_if_nonfinite
-=True)`` raising before the deferred check's optimizer step; distillation from a float16 teacher that overflows;
-a reparameterised Gamma sample of a concentration 0 (its gradient's pole); a shared head whose backward goes bad
-in its first call only; reentrant checkpointing (the block run under no_grad, then again inside the backward),
-forward and backward producers.
+gradient between model calls (autograd.grad by no parameter: loop code), and FGSM by a NaN input gradient;
+``clip_grad_norm_(error_if_nonfinite=True)`` raising before the deferred check's optimizer step; distillation
+from a float16 teacher that overflows; a reparameterised Gamma sample of a concentration 0 (its gradient's pole);
+a shared head whose backward goes bad in its first call only; reentrant checkpointing (the block run under
+no_grad, then again inside the backward), forward and backward producers.
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
@@ -1573,22 +1573,49 @@ def _pgd(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
-#: What the boundary-checking modes say of the PGD case, where ops=True names the div at its line.
-_PGD_GAP = (
-    "the NaN is made by loop code between two model calls of one step, after a torch.autograd.grad (no "
-    "backward(), no optimizer step): default, defer and full name '' (Sequential) at step 2, phase data, with op "
-    "None, no line and cause bad-input-data ('check the loader'; the skip-batch fix is verified); ops=True traces "
-    "the div. Likely why (not traced to the line): torch.autograd.grad of the attack's loss is judged as a "
-    "backward start (patches/backward.py), after which the code is the update region, recorded only from a "
-    "parameter write (outside/loop_writes.py), as in opsgaps15_second_loss_through_a_retained_graph"
-)
-
 CASES += [
     Case("hunt16_l2_pgd_normalises_a_zero_input_gradient", lambda: _pgd(0.0),
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="pgd normalise",
-                cause="division-by-zero"),
-         gaps=tuple((mode, _PGD_GAP) for mode in ("default", "defer", "full"))),
+                cause="division-by-zero")),
     Case("hunt16_l2_pgd_normalise_with_eps_healthy", lambda: _pgd(1e-12), None),
+]
+
+
+# ---------------------------------------------------------------- FGSM: a NaN input gradient's sign
+def _fgsm(eps: float) -> Scenario:
+    """Adversarial training with FGSM: ``x + 0.1 * g.sign()`` of ``g = torch.autograd.grad(attack, delta)``, the
+    attack a mean distance of the outputs to anchors. At step 2 sample 0's output is its anchor: sqrt's backward at
+    0 makes the input gradient NaN (its sign too), and the adversarial batch enters the training forward NaN. The
+    attack's grad is by no parameter (not the step's loss backward): its loss is judged and its output gradient
+    checked as a backward's, named in the loss code's backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs, ys = [torch.rand(4, 4) for _ in range(4)], [torch.randint(0, 3, (4,)) for _ in range(4)]
+    with torch.no_grad():
+        anchors = [torch.rand(4, 3) for _ in range(4)]
+        anchors[2][0] = model(xs[2])[0]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            x, y = xs[step], ys[step]
+            delta = torch.zeros_like(x, requires_grad=True)
+            attack = ((model(x + delta) - anchors[step]).pow(2).sum(1) + eps).sqrt().mean()  # producer: fgsm sqrt
+            (g,) = torch.autograd.grad(attack, delta)
+            loss = F.cross_entropy(model(x + 0.1 * g.sign()), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+CASES += [
+    Case("hunt16_fgsm_sign_of_a_nan_input_gradient", lambda: _fgsm(0.0),
+         Expect("backward", None, step=2, op="aten.div.Tensor", marker="fgsm sqrt", cause="sqrt-domain")),
+    Case("hunt16_fgsm_distance_with_eps_healthy", lambda: _fgsm(1e-12), None),
 ]
 
 

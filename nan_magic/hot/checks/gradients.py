@@ -356,9 +356,18 @@ class GradientChecks:
                 if self.origins.tracer is None:
                     finding.notes.append(Note("ops-for-forward-line"))
         else:
+            mark = len(finding.notes)
             finding.notes.append(Note.of("module-backward", module=call.info.name))
             if target is not None and call.consumer is not None and self._replay_backward is not None:
                 self._replay_backward(finding, call.consumer, target)
+            if finding.op is None and self.origins.tracer is None:
+                # Not the module's own backward: the loss code's, where a double backward of its autograd.grad
+                # (create_graph: a WGAN-GP penalty's) reaches the module through the module's graph first. Claimed
+                # there, the notes on the module's backward and its replay go.
+                loss = self.loss_record.ref() if self.loss_record is not None else None
+                said, finding.notes[mark:] = finding.notes[mark:], [Note("outside-backward")]
+                if not self.origins.claim_loss_backward(finding, loss, self.loss_key):
+                    finding.notes[mark:mark + 1] = said
         self.origins.add_op_origin(finding, tensor)
         watch.on_gradient_event(finding)
 

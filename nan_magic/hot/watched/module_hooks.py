@@ -50,7 +50,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from nan_magic.errors.exceptions import NanMagicWarning
 
-__all__ = ["SEES_ITS_HOOKS", "GlobalModuleHooks", "is_compiled"]
+__all__ = ["SEES_ITS_HOOKS", "GlobalModuleHooks", "is_compiled", "is_watch_hook"]
 
 _GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -209,6 +209,12 @@ class _LeftByACopy:
                 del module._forward_hooks[key]
                 module._forward_hooks_with_kwargs.pop(key, None)
                 module._forward_hooks_always_called.pop(key, None)
+
+
+def is_watch_hook(hook: Any) -> bool:
+    """Whether a module's forward hook is the watch's (or a copy's stand-in for it): taken off while
+    ``torch.jit.script`` compiles the module (patches/scripting.py)."""
+    return isinstance(hook, (_ModelReturned, _LeftByACopy))
 
 
 def _remove_filter(added: Any) -> None:

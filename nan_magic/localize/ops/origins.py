@@ -315,9 +315,10 @@ def apply_op_finding(
             finding.module_type = None  # (named again from the name: op_origins._name_type_and_model)
         finding.module = op.module
     elif (op.phase == Phase.BACKWARD and op.module is None and op.forward_source is not None and not op.backward_code
-          and finding.tensor.role is TensorRole.PARAMETER_GRADIENT):
+          and finding.tensor.role in (TensorRole.PARAMETER_GRADIENT, TensorRole.OUTPUT_GRADIENT)):
         # A gradient formula whose node the code outside every module made (a WGAN-GP penalty's sqrt of the
-        # input gradient, differentiated again): that code is the producer, not the parameter's owner.
+        # input gradient, differentiated again): that code is the producer, not the parameter's owner, nor the
+        # module whose input gradient showed the value first (the double backward reaches it through its graph).
         finding.module, finding.module_type = None, None
     if op.inner_source is not None and (op.phase != Phase.BACKWARD or op.backward_code):
         # Where inside the library the op ran; for the autograd engine's own backward that is only whatever

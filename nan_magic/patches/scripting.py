@@ -1,0 +1,70 @@
+"""``torch.jit.script(model)`` inside a watch, with the watch's hook on the model taken off while it compiles.
+
+The tiered watch puts a forward hook on a model it steps aside for (hot/watched/module_hooks.py's
+``_ModelReturned``; a deep copy of the model carries a stand-in), and ``torch.jit.script`` compiles a module's
+forward hooks with its forward: ours is Python TorchScript cannot compile (no ``__name__``, untyped arguments), and
+the user's scripting raised an error the watch caused. So ``torch.jit.script`` is wrapped while a watch is active:
+for the call, our hooks come off every submodule of a module being scripted and go back after it (where the hook
+dict is as we left it; a hook the user added meanwhile stays, after ours). The scripted module carries none of
+ours and runs unwatched by that hook; the eager model keeps it and stays watched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from nan_magic.hot.watched.module_hooks import is_watch_hook
+from nan_magic.patches.registry import ProcessPatch
+
+__all__ = ["unhooked_scripting"]
+
+def _take_off(module: nn.Module) -> list[tuple[dict[int, Any], dict[int, Any], dict[int, Any]]]:
+    """Our hooks off ``module`` and its submodules: (each hook dict, as it was, as it is left)."""
+    taken = []
+    for submodule in module.modules():
+        hooks = submodule._forward_hooks
+        if any(is_watch_hook(hook) for hook in hooks.values()):
+            before = dict(hooks)
+            for key in [key for key, hook in before.items() if is_watch_hook(hook)]:
+                del hooks[key]
+            taken.append((hooks, before, dict(hooks)))
+    return taken
+
+
+def _put_back(taken: list[tuple[dict[int, Any], dict[int, Any], dict[int, Any]]]) -> None:
+    for hooks, before, left in taken:
+        current = dict(hooks)  # (a hook the user removed meanwhile stays removed)
+        added = {key: hook for key, hook in current.items() if key not in left}
+        hooks.clear()
+        hooks.update({key: hook for key, hook in before.items() if is_watch_hook(hook) or key in current})
+        hooks.update(added)  # (a hook registered while scripting: after ours, as registered after them)
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    def script(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        if not isinstance(obj, nn.Module):
+            return original(obj, *args, **kwargs)
+        taken = _take_off(obj)
+        try:
+            return original(obj, *args, **kwargs)
+        finally:
+            _put_back(taken)
+
+    return script
+
+
+_PATCH = ProcessPatch.of(torch.jit, "script", _wrap)
+
+
+@contextmanager
+def unhooked_scripting() -> Iterator[None]:
+    """Inside the block, ``torch.jit.script`` of a module compiles it without the watch's hooks (the module
+    docstring)."""
+    with _PATCH.held():
+        yield
