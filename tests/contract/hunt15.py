@@ -20,27 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
-
-
-def _loop(model: nn.Module, batch, loss_fn, steps: int = 4, lr: float = 0.01) -> Scenario:
-    """SGD on ``loss_fn(model(*batch(step)), step)``."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(steps):
-            loss = loss_fn(model(*batch(step)), step)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-
-    return Scenario((model, opt), run)
-
-
-def _batches(*shape: int, steps: int = 4) -> list[torch.Tensor]:
-    return [torch.randn(*shape) for _ in range(steps)]
+from contract.loops import batches as _batches
+from contract.loops import sgd_loop as _loop
 
 
 # ---------------------------------------------------------------- PPO: the ratio's exp, the advantage's std

@@ -1,0 +1,29 @@
+"""Training loops the contract tables share: plain SGD over a batch function, and random batches."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from contract import Scenario
+
+
+def sgd_loop(model: nn.Module, batch, loss_fn, steps: int = 4, lr: float = 0.01) -> Scenario:
+    """SGD on ``loss_fn(model(*batch(step)), step)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(steps):
+            loss = loss_fn(model(*batch(step)), step)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+def batches(*shape: int, steps: int = 4) -> list[torch.Tensor]:
+    return [torch.randn(*shape) for _ in range(steps)]
