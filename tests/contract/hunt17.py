@@ -746,10 +746,7 @@ CASES = [
          modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=MAX_NORM_GAP),)),
     Case("hunt17_max_norm_in_place_with_eps_healthy", lambda: _max_norm(1e-7), None),
     Case("hunt17_vq_ema_codebook_of_a_dead_code", lambda: _vq_ema(False),
-         Expect("forward", "vq", "EmaQuantizer", step=0, op="aten.div.Tensor", marker="ema codebook"),
-         marks=(pytest.mark.xfail(strict=True, reason=(
-             "running_stats.py learns a buffer a forward writes from its version at the first optimizer step's "
-             "layout, after step 0's forward wrote it: the NaN codebook is first seen at step 1's output, op None")),)),
+         Expect("forward", "vq", "EmaQuantizer", step=0, op="aten.div.Tensor", marker="ema codebook")),
     Case("hunt17_vq_ema_codebook_laplace_smoothed_healthy", lambda: _vq_ema(True), None),
     Case("hunt17_normalize_in_float16_of_a_blank_input", lambda: _half_normalize("half"),
          Expect("forward", "", "HalfEmbedder", step=2, op="aten.div.Tensor", marker="half normalize")),

@@ -63,7 +63,7 @@ class Layouts:
             layout.one_sum = (wide and layout.flat_ok and not layout.large and not layout.generic
                               and len(layout.groups) == 1 and len(floating) == len(named)
                               and layout.groups[0][0].is_cpu)
-            layout.running = running_stats_of(self.targets.roots, set(signature))
+            layout.running = running_stats_of(self.targets.roots, set(signature), self.targets.buffer_versions)
         if layout.state_count != len(opt.state):
             # Optimizers create state lazily, at their first step.
             layout.state_count = len(opt.state)

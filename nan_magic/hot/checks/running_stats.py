@@ -121,8 +121,13 @@ class RunningStats:
         return None
 
 
-def running_stats_of(roots: Iterable[tuple[str | None, nn.Module]], parameters: set[int]) -> RunningStats | None:
-    """The running-statistics slots of the watched ``roots`` that hold one of ``parameters`` (ids); None if none."""
+def running_stats_of(roots: Iterable[tuple[str | None, nn.Module]], parameters: set[int],
+                     versions: dict[int, int]) -> RunningStats | None:
+    """The running-statistics slots of the watched ``roots`` that hold one of ``parameters`` (ids); None if none.
+
+    ``versions``: the buffers' version counters when their root joined the watch (Targets.buffer_versions); a
+    candidate's writes are counted from there, so the first layout, built at the first optimizer step, learns
+    the buffers that step's forward wrote at once."""
     slots: list[_Slot] = []
     candidates: list[tuple[_Slot, int]] = []
     for _label, root in roots:
@@ -140,7 +145,7 @@ def running_stats_of(roots: Iterable[tuple[str | None, nn.Module]], parameters: 
                 if running:
                     slots.append(slot)
                 elif not buffer.is_inference():
-                    candidates.append((slot, buffer._version))
+                    candidates.append((slot, versions.get(id(buffer), buffer._version)))
     return RunningStats(slots, candidates) if slots or candidates else None
 
 

@@ -73,6 +73,11 @@ class Targets:
     #: swapped out of its model and freed leaves its id to the next object made, often another module (all
     #: modules are one size), which would otherwise be named and typed as the freed one.
     named: dict[int, weakref.ref[nn.Module]] = field(default_factory=dict)
+    #: Each root's buffers' version counters when it joined the watch (before its first watched call), by id:
+    #: the optimizer's first layout, built at its first step, tells the buffers that step's forward wrote
+    #: (running_stats.py) from those it found them at, so a buffer made non-finite by the very first forward
+    #: (a VQ codebook's EMA over a dead code) is read at that step, not learnt at the next.
+    buffer_versions: dict[int, int] = field(default_factory=dict)
 
     def infos(self) -> tuple[ModuleInfo, ...]:
         """Every named module's info, as a tuple: a module freed while a caller iterates leaves it whole."""
@@ -141,6 +146,9 @@ class Targets:
         """
         self.roots.append((label, module))
         self._name_modules(module, label, config)
+        for buffer in module.buffers():
+            if buffer.is_floating_point() and not buffer.is_inference():
+                self.buffer_versions.setdefault(id(buffer), buffer._version)
 
     def _name_modules(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
         data_parallel = data_parallel_paths(module)
