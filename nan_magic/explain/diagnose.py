@@ -199,6 +199,9 @@ def _local_cause(report: Report) -> Cause:
         return cause
     if (given := _given_a_number(report)) is not None:
         return given
+    if report.tensor.role is TensorRole.PARAMETER and report.op is not None and report.inputs_finite and (
+            (by_op := forward_cause(report)).label != "unclassified"):
+        return by_op  # a forward's in-place write made it (a max-norm constraint's 0 / 0): the op says why
     if report.tensor.role is TensorRole.PARAMETER or (
         # A buffer the module read non-finite (localize/producer.py), not one a check found after the step.
         report.tensor.role is TensorRole.BUFFER and any(note.kind == "already-bad" for note in report.note_facts)

@@ -738,9 +738,11 @@ CASES = [
     Case("hunt17_weight_standardisation_with_eps_healthy", lambda: _weight_standardisation(1e-5), None),
     Case("hunt17_max_norm_in_place_in_the_forward_of_a_zero_row", lambda: _max_norm(0.0),
          Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm",
-                op_modes=("ops",)), note=MAX_NORM_GAP,
-         gaps=(("ops-defer", "the deferred check finds the parameter at the update region's end and reads the "
-                "tracer's origin of it as loop code's write: phase optimizer, not the forward that wrote it"),)),
+                op_modes=("ops",)), note=MAX_NORM_GAP),
+    # Where the tracer names the write, the cause is the op's (0 / 0), not a parameter found already non-finite.
+    Case("hunt17_max_norm_in_place_in_the_forward_cause_of_its_op", lambda: _max_norm(0.0),
+         Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm",
+                cause="division-by-zero"), modes=("ops",)),
     Case("hunt17_max_norm_in_place_in_the_forward_op_and_line", lambda: _max_norm(0.0),
          Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm"),
          modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=MAX_NORM_GAP),)),

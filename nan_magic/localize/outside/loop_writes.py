@@ -359,9 +359,17 @@ class LoopWrites:
                 # (an optimizer's step made it: the optimizer's check reports it, at its step, which the deferred
                 # check judges after this region of the next step has ended)
                 continue
-            finding = self._finding(name, parameter)
             tracer.claim(parameter)
-            self._attach(finding, origin)
+            if origin.phase is Phase.FORWARD and origin.module is not None:
+                # A module's own forward wrote it in place (a max-norm constraint under no_grad), found here by the
+                # deferred check: the forward is the producer, as the immediate tracer names it at the op.
+                finding = Finding(Phase.FORWARD, None, TensorRef.parameter(name), bad=parameter.detach(),
+                                  step=self._step())
+                self._attribute(finding)
+                attach_origin(finding, origin)
+            else:
+                finding = self._finding(name, parameter)
+                self._attach(finding, origin)
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
             return
