@@ -11,8 +11,11 @@ pow's backward at 0); weight standardisation of a zero-initialised filter; a max
 inside the forward; a VQ-VAE's EMA codebook with a dead code; ``F.normalize`` in float16 (its eps rounds to 0),
 and in float32 with its gradient cast back to float16 (1 / eps overflows); a LayerNorm by hand by ``rsqrt(var)``
 over a constant row; a compiled (aot_eager) CLIP head and a compiled signed square root (a forward and a backward
-producer); and two near misses that must stay calm: ``nn.LSTM`` fed a feature near float32's max (its gates
-saturate) and ``atan2`` at (0, 0) (torch's backward masks its 0 / 0).
+producer); Glow's ActNorm whose data-dependent init (parameters written in the first forward) divides by the std
+of a constant channel; an L-BFGS closure (forward and backward inside ``opt.step``) taking the log of a zero; and
+near misses that must stay calm: ``nn.LSTM`` fed a feature near float32's max (its gates saturate), ``atan2`` at
+(0, 0) (torch's backward masks its 0 / 0), a logged perplexity ``exp(loss)`` that overflows, and a forward hook
+logging the log-variance of a dead layer (-inf in logging code only).
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
@@ -684,6 +687,130 @@ def _atan2() -> Scenario:
     return _loop(model, lambda step: (xs[step],), loss_fn)
 
 
+# ---------------------------------------------------------------- Glow's ActNorm: data-dependent init
+class ActNorm(nn.Module):
+    """Glow's activation normalisation: at its first training call, scale and bias are set from the batch's
+    statistics (``.data.copy_`` in the forward), so the first output has zero mean and unit variance."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.bias, self.log_scale = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+        self.register_buffer("initialised", torch.tensor(False))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialised:
+            with torch.no_grad():
+                self.bias.data.copy_(-x.mean(0))
+                self.log_scale.data.copy_(torch.log(1 / (x.std(0) + self.eps)))  # producer: actnorm init
+                self.initialised.fill_(True)
+        return (x + self.bias) * self.log_scale.exp()
+
+
+def _actnorm(eps: float) -> Scenario:
+    """The first batch's channel 2 is constant (a padded channel): its std is 0, 1 / 0 = inf and log(inf) = inf
+    written into log_scale at step 0, whose exp makes the output inf there. The fix: an eps in the std."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), ActNorm(eps), nn.Linear(3, 1))
+    with torch.no_grad():
+        model[0].weight[2] = 0.0
+        model[0].bias[2] = 0.5
+    xs, ys = _batches(4, 3), _batches(4, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]), lr=0.0)
+
+
+# ---------------------------------------------------------------- L-BFGS: the forward and backward inside opt.step()
+def _lbfgs(eps: float) -> Scenario:
+    """A PINN-style fit with ``torch.optim.LBFGS``: the forward and backward run in the closure that
+    ``opt.step(closure)`` calls. At step 2 a collocation point sits where the predicted density is 0, and the loss
+    takes its log. The step is the optimizer's: the closure's calls belong to the step that called them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1), nn.ReLU())
+    with torch.no_grad():
+        model[2].bias.fill_(1.0)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.0, max_iter=2)
+    points = [torch.rand(6, 1) for _ in range(4)]
+
+    def batch(step: int) -> torch.Tensor:
+        if step == 2:
+            with torch.no_grad():
+                model[2].weight.zero_()
+                model[2].bias.fill_(-1.0)
+        return points[step]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            x = batch(step)
+
+            def closure(x: torch.Tensor = x) -> torch.Tensor:
+                opt.zero_grad()
+                density = model(x)
+                loss = -torch.log(density + eps).mean()  # producer: lbfgs log
+                loss.backward()
+                return loss
+            losses.append(opt.step(closure).detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+# ---------------------------------------------------------------- near misses: logging code that overflows
+def _perplexity_logged() -> Scenario:
+    """The loop logs the perplexity ``exp(loss)`` every step; the untrained model's loss of ~100 nats (logits of
+    a large scale) makes it inf, in logging code only: no boundary holds it, nothing to report."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 50))
+    with torch.no_grad():
+        model[0].weight.mul_(60.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    xs, ys = _batches(8, 4), [torch.randint(0, 50, (8,)) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        logged = []
+        for step in range(4):
+            loss = F.cross_entropy(model(xs[step]), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            logged.append(torch.exp(loss.detach()))
+        return logged
+    return Scenario((model, opt), run)
+
+
+class LoggedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.act, self.head = nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1)
+        self.logged: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.body(x)))
+
+
+def _hook_logs_a_dead_layer() -> Scenario:
+    """A forward hook logs each activation's log-variance (a dead-unit monitor); at step 1 the ReLU is dead for the
+    whole batch: log(0) = -inf, in the hook's logging only (the output is untouched). Nothing to report."""
+    torch.manual_seed(0)
+    model = LoggedNet()
+    model.act.register_forward_hook(lambda module, args, out: model.logged.append(out.detach().var().log()))
+    xs, ys = _batches(4, 4), _batches(4, 1)
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        if step == 1:
+            with torch.no_grad():
+                model.body.bias.fill_(-50.0)
+        return (xs[step],)
+
+    def loss_fn(out: torch.Tensor, step: int) -> torch.Tensor:
+        return F.mse_loss(out, ys[step])
+    scenario = _loop(model, batch, loss_fn, lr=0.0)
+    inner = scenario.run
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return inner(), model.logged
+    return Scenario(scenario.targets, run)
+
+
 MAX_NORM_GAP = (
     "the forward writes the parameter in place under no_grad, then reads it: the step replay starts from the "
     "parameter as the write left it (only buffers are copied before a call), so the tiered and per-module modes "
@@ -692,6 +819,11 @@ NORMALIZE_GAP = (
     "mode='full' replays the module's backward with a gradient of ones, under which torch's norm backward makes "
     "a 0 / 0 it masks afterwards (masked_fill); that replay names the masked aten.div.Tensor, where the other "
     "modes follow the real gradient to the float16 cast that overflows")
+ACTNORM_GAP = (
+    "mode='full' replays the module call with its buffers as the call left them (module_run.swapped_buffers "
+    "copies them as they are now): the 'initialised' flag is already set, the data-dependent init is skipped, and "
+    "the replay meets log_scale already inf: op None, cause parameter-already-nonfinite. The tiered step replay "
+    "restores the buffers from before the call (root_calls.py) and re-runs the init")
 
 CASES = [
     Case("hunt17_gnn_scatter_mean_over_an_isolated_node", lambda: _gnn(False),
@@ -770,4 +902,16 @@ CASES = [
     Case("hunt17_compiled_signed_root_with_eps_healthy", lambda: _compiled_signed_root(1e-8), None),
     Case("hunt17_lstm_saturated_by_a_feature_near_float32_max_healthy", _lstm_saturated, None),
     Case("hunt17_atan2_at_the_origin_healthy", _atan2, None),
+    Case("hunt17_actnorm_data_dependent_init_of_a_constant_channel", lambda: _actnorm(0.0),
+         Expect("forward", "1", "ActNorm", step=0, op="aten.reciprocal.default", marker="actnorm init",
+                op_modes=("default", "defer", "ops")), note=ACTNORM_GAP),
+    Case("hunt17_actnorm_data_dependent_init_full_mode_op", lambda: _actnorm(0.0),
+         Expect("forward", "1", "ActNorm", step=0, op="aten.reciprocal.default", marker="actnorm init"),
+         modes=("full",), marks=(pytest.mark.xfail(strict=True, reason=ACTNORM_GAP),)),
+    Case("hunt17_actnorm_init_with_eps_healthy", lambda: _actnorm(1e-6), None),
+    Case("hunt17_lbfgs_closure_log_of_a_zero_density", lambda: _lbfgs(0.0),
+         Expect("forward", None, step=2, op="aten.log.default", marker="lbfgs log")),
+    Case("hunt17_lbfgs_closure_log_with_eps_healthy", lambda: _lbfgs(1e-6), None),
+    Case("hunt17_perplexity_logged_overflows_healthy", _perplexity_logged, None),
+    Case("hunt17_forward_hook_logs_log_var_of_a_dead_layer_healthy", _hook_logs_a_dead_layer, None),
 ]
