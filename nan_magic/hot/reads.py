@@ -327,7 +327,8 @@ def iter_tensors(value: Any, path: str = "", skipped: Counter[str] | None = None
     """``(path, tensor)`` for every checkable tensor in a nested value.
 
     Handles tensors, tuples/lists, mappings (including Hugging Face
-    ``ModelOutput``, an ordered dict) and dataclasses. Paths read like Python:
+    ``ModelOutput``, an ordered dict), dataclasses and ``torch.distributions`` objects (their parameters). Paths
+    read like Python:
     ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
     and a flat tuple of tensors take a fast path; depth is bounded so that odd
     self-referencing containers cannot hang a hook. A floating tensor the
@@ -382,3 +383,9 @@ def _collect(
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item_field in dataclasses.fields(value):
             _collect(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1, found, skipped)
+    elif isinstance(value, torch.distributions.Distribution):
+        # A policy or a probabilistic head returning ``Normal(mu, log_std.exp())`` itself: its parameters are the
+        # output (loc, scale, logits; a mixture's component distributions), as the tensors it was made from.
+        for name, item in vars(value).items():
+            if isinstance(item, (torch.Tensor, torch.distributions.Distribution)):
+                _collect(item, f"{path}.{name}", depth + 1, found, skipped)

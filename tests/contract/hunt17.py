@@ -15,7 +15,9 @@ producer); Glow's ActNorm whose data-dependent init (parameters written in the f
 of a constant channel; an L-BFGS closure (forward and backward inside ``opt.step``) taking the log of a zero; and
 near misses that must stay calm: ``nn.LSTM`` fed a feature near float32's max (its gates saturate), ``atan2`` at
 (0, 0) (torch's backward masks its 0 / 0), a logged perplexity ``exp(loss)`` that overflows, and a forward hook
-logging the log-variance of a dead layer (-inf in logging code only).
+logging the log-variance of a dead layer (-inf in logging code only). Models returning a ``torch.distributions``
+object (SAC's Gaussian policy whose std overflows; a masked Categorical policy, and a masked log-softmax, whose state
+has no legal action), with the squashed log-probability's saturated tanh in the loss code.
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
@@ -811,6 +813,119 @@ def _hook_logs_a_dead_layer() -> Scenario:
     return Scenario(scenario.targets, run)
 
 
+# ---------------------------------------------------------------- SAC: a policy returning a Distribution
+class GaussianPolicy(nn.Module):
+    """SAC's actor: returns ``Normal(mu, exp(log_std))`` itself (a Distribution, no tensor, as many RL codebases
+    do); ``clamped`` keeps log_std in [-20, 2] as SAC implementations do."""
+
+    def __init__(self, clamped: bool) -> None:
+        super().__init__()
+        self.body, self.mu, self.log_std = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+        self.clamped = clamped
+
+    def forward(self, obs: torch.Tensor) -> torch.distributions.Normal:
+        h = torch.relu(self.body(obs))
+        log_std = self.log_std(h).clamp(-20.0, 2.0) if self.clamped else self.log_std(h)
+        return torch.distributions.Normal(self.mu(h), log_std.exp(), validate_args=False)  # producer: policy std
+
+
+def _sac(fault: str) -> Scenario:
+    """The squashed-Gaussian log-probability ``log_prob(u) - log(1 - tanh(u)^2)``. Fault "squash": at step 2 the
+    mean head's bias is 20: tanh(u) rounds to 1 and log(1 - 1) is -inf (the fix: the softplus form). Fault "std":
+    at step 2 the log_std head's bias is 100, exp(100) is inf inside the Distribution the policy returns (the
+    fix: the clamp). Neither: the fixed policy and the softplus form."""
+    torch.manual_seed(0)
+    model = GaussianPolicy(clamped=fault != "std")
+    obs, q_weights = _batches(6, 4), torch.randn(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    (model.mu if fault == "squash" else model.log_std).bias.fill_(
+                        100.0 if fault == "std" else 20.0 if fault == "squash" else 0.0)
+            dist = model(obs[step])
+            u = dist.rsample()
+            if fault == "squash":
+                log_prob = dist.log_prob(u) - torch.log(1 - torch.tanh(u).pow(2))  # producer: squash log
+            else:
+                log_prob = dist.log_prob(u) - 2 * (math.log(2) - u - F.softplus(-2 * u))
+            loss = (0.2 * log_prob.sum(-1) - torch.tanh(u) @ q_weights).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+# ---------------------------------------------------------------- a masked policy returning a Categorical
+class MaskedPolicy(nn.Module):
+    """An actor returning ``Categorical(logits=...)`` with illegal actions masked by -inf (its output holds -inf
+    on purpose: a deliberate infinity while each state keeps a legal action)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> torch.distributions.Categorical:
+        logits = self.net(obs).masked_fill(~legal, float("-inf"))
+        return torch.distributions.Categorical(logits=logits, validate_args=False)  # producer: policy categorical
+
+
+def _masked_policy(no_legal_action: bool) -> Scenario:
+    """REINFORCE with action masking; at step 2 state 1 has no legal action when ``no_legal_action``: the
+    Categorical the model returns normalises a row of -inf (logsumexp -inf, then -inf - -inf)."""
+    torch.manual_seed(0)
+    model = MaskedPolicy()
+    obs = _batches(3, 4)
+    legal = [torch.tensor([[True, False, True], [True, True, False], [False, True, True]]) for _ in range(4)]
+    if no_legal_action:
+        legal[2] = legal[2].clone()
+        legal[2][1] = False
+    actions, advantages = torch.tensor([0, 1, 2]), torch.tensor([0.5, -0.2, 1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            dist = model(obs[step], legal[step])
+            loss = -(dist.log_prob(actions) * advantages).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+class MaskedLogSoftmax(nn.Module):
+    """The same actor returning the masked log-probabilities themselves (a tensor holding -inf on purpose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).masked_fill(~legal, float("-inf")).log_softmax(-1)  # producer: masked log_softmax
+
+
+def _masked_log_softmax(no_legal_action: bool) -> Scenario:
+    """As ``_masked_policy``, the model returning log-probabilities: a row with no legal action is NaN."""
+    torch.manual_seed(0)
+    model = MaskedLogSoftmax()
+    obs = _batches(3, 4)
+    legal = [torch.tensor([[True, False, True], [True, True, False], [False, True, True]]) for _ in range(4)]
+    if no_legal_action:
+        legal[2] = legal[2].clone()
+        legal[2][1] = False
+    actions, advantages = torch.tensor([0, 1, 2]), torch.tensor([0.5, -0.2, 1.0])
+    return _loop(model, lambda step: (obs[step], legal[step]),
+                 lambda logp, step: -(logp.gather(1, actions[:, None]).squeeze(1) * advantages).mean())
+
+
 MAX_NORM_GAP = (
     "the forward writes the parameter in place under no_grad, then reads it: the step replay starts from the "
     "parameter as the write left it (only buffers are copied before a call), so the tiered and per-module modes "
@@ -819,6 +934,10 @@ NORMALIZE_GAP = (
     "mode='full' replays the module's backward with a gradient of ones, under which torch's norm backward makes "
     "a 0 / 0 it masks afterwards (masked_fill); that replay names the masked aten.div.Tensor, where the other "
     "modes follow the real gradient to the float16 cast that overflows")
+MASKS_GAP = (
+    "mode='full' takes a module whose replay once showed a deliberate -inf (masked_fill) as benign at every later "
+    "event without replaying it (producer_call.masks), a NaN included: the row with no legal action is named as "
+    "the loss code's, op None")
 ACTNORM_GAP = (
     "mode='full' replays the module call with its buffers as the call left them (module_run.swapped_buffers "
     "copies them as they are now): the 'initialised' flag is already set, the data-dependent init is skipped, and "
@@ -912,6 +1031,26 @@ CASES = [
     Case("hunt17_lbfgs_closure_log_of_a_zero_density", lambda: _lbfgs(0.0),
          Expect("forward", None, step=2, op="aten.log.default", marker="lbfgs log")),
     Case("hunt17_lbfgs_closure_log_with_eps_healthy", lambda: _lbfgs(1e-6), None),
+    Case("hunt17_sac_squashed_log_prob_of_a_saturated_tanh", lambda: _sac("squash"),
+         Expect("forward", None, step=2, op="aten.log.default", marker="squash log")),
+    Case("hunt17_sac_policy_distribution_std_overflows", lambda: _sac("std"),
+         Expect("forward", "", "GaussianPolicy", step=2, op="aten.exp.default", marker="policy std")),
+    Case("hunt17_sac_clamped_std_and_softplus_form_healthy", lambda: _sac("none"), None),
+    Case("hunt17_policy_categorical_of_a_state_with_no_legal_action", lambda: _masked_policy(True),
+         Expect("forward", "", "MaskedPolicy", step=2, op="aten.logsumexp.default", marker="policy categorical"),
+         modes=("default", "defer", "ops")),
+    Case("hunt17_policy_categorical_of_a_state_with_no_legal_action_full", lambda: _masked_policy(True),
+         Expect("forward", "", "MaskedPolicy", step=2, op="aten.logsumexp.default", marker="policy categorical"),
+         modes=("full",), marks=(pytest.mark.xfail(strict=True, reason=MASKS_GAP),)),
+    Case("hunt17_policy_categorical_masked_with_inf_healthy", lambda: _masked_policy(False), None),
+    Case("hunt17_masked_log_softmax_output_of_a_state_with_no_legal_action", lambda: _masked_log_softmax(True),
+         Expect("forward", "", "MaskedLogSoftmax", step=2, op="aten._log_softmax.default",
+                marker="masked log_softmax"), modes=("default", "defer", "ops")),
+    Case("hunt17_masked_log_softmax_output_of_a_state_with_no_legal_action_full", lambda: _masked_log_softmax(True),
+         Expect("forward", "", "MaskedLogSoftmax", step=2, op="aten._log_softmax.default",
+                marker="masked log_softmax"), modes=("full",),
+         marks=(pytest.mark.xfail(strict=True, reason=MASKS_GAP),)),
+    Case("hunt17_masked_log_softmax_output_healthy", lambda: _masked_log_softmax(False), None),
     Case("hunt17_perplexity_logged_overflows_healthy", _perplexity_logged, None),
     Case("hunt17_forward_hook_logs_log_var_of_a_dead_layer_healthy", _hook_logs_a_dead_layer, None),
 ]
