@@ -934,10 +934,6 @@ NORMALIZE_GAP = (
     "mode='full' replays the module's backward with a gradient of ones, under which torch's norm backward makes "
     "a 0 / 0 it masks afterwards (masked_fill); that replay names the masked aten.div.Tensor, where the other "
     "modes follow the real gradient to the float16 cast that overflows")
-MASKS_GAP = (
-    "mode='full' takes a module whose replay once showed a deliberate -inf (masked_fill) as benign at every later "
-    "event without replaying it (producer_call.masks), a NaN included: the row with no legal action is named as "
-    "the loss code's, op None")
 ACTNORM_GAP = (
     "mode='full' replays the module call with its buffers as the call left them (module_run.swapped_buffers "
     "copies them as they are now): the 'initialised' flag is already set, the data-dependent init is skipped, and "
@@ -1037,19 +1033,11 @@ CASES = [
          Expect("forward", "", "GaussianPolicy", step=2, op="aten.exp.default", marker="policy std")),
     Case("hunt17_sac_clamped_std_and_softplus_form_healthy", lambda: _sac("none"), None),
     Case("hunt17_policy_categorical_of_a_state_with_no_legal_action", lambda: _masked_policy(True),
-         Expect("forward", "", "MaskedPolicy", step=2, op="aten.logsumexp.default", marker="policy categorical"),
-         modes=("default", "defer", "ops")),
-    Case("hunt17_policy_categorical_of_a_state_with_no_legal_action_full", lambda: _masked_policy(True),
-         Expect("forward", "", "MaskedPolicy", step=2, op="aten.logsumexp.default", marker="policy categorical"),
-         modes=("full",), marks=(pytest.mark.xfail(strict=True, reason=MASKS_GAP),)),
+         Expect("forward", "", "MaskedPolicy", step=2, op="aten.logsumexp.default", marker="policy categorical")),
     Case("hunt17_policy_categorical_masked_with_inf_healthy", lambda: _masked_policy(False), None),
     Case("hunt17_masked_log_softmax_output_of_a_state_with_no_legal_action", lambda: _masked_log_softmax(True),
          Expect("forward", "", "MaskedLogSoftmax", step=2, op="aten._log_softmax.default",
-                marker="masked log_softmax"), modes=("default", "defer", "ops")),
-    Case("hunt17_masked_log_softmax_output_of_a_state_with_no_legal_action_full", lambda: _masked_log_softmax(True),
-         Expect("forward", "", "MaskedLogSoftmax", step=2, op="aten._log_softmax.default",
-                marker="masked log_softmax"), modes=("full",),
-         marks=(pytest.mark.xfail(strict=True, reason=MASKS_GAP),)),
+                marker="masked log_softmax")),
     Case("hunt17_masked_log_softmax_output_healthy", lambda: _masked_log_softmax(False), None),
     Case("hunt17_perplexity_logged_overflows_healthy", _perplexity_logged, None),
     Case("hunt17_forward_hook_logs_log_var_of_a_dead_layer_healthy", _hook_logs_a_dead_layer, None),
