@@ -173,6 +173,8 @@ class OpOrigins:
                 finding.frame, finding.frame_position = frame, position
                 if outside is not None and self.tracer is None:
                     finding.frame_calls = outside.calls_to(frame)
+            # The op may have run inside a module whose output no check read (a result object it returned): typed.
+            self._name_type_and_model(finding)
             return
         attach_origin(finding, origin)
         self._narrow_to_submodule(finding, origin)
