@@ -71,9 +71,15 @@ class GPT(nn.Module):
     def __init__(self, vocab: int = 24, block: int = 8, d: int = 16, layers: int = 2, flash: bool = False) -> None:
         super().__init__()
         self.block = block
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(vocab, d), "wpe": nn.Embedding(block, d), "drop": nn.Dropout(0.1),
-            "h": nn.ModuleList(Block(d, 2, block, flash) for _ in range(layers)), "ln_f": nn.LayerNorm(d)})
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, d),
+                "wpe": nn.Embedding(block, d),
+                "drop": nn.Dropout(0.1),
+                "h": nn.ModuleList(Block(d, 2, block, flash) for _ in range(layers)),
+                "ln_f": nn.LayerNorm(d),
+            }
+        )
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -101,14 +107,16 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay: float, lr: float) -> torch.optim.AdamW:
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
         for _ in range(max_new_tokens):
-            idx_cond = idx if idx.size(1) <= self.block else idx[:, -self.block:]
+            idx_cond = idx if idx.size(1) <= self.block else idx[:, -self.block :]
             logits, _ = self(idx_cond)
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
@@ -118,13 +126,19 @@ class GPT(nn.Module):
         return idx
 
 
-def nanogpt(dtype: str = "float32", accumulate: int = 2, flash: bool = False, roll_back: bool = False,
-            iters: int = 6, eval_interval: int = 3):
+def nanogpt(
+    dtype: str = "float32",
+    accumulate: int = 2,
+    flash: bool = False,
+    roll_back: bool = False,
+    iters: int = 6,
+    eval_interval: int = 3,
+):
     def build() -> Loop:
         data = {"train": torch.randint(0, 24, (200,)), "val": torch.randint(0, 24, (80,))}
         model = GPT(flash=flash)
         opt = model.configure_optimizers(weight_decay=0.1, lr=6e-3)
-        scaler = torch.amp.GradScaler("cpu", enabled=(dtype == "float16"), init_scale=2.0 ** 10)
+        scaler = torch.amp.GradScaler("cpu", enabled=(dtype == "float16"), init_scale=2.0**10)
         ctx_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
         warmup, decay_iters, max_lr, min_lr = 2, iters, 6e-3, 6e-4
 
@@ -133,8 +147,8 @@ def nanogpt(dtype: str = "float32", accumulate: int = 2, flash: bool = False, ro
 
         def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
             ix = torch.randint(len(data[split]) - model.block, (4,))
-            x = torch.stack([data[split][i:i + model.block] for i in ix])
-            return x, torch.stack([data[split][i + 1:i + 1 + model.block] for i in ix])
+            x = torch.stack([data[split][i : i + model.block] for i in ix])
+            return x, torch.stack([data[split][i + 1 : i + 1 + model.block] for i in ix])
 
         def get_lr(it: int) -> float:
             if it < warmup:
@@ -168,8 +182,15 @@ def nanogpt(dtype: str = "float32", accumulate: int = 2, flash: bool = False, ro
                     if losses["val"] < best_val_loss:
                         best_val_loss = losses["val"]
                         checkpoint = io.BytesIO()
-                        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": it,
-                                    "best_val_loss": best_val_loss}, checkpoint)
+                        torch.save(
+                            {
+                                "model": model.state_dict(),
+                                "optimizer": opt.state_dict(),
+                                "iter_num": it,
+                                "best_val_loss": best_val_loss,
+                            },
+                            checkpoint,
+                        )
                 for _ in range(accumulate):
                     with ctx():
                         _, loss = model(x, y)
@@ -198,7 +219,9 @@ def nanogpt(dtype: str = "float32", accumulate: int = 2, flash: bool = False, ro
             out.append(model.generate(torch.zeros(2, 1, dtype=torch.long), 10, temperature=0.8, top_k=5))
             model.train()
             return out
+
         return Loop((model, opt, scaler), (model, opt, scaler), run)
+
     return build
 
 
@@ -239,9 +262,13 @@ class Trainer:
         self.accumulate, self.epochs = accumulate, epochs
         no_decay = ("bias", "LayerNorm.weight", "norm.weight")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW([
-            {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
-            {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0}], lr=5e-3)
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
+                {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+            ],
+            lr=5e-3,
+        )
         total = len(train) // accumulate * epochs
         self.lr_scheduler = get_linear_schedule_with_warmup(self.optimizer, 1, total)
 
@@ -271,8 +298,7 @@ class Trainer:
     def _pad_across(tensors: list[torch.Tensor]) -> torch.Tensor:
         """``nested_concat``: batches of other lengths padded with -100 on the sequence axis, then concatenated."""
         longest = max(t.shape[1] for t in tensors)
-        return torch.cat([F.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1]), value=-100)
-                          for t in tensors])
+        return torch.cat([F.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1]), value=-100) for t in tensors])
 
     def evaluate(self) -> list[torch.Tensor]:
         self.model.eval()
@@ -306,13 +332,17 @@ def trainer(kind: str):
         return b
 
     def build() -> Loop:
-        model = {"bert-sequence": lambda: hf_models.bert(), "gpt2-causal-lm": lambda: hf_models.gpt2(),
-                 "tagger-model-output": lambda: TokenTagger(as_dict=False),
-                 "tagger-dict": lambda: TokenTagger(as_dict=True)}[kind]()
+        model = {
+            "bert-sequence": lambda: hf_models.bert(),
+            "gpt2-causal-lm": lambda: hf_models.gpt2(),
+            "tagger-model-output": lambda: TokenTagger(as_dict=False),
+            "tagger-dict": lambda: TokenTagger(as_dict=True),
+        }[kind]()
         train = [batch(8) for _ in range(4)]
         evals = [batch(8), batch(6)]
         t = Trainer(model, train, evals, accumulate=2, epochs=2)
         return Loop((model, t.optimizer), (model, t.optimizer), t.train)
+
     return build
 
 
@@ -398,7 +428,9 @@ def ddpm(target: str, schedule: str, ema_in_cell: bool):
                     mean = coef0 * x0 + coeft * x
                     x = mean + (0.5 * post_log_var[i]).exp() * torch.randn_like(x) * (i > 0)
             return [*out, x, *(p.detach().clone() for p in ema.parameters())]
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
@@ -418,6 +450,7 @@ class TwoTowers(nn.Module):
 
 def clip():
     """CLIP: the temperature starts above the clamp (log 100), the clamp after each step pulls it back."""
+
     def build() -> Loop:
         model = TwoTowers(scale=150.0)
         opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.2)
@@ -437,7 +470,9 @@ def clip():
                     model.logit_scale.clamp_(0, math.log(100))
                 out += [loss.detach(), model.logit_scale.detach().clone()]
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
@@ -457,7 +492,7 @@ class MoCo(nn.Module):
             k = F.normalize(self.encoder_k(xk), dim=1)
         logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone().detach()], 1) / 0.07
         ptr = int(self.queue_ptr)
-        self.queue[:, ptr:ptr + k.shape[0]] = k.T  # dequeue and enqueue
+        self.queue[:, ptr : ptr + k.shape[0]] = k.T  # dequeue and enqueue
         self.queue_ptr[0] = (ptr + k.shape[0]) % self.queue.shape[1]
         return logits, torch.zeros(logits.shape[0], dtype=torch.long)
 
@@ -478,12 +513,15 @@ def moco():
                 opt.step()
                 out.append(loss.detach())
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
 def supcon():
     """SupCon: self-contrast removed by a mask; a row whose label has no other sample divides by a guarded count."""
+
     def build() -> Loop:
         model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 8))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -506,7 +544,9 @@ def supcon():
                 opt.step()
                 out.append(loss.detach())
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 

@@ -43,6 +43,7 @@ class ActorCritic(nn.Module):
 
 def ppo():
     """A rollout of a toy environment written in torch, GAE, then PPO epochs over shuffled minibatches."""
+
     def build() -> Loop:
         agent = ActorCritic()
         opt = torch.optim.Adam(agent.parameters(), lr=3e-3, eps=1e-5)
@@ -96,7 +97,9 @@ def ppo():
                     if approx_kl > target_kl:
                         break
             return out
+
         return Loop((agent, opt), (agent, opt), run)
+
     return build
 
 
@@ -116,6 +119,7 @@ class SquashedActor(nn.Module):
 
 def sac_actor():
     """SAC's actor and entropy temperature: a squashed Gaussian, pre-tanh values large enough to saturate."""
+
     def build() -> Loop:
         actor, critic = SquashedActor(), nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
         log_alpha = torch.zeros(1, requires_grad=True)
@@ -140,7 +144,9 @@ def sac_actor():
                 opt_alpha.step()
                 out += [loss.detach(), log_alpha.detach().clone()]
             return out
+
         return Loop((actor, opt, opt_alpha), (actor, critic, opt, opt_alpha), run)
+
     return build
 
 
@@ -171,8 +177,11 @@ class GCN(nn.Module):
 class GAT(nn.Module):
     def __init__(self, d_in: int = 4, d: int = 8, classes: int = 3) -> None:
         super().__init__()
-        self.lin, self.att, self.head = nn.Linear(d_in, d, bias=False), nn.Parameter(torch.randn(2 * d) * 0.1), \
-            nn.Linear(d, classes)
+        self.lin, self.att, self.head = (
+            nn.Linear(d_in, d, bias=False),
+            nn.Parameter(torch.randn(2 * d) * 0.1),
+            nn.Linear(d, classes),
+        )
 
     def forward(self, x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
         src, dst = edges
@@ -226,7 +235,9 @@ def gnn(kind: str):
                 out.append(model(x, EDGES, batch) if kind == "sage" else model(x, EDGES).argmax(-1))
             model.train()
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
@@ -304,7 +315,9 @@ def seq2seq():
             out += [model.beam_search(src[2]), model(src, tgt, teacher_forcing=0.0).argmax(-1)]
             model.train()
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
@@ -315,6 +328,7 @@ def knn_probe():
     """An embedding trained by a batch-hard triplet loss (the other classes masked with -inf and inf); kNN
     accuracy computed in chunks, merged into a running top-k that starts at inf, and a 1-NN whose diagonal is
     filled with inf (leave one out)."""
+
     def build() -> Loop:
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -337,7 +351,7 @@ def knn_probe():
                 z = model(x)
                 best_d, best_i = torch.full((12, 3), INF), torch.full((12, 3), -1)
                 for start in range(0, 12, 5):
-                    d = torch.cdist(z, z[start:start + 5])
+                    d = torch.cdist(z, z[start : start + 5])
                     rows = torch.arange(12)
                     own = (rows >= start) & (rows < start + 5)
                     d[own, rows[own] - start] = INF  # leave one out
@@ -349,12 +363,15 @@ def knn_probe():
                 nearest = torch.cdist(z, z).fill_diagonal_(INF).argmin(1)  # 1-NN, leave one out
                 out += [best_d, (votes.argmax(1) == y).float().mean(), (y[nearest] == y).float().mean()]
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
 def prototypical():
     """Few-shot episodes where some of the five classes have no support example: their prototype is at inf."""
+
     def build() -> Loop:
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8))
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -375,7 +392,9 @@ def prototypical():
                 opt.step()
                 out += [loss.detach(), (-d).argmax(1)]
             return out
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
@@ -385,6 +404,7 @@ def prototypical():
 def early_stopping(best_as_tensor: bool):
     """Patience on a validation loss whose best starts at inf (a float, or a tensor), ReduceLROnPlateau, the best
     weights kept by ``deepcopy(state_dict())`` and loaded back at the end."""
+
     def build() -> Loop:
         model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -414,13 +434,16 @@ def early_stopping(best_as_tensor: bool):
                         break
             model.load_state_dict(best_state)
             return [*out, torch.as_tensor(best)]
+
         return Loop((model, opt), (model, opt), run)
+
     return build
 
 
 def nan_padded_targets():
     """Variable-length regression targets padded with NaN (a collator's choice): the loss masks them, the metrics
     use ``nanmean`` and a per-series R² whose empty series is 0/0 (NaN) and skipped by ``nanmean``."""
+
     def build() -> Loop:
         model = nn.GRU(3, 8, batch_first=True)
         head = nn.Linear(8, 1)
@@ -445,7 +468,9 @@ def nan_padded_targets():
                     r2 = 1 - err.nansum(1) / ss_tot  # the empty series: 1 - 0/0
                     out += [loss.detach(), err.nanmean(), r2.nanmean(), torch.nanmedian(err)]
             return out
+
         return Loop((model, head, opt), (model, head, opt), run)
+
     return build
 
 
