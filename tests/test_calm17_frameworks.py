@@ -6,16 +6,13 @@ and backward inside ``opt.step``; ``toggle_optimizer`` for a GAN's two), quantiz
 whose min/max buffers start at +inf/-inf), SWA (``AveragedModel``, ``SWALR``, ``update_bn`` resetting BatchNorm
 with momentum None), mixup with a Beta draw, a BiLSTM-CRF whose illegal BIO transitions are -inf (forward
 algorithm by logsumexp, Viterbi decoding), a recommender's recall@k with the seen items' scores set to -inf,
-truncated BPTT (the hidden state detached between chunks), distillation from a teacher under ``inference_mode``
-(``kl_div(log_target=True)`` with temperature), a RealNVP flow (log-determinants), a mixture density network
-whose unused components are masked with -inf before ``logsumexp``, and nanoGPT compiled with a float16 GradScaler
-(ops and full run it eagerly, and aot_eager rounds differently from eager under autocast: strict xfails).
+and nanoGPT compiled with a float16 GradScaler (ops and full run it eagerly, and aot_eager rounds differently from
+eager under autocast: strict xfails).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -329,137 +326,6 @@ def recommender():
     return build
 
 
-# ---------------------------------------------------------------- sequences, distillation, densities
-
-
-def truncated_bptt():
-    def build() -> Loop:
-        lstm, head = nn.LSTM(3, 8, batch_first=True), nn.Linear(8, 1)
-        opt = torch.optim.RMSprop([*lstm.parameters(), *head.parameters()], lr=1e-2)
-        series = torch.randn(2, 20, 3).cumsum(1) * 0.1
-
-        def run() -> list[torch.Tensor]:
-            out, state = [], None
-            for start in range(0, 16, 4):
-                chunk, target = series[:, start : start + 4], series[:, start + 1 : start + 5, :1]
-                y, state = lstm(chunk, state)
-                state = tuple(s.detach() for s in state)  # truncate the gradient here
-                loss = F.smooth_l1_loss(head(y), target)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-            return out
-
-        return Loop((lstm, head, opt), (lstm, head, opt), run)
-
-    return build
-
-
-def distillation():
-    def build() -> Loop:
-        teacher = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3)).eval()
-        student = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-        opt = torch.optim.Adam(student.parameters(), lr=1e-2)
-        data, temp = _data(3), 4.0
-
-        def run() -> list[torch.Tensor]:
-            out = []
-            for x, y in data:
-                with torch.inference_mode():
-                    soft = F.log_softmax(teacher(x) / temp, -1)
-                logits = student(x)
-                kd = F.kl_div(F.log_softmax(logits / temp, -1), soft.clone(), log_target=True, reduction="batchmean")
-                loss = 0.9 * kd * temp**2 + 0.1 * F.cross_entropy(logits, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-            return out
-
-        return Loop((teacher, student, opt), (teacher, student, opt), run)
-
-    return build
-
-
-class Coupling(nn.Module):
-    def __init__(self, flip: bool) -> None:
-        super().__init__()
-        self.flip = flip
-        self.net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 2))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = (x[:, 1:], x[:, :1]) if self.flip else (x[:, :1], x[:, 1:])
-        log_s, t = self.net(a).chunk(2, -1)
-        log_s = torch.tanh(log_s)
-        b = b * log_s.exp() + t
-        return (torch.cat([b, a], 1) if self.flip else torch.cat([a, b], 1)), log_s.sum(-1)
-
-
-def realnvp():
-    def build() -> Loop:
-        flow = nn.ModuleList(Coupling(flip=i % 2 == 1) for i in range(4))
-        opt = torch.optim.Adam(flow.parameters(), lr=5e-3)
-        base = torch.distributions.Normal(0.0, 1.0)
-        data = [torch.randn(16, 2) * torch.tensor([1.0, 0.2]) + 1.0 for _ in range(3)]
-
-        def run() -> list[torch.Tensor]:
-            out = []
-            for x in data:
-                z, log_det = x, torch.zeros(x.shape[0])
-                for layer in flow:
-                    z, ld = layer(z)
-                    log_det = log_det + ld
-                loss = -(base.log_prob(z).sum(-1) + log_det).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-            return out
-
-        return Loop((flow, opt), (flow, opt), run)
-
-    return build
-
-
-class MDN(nn.Module):
-    """A mixture density network with 4 components of which a per-sample mask keeps 2 or more (-inf weights)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.out = nn.Sequential(nn.Linear(2, 16), nn.Tanh()), nn.Linear(16, 12)
-
-    def forward(self, x: torch.Tensor, keep: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logit_pi, mu, log_sigma = self.out(self.body(x)).chunk(3, -1)
-        log_pi = F.log_softmax(logit_pi.masked_fill(~keep, NEG_INF), -1)
-        log_sigma = log_sigma.clamp(-5, 5)
-        comp = -0.5 * ((y - mu) / log_sigma.exp()) ** 2 - log_sigma - 0.5 * math.log(2 * math.pi)
-        return -torch.logsumexp(log_pi + comp, -1).mean()
-
-
-def mdn():
-    def build() -> Loop:
-        model = MDN()
-        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
-        data = [(torch.randn(8, 2), torch.rand(8, 4) < 0.6, torch.randn(8, 1)) for _ in range(3)]
-        for _, keep, _ in data:
-            keep[:, :2] = True
-
-        def run() -> list[torch.Tensor]:
-            out = []
-            for x, keep, y in data:
-                loss = model(x, keep, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-            return out
-
-        return Loop((model, opt), (model, opt), run)
-
-    return build
-
-
 def compiled_nanogpt_fp16():
     """nanoGPT compiled (aot_eager) and trained under float16 autocast with an enabled GradScaler."""
 
@@ -498,10 +364,6 @@ FRAMEWORKS = {
     "mixup-beta": mixup(),
     "bilstm-crf-bio-constraints-neg-inf": bilstm_crf(),
     "recommender-recall-at-k-seen-neg-inf": recommender(),
-    "truncated-bptt-lstm": truncated_bptt(),
-    "distillation-inference-mode-teacher": distillation(),
-    "realnvp-log-det": realnvp(),
-    "mdn-masked-components-logsumexp": mdn(),
 }
 
 

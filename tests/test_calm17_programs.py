@@ -11,9 +11,8 @@ top-k filtering by -inf inside the watched cell. A Hugging Face Trainer written 
 decay groups, linear warmup, accumulation, clipping, an evaluation loop that pads logits and labels across batches
 with -100, metrics over the unmasked labels; models returning a ModelOutput, a dict, and one building its extended
 mask with ``finfo.min``. DDPM: linear and cosine schedules, epsilon / v / x0 prediction with min-SNR weights, an EMA
-made by ``deepcopy`` (in the cell or before it), ancestral sampling with the clipped log variance. CLIP with its
-``logit_scale`` clamped after each step, MoCo with a queue buffer and a momentum encoder, SupCon whose rows without
-a positive are guarded.
+made by ``deepcopy`` (in the cell or before it), ancestral sampling with the clipped log variance. Contrastive and
+density objectives: test_calm17_objectives.py.
 """
 
 from __future__ import annotations
@@ -434,122 +433,6 @@ def ddpm(target: str, schedule: str, ema_in_cell: bool):
     return build
 
 
-# ---------------------------------------------------------------- contrastive
-
-
-class TwoTowers(nn.Module):
-    def __init__(self, scale: float) -> None:
-        super().__init__()
-        self.image = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 9, 16))
-        self.text = nn.EmbeddingBag(50, 16, mode="mean")
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(scale)))
-
-    def forward(self, images: torch.Tensor, texts: torch.Tensor):
-        return F.normalize(self.image(images), dim=-1), F.normalize(self.text(texts), dim=-1), self.logit_scale.exp()
-
-
-def clip():
-    """CLIP: the temperature starts above the clamp (log 100), the clamp after each step pulls it back."""
-
-    def build() -> Loop:
-        model = TwoTowers(scale=150.0)
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.2)
-        batches = [(torch.randn(6, 3, 8, 8), torch.randint(0, 50, (6, 4))) for _ in range(4)]
-
-        def run() -> list[torch.Tensor]:
-            out = []
-            for images, texts in batches:
-                img, txt, scale = model(images, texts)
-                logits = scale * img @ txt.t()
-                labels = torch.arange(len(images))
-                loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                with torch.no_grad():
-                    model.logit_scale.clamp_(0, math.log(100))
-                out += [loss.detach(), model.logit_scale.detach().clone()]
-            return out
-
-        return Loop((model, opt), (model, opt), run)
-
-    return build
-
-
-class MoCo(nn.Module):
-    def __init__(self, d: int = 8, queue: int = 16) -> None:
-        super().__init__()
-        self.encoder_q = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, d))
-        self.encoder_k = copy.deepcopy(self.encoder_q).requires_grad_(False)
-        self.register_buffer("queue", F.normalize(torch.randn(d, queue), dim=0))
-        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
-
-    def forward(self, xq: torch.Tensor, xk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = F.normalize(self.encoder_q(xq), dim=1)
-        with torch.no_grad():
-            for pk, pq in zip(self.encoder_k.parameters(), self.encoder_q.parameters(), strict=True):
-                pk.data = pk.data * 0.99 + pq.data * 0.01
-            k = F.normalize(self.encoder_k(xk), dim=1)
-        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone().detach()], 1) / 0.07
-        ptr = int(self.queue_ptr)
-        self.queue[:, ptr : ptr + k.shape[0]] = k.T  # dequeue and enqueue
-        self.queue_ptr[0] = (ptr + k.shape[0]) % self.queue.shape[1]
-        return logits, torch.zeros(logits.shape[0], dtype=torch.long)
-
-
-def moco():
-    def build() -> Loop:
-        model = MoCo()
-        opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)
-        xs = [torch.randn(4, 10) for _ in range(5)]
-
-        def run() -> list[torch.Tensor]:
-            out = []
-            for x in xs:
-                logits, labels = model(x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x))
-                loss = F.cross_entropy(logits, labels)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-            return out
-
-        return Loop((model, opt), (model, opt), run)
-
-    return build
-
-
-def supcon():
-    """SupCon: self-contrast removed by a mask; a row whose label has no other sample divides by a guarded count."""
-
-    def build() -> Loop:
-        model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 8))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        batches = [(torch.randn(6, 10), torch.tensor([0, 0, 1, 1, 2, 3])) for _ in range(3)]  # 2 and 3: alone
-
-        def run() -> list[torch.Tensor]:
-            out = []
-            for x, y in batches:
-                z = F.normalize(model(x), dim=1)
-                logits = z @ z.T / 0.1
-                logits = logits - logits.max(dim=1, keepdim=True).values.detach()
-                self_mask = 1 - torch.eye(len(y))
-                positives = (y[:, None] == y[None]).float() * self_mask
-                log_prob = logits - torch.log((logits.exp() * self_mask).sum(1, keepdim=True))
-                count = positives.sum(1)
-                count = torch.where(count < 1e-6, torch.ones_like(count), count)
-                loss = -((positives * log_prob).sum(1) / count).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-            return out
-
-        return Loop((model, opt), (model, opt), run)
-
-    return build
-
-
 PROGRAMS = {
     "nanogpt-fp32-accumulate": nanogpt("float32"),
     "nanogpt-bf16-disabled-scaler": nanogpt("bfloat16"),
@@ -563,9 +446,6 @@ PROGRAMS = {
     "ddpm-eps-linear-ema-before": ddpm("eps", "linear", ema_in_cell=False),
     "ddpm-v-cosine-ema-deepcopied-in-cell": ddpm("v", "cosine", ema_in_cell=True),
     "ddpm-x0-min-snr-cosine": ddpm("x0-min-snr", "cosine", ema_in_cell=False),
-    "clip-logit-scale-clamped": clip(),
-    "moco-queue-momentum-encoder": moco(),
-    "supcon-lonely-labels-guarded": supcon(),
 }
 
 
@@ -576,7 +456,7 @@ def test_whole_training_programs_are_calm_and_identical(name: str, options: dict
 
 
 def test_the_programs_really_do_what_they_claim() -> None:
-    """Guards against a moot case: top-k wrote -inf into the sampled logits, the CLIP clamp fired."""
+    """Guards against a moot case: top-k wrote -inf into the logits generate() samples from."""
     torch.manual_seed(0)
     model = GPT(flash=True).eval()  # sdpa: the only softmax is generate's
     seen = []
@@ -592,7 +472,3 @@ def test_the_programs_really_do_what_they_claim() -> None:
     finally:
         F.softmax = real_softmax
     assert any(seen)
-    torch.manual_seed(0)
-    loop = PROGRAMS["clip-logit-scale-clamped"]()
-    scales = loop.run()[1::2]
-    assert max(float(s) for s in scales) == pytest.approx(math.log(100))
