@@ -63,7 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from nan_magic.hot.reads import is_checkable, relevant_kinds
+from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
@@ -426,7 +426,7 @@ class OpTracer(TorchDispatchMode):
             prior = priors.get(id(value))
             if prior is not None:
                 input_stats.append((TensorRef(TensorRole.OPERAND, name, before=True), prior.stats()))
-            elif is_checkable(value):
+            elif is_checkable_op_value(value):
                 input_stats.append((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)))
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
