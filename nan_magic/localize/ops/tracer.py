@@ -95,6 +95,9 @@ from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
 
+#: make_fx's tracing mode, when one is on (lifecycle/users_modes._Traced): the values it traces cannot be read.
+_get_mode, _PROXY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.PROXY
+
 def _no_module() -> str | None:
     return None
 
@@ -251,6 +254,8 @@ class OpTracer(TorchDispatchMode):
     ) -> Any:
         __tracebackhide__ = True  # (a user's error in an op, a shape mismatch, shows with their frames, not ours)
         kwargs = kwargs or {}
+        if _get_mode(_PROXY) is not None:  # make_fx tracing: a read would be a node of its graph, or raise
+            return run_op(func, args, kwargs)
         task = torch._C._current_graph_task_id()
         in_backward = task != -1 and task != self.forward_task
         if in_backward and torch.is_grad_enabled() and recomputing():
