@@ -169,11 +169,15 @@ def _watchs_op(frame: FrameType | None) -> bool:
     return False
 
 
+#: The modes of torch's tracing: make_fx's proxy mode, and the fake tensor mode (shape inference, aot_function).
+_TRACING = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
+
+
 class _Traced:
-    """``make_fx`` tracing inside the watch (``torch.func.linearize``, ``make_fx``, ``aot_function``): while its
-    ``ProxyTorchDispatchMode`` is entered, the watch's hooks ignore the calls (``here.mine`` off, as in a replay)
-    and the loop-code recorders step aside (as around ``zero_grad()``); the op tracer passes its ops on unread
-    (localize/ops/tracer.py).
+    """Tracing inside the watch (``torch.func.linearize``, ``make_fx``, ``aot_function``, a ``FakeTensorMode`` for
+    shapes): while its ``ProxyTorchDispatchMode`` or ``FakeTensorMode`` is entered, the watch's hooks ignore the
+    calls (``here.mine`` off, as in a replay) and the loop-code recorders step aside (as around ``zero_grad()``);
+    the op tracer passes make_fx's ops on unread (localize/ops/tracer.py).
 
     The model calls it traces are no training step, and their values cannot be read: a probe's ``float()`` raised
     "trying to get value out of a tracing tensor" in the user's code, each probe would have been a node of the
@@ -187,7 +191,7 @@ class _Traced:
 
     def entered(self, mode: TorchDispatchMode) -> Callable[[], None] | None:
         here = self._watch.here
-        if getattr(mode, "_mode_key", None) != torch._C._TorchDispatchModeKey.PROXY or not here.mine:
+        if getattr(mode, "_mode_key", None) not in _TRACING or not here.mine:
             return None
         here.mine = False
         update_code = self._watch.cycle.update_code
