@@ -58,8 +58,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
                       if isinstance(v, (torch.Tensor, int, float))]
         return found + [torch.tensor(float(g["lr"])) for g in obj.param_groups]
     if isinstance(obj, torch.amp.GradScaler):
-        return [torch.tensor(obj.get_scale()), torch.tensor(float(obj._growth_tracker is None or
-                                                                    obj._get_growth_tracker()))]
+        # (a disabled scaler, nanoGPT's under bf16 and fp32, never makes its growth tracker)
+        return [torch.tensor(obj.get_scale()), torch.tensor(float(getattr(obj, "_growth_tracker", None) is None
+                                                                    or obj._get_growth_tracker()))]
     return []
 
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "iter_tensors", "norms",
-           "probe", "probe_kinds", "read_batched", "read_probe", "read_scalars", "readable", "relevant_kinds",
-           "unreadable_reason", "values_to_read", "version_of"]
+__all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "is_checkable_op_value",
+           "iter_tensors", "norms", "probe", "probe_kinds", "read_batched", "read_probe", "read_scalars", "readable",
+           "relevant_kinds", "unreadable_reason", "values_to_read", "version_of"]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -71,6 +71,15 @@ def is_checkable(value: Any) -> bool:
     ):
         return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
+
+
+def is_checkable_op_value(value: Any) -> bool:
+    """:func:`is_checkable`, for a value the op tracer meets (``ops=True``, off the hot path): and not an
+    efficient zero tensor (``aten._efficientzerotensor``, forward-mode AD's zero tangents: ``torch.func.jacfwd``,
+    ``hessian``, ``jvp``). Those are zeros by construction and hold no storage; a reduction of one inside the
+    tracer's ``__torch_dispatch__`` reads a null pointer (a segmentation fault, torch 2.13).
+    """
+    return is_checkable(value) and not value._is_zerotensor()
 
 
 def unreadable_reason(value: torch.Tensor) -> str | None:

@@ -124,7 +124,8 @@ def beside_users_modes(watch: Any, stack: ExitStack) -> None:
 def keep_apart_from_users_modes(watch: Any, stack: ExitStack) -> None:
     """The user's modes do not see the watch's ops until ``stack`` closes: those around it (:func:`beside_users_modes`)
     and those entered inside it (:class:`_Gates`). Not in ops mode (its op tracer is pushed by one callback and
-    popped by another)."""
+    popped by another). In every mode, the watch steps aside while ``make_fx`` traces (:class:`_Traced`)."""
+    stack.enter_context(seeing_modes_entered(_Traced(watch).entered))
     if watch.config.ops:
         return
     if users_modes_active():
@@ -166,6 +167,42 @@ def _watchs_op(frame: FrameType | None) -> bool:
             return kind == _WATCHS
         frame = frame.f_back
     return False
+
+
+#: The modes of torch's tracing: make_fx's proxy mode, and the fake tensor mode (shape inference, aot_function).
+_TRACING = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
+
+
+class _Traced:
+    """Tracing inside the watch (``torch.func.linearize``, ``make_fx``, ``aot_function``, a ``FakeTensorMode`` for
+    shapes): while its ``ProxyTorchDispatchMode`` or ``FakeTensorMode`` is entered, the watch's hooks ignore the
+    calls (``here.mine`` off, as in a replay) and the loop-code recorders step aside (as around ``zero_grad()``);
+    the op tracer passes make_fx's ops on unread (localize/ops/tracer.py).
+
+    The model calls it traces are no training step, and their values cannot be read: a probe's ``float()`` raised
+    "trying to get value out of a tracing tensor" in the user's code, each probe would have been a node of the
+    user's traced graph, and a recorder's look at a fake tensor's storage warned. Where ``here.mine`` is off
+    already (a replay, or the proxy mode entered again inside itself), nothing changes. No cost on a step: only a
+    mode entered runs this.
+    """
+
+    def __init__(self, watch: Any) -> None:
+        self._watch = watch
+
+    def entered(self, mode: TorchDispatchMode) -> Callable[[], None] | None:
+        here = self._watch.here
+        if getattr(mode, "_mode_key", None) not in _TRACING or not here.mine:
+            return None
+        here.mine = False
+        update_code = self._watch.cycle.update_code
+        recorders = (self._watch.outside, update_code.recorder if update_code is not None else None)
+        aside = [recorder for recorder in recorders if recorder is not None and recorder.step_aside()]
+        return functools.partial(self._back, aside)
+
+    def _back(self, aside: list[Any]) -> None:
+        for recorder in reversed(aside):
+            recorder.step_back()
+        self._watch.here.mine = True
 
 
 class _Gates:

@@ -45,8 +45,9 @@ def _wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         __tracebackhide__ = True
         entered = original(self)
         undos = [undo for watcher in list(_watchers) if (undo := watcher(self)) is not None]
-        if undos:
-            _undos.open.append((self, undos))
+        # Every entry, undos or not: a mode entered again inside itself (make_fx's proxy mode, around each op it
+        # traces) must not take its outer entry's undos as its inner one is left.
+        _undos.open.append((self, undos))
         return entered
 
     return __enter__
@@ -74,5 +75,9 @@ _PATCH = ProcessPatch(lambda: [(TorchDispatchMode, "__enter__", _wrap_enter),
 def seeing_modes_entered(entered: Entered) -> Iterator[None]:
     """Inside the block, ``entered(mode)`` is called after each ``TorchDispatchMode`` is entered, and what it
     returns (if not None) before that mode is left."""
-    with _PATCH.held((_watchers, entered)):
-        yield
+    try:
+        with _PATCH.held((_watchers, entered)):
+            yield
+    finally:
+        if not _watchers:  # (the modes left open past the last watch: nothing of theirs to undo)
+            _undos.open.clear()

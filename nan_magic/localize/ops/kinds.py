@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.reads import is_checkable, probe, probe_kinds, readable
+from nan_magic.hot.reads import is_checkable, is_checkable_op_value, probe, probe_kinds, readable
 from nan_magic.hot.stats import probe_stats, tensor_stats
 from nan_magic.localize.ops.origins import Benign, Origin, Origins, dense
 from nan_magic.localize.ops.plans import Plan, tensors
@@ -62,7 +62,7 @@ class KnownKinds:
 
     def suspects(self, outputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """The outputs that may be non-finite; the others are remembered as finite."""
-        checked = [(label, t) for label, t in outputs if is_checkable(t)]
+        checked = [(label, t) for label, t in outputs if is_checkable_op_value(t)]
         if not checked:
             return []
         suspects = []
@@ -78,7 +78,7 @@ class KnownKinds:
         known = self.get(tensor)
         if known is None:
             # A complex value is non-finite where its real or imaginary part is (reads.values_to_read).
-            known = _exact_kinds(tensor) if is_checkable(tensor) else frozenset()
+            known = _exact_kinds(tensor) if is_checkable_op_value(tensor) else frozenset()
             self.remember(tensor, known)
         return known
 

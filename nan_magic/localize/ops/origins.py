@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.hot.reads import is_checkable
+from nan_magic.hot.reads import is_checkable_op_value
 from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.plain import to_pairs
 from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
@@ -262,7 +262,7 @@ def op_samples(op: str, label: str, output: torch.Tensor, operands: list[tuple[s
     output_ref = TensorRef.op_output(op, label)
     samples = [sample_values(output, output_ref, OP_SAMPLE_SIZE)]
     for name, value in operands:
-        if isinstance(value, torch.Tensor) and is_checkable(value):
+        if isinstance(value, torch.Tensor) and is_checkable_op_value(value):
             ref = TensorRef(TensorRole.OPERAND, name)
             samples.append(sample_values(value, ref, OP_SAMPLE_SIZE))
     return tuple(samples)

@@ -63,7 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from nan_magic.hot.reads import is_checkable, relevant_kinds
+from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
@@ -94,6 +94,9 @@ from nan_magic.localize.ops.witnesses import OpWitnesses
 from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OpTracer"]
+
+#: make_fx's tracing mode, when one is on (lifecycle/users_modes._Traced): the values it traces cannot be read.
+_get_mode, _PROXY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.PROXY
 
 def _no_module() -> str | None:
     return None
@@ -251,6 +254,8 @@ class OpTracer(TorchDispatchMode):
     ) -> Any:
         __tracebackhide__ = True  # (a user's error in an op, a shape mismatch, shows with their frames, not ours)
         kwargs = kwargs or {}
+        if _get_mode(_PROXY) is not None:  # make_fx tracing: a read would be a node of its graph, or raise
+            return run_op(func, args, kwargs)
         task = torch._C._current_graph_task_id()
         in_backward = task != -1 and task != self.forward_task
         if in_backward and torch.is_grad_enabled() and recomputing():
@@ -426,7 +431,7 @@ class OpTracer(TorchDispatchMode):
             prior = priors.get(id(value))
             if prior is not None:
                 input_stats.append((TensorRef(TensorRole.OPERAND, name, before=True), prior.stats()))
-            elif is_checkable(value):
+            elif is_checkable_op_value(value):
                 input_stats.append((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)))
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
