@@ -611,3 +611,25 @@ def test_the_last_ten_early_warnings_are_listed_and_the_earlier_ones_counted() -
     assert "step 1: the loss reached 10" not in text and "step 2: the loss reached 20, 5x its running median" in text
     assert "step 10: the GradScaler scale fell on each of the last 3 steps, to 512" in text
     assert "step 11: the gradient norm of a, b, c and 1 more overflowed float32 before the Adam step" in text
+
+
+def test_a_running_row_beside_the_producer_folds_no_column_into_the_caption() -> None:
+    # A NaN batch into a bare Linear: the root's call is still running (no tensor, no dtype) beside the data row.
+    from nan_magic.render.table import style_layers
+
+    model = nn.Linear(3, 3)
+    report = raised(lambda: model(torch.tensor([[1.0, float("nan"), 2.0]])), model)
+    assert [layer.status for layer in report.layers if layer.stats is None]  # the running row
+    html = style_layers(report.layers).to_html()
+    assert "tensor nan" not in html and "dtype nan" not in html
+    cells = table_cells(html)
+    assert cells[("Linear (root)", "input[0]")][1:] == ("producer", "1 nan")
+    assert "tensor nan" not in build_widget_layers_text(report)
+
+
+def build_widget_layers_text(report: Report) -> str:
+    """The widget's Layers tab, every HTML part of it."""
+    from nan_magic.render.widget import build_widget
+
+    layers_tab = build_widget(report).children[1]
+    return "\n".join(child.value for child in layers_tab.children if hasattr(child, "value"))
