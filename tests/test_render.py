@@ -633,3 +633,18 @@ def build_widget_layers_text(report: Report) -> str:
 
     layers_tab = build_widget(report).children[1]
     return "\n".join(child.value for child in layers_tab.children if hasattr(child, "value"))
+
+
+def test_a_data_event_says_no_inputs_row_and_counts_one_call_in_the_singular() -> None:
+    # The value came in with the batch: no op read it, so no row says whether its inputs were finite.
+    model = nn.Linear(3, 3)
+    report = raised(lambda: model(torch.tensor([[1.0, float("nan"), 2.0]])), model)
+    assert report.phase == "data" and report.module == ""
+    from nan_magic.render.common import fact_rows
+
+    assert "inputs" not in [label for label, _ in fact_rows(report)]
+    for view, text in widget_views(report).items():
+        assert "<tr><td>inputs</td>" not in text and "\n  inputs " not in text, view
+        assert "phase data: input[0] held 1 nan before any watched module ran" in text, view
+    assert "Layers of step 0: 1 call measured; 1 running\n" in report.to_text()
+    assert "1 calls" not in report.to_html()

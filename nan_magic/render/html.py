@@ -236,7 +236,7 @@ def histograms_section(report: Report) -> tuple[str, str]:
     )
     left = len(report.samples) - len(shown)
     if left:
-        body += f'<p class="nm-cut">{left} more samples not drawn here.</p>'
+        body += f'<p class="nm-cut">{left} more sample{"" if left == 1 else "s"} not drawn here.</p>'
     return title, body
 
 

@@ -215,7 +215,8 @@ class HistogramsView:
         outputs = [_display(f"<histograms of {label}>", histogram_png(shown, self.zeros))]
         if len(chosen) > len(shown):
             outputs.append(_display(
-                f"{len(chosen) - len(shown)} more samples: pick them one by one above."
+                f"{len(chosen) - len(shown)} more sample{'' if len(chosen) - len(shown) == 1 else 's'}: "
+                "pick them one by one above."
             ))
         self.output.outputs = tuple(outputs)
 
