@@ -648,3 +648,20 @@ def test_a_data_event_says_no_inputs_row_and_counts_one_call_in_the_singular() -
         assert "phase data: input[0] held 1 nan before any watched module ran" in text, view
     assert "Layers of step 0: 1 call measured; 1 running\n" in report.to_text()
     assert "1 calls" not in report.to_html()
+
+
+def test_a_masked_minus_inf_leaves_the_finite_scores_visible_in_their_histogram() -> None:
+    # Attention scores of about 1 with a row masked to -inf: the histogram shows the scores, not float32's range.
+    from nan_magic.render.plots import histogram_figure
+
+    scores = nan_magic.records.Sample(
+        "float32", tuple(float(v) for v in torch.linspace(-0.8, 1.2, 95)), 100, neginf=5, nan=0, posinf=0
+    )
+    (axes,) = histogram_figure((scores,)).axes
+    assert not axes.get_lines()  # no limit lines at +-3.4e38
+    left, right = axes.get_xlim()
+    assert -3 < left < -0.8 and 1.2 < right < 3, (left, right)
+    (minus_inf,) = [patch for patch in axes.patches if patch.get_hatch() == "//"]
+    assert minus_inf.get_height() == 5 and minus_inf.get_x() < -0.8
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert legend == ["float32 limit \u00b13.4e+38: 2.84e+38x the largest |value|"]

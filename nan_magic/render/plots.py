@@ -120,7 +120,10 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     handles: list[Any] = []
     limit = finite_limit(dtype)
     absmax = max(abs(low), abs(high))
-    if limit is not None and (absmax >= _LIMIT_VISIBLE * limit or sample.posinf or sample.neginf):
+    # An infinity alone does not draw the range: a masked_fill(-inf) beside scores of about 1 would squash
+    # every finite value into one bar out of sight. Without a finite value there is nothing to squash.
+    infinite_only = not sample.values and bool(sample.posinf or sample.neginf)
+    if limit is not None and (absmax >= _LIMIT_VISIBLE * limit or infinite_only):
         label = f"{dtype} finite range \u00b1{limit:.5g}"
         handles.append(axes.axvline(-limit, color=_LIMIT, linestyle="--", label=label))
         axes.axvline(limit, color=_LIMIT, linestyle="--")
