@@ -665,3 +665,23 @@ def test_a_masked_minus_inf_leaves_the_finite_scores_visible_in_their_histogram(
     assert minus_inf.get_height() == 5 and minus_inf.get_x() < -0.8
     legend = [text.get_text() for text in axes.get_legend().get_texts()]
     assert legend == ["float32 limit \u00b13.4e+38: 2.84e+38x the largest |value|"]
+
+
+def test_a_history_of_one_step_is_titled_in_the_singular() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    bad = y.clone()
+    bad[2] = float("nan")
+
+    def train() -> None:
+        for target in (y, bad):
+            loss = nn.functional.mse_loss(model(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(train, model, opt)
+    assert len(report.history) == 1
+    assert "History (1 step kept)" in report.to_html()
