@@ -585,3 +585,14 @@ def test_the_body_is_named_after_the_cell_that_runs_it(ip, ns) -> None:
     assert ns["Out"].get(result.execution_count) is None and ip.execution_count == result.execution_count + 1
     result = ip.run_cell("%%nantrace other\n1 + 1", store_history=True)
     assert ns["Out"][result.execution_count] == 2
+
+
+def test_nanwatch_off_turns_the_watch_off_for_the_rest_of_its_own_cell(ip, ns) -> None:
+    # "%nanwatch off" then "%nanwatch status" in one cell said "armed for this cell", and the rest of the cell
+    # stayed watched: the model's NaN below the off line raised NonFiniteError.
+    before = global_hook_counts()
+    run(ip, "%nanwatch on model")
+    result, captured = run(ip, "%nanwatch off\n%nanwatch status\ny = model(x)\nprint('ran', bool(y.isnan().any()))")
+    assert result.error_in_exec is None
+    assert captured.stdout.splitlines() == ["nan_magic: watch off", "nan_magic: off", "ran True"]
+    assert global_hook_counts() == before

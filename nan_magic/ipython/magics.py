@@ -181,6 +181,9 @@ class NanMagics(Magics):
                 print(self._status())
                 return
             self._persistent = None
+            if self._held is not None and self._held.persistent and self._held.depth == self._bodies:
+                # Off is off from this line: the rest of the cell runs unwatched, as the status then says.
+                self._release(None)
             print("nan_magic: watch off")
             return
         persistent = words[:1] == ["on"]
