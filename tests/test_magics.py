@@ -307,6 +307,9 @@ def test_warn_mode_lets_the_cell_finish(ip, ns) -> None:
         ("%%nantrace x\nsteps_run = 99", "cannot watch x (torch.Tensor)"),
         ("%%nantrace --frobnicate\nsteps_run = 99", "unrecognized arguments: --frobnicate"),
         ("%%nantrace --kinds zero\nsteps_run = 99", "kinds must be a non-empty subset"),
+        # Both ways to go on: the last one won in silence (the cell logged, though --warn was asked for).
+        ("%%nantrace model --warn --log\nsteps_run = 99", "argument --log: not allowed with --warn"),
+        ("%nanwatch on --log --warn", "argument --warn: not allowed with --log"),
         ("%%nantrace -o 1bad\nsteps_run = 99", "-o needs a Python identifier"),
         ("%%nantrace model\n   \n", "the cell is empty"),
         ("%nanwatch on modle", "cannot evaluate target 'modle'"),
