@@ -599,3 +599,15 @@ def test_nanwatch_off_turns_the_watch_off_for_the_rest_of_its_own_cell(ip, ns) -
     assert result.error_in_exec is None
     assert captured.stdout.splitlines() == ["nan_magic: watch off", "nan_magic: off", "ran True"]
     assert global_hook_counts() == before
+
+
+def test_targets_separated_by_commas_are_the_same_targets(ip, ns) -> None:
+    # "%%nantrace model, opt" was a usage error: "cannot watch model, (builtins.tuple)".
+    result, _ = run(ip, "%%nantrace model, opt\n" + TRAIN)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    report = ns["_nan_report"]
+    assert (report.model, report.module, report.op) == ("model", "log", "aten.log.default")
+    # A subscript keeps its own comma: it is one expression, evaluated as written.
+    ns["grid"] = {(0, 1): ns["model"]}
+    result, _ = run(ip, "%%nantrace grid[0,1] opt\nsteps_run = 5")
+    assert result.error_in_exec is None and ns["steps_run"] == 5
