@@ -382,6 +382,19 @@ def test_a_remedy_that_raises_says_what_it_raised() -> None:
     assert from_plain(FixTrial, to_plain(trial)) == trial
 
 
+def test_a_verified_fix_says_whether_the_models_output_moved() -> None:
+    # "output changed by at most 0" read as a hedge, and did not say whose output.
+    unchanged = FixTrial("mask", "aten._softmax.default", "attn", None, (("stepped", True),), True, 0.7, 0.0)
+    moved = dataclasses.replace(unchanged, output_change=0.25)
+    unchanged_text, moved_text = (
+        fix_lines(Report(Phase.FORWARD, "attn", "Attn", 0, 1, 0, 0, 4, fixes=(trial,)))[0][1]
+        for trial in (unchanged, moved)
+    )
+    assert "-> verified: the step came out finite, loss 0.7, the model's finite outputs unchanged (" in unchanged_text
+    assert "loss 0.7, the model's output changed by at most 0.25 (" in moved_text
+    assert "at most 0," not in unchanged_text and "at most 0" not in unchanged_text
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_a_batch_with_nan_samples_is_verified_without_them(defer: bool) -> None:
     torch.manual_seed(0)
