@@ -685,3 +685,16 @@ def test_a_history_of_one_step_is_titled_in_the_singular() -> None:
     report = raised(train, model, opt)
     assert len(report.history) == 1
     assert "History (1 step kept)" in report.to_html()
+
+
+def test_a_float32_range_axis_reads_2e38_not_an_engineering_prefix_past_q() -> None:
+    # An all-inf float32 output draws float32's range: its ticks read "-2e+08Q" (EngFormatter stops at Q, 1e30).
+    from nan_magic.render.plots import figure_png, histogram_figure
+
+    overflowed = nan_magic.records.Sample("float32", (), 8, posinf=8, nan=0, neginf=0)
+    small = nan_magic.records.Sample("float16", tuple(float(v) for v in range(-40000, 40001, 8000)), 11)
+    figure = histogram_figure((overflowed, small))
+    figure_png(figure)  # lay the figure out: the tick labels are made then
+    wide, narrow = ([label.get_text() for label in axes.get_xticklabels() if label.get_text()] for axes in figure.axes)
+    assert "2e38" in wide and not any("Q" in label for label in wide), wide
+    assert "30k" in narrow, narrow
