@@ -521,6 +521,12 @@ def test_a_remedy_past_the_time_budget_says_so(monkeypatch: pytest.MonkeyPatch) 
     ("eps", (("function", "div"), ("eps", 1.19e-07), ("form", "zeros")), "p = a / b",
      "p = a / torch.where(b == 0, 1.2e-07, b)"),
     ("eps", (("function", "sqrt"), ("eps", 1.19e-07)), "r = x.sqrt()", "r = x.clamp_min(1.2e-07).sqrt()"),
+    # The operand of a pow method, not its exponent: "h.abs().pow(0.5.clamp_min(0.0078))" was suggested.
+    ("eps", (("function", "pow"), ("eps", 0.0078125)), "return h.abs().pow(0.5)",
+     "return h.abs().clamp_min(0.0078).pow(0.5)"),
+    ("eps", (("function", "pow"), ("eps", 1.19e-07)), "r = torch.pow(x, 0.5)",
+     "r = torch.pow(x.clamp_min(1.2e-07), 0.5)"),
+    ("eps", (("function", "pow"), ("eps", 1.19e-07)), "r = x ** 0.5", "r = x.clamp_min(1.2e-07) ** 0.5"),
     ("stable", (("function", "log"),), "z = torch.log(torch.softmax(s, dim=-1))", "z = torch.log_softmax(s, dim=-1)"),
 ])
 def test_the_suggested_edit_is_the_line_as_the_trial_changed_it(kind: str, facts: tuple, line: str,

@@ -257,7 +257,8 @@ class _Edit(ast.NodeTransformer):
                     return self._mark(node)
                 return node
             clamp = "clamp" if function in ("acos", "asin") else "clamp_min"
-            if method:
+            # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
+            if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
                 node.func.value = _method(node.func.value, clamp, *_clamp_args(function, self.trial))
             elif node.args:
