@@ -61,6 +61,27 @@ CELLS = {
     "masked_fields": "r = _nan_report\nprint(r.phase, r.module, r.op, r.step, r.source.lineno, r.nan, r.model)",
     "nan_batch": "%%nantrace\nw = nn.Linear(3, 3)\nz = w(torch.tensor([[1.0, float('nan'), 2.0]]))",
     "both_modes": "%%nantrace --warn --log\nprint('ran')",
+    # |h| ** 0.5 with h = 0 at step 2: its backward is NaN. The eps edit clamps the operand, not the exponent.
+    "root_model": (
+        "class Root(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x).abs().pow(0.5)\n"
+        "net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Root(), nn.Linear(4, 1))\n"
+        "net_opt = torch.optim.SGD(net.parameters(), lr=0.01)\n"
+        "xs, ys = torch.randn(8, 4), torch.randn(8, 1)"
+    ),
+    "root": (
+        "%%nantrace\n"
+        "for step in range(4):\n"
+        "    if step == 2:\n"
+        "        with torch.no_grad():\n"
+        "            net[2].lin.weight.zero_(); net[2].lin.bias.zero_()\n"
+        "    loss = nn.functional.mse_loss(net(xs), ys)\n"
+        "    net_opt.zero_grad(); loss.backward(); net_opt.step()"
+    ),
     "on": "%nanwatch on model",
     "off_in_cell": (
         "%nanwatch off\n%nanwatch status\n"
@@ -68,7 +89,7 @@ CELLS = {
         "print('ran unwatched', bool(bad.isnan().any()))"
     ),
 }
-RAISING = {"masked", "nan_batch", "both_modes"}
+RAISING = {"masked", "nan_batch", "both_modes", "root"}
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +181,21 @@ def test_nanwatch_off_is_off_for_the_rest_of_its_cell(nb: Any) -> None:
     cell = named_cell(nb, "off_in_cell")
     assert [out.output_type for out in cell.outputs] == ["stream"] * len(cell.outputs)
     assert stdout(cell) == ["nan_magic: watch off", "nan_magic: off", "ran unwatched True"]
+
+
+def test_a_root_of_zero_gets_an_edit_that_clamps_its_operand_and_no_ok_row_holds_nan(nb: Any) -> None:
+    model_cell = named_cell(nb, "root_model").execution_count
+    cell = named_cell(nb, "root")
+    (error,) = [out for out in cell.outputs if out.output_type == "error"]
+    assert error.evalue.startswith(
+        "first non-finite grad of 2.lin output in backward step 2: 2 (Root), "
+        f"op aten.pow.Tensor_Scalar at Cell In[{model_cell}], line 6"
+    )
+    text = static_text(cell)
+    assert (
+        f"suggested edit (not applied): Cell In[{model_cell}], line 6: "
+        "return self.lin(x).abs().clamp_min(1.2e-07).pow(0.5)"
+    ) in text, text
+    # The gradients below the producer, freed before the report: NaN seen by their probe, so not "ok".
+    rows = [line for line in text.splitlines() if " backward " in line and " grad of input[0] " in line]
+    assert [row.split()[1] for row in rows if " ? " in row] == ["propagated", "propagated"], rows
