@@ -12,6 +12,7 @@ is argparse underneath), and the config of parsed options
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import numbers
@@ -46,6 +47,23 @@ def _flag(*names: str, help: str, **argparse_keywords: Any) -> Flag:
     return names, {"help": help, **argparse_keywords}
 
 
+class _OneOf(argparse.Action):
+    """``store_const`` that refuses a second, different flag of the same option (``--warn --log``).
+
+    With plain ``store_const`` the last flag won in silence: ``--warn --log`` logged without a word.
+    The flags of such an option are spelled as their values (``--warn`` stores ``"warn"``).
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, const: Any = None, **keywords: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=const, **keywords)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, self.default)
+        if current not in (self.default, self.const):
+            raise argparse.ArgumentError(self, f"not allowed with --{current} (choose one)")
+        setattr(namespace, self.dest, self.const)
+
+
 def _comma_names(value: str) -> tuple[str, ...]:
     """``"nan, inf"`` -> ``("nan", "inf")``: a command line gives a list as one word."""
     return tuple(name.strip() for name in value.split(",") if name.strip())
@@ -60,8 +78,8 @@ class WatchConfig:
         """``"raise"`` (default) stops at the first non-benign event with
         :class:`nan_magic.NonFiniteError`; ``"warn"`` emits one warning per
         event and continues; ``"log"`` records silently and continues.""",
-        _flag("--warn", action="store_const", const="warn", help="warn at each event and let the code continue"),
-        _flag("--log", action="store_const", const="log", help="record events silently and let the code continue"),
+        _flag("--warn", action=_OneOf, const="warn", help="warn at each event and let the code continue"),
+        _flag("--log", action=_OneOf, const="log", help="record events silently and let the code continue"),
     )
     mode: WatchMode = _option(
         "tiered",

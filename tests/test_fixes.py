@@ -382,6 +382,19 @@ def test_a_remedy_that_raises_says_what_it_raised() -> None:
     assert from_plain(FixTrial, to_plain(trial)) == trial
 
 
+def test_a_verified_fix_says_whether_the_models_output_moved() -> None:
+    # "output changed by at most 0" read as a hedge, and did not say whose output.
+    unchanged = FixTrial("mask", "aten._softmax.default", "attn", None, (("stepped", True),), True, 0.7, 0.0)
+    moved = dataclasses.replace(unchanged, output_change=0.25)
+    unchanged_text, moved_text = (
+        fix_lines(Report(Phase.FORWARD, "attn", "Attn", 0, 1, 0, 0, 4, fixes=(trial,)))[0][1]
+        for trial in (unchanged, moved)
+    )
+    assert "-> verified: the step came out finite, loss 0.7, the model's finite outputs unchanged (" in unchanged_text
+    assert "loss 0.7, the model's output changed by at most 0.25 (" in moved_text
+    assert "at most 0," not in unchanged_text and "at most 0" not in unchanged_text
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_a_batch_with_nan_samples_is_verified_without_them(defer: bool) -> None:
     torch.manual_seed(0)
@@ -508,6 +521,12 @@ def test_a_remedy_past_the_time_budget_says_so(monkeypatch: pytest.MonkeyPatch) 
     ("eps", (("function", "div"), ("eps", 1.19e-07), ("form", "zeros")), "p = a / b",
      "p = a / torch.where(b == 0, 1.2e-07, b)"),
     ("eps", (("function", "sqrt"), ("eps", 1.19e-07)), "r = x.sqrt()", "r = x.clamp_min(1.2e-07).sqrt()"),
+    # The operand of a pow method, not its exponent: "h.abs().pow(0.5.clamp_min(0.0078))" was suggested.
+    ("eps", (("function", "pow"), ("eps", 0.0078125)), "return h.abs().pow(0.5)",
+     "return h.abs().clamp_min(0.0078).pow(0.5)"),
+    ("eps", (("function", "pow"), ("eps", 1.19e-07)), "r = torch.pow(x, 0.5)",
+     "r = torch.pow(x.clamp_min(1.2e-07), 0.5)"),
+    ("eps", (("function", "pow"), ("eps", 1.19e-07)), "r = x ** 0.5", "r = x.clamp_min(1.2e-07) ** 0.5"),
     ("stable", (("function", "log"),), "z = torch.log(torch.softmax(s, dim=-1))", "z = torch.log_softmax(s, dim=-1)"),
 ])
 def test_the_suggested_edit_is_the_line_as_the_trial_changed_it(kind: str, facts: tuple, line: str,

@@ -310,3 +310,42 @@ def tensor_cells(text: str) -> list[str]:
     lines = layer_lines(text)
     start = next(line for line in lines if " tensor " in line).index(" tensor ") + 1
     return [line[start:].strip() for line in lines if re.match(r"[> ] +\d+ ", line)]
+
+
+class _RootOfAbs(nn.Module):
+    """|h| ** 0.5: finite forward at h = 0, an infinite derivative there (its backward's 0 * inf is NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).abs().pow(0.5)
+
+
+def test_a_gradient_after_the_producer_that_the_probe_saw_nan_in_is_no_ok_row() -> None:
+    # The gradients below the producer were freed before the report: the probe saw NaN in them, uncounted
+    # ("? nan"), and the Layers tab still called them "ok".
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), _RootOfAbs(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def train() -> None:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    net[2].lin.weight.zero_()
+                    net[2].lin.bias.zero_()
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(train, net, opt)
+    assert (report.phase, report.module, report.op, report.step) == ("backward", "2", "aten.pow.Tensor_Scalar", 2)
+    after = [layer for layer in report.layers if str(layer.phase) == "backward" and layer.module in ("2.lin", "1")]
+    assert after and all(layer.stats is not None and layer.stats.nan is None for layer in after)
+    assert [layer.status for layer in after] == ["propagated"] * len(after)
+    rows = [line for line in report.to_text().splitlines() if " ? " in line]
+    assert rows and not any(" ok " in row for row in rows), rows

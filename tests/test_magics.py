@@ -307,6 +307,9 @@ def test_warn_mode_lets_the_cell_finish(ip, ns) -> None:
         ("%%nantrace x\nsteps_run = 99", "cannot watch x (torch.Tensor)"),
         ("%%nantrace --frobnicate\nsteps_run = 99", "unrecognized arguments: --frobnicate"),
         ("%%nantrace --kinds zero\nsteps_run = 99", "kinds must be a non-empty subset"),
+        # Both ways to go on: the last one won in silence (the cell logged, though --warn was asked for).
+        ("%%nantrace model --warn --log\nsteps_run = 99", "argument --log: not allowed with --warn"),
+        ("%nanwatch on --log --warn", "argument --warn: not allowed with --log"),
         ("%%nantrace -o 1bad\nsteps_run = 99", "-o needs a Python identifier"),
         ("%%nantrace model\n   \n", "the cell is empty"),
         ("%nanwatch on modle", "cannot evaluate target 'modle'"),
@@ -585,3 +588,26 @@ def test_the_body_is_named_after_the_cell_that_runs_it(ip, ns) -> None:
     assert ns["Out"].get(result.execution_count) is None and ip.execution_count == result.execution_count + 1
     result = ip.run_cell("%%nantrace other\n1 + 1", store_history=True)
     assert ns["Out"][result.execution_count] == 2
+
+
+def test_nanwatch_off_turns_the_watch_off_for_the_rest_of_its_own_cell(ip, ns) -> None:
+    # "%nanwatch off" then "%nanwatch status" in one cell said "armed for this cell", and the rest of the cell
+    # stayed watched: the model's NaN below the off line raised NonFiniteError.
+    before = global_hook_counts()
+    run(ip, "%nanwatch on model")
+    result, captured = run(ip, "%nanwatch off\n%nanwatch status\ny = model(x)\nprint('ran', bool(y.isnan().any()))")
+    assert result.error_in_exec is None
+    assert captured.stdout.splitlines() == ["nan_magic: watch off", "nan_magic: off", "ran True"]
+    assert global_hook_counts() == before
+
+
+def test_targets_separated_by_commas_are_the_same_targets(ip, ns) -> None:
+    # "%%nantrace model, opt" was a usage error: "cannot watch model, (builtins.tuple)".
+    result, _ = run(ip, "%%nantrace model, opt\n" + TRAIN)
+    assert isinstance(result.error_in_exec, FloatingPointError)
+    report = ns["_nan_report"]
+    assert (report.model, report.module, report.op) == ("model", "log", "aten.log.default")
+    # A subscript keeps its own comma: it is one expression, evaluated as written.
+    ns["grid"] = {(0, 1): ns["model"]}
+    result, _ = run(ip, "%%nantrace grid[0,1] opt\nsteps_run = 5")
+    assert result.error_in_exec is None and ns["steps_run"] == 5

@@ -611,3 +611,90 @@ def test_the_last_ten_early_warnings_are_listed_and_the_earlier_ones_counted() -
     assert "step 1: the loss reached 10" not in text and "step 2: the loss reached 20, 5x its running median" in text
     assert "step 10: the GradScaler scale fell on each of the last 3 steps, to 512" in text
     assert "step 11: the gradient norm of a, b, c and 1 more overflowed float32 before the Adam step" in text
+
+
+def test_a_running_row_beside_the_producer_folds_no_column_into_the_caption() -> None:
+    # A NaN batch into a bare Linear: the root's call is still running (no tensor, no dtype) beside the data row.
+    from nan_magic.render.table import style_layers
+
+    model = nn.Linear(3, 3)
+    report = raised(lambda: model(torch.tensor([[1.0, float("nan"), 2.0]])), model)
+    assert [layer.status for layer in report.layers if layer.stats is None]  # the running row
+    html = style_layers(report.layers).to_html()
+    assert "tensor nan" not in html and "dtype nan" not in html
+    cells = table_cells(html)
+    assert cells[("Linear (root)", "input[0]")][1:] == ("producer", "1 nan")
+    assert "tensor nan" not in build_widget_layers_text(report)
+
+
+def build_widget_layers_text(report: Report) -> str:
+    """The widget's Layers tab, every HTML part of it."""
+    from nan_magic.render.widget import build_widget
+
+    layers_tab = build_widget(report).children[1]
+    return "\n".join(child.value for child in layers_tab.children if hasattr(child, "value"))
+
+
+def test_a_data_event_says_no_inputs_row_and_counts_one_call_in_the_singular() -> None:
+    # The value came in with the batch: no op read it, so no row says whether its inputs were finite.
+    model = nn.Linear(3, 3)
+    report = raised(lambda: model(torch.tensor([[1.0, float("nan"), 2.0]])), model)
+    assert report.phase == "data" and report.module == ""
+    from nan_magic.render.common import fact_rows
+
+    assert "inputs" not in [label for label, _ in fact_rows(report)]
+    for view, text in widget_views(report).items():
+        assert "<tr><td>inputs</td>" not in text and "\n  inputs " not in text, view
+        assert "phase data: input[0] held 1 nan before any watched module ran" in text, view
+    assert "Layers of step 0: 1 call measured; 1 running\n" in report.to_text()
+    assert "1 calls" not in report.to_html()
+
+
+def test_a_masked_minus_inf_leaves_the_finite_scores_visible_in_their_histogram() -> None:
+    # Attention scores of about 1 with a row masked to -inf: the histogram shows the scores, not float32's range.
+    from nan_magic.render.plots import histogram_figure
+
+    scores = nan_magic.records.Sample(
+        "float32", tuple(float(v) for v in torch.linspace(-0.8, 1.2, 95)), 100, neginf=5, nan=0, posinf=0
+    )
+    (axes,) = histogram_figure((scores,)).axes
+    assert not axes.get_lines()  # no limit lines at +-3.4e38
+    left, right = axes.get_xlim()
+    assert -3 < left < -0.8 and 1.2 < right < 3, (left, right)
+    (minus_inf,) = [patch for patch in axes.patches if patch.get_hatch() == "//"]
+    assert minus_inf.get_height() == 5 and minus_inf.get_x() < -0.8
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert legend == ["float32 limit \u00b13.4e+38: 2.84e+38x the largest |value|"]
+
+
+def test_a_history_of_one_step_is_titled_in_the_singular() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    bad = y.clone()
+    bad[2] = float("nan")
+
+    def train() -> None:
+        for target in (y, bad):
+            loss = nn.functional.mse_loss(model(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(train, model, opt)
+    assert len(report.history) == 1
+    assert "History (1 step kept)" in report.to_html()
+
+
+def test_a_float32_range_axis_reads_2e38_not_an_engineering_prefix_past_q() -> None:
+    # An all-inf float32 output draws float32's range: its ticks read "-2e+08Q" (EngFormatter stops at Q, 1e30).
+    from nan_magic.render.plots import figure_png, histogram_figure
+
+    overflowed = nan_magic.records.Sample("float32", (), 8, posinf=8, nan=0, neginf=0)
+    small = nan_magic.records.Sample("float16", tuple(float(v) for v in range(-40000, 40001, 8000)), 11)
+    figure = histogram_figure((overflowed, small))
+    figure_png(figure)  # lay the figure out: the tick labels are made then
+    wide, narrow = ([label.get_text() for label in axes.get_xticklabels() if label.get_text()] for axes in figure.axes)
+    assert "2e38" in wide and not any("Q" in label for label in wide), wide
+    assert "30k" in narrow, narrow

@@ -181,6 +181,9 @@ class NanMagics(Magics):
                 print(self._status())
                 return
             self._persistent = None
+            if self._held is not None and self._held.persistent and self._held.depth == self._bodies:
+                # Off is off from this line: the rest of the cell runs unwatched, as the status then says.
+                self._release(None)
             print("nan_magic: watch off")
             return
         persistent = words[:1] == ["on"]
@@ -279,6 +282,9 @@ class NanMagics(Magics):
         if not args.output.isidentifier():
             raise UsageError(f"{name}: -o needs a Python identifier, not {args.output!r}")
         namespace = self._shell.user_ns
+        # "model, opt" as Python reads a list: between names a comma separates, as a space does
+        # (an expression keeps its own commas: "models[0,1]", "get(a, b)").
+        args.targets = [name for target in args.targets for name in _names_or_expression(target)]
         if args.targets:
             labels = list(args.targets)
             targets = [self._eval(expression, f"{name}: cannot evaluate target") for expression in args.targets]
@@ -408,6 +414,15 @@ class NanMagics(Magics):
         if self._last is not None and self._last.report is not None:
             lines.append(f"last report: {self._last.report.message}")
         return "\n".join(lines)
+
+
+_DOTTED_NAME = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def _names_or_expression(target: str) -> list[str]:
+    """``"model,"`` -> ``["model"]``, ``"model,opt"`` -> ``["model", "opt"]``; any other word as it is."""
+    names = [name for name in target.split(",") if name]
+    return names if all(_DOTTED_NAME.fullmatch(name) for name in names) else [target]
 
 
 _NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")

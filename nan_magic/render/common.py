@@ -288,7 +288,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         inputs = "finite, but for an infinity absorbed in forward (absorbed, below)"
     if report.nonfinite_numbers:
         inputs = "tensors finite; a Python number was not"
-    if not report.unlocated:
+    # A data event with no op has no inputs that could be finite: the value itself came in (the evidence row
+    # says so). One the loop's code computed ((raw - mean) / std) has its op, and the op its operands.
+    if not report.unlocated and not (str(report.phase) == "data" and report.op is None):
         rows.append(("inputs", inputs))
     names = operand_names(report.op, report.source.line if report.source else None, _tensor_operands(report))
     rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")

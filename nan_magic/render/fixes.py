@@ -97,8 +97,12 @@ def _outcome(trial: FixTrial) -> str:
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
         parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
-    if trial.output_change is not None:
-        parts.append(f"output changed by at most {fmt(trial.output_change)}")
+    if trial.output_change == 0:
+        # "changed by at most 0" read as a hedge; a remedy in the loss code, or one that only replaces the NaN,
+        # leaves every finite value of the model's output as it was.
+        parts.append("the model's finite outputs unchanged")
+    elif trial.output_change is not None:
+        parts.append(f"the model's output changed by at most {fmt(trial.output_change)}")
     if trial.fact("moved_all"):
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the NaN is hidden, "
@@ -253,7 +257,8 @@ class _Edit(ast.NodeTransformer):
                     return self._mark(node)
                 return node
             clamp = "clamp" if function in ("acos", "asin") else "clamp_min"
-            if method:
+            # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
+            if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
                 node.func.value = _method(node.func.value, clamp, *_clamp_args(function, self.trial))
             elif node.args:

@@ -53,7 +53,8 @@ def layers_count(layers: Sequence[LayerCall]) -> str:
         if layer.stats is None:
             unmeasured[layer.status] = unmeasured.get(layer.status, 0) + 1
     # A call may have several rows (a tuple output, a value its own code passed on): calls are counted once.
-    measured = f"{len({layer.index for layer in layers if layer.stats is not None})} calls measured"
+    calls = len({layer.index for layer in layers if layer.stats is not None})
+    measured = f"{calls} call{'' if calls == 1 else 's'} measured"
     return "; ".join([measured, ", ".join(f"{count} {status}" for status, count in unmeasured.items())]).rstrip("; ")
 
 

@@ -17,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import EngFormatter, MaxNLocator
+from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator
 from PIL import Image
 
 from nan_magic.records import Sample, StepSummary
@@ -120,7 +120,10 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     handles: list[Any] = []
     limit = finite_limit(dtype)
     absmax = max(abs(low), abs(high))
-    if limit is not None and (absmax >= _LIMIT_VISIBLE * limit or sample.posinf or sample.neginf):
+    # An infinity alone does not draw the range: a masked_fill(-inf) beside scores of about 1 would squash
+    # every finite value into one bar out of sight. Without a finite value there is nothing to squash.
+    infinite_only = not sample.values and bool(sample.posinf or sample.neginf)
+    if limit is not None and (absmax >= _LIMIT_VISIBLE * limit or infinite_only):
         label = f"{dtype} finite range \u00b1{limit:.5g}"
         handles.append(axes.axvline(-limit, color=_LIMIT, linestyle="--", label=label))
         axes.axvline(limit, color=_LIMIT, linestyle="--")
@@ -131,7 +134,7 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
         handles.append(Line2D([], [], linestyle="none", label=text))
     # Few, short tick labels: a float16 axis spans -65504..65504 and long ones run into each other.
     axes.xaxis.set_major_locator(MaxNLocator(5))
-    axes.xaxis.set_major_formatter(EngFormatter(sep=""))
+    axes.xaxis.set_major_formatter(FuncFormatter(_tick_label))
     tallest = max([tallest, *bad.values()])
     span = (high - low) or max(abs(high), 1.0)
     _draw_nonfinite(axes, bad, low, high, span)
@@ -143,6 +146,19 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     if handles:
         axes.legend(handles=handles, fontsize=_SMALL, loc="upper left", handlelength=1.5,
                     framealpha=0.9)
+
+
+_ENGINEERING = EngFormatter(sep="")
+
+
+def _tick_label(value: float, position: int | None = None) -> str:
+    """``40k``, ``2.5m`` as engineering prefixes; past them (a float32 range's ``2e38``) in plain exponent form.
+
+    EngFormatter's largest prefix is Q (1e30): float32's range read ``-2e+08Q``.
+    """
+    if abs(value) >= 1e15:
+        return str(_ENGINEERING.fix_minus(f"{value:.3g}".replace("e+", "e")))
+    return str(_ENGINEERING(value, position))
 
 
 def _draw_nonfinite(axes: Axes, bad: dict[str, int], low: float, high: float, span: float) -> None:

@@ -198,7 +198,11 @@ def style_layers(layers: Sequence[LayerCall]) -> Styler:
     frame = view_frame(layers)
     if not has_moments(layers):
         frame = frame.drop(columns=["mean", "std"])
-    shared = [column for column in _SHARED if len(layers) > 1 and frame[column].nunique() == 1]
+    # Folded only where every row has the same value: nunique() skips missing ones, so a running row (no tensor,
+    # no dtype) beside the producer would fold the producer's "input[0]" away and caption "tensor nan".
+    shared = [
+        column for column in _SHARED if len(layers) > 1 and frame[column].notna().all() and frame[column].nunique() == 1
+    ]
     caption = ", ".join(f"{column} {frame[column].iloc[0]}" for column in shared)
     frame = frame.drop(columns=shared)
     classes = row_classes(layers)

@@ -214,9 +214,8 @@ class HistogramsView:
         label = ", ".join(sample.label for sample in shown)
         outputs = [_display(f"<histograms of {label}>", histogram_png(shown, self.zeros))]
         if len(chosen) > len(shown):
-            outputs.append(_display(
-                f"{len(chosen) - len(shown)} more samples: pick them one by one above."
-            ))
+            left = len(chosen) - len(shown)
+            outputs.append(_display(f"{left} more sample{'' if left == 1 else 's'}: pick them one by one above."))
         self.output.outputs = tuple(outputs)
 
 

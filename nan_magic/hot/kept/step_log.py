@@ -375,7 +375,12 @@ class StepLog:
                 # A value the check that stopped the step never judged (the deferred check stops at the loss, the
                 # backward's gradients after it unjudged) is no "ok" where it holds non-finite values: it came
                 # after the producer, which is first by the rule, so it carried them on.
-                unjudged = record.status == "ok" and stats is not None and bool(stats.kinds)
+                # (A count of None is a kind the probe saw and did not count: a freed gradient's "? nan".)
+                unjudged = (
+                    record.status == "ok"
+                    and stats is not None
+                    and (bool(stats.kinds) or None in (stats.nan, stats.posinf, stats.neginf))
+                )
                 rows.append(
                     LayerCall(
                         index=call.index,
