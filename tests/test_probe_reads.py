@@ -1,9 +1,10 @@
-"""A boundary's probe and a gradient's sum read the tensor itself where it requires no grad (hot17, issue 25).
+"""What a boundary's probe must keep, whatever it does before its reduction (hot17, issue 25).
 
-Only a tensor that requires grad is detached before its reduction (a model's output, the loss): a batch and a
-gradient are read as they are, one tensor object less a read. What must hold: no read records a graph, the
-values read are the same, and a batch that is a forward-mode dual tensor (no grad required, a tangent carried)
-is read as its primal values, in both timings.
+hot17 tried detaching only a tensor that requires grad (a batch and a gradient read as they are, one tensor
+object less a read) and left it: sampled, the time moved from the detach to the reduction, the step's first touch
+of the tensor (HOT17.md). These pin what such a change must keep: no read records a graph, the values read are
+the same, and a batch that is a forward-mode dual tensor (no grad required, a tangent carried) is read as its
+primal values, in both timings.
 """
 
 from __future__ import annotations

@@ -150,10 +150,7 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` as 0-d tensors on the tensor's device; both NaN if any element is.
 
     ``tensor`` is a dense real one (:func:`readable` gives that of any
-    checkable tensor; the callers convert once, as they record). Only a
-    tensor that requires grad is detached (a model's output, the loss): a
-    detached alias is a tensor object made and freed at every probe, and
-    the others (a batch, a gradient) record no graph without it.
+    checkable tensor; the callers convert once, as they record).
 
     One fused ``aminmax`` on a GPU (one kernel) and for most CPU tensors.
     On the CPU, ``aminmax`` runs a scalar loop, while ``amin`` and ``amax``
@@ -166,8 +163,7 @@ def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     like ``aminmax``. No host synchronisation happens here; the caller
     decides when to read.
     """
-    if tensor.requires_grad:  # (only then would the reduction record a graph: a batch, a gradient, need no detach)
-        tensor = tensor.detach()
+    tensor = tensor.detach()
     if tensor.is_cpu and _SPLIT_PROBE_NUMEL * tensor.itemsize <= tensor.nbytes < _SPLIT_PROBE_MAX_BYTES:
         return torch.amin(tensor), torch.amax(tensor)
     return torch.aminmax(tensor)

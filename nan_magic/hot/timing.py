@@ -161,7 +161,7 @@ class Immediate(Timing):
 
     def finite_by_sum(self, tensor: torch.Tensor, known: bool) -> bool:
         return (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.layout is torch.strided
-                and (known or math.isfinite(float((tensor.detach() if tensor.requires_grad else tensor).sum()))))
+                and (known or math.isfinite(float(tensor.detach().sum()))))
 
     def free_read(self, read: Callable[[], T]) -> T | None:
         return read()

@@ -131,7 +131,7 @@ class TensorRecord:
         # of aminmax on the CPU, answers it. A non-finite sum (or one that
         # overflowed) gets the exact probe below.
         summed = not ranged and not hold and same is None and values.is_cpu and values.dtype in WIDE_FLOATS
-        if summed and math.isfinite(float((values.detach() if values.requires_grad else values).sum())):
+        if summed and math.isfinite(float(values.detach().sum())):
             self.ranged = False
             return
         if same is not None and same._probe is None:
