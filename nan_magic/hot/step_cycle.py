@@ -355,8 +355,9 @@ class StepCycle:
             self.optimizers.on_step_post(opt, args, kwargs)
         finally:
             if self.replays is not None and self._here.mine:
-                # Its models' calls can need no replay now, nor stay alive.
-                self.replays.release_stepped(opt)
+                # Its models' calls can need no replay now, nor stay alive (its pre-hook's layout's parameters).
+                ids = self.optimizers.step_ids if self.optimizers.step_ids_of is opt else None
+                self.replays.release_stepped(opt, ids)
         if self.outside is not None and self._here.mine:
             self.timing.step_judged(self.outside)
 

@@ -46,7 +46,8 @@ class Layouts:
             # ``.grad`` setter enforce it), so this is decided once per layout.
             # A sharded (FSDP2) parameter's gradient is checked as this rank's shard (_gradients).
             floating = [(name, parameter) for name, parameter in named if is_checkable(local_shard(parameter))]
-            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide, dtype=dtype)
+            layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide, dtype=dtype,
+                                                    ids=frozenset(signature))
             # How the step's gradient norms are taken (optim.py's _gradient_norms): a large CPU gradient alone,
             # the others in one fused call per (device, dtype); a sharded parameter's the generic way.
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

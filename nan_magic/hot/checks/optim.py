@@ -103,6 +103,10 @@ class OptimizerChecks:
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
         self._stepping: torch.optim.Optimizer | None = None  # (that optimizer, for a closure's gradients)
+        #: The parameters of the step whose pre-hook read ``step_ids_of``'s layout (its ``ids``, a set made once a
+        #: layout): what the step replays release at its post-hook (step_cycle.py), no set built each step.
+        self.step_ids_of: torch.optim.Optimizer | None = None
+        self.step_ids: frozenset[int] = frozenset()
         # Deferred mode: a step's parameter/state norms, read at the next sync.
         self.carried: StepResult | None = None
         # A step whose parameters need no check after it (bounded_step); one whose gradients reach
@@ -231,6 +235,7 @@ class OptimizerChecks:
             self._last = opt
         self._bounded = False
         layout = self.layout(opt)
+        self.step_ids_of, self.step_ids = opt, layout.ids
         grad_norms = self._gradient_norms(layout)
         running = layout.running.norms() if layout.running is not None else []  # (BatchNorm's: running_stats.py)
         carried, self.carried = self.carried, None

@@ -126,6 +126,9 @@ class Layout:
     #: The first parameter's dtype: ``model.half()`` converts the parameters in place (their ids stay), and the
     #: layout's verdicts (``wide``, the groups, the bounded step) are rebuilt for the new dtype.
     dtype: Any = None
+    #: The ids of ``signature`` as a set, made with the layout: the parameters a step of it stepped
+    #: (the step replays' release, localize/replay/step.py), with no set built at each step.
+    ids: frozenset[int] = frozenset()
 
 
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:

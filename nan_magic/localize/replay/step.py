@@ -135,8 +135,8 @@ class StepReplays:
         # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
         self._slots: dict[int, tuple[list[Any], list[str], bool]] = {}
         self._mutable: dict[int, set[int] | None] = {}
-        # Parameters that an optimizer stepped since the step began (release_stepped).
-        self._stepped: set[int] = set()
+        # Parameters that an optimizer stepped since the step began (release_stepped; a layout's set, as it is).
+        self._stepped: frozenset[int] = _NO_PARAMETERS
         # Per model: its trainable parameters, learned at its first call (release_stepped).
         self._trainable: dict[int, frozenset[int]] = {}
         # Per model: whether its forward is torch's own code (an nn.Sequential, a compiled wrapper), learned at
@@ -244,7 +244,7 @@ class StepReplays:
     def clear(self) -> None:
         """The watch ends: nothing can need a replay any more."""
         self.calls.clear()
-        self._stepped.clear()
+        self._stepped = _NO_PARAMETERS
         self._buffer_copies.clear()
 
     def new_step(self, training: bool) -> None:
@@ -256,7 +256,7 @@ class StepReplays:
         resized), so they are learned again.
         """
         if self._stepped:
-            self._stepped.clear()
+            self._stepped = _NO_PARAMETERS
         if not self.calls:  # (a training step released its calls as its optimizer stepped: nothing to learn)
             return
         if not training:
@@ -268,7 +268,7 @@ class StepReplays:
         for module in {id(root.module): root.module for root in self.calls}.values():
             self._trainable[id(module)] = _trainable(module)
 
-    def release_stepped(self, opt: torch.optim.Optimizer) -> None:
+    def release_stepped(self, opt: torch.optim.Optimizer, ids: frozenset[int] | None = None) -> None:
         """``opt`` stepped: drop the calls of models with nothing left to step this step.
 
         A call is kept while its model has a trainable parameter that no
@@ -279,13 +279,14 @@ class StepReplays:
         parameters are those of the model's first call in the watch (a set
         per model, not a walk of its parameters each step), learned again
         for a call still waiting when the next step begins (new_step).
+        ``ids``: the ids of ``opt``'s parameters, as its pre-hook's layout holds them (a set made once a
+        layout, hot/checks/layouts.py: none is built here each step); None: read from its groups.
         """
-        groups = opt.param_groups
-        if len(groups) == 1:  # (the usual optimizer: no generator over its groups, every step)
-            self._stepped.update(map(id, groups[0]["params"]))
-        else:
-            self._stepped.update(map(id, itertools.chain.from_iterable(group["params"] for group in groups)))
-        stepped = self._stepped
+        if ids is None:
+            groups = opt.param_groups
+            ids = frozenset(map(id, groups[0]["params"] if len(groups) == 1
+                                else itertools.chain.from_iterable(group["params"] for group in groups)))
+        self._stepped = stepped = ids if not self._stepped else self._stepped | ids
         calls = self.calls
         if len(calls) == 1:  # (the usual step, one model call: no list of the waiting ones, no _keep)
             root = calls[0]
