@@ -2,9 +2,9 @@
 
 hot17 tried detaching only a tensor that requires grad (a batch and a gradient read as they are, one tensor
 object less a read) and left it: sampled, the time moved from the detach to the reduction, the step's first touch
-of the tensor (HOT17.md). These pin what such a change must keep: no read records a graph, the values read are
-the same, and a batch that is a forward-mode dual tensor (no grad required, a tangent carried) is read as its
-primal values, in both timings.
+of the tensor (benchmarks/README.md, "seventeenth round"). These pin what such a change must keep: no read
+records a graph, the values read are the same, and a batch that is a forward-mode dual tensor (no grad
+required, a tangent carried) is read as its primal values, in both timings.
 """
 
 from __future__ import annotations
