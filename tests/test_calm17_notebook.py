@@ -192,7 +192,10 @@ def test_a_whole_cell_under_a_bare_nantrace_run_twice_is_what_it_is_unwatched(ip
         ip.user_ns.pop("_nan_report", None)
         outcome, captured = _run(ip, f"%%nantrace {flags}\n{CELLS[name]}")
         assert outcome.error_in_exec is None, captured.stdout
-        assert ip.user_ns.get("_nan_report") is None and "NonFinite" not in captured.stdout, captured.stdout
+        # A benign event is shown, never raised (PRODUCT.md): ppo-masked's policy returns a Categorical of
+        # masked_fill(-inf) logits, whose deliberate infinity the watch reads and reports as benign.
+        report = ip.user_ns.get("_nan_report")
+        assert (report is None or report.benign) and "NonFinite" not in captured.stdout, captured.stdout
         got = ip.user_ns["result"]
         assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected, strict=True))
         assert _kept(ip.user_ns) == traces
@@ -215,4 +218,5 @@ def test_nanwatch_on_across_the_whole_cells_is_calm_and_identical(ip, flags: str
         want, want_traces = expected[name]
         assert len(got) == len(want) and all(same(a, b) for a, b in zip(got, want, strict=True)), name
         assert traces == want_traces, name
-    assert ip.user_ns.get("_nan_report") is None
+    report = ip.user_ns.get("_nan_report")  # ppo-masked's masked_fill(-inf) policy logits: benign, shown
+    assert report is None or report.benign

@@ -70,10 +70,17 @@ Producer = tuple[FrameType | None, tuple[int, int] | None]
 MAX_CALLS = 8
 
 
+class _Timing(Protocol):
+    deferred: bool
+
+
 class _Cycle(Protocol):
     trains: bool
+    timing: _Timing
 
     def training(self) -> bool: ...
+
+    def sync(self) -> list[float]: ...
 
 
 class ReplayHost(Protocol):
@@ -192,7 +199,15 @@ class StepReplays:
         rng = self._states.take(module)  # (once for a Sequential that draws nothing: rng.py)
         caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
         line = line_at(caller) if caller is not None else 0  # (f_lineno scans the code's line table: lines.py)
-        self.calls.append(RootCall(
+        calls = self.calls
+        if len(calls) == MAX_CALLS and (cycle := self.watch.cycle).timing.deferred:
+            # The oldest call is let go now, and the deferred check would judge its outputs after: a replay could no
+            # longer say whether their infinity is deliberate (a rollout of more calls than are held, its
+            # masked_fill(-inf) logits, before the first optimizer step) or who made a NaN. So what the step holds
+            # is judged now, while every call is held: one host read per MAX_CALLS calls beyond the first ones,
+            # only in a step of more top-level calls than that.
+            cycle.sync()
+        calls.append(RootCall(
             module=module,
             info=info,
             args=args,
