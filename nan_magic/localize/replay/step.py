@@ -71,12 +71,15 @@ MAX_CALLS = 8
 
 
 class _Timing(Protocol):
-    deferred: bool
+    @property
+    def deferred(self) -> bool: ...
 
 
 class _Cycle(Protocol):
     trains: bool
-    timing: _Timing
+
+    @property
+    def timing(self) -> _Timing: ...
 
     def training(self) -> bool: ...
 
@@ -201,11 +204,8 @@ class StepReplays:
         line = line_at(caller) if caller is not None else 0  # (f_lineno scans the code's line table: lines.py)
         calls = self.calls
         if len(calls) == MAX_CALLS and (cycle := self.watch.cycle).timing.deferred:
-            # The oldest call is let go now, and the deferred check would judge its outputs after: a replay could no
-            # longer say whether their infinity is deliberate (a rollout of more calls than are held, its
-            # masked_fill(-inf) logits, before the first optimizer step) or who made a NaN. So what the step holds
-            # is judged now, while every call is held: one host read per MAX_CALLS calls beyond the first ones,
-            # only in a step of more top-level calls than that.
+            # The oldest call is let go now; judged after, no replay could call its -inf deliberate (a rollout's
+            # masked logits) or name a NaN's op. So the step is judged now: a host read per MAX_CALLS calls more.
             cycle.sync()
         calls.append(RootCall(
             module=module,
