@@ -157,10 +157,9 @@ class StepCycle:
         The training iterations completed: an iteration is complete when
         every optimizer taking part in it has stepped (passed to the watch or
         not: a GAN's two; iterations.py). Before any optimizer is seen (inference,
-        or the first iteration of a loop whose optimizer was not passed):
-        the index of the step opened last (a step begins when the first
-        top-level module of the one before is called again), so the loss
-        and backward of the first iteration are step 0.
+        or the first iteration of a loop whose optimizer was not passed): the index of the step opened last (a step
+        begins when the first top-level module of the one before is called again), so the loss and backward of the
+        first iteration are step 0.
         """
         if self.trains or self.training():  # (trains read first, as the hot path does)
             return self.optimizers.iterations.completed  # (optimizers.steps, inlined: read at every batch)
@@ -187,11 +186,9 @@ class StepCycle:
     def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None:
         """A top-level call of ``module`` starts: it opens a step where none is open.
 
-        Where no optimizer steps, the open step ends here when ``module`` is
-        its first top-level module (PRODUCT.md's step rule). ``entering``:
-        the call's tensor arguments, whose origins in the op tracer (ops
-        mode) outlive the new step's reset: a batch the loop computed is
-        judged as the call starts.
+        Where no optimizer steps, the open step ends here when ``module`` is its first top-level module (PRODUCT.md's
+        step rule). ``entering``: the call's tensor arguments, whose origins in the op tracer (ops mode) outlive the
+        new step's reset: a batch the loop computed is judged as the call starts.
         """
         # (_end_update, inlined, ended by a call: every top-level call.)
         if self.update_code is not None and (written := self.update_code.end()):
@@ -269,10 +266,8 @@ class StepCycle:
     ) -> list[float]:
         """The step's check: read ``extra`` scalars, and what the step left pending (hot/timing.py), in one transfer.
 
-        ``first`` judges the values of ``extra`` before any call is (the
-        previous optimizer step's result: a step that made a parameter
-        non-finite comes before the forward that then read it). Returns the
-        values of ``extra``.
+        ``first`` judges the values of ``extra`` before any call is (the previous optimizer step's result: a step that
+        made a parameter non-finite comes before the forward that then read it). Returns the values of ``extra``.
         """
         return self.timing.check(self, extra or [], first)
 
@@ -295,10 +290,9 @@ class StepCycle:
     def backward_finished(self, _loss: torch.Tensor) -> None:
         """``backward()`` returned: the update code begins.
 
-        Inside an optimizer's closure (LBFGS) the step's check runs now, its
-        gradients' too: the step writes the parameters once the closure
-        returns, from those gradients, and a replay of the closure's model
-        call must read the parameters as that call did.
+        Inside an optimizer's closure (LBFGS) the step's check runs now, its gradients' too: the step writes the
+        parameters once the closure returns, from those gradients, and a replay of the closure's model call must read
+        the parameters as that call did.
         """
         if self._closure_ran and self._here.mine and not self.outcome.stopped:
             self.optimizers.closure_gradients()
@@ -364,9 +358,8 @@ class StepCycle:
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.
 
-        In deferred mode the backward's probes are read first (the read the
-        skipped step's optimizer hook would have made), so the held event
-        names where the gradients overflowed.
+        In deferred mode the backward's probes are read first (the read the skipped step's optimizer hook would have
+        made), so the held event names where the gradients overflowed.
         """
         if not self.gradients.backward_runs:
             return  # settled already (a second optimizer's skip of the same backward)
@@ -394,17 +387,13 @@ class StepCycle:
     def _check_unstepped_gradients(self, leaving: bool = False) -> None:
         """The parameter gradients a backward left with no optimizer step after it.
 
-        The per-module watch sees a backward producer in the gradients
-        flowing into each module; the tiered watch sees the gradients into
-        the model's outputs, then the parameter gradients when an optimizer
-        is about to step. A backward with no optimizer after it (saliency,
-        a gradient check, the last backward of a watched cell) has its
-        parameter gradients read here instead, when the next forward starts
-        or the watch ends. ``leaving``: the watch ends after a backward that
-        no step followed, optimizer or not (a cell that runs ``backward()``
-        and leaves ``opt.step()`` to the next cell); a gradient only its
-        parameter's own formula made non-finite is seen by no other check,
-        in either mode.
+        The per-module watch sees a backward producer in the gradients flowing into each module; the tiered watch sees
+        the gradients into the model's outputs, then the parameter gradients when an optimizer is about to step. A
+        backward with no optimizer after it (saliency, a gradient check, the last backward of a watched cell) has its
+        parameter gradients read here instead, when the next forward starts or the watch ends. ``leaving``: the watch
+        ends after a backward that no step followed, optimizer or not (a cell that runs ``backward()`` and leaves
+        ``opt.step()`` to the next cell); a gradient only its parameter's own formula made non-finite is seen by no
+        other check, in either mode.
         """
         if not self.config.backward or self.outcome.stopped or self.optimizers.scaler_active():
             return  # a GradScaler settles them (a skipped step)

@@ -11,13 +11,14 @@ into them with one ``_foreach_copy_``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from nan_magic.hot.reads import GradOff
+from nan_magic.hot.reads import GradOff, version_of
 
-__all__ = ["BufferCopies"]
+__all__ = ["BufferCopies", "ScriptedBuffers", "with_versions"]
 
 #: ``(the buffers copied, in order; their copies by id(buffer))``
 _Spare = tuple[list[torch.Tensor], dict[int, torch.Tensor]]
@@ -55,3 +56,23 @@ class BufferCopies:
     def clear(self) -> None:
         """The watch ends: hold no buffer."""
         self._spare.clear()
+
+
+def with_versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor with its version counter (``version_of``, read directly where none is an inference tensor)."""
+    try:
+        return [(tensor, tensor._version) for tensor in tensors]
+    except RuntimeError:  # an inference tensor has no version counter
+        return [(tensor, version_of(tensor)) for tensor in tensors]
+
+
+class ScriptedBuffers:
+    """A ``torch.jit.script``ed submodule's buffers, read like a dict (its ``OrderedDictWrapper`` has no ``get``)."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self, buffers: Any) -> None:
+        self._buffers = buffers
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self._buffers[name] if name in self._buffers else None  # noqa: SIM401 (it has no get)

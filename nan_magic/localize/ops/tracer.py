@@ -38,9 +38,8 @@ makes that backward op an origin, with the forward op as its ``absorbed`` field.
 replay, which stops there to open %debug in that op's frame) the first origin is the finding at once.
 After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
 
-Ops run by nan_magic's own code (its hooks' reductions, the optimizer's
-gradient norms) are never judged: an origin whose op was called from our
-code is dropped.
+Ops run by nan_magic's own code (its hooks' reductions, the optimizer's gradient norms) are never judged: an origin
+whose op was called from our code is dropped.
 
 This module is the dispatch mode and the rules above; its parts live beside it:
 :mod:`~nan_magic.localize.ops.plans` (what an op does, from its schema), :mod:`~nan_magic.localize.ops.kinds`
@@ -98,6 +97,7 @@ __all__ = ["OpTracer"]
 #: make_fx's tracing mode, when one is on (lifecycle/users_modes._Traced): the values it traces cannot be read.
 _get_mode, _PROXY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.PROXY
 
+
 def _no_module() -> str | None:
     return None
 
@@ -113,22 +113,18 @@ class OpTracer(TorchDispatchMode):
         Called at a finding; returns the qualified name of the module running
         (the watch keeps a module stack), or None.
     on_finding
-        Called once, with the finding, inside the producing op (not with
-        ``at_boundary``). It may raise to stop the program at that op; the
-        exception leaves through the op (and, in backward, through
-        ``loss.backward()``).
+        Called once, with the finding, inside the producing op (not with ``at_boundary``). It may raise to stop the
+        program at that op; the exception leaves through the op (and, in backward, through ``loss.backward()``).
     phase_hint
         Called at a finding outside the autograd engine; a non-None phase
         (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
     at_boundary
-        Record origins only; the finding is the origin that :meth:`claim`
-        finds for a tensor at a boundary (ops mode). Without it, the first
-        origin is the finding.
+        Record origins only; the finding is the origin that :meth:`claim` finds for a tensor at a boundary (ops mode).
+        Without it, the first origin is the finding.
     outside_benign
-        A non-finite value from outside the trace counts as benign: in a
-        replay of a module that the watch found to be the producer, it is
-        what the module received (e.g. a masked row's -inf). Otherwise only
-        a mask-like one does, and any other carries no origin.
+        A non-finite value from outside the trace counts as benign: in a replay of a module that the watch found to be
+        the producer, it is what the module received (e.g. a masked row's -inf). Otherwise only a mask-like one does,
+        and any other carries no origin.
 
     Notes
     -----
@@ -194,10 +190,9 @@ class OpTracer(TorchDispatchMode):
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
         """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
 
-        ``keep``: tensors whose origins stay, with what the report needs of
-        them. A step opens at its first model call, and the batch that call
-        receives was computed before it (``x = (x - mean) / std`` in the
-        loop): its origin is claimed only once the call judges its inputs.
+        ``keep``: tensors whose origins stay, with what the report needs of them. A step opens at its first model
+        call, and the batch that call receives was computed before it (``x = (x - mean) / std`` in the loop): its
+        origin is claimed only once the call judges its inputs.
         So do the parameters an optimizer's step made non-finite: the deferred check judges it once the next began.
         """
         self.finding = None

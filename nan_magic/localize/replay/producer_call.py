@@ -96,12 +96,10 @@ class CallReplay:
     def classify(self, tensor: torch.Tensor) -> tuple[TensorRecord | Alias | None, bool]:
         """A call input's record, and whether holding it until its gradient is computed adds no memory.
 
-        Holding is free when something besides its Python object holds the
-        tensor (``_use_count() > 1``: autograd saved it for the backward)
-        and it is a recorded output with our gradient hook, which releases
-        it (:meth:`GradientChecks.release`) as soon as its gradient is
-        complete. Other inputs are held weakly, and recomputed from their
-        record if a replay needs them (:meth:`_regenerate`).
+        Holding is free when something besides its Python object holds the tensor (``_use_count() > 1``: autograd
+        saved it for the backward) and it is a recorded output with our gradient hook, which releases it
+        (:meth:`GradientChecks.release`) as soon as its gradient is complete. Other inputs are held weakly, and
+        recomputed from their record if a replay needs them (:meth:`_regenerate`).
         """
         record = self._log.lookup(tensor)
         if record is None:
@@ -117,11 +115,10 @@ class CallReplay:
     ) -> bool:
         """Replay the producer module under the op tracer to name its op and line.
 
-        Returns True when the replay shows a deliberate infinity instead (an
-        op given an infinite scalar, e.g. ``masked_fill(mask, -inf)``): that
-        is recorded as benign and not raised; a consumer that turns it into a
-        NaN is the producer then. ``draws_again``: replay a call whose random
-        state was not kept, drawing numbers of its own.
+        Returns True when the replay shows a deliberate infinity instead (an op given an infinite scalar, e.g.
+        ``masked_fill(mask, -inf)``): that is recorded as benign and not raised; a consumer that turns it into a NaN
+        is the producer then. ``draws_again``: replay a call whose random state was not kept, drawing numbers of its
+        own.
         """
         if not self.can_replay or frame.call is None:
             return False
@@ -168,9 +165,8 @@ class CallReplay:
                         ) -> Finding | None:
         """A top-level forward raised (multinomial on NaN probabilities): the op that made a value non-finite first.
 
-        The per-module watch's counterpart of the tiered step replay's: the
-        call runs again under the op tracer, which stops at the first op that
-        makes a non-finite value; None where none does before the exception.
+        The per-module watch's counterpart of the tiered step replay's: the call runs again under the op tracer, which
+        stops at the first op that makes a non-finite value; None where none does before the exception.
         """
         error = sys.exc_info()[1]
         if (not self.can_replay or error is None or running is None or call.info is None
@@ -191,11 +187,9 @@ class CallReplay:
     def replay_deferred(self, finding: Finding, produced: frozenset[str], call: Call) -> bool:
         """Name the op and line of a producer found at the deferred check, long after its call.
 
-        Its arguments come from what the call kept (held.py), a freed one
-        recomputed from the call that returned it. When they cannot be had
-        (a value of its parent's own code that is gone), the nearest
-        enclosing call whose arguments can is replayed instead, and its op
-        is taken only if it ran inside the producer. Returns what
+        Its arguments come from what the call kept (held.py), a freed one recomputed from the call that returned it.
+        When they cannot be had (a value of its parent's own code that is gone), the nearest enclosing call whose
+        arguments can is replayed instead, and its op is taken only if it ran inside the producer. Returns what
         :meth:`replay_into` returns.
         """
         nearest = self._nearest_kept(call)
@@ -293,9 +287,8 @@ class CallReplay:
     def _recompute_freed(self, finding: Finding, call: Call, arguments: Resolved) -> None:
         """Give a finding whose tensors were freed before the deferred check exact values again.
 
-        The producer's inputs (for the report and the scene) are the ones
-        resolved for the replay; its output is recomputed by running the
-        call again, and used only if it holds the kinds the probe saw.
+        The producer's inputs (for the report and the scene) are the ones resolved for the replay; its output is
+        recomputed by running the call again, and used only if it holds the kinds the probe saw.
         """
         if not finding.inputs:
             for path, _argument, held_record, ref, _version in call.inputs:
@@ -378,13 +371,11 @@ class CallReplay:
     def replay_anomaly(self, finding: Finding) -> bool:
         """torch's anomaly mode stopped the backward before any check saw a non-finite gradient (per-module watch).
 
-        The backward was running inside the call that returned the tensor
-        whose gradient arrived last (finite), or inside one of its enclosing
-        calls (the ops between submodules are the container's). Each, from
-        that call outwards, is replayed (forward and backward, anomaly mode
-        off): the first whose replay makes a non-finite value in its backward
-        is the producer. False where none does: nothing is claimed then, and
-        ``finding`` gets the note of the call whose backward was running.
+        The backward was running inside the call that returned the tensor whose gradient arrived last (finite), or
+        inside one of its enclosing calls (the ops between submodules are the container's). Each, from that call
+        outwards, is replayed (forward and backward, anomaly mode off): the first whose replay makes a non-finite
+        value in its backward is the producer. False where none does: nothing is claimed then, and ``finding`` gets
+        the note of the call whose backward was running.
         """
         if not self.keeps_calls:
             return False

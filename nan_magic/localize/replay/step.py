@@ -41,7 +41,7 @@ from torch import nn
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.kept.buffer_copies import BufferCopies
+from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, with_versions
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
@@ -170,7 +170,7 @@ class StepReplays:
         slots = self._slots.get(model)
         if slots is None:
             found = [
-                (owned if type(owned := owner._buffers) is dict else _ScriptedBuffers(owned), name)
+                (owned if type(owned := owner._buffers) is dict else ScriptedBuffers(owned), name)
                 # (keys(): a scripted module's buffers cannot be iterated by name)
                 for owner in module.modules() for name in owner._buffers.keys()  # noqa: SIM118
             ]
@@ -184,7 +184,7 @@ class StepReplays:
             owners, names, plain = slots
             present = [buffer for buffer in map(_dict_get, owners, names) if buffer is not None] if plain else [
                 buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
-            buffer_versions = _versions(present)
+            buffer_versions = with_versions(present)
             live = dict(zip(map(id, present), present)) if mutable is None else {
                 key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
             buffers = self._buffer_copies.take(module, live)
@@ -265,10 +265,9 @@ class StepReplays:
     def new_step(self, training: bool) -> None:
         """A step begins: inference steps drop the last step's calls; training keeps the calls not yet stepped.
 
-        A call still waiting from an earlier step is one whose model's
-        trainable parameters (learned at its first call) no optimizer
-        stepped: they may have changed since (a layer unfrozen, an embedding
-        resized), so they are learned again.
+        A call still waiting from an earlier step is one whose model's trainable parameters (learned at its first
+        call) no optimizer stepped: they may have changed since (a layer unfrozen, an embedding resized), so they are
+        learned again.
         """
         if self._stepped:
             self._stepped = _NO_PARAMETERS
@@ -286,14 +285,11 @@ class StepReplays:
     def release_stepped(self, opt: torch.optim.Optimizer, ids: frozenset[int] | None = None) -> None:
         """``opt`` stepped: drop the calls of models with nothing left to step this step.
 
-        A call is kept while its model has a trainable parameter that no
-        optimizer stepped since the step began: a GAN's generator call,
-        made before the discriminator's step, waits for its own optimizer
-        (its backward may still fail). A model without trainable parameters
-        (a frozen teacher) is dropped at the first step. The trainable
-        parameters are those of the model's first call in the watch (a set
-        per model, not a walk of its parameters each step), learned again
-        for a call still waiting when the next step begins (new_step).
+        A call is kept while its model has a trainable parameter that no optimizer stepped since the step began: a
+        GAN's generator call, made before the discriminator's step, waits for its own optimizer (its backward may
+        still fail). A model without trainable parameters (a frozen teacher) is dropped at the first step. The
+        trainable parameters are those of the model's first call in the watch (a set per model, not a walk of its
+        parameters each step), learned again for a call still waiting when the next step begins (new_step).
         ``ids``: the ids of ``opt``'s parameters, as its pre-hook's layout holds them (a set made once a
         layout, hot/checks/layouts.py: none is built here each step); None: read from its groups.
         """
@@ -397,10 +393,9 @@ class StepReplays:
                         ) -> tuple[Report, Producer, BaseException] | None:
         """A top-level forward raised: whether a non-finite value came first, and its producer.
 
-        ``torch.multinomial`` on NaN probabilities, an index computed from a
-        NaN: the exception stops the forward before its outputs reach the
-        boundary check, so the call is replayed; None when the replay meets
-        no non-finite value before the same exception.
+        ``torch.multinomial`` on NaN probabilities, an index computed from a NaN: the exception stops the forward
+        before its outputs reach the boundary check, so the call is replayed; None when the replay meets no non-finite
+        value before the same exception.
         """
         error = sys.exc_info()[1]
         root = self._latest(module)
@@ -463,9 +458,8 @@ class StepReplays:
 def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
     """Whether the replay saw the boundary's event again.
 
-    A boundary the replay does not measure (a module's gradient) counts as
-    seen; where the check has no counts (the deferred check, after the tensor
-    was freed), a non-finite value at the boundary is enough.
+    A boundary the replay does not measure (a module's gradient) counts as seen; where the check has no counts (the
+    deferred check, after the tensor was freed), a non-finite value at the boundary is enough.
     """
     if replayed is None:
         return True
@@ -494,23 +488,3 @@ def _trainable(module: nn.Module) -> frozenset[int]:
     """
     return frozenset(id(parameter) for child in module.modules() for parameter in child._parameters.values()
                      if parameter is not None and parameter.requires_grad)
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """Each tensor with its version counter (:func:`version_of`, read directly where none is an inference tensor)."""
-    try:
-        return [(tensor, tensor._version) for tensor in tensors]
-    except RuntimeError:  # an inference tensor has no version counter
-        return [(tensor, version_of(tensor)) for tensor in tensors]
-
-
-class _ScriptedBuffers:
-    """A ``torch.jit.script``ed submodule's buffers, read like a dict (its ``OrderedDictWrapper`` has no ``get``)."""
-
-    __slots__ = ("_buffers",)
-
-    def __init__(self, buffers: Any) -> None:
-        self._buffers = buffers
-
-    def get(self, name: str) -> torch.Tensor | None:
-        return self._buffers[name] if name in self._buffers else None  # noqa: SIM401 (it has no get)
