@@ -28,6 +28,7 @@ __all__ = [
     "is_library_file",
     "pointer",
     "pointer_at",
+    "running_frame_at",
     "short_traceback",
     "user_frames_of",
     "user_line",
@@ -92,6 +93,24 @@ def user_stacklevel() -> int:
     while frame.f_back is not None and is_library_code(frame.f_code):
         level, frame = level + 1, frame.f_back
     return level
+
+
+def running_frame_at(source: SourcePointer) -> tuple[FrameType, tuple[int, int]] | None:
+    """The user's frame running now that ``source`` is a line of, with ``(f_lasti, f_lineno)`` at that line's start.
+
+    For a producer known only by its line (a NaN label read by ``loss = mse_loss(out, y)``, judged as
+    ``loss.backward()`` runs, lines later in the same frame): %debug opens there, not at the later line.
+    None where no running frame holds that line (its function returned).
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == source.filename and code.co_name == source.function and not is_library_code(code):
+            starts = [start for start, _end, line in code.co_lines() if line == source.lineno]
+            if starts and frame.f_lineno >= source.lineno:
+                return frame, (min(starts), source.lineno)
+        frame = frame.f_back
+    return None
 
 
 # id(code) -> (code, is library code); holding the code keeps its id unique.

@@ -25,11 +25,12 @@ import torch
 from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.errors.frames import end_at_producer, frames_of, user_frames_of, user_stacklevel
+from nan_magic.errors.frames import end_at_producer, frames_of, running_frame_at, user_frames_of, user_stacklevel
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.options import WatchConfig
+from nan_magic.phases import Phase
 from nan_magic.records import Report
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,6 +119,10 @@ class Events:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
             self.report = report
+            if finding.frame is None and report.phase == Phase.DATA and report.source is not None:
+                # Data named by the line that read it (a NaN label at ``loss = mse(out, y)``), judged lines later
+                # (``loss.backward()``): %debug opens at the report's line where that frame still runs.
+                finding.frame, finding.frame_position = running_frame_at(report.source) or (None, None)
             self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
                 # Where the op ran: the frame of a replay that went on to its end has moved since.

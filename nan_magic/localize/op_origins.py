@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -177,11 +178,28 @@ class OpOrigins:
             self._name_type_and_model(finding)
             return
         attach_origin(finding, origin)
+        if finding.phase == Phase.DATA and origin.phase != Phase.BACKWARD:
+            # The loop's code made the batch non-finite (``x = (x - m) / x.std(0)`` before the model call): %debug
+            # opens at that op's line, not at the later line where the batch reached a boundary.
+            self._frame_of_loop_op(finding, origin)
         self._narrow_to_submodule(finding, origin)
         self._name_type_and_model(finding)  # (a Python backward's module may have replaced the owner's: origins.py)
         if origin.backward_code and self.tracer is not None:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)
+
+    def _frame_of_loop_op(self, finding: Finding, origin: OpFinding) -> None:
+        """Point ``finding``'s frame at where the loop's op ``origin`` ran, as far as it is still known."""
+        if self.tracer is not None:
+            frame, position = self.tracer.frame_of(origin)
+            calls: tuple[tuple[FrameType, int, int], ...] = ()
+        elif self.outside is not None:
+            _tensors, frame, position = self.outside.witness(origin)
+            calls = self.outside.calls_to(frame)
+        else:
+            return
+        if frame is not None:
+            finding.frame, finding.frame_position, finding.frame_calls = frame, position, calls
 
     def _replay_owner(self, finding: Finding) -> None:
         """A parameter's gradient no module's input gradient showed (per-call watch): its owner's call replayed.
