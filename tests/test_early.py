@@ -353,6 +353,6 @@ def test_a_warning_keeps_its_numbers_and_render_writes_its_sentence() -> None:
     assert extreme.message == ("x of the batch holds |x| = 1e+07 (> 1e+06): normalise or clip the inputs before "
                                "they overflow a layer")
     assert dict(constant.facts)["constant"] == ((2, 3.0),)
-    assert constant.message == ("x: 1 of 4 features are constant over the batch of 8 rows: feature 2 (= 3); "
+    assert constant.message == ("x: 1 of 4 features is constant over the batch of 8 rows: feature 2 (= 3); "
                                 "standardising it divides by a zero std")
     assert all(isinstance(value, (str, int, float, tuple, type(None))) for _name, value in constant.facts)

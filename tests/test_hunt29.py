@@ -320,7 +320,7 @@ def test_a_fully_padded_sample_in_the_encoder_fast_path_reads_as_masked(options,
     assert report.nan == 40
     assert report.cause is not None and (report.cause.label, report.cause.reading) == (
         "masked-softmax", "masked-padding")
-    assert "attended over no key for 1 sample(s)" in report.to_text()
+    assert "attended over no key for 1 sample" in report.to_text()
 
 
 def categorical_run(options: dict[str, object]) -> pytest.ExceptionInfo[NonFiniteError]:

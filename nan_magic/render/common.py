@@ -24,6 +24,7 @@ from nan_magic.records import (
     module_label,
 )
 from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
+from nan_magic.render.words.counted import counted
 from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
 from nan_magic.render.words.operands import op_expression, operand_label, operand_names
 from nan_magic.tensor_refs import op_function
@@ -111,7 +112,7 @@ def skipped_line(report: Report) -> str | None:
         return None
     total = sum(count for _reason, count in report.skipped)
     reasons = ", ".join(f"{reason}: {count}" for reason, count in report.skipped)
-    return f"{total} tensor{'s' if total != 1 else ''} it cannot read, left unchecked ({reasons})"
+    return f"{counted(total, 'tensor')} it cannot read, left unchecked ({reasons})"
 
 
 def warning_lines(report: Report) -> list[str]:
@@ -197,7 +198,7 @@ def cause_sentence(report: Report) -> str:
     return (
         f"No cause recognised: {report.where} produced "
         f"{counts_phrase(report.nan, report.posinf, report.neginf)} "
-        f"({fmt_fraction(report.nonfinite, report.numel)} of {report.numel} elements) "
+        f"({fmt_fraction(report.nonfinite, report.numel)} of {counted(report.numel, 'element')}) "
         f"in its {report.tensor} {inputs}."
     )
 
@@ -273,14 +274,14 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("tensor", tensor))
         # Counts not read (a gradient the deferred check found freed): the kinds known, and why no number.
         share = UNCOUNTED if uncounted(report) else fmt_fraction(report.nonfinite, report.numel)
-        rows.append(("non-finite", f"{count_words(report)} of {report.numel} elements ({share})"))
+        rows.append(("non-finite", f"{count_words(report)} of {counted(report.numel, 'element')} ({share})"))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
         label = "swapped in" if stand_in_name(report, name) else "module out"
-        counted = None not in (stats.nan, stats.posinf, stats.neginf)
-        rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}{'' if counted else ', not counted'}"))
+        read = None not in (stats.nan, stats.posinf, stats.neginf)
+        rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}{'' if read else ', not counted'}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
     if report.inputs_finite and report.absorbed is not None:
         # A backward op that read a forward infinity no boundary kept: its inputs are finite but for that one
@@ -434,7 +435,7 @@ class RowWindow:
         if not self.cut:
             return ""
         return (
-            f"{self.cut} rows cut ({self.cut_before} before, "
+            f"{counted(self.cut, 'row')} cut ({self.cut_before} before, "
             f"{self.cut_after} after the rows shown)"
         )
 

@@ -15,6 +15,7 @@ import math
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.words.cause_words import fmt
+from nan_magic.render.words.counted import counted
 
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
@@ -69,7 +70,7 @@ def fix_description(trial: FixTrial) -> str:
         if trial.fact("left_out") is None:  # not tried: no sample could be left out
             return "the batch without its samples holding non-finite values"
         dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
-        return (f"the batch without its {trial.fact('left_out')} of {trial.fact('batch')} samples holding "
+        return (f"the batch without its {trial.fact('left_out')} of {counted(trial.fact('batch'), 'sample')} holding "
                 f"non-finite values (rows {dropped})")
     if trial.kind == "mask":
         return "the fully masked rows' output made 0 instead of NaN"

@@ -36,6 +36,7 @@ from nan_magic.render.history_layers import layer_magnitude_lines
 from nan_magic.render.layer_tree import layers_count, unmeasured_note
 from nan_magic.render.plots import histogram_png, history_png
 from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, layers_html
+from nan_magic.render.words.counted import counted
 
 #: Rows of the per-layer table in the static HTML.
 HTML_MAX_ROWS = 200
@@ -236,7 +237,7 @@ def histograms_section(report: Report) -> tuple[str, str]:
     )
     left = len(report.samples) - len(shown)
     if left:
-        body += f'<p class="nm-cut">{left} more sample{"" if left == 1 else "s"} not drawn here.</p>'
+        body += f'<p class="nm-cut">{counted(left, "more sample")} not drawn here.</p>'
     return title, body
 
 
@@ -305,7 +306,7 @@ def history_section(report: Report) -> tuple[str, str]:
         f'<table class="nm-table nm-history"><thead><tr><th>step</th>{head}'
         f"<th>non-finite</th></tr></thead><tbody>{body}</tbody></table>"
     )
-    title = f"History ({len(report.history)} step{'' if len(report.history) == 1 else 's'} kept"
+    title = f"History ({counted(len(report.history), 'step')} kept"
     title += f"; the table lists the last {HISTORY_ROWS})" if len(report.history) > HISTORY_ROWS else ")"
     if plotted_history_fields(report.history):
         plot = png_img(history_png(report.history, report.step, report.module), "loss and max |output| per step")

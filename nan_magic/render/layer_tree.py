@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nan_magic.records import LayerCall
+from nan_magic.render.words.counted import counted
 
 __all__ = [
     "CONTAINS_PRODUCER",
@@ -54,7 +55,7 @@ def layers_count(layers: Sequence[LayerCall]) -> str:
             unmeasured[layer.status] = unmeasured.get(layer.status, 0) + 1
     # A call may have several rows (a tuple output, a value its own code passed on): calls are counted once.
     calls = len({layer.index for layer in layers if layer.stats is not None})
-    measured = f"{calls} call{'' if calls == 1 else 's'} measured"
+    measured = f"{counted(calls, 'call')} measured"
     return "; ".join([measured, ", ".join(f"{count} {status}" for status, count in unmeasured.items())]).rstrip("; ")
 
 

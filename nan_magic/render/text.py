@@ -20,6 +20,7 @@ from nan_magic.render.common import (
 )
 from nan_magic.render.fixes import fixes_text
 from nan_magic.render.layer_tree import depth, layers_count, shown_statuses, unmeasured_note
+from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import row_tensor
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
@@ -119,7 +120,7 @@ def _layer_section(report: Report, max_rows: int) -> str:
 
     title = f"Layers of step {report.step}: {layers_count(layers)}"
     if report.layers_dropped:
-        title += f" ({report.layers_dropped} earlier calls not kept)"
+        title += f" ({counted(report.layers_dropped, 'earlier call')} not kept)"
     lines = [title, line({c: c for c in _TEXT_COLUMNS}, " ")]
     lines.extend(
         line(values, ">" if layer.status == "producer" else " ")

@@ -38,6 +38,7 @@ from nan_magic.render.html import (
 )
 from nan_magic.render.layer_tree import layers_count, unmeasured_note
 from nan_magic.render.plots import histogram_png
+from nan_magic.render.words.counted import counted, noun
 from nan_magic.render.words.names import row_tensor
 
 #: Tab titles, in order. Tests and users' screenshots rely on them.
@@ -144,7 +145,7 @@ class LayersView:
         self.table = widgets.HTML()
         title = layers_count(layers)
         if dropped:
-            title += f"; {dropped} earlier calls not kept"
+            title += f"; {counted(dropped, 'earlier call')} not kept"
         note = " ".join(part for part in (moments_note(layers), escape(unmeasured_note(layers))) if part)
         self.widget = widgets.VBox([
             widgets.HBox([self.filter, self.touched, self.near]),
@@ -174,7 +175,7 @@ class LayersView:
         rows = self.rows()
         table, cut = layers_table_html(rows, self.max_rows)
         self.table.value = _styled(table)
-        status = f"{len(rows)} of {len(self.layers)} rows match"
+        status = f"{len(rows)} of {counted(len(self.layers), 'row')} {noun(len(rows), 'matches', 'match')}"
         if cut:
             status += f"; {cut}. Narrow the filter, or use <code>report.table</code>"
         self.status.value = f'<span class="nm-cut">{status}.</span>'
@@ -215,7 +216,7 @@ class HistogramsView:
         outputs = [_display(f"<histograms of {label}>", histogram_png(shown, self.zeros))]
         if len(chosen) > len(shown):
             left = len(chosen) - len(shown)
-            outputs.append(_display(f"{left} more sample{'' if left == 1 else 's'}: pick them one by one above."))
+            outputs.append(_display(f"{left} more {noun(left, 'sample')}: pick them one by one above."))
         self.output.outputs = tuple(outputs)
 
 

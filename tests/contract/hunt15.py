@@ -573,7 +573,7 @@ CASES += [
     Case("hunt15_one_pass_variance_clamped_healthy", lambda: _one_pass(True), None),
     Case("hunt15_class_weights_of_an_absent_class", lambda: _class_weights(False),
          Expect("forward", None, step=2, op="aten.reciprocal.default", marker="class weights",
-                cause="division-by-zero", says=tuple((mode, "divided by zero (`self` (3,) held 1 zeros of 3)")
+                cause="division-by-zero", says=tuple((mode, "divided by zero (`self` (3,) held 1 zero of 3)")
                                                      for mode in ("default", "defer", "full", "ops")))),
     Case("hunt15_class_weights_of_clamped_counts_healthy", lambda: _class_weights(True), None),
     Case("hunt15_gradient_penalty_sqrt_of_a_zero_gradient", lambda: _gradient_penalty(False),

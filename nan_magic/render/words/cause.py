@@ -16,6 +16,7 @@ from nan_magic.render.words.cause_ops import OP_READINGS
 from nan_magic.render.words.cause_overflow import OVERFLOW_READINGS
 from nan_magic.render.words.cause_steps import STEP_READINGS
 from nan_magic.render.words.cause_words import Reading, counts, counts_phrase, event_of, fmt, what
+from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import subject_label
 
 __all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
@@ -92,7 +93,7 @@ def _growth(growth: tuple[str, float, int, float, float, int, int]) -> str:
         return f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(factor)}x its {fmt(median)} at step {first}"
     return (
         f"the {label} rose to {fmt(last)} at step {last_step}, {fmt(factor)}x its median {fmt(median)} since step "
-        f"{first}, rising on each of the last {rises} steps"
+        f"{first}, rising on each of the last {counted(rises, 'step')}"
     )
 
 
@@ -243,7 +244,7 @@ def _loop_write_facts(cause: Cause) -> tuple[str, ...]:
 
 def _scaler_hint(cause: Cause) -> str:
     return (
-        f"the GradScaler skipped {cause.fact('skipped')} steps in a row and its scale fell to "
+        f"the GradScaler skipped {counted(cause.fact('skipped'), 'step')} in a row and its scale fell to "
         f"{cause.fact('scale'):g}: the gradients are non-finite at any scale; find the backward producer named here"
     )
 

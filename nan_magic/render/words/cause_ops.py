@@ -27,6 +27,7 @@ from nan_magic.render.words.cause_words import (
     stats_counts,
     where,
 )
+from nan_magic.render.words.counted import counted, noun
 
 __all__ = ["OP_READINGS"]
 
@@ -43,7 +44,8 @@ def _eps(event: Report) -> str:
 
 def _log_hint(event: Report, cause: Cause) -> str:
     zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
-    bad = f"{negatives} values <= -1" if base == "log1p" else f"{zeros} zeros and {negatives} negatives"
+    bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
+           else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
@@ -54,7 +56,8 @@ def _log_hint(event: Report, cause: Cause) -> str:
 def _gamma_hint(event: Report, cause: Cause) -> str:
     zeros, negatives, base = cause.fact("zeros"), cause.fact("negatives"), cause.fact("base")
     return (
-        f"{base} got {zeros} zeros and {negatives} negatives in {input_named(event, zeros, negatives)}: it is "
+        f"{base} got {counted(zeros, 'zero')} and {counted(negatives, 'negative')} in "
+        f"{input_named(event, zeros, negatives)}: it is "
         "infinite at 0 and at each negative integer (lgamma(x) ~ -log(x) near 0); keep its argument positive, "
         "e.g. a dispersion or concentration as softplus(x) + 1e-4 rather than exp(x), which underflows to 0"
     )
@@ -63,7 +66,7 @@ def _gamma_hint(event: Report, cause: Cause) -> str:
 def _atanh_hint(event: Report, cause: Cause) -> str:
     edge, past = event.posinf + event.neginf, event.nan
     return (
-        f"{cause.fact('base')} in {where(event)} got {edge} values at ±1 and {past} past them: artanh(x) = "
+        f"{cause.fact('base')} in {where(event)} got {counted(edge, 'value')} at ±1 and {past} past them: artanh(x) = "
         "log((1 + x) / (1 - x)) / 2 is ±inf at ±1 and NaN beyond; clamp its input to (-1 + eps, 1 - eps) "
         "(1 - 1e-5 in float32; a norm projected onto a unit ball's edge rounds to 1)"
     )
@@ -93,7 +96,7 @@ def _number_evidence(event: Report, _cause: Cause) -> tuple[str, ...]:
 
 def _sqrt_hint(event: Report, cause: Cause) -> str:
     return (
-        f"sqrt got {event.nan} negatives in {input_named(event, 0, event.nan)}: clamp to >= 0 first "
+        f"sqrt got {counted(event.nan, 'negative')} in {input_named(event, 0, event.nan)}: clamp to >= 0 first "
         "(x.clamp_min(0)), or compute the value so it cannot go negative (a variance as ((x - mean)**2).mean())"
     )
 
@@ -111,8 +114,8 @@ def _outside_unit_hint(event: Report, cause: Cause) -> str:
 def _rsqrt_hint(event: Report, cause: Cause) -> str:
     zeros = event.posinf + event.neginf
     return (
-        f"rsqrt got {zeros} zeros in {input_named(event, zeros, 0)}: 1/sqrt(0) is inf; if it is a variance, add eps "
-        "inside (torch.rsqrt(var + 1e-5))"
+        f"rsqrt got {counted(zeros, 'zero')} in {input_named(event, zeros, 0)}: 1/sqrt(0) is inf; if it is a "
+        "variance, add eps inside (torch.rsqrt(var + 1e-5))"
     )
 
 
@@ -125,7 +128,8 @@ def _pow_negative_hint(event: Report, cause: Cause) -> str:
 
 def _pow_zero_hint(event: Report, cause: Cause) -> str:
     return (
-        f"pow raised {cause.fact('zeros')} zeros of `self` of {event.op} in {where(event)} to a negative power"
+        f"pow raised {counted(cause.fact('zeros'), 'zero')} of `self` of {event.op} in {where(event)} to a "
+        "negative power"
         f"{number_phrase(event, 'exponent')}, giving {event.posinf + event.neginf} inf: add eps to the base "
         "((x + 1e-12) ** p)"
     )
@@ -142,7 +146,8 @@ def _exp_hint(event: Report, cause: Cause) -> str:
     inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
     reached = "".join(f", {short_label(ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
     return (
-        f"{event.op} in {where(event)} overflowed {event.dtype} in {event.posinf} elements: exp(x) is inf for "
+        f"{event.op} in {where(event)} overflowed {event.dtype} in {counted(event.posinf, 'element')}: exp(x) "
+        "is inf for "
         f"x > {cause.fact('threshold'):.4g}{reached}; where the exp is normalised by its own sum (a softmax) or "
         "its sum is logged, subtract the row max first (softmax / logsumexp do); an exp used as a value (a "
         "probability ratio exp(logp - old_logp), a scale) has no max to take out: clamp its input "
@@ -204,7 +209,8 @@ def _corrected_hint(event: Report, cause: Cause) -> str:
 
 def _ctc_hint(event: Report, cause: Cause) -> str:
     return (
-        f"{event.op} in {where(event)} gave +inf for {event.posinf} of {event.numel} samples: no alignment of "
+        f"{event.op} in {where(event)} gave +inf for {event.posinf} of {counted(event.numel, 'sample')}: no "
+        "alignment of "
         "their targets fits their inputs (a target longer than its input length, or than that length less the "
         "blanks its repeated labels need); pass zero_infinity=True to nn.CTCLoss, or drop or shorten those samples"
     )
@@ -233,7 +239,7 @@ def _masked_hint(event: Report, cause: Cause) -> str:
 
 def _padded_hint(event: Report, cause: Cause) -> str:
     rows = cause.fact("rows")
-    which = f"{rows} sample(s)" if rows is not None else "some samples"
+    which = counted(rows, "sample") if rows is not None else "some samples"
     return (
         f"{event.op} in {where(event)} (the fused fast path of eval under no_grad) attended over no key for {which}: "
         "every key was padded (a key padding mask True for a whole row), and attention over nothing is NaN for the "
@@ -248,13 +254,13 @@ def _padded_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"{event.op} made {event.nan} NaN, whole samples of its output",
         f"{input_label(event, 'mask')}, shape {shape}, held {cause.fact('masked')} -inf: enough to mask every one "
-        f"of the {cause.fact('positions')} keys of some row",
+        f"of the {counted(cause.fact('positions'), 'key')} of some row",
     )
 
 
 def _rows(cause: Cause) -> str:
     rows = cause.fact("rows")
-    return f"{rows} row(s) of {cause.fact('positions')} positions" if rows is not None else "rows"
+    return f"{counted(rows, 'row')} of {counted(cause.fact('positions'), 'position')}" if rows is not None else "rows"
 
 
 def _masked_softmax_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
@@ -294,14 +300,16 @@ def _masked_sum_hint(event: Report, cause: Cause) -> str:
 def _masked_sum_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"{event.op} made {event.posinf + event.neginf} inf, every value of its output",
-        f"its input held {cause.fact('masked')} infinities of one sign (masked positions) and no NaN",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} of one sign (masked positions) "
+        "and no NaN",
     )
 
 
 def _weight_norm_hint(event: Report, cause: Cause) -> str:
     return (
-        f"{event.op} in {where(event)} divides each row of v by its norm, and {cause.fact('zeros')} values of v are "
-        f"0: a row of v that is all zeros (pruned, or zero-initialised) has norm 0, giving {event.nan} NaN (0/0); "
+        f"{event.op} in {where(event)} divides each row of v by its norm, and "
+        f"{counted(cause.fact('zeros'), 'value')} of v {noun(cause.fact('zeros'), 'is', 'are')} 0: a row of v that "
+        f"is all zeros (pruned, or zero-initialised) has norm 0, giving {event.nan} NaN (0/0); "
         "re-initialise or drop the zero rows before weight_norm, or prune after it"
     )
 
@@ -321,7 +329,7 @@ def mask_phrase(event: Report, keys: int) -> str:
     mask = event.operand("attn_mask")
     assert mask is not None  # the rule read it
     return (f"{input_label(event, 'attn_mask')}, shape {mask.shape}, held {mask.neginf} -inf: enough to mask every "
-            f"one of the {keys} keys of some row")
+            f"one of the {counted(keys, 'key')} of some row")
 
 
 def _softmax_unmatched_hint(event: Report, cause: Cause) -> str:
@@ -346,7 +354,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
     elif mask is None:
         readings.append("no float attn_mask was read: a boolean mask with a row all False would give NaN rows")
     else:
-        readings.append(f"attn_mask held {mask.neginf} -inf, fewer than the {keys} keys of one row")
+        readings.append(f"attn_mask held {mask.neginf} -inf, fewer than the {counted(keys, 'key')} of one row")
     return (
         f"{event.op} in {where(event)} made {counts(event)}: {'; '.join(readings)}; rerun on the failing step "
         "with the mask and the q·kᵀ scores in hand"

@@ -26,6 +26,7 @@ from nan_magic.render.words.cause_words import (
     what,
     where,
 )
+from nan_magic.render.words.counted import counted
 
 __all__ = ["OVERFLOW_READINGS"]
 
@@ -48,7 +49,7 @@ def _half_hint(event: Report, cause: Cause) -> str:
     elif cause.fact("attention"):
         fix += f" ({_ATTENTION_FIX})"
     infinite = event.posinf + event.neginf
-    made = f"in {infinite} elements" if infinite else f"({counts(event)}: inf - inf inside the op)"
+    made = f"in {counted(infinite, 'element')}" if infinite else f"({counts(event)}: inf - inf inside the op)"
     return f"{what(event)} overflowed {event.dtype} (max {fmt(cause.fact('limit'))}) {made}{_reached(event)}; {fix}"
 
 
@@ -171,7 +172,7 @@ def _buffer_hint(cause: Cause) -> str:
 
 def _buffer_evidence(cause: Cause) -> tuple[str, ...]:
     counts_of = counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
-    lines = [f"buffer {cause.fact('statistic')}: {counts_of} of {cause.fact('numel')} elements",
+    lines = [f"buffer {cause.fact('statistic')}: {counts_of} of {counted(cause.fact('numel'), 'element')}",
              "finite at the optimizer's previous step" if cause.fact("read_before") else
              "non-finite at the watch's first read (the first optimizer step): it may have been so before"]
     lines += [f"{name}: |x| up to {fmt(value)}" for name, value in cause.fact("siblings", ())]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from nan_magic.locations import name_location
 from nan_magic.plain import from_plain
 from nan_magic.records import Cause, Phase, Report, TensorRef, TensorRole, TensorStats, module_label
+from nan_magic.render.words.counted import counted
 from nan_magic.render.words.operands import operand_names
 
 __all__ = [
@@ -218,13 +219,13 @@ def divisor_phrase(divisor: TensorStats | None, name: str = "other") -> str:
     rows = ""
     if len(divisor.shape) > 1 and divisor.shape[-1] == 1:
         # A keepdim reduction over the last dim (a std, a norm): one value per row.
-        rows = f", a per-row reduction that is 0 for {divisor.zeros} rows"
-    return f" (`{name}` {divisor.shape} held {divisor.zeros} zeros of {divisor.numel}{rows})"
+        rows = f", a per-row reduction that is 0 for {counted(divisor.zeros, 'row')}"
+    return f" (`{name}` {divisor.shape} held {counted(divisor.zeros, 'zero')} of {divisor.numel}{rows})"
 
 
 def zeros_phrase(report: Report) -> str:
     zero_inputs = [(ref, stats.zeros) for ref, stats in report.input_stats if stats.zeros]
-    return "".join(f" ({input_label(report, ref)} held {zeros} zeros)" for ref, zeros in zero_inputs[:1])
+    return "".join(f" ({input_label(report, ref)} held {counted(zeros, 'zero')})" for ref, zeros in zero_inputs[:1])
 
 
 def _stats_phrase(stats: TensorStats) -> str:
@@ -232,7 +233,7 @@ def _stats_phrase(stats: TensorStats) -> str:
     if stats.min is not None and stats.max is not None:
         parts.append(f"min {fmt(stats.min)}, max {fmt(stats.max)}")
     if stats.zeros is not None:
-        parts.append(f"{stats.zeros} zeros, {stats.negatives} negatives")
+        parts.append(f"{counted(stats.zeros, 'zero')}, {counted(stats.negatives, 'negative')}")
     if stats.nonfinite:
         parts.append(stats_counts(stats))
     return ", ".join(parts)

@@ -17,6 +17,7 @@ from typing import Any
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
+from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.tensor_refs import TensorRef
 
@@ -42,7 +43,7 @@ _TEMPLATES: dict[str, str] = {
                           "were read then",
     "grads-read-unstepped": "no optimizer stepped after this backward: its parameter gradients were read when it "
                             "ended",
-    "scaler-collapsing": "raised because the scale keeps collapsing ({skips} skips in a row, or a scale below 1)",
+    "scaler-collapsing": "raised because the scale keeps collapsing ({skips:~skip} in a row, or a scale below 1)",
     "about-to-step": "{optimizer} was about to step with this gradient",
     "detected-deferred": "detected at the deferred check",
     "held-changed": "an input tensor of that call was changed in place after its forward",
@@ -74,7 +75,7 @@ _TEMPLATES: dict[str, str] = {
                         "index, so the op that made the value is not named",
     "indices-unseen": "the batch's indices into {dataset} were not seen (drawn before the watch began, or "
                       "in_order=False), so its samples were not fetched again",
-    "refetch-finite": "fetching the batch's {count} sample(s) from {dataset} again made no non-finite value: it is "
+    "refetch-finite": "fetching the batch's {count:~sample} from {dataset} again made no non-finite value: it is "
                       "stored in the dataset itself, or drawn at random",
     "own-gradient-formula": "the gradients flowing into every module were finite; this parameter's own gradient "
                             "formula made it",
@@ -140,7 +141,7 @@ _TEMPLATES: dict[str, str] = {
     "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
-    "needs-ranks": "no fix was tried under a process group of {ranks} ranks: {reason}, and the other ranks are not "
+    "needs-ranks": "no fix was tried under a process group of {ranks:~rank}: {reason}, and the other ranks are not "
                    "replaying",
     "ranks-sharded": "the model is sharded by FSDP (its forward gathers parameters from every rank)",
     "ranks-sync-batchnorm": "a SyncBatchNorm in training mode syncs its statistics across ranks",
@@ -192,7 +193,16 @@ def _fill(template: str, note: Note) -> str:
     return template.format_map(values)
 
 
+class _Count(int):
+    """A count in a template: ``{count:~sample}`` writes ``1 sample`` or ``3 samples`` (words/counted.py)."""
+
+    def __format__(self, spec: str) -> str:
+        return counted(int(self), spec[1:]) if spec.startswith("~") else int.__format__(self, spec)
+
+
 def _word(key: str, value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _Count(value)
     if key.endswith("module"):
         return value or "the root module"
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and key == "reason":
@@ -210,9 +220,9 @@ def _loss_region(note: Note) -> str:
     suspects: tuple[str, ...] = note.fact("singular")
     sentence = f"the backward of that code ran {len(names)} autograd nodes ({', '.join(dict.fromkeys(names))})"
     if suspects:
-        counted = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
-                            for name in dict.fromkeys(suspects))
-        sentence += f"; the ones whose derivative can be infinite: {counted}"
+        listed = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
+                           for name in dict.fromkeys(suspects))
+        sentence += f"; the ones whose derivative can be infinite: {listed}"
     return sentence
 
 

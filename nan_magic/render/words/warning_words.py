@@ -12,6 +12,7 @@ from typing import Any
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
 from nan_magic.records import TensorRef, module_label
+from nan_magic.render.words.counted import counted, noun
 from nan_magic.render.words.names import tensor_label
 
 __all__ = ["WARNING_WORDS"]
@@ -25,7 +26,8 @@ def _spike(label: str) -> Callable[[Note], str]:
 
 
 def _scale_falling(note: Note) -> str:
-    return (f"the GradScaler scale fell on each of the last {note.fact('falls')} steps, to {note.fact('scale'):g}: "
+    return (f"the GradScaler scale fell on each of the last {counted(note.fact('falls'), 'step')}, "
+            f"to {note.fact('scale'):g}: "
             "scaled gradients keep overflowing; find the gradient that grows (the report's backward events)")
 
 
@@ -55,8 +57,9 @@ def _constant_feature(note: Note) -> str:
     constant: tuple[tuple[int, float], ...] = note.fact("constant", ())
     shown = ", ".join(f"{index} (= {value:.3g})" for index, value in constant)
     more = f" and {count - len(constant)} more" if count > len(constant) else ""
-    return (f"{_batch_tensor(note)}: {count} of {note.fact('features')} {axis}s are constant over the batch of "
-            f"{note.fact('rows')} rows: {axis} {shown}{more}; standardising it divides by a zero std")
+    return (f"{_batch_tensor(note)}: {count} of {counted(note.fact('features'), axis)} {noun(count, 'is', 'are')} "
+            f"constant over the batch of "
+            f"{counted(note.fact('rows'), 'row')}: {axis} {shown}{more}; standardising it divides by a zero std")
 
 
 def _overflow_risk(note: Note) -> str:

@@ -1,0 +1,19 @@
+"""A count with its noun in the right number: ``1 zero``, ``2 zeros``, ``1 earlier call``.
+
+Every count phrase of the report goes through :func:`counted`: a count of 1 is common (one NaN label, one
+call dropped, a scalar loss of 1 element), and "1 zeros" reads as a bug in the tool.
+"""
+
+from __future__ import annotations
+
+__all__ = ["counted", "noun"]
+
+
+def noun(count: object, singular: str, plural: str | None = None) -> str:
+    """``singular`` where ``count`` is 1, else ``plural`` (``singular + "s"`` unless given)."""
+    return singular if count == 1 else (plural if plural is not None else singular + "s")
+
+
+def counted(count: object, singular: str, plural: str | None = None) -> str:
+    """``"1 zero"``, ``"3 zeros"``; a count that is not a number (a kind known, no count) is shown as it is."""
+    return f"{count} {noun(count, singular, plural)}"
