@@ -270,9 +270,16 @@ class NanMagics(Magics):
     def _parse(self, magic: Any, line: str, name: str) -> Any:
         self._check_loaded()
         try:
-            return parse_argstring(magic, line)
+            args = parse_argstring(magic, line)
         except (UsageError, ValueError) as error:  # ValueError: unbalanced quotes from the splitter
             raise UsageError(f"{name}: {error}") from None
+        # IPython's splitter groups a quoted word but keeps its quotes: --include 'encoder.*' gave the pattern
+        # "'encoder.*'", which matches no module. An option's value loses them, as in a shell; targets are Python.
+        for option, value in vars(args).items():
+            if option != "targets":
+                setattr(args, option, [_unquoted(item) for item in value] if isinstance(value, list) else
+                        _unquoted(value))
+        return args
 
     def _make_watch(self, args: Any, name: str) -> Watch:
         try:
@@ -417,6 +424,13 @@ class NanMagics(Magics):
 
 
 _DOTTED_NAME = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def _unquoted(value: Any) -> Any:
+    """A string option without one pair of quotes around it (``'encoder.*'``); anything else as it is."""
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
 
 
 def _names_or_expression(target: str) -> list[str]:

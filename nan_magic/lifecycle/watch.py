@@ -57,6 +57,7 @@ from nan_magic.hot.watched.module_hooks import GlobalModuleHooks
 from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.hot.watched.targets import ModuleInfo, Targets, resolve_targets
 from nan_magic.lifecycle.events import EventContext, Events, Replayed
+from nan_magic.lifecycle.filters import warn_unmatched_filters
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
@@ -197,6 +198,7 @@ class Watch:
             self._reset_state()
             self.history.clear()
             self.warnings.clear()
+            self._filters_judged = warn_unmatched_filters(self.targets, self.config)
         self._paused = self.outcome.leaving = False  # (a part the user's own error ended left it set)
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
         self.graph_task = torch._C._current_graph_task_id()
@@ -236,6 +238,8 @@ class Watch:
             if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
+        if not pause and not self._filters_judged:  # the models the cell used, now known (filters.py)
+            self._filters_judged = warn_unmatched_filters(self.targets, self.config)
         if explained is not None:
             self.adopt_traceback(explained, tb)
             raise explained from exc

@@ -182,16 +182,41 @@ class Targets:
         return forget
 
 
+def unmatched_filters(targets: Targets, config: WatchConfig) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The ``include`` patterns and ``types`` that match no module the watch named, each as
+    ``(option, pattern, what exists)``: the module names, or the type names, the watch did find (the first few)."""
+    found: list[tuple[str, str, tuple[str, ...]]] = []
+    infos = [info for info in targets.infos() if not info.is_root] or targets.infos()
+    names = tuple(info.name for info in infos)
+    for pattern in config.include:
+        if not any(fnmatch.fnmatchcase(info.name, pattern) for info in targets.infos()):
+            found.append(("include", pattern, names[:_SHOWN]))
+    if config.types:
+        modules = [module for ref in list(targets.named.values()) if (module := ref()) is not None]
+        classes = {name for module in modules for name in _type_names(module)}
+        for wanted in config.types:
+            if wanted not in classes:
+                found.append(("types", wanted, tuple(dict.fromkeys(info.module_type for info in infos))[:_SHOWN]))
+    return found
+
+
+#: How many existing names a warning of an unmatched filter shows.
+_SHOWN = 5
+
+
+def _type_names(module: nn.Module) -> set[str]:
+    """The names a ``types`` entry can give ``module``'s class by: its own, qualified, and its bases'."""
+    cls = type(module)
+    return {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"} | {base.__name__ for base in cls.__mro__}
+
+
 def _selected(name: str, module: nn.Module, config: WatchConfig) -> bool:
     if config.include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in config.include):
         return False
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude):
         return False
     if config.types:
-        cls = type(module)
-        names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
-        names |= {base.__name__ for base in cls.__mro__}
-        return bool(names & set(config.types))
+        return bool(_type_names(module) & set(config.types))
     return True
 
 
