@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SourcePointer", "name_location", "running_shell"]
+__all__ = ["SourcePointer", "function_name", "name_location", "running_shell"]
 
 
 def running_shell() -> Any:
@@ -64,6 +64,11 @@ def name_location(filename: str, lineno: int) -> str:
     return f"{cell}, line {lineno}" if cell is not None else f"{_path_name(filename)}:{lineno}"
 
 
+def function_name(code_name: str) -> str:
+    """A code object's name as a :class:`SourcePointer` gives it: a cell's top level is ``<module>``."""
+    return "<module>" if code_name.startswith("<cell line:") else code_name
+
+
 @dataclass(frozen=True)
 class SourcePointer:
     """A line of source code: where an op ran or a frame stopped."""
@@ -72,6 +77,13 @@ class SourcePointer:
     lineno: int
     function: str
     line: str | None = None
+
+    def __post_init__(self) -> None:
+        # IPython 7 (Colab's) names a cell's top level "<cell line: N>", N being 0 on Python 3.11 and the
+        # statement's first line on 3.12: "Cell In[3], line 6, in <cell line: 0>" read as two lines that
+        # disagree. IPython 8+ names it as Python does; one name on every stack (a scene's too, read back).
+        if self.function.startswith("<cell line:"):
+            object.__setattr__(self, "function", function_name(self.function))
 
     def __str__(self) -> str:
         return f"{name_location(self.filename, self.lineno)}, in {self.function}"

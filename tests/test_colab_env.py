@@ -112,8 +112,13 @@ x = torch.randn(5, 4)
     "status": "%nanwatch status",
     "off": "%nanwatch off",
     "unwatched": "loss = model(x).abs().mean()\nprint('unwatched', bool(loss.isnan()))",
+    # The producer at the cell's own top level, below a blank line and a loop: IPython 7 names that code
+    # "<cell line: 0>" (Python 3.11; the statement's first line on 3.12), IPython 8+ "<module>".
+    "top_level": "%%nantrace\nlin = nn.Linear(2, 2)\n\nfor i in range(1):\n    z = lin(torch.randn(2, 2))\n"
+                 "w = torch.log(z - 9)\nq = lin(w)",
+    "top_level_fields": "r = _nan_report\nprint(r.source, r.debug_frame, *r.frames, sep=' | ')",
 }
-RAISING = {"stops", "watched"}
+RAISING = {"stops", "watched", "top_level"}
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +229,19 @@ def test_the_colab_quickstart_runs_in_colabs_stack(quickstart: Any) -> None:
     assert not errors_of(fixed) and "finished: loss" in stream_text(fixed)
     others = [c for c in quickstart.cells if c.cell_type == "code" and c is not failing]
     assert not [c for c in others if errors_of(c)]
+
+
+def test_kernel_names_a_cells_top_level_line_as_ipython_8_does(magics_nb: Any) -> None:
+    """IPython 7's "<cell line: 0>" made the report read "Cell In[9], line 6, in <cell line: 0>"."""
+    cell = named(magics_nb, "top_level")
+    n = cell.execution_count
+    (error,) = errors_of(cell)
+    lines = "\n".join(error.traceback).splitlines()
+    assert f"  op aten.log.default at Cell In[{n}], line 6 (4 nan of 4)" in lines
+    assert f"producer: Cell In[{n}], line 6" in lines and "    w = torch.log(z - 9)" in lines
+    fields = stream_text(named(magics_nb, "top_level_fields")).strip().split(" | ")
+    at = f"Cell In[{n}], line 6, in <module>"
+    assert fields == [at, at, f"Cell In[{n}], line 7, in <module>", at]  # source, %debug's, frames (q = lin(w))
+    static, _view, _tree = the_report(magics_nb, cell)
+    assert f"Cell In[{n}], line 6, in &lt;module&gt;" in static["text/html"]
+    assert "cell line" not in static["text/plain"] + static["text/html"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.locations import name_location
+from nan_magic.locations import function_name, name_location
 from nan_magic.records import SourcePointer
 
 __all__ = [
@@ -105,7 +105,8 @@ def running_frame_at(source: SourcePointer) -> tuple[FrameType, tuple[int, int]]
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_filename == source.filename and code.co_name == source.function and not is_library_code(code):
+        if (code.co_filename == source.filename and function_name(code.co_name) == source.function
+                and not is_library_code(code)):
             starts = [start for start, _end, line in code.co_lines() if line == source.lineno]
             if starts and frame.f_lineno >= source.lineno:
                 return frame, (min(starts), source.lineno)
@@ -289,8 +290,8 @@ def headline_lines(what: str, separator: str, at: str, counts: str) -> list[str]
 
 def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
     where = name_location(frame.filename, frame.lineno)
-    # A cell's top level: IPython 7 names its code "<cell line: 0>", IPython 9 "<module>".
-    if frame.function != "<module>" and not frame.function.startswith("<cell line:"):
+    # A cell's top level (IPython 7's "<cell line: 0>" too: locations.SourcePointer) goes unnamed, as IPython does.
+    if frame.function != "<module>":
         where += f", in {frame.function}"
     lines = [prefix + where]
     if frame.line:
