@@ -34,6 +34,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
+from nan_magic.ipython.arguments import target_names, unquoted_options
 from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
 from nan_magic.ipython.watched_cell import as_typed, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
@@ -270,16 +271,9 @@ class NanMagics(Magics):
     def _parse(self, magic: Any, line: str, name: str) -> Any:
         self._check_loaded()
         try:
-            args = parse_argstring(magic, line)
+            return unquoted_options(parse_argstring(magic, line))
         except (UsageError, ValueError) as error:  # ValueError: unbalanced quotes from the splitter
             raise UsageError(f"{name}: {error}") from None
-        # IPython's splitter groups a quoted word but keeps its quotes: --include 'encoder.*' gave the pattern
-        # "'encoder.*'", which matches no module. An option's value loses them, as in a shell; targets are Python.
-        for option, value in vars(args).items():
-            if option != "targets":
-                setattr(args, option, [_unquoted(item) for item in value] if isinstance(value, list) else
-                        _unquoted(value))
-        return args
 
     def _make_watch(self, args: Any, name: str) -> Watch:
         try:
@@ -289,9 +283,7 @@ class NanMagics(Magics):
         if not args.output.isidentifier():
             raise UsageError(f"{name}: -o needs a Python identifier, not {args.output!r}")
         namespace = self._shell.user_ns
-        # "model, opt" as Python reads a list: between names a comma separates, as a space does
-        # (an expression keeps its own commas: "models[0,1]", "get(a, b)").
-        args.targets = [name for target in args.targets for name in _names_or_expression(target)]
+        args.targets = target_names(args.targets)  # "model, opt" as two names (arguments.py)
         if args.targets:
             labels = list(args.targets)
             targets = [self._eval(expression, f"{name}: cannot evaluate target") for expression in args.targets]
@@ -421,22 +413,6 @@ class NanMagics(Magics):
         if self._last is not None and self._last.report is not None:
             lines.append(f"last report: {self._last.report.message}")
         return "\n".join(lines)
-
-
-_DOTTED_NAME = re.compile(r"[A-Za-z_][\w.]*")
-
-
-def _unquoted(value: Any) -> Any:
-    """A string option without one pair of quotes around it (``'encoder.*'``); anything else as it is."""
-    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    return value
-
-
-def _names_or_expression(target: str) -> list[str]:
-    """``"model,"`` -> ``["model"]``, ``"model,opt"`` -> ``["model", "opt"]``; any other word as it is."""
-    names = [name for name in target.split(",") if name]
-    return names if all(_DOTTED_NAME.fullmatch(name) for name in names) else [target]
 
 
 _NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")

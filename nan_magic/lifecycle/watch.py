@@ -2,21 +2,19 @@
 
 Mechanisms, and why none of them changes what the model computes:
 
-* Forward: *global* module hooks (``register_module_forward_pre_hook`` and
-  ``register_module_forward_hook``), filtered to the watched modules. Hooks on
-  a module instance would make ``nn.TransformerEncoderLayer`` skip its fused
-  inference path; global hooks do not. The post hook is ``always_call`` so the
-  module stack unwinds when a forward raises.
-* Loss and GradScaler: ``torch.Tensor.backward``, ``GradScaler.scale`` and
-  ``step`` are wrapped while the watch is active (patches/registry.py), to
-  check the tensor backward starts from and see a scaler's skipped steps.
-* Backward: a tensor hook on each watched output sees the gradient flowing
-  into it (no ``register_full_backward_hook``: it breaks in-place ops on outputs).
-* Optimizer: global step pre/post hooks check gradients before a step and
-  parameters after it; a large CPU parameter's gradient is measured in cache.
+* Forward: *global* module hooks (``register_module_forward_pre_hook`` and ``register_module_forward_hook``),
+  filtered to the watched modules. Hooks on a module instance would make ``nn.TransformerEncoderLayer`` skip its
+  fused inference path; global hooks do not. The post hook is ``always_call`` so the module stack unwinds when a
+  forward raises.
+* Loss and GradScaler: ``torch.Tensor.backward``, ``GradScaler.scale`` and ``step`` are wrapped while the watch is
+  active (patches/registry.py), to check the tensor backward starts from and see a scaler's skipped steps.
+* Backward: a tensor hook on each watched output sees the gradient flowing into it (no
+  ``register_full_backward_hook``: it breaks in-place ops on outputs).
+* Optimizer: global step pre/post hooks check gradients before a step and parameters after it; a large CPU
+  parameter's gradient is measured in cache.
 
-Every handle lives in an ``ExitStack`` closed in ``finally``: no hook of ours
-outlives the watch, and the user's hooks are never touched.
+Every handle lives in an ``ExitStack`` closed in ``finally``: no hook of ours outlives the watch, and the user's
+hooks are never touched.
 
 This module owns the lifecycle: entering and leaving (pausing and resuming for ``%nanwatch on``), attaching and
 removing the hooks, and building every part in :meth:`Watch._reset_state`, each handed the narrow callables it
@@ -183,8 +181,7 @@ class Watch:
         return self._enter(resume=self._paused)
 
     def pause(self, exc: BaseException | None = None) -> None:
-        """``__exit__`` (``exc``: what ended this part), keeping the run and its open step for :meth:`resume`;
-        an event raised ends the run."""
+        """``__exit__`` (``exc``: what ended this part), keeping the run and its step for :meth:`resume`."""
         self._leave(exc, None if exc is None else exc.__traceback__, pause=True)
 
     @property
@@ -238,8 +235,8 @@ class Watch:
             if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
-        if not pause and not self._filters_judged:  # the models the cell used, now known (filters.py)
-            self._filters_judged = warn_unmatched_filters(self.targets, self.config)
+        if not (pause or self._filters_judged):  # the models the cell used, now known (filters.py)
+            warn_unmatched_filters(self.targets, self.config)
         if explained is not None:
             self.adopt_traceback(explained, tb)
             raise explained from exc
