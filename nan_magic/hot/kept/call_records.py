@@ -142,6 +142,13 @@ class TensorRecord:
             if same.ranged:
                 self.set_probe(same.low, same.high)
             return
+        if not hold and not self.shape:
+            # A 0-d tensor read at once (the loss, every step): its value is its min and its max, so one host read
+            # of it gives what aminmax's two would, and the step runs no reduction and makes no tensor for it.
+            # (``.item()``: ``float()`` of a tensor that requires grad warns; a dual loss reads as its primal.)
+            self.low = self.high = value = values.item()
+            self.kinds = _NONE if -math.inf < value < math.inf else probe_kinds(value, value)
+            return
         low, high = same._probe if same is not None and same._probe is not None else probe(values)
         if hold:
             self._probe = (low, high)  # read with the step's others, at its check (StepLog.resolve)
