@@ -46,12 +46,28 @@ CHROMIUM_ARGS = [
 ]
 
 
+#: A test kernel's one startup file: the fix trials' time budget (fixes/runner.py) is wall time, lifted in every
+#: test kernel as conftest.py's ``unhurried_fix_trials`` lifts it in-process, so that a loaded CI machine cannot
+#: leave untried a remedy the tests expect verified (a fresh kernel's first trial pays the imports). Nothing is left
+#: in the user's namespace; a kernel without nan_magic (a bare environment) skips it.
+UNHURRIED_STARTUP = """\
+try:
+    from nan_magic.fixes import runner as _nan_magic_runner
+except ImportError:
+    pass
+else:
+    _nan_magic_runner.MIN_BUDGET = 600.0
+    del _nan_magic_runner
+"""
+
+
 def isolated_env(home: Path) -> dict[str, str]:
     """Environment with Jupyter and IPython config pointed into ``home``.
 
     The user's profile (startup files, extensions, settings) must not change
     what a test sees; kernelspecs and lab extensions still come from the
-    environment's prefix, which Jupyter searches regardless.
+    environment's prefix, which Jupyter searches regardless. The profile
+    there starts only :data:`UNHURRIED_STARTUP`.
     """
     env = dict(os.environ)
     for variable, name in (
@@ -61,6 +77,9 @@ def isolated_env(home: Path) -> dict[str, str]:
         path = home / name
         path.mkdir(parents=True, exist_ok=True)
         env[variable] = str(path)
+    startup = home / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "00-unhurried-fix-trials.py").write_text(UNHURRIED_STARTUP)
     # debugpy warns about frozen modules on every kernel start; the noise
     # would land in the cells' stderr.
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"

@@ -9,7 +9,7 @@ infinity (:data:`BENIGN`: a mask, an infinite fill, or what carries one on),
 or nothing (it came from outside the trace). A tensor is known by its
 identity and version counter, and a forward value that autograd saved for
 backward, which then reaches a backward op as a new Python object on the same
-memory, is known by that memory. An inference tensor (made under
+memory, is known by that memory while its storage lives. An inference tensor (made under
 ``torch.inference_mode()``) has no version counter: it is known by its
 identity alone, and an op that writes it in place notes it again.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import is_checkable_op_value
@@ -142,9 +143,18 @@ _NO_VERSION = -1
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-            tensor.dtype, tensor.device)
+def _memory_key(storage: torch.UntypedStorage, tensor: torch.Tensor) -> tuple[Any, ...]:
+    return storage.data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
+#: What ``_by_memory`` holds of a noted tensor: its version, whether an op wrote it in place, its origin, and a weak
+#: reference to its storage (the address alone outlives it: see :meth:`Origins.memory_entry`).
+_MemoryEntry = tuple[int, bool, Origin | Benign, StorageWeakRef]
+
+
+def _memory_entry(tensor: torch.Tensor, written: bool, origin: Origin | Benign) -> tuple[tuple[Any, ...], _MemoryEntry]:
+    storage = tensor.untyped_storage()
+    return _memory_key(storage, tensor), (tensor._version, written, origin, StorageWeakRef(storage))
 
 
 class Origins:
@@ -160,7 +170,7 @@ class Origins:
         # Forward origins by where their values live: autograd saves an op's
         # output for its backward as another tensor object on the same memory
         # (``exp`` saves its result), which a backward op then reads.
-        self._by_memory: dict[tuple[Any, ...], tuple[int, bool, Origin | Benign]] = {}
+        self._by_memory: dict[tuple[Any, ...], _MemoryEntry] = {}
         # By the weak reference noted (held, so its id stays unique): a tensor freed since, whose id another
         # tensor may have taken in ``_by_id``, is still found by the reference its boundary record holds.
         self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign]] = {}
@@ -215,9 +225,13 @@ class Origins:
         """The origin noted for a forward value on ``tensor``'s memory, at its version."""
         if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not dense(tensor):
             return None
-        entry = self._by_memory.get(_memory_key(tensor))
+        entry = self._by_memory.get(_memory_key(tensor.untyped_storage(), tensor))
+        if entry is None or entry[3].expired():
+            # A storage freed since: the allocator hands its address to the next tensor of that size, at version 0
+            # as the noted one was (a backward's bool mask, then the next one: a NaN's origin taken for benign).
+            return None
         # (a write's entry holds for the version after it too: autograd bumps it after the op returns)
-        return entry[2] if entry is not None and tensor._version - entry[0] in ((0, 1) if entry[1] else (0,)) else None
+        return entry[2] if tensor._version - entry[0] in ((0, 1) if entry[1] else (0,)) else None
 
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
@@ -231,7 +245,8 @@ class Origins:
         if type(tensor) in _PLAIN and dense(tensor):  # a sparse tensor has no one storage
             # A write is found by memory too: ``p.detach().copy_(...)`` (AveragedModel's update) writes the
             # Parameter through an alias, which is another tensor object on the same memory.
-            self._by_memory[_memory_key(tensor)] = (tensor._version, written, origin)
+            address, held = _memory_entry(tensor, written, origin)
+            self._by_memory[address] = held
         if written and tensor._base is not None:
             # A write through a view wrote its base: a later view of that base, seen through a new object
             # (``q = q.t()`` after ``q /= q.sum(1)``, as autograd saved it), finds the origin there.
@@ -250,7 +265,8 @@ class Origins:
     def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""
         if not tensor.is_inference() and type(tensor) in _PLAIN and dense(tensor):
-            self._by_memory[_memory_key(tensor)] = (tensor._version, False, origin)
+            address, held = _memory_entry(tensor, False, origin)
+            self._by_memory[address] = held
 
 
 #: Finite values kept per tensor in an op's own samples: its histograms, a few per report.

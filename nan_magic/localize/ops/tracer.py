@@ -482,14 +482,14 @@ class OpTracer(TorchDispatchMode):
     def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).
 
-        A carried origin counts only where the output is non-finite (it is looked up only for such a tensor), so
-        one carried to a finite output is harmless. Of several origins the first born, as for an op: torch's
-        logdet is ``where(sign == -1, nan, logabsdet)``, and its -inf is slogdet's, not the NaN constant's."""
+        It counts only where the output is non-finite (looked up only for such a tensor). Of several origins the
+        first born, as for an op (logdet's ``where(sign == -1, nan, logabsdet)``: its -inf is slogdet's), and an
+        op's origin over a deliberate infinity read before it (``cat([masked, 0 / 0])``: the NaN is the division's)."""
         entry = None
         for _, tensor in tensors(plan, args, kwargs, plan.reads):
             found = self._origins.entry(tensor)
-            if entry is None or (isinstance(found, Origin) and isinstance(entry, Origin)
-                                 and self._started_before(found, entry)):
+            wins = isinstance(found, Origin) and (not isinstance(entry, Origin) or self._started_before(found, entry))
+            if entry is None or wins:
                 entry = found
         if entry is None:
             return
