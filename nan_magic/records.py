@@ -376,6 +376,12 @@ class Report:
         return UNLOCATED if self.unlocated else module_label(self.module, self.module_type, model)
 
     @property
+    def outputs_unread(self) -> bool:
+        """Whether some module output of the step could not be read: "every output was finite" holds only of the
+        ones read (the note ``outputs-unread`` says whose, and why)."""
+        return any(note.kind in ("outputs-unread", "entered-outside-unread") for note in self.note_facts)
+
+    @property
     def unlocated(self) -> bool:
         """No check saw the value and no replay or trace named it (torch's anomaly mode stopped a backward first)."""
         return self.module is None and self.op is None and not self.numel

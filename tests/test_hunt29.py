@@ -279,9 +279,8 @@ class Log(nn.Module):
 @pytest.mark.xfail(strict=True, reason=(
     "a model called inside torch.func.vmap returns functorch-batched outputs, which the watch cannot read "
     "(hot/reads.unreadable_reason 'functorch'): the NaN is first seen in the loss, named as code outside the "
-    "models with no op, and the note says every watched module output of the step was finite, though none was "
-    "read (hot/checks/gradients.judge_loss counts only the outputs it read); reading a batched output through "
-    "its unwrapped tensor and replaying the call under vmap is not built"))
+    "models with no op (the note says which outputs were not read and why: the test below); reading a batched "
+    "output through its unwrapped tensor and replaying the call under vmap is not built"))
 @pytest.mark.parametrize("options", TIMINGS)
 def test_a_nan_made_inside_vmap_is_named_in_its_module(options) -> None:
     torch.manual_seed(0)
@@ -299,6 +298,122 @@ def test_a_nan_made_inside_vmap_is_named_in_its_module(options) -> None:
             opt.step()
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("forward", "1", 1, "aten.log.default")
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"mode": "full"}, id="full")])
+def test_a_nan_made_inside_vmap_is_not_said_to_come_from_finite_outputs(options) -> None:
+    # The report named the loss code and said "every watched module output of this step was finite", though no
+    # output inside vmap was read: it now says whose outputs it could not read, and why.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.abs_()
+        model[0].bias.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            out = torch.func.vmap(model)(torch.rand(3, 4) * (-100 if step == 1 else 1))
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert report.module is None and report.outputs_unread
+    kinds = [note.kind for note in report.note_facts]
+    assert "outside-made-it" not in kinds
+    unread = next(note for note in report.note_facts if note.kind == "outputs-unread")
+    assert unread.fact("modules")[0] == "" and unread.fact("reasons") == ("functorch",)
+    text = report.to_text()
+    assert "every watched module output of this step was finite" not in text
+    assert "every watched module output was finite" not in text
+    assert "could not read the output of the root module" in text
+
+
+class Slotted:
+    """A result object without a ``__dict__``: its tensors are not attributes the watch reads."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class SlottedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> Slotted:
+        return Slotted(torch.log(self.fc(x)))
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_an_object_output_the_watch_cannot_read_is_said_unread(options) -> None:
+    # A __slots__ object is no plain object to read (hot/reads.object_tensors): the loss code is named, and the note
+    # says the root's output, an object, was not read, rather than that every output was finite.
+    torch.manual_seed(0)
+    model = SlottedHead()
+    with torch.no_grad():
+        model.fc.weight.fill_(0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            with torch.no_grad():
+                model.fc.bias.fill_(0.0 if step == 1 else 1.0)  # log(0) at step 1, inside the unread object
+            loss = model(torch.rand(3, 4)).value.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    unread = next(note for note in report.note_facts if note.kind == "outputs-unread")
+    assert unread.fact("modules") == ("",) and unread.fact("reasons") == ("object Slotted",)
+    assert "a Slotted object, whose tensors are not its own attributes" in report.to_text()
+
+
+class Result:
+    """A plain result object: its own tensor attributes are the model's output (hot/reads.object_tensors)."""
+
+    def __init__(self, scores: torch.Tensor, cache: list[torch.Tensor]) -> None:
+        self.scores, self.cache, self.step = scores, cache, 0
+
+
+class ObjectHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, cache: Result | None = None) -> Result:
+        return Result(torch.log(self.fc(x)), [x])  # producer: object log
+
+
+@pytest.mark.parametrize("options", [*TIMINGS, pytest.param({"mode": "full"}, id="full")])
+def test_a_plain_result_object_s_tensor_attribute_is_read_as_the_output(options) -> None:
+    torch.manual_seed(0)
+    model = ObjectHead()
+    with torch.no_grad():
+        model.fc.weight.abs_()
+        model.fc.bias.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            result = model(torch.rand(3, 4) * (-100 if step == 1 else 1))
+            loss = result.scores.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "", 1, "aten.log.default")
+
+
+def test_object_tensors_reads_one_level_of_a_plain_object_only() -> None:
+    from nan_magic.hot.reads import iter_tensors, object_tensors
+
+    x = torch.ones(2)
+    result = Result(x, [x])
+    assert [path for path, _ in iter_tensors(result, "output", attributes=True)] == ["output.scores"]
+    assert iter_tensors(result, "input") == []  # arguments: no attributes read
+    assert iter_tensors((result, {"r": result}), "output", attributes=True)[1][0] == "output[1]['r'].scores"
+    assert object_tensors(nn.Linear(2, 2)) is None and object_tensors(Slotted(x)) is None
 
 
 @pytest.mark.parametrize("options", TIMINGS)

@@ -189,7 +189,8 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
            optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None) -> None:
-    tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output") if tensor.is_floating_point()]
+    tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output", attributes=True)
+               if tensor.is_floating_point()]
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     if not all(_finite(tensor) for tensor in outcome.outputs.values()):
         outcome.failed = "forward"

@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 __all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "is_checkable_op_value",
-           "iter_tensors", "norms", "probe", "probe_kinds", "read_batched", "read_probe", "read_scalars", "readable",
-           "relevant_kinds", "unreadable_reason", "values_to_read", "version_of"]
+           "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched", "read_probe",
+           "read_scalars", "readable", "relevant_kinds", "unread_parts", "unreadable_reason", "values_to_read",
+           "version_of"]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -332,7 +333,9 @@ def read_probe(tensor: torch.Tensor) -> tuple[float, float]:
     return low, high
 
 
-def iter_tensors(value: Any, path: str = "", skipped: Counter[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    value: Any, path: str = "", skipped: Counter[str] | None = None, *, attributes: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` for every checkable tensor in a nested value.
 
     Handles tensors, tuples/lists, mappings (including Hugging Face
@@ -343,6 +346,10 @@ def iter_tensors(value: Any, path: str = "", skipped: Counter[str] | None = None
     self-referencing containers cannot hang a hook. A floating tensor the
     watch cannot read is left out and, given ``skipped``, counted there
     under its :func:`unreadable_reason`.
+
+    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes are
+    read too, one level (:func:`object_tensors`): a detector's result object (detectron2's ``Instances``, a user's
+    class). Arguments are walked without: a cache object passed to every call would be read at every call.
     """
     if type(value) is torch.Tensor:  # the common case: one output
         if is_checkable(value):
@@ -351,8 +358,44 @@ def iter_tensors(value: Any, path: str = "", skipped: Counter[str] | None = None
             _count_unreadable(value, skipped)
         return []
     found: list[tuple[str, torch.Tensor]] = []
-    _collect(value, path, 0, found, skipped)
+    _collect(value, path, 0, found, skipped, attributes)
     return found
+
+
+def object_tensors(value: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """``(name, tensor)`` for each tensor a plain object holds in its own ``__dict__``; None for no plain object.
+
+    Only the tensors themselves (one level: a list of tensors in an attribute is not walked), read without
+    calling the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
+    class, and an object without a ``__dict__`` (``__slots__`` only) are no plain object here.
+    """
+    if isinstance(value, (nn.Module, type)):
+        return None
+    try:
+        fields = object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
+    if type(fields) is not dict:
+        return None
+    return [(name, item) for name, item in fields.items() if isinstance(item, torch.Tensor)]
+
+
+def unread_parts(output: Any) -> tuple[str, ...]:
+    """Why a module's return value, of which :func:`iter_tensors` read nothing, held floating values unread.
+
+    The :func:`unreadable_reason` of each floating tensor left out (``functorch`` for a call inside
+    ``torch.func.vmap``), and ``object <class>`` for a return value that is an object whose tensors, if any, are
+    not its own attributes (``__slots__``, a list of tensors). Empty for a value with nothing floating to read (an
+    integer tensor). Off the hot path: asked only of a call whose output gave no record.
+    """
+    skipped: Counter[str] = Counter()
+    iter_tensors(output, "", skipped, attributes=True)
+    reasons = list(skipped)
+    if not reasons and not isinstance(output, (torch.Tensor, Mapping, tuple, list, *_LEAVES)) and not (
+        dataclasses.is_dataclass(output) or isinstance(output, torch.distributions.Distribution)
+    ):
+        reasons.append(f"object {type(output).__name__}")
+    return tuple(reasons)
 
 
 def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> None:
@@ -365,7 +408,12 @@ _LEAVES = (str, bytes, int, float, bool, type(None))
 
 
 def _collect(
-    value: Any, path: str, depth: int, found: list[tuple[str, torch.Tensor]], skipped: Counter[str] | None
+    value: Any,
+    path: str,
+    depth: int,
+    found: list[tuple[str, torch.Tensor]],
+    skipped: Counter[str] | None,
+    attributes: bool = False,
 ) -> None:
     if isinstance(value, torch.Tensor):
         if is_checkable(value):
@@ -380,21 +428,25 @@ def _collect(
                 else:
                     _count_unreadable(item, skipped)
             elif not isinstance(item, _LEAVES) and depth < 6:
-                _collect(item, f"{path}[{index}]", depth + 1, found, skipped)
+                _collect(item, f"{path}[{index}]", depth + 1, found, skipped, attributes)
     elif isinstance(value, _LEAVES) or depth >= 6:
         return
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _collect(item, f"{path}[{key!r}]", depth + 1, found, skipped)
+            _collect(item, f"{path}[{key!r}]", depth + 1, found, skipped, attributes)
     elif isinstance(value, (tuple, list)):  # namedtuples and other subclasses
         for index, item in enumerate(value):
-            _collect(item, f"{path}[{index}]", depth + 1, found, skipped)
+            _collect(item, f"{path}[{index}]", depth + 1, found, skipped, attributes)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item_field in dataclasses.fields(value):
-            _collect(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1, found, skipped)
+            _collect(getattr(value, item_field.name, None), f"{path}.{item_field.name}", depth + 1, found, skipped,
+                     attributes)
     elif isinstance(value, torch.distributions.Distribution):
         # A policy or a probabilistic head returning ``Normal(mu, log_std.exp())`` itself: its parameters are the
         # output (loc, scale, logits; a mixture's component distributions), as the tensors it was made from.
         for name, item in vars(value).items():
             if isinstance(item, (torch.Tensor, torch.distributions.Distribution)):
                 _collect(item, f"{path}.{name}", depth + 1, found, skipped)
+    elif attributes and (held := object_tensors(value)):
+        for name, item in held:
+            _collect(item, f"{path}.{name}", depth + 1, found, skipped)

@@ -289,6 +289,8 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         inputs = "finite, but for an infinity absorbed in forward (absorbed, below)"
     if report.nonfinite_numbers:
         inputs = "tensors finite; a Python number was not"
+    if report.inputs_finite and report.outputs_unread:
+        inputs = "finite where read; some module outputs could not be read (note)"
     # A data event with no op has no inputs that could be finite: the value itself came in (the evidence row
     # says so). One the loop's code computed ((raw - mean) / std) has its op, and the op its operands.
     if not report.unlocated and not (str(report.phase) == "data" and report.op is None):

@@ -31,7 +31,7 @@ from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
-from nan_magic.hot.reads import is_checkable, iter_tensors
+from nan_magic.hot.reads import is_checkable, iter_tensors, unread_parts
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.hot.watched.transparent import output_bound, passes_through, passes_through_unseen
 from nan_magic.records import Phase
@@ -177,12 +177,14 @@ class ForwardChecks:
         if frame.info.watched:
             hook_gradient = self._hook_gradient
             anchor = None
-            for path, tensor in iter_tensors(output, "output", self.watch.skipped):
+            for path, tensor in iter_tensors(output, "output", self.watch.skipped, attributes=True):
                 record = log.record_output(call, path, tensor)
                 if hook_gradient is not None:
                     hook_gradient(record, tensor)
                 if anchor is None and tensor.grad_fn is not None:
                     anchor = tensor
+            if not call.outputs and output is not None:  # (nothing read: a vmap's value, an object; rare)
+                call.unread = unread_parts(output)
             if (anchor is not None and self.replayer.keeps_calls) or self.replayer.replays_kept:
                 # Without a graph (no_grad) only the deferred check replays the call: held weakly.
                 call.held = hold_arguments(args, kwargs, self.replayer.classify, anchor)

@@ -184,9 +184,12 @@ class GradientChecks:
             for output in other.outputs
             if not output.pending
         )
+        # Calls whose output the watch could not read (a model called inside torch.func.vmap, an object holding
+        # no tensor of its own): "every module output was finite" would claim reads it never made.
+        unread = unread_note(watch.log.calls)
         tensor = record.live()
         suspects: list[Note] = []
-        if every_output_finite and self._given_to_the_loss(tensor, suspects):
+        if every_output_finite and self._given_to_the_loss(tensor, suspects, unread):
             return
         finding = Finding(
             Phase.FORWARD,
@@ -197,14 +200,14 @@ class GradientChecks:
             record=record,
             inputs_finite=every_output_finite,
         )
-        finding.notes.append(Note("outside-made-it" if every_output_finite else "outputs-were-bad"))
+        finding.notes.append(Note("outputs-were-bad") if not every_output_finite else unread or Note("outside-made-it"))
         finding.notes.extend(suspects)
         # A loss that was a temporary (``loss_fn(out, y).backward()``) is gone by the deferred check: its
         # records still know it by the id it had.
         self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
         watch.emit(finding)
 
-    def _given_to_the_loss(self, loss: torch.Tensor | None, suspects: list[Note]) -> bool:
+    def _given_to_the_loss(self, loss: torch.Tensor | None, suspects: list[Note], unread: Note | None) -> bool:
         """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did.
 
         Where the loss code ran over the recorder's budget, a non-finite tensor only the user's variables hold
@@ -254,7 +257,8 @@ class GradientChecks:
             return False
         given, tensor, line = entered[0]
         finding = Finding(Phase.DATA, None, given, bad=tensor.detach(), inputs_finite=False, source=line)
-        finding.notes.append(Note("entered-outside"))
+        finding.notes.append(
+            Note("entered-outside") if unread is None else Note("entered-outside-unread", unread.facts))
         watch.emit(finding)
         return True
 
@@ -420,3 +424,17 @@ def _register_grad_hook(tensor: torch.Tensor, grad_fn: Any, hook: Callable[[torc
             register_dict(tensor)
             return
     tensor.register_hook(hook)
+
+
+def unread_note(calls: list[Call]) -> Note | None:
+    """The ``outputs-unread`` note of a step's forward calls whose output gave nothing to read, None if none.
+
+    Facts: ``modules`` (their qualified names, the first few) and ``reasons`` (reads.unread_parts' words).
+    """
+    unread = [call for call in calls if call.unread and call.info is not None and call.phase == Phase.FORWARD]
+    if not unread:
+        return None
+    modules = tuple(dict.fromkeys(call.name or "" for call in unread))
+    reasons = tuple(dict.fromkeys(reason for call in unread for reason in call.unread))
+    return Note.of("outputs-unread", modules=modules[:_SUSPECTS], more=max(0, len(modules) - _SUSPECTS),
+                   reasons=reasons)

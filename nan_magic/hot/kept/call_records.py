@@ -209,7 +209,7 @@ class Call:
 
     __slots__ = (
         "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
-        "module", "outputs", "parent", "phase", "rng_state",
+        "module", "outputs", "parent", "phase", "rng_state", "unread",
     )
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
@@ -236,6 +236,9 @@ class Call:
         self.autocast: AutocastState | None = None
         # For a backward check: the forward call whose backward computed the gradient.
         self.consumer: Call | None = None
+        # Why a forward call's output gave no tensor to read (reads.unread_parts): a report must not say every
+        # module output was finite where this one was never read.
+        self.unread: tuple[str, ...] = ()
 
     @property
     def name(self) -> str | None:

@@ -166,7 +166,7 @@ def replay_module(
         )
     if failure is not None:
         note = Note.of("replay-raised", module=module_name, error=type(failure).__name__, message=str(failure))
-    elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output)):
+    elif any(relevant_kinds(kinds_of(t), frozenset(kinds)) for _, t in iter_tensors(output, attributes=True)):
         note = Note.of("replay-held", module=module_name)
         return ReplayResult(finding=None, reproduced=False, note=note, held_by_inputs=True, benign_modules=benign)
     else:
@@ -299,7 +299,7 @@ def replay_backward(
                 # A non-finite forward value is not what is asked here; its
                 # origin is kept, for a backward op that reads it (absorbed).
                 tracer.reset(origins=False)
-                outputs = [t for _, t in iter_tensors(output) if t.requires_grad]
+                outputs = [t for _, t in iter_tensors(output, attributes=True) if t.requires_grad]
                 with torch.autograd.set_detect_anomaly(anomaly):
                     torch.autograd.grad(
                         outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True

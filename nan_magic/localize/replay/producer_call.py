@@ -302,7 +302,8 @@ class CallReplay:
             return
         with self.standing_aside():
             output = run_again(call.module, arguments.args, arguments.kwargs, call.rng_state, call.autocast)
-        again = next((tensor for path, tensor in iter_tensors(output, "output") if path == record.path), None)
+        again = next((tensor for path, tensor in iter_tensors(output, "output", attributes=True)
+                      if path == record.path), None)
         if again is not None and record.kinds and record.kinds <= kinds_of(again):
             finding.bad, finding.bad_stats = again, None
             finding.notes.append(Note.of("freed-recomputed", path=str(record.path), module=call.name))
@@ -331,7 +332,7 @@ class CallReplay:
         )
         if output is None:
             output = enclosing_output(call, self._log.calls, lambda inner: self._regenerate(inner, depth + 1))
-        for path, tensor in iter_tensors(output, "output"):
+        for path, tensor in iter_tensors(output, "output", attributes=True):
             if path == record.path:
                 return tensor
         return None

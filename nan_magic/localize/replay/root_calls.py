@@ -207,7 +207,7 @@ def _output_path(boundary: TensorRef | None) -> str | None:
 
 
 def _stats_at(output: Any, path: str | None) -> TensorStats | None:
-    for tensor_path, tensor in iter_tensors(output, "output"):
+    for tensor_path, tensor in iter_tensors(output, "output", attributes=True):
         if tensor_path == path:
             return tensor_stats(tensor)
     return None

@@ -235,7 +235,8 @@ class StepReplays:
         root.kwargs = dict(kwargs)
         if root.grad_enabled and not ((cycle := self.watch.cycle).trains or cycle.training()):
             # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
-            root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output) if tensor.grad_fn is not None]
+            root.outputs = [weakref.ref(tensor) for _path, tensor in iter_tensors(output, attributes=True)
+                            if tensor.grad_fn is not None]
         if kwargs:
             root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)

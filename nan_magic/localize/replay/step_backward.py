@@ -107,7 +107,7 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
     watch's hook saw, before the user's hooks on that output ran (they were
     registered after it), so theirs run on the replay's output too.
     """
-    for path, tensor in iter_tensors(output, "output"):
+    for path, tensor in iter_tensors(output, "output", attributes=True):
         original = (originals or {}).get(path)
         hooks = getattr(original, "_backward_hooks", None) or {}
         for hook in list(hooks.values()):
@@ -115,7 +115,7 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
                 tensor.register_hook(hook)
     pairs = _outermost([
         (tensor, _finite_part(output_grads[path]))
-        for path, tensor in iter_tensors(output, "output")
+        for path, tensor in iter_tensors(output, "output", attributes=True)
         if path in output_grads and tensor.requires_grad
     ])
     data_parallel = data_parallel_paths(target)

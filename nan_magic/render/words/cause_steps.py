@@ -138,7 +138,8 @@ def _backward_hint(event: Report, cause: Cause) -> str:
 
 
 def _loss_hint(event: Report, cause: Cause) -> str:
-    finite = " while every watched module output was finite" if event.inputs_finite else ""
+    finite = ("" if not event.inputs_finite else " while every watched module output it read was finite (some "
+              "it could not read)" if event.outputs_unread else " while every watched module output was finite")
     if event.nan and not event.posinf + event.neginf:
         readings = (
             "a mean over an empty selection (every target ignore_index, an empty mask: 0/0), or a domain "
@@ -184,7 +185,8 @@ STEP_READINGS: dict[str, Reading] = {
         () if event.unlocated else (f"phase backward: {event.tensor} {counts(event)} of {event.numel}",)
     )),
     "loss-unknown-op": on_event(_loss_hint, lambda event, _cause: (
-        f"loss: {counts(event)}", f"inputs finite: {event.inputs_finite}",
+        f"loss: {counts(event)}",
+        f"inputs finite: {event.inputs_finite}" + (" (of the outputs read)" if event.outputs_unread else ""),
     )),
     "module-unknown-op": on_event(_module_hint, inputs_or_counts,
                                  sentence=lambda event: event.module is None and event.source is not None),

@@ -360,6 +360,41 @@ def _subject(pairs: Any) -> str:
     return subject_label(from_plain(TensorRef, pairs))
 
 
+#: Why an output was not read (hot/reads.unread_parts' words), as a sentence's object.
+_UNREAD: dict[str, str] = {
+    "functorch": "a value inside a torch.func transform such as vmap, which cannot be read to the host there",
+    "nested": "a nested tensor",
+    "meta": "a meta tensor, which holds no data",
+}
+
+
+def _unread_outputs(note: Note) -> str:
+    """Whose outputs were not read, and why: ``the root module and module 1 (a value inside a torch.func ...)``."""
+    names = [f"module {name}" if name else "the root module" for name in note.fact("modules")]
+    if note.fact("more"):
+        names.append(counted(note.fact("more"), "other module"))
+    reasons = []
+    for reason in note.fact("reasons"):
+        if reason.startswith("object "):
+            reasons.append(f"a {reason.removeprefix('object ')} object, whose tensors are not its own attributes")
+        else:
+            reasons.append(_UNREAD.get(reason, f"a {reason} tensor, whose own dispatch the watch does not run"))
+    listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    return f"the output of {listed} ({'; '.join(reasons)})"
+
+
+def _outputs_unread(note: Note) -> str:
+    return (f"the watch could not read {_unread_outputs(note)}: every module output it did read was finite, and the "
+            "loss was the first non-finite value it saw, so the unread outputs may hold the producer; the code "
+            "outside the modules is named only because nothing read was non-finite before it")
+
+
+def _entered_outside_unread(note: Note) -> str:
+    return (f"every module output the watch read was finite, but it could not read {_unread_outputs(note)}; this "
+            "tensor, which no code it read produced, entered the code outside the modules (the loss) already "
+            "non-finite")
+
+
 #: The notes whose words depend on their facts beyond filling them in.
 _WRITERS: dict[str, Callable[[Note], str]] = {
     "deliberate": _deliberate,
@@ -383,4 +418,6 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "other-counts": _other_counts,
     "rank-reduced": _rank_reduced,
     "rank-also-saw": _rank_also_saw,
+    "outputs-unread": _outputs_unread,
+    "entered-outside-unread": _entered_outside_unread,
 }
