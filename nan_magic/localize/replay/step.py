@@ -48,9 +48,10 @@ from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
+from nan_magic.localize.replay.seen_again import kinds_unexplained, same_counts
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
-from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole, TensorStats
+from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -366,6 +367,12 @@ class StepReplays:
             if outcome.report is not None:
                 break
         if outcome.report is None and outcome.benign is not None:
+            if lacking := kinds_unexplained(outcome.boundary, seen):
+                # A kind the deliberate infinity does not make (a NaN never is): the replay ran from state the loop
+                # changed since (an attribute, by the deferred check), so the event is raised, not taken as benign.
+                found = outcome.benign
+                return self._not_replayed(seen, Note.of("benign-replay-lacks", kinds=lacking, nan=found.nan,
+                    posinf=found.posinf, neginf=found.neginf, where=found.where)), (finding.frame, None)
             # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
             return self._replayed(outcome.benign, seen.step), (None, None)
         if outcome.report is None or (finding.unconfirmed_outside and outcome.report.module is None):
@@ -376,7 +383,7 @@ class StepReplays:
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
             finding.rng_state = root.rng
-        if not _same_counts(outcome.boundary, seen):
+        if not same_counts(outcome.boundary, seen):
             found = outcome.report
             return self._not_replayed(seen, Note.of(
                 "other-counts", nan=found.nan, posinf=found.posinf, neginf=found.neginf, tensor=to_pairs(found.tensor),
@@ -454,27 +461,6 @@ class StepReplays:
         # (Unseen: torch's anomaly mode stopped the backward before any check; a mode="full" watch would not see it.)
         note = Note.of("not-reproduced-unseen" if seen.unlocated else "not-reproduced", reason=why.pair)
         return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
-
-
-def _same_counts(replayed: TensorStats | None, seen: Report) -> bool:
-    """Whether the replay saw the boundary's event again.
-
-    A boundary the replay does not measure (a module's gradient) counts as seen; where the check has no counts (the
-    deferred check, after the tensor was freed), a non-finite value at the boundary is enough.
-    """
-    if replayed is None:
-        return True
-    if not seen.nonfinite:
-        return bool(replayed.nonfinite)
-    if (replayed.nan, replayed.posinf, replayed.neginf) == (seen.nan, seen.posinf, seen.neginf):
-        return True
-    # Code between backward and the check may turn what the replay makes into NaN: clip_grad_norm_ multiplies
-    # every gradient by max_norm / total norm, 0 where the total is inf (inf * 0 = NaN at the same elements, the
-    # NaN the replay made staying NaN), NaN where the total is NaN (every element, finite ones too).
-    nan, posinf, neginf = replayed.nan or 0, replayed.posinf or 0, replayed.neginf or 0
-    turned_nan = (nan + posinf + neginf == seen.nonfinite and seen.nan >= nan and seen.posinf <= posinf
-                  and seen.neginf <= neginf)
-    return turned_nan or (seen.nan == seen.numel and replayed.nonfinite > 0)
 
 
 _dict_get: Any = dict.get

@@ -395,6 +395,17 @@ def _entered_outside_unread(note: Note) -> str:
             "non-finite")
 
 
+def _benign_replay_lacks(note: Note) -> str:
+    return (f"its replay made only a deliberate infinity ({_event_counts(note)} in {note.fact('where')}), without the "
+            f"{' or '.join(note.fact('kinds'))} the check saw: the replay ran from the module as it is now, which the "
+            "loop changed after the call (an attribute, a parameter), so it is no reason to take the value as benign")
+
+
+def _event_counts(note: Note) -> str:
+    counts = ((note.fact("nan"), "nan"), (note.fact("posinf"), "+inf"), (note.fact("neginf"), "-inf"))
+    return ", ".join(f"{count} {kind}" for count, kind in counts if count) or "no non-finite value"
+
+
 #: The notes whose words depend on their facts beyond filling them in.
 _WRITERS: dict[str, Callable[[Note], str]] = {
     "deliberate": _deliberate,
@@ -419,5 +430,6 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "rank-reduced": _rank_reduced,
     "rank-also-saw": _rank_also_saw,
     "outputs-unread": _outputs_unread,
+    "benign-replay-lacks": _benign_replay_lacks,
     "entered-outside-unread": _entered_outside_unread,
 }
