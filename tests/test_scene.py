@@ -407,6 +407,71 @@ def test_a_producer_given_a_tensor_inside_a_container_asks_for_its_arguments(tmp
     assert scene.replay(fresh, scene.producer_inputs["input[0]"], (torch.full((4,), 100.0),)).reproduced
 
 
+class Stepped(nn.Module):
+    """``h / (h - h)`` at step 3 only: the step is a plain Python argument (the notebook's ``model(xs, step)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.lin(x)
+        return h / (h - h) if step == 3 else h
+
+
+class SteppedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = Stepped(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, step: Any = 0) -> torch.Tensor:
+        return self.head(self.body(x, step.value if isinstance(step, Box) else step))
+
+
+class Box:
+    """An argument that is neither a tensor nor a plain Python value: a scene cannot hold it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def stepped_loop(model: nn.Module, boxed: bool = False) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    torch.manual_seed(0)
+    xs = torch.randn(8, 4)
+    for step in range(6):
+        loss = model(xs, Box(step) if boxed else step).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"mode": "full"}, {"ops": True}],
+                         ids=["default", "defer", "full", "ops"])
+def test_a_producers_plain_python_argument_is_saved_and_replayed(tmp_path, options) -> None:
+    # model(xs, step) was saved as model(xs): the replay ran with step=0 (the default) and stayed finite, and
+    # %nanreplay said so, not that an argument was missing. The scene keeps plain Python arguments now.
+    torch.manual_seed(0)
+    model = SteppedNet()
+    report = raised(lambda: stepped_loop(model), model, dump=str(tmp_path), **options)
+    scene = nan_magic.load_scene(report.scene)
+    call = scene.data["producer_call"]
+    assert call["args"][1] == 3 and call["positional"] == 2
+    result = scene.replay(model)
+    assert result.reproduced and result.finding is not None and result.finding.op == "aten.div.Tensor"
+
+
+def test_a_producers_argument_the_scene_cannot_hold_is_said_missing(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = SteppedNet()
+    report = raised(lambda: stepped_loop(model, boxed=True), model, dump=str(tmp_path))
+    scene = nan_magic.load_scene(report.scene)
+    assert scene.module == "body" and scene.call_module == ""
+    with pytest.raises(ValueError, match="positional argument 1 as an object the scene does not hold"):
+        scene.replay(model)
+    assert scene.replay(model, scene.producer_inputs["input[0]"], 3).reproduced
+
+
 def test_restore_into_needs_a_model_it_can_tell_apart(scene) -> None:
     with pytest.raises(RuntimeError, match="Missing key"):
         scene.restore_into(nn.Linear(4, 4))

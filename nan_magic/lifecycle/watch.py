@@ -441,9 +441,8 @@ class Watch:
         source = SceneSource(
             config=self.config,
             roots=self.targets.roots,
-            optimizers=self.optimizers.seen,
-            scalers=self.optimizers.scalers,
-            calls=lambda: self.log.calls,
+            optimizers=self.optimizers.seen, scalers=self.optimizers.scalers, calls=lambda: self.log.calls,
+            arguments=lambda call: self.replays.arguments_of(call) if self.replays is not None else None,
             running_rng=self.forward.stack[0].rng_state if self.forward.stack else None,
             last_good=self.last_good,
         )

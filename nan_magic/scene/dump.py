@@ -44,6 +44,7 @@ from torch import nn
 from nan_magic.distributed.ranks import per_rank_path
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.hot.kept.call_records import argument_path
+from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.rng import RngState, capture_rng_state
 from nan_magic.hot.reads import version_of
 from nan_magic.locations import running_shell
@@ -77,6 +78,9 @@ class SceneSource:
     #: The generators' state before the failing step's top-level forward call, when one is running.
     running_rng: RngState | None
     last_good: LastGood
+    #: A call's arguments as it was made (its held arguments, or the step replay's copy of a top-level call's),
+    #: None where nothing kept them: the scene saves the plain Python ones (``model(x, step)``'s ``step``).
+    arguments: Callable[[Call], tuple[tuple[Any, ...], dict[str, Any]] | None] = lambda _call: None
 
 SCENE_FORMAT = "nan_magic.scene"
 #: 7: the early warnings', the optimizer notes' and the optimizer causes' tensors are typed references (load_scene
@@ -104,7 +108,8 @@ SCENE_VERSION = 7
 #: - ``producer_inputs``: ``{path: tensor}`` the producer module was called with, or, where the
 #:   tiered watch replayed the whole model call, the inputs of that call
 #: - ``producer_call``: the same tensors by argument, ``{"args": {position: tensor}, "kwargs": {keyword: tensor},
-#:   "nested": [path]}`` (None where no module call produced the event; absent in older scenes)
+#:   "nested": [path]}`` (None where no module call produced the event; absent in older scenes), with the plain
+#:   Python arguments among them (an int, a string) and ``"positional"``, how many it took, where the call was kept
 #: - ``call_module``: the qualified name of the module whose call ``producer_inputs`` are (the
 #:   producer, or the top-level model call that held it); absent in older scenes: ``module``
 #: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source": str, "event": {"cpu", "cuda"}}``
@@ -154,7 +159,7 @@ def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[
         "batch": lambda: _batch(source, notes),
         "producer_inputs": lambda: _producer_inputs(finding, notes),
         # Evaluated in order, after the inputs: the same copies, by argument.
-        "producer_call": lambda: _producer_call(finding, scene.get("producer_inputs") or {}),
+        "producer_call": lambda: _producer_call(finding, scene.get("producer_inputs") or {}, source),
         "rng": lambda: _rng(source, finding),
         "versions": _versions,
     }
@@ -387,15 +392,35 @@ def _producer_inputs(finding: Finding, notes: list[Note]) -> dict[str, torch.Ten
     return inputs
 
 
-def _producer_call(finding: Finding, inputs: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+#: The Python values a scene saves as a call's arguments: what ``torch.load(weights_only=True)`` reads back.
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _producer_call(
+    finding: Finding, inputs: dict[str, torch.Tensor], source: SceneSource | None = None
+) -> dict[str, Any] | None:
     """The producer module's saved inputs by argument, to call it again (``Scene.replay``); None without a call.
 
     ``{"args": {position: tensor}, "kwargs": {keyword: tensor}, "nested": [path, ...]}``: an argument
-    that held its tensors inside a container is listed in ``nested`` (the scene cannot rebuild it).
+    that held its tensors inside a container is listed in ``nested`` (the scene cannot rebuild it). Where the
+    call's arguments were kept (``source.arguments``), its plain Python arguments too (a scalar, a string: what a
+    safe load reads back), and ``"positional"``: how many positional arguments it took, so that a replay missing
+    one (an object the scene cannot hold) says so instead of running with the parameter's default.
     """
     if finding.call is None or finding.call.phase == Phase.DATA:
         return None
     call: dict[str, Any] = {"args": {}, "kwargs": {}, "nested": []}
+    # Kept for a per-module watch's replay; else the step replay's copy of a top-level call; else, the event
+    # inside the call (the op tracer's), its running frame's.
+    held = finding.call.held
+    made = (held.args, held.kwargs) if held is not None else source.arguments(finding.call) if source else None
+    if made is None and finding.call.module is not None:
+        made = running_arguments(finding.call.module)
+    if made is not None:
+        args, kwargs = made
+        call["positional"], call["keywords"] = len(args), sorted(kwargs)
+        call["args"].update({index: value for index, value in enumerate(args) if type(value) in _SCALARS})
+        call["kwargs"].update({key: value for key, value in kwargs.items() if type(value) in _SCALARS})
     for path, argument, _record, _ref, _version in finding.call.inputs:
         if path not in inputs:
             continue

@@ -275,7 +275,7 @@ class Scene:
             module_name=called,
         )
 
-    def producer_call(self) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    def producer_call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The producer's saved inputs as ``(args, kwargs)``.
 
         Raises
@@ -297,6 +297,15 @@ class Scene:
             )
         positional: dict[int, torch.Tensor] = call["args"]
         keywords: dict[str, torch.Tensor] = dict(call["kwargs"])
+        # (How many it took, and its keywords, where the call was kept: else what was saved is all there is to go by.)
+        count, names = call.get("positional", len(positional)), call.get("keywords", sorted(keywords))
+        missing = [*(f"positional argument {index}" for index in range(count) if index not in positional),
+                   *(f"keyword argument {name!r}" for name in names if name not in keywords)]
+        if missing:
+            raise ValueError(
+                f"the producer was called with {', '.join(missing)} as an object the scene does not hold (neither a "
+                "tensor nor a plain Python value): pass the arguments yourself, scene.replay(model, *args, **kwargs)"
+            )
         if sorted(positional) != list(range(len(positional))):
             raise ValueError(
                 "the producer was called with non-tensor positional arguments, which the scene does not hold: "
@@ -370,7 +379,9 @@ def _moved(value: Any, device: torch.device) -> Any:
         return value.to(device)
     if isinstance(value, tuple):
         return tuple(_moved(item, device) for item in value)
-    return {key: _moved(item, device) for key, item in value.items()}
+    if isinstance(value, dict):
+        return {key: _moved(item, device) for key, item in value.items()}
+    return value  # a plain Python argument (model(x, step)'s step)
 
 
 def _warnings_said(plain: Any) -> list[str | None]:

@@ -226,6 +226,11 @@ class StepReplays:
         ))
         return rng
 
+    def arguments_of(self, call: Call) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A held top-level call's arguments as it was made (the scene saves its plain ones); None if not held."""
+        root = next((root for root in self.calls if root.call is call), None)
+        return (root.args, root.kwargs) if root is not None else None
+
     def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
         """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
         calls = self.calls  # (the latest call first, inlined: the usual step's one call is it)
