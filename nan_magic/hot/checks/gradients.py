@@ -26,7 +26,7 @@ import functools
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -426,7 +426,7 @@ def _register_grad_hook(tensor: torch.Tensor, grad_fn: Any, hook: Callable[[torc
     tensor.register_hook(hook)
 
 
-def unread_note(calls: list[Call]) -> Note | None:
+def unread_note(calls: Iterable[Call]) -> Note | None:
     """The ``outputs-unread`` note of a step's forward calls whose output gave nothing to read, None if none.
 
     Facts: ``modules`` (their qualified names, the first few) and ``reasons`` (reads.unread_parts' words).
