@@ -20,9 +20,9 @@ Then shapes of data and of the step: an empty batch after a quality filter (``ms
 of 0 over a batch of only that class; a tensor subclass (``__torch_function__``) through the model; an ensemble by
 ``vmap(functional_call)`` inside the forward; a backward producer under ``save_on_cpu``; a model cast to float16
 whole, stepped by Adam whose eps rounds to 0; missing labels as NaN averaged by ``nanmean`` (its backward leaks them
-as the where's does: both are phase data, at the line that read the label into the graph); a static input
-buffer (the CUDA-graphs idiom) whose first micro-batch held a NaN; linear probing by ``backward(inputs=head
-params)``. Healthy: missing features as NaN imputed by the model itself
+as the where's does: both are phase data, at the line that read the label into the graph); a forward normalising its
+own input in place over a blank row; a static input buffer (the CUDA-graphs idiom) whose first micro-batch held a NaN;
+linear probing by ``backward(inputs=head params)``. Healthy: missing features as NaN imputed by the model itself
 (strict xfail: judged as data where they enter), and running statistics whose 'not seen yet' sentinel is NaN.
 """
 
@@ -720,6 +720,32 @@ def _nanmean_targets(indexed: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step],), loss_fn)
 
 
+# ---------------------------------------------------------------- a forward normalising its input in place
+class CosineClassifier(nn.Module):
+    """A cosine classifier over raw features, normalising its input rows in place (``x /= x.norm(...)``)."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 6))
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            x /= x.norm(dim=1, keepdim=True)  # producer: in-place input norm
+        else:
+            x = F.normalize(x, dim=1)
+        return 10 * x @ F.normalize(self.weight, dim=1).t()
+
+
+def _in_place_input(in_place: bool) -> Scenario:
+    """At step 2 one sample's features are all 0 (a blank record): 0 / 0 written into the caller's batch."""
+    torch.manual_seed(0)
+    model = CosineClassifier(in_place)
+    xs, labels = _batches(5, 6), [torch.randint(0, 3, (5,)) for _ in range(4)]
+    xs[2][3] = 0.0
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.cross_entropy(out, labels[step]))
+
+
 # ---------------------------------------------------------------- a static input buffer refilled between micro-batches
 def _static_buffer(bad: bool) -> Scenario:
     """The CUDA-graphs idiom: one preallocated input buffer, each micro-batch copied into it (``copy_``); two
@@ -790,6 +816,12 @@ IMPUTED_FEATURES_GAP = (
     "NaN-coded missing features itself (torch.where(isnan(x), fill, x)) before any arithmetic is stopped at step 0, "
     "its outputs, loss and gradients finite, in every mode. Judging the batch only once a value it reaches goes "
     "non-finite (the rule of masks) is the change; PRODUCT.md's data rule and the data rows rely on the first")
+IN_PLACE_INPUT_GAP = (
+    "the forward writes its own input in place (x /= x.norm(...)): a replay of the call starts from the values the "
+    "write left, not those it received (no copy of a batch is kept on a healthy step), so the tiered and per-module "
+    "modes name the module with op None and say the input was modified in place; the op tracer (ops=True) sees the "
+    "write")
+
 CASES = [
     Case("hunt19_procrustes_svd_polar_factor_of_the_identity", lambda: _procrustes(True),
          Expect("backward", "", "Procrustes", step=0, op="aten.div.Tensor", marker="polar svd")),
@@ -857,6 +889,13 @@ CASES = [
          Expect("data", None, step=1, op=None, marker="nanmean",
                 tensor=TensorRef(TensorRole.INPUT, "aten.sub.Tensor", "other"))),
     Case("hunt19_missing_targets_boolean_index_healthy", lambda: _nanmean_targets(True), None),
+    Case("hunt19_forward_normalises_its_input_in_place_of_a_blank_row", lambda: _in_place_input(True),
+         Expect("forward", "", "CosineClassifier", step=2, op="aten.div_.Tensor", marker="in-place input norm",
+                op_modes=("ops",)), note=IN_PLACE_INPUT_GAP),
+    Case("hunt19_forward_normalises_its_input_in_place_op_and_line", lambda: _in_place_input(True),
+         Expect("forward", "", "CosineClassifier", step=2, op="aten.div_.Tensor", marker="in-place input norm"),
+         modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=IN_PLACE_INPUT_GAP),)),
+    Case("hunt19_forward_normalises_a_copy_healthy", lambda: _in_place_input(False), None),
     Case("hunt19_static_input_buffer_nan_in_the_first_micro_batch", lambda: _static_buffer(True),
          Expect("data", "", "Sequential", step=1, op=None)),
     Case("hunt19_static_input_buffer_healthy", lambda: _static_buffer(False), None),
