@@ -24,6 +24,9 @@ as the where's does: both are phase data, at the line that read the label into t
 own input in place over a blank row; a static input buffer (the CUDA-graphs idiom) whose first micro-batch held a NaN;
 linear probing by ``backward(inputs=head params)``. Healthy: missing features as NaN imputed by the model itself
 (strict xfail: judged as data where they enter), and running statistics whose 'not seen yet' sentinel is NaN.
+Last, a hand-written HMM forward in log space whose ``logaddexp`` of two unreachable states (-inf, exact in the
+forward) is NaN in the backward, and MAML's inner step by ``autograd.grad(create_graph=True)`` whose NaN gradient
+(a sqrt's backward at 0) reaches the query loss through ``functional_call`` (strict xfail in the tiered modes).
 """
 
 from __future__ import annotations
@@ -810,6 +813,81 @@ def _backward_inputs(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- an HMM forward in log space by logaddexp
+class LogSpaceAligner(nn.Module):
+    """A left-to-right HMM (or CTC-like) forward algorithm written by hand in log space: each state stays or advances,
+    ``alpha_t(s) = logaddexp(alpha(s) + stay, alpha(s - 1) + advance) + emit_t(s)``, starting in state 0 with the
+    others at ``start`` (-inf as written; a large finite negative in the twin). A state not reachable yet is
+    ``logaddexp(-inf, -inf) = -inf`` in the forward, exact; its backward is ``exp(-inf - (-inf))``, NaN, times a
+    gradient of 0: NaN into every parameter."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__()
+        self.emit = nn.Linear(4, 4)
+        self.stay, self.advance = nn.Parameter(torch.tensor(-0.3)), nn.Parameter(torch.tensor(-1.2))
+        self.start = start
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        emissions = torch.log_softmax(self.emit(frames), -1)
+        alpha = torch.cat([emissions[0, :1], torch.full((3,), self.start)])
+        for t in range(1, frames.shape[0]):
+            moved = torch.cat([torch.full((1,), self.start), alpha[:-1] + self.advance])
+            alpha = torch.logaddexp(alpha + self.stay, moved) + emissions[t]  # producer: hmm logaddexp
+        return -torch.logsumexp(alpha, 0)
+
+
+def _hmm(start: float) -> Scenario:
+    """Every sequence: at t = 1 states 2 and 3 are unreachable (NaN in the first backward, step 0)."""
+    torch.manual_seed(0)
+    model = LogSpaceAligner(start)
+    xs = _batches(5, 4)
+    return _loop(model, lambda step: (xs[step],), lambda nll, step: nll)
+
+
+# ---------------------------------------------------------------- MAML: an inner step by autograd.grad, functional_call
+class RootFeatures(nn.Module):
+    """A feature layer with a signed square root (``sign(h) * sqrt(|h| + eps)``), then a linear head."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return self.head(torch.sign(h) * torch.sqrt(h.abs() + self.eps))  # producer: maml root
+
+
+def _maml(eps: float) -> Scenario:
+    """MAML: the inner step adapts the weights by ``autograd.grad(create_graph=True)`` on the support set, the outer
+    loss runs ``functional_call`` with the adapted weights on the query set. At step 2 a hidden unit is exactly 0 on
+    the support set: the inner gradient is NaN (sqrt's backward at 0, times sign's 0), the adapted weights NaN."""
+    torch.manual_seed(0)
+    model = RootFeatures(eps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    support, query = _batches(5, 4), _batches(5, 4)
+    ys_support, ys_query = _batches(5, 1), _batches(5, 1)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.lin.weight[1].zero_()
+                    model.lin.bias[1] = 0.0
+            params = dict(model.named_parameters())
+            inner = F.mse_loss(model(support[step]), ys_support[step])
+            grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+            fast = {name: p - 0.1 * g for (name, p), g in zip(params.items(), grads)}
+            outer = F.mse_loss(torch.func.functional_call(model, fast, (query[step],)), ys_query[step])
+            opt.zero_grad()
+            outer.backward()
+            opt.step()
+            losses.append(outer.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
 IMPUTED_FEATURES_GAP = (
     "a non-finite value in a batch entering a watched model is judged as data where it enters (hot/checks/forward.py "
     "record_data, localize/producer.py: only a deliberate infinity, a mask, may come in): a model that imputes "
@@ -821,6 +899,17 @@ IN_PLACE_INPUT_GAP = (
     "write left, not those it received (no copy of a batch is kept on a healthy step), so the tiered and per-module "
     "modes name the module with op None and say the input was modified in place; the op tracer (ops=True) sees the "
     "write")
+HMM_FULL_GAP = (
+    "mode='full' does not replay the root module's backward for a gradient of a tensor the module computed inside "
+    "(emit's output, whose gradient the logaddexp's backward made NaN): the real gradient into the module is not "
+    "kept and one of ones cannot vouch for it, so it names the module with op None and says so; the tiered step "
+    "replay (default, defer) keeps the real output gradient for the step, and ops=True traces the backward")
+MAML_GAP = (
+    "an autograd.grad with create_graph=True in the loop (MAML's inner step) runs its backward inside the loss "
+    "code's recorder (patches/backward.py runs a create_graph grad as it is): the sqrt's backward div is recorded as "
+    "a forward op of the loss code at the autograd.grad line, and the tiered modes (default, defer: the CUDA "
+    "default) report 'forward, code outside any watched module, aten.div.Tensor at the grad line' when the adapted "
+    "weights reach the functional_call; mode='full' and ops=True name the backward in RootFeatures at its sqrt")
 
 CASES = [
     Case("hunt19_procrustes_svd_polar_factor_of_the_identity", lambda: _procrustes(True),
@@ -902,4 +991,18 @@ CASES = [
     Case("hunt19_backward_inputs_head_root_at_0", lambda: _backward_inputs(0.0),
          Expect("backward", "1", "RootHead", step=2, op="aten.div.Tensor", marker="head root")),
     Case("hunt19_backward_inputs_head_root_with_eps_healthy", lambda: _backward_inputs(1e-8), None),
+    Case("hunt19_hmm_forward_logaddexp_of_two_unreachable_states", lambda: _hmm(float("-inf")),
+         Expect("backward", "", "LogSpaceAligner", step=0, op="aten.sub.Tensor", marker="hmm logaddexp",
+                op_modes=("default", "defer", "ops")), note=HMM_FULL_GAP),
+    Case("hunt19_hmm_forward_logaddexp_full_mode_op", lambda: _hmm(float("-inf")),
+         Expect("backward", "", "LogSpaceAligner", step=0, op="aten.sub.Tensor", marker="hmm logaddexp"),
+         modes=("full",), marks=(pytest.mark.xfail(strict=True, reason=HMM_FULL_GAP),)),
+    Case("hunt19_hmm_forward_large_finite_negative_start_healthy", lambda: _hmm(-1e4), None),
+    Case("hunt19_maml_inner_gradient_of_a_signed_root_at_0", lambda: _maml(0.0),
+         Expect("backward", "", "RootFeatures", step=2, op="aten.div.Tensor", marker="maml root"),
+         modes=("full", "ops"), note=MAML_GAP),
+    Case("hunt19_maml_inner_gradient_tiered", lambda: _maml(0.0),
+         Expect("backward", "", "RootFeatures", step=2, op="aten.div.Tensor", marker="maml root"),
+         modes=("default", "defer"), marks=(pytest.mark.xfail(strict=True, reason=MAML_GAP),)),
+    Case("hunt19_maml_signed_root_with_eps_healthy", lambda: _maml(1e-8), None),
 ]
