@@ -26,7 +26,8 @@ linear probing by ``backward(inputs=head params)``. Healthy: missing features as
 (strict xfail: judged as data where they enter), and running statistics whose 'not seen yet' sentinel is NaN.
 Last, a hand-written HMM forward in log space whose ``logaddexp`` of two unreachable states (-inf, exact in the
 forward) is NaN in the backward, and MAML's inner step by ``autograd.grad(create_graph=True)`` whose NaN gradient
-(a sqrt's backward at 0) reaches the query loss through ``functional_call`` (strict xfail in the tiered modes).
+(a sqrt's backward at 0) reaches the query loss through ``functional_call`` (strict xfail in the tiered modes);
+a DQN's bootstrap target over a terminal state with no legal action, ``(1 - done) * max(q.masked_fill(-inf))``.
 """
 
 from __future__ import annotations
@@ -888,6 +889,42 @@ def _maml(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- DQN's bootstrap of no legal action, times (1 - done)
+def _dqn(where: bool) -> Scenario:
+    """DQN with action masking: the bootstrap target takes the max over the next state's legal actions (illegal ones
+    filled with -inf), times ``(1 - done)``. At step 2 a terminal next state has no legal action: its max is -inf and
+    ``0 * -inf`` is NaN. The fix: ``torch.where(done, 0, next_max)``."""
+    torch.manual_seed(0)
+    online, target = nn.Linear(4, 3), nn.Linear(4, 3)
+    target.load_state_dict(online.state_dict())
+    opt = torch.optim.SGD(online.parameters(), lr=0.01)
+    obs, next_obs = _batches(5, 4), _batches(5, 4)
+    actions, rewards = torch.tensor([0, 1, 2, 1, 0]), torch.rand(5)
+    done = [torch.zeros(5, dtype=torch.bool) for _ in range(4)]
+    legal = [torch.ones(5, 3, dtype=torch.bool) for _ in range(4)]
+    done[2][3] = True
+    legal[2][3] = False
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            q = online(obs[step]).gather(1, actions[:, None]).squeeze(1)
+            with torch.no_grad():
+                next_max = target(next_obs[step]).masked_fill(~legal[step], float("-inf")).max(1).values
+                if where:  # noqa: SIM108 (the producer's marker goes on the product's own line)
+                    bootstrap = torch.where(done[step], 0.0, next_max)
+                else:
+                    bootstrap = (1 - done[step].float()) * next_max  # producer: dqn bootstrap
+                y = rewards + 0.99 * bootstrap
+            loss = F.smooth_l1_loss(q, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((online, opt), run)
+
+
 IMPUTED_FEATURES_GAP = (
     "a non-finite value in a batch entering a watched model is judged as data where it enters (hot/checks/forward.py "
     "record_data, localize/producer.py: only a deliberate infinity, a mask, may come in): a model that imputes "
@@ -1006,4 +1043,7 @@ CASES = [
          Expect("backward", "", "RootFeatures", step=2, op="aten.div.Tensor", marker="maml root"),
          modes=("default", "defer"), marks=(pytest.mark.xfail(strict=True, reason=MAML_GAP),)),
     Case("hunt19_maml_signed_root_with_eps_healthy", lambda: _maml(1e-8), None),
+    Case("hunt19_dqn_bootstrap_of_a_terminal_state_with_no_legal_action", lambda: _dqn(False),
+         Expect("forward", None, step=2, op="aten.mul.Tensor", marker="dqn bootstrap")),
+    Case("hunt19_dqn_bootstrap_where_done_healthy", lambda: _dqn(True), None),
 ]

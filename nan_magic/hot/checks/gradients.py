@@ -237,7 +237,8 @@ class GradientChecks:
             for label, tensor, line in self._loss_code.entering_tensors(
                 loss, watch.log.last_forward_seq, seen, saved, read_all or unrecorded, self._node_origin()
             )
-            if not self.origins.made_by_recorded_code(tensor)
+            if not self.origins.made_by_recorded_code(tensor) and not self.origins.made_deliberately_by_recorded_code(
+                tensor)
         ]
         tracer = self.origins.tracer
         if tracer is not None and len(entered) > 1:
