@@ -109,6 +109,11 @@ class OpOrigins:
             return isinstance(self.tracer.origin_of(tensor), OpFinding)
         return self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
 
+    def made_deliberately_by_recorded_code(self, tensor: torch.Tensor) -> bool:
+        """Whether the recorded code made ``tensor``'s non-finite values from a deliberate infinity (a -inf fill):
+        not data either, though no op is its producer (the tiered mode's records; the op tracer tells it itself)."""
+        return self.tracer is None and self.outside is not None and self.outside.made_deliberately(tensor)
+
     def birth_order(self, tensor: torch.Tensor) -> int:
         """Where the op tracer's origin of ``tensor`` stands among this step's, the first born first (ops mode);
         after them all where it has none (the tiered mode's replay finds the first born itself)."""

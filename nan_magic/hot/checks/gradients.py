@@ -207,18 +207,24 @@ class GradientChecks:
         self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
         watch.emit(finding)
 
-    def _given_to_the_loss(self, loss: torch.Tensor | None, suspects: list[Note], unread: Note | None) -> bool:
+    def _given_to_the_loss(
+        self, loss: torch.Tensor | None, suspects: list[Note], unread: Note | None = None, traced: bool = False
+    ) -> bool:
         """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did.
 
         Where the loss code ran over the recorder's budget, a non-finite tensor only the user's variables hold
         is added to ``suspects`` as a note, not reported as data: nothing tells whether the loss read it.
+        ``unread``: the step's outputs-unread note, said with data the loss code met outside the models.
+        ``traced``: the op tracer's reads of such tensors count too (for a gradient no op explained).
         """
         watch = self.watch
         # What the recorded loss code read comes first, named by its op in either mode; then (deferred, where it
         # was not recorded) what its nodes saved.
         recorded = self._loss_code.recorded_leaves(self.loss_key) if self.loss_key is not None else None
         kept = [(label, tensor, line) for label, ref, line in self.loss_data or () if (tensor := ref()) is not None]
-        saved = (recorded or []) + kept
+        # (ops=True: the tracer keeps what its forward ops read from outside it into a non-finite output.)
+        tracer_read = list(self.origins.tracer.entered_data) if traced and self.origins.tracer is not None else []
+        saved = (recorded or []) + kept + tracer_read
         # A tensor the loss code itself made non-finite from finite values (recorded, or traced) is that
         # code's product, not data, even where it needs no gradient (computed from a detached model output).
         def seen(tensor: torch.Tensor) -> bool:
@@ -237,7 +243,8 @@ class GradientChecks:
             for label, tensor, line in self._loss_code.entering_tensors(
                 loss, watch.log.last_forward_seq, seen, saved, read_all or unrecorded, self._node_origin()
             )
-            if not self.origins.made_by_recorded_code(tensor)
+            if not self.origins.made_by_recorded_code(tensor) and not self.origins.made_deliberately_by_recorded_code(
+                tensor)
         ]
         tracer = self.origins.tracer
         if tracer is not None and len(entered) > 1:
@@ -373,6 +380,14 @@ class GradientChecks:
                 if not self.origins.claim_loss_backward(finding, loss, self.loss_key):
                     finding.notes[mark:mark + 1] = said
         self.origins.add_op_origin(finding, tensor)
+        if call.info is None and finding.op is None:
+            # No op of the loss code made it from finite values (recorded, replayed or traced): non-finite data
+            # the loss code read and hid in its forward (``torch.where(known, (out - y) ** 2, 0)`` over NaN-coded
+            # missing labels) reaches the gradient through the backward (0 * NaN). That data is the producer, as
+            # it is of a non-finite loss.
+            loss = self.loss_record.ref() if self.loss_record is not None else None
+            if self._given_to_the_loss(loss, [], traced=True):
+                return
         watch.on_gradient_event(finding)
 
 

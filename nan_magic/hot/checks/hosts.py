@@ -69,6 +69,10 @@ class OpTracing(Protocol):
     def node_sources(self) -> NodeOrigins:
         """The forward ops and lines of the autograd nodes this trace created."""
 
+    @property
+    def entered_data(self) -> Sequence[Entered]:
+        """This step's non-finite tensors from outside the trace that its forward ops read into non-finite outputs."""
+
 
 class OriginFinder(Protocol):
     """Names the op that started a boundary's non-finite value (localize/op_origins.py)."""
@@ -81,6 +85,8 @@ class OriginFinder(Protocol):
     def birth_order(self, tensor: torch.Tensor) -> int: ...
 
     def made_by_recorded_code(self, tensor: torch.Tensor) -> bool: ...
+
+    def made_deliberately_by_recorded_code(self, tensor: torch.Tensor) -> bool: ...
 
     def claim_loss_backward(self, finding: Finding, loss: torch.Tensor | None, key: int | None) -> bool: ...
 

@@ -186,6 +186,10 @@ class OpTracer(TorchDispatchMode):
         #: The autograd graph task whose ops count as forward ops: set by a
         #: replay that runs a forward inside a gradient hook (-1: none).
         self.forward_task = -1
+        #: ``(reference, tensor, line)`` of each non-finite tensor from outside the trace (no op of it made it: a
+        #: NaN-coded label) that a forward op read into a non-finite output this step, the first read of each:
+        #: the loss code's data (gradients.py), where no local variable names it and no node saved it.
+        self.entered_data: list[tuple[TensorRef, torch.Tensor, Any]] = []
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
         """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
@@ -200,6 +204,7 @@ class OpTracer(TorchDispatchMode):
         if origins:
             kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *self._origins.stepped()]]
             self.started.clear()
+            self.entered_data.clear()
             self._origins.clear()
             self.benign_modules.clear()
             for tensor, entry in kept:
@@ -344,7 +349,7 @@ class OpTracer(TorchDispatchMode):
             held: set[str] = set()
             benign: set[str] = set()
             outside = False
-            for _, value in inputs:
+            for argument, value in inputs:
                 if not isinstance(value, torch.Tensor):
                     kinds = scalar_kinds(value)
                     held |= kinds
@@ -374,6 +379,8 @@ class OpTracer(TorchDispatchMode):
                     self._origins.note(value, BENIGN)  # looked at once per step, not at every consumer
                 else:
                     outside = True
+                    if not in_backward:
+                        self._note_entered(op, argument, value)
             in_place = written is not None and id(tensor) in written
             if inherited is not None:
                 self._origins.note(tensor, inherited, in_place)
@@ -390,6 +397,14 @@ class OpTracer(TorchDispatchMode):
                 self._report(origin)
             if self.finding is not None:
                 return
+
+    def _note_entered(self, op: str, argument: str, value: torch.Tensor) -> None:
+        """Keep a non-finite tensor from outside the trace that ``op`` read, with its line (only the first read)."""
+        if (value.grad_fn is None and not value.requires_grad and not called_by_us()
+                and (self._phase_hint is None or self._phase_hint() is None)  # (not the optimizer's, nor data code's)
+                and all(t is not value for _, t, _ in self.entered_data)):
+            self.entered_data.append(
+                (TensorRef(TensorRole.INPUT, op, argument), value, sources_of_op(sys._getframe(1))[0]))
 
     def _started_before(self, entry: Origin, other: Origin) -> bool:
         """Whether ``entry``'s op ran first (``-x / scale**2 - log(scale)``: the log's, at scale 0, did)."""

@@ -122,18 +122,33 @@ def recorded_leaves(
     if found is None:
         return None
     leaves: dict[int, Entered] = {}
+    # Each leaf is named by the first op that carried it into the graph the loss's backward runs through (its
+    # output needs a gradient), else by the first op that read it: ``known = ~y.isnan()`` reads a NaN-coded label
+    # first, ``torch.where(known, (out - y) ** 2, 0)`` is where its NaN goes on into the backward.
+    into_graph: set[int] = set()
     # A tensor that this op or a later one wrote in place no longer holds what the op read (``out.div_(size)``
     # on a model's output, through ``out.detach()`` before it): its value now is that write's, not data's.
     written_from = _written_from(found[0])
     for index, op in enumerate(found[0]):
         schema = getattr(op.func, "_schema", None)
         names = [argument.name for argument in schema.arguments] if schema is not None else []
+        carries = None
         for name, value in [*zip(names, op.args), *op.kwargs.items()]:
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 tensor = _recorded_leaf(item)
-                if tensor is not None and id(tensor) not in leaves and written_from.get(_storage(tensor), -1) < index:
+                if tensor is None or id(tensor) in into_graph or written_from.get(_storage(tensor), -1) >= index:
+                    continue
+                carries = _needs_gradient(op.out) if carries is None else carries
+                if id(tensor) not in leaves or carries:
                     leaves[id(tensor)] = (TensorRef(TensorRole.INPUT, str(op.func), name), tensor, op_source(op))
+                if carries:
+                    into_graph.add(id(tensor))
     return list(leaves.values())
+
+
+def _needs_gradient(out: Any) -> bool:
+    """Whether a recorded op's output (a tensor, or a :class:`WeakRecord` once backward started) needs a gradient."""
+    return any(isinstance(item, (torch.Tensor, WeakRecord)) and item.requires_grad for item in tree_leaves(out))
 
 
 def _written_from(ops: list[Any]) -> dict[int | None, int]:

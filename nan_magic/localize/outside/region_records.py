@@ -173,6 +173,27 @@ class RegionRecords:
             found = self._claim_in(self._data, tensor, key, self._data_before)
         return found
 
+    def made_deliberately(self, tensor: torch.Tensor) -> bool:
+        """Whether the recorded ops made ``tensor``'s non-finite values from a deliberate infinity alone.
+
+        ``q.masked_fill(~legal, -inf).max(1).values`` in the loss code (a DQN's bootstrap over the legal actions
+        of a state that has none): no op is its producer (:meth:`claim` finds none), and it is no data entering the
+        loss code either, though it needs no gradient: its consumer that turns it into a NaN is the producer.
+        """
+        ops = _ops_to(self._ops, self._produced, tensor)
+        if ops is None:
+            return False
+        tracer = OpTracer(kinds=self.kinds)
+        try:
+            copies, _requiring = copies_from_outside(ops, self.before)
+            with torch.no_grad(), generators_at(self._rng), tracer:
+                for op in ops:
+                    rerun_op(op, copies)
+        except Gone:
+            return False
+        replayed = copies.get(id(tensor))
+        return replayed is not None and tracer.origin_of(replayed) == "benign"
+
     def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None,
                   before: dict[int, torch.Tensor]) -> OpFinding | None:
         """:meth:`claim` in one region's ``records``."""

@@ -190,6 +190,13 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     outcome.report = with_layers(inner.report, layers)
     outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
     outcome.frame, outcome.position, outcome.calls = inner.producer_frame, inner.producer_position, inner.producer_calls
+    if outcome.report is not None and outcome.report.phase == Phase.DATA and outcome.report.op is None and any(
+            version_of(tensor) != version for tensor, version in root.versions):
+        # The replay found the batch non-finite as it entered, but the batch was written in place since the call
+        # began: by the call itself (``x /= x.norm(dim=1, keepdim=True)`` in its forward, over a blank row), as the
+        # boundary check, which saw it enter finite, knows. The replay started from the values the write left, not
+        # those the call received: it cannot tell the op, and the batch is not the producer.
+        outcome.report = None
     if outcome.report is None:
         changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
         if changed:

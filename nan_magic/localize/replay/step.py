@@ -464,7 +464,10 @@ class StepReplays:
     @staticmethod
     def _not_replayed(seen: Report, why: Note) -> Report:
         # (Unseen: torch's anomaly mode stopped the backward before any check; a mode="full" watch would not see it.)
-        note = Note.of("not-reproduced-unseen" if seen.unlocated else "not-reproduced", reason=why.pair)
+        # (Inputs written in place since the call: a mode="full" replay starts from the same written values; only
+        # the op tracer, which sees the write as it runs, can name it.)
+        note = Note.of("not-reproduced-unseen" if seen.unlocated else "not-reproduced-inputs"
+                       if why.kind == "inputs-modified" else "not-reproduced", reason=why.pair)
         return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
 
 

@@ -110,6 +110,9 @@ _TEMPLATES: dict[str, str] = {
                      "saw the same event",
     "not-reproduced": "the replay of this step did not reproduce the event ({reason}); this is what the step's "
                       "boundary check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer",
+    "not-reproduced-inputs": "the replay of this step did not reproduce the event ({reason}); this is what the "
+                             "step's boundary check saw: a replay starts from the values the write left, so watch "
+                             "with ops=True (%%nantrace --ops), whose tracer sees the write as it runs",
     "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
                              "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
     "step-replay-finite": "the replay stayed finite",
