@@ -41,7 +41,7 @@ from torch import nn
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, with_versions
+from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
@@ -143,7 +143,8 @@ class StepReplays:
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
-        self._slots: dict[int, tuple[list[Any], list[str], bool]] = {}
+        # The slots end with its BatchNorms' step counters: changed, never copied after the first call (counted_back).
+        self._slots: dict[int, tuple[list[Any], list[str], bool, frozenset[int]]] = {}
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped; a layout's set, as it is).
         self._stepped: frozenset[int] = _NO_PARAMETERS
@@ -176,20 +177,21 @@ class StepReplays:
             ]
             owners = [owner for owner, _name in found]
             slots = self._slots[model] = (owners, [name for _owner, name in found],
-                                          all(type(owner) is dict for owner in owners))
+                                          all(type(owner) is dict for owner in owners), step_counters(module))
             self._trainable[model] = _trainable(module)
             self._library_forward[model] = is_library_code(type(module).forward.__code__)
         if slots[1]:
             mutable = self._mutable.get(model)
-            owners, names, plain = slots
+            owners, names, plain, counters = slots
             present = [buffer for buffer in map(_dict_get, owners, names) if buffer is not None] if plain else [
                 buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
             buffer_versions = with_versions(present)
             live = dict(zip(map(id, present), present)) if mutable is None else {
                 key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
-            buffers = self._buffer_copies.take(module, live)
+            # (A BatchNorm model in training changes only its step counters after the first call: no copy at all.)
+            buffers = self._buffer_copies.take(module, live) if live else {}
         else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
-            buffer_versions, live, buffers = [], {}, {}
+            buffer_versions, live, buffers, counters = [], {}, {}, _NO_PARAMETERS
         if checkable:  # (``model(x)``: no walk of the arguments; version_of inlined)
             try:
                 versions = [(args[0], args[0]._version)]
@@ -218,6 +220,7 @@ class StepReplays:
             buffer_sources=list(live.values()),
             versions=versions,
             buffer_versions=buffer_versions,
+            counters=counters,
             call=call,
             site=(caller.f_code, line, caller.f_globals)
             if caller is not None and self._library_forward[model] else None,
@@ -246,6 +249,8 @@ class StepReplays:
             moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
         except RuntimeError:
             moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
+        if root.counters:  # (a BatchNorm's step counter is counted back at a replay, not copied: counted_back)
+            moved -= root.counters
         known = self._mutable.get(id(module))
         self._mutable[id(module)] = moved | (known or set())
 
