@@ -109,3 +109,21 @@ def test_a_batch_norm_subclass_with_its_own_forward_keeps_its_counter_copied() -
             assert int(root.buffers_before()[id(counter)]) == 3 * step and int(counter) == 3 * (step + 1)
             opt.step()
             opt.zero_grad()
+
+
+def test_a_compiled_or_distributed_model_keeps_its_counters_copied(tmp_path) -> None:
+    """Their forwards may move a counter's version otherwise than once a call: the counter is copied, as it moves."""
+    import torch.distributed as dist
+
+    from nan_magic.hot.kept.buffer_copies import step_counters
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert step_counters(model) == {id(model[1].num_batches_tracked)}
+    wrapper = nn.Module()
+    wrapper._orig_mod = model  # (what torch.compile's OptimizedModule holds)
+    assert step_counters(wrapper) == frozenset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert step_counters(nn.parallel.DistributedDataParallel(model)) == frozenset()
+    finally:
+        dist.destroy_process_group()

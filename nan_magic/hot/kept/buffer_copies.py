@@ -71,10 +71,11 @@ _COUNTING_FORWARDS = frozenset({nn.modules.batchnorm._BatchNorm.forward, nn.Sync
 def step_counters(module: nn.Module) -> frozenset[int]:
     """Ids of the ``num_batches_tracked`` buffers in ``module`` that torch's own BatchNorm forward counts.
 
-    None in a compiled model: its graph writes the counter its own way, which need not move the version once a call.
+    None in a compiled model (its graph writes the counter its own way, which need not move the version once a call)
+    or under DistributedDataParallel (its forward broadcasts the buffers in place first: a version more a call).
     """
     modules = list(module.modules())
-    if any(hasattr(owner, "_orig_mod") for owner in modules):
+    if any(hasattr(owner, "_orig_mod") or isinstance(owner, nn.parallel.DistributedDataParallel) for owner in modules):
         return frozenset()
     return frozenset(
         id(counter)
