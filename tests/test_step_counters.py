@@ -127,3 +127,19 @@ def test_a_compiled_or_distributed_model_keeps_its_counters_copied(tmp_path) -> 
         assert step_counters(nn.parallel.DistributedDataParallel(model)) == frozenset()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_first_calls_copies_are_let_go_when_no_later_call_copies_a_buffer() -> None:
+    """A BatchNorm model's first call copies every buffer (a large constant one too); no later call copies into them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    model.register_buffer("table", torch.zeros(1 << 16))  # (a constant: never moved, never copied after the first call)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nan_magic.watch(model, opt) as w:
+        for _step in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert w.replays is not None
+        held = [copy for _sources, copies in w.replays._buffer_copies._spare.values() for copy in copies.values()]
+        assert sum(copy.numel() for copy in held) < 1 << 16  # (no copy of the table kept for the watch)

@@ -307,7 +307,7 @@ class StepReplays:
         if len(calls) == 1:  # (the usual step, one model call: no list of the waiting ones, no _keep)
             root = calls[0]
             if self._trainable.get(id(root.module), _NO_PARAMETERS) <= stepped:
-                if root.buffers:  # (a model without buffers has no copies to recycle)
+                if root.buffers and self._mutable.get(id(root.module)):  # (copies a next call will copy into)
                     self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
                 self.calls = deque(maxlen=MAX_CALLS)
             return
@@ -321,7 +321,9 @@ class StepReplays:
             released = self.calls if not waiting else [
                 root for root in self.calls if not any(root is kept for kept in waiting)]
             for root in released:
-                if root.buffers:  # (a model without buffers has no copies to recycle)
+                # (Copies a next call will copy into: none where its calls change no buffer it copies, a BatchNorm
+                # model's after its first call, whose copies of every buffer are then let go, not kept for the watch.)
+                if root.buffers and self._mutable.get(id(root.module)):
                     self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
