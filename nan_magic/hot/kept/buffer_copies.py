@@ -72,7 +72,7 @@ def step_counters(module: nn.Module) -> frozenset[int]:
     """Ids of the ``num_batches_tracked`` buffers in ``module`` that torch's own BatchNorm forward counts.
 
     None in a compiled model (its graph writes the counter its own way, which need not move the version once a call)
-    or under DistributedDataParallel (its forward broadcasts the buffers in place first: a version more a call).
+    or under DistributedDataParallel (its forward may broadcast the buffers in place first: a version more a call).
     """
     modules = list(module.modules())
     if any(hasattr(owner, "_orig_mod") or isinstance(owner, nn.parallel.DistributedDataParallel) for owner in modules):
