@@ -104,7 +104,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
     with contextlib.ExitStack() as stack:
         stack.enter_context(step.standing_aside())
         guard = stack.enter_context(untouched(step.target))
-        stack.enter_context(swapped_buffers(root.module, root.buffers))
+        stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
         if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
             stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
         with torch.no_grad():

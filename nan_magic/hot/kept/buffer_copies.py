@@ -6,6 +6,11 @@ change (BatchNorm's running statistics) as they were before it
 every step; instead, the copies of a call that can need no replay any more
 (its optimizer stepped) are kept, and the next call of the same model copies
 into them with one ``_foreach_copy_``.
+
+A BatchNorm's ``num_batches_tracked`` is not copied after the first call (:func:`step_counters`): torch's
+BatchNorm moves it by ``add_(1)`` alone, one version a call, so its value before the call is its value at the
+replay less the versions it moved since (:func:`counted_back`), with no copy on a healthy step. (Its running
+statistics are not copied either: ``native_batch_norm`` writes them without moving their version counters.)
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 
 from nan_magic.hot.reads import GradOff, version_of
 
-__all__ = ["BufferCopies", "ScriptedBuffers", "with_versions"]
+__all__ = ["BufferCopies", "ScriptedBuffers", "counted_back", "step_counters", "with_versions"]
 
 #: ``(the buffers copied, in order; their copies by id(buffer))``
 _Spare = tuple[list[torch.Tensor], dict[int, torch.Tensor]]
@@ -56,6 +61,36 @@ class BufferCopies:
     def clear(self) -> None:
         """The watch ends: hold no buffer."""
         self._spare.clear()
+
+
+#: The forwards that write ``num_batches_tracked`` only by ``add_(1)`` (torch 2.x's ``_BatchNorm`` and
+#: ``SyncBatchNorm``; a subclass with a ``forward`` of its own may write it otherwise, and is copied).
+_COUNTING_FORWARDS = frozenset({nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward})
+
+
+def step_counters(module: nn.Module) -> frozenset[int]:
+    """Ids of the ``num_batches_tracked`` buffers in ``module`` that torch's own BatchNorm forward counts.
+
+    None in a compiled model (its graph writes the counter its own way, which need not move the version once a call)
+    or under DistributedDataParallel (its forward may broadcast the buffers in place first: a version more a call).
+    """
+    modules = list(module.modules())
+    if any(hasattr(owner, "_orig_mod") or isinstance(owner, nn.parallel.DistributedDataParallel) for owner in modules):
+        return frozenset()
+    return frozenset(
+        id(counter)
+        for owner in modules
+        if isinstance(owner, nn.modules.batchnorm._BatchNorm)
+        and type(owner).forward in _COUNTING_FORWARDS
+        and isinstance(counter := owner._buffers.get("num_batches_tracked"), torch.Tensor)
+    )
+
+
+def counted_back(counter: torch.Tensor, version: int) -> torch.Tensor:
+    """A step counter's value when its version was ``version``: each version since was one ``add_(1)``."""
+    with GradOff():
+        moved = version_of(counter) - version
+        return counter.detach().clone() if moved <= 0 else counter.detach() - moved
 
 
 def with_versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:

@@ -118,7 +118,7 @@ def _replay(root: RootCall, target: nn.Module, owner: nn.Module, key: str,
     with contextlib.ExitStack() as stack:
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
-        stack.enter_context(swapped_buffers(root.module, root.buffers))
+        stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
         buffer = owner._buffers[key]
         if buffer is None:
             return None

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import is_sharded
+from nan_magic.hot.kept.buffer_copies import counted_back
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, version_of
@@ -57,6 +58,8 @@ class RootCall:
     buffer_versions: list[tuple[torch.Tensor, int]]
     #: The buffers copied into ``buffers``, in order (a later call of the model reuses the copies: buffer_copies.py).
     buffer_sources: list[torch.Tensor] = field(default_factory=list)
+    #: Ids of its BatchNorms' step counters: the call changes them, but :meth:`buffers_before` counts them back.
+    counters: frozenset[int] = frozenset()
     #: The watch's record of the call.
     call: Call | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +74,16 @@ class RootCall:
     #: ``(code, id(frame), f_lasti, f_lineno)`` of that user's frame as it made the call: a replay judged later
     #: (the deferred check at ``opt.step()``) puts the frame back at this line in the traceback (sources.Caller).
     caller: Caller | None = None
+
+    def buffers_before(self) -> dict[int, torch.Tensor]:
+        """``buffers``, with the step counters that changed and were not copied as they were before the call."""
+        if not self.counters:
+            return self.buffers
+        before = dict(self.buffers)
+        for buffer, version in self.buffer_versions:
+            if id(buffer) in self.counters and id(buffer) not in before:
+                before[id(buffer)] = counted_back(buffer, version)
+        return before
 
     def awaits_backward(self) -> bool:
         """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
@@ -138,7 +151,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     with contextlib.ExitStack() as stack:
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
-        stack.enter_context(swapped_buffers(root.module, root.buffers))
+        stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
         for device, dtype in root.autocast or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
         stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))

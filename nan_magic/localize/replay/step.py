@@ -41,7 +41,7 @@ from torch import nn
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, with_versions
+from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
@@ -144,7 +144,8 @@ class StepReplays:
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
-        self._slots: dict[int, tuple[list[Any], list[str], bool]] = {}
+        # The slots end with its BatchNorms' step counters: changed, never copied after the first call (counted_back).
+        self._slots: dict[int, tuple[list[Any], list[str], bool, frozenset[int]]] = {}
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped; a layout's set, as it is).
         self._stepped: frozenset[int] = _NO_PARAMETERS
@@ -177,20 +178,21 @@ class StepReplays:
             ]
             owners = [owner for owner, _name in found]
             slots = self._slots[model] = (owners, [name for _owner, name in found],
-                                          all(type(owner) is dict for owner in owners))
+                                          all(type(owner) is dict for owner in owners), step_counters(module))
             self._trainable[model] = _trainable(module)
             self._library_forward[model] = is_library_code(type(module).forward.__code__)
         if slots[1]:
             mutable = self._mutable.get(model)
-            owners, names, plain = slots
+            owners, names, plain, counters = slots
             present = [buffer for buffer in map(_dict_get, owners, names) if buffer is not None] if plain else [
                 buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
             buffer_versions = with_versions(present)
             live = dict(zip(map(id, present), present)) if mutable is None else {
                 key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
-            buffers = self._buffer_copies.take(module, live)
+            # (A BatchNorm model in training changes only its step counters after the first call: no copy at all.)
+            buffers = self._buffer_copies.take(module, live) if live else {}
         else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
-            buffer_versions, live, buffers = [], {}, {}
+            buffer_versions, live, buffers, counters = [], {}, {}, _NO_PARAMETERS
         if checkable:  # (``model(x)``: no walk of the arguments; version_of inlined)
             try:
                 versions = [(args[0], args[0]._version)]
@@ -219,6 +221,7 @@ class StepReplays:
             buffer_sources=list(live.values()),
             versions=versions,
             buffer_versions=buffer_versions,
+            counters=counters,
             call=call,
             site=(caller.f_code, line, caller.f_globals)
             if caller is not None and self._library_forward[model] else None,
@@ -253,6 +256,8 @@ class StepReplays:
             moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
         except RuntimeError:
             moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
+        if root.counters:  # (a BatchNorm's step counter is counted back at a replay, not copied: counted_back)
+            moved -= root.counters
         known = self._mutable.get(id(module))
         self._mutable[id(module)] = moved | (known or set())
 
@@ -309,7 +314,7 @@ class StepReplays:
         if len(calls) == 1:  # (the usual step, one model call: no list of the waiting ones, no _keep)
             root = calls[0]
             if self._trainable.get(id(root.module), _NO_PARAMETERS) <= stepped:
-                if root.buffers:  # (a model without buffers has no copies to recycle)
+                if root.buffers and self._mutable.get(id(root.module)):  # (copies a next call will copy into)
                     self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
                 self.calls = deque(maxlen=MAX_CALLS)
             return
@@ -323,7 +328,9 @@ class StepReplays:
             released = self.calls if not waiting else [
                 root for root in self.calls if not any(root is kept for kept in waiting)]
             for root in released:
-                if root.buffers:  # (a model without buffers has no copies to recycle)
+                # (Copies a next call will copy into: none where its calls change no buffer it copies, a BatchNorm
+                # model's after its first call, whose copies of every buffer are then let go, not kept for the watch.)
+                if root.buffers and self._mutable.get(id(root.module)):
                     self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
             self.calls = deque(waiting, maxlen=MAX_CALLS)
 
