@@ -106,13 +106,6 @@ def test_debug_opens_at_the_reports_line(ip, case: str, options: str) -> None:
     assert current and "# here" in current[-1], where
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "backward: the report names the forward line that created the failing autograd node, in a forward frame "
-        "that returned before backward ran; %debug opens at loss.backward(), the user's line that ran the gradient"
-    ),
-)
 def test_debug_opens_at_the_forward_line_of_a_backward_producer(ip) -> None:
     ip.run_cell(SETUP)
     body = (

@@ -83,6 +83,9 @@ _TEMPLATES: dict[str, str] = {
     "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
     "frame-let-go": "%debug opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
+    "debug-in-replay": "%debug opens a replay of step {step}'s model call at the forward line that made the node; "
+                       "its locals are the replay's, as that line left them",
+    "debug-not-replayed": "%debug opens where the step was judged, not at the forward line: {reason}",
     "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,

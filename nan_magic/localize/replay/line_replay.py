@@ -1,0 +1,127 @@
+"""%debug at the forward line of a backward producer: the model call replayed to the end of that line.
+
+A backward op's report names the forward line that made its autograd node
+(``r = h.abs().sqrt()``, whose gradient is infinite at 0). That line's frame
+returned before backward ran, so the traceback ends at ``loss.backward()``. The
+step replay (root_calls.rerun) knows the node's number, counted from the
+replayed call's start: the call is replayed once more, under the same nested
+watch (the same guards, so nothing it writes stays, and the same nodes made in
+the same order), with a trace on the frames of that line's function only.
+When the run of that line that made the node ends, its frame's locals are
+copied into a stand-in (errors/line_state.py), reached from the loop's line
+through the replay's frames (sources.replayed_calls). Autograd numbers nodes
+per thread in the order it makes them, so the same count from the call's start
+names the same node where the replay runs as before; where the line never
+makes it (the replay went another way), %debug keeps the frame it had, and the
+report says why (:data:`NOT_REACHED`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nan_magic.errors.line_state import state_left_by
+from nan_magic.localize.ops.sources import Chain, calls_from_caller, replayed_calls
+from nan_magic.records import Phase
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.localize.ops.tracer import OpTracer
+    from nan_magic.records import Report
+
+__all__ = ["NOT_REACHED", "LineStop", "line_stop_for", "nodes_made"]
+
+#: The reason a note gives where the replay to the line did not stop there.
+NOT_REACHED = "a replay of the call did not make that line's autograd node again"
+
+
+def nodes_made() -> int:
+    """How many autograd nodes this thread has made (the next node's ``_sequence_nr()``)."""
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+class LineStop:
+    """Where to stop a replay of a model call: the run of ``code``'s line ``lineno`` that makes the call's node
+    number ``offset`` (counted from the call's start); then the stand-in frame, its position and its calls."""
+
+    def __init__(self, code: CodeType, lineno: int, offset: int) -> None:
+        self.code, self.lineno, self.offset = code, lineno, offset
+        self.frame: FrameType | None = None
+        self.position: tuple[int, int] | None = None
+        self.calls: Chain = ()
+        self._node = 0
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """Trace the frames of ``code`` while the replayed call runs (armed right before it)."""
+        self._node = nodes_made() + self.offset
+        previous = sys.gettrace()  # a debugger's or a coverage tool's: called on, for every frame
+
+        def calls(frame: FrameType, event: str, arg: Any) -> Any:
+            local = previous(frame, event, arg) if previous is not None else None
+            if frame.f_code is self.code and self.frame is None:
+                return _LineTrace(self, local)
+            return local
+
+        sys.settrace(calls)
+        try:
+            yield
+        finally:
+            sys.settrace(previous)
+
+    def line_ended(self, frame: FrameType, made_before: int) -> None:
+        """The line ran in ``frame`` from node number ``made_before`` on: stop there if it made the node."""
+        if not made_before <= self._node < nodes_made():
+            return
+        stand_in = state_left_by(frame, self.lineno)
+        if stand_in is None:
+            return
+        self.frame, self.position = stand_in, (stand_in.f_lasti, self.lineno)
+        self.calls = calls_from_caller(replayed_calls(frame))
+
+
+class _LineTrace:
+    """The local trace of one frame of the line's function (and of the trace it had, called on)."""
+
+    def __init__(self, stop: LineStop, local: Any) -> None:
+        self.stop, self.local = stop, local
+        self.started: int | None = None  # node count when the line began, while it runs
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        stop = self.stop
+        if self.started is not None:  # any event after the line began ends it: the next line, a return
+            stop.line_ended(frame, self.started)
+            self.started = None
+        if event == "line" and frame.f_lineno == stop.lineno and stop.frame is None:
+            self.started = nodes_made()
+        if self.local is not None:
+            self.local = self.local(frame, event, arg)
+        return self if stop.frame is None else self.local
+
+
+def line_stop_for(tracer: OpTracer | None, report: Report | None, start: int) -> LineStop | None:
+    """The stop at the forward line of a replay's backward producer (``start``: nodes made before the call).
+
+    None where the report is not a backward op's (autograd's own formula) named by its forward line, or the trace
+    did not note the line's code: then %debug opens where it did.
+    """
+    if tracer is None or report is None or report.phase != Phase.BACKWARD or report.source is None:
+        return None
+    for origin in tracer.started:
+        if (
+            origin.phase == Phase.BACKWARD
+            and not origin.backward_code
+            and origin.node_number is not None
+            and origin.forward_source == report.source
+            and origin.autograd_node == report.autograd_node
+            and origin.node_number >= start
+        ):
+            code = tracer.node_sources.code_of(origin.node_number)
+            if code is not None:
+                return LineStop(code, report.source.lineno, origin.node_number - start)
+    return None
