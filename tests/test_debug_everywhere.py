@@ -100,14 +100,10 @@ CASES: dict[str, tuple[str, str, tuple[str, Callable[[Any], bool]]]] = {
 }
 MODES = {"default": "", "defer": "--defer", "full": "--full", "ops": "--ops", "ops+defer": "--ops --defer"}
 #: (case, mode) -> why %debug does not open at the report's line there (strict xfails).
-_REPLAYED_BY_CALL = (
-    "backward, {mode}: the producer is named by {how}, not by the step replay, and no replay of the forward line "
-    "is made there: %debug opens at loss.backward(), the user's line that ran the gradient"
-)
 KNOWN: dict[tuple[str, str], str] = {
-    ("backward", "full"): _REPLAYED_BY_CALL.format(mode="full", how="the per-call replay from the gradient hook"),
-    ("backward", "ops"): _REPLAYED_BY_CALL.format(mode="ops", how="the live op tracer in the user's backward"),
-    ("backward", "ops+defer"): _REPLAYED_BY_CALL.format(mode="ops+defer", how="the live op tracer"),
+    ("backward", "ops"): "backward, ops: the live op tracer names the op in the user's backward and no call is "
+    "replayed: %debug opens at loss.backward(), the user's line that ran the gradient",
+    ("backward", "ops+defer"): "backward, ops+defer: as with ops",
 }
 
 

@@ -31,10 +31,11 @@ from nan_magic.localize.ops.sources import Chain, calls_from_caller, replayed_ca
 from nan_magic.records import Phase
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.localize.ops.origins import OpFinding
     from nan_magic.localize.ops.tracer import OpTracer
     from nan_magic.records import Report
 
-__all__ = ["NOT_REACHED", "LineStop", "line_stop_for", "nodes_made"]
+__all__ = ["NOT_REACHED", "LineStop", "line_stop_at", "line_stop_for", "nodes_made"]
 
 #: The reason a note gives where the replay to the line did not stop there.
 NOT_REACHED = "a replay of the call did not make that line's autograd node again"
@@ -113,15 +114,17 @@ def line_stop_for(tracer: OpTracer | None, report: Report | None, start: int) ->
     if tracer is None or report is None or report.phase != Phase.BACKWARD or report.source is None:
         return None
     for origin in tracer.started:
-        if (
-            origin.phase == Phase.BACKWARD
-            and not origin.backward_code
-            and origin.node_number is not None
-            and origin.forward_source == report.source
-            and origin.autograd_node == report.autograd_node
-            and origin.node_number >= start
-        ):
-            code = tracer.node_sources.code_of(origin.node_number)
-            if code is not None:
-                return LineStop(code, report.source.lineno, origin.node_number - start)
+        if origin.forward_source == report.source and origin.autograd_node == report.autograd_node:
+            stop = line_stop_at(tracer, origin, start)
+            if stop is not None:
+                return stop
     return None
+
+
+def line_stop_at(tracer: OpTracer, origin: OpFinding, start: int) -> LineStop | None:
+    """The stop at the forward line that made the node of backward op ``origin`` (autograd's own formula), or None."""
+    number, source = origin.node_number, origin.forward_source
+    if origin.phase != Phase.BACKWARD or origin.backward_code or number is None or source is None or number < start:
+        return None
+    code = tracer.node_sources.code_of(number)
+    return LineStop(code, source.lineno, number - start) if code is not None else None

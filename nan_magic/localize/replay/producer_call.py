@@ -362,6 +362,9 @@ class CallReplay:
         apply_op_finding(finding, result.finding)
         finding.notes.append(Note.of("backward-replay-found", module=consumer.name, op=result.finding.op,
                                      node=result.finding.autograd_node))
+        if result.debug_note is not None:  # the forward line's frame, in a replay of the call (replay/line_replay.py)
+            finding.frame = result.frame
+            finding.notes.append(result.debug_note)
         inner = _call_named(self._log, consumer, result.finding.module) if result.finding.module else None
         if inner is not None and inner.info is not None:  # the op ran in a child's own code: the child is named
             if finding.record is not None:
@@ -404,6 +407,8 @@ class CallReplay:
                     finding.frame = result.frame
                     finding.notes.append(Note.of("backward-replay-found", module=call.name, op=op.op,
                                                  node=op.autograd_node))
+                    if result.debug_note is not None:
+                        finding.notes.append(result.debug_note)
                     if op.module is not None and op.module != inner.name:
                         finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
                     return True

@@ -384,7 +384,7 @@ class StepReplays:
         report = self._replayed(outcome.report, seen.step, seen)
         if outcome.debug_note is not None:
             # Where %debug opens: a replay of this step's call (its locals the replay's), or why not.
-            said = Note(outcome.debug_note.kind, (*outcome.debug_note.facts, ("step", seen.step)))
+            said = outcome.debug_note.adding(step=seen.step)
             report = dataclasses.replace(report, note_facts=(*report.note_facts, said))
         self.replayed = root
         finding.frame_calls = outcome.calls  # the traceback's frames from the loop to the producer (events.emit)
