@@ -4,7 +4,7 @@ A backward producer (sqrt at 0, its gradient infinite): the report names the for
 node, whose frame had returned before backward ran. ``%debug`` itself runs in the kernel, given pdb commands
 (``p h``, ``where``, ``q``) through ``input``: pdb stands at that forward line, in a replay of the step's call,
 with the locals that line left (``h`` all zeros), and the report says it is a replay. The default and the
-deferred watch replay the step, mode="full" the call from its gradient hook.
+deferred watch replay the step, mode="full" the call from its gradient hook, ops=True the step's call it kept.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SETUP = (
 )
 
 
-MODES = {"default": "", "defer": "--defer", "full": "--full"}
+MODES = {"default": "", "defer": "--defer", "full": "--full", "ops": "--ops"}
 CELLS: dict[str, str] = {"setup": SETUP}
 for _mode, _options in MODES.items():
     CELLS[f"model_{_mode}"] = "model = Sqrt()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"

@@ -20,25 +20,30 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from nan_magic.errors.line_state import state_left_by
 from nan_magic.localize.ops.sources import Chain, calls_from_caller, replayed_calls
-from nan_magic.records import Phase
+from nan_magic.records import Note, Phase
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from collections.abc import Sequence
+
+    from nan_magic.hot.kept.finding import Finding
     from nan_magic.localize.ops.origins import OpFinding
     from nan_magic.localize.ops.tracer import OpTracer
     from nan_magic.records import Report
 
-__all__ = ["NOT_REACHED", "LineStop", "line_stop_at", "line_stop_for", "nodes_made"]
+__all__ = ["NOT_REACHED", "ForwardLines", "LineStop", "line_stop_at", "line_stop_for", "nodes_made"]
 
 #: The reason a note gives where the replay to the line did not stop there.
 NOT_REACHED = "a replay of the call did not make that line's autograd node again"
+#: ... where no model call of the step that was kept made the node (ops mode).
+NO_CALL = "no model call of the step that made that line's autograd node was kept to replay"
 
 
 def nodes_made() -> int:
@@ -63,7 +68,7 @@ class LineStop:
         self._node = nodes_made() + self.offset
         previous = sys.gettrace()  # a debugger's or a coverage tool's: called on, for every frame
 
-        def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        def calls(frame: FrameType, event: Any, arg: Any) -> Any:  # (event: a str, as sys.settrace types it)
             local = previous(frame, event, arg) if previous is not None else None
             if frame.f_code is self.code and self.frame is None:
                 return _LineTrace(self, local)
@@ -128,3 +133,50 @@ def line_stop_at(tracer: OpTracer, origin: OpFinding, start: int) -> LineStop | 
         return None
     code = tracer.node_sources.code_of(number)
     return LineStop(code, source.lineno, number - start) if code is not None else None
+
+
+class _Begun(Protocol):
+    """A kept top-level call (root_calls.RootCall): the autograd nodes made before it began, where counted."""
+
+    @property
+    def nodes_before(self) -> int | None: ...
+
+
+class KeptCalls(Protocol):
+    """The step's top-level calls an ops-mode watch keeps (replay/step.StepReplays): what :class:`ForwardLines` uses."""
+
+    @property
+    def calls(self) -> Sequence[_Begun]: ...
+
+    def run_to_line(self, root: Any, stop: LineStop) -> None: ...
+
+
+class ForwardLines:
+    """Ops mode: %debug at the forward line of a backward op that the live tracer named in the user's backward.
+
+    The node was made in the user's forward: the step's kept call begun last before it is replayed (as a step
+    replay runs it) to the run of that line that makes the node again, counted from the call's start
+    (``RootCall.nodes_before``). Once per watch: the first real event is the one %debug opens.
+    """
+
+    def __init__(self, kept: KeptCalls, step: Callable[[], int]) -> None:
+        self.kept, self.step = kept, step
+        self.done = False
+
+    def __call__(self, tracer: OpTracer, origin: OpFinding, finding: Finding) -> None:
+        number = origin.node_number
+        if self.done or finding.benign or number is None or origin.backward_code or origin.forward_source is None:
+            return
+        self.done = True
+        begun = [(root, root.nodes_before) for root in self.kept.calls if root.nodes_before is not None]
+        root, start = next(((root, start) for root, start in reversed(begun) if start <= number), (None, 0))
+        stop = line_stop_at(tracer, origin, start) if root is not None else None
+        if root is None or stop is None:
+            finding.notes.append(Note.of("debug-not-replayed", reason=NO_CALL))
+            return
+        self.kept.run_to_line(root, stop)
+        if stop.frame is None:
+            finding.notes.append(Note.of("debug-not-replayed", reason=NOT_REACHED))
+            return
+        finding.frame, finding.frame_position, finding.frame_calls = stop.frame, stop.position, stop.calls
+        finding.notes.append(Note.of("debug-in-replay", step=self.step()))

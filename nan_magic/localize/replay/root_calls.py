@@ -72,6 +72,8 @@ class RootCall:
     #: ``(code, id(frame), f_lasti, f_lineno)`` of that user's frame as it made the call: a replay judged later
     #: (the deferred check at ``opt.step()``) puts the frame back at this line in the traceback (sources.Caller).
     caller: Caller | None = None
+    #: Autograd nodes this thread had made when the call began, where kept (ops mode: replay/line_replay.py).
+    nodes_before: int | None = None
 
     def awaits_backward(self) -> bool:
         """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
