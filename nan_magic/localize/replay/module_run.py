@@ -163,9 +163,10 @@ def replay_module(
                                                                          module=module_name))
     benign = frozenset(tracer.benign_modules)
     if tracer.finding is not None:
+        frame = tracer.frame_of(tracer.finding)[0]  # the replay's, its locals the replay's: the report says so
         return ReplayResult(
-            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors,
-            frame=tracer.frame_of(tracer.finding)[0], benign_modules=benign,
+            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
+            benign_modules=benign, debug_note=Note.of("debug-in-replay", module=module_name) if frame else None,
         )
     if failure is not None:
         note = Note.of("replay-raised", module=module_name, error=type(failure).__name__, message=str(failure))

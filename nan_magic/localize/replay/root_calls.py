@@ -211,6 +211,8 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             outcome.debug_note = Note("debug-in-replay")
         else:
             outcome.debug_note = Note.of("debug-not-replayed", reason=NOT_REACHED)
+    elif outcome.frame is not None:
+        outcome.debug_note = Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
     if outcome.report is None:
         changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
         if changed:
