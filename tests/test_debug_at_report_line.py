@@ -106,14 +106,8 @@ def test_debug_opens_at_the_reports_line(ip, case: str, options: str) -> None:
     assert current and "# here" in current[-1], where
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "backward: the report names the forward line that created the failing autograd node, in a forward frame "
-        "that returned before backward ran; %debug opens at loss.backward(), the user's line that ran the gradient"
-    ),
-)
 def test_debug_opens_at_the_forward_line_of_a_backward_producer(ip) -> None:
+    """Round 19: the forward line that made the failing autograd node, in a replay of the step's call."""
     ip.run_cell(SETUP)
     body = (
         "    if step == 1:\n        with torch.no_grad():\n"
@@ -128,3 +122,14 @@ def test_debug_opens_at_the_forward_line_of_a_backward_producer(ip) -> None:
     while tb.tb_next is not None:
         tb = tb.tb_next
     assert tb.tb_lineno == report.source.lineno and tb.tb_frame.f_code.co_name == report.source.function
+    # pdb in the shell: ``p h`` prints the zeros that line read (in a replay of the step's call, as the report says)
+    ip.InteractiveTB.pdb = None
+    commands = iter(["p h.abs().max().item()", "where", "q"])
+    # (the terminal's ipdb prompts through prompt_toolkit on a tty; its simple prompt reads ``input``)
+    with mock.patch("IPython.terminal.debugger._use_simple_prompt", True), \
+            mock.patch("builtins.input", lambda prompt="": next(commands)), capture_output() as captured:
+        ip.run_line_magic("debug", "")
+    assert "\n0.0\n" in captured.stdout, captured.stdout
+    current = [line for line in captured.stdout.splitlines() if line.lstrip().startswith(("--->", "---->"))]
+    assert current and "h.abs().sqrt()" in current[-1], captured.stdout
+    assert any("%debug opens a replay of step 1's model call" in note for note in report.notes), report.notes

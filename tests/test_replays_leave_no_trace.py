@@ -69,3 +69,52 @@ def test_a_replay_leaves_the_users_random_generators_where_the_run_left_them(opt
     *watched, events = _draws_after_training(options)
     assert events >= 1  # the NaN was met (and replayed in the modes that replay)
     assert watched == unwatched
+
+
+class RootOfScaled(nn.Module):
+    """sqrt(|x * w|): at a zero batch its gradient is 0 * inf, NaN in w's; the forward counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (x * self.w).abs().sqrt()  # the forward line %debug opens a replay of (line_replay.py)
+
+
+def _after_a_backward_event(options: dict[str, object] | None) -> tuple[float, float, float, int, list[str], int]:
+    """Six steps, a backward NaN at the fourth (warned, training goes on): the generators' next draws, the calls
+    the forward counted, the loss of each step and the events. The replay to the forward line runs the forward once
+    more: none of it may show."""
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+    root = RootOfScaled()
+    model = nn.Sequential(root, DrawsInForward(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    watch = nan_magic.watch(model, opt, on_detect="warn", **options) if options is not None else None
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with watch if watch is not None else contextlib.nullcontext():
+            for step in range(6):
+                batch = torch.rand(3, 4) * (step != 3)
+                loss = model(batch).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(repr(loss.item()))  # (as text: NaN from the event on equals NaN)
+    events = [event for event in watch.events if event.phase == "backward"] if watch is not None else []
+    if events and events[0].source is not None:  # (ops=True names no op for this gradient: the report has no line)
+        assert any(note.startswith("%debug opens a replay of ") for note in events[0].notes), events[0].notes
+    return random.random(), float(numpy.random.rand()), float(torch.rand(1)), root.calls, losses, len(events)
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_the_replay_to_a_backward_producers_forward_line_leaves_no_trace(options) -> None:
+    *unwatched, _ = _after_a_backward_event(None)
+    *watched, events = _after_a_backward_event(options)
+    assert events >= 1
+    assert watched == unwatched

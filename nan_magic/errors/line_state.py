@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LineEnd", "after_line"]
+__all__ = ["LineEnd", "after_line", "state_left_by"]
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
@@ -74,6 +74,14 @@ def after_line(frame: FrameType) -> LineEnd:
     if isinstance(armed, LineEnd) and armed.stand_in is None and armed.lineno == frame.f_lineno:
         return armed  # a second op of the same line
     return LineEnd(frame)
+
+
+def state_left_by(frame: FrameType, lineno: int) -> FrameType | None:
+    """A stand-in of ``frame`` at ``lineno`` with its locals now (that line has just ended), or None.
+
+    For a trace function of its own that knows when the line ended (replay/line_replay.py).
+    """
+    return _stand_in(frame, lineno, _copied_locals(frame, lineno))
 
 
 def _no_new_frames(frame: FrameType, event: str, arg: Any) -> None:

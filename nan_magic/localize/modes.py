@@ -33,6 +33,7 @@ from nan_magic.hot.checks.optim_reports import ReplayStep
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.replay.line_replay import ForwardLines
 from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
@@ -205,6 +206,9 @@ class Traced(Localizing):
         super().attach(stack, origins, module_name, phase_hint)
         # The tracer names the innermost watched module running, from the forward hooks' stack.
         stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint))
+        if self.kept is not None:
+            kept = self.kept
+            origins.forward_line = ForwardLines(kept, lambda: kept.watch.step)
 
 
 def localizing(
@@ -215,7 +219,10 @@ def localizing(
     judging the batch after the next model call, with the data code's records held for it; ``trials``: the watch
     tries remedies at its first event, a step replay's nested watch does not)."""
     if config.ops:
-        return Traced(config.kinds, _kept(config, watch, nested, trials))
+        kept = _kept(config, watch, nested, trials)
+        if kept is not None:
+            kept.counts_nodes = True  # (a backward op's forward line, replayed from its call: line_replay.py)
+        return Traced(config.kinds, kept)
     if config.tiered:
         return Tiered(config, optimizers, holds_data, watch, nested)
     return PerCall(config, optimizers, holds_data, _kept(config, watch, nested, trials))

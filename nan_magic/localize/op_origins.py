@@ -77,6 +77,9 @@ class OpOrigins:
         self.last_loss: Callable[[], tuple[torch.Tensor | None, int | None]] | None = None
         #: The op of the loop's update code that wrote a gradient, run again from what it read (LoopWrites), or None.
         self.written_gradient: Callable[[torch.Tensor], OpFinding | None] | None = None
+        #: Ops mode: %debug at a backward op's forward line, by a replay of the step's kept call that made its node
+        #: (replay/line_replay.ForwardLines); None elsewhere.
+        self.forward_line: Callable[[OpTracer, OpFinding, Finding], None] | None = None
 
     def make_tracer(
         self,
@@ -192,6 +195,8 @@ class OpOrigins:
         if origin.backward_code and self.tracer is not None:
             # A Python backward's frame ran the op (a custom Function's): %debug opens there.
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)
+        elif origin.phase == Phase.BACKWARD and self.tracer is not None and self.forward_line is not None:
+            self.forward_line(self.tracer, origin, finding)  # autograd's formula: its forward line, replayed
 
     def _frame_of_loop_op(self, finding: Finding, origin: OpFinding) -> None:
         """Point ``finding``'s frame at where the loop's op ``origin`` ran, as far as it is still known."""

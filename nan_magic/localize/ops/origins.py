@@ -87,6 +87,10 @@ class OpFinding:
         although that value never reached a boundary in forward (absorbed by
         ``torch.where`` or ``tanh``), e.g. ``exp`` for ``0 * inf`` in
         ``ExpBackward0``; None otherwise.
+    node_number
+        For a backward op: its node's ``_sequence_nr()``, which names the forward op's line
+        (:class:`~nan_magic.localize.ops.sources.NodeSources`) and, counted from a replayed call's
+        start, where a replay of that call makes the node again (replay/line_replay.py).
     """
 
     op: str
@@ -110,6 +114,7 @@ class OpFinding:
     #: Small samples of the op's output and operands, drawn when it ran: for the histograms of a
     #: report whose op output is freed before the boundary that claims it (most intermediates).
     samples: tuple[Sample, ...] = ()
+    node_number: int | None = None
 
     @property
     def dtype(self) -> str:

@@ -397,6 +397,11 @@ class NodeSources:
         line = linecache.getline(code.co_filename, lineno).strip() or None
         return SourcePointer(code.co_filename, lineno, code.co_name, line), module
 
+    def code_of(self, number: int) -> CodeType | None:
+        """The code whose line made node number ``number`` (its ``_sequence_nr()``), where this trace named it."""
+        entry = self._sources.get(number)
+        return entry[0] if entry is not None else None
+
     def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
         """The forward op that created ``node`` (``aten.nll_loss_forward.default``) and its line, where traced."""
         func = self._ops.get(node._sequence_nr())

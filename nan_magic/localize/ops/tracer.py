@@ -454,6 +454,7 @@ class OpTracer(TorchDispatchMode):
             inner_source=inner,
             forward_source=forward_source,
             autograd_node=node.name() if node is not None else None,
+            node_number=node._sequence_nr() if node is not None else None,
             tensor=label,
             new_kinds=tuple(kind for kind in KINDS if kind in new),
             nan=output_stats.nan or 0,

@@ -38,6 +38,7 @@ from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_at, nodes_made
 from nan_magic.localize.replay.untouched import arguments_untouched, untouched
 from nan_magic.records import Note, Phase
 from nan_magic.tensor_refs import op_function
@@ -89,6 +90,8 @@ class ReplayResult:
     frame: FrameType | None = None
     #: Modules (qualified names) whose code made or carried on a deliberate infinity during the replay.
     benign_modules: frozenset[str | None] = frozenset()
+    #: What the report says of ``frame`` where it is a replay of a backward op's forward line, or why there is none.
+    debug_note: Note | None = None
 
 
 def replay_module(
@@ -160,9 +163,10 @@ def replay_module(
                                                                          module=module_name))
     benign = frozenset(tracer.benign_modules)
     if tracer.finding is not None:
+        frame = tracer.frame_of(tracer.finding)[0]  # the replay's, its locals the replay's: the report says so
         return ReplayResult(
-            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors,
-            frame=tracer.frame_of(tracer.finding)[0], benign_modules=benign,
+            finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
+            benign_modules=benign, debug_note=Note.of("debug-in-replay", module=module_name) if frame else None,
         )
     if failure is not None:
         note = Note.of("replay-raised", module=module_name, error=type(failure).__name__, message=str(failure))
@@ -270,6 +274,7 @@ def replay_backward(
         return ReplayResult(finding=None, reproduced=False,
                             note=Note.of("cannot-replay", module=module_name, reason=arguments.pair))
     args, kwargs, by_record = arguments
+    held_args, held_kwargs = args, kwargs
     target_tensor = next((by_record[id(record)] for record in target if id(record) in by_record), None)
     originals = {id(tensor): tensor for _path, tensor in iter_tensors((args, kwargs))}
     copies: dict[int, torch.Tensor] = {}
@@ -295,6 +300,7 @@ def replay_backward(
         tracer.forward_task = torch._C._current_graph_task_id()
         try:
             with torch.enable_grad(), tracer:
+                start = nodes_made()
                 output = module(*args, **kwargs)
                 # A non-finite forward value is not what is asked here; its
                 # origin is kept, for a backward op that reads it (absorbed).
@@ -316,13 +322,40 @@ def replay_backward(
             # outputs where the real gradient (scaled by a GradScaler) was larger: another op may overflow first.
             return ReplayResult(finding=None, reproduced=False,
                                 note=Note.of("computed-inside", module=module_name, overflow=True))
-        return ReplayResult(finding=tracer.finding, reproduced=True)
+        stop = line_stop_at(tracer, tracer.finding, start)
+        if stop is None:
+            return ReplayResult(finding=tracer.finding, reproduced=True)
+        # The node's forward line has returned: %debug opens a replay of the forward to that line's end.
+        grads = {key: copy.requires_grad for key, copy in copies.items()}
+        _forward_to(stop, module, (held_args, held_kwargs), grads, module_name, rng_state, kinds, autocast)
+        said = Note.of("debug-in-replay", module=module_name) if stop.frame is not None else Note.of(
+            "debug-not-replayed", reason=NOT_REACHED)
+        return ReplayResult(finding=tracer.finding, reproduced=True, frame=stop.frame, debug_note=said)
     if failure is not None:
         note = Note.of("backward-replay-raised", module=module_name, error=type(failure).__name__,
                        message=str(failure))
     else:
         note = Note.of("backward-replay-finite", module=module_name)
     return ReplayResult(finding=None, reproduced=False, note=note)
+
+
+def _forward_to(stop: LineStop, module: nn.Module, arguments: tuple[Sequence[Any], Mapping[str, Any]],
+                grads: dict[int, bool], module_name: str, rng_state: RngState | None, kinds: frozenset[str],
+                autocast: AutocastState | None) -> None:
+    """The forward of :func:`replay_backward` once more, as it ran (copies that require gradients where its did),
+    traced to the end of ``stop``'s line (replay/line_replay.py)."""
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        args, kwargs = copy_tensors(tuple(arguments[0]), copies), copy_tensors(dict(arguments[1]), copies)
+    for key, copy in copies.items():
+        copy.requires_grad_(grads.get(key, False))
+    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer:
+        tracer.forward_task = torch._C._current_graph_task_id()
+        try:
+            with torch.enable_grad(), tracer, stop.armed():
+                module(*args, **kwargs)
+        except Exception:  # raised as the first replay's forward did not (it ran on): the stop says it was not reached
+            return
 
 
 #: What torch's anomaly mode says as it stops a backward at a NaN ("Function 'SqrtBackward0' returned nan values in

@@ -43,6 +43,7 @@ def replay_outward(replayer: CallReplay, finding: Finding, call: Call, stack: Se
         if op is not None and _within(op.module, call, outer):
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
+            finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of("found-in-running", module=call.name, outer_module=outer.name,
                                          op_module=op.module, nan=op.nan, posinf=op.posinf, neginf=op.neginf,
                                          op=op.op))

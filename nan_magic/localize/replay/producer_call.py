@@ -147,6 +147,7 @@ class CallReplay:
                 finding.notes = [note for note in finding.notes if note.kind != "own-code"]
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
+            finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of("replay-found", module=frame.info.name, nan=op.nan, posinf=op.posinf,
                                          neginf=op.neginf, op=op.op))
             if op.module is not None and op.module != finding.module:
@@ -215,6 +216,7 @@ class CallReplay:
         if op is not None and within:
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
+            finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of(
                 "found-in-enclosing", module=call.name, reason=missing.pair if missing else None, outer_module=outer,
                 op_module=op.module or call.name, nan=op.nan, posinf=op.posinf, neginf=op.neginf, op=op.op,
@@ -227,6 +229,7 @@ class CallReplay:
             self._move_to(finding, caller, TensorRef.op_output(op.op))
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
+            finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of("found-in-caller", outer_module=outer, op_module=op.module, op=op.op,
                                          module=call.name))
             return False
@@ -363,6 +366,9 @@ class CallReplay:
         apply_op_finding(finding, result.finding)
         finding.notes.append(Note.of("backward-replay-found", module=consumer.name, op=result.finding.op,
                                      node=result.finding.autograd_node))
+        if result.debug_note is not None:  # the forward line's frame, in a replay of the call (replay/line_replay.py)
+            finding.frame = result.frame
+            finding.notes.append(result.debug_note)
         inner = _call_named(self._log, consumer, result.finding.module) if result.finding.module else None
         if inner is not None and inner.info is not None:  # the op ran in a child's own code: the child is named
             if finding.record is not None:
@@ -405,6 +411,8 @@ class CallReplay:
                     finding.frame = result.frame
                     finding.notes.append(Note.of("backward-replay-found", module=call.name, op=op.op,
                                                  node=op.autograd_node))
+                    if result.debug_note is not None:
+                        finding.notes.append(result.debug_note)
                     if op.module is not None and op.module != inner.name:
                         finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
                     return True

@@ -29,6 +29,7 @@ from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
+from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_for, nodes_made
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay.untouched import untouched
@@ -74,6 +75,8 @@ class RootCall:
     #: ``(code, id(frame), f_lasti, f_lineno)`` of that user's frame as it made the call: a replay judged later
     #: (the deferred check at ``opt.step()``) puts the frame back at this line in the traceback (sources.Caller).
     caller: Caller | None = None
+    #: Autograd nodes this thread had made when the call began, where kept (ops mode: replay/line_replay.py).
+    nodes_before: int | None = None
 
     def buffers_before(self) -> dict[int, torch.Tensor]:
         """``buffers``, with the step counters that changed and were not copied as they were before the call."""
@@ -119,6 +122,8 @@ class Outcome:
     boundary: TensorStats | None = None
     failure: BaseException | None = None
     why_not: Note | None = None
+    #: What the report says of the frame %debug opens where a replay made it (replay/line_replay.py).
+    debug_note: Note | None = None
 
 
 #: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
@@ -128,7 +133,7 @@ NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
 
 def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.Module | None,
           config: WatchConfig, standing_aside: Callable[[], AbstractContextManager[object]],
-          nested: NestedWatch, anomaly: bool = False) -> Outcome:
+          nested: NestedWatch, anomaly: bool = False, stop: LineStop | None = None) -> Outcome:
     """Run ``root`` again under a nested full watch with op-level tracing.
 
     ``model`` is the eager watched model that holds the call's module (the whole
@@ -136,6 +141,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     ``anomaly``: torch's anomaly mode stopped the user's backward at a node that returned NaN; where no boundary
     of the replay sees a non-finite value (a later node's backward zeroed it: relu's, where's), the first
     backward op that made one is the producer, as the live op tracer names it (op_origins.anomaly_finding).
+    ``stop``: run the call's forward only, as a backward replay runs it, to the end of a line (replay/line_replay.py).
     """
     target = replay_target(root.module)
     if target is None or model is None:
@@ -147,15 +153,15 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     # The whole model is watched, so that a submodule called at top level keeps its qualified name
     # (a compiled submodule inside runs eagerly, as the replayed model does: module_hooks.py).
     inner = nested(model, root.info.model, replay_config)
-    outcome = Outcome()
+    outcome, to_line = Outcome(), None
     with contextlib.ExitStack() as stack:
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
         for device, dtype in root.autocast or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
-        stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward))
-        if backward:
+        stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward or stop is not None))
+        if backward or stop is not None:
             stack.enter_context(reentrant_checkpoints_inline())
         if not root.returned:
             # An event judged inside the call (a per-module step): its keyword arguments are in its frame.
@@ -181,6 +187,11 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                 # its forward ops belong to that graph task, and are the replay's forward, with their lines.
                 inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
             try:
+                start = nodes_made()
+                if stop is not None:
+                    with stop.armed():
+                        target(*args, **kwargs)
+                    return outcome
                 output = target(*args, **kwargs)
                 if not backward:
                     outcome.boundary = _stats_at(output, _output_path(boundary))
@@ -192,6 +203,8 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                         anomaly and inner.report is None and tracer is not None) else []
                     if started:
                         inner.origins.report_op(started[0])
+                    if inner.producer_frame is None:
+                        to_line = line_stop_for(tracer, inner.report, start)
             except Exception as error:  # the replay of a failing forward fails too, after its event
                 outcome.failure = error
                 tracer = inner.origins.tracer
@@ -210,6 +223,16 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         # boundary check, which saw it enter finite, knows. The replay started from the values the write left, not
         # those the call received: it cannot tell the op, and the batch is not the producer.
         outcome.report = None
+    if to_line is not None and outcome.report is not None:
+        # A backward op named by its forward line, whose frame has returned: %debug opens a replay of that line.
+        rerun(root, False, None, model, config, standing_aside, nested, stop=to_line)
+        if to_line.frame is not None:
+            outcome.frame, outcome.position, outcome.calls = to_line.frame, to_line.position, to_line.calls
+            outcome.debug_note = Note("debug-in-replay")
+        else:
+            outcome.debug_note = Note.of("debug-not-replayed", reason=NOT_REACHED)
+    elif outcome.frame is not None and outcome.report is not None:
+        outcome.debug_note = Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
     if outcome.report is None:
         changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
         if changed:

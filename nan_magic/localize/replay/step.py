@@ -47,6 +47,7 @@ from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.buffer_writes import buffer_written
+from nan_magic.localize.replay.line_replay import LineStop, nodes_made
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.localize.replay.seen_again import kinds_unexplained, same_counts
 from nan_magic.options import WatchConfig
@@ -158,6 +159,8 @@ class StepReplays:
         self._states = ModelStates()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
         self.replayed: RootCall | None = None
+        #: Each call keeps the count of autograd nodes made before it (ops mode only: replay/line_replay.py).
+        self.counts_nodes = False
 
     # -- tier 1: keeping what a replay needs --------------------------------------------
 
@@ -226,6 +229,7 @@ class StepReplays:
             site=(caller.f_code, line, caller.f_globals)
             if caller is not None and self._library_forward[model] else None,
             caller=(caller.f_code, id(caller), caller.f_lasti, line) if caller is not None else None,
+            nodes_before=nodes_made() if self.counts_nodes else None,
         ))
         return rng
 
@@ -402,6 +406,8 @@ class StepReplays:
                 where=found.where, phase=str(found.phase), op=found.op, seen=to_pairs(seen.tensor),
             )), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step, seen)
+        if (debug := outcome.debug_note) is not None:  # where %debug opens: a replay of this step's call, or why not
+            report = dataclasses.replace(report, note_facts=(*report.note_facts, debug.adding(step=seen.step)))
         self.replayed = root
         finding.frame_calls = outcome.calls  # the traceback's frames from the loop to the producer (events.emit)
         if finding.cause is not None:
@@ -436,6 +442,11 @@ class StepReplays:
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None, anomaly: bool = False) -> Outcome:
         return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
                      self.watch.call_replay.standing_aside, self._nested, anomaly)
+
+    def run_to_line(self, root: RootCall, stop: LineStop) -> None:
+        """Replay ``root``'s forward as a backward replay runs it, to the end of ``stop``'s line (line_replay.py)."""
+        rerun(root, False, None, self.model_of(root.module), self.watch.config, self.watch.call_replay.standing_aside,
+              self._nested, stop=stop)
 
     def model_of(self, module: nn.Module) -> nn.Module | None:
         """The eager model (replay_target) of the watched root that holds ``module``."""

@@ -83,6 +83,7 @@ _TEMPLATES: dict[str, str] = {
     "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
     "frame-let-go": "%debug opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
+    "debug-not-replayed": "%debug opens where the step was judged, not at the forward line: {reason}",
     "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,
@@ -264,6 +265,12 @@ def _outside_untraced(note: Note) -> str:
             "line are not named")
 
 
+def _debug_in_replay(note: Note) -> str:
+    step, module = note.fact("step"), note.fact("module")
+    call = f"step {step}'s model call" if step is not None else f"{module or 'the root module'}'s call"
+    return f"%debug opens a replay of {call}, at the report's line; its locals are the replay's, as that line left them"
+
+
 def _optimizer_replay_finite(note: Note) -> str:
     start = "from the parameter as it was before it" if note.fact("before") else "from the state it left"
     return (f"a replay of the {note.fact('optimizer')} step {start} stayed finite where the step made non-finite "
@@ -427,6 +434,7 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "scene-saved": _scene_saved,
     "batch-lacks": _batch_lacks,
     "autograd-backward": _autograd_backward,
+    "debug-in-replay": _debug_in_replay,
     "loss-unrecorded-suspects": _loss_unrecorded_suspects,
     "backward-replay-found": _backward_replay_found,
     "other-counts": _other_counts,
