@@ -109,7 +109,9 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
         with torch.no_grad():
             given = step.parameters or {}
-            parameters = {name: given.get(name, parameter).detach().clone().requires_grad_(parameter.requires_grad)
+            before = {id(parameter): value for parameter, value in root.parameters}  # (ones the forward writes)
+            parameters = {name: given.get(name, before.get(id(parameter), parameter)).detach().clone()
+                          .requires_grad_(parameter.requires_grad)
                           for name, parameter in step.target.named_parameters()}
             copies: dict[int, torch.Tensor] = {}
             args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)

@@ -65,6 +65,7 @@ from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
 from nan_magic.localize.replay.buffer_writes import buffer_written
+from nan_magic.localize.replay.per_call import replayed_from_the_step
 from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.replay.samples import Samples
 from nan_magic.localize.replay.step import Producer
@@ -422,6 +423,9 @@ class Watch:
             replayed = replays.localize(finding, seen)
         loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
+        if replayed is None and kept.replays is not None and self.localizing.replays_calls and finding.call is not None:
+            # (mode="full": what a module replay cannot vouch for, a call that wrote its own state, a gradient of ones)
+            replayed = replayed_from_the_step(kept.replays, finding, seen)
         if replays is None and kept.replays is not None and finding.tensor.role is TensorRole.BUFFER and (
                 finding.call is None):
             # (kept.aside: the op tracer and the recorder do not see the replay's ops, as in a fix trial)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -972,21 +971,6 @@ def _detector(clamped: bool) -> Scenario:
     return _loop(model, batch, loss_fn, lr=0.0)
 
 
-MAX_NORM_GAP = (
-    "the forward writes the parameter in place under no_grad, then reads it: the step replay starts from the "
-    "parameter as the write left it (only buffers are copied before a call), so the tiered and per-module modes "
-    "name the module with op None and cause parameter-already-nonfinite; the op tracer (ops=True) sees the write")
-NORMALIZE_GAP = (
-    "mode='full' replays the module's backward with a gradient of ones (the real one is not kept) and names its "
-    "first non-finite op: torch's norm backward makes a 0 / 0 that it masks afterwards (masked_fill), the masked "
-    "aten.div.Tensor; the other modes follow the real gradient to the float16 cast that overflows. (Following "
-    "origins to the gradients instead reaches the cast, which a gradient of ones cannot vouch for: op None.)")
-ACTNORM_GAP = (
-    "mode='full' replays the module call with its buffers as the call left them (module_run.swapped_buffers "
-    "copies them as they are now): the 'initialised' flag is already set, the data-dependent init is skipped, and "
-    "the replay meets log_scale already inf: op None, cause parameter-already-nonfinite. The tiered step replay "
-    "restores the buffers from before the call (root_calls.py) and re-runs the init")
-
 CASES = [
     Case("hunt17_gnn_scatter_mean_over_an_isolated_node", lambda: _gnn(False),
          Expect("forward", "conv", "MeanConv", step=2, op="aten.div.Tensor", marker="scatter mean")),
@@ -1031,15 +1015,17 @@ CASES = [
          Expect("forward", "0", "WSConv", step=1, op="aten.div.Tensor", marker="standardise")),
     Case("hunt17_weight_standardisation_with_eps_healthy", lambda: _weight_standardisation(1e-5), None),
     Case("hunt17_max_norm_in_place_in_the_forward_of_a_zero_row", lambda: _max_norm(0.0),
-         Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm",
-                op_modes=("ops",)), note=MAX_NORM_GAP),
+         Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm")),
     # Where the tracer names the write, the cause is the op's (0 / 0), not a parameter found already non-finite.
     Case("hunt17_max_norm_in_place_in_the_forward_cause_of_its_op", lambda: _max_norm(0.0),
          Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm",
                 cause="division-by-zero"), modes=("ops",)),
+    # (A strict xfail to gaps19: the replays started from the parameter as the write left it, op None and cause
+    # parameter-already-nonfinite. The step replay now starts from the values the forward's writes found
+    # (hot/kept/parameter_writes.py); mode="full" replays the step's call where it wrote its own state (per_call.py).)
     Case("hunt17_max_norm_in_place_in_the_forward_op_and_line", lambda: _max_norm(0.0),
-         Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm"),
-         modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=MAX_NORM_GAP),)),
+         Expect("forward", "0", "MaxNormLinear", step=2, op="aten.div_.Tensor", marker="max norm",
+                cause="division-by-zero"), modes=("default", "defer", "full")),
     Case("hunt17_max_norm_in_place_with_eps_healthy", lambda: _max_norm(1e-7), None),
     Case("hunt17_vq_ema_codebook_of_a_dead_code", lambda: _vq_ema(False),
          Expect("forward", "vq", "EmaQuantizer", step=0, op="aten.div.Tensor", marker="ema codebook")),
@@ -1047,11 +1033,13 @@ CASES = [
     Case("hunt17_normalize_in_float16_of_a_blank_input", lambda: _half_normalize("half"),
          Expect("forward", "", "HalfEmbedder", step=2, op="aten.div.Tensor", marker="half normalize")),
     Case("hunt17_normalize_in_float32_gradient_cast_to_float16", lambda: _half_normalize("float32"),
-         Expect("backward", "", "HalfEmbedder", step=2, op="aten._to_copy.default", marker="float32 normalize",
-                op_modes=("default", "defer", "ops")), note=NORMALIZE_GAP),
+         Expect("backward", "", "HalfEmbedder", step=2, op="aten._to_copy.default", marker="float32 normalize")),
+    # (A strict xfail to gaps19: mode='full' replayed the module's backward from a gradient of ones and named torch's
+    # masked 0 / 0 in the norm's backward, aten.div.Tensor. The kept top-level call's real output gradient reaches
+    # the float16 cast that overflows (localize/replay/per_call.py).)
     Case("hunt17_normalize_in_float32_gradient_cast_full_mode_op", lambda: _half_normalize("float32"),
-         Expect("backward", "", "HalfEmbedder", step=2, op="aten._to_copy.default", marker="float32 normalize"),
-         modes=("full",), marks=(pytest.mark.xfail(strict=True, reason=NORMALIZE_GAP),)),
+         Expect("backward", "", "HalfEmbedder", step=2, op="aten._to_copy.default", marker="float32 normalize",
+                cause="half-precision-overflow"), modes=("full",)),
     Case("hunt17_normalize_in_float16_eps_1e_3_healthy", lambda: _half_normalize("eps"), None),
     Case("hunt17_hand_layer_norm_rsqrt_of_a_constant_row", lambda: _hand_layer_norm(0.0),
          Expect("forward", "1", "HandLayerNorm", step=1, op="aten.rsqrt.default", marker="rsqrt var")),
@@ -1065,11 +1053,12 @@ CASES = [
     Case("hunt17_lstm_saturated_by_a_feature_near_float32_max_healthy", _lstm_saturated, None),
     Case("hunt17_atan2_at_the_origin_healthy", _atan2, None),
     Case("hunt17_actnorm_data_dependent_init_of_a_constant_channel", lambda: _actnorm(0.0),
-         Expect("forward", "1", "ActNorm", step=0, op="aten.reciprocal.default", marker="actnorm init",
-                op_modes=("default", "defer", "ops")), note=ACTNORM_GAP),
+         Expect("forward", "1", "ActNorm", step=0, op="aten.reciprocal.default", marker="actnorm init")),
+    # (A strict xfail to gaps19: mode="full" replayed the module with its 'initialised' flag as the call left it,
+    # skipping the init, op None. Its call wrote its own buffer: the kept step call is replayed from before it.)
     Case("hunt17_actnorm_data_dependent_init_full_mode_op", lambda: _actnorm(0.0),
-         Expect("forward", "1", "ActNorm", step=0, op="aten.reciprocal.default", marker="actnorm init"),
-         modes=("full",), marks=(pytest.mark.xfail(strict=True, reason=ACTNORM_GAP),)),
+         Expect("forward", "1", "ActNorm", step=0, op="aten.reciprocal.default", marker="actnorm init",
+                cause="division-by-zero"), modes=("full",)),
     Case("hunt17_actnorm_init_with_eps_healthy", lambda: _actnorm(1e-6), None),
     Case("hunt17_lbfgs_closure_log_of_a_zero_density", lambda: _lbfgs(0.0),
          Expect("forward", None, step=2, op="aten.log.default", marker="lbfgs log")),

@@ -152,14 +152,16 @@ def _memory_key(storage: torch.UntypedStorage, tensor: torch.Tensor) -> tuple[An
     return storage.data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 
 
-#: What ``_by_memory`` holds of a noted tensor: its version, whether an op wrote it in place, its origin, and a weak
-#: reference to its storage (the address alone outlives it: see :meth:`Origins.memory_entry`).
-_MemoryEntry = tuple[int, bool, Origin | Benign, StorageWeakRef]
+#: What ``_by_memory`` holds of a noted tensor: its version, whether an op wrote it in place, its origin, a weak
+#: reference to its storage (the address alone outlives it: see :meth:`Origins.memory_entry`), and whether it was a
+#: Parameter (not an alias of one, whose version counter is its own).
+_MemoryEntry = tuple[int, bool, Origin | Benign, StorageWeakRef, bool]
 
 
 def _memory_entry(tensor: torch.Tensor, written: bool, origin: Origin | Benign) -> tuple[tuple[Any, ...], _MemoryEntry]:
     storage = tensor.untyped_storage()
-    return _memory_key(storage, tensor), (tensor._version, written, origin, StorageWeakRef(storage))
+    return _memory_key(storage, tensor), (tensor._version, written, origin, StorageWeakRef(storage),
+                                          type(tensor) is torch.nn.Parameter)
 
 
 class Origins:
@@ -236,7 +238,12 @@ class Origins:
             # as the noted one was (a backward's bool mask, then the next one: a NaN's origin taken for benign).
             return None
         # (a write's entry holds for the version after it too: autograd bumps it after the op returns)
-        return entry[2] if tensor._version - entry[0] in ((0, 1) if entry[1] else (0,)) else None
+        if tensor._version - entry[0] in ((0, 1) if entry[1] else (0,)):
+            return entry[2]
+        # A write through ``p.data`` (a max-norm renorm ``w.data.mul_(scale)``, an ActNorm's init) wrote the Parameter
+        # through an alias whose version counter is its own: the Parameter's says nothing of that write. (A write
+        # after it is traced too: a non-finite one notes its own origin here, a finite one leaves no NaN to look up.)
+        return entry[2] if entry[1] and not entry[4] and type(tensor) is torch.nn.Parameter else None
 
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""

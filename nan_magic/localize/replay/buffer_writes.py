@@ -39,7 +39,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.localize.ops.plans import op_name
 from nan_magic.localize.ops.sources import ReplayedFrom, sources_of_op
-from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
+from nan_magic.localize.replay.module_run import copy_tensors, parameters_at, swapped_buffers
 from nan_magic.localize.replay.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.plain import to_pairs
@@ -116,6 +116,7 @@ def _replay(root: RootCall, target: nn.Module, owner: nn.Module, key: str,
             standing_aside: Callable[[], AbstractContextManager[object]]) -> BufferWrite | None:
     """Run ``root`` again on its buffers from before it; the op that first left ``owner``'s ``key`` non-finite."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(parameters_at(root.parameters))  # (outside the guard: it puts them back last)
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))

@@ -49,6 +49,7 @@ __all__ = [
     "copy_tensors",
     "enclosing_output",
     "map_tensors",
+    "parameters_at",
     "recompute",
     "replay_backward",
     "replay_module",
@@ -236,6 +237,27 @@ def swapped_buffers(module: nn.Module, before: Mapping[int, torch.Tensor] | None
     finally:
         for sub, name, buffer in swapped:
             sub._buffers[name] = buffer
+
+
+@contextlib.contextmanager
+def parameters_at(values: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Parameters as they were before a replayed call that wrote them in place (a max-norm renorm), for the duration.
+
+    Written through ``.data``, as they are put back after: their version counters, which autograd checks for the
+    user's pending backward, do not move. Enter it outside :func:`~nan_magic.localize.replay.untouched.untouched`,
+    whose guard puts back what the replay writes (these values) before this puts back the values the call left.
+    """
+    now: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for parameter, before in values:
+                now.append((parameter, parameter.detach().clone()))
+                parameter.data.copy_(before)
+        yield
+    finally:
+        with torch.no_grad():
+            for parameter, value in now:
+                parameter.data.copy_(value)
 
 
 def replay_backward(

@@ -24,13 +24,14 @@ from torch import nn
 from nan_magic.distributed.ranks import is_sharded
 from nan_magic.hot.kept.buffer_copies import counted_back
 from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.parameter_writes import Learning
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_for, nodes_made
-from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
+from nan_magic.localize.replay.module_run import copy_tensors, parameters_at, swapped_buffers
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.options import WatchConfig
@@ -77,6 +78,11 @@ class RootCall:
     caller: Caller | None = None
     #: Autograd nodes this thread had made when the call began, where kept (ops mode: replay/line_replay.py).
     nodes_before: int | None = None
+    #: ``(parameter, its value before the call)`` for the parameters its model's forward writes in place (a max-norm
+    #: renorm under no_grad, an embedding's ``max_norm``), learned at the model's first call (StepReplays.begin).
+    parameters: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    #: At a model's first call in a mode: what it noted to learn which parameters its forward writes.
+    learning: Learning | None = None
 
     def buffers_before(self) -> dict[int, torch.Tensor]:
         """``buffers``, with the step counters that changed and were not copied as they were before the call."""
@@ -87,6 +93,12 @@ class RootCall:
             if id(buffer) in self.counters and id(buffer) not in before:
                 before[id(buffer)] = counted_back(buffer, version)
         return before
+
+    def wrote_its_state(self) -> bool:
+        """Whether the call wrote in place what its module reads, and this holds it from before: a parameter (a
+        max-norm renorm), a buffer copied before it (an ActNorm's 'initialised' flag, set at its first call)."""
+        return bool(self.parameters) or any(
+            id(buffer) in self.buffers and version_of(buffer) != version for buffer, version in self.buffer_versions)
 
     def awaits_backward(self) -> bool:
         """Whether a backward may still reach this call: one of its outputs with a graph is alive."""
@@ -155,6 +167,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     inner = nested(model, root.info.model, replay_config)
     outcome, to_line = Outcome(), None
     with contextlib.ExitStack() as stack:
+        stack.enter_context(parameters_at(root.parameters))  # (outside the guard: it puts them back last)
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))

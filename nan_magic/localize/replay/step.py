@@ -44,6 +44,7 @@ from nan_magic.explain.diagnose import diagnose
 from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.lines import line_at
+from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.buffer_writes import buffer_written
@@ -145,8 +146,10 @@ class StepReplays:
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
-        # The slots end with its BatchNorms' step counters: changed, never copied after the first call (counted_back).
-        self._slots: dict[int, tuple[list[Any], list[str], bool, frozenset[int]]] = {}
+        # The slots hold its BatchNorms' step counters: changed, never copied after the first call (counted_back);
+        # they end with the parameters its forward writes in place, in eval and in training mode (None: not learned
+        # yet), learned at its first call in each (written_parameters).
+        self._slots: dict[int, tuple[list[Any], list[str], bool, frozenset[int], list[Written | None]]] = {}
         self._mutable: dict[int, set[int] | None] = {}
         # Parameters that an optimizer stepped since the step began (release_stepped; a layout's set, as it is).
         self._stepped: frozenset[int] = _NO_PARAMETERS
@@ -181,12 +184,21 @@ class StepReplays:
             ]
             owners = [owner for owner, _name in found]
             slots = self._slots[model] = (owners, [name for _owner, name in found],
-                                          all(type(owner) is dict for owner in owners), step_counters(module))
+                                          all(type(owner) is dict for owner in owners), step_counters(module),
+                                          [None, None])
             self._trainable[model] = _trainable(module)
             self._library_forward[model] = is_library_code(type(module).forward.__code__)
+        training = module.training
+        written = slots[4][training]
+        parameters: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        learning = None
+        if written is None:  # its first call in this mode: which parameters does its forward write in place?
+            learning = written_parameters_before(module, training)
+        elif written:  # (the usual model writes none: nothing copied, not even a tuple made)
+            parameters = tuple((parameter, parameter.detach().clone()) for parameter in written)
         if slots[1]:
             mutable = self._mutable.get(model)
-            owners, names, plain, counters = slots
+            owners, names, plain, counters, _written = slots
             present = [buffer for buffer in map(_dict_get, owners, names) if buffer is not None] if plain else [
                 buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
             buffer_versions = with_versions(present)
@@ -230,6 +242,8 @@ class StepReplays:
             if caller is not None and self._library_forward[model] else None,
             caller=(caller.f_code, id(caller), caller.f_lasti, line) if caller is not None else None,
             nodes_before=nodes_made() if self.counts_nodes else None,
+            parameters=parameters,
+            learning=learning,
         ))
         return rng
 
@@ -252,6 +266,9 @@ class StepReplays:
                             if tensor.grad_fn is not None]
         if kwargs:
             root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        if root.learning is not None:
+            training, written = written_parameters_after(root.learning)
+            self._slots[id(module)][4][training] = written
         if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)
             if id(module) not in self._mutable:
                 self._mutable[id(module)] = set()

@@ -1,0 +1,44 @@
+"""A per-module watch's event that its module replay cannot vouch for, named by a replay of the step's call instead.
+
+``mode="full"`` replays the producer's module call alone (replay/producer_call.py), from its arguments as they are
+when the event is judged. Two events it cannot name right: a forward whose call wrote its own parameters or buffers
+in place (a max-norm renorm, Glow's ActNorm init: the module's replay starts from what the write left, a parameter
+already NaN, an init skipped), and a backward, which it replays from a gradient of ones into the module's outputs
+(the real gradient is not kept per module: another op may make a value first, a masked 0 / 0 before the real
+gradient's overflow, or none). The watch keeps the step's top-level calls for the fix trials (modes.py): their copies
+from before the call and the real gradients into the model's outputs, which the tiered watch's step replay runs from
+(replay/step.py). Cold: at an event only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from nan_magic.records import Phase, Report
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.hot.kept.finding import Finding
+    from nan_magic.localize.replay.step import Producer, StepReplays
+
+__all__ = ["replayed_from_the_step"]
+
+
+def replayed_from_the_step(kept: StepReplays, finding: Finding, seen: Report) -> tuple[Report, Producer] | None:
+    """The step replay's report of ``finding`` where it names an op the module's replay did not; else None."""
+    top = finding.call
+    while top is not None and top.parent is not None:
+        top = top.parent
+    if top is None or top.info is None:
+        return None
+    if finding.phase == Phase.FORWARD:
+        if finding.op is not None or not any(root.call is top and root.wrote_its_state() for root in kept.calls):
+            return None
+    elif finding.phase != Phase.BACKWARD or not any(root.output_grads for root in kept.calls):
+        return None
+    probe = dataclasses.replace(finding, op=None)  # (the step replay names a backward op only where none is named)
+    report, producer = kept.localize(probe, seen)
+    if not report.reproduced or report.op is None or (report.op, report.module) == (finding.op, finding.module):
+        return None
+    finding.frame_calls = probe.frame_calls
+    return report, producer
