@@ -185,9 +185,12 @@ class Traced(Localizing):
 
     traces = True
 
-    def __init__(self, kinds: frozenset[str], kept: StepReplays | None) -> None:
+    def __init__(self, kinds: frozenset[str], kept: StepReplays | None, trials: bool = False) -> None:
         super().__init__(kinds)
         self.kept = kept
+        # A user's watch that keeps no calls (fixes=False, replay=False) says why %debug stays where the step was
+        # judged; a step replay's nested watch (no trials) says nothing: its report is the replay's.
+        self._says_unkept = trials and kept is None
 
     def forget(self) -> None:
         if self.kept is not None:
@@ -209,6 +212,8 @@ class Traced(Localizing):
         if self.kept is not None:
             kept = self.kept
             origins.forward_line = ForwardLines(kept, lambda: kept.watch.step)
+        elif self._says_unkept:
+            origins.forward_line = ForwardLines(None, lambda: 0)
 
 
 def localizing(
@@ -222,7 +227,7 @@ def localizing(
         kept = _kept(config, watch, nested, trials)
         if kept is not None:
             kept.counts_nodes = True  # (a backward op's forward line, replayed from its call: line_replay.py)
-        return Traced(config.kinds, kept)
+        return Traced(config.kinds, kept, trials)
     if config.tiered:
         return Tiered(config, optimizers, holds_data, watch, nested)
     return PerCall(config, optimizers, holds_data, _kept(config, watch, nested, trials))

@@ -1,9 +1,12 @@
-"""Forwards that write their own parameters in place, beyond hunt17's max-norm row (gaps20).
+"""Forwards that write their own parameters in place, beyond hunt17's max-norm row, and a NaN made by a parameter's
+own gradient formula (gaps20).
 
 A Keras-style max-norm constraint written through ``.data`` (no version counter moves: learned by the parameters'
 norms at the model's first call), the same constraint applied only once a row exceeds the limit (nothing written at
 the first call: a strict xfail), and an ``nn.Embedding(max_norm=...)`` whose lookups renormalise its rows at every
-call (a healthy idiom: calm and bit-identical).
+call (a healthy idiom: calm and bit-identical). ``sqrt(|x * w|)`` at a zero batch: the gradient into the module's
+input is not asked for (the batch needs none), only ``w``'s own formula makes 0 / 0; with ``ops=True`` its gradient
+reached ``.grad`` reshaped from the sum that made it (another tensor on the same memory), and the tracer found no op.
 """
 
 from __future__ import annotations
@@ -75,6 +78,24 @@ def _embedding_max_norm() -> Scenario:
     return _loop(model, lambda step: (tokens[step],), lambda out, step: F.mse_loss(out, ys[step]), lr=0.1)
 
 
+class RootOfScaled(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x * self.w).abs() + self.eps).sqrt()  # producer: root of scaled
+
+
+def _root_of_scaled(eps: float) -> Scenario:
+    """At step 2 the batch is all zeros: sqrt's backward divides 0 by 0, NaN in ``w``'s gradient alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(RootOfScaled(eps), nn.Linear(4, 1))
+    xs = [torch.rand(3, 4) * (step != 2) for step in range(4)]
+    return _loop(model, lambda step: (xs[step],), lambda out, step: out.pow(2).mean(), lr=0.0)
+
+
 CONDITIONAL_WRITE_GAP = (
     "the forward writes its weight through .data only once a row exceeds the limit: its first call (under the limit) "
     "writes nothing, so the parameters it writes are not learned (hot/kept/parameter_writes.py learns them at a "
@@ -115,4 +136,13 @@ CASES = [
     ),
     Case("gaps20_keras_max_norm_once_over_the_limit_with_eps_healthy", lambda: _keras_max_norm(1e-7, False), None),
     Case("gaps20_embedding_max_norm_renormalised_in_place_healthy", _embedding_max_norm, None),
+    # (ops=True, ops+defer: op None, no line, before origins.reshaped_entry.)
+    Case(
+        "gaps20_parameters_own_gradient_formula_sqrt_at_a_zero_batch",
+        lambda: _root_of_scaled(0.0),
+        Expect(
+            "backward", "0", "RootOfScaled", step=2, op="aten.div.Tensor", marker="root of scaled", cause="sqrt-domain"
+        ),
+    ),
+    Case("gaps20_parameters_own_gradient_formula_with_eps_healthy", lambda: _root_of_scaled(1e-8), None),
 ]

@@ -164,6 +164,14 @@ def _memory_entry(tensor: torch.Tensor, written: bool, origin: Origin | Benign) 
                                           type(tensor) is torch.nn.Parameter)
 
 
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 class Origins:
     """The origin of each non-finite tensor seen in a step, by identity and by memory.
 
@@ -244,6 +252,25 @@ class Origins:
         # through an alias whose version counter is its own: the Parameter's says nothing of that write. (A write
         # after it is traced too: a non-finite one notes its own origin here, a finite one leaves no NaN to look up.)
         return entry[2] if entry[1] and not entry[4] and type(tensor) is torch.nn.Parameter else None
+
+    def reshaped_entry(self, tensor: torch.Tensor) -> Origin | Benign | None:
+        """The origin noted for a contiguous value on ``tensor``'s memory in another shape, at its version.
+
+        A parameter's gradient that a broadcast's backward summed (``(grad * x).sum(0, keepdim=True)``, shape
+        ``(1, 4)``) is reshaped to the parameter's ``(4,)`` on its way into ``.grad``, by an alias that is no view:
+        the same memory, the same values in the same order. Cold: a boundary's claim that found nothing else.
+        """
+        if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not (
+                dense(tensor) and tensor.is_contiguous()):
+            return None
+        address, offset = tensor.untyped_storage().data_ptr(), tensor.storage_offset()
+        for (ptr, start, shape, stride, dtype, device), entry in self._by_memory.items():
+            if (ptr, start, dtype, device) != (address, offset, tensor.dtype, tensor.device) or entry[3].expired():
+                continue
+            if shape.numel() == tensor.numel() and stride == _contiguous_stride(shape) and (
+                    tensor._version - entry[0] in ((0, 1) if entry[1] else (0,))):
+                return entry[2]
+        return None
 
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""

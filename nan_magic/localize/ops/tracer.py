@@ -215,6 +215,8 @@ class OpTracer(TorchDispatchMode):
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
         entry = self._origins.entry(tensor)
+        if entry is None:  # (a parameter's gradient reshaped from the sum that made it: the same memory)
+            entry = self._origins.reshaped_entry(tensor)
         if isinstance(entry, Origin):
             return entry.finding
         return "benign" if entry is not None else None

@@ -38,12 +38,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.localize.ops.tracer import OpTracer
     from nan_magic.records import Report
 
-__all__ = ["NOT_REACHED", "ForwardLines", "LineStop", "line_stop_at", "line_stop_for", "nodes_made"]
+__all__ = ["NOT_KEPT", "NOT_REACHED", "ForwardLines", "LineStop", "line_stop_at", "line_stop_for", "nodes_made"]
 
 #: The reason a note gives where the replay to the line did not stop there.
 NOT_REACHED = "a replay of the call did not make that line's autograd node again"
 #: ... where no model call of the step that was kept made the node (ops mode).
 NO_CALL = "no model call of the step that made that line's autograd node was kept to replay"
+#: ... where an ops-mode watch keeps no model call at all (they are kept for the fix trials).
+NOT_KEPT = "ops=True keeps the step's model calls for the fix trials only, and fixes=False (or replay=False) keeps none"
 
 
 def nodes_made() -> int:
@@ -159,8 +161,8 @@ class ForwardLines:
     (``RootCall.nodes_before``). Once per watch: the first real event is the one %debug opens.
     """
 
-    def __init__(self, kept: KeptCalls, step: Callable[[], int]) -> None:
-        self.kept, self.step = kept, step
+    def __init__(self, kept: KeptCalls | None, step: Callable[[], int]) -> None:
+        self.kept, self.step = kept, step  # (kept None: a watch that keeps no call; the note says so)
         self.done = False
 
     def __call__(self, tracer: OpTracer, origin: OpFinding, finding: Finding) -> None:
@@ -168,6 +170,9 @@ class ForwardLines:
         if self.done or finding.benign or number is None or origin.backward_code or origin.forward_source is None:
             return
         self.done = True
+        if self.kept is None:
+            finding.notes.append(Note.of("debug-not-replayed", reason=NOT_KEPT))
+            return
         begun = [(root, root.nodes_before) for root in self.kept.calls if root.nodes_before is not None]
         root, start = next(((root, start) for root, start in reversed(begun) if start <= number), (None, 0))
         stop = line_stop_at(tracer, origin, start) if root is not None else None
