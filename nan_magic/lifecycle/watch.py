@@ -310,7 +310,8 @@ class Watch:
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
         rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack)
-        self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient)
+        self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient,
+                                     keeps_plain=self.config.ops and self.timing.deferred and self.replay_of is None)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = self.localizing.kept  # the step's top-level calls (the hooks keep them; modes.py)
         #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).

@@ -416,6 +416,8 @@ def _producer_call(
     made = (held.args, held.kwargs) if held is not None else source.arguments(finding.call) if source else None
     if made is None and finding.call.module is not None:
         made = running_arguments(finding.call.module)
+    if made is None:  # (ops=True judged at the step's end: the call kept its plain arguments alone)
+        made = finding.call.plain
     if made is not None:
         args, kwargs = made
         call["positional"], call["keywords"] = len(args), sorted(kwargs)

@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
-from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
+from nan_magic.hot.kept.call_records import (
+    FIRST_ARGUMENT,
+    Call,
+    Frame,
+    TensorRecord,
+    argument_tensors,
+    plain_arguments,
+)
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.reads import is_checkable, iter_tensors, unread_parts
@@ -47,9 +54,11 @@ class ForwardChecks:
 
     def __init__(
         self, watch: ForwardHost, replayer: CallReplayer, rule: ProducerJudge, stack: list[Frame],
-        hook_gradient: HookGradient | None,
+        hook_gradient: HookGradient | None, keeps_plain: bool = False,
     ) -> None:
         self.watch = watch
+        # ops=True judged at the step's end (defer): no call holds its arguments, so each keeps its plain ones.
+        self._keeps_plain = keeps_plain
         #: The module stack, shared with the producer rule ``rule`` (the watch builds both).
         self.stack = stack
         self.replayer = replayer
@@ -190,6 +199,8 @@ class ForwardChecks:
                 call.held = hold_arguments(args, kwargs, self.replayer.classify, anchor)
                 call.rng_state = frame.rng_state
                 call.autocast = capture_autocast()
+            elif self._keeps_plain:  # (the scene of the producer's call: model(xs, step)'s step)
+                call.plain = plain_arguments(args, kwargs)
         log.finish(call)
         if frame.info.watched and not recomputing:  # (a recompute's values are the original forward's, judged then)
             for record in call.outputs:

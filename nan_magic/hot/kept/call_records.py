@@ -209,7 +209,7 @@ class Call:
 
     __slots__ = (
         "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
-        "module", "outputs", "parent", "phase", "rng_state", "unread",
+        "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
     )
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
@@ -232,6 +232,9 @@ class Call:
         # backward, or the call at the deferred check): its arguments held
         # weakly, the RNG state before it and the autocast regions it ran in.
         self.held: HeldArguments | None = None
+        # Where no call holds its arguments (ops=True judged at the step's end): its arguments with each value that
+        # is not a plain Python one (a tensor, an object) left as NOT_PLAIN, for the scene (plain_arguments).
+        self.plain: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.rng_state: RngState | None = None
         self.autocast: AutocastState | None = None
         # For a backward check: the forward call whose backward computed the gradient.
@@ -354,3 +357,15 @@ class Frame:
         #: The positional arguments ``module.__call__`` received, before the module's own forward pre-hooks: a
         #: replay calls the module again, so its pre-hooks run again on them (None where no replay starts here).
         self.args = args
+
+
+#: What :func:`plain_arguments` leaves where an argument is not a plain Python value.
+NOT_PLAIN = object()
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with only its plain Python values (None, bool, int, float, str) kept: ``model(xs, step)``'s
+    step, which a scene saves beside the tensors; the rest left as :data:`NOT_PLAIN` (no tensor held)."""
+    return (tuple(arg if type(arg) in _PLAIN else NOT_PLAIN for arg in args),
+            {key: value if type(value) in _PLAIN else NOT_PLAIN for key, value in kwargs.items()})
