@@ -38,7 +38,7 @@ from nan_magic.localize.replay.optimizer import name_optimizer_op
 from nan_magic.localize.replay.root_calls import NestedWatch
 from nan_magic.localize.replay.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
-from nan_magic.patches.backward import unrecorded_input_grads
+from nan_magic.patches.backward import marked_graph_grads, unrecorded_input_grads
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
@@ -130,6 +130,9 @@ class Recording(Localizing):
         # An autograd.grad by no parameter (an attack's input gradient) is loop code, not a loss's backward: the
         # code around it is recorded on as one region, its backward's ops not (patches/backward.py).
         stack.enter_context(unrecorded_input_grads(recorder.step_aside, recorder.step_back))
+        # A double backward in the loop's code (MAML's inner step): its gradient formulas' ops are recorded at the
+        # line of its autograd.grad, which the recorder notes (a value they made is a backward's: replay/step.py).
+        stack.enter_context(marked_graph_grads(recorder.graph_grad_begins))
         # An evaluation under inference_mode: the recorder steps aside at its model calls as it does outside one
         # (the block's end would put torch's Python key back over an empty stack: patches/inference_blocks.py).
         stack.enter_context(balanced_inference_blocks())

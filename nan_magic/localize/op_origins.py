@@ -141,6 +141,7 @@ class OpOrigins:
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None) and (
                 finding.op is None):  # (named by the loss code's backward: a gradient its own autograd.grad made)
             origin = outside.claim(tensor, key)
+            finding.in_graph_grad = isinstance(origin, OpFinding) and outside.claimed_in_graph_grad
             untraced = outside.note()
             # Said where the event's tensor came from that code: the loss code's (outside every module), or a
             # batch the data code made (phase data, at the model's argument) where the data region went unrecorded.

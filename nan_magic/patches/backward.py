@@ -25,13 +25,15 @@ import torch
 
 from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
-__all__ = ["unrecorded_input_grads", "watch_backward"]
+__all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
 
 _callbacks: list[Callable[[torch.Tensor, Any], None]] = []
 # Called after ``backward()`` returned (not when it raised).
 _finished: list[Callable[[torch.Tensor], None]] = []
 # The recorders that step aside for an ``autograd.grad`` by no parameter (unrecorded_input_grads).
 _recorders: list[Recorder] = []
+# The recorders told where an ``autograd.grad(create_graph=True)`` runs its backward (marked_graph_grads).
+_marking: list[Recorder] = []
 
 
 class _Running(threading.local):
@@ -148,6 +150,10 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
                   is None and not _running.active)
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
         if not tensors:
+            if _marking and kwargs.get("create_graph", len(args) > 4 and args[4]):
+                # A double backward in the loop's code (MAML's inner step): the recorder records its gradient
+                # formulas' ops as the loop's; it notes the line that ran them (marked_graph_grads).
+                return call_aside(_marking, original, *args, **kwargs)
             return original(*args, **kwargs)
         # By no parameter (PGD's ``grad(attack, delta)``): the step's loss backward is by the parameters (a loop
         # that sets ``p.grad`` itself); this one's loss is judged, but the code after it is the loss code's, recorded
@@ -183,3 +189,15 @@ def unrecorded_input_grads(step_aside: Callable[[], bool], step_back: Callable[[
     whether it did) and brought back after (``step_back()``): the loop code around it is recorded as one region."""
     with _PATCH.held((_recorders, (step_aside, step_back))):
         yield
+
+
+@contextmanager
+def marked_graph_grads(begins: Callable[[], bool]) -> Iterator[None]:
+    """Inside the block, ``begins()`` is called as an ``autograd.grad(create_graph=True)`` of the loop's code starts
+    (its backward's ops are recorded with the loop's: the recorder notes the line that runs them)."""
+    with _PATCH.held((_marking, (begins, _nothing))):
+        yield
+
+
+def _nothing() -> None:
+    """(``begins`` says it stepped nothing aside: this is never called.)"""

@@ -77,6 +77,9 @@ class Finding:
     # A model output's gradient blamed on the code outside the models without that code's replay
     # confirming it: a model's replay may still find the producer (localize/replay/step.py).
     unconfirmed_outside: bool = False
+    # Its op ran in the backward of the loop's own autograd.grad(create_graph=True) (MAML's inner step), recorded
+    # as the loop's code: a model call's gradient formula, which the step replay's backward may name.
+    in_graph_grad: bool = False
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:

@@ -228,6 +228,17 @@ class OutsideRecorder(RegionRecords, TorchDispatchMode):
                 _push(mode)
         self._budget = _INERT  # left on the stack, inert until it is on top
 
+    def graph_grad_begins(self) -> bool:
+        """An ``autograd.grad(create_graph=True)`` of the loop's code begins (patches/backward.marked_graph_grads):
+        the ops its backward runs are recorded at the loop's line that called it, noted as such a site. Steps
+        nothing aside (False)."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and passed_over(frame.f_code):
+            frame = frame.f_back
+        if frame is not None:
+            self.graph_grad_sites.add((frame.f_code, frame.f_lasti))
+        return False
+
     def step_aside(self) -> bool:
         """Popped, where it may be (True): for :meth:`stop`, and for a call that runs none of the loop's code
         (``zero_grad()``: patches/zero_grad.py), after which :meth:`step_back` pushes it again.

@@ -85,6 +85,11 @@ class RegionRecords:
         # Whether forget() would find nothing to drop: it ran, and nothing was recorded, walked, copied or named
         # since (set False where each is). Read before the forget at a region's start and at a model call.
         self._clean = False
+        #: ``(code, f_lasti)`` of the loop's calls of ``autograd.grad(create_graph=True)`` (recorder.graph_grad_begins):
+        #: an op recorded at one ran in that grad's backward, a gradient formula, not the loop's own code.
+        self.graph_grad_sites: set[tuple[Any, int]] = set()
+        #: Whether the op :meth:`claim` named last ran in such a backward.
+        self.claimed_in_graph_grad = False
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -220,6 +225,7 @@ class RegionRecords:
         if tracer.finding is None or producer is None:
             return None
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
+        self.claimed_in_graph_grad = (producer.code, producer.lasti) in self.graph_grad_sites
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
         self._clean = False

@@ -35,6 +35,7 @@ from nan_magic.localize.replay.module_run import copy_tensors, parameters_at, sw
 from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.options import WatchConfig
+from nan_magic.patches.functional_calls import own_tensors
 from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -81,6 +82,8 @@ class RootCall:
     #: ``(parameter, its value before the call)`` for the parameters its model's forward writes in place (a max-norm
     #: renorm under no_grad, an embedding's ``max_norm``), learned at the model's first call (StepReplays.begin).
     parameters: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    #: Whether it was made inside a ``torch.func.functional_call`` of its model (on the tensors that call swapped in).
+    in_functional_call: bool = False
     #: At a model's first call in a mode: what it noted to learn which parameters its forward writes.
     learning: Learning | None = None
 
@@ -168,6 +171,10 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     outcome, to_line = Outcome(), None
     with contextlib.ExitStack() as stack:
         stack.enter_context(parameters_at(root.parameters))  # (outside the guard: it puts them back last)
+        if not root.in_functional_call:
+            # A call made before a functional_call of the model (MAML's support call), replayed inside that one (the
+            # query call's event): with the model's own parameters, not the tensors the functional_call swapped in.
+            stack.enter_context(own_tensors(root.module))
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))

@@ -52,6 +52,7 @@ from nan_magic.localize.replay.line_replay import LineStop, nodes_made
 from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.localize.replay.seen_again import kinds_unexplained, same_counts
 from nan_magic.options import WatchConfig
+from nan_magic.patches.functional_calls import SWAPPED_OUT
 from nan_magic.plain import to_pairs
 from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole
 
@@ -244,6 +245,8 @@ class StepReplays:
             nodes_before=nodes_made() if self.counts_nodes else None,
             parameters=parameters,
             learning=learning,
+            # (a list's truth, no call: MAML's loops alone have a swap in progress)
+            in_functional_call=any(swapped is module for swapped, _own in SWAPPED_OUT) if SWAPPED_OUT else False,
         ))
         return rng
 
@@ -367,7 +370,13 @@ class StepReplays:
             # as they were before them, name the op that wrote it (replay/buffer_writes.py).
             aside = self.watch.call_replay.standing_aside
             return buffer_written(self.calls, finding, seen, aside), (finding.frame, None)
-        if finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
+        if finding.in_graph_grad:
+            # The loop's own autograd.grad(create_graph=True) made it (MAML's inner step), its gradient formula's op
+            # recorded as loop code: the model calls' backward, replayed from the gradients that grad sent into their
+            # outputs, names the formula, its module and forward line; where it does not, the recorded op stands.
+            candidates = [root for root in reversed(self.calls) if root.output_grads]
+            backward, boundary = True, None
+        elif finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
             top = finding.call
             while top.parent is not None:
                 top = top.parent
@@ -386,7 +395,7 @@ class StepReplays:
             return seen, (finding.frame, None)
         if candidates and replay_target(candidates[0].module) is None:
             return seen, (finding.frame, None)  # FSDP: every step is a per-module step, which named the module
-        if finding.unconfirmed_outside and not candidates:
+        if (finding.unconfirmed_outside or finding.in_graph_grad) and not candidates:
             return seen, (finding.frame, None)
         if not candidates:
             why = Note("no-gradient-held") if backward else Note.of("call-not-held", max_calls=MAX_CALLS)
@@ -408,8 +417,9 @@ class StepReplays:
                     posinf=found.posinf, neginf=found.neginf, where=found.where)), (finding.frame, None)
             # The value is a deliberate infinity (a masked_fill(mask, -inf) the model returns): benign.
             return self._replayed(outcome.benign, seen.step), (None, None)
-        if outcome.report is None or (finding.unconfirmed_outside and outcome.report.module is None):
-            if finding.unconfirmed_outside:
+        if outcome.report is None or (finding.unconfirmed_outside and outcome.report.module is None) or (
+                finding.in_graph_grad and (outcome.report.op is None or outcome.report.phase != Phase.BACKWARD)):
+            if finding.unconfirmed_outside or finding.in_graph_grad:
                 # No model's backward made it either: the code outside them stays the likeliest producer.
                 return seen, (finding.frame, None)
             return self._not_replayed(seen, outcome.why_not or Note("step-replay-finite")), (finding.frame, None)
