@@ -24,11 +24,12 @@ import torch
 from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
+from nan_magic.localize.ops.masks import DeliberateMasks, argument_name, names_a_mask
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.replay.outward import CHANGED, replay_outward
 from nan_magic.localize.replay.producer_call import CallReplay, caller_named
@@ -54,6 +55,7 @@ class ProducerRule:
         replayer: CallReplay,
         origins: OpOrigins,
         stack: list[Frame],
+        held: HeldBatch,
     ) -> None:
         self.kinds = config.kinds
         self._log = log
@@ -61,6 +63,8 @@ class ProducerRule:
         self.replayer = replayer
         self.origins = origins
         self.stack = stack
+        #: The step's non-finite batch, held until the step shows whether the program handled it (held_batch.py).
+        self.held = held
         # Infinite mask tensors given as arguments or held as buffers (ops/masks.py).
         self.deliberate = DeliberateMasks()
         # Keyword-argument data records judged ahead of their turn (_keyword_data_first), by id; the running
@@ -92,6 +96,8 @@ class ProducerRule:
         out_kinds = relevant_kinds(record.kinds, self.kinds)
         if not out_kinds:
             return
+        if self.held.finding is not None and call.phase != Phase.DATA:
+            self.held.release()  # after a non-finite batch it is the event (warn/log judge this value on, as after one)
         if call.phase == Phase.FORWARD and call.parent is not None and self._keyword_data_first(call):
             record.status = "propagated"
             return
@@ -106,7 +112,12 @@ class ProducerRule:
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
-            self._emit(finding)
+            if call.module is not None and names_a_mask(argument_name(call.module, record.argument)):
+                self._emit(finding)  # a mask that is none (all -inf: ops/masks.py) hides nothing: broken masking
+                return
+            # Held for the step: an event if anything else of it goes non-finite, benign if the program handles
+            # it (a model that imputes its missing values: held_batch.py).
+            self.held.hold(finding)
             return
         if self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
             return
@@ -275,7 +286,11 @@ class ProducerRule:
         record.argument = argument
         log.finish(call)
         self.judge(call, record)
-        return record.status != "benign"  # (a mask passed by keyword is no event)
+        return self._released(record) or record.status != "benign"  # (a mask passed by keyword is no event)
+
+    def _released(self, record: TensorRecord) -> bool:
+        """Whether ``record`` is the batch held (held_batch.py), now the event: a value of its step went non-finite."""
+        return self.held.finding is not None and self.held.finding.record is record and self.held.release()
 
     def _keyword_data_first(self, call: Call) -> bool:
         """Judge the keyword-argument batch of ``call``'s top-level call first, where it holds a non-finite value.
@@ -307,7 +322,7 @@ class ProducerRule:
                 continue
             self._keyword_judged[id(record)] = record
             self.judge(record.call, record, _first=True)
-            if record.status != "benign":
+            if self._released(record) or record.status != "benign":
                 return True
         return False
 
