@@ -290,3 +290,43 @@ def test_a_nan_batch_the_loop_made_is_named_at_the_data_codes_op_and_line(option
     assert report.op == "aten.sqrt.default" and report.source is not None
     assert report.source.lineno == _line("the data code's sqrt")
     assert report.debug_frame is not None and report.debug_frame.lineno == _line("the data code's sqrt")
+
+
+class HalfImputer(nn.Module):
+    """float16 throughout, imputing its input; a dead unit's zero gradient meets Adam's eps of 1e-8, 0 in float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 1))
+        with torch.no_grad():
+            self.seq[0].bias[2] = -100.0
+            self.seq[0].weight[2] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.seq(torch.nan_to_num(x))
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_a_step_whose_optimizer_makes_a_parameter_nan_after_a_handled_batch_is_a_data_event(options: dict) -> None:
+    # The step's parameters are part of the step: the optimizer's 0 / 0 on step 0, whose batch held NaN, makes that
+    # batch the event in every mode (the deferred check reads the step's parameters with the next step's).
+    def build() -> tuple[nn.Module, Callable[[], list]]:
+        model = HalfImputer().half()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+
+        def run() -> list[torch.Tensor]:
+            losses = []
+            for step in range(STEPS):
+                x = _missing(step).half() if step == 0 else torch.randn(6, 5).half()
+                loss = F.mse_loss(model(x), _targets(step).half())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return losses
+
+        return model, run
+
+    report = _reported(build, options)
+    assert report.phase == Phase.DATA and report.step == 0 and report.module == "", report.message
+    assert report.module_type == "HalfImputer" and report.tensor == TensorRef(TensorRole.INPUT, path="input[0]")

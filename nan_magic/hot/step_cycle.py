@@ -257,8 +257,10 @@ class StepCycle:
         if early := self.early.observe_step(summary):  # (none, most steps: no call)
             self.warn(early)
         self.open = False
-        if self.held.finding is not None:  # (none, every healthy step: an attribute read, no call)
-            self.held.settle()  # its outputs, loss, gradients, parameters finite: the batch was handled (benign)
+        if self.held.finding is not None and self.optimizers.carried is None:  # (none, every healthy step: no call)
+            # Its outputs, loss, gradients and parameters finite: the batch was handled (benign). Where the deferred
+            # check reads the step's parameters with the next step's, that check settles it (timing.py).
+            self.held.settle()
 
     def warn(self, early: list[EarlyWarning]) -> None:
         """Keep early warnings for the report; in ``warn`` mode also show them now."""

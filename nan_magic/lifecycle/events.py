@@ -106,8 +106,8 @@ class Events:
             # A value of the step went non-finite after a non-finite batch entered: the batch is the event, as it
             # was where it entered (held_batch.py); in warn/log mode this one follows it.
             self.held.release()
-        if not finding.benign and finding.op is None and self.context.traced():
-            return  # the op tracer already reported this step's producer, at its op
+        if not finding.benign and finding.op is None and self.context.traced() and finding is not self.held.released:
+            return  # the op tracer already reported this step's producer, at its op (a held batch came first)
         if replayed is None:
             report = self.context.build(finding)
             if not finding.benign:

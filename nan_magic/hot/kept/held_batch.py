@@ -35,7 +35,7 @@ class HeldBatch:
     watch's way in for an event (lifecycle/events.py); ``handled``: records a handled batch's benign event there.
     """
 
-    __slots__ = ("_emit", "_handled", "finding", "step")
+    __slots__ = ("_emit", "_handled", "finding", "released", "step")
 
     def __init__(
         self, step: Callable[[], int], emit: Callable[[Finding], None], handled: Callable[[Finding], None]
@@ -45,6 +45,9 @@ class HeldBatch:
         self._handled = handled
         #: The held data finding (its record's status ``"benign"`` while held, so no check judges it again).
         self.finding: Finding | None = None
+        #: The finding being released as an event, while it is emitted: the batch's, whatever op the op tracer
+        #: claimed since (lifecycle/events.py).
+        self.released: Finding | None = None
 
     def hold(self, finding: Finding) -> None:
         """Hold ``finding`` (a batch's, judged non-finite as it entered) for its step; the step's first stays."""
@@ -79,7 +82,11 @@ class HeldBatch:
         finding = self.take()
         if finding is None:
             return False
-        self._emit(finding)
+        self.released = finding
+        try:
+            self._emit(finding)
+        finally:
+            self.released = None  # (asked only during its emit: no tensor or frame kept past it)
         return True
 
     def explain(self) -> NonFiniteError | None:
