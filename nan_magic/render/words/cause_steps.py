@@ -77,18 +77,19 @@ def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _handled_hint(event: Report, cause: Cause) -> str:
     steps, last = cause.fact("steps", 1), cause.fact("last_step")
-    since = f"; {steps} steps' batches so far, the last at step {last}" if steps > 1 else ""
+    since = f"; so did {steps - 1} later steps' batches, the last at step {last}" if steps > 1 else ""
     return (
-        f"benign: the batch carried {counts(event)} in {event.tensor} that {event.model or 'the model'} handled (its "
-        f"outputs, the loss, the gradients and the parameters of step {event.step} stayed finite){since}; nothing "
-        "to fix: a model that imputes its missing values does this"
+        f"benign: the batch carried {counts(event)} in {event.tensor} that "
+        f"{event.model or event.module_type or 'the model'} handled (its outputs, the loss, the gradients and the "
+        f"parameters stayed finite){since}; nothing to fix: a model that imputes its missing values does this"
     )
 
 
 def _handled_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     first, last = event.step, cause.fact("last_step")
     return (
-        f"{event.tensor} entering {event.model or 'the model'}: {counts(event)} of {event.numel}",
+        f"{event.tensor} entering {event.model or event.module_type or 'the model'}: {counts(event)} of "
+        f"{event.numel} at step {first}",
         f"handled in {cause.fact('steps', 1)} step(s)" + (f", steps {first} to {last}" if last != first else ""),
     )
 
