@@ -75,6 +75,28 @@ class LearnedFill(nn.Module):
         return self.head(torch.where(missing, self.fill.expand_as(x), filled))
 
 
+class CausalMask(nn.Module):
+    """Returns a float causal mask for its input's rows: -inf on purpose (a deliberate infinity, benign)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.full((h.shape[0], h.shape[0]), float("-inf")).triu(1)
+
+
+class ImputingAttention(nn.Module):
+    """Imputes its rows' missing values, then causal self-attention over them with a mask a submodule makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 5)
+        self.mask = CausalMask()
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(torch.nan_to_num(x))
+        scores = h @ h.T / 5**0.5 + self.mask(h)
+        return self.head(scores.softmax(-1) @ h)
+
+
 class DictBatch(nn.Module):
     """A dict batch: the model reads ``features`` only; ``notes`` (NaN) comes along unread."""
 
@@ -172,6 +194,7 @@ HANDLED: dict[str, Callable[[], tuple[nn.Module, Callable[[], list]]]] = {
     "where-fill": lambda: _train(WhereImputer(), _missing),
     "nan-to-num-and-flag": lambda: _train(NanToNum(), _missing),
     "learned-fill-on-a-copy": lambda: _train(LearnedFill(), _missing),
+    "imputes-then-a-submodule-makes-a-causal-mask": lambda: _train(ImputingAttention(), _missing),
     "unread-feature-of-a-dict-batch": lambda: _train(
         DictBatch(),
         lambda step: {
@@ -195,9 +218,12 @@ def test_a_model_that_handles_the_nan_in_its_input_is_calm_and_identical(name: s
     assert w.report is None, w.report.message if w.report else ""
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert not model._forward_hooks and not model._forward_pre_hooks
-    # One benign event for the run, not one a step: the first, counting the steps whose batch it handled.
-    assert len(w.events) == 1, [event.message for event in w.events]
-    event = w.events[0]
+    # One benign event for the run, not one a step: the first, counting the steps whose batch it handled (and the
+    # causal mask's own benign event, once, where a submodule makes one).
+    assert all(event.benign for event in w.events), [event.message for event in w.events]
+    handled = [event for event in w.events if event.cause is not None and event.cause.label == "handled-input"]
+    assert len(handled) == 1 and len(w.events) == 1 + ("mask" in name), [event.message for event in w.events]
+    event = handled[0]
     assert event.benign and event.phase == Phase.DATA and event.step == 0 and event.nan > 0
     assert event.cause is not None and event.cause.label == "handled-input"
     assert event.cause.fact("steps") == STEPS and event.cause.fact("last_step") == STEPS - 1

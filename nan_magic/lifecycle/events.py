@@ -102,12 +102,8 @@ class Events:
         """
         if self.agreement.holding:
             return  # this rank's first event waits for the next agreement point (agreement.py)
-        if not finding.benign and self.held.finding is not None and self.held.finding is not finding:
-            # A value of the step went non-finite after a non-finite batch entered: the batch is the event, as it
-            # was where it entered (held_batch.py); in warn/log mode this one follows it.
-            self.held.release()
         if not finding.benign and finding.op is None and self.context.traced() and finding is not self.held.released:
-            return  # the op tracer already reported this step's producer, at its op (a held batch came first)
+            return  # the op tracer already reported this step's producer, at its op (not a held batch's)
         if replayed is None:
             report = self.context.build(finding)
             if not finding.benign:
@@ -117,6 +113,10 @@ class Events:
         position = None
         if replayed is not None:
             report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
+        if not report.benign and self.held.finding is not None:
+            # A value of the step went non-finite (its replay found no deliberate infinity) after a non-finite batch
+            # entered: the batch is the event, as it was where it entered (held_batch.py); warn/log: this follows.
+            self.held.release()
         if self.context.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
         if not report.benign and self.report is not None:

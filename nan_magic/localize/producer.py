@@ -96,8 +96,6 @@ class ProducerRule:
         out_kinds = relevant_kinds(record.kinds, self.kinds)
         if not out_kinds:
             return
-        if self.held.finding is not None and call.phase != Phase.DATA:
-            self.held.release()  # after a non-finite batch it is the event (warn/log judge this value on, as after one)
         if call.phase == Phase.FORWARD and call.parent is not None and self._keyword_data_first(call):
             record.status = "propagated"
             return
@@ -130,6 +128,8 @@ class ProducerRule:
             parent.deliberate_kinds |= call.deliberate_kinds
         if input_kinds or call.inner_kinds:
             record.status = "propagated"
+            if self.held.finding is not None:
+                self.held.release()  # a non-finite batch came in this step: it is the event (held_batch.py)
             if input_kinds and not call.inner_kinds:
                 self._blame_own_code(call, detected_at)
             return
@@ -397,7 +397,9 @@ class ProducerRule:
                 continue
             if not found:
                 continue
-            if (record is not None and record.status == "benign") or self.is_benign_input(
+            # (A batch held for its step, benign until it proves not to be, is no deliberate infinity: held_batch.py.)
+            held = self.held.finding is not None and self.held.finding.record is record
+            if (record is not None and record.status == "benign" and not held) or self.is_benign_input(
                 call, path, argument, tensor, record
             ):
                 deliberate |= found
