@@ -8,12 +8,14 @@ is today (its op and line where loop code made it), and the step decides:
 
 * anything else of the step goes non-finite (a module's output, the loss, a gradient into the outputs, a
   parameter gradient, the step's parameters): the held finding is the report, exactly today's for a NaN batch
-  (:meth:`HeldBatch.take`, called by the producer rule and by the events before any other finding of the step);
+  (:meth:`HeldBatch.release`: by the producer rule where a call passes a non-finite value on, and by
+  lifecycle/events.py before any other finding whose report is not benign; a deliberate infinity of the step, a
+  causal mask, leaves it held);
 * the step ends with all of that finite: the batch was handled, a benign event (:meth:`HeldBatch.settle` as the
-  step closes, recorded by lifecycle/events.py).
+  step closes, or at the deferred check that reads its parameters; recorded by lifecycle/events.py).
 
 Nothing is held, asked or read on a step whose batch is finite: the holder is only reached from the judgement of a
-non-finite record (the step cycle reads one attribute as a step closes, inlined).
+non-finite record (the step cycle and the deferred check read one attribute a step, inlined).
 """
 
 from __future__ import annotations
