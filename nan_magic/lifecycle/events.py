@@ -26,7 +26,7 @@ from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.errors.frames import end_at_producer, frames_of, running_frame_at, user_frames_of, user_stacklevel
-from nan_magic.explain.handled import handled_input
+from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.reads import is_checkable
@@ -165,9 +165,9 @@ class Events:
         if self._handled is not None:
             index, steps = self._handled
             self._handled = index, steps + 1
-            if index >= 0:  # (-1: the event list was full as the first came)
-                self.events[index] = dataclasses.replace(
-                    self.events[index], cause=handled_input(self.events[index], steps + 1, step))
+            first = self.events[index] if index >= 0 else None  # (-1: the event list was full as the first came)
+            if first is not None and first.cause is not None:
+                self.events[index] = dataclasses.replace(first, cause=handled_again(first.cause, steps + 1, step))
             return
         finding.benign = True
         report = self.context.build(finding)
