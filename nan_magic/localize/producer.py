@@ -29,7 +29,7 @@ from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.ops.masks import DeliberateMasks, argument_name, names_a_mask
+from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.replay.outward import CHANGED, replay_outward
 from nan_magic.localize.replay.producer_call import CallReplay, caller_named
@@ -110,11 +110,13 @@ class ProducerRule:
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
-            if call.module is not None and names_a_mask(argument_name(call.module, record.argument)):
-                self._emit(finding)  # a mask that is none (all -inf: ops/masks.py) hides nothing: broken masking
+            if "nan" not in out_kinds:
+                # An infinity entering is an overflow or a mask that is none (all -inf, an unnamed bias: the mask
+                # rule, ops/masks.py, said so above): an event where it enters, as before.
+                self._emit(finding)
                 return
-            # Held for the step: an event if anything else of it goes non-finite, benign if the program handles
-            # it (a model that imputes its missing values: held_batch.py).
+            # NaN, the code of a missing value: held for the step, an event if anything else of it goes non-finite,
+            # benign if the program handles it (a model that imputes its missing values: held_batch.py).
             self.held.hold(finding)
             return
         if self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
