@@ -614,16 +614,17 @@ def test_the_last_ten_early_warnings_are_listed_and_the_earlier_ones_counted() -
 
 
 def test_a_running_row_beside_the_producer_folds_no_column_into_the_caption() -> None:
-    # A NaN batch into a bare Linear: the root's call is still running (no tensor, no dtype) beside the data row.
+    # A NaN batch into a Sequential, every call checked: the root's call is still running (no tensor, no dtype)
+    # beside the data row as its child passes the NaN on (calm20: the batch is judged then, not as it enters).
     from nan_magic.render.table import style_layers
 
-    model = nn.Linear(3, 3)
-    report = raised(lambda: model(torch.tensor([[1.0, float("nan"), 2.0]])), model)
+    model = nn.Sequential(nn.Linear(3, 3))
+    report = raised(lambda: model(torch.tensor([[1.0, float("nan"), 2.0]])), model, mode="full")
     assert [layer.status for layer in report.layers if layer.stats is None]  # the running row
     html = style_layers(report.layers).to_html()
     assert "tensor nan" not in html and "dtype nan" not in html
     cells = table_cells(html)
-    assert cells[("Linear (root)", "input[0]")][1:] == ("producer", "1 nan")
+    assert cells[("Sequential (root)", "input[0]")][1:] == ("producer", "1 nan")
     assert "tensor nan" not in build_widget_layers_text(report)
 
 
@@ -646,7 +647,11 @@ def test_a_data_event_says_no_inputs_row_and_counts_one_call_in_the_singular() -
     for view, text in widget_views(report).items():
         assert "<tr><td>inputs</td>" not in text and "\n  inputs " not in text, view
         assert "phase data: input[0] held 1 nan before any watched module ran" in text, view
-    assert "Layers of step 0: 1 call measured; 1 running\n" in report.to_text()
+    # (calm20: a NaN batch is judged when the step's first value goes non-finite, the root's returned output.)
+    assert "Layers of step 0: 2 calls measured\n" in report.to_text()
+    # An infinity is judged where it enters, as before: the root still running, one call measured, in the singular.
+    infinite = raised(lambda: model(torch.tensor([[1.0, float("inf"), 2.0]])), model)
+    assert infinite.phase == "data" and "Layers of step 0: 1 call measured; 1 running\n" in infinite.to_text()
     assert "1 calls" not in report.to_html()
 
 

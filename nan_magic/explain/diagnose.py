@@ -81,6 +81,10 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``nonfinite-number``
     The op was given a Python number that is not finite (``mask * float("-inf")``, a scale or temperature set to
     inf in a config): no tensor op made the value; the number the code passed did.
+``handled-input``
+    Set by the watch (``explain/handled.py``) on a benign event: a batch entering a watched model carried
+    non-finite values and the step's outputs, loss, gradients and parameters stayed finite (the model imputes
+    NaN-coded missing values itself); one event for the run, counting the steps.
 ``grad-scaler-collapse``
     Set by the watch (``optim.py``) when a GradScaler's scale keeps
     collapsing; :func:`diagnose` is only called where no cause is set.
@@ -125,6 +129,7 @@ LABELS = (
     "parameter-already-nonfinite",
     "nonfinite-number",
     "grad-scaler-collapse",
+    "handled-input",
     "unclassified",
 )
 

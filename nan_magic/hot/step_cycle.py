@@ -37,6 +37,7 @@ from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer,
 from nan_magic.hot.checks.optim import OptimizerChecks
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.coverage import coverage_for
 from nan_magic.hot.watched.owner import HookOwner
@@ -111,6 +112,7 @@ class StepCycle:
         lockstep: Lockstep,
         emit: Callable[[Finding], None],
         here: HookOwner,
+        held: HeldBatch,
         update_code: UpdateCode | None = None,
     ) -> None:
         self.config = config
@@ -130,6 +132,8 @@ class StepCycle:
         self._emit = emit
         self._here = here
         self.update_code = update_code
+        #: The step's non-finite batch, held until the step ends (held_batch.py): then the program handled it.
+        self.held = held
         # The norms of the parameters the loop's code wrote, read with the deferred check's transfer, and how
         # many of the first ran before the calls it judges (their region ended as a model call began).
         self._written: list[torch.Tensor] = []
@@ -253,6 +257,10 @@ class StepCycle:
         if early := self.early.observe_step(summary):  # (none, most steps: no call)
             self.warn(early)
         self.open = False
+        if self.held.finding is not None and self.optimizers.carried is None:  # (none, every healthy step: no call)
+            # Its outputs, loss, gradients and parameters finite: the batch was handled (benign). Where the deferred
+            # check reads the step's parameters with the next step's, that check settles it (timing.py).
+            self.held.settle()
 
     def warn(self, early: list[EarlyWarning]) -> None:
         """Keep early warnings for the report; in ``warn`` mode also show them now."""
@@ -425,6 +433,8 @@ class StepCycle:
             self.optimizers.on_step_boundary(leaving=True)
         if self.gradients.backward_runs:
             self._check_unstepped_gradients(leaving=unstepped)
+        if not self.outcome.stopped:
+            self.held.settle()  # a batch of a step no optimizer step closed, handled
         self.outcome.leave(self._leave_together())
 
     def pause(self) -> None:
@@ -437,7 +447,8 @@ class StepCycle:
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = self.timing.pending_at_exit(self) or self._explain_failed_op(exc) or self._explain_anomaly(exc)
+            explained = (self.timing.pending_at_exit(self) or self._explain_failed_op(exc) or self._explain_anomaly(exc)
+                         or (None if self.outcome.stopped else self.held.explain()))  # (held_batch.py)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left

@@ -191,6 +191,8 @@ class Deferred(Timing):
         values, written_values = values[:len(extra)], values[len(extra):]
         if first is not None:
             first(values)
+            if (held := cycle.held).finding is not None and held.finding.step != cycle.step:
+                held.settle()  # the batch of the step whose parameters ``first`` judged: handled (held_batch.py)
         outcome = cycle.outcome  # (its ``stopped`` is asked again after every judgement)
         if first_count and not outcome.stopped:
             # The loop's code that ran before the calls (a data region, ended as one began) is judged first.

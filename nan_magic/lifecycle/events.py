@@ -26,7 +26,9 @@ from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.errors.frames import end_at_producer, frames_of, running_frame_at, user_frames_of, user_stacklevel
+from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.options import WatchConfig
@@ -63,9 +65,13 @@ class EventContext:
 class Events:
     """The outcome of one entry of a watch, and how it stops the run (see the module docstring)."""
 
-    def __init__(self, config: WatchConfig, context: EventContext, *, alone: bool) -> None:
+    def __init__(self, config: WatchConfig, context: EventContext, held: HeldBatch, *, alone: bool) -> None:
         self.config = config
         self.context = context
+        #: The step's non-finite batch, held until the step shows whether the program handled it (held_batch.py).
+        self.held = held
+        # The first handled batch's event, where it is in :attr:`events`, and how many steps' batches it stands for.
+        self._handled: tuple[int, int] | None = None
         #: Every event, benign ones included, in order (at most ``max_events``).
         self.events: list[Report] = []
         #: The Report of the first non-benign event, or None.
@@ -96,8 +102,8 @@ class Events:
         """
         if self.agreement.holding:
             return  # this rank's first event waits for the next agreement point (agreement.py)
-        if not finding.benign and finding.op is None and self.context.traced():
-            return  # the op tracer already reported this step's producer, at its op
+        if not finding.benign and finding.op is None and self.context.traced() and finding is not self.held.released:
+            return  # the op tracer already reported this step's producer, at its op (not a held batch's)
         if replayed is None:
             report = self.context.build(finding)
             if not finding.benign:
@@ -107,6 +113,10 @@ class Events:
         position = None
         if replayed is not None:
             report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
+        if not report.benign and self.held.finding is not None:
+            # A value of the step went non-finite (its replay found no deliberate infinity) after a non-finite batch
+            # entered: the batch is the event, as it was where it entered (held_batch.py); warn/log: this follows.
+            self.held.release()
         if self.context.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
         if not report.benign and self.report is not None:
@@ -144,6 +154,31 @@ class Events:
         if self.config.on_detect == "warn":
             # Named at the user's line (the cell's), not at the hook several frames below it.
             warnings.warn(report.message, RuntimeWarning, stacklevel=user_stacklevel())
+
+    def handled(self, finding: Finding) -> None:
+        """A held batch's step ended with everything else finite: the program handled it, a benign event.
+
+        Not one event a step for a whole epoch of such batches: the first is recorded (and logged), and each
+        later one counts in it (its cause's ``steps`` and ``last_step``), as the report in :attr:`events`.
+        """
+        step = finding.step if finding.step is not None else 0
+        if self._handled is not None:
+            index, steps = self._handled
+            self._handled = index, steps + 1
+            first = self.events[index] if index >= 0 else None  # (-1: the event list was full as the first came)
+            if first is not None and first.cause is not None:
+                self.events[index] = dataclasses.replace(first, cause=handled_again(first.cause, steps + 1, step))
+            return
+        finding.benign = True
+        report = self.context.build(finding)
+        report = dataclasses.replace(report, cause=handled_input(report, 1, step))
+        if self.context.skipped:
+            report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
+        self._handled = (len(self.events) if len(self.events) < self.config.max_events else -1), 1
+        if self._handled[0] >= 0:
+            self.events.append(report)
+        if self.config.log_file:
+            self._append_log(report)
 
     def _append_log(self, report: Report) -> None:
         """One JSON line per event; a failing log (disk full) must not stop the user's run."""

@@ -48,6 +48,7 @@ from nan_magic.hot.checks.optim import OptimizerChecks
 from nan_magic.hot.kept.call_records import Frame
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.step_cycle import StepCycle
 from nan_magic.hot.timing import Timing, timing_for
@@ -309,7 +310,8 @@ class Watch:
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
-        rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack)
+        held = HeldBatch(lambda: self.step, self.emit, lambda finding: self.outcome.handled(finding))
+        rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack, held)
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient,
                                      keeps_plain=self.config.ops and self.timing.deferred and self.replay_of is None)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
@@ -326,7 +328,7 @@ class Watch:
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
             skipped=self.skipped,
-        ), alone=self.replay_of is not None)
+        ), held, alone=self.replay_of is not None)
         self.update_code = LoopWrites(self.config.kinds, self._named_parameters,
                                       self.optimizers.reports.attribute, self.emit, lambda: self.step,
                                       tracer=self.localizing.update_tracer(self.origins), data=self.outside)
@@ -335,7 +337,7 @@ class Watch:
             self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
             replays=self.replays, origins=self.origins, outside=self.outside, outcome=self.outcome,
-            lockstep=self.lockstep, emit=self.emit, here=self.here, update_code=self.update_code,
+            lockstep=self.lockstep, emit=self.emit, here=self.here, update_code=self.update_code, held=held,
         )
 
     def _loss_starts(self, _loss: torch.Tensor, _retained: Any) -> None:

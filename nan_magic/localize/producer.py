@@ -24,6 +24,7 @@ import torch
 from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of, tensor_stats
@@ -54,6 +55,7 @@ class ProducerRule:
         replayer: CallReplay,
         origins: OpOrigins,
         stack: list[Frame],
+        held: HeldBatch,
     ) -> None:
         self.kinds = config.kinds
         self._log = log
@@ -61,6 +63,8 @@ class ProducerRule:
         self.replayer = replayer
         self.origins = origins
         self.stack = stack
+        #: The step's non-finite batch, held until the step shows whether the program handled it (held_batch.py).
+        self.held = held
         # Infinite mask tensors given as arguments or held as buffers (ops/masks.py).
         self.deliberate = DeliberateMasks()
         # Keyword-argument data records judged ahead of their turn (_keyword_data_first), by id; the running
@@ -106,7 +110,14 @@ class ProducerRule:
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
-            self._emit(finding)
+            if "nan" not in out_kinds:
+                # An infinity entering is an overflow or a mask that is none (all -inf, an unnamed bias: the mask
+                # rule, ops/masks.py, said so above): an event where it enters, as before.
+                self._emit(finding)
+                return
+            # NaN, the code of a missing value: held for the step, an event if anything else of it goes non-finite,
+            # benign if the program handles it (a model that imputes its missing values: held_batch.py).
+            self.held.hold(finding)
             return
         if self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
             return
@@ -119,6 +130,8 @@ class ProducerRule:
             parent.deliberate_kinds |= call.deliberate_kinds
         if input_kinds or call.inner_kinds:
             record.status = "propagated"
+            if self.held.finding is not None:
+                self.held.release()  # a non-finite batch came in this step: it is the event (held_batch.py)
             if input_kinds and not call.inner_kinds:
                 self._blame_own_code(call, detected_at)
             return
@@ -275,7 +288,11 @@ class ProducerRule:
         record.argument = argument
         log.finish(call)
         self.judge(call, record)
-        return record.status != "benign"  # (a mask passed by keyword is no event)
+        return self._released(record) or record.status != "benign"  # (a mask passed by keyword is no event)
+
+    def _released(self, record: TensorRecord) -> bool:
+        """Whether ``record`` is the batch held (held_batch.py), now the event: a value of its step went non-finite."""
+        return self.held.finding is not None and self.held.finding.record is record and self.held.release()
 
     def _keyword_data_first(self, call: Call) -> bool:
         """Judge the keyword-argument batch of ``call``'s top-level call first, where it holds a non-finite value.
@@ -307,7 +324,7 @@ class ProducerRule:
                 continue
             self._keyword_judged[id(record)] = record
             self.judge(record.call, record, _first=True)
-            if record.status != "benign":
+            if self._released(record) or record.status != "benign":
                 return True
         return False
 
@@ -382,7 +399,9 @@ class ProducerRule:
                 continue
             if not found:
                 continue
-            if (record is not None and record.status == "benign") or self.is_benign_input(
+            # (A batch held for its step, benign until it proves not to be, is no deliberate infinity: held_batch.py.)
+            held = self.held.finding is not None and self.held.finding.record is record
+            if (record is not None and record.status == "benign" and not held) or self.is_benign_input(
                 call, path, argument, tensor, record
             ):
                 deliberate |= found

@@ -925,12 +925,6 @@ def _dqn(where: bool) -> Scenario:
     return Scenario((online, opt), run)
 
 
-IMPUTED_FEATURES_GAP = (
-    "a non-finite value in a batch entering a watched model is judged as data where it enters (hot/checks/forward.py "
-    "record_data, localize/producer.py: only a deliberate infinity, a mask, may come in): a model that imputes "
-    "NaN-coded missing features itself (torch.where(isnan(x), fill, x)) before any arithmetic is stopped at step 0, "
-    "its outputs, loss and gradients finite, in every mode. Judging the batch only once a value it reaches goes "
-    "non-finite (the rule of masks) is the change; PRODUCT.md's data rule and the data rows rely on the first")
 IN_PLACE_INPUT_GAP = (
     "the forward writes its own input in place (x /= x.norm(...)): a replay of the call starts from the values the "
     "write left, not those it received (no copy of a batch is kept on a healthy step), so the tiered and per-module "
@@ -997,8 +991,7 @@ CASES = [
     Case("hunt19_half_model_adam_eps_rounds_to_0", lambda: _half_adam(1e-8),
          Expect("optimizer", "0", "Linear", step=0, op="aten.addcdiv_.default", marker="half adam")),
     Case("hunt19_half_model_adam_eps_1e_4_healthy", lambda: _half_adam(1e-4), None),
-    Case("hunt19_missing_features_as_nan_imputed_in_the_model_healthy", _imputed_features, None,
-         marks=(pytest.mark.xfail(strict=True, reason=IMPUTED_FEATURES_GAP),)),
+    Case("hunt19_missing_features_as_nan_imputed_in_the_model_healthy", _imputed_features, None),
     Case("hunt19_nan_sentinel_statistics_buffer_healthy", _nan_sentinel, None),
     Case("hunt19_nanmean_over_nan_coded_missing_targets", lambda: _nanmean_targets(False),
          Expect("data", None, step=1, op=None, marker="nanmean",

@@ -75,6 +75,25 @@ def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return event.notes or (f"{event.tensor}: {counts(event)}",)
 
 
+def _handled_hint(event: Report, cause: Cause) -> str:
+    steps, last = cause.fact("steps", 1), cause.fact("last_step")
+    since = f"; so did {steps - 1} later steps' batches, the last at step {last}" if steps > 1 else ""
+    return (
+        f"benign: the batch carried {counts(event)} in {event.tensor} that "
+        f"{event.model or event.module_type or 'the model'} handled (its outputs, the loss, the gradients and the "
+        f"parameters stayed finite){since}; nothing to fix: a model that imputes its missing values does this"
+    )
+
+
+def _handled_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    first, last = event.step, cause.fact("last_step")
+    return (
+        f"{event.tensor} entering {event.model or event.module_type or 'the model'}: {counts(event)} of "
+        f"{event.numel} at step {first}",
+        f"handled in {cause.fact('steps', 1)} step(s)" + (f", steps {first} to {last}" if last != first else ""),
+    )
+
+
 def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
     if event.module is None:  # no model's input: a tensor the loss code read (the targets, or a weight it was given)
@@ -176,6 +195,7 @@ def _tensor_counts_of(event: Report, cause: Cause) -> tuple[str, ...]:
 STEP_READINGS: dict[str, Reading] = {
     "benign": on_event(_benign_hint, _benign_evidence, sentence=False),
     "bad-batch": on_event(_bad_batch_hint, _bad_batch_evidence, sentence=False),
+    "handled-input": on_event(_handled_hint, _handled_evidence, sentence=False),
     "parameter-nonfinite": on_event(_parameter_hint, _tensor_counts_of, sentence=False),
     "derivative-pole": on_event(
         _pole_hint, lambda event, cause: (f"autograd node {event.autograd_node}", *_tensor_counts(event, cause))

@@ -1,0 +1,107 @@
+"""A non-finite batch that entered a watched model, held until its step shows whether the program handled it.
+
+PRODUCT.md: a non-finite value in a tensor entering a watched model is an event, and it is *benign* when the
+program handles it: a tabular model that imputes its NaN-coded missing values in its own forward
+(``torch.where(isnan(x), fill, x)``, ``x.nan_to_num()``) before any arithmetic. The watch cannot tell that as the
+batch enters (the model's first op may read it with ``isnan``), so the batch's finding is held here, made as it
+is today (its op and line where loop code made it), and the step decides:
+
+* anything else of the step goes non-finite (a module's output, the loss, a gradient into the outputs, a
+  parameter gradient, the step's parameters): the held finding is the report, exactly today's for a NaN batch
+  (:meth:`HeldBatch.release`: by the producer rule where a call passes a non-finite value on, and by
+  lifecycle/events.py before any other finding whose report is not benign; a deliberate infinity of the step, a
+  causal mask, leaves it held);
+* the step ends with all of that finite: the batch was handled, a benign event (:meth:`HeldBatch.settle` as the
+  step closes, or at the deferred check that reads its parameters; recorded by lifecycle/events.py).
+
+Nothing is held, asked or read on a step whose batch is finite: the holder is only reached from the judgement of a
+non-finite record (the step cycle and the deferred check read one attribute a step, inlined).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.errors.frames import is_library_code
+from nan_magic.hot.kept.finding import Finding
+
+__all__ = ["HeldBatch"]
+
+
+class HeldBatch:
+    """The step's first non-finite batch (a data finding), or None: see the module docstring.
+
+    ``step()``: the step an event now belongs to (the report's, wherever in the step it is raised); ``emit``: the
+    watch's way in for an event (lifecycle/events.py); ``handled``: records a handled batch's benign event there.
+    """
+
+    __slots__ = ("_emit", "_handled", "finding", "released", "step")
+
+    def __init__(
+        self, step: Callable[[], int], emit: Callable[[Finding], None], handled: Callable[[Finding], None]
+    ) -> None:
+        self.step = step
+        self._emit = emit
+        self._handled = handled
+        #: The held data finding (its record's status ``"benign"`` while held, so no check judges it again).
+        self.finding: Finding | None = None
+        #: The finding being released as an event, while it is emitted: the batch's, whatever op the op tracer
+        #: claimed since (lifecycle/events.py).
+        self.released: Finding | None = None
+
+    def hold(self, finding: Finding) -> None:
+        """Hold ``finding`` (a batch's, judged non-finite as it entered) for its step; the step's first stays."""
+        if self.finding is not None:
+            return
+        if finding.step is None:
+            finding.step = self.step()  # (the optimizer's post-hook, where it may be raised, counts the step done)
+        if finding.frame is None and finding.source is None:
+            # Raised where it was judged, the report's %debug opened at the user's line running then (the model
+            # call as the batch entered; the deferred check's ``opt.step()``, or the model call where the check
+            # ran as it returned). Raised later in the step (a parameter gradient at ``opt.step()``), it opens
+            # at that line still: the frame, as it stands now, is the producer's.
+            frame = sys._getframe(1)
+            while frame is not None and is_library_code(frame.f_code):
+                frame = frame.f_back  # type: ignore[assignment]
+            if frame is not None:
+                finding.frame, finding.frame_position = frame, (frame.f_lasti, frame.f_lineno)
+        if finding.record is not None:
+            finding.record.status = "benign"  # held: the deferred check's later reads of the step pass it by
+        self.finding = finding
+
+    def take(self) -> Finding | None:
+        """The held finding, now the step's event (its record judged as any again), or None."""
+        finding, self.finding = self.finding, None
+        if finding is not None and finding.record is not None:
+            finding.record.status = "ok"
+        return finding
+
+    def release(self) -> bool:
+        """A value of the step went non-finite: the held batch is its event, emitted (raised, in ``raise`` mode);
+        whether one was held."""
+        finding = self.take()
+        if finding is None:
+            return False
+        self.released = finding
+        try:
+            self._emit(finding)
+        finally:
+            self.released = None  # (asked only during its emit: no tensor or frame kept past it)
+        return True
+
+    def explain(self) -> NonFiniteError | None:
+        """The user's code raised in the step (an op that raises on the NaN): the held batch's error, if one is held."""
+        try:
+            self.release()
+        except NonFiniteError as error:
+            return error
+        return None
+
+    def settle(self) -> None:
+        """The step ended finite: the held batch, if any, was handled, a benign event (its record stays benign: a
+        later read of the step, the watch's exit, passes it by)."""
+        finding, self.finding = self.finding, None
+        if finding is not None:
+            self._handled(finding)
