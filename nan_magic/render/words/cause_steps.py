@@ -7,7 +7,7 @@ derivative has a pole, and a module or loss whose op is not known.
 
 from __future__ import annotations
 
-from nan_magic.records import Cause, Phase, Report
+from nan_magic.records import Cause, Phase, Report, TensorRole
 from nan_magic.render.words.cause_words import (
     Reading,
     counts,
@@ -103,10 +103,15 @@ def _parameter_hint(event: Report, cause: Cause) -> str:
     # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
     seen = f"when {where(event)} read it" if event.phase != Phase.DATA else f"after step {event.step}"
     return (
-        f"{event.tensor.name} already held {counts(event)} {seen}: it became non-finite outside every watched step "
+        f"{_held(event)} already held {counts(event)} {seen}: it became non-finite outside every watched step "
         "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
         "what wrote it"
     )
+
+
+def _held(event: Report) -> str:
+    """The parameter or buffer by its name; optimizer state as ``state exp_avg_sq of fc.weight``."""
+    return str(event.tensor) if event.tensor.role is TensorRole.OPTIMIZER_STATE else str(event.tensor.name)
 
 
 def _pole_hint(event: Report, cause: Cause) -> str:
