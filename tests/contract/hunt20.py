@@ -693,6 +693,10 @@ CLAMPED_GAP = (
     "the tiered watch reads the model's boundaries (batch, outputs, loss, gradients, parameters) except on its "
     "per-module steps; a float16 Linear's +inf that the next layer clamps (ReLU6) reaches none of them, so the "
     "default and deferred watch stay silent where mode='full' and ops=True name the Linear")
+REPLACED_GAP = (
+    "the child's -inf reaches no boundary the tiered watch reads every step (its parent replaces it); the first "
+    "per-module step (the watch's second) finds it, so the default and deferred watch report step 1, where it "
+    "began at step 0 (mode='full' and ops=True: step 0)")
 GLOW_CAUSE_GAP = (
     "torch.logdet is a composite: where(sign == -1, nan, logabsdet); the NaN is a scalar torch itself passes to "
     "aten.scalar_tensor, which the cause calls a non-finite Python number of the user's ('find where it is set'), "
@@ -924,6 +928,41 @@ def _clamped_overflow(overflows: bool) -> Scenario:
 
 
 
+# ---------------------------------------------------------------- a child's -inf that its parent replaces
+class CountLog(nn.Module):
+    """The log of a count feature; the twin takes ``log1p``."""
+
+    def __init__(self, shifted: bool) -> None:
+        super().__init__()
+        self.shifted = shifted
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.shifted:
+            return torch.log1p(counts)
+        return torch.log(counts)  # producer: count log
+
+
+class CountModel(nn.Module):
+    """Replaces the child's -inf of a zero count by 0 (``nan_to_num``) before its head, in its own forward."""
+
+    def __init__(self, shifted: bool) -> None:
+        super().__init__()
+        self.log = CountLog(shifted)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.head(self.log(counts).nan_to_num(neginf=0.0))
+
+
+def _replaced_by_the_parent(shifted: bool) -> Scenario:
+    """Zero counts from step 0: the child's output holds -inf (an event: a module's output), which the parent
+    turns into 0, so the model's output, the loss and every gradient stay finite."""
+    torch.manual_seed(0)
+    model = CountModel(shifted)
+    counts = [torch.randint(0, 4, (8, 3)).float() for _ in range(4)]
+    return _loop(model, lambda step: (counts[step],), lambda out, step: out.pow(2).mean())
+
+
 # ---------------------------------------------------------------- a loop under torch.autograd.detect_anomaly
 def _anomaly(eps: float) -> Scenario:
     """The loop already runs under ``torch.autograd.detect_anomaly(check_nan=True)`` (its users turned it on before
@@ -1068,6 +1107,13 @@ CASES += [
          Expect("forward", "0", "Linear", step=2, op="aten.addmm.default", kinds=frozenset({"+inf"})),
          modes=("default", "defer"), marks=(pytest.mark.xfail(strict=True, reason=CLAMPED_GAP),)),
     Case("hunt20_float16_reading_scaled_healthy", lambda: _clamped_overflow(False), None),
+    Case("hunt20_child_minus_inf_replaced_by_the_parent", lambda: _replaced_by_the_parent(False),
+         Expect("forward", "log", "CountLog", step=0, op="aten.log.default", marker="count log"),
+         modes=("full", "ops"), note=REPLACED_GAP),
+    Case("hunt20_child_minus_inf_replaced_by_the_parent_tiered", lambda: _replaced_by_the_parent(False),
+         Expect("forward", "log", "CountLog", step=0, op="aten.log.default", marker="count log"),
+         modes=("default", "defer"), marks=(pytest.mark.xfail(strict=True, reason=REPLACED_GAP),)),
+    Case("hunt20_child_log1p_of_counts_healthy", lambda: _replaced_by_the_parent(True), None),
     Case("hunt20_under_detect_anomaly_sqrt_backward_at_0", lambda: _anomaly(0.0),
          Expect("backward", None, step=2, op="aten.div.Tensor", marker="anomaly")),
     Case("hunt20_under_detect_anomaly_sqrt_with_eps_healthy", lambda: _anomaly(1e-8), None),
