@@ -2,20 +2,29 @@
 
 Optimizers as a GPU user runs them (``foreach=True``, the CUDA default): Adagrad and Adamax with ``eps=0`` over an
 embedding row never used (0 / 0 in the update); an inverse-square-root schedule by ``LambdaLR`` that is inf at step
-0; a run resumed from a checkpoint whose Adam state, or whose parameter, already holds a NaN.
+0; a run resumed from a checkpoint whose Adam, SGD-momentum or Adagrad state, or whose parameter, already holds a
+NaN (the state is named, phase data: hot/checks/optim_reports.py); Adam's eps set to 0 mid-run, and an embedding
+unfrozen mid-run by ``add_param_group`` with eps=0.
 Loss code: a Pearson correlation loss over a batch of constant targets; an approximate NDCG of a query without a
 relevant document (ideal DCG 0); the IoU of a degenerate predicted box and a point annotation; CIoU's aspect term
 ``atan(w / h)`` of a zero-height box (the atan absorbs the inf in the forward; the division's backward is 0 / 0);
 ``pos_weight`` computed from a batch without positives; ORPO's log-odds ``log1p(-exp(logp))`` of a sequence the
 policy is certain of (forward absorbed, backward 0 / 0); a physics-informed residual ``u_r / r`` at the origin,
-its derivatives by ``autograd.grad(create_graph=True)``; multi-task balancing by a running magnitude debiased off
-by one at step 0; a Lorentz-model distance ``acosh(-<x, y>)`` of a node to itself, its argument rounded below 1.
+its derivatives by ``autograd.grad(create_graph=True)``; multi-task balancing by a running magnitude debiased at
+step 0; a Lorentz-model distance ``acosh(-<x, y>)`` of a node to itself, its argument rounded below 1; a focal loss
+written as an ``nn.Module`` criterion (outside the watched model, and discovered as its own root).
 Model code: ArcFace's ``acos`` of a cosine rounded past 1; Glow's invertible 1x1 convolution by ``torch.logdet`` of a
-rotation whose determinant is -1; a closed-form ridge head by ``linalg.inv_ex`` of a singular Gram matrix.
-Shapes of outputs and wrappers: a producer in a module returning a NamedTuple, a list of feature maps, a tensor and
-None, an HF-style ``ModelOutput`` with the loss computed in a keyword-only forward; a model wrapped in
-``nn.DataParallel`` (its ``module.`` prefix is not the user's); a colour jitter in the data code whose hue divides
-by the chroma of a grey pixel.
+rotation whose determinant is -1 (its cause: strict xfail); a closed-form ridge head by ``linalg.inv_ex`` of a
+singular Gram matrix; a recurrent state carried across steps, normalised by a norm of 0 while the step's loss stays
+finite; an activation swapped mid-run for one the watch never saw.
+Shapes of outputs, wrappers and loops: a producer in a module returning a NamedTuple, a list of feature maps, a
+tensor and None, an HF-style ``ModelOutput`` with the loss computed in a keyword-only forward, a
+``torch.return_types`` structseq; a module called with no argument; a model wrapped in ``nn.DataParallel`` (its
+``module.`` prefix is not the user's); a colour jitter in the data code whose hue divides by the chroma of a grey
+pixel; a DataLoader ``collate_fn`` standardising a last batch of 1; a sanity-check pass before training; a loop
+under ``torch.autograd.detect_anomaly``.
+Known gaps of the tiered watch (strict xfails in default and defer): a float16 overflow that the next layer clamps
+(ReLU6) and a child's -inf that its parent replaces (``nan_to_num``) reach no boundary it reads every step.
 """
 
 from __future__ import annotations
@@ -928,6 +937,81 @@ def _clamped_overflow(overflows: bool) -> Scenario:
 
 
 
+# ---------------------------------------------------------------- the run changed mid-way: eps, groups, modules
+def _changed_mid_run(change: str, eps: float) -> Scenario:
+    """At step 3 the loop changes the run: change='eps' sets Adam's eps to ``eps`` in every group (a tweak to
+    match a paper); change='group' unfreezes the embedding by ``add_param_group`` with that eps. Rows 4 and 5
+    of the embedding are never looked up: with eps=0 their update is 0 / 0 at step 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters() if change == "eps" else model[1].parameters(), lr=1e-3)
+    tokens, ys = torch.tensor([0, 1, 2, 3]), _batches(4, 1, steps=5)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(5):
+            if step == 3 and change == "eps":
+                for group in opt.param_groups:
+                    group["eps"] = eps
+            if step == 3 and change == "group":
+                opt.add_param_group({"params": model[0].parameters(), "eps": eps})
+            loss = F.mse_loss(model(tokens), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # producer: changed mid-run
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+class SwappedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.body(x)))
+
+
+class LogActivation(nn.Module):
+    """An activation tried in an ablation: ``log`` of its input, or ``log1p`` of its ReLU (the twin)."""
+
+    def __init__(self, guarded: bool) -> None:
+        super().__init__()
+        self.guarded = guarded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.guarded:
+            return torch.log1p(F.relu(x))
+        return torch.log(x)  # producer: swapped module
+
+
+def _swapped_module(guarded: bool) -> Scenario:
+    """At step 2 the loop swaps the model's activation for another (``model.act = LogActivation()``), a module
+    the watch never saw when it began: log of a negative is NaN. Its name is the attribute's, ``act``."""
+    torch.manual_seed(0)
+    model = SwappedNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs = _batches(8, 4)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                model.act = LogActivation(guarded)
+            loss = model(xs[step]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 # ---------------------------------------------------------------- a child's -inf that its parent replaces
 class CountLog(nn.Module):
     """The log of a count feature; the twin takes ``log1p``."""
@@ -1107,6 +1191,17 @@ CASES += [
          Expect("forward", "0", "Linear", step=2, op="aten.addmm.default", kinds=frozenset({"+inf"})),
          modes=("default", "defer"), marks=(pytest.mark.xfail(strict=True, reason=CLAMPED_GAP),)),
     Case("hunt20_float16_reading_scaled_healthy", lambda: _clamped_overflow(False), None),
+    Case("hunt20_adam_eps_set_to_0_mid_run", lambda: _changed_mid_run("eps", 0.0),
+         Expect("optimizer", "0", "Embedding", step=3, op="aten.addcdiv_.default", marker="changed mid-run",
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"}))),
+    Case("hunt20_adam_eps_set_mid_run_healthy", lambda: _changed_mid_run("eps", 1e-6), None),
+    Case("hunt20_embedding_unfrozen_by_add_param_group_with_eps_0", lambda: _changed_mid_run("group", 0.0),
+         Expect("optimizer", "0", "Embedding", step=3, op="aten.addcdiv_.default", marker="changed mid-run",
+                tensor=TensorRef.parameter("0.weight"), kinds=frozenset({"nan"}))),
+    Case("hunt20_embedding_unfrozen_by_add_param_group_healthy", lambda: _changed_mid_run("group", 1e-8), None),
+    Case("hunt20_activation_swapped_mid_run_log_of_a_negative", lambda: _swapped_module(False),
+         Expect("forward", "act", "LogActivation", step=2, op="aten.log.default", marker="swapped module")),
+    Case("hunt20_activation_swapped_mid_run_log1p_healthy", lambda: _swapped_module(True), None),
     Case("hunt20_child_minus_inf_replaced_by_the_parent", lambda: _replaced_by_the_parent(False),
          Expect("forward", "log", "CountLog", step=0, op="aten.log.default", marker="count log"),
          modes=("full", "ops"), note=REPLACED_GAP),
