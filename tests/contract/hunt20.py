@@ -1225,3 +1225,37 @@ CASES += [
          Expect("forward", "2", "LogFeatures", step=2, op="aten.log.default", marker="data parallel")),
     Case("hunt20_after_a_sanity_check_pass_healthy", lambda: _sanity(1e-6), None),
 ]
+
+
+# ---------------------------------------------------------------- a gradient given to backward() holding a NaN
+def _given_gradient(bad: bool) -> Scenario:
+    """REINFORCE written as ``log_probs.backward(-advantages)`` (a pipeline stage's ``out.backward(grad)`` alike):
+    the gradient comes from outside the graph, and at step 2 an advantage is NaN (a return normalised by the std
+    of an episode of one step). It is data, at the backward line; the twin's advantages are finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = _batches(4, 4)
+    advantages = [torch.randn(4, 1) for _ in range(4)]
+    if bad:
+        advantages[2][1] = float("nan")
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        for step in range(4):
+            log_probs = model(xs[step])
+            opt.zero_grad()
+            log_probs.backward(-advantages[step])  # producer: given gradient
+            opt.step()
+            outs.append(log_probs.detach())
+        return outs
+
+    return Scenario((model, opt), run)
+
+
+CASES += [
+    Case("hunt20_gradient_given_to_backward_holding_a_nan", lambda: _given_gradient(True),
+         Expect("data", None, step=2, op=None, marker="given gradient", kinds=frozenset({"nan"}),
+                tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"))),
+    Case("hunt20_gradient_given_to_backward_finite_healthy", lambda: _given_gradient(False), None),
+]

@@ -33,6 +33,8 @@ _TEMPLATES: dict[str, str] = {
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
     "outputs-were-bad": "some module outputs of this step were already non-finite",
+    "given-gradient": "the loop gave this gradient to backward() (out.backward(gradient)): no watched code produced "
+                      "it, and the backward would carry it into every gradient of the model",
     "entered-outside": "every watched module output of this step was finite; this tensor, which no watched code "
                        "produced, entered the code outside the modules (the loss) already non-finite",
     "outside-backward": "computed by the backward of code outside every watched module (e.g. the loss)",
