@@ -22,7 +22,8 @@ tensor and None, an HF-style ``ModelOutput`` with the loss computed in a keyword
 ``torch.return_types`` structseq; a module called with no argument; a model wrapped in ``nn.DataParallel`` (its
 ``module.`` prefix is not the user's); a colour jitter in the data code whose hue divides by the chroma of a grey
 pixel; a DataLoader ``collate_fn`` standardising a last batch of 1; a sanity-check pass before training; a loop
-under ``torch.autograd.detect_anomaly``.
+under ``torch.autograd.detect_anomaly``; a gradient given to ``backward()`` (REINFORCE's ``log_probs.backward(-adv)``,
+``torch.autograd.backward(tensors, grad_tensors)``) holding a NaN: data, at the backward line.
 Known gaps of the tiered watch (strict xfails in default and defer): a float16 overflow that the next layer clamps
 (ReLU6) and a child's -inf that its parent replaces (``nan_to_num``) reach no boundary it reads every step.
 """
@@ -1228,10 +1229,11 @@ CASES += [
 
 
 # ---------------------------------------------------------------- a gradient given to backward() holding a NaN
-def _given_gradient(bad: bool) -> Scenario:
+def _given_gradient(bad: bool, function: bool = False) -> Scenario:
     """REINFORCE written as ``log_probs.backward(-advantages)`` (a pipeline stage's ``out.backward(grad)`` alike):
     the gradient comes from outside the graph, and at step 2 an advantage is NaN (a return normalised by the std
-    of an episode of one step). It is data, at the backward line; the twin's advantages are finite."""
+    of an episode of one step). It is data, at the backward line; the twin's advantages are finite. function=True:
+    the same by ``torch.autograd.backward(tensors, grad_tensors)``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -1245,7 +1247,10 @@ def _given_gradient(bad: bool) -> Scenario:
         for step in range(4):
             log_probs = model(xs[step])
             opt.zero_grad()
-            log_probs.backward(-advantages[step])  # producer: given gradient
+            if function:
+                torch.autograd.backward([log_probs], [-advantages[step]])  # producer: given grad_tensors
+            else:
+                log_probs.backward(-advantages[step])  # producer: given gradient
             opt.step()
             outs.append(log_probs.detach())
         return outs
@@ -1258,4 +1263,8 @@ CASES += [
          Expect("data", None, step=2, op=None, marker="given gradient", kinds=frozenset({"nan"}),
                 tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"))),
     Case("hunt20_gradient_given_to_backward_finite_healthy", lambda: _given_gradient(False), None),
+    Case("hunt20_grad_tensors_given_to_autograd_backward_holding_a_nan", lambda: _given_gradient(True, True),
+         Expect("data", None, step=2, op=None, marker="given grad_tensors", kinds=frozenset({"nan"}),
+                tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"))),
+    Case("hunt20_grad_tensors_given_to_autograd_backward_healthy", lambda: _given_gradient(False, True), None),
 ]
