@@ -713,6 +713,8 @@ GLOW_CAUSE_GAP = (
     "not a log of a negative determinant")
 
 OPT_STEP = "eps zero step"
+#: What the report says of a gradient the loop gave backward() (render/words/cause_steps.py).
+GIVEN_SAYS = tuple((mode, "check the code that computed it") for mode in ("default", "defer", "full", "ops"))
 #: What the report says of a state a bounded step found non-finite (hot/checks/optim_reports.py).
 RESUMED_SAYS = tuple((mode, "held the value before the step") for mode in ("default", "defer", "full", "ops"))
 CASES = [
@@ -1261,10 +1263,10 @@ def _given_gradient(bad: bool, function: bool = False) -> Scenario:
 CASES += [
     Case("hunt20_gradient_given_to_backward_holding_a_nan", lambda: _given_gradient(True),
          Expect("data", None, step=2, op=None, marker="given gradient", kinds=frozenset({"nan"}),
-                tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"))),
+                tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"), says=GIVEN_SAYS)),
     Case("hunt20_gradient_given_to_backward_finite_healthy", lambda: _given_gradient(False), None),
     Case("hunt20_grad_tensors_given_to_autograd_backward_holding_a_nan", lambda: _given_gradient(True, True),
          Expect("data", None, step=2, op=None, marker="given grad_tensors", kinds=frozenset({"nan"}),
-                tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"))),
+                tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"), says=GIVEN_SAYS)),
     Case("hunt20_grad_tensors_given_to_autograd_backward_healthy", lambda: _given_gradient(False, True), None),
 ]

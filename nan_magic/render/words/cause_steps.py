@@ -77,6 +77,11 @@ def _benign_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
+    if _given_gradient(event):  # out.backward(gradient): the loop computed it outside the graph
+        return (
+            f"the {event.tensor} already held {counts(event)} of {event.numel}{first}: check the code that computed "
+            "it (advantages or returns normalised by a std of one sample, a gradient received from another stage)"
+        )
     if event.module is None:  # no model's input: a tensor the loss code read (the targets, or a weight it was given)
         return (
             f"{event.tensor}, read by the code after the model call (the loss), already held {counts(event)} of "
@@ -91,9 +96,15 @@ def _bad_batch_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _given_gradient(event: Report) -> bool:
+    """Whether the event's tensor is a gradient the loop gave backward() (hot/checks/gradients.py's note)."""
+    return any(note.kind == "given-gradient" for note in event.note_facts)
+
+
 def _bad_batch_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    when = "when backward() was called with it" if _given_gradient(event) else "before any watched module ran"
     return (
-        f"phase data: {event.tensor} held {counts(event)} before any watched module ran",
+        f"phase data: {event.tensor} held {counts(event)} {when}",
         *(f"earlier warning at step {warning.step}: {warning.message}" for warning in event.warnings
           if warning.kind in ("extreme-input", "constant-feature")),
     )
