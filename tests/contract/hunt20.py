@@ -4,7 +4,8 @@ Optimizers as a GPU user runs them (``foreach=True``, the CUDA default): Adagrad
 embedding row never used (0 / 0 in the update); an inverse-square-root schedule by ``LambdaLR`` that is inf at step
 0; a run resumed from a checkpoint whose Adam, SGD-momentum or Adagrad state, or whose parameter, already holds a
 NaN (the state is named, phase data: hot/checks/optim_reports.py); Adam's eps set to 0 mid-run, and an embedding
-unfrozen mid-run by ``add_param_group`` with eps=0.
+unfrozen mid-run by ``add_param_group`` with eps=0; SGD with ``weight_decay=5e4`` (for 5e-4), whose loss overflows
+at step 5 (the hint to lower the learning rate, not the weight decay: strict xfail).
 Loss code: a Pearson correlation loss over a batch of constant targets; an approximate NDCG of a query without a
 relevant document (ideal DCG 0); the IoU of a degenerate predicted box and a point annotation; CIoU's aspect term
 ``atan(w / h)`` of a zero-height box (the atan absorbs the inf in the forward; the division's backward is 0 / 0);
@@ -1269,4 +1270,42 @@ CASES += [
          Expect("data", None, step=2, op=None, marker="given grad_tensors", kinds=frozenset({"nan"}),
                 tensor=TensorRef(TensorRole.INPUT, path="gradient given to backward()"), says=GIVEN_SAYS)),
     Case("hunt20_grad_tensors_given_to_autograd_backward_healthy", lambda: _given_gradient(False, True), None),
+]
+
+
+# ---------------------------------------------------------------- a weight decay of 5e4 (for 5e-4)
+def _weight_decay(decay: float) -> Scenario:
+    """SGD with Nesterov momentum and ``weight_decay=5e4``, a typo for 5e-4: each step multiplies the weights by
+    about 1 - lr * 5e4 = -4999, so the loss overflows in the forward of step 5 (the first non-finite value)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=decay)
+    xs, ys = _batches(8, 4, steps=8), _batches(8, 1, steps=8)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(8):
+            loss = F.mse_loss(model(xs[step]), ys[step])  # producer: weight decay
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+WEIGHT_DECAY_GAP = (
+    "the divergence is read from the loss's growth alone (explain/diagnose.py's learning-rate-too-high): its hint "
+    "says to lower the learning rate, where the step's weight decay times the learning rate (5e3) flips and grows "
+    "the weights by itself; nothing reads weight_decay")
+
+CASES += [
+    Case("hunt20_weight_decay_5e4_for_5e_4", lambda: _weight_decay(5e4),
+         Expect("forward", None, step=5, op="aten.mse_loss.default", marker="weight decay")),
+    Case("hunt20_weight_decay_5e4_for_5e_4_cause", lambda: _weight_decay(5e4),
+         Expect("forward", None, step=5, op="aten.mse_loss.default", marker="weight decay",
+                says=tuple((mode, "weight_decay") for mode in ("default", "defer", "full", "ops"))),
+         marks=(pytest.mark.xfail(strict=True, reason=WEIGHT_DECAY_GAP),)),
+    Case("hunt20_weight_decay_5e_4_healthy", lambda: _weight_decay(5e-4), None),
 ]
