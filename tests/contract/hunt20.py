@@ -24,7 +24,8 @@ tensor and None, an HF-style ``ModelOutput`` with the loss computed in a keyword
 ``module.`` prefix is not the user's); a colour jitter in the data code whose hue divides by the chroma of a grey
 pixel; a DataLoader ``collate_fn`` standardising a last batch of 1; a sanity-check pass before training; a loop
 under ``torch.autograd.detect_anomaly``; a gradient given to ``backward()`` (REINFORCE's ``log_probs.backward(-adv)``,
-``torch.autograd.backward(tensors, grad_tensors)``) holding a NaN: data, at the backward line.
+``torch.autograd.backward(tensors, grad_tensors)``) holding a NaN: data, at the backward line; a loss function
+compiled on its own by ``torch.compile`` (the op's line: ops=True only; the others name the compiled function).
 Known gaps of the tiered watch (strict xfails in default and defer): a float16 overflow that the next layer clamps
 (ReLU6) and a child's -inf that its parent replaces (``nan_to_num``) reach no boundary it reads every step.
 """
@@ -1308,4 +1309,54 @@ CASES += [
                 says=tuple((mode, "weight_decay") for mode in ("default", "defer", "full", "ops"))),
          marks=(pytest.mark.xfail(strict=True, reason=WEIGHT_DECAY_GAP),)),
     Case("hunt20_weight_decay_5e_4_healthy", lambda: _weight_decay(5e-4), None),
+]
+
+
+# ---------------------------------------------------------------- a loss function compiled by torch.compile
+def _compiled_loss(eps: float) -> Scenario:
+    """A mean squared log error compiled on its own (``torch.compile(msle, backend="eager")``: dynamo's graph,
+    run by the eager backend); at step 2 a target is 0 and log(0) is -inf. The recorder sees the op run by
+    torch.fx's generated code (``<eval_with_key>``, no file the user can open): the tiered and per-module watch name
+    the compiled function at its ``def`` line, ops=True (under which dynamo runs the function as written) its line."""
+    torch._dynamo.reset()  # (each build compiles anew: past dynamo's recompile limit it would run eagerly)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs = _batches(4, 4)
+    ys = [torch.rand(4, 1) + 0.5 for _ in range(4)]
+    ys[2][1] = 0.0
+
+    def msle(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # producer: compiled loss def
+        return (torch.log(target + eps) - pred).pow(2).mean()  # producer: compiled loss
+
+    loss_fn = torch.compile(msle, backend="eager")
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = loss_fn(model(xs[step]), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+COMPILED_LOSS_GAP = (
+    "a compiled loss function's ops run from torch.fx's generated forward (<eval_with_key>): the recorder's frame "
+    "for them is the compiled function's own, at its def line (errors/frames.py skips the generated file), not "
+    "the line of the op; mapping a generated line back to its source needs the graph's node metadata")
+
+CASES += [
+    Case("hunt20_compiled_loss_function_log_of_a_zero_target", lambda: _compiled_loss(0.0),
+         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss", op_modes=("ops",))),
+    Case("hunt20_compiled_loss_function_named_at_its_def", lambda: _compiled_loss(0.0),
+         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss def"),
+         modes=("default", "defer", "full")),
+    Case("hunt20_compiled_loss_function_line_of_the_op", lambda: _compiled_loss(0.0),
+         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss"),
+         modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=COMPILED_LOSS_GAP),)),
+    Case("hunt20_compiled_loss_function_with_eps_healthy", lambda: _compiled_loss(1e-6), None),
 ]
