@@ -41,9 +41,12 @@ _LIBRARY_DIRS = tuple(
 )
 # Frames that are plumbing rather than the user's code: the context manager
 # protocol, decorators, importlib, the IPython kernel that runs the cell,
-# pytest and runpy (which run the user's tests and scripts).
+# pytest and runpy (which run the user's tests and scripts), and the code
+# torch.fx generates (a torch.compile graph run by the eager backends, a
+# GraphModule): a file the user cannot open; the line that called it is theirs.
 _PLUMBING_FILES = (
     "contextlib.py",
+    "<eval_with_key>",
     "functools.py",
     "<frozen ",
     f"{os.sep}IPython{os.sep}",

@@ -208,6 +208,9 @@ def _local_cause(report: Report) -> Cause:
             (by_op := forward_cause(report)).label != "unclassified"):
         return by_op  # a forward's in-place write made it (a max-norm constraint's 0 / 0): the op says why
     if report.tensor.role is TensorRole.PARAMETER or (
+        # Optimizer state a bounded step found non-finite (hot/checks/optim_reports.py): loaded so, or written.
+        report.tensor.role is TensorRole.OPTIMIZER_STATE and report.phase == Phase.DATA
+    ) or (
         # A buffer the module read non-finite (localize/producer.py), not one a check found after the step.
         report.tensor.role is TensorRole.BUFFER and any(note.kind == "already-bad" for note in report.note_facts)
     ):

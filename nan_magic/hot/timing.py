@@ -170,7 +170,9 @@ class Immediate(Timing):
         cycle.judge_written(read_scalars(written))
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
-        if call.outputs[0].kinds:  # (a finite loss, every step's, has nothing to judge: judge_loss's first test)
+        # (a finite loss, every step's, has nothing to judge: judge_loss's first test; the last output is the
+        # gradient the loop gave backward where it gave one, else the loss again)
+        if call.outputs[0].kinds or call.outputs[-1].kinds:
             gradients.judge_loss(call)  # before its records let go of anything: a replay of its ops may need it
         if (outside := gradients.watch.outside) is not None:  # (weaken_loss_code, inlined: every backward)
             outside.weaken()

@@ -340,7 +340,7 @@ class Watch:
             lockstep=self.lockstep, emit=self.emit, here=self.here, update_code=self.update_code, held=held,
         )
 
-    def _loss_starts(self, _loss: torch.Tensor, _retained: Any) -> None:
+    def _loss_starts(self, _loss: torch.Tensor, _retained: Any, _gradient: Any) -> None:
         """A backward starts while the update region records (not on the usual step: one call): that code was a
         second loss's, and goes on as the loss region's (LoopWrites.loss_starts), before the loss is judged."""
         if (recorder := self.update_code.recorder) is not None and recorder.pushed and self.here.mine and (

@@ -27,7 +27,7 @@ from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
 __all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
 
-_callbacks: list[Callable[[torch.Tensor, Any], None]] = []
+_callbacks: list[Callable[[torch.Tensor, Any, Any], None]] = []
 # Called after ``backward()`` returned (not when it raised).
 _finished: list[Callable[[torch.Tensor], None]] = []
 # The recorders that step aside for an ``autograd.grad`` by no parameter (unrecorded_input_grads).
@@ -47,18 +47,25 @@ _has_torch_function_unary = torch._C._has_torch_function_unary
 _GradientEdge = getattr(torch.autograd.graph, "GradientEdge", ())  # (torch 2.4 on; () matches nothing)
 
 
-def _seen(tensors: list[torch.Tensor], retained: Any, finish: bool, original: Callable[..., Any], *args: Any,
-          **kwargs: Any) -> Any:
+def _seen(tensors: list[torch.Tensor], given: Any, retained: Any, finish: bool, original: Callable[..., Any],
+          *args: Any, **kwargs: Any) -> Any:
     """``original(*args, **kwargs)``, a backward from ``tensors``, with the callbacks around it.
 
-    Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss;
+    Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss, with
+    the gradient the call gave it (``given``: ``backward(gradient)``, ``grad_tensors``; None: none, the usual);
     ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one;
     ``finish``: whether the loss's code ends with it (the finished callbacks: the update code begins).
     """
     __tracebackhide__ = True
-    for tensor in tensors:
-        for callback in _callbacks:
-            callback(tensor, retained)
+    if given is None:  # (the usual backward: no gradient given, no index kept)
+        for tensor in tensors:
+            for callback in _callbacks:
+                callback(tensor, retained, None)
+    else:
+        for index, tensor in enumerate(tensors):
+            gradient = _given_gradient(given, index)
+            for callback in _callbacks:
+                callback(tensor, retained, gradient)
     outer, _running.active = _running.active, True
     try:
         result = original(*args, **kwargs)
@@ -77,6 +84,15 @@ def _losses(given: Any) -> list[torch.Tensor]:
     if isinstance(given, (list, tuple)):
         return [tensor for tensor in given if isinstance(tensor, torch.Tensor)]
     return []
+
+
+def _given_gradient(given: Any, index: int) -> Any:
+    """The gradient a backward call gave its ``index``-th tensor (a tensor, or one of a sequence), or None."""
+    if isinstance(given, torch.Tensor):
+        return given if index == 0 else None
+    if isinstance(given, (list, tuple)) and index < len(given):
+        return given[index]
+    return None
 
 
 def _retained(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
@@ -106,10 +122,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             except AttributeError:  # (not ours: another's patch since)
                 direct = False
             if direct:
-                return _seen([self], retain_graph or create_graph, True, function, self, gradient, retain_graph,
-                             create_graph, inputs=inputs)
-        return _seen([self], retain_graph or create_graph, True, original, self, gradient, retain_graph, create_graph,
-                     inputs)
+                return _seen([self], gradient, retain_graph or create_graph, True, function, self, gradient,
+                             retain_graph, create_graph, inputs=inputs)
+        return _seen([self], gradient, retain_graph or create_graph, True, original, self, gradient, retain_graph,
+                     create_graph, inputs)
 
     return backward
 
@@ -122,7 +138,8 @@ def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
         if not tensors:
             return original(*args, **kwargs)
-        return _seen(tensors, _retained(args, kwargs, 2), True, original, *args, **kwargs)
+        given = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+        return _seen(tensors, given, _retained(args, kwargs, 2), True, original, *args, **kwargs)
 
     return backward
 
@@ -160,8 +177,9 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         # on (the recorder stepped aside for the backward and back after it), no update code (the module docstring).
         by_parameters, args, kwargs = _by_parameters(args, kwargs)
         if not by_parameters:
-            return call_aside(_recorders, _seen, tensors, _retained(args, kwargs, 3), False, original, *args, **kwargs)
-        return _seen(tensors, _retained(args, kwargs, 3), True, original, *args, **kwargs)
+            return call_aside(_recorders, _seen, tensors, None, _retained(args, kwargs, 3), False, original, *args,
+                              **kwargs)
+        return _seen(tensors, None, _retained(args, kwargs, 3), True, original, *args, **kwargs)
 
     return grad
 
@@ -172,10 +190,11 @@ _PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", _wrap), (torch.autogra
 
 @contextmanager
 def watch_backward(
-    callback: Callable[[torch.Tensor, Any], None], finished: Callable[[torch.Tensor], None] | None = None
+    callback: Callable[[torch.Tensor, Any, Any], None], finished: Callable[[torch.Tensor], None] | None = None
 ) -> Iterator[None]:
-    """Call ``callback(tensor, retained)`` before every backward inside the block (once per loss; ``retained``:
-    the graph is kept for another backward), ``finished(tensor)`` after it returns.
+    """Call ``callback(tensor, retained, gradient)`` before every backward inside the block (once per loss;
+    ``retained``: the graph is kept for another backward; ``gradient``: the one the call gave the tensor, or None),
+    ``finished(tensor)`` after it returns.
 
     ``tensor.backward()``, or ``torch.autograd.backward`` or ``grad`` called by the loop itself.
     """

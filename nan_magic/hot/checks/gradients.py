@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
@@ -38,6 +40,9 @@ from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.reads import is_checkable, norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.records import LOSS, Note, Phase, SourcePointer, TensorRef, TensorRole
+
+#: The gradient the loop gave a backward, ``out.backward(gradient)`` (logged beside the loss it starts from).
+GIVEN_GRADIENT = TensorRef(TensorRole.INPUT, path="gradient given to backward()")
 
 __all__ = ["GradientChecks", "ReplayBackward", "check_parameter_grads"]
 
@@ -76,6 +81,8 @@ class GradientChecks:
         # The id of the tensor the last backward started from: the deferred check's replay of the loss
         # code finds its records by it once it is freed (localize/outside/recorder.py).
         self.loss_key: int | None = None
+        # The user's line of the last backward given a gradient (``user_line``), for a report of that gradient.
+        self.given_line: tuple[Any, int, dict[str, Any]] | None = None
         # Deferred mode: the loss code's autograd nodes, described before
         # backward frees them (a backward producer there is found after).
         self.loss_region: Note | None = None
@@ -112,14 +119,17 @@ class GradientChecks:
             else:
                 _register_grad_hook(tensor, grad_fn, hook)
 
-    def on_backward_start(self, loss: torch.Tensor, retained: Any = False) -> None:
+    def on_backward_start(self, loss: torch.Tensor, retained: Any = False, gradient: Any = None) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
 
         The tensor backward starts from (the loss) is logged like a module
         output of code outside every module, and judged now or at the
         deferred check. ``retained``: the backward keeps the graph
         (``l1.backward(retain_graph=True); l2.backward()``): the loss code's
-        records stay past it, for the next loss's judgement.
+        records stay past it, for the next loss's judgement. ``gradient``:
+        the one the loop gave the backward (``out.backward(grad)``: a policy
+        gradient, a pipeline stage's gradient from the next), logged beside
+        the loss: a value no watched code produced, judged as data.
         """
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         watch = self.watch
@@ -135,6 +145,9 @@ class GradientChecks:
         call = watch.log.new_call(Phase.FORWARD, None, None, None)
         self.loss_record = watch.log.record_output(call, LOSS, loss)
         self.loss_key = id(loss)
+        if gradient is not None and isinstance(gradient, torch.Tensor) and is_checkable(gradient):
+            watch.log.record_output(call, GIVEN_GRADIENT, gradient)
+            self.given_line = user_line(sys._getframe(1))
         watch.log.finish(call)
         watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
 
@@ -172,8 +185,21 @@ class GradientChecks:
         return record.low
 
     def judge_loss(self, call: Call) -> None:
-        """A non-finite loss: produced by the code outside the modules when they were all finite."""
+        """A non-finite loss: produced by the code outside the modules when they were all finite.
+
+        A non-finite gradient the loop gave the backward (logged after the loss) comes first: it is data.
+        """
         watch = self.watch
+        given = call.outputs[-1]
+        if given.path == GIVEN_GRADIENT and given.status == "ok" and relevant_kinds(given.kinds, watch.config.kinds):
+            tensor = given.live()
+            finding = Finding(Phase.DATA, None, GIVEN_GRADIENT, bad=tensor.detach() if tensor is not None else None,
+                              bad_stats=None if tensor is not None else given.stats(), record=given)
+            if self.given_line is not None:
+                finding.source = pointer_at(*self.given_line)
+            finding.notes.append(Note("given-gradient"))
+            watch.emit(finding)
+            return
         record = call.outputs[0]
         if record.status != "ok" or not relevant_kinds(record.kinds, watch.config.kinds):
             return

@@ -23,7 +23,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.plain import to_pairs
-from nan_magic.records import Note, Phase, SourcePointer, TensorRef
+from nan_magic.records import Note, Phase, SourcePointer, TensorRef, TensorRole
 
 __all__ = ["ReplayStep", "StepReports"]
 
@@ -88,19 +88,32 @@ class StepReports:
             # A bounded step cannot make a finite parameter non-finite (step_layout.py): code outside the
             # optimizer wrote it (a hand edit, a loaded checkpoint), a value no watched code produced.
             phase = Phase.DATA if result.bounded else Phase.OPTIMIZER
+            # Nor finite state non-finite: a non-finite state tensor of the parameter held its value before the
+            # step (a resumed optimizer's loaded state), and the step carried it into the parameter. (Read at an
+            # event only: a parameter's state, one tensor at a time.)
+            held = _held_state(result.optimizer, result.owner(index)[0]) if index < len(result.layout.named) else None
             finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
+            if held is not None and result.bounded:
+                _blame_state(finding, label, held)
             self.attribute(finding)
             self._add_op_origin(finding, tensor)
             if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
                 caller = pointer_at(*result.caller) if result.caller is not None else None
                 self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
-            subject = to_pairs(label)  # a parameter, or a half-precision state tensor of one
+            if finding.op is None and held is not None and not result.bounded:
+                # Any other step: no op of it made the value from finite ones (ops=True traced it; the replay from
+                # finite stand-ins of the state stayed finite, replay/optimizer.py): the state held it.
+                _blame_state(finding, label, held)
+            subject = to_pairs(finding.tensor)  # a parameter, or a state tensor of one
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
             finding.optimizer_lr = group_lr(result.optimizer, tensor)
-            if result.bounded:
+            if finding.tensor.role is TensorRole.OPTIMIZER_STATE and label.role is TensorRole.PARAMETER:
+                finding.notes.append(Note.of("state-already-nonfinite", tensor=subject, optimizer=optimizer,
+                                             step=result.step, parameter=to_pairs(label), bounded=result.bounded))
+            elif result.bounded:
                 finding.notes.append(Note.of("written-outside-optimizer", tensor=subject, optimizer=optimizer,
                                              step=result.step, previous_check=result.previous_check))
             else:
@@ -130,3 +143,21 @@ class StepReports:
         info = self.watch.targets.info_by_name(place.module)
         if info is not None:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
+
+
+def _held_state(opt: torch.optim.Optimizer, parameter: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """The first floating state tensor of ``parameter`` in ``opt`` that holds a non-finite value, with its key.
+
+    Read only at an event (a parameter a bounded step left non-finite), one state tensor at a time.
+    """
+    for key, value in opt.state.get(parameter, {}).items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(value.isfinite().all()):
+            return str(key), value
+    return None
+
+
+def _blame_state(finding: Finding, parameter: TensorRef, held: tuple[str, torch.Tensor]) -> None:
+    """Report the state tensor ``held`` (key, tensor) of ``parameter`` instead: a value no watched code produced."""
+    key, state = held
+    finding.phase, finding.bad = Phase.DATA, state.detach()
+    finding.tensor = TensorRef(TensorRole.OPTIMIZER_STATE, parameter.name, key)

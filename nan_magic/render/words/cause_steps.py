@@ -7,7 +7,7 @@ derivative has a pole, and a module or loss whose op is not known.
 
 from __future__ import annotations
 
-from nan_magic.records import Cause, Phase, Report
+from nan_magic.records import Cause, Phase, Report, TensorRole
 from nan_magic.render.words.cause_words import (
     Reading,
     counts,
@@ -96,6 +96,11 @@ def _handled_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _bad_batch_hint(event: Report, cause: Cause) -> str:
     first = f" (first at index {event.first_bad_index})" if event.first_bad_index else ""
+    if _given_gradient(event):  # out.backward(gradient): the loop computed it outside the graph
+        return (
+            f"the {event.tensor} already held {counts(event)} of {event.numel}{first}: check the code that computed "
+            "it (advantages or returns normalised by a std of one sample, a gradient received from another stage)"
+        )
     if event.module is None:  # no model's input: a tensor the loss code read (the targets, or a weight it was given)
         return (
             f"{event.tensor}, read by the code after the model call (the loss), already held {counts(event)} of "
@@ -110,9 +115,15 @@ def _bad_batch_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _given_gradient(event: Report) -> bool:
+    """Whether the event's tensor is a gradient the loop gave backward() (hot/checks/gradients.py's note)."""
+    return any(note.kind == "given-gradient" for note in event.note_facts)
+
+
 def _bad_batch_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    when = "when backward() was called with it" if _given_gradient(event) else "before any watched module ran"
     return (
-        f"phase data: {event.tensor} held {counts(event)} before any watched module ran",
+        f"phase data: {event.tensor} held {counts(event)} {when}",
         *(f"earlier warning at step {warning.step}: {warning.message}" for warning in event.warnings
           if warning.kind in ("extreme-input", "constant-feature")),
     )
@@ -122,10 +133,15 @@ def _parameter_hint(event: Report, cause: Cause) -> str:
     # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
     seen = f"when {where(event)} read it" if event.phase != Phase.DATA else f"after step {event.step}"
     return (
-        f"{event.tensor.name} already held {counts(event)} {seen}: it became non-finite outside every watched step "
+        f"{_held(event)} already held {counts(event)} {seen}: it became non-finite outside every watched step "
         "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
         "what wrote it"
     )
+
+
+def _held(event: Report) -> str:
+    """The parameter or buffer by its name; optimizer state as ``state exp_avg_sq of fc.weight``."""
+    return str(event.tensor) if event.tensor.role is TensorRole.OPTIMIZER_STATE else str(event.tensor.name)
 
 
 def _pole_hint(event: Report, cause: Cause) -> str:

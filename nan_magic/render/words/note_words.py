@@ -33,6 +33,8 @@ _TEMPLATES: dict[str, str] = {
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
     "outputs-were-bad": "some module outputs of this step were already non-finite",
+    "given-gradient": "the loop gave this gradient to backward() (out.backward(gradient)): no watched code produced "
+                      "it, and the backward would carry it into every gradient of the model",
     "entered-outside": "every watched module output of this step was finite; this tensor, which no watched code "
                        "produced, entered the code outside the modules (the loss) already non-finite",
     "outside-backward": "computed by the backward of code outside every watched module (e.g. the loss)",
@@ -243,6 +245,15 @@ def _written_outside(note: Note) -> str:
             "non-finite short of the float32 limit: code outside the optimizer wrote it")
 
 
+def _state_already(note: Note) -> str:
+    why = ("a bounded step, which keeps finite state finite" if note.fact("bounded") else
+           "in which no op made it from finite values")
+    return (f"{_subject(note.fact('tensor'))} was non-finite after the {note.fact('optimizer')} step of step "
+            f"{note.fact('step')}, {why}: it held the value before the step (an optimizer state loaded from a "
+            f"checkpoint, or code outside the optimizer wrote it), and the step carried it into "
+            f"{_subject(note.fact('parameter'))}")
+
+
 def _optimizer_made_it(note: Note) -> str:
     return f"the {note.fact('optimizer')} step made {_subject(note.fact('tensor'))} non-finite"
 
@@ -422,6 +433,7 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "loss-region": _loss_region,
     "scaler-skipped": _scaler_skipped,
     "written-outside-optimizer": _written_outside,
+    "state-already-nonfinite": _state_already,
     "optimizer-made-it": _optimizer_made_it,
     "python-backward": _python_backward,
     "inside": _inside,
