@@ -26,7 +26,9 @@ def ns(ip):
     ip.run_cell(SETUP)
     ip.user_ns.pop("_nan_report", None)
     yield ip.user_ns
-    ip.run_line_magic("nanwatch", "off")
+    with capture_output():
+        ip.run_line_magic("nanwatch", "off")
+    ip.user_ns.pop("_nan_report", None)  # (the shell is one for the whole session: later modules expect none)
 
 
 def run(ip, cell: str):
