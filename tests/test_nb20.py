@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import execute_cells, named_cell
+from jupyter_support import execute_cells, named_cell, widget_states
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -191,3 +191,26 @@ def test_nanreplay_without_the_model_says_what_it_needs_and_loads_the_scene(nbs:
     assert stream(named_cell(after, "replay")).startswith(
         "nan_magic: replay of 1 reproduced 32 nan in aten.div.Tensor at Cell In[6], line 7"
     )
+
+
+def test_the_histograms_are_the_failing_ops_in_text_html_and_the_widget(nbs: tuple[Any, Any]) -> None:
+    """The division's operands and output, named by the line's own words, in all three forms (the widget live: its
+    Output's stored figure; the HTML static: its embedded image; the text: its rows)."""
+    before, _ = nbs
+    cell = named_cell(before, "train")
+    drawn = "err (self of aten.div.Tensor), total (other of aten.div.Tensor), output of aten.div.Tensor"
+    (static,) = [out["data"] for out in cell.outputs if "text/html" in out.get("data", {})]
+    assert f'alt="histograms of {drawn}, loss of code outside any watched module"' in static["text/html"]
+    text = static["text/plain"].splitlines()
+    start = text.index("Histograms of the producer's values (finite values in 24 bins, log scale; non-finite apart):")
+    assert text[start + 1 : start + 7 : 2] == [f"  {label}" for label in drawn.split(", ")]
+    assert text[start + 6] == "      no finite value   float32, 0 finite of 8; 8 nan"
+    states = widget_states(before)
+    figures = [
+        out["data"]["text/plain"]
+        for model in states.values()
+        if model["model_name"] == "OutputModel"
+        for out in model["state"].get("outputs", [])
+        if "image/png" in out.get("data", {})
+    ]
+    assert f"<histograms of {drawn}, loss of code outside any watched module>" in figures, figures
