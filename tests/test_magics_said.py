@@ -99,3 +99,36 @@ def test_a_nantrace_cell_of_comments_alone_is_empty(ip, ns, body: str) -> None:
     assert isinstance(error, UsageError), error
     assert str(error) == "%%nantrace: the cell is empty; put the code to watch below the magic line"
     assert global_hook_counts() == before
+
+
+LOSS_CODE = """
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+net_opt = torch.optim.SGD(net.parameters(), lr=0.1)
+def share_loss(out, y):
+    err = (out - y) ** 2
+    return (err / err.sum(0, keepdim=True)).max()
+"""
+LOSS_CODE_TRAINING = """%%nantrace --dump {folder}
+for step in range(4):
+    x = torch.randn(8, 4)
+    y = net(x).detach() if step == 2 else torch.randn(8, 1)
+    loss = share_loss(net(x), y)
+    net_opt.zero_grad(); loss.backward(); net_opt.step()
+"""
+
+
+def test_nanreplay_that_cannot_replay_leaves_the_scene_it_points_at(ip, ns, tmp_path) -> None:
+    # The producer ran in the loss code (no module): %nanreplay said "re-run the whole step with scene.rerun_step(...)"
+    # and left no scene: the user had none to call it on.
+    ip.run_cell(LOSS_CODE)
+    run(ip, LOSS_CODE_TRAINING.format(folder=tmp_path))
+    ns.pop("_nan_scene", None)
+    (path,) = tmp_path.glob("*.pt")
+    result, _ = run(ip, f"%nanreplay {path} net")
+    error = result.error_in_exec
+    assert isinstance(error, UsageError), error
+    assert "scene.rerun_step(step, model, optimizer)" in str(error)
+    assert str(error).endswith(" (the scene is loaded as _nan_scene)") and "\n" not in str(error)
+    scene = ns["_nan_scene"]
+    assert (scene.phase, scene.module, scene.step) == ("forward", None, 2)

@@ -250,14 +250,16 @@ class NanMagics(Magics):
             scene = load_scene(args.path, map_location=args.map_location)
         except (OSError, ValueError) as error:
             raise UsageError(f"%nanreplay: cannot read {args.path}: {error}") from None
+        # Stored first: what a scene holds needs no model, and where the replay cannot run (no model yet, a producer
+        # outside every module) the user goes on from it (its report, rerun_step), as the errors below say.
+        self._shell.user_ns[args.output] = scene
         model = self._replay_model(args.model, scene, args.output)
         try:
             if not args.no_restore:
                 scene.restore_into(model, state="event")
             result = scene.replay(model)
         except (ValueError, RuntimeError) as error:
-            raise UsageError(f"%nanreplay: {error}") from None
-        self._shell.user_ns[args.output] = scene
+            raise UsageError(f"%nanreplay: {error} (the scene is loaded as {args.output})") from None
         print(f"nan_magic: {replay_line(scene.module, result.finding, result.note)}")
 
     def _replay_model(self, expression: str | None, scene: Any, output: str) -> nn.Module:
@@ -271,7 +273,6 @@ class NanMagics(Magics):
             models = [value for value in discover(namespace)[1] if isinstance(value, nn.Module)]
             if not models:
                 # After a restart: no model yet. What the scene holds needs none; the replay does.
-                namespace[output] = scene
                 name = saved_name or "MODEL"
                 raise UsageError(
                     f"%nanreplay: no model here to replay the scene on (it was saved from {name}): build it, then "
