@@ -23,7 +23,6 @@ is displayed once the watch is left, so it opens *under* the short error.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import re
 import sys
@@ -37,7 +36,7 @@ from torch import nn
 
 from nan_magic.ipython.arguments import target_names, unquoted_options
 from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
-from nan_magic.ipython.watched_cell import as_typed, named_as_the_cell, run_watched, run_watched_async
+from nan_magic.ipython.watched_cell import as_typed, has_code, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
 
@@ -153,7 +152,7 @@ class NanMagics(Magics):
 
     def _start_nantrace(self, line: str, cell: str | None) -> tuple[Watch, Any]:
         args = self._parse(self.nantrace, line, "%%nantrace")
-        if not _has_code(self._shell, cell or ""):
+        if not has_code(self._shell, cell or ""):
             raise UsageError("%%nantrace: the cell is empty; put the code to watch below the magic line")
         watch = self._make_watch(args, "%%nantrace")
         self._take_over("%%nantrace")
@@ -437,16 +436,6 @@ class NanMagics(Magics):
         if self._last_report is not None:
             lines.append(f"last report: {self._last_report.message}")
         return "\n".join(lines)
-
-
-def _has_code(shell: Any, cell: str) -> bool:
-    """Whether ``cell`` holds a statement to watch: blank lines and comments alone ran nothing, and said nothing."""
-    if not cell.strip():
-        return False
-    try:
-        return bool(ast.parse(shell.transform_cell(cell)).body)
-    except Exception:  # a syntax error: the cell's own run shows it, as IPython's
-        return True
 
 
 _NANTRACE_LINE = re.compile(r"%%nantrace(?=\s|$)")
