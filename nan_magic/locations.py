@@ -66,17 +66,17 @@ def name_location(filename: str, lineno: int) -> str:
 
 
 def cells_named(value: Any) -> Any:
-    """Plain data (dicts, tuples, strings), each file that IPython compiled a cell into renamed as IPython 7 names
-    a cell.
+    """Plain data (dicts, tuples, lists, strings), each file that IPython compiled a cell into renamed as IPython 7
+    names a cell.
 
     ``/tmp/ipykernel_42/1234.py`` is ``Cell In[5]`` only to the kernel that ran the cell: read after a restart
-    (a scene, a pickled or ``%store``-d report), or by ``python -m nan_magic show``, it would name a temporary
+    (a scene, a pickled or ``%store``-d report, its JSON), or by ``python -m nan_magic show``, it would name a temporary
     file that is gone. As ``<ipython-input-5-1234>`` it is still shown as ``Cell In[5], line 14``.
     """
     if isinstance(value, dict):
         return {key: cells_named(item) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return tuple(cells_named(item) for item in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(cells_named(item) for item in value)
     if not isinstance(value, str):
         return value
     format_code_name = getattr(getattr(running_shell(), "compile", None), "format_code_name", None)

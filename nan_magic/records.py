@@ -426,7 +426,8 @@ class Report:
         _views().restore(self)
 
     def to_dict(self) -> dict[str, Any]:
-        data = jsonable(dataclasses.asdict(self))
+        # Each cell's file named as the cell (locations.cells_named): the JSON is read after the kernel is gone.
+        data = jsonable(cells_named(dataclasses.asdict(self)))
         if self.cause is not None:  # its sentences too, for a reader of the JSON without nan_magic
             data["cause"].update(hint=self.cause.hint, evidence=list(self.cause.evidence))
         data["notes"] = list(self.notes)  # the sentences too, as for the cause

@@ -61,7 +61,10 @@ def before_restart(scenes: Path, pickled: Path) -> dict[str, str]:
             "    opt.zero_grad(); loss.backward(); opt.step()"
         ),
         "debug": DEBUG.format(commands=["p float(total.abs().max())", "p err.shape", "q"]),
-        "pickle": f"pickle.dump(_nan_report, open({str(pickled)!r}, 'wb'))",
+        "pickle": (
+            f"pickle.dump(_nan_report, open({str(pickled)!r}, 'wb'))\n"
+            f"open({str(pickled.with_suffix('.json'))!r}, 'w').write(_nan_report.to_json())"
+        ),
         "on": f"%nanwatch on --dump {scenes} --keep-last-good",
         "cell_a": ITERATIONS.format(n=2),
         "cell_b": ITERATIONS.format(n=3),
@@ -81,9 +84,11 @@ def after_restart(scenes: Path, pickled: Path) -> dict[str, str]:
     return {
         "setup": (
             "%load_ext nan_magic\nimport glob, pickle\nimport torch\nfrom torch import nn\n"
-            f"path, = glob.glob({str(scenes / '*.pt')!r})\nreport = pickle.load(open({str(pickled)!r}, 'rb'))"
+            f"path, = glob.glob({str(scenes / '*.pt')!r})\nreport = pickle.load(open({str(pickled)!r}, 'rb'))\n"
+            f"import json\nsaved = json.load(open({str(pickled.with_suffix('.json'))!r}))"
         ),
         "pickled": "print(report.message)\nreport",
+        "json": "from nan_magic.locations import name_location\nprint(name_location(saved['source']['filename'], 4))",
         "replay_no_model": "%nanreplay $path",
         "scene_loaded": "print(_nan_scene.report.message)",
         "scene_restore": "_nan_scene.report.restore()",
@@ -96,7 +101,7 @@ def after_restart(scenes: Path, pickled: Path) -> dict[str, str]:
 RAISING_BEFORE = {"train", "cell_c"}
 RAISING_AFTER = {"scene_restore"}
 #: Every cell may fail, so that one failing check does not take the others with it; each test says which failed.
-MAY_FAIL = set(before_restart(Path(), Path())) | set(after_restart(Path(), Path()))
+MAY_FAIL = set(before_restart(Path("s"), Path("r.pkl"))) | set(after_restart(Path("s"), Path("r.pkl")))
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +178,8 @@ def test_a_pickled_report_still_names_the_cell_after_a_restart(nbs: tuple[Any, A
     (static,) = [out["data"]["text/plain"] for out in cell.outputs if "text/html" in out.get("data", {})]
     assert "  source      Cell In[3], line 4, in loss_fn" in static.splitlines(), static
     assert "ipykernel_" not in static and "ipython-input" not in static
+    # its JSON too (to_json, the --log-file lines): the cell, not the dead kernel's file
+    assert stream(named_cell(after, "json")) == "Cell In[3], line 4\n"
 
 
 def test_nanreplay_without_the_model_says_what_it_needs_and_loads_the_scene(nbs: tuple[Any, Any]) -> None:
@@ -189,7 +196,8 @@ def test_nanreplay_without_the_model_says_what_it_needs_and_loads_the_scene(nbs:
     assert ".restore_into(model, optimizer, state='last_good')" in restore.evalue, restore.evalue
     assert "watch with keep_last_good" not in restore.evalue  # the user had: the state is in the scene
     assert stream(named_cell(after, "replay")).startswith(
-        "nan_magic: replay of 1 reproduced 32 nan in aten.div.Tensor at Cell In[6], line 7"
+        "nan_magic: replay of 1 reproduced 32 nan in aten.div.Tensor at "
+        f"Cell In[{named_cell(after, 'model_again').execution_count}], line 7"
     )
 
 
