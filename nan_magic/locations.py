@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SourcePointer", "function_name", "name_location", "running_shell"]
+__all__ = ["SourcePointer", "cells_named", "function_name", "name_location", "running_shell"]
 
 
 def running_shell() -> Any:
@@ -62,6 +63,29 @@ def name_location(filename: str, lineno: int) -> str:
     """``Cell In[5], line 14`` for a cell, ``models/net.py:14`` for a file."""
     cell = _cell_name(filename)  # a cell is named by its own words
     return f"{cell}, line {lineno}" if cell is not None else f"{_path_name(filename)}:{lineno}"
+
+
+def cells_named(value: Any) -> Any:
+    """Plain data (dicts, tuples, lists, strings), each file that IPython compiled a cell into renamed as IPython 7
+    names a cell.
+
+    ``/tmp/ipykernel_42/1234.py`` is ``Cell In[5]`` only to the kernel that ran the cell: read after a restart
+    (a scene, a pickled or ``%store``-d report, its JSON), or by ``python -m nan_magic show``, it would name a temporary
+    file that is gone. As ``<ipython-input-5-1234>`` it is still shown as ``Cell In[5], line 14``.
+    """
+    if isinstance(value, dict):
+        return {key: cells_named(item) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(cells_named(item) for item in value)
+    if not isinstance(value, str):
+        return value
+    format_code_name = getattr(getattr(running_shell(), "compile", None), "format_code_name", None)
+    named = format_code_name(value) if format_code_name is not None else None
+    number = re.fullmatch(r"In\[(\d+)\]", named[1]) if named else None
+    if number is None:
+        return value
+    stem = os.path.splitext(os.path.basename(value))[0]
+    return f"<ipython-input-{number.group(1)}-{stem if re.fullmatch('[0-9a-f]+', stem) else secrets.token_hex(4)}>"
 
 
 def function_name(code_name: str) -> str:

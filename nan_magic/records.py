@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nan_magic.event_refs import EventRef
 from nan_magic.fix_records import FixTrial
-from nan_magic.locations import SourcePointer
+from nan_magic.locations import SourcePointer, cells_named
 from nan_magic.note_records import Note
 from nan_magic.phases import Phase
-from nan_magic.plain import jsonable
+from nan_magic.plain import from_plain, jsonable, to_plain
 from nan_magic.step_records import StepSummary
 from nan_magic.tensor_refs import LOSS, OUTPUT, TensorRef, TensorRole
 
@@ -426,7 +426,8 @@ class Report:
         _views().restore(self)
 
     def to_dict(self) -> dict[str, Any]:
-        data = jsonable(dataclasses.asdict(self))
+        # Each cell's file named as the cell (locations.cells_named): the JSON is read after the kernel is gone.
+        data = jsonable(cells_named(dataclasses.asdict(self)))
         if self.cause is not None:  # its sentences too, for a reader of the JSON without nan_magic
             data["cause"].update(hint=self.cause.hint, evidence=list(self.cause.evidence))
         data["notes"] = list(self.notes)  # the sentences too, as for the cause
@@ -443,6 +444,17 @@ class Report:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         return _views().mimebundle(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``pickle``, ``%store``, a process pool) as its plain data, each file IPython compiled a cell into
+        named as that cell: read back after a kernel restart, the report still says ``Cell In[2], line 7``, not a
+        temporary file of the kernel that is gone (a scene's report is saved the same way)."""
+        return (_report_from_plain, (cells_named(to_plain(self)),))
+
+
+def _report_from_plain(plain: dict[str, Any]) -> Report:
+    """A pickled :class:`Report` read back (:meth:`Report.__reduce__`)."""
+    return from_plain(Report, plain)
 
 
 class ReportViews(Protocol):

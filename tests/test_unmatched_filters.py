@@ -116,3 +116,29 @@ def test_the_magic_takes_a_quoted_pattern_without_its_quotes(ip) -> None:
         "a b.jsonl",
         ["model"],
     )
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"mode": "full"}, {"ops": True}], ids=str)
+def test_a_failing_step_says_each_unmatched_filter_once(options: dict) -> None:
+    """Round 20: where the event was localized by replaying the step, the replay's own watch said it again (a user
+    saw the same line twice in the cell, the second one from the replay)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), _Log(), nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(nan_magic.NonFiniteError) as raised:
+        warnings.simplefilter("always")
+        with nan_magic.watch(model, opt, types=["Linaer"], include=["encodr.*"], **options):
+            for _ in range(3):
+                loss = model(torch.randn(8, 2)).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert raised.value.report.op == "aten.log.default"
+    lines = _messages(caught)
+    assert len(lines) == 2, lines
+    assert "include pattern 'encodr.*'" in lines[0] and "types entry 'Linaer'" in lines[1]

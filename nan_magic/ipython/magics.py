@@ -36,7 +36,7 @@ from torch import nn
 
 from nan_magic.ipython.arguments import target_names, unquoted_options
 from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
-from nan_magic.ipython.watched_cell import as_typed, named_as_the_cell, run_watched, run_watched_async
+from nan_magic.ipython.watched_cell import as_typed, has_code, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
 
@@ -92,7 +92,9 @@ class NanMagics(Magics):
         self._outcome: tuple[Any, BaseException | None] | None = None
         #: Whether the cell running now is counted in the history (``In[N]``; pre_run_cell says).
         self._cell_counted = False
-        self._last: Watch | None = None
+        #: The report of the last watch that stopped at an event, for ``%nanwatch status``: kept until another
+        #: event, not lost to the healthy cells after it (each cell under ``%nanwatch on`` is a watch's run).
+        self._last_report: Any = None
         self._unloaded = False
 
     @property
@@ -150,7 +152,7 @@ class NanMagics(Magics):
 
     def _start_nantrace(self, line: str, cell: str | None) -> tuple[Watch, Any]:
         args = self._parse(self.nantrace, line, "%%nantrace")
-        if not (cell or "").strip():
+        if not has_code(self._shell, cell or ""):
             raise UsageError("%%nantrace: the cell is empty; put the code to watch below the magic line")
         watch = self._make_watch(args, "%%nantrace")
         self._take_over("%%nantrace")
@@ -181,11 +183,7 @@ class NanMagics(Magics):
             if words[0] == "status":
                 print(self._status())
                 return
-            self._persistent = None
-            if self._held is not None and self._held.persistent and self._held.depth == self._bodies:
-                # Off is off from this line: the rest of the cell runs unwatched, as the status then says.
-                self._release(None)
-            print("nan_magic: watch off")
+            print(self._turn_off())
             return
         persistent = words[:1] == ["on"]
         if words and words[0].isidentifier() and not persistent and words[0] not in self._shell.user_ns:
@@ -201,6 +199,20 @@ class NanMagics(Magics):
             return
         self._take_over("%nanwatch")
         self._hold(watch, args, persistent=False)
+
+    def _turn_off(self) -> str:
+        """``%nanwatch off``: leave what ``%nanwatch`` armed; say what is off, or that nothing was on."""
+        was_on = self._persistent is not None
+        self._persistent = None
+        if self._held is not None and self._held.depth == self._bodies:
+            # Off is off from this line, whether ``%nanwatch on`` or this cell's ``%nanwatch`` armed it: the rest of
+            # the cell runs unwatched, as the status then says.
+            self._release(None)
+            return "nan_magic: watch off"
+        if self._bodies:  # a %%nantrace body: its cell's watch is the magic's own, left at the cell's end
+            following = "watch off for the following cells; " if was_on else ""
+            return f"nan_magic: {following}this %%nantrace cell stays watched to its end"
+        return "nan_magic: watch off" if was_on else "nan_magic: no watch is on (nothing to turn off)"
 
     @magic_arguments()
     @argument("path", help="a scene file saved with --dump")
@@ -237,24 +249,34 @@ class NanMagics(Magics):
             scene = load_scene(args.path, map_location=args.map_location)
         except (OSError, ValueError) as error:
             raise UsageError(f"%nanreplay: cannot read {args.path}: {error}") from None
-        model = self._replay_model(args.model, scene.report.model)
+        # Stored first: what a scene holds needs no model, and where the replay cannot run (no model yet, a producer
+        # outside every module) the user goes on from it (its report, rerun_step), as the errors below say.
+        self._shell.user_ns[args.output] = scene
+        model = self._replay_model(args.model, scene, args.output)
         try:
             if not args.no_restore:
                 scene.restore_into(model, state="event")
             result = scene.replay(model)
         except (ValueError, RuntimeError) as error:
-            raise UsageError(f"%nanreplay: {error}") from None
-        self._shell.user_ns[args.output] = scene
+            raise UsageError(f"%nanreplay: {error} (the scene is loaded as {args.output})") from None
         print(f"nan_magic: {replay_line(scene.module, result.finding, result.note)}")
 
-    def _replay_model(self, expression: str | None, saved_name: str | None) -> nn.Module:
+    def _replay_model(self, expression: str | None, scene: Any, output: str) -> nn.Module:
         namespace = self._shell.user_ns
+        saved_name = scene.report.model
         if expression is not None:
             model = self._eval(expression, "%nanreplay: cannot evaluate")
         elif isinstance(namespace.get(saved_name or ""), nn.Module):
             model = namespace[saved_name]
         else:
             models = [value for value in discover(namespace)[1] if isinstance(value, nn.Module)]
+            if not models:
+                # After a restart: no model yet. What the scene holds needs none; the replay does.
+                name = saved_name or "MODEL"
+                raise UsageError(
+                    f"%nanreplay: no model here to replay the scene on (it was saved from {name}): build it, then "
+                    f"%nanreplay PATH {name}; the scene is loaded as {output}, and {output}.report is its report"
+                )
             if len(models) != 1:
                 raise UsageError("%nanreplay: name the model to rebuild the scene on: %nanreplay PATH MODEL")
             model = models[0]
@@ -375,7 +397,8 @@ class NanMagics(Magics):
 
     def _finish(self, watch: Watch, args: Any, seen: int = 0) -> None:
         """Store the report of the events after the first ``seen`` (the cell's) in the user namespace; display it."""
-        self._last = watch
+        if watch.report is not None:
+            self._last_report = watch.report
         new = watch.events[seen:]
         if not new:
             return
@@ -410,8 +433,8 @@ class NanMagics(Magics):
             lines.append("nan_magic: armed for this cell")
         else:
             lines.append("nan_magic: off")
-        if self._last is not None and self._last.report is not None:
-            lines.append(f"last report: {self._last.report.message}")
+        if self._last_report is not None:
+            lines.append(f"last report: {self._last_report.message}")
         return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from nan_magic.lifecycle.watch import Watch
 
-__all__ = ["as_typed", "named_as_the_cell", "run_watched", "run_watched_async"]
+__all__ = ["as_typed", "has_code", "named_as_the_cell", "run_watched", "run_watched_async"]
 
 
 def run_watched(shell: Any, watch: Watch, cell: str) -> tuple[Any, BaseException | None]:
@@ -141,3 +141,13 @@ def as_typed(line: str, cell: str) -> str:
     if cell.lstrip().startswith("%%"):
         return cell
     return f"# %%nantrace {line}".rstrip() + "\n" + cell
+
+
+def has_code(shell: Any, cell: str) -> bool:
+    """Whether ``cell`` holds a statement to watch: blank lines and comments alone ran nothing, and said nothing."""
+    if not cell.strip():
+        return False
+    try:
+        return bool(ast.parse(shell.transform_cell(cell)).body)
+    except Exception:  # a syntax error: the cell's own run shows it, as IPython's
+        return True

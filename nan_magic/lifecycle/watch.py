@@ -197,7 +197,8 @@ class Watch:
             self._reset_state()
             self.history.clear()
             self.warnings.clear()
-            self._filters_judged = warn_unmatched_filters(self.targets, self.config)
+            # A replay's own watch (same options) said nothing new: its user heard it once, from the watch it replays.
+            self._filters_judged = self.replay_of is not None or warn_unmatched_filters(self.targets, self.config)
         self._paused = self.outcome.leaving = False  # (a part the user's own error ended left it set)
         self._nesting.attach()  # its hooks, taking over from an outer watch over the same modules (nesting.py)
         self.graph_task = torch._C._current_graph_task_id()

@@ -20,6 +20,7 @@ from nan_magic.render.common import (
 )
 from nan_magic.render.fixes import fixes_text
 from nan_magic.render.layer_tree import depth, layers_count, shown_statuses, unmeasured_note
+from nan_magic.render.text_histograms import histograms_text
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import row_tensor
 
@@ -48,7 +49,7 @@ def render_text(report: Report) -> str:
     Returns
     -------
     str
-        Headline, producer facts, cause, notes, per-layer table and the
+        Headline, cause, fixes, producer facts, the producer's histograms, per-layer table and the
         frame ``%debug`` opens, separated by blank lines.
     """
     parts = [
@@ -56,6 +57,7 @@ def render_text(report: Report) -> str:
         cause_sentence(report),
         fixes_text(report),
         _facts(report),
+        histograms_text(report),
     ]
     if report.layers:
         parts.append(_layer_section(report, TEXT_MAX_ROWS))

@@ -47,7 +47,7 @@ from nan_magic.hot.kept.call_records import argument_path
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.rng import RngState, capture_rng_state
 from nan_magic.hot.reads import version_of
-from nan_magic.locations import running_shell
+from nan_magic.locations import cells_named
 from nan_magic.plain import to_plain
 from nan_magic.records import Note, Phase, Report, TensorRole
 from nan_magic.scene.last_good import keep
@@ -166,7 +166,7 @@ def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[
     scene: dict[str, Any] = {
         "format": SCENE_FORMAT,
         "version": SCENE_VERSION,
-        "report": _cells_named(to_plain(report)),
+        "report": cells_named(to_plain(report)),
         "step": report.step,
         "phase": str(report.phase),
         "module": report.module,
@@ -181,28 +181,6 @@ def _collect(source: SceneSource, finding: Finding, report: Report, notes: list[
             scene[key] = None
             notes.append(_failure("scene-part-failed", error, part=key))
     return scene
-
-
-def _cells_named(value: Any) -> Any:
-    """The plain report, each file that IPython compiled a cell into renamed the way IPython 7 names a cell.
-
-    ``/tmp/ipykernel_42/1234.py`` is ``Cell In[5]`` only to the kernel that ran the cell: opened after a
-    restart, or by ``python -m nan_magic show``, the scene would name a temporary file that is gone. As
-    ``<ipython-input-5-1234>`` it is still shown as ``Cell In[5], line 14`` (nan_magic.locations).
-    """
-    if isinstance(value, dict):
-        return {key: _cells_named(item) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_cells_named(item) for item in value)
-    if not isinstance(value, str):
-        return value
-    format_code_name = getattr(getattr(running_shell(), "compile", None), "format_code_name", None)
-    named = format_code_name(value) if format_code_name is not None else None
-    number = re.fullmatch(r"In\[(\d+)\]", named[1]) if named else None
-    if number is None:
-        return value
-    stem = os.path.splitext(os.path.basename(value))[0]
-    return f"<ipython-input-{number.group(1)}-{stem if re.fullmatch('[0-9a-f]+', stem) else secrets.token_hex(4)}>"
 
 
 def _save(scene: dict[str, Any], folder: str, report: Report, notes: list[Note]) -> Report:

@@ -199,6 +199,14 @@ def restore(report: Report) -> None:
         made in another process or released, when no step ended finite before
         the event, or when the model or optimizer no longer exists.
     """
+    if report.restore_token is None and report.scene is not None:
+        # A scene's report read back (after a restart, say): the state is in its file, not in this process. It
+        # said "watch with keep_last_good" to a user who had, and whose scene held the last finite step's state.
+        raise RuntimeError(
+            f"this report has no state kept in this process; its scene file holds the saved state: "
+            f"nan_magic.load_scene({report.scene!r}).restore_into(model, optimizer, state='last_good') loads the "
+            "last finite step's (saved where the watch had keep_last_good), state='event' the state at the event"
+        )
     if report.restore_token is None:
         raise RuntimeError(_NO_STATE)
     kept = _REGISTRY.get(report.restore_token)
