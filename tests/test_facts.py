@@ -211,6 +211,8 @@ CAUSES = {
     )), "the loss rose to 2.5e7 at step 12, 250000x its median 100"),
     "benign": (_of_event("unclassified", "benign"), "4 nan, 2 +inf, 1 -inf"),
     "bad-batch": (_of_event("bad-input-data", "bad-batch"), "entering Net already held"),
+    "handled-input": (_of_event("handled-input", "handled-input", steps=3, last_step=7),
+                      "so did 2 later steps' batches, the last at step 7"),
     "parameter-nonfinite": (_of_event("parameter-already-nonfinite", "parameter-nonfinite"), "when fc (Linear)"),
     "nonfinite-number": (event_cause("nonfinite-number", "nonfinite-number", dataclasses.replace(
         _EVENT, op="aten.mul.Tensor", numbers=(("other", -math.inf),))),

@@ -454,19 +454,11 @@ def _backward_nan_with_cache() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.0)
 
 
-def _cache_params():
-    why = ("the attention call's arguments hold the user's DynamicCache, which hold_arguments does not keep (only "
-           "tensors and immutable values): its backward is not replayed (backward-not-kept), so the module is named "
-           "but not the op")
-    for mode in FIVE_MODES:
-        marks = [pytest.mark.xfail(strict=True, reason=why)] if mode.id == "full" else []
-        yield pytest.param(mode.values[0], id=mode.id, marks=marks)
-
-
-@pytest.mark.parametrize("options", list(_cache_params()))
+@pytest.mark.parametrize("options", FIVE_MODES)
 def test_a_backward_nan_with_a_kv_cache_is_named_and_the_cache_left_as_unwatched(options: dict) -> None:
     """A backward replay of an attention call must not append to the user's DynamicCache (as the forward replay
-    once did). The full mode does not replay such a call at all: its held arguments would hold the cache."""
+    once did). The full mode does not replay such a module call (its held arguments would hold the cache): it names
+    the op from the step's kept top-level call (localize/replay/per_call.py)."""
     ids = tokens(2, 6)
 
     def run(model: nn.Module, opt: torch.optim.Optimizer):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from nan_magic.hot.kept.buffer_copies import with_versions
-from nan_magic.hot.reads import GradOff, version_of
+from nan_magic.hot.reads import GradOff, unreadable_reason, version_of
 
 __all__ = ["Learning", "Written", "written_parameters_after", "written_parameters_before"]
 
@@ -73,6 +73,8 @@ def _norms(parameters: list[torch.Tensor]) -> list[torch.Tensor] | None:
     device = parameters[0].device
     try:
         with GradOff():  # (on the first parameter's device, so that they stack: a model on two devices too)
-            return [norm.float().to(device) for norm in torch._foreach_norm([p.detach() for p in parameters])]
+            norms = [norm.float().to(device) for norm in torch._foreach_norm([p.detach() for p in parameters])]
     except (RuntimeError, NotImplementedError):  # a device or tensor subclass without the fused norm
         return None
+    # (Under the user's FakeTensorMode the norms are fake: nothing to read, as every check skips them.)
+    return norms if unreadable_reason(norms[0]) is None else None
