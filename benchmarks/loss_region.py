@@ -210,9 +210,9 @@ def pushes(model: str, steps: int = 500) -> None:
     from models import build_launch_bound
 
     import nan_magic
-    import nan_magic.localize.outside.recorder as recorder_module
+    import nan_magic.localize.outside.dispatch_stack as stack_module
 
-    push, pop = recorder_module._push, recorder_module._pop
+    push, pop = stack_module._push, stack_module._pop
     times: dict[str, list[int]] = {"push": [], "pop and push again": []}
 
     def timed(mode: Any) -> None:
@@ -225,7 +225,7 @@ def pushes(model: str, steps: int = 500) -> None:
         push(mode)
         times["pop and push again"].append(clock() - start)
 
-    recorder_module._push = timed
+    stack_module._push = timed
     try:
         torch.manual_seed(0)
         torch.set_num_threads(1)
@@ -234,7 +234,7 @@ def pushes(model: str, steps: int = 500) -> None:
             for _ in range(steps):
                 bench.train_step()
     finally:
-        recorder_module._push = push
+        stack_module._push = push
     for key, values in times.items():
         median = statistics.median(values) / 1000
         print(f"  {model:10s} {key:24s} {len(values) / steps:.1f} a step, median {median:5.1f} us")
