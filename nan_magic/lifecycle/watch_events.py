@@ -1,0 +1,171 @@
+"""The watch's events: how a finding becomes a report, is localized by a replay, and gets its scene and fixes.
+
+Apart from watch.py, which owns the lifecycle (entering and leaving, attaching
+the hooks, building every part in ``Watch._reset_state``), because this is the
+cold path an event takes once a check found one: the replays that name its op
+(the batch's samples, the tiered step replay, a buffer's writer), the fixes'
+trials, the crash scene, and the report built from what the step's boundary
+saw. :class:`WatchEvents` is the base :class:`~nan_magic.lifecycle.watch.Watch`
+gets these methods from; the parts they use are the watch's, built by its
+``_reset_state`` (declared here for the type checker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import deque
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from nan_magic.distributed.ranks import stamp
+from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.fixes.runner import KeptStep, LossSource, untried, with_fixes
+from nan_magic.hot.checks.forward import ForwardChecks
+from nan_magic.hot.checks.gradients import GradientChecks
+from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.hot.kept.held import running_arguments
+from nan_magic.hot.kept.step_log import StepLog
+from nan_magic.hot.step_cycle import StepCycle
+from nan_magic.hot.timing import Timing
+from nan_magic.hot.watched.targets import Targets
+from nan_magic.lifecycle.events import Events, Replayed
+from nan_magic.lifecycle.findings import build_report
+from nan_magic.localize.modes import Localizing
+from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.replay.buffer_writes import buffer_written
+from nan_magic.localize.replay.per_call import replayed_from_the_step
+from nan_magic.localize.replay.producer_call import CallReplay
+from nan_magic.localize.replay.samples import Samples
+from nan_magic.localize.replay.step import Producer, StepReplays
+from nan_magic.options import WatchConfig
+from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, TensorRole
+from nan_magic.scene.dump import SceneSource, record_scene
+from nan_magic.scene.last_good import LastGood
+
+__all__ = ["WatchEvents"]
+
+
+class WatchEvents:
+    """An event's way from a finding to its report (the watch's parts: :class:`Watch`'s, set by ``_reset_state``)."""
+
+    config: WatchConfig
+    targets: Targets
+    replay_of: object | None
+    history: deque[StepSummary]
+    warnings: deque[EarlyWarning]
+    timing: Timing
+    log: StepLog
+    localizing: Localizing
+    outside: OutsideRecorder | None
+    call_replay: CallReplay
+    gradients: GradientChecks
+    optimizers: OptimizerChecks
+    last_good: LastGood
+    forward: ForwardChecks
+    replays: StepReplays | None
+    samples: Samples
+    outcome: Events
+    cycle: StepCycle
+
+    if TYPE_CHECKING:  # (Watch's own)
+
+        @property
+        def step(self) -> int: ...
+
+        def _roots(self) -> Iterator[nn.Module]: ...
+
+    def _localize(self, finding: Finding, seen: Report) -> Replayed | None:
+        """An event's replay (a bad batch's samples fetched again, else the tiered step replay, else a buffer's
+        writer found on the kept calls); its fixes' trials."""
+        replays, replayed = self.localizing.replays, None
+        if replays is not None:
+            replays.replayed = None
+        if finding.phase == Phase.DATA and finding.op is None:
+            replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
+        if replayed is None and replays is not None:
+            replayed = replays.localize(finding, seen)
+        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
+        kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
+        if replayed is None and kept.replays is not None and self.localizing.replays_calls and finding.call is not None:
+            # (mode="full": what a module replay cannot vouch for, a call that wrote its own state, a gradient of ones)
+            replayed = replayed_from_the_step(kept.replays, finding, seen)
+        if replays is None and kept.replays is not None and finding.tensor.role is TensorRole.BUFFER and (
+                finding.call is None):
+            # (kept.aside: the op tracer and the recorder do not see the replay's ops, as in a fix trial)
+            replayed = buffer_written(kept.replays.calls, finding, seen, kept.aside), (finding.frame, None)
+        if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
+            return untried(seen, replayed, finding.frame, kept, self.optimizers.seen, self._roots(), self.last_good)
+        if replayed is None or replays is None:
+            return replayed
+        report, producer = replayed
+        if not self.config.fixes or report.benign or self.outcome.report is not None:
+            return replayed  # trials for the first real event only (warn/log mode goes on after it)
+        return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
+                          self.call_replay.standing_aside, loss), producer
+
+    def _record_scene(self, finding: Finding, report: Report) -> Report:
+        """At the first real event: the scene (dump.py) from what this watch holds."""
+        source = SceneSource(
+            config=self.config,
+            roots=self.targets.roots,
+            optimizers=self.optimizers.seen, scalers=self.optimizers.scalers, calls=lambda: self.log.calls,
+            arguments=lambda call: self.replays.arguments_of(call) if self.replays is not None else None,
+            running_rng=self.forward.stack[0].rng_state if self.forward.stack else None,
+            last_good=self.last_good,
+        )
+        return record_scene(source, finding, report)
+
+    def on_forward_failed(self, module: nn.Module, call: Any) -> None:
+        """A top-level forward raised: when a replay finds a non-finite value came first, report it.
+
+        Called from the forward hook while the exception propagates. torch
+        silences what a hook raises then, so in ``raise`` mode the
+        NonFiniteError is raised when the watch is left, from the original
+        exception (events.py); ``warn``/``log`` record it now.
+        """
+        if self.localizing.replays is None:
+            finding = self.call_replay.explain_failure(module, call, running_arguments(module))
+            if finding is not None:
+                replayed = (self._build_report(finding), (finding.frame, None))
+                self.outcome.hold_explained(finding, replayed, sys.exc_info()[1])  # type: ignore[arg-type]
+            return
+        explained = self.localizing.replays.explain_failure(module, call, running_arguments(module))
+        if explained is None:
+            return
+        report, producer, error = explained
+        self.outcome.hold_explained(Finding(Phase.FORWARD, call, TensorRef.output()), (report, producer), error)
+
+    def on_gradient_event(self, finding: Finding) -> None:
+        """A non-finite gradient in backward: held while a GradScaler may skip the step."""
+        if not self.optimizers.hold_gradient_event(finding):
+            self.emit(finding)
+
+    # -- events ---------------------------------------------------------------------
+
+    def emit(self, finding: Finding, replayed: tuple[Report, Producer] | None = None) -> None:
+        """Record an event; raise or warn for the first non-benign one as configured (events.py)."""
+        self.outcome.emit(finding, replayed)
+
+    def _build_report(self, finding: Finding) -> Report:
+        """``finding``'s report as the step's boundary saw it: this step's log, history and warnings."""
+        return stamp(dataclasses.replace(build_report(
+            finding,
+            step=self.step if finding.step is None else finding.step,
+            log=self.log,
+            history=tuple(self.history),
+            warnings=tuple(self.warnings),
+            max_layers=self.config.max_layers,
+            sample_size=self.config.sample_size,
+            modules=self.targets.infos(),
+            per_module=self.cycle.full_step,
+            ops=self.localizing.traces and self.replay_of is None,
+        ), models_watched=len(self.targets.roots)))
+
+    def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
+        """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
+        self.outcome.adopt_traceback(error, tb)
