@@ -21,20 +21,19 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
-from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError
+from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
 from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.cycle_exit import CycleExit, Outcome
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -42,28 +41,10 @@ from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.coverage import coverage_for
 from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.options import WatchConfig
-from nan_magic.records import EarlyWarning, Note, Phase, StepSummary, TensorRef, TensorRole
+from nan_magic.records import EarlyWarning, Note, StepSummary
 
-__all__ = ["Outcome", "StepCycle", "UpdateCode"]
+__all__ = ["StepCycle", "UpdateCode"]
 
-
-class Outcome(Protocol):
-    """What the step cycle asks of the watch's outcome (lifecycle/events.py): whether the checks stand
-    down, and where the ranks agree (agreement.py) on what to raise."""
-
-    @property
-    def stopped(self) -> bool: ...
-
-    @property
-    def agreement(self) -> Agreement: ...
-
-    def agreement_point(self, opened: bool) -> AbstractContextManager[None]: ...
-
-    def check_peers(self) -> None: ...
-
-    def leave(self, together: bool) -> None: ...
-
-    def left_by(self, exception: BaseException, together: bool, explainable: bool) -> NonFiniteError | None: ...
 
 class UpdateCode(Protocol):
     """The loop code between ``backward()`` and the next step (localize/outside/loop_writes.py): parameters it wrote."""
@@ -85,8 +66,9 @@ class UpdateCode(Protocol):
 JudgeForward = Callable[[Call, TensorRecord, Note], None]
 
 
-class StepCycle:
-    """The step counter and the step's boundaries of one entry of a watch (see the module docstring).
+class StepCycle(CycleExit):
+    """The step counter and the step's boundaries of one entry of a watch (see the module docstring); its end as
+    the watch is left is :class:`CycleExit`'s (cycle_exit.py).
 
     ``history`` and ``kept_warnings`` are the watch's (they outlive the entry);
     ``roots`` gives the watched models; ``emit`` and ``here`` are the
@@ -418,84 +400,3 @@ class StepCycle:
             self.optimizers.reports.attribute(finding)
             self.origins.add_op_origin(finding, finding.bad)  # the op, where the op tracer saw it start
             self._emit(finding)
-
-    # -- leaving the watch ------------------------------------------------------------------------
-
-    def leave(self) -> None:
-        """The watch is left normally: the last step's checks, then the ranks' exit round (agreement.py)."""
-        self._end_update()
-        self.sync()
-        if self.open and not self.training():
-            self.end_step(self.step)  # the last inference step: nothing calls its first module again
-        self.optimizers.flush()
-        unstepped = bool(self.open and self.gradients.backward_runs)  # a backward no optimizer step followed
-        if unstepped:
-            self.optimizers.on_step_boundary(leaving=True)
-        if self.gradients.backward_runs:
-            self._check_unstepped_gradients(leaving=unstepped)
-        if not self.outcome.stopped:
-            self.held.settle()  # a batch of a step no optimizer step closed, handled
-        self.outcome.leave(self._leave_together())
-
-    def pause(self) -> None:
-        """A part of the run ends (a ``%nanwatch on`` cell): its values are judged now; the step stays open."""
-        self.sync()
-        self.optimizers.flush()
-
-    def left_by(self, exc: BaseException, explained: NonFiniteError | None) -> NonFiniteError | None:
-        """The watch is left by ``exc``: what to raise from it (``explained``: a failed forward's event, events.py)."""
-        # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
-        explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
-        if explained is None and explainable:
-            explained = (self.timing.pending_at_exit(self) or self._explain_failed_op(exc) or self._explain_anomaly(exc)
-                         or (None if self.outcome.stopped else self.held.explain()))  # (held_batch.py)
-        # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
-        left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
-        return explained or left
-
-    def _explain_failed_op(self, exc: BaseException) -> NonFiniteError | None:
-        """An op raised on a non-finite input no boundary judged (multinomial on NaN probabilities): report it."""
-        if self.outcome.stopped:
-            return None
-        finding = self.origins.explain_failure(exc)
-        if finding is None:
-            return None
-        try:
-            self._emit(finding)
-        except NonFiniteError as error:
-            return error
-        return None
-
-    def _explain_anomaly(self, exc: BaseException) -> NonFiniteError | None:
-        """torch's anomaly mode (``detect_anomaly``) stopped a backward at a NaN: the step's backward, replayed, names
-        the producer, its op and line (torch's own error, kept as the cause, names only the autograd node)."""
-        if self.outcome.stopped or not (isinstance(exc, RuntimeError) and _ANOMALY in str(exc)):
-            return None
-        # A live op tracer (ops=True) saw the op start the value; no boundary claimed it before the error.
-        traced = self.origins.anomaly_finding()
-        finding = traced or Finding(Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, "", "output"))
-        finding.notes.append(Note.raised("anomaly-raised", exc))
-        gradients = self.gradients
-        loss = gradients.loss_record.ref() if gradients.loss_record is not None else None
-        # The loss code's backward first (it runs before the models'), as its recorded ops replay it; else the step
-        # replay of the models' calls (events.py), or the per-module watch's replay of the calls (replay_anomaly).
-        with torch.autograd.set_detect_anomaly(False):  # (or its replay would stop as the user's backward did)
-            claimed = traced is None and self.origins.claim_loss_backward(finding, loss, gradients.loss_key)
-            if not claimed and traced is None and gradients.replay_anomaly is not None:
-                gradients.replay_anomaly(finding)  # per-module: the calls whose backward was running, replayed
-        if claimed and gradients.loss_record is not None:
-            finding.call = gradients.loss_record.call  # named: the loss's call, which no model replay stands for
-        try:
-            self._emit(finding)
-        except NonFiniteError as error:
-            return error
-        return None
-
-    def _leave_together(self) -> bool:
-        """Whether the exit is a round with the other ranks (lockstep.py); one process walks no model for it."""
-        return self.outcome.agreement.several and self.lockstep.meets_at_exit()
-
-
-#: What torch's anomaly mode says as it stops a backward at a NaN ("Function 'SqrtBackward0' returned nan values in
-#: its 0th output."): torch's message, not one of ours.
-_ANOMALY = "returned nan values in its"
