@@ -153,7 +153,6 @@ class CycleExit:
         return self.outcome.agreement.several and self.lockstep.meets_at_exit()
 
 
-
 #: What torch's anomaly mode says as it stops a backward at a NaN ("Function 'SqrtBackward0' returned nan values in
 #: its 0th output."): torch's message, not one of ours.
 _ANOMALY = "returned nan values in its"

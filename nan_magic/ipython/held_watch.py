@@ -50,6 +50,7 @@ class HeldWatchMagics(Magics):
         """The shell (IPython types it as optional; a loaded extension always has one)."""
         assert self.shell is not None
         return self.shell
+
     def _make_watch(self, args: Any, name: str) -> Watch:
         raise NotImplementedError  # (NanMagics's: parses the options and builds the watch)
 
