@@ -90,6 +90,7 @@ _RUNS_USER_CODE = tuple(
         os.path.join("patches", "backward.py"),
         os.path.join("localize", "replay", "module_run.py"),
         os.path.join("localize", "replay", "step.py"),
+        os.path.join("localize", "replay", "step_keeping.py"),
         os.path.join("localize", "replay", "root_calls.py"),
         os.path.join("localize", "replay", "step_backward.py"),
         os.path.join("localize", "outside", "recorder.py"),
