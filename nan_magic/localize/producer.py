@@ -12,6 +12,9 @@ call :meth:`~ProducerRule.judge`, as does the watch's deferred check. The
 rule calls down only: the call replay (replay/producer_call.py) to name a producer's
 op, the op origins (op_origins.py) in ops mode, and ``emit``. It never calls
 the forward hooks or the gradient checks.
+
+What a call received (its inputs' kinds, its parameters, the deliberate masks among them) is
+:mod:`~nan_magic.localize.producer_inputs`, a mixin of :class:`ProducerRule`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.kept.call_records import FIRST_ARGUMENT, Call, Frame, TensorRecord, argument_tensors
+from nan_magic.hot.kept.call_records import Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -29,10 +32,12 @@ from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.localize.op_origins import OpOrigins
-from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
+from nan_magic.localize.ops.masks import DeliberateMasks
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.producer_inputs import CallInputs, _detached
+from nan_magic.localize.replay.calls_named import caller_named
 from nan_magic.localize.replay.outward import CHANGED, replay_outward
-from nan_magic.localize.replay.producer_call import CallReplay, caller_named
+from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.swapped import SwappedTensors, stand_ins
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase, TensorRef, TensorRole
@@ -40,7 +45,7 @@ from nan_magic.records import Note, Phase, TensorRef, TensorRole
 __all__ = ["ProducerRule"]
 
 
-class ProducerRule:
+class ProducerRule(CallInputs):
     """The producer rule of one watch, and the deliberate masks it has seen.
 
     ``stack`` is the forward hooks' module stack (read only here): a call
@@ -378,90 +383,6 @@ class ProducerRule:
         if finding.op is None and finding.notes and finding.notes[-1].kind == CHANGED:
             replay_outward(self.replayer, finding, call, self.stack)
 
-    def input_kinds(self, call: Call) -> tuple[frozenset[str], frozenset[str]]:
-        """Kinds the call's inputs held *before* the call (in-place aware): ``(passed on, deliberate)``.
-
-        The second holds the kinds of deliberate infinities (a mask) that the
-        call may consume: inputs recorded as benign, and masks (ops/masks.py).
-        """
-        kinds: set[str] = set()
-        deliberate: set[str] = set()
-        for path, argument, record, ref, version in call.inputs:
-            tensor = ref()
-            if tensor is not None and version_of(tensor) == version:
-                found = kinds_of(tensor)
-            elif record is not None and not record.pending:
-                # Mutated in place by this module: its value before the call is
-                # what the producer rule compares against, and the probe of the
-                # call that made it still knows it.
-                found, tensor = record.kinds, None
-            else:
-                continue
-            if not found:
-                continue
-            # (A batch held for its step, benign until it proves not to be, is no deliberate infinity: held_batch.py.)
-            held = self.held.finding is not None and self.held.finding.record is record
-            if (record is not None and record.status == "benign" and not held) or self.is_benign_input(
-                call, path, argument, tensor, record
-            ):
-                deliberate |= found
-            else:
-                kinds |= found
-        wanted = self.kinds
-        return relevant_kinds(frozenset(kinds), wanted), relevant_kinds(frozenset(deliberate), wanted)
-
-    def _bad_parameter(self, call: Call) -> tuple[TensorRef, torch.Tensor] | None:
-        """A non-finite parameter or buffer of the called module (recursively), by its role; deliberate masks
-        excepted (a rotary embedding's ``inv_freq`` made infinite by ``rope_theta=0`` is a buffer)."""
-        prefix = f"{call.name}." if call.name else ""
-        module = call.module
-        masks = {id(buffer) for _name, buffer in self.deliberate.buffers(module, prefix)}
-        named = [*((TensorRole.PARAMETER, *item) for item in module.named_parameters()),
-                 *((TensorRole.BUFFER, *item) for item in module.named_buffers())]
-        for role, name, tensor in named:
-            if id(tensor) in masks:
-                continue
-            if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
-                return TensorRef(role, prefix + name), tensor
-        return None
-
-    # -- deliberate infinities (ops/masks.py) ---------------------------------------------
-
-    def is_benign_input(
-        self, call: Call, path: str, argument: int | str | None, tensor: torch.Tensor | None,
-        record: TensorRecord | None = None,
-    ) -> bool:
-        """Whether a non-finite argument of ``call`` (``path``, its ``argument``) is a deliberate mask (ops/masks.py).
-
-        ``tensor`` is the live value; when it is gone, ``record``'s probe
-        decides, which takes a name that says mask.
-        """
-        name = argument_name(call.module, argument) if call.module is not None else None
-        if tensor is not None:
-            return self.deliberate.is_mask(tensor, name, first=path == FIRST_ARGUMENT)
-        return record is not None and self.deliberate.probe_is_mask(record.low, record.high, name)
-
-    def _mask_buffer_kinds(self, call: Call) -> frozenset[str]:
-        """The kinds the call's deliberate mask buffers hold; each is recorded once as a benign event."""
-        prefix = f"{call.name}." if call.name else ""
-        kinds: set[str] = set()
-        for name, buffer in self.deliberate.buffers(call.module, prefix):
-            kinds |= kinds_of(buffer)
-            if self.deliberate.first_sighting(call.name, name):
-                finding = Finding(Phase.FORWARD, call, TensorRef(TensorRole.BUFFER, name), bad=buffer.detach())
-                self._emit(mark_deliberate(finding, "mask-buffer", name=name))
-        return frozenset(kinds)
-
-    def _note_mask(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None) -> None:
-        """Mark a deliberate mask given as an argument benign; its first sighting there is a benign event."""
-        record.status = "benign"
-        if not self.deliberate.first_sighting(call.name, str(record.path)):
-            return
-        role = TensorRole.INPUT if call.phase == Phase.DATA else TensorRole.MODULE_OUTPUT
-        finding = Finding(call.phase, call, record_ref(record, role), bad=_detached(tensor), record=record,
-                          bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
-        self._emit(mark_deliberate(finding, "mask-argument", path=str(record.path)))
-
     # -- op-level tracing (ops=True) --------------------------------------------------
 
     def _judged_by_tracer(self, call: Call, record: TensorRecord, tensor: torch.Tensor | None) -> bool:
@@ -507,7 +428,3 @@ class ProducerRule:
                               bad_stats=record.stats() if tensor is None else None)
             self._emit(mark_deliberate(finding, "scalar"))
         return True
-
-
-def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return tensor.detach() if tensor is not None else None

@@ -45,12 +45,12 @@ This module is the dispatch mode and the rules above; its parts live beside it:
 :mod:`~nan_magic.localize.ops.plans` (what an op does, from its schema), :mod:`~nan_magic.localize.ops.kinds`
 (reading kinds cheaply, once per tensor), :mod:`~nan_magic.localize.ops.origins` (:class:`OpFinding` and the
 origins table), :mod:`~nan_magic.localize.ops.sources` (the user's line of an op) and
-:mod:`~nan_magic.localize.ops.witnesses` (an origin's tensors and frame).
+:mod:`~nan_magic.localize.ops.witnesses` (an origin's tensors and frame); the rules themselves (an op starts, inherits
+or carries an origin) are :mod:`~nan_magic.localize.ops.origin_rules`.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -62,13 +62,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
-from nan_magic.hot.stats import tensor_stats
-from nan_magic.localize.ops.kinds import KnownKinds, Prior, probe_priors, scalar_kinds
-from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
-from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
+from nan_magic.localize.ops.kinds import KnownKinds, probe_priors
+from nan_magic.localize.ops.origin_rules import OriginRules
+from nan_magic.localize.ops.origins import OpFinding, Origin, Origins
 from nan_magic.localize.ops.plans import (
-    Plan,
     flatten,
     is_number,
     list_positions,
@@ -82,15 +79,10 @@ from nan_magic.localize.ops.plans import (
 )
 from nan_magic.localize.ops.sources import (
     NodeSources,
-    called_by_the_engine,
-    called_by_us,
-    hook_definer,
-    hook_owner,
     recomputing,
-    sources_of_op,
 )
 from nan_magic.localize.ops.witnesses import OpWitnesses
-from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
+from nan_magic.records import Phase, TensorRef
 
 __all__ = ["OpTracer"]
 
@@ -102,7 +94,7 @@ def _no_module() -> str | None:
     return None
 
 
-class OpTracer(TorchDispatchMode):
+class OpTracer(OriginRules, TorchDispatchMode):
     """Find the producer op of the first non-finite value while active.
 
     Parameters
@@ -221,8 +213,9 @@ class OpTracer(TorchDispatchMode):
             return entry.finding
         return "benign" if entry is not None else None
 
-    def claim(self, tensor: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None
-              ) -> OpFinding | Literal["benign"] | None:
+    def claim(
+        self, tensor: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None
+    ) -> OpFinding | Literal["benign"] | None:
         """:meth:`origin_of` a non-finite tensor at a boundary, made the finding when it is an op.
 
         ``freed``: where the tensor is gone by the check (deferred), the weak reference its boundary record holds.
@@ -326,193 +319,6 @@ class OpTracer(TorchDispatchMode):
                 self._examine(name, bad, lambda _label: inputs, {}, in_backward, None)
         return out
 
-    # -- a non-finite output ---------------------------------------------------
-
-    def _examine(
-        self,
-        op: str,
-        bad: list[tuple[str, torch.Tensor]],
-        inputs_of: Callable[[str], list[tuple[str, Any]]],
-        priors: dict[int, Prior],
-        in_backward: bool,
-        written: frozenset[int] | None,
-    ) -> None:
-        """Give each non-finite output its origin: inherited, benign, none, or this op.
-
-        ``written``: ids of the tensors the op writes in place, if any.
-        """
-        for label, tensor in bad:
-            out_kinds = relevant_kinds(self._known.kinds(tensor), self.kinds)
-            if not out_kinds:
-                continue
-            inputs = inputs_of(label)
-            inherited: Origin | None = None
-            absorbed: Origin | None = None
-            held: set[str] = set()
-            benign: set[str] = set()
-            outside = False
-            for argument, value in inputs:
-                if not isinstance(value, torch.Tensor):
-                    kinds = scalar_kinds(value)
-                    held |= kinds
-                    benign |= kinds - {"nan"}  # a NaN scalar is never a deliberate infinity
-                    continue
-                prior = priors.get(id(value))
-                kinds = relevant_kinds(prior.kinds() if prior is not None else self._known.kinds(value), self.kinds)
-                if not kinds:
-                    continue
-                held |= kinds
-                entry = prior.origin if prior is not None else self._origins.entry(value)
-                if entry is None and in_backward:
-                    # A forward value autograd saved has lost its Python object: found by its memory.
-                    entry = self._origins.memory_entry(value)
-                if isinstance(entry, Origin):
-                    if in_backward and entry.finding.phase != Phase.BACKWARD:
-                        # A forward value read by a gradient formula, which reached no
-                        # forward boundary (it would have been reported there).
-                        absorbed = absorbed or entry
-                    elif inherited is None or self._started_before(entry, inherited):
-                        inherited = entry  # the output carries the first-born origin of its inputs'
-
-                elif entry is not None or (self.outside_benign and not in_backward):  # (a replay's received value;
-                    benign |= kinds  # in backward, one with no entry came from code unseen: a Function's numpy)
-                elif "nan" not in kinds and is_additive_mask(value):
-                    benign |= kinds
-                    self._origins.note(value, BENIGN)  # looked at once per step, not at every consumer
-                else:
-                    outside = True
-                    if not in_backward:
-                        self._note_entered(op, argument, value)
-            in_place = written is not None and id(tensor) in written
-            if inherited is not None:
-                self._origins.note(tensor, inherited, in_place)
-            elif outside:
-                continue  # a propagator of a value from outside the trace: the watch's own rules
-            elif out_kinds <= benign and not reduces_a_mask(op, out_kinds, tensor):
-                self._origins.note(tensor, BENIGN, in_place)
-                if not in_backward:
-                    self.benign_modules.add(self._module_name())
-            elif not called_by_us():
-                new = frozenset(out_kinds - held) or out_kinds
-                origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed, in_place)
-                self._origins.note(tensor, origin, in_place)
-                self._report(origin)
-            if self.finding is not None:
-                return
-
-    def _note_entered(self, op: str, argument: str, value: torch.Tensor) -> None:
-        """Keep a non-finite tensor from outside the trace that ``op`` read, with its line (only the first read)."""
-        if (value.grad_fn is None and not value.requires_grad and not called_by_us()
-                and (self._phase_hint is None or self._phase_hint() is None)  # (not the optimizer's, nor data code's)
-                and all(t is not value for _, t, _ in self.entered_data)):
-            self.entered_data.append(
-                (TensorRef(TensorRole.INPUT, op, argument), value, sources_of_op(sys._getframe(1))[0]))
-
-    def _started_before(self, entry: Origin, other: Origin) -> bool:
-        """Whether ``entry``'s op ran first (``-x / scale**2 - log(scale)``: the log's, at scale 0, did)."""
-        order = {id(finding): index for index, finding in enumerate(self.started)}  # (kept from a step before: -1)
-        return order.get(id(entry.finding), -1) < order.get(id(other.finding), -1)
-
-    def _start_origin(
-        self,
-        op: str,
-        label: str,
-        tensor: torch.Tensor,
-        new: frozenset[str],
-        inputs: list[tuple[str, Any]],
-        priors: dict[int, Prior],
-        in_backward: bool,
-        absorbed: Origin | None,
-        in_place: bool = False,
-    ) -> Origin:
-        """An origin: this op made ``tensor`` non-finite from finite or benign inputs."""
-        node = torch._C._current_autograd_node() if in_backward else None
-        phase = Phase.BACKWARD if in_backward else None
-        if phase is None and self._phase_hint is not None:
-            phase = self._phase_hint()
-        op_frame = sys._getframe(1)
-        source, inner, user_frame = sources_of_op(op_frame)
-        # A Python backward (a custom Function's) runs its ops in the user's code: its line is where the op ran.
-        backward_code = in_backward and user_frame is not None and called_by_the_engine(op_frame, user_frame)
-        output_stats = tensor_stats(tensor)
-        input_stats = []
-        witnesses = [(label, weakref.ref(tensor))]
-        for name, value in inputs:
-            if not isinstance(value, torch.Tensor):
-                continue
-            prior = priors.get(id(value))
-            if prior is not None:
-                input_stats.append((TensorRef(TensorRole.OPERAND, name, before=True), prior.stats()))
-            elif is_checkable_op_value(value):
-                input_stats.append((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)))
-                witnesses.append((name, weakref.ref(value)))
-        forward_source, forward_module = self.node_sources.forward_source(node)
-        finding = OpFinding(
-            op=op,
-            phase=phase or Phase.FORWARD,
-            module=hook_definer(forward_module, user_frame if backward_code else None, self.enclosing) if in_backward
-            else hook_owner(user_frame, self._module_name()),
-            source=source,
-            inner_source=inner,
-            forward_source=forward_source,
-            autograd_node=node.name() if node is not None else None,
-            node_number=node._sequence_nr() if node is not None else None,
-            tensor=label,
-            new_kinds=tuple(kind for kind in KINDS if kind in new),
-            nan=output_stats.nan or 0,
-            posinf=output_stats.posinf or 0,
-            neginf=output_stats.neginf or 0,
-            numel=output_stats.numel,
-            output_stats=output_stats,
-            input_stats=tuple(input_stats),
-            scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
-            absorbed=absorbed.finding if absorbed is not None else None,
-            backward_code=backward_code,
-            samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
-        )
-        # %debug's frame (line_state.py): a forward op's, or a Python backward's.
-        frame = user_frame if not in_backward or backward_code else None
-        self.witnesses.note(finding, witnesses, frame, in_place)
-        self.started.append(finding)
-        origin = Origin(finding)
-        if not in_backward:
-            self._origins.note_memory(tensor, origin)
-        return origin
-
-    def _report(self, origin: Origin) -> None:
-        """Without ``at_boundary``, the first origin is the finding, reported inside its op."""
-        if self.at_boundary:
-            return
-        with self._lock:
-            if self.finding is not None:
-                return
-            self.finding = origin.finding
-            self.producer_tensors = self.witnesses.copies(origin.finding)
-        if self._on_finding is not None:
-            self._on_finding(origin.finding)
-
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran a forward origin's op, and its ``(f_lasti, f_lineno)`` then; for ``%debug``."""
         return self.witnesses.frame_of(finding)
-
-    # -- carrying origins on ---------------------------------------------------
-
-    def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).
-
-        It counts only where the output is non-finite (looked up only for such a tensor). Of several origins the
-        first born, as for an op (logdet's ``where(sign == -1, nan, logabsdet)``: its -inf is slogdet's), and an
-        op's origin over a deliberate infinity read before it (``cat([masked, 0 / 0])``: the NaN is the division's)."""
-        entry = None
-        for _, tensor in tensors(plan, args, kwargs, plan.reads):
-            found = self._origins.entry(tensor)
-            wins = isinstance(found, Origin) and (not isinstance(entry, Origin) or self._started_before(found, entry))
-            if entry is None or wins:
-                entry = found
-        if entry is None:
-            return
-        note = self._origins.note_view if plan.view else self._origins.note
-        for _, output in flatten("output", out):
-            note(output, entry)
-        for _, written in tensors(plan, args, kwargs, plan.writes):
-            self._origins.note(written, entry, written=True)

@@ -16,8 +16,9 @@ from nan_magic.hot.kept.call_records import Call, Frame
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.localize.ops.origins import apply_op_finding
+from nan_magic.localize.replay.calls_named import _replayable, _within
 from nan_magic.localize.replay.module_run import replay_module
-from nan_magic.localize.replay.producer_call import CallReplay, _replayable, _within
+from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.records import Note
 
 __all__ = ["CHANGED", "replay_outward"]

@@ -11,6 +11,9 @@ producer (:meth:`~CallReplay.replay_into`, :meth:`~CallReplay.replay_deferred`);
 (gradients.py) receive :meth:`~CallReplay.replay_backward_into` as a callable from the watch; the step replay and
 :meth:`Watch.listening` use :meth:`~CallReplay.standing_aside`. This module calls none of them: it gets the step's
 log, the config and ``emit`` at construction.
+
+The backward replays live beside it in :mod:`~nan_magic.localize.replay.call_backward` (a mixin of
+:class:`CallReplay`), and the log's call lookups in :mod:`~nan_magic.localize.replay.calls_named`.
 """
 
 from __future__ import annotations
@@ -26,32 +29,31 @@ from torch import nn
 from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.kept.held import Resolved
-from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.hot.stats import kinds_of
 from nan_magic.hot.timing import Timing
 from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.localize.ops.origins import apply_op_finding
+from nan_magic.localize.replay.call_backward import BackwardCallReplays
+from nan_magic.localize.replay.calls_named import _call_named, _replayable, _within, caller_named
 from nan_magic.localize.replay.module_run import (
     enclosing_output,
     recompute,
-    replay_backward,
     replay_module,
     run_again,
-    submodule_names,
 )
 from nan_magic.localize.replay.untouched import user_generators
 from nan_magic.options import WatchConfig
 from nan_magic.records import KINDS, Note, Phase, TensorRef
 
-__all__ = ["REGENERATE_DEPTH", "CallReplay", "caller_named"]
+__all__ = ["REGENERATE_DEPTH", "CallReplay"]
 
 #: How many calls back a backward replay recomputes freed inputs from.
 REGENERATE_DEPTH = 3
 
 
-class CallReplay:
+class CallReplay(BackwardCallReplays):
     """Replays of single module calls for one watch, and the flag that makes its hooks stand aside."""
 
     def __init__(
@@ -339,150 +341,6 @@ class CallReplay:
             if path == record.path:
                 return tensor
         return None
-
-    def replay_backward_into(self, finding: Finding, consumer: Call, target: TensorRecord | None) -> None:
-        """Replay the consumer whose backward made a gradient non-finite, to name the op and line.
-
-        Called from the gradient hook (immediate mode) while the consumer's arguments may still be alive:
-        autograd saves most of them for its backward. ``target`` is the consumer's input whose gradient went
-        bad; None: its parameters' (a parameter whose own gradient alone went bad, op_origins.py).
-        """
-        if consumer.held is None or not _replayable(consumer, consumer.rng_state):
-            finding.notes.append(Note.of("backward-not-kept", module=consumer.name))
-            return
-        chain: list[TensorRecord | Alias] = list(target.outward()) if target is not None else []
-        # The consumer may have received it through a pass-through (a dropout, an activation).
-        mine = {id(record) for record in chain}
-        chain += [held for held in consumer.held.records() if isinstance(held, Alias) and id(held.record) in mine]
-        with self.standing_aside():
-            result = replay_backward(
-                consumer.module, consumer.held, chain, rng_state=consumer.rng_state, regenerate=self._regenerate,
-                kinds=self.kinds, module_name=consumer.name or "", autocast=consumer.autocast,
-            )
-        if result.finding is None:
-            if result.note is not None:
-                finding.notes.append(result.note.adding(ops_hint=True))
-            return
-        apply_op_finding(finding, result.finding)
-        finding.notes.append(Note.of("backward-replay-found", module=consumer.name, op=result.finding.op,
-                                     node=result.finding.autograd_node))
-        if result.debug_note is not None:  # the forward line's frame, in a replay of the call (replay/line_replay.py)
-            finding.frame = result.frame
-            finding.notes.append(result.debug_note)
-        inner = _call_named(self._log, consumer, result.finding.module) if result.finding.module else None
-        if inner is not None and inner.info is not None:  # the op ran in a child's own code: the child is named
-            if finding.record is not None:
-                finding.record.status, finding.record = "propagated", None
-            finding.module, finding.module_type, finding.model = inner.name, inner.module_type, inner.info.model
-
-    def replay_anomaly(self, finding: Finding) -> bool:
-        """torch's anomaly mode stopped the backward before any check saw a non-finite gradient (per-module watch).
-
-        The backward was running inside the call that returned the tensor whose gradient arrived last (finite), or
-        inside one of its enclosing calls (the ops between submodules are the container's). Each, from that call
-        outwards, is replayed (forward and backward, anomaly mode off): the first whose replay makes a non-finite
-        value in its backward is the producer. False where none does: nothing is claimed then, and ``finding`` gets
-        the note of the call whose backward was running.
-        """
-        if not self.keeps_calls:
-            return False
-        last = _last_gradient_target(self._log)
-        call = last.call if last is not None else None
-        running = call
-        while call is not None:
-            if call.phase == Phase.FORWARD and call.module is not None and call.held is not None and _replayable(
-                    call, call.rng_state):
-                with self.standing_aside():
-                    result = replay_backward(
-                        call.module, call.held, (), rng_state=call.rng_state, regenerate=self._regenerate,
-                        kinds=self.kinds, module_name=call.name or "", autocast=call.autocast, anomaly=True,
-                    )
-                op = result.finding
-                if op is not None:
-                    # The call replayed is the producer: its own code, or a child's inside it (named by the op).
-                    inner = call if op.module in (None, call.name) else _call_named(self._log, call, op.module) or call
-                    finding.call, finding.record = inner, None
-                    finding.module, finding.module_type = inner.name, inner.module_type
-                    finding.model = inner.info.model if inner.info is not None else None
-                    finding.tensor = TensorRef.op_output(op.op)
-                    finding.rng_state = inner.rng_state
-                    finding.inputs = named_inputs(inner)
-                    apply_op_finding(finding, op, result.tensors)
-                    finding.frame = result.frame
-                    finding.notes.append(Note.of("backward-replay-found", module=call.name, op=op.op,
-                                                 node=op.autograd_node))
-                    if result.debug_note is not None:
-                        finding.notes.append(result.debug_note)
-                    if op.module is not None and op.module != inner.name:
-                        finding.notes.append(Note.of("ran-inside", op=op.op, op_module=op.module))
-                    return True
-            call = call.parent
-        if running is not None and running.info is not None:
-            finding.notes.append(Note.of("anomaly-unreplayed", module=running.name))
-        return False
-
-
-def _last_gradient_target(log: StepLog) -> TensorRecord | None:
-    """The recorded tensor whose gradient arrived last this step (cold: read at an event, from the log's calls).
-
-    A gradient's call names the tensor by its consumer's argument, else by the
-    call that returned it and its path (call_records.gradient_label).
-    """
-    calls = log.calls
-    gradient = next((call for call in reversed(calls) if call.phase == Phase.BACKWARD and call.outputs), None)
-    if gradient is None:
-        return None
-    label = gradient.outputs[0].path
-    if not isinstance(label, TensorRef):
-        return None
-    if gradient.consumer is not None and label.name is None:
-        return next((record for path, _argument, record, _ref, _version in gradient.consumer.inputs
-                     if path == label.path and record is not None), None)
-    for call in reversed(calls):
-        if call.phase == Phase.FORWARD and call.index < gradient.index and call.name == label.name:
-            found = next((record for record in call.outputs if str(record.path) == label.path), None)
-            if found is not None:
-                return found
-    return None
-
-
-def _call_named(log: StepLog, call: Call, module: str | None) -> Call | None:
-    """The latest call of the module named ``module`` made inside ``call`` (a child's code ran the op), if any."""
-    for inner in reversed(log.calls):
-        if inner.phase == Phase.FORWARD and inner.name == module and inner is not call:
-            outer = inner.parent
-            while outer is not None and outer is not call:
-                outer = outer.parent
-            if outer is call:
-                return inner
-    return None
-
-
-def caller_named(call: Call, module: str | None) -> Call | None:
-    """The call enclosing ``call`` (not ``call`` itself) of the module named ``module``, if any."""
-    caller = call.parent
-    while caller is not None:
-        if caller.name == module:
-            return caller
-        caller = caller.parent
-    return None
-
-
-def _within(module: str | None, producer: Call, enclosing: Call) -> bool:
-    """Whether the module named ``module`` in a replay of ``enclosing`` is ``producer``'s or one of its submodules.
-
-    By the modules themselves: the replay's names of those in ``producer``'s tree.
-    """
-    if module is None:
-        return False
-    names = submodule_names(enclosing.module, enclosing.name or "")
-    return module in {names.get(id(sub)) for sub in producer.module.modules()}
-
-
-def _replayable(call: Call, rng_state: RngState | None) -> bool:
-    """Whether the call's RNG state is known: saved, or not needed (the module draws no random numbers)."""
-    return rng_state is not None or (call.info is not None and call.info.deterministic)
-
 
 def _whole_view(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``view`` sees exactly ``base``'s elements, in the same layout."""

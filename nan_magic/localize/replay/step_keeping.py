@@ -1,0 +1,341 @@
+"""Tier 1 of the step replay: keeping, for the current step, what a replay of each top-level model call needs.
+
+:class:`StepKeeping` is the keeping half of :class:`~nan_magic.localize.replay.step.StepReplays` (which mixes it in):
+each top-level call's arguments, RNG and autocast state and buffer copies at its start (begin/finish), the gradient
+into its outputs, and their release once an optimizer stepped its model. It runs on every healthy step; the replay
+at an event (step.py) runs only for the step that failed. Apart so that each half reads in one sitting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+from collections import deque
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from nan_magic.errors.frames import is_library_code
+from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
+from nan_magic.hot.kept.lines import line_at
+from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
+from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
+from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.localize.replay.line_replay import nodes_made
+from nan_magic.localize.replay.root_calls import RootCall
+from nan_magic.patches.functional_calls import SWAPPED_OUT
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.hot.kept.call_records import Call
+    from nan_magic.hot.watched.targets import ModuleInfo
+
+__all__ = ["MAX_CALLS", "StepKeeping"]
+
+#: Top-level calls kept at most (a GAN's two models, a siamese model called twice, a few
+#: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed. A call
+#: is released when an optimizer has stepped every trainable parameter of its model.
+MAX_CALLS = 8
+
+
+class _Timing(Protocol):
+    @property
+    def deferred(self) -> bool: ...
+
+
+class _Cycle(Protocol):
+    trains: bool
+
+    @property
+    def timing(self) -> _Timing: ...
+
+    def training(self) -> bool: ...
+
+    def sync(self) -> list[float]: ...
+
+
+# Code objects of the frames between the watch's pre-hook and the user's line (torch's, ours), and the user's:
+# the walk of each top-level call asks sets, not a function per frame, once a code object is known.
+_PASSED: set[CodeType] = set()
+_NO_PARAMETERS: frozenset[int] = frozenset()
+_USERS: set[CodeType] = set()
+
+
+def _calling_frame(frame: FrameType | None) -> FrameType | None:
+    """The user's frame at or above ``frame`` (errors/frames.user_line, cached by code object)."""
+    while frame is not None:
+        code = frame.f_code
+        if code in _USERS:
+            return frame
+        if code in _PASSED:
+            frame = frame.f_back
+        else:
+            (_PASSED if is_library_code(code) else _USERS).add(code)
+    return None
+
+
+class _Watched(Protocol):
+    """What keeping reads of the watch (the whole of it is step.ReplayHost)."""
+
+    @property
+    def cycle(self) -> _Cycle: ...
+
+
+class StepKeeping:
+    """The keeping half of :class:`~nan_magic.localize.replay.step.StepReplays`: what each top-level call leaves."""
+
+    # Set by the class that mixes this in.
+    _buffer_copies: BufferCopies
+    _library_forward: dict[int, bool]
+    _mutable: dict[int, set[int] | None]
+    _slots: dict[int, tuple[list[Any], list[str], bool, frozenset[int], list[Written | None]]]
+    _states: ModelStates
+    _stepped: frozenset[int]
+    _trainable: dict[int, frozenset[int]]
+    calls: deque[RootCall]
+    counts_nodes: bool
+    watch: _Watched
+
+    # -- tier 1: keeping what a replay needs --------------------------------------------
+
+    def begin(
+        self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...], checkable: bool | None = None
+    ) -> RngState:
+        """A top-level call of a watched model starts (its forward pre-hook); ``call`` is the watch's record.
+
+        Returns the generators' state taken for it (the call's own replay uses the same). ``checkable``:
+        ``model(x)``'s ``is_checkable(x)``, asked by the hook already (None: another form of call).
+        """
+        model = id(module)
+        slots = self._slots.get(model)
+        if slots is None:
+            found = [
+                (owned if type(owned := owner._buffers) is dict else ScriptedBuffers(owned), name)
+                # (keys(): a scripted module's buffers cannot be iterated by name)
+                for owner in module.modules()
+                for name in owner._buffers.keys()  # noqa: SIM118
+            ]
+            owners = [owner for owner, _name in found]
+            slots = self._slots[model] = (
+                owners,
+                [name for _owner, name in found],
+                all(type(owner) is dict for owner in owners),
+                step_counters(module),
+                [None, None],
+            )
+            self._trainable[model] = _trainable(module)
+            self._library_forward[model] = is_library_code(type(module).forward.__code__)
+        training = module.training
+        written = slots[4][training]
+        parameters: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        learning = None
+        if written is None:  # its first call in this mode: which parameters does its forward write in place?
+            learning = written_parameters_before(module, training)
+        elif written:  # (the usual model writes none: nothing copied, not even a tuple made)
+            parameters = tuple((parameter, parameter.detach().clone()) for parameter in written)
+        if slots[1]:
+            mutable = self._mutable.get(model)
+            owners, names, plain, counters, _written = slots
+            present = (
+                [buffer for buffer in map(_dict_get, owners, names) if buffer is not None]
+                if plain
+                else [buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
+            )
+            buffer_versions = with_versions(present)
+            live = (
+                dict(zip(map(id, present), present))
+                if mutable is None
+                else {key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
+            )
+            # (A BatchNorm model in training changes only its step counters after the first call: no copy at all.)
+            buffers = self._buffer_copies.take(module, live) if live else {}
+        else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
+            buffer_versions, live, buffers, counters = [], {}, {}, _NO_PARAMETERS
+        if checkable:  # (``model(x)``: no walk of the arguments; version_of inlined)
+            try:
+                versions = [(args[0], args[0]._version)]
+            except RuntimeError:  # an inference tensor has no version counter
+                versions = [(args[0], 0)]
+        elif checkable is not None:
+            versions = []
+        else:
+            versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
+        rng = self._states.take(module)  # (once for a Sequential that draws nothing: rng.py)
+        caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
+        line = line_at(caller) if caller is not None else 0  # (f_lineno scans the code's line table: lines.py)
+        calls = self.calls
+        if len(calls) == MAX_CALLS and (cycle := self.watch.cycle).timing.deferred:
+            # The oldest call is let go now; judged after, no replay could call its -inf deliberate (a rollout's
+            # masked logits) or name a NaN's op. So the step is judged now: a host read per MAX_CALLS calls more.
+            cycle.sync()
+        calls.append(
+            RootCall(
+                module=module,
+                info=info,
+                args=args,
+                rng=rng,
+                grad_enabled=torch.is_grad_enabled(),
+                autocast=capture_autocast() if any_autocast() else None,  # (the usual step's None, with no call more)
+                buffers=buffers,
+                buffer_sources=list(live.values()),
+                versions=versions,
+                buffer_versions=buffer_versions,
+                counters=counters,
+                call=call,
+                site=(caller.f_code, line, caller.f_globals)
+                if caller is not None and self._library_forward[model]
+                else None,
+                caller=(caller.f_code, id(caller), caller.f_lasti, line) if caller is not None else None,
+                nodes_before=nodes_made() if self.counts_nodes else None,
+                parameters=parameters,
+                learning=learning,
+                # (a list's truth, no call: MAML's loops alone have a swap in progress)
+                in_functional_call=any(swapped is module for swapped, _own in SWAPPED_OUT) if SWAPPED_OUT else False,
+            )
+        )
+        return rng
+
+    def arguments_of(self, call: Call) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A held top-level call's arguments as it was made (the scene saves its plain ones); None if not held."""
+        root = next((root for root in self.calls if root.call is call), None)
+        return (root.args, root.kwargs) if root is not None else None
+
+    def finish(self, module: nn.Module, kwargs: dict[str, Any], output: Any = None) -> None:
+        """The top-level call returned (or raised): note its keyword arguments, and what its buffers did."""
+        calls = self.calls  # (the latest call first, inlined: the usual step's one call is it)
+        root = calls[-1] if calls and calls[-1].module is module else self._latest(module)
+        if root is None or root.returned:
+            return
+        root.returned = True
+        root.kwargs = dict(kwargs)
+        if root.grad_enabled and not ((cycle := self.watch.cycle).trains or cycle.training()):
+            # Only an inference step drops its calls when the next step begins (new_step): training keeps them anyway.
+            root.outputs = [
+                weakref.ref(tensor)
+                for _path, tensor in iter_tensors(output, attributes=True)
+                if tensor.grad_fn is not None
+            ]
+        if kwargs:
+            root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+        if root.learning is not None:
+            training, written = written_parameters_after(root.learning)
+            self._slots[id(module)][4][training] = written
+        if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)
+            if id(module) not in self._mutable:
+                self._mutable[id(module)] = set()
+            return
+        try:  # (``_version`` read directly: this runs at every top-level call; an inference tensor has none)
+            moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
+        except RuntimeError:
+            moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
+        if root.counters:  # (a BatchNorm's step counter is counted back at a replay, not copied: counted_back)
+            moved -= root.counters
+        known = self._mutable.get(id(module))
+        self._mutable[id(module)] = moved | (known or set())
+
+    def capture_gradient(self, call: Call, path: str, grad: torch.Tensor) -> None:
+        """The gradient flowing into output ``path`` of a top-level call (its tensor hook)."""
+        for root in self.calls:
+            if root.call is call:
+                root.output_grads[path] = grad
+                return
+
+    def clear(self) -> None:
+        """The watch ends: nothing can need a replay any more."""
+        self.calls.clear()
+        self._stepped = _NO_PARAMETERS
+        self._buffer_copies.clear()
+
+    def new_step(self, training: bool) -> None:
+        """A step begins: inference steps drop the last step's calls; training keeps the calls not yet stepped.
+
+        A call still waiting from an earlier step is one whose model's trainable parameters (learned at its first
+        call) no optimizer stepped: they may have changed since (a layer unfrozen, an embedding resized), so they are
+        learned again.
+        """
+        if self._stepped:
+            self._stepped = _NO_PARAMETERS
+        if not self.calls:  # (a training step released its calls as its optimizer stepped: nothing to learn)
+            return
+        if not training:
+            # Inference: the last step's calls are dropped as the next step begins, each unless a backward
+            # may still reach it (a GAN's generator called before the discriminator, while no optimizer
+            # has stepped yet; a siamese model's first call): then it stays while an output with a graph lives.
+            waiting = [root for root in self.calls if root.awaits_backward()]
+            self._keep(waiting)
+        for module in {id(root.module): root.module for root in self.calls}.values():
+            self._trainable[id(module)] = _trainable(module)
+
+    def release_stepped(self, opt: torch.optim.Optimizer, ids: frozenset[int] | None = None) -> None:
+        """``opt`` stepped: drop the calls of models with nothing left to step this step.
+
+        A call is kept while its model has a trainable parameter that no optimizer stepped since the step began: a
+        GAN's generator call, made before the discriminator's step, waits for its own optimizer (its backward may
+        still fail). A model without trainable parameters (a frozen teacher) is dropped at the first step. The
+        trainable parameters are those of the model's first call in the watch (a set per model, not a walk of its
+        parameters each step), learned again for a call still waiting when the next step begins (new_step).
+        ``ids``: the ids of ``opt``'s parameters, as its pre-hook's layout holds them (a set made once a
+        layout, hot/checks/layouts.py: none is built here each step); None: read from its groups.
+        """
+        if ids is None:
+            groups = opt.param_groups
+            ids = frozenset(
+                map(
+                    id,
+                    groups[0]["params"]
+                    if len(groups) == 1
+                    else itertools.chain.from_iterable(group["params"] for group in groups),
+                )
+            )
+        self._stepped = stepped = ids if not self._stepped else self._stepped | ids
+        calls = self.calls
+        if len(calls) == 1:  # (the usual step, one model call: no list of the waiting ones, no _keep)
+            root = calls[0]
+            if self._trainable.get(id(root.module), _NO_PARAMETERS) <= stepped:
+                if root.buffers and self._mutable.get(id(root.module)):  # (copies a next call will copy into)
+                    self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
+                self.calls = deque(maxlen=MAX_CALLS)
+            return
+        waiting = [root for root in calls if not self._trainable.get(id(root.module), _NO_PARAMETERS) <= stepped]
+        self._keep(waiting)
+
+    def _keep(self, waiting: list[RootCall]) -> None:
+        """Keep only the ``waiting`` calls; the buffer copies of the others are free for the next calls."""
+        if len(waiting) != len(self.calls):
+            # (Every call released, the usual training step: no test of each against the waiting ones.)
+            released = (
+                self.calls
+                if not waiting
+                else [root for root in self.calls if not any(root is kept for kept in waiting)]
+            )
+            for root in released:
+                # (Copies a next call will copy into: none where its calls change no buffer it copies, a BatchNorm
+                # model's after its first call, whose copies of every buffer are then let go, not kept for the watch.)
+                if root.buffers and self._mutable.get(id(root.module)):
+                    self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
+            self.calls = deque(waiting, maxlen=MAX_CALLS)
+
+    def _latest(self, module: nn.Module) -> RootCall | None:
+        return next((root for root in reversed(self.calls) if root.module is module), None)
+
+    # -- tier 2: the replay ---------------------------------------------------------------
+
+
+_dict_get: Any = dict.get
+
+
+def _trainable(module: nn.Module) -> frozenset[int]:
+    """The ids of ``module``'s parameters that require gradients (release_stepped waits for them).
+
+    Each module's own ``_parameters``, not ``module.parameters()``: that walk hashes every parameter in
+    Python (``Tensor.__hash__``) to drop repeats, which the set of ids does; every step of gradient
+    accumulation, which no optimizer steps, learns them again (new_step).
+    """
+    return frozenset(
+        id(parameter)
+        for child in module.modules()
+        for parameter in child._parameters.values()
+        if parameter is not None and parameter.requires_grad
+    )
