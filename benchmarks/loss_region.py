@@ -155,9 +155,9 @@ def rng(model: str, steps: int = 600) -> None:
     from models import build_launch_bound
 
     import nan_magic
-    import nan_magic.localize.replay.step as step_module
+    import nan_magic.hot.kept.rng as rng_module  # (ModelStates.take calls it at each top-level call)
 
-    taken = step_module.capture_rng_state
+    taken = rng_module.capture_rng_state
     generator = torch.default_generator
     times: dict[str, list[int]] = {key: [] for key in (
         "bytearray(5056), first", "bytearray(5056), second", "get_state()", "get_state() again",
@@ -195,12 +195,12 @@ def rng(model: str, steps: int = 600) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     for patch in (timed, alternate):
-        step_module.capture_rng_state = patch  # type: ignore[assignment]
+        rng_module.capture_rng_state = patch  # type: ignore[assignment]
         bench = build_launch_bound(model)
         with nan_magic.watch(bench.model, bench.optimizer):
             for _ in range(steps):
                 bench.train_step()
-    step_module.capture_rng_state = taken
+    rng_module.capture_rng_state = taken
     for key, values in times.items():
         print(f"  {model:10s} {key:36s} median {statistics.median(values) / 1000:6.1f} us")
 
