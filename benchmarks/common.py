@@ -99,6 +99,25 @@ def all_columns() -> list[Column]:
     ]
 
 
+def watch_options(pairs: list[str]) -> dict[str, Any]:
+    """``--option NAME=VALUE`` arguments as ``watch()``'s keyword arguments (VALUE a Python literal, else a string).
+
+    Raises ValueError for a pair that is not ``NAME=VALUE``, and for ``defer`` (the scripts' own ``--defer``).
+    """
+    import ast
+
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier() or name == "defer":
+            raise ValueError(f"--option takes NAME=VALUE (not defer: use --defer), not {pair!r}")
+        try:
+            parsed[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed[name] = value
+    return parsed
+
+
 def setup_torch(threads: int) -> None:
     """Pin the intra-op thread count, so timings do not depend on the default pool size."""
     torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ Usage::
     python benchmarks/hot_calls.py --models             # only the loss-code and update regions' costs
     python benchmarks/hot_calls.py --defer              # the deferred mode's (CUDA's default, defer=True)
     python benchmarks/hot_calls.py --idioms             # what each idiom of a realistic loop adds, both modes
+    python benchmarks/hot_calls.py --option replay=False --option fixes=False   # any watch() option, as a literal
 
 Why: on the launch-bound step (launch_bound.py) the watch's cost is almost all Python
 the interpreter runs per step, and the timings of a shared 2-core machine move by
@@ -36,6 +37,7 @@ import pstats
 import sys
 
 import baselines
+import common
 import torch
 from models import LAUNCH_BOUND, build_launch_bound
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -257,6 +259,8 @@ def main() -> None:
     parser.add_argument("--by", choices=("function", "file"), default="function")
     parser.add_argument("--defer", action="store_true",
                         help="count the deferred mode (defer=True: probes read once a step, CUDA's default)")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="pass NAME=VALUE to watch() (VALUE a Python literal, e.g. replay=False); repeatable")
     parser.add_argument("--idioms", action="store_true",
                         help="only the calls each idiom of a realistic loop adds (clipping, .item(), ...), both modes")
     options = parser.parse_args()
@@ -264,6 +268,10 @@ def main() -> None:
         parser.error(f"--steps must be at least 1, not {options.steps}")
     if options.top < 0:
         parser.error(f"--top must be 0 or more, not {options.top}")
+    try:
+        watch_options = common.watch_options(options.option)
+    except ValueError as error:
+        parser.error(str(error))
     import nan_magic
 
     torch.set_num_threads(1)
@@ -274,7 +282,8 @@ def main() -> None:
         return
     print("Python calls the default watch adds to a healthy training step (cProfile primitive calls, "
           f"mean over {options.steps} steps after {SETTLE}); fp32, CPU, one thread; "
-          f"{'deferred mode (defer=True)' if options.defer else 'immediate mode (the CPU default)'}")
+          f"{'deferred mode (defer=True)' if options.defer else 'immediate mode (the CPU default)'}"
+          + "".join(f", {key}={value!r}" for key, value in watch_options.items()))
     if options.models:
         print(f"{'model':<10} {'calls':>6} {'extra/step':>11} {'ours/step':>10} {'extra/call':>11} {'floor/step':>11}")
     for name in options.models:
@@ -283,7 +292,7 @@ def main() -> None:
         for _ in range(5):
             bench.train_step()
         unwatched = _profiled(bench.train_step, options.steps)
-        with nan_magic.watch(bench.model, bench.optimizer, defer=options.defer):
+        with nan_magic.watch(bench.model, bench.optimizer, defer=options.defer, **watch_options):
             for _ in range(SETTLE):
                 bench.train_step()
             watched = _profiled(bench.train_step, options.steps)

@@ -6,6 +6,7 @@ Usage (needs py-spy: ``pip install -e ".[bench]"``)::
     python benchmarks/hot_share.py --defer         # the deferred mode (defer=True, CUDA's default)
     python benchmarks/hot_share.py --top 10        # and the functions of ours the samples landed in most
     python benchmarks/hot_share.py --top 10 --by entry   # ... by the hook of ours torch called
+    python benchmarks/hot_share.py --option replay=False --option fixes=False   # any watch() option, as a literal
 
 Why: launch_bound.py times the watched and the unwatched step one after the other; on a
 shared machine the two move by 10-40% between blocks, more than the watch's cost. py-spy
@@ -39,7 +40,7 @@ SETTLE = 60
 RATE = 1000
 
 
-def child(name: str, seconds: float, defer: bool) -> None:
+def child(name: str, seconds: float, defer: bool, options: dict[str, object]) -> None:
     """Train ``name`` under the watch for ``seconds`` after settling (what py-spy samples)."""
     import torch
     from models import build_launch_bound
@@ -48,7 +49,7 @@ def child(name: str, seconds: float, defer: bool) -> None:
 
     torch.set_num_threads(1)
     bench = build_launch_bound(name)
-    with nan_magic.watch(bench.model, bench.optimizer, defer=defer):
+    with nan_magic.watch(bench.model, bench.optimizer, defer=defer, **options):
         for _ in range(SETTLE):
             bench.train_step()
         print("settled", flush=True)
@@ -117,17 +118,26 @@ def main() -> None:
     parser.add_argument("--by", choices=["function", "entry"], default="function",
                         help="--top by the innermost function of ours (default), or by the entry point: the hook or "
                              "callback of ours that torch called")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="pass NAME=VALUE to watch() (VALUE a Python literal, e.g. replay=False); repeatable")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.seconds <= 0:
         parser.error(f"--seconds must be positive, not {options.seconds}")
+    import common
+
+    try:
+        watch_options = common.watch_options(options.option)
+    except ValueError as error:
+        parser.error(str(error))
     if options.child:
-        child(options.child, options.seconds, options.defer)
+        child(options.child, options.seconds, options.defer, watch_options)
         return
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy):
         parser.error('needs py-spy (pip install -e ".[bench]")')
     mode = "deferred mode (defer=True)" if options.defer else "immediate mode (the CPU default)"
+    mode += "".join(f", {key}={value!r}" for key, value in watch_options.items())
     print(f"The default watch's share of a healthy training step, sampled by py-spy {RATE} times a second; "
           f"fp32, CPU, one thread; {mode}")
     print(f"{'model':<10} {'samples':>8} {'share':>7} {'ratio':>7}")
@@ -137,6 +147,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", name, "--seconds", str(options.seconds + 5)]
             if options.defer:
                 command.append("--defer")
+            command.extend(f"--option={pair}" for pair in options.option)
             process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             assert process.stdout is not None
             process.stdout.readline()  # settled: sample the steady state only

@@ -77,6 +77,16 @@ def test_hot_calls_refuses_a_step_count_below_one_in_one_line() -> None:
     assert result.stderr.strip().splitlines()[-1].endswith("--steps must be at least 1, not 0")
 
 
+def test_hot_calls_passes_a_watch_option_and_says_so_and_refuses_defer_among_them() -> None:
+    # (issue 25, hot21: replay=False counted against the default; the value is a Python literal)
+    result = _hot_calls("--models", "small_cnn", "--steps", "3", "--option", "replay=False", "--option", "mode=full")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].endswith("replay=False, mode='full'")
+    refused = _hot_calls("--option", "defer=True")
+    assert refused.returncode == 2
+    assert "--option takes NAME=VALUE (not defer: use --defer), not 'defer=True'" in refused.stderr.splitlines()[-1]
+
+
 def test_hot_calls_counts_what_each_idiom_of_a_realistic_loop_adds_in_both_modes() -> None:
     result = _hot_calls("--idioms", "--steps", "4")
     assert result.returncode == 0, result.stderr

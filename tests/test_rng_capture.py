@@ -143,3 +143,52 @@ def test_a_draw_in_the_models_own_code_is_replayed_with_the_same_numbers(model: 
     report = _run(model(), options)
     assert (report.phase, report.step) == ("forward", 3)
     assert report.reproduced is True and 0 < report.posinf < 128
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_dropout_inserted_into_the_sequential_mid_watch_is_replayed_with_its_mask(options: dict) -> None:
+    # (An insert, not a swap: the children grow by one; the Sequential drew nothing until then, its state was kept.)
+    model = nn.Sequential(_doubling(8), _doubling(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    torch.manual_seed(1)
+    batches = [torch.rand(16, 8) for _ in range(4)] + [torch.full((16, 8), BIG / 2)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        _train(model, batches[:2], opt)
+        model.insert(0, nn.Dropout(0.5))  # 0.5e38 kept as 1e38, doubled twice: inf where kept
+        _train(model, batches[2:], opt)
+    report = caught.value.report
+    assert (report.phase, report.module, report.op, report.step) == ("forward", "2", "aten.mm.default", 4)
+    assert report.reproduced is True and 0 < report.posinf < 128
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        lambda: nn.Sequential(nn.Dropout(0.5), _doubling(8), _doubling(8)),
+        lambda: nn.Sequential(_doubling(8), _doubling(8)),
+        _RandInForward,
+    ],
+    ids=["dropout", "draws none", "own forward"],
+)
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_loop_that_seeds_each_step_is_replayed_from_the_steps_own_state(options: dict, model) -> None:
+    # torch.manual_seed before each step: the state a call ran from is the seed's, not the last call's (a Sequential
+    # that draws none is given its first state again: it draws nothing from it).
+    built = model()
+    opt = torch.optim.SGD(built.parameters(), lr=0.0)
+    torch.manual_seed(1)
+    batches = [torch.rand(16, 8) for _ in range(5)]
+    batches[3] = torch.full((16, 8), BIG)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(built, opt, **options):
+        for step, x in enumerate(batches):
+            torch.manual_seed(100 + step)
+            loss = built(x).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step) == ("forward", 3)
+    assert report.reproduced is True and 0 < report.posinf <= 128
+    if isinstance(built, nn.Sequential):  # the failing step's own draw, unwatched: the counts the replay must give
+        torch.manual_seed(103)
+        assert report.module == "1" and report.posinf == int(torch.isposinf(built[:2](batches[3])).sum())
