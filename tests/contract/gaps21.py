@@ -1,0 +1,143 @@
+"""A child's code run without a module call (gaps21): the module named is the one whose own code ran the op.
+
+``self.act.forward(h)`` runs no module hook, so the watch's stack still says the caller; PRODUCT.md's module is the
+innermost watched module whose own code ran the op. The variants: a method other than ``forward``, a helper
+function that calls ``layer.forward(x)``, a library module (``nn.Linear``) whose ``forward`` is called directly, a
+``super().forward`` (the module's own code, named as before), and a healthy twin, bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from contract import Case, Expect, Scenario
+from contract.hunt14 import DIRECT_FORWARD
+
+
+class LogMethod(nn.Module):
+    fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x - 10) if self.fire else torch.tanh(x)  # producer: method log
+
+
+class SuperLog(LogMethod):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().squash(x) * 2
+
+
+def run_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer.forward(x)
+
+
+class Direct(nn.Module):
+    """Calls ``act`` without ``__call__``: ``how`` is ``method``, ``helper`` or ``super`` (``act`` is a SuperLog)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = SuperLog() if how == "super" else LogMethod()
+        self.out = nn.Linear(4, 1)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.how == "method":
+            h = self.act.squash(h)
+        elif self.how == "helper":
+            self.act.forward = self.act.squash  # type: ignore[method-assign]  # (an instance attribute: no call)
+            h = run_forward(self.act, h)
+        else:
+            h = self.act(h)
+        return self.out(h)
+
+
+class DirectLinear(nn.Module):
+    """``self.big.forward(x)``: a library module's forward run directly; its addmm overflows at step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.big = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.big.forward(self.lin(x)))  # producer: direct linear
+
+
+def _steps(model: nn.Module, before, steps: int = 4) -> Scenario:
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 4) for _ in range(steps)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(steps):
+            before(step)
+            loss = model(xs[step]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+def _direct(how: str, fire_at: int | None) -> Scenario:
+    torch.manual_seed(0)
+    model = Direct(how)
+
+    def before(step: int) -> None:
+        model.act.fire = step == fire_at
+
+    return _steps(model, before)
+
+
+def _direct_linear(big_at: int | None) -> Scenario:
+    torch.manual_seed(0)
+    model = DirectLinear()
+
+    def before(step: int) -> None:
+        if step == big_at:
+            with torch.no_grad():
+                model.big.weight.fill_(3e38)
+
+    return _steps(model, before)
+
+
+#: (A strict xfail until the per-module watch names the module the tracer names: see hunt14.DIRECT_FORWARD.)
+FULL = (("full", DIRECT_FORWARD),)
+
+
+def _expect(module: str, module_type: str, marker: str, op: str = "aten.log.default") -> Expect:
+    return Expect("forward", module, module_type, step=2, op=op, marker=marker)
+
+
+CASES = [
+    Case(
+        "gaps21_child_method_other_than_forward",
+        lambda: _direct("method", 2),
+        _expect("act", "LogMethod", "method log"),
+        gaps=FULL,
+    ),
+    Case(
+        "gaps21_child_forward_through_a_helper_calling_forward",
+        lambda: _direct("helper", 2),
+        _expect("act", "LogMethod", "method log"),
+        gaps=FULL,
+    ),
+    Case("gaps21_child_super_method", lambda: _direct("super", 2), _expect("act", "SuperLog", "method log")),
+    Case("gaps21_child_method_healthy", lambda: _direct("method", None), None),
+    Case(
+        "gaps21_library_module_forward_called_directly",
+        lambda: _direct_linear(2),
+        _expect("big", "Linear", "direct linear", op="aten.addmm.default"),
+        gaps=FULL,
+    ),
+    Case("gaps21_library_module_forward_called_directly_healthy", lambda: _direct_linear(None), None),
+]
