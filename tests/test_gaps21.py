@@ -14,8 +14,18 @@ from nan_magic.records import Phase, Report, StepSummary, TensorRef
 
 def _diverging(decay: tuple[float, float] | None) -> Report:
     return Report(
-        phase=Phase.FORWARD, module=None, module_type=None, step=5, nan=0, posinf=1, neginf=0, numel=1, dtype="float32",
-        tensor=TensorRef.output(), op="aten.mse_loss.default", optimizer_decay=decay,
+        phase=Phase.FORWARD,
+        module=None,
+        module_type=None,
+        step=5,
+        nan=0,
+        posinf=1,
+        neginf=0,
+        numel=1,
+        dtype="float32",
+        tensor=TensorRef.output(),
+        op="aten.mse_loss.default",
+        optimizer_decay=decay,
         history=tuple(StepSummary(step=step, loss=loss, absmax=1.0) for step, loss in enumerate([1.2, 5e3, 2e10])),
     )
 
@@ -37,8 +47,10 @@ def test_a_usual_weight_decay_leaves_the_learning_rate_hint(decay: tuple[float, 
 
 def test_the_largest_decay_over_groups_and_optimizers() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
-    sgd = torch.optim.SGD([{"params": a.parameters(), "weight_decay": 0.0},
-                           {"params": [b.weight], "lr": 0.5, "weight_decay": 1e-2}], lr=0.1)
+    sgd = torch.optim.SGD(
+        [{"params": a.parameters(), "weight_decay": 0.0}, {"params": [b.weight], "lr": 0.5, "weight_decay": 1e-2}],
+        lr=0.1,
+    )
     adamw = torch.optim.AdamW([b.bias], lr=torch.tensor(0.01), weight_decay=3.0)  # (a tensor lr: read at the event)
     assert largest_decay([sgd]) == (0.5, 1e-2)
     assert largest_decay([sgd, adamw]) == pytest.approx((0.01, 3.0))
