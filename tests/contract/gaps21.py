@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from contract import Case, Expect, Scenario
-from contract.hunt14 import DIRECT_FORWARD
 
 
 class LogMethod(nn.Module):
@@ -110,10 +109,6 @@ def _direct_linear(big_at: int | None) -> Scenario:
     return _steps(model, before)
 
 
-#: (A strict xfail until the per-module watch names the module the tracer names: see hunt14.DIRECT_FORWARD.)
-FULL = (("full", DIRECT_FORWARD),)
-
-
 def _expect(module: str, module_type: str, marker: str, op: str = "aten.log.default") -> Expect:
     return Expect("forward", module, module_type, step=2, op=op, marker=marker)
 
@@ -123,13 +118,11 @@ CASES = [
         "gaps21_child_method_other_than_forward",
         lambda: _direct("method", 2),
         _expect("act", "LogMethod", "method log"),
-        gaps=FULL,
     ),
     Case(
         "gaps21_child_forward_through_a_helper_calling_forward",
         lambda: _direct("helper", 2),
         _expect("act", "LogMethod", "method log"),
-        gaps=FULL,
     ),
     Case("gaps21_child_super_method", lambda: _direct("super", 2), _expect("act", "SuperLog", "method log")),
     Case("gaps21_child_method_healthy", lambda: _direct("method", None), None),
@@ -137,7 +130,6 @@ CASES = [
         "gaps21_library_module_forward_called_directly",
         lambda: _direct_linear(2),
         _expect("big", "Linear", "direct linear", op="aten.addmm.default"),
-        gaps=FULL,
     ),
     Case("gaps21_library_module_forward_called_directly_healthy", lambda: _direct_linear(None), None),
 ]
