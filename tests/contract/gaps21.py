@@ -133,3 +133,83 @@ CASES = [
     ),
     Case("gaps21_library_module_forward_called_directly_healthy", lambda: _direct_linear(None), None),
 ]
+
+
+# ---------------------------------------------------------------- a forward that starts writing its input later
+class NormalisesInPlaceFrom(nn.Module):
+    """Normalises its input rows in place from step ``start`` on (a flag the loop sets: a warm-up that ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            x /= x.norm(dim=1, keepdim=True)  # producer: later in-place norm
+        return self.lin(x)
+
+
+def _in_place_from(start: int, blank_at: int | None) -> Scenario:
+    """From step ``start`` the forward writes its input; at step ``blank_at`` one row is all 0 (0 / 0)."""
+    torch.manual_seed(0)
+    model = NormalisesInPlaceFrom()
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    if blank_at is not None:
+        xs[blank_at][3] = 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            model.in_place = step >= start
+            loss = model(xs[step]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+#: Why a forward whose first in-place write of its input is the failing call is named without its op.
+FIRST_WRITE_FAILS = (
+    "the forward's first in-place write of its input is the failing call: nothing was kept before it "
+    "(hot/kept/input_writes.py learns a writer from a call that moved its input's version counter, and copies from "
+    "the next call on), so the replay starts from the values the write left: op None, the input said modified in "
+    "place; the op tracer (ops=True) sees the write"
+)
+
+CASES += [
+    Case(
+        "gaps21_forward_writes_its_input_from_step_1_blank_row_at_2",
+        lambda: _in_place_from(1, 2),
+        Expect(
+            "forward",
+            "",
+            "NormalisesInPlaceFrom",
+            step=2,
+            op="aten.div_.Tensor",
+            marker="later in-place norm",
+            op_modes=("default", "defer", "ops"),
+        ),
+        note="learned at step 1's call (its input's version moved), copied from step 2's: the tiered replay names "
+        "the op; the per-module watch keeps no copy (hunt19.IN_PLACE_INPUT_GAP)",
+    ),
+    Case(
+        "gaps21_forward_first_writes_its_input_at_the_failing_step",
+        lambda: _in_place_from(2, 2),
+        Expect(
+            "forward",
+            "",
+            "NormalisesInPlaceFrom",
+            step=2,
+            op="aten.div_.Tensor",
+            marker="later in-place norm",
+            op_modes=("ops",),
+        ),
+        note=FIRST_WRITE_FAILS,
+    ),
+    Case("gaps21_forward_writes_its_input_from_step_1_healthy", lambda: _in_place_from(1, None), None),
+]

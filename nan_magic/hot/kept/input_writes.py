@@ -7,7 +7,8 @@ cannot name the op that made it. Copying every batch at every call would cost ev
 for the parameters a forward writes (parameter_writes.py), only a model seen writing its input pays it.
 
 Seen: a top-level call whose input's version counter moved between its start and its return (the versions are
-read at the call's start anyway, for the replay's own check; one more read of each at its return, no Python call).
+read at the call's start anyway, for the replay's own check; replay/step_keeping.py reads each once more as the call
+returns, in a loop with no Python call).
 Learned from any call, not only the first: a forward that writes its input only on some calls is copied from the
 call after the first such write. Not learned: a write through ``.data`` (no version counter moves), or a first
 write at the failing call itself (nothing was kept before it: the replay says its input was modified in place).
@@ -17,18 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["inputs_before", "wrote_an_input"]
-
-
-def wrote_an_input(versions: list[tuple[torch.Tensor, int]]) -> bool:
-    """Whether any input's version counter moved since ``versions`` were read (the call's start)."""
-    for tensor, version in versions:  # (a loop, not any(...): no generator frame per top-level call)
-        try:
-            if tensor._version != version:
-                return True
-        except RuntimeError:  # an inference tensor has no version counter
-            continue
-    return False
+__all__ = ["inputs_before"]
 
 
 def inputs_before(versions: list[tuple[torch.Tensor, int]]) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
