@@ -262,6 +262,8 @@ class StepReplays(StepKeeping):
             step=step,
             autograd_node=report.autograd_node or (seen.autograd_node if seen else None),
             optimizer=report.optimizer or (seen.optimizer if seen else None),
+            # (the watched optimizers' weight decay, read as the step's check saw the event: the nested watch has none)
+            optimizer_decay=report.optimizer_decay or (seen.optimizer_decay if seen else None),
             history=tuple(watch.history),
             warnings=tuple(watch.warnings),
             reproduced=True,
