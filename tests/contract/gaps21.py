@@ -135,6 +135,46 @@ CASES = [
 ]
 
 
+# ---------------------------------------------------------------- a direct child's backward
+class SqrtAbs(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x)  # producer: direct sqrt
+
+
+class DirectBackward(nn.Module):
+    """``self.act.forward(h)``: at step 2 ``lin`` is zeroed, sqrt(0)'s backward divides by 0 inside ``act``."""
+
+    def __init__(self, twins: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = SqrtAbs()
+        self.other = SqrtAbs() if twins else nn.Identity()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act.forward(self.lin(x)))
+
+
+def _direct_backward(zero_at: int | None, twins: bool = False) -> Scenario:
+    torch.manual_seed(0)
+    model = DirectBackward(twins)
+
+    def before(step: int) -> None:
+        if step == zero_at:
+            with torch.no_grad():
+                model.lin.weight.zero_()
+                model.lin.bias.zero_()
+
+    return _steps(model, before)
+
+
+#: Why a direct child's backward is its parent's where two modules of its class lie below the parent.
+TWO_OF_THE_CLASS = (
+    "the node's forward line is SqrtAbs.forward, and two SqrtAbs lie below the parent: which one ran it is not in the "
+    "node's record (sources.defined_below names the class's only module), so the parent ('') is named"
+)
+
+
 # ---------------------------------------------------------------- a forward that starts writing its input later
 class NormalisesInPlaceFrom(nn.Module):
     """Normalises its input rows in place from step ``start`` on (a flag the loop sets: a warm-up that ends)."""
@@ -212,4 +252,19 @@ CASES += [
         note=FIRST_WRITE_FAILS,
     ),
     Case("gaps21_forward_writes_its_input_from_step_1_healthy", lambda: _in_place_from(1, None), None),
+]
+
+CASES += [
+    Case(
+        "gaps21_direct_child_backward_sqrt_of_zero",
+        lambda: _direct_backward(2),
+        Expect("backward", "act", "SqrtAbs", step=2, op="aten.div.Tensor", marker="direct sqrt"),
+    ),
+    Case(
+        "gaps21_direct_child_backward_beside_a_twin_of_its_class",
+        lambda: _direct_backward(2, twins=True),
+        Expect("backward", "act", "SqrtAbs", step=2, op="aten.div.Tensor", marker="direct sqrt"),
+        gaps=tuple((mode, TWO_OF_THE_CLASS) for mode in ("default", "defer", "full", "ops", "ops-defer")),
+    ),
+    Case("gaps21_direct_child_backward_healthy", lambda: _direct_backward(None), None),
 ]

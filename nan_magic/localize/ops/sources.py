@@ -26,7 +26,8 @@ from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "called_directly",
-           "hook_definer", "hook_owner", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
+           "defined_below", "hook_definer", "hook_owner", "is_plumbing", "passed_over", "recomputing", "sources_of_op",
+           "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -306,6 +307,24 @@ def hook_definer(module: str | None, user: FrameType | None,
     definer, _sep, inner = user.f_code.co_qualname.partition(".<locals>")
     owner = definer.rpartition(".")[0]  # (Python's qualified name of a code object, not a module's name)
     return (enclosing(module, owner) or module) if inner and owner else module
+
+
+def defined_below(module: str | None, code: CodeType | None,
+                  within: Callable[[str, str], str | None] | None) -> str | None:
+    """The module of a backward op's node whose forward line ``code`` is a method of a child's class, else ``module``.
+
+    ``module`` is the module running when the node was made (the watch's stack): for ``self.act.forward(h)``, a call
+    with no hook, the parent. Where the line's code is a method of another class (Python's qualified name of a
+    code, ``SqrtAbs.forward``) and exactly one watched module of that class lies below ``module`` (``within``: by
+    the modules' places in their model, op_origins.py), its own code made the node (PRODUCT.md). A class of which
+    several lie below, or none, keeps ``module``. Called at an event only.
+    """
+    if module is None or code is None or within is None:
+        return module
+    owner, _sep, method = code.co_qualname.rpartition(".")
+    if not owner or "<locals>" in owner or not method:
+        return module
+    return within(module, owner) or module
 
 
 def _code_of(hook: Any) -> CodeType | None:
