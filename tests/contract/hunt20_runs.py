@@ -582,7 +582,9 @@ def _compiled_loss(eps: float) -> Scenario:
 COMPILED_LOSS_GAP = (
     "a compiled loss function's ops run from torch.fx's generated forward (<eval_with_key>): the recorder's frame "
     "for them is the compiled function's own, at its def line (errors/frames.py skips the generated file), not "
-    "the line of the op; mapping a generated line back to its source needs the graph's node metadata")
+    "the line of the op; mapping a generated line back to its source needs the graph's node metadata (the "
+    "GraphModule's _lineno_map and node.meta['stack_trace']) read from the generated frame's line, which the "
+    "recorder's walk passes over and does not keep: keeping it is a check per frame of every recorded op")
 
 CASES += [
     Case("hunt20_compiled_loss_function_log_of_a_zero_target", lambda: _compiled_loss(0.0),
