@@ -223,10 +223,10 @@ class StepKeeping:
             ]
         for tensor, version in root.versions:  # (read as the call began: did its forward write its input in place?)
             try:  # (``_version`` read directly, a loop, not a call: this runs at every top-level call)
-                moved = tensor._version != version
+                wrote = tensor._version != version
             except RuntimeError:  # an inference tensor has no version counter
-                moved = False
-            if moved:  # (its next calls keep a copy of their input: input_writes.py)
+                wrote = False
+            if wrote:  # (its next calls keep a copy of their input: input_writes.py)
                 self._writes_input.add(id(module))
                 break
         if kwargs:
