@@ -312,6 +312,9 @@ class Report:
     #: That optimizer's ``eps`` and learning rate for the parameter (its parameter group's), where it has them.
     optimizer_eps: float | None = None
     optimizer_lr: float | None = None
+    #: ``(lr, weight_decay)`` of the watched optimizers' parameter group whose product is largest, read at the event
+    #: (a decay of 5e4 typed for 5e-4 scales the weights by 1 - lr * weight_decay each step); None where none decays.
+    optimizer_decay: tuple[float, float] | None = None
     #: The rank of the process that found the event and the size of its process group
     #: (``torch.distributed``); None outside a process group.
     rank: int | None = None

@@ -325,6 +325,7 @@ _DOTS_READ = {
     ("localize/ops/masks.py", "buffers"): "torch's qualified name from named_buffers, of the live module",
     ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
     ("localize/ops/sources.py", "hook_definer"): "Python's co_qualname of a hook's code (its class), not a module name",
+    ("localize/ops/sources.py", "defined_below"): "Python's co_qualname of a forward line's code (its class), as above",
 }
 _BY_DOTS = {"count", "split", "rsplit", "partition", "rpartition", "find", "rfind", "index", "rindex"}
 

@@ -56,7 +56,8 @@ Labels (exact strings: tests, renderers and users rely on them)
     The loss or gradient norm of the earlier steps grew at least
     :data:`DIVERGENCE_FACTOR`-fold over its median, rising on each of the last
     :data:`DIVERGENCE_RISES` steps, and the event is an overflow or has no
-    op-specific cause: the overflow is the divergence arriving. Or an
+    op-specific cause: the overflow is the divergence arriving (with the ``decay`` fact where a watched
+    optimizer's ``lr * weight_decay`` reaches :data:`DECAY_BOUND`: the decay alone flips the weights). Or an
     optimizer step whose learning rate is itself past the parameter dtype's
     max (fused, foreach or for-loop alike).
 ``optimizer-eps-underflow``
@@ -144,6 +145,9 @@ DIVERGENCE_RISES = 3
 #: too high: the loss 1.2 -> 4e23 -> overflow) has no such history; rising on
 #: every step it has, by this factor over the median before, is divergence too.
 EXPLOSION_FACTOR = 1e6
+#: ``lr * weight_decay`` from which the decay term alone (``w -= lr * weight_decay * w``, SGD's and AdamW's) zeroes or
+#: flips the weights each step instead of shrinking them: a 5e4 typed for 5e-4 (usual products are below 1e-3).
+DECAY_BOUND = 1.0
 
 def diagnose(report: Report) -> Cause:
     """The likely cause of ``report``'s event, with its evidence and a fix.
@@ -317,7 +321,9 @@ def _growth(history: tuple[StepSummary, ...]) -> tuple[str, float, int, float, f
 
 
 def _learning_rate(report: Report, downstream: Cause, growth: tuple[str, float, int, float, float, int, int]) -> Cause:
+    decay = report.optimizer_decay
+    wild = (("decay", decay),) if decay is not None and decay[0] * decay[1] >= DECAY_BOUND else ()
     return Cause("learning-rate-too-high", "diverging", (("growth", growth), event(report),
-                                                          ("then", plain_cause(downstream))))
+                                                          ("then", plain_cause(downstream)), *wild))
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from nan_magic.explain.diagnose import diagnose
+from nan_magic.hot.checks.step_layout import largest_decay
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.kept.step_log import StepLog
@@ -88,12 +89,14 @@ def build_report(
     modules: Iterable[ModuleInfo] = (),
     per_module: bool = True,
     ops: bool = False,
+    optimizers: Iterable[torch.optim.Optimizer] = (),
 ) -> Report:
     """Freeze a finding into a Report (exact stats where tensors are alive); ``ops``: the watch traced every op.
 
     ``modules``: the watched models' modules, listed in the layer table
     where the step has no row of theirs; ``per_module``: whether the step
-    checked every module call (localize/replay/layer_rows.py).
+    checked every module call (localize/replay/layer_rows.py); ``optimizers``: the watched ones, whose weight
+    decay the cause reads (step_layout.largest_decay).
     """
     stats = finding.bad_stats
     if stats is None and finding.bad is not None:
@@ -154,6 +157,7 @@ def build_report(
         optimizer=finding.optimizer,
         optimizer_eps=finding.optimizer_eps,
         optimizer_lr=finding.optimizer_lr,
+        optimizer_decay=largest_decay(optimizers),
         ops=ops,
     )
     if report.cause is None:

@@ -287,7 +287,8 @@ class Watch(WatchEvents):
                                                  self.timing.holds_probes, trials=self.replay_of is None)
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
-        self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name)
+        self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name,
+                                 self.targets.infos)
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None

@@ -164,6 +164,7 @@ class WatchEvents:
             modules=self.targets.infos(),
             per_module=self.cycle.full_step,
             ops=self.localizing.traces and self.replay_of is None,
+            optimizers=self.targets.optimizers,
         ), models_watched=len(self.targets.roots)))
 
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:

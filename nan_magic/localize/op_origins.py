@@ -52,6 +52,8 @@ class OpOrigins:
         Records a backward event, held while a GradScaler may skip the step.
     info_by_name
         The info of a watched module by qualified name.
+    infos
+        Every watched module's info (a direct child's backward node: :meth:`_within`).
     """
 
     def __init__(
@@ -60,11 +62,13 @@ class OpOrigins:
         emit: Callable[[Finding], None],
         on_gradient_event: Callable[[Finding], None],
         info_by_name: Callable[[str], ModuleInfo | None],
+        infos: Callable[[], Iterable[ModuleInfo]] | None = None,
     ) -> None:
         self.outside = outside
         self._emit = emit
         self._on_gradient_event = on_gradient_event
         self._info_by_name = info_by_name
+        self._infos = infos
         #: The op tracer of ops mode, once the watch is attached (:meth:`make_tracer`).
         self.tracer: OpTracer | None = None
         #: What functional_call swapped into the calls' parameter slots (the producer rule's: swapped.py).
@@ -90,6 +94,7 @@ class OpOrigins:
         """The op tracer of ops mode; ``module_name`` names the innermost watched module running."""
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
         self.tracer.enclosing = self._enclosing
+        self.tracer.within = self._within
         return self.tracer
 
     def _enclosing(self, name: str, module_type: str) -> str | None:
@@ -101,6 +106,16 @@ class OpOrigins:
             if above is not None and above.module_type == module_type:
                 return above.name
         return None
+
+    def _within(self, name: str, module_type: str) -> str | None:
+        """The only watched module of class ``module_type`` strictly below module ``name`` (None: none, or several)."""
+        info = self._info_by_name(name)
+        if info is None or info.module_type == module_type or self._infos is None:
+            return None
+        depth = len(info.path)
+        below = [other.name for other in self._infos() if other.module_type == module_type
+                 and other.model == info.model and len(other.path) > depth and other.path[:depth] == info.path]
+        return below[0] if len(below) == 1 else None
 
     def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.

@@ -101,7 +101,10 @@ CONDITIONAL_WRITE_GAP = (
     "writes nothing, so the parameters it writes are not learned (hot/kept/parameter_writes.py learns them at a "
     "model's first call in each mode: a version counter moved, or a norm changed) and no value from before the "
     "failing call is kept; the replay starts from the NaN row the write left: op None, cause "
-    "parameter-already-nonfinite. The op tracer (ops=True) sees the write"
+    "parameter-already-nonfinite, whose hint says it was written outside every watched step (wrong here). Learning "
+    "from later calls would not help: a write through .data moves no version counter (gaps21 learns an input written "
+    "in place that way, hot/kept/input_writes.py), and a norm per parameter per call would cost every healthy step; "
+    "the first write is the failing call in any case. The op tracer (ops=True) sees the write"
 )
 
 CASES = [

@@ -694,7 +694,9 @@ def _hue_jitter(eps: float) -> Scenario:
 GLOW_CAUSE_GAP = (
     "torch.logdet is a composite: where(sign == -1, nan, logabsdet); the NaN is a scalar torch itself passes to "
     "aten.scalar_tensor, which the cause calls a non-finite Python number of the user's ('find where it is set'), "
-    "not a log of a negative determinant")
+    "not a log of a negative determinant. The tracer sees only the aten ops: logdet's decomposition has no Python "
+    "frame, so telling torch's number from the user's needs the function the user's line called (its instruction "
+    "at f_lasti), which no finding records")
 
 OPT_STEP = "eps zero step"
 #: What the report says of a state a bounded step found non-finite (hot/checks/optim_reports.py).

@@ -21,6 +21,7 @@ gradient applied (``on_detect="warn"``) gets the full check every step.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
@@ -31,7 +32,7 @@ from nan_magic.records import TensorRef, TensorRole
 
 __all__ = [
     "BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr",
-    "wild_hyperparameters",
+    "largest_decay", "wild_hyperparameters",
 ]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
@@ -139,6 +140,26 @@ def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
 def group_lr(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
     """The learning rate of the parameter group holding ``tensor``, read as :func:`group_eps` reads eps."""
     return _group_number(opt, tensor, "lr")
+
+
+def largest_decay(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[float, float] | None:
+    """``(lr, weight_decay)`` of the parameter group whose ``lr * weight_decay`` is largest; None where none decays.
+
+    Read at an event only (a tensor lr is read to the host then). A group without both numbers is passed over.
+    """
+    best: tuple[float, float] | None = None
+    for opt in optimizers:
+        for group in getattr(opt, "param_groups", ()):
+            numbers = [group.get(key) for key in ("lr", "weight_decay")]
+            numbers = [value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                       for value in numbers]
+            if not all(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                       for value in numbers):
+                continue
+            lr, decay = float(numbers[0]), float(numbers[1])
+            if decay and (best is None or abs(lr * decay) > abs(best[0] * best[1])):
+                best = (lr, decay)
+    return best
 
 
 def _group_number(opt: torch.optim.Optimizer, tensor: torch.Tensor, key: str) -> float | None:

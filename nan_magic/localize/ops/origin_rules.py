@@ -30,6 +30,7 @@ from nan_magic.localize.ops.sources import (
     NodeSources,
     called_by_the_engine,
     called_by_us,
+    defined_below,
     hook_definer,
     hook_owner,
     sources_of_op,
@@ -53,6 +54,7 @@ class OriginRules:
     at_boundary: bool
     benign_modules: set[str | None]
     enclosing: Callable[[str, str], str | None] | None
+    within: Callable[[str, str], str | None] | None
     entered_data: list[tuple[TensorRef, torch.Tensor, Any]]
     finding: OpFinding | None
     kinds: frozenset[str]
@@ -188,6 +190,8 @@ class OriginRules:
                 input_stats.append((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)))
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
+        if node is not None and not backward_code:  # (a child whose forward its parent called directly)
+            forward_module = defined_below(forward_module, self.node_sources.code_of(node._sequence_nr()), self.within)
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,

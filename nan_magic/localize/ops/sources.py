@@ -25,8 +25,9 @@ from nan_magic.errors.frames import is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "hook_definer",
-           "hook_owner", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "called_directly",
+           "defined_below", "hook_definer", "hook_owner", "is_plumbing", "passed_over", "recomputing", "sources_of_op",
+           "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -235,17 +236,19 @@ def hook_owner(user: FrameType | None, running: str | None) -> str | None:
     call, after torch's global hooks: the watch has taken that module off its stack by then, and ``running`` (the
     innermost module on it) is its parent. The hooked module is the ``self`` of the ``_call_impl`` frame that
     called the hook; its name is found below the parent's own ``_call_impl`` frame's module, named ``running``.
+    Any other op is ``running``'s, or a descendant's whose code ran it without a module call (:func:`called_directly`).
     Called at an event only.
     """
     caller = user.f_back if user is not None else None
     if caller is not None and caller.f_code.co_filename == _CALL_IMPL.co_filename and caller.f_code is not _CALL_IMPL:
         caller = caller.f_back  # (torch's ``inner`` closure in ``_call_impl``, which calls the hooks)
     if caller is None or caller.f_code is not _CALL_IMPL or running is None:
-        return running
+        return called_directly(sys._getframe(1), running)
     hooked = caller.f_locals.get("self")
     if not isinstance(hooked, torch.nn.Module) or all(_code_of(hook) is not user.f_code  # type: ignore[union-attr]
                                                       for hook in hooked._forward_hooks.values()):
-        return running  # a pre-hook: its module is on the stack already
+        # A pre-hook (its module is on the stack already), or the module's own forward.
+        return called_directly(sys._getframe(1), running)
     frame = caller.f_back
     while frame is not None and frame.f_code is not _CALL_IMPL:
         frame = frame.f_back
@@ -254,6 +257,36 @@ def hook_owner(user: FrameType | None, running: str | None) -> str | None:
         return running  # a root's own hook
     for name, module in parent.named_modules():
         if module is hooked and name:
+            return f"{running}.{name}" if running else name
+    return running
+
+
+def called_directly(frame: FrameType | None, running: str | None) -> str | None:
+    """The watched submodule whose own method ran the current op without a module call, else ``running``.
+
+    ``self.act.forward(h)`` (or ``self.act.step(h)``) runs ``act``'s code with no ``_call_impl`` and no module
+    hook: the watch's stack still says the caller (``running``). The op's frames say otherwise: the innermost
+    frame below the running module's ``_call_impl`` whose first argument ``self`` is another module, one of the
+    running module's descendants, is the module whose own code ran the op (PRODUCT.md), a library module's
+    (``self.lin.forward(x)``: ``Linear.forward``'s frame) as well as the user's. ``super().forward(x)`` and a
+    helper method keep the running module (their ``self`` is it). Reads frames only: called when an op made a
+    non-finite value (an origin), never per op.
+    """
+    if running is None:
+        return running
+    own: torch.nn.Module | None = None
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        code = frame.f_code
+        if own is None and code.co_argcount and code.co_varnames[0] == "self":
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.nn.Module):
+                own = candidate
+        frame = frame.f_back
+    parent = frame.f_locals.get("self") if frame is not None else None
+    if own is None or own is parent or not isinstance(parent, torch.nn.Module):
+        return running
+    for name, module in parent.named_modules(remove_duplicate=False):
+        if module is own and name:
             return f"{running}.{name}" if running else name
     return running
 
@@ -274,6 +307,24 @@ def hook_definer(module: str | None, user: FrameType | None,
     definer, _sep, inner = user.f_code.co_qualname.partition(".<locals>")
     owner = definer.rpartition(".")[0]  # (Python's qualified name of a code object, not a module's name)
     return (enclosing(module, owner) or module) if inner and owner else module
+
+
+def defined_below(module: str | None, code: CodeType | None,
+                  within: Callable[[str, str], str | None] | None) -> str | None:
+    """The module of a backward op's node whose forward line ``code`` is a method of a child's class, else ``module``.
+
+    ``module`` is the module running when the node was made (the watch's stack): for ``self.act.forward(h)``, a call
+    with no hook, the parent. Where the line's code is a method of another class (Python's qualified name of a
+    code, ``SqrtAbs.forward``) and exactly one watched module of that class lies below ``module`` (``within``: by
+    the modules' places in their model, op_origins.py), its own code made the node (PRODUCT.md). A class of which
+    several lie below, or none, keeps ``module``. Called at an event only.
+    """
+    if module is None or code is None or within is None:
+        return module
+    owner, _sep, method = code.co_qualname.rpartition(".")
+    if not owner or "<locals>" in owner or not method:
+        return module
+    return within(module, owner) or module
 
 
 def _code_of(hook: Any) -> CodeType | None:

@@ -170,6 +170,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.started: list[OpFinding] = []
         #: The nearest module of a class at or above a module (op_origins.py sets it): a gradient hook's (hook_definer).
         self.enclosing: Callable[[str, str], str | None] | None = None
+        #: The only module of a class below a module (op_origins.py sets it): a direct child's node (defined_below).
+        self.within: Callable[[str, str], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self.witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even

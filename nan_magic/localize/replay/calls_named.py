@@ -7,15 +7,18 @@ log's call tree, never run anything.
 
 from __future__ import annotations
 
+from torch import nn
+
 from nan_magic.hot.kept.call_records import Call
 from nan_magic.hot.kept.rng import RngState
 from nan_magic.hot.kept.step_log import StepLog
+from nan_magic.hot.watched.transparent import transparency
 from nan_magic.localize.replay.module_run import (
     submodule_names,
 )
 from nan_magic.records import Phase
 
-__all__ = ["caller_named"]
+__all__ = ["caller_named", "run_without_a_call"]
 
 
 def _call_named(log: StepLog, call: Call, module: str | None) -> Call | None:
@@ -27,6 +30,23 @@ def _call_named(log: StepLog, call: Call, module: str | None) -> Call | None:
                 outer = outer.parent
             if outer is call:
                 return inner
+    return None
+
+
+def run_without_a_call(module: nn.Module, module_name: str | None, op_module: str | None) -> nn.Module | None:
+    """The submodule named ``op_module`` in a replay of ``module``, where its own code ran the op with no call of it.
+
+    Asked where the log has no call of ``op_module`` inside ``module``'s. A child whose ``forward`` (or another
+    method) its parent called directly (``self.act.forward(h)``) runs no hook: the tracer names it by the op's
+    frames (ops/sources.called_directly), and PRODUCT.md's module is it. A pass-through child (transparent.py) has
+    no call either, though it was called: it stays the parent's, with a note (None).
+    """
+    if op_module is None or op_module == module_name:
+        return None
+    for sub_id, name in submodule_names(module, module_name or "").items():
+        if name == op_module:
+            sub = next(sub for sub in module.modules() if id(sub) == sub_id)
+            return sub if transparency(sub) is None else None
     return None
 
 

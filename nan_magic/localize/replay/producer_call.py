@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.distributed.ranks import user_type
 from nan_magic.hot.kept.call_records import Alias, Call, Frame, TensorRecord
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs
 from nan_magic.hot.kept.held import Resolved
@@ -36,7 +37,13 @@ from nan_magic.hot.timing import Timing
 from nan_magic.hot.watched.owner import HookOwner
 from nan_magic.localize.ops.origins import apply_op_finding
 from nan_magic.localize.replay.call_backward import BackwardCallReplays
-from nan_magic.localize.replay.calls_named import _call_named, _replayable, _within, caller_named
+from nan_magic.localize.replay.calls_named import (
+    _call_named,
+    _replayable,
+    _within,
+    caller_named,
+    run_without_a_call,
+)
 from nan_magic.localize.replay.module_run import (
     enclosing_output,
     recompute,
@@ -147,6 +154,10 @@ class CallReplay(BackwardCallReplays):
                 # watch's global hooks first) rewrote the output. Its module, as ops=True names it.
                 self._move_to(finding, inner, TensorRef.op_output(op.op))
                 finding.notes = [note for note in finding.notes if note.kind != "own-code"]
+            elif (uncalled := run_without_a_call(frame.module, frame.info.name, op.module)) is not None:
+                # A child's code run with no call of it (``self.act.forward(h)``): its module, as the tiered watch
+                # and ops=True name it.
+                finding.module, finding.module_type = op.module, user_type(uncalled)
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.extend([result.debug_note] if result.debug_note is not None else [])

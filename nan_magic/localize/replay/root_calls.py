@@ -86,6 +86,9 @@ class RootCall:
     in_functional_call: bool = False
     #: At a model's first call in a mode: what it noted to learn which parameters its forward writes.
     learning: Learning | None = None
+    #: ``(input, its value before the call)`` for a model whose forward writes its own input in place
+    #: (``x /= x.norm(...)``), learned from a call that moved an input's version counter (StepReplays.finish).
+    inputs_before: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def buffers_before(self) -> dict[int, torch.Tensor]:
         """``buffers``, with the step counters that changed and were not copied as they were before the call."""
@@ -188,8 +191,9 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             running = running_arguments(root.module)
             if running is not None:
                 root.kwargs = running[1]
-        copies: dict[int, torch.Tensor] = {}
         with torch.no_grad():
+            # (An input the call wrote in place starts from its value before the call, where it was kept.)
+            copies = {id(tensor): before.clone() for tensor, before in root.inputs_before}
             args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
         # An argument that required gradients still does: a frozen model's backward reaches its input
         # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
@@ -237,7 +241,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
     outcome.frame, outcome.position, outcome.calls = inner.producer_frame, inner.producer_position, inner.producer_calls
     if outcome.report is not None and outcome.report.phase == Phase.DATA and outcome.report.op is None and any(
-            version_of(tensor) != version for tensor, version in root.versions):
+            version_of(tensor) != version for tensor, version in _unkept(root)):
         # The replay found the batch non-finite as it entered, but the batch was written in place since the call
         # began: by the call itself (``x /= x.norm(dim=1, keepdim=True)`` in its forward, over a blank row), as the
         # boundary check, which saw it enter finite, knows. The replay started from the values the write left, not
@@ -254,7 +258,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     elif outcome.frame is not None and outcome.report is not None:
         outcome.debug_note = Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
     if outcome.report is None:
-        changed = [tensor for tensor, version in root.versions if version_of(tensor) != version]
+        changed = [tensor for tensor, version in _unkept(root) if version_of(tensor) != version]
         if changed:
             outcome.why_not = Note("inputs-modified")
         elif outcome.failure is not None:
@@ -262,6 +266,12 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                                       message=str(outcome.failure))
     return outcome
 
+
+
+def _unkept(root: RootCall) -> list[tuple[torch.Tensor, int]]:
+    """The call's input tensors and versions, less those whose value before the call was kept (replayed from it)."""
+    kept = {id(tensor) for tensor, _before in root.inputs_before}
+    return [(tensor, version) for tensor, version in root.versions if id(tensor) not in kept]
 
 
 def _output_path(boundary: TensorRef | None) -> str | None:

@@ -118,6 +118,9 @@ class StepReplays(StepKeeping):
         # Per model: whether its forward is torch's own code (an nn.Sequential, a compiled wrapper), learned at
         # its first call: then no op of a replay has a user frame inside the model, and the call's line is kept.
         self._library_forward: dict[int, bool] = {}
+        # Models whose forward was seen writing its own input in place (a version counter moved across a call):
+        # their calls keep a copy of it (hot/kept/input_writes.py).
+        self._writes_input: set[int] = set()
         self._buffer_copies = BufferCopies()
         self._states = ModelStates()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
@@ -259,6 +262,8 @@ class StepReplays(StepKeeping):
             step=step,
             autograd_node=report.autograd_node or (seen.autograd_node if seen else None),
             optimizer=report.optimizer or (seen.optimizer if seen else None),
+            # (the watched optimizers' weight decay, read as the step's check saw the event: the nested watch has none)
+            optimizer_decay=report.optimizer_decay or (seen.optimizer_decay if seen else None),
             history=tuple(watch.history),
             warnings=tuple(watch.warnings),
             reproduced=True,

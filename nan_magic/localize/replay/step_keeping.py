@@ -20,6 +20,7 @@ from torch import nn
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
+from nan_magic.hot.kept.input_writes import inputs_before
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
@@ -94,6 +95,7 @@ class StepKeeping:
     _states: ModelStates
     _stepped: frozenset[int]
     _trainable: dict[int, frozenset[int]]
+    _writes_input: set[int]
     calls: deque[RootCall]
     counts_nodes: bool
     watch: _Watched
@@ -191,6 +193,8 @@ class StepKeeping:
                 nodes_before=nodes_made() if self.counts_nodes else None,
                 parameters=parameters,
                 learning=learning,
+                # (a model seen writing its input in place keeps a copy of it: input_writes.py; a set's test, no call)
+                inputs_before=inputs_before(versions) if model in self._writes_input else (),
                 # (a list's truth, no call: MAML's loops alone have a swap in progress)
                 in_functional_call=any(swapped is module for swapped, _own in SWAPPED_OUT) if SWAPPED_OUT else False,
             )
@@ -217,6 +221,14 @@ class StepKeeping:
                 for _path, tensor in iter_tensors(output, attributes=True)
                 if tensor.grad_fn is not None
             ]
+        for tensor, version in root.versions:  # (read as the call began: did its forward write its input in place?)
+            try:  # (``_version`` read directly, a loop, not a call: this runs at every top-level call)
+                wrote = tensor._version != version
+            except RuntimeError:  # an inference tensor has no version counter
+                wrote = False
+            if wrote:  # (its next calls keep a copy of their input: input_writes.py)
+                self._writes_input.add(id(module))
+                break
         if kwargs:
             root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
         if root.learning is not None:

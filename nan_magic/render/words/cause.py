@@ -117,6 +117,15 @@ def _batch(cause: Cause) -> TensorRef:
 
 def _diverging_hint(cause: Cause) -> str:
     event = event_of(cause)
+    decay = cause.fact("decay")
+    if decay is not None:
+        lr, weight_decay = decay
+        return (
+            f"{_growth(cause.fact('growth'))}; then {what(event)} became {counts(event)} in {event.phase} step "
+            f"{event.step}: the optimizer's weight_decay={fmt(weight_decay)} with lr={fmt(lr)} multiplies the weights "
+            f"by 1 - lr * weight_decay = {fmt(1 - lr * weight_decay)} at each step on its own: lower weight_decay "
+            "(values from 1e-4 to 1e-1 are usual)"
+        )
     return (
         f"{_growth(cause.fact('growth'))}; then {what(event)} became {counts(event)} in {event.phase} step "
         f"{event.step}: lower the learning rate (e.g. 10x), add warm-up, or clip gradients "
