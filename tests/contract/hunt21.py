@@ -40,6 +40,13 @@ from nan_magic.records import TensorRef, TensorRole
 LOGIT_PRIOR_OPS_GAP = ("ops=True: an additive -inf from outside the trace is taken for a mask, not kept as entered "
                        "data; the loss it makes inf is unexplained (localize/ops/tracer.py is_additive_mask branch)")
 
+#: Every mode names the mean that reduces the picked log-probability (``masked-softmax``: 'the mask was summed
+#: instead of left out ... sum only the unmasked positions'), not the gather that picked a masked position: a gather
+#: of a -inf mask is taken for a copy of the mask (beam search gathers -inf scores of finished beams on purpose), so
+#: the -inf stays benign until a reduction. The advice misleads: no mask was summed, an illegal action was chosen.
+PICKED_MASK_GAP = ("a gather that picks a masked (-inf) position of a log-probability is taken for a copy of the "
+                   "mask; the mean after it is named, with the summed-mask advice (localize/ops: reduces_a_mask)")
+
 
 # ---------------------------------------------------------------- evidential deep learning: digamma of alpha = 0
 def _evidential(offset: float) -> Scenario:
@@ -445,6 +452,175 @@ def _lookahead() -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- a running variance buffer updated by hand
+class FeatureNorm(nn.Module):
+    """Normalises features by running statistics it updates itself in training (a BatchNorm by hand, as for a
+    reward or observation normaliser inside the model), the batch variance torch's default unbiased one."""
+
+    def __init__(self, dim: int, correction: int) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(dim))
+        self.register_buffer("running_var", torch.ones(dim))
+        self.correction = correction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+                self.running_var.mul_(0.9).add_(0.1 * x.var(0, correction=self.correction))  # producer: hand var
+        return (x - self.running_mean) / (self.running_var + 1e-5).sqrt()
+
+
+def _hand_running_var(correction: int) -> Scenario:
+    """At step 2 the last batch of the epoch holds one sample: its unbiased variance is NaN, written into the
+    buffer, and the output is NaN. The twin: the population variance."""
+    torch.manual_seed(0)
+    model = nn.Sequential(FeatureNorm(3, correction), nn.Linear(3, 1))
+    xs, ys = _batches(5, 3), _batches(5, 1)
+    xs[2], ys[2] = xs[2][:1], ys[2][:1]
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
+# ---------------------------------------------------------------- a causal mask built as -inf * triu(ones)
+class CausalSelfAttention(nn.Module):
+    """One head of causal self-attention; the mask built as ``float('-inf') * torch.triu(ones, 1)``, a pitfall:
+    0 * -inf is NaN below the diagonal. The twin: ``masked_fill`` of the boolean triangle."""
+
+    def __init__(self, multiplied: bool) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(4, 12), nn.Linear(4, 1)
+        self.multiplied = multiplied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        t = x.shape[1]
+        if self.multiplied:
+            mask = float("-inf") * torch.triu(torch.ones(t, t), diagonal=1)  # producer: causal mask product
+        else:
+            mask = torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        weights = F.softmax(q @ k.transpose(1, 2) / 2.0 + mask, -1)
+        return self.out((weights @ v).mean(1))
+
+
+def _causal_mask(multiplied: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = CausalSelfAttention(multiplied)
+    xs, ys = _batches(3, 5, 4), _batches(3, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
+# ---------------------------------------------------------------- an EMA teacher fed by a student gone non-finite
+class RootNormHead(nn.Module):
+    """Embeds and scales each sample by its L2 norm written by hand, ``sqrt((h ** 2).sum())``."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.body, self.eps = nn.Linear(4, 4), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return h / (1.0 + torch.sqrt((h ** 2).sum(-1, keepdim=True) + self.eps))  # producer: student root
+
+
+def _ema_teacher(eps: float) -> Scenario:
+    """Mean-teacher training: the student matches an EMA teacher's output; at step 2 a blank sample makes the
+    student's hidden row 0 (its bias zeroed by a pruning pass), sqrt's backward at 0 is inf and the student's step
+    NaN, which the EMA then carries into the teacher. Both models are watched: the student's backward is named."""
+    torch.manual_seed(0)
+    student = RootNormHead(eps)
+    teacher = RootNormHead(eps)
+    teacher.load_state_dict(student.state_dict())
+    opt = torch.optim.SGD(student.parameters(), lr=0.05)
+    xs = _batches(5, 4)
+    xs[2][3] = 0.0
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    student.body.bias.zero_()
+            with torch.no_grad():
+                target = teacher(xs[step] + 0.01)
+            loss = F.mse_loss(student(xs[step]), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for t, s in zip(teacher.parameters(), student.parameters()):
+                    t.mul_(0.9).add_(s, alpha=0.1)
+            losses.append(loss.detach())
+        return losses
+    return Scenario((student, teacher, opt), run)
+
+
+# ---------------------------------------------------------------- an epsilon-greedy action the policy masked out
+def _epsilon_greedy(on_policy_mask: bool) -> Scenario:
+    """Policy gradient over actions with an illegal-action mask (logits filled with -inf); the behaviour policy is
+    epsilon-greedy and its random branch ignores the mask: at step 2 it picks an illegal action, whose log-probability
+    under the policy is -inf, and the loss is inf. The twin draws the random action among the legal ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    xs = _batches(6, 4)
+    legal = [torch.ones(6, 3, dtype=torch.bool) for _ in range(4)]
+    for mask in legal:
+        mask[:, 2] = False
+    actions = [torch.randint(0, 2, (6,)) for _ in range(4)]
+    actions[2][1] = 1 if on_policy_mask else 2
+    advantages = [torch.randn(6) for _ in range(4)]
+
+    def loss_fn(out: torch.Tensor, step: int) -> torch.Tensor:
+        log_probs = F.log_softmax(out.masked_fill(~legal[step], float("-inf")), -1)
+        chosen = log_probs.gather(1, actions[step][:, None]).squeeze(1)  # producer: illegal action
+        return -(chosen * advantages[step]).mean()
+    return _loop(model, lambda step: (xs[step],), loss_fn)
+
+
+# ---------------------------------------------------------------- a VAE's exp in float16 under autocast
+class AutocastVae(nn.Module):
+    """A VAE computing its KL term in its forward; under float16 autocast the logvar head's output is float16 and
+    ``logvar.exp()`` stays float16. The twin takes the KL in float32 (``logvar.float()``)."""
+
+    def __init__(self, in_float32: bool) -> None:
+        super().__init__()
+        self.enc, self.mu, self.logvar, self.dec = nn.Linear(6, 8), nn.Linear(8, 2), nn.Linear(8, 2), nn.Linear(2, 6)
+        self.in_float32 = in_float32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        if self.in_float32:
+            mu, logvar = mu.float(), logvar.float()
+        kl = -0.5 * (1 + logvar - mu * mu - logvar.exp()).sum(-1).mean()  # producer: half exp
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(logvar)
+        return self.dec(z), kl
+
+
+def _autocast_vae(in_float32: bool) -> Scenario:
+    """At step 2 the logvar head's bias has drifted to 12: exp(12) is 162755, past float16's 65504, though finite
+    in the float32 the same code computes without autocast."""
+    torch.manual_seed(0)
+    model = AutocastVae(in_float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (the drifted head kept: a step would undo it)
+    xs = _batches(5, 6)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.logvar.weight.zero_()
+                    model.logvar.bias.fill_(12.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                recon, kl = model(xs[step])
+            loss = F.mse_loss(recon.float(), xs[step]) + 1e-6 * kl.float()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
 CASES = [
     Case("hunt21_evidential_digamma_of_a_concentration_of_0", lambda: _evidential(0.0),
          Expect("forward", None, step=0, op="aten.digamma.default", marker="edl digamma")),
@@ -502,4 +678,20 @@ CASES = [
     Case("hunt21_running_mean_std_population_var_healthy", lambda: _running_mean_std(0), None),
     Case("hunt21_averaged_model_ema_teacher_healthy", _averaged_teacher, None),
     Case("hunt21_lookahead_over_sgd_healthy", _lookahead, None),
+    Case("hunt21_hand_running_var_buffer_of_a_batch_of_one", lambda: _hand_running_var(1),
+         Expect("forward", "0", "FeatureNorm", step=2, op="aten.var.correction", marker="hand var")),
+    Case("hunt21_hand_running_var_population_healthy", lambda: _hand_running_var(0), None),
+    Case("hunt21_causal_mask_as_minus_inf_times_triu", lambda: _causal_mask(True),
+         Expect("forward", "", "CausalSelfAttention", step=0, op="aten.mul.Tensor", marker="causal mask product")),
+    Case("hunt21_causal_mask_masked_fill_healthy", lambda: _causal_mask(False), None),
+    Case("hunt21_ema_teacher_of_a_student_whose_backward_went_nan", lambda: _ema_teacher(0.0),
+         Expect("backward", "", "RootNormHead", step=2, op="aten.div.Tensor", marker="student root")),
+    Case("hunt21_ema_teacher_root_with_eps_healthy", lambda: _ema_teacher(1e-8), None),
+    Case("hunt21_epsilon_greedy_action_the_policy_masked", lambda: _epsilon_greedy(False),
+         Expect("forward", None, step=2, op="aten.gather.default", marker="illegal action"),
+         marks=(pytest.mark.xfail(strict=True, reason=PICKED_MASK_GAP),)),
+    Case("hunt21_epsilon_greedy_among_legal_actions_healthy", lambda: _epsilon_greedy(True), None),
+    Case("hunt21_autocast_float16_vae_exp_overflow", lambda: _autocast_vae(False),
+         Expect("forward", "", "AutocastVae", step=2, op="aten.exp.default", marker="half exp")),
+    Case("hunt21_autocast_vae_exp_in_float32_healthy", lambda: _autocast_vae(True), None),
 ]
