@@ -118,3 +118,29 @@ def test_the_replay_to_a_backward_producers_forward_line_leaves_no_trace(options
     *watched, events = _after_a_backward_event(options)
     assert events >= 1
     assert watched == unwatched
+
+
+class _Doubled(nn.Module):
+    """A parametrization: the weight used is twice the one stored."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_a_replay_computes_parametrizations_afresh_and_puts_the_users_cache_back() -> None:
+    """Inside the user's ``with parametrize.cached():`` a replay runs the parametrization itself (the cached weight
+    would hide the op that made it non-finite: hunt21's row-stochastic row, tiered) and leaves the cache as it was."""
+    from torch.nn.utils import parametrize
+
+    from nan_magic.localize.replay.untouched import untouched
+
+    model = nn.Linear(2, 2)
+    parametrize.register_parametrization(model, "weight", _Doubled())
+    with parametrize.cached():
+        cached = model.weight
+        cache = parametrize._cache
+        with untouched(model):
+            assert model.weight is not cached  # computed afresh
+            assert not parametrize._cache  # and not left in the user's cache
+        assert parametrize._cache is cache and model.weight is cached
+    assert not parametrize._cache_enabled

@@ -215,7 +215,12 @@ class GradientChecks:
         unread = unread_note(watch.log.calls)
         tensor = record.live()
         suspects: list[Note] = []
-        if every_output_finite and self._given_to_the_loss(tensor, suspects, unread):
+        # ops=True: where no traced op made the loss non-finite, what the traced loss code read from outside the trace
+        # counts as the loss code's data, as the recorder's reads do in the tiered modes (a -inf log prior added to
+        # the logits, held in a closure no frame's locals show).
+        traced = self.origins.tracer is not None and tensor is not None and not self.origins.made_by_recorded_code(
+            tensor)
+        if every_output_finite and self._given_to_the_loss(tensor, suspects, unread, traced=traced):
             return
         finding = Finding(
             Phase.FORWARD,

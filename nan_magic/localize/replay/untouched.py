@@ -14,7 +14,11 @@ forward may change is put back here:
   attention map kept for plotting) and the contents of a list, dict, set or
   deque attribute (a cache appended to), as they were when the replay began;
 * Python's and numpy's global random generators (:func:`user_generators`), which a forward may draw from (a
-  stochastic depth by ``random.random()``): a replay must not move the user's run onto other random numbers.
+  stochastic depth by ``random.random()``): a replay must not move the user's run onto other random numbers;
+* the cache of ``torch.nn.utils.parametrize.cached()`` (:func:`uncached_parametrizations`): a replay run inside
+  the user's ``with parametrize.cached():`` would read the parametrized weights the cache holds, computed before
+  the replay, and never run the parametrization that made them non-finite (the Linear would be named, not its
+  parametrization); nor may it leave weights of its own in the user's cache.
 
 Not covered: a tensor that a container holds inside another container, and
 ``param.data = ...``, which rebinds a parameter's storage without an op.
@@ -37,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = ["ArgumentGuard", "ModelGuard", "arguments_untouched", "untouched", "user_generators"]
 
@@ -103,11 +108,23 @@ def user_generators() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def uncached_parametrizations() -> Iterator[None]:
+    """Parametrized tensors computed afresh inside, the user's ``parametrize.cached()`` cache put back after."""
+    cache, enabled = parametrize._cache, parametrize._cache_enabled
+    parametrize._cache, parametrize._cache_enabled = {}, 0
+    try:
+        yield
+    finally:
+        parametrize._cache, parametrize._cache_enabled = cache, enabled
+
+
+@contextlib.contextmanager
 def untouched(model: nn.Module) -> Iterator[ModelGuard]:
     """Run a replay of ``model``'s forward; give the guard whose ``before_write`` the op tracer must call."""
     guard = ModelGuard(model)
     try:
-        yield guard
+        with uncached_parametrizations():
+            yield guard
     finally:
         guard.restore()
 
