@@ -26,6 +26,7 @@ from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.errors.frames import end_at_producer, frames_of, running_frame_at, user_frames_of, user_stacklevel
+from nan_magic.errors.warning_lines import watch_warning
 from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -155,7 +156,7 @@ class Events:
             self.raise_agreed(self.agreement.settle(own, finding))
         if self.config.on_detect == "warn":
             # Named at the user's line (the cell's), not at the hook several frames below it.
-            warnings.warn(report.message, RuntimeWarning, stacklevel=user_stacklevel())
+            warnings.warn(watch_warning(report.message), stacklevel=user_stacklevel())
 
     def handled(self, finding: Finding) -> None:
         """A held batch's step ended with everything else finite: the program handled it, a benign event.
