@@ -132,3 +132,30 @@ def test_nanreplay_that_cannot_replay_leaves_the_scene_it_points_at(ip, ns, tmp_
     assert str(error).endswith(" (the scene is loaded as _nan_scene)") and "\n" not in str(error)
     scene = ns["_nan_scene"]
     assert (scene.phase, scene.module, scene.step) == ("forward", None, 2)
+
+
+# -- options as typed (round 21: argparse took --ful for --full) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "typed", "meant"),
+    [
+        ("%nanwatch on model --ful", "--ful", "--full"),
+        ("%%nantrace model --def\ny = model(nan_batch)", "--def", "--defer"),
+        ("%nanreplay scene.pt --no-rest", "--no-rest", "--no-restore"),
+    ],
+)
+def test_an_abbreviated_option_is_a_one_line_usage_error_naming_the_options(ns, ip, line, typed, meant) -> None:
+    result, _captured = run(ip, line)
+    error = result.error_in_exec or result.error_before_exec
+    assert isinstance(error, UsageError), error
+    said = str(error)
+    assert "\n" not in said and f"unrecognized arguments: {typed} (did you mean {meant}?)" in said, said
+    assert "the options are " in said and meant in said.split("the options are ")[1], said
+    assert "_nan_report" not in ns  # nothing ran watched
+
+
+def test_an_option_like_no_other_is_not_given_a_guess(ns, ip) -> None:
+    result, _captured = run(ip, "%nanwatch on model --bogus")
+    said = str(result.error_in_exec or result.error_before_exec)
+    assert "unrecognized arguments: --bogus; the options are --defer," in said, said
