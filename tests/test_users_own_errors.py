@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
+from nan_magic.locations import function_name
+
 MODES = {"default": "", "defer": "--defer", "full": "--full", "ops": "--ops", "ops+defer": "--ops --defer"}
 SETUP = (
     "import torch\nfrom torch import nn\n"
@@ -51,7 +53,38 @@ def test_a_users_shape_mismatch_stops_at_their_line_as_unwatched(ip, case: str, 
         ip.run_cell(cell.format(flags=MODES[mode]))
     assert type(sys.last_value) is RuntimeError and "cannot be multiplied" in str(sys.last_value)
     last = last_entry(sys.last_traceback)  # what %debug opens
-    assert (last.tb_frame.f_code.co_name, last.tb_lineno) == (function, line)
+    assert (function_name(last.tb_frame.f_code.co_name), last.tb_lineno) == (function, line)
     shown = captured.stdout + captured.stderr
     assert "nan_magic" not in shown and "_ops.py" not in shown and "eval_frame.py" not in shown, shown
     assert "skipping hidden" not in shown, shown
+
+
+#: How the cell is watched -> (the cell around the loop code's mistake, the line the error stops at).
+ARMED = {
+    "%nanwatch on": ("x = torch.randn(2, 4)\ny = net(x)\n\nz = y @ torch.randn(3, 3)", 4),  # (the cell after the on)
+    "with watch": (
+        "import nan_magic\nwith nan_magic.watch(net, opt):\n    y = net(torch.randn(2, 4))\n"
+        "    z = y @ torch.randn(3, 3)",
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("armed", ARMED)
+def test_so_it_does_under_nanwatch_on_and_a_plain_with_block(ip, armed: str) -> None:
+    ip.run_cell(SETUP)
+    cell, line = ARMED[armed]
+    try:
+        with capture_output() as captured:
+            if armed == "%nanwatch on":
+                ip.run_cell("%nanwatch on net opt")
+            ip.run_cell(cell)
+    finally:
+        with capture_output():
+            ip.run_line_magic("nanwatch", "off")
+    assert type(sys.last_value) is RuntimeError and "cannot be multiplied" in str(sys.last_value)
+    last = last_entry(sys.last_traceback)
+    assert (function_name(last.tb_frame.f_code.co_name), last.tb_lineno) == ("<module>", line)
+    shown = captured.stdout + captured.stderr
+    assert "nan_magic/" not in shown and "skipping hidden" not in shown, shown
+    assert "showtraceback" not in vars(ip)  # the shell as it was

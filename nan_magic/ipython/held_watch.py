@@ -11,11 +11,13 @@ line: arming a held watch, leaving it by the cell's exception (paused, for a
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics
 
+from nan_magic.ipython.watched_cell import cut_users_errors
 from nan_magic.lifecycle.watch import Watch
 
 __all__ = ["HeldWatchMagics"]
@@ -32,6 +34,8 @@ class _Held(NamedTuple):
     depth: int
     #: Its events when the cell began: the cell's are the rest.
     seen: int
+    #: Puts the shell's showtraceback back (watched_cell.cut_users_errors).
+    uncut: Callable[[], None]
 
 
 class HeldWatchMagics(Magics):
@@ -66,7 +70,8 @@ class HeldWatchMagics(Magics):
             watch.resume()
         else:
             watch.__enter__()
-        self._held = _Held(watch, args, persistent, self._bodies, len(watch.events))
+        # (The cell's own error is shown at the user's line until it is released: watched_cell.py.)
+        self._held = _Held(watch, args, persistent, self._bodies, len(watch.events), cut_users_errors(self._shell))
 
     def _release(self, result: Any) -> None:
         """Leave the held watch by the cell's exception (``result``: the cell's ExecutionResult).
@@ -75,6 +80,7 @@ class HeldWatchMagics(Magics):
         """
         assert self._held is not None
         watch, args, seen = self._held.watch, self._held.args, self._held.seen
+        self._held.uncut()
         self._held = None
         error = None if result is None else result.error_in_exec
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +22,7 @@ from nan_magic.lifecycle.watch import Watch
 
 __all__ = [
     "as_typed",
+    "cut_users_errors",
     "has_code",
     "named_as_the_cell",
     "run_watched",
@@ -74,12 +75,20 @@ def users_errors_shown_as_theirs(shell: Any) -> Iterator[None]:
     """While a watched cell runs: its own errors (not the watch's) shown, and ``%debug`` opened, at the user's line.
 
     IPython shows a cell's error itself, from its ``showtraceback``, before the watch is left: the user's error
-    that passed through the watch's dispatch mode is cut there first (frames.cut_where_passed_through). Shadowed
-    on the shell for the cell only, and only where nothing else has shadowed it.
+    that passed through the watch's dispatch mode is cut there first (frames.cut_where_passed_through).
     """
-    if "showtraceback" in vars(shell):
+    undo = cut_users_errors(shell)
+    try:
         yield
-        return
+    finally:
+        undo()
+
+
+def cut_users_errors(shell: Any) -> Callable[[], None]:
+    """:func:`users_errors_shown_as_theirs` from now (a ``%nanwatch on`` cell, held between the cell events) until
+    the function it returns is called. Shadowed on the shell only where nothing else has shadowed it."""
+    if "showtraceback" in vars(shell):
+        return lambda: None
     shown = shell.showtraceback
 
     def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -88,12 +97,12 @@ def users_errors_shown_as_theirs(shell: Any) -> Iterator[None]:
             cut_where_passed_through(error.__traceback__)
         return shown(exc_tuple, *args, **kwargs)
 
-    shell.showtraceback = showtraceback
-    try:
-        yield
-    finally:
+    def undo() -> None:
         if vars(shell).get("showtraceback") is showtraceback:
             del shell.showtraceback
+
+    shell.showtraceback = showtraceback
+    return undo
 
 
 def _leave_by_the_cells_error(result: Any) -> None:
