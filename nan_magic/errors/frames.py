@@ -52,6 +52,11 @@ _PLUMBING_FILES = (
     "<frozen ",
     f"{os.sep}IPython{os.sep}",
     f"{os.sep}ipykernel{os.sep}",
+    # The kernel's process below IPython's cell events (a %nanwatch cell's end): its event loop and its start.
+    f"{os.sep}asyncio{os.sep}",
+    f"{os.sep}tornado{os.sep}",
+    f"{os.sep}traitlets{os.sep}",
+    f"{os.sep}ipykernel_launcher.py",
     f"{os.sep}_pytest{os.sep}",
     f"{os.sep}pluggy{os.sep}",
     f"{os.sep}runpy.py",

@@ -19,7 +19,11 @@ from typing import Any
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.locations import cell_location
 
-__all__ = ["install", "watch_warning"]
+__all__ = ["NOWHERE", "install", "watch_warning"]
+
+#: The filename of a warning of ours that no user's line is the place of (said as a ``%nanwatch`` cell ends,
+#: from IPython's cell events): printed as ``NanMagicWarning: ...``, with no place.
+NOWHERE = "nan_magic"
 
 #: The attribute that marks a warning the watch gave under a standard category (``on_detect="warn"``'s
 #: RuntimeWarning, whose category users and tests filter on as it is).
@@ -42,8 +46,10 @@ def _cell_named(format_warning: Any) -> Any:
         text = format_warning(message, category, filename, lineno, line)
         if not _ours(message):
             return text
-        named = cell_location(filename, lineno)
         prefix = f"{filename}:{lineno}:"
+        if filename == NOWHERE and text.startswith(prefix):
+            return text[len(prefix) :].lstrip()
+        named = cell_location(filename, lineno)
         if named is None or not text.startswith(prefix):
             return text
         return text.replace(prefix, f"{named}:", 1)

@@ -232,7 +232,7 @@ class Watch(WatchEvents):
             if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
-        if not (pause or self._filters_judged):  # the models the cell used, now known (filters.py)
+        if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
             warn_unmatched_filters(self.targets, self.config)
         if explained is not None:
             self.adopt_traceback(explained, tb)
