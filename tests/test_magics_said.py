@@ -159,3 +159,25 @@ def test_an_option_like_no_other_is_not_given_a_guess(ns, ip) -> None:
     result, _captured = run(ip, "%nanwatch on model --bogus")
     said = str(result.error_in_exec or result.error_before_exec)
     assert "unrecognized arguments: --bogus; the options are --defer," in said, said
+
+
+# -- %nanwatch on watches the rest of its own cell (round 21: a loop under the on line ran unwatched) ----------------
+
+
+def test_nanwatch_on_watches_the_rest_of_its_cell_then_every_cell(ip, ns) -> None:
+    result, _captured = run(ip, "%nanwatch on model\nz = model(torch.ones(2, 3))\ny = model(nan_batch)")
+    assert type(result.error_in_exec).__name__ == "NonFiniteError", result.error_in_exec
+    assert ns["_nan_report"].step == 1  # the cell's second call: the same count as in the cells after it
+    ns.pop("_nan_report")
+    result, _captured = run(ip, "y = model(nan_batch)")  # and the cells after it, as before
+    assert type(result.error_in_exec).__name__ == "NonFiniteError", result.error_in_exec
+    run(ip, "%nanwatch off")
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in ns["model"].modules())
+
+
+def test_nanwatch_on_called_outside_a_cell_holds_nothing_until_the_next_cell(ip, ns) -> None:
+    with capture_output():
+        ip.run_line_magic("nanwatch", "on model")  # (a direct call, as a script or a test makes it: no cell's end)
+    assert not ns["model"]._forward_hooks and not ns["model"]._forward_pre_hooks
+    result, _captured = run(ip, "y = model(nan_batch)")
+    assert type(result.error_in_exec).__name__ == "NonFiniteError", result.error_in_exec

@@ -42,13 +42,13 @@ def stream(cell: Any, name: str = "stdout") -> str:
     return "".join(out["text"] for out in cell.outputs if out.output_type == "stream" and out["name"] == name)
 
 
-def test_an_unmatched_include_under_nanwatch_on_warns_in_the_first_watched_cell_without_a_false_place(nb: Any) -> None:
-    # The cell of %nanwatch on arms the watch for the cells after it: the first of them ran the model.
-    warned = stream(named_cell(nb, "watched"), "stderr")
+def test_an_unmatched_include_under_nanwatch_on_warns_in_the_cell_that_ran_without_a_false_place(nb: Any) -> None:
+    # The cell of %nanwatch on is watched from that line (it ran the model): said there, once.
+    warned = stream(named_cell(nb, "on_typo"), "stderr")
     assert "include pattern 'nosuch' matches no module of the watched models" in warned, warned
     # Not at asyncio/events.py:80 or traitlets' app.start(): no user line is the place of a cell's end.
     assert warned.startswith("NanMagicWarning: nan_magic: include pattern"), warned
-    for other in ("on_typo", "mistake", "off"):  # said once, not again at the next cells or at the off
+    for other in ("watched", "mistake", "off"):  # not again at the next cells or at the off
         assert "matches no module" not in stream(named_cell(nb, other), "stderr"), other
 
 

@@ -46,6 +46,7 @@ class HeldWatchMagics(Magics):
     _bodies: int
     _outcome: tuple[Any, BaseException | None] | None
     _cell_counted: bool
+    _in_cell: bool
     _last_report: Any
     _unloaded: bool
 
@@ -103,6 +104,7 @@ class HeldWatchMagics(Magics):
             return  # a %%nantrace body: its cell is already watched
         self._outcome = None  # a body run by a direct run_cell_magic call had no cell of its own
         self._cell_counted = bool(getattr(info, "store_history", False))
+        self._in_cell = True
         if self._persistent is not None and self._held is None:
             line, args, watch = self._persistent
             if watch is None or not watch.paused:
@@ -116,6 +118,8 @@ class HeldWatchMagics(Magics):
             self._hold(watch, args, persistent=True)
 
     def post_run_cell(self, result: Any) -> None:
+        if not self._bodies:
+            self._in_cell = False
         if self._bodies == 0 and self._outcome is not None and result is not None:
             # A %%nantrace cell: IPython ran its body as a cell of its own; its outcome is this cell's.
             (body, error), self._outcome = self._outcome, None

@@ -89,6 +89,8 @@ class NanMagics(HeldWatchMagics):
         self._outcome: tuple[Any, BaseException | None] | None = None
         #: Whether the cell running now is counted in the history (``In[N]``; pre_run_cell says).
         self._cell_counted = False
+        #: Whether a cell is running (between its pre_run_cell and post_run_cell), not a magic called directly.
+        self._in_cell = False
         #: The report of the last watch that stopped at an event, for ``%nanwatch status``: kept until another
         #: event, not lost to the healthy cells after it (each cell under ``%nanwatch on`` is a watch's run).
         self._last_report: Any = None
@@ -156,9 +158,9 @@ class NanMagics(HeldWatchMagics):
 
         ``%nanwatch [targets] [options]`` watches the rest of the current cell
         (bare ``%nanwatch``: every model, optimizer and GradScaler it calls);
-        ``%nanwatch on [targets] [options]`` every following cell until
-        ``%nanwatch off``; ``%nanwatch status`` prints what is armed and the
-        last report.
+        ``%nanwatch on [targets] [options]`` the rest of the cell and every
+        following cell until ``%nanwatch off``; ``%nanwatch status`` prints
+        what is armed and the last report.
 
         Example::
 
@@ -187,6 +189,11 @@ class NanMagics(HeldWatchMagics):
         if persistent:
             self._persistent = (rest, args, None)
             print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
+            if self._in_cell and self._held is None:
+                # The rest of this cell too, as ``%nanwatch`` watches the rest of its cell: a user who puts
+                # ``%nanwatch on model`` above the training loop means that loop (it ran unwatched).
+                self._persistent = (rest, args, watch)
+                self._hold(watch, args, persistent=True)
             return
         self._take_over("%nanwatch")
         self._hold(watch, args, persistent=False)
