@@ -380,10 +380,10 @@ def _numbered_as_the_run(watcher: Watch, first: int) -> None:
 
     outcome = watcher.outcome
     report = outcome.report
-    if report is not None:
-        outcome.report = renumbered(report)
+    numbered = outcome.report = None if report is None else renumbered(report)
     # (The report is also among the events, as the same object: it stays so.)
-    outcome.events[:] = [outcome.report if event is report else renumbered(event) for event in outcome.events]
+    outcome.events[:] = [numbered if numbered is not None and event is report else renumbered(event)
+                         for event in outcome.events]
     for kept in (watcher.history, watcher.warnings):
         items = list(kept)
         kept.clear()
