@@ -23,7 +23,8 @@ CELLS = {
         "net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))\n"
         "opt = torch.optim.SGD(net.parameters(), lr=0.01)"
     ),
-    "on_typo": "%nanwatch on net opt --include nosuch\nprint(net(torch.randn(2, 4)).shape)",
+    # (No targets: the models are known as the cell ends, where the filters are judged, from IPython's cell events.)
+    "on_typo": "%nanwatch on --include nosuch\nprint(net(torch.randn(2, 4)).shape)",
     "watched": "print(net(torch.randn(2, 4)).shape)",
     "mistake": "x = torch.randn(2, 4)\ny = net(x)\nz = y @ torch.randn(3, 3)",
     "mistake_debug": DEBUG,

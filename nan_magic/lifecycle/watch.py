@@ -233,7 +233,7 @@ class Watch(WatchEvents):
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
-            warn_unmatched_filters(self.targets, self.config)
+            self._filters_judged = warn_unmatched_filters(self.targets, self.config)  # (once for the run)
         if explained is not None:
             self.adopt_traceback(explained, tb)
             raise explained from exc
