@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SourcePointer", "cells_named", "function_name", "name_location", "running_shell"]
+__all__ = ["SourcePointer", "cell_location", "cells_named", "function_name", "name_location", "running_shell"]
 
 
 def running_shell() -> Any:
@@ -63,6 +63,12 @@ def name_location(filename: str, lineno: int) -> str:
     """``Cell In[5], line 14`` for a cell, ``models/net.py:14`` for a file."""
     cell = _cell_name(filename)  # a cell is named by its own words
     return f"{cell}, line {lineno}" if cell is not None else f"{_path_name(filename)}:{lineno}"
+
+
+def cell_location(filename: str, lineno: int) -> str | None:
+    """``Cell In[5], line 14`` where ``filename`` is a file IPython compiled a cell into, else None."""
+    cell = _cell_name(filename)
+    return f"{cell}, line {lineno}" if cell is not None else None
 
 
 def cells_named(value: Any) -> Any:

@@ -42,6 +42,9 @@ class Root(nn.Module):
         self.out = nn.Linear(4, 1)
     def forward(self, x):
         return self.out(self.inner(x))
+def rmse(out, y):
+    gap = ((out - y) ** 2).mean()
+    return gap.sqrt()  # here
 class Sqrt(nn.Module):
     def __init__(self):
         super().__init__()
@@ -92,6 +95,12 @@ CASES: dict[str, tuple[str, str, tuple[str, Callable[[Any], bool]]]] = {
         "    loss = gap.sqrt()  # here\n" + TAIL,
         ("gap", _zeros),
     ),
+    # backward in a loss helper the loop calls (its frame returned before backward ran)
+    "backward-in-a-loss-helper": (
+        "Root()",
+        "    out = model(x)\n    if step == 1:\n        y = out.detach()\n    loss = rmse(out, y)\n" + TAIL,
+        ("gap", _zeros),
+    ),
     # the optimizer: an infinite learning rate, read by opt.step()
     "optimizer": (
         "Root()",
@@ -109,12 +118,12 @@ CASES: dict[str, tuple[str, str, tuple[str, Callable[[Any], bool]]]] = {
 MODES = {"default": "", "defer": "--defer", "full": "--full", "ops": "--ops", "ops+defer": "--ops --defer"}
 #: (case, mode) -> why %debug does not open at the report's line there (strict xfails).
 KNOWN: dict[tuple[str, str], str] = {
-    # (round 20) The report names the loss code's forward line, but no replay runs the loss code again (it is no
-    # module's call), and its frame returned before backward ran: %debug opens at loss.backward(), as the report's
-    # "%debug opens in" says.
+    # (round 21) The loss code's line in the loop is still running when backward judges it (the loop's own frame):
+    # %debug opens there. A loss helper's frame returned before backward ran, and no replay re-runs code outside
+    # the modules: %debug opens at loss.backward(), as the report's "%debug opens in" says.
     **{
-        ("backward-in-the-loss-code", mode): "a backward producer in the loss code: %debug opens at loss.backward(), "
-        "not at the loss code's forward line (no replay re-runs code outside the modules)"
+        ("backward-in-a-loss-helper", mode): "a backward producer in a loss helper that returned: %debug opens at "
+        "loss.backward(), not at the helper's line (no replay re-runs code outside the modules)"
         for mode in MODES
     },
 }

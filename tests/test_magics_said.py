@@ -132,3 +132,52 @@ def test_nanreplay_that_cannot_replay_leaves_the_scene_it_points_at(ip, ns, tmp_
     assert str(error).endswith(" (the scene is loaded as _nan_scene)") and "\n" not in str(error)
     scene = ns["_nan_scene"]
     assert (scene.phase, scene.module, scene.step) == ("forward", None, 2)
+
+
+# -- options as typed (round 21: argparse took --ful for --full) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "typed", "meant"),
+    [
+        ("%nanwatch on model --ful", "--ful", "--full"),
+        ("%%nantrace model --def\ny = model(nan_batch)", "--def", "--defer"),
+        ("%nanreplay scene.pt --no-rest", "--no-rest", "--no-restore"),
+    ],
+)
+def test_an_abbreviated_option_is_a_one_line_usage_error_naming_the_options(ns, ip, line, typed, meant) -> None:
+    result, _captured = run(ip, line)
+    error = result.error_in_exec or result.error_before_exec
+    assert isinstance(error, UsageError), error
+    said = str(error)
+    assert "\n" not in said and f"unrecognized arguments: {typed} (did you mean {meant}?)" in said, said
+    assert "the options are " in said and meant in said.split("the options are ")[1], said
+    assert "_nan_report" not in ns  # nothing ran watched
+
+
+def test_an_option_like_no_other_is_not_given_a_guess(ns, ip) -> None:
+    result, _captured = run(ip, "%nanwatch on model --bogus")
+    said = str(result.error_in_exec or result.error_before_exec)
+    assert "unrecognized arguments: --bogus; the options are --defer," in said, said
+
+
+# -- %nanwatch on watches the rest of its own cell (round 21: a loop under the on line ran unwatched) ----------------
+
+
+def test_nanwatch_on_watches_the_rest_of_its_cell_then_every_cell(ip, ns) -> None:
+    result, _captured = run(ip, "%nanwatch on model\nz = model(torch.ones(2, 3))\ny = model(nan_batch)")
+    assert type(result.error_in_exec).__name__ == "NonFiniteError", result.error_in_exec
+    assert ns["_nan_report"].step == 1  # the cell's second call: the same count as in the cells after it
+    ns.pop("_nan_report")
+    result, _captured = run(ip, "y = model(nan_batch)")  # and the cells after it, as before
+    assert type(result.error_in_exec).__name__ == "NonFiniteError", result.error_in_exec
+    run(ip, "%nanwatch off")
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in ns["model"].modules())
+
+
+def test_nanwatch_on_called_outside_a_cell_holds_nothing_until_the_next_cell(ip, ns) -> None:
+    with capture_output():
+        ip.run_line_magic("nanwatch", "on model")  # (a direct call, as a script or a test makes it: no cell's end)
+    assert not ns["model"]._forward_hooks and not ns["model"]._forward_pre_hooks
+    result, _captured = run(ip, "y = model(nan_batch)")
+    assert type(result.error_in_exec).__name__ == "NonFiniteError", result.error_in_exec

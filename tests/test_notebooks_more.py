@@ -505,8 +505,13 @@ def test_the_loop_rerun_after_the_fix_runs_through_and_shows_no_report(session: 
 
 # -- bad input to every magic ----------------------------------------------------------------------------------
 
+#: (Round 21: an unknown option's line names the options, an abbreviation is one.)
+WATCH_OPTIONS = (
+    "; the options are --defer, --dump, --exclude, --full, --include, --keep-last-good, --kinds, --log, --log-file, "
+    "--no-backward, --no-fixes, --no-replay, --ops, --output, --quiet, --types, --warn"
+)
 BAD = {
-    "bad_option": "UsageError: %%nantrace: unrecognized arguments: --bogus",
+    "bad_option": "UsageError: %%nantrace: unrecognized arguments: --bogus" + WATCH_OPTIONS,
     "bad_target": "UsageError: %%nantrace: cannot evaluate target 'modle': name 'modle' is not defined",
     "bad_non_module": "UsageError: %%nantrace: cannot watch xs (torch.Tensor): "
                       "expected an nn.Module, a torch.optim.Optimizer or a GradScaler",
@@ -515,7 +520,7 @@ BAD = {
     "bad_empty": "UsageError: %%nantrace is a cell magic, but the cell body is empty.",
     "bad_subcommand": "UsageError: %nanwatch: 'of' is not on, off or status, nor a name defined here "
                       "(the models, optimizers or GradScalers to watch)",
-    "bad_watch_option": "UsageError: %nanwatch: unrecognized arguments: --bogus",
+    "bad_watch_option": "UsageError: %nanwatch: unrecognized arguments: --bogus" + WATCH_OPTIONS,
     "bad_status": "UsageError: %nanwatch status takes no arguments",
     "bad_replay_path": "UsageError: %nanreplay: cannot read /nonexistent/scene.pt: "
                        "[Errno 2] No such file or directory: '/nonexistent/scene.pt'",

@@ -358,6 +358,9 @@ def test_rerun_step_repeats_the_whole_step_and_is_finite_after_the_fix(scene) ->
     watch = scene.rerun_step(failing_step, fresh, fresh_opt)
     assert watch.report is not None
     assert (watch.report.module, watch.report.op) == ("1", "aten.div.Tensor")  # op-level: the exact op
+    # Numbered as the run it re-runs (round 21: the re-run's watch counted its one step as step 0).
+    assert scene.step == 2 and watch.report.step == scene.step, watch.report.message
+    assert f"step {scene.step}" in watch.report.message and [event.step for event in watch.events] == [scene.step]
     fresh[1].eps = 1e-5
     assert scene.rerun_step(failing_step, fresh, fresh_opt).report is None
 

@@ -22,6 +22,7 @@ from nan_magic.locations import function_name, name_location
 from nan_magic.records import SourcePointer
 
 __all__ = [
+    "cut_where_passed_through",
     "end_at_producer",
     "frames_of",
     "is_library_code",
@@ -51,6 +52,11 @@ _PLUMBING_FILES = (
     "<frozen ",
     f"{os.sep}IPython{os.sep}",
     f"{os.sep}ipykernel{os.sep}",
+    # The kernel's process below IPython's cell events (a %nanwatch cell's end): its event loop and its start.
+    f"{os.sep}asyncio{os.sep}",
+    f"{os.sep}tornado{os.sep}",
+    f"{os.sep}traitlets{os.sep}",
+    f"{os.sep}ipykernel_launcher.py",
     f"{os.sep}_pytest{os.sep}",
     f"{os.sep}pluggy{os.sep}",
     f"{os.sep}runpy.py",
@@ -206,6 +212,43 @@ def end_at_producer(
     lasti, lineno = position if position is not None else (producer.f_lasti, producer.f_lineno)
     last.tb_next = TracebackType(None, producer, lasti, lineno)
     return last.tb_next
+
+
+#: nan_magic's own package directory: its frames in a traceback are the watch's.
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DISPATCH_WAY_IN = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo") + os.sep)
+
+
+def cut_where_passed_through(tb: TracebackType | None) -> bool:
+    """End a user's own error's traceback (in place) where it entered the watch; whether it was cut.
+
+    A shape mismatch in the loop's code under the watch is raised from the op the watch's dispatch mode passed
+    on (the outside recorder, the op tracer): its traceback goes on below the user's line into our frames, and
+    torch's that ours called. IPython shows a traceback's last frame even where it is hidden, and ``%debug``
+    opens it: unwatched, both stop at the user's line. The frames the error passed through mark themselves
+    (``__tracebackhide__``, as IPython and pytest read it); only where every frame of ours below the cut does
+    is it cut, so an error of nan_magic itself keeps the frame that raised it.
+    """
+    entries: list[TracebackType] = []
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
+        entries.append(tb)
+        tb = tb.tb_next
+    # torch calls a dispatch mode through its guard against compiling it (torch/_compile.py, torch/_dynamo):
+    # those frames are the watch's way in too (ops=True).
+    while entries and entries[-1].tb_frame.f_code.co_filename.startswith(_DISPATCH_WAY_IN):
+        tb = entries.pop()
+    if not entries or tb is None:
+        return False
+    previous = entries[-1]
+    rest: TracebackType | None = tb
+    while rest is not None:
+        frame = rest.tb_frame
+        if frame.f_code.co_filename.startswith(_OWN_DIR) and not frame.f_locals.get("__tracebackhide__"):
+            return False
+        rest = rest.tb_next
+    previous.tb_next = None
+    return True
 
 
 def _outer_call(calls: Calls, frame: FrameType) -> int | None:

@@ -11,11 +11,13 @@ line: arming a held watch, leaving it by the cell's exception (paused, for a
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics
 
+from nan_magic.ipython.watched_cell import cut_users_errors
 from nan_magic.lifecycle.watch import Watch
 
 __all__ = ["HeldWatchMagics"]
@@ -32,6 +34,8 @@ class _Held(NamedTuple):
     depth: int
     #: Its events when the cell began: the cell's are the rest.
     seen: int
+    #: Puts the shell's showtraceback back (watched_cell.cut_users_errors).
+    uncut: Callable[[], None]
 
 
 class HeldWatchMagics(Magics):
@@ -42,6 +46,7 @@ class HeldWatchMagics(Magics):
     _bodies: int
     _outcome: tuple[Any, BaseException | None] | None
     _cell_counted: bool
+    _in_cell: bool
     _last_report: Any
     _unloaded: bool
 
@@ -66,7 +71,8 @@ class HeldWatchMagics(Magics):
             watch.resume()
         else:
             watch.__enter__()
-        self._held = _Held(watch, args, persistent, self._bodies, len(watch.events))
+        # (The cell's own error is shown at the user's line until it is released: watched_cell.py.)
+        self._held = _Held(watch, args, persistent, self._bodies, len(watch.events), cut_users_errors(self._shell))
 
     def _release(self, result: Any) -> None:
         """Leave the held watch by the cell's exception (``result``: the cell's ExecutionResult).
@@ -75,6 +81,7 @@ class HeldWatchMagics(Magics):
         """
         assert self._held is not None
         watch, args, seen = self._held.watch, self._held.args, self._held.seen
+        self._held.uncut()
         self._held = None
         error = None if result is None else result.error_in_exec
         try:
@@ -97,6 +104,7 @@ class HeldWatchMagics(Magics):
             return  # a %%nantrace body: its cell is already watched
         self._outcome = None  # a body run by a direct run_cell_magic call had no cell of its own
         self._cell_counted = bool(getattr(info, "store_history", False))
+        self._in_cell = True
         if self._persistent is not None and self._held is None:
             line, args, watch = self._persistent
             if watch is None or not watch.paused:
@@ -110,6 +118,8 @@ class HeldWatchMagics(Magics):
             self._hold(watch, args, persistent=True)
 
     def post_run_cell(self, result: Any) -> None:
+        if not self._bodies:
+            self._in_cell = False
         if self._bodies == 0 and self._outcome is not None and result is not None:
             # A %%nantrace cell: IPython ran its body as a cell of its own; its outcome is this cell's.
             (body, error), self._outcome = self._outcome, None

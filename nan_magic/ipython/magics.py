@@ -24,6 +24,7 @@ is displayed once the watch is left, so it opens *under* the short error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Any
 
@@ -47,6 +48,15 @@ _REPORT_NAME = "_nan_report"
 _loaded: dict[int, NanMagics] = {}
 
 
+def _exact_options(func: Any) -> Any:
+    """Options as typed, never abbreviated: argparse took ``--ful`` for ``--full`` (and a later option sharing the
+    prefix would silently change what an old notebook's line means); an unknown one is a UsageError naming them
+    (:func:`_with_the_options`). Set on the parser IPython built (its constructor takes no ``allow_abbrev``;
+    argparse reads the attribute as it parses)."""
+    func.parser.allow_abbrev = False
+    return func
+
+
 def _watch_options(func: Any) -> Any:
     """The options %%nantrace and %nanwatch share (see nan_magic.options)."""
     decorators = [
@@ -60,7 +70,7 @@ def _watch_options(func: Any) -> Any:
     # magic_arguments lists options in source order, i.e. reverse application.
     for decorator in reversed(decorators):
         func = decorator(func)
-    return magic_arguments()(func)
+    return _exact_options(magic_arguments()(func))
 
 
 @magics_class
@@ -79,6 +89,8 @@ class NanMagics(HeldWatchMagics):
         self._outcome: tuple[Any, BaseException | None] | None = None
         #: Whether the cell running now is counted in the history (``In[N]``; pre_run_cell says).
         self._cell_counted = False
+        #: Whether a cell is running (between its pre_run_cell and post_run_cell), not a magic called directly.
+        self._in_cell = False
         #: The report of the last watch that stopped at an event, for ``%nanwatch status``: kept until another
         #: event, not lost to the healthy cells after it (each cell under ``%nanwatch on`` is a watch's run).
         self._last_report: Any = None
@@ -146,9 +158,9 @@ class NanMagics(HeldWatchMagics):
 
         ``%nanwatch [targets] [options]`` watches the rest of the current cell
         (bare ``%nanwatch``: every model, optimizer and GradScaler it calls);
-        ``%nanwatch on [targets] [options]`` every following cell until
-        ``%nanwatch off``; ``%nanwatch status`` prints what is armed and the
-        last report.
+        ``%nanwatch on [targets] [options]`` the rest of the cell and every
+        following cell until ``%nanwatch off``; ``%nanwatch status`` prints
+        what is armed and the last report.
 
         Example::
 
@@ -177,6 +189,11 @@ class NanMagics(HeldWatchMagics):
         if persistent:
             self._persistent = (rest, args, None)
             print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
+            if self._in_cell and self._held is None:
+                # The rest of this cell too, as ``%nanwatch`` watches the rest of its cell: a user who puts
+                # ``%nanwatch on model`` above the training loop means that loop (it ran unwatched).
+                self._persistent = (rest, args, watch)
+                self._hold(watch, args, persistent=True)
             return
         self._take_over("%nanwatch")
         self._hold(watch, args, persistent=False)
@@ -195,6 +212,7 @@ class NanMagics(HeldWatchMagics):
             return f"nan_magic: {following}this %%nantrace cell stays watched to its end"
         return "nan_magic: watch off" if was_on else "nan_magic: no watch is on (nothing to turn off)"
 
+    @_exact_options
     @magic_arguments()
     @argument("path", help="a scene file saved with --dump")
     @argument("model", nargs="?", default=None,
@@ -276,7 +294,7 @@ class NanMagics(HeldWatchMagics):
         try:
             return unquoted_options(parse_argstring(magic, line))
         except (UsageError, ValueError) as error:  # ValueError: unbalanced quotes from the splitter
-            raise UsageError(f"{name}: {error}") from None
+            raise UsageError(f"{name}: {_with_the_options(str(error), magic)}") from None
 
     def _make_watch(self, args: Any, name: str) -> Watch:
         try:
@@ -393,3 +411,14 @@ def unload(shell: Any) -> None:
         shell.input_transformers_cleanup.remove(_await_nantrace_bodies)
     shell.events.unregister("pre_run_cell", magics.pre_run_cell)
     shell.events.unregister("post_run_cell", magics.post_run_cell)
+
+
+def _with_the_options(message: str, magic: Any) -> str:
+    """argparse's "unrecognized arguments: --ful", with the nearest option and the list of them (one line)."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    options = sorted(option for option in magic.parser._option_string_actions if option.startswith("--"))
+    unknown = [word for word in message.split(":", 1)[1].split() if word.startswith("-")]
+    near = difflib.get_close_matches(unknown[0].split("=", 1)[0], options, n=1, cutoff=0.75) if unknown else []
+    guess = f" (did you mean {near[0]}?)" if near else ""
+    return f"{message}{guess}; the options are {', '.join(options)}"

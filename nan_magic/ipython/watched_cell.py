@@ -11,13 +11,24 @@ number it has in the cell as typed.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.errors.frames import cut_where_passed_through
 from nan_magic.lifecycle.watch import Watch
 
-__all__ = ["as_typed", "has_code", "named_as_the_cell", "run_watched", "run_watched_async"]
+__all__ = [
+    "as_typed",
+    "cut_users_errors",
+    "has_code",
+    "named_as_the_cell",
+    "run_watched",
+    "run_watched_async",
+    "users_errors_shown_as_theirs",
+]
 
 
 def run_watched(shell: Any, watch: Watch, cell: str) -> tuple[Any, BaseException | None]:
@@ -29,7 +40,7 @@ def run_watched(shell: Any, watch: Watch, cell: str) -> tuple[Any, BaseException
     __tracebackhide__ = True
     result = None
     try:
-        with watch:
+        with watch, users_errors_shown_as_theirs(shell):
             result = shell.run_cell(cell)
             _leave_by_the_cells_error(result)
     except BaseException as raised:
@@ -47,7 +58,7 @@ async def run_watched_async(shell: Any, watch: Watch, cell: str) -> tuple[Any, B
     __tracebackhide__ = True
     result = None
     try:
-        with watch:
+        with watch, users_errors_shown_as_theirs(shell):
             try:
                 result = await shell.run_cell_async(cell, transformed_cell=shell.transform_cell(cell))
             finally:
@@ -57,6 +68,41 @@ async def run_watched_async(shell: Any, watch: Watch, cell: str) -> tuple[Any, B
     except BaseException as raised:
         return _left(shell, result, raised)
     return result, None
+
+
+@contextmanager
+def users_errors_shown_as_theirs(shell: Any) -> Iterator[None]:
+    """While a watched cell runs: its own errors (not the watch's) shown, and ``%debug`` opened, at the user's line.
+
+    IPython shows a cell's error itself, from its ``showtraceback``, before the watch is left: the user's error
+    that passed through the watch's dispatch mode is cut there first (frames.cut_where_passed_through).
+    """
+    undo = cut_users_errors(shell)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def cut_users_errors(shell: Any) -> Callable[[], None]:
+    """:func:`users_errors_shown_as_theirs` from now (a ``%nanwatch on`` cell, held between the cell events) until
+    the function it returns is called. Shadowed on the shell only where nothing else has shadowed it."""
+    if "showtraceback" in vars(shell):
+        return lambda: None
+    shown = shell.showtraceback
+
+    def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
+        error = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
+        if error is not None and not isinstance(error, NonFiniteError):
+            cut_where_passed_through(error.__traceback__)
+        return shown(exc_tuple, *args, **kwargs)
+
+    def undo() -> None:
+        if vars(shell).get("showtraceback") is showtraceback:
+            del shell.showtraceback
+
+    shell.showtraceback = showtraceback
+    return undo
 
 
 def _leave_by_the_cells_error(result: Any) -> None:

@@ -26,6 +26,7 @@ from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
 from nan_magic.errors.frames import end_at_producer, frames_of, running_frame_at, user_frames_of, user_stacklevel
+from nan_magic.errors.warning_lines import watch_warning
 from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -129,9 +130,11 @@ class Events:
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
             self.report = report
-            if finding.frame is None and report.phase == Phase.DATA and report.source is not None:
+            if finding.frame is None and report.phase in _LINE_STILL_RUNS and report.source is not None:
                 # Data named by the line that read it (a NaN label at ``loss = mse(out, y)``), judged lines later
-                # (``loss.backward()``): %debug opens at the report's line where that frame still runs.
+                # (``loss.backward()``): %debug opens at the report's line where that frame still runs. So does a
+                # backward producer made by the loss code (``loss = gap.sqrt()`` in the loop, outside every module):
+                # no replay re-runs that code, but the loop's frame that ran the line is the one calling backward.
                 finding.frame, finding.frame_position = running_frame_at(report.source) or (None, None)
             self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
@@ -153,7 +156,7 @@ class Events:
             self.raise_agreed(self.agreement.settle(own, finding))
         if self.config.on_detect == "warn":
             # Named at the user's line (the cell's), not at the hook several frames below it.
-            warnings.warn(report.message, RuntimeWarning, stacklevel=user_stacklevel())
+            warnings.warn(watch_warning(report.message), stacklevel=user_stacklevel())
 
     def handled(self, finding: Finding) -> None:
         """A held batch's step ended with everything else finite: the program handled it, a benign event.
@@ -300,6 +303,10 @@ class Events:
             self.report = report
         if self.events:
             self.events[-1] = report
+
+
+#: The phases whose report's line may be in a frame still running when the event is judged (the loop's).
+_LINE_STILL_RUNS = (Phase.DATA, Phase.BACKWARD)
 
 
 def _same_event(report: Report, earlier: Report) -> bool:

@@ -13,6 +13,7 @@ import warnings
 
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.errors.frames import user_line
+from nan_magic.errors.warning_lines import NOWHERE
 from nan_magic.hot.watched.targets import Targets, unmatched_filters
 from nan_magic.options import WatchConfig
 
@@ -38,6 +39,7 @@ def warn_unmatched_filters(targets: Targets, config: WatchConfig) -> bool:
         # At the user's line, and with no registry: said again when the cell runs again (a plain warn says a
         # message once per line, and a re-run cell with the same misspelling would go silent); filters still apply.
         where = user_line(sys._getframe(1))
-        filename, line, module_globals = (where[0].co_filename, where[1], where[2]) if where else ("nan_magic", 0, None)
+        # (No user frame: a %nanwatch cell's end, from IPython's cell events. Printed without a place: warning_lines.)
+        filename, line, module_globals = (where[0].co_filename, where[1], where[2]) if where else (NOWHERE, 0, None)
         warnings.warn_explicit(message, NanMagicWarning, filename, line, module_globals=module_globals)
     return True

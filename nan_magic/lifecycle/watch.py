@@ -40,6 +40,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.errors.frames import cut_where_passed_through
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -231,13 +232,17 @@ class Watch(WatchEvents):
             if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
-        if not (pause or self._filters_judged):  # the models the cell used, now known (filters.py)
-            warn_unmatched_filters(self.targets, self.config)
+        if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
+            self._filters_judged = warn_unmatched_filters(self.targets, self.config)  # (once for the run)
         if explained is not None:
             self.adopt_traceback(explained, tb)
             raise explained from exc
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
+        elif exc is not None:
+            # The user's own error (a shape mismatch in the loop's code, passed on by the watch's dispatch mode):
+            # its traceback, and %debug or pdb.pm(), stop at the user's line, as unwatched (frames.py).
+            cut_where_passed_through(tb)
         return False
 
     def _attach(self) -> None:

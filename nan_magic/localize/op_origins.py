@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.call_records import Call, TensorRecord
-from nan_magic.hot.kept.finding import Finding, record_ref
+from nan_magic.hot.kept.finding import Finding, named_inputs, record_ref
 from nan_magic.hot.reads import is_checkable, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
@@ -320,6 +320,10 @@ class OpOrigins:
             # The op ran in another module's code than the boundary's: this boundary passed it on.
             record.status, record = "propagated", None
         finding = Finding(op_finding.phase, call, TensorRef.op_output(op_finding.op, op_finding.tensor), record=record)
+        if call is not None and op_finding.phase == Phase.FORWARD:
+            # The producer module's arguments, as a per-module check reports them (their histograms beside the
+            # op's operands): the replay that named the op still holds them.
+            finding.inputs = named_inputs(call)
         tracer = self.tracer
         tensors = tracer.producer_tensors if tracer is not None and tracer.finding is op_finding else ()
         apply_op_finding(finding, op_finding, tensors)

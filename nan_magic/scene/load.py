@@ -354,7 +354,40 @@ class Scene:
             restore_rng_state(rng)
         with watcher:
             step()
+        _numbered_as_the_run(watcher, self.step)
         return watcher
+
+
+def _numbered_as_the_run(watcher: Watch, first: int) -> None:
+    """Number what the re-run's watch found as the run it re-runs: it counted the one step it saw as step 0.
+
+    (Afterwards, not by starting the watch's counter at ``first``: the tiered watch's per-module steps and an
+    optimizer's first step are judged from that counter.)
+    """
+    if first == 0:
+        return
+
+    def later(item: Any) -> Any:  # a report, a step's summary, an early warning, an event reference
+        return dataclasses.replace(item, step=item.step + first)
+
+    def renumbered(report: Report) -> Report:
+        return dataclasses.replace(
+            later(report),
+            history=tuple(map(later, report.history)),
+            warnings=tuple(map(later, report.warnings)),
+            follows=None if report.follows is None else later(report.follows),
+        )
+
+    outcome = watcher.outcome
+    report = outcome.report
+    numbered = outcome.report = None if report is None else renumbered(report)
+    # (The report is also among the events, as the same object: it stays so.)
+    outcome.events[:] = [numbered if numbered is not None and event is report else renumbered(event)
+                         for event in outcome.events]
+    for kept in (watcher.history, watcher.warnings):
+        items = list(kept)
+        kept.clear()
+        kept.extend(map(later, items))
 
 
 def _as_list(value: Any) -> list[Any]:

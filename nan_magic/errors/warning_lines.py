@@ -1,0 +1,65 @@
+"""The watch's warnings named at the user's cell as IPython names it: ``Cell In[5], line 4: NanMagicWarning: ...``.
+
+A warning is located at the user's line (``user_stacklevel``), which in a
+notebook is the kernel's temporary file for the cell: Python prints
+``/tmp/ipykernel_42/1234.py:4: RuntimeWarning: ...``, a name the user never
+typed, where the report and IPython's own tracebacks say ``Cell In[5], line 4``.
+:func:`install` wraps :func:`warnings.formatwarning` (kept as it was found, for
+everything else) so that the watch's warnings located in a cell are printed
+with the cell's name. Other libraries' warnings, and ours located in a file,
+print as before; filters, ``catch_warnings`` and the once-per-location
+registry see the same filename as before (only the printed text changes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from nan_magic.errors.exceptions import NanMagicWarning
+from nan_magic.locations import cell_location
+
+__all__ = ["NOWHERE", "install", "watch_warning"]
+
+#: The filename of a warning of ours that no user's line is the place of (said as a ``%nanwatch`` cell ends,
+#: from IPython's cell events): printed as ``NanMagicWarning: ...``, with no place.
+NOWHERE = "nan_magic"
+
+#: The attribute that marks a warning the watch gave under a standard category (``on_detect="warn"``'s
+#: RuntimeWarning, whose category users and tests filter on as it is).
+_MARK = "_nan_magic_warning"
+
+
+def watch_warning(message: str, category: type[Warning] = RuntimeWarning) -> Warning:
+    """``category(message)`` marked as the watch's, for ``warnings.warn`` (its category stays ``category``)."""
+    warning = category(message)
+    setattr(warning, _MARK, True)
+    return warning
+
+
+def _ours(message: Any) -> bool:
+    return isinstance(message, NanMagicWarning) or getattr(message, _MARK, False)
+
+
+def _cell_named(format_warning: Any) -> Any:
+    def format_named(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
+        text = format_warning(message, category, filename, lineno, line)
+        if not _ours(message):
+            return text
+        prefix = f"{filename}:{lineno}:"
+        if filename == NOWHERE and text.startswith(prefix):
+            return text[len(prefix) :].lstrip()
+        named = cell_location(filename, lineno)
+        if named is None or not text.startswith(prefix):
+            return text
+        return text.replace(prefix, f"{named}:", 1)
+
+    format_named.__wrapped__ = format_warning  # type: ignore[attr-defined]
+    format_named._nan_magic = True  # type: ignore[attr-defined]
+    return format_named
+
+
+def install() -> None:
+    """Wrap :func:`warnings.formatwarning` (once; what a later wrapper set is kept beneath ours)."""
+    if not getattr(warnings.formatwarning, "_nan_magic", False):
+        warnings.formatwarning = _cell_named(warnings.formatwarning)
