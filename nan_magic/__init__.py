@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.errors.warning_lines import install as install_warning_lines
 from nan_magic.fix_records import install_describer
 from nan_magic.lifecycle.entry import watch
 from nan_magic.lifecycle.watch import Watch
@@ -99,8 +98,6 @@ install_describer(_lazy("nan_magic.render.fixes", "fix_description"))
 install_writer(_lazy("nan_magic.render.words.note_words", "note_text"))
 # A TensorRef's label (str) is written by render/words/names.py (stdlib only, so imported at once).
 install_labeler(tensor_label)
-# The watch's warnings from a cell are printed as `Cell In[5], line 4`, as the report names it (warning_lines.py).
-install_warning_lines()
 
 
 def load_ipython_extension(ipython: Any) -> None:

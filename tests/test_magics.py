@@ -482,11 +482,17 @@ def test_help_is_reachable_the_ipython_way(ip, query, expected) -> None:
 
 
 def test_unload_disarms_unregisters_events_and_leaves_ipython_alone(ip) -> None:
+    import warnings
+
     from IPython.core.error import UsageError
 
     shell = ip
     before = global_hook_counts()
     magics_before = {kind: dict(names) for kind, names in shell.magics_manager.magics.items()}
+    from nan_magic.patches import registry as patches
+
+    assert (warnings, "formatwarning") in patches.installed()  # the cell-named printer, ours while loaded
+    pythons = warnings.formatwarning.__wrapped__
     shell.run_cell(SETUP)
     shell.run_line_magic("nanwatch", "on model")
     shell.run_line_magic("unload_ext", "nan_magic")
@@ -500,6 +506,8 @@ def test_unload_disarms_unregisters_events_and_leaves_ipython_alone(ip) -> None:
     result = shell.run_cell("y = model(torch.full((1, 4), float('nan')))")
     assert result.error_in_exec is None  # "%nanwatch on" ended with the extension
     assert global_hook_counts() == before
+    # The cell-named warnings' patch (warning_lines.py) went with the extension: Python's own printer is back.
+    assert warnings.formatwarning is pythons and (warnings, "formatwarning") not in patches.installed()
     shell.run_line_magic("load_ext", "nan_magic")
     result = shell.run_cell("%%nantrace model\ny = model(torch.full((1, 4), float('nan')))")
     assert isinstance(result.error_in_exec, FloatingPointError)

@@ -9,6 +9,8 @@ libraries' warnings print as before.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import warnings
 
 import torch
@@ -66,3 +68,27 @@ def test_the_category_and_the_filename_stay_for_filters_and_tests() -> None:
     # Out of a cell (a script, a test), the file is named as Python names it.
     text = warnings.formatwarning(caught[1].message, caught[1].category, caught[1].filename, caught[1].lineno)
     assert text.startswith(f"{__file__}:{caught[1].lineno}: RuntimeWarning: first non-finite"), text
+
+
+def test_importing_nan_magic_leaves_pythons_warnings_alone() -> None:
+    # The cell-named printer is held by the IPython extension only (magics.load): a script's warnings are untouched.
+    code = "import warnings; f = warnings.formatwarning; import nan_magic; assert warnings.formatwarning is f"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_printer_the_user_installs_after_ours_stays_after_unload(ip) -> None:
+    from nan_magic.errors.warning_lines import watch_warning as marked
+
+    def theirs(message, category, filename, lineno, line=None):
+        return "theirs: " + ours(message, category, filename, lineno, line)
+
+    ours = warnings.formatwarning
+    warnings.formatwarning = theirs
+    try:
+        ip.run_line_magic("unload_ext", "nan_magic")
+        assert warnings.formatwarning is theirs  # not dropped by our taking back
+        text = warnings.formatwarning(marked("m"), RuntimeWarning, "/tmp/ipykernel_1/2.py", 3)
+        assert text.startswith("theirs: /tmp/ipykernel_1/2.py:3: RuntimeWarning: m"), text  # ours inert beneath
+    finally:
+        warnings.formatwarning = ours.__wrapped__ if hasattr(ours, "__wrapped__") else ours
+        ip.run_line_magic("load_ext", "nan_magic")

@@ -4,22 +4,24 @@ A warning is located at the user's line (``user_stacklevel``), which in a
 notebook is the kernel's temporary file for the cell: Python prints
 ``/tmp/ipykernel_42/1234.py:4: RuntimeWarning: ...``, a name the user never
 typed, where the report and IPython's own tracebacks say ``Cell In[5], line 4``.
-:func:`install` wraps :func:`warnings.formatwarning` (kept as it was found, for
-everything else) so that the watch's warnings located in a cell are printed
-with the cell's name. Other libraries' warnings, and ours located in a file,
-print as before; filters, ``catch_warnings`` and the once-per-location
-registry see the same filename as before (only the printed text changes).
+:func:`cell_named` wraps :func:`warnings.formatwarning` so that the watch's
+warnings located in a cell are printed with the cell's name. Other libraries'
+warnings, and ours located in a file, print as before; filters,
+``catch_warnings`` and the once-per-location registry see the same filename as
+before (only the printed text changes). The wrapper is a process-wide patch,
+held while the IPython extension is loaded (ipython/magics.py's ``load``,
+through patches/registry.py): importing nan_magic in a script changes nothing
+of Python's warnings.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.locations import cell_location
 
-__all__ = ["NOWHERE", "install", "watch_warning"]
+__all__ = ["NOWHERE", "cell_named", "watch_warning"]
 
 #: The filename of a warning of ours that no user's line is the place of (said as a ``%nanwatch`` cell ends,
 #: from IPython's cell events): printed as ``NanMagicWarning: ...``, with no place.
@@ -41,7 +43,9 @@ def _ours(message: Any) -> bool:
     return isinstance(message, NanMagicWarning) or getattr(message, _MARK, False)
 
 
-def _cell_named(format_warning: Any) -> Any:
+def cell_named(format_warning: Any) -> Any:
+    """``format_warning`` printing the watch's warnings located in a cell as ``Cell In[N], line M: ...``."""
+
     def format_named(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
         text = format_warning(message, category, filename, lineno, line)
         if not _ours(message):
@@ -54,12 +58,4 @@ def _cell_named(format_warning: Any) -> Any:
             return text
         return text.replace(prefix, f"{named}:", 1)
 
-    format_named.__wrapped__ = format_warning  # type: ignore[attr-defined]
-    format_named._nan_magic = True  # type: ignore[attr-defined]
     return format_named
-
-
-def install() -> None:
-    """Wrap :func:`warnings.formatwarning` (once; what a later wrapper set is kept beneath ours)."""
-    if not getattr(warnings.formatwarning, "_nan_magic", False):
-        warnings.formatwarning = _cell_named(warnings.formatwarning)

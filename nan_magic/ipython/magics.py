@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import warnings
 from typing import Any
 
 from IPython import get_ipython
@@ -34,18 +35,23 @@ from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
+from nan_magic.errors.warning_lines import cell_named
 from nan_magic.ipython.arguments import target_names, unquoted_options
 from nan_magic.ipython.held_watch import HeldWatchMagics, _Held
 from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
 from nan_magic.ipython.watched_cell import as_typed, has_code, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
+from nan_magic.patches.registry import ProcessPatch
 
 __all__ = ["NanMagics", "load", "unload"]
 
 _REPORT_NAME = "_nan_report"
 # One NanMagics per loaded shell, so that %unload_ext finds what %load_ext made.
 _loaded: dict[int, NanMagics] = {}
+#: The watch's warnings from a cell printed as ``Cell In[5], line 4`` while the extension is loaded
+#: (errors/warning_lines.py), taken back at unload unless someone wrapped ``warnings.formatwarning`` after us.
+_CELL_NAMED_WARNINGS = ProcessPatch.of(warnings, "formatwarning", cell_named)
 
 
 def _exact_options(func: Any) -> Any:
@@ -394,6 +400,8 @@ def load(shell: Any) -> None:
     shell.input_transformers_cleanup.append(_await_nantrace_bodies)
     shell.events.register("pre_run_cell", magics.pre_run_cell)
     shell.events.register("post_run_cell", magics.post_run_cell)
+    if id(shell) not in _loaded:  # (held once per shell: unload lets go once)
+        _CELL_NAMED_WARNINGS.acquire()
     _loaded[id(shell)] = magics
 
 
@@ -407,6 +415,7 @@ def unload(shell: Any) -> None:
     if magics is None:
         return
     magics.unload()
+    _CELL_NAMED_WARNINGS.release()
     if _await_nantrace_bodies in shell.input_transformers_cleanup:
         shell.input_transformers_cleanup.remove(_await_nantrace_bodies)
     shell.events.unregister("pre_run_cell", magics.pre_run_cell)
