@@ -93,7 +93,7 @@ def cut_users_errors(shell: Any) -> Callable[[], None]:
 
     def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
         error = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
-        if error is not None and not isinstance(error, NonFiniteError):
+        if isinstance(error, Exception) and not isinstance(error, NonFiniteError):  # (an interrupt: as Watch's exit)
             cut_where_passed_through(error.__traceback__)
         return shown(exc_tuple, *args, **kwargs)
 

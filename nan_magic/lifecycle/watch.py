@@ -239,9 +239,10 @@ class Watch(WatchEvents):
             raise explained from exc
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
-        elif exc is not None:
+        elif isinstance(exc, Exception):
             # The user's own error (a shape mismatch in the loop's code, passed on by the watch's dispatch mode):
-            # its traceback, and %debug or pdb.pm(), stop at the user's line, as unwatched (frames.py).
+            # its traceback, and %debug or pdb.pm(), stop at the user's line, as unwatched (frames.py). An
+            # interrupt is not cut: where it landed is shown, our hooks' frames skipped as hidden (IPython's rule).
             cut_where_passed_through(tb)
         return False
 
