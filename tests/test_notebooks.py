@@ -123,8 +123,10 @@ def test_a_saved_report_adds_at_most_about_100_kb(transformer: Any, cnn: Any) ->
         outputs, models = report_bytes(nb, failing)
         assert outputs <= 100 * 1024
         # With the widget state stored too: the Layers table (every module of the step, 24 rows in the transformer)
-        # is in both, compacted (layers_html).
-        assert outputs + models <= 180 * 1024, (outputs, models)
+        # is in both, compacted (layers_html). 180 kB until round 21, when every mode's report gained the producer
+        # module's input histogram beside the op's operands (about 10 kB in each copy: the transformer's went from
+        # 83 + 97 kB to 93 + 106 kB).
+        assert outputs + models <= 200 * 1024, (outputs, models)
 
 
 def test_transformer_report_widget_and_fallbacks(transformer: Any) -> None:
