@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import nan_magic
-from nan_magic.localize.replay.step_keeping import MAX_CALLS
+from nan_magic.localize.replay.tiered.step_keeping import MAX_CALLS
 from nan_magic.note_records import Note
 
 

@@ -1,6 +1,6 @@
 """The frames from the loop to a producer inside a model read in call order, in both timings.
 
-A module's producer is named by a replay of the model call (localize/replay/root_calls.py), so the traceback
+A module's producer is named by a replay of the model call (localize/replay/tiered/root_calls.py), so the traceback
 the user gets does not hold the forwards between the loop and the producing line: they ran in the replay. The
 replay notes the frames it passed (localize/ops/sources.replayed_calls) and the line the loop called the
 model from (RootCall.caller), and the traceback is rebuilt from them: the loop's line that called the model

@@ -11,7 +11,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
+from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints_inline
 from nan_magic.patches import registry as patches
 from nan_magic.patches.registry import ProcessPatch
 

@@ -1,6 +1,6 @@
 """A BatchNorm's step counter is not copied on a healthy step; a replay still sees it as it was before the call.
 
-A step replay runs a top-level call again from its buffers as they were before it (replay/step.py). torch's
+A step replay runs a top-level call again from its buffers as they were before it (replay/tiered/step.py). torch's
 BatchNorm writes its running statistics without moving their version counters (they are replayed as the step left
 them, as before), and ``num_batches_tracked`` by ``add_(1)``, one version a call: so that counter is not copied at
 each call (hot/kept/buffer_copies.py ``step_counters``), its value before the call is counted back from its version

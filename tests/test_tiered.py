@@ -860,7 +860,7 @@ def test_a_backward_nan_in_the_first_of_two_chained_models_is_named_there(option
 
 
 def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_raises() -> None:
-    from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
+    from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints_inline
 
     function = torch.utils.checkpoint.CheckpointFunction
     x = torch.ones(2, requires_grad=True)
@@ -876,7 +876,7 @@ def test_reentrant_checkpoints_are_inlined_only_inside_the_replay_even_when_it_r
 def test_reentrant_checkpoints_of_other_threads_run_as_usual_while_a_replay_inlines_its_own() -> None:
     import threading
 
-    from nan_magic.localize.replay.step_backward import reentrant_checkpoints_inline
+    from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints_inline
 
     x = torch.ones(2, requires_grad=True)
     seen: list[str] = []

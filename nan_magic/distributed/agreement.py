@@ -150,7 +150,7 @@ class Agreement:
     """
 
     def __init__(self, *, alone: bool = False) -> None:
-        # A replay's watch (localize/replay/step.py) runs on one rank alone, inside the watch that agrees.
+        # A replay's watch (localize/replay/tiered/step.py) runs on one rank alone, inside the watch that agrees.
         self._alone = alone
         # `several`'s last answer, and the default process group it was given for (_UNASKED: none yet).
         self._group: Any = _UNASKED

@@ -18,7 +18,7 @@ import torch
 from nan_magic.fixes.step import FailingStep
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.replay.module_run import map_tensors
-from nan_magic.localize.replay.root_calls import RootCall
+from nan_magic.localize.replay.tiered.root_calls import RootCall
 
 __all__ = ["holds_nonfinite", "without_bad_samples"]
 

@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from nan_magic.fixes.batch import holds_nonfinite
 from nan_magic.fixes.loss import LossSource
 from nan_magic.hot.kept.held import running_arguments
-from nan_magic.localize.replay.root_calls import RootCall
-from nan_magic.localize.replay.step import StepReplays
+from nan_magic.localize.replay.tiered.root_calls import RootCall
+from nan_magic.localize.replay.tiered.step import StepReplays
 from nan_magic.records import Note, Phase, Report
 
 __all__ = ["KeptStep"]

@@ -41,7 +41,7 @@ from nan_magic.localize.outside.recorded_ops import (
     rerun_op,
 )
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.localize.replay.root_calls import RootCall
+from nan_magic.localize.replay.tiered.root_calls import RootCall
 
 __all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad"]
 

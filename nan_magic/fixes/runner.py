@@ -45,8 +45,8 @@ from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.stable import StableFix, changes_value
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
 from nan_magic.localize.outside.region_records import RegionRecords
-from nan_magic.localize.replay.root_calls import RootCall, replay_target
-from nan_magic.localize.replay.step import StepReplays
+from nan_magic.localize.replay.tiered.root_calls import RootCall, replay_target
+from nan_magic.localize.replay.tiered.step import StepReplays
 from nan_magic.patches.scaler import scaler_source
 from nan_magic.records import FixTrial, Note, Phase, Report, TensorRole
 from nan_magic.scene.last_good import LastGood

@@ -46,7 +46,7 @@ from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
-from nan_magic.localize.replay.root_calls import RootCall
+from nan_magic.localize.replay.tiered.root_calls import RootCall
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
 
 __all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step", "step_alone"]

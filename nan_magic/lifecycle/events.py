@@ -37,7 +37,7 @@ from nan_magic.phases import Phase
 from nan_magic.records import Report
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nan_magic.localize.replay.step import Producer
+    from nan_magic.localize.replay.tiered.step import Producer
 
 __all__ = ["EventContext", "Events"]
 
@@ -98,7 +98,7 @@ class Events:
         """Record an event; raise or warn for the first non-benign one as configured.
 
         In the tiered mode a real forward or backward event is first
-        localized by a replay of its step (localize/replay/step.py); ``replayed`` is
+        localized by a replay of its step (localize/replay/tiered/step.py); ``replayed`` is
         a replay's report and producer (frame, position) already made.
         """
         if self.agreement.holding:

@@ -3,7 +3,7 @@
 A watch nested over the same modules takes over from the outer one (whose
 hooks are removed until this one exits): never two sets of our hooks on one
 model. The steps the nested watch took are the outer watch's steps too. A
-step replay's watch (``replay_of``, localize/replay/step.py) runs inside the watch it
+step replay's watch (``replay_of``, localize/replay/tiered/step.py) runs inside the watch it
 replays, which stands aside instead of being taken over from.
 
 Who calls whom: each watch owns a :class:`Nesting`, given its own hooks'

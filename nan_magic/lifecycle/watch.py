@@ -98,7 +98,7 @@ class Watch(WatchEvents):
         replay_of: Watch | None = None,
     ) -> None:
         self.config = config or WatchConfig()
-        #: The tiered watch whose failing step this watch replays (localize/replay/step.py): it runs inside
+        #: The tiered watch whose failing step this watch replays (replay/tiered/step.py): it runs inside
         #: that watch, which stands aside, instead of taking over from it.
         self.replay_of = replay_of
         # Resolving validates the targets now, so bad input fails before any
@@ -406,7 +406,7 @@ class Watch(WatchEvents):
         self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
-        """The full watch a step replay runs ``model`` under (localize/replay/step.py): a watch like any other."""
+        """The full watch a step replay runs ``model`` under (replay/tiered/step.py): a watch like any other."""
         # The whole model is watched, so that a submodule called at top level keeps its qualified name.
         inner = Watch([model], labels=[label], config=config, replay_of=self)
         # It measures every call, a ReLU's too, which the watch passes through on a finite input (transparent.py):

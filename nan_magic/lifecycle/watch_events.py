@@ -41,7 +41,7 @@ from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.per_call import replayed_from_the_step
 from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.replay.samples import Samples
-from nan_magic.localize.replay.step import Producer, StepReplays
+from nan_magic.localize.replay.tiered.step import Producer, StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, TensorRole
 from nan_magic.scene.dump import SceneSource, record_scene

@@ -2,7 +2,7 @@
 
 * :class:`Tiered` (the default, ``mode="tiered"``): steps are checked at their
   boundaries; the code between the model calls is recorded (outside/), a
-  failing step's model calls are run again (replay/step.py), an optimizer
+  failing step's model calls are run again (replay/tiered/step.py), an optimizer
   step is run again on copies (replay/optimizer.py).
 * :class:`PerCall` (``mode="full"``): every module call is checked; the
   producer's call is run again (replay/producer_call.py), the code between
@@ -11,7 +11,7 @@
 * :class:`Traced` (``ops=True``, either mode): the op tracer watches every op
   of every step; nothing is run again to name the op.
 
-Every mode keeps the step's top-level model calls (``kept``, replay/step.py's
+Every mode keeps the step's top-level model calls (``kept``, replay/tiered/step.py's
 begin at a top-level call's pre-hook) where the first real event's remedies are
 tried on a replay of the failing step (fixes/runner.py); only the tiered watch
 also localizes with them. The per-call and traced watches pay a check or a
@@ -35,8 +35,8 @@ from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.line_replay import ForwardLines
 from nan_magic.localize.replay.optimizer import name_optimizer_op
-from nan_magic.localize.replay.root_calls import NestedWatch
-from nan_magic.localize.replay.step import ReplayHost, StepReplays
+from nan_magic.localize.replay.tiered.root_calls import NestedWatch
+from nan_magic.localize.replay.tiered.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.patches.backward import marked_graph_grads, unrecorded_input_grads
 from nan_magic.patches.functional_calls import noted_swaps
@@ -131,7 +131,7 @@ class Recording(Localizing):
         # code around it is recorded on as one region, its backward's ops not (patches/backward.py).
         stack.enter_context(unrecorded_input_grads(recorder.step_aside, recorder.step_back))
         # A double backward in the loop's code (MAML's inner step): its gradient formulas' ops are recorded at the
-        # line of its autograd.grad, which the recorder notes (a value they made is a backward's: replay/step.py).
+        # line of its autograd.grad, which the recorder notes (what they made is a backward's: replay/tiered/step.py).
         stack.enter_context(marked_graph_grads(recorder.graph_grad_begins))
         # An evaluation under inference_mode: the recorder steps aside at its model calls as it does outside one
         # (the block's end would put torch's Python key back over an empty stack: patches/inference_blocks.py).

@@ -9,7 +9,7 @@ gradient, a parameter, the batch), which op started it.
 
 Who calls whom: the producer rule (producer.py), the gradient checks
 (gradients.py), the optimizer checks (optim.py) and the step replay
-(replay/step.py) call it; it calls back only the callables the watch gave it
+(replay/tiered/step.py) call it; it calls back only the callables the watch gave it
 (``emit``, ``on_gradient_event``, ``info_by_name``), never a checker.
 """
 

@@ -317,7 +317,7 @@ class GradientChecks:
         returned_by = handed_on.call
         if returned_by is not None and returned_by.parent is None:
             if watch.replays is not None:
-                # Kept for a replay of this step's backward (localize/replay/step.py), until the step ends.
+                # Kept for a replay of this step's backward (replay/tiered/step.py), until the step ends.
                 watch.replays.capture_gradient(returned_by, str(handed_on.path), grad)
             if watch.outside is not None and not self.forget_queued:
                 # The loss code's records serve its backward, which runs before this gradient arrives: judged
@@ -393,7 +393,7 @@ class GradientChecks:
                 # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
                 # model's own backward adds to where the model also consumed it (an output_hidden_states), or
                 # another model's backward made (a GAN's discriminator, during the generator's update). The
-                # step replay tries the model calls before the code outside them is blamed (localize/replay/step.py).
+                # step replay tries the model calls before the code outside them is blamed (replay/tiered/step.py).
                 finding.unconfirmed_outside = target is not None and _returned_by_a_model(target)
                 if self.origins.tracer is None:
                     finding.notes.append(Note("ops-for-forward-line"))

@@ -115,7 +115,7 @@ class CodeRecorder(Protocol):
 
 
 class StepReplayer(Protocol):
-    """Keeps what a replay of the step's top-level calls needs (localize/replay/step.py)."""
+    """Keeps what a replay of the step's top-level calls needs (localize/replay/tiered/step.py)."""
 
     def begin(self, module: nn.Module, info: ModuleInfo, call: Call, args: tuple[Any, ...],
               checkable: bool | None = None) -> RngState: ...

@@ -128,7 +128,7 @@ class Layout:
     #: layout's verdicts (``wide``, the groups, the bounded step) are rebuilt for the new dtype.
     dtype: Any = None
     #: The ids of ``signature`` as a set, made with the layout: the parameters a step of it stepped
-    #: (the step replays' release, localize/replay/step.py), with no set built at each step.
+    #: (the step replays' release, localize/replay/tiered/step.py), with no set built at each step.
     ids: frozenset[int] = frozenset()
 
 

@@ -2,7 +2,7 @@
 
 A step replay runs a top-level call again with the buffers the call may
 change (BatchNorm's running statistics) as they were before it
-(localize/replay/step.py). Cloning them at every call allocates a tensor per buffer
+(localize/replay/tiered/step.py). Cloning them at every call allocates a tensor per buffer
 every step; instead, the copies of a call that can need no replay any more
 (its optimizer stepped) are kept, and the next call of the same model copies
 into them with one ``_foreach_copy_``.

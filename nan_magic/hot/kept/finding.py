@@ -75,7 +75,7 @@ class Finding:
     optimizer_eps: float | None = None
     optimizer_lr: float | None = None
     # A model output's gradient blamed on the code outside the models without that code's replay
-    # confirming it: a model's replay may still find the producer (localize/replay/step.py).
+    # confirming it: a model's replay may still find the producer (localize/replay/tiered/step.py).
     unconfirmed_outside: bool = False
     # Its op ran in the backward of the loop's own autograd.grad(create_graph=True) (MAML's inner step), recorded
     # as the loop's code: a model call's gradient formula, which the step replay's backward may name.

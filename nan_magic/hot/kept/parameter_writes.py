@@ -1,6 +1,6 @@
 """Which parameters a model's forward writes in place, learned at its first call, for a replay of its step.
 
-A step replay runs a top-level call again from what the call found (localize/replay/step.py). A forward that writes
+A step replay runs a top-level call again from what the call found (replay/tiered/step.py). A forward that writes
 its own parameter in place (a max-norm constraint renormalising its weight rows under ``no_grad``, an
 ``nn.Embedding(max_norm=...)`` renormalising the rows it looks up, Glow's ActNorm setting its scale from the first
 batch) leaves the parameter as the write made it: a replay from there meets a NaN the write put in and cannot name

@@ -66,7 +66,7 @@ def capture_rng_state() -> RngState:
 
 
 class ModelStates:
-    """The generators' state at each top-level call of a model, for its step replay (replay/step.py's begin).
+    """The generators' state at each top-level call of a model, for its step replay (replay/tiered/step.py's begin).
 
     Taken at every call (a new 5 KB tensor: 13 us in a deep_mlp step, 0.7 us alone), except for an exact
     ``nn.Sequential`` of torch leaf modules that draw no random number (deterministic.py): its calls draw none,

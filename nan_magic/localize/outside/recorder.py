@@ -1,6 +1,6 @@
 """The code between the watched models' calls (the loss, data code in the loop): recorded, replayed at an event.
 
-The tiered watch replays a failing model call to name its op (replay/step.py),
+The tiered watch replays a failing model call to name its op (replay/tiered/step.py),
 but code outside every watched module is not a call it can run again: the
 loss, a normalisation of the batch inside the loop, an advantage computed from
 rewards. So that code's ops are *recorded* while it runs: a dispatch mode is

@@ -4,7 +4,7 @@ A running statistic (BatchNorm's ``running_var`` from inputs of ~1e20, a user's
 ``self.running.mul_(0.9).add_(...)``) is read at the optimizer step
 (hot/checks/running_stats.py), by its value: which op wrote it is not seen
 there. The tiered watch holds each top-level call of the step with copies of
-the buffers it may change, as they were before it (replay/step.py); at a buffer
+the buffers it may change, as they were before it (replay/tiered/step.py); at a buffer
 event, each call of the buffer's model is run again, in order, on those copies,
 under a dispatch mode that reads the buffer after each op that writes it in
 place: the first op that leaves it non-finite is named (where that op read a
@@ -40,7 +40,7 @@ from nan_magic.hot.kept.rng import generators_at
 from nan_magic.localize.ops.plans import op_name
 from nan_magic.localize.ops.sources import ReplayedFrom, sources_of_op
 from nan_magic.localize.replay.module_run import copy_tensors, parameters_at, swapped_buffers
-from nan_magic.localize.replay.root_calls import RootCall, replay_target
+from nan_magic.localize.replay.tiered.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.plain import to_pairs
 from nan_magic.records import Note, Report, SourcePointer

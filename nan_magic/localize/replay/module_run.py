@@ -219,7 +219,7 @@ def swapped_buffers(module: nn.Module, before: Mapping[int, torch.Tensor] | None
     are never touched (not even their version counters, which autograd checks
     for the user's pending backward). A buffer shared by several modules
     gets one shared copy. ``before`` maps ``id(buffer)`` to its value before
-    the replayed call, where the call changed it (replay/step.py); other
+    the replayed call, where the call changed it (replay/tiered/step.py); other
     buffers are copied as they are now.
     """
     copies: dict[int, torch.Tensor] = {}

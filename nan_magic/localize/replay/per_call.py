@@ -7,7 +7,7 @@ already NaN, an init skipped), and a backward, which it replays from a gradient 
 (the real gradient is not kept per module: another op may make a value first, a masked 0 / 0 before the real
 gradient's overflow, or none). The watch keeps the step's top-level calls for the fix trials (modes.py): their copies
 from before the call and the real gradients into the model's outputs, which the tiered watch's step replay runs from
-(replay/step.py). Cold: at an event only.
+(replay/tiered/step.py). Cold: at an event only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from nan_magic.records import Phase, Report
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.kept.finding import Finding
-    from nan_magic.localize.replay.step import Producer, StepReplays
+    from nan_magic.localize.replay.tiered.step import Producer, StepReplays
 
 __all__ = ["replayed_from_the_step"]
 

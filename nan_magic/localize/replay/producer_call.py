@@ -74,7 +74,7 @@ class CallReplay(BackwardCallReplays):
         self.masks: set[int] = set()
         self.replaying = False
         self._here = here  # the watch's hooks read it (hot/watched/owner.py): off while a replay runs
-        # Per-call mode only (modes.py): the tiered watch replays the whole failing step instead (replay/step.py).
+        # Per-call mode only (modes.py): the tiered watch replays the whole failing step (replay/tiered/step.py).
         self.can_replay = replays
         # A backward producer is replayed from the gradient hook, after its
         # forward returned, and in deferred mode any producer is replayed at
@@ -185,7 +185,7 @@ class CallReplay(BackwardCallReplays):
         error = sys.exc_info()[1]
         if (not self.can_replay or error is None or running is None or call.info is None
                 or isinstance(error, (FloatingPointError, torch.linalg.LinAlgError))):
-            return None  # our own NonFiniteError on its way out, or linalg's verdict on its matrix (replay/step.py)
+            return None  # our NonFiniteError on its way out, or linalg's verdict on its matrix (replay/tiered/step.py)
         finding = Finding(Phase.FORWARD, call, TensorRef.output())
         frame = Frame(module, call.info, call, call.rng_state)
         self.replay_into(finding, frozenset(KINDS), frame, *running, draws_again=True)

@@ -1,4 +1,4 @@
-"""Whether a step replay saw the boundary check's event again (localize/replay/step.py).
+"""Whether a step replay saw the boundary check's event again (localize/replay/tiered/step.py).
 
 A replay that names an op stands for the event only where it made the same values at the same boundary; one that
 found only a deliberate infinity explains the event only where it made every kind the check saw.

@@ -1,6 +1,6 @@
 """A replay leaves no trace on the user's model, whatever its forward does to it.
 
-A replay runs the user's forward once more (replay/step.py, replay/module_run.py). Its
+A replay runs the user's forward once more (replay/tiered/step.py, replay/module_run.py). Its
 buffers are swapped for copies (``replay.swapped_buffers``); what else a
 forward may change is put back here:
 

@@ -1,4 +1,4 @@
-"""The backward half of a step replay (replay/step.py): a model call's backward, run again.
+"""The backward half of a step replay (replay/tiered/step.py): a model call's backward, run again.
 
 The replayed call's outputs get the gradients that flowed into them in the
 user's step (captured by the watch's tensor hooks), and

@@ -24,7 +24,8 @@ The report is the nested watch's, for the same step. It says whether the replay 
 boundary with the same counts); when it did not (a non-deterministic kernel, inputs modified since, side effects), the
 report is what the boundary check saw, and says so.
 
-The keeping (tier 1, every step) is :mod:`~nan_magic.localize.replay.step_keeping`, a mixin of :class:`StepReplays`;
+The keeping (tier 1, every step) is :mod:`~nan_magic.localize.replay.tiered.step_keeping`, a mixin of
+:class:`StepReplays`;
 this module is the replay at an event (tier 2).
 """
 
@@ -47,9 +48,9 @@ from nan_magic.hot.kept.parameter_writes import Written
 from nan_magic.hot.kept.rng import ModelStates
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.line_replay import LineStop
-from nan_magic.localize.replay.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
 from nan_magic.localize.replay.seen_again import kinds_unexplained, same_counts
-from nan_magic.localize.replay.step_keeping import _NO_PARAMETERS, MAX_CALLS, StepKeeping, _Cycle
+from nan_magic.localize.replay.tiered.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
+from nan_magic.localize.replay.tiered.step_keeping import _NO_PARAMETERS, MAX_CALLS, StepKeeping, _Cycle
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
 from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole

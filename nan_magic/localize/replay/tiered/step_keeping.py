@@ -1,9 +1,9 @@
 """Tier 1 of the step replay: keeping, for the current step, what a replay of each top-level model call needs.
 
-:class:`StepKeeping` is the keeping half of :class:`~nan_magic.localize.replay.step.StepReplays` (which mixes it in):
-each top-level call's arguments, RNG and autocast state and buffer copies at its start (begin/finish), the gradient
-into its outputs, and their release once an optimizer stepped its model. It runs on every healthy step; the replay
-at an event (step.py) runs only for the step that failed. Apart so that each half reads in one sitting.
+:class:`StepKeeping` is the keeping half of :class:`~nan_magic.localize.replay.tiered.step.StepReplays` (which
+mixes it in): each top-level call's arguments, RNG and autocast state and buffer copies at its start (begin/finish),
+the gradient into its outputs, and their release once an optimizer stepped its model. It runs on every healthy
+step; the replay at an event (step.py) runs only for the step that failed. Apart so that each half reads in one sitting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nan_magic.hot.kept.parameter_writes import Written, written_parameters_afte
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.line_replay import nodes_made
-from nan_magic.localize.replay.root_calls import RootCall
+from nan_magic.localize.replay.tiered.root_calls import RootCall
 from nan_magic.patches.functional_calls import SWAPPED_OUT
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -85,7 +85,7 @@ class _Watched(Protocol):
 
 
 class StepKeeping:
-    """The keeping half of :class:`~nan_magic.localize.replay.step.StepReplays`: what each top-level call leaves."""
+    """The keeping half of :class:`~.step.StepReplays`: what each top-level call leaves."""
 
     # Set by the class that mixes this in.
     _buffer_copies: BufferCopies

@@ -1,9 +1,9 @@
-"""A top-level model call kept for a replay of its step, and running it again (replay/step.py).
+"""A top-level model call kept for a replay of its step, and running it again (replay/tiered/step.py).
 
 :class:`RootCall` is what tier 1 keeps of each top-level call of a watched
 model; :func:`rerun` runs one again, eagerly, under a nested full watch with
 op-level tracing, and returns what that replay found as an :class:`Outcome`,
-which :class:`~nan_magic.localize.replay.step.StepReplays` turns into the report.
+which :class:`~nan_magic.localize.replay.tiered.step.StepReplays` turns into the report.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_for, nodes_made
 from nan_magic.localize.replay.module_run import copy_tensors, parameters_at, swapped_buffers
-from nan_magic.localize.replay.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
+from nan_magic.localize.replay.tiered.step_backward import ReplayWatch, reentrant_checkpoints_inline, replay_backward
 from nan_magic.localize.replay.untouched import untouched
 from nan_magic.options import WatchConfig
 from nan_magic.patches.functional_calls import own_tensors
