@@ -5,6 +5,7 @@ Usage::
     python benchmarks/loss_region.py           # the launch-bound models' loss code under each mechanism, ~1 minute
     python benchmarks/loss_region.py --rng     # and the generators' capture at a model call, inside a watched step
     python benchmarks/loss_region.py --push    # and the recorder's push at a region's start, inside a watched step
+    python benchmarks/loss_region.py --in-step # and a watched step by segment, the loss region knocked out or replaced
 
 The first part times one loss computation, unwatched, under each mechanism that could see its ops: a no-op
 ``TorchDispatchMode`` (torch's own cost of a Python mode: each aten op leaves C++ for Python and back), a minimal
@@ -18,6 +19,14 @@ shared machine a round that another process slowed is dropped rather than averag
 draws the same dropout masks. In a training step that costs far more than alone (about 1 us): ``--rng`` times, at
 that point of a watched step, a first and a second ``bytearray(5056)`` and ``get_state()``, and ``get_state()``
 against ``clone_state()`` on alternate steps: the first allocation there pays, whatever allocates.
+
+``--in-step``: what the loss region costs where it runs, in a training step, not alone. Each launch-bound model's
+step is cut into four segments (``zero_grad``, the model call and the loss code, ``backward()``, the optimizer
+step), each timed in this thread's CPU time; the columns run in turn, 6 rounds of 60 steps: unwatched, the
+default watch, the default watch with its loss region not pushed (the recorder's push skipped for that region
+only: what the region costs, all of it), the default watch with a minimal ``TorchFunctionMode`` pushed in its
+place (one record a torch function: what recording at the function level would cost at the least), and the
+boundary floor (baselines.py: the tiered default's reads alone). Medians, in microseconds.
 """
 
 from __future__ import annotations
@@ -240,10 +249,125 @@ def pushes(model: str, steps: int = 500) -> None:
         print(f"  {model:10s} {key:24s} {len(values) / steps:.1f} a step, median {median:5.1f} us")
 
 
+class _FunctionTape(TorchFunctionMode):
+    """The least a function-level loss recorder keeps: the function, its arguments, its output, the caller's place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        self.calls.append((func, args, kwargs, out, frame.f_code, frame.f_lasti))
+        return out
+
+
+def in_step(model: str, rounds: int = 6, steps: int = 60) -> None:
+    """A watched step by segment, with the loss region as it is, knocked out, and replaced by a function tape."""
+    import contextlib
+    import gc
+
+    from baselines import boundary_floor
+    from common import pin_malloc
+    from models import build_launch_bound
+
+    import nan_magic
+    from nan_magic.localize.outside.dispatch_stack import OnTheDispatchStack
+    from nan_magic.localize.outside.update_recorder import UpdateRecorder
+
+    original = {name: OnTheDispatchStack.__dict__[name] for name in ("_push", "step_back", "stop", "step_aside")}
+    tape = _FunctionTape()
+    taped: set[int] = set()  # the recorders whose loss region the tape stands in for now
+
+    def is_loss(recorder: Any) -> bool:
+        return type(recorder) is not UpdateRecorder and recorder._region == "loss"
+
+    def skip_loss(recorder: Any) -> None:
+        if not is_loss(recorder):
+            original["_push"](recorder)
+
+    def tape_loss(recorder: Any) -> None:
+        if not is_loss(recorder):
+            original["_push"](recorder)
+        elif id(recorder) not in taped:
+            torch._C._push_on_torch_function_stack(tape)
+            taped.add(id(recorder))
+            tape.calls.clear()
+
+    def untape(recorder: Any) -> bool:
+        if id(recorder) in taped:
+            torch._C._pop_torch_function_stack()
+            taped.discard(id(recorder))
+            return True
+        return False
+
+    def tape_stop(recorder: Any) -> None:
+        if not untape(recorder):
+            original["stop"](recorder)
+
+    def tape_aside(recorder: Any) -> bool:
+        return untape(recorder) or original["step_aside"](recorder)
+
+    @contextlib.contextmanager
+    def patched(model_: Any, patches: dict[str, Any]) -> Any:
+        for name, value in patches.items():
+            setattr(OnTheDispatchStack, name, value)
+        try:
+            with nan_magic.watch(model_):
+                yield
+        finally:
+            for name, value in original.items():
+                setattr(OnTheDispatchStack, name, value)
+
+    columns: dict[str, Callable[[Any], Any]] = {
+        "unwatched": lambda m: contextlib.nullcontext(),
+        "default watch": lambda m: nan_magic.watch(m),
+        "loss region not pushed": lambda m: patched(m, {"_push": skip_loss, "step_back": skip_loss}),
+        "function tape as loss region": lambda m: patched(m, {"_push": tape_loss, "step_back": tape_loss,
+                                                               "stop": tape_stop, "step_aside": tape_aside}),
+        "boundary floor": boundary_floor,
+    }
+    pin_malloc()  # (as launch_bound.py: the heap neither trimmed nor mmapped between steps)
+    torch.set_num_threads(1)
+    bench = build_launch_bound(model)
+    clock = time.thread_time
+
+    def run(count: int) -> list[tuple[float, ...]]:
+        segments = []
+        for _ in range(count):
+            t0 = clock()
+            bench.optimizer.zero_grad(set_to_none=True)
+            t1 = clock()
+            loss = bench.loss_fn(bench.model, *bench.batch)
+            t2 = clock()
+            loss.backward()
+            t3 = clock()
+            bench.optimizer.step()
+            t4 = clock()
+            segments.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+        return segments
+
+    times: dict[str, list[tuple[float, ...]]] = {key: [] for key in columns}
+    for _ in range(rounds):
+        for key, column in columns.items():
+            gc.collect()
+            with column(bench.model):
+                run(1)
+                times[key] += run(steps)
+    print(f"  {model}: median us    zero_grad  call+loss   backward       step      total   over unwatched")
+    base = statistics.median(step[4] for step in times["unwatched"])
+    for key, steps_ in times.items():
+        medians = [statistics.median(step[i] for step in steps_) * 1e6 for i in range(5)]
+        print(f"  {key:30s}" + "".join(f"{value:11.0f}" for value in medians) + f"{medians[4] - base * 1e6:+17.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rng", action="store_true", help="and the generators' capture inside a watched step")
     parser.add_argument("--push", action="store_true", help="and the recorder's push inside a watched step")
+    parser.add_argument("--in-step", action="store_true",
+                        help="and a watched step by segment: the loss region as it is, not pushed, a function tape")
     options = parser.parse_args()
     mechanisms()
     if options.rng:
@@ -252,6 +376,9 @@ def main() -> None:
     if options.push:
         for model in ("tiny_lm", "small_cnn"):
             pushes(model)
+    if options.in_step:
+        for model in ("tiny_lm", "deep_mlp", "small_cnn"):
+            in_step(model)
 
 
 if __name__ == "__main__":
