@@ -7,6 +7,7 @@ Usage::
     python benchmarks/launch_bound.py --models tiny_lm --rounds 30 --json out.json
     python benchmarks/launch_bound.py --floor           # and the boundary floor: the reads alone
     python benchmarks/launch_bound.py --device cuda     # the same tiny models on a GPU, and host syncs per step
+    python benchmarks/launch_bound.py --defer           # the default watch deferred, as a GPU runs it (on the CPU)
 
 Why (issue 25): on a step dominated by per-op dispatch and Python, which is where a GPU step
 lives when its kernels are small, whatever a watch does in Python on every step and every
@@ -30,6 +31,10 @@ unwatched one, ``us/call`` that divided by the module calls of one step (counted
 global forward pre-hook in an unwatched step). The host-cost target is 100 us per step plus
 1 us per module call; the ratio targets are issue 25's (each model <= 1.15, median <= 1.10).
 
+``--defer``: the nan_magic column runs ``watch(model, defer=True)``, the timing a GPU and a process group get
+(the probes kept on the device and read once a step, at the optimizer's pre-hook): on the CPU, the stand-in for
+the CUDA path's host cost where no GPU is lent. On ``--device cuda`` the watch defers already.
+
 ``--device cuda``: the same models on a GPU, where such a step is launch-bound: its kernels are
 tiny and the host's Python and launches set the pace. Each step is timed by a pair of CUDA
 events around it, read after the block (as step_overhead.py does), so timing adds no host
@@ -48,7 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -213,10 +218,11 @@ def format_tables(results: list[LaunchResult], columns: list[Column]) -> str:
     lines.append(f"target: nan_magic median <= {MEDIAN_TARGET:.2f}, each model <= {MODEL_CAP:.2f} and within its "
                  f"budget: {'PASS' if passed else 'FAIL'}")
     lines += ["", f"Step time [ms], {stat}; K steps per block x R rounds; spread = IQR / median of the unwatched steps"]
-    head2 = f"{'model':<10}" + "".join(f"{c.title:>14}" for c in columns) + f"{'K':>6}{'R':>4}{'spread':>8}"
+    width = max(14, *(len(c.title) + 2 for c in columns))  # (a title never runs into the one before it)
+    head2 = f"{'model':<10}" + "".join(f"{c.title:>{width}}" for c in columns) + f"{'K':>6}{'R':>4}{'spread':>8}"
     lines += [head2, "-" * len(head2)]
     for res in results:
-        lines.append(f"{res.name:<10}" + "".join(f"{res.step_us(c.key) / 1e3:>14.3f}" for c in columns)
+        lines.append(f"{res.name:<10}" + "".join(f"{res.step_us(c.key) / 1e3:>{width}.3f}" for c in columns)
                      + f"{res.steps_per_block:>6}{res.rounds:>4}{res.spread():>8.1%}")
     if any(res.syncs for res in results):
         lines += ["", "Host synchronisations per step under the default watch (target: 1; warnings = torch's "
@@ -248,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="statistic of the step times (default 0.5, the median; a lower one where other "
                    "processes slow most steps down, fair between columns since all share the noise)")
     p.add_argument("--json", metavar="PATH", help="also write all step times as JSON")
+    p.add_argument("--defer", action="store_true",
+                   help="the nan_magic column deferred (defer=True), as a GPU and a process group run it")
     p.add_argument("--floor", action="store_true",
                    help="also time baselines.boundary_floor: the default watch's boundary reads with no bookkeeping")
     args = p.parse_args(argv)
@@ -266,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     info = machine_info(args.device)
     info["malloc"] = malloc
+    info["defer"] = args.defer
     keys = COLUMNS + (("boundary_floor",) if args.floor else ())
     columns = [c for c in all_columns() if c.key in keys]
     missing = [c for c in columns if c.factory is None]
@@ -273,11 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot run: {missing[0].unavailable}", file=sys.stderr)
         return 1
     columns.sort(key=lambda c: keys.index(c.key))
+    if args.defer:
+        import nan_magic
+
+        columns = [replace(c, title="nan_magic defer", factory=lambda m: nan_magic.watch(m, defer=True))
+                   if c.key == "nan_magic" else c for c in columns]
     log = progress_logger()
     started = time.perf_counter()
     results = [measure(name, columns, args, log) for name in args.models]
     print("nan_magic in the launch-bound regime: full training steps (forward, loss, backward, optimizer step), "
-          f"fp32, {args.device.upper()}")
+          f"fp32, {args.device.upper()}" + ("; the watch deferred (defer=True)" if args.defer else ""))
     print(format_header(info))
     timing = ("CUDA events around each step" if args.device == "cuda" else
               "CPU time of this thread" if args.clock == "thread" else "perf_counter")

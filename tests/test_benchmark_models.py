@@ -99,3 +99,18 @@ def test_hot_calls_counts_what_each_idiom_of_a_realistic_loop_adds_in_both_modes
     for column in (1, 3):
         assert int(rows["clip"][column]) > 0
         assert 0 <= int(rows["item"][column]) < int(rows["metric"][column]) / 4
+
+
+def test_launch_bound_times_the_deferred_watch_as_its_nan_magic_column_and_says_so() -> None:
+    # The CPU stand-in for the CUDA path's host cost: the same table, the watch deferred (defer=True).
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_bound.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parent.parent)}
+    result = subprocess.run(
+        [sys.executable, str(script), "--models", "small_cnn", "--rounds", "1", "--budget", "0.2", "--warmup", "1",
+         "--defer"], capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "the watch deferred (defer=True)" in result.stdout
+    row = next(line for line in result.stdout.splitlines() if line.startswith("small_cnn"))
+    assert "nan_magic defer ratio" in result.stdout and "isnan hook ratio" in result.stdout
+    ratio = float(row.split()[3].split("±")[0])  # model, calls, unwatched ms, then the deferred watch's ratio
+    assert 0.5 < ratio < 5.0
