@@ -123,6 +123,20 @@ def running_frame_at(source: SourcePointer) -> tuple[FrameType, tuple[int, int]]
     return None
 
 
+def running_frame_of(code: CodeType, lasti: int, lineno: int) -> tuple[FrameType, tuple[int, int]] | None:
+    """The innermost user frame running ``code`` now, with ``(lasti, lineno)``: where it stood earlier (the line that
+    called backward, judged at the deferred check). None where no frame runs it (the function returned) or it is ours
+    or torch's (a library called backward: the traceback's last user frame stays)."""
+    if is_library_code(code):
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:  # (at a later instruction, or back at a loop's start: the next micro-batch)
+            return frame, (lasti, lineno)
+        frame = frame.f_back
+    return None
+
+
 # id(code) -> (code, is library code); holding the code keeps its id unique.
 _LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
 

@@ -97,6 +97,9 @@ class GradientChecks:
         self.loss_graph: tuple[Any, int] | None = None
         # Deferred mode, the loss code not recorded: whether ``loss_region`` describes it (taken at backward).
         self.region_described = False
+        # Deferred mode: where the loop called the last backward, ``(code, f_lasti, f_lineno)`` (no frame held: its
+        # locals would stay alive), for %debug at that line as where a gradient is judged at once (Deferred).
+        self.backward_caller: tuple[Any, int, int] | None = None
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
@@ -377,6 +380,7 @@ class GradientChecks:
             bad_stats=None if tensor is not None else record.stats(),
             record=record,
         )
+        finding.backward_caller = self.backward_caller
         if call.info is None:
             finding.notes.append(Note("outside-backward"))
             if self.region_described:
