@@ -340,7 +340,8 @@ class GradientChecks:
         call.consumer = consumer
         # The backward that made it: judged at the deferred check after another (``l1.backward(retain_graph=True);
         # l2.backward()``), its own loss's code is the one described and replayed, its line where %debug opens (judge).
-        call.loss_of = self.loss_record, self.loss_key, self.loss_graph, self.backward_caller
+        # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
+        call.loss_of = self.loss_record, self.loss_key, self.backward_caller
         log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
         log.finish(call)
         watch.timing.now(self.judge, call, record)
@@ -383,8 +384,9 @@ class GradientChecks:
             bad_stats=None if tensor is not None else record.stats(),
             record=record,
         )
-        loss_record, loss_key, loss_graph, finding.backward_caller = getattr(call, "loss_of", None) or (
-            self.loss_record, self.loss_key, self.loss_graph, self.backward_caller)
+        loss_record, loss_key, finding.backward_caller = getattr(call, "loss_of", None) or (
+            self.loss_record, self.loss_key, self.backward_caller)
+        loss_graph = self.loss_graph if loss_record is self.loss_record else None  # (else: the loss's own node)
         if call.info is None:
             finding.notes.append(Note("outside-backward"))
             if self.region_described:
