@@ -13,6 +13,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+from collections.abc import Iterator
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -120,6 +121,36 @@ def running_frame_at(source: SourcePointer) -> tuple[FrameType, tuple[int, int]]
             if starts and frame.f_lineno >= source.lineno:
                 return frame, (min(starts), source.lineno)
         frame = frame.f_back
+    return None
+
+
+def frames_running(frame: FrameType | None) -> Iterator[FrameType]:
+    """``frame`` and its callers, then the frames of the exception being handled, innermost first.
+
+    The user's frames that still stand where they stood at an earlier call: the running ones, and where an
+    exception of the user's leaves the watch (its exit judges what the deferred check had not yet: timing.py's
+    ``pending_at_exit``), the loop's frames it passed through, unwound now but held by its traceback.
+    """
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+    tb = sys.exc_info()[2]
+    unwound = []
+    while tb is not None:
+        unwound.append(tb.tb_frame)
+        tb = tb.tb_next
+    yield from reversed(unwound)
+
+
+def running_frame_of(code: CodeType, lasti: int, lineno: int) -> tuple[FrameType, tuple[int, int]] | None:
+    """The innermost user frame running ``code`` now, with ``(lasti, lineno)``: where it stood earlier (the line that
+    called backward, judged at the deferred check). None where no frame runs it (the function returned) or it is ours
+    or torch's (a library called backward: the traceback's last user frame stays)."""
+    if is_library_code(code):
+        return None
+    for frame in frames_running(sys._getframe(1)):
+        if frame.f_code is code:  # (at a later instruction, or back at a loop's start: the next micro-batch)
+            return frame, (lasti, lineno)
     return None
 
 

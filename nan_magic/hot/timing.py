@@ -27,6 +27,7 @@ event came after the loss code ran (fixes/loss.py).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -228,6 +229,14 @@ class Deferred(Timing):
         if (outside := gradients.watch.outside) is not None:  # (weaken_loss_code, inlined: every backward)
             outside.weaken()
         gradients.keep_loss_code(loss)
+        # Where the loop called backward: a gradient judged at once stops there, and %debug opens at that line;
+        # judged at the check, the loop stands at ``opt.step()`` or at the next micro-batch's model call. Below it:
+        # here, the gradient check, patches/backward's _seen, its wrapper of backward, the patch's dispatch
+        # (registry.py); another path (a library's backward, a patch of backward over ours) gives a frame of
+        # library code, which the event ignores. Kept without the frame (its locals), found on the stack at an
+        # event (lifecycle/events.py). One call a backward more (sys._getframe).
+        caller = sys._getframe(5)
+        gradients.backward_caller = (caller.f_code, caller.f_lasti, caller.f_lineno)
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
         return bounded or not wild()

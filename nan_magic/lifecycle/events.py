@@ -25,7 +25,14 @@ import torch
 from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.ranks import per_rank_path, stamp
 from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNonFiniteError
-from nan_magic.errors.frames import end_at_producer, frames_of, running_frame_at, user_frames_of, user_stacklevel
+from nan_magic.errors.frames import (
+    end_at_producer,
+    frames_of,
+    running_frame_at,
+    running_frame_of,
+    user_frames_of,
+    user_stacklevel,
+)
 from nan_magic.errors.warning_lines import watch_warning
 from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
@@ -136,6 +143,11 @@ class Events:
                 # backward producer made by the loss code (``loss = gap.sqrt()`` in the loop, outside every module):
                 # no replay re-runs that code, but the loop's frame that ran the line is the one calling backward.
                 finding.frame, finding.frame_position = running_frame_at(report.source) or (None, None)
+            if finding.frame is None and report.phase == Phase.BACKWARD and finding.backward_caller is not None:
+                # A gradient judged at the deferred check, no replay naming a frame: %debug opens where the loop
+                # called backward, as where it is judged at once, not at ``opt.step()`` (nor, accumulating, at the
+                # next micro-batch's model call) where the check ran.
+                finding.frame, finding.frame_position = running_frame_of(*finding.backward_caller) or (None, None)
             self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
                 # Where the op ran: the frame of a replay that went on to its end has moved since.

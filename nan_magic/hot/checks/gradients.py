@@ -97,6 +97,9 @@ class GradientChecks:
         self.loss_graph: tuple[Any, int] | None = None
         # Deferred mode, the loss code not recorded: whether ``loss_region`` describes it (taken at backward).
         self.region_described = False
+        # Deferred mode: where the loop called the last backward, ``(code, f_lasti, f_lineno)`` (no frame held: its
+        # locals would stay alive), for %debug at that line as where a gradient is judged at once (Deferred).
+        self.backward_caller: tuple[Any, int, int] | None = None
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
         """Arm a gradient check on one module output (called from the forward hook).
@@ -335,6 +338,10 @@ class GradientChecks:
         consumer = consumer_of(record)
         call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
         call.consumer = consumer
+        # The backward that made it: judged at the deferred check after another (``l1.backward(retain_graph=True);
+        # l2.backward()``), its own loss's code is the one described and replayed, its line where %debug opens (judge).
+        # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
+        call.loss_of = self.loss_record, self.loss_key, self.backward_caller
         log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
         log.finish(call)
         watch.timing.now(self.judge, call, record)
@@ -377,19 +384,22 @@ class GradientChecks:
             bad_stats=None if tensor is not None else record.stats(),
             record=record,
         )
+        loss_record, loss_key, finding.backward_caller = getattr(call, "loss_of", None) or (
+            self.loss_record, self.loss_key, self.backward_caller)
+        loss_graph = self.loss_graph if loss_record is self.loss_record else None  # (else: the loss's own node)
         if call.info is None:
             finding.notes.append(Note("outside-backward"))
             if self.region_described:
                 region = self.loss_region
             else:
-                loss = self.loss_record.ref() if self.loss_record is not None else None
-                start, boundary = self.loss_graph or (getattr(loss, "grad_fn", None), watch.log.last_forward_seq)
+                loss = loss_record.ref() if loss_record is not None else None
+                start, boundary = loss_graph or (getattr(loss, "grad_fn", None), watch.log.last_forward_seq)
                 region = loss_region_note(loss_region_nodes(start, boundary))
             if region:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.
-            loss = self.loss_record.ref() if self.loss_record is not None else None
-            if not self.origins.claim_loss_backward(finding, loss, self.loss_key):
+            loss = loss_record.ref() if loss_record is not None else None
+            if not self.origins.claim_loss_backward(finding, loss, loss_key):
                 # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
                 # model's own backward adds to where the model also consumed it (an output_hidden_states), or
                 # another model's backward made (a GAN's discriminator, during the generator's update). The
@@ -406,9 +416,9 @@ class GradientChecks:
                 # Not the module's own backward: the loss code's, where a double backward of its autograd.grad
                 # (create_graph: a WGAN-GP penalty's) reaches the module through the module's graph first. Claimed
                 # there, the notes on the module's backward and its replay go.
-                loss = self.loss_record.ref() if self.loss_record is not None else None
+                loss = loss_record.ref() if loss_record is not None else None
                 said, finding.notes[mark:] = finding.notes[mark:], [Note("outside-backward")]
-                if not self.origins.claim_loss_backward(finding, loss, self.loss_key):
+                if not self.origins.claim_loss_backward(finding, loss, loss_key):
                     finding.notes[mark:mark + 1] = said
         self.origins.add_op_origin(finding, tensor)
         if call.info is None and finding.op is None:
@@ -416,7 +426,7 @@ class GradientChecks:
             # the loss code read and hid in its forward (``torch.where(known, (out - y) ** 2, 0)`` over NaN-coded
             # missing labels) reaches the gradient through the backward (0 * NaN). That data is the producer, as
             # it is of a non-finite loss.
-            loss = self.loss_record.ref() if self.loss_record is not None else None
+            loss = loss_record.ref() if loss_record is not None else None
             if self._given_to_the_loss(loss, [], traced=True):
                 return
         watch.on_gradient_event(finding)

@@ -209,7 +209,7 @@ class Call:
 
     __slots__ = (
         "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
-        "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
+        "loss_of", "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
     )
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:

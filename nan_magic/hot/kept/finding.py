@@ -8,7 +8,7 @@ producer's inputs); the checkers make one, the localizer adds the op and line
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -68,6 +68,9 @@ class Finding:
     # The calls that led to that frame where it had returned (a loss helper's): each the calling frame, its
     # ``(f_lasti, f_lineno)`` at the call, outermost first; the traceback then reads in call order (errors/frames.py).
     frame_calls: tuple[tuple[FrameType, int, int], ...] = ()
+    # A gradient judged at the deferred check: where the loop called its backward, ``(code, f_lasti, f_lineno)``
+    # (GradientChecks.backward_caller); %debug opens there where no replay names a frame (lifecycle/events.py).
+    backward_caller: tuple[CodeType, int, int] | None = None
     absorbed: AbsorbedOp | None = None
     # Facts the diagnosis reads (see Report): the backward node that ran the op, the optimizer that stepped.
     autograd_node: str | None = None

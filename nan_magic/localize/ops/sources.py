@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from nan_magic.errors.frames import is_library_code, pointer, pointer_at
+from nan_magic.errors.frames import frames_running, is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
@@ -196,11 +196,9 @@ def calls_from_caller(replayed: tuple[Caller | None, Chain] | None) -> Chain:
     if caller is None:
         return ()
     code, key, lasti, lineno = caller
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
+    for frame in frames_running(sys._getframe(1)):  # (or unwound by an exception leaving the watch, held by it)
         if id(frame) == key and frame.f_code is code:
             return ((frame, lasti, lineno), *chain)
-        frame = frame.f_back
     return ()
 
 
