@@ -8,7 +8,9 @@ cutpoints were initialised unsorted (the log of a negative class probability); a
 standard deviation without eps over a last batch of one (sqrt's backward at 0); sinusoidal positions built by
 ``arange`` in a float16 model over a sequence longer than 65504 (the cast overflows); a causal running mean divided by
 ``arange(T)`` (off by one: position 0 divided by 0); an RBF layer whose precisions were initialised by ``randn``
-(exp of a positive exponent on an outlier).
+(exp of a positive exponent on an outlier); a Stiefel layer kept orthonormal by the QR decomposition of a child
+Linear's weight with a pruned row, in the parent's forward (QR's backward solves with a singular R: the parent is the
+producer, not the Linear that owns the weight and never ran).
 
 Loss code: a metric-learning loss over pairwise distances by the expansion ``|a|^2 + |b|^2 - 2 a.b`` (rounding makes a
 distance of an embedding to itself negative: sqrt is NaN); every loss term normalised by its own detached value,
@@ -506,6 +508,35 @@ def _cumulative_pool(fill: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- an orthonormal layer by QR of a pruned weight
+class StiefelLinear(nn.Module):
+    """A linear map kept orthonormal by taking Q of its weight's QR decomposition in each forward; a pruning pass
+    zeroed the weight's row 2 (a column of the matrix factored, its transpose), so R's diagonal holds a 0 and QR's
+    backward (a solve with R) is inf and NaN. The twin registers torch's ``orthogonal`` parametrization instead."""
+
+    def __init__(self, parametrized: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 4, bias=False)
+        with torch.no_grad():
+            self.linear.weight[2] = 0.0
+        self.parametrized = parametrized
+        if parametrized:
+            nn.utils.parametrizations.orthogonal(self.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parametrized:
+            return self.linear(x)
+        q = torch.linalg.qr(self.linear.weight.T).Q  # producer: stiefel qr
+        return x @ q
+
+
+def _stiefel(parametrized: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(StiefelLinear(parametrized), nn.Tanh(), nn.Linear(4, 1))
+    xs, ys = _batches(5, 6), _batches(5, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
 # ---------------------------------------------------------------- Adafactor by hand without eps1
 class HandAdafactor(torch.optim.Optimizer):
     """Adafactor's factored second moment (row and column means of grad^2), written without its eps1 (1e-30) added
@@ -620,6 +651,10 @@ CASES = [
          Expect("backward", "", "CumulativePool", step=2, op="aten.sub.Tensor", marker="log cumsum")),
     Case("hunt22_logcumsumexp_pool_masked_by_finfo_min_healthy",
          lambda: _cumulative_pool(torch.finfo(torch.float32).min), None),
+    Case("hunt22_stiefel_layer_qr_backward_of_a_pruned_column", lambda: _stiefel(False),
+         Expect("backward", "0", "StiefelLinear", step=0, op="aten.linalg_solve_triangular.default",
+                marker="stiefel qr")),
+    Case("hunt22_stiefel_layer_orthogonal_parametrization_healthy", lambda: _stiefel(True), None),
     Case("hunt22_hand_adafactor_without_eps1_of_a_zero_weighted_head", lambda: _hand_adafactor(0.0),
          Expect("optimizer", "aux", "Linear", step=0, op="aten.div.Tensor", marker="adafactor",
                 tensor=TensorRef.parameter("aux.weight"))),
