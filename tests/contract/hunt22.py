@@ -595,6 +595,37 @@ class TwoHeads(nn.Module):
         return self.head(h), self.aux(h)
 
 
+# ---------------------------------------------------------------- a cosine classifier tied to the input embedding
+class TiedCosineLm(nn.Module):
+    """A tagger whose output layer is its input embedding, normalised by hand (a cosine classifier, weights tied):
+    ``w / (sqrt((w ** 2).sum(-1)) + 1e-6)``, eps outside the root. The padding row (``padding_idx``) is all zeros:
+    sqrt's backward at 0 is inf, and only the embedding's own gradient goes NaN, in the root's code (the Embedding
+    that owns the weight ran too, and is not the producer). The twin: ``F.normalize``."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 8, padding_idx=0)
+        self.mix = nn.Linear(8, 8)
+        self.builtin = builtin
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.embed(tokens)))
+        w = self.embed.weight
+        if self.builtin:
+            return 5.0 * F.normalize(h, dim=-1) @ F.normalize(w, dim=-1).T
+        unit = w / (torch.sqrt((w ** 2).sum(-1, keepdim=True)) + 1e-6)  # producer: tied norm
+        return 5.0 * F.normalize(h, dim=-1) @ unit.T
+
+
+def _tied_cosine(builtin: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = TiedCosineLm(builtin)
+    tokens = [torch.randint(1, 12, (4, 5)) for _ in range(4)]
+    targets = [torch.randint(1, 12, (4, 5)) for _ in range(4)]
+    return _loop(model, lambda step: (tokens[step],),
+                 lambda out, step: F.cross_entropy(out.flatten(0, 1), targets[step].flatten()))
+
+
 CASES = [
     Case("hunt22_infonce_learned_temperature_clamped_at_0", lambda: _infonce(0.0),
          Expect("forward", "", "DualEncoder", step=2, op="aten.div.Tensor", marker="infonce temperature")),
@@ -659,4 +690,7 @@ CASES = [
          Expect("optimizer", "aux", "Linear", step=0, op="aten.div.Tensor", marker="adafactor",
                 tensor=TensorRef.parameter("aux.weight"))),
     Case("hunt22_hand_adafactor_eps1_healthy", lambda: _hand_adafactor(1e-30), None),
+    Case("hunt22_tied_cosine_classifier_sqrt_backward_of_the_padding_row", lambda: _tied_cosine(False),
+         Expect("backward", "", "TiedCosineLm", step=0, op="aten.div.Tensor", marker="tied norm")),
+    Case("hunt22_tied_cosine_classifier_normalize_healthy", lambda: _tied_cosine(True), None),
 ]
