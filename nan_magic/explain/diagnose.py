@@ -17,7 +17,7 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``exp-overflow``
     ``exp``/``exp2``/``expm1``/``sinh``/``cosh`` made +inf: its input passed
     ``log(finfo.max)`` (11.09 in float16, 88.72 in float32); or the backward
-    of such an op.
+    of such an op; or ``i0``/``i1``, which grow as exp(|x|) / sqrt(2 pi |x|).
 ``division-by-zero``
     A division whose divisor held zeros, or that made NaN (from finite values
     only 0/0 does); ``rsqrt`` of zeros; a std/var over N elements with
