@@ -35,7 +35,7 @@ from torch.distributions import Normal, TransformedDistribution
 from torch.distributions.transforms import TanhTransform
 from torch.nn import functional as F
 
-from contract import Case, Expect, Scenario
+from contract import MODES, Case, Expect, Scenario
 from contract.loops import batches as _batches
 from contract.loops import sgd_loop as _loop
 from nan_magic.records import TensorRef
@@ -661,7 +661,8 @@ CASES = [
          Expect("backward", "2", "MinibatchStd", step=2, op="aten.div.Tensor", marker="minibatch std")),
     Case("hunt22_minibatch_std_with_eps_healthy", lambda: _minibatch_std(1e-8), None),
     Case("hunt22_float16_positions_past_65504", lambda: _half_positions(False),
-         Expect("forward", "1", "SinusoidalPositions", step=2, op="aten.arange.default", marker="half positions")),
+         Expect("forward", "1", "SinusoidalPositions", step=2, op="aten.arange.default", marker="half positions",
+                says=tuple((mode, "make the range in float32") for mode in MODES))),
     Case("hunt22_float16_model_positions_in_float32_healthy", lambda: _half_positions(True), None),
     Case("hunt22_causal_running_mean_count_from_0", lambda: _causal_mean(0),
          Expect("forward", "0", "CausalMeanPool", step=0, op="aten.div.Tensor", marker="cumulative mean")),
