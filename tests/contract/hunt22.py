@@ -10,7 +10,8 @@ standard deviation without eps over a last batch of one (sqrt's backward at 0); 
 ``arange(T)`` (off by one: position 0 divided by 0); an RBF layer whose precisions were initialised by ``randn``
 (exp of a positive exponent on an outlier); a Stiefel layer kept orthonormal by the QR decomposition of a child
 Linear's weight with a pruned row, in the parent's forward (QR's backward solves with a singular R: the parent is the
-producer, not the Linear that owns the weight and never ran).
+producer, not the Linear that owns the weight and never ran); an output layer tied to the input embedding and
+normalised by hand, in the root's code and, tied as transformers do (one Parameter on two modules), in the head's.
 
 Loss code: a metric-learning loss over pairwise distances by the expansion ``|a|^2 + |b|^2 - 2 a.b`` (rounding makes a
 distance of an embedding to itself negative: sqrt is NaN); every loss term normalised by its own detached value,
@@ -626,6 +627,49 @@ def _tied_cosine(builtin: bool) -> Scenario:
                  lambda out, step: F.cross_entropy(out.flatten(0, 1), targets[step].flatten()))
 
 
+# ---------------------------------------------------------------- a head tied to an encoder's embedding, HF-style
+class CosineHead(nn.Module):
+    """An output layer scoring by cosine similarity, its weight normalised by hand: ``w / (sqrt(s) + 1e-6)``, eps
+    outside the root (the twin: ``F.normalize``)."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(12, 8))
+        self.builtin = builtin
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.builtin:
+            return 5.0 * F.normalize(h, dim=-1) @ F.normalize(w, dim=-1).T
+        unit = w / (torch.sqrt((w ** 2).sum(-1, keepdim=True)) + 1e-6)  # producer: head norm
+        return 5.0 * F.normalize(h, dim=-1) @ unit.T
+
+
+class TiedEncoderDecoder(nn.Module):
+    """An encoder and a cosine head whose weight is the encoder's embedding, tied as transformers' ``tie_weights``
+    does (``head.weight = embed.weight``: one Parameter registered on both). Its padding row is zeros: the head's
+    sqrt backward at 0 makes that Parameter's gradient NaN, in the head's code; the Parameter is named by its first
+    registration, the encoder's embedding, which ran too and is not the producer."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Embedding(12, 8, padding_idx=0), nn.Linear(8, 8), nn.Tanh())
+        self.head = CosineHead(builtin)
+        self.head.weight = self.encoder[0].weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(tokens))
+
+
+def _tied_head(builtin: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = TiedEncoderDecoder(builtin)
+    tokens = [torch.randint(1, 12, (4, 5)) for _ in range(4)]
+    targets = [torch.randint(1, 12, (4, 5)) for _ in range(4)]
+    return _loop(model, lambda step: (tokens[step],),
+                 lambda out, step: F.cross_entropy(out.flatten(0, 1), targets[step].flatten()))
+
+
 CASES = [
     Case("hunt22_infonce_learned_temperature_clamped_at_0", lambda: _infonce(0.0),
          Expect("forward", "", "DualEncoder", step=2, op="aten.div.Tensor", marker="infonce temperature")),
@@ -694,4 +738,7 @@ CASES = [
     Case("hunt22_tied_cosine_classifier_sqrt_backward_of_the_padding_row", lambda: _tied_cosine(False),
          Expect("backward", "", "TiedCosineLm", step=0, op="aten.div.Tensor", marker="tied norm")),
     Case("hunt22_tied_cosine_classifier_normalize_healthy", lambda: _tied_cosine(True), None),
+    Case("hunt22_head_tied_to_the_encoder_embedding_sqrt_backward_of_the_padding_row", lambda: _tied_head(False),
+         Expect("backward", "head", "CosineHead", step=0, op="aten.div.Tensor", marker="head norm")),
+    Case("hunt22_head_tied_to_the_encoder_embedding_normalize_healthy", lambda: _tied_head(True), None),
 ]
