@@ -11,7 +11,8 @@ standard deviation without eps over a last batch of one (sqrt's backward at 0); 
 (exp of a positive exponent on an outlier); a Stiefel layer kept orthonormal by the QR decomposition of a child
 Linear's weight with a pruned row, in the parent's forward (QR's backward solves with a singular R: the parent is the
 producer, not the Linear that owns the weight and never ran); an output layer tied to the input embedding and
-normalised by hand, in the root's code and, tied as transformers do (one Parameter on two modules), in the head's.
+normalised by hand, in the root's code and, tied as transformers do (one Parameter on two modules), in the head's;
+a ReZero gain of 0 owned by the root and passed to its blocks, whose code takes ``sqrt(g * g)`` (the block is named).
 
 Loss code: a metric-learning loss over pairwise distances by the expansion ``|a|^2 + |b|^2 - 2 a.b`` (rounding makes a
 distance of an embedding to itself negative: sqrt is NaN); every loss term normalised by its own detached value,
@@ -670,6 +671,44 @@ def _tied_head(builtin: bool) -> Scenario:
                  lambda out, step: F.cross_entropy(out.flatten(0, 1), targets[step].flatten()))
 
 
+# ---------------------------------------------------------------- a parent's gain passed to a child, |g| as sqrt(g * g)
+class GatedBlock(nn.Module):
+    """A residual block scaled by a gain it is given; its magnitude written ``sqrt(g * g)`` (a sign-free |g|). The
+    gain starts at 0 (ReZero): sqrt's backward at 0 is inf, and only the gain's own gradient goes NaN, in this
+    block's code. The twin: ``g.abs()`` (its derivative at 0 is 0)."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.linear, self.builtin = nn.Linear(4, 4), builtin
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        if self.builtin:
+            return x + self.linear(x) * gain.abs()
+        return x + self.linear(x) * torch.sqrt(gain * gain)  # producer: block gain
+
+
+class SharedGainNet(nn.Module):
+    """Owns one gain per feature, shared by its two blocks: the parameter is the root's, the op the block's."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(4))
+        self.blocks = nn.ModuleList([GatedBlock(builtin), GatedBlock(builtin)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.gain)
+        return self.head(x)
+
+
+def _shared_gain(builtin: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = SharedGainNet(builtin)
+    xs, ys = _batches(5, 4), _batches(5, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
 CASES = [
     Case("hunt22_infonce_learned_temperature_clamped_at_0", lambda: _infonce(0.0),
          Expect("forward", "", "DualEncoder", step=2, op="aten.div.Tensor", marker="infonce temperature")),
@@ -741,4 +780,7 @@ CASES = [
     Case("hunt22_head_tied_to_the_encoder_embedding_sqrt_backward_of_the_padding_row", lambda: _tied_head(False),
          Expect("backward", "head", "CosineHead", step=0, op="aten.div.Tensor", marker="head norm")),
     Case("hunt22_head_tied_to_the_encoder_embedding_normalize_healthy", lambda: _tied_head(True), None),
+    Case("hunt22_parent_gain_passed_to_a_block_sqrt_backward_at_0", lambda: _shared_gain(False),
+         Expect("backward", "blocks.1", "GatedBlock", step=0, op="aten.div.Tensor", marker="block gain")),
+    Case("hunt22_parent_gain_passed_to_a_block_abs_healthy", lambda: _shared_gain(True), None),
 ]
