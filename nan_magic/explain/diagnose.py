@@ -268,7 +268,7 @@ def _python_backward(node: str) -> bool:
 _POLE_LABELS = {
     "sqrt": "sqrt-domain", "acos": "sqrt-domain", "asin": "sqrt-domain", "log": "log-domain",
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
-    "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero",
+    "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero", "qr": "division-by-zero",
     "gamma": "log-domain",  # (the Gamma function's pole at 0, as lgamma's in forward: explain/forward.py)
 }
 #: The function of each autograd node that has a pole, by the node's forward function.
@@ -276,7 +276,7 @@ _POLES = {
     **{function: function for function in _POLE_LABELS},
     "rsqrt": "sqrt", "log2": "log", "log10": "log", "log1p": "log", "reciprocal": "div",
     "linalgvectornorm": "norm", "cdist": "norm", "var": "std", "stdmean": "std",
-    "linalgeigh": "eigh", "symeig": "eigh", "linalgsvd": "svd",
+    "linalgeigh": "eigh", "symeig": "eigh", "linalgsvd": "svd", "linalgqr": "qr",
     "standardgamma": "gamma", "sampledirichlet": "gamma",  # Gamma(...).rsample(), Dirichlet(...).rsample()
 }
 
