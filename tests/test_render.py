@@ -235,6 +235,41 @@ def test_operand_names_only_where_the_line_is_unambiguous(op: str, line: str, na
     assert bool(found) == bool(names)
 
 
+class SqrtNormed(nn.Module):
+    """Rows divided by their norm, written ``w / (sqrt(s) + eps)``: the forward's ``/`` is finite at a zero row, the
+    sqrt's derivative there is not (its formula divides too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        with torch.no_grad():
+            self.weight[1] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return x @ (w / (torch.sqrt((w ** 2).sum(-1, keepdim=True)) + 1e-6)).T
+
+
+def test_a_backward_formulas_op_is_not_named_by_a_same_named_op_of_its_forward_line() -> None:
+    # SqrtBackward0's division ran on no line of the user's: the reported line made its node, and its ``/`` is the
+    # forward's, on other operands (w and the norm; the formula's are the gradient and 2 * sqrt(s)). Were the line's
+    # expressions read, the op row would show the forward's division and the operands its names (hunt22).
+    from nan_magic.render.common import headline, labelled_inputs, op_phrase
+
+    model = SqrtNormed()
+
+    def run() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        model(torch.randn(2, 4))
+
+    report = raised(run, model)
+    assert (report.phase, report.op, report.autograd_node) == ("backward", "aten.div.Tensor", "SqrtBackward0")
+    assert "w / (" in report.source.line
+    assert op_phrase(report) == "aten.div.Tensor" and headline(report).endswith(", aten.div.Tensor")
+    assert [label for label, _stats in labelled_inputs(report)] == ["self", "other"]
+    assert "w (self)" not in report.to_text()
+
+
 # -- histograms -------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``exp-overflow``
     ``exp``/``exp2``/``expm1``/``sinh``/``cosh`` made +inf: its input passed
     ``log(finfo.max)`` (11.09 in float16, 88.72 in float32); or the backward
-    of such an op.
+    of such an op; or ``i0``/``i1``, which grow as exp(|x|) / sqrt(2 pi |x|).
 ``division-by-zero``
     A division whose divisor held zeros, or that made NaN (from finite values
     only 0/0 does); ``rsqrt`` of zeros; a std/var over N elements with
@@ -268,7 +268,7 @@ def _python_backward(node: str) -> bool:
 _POLE_LABELS = {
     "sqrt": "sqrt-domain", "acos": "sqrt-domain", "asin": "sqrt-domain", "log": "log-domain",
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
-    "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero",
+    "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero", "qr": "division-by-zero",
     "gamma": "log-domain",  # (the Gamma function's pole at 0, as lgamma's in forward: explain/forward.py)
 }
 #: The function of each autograd node that has a pole, by the node's forward function.
@@ -276,7 +276,7 @@ _POLES = {
     **{function: function for function in _POLE_LABELS},
     "rsqrt": "sqrt", "log2": "log", "log10": "log", "log1p": "log", "reciprocal": "div",
     "linalgvectornorm": "norm", "cdist": "norm", "var": "std", "stdmean": "std",
-    "linalgeigh": "eigh", "symeig": "eigh", "linalgsvd": "svd",
+    "linalgeigh": "eigh", "symeig": "eigh", "linalgsvd": "svd", "linalgqr": "qr",
     "standardgamma": "gamma", "sampledirichlet": "gamma",  # Gamma(...).rsample(), Dirichlet(...).rsample()
 }
 

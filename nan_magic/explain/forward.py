@@ -98,6 +98,14 @@ def _exp(report: Report) -> Cause:
     return event_cause("exp-overflow", "exp-overflow", report, threshold=math.log(dtype_max(report.dtype)))
 
 
+def _bessel(report: Report) -> Cause:
+    """i0/i1, the modified Bessel functions, grow as exp(|x|) / sqrt(2 pi |x|): inf once |x| passes about 92 in
+    float32 (a von Mises likelihood's normaliser ``log(i0(kappa))`` of a confident kappa), as exp does past 88.7."""
+    if not report.posinf + report.neginf:
+        return overflow(report)
+    return event_cause("exp-overflow", "bessel-overflow", report, base=op_function(report.op))
+
+
 def _division(report: Report) -> Cause:
     reciprocal = op_function(report.op) == "reciprocal"
     divisor = report.operand("self" if reciprocal else "other")
@@ -173,6 +181,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("acos", "asin", "arccos", "arcsin"), _inverse_trig),
     **dict.fromkeys(("pow", "float_power"), _pow),
     **dict.fromkeys(("exp", "exp2", "expm1", "sinh", "cosh"), _exp),
+    **dict.fromkeys(("i0", "special_i0", "special_i1"), _bessel),
     **dict.fromkeys(("div", "true_divide", "floor_divide", "reciprocal", "fmod", "remainder"), _division),
     **dict.fromkeys(_MEAN_OPS, _mean),
     **dict.fromkeys(_CORRECTED_OPS, _corrected),

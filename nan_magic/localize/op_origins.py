@@ -233,13 +233,30 @@ class OpOrigins:
         ``x * sqrt(s * s)`` at ``s = 0``: the gradient flowing to ``x`` is 0, only ``s``'s own is 0 / 0, first
         seen at the optimizer's pre-hook. The tiered watch's step replay names its op; here the owner's latest
         call of the step runs again from what it kept, forward then backward, for the backward op that made it.
+        An owner whose replay stays finite, or that never ran this step, lent the parameter to an enclosing
+        module's own code (``qr(self.linear.weight)`` in its parent's forward, a classifier tied to the input
+        embedding, ``h @ self.embed.weight.T``): the enclosing modules that ran are replayed, innermost first, until
+        one names the op (its module, where the node was made, is the producer: ops/origins.apply_op_finding). The
+        notes of the replays that found nothing go then: the op is known.
         """
         assert self.owner_replay is not None
         calls, replay_backward = self.owner_replay
-        owner = next((call for call in reversed(list(calls())) if call.phase == Phase.FORWARD and call.info is not None
-                      and call.name == finding.module and call.held is not None), None)
-        if owner is not None and finding.op is None:
+        info = self._info_by_name(finding.module) if finding.module is not None else None
+        # The owner, then each module above it in its model (by its path: targets.py), innermost first.
+        names = [".".join(info.path[:end]) for end in range(len(info.path), -1, -1)] if info is not None else [
+            finding.module]
+        forward = [call for call in calls() if call.phase == Phase.FORWARD and call.info is not None and (
+            info is None or call.info.model == info.model)]
+        mark = len(finding.notes)
+        for name in names:
+            owner = next((call for call in reversed(forward) if call.name == name and call.held is not None), None)
+            if owner is None or finding.op is not None:
+                continue
+            tried = len(finding.notes)
             replay_backward(finding, owner, None)
+            if finding.op is not None:
+                del finding.notes[mark:tried]
+                self._name_type_and_model(finding)  # (the module whose code ran the op, if not the owner)
 
     def claim_loss_backward(self, finding: Finding, loss: torch.Tensor | None, key: int | None) -> bool:
         """Add the backward op of the recorded loss code that made ``finding``'s gradient non-finite; whether one did.

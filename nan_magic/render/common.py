@@ -26,7 +26,7 @@ from nan_magic.records import (
 from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
-from nan_magic.render.words.operands import op_expression, operand_label, operand_names
+from nan_magic.render.words.operands import op_expression, operand_label, operand_names, written_line
 from nan_magic.tensor_refs import op_function
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
@@ -206,7 +206,7 @@ def cause_sentence(report: Report) -> str:
 def op_phrase(report: Report) -> str:
     """The op as the user wrote it, then its aten name: ``"q @ k.transpose(-2, -1)  (aten.bmm.default)"``."""
     assert report.op is not None  # (its one caller asks only for a report that names an op)
-    expression = op_expression(report.op, report.source.line if report.source else None)
+    expression = op_expression(report.op, written_line(report))
     return f"{expression}  ({report.op})" if expression else report.op
 
 
@@ -222,7 +222,7 @@ def headline(report: Report) -> str:
         what += " (benign)"
     title = f"{what} in {report.phase} step {report.step}: {report.where}"
     if report.op:
-        expression = op_expression(report.op, report.source.line if report.source else None)
+        expression = op_expression(report.op, written_line(report))
         title += f", {expression or report.op}"
     return title
 
@@ -234,7 +234,7 @@ def labelled_inputs(report: Report) -> list[tuple[str, TensorStats]]:
     ``mat2``); :func:`~nan_magic.render.words.operands.operand_names` reads the
     user's expressions from the source line: ``x (self)``.
     """
-    names = operand_names(report.op, report.source.line if report.source else None, _tensor_operands(report))
+    names = operand_names(report.op, written_line(report), _tensor_operands(report))
     return [(operand_label(name, names), stats) for name, stats in report.input_stats]
 
 
@@ -295,7 +295,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     # says so). One the loop's code computed ((raw - mean) / std) has its op, and the op its operands.
     if not report.unlocated and not (str(report.phase) == "data" and report.op is None):
         rows.append(("inputs", inputs))
-    names = operand_names(report.op, report.source.line if report.source else None, _tensor_operands(report))
+    names = operand_names(report.op, written_line(report), _tensor_operands(report))
     rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
                 for name, value in report.nonfinite_numbers)
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
@@ -345,7 +345,7 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
     output, then the producer module's own inputs and output (``input[0] of
     encoder.1 (Linear)``); the other layers' samples after them, as they are.
     """
-    names = operand_names(report.op, report.source.line if report.source else None)
+    names = operand_names(report.op, written_line(report))
     module_output = report.module_output[0] if report.module_output else None
     operands, op_output, module_inputs, module_outputs, others = [], [], [], [], []
     for sample in report.samples:

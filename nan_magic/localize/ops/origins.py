@@ -164,12 +164,15 @@ def _memory_entry(tensor: torch.Tensor, written: bool, origin: Origin | Benign) 
                                           type(tensor) is torch.nn.Parameter)
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
+def _gapless(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` covers its memory with no gap and no overlap: a contiguous
+    layout, or a permutation of one (a transpose's)."""
+    step = 1
+    for size_stride, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if size_stride != step:
+            return False
+        step *= size
+    return True
 
 
 class Origins:
@@ -258,7 +261,9 @@ class Origins:
 
         A parameter's gradient that a broadcast's backward summed (``(grad * x).sum(0, keepdim=True)``, shape
         ``(1, 4)``) is reshaped to the parameter's ``(4,)`` on its way into ``.grad``, by an alias that is no view:
-        the same memory, the same values in the same order. Cold: a boundary's claim that found nothing else.
+        the same memory, the same values in the same order. Or in another order: the gradient of a transposed
+        parameter (``qr(self.linear.weight.T)``) is the permuted alias of the column-major output of the formula that
+        made it, the same elements. Cold: a boundary's claim that found nothing else.
         """
         if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not (
                 dense(tensor) and tensor.is_contiguous()):
@@ -267,7 +272,7 @@ class Origins:
         for (ptr, start, shape, stride, dtype, device), entry in self._by_memory.items():
             if (ptr, start, dtype, device) != (address, offset, tensor.dtype, tensor.device) or entry[3].expired():
                 continue
-            if shape.numel() == tensor.numel() and stride == _contiguous_stride(shape) and (
+            if shape.numel() == tensor.numel() and _gapless(shape, stride) and (
                     tensor._version - entry[0] in ((0, 1) if entry[1] else (0,))):
                 return entry[2]
         return None
@@ -363,9 +368,12 @@ def apply_op_finding(
         finding.notes.append(Note.of("autograd-backward", op=op.op, node=op.autograd_node))
     else:
         finding.source = op.source
-    if op.module is not None and (finding.module is None or op.backward_code):
+    if op.module is not None and (finding.module is None or op.backward_code or (
+            op.phase == Phase.BACKWARD and finding.tensor.role is TensorRole.PARAMETER_GRADIENT)):
         # Python backward code (a custom Function's backward, a gradient hook a module's forward registered) is
-        # that module's code: the producer is it, not the module whose parameter gradient showed the value.
+        # that module's code: the producer is it, not the module whose parameter gradient showed the value. So is
+        # the module whose forward made a parameter's node from a child's parameter it read itself (``qr(
+        # self.linear.weight)``, a tied ``x @ self.embed.weight.T``): the child that owns it never ran that code.
         if finding.module is not None and finding.module != op.module:
             finding.module_type = None  # (named again from the name: op_origins._name_type_and_model)
         finding.module = op.module

@@ -155,6 +155,19 @@ def _exp_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _bessel_hint(event: Report, cause: Cause) -> str:
+    base = cause.fact("base")
+    scaled = "i1e" if base.endswith("i1") else "i0e"
+    inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.absmax is not None]
+    reached = "".join(f", {short_label(ref)} reached |x| = {fmt(stats.absmax)}" for ref, stats in inputs)
+    return (
+        f"{base} in {where(event)} overflowed {event.dtype} in {counted(event.posinf + event.neginf, 'element')}: "
+        f"the modified Bessel function grows as exp(|x|) / sqrt(2 pi |x|), past float32's max once |x| > 91.9 "
+        f"(float64's: 713){reached}; use the exponentially scaled torch.special.{scaled}(x) = {base}(x) * exp(-|x|), "
+        f"and for its log (a von Mises likelihood's normaliser) log({scaled}(x)) + |x|"
+    )
+
+
 def _division_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (f"{event.op} made {event.nan} NaN (0/0) and {event.posinf + event.neginf} inf (x/0)",
             *input_lines(event), *constant_inputs(event))
@@ -374,6 +387,7 @@ OP_READINGS: dict[str, Reading] = {
     "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),
     "pow-unknown-base": on_event(_pow_unknown_hint, _made(counts), sentence=False),
     "exp-overflow": on_event(_exp_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
+    "bessel-overflow": on_event(_bessel_hint, _made(counts), sentence=False),
     "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),
     "division-unknown-divisor": on_event(_division_unknown_hint, _division_evidence, sentence=False),
     "empty-quotient": _empty("a sum over nothing divided by a count of nothing (0/0)"),

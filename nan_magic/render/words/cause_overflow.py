@@ -27,6 +27,7 @@ from nan_magic.render.words.cause_words import (
     where,
 )
 from nan_magic.render.words.counted import counted
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["OVERFLOW_READINGS"]
 
@@ -37,10 +38,19 @@ _ATTENTION_FIX = (
 )
 
 
+#: Ops that make a range of values from its end points (a number past the dtype's max is no mask value there).
+_RANGES = ("arange", "linspace", "logspace", "range")
+
+
 def _half_hint(event: Report, cause: Cause) -> str:
     fix = "compute it in float32 (cast its inputs, or keep it out of torch.autocast) or scale the inputs down"
     number = cause.fact("number")
-    if number is not None:
+    if number is not None and op_function(event.op or "") in _RANGES:
+        # Positions or a grid made in the model's float16 (``torch.arange(seq_len, dtype=x.dtype)``): no mask value.
+        fix = (f"it was asked for values up to {input_label(event, number[0])}, {fmt(number[1])}, past that max: "
+               f"those past it are inf in {event.dtype}; make the range in float32 and cast what is computed from "
+               "it (sinusoidal angles, a normalised grid) to the model's dtype")
+    elif number is not None:
         fix = (f"the number it was given as {input_label(event, number[0])}, {fmt(number[1])}, is past that max and "
                f"becomes {'-' if number[1] < 0 else '+'}inf in {event.dtype}: use torch.finfo(dtype).min (or .max) "
                "for a mask value, or a number within the dtype's range")

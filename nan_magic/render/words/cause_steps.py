@@ -51,6 +51,10 @@ _POLES = {
             "1/(σi² - σj²), infinite where two are equal (a repeated singular value: a rank-deficient matrix), "
             "reached by svd",
             "use only the singular values (torch.linalg.svdvals) where you can, or add a small distinct diagonal"),
+    "qr": ("the derivative of Q (and R) solves with R, whose diagonal holds a 0 where the matrix is rank deficient (a "
+           "zeroed or repeated column: a pruned weight), reached by qr",
+           "keep the matrix full rank (re-initialise zeroed columns, or add a small diagonal: a + 1e-6 · I); to keep "
+           "a weight orthogonal, torch.nn.utils.parametrizations.orthogonal needs no QR of it"),
     "gamma": ("the derivative of a Gamma (or Dirichlet) sample in its concentration is not finite at a "
               "concentration of 0 (the Gamma function's pole), reached by rsample",
               "keep the concentration away from 0: softplus(x) + 1e-3 rather than a bare softplus or exp, which "

@@ -18,7 +18,7 @@ from nan_magic.locations import name_location
 from nan_magic.plain import from_plain
 from nan_magic.records import Cause, Phase, Report, TensorRef, TensorRole, TensorStats, module_label
 from nan_magic.render.words.counted import counted
-from nan_magic.render.words.operands import operand_names
+from nan_magic.render.words.operands import operand_names, written_line
 
 __all__ = [
     "Reading",
@@ -199,7 +199,7 @@ def number_phrase(report: Report, operand: str) -> str:
     if value is None:
         return ""
     tensors = {ref.name for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name}
-    said = operand_names(report.op, report.source.line if report.source else None, tensors).get(operand)
+    said = operand_names(report.op, written_line(report), tensors).get(operand)
     name = f"`{operand}`" if said is None or _literal(said) else said  # (``x / 0.0`` names no variable)
     return f" ({name} = {value}, a Python number)"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Collection
 
-from nan_magic.records import TensorRef, TensorRole
+from nan_magic.records import Report, TensorRef, TensorRole
 from nan_magic.tensor_refs import op_function
 
 #: aten op base name -> the Python operator that runs it.
@@ -27,6 +27,21 @@ _OPERATORS: dict[str, type[ast.operator]] = {
 }
 #: Schema names of a binary op's right operand.
 _RIGHT = ("other", "mat2", "exponent")
+
+
+def written_line(report: Report) -> str | None:
+    """The line whose expressions can name the report's op and operands; None where they cannot.
+
+    A backward op of an autograd formula (SqrtBackward0's division) ran on no line of the user's: the line reported
+    made its node, and an op there of the same name (the ``/`` of ``w / (sqrt(s) + eps)``) is another op, on other
+    operands (the formula's are the incoming gradient and its own terms). A Python backward's op (a custom
+    Function's) ran on its line, which names it.
+    """
+    if report.source is None:
+        return None
+    if report.autograd_node is not None and any(note.kind == "autograd-backward" for note in report.note_facts):
+        return None
+    return report.source.line
 
 
 def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
