@@ -20,10 +20,12 @@ from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
-from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
+from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
 from nan_magic.localize.ops.plans import (
     Plan,
     flatten,
+    op_inputs,
+    op_name,
     tensors,
 )
 from nan_magic.localize.ops.sources import (
@@ -88,6 +90,7 @@ class OriginRules:
             absorbed: Origin | None = None
             held: set[str] = set()
             benign: set[str] = set()
+            picked: Picked | None = None
             outside = False
             for argument, value in inputs:
                 if not isinstance(value, torch.Tensor):
@@ -104,6 +107,8 @@ class OriginRules:
                 if entry is None and in_backward:
                     # A forward value autograd saved has lost its Python object: found by its memory.
                     entry = self._origins.memory_entry(value)
+                if isinstance(entry, Picked) and not in_backward:
+                    picked = picked or entry
                 if isinstance(entry, Origin):
                     if in_backward and entry.finding.phase != Phase.BACKWARD:
                         # A forward value read by a gradient formula, which reached no
@@ -127,9 +132,13 @@ class OriginRules:
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
             elif out_kinds <= benign and not reduces_a_mask(op, out_kinds, tensor):
-                self._origins.note(tensor, BENIGN, in_place)
+                self._origins.note(tensor, picked or BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
+            elif picked is not None and out_kinds <= benign and not called_by_us():
+                origin = self._pick_origin(picked)  # (a sum of what an index picked of a mask: the pick's)
+                self._origins.note(tensor, origin, in_place)
+                self._report(origin)
             elif not called_by_us():
                 new = frozenset(out_kinds - held) or out_kinds
                 origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed, in_place)
@@ -239,12 +248,47 @@ class OriginRules:
 
     # -- carrying origins on ---------------------------------------------------
 
-    def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+    def _picked(self, op: str, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> Picked:
+        """What a pick of a mask's infinities is noted as: its line and module now, its numbers if a sum claims it."""
+        source, inner, user_frame = sources_of_op(sys._getframe(1))
+        phase = self._phase_hint() if self._phase_hint is not None else None
+        inputs = list(op_inputs(plan, args, kwargs, None))
+        return Picked(op, out, inputs, source, inner, hook_owner(user_frame, self._module_name()),
+                      phase or Phase.FORWARD)
+
+    def _pick_origin(self, picked: Picked) -> Origin:
+        """The origin a pick starts once a sum adds up what it picked (origins.Picked): the op's finding."""
+        tensor, inputs = picked.output, picked.alive_inputs()
+        output_stats = tensor_stats(tensor)
+        label = "output"
+        finding = OpFinding(
+            op=picked.op, phase=picked.phase, module=picked.module, source=picked.source,
+            inner_source=picked.inner_source, forward_source=None, autograd_node=None, tensor=label,
+            new_kinds=tuple(kind for kind, count in zip(KINDS, (output_stats.nan, output_stats.posinf,
+                                                                output_stats.neginf)) if count),
+            nan=output_stats.nan or 0, posinf=output_stats.posinf or 0, neginf=output_stats.neginf or 0,
+            numel=output_stats.numel, output_stats=output_stats,
+            input_stats=tuple((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)) for name, value in inputs
+                              if isinstance(value, torch.Tensor) and is_checkable_op_value(value)),
+            scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
+            samples=op_samples(picked.op, label, tensor, inputs),
+        )
+        witnesses = [(label, weakref.ref(tensor)), *((name, weakref.ref(value)) for name, value in inputs
+                                                       if isinstance(value, torch.Tensor))]
+        self.witnesses.note(finding, witnesses, None)  # (the pick's line has ended: %debug opens where it can)
+        self.started.append(finding)
+        origin = Origin(finding)
+        self._origins.note(tensor, origin)
+        self._origins.note_memory(tensor, origin)
+        return origin
+
+    def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any, picks: Any = None) -> None:
         """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).
 
         It counts only where the output is non-finite (looked up only for such a tensor). Of several origins the
         first born, as for an op (logdet's ``where(sign == -1, nan, logabsdet)``: its -inf is slogdet's), and an
-        op's origin over a deliberate infinity read before it (``cat([masked, 0 / 0])``: the NaN is the division's)."""
+        op's origin over a deliberate infinity read before it (``cat([masked, 0 / 0])``: the NaN is the division's).
+        ``picks``: a forward op that picks by index (``gather``); what it picks of a mask is noted as picked."""
         entry = None
         for _, tensor in tensors(plan, args, kwargs, plan.reads):
             found = self._origins.entry(tensor)
@@ -253,6 +297,8 @@ class OriginRules:
                 entry = found
         if entry is None:
             return
+        if picks is not None and type(entry) is Benign and isinstance(out, torch.Tensor):
+            entry = self._picked(op_name(picks), plan, args, kwargs, out)
         note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):
             note(output, entry)

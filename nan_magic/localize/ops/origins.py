@@ -30,7 +30,7 @@ from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.plain import to_pairs
 from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
-__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "apply_op_finding", "attach_origin", "dense"]
+__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "Picked", "apply_op_finding", "attach_origin", "dense"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,28 @@ class Benign:
 
 
 BENIGN = Benign()
+
+
+class Picked(Benign):
+    """Deliberate infinities an index op picked out of a tensor that carries a mask (``log_probs.gather(1, a)``).
+
+    Benign while they go on as a mask does (a beam search gathers the -inf scores of finished beams on purpose). A
+    sum or mean that then adds them up (origin_rules.py: ``reduces_a_mask``) names the pick, not itself: an index
+    chose a masked position (an action the policy masked), no mask was summed. Held until the step ends (the
+    tracer's reset): the pick's output, weak references to its inputs, and its line and module, taken as it ran.
+    """
+
+    def __init__(self, op: str, output: torch.Tensor, inputs: list[tuple[str, Any]], source: SourcePointer | None,
+                 inner_source: SourcePointer | None, module: str | None, phase: Phase) -> None:
+        self.op, self.output, self.source, self.inner_source, self.module, self.phase = (
+            op, output, source, inner_source, module, phase)
+        self.inputs = [(name, weakref.ref(value) if isinstance(value, torch.Tensor) else value)
+                       for name, value in inputs]
+
+    def alive_inputs(self) -> list[tuple[str, Any]]:
+        """The pick's inputs that still live (a temporary index is gone by the sum), and its scalars."""
+        return [(name, value() if isinstance(value, weakref.ref) else value) for name, value in self.inputs
+                if not isinstance(value, weakref.ref) or value() is not None]
 
 
 def dense(tensor: torch.Tensor) -> bool:

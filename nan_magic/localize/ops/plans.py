@@ -87,6 +87,9 @@ _PASSIVE = frozenset(
     }
 )
 
+# Passive ops that pick elements by an index tensor.
+_PICKS = frozenset({"gather", "index", "_unsafe_index", "index_select", "take"})
+
 # Copies that are passive unless they narrow the dtype (float32 -> float16
 # overflows to inf); value: the argument holding the source.
 _CONVERSIONS = {
@@ -124,6 +127,8 @@ class Plan:
     fills: tuple[str, ...] = ()
     # Returns a view of an input: its origin is found through ``_base``, not carried.
     view: bool = False
+    # Picks elements by an index tensor (``gather``): a mask's infinity it picks is noted as picked (origins.Picked).
+    picks: bool = False
 
 
 @functools.cache
@@ -161,6 +166,7 @@ def plan_of(func: torch._ops.OpOverload) -> Plan:
             if passive and any(word in str(argument.type) for word in ("number", "float", "Scalar"))
             and "Tensor" not in str(argument.type)
         ),
+        picks=packet in _PICKS,
     )
 
 

@@ -274,7 +274,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
             out = run_op(func, args, kwargs)
             if self._origins:
-                self._carry(plan, args, kwargs, out)
+                self._carry(plan, args, kwargs, out, func if plan.picks and not in_backward else None)
             return out
         priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
         out = run_op(func, args, kwargs)

@@ -63,6 +63,11 @@ class OpWitnesses:
         """How a replay reached the frame that ran the op (sources.replayed_calls), or None."""
         return self._calls.get(id(finding))
 
+    def output_of(self, finding: OpFinding) -> torch.Tensor | None:
+        """The op's output while it lives: a replay of recorded ops finds the record that made it by it."""
+        tensors = self._tensors.get(id(finding))
+        return tensors[0][1]() if tensors else None
+
     def copies(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
         """Copies of the op's output, then of its inputs still alive; none when the output is gone.
 

@@ -305,6 +305,24 @@ def _masked_sum_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _masked_pick_hint(event: Report, cause: Cause) -> str:
+    picked = cause.fact("picked")
+    return (
+        f"{event.op} in {where(event)} picked {counted(picked, 'position')} masked to ±inf: an index chose what the "
+        "mask rules out (an action the policy masked, sampled outside it, or a target at a masked position), and "
+        "what adds the picked values up is infinite; pick only unmasked positions (draw the action from the masked "
+        "distribution), or leave the masked picks out of the loss"
+    )
+
+
+def _masked_pick_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} picked {event.posinf + event.neginf} inf of {event.numel} values",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} of one sign (masked positions) "
+        "and no NaN",
+    )
+
+
 def _weight_norm_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} divides each row of v by its norm, and "
@@ -386,6 +404,7 @@ OP_READINGS: dict[str, Reading] = {
     "masked-padding": on_event(_padded_hint, _padded_evidence, sentence=False),
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
+    "masked-pick": on_event(_masked_pick_hint, _masked_pick_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
     "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
