@@ -215,11 +215,11 @@ class RegionRecords:
         try:
             copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
-                for position, op in enumerate(ops):
+                for ran, op in enumerate(ops):
                     rerun_op(op, copies)
                     if tracer.finding is not None:
                         producer = op if str(op.func) == tracer.finding.op else _maker(
-                            tracer.witnesses.output_of(tracer.finding), ops[:position], copies) or op
+                            tracer.witnesses.output_of(tracer.finding), ops[:ran], copies) or op
                         frame = producer.frame
                         break
         except Gone:
