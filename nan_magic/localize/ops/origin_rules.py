@@ -57,6 +57,7 @@ class OriginRules:
     benign_modules: set[str | None]
     enclosing: Callable[[str, str], str | None] | None
     within: Callable[[str, str], str | None] | None
+    owned: Callable[[str, int], str | None] | None
     entered_data: list[tuple[TensorRef, torch.Tensor, Any]]
     finding: OpFinding | None
     kinds: frozenset[str]
@@ -200,7 +201,11 @@ class OriginRules:
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
         if node is not None and not backward_code:  # (a child whose forward its parent called directly)
-            forward_module = defined_below(forward_module, self.node_sources.code_of(node._sequence_nr()), self.within)
+            number = node._sequence_nr()
+            owner = self.node_sources.owner_of(number)
+            owned = self.owned(forward_module, owner) if (
+                self.owned is not None and forward_module is not None and owner is not None) else None
+            forward_module = defined_below(forward_module, self.node_sources.code_of(number), self.within, owned)
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,

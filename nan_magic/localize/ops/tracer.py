@@ -172,6 +172,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.enclosing: Callable[[str, str], str | None] | None = None
         #: The only module of a class below a module (op_origins.py sets it): a direct child's node (defined_below).
         self.within: Callable[[str, str], str | None] | None = None
+        #: The watched module strictly below a module that is the module of an id (op_origins.py sets it): which of
+        #: several of a class a direct child's node was made by (defined_below's ``owned``).
+        self.owned: Callable[[str, int], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self.witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
