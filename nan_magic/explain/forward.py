@@ -39,6 +39,10 @@ def forward_cause(report: Report) -> Cause:
     base = op_function(report.op)
     if base is None:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
+    inside = next((note.fact("function") for note in report.note_facts if note.kind == "own-number"), None)
+    if inside == "logdet" and report.nan:
+        # torch.logdet's own NaN (localize/ops/called.py): where(sign == -1, nan, logabsdet), a negative determinant.
+        return event_cause("log-domain", "logdet-negative", report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
     masked = logsumexp_cause(report) if base == "logsumexp" else (

@@ -8,6 +8,7 @@ at, and how cheaply) reads in one sitting; :class:`~nan_magic.localize.ops.trace
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import weakref
@@ -18,6 +19,7 @@ import torch
 
 from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
+from nan_magic.localize.ops.called import own_number_of
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
@@ -228,6 +230,8 @@ class OriginRules:
             scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
             absorbed=absorbed.finding if absorbed is not None else None,
             backward_code=backward_code,
+            own_number=own_number_of(user_frame) if not in_backward and inner is None and any(
+                not math.isfinite(value) for _name, value in inputs if isinstance(value, (int, float))) else None,
             samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.

@@ -115,6 +115,8 @@ class OpFinding:
     #: report whose op output is freed before the boundary that claims it (most intermediates).
     samples: tuple[Sample, ...] = ()
     node_number: int | None = None
+    #: The torch function the line called whose own number the op read (``logdet``: called.py), else None.
+    own_number: str | None = None
 
     @property
     def dtype(self) -> str:
@@ -368,6 +370,9 @@ def apply_op_finding(
     # 0.5); a non-finite one is the forward's number, saved (``x * inf``'s MulBackward).
     users = op.phase != Phase.BACKWARD or op.backward_code
     finding.numbers = [(name, value) for name, value in op.scalars if users or not math.isfinite(value)]
+    if op.own_number is not None:  # (the non-finite number is torch's own, inside the function the line called)
+        finding.numbers = [(name, value) for name, value in finding.numbers if math.isfinite(value)]
+        finding.notes.append(Note.of("own-number", function=op.own_number))
     # The tracer keeps the op's output, then its operands by schema name.
     operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:

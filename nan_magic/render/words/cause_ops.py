@@ -305,6 +305,19 @@ def _masked_sum_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _logdet_negative_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"torch.logdet in {where(event)} is NaN for a matrix whose determinant is negative (log of det < 0: a "
+        "reflection, an odd number of negative eigenvalues; torch passes the NaN where slogdet's sign is -1); take "
+        "log|det| with torch.linalg.slogdet(w).logabsdet, as Glow's invertible convolution does, or keep the "
+        "determinant positive (an LU parametrisation with its sign fixed)"
+    )
+
+
+def _logdet_negative_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.op} inside torch.logdet made {event.nan} NaN from torch's own number, its inputs finite",)
+
+
 def _masked_pick_hint(event: Report, cause: Cause) -> str:
     picked = cause.fact("picked")
     return (
@@ -405,6 +418,7 @@ OP_READINGS: dict[str, Reading] = {
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
     "masked-pick": on_event(_masked_pick_hint, _masked_pick_evidence, sentence=False),
+    "logdet-negative": on_event(_logdet_negative_hint, _logdet_negative_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
     "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
