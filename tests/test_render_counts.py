@@ -187,6 +187,11 @@ PHRASES: dict[str, tuple[Callable[[int], str], str, str]] = {
         "held 1 infinity of one sign",
         "held 2 infinities of one sign",
     ),
+    "masked-max-rows": (
+        lambda n: _cause_text("masked-softmax", "masked-max", rows=n, masked=6),
+        "reduced 1 row whose",
+        "reduced 2 rows whose",
+    ),
     "masked-pick-positions": (
         lambda n: _cause_text("masked-softmax", "masked-pick", picked=n, masked=6),
         "picked 1 position masked",

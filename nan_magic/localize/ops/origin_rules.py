@@ -44,6 +44,20 @@ from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OriginRules"]
 
+#: Consumers of a mask that are the producer of what they make of it (a softmax over a fully masked row: masks.py),
+#: even where an index picked the row or a max reduced it.
+_MASK_CONSUMERS = ("aten._softmax.", "aten._log_softmax.", "aten._safe_softmax.", "aten.logsumexp.")
+
+
+def _zeroes_out(op: str, inputs: list[tuple[str, Any]]) -> bool:
+    """Whether ``op`` multiplies by a zero: a product meant to drop a value (a DQN's ``(1 - done) * next_max``),
+    where 0 * -inf is NaN, is the fault (``torch.where`` drops it), not the max that made the -inf."""
+    if not op.startswith("aten.mul"):
+        return False
+    with torch.no_grad():
+        return any(value == 0 if isinstance(value, (int, float)) else
+                   isinstance(value, torch.Tensor) and bool((value == 0).any()) for _name, value in inputs)
+
 
 class OriginRules:
     """The origin rules of :class:`~nan_magic.localize.ops.tracer.OpTracer`: what an examined op starts or carries."""
@@ -140,6 +154,13 @@ class OriginRules:
                     self.benign_modules.add(self._module_name())
             elif picked is not None and out_kinds <= benign and not called_by_us():
                 origin = self._pick_origin(picked)  # (a sum of what an index picked of a mask: the pick's)
+                self._origins.note(tensor, origin, in_place)
+                self._report(origin)
+            elif (picked is not None and not op.startswith(_MASK_CONSUMERS) and not _zeroes_out(op, inputs)
+                  and not called_by_us()):
+                # A new kind made of what an index picked or a max reduced of a mask (its fully masked row's -inf,
+                # squared or multiplied by a weight): the pick or the max is named (origins.Picked).
+                origin = self._pick_origin(picked)
                 self._origins.note(tensor, origin, in_place)
                 self._report(origin)
             elif not called_by_us():
@@ -306,8 +327,9 @@ class OriginRules:
                 entry = found
         if entry is None:
             return
-        if picks is not None and type(entry) is Benign and isinstance(out, torch.Tensor):
-            entry = self._picked(op_name(picks), plan, args, kwargs, out)
+        values = out[0] if isinstance(out, tuple) and out else out  # (max.dim: values, indices)
+        if picks is not None and type(entry) is Benign and isinstance(values, torch.Tensor):
+            entry = self._picked(op_name(picks), plan, args, kwargs, values)
         note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):
             note(output, entry)

@@ -305,6 +305,24 @@ def _masked_sum_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _masked_max_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} reduced {counted(cause.fact('rows'), 'row')} whose every position was masked "
+        "to ±inf, and a max "
+        "over nothing is that infinity (a sequence that is all padding): what uses it then is infinite or NaN; keep "
+        "at least one position per row unmasked, replace the empty rows' max (torch.where(torch.isinf(top), 0, "
+        "top)), or mask with torch.finfo(dtype).min instead of -inf"
+    )
+
+
+def _masked_max_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.posinf + event.neginf} inf",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} of one sign (masked positions) "
+        "and no NaN: over finite values and one infinity, a max is infinite only in a row that is all infinite",
+    )
+
+
 def _logdet_negative_hint(event: Report, cause: Cause) -> str:
     return (
         f"torch.logdet in {where(event)} is NaN for a matrix whose determinant is negative (log of det < 0: a "
@@ -418,6 +436,7 @@ OP_READINGS: dict[str, Reading] = {
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
     "masked-pick": on_event(_masked_pick_hint, _masked_pick_evidence, sentence=False),
+    "masked-max": on_event(_masked_max_hint, _masked_max_evidence, sentence=False),
     "logdet-negative": on_event(_logdet_negative_hint, _logdet_negative_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
