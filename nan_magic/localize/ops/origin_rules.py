@@ -283,8 +283,9 @@ class OriginRules:
         source, inner, user_frame = sources_of_op(sys._getframe(1))
         phase = self._phase_hint() if self._phase_hint is not None else None
         inputs = list(op_inputs(plan, args, kwargs, None))
+        where = (id(user_frame), user_frame.f_code, user_frame.f_lasti, user_frame.f_lineno) if user_frame else None
         return Picked(op, out, inputs, source, inner, hook_owner(user_frame, self._module_name()),
-                      phase or Phase.FORWARD)
+                      phase or Phase.FORWARD, where)
 
     def _pick_origin(self, picked: Picked) -> Origin:
         """The origin a pick starts once a sum adds up what it picked (origins.Picked): the op's finding."""
@@ -305,7 +306,12 @@ class OriginRules:
         )
         witnesses = [(label, weakref.ref(tensor)), *((name, weakref.ref(value)) for name, value in inputs
                                                        if isinstance(value, torch.Tensor))]
-        self.witnesses.note(finding, witnesses, None)  # (the pick's line has ended: %debug opens where it can)
+        # %debug: the pick's frame where the op naming it runs in it still (its line has ended: the locals are the
+        # ones the current line leaves); else none (a pooling child's frame has returned).
+        _source, _inner, frame = sources_of_op(sys._getframe(1))
+        same = frame is not None and picked.frame is not None and picked.frame[:2] == (id(frame), frame.f_code)
+        self.witnesses.note(finding, witnesses, frame if same else None,
+                            at=picked.frame[2:] if same and picked.frame is not None else None)
         self.started.append(finding)
         origin = Origin(finding)
         self._origins.note(tensor, origin)

@@ -148,9 +148,13 @@ class Picked(Benign):
     """
 
     def __init__(self, op: str, output: torch.Tensor, inputs: list[tuple[str, Any]], source: SourcePointer | None,
-                 inner_source: SourcePointer | None, module: str | None, phase: Phase) -> None:
+                 inner_source: SourcePointer | None, module: str | None, phase: Phase,
+                 frame: tuple[int, Any, int, int] | None) -> None:
         self.op, self.output, self.source, self.inner_source, self.module, self.phase = (
             op, output, source, inner_source, module, phase)
+        #: ``(id, code, f_lasti, f_lineno)`` of the user's frame that ran the pick (no reference: %debug opens there
+        #: where the op that names it runs in that frame still).
+        self.frame = frame
         self.inputs = [(name, weakref.ref(value) if isinstance(value, torch.Tensor) else value)
                        for name, value in inputs]
 
