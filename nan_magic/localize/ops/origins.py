@@ -139,11 +139,13 @@ BENIGN = Benign()
 
 
 class Picked(Benign):
-    """Deliberate infinities an index op picked out of a tensor that carries a mask (``log_probs.gather(1, a)``).
+    """Deliberate infinities an index op picked out of a tensor that carries a mask (``log_probs.gather(1, a)``), or
+    a max reduced of it (``amax`` over a fully masked row: -inf).
 
-    Benign while they go on as a mask does (a beam search gathers the -inf scores of finished beams on purpose). A
-    sum or mean that then adds them up (origin_rules.py: ``reduces_a_mask``) names the pick, not itself: an index
-    chose a masked position (an action the policy masked), no mask was summed. Held until the step ends (the
+    Benign while they go on as a mask does (a beam search gathers the -inf scores of finished beams on purpose; a
+    pooling that cleans its empty rows). A sum or mean that then adds them up (origin_rules.py: ``reduces_a_mask``),
+    or a consumer that makes a new kind of them (a head's matmul, a square), names the pick, not itself: an index
+    chose a masked position (an action the policy masked), a max reduced nothing. Held until the step ends (the
     tracer's reset): the pick's output, weak references to its inputs, and its line and module, taken as it ran.
     """
 

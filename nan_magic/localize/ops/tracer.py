@@ -27,6 +27,10 @@ value before the op. The tracer keeps, for each non-finite tensor it sees, its *
   infinite mask tensor that entered the traced code from outside (a float attention mask, argument or buffer).
   Its consumers stay benign while they only carry those infinities on; one that makes a new kind (softmax over a
   fully masked row: NaN) starts an origin. A NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
+  What an index picks of a mask (``log_probs.gather(1, action)`` of a masked action) or a max reduces of it (a
+  fully masked row's -inf) stays benign, noted as the pick's (:class:`~nan_magic.localize.ops.origins.Picked`); a
+  sum that adds it up, or a consumer that makes a new kind of it, names the pick or the max instead of itself, but
+  a softmax or logsumexp (the mask's own consumer) and a product by zero (masking by multiplication) stay named.
 - a non-finite input from outside the trace that is no mask (a NaN parameter, a bad batch) carries no origin:
   the watch's module-level rules name it.
 
