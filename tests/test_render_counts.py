@@ -187,6 +187,21 @@ PHRASES: dict[str, tuple[Callable[[int], str], str, str]] = {
         "held 1 infinity of one sign",
         "held 2 infinities of one sign",
     ),
+    "masked-max-rows": (
+        lambda n: _cause_text("masked-softmax", "masked-max", rows=n, masked=6),
+        "reduced 1 row whose",
+        "reduced 2 rows whose",
+    ),
+    "masked-pick-positions": (
+        lambda n: _cause_text("masked-softmax", "masked-pick", picked=n, masked=6),
+        "picked 1 position masked",
+        "picked 2 positions masked",
+    ),
+    "masked-pick-infinities": (
+        lambda n: _cause_text("masked-softmax", "masked-pick", picked=1, masked=n),
+        "held 1 infinity of one sign",
+        "held 2 infinities of one sign",
+    ),
     "weight-norm-values": (
         lambda n: _cause_text("division-by-zero", "weight-norm-zero", zeros=n),
         "1 value of v is 0",

@@ -30,7 +30,8 @@ from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_o
 from nan_magic.records import Cause, Report, TensorStats
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["FUSED_ATTENTION_OPS", "logsumexp_cause", "masked_sum_cause", "padded_cause", "softmax_cause"]
+__all__ = ["FUSED_ATTENTION_OPS", "MAX_OPS", "PICK_OPS", "logsumexp_cause", "masked_max_cause", "masked_pick_cause",
+           "masked_sum_cause", "padded_cause", "softmax_cause"]
 
 
 def softmax_cause(report: Report) -> Cause:
@@ -88,6 +89,42 @@ def masked_sum_cause(report: Report) -> Cause | None:
         return None
     return event_cause("masked-softmax", "masked-sum", report, rows=infinite,
                        masked=values.posinf or values.neginf)
+
+
+#: Ops that pick elements by an index (the tracer names one whose masked picks a sum added up: ops/origins.Picked).
+PICK_OPS = frozenset({"gather", "index", "_unsafe_index", "index_select", "take"})
+
+
+def masked_pick_cause(report: Report) -> Cause | None:
+    """An index op that picked positions masked to ±inf (an action the policy masked); None where it does not show.
+
+    Its input holds infinities of one sign and no NaN, and so does what it picked: each picked infinity was a masked
+    position the index chose.
+    """
+    values = report.operand("self")
+    picked = report.posinf + report.neginf
+    if (values is None or report.nan or values.nan or not picked or bool(values.posinf) == bool(values.neginf)
+            or bool(report.posinf) == bool(report.neginf) or bool(report.posinf) != bool(values.posinf)):
+        return None
+    return event_cause("masked-softmax", "masked-pick", report, picked=picked, masked=values.posinf or values.neginf)
+
+
+#: Reductions to a row's max or min: over a row masked entirely, the mask's infinity (ops/origins.Picked).
+MAX_OPS = frozenset({"amax", "amin", "max", "min"})
+
+
+def masked_max_cause(report: Report) -> Cause | None:
+    """A max (or min) over rows whose every position was masked to ∓inf; None where its input does not show it.
+
+    Over finite values and one sign of infinity a max is infinite only in a row that is all infinite: its output
+    holds that sign alone, its input the same sign and no NaN.
+    """
+    values = report.operand("self")
+    rows = report.posinf + report.neginf
+    if (values is None or report.nan or values.nan or not rows or bool(values.posinf) == bool(values.neginf)
+            or bool(report.posinf) == bool(report.neginf) or bool(report.posinf) != bool(values.posinf)):
+        return None
+    return event_cause("masked-softmax", "masked-max", report, rows=rows, masked=values.posinf or values.neginf)
 
 
 def _softmax(report: Report) -> Cause:

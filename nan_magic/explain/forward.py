@@ -12,7 +12,11 @@ from collections.abc import Callable
 
 from nan_magic.explain.attention import (
     FUSED_ATTENTION_OPS,
+    MAX_OPS,
+    PICK_OPS,
     logsumexp_cause,
+    masked_max_cause,
+    masked_pick_cause,
     masked_sum_cause,
     padded_cause,
     softmax_cause,
@@ -37,11 +41,15 @@ def forward_cause(report: Report) -> Cause:
     base = op_function(report.op)
     if base is None:
         return _loss(report) if report.tensor.role is TensorRole.LOSS else _unknown_op(report)
+    inside = next((note.fact("function") for note in report.note_facts if note.kind == "own-number"), None)
+    if inside == "logdet" and report.nan:
+        # torch.logdet's own NaN (localize/ops/called.py): where(sign == -1, nan, logabsdet), a negative determinant.
+        return event_cause("log-domain", "logdet-negative", report)
     if base in _SOFTMAX_OPS or attention_op(base):
         return softmax_cause(report)
     masked = logsumexp_cause(report) if base == "logsumexp" else (
         masked_sum_cause(report) if base in _SUM_OPS else padded_cause(report) if base in FUSED_ATTENTION_OPS
-        else None)
+        else masked_pick_cause(report) if base in PICK_OPS else masked_max_cause(report) if base in MAX_OPS else None)
     if masked is not None:
         return masked
     if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:

@@ -294,7 +294,7 @@ class Watch(WatchEvents):
         self.outside = self.localizing.recorder
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name,
-                                 self.targets.infos)
+                                 self.targets.infos, lambda key: self.targets.modules.get(key))
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None

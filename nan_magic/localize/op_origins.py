@@ -54,6 +54,8 @@ class OpOrigins:
         The info of a watched module by qualified name.
     infos
         Every watched module's info (a direct child's backward node: :meth:`_within`).
+    info_by_id
+        The info of a watched module by the module's ``id`` (which of several of a class: :meth:`_owned`).
     """
 
     def __init__(
@@ -63,12 +65,14 @@ class OpOrigins:
         on_gradient_event: Callable[[Finding], None],
         info_by_name: Callable[[str], ModuleInfo | None],
         infos: Callable[[], Iterable[ModuleInfo]] | None = None,
+        info_by_id: Callable[[int], ModuleInfo | None] | None = None,
     ) -> None:
         self.outside = outside
         self._emit = emit
         self._on_gradient_event = on_gradient_event
         self._info_by_name = info_by_name
         self._infos = infos
+        self._info_by_id = info_by_id
         #: The op tracer of ops mode, once the watch is attached (:meth:`make_tracer`).
         self.tracer: OpTracer | None = None
         #: What functional_call swapped into the calls' parameter slots (the producer rule's: swapped.py).
@@ -95,6 +99,7 @@ class OpOrigins:
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
         self.tracer.enclosing = self._enclosing
         self.tracer.within = self._within
+        self.tracer.owned = self._owned
         return self.tracer
 
     def _enclosing(self, name: str, module_type: str) -> str | None:
@@ -116,6 +121,15 @@ class OpOrigins:
         below = [other.name for other in self._infos() if other.module_type == module_type
                  and other.model == info.model and len(other.path) > depth and other.path[:depth] == info.path]
         return below[0] if len(below) == 1 else None
+
+    def _owned(self, name: str, owner: int) -> str | None:
+        """The watched module whose id is ``owner``, where it lies strictly below module ``name`` (else None)."""
+        info = self._info_by_name(name)
+        below = self._info_by_id(owner) if self._info_by_id is not None and info is not None else None
+        if below is None or info is None or below.model != info.model:
+            return None
+        depth = len(info.path)
+        return below.name if len(below.path) > depth and below.path[:depth] == info.path else None
 
     def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.

@@ -27,7 +27,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -691,12 +690,11 @@ def _hue_jitter(eps: float) -> Scenario:
     return _loop(model, batch, lambda out, step: F.mse_loss(out, ys[step]))
 
 
-GLOW_CAUSE_GAP = (
+#: (gaps22: the cause was nonfinite-number, 'find where it is set', before localize/ops/called.py.)
+GLOW_CAUSE = (
     "torch.logdet is a composite: where(sign == -1, nan, logabsdet); the NaN is a scalar torch itself passes to "
-    "aten.scalar_tensor, which the cause calls a non-finite Python number of the user's ('find where it is set'), "
-    "not a log of a negative determinant. The tracer sees only the aten ops: logdet's decomposition has no Python "
-    "frame, so telling torch's number from the user's needs the function the user's line called (its instruction "
-    "at f_lasti), which no finding records")
+    "aten.scalar_tensor. The function the user's line called (its call instruction at f_lasti, read at the origin: "
+    "localize/ops/called.py) is logdet, so the number is torch's: the cause is log-domain (logdet-negative)")
 
 OPT_STEP = "eps zero step"
 #: What the report says of a state a bounded step found non-finite (hot/checks/optim_reports.py).
@@ -761,7 +759,7 @@ CASES = [
          Expect("forward", "", "InvertibleConv", step=0, op="aten.scalar_tensor.default", marker="glow logdet")),
     Case("hunt20_glow_logdet_of_a_reflection_cause", lambda: _glow(False),
          Expect("forward", "", "InvertibleConv", step=0, op="aten.scalar_tensor.default", marker="glow logdet",
-                cause="log-domain"), marks=(pytest.mark.xfail(strict=True, reason=GLOW_CAUSE_GAP),)),
+                cause="log-domain"), note=GLOW_CAUSE),
     Case("hunt20_glow_slogdet_healthy", lambda: _glow(True), None),
     Case("hunt20_ridge_head_inv_ex_of_a_singular_gram", lambda: _ridge(0.0),
          Expect("forward", "", "RidgeHead", step=2, op="aten.linalg_inv_ex.default", marker="ridge inverse")),

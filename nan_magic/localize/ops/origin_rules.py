@@ -8,6 +8,7 @@ at, and how cheaply) reads in one sitting; :class:`~nan_magic.localize.ops.trace
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import weakref
@@ -18,12 +19,15 @@ import torch
 
 from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
+from nan_magic.localize.ops.called import own_number_of
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
-from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins, op_samples
+from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
 from nan_magic.localize.ops.plans import (
     Plan,
     flatten,
+    op_inputs,
+    op_name,
     tensors,
 )
 from nan_magic.localize.ops.sources import (
@@ -40,6 +44,20 @@ from nan_magic.records import KINDS, Phase, TensorRef, TensorRole
 
 __all__ = ["OriginRules"]
 
+#: Consumers of a mask that are the producer of what they make of it (a softmax over a fully masked row: masks.py),
+#: even where an index picked the row or a max reduced it.
+_MASK_CONSUMERS = ("aten._softmax.", "aten._log_softmax.", "aten._safe_softmax.", "aten.logsumexp.")
+
+
+def _zeroes_out(op: str, inputs: list[tuple[str, Any]]) -> bool:
+    """Whether ``op`` multiplies by a zero: a product meant to drop a value (a DQN's ``(1 - done) * next_max``),
+    where 0 * -inf is NaN, is the fault (``torch.where`` drops it), not the max that made the -inf."""
+    if not op.startswith("aten.mul"):
+        return False
+    with torch.no_grad():
+        return any(value == 0 if isinstance(value, (int, float)) else
+                   isinstance(value, torch.Tensor) and bool((value == 0).any()) for _name, value in inputs)
+
 
 class OriginRules:
     """The origin rules of :class:`~nan_magic.localize.ops.tracer.OpTracer`: what an examined op starts or carries."""
@@ -55,6 +73,7 @@ class OriginRules:
     benign_modules: set[str | None]
     enclosing: Callable[[str, str], str | None] | None
     within: Callable[[str, str], str | None] | None
+    owned: Callable[[str, int], str | None] | None
     entered_data: list[tuple[TensorRef, torch.Tensor, Any]]
     finding: OpFinding | None
     kinds: frozenset[str]
@@ -88,6 +107,7 @@ class OriginRules:
             absorbed: Origin | None = None
             held: set[str] = set()
             benign: set[str] = set()
+            picked: Picked | None = None
             outside = False
             for argument, value in inputs:
                 if not isinstance(value, torch.Tensor):
@@ -104,6 +124,8 @@ class OriginRules:
                 if entry is None and in_backward:
                     # A forward value autograd saved has lost its Python object: found by its memory.
                     entry = self._origins.memory_entry(value)
+                if isinstance(entry, Picked) and not in_backward:
+                    picked = picked or entry
                 if isinstance(entry, Origin):
                     if in_backward and entry.finding.phase != Phase.BACKWARD:
                         # A forward value read by a gradient formula, which reached no
@@ -127,9 +149,20 @@ class OriginRules:
             elif outside:
                 continue  # a propagator of a value from outside the trace: the watch's own rules
             elif out_kinds <= benign and not reduces_a_mask(op, out_kinds, tensor):
-                self._origins.note(tensor, BENIGN, in_place)
+                self._origins.note(tensor, picked or BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
+            elif picked is not None and out_kinds <= benign and not called_by_us():
+                origin = self._pick_origin(picked)  # (a sum of what an index picked of a mask: the pick's)
+                self._origins.note(tensor, origin, in_place)
+                self._report(origin)
+            elif (picked is not None and not op.startswith(_MASK_CONSUMERS) and not _zeroes_out(op, inputs)
+                  and not called_by_us()):
+                # A new kind made of what an index picked or a max reduced of a mask (its fully masked row's -inf,
+                # squared or multiplied by a weight): the pick or the max is named (origins.Picked).
+                origin = self._pick_origin(picked)
+                self._origins.note(tensor, origin, in_place)
+                self._report(origin)
             elif not called_by_us():
                 new = frozenset(out_kinds - held) or out_kinds
                 origin = self._start_origin(op, label, tensor, new, inputs, priors, in_backward, absorbed, in_place)
@@ -191,7 +224,11 @@ class OriginRules:
                 witnesses.append((name, weakref.ref(value)))
         forward_source, forward_module = self.node_sources.forward_source(node)
         if node is not None and not backward_code:  # (a child whose forward its parent called directly)
-            forward_module = defined_below(forward_module, self.node_sources.code_of(node._sequence_nr()), self.within)
+            number = node._sequence_nr()
+            owner = self.node_sources.owner_of(number)
+            owned = self.owned(forward_module, owner) if (
+                self.owned is not None and forward_module is not None and owner is not None) else None
+            forward_module = defined_below(forward_module, self.node_sources.code_of(number), self.within, owned)
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,
@@ -214,6 +251,8 @@ class OriginRules:
             scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
             absorbed=absorbed.finding if absorbed is not None else None,
             backward_code=backward_code,
+            own_number=own_number_of(user_frame) if not in_backward and inner is None and any(
+                not math.isfinite(value) for _name, value in inputs if isinstance(value, (int, float))) else None,
             samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
@@ -239,12 +278,53 @@ class OriginRules:
 
     # -- carrying origins on ---------------------------------------------------
 
-    def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+    def _picked(self, op: str, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> Picked:
+        """What a pick of a mask's infinities is noted as: its line and module now, its numbers if a sum claims it."""
+        source, inner, user_frame = sources_of_op(sys._getframe(1))
+        phase = self._phase_hint() if self._phase_hint is not None else None
+        inputs = list(op_inputs(plan, args, kwargs, None))
+        where = (id(user_frame), user_frame.f_code, user_frame.f_lasti, user_frame.f_lineno) if user_frame else None
+        return Picked(op, out, inputs, source, inner, hook_owner(user_frame, self._module_name()),
+                      phase or Phase.FORWARD, where)
+
+    def _pick_origin(self, picked: Picked) -> Origin:
+        """The origin a pick starts once a sum adds up what it picked (origins.Picked): the op's finding."""
+        tensor, inputs = picked.output, picked.alive_inputs()
+        output_stats = tensor_stats(tensor)
+        label = "output"
+        finding = OpFinding(
+            op=picked.op, phase=picked.phase, module=picked.module, source=picked.source,
+            inner_source=picked.inner_source, forward_source=None, autograd_node=None, tensor=label,
+            new_kinds=tuple(kind for kind, count in zip(KINDS, (output_stats.nan, output_stats.posinf,
+                                                                output_stats.neginf)) if count),
+            nan=output_stats.nan or 0, posinf=output_stats.posinf or 0, neginf=output_stats.neginf or 0,
+            numel=output_stats.numel, output_stats=output_stats,
+            input_stats=tuple((TensorRef(TensorRole.OPERAND, name), tensor_stats(value)) for name, value in inputs
+                              if isinstance(value, torch.Tensor) and is_checkable_op_value(value)),
+            scalars=tuple((name, value) for name, value in inputs if isinstance(value, (int, float))),
+            samples=op_samples(picked.op, label, tensor, inputs),
+        )
+        witnesses = [(label, weakref.ref(tensor)), *((name, weakref.ref(value)) for name, value in inputs
+                                                       if isinstance(value, torch.Tensor))]
+        # %debug: the pick's frame where the op naming it runs in it still (its line has ended: the locals are the
+        # ones the current line leaves); else none (a pooling child's frame has returned).
+        _source, _inner, frame = sources_of_op(sys._getframe(1))
+        same = frame is not None and picked.frame is not None and picked.frame[:2] == (id(frame), frame.f_code)
+        self.witnesses.note(finding, witnesses, frame if same else None,
+                            at=picked.frame[2:] if same and picked.frame is not None else None)
+        self.started.append(finding)
+        origin = Origin(finding)
+        self._origins.note(tensor, origin)
+        self._origins.note_memory(tensor, origin)
+        return origin
+
+    def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any, picks: Any = None) -> None:
         """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).
 
         It counts only where the output is non-finite (looked up only for such a tensor). Of several origins the
         first born, as for an op (logdet's ``where(sign == -1, nan, logabsdet)``: its -inf is slogdet's), and an
-        op's origin over a deliberate infinity read before it (``cat([masked, 0 / 0])``: the NaN is the division's)."""
+        op's origin over a deliberate infinity read before it (``cat([masked, 0 / 0])``: the NaN is the division's).
+        ``picks``: a forward op that picks by index (``gather``); what it picks of a mask is noted as picked."""
         entry = None
         for _, tensor in tensors(plan, args, kwargs, plan.reads):
             found = self._origins.entry(tensor)
@@ -253,6 +333,9 @@ class OriginRules:
                 entry = found
         if entry is None:
             return
+        values = out[0] if isinstance(out, tuple) and out else out  # (max.dim: values, indices)
+        if picks is not None and type(entry) is Benign and isinstance(values, torch.Tensor):
+            entry = self._picked(op_name(picks), plan, args, kwargs, values)
         note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):
             note(output, entry)

@@ -30,7 +30,7 @@ from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.plain import to_pairs
 from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
-__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "apply_op_finding", "attach_origin", "dense"]
+__all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "Picked", "apply_op_finding", "attach_origin", "dense"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,8 @@ class OpFinding:
     #: report whose op output is freed before the boundary that claims it (most intermediates).
     samples: tuple[Sample, ...] = ()
     node_number: int | None = None
+    #: The torch function the line called whose own number the op read (``logdet``: called.py), else None.
+    own_number: str | None = None
 
     @property
     def dtype(self) -> str:
@@ -134,6 +136,34 @@ class Benign:
 
 
 BENIGN = Benign()
+
+
+class Picked(Benign):
+    """Deliberate infinities an index op picked out of a tensor that carries a mask (``log_probs.gather(1, a)``), or
+    a max reduced of it (``amax`` over a fully masked row: -inf).
+
+    Benign while they go on as a mask does (a beam search gathers the -inf scores of finished beams on purpose; a
+    pooling that cleans its empty rows). A sum or mean that then adds them up (origin_rules.py: ``reduces_a_mask``),
+    or a consumer that makes a new kind of them (a head's matmul, a square), names the pick, not itself: an index
+    chose a masked position (an action the policy masked), a max reduced nothing. Held until the step ends (the
+    tracer's reset): the pick's output, weak references to its inputs, and its line and module, taken as it ran.
+    """
+
+    def __init__(self, op: str, output: torch.Tensor, inputs: list[tuple[str, Any]], source: SourcePointer | None,
+                 inner_source: SourcePointer | None, module: str | None, phase: Phase,
+                 frame: tuple[int, Any, int, int] | None) -> None:
+        self.op, self.output, self.source, self.inner_source, self.module, self.phase = (
+            op, output, source, inner_source, module, phase)
+        #: ``(id, code, f_lasti, f_lineno)`` of the user's frame that ran the pick (no reference: %debug opens there
+        #: where the op that names it runs in that frame still).
+        self.frame = frame
+        self.inputs = [(name, weakref.ref(value) if isinstance(value, torch.Tensor) else value)
+                       for name, value in inputs]
+
+    def alive_inputs(self) -> list[tuple[str, Any]]:
+        """The pick's inputs that still live (a temporary index is gone by the sum), and its scalars."""
+        return [(name, value() if isinstance(value, weakref.ref) else value) for name, value in self.inputs
+                if not isinstance(value, weakref.ref) or value() is not None]
 
 
 def dense(tensor: torch.Tensor) -> bool:
@@ -351,6 +381,9 @@ def apply_op_finding(
     # 0.5); a non-finite one is the forward's number, saved (``x * inf``'s MulBackward).
     users = op.phase != Phase.BACKWARD or op.backward_code
     finding.numbers = [(name, value) for name, value in op.scalars if users or not math.isfinite(value)]
+    if op.own_number is not None:  # (the non-finite number is torch's own, inside the function the line called)
+        finding.numbers = [(name, value) for name, value in finding.numbers if math.isfinite(value)]
+        finding.notes.append(Note.of("own-number", function=op.own_number))
     # The tracer keeps the op's output, then its operands by schema name.
     operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:

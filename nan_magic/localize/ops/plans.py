@@ -87,6 +87,11 @@ _PASSIVE = frozenset(
     }
 )
 
+# Passive ops that pick elements by an index tensor.
+_PICKS = frozenset({"gather", "index", "_unsafe_index", "index_select", "take"})
+# Reductions to a row's max or min (not the elementwise ``max.other``): over a fully masked row, the mask's infinity.
+_MAXES = frozenset({"amax", "amin", "max", "min"})
+
 # Copies that are passive unless they narrow the dtype (float32 -> float16
 # overflows to inf); value: the argument holding the source.
 _CONVERSIONS = {
@@ -124,6 +129,9 @@ class Plan:
     fills: tuple[str, ...] = ()
     # Returns a view of an input: its origin is found through ``_base``, not carried.
     view: bool = False
+    # Picks elements by an index tensor (``gather``), or reduces a row to its max (``amax``): a mask's infinity it
+    # takes (a masked position picked, a fully masked row's max) is noted as picked (origins.Picked).
+    picks: bool = False
 
 
 @functools.cache
@@ -161,6 +169,7 @@ def plan_of(func: torch._ops.OpOverload) -> Plan:
             if passive and any(word in str(argument.type) for word in ("number", "float", "Scalar"))
             and "Tensor" not in str(argument.type)
         ),
+        picks=packet in _PICKS or (packet in _MAXES and func._overloadname in ("default", "dim")),
     )
 
 

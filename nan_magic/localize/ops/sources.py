@@ -307,16 +307,19 @@ def hook_definer(module: str | None, user: FrameType | None,
     return (enclosing(module, owner) or module) if inner and owner else module
 
 
-def defined_below(module: str | None, code: CodeType | None,
-                  within: Callable[[str, str], str | None] | None) -> str | None:
+def defined_below(module: str | None, code: CodeType | None, within: Callable[[str, str], str | None] | None,
+                  owned: str | None = None) -> str | None:
     """The module of a backward op's node whose forward line ``code`` is a method of a child's class, else ``module``.
 
     ``module`` is the module running when the node was made (the watch's stack): for ``self.act.forward(h)``, a call
     with no hook, the parent. Where the line's code is a method of another class (Python's qualified name of a
     code, ``SqrtAbs.forward``) and exactly one watched module of that class lies below ``module`` (``within``: by
     the modules' places in their model, op_origins.py), its own code made the node (PRODUCT.md). A class of which
-    several lie below, or none, keeps ``module``. Called at an event only.
+    several lie below, or none, keeps ``module``; ``owned``, the watched module below ``module`` that was the code's
+    ``self`` (NodeSources.owner_of), says which of several it was. Called at an event only.
     """
+    if owned is not None:
+        return owned
     if module is None or code is None or within is None:
         return module
     owner, _sep, method = code.co_qualname.rpartition(".")
@@ -376,12 +379,13 @@ class NodeSources:
 
     def __init__(self, module_name: Callable[[], str | None]) -> None:
         self._module_name = module_name
-        # autograd sequence number -> (code, line) of the forward op that created it, its module, and the op
-        # (names an operand its node saved as the forward op's argument: ``weight`` of nll_loss_forward)
-        self._sources: dict[int, tuple[CodeType, int, str | None]] = {}
+        # autograd sequence number -> (code, line) of the forward op that created it, its module, the id of the
+        # module whose method that code is (its ``self``), and the op (names an operand its node saved as the
+        # forward op's argument: ``weight`` of nll_loss_forward)
+        self._sources: dict[int, tuple[CodeType, int, str | None, int | None]] = {}
         self._ops: dict[int, Any] = {}
         self._seen_seq = 0
-        self._last_location: tuple[CodeType, int, str | None] | None = None
+        self._last_location: tuple[CodeType, int, str | None, int | None] | None = None
 
     def start(self) -> None:
         """Begin a trace: nodes created before it are not ours to name."""
@@ -390,7 +394,7 @@ class NodeSources:
 
     def record(self, node: int, code: CodeType, lineno: int) -> None:
         """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line)."""
-        self._sources[node] = (code, lineno, None)
+        self._sources[node] = (code, lineno, None, None)
         self._ops.pop(node, None)  # (its op is not known here)
         # Not named again by the next op's note (a custom Function's node is made after its forward's last op).
         self._seen_seq = max(self._seen_seq, node + 1)
@@ -409,9 +413,17 @@ class NodeSources:
         frame = user_frame(caller)
         site = _replayed_site(caller, frame)
         if site is not None:
-            location: tuple[CodeType, int, str | None] | None = (site[0], site[1], self._module_name())
+            location: tuple[CodeType, int, str | None, int | None] | None = (
+                site[0], site[1], self._module_name(), None)
+        elif frame is not None:
+            # A method's ``self`` (a frame's locals, read per node made): which module's code made the node, where
+            # its parent called it without a module call (``self.act.forward(h)``: defined_below).
+            code = frame.f_code
+            own = frame.f_locals.get("self") if code.co_argcount and code.co_varnames[0] == "self" else None
+            location = (code, frame.f_lineno, self._module_name(),
+                        id(own) if isinstance(own, torch.nn.Module) else None)
         else:
-            location = (frame.f_code, frame.f_lineno, self._module_name()) if frame is not None else None
+            location = None
         sources = self._sources
         own = torch.is_grad_enabled() and any(
             t.requires_grad for _, t in tensors(plan, args, kwargs, plan.reads)
@@ -443,7 +455,7 @@ class NodeSources:
         entry = self._sources.get(node._sequence_nr()) if node is not None else None
         if entry is None:
             return None, None
-        code, lineno, module = entry
+        code, lineno, module, _owner = entry
         line = linecache.getline(code.co_filename, lineno).strip() or None
         return SourcePointer(code.co_filename, lineno, code.co_name, line), module
 
@@ -451,6 +463,11 @@ class NodeSources:
         """The code whose line made node number ``number`` (its ``_sequence_nr()``), where this trace named it."""
         entry = self._sources.get(number)
         return entry[0] if entry is not None else None
+
+    def owner_of(self, number: int) -> int | None:
+        """The id of the module whose method made node number ``number``, where this trace named it."""
+        entry = self._sources.get(number)
+        return entry[3] if entry is not None else None
 
     def forward_op(self, node: Any) -> tuple[str | None, SourcePointer | None]:
         """The forward op that created ``node`` (``aten.nll_loss_forward.default``) and its line, where traced."""

@@ -27,6 +27,10 @@ value before the op. The tracer keeps, for each non-finite tensor it sees, its *
   infinite mask tensor that entered the traced code from outside (a float attention mask, argument or buffer).
   Its consumers stay benign while they only carry those infinities on; one that makes a new kind (softmax over a
   fully masked row: NaN) starts an origin. A NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
+  What an index picks of a mask (``log_probs.gather(1, action)`` of a masked action) or a max reduces of it (a
+  fully masked row's -inf) stays benign, noted as the pick's (:class:`~nan_magic.localize.ops.origins.Picked`); a
+  sum that adds it up, or a consumer that makes a new kind of it, names the pick or the max instead of itself, but
+  a softmax or logsumexp (the mask's own consumer) and a product by zero (masking by multiplication) stay named.
 - a non-finite input from outside the trace that is no mask (a NaN parameter, a bad batch) carries no origin:
   the watch's module-level rules name it.
 
@@ -172,6 +176,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.enclosing: Callable[[str, str], str | None] | None = None
         #: The only module of a class below a module (op_origins.py sets it): a direct child's node (defined_below).
         self.within: Callable[[str, str], str | None] | None = None
+        #: The watched module strictly below a module that is the module of an id (op_origins.py sets it): which of
+        #: several of a class a direct child's node was made by (defined_below's ``owned``).
+        self.owned: Callable[[str, int], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self.witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even
@@ -274,7 +281,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
             out = run_op(func, args, kwargs)
             if self._origins:
-                self._carry(plan, args, kwargs, out)
+                self._carry(plan, args, kwargs, out, func if plan.picks and not in_backward else None)
             return out
         priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
         out = run_op(func, args, kwargs)

@@ -35,14 +35,19 @@ class OpWitnesses:
         self._calls: dict[int, tuple[Caller | None, Chain]] = {}
 
     def note(self, finding: OpFinding, tensors: Sequence[tuple[str, weakref.ref[torch.Tensor]]],
-             frame: FrameType | None, in_place: bool = False) -> None:
+             frame: FrameType | None, in_place: bool = False, at: tuple[int, int] | None = None) -> None:
+        """``at``: the op's ``(f_lasti, f_lineno)`` in ``frame`` where it ran on a line that has ended since (a pick
+        named by a later op of the same frame: origins.Picked); the locals are then the ones the current line leaves."""
         self._tensors[id(finding)] = tuple(tensors)
         # (An in-place op's output moves once more after the op returns: autograd's bump, counted here.)
         self._versions[id(finding)] = tuple(
             None if (version := _version(ref())) is None else version + (in_place and index == 0)
             for index, (_label, ref) in enumerate(tensors))
         if frame is not None:
-            self._frames[id(finding)] = after_line(frame)
+            end = after_line(frame) if at is None else LineEnd(frame)
+            if at is not None:
+                end.lasti, end.lineno = at
+            self._frames[id(finding)] = end
             calls = replayed_calls(frame)
             if calls is not None:
                 self._calls[id(finding)] = calls
@@ -62,6 +67,11 @@ class OpWitnesses:
     def calls_of(self, finding: OpFinding) -> tuple[Caller | None, Chain] | None:
         """How a replay reached the frame that ran the op (sources.replayed_calls), or None."""
         return self._calls.get(id(finding))
+
+    def output_of(self, finding: OpFinding) -> torch.Tensor | None:
+        """The op's output while it lives: a replay of recorded ops finds the record that made it by it."""
+        tensors = self._tensors.get(id(finding))
+        return tensors[0][1]() if tensors else None
 
     def copies(self, finding: OpFinding) -> tuple[tuple[str, torch.Tensor], ...]:
         """Copies of the op's output, then of its inputs still alive; none when the output is gone.

@@ -215,10 +215,12 @@ class RegionRecords:
         try:
             copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
-                for op in ops:
+                for ran, op in enumerate(ops):
                     rerun_op(op, copies)
                     if tracer.finding is not None:
-                        producer, frame = op, op.frame
+                        producer = op if str(op.func) == tracer.finding.op else _maker(
+                            tracer.witnesses.output_of(tracer.finding), ops[:ran], copies) or op
+                        frame = producer.frame
                         break
         except Gone:
             return None
@@ -445,3 +447,14 @@ def _ops_to_key(ops: list[RecordedOp], produced: dict[int, int], key: int) -> li
     if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(ops[index].out)):
         return None
     return ops[: index + 1]
+
+
+def _maker(output: torch.Tensor | None, ran: list[RecordedOp], copies: dict[int, torch.Tensor]) -> RecordedOp | None:
+    """The earlier record whose replay made ``output``, the finding's where another op found it: a pick that a later
+    sum claimed (ops/origins.Picked); None where none did."""
+    if output is None:
+        return None
+    for op in reversed(ran):
+        if any(copies.get(key) is output for out in tree_leaves(op.out) if (key := record_key(out)) is not None):
+            return op
+    return None

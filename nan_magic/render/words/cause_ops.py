@@ -318,6 +318,55 @@ def _masked_sum_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _masked_max_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} reduced {counted(cause.fact('rows'), 'row')} whose every position was masked "
+        "to ±inf, and a max "
+        "over nothing is that infinity (a sequence that is all padding): what uses it then is infinite or NaN; keep "
+        "at least one position per row unmasked, replace the empty rows' max (torch.where(torch.isinf(top), 0, "
+        "top)), or mask with torch.finfo(dtype).min instead of -inf"
+    )
+
+
+def _masked_max_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.posinf + event.neginf} inf",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} of one sign (masked positions) "
+        "and no NaN: over finite values and one infinity, a max is infinite only in a row that is all infinite",
+    )
+
+
+def _logdet_negative_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"torch.logdet in {where(event)} is NaN for a matrix whose determinant is negative (log of det < 0: a "
+        "reflection, an odd number of negative eigenvalues; torch passes the NaN where slogdet's sign is -1); take "
+        "log|det| with torch.linalg.slogdet(w).logabsdet, as Glow's invertible convolution does, or keep the "
+        "determinant positive (an LU parametrisation with its sign fixed)"
+    )
+
+
+def _logdet_negative_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.op} inside torch.logdet made {event.nan} NaN from torch's own number, its inputs finite",)
+
+
+def _masked_pick_hint(event: Report, cause: Cause) -> str:
+    picked = cause.fact("picked")
+    return (
+        f"{event.op} in {where(event)} picked {counted(picked, 'position')} masked to ±inf: an index chose what the "
+        "mask rules out (an action the policy masked, sampled outside it, or a target at a masked position), and "
+        "what adds the picked values up is infinite; pick only unmasked positions (draw the action from the masked "
+        "distribution), or leave the masked picks out of the loss"
+    )
+
+
+def _masked_pick_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} picked {event.posinf + event.neginf} inf of {event.numel} values",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} of one sign (masked positions) "
+        "and no NaN",
+    )
+
+
 def _weight_norm_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} divides each row of v by its norm, and "
@@ -400,6 +449,9 @@ OP_READINGS: dict[str, Reading] = {
     "masked-padding": on_event(_padded_hint, _padded_evidence, sentence=False),
     "masked-logsumexp": on_event(_masked_logsumexp_hint, _masked_logsumexp_evidence, sentence=False),
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
+    "masked-pick": on_event(_masked_pick_hint, _masked_pick_evidence, sentence=False),
+    "masked-max": on_event(_masked_max_hint, _masked_max_evidence, sentence=False),
+    "logdet-negative": on_event(_logdet_negative_hint, _logdet_negative_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
     "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),

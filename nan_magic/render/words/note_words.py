@@ -29,6 +29,9 @@ _FOUND = "{nan} nan, {posinf} +inf, {neginf} -inf in {op}"
 
 #: The notes whose words are their facts filled into a template.
 _TEMPLATES: dict[str, str] = {
+    # localize/ops/called.py: a number torch passed itself
+    "own-number": "the non-finite number the op was given is torch's own: torch.{function}, which the line calls, "
+                  "is a composite that passes it (not a number the code set)",
     # hot/: the boundary checks
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
