@@ -36,6 +36,7 @@ from torch import nn
 
 from nan_magic.distributed.ranks import launched
 from nan_magic.errors.exceptions import NonFiniteError
+from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.reads import WIDE_FLOATS, read_scalars
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase
@@ -234,9 +235,9 @@ class Deferred(Timing):
         # here, the gradient check, patches/backward's _seen, its wrapper of backward, the patch's dispatch
         # (registry.py); another path (a library's backward, a patch of backward over ours) gives a frame of
         # library code, which the event ignores. Kept without the frame (its locals), found on the stack at an
-        # event (lifecycle/events.py). One call a backward more (sys._getframe).
+        # event (lifecycle/events.py); its line by instruction (lines.py: f_lineno scans the line table).
         caller = sys._getframe(5)
-        gradients.backward_caller = (caller.f_code, caller.f_lasti, caller.f_lineno)
+        gradients.backward_caller = (caller.f_code, caller.f_lasti, line_at(caller))
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
         return bounded or not wild()
