@@ -154,6 +154,15 @@ def running_frame_of(code: CodeType, lasti: int, lineno: int) -> tuple[FrameType
     return None
 
 
+def leaving_entry(frame: FrameType | None) -> TracebackType | None:
+    """A traceback entry at the first user frame from ``frame`` outwards, where it stands now: the with statement
+    of a watch left normally (an event judged at its exit has no user's exception whose traceback holds the loop's
+    frames). None where only library frames run (a magic's cell: it adopts IPython's traceback itself)."""
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    return None if frame is None else TracebackType(None, frame, frame.f_lasti, frame.f_lineno)
+
+
 # id(code) -> (code, is library code); holding the code keeps its id unique.
 _LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
@@ -40,7 +41,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.errors.frames import cut_where_passed_through
+from nan_magic.errors.frames import cut_where_passed_through, leaving_entry
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -213,13 +214,16 @@ class Watch(WatchEvents):
         if self.cycle.update_code is not None:
             self.cycle.update_code.pause()
         self.outcome.leaving = exc is not None  # an event found now raises at once, from ``exc``
-        explained = None
+        explained = judged = None
         try:
             explained = self.outcome.explain(exc)
             if exc is None and pause:
                 self.cycle.pause()
             elif exc is None:
-                self.cycle.leave()
+                try:
+                    self.cycle.leave()
+                except NonFiniteError as error:
+                    judged = error  # (its traceback adopted below, once the watch's hooks are off)
             else:
                 explained = self.cycle.left_by(exc, explained)
         finally:
@@ -232,6 +236,12 @@ class Watch(WatchEvents):
             if self.report is None and not self._paused:
                 # Nothing to roll back to: do not keep a copy of the model alive.
                 self.last_good = LastGood(self.config.keep_last_good)
+        if judged is not None:
+            # Judged at the exit (the deferred check's last step, an unstepped accumulation tail): no exception of
+            # the user's holds the loop's frames, so the with statement's stands for them; the producer's frame is
+            # appended to it, and %debug opens where the immediate mode raised (events.py adopt_traceback).
+            self.adopt_traceback(judged, leaving_entry(sys._getframe(1)))
+            raise judged
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
             self._filters_judged = warn_unmatched_filters(self.targets, self.config)  # (once for the run)
         if explained is not None:
