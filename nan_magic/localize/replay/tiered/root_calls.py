@@ -70,6 +70,9 @@ class RootCall:
     returned: bool = False
     #: The gradient that flowed into each output, by the output's path (``output``, ``output[0]``).
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: The deferred mode's gradients into an output that a later backward's replaced in ``output_grads``, kept until
+    #: the step's check has counted them (StepKeeping.capture_gradient).
+    earlier_grads: list[torch.Tensor] = field(default_factory=list)
     #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
     outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     #: ``(code, line, globals)`` of the user's line that made the call (errors/frames.user_line).

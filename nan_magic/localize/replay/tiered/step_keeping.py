@@ -251,7 +251,13 @@ class StepKeeping:
         """The gradient flowing into output ``path`` of a top-level call (its tensor hook)."""
         for root in self.calls:
             if root.call is call:
-                root.output_grads[path] = grad
+                grads = root.output_grads
+                if path in grads and self.watch.cycle.timing.deferred:
+                    # A second backward into this output before the step (``l1.backward(retain_graph=True);
+                    # l2.backward()``): a replay of the backward takes the latest; the earlier one, which only its
+                    # record holds (weakly: checks/gradients.py), is kept alive for the step's check to count.
+                    root.earlier_grads.append(grads[path])
+                grads[path] = grad
                 return
 
     def clear(self) -> None:
