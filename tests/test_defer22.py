@@ -155,3 +155,19 @@ def test_an_unstepped_accumulation_tail_judged_at_the_exit_opens_at_the_producer
     # returned by then, its frame gone: the traceback cannot hold it.
     assert [frame.function for frame in deferred.frames] == ["_unstepped_tail", "forward"]
     assert deferred.frames[-1] == immediate.frames[-1]
+
+
+@pytest.mark.parametrize("bad", [1, 6])
+def test_gradients_into_calls_let_go_of_are_counted(bad: int) -> None:
+    """2 * MAX_CALLS + 4 model calls a step, the loss code's backward 0 / 0 into call ``bad``'s output: the step replay
+    keeps the last MAX_CALLS calls, the gradients into the others' outputs are held for the deferred check, which
+    judges the step mid-backward as MAX_CALLS are held (call 6's gradient is judged there, call 1's at opt.step())."""
+    said = []
+    for mode in ("default", "defer"):
+        scenario = rows._many_calls(0.0, "grad", 2 * rows.MAX_CALLS + 4, bad)
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODE_OPTIONS[mode]):
+            scenario.run()
+        report = caught.value.report
+        said.append((report.phase, report.step, report.tensor, report.nan, report.posinf, report.debug_frame))
+    assert said[0] == said[1]
+    assert said[1][:5] == ("backward", 1, rows.OUTPUT_GRADIENT, 2, 0)

@@ -105,6 +105,9 @@ class StepReplays(StepKeeping):
         self.watch = watch
         self._nested = nested
         self.calls: deque[RootCall] = deque(maxlen=MAX_CALLS)
+        # Deferred: gradients into the outputs of calls let go of (over MAX_CALLS a step), held for the check to count
+        # them; at most MAX_CALLS (StepKeeping.capture_gradient).
+        self._let_go_grads: list[torch.Tensor] = []
         # Per model: its buffers' slots, and which buffers its calls change (None: not learned yet).
         # (Owners and names apart: a model's plain dicts are read by map(dict.get, ...) in C, no Python call each.)
         # The slots hold its BatchNorms' step counters: changed, never copied after the first call (counted_back);

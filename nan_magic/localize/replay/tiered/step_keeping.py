@@ -96,6 +96,7 @@ class StepKeeping:
     _stepped: frozenset[int]
     _trainable: dict[int, frozenset[int]]
     _writes_input: set[int]
+    _let_go_grads: list[torch.Tensor]
     calls: deque[RootCall]
     counts_nodes: bool
     watch: _Watched
@@ -259,10 +260,20 @@ class StepKeeping:
                     root.earlier_grads.append(grads[path])
                 grads[path] = grad
                 return
+        if self.watch.cycle.timing.deferred:
+            # A call let go of (over MAX_CALLS a step): its gradient, which only its record holds (weakly), would be
+            # freed before the check, never counted. Held for it; as the forward does where it lets a call go, the
+            # step is judged now once MAX_CALLS are held: a host read per MAX_CALLS gradients more, only there.
+            held = self._let_go_grads
+            if len(held) == MAX_CALLS:
+                self.watch.cycle.sync()
+                held.clear()
+            held.append(grad)
 
     def clear(self) -> None:
         """The watch ends: nothing can need a replay any more."""
         self.calls.clear()
+        self._let_go_grads.clear()
         self._stepped = _NO_PARAMETERS
         self._buffer_copies.clear()
 
@@ -308,6 +319,8 @@ class StepKeeping:
                 )
             )
         self._stepped = stepped = ids if not self._stepped else self._stepped | ids
+        if self._let_go_grads:  # (the step's check has counted them: it ran at the optimizer's pre-hook)
+            self._let_go_grads.clear()
         calls = self.calls
         if len(calls) == 1:  # (the usual step, one model call: no list of the waiting ones, no _keep)
             root = calls[0]
