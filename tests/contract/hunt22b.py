@@ -230,9 +230,8 @@ class NormalisedCell(nn.Module):
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         if self.builtin:
-            h = F.normalize(h, dim=-1)
-        else:
-            h = h / h.norm(dim=-1, keepdim=True)  # producer: cell state norm
+            return torch.tanh(self.input(x) + self.hidden(F.normalize(h, dim=-1)))
+        h = h / h.norm(dim=-1, keepdim=True)  # producer: cell state norm
         return torch.tanh(self.input(x) + self.hidden(h))
 
 
@@ -427,6 +426,118 @@ def _clamped_rates(floor: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- v-prediction's SNR weight at t = 0
+def _v_prediction(beta_start: float) -> Scenario:
+    """v-prediction trained with the loss weight ``snr / (snr + 1)``, ``snr = ab / (1 - ab)``; a schedule written from
+    beta 0 makes alpha_bar[0] exactly 1, and at t = 0 the SNR is 1 / 0 (then inf / inf). The twin starts at 1e-4."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 4))
+    alpha_bar = torch.cumprod(1 - torch.linspace(beta_start, 0.02, 10), 0)
+    xs, noises = _batches(6, 4), _batches(6, 4)
+    ts = [torch.tensor([3, 7, 5, 9, 1, 4]), torch.tensor([2, 8, 6, 1, 3, 5]), torch.tensor([4, 0, 7, 2, 9, 6]),
+          torch.tensor([1, 5, 0, 8, 3, 2])]
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        ab = alpha_bar[ts[step]][:, None]
+        x_t = ab.sqrt() * xs[step] + (1 - ab).sqrt() * noises[step]
+        return (torch.cat([x_t, ts[step][:, None].float() / 10], 1),)
+
+    def loss_fn(v_hat: torch.Tensor, step: int) -> torch.Tensor:
+        ab = alpha_bar[ts[step]][:, None]
+        v = ab.sqrt() * noises[step] - (1 - ab).sqrt() * xs[step]
+        snr = ab / (1 - ab)  # producer: v snr
+        return (snr / (snr + 1) * (v_hat - v) ** 2).mean()
+    return _loop(model, batch, loss_fn)
+
+
+# ---------------------------------------------------------------- volume rendering: the last interval written inf
+class VolumeRenderer(nn.Module):
+    """NeRF's compositing: ``alpha = 1 - exp(-sigma * delta)``, transmittance the exclusive cumprod of ``1 - alpha``;
+    the last sample's interval is written ``inf`` ("the ray runs on forever") where NeRF writes 1e10: a sample whose
+    density the ReLU made 0 there gives 0 * inf. The twin: 1e10."""
+
+    def __init__(self, far: float) -> None:
+        super().__init__()
+        self.field = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.far = far
+
+    def forward(self, points: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        raw = self.field(points)
+        sigma, rgb = torch.relu(raw[..., 0]), torch.sigmoid(raw[..., 1:])
+        delta = torch.cat([depths[:, 1:] - depths[:, :-1], torch.full_like(depths[:, :1], self.far)], 1)
+        alpha = 1 - torch.exp(-sigma * delta)  # producer: volume interval
+        transmittance = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha + 1e-10], 1), 1)[:, :-1]
+        return ((transmittance * alpha)[..., None] * rgb).sum(1)
+
+
+def _volume(far: float) -> Scenario:
+    torch.manual_seed(0)
+    model = VolumeRenderer(far)
+    with torch.no_grad():
+        model.field[2].bias[0] = -0.5  # densities start near 0, as NeRF's do in empty space
+    points = [torch.randn(4, 6, 3) for _ in range(4)]
+    depths = [torch.linspace(2.0, 6.0, 6).expand(4, 6) for _ in range(4)]
+    colours = _batches(4, 3)
+    return _loop(model, lambda step: (points[step], depths[step]), lambda out, step: F.mse_loss(out, colours[step]))
+
+
+# ---------------------------------------------------------------- an orthogonality penalty on a child's weight
+class OrthoMixer(nn.Module):
+    """A mixing layer kept near orthogonal by a penalty the parent computes on the child's weight, the Frobenius norm
+    of ``W W^T - I`` written ``sqrt(sum(d ** 2))``. The child is initialised to the identity (``nn.init.eye_``): the
+    difference is exactly 0 and sqrt's backward there is inf: the weight's gradient is NaN, in the parent's code. The
+    twin: ``torch.linalg.matrix_norm`` (its gradient at 0 is 0)."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.mix, self.head, self.builtin = nn.Linear(4, 4), nn.Linear(4, 1), builtin
+        nn.init.eye_(self.mix.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.mix.weight
+        d = w @ w.T - torch.eye(4)
+        out = self.head(torch.tanh(self.mix(x)))
+        if self.builtin:
+            return out, torch.linalg.matrix_norm(d)
+        return out, torch.sqrt((d ** 2).sum())  # producer: ortho penalty
+
+
+def _ortho(builtin: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = OrthoMixer(builtin)
+    xs, ys = _batches(5, 4), _batches(5, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out[0], ys[step]) + 0.1 * out[1])
+
+
+# ---------------------------------------------------------------- a user's forward hook gating by the root's parameter
+class HookGated(nn.Module):
+    """A gate the root owns, applied by a forward hook the user registered on the body's first layer (an adapter
+    added without editing the body): ``out + out * sqrt(g * g)``, a sign-free |g|. The gate starts at 0: sqrt's
+    backward is inf there and the gate's gradient NaN, in the hook, run by that layer's call. The twin: ``g.abs()``."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(4))
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.builtin = builtin
+        self.body[0].register_forward_hook(self.adapt)
+
+    def adapt(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if self.builtin:
+            return out + out * self.gate.abs()
+        return out + out * torch.sqrt(self.gate * self.gate)  # producer: hook gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _hook_gate(builtin: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = HookGated(builtin)
+    xs, ys = _batches(5, 4), _batches(5, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
 CASES = [
     Case("hunt22b_diffusion_noise_from_x0_at_t0_of_a_schedule_from_0", lambda: _diffusion(0.0),
          Expect("forward", "", "X0Diffusion", step=2, op="aten.div.Tensor", marker="noise from x0")),
@@ -461,4 +572,16 @@ CASES = [
     Case("hunt22b_rates_clamped_in_place_to_0_then_log", lambda: _clamped_rates(0.0),
          Expect("forward", "", "PoissonRates", step=1, op="aten.log.default", marker="poisson log rate")),
     Case("hunt22b_rates_clamped_in_place_to_a_floor_healthy", lambda: _clamped_rates(1e-6), None),
+    Case("hunt22b_v_prediction_snr_weight_at_t0_of_a_schedule_from_0", lambda: _v_prediction(0.0),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="v snr")),
+    Case("hunt22b_v_prediction_schedule_from_1e_4_healthy", lambda: _v_prediction(1e-4), None),
+    Case("hunt22b_volume_rendering_last_interval_inf_times_zero_density", lambda: _volume(float("inf")),
+         Expect("forward", "", "VolumeRenderer", step=0, op="aten.mul.Tensor", marker="volume interval")),
+    Case("hunt22b_volume_rendering_last_interval_1e10_healthy", lambda: _volume(1e10), None),
+    Case("hunt22b_parent_orthogonality_penalty_on_an_identity_child_weight", lambda: _ortho(False),
+         Expect("backward", "", "OrthoMixer", step=0, op="aten.div.Tensor", marker="ortho penalty")),
+    Case("hunt22b_parent_orthogonality_penalty_matrix_norm_healthy", lambda: _ortho(True), None),
+    Case("hunt22b_forward_hook_gates_by_the_root_parameter_sqrt_backward_at_0", lambda: _hook_gate(False),
+         Expect("backward", "body.0", "Linear", step=0, op="aten.div.Tensor", marker="hook gate")),
+    Case("hunt22b_forward_hook_gates_by_the_root_parameter_abs_healthy", lambda: _hook_gate(True), None),
 ]
