@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 from torch.distributions import Categorical
@@ -538,6 +539,66 @@ def _hook_gate(builtin: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
 
 
+# ---------------------------------------------------------------- a user's pre-hook, and hooks on the root itself
+class PreHookGated(nn.Module):
+    """The root's gate applied to the head's input by a forward pre-hook the user registered on the head:
+    ``x + x * sqrt(g * g)``; the gate starts at 0, and its gradient is NaN, in the hook that the head's call ran."""
+
+    def __init__(self, builtin: bool) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(4))
+        self.body, self.head, self.builtin = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1), builtin
+        self.head.register_forward_pre_hook(self.adapt)
+
+    def adapt(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor]:
+        (x,) = args
+        if self.builtin:
+            return (x + x * self.gate.abs(),)
+        return (x + x * torch.sqrt(self.gate * self.gate),)  # producer: pre-hook gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _pre_hook_gate(builtin: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = PreHookGated(builtin)
+    xs, ys = _batches(5, 4), _batches(5, 1)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
+def _root_hook(builtin: bool, backward: bool) -> Scenario:
+    """A forward hook on the model itself (a calibration added from outside): ``out * sqrt(t * t)`` with a temperature
+    parameter registered on the root and started at 0 (backward: sqrt's backward at 0), or ``out / |out|`` of a zero
+    output row (forward: 0 / 0). The twins: ``t.abs()`` and ``F.normalize``. The root's call ran the hook: ``""``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.ReLU(), nn.Linear(6, 3, bias=False))
+    model.register_parameter("temperature", nn.Parameter(torch.zeros(3)))
+    xs, ys = _batches(5, 4), _batches(5, 3)
+    xs[1][2] = 0.0  # a blank record: every layer's output is 0
+
+    def calibrate(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if backward:
+            if builtin:
+                return out + out * module.temperature.abs()
+            return out + out * torch.sqrt(module.temperature * module.temperature)  # producer: root hook gate
+        if builtin:
+            return F.normalize(out, dim=-1)
+        return out / out.norm(dim=-1, keepdim=True)  # producer: root hook norm
+
+    model.register_forward_hook(calibrate)
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
+#: Why a forward hook on the root itself is named as code outside every module, in every mode (strict xfails).
+ROOT_HOOK_GAP = (
+    "a user's forward hook on the root runs after the watch's global post-hook took the root off its stack: the "
+    "tiered modes' outside recorder (localize/outside/recorder.py), pushed when a top-level call returns, records its "
+    "ops as the loop's code, and ops mode's hook_owner / NodeSources.note (localize/ops/owners.forward_hook_module) "
+    "give up where no module is running (running is None): no name maps the hooked root"
+)
+_ROOT_HOOK_XFAIL = (pytest.mark.xfail(strict=True, reason=ROOT_HOOK_GAP),)
+
 CASES = [
     Case("hunt22b_diffusion_noise_from_x0_at_t0_of_a_schedule_from_0", lambda: _diffusion(0.0),
          Expect("forward", "", "X0Diffusion", step=2, op="aten.div.Tensor", marker="noise from x0")),
@@ -584,4 +645,15 @@ CASES = [
     Case("hunt22b_forward_hook_gates_by_the_root_parameter_sqrt_backward_at_0", lambda: _hook_gate(False),
          Expect("backward", "body.0", "Linear", step=0, op="aten.div.Tensor", marker="hook gate")),
     Case("hunt22b_forward_hook_gates_by_the_root_parameter_abs_healthy", lambda: _hook_gate(True), None),
+    Case("hunt22b_forward_pre_hook_gates_by_the_root_parameter_sqrt_backward_at_0", lambda: _pre_hook_gate(False),
+         Expect("backward", "head", "Linear", step=0, op="aten.div.Tensor", marker="pre-hook gate")),
+    Case("hunt22b_forward_pre_hook_gates_by_the_root_parameter_abs_healthy", lambda: _pre_hook_gate(True), None),
+    Case("hunt22b_root_forward_hook_temperature_sqrt_backward_at_0", lambda: _root_hook(False, backward=True),
+         Expect("backward", "", "Sequential", step=0, op="aten.div.Tensor", marker="root hook gate"),
+         marks=_ROOT_HOOK_XFAIL, note=ROOT_HOOK_GAP),
+    Case("hunt22b_root_forward_hook_temperature_abs_healthy", lambda: _root_hook(True, backward=True), None),
+    Case("hunt22b_root_forward_hook_normalises_a_zero_output", lambda: _root_hook(False, backward=False),
+         Expect("forward", "", "Sequential", step=1, op="aten.div.Tensor", marker="root hook norm"),
+         marks=_ROOT_HOOK_XFAIL, note=ROOT_HOOK_GAP),
+    Case("hunt22b_root_forward_hook_normalize_healthy", lambda: _root_hook(True, backward=False), None),
 ]
