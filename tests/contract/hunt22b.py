@@ -10,7 +10,12 @@ normalises its state, reset to zeros at a new episode; an encoder reused by two 
 model called with keyword arguments that returns a dataclass, whose child (called by keyword too) takes a masked mean
 over a sample that is all padding. Parameters created lazily: an ``nn.LazyLinear`` materialised inside the watch, whose
 weight's gradient goes NaN through its neighbour's sqrt. In-place ops on a parameter's view: Poisson rates kept
-non-negative by ``rate.data.clamp_(min=0)`` in the loop, then ``log(rate)`` in the forward.
+non-negative by ``rate.data.clamp_(min=0)`` in the loop, then ``log(rate)`` in the forward. v-prediction's loss
+weight ``snr / (snr + 1)`` at t = 0 (SNR 1 / 0); volume rendering whose last interval is written inf (0 * inf where a
+density is 0). A parameter used by code other than its owner's: a parent's orthogonality penalty on its child's
+identity-initialised weight (sqrt's backward at 0); the root's gate applied by a user's forward hook on a child, and by
+a pre-hook (the hooked module is named); a forward hook on the root itself (strict xfails: named as code outside every
+module, see ROOT_HOOK_GAP).
 """
 
 from __future__ import annotations
