@@ -136,10 +136,13 @@ class OptimizerChecks:
         """Post-accumulate-grad hooks on a watched model's parameters; their handles."""
         if not self._hot_enabled:
             return []
+        # A lazy module's parameter (nn.LazyLinear before its first forward) has no size yet, and reading it raises:
+        # it goes without the hook, and its gradient's norm is taken at the step, as a small one's is.
         return [
             parameter.register_post_accumulate_grad_hook(self.on_grad_accumulated)
             for parameter in module.parameters()
-            if parameter.requires_grad and parameter.is_cpu and parameter.numel() >= DOT_MIN_NUMEL
+            if parameter.requires_grad and parameter.is_cpu and not nn.parameter.is_lazy(parameter)
+            and parameter.numel() >= DOT_MIN_NUMEL
         ]
 
     def on_grad_accumulated(self, parameter: torch.Tensor) -> None:

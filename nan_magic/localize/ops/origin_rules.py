@@ -23,6 +23,7 @@ from nan_magic.localize.ops.called import own_number_of
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
+from nan_magic.localize.ops.owners import hook_owner
 from nan_magic.localize.ops.plans import (
     Plan,
     flatten,
@@ -36,7 +37,6 @@ from nan_magic.localize.ops.sources import (
     called_by_us,
     defined_below,
     hook_definer,
-    hook_owner,
     sources_of_op,
 )
 from nan_magic.localize.ops.witnesses import OpWitnesses

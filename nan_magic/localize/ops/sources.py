@@ -22,12 +22,12 @@ import torch
 import torch.utils.checkpoint
 
 from nan_magic.errors.frames import frames_running, is_library_code, pointer, pointer_at
+from nan_magic.localize.ops.owners import CALL_IMPL, forward_hook_module
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "called_directly",
-           "defined_below", "hook_definer", "hook_owner", "is_plumbing", "passed_over", "recomputing", "sources_of_op",
-           "user_frame"]
+__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "defined_below",
+           "hook_definer", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -223,72 +223,6 @@ def sources_of_op(
 _ENGINE_ENTRIES = tuple(_TORCH_DIR + os.path.join("autograd", name) for name in ("graph.py", "__init__.py"))
 
 
-#: torch's module call, which calls a module's forward and its hooks.
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
-
-
-def hook_owner(user: FrameType | None, running: str | None) -> str | None:
-    """The module whose forward hook ran a forward op, where ``user`` (the op's frame) is that hook; else ``running``.
-
-    A forward hook of the user's (``register_forward_hook``: a normalisation of the output) runs in the module's
-    call, after torch's global hooks: the watch has taken that module off its stack by then, and ``running`` (the
-    innermost module on it) is its parent. The hooked module is the ``self`` of the ``_call_impl`` frame that
-    called the hook; its name is found below the parent's own ``_call_impl`` frame's module, named ``running``.
-    Any other op is ``running``'s, or a descendant's whose code ran it without a module call (:func:`called_directly`).
-    Called at an event only.
-    """
-    caller = user.f_back if user is not None else None
-    if caller is not None and caller.f_code.co_filename == _CALL_IMPL.co_filename and caller.f_code is not _CALL_IMPL:
-        caller = caller.f_back  # (torch's ``inner`` closure in ``_call_impl``, which calls the hooks)
-    if caller is None or caller.f_code is not _CALL_IMPL or running is None:
-        return called_directly(sys._getframe(1), running)
-    hooked = caller.f_locals.get("self")
-    if not isinstance(hooked, torch.nn.Module) or all(_code_of(hook) is not user.f_code  # type: ignore[union-attr]
-                                                      for hook in hooked._forward_hooks.values()):
-        # A pre-hook (its module is on the stack already), or the module's own forward.
-        return called_directly(sys._getframe(1), running)
-    frame = caller.f_back
-    while frame is not None and frame.f_code is not _CALL_IMPL:
-        frame = frame.f_back
-    parent = frame.f_locals.get("self") if frame is not None else None
-    if not isinstance(parent, torch.nn.Module):
-        return running  # a root's own hook
-    for name, module in parent.named_modules():
-        if module is hooked and name:
-            return f"{running}.{name}" if running else name
-    return running
-
-
-def called_directly(frame: FrameType | None, running: str | None) -> str | None:
-    """The watched submodule whose own method ran the current op without a module call, else ``running``.
-
-    ``self.act.forward(h)`` (or ``self.act.step(h)``) runs ``act``'s code with no ``_call_impl`` and no module
-    hook: the watch's stack still says the caller (``running``). The op's frames say otherwise: the innermost
-    frame below the running module's ``_call_impl`` whose first argument ``self`` is another module, one of the
-    running module's descendants, is the module whose own code ran the op (PRODUCT.md), a library module's
-    (``self.lin.forward(x)``: ``Linear.forward``'s frame) as well as the user's. ``super().forward(x)`` and a
-    helper method keep the running module (their ``self`` is it). Reads frames only: called when an op made a
-    non-finite value (an origin), never per op.
-    """
-    if running is None:
-        return running
-    own: torch.nn.Module | None = None
-    while frame is not None and frame.f_code is not _CALL_IMPL:
-        code = frame.f_code
-        if own is None and code.co_argcount and code.co_varnames[0] == "self":
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, torch.nn.Module):
-                own = candidate
-        frame = frame.f_back
-    parent = frame.f_locals.get("self") if frame is not None else None
-    if own is None or own is parent or not isinstance(parent, torch.nn.Module):
-        return running
-    for name, module in parent.named_modules(remove_duplicate=False):
-        if module is own and name:
-            return f"{running}.{name}" if running else name
-    return running
-
-
 def hook_definer(module: str | None, user: FrameType | None,
                  enclosing: Callable[[str, str], str | None] | None) -> str | None:
     """The module whose forward defined the Python backward code ``user`` runs (a gradient hook), else ``module``.
@@ -326,12 +260,6 @@ def defined_below(module: str | None, code: CodeType | None, within: Callable[[s
     if not owner or "<locals>" in owner or not method:
         return module
     return within(module, owner) or module
-
-
-def _code_of(hook: Any) -> CodeType | None:
-    """A hook's code: a function's, a bound method's or a ``functools.partial``'s."""
-    hook = getattr(hook, "func", hook)
-    return getattr(getattr(hook, "__func__", hook), "__code__", None)
 
 
 def called_by_the_engine(frame: FrameType | None, user: FrameType) -> bool:
@@ -420,8 +348,13 @@ class NodeSources:
             # its parent called it without a module call (``self.act.forward(h)``: defined_below).
             code = frame.f_code
             own = frame.f_locals.get("self") if code.co_argcount and code.co_varnames[0] == "self" else None
-            location = (code, frame.f_lineno, self._module_name(),
-                        id(own) if isinstance(own, torch.nn.Module) else None)
+            module = self._module_name()
+            if code.co_name != "forward" and frame.f_back is not None and (
+                    frame.f_back.f_code.co_filename == CALL_IMPL.co_filename):
+                # A forward hook of the user's, run after the watch took its module off the stack: the stack says
+                # the parent, and the hooked module made the node (as hook_owner names its forward ops).
+                module = forward_hook_module(frame, module) or module
+            location = (code, frame.f_lineno, module, id(own) if isinstance(own, torch.nn.Module) else None)
         else:
             location = None
         sources = self._sources

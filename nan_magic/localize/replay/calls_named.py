@@ -38,7 +38,7 @@ def run_without_a_call(module: nn.Module, module_name: str | None, op_module: st
 
     Asked where the log has no call of ``op_module`` inside ``module``'s. A child whose ``forward`` (or another
     method) its parent called directly (``self.act.forward(h)``) runs no hook: the tracer names it by the op's
-    frames (ops/sources.called_directly), and PRODUCT.md's module is it. A pass-through child (transparent.py) has
+    frames (ops/owners.called_directly), and PRODUCT.md's module is it. A pass-through child (transparent.py) has
     no call either, though it was called: it stays the parent's, with a note (None).
     """
     if op_module is None or op_module == module_name:
