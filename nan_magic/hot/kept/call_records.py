@@ -211,6 +211,10 @@ class Call:
         "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
         "loss_of", "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
     )
+    #: A backward check's call, set by its gradient hook only (unset elsewhere: read with getattr): the backward
+    #: pass it came from, as its loss's record, the loss's id and the line that called backward
+    #: (checks/gradients.py), so the first of two backward passes before a step is judged from its own loss code.
+    loss_of: tuple[TensorRecord | None, int | None, tuple[Any, int, int] | None]
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
         self.index = index
