@@ -101,12 +101,10 @@ def masked_pick_cause(report: Report) -> Cause | None:
     Its input holds infinities of one sign and no NaN, and so does what it picked: each picked infinity was a masked
     position the index chose.
     """
-    values = report.operand("self")
-    picked = report.posinf + report.neginf
-    if (values is None or report.nan or values.nan or not picked or bool(values.posinf) == bool(values.neginf)
-            or bool(report.posinf) == bool(report.neginf) or bool(report.posinf) != bool(values.posinf)):
+    masked = _one_sign_carried(report)
+    if masked is None:
         return None
-    return event_cause("masked-softmax", "masked-pick", report, picked=picked, masked=values.posinf or values.neginf)
+    return event_cause("masked-softmax", "masked-pick", report, picked=report.posinf + report.neginf, masked=masked)
 
 
 #: Reductions to a row's max or min: over a row masked entirely, the mask's infinity (ops/origins.Picked).
@@ -119,12 +117,21 @@ def masked_max_cause(report: Report) -> Cause | None:
     Over finite values and one sign of infinity a max is infinite only in a row that is all infinite: its output
     holds that sign alone, its input the same sign and no NaN.
     """
-    values = report.operand("self")
-    rows = report.posinf + report.neginf
-    if (values is None or report.nan or values.nan or not rows or bool(values.posinf) == bool(values.neginf)
-            or bool(report.posinf) == bool(report.neginf) or bool(report.posinf) != bool(values.posinf)):
+    masked = _one_sign_carried(report)
+    if masked is None:
         return None
-    return event_cause("masked-softmax", "masked-max", report, rows=rows, masked=values.posinf or values.neginf)
+    return event_cause("masked-softmax", "masked-max", report, rows=report.posinf + report.neginf, masked=masked)
+
+
+def _one_sign_carried(report: Report) -> int | None:
+    """The masked infinities of the op's ``self`` where it and the op's output hold infinities of one sign, the same,
+    and no NaN (what a pick or a max passes on of a mask); else None."""
+    values = report.operand("self")
+    if (values is None or report.nan or values.nan or not (report.posinf or report.neginf)
+            or bool(values.posinf) == bool(values.neginf) or bool(report.posinf) == bool(report.neginf)
+            or bool(report.posinf) != bool(values.posinf)):
+        return None
+    return values.posinf or values.neginf
 
 
 def _softmax(report: Report) -> Cause:
