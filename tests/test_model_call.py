@@ -94,3 +94,26 @@ def test_a_step_of_one_model_call_has_no_micro_batch(mode: str) -> None:
 def test_ordinals_read_as_english() -> None:
     assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th", "112th"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_watched_models_count_both_and_say_no_micro_batch(mode: str) -> None:
+    """An encoder and a head watched as two models, each called once a step: the head's NaN is the step's 2nd model
+    call, and no micro-batch is claimed (the count takes in both models' calls)."""
+    torch.manual_seed(0)
+    encoder, head = nn.Linear(4, 8), nn.Sequential(nn.Softplus(), Gate())
+    opt = torch.optim.SGD(encoder.parameters(), lr=0.01)
+    batches = [torch.randn(5, 4) for _ in range(3)]
+
+    def run() -> None:
+        for step, x in enumerate(batches):
+            if step == 1:
+                head[0].beta = -1.0  # a softplus of negative beta is negative: the gate's sqrt makes NaN
+            loss = head(encoder(x)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, encoder, head, opt, **MODES[mode])
+    assert (str(report.phase), report.step, report.model_call) == ("forward", 1, 2)
+    assert "step        1 (the step's 2nd model call)\n" in str(report)

@@ -263,8 +263,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
             rows.append(("line", report.source.line.strip()))
     rows.append(("phase", str(report.phase)))
     nth = ordinal(report.model_call) if report.model_call else None
-    rows.append(("step", str(report.step) if nth is None else
-                 f"{report.step} (the step's {nth} model call: with gradient accumulation, its {nth} micro-batch)"))
+    # (One model watched: its calls are the micro-batches. Two, a GAN's: the count takes in both models' calls.)
+    batch = f": with gradient accumulation, its {nth} micro-batch" if report.models_watched == 1 else ""
+    rows.append(("step", str(report.step) if nth is None else f"{report.step} (the step's {nth} model call{batch})"))
     if report.rank is not None:
         rows.append(("rank", f"{report.rank} of {report.world_size}"))
     tensor = str(report.tensor)
