@@ -328,6 +328,9 @@ class Report:
     #: How many models the watch held: with more than one, :attr:`where` says which model the
     #: module belongs to (a GAN's generator and discriminator both have ``main.0``).
     models_watched: int = 1
+    #: Which of its step's top-level model calls the value came from, from the 2nd (gradient accumulation's
+    #: micro-batch); None for the 1st, or where the phase has none (events.py: _model_call).
+    model_call: int | None = None
     #: The remedies tried on a replay of the failing step (:class:`FixTrial`), verified ones first.
     fixes: tuple[FixTrial, ...] = ()
     #: Whether the watch traced every op (``ops=True``): its hints then never suggest rerunning with it.

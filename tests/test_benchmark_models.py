@@ -114,3 +114,19 @@ def test_launch_bound_times_the_deferred_watch_as_its_nan_magic_column_and_says_
     assert "nan_magic defer ratio" in result.stdout and "isnan hook ratio" in result.stdout
     ratio = float(row.split()[3].split("±")[0])  # model, calls, unwatched ms, then the deferred watch's ratio
     assert 0.5 < ratio < 5.0
+
+
+def test_event_latency_times_the_failing_step_and_says_what_the_report_named() -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "event_latency.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parent.parent)}
+    result = subprocess.run(
+        [sys.executable, str(script), "--models", "mlp", "--modes", "default", "defer", "--warm", "1", "--timed", "1"],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(maxsplit=5) for line in result.stdout.splitlines() if line.startswith("mlp")]
+    assert [row[1] for row in rows] == ["default", "defer"]
+    for _model, _mode, healthy, event, ratio, named in rows:
+        assert float(healthy) > 0 and float(event) > 0 and float(ratio) > 0
+        # The layer halfway down, whose output the script scaled by inf, and the op that did it.
+        layer = named.split()[0]
+        assert f"{layer} scaled by inf: forward {layer} (Linear), aten.mul.Tensor" in named

@@ -73,8 +73,26 @@ def _fault(name: str) -> Fault:
 def test_half_precision_matmul_overflow_names_the_inputs_and_the_limit() -> None:
     model, run = _fault("fp16_overflow").build()
     cause = assert_cause(raised(run, model, ops=True), "half-precision-overflow", "1 (HalfMatmul)", "65504")
-    assert "20 (`self`), 60 (`mat2`)" in cause.hint
+    assert "20 (`x`), 60 (`self.weight`)" in cause.hint  # the names on the line, not the schema's self and mat2
     assert "float32" in cause.hint  # the fix
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "defer"])
+def test_a_bessel_overflow_names_the_operand_as_the_user_wrote_it(defer: bool) -> None:
+    """A von Mises normaliser ``log(i0(kappa))``: the hint says what reached |x| = 220 by the line's name."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(6, 4)
+    x[1] = 300.0 * model.weight.detach()[1].sign()
+
+    def run() -> None:
+        out = model(x)
+        kappa = F.softplus(out[:, 1])
+        torch.log(torch.special.i0(kappa)).mean().backward()
+
+    cause = raised(run, model, defer=defer).cause
+    assert cause is not None and cause.label == "exp-overflow"
+    assert "`kappa` reached |x| = 220" in cause.hint and "`self`" not in cause.hint
 
 
 class ExpScores(nn.Module):

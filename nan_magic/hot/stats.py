@@ -18,17 +18,24 @@ import torch
 from nan_magic.hot.reads import probe_kinds, read_probe, values_to_read
 from nan_magic.records import KINDS, Sample, TensorRef, TensorStats
 
-__all__ = ["finite_stats", "kinds_of", "probe_stats", "sample_values", "tensor_stats"]
+__all__ = ["finite_stats", "infinities_beside_nan", "kinds_of", "probe_stats", "sample_values", "tensor_stats"]
 
 
 def kinds_of(tensor: torch.Tensor) -> frozenset[str]:
     """Exact non-finite kinds of a tensor (slow path)."""
     low, high = read_probe(tensor)
     kinds = probe_kinds(low, high)
-    if "nan" not in kinds:
-        return kinds
-    stats = tensor_stats(tensor)
-    return stats.kinds
+    return infinities_beside_nan(tensor) if "nan" in kinds else kinds
+
+
+def infinities_beside_nan(tensor: torch.Tensor) -> frozenset[str]:
+    """The kinds of a tensor holding NaN, which hides its infinities from a probe: two passes, not a whole
+    :func:`tensor_stats` (a replay past the event asks it of every op output the NaN reached)."""
+    with torch.no_grad():
+        x = values_to_read(tensor)
+        wide = x.float() if x.element_size() < 4 else x
+        signs = ("+inf", bool((wide == math.inf).any())), ("-inf", bool((wide == -math.inf).any()))
+    return frozenset({"nan", *(kind for kind, present in signs if present)})
 
 
 def tensor_stats(tensor: torch.Tensor) -> TensorStats:
@@ -41,13 +48,19 @@ def tensor_stats(tensor: torch.Tensor) -> TensorStats:
         x = values_to_read(tensor)
         wide = x.float() if x.element_size() < 4 else x
         finite_mask = torch.isfinite(wide)
-        nan = int(torch.isnan(wide).sum())
-        posinf = int((wide == math.inf).sum())
-        neginf = int((wide == -math.inf).sum())
-        finite = wide[finite_mask]
         first_bad: tuple[int, ...] | None = None
-        if finite.numel() != wide.numel():
-            flat_index = int((~finite_mask).reshape(-1).nonzero()[0, 0])
+        nan = posinf = neginf = 0
+        if bool(finite_mask.all()):
+            # Most tensors a report describes are finite (its layer table's rows): no counts to take and no mask
+            # to copy through, the same values in the same order (a report of a large model reads hundreds).
+            finite = wide.reshape(-1)
+        else:
+            nan = int(torch.isnan(wide).sum())
+            posinf = int((wide == math.inf).sum())
+            neginf = int((wide == -math.inf).sum())
+            finite = wide[finite_mask]
+            # The first, by argmax (its first maximum, documented): nonzero() would list every non-finite index.
+            flat_index = int((~finite_mask).reshape(-1).to(torch.uint8).argmax())
             first_bad = _unravel(flat_index, tuple(x.shape))
         low = high = mean = std = absmax = None
         zeros = negatives = 0

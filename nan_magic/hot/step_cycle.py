@@ -129,6 +129,8 @@ class StepCycle(CycleExit):
         self.steps_opened = 0
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
+        # The training step whose top-level model calls the log counts (StepLog.model_calls): -1, none yet.
+        self._counted_step = -1
         self.open = False
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
@@ -207,6 +209,13 @@ class StepCycle(CycleExit):
             if self.origins.tracer is not None:
                 self.origins.tracer.reset(keep=entering)
             self.open = True
+        # Which of the step's model calls this is (a report names the micro-batch of gradient accumulation by it):
+        # the steps opened count a call of each micro-batch, the iterations completed only the optimizer's steps.
+        step = self.optimizers.iterations.completed if training else self.steps_opened
+        if step != self._counted_step:
+            self._counted_step, self.log.model_calls = step, 1
+        else:
+            self.log.model_calls += 1
 
     def end_step(self, step: int) -> None:
         """Close step ``step``, which just completed."""

@@ -127,6 +127,8 @@ class Events:
             self.held.release()
         if self.context.skipped:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
+        if (nth := _model_call(finding)) is not None:
+            report = dataclasses.replace(report, model_call=nth)
         if not report.benign and self.report is not None:
             # The run went on after the first event (warn, log): a check that meets the same producer again
             # (the optimizer's gradient check replaying the step the forward check reported) adds nothing.
@@ -319,6 +321,17 @@ class Events:
 
 #: The phases whose report's line may be in a frame still running when the event is judged (the loop's).
 _LINE_STILL_RUNS = (Phase.DATA, Phase.BACKWARD)
+
+
+def _model_call(finding: Finding) -> int | None:
+    """Which of its step's top-level model calls ``finding`` came from (Report.model_call), from the second on:
+    gradient accumulation's micro-batch, a GAN's second call. Read from the call the boundary recorded, not from the
+    count at the check (the deferred check judges a micro-batch's backward at the next one's model call). The first
+    is not said: where the check runs at once, no later call has run to tell it from a step of one call."""
+    call = finding.record.call if finding.record is not None else None
+    if call is None or call.model_call < 2 or finding.phase not in (Phase.FORWARD, Phase.BACKWARD, Phase.DATA):
+        return None
+    return call.model_call
 
 
 def _same_event(report: Report, earlier: Report) -> bool:

@@ -24,7 +24,7 @@ from nan_magic.records import (
     module_label,
 )
 from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
-from nan_magic.render.words.counted import counted
+from nan_magic.render.words.counted import counted, ordinal
 from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
 from nan_magic.render.words.operands import op_expression, operand_label, operand_names, written_line
 from nan_magic.tensor_refs import op_function
@@ -262,7 +262,10 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         if report.source.line:
             rows.append(("line", report.source.line.strip()))
     rows.append(("phase", str(report.phase)))
-    rows.append(("step", str(report.step)))
+    nth = ordinal(report.model_call) if report.model_call else None
+    # (One model watched: its calls are the micro-batches. Two, a GAN's: the count takes in both models' calls.)
+    batch = f": with gradient accumulation, its {nth} micro-batch" if report.models_watched == 1 else ""
+    rows.append(("step", str(report.step) if nth is None else f"{report.step} (the step's {nth} model call{batch})"))
     if report.rank is not None:
         rows.append(("rank", f"{report.rank} of {report.world_size}"))
     tensor = str(report.tensor)

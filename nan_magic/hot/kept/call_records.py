@@ -209,7 +209,7 @@ class Call:
 
     __slots__ = (
         "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
-        "loss_of", "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
+        "loss_of", "model_call", "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
     )
     #: A backward check's call, set by its gradient hook only (unset elsewhere: read with getattr): the backward
     #: pass it came from, as its loss's record, the loss's id and the line that called backward
@@ -219,6 +219,9 @@ class Call:
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
         self.index = index
         self.phase = phase
+        # The step's how-manieth top-level model call was running (or had last run) when this call was made, from 1
+        # (StepLog.model_calls): which micro-batch of gradient accumulation it belongs to. 0: not counted (a replay's).
+        self.model_call = 0
         self.info = info
         self.module = module
         self.parent = parent

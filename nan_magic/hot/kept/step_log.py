@@ -69,6 +69,9 @@ class StepLog:
         self.dropped = 0
         self.count = 0
         self.finished_count = 0
+        #: The top-level model calls of the current training step so far (StepCycle.forward_started). Not reset by
+        #: :meth:`clear`: a step of gradient accumulation clears the log at each micro-batch's model call.
+        self.model_calls = 0
         self._by_id: dict[int, TensorRecord] = {}
         self._aliases: dict[int, Alias] = {}
         # Outputs of pass-throughs left to their parent's check (transparent.py), by id.
@@ -210,6 +213,7 @@ class StepLog:
 
     def new_call(self, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> Call:
         call = Call(self.count, phase, info, module, parent)
+        call.model_call = self.model_calls
         self.count += 1
         if self._calls_room:
             self._calls_room -= 1

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nan_magic.hot.reads import is_checkable, is_checkable_op_value, probe, probe_kinds, readable
-from nan_magic.hot.stats import probe_stats, tensor_stats
+from nan_magic.hot.stats import infinities_beside_nan, probe_stats
 from nan_magic.localize.ops.origins import Benign, Origin, Origins, dense
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import KINDS, TensorStats
@@ -178,8 +178,8 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
 def _exact_kinds(tensor: torch.Tensor) -> frozenset[str]:
     low, high = _read(list(probe(_wide(readable(tensor)))))
     kinds = probe_kinds(low, high)
-    # NaN hides infinities from a probe; count them apart.
-    return tensor_stats(tensor).kinds if "nan" in kinds else kinds
+    # NaN hides infinities from a probe; looked for apart.
+    return infinities_beside_nan(tensor) if "nan" in kinds else kinds
 
 
 def _read(ends: list[torch.Tensor]) -> list[float]:

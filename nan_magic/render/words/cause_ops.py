@@ -144,7 +144,7 @@ def _pow_unknown_hint(event: Report, cause: Cause) -> str:
 
 def _exp_hint(event: Report, cause: Cause) -> str:
     inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
-    reached = "".join(f", {short_label(ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
+    reached = "".join(f", {short_label(event, ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
     return (
         f"{event.op} in {where(event)} overflowed {event.dtype} in {counted(event.posinf, 'element')}: exp(x) "
         "is inf for "
@@ -159,7 +159,7 @@ def _bessel_hint(event: Report, cause: Cause) -> str:
     base = cause.fact("base")
     scaled = "i1e" if base.endswith("i1") else "i0e"
     inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.absmax is not None]
-    reached = "".join(f", {short_label(ref)} reached |x| = {fmt(stats.absmax)}" for ref, stats in inputs)
+    reached = "".join(f", {short_label(event, ref)} reached |x| = {fmt(stats.absmax)}" for ref, stats in inputs)
     return (
         f"{base} in {where(event)} overflowed {event.dtype} in {counted(event.posinf + event.neginf, 'element')}: "
         f"the modified Bessel function grows as exp(|x|) / sqrt(2 pi |x|), past float32's max once |x| > 91.9 "

@@ -91,7 +91,7 @@ def _wide_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 def _reached(event: Report) -> str:
     """``; its inputs reached |x| = 20 (`self`), 60 (`mat2`)``: the op's operands in schema order."""
     inputs = [(ref, stats.absmax) for ref, stats in event.op_inputs if stats.absmax is not None]
-    reached = ", ".join(f"{fmt(absmax)} ({short_label(ref)})" for ref, absmax in inputs)
+    reached = ", ".join(f"{fmt(absmax)} ({short_label(event, ref)})" for ref, absmax in inputs)
     return f"; its inputs reached |x| = {reached}" if reached else ""
 
 
@@ -107,13 +107,13 @@ def _sign(cause: Cause, kind: str, *numbers: Any) -> str:
         return f"pow of a base without zeros makes inf only past {fmt(limit)}"
     if kind == "near":
         ref, absmax, near = numbers
-        return (f"{_operand(ref)} reached |x| = {fmt(absmax)}, within {fmt(1 / near)}x of the "
+        return (f"{_operand(event, ref)} reached |x| = {fmt(absmax)}, within {fmt(1 / near)}x of the "
                 f"{event.dtype} max")
     if kind == "output-near":
         return f"the finite values of {event.tensor} reached |x| = {fmt(numbers[0])}, near the max"
     if kind == "square":
         ref, absmax, root = numbers
-        return f"{_operand(ref)} reached |x| = {fmt(absmax)} > sqrt(max) = {fmt(root)}: its square overflows"
+        return f"{_operand(event, ref)} reached |x| = {fmt(absmax)} > sqrt(max) = {fmt(root)}: its square overflows"
     if kind == "product":
         return f"the product of its largest operands, {fmt(numbers[0])} · {fmt(numbers[1])}, passes the max"
     if kind == "scores":
@@ -126,8 +126,8 @@ def _sign(cause: Cause, kind: str, *numbers: Any) -> str:
     raise ValueError(f"an overflow sign of an unknown kind {kind!r}")
 
 
-def _operand(ref: object) -> str:
-    return short_label(from_plain(TensorRef, ref))
+def _operand(event: Report, ref: object) -> str:
+    return short_label(event, from_plain(TensorRef, ref))
 
 
 def _unmatched_hint(event: Report, cause: Cause) -> str:

@@ -144,8 +144,19 @@ def line(report: Report) -> str:
     return f"{name_location(source.filename, source.lineno)}{text}"
 
 
-def short_label(ref: TensorRef) -> str:
-    return str(ref) if ref.is_argument else f"`{ref}`"
+def short_label(report: Report, ref: TensorRef) -> str:
+    """A module input as itself (``input[0]``); an op's operand by the name the user wrote for it where the line
+    says it unambiguously (```kappa```, not ```self```), else by its schema name."""
+    if ref.is_argument:
+        return str(ref)
+    said = _said(report, ref.name) if ref.role is TensorRole.OPERAND and ref.name else None
+    return f"`{ref}`" if said is None or _literal(said) else f"`{said}`"
+
+
+def _said(report: Report, operand: str) -> str | None:
+    """What the user wrote on the line for the op's ``operand`` (a schema name), where the line says it."""
+    tensors = {ref.name for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name}
+    return operand_names(report.op, written_line(report), tensors).get(operand)
 
 
 def input_label(report: Report, ref: TensorRef | str) -> str:
@@ -198,8 +209,7 @@ def number_phrase(report: Report, operand: str) -> str:
     value = next((value for name, value in report.numbers if name == operand), None)
     if value is None:
         return ""
-    tensors = {ref.name for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name}
-    said = operand_names(report.op, written_line(report), tensors).get(operand)
+    said = _said(report, operand)
     name = f"`{operand}`" if said is None or _literal(said) else said  # (``x / 0.0`` names no variable)
     return f" ({name} = {value}, a Python number)"
 

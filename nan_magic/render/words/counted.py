@@ -6,7 +6,7 @@ call dropped, a scalar loss of 1 element), and "1 zeros" reads as a bug in the t
 
 from __future__ import annotations
 
-__all__ = ["counted", "noun"]
+__all__ = ["counted", "noun", "ordinal"]
 
 
 def noun(count: object, singular: str, plural: str | None = None) -> str:
@@ -17,3 +17,9 @@ def noun(count: object, singular: str, plural: str | None = None) -> str:
 def counted(count: object, singular: str, plural: str | None = None) -> str:
     """``"1 zero"``, ``"3 zeros"``; a count that is not a number (a kind known, no count) is shown as it is."""
     return f"{count} {noun(count, singular, plural)}"
+
+
+def ordinal(number: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``."""
+    suffix = "th" if number % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
