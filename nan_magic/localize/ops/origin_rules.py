@@ -318,6 +318,27 @@ class OriginRules:
         self._origins.note_memory(tensor, origin)
         return origin
 
+    def _parts_written(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]
+                       ) -> list[tuple[torch.Tensor, Origin | Benign]]:
+        """The bases an in-place op is about to write part of through a view, with their origins: noted again once
+        it wrote (:meth:`_keep_parts`). A write of finite values into part of a non-finite tensor (``pad_sequence``'s
+        copies into its ``full(nan)``, ``mask[..., :k] = 0``) leaves the other elements as they were, and the base's
+        version, which the write moves, must not lose their origin (a boundary's claim would find none: "from
+        outside")."""
+        held = []
+        for _, tensor in tensors(plan, args, kwargs, plan.writes):
+            base = tensor._base
+            if base is not None and tensor.numel() < base.numel():
+                entry = self._origins.entry(base)
+                if entry is not None:
+                    held.append((base, entry))
+        return held
+
+    def _keep_parts(self, held: list[tuple[torch.Tensor, Origin | Benign]]) -> None:
+        """Note again the origins :meth:`_parts_written` found (before the op's own rules note theirs, which win)."""
+        for base, entry in held:
+            self._origins.note(base, entry, written=True)
+
     def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any, picks: Any = None) -> None:
         """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).
 
