@@ -23,7 +23,7 @@ from nan_magic.localize.ops.called import own_number_of
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
-from nan_magic.localize.ops.owners import hook_owner
+from nan_magic.localize.ops.owners import backward_hook_module, hook_owner
 from nan_magic.localize.ops.plans import (
     Plan,
     flatten,
@@ -232,8 +232,8 @@ class OriginRules:
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,
-            module=hook_definer(forward_module, user_frame if backward_code else None, self.enclosing)
-            if in_backward
+            module=self._hooked(hook_definer(forward_module, user_frame, self.enclosing), user_frame)
+            if backward_code else forward_module if in_backward
             else hook_owner(user_frame, self._module_name()),
             source=source,
             inner_source=inner,
@@ -263,6 +263,15 @@ class OriginRules:
         if not in_backward:
             self._origins.note_memory(tensor, origin)
         return origin
+
+    def _hooked(self, module: str | None, user_frame: Any) -> str | None:
+        """A Python backward's module: the hooked module where ``user_frame`` is a module's full backward (pre-)hook
+        (owners.backward_hook_module; named below ``module``, its node's), else ``module``."""
+        owned = self.owned
+        if module is None or owned is None:
+            return module
+        hooked = backward_hook_module(user_frame)
+        return (owned(module, id(hooked)) or module) if hooked is not None else module
 
     def _report(self, origin: Origin) -> None:
         """Without ``at_boundary``, the first origin is the finding, reported inside its op."""
@@ -317,6 +326,27 @@ class OriginRules:
         self._origins.note(tensor, origin)
         self._origins.note_memory(tensor, origin)
         return origin
+
+    def _parts_written(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]
+                       ) -> list[tuple[torch.Tensor, Origin | Benign]]:
+        """The bases an in-place op is about to write part of through a view, with their origins: noted again once
+        it wrote (:meth:`_keep_parts`). A write of finite values into part of a non-finite tensor (``pad_sequence``'s
+        copies into its ``full(nan)``, ``mask[..., :k] = 0``) leaves the other elements as they were, and the base's
+        version, which the write moves, must not lose their origin (a boundary's claim would find none: "from
+        outside")."""
+        held = []
+        for _, tensor in tensors(plan, args, kwargs, plan.writes):
+            base = tensor._base
+            if base is not None and tensor.numel() < base.numel():
+                entry = self._origins.entry(base)
+                if entry is not None:
+                    held.append((base, entry))
+        return held
+
+    def _keep_parts(self, held: list[tuple[torch.Tensor, Origin | Benign]]) -> None:
+        """Note again the origins :meth:`_parts_written` found (before the op's own rules note theirs, which win)."""
+        for base, entry in held:
+            self._origins.note(base, entry, written=True)
 
     def _carry(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any, picks: Any = None) -> None:
         """A passive op passes its inputs' first-born origin on to its outputs (a view, ``cat``, ``where``).

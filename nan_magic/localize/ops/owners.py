@@ -14,12 +14,15 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch.utils.hooks import BackwardHook
 
-__all__ = ["CALL_IMPL", "called_directly", "forward_hook_module", "hook_owner"]
+__all__ = ["CALL_IMPL", "backward_hook_module", "called_directly", "forward_hook_module", "hook_owner"]
 
 
 #: torch's module call, which calls a module's forward and its hooks.
 CALL_IMPL = torch.nn.Module._call_impl.__code__
+#: Where torch's ``BackwardHook`` runs a module's full backward hooks (:func:`backward_hook_module`).
+_HOOKS_FILE = torch.utils.hooks.BackwardHook.setup_output_hook.__code__.co_filename
 
 
 def hook_owner(user: FrameType | None, running: str | None) -> str | None:
@@ -91,6 +94,21 @@ def called_directly(frame: FrameType | None, running: str | None) -> str | None:
         if module is own and name:
             return f"{running}.{name}" if running else name
     return running
+
+
+def backward_hook_module(user: FrameType | None) -> torch.nn.Module | None:
+    """The module whose full backward hook or pre-hook ``user`` (a Python backward's frame) is, else None.
+
+    torch runs a module's ``register_full_backward_hook`` and ``register_full_backward_pre_hook`` from closures of
+    the ``BackwardHook`` it made in that module's call (torch/utils/hooks.py), which holds the module: the hook's ops
+    are the hooked module's, as a forward hook's are (:func:`forward_hook_module`), whoever defined the hook. The
+    node its ops run in was made after the watch took that module off its stack (its parent's, by the stack).
+    """
+    caller = user.f_back if user is not None else None
+    if caller is None or caller.f_code.co_filename != _HOOKS_FILE:
+        return None
+    hook = caller.f_locals.get("self")
+    return hook.module if isinstance(hook, BackwardHook) and isinstance(hook.module, torch.nn.Module) else None
 
 
 def _code_of(hook: Any) -> CodeType | None:

@@ -22,7 +22,8 @@ value before the op. The tracer keeps, for each non-finite tensor it sees, its *
 - an op whose inputs are finite or benign and whose output is non-finite starts an origin (an :class:`OpFinding`);
 - an op with a non-finite input that carries an origin inherits it (a propagator, even where it turns an inf into
   a NaN; of several, the first born), and so does a passive op that passes such a value on (``cat``, ``where``, a
-  widening copy; a view's origin is its base's);
+  widening copy; a view's origin is its base's, and a write of finite values into part of a tensor through a view,
+  ``pad_sequence``'s copies into its ``full(nan)``, leaves the rest's origin as it was);
 - a *deliberate* infinity is benign: an op given an infinite scalar (``masked_fill(mask, -inf)``), or an
   infinite mask tensor that entered the traced code from outside (a float attention mask, argument or buffer).
   Its consumers stay benign while they only carry those infinities on; one that makes a new kind (softmax over a
@@ -278,13 +279,18 @@ class OpTracer(OriginRules, TorchDispatchMode):
                 self.before_write(tensor)
         if self.finding is not None:
             return run_op(func, args, kwargs)
+        parts = self._parts_written(plan, args, kwargs) if plan.writes and self._origins else None
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
             out = run_op(func, args, kwargs)
+            if parts:
+                self._keep_parts(parts)
             if self._origins:
                 self._carry(plan, args, kwargs, out, func if plan.picks and not in_backward else None)
             return out
         priors = probe_priors(plan, args, kwargs, self._known, self._origins) if plan.writes else {}
         out = run_op(func, args, kwargs)
+        if parts:
+            self._keep_parts(parts)
         if plan.writes:
             # Autograd bumps the version counter only after the op returns
             # here, so a cached entry for a written tensor still looks current.

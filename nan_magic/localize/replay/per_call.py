@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from nan_magic.locations import SourcePointer
 from nan_magic.records import Phase, Report
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -38,7 +39,14 @@ def replayed_from_the_step(kept: StepReplays, finding: Finding, seen: Report) ->
         return None
     probe = dataclasses.replace(finding, op=None)  # (the step replay names a backward op only where none is named)
     report, producer = kept.localize(probe, seen)
-    if not report.reproduced or report.op is None or (report.op, report.module) == (finding.op, finding.module):
+    if not report.reproduced or report.op is None or (report.op, report.module, _line(report.source)) == (
+            finding.op, finding.module, _line(finding.source)):
         return None
     finding.frame_calls = probe.frame_calls
     return report, producer
+
+
+def _line(source: SourcePointer | None) -> tuple[str, int] | None:
+    """Where ``source`` points: the same op of the same module at another line is another producer (a masked
+    0 / 0 in a norm's backward, found from ones, before a custom Function's division by the real gradient)."""
+    return None if source is None else (source.filename, source.lineno)
