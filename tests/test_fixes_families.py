@@ -35,6 +35,7 @@ from contract import (
     hunt16,
     hunt17,
     hunt19,
+    hunt20_runs,
     hunt21,
     hunt22,
 )
@@ -182,6 +183,26 @@ def test_an_optimizer_step_that_needs_its_closure_is_left_out_and_said(mode: str
     trial = _trial(report, "eps")
     assert trial.finite is True and trial.fact("stepped") is False and trial.error is None, trial
     assert "no optimizer step replayed" in report.to_text()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", ["eps", "group"])
+def test_an_eps_set_in_a_group_mid_run_is_redone_as_it_ran_and_edited_where_it_is_set(change: str, mode: str) -> None:
+    """The loop sets Adam's eps to 0 at step 3 (in every group, or in a group it adds). The redo starts from the
+    last good state with the groups as the failing step ran them (it put back the old eps, and said the redo did
+    not reproduce, or refused the added group); the edit goes where the group's eps is set: an eps given to the
+    constructor, as the edit said before, changed nothing by hand."""
+    scenario = hunt20_runs._changed_mid_run(change, 0.0)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(
+            *scenario.targets, **MODE_OPTIONS[mode], keep_last_good=True):
+        scenario.run()
+    trial = _trial(caught.value.report, "eps")
+    assert trial.finite is True and trial.fact("group_eps") is True, trial
+    assert (suggested_edit(trial) or "").startswith("group['eps'] = 1.19e-7  (where your code sets a param group's eps")
+    fixed = hunt20_runs._changed_mid_run(change, trial.fact("new_eps"))  # the edit, by hand
+    with nan_magic.watch(*fixed.targets, **MODE_OPTIONS[mode], fixes=False) as watch:
+        fixed.run()
+    assert watch.report is None
 
 
 #: (module, case, the note's kind): a cause with a remedy, no trial: the report says why.

@@ -166,6 +166,10 @@ def suggested_edit(trial: FixTrial) -> str | None:
     if trial.kind == "lr":
         return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        if trial.fact("group_eps"):  # (fixes/optimizer_step.py: a group's eps set apart from the constructor's)
+            return (f"group['eps'] = {fmt(trial.fact('new_eps'))}  (where your code sets a param group's eps, or "
+                    f"gives one to add_param_group: {trial.fact('optimizer')}(..., eps=...) sets only the groups it "
+                    "is built with)")
         return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
     if trial.kind == "scale":
         if trial.fact("new_scale") is None:
