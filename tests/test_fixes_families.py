@@ -205,6 +205,24 @@ def test_an_eps_set_in_a_group_mid_run_is_redone_as_it_ran_and_edited_where_it_i
     assert watch.report is None
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lower_learning_rate_is_no_fix_where_the_weight_decay_alone_diverges(mode: str) -> None:
+    """SGD with weight_decay=5e4 (a typo for 5e-4) diverges: redoing the previous update at a tenth of the
+    learning rate made the failing step finite, but by hand at a tenth the run overflows two steps later (lr *
+    weight_decay is still 500). The trial says the lower rate is no fix, and why."""
+    scenario = hunt20_runs._weight_decay(5e4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(
+            *scenario.targets, **MODE_OPTIONS[mode], keep_last_good=True):
+        scenario.run()
+    trial = _trial(caught.value.report, "lr")
+    assert trial.finite is None and "lr * weight_decay is still 500" in (trial.untried or ""), trial
+    fixed = hunt20_runs._weight_decay(5e4)  # the lower rate, by hand
+    for group in fixed.targets[1].param_groups:
+        group["lr"] /= 10
+    with pytest.raises(nan_magic.NonFiniteError), nan_magic.watch(*fixed.targets, **MODE_OPTIONS[mode], fixes=False):
+        fixed.run()
+
+
 #: (module, case, the note's kind): a cause with a remedy, no trial: the report says why.
 NO_TRIAL = [
     pytest.param(hunt15, "hunt15_ppo_advantage_std_of_a_last_batch_of_one", "fixes-none-fit", id="std-of-one"),

@@ -93,9 +93,9 @@ def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept
     # The kept state with the groups as the failing step ran them: load_state_dict would otherwise put back the
     # last good step's settings (an eps the loop set to 0 since, at step 3, redone with the old one: "does not
     # reproduce") and refuse a group added since (add_param_group), whose parameters start with no state.
-    state = copy.deepcopy(kept_state)
-    state["param_groups"] = optimizer.state_dict()["param_groups"]
-    redone.load_state_dict(state)
+    loaded = copy.deepcopy(kept_state)
+    loaded["param_groups"] = optimizer.state_dict()["param_groups"]
+    redone.load_state_dict(loaded)
     if remedy == "eps":
         eps = _eps_for(optimizer)
     for group in redone.param_groups:
