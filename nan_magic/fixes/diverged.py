@@ -64,10 +64,26 @@ def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], 
         with torch.no_grad():
             p0, p1 = before[root_name].to(parameter.device, parameter.dtype), parameter.detach()
             parameters[name] = p0 + (p1 - p0) / 10
-    value = stepping[0].param_groups[0]["lr"]
-    lr = float(value.item() if isinstance(value, torch.Tensor) else value)
+    lr = _number(stepping[0].param_groups[0]["lr"])
+    decay = max((_number(group["lr"]) * float(group.get("weight_decay") or 0.0) for opt in stepping
+                 if type(opt).__name__ in _DECAY_SCALES for group in opt.param_groups), default=0.0)
+    if decay / 10 > 2:
+        # The step after this one diverges again (by hand, at a tenth, weight_decay=5e4 overflowed two steps later):
+        # the lowered update is no fix, however finite this step comes out.
+        return None, (f"at a tenth of the learning rate, lr * weight_decay is still {decay / 10:g}: the decay alone "
+                      f"multiplies each parameter by {1 - decay / 10:g} a step, and the run diverges again (the "
+                      f"weight decay is the setting to lower)"), {}
     facts = {"optimizer": type(stepping[0]).__name__, "from_step": failing - 2, "lr": lr, "new_lr": lr / 10}
     return dataclasses.replace(step, parameters=parameters), None, facts
+
+
+#: Optimizers whose weight decay multiplies each parameter by ``1 - lr * weight_decay`` a step (SGD's, added to the
+#: gradient; AdamW's, decoupled): past 2 the decay alone makes it grow, whatever the gradient.
+_DECAY_SCALES = frozenset({"SGD", "AdamW"})
+
+
+def _number(value: float | torch.Tensor) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 def _steps(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:

@@ -59,6 +59,10 @@ class DomainFix:
         #: Operand values moved, of how many: every one means the output no longer depends on the operand.
         self.moved = self.total = 0
 
+    def renewed(self) -> DomainFix:
+        """The same remedy, nothing counted yet (for a second trial of it)."""
+        return DomainFix(self.function)
+
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
         index = self.names.get(name)

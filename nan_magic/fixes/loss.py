@@ -74,6 +74,12 @@ class LossCode:
     #: Whether these are the last step's ops (a forward event stopped the failing step before its loss code).
     last: bool
 
+    @property
+    def differentiates(self) -> bool:
+        """Whether the code ran a backward of its own (``torch.autograd.grad``: a gradient penalty), recorded as the
+        ops it ran: the derivative of the lines as they ran, which a remedy at one of them does not change."""
+        return any("_backward" in str(op.func) for op in self.ops)
+
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
             remedied: InRecordedCode | None = None) -> torch.Tensor:
         """The loss of ``outputs`` (by path, with their graph); ``rows``: the samples kept (skip-batch), which the

@@ -30,6 +30,10 @@ class MaskFix:
         #: Values made 0, of how many: every one means every row was masked (an output of zeros, no gradient).
         self.moved = self.total = 0
 
+    def renewed(self) -> MaskFix:
+        """The same remedy, nothing counted yet (for a second trial of it)."""
+        return MaskFix()
+
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if function_name(func) not in MASKED:
             return None

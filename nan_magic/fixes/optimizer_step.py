@@ -65,7 +65,10 @@ def _settings(optimizer: torch.optim.Optimizer, remedy: str) -> dict[str, Any]:
     group = optimizer.param_groups[0]
     if remedy == "lr":
         return {"lr": group.get("lr"), "new_lr": _number(group.get("lr")) / 10}
-    return {"eps": group.get("eps"), "new_eps": _eps_for(optimizer)}
+    # An eps a group holds apart from the one the optimizer was built with (set in a param group, or given to
+    # add_param_group): the edit goes where that group's is set, not into the optimizer's constructor.
+    apart = any(other.get("eps") != optimizer.defaults.get("eps") for other in optimizer.param_groups)
+    return {"eps": group.get("eps"), "new_eps": _eps_for(optimizer), **({"group_eps": True} if apart else {})}
 
 
 def _number(value: Any) -> float:
@@ -87,7 +90,12 @@ def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept
     groups = [{**group, "params": [copies[id(parameter)] for parameter in group["params"]]}
               for group in optimizer.param_groups]
     redone = type(optimizer)(groups)  # type: ignore[call-arg]  # its defaults are in the groups
-    redone.load_state_dict(copy.deepcopy(kept_state))
+    # The kept state with the groups as the failing step ran them: load_state_dict would otherwise put back the
+    # last good step's settings (an eps the loop set to 0 since, at step 3, redone with the old one: "does not
+    # reproduce") and refuse a group added since (add_param_group), whose parameters start with no state.
+    loaded = copy.deepcopy(kept_state)
+    loaded["param_groups"] = optimizer.state_dict()["param_groups"]
+    redone.load_state_dict(loaded)
     if remedy == "eps":
         eps = _eps_for(optimizer)
     for group in redone.param_groups:

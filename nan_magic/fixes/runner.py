@@ -38,12 +38,13 @@ from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
 from nan_magic.fixes.mask import MASKED, MaskFix
+from nan_magic.fixes.no_remedy import none_fit
 from nan_magic.fixes.optimizer_step import redo_step
 from nan_magic.fixes.precision import float32, refused_upcast
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.stable import StableFix, changes_value
-from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_at_line, replay_step
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.tiered.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.tiered.step import StepReplays
@@ -193,7 +194,10 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         root = replays.calls[-1]
     model = replays.model_of(root.module) if root is not None else None
     if root is None or model is None:
-        return ()
+        none = none_fit(report) if report.phase == Phase.DATA else Note("fixes-no-call")
+        if none is None:
+            return ()
+        raise _NoTrial(none)
     target = replay_target(root.module) or model
     # A forward event inside a model stops the step before its loss code; one in the loss code comes after it.
     before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
@@ -292,14 +296,14 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
                 TensorRole.MODULE_OUTPUT, TensorRole.OUTPUT_GRADIENT, TensorRole.PARAMETER_GRADIENT):
             # A module's computation whose op the per-call watch did not name (its deferred backward producer's).
             raise _NoTrial(Note("fixes-no-op"))
+        if (none := none_fit(report)) is not None:
+            raise _NoTrial(none)
         return ()
     base = replay_step(step, None, None)
     if reproduce and base.failed == "raised":  # not the event: the step, run again as it ran, raised
         raise _NoTrial(Note.of("fixes-replay-raised", error=f"{base.error[0]}: {base.error[1]}" if base.error else ""))
-    if base.failed is None:
-        if reproduce:
-            raise _NoTrial(Note("fixes-not-reproduced"))
-        return ()  # the unremedied replay came out finite: nothing to fix on it
+    if base.failed is None:  # the unremedied replay came out finite: nothing to fix on it
+        raise _NoTrial(Note("fixes-not-reproduced"))
     tries: list[tuple[str, _Try]] = [
         (kind, functools.partial(_remedy_trial, kind, remedy, report, site, step, base))
         for kind, remedy in candidates]
@@ -347,13 +351,18 @@ def _in_loss_code(report: Report) -> bool:
 def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: FailingStep,
                   base: StepOutcome) -> FixTrial:
     """A remedy applied at the producer's line (site.py) on a replay of the step."""
-    outcome = replay_step(step, site, remedy)
-    facts = _facts(kind, remedy, report, step, outcome)
+    outcome, remedy, every = replay_at_line(step, site, remedy)
+    facts = _facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
     if not outcome.applied:
         untried = "it found nothing to change at the producer's line"
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
+    if outcome.failed == "loss" and isinstance(step.loss_code, LossCode) and step.loss_code.differentiates:
+        return _at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds,
+                            untried="the loss came out non-finite, but the loss code differentiates "
+                                    "(torch.autograd.grad) and its recorded backward runs as it ran, the unremedied "
+                                    "line's derivative: the trial cannot tell")
     if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
         return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
     other = changes_value(step, site, remedy, outcome) if isinstance(remedy, StableFix) else None
@@ -400,6 +409,8 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
     kind = _STEP_REMEDIES.get(report.cause.label if report.cause is not None else "")
     optimizer = next((opt for opt in optimizers if type(opt).__name__ == report.optimizer), None)
     if kind is None or optimizer is None:
+        if (none := none_fit(report)) is not None:
+            raise _NoTrial(none)
         return ()
     try:
         untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind)
@@ -438,6 +449,8 @@ def _step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, obj
                                              ("backward_from", _backward_from(step, outcome)))
     if outcome.loss_from is not None:
         facts += (("loss_from", outcome.loss_from),)
+        if outcome.stand_in is not None and outcome.failed in ("backward", "optimizer step"):
+            facts += (("loss_code_not_run", outcome.stand_in),)
     elif outcome.no_loss is not None and outcome.failed != "forward":
         facts += (("loss_not_computed", outcome.no_loss),)
     return facts

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,9 +49,11 @@ from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.tiered.root_calls import RootCall
+from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints_inline
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
+from nan_magic.patches.functional_calls import own_tensors
 
-__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_step", "step_alone"]
+__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_at_line", "replay_step", "step_alone"]
 
 
 @dataclass
@@ -94,6 +98,32 @@ class StepOutcome:
     #: Where the loss came from (``"model"``, ``"loss code"``, ``"last loss code"``), or why none was computed.
     loss_from: str | None = None
     no_loss: str | None = None
+    #: Why the loss code did not run where the model's own scalar output stood for the loss (``loss_from="model"``).
+    stand_in: str | None = None
+
+
+def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepOutcome, Remedy, bool]:
+    """``remedy`` at ``site`` (:func:`replay_step`); where the step stays non-finite and the producer's line runs in
+    other modules too, the line remedied in every module that runs it: ``(outcome, the remedy that ran, whether
+    in every module)``.
+
+    The trial remedies the producing module alone (its output_change is that module's), but an edit of the line
+    changes every module that runs it: a helper each attention layer calls, a block repeated. Where the other
+    modules' calls of the line go non-finite too, the producing module's trial fails though the edit, by hand,
+    trains on: the edit's own trial is the one to report. A remedy with a second replay of its own (stable.py's
+    check) or without ``renewed`` is not tried again.
+    """
+    outcome = replay_step(step, site, remedy)
+    fresh = getattr(remedy, "renewed", None)
+    if outcome.failed is None or not outcome.applied or not site.module or (
+            fresh is None and not inspect.isfunction(remedy)):
+        return outcome, remedy, False
+    again = fresh() if fresh is not None else remedy
+    wider = replay_step(step, dataclasses.replace(site, module=""), again)
+    if wider.applied <= outcome.applied:  # the line runs in the producing module alone
+        return outcome, remedy, False
+    wider.seconds += outcome.seconds
+    return wider, again, True
 
 
 def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> StepOutcome:
@@ -102,6 +132,11 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
     outcome = StepOutcome()
     root = step.root
     with contextlib.ExitStack() as stack:
+        if not root.in_functional_call:
+            # A call made before a functional_call of the model (MAML's support call), its trial run inside that
+            # one (the query call's event): with the model's own parameters, as the step replay runs it
+            # (root_calls.py), not the tensors the functional_call swapped in (NaN: made by the failing backward).
+            stack.enter_context(own_tensors(root.module))
         stack.enter_context(step.standing_aside())
         guard = stack.enter_context(untouched(step.target))
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
@@ -113,8 +148,19 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             parameters = {name: given.get(name, before.get(id(parameter), parameter)).detach().clone()
                           .requires_grad_(parameter.requires_grad)
                           for name, parameter in step.target.named_parameters()}
-            copies: dict[int, torch.Tensor] = {}
+            # An input the call wrote in place (``x /= x.norm(...)`` in its forward) starts from its value before
+            # the call, as the step replay's does (root_calls.py): else the trial runs on what the failing call
+            # left in it (its NaN) and no remedy can come out finite.
+            copies = {id(tensor): before.clone() for tensor, before in root.inputs_before}
             args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
+        # An argument that required gradients still does: a reentrant checkpoint builds its graph only from one,
+        # and without it the trial's backward skipped the block (its parameters got no gradient, which read as a
+        # finite one: a "verified" remedy whose backward, by hand, is NaN).
+        for _path, tensor in [*iter_tensors(root.args), *iter_tensors(root.kwargs)]:
+            if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad:
+                copies[id(tensor)].requires_grad_()
+        # ... and the reentrant block runs inline, with its graph: its form refuses torch.autograd.grad.
+        stack.enter_context(reentrant_checkpoints_inline())
         originals = dict(step.target.named_parameters())
         optimizers = _optimizers(step.optimizers, {id(originals[name]): copy for name, copy in parameters.items()})
         stack.enter_context(generators_at(root.rng))
@@ -217,7 +263,14 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     for parameter, grad in zip(parameters, grads):
         parameter.grad = None if grad is None else grad / scale
     for optimizer in optimizers:
-        step_alone(optimizer)
+        try:
+            step_alone(optimizer)
+        except TypeError as error:
+            if "closure" not in str(error):
+                raise
+            # LBFGS's step re-evaluates a closure the trial does not have: the step is judged without its
+            # update, and says no optimizer step was replayed (stepped stays False).
+            return
     outcome.stepped = True
     state = [value for optimizer in optimizers for entry in optimizer.state.values() for value in entry.values()
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
@@ -243,6 +296,8 @@ def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: F
     else:
         outcome.no_loss = step.loss_code
     if loss is None and len(losses) == 1:
+        # (Why the loss code did not run is kept: the model's scalar may be a term of the loss, not the loss.)
+        outcome.stand_in = outcome.no_loss
         loss, outcome.loss_from, outcome.no_loss = losses[0], "model", None
     if loss is not None:
         outcome.loss = float(values_to_read(loss).detach())

@@ -2,8 +2,10 @@
 
 A trial's facts are plain values (records.FixTrial); the sentences and the
 suggested edit of the producer's line are written here. The edit is made
-with ``ast`` from the line the report holds: the call or operator that the
-remedy changed gets the change (``torch.log(p)`` -> ``torch.log(p.clamp_min(1.2e-07))``);
+with ``ast`` from the line the report holds: each call or operator that the
+remedy changes gets the change (``torch.log(p)`` -> ``torch.log(p.clamp_min(1.2e-07))``), every
+one of the line's, as the trial changed every call of the function made at the line (fixes/site.py): an
+edit of the first alone (``torch.log(p) + torch.log(1 - p)``) is not the remedy that was verified;
 where the line is not one the edit can be made on, none is shown.
 """
 
@@ -30,6 +32,13 @@ _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
 
 def fix_description(trial: FixTrial) -> str:
     """What the remedy changed, in one line."""
+    if trial.fact("modules") == "every":  # (fixes/step.py, replay_at_line)
+        return (f"{_changed(trial)}, at its line in every module that runs it, as an edit of the line does (in the "
+                "producing module alone the step stayed non-finite)")
+    return _changed(trial)
+
+
+def _changed(trial: FixTrial) -> str:
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
         return (f"the {trial.fact('optimizer')} step redone{_redone_from(trial)} with eps {fmt(trial.fact('eps'))} "
                 f"-> {fmt(trial.fact('new_eps'))} (the parameters' dtype holds it)")
@@ -90,6 +99,17 @@ def _outcome(trial: FixTrial) -> str:
     if not trial.finite:
         if trial.failed == "raised" and trial.error is not None:
             return f"the replay raised {trial.error[0]}: {trial.error[1]}"
+        if trial.failed in ("backward", "optimizer step") and trial.fact("backward_from") == "ones":
+            # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
+            # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
+            return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs,"
+                    f" standing for the loss (loss not computed: {trial.fact('loss_not_computed') or 'none'}): the "
+                    "trial cannot tell whether the step with its own loss would be finite")
+        if trial.failed in ("backward", "optimizer step") and trial.fact("loss_code_not_run"):
+            return (f"still non-finite ({trial.failed}), but its backward started from the model's own scalar "
+                    f"output, taken as the loss where the step's loss code did not run "
+                    f"({trial.fact('loss_code_not_run')}): the trial cannot tell whether the step with its own loss "
+                    "would be finite")
         return f"still non-finite ({trial.failed or 'the step'})"
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
@@ -146,6 +166,10 @@ def suggested_edit(trial: FixTrial) -> str | None:
     if trial.kind == "lr":
         return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        if trial.fact("group_eps"):  # (fixes/optimizer_step.py: a group's eps set apart from the constructor's)
+            return (f"group['eps'] = {fmt(trial.fact('new_eps'))}  (where your code sets a param group's eps, or "
+                    f"gives one to add_param_group: {trial.fact('optimizer')}(..., eps=...) sets only the groups it "
+                    "is built with)")
         return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
     if trial.kind == "scale":
         if trial.fact("new_scale") is None:
@@ -202,7 +226,7 @@ _FUSED_LOGS = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.l
 
 
 class _Edit(ast.NodeTransformer):
-    """Rewrites the first call or operator the remedy changed (see the module docstring)."""
+    """Rewrites each call or operator of the line the remedy changed (see the module docstring)."""
 
     def __init__(self, trial: FixTrial) -> None:
         self.trial = trial
@@ -221,8 +245,6 @@ class _Edit(ast.NodeTransformer):
             node.left, node.right = _float(node.left, self.upcast), _float(node.right, self.upcast)
             self.upcast.add(id(node))
             return self._mark(node)
-        if self.done:
-            return node
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
             node.right = _denominator(node.right, self.trial)
             return self._mark(node)
@@ -234,7 +256,7 @@ class _Edit(ast.NodeTransformer):
     def visit_AugAssign(self, node: ast.AugAssign) -> ast.AugAssign:
         """``x /= n``: its denominator, as ``x / n``'s."""
         self.generic_visit(node)
-        if (not self.done and self.trial.kind == "eps" and self.trial.fact("function") == "div"
+        if (self.trial.kind == "eps" and self.trial.fact("function") == "div"
                 and isinstance(node.op, ast.Div)):
             node.value = _denominator(node.value, self.trial)
             self._mark(node.value)
@@ -246,8 +268,6 @@ class _Edit(ast.NodeTransformer):
         kind, function = self.trial.kind, self.trial.fact("function")
         if kind == "float32":
             return self._float32_call(node, name)
-        if self.done:
-            return node
         method = isinstance(node.func, ast.Attribute) and not node.args and name != "float"
         if kind == "eps" and name is not None and name.removesuffix("_") == _DOMAIN_CALLS.get(function or ""):
             if function == "div":
@@ -299,8 +319,12 @@ class _Edit(ast.NodeTransformer):
         func = node.func
         while isinstance(func, ast.Attribute):
             func = func.value
-        if isinstance(func, ast.Name) and func.id == "self" and not self.trial.fact("autocast"):
-            node.func = _method(node.func, "float")
+        if isinstance(func, ast.Name) and func.id == "self":
+            if not self.trial.fact("autocast"):
+                node.func = _method(node.func, "float")
+        elif isinstance(node.func, ast.Attribute) and not _on_module(node.func.value):
+            # A tensor's method (``logvar.exp()``): the trial upcast the tensor it is called on, its receiver.
+            node.func.value = _float(node.func.value, self.upcast)
         node.args = [_float(argument, self.upcast) for argument in node.args]
         self.upcast.add(id(node))
         self.done = True
@@ -329,6 +353,19 @@ def _on_torch(node: ast.Call) -> bool:
     """Whether a call is a function of torch's (``torch.div(x, n)``), not a method of a tensor (``x.div(n)``)."""
     return isinstance(node.func, ast.Name) or (isinstance(node.func, ast.Attribute)
                                                and ast.unparse(node.func.value) in ("torch", "torch.Tensor"))
+
+
+#: The names a call's receiver has where it is a module of functions (``torch.exp``, ``F.linear``), not a tensor.
+_MODULES = frozenset({"torch", "F", "nn", "functional", "math", "np", "numpy", "special", "linalg", "fft"})
+
+
+def _on_module(node: ast.expr) -> bool:
+    """Whether a call's receiver is a module of functions (``torch``, ``torch.nn.functional``, ``F``)."""
+    while isinstance(node, ast.Attribute):
+        if node.attr in _MODULES:
+            return True
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in _MODULES
 
 
 def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:

@@ -148,6 +148,15 @@ _TEMPLATES: dict[str, str] = {
                           "again: {reason}",
     "fixes-no-op": "no fix was tried: the remedies fit the producer's op, which was not named; " + _OPS,
     "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
+    "fixes-none-fit": "no fix was tried: the producer's op ({op}) is not one a remedy changes at its line (the "
+                      "trials change a log, sqrt, rsqrt, pow, division, acos or asin, an exp, a softmax, a line in "
+                      "half precision)",
+    "fixes-batch-outside": "no fix was tried: the non-finite values did not enter through a model call's arguments "
+                           "(the loop's code read them, or a gradient given to backward held them), and skip-batch "
+                           "leaves samples out of a model call's batch only",
+    "fixes-optimizer-none": "no fix was tried: the producer ran in the {optimizer} step, whose trials redo it at a "
+                            "tenth of its learning rate or with an Adam eps its dtype holds, neither the remedy of "
+                            "a {cause}",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "needs-ranks": "no fix was tried under a process group of {ranks:~rank}: {reason}, and the other ranks are not "

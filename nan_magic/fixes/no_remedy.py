@@ -1,0 +1,34 @@
+"""Why no remedy was tried at an event whose cause has one: the note the report carries instead of a silent nothing.
+
+The trials change a producer's line (runner.py's candidates: a log, sqrt,
+rsqrt, pow, division, acos or asin; an exp; a softmax; a line in half
+precision), a model call's batch (skip-batch), or an optimizer step (its
+learning rate, an Adam eps). An event whose cause names a remedy of that
+table but whose producer none of them reaches (a ``std`` of one sample, an
+``lgamma``, a division inside a hand-written optimizer, NaN targets read by
+the loss code) would otherwise show no "Fixes tried" section and no word of
+why: the note says which part of the table did not fit.
+"""
+
+from __future__ import annotations
+
+from nan_magic.records import Note, Phase, Report
+
+__all__ = ["REMEDIED", "none_fit"]
+
+#: The causes whose remedy is one a trial can make (issue 28's table): their events say why none was tried.
+REMEDIED = frozenset({"division-by-zero", "log-domain", "sqrt-domain", "pow-domain", "exp-overflow",
+                      "half-precision-overflow", "masked-softmax", "bad-input-data", "learning-rate-too-high",
+                      "optimizer-eps-underflow", "grad-scaler-collapse", "empty-reduction"})
+
+
+def none_fit(report: Report) -> Note | None:
+    """The note for ``report``, whose producer no remedy fits, where its cause has one (else None: nothing to say)."""
+    cause = report.cause.label if report.cause is not None else None
+    if cause not in REMEDIED:
+        return None
+    if report.phase == Phase.OPTIMIZER:
+        return Note.of("fixes-optimizer-none", optimizer=report.optimizer or "optimizer", cause=cause)
+    if report.phase == Phase.DATA:
+        return Note("fixes-batch-outside")
+    return Note.of("fixes-none-fit", op=report.op or "not named")
