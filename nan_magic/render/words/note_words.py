@@ -80,8 +80,9 @@ _TEMPLATES: dict[str, str] = {
                         "index, so the op that made the value is not named",
     "indices-unseen": "the batch's indices into {dataset} were not seen (drawn before the watch began, or "
                       "in_order=False), so its samples were not fetched again",
-    "refetch-finite": "fetching the batch's {count:~sample} from {dataset} again made no non-finite value: it is "
-                      "stored in the dataset itself, or drawn at random",
+    "refetch-finite": "fetching the batch's {count:~sample} from {dataset} again made no non-finite value, and "
+                      "they came back finite: it was drawn at random (a random transform), or made after "
+                      "__getitem__ (the collate function)",
     "own-gradient-formula": "the gradients flowing into every module were finite; this parameter's own gradient "
                             "formula made it",
     "optimizer-unreplayable": "the {optimizer} step could not be replayed to name its op",
@@ -217,6 +218,15 @@ def _word(key: str, value: Any) -> Any:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and key == "reason":
         return note_text(Note.from_pair(value))  # a note's reason, itself a note
     return value
+
+
+def _refetch_stored(note: Note) -> str:
+    indices: tuple[Any, ...] = note.fact("indices")
+    holding: int = note.fact("holding")
+    listed = ", ".join(map(str, indices)) + (f" and {holding - len(indices)} more" if holding > len(indices) else "")
+    at = f"at index {listed}" if holding == 1 else f"at indices {listed}"
+    return (f"fetching the batch's {counted(note.fact('count'), 'sample')} from {note.fact('dataset')} again made "
+            f"no non-finite value: it is stored in the dataset itself, {at} (dataset[{indices[0]}] shows it)")
 
 
 def _deliberate(note: Note) -> str:
@@ -433,6 +443,7 @@ def _event_counts(note: Note) -> str:
 #: The notes whose words depend on their facts beyond filling them in.
 _WRITERS: dict[str, Callable[[Note], str]] = {
     "deliberate": _deliberate,
+    "refetch-stored": _refetch_stored,
     "loss-region": _loss_region,
     "scaler-skipped": _scaler_skipped,
     "written-outside-optimizer": _written_outside,
