@@ -70,3 +70,49 @@ def test_an_interrupt_deep_in_a_hook_shows_no_frame_of_ours(ip: Any, inside: str
     assert "loss = nn.functional.cross_entropy(model(x), y)" in text or "opt.step()" in text, text
     # What it stopped in stays the same model: nothing of the watch is left on it.
     assert not ip.user_ns["model"][0]._forward_pre_hooks and not ip.user_ns["model"]._forward_hooks
+
+
+DATA = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(4)
+rows = torch.randn(200, 7)
+rows[137, 4] = float("nan")  # a missing value in the csv
+loader = DataLoader(TensorDataset(rows, (rows[:, 0] > 0).long()), batch_size=25)
+clf = nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 2))
+clf_opt = torch.optim.SGD(clf.parameters(), lr=0.1)
+"""
+
+DATA_LOOP = """%%nantrace
+for xb, yb in loader:
+    loss = nn.functional.cross_entropy(clf(xb), yb)
+    clf_opt.zero_grad(); loss.backward(); clf_opt.step()
+"""
+
+
+def test_a_missing_value_stored_in_the_dataset_is_named_by_its_index(ip: Any) -> None:
+    """The walk's data notebook: the report said the refetched samples "made no non-finite value: it is stored in
+    the dataset itself, or drawn at random", and the user was left to find which of 200 rows. Now it names the
+    dataset index, 137 (row 12 of step 5's batch), and no longer offers "drawn at random" where it is stored."""
+    ip.run_cell(DATA)
+    with capture_output():
+        ip.run_cell(DATA_LOOP)
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase, report.step) == ("data", 5)
+    (said,) = [note for note in report.notes if "from TensorDataset again" in note]
+    assert "it is stored in the dataset itself, at index 137 (dataset[137] shows it)" in said, said
+    assert "drawn at random" not in said
+    assert ("refetch-stored", (("count", 25), ("dataset", "TensorDataset"), ("indices", (137,)),
+                               ("holding", 1))) in [(note.kind, note.facts) for note in report.note_facts]
+
+
+def test_one_exact_zero_is_said_in_the_singular() -> None:
+    """The walk's RMS norm without eps: the divisor's histogram said "1 exact zeros"."""
+    from nan_magic.records import Sample
+    from nan_magic.render.plots import histogram_figure
+
+    figure = histogram_figure([Sample(dtype="float32", values=(0.0, 0.2, 0.4), numel=3, zeros=1)], zeros=True)
+    (axes,) = [axes for axes in figure.axes if axes.get_legend() is not None]
+    assert "1 exact zero" in [text.get_text() for text in axes.get_legend().get_texts()]
