@@ -116,3 +116,36 @@ def test_one_exact_zero_is_said_in_the_singular() -> None:
     figure = histogram_figure([Sample(dtype="float32", values=(0.0, 0.2, 0.4), numel=3, zeros=1)], zeros=True)
     (axes,) = [axes for axes in figure.axes if axes.get_legend() is not None]
     assert "1 exact zero" in [text.get_text() for text in axes.get_legend().get_texts()]
+
+
+ADAM_EPS_ZERO = """
+import torch
+from torch import nn
+
+torch.manual_seed(3)
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+adam = torch.optim.Adam(net.parameters(), lr=1e-3, eps=0.0)  # "eps only hurts"
+x4, y4 = torch.randn(16, 4), torch.randn(16, 1)
+x4[:, 3] = 0.0  # a dead feature: its weights' gradient is exactly 0, and Adam's 0 / (sqrt(0) + 0) is NaN
+"""
+
+ADAM_LOOP = """%%nantrace
+for step in range(5):
+    loss = nn.functional.mse_loss(net(x4), y4)
+    adam.zero_grad()
+    loss.backward()
+    adam.step()
+"""
+
+
+def test_the_untried_optimizer_fix_says_the_magics_option(ip: Any) -> None:
+    """The walk's Adam with eps=0, in a notebook: the eps trial was 'not tried: no last good state was kept
+    (watch(..., keep_last_good=True) keeps ...)', an API the notebook's user does not call; now the magics'
+    option is said too."""
+    ip.run_cell(ADAM_EPS_ZERO)
+    with capture_output():
+        ip.run_cell(ADAM_LOOP)
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase, report.module, report.cause.label) == ("optimizer", "0", "optimizer-eps-underflow")
+    (trial,) = [fix for fix in report.fixes if fix.kind == "eps"]
+    assert trial.finite is None and "%%nantrace --keep-last-good" in trial.untried, trial.untried
