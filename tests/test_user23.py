@@ -12,6 +12,7 @@ import sys
 from typing import Any
 from unittest import mock
 
+import IPython
 import pytest
 from IPython.utils.capture import capture_output
 
@@ -149,3 +150,69 @@ def test_the_untried_optimizer_fix_says_the_magics_option(ip: Any) -> None:
     assert (report.phase, report.module, report.cause.label) == ("optimizer", "0", "optimizer-eps-underflow")
     (trial,) = [fix for fix in report.fixes if fix.kind == "eps"]
     assert trial.finite is None and "%%nantrace --keep-last-good" in trial.untried, trial.untried
+
+
+RMS_NORM = """
+import torch
+from torch import nn
+
+class Scale(nn.Module):
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        normed = x / var.sqrt()  # RMS norm without eps
+        return normed
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.act, self.norm, self.out = nn.Linear(6, 16), nn.ReLU(), Scale(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.act(self.inp(x))
+        h = self.norm(h)
+        return self.out(h)
+
+torch.manual_seed(0)
+net = Net()
+net_opt = torch.optim.SGD(net.parameters(), lr=0.05)
+with torch.no_grad():
+    net.inp.bias.fill_(-0.5)
+xs, ys = torch.randn(8, 6), torch.randint(0, 3, (8,))
+xs[5] = 0.0  # a padding row: after the ReLU its RMS is 0
+"""
+
+NET_LOOP = """%%nantrace
+for step in range(3):
+    loss = nn.functional.cross_entropy(net(xs), ys)
+    net_opt.zero_grad()
+    loss.backward()
+    net_opt.step()
+"""
+
+
+@pytest.mark.xfail(
+    IPython.version_info[0] >= 9, strict=True,
+    reason="%tb in a kernel on IPython 9 shows the replay's intermediate frame (Net.forward) at the line it ran on "
+           "to (return self.out(h)), not at the call the traceback entry names (h = self.norm(h)): IPython 9's "
+           "ultratb formats a frame whose file it cannot open (ipykernel's /tmp/ipykernel_*/N.py cells are only in "
+           "linecache) as a 'raw frame' from frame.f_lineno instead of tb_lineno, and the replay, which runs the "
+           "whole step on past the producer, leaves no frame of Net.forward standing at its call of self.norm. "
+           "The short error, "
+           "%debug's where and IPython 7.34 (Colab) are right; a fix needs a replay that stops at the producer, "
+           "or IPython to read tb_lineno there.")
+def test_tb_in_a_kernel_shows_the_calling_line_of_each_frame(ip: Any) -> None:
+    """The walk's forward notebook: %tb read 'Cell In[2], line 22, in Net.forward ... ---> 22 return self.out(h)'
+    where the short error and %debug say line 21, h = self.norm(h)."""
+    kernel_like = mock.patch.object(type(ip.compile), "get_code_name",
+                                    lambda self, raw, code, number: f"/tmp/nan-magic-no-such-dir/{abs(hash(code))}.py")
+    with kernel_like:
+        ip.run_cell(RMS_NORM)
+        with capture_output():
+            ip.run_cell(NET_LOOP)
+        assert ip.user_ns["_nan_report"].module == "norm"
+        with capture_output() as shown:
+            ip.run_line_magic("tb", "")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", shown.stdout + shown.stderr)
+    calling = [line for line in text.splitlines() if line.lstrip().startswith(("--->", "---->", "->"))]
+    assert any("h = self.norm(h)" in line for line in calling), text
+    assert not any("return self.out(h)" in line for line in calling), text
