@@ -216,3 +216,37 @@ def test_tb_in_a_kernel_shows_the_calling_line_of_each_frame(ip: Any) -> None:
     calling = [line for line in text.splitlines() if line.lstrip().startswith(("--->", "---->", "->"))]
     assert any("h = self.norm(h)" in line for line in calling), text
     assert not any("return self.out(h)" in line for line in calling), text
+
+
+@pytest.mark.parametrize("inside", ["nan_magic.fixes.runner.try_fixes", "nan_magic.fixes.runner._remedy_trial"])
+def test_stop_pressed_during_the_fix_trials_keeps_the_report(ip: Any, inside: str) -> None:
+    """The trials of a larger model take seconds after the producer is found; the user pressed stop then and got a
+    bare KeyboardInterrupt: no report, no _nan_report, the producer already found lost. Now the trials alone end,
+    and the cell stops with the report, a note saying so; the model and torch's random state as before."""
+    import torch
+
+    ip.run_cell(RMS_NORM)
+    ip.user_ns.pop("_nan_report", None)
+    before = {name: value.clone() for name, value in ip.user_ns["net"].state_dict().items()}
+    rng = torch.get_rng_state()
+    with mock.patch(inside, side_effect=KeyboardInterrupt), capture_output() as shown:
+        result = ip.run_cell(NET_LOOP)
+    from nan_magic import NonFiniteError
+
+    assert isinstance(result.error_in_exec, NonFiniteError), result.error_in_exec
+    report = ip.user_ns["_nan_report"]
+    assert (report.module, report.op, report.fixes) == ("norm", "aten.div.Tensor", ())
+    assert any("the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried" in note
+               for note in report.notes), report.notes
+    assert any("text/html" in output.data for output in shown.outputs)
+    after = ip.user_ns["net"].state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_stop_pressed_during_the_fix_trials_of_a_warn_run_stops_it(ip: Any) -> None:
+    """--warn goes on after the event: an interrupt during its trials is the user's stop, and stops the run."""
+    ip.run_cell(RMS_NORM)
+    with mock.patch("nan_magic.fixes.runner.try_fixes", side_effect=KeyboardInterrupt), capture_output():
+        result = ip.run_cell(NET_LOOP.replace("%%nantrace", "%%nantrace --warn"))
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), result.error_in_exec

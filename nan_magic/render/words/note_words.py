@@ -151,6 +151,8 @@ _TEMPLATES: dict[str, str] = {
     "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
+    "fixes-interrupted": "the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried; the rest "
+                         "of the report is as found",
     "needs-ranks": "no fix was tried under a process group of {ranks:~rank}: {reason}, and the other ranks are not "
                    "replaying",
     "ranks-sharded": "the model is sharded by FSDP (its forward gathers parameters from every rank)",
