@@ -253,3 +253,30 @@ def test_stop_pressed_during_the_fix_trials_of_a_warn_run_stops_it(ip: Any) -> N
     with mock.patch("nan_magic.fixes.runner.try_fixes", side_effect=KeyboardInterrupt), capture_output():
         result = ip.run_cell(NET_LOOP.replace("%%nantrace", "%%nantrace --warn"))
     assert isinstance(result.error_in_exec, KeyboardInterrupt), result.error_in_exec
+
+
+def test_stop_pressed_during_the_step_replay_keeps_what_the_check_saw(ip: Any) -> None:
+    """The op-level replay that names the producer takes seconds on a large model; stop pressed then gave a bare
+    KeyboardInterrupt and no report. Now the cell stops with what the step's boundary check saw, a note saying
+    that the producer is not named; the model as before, no hook of the watch left on it."""
+    import torch
+
+    ip.run_cell(RMS_NORM)
+    ip.user_ns.pop("_nan_report", None)
+    before = {name: value.clone() for name, value in ip.user_ns["net"].state_dict().items()}
+    replay = "nan_magic.localize.replay.tiered.step.StepReplays.localize"
+    with mock.patch(replay, side_effect=KeyboardInterrupt), capture_output() as shown:
+        result = ip.run_cell(NET_LOOP)
+    from nan_magic import NonFiniteError
+
+    assert isinstance(result.error_in_exec, NonFiniteError), result.error_in_exec
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase, report.step, report.fixes) == ("forward", 0, ())
+    assert any(note.startswith("the replay that names the producer was interrupted") for note in report.notes)
+    assert any("text/html" in output.data for output in shown.outputs)
+    after = ip.user_ns["net"].state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert not ip.user_ns["net"]._forward_hooks and not ip.user_ns["net"].norm._forward_pre_hooks
+    with mock.patch(replay, side_effect=KeyboardInterrupt), capture_output():
+        result = ip.run_cell(NET_LOOP.replace("%%nantrace", "%%nantrace --warn"))
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), result.error_in_exec  # (warn goes on: it stops)

@@ -123,6 +123,9 @@ _TEMPLATES: dict[str, str] = {
     "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
                              "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
     "step-replay-finite": "the replay stayed finite",
+    "replay-interrupted": "the replay that names the producer was interrupted (the stop button, Ctrl-C): this is "
+                          "what the step's boundary check saw, not the producer; run the cell again and let it finish "
+                          "to name the module, op and line",
     "no-gradient-held": "no gradient flowing into the model's outputs was held for this step",
     "call-not-held": "its model call was no longer held (more than {max_calls} calls in the step)",
     "sharded-not-replayed": "a model sharded by FSDP is not replayed (its forward needs every rank)",
