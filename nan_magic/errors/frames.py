@@ -260,7 +260,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DISPATCH_WAY_IN = (os.path.join(_TORCH_DIR, "_compile.py"), os.path.join(_TORCH_DIR, "_dynamo") + os.sep)
 
 
-def cut_where_passed_through(tb: TracebackType | None) -> bool:
+def cut_where_passed_through(tb: TracebackType | None, interrupted: bool = False) -> bool:
     """End a user's own error's traceback (in place) where it entered the watch; whether it was cut.
 
     A shape mismatch in the loop's code under the watch is raised from the op the watch's dispatch mode passed
@@ -269,6 +269,12 @@ def cut_where_passed_through(tb: TracebackType | None) -> bool:
     opens it: unwatched, both stop at the user's line. The frames the error passed through mark themselves
     (``__tracebackhide__``, as IPython and pytest read it); only where every frame of ours below the cut does
     is it cut, so an error of nan_magic itself keeps the frame that raised it.
+
+    ``interrupted``: the error is an interrupt (Ctrl-C, the kernel's stop button). It is never our error, and
+    it lands wherever the step was: often several calls deep in a hook, below the hook's entry, which alone is
+    marked, and IPython showed those frames (``File .../nan_magic/hot/checks/early.py``) as if nan_magic had
+    failed. It is cut at our first frame where IPython would show one of ours: an unmarked one, or the last
+    (shown even where marked); where every frame of ours is hidden it is left as it is.
     """
     entries: list[TracebackType] = []
     while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
@@ -282,11 +288,18 @@ def cut_where_passed_through(tb: TracebackType | None) -> bool:
         return False
     previous = entries[-1]
     rest: TracebackType | None = tb
+    shown = False  # (an interrupt's: a frame of ours that IPython would show)
     while rest is not None:
         frame = rest.tb_frame
-        if frame.f_code.co_filename.startswith(_OWN_DIR) and not frame.f_locals.get("__tracebackhide__"):
-            return False
+        if frame.f_code.co_filename.startswith(_OWN_DIR):
+            if not frame.f_locals.get("__tracebackhide__"):
+                if not interrupted:
+                    return False
+                shown = True
+            shown = shown or rest.tb_next is None
         rest = rest.tb_next
+    if interrupted and not shown:
+        return False
     previous.tb_next = None
     return True
 

@@ -28,8 +28,9 @@ from nan_magic.scene.last_good import LastGood
 
 __all__ = ["NO_LAST_GOOD", "redo_step"]
 
-NO_LAST_GOOD = ("no last good state was kept (watch(..., keep_last_good=True) keeps the state the step is redone "
-                "from)")
+#: (A notebook's user runs the magics, a script's the API: both ways to keep it are said.)
+NO_LAST_GOOD = ("no last good state was kept (%%nantrace --keep-last-good, or watch(..., keep_last_good=True), keeps "
+                "the state the step is redone from)")
 
 
 def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last_good: LastGood,

@@ -87,16 +87,29 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
 
 def with_fixes(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
                roots: Iterable[nn.Module], last_good: LastGood,
-               standing_aside: Callable[[], contextlib.AbstractContextManager[None]], loss: LossSource) -> Report:
-    """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report."""
+               standing_aside: Callable[[], contextlib.AbstractContextManager[None]], loss: LossSource,
+               stops: bool = False) -> Report:
+    """``report`` with its remedies' trials (:func:`fixes_for`); trials that fail leave a note, never a lost report.
+
+    ``stops``: the event stops the run (``on_detect="raise"``), so an interrupt during the trials ends them alone.
+    """
     return _trying(report, functools.partial(fixes_for, report, replays, optimizers, roots, last_good, standing_aside,
-                                             loss))
+                                             loss), stops)
 
 
-def _trying(report: Report, trials: Callable[[], tuple[FixTrial, ...]]) -> Report:
-    """``report`` with ``trials()``; where they cannot run or fail, a note says why instead."""
+def _trying(report: Report, trials: Callable[[], tuple[FixTrial, ...]], stops: bool = False) -> Report:
+    """``report`` with ``trials()``; where they cannot run or fail, a note says why instead.
+
+    An interrupt while they run (the trials of a large model take seconds, and the user presses stop) ends only
+    the trials where the event stops the run anyway (``stops``): the report, its producer found, is not lost to
+    it. Where the run goes on after the event (warn, log), the interrupt goes on too: it stops the run.
+    """
     try:
         return dataclasses.replace(report, fixes=trials())
+    except KeyboardInterrupt:
+        if not stops:
+            raise
+        return dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-interrupted")))
     except _NoTrial as none:
         return dataclasses.replace(report, note_facts=(*report.note_facts, none.note))
     except Exception as error:  # the trials are a sidecar: they never take the report down
@@ -106,7 +119,7 @@ def _trying(report: Report, trials: Callable[[], tuple[FixTrial, ...]]) -> Repor
 
 def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, kept: KeptStep,
             optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module], last_good: LastGood,
-            ) -> tuple[Report, Any] | None:
+            stops: bool = False) -> tuple[Report, Any] | None:
     """The first real event of a per-call (``mode="full"``) or traced (``ops=True``) watch, which localized it
     without a step replay: its remedies tried on a replay of the failing step all the same (kept.py).
 
@@ -114,18 +127,19 @@ def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, kept:
     producer's frame, kept with the report made here; ``kept``: the step's top-level calls and what the trials
     need (none with ``replay=False``: nothing is run again). An optimizer step's remedies need no model call (its
     step is redone on copies from the last good state, optimizer_step.py); with the op tracer standing aside.
+    ``stops``: as :func:`with_fixes`'.
     """
     report = seen if replayed is None else replayed[0]
     if report.benign:
         return replayed
     if report.phase == Phase.OPTIMIZER:
         report = _trying(report, functools.partial(_aside, kept.aside, functools.partial(
-            _optimizer_fixes, report, list(optimizers), list(roots), last_good)))
+            _optimizer_fixes, report, list(optimizers), list(roots), last_good)), stops)
     elif kept.replays is None:
         report = dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-traced" if kept.traced
                                                                                   else "fixes-per-call")))
     else:
-        report = _trying(report, functools.partial(kept_fixes, report, kept, optimizers, roots, last_good))
+        report = _trying(report, functools.partial(kept_fixes, report, kept, optimizers, roots, last_good), stops)
     return report, ((frame, None) if replayed is None else replayed[1])
 
 

@@ -75,7 +75,8 @@ def users_errors_shown_as_theirs(shell: Any) -> Iterator[None]:
     """While a watched cell runs: its own errors (not the watch's) shown, and ``%debug`` opened, at the user's line.
 
     IPython shows a cell's error itself, from its ``showtraceback``, before the watch is left: the user's error
-    that passed through the watch's dispatch mode is cut there first (frames.cut_where_passed_through).
+    that passed through the watch's dispatch mode is cut there first (frames.cut_where_passed_through), and an
+    interrupt that landed in one of the watch's hooks where it entered the hook.
     """
     undo = cut_users_errors(shell)
     try:
@@ -93,7 +94,9 @@ def cut_users_errors(shell: Any) -> Callable[[], None]:
 
     def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
         error = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
-        if isinstance(error, Exception) and not isinstance(error, NonFiniteError):  # (an interrupt: as Watch's exit)
+        if isinstance(error, KeyboardInterrupt):  # (where it landed in a hook is no frame of the user's)
+            cut_where_passed_through(error.__traceback__, interrupted=True)
+        elif isinstance(error, Exception) and not isinstance(error, NonFiniteError):
             cut_where_passed_through(error.__traceback__)
         return shown(exc_tuple, *args, **kwargs)
 

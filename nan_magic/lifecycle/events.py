@@ -41,7 +41,7 @@ from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.options import WatchConfig
 from nan_magic.phases import Phase
-from nan_magic.records import Report
+from nan_magic.records import Note, Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.localize.replay.tiered.step import Producer
@@ -117,7 +117,7 @@ class Events:
             if not finding.benign:
                 # (torch's anomaly mode off: the user may run under it, and a replay's backward would raise)
                 with torch.autograd.set_detect_anomaly(False):
-                    replayed = self.context.localize(finding, report)
+                    replayed = self._localized(finding, report)
         position = None
         if replayed is not None:
             report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
@@ -171,6 +171,22 @@ class Events:
         if self.config.on_detect == "warn":
             # Named at the user's line (the cell's), not at the hook several frames below it.
             warnings.warn(watch_warning(report.message), stacklevel=user_stacklevel())
+
+    def _localized(self, finding: Finding, report: Report) -> Replayed | None:
+        """``context.localize``; where the user stops it, ``report`` as the boundary saw it, and a note.
+
+        The replay that names the producer traces every op of a step: seconds on a large model, and the user may
+        press stop then. Where the event stops the run anyway (``raise``), the interrupt ends the replay alone and
+        the cell stops with what the step's check saw, saying the producer was not named, rather than with a bare
+        KeyboardInterrupt and no report. Where the run goes on after the event (warn, log), it stops the run.
+        """
+        try:
+            return self.context.localize(finding, report)
+        except KeyboardInterrupt:
+            if self.config.on_detect != "raise":
+                raise
+            return dataclasses.replace(report, note_facts=(*report.note_facts, Note("replay-interrupted"))), (
+                finding.frame, None)
 
     def handled(self, finding: Finding) -> None:
         """A held batch's step ended with everything else finite: the program handled it, a benign event.

@@ -90,6 +90,7 @@ class WatchEvents:
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
         loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
+        stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
         if replayed is None and kept.replays is not None and self.localizing.replays_calls and finding.call is not None:
             # (mode="full": what a module replay cannot vouch for, a call that wrote its own state, a gradient of ones)
@@ -99,14 +100,15 @@ class WatchEvents:
             # (kept.aside: the op tracer and the recorder do not see the replay's ops, as in a fix trial)
             replayed = buffer_written(kept.replays.calls, finding, seen, kept.aside), (finding.frame, None)
         if replays is None and self.config.fixes and self.outcome.report is None and self.replay_of is None:
-            return untried(seen, replayed, finding.frame, kept, self.optimizers.seen, self._roots(), self.last_good)
+            return untried(seen, replayed, finding.frame, kept, self.optimizers.seen, self._roots(), self.last_good,
+                           stops)
         if replayed is None or replays is None:
             return replayed
         report, producer = replayed
         if not self.config.fixes or report.benign or self.outcome.report is not None:
             return replayed  # trials for the first real event only (warn/log mode goes on after it)
         return with_fixes(report, replays, self.optimizers.seen, self._roots(), self.last_good,
-                          self.call_replay.standing_aside, loss), producer
+                          self.call_replay.standing_aside, loss, stops), producer
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""

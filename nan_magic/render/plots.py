@@ -22,6 +22,7 @@ from PIL import Image
 
 from nan_magic.records import Sample, StepSummary
 from nan_magic.render.common import finite_limit, history_value, plotted_history_fields
+from nan_magic.render.words.counted import counted as counted_words
 
 #: The dtype's limit lines are drawn when the data reach this fraction of
 #: the limit; further away they would squash the histogram into one bar,
@@ -140,7 +141,7 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
     _draw_nonfinite(axes, bad, low, high, span)
     if zeros and sample.zeros:
         handles.append(axes.axvline(0.0, color=_ZERO, linestyle=":", linewidth=1.5,
-                                    label=f"{sample.zeros} exact zeros"))
+                                    label=counted_words(sample.zeros, "exact zero")))
     # Room above the bars for the legend: a log axis needs decades of it.
     axes.set_ylim(0.5, tallest * 60)
     if handles:

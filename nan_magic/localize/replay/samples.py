@@ -20,7 +20,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.rng import generators_at
@@ -31,6 +33,9 @@ from nan_magic.patches.loaders import UNKNOWN
 from nan_magic.records import Note, Phase, Report
 
 __all__ = ["Refetched", "Samples"]
+
+#: How many of the dataset indices whose samples hold the value a note lists.
+_INDICES_SAID = 8
 
 #: The op that made the batch's value, the frame that ran it and its ``(f_lasti, f_lineno)`` then; or a note.
 Refetched = tuple[OpFinding, FrameType | None, tuple[int, int] | None] | Note
@@ -79,16 +84,45 @@ class Samples:
             return Note.of("indices-unseen", dataset=name)
         indices = self._indices if isinstance(self._indices, list) else [self._indices]
         tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA)
+        fetched: list[tuple[Any, Any]] = []  # (index, sample): a batch's worth, looked at once the tracer is off
         try:
             # The watch's own dispatch modes (the op tracer of ops=True, the loss-code recorder) stand aside.
             with _disable_current_modes(), user_generators(), generators_at(None), tracer:
                 for index in indices:
-                    self._dataset[index]
+                    fetched.append((index, self._dataset[index]))
                     if tracer.finding is not None:
                         break
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
             return Note.raised("refetch-raised", error, dataset=name)
+        with _disable_current_modes():
+            holding = [] if tracer.finding is not None else [
+                index for index, sample in fetched if _holds(sample, self.kinds)]
+        del fetched
+        if holding:
+            # Stored (a TensorDataset's rows, a missing value read from a file): the user looks for it by index.
+            return Note.of("refetch-stored", count=len(indices), dataset=name,
+                           indices=tuple(_plain_index(index) for index in holding[:_INDICES_SAID]),
+                           holding=len(holding))
         if tracer.finding is None:
             return Note.of("refetch-finite", count=len(indices), dataset=name)
         frame, position = tracer.frame_of(tracer.finding)
         return tracer.finding, frame, position
+
+
+def _holds(sample: Any, kinds: frozenset[str]) -> bool:
+    """Whether a sample ``dataset[i]`` returned (a tensor, a tuple or dict of them) holds a value of ``kinds``."""
+    for leaf in tree_leaves(sample):
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+            if ("nan" in kinds and bool(leaf.isnan().any())) or ("inf" in kinds and bool(leaf.isinf().any())):
+                return True
+        elif isinstance(leaf, float) and (("nan" in kinds and leaf != leaf)
+                                          or ("inf" in kinds and leaf in (float("inf"), float("-inf")))):
+            return True
+    return False
+
+
+def _plain_index(index: Any) -> Any:
+    """A dataset index as plain data (an int, a str key), for a note's facts; anything else as its repr."""
+    if isinstance(index, torch.Tensor) and index.numel() == 1:
+        return int(index.item())
+    return index if isinstance(index, (int, str)) else repr(index)

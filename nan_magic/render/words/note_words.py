@@ -80,8 +80,9 @@ _TEMPLATES: dict[str, str] = {
                         "index, so the op that made the value is not named",
     "indices-unseen": "the batch's indices into {dataset} were not seen (drawn before the watch began, or "
                       "in_order=False), so its samples were not fetched again",
-    "refetch-finite": "fetching the batch's {count:~sample} from {dataset} again made no non-finite value: it is "
-                      "stored in the dataset itself, or drawn at random",
+    "refetch-finite": "fetching the batch's {count:~sample} from {dataset} again made no non-finite value, and "
+                      "they came back finite: it was drawn at random (a random transform), or made after "
+                      "__getitem__ (the collate function)",
     "own-gradient-formula": "the gradients flowing into every module were finite; this parameter's own gradient "
                             "formula made it",
     "optimizer-unreplayable": "the {optimizer} step could not be replayed to name its op",
@@ -122,6 +123,9 @@ _TEMPLATES: dict[str, str] = {
     "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
                              "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
     "step-replay-finite": "the replay stayed finite",
+    "replay-interrupted": "the replay that names the producer was interrupted (the stop button, Ctrl-C): this is "
+                          "what the step's boundary check saw, not the producer; run the cell again and let it finish "
+                          "to name the module, op and line",
     "no-gradient-held": "no gradient flowing into the model's outputs was held for this step",
     "call-not-held": "its model call was no longer held (more than {max_calls} calls in the step)",
     "sharded-not-replayed": "a model sharded by FSDP is not replayed (its forward needs every rank)",
@@ -159,6 +163,8 @@ _TEMPLATES: dict[str, str] = {
                             "a {cause}",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
+    "fixes-interrupted": "the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried; the rest "
+                         "of the report is as found",
     "needs-ranks": "no fix was tried under a process group of {ranks:~rank}: {reason}, and the other ranks are not "
                    "replaying",
     "ranks-sharded": "the model is sharded by FSDP (its forward gathers parameters from every rank)",
@@ -226,6 +232,15 @@ def _word(key: str, value: Any) -> Any:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and key == "reason":
         return note_text(Note.from_pair(value))  # a note's reason, itself a note
     return value
+
+
+def _refetch_stored(note: Note) -> str:
+    indices: tuple[Any, ...] = note.fact("indices")
+    holding: int = note.fact("holding")
+    listed = ", ".join(map(str, indices)) + (f" and {holding - len(indices)} more" if holding > len(indices) else "")
+    at = f"at index {listed}" if holding == 1 else f"at indices {listed}"
+    return (f"fetching the batch's {counted(note.fact('count'), 'sample')} from {note.fact('dataset')} again made "
+            f"no non-finite value: it is stored in the dataset itself, {at} (dataset[{indices[0]}] shows it)")
 
 
 def _deliberate(note: Note) -> str:
@@ -442,6 +457,7 @@ def _event_counts(note: Note) -> str:
 #: The notes whose words depend on their facts beyond filling them in.
 _WRITERS: dict[str, Callable[[Note], str]] = {
     "deliberate": _deliberate,
+    "refetch-stored": _refetch_stored,
     "loss-region": _loss_region,
     "scaler-skipped": _scaler_skipped,
     "written-outside-optimizer": _written_outside,
