@@ -44,7 +44,8 @@ from nan_magic.fixes.precision import float32, refused_upcast
 from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.stable import StableFix, changes_value
-from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients, replay_at_line, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_at_line, replay_step
+from nan_magic.fixes.trial_facts import at_producer, output_change, remedy_facts, step_facts
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.tiered.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.tiered.step import StepReplays
@@ -330,7 +331,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     trials: list[FixTrial] = []
     for kind, run in tries:
         if spent > budget:
-            trials.append(_at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))
+            trials.append(at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))
             continue
         trials.append(run())
         spent += trials[-1].seconds
@@ -348,13 +349,13 @@ def _data_code_trial(report: Report, site: Site, step: FailingStep, records: Reg
     at_line = InRecordedCode(site, remedy)
     remade = remedied_batch(step, records, at_line)
     if isinstance(remade, str):
-        return _at_producer("eps", report, untried=remade)
+        return at_producer("eps", report, untried=remade)
     if not at_line.applied:
-        return _at_producer("eps", report, untried="it found nothing to change at the producer's line")
+        return at_producer("eps", report, untried="it found nothing to change at the producer's line")
     outcome = replay_step(remade, None, None)
-    return _at_producer("eps", report, facts=_facts("eps", remedy, report, remade, outcome),
-                        finite=outcome.failed is None, loss=outcome.loss, seconds=outcome.seconds,
-                        failed=outcome.failed, error=outcome.error)
+    return at_producer("eps", report, facts=remedy_facts("eps", remedy, report, remade, outcome),
+                       finite=outcome.failed is None, loss=outcome.loss, seconds=outcome.seconds,
+                       failed=outcome.failed, error=outcome.error)
 
 
 def _in_loss_code(report: Report) -> bool:
@@ -366,43 +367,43 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
                   base: StepOutcome) -> FixTrial:
     """A remedy applied at the producer's line (site.py) on a replay of the step."""
     outcome, remedy, every = replay_at_line(step, site, remedy)
-    facts = _facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
+    facts = remedy_facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
     if not outcome.applied:
         untried = "it found nothing to change at the producer's line"
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
-        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
+        return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
     if outcome.failed == "loss" and isinstance(step.loss_code, LossCode) and step.loss_code.differentiates:
-        return _at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds,
-                            untried="the loss came out non-finite, but the loss code differentiates "
+        return at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds,
+                           untried="the loss came out non-finite, but the loss code differentiates "
                                     "(torch.autograd.grad) and its recorded backward runs as it ran, the unremedied "
                                     "line's derivative: the trial cannot tell")
     if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
-        return _at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
+        return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
     other = changes_value(step, site, remedy, outcome) if isinstance(remedy, StableFix) else None
     seconds = outcome.seconds + (remedy.checked if isinstance(remedy, StableFix) else 0.0)
     if other is not None:
         # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not
         # counted as one (finite None), with why.
-        return _at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
-                            output_change=_change(base, outcome), seconds=seconds, untried=other)
-    return _at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                        output_change=_change(base, outcome), seconds=seconds, failed=outcome.failed,
-                        error=outcome.error)
+        return at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
+                           output_change=output_change(base, outcome), seconds=seconds, untried=other)
+    return at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+                       output_change=output_change(base, outcome), seconds=seconds, failed=outcome.failed,
+                       error=outcome.error)
 
 
 def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
     """``scale`` (scale.py): the step replayed at lower GradScaler scales until one is finite."""
     facts, outcome, seconds = try_scales(step, old)
     if outcome is None:
-        return _at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
-                            untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
+        return at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
+                           untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
     built = next((source for scaler in step.scalers if (source := scaler_source(scaler)) is not None), None)
     if built is not None:  # the edit goes at the line that built the scaler (patches/scaler.py)
         facts.update(scaler_file=built.filename, scaler_lineno=built.lineno, scaler_line=built.line)
-    return _at_producer("scale", report, facts=(*_step_facts(step, outcome), *facts.items()),
-                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
-                        error=outcome.error)
+    return at_producer("scale", report, facts=(*step_facts(step, outcome), *facts.items()),
+                       finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
+                       error=outcome.error)
 
 
 def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
@@ -410,11 +411,11 @@ def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], las
     """``lr`` after a divergence (diverged.py): the previous update at a tenth, then the failing step."""
     lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
     if lowered is None:
-        return _at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
+        return at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
     outcome = replay_step(lowered, None, None)
-    return _at_producer("lr", report, facts=(*_step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
-                        finite=outcome.failed is None, loss=outcome.loss, output_change=_change(base, outcome),
-                        seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)
+    return at_producer("lr", report, facts=(*step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
+                       finite=outcome.failed is None, loss=outcome.loss, output_change=output_change(base, outcome),
+                       seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)
 
 
 def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
@@ -435,74 +436,18 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
         untried, finite, seconds = f"the learning rate is {facts['lr']}: a tenth of it is too", None, 0.0
         facts = {}
     facts_of = (("optimizer", report.optimizer), ("stepped", True), *facts.items())
-    return (_at_producer(kind, report, facts=facts_of, finite=finite, seconds=seconds,
-                     failed=None if finite is not False else "optimizer step", untried=untried),)
+    return (at_producer(kind, report, facts=facts_of, finite=finite, seconds=seconds,
+                    failed=None if finite is not False else "optimizer step", untried=untried),)
 
 
 def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     """``skip-batch`` (batch.py): the step without the samples whose data is non-finite."""
     left = without_bad_samples(step)
     if left is None:
-        return (_at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "
-                                                       "the batch's first dimension, holds the non-finite value"),)
+        return (at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "
+                                                      "the batch's first dimension, holds the non-finite value"),)
     smaller, dropped, size = left
     outcome = replay_step(smaller, None, None)
-    facts = (*_step_facts(smaller, outcome), ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
-    return (_at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
-                     seconds=outcome.seconds, failed=outcome.failed, error=outcome.error),)
-
-
-def _at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
-    """A trial of ``kind`` applied where ``report``'s producer ran."""
-    return FixTrial(kind, report.op, report.module, report.source, **outcome)
-
-
-def _step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, object], ...]:
-    """Whether the optimizer step was replayed, where the backward started, where the loss came from or why none."""
-    facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
-                                             ("backward_from", _backward_from(step, outcome)))
-    if outcome.loss_from is not None:
-        facts += (("loss_from", outcome.loss_from),)
-        if outcome.stand_in is not None and outcome.failed in ("backward", "optimizer step"):
-            facts += (("loss_code_not_run", outcome.stand_in),)
-    elif outcome.no_loss is not None and outcome.failed != "forward":
-        facts += (("loss_not_computed", outcome.no_loss),)
-    return facts
-
-
-def _facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
-           ) -> tuple[tuple[str, object], ...]:
-    facts: list[tuple[str, object]] = list(_step_facts(step, outcome))
-    if kind == "float32":
-        facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
-    if isinstance(remedy, DomainFix):
-        facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
-    if isinstance(remedy, StableFix):
-        facts += [("function", remedy.function), ("form", remedy.form)]
-    if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
-        # Every value was out of the domain (every row masked): the output no longer depends on them.
-        facts += [("moved_all", remedy.total)]
-    return tuple(facts)
-
-
-def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
-    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones."""
-    if outcome.loss_from is not None:
-        return "loss"
-    return "output-gradient" if held_gradients(step.root) else "ones"
-
-
-def _change(base: StepOutcome, outcome: StepOutcome) -> float | None:
-    """The largest change of an output against the unremedied replay's finite values (None: none compared)."""
-    largest: float | None = None
-    for path, before in base.outputs.items():
-        after = outcome.outputs.get(path)
-        if after is None or after.shape != before.shape:
-            continue
-        finite = torch.isfinite(before)
-        if not bool(finite.any()):
-            continue
-        difference = (after.double() - before.double()).abs()[finite]
-        value = float(difference.max()) if difference.numel() else 0.0
-        largest = value if largest is None or math.isnan(value) or value > largest else largest
-    return largest
+    facts = (*step_facts(smaller, outcome), ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
+    return (at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+                    seconds=outcome.seconds, failed=outcome.failed, error=outcome.error),)

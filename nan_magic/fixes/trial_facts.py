@@ -1,0 +1,79 @@
+"""What a fix trial records: where it was applied, how its replay ran, and what it changed.
+
+The facts of a :class:`~nan_magic.records.FixTrial` (render/fixes.py makes their sentences): whether the replay stepped
+the optimizer, where its backward started and where its loss came from (step.py), the remedy's own numbers, and the
+largest change of an output against the unremedied replay's. Split from runner.py, which picks and runs the trials.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nan_magic.fixes.domain import DomainFix
+from nan_magic.fixes.mask import MaskFix
+from nan_magic.fixes.site import Remedy
+from nan_magic.fixes.stable import StableFix
+from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients
+from nan_magic.records import FixTrial, Report
+
+__all__ = ["at_producer", "output_change", "remedy_facts", "step_facts"]
+
+
+def at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
+    """A trial of ``kind`` applied where ``report``'s producer ran."""
+    return FixTrial(kind, report.op, report.module, report.source, **outcome)
+
+
+def step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, object], ...]:
+    """Whether the optimizer step was replayed, where the backward started, where the loss came from or why none."""
+    facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
+                                             ("backward_from", _backward_from(step, outcome)))
+    if outcome.loss_from is not None:
+        facts += (("loss_from", outcome.loss_from),)
+        if outcome.stand_in is not None and outcome.failed in ("backward", "optimizer step"):
+            facts += (("loss_code_not_run", outcome.stand_in),)
+    elif outcome.no_loss is not None and outcome.failed != "forward":
+        facts += (("loss_not_computed", outcome.no_loss),)
+    return facts
+
+
+def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
+                 ) -> tuple[tuple[str, object], ...]:
+    """:func:`step_facts`, and the remedy's own: the dtype it upcast, the function and eps it changed, its form."""
+    facts: list[tuple[str, object]] = list(step_facts(step, outcome))
+    if kind == "float32":
+        facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
+    if isinstance(remedy, DomainFix):
+        facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
+    if isinstance(remedy, StableFix):
+        facts += [("function", remedy.function), ("form", remedy.form)]
+    if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
+        # Every value was out of the domain (every row masked): the output no longer depends on them.
+        facts += [("moved_all", remedy.total)]
+    return tuple(facts)
+
+
+def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
+    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones."""
+    if outcome.loss_from is not None:
+        return "loss"
+    return "output-gradient" if held_gradients(step.root) else "ones"
+
+
+def output_change(base: StepOutcome, outcome: StepOutcome) -> float | None:
+    """The largest change of an output against the unremedied replay's finite values (None: none compared)."""
+    largest: float | None = None
+    for path, before in base.outputs.items():
+        after = outcome.outputs.get(path)
+        if after is None or after.shape != before.shape:
+            continue
+        finite = torch.isfinite(before)
+        if not bool(finite.any()):
+            continue
+        difference = (after.double() - before.double()).abs()[finite]
+        value = float(difference.max()) if difference.numel() else 0.0
+        largest = value if largest is None or math.isnan(value) or value > largest else largest
+    return largest
