@@ -16,6 +16,8 @@ import IPython
 import pytest
 from IPython.utils.capture import capture_output
 
+from nan_magic.fixes.optimizer_step import FIRST_STEP
+
 SETUP = """
 import torch
 from torch import nn
@@ -142,16 +144,40 @@ for step in range(5):
 """
 
 
-def test_the_untried_optimizer_fix_says_the_magics_option(ip: Any) -> None:
-    """The walk's Adam with eps=0, in a notebook: the eps trial was 'not tried: no last good state was kept
-    (watch(..., keep_last_good=True) keeps ...)', an API the notebook's user does not call; now the magics'
-    option is said too."""
+@pytest.mark.parametrize("keep", ["", " --keep-last-good"])
+def test_the_untried_optimizer_fix_at_the_first_step_says_why_and_sends_nowhere(ip: Any, keep: str) -> None:
+    """The walk's Adam with eps=0, in a notebook, fails at its first step: the eps trial said 'not tried: no last
+    good state was kept (watch(..., keep_last_good=True) keeps ...)', and with --keep-last-good the cell failed the
+    same, the trial then 'no optimizer step ended finite before this one'. The first step has no state before it,
+    kept or not: that is what it says, whatever is kept."""
     ip.run_cell(ADAM_EPS_ZERO)
     with capture_output():
-        ip.run_cell(ADAM_LOOP)
+        ip.run_cell(ADAM_LOOP.replace("%%nantrace", "%%nantrace" + keep))
     report = ip.user_ns["_nan_report"]
-    assert (report.phase, report.module, report.cause.label) == ("optimizer", "0", "optimizer-eps-underflow")
+    assert (report.phase, report.module, report.cause.label, report.step) == (
+        "optimizer", "0", "optimizer-eps-underflow", 0)
     (trial,) = [fix for fix in report.fixes if fix.kind == "eps"]
+    assert trial.finite is None and trial.untried == FIRST_STEP
+    assert "--keep-last-good" not in report.to_text() and "keep_last_good=True" not in report.to_text()  # no advice
+
+
+def test_the_untried_optimizer_fix_after_the_first_step_says_the_magics_option(ip: Any) -> None:
+    """A learning rate raised to 3e38 at step 2 overflows the update: the redo at a tenth needs a kept state, and
+    the trial says how to keep one in a notebook (%%nantrace --keep-last-good), not only watch(...)."""
+    ip.run_cell(ADAM_EPS_ZERO + "sgd = torch.optim.SGD(net.parameters(), lr=1e-3)\ny100 = 100 * y4\n")
+    with capture_output():
+        ip.run_cell("""%%nantrace
+for step in range(5):
+    if step == 2:
+        sgd.param_groups[0]["lr"] = 3e38
+    loss = nn.functional.mse_loss(net(x4), y100)
+    sgd.zero_grad()
+    loss.backward()
+    sgd.step()
+""")
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase, report.step, report.cause.label) == ("optimizer", 2, "learning-rate-too-high")
+    (trial,) = [fix for fix in report.fixes if fix.kind == "lr"]
     assert trial.finite is None and "%%nantrace --keep-last-good" in trial.untried, trial.untried
 
 

@@ -26,19 +26,22 @@ from torch import nn
 from nan_magic.fixes.step import step_alone
 from nan_magic.scene.last_good import LastGood
 
-__all__ = ["NO_LAST_GOOD", "redo_step"]
+__all__ = ["FIRST_STEP", "NO_LAST_GOOD", "redo_step"]
 
 #: (A notebook's user runs the magics, a script's the API: both ways to keep it are said.)
 NO_LAST_GOOD = ("no last good state was kept (%%nantrace --keep-last-good, or watch(..., keep_last_good=True), keeps "
                 "the state the step is redone from)")
+#: At the first step that advice is a dead end: a last good state is kept from the first step that ends finite.
+FIRST_STEP = "it is the first optimizer step: no state before it is kept to redo it from"
 
 
 def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last_good: LastGood,
-              remedy: str) -> tuple[str | None, bool | None, dict[str, Any], float]:
-    """``(why not tried, finite, facts, seconds)`` of the step redone with ``remedy`` (``"lr"`` or ``"eps"``)."""
+              remedy: str, first: bool = False) -> tuple[str | None, bool | None, dict[str, Any], float]:
+    """``(why not tried, finite, facts, seconds)`` of the step redone with ``remedy`` (``"lr"`` or ``"eps"``);
+    ``first``: the failing step is the run's first."""
     start = time.perf_counter()
     if last_good.where is None:  # (the settings still say what the trial would change)
-        return NO_LAST_GOOD, None, _settings(optimizer, remedy), 0.0
+        return FIRST_STEP if first else NO_LAST_GOOD, None, _settings(optimizer, remedy), 0.0
     kept_optimizer = last_good.state_of(optimizer)
     names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
@@ -51,7 +54,8 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
             break
         kept[id(parameter)] = state[name]
     if last_good.step is None or kept_optimizer is None:
-        return ("no optimizer step ended finite before this one: there is no state to redo it from", None,
+        return (FIRST_STEP if first else "no optimizer step ended finite before this one: there is no state to redo "
+                "it from", None,
                 _settings(optimizer, remedy), 0.0)
     as_ran = _redo(optimizer, parameters, kept, kept_optimizer, None)
     if as_ran:
