@@ -152,7 +152,7 @@ class CallReplay(BackwardCallReplays):
             if inner is not None:
                 # A checked child ran it, after its output was checked: a user's forward hook (torch runs the
                 # watch's global hooks first) rewrote the output. Its module, as ops=True names it.
-                self._move_to(finding, inner, TensorRef.op_output(op.op))
+                self.move_to(finding, inner, TensorRef.op_output(op.op))
                 finding.notes = [note for note in finding.notes if note.kind != "own-code"]
             elif (uncalled := run_without_a_call(frame.module, frame.info.name, op.module)) is not None:
                 # A child's code run with no call of it (``self.act.forward(h)``): its module, as the tiered watch
@@ -239,7 +239,7 @@ class CallReplay(BackwardCallReplays):
         if op is not None and caller is not None:
             # The first non-finite value was made by the own code of a call
             # enclosing the one whose output was found: that caller is the producer.
-            self._move_to(finding, caller, TensorRef.op_output(op.op))
+            self.move_to(finding, caller, TensorRef.op_output(op.op))
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
@@ -253,7 +253,7 @@ class CallReplay(BackwardCallReplays):
         ))
         return False
 
-    def _move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
+    def move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
         """Make ``finding`` name ``caller`` (an enclosing call, or a child) the producer of ``tensor``, with its inputs.
 
         The output first found (a child's, or its parent's) only passed the value on: it is
