@@ -331,6 +331,8 @@ class Watch(WatchEvents):
                                      keeps_plain=self.config.ops and self.timing.deferred and self.replay_of is None)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = self.localizing.kept  # the step's top-level calls (the hooks keep them; modes.py)
+        if self.replays is not None:  # (a per-module watch's replay of a call that wrote its input in place)
+            self.call_replay.inputs_before = self.replays.inputs_before_of
         #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).
         self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)

@@ -45,6 +45,7 @@ from nan_magic.localize.replay.calls_named import (
     run_without_a_call,
 )
 from nan_magic.localize.replay.module_run import (
+    copy_tensors,
     enclosing_output,
     recompute,
     replay_module,
@@ -85,6 +86,9 @@ class CallReplay(BackwardCallReplays):
         self.replays_kept = self.can_replay and timing.deferred
         #: Whether a producer is replayed as it is judged, from its running frame's arguments (immediate mode).
         self.replays_running = self.can_replay and not timing.deferred
+        #: A top-level call's inputs as they were before its forward wrote them in place, by id, where the step's
+        #: kept calls hold them (tiered/step_keeping.inputs_before_of, for the fix trials); None: none kept.
+        self.inputs_before: Callable[[Call], dict[int, torch.Tensor]] | None = None
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
@@ -138,9 +142,18 @@ class CallReplay(BackwardCallReplays):
             # never deliberate, and one it makes later, a row with no unmasked entry, is replayed.)
             finding.record.status = "benign"  # type: ignore[union-attr]
             return True
-        if any(_mutated(ref(), version) for _path, _argument, _record, ref, version in frame.call.inputs):
-            finding.notes.append(Note.of("input-mutated", module=frame.info.name))
-            return False
+        mutated = [id(ref()) for _path, _argument, _record, ref, version in frame.call.inputs
+                   if _mutated(ref(), version)]
+        if mutated:
+            # A forward that writes its input in place (``x /= x.norm(...)``) left the NaN it wrote there: replayed
+            # from the input's value before the call where the model was seen writing it before (input_writes.py).
+            before = self.inputs_before(frame.call) if self.inputs_before is not None else {}
+            if not all(key in before for key in mutated):
+                finding.notes.append(Note.of("input-mutated", module=frame.info.name))
+                return False
+            with torch.no_grad():
+                copies = dict(before)
+                args, kwargs = copy_tensors(args, copies), copy_tensors(kwargs, copies)
         with self.standing_aside():
             result = replay_module(
                 frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.kinds,
