@@ -26,8 +26,8 @@ from nan_magic.localize.ops.owners import CALL_IMPL, forward_hook_module
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "defined_below",
-           "hook_definer", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
+__all__ = ["GENERATED", "PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us",
+           "defined_below", "hook_definer", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -59,12 +59,19 @@ _SUBCLASS_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
 PASSED_OVER: dict[int, tuple[CodeType, bool]] = {}
 
 
+#: The ids of the passed-over codes that torch.fx generated (a ``torch.compile``d function's graph, run by an eager
+#: backend): the user's line of an op it runs is its graph node's (outside/generated.py). Held in PASSED_OVER.
+GENERATED: set[int] = set()
+
+
 def passed_over(code: CodeType) -> bool:
     """Whether a frame running ``code`` is never the user's line: library code, or a tensor subclass's
     ``__torch_function__`` (how the op was routed, not the line that asked for it: the caller's is)."""
     entry = PASSED_OVER.get(id(code))
     if entry is None:
         entry = PASSED_OVER[id(code)] = (code, is_library_code(code) or code.co_name in _SUBCLASS_HOOKS)
+        if code.co_filename.startswith("<eval_with_key>"):
+            GENERATED.add(id(code))
     return entry[1]
 
 
