@@ -91,7 +91,8 @@ class WatchEvents:
             replayed = replays.localize(finding, seen)
         loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
-        if replayed is None and kept.replays is not None and self.localizing.replays_calls and finding.call is not None:
+        if replayed is None and kept.replays is not None and self.localizing.replays_calls and (
+                finding.call is not None or finding.phase == Phase.BACKWARD):
             # (mode="full": what a module replay cannot vouch for, a call that wrote its own state, a gradient of ones)
             replayed = replayed_from_the_step(kept.replays, finding, seen)
         if replays is None and kept.replays is not None and finding.tensor.role is TensorRole.BUFFER and (
