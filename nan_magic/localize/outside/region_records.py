@@ -374,7 +374,7 @@ class RegionRecords:
             finding = dataclasses.replace(
                 finding, absorbed=dataclasses.replace(absorbed, source=source, inner_source=None))
         maker = made.get(finding.node_number) if finding is not None and finding.node_number is not None else None
-        if finding is not None and maker is not None and maker.frame is not None and maker.frame.f_code is maker.code:
+        if maker is not None and maker.frame is not None and maker.frame.f_code is maker.code:
             # %debug opens in the frame whose line made the node (a loss helper's, held while small): witness().
             self._witness, self._clean = (finding, (), maker.frame, (maker.lasti, maker.lineno)), False
         return finding
