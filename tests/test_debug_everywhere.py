@@ -119,17 +119,12 @@ MODES = {"default": "", "defer": "--defer", "full": "--full", "ops": "--ops", "o
 #: (case, mode) -> why %debug does not open at the report's line there (strict xfails).
 KNOWN: dict[tuple[str, str], str] = {
     # (round 21) The loss code's line in the loop is still running when backward judges it (the loop's own frame):
-    # %debug opens there. A loss helper's frame returned before backward ran. The deferred check's recorder holds
-    # it while its tensors are small (outside/held.small_frames), and the backward replay of its records names the
-    # op whose node its line made (region_records.claim_backward's witness; gaps23): %debug opens there. Elsewhere
-    # %debug opens at loss.backward(), as the report's "%debug opens in" says.
+    # %debug opens there. A loss helper's frame returned before backward ran, and no replay re-runs code outside
+    # the modules: %debug opens at loss.backward(), as the report's "%debug opens in" says.
     **{
-        ("backward-in-a-loss-helper", mode): "a backward producer in a loss helper that returned: the immediate "
-        "recorder lets go of a returned helper's frame as backward starts (recorder._let_go_of_returned_frames; "
-        "holding the small ones as the deferred check does costs the benchmark loops' returned loss helper 4 calls "
-        "a step), and the op tracer's NodeSources keeps a code and a line per node, no frame: %debug opens at "
-        "loss.backward(), not at the helper's line"
-        for mode in ("default", "full", "ops", "ops+defer")
+        ("backward-in-a-loss-helper", mode): "a backward producer in a loss helper that returned: %debug opens at "
+        "loss.backward(), not at the helper's line (no replay re-runs code outside the modules)"
+        for mode in MODES
     },
 }
 

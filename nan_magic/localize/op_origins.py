@@ -233,8 +233,6 @@ class OpOrigins:
             finding.frame, finding.frame_position = self.tracer.frame_of(origin)
         elif origin.phase == Phase.BACKWARD and self.tracer is not None and self.forward_line is not None:
             self.forward_line(self.tracer, origin, finding)  # autograd's formula: its forward line, replayed
-        elif origin.phase == Phase.BACKWARD and self.tracer is None:
-            self._frame_of_loop_op(finding, origin)  # the loss code's line that made its node, where still held
 
     def _frame_of_loop_op(self, finding: Finding, origin: OpFinding) -> None:
         """Point ``finding``'s frame at where the loop's op ``origin`` ran, as far as it is still known."""
@@ -299,7 +297,6 @@ class OpOrigins:
             origin = outside.claim_backward(loss, key, last=True)
         if origin is not None:
             attach_origin(finding, origin)
-            self._frame_of_loop_op(finding, origin)  # the line that made its node, where its frame is still held
         return origin is not None
 
     def explain_failure(self, error: BaseException) -> Finding | None:
