@@ -373,12 +373,8 @@ def _forgets(model: nn.Module) -> Callable[[], None]:
 
 #: A fully masked row's max stays benign where it is made, so the healthy idioms above stay calm; a broken twin names
 #: the max once a consumer makes a new kind of its -inf (localize/ops/origins.Picked; gaps22: the consumer was named).
-#: The per-module watch still names a pooling child's consumer: it judges the child's output benign by a replay of
-#: that call alone, and names the consumer by a replay of the consumer's own call, where the -inf enters from outside.
-MAX_IN_A_CHILD_FULL = pytest.mark.xfail(strict=True, reason=(
-    "mode='full' judges the pooling child's output benign by a replay of its call alone and localizes the head's NaN "
-    "by a replay of the head's call, where the -inf entered from outside: the head's addmm is named, not the max"))
-POOL_MODES = [*FIVE_MODES[:4], pytest.param({"mode": "full"}, id="full", marks=MAX_IN_A_CHILD_FULL)]
+#: The per-module watch judges a pooling child's output benign by a replay of that call alone: its consumer's NaN is
+#: named by a replay of the call around both (replay/outward.replay_around_a_pick; gaps23: the head's addmm was).
 
 
 @pytest.mark.parametrize("options", FIVE_MODES)
@@ -390,7 +386,7 @@ def test_an_inline_max_pool_is_named_where_its_cleaning_is_left_out(options: dic
     assert report.source is not None and "producer: inline max" in report.source.line
 
 
-@pytest.mark.parametrize("options", POOL_MODES)
+@pytest.mark.parametrize("options", FIVE_MODES)
 def test_a_pooling_child_is_named_where_its_parent_leaves_out_the_cleaning(options: dict) -> None:
     torch.manual_seed(0)
     model, opt, run = _forgets(PoolForgetsOnce("nan_to_num"))

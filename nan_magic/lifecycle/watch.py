@@ -61,6 +61,7 @@ from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
 from nan_magic.lifecycle.watch_events import WatchEvents
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.ops.owners import root_hook_module
 from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
@@ -305,6 +306,9 @@ class Watch(WatchEvents):
         # Services, built first: the checkers below receive them, never each other.
         self.origins = OpOrigins(self.outside, self.emit, self.on_gradient_event, self.targets.info_by_name,
                                  self.targets.infos, lambda key: self.targets.modules.get(key))
+        if self.outside is not None:  # a root's own forward hook ran after the post-hook began the loss region
+            self.outside.root_hook = lambda code, frame: root_hook_module(
+                code, frame, (module for _label, module in self.targets.roots), self.origins.named)
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
@@ -327,6 +331,8 @@ class Watch(WatchEvents):
                                      keeps_plain=self.config.ops and self.timing.deferred and self.replay_of is None)
         self.module_hooks = GlobalModuleHooks(self.forward.on_forward_pre, self.forward.on_forward)
         self.replays = self.localizing.kept  # the step's top-level calls (the hooks keep them; modes.py)
+        if self.replays is not None:  # (a per-module watch's replay of a call that wrote its input in place)
+            self.call_replay.inputs_before = self.replays.inputs_before_of
         #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).
         self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)

@@ -100,6 +100,7 @@ class OpOrigins:
         self.tracer.enclosing = self._enclosing
         self.tracer.within = self._within
         self.tracer.owned = self._owned
+        self.tracer.named = self.tracer.node_sources.named = self.named
         return self.tracer
 
     def _enclosing(self, name: str, module_type: str) -> str | None:
@@ -130,6 +131,11 @@ class OpOrigins:
             return None
         depth = len(info.path)
         return below.name if len(below.path) > depth and below.path[:depth] == info.path else None
+
+    def named(self, key: int) -> str | None:
+        """The name of the watched module whose id is ``key``, else None."""
+        info = self._info_by_id(key) if self._info_by_id is not None else None
+        return info.name if info is not None else None
 
     def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.

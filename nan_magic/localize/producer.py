@@ -36,7 +36,7 @@ from nan_magic.localize.ops.masks import DeliberateMasks
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.producer_inputs import CallInputs, _detached
 from nan_magic.localize.replay.calls_named import caller_named
-from nan_magic.localize.replay.outward import CHANGED, replay_outward
+from nan_magic.localize.replay.outward import CHANGED, replay_around_a_pick, replay_outward
 from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.swapped import SwappedTensors, stand_ins
 from nan_magic.options import WatchConfig
@@ -185,9 +185,12 @@ class ProducerRule(CallInputs):
             )
             if replay is not None:
                 finding.rng_state = replay[0].rng_state
-                if self.replayer.replay_into(finding, produced, *replay):
+                # (A max's pick of a mask that another call passed on, which this call made a new kind of: the max.)
+                picked = replay_around_a_pick(self.replayer, finding, call, self.stack)
+                if not picked and self.replayer.replay_into(finding, produced, *replay):
                     return True
-                self._replay_outward(finding, call)
+                if not picked:
+                    self._replay_outward(finding, call)
             elif self.replayer.replays_kept and self.replayer.replay_deferred(finding, produced, call):
                 return True
         if detected_at:

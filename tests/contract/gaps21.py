@@ -233,10 +233,10 @@ CASES += [
             step=2,
             op="aten.div_.Tensor",
             marker="later in-place norm",
-            op_modes=("default", "defer", "ops"),
+            op_modes=("default", "defer", "full", "ops"),
         ),
-        note="learned at step 1's call (its input's version moved), copied from step 2's: the tiered replay names "
-        "the op; the per-module watch keeps no copy (hunt19.IN_PLACE_INPUT_GAP)",
+        note="learned at step 1's call (its input's version moved), copied from step 2's: the tiered replay and the "
+        "per-module watch's replay name the op (hunt19.IN_PLACE_INPUT)",
     ),
     Case(
         "gaps21_forward_first_writes_its_input_at_the_failing_step",

@@ -924,11 +924,13 @@ def _dqn(where: bool) -> Scenario:
     return Scenario((online, opt), run)
 
 
-IN_PLACE_INPUT_GAP = (
-    "the forward writes its own input in place (x /= x.norm(...)): the tiered watch learns that from a call that "
-    "moved its input's version counter and keeps a copy of that model's input from the next call on "
-    "(hot/kept/input_writes.py); the per-module watch keeps no such copy for a module call: its replay starts from "
-    "the values the write left, and names the module with op None, saying the input was modified in place")
+#: How a forward that writes its own input in place is named with its op (gaps23: the per-module watch's replay
+#: started from the values the write left, op None, the input said modified in place).
+IN_PLACE_INPUT = (
+    "the forward writes its own input in place (x /= x.norm(...)): the watch learns that from a call that moved its "
+    "input's version counter and keeps a copy of that model's input from the next call on (hot/kept/input_writes.py, "
+    "the step's kept top-level calls); the tiered step replay and the per-module watch's replay of the call "
+    "(replay/producer_call.replay_into) start from it")
 
 CASES = [
     Case("hunt19_procrustes_svd_polar_factor_of_the_identity", lambda: _procrustes(True),
@@ -1001,11 +1003,11 @@ CASES = [
     Case("hunt19_missing_targets_boolean_index_healthy", lambda: _nanmean_targets(True), None),
     Case("hunt19_forward_normalises_its_input_in_place_of_a_blank_row", lambda: _in_place_input(True),
          Expect("forward", "", "CosineClassifier", step=2, op="aten.div_.Tensor", marker="in-place input norm",
-                op_modes=("ops", "default", "defer")),
-         note=IN_PLACE_INPUT_GAP),
+                op_modes=("ops", "default", "defer", "full")),
+         note=IN_PLACE_INPUT),
     Case("hunt19_forward_normalises_its_input_in_place_op_and_line", lambda: _in_place_input(True),
          Expect("forward", "", "CosineClassifier", step=2, op="aten.div_.Tensor", marker="in-place input norm"),
-         modes=("default", "defer", "full"), gaps=(("full", IN_PLACE_INPUT_GAP),)),
+         modes=("default", "defer", "full")),
     Case("hunt19_forward_normalises_a_copy_healthy", lambda: _in_place_input(False), None),
     Case("hunt19_static_input_buffer_nan_in_the_first_micro_batch", lambda: _static_buffer(True),
          Expect("data", "", "Sequential", step=1, op=None)),

@@ -552,7 +552,8 @@ def _compiled_loss(eps: float) -> Scenario:
     """A mean squared log error compiled on its own (``torch.compile(msle, backend="eager")``: dynamo's graph,
     run by the eager backend); at step 2 a target is 0 and log(0) is -inf. The recorder sees the op run by
     torch.fx's generated code (``<eval_with_key>``, no file the user can open): the tiered and per-module watch name
-    the compiled function at its ``def`` line, ops=True (under which dynamo runs the function as written) its line."""
+    the line of the graph node's stack trace (outside/generated.py; gaps23: the compiled function's ``def`` line
+    before), ops=True (under which dynamo runs the function as written) the line itself."""
     torch._dynamo.reset()  # (each build compiles anew: past dynamo's recompile limit it would run eagerly)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -561,7 +562,7 @@ def _compiled_loss(eps: float) -> Scenario:
     ys = [torch.rand(4, 1) + 0.5 for _ in range(4)]
     ys[2][1] = 0.0
 
-    def msle(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # producer: compiled loss def
+    def msle(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (torch.log(target + eps) - pred).pow(2).mean()  # producer: compiled loss
 
     loss_fn = torch.compile(msle, backend="eager")
@@ -579,21 +580,8 @@ def _compiled_loss(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
-COMPILED_LOSS_GAP = (
-    "a compiled loss function's ops run from torch.fx's generated forward (<eval_with_key>): the recorder's frame "
-    "for them is the compiled function's own, at its def line (errors/frames.py skips the generated file), not "
-    "the line of the op; mapping a generated line back to its source needs the graph's node metadata (the "
-    "GraphModule's _lineno_map and node.meta['stack_trace']) read from the generated frame's line, which the "
-    "recorder's walk passes over and does not keep: keeping it is a check per frame of every recorded op")
-
 CASES += [
     Case("hunt20_compiled_loss_function_log_of_a_zero_target", lambda: _compiled_loss(0.0),
-         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss", op_modes=("ops",))),
-    Case("hunt20_compiled_loss_function_named_at_its_def", lambda: _compiled_loss(0.0),
-         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss def"),
-         modes=("default", "defer", "full")),
-    Case("hunt20_compiled_loss_function_line_of_the_op", lambda: _compiled_loss(0.0),
-         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss"),
-         modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=COMPILED_LOSS_GAP),)),
+         Expect("forward", None, step=2, op="aten.log.default", marker="compiled loss")),
     Case("hunt20_compiled_loss_function_with_eps_healthy", lambda: _compiled_loss(1e-6), None),
 ]

@@ -14,15 +14,14 @@ non-negative by ``rate.data.clamp_(min=0)`` in the loop, then ``log(rate)`` in t
 weight ``snr / (snr + 1)`` at t = 0 (SNR 1 / 0); volume rendering whose last interval is written inf (0 * inf where a
 density is 0). A parameter used by code other than its owner's: a parent's orthogonality penalty on its child's
 identity-initialised weight (sqrt's backward at 0); the root's gate applied by a user's forward hook on a child, and by
-a pre-hook (the hooked module is named); a forward hook on the root itself (strict xfails: named as code outside every
-module, see ROOT_HOOK_GAP).
+a pre-hook (the hooked module is named); a forward hook on the root itself (the root is named, ``""``: its call ran
+the hook, though torch runs it after the watch took the root off its stack).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 from torch import nn
 from torch.distributions import Categorical
@@ -595,15 +594,6 @@ def _root_hook(builtin: bool, backward: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
 
 
-#: Why a forward hook on the root itself is named as code outside every module, in every mode (strict xfails).
-ROOT_HOOK_GAP = (
-    "a user's forward hook on the root runs after the watch's global post-hook took the root off its stack: the "
-    "tiered modes' outside recorder (localize/outside/recorder.py), pushed when a top-level call returns, records its "
-    "ops as the loop's code, and ops mode's hook_owner / NodeSources.note (localize/ops/owners.forward_hook_module) "
-    "give up where no module is running (running is None): no name maps the hooked root"
-)
-_ROOT_HOOK_XFAIL = (pytest.mark.xfail(strict=True, reason=ROOT_HOOK_GAP),)
-
 CASES = [
     Case("hunt22b_diffusion_noise_from_x0_at_t0_of_a_schedule_from_0", lambda: _diffusion(0.0),
          Expect("forward", "", "X0Diffusion", step=2, op="aten.div.Tensor", marker="noise from x0")),
@@ -654,11 +644,9 @@ CASES = [
          Expect("backward", "head", "Linear", step=0, op="aten.div.Tensor", marker="pre-hook gate")),
     Case("hunt22b_forward_pre_hook_gates_by_the_root_parameter_abs_healthy", lambda: _pre_hook_gate(True), None),
     Case("hunt22b_root_forward_hook_temperature_sqrt_backward_at_0", lambda: _root_hook(False, backward=True),
-         Expect("backward", "", "Sequential", step=0, op="aten.div.Tensor", marker="root hook gate"),
-         marks=_ROOT_HOOK_XFAIL, note=ROOT_HOOK_GAP),
+         Expect("backward", "", "Sequential", step=0, op="aten.div.Tensor", marker="root hook gate")),
     Case("hunt22b_root_forward_hook_temperature_abs_healthy", lambda: _root_hook(True, backward=True), None),
     Case("hunt22b_root_forward_hook_normalises_a_zero_output", lambda: _root_hook(False, backward=False),
-         Expect("forward", "", "Sequential", step=1, op="aten.div.Tensor", marker="root hook norm"),
-         marks=_ROOT_HOOK_XFAIL, note=ROOT_HOOK_GAP),
+         Expect("forward", "", "Sequential", step=1, op="aten.div.Tensor", marker="root hook norm")),
     Case("hunt22b_root_forward_hook_normalize_healthy", lambda: _root_hook(True, backward=False), None),
 ]

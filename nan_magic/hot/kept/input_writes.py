@@ -4,7 +4,9 @@ A step replay runs a top-level call again from the arguments the call received (
 forward that writes its input in place (``x /= x.norm(dim=1, keepdim=True)``, a normalisation the user meant to be
 cheap) leaves the caller's batch as the write made it: a replay from there meets the NaN the write put in, and
 cannot name the op that made it. Copying every batch at every call would cost every user a copy per step; so, as
-for the parameters a forward writes (parameter_writes.py), only a model seen writing its input pays it.
+for the parameters a forward writes (parameter_writes.py), only a model seen writing its input pays it. The
+per-module watch's replay of such a call starts from the same copy, where it keeps the step's calls for its fix
+trials (localize/replay/producer_call.py).
 
 Seen: a top-level call whose input's version counter moved between its start and its return (the versions are
 read at the call's start anyway, for the replay's own check; replay/tiered/step_keeping.py reads each once more as

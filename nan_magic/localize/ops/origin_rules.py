@@ -74,6 +74,7 @@ class OriginRules:
     enclosing: Callable[[str, str], str | None] | None
     within: Callable[[str, str], str | None] | None
     owned: Callable[[str, int], str | None] | None
+    named: Callable[[int], str | None] | None
     entered_data: list[tuple[TensorRef, torch.Tensor, Any]]
     finding: OpFinding | None
     kinds: frozenset[str]
@@ -234,7 +235,7 @@ class OriginRules:
             phase=phase or Phase.FORWARD,
             module=self._hooked(hook_definer(forward_module, user_frame, self.enclosing), user_frame)
             if backward_code else forward_module if in_backward
-            else hook_owner(user_frame, self._module_name()),
+            else hook_owner(user_frame, self._module_name(), self.named),
             source=source,
             inner_source=inner,
             forward_source=forward_source,
@@ -293,7 +294,7 @@ class OriginRules:
         phase = self._phase_hint() if self._phase_hint is not None else None
         inputs = list(op_inputs(plan, args, kwargs, None))
         where = (id(user_frame), user_frame.f_code, user_frame.f_lasti, user_frame.f_lineno) if user_frame else None
-        return Picked(op, out, inputs, source, inner, hook_owner(user_frame, self._module_name()),
+        return Picked(op, out, inputs, source, inner, hook_owner(user_frame, self._module_name(), self.named),
                       phase or Phase.FORWARD, where)
 
     def _pick_origin(self, picked: Picked) -> Origin:

@@ -10,13 +10,15 @@ hook made; never per op.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from types import CodeType, FrameType
 from typing import Any
 
 import torch
 from torch.utils.hooks import BackwardHook
 
-__all__ = ["CALL_IMPL", "backward_hook_module", "called_directly", "forward_hook_module", "hook_owner"]
+__all__ = ["CALL_IMPL", "backward_hook_module", "called_directly", "forward_hook_module", "hook_owner",
+           "root_hook_module"]
 
 
 #: torch's module call, which calls a module's forward and its hooks.
@@ -25,35 +27,42 @@ CALL_IMPL = torch.nn.Module._call_impl.__code__
 _HOOKS_FILE = torch.utils.hooks.BackwardHook.setup_output_hook.__code__.co_filename
 
 
-def hook_owner(user: FrameType | None, running: str | None) -> str | None:
+def hook_owner(user: FrameType | None, running: str | None,
+               named: Callable[[int], str | None] | None = None) -> str | None:
     """The module whose forward hook ran a forward op, where ``user`` (the op's frame) is that hook; else ``running``.
 
     A forward hook of the user's (``register_forward_hook``: a normalisation of the output) runs in the module's
     call, after torch's global hooks: the watch has taken that module off its stack by then, and ``running`` is its
-    parent (:func:`forward_hook_module`). Any other op is ``running``'s, or a descendant's whose code ran it without
-    a module call (:func:`called_directly`). Called at an event only.
+    parent (:func:`forward_hook_module`; ``named``: a watched module's name by its id, for a root's own hook, where
+    nothing runs). Any other op is ``running``'s, or a descendant's whose code ran it without a module call
+    (:func:`called_directly`). Called at an event only.
     """
-    hooked = forward_hook_module(user, running)
+    hooked = forward_hook_module(user, running, named)
     return hooked if hooked is not None else called_directly(sys._getframe(1), running)
 
 
-def forward_hook_module(user: FrameType | None, running: str | None) -> str | None:
+def forward_hook_module(user: FrameType | None, running: str | None,
+                        named: Callable[[int], str | None] | None = None) -> str | None:
     """The module whose forward hook ``user`` (a frame) is, where it is one; else None.
 
     The hooked module is the ``self`` of the ``_call_impl`` frame that called the hook, named below the parent's
-    own ``_call_impl`` frame's module, ``running`` (a root's own hook: ``running``). Reads frames: called at an event,
-    and by NodeSources for a node made by code that torch's module call ran and is not a ``forward``.
+    own ``_call_impl`` frame's module, ``running``. Where no watched module runs (``running`` None), the hook is a
+    top-level call's own (a calibration the user hooked on the model itself): the watch took the root off its stack
+    before torch ran it, and ``named`` (a watched module's name by its id) names the hooked module. Reads frames:
+    called at an event, and by NodeSources for a node made by code that torch's module call ran and is not a
+    ``forward``.
     """
-    caller = user.f_back if user is not None else None
-    if caller is not None and caller.f_code.co_filename == CALL_IMPL.co_filename and caller.f_code is not CALL_IMPL:
-        caller = caller.f_back  # (torch's ``inner`` closure in ``_call_impl``, which calls the hooks)
-    if caller is None or caller.f_code is not CALL_IMPL or running is None:
+    caller = _hook_caller(user)
+    if caller is None or (running is None and named is None):
         return None
     hooked = caller.f_locals.get("self")
     if not isinstance(hooked, torch.nn.Module) or all(_code_of(hook) is not user.f_code  # type: ignore[union-attr]
                                                       for hook in hooked._forward_hooks.values()):
         # A pre-hook (its module is on the stack already), or the module's own forward.
         return None
+    if running is None:
+        assert named is not None
+        return named(id(hooked))
     frame = caller.f_back
     while frame is not None and frame.f_code is not CALL_IMPL:
         frame = frame.f_back
@@ -64,6 +73,35 @@ def forward_hook_module(user: FrameType | None, running: str | None) -> str | No
         if module is hooked and name:
             return f"{running}.{name}" if running else name
     return running
+
+
+def root_hook_module(code: CodeType, frame: FrameType | None, roots: Iterable[torch.nn.Module],
+                     named: Callable[[int], str | None]) -> str | None:
+    """The watched root whose own forward hook ``code`` is, where the loop's recorded code ran it; else None.
+
+    The tiered watch records the code between a top-level call's return and ``backward()`` (outside/recorder.py) from
+    the watch's global post-hook on: a forward hook the user registered on the root runs after it, and its ops are
+    recorded with the loss code's, though the root's call ran them. ``frame`` is the recorded op's frame where it is
+    still held: a hook's was called by torch's module call (the same function called by the loop is the loop's).
+    Without it, the code alone is matched against the roots' forward hooks. Called at an event only.
+    """
+    if frame is not None:
+        caller = _hook_caller(frame)
+        hooked = caller.f_locals.get("self") if caller is not None else None
+        return named(id(hooked)) if isinstance(hooked, torch.nn.Module) and any(
+            _code_of(hook) is code for hook in hooked._forward_hooks.values()) else None
+    for root in roots:
+        if any(_code_of(hook) is code for hook in root._forward_hooks.values()):
+            return named(id(root))
+    return None
+
+
+def _hook_caller(user: FrameType | None) -> FrameType | None:
+    """Torch's ``_call_impl`` frame that called ``user`` (a hook's frame), else None."""
+    caller = user.f_back if user is not None else None
+    if caller is not None and caller.f_code.co_filename == CALL_IMPL.co_filename and caller.f_code is not CALL_IMPL:
+        caller = caller.f_back  # (torch's ``inner`` closure in ``_call_impl``, which calls the hooks)
+    return caller if caller is not None and caller.f_code is CALL_IMPL else None
 
 
 def called_directly(frame: FrameType | None, running: str | None) -> str | None:

@@ -26,8 +26,8 @@ from nan_magic.localize.ops.owners import CALL_IMPL, forward_hook_module
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us", "defined_below",
-           "hook_definer", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
+__all__ = ["GENERATED", "PASSED_OVER", "NodeSources", "ReplayedFrom", "called_by_the_engine", "called_by_us",
+           "defined_below", "hook_definer", "is_plumbing", "passed_over", "recomputing", "sources_of_op", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -59,12 +59,19 @@ _SUBCLASS_HOOKS = frozenset({"__torch_function__", "__torch_dispatch__"})
 PASSED_OVER: dict[int, tuple[CodeType, bool]] = {}
 
 
+#: The ids of the passed-over codes that torch.fx generated (a ``torch.compile``d function's graph, run by an eager
+#: backend): the user's line of an op it runs is its graph node's (outside/generated.py). Held in PASSED_OVER.
+GENERATED: set[int] = set()
+
+
 def passed_over(code: CodeType) -> bool:
     """Whether a frame running ``code`` is never the user's line: library code, or a tensor subclass's
     ``__torch_function__`` (how the op was routed, not the line that asked for it: the caller's is)."""
     entry = PASSED_OVER.get(id(code))
     if entry is None:
         entry = PASSED_OVER[id(code)] = (code, is_library_code(code) or code.co_name in _SUBCLASS_HOOKS)
+        if code.co_filename.startswith("<eval_with_key>"):
+            GENERATED.add(id(code))
     return entry[1]
 
 
@@ -307,6 +314,8 @@ class NodeSources:
 
     def __init__(self, module_name: Callable[[], str | None]) -> None:
         self._module_name = module_name
+        #: A watched module's name by its id (op_origins.py sets it, with the tracer's): a root's own forward hook.
+        self.named: Callable[[int], str | None] | None = None
         # autograd sequence number -> (code, line) of the forward op that created it, its module, the id of the
         # module whose method that code is (its ``self``), and the op (names an operand its node saved as the
         # forward op's argument: ``weight`` of nll_loss_forward)
@@ -320,9 +329,10 @@ class NodeSources:
         self._seen_seq = torch._C._autograd._get_sequence_nr()
         self._last_location = None
 
-    def record(self, node: int, code: CodeType, lineno: int) -> None:
-        """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line)."""
-        self._sources[node] = (code, lineno, None, None)
+    def record(self, node: int, code: CodeType, lineno: int, module: str | None = None) -> None:
+        """Name node number ``node``'s forward line directly (a replay of recorded ops gives the recorded line), and
+        its module where the recorded code is one's (a root's own forward hook: outside/region_records.py)."""
+        self._sources[node] = (code, lineno, module, None)
         self._ops.pop(node, None)  # (its op is not known here)
         # Not named again by the next op's note (a custom Function's node is made after its forward's last op).
         self._seen_seq = max(self._seen_seq, node + 1)
@@ -353,7 +363,8 @@ class NodeSources:
                     frame.f_back.f_code.co_filename == CALL_IMPL.co_filename):
                 # A forward hook of the user's, run after the watch took its module off the stack: the stack says
                 # the parent, and the hooked module made the node (as hook_owner names its forward ops).
-                module = forward_hook_module(frame, module) or module
+                hooked = forward_hook_module(frame, module, self.named)
+                module = module if hooked is None else hooked
             location = (code, frame.f_lineno, module, id(own) if isinstance(own, torch.nn.Module) else None)
         else:
             location = None

@@ -180,6 +180,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
         #: The watched module strictly below a module that is the module of an id (op_origins.py sets it): which of
         #: several of a class a direct child's node was made by (defined_below's ``owned``).
         self.owned: Callable[[str, int], str | None] | None = None
+        #: A watched module's name by its id (op_origins.py sets it): a root's own forward hook, which torch runs
+        #: after the watch took the root off its stack (owners.forward_hook_module).
+        self.named: Callable[[int], str | None] | None = None
         # What each origin's op left for the report: its tensors (histograms), its user frame (%debug).
         self.witnesses = OpWitnesses()
         #: Set by a replay (replay/untouched.py): called with each tensor an op is about to write, even

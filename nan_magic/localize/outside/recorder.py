@@ -47,9 +47,10 @@ from torch.utils._pytree import tree_leaves
 from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_rewrapped
-from nan_magic.localize.ops.sources import PASSED_OVER, passed_over
+from nan_magic.localize.ops.sources import GENERATED, PASSED_OVER, passed_over
 from nan_magic.localize.outside.applied import applied_calls
 from nan_magic.localize.outside.dispatch_stack import _INERT, OnTheDispatchStack, _inference
+from nan_magic.localize.outside.generated import generated_line
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
     KEEP_TOTAL,
@@ -125,6 +126,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         #: attached (lifecycle/users_modes.py: its callbacks empty the stack for a moment).
         self.apart = False
         self._walked: tuple[FrameType | None, FrameType | None] = (None, None)  # the last op's walk: (from, found)
+        self._generated: FrameType | None = None  # the torch.fx-generated frame that walk passed, if any
         # Bytes of the storages the records hold (over-counted: a storage seen twice counts twice), a large
         # one counting past KEEP_TOTAL on its own: while within it, weaken() has nothing to let go.
         self._held_bytes = 0
@@ -231,7 +233,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         if self._applied:
             self._applied = {}
         self._witness = None
-        self._walked = (None, None)
+        self._walked, self._generated = (None, None), None
         if self.before:
             self.before.clear()
         self._clean = not self._raw  # (the last step's loss code held as recorded goes at the next forget)
@@ -255,7 +257,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals), but,
         for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
         %debug opens there at the op. The immediate check judged the loss before this is called."""
-        self._walked = (None, None)  # (a held frame keeps its locals: a large tensor the records hold weakly)
+        self._walked, self._generated = (None, None), None  # (a held frame keeps its locals, a large tensor too)
         held: set[FrameType] = {op[8] for op in self._ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
         if not held:
             return
@@ -328,13 +330,15 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         if frame is self._walked[0]:
             frame = self._walked[1]
         else:
-            start = frame
+            start, self._generated = frame, None
             while frame is not None:
                 passed = PASSED_OVER.get(code := id(frame.f_code))
                 if not (passed[1] if passed is not None else passed_over(frame.f_code)):
                     break
                 if code in ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's
                     return out
+                if code in GENERATED:  # (a compiled function's graph: its node's line is the op's, generated.py)
+                    self._generated = frame
                 frame = frame.f_back
             self._walked = (start, frame)
             self._clean = False  # (every op recorded since forget() walked here first: the walk or the records go)
@@ -360,6 +364,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                     frame.f_lineno)
             except KeyError:
                 line = line_at(frame)
+            if self._generated is not None:
+                line = generated_line(self._generated, user_code, line)
             self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, user_code, line,
                                                      frame.f_globals, lasti, frame)))
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree

@@ -14,8 +14,8 @@ in the loop, or the gradient from the loss code) holds a non-finite value;
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from types import FrameType
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -90,6 +90,10 @@ class RegionRecords:
         self.graph_grad_sites: set[tuple[Any, int]] = set()
         #: Whether the op :meth:`claim` named last ran in such a backward.
         self.claimed_in_graph_grad = False
+        #: The watched root whose own forward hook a recorded op's code (and frame, where held) is, else None
+        #: (owners.root_hook_module, bound to the watch's roots): torch runs that hook after the watch's post-hook
+        #: started the loss region, and the root's call ran its ops. None: no watch names roots.
+        self.root_hook: Callable[[CodeType, FrameType | None], str | None] | None = None
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -226,7 +230,9 @@ class RegionRecords:
             return None
         if tracer.finding is None or producer is None:
             return None
-        finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None)
+        hooked = self._module_of(producer, frame)
+        finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None,
+                                      module=tracer.finding.module if hooked is None else hooked)
         self.claimed_in_graph_grad = (producer.code, producer.lasti) in self.graph_grad_sites
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
@@ -234,6 +240,11 @@ class RegionRecords:
         self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
                        if frame is None and producer.code is not None else None)
         return finding
+
+    def _module_of(self, op: RecordedOp, frame: FrameType | None) -> str | None:
+        """The watched module whose code the recorded ``op`` is, though recorded as the loop's: a root's own forward
+        hook (:attr:`root_hook`); else None."""
+        return self.root_hook(op.code, frame) if self.root_hook is not None and op.code is not None else None
 
     def calls_to(self, frame: FrameType | None) -> tuple[tuple[FrameType, int, int], ...]:
         """The calls that led to ``frame``, outermost first: each the calling frame, its f_lasti and line then.
@@ -340,7 +351,7 @@ class RegionRecords:
                     if op.code is not None:
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
-                            tracer.node_sources.record(node, op.code, op.lineno)
+                            tracer.node_sources.record(node, op.code, op.lineno, self._module_of(op, op.frame))
                 replayed = copies[key]
                 if replayed.numel() != 1:
                     return None

@@ -104,6 +104,7 @@ def replay_module(
     kinds: frozenset[str] = frozenset({"nan", "inf"}),
     module_name: str = "",
     autocast: AutocastState | None = None,
+    saving: bool = False,
 ) -> ReplayResult:
     """Run ``module(*args, **kwargs)`` again under an :class:`OpTracer`.
 
@@ -128,6 +129,9 @@ def replay_module(
     autocast
         :func:`capture_autocast` from the original call, for a replay that
         runs outside the user's autocast block.
+    saving
+        Gradients on, as a training call ran: autograd then keeps the inputs of the ops it differentiates (a masked
+        max's input, which a later op names: ops/origins.Picked), where a no_grad replay frees each as a line ends.
 
     Returns
     -------
@@ -152,7 +156,7 @@ def replay_module(
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer, \
             arguments_untouched(args, kwargs) as guard:
         try:
-            with torch.no_grad(), tracer:
+            with torch.set_grad_enabled(saving), tracer:
                 output = module(*args, **kwargs)
         except Exception as error:
             failure = error

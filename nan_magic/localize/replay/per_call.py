@@ -30,7 +30,11 @@ def replayed_from_the_step(kept: StepReplays, finding: Finding, seen: Report) ->
     top = finding.call
     while top is not None and top.parent is not None:
         top = top.parent
-    if top is None or top.info is None:
+    if top is None and not (finding.phase == Phase.BACKWARD and finding.op is None):
+        # (A parameter's gradient judged at the optimizer step has no call: the model calls' backward is replayed
+        # from the real gradients into their outputs where no module replay named an op, as the tiered watch does.)
+        return None
+    if top is not None and top.info is None:
         return None
     if finding.phase == Phase.FORWARD:
         if finding.op is not None or not any(root.call is top and root.wrote_its_state() for root in kept.calls):

@@ -45,6 +45,7 @@ from nan_magic.localize.replay.calls_named import (
     run_without_a_call,
 )
 from nan_magic.localize.replay.module_run import (
+    copy_tensors,
     enclosing_output,
     recompute,
     replay_module,
@@ -85,6 +86,9 @@ class CallReplay(BackwardCallReplays):
         self.replays_kept = self.can_replay and timing.deferred
         #: Whether a producer is replayed as it is judged, from its running frame's arguments (immediate mode).
         self.replays_running = self.can_replay and not timing.deferred
+        #: A top-level call's inputs as they were before its forward wrote them in place, by id, where the step's
+        #: kept calls hold them (tiered/step_keeping.inputs_before_of, for the fix trials); None: none kept.
+        self.inputs_before: Callable[[Call], dict[int, torch.Tensor]] | None = None
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
@@ -138,9 +142,18 @@ class CallReplay(BackwardCallReplays):
             # never deliberate, and one it makes later, a row with no unmasked entry, is replayed.)
             finding.record.status = "benign"  # type: ignore[union-attr]
             return True
-        if any(_mutated(ref(), version) for _path, _argument, _record, ref, version in frame.call.inputs):
-            finding.notes.append(Note.of("input-mutated", module=frame.info.name))
-            return False
+        mutated = [id(ref()) for _path, _argument, _record, ref, version in frame.call.inputs
+                   if _mutated(ref(), version)]
+        if mutated:
+            # A forward that writes its input in place (``x /= x.norm(...)``) left the NaN it wrote there: replayed
+            # from the input's value before the call where the model was seen writing it before (input_writes.py).
+            before = self.inputs_before(frame.call) if self.inputs_before is not None else {}
+            if not all(key in before for key in mutated):
+                finding.notes.append(Note.of("input-mutated", module=frame.info.name))
+                return False
+            with torch.no_grad():
+                copies = dict(before)
+                args, kwargs = copy_tensors(args, copies), copy_tensors(kwargs, copies)
         with self.standing_aside():
             result = replay_module(
                 frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.kinds,
@@ -152,7 +165,7 @@ class CallReplay(BackwardCallReplays):
             if inner is not None:
                 # A checked child ran it, after its output was checked: a user's forward hook (torch runs the
                 # watch's global hooks first) rewrote the output. Its module, as ops=True names it.
-                self._move_to(finding, inner, TensorRef.op_output(op.op))
+                self.move_to(finding, inner, TensorRef.op_output(op.op))
                 finding.notes = [note for note in finding.notes if note.kind != "own-code"]
             elif (uncalled := run_without_a_call(frame.module, frame.info.name, op.module)) is not None:
                 # A child's code run with no call of it (``self.act.forward(h)``): its module, as the tiered watch
@@ -239,7 +252,7 @@ class CallReplay(BackwardCallReplays):
         if op is not None and caller is not None:
             # The first non-finite value was made by the own code of a call
             # enclosing the one whose output was found: that caller is the producer.
-            self._move_to(finding, caller, TensorRef.op_output(op.op))
+            self.move_to(finding, caller, TensorRef.op_output(op.op))
             apply_op_finding(finding, op, result.tensors)
             finding.frame = result.frame
             finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
@@ -253,7 +266,7 @@ class CallReplay(BackwardCallReplays):
         ))
         return False
 
-    def _move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
+    def move_to(self, finding: Finding, caller: Call, tensor: TensorRef) -> None:
         """Make ``finding`` name ``caller`` (an enclosing call, or a child) the producer of ``tensor``, with its inputs.
 
         The output first found (a child's, or its parent's) only passed the value on: it is

@@ -99,6 +99,9 @@ _TEMPLATES: dict[str, str] = {
     "found-in-enclosing": "{module}'s own arguments are gone by the deferred check ({reason}); a replay of "
                           "{outer_module}, which called it, found the op in {op_module}: " + _FOUND,
     "found-in-running": "a replay of {outer_module}, which called {module}, found the op in {op_module}: " + _FOUND,
+    "found-picked": "{module} made a new kind of the infinity {op_module} passed on as benign: a replay of "
+                    "{outer_module}, which called both, found that {op} picked it (a max or an index over a fully "
+                    "masked row), " + _FOUND,
     "found-in-caller": "a replay of {outer_module} found the first non-finite value in {op_module}'s own code "
                        "({op}), before {module}, which passed it on",
     "freed-recomputed": "{path} was freed before the deferred check: its counts and values are from running "

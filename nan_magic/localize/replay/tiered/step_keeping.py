@@ -202,6 +202,12 @@ class StepKeeping:
         )
         return rng
 
+    def inputs_before_of(self, call: Call) -> dict[int, torch.Tensor]:
+        """What a held top-level call of a model seen writing its input in place kept of its inputs, by the input's
+        id: their values before the call (input_writes.py), for a per-module watch's replay of it."""
+        root = next((root for root in reversed(self.calls) if root.call is call), None)
+        return {id(tensor): before for tensor, before in root.inputs_before} if root is not None else {}
+
     def arguments_of(self, call: Call) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """A held top-level call's arguments as it was made (the scene saves its plain ones); None if not held."""
         root = next((root for root in self.calls if root.call is call), None)
