@@ -168,7 +168,7 @@ def test_a_nan_the_anomaly_mode_stops_at_that_no_replay_makes_again_claims_no_pr
 
 
 class _ExpAct(nn.Module):
-    """A softmax by hand: its max-subtracted exp is the same computation (a bare exp's is not: fixes/stable.py)."""
+    """A softmax by hand: its max-subtracted exp is the same computation (a bare exp's is not: remedies/stable.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = torch.exp(x)  # producer: exp

@@ -4,7 +4,7 @@ The loss code: the trial runs the step's recorded loss code again on the
 replayed outputs (nan_magic/fixes/loss.py), with the remedy applied to its ops
 at the producer's line (fixes/site.py ``InRecordedCode``). The data code: the batch
 is made again by its recorded ops with the remedy, and the step replayed on it
-(fixes/data_code.py). Each scenario has a ``fixed`` twin per remedy, written by
+(fixes/remedies/data_code.py). Each scenario has a ``fixed`` twin per remedy, written by
 hand as the report's suggested edit: the test checks the trial is verified, the
 edit is that line, and training with the twin goes on.
 """

@@ -19,7 +19,7 @@ from test_fixes import LogOf, _train
 from torch import nn
 
 import nan_magic
-from nan_magic.fixes.scale import lower_scales
+from nan_magic.fixes.remedies.scale import lower_scales
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.fixes import suggested_edit
 from nan_magic.scene.last_good import LastGood

@@ -60,7 +60,7 @@ def _diverging(**options: bool | str) -> nan_magic.Report:
 @pytest.mark.parametrize("timing", TIMINGS)
 def test_full_and_ops_try_an_optimizer_steps_remedy_which_needs_no_step_replay(timing: dict[str, bool],
                                                                               mode: dict[str, bool | str]) -> None:
-    # The step is redone on copies from the last good state (fixes/optimizer_step.py), as the default watch does;
+    # The step is redone on copies from the last good state (remedies/optimizer_step.py), as the default watch does;
     # under ops=True with the op tracer standing aside (fixes/kept.py). Deferred, the default watch's redo does not
     # reproduce it either (its last good state is a step later): the trial is the same, untried with that reason.
     report, default = _diverging(**mode, **timing), _diverging(**timing)

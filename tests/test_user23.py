@@ -16,7 +16,7 @@ import IPython
 import pytest
 from IPython.utils.capture import capture_output
 
-from nan_magic.fixes.optimizer_step import FIRST_STEP
+from nan_magic.fixes.remedies.optimizer_step import FIRST_STEP
 
 SETUP = """
 import torch

@@ -12,7 +12,7 @@ the one that failed:
   into its outputs, the latest first (backward runs the last call first), until
   one's unremedied replay goes non-finite (``head(body(x))``: the body's); else the latest;
 * a producer in the loss code: the step's last call (the loss code reads its outputs);
-* a batch that entered non-finite: the latest call given it (batch.py).
+* a batch that entered non-finite: the latest call given it (remedies/batch.py).
 
 An immediate event in a forward stops that call before it returns: its keyword
 arguments, which a global pre-hook never sees, are read from its running
@@ -31,8 +31,8 @@ from typing import Any
 
 from torch.utils._python_dispatch import _disable_current_modes
 
-from nan_magic.fixes.batch import holds_nonfinite
 from nan_magic.fixes.loss import LossSource
+from nan_magic.fixes.remedies.batch import holds_nonfinite
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 from nan_magic.localize.replay.tiered.step import StepReplays

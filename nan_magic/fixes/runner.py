@@ -5,9 +5,9 @@ half or bfloat16 or under autocast; ``eps`` where its function has a domain
 (log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
 log that may be of a softmax; ``mask`` for a softmax over a fully masked
 row; ``skip-batch`` for a batch that entered holding non-finite values;
-``scale`` for a collapsing GradScaler (scale.py); ``lr`` for a run that
-diverged before a forward or backward event (diverged.py), or at an
-optimizer event (optimizer_step.py). Each is tried alone (step.py) and judged
+``scale`` for a collapsing GradScaler (remedies/scale.py); ``lr`` for a run that
+diverged before a forward or backward event (remedies/diverged.py), or at an
+optimizer event (remedies/optimizer_step.py). Each is tried alone (step.py) and judged
 against one unremedied replay: the step must come out finite end to end to
 count as verified, and ``output_change`` shows what else it changed.
 
@@ -31,19 +31,19 @@ from torch import nn
 from nan_magic.distributed.ranks import is_sharded, process_group
 from nan_magic.explain.evidence import HALF as HALF_NAMES
 from nan_magic.explain.evidence import node_function
-from nan_magic.fixes.batch import holds_nonfinite, without_bad_samples
-from nan_magic.fixes.data_code import remedied_batch
-from nan_magic.fixes.diverged import lowered_update
-from nan_magic.fixes.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code
-from nan_magic.fixes.mask import MASKED, MaskFix
 from nan_magic.fixes.no_remedy import none_fit
-from nan_magic.fixes.optimizer_step import redo_step
-from nan_magic.fixes.precision import float32, refused_upcast
-from nan_magic.fixes.scale import collapsed_scale, scaled, try_scales
+from nan_magic.fixes.remedies.batch import holds_nonfinite, without_bad_samples
+from nan_magic.fixes.remedies.data_code import remedied_batch
+from nan_magic.fixes.remedies.diverged import lowered_update
+from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.remedies.mask import MASKED, MaskFix
+from nan_magic.fixes.remedies.optimizer_step import redo_step
+from nan_magic.fixes.remedies.precision import float32, refused_upcast
+from nan_magic.fixes.remedies.scale import collapsed_scale, scaled, try_scales
+from nan_magic.fixes.remedies.stable import StableFix, changes_value
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
-from nan_magic.fixes.stable import StableFix, changes_value
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_at_line, replay_step
 from nan_magic.fixes.trial_facts import at_producer, output_change, remedy_facts, step_facts
 from nan_magic.localize.outside.region_records import RegionRecords
@@ -57,7 +57,7 @@ from nan_magic.tensor_refs import op_function
 __all__ = ["MIN_BUDGET", "STEP_TIMES", "KeptStep", "LossSource", "batch_call", "fixes_for", "kept_fixes", "try_fixes",
            "try_optimizer_fixes", "untried", "with_fixes"]
 
-#: The optimizer-step remedy each cause of an optimizer event takes (optimizer_step.py).
+#: The optimizer-step remedy each cause of an optimizer event takes (remedies/optimizer_step.py).
 _STEP_REMEDIES = {"learning-rate-too-high": "lr", "optimizer-eps-underflow": "eps"}
 
 #: The trials' budget, in replays of the failing step (each trial is about one).
@@ -127,7 +127,7 @@ def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, kept:
     ``seen``: the event's report, or ``replayed``'s where a replay (a bad batch's samples) made one; ``frame``: the
     producer's frame, kept with the report made here; ``kept``: the step's top-level calls and what the trials
     need (none with ``replay=False``: nothing is run again). An optimizer step's remedies need no model call (its
-    step is redone on copies from the last good state, optimizer_step.py); with the op tracer standing aside.
+    step is redone on copies from the last good state, remedies/optimizer_step.py); with the op tracer standing aside.
     ``stops``: as :func:`with_fixes`'.
     """
     report = seen if replayed is None else replayed[0]
@@ -289,7 +289,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first.
 
     ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence;
-    ``data_code``: the records of the loop's data code, for a remedy at a producer there (data_code.py);
+    ``data_code``: the records of the loop's data code, for a remedy at a producer there (remedies/data_code.py);
     ``reproduce``: the watch that localized the event without a step replay (``"per-call"``, ``"traced"``): an
     unremedied replay that does not go non-finite is said in a note (the tiered watch's replay reproduced the event
     already), and a module's producer whose op the per-call watch did not name too.
@@ -344,7 +344,7 @@ def _verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
 
 
 def _data_code_trial(report: Report, site: Site, step: FailingStep, records: RegionRecords) -> FixTrial:
-    """``eps`` at a producer in the data code: the batch made again with it (data_code.py), the step replayed."""
+    """``eps`` at a producer in the data code: the batch made again with it (remedies/data_code.py), the step run."""
     remedy = DomainFix(site.function or "")
     at_line = InRecordedCode(site, remedy)
     remade = remedied_batch(step, records, at_line)
@@ -393,7 +393,7 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
 
 
 def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
-    """``scale`` (scale.py): the step replayed at lower GradScaler scales until one is finite."""
+    """``scale`` (remedies/scale.py): the step replayed at lower GradScaler scales until one is finite."""
     facts, outcome, seconds = try_scales(step, old)
     if outcome is None:
         return at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
@@ -408,7 +408,7 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
 
 def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
               base: StepOutcome) -> FixTrial:
-    """``lr`` after a divergence (diverged.py): the previous update at a tenth, then the failing step."""
+    """``lr`` after a divergence (remedies/diverged.py): the previous update at a tenth, then the failing step."""
     lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
     if lowered is None:
         return at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
@@ -441,7 +441,7 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
 
 
 def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
-    """``skip-batch`` (batch.py): the step without the samples whose data is non-finite."""
+    """``skip-batch`` (remedies/batch.py): the step without the samples whose data is non-finite."""
     left = without_bad_samples(step)
     if left is None:
         return (at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "

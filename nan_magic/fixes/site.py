@@ -79,7 +79,7 @@ class _AtProducer(TorchFunctionMode):
                 return result
         result = func(*args, **kwargs)
         seen = getattr(self.remedy, "seen", None)
-        if seen is not None:  # a remedy that reads what the module computed before the line (stable.py)
+        if seen is not None:  # a remedy that reads what the module computed before the line (remedies/stable.py)
             seen(func, args, kwargs, result)
         return result
 
@@ -188,6 +188,6 @@ class InRecordedCode:
                 return result
         result = op.func(*args, **kwargs)
         seen = getattr(self.remedy, "seen", None)
-        if seen is not None:  # (stable.py: a softmax the loss code computed before the line)
+        if seen is not None:  # (remedies/stable.py: a softmax the loss code computed before the line)
             seen(call, args, kwargs, result)
         return result

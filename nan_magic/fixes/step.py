@@ -21,7 +21,7 @@ a gradient of ones into each floating output, standing for the loss.
 Under a GradScaler the backward of the step ran at its scale:
 ``FailingStep.grad_scale`` is ``(the scale to replay at, the scale the held
 output gradient carries)``. The gradient the backward starts from is scaled
-to the first (fixes/scale.py tries lower ones), and the parameters'
+to the first (fixes/remedies/scale.py tries lower ones), and the parameters'
 gradients are divided by it before the optimizer step, as ``scaler.step``
 unscales them.
 """
@@ -69,7 +69,7 @@ class FailingStep:
     standing_aside: Callable[[], contextlib.AbstractContextManager[None]]
     #: (the GradScaler scale the backward replays at, the scale the held output gradient carries).
     grad_scale: tuple[float, float] = (1.0, 1.0)
-    #: The parameters the replay starts from by name (fixes/diverged.py), instead of the module's own.
+    #: The parameters the replay starts from by name (fixes/remedies/diverged.py), instead of the module's own.
     parameters: dict[str, torch.Tensor] | None = None
     #: The recorded loss code (loss.py), or why there is none.
     loss_code: LossCode | str | None = None
@@ -110,7 +110,7 @@ def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepO
     The trial remedies the producing module alone (its output_change is that module's), but an edit of the line
     changes every module that runs it: a helper each attention layer calls, a block repeated. Where the other
     modules' calls of the line go non-finite too, the producing module's trial fails though the edit, by hand,
-    trains on: the edit's own trial is the one to report. A remedy with a second replay of its own (stable.py's
+    trains on: the edit's own trial is the one to report. A remedy with a second replay of its own (remedies/stable.py's
     check) or without ``renewed`` is not tried again.
     """
     outcome = replay_step(step, site, remedy)

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from nan_magic.fixes.domain import DomainFix
-from nan_magic.fixes.mask import MaskFix
+from nan_magic.fixes.remedies.domain import DomainFix
+from nan_magic.fixes.remedies.mask import MaskFix
+from nan_magic.fixes.remedies.stable import StableFix
 from nan_magic.fixes.site import Remedy
-from nan_magic.fixes.stable import StableFix
 from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients
 from nan_magic.records import FixTrial, Report
 

@@ -16,7 +16,7 @@ is for backward_patch.py. The wrappers call the originals unchanged:
   step hook), and a ``step`` that made none is a skipped step.
 
 The line that built each scaler is noted once (:func:`scaler_source`), for
-the ``scale`` fix's edit (fixes/scale.py): ``__init__`` is wrapped too, so a
+the ``scale`` fix's edit (fixes/remedies/scale.py): ``__init__`` is wrapped too, so a
 scaler built while a watch is active names its own line; one built before
 is looked up when ``scale`` first sees it, as the line of the calling code's
 file that assigns the scaler's name from a ``GradScaler(...)`` call.

@@ -93,7 +93,7 @@ def _redone_from(trial: FixTrial) -> str:
 
 def _outcome(trial: FixTrial) -> str:
     if trial.finite is None and trial.fact("changes_value"):
-        return f"not a fix, though the step came out finite: {trial.untried}"  # (fixes/stable.py)
+        return f"not a fix, though the step came out finite: {trial.untried}"  # (fixes/remedies/stable.py)
     if trial.finite is None:
         return f"not tried: {trial.untried}"
     if not trial.finite:
@@ -166,7 +166,7 @@ def suggested_edit(trial: FixTrial) -> str | None:
     if trial.kind == "lr":
         return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
     if trial.kind == "eps" and trial.fact("new_eps") is not None:
-        if trial.fact("group_eps"):  # (fixes/optimizer_step.py: a group's eps set apart from the constructor's)
+        if trial.fact("group_eps"):  # (remedies/optimizer_step.py: a group's eps apart from the constructor's)
             return (f"group['eps'] = {fmt(trial.fact('new_eps'))}  (where your code sets a param group's eps, or "
                     f"gives one to add_param_group: {trial.fact('optimizer')}(..., eps=...) sets only the groups it "
                     "is built with)")

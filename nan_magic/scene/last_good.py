@@ -17,7 +17,7 @@ synchronisation), ``"device"`` a device-to-device copy that doubles the
 model's memory. GradScaler state is not kept: the scaler adapts by itself.
 
 The models' state of the capture before the last one is kept too (a run
-that diverged is remedied by redoing its last update, fixes/diverged.py):
+that diverged is remedied by redoing its last update, fixes/remedies/diverged.py):
 the buffers are swapped, not copied, so a step still makes one copy, and
 the models' state takes twice the memory (the optimizers' state once).
 

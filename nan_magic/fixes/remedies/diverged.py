@@ -9,7 +9,7 @@ now). An optimizer of
 :data:`LINEAR` moves a parameter by ``lr * u`` with ``u`` independent of the
 learning rate (momentum, moments and weight decay included), so that update
 at a tenth is ``p0 + (p1 - p0) / 10``, its state unchanged. The failing step
-is then replayed from those parameters (step.py): forward, backward and the
+is then replayed from those parameters (fixes/step.py): forward, backward and the
 optimizer step, on copies.
 
 This lowers one update, not the ones before it: a run that diverged over
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from nan_magic.fixes.optimizer_step import NO_LAST_GOOD
+from nan_magic.fixes.remedies.optimizer_step import NO_LAST_GOOD
 from nan_magic.fixes.step import FailingStep
 from nan_magic.scene.last_good import LastGood
 

@@ -5,7 +5,7 @@ division in the data pipeline): the samples are the rows of the call's
 tensors along their first dimension. The rows where any argument of that
 batch size holds a non-finite value are left out of every such argument,
 and the step is replayed on the rest. The loss code's targets are outside
-the model call: its replay (loss.py) and the suggested edit drop the same rows from them.
+the model call: its replay (fixes/loss.py) and the suggested edit drop the same rows from them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ before the model runs: the event is the batch entering the model (phase
 ``data``), and its producer the division, named by the recorder of the
 code outside the models (localize/outside/). The trial runs that code's
 recorded ops again on copies of what they read, with the remedy applied at
-the producer's line (site.py's ``InRecordedCode``), and
+the producer's line (fixes/site.py's ``InRecordedCode``), and
 replays the failing step with the remedied batch in place of the bad one.
 """
 

@@ -4,7 +4,7 @@ The watch raises ``grad-scaler-collapse`` (hot/checks/optim.py) when a scaler
 keeps skipping steps because its scaled gradients overflow. Where the
 initial scale was only too high, a lower one makes them finite; where the
 gradients overflow unscaled, no scale does. The failing step is replayed
-(step.py) with the gradient its backward starts from at a few lower
+(fixes/step.py) with the gradient its backward starts from at a few lower
 scales, the failing one divided by :data:`STRIDE` at a time down to 1,
 highest first, until one comes out finite: a scaler keeps the most
 precision at the highest scale that does not overflow (and grows by itself
@@ -47,7 +47,7 @@ def lower_scales(scale: float) -> list[float]:
 
 
 def scaled(step: FailingStep, old: float, new: float) -> FailingStep:
-    """``step`` replayed at the scale ``new``: a held output gradient carries ``old`` already (step.py)."""
+    """``step`` replayed at the scale ``new``: a held output gradient carries ``old`` already (fixes/step.py)."""
     return dataclasses.replace(step, grad_scale=(new, old))
 
 
