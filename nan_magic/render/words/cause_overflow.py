@@ -89,7 +89,8 @@ def _wide_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 
 def _reached(event: Report) -> str:
-    """``; its inputs reached |x| = 20 (`self`), 60 (`mat2`)``: the op's operands in schema order."""
+    """``; its inputs reached |x| = 20 (`x`), 60 (`self.weight`)``: the op's operands in schema order, by the names
+    the line gives them (else the schema's, ```self```, ```mat2```)."""
     inputs = [(ref, stats.absmax) for ref, stats in event.op_inputs if stats.absmax is not None]
     reached = ", ".join(f"{fmt(absmax)} ({short_label(event, ref)})" for ref, absmax in inputs)
     return f"; its inputs reached |x| = {reached}" if reached else ""
