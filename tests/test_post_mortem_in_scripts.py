@@ -76,6 +76,32 @@ def train():
 train()
 """
 
+# The last iteration's backward has no optimizer step after it: the deferred check judges it as the watch is left.
+TOP_LEVEL_TAIL = """
+with nan_magic.watch(model, opt, defer=defer):
+    for step in range(3):
+        p = model(x) * (0 if step == 2 else 1)
+        loss = -torch.log(p).mean()  # producer
+        opt.zero_grad()
+        loss.backward()
+        if step < 2:
+            opt.step()
+"""
+
+HELPER_TAIL = """
+def loss_of(p):
+    return -torch.log(p).mean()  # producer
+
+with nan_magic.watch(model, opt, defer=defer):
+    for step in range(3):
+        p = model(x) * (0 if step == 2 else 1)
+        loss = loss_of(p)  # the call
+        opt.zero_grad()
+        loss.backward()
+        if step < 2:
+            opt.step()
+"""
+
 TIMINGS = [pytest.param([], id="immediate"), pytest.param(["defer"], id="deferred")]
 
 
@@ -116,3 +142,19 @@ def test_a_top_level_loop_s_post_mortem_opens_in_the_loss_helper_it_called(tmp_p
 def test_a_loop_in_a_function_s_post_mortem_opens_on_the_producing_line(tmp_path, argv) -> None:
     function, line, _shown = _run(tmp_path, LOOP_IN_A_FUNCTION, argv)
     assert (function, line) == ("train", _line_of(LOOP_IN_A_FUNCTION, "producer"))
+
+
+@pytest.mark.parametrize("argv", TIMINGS)
+def test_an_event_judged_as_the_watch_is_left_opens_on_the_producing_line(tmp_path, argv) -> None:
+    """The deferred check's last step, judged at the exit: the traceback it was raised with ended in nan_magic's own
+    check (``raise_agreed``), where a script's post-mortem opened; the with statement's entry now holds it."""
+    function, line, shown = _run(tmp_path, TOP_LEVEL_TAIL, argv)
+    assert (function, line) == ("<module>", _line_of(TOP_LEVEL_TAIL, "producer"))
+    assert shown == "0.0"
+
+
+@pytest.mark.parametrize("argv", TIMINGS)
+def test_an_event_judged_as_the_watch_is_left_opens_in_the_returned_helper(tmp_path, argv) -> None:
+    function, line, shown = _run(tmp_path, HELPER_TAIL, argv)
+    assert (function, line) == ("loss_of", _line_of(HELPER_TAIL, "producer"))
+    assert shown == "0.0"

@@ -241,7 +241,11 @@ class Watch(WatchEvents):
             # Judged at the exit (the deferred check's last step, an unstepped accumulation tail): no exception of
             # the user's holds the loop's frames, so the with statement's stands for them; the producer's frame is
             # appended to it, and %debug opens where the immediate mode raised (events.py adopt_traceback).
-            self.adopt_traceback(judged, leaving_entry(sys._getframe(1)))
+            # The traceback it was raised with ends in our code (the check at the exit): the with statement's entry
+            # holds it instead, so that after this raise its last entry is the producer's line (a script's pdb.pm()).
+            if (entry := leaving_entry(sys._getframe(1))) is not None:
+                judged.__traceback__ = entry
+            self.adopt_traceback(judged, entry)
             raise judged
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
             self._filters_judged = warn_unmatched_filters(self.targets, self.config)  # (once for the run)
