@@ -1,0 +1,82 @@
+"""The user's ``saved_tensors_hooks``, listed while a watch is active so that a replay packs as the call did (gaps24).
+
+The rows that name a float16 pack's op in every mode are in tests/contract/hunt23.py (``_saved_half``); these hold
+what the listing itself must do: follow the contexts out as they close, leave nothing behind however the watch ends,
+and leave checkpointing's own contexts (which belong to the running checkpoint) unlisted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+import nan_magic
+from nan_magic.hot.kept.saved_hooks import ENTERED
+from nan_magic.patches import registry as patches
+
+
+_TORCHS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
+
+
+def _torchs() -> bool:
+    return (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__) == _TORCHS
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def test_the_contexts_entered_in_a_watch_are_listed_innermost_last_and_followed_out() -> None:
+    model = nn.Linear(3, 1)
+    with nan_magic.watch(model):
+        outer, inner = saved_tensors_hooks(_pack, _unpack), torch.autograd.graph.save_on_cpu()
+        with outer:
+            with inner:
+                assert ENTERED == [outer, inner]
+            assert ENTERED == [outer]
+        assert ENTERED == []
+    assert _torchs() and patches.installed() == []
+
+
+def test_a_watch_that_ends_inside_the_users_context_leaves_nothing_listed() -> None:
+    model = nn.Linear(3, 1)
+    with saved_tensors_hooks(_pack, _unpack):
+        with nan_magic.watch(model):
+            hooks = saved_tensors_hooks(_pack, _unpack)
+            hooks.__enter__()
+            assert ENTERED == [hooks]
+        assert ENTERED == [] and _torchs()
+        hooks.__exit__(None, None, None)  # (torch's own exit: the watch no longer follows it)
+        model(torch.ones(2, 3)).sum().backward()  # the user's outer hooks still pack
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._inner, x, use_reentrant=False)
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(len(ENTERED))
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("options", [pytest.param({}, id="default"), pytest.param({"mode": "full"}, id="full")])
+def test_checkpointings_own_contexts_are_not_listed(options: dict) -> None:
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    with nan_magic.watch(model, **options) as watch:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+    assert watch.report is None and model.seen and set(model.seen) == {0}
