@@ -17,12 +17,15 @@ import nan_magic
 from nan_magic.hot.kept.saved_hooks import ENTERED
 from nan_magic.patches import registry as patches
 
-
 _TORCHS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
 
 
 def _torchs() -> bool:
     return (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__) == _TORCHS
+
+
+def _listed() -> list[object]:
+    return list(ENTERED)
 
 
 def _pack(t: torch.Tensor) -> torch.Tensor:
@@ -39,9 +42,9 @@ def test_the_contexts_entered_in_a_watch_are_listed_innermost_last_and_followed_
         outer, inner = saved_tensors_hooks(_pack, _unpack), torch.autograd.graph.save_on_cpu()
         with outer:
             with inner:
-                assert ENTERED == [outer, inner]
-            assert ENTERED == [outer]
-        assert ENTERED == []
+                assert _listed() == [outer, inner]
+            assert _listed() == [outer]
+        assert _listed() == []
     assert _torchs() and patches.installed() == []
 
 
@@ -51,8 +54,8 @@ def test_a_watch_that_ends_inside_the_users_context_leaves_nothing_listed() -> N
         with nan_magic.watch(model):
             hooks = saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
-            assert ENTERED == [hooks]
-        assert ENTERED == [] and _torchs()
+            assert _listed() == [hooks]
+        assert _listed() == [] and _torchs()
         hooks.__exit__(None, None, None)  # (torch's own exit: the watch no longer follows it)
         model(torch.ones(2, 3)).sum().backward()  # the user's outer hooks still pack
     assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
