@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import nan_magic
 from nan_magic.hot.kept.saved_hooks import ENTERED
 from nan_magic.patches import registry as patches
+from tests.faults import marked_line
 
 _TORCHS = (saved_tensors_hooks.__enter__, saved_tensors_hooks.__exit__)
 
@@ -83,3 +84,38 @@ def test_checkpointings_own_contexts_are_not_listed(options: dict) -> None:
         for _ in range(3):
             model(torch.randn(2, 3)).sum().backward()
     assert watch.report is None and model.seen and set(model.seen) == {0}
+
+
+class _RootOfSquare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.sqrt(h * h)  # producer: root of square
+
+
+@pytest.mark.parametrize("options", [pytest.param({}, id="default"), pytest.param({"defer": True}, id="deferred"),
+                                     pytest.param({"mode": "full"}, id="full"), pytest.param({"ops": True}, id="ops")])
+def test_a_result_packed_to_float16_zero_is_named_and_its_fix_tried_as_packed(options: dict) -> None:
+    # sqrt saves its result for the backward: about 1e-8 here, 0 once packed to float16, so the backward divides by
+    # 0 (finite forward). The replays ran unpacked: the default watch named 0.fc (the gradient it was handed) with
+    # no op, full mode no op, and no fix was tried; the fix trial packs too (fixes/step.py), and eps verifies.
+    torch.manual_seed(0)
+    model = nn.Sequential(_RootOfSquare(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].fc.weight.mul_(1e-9)
+        model[0].fc.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for _step in range(3):
+            with saved_tensors_hooks(lambda t: t.half(), lambda t: t.float()):
+                loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (str(report.phase), report.module, report.step, report.op) == ("backward", "0", 0, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == marked_line("root of square", where=_RootOfSquare)
+    assert [(fix.kind, fix.finite) for fix in report.fixes] == [("eps", True)]
