@@ -197,9 +197,9 @@ class StepKeeping:
                 learning=learning,
                 # (a model seen writing its input in place keeps a copy of it: input_writes.py; a set's test, no call)
                 inputs_before=inputs_before(versions) if model in self._writes_input else (),
-                # (a list's truth, no call: MAML's loops alone have a swap in progress)
                 # (the saved-tensor hooks in effect: a list's truth, no call; the usual loop's None)
                 saved_hooks=SAVED_HOOKS[-1] if SAVED_HOOKS else None,
+                # (a list's truth, no call: MAML's loops alone have a swap in progress)
                 in_functional_call=any(swapped is module for swapped, _own in SWAPPED_OUT) if SWAPPED_OUT else False,
             )
         )
