@@ -41,11 +41,13 @@ def _wrap_exit(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(self, *exc)
         finally:
-            # The innermost entry of this context (one entered before the watch began is not listed).
-            for index in range(len(ENTERED) - 1, -1, -1):
-                if ENTERED[index] is self:
-                    del ENTERED[index]
-                    break
+            # The innermost entry of this context (one entered before the watch began is not listed; nothing is
+            # listed around a checkpoint's own, the usual case: no walk then).
+            if ENTERED:
+                for index in range(len(ENTERED) - 1, -1, -1):
+                    if ENTERED[index] is self:
+                        del ENTERED[index]
+                        break
 
     return leave
 
