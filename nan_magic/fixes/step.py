@@ -45,6 +45,7 @@ from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site, at_producer
 from nan_magic.hot.kept.rng import generators_at
+from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
@@ -229,6 +230,7 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
         stack.enter_context(writes)
         for device, dtype in root.autocast or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
+        stack.enter_context(saved_hooks_of(root.saved_hooks))  # (packed as the call packed: a float16 pack's inf)
         stack.enter_context(torch.enable_grad())
         if mode is not None:
             stack.enter_context(mode)

@@ -42,6 +42,7 @@ from nan_magic.patches.backward import marked_graph_grads, unrecorded_input_grad
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
+from nan_magic.patches.saved_hooks import listed_saved_hooks
 from nan_magic.patches.scripting import unhooked_scripting
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
@@ -85,6 +86,8 @@ class Localizing:
         # torch.jit.script of a model inside the watch compiles it without the hook the tiered watch puts on a
         # model it steps aside for (TorchScript cannot compile it): patches/scripting.py.
         stack.enter_context(unhooked_scripting())
+        # The saved-tensor hooks each call starts under, for its replay after the user's ``with`` (saved_hooks.py).
+        stack.enter_context(listed_saved_hooks())
         if origins.swapped is not None:
             # functional_call's stand-ins for parameters, kept for the deferred check (swapped.py).
             stack.enter_context(noted_swaps(origins.swapped.returned))

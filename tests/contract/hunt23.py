@@ -12,14 +12,13 @@ backward hook, registered by the root on a head, rescaling a switched-off head's
 module is named). Mixed precision on the CPU: a SAC policy under bfloat16 autocast recovering the pre-tanh action by
 ``atanh`` of an action that bfloat16 rounded to exactly 1; a model cast to float16 whole (``.half()``, no GradScaler)
 whose summed MSE overflows 65504 on a batch in raw units; activations saved in float16 by ``saved_tensors_hooks``,
-one of which overflows (named with its op by ops=True only: strict xfails elsewhere, SAVED_HOOKS_GAP).
+one of which overflows (the replays pack as the call did: SAVED_HOOKS).
 Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode. The loss code, the
 loop's data and the optimizers: tests/contract/hunt23b.py.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -436,13 +435,14 @@ def _soft_cap(cap: float | None) -> Scenario:
     return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
 
 
-#: Why the tiered and per-module watches name no op for the float16 pack (strict xfails; ops=True names it).
-SAVED_HOOKS_GAP = (
-    "phase, module and step are right, but the replays that name a backward op run the forward again outside the "
-    "user's torch.autograd.graph.saved_tensors_hooks (a thread-local stack that the loop's `with` left before the "
-    "backward): the step replay (localize/replay/tiered/step.py, default and defer) and the module replay "
-    "(localize/replay/module_run.replay_backward, full) save the activations unpacked and stay finite, so op and line "
-    "are None; keeping the hooks per call would add a call a step to the hot path's pre-hook (hot_calls 448/350/339)"
+#: How the replays name the float16 pack's op (gaps24: they ran the forward again outside the user's
+#: saved_tensors_hooks, saved the activations unpacked and stayed finite: op and line None).
+SAVED_HOOKS = (
+    "torch.autograd.graph.saved_tensors_hooks is a thread-local stack that the loop's `with` left before the "
+    "backward; while a watch is active, the contexts entered are listed (patches/saved_hooks.py) and each kept "
+    "top-level call notes the one it started under (hot/kept/saved_hooks.py, a list's truth: no call a step), so the "
+    "step replay (default, defer) and the per-module watch's replay of its kept calls (full) pack as the call did; "
+    "ops=True traces the real backward"
 )
 
 CASES = [
@@ -484,8 +484,7 @@ CASES = [
          Expect("backward", "2", "Linear", step=2, op="aten.mm.default", marker="fp16 pack"), modes=("ops",)),
     Case("hunt23_saved_tensors_packed_to_float16_overflow_replayed", lambda: _saved_half(False),
          Expect("backward", "2", "Linear", step=2, op="aten.mm.default", marker="fp16 pack"),
-         modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=SAVED_HOOKS_GAP),),
-         note=SAVED_HOOKS_GAP),
+         modes=("default", "defer", "full"), note=SAVED_HOOKS),
     Case("hunt23_saved_tensors_packed_to_bfloat16_healthy", lambda: _saved_half(True), None),
     Case("hunt23_diagonal_ssm_zero_order_hold_at_an_eigenvalue_of_0", lambda: _ssm(False),
          Expect("forward", "0", "DiagonalSsm", step=0, op="aten.div.Tensor", marker="zoh discretisation")),

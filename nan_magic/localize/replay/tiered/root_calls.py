@@ -26,6 +26,7 @@ from nan_magic.hot.kept.buffer_copies import counted_back
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.parameter_writes import Learning
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
+from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.sources import Caller, ReplayedFrom
@@ -75,6 +76,8 @@ class RootCall:
     earlier_grads: list[torch.Tensor] = field(default_factory=list)
     #: Weak references to its outputs that require grad: a backward may still reach it while one lives.
     outputs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    #: The user's ``saved_tensors_hooks`` context the call started under (hot/kept/saved_hooks.py), or None.
+    saved_hooks: Any = None
     #: ``(code, line, globals)`` of the user's line that made the call (errors/frames.user_line).
     site: tuple[CodeType, int, dict[str, Any]] | None = None
     #: ``(code, id(frame), f_lasti, f_lineno)`` of that user's frame as it made the call: a replay judged later
@@ -186,6 +189,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
         for device, dtype in root.autocast or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
+        stack.enter_context(saved_hooks_of(root.saved_hooks))  # (a float16 pack's inf, saved for the backward)
         stack.enter_context(torch.set_grad_enabled(root.grad_enabled or backward or stop is not None))
         if backward or stop is not None:
             stack.enter_context(reentrant_checkpoints_inline())

@@ -24,6 +24,7 @@ from nan_magic.hot.kept.input_writes import inputs_before
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
+from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.line_replay import nodes_made
 from nan_magic.localize.replay.tiered.root_calls import RootCall
@@ -196,6 +197,8 @@ class StepKeeping:
                 learning=learning,
                 # (a model seen writing its input in place keeps a copy of it: input_writes.py; a set's test, no call)
                 inputs_before=inputs_before(versions) if model in self._writes_input else (),
+                # (the saved-tensor hooks in effect: a list's truth, no call; the usual loop's None)
+                saved_hooks=SAVED_HOOKS[-1] if SAVED_HOOKS else None,
                 # (a list's truth, no call: MAML's loops alone have a swap in progress)
                 in_functional_call=any(swapped is module for swapped, _own in SWAPPED_OUT) if SWAPPED_OUT else False,
             )
