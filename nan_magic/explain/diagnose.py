@@ -271,6 +271,7 @@ _POLE_LABELS = {
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
     "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero", "qr": "division-by-zero",
     "gamma": "log-domain",  # (the Gamma function's pole at 0, as lgamma's in forward: explain/forward.py)
+    "xlogy": "log-domain",  # (x·log(y): finite at y = 0 where x = 0, but its derivative in y, x/y, is not)
 }
 #: The function of each autograd node that has a pole, by the node's forward function.
 _POLES = {
