@@ -5,7 +5,8 @@ projector's batch standardisation without eps over a dimension constant across t
 with a causal mask and a key padding mask over a left-padded batch (each mask alone leaves every query a key; together
 they leave the padded sample's first query none). Losses: ``F.kl_div`` of an action-masked student (log-probability
 -inf where the teacher's probability is 0: 0 * -inf); ``smooth_l1_loss`` (mean) over the positive anchors of a batch
-that has none; cross-entropy with ``label_smoothing`` over a batch whose every tag is ``ignore_index``. Data: a depth
+that has none; cross-entropy with ``label_smoothing`` over a batch whose every tag is ``ignore_index``; an entropy
+bonus by ``xlogy(p, p)``, finite at p = 0 in forward, whose derivative in y, x / y, is 0 / 0 there. Data: a depth
 map computed in ``__getitem__`` from a disparity of 0 (a stereo matcher's "no match"), then upsampled bilinearly by
 the model. Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
@@ -249,6 +250,28 @@ def _smoothed_all_ignored(skip: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- entropy by xlogy: a safe forward, a NaN backward
+def _xlogy_entropy(log_softmax: bool) -> Scenario:
+    """A policy's entropy bonus written ``-xlogy(p, p).sum(-1)`` because xlogy is 0 at p = 0 (``p * log p`` is NaN
+    there); but the derivative of ``xlogy(x, y)`` in y is ``x / y``: 0 / 0 where the softmax underflowed to exactly 0
+    (a logit 110 below the others at step 1). The twin computes ``p * log_softmax``."""
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    with torch.no_grad():
+        policy[2].bias.copy_(torch.tensor([0.0, 0.0, 0.0, -110.0]))
+    xs = _batches(8, 6)
+    advantages = [torch.randn(8) for _ in range(4)]
+    actions = [torch.randint(0, 3, (8,)) for _ in range(4)]
+
+    def loss_fn(logits: torch.Tensor, step: int) -> torch.Tensor:
+        log_p = F.log_softmax(logits, -1)
+        p = log_p.exp()
+        entropy = -(p * log_p).sum(-1) if log_softmax else -torch.special.xlogy(p, p).sum(-1)  # producer: xlogy
+        pg = -(advantages[step] * log_p.gather(1, actions[step][:, None]).squeeze(1))
+        return (pg - 0.01 * entropy).mean()
+    return _loop(policy, lambda step: (xs[step],), loss_fn)
+
+
 CASES = [
     Case("hunt24_group_norm_eps0_one_element_a_group", lambda: _group_norm(0.0),
          Expect("forward", "norm", "GroupNorm", step=0, op="aten.native_group_norm.default", marker="group norm",
@@ -279,4 +302,7 @@ CASES = [
          Expect("forward", None, step=2, op="aten.nll_loss_forward.default", marker="smooth",
                 cause="empty-reduction")),
     Case("hunt24_label_smoothing_batch_without_labels_skipped_healthy", lambda: _smoothed_all_ignored(True), None),
+    Case("hunt24b_entropy_by_xlogy_backward_at_a_probability_of_0", lambda: _xlogy_entropy(False),
+         Expect("backward", None, step=0, op="aten.div.Tensor", marker="xlogy", cause="log-domain")),
+    Case("hunt24b_entropy_by_log_softmax_healthy", lambda: _xlogy_entropy(True), None),
 ]
