@@ -258,6 +258,7 @@ CAUSES = {
     "masked-padding": (_of_event("masked-softmax", "masked-padding", rows=1, positions=5, masked=5),
                        "attended over no key for 1 sample"),
     "weight-norm-zero": (_of_event("division-by-zero", "weight-norm-zero", zeros=4), "4 values of v are 0"),
+    "norm-eps-zero": (_of_event("division-by-zero", "norm-eps-zero"), "rsqrt(var + eps) with eps=0"),
     "softmax-unmatched": (_of_event("unclassified", "softmax-unmatched"), "do not fill the NaN rows"),
     "attention-unmatched": (_of_event("unclassified", "attention-unmatched", bound=(36.0, 18.0), limit=3.4e38,
                                       masked=False, keys=4), "not an overflow of the scores (|q·kᵀ| <= 36)"),

@@ -23,7 +23,8 @@ Labels (exact strings: tests, renderers and users rely on them)
     only 0/0 does); ``rsqrt`` of zeros; a std/var over N elements with
     ``N - correction == 0``; the backward of a norm or std at zero; the
     backward of ``eigh``'s eigenvectors (or ``svd``'s singular vectors) at a
-    repeated value, 1/(λi - λj). Covers a zero variance or norm.
+    repeated value, 1/(λi - λj); a layer, group or batch norm with eps=0 over a
+    slice of equal values. Covers a zero variance or norm.
 ``log-domain``
     ``log``/``log2``/``log10`` of zeros (-inf) or negatives (NaN), ``log1p``
     of values <= -1; the backward of a log at 0; ``lgamma``/``digamma`` at
@@ -270,6 +271,7 @@ _POLE_LABELS = {
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",
     "exp": "exp-overflow", "eigh": "division-by-zero", "svd": "division-by-zero", "qr": "division-by-zero",
     "gamma": "log-domain",  # (the Gamma function's pole at 0, as lgamma's in forward: explain/forward.py)
+    "xlogy": "log-domain",  # (x·log(y): finite at y = 0 where x = 0, but its derivative in y, x/y, is not)
 }
 #: The function of each autograd node that has a pole, by the node's forward function.
 _POLES = {

@@ -35,6 +35,11 @@ _MEAN_OPS = frozenset({
 })
 _CORRECTED_OPS = frozenset({"std", "var", "std_mean", "var_mean"})
 _SUM_OPS = frozenset({"sum", "mean", "nansum", "nanmean"})
+#: The norms that divide by ``sqrt(var + eps)`` with the eps their caller passed (a number in the report).
+NORMALISATION_OPS = frozenset({
+    "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm", "batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "instance_norm",
+})
 
 
 def forward_cause(report: Report) -> Cause:
@@ -138,6 +143,14 @@ def _weight_norm(report: Report) -> Cause:
     return event_cause("division-by-zero", "weight-norm-zero", report, zeros=v.zeros)
 
 
+def _normalisation(report: Report) -> Cause:
+    """layer/group/batch norm, ``(x - mean) * rsqrt(var + eps)``: with eps 0 a slice whose values are all equal (a
+    group of one element, a constant row) has variance 0, and ``0 * rsqrt(0)`` is NaN."""
+    if not report.nan or dict(report.numbers).get("eps") != 0:
+        return overflow(report)
+    return event_cause("division-by-zero", "norm-eps-zero", report)
+
+
 def _mean(report: Report) -> Cause:
     if report.nan and not report.posinf + report.neginf:
         return event_cause("empty-reduction", "empty-mean", report)
@@ -194,6 +207,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(_MEAN_OPS, _mean),
     **dict.fromkeys(_CORRECTED_OPS, _corrected),
     **dict.fromkeys(("weight_norm_interface", "weight_norm"), _weight_norm),
+    **dict.fromkeys(NORMALISATION_OPS, _normalisation),
     **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
     **dict.fromkeys(("atanh", "arctanh"), _atanh),

@@ -348,10 +348,11 @@ def _data_code_trial(report: Report, site: Site, step: FailingStep, records: Reg
     remedy = DomainFix(site.function or "")
     at_line = InRecordedCode(site, remedy)
     remade = remedied_batch(step, records, at_line)
+    named = (("function", remedy.function),)  # (an untried remedy is described by the function it would change)
     if isinstance(remade, str):
-        return at_producer("eps", report, untried=remade)
+        return at_producer("eps", report, facts=named, untried=remade)
     if not at_line.applied:
-        return at_producer("eps", report, untried="it found nothing to change at the producer's line")
+        return at_producer("eps", report, facts=named, untried="it found nothing to change at the producer's line")
     outcome = replay_step(remade, None, None)
     return at_producer("eps", report, facts=remedy_facts("eps", remedy, report, remade, outcome),
                        finite=outcome.failed is None, loss=outcome.loss, seconds=outcome.seconds,

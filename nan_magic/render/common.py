@@ -290,6 +290,10 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         # A backward op that read a forward infinity no boundary kept: its inputs are finite but for that one
         # (the row below shows it), as the rule for an absorbed infinity counts them.
         inputs = "finite, but for an infinity absorbed in forward (absorbed, below)"
+    elif report.inputs_finite and any((stats.posinf or 0) + (stats.neginf or 0) for _ref, stats in report.op_inputs):
+        # The op tracer starts an origin at an op whose inputs are finite or benign: an infinity among them is a
+        # deliberate one (a mask's -inf), which this op turned into a new kind (0 * -inf in a KL divergence).
+        inputs = "finite, but for a deliberate infinity (a mask's, below)"
     if report.nonfinite_numbers:
         inputs = "tensors finite; a Python number was not"
     if report.inputs_finite and report.outputs_unread:

@@ -15,12 +15,13 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from nan_magic.fixes.site import InRecordedCode
 from nan_magic.fixes.step import FailingStep
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.reads import iter_tensors, values_to_read
-from nan_magic.localize.outside.recorded_ops import Gone, copies_from_outside, rerun_op
+from nan_magic.localize.outside.recorded_ops import Gone, RecordedOp, copies_from_outside, record_key, rerun_op
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.module_run import map_tensors
 
@@ -38,6 +39,8 @@ def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InRecorded
         if found is None:
             return "the non-finite batch was not made by the data code the watch recorded"
         ops, rng = found
+        if _written_in_place(ops, tensor):
+            return "the data code wrote the batch in place, and its value before that write is not kept"
         try:
             copies, _requiring = copies_from_outside(ops)
             with torch.no_grad(), generators_at(rng):
@@ -52,3 +55,16 @@ def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InRecorded
 
     batch = dataclasses.replace(root, args=map_tensors(swap, root.args), kwargs=map_tensors(swap, root.kwargs))
     return dataclasses.replace(step, root=batch)
+
+
+def _written_in_place(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
+    """Whether ``ops`` read ``tensor`` before any of them returned it: a value from outside that they wrote in place
+    (``prompt.sub_(lr * g / g.norm())``, a soft prompt stepped by hand). Its copy would start from the value the
+    write left, so the code run again under a remedy would start from the non-finite value it is meant to avoid."""
+    key = id(tensor)
+    for op in ops:
+        if any(record_key(value) == key for value in tree_leaves((op.args, op.kwargs))):
+            return True
+        if any(record_key(value) == key for value in tree_leaves(op.out)):
+            return False
+    return False

@@ -246,6 +246,19 @@ class OpTracer(OriginRules, TorchDispatchMode):
                 self.producer_tensors = self.witnesses.copies(origin)
         return origin
 
+    def claim_first(self, boundary: Sequence[torch.Tensor | None]) -> None:
+        """:meth:`claim` the origin of the first non-finite tensor of ``boundary`` that has one.
+
+        A backward replay's boundary is the gradients it returns: a backward formula may make a non-finite value
+        that it masks itself (pow's exponent term ``log(0)`` under its ``where``) before the op whose values reach
+        them, and the first origin would name the masked one where the other modes name the op that reached them.
+        """
+        for tensor in boundary:
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                self.claim(tensor)
+                if self.finding is not None:
+                    return
+
     def __enter__(self) -> Self:
         # Tensors may have changed outside the trace without our knowledge.
         self._known.clear()

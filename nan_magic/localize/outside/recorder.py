@@ -188,6 +188,14 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
                 self._data_before, self.before = self.before, {}
+        elif self._region == "loss" and self._ops and self.holds_data:
+            # No optimizer step since the last model call (a soft prompt stepped by hand after autograd.grad, a
+            # second call fed by the loss code): that code made this batch, and the deferred check judges it after
+            # this call's loss region began. Held as a copy: forget() keeps the loss code as the last step's too.
+            self._let_go_of_returned_frames()
+            ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else list(self._ops)
+            self._data, self._data_calls = (ops, dict(self._produced), self._rng), dict(self._calls)
+            self._data_before = dict(self.before)
         if not self._clean:
             self.forget()
 

@@ -180,7 +180,31 @@ class RegionRecords:
         found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before)
+        if found is None and self._data is not None and tensor is not None:
+            found = self._claim_written(tensor)
         return found
+
+    def _claim_written(self, tensor: torch.Tensor) -> OpFinding | None:
+        """The held data code's op that made ``tensor``, or a tensor its ops read from outside, non-finite in place:
+        a center loss's centers, moved after the optimizer step (``centers[c] += m * (f[y == c].mean(0) - centers[c])``)
+        and read NaN by the loss code; the records are run again up to their last write into that memory."""
+        if self._data is None:
+            return None
+        data_ops, _produced, rng = self._data
+        # The tensor itself (read by the loss code from the user's variables), or what its ops read from outside.
+        reads: list[Any] = [tensor]
+        made: set[int] = set()
+        for op in _ops_to(self._ops, self._produced, tensor) or ():
+            reads.extend(value for value in tree_leaves((op.args, op.kwargs)) if record_key(value) not in made)
+            made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
+        for value in reads:
+            read = value.ref() if isinstance(value, WeakRecord) else value
+            if (isinstance(read, torch.Tensor) and read.is_floating_point() and read.layout is torch.strided
+                    and read.numel() and not bool(read.isfinite().all())):
+                last = _last_write(data_ops, -1, read)
+                if last >= 0:
+                    return self._claim_ops(data_ops[: last + 1], rng, self._data_before)
+        return None
 
     def made_deliberately(self, tensor: torch.Tensor) -> bool:
         """Whether the recorded ops made ``tensor``'s non-finite values from a deliberate infinity alone.
@@ -213,6 +237,11 @@ class RegionRecords:
             ops = _ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None:
             return None
+        return self._claim_ops(ops, rng, before)
+
+    def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None,
+                   before: dict[int, torch.Tensor]) -> OpFinding | None:
+        """The first op of ``ops``, run again on copies under the op tracer, that made a value non-finite."""
         tracer = OpTracer(kinds=self.kinds)
         producer: RecordedOp | None = None
         frame: FrameType | None = None

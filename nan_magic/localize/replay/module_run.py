@@ -328,14 +328,14 @@ def replay_backward(
             with torch.enable_grad(), tracer:
                 start = nodes_made()
                 output = module(*args, **kwargs)
-                # A non-finite forward value is not what is asked here; its
-                # origin is kept, for a backward op that reads it (absorbed).
+                # A non-finite forward value is not what is asked here; its origin is kept for a backward op (absorbed).
                 tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output, attributes=True) if t.requires_grad]
+                tracer.at_boundary = not anomaly  # (a formula may mask its first non-finite value: claim_first says)
                 with torch.autograd.set_detect_anomaly(anomaly):
-                    torch.autograd.grad(
-                        outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
-                    )
+                    grads = torch.autograd.grad(
+                        outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
+                tracer.claim_first(() if anomaly else grads)
         except Exception as error:
             failure = error
     if anomaly and not (isinstance(failure, RuntimeError) and ANOMALY_STOP in str(failure)):

@@ -376,6 +376,16 @@ def _weight_norm_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _norm_eps_hint(event: Report, cause: Cause) -> str:
+    shapes = [(ref, stats.shape) for ref, stats in event.op_inputs if stats.shape]
+    shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
+    return (
+        f"{event.op} in {where(event)} normalises by rsqrt(var + eps) with eps=0: a group or row whose values are all "
+        f"equal (one element a group, a constant row){shape} has variance 0, and (x - mean) * rsqrt(0) is 0 * inf, "
+        f"giving {event.nan} NaN; keep the layer's eps (1e-5 by default)"
+    )
+
+
 def _masked_attention_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (
         f"{event.op} made {event.nan} NaN ({_rows(cause)})",
@@ -453,6 +463,7 @@ OP_READINGS: dict[str, Reading] = {
     "masked-max": on_event(_masked_max_hint, _masked_max_evidence, sentence=False),
     "logdet-negative": on_event(_logdet_negative_hint, _logdet_negative_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
+    "norm-eps-zero": on_event(_norm_eps_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "softmax-unmatched": on_event(_softmax_unmatched_hint, inputs_or_counts, sentence=False),
     "attention-unmatched": on_event(_attention_unmatched_hint, inputs_or_counts, sentence=False),
 }

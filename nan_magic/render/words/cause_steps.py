@@ -55,6 +55,9 @@ _POLES = {
            "zeroed or repeated column: a pruned weight), reached by qr",
            "keep the matrix full rank (re-initialise zeroed columns, or add a small diagonal: a + 1e-6 · I); to keep "
            "a weight orthogonal, torch.nn.utils.parametrizations.orthogonal needs no QR of it"),
+    "xlogy": ("the derivative of xlogy(x, y) = x·log(y) in y, x/y, is infinite at y = 0 (0/0 where x is 0 too: xlogy "
+              "keeps the forward finite there, not its gradient), reached by xlogy",
+              "compute x · log_softmax(logits) for an entropy, or clamp y to eps first (y.clamp_min(1e-12))"),
     "gamma": ("the derivative of a Gamma (or Dirichlet) sample in its concentration is not finite at a "
               "concentration of 0 (the Gamma function's pole), reached by rsample",
               "keep the concentration away from 0: softplus(x) + 1e-3 rather than a bare softplus or exp, which "
