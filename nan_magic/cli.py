@@ -102,7 +102,7 @@ def _show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         scene = load_scene(args.scene, map_location="cpu")
     except ValueError as error:
         parser.error(str(error))
-    print(scene.report.to_text())
+    _say(scene.report.to_text(), sys.stdout)
     args.dump = None
     _write_outputs(scene.report, args)
     return EXIT_CLEAN
@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
               file=sys.stderr)
         return status
     if report.rank is None:
-        print(report.to_text(), file=sys.stderr)
+        _say(report.to_text(), sys.stderr)
     else:
         _print_ranks_summary(report)
     _write_outputs(report, args)
@@ -149,10 +149,37 @@ def _print_ranks_summary(report: Report) -> None:
     """
     here = launched_rank()
     if here == 0:
-        print(report.to_text(), file=sys.stderr)
+        _say(report.to_text(), sys.stderr)
         print(f"nan_magic: {report.world_size} ranks: {peer_message(report)}", file=sys.stderr)
     else:
         print(f"nan_magic: rank {here} stopped: {peer_message(report)}", file=sys.stderr)
+
+
+#: The text report's characters outside ASCII, as a stream that cannot write them (a CI runner's ASCII locale,
+#: ``PYTHONIOENCODING=ascii``, a Windows console's code page) reads them best.
+_PLAIN = str.maketrans({
+    "\u00b7": "*", "\u00b1": "+/-", "\u2213": "-/+", "\u1d40": "^T", "\u00b2": "^2", "\u03bb": "lambda",
+    "\u03c3": "sigma", "\u2192": "->", "\u2016": "||", "\u2026": "...", "\u00b5": "u", "\u00e9": "e",
+    "\u2581": ".", "\u2582": ".", "\u2583": ":", "\u2584": ":", "\u2585": "+", "\u2586": "+", "\u2587": "#",
+    "\u2588": "#",
+})
+
+
+def _say(text: str, stream: Any) -> None:
+    """Print ``text`` on ``stream``, in its encoding's characters.
+
+    stdout's errors are strict (``show`` died of a UnicodeEncodeError in our own frames, exit 1 as for an event),
+    stderr's escape (``run``'s histograms became ``\\u2581`` runs): where the stream cannot write the report, its
+    symbols and bars are written in ASCII, and anything else as ``?``.
+    """
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.translate(_PLAIN).encode(encoding, "replace").decode(encoding)
+    except LookupError:
+        pass
+    print(text, file=stream)
 
 
 def _print_traceback(error: BaseException, script: str) -> None:

@@ -1,0 +1,131 @@
+"""What a user running plain scripts, CI and pytest saw go wrong (session 24's walk), each as a test.
+
+The walk's scripts are in tests/scripts/user24/: a training loop across two modules (trainlib.py) with a NaN in
+the forward, the loss code, the backward, the optimizer step or the data, run with ``python train.py`` and
+``python -m nan_magic run``, in every ``on_detect`` mode, with ``defer=True``, under ``PYTHONWARNINGS=error``,
+piped to files; a scene opened by a colleague (colleague.py); a pytest suite using the plugin (suite.py).
+Each defect found there has its test here, in process where the defect allows.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts" / "user24"
+
+
+class LogHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.proj(x))  # negative inputs: NaN
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), LogHead())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_warn_mode_under_warnings_as_errors_stops_with_the_report(where: str) -> None:
+    """``PYTHONWARNINGS=error`` (pytest's ``filterwarnings = error``) with ``on_detect="warn"``: the warning became a
+    bare RuntimeWarning raised from inside the watch's hook, a traceback through a dozen of nan_magic's frames and no
+    report. The user asked for the warning to be an error: the run stops as ``raise`` stops it, with the report."""
+    model = _model() if where == "forward" else nn.Linear(4, 4)
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, on_detect="warn") as w:
+            out = model(x)
+            if where == "backward":
+                (out - out).pow(2).sum().sqrt().backward()  # sqrt's derivative at 0 is inf, times 0: NaN
+    report = caught.value.report
+    assert report is not None and w.report is not None and report.phase == where
+    if where == "forward":
+        assert (report.module, report.op) == ("1", "aten.log.default")
+    # The traceback ends in the user's code (this test), as raise mode's does: no hook frame of ours last.
+    last = caught.tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    assert "nan_magic" not in Path(last.tb_frame.f_code.co_filename).parts
+
+
+def test_warn_mode_still_warns_and_goes_on_without_an_error_filter() -> None:
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nan_magic.watch(model, on_detect="warn") as w:
+            model(torch.randn(8, 4))
+            model(torch.randn(8, 4))  # the run goes on after the first event
+    assert [str(warning.message).split(":")[0] for warning in caught] == [
+        "first non-finite value in forward step 0", "non-finite value in forward step 1"]
+    assert w.report is not None and w.report.module == "1"
+
+
+def test_an_unmatched_filter_warning_made_an_error_does_not_replace_the_event() -> None:
+    """``-W error`` and a misspelled ``types`` in ``python -m nan_magic run``: the watch's exit warned of the filter
+    while the NonFiniteError propagated, and the warning, raised, replaced it: "During handling of the above
+    exception, another exception occurred", a NanMagicWarning from filters.py. The event is raised; the warning
+    is a note on it."""
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(types=["Nope"]):
+            model(torch.randn(8, 4))
+    assert caught.value.report.op == "aten.log.default"
+    if sys.version_info >= (3, 11):
+        assert any("types entry 'Nope' matches no module" in note for note in caught.value.__notes__)
+
+
+def test_an_unmatched_filter_warning_made_an_error_is_raised_where_nothing_else_is() -> None:
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(nan_magic.NanMagicWarning, match="types entry 'Nope'"), nan_magic.watch(types=["Nope"]):
+            model[0](torch.randn(8, 4))
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scene whose report holds symbols outside ASCII (the sqrt-domain cause's ``1/(2·sqrt(x))``, the bars)."""
+    folder = tmp_path_factory.mktemp("scene")
+    model = nn.Linear(4, 4)
+    with pytest.raises(nan_magic.NonFiniteError), nan_magic.watch(model, dump=str(folder)):
+        out = model(torch.randn(8, 4))
+        (out - out).pow(2).sum(-1).sqrt().mean().backward()
+    (path,) = folder.glob("*.pt")
+    return path
+
+
+def test_show_on_an_ascii_stdout_writes_the_report_in_ascii(scene: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m nan_magic show`` on a CI runner whose stdout is ASCII (``PYTHONIOENCODING=ascii``, a C locale
+    before Python's coercion, a Windows code page) died of a UnicodeEncodeError in cli.py, exit 1, as for an event;
+    ``run`` wrote ``\\u2581`` escapes for the histogram bars on stderr."""
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["show", str(scene)]) == 0
+    out.flush()
+    text = out.buffer.getvalue().decode("ascii")
+    assert "first non-finite" in text and "Histograms of the producer's values" in text
+    assert "1/(2*sqrt(x))" in text and "\\u" not in text
+
+
+def test_show_on_a_utf8_stdout_keeps_the_symbols(scene: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["show", str(scene)]) == 0
+    out.flush()
+    assert "1/(2\u00b7sqrt(x))" in out.buffer.getvalue().decode("utf-8")
