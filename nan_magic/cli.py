@@ -42,6 +42,7 @@ from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Report
 from nan_magic.scene.load import load_scene
+from nan_magic.version import __version__
 
 __all__ = ["main"]
 
@@ -53,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m nan_magic",
         description="Find where a NaN or Inf was born, outside notebooks.",
     )
+    # (A CI log records the version it ran; a bare ``--version`` was refused: "the following arguments are required".)
+    parser.add_argument("--version", action="version", version=f"nan_magic {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",

@@ -10,6 +10,9 @@ Each defect found there has its test here, in process where the defect allows.
 from __future__ import annotations
 
 import io
+import os
+import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -129,3 +132,31 @@ def test_show_on_a_utf8_stdout_keeps_the_symbols(scene: Path, monkeypatch: pytes
     assert main(["show", str(scene)]) == 0
     out.flush()
     assert "1/(2\u00b7sqrt(x))" in out.buffer.getvalue().decode("utf-8")
+
+
+def test_version_for_a_ci_log(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m nan_magic --version`` was refused ("the following arguments are required: COMMAND")."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nan_magic {nan_magic.__version__} (torch {torch.__version__})"
+
+
+def test_a_plugin_suite_under_warnings_as_errors_fails_each_bad_test_with_its_report() -> None:
+    """The walk's CI suite (scripts/user24/suite.py: the fixture and the marker, raise, warn and log, defer) run by
+    pytest with ``-W error``: its warn-mode test failed with a RuntimeWarning raised in our hook, not the report."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(SCRIPTS)]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "nan_magic.pytest_plugin",
+         "-W", "error", "suite.py"],
+        cwd=SCRIPTS, env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "5 failed, 2 passed" in done.stdout
+    # Each failure's section: its header, then the report's headline (pytest.fail with the report, no traceback).
+    failures = dict(re.findall(r"^_{3,} (\S+) _{3,}\n(.*)$", done.stdout, re.MULTILINE))
+    assert sorted(failures) == ["test_bad_data_marker_warn", "test_bad_forward_marker",
+                                "test_bad_with_fixture[backward]", "test_bad_with_fixture[loss]",
+                                "test_bad_with_fixture[optimizer]"]
+    assert all(text.startswith("nan_magic: first non-finite") for text in failures.values()), failures
+    assert "RuntimeWarning" not in done.stdout
