@@ -17,6 +17,7 @@ Exit status:
   ``--warn``/``--log``, not); the text report is on stderr;
 - 2: usage error (bad options, no such script);
 - 3: the script raised an exception and no real event occurred (traceback on stderr);
+- 130: the run was interrupted (Ctrl-C) and no real event occurred before it;
 - the script's own status when it calls ``sys.exit(n)`` and no real event occurred
   (``sys.exit("message")`` prints the message and gives 1, as Python does).
 """
@@ -47,6 +48,8 @@ from nan_magic.version import __version__
 __all__ = ["main"]
 
 EXIT_CLEAN, EXIT_EVENT, EXIT_USAGE, EXIT_SCRIPT_ERROR = 0, 1, 2, 3
+#: Stopped by Ctrl-C with no real event: 128 + SIGINT, the status a shell gives a script it interrupted.
+EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,6 +130,11 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
     except Exception as error:  # the script's own failure: show it, as Python would
         _print_traceback(error, script)
         status = EXIT_SCRIPT_ERROR
+    except KeyboardInterrupt as error:
+        # Ctrl-C on a long --warn/--log run: what the watch found before it is still the run's outcome (the
+        # report, --json/--html, status 1); before, the interrupt left through here with none of them.
+        _print_traceback(error, script, hide_ours=True)
+        status = EXIT_INTERRUPTED
     finally:
         sys.stdout.flush()
     report = watch.report
@@ -185,12 +193,24 @@ def _say(text: str, stream: Any) -> None:
     print(text, file=stream)
 
 
-def _print_traceback(error: BaseException, script: str) -> None:
-    """The traceback as ``python script.py`` would show it: from the script's frame on, not ours or runpy's."""
+def _print_traceback(error: BaseException, script: str, *, hide_ours: bool = False) -> None:
+    """The traceback as ``python script.py`` would show it: from the script's frame on, not ours or runpy's.
+
+    ``hide_ours``: an interrupt, which may land in a watch's hook, is shown without the hook's frames (IPython
+    hides them in a notebook likewise); the script's, torch's and the line it stopped at stay.
+    """
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != script:
         tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+    if not hide_ours:
+        traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+        return
+    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    entries = [entry for entry in traceback.extract_tb(tb) if not entry.filename.startswith(ours)]
+    shown = traceback.StackSummary.from_list(entries).format()
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print(*shown, sep="", end="", file=sys.stderr)
+    print(*traceback.format_exception_only(type(error), error), sep="", end="", file=sys.stderr)
 
 
 def _exit_status(code: Any) -> int:

@@ -160,3 +160,43 @@ def test_a_plugin_suite_under_warnings_as_errors_fails_each_bad_test_with_its_re
                                 "test_bad_with_fixture[optimizer]"]
     assert all(text.startswith("nan_magic: first non-finite") for text in failures.values()), failures
     assert "RuntimeWarning" not in done.stdout
+
+
+INTERRUPTED = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(4):
+    out = model(torch.randn(8, 4))
+    loss = (out.log() if {bad} else out.pow(2)).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step == 2:
+        raise KeyboardInterrupt  # Ctrl-C, pressed at the third step of a long run
+"""
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_ctrl_c_on_a_log_run_keeps_the_event_found_before_it(
+    bad: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m nan_magic run --log --json r.json train.py``, a long run whose loss went NaN at step 0, stopped with
+    Ctrl-C: the interrupt left through cli.py and runpy (their frames and our hook's in the traceback), with no report,
+    no JSON and the status of a signal. The report and the JSON are written and the status is 1; a run with no
+    event before the interrupt gives 130, as a shell does, and the traceback shows none of our frames."""
+    script = tmp_path / "train.py"
+    script.write_text(INTERRUPTED.format(bad=bad))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    status = main(["run", "--log", "--json", str(tmp_path / "r.json"), str(script)])
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n") and "\nKeyboardInterrupt\n" in err
+    assert "nan_magic" not in err.split("\nKeyboardInterrupt\n")[0] and "runpy" not in err
+    if bad:
+        assert status == 1 and (tmp_path / "r.json").exists()
+        assert "nan_magic: first non-finite value in forward step 0" in err
+    else:
+        assert status == 130 and not (tmp_path / "r.json").exists()
+        assert "nan_magic: no real non-finite event (0 benign) in 3 step(s)" in err
