@@ -31,6 +31,7 @@ import pathlib
 import runpy
 import sys
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 
 from nan_magic.distributed.ranks import launched_rank, leave_together, per_rank_path
 from nan_magic.errors.exceptions import NonFiniteError, peer_message
+from nan_magic.errors.warning_lines import cell_named
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
 from nan_magic.patches.registry import ProcessPatch, Wrap
@@ -48,6 +50,9 @@ from nan_magic.version import __version__
 __all__ = ["main"]
 
 EXIT_CLEAN, EXIT_EVENT, EXIT_USAGE, EXIT_SCRIPT_ERROR = 0, 1, 2, 3
+#: Our warnings that no line of the script is the place of (a misspelled --types, judged as the run ends) printed
+#: without Python's ``nan_magic:0:`` in front of them, as the magics print them (errors/warning_lines.py).
+_PLACED_WARNINGS = ProcessPatch.of(warnings, "formatwarning", cell_named)
 #: Stopped by Ctrl-C with no real event: 128 + SIGINT, the status a shell gives a script it interrupted.
 EXIT_INTERRUPTED = 130
 
@@ -121,7 +126,7 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
     sys.path.insert(0, os.path.dirname(script))
     status = EXIT_CLEAN
     try:
-        with _adopting(watch), watch:
+        with _PLACED_WARNINGS.held(), _adopting(watch), watch:
             runpy.run_path(script, run_name="__main__")
     except NonFiniteError as error:
         _print_traceback(error, script)

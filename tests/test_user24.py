@@ -200,3 +200,17 @@ def test_ctrl_c_on_a_log_run_keeps_the_event_found_before_it(
     else:
         assert status == 130 and not (tmp_path / "r.json").exists()
         assert "nan_magic: no real non-finite event (0 benign) in 3 step(s)" in err
+
+
+def test_a_misspelled_types_in_run_warns_in_a_readable_line(tmp_path: Path) -> None:
+    """``python -m nan_magic run --types Linaer train.py``: judged as the run ends, where no line of the script is the
+    warning's place, it printed as ``nan_magic:0: NanMagicWarning: nan_magic: types entry ...`` in the CI log."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nmodel = torch.nn.Linear(4, 4)\nmodel(torch.randn(2, 4))\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "nan_magic", "run", "--types", "Linaer", str(script)],
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("NanMagicWarning: nan_magic: types entry 'Linaer' matches no module"), done.stderr
