@@ -214,3 +214,51 @@ def test_a_misspelled_types_in_run_warns_in_a_readable_line(tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith("NanMagicWarning: nan_magic: types entry 'Linaer' matches no module"), done.stderr
+
+
+OWN_WATCH = """
+import sys
+import torch
+from torch import nn
+import nan_magic
+
+torch.manual_seed(0)
+model = nn.Linear(4, 4)
+with nan_magic.watch(model, on_detect=sys.argv[1]) as w:
+    for step in range(3):
+        model(torch.randn(8, 4)).log().mean().backward()
+print("own watch:", w.report.op)
+"""
+
+
+@pytest.mark.parametrize("mode", ["raise", "log"])
+def test_run_over_a_script_with_its_own_watch_does_not_say_clean(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m nan_magic run train.py`` where train.py enters ``nan_magic.watch`` itself: the script's watch took
+    over the model's hooks, raised (or logged) the NaN, and the CLI's watch printed "no real non-finite event" and
+    exited 0: a CI gate passing a NaN run. The nested watch's events are now the outer's: the report, status 1."""
+    script = tmp_path / "train.py"
+    script.write_text(OWN_WATCH)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["run", str(script), mode]) == 1
+    err = capsys.readouterr().err
+    assert "no real non-finite event" not in err
+    assert re.search(r"^nan_magic: first non-finite value in forward step 0: code outside any watched module, op "
+                     r"aten\.log\.default at \S*train\.py:11 ", err, re.MULTILINE), err
+
+
+@pytest.mark.parametrize("outer_targets", ["model", "none"])
+def test_a_nested_watchs_log_mode_event_is_the_outer_watchs_report(outer_targets: str) -> None:
+    """The same through the API (the pytest marker's watch around code that watches in ``log`` mode): the outer
+    watch's ``report`` and ``events`` hold what the nested one found, and nothing is raised."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    with nan_magic.watch(*([model] if outer_targets == "model" else [])) as outer:
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        with nan_magic.watch(model, on_detect="log") as inner:
+            model(torch.randn(8, 4)).log().mean().backward()
+        assert inner.report is not None
+        assert outer.report is inner.report and outer.events[-len(inner.events):] == inner.events
+    assert outer.report is inner.report

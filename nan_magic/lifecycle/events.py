@@ -171,6 +171,19 @@ class Events:
                 return  # between agreement points: this rank checks nothing more, stops with the others at the next
             self.raise_agreed(self.agreement.settle(own, finding))
 
+    def absorb(self, inner: Events) -> None:
+        """The events a nested watch recorded while it had taken over from this one are this watch's too.
+
+        A script watched by ``python -m nan_magic run`` (or a test by the pytest marker) that enters its own watch
+        over the same model: the outer watch's hooks were off meanwhile, and it said "no real non-finite event",
+        exit 0, after the script's watch had raised or logged one. Recorded, not raised: the inner watch's
+        ``on_detect`` already decided how the run went on.
+        """
+        room = max(0, self.config.max_events - len(self.events))
+        self.events.extend(inner.events[:room])
+        if self.report is None and inner.report is not None:
+            self.report = inner.report
+
     def _localized(self, finding: Finding, report: Report) -> Replayed | None:
         """``context.localize``; where the user stops it, ``report`` as the boundary saw it, and a note.
 
