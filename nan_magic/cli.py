@@ -50,11 +50,12 @@ from nan_magic.version import __version__
 __all__ = ["main"]
 
 EXIT_CLEAN, EXIT_EVENT, EXIT_USAGE, EXIT_SCRIPT_ERROR = 0, 1, 2, 3
+#: Stopped by Ctrl-C with no real event: 128 + SIGINT, the status a shell gives a script it interrupted.
+EXIT_INTERRUPTED = 130
+
 #: Our warnings that no line of the script is the place of (a misspelled --types, judged as the run ends) printed
 #: without Python's ``nan_magic:0:`` in front of them, as the magics print them (errors/warning_lines.py).
 _PLACED_WARNINGS = ProcessPatch.of(warnings, "formatwarning", cell_named)
-#: Stopped by Ctrl-C with no real event: 128 + SIGINT, the status a shell gives a script it interrupted.
-EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:

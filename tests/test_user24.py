@@ -262,3 +262,21 @@ def test_a_nested_watchs_log_mode_event_is_the_outer_watchs_report(outer_targets
         assert inner.report is not None
         assert outer.report is inner.report and outer.events[-len(inner.events):] == inner.events
     assert outer.report is inner.report
+
+
+def test_an_early_warning_in_warn_mode_is_placed_at_the_users_line() -> None:
+    """A loss spike in ``on_detect="warn"``: printed as ``nan_magic/hot/checks/optim.py:315: NanMagicWarning: the
+    loss reached ...`` with our source line under it, where the events' warnings name the user's line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught, nan_magic.watch(model, opt, on_detect="warn"):
+        warnings.simplefilter("always")
+        for step in range(12):
+            loss = model(torch.randn(8, 4) * (1e4 if step == 10 else 1)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    early = [warning for warning in caught if issubclass(warning.category, nan_magic.NanMagicWarning)]
+    assert any("the loss reached" in str(warning.message) for warning in early)
+    assert {warning.filename for warning in early} == {__file__}
