@@ -280,3 +280,17 @@ def test_an_early_warning_in_warn_mode_is_placed_at_the_users_line() -> None:
     early = [warning for warning in caught if issubclass(warning.category, nan_magic.NanMagicWarning)]
     assert any("the loss reached" in str(warning.message) for warning in early)
     assert {warning.filename for warning in early} == {__file__}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11+")
+def test_a_plugin_test_failing_of_its_own_after_a_logged_event_shows_the_report() -> None:
+    """``@pytest.mark.nan_watch(on_detect="log")`` over a test whose own ``assert torch.isfinite(loss)`` then fails:
+    pytest showed ``AssertionError`` alone, nothing of where the NaN was born. The report is now a note under it."""
+    from nan_magic.pytest_plugin import watching
+
+    model = _model()
+    with pytest.raises(AssertionError) as caught, watching(model, on_detect="log"):
+        out = model(torch.randn(8, 4))
+        assert torch.isfinite(out).all()
+    (note,) = caught.value.__notes__
+    assert note.startswith("nan_magic: first non-finite value in forward step 0: 1 (LogHead), op aten.log.default")
