@@ -294,3 +294,14 @@ def test_a_plugin_test_failing_of_its_own_after_a_logged_event_shows_the_report(
         assert torch.isfinite(out).all()
     (note,) = caught.value.__notes__
     assert note.startswith("nan_magic: first non-finite value in forward step 0: 1 (LogHead), op aten.log.default")
+
+
+def test_the_loss_backwards_nodes_are_listed_with_their_counts() -> None:
+    """The backward producer's note said "ran 9 autograd nodes (AddBackward0, MeanBackward0, SqrtBackward0,
+    PowBackward0, SumBackward1, SubBackward0)": six names for nine nodes."""
+    from nan_magic.render.words.note_words import note_text
+
+    nodes = ("AddBackward0", "MeanBackward0", "SqrtBackward0", "MeanBackward0", "PowBackward0", "PowBackward0")
+    text = note_text(nan_magic.Note.of("loss-region", nodes=nodes, singular=("SqrtBackward0",)))
+    assert text == ("the backward of that code ran 6 autograd nodes (AddBackward0, MeanBackward0 x2, SqrtBackward0, "
+                    "PowBackward0 x2); the ones whose derivative can be infinite: SqrtBackward0")
