@@ -237,6 +237,8 @@ def _write_outputs(report: Report, args: argparse.Namespace) -> None:
         if path is None:
             continue
         try:
+            # (--json out/report.json in a fresh CI workspace: its folder made, as --dump makes its own.)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             write(path)
         except Exception as error:  # a missing renderer or a full disk must not hide the event
             print(f"nan_magic: could not write {path}: {type(error).__name__}: {error}", file=sys.stderr)

@@ -305,3 +305,19 @@ def test_the_loss_backwards_nodes_are_listed_with_their_counts() -> None:
     text = note_text(nan_magic.Note.of("loss-region", nodes=nodes, singular=("SqrtBackward0",)))
     assert text == ("the backward of that code ran 6 autograd nodes (AddBackward0, MeanBackward0 x2, SqrtBackward0, "
                     "PowBackward0 x2); the ones whose derivative can be infinite: SqrtBackward0")
+
+
+def test_run_makes_the_folders_of_its_json_and_html(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json out/report.json`` in a fresh CI workspace: "could not write out/report.json: FileNotFoundError", and
+    the HTML of ``--dump DIR`` where the event was a script's own watch's (no scene made DIR) likewise."""
+    script = tmp_path / "train.py"
+    script.write_text(OWN_WATCH)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--json", "out/report.json", "--dump", "scenes", str(script), "log"]) == 1
+    err = capsys.readouterr().err
+    assert "could not write" not in err
+    assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "scenes" / "nan_report.html").exists()
