@@ -17,6 +17,7 @@ Exit status:
   ``--warn``/``--log``, not); the text report is on stderr;
 - 2: usage error (bad options, no such script);
 - 3: the script raised an exception and no real event occurred (traceback on stderr);
+- 130: the run was interrupted (Ctrl-C) and no real event occurred before it;
 - the script's own status when it calls ``sys.exit(n)`` and no real event occurred
   (``sys.exit("message")`` prints the message and gives 1, as Python does).
 """
@@ -30,6 +31,7 @@ import pathlib
 import runpy
 import sys
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -37,15 +39,23 @@ import torch
 
 from nan_magic.distributed.ranks import launched_rank, leave_together, per_rank_path
 from nan_magic.errors.exceptions import NonFiniteError, peer_message
+from nan_magic.errors.warning_lines import cell_named
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, WatchConfig, config_from_args
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Report
 from nan_magic.scene.load import load_scene
+from nan_magic.version import __version__
 
 __all__ = ["main"]
 
 EXIT_CLEAN, EXIT_EVENT, EXIT_USAGE, EXIT_SCRIPT_ERROR = 0, 1, 2, 3
+#: Stopped by Ctrl-C with no real event: 128 + SIGINT, the status a shell gives a script it interrupted.
+EXIT_INTERRUPTED = 130
+
+#: Our warnings that no line of the script is the place of (a misspelled --types, judged as the run ends) printed
+#: without Python's ``nan_magic:0:`` in front of them, as the magics print them (errors/warning_lines.py).
+_PLACED_WARNINGS = ProcessPatch.of(warnings, "formatwarning", cell_named)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m nan_magic",
         description="Find where a NaN or Inf was born, outside notebooks.",
     )
+    # (A CI log records the version it ran; a bare ``--version`` was refused: "the following arguments are required".)
+    parser.add_argument("--version", action="version", version=f"nan_magic {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",
@@ -102,7 +114,7 @@ def _show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         scene = load_scene(args.scene, map_location="cpu")
     except ValueError as error:
         parser.error(str(error))
-    print(scene.report.to_text())
+    _say(scene.report.to_text(), sys.stdout)
     args.dump = None
     _write_outputs(scene.report, args)
     return EXIT_CLEAN
@@ -115,7 +127,7 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
     sys.path.insert(0, os.path.dirname(script))
     status = EXIT_CLEAN
     try:
-        with _adopting(watch), watch:
+        with _PLACED_WARNINGS.held(), _adopting(watch), watch:
             runpy.run_path(script, run_name="__main__")
     except NonFiniteError as error:
         _print_traceback(error, script)
@@ -124,6 +136,11 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
     except Exception as error:  # the script's own failure: show it, as Python would
         _print_traceback(error, script)
         status = EXIT_SCRIPT_ERROR
+    except KeyboardInterrupt as error:
+        # Ctrl-C on a long --warn/--log run: what the watch found before it is still the run's outcome (the
+        # report, --json/--html, status 1); before, the interrupt left through here with none of them.
+        _print_traceback(error, script, hide_ours=True)
+        status = EXIT_INTERRUPTED
     finally:
         sys.stdout.flush()
     report = watch.report
@@ -132,7 +149,7 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
               file=sys.stderr)
         return status
     if report.rank is None:
-        print(report.to_text(), file=sys.stderr)
+        _say(report.to_text(), sys.stderr)
     else:
         _print_ranks_summary(report)
     _write_outputs(report, args)
@@ -149,18 +166,57 @@ def _print_ranks_summary(report: Report) -> None:
     """
     here = launched_rank()
     if here == 0:
-        print(report.to_text(), file=sys.stderr)
+        _say(report.to_text(), sys.stderr)
         print(f"nan_magic: {report.world_size} ranks: {peer_message(report)}", file=sys.stderr)
     else:
         print(f"nan_magic: rank {here} stopped: {peer_message(report)}", file=sys.stderr)
 
 
-def _print_traceback(error: BaseException, script: str) -> None:
-    """The traceback as ``python script.py`` would show it: from the script's frame on, not ours or runpy's."""
+#: The text report's characters outside ASCII, as a stream that cannot write them (a CI runner's ASCII locale,
+#: ``PYTHONIOENCODING=ascii``, a Windows console's code page) reads them best.
+_PLAIN = str.maketrans({
+    "\u00b7": "*", "\u00b1": "+/-", "\u2213": "-/+", "\u1d40": "^T", "\u00b2": "^2", "\u03bb": "lambda",
+    "\u03c3": "sigma", "\u2192": "->", "\u2016": "||", "\u2026": "...", "\u00b5": "u", "\u00e9": "e",
+    "\u2581": ".", "\u2582": ".", "\u2583": ":", "\u2584": ":", "\u2585": "+", "\u2586": "+", "\u2587": "#",
+    "\u2588": "#",
+})
+
+
+def _say(text: str, stream: Any) -> None:
+    """Print ``text`` on ``stream``, in its encoding's characters.
+
+    stdout's errors are strict (``show`` died of a UnicodeEncodeError in our own frames, exit 1 as for an event),
+    stderr's escape (``run``'s histograms became ``\\u2581`` runs): where the stream cannot write the report, its
+    symbols and bars are written in ASCII, and anything else as ``?``.
+    """
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.translate(_PLAIN).encode(encoding, "replace").decode(encoding)
+    except LookupError:
+        pass
+    print(text, file=stream)
+
+
+def _print_traceback(error: BaseException, script: str, *, hide_ours: bool = False) -> None:
+    """The traceback as ``python script.py`` would show it: from the script's frame on, not ours or runpy's.
+
+    ``hide_ours``: an interrupt, which may land in a watch's hook, is shown without the hook's frames (IPython
+    hides them in a notebook likewise); the script's, torch's and the line it stopped at stay.
+    """
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != script:
         tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+    if not hide_ours:
+        traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+        return
+    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    entries = [entry for entry in traceback.extract_tb(tb) if not entry.filename.startswith(ours)]
+    shown = traceback.StackSummary.from_list(entries).format()
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print(*shown, sep="", end="", file=sys.stderr)
+    print(*traceback.format_exception_only(type(error), error), sep="", end="", file=sys.stderr)
 
 
 def _exit_status(code: Any) -> int:
@@ -181,6 +237,8 @@ def _write_outputs(report: Report, args: argparse.Namespace) -> None:
         if path is None:
             continue
         try:
+            # (--json out/report.json in a fresh CI workspace: its folder made, as --dump makes its own.)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             write(path)
         except Exception as error:  # a missing renderer or a full disk must not hide the event
             print(f"nan_magic: could not write {path}: {type(error).__name__}: {error}", file=sys.stderr)

@@ -18,8 +18,9 @@ watched), keyword arguments are :func:`nan_magic.watch` options::
     def test_epoch(model): ...
 
 Either way, a real non-finite event fails the test with the text report
-(also in ``on_detect="warn"``/``"log"`` modes, once the block ends); benign
-events do not.
+(also in ``on_detect="warn"``/``"log"`` modes, once the block ends; a test
+that fails of its own after one has the report as a note under its error);
+benign events do not.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def watching(*targets: Any, **options: Any) -> Iterator[Watch]:
             yield watcher
     except NonFiniteError as error:
         _fail(error.report)
+    except Exception as error:
+        # warn/log: the test failed of its own after a real event (``assert torch.isfinite(loss)``): its error is
+        # the failure, with the report under it (pytest shows an exception's notes), where it said nothing of it.
+        if watcher.report is not None and hasattr(error, "add_note"):  # (Python 3.11+)
+            error.add_note(watcher.report.to_text())
+        raise
     if watcher.report is not None:
         _fail(watcher.report)
 

@@ -29,6 +29,7 @@ from torch import nn
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NanMagicWarning
+from nan_magic.errors.frames import user_stacklevel
 from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
@@ -258,7 +259,9 @@ class StepCycle(CycleExit):
         for warning in early:
             self.warnings.append(warning)
             if self.config.on_detect == "warn":
-                warnings.warn(warning.message, NanMagicWarning, stacklevel=3)
+                # At the user's line (``opt.step()``), as the events' warnings are: a fixed level named a line of
+                # ours (hot/checks/optim.py), its source printed under it, and a filter by module missed it.
+                warnings.warn(warning.message, NanMagicWarning, stacklevel=user_stacklevel())
 
     def sync(
         self, extra: list[torch.Tensor] | None = None, first: Callable[[list[float]], None] | None = None

@@ -162,15 +162,27 @@ class Events:
             self._append_log(report)
         if report.benign:
             return
-        if self.config.on_detect == "raise":
+        # warn: a warnings filter that makes the warning an error (``-W error``, pytest's ``filterwarnings = error``)
+        # stops the run as raise does, with the report, not with a bare RuntimeWarning from inside our hook.
+        if self.config.on_detect == "raise" or (self.config.on_detect == "warn" and not _warned(report.message)):
             own = NonFiniteError(report, producer_frame=finding.frame, producer_position=self.producer_position,
                                  producer_calls=finding.frame_calls)
             if not self.leaving and self.agreement.hold(own, finding, self.context.lockstep):
                 return  # between agreement points: this rank checks nothing more, stops with the others at the next
             self.raise_agreed(self.agreement.settle(own, finding))
-        if self.config.on_detect == "warn":
-            # Named at the user's line (the cell's), not at the hook several frames below it.
-            warnings.warn(watch_warning(report.message), stacklevel=user_stacklevel())
+
+    def absorb(self, inner: Events) -> None:
+        """The events a nested watch recorded while it had taken over from this one are this watch's too.
+
+        A script watched by ``python -m nan_magic run`` (or a test by the pytest marker) that enters its own watch
+        over the same model: the outer watch's hooks were off meanwhile, and it said "no real non-finite event",
+        exit 0, after the script's watch had raised or logged one. Recorded, not raised: the inner watch's
+        ``on_detect`` already decided how the run went on.
+        """
+        room = max(0, self.config.max_events - len(self.events))
+        self.events.extend(inner.events[:room])
+        if self.report is None and inner.report is not None:
+            self.report = inner.report
 
     def _localized(self, finding: Finding, report: Report) -> Replayed | None:
         """``context.localize``; where the user stops it, ``report`` as the boundary saw it, and a note.
@@ -337,6 +349,19 @@ class Events:
 
 #: The phases whose report's line may be in a frame still running when the event is judged (the loop's).
 _LINE_STILL_RUNS = (Phase.DATA, Phase.BACKWARD)
+
+
+def _warned(message: str) -> bool:
+    """Warn of an event; False where the user's warnings filter raised the warning instead of showing it."""
+    warning = watch_warning(message)
+    try:
+        # Named at the user's line (the cell's), not at the hook several frames below it.
+        warnings.warn(warning, stacklevel=user_stacklevel())
+    except Warning as raised:
+        if raised is not warning:
+            raise
+        return False
+    return True
 
 
 def _model_call(finding: Finding) -> int | None:

@@ -2,7 +2,8 @@
 
 A watch nested over the same modules takes over from the outer one (whose
 hooks are removed until this one exits): never two sets of our hooks on one
-model. The steps the nested watch took are the outer watch's steps too. A
+model. The steps the nested watch took are the outer watch's steps too, and its events the outer's events
+(its first real event the outer's report, where the outer has none). A
 step replay's watch (``replay_of``, localize/replay/tiered/step.py) runs inside the watch it
 replays, which stands aside instead of being taken over from.
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.hot.step_cycle import StepCycle
     from nan_magic.hot.watched.targets import Targets
+    from nan_magic.lifecycle.events import Events
 
 __all__ = ["Nested", "Nesting"]
 
@@ -43,6 +45,9 @@ class Nested(Protocol):
 
     @property
     def cycle(self) -> StepCycle: ...
+
+    @property
+    def outcome(self) -> Events: ...
 
     def __enter__(self) -> Any: ...
 
@@ -94,8 +99,10 @@ class Nesting:
         """The watch is left (its hooks are removed): the outer watches it took over from watch again."""
         for outer in self._suspended:
             if outer._watch.active:
-                # The steps taken while this watch had taken over are the outer watch's steps too.
+                # The steps taken while this watch had taken over are the outer watch's steps too, and so
+                # are its events.
                 outer._watch.cycle.absorb(self._watch.cycle)
+                outer._watch.outcome.absorb(self._watch.outcome)
                 outer._attach()
         self._suspended = []
 

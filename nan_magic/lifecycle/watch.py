@@ -248,7 +248,7 @@ class Watch(WatchEvents):
             self.adopt_traceback(judged, entry)
             raise judged
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
-            self._filters_judged = warn_unmatched_filters(self.targets, self.config)  # (once for the run)
+            self._filters_judged = self._judge_filters(explained or exc)  # (once for the run)
         if explained is not None:
             self.adopt_traceback(explained, tb)
             raise explained from exc
@@ -260,6 +260,18 @@ class Watch(WatchEvents):
             # interrupt is not cut: where it landed is shown, our hooks' frames skipped as hidden (IPython's rule).
             cut_where_passed_through(tb)
         return False
+
+    def _judge_filters(self, leaving: BaseException | None) -> bool:
+        """warn_unmatched_filters as the watch is left; where a filter makes the warning an error (``-W error``)
+        while ``leaving`` propagates (the event), the warning joins it as a note rather than replacing it."""
+        try:
+            return warn_unmatched_filters(self.targets, self.config)
+        except Warning as warning:
+            if leaving is None:
+                raise
+            if hasattr(leaving, "add_note"):  # (Python 3.11+)
+                leaving.add_note(f"{type(warning).__name__}: {warning}")
+            return True
 
     def _attach(self) -> None:
         stack = ExitStack()

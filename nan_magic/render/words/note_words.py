@@ -254,12 +254,17 @@ def _deliberate(note: Note) -> str:
 def _loss_region(note: Note) -> str:
     names: tuple[str, ...] = note.fact("nodes")
     suspects: tuple[str, ...] = note.fact("singular")
-    sentence = f"the backward of that code ran {len(names)} autograd nodes ({', '.join(dict.fromkeys(names))})"
+    # Each kind once, with its count where it ran more than once: "ran 9 autograd nodes (AddBackward0, ...)" listed
+    # six names, and a reader counted them against the nine.
+    sentence = f"the backward of that code ran {len(names)} autograd nodes ({_with_counts(names)})"
     if suspects:
-        listed = ", ".join(f"{name} x{suspects.count(name)}" if suspects.count(name) > 1 else name
-                           for name in dict.fromkeys(suspects))
-        sentence += f"; the ones whose derivative can be infinite: {listed}"
+        sentence += f"; the ones whose derivative can be infinite: {_with_counts(suspects)}"
     return sentence
+
+
+def _with_counts(names: tuple[str, ...]) -> str:
+    """``AddBackward0 x2, SqrtBackward0``: each name once, in order, counted where it came more than once."""
+    return ", ".join(f"{name} x{names.count(name)}" if names.count(name) > 1 else name for name in dict.fromkeys(names))
 
 
 def _scaler_skipped(note: Note) -> str:
