@@ -152,8 +152,10 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 and self._budget > 0 and goes_on()):
             self._push()
             return
-        if region == "data" or not self.holds_data:  # (held by batch_entered: the batch they made is judged,
-            self._data, self._data_before, self._data_calls = None, {}, {}  # at the step's check or the call's end)
+        # Held by batch_entered: the batch they made is judged at the step's check (deferred), or at the call's end;
+        # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
+        if region == "data" or (region != "loss" and not self.holds_data):
+            self._data, self._data_before, self._data_calls = None, {}, {}
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
