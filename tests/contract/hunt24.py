@@ -9,18 +9,16 @@ next call's loss region began); self-conditioning, a second model call a step fe
 normalised in the loop; distillation from a teacher not given to the watch, run under no_grad before the student (a
 blank sample: the teacher's hand L2 normalisation, 0 / |0|); a center loss whose centers, a plain tensor, the loop
 moves after the optimizer step toward each class's batch mean (a class absent from the batch: the mean of nothing,
-read NaN by the next step's loss; the immediate modes let go of that code's records: strict xfails,
-DATA_RECORDS_GAP). At the loop's last step, where nothing runs after it: ``F.gumbel_softmax`` with its temperature
-annealed to 0; a token loss normalised by ``loss * (1 / n_valid)`` over a batch of padding only; a GeM pooling
-without its eps whose backward meets an all-zero channel, the NaN gradient spread over every parameter by
-``clip_grad_norm_(error_if_nonfinite=False)`` (the finite loss shows nothing); an auxiliary head switched on with a
-weight of 0 under ``Adam(eps=0)`` (only the parameters show it). Each with the fix its users apply: the twin must
+read NaN by the next step's loss). At the loop's last step, where nothing runs after it: ``F.gumbel_softmax`` with
+its temperature annealed to 0; a token loss normalised by ``loss * (1 / n_valid)`` over a batch of padding only; a
+GeM pooling without its eps whose backward meets an all-zero channel, the NaN gradient spread over every parameter
+by ``clip_grad_norm_(error_if_nonfinite=False)`` (the finite loss shows nothing); an auxiliary head switched on with
+a weight of 0 under ``Adam(eps=0)`` (only the parameters show it). Each with the fix its users apply: the twin must
 stay silent and bit-identical, in every mode.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -399,17 +397,6 @@ def _unwatched_teacher(eps: float) -> Scenario:
     return Scenario((student, opt), run)
 
 
-#: Why the loss code's NaN input made by the loop's data code is not traced to its op in the immediate modes.
-DATA_RECORDS_GAP = (
-    "the data code after step 1's optimizer step (the center update, writing a plain tensor in place; the unwatched "
-    "teacher's call, returning soft targets) makes a value the loss code of step 2 reads NaN. "
-    "RegionRecords._claim_written (localize/outside/region_records.py) runs the data region's records again to the op "
-    "that made it, but the immediate modes let those records go as the model call returns (OutsideRecorder.start "
-    "without holds_data, which only the deferred check sets): phase data, op None, the loss line, cause "
-    "bad-input-data. defer holds them until the next data region; ops=True traces the code. Holding them in the "
-    "immediate modes too would keep the data code's tensors through each step"
-)
-
 CASES = [
     Case("hunt24_two_optimizers_by_name_adam_eps0_over_a_zero_gradient_norm", lambda: _two_optimizers(0.0),
          Expect("optimizer", "norm", "LayerNorm", step=0, op="aten.addcdiv_.default", marker="norm adam step",
@@ -443,19 +430,9 @@ CASES = [
                 cause="division-by-zero")),
     Case("hunt24_self_conditioning_eps_healthy", lambda: _self_conditioning(1e-6), None),
     Case("hunt24_center_loss_free_centers_mean_of_an_absent_class", lambda: _center_loss(False),
-         Expect("forward", None, step=2, op="aten.mean.dim", marker="center update", cause="empty-reduction"),
-         modes=("defer", "ops")),
-    Case("hunt24_center_loss_free_centers_mean_of_an_absent_class_replayed", lambda: _center_loss(False),
-         Expect("forward", None, step=2, op="aten.mean.dim", marker="center update", cause="empty-reduction"),
-         modes=("default", "full"), marks=(pytest.mark.xfail(strict=True, reason=DATA_RECORDS_GAP),),
-         note=DATA_RECORDS_GAP),
+         Expect("forward", None, step=2, op="aten.mean.dim", marker="center update", cause="empty-reduction")),
     Case("hunt24_center_loss_absent_class_skipped_healthy", lambda: _center_loss(True), None),
     Case("hunt24_unwatched_teacher_normalises_a_blank_sample", lambda: _unwatched_teacher(0.0),
-         Expect("forward", None, step=2, op="aten.div.Tensor", marker="teacher normalise", cause="division-by-zero"),
-         modes=("defer", "ops")),
-    Case("hunt24_unwatched_teacher_normalises_a_blank_sample_replayed", lambda: _unwatched_teacher(0.0),
-         Expect("forward", None, step=2, op="aten.div.Tensor", marker="teacher normalise", cause="division-by-zero"),
-         modes=("default", "full"), marks=(pytest.mark.xfail(strict=True, reason=DATA_RECORDS_GAP),),
-         note=DATA_RECORDS_GAP),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="teacher normalise", cause="division-by-zero")),
     Case("hunt24_unwatched_teacher_norm_eps_healthy", lambda: _unwatched_teacher(1e-6), None),
 ]
