@@ -109,8 +109,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                  holds_data: bool = False) -> None:
         TorchDispatchMode.__init__(self)
         RegionRecords.__init__(self, kinds)
-        #: Whether a data region's records are held past the model call that ends it (not only through it), until
-        #: the next data region starts: the deferred check judges the batch at the optimizer step (:meth:`start`).
+        #: Whether a data region's records are held past the loss region of the model call that ends it (not only
+        #: through it), until the next data region starts: the deferred check judges the batch at the optimizer step.
         self.holds_data = holds_data
         #: Whether :meth:`forget` keeps the last step's loss code (``keep_last_good``: see :meth:`loss_code`).
         self.keep_last = keep_last
@@ -172,17 +172,18 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
     def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
         """A top-level model call began, its positional batch judged: the data region's records are held.
 
-        Until the call returns (:meth:`start`; :meth:`claim` looks there too): a keyword argument
-        (``model(**batch)``, ``model(pixel_values=x)``) is judged there, or where the forward first reads it.
-        With :attr:`holds_data`, until the next data region starts: the deferred check judges the batch at the
-        optimizer step. ``goes_on()``: a loss region's few records stay for the call's return to decide (:meth:`start`).
+        Through the call and its loss region (:meth:`start`; :meth:`claim` looks there too): a keyword argument
+        (``model(**batch)``, ``model(pixel_values=x)``) is judged there, or where the forward first reads it, and the
+        loss code may read what the data code made (an unwatched teacher's output). With :attr:`holds_data`, until the
+        next data region starts: the deferred check judges the batch at the optimizer step. ``goes_on()``: a loss
+        region's few records stay for the call's return to decide (:meth:`start`).
         """
         if goes_on is not None and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX and goes_on():
             return
         if self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
-            if self.holds_data:  # (immediate: held through the call only, whose return lets go of them)
+            if self.holds_data:  # (immediate: held through the call and its loss region, frames and all)
                 self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
             self._data = (ops, self._produced, self._rng)

@@ -71,8 +71,8 @@ class RegionRecords:
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         self._raw = False  # whether ``_last`` holds them as recorded (the step's graph with them: forget)
-        # The last data region's records, kept by forget() until the deferred check has judged the batch they
-        # made (the recorder's ``holds_data``): (ops, produced, rng).
+        # The last data region's records, kept by forget() through the loss region (until the deferred check has
+        # judged the batch they made, with the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
         # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
         self._data_before: dict[int, torch.Tensor] = {}
