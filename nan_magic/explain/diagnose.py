@@ -257,6 +257,9 @@ def _backward(report: Report) -> Cause:
         cause = forward_cause(report)
         if cause.label != "unclassified":
             return cause
+    if node is None and report.op is not None and report.op_inputs and (
+            cause := forward_cause(report)).label != "unclassified":
+        return cause  # loop code between backward() and the step wrote the gradient (a rescale): its operands say why
     return event_cause("unclassified", "backward-unmatched", report)
 
 

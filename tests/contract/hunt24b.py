@@ -2,13 +2,15 @@
 
 Layers: ``nn.GroupNorm(eps=0)`` over a globally pooled map (one element per group: ``0 * rsqrt(0)``); a Barlow Twins
 projector's batch standardisation without eps over a dimension constant across the batch; ``nn.MultiheadAttention``
-with a causal mask and a key padding mask over a left-padded batch (each mask alone leaves every query a key; together
-they leave the padded sample's first query none). Losses: ``F.kl_div`` of an action-masked student (log-probability
--inf where the teacher's probability is 0: 0 * -inf); ``smooth_l1_loss`` (mean) over the positive anchors of a batch
-that has none; cross-entropy with ``label_smoothing`` over a batch whose every tag is ``ignore_index``; an entropy
-bonus by ``xlogy(p, p)``, finite at p = 0 in forward, whose derivative in y, x / y, is 0 / 0 there. Data: a depth
-map computed in ``__getitem__`` from a disparity of 0 (a stereo matcher's "no match"), then upsampled bilinearly by
-the model. Each with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
+with a causal mask and a key padding mask over a left-padded batch (each mask alone leaves every query a key;
+together they leave the padded sample's first query none). Losses: ``F.kl_div`` of an action-masked student
+(log-probability -inf where the teacher's probability is 0: 0 * -inf); ``smooth_l1_loss`` (mean) over the positive
+anchors of a batch that has none; cross-entropy with ``label_smoothing`` over a batch whose every tag is
+``ignore_index``; an entropy bonus by ``xlogy(p, p)``, finite at p = 0 in forward, whose derivative in y, x / y, is
+0 / 0 there. Loop code: gradients rescaled to a running average of their norm between ``backward()`` and the step,
+over a batch whose loss is exactly 0 (``running / 0``, then ``0 * inf``). Data: a depth map computed in
+``__getitem__`` from a disparity of 0 (a stereo matcher's "no match"), then upsampled bilinearly by the model. Each
+with the fix its users apply: the twin must stay silent and bit-identical, in every mode.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.nn import functional as F
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
 from contract.loops import sgd_loop as _loop
+from nan_magic.records import TensorRef
 
 
 # ---------------------------------------------------------------- GroupNorm(eps=0) over a pooled map
@@ -272,6 +275,40 @@ def _xlogy_entropy(log_softmax: bool) -> Scenario:
     return _loop(policy, lambda step: (xs[step],), loss_fn)
 
 
+# ---------------------------------------------------------------- gradients rescaled to a running norm, a loss of 0
+def _running_rescale(eps: float) -> Scenario:
+    """Gradients rescaled to a running average of their norm, ``g * running / norm`` (normalised gradient descent
+    against spikes, the average kept in a plain tensor); the batch of step 2 holds only masked tokens, the loss
+    ``sum / n.clamp(min=1)`` is exactly 0 and so is every gradient: ``running / 0`` is inf and the gradients ``0
+    * inf``, NaN, before the optimizer step. The twin adds eps to the norm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    xs, labels = _batches(6, 6), [torch.randint(0, 4, (6,)) for _ in range(4)]
+    masks = [torch.rand(6) > 0.3 for _ in range(4)]
+    masks[2][:] = False
+    running = torch.ones(())
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            ce = F.cross_entropy(model(xs[step]), labels[step], reduction="none")
+            loss = (ce * masks[step]).sum() / masks[step].sum().clamp(min=1)
+            opt.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                grads = [p.grad for p in model.parameters()]
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                running.mul_(0.9).add_(0.1 * norm)
+                scale = running / (norm + eps)  # producer: running rescale
+                for g in grads:
+                    g.mul_(scale)
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("hunt24_group_norm_eps0_one_element_a_group", lambda: _group_norm(0.0),
          Expect("forward", "norm", "GroupNorm", step=0, op="aten.native_group_norm.default", marker="group norm",
@@ -305,4 +342,8 @@ CASES = [
     Case("hunt24b_entropy_by_xlogy_backward_at_a_probability_of_0", lambda: _xlogy_entropy(False),
          Expect("backward", None, step=0, op="aten.div.Tensor", marker="xlogy", cause="log-domain")),
     Case("hunt24b_entropy_by_log_softmax_healthy", lambda: _xlogy_entropy(True), None),
+    Case("hunt24b_gradients_rescaled_to_a_running_norm_over_a_zero_gradient", lambda: _running_rescale(0.0),
+         Expect("backward", "0", "Linear", step=2, op="aten.div.Tensor", marker="running rescale",
+                tensor=TensorRef.gradient("0.weight"), cause="division-by-zero")),
+    Case("hunt24b_gradients_rescaled_to_a_running_norm_eps_healthy", lambda: _running_rescale(1e-6), None),
 ]

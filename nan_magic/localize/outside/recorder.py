@@ -109,8 +109,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                  holds_data: bool = False) -> None:
         TorchDispatchMode.__init__(self)
         RegionRecords.__init__(self, kinds)
-        #: Whether a data region's records are held past the model call that ends it (not only through it), until
-        #: the next data region starts: the deferred check judges the batch at the optimizer step (:meth:`start`).
+        #: Whether a data region's records are held past the loss region of the model call that ends it (not only
+        #: through it), until the next data region starts: the deferred check judges the batch at the optimizer step.
         self.holds_data = holds_data
         #: Whether :meth:`forget` keeps the last step's loss code (``keep_last_good``: see :meth:`loss_code`).
         self.keep_last = keep_last
@@ -152,8 +152,10 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 and self._budget > 0 and goes_on()):
             self._push()
             return
-        if region == "data" or not self.holds_data:  # (held by batch_entered: the batch they made is judged,
-            self._data, self._data_before, self._data_calls = None, {}, {}  # at the step's check or the call's end)
+        # Held by batch_entered: the batch they made is judged at the step's check (deferred), or at the call's end;
+        # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
+        if region == "data" or (region != "loss" and not self.holds_data):
+            self._data, self._data_before, self._data_calls = None, {}, {}
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
@@ -170,17 +172,18 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
     def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
         """A top-level model call began, its positional batch judged: the data region's records are held.
 
-        Until the call returns (:meth:`start`; :meth:`claim` looks there too): a keyword argument
-        (``model(**batch)``, ``model(pixel_values=x)``) is judged there, or where the forward first reads it.
-        With :attr:`holds_data`, until the next data region starts: the deferred check judges the batch at the
-        optimizer step. ``goes_on()``: a loss region's few records stay for the call's return to decide (:meth:`start`).
+        Through the call and its loss region (:meth:`start`; :meth:`claim` looks there too): a keyword argument
+        (``model(**batch)``, ``model(pixel_values=x)``) is judged there, or where the forward first reads it, and the
+        loss code may read what the data code made (an unwatched teacher's output). With :attr:`holds_data`, until the
+        next data region starts: the deferred check judges the batch at the optimizer step. ``goes_on()``: a loss
+        region's few records stay for the call's return to decide (:meth:`start`).
         """
         if goes_on is not None and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX and goes_on():
             return
         if self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
-            if self.holds_data:  # (immediate: held through the call only, whose return lets go of them)
+            if self.holds_data:  # (immediate: held through the call and its loss region, frames and all)
                 self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
             self._data = (ops, self._produced, self._rng)

@@ -71,8 +71,8 @@ class RegionRecords:
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         self._raw = False  # whether ``_last`` holds them as recorded (the step's graph with them: forget)
-        # The last data region's records, kept by forget() until the deferred check has judged the batch they
-        # made (the recorder's ``holds_data``): (ops, produced, rng).
+        # The last data region's records, kept by forget() through the loss region (until the deferred check has
+        # judged the batch they made, with the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
         # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
         self._data_before: dict[int, torch.Tensor] = {}
@@ -181,18 +181,15 @@ class RegionRecords:
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before)
         if found is None and self._data is not None and tensor is not None:
-            found = self._claim_written(tensor)
+            found = self._claim_written(tensor, self._data)
         return found
 
-    def _claim_written(self, tensor: torch.Tensor) -> OpFinding | None:
-        """The held data code's op that made ``tensor``, or a tensor its ops read from outside, non-finite in place:
-        a center loss's centers, moved after the optimizer step (``centers[c] += m * (f[y == c].mean(0) - centers[c])``)
-        and read NaN by the loss code; the records are run again up to their last write into that memory."""
-        if self._data is None:
-            return None
-        data_ops, _produced, rng = self._data
-        # The tensor itself (read by the loss code from the user's variables), or what its ops read from outside.
-        reads: list[Any] = [tensor]
+    def _claim_written(self, tensor: torch.Tensor, data: _Records) -> OpFinding | None:
+        """The held data code's op that made ``tensor`` non-finite in place (a center loss's centers, moved after the
+        optimizer step: ``centers[c] += m * (f[y == c].mean(0) - centers[c])``), or a tensor its ops read from outside
+        (an unwatched teacher's soft targets under the loss code's ``log``), the records run again to that write."""
+        data_ops, rng = data[0], data[2]
+        reads: list[Any] = [tensor]  # (itself, read from the user's variables; or what its ops read from outside)
         made: set[int] = set()
         for op in _ops_to(self._ops, self._produced, tensor) or ():
             reads.extend(value for value in tree_leaves((op.args, op.kwargs)) if record_key(value) not in made)
@@ -202,8 +199,10 @@ class RegionRecords:
             if (isinstance(read, torch.Tensor) and read.is_floating_point() and read.layout is torch.strided
                     and read.numel() and not bool(read.isfinite().all())):
                 last = _last_write(data_ops, -1, read)
-                if last >= 0:
-                    return self._claim_ops(data_ops[: last + 1], rng, self._data_before)
+                found = self._claim_ops(data_ops[: last + 1], rng, self._data_before) if last >= 0 else (
+                    self._claim_in(data, read, None, self._data_before) if read is not tensor else None)
+                if found is not None:
+                    return found
         return None
 
     def made_deliberately(self, tensor: torch.Tensor) -> bool:
