@@ -321,3 +321,12 @@ def test_run_makes_the_folders_of_its_json_and_html(
     err = capsys.readouterr().err
     assert "could not write" not in err
     assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "scenes" / "nan_report.html").exists()
+
+
+def test_an_unmatched_include_on_a_one_module_model_says_what_exists() -> None:
+    """``watch(nn.Linear(4, 4), include="fc*")`` warned "... (their module names: )": the root's name is empty."""
+    model = nn.Linear(4, 4)
+    with pytest.warns(nan_magic.NanMagicWarning) as caught, nan_magic.watch(model, include="fc*"):
+        model(torch.randn(2, 4))
+    (message,) = [str(warning.message) for warning in caught]
+    assert message.endswith("(their module names: none but the root)")

@@ -31,7 +31,9 @@ def warn_unmatched_filters(targets: Targets, config: WatchConfig) -> bool:
         return False
     for option, pattern, existing in unmatched_filters(targets, config):
         what, kinds = _WHAT[option]
-        there = ", ".join(existing) if existing else "none"
+        # (A model of one module has only the root's name, "": it read "their module names: )".)
+        named = [name for name in existing if name]
+        there = ", ".join(named) if named else "none but the root" if existing else "none"
         message = (
             f"nan_magic: {what} {pattern!r} matches no module of the watched models, so nothing it meant "
             f"is checked (their {kinds}: {there})"

@@ -18,7 +18,7 @@ class Block(nn.Module):
 torch.manual_seed(0)
 model = nn.Sequential(*[Block(16) for _ in range(47)], Block(16, scale=1e39), nn.Linear(16, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-for step in range(3):
+for _step in range(3):
     loss = model(torch.randn(4, 16)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
