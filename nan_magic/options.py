@@ -160,8 +160,15 @@ class WatchConfig:
     )
     backward: bool = _option(
         True,
-        """Check the gradients.""",
-        _flag("--no-backward", action="store_false", help="do not check gradients"),
+        """Check the gradients during backward: those flowing into the modules'
+        outputs (a backward producer named with its op and line), and the
+        parameter gradients of a backward no optimizer step follows. Off, the
+        parameter gradients are still read before each optimizer step (which
+        must not apply a non-finite one): such an event names the parameter's
+        module, without the op.""",
+        _flag("--no-backward", action="store_false",
+              help="do not check gradients during backward (parameter gradients are still read before each "
+                   "optimizer step)"),
     )
     history: int = _option(200, """How many steps of scalar history to keep.""")
     sample_size: int = _option(4096, """Finite values kept per tensor for histograms (producer only).""")

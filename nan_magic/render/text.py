@@ -5,6 +5,8 @@ Stdlib only: this runs inside exception messages in scripts and CI.
 
 from __future__ import annotations
 
+import sys
+
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     cause_sentence,
@@ -136,12 +138,19 @@ def _layer_section(report: Report, max_rows: int) -> str:
     return "\n".join(lines)
 
 
+def _debugger() -> str:
+    """What opens the report's frame here: ``%debug`` in an IPython session, ``pdb.pm()`` in a script or a CI log
+    (where ``%debug`` means nothing). The notebook's HTML report says ``%debug``: it is shown in IPython."""
+    ipython = sys.modules.get("IPython")
+    return "%debug" if ipython is not None and ipython.get_ipython() is not None else "pdb.pm()"
+
+
 def _debug_section(report: Report) -> str:
     if report.debug_frame is None and not report.frames:
         return ""
     lines = []
     if report.debug_frame is not None:
-        lines.append(f"%debug opens in {report.debug_frame}")
+        lines.append(f"{_debugger()} opens in {report.debug_frame}")
     lines.extend(f"  local {name}: {stats_phrase(stats)}" for name, stats in report.debug_locals)
     if report.frames:
         lines.append("Frames from your code to the producer:")
