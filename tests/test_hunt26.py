@@ -412,3 +412,25 @@ def test_a_nan_loss_given_to_torch_autograd_backward_is_judged_like_loss_backwar
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("forward", None, 1, "aten.log.default")
     assert report.source is not None and report.source.lineno == marked_line("offset")
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_a_scripted_submodule_s_events_in_log_mode_are_recorded(options) -> None:
+    """Log mode runs on past the loop's write: the running statistics it then makes inf were measured through a
+    TorchScript buffer dict's ``get`` (it has none: AttributeError from our code), and the held data code's claim
+    read a no_grad view of the written weight with grad on (RuntimeError). Now each event is recorded."""
+    torch.manual_seed(0)
+    model = WithScripted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nan_magic.watch(model, opt, on_detect="log", **options) as w:
+        for step, x in enumerate([torch.randn(4, 8) for _ in range(3)]):
+            if step == 1:
+                with torch.no_grad():
+                    model.block[0].weight[0, 0] = float("inf")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    first = w.events[0]
+    assert (first.phase, first.module, first.step) == ("optimizer", "block.0", 1)
+    assert any(report.tensor.name == "block.1.running_var" for report in w.events)

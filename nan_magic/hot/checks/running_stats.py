@@ -109,7 +109,7 @@ class RunningStats:
         (under ``on_detect="warn"`` it stays inf).
         """
         for index, (name, module, owner, owned, key) in enumerate(self.slots):
-            buffer = owned.get(key)
+            buffer = owned[key] if key in owned else None  # noqa: SIM401 (a scripted module's buffers have no get)
             # Elementwise: a buffer's own sum overflows on finite values too (4 x 1e38), as the read's did.
             if buffer is None or bool(torch.isfinite(buffer).all()):
                 continue

@@ -21,9 +21,8 @@ from nan_magic.errors.frames import pointer_at
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "op_source", "record_key",
-           "rerun_op", "swapped",
-           "weak_record"]
+__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "finite_now", "op_source", "record_key",
+           "rerun_op", "swapped", "weak_record"]
 
 
 class RecordedOp(NamedTuple):
@@ -75,6 +74,13 @@ def record_key(value: Any) -> int | None:
     if isinstance(value, torch.Tensor):
         return id(value)
     return value.key if isinstance(value, WeakRecord) else None
+
+
+def finite_now(tensor: torch.Tensor) -> bool:
+    """Whether every value of a recorded tensor is finite now, read detached under no_grad: a view the loop made
+    under no_grad of a parameter it then wrote in place with grad on refuses any read autograd would record."""
+    with torch.no_grad():
+        return bool(tensor.detach().isfinite().all())
 
 
 def alive(value: Any) -> torch.Tensor:

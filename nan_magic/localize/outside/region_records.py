@@ -32,6 +32,7 @@ from nan_magic.localize.outside.recorded_ops import (
     RecordedOp,
     WeakRecord,
     copies_from_outside,
+    finite_now,
     op_source,
     record_key,
     rerun_op,
@@ -197,7 +198,7 @@ class RegionRecords:
         for value in reads:
             read = value.ref() if isinstance(value, WeakRecord) else value
             if (isinstance(read, torch.Tensor) and read.is_floating_point() and read.layout is torch.strided
-                    and read.numel() and not bool(read.isfinite().all())):
+                    and read.numel() and not finite_now(read)):
                 last = _last_write(data_ops, -1, read)
                 found = self._claim_ops(data_ops[: last + 1], rng, self._data_before) if last >= 0 else (
                     self._claim_in(data, read, None, self._data_before) if read is not tensor else None)

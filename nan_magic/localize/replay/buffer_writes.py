@@ -95,7 +95,8 @@ def buffer_writer(roots: Iterable[RootCall], module: str | None, key: str,
     for root in roots:
         target = replay_target(root.module)
         owner = _submodule(target, module) if target is not None else None
-        if target is None or owner is None or owner._buffers.get(key) is None:
+        # (``in`` and ``[]``: a scripted submodule's buffers, an OrderedDictWrapper, have no get)
+        if target is None or owner is None or key not in owner._buffers or owner._buffers[key] is None:
             continue
         found = _replay(root, target, owner, key, standing_aside)
         if found is not None:

@@ -333,9 +333,9 @@ def replay_backward(
                 outputs = [t for _, t in iter_tensors(output, attributes=True) if t.requires_grad]
                 tracer.at_boundary = not anomaly  # (a formula may mask its first non-finite value: claim_first says)
                 with torch.autograd.set_detect_anomaly(anomaly):
-                    grads = torch.autograd.grad(
+                    returned = torch.autograd.grad(
                         outputs, wanted, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
-                tracer.claim_first(() if anomaly else grads)
+                tracer.claim_first(() if anomaly else returned)
         except Exception as error:
             failure = error
     if anomaly and not (isinstance(failure, RuntimeError) and ANOMALY_STOP in str(failure)):
