@@ -211,9 +211,14 @@ def _empty(how: str) -> Reading:
     return on_event(hint, _made(lambda event: f"{event.nan} NaN and no inf"), sentence=False)
 
 
-def _corrected_hint(event: Report, cause: Cause) -> str:
+def _first_shape(event: Report) -> str:
+    """`` (self has shape (1, 8))``: the first operand with a shape, said beside a count that depends on it."""
     shapes = [(ref, stats.shape) for ref, stats in event.op_inputs if stats.shape]
-    shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
+    return f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
+
+
+def _corrected_hint(event: Report, cause: Cause) -> str:
+    shape = _first_shape(event)
     return (
         f"{event.op} in {where(event)} gave {event.nan} NaN: with correction=1 (the default) a std or variance "
         f"over N = 1 element divides by N - 1 = 0{shape}; pass correction=0, or use batches of more than one row"
@@ -377,8 +382,7 @@ def _weight_norm_hint(event: Report, cause: Cause) -> str:
 
 
 def _norm_eps_hint(event: Report, cause: Cause) -> str:
-    shapes = [(ref, stats.shape) for ref, stats in event.op_inputs if stats.shape]
-    shape = f" ({shapes[0][0]} has shape {shapes[0][1]})" if shapes else ""
+    shape = _first_shape(event)
     return (
         f"{event.op} in {where(event)} normalises by rsqrt(var + eps) with eps=0: a group or row whose values are all "
         f"equal (one element a group, a constant row){shape} has variance 0, and (x - mean) * rsqrt(0) is 0 * inf, "
