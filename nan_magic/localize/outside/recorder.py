@@ -183,8 +183,9 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         if self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
             # model's argument, alive while the step runs; a temporary freed since leaves its op unnamed.)
-            if self.holds_data:  # (immediate: held through the call and its loss region, frames and all)
-                self._let_go_of_returned_frames()  # a returned helper's frame would keep its locals alive
+            # Held through the call and its loss region in either mode: a returned helper's frame would keep its
+            # locals alive (a large temporary of the data code) through the forward and backward; small ones stay.
+            self._let_go_of_returned_frames(keep_small=True)
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
             self._data = (ops, self._produced, self._rng)
             self._ops, self._produced, self._n_ops = [], {}, 0
@@ -264,10 +265,11 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self._ops = weakened(self._ops)
         self._let_go_of_returned_frames()  # holding a running one costs nothing
 
-    def _let_go_of_returned_frames(self) -> None:
+    def _let_go_of_returned_frames(self, keep_small: bool | None = None) -> None:
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals), but,
-        for the deferred check (:attr:`holds_data`), a helper's whose tensors are small (held.small_frames):
-        %debug opens there at the op. The immediate check judged the loss before this is called."""
+        for the deferred check (:attr:`holds_data`) or with ``keep_small``, a helper's whose tensors are small
+        (held.small_frames): %debug opens there at the op. The immediate check judged the loss before this is called;
+        a data region's records serve its loss region's claims in either mode (batch_entered)."""
         self._walked, self._generated = (None, None), None  # (a held frame keeps its locals, a large tensor too)
         held: set[FrameType] = {op[8] for op in self._ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
         if not held:
@@ -277,7 +279,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             return
         # (A custom Function's forward is such a frame: its apply, noted for a backward replay: outside/applied.py.)
         self._applied.update(applied_calls(self._ops, held - running, running, self._calls))
-        if self.holds_data:
+        if self.holds_data if keep_small is None else keep_small:
             running |= small_frames(held - running)
             self._keep_calls(running)
         else:  # (judged already: the frames' calls are asked no more)
