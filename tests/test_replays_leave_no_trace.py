@@ -108,7 +108,10 @@ def _after_a_backward_event(options: dict[str, object] | None) -> tuple[float, f
                 losses.append(repr(loss.item()))  # (as text: NaN from the event on equals NaN)
     events = [event for event in watch.events if event.phase == "backward"] if watch is not None else []
     if events and events[0].source is not None:  # (ops=True names no op for this gradient: the report has no line)
-        assert any(note.startswith("%debug opens a replay of ") for note in events[0].notes), events[0].notes
+        # (pdb.pm() outside IPython, %debug in it: tests/test_report_debugger.py)
+        assert any(" opens a replay of " in note and note.endswith(
+            "at the report's line; its locals are the replay's, as that line left them") for note in events[0].notes
+                   ), events[0].notes
     return random.random(), float(numpy.random.rand()), float(torch.rand(1)), root.calls, losses, len(events)
 
 

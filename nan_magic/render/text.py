@@ -5,8 +5,6 @@ Stdlib only: this runs inside exception messages in scripts and CI.
 
 from __future__ import annotations
 
-import sys
-
 from nan_magic.records import LayerCall, Report
 from nan_magic.render.common import (
     cause_sentence,
@@ -25,6 +23,7 @@ from nan_magic.render.layer_tree import depth, layers_count, shown_statuses, unm
 from nan_magic.render.text_histograms import histograms_text
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import row_tensor
+from nan_magic.render.words.note_words import debugger_command
 
 #: Rows of the per-layer table shown in text; the rest is summarised as cut.
 TEXT_MAX_ROWS = 30
@@ -138,19 +137,12 @@ def _layer_section(report: Report, max_rows: int) -> str:
     return "\n".join(lines)
 
 
-def _debugger() -> str:
-    """What opens the report's frame here: ``%debug`` in an IPython session, ``pdb.pm()`` in a script or a CI log
-    (where ``%debug`` means nothing). The notebook's HTML report says ``%debug``: it is shown in IPython."""
-    ipython = sys.modules.get("IPython")
-    return "%debug" if ipython is not None and ipython.get_ipython() is not None else "pdb.pm()"
-
-
 def _debug_section(report: Report) -> str:
     if report.debug_frame is None and not report.frames:
         return ""
     lines = []
     if report.debug_frame is not None:
-        lines.append(f"{_debugger()} opens in {report.debug_frame}")
+        lines.append(f"{debugger_command()} opens in {report.debug_frame}")
     lines.extend(f"  local {name}: {stats_phrase(stats)}" for name, stats in report.debug_locals)
     if report.frames:
         lines.append("Frames from your code to the producer:")

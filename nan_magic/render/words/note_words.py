@@ -11,6 +11,7 @@ advice to watch with ``ops=True``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -87,9 +88,9 @@ _TEMPLATES: dict[str, str] = {
                             "formula made it",
     "optimizer-unreplayable": "the {optimizer} step could not be replayed to name its op",
     "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
-    "frame-let-go": "%debug opens where the step was judged, not in {function} at line {line}: that function had "
+    "frame-let-go": "{debugger} opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
-    "debug-not-replayed": "%debug opens where the step was judged, not at the forward line: {reason}",
+    "debug-not-replayed": "{debugger} opens where the step was judged, not at the forward line: {reason}",
     "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,
@@ -213,8 +214,16 @@ def human_size(size: int) -> str:
     return f"{value:.1f} {unit}"
 
 
+def debugger_command() -> str:
+    """What opens the report's frame here: ``%debug`` in an IPython session, ``pdb.pm()`` in a script or a CI log
+    (where ``%debug`` means nothing). The notebook's HTML report says ``%debug``: it is shown in IPython."""
+    ipython = sys.modules.get("IPython")
+    return "%debug" if ipython is not None and ipython.get_ipython() is not None else "pdb.pm()"
+
+
 def _fill(template: str, note: Note) -> str:
     values = {key: _word(key, value) for key, value in note.facts}
+    values["debugger"] = debugger_command()
     if values.get("message"):  # an exception: ``ValueError: <its message>``, or its type alone
         values["error"] = f"{values['error']}: {values['message']}"
     return template.format_map(values)
@@ -314,7 +323,8 @@ def _outside_untraced(note: Note) -> str:
 def _debug_in_replay(note: Note) -> str:
     step, module = note.fact("step"), note.fact("module")
     call = f"step {step}'s model call" if step is not None else f"{module or 'the root module'}'s call"
-    return f"%debug opens a replay of {call}, at the report's line; its locals are the replay's, as that line left them"
+    return (f"{debugger_command()} opens a replay of {call}, at the report's line; its locals are the replay's, as "
+            "that line left them")
 
 
 def _optimizer_replay_finite(note: Note) -> str:
