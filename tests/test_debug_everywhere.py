@@ -118,13 +118,15 @@ CASES: dict[str, tuple[str, str, tuple[str, Callable[[Any], bool]]]] = {
 MODES = {"default": "", "defer": "--defer", "full": "--full", "ops": "--ops", "ops+defer": "--ops --defer"}
 #: (case, mode) -> why %debug does not open at the report's line there (strict xfails).
 KNOWN: dict[tuple[str, str], str] = {
-    # (round 21) The loss code's line in the loop is still running when backward judges it (the loop's own frame):
-    # %debug opens there. A loss helper's frame returned before backward ran, and no replay re-runs code outside
-    # the modules: %debug opens at loss.backward(), as the report's "%debug opens in" says.
+    # The loss code's line in the loop is still running when backward judges it (the loop's own frame): %debug
+    # opens there. A loss helper's frame has returned before backward runs: the recorder of the code outside the
+    # models keeps it while its tensors are small (recorder.weaken) and claim_backward opens it at the node's forward
+    # line. The op tracer (ops=True) notes each node's forward line but keeps no frame: %debug opens at
+    # loss.backward(), as the report's "%debug opens in" says.
     **{
-        ("backward-in-a-loss-helper", mode): "a backward producer in a loss helper that returned: %debug opens at "
-        "loss.backward(), not at the helper's line (no replay re-runs code outside the modules)"
-        for mode in MODES
+        ("backward-in-a-loss-helper", mode): "a backward producer in a loss helper that returned, under ops=True: "
+        "%debug opens at loss.backward(), not at the helper's line (the op tracer's NodeSources keeps no frames)"
+        for mode in ("ops", "ops+defer")
     },
 }
 

@@ -102,6 +102,23 @@ with nan_magic.watch(model, opt, defer=defer):
             opt.step()
 """
 
+# A backward producer in a loss helper that returned before backward ran: sqrt's gradient at a distance of 0 (the
+# targets are the outputs at the last step). The helper's frame is kept while its tensors are small.
+BACKWARD_IN_A_HELPER = """
+def rmse(out, y):
+    p = ((out - y) ** 2).mean()
+    return p.sqrt()  # producer
+
+with nan_magic.watch(model, opt, defer=defer):
+    for step in range(3):
+        out = model(x)
+        y = out.detach() if step == 2 else torch.rand(8, 4)
+        loss = rmse(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
 TIMINGS = [pytest.param([], id="immediate"), pytest.param(["defer"], id="deferred")]
 
 
@@ -157,4 +174,13 @@ def test_an_event_judged_as_the_watch_is_left_opens_on_the_producing_line(tmp_pa
 def test_an_event_judged_as_the_watch_is_left_opens_in_the_returned_helper(tmp_path, argv) -> None:
     function, line, shown = _run(tmp_path, HELPER_TAIL, argv)
     assert (function, line) == ("loss_of", _line_of(HELPER_TAIL, "producer"))
+    assert shown == "0.0"
+
+
+@pytest.mark.parametrize("argv", TIMINGS)
+def test_a_backward_producer_in_a_returned_loss_helper_opens_there(tmp_path, argv) -> None:
+    """It opened at ``loss.backward()`` (the helper had returned, its frame let go as backward started), where its
+    local ``p``, the zero distance whose root's gradient is infinite, was no longer to be seen."""
+    function, line, shown = _run(tmp_path, BACKWARD_IN_A_HELPER, argv)
+    assert (function, line) == ("rmse", _line_of(BACKWARD_IN_A_HELPER, "producer"))
     assert shown == "0.0"

@@ -226,6 +226,8 @@ class OpOrigins:
             # The loop's code made the batch non-finite (``x = (x - m) / x.std(0)`` before the model call): %debug
             # opens at that op's line, not at the later line where the batch reached a boundary.
             self._frame_of_loop_op(finding, origin)
+        elif origin.phase == Phase.BACKWARD and self.tracer is None:
+            self._frame_of_loop_op(finding, origin)  # the loss code's node: where its forward line ran (a helper's)
         self._narrow_to_submodule(finding, origin)
         self._name_type_and_model(finding)  # (a Python backward's module may have replaced the owner's: origins.py)
         if origin.backward_code and self.tracer is not None:
@@ -297,6 +299,8 @@ class OpOrigins:
             origin = outside.claim_backward(loss, key, last=True)
         if origin is not None:
             attach_origin(finding, origin)
+            if self.tracer is None:
+                self._frame_of_loop_op(finding, origin)  # %debug at the node's forward line (a loss helper's)
         return origin is not None
 
     def explain_failure(self, error: BaseException) -> Finding | None:

@@ -259,11 +259,13 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         node runs; one that needs a freed tensor gives up). The usual launch-bound step holds small tensors only:
         its records stay as they are, only the frames of functions that returned are let go.
         """
+        # A returned loss helper's small frame stays: a backward producer is named at its forward line there, and
+        # %debug opens in it (claim_backward).
         if self._held_bytes <= KEEP_TOTAL and not detach:
-            self._let_go_of_returned_frames()
+            self._let_go_of_returned_frames(keep_small=True)
             return
         self._ops = weakened(self._ops)
-        self._let_go_of_returned_frames()  # holding a running one costs nothing
+        self._let_go_of_returned_frames(keep_small=True)  # holding a running one costs nothing
 
     def _let_go_of_returned_frames(self, keep_small: bool | None = None) -> None:
         """Drop the frames of recorded ops whose function has returned (a held frame keeps its locals), but,

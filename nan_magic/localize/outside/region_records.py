@@ -363,6 +363,7 @@ class RegionRecords:
             copies, requiring = copies_from_outside(ops)
             # (The generators as the region's first random op found them: the same draws; the user's put back.)
             born: dict[int, RecordedOp] = {}  # the recorded op each forward origin was started by
+            made: dict[int, RecordedOp] = {}  # the recorded op that created each autograd node, by its number
             with torch.enable_grad(), generators_at(rng), tracer:
                 index = 0
                 while index < len(ops):
@@ -381,6 +382,7 @@ class RegionRecords:
                         for node in range(before, torch._C._autograd._get_sequence_nr()):
                             # The node's forward line is the recorded op's (the tracer would see this replay's).
                             tracer.node_sources.record(node, op.code, op.lineno, self._module_of(op, op.frame))
+                            made[node] = op
                 replayed = copies[key]
                 if replayed.numel() != 1:
                     return None
@@ -400,6 +402,11 @@ class RegionRecords:
             source = op_source(born[id(absorbed)])
             finding = dataclasses.replace(
                 finding, absorbed=dataclasses.replace(absorbed, source=source, inner_source=None))
+        maker = made.get(finding.node_number) if finding is not None and finding.node_number is not None else None
+        if maker is not None and maker.frame is not None:
+            # %debug opens where the node's forward line ran (a loss helper's frame, kept while its tensors are
+            # small: recorder.weaken), with that frame's locals.
+            self._witness = (finding, (), maker.frame, (maker.lasti, maker.lineno))
         return finding
 
     def grad_root(self) -> torch.Tensor | None:
