@@ -18,11 +18,12 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
+from nan_magic.localize.ops.plans import arguments, plan_of
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "finite_now", "op_source", "record_key",
-           "rerun_op", "swapped", "weak_record"]
+__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "finite_now", "last_write", "maker",
+           "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op", "swapped", "weak_record"]
 
 
 class RecordedOp(NamedTuple):
@@ -164,3 +165,60 @@ _FLAT = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torc
 
 def op_source(op: RecordedOp) -> SourcePointer | None:
     return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None
+
+
+# -- walking the records to a tensor ----------------------------------------------------------
+
+def ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> list[RecordedOp] | None:
+    """The recorded ops up to the one that returned ``tensor``; None when none did."""
+    index = produced.get(id(tensor))
+    if index is None:
+        return None
+    outs = tree_leaves(ops[index].out)
+    if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
+        return None
+    return ops[: last_write(ops, index, tensor) + 1]
+
+
+def last_write(ops: list[RecordedOp], index: int, tensor: torch.Tensor) -> int:
+    """The last recorded op after ``index`` that wrote ``tensor``'s memory in place, else ``index``.
+
+    ``q = exp(s).t(); q /= q.sum(1, keepdim=True)`` (SwAV's Sinkhorn, under no_grad): the divisions write the
+    exp's output through a view. Its value now is theirs, so a replay that stops at the exp would find it finite
+    and take the tensor for data entering the loss code; replayed up to the last write, the division is named.
+    """
+    if tensor.layout is not torch.strided or not tensor.numel():
+        return index
+    address, last = tensor.untyped_storage().data_ptr(), index
+    for later in range(index + 1, len(ops)):
+        func = ops[later].func
+        plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
+        if plan is None or not plan.writes:
+            continue
+        for name, value in arguments(plan, ops[later].args, ops[later].kwargs):
+            written = value.ref() if isinstance(value, WeakRecord) else value
+            if (name in plan.writes and isinstance(written, torch.Tensor) and written.layout is torch.strided
+                    and written.numel() and written.untyped_storage().data_ptr() == address):
+                last = later
+    return last
+
+
+def ops_to_key(ops: list[RecordedOp], produced: dict[int, int], key: int) -> list[RecordedOp] | None:
+    """:func:`ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
+    index = produced.get(key)
+    if index is None:
+        return None
+    if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(ops[index].out)):
+        return None
+    return ops[: index + 1]
+
+
+def maker(output: torch.Tensor | None, ran: list[RecordedOp], copies: dict[int, torch.Tensor]) -> RecordedOp | None:
+    """The earlier record whose replay made ``output``, the finding's where another op found it: a pick that a later
+    sum claimed (ops/origins.Picked); None where none did."""
+    if output is None:
+        return None
+    for op in reversed(ran):
+        if any(copies.get(key) is output for out in tree_leaves(op.out) if (key := record_key(out)) is not None):
+            return op
+    return None

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
-from nan_magic.localize.ops.plans import Plan, arguments, plan_of, tensors
+from nan_magic.localize.ops.plans import Plan, plan_of, tensors
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.applied import Applied, rerun_applied
 from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL, small_frames, still_running
@@ -33,7 +33,11 @@ from nan_magic.localize.outside.recorded_ops import (
     WeakRecord,
     copies_from_outside,
     finite_now,
+    last_write,
+    maker,
     op_source,
+    ops_to,
+    ops_to_key,
     record_key,
     rerun_op,
 )
@@ -192,15 +196,15 @@ class RegionRecords:
         data_ops, rng = data[0], data[2]
         reads: list[Any] = [tensor]  # (itself, read from the user's variables; or what its ops read from outside)
         made: set[int] = set()
-        for op in _ops_to(self._ops, self._produced, tensor) or ():
+        for op in ops_to(self._ops, self._produced, tensor) or ():
             reads.extend(value for value in tree_leaves((op.args, op.kwargs)) if record_key(value) not in made)
             made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
         for value in reads:
             read = value.ref() if isinstance(value, WeakRecord) else value
             if (isinstance(read, torch.Tensor) and read.is_floating_point() and read.layout is torch.strided
                     and read.numel() and not finite_now(read)):
-                last = _last_write(data_ops, -1, read)
-                found = self._claim_ops(data_ops[: last + 1], rng, self._data_before) if last >= 0 else (
+                last = last_write(data_ops, -1, read)
+                found = self._claim_ops(data_ops[: last + 1], rng, self._data_before, id(read)) if last >= 0 else (
                     self._claim_in(data, read, None, self._data_before) if read is not tensor else None)
                 if found is not None:
                     return found
@@ -213,7 +217,7 @@ class RegionRecords:
         of a state that has none): no op is its producer (:meth:`claim` finds none), and it is no data entering the
         loss code either, though it needs no gradient: its consumer that turns it into a NaN is the producer.
         """
-        ops = _ops_to(self._ops, self._produced, tensor)
+        ops = ops_to(self._ops, self._produced, tensor)
         if ops is None:
             return False
         tracer = OpTracer(kinds=self.kinds)
@@ -232,33 +236,40 @@ class RegionRecords:
         """:meth:`claim` in one region's ``records``."""
         recorded, produced, rng = records
         if tensor is not None:
-            ops = _ops_to(recorded, produced, tensor)
+            ops = ops_to(recorded, produced, tensor)
         else:
-            ops = _ops_to_key(recorded, produced, key) if key is not None else None
+            ops = ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None:
             return None
-        return self._claim_ops(ops, rng, before)
+        return self._claim_ops(ops, rng, before, record_key(tensor) if tensor is not None else key)
 
-    def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None,
-                   before: dict[int, torch.Tensor]) -> OpFinding | None:
-        """The first op of ``ops``, run again on copies under the op tracer, that made a value non-finite."""
-        tracer = OpTracer(kinds=self.kinds)
-        producer: RecordedOp | None = None
-        frame: FrameType | None = None
+    def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None, before: dict[int, torch.Tensor],
+                   target: int | None) -> OpFinding | None:
+        """The op of ``ops``, run again on copies under the op tracer, whose non-finite value reached the tensor
+        ``target`` (its key: the last op made or wrote it), as ops=True claims one at a boundary. An op whose value
+        reached no such tensor is not it: a metric the same loss helper only logs (``(s / 0).item()``, inf every
+        step), an overflow ``tanh`` absorbed."""
+        tracer = OpTracer(kinds=self.kinds, at_boundary=True)
+        started: dict[int, int] = {}  # the index of the op during whose run each origin started, by its id
         try:
             copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
                 for ran, op in enumerate(ops):
+                    first = len(tracer.started)
                     rerun_op(op, copies)
-                    if tracer.finding is not None:
-                        producer = op if str(op.func) == tracer.finding.op else _maker(
-                            tracer.witnesses.output_of(tracer.finding), ops[:ran], copies) or op
-                        frame = producer.frame
-                        break
+                    started.update((id(origin), ran) for origin in tracer.started[first:])
+                replayed = copies.get(target) if target is not None else None
+                if replayed is not None:
+                    tracer.claim(replayed)
         except Gone:
             return None
-        if tracer.finding is None or producer is None:
+        ran = started.get(id(tracer.finding), -1)
+        if tracer.finding is None or ran < 0:
             return None
+        # A pick of a mask's infinities that a later sum claimed is the earlier op's (ops/origins.Picked).
+        producer = ops[ran] if str(ops[ran].func) == tracer.finding.op else maker(
+            tracer.witnesses.output_of(tracer.finding), ops[:ran], copies) or ops[ran]
+        frame: FrameType | None = producer.frame
         hooked = self._module_of(producer, frame)
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None,
                                       module=tracer.finding.module if hooked is None else hooked)
@@ -347,9 +358,9 @@ class RegionRecords:
             (recorded, produced, rng), applied = self._last, {}
         if loss is not None:
             key = id(loss)
-            ops = _ops_to(recorded, produced, loss) if loss.numel() == 1 else None
+            ops = ops_to(recorded, produced, loss) if loss.numel() == 1 else None
         else:
-            ops = _ops_to_key(recorded, produced, key) if key is not None else None
+            ops = ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None or key is None:
             return None
         # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
@@ -402,11 +413,11 @@ class RegionRecords:
             source = op_source(born[id(absorbed)])
             finding = dataclasses.replace(
                 finding, absorbed=dataclasses.replace(absorbed, source=source, inner_source=None))
-        maker = made.get(finding.node_number) if finding is not None and finding.node_number is not None else None
-        if maker is not None and maker.frame is not None:
+        creator = made.get(finding.node_number) if finding is not None and finding.node_number is not None else None
+        if finding is not None and creator is not None and creator.frame is not None:
             # %debug opens where the node's forward line ran (a loss helper's frame, kept while its tensors are
             # small: recorder.weaken), with that frame's locals.
-            self._witness = (finding, (), maker.frame, (maker.lasti, maker.lineno))
+            self._witness = (finding, (), creator.frame, (creator.lasti, creator.lineno))
         return finding
 
     def grad_root(self) -> torch.Tensor | None:
@@ -443,65 +454,10 @@ class RegionRecords:
         if self._data is not None:
             regions.append((self._data[0], self._data[1], self._data[2]))
         for recorded, produced, rng in regions:
-            ops = _ops_to(recorded, produced, tensor)
+            ops = ops_to(recorded, produced, tensor)
             if ops is not None:
                 return ops, rng
         return None
 
 
 _ONES_LIKE = torch.ops.aten.ones_like.default
-
-
-def _ops_to(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> list[RecordedOp] | None:
-    """The recorded ops up to the one that returned ``tensor``; None when none did."""
-    index = produced.get(id(tensor))
-    if index is None:
-        return None
-    outs = tree_leaves(ops[index].out)
-    if not any(out is tensor or (isinstance(out, WeakRecord) and out.ref() is tensor) for out in outs):
-        return None
-    return ops[: _last_write(ops, index, tensor) + 1]
-
-
-def _last_write(ops: list[RecordedOp], index: int, tensor: torch.Tensor) -> int:
-    """The last recorded op after ``index`` that wrote ``tensor``'s memory in place, else ``index``.
-
-    ``q = exp(s).t(); q /= q.sum(1, keepdim=True)`` (SwAV's Sinkhorn, under no_grad): the divisions write the
-    exp's output through a view. Its value now is theirs, so a replay that stops at the exp would find it finite
-    and take the tensor for data entering the loss code; replayed up to the last write, the division is named.
-    """
-    if tensor.layout is not torch.strided or not tensor.numel():
-        return index
-    address, last = tensor.untyped_storage().data_ptr(), index
-    for later in range(index + 1, len(ops)):
-        func = ops[later].func
-        plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
-        if plan is None or not plan.writes:
-            continue
-        for name, value in arguments(plan, ops[later].args, ops[later].kwargs):
-            written = value.ref() if isinstance(value, WeakRecord) else value
-            if (name in plan.writes and isinstance(written, torch.Tensor) and written.layout is torch.strided
-                    and written.numel() and written.untyped_storage().data_ptr() == address):
-                last = later
-    return last
-
-
-def _ops_to_key(ops: list[RecordedOp], produced: dict[int, int], key: int) -> list[RecordedOp] | None:
-    """:func:`_ops_to` for a tensor gone since, by the id it had when recorded (weakened records know it)."""
-    index = produced.get(key)
-    if index is None:
-        return None
-    if not any(isinstance(out, WeakRecord) and out.key == key for out in tree_leaves(ops[index].out)):
-        return None
-    return ops[: index + 1]
-
-
-def _maker(output: torch.Tensor | None, ran: list[RecordedOp], copies: dict[int, torch.Tensor]) -> RecordedOp | None:
-    """The earlier record whose replay made ``output``, the finding's where another op found it: a pick that a later
-    sum claimed (ops/origins.Picked); None where none did."""
-    if output is None:
-        return None
-    for op in reversed(ran):
-        if any(copies.get(key) is output for out in tree_leaves(op.out) if (key := record_key(out)) is not None):
-            return op
-    return None
