@@ -67,3 +67,35 @@ def test_of_several_overflowed_gradients_the_first_computed_is_named(options) ->
     report = caught.value.report
     assert (report.phase, report.step, report.module, report.op) == ("backward", 2, "1", "aten.mm.default")
     assert str(report.tensor) == "gradient of 1.weight"
+
+
+class SaturatedFeatures(nn.Module):
+    """Features ``sigmoid(exp(100 h))`` (the exp overflows, the sigmoid makes it 1) beside the log of a scale."""
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        saturated = torch.sigmoid(torch.exp(h.detach() * 100.0))
+        features = torch.cat([saturated, scale.log()], dim=1)  # producer: cat of saturated and log
+        return (features * h.sum(1, keepdim=True)).mean()
+
+
+@pytest.mark.parametrize("options", [pytest.param({"ops": True}, id="ops"), pytest.param({"mode": "full"}, id="full"),
+                                     pytest.param({}, id="default")])
+def test_a_finite_value_a_passive_op_made_of_an_origin_carries_it_no_further(options) -> None:
+    """``sigmoid`` of an overflowed ``exp`` is 1, finite; the tracer carried the exp's origin onto it (a passive op
+    passes its input's on), and ``cat`` of it beside a ``log(0)`` carried the first-born of its inputs' origins: the
+    exp's, born first, though none of the output's non-finite values came from it. Only an input holding a
+    non-finite value passes its origin on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    head = SaturatedFeatures()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            scale = torch.full((8, 1), 0.0 if step == 2 else 1.0)
+            loss = head(model(torch.randn(8, 4) * 10), scale)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("forward", 2, "aten.log.default")
+    assert report.source is not None and report.source.lineno == producer_line("cat of saturated and log")

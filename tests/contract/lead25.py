@@ -96,7 +96,86 @@ def _unwatched_rmse(real: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step],), loss_of)
 
 
+# ---------------------------------------------------------------- the same inside a module's forward
+class Gated(nn.Module):
+    """A gate ``tanh(exp(100 h))`` of the detached features (the exp overflows, the tanh makes it 1) and a ratio it
+    logs (inf: an empty count), on every step; then the log of the gated features, scaled to 0 at the failing step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(4, 8), 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        gate = torch.tanh(torch.exp(h.detach() * 100.0))
+        with torch.no_grad():
+            LOGGED.append((h.abs().sum() / (h > 1e9).sum()).item())
+        return ((h * gate).abs() + 1).mul(self.scale).log()  # producer: gated log
+
+
+def _gated(real: bool) -> Scenario:
+    """mode="full" replays the module whose output went non-finite: it named the exp its own tanh absorbed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Gated(), nn.Linear(8, 3))
+    xs, ys = _batches(6, 4), [torch.randint(0, 3, (6,)) for _ in range(4)]
+
+    def batch(step: int) -> tuple[torch.Tensor]:
+        model[0].scale = 0.0 if real and step == 2 else 1.0
+        return (xs[step],)
+
+    return _loop(model, batch, lambda out, step: F.cross_entropy(out, ys[step]))
+
+
+# ---------------------------------------------------------------- the same in a Dataset's __getitem__
+class Saturated(torch.utils.data.Dataset):
+    """Features ``tanh(exp(100 d))`` (the exp overflows, the tanh makes it 1, in every sample) beside the log of a
+    per-sample scale, 0 in sample 9 (``real``)."""
+
+    def __init__(self, real: bool) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.d = [torch.rand(4, generator=g) * 10 for _ in range(16)]
+        self.scale = [torch.rand(1, generator=g) + 0.5 for _ in range(16)]
+        if real:
+            self.scale[9][0] = 0.0
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        saturated = torch.tanh(torch.exp(self.d[i] * 100.0))
+        return torch.cat([saturated, self.scale[i].log()]), torch.tensor(i % 3)  # producer: saturated sample
+
+
+def _saturated(real: bool, workers: int) -> Scenario:
+    """In the main process the data code's records name the op; from workers, fetching the samples again does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(Saturated(real), batch_size=4, num_workers=workers)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
+    Case("lead25_dataset_saturating_an_overflow_then_log_of_0", lambda: _saturated(True, 0),
+         Expect("data", "", step=2, op="aten.log.default", marker="saturated sample", cause="log-domain")),
+    Case("lead25_dataset_saturating_an_overflow_healthy", lambda: _saturated(False, 0), None),
+    Case("lead25_dataset_in_workers_saturating_an_overflow_then_log_of_0", lambda: _saturated(True, 2),
+         Expect("data", "", step=2, op="aten.log.default", marker="saturated sample", cause="log-domain")),
+    Case("lead25_dataset_in_workers_saturating_an_overflow_healthy", lambda: _saturated(False, 2), None),
+    Case("lead25_module_gate_absorbing_an_overflow_then_log_of_0", lambda: _gated(True),
+         Expect("forward", "0", "Gated", step=2, op="aten.log.default", marker="gated log", cause="log-domain")),
+    Case("lead25_module_gate_absorbing_an_overflow_healthy", lambda: _gated(False), None),
     Case("lead25_loss_helper_logging_an_inf_ratio_then_log_of_0", lambda: _logged_ratio(True),
          Expect("forward", None, step=2, op="aten.log.default", marker="logged ratio", cause="log-domain")),
     Case("lead25_loss_helper_logging_an_inf_ratio_healthy", lambda: _logged_ratio(False), None),

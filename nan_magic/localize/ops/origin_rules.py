@@ -359,6 +359,10 @@ class OriginRules:
         entry = None
         for _, tensor in tensors(plan, args, kwargs, plan.reads):
             found = self._origins.entry(tensor)
+            if found is not None and not relevant_kinds(self._known.kinds(tensor), self.kinds):
+                # A finite input whose op carried an origin on (``tanh`` of an overflowed ``exp``, an ``isnan`` mask):
+                # none of the output's non-finite values is its; ``cat([tanh(exp(h)), log(0)])``'s is the log's.
+                continue
             wins = isinstance(found, Origin) and (not isinstance(entry, Origin) or self._started_before(found, entry))
             if entry is None or wins:
                 entry = found

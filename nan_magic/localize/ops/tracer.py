@@ -39,8 +39,9 @@ An intermediate value that never reaches a boundary is no event: ``tanh`` absorb
 ops mode (``at_boundary=True``) the watch asks :meth:`OpTracer.claim` for the origin of a non-finite tensor at a
 boundary (a module output, the loss, a gradient, a parameter) and reports that op. A forward value that was
 absorbed there but is read again by a backward op (``exp``'s saved output under ``torch.where``: ``0 * inf``)
-makes that backward op an origin, with the forward op as its ``absorbed`` field. Without ``at_boundary`` (a
-replay, which stops there to open %debug in that op's frame) the first origin is the finding at once.
+makes that backward op an origin, with the forward op as its ``absorbed`` field. The replays claim at a boundary
+too (a module call's output, the loss code's value, a refetched sample), else :meth:`OpTracer.claim_earliest`
+takes the first origin. Without ``at_boundary`` the first origin is the finding at once.
 After a finding the tracer stops checking; :meth:`OpTracer.reset` re-arms it.
 
 Ops run by nan_magic's own code (its hooks' reductions, the optimizer's gradient norms) are never judged: an origin
@@ -245,6 +246,14 @@ class OpTracer(OriginRules, TorchDispatchMode):
                 self.finding = origin
                 self.producer_tensors = self.witnesses.copies(origin)
         return origin
+
+    def claim_earliest(self) -> None:
+        """Make the first origin started the finding where no :meth:`claim` made one (a replay whose output no
+        origin reached: absorbed by an enclosing call, or a forward that raised before it returned)."""
+        if self.finding is None and self.started:
+            with self._lock:
+                self.finding = self.started[0]
+                self.producer_tensors = self.witnesses.copies(self.started[0])
 
     def claim_first(self, boundary: Sequence[torch.Tensor | None]) -> None:
         """:meth:`claim` the origin of the first non-finite tensor of ``boundary`` that has one.

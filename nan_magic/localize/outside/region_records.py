@@ -259,8 +259,8 @@ class RegionRecords:
                     rerun_op(op, copies)
                     started.update((id(origin), ran) for origin in tracer.started[first:])
                 replayed = copies.get(target) if target is not None else None
-                if replayed is not None:
-                    tracer.claim(replayed)
+                if (tracer.claim(replayed) if replayed is not None else None) is None:
+                    tracer.claim_earliest()  # no origin known on it (an alias ``.data`` made): the first op's
         except Gone:
             return None
         ran = started.get(id(tracer.finding), -1)

@@ -44,18 +44,8 @@ from nan_magic.records import Note, Phase
 from nan_magic.tensor_refs import op_function
 
 __all__ = [
-    "ANOMALY_STOP",
-    "ReplayResult",
-    "copy_tensors",
-    "enclosing_output",
-    "map_tensors",
-    "parameters_at",
-    "recompute",
-    "replay_backward",
-    "replay_module",
-    "run_again",
-    "submodule_names",
-    "swapped_buffers",
+    "ANOMALY_STOP", "ReplayResult", "copy_tensors", "enclosing_output", "map_tensors", "parameters_at", "recompute",
+    "replay_backward", "replay_module", "run_again", "submodule_names", "swapped_buffers",
 ]
 
 
@@ -140,26 +130,28 @@ def replay_module(
 
     Notes
     -----
-    Call it where the original call ran (inside the watch's hook): autocast
-    and the module's train/eval mode must be the same. The replay runs under
-    ``no_grad``; a module that takes a different path without autograd (the
-    fused inference path of ``nn.TransformerEncoderLayer`` in eval mode) may
-    compute differently than a call that recorded a graph.
+    Call it where the original call ran (inside the watch's hook): autocast and the module's train/eval mode
+    must be the same. Without ``saving`` the replay runs under ``no_grad``; a module that takes another path
+    then (``nn.TransformerEncoderLayer``'s fused inference path) may compute differently.
     """
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
-    # The replay runs on past the finding (the tracer checks nothing more), so that the producing line ends and
-    # %debug shows the locals it left (line_state.py): its fresh output, not the op's operands alone.
+    # The replay runs to its end, so that the producing line ends and %debug shows the locals it left
+    # (line_state.py). Its output is claimed as ops=True claims a module's: the op whose value reached it, not an
+    # overflow the call's own code absorbed before it (``tanh(exp(100 * h))``); else the first op that made one.
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer, \
             arguments_untouched(args, kwargs) as guard:
+        tracer.at_boundary = True
         try:
             with torch.set_grad_enabled(saving), tracer:
                 output = module(*args, **kwargs)
+                tracer.claim_first([tensor for _path, tensor in iter_tensors(output, attributes=True)])
         except Exception as error:
             failure = error
+        tracer.claim_earliest()
     if guard.changed:
         # The call changed an object it was given (a KV cache it appended to): the replay began from that object
         # as the call left it, not as the call found it; what it found is not the call's (producer.py replays an

@@ -83,13 +83,16 @@ class Samples:
         if self._indices is UNKNOWN:
             return Note.of("indices-unseen", dataset=name)
         indices = self._indices if isinstance(self._indices, list) else [self._indices]
-        tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA)
+        # Each sample is claimed as ops=True claims a boundary: the op whose value reached it, not an overflow
+        # __getitem__ absorbed before it (``tanh(exp(100 * d))``).
+        tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA, at_boundary=True)
         fetched: list[tuple[Any, Any]] = []  # (index, sample): a batch's worth, looked at once the tracer is off
         try:
             # The watch's own dispatch modes (the op tracer of ops=True, the loss-code recorder) stand aside.
             with _disable_current_modes(), user_generators(), generators_at(None), tracer:
                 for index in indices:
                     fetched.append((index, self._dataset[index]))
+                    tracer.claim_first([leaf for leaf in tree_leaves(fetched[-1][1]) if isinstance(leaf, torch.Tensor)])
                     if tracer.finding is not None:
                         break
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
