@@ -1,0 +1,87 @@
+"""What a GPU-style user saw go wrong running the watch deferred in a notebook (session 25's walk).
+
+The walk's notebooks are in tests/notebooks/nb25/ (attention with a padded batch under tqdm, a training function
+called from another cell, ``%nanwatch on --defer`` across train and eval cells, an Adam step with eps=0 and a
+batch standardised by a zero std, an exp gate overflowing under a growing learning rate), each run in a real kernel
+in both the main and the Colab venvs and once in JupyterLab. Each defect found there has its test here, in the
+cheap in-process shell of the ``ip`` fixture (conftest.py).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from IPython.utils.capture import capture_output
+
+SETUP = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class Inner(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        z = torch.log(y - 1.0)
+        return z
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.inner = Inner()
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = self.inner(h)
+        h = h.abs()
+        return self.b(h)
+
+torch.manual_seed(0)
+model = Outer()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(8, 4), torch.randn(8, 2)
+"""
+
+LOOP = """
+for step in range(3):
+    out = model(x)
+    loss = F.mse_loss(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def shown(ip: Any, cell: str) -> str:
+    """What the cell printed, without colours."""
+    with capture_output() as captured:
+        ip.run_cell(cell)
+    return re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)
+
+
+@pytest.fixture
+def kernel_cell_names(ip: Any, tmp_path: Path) -> Any:
+    """Cells named as ipykernel names them: ``.py`` files that exist only in linecache, not on disk."""
+    with mock.patch.object(ip.compile, "get_code_name",
+                           lambda raw, code, number: str(tmp_path / f"missing-{abs(hash(raw))}.py")):
+        yield ip
+
+
+@pytest.mark.parametrize("armed", ["%%nantrace\n", "%%nantrace --defer\n"])
+def test_tb_shows_the_calling_lines_the_short_error_shows(kernel_cell_names: Any, armed: str) -> None:
+    """In JupyterLab (IPython 9, ipykernel), ``%tb`` after a replayed report showed ``Outer.forward`` at its
+    ``return self.b(h)`` (where the replay left the frame) and, deferred, the cell at ``opt.step()`` (where the check
+    raised), between lines the short error gave right: IPython 9 formats a frame whose file is not on disk (every
+    ipykernel cell's) at ``frame.f_lineno``. Now the full traceback gives the calling lines, as the short error."""
+    ip = kernel_cell_names
+    ip.run_cell(SETUP)
+    short = shown(ip, armed + LOOP)
+    assert "Cell In[" in short and "line 20, in forward" in short, short
+    full = shown(ip, "%tb")
+    arrows = [line.split(maxsplit=2)[1:] for line in full.splitlines() if re.match(r"\s*-+> ", line)]
+    assert arrows == [["4", "out = model(x)"], ["20", "h = self.inner(h)"], ["8", "z = torch.log(y - 1.0)"]], full
