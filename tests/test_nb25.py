@@ -9,6 +9,7 @@ cheap in-process shell of the ``ip`` fixture (conftest.py).
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 from typing import Any
@@ -85,3 +86,56 @@ def test_tb_shows_the_calling_lines_the_short_error_shows(kernel_cell_names: Any
     full = shown(ip, "%tb")
     arrows = [line.split(maxsplit=2)[1:] for line in full.splitlines() if re.match(r"\s*-+> ", line)]
     assert arrows == [["4", "out = model(x)"], ["20", "h = self.inner(h)"], ["8", "z = torch.log(y - 1.0)"]], full
+
+
+EMBEDDING = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+emb = nn.Embedding(20, 4)
+opt = torch.optim.Adam(emb.parameters(), lr=1e-2, eps=0.0)
+"""
+
+EMBEDDING_LOOP = """
+for step in range(3):
+    ids = torch.randint(0, 10, (8,))
+    pred = emb(ids).sum(-1)
+    loss = (pred ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def debug_printed(ip: Any, *commands: str) -> list[str]:
+    """What ``p`` printed for each of ``commands`` in ``%debug`` (IPython's Pdb, the one it first made dropped)."""
+    ip.InteractiveTB.pdb = None
+    typed = "".join(f"p {command}\n" for command in commands) + "q\n"
+    with mock.patch("sys.stdin", io.StringIO(typed)), capture_output() as captured:
+        ip.run_line_magic("debug", "")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout)
+    return [line.removeprefix("ipdb> ").strip() for line in text.splitlines() if line.startswith("ipdb> ")][:-1]
+
+
+@pytest.mark.parametrize("armed", ["%%nantrace\n", "%%nantrace --defer\n"])
+def test_a_deferred_optimizer_event_says_debug_opens_in_the_next_step(ip: Any, armed: str) -> None:
+    """Adam with eps=0 and embedding rows no batch used: 0/0 in step 0's update. Deferred, the check that reads the
+    step's parameters runs in step 1 (one transfer a step), and %debug opened the loop at ``opt.step()`` with step
+    1's locals (``step`` 1, ``loss`` NaN after the forward on the NaN rows), and the Debug tab listed them as that
+    line's, under a report of step 0. A frame cannot be rewound: the report now says whose locals they are."""
+    ip.run_cell(EMBEDDING)
+    shown(ip, armed + EMBEDDING_LOOP)
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase, report.step, report.source.line.strip()) == ("optimizer", 0, "opt.step()")
+    deferred = "--defer" in armed
+    printed = debug_printed(ip, "step", "bool(loss.isnan())")
+    assert printed[-2:] == (["1", "True"] if deferred else ["0", "False"]), printed
+    said = [note for note in report.notes if "deferred check" in note]
+    debug_tab = report.to_html()
+    if deferred:
+        assert said == ["judged at step 1's deferred check: %debug opens the loop at this line in step 1, so its "
+                        "locals (the batch, the loss) are step 1's, not step 0's"], report.notes
+        assert "Tensors among that frame's locals (step 1's, where the deferred check ran)" in debug_tab
+    else:
+        assert not said, report.notes
+        assert "Tensors among that frame's locals</h4>" in debug_tab
