@@ -139,3 +139,40 @@ def test_a_deferred_optimizer_event_says_debug_opens_in_the_next_step(ip: Any, a
     else:
         assert not said, report.notes
         assert "Tensors among that frame's locals</h4>" in debug_tab
+
+
+STANDARDISED = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+raw = torch.randn(48, 4)
+raw[:, 3] = 1.0  # a feature constant in this split
+target = torch.randn(48)
+"""
+
+STANDARDISED_LOOP = """
+for step in range(3):
+    sl = slice(16 * step, 16 * step + 16)
+    feats = (raw[sl] - raw[sl].mean(0)) / raw[sl].std(0)
+    loss = F.mse_loss(model(feats).squeeze(-1), target[sl])
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.parametrize("armed", ["%%nantrace\n", "%%nantrace --defer\n"])
+def test_a_deferred_first_step_trial_says_why_it_has_no_loss_as_the_immediate_one(ip: Any, armed: str) -> None:
+    """A batch standardised by a zero std at step 0. Deferred, the first step is judged as the model returns (no
+    optimizer has stepped: the inference rule), before the loss code, and the verified eps trial said "loss not
+    computed: the backward did not start at Tensor.backward()", which the loop's ``loss.backward()`` contradicts. It
+    now says what the immediate report says: the forward failed before the step's loss code ran."""
+    ip.run_cell(STANDARDISED)
+    shown(ip, armed + STANDARDISED_LOOP)
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase, report.step) == ("data", 0)
+    (eps,) = [fix for fix in report.fixes if fix.kind == "eps"]
+    assert eps.finite is True and eps.loss is None
+    assert dict(eps.facts)["loss_not_computed"] == (
+        "the forward failed before this step's loss code ran, and no earlier step ran backward() watched")

@@ -89,7 +89,8 @@ class WatchEvents:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
+        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers,
+                          self.timing.judging == "check")
         stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
         if replayed is None and kept.replays is not None and self.localizing.replays_calls and (
