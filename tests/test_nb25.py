@@ -176,3 +176,42 @@ def test_a_deferred_first_step_trial_says_why_it_has_no_loss_as_the_immediate_on
     assert eps.finite is True and eps.loss is None
     assert dict(eps.facts)["loss_not_computed"] == (
         "the forward failed before this step's loss code ran, and no earlier step ran backward() watched")
+
+
+HELPER_LOSS = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Linear(16, 10)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+def my_loss(logits, y):
+    p = torch.exp(logits / 0.05)
+    p = p / p.sum(-1, keepdim=True)
+    return -torch.log(p[torch.arange(len(y)), y]).mean()
+
+batches = [(torch.randn(32, 16), torch.randint(0, 10, (32,))) for _ in range(3)]
+batches[1] = (batches[1][0] * 40, batches[1][1])
+"""
+
+HELPER_LOOP = """
+for x, y in batches:
+    loss = my_loss(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "%debug in a loss helper that had returned by the check (both modes) is given the helper's own frame, as it "
+    "returned: pdb's `l` marks the return line (`return -torch.log(...)`) while `where` gives the report's line, and "
+    "`p p` prints the NaN p / p.sum() left, not the +inf exp of the report's line; the op tracer records the loss "
+    "code's ops by reference, not the frame's locals as each line left them (errors/line_state.py does that only "
+    "for frames a replay runs)"))
+@pytest.mark.parametrize("armed", ["%%nantrace\n", "%%nantrace --defer\n"])
+def test_debug_in_a_returned_loss_helper_shows_the_locals_the_line_left(ip: Any, armed: str) -> None:
+    ip.run_cell(HELPER_LOSS)
+    shown(ip, armed + HELPER_LOOP)
+    report = ip.user_ns["_nan_report"]
+    assert (report.op, report.source.function, report.step) == ("aten.exp.default", "my_loss", 1)
+    printed = debug_printed(ip, "bool(p.isnan().any())", "bool(p.isinf().any())")
+    assert printed[-2:] == ["False", "True"], printed
