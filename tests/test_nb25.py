@@ -82,7 +82,7 @@ def test_tb_shows_the_calling_lines_the_short_error_shows(kernel_cell_names: Any
     ip = kernel_cell_names
     ip.run_cell(SETUP)
     short = shown(ip, armed + LOOP)
-    assert "Cell In[" in short and "line 20, in forward" in short, short
+    assert "h = self.inner(h)" in short, short  # (IPython 7 names the cell by its file, IPython 9 "Cell In[1]")
     full = shown(ip, "%tb")
     arrows = [line.split(maxsplit=2)[1:] for line in full.splitlines() if re.match(r"\s*-+> ", line)]
     assert arrows == [["4", "out = model(x)"], ["20", "h = self.inner(h)"], ["8", "z = torch.log(y - 1.0)"]], full
