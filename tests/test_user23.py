@@ -12,7 +12,6 @@ import sys
 from typing import Any
 from unittest import mock
 
-import IPython
 import pytest
 from IPython.utils.capture import capture_output
 
@@ -219,19 +218,11 @@ for step in range(3):
 """
 
 
-@pytest.mark.xfail(
-    IPython.version_info[0] >= 9, strict=True,
-    reason="%tb in a kernel on IPython 9 shows the replay's intermediate frame (Net.forward) at the line it ran on "
-           "to (return self.out(h)), not at the call the traceback entry names (h = self.norm(h)): IPython 9's "
-           "ultratb formats a frame whose file it cannot open (ipykernel's /tmp/ipykernel_*/N.py cells are only in "
-           "linecache) as a 'raw frame' from frame.f_lineno instead of tb_lineno, and the replay, which runs the "
-           "whole step on past the producer, leaves no frame of Net.forward standing at its call of self.norm. "
-           "The short error, "
-           "%debug's where and IPython 7.34 (Colab) are right; a fix needs a replay that stops at the producer, "
-           "or IPython to read tb_lineno there.")
 def test_tb_in_a_kernel_shows_the_calling_line_of_each_frame(ip: Any) -> None:
     """The walk's forward notebook: %tb read 'Cell In[2], line 22, in Net.forward ... ---> 22 return self.out(h)'
-    where the short error and %debug say line 21, h = self.norm(h)."""
+    where the short error and %debug say line 21, h = self.norm(h). IPython 9 formats a frame whose file is not on
+    disk (ipykernel's cells) at frame.f_lineno; round 25 formats the full traceback with those files counted from
+    linecache, so IPython reads each entry's tb_lineno (errors/exceptions.py, test_nb25.py)."""
     kernel_like = mock.patch.object(type(ip.compile), "get_code_name",
                                     lambda self, raw, code, number: f"/tmp/nan-magic-no-such-dir/{abs(hash(code))}.py")
     with kernel_like:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import linecache
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -117,4 +121,41 @@ def _full_traceback(error: BaseException) -> Any:
     formatter = getattr(shell, "InteractiveTB", None)
     if formatter is None:
         return None
-    return formatter.structured_traceback(type(error), error, error.__traceback__)
+    with _lines_of_cells_held():
+        return formatter.structured_traceback(type(error), error, error.__traceback__)
+
+
+@contextmanager
+def _lines_of_cells_held() -> Iterator[None]:
+    """Let IPython 9 format a cell's frame at the traceback entry's line, not where the frame stands now.
+
+    IPython 9's formatter counts a frame's file lines on disk and, where it cannot open the file, formats the frame
+    on its fast path at ``frame.f_lineno``. ipykernel names its cells ``/tmp/ipykernel_<pid>/<hash>.py`` and keeps
+    them only in linecache, so every cell's frame went there. An ordinary traceback's frames stopped where they
+    raised, so nobody sees it; ours have run on: a replay's frames (``Block.forward``) ran to their ``return``, and
+    a deferred check raised at ``opt.step()``, after the line that called the model. ``%tb`` showed those lines
+    (``line 42``, ``opt.step()``) between the cell and the producer, where the short error and ``%debug`` give the
+    calling lines. A file missing on disk is counted from linecache instead (as the function's docstring says it
+    does), so the traceback entry's own line (``tb_lineno``) is formatted.
+    """
+    try:
+        from IPython.core import ultratb
+    except ImportError:  # (no IPython: nothing to format)
+        yield
+        return
+    counting = getattr(ultratb, "get_line_number_of_frame", None)
+    if counting is None:  # IPython before 9: it formats every frame at the entry's line
+        yield
+        return
+
+    def counted(frame: FrameType) -> int:
+        filename = frame.f_code.co_filename
+        if filename.endswith(".py") and not os.path.exists(filename) and linecache.getlines(filename):
+            return len(linecache.getlines(filename))
+        return counting(frame)
+
+    ultratb.get_line_number_of_frame = counted
+    try:
+        yield
+    finally:
+        ultratb.get_line_number_of_frame = counting

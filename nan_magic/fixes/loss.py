@@ -53,7 +53,8 @@ class LossNotComputed(Exception):
 @dataclass(frozen=True)
 class LossSource:
     """What the watch holds of the loss code: its recorder, the id of the tensor the last ``backward()`` started
-    from, the GradScalers seen, and whether events are judged at the deferred check (after the loss code ran)."""
+    from, the GradScalers seen, and whether the event is judged at the deferred check after the step's loss code ran
+    (not as a step's first model call returns, before it: hot/timing.py's ``judging``)."""
 
     recorder: OutsideRecorder | None
     key: int | None

@@ -85,6 +85,10 @@ class Timing:
     #: immediate mode's. The deferred mode's steps run on a GPU, whose fused read is one kernel, or under a
     #: process group, whose gradients the reduction rewrites after they accumulate.
     measures_in_backward = False
+    #: What is judging the step's values now: ``"check"``, the deferred check at the optimizer step (or the watch's
+    #: exit), after the step's loss code ran; ``"model-return"``, the check as an inference call returns (no
+    #: optimizer stepped yet: step 0 too), before it; None elsewhere. An event's fix trials read it (fixes/loss.py).
+    judging: str | None = None
 
     def now(self, judge: Callable[..., None], *args: Any) -> None:
         """``judge(*args)`` where values are judged as they are made; nothing where the step's check judges them.
@@ -188,40 +192,47 @@ class Deferred(Timing):
 
     def check(self, cycle: StepCycle, extra: list[torch.Tensor], first: Callable[[list[float]], None] | None
               ) -> list[float]:
-        written, first_count = cycle.take_written()
-        if cycle.outcome.stopped:
-            return super().check(cycle, extra, first)
-        values = cycle.log.resolve(extra + written)
-        values, written_values = values[:len(extra)], values[len(extra):]
-        if first is not None:
-            first(values)
-            if (held := cycle.held).finding is not None and held.finding.step != cycle.step:
-                held.settle()  # the batch of the step whose parameters ``first`` judged: handled (held_batch.py)
-        outcome = cycle.outcome  # (its ``stopped`` is asked again after every judgement)
-        if first_count and not outcome.stopped:
-            # The loop's code that ran before the calls (a data region, ended as one began) is judged first.
-            cycle.judge_written(written_values[:first_count])
-        if outcome.stopped:
-            return values
-        for call in cycle.log.finished() if cycle.log.any_kinds() else ():  # (none, most steps: no sort of them)
-            for record in call.outputs:
-                if record.kinds:
-                    break
-            else:
-                continue  # every output read finite: the judges would return at once
-            if call.phase == Phase.BACKWARD:
-                cycle.gradients.judge(call)
-            elif call.info is None:
-                cycle.gradients.judge_loss(call)
-            else:
-                for record in call.outputs:
-                    if record.status == "ok":
-                        cycle.judge_forward(call, record, _DETECTED_DEFERRED)
+        entered = self.judging is None  # (an inference call's return has said "model-return")
+        if entered:
+            self.judging = "check"
+        try:
+            written, first_count = cycle.take_written()
+            if cycle.outcome.stopped:
+                return super().check(cycle, extra, first)
+            values = cycle.log.resolve(extra + written)
+            values, written_values = values[:len(extra)], values[len(extra):]
+            if first is not None:
+                first(values)
+                if (held := cycle.held).finding is not None and held.finding.step != cycle.step:
+                    held.settle()  # the batch of the step whose parameters ``first`` judged: handled (held_batch.py)
+            outcome = cycle.outcome  # (its ``stopped`` is asked again after every judgement)
+            if first_count and not outcome.stopped:
+                # The loop's code that ran before the calls (a data region, ended as one began) is judged first.
+                cycle.judge_written(written_values[:first_count])
             if outcome.stopped:
-                break
-        if written and len(written) > first_count and not outcome.stopped:  # (no len() call on most steps)
-            cycle.judge_written(written_values[first_count:])  # after the calls: the update code ran after them
-        return values
+                return values
+            for call in cycle.log.finished() if cycle.log.any_kinds() else ():  # (none, most steps: no sort of them)
+                for record in call.outputs:
+                    if record.kinds:
+                        break
+                else:
+                    continue  # every output read finite: the judges would return at once
+                if call.phase == Phase.BACKWARD:
+                    cycle.gradients.judge(call)
+                elif call.info is None:
+                    cycle.gradients.judge_loss(call)
+                else:
+                    for record in call.outputs:
+                        if record.status == "ok":
+                            cycle.judge_forward(call, record, _DETECTED_DEFERRED)
+                if outcome.stopped:
+                    break
+            if written and len(written) > first_count and not outcome.stopped:  # (no len() call on most steps)
+                cycle.judge_written(written_values[first_count:])  # after the calls: the update code ran after them
+            return values
+        finally:
+            if entered:
+                self.judging = None
 
     def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
         cycle.hold_written(written, by_a_call)  # read with this step's single transfer

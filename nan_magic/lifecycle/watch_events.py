@@ -83,13 +83,14 @@ class WatchEvents:
         """An event's replay (a bad batch's samples fetched again, else the tiered step replay, else a buffer's
         writer found on the kept calls); its fixes' trials."""
         replays, replayed = self.localizing.replays, None
+        after_loss = self.timing.judging == "check"  # (read before a replay's model calls run: timing.py)
         if replays is not None:
             replays.replayed = None
         if finding.phase == Phase.DATA and finding.op is None:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, self.timing.deferred)
+        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, after_loss)
         stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
         if replayed is None and kept.replays is not None and self.localizing.replays_calls and (

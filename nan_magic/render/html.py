@@ -267,7 +267,10 @@ def debug_html(report: Report) -> str:
             f"<li><code>{escape(name)}</code>: {escape(stats_phrase(stats))}</li>"
             for name, stats in report.debug_locals
         )
-        parts.append(f"<h4>Tensors among that frame's locals</h4>\n<ul>{items}</ul>")
+        later = [note for note in report.note_facts if note.kind == "debug-later-step"]
+        # The deferred check of an optimizer step's result runs in the next step: the locals are that step's.
+        when = f" (step {later[0].fact('judged')}'s, where the deferred check ran)" if later else ""
+        parts.append(f"<h4>Tensors among that frame's locals{when}</h4>\n<ul>{items}</ul>")
     if report.frames:
         items = "".join(
             f"<li><code>{escape(str(frame))}</code>"

@@ -214,7 +214,13 @@ class ForwardChecks:
             if not (cycle.trains or cycle.training()):
                 # Inference (no optimizer seen): the step's values are judged as each top-level call ends; the
                 # step itself ends when its first top-level module is called again (step_cycle.forward_started).
-                cycle.sync()
+                # Before the loss code: a training step's first call is judged here too (timing.py's judging).
+                timing = self.watch.timing
+                timing.judging = "model-return"
+                try:
+                    cycle.sync()
+                finally:
+                    timing.judging = None
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None and task == -1:
                 # (Not in a backward pass, see on_forward_pre. A training step's loss code may go on across

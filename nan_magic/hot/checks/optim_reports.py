@@ -78,8 +78,12 @@ class StepReports:
         cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
         return False
 
-    def step_result(self, result: StepResult, values: list[float]) -> bool:
-        """Report what the step made non-finite; True when it did."""
+    def step_result(self, result: StepResult, values: list[float], next_check: bool = False) -> bool:
+        """Report what the step made non-finite; True when it did.
+
+        ``next_check``: the result is read at the next step's check (the deferred mode's one transfer): the loop's
+        frame has run on into that step, and the report says so of the frame ``%debug`` opens (its locals).
+        """
         finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
         for index, (tensor, value) in enumerate(() if finite else zip(result.updated, values)):
             if math.isfinite(value) or not relevant_kinds(kinds_of(tensor), self.watch.config.kinds):
@@ -118,6 +122,8 @@ class StepReports:
                                              step=result.step, previous_check=result.previous_check))
             else:
                 finding.notes.append(Note.of("optimizer-made-it", optimizer=optimizer, tensor=subject))
+            if next_check and (judged := self.watch.cycle.step) != result.step:
+                finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
             self.watch.emit(finding)
             return True
         if self.headroom is not None:

@@ -52,6 +52,8 @@ _TEMPLATES: dict[str, str] = {
     "scaler-collapsing": "raised because the scale keeps collapsing ({skips:~skip} in a row, or a scale below 1)",
     "about-to-step": "{optimizer} was about to step with this gradient",
     "detected-deferred": "detected at the deferred check",
+    "debug-later-step": "judged at step {judged}'s deferred check: %debug opens the loop at this line in step "
+                        "{judged}, so its locals (the batch, the loss) are step {judged}'s, not step {step}'s",
     "held-changed": "an input tensor of that call was changed in place after its forward",
     "held-freed": "an input tensor of that call was freed after its forward and cannot be recomputed",
     # localize/: the producer rule, the op tracer, the replays
