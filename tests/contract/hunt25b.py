@@ -274,25 +274,30 @@ def _centerness(guarded: bool) -> Scenario:
 
 # ---------------------------------------------------------------- log returns in an IterableDataset
 class ReturnStream(torch.utils.data.IterableDataset):
-    """Windows of log returns, ``log(p_t / p_t-1)``, over a price series; the exchange reports a halted stock at 0."""
+    """Windows of log returns, ``log(p_t / p_t-1)``, over a price series, the last the target; the exchange reports a
+    halted stock at 0. ``starts``: where each window begins (apart, or sliding by a day)."""
 
-    def __init__(self, filled: bool) -> None:
+    def __init__(self, filled: bool, starts: range) -> None:
         g = torch.Generator().manual_seed(2)
         self.prices = 100 * torch.exp(torch.randn(48, generator=g).mul(0.02).cumsum(0))
         self.prices[32] = 0.0
         if filled:
             self.prices[32] = self.prices[31]  # the halted day forward-filled
+        self.starts = starts
 
     def __iter__(self):
-        for i in range(0, 48, 6):
+        for i in self.starts:
             window = self.prices[i:i + 6]
             returns = torch.log(window[1:] / window[:-1])  # producer: log returns
             yield returns[:-1], returns[-1:]
 
 
-def _returns(filled: bool) -> Scenario:
+def _returns(filled: bool, starts: range = range(0, 48, 6)) -> Scenario:
+    """Windows six days apart: the halted day falls inside the inputs of step 2's batch, ``p / 0`` is inf. Sliding
+    by a day (from day 20): it is the last day of step 3's last window, only its target is ``log(0 / p)``, -inf.
+    The twin forward-fills the halted day."""
     torch.manual_seed(0)
-    loader = torch.utils.data.DataLoader(ReturnStream(filled), batch_size=2)
+    loader = torch.utils.data.DataLoader(ReturnStream(filled, starts), batch_size=2)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -339,4 +344,8 @@ CASES = [
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="log returns",
                 cause="division-by-zero")),
     Case("hunt25b_iterable_dataset_halted_price_forward_filled_healthy", lambda: _returns(True), None),
+    Case("hunt25b_iterable_dataset_target_return_of_a_halted_price_of_0", lambda: _returns(False, range(20, 28)),
+         Expect("data", None, step=3, op="aten.log.default", marker="log returns", cause="log-domain")),
+    Case("hunt25b_iterable_dataset_sliding_halted_price_forward_filled_healthy",
+         lambda: _returns(True, range(20, 28)), None),
 ]
