@@ -16,6 +16,7 @@ silent and bit-identical, in every mode.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -338,7 +339,12 @@ CASES = [
                 tensor=TensorRef.parameter("0.weight"), cause="optimizer-eps-underflow")),
     Case("hunt25b_rmsprop_default_eps_padding_idx_healthy", lambda: _rmsprop_padding(1e-8), None),
     Case("hunt25b_fcos_centerness_targets_of_a_zero_width_box_built_in_the_loop", lambda: _centerness(False),
-         Expect("data", None, step=1, op="aten.div.Tensor", marker="centerness", cause="division-by-zero")),
+         Expect("data", None, step=1, op="aten.div.Tensor", marker="centerness", cause="division-by-zero"),
+         marks=(pytest.mark.xfail(strict=True, reason=(
+             "phase forward, not data: localize/op_origins.OpOrigins.add_op_origin reads a loss event's recorded op "
+             "as the loss code's whichever region ran it; only a Dataset's own code (_dataset_code) is told apart as "
+             "data. The data region's ops that feed the loss also hold a center loss's update and an unwatched "
+             "teacher's forward (hunt24 rows: forward), which a rule by region alone would call data.")),)),
     Case("hunt25b_fcos_centerness_maxima_clamped_healthy", lambda: _centerness(True), None),
     Case("hunt25b_iterable_dataset_log_returns_of_a_halted_price_of_0", lambda: _returns(False),
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="log returns",
