@@ -111,32 +111,33 @@ def _scheduled_sampling(eps: float) -> Scenario:
 class AuxBranch(nn.Module):
     """An auxiliary branch that normalises the gradient flowing into its activation (against one task dominating)."""
 
-    def __init__(self, eps: float) -> None:
+    def __init__(self, eps: float, squashed: bool) -> None:
         super().__init__()
-        self.fc, self.eps = nn.Linear(8, 8), eps
+        self.fc, self.eps, self.squashed = nn.Linear(8, 8), eps, squashed
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         a = self.fc(h)
         if a.requires_grad:
             a.register_hook(lambda g: g / (g.norm() + self.eps))  # producer: aux gradient hook
-        return a
+        return torch.tanh(a) if self.squashed else a
 
 
 class TwoTask(nn.Module):
-    def __init__(self, eps: float) -> None:
+    def __init__(self, eps: float, squashed: bool) -> None:
         super().__init__()
-        self.trunk, self.aux, self.main = nn.Linear(6, 8), AuxBranch(eps), nn.Linear(8, 1)
+        self.trunk, self.aux, self.main = nn.Linear(6, 8), AuxBranch(eps, squashed), nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.trunk(x))
         return self.main(h), self.aux(h)
 
 
-def _aux_hook(eps: float) -> Scenario:
+def _aux_hook(eps: float, squashed: bool = False) -> Scenario:
     """The auxiliary loss is weighted 0 from step 2 (its annealing schedule's end): the gradient into the branch's
-    activation is exactly 0 and the hook's ``g / |g|`` is 0 / 0. The twin adds eps."""
+    activation is exactly 0 and the hook's ``g / |g|`` is 0 / 0. The activation is the model's output, or
+    (``squashed``) one inside the branch, before its tanh. The twin adds eps."""
     torch.manual_seed(0)
-    model = TwoTask(eps)
+    model = TwoTask(eps, squashed)
     xs, ys, aux_ys = _batches(6, 6), _batches(6, 1), _batches(6, 8)
 
     def loss_fn(out: tuple[torch.Tensor, torch.Tensor], step: int) -> torch.Tensor:
@@ -314,6 +315,97 @@ def _returns(filled: bool, starts: range = range(0, 48, 6)) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- a log-duration target in __getitem__
+class Events(torch.utils.data.Dataset):
+    """Clips with a log-duration regression target, ``log(end - start)``; one annotation's event has no length."""
+
+    def __init__(self, floor: float) -> None:
+        g = torch.Generator().manual_seed(4)
+        self.features = torch.randn(8, 5, generator=g)
+        self.start = torch.rand(8, generator=g) * 10
+        self.end = self.start + torch.rand(8, generator=g) * 3 + 0.1
+        self.end[5] = self.start[5]  # an annotator's click on the event's start twice
+        self.floor = floor
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        duration = (self.end[i] - self.start[i]).clamp(min=self.floor)
+        return self.features[i], torch.log(duration)[None]  # producer: log duration
+
+
+def _log_duration(floor: float) -> Scenario:
+    """Sample 5 is in step 2's batch: its target is log 0, -inf, read by the loss alone. The twin floors the duration
+    at a frame (0.04 s)."""
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(Events(floor), batch_size=2)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for x, y in loader:
+            loss = F.smooth_l1_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+# ---------------------------------------------------------------- a flat step written by vector_to_parameters
+def _flat_step(eps: float) -> Scenario:
+    """Normalised gradient descent on the flattened parameters, written back by ``vector_to_parameters`` (which
+    rebinds each ``.data``: no op on the parameter); the batch of step 2 is weighted 0 (all its samples filtered),
+    every gradient is 0 and the step ``g / |g|`` is 0 / 0. The twin adds eps to the norm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    xs, ys = _batches(6, 4), _batches(6, 1)
+    weights = [1.0, 1.0, 0.0, 1.0]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = weights[step] * F.mse_loss(model(xs[step]), ys[step])
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                flat = nn.utils.parameters_to_vector(model.parameters())
+                grad = nn.utils.parameters_to_vector(p.grad for p in model.parameters())
+                update = grad / (grad.norm() + eps)  # producer: flat step
+                nn.utils.vector_to_parameters(flat - 0.05 * update, model.parameters())
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model,), run)
+
+
+# ---------------------------------------------------------------- a precision metric of no predicted positive
+def _precision_metric() -> Scenario:
+    """A detector's precision logged each step, ``tp / predicted positives``: at step 1 the classifier predicts no
+    positive and the metric is 0 / 0, NaN. A logged metric is no boundary: nothing to report, in any mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = _batches(8, 6), [(torch.rand(8, 1) > 0.5).float() for _ in range(4)]
+    shifts = [0.0, -30.0, 0.0, 0.0]
+
+    def run() -> list[torch.Tensor]:
+        logged = []
+        for step in range(4):
+            logits = model(xs[step]) + shifts[step]
+            loss = F.binary_cross_entropy_with_logits(logits, ys[step])
+            predicted = logits.detach() > 0
+            precision = (predicted & (ys[step] > 0)).sum() / predicted.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            logged.append(torch.stack((loss.detach(), precision)))
+        return logged
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("hunt25b_tent_entropy_under_enable_grad_of_a_ruled_out_class", lambda: _tent(False),
          Expect("forward", None, step=0, op="aten.log.default", marker="tent entropy", cause="log-domain")),
@@ -326,6 +418,10 @@ CASES = [
          Expect("backward", "aux", "AuxBranch", step=2, op="aten.div.Tensor", marker="aux gradient hook",
                 cause="division-by-zero")),
     Case("hunt25b_gradient_hook_in_forward_eps_healthy", lambda: _aux_hook(1e-12), None),
+    Case("hunt25b_gradient_hook_on_an_inner_activation_normalises_a_zero_gradient", lambda: _aux_hook(0.0, True),
+         Expect("backward", "aux", "AuxBranch", step=2, op="aten.div.Tensor", marker="aux gradient hook",
+                cause="division-by-zero")),
+    Case("hunt25b_gradient_hook_on_an_inner_activation_eps_healthy", lambda: _aux_hook(1e-12, True), None),
     Case("hunt25b_float16_static_loss_scale_65536_overflows_the_first_backward", lambda: _static_loss_scale(65536.0),
          Expect("backward", "4", "Linear", step=0, op="aten.sum.dim_IntList", marker="half model call",
                 tensor=TensorRef.gradient("4.bias"), cause="half-precision-overflow")),
@@ -354,4 +450,12 @@ CASES = [
          Expect("data", None, step=3, op="aten.log.default", marker="log returns", cause="log-domain")),
     Case("hunt25b_iterable_dataset_sliding_halted_price_forward_filled_healthy",
          lambda: _returns(True, range(20, 28)), None),
+    Case("hunt25b_getitem_log_duration_target_of_a_zero_length_event", lambda: _log_duration(0.0),
+         Expect("data", None, step=2, op="aten.log.default", marker="log duration", cause="log-domain")),
+    Case("hunt25b_getitem_log_duration_floored_healthy", lambda: _log_duration(0.04), None),
+    Case("hunt25b_flat_normalised_step_by_vector_to_parameters_of_a_zero_gradient", lambda: _flat_step(0.0),
+         Expect("optimizer", "0", "Linear", step=2, op="aten.div.Tensor", marker="flat step",
+                tensor=TensorRef.parameter("0.weight"), cause="division-by-zero")),
+    Case("hunt25b_flat_normalised_step_by_vector_to_parameters_eps_healthy", lambda: _flat_step(1e-12), None),
+    Case("hunt25b_precision_metric_of_no_predicted_positive_is_no_event_healthy", _precision_metric, None),
 ]

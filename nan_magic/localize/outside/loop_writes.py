@@ -129,6 +129,8 @@ class LoopWrites:
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
         if self._recorder is not None:
+            if self._rebound.seen is None:  # (once: where each parameter's memory is, for end() to see it rebound)
+                self._rebound.moved(self._recorder)
             if self._wanted:
                 self._recorder.start("update")
             else:
@@ -180,9 +182,16 @@ class LoopWrites:
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
+            # What it rebound (``vector_to_parameters`` after backward, a loop that steps with no optimizer): judged
+            # as written, named by the recorded op that made the new memory (unrecorded: the next region is).
+            rebound = self._rebound.moved(recorder) if (
+                (seen := self._rebound.seen) is not None and list(map(data_ptr, seen[1])) != seen[2]) else []
             recorder.stop()
             recorder.watching = False
-            if not wrote:
+            if rebound:
+                self._wanted = "update" not in recorder.untraced
+                found += [(name, parameter, made, recorder) for name, parameter, made in rebound]
+            elif not wrote:
                 self._hold(recorder)
             elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.
