@@ -4,8 +4,9 @@ Gradient accumulation over four micro-batches whose third one's batch the loop s
 that is 0 in it (a constant sensor), judged by the deferred check at the optimizer step, after the fourth micro-batch
 fetched and standardised its own; a GAN whose discriminator's real batch gets instance noise of scale
 ``sqrt(1 - step / T)``, computed past its end (``T`` counted from 0); ``OneCycleLR`` given the ``max_lr`` of a learning
-rate range test whose smoothed losses were NaN (the suggestion is the NaN). Each with the fix its users apply: the
-twin must stay silent and bit-identical, in every mode.
+rate range test whose smoothed losses were NaN (the suggestion is the NaN); a watched teacher run under
+``torch.inference_mode()`` whose cosine head normalises a blank sample. Each with the fix its users apply: the twin
+must stay silent and bit-identical, in every mode.
 """
 
 from __future__ import annotations
@@ -109,6 +110,44 @@ def _one_cycle(suggested: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- a watched teacher under inference_mode
+class CosineTeacher(nn.Module):
+    """A teacher whose bias-free features are L2-normalised before its head (a cosine classifier)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.body, self.head, self.eps = nn.Linear(6, 8, bias=False), nn.Linear(8, 3), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h / (h.norm(dim=-1, keepdim=True) + self.eps))  # producer: teacher norm
+
+
+def _inference_teacher(eps: float) -> Scenario:
+    """Distillation with both models watched, the teacher run under ``torch.inference_mode()`` (its outputs are
+    inference tensors, cloned for the loss); a blank sample at step 2 makes its feature 0: 0 / |0|. The twin adds
+    eps to the norm."""
+    torch.manual_seed(0)
+    teacher = CosineTeacher(eps).eval()
+    student = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(student.parameters(), lr=0.05)
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    xs[2][4] = 0.0
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            with torch.inference_mode():
+                soft = F.softmax(teacher(xs[step]) / 2.0, -1)
+            loss = F.kl_div(F.log_softmax(student(xs[step]) / 2.0, -1), soft.clone(), reduction="batchmean")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((teacher, student, opt), run)
+
+
 CASES = [
     Case("hunt25c_accumulation_standardised_third_micro_batch_of_a_stuck_sensor", lambda: _accumulated_standardise(0.0),
          Expect("data", "", "Sequential", step=1, op="aten.div.Tensor", marker="micro standardise",
@@ -122,4 +161,8 @@ CASES = [
          Expect("optimizer", "0", "Linear", step=0, op="aten.add_.Tensor", marker="one cycle step",
                 tensor=TensorRef.parameter("0.weight"), cause="learning-rate-too-high")),
     Case("hunt25c_one_cycle_lr_default_max_lr_healthy", lambda: _one_cycle(False), None),
+    Case("hunt25c_inference_mode_teacher_normalises_a_blank_sample", lambda: _inference_teacher(0.0),
+         Expect("forward", "", "CosineTeacher", step=2, op="aten.div.Tensor", marker="teacher norm",
+                cause="division-by-zero")),
+    Case("hunt25c_inference_mode_teacher_norm_eps_healthy", lambda: _inference_teacher(1e-6), None),
 ]
