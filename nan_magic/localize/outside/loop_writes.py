@@ -186,15 +186,15 @@ class LoopWrites:
             # What its recorded ops made a parameter's new memory (``vector_to_parameters`` after backward, a loop
             # that steps with no optimizer): judged as written there. (A parameter rebound elsewhere, a data region's
             # ``p.data = v`` after a step, is that region's: its memory is no output of these ops.)
-            rebound = [(name, parameter, made) for name, parameter, made in self._update_rebound.moved(recorder)
-                       if made is not parameter] if (
+            remade = [(name, parameter, made) for name, parameter, made in self._update_rebound.moved(recorder)
+                      if made is not parameter] if (
                 wrote and recorder._n_ops and (seen := self._update_rebound.seen) is not None
                 and list(map(data_ptr, seen[1])) != seen[2]) else []
             recorder.stop()
             recorder.watching = False
-            if rebound:
+            if remade:
                 self._wanted = "update" not in recorder.untraced
-                found += [(name, parameter, made, recorder) for name, parameter, made in rebound]
+                found += [(name, parameter, made, recorder) for name, parameter, made in remade]
             elif not wrote:
                 self._hold(recorder)
             elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
