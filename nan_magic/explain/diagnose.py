@@ -251,9 +251,11 @@ def _backward(report: Report) -> Cause:
         return half_overflow(report)
     if report.tensor.role is TensorRole.PARAMETER_GRADIENT and report.op is None:
         return event_cause("unclassified", "gradient-unwatched", report)
-    if node is not None and report.op is not None and _python_backward(node):
+    if node is not None and report.op is not None and (_python_backward(node) or any(
+            note.kind == "python-backward" for note in report.note_facts)):
         # A custom autograd.Function's or custom op's backward is the user's own code: its node says nothing,
-        # the op it ran does (a division by the zero root of a registered derivative), read as forward code is.
+        # the op it ran does (a division by the zero root of a registered derivative), read as forward code is. So
+        # is a gradient hook's, which runs under the node of the tensor it hooks (``AddmmBackward0``).
         cause = forward_cause(report)
         if cause.label != "unclassified":
             return cause

@@ -36,8 +36,8 @@ from torch import nn
 
 __all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "is_checkable_op_value",
            "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched", "read_probe",
-           "read_scalars", "readable", "relevant_kinds", "unread_parts", "unreadable_reason", "values_to_read",
-           "version_of"]
+           "read_scalars", "readable", "relevant_kinds", "transformed_call", "unread_parts", "unreadable_reason",
+           "values_to_read", "version_of"]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -378,6 +378,14 @@ def object_tensors(value: Any) -> list[tuple[str, torch.Tensor]] | None:
     if type(fields) is not dict:
         return None
     return [(name, item) for name, item in fields.items() if isinstance(item, torch.Tensor)]
+
+
+def transformed_call(args: Any, kwargs: Any) -> bool:
+    """Whether a call's arguments hold a ``torch.func`` transform's wrapper (a call made inside ``vmap``): such a
+    call cannot be replayed once the transform has returned. Off the hot path: asked at a replay only."""
+    skipped: Counter[str] = Counter()
+    iter_tensors((args, kwargs), "", skipped)
+    return bool(skipped["functorch"])
 
 
 def unread_parts(output: Any) -> tuple[str, ...]:

@@ -218,6 +218,10 @@ class OpOrigins:
                 finding.frame, finding.frame_position = frame, position
                 if outside is not None and self.tracer is None:
                     finding.frame_calls = outside.calls_to(frame)
+                if _dataset_code(frame, finding.frame_calls):
+                    # A Dataset's own code (``__getitem__``, an IterableDataset's ``__iter__``) made what the loss
+                    # read: the targets given to the loss, which are data (PRODUCT.md: phase), not the loss code.
+                    finding.phase = Phase.DATA
             # The op may have run inside a module whose output no check read (a result object it returned): typed.
             self._name_type_and_model(finding)
             return
@@ -466,3 +470,9 @@ def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:
     """Whether the op's output is, by its shape and counts, the boundary tensor itself."""
     return output is not None and (boundary.shape, boundary.nan, boundary.posinf, boundary.neginf) == (
         output.shape, output.nan, output.posinf, output.neginf)
+
+
+def _dataset_code(frame: FrameType, calls: Iterable[tuple[FrameType, int, int]]) -> bool:
+    """Whether ``frame``, or a frame that called it, is a method of a ``torch.utils.data.Dataset`` (its fetch)."""
+    return any(isinstance(caller.f_locals.get("self"), torch.utils.data.Dataset)
+               for caller in (frame, *(call[0] for call in calls)))

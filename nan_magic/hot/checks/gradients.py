@@ -342,6 +342,7 @@ class GradientChecks:
         # l2.backward()``), its own loss's code is the one described and replayed, its line where %debug opens (judge).
         # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
         call.loss_of = self.loss_record, self.loss_key, self.backward_caller
+        call.target = record
         log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
         log.finish(call)
         watch.timing.now(self.judge, call, record)
@@ -404,7 +405,10 @@ class GradientChecks:
                 # model's own backward adds to where the model also consumed it (an output_hidden_states), or
                 # another model's backward made (a GAN's discriminator, during the generator's update). The
                 # step replay tries the model calls before the code outside them is blamed (replay/tiered/step.py).
-                finding.unconfirmed_outside = target is not None and _returned_by_a_model(target)
+                # (Judged at the deferred check, the tensor is the one its hook kept: a user's gradient hook on a model
+                # output, registered in its forward, ran before ours and made it.)
+                returned = target if target is not None else getattr(call, "target", None)
+                finding.unconfirmed_outside = returned is not None and _returned_by_a_model(returned)
                 if self.origins.tracer is None:
                     finding.notes.append(Note("ops-for-forward-line"))
         else:

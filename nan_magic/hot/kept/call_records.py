@@ -209,12 +209,15 @@ class Call:
 
     __slots__ = (
         "autocast", "consumer", "deliberate_kinds", "finished", "held", "index", "info", "inner_kinds", "inputs",
-        "loss_of", "model_call", "module", "outputs", "parent", "phase", "plain", "rng_state", "unread",
+        "loss_of", "model_call", "module", "outputs", "parent", "phase", "plain", "rng_state", "target", "unread",
     )
     #: A backward check's call, set by its gradient hook only (unset elsewhere: read with getattr): the backward
     #: pass it came from, as its loss's record, the loss's id and the line that called backward
     #: (checks/gradients.py), so the first of two backward passes before a step is judged from its own loss code.
     loss_of: tuple[TensorRecord | None, int | None, tuple[Any, int, int] | None]
+    #: A backward check's call, set by its gradient hook only (read with getattr): the record of the forward tensor
+    #: whose gradient it holds, for the deferred check, which judges it after the hook returned (checks/gradients.py).
+    target: TensorRecord
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:
         self.index = index

@@ -122,6 +122,10 @@ class OriginRules:
                     continue
                 held |= kinds
                 entry = prior.origin if prior is not None else self._origins.entry(value)
+                if entry is None and type(value) is torch.Tensor and value.grad_fn is None:
+                    # A parameter's gradient, the reshaped alias of the sum that made it, written by the loop
+                    # (``p.grad.div_(scale)`` after a static loss scale): it carries that sum's origin on.
+                    entry = self._origins.reshaped_entry(value)
                 if entry is None and in_backward:
                     # A forward value autograd saved has lost its Python object: found by its memory.
                     entry = self._origins.memory_entry(value)

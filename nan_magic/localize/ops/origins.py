@@ -307,6 +307,19 @@ class Origins:
                 return entry[2]
         return None
 
+    def holding_entry(self, tensor: torch.Tensor) -> Origin | Benign | None:
+        """The origin noted for a value whose memory holds ``tensor``'s: a parameter rebound to a slice of a vector
+        an op made (``vector_to_parameters``, which runs no op of its own). Cold: a boundary's claim that found
+        nothing else."""
+        if not self._by_memory or tensor.is_inference() or not (dense(tensor) and tensor.is_contiguous()):
+            return None
+        address, first = tensor.untyped_storage().data_ptr(), tensor.storage_offset()
+        for (ptr, start, shape, stride, dtype, device), entry in self._by_memory.items():
+            if ((ptr, dtype, device) == (address, tensor.dtype, tensor.device) and not entry[3].expired()
+                    and _gapless(shape, stride) and start <= first and first + tensor.numel() <= start + shape.numel()):
+                return entry[2]
+        return None
+
     def note(self, tensor: torch.Tensor, origin: Origin | Benign, written: bool = False) -> None:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
         origins = self._by_id

@@ -223,6 +223,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
         entry = self._origins.entry(tensor)
         if entry is None:  # (a parameter's gradient reshaped from the sum that made it: the same memory)
             entry = self._origins.reshaped_entry(tensor)
+        if entry is None:  # (a parameter rebound to a slice of a vector an op made: vector_to_parameters)
+            entry = self._origins.holding_entry(tensor)
         if isinstance(entry, Origin):
             return entry.finding
         return "benign" if entry is not None else None

@@ -121,9 +121,9 @@ def held_bytes(tensor: torch.Tensor) -> int:
     return KEEP_TOTAL + 1 if size is None or size[1] > KEEP_BYTES else size[1]
 
 
-def weakened(ops: list[RecordedOp]) -> list[RecordedOp]:
+def weakened(ops: list[RecordedOp], keep_total: int = KEEP_TOTAL) -> list[RecordedOp]:
     """``ops`` with each tensor they hold made a :class:`WeakRecord`: one that keeps its values where it is small
-    (each storage under :data:`KEEP_BYTES`, all under :data:`KEEP_TOTAL`), a weak reference otherwise."""
+    (each storage under :data:`KEEP_BYTES`, all under ``keep_total``), a weak reference otherwise."""
     kept: set[int] = set()  # storages held, each counted once
     total = 0
     made: dict[int, WeakRecord] = {}  # one record per tensor: an op's output is often the next op's input
@@ -137,7 +137,7 @@ def weakened(ops: list[RecordedOp]) -> list[RecordedOp]:
     def weaken_one(value: torch.Tensor) -> WeakRecord:
         nonlocal total
         size = storage_bytes(value)
-        if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= KEEP_TOTAL)):
+        if size is not None and (size[0] in kept or (size[1] <= KEEP_BYTES and total + size[1] <= keep_total)):
             if size[0] not in kept:
                 kept.add(size[0])
                 total += size[1]

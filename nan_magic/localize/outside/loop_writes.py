@@ -125,10 +125,13 @@ class LoopWrites:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
         self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
+        self._update_rebound = Rebound(self._cached_index, self._fresh_index)  # the same, in the update region
 
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
         if self._recorder is not None:
+            if self._update_rebound.seen is None:  # (once: each parameter's memory, for end() to see it rebound)
+                self._update_rebound.moved(self._recorder)
             if self._wanted:
                 self._recorder.start("update")
             else:
@@ -180,9 +183,19 @@ class LoopWrites:
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
+            # What its recorded ops made a parameter's new memory (``vector_to_parameters`` after backward, a loop
+            # that steps with no optimizer): judged as written there. (A parameter rebound elsewhere, a data region's
+            # ``p.data = v`` after a step, is that region's: its memory is no output of these ops.)
+            remade = [(name, parameter, made) for name, parameter, made in self._update_rebound.moved(recorder)
+                      if made is not parameter] if (
+                wrote and recorder._n_ops and (seen := self._update_rebound.seen) is not None
+                and list(map(data_ptr, seen[1])) != seen[2]) else []
             recorder.stop()
             recorder.watching = False
-            if not wrote:
+            if remade:
+                self._wanted = "update" not in recorder.untraced
+                found += [(name, parameter, made, recorder) for name, parameter, made in remade]
+            elif not wrote:
                 self._hold(recorder)
             elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.
@@ -275,6 +288,7 @@ class LoopWrites:
         """The watch ends: stop recording and drop what was recorded."""
         self._pending, self._index = [], None
         self._rebound.forget()
+        self._update_rebound.forget()
         if self.data is not None:
             self.data.take()
         if self._recorder is not None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,6 +64,9 @@ from nan_magic.localize.outside.op_entries import PASS, SEEDED_OP, ZERO_GRAD_COD
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.records import Note
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.localize.ops.origins import OpFinding
 
 __all__ = ["DATA_BUDGET", "LOSS_BUDGET", "UPDATE_BUDGET", "OutsideRecorder", "passes"]
 
@@ -138,6 +141,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         #: args, kwargs)``): a parameter the loop writes after the optimizer step (param_writes.py's DataWrites).
         self.on_write: Callable[[Plan, Sequence[Any], dict[str, Any]], None] | None = None
         self.then_forget: OutsideRecorder | None = None  # forgotten with the next forget (the update region's records)
+        self._data_kept = 0  # bytes the held data records keep (at most KEEP_TOTAL: _hold_update_region)
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -155,7 +159,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         # Held by batch_entered: the batch they made is judged at the step's check (deferred), or at the call's end;
         # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
         if region == "data" or (region != "loss" and not self.holds_data):
-            self._data, self._data_before, self._data_calls = None, {}, {}
+            self._data, self._data_before, self._data_calls, self._data_kept = None, {}, {}, 0
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
@@ -179,6 +183,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         region's few records stay for the call's return to decide (:meth:`start`).
         """
         if goes_on is not None and self._region == "loss" and 0 < len(self._ops) <= GOES_ON_MAX and goes_on():
+            if self.then_forget is not None:
+                self._hold_update_region()
             return
         if self._region == "data" and self._ops:
             # (Large tensors held weakly, as the loss code's are through backward: the batch itself is the
@@ -187,7 +193,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             # locals alive (a large temporary of the data code) through the forward and backward; small ones stay.
             self._let_go_of_returned_frames(keep_small=True)
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
-            self._data = (ops, self._produced, self._rng)
+            self._data, self._data_kept = (ops, self._produced, self._rng), min(self._held_bytes, KEEP_TOTAL)
             self._ops, self._produced, self._n_ops = [], {}, 0
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
@@ -199,9 +205,49 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._let_go_of_returned_frames()
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else list(self._ops)
             self._data, self._data_calls = (ops, dict(self._produced), self._rng), dict(self._calls)
+            self._data_kept = min(self._held_bytes, KEEP_TOTAL)
             self._data_before = dict(self.before)
+        if self.then_forget is not None:  # (none on the usual step: an optimizer step forgot it)
+            self._hold_update_region()
         if not self._clean:
             self.forget()
+
+    def _hold_update_region(self) -> None:
+        """No optimizer step since the last backward (gradient accumulation's next micro-batch): the loop's code
+        between that backward and this call, the update region's (:attr:`then_forget`), made this batch, and the
+        deferred check judges it at the step. Its records are held after the data records held so far (an earlier
+        micro-batch's), within :data:`KEEP_TOTAL` bytes kept in all; large tensors weakly."""
+        held = self.then_forget
+        if held is None or not self.holds_data or self._region == "data" or not held.settled():
+            return
+        prior_ops, prior_produced, prior_rng = self._data if self._data is not None else ([], {}, None)
+        budget = max(0, KEEP_TOTAL - self._data_kept)
+        start = len(prior_ops)
+        self._data = ([*prior_ops, *weakened(held._ops, budget)],
+                      {**prior_produced, **{key: index + start for key, index in held._produced.items()}},
+                      prior_rng or held._rng)  # (one random state: the first region's that drew)
+        self._data_kept += min(budget, held._held_bytes)
+        self._data_calls = {**self._data_calls, **held._calls}
+        self._data_before = {**self._data_before, **held.before}
+
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+        """:meth:`RegionRecords.claim`, then in the update region's records held for the step's check
+        (:attr:`then_forget`): a batch the loop's code made after a backward with no optimizer step since (gradient
+        accumulation's next micro-batch, standardised in the loop), judged as the next call begins."""
+        found = super().claim(tensor, key)
+        held = self.then_forget
+        if found is None and held is not None and held.settled():
+            found = held.claim(tensor, key)
+            if found is not None:  # (what the report reads of the claim: the held region's witness and calls)
+                self._witness, self.let_go, self._clean = held._witness, held.let_go, False
+                self.claimed_in_graph_grad = held.claimed_in_graph_grad
+                self._data_calls = {**held._calls, **self._data_calls}
+        return found
+
+    def settled(self) -> bool:
+        """Whether the region holds records, every op it ran made one first (an update region's watched ops:
+        update_recorder.py)."""
+        return bool(self._ops)
 
     def graph_grad_begins(self) -> bool:
         """An ``autograd.grad(create_graph=True)`` of the loop's code begins (patches/backward.marked_graph_grads):

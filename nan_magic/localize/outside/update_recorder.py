@@ -187,6 +187,11 @@ class UpdateRecorder(OutsideRecorder):
                     self._copied += size
                     self._clean = False
 
+    def settled(self) -> bool:
+        if self._ring:  # (a watched region's last ops, held for a claim: gradient accumulation's next batch)
+            self._record_ring()
+        return bool(self._ops)
+
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
         self._clean = False

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from nan_magic.errors.line_state import state_left_by
+from nan_magic.hot.reads import transformed_call
 from nan_magic.localize.ops.sources import Chain, calls_from_caller, replayed_calls
 from nan_magic.records import Note, Phase
 
@@ -44,6 +45,8 @@ __all__ = ["NOT_KEPT", "NOT_REACHED", "ForwardLines", "LineStop", "line_stop_at"
 NOT_REACHED = "a replay of the call did not make that line's autograd node again"
 #: ... where no model call of the step that was kept made the node (ops mode).
 NO_CALL = "no model call of the step that made that line's autograd node was kept to replay"
+#: ... where the call that made the node ran inside a torch.func transform (its arguments gone with the transform).
+IN_TRANSFORM = "the call that made that line's autograd node ran inside a torch.func transform (vmap, jacrev)"
 #: ... where an ops-mode watch keeps no model call at all (they are kept for the fix trials).
 NOT_KEPT = "ops=True keeps the step's model calls for the fix trials only, and fixes=False (or replay=False) keeps none"
 
@@ -143,6 +146,12 @@ class _Begun(Protocol):
     @property
     def nodes_before(self) -> int | None: ...
 
+    @property
+    def args(self) -> tuple[Any, ...]: ...
+
+    @property
+    def kwargs(self) -> dict[str, Any]: ...
+
 
 class KeptCalls(Protocol):
     """The step's top-level calls an ops-mode watch keeps (replay/step.StepReplays): what :class:`ForwardLines` uses."""
@@ -181,7 +190,8 @@ class ForwardLines:
             return
         self.kept.run_to_line(root, stop)
         if stop.frame is None:
-            finding.notes.append(Note.of("debug-not-replayed", reason=NOT_REACHED))
+            transformed = transformed_call(root.args, root.kwargs)
+            finding.notes.append(Note.of("debug-not-replayed", reason=IN_TRANSFORM if transformed else NOT_REACHED))
             return
         finding.frame, finding.frame_position, finding.frame_calls = stop.frame, stop.position, stop.calls
         finding.notes.append(Note.of("debug-in-replay", step=self.step()))

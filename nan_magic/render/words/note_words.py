@@ -135,6 +135,8 @@ _TEMPLATES: dict[str, str] = {
     "no-gradient-held": "no gradient flowing into the model's outputs was held for this step",
     "call-not-held": "its model call was no longer held (more than {max_calls} calls in the step)",
     "sharded-not-replayed": "a model sharded by FSDP is not replayed (its forward needs every rank)",
+    "transform-not-replayed": "a call made inside a torch.func transform (vmap, jacrev) is not replayed: its "
+                              "arguments were the transform's, gone once it returned",
     "inputs-modified": "the call's inputs were modified in place since the call",
     "step-replay-raised": "the replay raised {error}",
     # scene/, fixes/, distributed/

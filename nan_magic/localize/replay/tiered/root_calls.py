@@ -27,7 +27,7 @@ from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.parameter_writes import Learning
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
-from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.reads import iter_tensors, transformed_call, version_of
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
@@ -170,6 +170,10 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     target = replay_target(root.module)
     if target is None or model is None:
         return Outcome(why_not=Note("sharded-not-replayed"))
+    if transformed_call(root.args, root.kwargs):
+        # A call made inside a torch.func transform (``vmap(jacrev(encoder))`` in the loss code): its arguments are
+        # the transform's wrappers, which can be neither read nor copied once the transform has returned.
+        return Outcome(why_not=Note("transform-not-replayed"))
     replay_config = dataclasses.replace(
         config, mode="full", ops=True, defer=False, on_detect="log",
         log_file=None, dump=None, keep_last_good=None,
