@@ -26,6 +26,7 @@ __all__ = [
     "flatten",
     "is_number",
     "list_positions",
+    "literal_numbers",
     "narrows",
     "odd_scalar",
     "op_inputs",
@@ -102,6 +103,11 @@ _CONVERSIONS = {
     "_copy_from_and_resize": "self",
 }
 
+# The ops Python's tensor literals reach the dispatcher through (torch.tensor, a number assigned by indexing).
+_LITERALS = frozenset({"lift_fresh", "lift_fresh_copy"})
+#: A lifted tensor up to this many elements is read for a non-finite number (a literal the code wrote, not data).
+LITERAL_NUMEL = 64
+
 # In-place ops that overwrite their target without reading it.
 _OVERWRITES = frozenset(
     {"copy_", "_copy_from", "_copy_from_and_resize", "normal_", "uniform_", "log_normal_",
@@ -132,6 +138,9 @@ class Plan:
     # Picks elements by an index tensor (``gather``), or reduces a row to its max (``amax``): a mask's infinity it
     # takes (a masked position picked, a fully masked row's max) is noted as picked (origins.Picked).
     picks: bool = False
+    # Lifts a tensor Python made from a literal (``x[3, 2] = float("nan")``, ``torch.tensor([nan])``): the number the
+    # code wrote, so a non-finite one makes the op an origin, as a fill value does (:func:`literal_numbers`).
+    literal: bool = False
 
 
 @functools.cache
@@ -170,6 +179,7 @@ def plan_of(func: torch._ops.OpOverload) -> Plan:
             and "Tensor" not in str(argument.type)
         ),
         picks=packet in _PICKS or (packet in _MAXES and func._overloadname in ("default", "dim")),
+        literal=packet in _LITERALS,
     )
 
 
@@ -273,6 +283,21 @@ def odd_scalar(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         name in plan.fills and isinstance(value, float) and not math.isfinite(value)
         for name, value in arguments(plan, args, kwargs)
     )
+
+
+def literal_numbers(plan: Plan, args: Sequence[Any]) -> list[tuple[str, float]]:
+    """The non-finite numbers of a small tensor literal ``plan``'s op lifts, one of each kind: ``x[3, 2] = nan`` runs
+    ``lift_fresh`` on the NaN made a tensor, then copies it in. Empty for any other op or a finite literal, so the op
+    stays passive; read only for the lift ops, which a loop or forward runs once per literal."""
+    value = args[0] if plan.literal and args else None
+    if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.is_complex()
+            or not 0 < value.numel() <= LITERAL_NUMEL or bool(torch.isfinite(value).all())):
+        return []
+    flat = value.detach().reshape(-1)
+    found: dict[str, float] = {}
+    for number in flat[~torch.isfinite(flat)].tolist():
+        found.setdefault("nan" if math.isnan(number) else "+inf" if number > 0 else "-inf", number)
+    return [("value", number) for number in found.values()]
 
 
 def run_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

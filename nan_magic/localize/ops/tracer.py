@@ -74,6 +74,7 @@ from nan_magic.localize.ops.plans import (
     flatten,
     is_number,
     list_positions,
+    literal_numbers,
     narrows,
     odd_scalar,
     op_inputs,
@@ -296,7 +297,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if self.finding is not None:
             return run_op(func, args, kwargs)
         parts = self._parts_written(plan, args, kwargs) if plan.writes and self._origins else None
-        if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
+        # A literal's numbers stand for its input, as a fill's number does (``x[3, 2] = nan`` in the loop or a forward).
+        literal = literal_numbers(plan, args) if plan.literal else None
+        if plan.passive and not literal and not (plan.fills and odd_scalar(plan, args, kwargs)):
             out = run_op(func, args, kwargs)
             if parts:
                 self._keep_parts(parts)
@@ -324,7 +327,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
             positions = list_positions(plan, args, kwargs, out) if plan.per_index else {}
 
             def inputs_of(label: str) -> list[tuple[str, Any]]:
-                return list(op_inputs(plan, args, kwargs, positions.get(label)))
+                return list(literal or op_inputs(plan, args, kwargs, positions.get(label)))
 
             in_place = frozenset(id(t) for _, t in tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
             self._examine(op_name(func), bad, inputs_of, priors, in_backward, in_place)

@@ -1,0 +1,85 @@
+"""Known wrong answers a script user saw (session 24's closing note), each as a test that failed before its fix."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+
+MODES = {
+    "default": {},
+    "defer": {"defer": True},
+    "full": {"mode": "full"},
+    "ops": {"ops": True},
+}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_the_loop_writes_into_the_batch_is_named_at_its_line(mode: str) -> None:
+    """``x[3, 2] = float("nan")`` on the line before the model call was reported as data at the model's input, op and
+    line None: torch lifts the number into a tensor (``aten.lift_fresh``) and copies it in, both passive ops, and the
+    lifted NaN came from outside the recorded ops. A literal's non-finite number is now its op's input, as a fill's
+    is: the data region's records name the line that wrote it, in every mode."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for step in range(4):
+            x, y = torch.randn(16, 4), torch.randn(16, 4)
+            if step == 2:
+                x[3, 2] = float("nan")
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.nan) == ("data", 2, 1)
+    assert report.source is not None and report.source.line == 'x[3, 2] = float("nan")'
+    assert Path(report.source.filename) == Path(__file__)
+    assert report.op == "aten.lift_fresh.default"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_finite_and_infinite_literals_stay_calm(mode: str) -> None:
+    """The literal rule reads only what a loop writes: a finite literal, and an infinity written as a mask value
+    (deliberate, as ``masked_fill(mask, -inf)`` is), raise nothing and leave the model as an unwatched run does."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.fc(x)
+            mask = torch.zeros_like(scores)
+            mask[:, 0] = float("-inf")
+            return torch.softmax(scores + mask, -1)
+
+    def run(watched: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = Masked()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        losses = []
+        with nan_magic.watch(model, opt, **MODES[mode]) if watched else nullcontext() as w:
+            for _ in range(3):
+                x = torch.randn(8, 4)
+                x[0, 0] = 0.5
+                loss = (model(x) - torch.tensor([0.25, 0.25, 0.25, 0.25])).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        if watched:
+            assert w.report is None and not w.events
+        return losses
+
+    assert run(True) == run(False)
