@@ -413,8 +413,10 @@ class Report:
         """Per-layer statistics of the failing step as a pandas DataFrame."""
         return _views().table(self)
 
-    def to_text(self) -> str:
-        return _views().text(self)
+    def to_text(self, *, compact: bool = False) -> str:
+        """The text report; ``compact``: without the headline, the histograms and the per-layer table (the note
+        under a script's uncaught NonFiniteError)."""
+        return _views().compact_text(self) if compact else _views().text(self)
 
     def to_html(self, path: str | None = None) -> str:
         """A self-contained HTML report; also written to ``path`` if given."""
@@ -469,6 +471,8 @@ class ReportViews(Protocol):
     def table(self, report: Report) -> pd.DataFrame: ...
 
     def text(self, report: Report) -> str: ...
+
+    def compact_text(self, report: Report) -> str: ...
 
     def message_parts(self, report: Report) -> tuple[str, str, str, str]: ...
 

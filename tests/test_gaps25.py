@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -11,6 +15,7 @@ from torch import nn
 
 import nan_magic
 
+REPO = Path(__file__).resolve().parents[1]
 MODES = {
     "default": {},
     "defer": {"defer": True},
@@ -83,3 +88,58 @@ def test_finite_and_infinite_literals_stay_calm(mode: str) -> None:
         return losses
 
     assert run(True) == run(False)
+
+
+UNCAUGHT = """\
+import torch
+from torch import nn
+
+import nan_magic
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+with nan_magic.watch(model):
+    out = model(torch.randn(8, 4))
+    loss = torch.log(out).mean()
+    loss.backward()
+"""
+
+
+def _python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "dumb", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11+")
+def test_an_uncaught_error_in_a_script_shows_the_compact_report_once(tmp_path: Path) -> None:
+    """``python train.py`` that does not catch NonFiniteError showed the one-line headline alone: the module, op,
+    line and cause were in ``error.report`` where no one printed it. The compact report is a note under the error
+    (the cause, the fixes, the producer's facts, where pdb.pm() opens); ``python -m nan_magic run`` prints the
+    whole report after the traceback, so the note is not there too."""
+    script = tmp_path / "train.py"
+    script.write_text(UNCAUGHT)
+    plain = _python(str(script), cwd=tmp_path)
+    assert plain.returncode == 1
+    err = plain.stderr
+    headline = err.index("NonFiniteError: first non-finite value in forward step 0")
+    assert err.index("Likely cause: log-domain") > headline and err.count("Likely cause") == 1
+    assert re.search(r"^  op +torch\.log\(out\)  \(aten\.log\.default\)$", err, re.MULTILINE), err
+    assert re.search(r"^  line +loss = torch\.log\(out\)\.mean\(\)$", err, re.MULTILINE), err
+    assert "pdb.pm() opens in" in err and "Histograms" not in err
+    run = _python("-m", "nan_magic", "run", str(script), cwd=tmp_path)
+    assert run.returncode == 1 and run.stderr.count("Likely cause: log-domain") == 1, run.stderr
+    assert "Histograms" in run.stderr  # (the whole report, once)
+
+
+def test_a_caught_error_keeps_its_note_out_of_its_message() -> None:
+    """The note is under the error, not in it: ``str(error)`` is still the one-line headline, and the note is
+    added once where the error leaves two watches (a script's own watch inside ``run``'s, the pytest marker's)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model), nan_magic.watch(model):
+        model(torch.randn(8, 4)).log().mean().backward()
+    error = caught.value
+    assert "\n" not in str(error) and str(error) == error.report.message
+    if sys.version_info >= (3, 11):
+        assert error.__notes__ == [error.report.to_text(compact=True)]
+        assert "Likely cause: log-domain" in error.__notes__[0]

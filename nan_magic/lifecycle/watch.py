@@ -246,14 +246,17 @@ class Watch(WatchEvents):
             if (entry := leaving_entry(sys._getframe(1))) is not None:
                 judged.__traceback__ = entry
             self.adopt_traceback(judged, entry)
+            judged.note_report()
             raise judged
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
             self._filters_judged = self._judge_filters(explained or exc)  # (once for the run)
         if explained is not None:
             self.adopt_traceback(explained, tb)
+            explained.note_report()
             raise explained from exc
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
+            exc.note_report()
         elif isinstance(exc, Exception):
             # The user's own error (a shape mismatch in the loop's code, passed on by the watch's dispatch mode):
             # its traceback, and %debug or pdb.pm(), stop at the user's line, as unwatched (frames.py). An

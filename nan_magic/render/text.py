@@ -69,6 +69,20 @@ def render_text(report: Report) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
+def render_compact_text(report: Report) -> str:
+    """The report as it reads under an error in a script or a CI log (the note a watch adds to its NonFiniteError):
+    the cause, the fixes tried, the producer's facts and the frame the debugger opens in; the headline is the
+    error's own line, and the histograms and the per-layer table are left to ``print(error.report)``."""
+    parts = [
+        "nan_magic report (print(error.report) adds the histograms and the per-layer table):",
+        cause_sentence(report),
+        fixes_text(report),
+        _facts(report),
+        _debug_section(report, frames=False),  # (the traceback above is those frames)
+    ]
+    return "\n\n".join(part for part in parts if part)
+
+
 def _facts(report: Report) -> str:
     rows = fact_rows(report)
     width = max(len(label) for label, _ in rows)
@@ -145,14 +159,14 @@ def _debugger() -> str:
     return "%debug" if ipython is not None and ipython.get_ipython() is not None else "pdb.pm()"
 
 
-def _debug_section(report: Report) -> str:
-    if report.debug_frame is None and not report.frames:
+def _debug_section(report: Report, *, frames: bool = True) -> str:
+    if report.debug_frame is None and not (frames and report.frames):
         return ""
     lines = []
     if report.debug_frame is not None:
         lines.append(f"{_debugger()} opens in {report.debug_frame}")
     lines.extend(f"  local {name}: {stats_phrase(stats)}" for name, stats in report.debug_locals)
-    if report.frames:
+    if frames and report.frames:
         lines.append("Frames from your code to the producer:")
         for frame in report.frames:
             lines.append(f"  {frame}")
