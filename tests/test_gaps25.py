@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -143,3 +144,69 @@ def test_a_caught_error_keeps_its_note_out_of_its_message() -> None:
     if sys.version_info >= (3, 11):
         assert error.__notes__ == [error.report.to_text(compact=True)]
         assert "Likely cause: log-domain" in error.__notes__[0]
+
+
+class _LogHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.proj(h))  # negative inputs: NaN, then NaN gradients into every parameter
+
+
+def _poisoned_run(on_detect: str, steps: int = 6) -> tuple[nan_magic.Watch, list[warnings.WarningMessage]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _LogHead())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught, nan_magic.watch(model, opt, on_detect=on_detect) as w:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            loss = (model(torch.randn(16, 4)) - torch.randn(16, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return w, caught
+
+
+def test_warn_mode_warns_once_per_new_event_and_counts_the_rest_at_the_end() -> None:
+    """After the first event the NaN sits in the parameters, and every later step met it three times (the parameter
+    in the forward, the loss, the optimizer's step): three warnings a step, a flood in a long run. An event no op made
+    is warned of once for what it names; the repeats are counted in one warning as the watch is left. The events
+    themselves are all kept, as log mode keeps them."""
+    w, caught = _poisoned_run("warn")
+    events = [warning for warning in caught if warning.category is RuntimeWarning]
+    counts = [warning for warning in caught if issubclass(warning.category, nan_magic.NanMagicWarning)]
+    assert str(events[0].message).startswith("first non-finite value in forward step 0: 2 (_LogHead)")
+    assert len(events) == len({(e.phase, e.module, e.tensor, e.source) for e in w.events}) <= 4
+    (count,) = counts
+    assert str(count.message).startswith(f"{len(w.events) - len(events)} more non-finite events in steps 1 to 5 ")
+    assert count.filename == __file__
+    logged, quiet = _poisoned_run("log")
+    assert [e.message for e in logged.events] == [e.message for e in w.events] and len(w.events) >= 15
+    assert not [warning for warning in quiet if issubclass(warning.category, RuntimeWarning)]
+
+
+def test_raise_mode_still_stops_at_the_first_event() -> None:
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _poisoned_run("raise")
+    assert caught.value.report.module == "2" and caught.value.report.op == "aten.log.default"
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_later_check_meeting_the_written_batch_again_is_no_second_event(mode: str) -> None:
+    """log mode: once the first event named the line that wrote the batch, a later check of the same step that meets
+    the batch without the data region's records (the optimizer's) is the same event, not a second one."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nan_magic.watch(model, opt, on_detect="log", **MODES[mode]) as w:
+        for step in range(3):
+            x, y = torch.randn(16, 4), torch.randn(16, 4)
+            if step == 2:
+                x[3, 2] = float("nan")
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    data = [event for event in w.events if event.phase == "data"]
+    assert len(data) == 1 and data[0].op == "aten.lift_fresh.default"

@@ -250,6 +250,7 @@ class Watch(WatchEvents):
             raise judged
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
             self._filters_judged = self._judge_filters(explained or exc)  # (once for the run)
+        self._said(self.outcome.say_repeated, explained or exc)  # (warn: the events not warned of again, counted)
         if explained is not None:
             self.adopt_traceback(explained, tb)
             explained.note_report()
@@ -267,8 +268,14 @@ class Watch(WatchEvents):
     def _judge_filters(self, leaving: BaseException | None) -> bool:
         """warn_unmatched_filters as the watch is left; where a filter makes the warning an error (``-W error``)
         while ``leaving`` propagates (the event), the warning joins it as a note rather than replacing it."""
+        return self._said(lambda: warn_unmatched_filters(self.targets, self.config), leaving)
+
+    @staticmethod
+    def _said(say: Callable[[], bool | None], leaving: BaseException | None) -> bool:
+        """``say()``, a warning given as the watch is left; one a filter made an error while ``leaving``
+        propagates joins it as a note, where it would replace it."""
         try:
-            return warn_unmatched_filters(self.targets, self.config)
+            return bool(say())
         except Warning as warning:
             if leaving is None:
                 raise

@@ -105,9 +105,6 @@ _CONVERSIONS = {
 
 # The ops Python's tensor literals reach the dispatcher through (torch.tensor, a number assigned by indexing).
 _LITERALS = frozenset({"lift_fresh", "lift_fresh_copy"})
-#: A lifted tensor up to this many elements is read for a non-finite number (a literal the code wrote, not data).
-LITERAL_NUMEL = 64
-
 # In-place ops that overwrite their target without reading it.
 _OVERWRITES = frozenset(
     {"copy_", "_copy_from", "_copy_from_and_resize", "normal_", "uniform_", "log_normal_",
@@ -286,18 +283,16 @@ def odd_scalar(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def literal_numbers(plan: Plan, args: Sequence[Any]) -> list[tuple[str, float]]:
-    """The non-finite numbers of a small tensor literal ``plan``'s op lifts, one of each kind: ``x[3, 2] = nan`` runs
-    ``lift_fresh`` on the NaN made a tensor, then copies it in. Empty for any other op or a finite literal, so the op
+    """``[("value", number)]`` where ``plan``'s op lifts a Python number made a 0-dim tensor that is not finite:
+    ``x[3, 2] = nan`` runs ``lift_fresh`` on the NaN, then copies it in; ``torch.tensor(nan)`` too. Empty for any other
+    op, a finite number, or a literal of rows (``torch.tensor([[1.0, nan]])`` is data, as a loaded batch is), so the op
     stays passive; read only for the lift ops, which a loop or forward runs once per literal."""
     value = args[0] if plan.literal and args else None
-    if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.is_complex()
-            or not 0 < value.numel() <= LITERAL_NUMEL or bool(torch.isfinite(value).all())):
+    if (not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.is_floating_point()
+            or value.is_complex()):
         return []
-    flat = value.detach().reshape(-1)
-    found: dict[str, float] = {}
-    for number in flat[~torch.isfinite(flat)].tolist():
-        found.setdefault("nan" if math.isnan(number) else "+inf" if number > 0 else "-inf", number)
-    return [("value", number) for number in found.values()]
+    number = float(value.item())
+    return [] if math.isfinite(number) else [("value", number)]
 
 
 def run_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
