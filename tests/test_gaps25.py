@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import subprocess
@@ -210,3 +211,26 @@ def test_a_later_check_meeting_the_written_batch_again_is_no_second_event(mode: 
             opt.step()
     data = [event for event in w.events if event.phase == "data"]
     assert len(data) == 1 and data[0].op == "aten.lift_fresh.default"
+
+
+def test_an_early_warning_made_an_error_is_raised_at_the_users_line() -> None:
+    """``python -W error`` (pytest's ``filterwarnings = error``) in warn mode: a loss spike's NanMagicWarning was raised
+    from our optimizer hook, the traceback ending in hot/step_cycle.py's ``warnings.warn`` through torch's wrapper.
+    It now ends at the user's line the warning names (``opt.step()``), as an unwatched error's would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(nan_magic.NanMagicWarning, match="the loss reached") as caught, nan_magic.watch(
+                model, opt, on_detect="warn"):
+            for step in range(12):
+                loss = model(torch.randn(8, 4) * (1e4 if step == 10 else 1)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    last = caught.tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    assert Path(last.tb_frame.f_code.co_filename) == Path(__file__)
+    assert "opt.step()" in linecache.getline(__file__, last.tb_lineno)

@@ -41,7 +41,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.errors.frames import cut_where_passed_through, leaving_entry
+from nan_magic.errors.frames import cut_at_placed, cut_where_passed_through, leaving_entry
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -258,10 +258,11 @@ class Watch(WatchEvents):
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
             exc.note_report()
-        elif isinstance(exc, Exception):
+        elif isinstance(exc, Exception) and not cut_at_placed(exc, tb):
             # The user's own error (a shape mismatch in the loop's code, passed on by the watch's dispatch mode):
             # its traceback, and %debug or pdb.pm(), stop at the user's line, as unwatched (frames.py). An
             # interrupt is not cut: where it landed is shown, our hooks' frames skipped as hidden (IPython's rule).
+            # (A warning of ours a filter made an error in a hook, -W error: cut at the user's line it names.)
             cut_where_passed_through(tb)
         return False
 
