@@ -234,3 +234,40 @@ def test_an_early_warning_made_an_error_is_raised_at_the_users_line() -> None:
         last = last.tb_next
     assert Path(last.tb_frame.f_code.co_filename) == Path(__file__)
     assert "opt.step()" in linecache.getline(__file__, last.tb_lineno)
+
+
+OWN_WATCH = """\
+import sys
+import torch
+from torch import nn
+import nan_magic
+
+torch.manual_seed(0)
+model = nn.Linear(4, 4)
+with nan_magic.watch(model, on_detect=sys.argv[1]) as w:
+    for step in range(3):
+        model(torch.randn(8, 4)).log().mean().backward()
+print("own watch:", w.report.op)
+"""
+
+
+@pytest.mark.parametrize("mode", ["raise", "log"])
+def test_run_dump_saves_the_scene_of_the_scripts_own_watchs_event(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m nan_magic run --dump DIR train.py`` where train.py enters its own watch: the event is the outer
+    watch's (session 24), but the scene was saved by neither: the script's watch has no ``dump``, and the outer one
+    had stood aside for the whole step. The script's watch saves it to the outer's folder, and the scene opens."""
+    from nan_magic.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(OWN_WATCH)
+    folder = tmp_path / "scenes"
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["run", "--dump", str(folder), str(script), mode]) == 1
+    err = capsys.readouterr().err
+    (scene,) = folder.glob("nan_scene_*.pt")
+    assert "scene saved: " in err, err
+    loaded = nan_magic.load_scene(str(scene))
+    assert loaded.report.op == "aten.log.default"
