@@ -171,16 +171,17 @@ class RegionRecords:
 
     # -- at an event ----------------------------------------------------------------------
 
-    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None, written: bool = False) -> OpFinding | None:
         """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
 
         None when ``tensor`` was not made by recorded code, or when its
         non-finite values came from outside the record (a model output).
-        ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
+        ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check). ``written``: a batch
+        entering a model, which may hold a number the recorded code wrote into it (``x[3, 2] = nan``): that op then.
         """
-        found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before)
+        found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before, written)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
-            found = self._claim_in(self._data, tensor, key, self._data_before)
+            found = self._claim_in(self._data, tensor, key, self._data_before, written)
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
         return found
@@ -228,7 +229,7 @@ class RegionRecords:
         return replayed is not None and tracer.origin_of(replayed) == "benign"
 
     def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None,
-                  before: dict[int, torch.Tensor]) -> OpFinding | None:
+                  before: dict[int, torch.Tensor], written: bool = False) -> OpFinding | None:
         """:meth:`claim` in one region's ``records``."""
         recorded, produced, rng = records
         if tensor is not None:
@@ -237,24 +238,36 @@ class RegionRecords:
             ops = _ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None:
             return None
-        return self._claim_ops(ops, rng, before)
+        target = (record_key(tensor) if tensor is not None else key) if written else None
+        return self._claim_ops(ops, rng, before, target)
 
     def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None,
-                   before: dict[int, torch.Tensor]) -> OpFinding | None:
-        """The first op of ``ops``, run again on copies under the op tracer, that made a value non-finite."""
+                   before: dict[int, torch.Tensor], written: int | None = None) -> OpFinding | None:
+        """The first op of ``ops``, run again on copies under the op tracer, that made a value non-finite.
+
+        ``written``: the recorded id of a batch; where no op made a value non-finite, the op that lifted a number
+        the code wrote into that batch's replayed copy (tracer.written_into)."""
         tracer = OpTracer(kinds=self.kinds)
         producer: RecordedOp | None = None
         frame: FrameType | None = None
+        lifted: dict[int, RecordedOp] = {}  # (each lifted number's finding: the recorded op that lifted it)
         try:
             copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
                 for ran, op in enumerate(ops):
+                    count = len(tracer.literals)
                     rerun_op(op, copies)
+                    if len(tracer.literals) > count:
+                        lifted[id(tracer.literals[-1])] = op
                     if tracer.finding is not None:
                         producer = op if str(op.func) == tracer.finding.op else _maker(
                             tracer.witnesses.output_of(tracer.finding), ops[:ran], copies) or op
                         frame = producer.frame
                         break
+                replayed = copies.get(written) if written is not None and tracer.finding is None else None
+                if replayed is not None and (found := tracer.written_into(replayed)) is not None:
+                    producer = lifted.get(id(found))
+                    frame = producer.frame if producer is not None else None
         except Gone:
             return None
         if tracer.finding is None or producer is None:
