@@ -34,6 +34,7 @@ from nan_magic.distributed.ranks import qualified
 from nan_magic.hot.kept.call_records import Call
 from nan_magic.hot.kept.held import HeldArguments, Regenerate
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
+from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
@@ -327,7 +328,8 @@ def replay_backward(
         try:
             with torch.enable_grad(), tracer:
                 start = nodes_made()
-                output = module(*args, **kwargs)
+                with saved_hooks_of(held.saved_hooks):  # (packed as the call packed: mode="full", no kept step)
+                    output = module(*args, **kwargs)
                 # A non-finite forward value is not what is asked here; its origin is kept for a backward op (absorbed).
                 tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output, attributes=True) if t.requires_grad]
