@@ -271,3 +271,31 @@ def test_run_dump_saves_the_scene_of_the_scripts_own_watchs_event(
     assert "scene saved: " in err, err
     loaded = nan_magic.load_scene(str(scene))
     assert loaded.report.op == "aten.log.default"
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_soft_prompt_gets_no_skip_batch_and_a_bad_batch_still_does(mode: str) -> None:
+    """A soft prompt (a free tensor the loop steps by hand, passed to the model) made NaN by its own update got a
+    verified "skip-batch": the step without prompt slot 3, as if the prompt's rows were samples. Its rows are slots of
+    a tensor the loop trains: skipping them means nothing for where the NaN came from, and it is not offered. A
+    batch the loop wrote a NaN into (rows that are samples) still gets it, verified."""
+    from contract.hunt24 import _soft_prompt
+
+    scenario = _soft_prompt(0.0)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODES[mode]):
+        scenario.run()
+    report = caught.value.report
+    assert (report.phase, report.op, report.cause.label) == ("data", "aten.div.Tensor", "division-by-zero")
+    assert "skip-batch" not in [fix.kind for fix in report.fixes]
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for step in range(3):
+            x, y = torch.randn(16, 4), torch.randn(16, 4)
+            if step == 2:
+                x[3, 2] = float("nan")
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(fix.kind, fix.finite) for fix in caught.value.report.fixes] == [("skip-batch", True)]
