@@ -82,7 +82,6 @@ class _Views:
 
     table = staticmethod(_lazy("nan_magic.render.table", "layer_table"))
     text = staticmethod(_lazy("nan_magic.render.text", "render_text"))
-    compact_text = staticmethod(_lazy("nan_magic.render.text", "render_compact_text"))
     message_parts = staticmethod(_lazy("nan_magic.render.words.message", "message_parts"))
     html = staticmethod(_lazy("nan_magic.render.html", "render_html"))
     mimebundle = staticmethod(_lazy("nan_magic.render.display", "mimebundle"))

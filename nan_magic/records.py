@@ -414,9 +414,7 @@ class Report:
         return _views().table(self)
 
     def to_text(self, *, compact: bool = False) -> str:
-        """The text report; ``compact``: without the headline, the histograms and the per-layer table (the note
-        under a script's uncaught NonFiniteError)."""
-        return _views().compact_text(self) if compact else _views().text(self)
+        return _views().text(self, compact)  # (compact: the note under a script's uncaught error, render/text.py)
 
     def to_html(self, path: str | None = None) -> str:
         """A self-contained HTML report; also written to ``path`` if given."""
@@ -470,9 +468,7 @@ class ReportViews(Protocol):
 
     def table(self, report: Report) -> pd.DataFrame: ...
 
-    def text(self, report: Report) -> str: ...
-
-    def compact_text(self, report: Report) -> str: ...
+    def text(self, report: Report, compact: bool = False) -> str: ...
 
     def message_parts(self, report: Report) -> tuple[str, str, str, str]: ...
 

@@ -39,7 +39,7 @@ _NUMERIC = frozenset({"call", "min", "max", "absmax", "nan", "+inf", "-inf"})
 _MAX_CELL = 40
 
 
-def render_text(report: Report) -> str:
+def render_text(report: Report, compact: bool = False) -> str:
     """Render ``report`` as a plain-text report.
 
     Parameters
@@ -47,6 +47,8 @@ def render_text(report: Report) -> str:
     report
         The report to render; its per-layer table shows :data:`TEXT_MAX_ROWS` rows at most, those around
         the producer, the others summarised as ``"N rows cut"``.
+    compact
+        :func:`render_compact_text` instead: the note under a script's uncaught NonFiniteError.
 
     Returns
     -------
@@ -54,6 +56,8 @@ def render_text(report: Report) -> str:
         Headline, cause, fixes, producer facts, the producer's histograms, per-layer table and the
         frame ``%debug`` opens, separated by blank lines.
     """
+    if compact:
+        return render_compact_text(report)
     parts = [
         f"nan_magic: {report.message}",
         cause_sentence(report),

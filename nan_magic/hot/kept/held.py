@@ -17,6 +17,7 @@ A call still running has its arguments in its ``Module.__call__`` frame
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
+from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import version_of
 from nan_magic.records import Note
 
@@ -89,6 +91,10 @@ class HeldArguments(NamedTuple):
     #: The user's ``saved_tensors_hooks`` context the call ran under (saved_hooks.py), or None: a backward replay of
     #: the call packs what autograd saves as the call did (a float16 pack's 0 under sqrt's backward).
     saved_hooks: Any = None
+
+    def packed(self) -> contextlib.AbstractContextManager[None]:
+        """Inside it, what autograd saves is packed as the call packed it (:attr:`saved_hooks`; a backward replay)."""
+        return saved_hooks_of(self.saved_hooks)
 
     def resolve(self, regenerate: Regenerate | None = None) -> Resolved | Note:
         """The arguments again, or why they are gone (a note).

@@ -34,7 +34,6 @@ from nan_magic.distributed.ranks import qualified
 from nan_magic.hot.kept.call_records import Call
 from nan_magic.hot.kept.held import HeldArguments, Regenerate
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
-from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
@@ -326,10 +325,9 @@ def replay_backward(
         # hook): its ops belong to that graph task, and are the replay's forward.
         tracer.forward_task = torch._C._current_graph_task_id()
         try:
-            with torch.enable_grad(), tracer:
+            with torch.enable_grad(), tracer, held.packed():  # (saved as the call saved: a float16 pack, say)
                 start = nodes_made()
-                with saved_hooks_of(held.saved_hooks):  # (packed as the call packed: mode="full", no kept step)
-                    output = module(*args, **kwargs)
+                output = module(*args, **kwargs)
                 # A non-finite forward value is not what is asked here; its origin is kept for a backward op (absorbed).
                 tracer.reset(origins=False)
                 outputs = [t for _, t in iter_tensors(output, attributes=True) if t.requires_grad]
