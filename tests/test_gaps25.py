@@ -53,6 +53,7 @@ def test_a_nan_the_loop_writes_into_the_batch_is_named_at_its_line(mode: str) ->
     assert report.source is not None and report.source.line == 'x[3, 2] = float("nan")'
     assert Path(report.source.filename) == Path(__file__)
     assert report.op == "aten.lift_fresh.default"
+    assert report.cause is not None and report.cause.label == "bad-input-data"  # (a batch holding it, as loaded)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -133,9 +134,12 @@ def test_an_uncaught_error_in_a_script_shows_the_compact_report_once(tmp_path: P
     assert "Histograms" in run.stderr  # (the whole report, once)
 
 
-def test_a_caught_error_keeps_its_note_out_of_its_message() -> None:
+def test_a_caught_error_keeps_its_note_out_of_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
     """The note is under the error, not in it: ``str(error)`` is still the one-line headline, and the note is
     added once where the error leaves two watches (a script's own watch inside ``run``'s, the pytest marker's)."""
+    from nan_magic.errors import exceptions
+
+    monkeypatch.setattr(exceptions, "running_shell", lambda: None)  # (a script: no IPython shell in this process)
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
     with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model), nan_magic.watch(model):
