@@ -31,15 +31,11 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_nan_the_loop_writes_into_the_batch_is_named_at_its_line(mode: str) -> None:
-    """``x[3, 2] = float("nan")`` on the line before the model call was reported as data at the model's input, op and
-    line None: torch lifts the number into a tensor (``aten.lift_fresh``) and copies it in, both passive ops, and the
-    lifted NaN came from outside the recorded ops. A literal's non-finite number is now its op's input, as a fill's
-    is: the data region's records name the line that wrote it, in every mode."""
+def _write_a_nan_at_step_2(**options: object) -> nan_magic.Watch:
+    """A training loop that writes a NaN into step 2's batch on the line before the model call, under a watch."""
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+    with nan_magic.watch(model, opt, **options) as w:
         for step in range(4):
             x, y = torch.randn(16, 4), torch.randn(16, 4)
             if step == 2:
@@ -48,6 +44,18 @@ def test_a_nan_the_loop_writes_into_the_batch_is_named_at_its_line(mode: str) ->
             opt.zero_grad()
             loss.backward()
             opt.step()
+    return w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_the_loop_writes_into_the_batch_is_named_at_its_line(mode: str) -> None:
+    """``x[3, 2] = float("nan")`` on the line before the model call was reported as data at the model's input, op and
+    line None: torch lifts the number into a tensor (``aten.lift_fresh``) and copies it in, both passive ops, and the
+    lifted NaN came from outside the recorded ops. The op tracer now keeps the memory a lifted non-finite number was
+    written into, and a batch's claim (phase data) names that lift and its line, in every mode; its consumers still
+    read it as a value from outside (a NaN label the loss reads stays data at the line that read it)."""
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _write_a_nan_at_step_2(**MODES[mode])
     report = caught.value.report
     assert (report.phase, report.step, report.nan) == ("data", 2, 1)
     assert report.source is not None and report.source.line == 'x[3, 2] = float("nan")'
@@ -202,17 +210,7 @@ def test_raise_mode_still_stops_at_the_first_event() -> None:
 def test_a_later_check_meeting_the_written_batch_again_is_no_second_event(mode: str) -> None:
     """log mode: once the first event named the line that wrote the batch, a later check of the same step that meets
     the batch without the data region's records (the optimizer's) is the same event, not a second one."""
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nan_magic.watch(model, opt, on_detect="log", **MODES[mode]) as w:
-        for step in range(3):
-            x, y = torch.randn(16, 4), torch.randn(16, 4)
-            if step == 2:
-                x[3, 2] = float("nan")
-            loss = (model(x) - y).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    w = _write_a_nan_at_step_2(on_detect="log", **MODES[mode])
     data = [event for event in w.events if event.phase == "data"]
     assert len(data) == 1 and data[0].op == "aten.lift_fresh.default"
 
@@ -291,15 +289,6 @@ def test_a_soft_prompt_gets_no_skip_batch_and_a_bad_batch_still_does(mode: str) 
     report = caught.value.report
     assert (report.phase, report.op, report.cause.label) == ("data", "aten.div.Tensor", "division-by-zero")
     assert "skip-batch" not in [fix.kind for fix in report.fixes]
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
-        for step in range(3):
-            x, y = torch.randn(16, 4), torch.randn(16, 4)
-            if step == 2:
-                x[3, 2] = float("nan")
-            loss = (model(x) - y).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _write_a_nan_at_step_2(**MODES[mode])
     assert [(fix.kind, fix.finite) for fix in caught.value.report.fixes] == [("skip-batch", True)]
