@@ -135,8 +135,8 @@ class Plan:
     # Picks elements by an index tensor (``gather``), or reduces a row to its max (``amax``): a mask's infinity it
     # takes (a masked position picked, a fully masked row's max) is noted as picked (origins.Picked).
     picks: bool = False
-    # Lifts a tensor Python made from a literal (``x[3, 2] = float("nan")``, ``torch.tensor([nan])``): the number the
-    # code wrote, so a non-finite one makes the op an origin, as a fill value does (:func:`literal_numbers`).
+    # Lifts a tensor Python made from a literal (``x[3, 2] = float("nan")``, ``torch.tensor(nan)``): the number the
+    # code wrote; the tracer keeps a non-finite one for the batch it is written into (:func:`literal_numbers`).
     literal: bool = False
 
 
