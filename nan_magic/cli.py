@@ -130,6 +130,7 @@ def _run(args: argparse.Namespace, config: WatchConfig) -> int:
         with _PLACED_WARNINGS.held(), _adopting(watch), watch:
             runpy.run_path(script, run_name="__main__")
     except NonFiniteError as error:
+        error.drop_report_note()  # (the whole report follows the traceback)
         _print_traceback(error, script)
     except SystemExit as exit_:
         status = _exit_status(exit_.code)

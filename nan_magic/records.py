@@ -413,8 +413,8 @@ class Report:
         """Per-layer statistics of the failing step as a pandas DataFrame."""
         return _views().table(self)
 
-    def to_text(self) -> str:
-        return _views().text(self)
+    def to_text(self, *, compact: bool = False) -> str:
+        return _views().text(self, compact)  # (compact: the note under a script's uncaught error, render/text.py)
 
     def to_html(self, path: str | None = None) -> str:
         """A self-contained HTML report; also written to ``path`` if given."""
@@ -468,7 +468,7 @@ class ReportViews(Protocol):
 
     def table(self, report: Report) -> pd.DataFrame: ...
 
-    def text(self, report: Report) -> str: ...
+    def text(self, report: Report, compact: bool = False) -> str: ...
 
     def message_parts(self, report: Report) -> tuple[str, str, str, str]: ...
 

@@ -119,3 +119,26 @@ def test_a_result_packed_to_float16_zero_is_named_and_its_fix_tried_as_packed(op
     assert (str(report.phase), report.module, report.step, report.op) == ("backward", "0", 0, "aten.div.Tensor")
     assert report.source is not None and report.source.lineno == marked_line("root of square", where=_RootOfSquare)
     assert [(fix.kind, fix.finite) for fix in report.fixes] == [("eps", True)]
+
+
+def test_full_mode_without_fixes_replays_a_modules_backward_packed_as_the_call_was() -> None:
+    # mode="full", fixes=False keeps no top-level call: the per-module backward replay (module_run.replay_backward)
+    # named no op, its forward run outside the loop's float16 pack ("backward-replay-finite"). The call's held
+    # arguments note the context it ran under, and the replay packs as it did.
+    torch.manual_seed(0)
+    model = nn.Sequential(_RootOfSquare(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].fc.weight.mul_(1e-9)
+        model[0].fc.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, mode="full", fixes=False):
+        for _step in range(3):
+            with saved_tensors_hooks(lambda t: t.half(), lambda t: t.float()):
+                loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (str(report.phase), report.module, report.step, report.op) == ("backward", "0", 0, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == marked_line("root of square", where=_RootOfSquare)
+    assert _listed() == [] and _torchs()

@@ -46,6 +46,28 @@ class NonFiniteError(FloatingPointError):
         #: traceback reads in call order, the caller at the line that called it (frames.end_at_producer).
         self.producer_calls = producer_calls
         self._shown = False
+        #: The compact report added as a note (:meth:`note_report`), for a caller that prints the report itself.
+        self.report_note: str | None = None
+
+    def note_report(self) -> None:
+        """Add the compact report as a note under the error, once, where no shell shows the report.
+
+        A script that does not catch the error (``python train.py``, a CI job) showed the headline alone: Python
+        prints an exception's notes under it, so the module, op, line and cause read there as in the notebook,
+        under its short error. In IPython the magics show the report (and ``%tb`` would print it twice); ``run``
+        prints the whole report after the traceback and takes the note off (:meth:`drop_report_note`).
+        Called as the error leaves a watch, after the traceback is adopted (its frames are in the report).
+        """
+        if self.report_note is not None or running_shell() is not None or not hasattr(self, "add_note"):
+            return  # (exception notes are Python 3.11+)
+        self.report_note = self.report.to_text(compact=True)
+        self.add_note(self.report_note)
+
+    def drop_report_note(self) -> None:
+        """Take :meth:`note_report`'s note off, where the caller prints the whole report itself."""
+        notes = getattr(self, "__notes__", None)
+        if self.report_note is not None and notes is not None and self.report_note in notes:
+            notes.remove(self.report_note)
 
     def __reduce__(self) -> tuple[type, tuple[Report]]:
         return (type(self), (self.report,))

@@ -23,11 +23,13 @@ from nan_magic.locations import function_name, name_location
 from nan_magic.records import SourcePointer
 
 __all__ = [
+    "cut_at_placed",
     "cut_where_passed_through",
     "end_at_producer",
     "frames_of",
     "is_library_code",
     "is_library_file",
+    "place_at_user",
     "pointer",
     "pointer_at",
     "running_frame_at",
@@ -103,6 +105,35 @@ def user_stacklevel() -> int:
     while frame.f_back is not None and is_library_code(frame.f_code):
         level, frame = level + 1, frame.f_back
     return level
+
+
+#: The attribute of a warning a filter made an error (``-W error``) that holds the user's frame it was placed at.
+_PLACED = "_nan_magic_placed_at"
+
+
+def place_at_user(error: BaseException) -> None:
+    """Note on ``error`` the user's innermost frame running now, the one :func:`user_stacklevel` names.
+
+    A warning of the watch given in a hook (an early warning at ``opt.step()``) that the user's filter made an
+    error is raised there, through torch's frames and ours: :func:`cut_at_placed` ends its traceback at that
+    frame as the watch is left, where the warning would have been shown.
+    """
+    frame = sys._getframe(1)
+    while frame.f_back is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    setattr(error, _PLACED, frame)
+
+
+def cut_at_placed(error: BaseException, tb: TracebackType | None) -> bool:
+    """End ``tb`` (``error``'s, in place) at the frame :func:`place_at_user` noted; whether it was cut."""
+    frame = getattr(error, _PLACED, None)
+    entry = tb
+    while frame is not None and entry is not None and entry.tb_frame is not frame:
+        entry = entry.tb_next
+    if entry is None or frame is None:
+        return False
+    entry.tb_next = None
+    return True
 
 
 def running_frame_at(source: SourcePointer) -> tuple[FrameType, tuple[int, int]] | None:

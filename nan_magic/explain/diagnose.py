@@ -207,7 +207,7 @@ def _local_cause(report: Report) -> Cause:
             if report.optimizer is None or by_op.label not in ("unclassified", "overflow", "half-precision-overflow"):
                 return by_op
         return cause
-    if (given := _given_a_number(report)) is not None:
+    if report.op not in _LIFTS and (given := _given_a_number(report)) is not None:
         return given
     if report.tensor.role is TensorRole.PARAMETER and report.op is not None and report.inputs_finite and (
             (by_op := forward_cause(report)).label != "unclassified"):
@@ -231,6 +231,11 @@ def _local_cause(report: Report) -> Cause:
     if report.phase == Phase.BACKWARD:
         return _backward(report)
     return forward_cause(report)
+
+
+#: The ops a number the code wrote into a tensor is lifted by (``x[0, 0] = float("inf")``): a batch holding it is bad
+#: input data, as one loaded so is; the report's op and line say where it was written (localize/ops/tracer.py).
+_LIFTS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default")
 
 
 def _given_a_number(report: Report) -> Cause | None:

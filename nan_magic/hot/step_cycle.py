@@ -29,7 +29,7 @@ from torch import nn
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NanMagicWarning
-from nan_magic.errors.frames import user_stacklevel
+from nan_magic.errors.frames import place_at_user, user_stacklevel
 from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
@@ -261,7 +261,11 @@ class StepCycle(CycleExit):
             if self.config.on_detect == "warn":
                 # At the user's line (``opt.step()``), as the events' warnings are: a fixed level named a line of
                 # ours (hot/checks/optim.py), its source printed under it, and a filter by module missed it.
-                warnings.warn(warning.message, NanMagicWarning, stacklevel=user_stacklevel())
+                try:
+                    warnings.warn(warning.message, NanMagicWarning, stacklevel=user_stacklevel())
+                except NanMagicWarning as raised:  # (-W error: raised at that line too, not in our hook's frames)
+                    place_at_user(raised)
+                    raise
 
     def sync(
         self, extra: list[torch.Tensor] | None = None, first: Callable[[list[float]], None] | None = None

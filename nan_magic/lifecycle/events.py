@@ -41,7 +41,7 @@ from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.options import WatchConfig
 from nan_magic.phases import Phase
-from nan_magic.records import Note, Report
+from nan_magic.records import EarlyWarning, Note, Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.localize.replay.tiered.step import Producer
@@ -98,6 +98,10 @@ class Events:
         self._explained: tuple[Finding, Replayed, BaseException] | None = None
         #: This watch's part in every rank stopping together (a replay's watch runs on one rank alone).
         self.agreement = Agreement(alone=alone)
+        # warn: the events warned of that no op made (a value already non-finite, met again at a boundary), by what
+        # they name but the step; and the steps of those not warned again since (said as the watch is left).
+        self._warned_kinds: set[tuple[object, ...]] = set()
+        self._repeated_steps: list[int] = []
 
     # -- the one way in -------------------------------------------------------------------
 
@@ -160,7 +164,7 @@ class Events:
             self.events.append(report)
         if self.config.log_file:
             self._append_log(report)
-        if report.benign:
+        if report.benign or (self.config.on_detect == "warn" and self._repeated(report)):
             return
         # warn: a warnings filter that makes the warning an error (``-W error``, pytest's ``filterwarnings = error``)
         # stops the run as raise does, with the report, not with a bare RuntimeWarning from inside our hook.
@@ -170,6 +174,32 @@ class Events:
             if not self.leaving and self.agreement.hold(own, finding, self.context.lockstep):
                 return  # between agreement points: this rank checks nothing more, stops with the others at the next
             self.raise_agreed(self.agreement.settle(own, finding))
+
+    def _repeated(self, report: Report) -> bool:
+        """warn: whether ``report`` repeats an event already warned of, counted instead of warned.
+
+        A NaN that reached the parameters is met again at every boundary of every later step (the parameter in the
+        next forward, the loss, the optimizer's step): three warnings a step for the rest of the run. An event no
+        op made (its value was already non-finite) is warned of once for what it names (phase, module, tensor,
+        line), whatever the step; one an op made from finite values is new each time, and warned of.
+        """
+        if report.op is not None:
+            return False
+        kind = (report.phase, report.module, report.tensor, report.source)
+        if kind not in self._warned_kinds:
+            self._warned_kinds.add(kind)
+            return False
+        self._repeated_steps.append(report.step)
+        return True
+
+    def say_repeated(self) -> None:
+        """warn: one warning, as the watch is left, for the events :meth:`_repeated` did not warn of again."""
+        steps, self._repeated_steps = self._repeated_steps, []
+        if not steps:
+            return
+        facts = (("events", len(steps)), ("first_step", min(steps)), ("last_step", max(steps)))
+        message = EarlyWarning(step=max(steps), kind="repeated-events", facts=facts).message
+        warnings.warn(NanMagicWarning(message), stacklevel=user_stacklevel())
 
     def absorb(self, inner: Events) -> None:
         """The events a nested watch recorded while it had taken over from this one are this watch's too.
@@ -376,9 +406,12 @@ def _model_call(finding: Finding) -> int | None:
 
 
 def _same_event(report: Report, earlier: Report) -> bool:
-    """Whether ``report`` names the producer an earlier event of the same step named."""
+    """Whether ``report`` names the producer an earlier event of the same step named; or names no op or line where
+    that one did, of the same tensor: a later check meeting the batch the loop wrote (``x[3, 2] = nan``) once the
+    data region's records that named the write are gone."""
     return (
         not earlier.benign and report.step == earlier.step and report.phase == earlier.phase
-        and report.module == earlier.module and report.op == earlier.op and report.tensor == earlier.tensor
-        and report.source == earlier.source
+        and report.module == earlier.module and report.tensor == earlier.tensor
+        and ((report.op == earlier.op and report.source == earlier.source) or (
+            report.op is None and report.source is None and earlier.op is not None))
     )

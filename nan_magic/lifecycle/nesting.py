@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.hot.step_cycle import StepCycle
     from nan_magic.hot.watched.targets import Targets
     from nan_magic.lifecycle.events import Events
+    from nan_magic.options import WatchConfig
 
 __all__ = ["Nested", "Nesting"]
 
@@ -48,6 +49,9 @@ class Nested(Protocol):
 
     @property
     def outcome(self) -> Events: ...
+
+    @property
+    def config(self) -> WatchConfig: ...
 
     def __enter__(self) -> Any: ...
 
@@ -105,6 +109,11 @@ class Nesting:
                 outer._watch.outcome.absorb(self._watch.outcome)
                 outer._attach()
         self._suspended = []
+
+    def outer_dump(self) -> str | None:
+        """The scene folder of an outer watch this one took over from, whose events its events become (the
+        ``dump`` of ``python -m nan_magic run --dump DIR`` around a script's own watch); None where none has one."""
+        return next((outer._watch.config.dump for outer in self._suspended if outer._watch.config.dump), None)
 
     def decorate(self, function: F) -> F:
         """``function`` entering the watch at each outermost call (:meth:`Watch.__call__`).

@@ -41,7 +41,7 @@ from torch.optim import optimizer as optimizer_hooks
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.errors.frames import cut_where_passed_through, leaving_entry
+from nan_magic.errors.frames import cut_at_placed, cut_where_passed_through, leaving_entry
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -246,26 +246,37 @@ class Watch(WatchEvents):
             if (entry := leaving_entry(sys._getframe(1))) is not None:
                 judged.__traceback__ = entry
             self.adopt_traceback(judged, entry)
+            judged.note_report()
             raise judged
         if not self._filters_judged:  # the models the cell used, now known (filters.py): said in the cell that ran
             self._filters_judged = self._judge_filters(explained or exc)  # (once for the run)
+        self._said(self.outcome.say_repeated, explained or exc)  # (warn: the events not warned of again, counted)
         if explained is not None:
             self.adopt_traceback(explained, tb)
+            explained.note_report()
             raise explained from exc
         if isinstance(exc, NonFiniteError):
             self.adopt_traceback(exc, tb)
-        elif isinstance(exc, Exception):
+            exc.note_report()
+        elif isinstance(exc, Exception) and not cut_at_placed(exc, tb):
             # The user's own error (a shape mismatch in the loop's code, passed on by the watch's dispatch mode):
             # its traceback, and %debug or pdb.pm(), stop at the user's line, as unwatched (frames.py). An
             # interrupt is not cut: where it landed is shown, our hooks' frames skipped as hidden (IPython's rule).
+            # (A warning of ours a filter made an error in a hook, -W error: cut at the user's line it names.)
             cut_where_passed_through(tb)
         return False
 
     def _judge_filters(self, leaving: BaseException | None) -> bool:
         """warn_unmatched_filters as the watch is left; where a filter makes the warning an error (``-W error``)
         while ``leaving`` propagates (the event), the warning joins it as a note rather than replacing it."""
+        return self._said(lambda: warn_unmatched_filters(self.targets, self.config), leaving)
+
+    @staticmethod
+    def _said(say: Callable[[], bool | None], leaving: BaseException | None) -> bool:
+        """``say()``, a warning given as the watch is left; one a filter made an error while ``leaving``
+        propagates joins it as a note, where it would replace it."""
         try:
-            return warn_unmatched_filters(self.targets, self.config)
+            return bool(say())
         except Warning as warning:
             if leaving is None:
                 raise

@@ -35,6 +35,7 @@ from nan_magic.hot.timing import Timing
 from nan_magic.hot.watched.targets import Targets
 from nan_magic.lifecycle.events import Events, Replayed
 from nan_magic.lifecycle.findings import build_report
+from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.modes import Localizing
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.buffer_writes import buffer_written
@@ -71,6 +72,7 @@ class WatchEvents:
     samples: Samples
     outcome: Events
     cycle: StepCycle
+    _nesting: Nesting
 
     if TYPE_CHECKING:  # (Watch's own)
 
@@ -114,8 +116,13 @@ class WatchEvents:
 
     def _record_scene(self, finding: Finding, report: Report) -> Report:
         """At the first real event: the scene (dump.py) from what this watch holds."""
+        config = self.config
+        if not config.dump and (folder := self._nesting.outer_dump()) is not None:
+            # A script's own watch inside ``python -m nan_magic run --dump DIR`` (the pytest marker's): the outer
+            # watch gets this event (nesting.py) but saw none of its step; the scene is saved here, to its folder.
+            config = dataclasses.replace(config, dump=folder)
         source = SceneSource(
-            config=self.config,
+            config=config,
             roots=self.targets.roots,
             optimizers=self.optimizers.seen, scalers=self.optimizers.scalers, calls=lambda: self.log.calls,
             arguments=lambda call: self.replays.arguments_of(call) if self.replays is not None else None,

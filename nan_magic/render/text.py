@@ -38,7 +38,7 @@ _NUMERIC = frozenset({"call", "min", "max", "absmax", "nan", "+inf", "-inf"})
 _MAX_CELL = 40
 
 
-def render_text(report: Report) -> str:
+def render_text(report: Report, compact: bool = False) -> str:
     """Render ``report`` as a plain-text report.
 
     Parameters
@@ -46,6 +46,8 @@ def render_text(report: Report) -> str:
     report
         The report to render; its per-layer table shows :data:`TEXT_MAX_ROWS` rows at most, those around
         the producer, the others summarised as ``"N rows cut"``.
+    compact
+        :func:`render_compact_text` instead: the note under a script's uncaught NonFiniteError.
 
     Returns
     -------
@@ -53,6 +55,8 @@ def render_text(report: Report) -> str:
         Headline, cause, fixes, producer facts, the producer's histograms, per-layer table and the
         frame ``%debug`` opens, separated by blank lines.
     """
+    if compact:
+        return render_compact_text(report)
     parts = [
         f"nan_magic: {report.message}",
         cause_sentence(report),
@@ -65,6 +69,20 @@ def render_text(report: Report) -> str:
     debug = _debug_section(report)
     if debug:
         parts.append(debug)
+    return "\n\n".join(part for part in parts if part)
+
+
+def render_compact_text(report: Report) -> str:
+    """The report as it reads under an error in a script or a CI log (the note a watch adds to its NonFiniteError):
+    the cause, the fixes tried, the producer's facts and the frame the debugger opens in; the headline is the
+    error's own line, and the histograms and the per-layer table are left to ``print(error.report)``."""
+    parts = [
+        "nan_magic report (print(error.report) adds the histograms and the per-layer table):",
+        cause_sentence(report),
+        fixes_text(report),
+        _facts(report),
+        _debug_section(report, frames=False),  # (the traceback above is those frames)
+    ]
     return "\n\n".join(part for part in parts if part)
 
 
@@ -137,14 +155,14 @@ def _layer_section(report: Report, max_rows: int) -> str:
     return "\n".join(lines)
 
 
-def _debug_section(report: Report) -> str:
-    if report.debug_frame is None and not report.frames:
+def _debug_section(report: Report, *, frames: bool = True) -> str:
+    if report.debug_frame is None and not (frames and report.frames):
         return ""
     lines = []
     if report.debug_frame is not None:
         lines.append(f"{debugger_command()} opens in {report.debug_frame}")
     lines.extend(f"  local {name}: {stats_phrase(stats)}" for name, stats in report.debug_locals)
-    if report.frames:
+    if frames and report.frames:
         lines.append("Frames from your code to the producer:")
         for frame in report.frames:
             lines.append(f"  {frame}")

@@ -20,13 +20,23 @@ from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 
-__all__ = ["holds_nonfinite", "without_bad_samples"]
+__all__ = ["holds_nonfinite", "trained_argument", "without_bad_samples"]
 
 
 def holds_nonfinite(root: RootCall) -> bool:
     """Whether the call's arguments hold a non-finite value (the batch it was given)."""
     return any(not bool(torch.isfinite(values_to_read(tensor)).all())
                for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.is_floating_point())
+
+
+def trained_argument(step: FailingStep) -> bool:
+    """Whether a non-finite argument of the call is a tensor the loop trains (a leaf that requires gradients: a soft
+    prompt stepped by hand, a learned embedding passed in): its rows are its own slots, not samples, and a step
+    without some of them means nothing for where its NaN came from (the loop's update of it)."""
+    root = step.root
+    return any(tensor.is_leaf and tensor.requires_grad and tensor.is_floating_point()
+               and not bool(torch.isfinite(values_to_read(tensor)).all())
+               for _path, tensor in iter_tensors((root.args, root.kwargs)))
 
 
 def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...], int] | None:

@@ -226,6 +226,9 @@ class WhenJudged(Protocol):
     (``cycle`` and ``gradients`` are the step cycle and the gradient checks, above or beside this module.)
     """
 
+    #: What is judging the step's values now (hot/timing.py): ``"check"``, ``"model-return"``, or None.
+    judging: str | None
+
     @property
     def measures_in_backward(self) -> bool: ...
 

@@ -17,6 +17,7 @@ A call still running has its arguments in its ``Module.__call__`` frame
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
+from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import version_of
 from nan_magic.records import Note
 
@@ -85,6 +88,13 @@ class HeldArguments(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     kept: weakref.ref[_Kept] | None = None
+    #: The user's ``saved_tensors_hooks`` context the call ran under (saved_hooks.py), or None: a backward replay of
+    #: the call packs what autograd saves as the call did (a float16 pack's 0 under sqrt's backward).
+    saved_hooks: Any = None
+
+    def packed(self) -> contextlib.AbstractContextManager[None]:
+        """Inside it, what autograd saves is packed as the call packed it (:attr:`saved_hooks`; a backward replay)."""
+        return saved_hooks_of(self.saved_hooks)
 
     def resolve(self, regenerate: Regenerate | None = None) -> Resolved | Note:
         """The arguments again, or why they are gone (a note).
@@ -170,7 +180,8 @@ def hold_arguments(
         except TypeError:
             return None
     node = anchor.grad_fn if strong and anchor is not None else None
-    return HeldArguments(held_args, held_kwargs, _keep_in_graph(node, strong) if node is not None else None)
+    return HeldArguments(held_args, held_kwargs, _keep_in_graph(node, strong) if node is not None else None,
+                         SAVED_HOOKS[-1] if SAVED_HOOKS else None)
 
 
 def _keep_in_graph(node: Any, tensors: list[torch.Tensor]) -> weakref.ref[_Kept] | None:

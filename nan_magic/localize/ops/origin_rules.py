@@ -205,8 +205,11 @@ class OriginRules:
         in_backward: bool,
         absorbed: Origin | None,
         in_place: bool = False,
+        started: bool = True,
     ) -> Origin:
-        """An origin: this op made ``tensor`` non-finite from finite or benign inputs."""
+        """An origin: this op made ``tensor`` non-finite from finite or benign inputs.
+
+        ``started``: noted among the step's origins (a lifted number's finding is kept apart: tracer._lifted)."""
         node = torch._C._current_autograd_node() if in_backward else None
         phase = Phase.BACKWARD if in_backward else None
         if phase is None and self._phase_hint is not None:
@@ -263,8 +266,10 @@ class OriginRules:
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None
         self.witnesses.note(finding, witnesses, frame, in_place)
-        self.started.append(finding)
         origin = Origin(finding)
+        if not started:
+            return origin
+        self.started.append(finding)
         if not in_backward:
             self._origins.note_memory(tensor, origin)
         return origin

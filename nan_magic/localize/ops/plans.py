@@ -26,6 +26,7 @@ __all__ = [
     "flatten",
     "is_number",
     "list_positions",
+    "literal_numbers",
     "narrows",
     "odd_scalar",
     "op_inputs",
@@ -102,6 +103,8 @@ _CONVERSIONS = {
     "_copy_from_and_resize": "self",
 }
 
+# The ops Python's tensor literals reach the dispatcher through (torch.tensor, a number assigned by indexing).
+_LITERALS = frozenset({"lift_fresh", "lift_fresh_copy"})
 # In-place ops that overwrite their target without reading it.
 _OVERWRITES = frozenset(
     {"copy_", "_copy_from", "_copy_from_and_resize", "normal_", "uniform_", "log_normal_",
@@ -132,6 +135,9 @@ class Plan:
     # Picks elements by an index tensor (``gather``), or reduces a row to its max (``amax``): a mask's infinity it
     # takes (a masked position picked, a fully masked row's max) is noted as picked (origins.Picked).
     picks: bool = False
+    # Lifts a tensor Python made from a literal (``x[3, 2] = float("nan")``, ``torch.tensor(nan)``): the number the
+    # code wrote; the tracer keeps a non-finite one for the batch it is written into (:func:`literal_numbers`).
+    literal: bool = False
 
 
 @functools.cache
@@ -170,6 +176,7 @@ def plan_of(func: torch._ops.OpOverload) -> Plan:
             and "Tensor" not in str(argument.type)
         ),
         picks=packet in _PICKS or (packet in _MAXES and func._overloadname in ("default", "dim")),
+        literal=packet in _LITERALS,
     )
 
 
@@ -273,6 +280,19 @@ def odd_scalar(plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         name in plan.fills and isinstance(value, float) and not math.isfinite(value)
         for name, value in arguments(plan, args, kwargs)
     )
+
+
+def literal_numbers(plan: Plan, args: Sequence[Any]) -> list[tuple[str, float]]:
+    """``[("value", number)]`` where ``plan``'s op lifts a Python number made a 0-dim tensor that is not finite:
+    ``x[3, 2] = nan`` runs ``lift_fresh`` on the NaN, then copies it in; ``torch.tensor(nan)`` too. Empty for any other
+    op, a finite number, or a literal of rows (``torch.tensor([[1.0, nan]])`` is data, as a loaded batch is), so the op
+    stays passive; read only for the lift ops, which a loop or forward runs once per literal."""
+    value = args[0] if plan.literal and args else None
+    if (not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.is_floating_point()
+            or value.is_complex()):
+        return []
+    number = float(value.item())
+    return [] if math.isfinite(number) else [("value", number)]
 
 
 def run_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

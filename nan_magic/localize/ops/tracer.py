@@ -72,9 +72,11 @@ from nan_magic.localize.ops.kinds import KnownKinds, probe_priors
 from nan_magic.localize.ops.origin_rules import OriginRules
 from nan_magic.localize.ops.origins import OpFinding, Origin, Origins
 from nan_magic.localize.ops.plans import (
+    Plan,
     flatten,
     is_number,
     list_positions,
+    literal_numbers,
     narrows,
     odd_scalar,
     op_inputs,
@@ -85,6 +87,7 @@ from nan_magic.localize.ops.plans import (
 )
 from nan_magic.localize.ops.sources import (
     NodeSources,
+    called_by_us,
     recomputing,
 )
 from nan_magic.localize.ops.witnesses import OpWitnesses
@@ -196,6 +199,12 @@ class OpTracer(OriginRules, TorchDispatchMode):
         #: NaN-coded label) that a forward op read into a non-finite output this step, the first read of each:
         #: the loss code's data (gradients.py), where no local variable names it and no node saved it.
         self.entered_data: list[tuple[TensorRef, torch.Tensor, Any]] = []
+        # The non-finite numbers lifted into tensors this step (by the lifted tensor's id, held: a 0-dim tensor), and
+        # the memory ops wrote them into (by its address): :meth:`written_into`. Empty on almost every step.
+        self._literals: dict[int, tuple[torch.Tensor, OpFinding]] = {}
+        self._written: dict[int, OpFinding] = {}
+        #: Each lifted number's finding, in order (a replay of recorded ops tells which op lifted it).
+        self.literals: list[OpFinding] = []
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
         """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
@@ -208,9 +217,14 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.finding = None
         self.producer_tensors = ()
         if origins:
+            written = [(address, found) for tensor in keep if tensor.layout is torch.strided
+                       and (found := self._written.get(address := tensor.untyped_storage().data_ptr())) is not None]
             kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *self._origins.stepped()]]
             self.started.clear()
             self.entered_data.clear()
+            self._literals.clear()
+            self._written = dict(written)  # (the batch the call judges was written before the step opened)
+            self.literals.clear()
             self._origins.clear()
             self.benign_modules.clear()
             for tensor, entry in kept:
@@ -307,6 +321,12 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if self.finding is not None:
             return run_op(func, args, kwargs)
         parts = self._parts_written(plan, args, kwargs) if plan.writes and self._origins else None
+        if plan.literal and (literal := literal_numbers(plan, args)):
+            out = run_op(func, args, kwargs)
+            self._lifted(op_name(func), out, literal)
+            return out
+        if self._literals and plan.writes:
+            self._literal_writes(plan, args, kwargs)
         if plan.passive and not (plan.fills and odd_scalar(plan, args, kwargs)):
             out = run_op(func, args, kwargs)
             if parts:
@@ -340,6 +360,42 @@ class OpTracer(OriginRules, TorchDispatchMode):
             in_place = frozenset(id(t) for _, t in tensors(plan, args, kwargs, plan.writes)) if plan.writes else None
             self._examine(op_name(func), bad, inputs_of, priors, in_backward, in_place)
         return out
+
+    # -- a non-finite number the code wrote into a tensor (``x[3, 2] = float("nan")``) ---------------------------
+
+    def _lifted(self, op: str, out: Any, numbers: list[tuple[str, float]]) -> None:
+        """A Python number that is not finite, lifted into a tensor: the op's finding is kept for the tensor it is
+        written into (:meth:`written_into`), not started as an origin. Its consumers read it as a value from outside,
+        as before (a NaN label the loss reads is still data at the line that read it); only a batch the loop wrote
+        it into is named at the writing line. Runs only for such a number, a few times a run at most."""
+        if not isinstance(out, torch.Tensor) or self.finding is not None or called_by_us():
+            return
+        origin = self._start_origin(op, "output", out, frozenset(self._known.kinds(out)), numbers, {}, False, None,
+                                    started=False)
+        self._literals[id(out)] = (out, origin.finding)
+        self.literals.append(origin.finding)
+
+    def _literal_writes(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Note the memory an op writes a lifted number into (``copy_``, ``index_put_``), for :meth:`written_into`."""
+        read = [self._literals[id(value)][1] for _, value in tensors(plan, args, kwargs, plan.reads)
+                if id(value) in self._literals and self._literals[id(value)][0] is value]
+        if read:
+            for _, written in tensors(plan, args, kwargs, plan.writes):
+                self._written[written.untyped_storage().data_ptr()] = read[-1]
+
+    def written_into(self, tensor: torch.Tensor) -> OpFinding | None:
+        """The lifted number's finding an op wrote into ``tensor``'s memory this step, made the finding; or None.
+
+        For a non-finite batch that no op made (phase data): where the loop wrote a NaN into it, that line is named.
+        """
+        if not self._written or tensor.layout is not torch.strided or self.finding is not None:
+            return None
+        found = self._written.get(tensor.untyped_storage().data_ptr())
+        if found is not None:
+            with self._lock:
+                self.finding = found
+                self.producer_tensors = self.witnesses.copies(found)
+        return found
 
     def _opaque(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], in_backward: bool) -> Any:
         """A higher-order operator (``torch.cond``) is checked as one op.

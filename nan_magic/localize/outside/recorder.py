@@ -230,14 +230,14 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self._data_calls = {**self._data_calls, **held._calls}
         self._data_before = {**self._data_before, **held.before}
 
-    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None, written: bool = False) -> OpFinding | None:
         """:meth:`RegionRecords.claim`, then in the update region's records held for the step's check
         (:attr:`then_forget`): a batch the loop's code made after a backward with no optimizer step since (gradient
         accumulation's next micro-batch, standardised in the loop), judged as the next call begins."""
-        found = super().claim(tensor, key)
+        found = super().claim(tensor, key, written)
         held = self.then_forget
         if found is None and held is not None and held.settled():
-            found = held.claim(tensor, key)
+            found = held.claim(tensor, key, written)
             if found is not None:  # (what the report reads of the claim: the held region's witness and calls)
                 self._witness, self.let_go, self._clean = held._witness, held.let_go, False
                 self.claimed_in_graph_grad = held.claimed_in_graph_grad

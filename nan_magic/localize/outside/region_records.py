@@ -1,14 +1,12 @@
 """A recorded region's ops, and what an event asks of them: which op made a value non-finite, and how.
 
-:class:`RegionRecords` is what :class:`~nan_magic.localize.outside.recorder.OutsideRecorder`
-(the dispatch mode, which fills it op by op) keeps of the code outside the
-watched models: each op with its arguments and outputs (references, no
-copies), the user's frame that ran it, which op returned which tensor, and the
-generators' state the region's first random op found. Nothing here runs on a
-healthy step: :meth:`RegionRecords.claim` and :meth:`RegionRecords.claim_backward`
-run the recorded ops again under the op tracer when the loss (or a batch built
-in the loop, or the gradient from the loss code) holds a non-finite value;
-:meth:`RegionRecords.loss_code` gives a fix trial the ops that made the loss.
+:class:`RegionRecords` is what :class:`~nan_magic.localize.outside.recorder.OutsideRecorder` (the dispatch mode,
+which fills it op by op) keeps of the code outside the watched models: each op with its arguments and outputs
+(references, no copies), the user's frame that ran it, which op returned which tensor, and the generators' state the
+region's first random op found. Nothing here runs on a healthy step: :meth:`RegionRecords.claim` and
+:meth:`RegionRecords.claim_backward` run the recorded ops again under the op tracer when the loss (or a batch built
+in the loop, or the gradient from the loss code) holds a non-finite value; :meth:`RegionRecords.loss_code` gives a
+fix trial the ops that made the loss.
 """
 
 from __future__ import annotations
@@ -45,9 +43,6 @@ from nan_magic.records import Note
 
 __all__ = ["RegionRecords"]
 
-
-def bytes_of(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 #: One region's records: its ops (each with the user's frame that ran it, while held), which op returned which
 #: tensor (by id), and the generators' state its first random op found.
@@ -124,8 +119,8 @@ class RegionRecords:
             if (type(tensor) is not torch.Tensor or not tensor.requires_grad or id(tensor) in self.before
                     or self.made(tensor)):
                 continue
-            size = bytes_of(tensor)
-            if size <= KEEP_BYTES and size + sum(map(bytes_of, self.before.values())) <= KEEP_TOTAL:
+            size = tensor.nbytes  # (numel times element size, as for the values already kept)
+            if size <= KEEP_BYTES and size + sum(kept.nbytes for kept in self.before.values()) <= KEEP_TOTAL:
                 self.before[id(tensor)] = tensor.detach().clone()
                 self._clean = False  # (forget() empties ``before``)
 
@@ -133,8 +128,8 @@ class RegionRecords:
         """The latest tensor a recorded op of the region recording now returned on ``tensor``'s memory, or None.
 
         ``param.data = vector[i:j].view_as(param)`` (``vector_to_parameters``) rebinds a parameter to memory a
-        recorded op made, with no op of its own: the op chain to that output names what made it. Asked only for
-        a parameter whose memory changed (loop_writes.py).
+        recorded op made, with no op of its own: the op chain to that output names what made it. Asked only for a
+        parameter whose memory changed (loop_writes.py).
         """
         address = tensor.untyped_storage().data_ptr()
         for op in reversed(self._ops):
@@ -175,16 +170,16 @@ class RegionRecords:
 
     # -- at an event ----------------------------------------------------------------------
 
-    def claim(self, tensor: torch.Tensor | None, key: int | None = None) -> OpFinding | None:
+    def claim(self, tensor: torch.Tensor | None, key: int | None = None, written: bool = False) -> OpFinding | None:
         """The recorded op that first made a value non-finite on the way to ``tensor``, or None.
 
-        None when ``tensor`` was not made by recorded code, or when its
-        non-finite values came from outside the record (a model output).
-        ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
+        None when ``tensor`` was not made by recorded code, or when its non-finite values came from outside the record
+        (a model output). ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
+        ``written``: a batch entering a model, into which the recorded code may have written a number (``x[3] = nan``).
         """
-        found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before)
+        found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before, written)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
-            found = self._claim_in(self._data, tensor, key, self._data_before)
+            found = self._claim_in(self._data, tensor, key, self._data_before, written)
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
         return found
@@ -232,7 +227,7 @@ class RegionRecords:
         return replayed is not None and tracer.origin_of(replayed) == "benign"
 
     def _claim_in(self, records: _Records, tensor: torch.Tensor | None, key: int | None,
-                  before: dict[int, torch.Tensor]) -> OpFinding | None:
+                  before: dict[int, torch.Tensor], written: bool = False) -> OpFinding | None:
         """:meth:`claim` in one region's ``records``."""
         recorded, produced, rng = records
         if tensor is not None:
@@ -241,16 +236,18 @@ class RegionRecords:
             ops = ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None:
             return None
-        return self._claim_ops(ops, rng, before, record_key(tensor) if tensor is not None else key)
+        return self._claim_ops(ops, rng, before, record_key(tensor) if tensor is not None else key, written)
 
     def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None, before: dict[int, torch.Tensor],
-                   target: int | None) -> OpFinding | None:
+                   target: int | None, written: bool = False) -> OpFinding | None:
         """The op of ``ops``, run again on copies under the op tracer, whose non-finite value reached the tensor
         ``target`` (its key: the last op made or wrote it), as ops=True claims one at a boundary. An op whose value
         reached no such tensor is not it: a metric the same loss helper only logs (``(s / 0).item()``, inf every
-        step), an overflow ``tanh`` absorbed."""
+        step), an overflow ``tanh`` absorbed. ``written`` (a batch entering a model): where no op made its value,
+        the op that lifted a number the code wrote into it (``x[3] = nan``)."""
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         started: dict[int, int] = {}  # the index of the op during whose run each origin started, by its id
+        lifted: dict[int, int] = {}  # the index of the op that lifted each non-finite number, by its finding's id
         try:
             copies, _requiring = copies_from_outside(ops, before)
             with torch.no_grad(), generators_at(rng), tracer:
@@ -258,12 +255,14 @@ class RegionRecords:
                     first = len(tracer.started)
                     rerun_op(op, copies)
                     started.update((id(origin), ran) for origin in tracer.started[first:])
+                    lifted.update((id(found), ran) for found in tracer.literals if id(found) not in lifted)
                 replayed = copies.get(target) if target is not None else None
-                if (tracer.claim(replayed) if replayed is not None else None) is None:
+                if (tracer.claim(replayed) if replayed is not None else None) is None and not (
+                        written and replayed is not None and tracer.written_into(replayed) is not None):
                     tracer.claim_earliest()  # no origin known on it (an alias ``.data`` made): the first op's
         except Gone:
             return None
-        ran = started.get(id(tracer.finding), -1)
+        ran = started.get(id(tracer.finding), lifted.get(id(tracer.finding), -1))
         if tracer.finding is None or ran < 0:
             return None
         # A pick of a mask's infinities that a later sum claimed is the earlier op's (ops/origins.Picked).
@@ -289,8 +288,8 @@ class RegionRecords:
     def calls_to(self, frame: FrameType | None) -> tuple[tuple[FrameType, int, int], ...]:
         """The calls that led to ``frame``, outermost first: each the calling frame, its f_lasti and line then.
 
-        As far as they were noted (a caller that ran no recorded op, and returned, is not); the last one
-        called ``frame``. Empty for a frame not held.
+        As far as they were noted (a caller that ran no recorded op, and returned, is not); the last one called
+        ``frame``. Empty for a frame not held.
         """
         sites: list[tuple[FrameType, int, int]] = []
         while frame is not None and len(sites) < 32:
@@ -341,15 +340,12 @@ class RegionRecords:
                        ) -> OpFinding | None:
         """The backward op of the recorded loss code that first made a gradient non-finite, or None.
 
-        The ops that made ``loss`` run again with gradients, from copies of
-        what they read from outside (those that required gradients still do),
-        then their backward from a gradient of ones, under the op tracer: it
-        names the backward op, its autograd node and, from the record, the
-        forward line that created that node. Only for a scalar loss (the
-        gradient ``backward()`` starts from is then ones). ``key``: the loss's
-        id when backward started, for a deferred check that runs after the
-        loss was freed (its recorded value is kept, being small). ``last``: or in the last loss region's
-        records, held as recorded until the optimizer step (a parameter's gradient judged there).
+        The ops that made ``loss`` run again with gradients, from copies of what they read from outside (those that
+        required gradients still do), then their backward from a gradient of ones, under the op tracer: it names the
+        backward op, its autograd node and, from the record, the forward line that created that node. Only for a scalar
+        loss (the gradient ``backward()`` starts from is then ones). ``key``: the loss's id when backward started, for a
+        deferred check that runs after the loss was freed (its recorded value is kept, being small). ``last``: or in the
+        last loss region's records, held as recorded until the optimizer step (a parameter's gradient judged there).
         """
         recorded, produced, rng, applied = self._ops, self._produced, self._rng, self._applied
         if last and self._raw and self._last is not None and (loss is not None or key is not None) and (

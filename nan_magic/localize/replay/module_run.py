@@ -317,7 +317,7 @@ def replay_backward(
         # hook): its ops belong to that graph task, and are the replay's forward.
         tracer.forward_task = torch._C._current_graph_task_id()
         try:
-            with torch.enable_grad(), tracer:
+            with torch.enable_grad(), tracer, held.packed():  # (saved as the call saved: a float16 pack, say)
                 start = nodes_made()
                 output = module(*args, **kwargs)
                 # A non-finite forward value is not what is asked here; its origin is kept for a backward op (absorbed).

@@ -68,6 +68,14 @@ def _overflow_risk(note: Note) -> str:
             f"within {headroom:.2g}x of the {dtype} limit {limit:.5g}: compute it in float32 or scale it down")
 
 
+def _repeated_events(note: Note) -> str:
+    first, last = note.fact("first_step"), note.fact("last_step")
+    steps = f"step {first}" if first == last else f"steps {first} to {last}"
+    return (f"{counted(note.fact('events'), 'more non-finite event')} in {steps} met values already non-finite where "
+            "an earlier warning had (a parameter, the loss, each step after the first event): warned of once each; "
+            "the watch's events list holds them all")
+
+
 #: Each warning kind's words, from its facts (a Note of the warning's kind and facts).
 WARNING_WORDS: dict[str, Callable[[Note], str]] = {
     "loss-spike": _spike("loss"),
@@ -77,6 +85,7 @@ WARNING_WORDS: dict[str, Callable[[Note], str]] = {
     "extreme-input": _extreme_input,
     "constant-feature": _constant_feature,
     "overflow-risk": _overflow_risk,
+    "repeated-events": _repeated_events,
 }
 
 
