@@ -6,7 +6,8 @@ frames from the loop to the producer. A gradient the loss code's backward made n
 accumulating, at the next micro-batch's model call, and %debug opened there (hot/timing.py's Deferred notes where
 backward was called). An exception of the user's loop that leaves the watch mid-step has the deferred check judge
 what the step left pending at the exit, where the loop's frames are unwound: the traceback holds them
-(errors/frames.py frames_running), and %debug opens at the model call or backward line as where judged at once.
+(errors/frames.py frames_running), and %debug opens at the model call, or in the loss helper at its line, as where
+judged at once.
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ BACKWARD_ROWS = [case for case in rows.CASES
 
 
 @pytest.mark.parametrize("case", BACKWARD_ROWS, ids=lambda case: case.name)
-def test_loss_code_backward_opens_where_backward_was_called(case: Case) -> None:
+def test_loss_code_backward_opens_in_the_loss_helper_at_the_forward_line(case: Case) -> None:
+    """The loss helper (``rows._loss``) has returned when backward runs; its frame is kept (its tensors are small) and
+    %debug opens there, at the distance's line, in both timings (it opened at ``loss.backward()`` before round 25)."""
     immediate, deferred = _report(case, "default"), _report(case, "defer")
     assert _where(deferred) == _where(immediate)
     frame = deferred.debug_frame
-    assert frame is not None and ".backward(" in linecache.getline(frame.filename, frame.lineno)
+    assert frame is not None and (frame.function, frame.lineno) == ("_loss", deferred.source.lineno)
+    assert linecache.getline(frame.filename, frame.lineno).rstrip().endswith("# producer: distance")
 
 
 def test_backward_rows_are_the_five_loop_shapes() -> None:
@@ -68,9 +72,9 @@ def _left_mid_step(defer: bool, where: str) -> tuple[Report, BaseException | Non
     def run() -> None:
         for step in range(3):
             out = model(xs[step])  # model call
-            loss = rows._loss(out, ys[step], "grad", where == "grad" and step == 1, 0.0)
+            loss = rows._loss(out, ys[step], "grad", where == "grad" and step == 1, 0.0)  # loss call
             opt.zero_grad()
-            loss.backward()  # backward call
+            loss.backward()
             if step == 1:
                 raise ValueError("the loop's own check failed")
             opt.step()
@@ -88,9 +92,10 @@ def test_an_exception_leaving_mid_step_opens_where_judged_at_once(where: str) ->
     assert (deferred.phase, deferred.module, deferred.step, deferred.op) == (
         immediate.phase, immediate.module, immediate.step, immediate.op)
     assert _where(deferred) == _where(immediate)
-    # The loop's line in the traceback: the model call (the RMS norm's 0 / 0), or backward (the distance's sqrt).
+    # The loop's line in the traceback: the model call (the RMS norm's 0 / 0), or the loss helper's call (the
+    # distance's sqrt, whose helper frame %debug opens in).
     loop = deferred.frames[1]
-    marker = "# model call" if where == "model" else "# backward call"
+    marker = "# model call" if where == "model" else "# loss call"
     assert linecache.getline(loop.filename, loop.lineno).rstrip().endswith(marker)
 
 

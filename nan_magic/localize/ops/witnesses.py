@@ -28,6 +28,10 @@ class OpWitnesses:
 
     def __init__(self) -> None:
         self._tensors: dict[int, tuple[tuple[str, weakref.ref[torch.Tensor]], ...]] = {}
+        #: Hold them too, while the tracer runs (a replay that claims its output once it returned, when the op's
+        #: temporary operands are freed: the report's histograms need them). Set by the replay.
+        self.hold = False
+        self._held: list[tuple[torch.Tensor | None, ...]] = []
         # Their version counters when the op ran: a tensor written in place since no longer shows what it made.
         self._versions: dict[int, tuple[int | None, ...]] = {}
         self._frames: dict[int, LineEnd] = {}
@@ -39,6 +43,8 @@ class OpWitnesses:
         """``at``: the op's ``(f_lasti, f_lineno)`` in ``frame`` where it ran on a line that has ended since (a pick
         named by a later op of the same frame: origins.Picked); the locals are then the ones the current line leaves."""
         self._tensors[id(finding)] = tuple(tensors)
+        if self.hold:
+            self._held.append(tuple(ref() for _label, ref in tensors))
         # (An in-place op's output moves once more after the op returns: autograd's bump, counted here.)
         self._versions[id(finding)] = tuple(
             None if (version := _version(ref())) is None else version + (in_place and index == 0)
@@ -52,9 +58,14 @@ class OpWitnesses:
             if calls is not None:
                 self._calls[id(finding)] = calls
 
+    def release(self) -> None:
+        """Let go of the tensors :attr:`hold` kept (the claim has copied its finding's)."""
+        self._held.clear()
+
     def keep_only(self, findings: Sequence[OpFinding]) -> None:
         """Forget every finding's witnesses but those of ``findings`` (a new step)."""
         kept = {id(finding) for finding in findings}
+        self._held.clear()
         self._tensors = {key: value for key, value in self._tensors.items() if key in kept}
         self._versions = {key: value for key, value in self._versions.items() if key in kept}
         self._frames = {key: value for key, value in self._frames.items() if key in kept}

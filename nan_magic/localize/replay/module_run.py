@@ -144,7 +144,7 @@ def replay_module(
     # overflow the call's own code absorbed before it (``tanh(exp(100 * h))``); else the first op that made one.
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer, \
             arguments_untouched(args, kwargs) as guard:
-        tracer.at_boundary = True
+        tracer.at_boundary = tracer.witnesses.hold = True  # (the origins' operands kept to the claim: histograms)
         try:
             with torch.set_grad_enabled(saving), tracer:
                 output = module(*args, **kwargs)
@@ -152,6 +152,7 @@ def replay_module(
         except Exception as error:
             failure = error
         tracer.claim_earliest()
+        tracer.witnesses.release()
     if guard.changed:
         # The call changed an object it was given (a KV cache it appended to): the replay began from that object
         # as the call left it, not as the call found it; what it found is not the call's (producer.py replays an

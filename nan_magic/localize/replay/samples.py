@@ -86,6 +86,7 @@ class Samples:
         # Each sample is claimed as ops=True claims a boundary: the op whose value reached it, not an overflow
         # __getitem__ absorbed before it (``tanh(exp(100 * d))``).
         tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA, at_boundary=True)
+        tracer.witnesses.hold = True  # (the origins' operands, freed as __getitem__ returns: the report's histograms)
         fetched: list[tuple[Any, Any]] = []  # (index, sample): a batch's worth, looked at once the tracer is off
         try:
             # The watch's own dispatch modes (the op tracer of ops=True, the loss-code recorder) stand aside.
@@ -97,6 +98,8 @@ class Samples:
                         break
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
             return Note.raised("refetch-raised", error, dataset=name)
+        finally:
+            tracer.witnesses.release()
         with _disable_current_modes():
             holding = [] if tracer.finding is not None else [
                 index for index, sample in fetched if _holds(sample, self.kinds)]
