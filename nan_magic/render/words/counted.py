@@ -1,4 +1,4 @@
-"""A count with its noun in the right number: ``1 zero``, ``2 zeros``, ``1 earlier call``.
+"""A count with its noun in the right number: ``1 zero``, ``2 zeros``, ``1 earlier call``; a size in bytes.
 
 Every count phrase of the report goes through :func:`counted`: a count of 1 is common (one NaN label, one
 call dropped, a scalar loss of 1 element), and "1 zeros" reads as a bug in the tool.
@@ -6,7 +6,7 @@ call dropped, a scalar loss of 1 element), and "1 zeros" reads as a bug in the t
 
 from __future__ import annotations
 
-__all__ = ["counted", "noun", "ordinal"]
+__all__ = ["counted", "human_size", "noun", "ordinal"]
 
 
 def noun(count: object, singular: str, plural: str | None = None) -> str:
@@ -23,3 +23,15 @@ def ordinal(number: int) -> str:
     """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``."""
     suffix = "th" if number % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
     return f"{number}{suffix}"
+
+
+def human_size(size: int) -> str:
+    """``512 B``, ``3.4 KB``, ``1.2 GB``."""
+    if size < 1024:
+        return f"{size} B"
+    value, unit = size / 1024, "KB"
+    for bigger in ("MB", "GB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"

@@ -18,11 +18,11 @@ from typing import Any
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
-from nan_magic.render.words.counted import counted
+from nan_magic.render.words.counted import counted, human_size
 from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.tensor_refs import TensorRef
 
-__all__ = ["human_size", "note_text"]
+__all__ = ["debugger_command", "note_text"]
 
 _OPS = "watch with ops=True (%%nantrace --ops) for the op and line"
 _GONE = "{module}'s arguments are gone by the deferred check ({reason}); " + _OPS
@@ -204,18 +204,6 @@ def note_text(note: Note) -> str:
     else:  # a kind this version does not know (a scene of a later one): its facts, as they are
         text = f"{note.kind}: " + ", ".join(f"{key} {value}" for key, value in note.facts)
     return f"{text}; {_OPS}" if note.fact("ops_hint") else text
-
-
-def human_size(size: int) -> str:
-    """``512 B``, ``3.4 KB``, ``1.2 GB``."""
-    if size < 1024:
-        return f"{size} B"
-    value, unit = size / 1024, "KB"
-    for bigger in ("MB", "GB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{value:.1f} {unit}"
 
 
 def debugger_command() -> str:
