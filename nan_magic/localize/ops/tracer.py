@@ -155,8 +155,11 @@ class OpTracer(OriginRules, TorchDispatchMode):
         phase_hint: Callable[[], Phase | None] | None = None,
         at_boundary: bool = False,
         outside_benign: bool = False,
+        literals: bool = True,
     ) -> None:
         super().__init__()
+        #: Whether a non-finite number lifted into a tensor is kept for the batch it is written into (:meth:`_lifted`).
+        self.lifts = literals
         self.kinds = frozenset(kinds)  # checked by WatchConfig
         self.finding: OpFinding | None = None
         #: ``(label, tensor)`` copies of the producer's output and live inputs (histograms), kept until :meth:`reset`.
@@ -321,7 +324,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if self.finding is not None:
             return run_op(func, args, kwargs)
         parts = self._parts_written(plan, args, kwargs) if plan.writes and self._origins else None
-        if plan.literal and (literal := literal_numbers(plan, args)):
+        if plan.literal and self.lifts and (literal := literal_numbers(plan, args)):
             out = run_op(func, args, kwargs)
             self._lifted(op_name(func), out, literal)
             return out
