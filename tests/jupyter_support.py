@@ -131,6 +131,28 @@ def execute_cells(cells: dict[str, str], raising: set[str], path: Path) -> Any:
     return execute_notebook(path)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def run_copy(walk: Path, name: str, tmp_path: Path) -> Any:
+    """Execute a copy of notebook ``walk / name`` in ``tmp_path`` (the walk's notebook stays as committed)."""
+    shutil.copy(walk / name, tmp_path / name)
+    return execute_notebook(tmp_path / name)
+
+
+def cell_text(cell: Any) -> str:
+    """What an executed cell showed as text: its streams, error tracebacks and plain-text data, without colours."""
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type == "error":
+            parts.append("\n".join(output.traceback))
+        else:
+            parts.append(output.get("data", {}).get("text/plain", ""))
+    return _ANSI.sub("", "\n".join(parts))
+
+
 def named_cell(nb: Any, name: str) -> Any:
     """The cell of an :func:`execute_cells` notebook named ``name``."""
     (cell,) = [cell for cell in nb.cells if cell.metadata["name"] == name]

@@ -12,34 +12,19 @@ inputs; what they found is tested in-process in test_nb25.py.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import execute_notebook, named_cell
+from jupyter_support import cell_text, named_cell, run_copy
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 WALK = Path(__file__).parent / "notebooks" / "nb25"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def run(name: str, tmp_path: Path) -> Any:
-    shutil.copy(WALK / name, tmp_path / name)
-    return execute_notebook(tmp_path / name)
-
-
-def text_of(cell: Any) -> str:
-    parts = []
-    for output in cell.outputs:
-        if output.output_type == "stream":
-            parts.append(output.text)
-        elif output.output_type == "error":
-            parts.append("\n".join(output.traceback))
-        else:
-            parts.append(output.get("data", {}).get("text/plain", ""))
-    return ANSI.sub("", "\n".join(parts))
+    return run_copy(WALK, name, tmp_path)
 
 
 def arrows(text: str) -> list[str]:
@@ -49,27 +34,27 @@ def arrows(text: str) -> list[str]:
 
 def test_the_attention_notebook_deferred(tmp_path: Path) -> None:
     nb = run("attention_tqdm.ipynb", tmp_path)
-    train = text_of(named_cell(nb, "train"))
+    train = cell_text(named_cell(nb, "train"))
     assert "forward step 7: blocks.0.attn (Attention)" in train and "step  6  loss" in train, train
     assert "Cell In[4], line 4\n    logits = model(ids, pad)" in train, train
     assert "Cell In[2], line 40, in forward\n    x = block(x, pad)" in train, train
     # %tb: the same lines, to the producer's (was: 9 for opt.step(), 42 and 28 for the frames' return lines)
-    assert arrows(text_of(named_cell(nb, "tb"))) == ["4", "40", "27", "14"]
-    summary = text_of(named_cell(nb, "summary"))
+    assert arrows(cell_text(named_cell(nb, "tb"))) == ["4", "40", "27", "14"]
+    summary = cell_text(named_cell(nb, "summary"))
     assert "forward 'blocks.0.attn' Attention aten._softmax.default 7" in summary, summary
     assert "FIX mask True 1.16" in summary, summary  # verified, with the step's own loss (the deferred check's)
-    debug = text_of(named_cell(nb, "debug"))
+    debug = cell_text(named_cell(nb, "debug"))
     assert "(14)forward()" in debug.splitlines()[0] and "torch.Size([8, 4, 10, 10])" in debug, debug
-    assert text_of(named_cell(nb, "hooks")).split() == ["0", "0", "0"]
+    assert cell_text(named_cell(nb, "hooks")).split() == ["0", "0", "0"]
 
 
 def test_the_nanwatch_on_notebook_deferred(tmp_path: Path) -> None:
     nb = run("watch_eval_backward.ipynb", tmp_path)
-    assert text_of(named_cell(nb, "eval")).startswith("val acc")
-    summary = text_of(named_cell(nb, "summary"))
+    assert cell_text(named_cell(nb, "eval")).startswith("val acc")
+    summary = cell_text(named_cell(nb, "summary"))
     # One run across the cells: epoch 1's four steps, the eval cell none, then the second step of epoch 2.
     assert summary.startswith("backward 'norm' Norm aten.div.Tensor 5"), summary
     assert "FIX eps True" in summary, summary
-    debug = text_of(named_cell(nb, "debug"))
+    debug = cell_text(named_cell(nb, "debug"))
     assert "(9)forward()" in debug.splitlines()[0] and "tensor(0.)" in debug, debug
-    assert text_of(named_cell(nb, "hooks")).split() == ["0", "0", "0"]
+    assert cell_text(named_cell(nb, "hooks")).split() == ["0", "0", "0"]

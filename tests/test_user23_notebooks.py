@@ -10,63 +10,47 @@ stored in a TensorDataset) are walk inputs; what they found is tested in-process
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import execute_notebook, named_cell
+from jupyter_support import cell_text, named_cell, run_copy
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 WALK = Path(__file__).parent / "notebooks" / "user23"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def run(name: str, tmp_path: Path) -> Any:
-    shutil.copy(WALK / name, tmp_path / name)
-    return execute_notebook(tmp_path / name)
-
-
-def text_of(cell: Any) -> str:
-    parts = []
-    for output in cell.outputs:
-        if output.output_type == "stream":
-            parts.append(output.text)
-        elif output.output_type == "error":
-            parts.append("\n".join(output.traceback))
-        else:
-            parts.append(output.get("data", {}).get("text/plain", ""))
-    return ANSI.sub("", "\n".join(parts))
+    return run_copy(WALK, name, tmp_path)
 
 
 def test_the_split_training_notebook(tmp_path: Path) -> None:
     nb = run("forward_split.ipynb", tmp_path)
     (error,) = [output for output in named_cell(nb, "loop").outputs if output.output_type == "error"]
     assert error.ename == "NonFiniteError"
-    shown = text_of(named_cell(nb, "loop"))
+    shown = cell_text(named_cell(nb, "loop"))
     assert "producer: Cell In[2], line 8, in forward\n    normed = x / var.sqrt()" in shown, shown
     assert "Cell In[2], line 21, in forward\n    h = self.norm(h)" in shown, shown
-    assert "forward 'norm' Scale aten.div.Tensor 0" in text_of(named_cell(nb, "summary"))
-    debug = text_of(named_cell(nb, "debug"))
+    assert "forward 'norm' Scale aten.div.Tensor 0" in cell_text(named_cell(nb, "summary"))
+    debug = cell_text(named_cell(nb, "debug"))
     assert debug.startswith("> ") and "(8)forward()" in debug.splitlines()[0], debug
     assert "tensor(0.)" in debug and "torch.Size([32, 16])" in debug  # var.min() and x.shape, as the line ran
-    assert text_of(named_cell(nb, "hooks")).split() == ["OrderedDict()"] * 3
-    assert text_of(named_cell(nb, "loop_again")).startswith("done 19 ")
+    assert cell_text(named_cell(nb, "hooks")).split() == ["OrderedDict()"] * 3
+    assert cell_text(named_cell(nb, "loop_again")).startswith("done 19 ")
 
 
 def test_the_interrupts_notebook(tmp_path: Path) -> None:
     nb = run("interrupts.ipynb", tmp_path)
-    clean = text_of(named_cell(nb, "before")).strip()
+    clean = cell_text(named_cell(nb, "before")).strip()
     names = ("intr0", "intr1", "intr2", "intr3", "won0", "won1")  # %%nantrace cells; cells under %nanwatch on
     interrupted = [named_cell(nb, name) for name in names]
     for cell in interrupted:
         (error,) = [output for output in cell.outputs if output.output_type == "error"]
         assert error.ename == "KeyboardInterrupt"
-        shown = text_of(cell)
+        shown = cell_text(cell)
         assert not [line for line in shown.splitlines() if "nan_magic" in line and line.startswith("File ")], shown
     for name in ("after0", "after1", "after2", "after3"):
-        steps, state = text_of(named_cell(nb, name)).strip().split(" ", 1)
+        steps, state = cell_text(named_cell(nb, name)).strip().split(" ", 1)
         assert int(steps) > 0 and state == clean, state
-    assert text_of(named_cell(nb, "off")).strip().endswith(clean)
+    assert cell_text(named_cell(nb, "off")).strip().endswith(clean)

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
+from contract.loops import loader_loop as _loader_loop
 from contract.loops import sgd_loop as _loop
 from nan_magic.records import TensorRef
 
@@ -81,19 +82,7 @@ class DepthRefiner(nn.Module):
 def _disparity(masked: bool) -> Scenario:
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(StereoDepth(masked), batch_size=2)
-    model = DepthRefiner()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for depth, target in loader:
-            loss = F.l1_loss(model(depth), target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-    return Scenario((model, opt), run)
+    return _loader_loop(DepthRefiner(), loader, F.l1_loss)
 
 
 # ---------------------------------------------------------------- Barlow Twins: batch std of a dead dimension

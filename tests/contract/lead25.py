@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
+from contract.loops import loader_loop as _loader_loop
 from contract.loops import sgd_loop as _loop
 
 LOGGED: list[float] = []  # what the helpers "log": read on the host, as a logger would
@@ -150,20 +151,8 @@ def _saturated(real: bool, workers: int) -> Scenario:
     """In the main process the data code's records name the op; from workers, fetching the samples again does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(Saturated(real), batch_size=4, num_workers=workers)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-
-    return Scenario((model, opt), run)
+    return _loader_loop(model, loader, F.cross_entropy)
 
 
 CASES = [
