@@ -175,12 +175,10 @@ class OpOrigins:
         outside = self.outside
         freed = finding.record.ref if tensor is None and finding.record is not None else None
         # A batch no op made non-finite (phase data) may hold a number the loop wrote into it (``x[3, 2] = nan``):
-        # that write is named where the tracer or the data region's records saw it (tracer.written_into).
+        # that write is named where the data region's records saw it (the live op tracer keeps no lifted number).
         written = finding.phase == Phase.DATA
         if self.tracer is not None and (tensor is not None or freed is not None):
             origin = self.tracer.claim(tensor, freed)
-            if origin is None and written and tensor is not None:
-                origin = self.tracer.written_into(tensor)
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None) and (
                 finding.op is None):  # (named by the loss code's backward: a gradient its own autograd.grad made)
             origin = outside.claim(tensor, key, written=written)
