@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
+from contract.loops import loader_loop as _loader_loop
 from contract.loops import sgd_loop as _loop
 from nan_magic.records import TensorRef
 
@@ -340,19 +341,7 @@ def _log_duration(floor: float) -> Scenario:
     at a frame (0.04 s)."""
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(Events(floor), batch_size=2)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for x, y in loader:
-            loss = F.smooth_l1_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-    return Scenario((model, opt), run)
+    return _loader_loop(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)), loader, F.smooth_l1_loss)
 
 
 # ---------------------------------------------------------------- a flat step written by vector_to_parameters
