@@ -9,14 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["FailedAt", "FixTrial", "install_describer"]
+__all__ = ["FailedAt", "FixSite", "FixTrial", "install_describer"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what).
 FailedAt = Literal["forward", "loss", "backward", "optimizer step", "raised"]
+
+
+class FixSite(NamedTuple):
+    """Where a remedy was applied: the op at the line inside the module (each None where the trial has none;
+    an optimizer's remedy has no op or line)."""
+
+    op: str | None
+    module: str | None
+    source: SourcePointer | None
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,11 @@ class FixTrial:
     def fact(self, name: str, default: Any = None) -> Any:
         """The value of the fact ``name``, or ``default``."""
         return next((value for key, value in self.facts if key == name), default)
+
+    @property
+    def where(self) -> FixSite:
+        """Where the remedy was applied (``op``, ``module``, ``source``), as one value: PRODUCT.md's ``where``."""
+        return FixSite(self.op, self.module, self.source)
 
     @property
     def description(self) -> str:

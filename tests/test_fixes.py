@@ -297,6 +297,8 @@ def test_verified_fix_is_the_edit_that_makes_training_continue(cls: type[nn.Modu
     # the NaN (tests/test_fixes_table.py: by hand, nothing is learned through it).
     assert (trial.fact("moved_all") is not None) == issubclass(cls, (LogOf, SumNormalise, RootPow)), trial
     assert trial.module == report.module and trial.source == report.source and trial.seconds > 0
+    # `where` (PRODUCT.md's public surface) is the same site as one value: the report's op, module and line.
+    assert trial.where == (report.op, report.module, report.source) and trial.where.source == report.source
     assert report.fixes[0].finite is True  # verified first
     edit = suggested_edit(trial)
     assert edit is not None and edit.endswith(_fixed_line(cls)), (edit, _fixed_line(cls))
