@@ -236,6 +236,9 @@ def test_decorator_form_watches_each_call() -> None:
         (torch.zeros(2), "cannot watch Tensor (torch.Tensor): expected an nn.Module"),
         ("model", "cannot watch str"),
         (42, "cannot watch int"),
+        # A list of models is the likeliest slip: the message says how to give them.
+        ([torch.nn.Linear(2, 2)], "cannot watch list (builtins.list): expected an nn.Module, a torch.optim.Optimizer "
+                                  "or a GradScaler; give its items one by one: watch(model, opt), %%nantrace model, opt"),
     ],
 )
 def test_bad_targets_fail_before_anything_is_attached(target, message) -> None:

@@ -265,9 +265,11 @@ def resolve_targets(
         elif _is_grad_scaler(target):
             resolved.scalers.append(target)
         else:
+            # A list of models is the likeliest slip (targets are separate arguments): say how to pass one.
+            spread = "; give its items one by one: watch(model, opt), %%nantrace model, opt" if isinstance(target, (list, tuple)) else ""
             raise TypeError(
                 f"cannot watch {shown} ({describe(target)}): expected an nn.Module, "
-                "a torch.optim.Optimizer or a GradScaler"
+                f"a torch.optim.Optimizer or a GradScaler{spread}"
             )
     resolved.discover = not resolved.roots
     return resolved
