@@ -155,6 +155,14 @@ def _exp_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _soft_margin_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} overflowed {event.dtype}: it computes log1p(exp(-y * x)) as written, inf "
+        f"once -y * x > {cause.fact('threshold'):.4g} (a logit confidently on the wrong side of its label); "
+        "F.softplus(-y * x).mean() is the same loss and stays finite"
+    )
+
+
 def _bessel_hint(event: Report, cause: Cause) -> str:
     base = cause.fact("base")
     scaled = "i1e" if base.endswith("i1") else "i0e"
@@ -450,6 +458,7 @@ OP_READINGS: dict[str, Reading] = {
     "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),
     "pow-unknown-base": on_event(_pow_unknown_hint, _made(counts), sentence=False),
     "exp-overflow": on_event(_exp_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
+    "soft-margin-overflow": on_event(_soft_margin_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "bessel-overflow": on_event(_bessel_hint, _made(counts), sentence=False),
     "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),
     "division-unknown-divisor": on_event(_division_unknown_hint, _division_evidence, sentence=False),
