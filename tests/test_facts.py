@@ -254,6 +254,7 @@ CAUSES = {
                                    limit=3.4e38), "rows of aten.div.Tensor"),
     "masked-sum": (_of_event("masked-softmax", "masked-sum", rows=5, masked=10), "all 5 of its results"),
     "masked-max": (_of_event("masked-softmax", "masked-max", rows=1, masked=5), "reduced 1 row whose"),
+    "masked-resample": (_of_event("masked-softmax", "masked-resample", masked=2), "interpolated a mask holding 2"),
     "logdet-negative": (_of_event("log-domain", "logdet-negative"), "determinant is negative"),
     "masked-pick": (_of_event("masked-softmax", "masked-pick", picked=1, masked=6), "picked 1 position masked"),
     "masked-padding": (_of_event("masked-softmax", "masked-padding", rows=1, positions=5, masked=5),

@@ -14,9 +14,11 @@ from nan_magic.explain.attention import (
     FUSED_ATTENTION_OPS,
     MAX_OPS,
     PICK_OPS,
+    RESAMPLE_OPS,
     logsumexp_cause,
     masked_max_cause,
     masked_pick_cause,
+    masked_resample_cause,
     masked_sum_cause,
     padded_cause,
     softmax_cause,
@@ -54,7 +56,8 @@ def forward_cause(report: Report) -> Cause:
         return softmax_cause(report)
     masked = logsumexp_cause(report) if base == "logsumexp" else (
         masked_sum_cause(report) if base in _SUM_OPS else padded_cause(report) if base in FUSED_ATTENTION_OPS
-        else masked_pick_cause(report) if base in PICK_OPS else masked_max_cause(report) if base in MAX_OPS else None)
+        else masked_pick_cause(report) if base in PICK_OPS else masked_max_cause(report) if base in MAX_OPS
+        else masked_resample_cause(report) if base in RESAMPLE_OPS else None)
     if masked is not None:
         return masked
     if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:

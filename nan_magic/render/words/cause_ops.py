@@ -349,6 +349,22 @@ def _masked_max_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _masked_resample_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} interpolated a mask holding "
+        f"{counted(cause.fact('masked'), 'infinity', 'infinities')}: each output is a weighted sum of input cells; "
+        "an output aligned with a kept cell still weighs its masked neighbour 0, and 0 * inf is NaN; resample "
+        "the boolean mask (mode=\"nearest\") and fill -inf after, or mask with torch.finfo(dtype).min"
+    )
+
+
+def _masked_resample_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.nan} NaN",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} (masked cells) and no NaN",
+    )
+
+
 def _logdet_negative_hint(event: Report, cause: Cause) -> str:
     return (
         f"torch.logdet in {where(event)} is NaN for a matrix whose determinant is negative (log of det < 0: a "
@@ -474,6 +490,7 @@ OP_READINGS: dict[str, Reading] = {
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
     "masked-pick": on_event(_masked_pick_hint, _masked_pick_evidence, sentence=False),
     "masked-max": on_event(_masked_max_hint, _masked_max_evidence, sentence=False),
+    "masked-resample": on_event(_masked_resample_hint, _masked_resample_evidence, sentence=False),
     "logdet-negative": on_event(_logdet_negative_hint, _logdet_negative_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "norm-eps-zero": on_event(_norm_eps_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
