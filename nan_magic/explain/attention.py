@@ -136,7 +136,7 @@ def masked_resample_cause(report: Report) -> Cause | None:
     values = next((stats for _ref, stats in report.op_inputs), None)
     if values is None or not report.nan or values.nan or not (values.posinf or values.neginf):
         return None
-    return event_cause("masked-softmax", "masked-resample", report, masked=values.posinf + values.neginf)
+    return event_cause("masked-softmax", "masked-resample", report, masked=(values.posinf or 0) + (values.neginf or 0))
 
 
 def _one_sign_carried(report: Report) -> int | None:
