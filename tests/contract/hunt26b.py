@@ -209,15 +209,7 @@ _PREFETCH = Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marke
                    tensor=TensorRef.argument("input[0]"), cause="division-by-zero")
 
 CASES = [
-    Case("hunt26_sam_second_forward_log_of_a_scale_pushed_below_0", lambda: _sam_ascent(False), _SAM,
-         modes=("default", "full", "ops")),
-    Case("hunt26_sam_second_forward_log_of_a_scale_pushed_below_0_deferred", lambda: _sam_ascent(False), _SAM,
-         modes=("defer",), marks=(pytest.mark.xfail(strict=True, reason=(
-             "op None, cause unclassified, 'the replay did not reproduce': the deferred check reads the second "
-             "forward's output probe at opt.step's pre-hook (hot/timing.py Deferred), after the loop's p.sub_(e) "
-             "restored the parameters; localize/replay/tiered/step.py replays the kept call with the parameters as "
-             "they are then (step_keeping.py keeps the versions of arguments and buffers, never of parameters: a "
-             "per-call read per parameter on the hot path), so the log's operand is positive again.")),)),
+    Case("hunt26_sam_second_forward_log_of_a_scale_pushed_below_0", lambda: _sam_ascent(False), _SAM),
     Case("hunt26_sam_log_parametrised_scale_healthy", lambda: _sam_ascent(True), None),
     Case("hunt26_loss_divided_by_accum_steps_of_0", lambda: _accum_steps(False),
          Expect("forward", None, step=0, op="aten.div.Tensor", marker="accumulation scale",
