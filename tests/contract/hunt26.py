@@ -5,8 +5,9 @@ inputs; a KAN layer whose B-spline grid, refitted from a batch by the loop, coll
 feature (Cox-de Boor's ``0 / 0``); a diffusion timestep embedding two wide, ``downscale_freq_shift=1`` dividing by
 ``half - 1 = 0``; a -inf region bias upsampled bilinearly (``0 * -inf``). Loss code: ``F.soft_margin_loss``'s
 ``log1p(exp(-y x))`` of a confidently wrong logit; the k3 KL estimator of RLHF, ``exp(ref - logp)``, of a token the
-policy has all but ruled out; Barron's general robust loss at ``alpha = 2`` without its epsilon. Each with the fix its
-users apply: the twin must stay silent and bit-identical, in every mode.
+policy has all but ruled out; Barron's general robust loss at ``alpha = 2`` without its epsilon; MASE over a series
+whose history never changed (its naive error 0). Each with the fix its users apply: the twin must stay silent and
+bit-identical, in every mode.
 """
 
 from __future__ import annotations
@@ -281,6 +282,24 @@ def _robust(shifted: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step],), loss_fn)
 
 
+# ---------------------------------------------------------------- MASE over a series that never changed
+def _mase(floored: bool) -> Scenario:
+    """MASE as the training loss of a forecaster: the forecast's mean absolute error over the in-sample naive
+    forecast's, ``mean|y_t - y_{t-1}|`` of each series' history; a series whose history is constant (a product whose
+    price never moved, at step 1) has a naive error of 0: ``x / 0``. The twin floors the scale."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    histories, futures = _batches(5, 8), _batches(5, 2)
+    histories[1][3] = 1.5
+
+    def loss_fn(forecast: torch.Tensor, step: int) -> torch.Tensor:
+        scale = (histories[step][:, 1:] - histories[step][:, :-1]).abs().mean(1, keepdim=True)
+        if floored:
+            scale = scale.clamp(min=1e-3)
+        return ((forecast - futures[step]).abs() / scale).mean()  # producer: mase
+    return _loop(model, lambda step: (histories[step],), loss_fn)
+
+
 CASES = [
     Case("hunt26_selective_scan_exp_of_a_positive_a_overflows_on_a_spike", lambda: _selective_scan(False),
          Expect("forward", "ssm", "SelectiveScan", step=2, op="aten.exp.default", marker="selective scan",
@@ -308,4 +327,7 @@ CASES = [
     Case("hunt26_barron_robust_loss_at_alpha_2_without_its_epsilon", lambda: _robust(False),
          Expect("forward", None, step=2, op="aten.div.Tensor", marker="robust loss", cause="division-by-zero")),
     Case("hunt26_barron_robust_loss_alpha_shifted_by_epsilon_healthy", lambda: _robust(True), None),
+    Case("hunt26_mase_over_a_series_whose_history_never_changed", lambda: _mase(False),
+         Expect("forward", None, step=1, op="aten.div.Tensor", marker="mase", cause="division-by-zero")),
+    Case("hunt26_mase_scale_floored_healthy", lambda: _mase(True), None),
 ]
