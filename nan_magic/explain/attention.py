@@ -30,7 +30,8 @@ from nan_magic.explain.overflow import Sign, attention_op, half_overflow, wide_o
 from nan_magic.records import Cause, Report, TensorStats
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["FUSED_ATTENTION_OPS", "MAX_OPS", "PICK_OPS", "logsumexp_cause", "masked_max_cause", "masked_pick_cause",
+__all__ = ["FUSED_ATTENTION_OPS", "MAX_OPS", "PICK_OPS", "RESAMPLE_OPS", "logsumexp_cause", "masked_max_cause",
+           "masked_pick_cause", "masked_resample_cause",
            "masked_sum_cause", "padded_cause", "softmax_cause"]
 
 
@@ -121,6 +122,21 @@ def masked_max_cause(report: Report) -> Cause | None:
     if masked is None:
         return None
     return event_cause("masked-softmax", "masked-max", report, rows=report.posinf + report.neginf, masked=masked)
+
+
+#: Interpolations: each output a weighted sum of input cells, the weights of some cells 0 at some outputs.
+RESAMPLE_OPS = frozenset({"upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d",
+                          "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"})
+
+
+def masked_resample_cause(report: Report) -> Cause | None:
+    """An interpolation of a mask of ∓inf (an additive attention bias upsampled to a feature map); None where its
+    input does not show it. An output aligned with a finite cell still weighs its masked neighbour 0, and
+    ``0 * -inf`` is NaN; the mask's infinities alone are deliberate (benign), the NaN is the interpolation's."""
+    values = next((stats for _ref, stats in report.op_inputs), None)
+    if values is None or not report.nan or values.nan or not (values.posinf or values.neginf):
+        return None
+    return event_cause("masked-softmax", "masked-resample", report, masked=(values.posinf or 0) + (values.neginf or 0))
 
 
 def _one_sign_carried(report: Report) -> int | None:

@@ -14,9 +14,11 @@ from nan_magic.explain.attention import (
     FUSED_ATTENTION_OPS,
     MAX_OPS,
     PICK_OPS,
+    RESAMPLE_OPS,
     logsumexp_cause,
     masked_max_cause,
     masked_pick_cause,
+    masked_resample_cause,
     masked_sum_cause,
     padded_cause,
     softmax_cause,
@@ -54,7 +56,8 @@ def forward_cause(report: Report) -> Cause:
         return softmax_cause(report)
     masked = logsumexp_cause(report) if base == "logsumexp" else (
         masked_sum_cause(report) if base in _SUM_OPS else padded_cause(report) if base in FUSED_ATTENTION_OPS
-        else masked_pick_cause(report) if base in PICK_OPS else masked_max_cause(report) if base in MAX_OPS else None)
+        else masked_pick_cause(report) if base in PICK_OPS else masked_max_cause(report) if base in MAX_OPS
+        else masked_resample_cause(report) if base in RESAMPLE_OPS else None)
     if masked is not None:
         return masked
     if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:
@@ -119,6 +122,15 @@ def _bessel(report: Report) -> Cause:
     return event_cause("exp-overflow", "bessel-overflow", report, base=op_function(report.op))
 
 
+def _soft_margin(report: Report) -> Cause:
+    """soft_margin_loss is ``log1p(exp(-y x))`` as written (aten's kernel): inf once ``-y x`` passes the exp's
+    threshold (88.7 in float32), a logit confidently on the wrong side of its label, where ``softplus(-y x)`` is
+    ``-y x`` itself."""
+    if not report.posinf:
+        return overflow(report)
+    return event_cause("exp-overflow", "soft-margin-overflow", report, threshold=math.log(dtype_max(report.dtype)))
+
+
 def _division(report: Report) -> Cause:
     reciprocal = op_function(report.op) == "reciprocal"
     divisor = report.operand("self" if reciprocal else "other")
@@ -128,7 +140,10 @@ def _division(report: Report) -> Cause:
     # A scalar NaN from finite operands and a zero divisor is 0 / 0 (x / 0 is ±inf): the numerator was a sum
     # over nothing, whether or not its copy is still known (ops mode's is often freed by the boundary).
     zero_numerator = numerator.absmax == 0 if numerator is not None else divisor is not None and bool(divisor.zeros)
-    if report.numel == 1 and report.nan and not reciprocal and zero_numerator:
+    # A count of nothing is a tensor (``mask.sum()``) or a Python int (``len(selected)``); a Python float divisor of
+    # 0.0 is a constant of the code (``half - downscale_freq_shift`` of a config), and 0 / 0.0 a division by it.
+    constant = divisor is None and isinstance(dict(report.numbers).get("other"), float)
+    if report.numel == 1 and report.nan and not reciprocal and zero_numerator and not constant:
         return event_cause("empty-reduction", "empty-quotient", report)
     if divisor is None and not report.nan and report.dtype in HALF:
         return event_cause("unclassified", "division-unknown-divisor", report, limit=dtype_max(report.dtype))
@@ -209,6 +224,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("weight_norm_interface", "weight_norm"), _weight_norm),
     **dict.fromkeys(NORMALISATION_OPS, _normalisation),
     **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
+    "soft_margin_loss": _soft_margin,
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
     **dict.fromkeys(("atanh", "arctanh"), _atanh),
     **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),

@@ -163,6 +163,10 @@ class Watch(WatchEvents):
         """The 0-based step an event now belongs to (PRODUCT.md; :attr:`StepCycle.step`)."""
         return self.cycle.step
 
+    def parameters_before_update(self) -> dict[int, torch.Tensor]:
+        """The watched parameters the current update region wrote in place, as they were before (a step replay's)."""
+        return self.update_code.parameters_before()
+
     @property
     def steps_taken(self) -> int:
         """Training iterations completed, or top-level forward calls started where no optimizer stepped."""

@@ -298,6 +298,19 @@ class LoopWrites:
 
     # -- helpers ------------------------------------------------------------------------
 
+    def parameters_before(self) -> dict[int, torch.Tensor]:
+        """``{id(parameter): its value before the current update region first wrote it in place}``.
+
+        What the step's last model call read where the loop has written its parameters back since: SAM restores
+        ``w`` by ``p.sub_(e)`` after its second backward, before the step that the deferred check waits for. Empty
+        in ops mode (the op tracer judged every op as it ran) and where the region wrote no parameter.
+        """
+        recorder = self._recorder
+        if recorder is None or not recorder.before:
+            return {}
+        by_id = self._cached_index()[0]
+        return {key: copy for key, copy in recorder.before.items() if key in by_id}
+
     def _parameter_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The watched parameter ``tensor`` is, or is on the memory of (``p.data``, a row ``p[3]``), or None.
 

@@ -155,6 +155,14 @@ def _exp_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _soft_margin_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} overflowed {event.dtype}: it computes log1p(exp(-y * x)) as written, inf "
+        f"once -y * x > {cause.fact('threshold'):.4g} (a logit confidently on the wrong side of its label); "
+        "F.softplus(-y * x).mean() is the same loss and stays finite"
+    )
+
+
 def _bessel_hint(event: Report, cause: Cause) -> str:
     base = cause.fact("base")
     scaled = "i1e" if base.endswith("i1") else "i0e"
@@ -341,6 +349,22 @@ def _masked_max_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     )
 
 
+def _masked_resample_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{event.op} in {where(event)} interpolated a mask holding "
+        f"{counted(cause.fact('masked'), 'infinity', 'infinities')}: each output is a weighted sum of input cells; "
+        "an output aligned with a kept cell still weighs its masked neighbour 0, and 0 * inf is NaN; resample "
+        "the boolean mask (mode=\"nearest\") and fill -inf after, or mask with torch.finfo(dtype).min"
+    )
+
+
+def _masked_resample_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (
+        f"{event.op} made {event.nan} NaN",
+        f"its input held {counted(cause.fact('masked'), 'infinity', 'infinities')} (masked cells) and no NaN",
+    )
+
+
 def _logdet_negative_hint(event: Report, cause: Cause) -> str:
     return (
         f"torch.logdet in {where(event)} is NaN for a matrix whose determinant is negative (log of det < 0: a "
@@ -450,6 +474,7 @@ OP_READINGS: dict[str, Reading] = {
     "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),
     "pow-unknown-base": on_event(_pow_unknown_hint, _made(counts), sentence=False),
     "exp-overflow": on_event(_exp_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
+    "soft-margin-overflow": on_event(_soft_margin_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "bessel-overflow": on_event(_bessel_hint, _made(counts), sentence=False),
     "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),
     "division-unknown-divisor": on_event(_division_unknown_hint, _division_evidence, sentence=False),
@@ -465,6 +490,7 @@ OP_READINGS: dict[str, Reading] = {
     "masked-sum": on_event(_masked_sum_hint, _masked_sum_evidence, sentence=False),
     "masked-pick": on_event(_masked_pick_hint, _masked_pick_evidence, sentence=False),
     "masked-max": on_event(_masked_max_hint, _masked_max_evidence, sentence=False),
+    "masked-resample": on_event(_masked_resample_hint, _masked_resample_evidence, sentence=False),
     "logdet-negative": on_event(_logdet_negative_hint, _logdet_negative_evidence, sentence=False),
     "weight-norm-zero": on_event(_weight_norm_hint, _division_evidence, sentence=False),
     "norm-eps-zero": on_event(_norm_eps_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),

@@ -95,6 +95,8 @@ class ReplayHost(Protocol):
     @property
     def warnings(self) -> Iterable[EarlyWarning]: ...
 
+    def parameters_before_update(self) -> dict[int, torch.Tensor]: ...
+
 
 class StepReplays(StepKeeping):
     """The top-level calls of the current step, and their replay at an event."""
@@ -178,6 +180,8 @@ class StepReplays(StepKeeping):
             outcome = self._run(root, backward, boundary, anomaly)
             if outcome.report is not None:
                 break
+        if outcome.report is None and outcome.benign is None and not backward:
+            outcome = self._run_as_read(candidates[0], boundary) or outcome
         if outcome.report is None and outcome.benign is not None:
             if lacking := kinds_unexplained(outcome.boundary, seen):
                 # A kind the deliberate infinity does not make (a NaN never is): the replay ran from state the loop
@@ -235,6 +239,27 @@ class StepReplays(StepKeeping):
         report = self._replayed(outcome.report, self.watch.step)
         report = dataclasses.replace(report, note_facts=(*report.note_facts, Note.raised("forward-raised", error)))
         return report, (outcome.frame, outcome.position), error
+
+    def _run_as_read(self, root: RootCall, boundary: TensorRef | None) -> Outcome | None:
+        """The forward replay of ``root`` stayed finite: again with the parameters as the call read them, where the
+        loop's update code has written them in place since (SAM's ``p.sub_(e)`` restoring ``w`` after the second
+        forward, before the deferred check at the step); None where it wrote none of the call's model.
+
+        Each parameter's memory is swapped (``p.data``, no version counter moved) for the copy the update region
+        took before its first write, and put back, the same tensor, whatever the replay does.
+        """
+        before = self.watch.parameters_before_update()
+        swapped = [(p, p.data) for p in root.module.parameters() if id(p) in before] if before else []
+        if not swapped:
+            return None
+        try:
+            for parameter, _data in swapped:
+                parameter.data = before[id(parameter)]
+            outcome = self._run(root, False, boundary)
+        finally:
+            for parameter, data in swapped:
+                parameter.data = data
+        return outcome if outcome.report is not None else None
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None, anomaly: bool = False) -> Outcome:
         return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
