@@ -188,12 +188,31 @@ def _alibi(size: int) -> torch.Tensor:
     return (-0.5 * distance.abs().float()).masked_fill(distance > 0, float("-inf"))
 
 
+class _AttentionBiased(nn.Module):
+    """The same scores, given their bias under an attention bias's own names (xformers/MPT, ALiBi, T5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
+                position_bias: torch.Tensor | None = None) -> torch.Tensor:
+        bias = next(value for value in (attn_bias, alibi, position_bias) if value is not None)
+        return ((self.proj(x) @ x.transpose(-1, -2)) + bias).softmax(-1)
+
+
 def test_a_named_mask_may_fold_in_a_bias_an_unnamed_one_may_not() -> None:
     torch.manual_seed(0)
     model, x = _Biased(), torch.randn(3, 4)
     with nan_magic.watch(model) as w:
         model(x, alibi_mask=_alibi(3))
     assert w.report is None and [event.benign for event in w.events] == [True]
+    # A name that says attention bias counts as a mask's: an ALiBi with its causal -inf is deliberate there.
+    biased = _AttentionBiased()
+    for name in ("attn_bias", "alibi", "position_bias"):
+        with nan_magic.watch(biased) as w:
+            biased(x, **{name: _alibi(3)})
+        assert w.report is None and [event.benign for event in w.events] == [True], name
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
         model(x, bias=_alibi(3))
     report = caught.value.report

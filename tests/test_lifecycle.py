@@ -238,7 +238,8 @@ def test_decorator_form_watches_each_call() -> None:
         (42, "cannot watch int"),
         # A list of models is the likeliest slip: the message says how to give them.
         ([torch.nn.Linear(2, 2)], "cannot watch list (builtins.list): expected an nn.Module, a torch.optim.Optimizer "
-                                  "or a GradScaler; give its items one by one: watch(model, opt), %%nantrace model, opt"),
+                                  "or a GradScaler; give its items one by one: watch(model, opt), "
+                                  "%%nantrace model, opt"),
     ],
 )
 def test_bad_targets_fail_before_anything_is_attached(target, message) -> None:

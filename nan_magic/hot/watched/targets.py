@@ -266,7 +266,8 @@ def resolve_targets(
             resolved.scalers.append(target)
         else:
             # A list of models is the likeliest slip (targets are separate arguments): say how to pass one.
-            spread = "; give its items one by one: watch(model, opt), %%nantrace model, opt" if isinstance(target, (list, tuple)) else ""
+            spread = ("; give its items one by one: watch(model, opt), %%nantrace model, opt"
+                      if isinstance(target, (list, tuple)) else "")
             raise TypeError(
                 f"cannot watch {shown} ({describe(target)}): expected an nn.Module, "
                 f"a torch.optim.Optimizer or a GradScaler{spread}"

@@ -17,9 +17,11 @@ The rule, for a tensor that holds a non-finite value:
   a tensor holding both is arithmetic gone wrong), and
 * it holds a finite element (a mask that hides everything hides nothing
   deliberately: ``torch.full(shape, inf)`` is an overflow), and
-* either its name (the argument's or buffer's) says ``mask`` (then its
-  finite values may be anything: an additive bias with a mask folded in, as
-  ALiBi or T5 relative biases do), or every finite element is 0 (the pure
+* either its name (the argument's or buffer's) says ``mask``, or says it is an
+  attention bias (``attn_bias``, xformers' and MPT's name; ``alibi``,
+  ``position_bias``: then its finite values may be anything: an additive bias
+  with a mask folded in, as ALiBi or T5 relative biases do; a plain ``bias``
+  says nothing of attention and does not count), or every finite element is 0 (the pure
   additive mask) and it is not the first positional argument, which is the
   batch (``log`` of a 0/1 feature gives the same 0/-inf values as a mask).
 
@@ -49,11 +51,14 @@ from nan_magic.hot.reads import is_checkable, read_probe, version_of
 
 __all__ = ["DeliberateMasks", "argument_name", "is_additive_mask", "names_a_mask", "reduces_a_mask"]
 
-_MASK_NAME = re.compile("mask", re.IGNORECASE)
+#: ``mask`` anywhere; or an attention bias, the name a mask folded into a bias goes by (xformers' and MPT's
+#: ``attn_bias``, ``attention_bias``, ``alibi``, ``alibi_bias``, T5's ``position_bias``, ``rel_pos_bias``).
+_MASK_NAME = re.compile(r"mask|alibi|(attn|attention|position|pos)_bias", re.IGNORECASE)
 
 
 def names_a_mask(name: str | None) -> bool:
-    """Whether an argument or buffer name says it is a mask (``tgt_mask``, ``attn_mask``, ``causal_mask``)."""
+    """Whether an argument or buffer name says it is a mask (``tgt_mask``, ``attn_mask``, ``causal_mask``), or an
+    attention bias a mask may be folded into (``attn_bias``, ``alibi``, ``position_bias``)."""
     return name is not None and _MASK_NAME.search(name) is not None
 
 
