@@ -13,7 +13,8 @@ What is read of a tensor (:func:`values_to_read`): a real floating tensor's
 own values; a complex tensor's real view (``torch.view_as_real``: a complex
 value is non-finite where its real or imaginary part is); a sparse tensor's
 stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is
-zero). Statistics describe what was read, so a complex tensor's counts are
+zero); a float8 tensor's values widened to float32 (torch has no float8
+reductions). Statistics describe what was read, so a complex tensor's counts are
 *per real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN,
 and its ``shape`` and ``numel`` are those of the real view (a trailing 2);
 a sparse tensor's are those of its stored values. A tensor the watch cannot
@@ -140,12 +141,17 @@ def values_to_read(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.values()  # CSR, CSC, BSR, BSC
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor.resolve_conj())
+    elif tensor.itemsize == 1 and tensor.dtype.is_floating_point:
+        # float8 (simulated fp8 training, an fp8 cast's output): no reduction kernels; float32 holds each of its
+        # values exactly, NaN and inf included (a copy, 4x its size: such tensors are rare at a boundary).
+        tensor = tensor.float()
     return tensor
 
 
 def readable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when it is already what :func:`values_to_read` gives (the hot path)."""
-    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex:
+    if (type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex
+            and tensor.itemsize != 1):
         return tensor
     return values_to_read(tensor)
 

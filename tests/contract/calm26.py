@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from contract import Case, Scenario
+from contract import Case, Expect, Scenario
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +105,32 @@ class Fp8FakeQuant(nn.Module):
         q = h.clamp(-448, 448).to(torch.float8_e4m3fn)
         h = h + (q.to(h.dtype) - h).detach()
         return self.b(torch.relu(h))
+
+
+class Fp8Cast(nn.Module):
+    """Casts its input to a float8 dtype (fp8 activations handed on, as an fp8 matmul's input): its output is
+    float8, which torch cannot reduce (no aminmax)."""
+
+    def __init__(self, dtype: torch.dtype, scale: float = 1.0) -> None:
+        super().__init__()
+        self.dtype, self.scale = dtype, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).to(self.dtype)  # producer: fp8 cast
+
+
+class Widen(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32)
+
+
+def _fp8_outputs(scale: float = 1.0) -> Scenario:
+    """Modules whose outputs (and the gradients flowing into them) are float8_e4m3fn and float8_e5m2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Fp8Cast(torch.float8_e4m3fn), Widen(), nn.Linear(8, 8),
+                          Fp8Cast(torch.float8_e5m2, scale), Widen(), nn.Linear(8, 2))
+    x = torch.randn(6, 8)
+    return training(model, lambda s: model(x).pow(2).mean())
 
 
 def _fp8() -> Scenario:
@@ -374,6 +400,7 @@ def _cox() -> Scenario:
 
 ROWS = {
     "fp8-fake-quant": _fp8,
+    "fp8-module-outputs": _fp8_outputs,
     "grad-norm-logged-max-norm-inf": _grad_norm_logged,
     "embedding-max-norm-renorm": _max_norm_embedding,
     "embedding-bag-empty-bags": _empty_bags,
@@ -389,4 +416,10 @@ ROWS = {
     "cox-logcumsumexp": _cox,
 }
 
-CASES = [Case(f"calm26_{name}", build, None, benign=0) for name, build in ROWS.items()]
+CASES = [
+    *(Case(f"calm26_{name}", build, None, benign=0) for name, build in ROWS.items()),
+    # The broken twin of fp8-module-outputs: 1e6 overflows float8_e5m2 (max 57344) to +-inf, named at the cast.
+    Case("calm26_fp8_cast_overflows", lambda: _fp8_outputs(1e6),
+         Expect("forward", "4", "Fp8Cast", op="aten._to_copy.default", marker="fp8 cast",
+                kinds=frozenset({"+inf", "-inf"}))),
+]
