@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -378,6 +379,37 @@ def _non_persistent_mask() -> Scenario:
     return training(model, lambda s: model(x).pow(2).mean())
 
 
+class BiasedAttention(nn.Module):
+    """Attention given one additive ``attn_bias`` (xformers' and MPT's name): ALiBi's distance penalty with the
+    causal -inf folded in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.out((q @ k.transpose(-1, -2) / 8 ** 0.5 + attn_bias).softmax(-1) @ v)
+
+
+def _alibi_attn_bias() -> Scenario:
+    torch.manual_seed(0)
+    model = BiasedAttention()
+    x = torch.randn(3, 5, 8)
+    distance = torch.arange(5)[None, :] - torch.arange(5)[:, None]
+    bias = (-0.5 * distance.abs().float()).masked_fill(distance > 0, float("-inf"))
+    return training(model, lambda s: model(x, attn_bias=bias).pow(2).mean())
+
+
+#: Why calm26_alibi-attn-bias raises: the deciding rule and the test that holds it.
+ALIBI_REASON = (
+    "false alarm kept by design: localize/ops/masks.py _holds_a_mask accepts non-zero finite values beside -inf only "
+    "under a name matching 'mask' (names_a_mask), so an ALiBi bias passed as attn_bias is a data event at "
+    "kwargs['attn_bias']; tests/test_healthy.py::test_a_named_mask_may_fold_in_a_bias_an_unnamed_one_may_not holds "
+    "that (bias=ALiBi must raise): widening the names is the lead's call")
+
+
 class Cox(nn.Module):
     """Survival analysis (Cox partial likelihood): risk scores sorted by time, logcumsumexp of the risk set."""
 
@@ -418,6 +450,8 @@ ROWS = {
 
 CASES = [
     *(Case(f"calm26_{name}", build, None, benign=0) for name, build in ROWS.items()),
+    Case("calm26_alibi-attn-bias", _alibi_attn_bias, None,
+         marks=(pytest.mark.xfail(strict=True, reason=ALIBI_REASON),)),
     # The broken twin of fp8-module-outputs: 1e6 overflows float8_e5m2 (max 57344) to +-inf, named at the cast.
     Case("calm26_fp8_cast_overflows", lambda: _fp8_outputs(1e6),
          Expect("forward", "4", "Fp8Cast", op="aten._to_copy.default", marker="fp8 cast",
