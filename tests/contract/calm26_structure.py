@@ -1,8 +1,8 @@
 """Healthy training that must stay silent, second part: what the program's *structure* does.
 
-Sparse tensors in the model and the loss code, modules that appear, grow or materialise under the watch, the
-user's own hooks, wrappers and tensor subclasses, backward calls of other shapes, a second model trained beside
-the watched one. The harness (what a row returns, and how it is compared) is calm26.py's.
+Sparse tensors in the model (an input, a module's output) and in the loss code, modules that appear, grow or
+materialise under the watch, the user's own hooks, wrappers and tensor subclasses, backward calls of other shapes,
+a second model trained beside the watched one. The harness (what a row returns, and how it is compared) is calm26.py's.
 """
 
 from __future__ import annotations
@@ -81,6 +81,34 @@ def _sparse_graph_loss() -> Scenario:
         return h.pow(2).mean() + 0.1 * smooth + 0.01 * (adj * 2).to_dense().sum()
 
     return training(model, loss_of)
+
+
+class EdgeWeights(nn.Module):
+    """Learned edge weights: returns the weighted adjacency itself as a sparse COO tensor (a module output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edges = _graph().indices()
+        self.logit = nn.Parameter(torch.zeros(self.edges.shape[1]))
+
+    def forward(self) -> torch.Tensor:
+        return torch.sparse_coo_tensor(self.edges, torch.sigmoid(self.logit), (5, 5))
+
+
+class LearnedGraph(SparseGCN):
+    def __init__(self) -> None:
+        super().__init__()
+        self.adjacency = EdgeWeights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(self.adjacency(), x)
+
+
+def _sparse_module_output() -> Scenario:
+    torch.manual_seed(0)
+    model = LearnedGraph()
+    x = torch.randn(5, 4)
+    return training(model, lambda s: model(x).pow(2).mean())
 
 
 def _sparse_gradient_by_hand() -> Scenario:
@@ -395,6 +423,7 @@ ROWS = {
     "lazy-modules": _lazy_modules,
     "sparse-graph-in-model-and-loss-code": _sparse_graph_loss,
     "sparse-gradient-scaled-by-hand": _sparse_gradient_by_hand,
+    "sparse-adjacency-as-a-module-output": _sparse_module_output,
     "layer-and-group-added-mid-run": _grows_mid_run,
     "user-hooks-rewrite-args-and-outputs": _user_hooks_rewrite,
     "module-returns-its-parameter": _parameter_as_output,
