@@ -453,7 +453,7 @@ CASES = [
     Case("calm26_alibi-attn-bias", _alibi_attn_bias, None,
          marks=(pytest.mark.xfail(strict=True, reason=ALIBI_REASON),)),
     # The broken twin of fp8-module-outputs: 1e6 overflows float8_e5m2 (max 57344) to +-inf, named at the cast.
-    Case("calm26_fp8_cast_overflows", lambda: _fp8_outputs(1e6),
+    Case("calm26_fp8-cast-overflows", lambda: _fp8_outputs(1e6),
          Expect("forward", "4", "Fp8Cast", op="aten._to_copy.default", marker="fp8 cast",
                 kinds=frozenset({"+inf", "-inf"}))),
 ]
