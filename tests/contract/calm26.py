@@ -134,6 +134,38 @@ def _fp8_outputs(scale: float = 1.0) -> Scenario:
     return training(model, lambda s: model(x).pow(2).mean())
 
 
+class MXQuant(nn.Module):
+    """MX-style 4-bit codes: two per byte as packed float4_e2m1fn_x2, a power-of-two scale per row as
+    float8_e8m0fnu (torch has neither a reduction nor a conversion for float4)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(1, keepdim=True).clamp(min=1e-6) / 7)))
+        codes = (x / scale).round().clamp(-7, 7).to(torch.int8) + 8  # 1..15, one nibble
+        packed = (codes[:, 0::2] * 16 + codes[:, 1::2]).to(torch.uint8)
+        return packed.view(torch.float4_e2m1fn_x2), scale.to(torch.float8_e8m0fnu)
+
+
+class MXDequant(nn.Module):
+    def forward(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        byte = packed.view(torch.uint8).long()
+        codes = torch.stack([byte // 16, byte % 16], -1).flatten(1).float() - 8
+        return codes * scale.float()
+
+
+def _mx4() -> Scenario:
+    """Activations rounded through 4-bit MX codes (straight-through), the packed codes a module output."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(8, 8), "q": MXQuant(), "dq": MXDequant(), "b": nn.Linear(8, 2)})
+    x = torch.randn(6, 8)
+
+    def loss_of(step: int) -> torch.Tensor:
+        h = model["a"](x)
+        h = h + (model["dq"](*model["q"](h.detach())) - h).detach()
+        return model["b"](h).pow(2).mean()
+
+    return training(model, loss_of)
+
+
 def _fp8() -> Scenario:
     torch.manual_seed(0)
     model = Fp8FakeQuant()
@@ -433,6 +465,7 @@ def _cox() -> Scenario:
 ROWS = {
     "fp8-fake-quant": _fp8,
     "fp8-module-outputs": _fp8_outputs,
+    "mx-float4-codes-and-e8m0-scales": _mx4,
     "grad-norm-logged-max-norm-inf": _grad_norm_logged,
     "embedding-max-norm-renorm": _max_norm_embedding,
     "embedding-bag-empty-bags": _empty_bags,
