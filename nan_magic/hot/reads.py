@@ -13,12 +13,13 @@ What is read of a tensor (:func:`values_to_read`): a real floating tensor's
 own values; a complex tensor's real view (``torch.view_as_real``: a complex
 value is non-finite where its real or imaginary part is); a sparse tensor's
 stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is
-zero). Statistics describe what was read, so a complex tensor's counts are
+zero); a float8 tensor's values widened to float32 (torch has no float8
+reductions). Statistics describe what was read, so a complex tensor's counts are
 *per real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN,
 and its ``shape`` and ``numel`` are those of the real view (a trailing 2);
 a sparse tensor's are those of its stored values. A tensor the watch cannot
-read (:func:`unreadable_reason`: nested, meta, a subclass with its own
-dispatch such as a fake or functional tensor) is skipped and counted, never
+read (:func:`unreadable_reason`: nested, meta, packed float4, a subclass with
+its own dispatch such as a fake or functional tensor) is skipped and counted, never
 read: reading it would fail or run someone else's code.
 """
 
@@ -69,6 +70,7 @@ def is_checkable(value: Any) -> bool:
         and not value.is_nested
         and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
         and not torch._is_functional_tensor(value)
+        and value.itemsize != 1  # (float8 and packed float4: asked below)
     ):
         return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
@@ -87,7 +89,8 @@ def unreadable_reason(value: torch.Tensor) -> str | None:
     """Why the watch cannot read a floating or complex tensor, in a word; None when it can (or it is neither).
 
     ``nested`` (a nested tensor has no single shape to reduce), ``meta``
-    (no data), ``functorch`` (a value inside ``torch.func.vmap``, ``grad``
+    (no data), ``float4`` (packed float4 has no NaN or inf to hold, and no
+    kernels to read it), ``functorch`` (a value inside ``torch.func.vmap``, ``grad``
     or ``functionalize``: reading it to the host is not allowed there), or
     the class name of a subclass that overrides ``__torch_dispatch__`` (a
     fake tensor, a functional wrapper, a distributed tensor: a reduction
@@ -101,11 +104,18 @@ def unreadable_reason(value: torch.Tensor) -> str | None:
         return "nested"
     if value.is_meta:
         return "meta"
+    if value.dtype in _NO_NONFINITE:
+        return "float4"
     if _transformed(value):
         return "functorch"
     if type(value) not in _PLAIN and _dispatches(type(value)):
         return type(value).__name__
     return None
+
+
+#: Floating dtypes with no encoding of NaN or inf (packed float4, MXFP4's elements): nothing to find, and torch has
+#: neither a reduction nor a conversion for them.
+_NO_NONFINITE = frozenset(dtype for dtype in (getattr(torch, "float4_e2m1fn_x2", None),) if dtype is not None)
 
 
 #: Whether a tensor is a functorch transform's wrapper (vmap's batched, grad's tracking one).
@@ -140,12 +150,17 @@ def values_to_read(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.values()  # CSR, CSC, BSR, BSC
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor.resolve_conj())
+    elif tensor.itemsize == 1 and tensor.dtype.is_floating_point:
+        # float8 (simulated fp8 training, an fp8 cast's output): no reduction kernels; float32 holds each of its
+        # values exactly, NaN and inf included (a copy, 4x its size: such tensors are rare at a boundary).
+        tensor = tensor.float()
     return tensor
 
 
 def readable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when it is already what :func:`values_to_read` gives (the hot path)."""
-    if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex:
+    if (type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex
+            and tensor.itemsize != 1):
         return tensor
     return values_to_read(tensor)
 

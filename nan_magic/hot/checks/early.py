@@ -177,7 +177,8 @@ class EarlyWarnings:
         # Features are columns of a dense real batch; a sparse or complex one has no such columns to compare.
         if (step % BATCH_RULE_EVERY == 0 and tensor.layout is torch.strided and not tensor.is_complex()
                 and tensor.dim() in (2, 4, 5) and tensor.shape[0] > 1):
-            feature_low, feature_high = _feature_ranges(tensor.detach())
+            # (float8, an MX block scale given to a module: no reduction kernels; float32 holds its values)
+            feature_low, feature_high = _feature_ranges(tensor.detach() if tensor.itemsize != 1 else tensor.float())
             found.append(_constant_feature(step, path, tensor, feature_low, feature_high))
         return [warning for warning in found if warning is not None and self._due(warning)] if found else []
 

@@ -103,7 +103,8 @@ class TensorRecord:
         # is its values (reads.values_to_read: a complex tensor's real view, a
         # sparse one's stored values), whose shape the stats describe.
         # (readable() and version_of() inlined: a record is made for each boundary tensor of every step)
-        if type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex:
+        if (type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.dtype.is_complex
+                and tensor.itemsize != 1):  # (float8: widened by readable())
             values = tensor
         else:
             values = readable(tensor)

@@ -97,7 +97,11 @@ def held(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     base = value._base
-    return weak_record(value, keep=(value if base is None else base).nbytes <= 1 << 20)
+    try:
+        small = (value if base is None else base).nbytes <= 1 << 20
+    except RuntimeError:  # a sparse COO tensor (a graph's adjacency) has no nbytes: held weakly
+        small = False
+    return weak_record(value, keep=small)
 
 
 def rerun_applied(unit: Applied, recorded: list[RecordedOp], ops: list[RecordedOp], copies: dict[int, torch.Tensor],

@@ -82,7 +82,8 @@ def small_frames(frames: set[FrameType]) -> set[FrameType]:
                 if kind is torch.Tensor:
                     base = item._base
                     whole = item if base is None else base
-                    sizes[id(whole)] = whole.nbytes if type(whole) is torch.Tensor else _storage_size(whole)
+                    sizes[id(whole)] = (whole.nbytes if type(whole) is torch.Tensor and whole.layout is torch.strided
+                                        else _storage_size(whole))  # (sparse COO: no nbytes, no storage)
                 elif kind is not torch.nn.Parameter and torch.Tensor in kind.__mro__:  # (a parameter: alive anyway)
                     sizes[id(item)] = _storage_size(item)
         new = 0
@@ -110,7 +111,10 @@ def bytes_held(tensor: torch.Tensor) -> int:
     be under-counted here: :meth:`OutsideRecorder.weaken` measures storages when the total is large.
     """
     base = tensor._base
-    size = (tensor if base is None else base).nbytes
+    try:
+        size = (tensor if base is None else base).nbytes
+    except RuntimeError:  # a sparse COO tensor has no nbytes (nor a storage of its own): held weakly
+        return KEEP_TOTAL + 1
     return KEEP_TOTAL + 1 if size > KEEP_BYTES else size
 
 

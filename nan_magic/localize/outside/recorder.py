@@ -432,7 +432,10 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
             base = out._base  # bytes_held, inlined
-            size = (out if base is None else base).nbytes
+            try:
+                size = (out if base is None else base).nbytes
+            except RuntimeError:  # a sparse COO tensor has no nbytes: counted as too large to keep, held weakly
+                size = KEEP_TOTAL + 1
             self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
         else:
             flat = type(out) is tuple or type(out) is list  # (max and its index: a flat tuple, no pytree walk)
@@ -445,7 +448,10 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 if type(tensor) is torch.Tensor:  # (bytes_held, inlined as above: nll_loss's pair, max's)
                     self._produced[id(tensor)] = index
                     base = tensor._base
-                    size = (tensor if base is None else base).nbytes
+                    try:
+                        size = (tensor if base is None else base).nbytes
+                    except RuntimeError:  # (sparse COO, as above)
+                        size = KEEP_TOTAL + 1
                     self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
                 elif isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
@@ -455,7 +461,10 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         for value in args:
             if type(value) is torch.Tensor:
                 base = value._base  # bytes_held, inlined: most ops read one or two tensors
-                size = (value if base is None else base).nbytes
+                try:
+                    size = (value if base is None else base).nbytes
+                except RuntimeError:  # (sparse COO: a graph's adjacency given to torch.sparse.mm)
+                    size = KEEP_TOTAL + 1
                 self._held_bytes += size if size <= KEEP_BYTES else KEEP_TOTAL + 1
             elif type(value) is list or type(value) is tuple:  # (mostly dims and sizes: a loop, no call)
                 for item in value:

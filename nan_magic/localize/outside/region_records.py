@@ -119,7 +119,10 @@ class RegionRecords:
             if (type(tensor) is not torch.Tensor or not tensor.requires_grad or id(tensor) in self.before
                     or self.made(tensor)):
                 continue
-            size = tensor.nbytes  # (numel times element size, as for the values already kept)
+            try:
+                size = tensor.nbytes  # (numel times element size, as for the values already kept)
+            except RuntimeError:  # (a sparse COO tensor has none: not copied)
+                continue
             if size <= KEEP_BYTES and size + sum(kept.nbytes for kept in self.before.values()) <= KEEP_TOTAL:
                 self.before[id(tensor)] = tensor.detach().clone()
                 self._clean = False  # (forget() empties ``before``)

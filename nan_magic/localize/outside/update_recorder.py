@@ -181,7 +181,10 @@ class UpdateRecorder(OutsideRecorder):
         before = self.before
         for tensor in written:  # (two calls a tensor: its id and its clone; nbytes and requires_grad are fields)
             if type(tensor) is torch.Tensor and (key := id(tensor)) not in before:
-                size = tensor.nbytes
+                try:
+                    size = tensor.nbytes
+                except RuntimeError:  # a sparse COO gradient (sparse=True embedding) has no nbytes: not copied
+                    continue
                 if self._copied + size <= KEEP_TOTAL:
                     before[key] = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
                     self._copied += size
