@@ -1,0 +1,47 @@
+"""Known wrong answers left by session 25 (its closing note's "Not done, plainly"), each as a test that failed before
+its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+
+
+def _adam_eps_0_report(**options: object) -> nan_magic.Report:
+    """Adam with eps=0 over embedding rows no batch used: 0/0 in step 0's update (test_nb25's notebook, as a script)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(20, 4)
+    opt = torch.optim.Adam(emb.parameters(), lr=1e-2, eps=0.0)
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(emb, opt, **options):
+        for _step in range(3):
+            ids = torch.randint(0, 10, (8,))
+            loss = (emb(ids).sum(-1) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = raised.value.report
+    assert (report.phase, report.step, report.op) == ("optimizer", 0, "aten.addcdiv_.default")
+    return report
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_an_optimizer_replays_operands_say_whose_numbers_they_are(defer: bool) -> None:
+    """The op of an optimizer step is named by a replay from what the step left (its state already advanced), so the
+    report's inputs and histograms (Adam's averages) are the replay's numbers. Deferred, the step's gradient is gone
+    by the check (step 1's backward replaced it) and the replay applied step 1's: the report said the replay ran on
+    "its gradient" under numbers that were neither step 0's nor the immediate report's (nb25). The note now says
+    which gradient the replay applied and that the numbers are not the step's."""
+    report = _adam_eps_0_report(defer=defer)
+    (said,) = [note for note in report.notes if "named by a replay of the Adam step" in note]
+    if defer:
+        assert said == ("aten.addcdiv_.default named by a replay of the Adam step on copies of the parameter and its "
+                        "state as step 0 left them and of step 1's gradient (step 0's was replaced before it was "
+                        "judged): its inputs and histograms are the replay's numbers, not step 0's"), said
+    else:
+        assert said == ("aten.addcdiv_.default named by a replay of the Adam step on copies of the parameter, its "
+                        "gradient and its state as the step left them (non-finite elements as 0): its inputs and "
+                        "histograms are the replay's numbers, not the step's own"), said
+    assert report.operand("tensor2") is not None and report.operand("tensor2").zeros == 64
