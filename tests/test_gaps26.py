@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import nan_magic
+from tests.test_gaps25 import _write_a_nan_at_step_2
 
 
 def _adam_eps_0_report(**options: object) -> nan_magic.Report:
@@ -45,3 +46,17 @@ def test_an_optimizer_replays_operands_say_whose_numbers_they_are(defer: bool) -
                         "gradient and its state as the step left them (non-finite elements as 0): its inputs and "
                         "histograms are the replay's numbers, not the step's own"), said
     assert report.operand("tensor2") is not None and report.operand("tensor2").zeros == 64
+
+
+@pytest.mark.parametrize("options", [{"ops": True}, {"ops": True, "defer": True}])
+def test_ops_mode_names_a_nan_the_loop_writes_into_the_batch(options: dict) -> None:
+    """``x[3, 2] = float("nan")`` before the model call: ops=True reported the batch as data with op None at the model
+    call (its live tracer kept no lifted number, since a lift made the tracer's finding had stopped its checks behind
+    a handled batch's benign event: test_handled_inputs). It names the lift and the writing line now, as the other
+    modes do, and %debug opens at that line."""
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _write_a_nan_at_step_2(**options)
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("data", 2, "aten.lift_fresh.default")
+    assert report.source is not None and report.source.line == 'x[3, 2] = float("nan")'
+    assert report.debug_frame is not None and report.debug_frame.line == 'x[3, 2] = float("nan")'
