@@ -60,3 +60,42 @@ def test_ops_mode_names_a_nan_the_loop_writes_into_the_batch(options: dict) -> N
     assert (report.phase, report.step, report.op) == ("data", 2, "aten.lift_fresh.default")
     assert report.source is not None and report.source.line == 'x[3, 2] = float("nan")'
     assert report.debug_frame is not None and report.debug_frame.line == 'x[3, 2] = float("nan")'
+
+
+FIVE_MODES = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True},
+              "ops+defer": {"ops": True, "defer": True}}
+
+
+class _WithSpare(nn.Module):
+    """Two layers, and a third the optimizer updates but forward never calls (test_phases' WithSpare)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.spare = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("mode", FIVE_MODES)
+def test_a_parameter_the_data_region_rebinds_is_named_at_the_next_step(mode: str) -> None:
+    """``model.spare.bias.data = torch.full(..., nan)`` after step 3's ``opt.step()``, a parameter no forward reads:
+    the default, deferred and full watches found it at the next full check (step 16, phase data, no op or line),
+    since the data region's rebinding check learned the parameters' memory at its first recorded end, which was this
+    one (the loop's data region before ran no op). It is learned at the first backward now: the rebinding is named
+    at the next step, by the op that made the new memory and its line, as ops=True and an in-place write named it."""
+    torch.manual_seed(0)
+    model = _WithSpare()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **FIVE_MODES[mode]):
+        for step in range(20):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            if step == 3:
+                model.spare.bias.data = torch.full((4,), float("nan"))
+    report = caught.value.report
+    assert (report.phase, report.step, report.module, report.op) == ("optimizer", 4, "spare", "aten.full.default")
+    assert report.tensor.name == "spare.bias"
+    assert report.source is not None and report.source.line == 'model.spare.bias.data = torch.full((4,), float("nan"))'
