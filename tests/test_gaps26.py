@@ -3,9 +3,12 @@ its fix."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import nan_magic
 from tests.test_gaps25 import _write_a_nan_at_step_2
@@ -99,3 +102,45 @@ def test_a_parameter_the_data_region_rebinds_is_named_at_the_next_step(mode: str
     assert (report.phase, report.step, report.module, report.op) == ("optimizer", 4, "spare", "aten.full.default")
     assert report.tensor.name == "spare.bias"
     assert report.source is not None and report.source.line == 'model.spare.bias.data = torch.full((4,), float("nan"))'
+
+
+def _chunked_accumulation(eps: float, **options: object) -> tuple[nan_magic.Watch | None, list[torch.Tensor]]:
+    """Four micro-batches a step, chunked from a batch the loop normalised row by row; a per-position loss over 40
+    outputs (161 recorded ops a micro-batch, more than GOES_ON_MAX). Step 1's batch has a blank row in its third
+    micro-batch: 0 / 0 there, unless ``eps``. Returns the watch (None where it raised) and the parameters after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 40))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = [torch.randn(16, 4) for _ in range(3)], [torch.randn(16, 40) for _ in range(3)]
+    xs[1][10] = 0.0
+    watch = nan_magic.watch(model, opt, **options) if options.get("watched", True) else None
+    with watch if watch is not None else contextlib.nullcontext():
+        for step in range(3):
+            x = xs[step] / (xs[step].norm(dim=1, keepdim=True) + eps)  # the loop normalises the whole batch
+            opt.zero_grad()
+            for xb, yb in zip(x.chunk(4), ys[step].chunk(4)):
+                out = model(xb)
+                loss = torch.zeros(())
+                for t in range(40):  # a per-position loss
+                    loss = loss + F.mse_loss(out[:, t], yb[:, t])
+                (loss / 160).backward()
+            opt.step()
+    return watch, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", FIVE_MODES)
+def test_an_accumulating_step_s_batch_the_data_code_made_is_named_past_a_long_loss_region(mode: str) -> None:
+    """Deferred, an accumulating step's check runs as the next micro-batch's call starts, and the batch it judged
+    was made by the data code before the first micro-batch; the records held for it were replaced by the loss code's
+    at each call once a loss region ran more than GOES_ON_MAX ops (fewer go on across the call, and stay held):
+    ``defer=True`` reported the batch with op and line None. The data code's records stay held now."""
+    options = FIVE_MODES[mode]
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _chunked_accumulation(0.0, **options)
+    report = caught.value.report
+    assert (report.phase, report.step, report.module, report.op) == ("data", 1, "", "aten.div.Tensor")
+    assert report.source is not None and "the loop normalises the whole batch" in report.source.line
+    watch, watched = _chunked_accumulation(1e-6, **options)  # the twin: calm, and the same parameters as unwatched
+    assert watch is not None and watch.report is None and not watch.events
+    _none, unwatched = _chunked_accumulation(1e-6, watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, unwatched))
