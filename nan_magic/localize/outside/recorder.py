@@ -212,7 +212,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             # an earlier micro-batch's loss and update records were judged at this call's start.
             self._let_go_of_returned_frames()
             head, kept = self._data_head if self._data is not None else (0, 0)
-            prior_ops, prior_produced, prior_rng = self._data if head else ([], {}, None)
+            prior_ops, prior_produced, prior_rng = self._data if head and self._data is not None else ([], {}, None)
             ops = weakened(self._ops, KEEP_TOTAL - kept) if self._held_bytes > KEEP_TOTAL - kept else list(self._ops)
             self._data = ([*prior_ops[:head], *ops], {
                 **{key: index for key, index in prior_produced.items() if index < head},
