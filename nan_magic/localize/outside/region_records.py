@@ -32,6 +32,7 @@ from nan_magic.localize.outside.recorded_ops import (
     copies_from_outside,
     finite_now,
     last_write,
+    made_from_outside_data,
     maker,
     op_source,
     ops_to,
@@ -90,6 +91,8 @@ class RegionRecords:
         self.graph_grad_sites: set[tuple[Any, int]] = set()
         #: Whether the op :meth:`claim` named last ran in such a backward.
         self.claimed_in_graph_grad = False
+        #: Whether it made, from outside data alone, a tensor the data code built that the loss code read (a target).
+        self.claimed_from_data = False
         #: The watched root whose own forward hook a recorded op's code (and frame, where held) is, else None
         #: (owners.root_hook_module, bound to the watch's roots): torch runs that hook after the watch's post-hook
         #: started the loss region, and the root's call ran its ops. None: no watch names roots.
@@ -177,9 +180,12 @@ class RegionRecords:
         (a model output). ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         ``written``: a batch entering a model, into which the recorded code may have written a number (``x[3] = nan``).
         """
+        self.claimed_from_data = False
         found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before, written)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before, written)
+            self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
+                self._data[0], tensor)
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
         return found
@@ -202,6 +208,9 @@ class RegionRecords:
                 found = self._claim_ops(data_ops[: last + 1], rng, self._data_before, id(read)) if last >= 0 else (
                     self._claim_in(data, read, None, self._data_before) if read is not tensor else None)
                 if found is not None:
+                    # What the data code built from outside data alone, which the loss code read: data, not loss code.
+                    self.claimed_from_data = read is not tensor and made_from_outside_data(
+                        data_ops[: last + 1] if last >= 0 else data_ops, read)
                     return found
         return None
 
