@@ -142,8 +142,6 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self.on_write: Callable[[Plan, Sequence[Any], dict[str, Any]], None] | None = None
         self.then_forget: OutsideRecorder | None = None  # forgotten with the next forget (the update region's records)
         self._data_kept = 0  # bytes the held data records keep (at most KEEP_TOTAL: _hold_update_region)
-        #: How many of the held data records are the data region's own, and the bytes they keep (batch_entered).
-        self._data_head = (0, 0)
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
         """Record ``region`` (``"loss"`` after a model call, ``"data"`` after an optimizer step), afresh.
@@ -162,6 +160,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
         if region == "data" or (region != "loss" and not self.holds_data):
             self._data, self._data_before, self._data_calls, self._data_kept = None, {}, {}, 0
+            self._data_head = None
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
@@ -196,7 +195,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._let_go_of_returned_frames(keep_small=True)
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
             self._data, self._data_kept = (ops, self._produced, self._rng), min(self._held_bytes, KEEP_TOTAL)
-            self._data_head = len(ops), self._data_kept
+            self._data_head = self._data, self._data_before  # (claim: past a long loss region's records)
             self._ops, self._produced, self._n_ops = [], {}, 0
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
@@ -205,21 +204,13 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             # No optimizer step since the last model call (a soft prompt stepped by hand after autograd.grad, a
             # second call fed by the loss code): that code made this batch, and the deferred check judges it after
             # this call's loss region began. Held as a copy: forget() keeps the loss code as the last step's too.
-            # After the data code's records (the step's, before its first call), not in their place: the deferred
-            # check of an accumulating step runs as the next micro-batch's call starts, and the batch it judges may be
-            # one the data code made (standardised whole, then chunked): replaced, that maker was lost once a loss
-            # region ran more than GOES_ON_MAX ops (fewer go on across the call, the held records kept). Only those:
-            # an earlier micro-batch's loss and update records were judged at this call's start.
+            # (The data region's own records stay apart, in ``_data_head``, for a batch the data code made that the
+            # check judges after this call: claim.)
             self._let_go_of_returned_frames()
-            head, kept = self._data_head if self._data is not None else (0, 0)
-            prior_ops, prior_produced, prior_rng = self._data if head and self._data is not None else ([], {}, None)
-            ops = weakened(self._ops, KEEP_TOTAL - kept) if self._held_bytes > KEEP_TOTAL - kept else list(self._ops)
-            self._data = ([*prior_ops[:head], *ops], {
-                **{key: index for key, index in prior_produced.items() if index < head},
-                **{key: index + head for key, index in self._produced.items()}}, prior_rng or self._rng)
-            self._data_calls = {**self._data_calls, **self._calls} if head else dict(self._calls)
-            self._data_kept = min(kept + self._held_bytes, KEEP_TOTAL)
-            self._data_before = {**self._data_before, **self.before} if head else dict(self.before)
+            ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else list(self._ops)
+            self._data, self._data_calls = (ops, dict(self._produced), self._rng), dict(self._calls)
+            self._data_kept = min(self._held_bytes, KEEP_TOTAL)
+            self._data_before = dict(self.before)
         if self.then_forget is not None:  # (none on the usual step: an optimizer step forgot it)
             self._hold_update_region()
         if not self._clean:
@@ -284,7 +275,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             held, self.then_forget = self.then_forget, None
             held.forget()
         if last:
-            self._last = self._data = None
+            self._last = self._data = self._data_head = None
             self._data_before, self._data_calls = {}, {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:

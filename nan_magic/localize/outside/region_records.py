@@ -75,6 +75,11 @@ class RegionRecords:
         # The last data region's records, kept by forget() through the loss region (until the deferred check has
         # judged the batch they made, with the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
+        # The data region's own records and their ``before``, held with ``_data`` while a step's later model calls
+        # replace it (an accumulating step's: the loss code's records past GOES_ON_MAX ops, recorder.batch_entered):
+        # the deferred check runs as the next micro-batch's call starts, and may judge a batch the data code made
+        # before the first (normalised whole, then chunked).
+        self._data_head: tuple[_Records, dict[int, torch.Tensor]] | None = None
         # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
         self._data_before: dict[int, torch.Tensor] = {}
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
@@ -186,6 +191,10 @@ class RegionRecords:
             found = self._claim_in(self._data, tensor, key, self._data_before, written)
             self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
                 self._data[0], tensor)
+        if found is None and (head := self._data_head) is not None and head[0] is not self._data:
+            found = self._claim_in(head[0], tensor, key, head[1], written)
+            self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
+                head[0][0], tensor)
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
         return found
