@@ -47,21 +47,14 @@ def _write_a_nan_at_step_2(**options: object) -> nan_magic.Watch:
     return w
 
 
-#: ops=True's live tracer keeps no lifted number (op_origins.OpOrigins.tracer, literals=False): there, a batch's NaN
-#: that the model's handled-input rule met at the model call and the loss code met after it were one event, and the
-#: loss's was lost behind the benign one (test_handled_inputs' autoencoder reported step 1, a masked product step 3).
-LIVE_LIFTS_GAP = ("ops=True: the live op tracer keeps no lifted number (literals=False in op_origins.OpOrigins), so "
-                  "the batch's write is not named: op None at the model call")
-
-
-@pytest.mark.parametrize("mode", [pytest.param(mode, marks=pytest.mark.xfail(strict=True, reason=LIVE_LIFTS_GAP))
-                                  if mode == "ops" else mode for mode in MODES])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_nan_the_loop_writes_into_the_batch_is_named_at_its_line(mode: str) -> None:
     """``x[3, 2] = float("nan")`` on the line before the model call was reported as data at the model's input, op and
     line None: torch lifts the number into a tensor (``aten.lift_fresh``) and copies it in, both passive ops, and the
     lifted NaN came from outside the recorded ops. The op tracer now keeps the memory a lifted non-finite number was
-    written into, and a batch's claim (phase data) names that lift and its line (not yet under ops=True); its consumers
-    still read it as a value from outside (a NaN label the loss reads stays data at the line that read it)."""
+    written into, and a batch's claim (phase data) names that lift and its line, in every mode (ops=True since
+    gaps26); its consumers still read it as a value from outside (a NaN label the loss reads stays data at the line
+    that read it)."""
     with pytest.raises(nan_magic.NonFiniteError) as caught:
         _write_a_nan_at_step_2(**MODES[mode])
     report = caught.value.report

@@ -266,17 +266,11 @@ def _is_data_report(report: nan_magic.Report, step: int, model: str, options: di
     assert report.phase == Phase.DATA and not report.benign, report.message
     assert report.step == step and report.module == "" and report.module_type == model
     assert report.tensor == TensorRef(TensorRole.INPUT, path="input[0]")
-    if not options.get("ops"):
-        # The data code's records name the lift of the NaN it wrote into the batch, and %debug opens at that line.
-        assert report.op == "aten.lift_fresh.default" and report.source is not None
-        assert report.source.lineno == _line(written)
-        assert report.debug_frame is not None and report.debug_frame.lineno == _line(written), report.debug_frame
-        return
-    # ops=True (test_gaps25's LIVE_LIFTS_GAP): no op; %debug where it opened when the batch was judged: as it
-    # entered, the model call; deferred, the optimizer step's check, but at step 0, checked as the model returned.
-    assert report.op is None
-    debug_at = _line("the optimizer step") if options in DEFERRED and step > 0 else _line("the model call")
-    assert report.debug_frame is not None and report.debug_frame.lineno == debug_at, report.debug_frame
+    # The lift of the NaN the loop wrote into the batch is named (the data code's records; ops=True: the live op
+    # tracer's), and %debug opens at that line.
+    assert report.op == "aten.lift_fresh.default" and report.source is not None
+    assert report.source.lineno == _line(written)
+    assert report.debug_frame is not None and report.debug_frame.lineno == _line(written), report.debug_frame
 
 
 @pytest.mark.parametrize("options", FIVE_MODES)

@@ -521,6 +521,7 @@ def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_che
     model = WithSpare()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(8, 4)
+    loaded = torch.full((4,), float("nan"))  # (made before the watch: no op of the loop made it)
 
     def run() -> None:
         for step in range(steps):
@@ -528,10 +529,11 @@ def test_a_parameter_written_outside_the_optimizer_is_found_by_the_next_full_che
             model(x).sum().backward()
             opt.step()
             if step == 3:
-                # Rebound after the step (``.data =``, as vector_to_parameters does): no op writes the parameter,
-                # so no check of loop writes sees it (an in-place write there is named: tests/test_hunt28.py); no
-                # forward check ever reads it.
-                model.spare.bias.data = torch.full((4,), float("nan"))
+                # Rebound after the step (``.data =``, as vector_to_parameters does) to a tensor made before: no op
+                # writes the parameter or made its new memory, so no check of loop writes sees it (an in-place write
+                # there is named: tests/test_hunt28.py; a rebinding to what the loop's ops made: test_gaps26.py);
+                # no forward check ever reads it.
+                model.spare.bias.data = loaded
 
     report = raised(run, model, opt)
     # Found after bounded steps, which cannot make it: a value no watched code produced (phase data).

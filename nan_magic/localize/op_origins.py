@@ -96,10 +96,7 @@ class OpOrigins:
         phase_hint: Callable[[], Phase | None],
     ) -> OpTracer:
         """The op tracer of ops mode; ``module_name`` names the innermost watched module running."""
-        # (No lifted numbers: live, a batch's NaN met by the handled-input rule at the model call and by the loss
-        # code after it was one event, the loss's lost behind the benign one: test_handled_inputs' autoencoder.)
-        self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True,
-                               literals=False)
+        self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
         self.tracer.enclosing = self._enclosing
         self.tracer.within = self._within
         self.tracer.owned = self._owned
@@ -175,10 +172,14 @@ class OpOrigins:
         outside = self.outside
         freed = finding.record.ref if tensor is None and finding.record is not None else None
         # A batch no op made non-finite (phase data) may hold a number the loop wrote into it (``x[3, 2] = nan``):
-        # that write is named where the data region's records saw it (the live op tracer keeps no lifted number).
+        # that write is named where the live op tracer or the data region's records saw it. Live, the lift is not
+        # made the tracer's finding, which would stop its checks: the batch's event may be benign (the model handles
+        # NaN-coded missing values) and the loss code may then make the step's event (test_handled_inputs).
         written = finding.phase == Phase.DATA
         if self.tracer is not None and (tensor is not None or freed is not None):
             origin = self.tracer.claim(tensor, freed)
+            if origin is None and written and tensor is not None:
+                origin = self.tracer.written_into(tensor, take=False)
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None) and (
                 finding.op is None):  # (named by the loss code's backward: a gradient its own autograd.grad made)
             origin = outside.claim(tensor, key, written=written)
@@ -220,6 +221,9 @@ class OpOrigins:
             if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):
                 # The op returned the loss itself (a cross_entropy whose every label is ignored): it keeps its name.
                 finding.tensor, finding.module_output = boundary, None
+            if outside is not None and self.tracer is None and outside.claimed_from_data:
+                # The data code built it from outside data alone (a target from the annotations): data (PRODUCT.md).
+                finding.phase = Phase.DATA
             if frame is not None:
                 finding.frame, finding.frame_position = frame, position
                 if outside is not None and self.tracer is None:

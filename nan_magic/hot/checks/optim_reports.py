@@ -27,6 +27,9 @@ from nan_magic.records import Note, Phase, SourcePointer, TensorRef, TensorRole
 
 __all__ = ["ReplayStep", "StepReports"]
 
+#: The notes of a replay of the step (localize/replay/optimizer.py), which say whose gradient it applied.
+_REPLAY_NOTES = frozenset({"optimizer-replayed", "optimizer-replay-finite"})
+
 #: Names the op of an optimizer step that made a parameter (or its state ``key``) non-finite, given the user's
 #: line that called the step (None: the line calling it now); localize/replay/optimizer.py.
 #: The last argument is a copy of the parameter taken before the step, where one was (headroom.py).
@@ -123,6 +126,9 @@ class StepReports:
             else:
                 finding.notes.append(Note.of("optimizer-made-it", optimizer=optimizer, tensor=subject))
             if next_check and (judged := self.watch.cycle.step) != result.step:
+                # The step's gradient is gone too (replaced by that step's backward): a replay applied that one.
+                finding.notes[:] = [note.adding(step=result.step, gradient_step=judged)
+                                    if note.kind in _REPLAY_NOTES else note for note in finding.notes]
                 finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
             self.watch.emit(finding)
             return True

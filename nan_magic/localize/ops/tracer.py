@@ -155,11 +155,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
         phase_hint: Callable[[], Phase | None] | None = None,
         at_boundary: bool = False,
         outside_benign: bool = False,
-        literals: bool = True,
     ) -> None:
         super().__init__()
-        #: Whether a non-finite number lifted into a tensor is kept for the batch it is written into (:meth:`_lifted`).
-        self.lifts = literals
         self.kinds = frozenset(kinds)  # checked by WatchConfig
         self.finding: OpFinding | None = None
         #: ``(label, tensor)`` copies of the producer's output and live inputs (histograms), kept until :meth:`reset`.
@@ -233,7 +230,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
             for tensor, entry in kept:
                 if entry is not None:
                     self._origins.note(tensor, entry)
-            self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)])
+            # (With the writes' lifts: %debug opens at the line that wrote the number into the batch.)
+            self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)]
+                                     + [found for _address, found in written])
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
@@ -324,7 +323,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if self.finding is not None:
             return run_op(func, args, kwargs)
         parts = self._parts_written(plan, args, kwargs) if plan.writes and self._origins else None
-        if plan.literal and self.lifts and (literal := literal_numbers(plan, args)):
+        if plan.literal and (literal := literal_numbers(plan, args)):
             out = run_op(func, args, kwargs)
             self._lifted(op_name(func), out, literal)
             return out
@@ -386,15 +385,17 @@ class OpTracer(OriginRules, TorchDispatchMode):
             for _, written in tensors(plan, args, kwargs, plan.writes):
                 self._written[written.untyped_storage().data_ptr()] = read[-1]
 
-    def written_into(self, tensor: torch.Tensor) -> OpFinding | None:
+    def written_into(self, tensor: torch.Tensor, take: bool = True) -> OpFinding | None:
         """The lifted number's finding an op wrote into ``tensor``'s memory this step, made the finding; or None.
 
         For a non-finite batch that no op made (phase data): where the loop wrote a NaN into it, that line is named.
+        ``take=False`` (the live tracer of ops mode) leaves the tracer checking: the batch's event may be benign (a
+        model that handles NaN-coded missing values), and the loss code may then make the step's real event.
         """
         if not self._written or tensor.layout is not torch.strided or self.finding is not None:
             return None
         found = self._written.get(tensor.untyped_storage().data_ptr())
-        if found is not None:
+        if found is not None and take:
             with self._lock:
                 self.finding = found
                 self.producer_tensors = self.witnesses.copies(found)

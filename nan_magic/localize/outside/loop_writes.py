@@ -132,6 +132,11 @@ class LoopWrites:
         if self._recorder is not None:
             if self._update_rebound.seen is None:  # (once: each parameter's memory, for end() to see it rebound)
                 self._update_rebound.moved(self._recorder)
+                if self._rebound.seen is None and (main := self._data_recorder) is not None:
+                    # The data region's too: learned at its first recorded end, it missed a rebinding there when
+                    # that region was the first to run an op (``p.data = torch.full(..., nan)`` after the step,
+                    # found at the next full check, steps later; the usual data region, ``zero_grad()``, runs none).
+                    self._rebound.moved(main)
             if self._wanted:
                 self._recorder.start("update")
             else:

@@ -22,8 +22,9 @@ from nan_magic.localize.ops.plans import arguments, plan_of
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "finite_now", "last_write", "maker",
-           "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op", "swapped", "weak_record"]
+__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "finite_now", "last_write",
+           "made_from_outside_data", "maker", "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op",
+           "swapped", "weak_record"]
 
 
 class RecordedOp(NamedTuple):
@@ -222,3 +223,39 @@ def maker(output: torch.Tensor | None, ran: list[RecordedOp], copies: dict[int, 
         if any(copies.get(key) is output for out in tree_leaves(op.out) if (key := record_key(out)) is not None):
             return op
     return None
+
+
+def made_from_outside_data(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
+    """Whether the recorded ops that made ``tensor`` (its ancestors among ``ops``, by id or by memory: a write through
+    a view) read only plain tensors from outside them: none a parameter, none that requires a gradient or came from
+    autograd (a model's output).
+
+    A target the loop built from its annotations (FCOS's centerness from box distances) is data (PRODUCT.md: "a
+    tensor built in the loop from outside data"); a center loss's centers moved by the model's features, or an
+    unwatched teacher's output (its parameters), are not. Read at an event only.
+    """
+    keys, memory = {id(tensor)}, {_memory_of(tensor)}
+    made: set[int] = set()
+    for op in reversed(ops):
+        outs = [(record_key(out), _memory_of(out)) for out in tree_leaves(op.out)]
+        if not any(key in keys or at in memory for key, at in outs if key is not None):
+            continue
+        made.update(key for key, _at in outs if key is not None)
+        for value in tree_leaves((op.args, op.kwargs)):
+            if (key := record_key(value)) is None:
+                continue
+            read = value.ref() if isinstance(value, WeakRecord) else value
+            grad = value.requires_grad if isinstance(value, WeakRecord) else bool(value.requires_grad)
+            if grad or isinstance(read, torch.nn.Parameter) or (read is not None and read.grad_fn is not None):
+                return False
+            keys.add(key)
+            memory.add(_memory_of(value))
+    return True
+
+
+def _memory_of(value: Any) -> int | None:
+    """The address of a recorded tensor's storage, while it lives (None for anything else)."""
+    tensor = value.ref() if isinstance(value, WeakRecord) else value
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+        return None
+    return tensor.untyped_storage().data_ptr() or None

@@ -160,6 +160,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
         if region == "data" or (region != "loss" and not self.holds_data):
             self._data, self._data_before, self._data_calls, self._data_kept = None, {}, {}, 0
+            self._data_head = None
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
         if not self._clean:  # (forgotten as the last region ended, and not pushed since: the loss region's start
             self.forget()    # after its model call, the data region's after the optimizer step)
@@ -194,6 +195,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._let_go_of_returned_frames(keep_small=True)
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else self._ops  # (after: records rebuilt)
             self._data, self._data_kept = (ops, self._produced, self._rng), min(self._held_bytes, KEEP_TOTAL)
+            self._data_head = self._data, self._data_before  # (claim: past a long loss region's records)
             self._ops, self._produced, self._n_ops = [], {}, 0
             self._data_calls, self._calls = self._calls, {}
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
@@ -202,6 +204,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             # No optimizer step since the last model call (a soft prompt stepped by hand after autograd.grad, a
             # second call fed by the loss code): that code made this batch, and the deferred check judges it after
             # this call's loss region began. Held as a copy: forget() keeps the loss code as the last step's too.
+            # (The data region's own records stay apart, in ``_data_head``, for a batch the data code made that the
+            # check judges after this call: claim.)
             self._let_go_of_returned_frames()
             ops = weakened(self._ops) if self._held_bytes > KEEP_TOTAL else list(self._ops)
             self._data, self._data_calls = (ops, dict(self._produced), self._rng), dict(self._calls)
@@ -271,7 +275,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             held, self.then_forget = self.then_forget, None
             held.forget()
         if last:
-            self._last = self._data = None
+            self._last = self._data = self._data_head = None
             self._data_before, self._data_calls = {}, {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:

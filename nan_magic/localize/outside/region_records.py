@@ -32,6 +32,7 @@ from nan_magic.localize.outside.recorded_ops import (
     copies_from_outside,
     finite_now,
     last_write,
+    made_from_outside_data,
     maker,
     op_source,
     ops_to,
@@ -74,6 +75,11 @@ class RegionRecords:
         # The last data region's records, kept by forget() through the loss region (until the deferred check has
         # judged the batch they made, with the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
+        # The data region's own records and their ``before``, held with ``_data`` while a step's later model calls
+        # replace it (an accumulating step's: the loss code's records past GOES_ON_MAX ops, recorder.batch_entered):
+        # the deferred check runs as the next micro-batch's call starts, and may judge a batch the data code made
+        # before the first (normalised whole, then chunked).
+        self._data_head: tuple[_Records, dict[int, torch.Tensor]] | None = None
         # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
         self._data_before: dict[int, torch.Tensor] = {}
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
@@ -90,6 +96,8 @@ class RegionRecords:
         self.graph_grad_sites: set[tuple[Any, int]] = set()
         #: Whether the op :meth:`claim` named last ran in such a backward.
         self.claimed_in_graph_grad = False
+        #: Whether it made, from outside data alone, a tensor the data code built that the loss code read (a target).
+        self.claimed_from_data = False
         #: The watched root whose own forward hook a recorded op's code (and frame, where held) is, else None
         #: (owners.root_hook_module, bound to the watch's roots): torch runs that hook after the watch's post-hook
         #: started the loss region, and the root's call ran its ops. None: no watch names roots.
@@ -180,9 +188,16 @@ class RegionRecords:
         (a model output). ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         ``written``: a batch entering a model, into which the recorded code may have written a number (``x[3] = nan``).
         """
+        self.claimed_from_data = False
         found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before, written)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before, written)
+            self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
+                self._data[0], tensor)
+        if found is None and (head := self._data_head) is not None and head[0] is not self._data:
+            found = self._claim_in(head[0], tensor, key, head[1], written)
+            self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
+                head[0][0], tensor)
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
         return found
@@ -205,6 +220,9 @@ class RegionRecords:
                 found = self._claim_ops(data_ops[: last + 1], rng, self._data_before, id(read)) if last >= 0 else (
                     self._claim_in(data, read, None, self._data_before) if read is not tensor else None)
                 if found is not None:
+                    # What the data code built from outside data alone, which the loss code read: data, not loss code.
+                    self.claimed_from_data = read is not tensor and made_from_outside_data(
+                        data_ops[: last + 1] if last >= 0 else data_ops, read)
                     return found
         return None
 

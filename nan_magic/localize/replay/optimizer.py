@@ -69,7 +69,7 @@ def name_optimizer_op(
     if not isinstance(bad, torch.Tensor):
         return
     try:
-        replayed, origin = _replay(opt, parameter, key, kinds, before)
+        replayed, origin, stateful = _replay(opt, parameter, key, kinds, before)
     except Exception:  # any optimizer (a closure it needs, a custom class): the event stands
         finding.notes.append(Note.of("optimizer-unreplayable", optimizer=type(opt).__name__))
         return
@@ -84,14 +84,18 @@ def name_optimizer_op(
     # LARS: its trust-ratio line names the op better than ``opt.step()``, in both timings).
     own = origin.source is not None and _in_own_code(type(opt), origin.source)
     attach_origin(finding, dataclasses.replace(origin, source=origin.source if own else caller or origin.source))
-    finding.notes.append(Note.of("optimizer-replayed", op=origin.op, optimizer=name, before=before is not None))
+    # The replay steps again from what the step left: its operands are the step's own numbers only where it started
+    # from a copy taken before the step and the optimizer keeps no state the step had already advanced.
+    finding.notes.append(Note.of("optimizer-replayed", op=origin.op, optimizer=name, before=before is not None,
+                                 own_numbers=before is not None and not stateful))
 
 
 def _replay(
     opt: torch.optim.Optimizer, parameter: torch.Tensor, key: str | None, kinds: frozenset[str],
     before: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, OpFinding | None]:
-    """Run ``opt``'s step for ``parameter`` alone on copies; the replayed bad tensor and the op that started it."""
+) -> tuple[torch.Tensor | None, OpFinding | None, bool]:
+    """Run ``opt``'s step for ``parameter`` alone on copies; the replayed bad tensor, the op that started it, and
+    whether the parameter had optimizer state (which the step had advanced before the replay starts from it)."""
     group = next(group for group in opt.param_groups if any(p is parameter for p in group["params"]))
     with torch.no_grad():
         start = before if before is not None else parameter
@@ -115,9 +119,9 @@ def _replay(
         raw(replica)
     replayed = copy if key is None else replica.state[copy].get(key)
     if not isinstance(replayed, torch.Tensor):
-        return None, None
+        return None, None, bool(state)
     origin = tracer.claim(replayed)
-    return replayed.detach(), origin if isinstance(origin, OpFinding) else None
+    return replayed.detach(), origin if isinstance(origin, OpFinding) else None, bool(state)
 
 
 def _in_own_code(cls: type, source: SourcePointer) -> bool:

@@ -20,6 +20,7 @@ from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
 from nan_magic.render.words.counted import counted, human_size
 from nan_magic.render.words.names import subject_label, tensor_label
+from nan_magic.render.words.optimizer_replay_words import optimizer_replay_finite, optimizer_replayed
 from nan_magic.tensor_refs import TensorRef
 
 __all__ = ["debugger_command", "note_text"]
@@ -319,19 +320,6 @@ def _debug_in_replay(note: Note) -> str:
             "that line left them")
 
 
-def _optimizer_replay_finite(note: Note) -> str:
-    start = "from the parameter as it was before it" if note.fact("before") else "from the state it left"
-    return (f"a replay of the {note.fact('optimizer')} step {start} stayed finite where the step made non-finite "
-            "values: its op is not named")
-
-
-def _optimizer_replayed(note: Note) -> str:
-    on = ("on a copy of the parameter kept before it (its values were near the limit of its dtype), its gradient "
-          "and its state") if note.fact("before") else (
-          "on copies of the parameter, its gradient and its state as the step left them (non-finite elements as 0)")
-    return f"{note.fact('op')} named by a replay of the {note.fact('optimizer')} step {on}"
-
-
 def _enclosing_missed(note: Note) -> str:
     op, replay = note.fact("op"), note.fact("replay")
     label = note.fact("module") or "the root module"
@@ -476,8 +464,8 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "python-backward": _python_backward,
     "inside": _inside,
     "outside-untraced": _outside_untraced,
-    "optimizer-replay-finite": _optimizer_replay_finite,
-    "optimizer-replayed": _optimizer_replayed,
+    "optimizer-replay-finite": optimizer_replay_finite,
+    "optimizer-replayed": optimizer_replayed,
     "enclosing-missed": _enclosing_missed,
     "computed-inside": _computed_inside,
     "restore": _restore,
