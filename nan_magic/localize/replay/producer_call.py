@@ -44,6 +44,7 @@ from nan_magic.localize.replay.calls_named import (
     caller_named,
     run_without_a_call,
 )
+from nan_magic.localize.replay.fused import apart_note, fast_path_off, is_fused
 from nan_magic.localize.replay.module_run import (
     copy_tensors,
     enclosing_output,
@@ -159,6 +160,13 @@ class CallReplay(BackwardCallReplays):
                 frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.kinds,
                 module_name=frame.info.name, autocast=frame.call.autocast,
             )
+            if result.finding is not None and is_fused(fused := result.finding.op):
+                with fast_path_off():  # a fused inference layer, taken apart (replay/fused.py)
+                    apart = replay_module(frame.module, args, kwargs, rng_state=frame.rng_state, kinds=self.kinds,
+                                          module_name=frame.info.name, autocast=frame.call.autocast)
+                if apart.finding is not None:
+                    result = apart
+                    finding.notes.append(apart_note(fused))
         if result.finding is not None:
             op = result.finding
             inner = _call_named(self._log, frame.call, op.module) if op.module != frame.info.name else None

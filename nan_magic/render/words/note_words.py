@@ -130,6 +130,9 @@ _TEMPLATES: dict[str, str] = {
     "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
                              "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
     "step-replay-finite": "the replay stayed finite",
+    "fused-apart": "{fused}, PyTorch's fused kernel for the whole layer (its inference fast path), made the value; a "
+                   "replay with that fast path off (torch.backends.mha.set_fastpath_enabled(False)) made it again "
+                   "and names the op inside the layer",
     "replay-interrupted": "the replay that names the producer was interrupted (the stop button, Ctrl-C): this is "
                           "what the step's boundary check saw, not the producer; run the cell again and let it finish "
                           "to name the module, op and line",

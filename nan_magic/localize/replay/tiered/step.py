@@ -47,6 +47,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.parameter_writes import Written
 from nan_magic.hot.kept.rng import ModelStates
 from nan_magic.localize.replay.buffer_writes import buffer_written
+from nan_magic.localize.replay.fused import apart_note, fast_path_off, is_fused
 from nan_magic.localize.replay.line_replay import LineStop
 from nan_magic.localize.replay.seen_again import kinds_unexplained, same_counts
 from nan_magic.localize.replay.tiered.root_calls import NestedWatch, Outcome, RootCall, replay_target, rerun
@@ -182,6 +183,8 @@ class StepReplays(StepKeeping):
                 break
         if outcome.report is None and outcome.benign is None and not backward:
             outcome = self._run_as_read(candidates[0], boundary) or outcome
+        if outcome.report is not None and not backward and is_fused(outcome.report.op):
+            outcome = self._run_apart(root, boundary, seen, outcome.report.op) or outcome
         if outcome.report is None and outcome.benign is not None:
             if lacking := kinds_unexplained(outcome.boundary, seen):
                 # A kind the deliberate infinity does not make (a NaN never is): the replay ran from state the loop
@@ -260,6 +263,17 @@ class StepReplays(StepKeeping):
             for parameter, data in swapped:
                 parameter.data = data
         return outcome if outcome.report is not None else None
+
+    def _run_apart(self, root: RootCall, boundary: TensorRef | None, seen: Report, fused: str | None
+                   ) -> Outcome | None:
+        """The replay named a fused inference layer (replay/fused.py): again with the fast path off, where that
+        replay makes the same values at the boundary; else None, and the fused op stands."""
+        with fast_path_off():
+            outcome = self._run(root, False, boundary)
+        if outcome.report is None or not same_counts(outcome.boundary, seen):
+            return None
+        notes = (*outcome.report.note_facts, apart_note(fused))
+        return dataclasses.replace(outcome, report=dataclasses.replace(outcome.report, note_facts=notes))
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None, anomaly: bool = False) -> Outcome:
         return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
