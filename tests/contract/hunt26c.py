@@ -13,7 +13,6 @@ its users apply: the twin must stay silent and bit-identical, in every mode.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -117,20 +116,27 @@ def _eigh_backward(identity: bool) -> Scenario:
 
 
 # ---------------------------------------------------------------- an L_0.5 penalty of a pruned weight
-def _quasi_norm(eps: float) -> Scenario:
+def _quasi_norm(eps: float, prune_at: int | None = None) -> Scenario:
     """Half the first layer's weights were pruned to exactly 0; the loss adds the ``L_0.5`` quasi-norm of the weight
-    to push more to 0, written ``sum(|w|^p)^(1/p)``. Its backward is ``|w|^(p - 1)`` (inf at 0) times ``sign(w)`` (0):
-    NaN. The twin adds eps to ``|w|``."""
+    to push more to 0, written ``sum(|w|^p)^(1/p)``, before the model call. Its backward is ``|w|^(p - 1)`` (inf at
+    0) times ``sign(w)`` (0): NaN. ``prune_at``: the loop prunes at that step instead, in place, just before the
+    penalty (a leaf written in the same data region: its replay must not write it again). The twin adds eps to
+    ``|w|``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    with torch.no_grad():
-        model[0].weight.mul_(torch.rand(8, 4) > 0.5)
+    mask = torch.rand(8, 4) > 0.5
+    if prune_at is None:
+        with torch.no_grad():
+            model[0].weight.mul_(mask)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     xs, ys = _batches(6, 4, steps=3), _batches(6, 1, steps=3)
 
     def run() -> list[torch.Tensor]:
         losses = []
         for step in range(3):
+            if step == prune_at:
+                with torch.no_grad():
+                    model[0].weight.mul_(mask)
             w = model[0].weight
             penalty = ((w.abs() + eps) ** 0.5).sum() ** 2  # producer: quasi-norm backward
             loss = F.mse_loss(model(xs[step]), ys[step]) + 1e-3 * penalty
@@ -322,20 +328,6 @@ def _target_standardisation(drop_last: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
-def _before_the_model_call(owner: str) -> tuple[pytest.MarkDecorator, ...]:
-    """The strict xfail of a penalty's backward the recorded modes cannot name: its code ran before the model."""
-    return (pytest.mark.xfail(strict=True, reason=(
-        f"module {owner!r} (the owner), op None, cause unclassified (phase and step right): the penalty's ops ran "
-        "before the model call, in the data region, so RegionRecords.claim_backward (localize/outside/"
-        "region_records.py) replays only the loss region's ops from the loss and copies the penalty as a leaf that "
-        "requires grad (recorded_ops.copies_from_outside); the data region's records are dropped by "
-        "OutsideRecorder.start (localize/outside/recorder.py) as the update region starts (immediate) and never "
-        "searched by claim_backward (deferred), so OpOrigins.add_op_origin falls back to _replay_owner, which "
-        "names the owner without an op. The same penalty computed after the model call is named in every mode; "
-        "ops=True's tracer saw it live.")),)
-
-
-_TIERED = ("default", "defer", "full")
 _EIGH = Expect("backward", None, step=0, op="aten.div_.Tensor", marker="eigh backward", cause="division-by-zero")
 _QUASI = Expect("backward", None, step=0, op="aten.pow.Tensor_Scalar", marker="quasi-norm backward",
                 cause="pow-domain")
@@ -347,15 +339,16 @@ CASES = [
          Expect("backward", "", "NormalisedBag", step=1, op="aten.div.Tensor", marker="normalise backward",
                 cause="division-by-zero")),
     Case("hunt26c_hand_written_backward_saves_the_clamped_norm_healthy", lambda: _normalise_backward(True), None),
-    Case("hunt26c_eigh_backward_over_an_identity_initialised_weight", lambda: _eigh_backward(True), _EIGH,
-         modes=("ops",)),
-    Case("hunt26c_eigh_backward_over_an_identity_initialised_weight_tiered", lambda: _eigh_backward(True), _EIGH,
-         modes=_TIERED, marks=_before_the_model_call("rec")),
+    # (The penalties' ops run before the model call, in the data region: recorded_ops.with_early_loss_code.)
+    Case("hunt26c_eigh_backward_over_an_identity_initialised_weight", lambda: _eigh_backward(True), _EIGH),
     Case("hunt26c_eigh_backward_over_a_default_initialised_weight_healthy", lambda: _eigh_backward(False), None),
-    Case("hunt26c_half_quasi_norm_penalty_of_a_pruned_weight", lambda: _quasi_norm(0.0), _QUASI, modes=("ops",)),
-    Case("hunt26c_half_quasi_norm_penalty_of_a_pruned_weight_tiered", lambda: _quasi_norm(0.0), _QUASI,
-         modes=_TIERED, marks=_before_the_model_call("0")),
+    Case("hunt26c_half_quasi_norm_penalty_of_a_pruned_weight", lambda: _quasi_norm(0.0), _QUASI),
     Case("hunt26c_half_quasi_norm_penalty_with_eps_healthy", lambda: _quasi_norm(1e-8), None),
+    Case("hunt26c_half_quasi_norm_penalty_of_a_weight_the_loop_prunes_in_place", lambda: _quasi_norm(0.0, 1),
+         Expect("backward", None, step=1, op="aten.pow.Tensor_Scalar", marker="quasi-norm backward",
+                cause="pow-domain")),
+    Case("hunt26c_half_quasi_norm_penalty_with_eps_of_a_weight_the_loop_prunes_healthy",
+         lambda: _quasi_norm(1e-8, 1), None),
     Case("hunt26c_radam_eps_0_over_unused_embedding_rows", lambda: _unused_rows("radam", 0.0, 9),
          Expect("optimizer", "embed", "Embedding", step=5, op="aten.reciprocal.default", marker="unused rows step",
                 tensor=TensorRef.parameter("embed.weight"), cause="optimizer-eps-underflow")),
