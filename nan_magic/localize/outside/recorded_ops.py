@@ -259,3 +259,46 @@ def _memory_of(value: Any) -> int | None:
     if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
         return None
     return tensor.untyped_storage().data_ptr() or None
+
+
+def with_early_loss_code(ops: list[RecordedOp], data: list[RecordedOp], produced: dict[int, int]
+                         ) -> list[RecordedOp]:
+    """``ops`` (the loss code's, up to the loss) after the data region's ops that made what they read with gradients.
+
+    The loss code may begin before the model call (``penalty = w.abs().sqrt().sum()`` at the loop's top, added to
+    the loss after it): its ops were recorded in the data region, and a replay of the loss region alone would take
+    their result for a leaf, its backward op unseen. A data-region op that returned a tensor with an autograd node
+    (the data code's own tensors have none) which ``ops`` read is put first, with the data-region ops that made the
+    others it read from so, in their order. ``produced``: the data region's id(output) -> index of the op that
+    returned it.
+    """
+    def maker_of(value: Any) -> int | None:
+        # Only a tensor autograd made (a node's output): a parameter, or a data tensor, is copied as it is now by
+        # the replay (a pruning ``w.mul_(mask)`` in the data region is not run again on a leaf that requires grad).
+        tensor = value.ref() if isinstance(value, WeakRecord) else value
+        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+            return None
+        key = id(tensor) if tensor is value else value.key
+        index = produced.get(key)
+        if index is None or not any(record_key(out) == key for out in tree_leaves(data[index].out)):
+            return None
+        return index
+
+    wanted: set[int] = set()
+    made: set[int] = set()
+    for op in ops:
+        for value in tree_leaves((op.args, op.kwargs)):
+            if record_key(value) not in made and (index := maker_of(value)) is not None:
+                wanted.add(index)
+        made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
+    if not wanted:
+        return ops
+    stack = list(wanted)
+    while stack:
+        op = data[stack.pop()]
+        for value in tree_leaves((op.args, op.kwargs)):
+            index = maker_of(value)
+            if index is not None and index not in wanted:
+                wanted.add(index)
+                stack.append(index)
+    return [data[index] for index in sorted(wanted)] + ops

@@ -39,6 +39,7 @@ from nan_magic.localize.outside.recorded_ops import (
     ops_to_key,
     record_key,
     rerun_op,
+    with_early_loss_code,
 )
 from nan_magic.records import Note
 
@@ -380,6 +381,11 @@ class RegionRecords:
             ops = ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None or key is None:
             return None
+        if self._data_head is not None and not applied:
+            # The data region's own records (not a loss region's held as a later call's data: batch_entered): a
+            # penalty of the parameters the loop computed there, before the model call, is loss code too.
+            data = self._data_head[0]
+            ops = with_early_loss_code(ops, data[0], data[1])
         # At the boundary, as ops=True judges it: the gradient is claimed, so a forward value the loss code
         # absorbed (a clamp of log(0)) is not the producer; the backward op that read it is.
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
