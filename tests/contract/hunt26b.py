@@ -233,12 +233,6 @@ CASES = [
     Case("hunt26_prefetcher_standardises_a_dead_channel_one_batch_ahead", lambda: _prefetcher(0.0), _PREFETCH,
          modes=("ops",)),
     Case("hunt26_prefetcher_standardises_a_dead_channel_one_batch_ahead_tiered", lambda: _prefetcher(0.0),
-         _PREFETCH, modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=(
-             "op None, cause bad-input-data (phase, module, step right): the prefetcher standardised step 2's "
-             "batch in step 1's data region, before step 1's forward; OutsideRecorder.start "
-             "(localize/outside/recorder.py) drops the held data records (_data) as step 1's update region "
-             "(immediate) or step 2's data region (deferred) starts, and step 2's data region recorded only batch "
-             "3's standardisation, so OpOrigins.add_op_origin finds no op that made the input. ops=True's tracer "
-             "saw the div.")),)),
+         _PREFETCH, modes=("default", "defer", "full")),
     Case("hunt26_prefetcher_std_eps_healthy", lambda: _prefetcher(1e-6), None),
 ]

@@ -159,6 +159,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         # Held by batch_entered: the batch they made is judged at the step's check (deferred), or at the call's end;
         # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
         if region == "data" or (region != "loss" and not self.holds_data):
+            if self._data_head is not None:  # (kept one region more: a prefetcher's batch, made a step ahead)
+                self._data_prior = (*self._data_head, self._data_calls)
             self._data, self._data_before, self._data_calls, self._data_kept = None, {}, {}, 0
             self._data_head = None
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
@@ -275,7 +277,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             held, self.then_forget = self.then_forget, None
             held.forget()
         if last:
-            self._last = self._data = self._data_head = None
+            self._last = self._data = self._data_head = self._data_prior = None
             self._data_before, self._data_calls = {}, {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
