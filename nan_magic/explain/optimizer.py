@@ -38,7 +38,9 @@ def optimizer_cause(report: Report) -> Cause:
         ("lr", report.optimizer_lr), ("eps", report.optimizer_eps), ("limit", limit), ("step", report.step),
     )
     lr = report.optimizer_lr
-    if lr is not None and not lr < limit / _LR_MARGIN:
+    if lr is not None and not lr < limit / _LR_MARGIN and not any(
+            note.kind == "lr-made-by-loop" for note in report.note_facts):
+        # (Not where the loop's own op made a NaN or infinite rate, named at its line: the op says why.)
         # Adam-like updates are about ±lr (up to a few tens of lr), SGD's lr·grad: with lr past the max, or
         # within _LR_MARGIN of it (or inf, NaN: a schedule gone wrong), an update of ordinary size overflows,
         # whatever the implementation (fused, foreach, for-loop).

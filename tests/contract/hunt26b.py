@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -221,24 +220,11 @@ CASES = [
     Case("hunt26_gradient_standardisation_skipping_scalars_healthy", lambda: _gradient_standardisation(True), None),
     Case("hunt26_polyak_step_size_of_a_batch_without_a_labelled_sample", lambda: _polyak(0.0),
          Expect("optimizer", "0", "Linear", step=2, op="aten.div.Tensor", marker="polyak",
-                tensor=TensorRef.parameter("0.weight"), cause="division-by-zero"),
-         marks=(pytest.mark.xfail(strict=True, reason=(
-             "op aten.add_.Tensor at the opt.step() line, cause learning-rate-too-high (lr = nan), in every mode: "
-             "hot/checks/optim_reports.py step_result names the op of the step's replay (replay/optimizer.py), "
-             "whose add_ reads the NaN lr as its alpha; the NaN was made by the loop's div between backward and "
-             "the step and reached param_groups as a Python float through .item(): neither the update region's "
-             "records (localize/outside/update_recorder.py) nor ops=True's tracer tie a group's lr back to the "
-             "tensor it was read from.")),)),
+                tensor=TensorRef.parameter("0.weight"), cause="division-by-zero")),
     Case("hunt26_polyak_step_size_with_eps_healthy", lambda: _polyak(1e-8), None),
     Case("hunt26_prefetcher_standardises_a_dead_channel_one_batch_ahead", lambda: _prefetcher(0.0), _PREFETCH,
          modes=("ops",)),
     Case("hunt26_prefetcher_standardises_a_dead_channel_one_batch_ahead_tiered", lambda: _prefetcher(0.0),
-         _PREFETCH, modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=(
-             "op None, cause bad-input-data (phase, module, step right): the prefetcher standardised step 2's "
-             "batch in step 1's data region, before step 1's forward; OutsideRecorder.start "
-             "(localize/outside/recorder.py) drops the held data records (_data) as step 1's update region "
-             "(immediate) or step 2's data region (deferred) starts, and step 2's data region recorded only batch "
-             "3's standardisation, so OpOrigins.add_op_origin finds no op that made the input. ops=True's tracer "
-             "saw the div.")),)),
+         _PREFETCH, modes=("default", "defer", "full")),
     Case("hunt26_prefetcher_std_eps_healthy", lambda: _prefetcher(1e-6), None),
 ]

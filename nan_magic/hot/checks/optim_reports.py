@@ -49,6 +49,7 @@ class StepReports:
     def __init__(self, watch: OptimizerHost, origins: OriginFinder, replay_step: ReplayStep | None) -> None:
         self.watch = watch
         self._add_op_origin = origins.add_op_origin
+        self._add_lr_origin = origins.add_lr_origin
         self._birth_order = origins.birth_order
         self._replay_step = replay_step
         #: Notes the half-precision parameters near their limit of each step result judged finite.
@@ -103,7 +104,11 @@ class StepReports:
             if held is not None and result.bounded:
                 _blame_state(finding, label, held)
             self.attribute(finding)
-            self._add_op_origin(finding, tensor)
+            lr = group_lr(result.optimizer, tensor)
+            # A non-finite rate the loop computed (``group["lr"] = size.item()``, size 0 / 0): its op, not the step's.
+            if not (phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr)
+                    and self._add_lr_origin(finding, lr)):
+                self._add_op_origin(finding, tensor)
             if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
                 caller = pointer_at(*result.caller) if result.caller is not None else None
@@ -116,7 +121,7 @@ class StepReports:
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
-            finding.optimizer_lr = group_lr(result.optimizer, tensor)
+            finding.optimizer_lr = lr
             if finding.tensor.role is TensorRole.OPTIMIZER_STATE and label.role is TensorRole.PARAMETER:
                 finding.notes.append(Note.of("state-already-nonfinite", tensor=subject, optimizer=optimizer,
                                              step=result.step, parameter=to_pairs(label), bounded=result.bounded))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from types import FrameType
 
 import torch
 from torch import nn
@@ -254,6 +255,43 @@ class LoopWrites:
             recorder._record_ring()
         return recorder.claim(gradient)
 
+    def name_lr(self, finding: Finding, lr: float) -> bool:
+        """An optimizer step made ``finding``'s parameter non-finite with a non-finite learning rate ``lr``: name the
+        op of the loop's update code that made it, if one did; True when one was named.
+
+        A rate the loop computes each step (a Polyak step size ``(f - f*) / |g|^2``, ``0 / 0`` on a batch with no
+        labelled sample) reaches ``param_groups`` as a Python number through ``.item()``, which ties it to no
+        tensor: the latest one-element tensor the update region made holding that same non-finite number is taken
+        for its source, and the op that started it (its records run again; ops mode: the tracer's origins) is the
+        report's, at its line. Asked at such an event only.
+        """
+        tracer = self._tracer() if self._tracer is not None else None
+        origin: OpFinding | None = None
+        if tracer is not None:  # (ops mode: the step's origins, latest first, but the step's own and backward's)
+            origin = next((found for found in reversed(tracer.started) if found.phase is Phase.FORWARD
+                           and found.numel == 1 and _same_number(found.nan, found.posinf, found.neginf, lr)), None)
+            frame, position = tracer.frame_of(origin) if origin is not None else (None, None)
+            calls: tuple[tuple[FrameType, int, int], ...] = ()
+        elif (recorder := self._recorder) is not None:
+            if recorder._ring:
+                recorder._record_ring()
+            for op in reversed(recorder._ops):
+                out = op.out
+                if (type(out) is torch.Tensor and out.is_floating_point() and out.numel() == 1
+                        and _same_number(*_counts(float(out)), lr)):
+                    origin = recorder.claim(out)
+                    break
+            _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
+            calls = recorder.calls_to(frame) if frame is not None else ()
+        if origin is None:
+            return False
+        attach_origin(finding, origin)
+        finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,
+                                     line=origin.source.lineno if origin.source is not None else None))
+        if frame is not None:
+            finding.frame, finding.frame_position, finding.frame_calls = frame, position, calls
+        return True
+
     def judge(self, values: list[float]) -> None:
         """Report the first written parameter whose norm (``values``, of the first pending in :meth:`end`'s order:
         the deferred check judges the code that ran before the step's calls first) is not finite."""
@@ -405,3 +443,13 @@ class LoopWrites:
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
             return
+
+
+def _counts(value: float) -> tuple[int, int, int]:
+    """``(nan, posinf, neginf)`` of one number."""
+    return int(math.isnan(value)), int(value == math.inf), int(value == -math.inf)
+
+
+def _same_number(nan: int | None, posinf: int | None, neginf: int | None, lr: float) -> bool:
+    """Whether one element counted ``nan``, ``posinf``, ``neginf`` is the non-finite ``lr``."""
+    return (nan, posinf, neginf) == _counts(lr)

@@ -141,6 +141,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         #: args, kwargs)``): a parameter the loop writes after the optimizer step (param_writes.py's DataWrites).
         self.on_write: Callable[[Plan, Sequence[Any], dict[str, Any]], None] | None = None
         self.then_forget: OutsideRecorder | None = None  # forgotten with the next forget (the update region's records)
+        self.read_number = False  # whether the region's code read a number (``.item()``: update_recorder.py)
+        self._through_step: OutsideRecorder | None = None  # then_forget, kept through the optimizer step (forget)
         self._data_kept = 0  # bytes the held data records keep (at most KEEP_TOTAL: _hold_update_region)
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
@@ -159,6 +161,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         # Held by batch_entered: the batch they made is judged at the step's check (deferred), or at the call's end;
         # through the loss region in either mode, whose code may read what they made (an unwatched teacher's output).
         if region == "data" or (region != "loss" and not self.holds_data):
+            self._data_prior = (*self._data_head, self._data_calls) if self._data_head is not None else self._data_prior
             self._data, self._data_before, self._data_calls, self._data_kept = None, {}, {}, 0
             self._data_head = None
             self.stepped = self.stepped or (region == "data" and not entry)  # (an optimizer stepped: see forget)
@@ -264,18 +267,26 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self.graph_grad_sites.add((frame.f_code, frame.f_lasti))
         return False
 
-    def forget(self, last: bool = False) -> None:
+    def forget(self, last: bool = False, stepping: bool = False) -> None:
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
 
         A loss region's records (its backward ended, or its optimizer step began) are kept instead as the last
         step's (:meth:`loss_code`): with :attr:`stepped` (an optimizer given or seen stepping), as recorded until its
         step begins; with :attr:`keep_last`, detached or weak until the next step's, for a fix trial at its forward.
+        ``stepping``: the step runs next; the update region's records that read a number (``lr = size.item()``) stay
+        through it (as held until then) for its check to name the op that made a non-finite rate (loop_writes.py).
         """
+        if self._through_step is not None:
+            kept, self._through_step = self._through_step, None
+            kept.forget()
         if self.then_forget is not None:  # the update region's records, held for the step's check (loop_writes)
             held, self.then_forget = self.then_forget, None
-            held.forget()
+            if stepping and held.read_number and held._held_bytes <= KEEP_TOTAL:
+                self._through_step = held  # (what they held until the step began, held through it too)
+            else:
+                held.forget()
         if last:
-            self._last = self._data = self._data_head = None
+            self._last = self._data = self._data_head = self._data_prior = None
             self._data_before, self._data_calls = {}, {}
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
@@ -298,7 +309,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self._walked, self._generated = (None, None), None
         if self.before:
             self.before.clear()
-        self._clean = not self._raw  # (the last step's loss code held as recorded goes at the next forget)
+        self._clean = not self._raw and self._through_step is None  # (both go at the next forget)
 
     def weaken(self, detach: bool = False) -> None:
         """``backward()`` starts, the loss judged: keep large tensors only weakly, for its backward (``detach``:

@@ -81,6 +81,11 @@ class RegionRecords:
         # the deferred check runs as the next micro-batch's call starts, and may judge a batch the data code made
         # before the first (normalised whole, then chunked).
         self._data_head: tuple[_Records, dict[int, torch.Tensor]] | None = None
+        # The data region's own records before those (``_data_head`` as a data region's start let it go, with its
+        # calls), one generation: a prefetcher prepares the next batch one step ahead (NVIDIA's data_prefetcher),
+        # so the code that made the batch a call judges ran in the data region before the one that ended at that
+        # call. Held as ``_data`` held them (weak where over KEEP_TOTAL), until the next data region with records.
+        self._data_prior: tuple[_Records, dict[int, torch.Tensor], dict[FrameType, Any]] | None = None
         # The values copied before the data region's code wrote them (``before`` as it was), held with ``_data``.
         self._data_before: dict[int, torch.Tensor] = {}
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
@@ -201,6 +206,12 @@ class RegionRecords:
                 head[0][0], tensor)
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
+        if found is None and tensor is not None and (prior := self._data_prior) is not None and (
+                prior[0] is not self._data):
+            found = self._claim_in(prior[0], tensor, key, prior[1], written)
+            if found is not None:  # (the frames of the code that ran it: the report's calls, calls_to)
+                self.claimed_from_data = made_from_outside_data(prior[0][0], tensor)
+                self._data_calls = {**prior[2], **self._data_calls}
         return found
 
     def _claim_written(self, tensor: torch.Tensor, data: _Records) -> OpFinding | None:

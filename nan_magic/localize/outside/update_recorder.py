@@ -33,6 +33,9 @@ __all__ = ["RING", "UpdateRecorder"]
 #: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
 RING = 16
 
+# ``.item()``'s op (``float(t)``'s too): the update code read a number (a learning rate computed in the loop).
+_ITEM = torch.ops.aten._local_scalar_dense.default
+
 
 # What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
 # or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
@@ -125,9 +128,10 @@ class UpdateRecorder(OutsideRecorder):
         self.start("update")
         self.watching = self.pushed
 
-    def forget(self, last: bool = False) -> None:
-        super().forget(last)
+    def forget(self, last: bool = False, stepping: bool = False) -> None:
+        super().forget(last, stepping)
         self._copied = 0
+        self.read_number = False
         self._ring.clear()
 
     def __torch_dispatch__(
@@ -139,6 +143,8 @@ class UpdateRecorder(OutsideRecorder):
         except AttributeError:
             _func, kind, call, plan = _kind_of(func)
         if kind == _MARKER:  # opt.step()'s profiler marker, every step: run here, not through the recorder's dispatch
+            if func is _ITEM:  # (a number read: kept through the step, as a learning rate it may be: recorder.forget)
+                self.read_number = True
             return call(*args, **kwargs)  # (which runs it and nothing more, as the watched branch below would)
         if self.watching:
             if plan is not None and on_parameters(self._storages(), self._parameter_of,

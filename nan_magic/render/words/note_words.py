@@ -34,6 +34,9 @@ _TEMPLATES: dict[str, str] = {
     # localize/ops/called.py: a number torch passed itself
     "own-number": "the non-finite number the op was given is torch's own: torch.{function}, which the line calls, "
                   "is a composite that passes it (not a number the code set)",
+    # localize/outside/loop_writes.py: a step's non-finite learning rate, made by the loop's code
+    "lr-made-by-loop": "the learning rate lr = {lr} was set by the loop from a tensor its code computed: "
+                       "{op} at line {line} made it, before the step read it (not a rate too high)",
     # hot/: the boundary checks
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
