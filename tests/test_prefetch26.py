@@ -93,3 +93,30 @@ def test_a_finite_learning_rate_the_loop_computes_keeps_the_result_and_says_noth
         return losses
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_learning_rate_the_loop_made_nan_is_its_code_s_in_every_sentence(mode: str) -> None:
+    """The cause and the operands' evidence place the division in the loop's code at its line, not in the stepped
+    parameter's module; the fixes' note says why no trial ran (the loop's update code), not the optimizer's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for step in range(3):
+            loss = F.mse_loss(model(torch.rand(6, 4)), torch.zeros(6, 1)) * (0.0 if step == 1 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            squared = sum(p.grad.pow(2).sum() for p in model.parameters())
+            size = loss.detach() / squared  # 0 / 0 at step 1
+            for group in opt.param_groups:
+                group["lr"] = size.item()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("optimizer", 1, "aten.div.Tensor")
+    assert report.cause is not None and report.cause.label == "division-by-zero"
+    text = report.to_text()
+    assert "aten.div.Tensor in the code at " in text and "in 0 (Linear)" not in text
+    assert ("no fix was tried: the producer (aten.div.Tensor) ran in the loop's code between backward() and the step, "
+            "which the trials do not run again") in report.notes
+    assert not any("step, whose trials redo it" in note for note in report.notes)

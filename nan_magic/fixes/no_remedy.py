@@ -27,6 +27,8 @@ def none_fit(report: Report) -> Note | None:
     cause = report.cause.label if report.cause is not None else None
     if cause not in REMEDIED:
         return None
+    if any(note.kind == "lr-made-by-loop" for note in report.note_facts):  # (its op ran in the loop, not the step)
+        return Note.of("fixes-update-code", op=report.op or "not named")
     if report.phase == Phase.OPTIMIZER:
         return Note.of("fixes-optimizer-none", optimizer=report.optimizer or "optimizer", cause=cause)
     if report.phase == Phase.DATA:

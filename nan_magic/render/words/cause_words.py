@@ -114,8 +114,10 @@ def stats_counts(stats: TensorStats) -> str:
 
 
 def where(report: Report) -> str:
-    # A batch the loop computed: its op ran in the loop's code, before the model it entered (the report's module).
-    in_loop = report.phase == Phase.DATA and report.op is not None
+    # A batch the loop computed: its op ran in the loop's code, before the model it entered (the report's module);
+    # so did a learning rate the loop computed (the optimizer's event names the stepped parameter's module).
+    in_loop = report.op is not None and (report.phase == Phase.DATA or any(
+        note.kind == "lr-made-by-loop" for note in report.note_facts))
     if report.module is None or in_loop:
         if report.source is not None:
             return f"the code at {name_location(report.source.filename, report.source.lineno)}"

@@ -176,6 +176,8 @@ _TEMPLATES: dict[str, str] = {
     "fixes-optimizer-none": "no fix was tried: the producer ran in the {optimizer} step, whose trials redo it at a "
                             "tenth of its learning rate or with an Adam eps its dtype holds, neither the remedy of "
                             "a {cause}",
+    "fixes-update-code": "no fix was tried: the producer ({op}) ran in the loop's code between backward() and the "
+                         "step, which the trials do not run again",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "fixes-interrupted": "the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried; the rest "
