@@ -1,8 +1,9 @@
 """Vision models in the shapes of timm and torchvision, a U-Net and a diffusion step, healthy in every mode.
 
 Built from code (neither library is installed): a ResNet trained channels_last, a ConvNeXt with LayerScale and
-stochastic depth, a MobileNetV3 with depthwise convs, hardswish and squeeze-excite, a U-Net with GroupNorm, and a
-DDPM training step (noise schedule, sinusoidal timestep embedding, EMA weights). Silent, and the run bit-identical
+stochastic depth, a MobileNetV3 with depthwise convs, hardswish and squeeze-excite, a U-Net with GroupNorm (and as a
+segmenter with ignore_index and Dice), mixup into a spatial transformer, and DDPM training steps (noise schedule,
+sinusoidal timestep embedding, EMA weights; one in fp16 with a GradScaler). Silent, and the run bit-identical
 to the unwatched one (calm26.finish: losses, state, RNG stream, what is left on the model and optimizer).
 """
 
@@ -228,6 +229,55 @@ def _diffusion() -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _segmentation() -> Scenario:
+    """The U-Net as a segmenter: logits resized (antialiased bilinear), cross-entropy with ignore_index=255 (one
+    image wholly ignored), plus a soft Dice over the valid pixels."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"unet": UNet(), "head": nn.Conv2d(3, 4, 1)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, t = torch.randn(2, 3, 16, 16), torch.zeros(2, dtype=torch.long)
+    y = torch.randint(0, 4, (2, 16, 16))
+    y[0, :4] = 255
+    y[1] = 255
+
+    def loss_of(step: int) -> torch.Tensor:
+        logits = model["head"](model["unet"](x, t))
+        logits = F.interpolate(logits, size=(20, 20), mode="bilinear", antialias=True, align_corners=False)
+        logits = F.interpolate(logits, size=(16, 16), mode="bilinear", align_corners=False)
+        valid = (y != 255).unsqueeze(1)
+        probs = logits.softmax(1) * valid
+        onehot = F.one_hot(y.clamp(max=3), 4).permute(0, 3, 1, 2) * valid
+        dice = 1 - (2 * (probs * onehot).sum((2, 3)) + 1) / (probs.sum((2, 3)) + onehot.sum((2, 3)) + 1)
+        return F.cross_entropy(logits, y, ignore_index=255) + dice.mean()
+
+    return training(model, loss_of, opt)
+
+
+def _mixup_spatial_transformer() -> Scenario:
+    """Mixup (lambda from a Beta, a permuted batch, soft targets) into a spatial transformer (affine_grid,
+    grid_sample with zero padding) started at the identity, then a small BN classifier."""
+    torch.manual_seed(0)
+    loc = nn.Sequential(nn.Conv2d(3, 4, 3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 6))
+    nn.init.zeros_(loc[-1].weight)
+    with torch.no_grad():
+        loc[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0, 1, 0]))
+    clf = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 5))
+    model = nn.ModuleDict({"loc": loc, "clf": clf})
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    beta = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4))
+
+    def loss_of(step: int) -> torch.Tensor:
+        lam, perm = beta.sample(), torch.randperm(4)
+        mixed = lam * x + (1 - lam) * x[perm]
+        grid = F.affine_grid(loc(mixed).view(-1, 2, 3), list(mixed.shape), align_corners=False)
+        warped = F.grid_sample(mixed, grid, padding_mode="zeros", align_corners=False)
+        target = lam * F.one_hot(y, 5).float() + (1 - lam) * F.one_hot(y[perm], 5).float()
+        return torch.sum(-target * F.log_softmax(clf(warped), -1), -1).mean()
+
+    return training(model, loss_of)
+
+
 def _diffusion_fp16_scaler() -> Scenario:
     """The DDPM step in float16 autocast with a GradScaler whose first scale (2**19) overflows the gradients: that
     step is skipped (benign), the next ones train. Unscaled before clipping; the EMA an ``AveragedModel`` made in
@@ -267,6 +317,8 @@ ROWS = {
     "mobilenetv3-depthwise-hardswish": _mobilenet,
     "unet-groupnorm": _unet_segmentation,
     "ddpm-step-ema": _diffusion,
+    "segmentation-ignore-index-dice": _segmentation,
+    "mixup-spatial-transformer": _mixup_spatial_transformer,
 }
 
 CASES = [
