@@ -66,14 +66,17 @@ def _train_then_generate(model: nn.Module, batches: list[dict[str, torch.Tensor]
 
 
 def _decoder_only(config_class: str, model_class: str, impl: str, reentrant: bool = True,
-                  dtype: torch.dtype = torch.float32, **config: Any) -> Scenario:
+                  dtype: torch.dtype = torch.float32, forward: dict[str, Any] | None = None,
+                  **config: Any) -> Scenario:
     """A causal LM (left-padded batches, as one pads for generation), then a greedy generate from a padded
-    prompt. In float16, SGD: AdamW's eps=1e-8 is 0 in float16 (an unused embedding row would divide 0 by 0)."""
+    prompt. In float16, SGD: AdamW's eps=1e-8 is 0 in float16 (an unused embedding row would divide 0 by 0).
+    ``forward``: more keyword arguments of the training calls."""
+    forward = forward or {}
     torch.manual_seed(0)
     cfg = getattr(transformers, config_class)(attn_implementation=impl, **config)
     model = getattr(transformers, model_class)(cfg).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2) if dtype == torch.float16 else None
-    batches = [_padded(left=True) for _ in range(2)]
+    batches = [{**_padded(left=True), **forward} for _ in range(2)]
     prompt = _padded(2, 5, left=True)
 
     def generate() -> torch.Tensor:
@@ -109,6 +112,20 @@ def _qwen2(impl: str) -> Scenario:
 def _mistral(impl: str) -> Scenario:
     """Mistral with a sliding window shorter than the sequence: the mask hides more than the padding."""
     return _decoder_only("MistralConfig", "MistralForCausalLM", impl, sliding_window=4, **_DECODER)
+
+
+def _mixtral(impl: str) -> Scenario:
+    """Mixtral's sparse MoE: a router's top-2 of 4 experts, the load-balancing
+    loss added to the LM loss (``output_router_logits`` in training; generate() runs without it)."""
+    return _decoder_only("MixtralConfig", "MixtralForCausalLM", impl, num_local_experts=4, num_experts_per_tok=2,
+                         router_aux_loss_coef=0.02, forward={"output_router_logits": True}, **_DECODER)
+
+
+def _qwen2_moe(impl: str) -> Scenario:
+    """Qwen2-MoE: routed experts beside a sigmoid-gated shared expert, with the load-balancing loss."""
+    return _decoder_only("Qwen2MoeConfig", "Qwen2MoeForCausalLM", impl, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                         forward={"output_router_logits": True}, **_DECODER)
 
 
 def _bert(impl: str) -> Scenario:
@@ -216,6 +233,7 @@ def _vit(impl: str) -> Scenario:
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama, "llama-fp16": _llama_fp16, "qwen2": _qwen2, "mistral-window": _mistral,
+          "mixtral-moe": _mixtral, "qwen2-moe": _qwen2_moe,
           "bert-mlm": _bert, "t5": _t5, "bart": _bart, "whisper": _whisper, "wav2vec2-ctc": _wav2vec2_ctc, "vit": _vit}
 
 CASES = [
