@@ -3,8 +3,9 @@
 Hugging Face ``transformers`` models (tiny configs, random init, no downloads), each under
 ``attn_implementation="eager"`` and ``"sdpa"``: padded batches with their attention masks, labels with -100 on the
 padding, gradient checkpointing on, tied embeddings where the model ties them, and a ``generate()`` after training
-in the same watched cell. Each row returns the losses and generated ids, then the state (parameters, gradients,
-buffers, optimizer state, the RNG stream) and what is left on the model and optimizer (calm26.finish).
+in the same watched cell (decoders, MoE decoders, encoder-decoders; encoders and ViT only train). Each row returns
+the losses and generated ids, then the state (parameters, gradients, buffers, optimizer state, the RNG stream) and
+what is left on the model and optimizer (calm26.finish).
 calm26b_vision.py: the shapes of timm/torchvision models, a U-Net and a diffusion step.
 """
 
@@ -115,8 +116,8 @@ def _mistral(impl: str) -> Scenario:
 
 
 def _mixtral(impl: str) -> Scenario:
-    """Mixtral's sparse MoE: a router's top-2 of 4 experts, the load-balancing
-    loss added to the LM loss (``output_router_logits`` in training; generate() runs without it)."""
+    """Mixtral's sparse MoE: a router's top-2 of 4 experts, the load-balancing loss added to the LM loss
+    (``output_router_logits`` in training; generate() runs without it)."""
     return _decoder_only("MixtralConfig", "MixtralForCausalLM", impl, num_local_experts=4, num_experts_per_tok=2,
                          router_aux_loss_coef=0.02, forward={"output_router_logits": True}, **_DECODER)
 
