@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
+from contract.loops import loader_loop
 from nan_magic.records import TensorRef
 
 
@@ -199,7 +200,6 @@ def _collate_frequencies(floor: bool) -> Scenario:
     docs[9] = torch.zeros(0, dtype=torch.long)
     labels = torch.randint(0, 2, (12,))
     model = nn.Linear(16, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         counts = torch.stack([torch.bincount(doc, minlength=16).float() for doc, _ in items])
@@ -209,17 +209,7 @@ def _collate_frequencies(floor: bool) -> Scenario:
         return counts / lengths, torch.stack([y for _, y in items])  # producer: frequencies
 
     loader = DataLoader(list(zip(docs, labels)), batch_size=4, collate_fn=collate)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-    return Scenario((model, opt), run)
+    return loader_loop(model, loader, F.cross_entropy, lr=0.1)
 
 
 # ---------------------------------------------------------------- a Dataset's statistics of an empty split
@@ -249,19 +239,8 @@ def _split_statistics(stats_split: str) -> Scenario:
     twin names the split right."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Tabular(stats_split), batch_size=4)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for x, y in loader:
-            loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-    return Scenario((model, opt), run)
+    return loader_loop(model, loader, F.mse_loss, lr=0.01)
 
 
 # ---------------------------------------------------------------- a worker's log of a randomly erased patch
@@ -290,19 +269,8 @@ def _worker_log_erased(floor: float) -> Scenario:
     twin clamps the intensities first."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(ErasedIntensities(floor), batch_size=4, num_workers=2)
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-    return Scenario((model, opt), run)
+    return loader_loop(model, loader, F.cross_entropy, lr=0.01)
 
 
 # ---------------------------------------------------------------- the loop standardises targets of a batch of one
