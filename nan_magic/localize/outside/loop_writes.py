@@ -53,6 +53,7 @@ from nan_magic.localize.outside.param_writes import (
     has_own_memory,
     lookup,
 )
+from nan_magic.localize.outside.recorded_ops import copied_nonfinite
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.outside.update_recorder import RING, UpdateRecorder
@@ -302,8 +303,10 @@ class LoopWrites:
                     continue
                 if not relevant_kinds(kinds_of(parameter), self._kinds):
                     continue
-                finding = self._finding(name, parameter, after_step=records is not self._recorder)
                 origin = records.claim(written)
+                if origin is None and _copied(records, written):
+                    continue  # copied from a state already non-finite: the next forward's check names it, as ops=True
+                finding = self._finding(name, parameter, after_step=records is not self._recorder)
                 if origin is not None:
                     _tensors, frame, position = records.witness(origin)
                     self._attach(finding, origin)
@@ -443,6 +446,15 @@ class LoopWrites:
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
             return
+
+
+def _copied(records: RegionRecords, written: torch.Tensor) -> bool:
+    """Whether the records :meth:`RegionRecords.claim` looks in (the region's, and the data code's it holds for the
+    deferred check) show ``written`` last written by a copy of an already non-finite value (``copied_nonfinite``)."""
+    held = [records._data[0] if records._data is not None else None,
+            records._data_head[0][0] if records._data_head is not None else None,
+            records._data_prior[0][0] if records._data_prior is not None else None]
+    return any(copied_nonfinite(ops, written) for ops in (records._ops, *held) if ops)
 
 
 def _counts(value: float) -> tuple[int, int, int]:

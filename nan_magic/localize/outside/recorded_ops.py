@@ -302,3 +302,28 @@ def with_early_loss_code(ops: list[RecordedOp], data: list[RecordedOp], produced
                 wanted.add(index)
                 stack.append(index)
     return [data[index] for index in sorted(wanted)] + ops
+
+
+def copied_nonfinite(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
+    """Whether the last recorded op that wrote ``tensor``'s memory in place read a non-finite tensor it did not write.
+
+    ``model.load_state_dict(best)`` in the loop (a best checkpoint reloaded mid-run) copies a parameter's values from
+    a state that already held a NaN: the copy passed it on, no recorded op made it, and the parameter is as one loaded
+    before the watch (the next forward meets it already non-finite), not a loop write that made it.
+    """
+    if tensor.layout is not torch.strided or not tensor.numel():
+        return False
+    address = tensor.untyped_storage().data_ptr()
+    for op in reversed(ops):
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if plan is None or not plan.writes:
+            continue
+        named = [(name, value.ref() if isinstance(value, WeakRecord) else value)
+                 for name, value in arguments(plan, op.args, op.kwargs)]
+        if not any(name in plan.writes and isinstance(value, torch.Tensor) and value.layout is torch.strided
+                   and value.numel() and value.untyped_storage().data_ptr() == address for name, value in named):
+            continue
+        return any(name not in plan.writes and name in plan.reads and isinstance(value, torch.Tensor)
+                   and value.is_floating_point() and value.layout is torch.strided and value.numel()
+                   and not finite_now(value) for name, value in named)
+    return False
