@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
@@ -95,6 +95,9 @@ class RootCall:
     #: ``(input, its value before the call)`` for a model whose forward writes its own input in place
     #: (``x /= x.norm(...)``), learned from a call that moved an input's version counter (StepReplays.finish).
     inputs_before: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    #: Its module's ``training`` flag at the call: a validation call under ``eval()`` judged by the deferred check
+    #: after the loop's ``model.train()`` runs again in the mode it ran in (an eval-only branch of its forward).
+    training: bool = True
 
     def buffers_before(self) -> dict[int, torch.Tensor]:
         """``buffers``, with the step counters that changed and were not copied as they were before the call."""
@@ -155,6 +158,23 @@ class Outcome:
 NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
 
 
+@contextlib.contextmanager
+def training_as(module: nn.Module, training: bool) -> Iterator[None]:
+    """``module`` in the mode a call ran in, its submodules' own flags put back after: the loop switched it since
+    (``model.eval()`` for a validation batch, ``model.train()`` again before the check). Switched as the user switches
+    it, by ``train()`` (an override that keeps its BatchNorms frozen runs); nothing done where the mode is the same."""
+    if module.training == training:
+        yield
+        return
+    flags = [(sub, sub.training) for sub in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for sub, flag in flags:
+            sub.training = flag
+
+
 def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.Module | None,
           config: WatchConfig, standing_aside: Callable[[], AbstractContextManager[object]],
           nested: NestedWatch, anomaly: bool = False, stop: LineStop | None = None) -> Outcome:
@@ -191,6 +211,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         guard = stack.enter_context(untouched(target))
         stack.enter_context(standing_aside())
         stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
+        stack.enter_context(training_as(root.module, root.training))
         for device, dtype in root.autocast or ():
             stack.enter_context(torch.autocast(device, dtype=dtype))
         stack.enter_context(saved_hooks_of(root.saved_hooks))  # (a float16 pack's inf, saved for the backward)

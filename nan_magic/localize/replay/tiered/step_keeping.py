@@ -201,6 +201,7 @@ class StepKeeping:
                 saved_hooks=SAVED_HOOKS[-1] if SAVED_HOOKS else None,
                 # (a list's truth, no call: MAML's loops alone have a swap in progress)
                 in_functional_call=any(swapped is module for swapped, _own in SWAPPED_OUT) if SWAPPED_OUT else False,
+                training=training,
             )
         )
         return rng
