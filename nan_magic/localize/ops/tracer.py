@@ -279,12 +279,18 @@ class OpTracer(OriginRules, TorchDispatchMode):
         A backward replay's boundary is the gradients it returns: a backward formula may make a non-finite value
         that it masks itself (pow's exponent term ``log(0)`` under its ``where``) before the op whose values reach
         them, and the first origin would name the masked one where the other modes name the op that reached them.
+        Of several such tensors, the one whose origin was born first: a root replayed for its parameters' gradients
+        returns them in the parameters' order, where the backward made another's first (two GeM pools' exponents
+        in a ``ParameterList``, the later pool's backward running first), as ops=True names it.
         """
-        for tensor in boundary:
-            if tensor is not None and not bool(torch.isfinite(tensor).all()):
-                self.claim(tensor)
-                if self.finding is not None:
-                    return
+        bad = [tensor for tensor in boundary if tensor is not None and not bool(torch.isfinite(tensor).all())]
+        if len(bad) > 1:
+            born = {id(finding): index for index, finding in enumerate(self.started)}
+            bad.sort(key=lambda tensor: born.get(id(self.origin_of(tensor)), len(born)))
+        for tensor in bad:
+            self.claim(tensor)
+            if self.finding is not None:
+                return
 
     def __enter__(self) -> Self:
         # Tensors may have changed outside the trace without our knowledge.
