@@ -286,8 +286,9 @@ class LoopWrites:
         if origin is None:
             return False
         attach_origin(finding, origin)
-        finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,
-                                     line=origin.source.lineno if origin.source is not None else None))
+        finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,  # (with its output's counts: the cause's)
+                                     line=origin.source.lineno if origin.source is not None else None,
+                                     nan=origin.nan, posinf=origin.posinf, neginf=origin.neginf))
         if frame is not None:
             finding.frame, finding.frame_position, finding.frame_calls = frame, position, calls
         return True
