@@ -39,11 +39,13 @@ from types import FrameType
 import torch
 from torch import nn
 
+from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.lr_lines import lr_line
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
@@ -255,7 +257,7 @@ class LoopWrites:
             recorder._record_ring()
         return recorder.claim(gradient)
 
-    def name_lr(self, finding: Finding, lr: float) -> bool:
+    def name_lr(self, finding: Finding, lr: float, raw: object = None) -> bool:
         """An optimizer step made ``finding``'s parameter non-finite with a non-finite learning rate ``lr``: name the
         op of the loop's update code that made it, if one did; True when one was named.
 
@@ -263,7 +265,9 @@ class LoopWrites:
         labelled sample) reaches ``param_groups`` as a Python number through ``.item()``, which ties it to no
         tensor: the latest one-element tensor the update region made holding that same non-finite number is taken
         for its source, and the op that started it (its records run again; ops mode: the tracer's origins) is the
-        report's, at its line. Asked at such an event only.
+        report's, at its line. Where no op made it (a number computed in Python, a tensor rate made before the
+        records kept: ``raw`` is the group's own ``lr``), the loop's line that set it (lr_lines.py). Asked at such
+        an event only.
         """
         tracer = self._tracer() if self._tracer is not None else None
         origin: OpFinding | None = None
@@ -284,7 +288,7 @@ class LoopWrites:
             _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
             calls = recorder.calls_to(frame) if frame is not None else ()
         if origin is None:
-            return False
+            return _lr_set_at(finding, lr, raw)
         attach_origin(finding, origin)
         finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,  # (with its output's counts: the cause's)
                                      line=origin.source.lineno if origin.source is not None else None,
@@ -444,6 +448,18 @@ class LoopWrites:
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
             return
+
+
+def _lr_set_at(finding: Finding, lr: float, raw: object) -> bool:
+    """Name the loop's line that set the non-finite rate ``lr`` no recorded op made (lr_lines.py); True if found."""
+    found = lr_line(lr, raw)
+    if found is None:
+        return False
+    frame, name, line, offset = found
+    finding.source = pointer_at(frame.f_code, line, frame.f_globals)
+    finding.notes.append(Note.of("lr-set-by-loop", lr=lr, name=name, line=line))
+    finding.frame, finding.frame_position = frame, (offset, line)  # (%debug at that line, in the loop's frame)
+    return True
 
 
 def _counts(value: float) -> tuple[int, int, int]:

@@ -1,0 +1,67 @@
+"""The loop's line that set a non-finite learning rate no op made: a number computed in Python, or a tensor kept.
+
+A rate the loop computes in Python (``lr = base * done / warmup`` with numpy numbers, ``lr = 1e200 * 1e200``) runs no
+op; one kept as a tensor in ``param_groups`` was made before the regions whose records reach the step. No record
+names either. The loop's frame still binds the rate to a name: the local whose value is the group's ``lr`` object
+itself (or, a float read from a tensor, the same non-finite number) names it, and the last store to that name
+before the frame's current instruction (else its last one: set at the end of the previous iteration) is the line
+that set it. Asked at such an event only.
+"""
+
+from __future__ import annotations
+
+import dis
+import math
+import sys
+from types import CodeType, FrameType
+
+import torch
+
+from nan_magic.errors.frames import is_library_code
+
+__all__ = ["LrLine", "lr_line"]
+
+_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+
+#: ``(frame, name, line, offset)``: the loop's frame, the name bound to the rate, and the store that bound it.
+LrLine = tuple[FrameType, str, int, int]
+
+
+def lr_line(lr: float, raw: object) -> LrLine | None:
+    """Where the user's innermost frame set the non-finite rate ``lr`` (``raw``: the group's own ``lr`` object)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    names = [name for name, value in frame.f_locals.items() if value is raw and not isinstance(raw, bool)]
+    if not names:  # (a float the group holds from a tensor's .item(): the same non-finite number)
+        names = [name for name, value in frame.f_locals.items() if _holds(value, lr)]
+    lasti = frame.f_lasti
+    found = [(*store, name) for name in names if (store := _last_store(frame.f_code, name, lasti)) is not None]
+    if not found:
+        return None
+    # (Of several names holding it, the one stored last before this instruction: ``lr = base * ratio`` over ratio.)
+    offset, line, name = max(found, key=lambda store: (store[0] < lasti, store[0]))
+    return frame, name, line, offset
+
+
+def _holds(value: object, lr: float) -> bool:
+    """Whether ``value`` is a Python number, or a one-element floating tensor, holding the non-finite ``lr``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            return False
+        value = float(value)
+    if not isinstance(value, float):
+        return False
+    return (math.isnan(value) and math.isnan(lr)) or value == lr
+
+
+def _last_store(code: CodeType, name: str, lasti: int) -> tuple[int, int] | None:
+    """``(offset, line)`` of the last store to ``name`` before instruction ``lasti``, else of its last store."""
+    stores = [(instruction.offset, instruction.positions.lineno)
+              for instruction in dis.get_instructions(code) if instruction.opname in _STORES
+              and instruction.argval == name and instruction.positions is not None
+              and instruction.positions.lineno is not None]
+    before = [store for store in stores if store[0] < lasti]
+    return max(before or stores, default=None)
