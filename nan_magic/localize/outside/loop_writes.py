@@ -128,7 +128,36 @@ class LoopWrites:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
         self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
+        #: Watched parameters the loop replaced by new ones (``m.bias = nn.Parameter(v)``): :meth:`on_registered`.
+        self._replaced: list[torch.Tensor] = []
         self._update_rebound = Rebound(self._cached_index, self._fresh_index)  # the same, in the update region
+
+    def on_registered(self, module: nn.Module, name: str, parameter: torch.Tensor | None) -> None:
+        """torch's parameter registration hook: ``module.name = nn.Parameter(v)`` while the watch runs.
+
+        A watched parameter replaced by a new one is a parameter of the model (its state_dict saves it) that no
+        optimizer steps and, until a forward reads it, no check sees; the old one keeps its memory, so Rebound
+        misses it. Noted here (only a replacement: a module built in the loop registers names it never had), and
+        judged with the data region's writes as that region ends (:meth:`end`), named by the op that made its
+        memory. Called at a registration only, never on a step.
+        """
+        old = module._parameters.get(name)
+        if (parameter is not None and old is not None and self._data_recorder is not None
+                and parameter.is_floating_point() and id(old) in self._cached_index()[0]):
+            self._replaced.append(parameter)
+
+    def _replacements(self, main: RegionRecords) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
+        """The watched parameters that replaced others since the last region's end (:meth:`on_registered`)."""
+        replaced, self._replaced = self._replaced, []
+        by_id = self._fresh_index()[0]  # (the new ones under their names)
+        self._rebound.forget()  # (its parameters are learned again: the new ones among them)
+        found = []
+        for parameter in replaced:
+            entry = by_id.get(id(parameter))
+            if entry is not None and entry[1] is parameter:
+                made = main.made_on(parameter)
+                found.append((entry[0], parameter, made if made is not None else parameter, main))
+        return found
 
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
@@ -188,6 +217,8 @@ class LoopWrites:
         if ((main := self._data_recorder) is not None and main._ops and main._region == "data" and not main._entry
                 and ((seen := (rebound := self._rebound).seen) is None or list(map(data_ptr, seen[1])) != seen[2])):
             found += [(name, parameter, made, main) for name, parameter, made in rebound.moved(main)]
+        if self._replaced and main is not None:  # (a field read a step: a parameter replaced, now and then)
+            found += self._replacements(main)
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
@@ -334,7 +365,7 @@ class LoopWrites:
 
     def forget(self) -> None:
         """The watch ends: stop recording and drop what was recorded."""
-        self._pending, self._index = [], None
+        self._pending, self._index, self._replaced = [], None, []
         self._rebound.forget()
         self._update_rebound.forget()
         if self.data is not None:
