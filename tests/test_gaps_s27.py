@@ -115,3 +115,26 @@ def test_a_division_that_made_the_learning_rate_counts_its_own_nan(mode: str) ->
     assert (report.op, report.nan, report.cause.label) == ("aten.div.Tensor", 32, "division-by-zero")
     assert "giving 1 NaN (0/0)" in report.cause.hint and "32 NaN" not in report.cause.hint
     assert "aten.div.Tensor made 1 NaN (0/0) and 0 inf (x/0)" in report.cause.evidence
+
+
+def test_a_name_the_loop_only_read_the_rate_into_is_not_the_line_that_set_it() -> None:
+    """A scheduler set the NaN rate (``LambdaLR`` over a schedule that reaches 0 / 0); the loop only read it back to
+    log it (``lr = sched.get_last_lr()[0]``, the group's own float): that line did not set it and is not named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: float("nan") if step == 2 else 1.0)
+    logged = []
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for _step in range(4):
+            loss = F.mse_loss(model(torch.rand(6, 4)), torch.zeros(6, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            lr = sched.get_last_lr()[0]  # read to log, not set
+            logged.append(lr)
+    report = caught.value.report
+    assert report.phase == "optimizer" and report.step == 2
+    assert report.cause is not None and report.cause.reading != "optimizer-lr-set"
+    assert report.source is None or "get_last_lr" not in (report.source.line or "")

@@ -3,9 +3,10 @@
 A rate the loop computes in Python (``lr = base * done / warmup`` with numpy numbers, ``lr = 1e200 * 1e200``) runs no
 op; one kept as a tensor in ``param_groups`` was made before the regions whose records reach the step. No record
 names either. The loop's frame still binds the rate to a name: the local whose value is the group's ``lr`` object
-itself (or, a float read from a tensor, the same non-finite number) names it, and the last store to that name
-before the frame's current instruction (else its last one: set at the end of the previous iteration) is the line
-that set it. Asked at such an event only.
+itself (or, a float read from a tensor, the same non-finite number) names it (a name the code stores into a
+group's ``"lr"``, not one it only read the rate into), and the last store to that name before the frame's current
+instruction (else its last one: set at the end of the previous iteration) is the line that set it. Asked at such
+an event only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dis
 import math
 import sys
+from itertools import pairwise
 from types import CodeType, FrameType
 
 import torch
@@ -22,6 +24,7 @@ from nan_magic.errors.frames import is_library_code
 __all__ = ["LrLine", "lr_line"]
 
 _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+_LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF"})
 
 #: ``(frame, name, line, offset)``: the loop's frame, the name bound to the rate, and the store that bound it.
 LrLine = tuple[FrameType, str, int, int]
@@ -37,8 +40,11 @@ def lr_line(lr: float, raw: object) -> LrLine | None:
     names = [name for name, value in frame.f_locals.items() if value is raw and not isinstance(raw, bool)]
     if not names:  # (a float the group holds from a tensor's .item(): the same non-finite number)
         names = [name for name, value in frame.f_locals.items() if _holds(value, lr)]
-    lasti = frame.f_lasti
-    found = [(*store, name) for name in names if (store := _last_store(frame.f_code, name, lasti)) is not None]
+    lasti, code = frame.f_lasti, frame.f_code
+    # (A name the loop only read the rate into, ``lr = sched.get_last_lr()[0]`` to log it, did not set it: the name
+    # must be the one the code stores into a group's ``"lr"``.)
+    names = [name for name in names if name in _set_as_lr(code)]
+    found = [(*store, name) for name in names if (store := _last_store(code, name, lasti)) is not None]
     if not found:
         return None
     # (Of several names holding it, the one stored last before this instruction: ``lr = base * ratio`` over ratio.)
@@ -55,6 +61,19 @@ def _holds(value: object, lr: float) -> bool:
     if not isinstance(value, float):
         return False
     return (math.isnan(value) and math.isnan(lr)) or value == lr
+
+
+def _set_as_lr(code: CodeType) -> set[str]:
+    """The names loaded on a line of ``code`` that stores into a subscript ``"lr"`` (``group["lr"] = lr``)."""
+    instructions = list(dis.get_instructions(code))
+    lines = {_line(instruction) for previous, instruction in pairwise(instructions)
+             if instruction.opname == "STORE_SUBSCR" and previous.opname == "LOAD_CONST" and previous.argval == "lr"}
+    return {instruction.argval for instruction in instructions
+            if instruction.opname in _LOADS and _line(instruction) in lines}
+
+
+def _line(instruction: dis.Instruction) -> int | None:
+    return instruction.positions.lineno if instruction.positions is not None else None
 
 
 def _last_store(code: CodeType, name: str, lasti: int) -> tuple[int, int] | None:
