@@ -64,7 +64,8 @@ def _assert_set_at_its_line(report: nan_magic.Report, name: str, line: int) -> N
     assert report.cause is not None and (report.cause.label, report.cause.reading) == (
         "nonfinite-number", "optimizer-lr-set")
     assert report.source is not None and report.source.lineno == line
-    assert f"the loop set the learning rate {name} = nan at line {line}" in report.cause.hint
+    assert f"the learning rate lr = nan that the loop set before the SGD step comes from {name}, set at line {line}: " \
+           f"{name} is not a number" in report.cause.hint
     assert "is not a number" in report.cause.hint and "too high" not in report.cause.hint
     assert any(note.kind == "lr-set-by-loop" for note in report.note_facts)
 
