@@ -39,13 +39,12 @@ from types import FrameType
 import torch
 from torch import nn
 
-from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
-from nan_magic.localize.outside.lr_lines import lr_line
+from nan_magic.localize.outside.lr_lines import name_lr_line
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
@@ -319,7 +318,7 @@ class LoopWrites:
             _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
             calls = recorder.calls_to(frame) if frame is not None else ()
         if origin is None:
-            return _lr_set_at(finding, lr, raw)
+            return name_lr_line(finding, lr, raw)
         attach_origin(finding, origin)
         finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,  # (with its output's counts: the cause's)
                                      line=origin.source.lineno if origin.source is not None else None,
@@ -479,18 +478,6 @@ class LoopWrites:
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
             return
-
-
-def _lr_set_at(finding: Finding, lr: float, raw: object) -> bool:
-    """Name the loop's line that set the non-finite rate ``lr`` no recorded op made (lr_lines.py); True if found."""
-    found = lr_line(lr, raw)
-    if found is None:
-        return False
-    frame, name, line, offset = found
-    finding.source = pointer_at(frame.f_code, line, frame.f_globals)
-    finding.notes.append(Note.of("lr-set-by-loop", lr=lr, name=name, line=line))
-    finding.frame, finding.frame_position = frame, (offset, line)  # (%debug at that line, in the loop's frame)
-    return True
 
 
 def _counts(value: float) -> tuple[int, int, int]:

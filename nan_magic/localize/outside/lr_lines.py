@@ -19,15 +19,29 @@ from types import CodeType, FrameType
 
 import torch
 
-from nan_magic.errors.frames import is_library_code
+from nan_magic.errors.frames import is_library_code, pointer_at
+from nan_magic.hot.kept.finding import Finding
+from nan_magic.records import Note
 
-__all__ = ["LrLine", "lr_line"]
+__all__ = ["LrLine", "lr_line", "name_lr_line"]
 
 _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
 _LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF"})
 
 #: ``(frame, name, line, offset)``: the loop's frame, the name bound to the rate, and the store that bound it.
 LrLine = tuple[FrameType, str, int, int]
+
+
+def name_lr_line(finding: Finding, lr: float, raw: object) -> bool:
+    """Name the loop's line that set the non-finite rate ``lr`` no recorded op made; True where it was found."""
+    found = lr_line(lr, raw)
+    if found is None:
+        return False
+    frame, name, line, offset = found
+    finding.source = pointer_at(frame.f_code, line, frame.f_globals)
+    finding.notes.append(Note.of("lr-set-by-loop", lr=lr, name=name, line=line))
+    finding.frame, finding.frame_position = frame, (offset, line)  # (%debug at that line, in the loop's frame)
+    return True
 
 
 def lr_line(lr: float, raw: object) -> LrLine | None:
