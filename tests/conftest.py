@@ -22,6 +22,7 @@ def global_hook_counts() -> tuple[int, ...]:
         len(module_hooks._global_forward_hooks_always_called),
         len(module_hooks._global_backward_hooks),
         len(module_hooks._global_backward_pre_hooks),
+        len(module_hooks._global_parameter_registration_hooks),  # (LoopWrites.on_registered's, while watched)
         len(optimizer_hooks._global_optimizer_pre_hooks),
         len(optimizer_hooks._global_optimizer_post_hooks),
     )

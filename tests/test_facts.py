@@ -176,6 +176,9 @@ _DOWNSTREAM = _of_event("overflow", "wide-overflow", limit=3.4e38, signs=(), mat
 CAUSES = {
     "optimizer-lr": (Cause("learning-rate-too-high", "optimizer-lr",
                            (*_STEP[:6], ("lr", 1e38), *_STEP[7:], ("margin", 1000.0))), "lr = 1e38"),
+    "optimizer-lr-set": (Cause("nonfinite-number", "optimizer-lr-set",
+                               (*_STEP[:6], ("lr", float("inf")), *_STEP[7:], ("name", "lr"), ("line", 17))),
+                         "comes from lr, set at line 17"),
     "optimizer-state-overflow": (Cause("half-precision-overflow", "optimizer-state-overflow", _STEP), "max 65504"),
     "optimizer-state-overflow-wide": (Cause("overflow", "optimizer-state-overflow-wide", _STEP),
                                       "its parameter stayed finite"),

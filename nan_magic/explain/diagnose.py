@@ -82,7 +82,9 @@ Labels (exact strings: tests, renderers and users rely on them)
     A module read a parameter or buffer that already held non-finite values.
 ``nonfinite-number``
     The op was given a Python number that is not finite (``mask * float("-inf")``, a scale or temperature set to
-    inf in a config): no tensor op made the value; the number the code passed did.
+    inf in a config): no tensor op made the value; the number the code passed did. Or an optimizer step's learning
+    rate that the loop set non-finite where no op made it (a schedule computed in Python, a tensor rate kept from
+    earlier): the loop's line that set it is named (``localize/outside/lr_lines.py``).
 ``handled-input``
     Set by the watch (``explain/handled.py``) on a benign event: a batch entering a watched model carried
     non-finite values and the step's outputs, loss, gradients and parameters stayed finite (the model imputes

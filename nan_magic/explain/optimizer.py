@@ -38,6 +38,10 @@ def optimizer_cause(report: Report) -> Cause:
         ("lr", report.optimizer_lr), ("eps", report.optimizer_eps), ("limit", limit), ("step", report.step),
     )
     lr = report.optimizer_lr
+    set_at = next((note for note in report.note_facts if note.kind == "lr-set-by-loop"), None)
+    if set_at is not None:  # (a rate the loop computed in Python, or kept as a tensor: not finite, not too high)
+        return Cause("nonfinite-number", "optimizer-lr-set",
+                     (*facts, ("name", set_at.fact("name")), ("line", set_at.fact("line"))))
     if lr is not None and not lr < limit / _LR_MARGIN and not any(
             note.kind == "lr-made-by-loop" for note in report.note_facts):
         # (Not where the loop's own op made a NaN or infinite rate, named at its line: the op says why.)

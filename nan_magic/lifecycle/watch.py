@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.distributed.lockstep import Lockstep
@@ -299,6 +300,7 @@ class Watch(WatchEvents):
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
                                                               self.cycle.backward_finished))
             stack.enter_context(loaders_patch.watch_batches(self.samples.on_batch))
+            stack.enter_context(register_module_parameter_registration_hook(self.update_code.on_registered))
             optimizers = self.optimizers
             stack.enter_context(scaler_patch.watch_scalers(scaler_patch.ScalerCallbacks(
                 optimizers.on_scale, optimizers.before_scaler_step, optimizers.after_scaler_step

@@ -86,7 +86,7 @@ class OpOrigins:
         #: The op of the loop's update code that wrote a gradient, run again from what it read (LoopWrites), or None.
         self.written_gradient: Callable[[torch.Tensor], OpFinding | None] | None = None
         #: Names the op of the loop's update code that made a step's non-finite learning rate (LoopWrites.name_lr).
-        self.lr_source: Callable[[Finding, float], bool] | None = None
+        self.lr_source: Callable[[Finding, float, object], bool] | None = None
         #: Ops mode: %debug at a backward op's forward line, by a replay of the step's kept call that made its node
         #: (replay/line_replay.ForwardLines); None elsewhere.
         self.forward_line: Callable[[OpTracer, OpFinding, Finding], None] | None = None
@@ -162,10 +162,11 @@ class OpOrigins:
         started = tracer.started if tracer is not None else []
         return next((index for index, finding in enumerate(started) if finding is origin), len(started))
 
-    def add_lr_origin(self, finding: Finding, lr: float) -> bool:
-        """An optimizer step made ``finding``'s parameter non-finite with the non-finite learning rate ``lr``: the op
-        of the loop's code that made it (the update region's), where one did; True when it was named."""
-        return self.lr_source is not None and self.lr_source(finding, lr)
+    def add_lr_origin(self, finding: Finding, lr: float, raw: object = None) -> bool:
+        """An optimizer step made ``finding``'s parameter non-finite with the non-finite learning rate ``lr`` (the
+        group's ``raw`` value): the op of the loop's code that made it (the update region's), where one did, else
+        the loop's line that set it; True when either was named."""
+        return self.lr_source is not None and self.lr_source(finding, lr, raw)
 
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None, key: int | None = None) -> None:
         """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).

@@ -18,7 +18,7 @@ from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
-from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr
+from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr, group_value
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
@@ -106,10 +106,12 @@ class StepReports:
             self.attribute(finding)
             lr = group_lr(result.optimizer, tensor)
             # A non-finite rate the loop computed (``group["lr"] = size.item()``, size 0 / 0): its op, not the step's.
-            if not (phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr)
-                    and self._add_lr_origin(finding, lr)):
+            # Else, no op made it (computed in Python, or a tensor rate made earlier): the loop's line that set it.
+            named = (phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr)
+                     and self._add_lr_origin(finding, lr, group_value(result.optimizer, tensor, "lr")))
+            if not named:
                 self._add_op_origin(finding, tensor)
-            if finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
+            if not named and finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
                 caller = pointer_at(*result.caller) if result.caller is not None else None
                 self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))

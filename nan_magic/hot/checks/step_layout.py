@@ -32,7 +32,7 @@ from nan_magic.records import TensorRef, TensorRole
 
 __all__ = [
     "BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr",
-    "largest_decay", "wild_hyperparameters",
+    "group_value", "largest_decay", "wild_hyperparameters",
 ]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
@@ -162,8 +162,18 @@ def largest_decay(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[float, f
     return best
 
 
+def group_value(opt: torch.optim.Optimizer, tensor: torch.Tensor, key: str) -> Any:
+    """The object ``key`` of the first parameter group holding ``tensor`` (of the first group where none holds it)."""
+    groups = _groups_of(opt, tensor)
+    return groups[0].get(key) if groups else None
+
+
+def _groups_of(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> list[dict[str, Any]]:
+    return [group for group in opt.param_groups if any(p is tensor for p in group["params"])] or opt.param_groups
+
+
 def _group_number(opt: torch.optim.Optimizer, tensor: torch.Tensor, key: str) -> float | None:
-    groups = [group for group in opt.param_groups if any(p is tensor for p in group["params"])] or opt.param_groups
+    groups = _groups_of(opt, tensor)
     values = []
     for group in groups:
         value = group.get(key)

@@ -44,6 +44,7 @@ from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
+from nan_magic.localize.outside.lr_lines import name_lr_line
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
@@ -127,7 +128,36 @@ class LoopWrites:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
         self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
+        #: Watched parameters the loop replaced by new ones (``m.bias = nn.Parameter(v)``): :meth:`on_registered`.
+        self._replaced: list[torch.Tensor] = []
         self._update_rebound = Rebound(self._cached_index, self._fresh_index)  # the same, in the update region
+
+    def on_registered(self, module: nn.Module, name: str, parameter: torch.Tensor | None) -> None:
+        """torch's parameter registration hook: ``module.name = nn.Parameter(v)`` while the watch runs.
+
+        A watched parameter replaced by a new one is a parameter of the model (its state_dict saves it) that no
+        optimizer steps and, until a forward reads it, no check sees; the old one keeps its memory, so Rebound
+        misses it. Noted here (only a replacement: a module built in the loop registers names it never had), and
+        judged with the data region's writes as that region ends (:meth:`end`), named by the op that made its
+        memory. Called at a registration only, never on a step.
+        """
+        old = module._parameters.get(name)
+        if (parameter is not None and old is not None and self._data_recorder is not None
+                and parameter.is_floating_point() and id(old) in self._cached_index()[0]):
+            self._replaced.append(parameter)
+
+    def _replacements(self, main: RegionRecords) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
+        """The watched parameters that replaced others since the last region's end (:meth:`on_registered`)."""
+        replaced, self._replaced = self._replaced, []
+        by_id = self._fresh_index()[0]  # (the new ones under their names)
+        self._rebound.forget()  # (its parameters are learned again: the new ones among them)
+        found = []
+        for parameter in replaced:
+            entry = by_id.get(id(parameter))
+            if entry is not None and entry[1] is parameter:
+                made = main.made_on(parameter)
+                found.append((entry[0], parameter, made if made is not None else parameter, main))
+        return found
 
     def begin(self) -> None:
         """``backward()`` returned: record the loop code until the next optimizer step or model call."""
@@ -187,6 +217,8 @@ class LoopWrites:
         if ((main := self._data_recorder) is not None and main._ops and main._region == "data" and not main._entry
                 and ((seen := (rebound := self._rebound).seen) is None or list(map(data_ptr, seen[1])) != seen[2])):
             found += [(name, parameter, made, main) for name, parameter, made in rebound.moved(main)]
+        if self._replaced and main is not None:  # (a field read a step: a parameter replaced, now and then)
+            found += self._replacements(main)
         recorder = self._recorder
         if recorder is not None and recorder.pushed:
             wrote = not recorder.watching  # a watched region is recorded from its first parameter write on
@@ -256,7 +288,7 @@ class LoopWrites:
             recorder._record_ring()
         return recorder.claim(gradient)
 
-    def name_lr(self, finding: Finding, lr: float) -> bool:
+    def name_lr(self, finding: Finding, lr: float, raw: object = None) -> bool:
         """An optimizer step made ``finding``'s parameter non-finite with a non-finite learning rate ``lr``: name the
         op of the loop's update code that made it, if one did; True when one was named.
 
@@ -264,7 +296,9 @@ class LoopWrites:
         labelled sample) reaches ``param_groups`` as a Python number through ``.item()``, which ties it to no
         tensor: the latest one-element tensor the update region made holding that same non-finite number is taken
         for its source, and the op that started it (its records run again; ops mode: the tracer's origins) is the
-        report's, at its line. Asked at such an event only.
+        report's, at its line. Where no op made it (a number computed in Python, a tensor rate made before the
+        records kept: ``raw`` is the group's own ``lr``), the loop's line that set it (lr_lines.py). Asked at such
+        an event only.
         """
         tracer = self._tracer() if self._tracer is not None else None
         origin: OpFinding | None = None
@@ -285,10 +319,11 @@ class LoopWrites:
             _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
             calls = recorder.calls_to(frame) if frame is not None else ()
         if origin is None:
-            return False
+            return name_lr_line(finding, lr, raw)
         attach_origin(finding, origin)
-        finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,
-                                     line=origin.source.lineno if origin.source is not None else None))
+        finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,  # (with its output's counts: the cause's)
+                                     line=origin.source.lineno if origin.source is not None else None,
+                                     nan=origin.nan, posinf=origin.posinf, neginf=origin.neginf))
         if frame is not None:
             finding.frame, finding.frame_position, finding.frame_calls = frame, position, calls
         return True
@@ -332,7 +367,7 @@ class LoopWrites:
 
     def forget(self) -> None:
         """The watch ends: stop recording and drop what was recorded."""
-        self._pending, self._index = [], None
+        self._pending, self._index, self._replaced = [], None, []
         self._rebound.forget()
         self._update_rebound.forget()
         if self.data is not None:

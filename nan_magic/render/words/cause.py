@@ -161,6 +161,18 @@ def _lr_hint(cause: Cause) -> str:
     )
 
 
+def _lr_set_hint(cause: Cause) -> str:
+    lr, name = cause.fact("lr"), cause.fact("name")
+    what = ("not a number (0/0, inf - inf or 0 * inf in its formula)" if lr != lr
+            else "infinite (a division by zero or an overflow in its formula)")
+    return (
+        f"the learning rate lr = {fmt(lr)} that the loop set before the {cause.fact('optimizer')} step comes from "
+        f"{name}, set at line {cause.fact('line')}: {name} is {what}, so every update lr · g is non-finite and the "
+        f"step made {_subject(cause)} {_counts(cause)} at step {cause.fact('step')}; find where its formula "
+        "divides by zero or reads an inf (a warmup or decay over 0 steps, a ratio of zero norms) and keep it finite"
+    )
+
+
 def _lr_evidence(cause: Cause) -> tuple[str, ...]:
     lr, limit, dtype = cause.fact("lr"), cause.fact("limit"), cause.fact("dtype")
     if lr >= limit:
@@ -267,6 +279,8 @@ _READINGS: dict[str, Reading] = {
     **OP_READINGS,
     **OVERFLOW_READINGS,
     "optimizer-lr": Reading(_lr_hint, _lr_evidence),
+    "optimizer-lr-set": Reading(_lr_set_hint, lambda cause: (
+        *_step_facts(cause), f"from {cause.fact('name')}, set by the loop at line {cause.fact('line')}")),
     "optimizer-state-overflow": Reading(_state_overflow_hint, _step_facts, sentence=False),
     "optimizer-state-overflow-wide": Reading(_wide_state_overflow_hint, _step_facts, sentence=False),
     "optimizer-update-overflow": Reading(_update_overflow_hint, _step_facts),

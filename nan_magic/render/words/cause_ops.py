@@ -22,6 +22,7 @@ from nan_magic.render.words.cause_words import (
     inputs_or_counts,
     number_phrase,
     on_event,
+    op_counts,
     rerun_for_op,
     short_label,
     stats_counts,
@@ -177,14 +178,13 @@ def _bessel_hint(event: Report, cause: Cause) -> str:
 
 
 def _division_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
-    return (f"{event.op} made {event.nan} NaN (0/0) and {event.posinf + event.neginf} inf (x/0)",
+    return (f"{event.op} made {op_counts(event)[0]} NaN (0/0) and {op_counts(event)[1]} inf (x/0)",
             *input_lines(event), *constant_inputs(event))
 
 
 def _division_hint(event: Report, cause: Cause) -> str:
     divisor = event.operand(cause.fact("divisor"))
-    results = [f"{count} {what}" for count, what in ((event.nan, "NaN (0/0)"),
-                                                       (event.posinf + event.neginf, "inf (x/0)")) if count]
+    results = [f"{count} {what}" for count, what in zip(op_counts(event), ("NaN (0/0)", "inf (x/0)")) if count]
     number = number_phrase(event, cause.fact("divisor")) if divisor is None else ""
     if number:
         # No tensor was 0: the code passed a zero (a temperature or scale from a config).

@@ -109,6 +109,15 @@ def counts(report: Report) -> str:
     return counts_phrase(report.nan, report.posinf, report.neginf)
 
 
+def op_counts(report: Report) -> tuple[int, int]:
+    """``(nan, inf)`` the report's op made: the event's, but where the event is a parameter a learning rate the
+    loop's op made non-finite stepped (note ``lr-made-by-loop``), that op's own one-element output's."""
+    note = next((note for note in report.note_facts if note.kind == "lr-made-by-loop"), None)
+    if note is not None and note.fact("nan") is not None:
+        return note.fact("nan"), note.fact("posinf") + note.fact("neginf")
+    return report.nan, report.posinf + report.neginf
+
+
 def stats_counts(stats: TensorStats) -> str:
     return counts_phrase(stats.nan or 0, stats.posinf or 0, stats.neginf or 0)
 

@@ -37,6 +37,9 @@ _TEMPLATES: dict[str, str] = {
     # localize/outside/loop_writes.py: a step's non-finite learning rate, made by the loop's code
     "lr-made-by-loop": "the learning rate lr = {lr} was set by the loop from a tensor its code computed: "
                        "{op} at line {line} made it, before the step read it (not a rate too high)",
+    # localize/outside/lr_lines.py: a step's non-finite learning rate, set by the loop's line (no op made it)
+    "lr-set-by-loop": "the learning rate lr = {lr} comes from {name}, which the loop set at line {line} before the "
+                      "step read it (not a rate too high)",
     # hot/: the boundary checks
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
