@@ -1,0 +1,68 @@
+"""What a notebook user saw go wrong in session 27's walk, each as a fast in-process test.
+
+The walk: five notebooks of its own (a training run split over cells, with ``%nanwatch on`` and ``%%nantrace``, the NaN
+in the forward, the loss code, the backward, the optimizer step and the data), run in real kernels (nbclient and
+jupyter_client, %debug answered through the stdin channel) on the main venv and on Colab's stack (.venv-colab:
+IPython 7.34, ipywidgets 7.7), saved, exported with nbconvert and opened in JupyterLab in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.lib.pretty import pretty
+from torch import nn
+
+import nan_magic
+from nan_magic.records import Sample
+from nan_magic.render.plots import histogram_figure
+
+
+def _log_domain_report() -> nan_magic.Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, fixes=False):
+        torch.log(model(torch.randn(8, 4)) - 10).mean().backward()
+    return caught.value.report
+
+
+def test_a_cause_in_a_cell_shows_its_label_and_hint_not_every_fact() -> None:
+    """``_nan_report.cause`` in a cell (or ``print(report.cause)``) showed the dataclass repr: the label, then every
+    fact as nested tuples, the whole event among them, about 2,300 characters on one line. It shows what the report
+    says of a cause, its label and one-line hint; its fields are still there to read."""
+    cause = _log_domain_report().cause
+    assert cause is not None and cause.label == "log-domain"
+    shown = pretty(cause)
+    assert shown == f"Cause('log-domain'): {cause.hint}"
+    assert str(cause) == f"log-domain: {cause.hint}"
+    assert "facts=" not in shown and len(shown) < 400, shown
+    assert cause.facts and cause.reading  # the plain data is unchanged
+
+
+def _legend(sample: Sample) -> list[str]:
+    (axes,) = histogram_figure((sample,)).axes
+    legend = axes.get_legend()
+    return [text.get_text() for text in legend.get_texts()] if legend is not None else []
+
+
+@pytest.mark.parametrize(
+    ("sample", "said"),
+    [
+        # Adam with eps=0 at a zero gradient: the updated parameter holds no finite value (it read 3.4e+38x).
+        (Sample("float32", (), 64, nan=64, posinf=0, neginf=0), None),
+        # Its operands exp_avg and sqrt(v): every value 0 (it read 8.51e+40x, from the bar's padding).
+        (Sample("float32", (0.0,) * 64, 64, nan=0, posinf=0, neginf=0, zeros=64), None),
+        # One value repeated: the ratio to that value, not to the padded range drawn around it (it read 5.67e+37x).
+        (Sample("float32", (5.0,) * 8, 8, nan=0, posinf=0, neginf=0), "6.81e+37x"),
+    ],
+    ids=["no-finite-value", "all-zero", "one-value"],
+)
+def test_the_histogram_legend_gives_the_dtype_limit_over_a_real_largest_value(sample: Sample, said: str | None) -> None:
+    """The live widget's Histograms tab on an optimizer NaN (Adam, eps=0): the output panel, with no finite value,
+    said "float32 limit ±3.4e+38: 3.4e+38x the largest |value|", and an all-zero operand "8.51e+40x": the ratio was
+    taken to the drawn range (-1..1 without values, padded around one value), not to any value of the tensor."""
+    ratios = [text for text in _legend(sample) if "the largest |value|" in text]
+    if said is None:
+        assert ratios == []
+    else:
+        assert ratios == [f"float32 limit \u00b13.4e+38: {said} the largest |value|"]
