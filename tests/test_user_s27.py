@@ -66,3 +66,20 @@ def test_the_histogram_legend_gives_the_dtype_limit_over_a_real_largest_value(sa
         assert ratios == []
     else:
         assert ratios == [f"float32 limit \u00b13.4e+38: {said} the largest |value|"]
+
+
+def test_the_help_s_usage_line_names_the_cell_magic_as_typed(ip) -> None:
+    """``%%nantrace?`` began ``%nantrace [--warn] [--log] ...``: a line magic that does not exist (typed, IPython says
+    it is not found). The usage line names the cell magic; ``%nanwatch?`` keeps its one ``%``."""
+    usage = ip.find_cell_magic("nantrace").__doc__.split("[--warn]")[0].split()
+    assert usage[-1] == "%%nantrace", usage
+    assert ip.find_line_magic("nanwatch").__doc__.split("[--warn]")[0].split()[-1] == "%nanwatch"
+
+
+def test_the_defer_option_s_help_says_what_it_changes(ip) -> None:
+    """``--defer`` said "check once per step instead of per module": the watch it changes (the default, tiered one)
+    does not check per module; it checks a step's boundaries, each read as it is made. ``--defer`` keeps those results
+    on the device and reads them together (docs/how-it-watches.md, options.py's ``defer``)."""
+    words = " ".join(ip.find_cell_magic("nantrace").__doc__.split())
+    assert "instead of per module" not in words
+    assert "--defer keep the checks' results on the device, read together (default on CUDA)" in words
