@@ -83,3 +83,16 @@ def test_the_defer_option_s_help_says_what_it_changes(ip) -> None:
     words = " ".join(ip.find_cell_magic("nantrace").__doc__.split())
     assert "instead of per module" not in words
     assert "--defer keep the checks' results on the device, read together (default on CUDA)" in words
+
+
+def test_a_zero_0d_divisor_is_said_in_words_not_as_an_empty_shape() -> None:
+    """A loss divided by a mean that came out 0 (``... / (y - 2).abs().mean()`` on a batch of 2s): the cause said
+    "divided by zero (`other` () held 1 zero of 1)", an empty shape a reader takes for a garbled sentence."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    y = torch.full((8, 1), 2.0)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, fixes=False):
+        (((model(torch.randn(8, 4)) - y) ** 2).mean() / (y - 2.0).abs().mean()).backward()
+    hint = caught.value.report.cause.hint
+    assert "divided by zero (`other`, a single number, was 0), giving 1 inf (x/0)" in hint, hint
+    assert "()" not in hint
