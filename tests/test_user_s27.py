@@ -96,3 +96,21 @@ def test_a_zero_0d_divisor_is_said_in_words_not_as_an_empty_shape() -> None:
     hint = caught.value.report.cause.hint
     assert "divided by zero (`other`, a single number, was 0), giving 1 inf (x/0)" in hint, hint
     assert "()" not in hint
+
+
+def test_a_verified_eps_fix_on_an_x_over_0_says_it_hides_the_inf_not_a_nan() -> None:
+    """``h / (h.abs().sum(1, keepdim=True) * 0)``: 86 +inf and 42 -inf, no NaN; the verified eps fix said "the NaN is
+    hidden, not fixed". It names what the producer made (a 0/0 keeps "the NaN": tests/test_notebooks_more.py)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+
+    def step() -> None:
+        h = model(torch.randn(16, 8))
+        (h / (h.abs().sum(dim=1, keepdim=True) * 0)).sum().backward()
+
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model):
+        step()
+    report = caught.value.report
+    assert report.nan == 0 and report.posinf and report.neginf
+    (eps,) = [line for line in report.to_text().splitlines() if line.startswith("  eps: ")]
+    assert "verified" in eps and "(the inf is hidden, not fixed" in eps and "NaN" not in eps, eps
