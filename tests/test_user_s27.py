@@ -114,3 +114,19 @@ def test_a_verified_eps_fix_on_an_x_over_0_says_it_hides_the_inf_not_a_nan() -> 
     assert report.nan == 0 and report.posinf and report.neginf
     (eps,) = [line for line in report.to_text().splitlines() if line.startswith("  eps: ")]
     assert "verified" in eps and "(the inf is hidden, not fixed" in eps and "NaN" not in eps, eps
+
+
+def test_reloading_the_extension_says_it_turned_nanwatch_on_off(ip, capsys: pytest.CaptureFixture[str]) -> None:
+    """``%nanwatch on``, then ``%reload_ext nan_magic`` (after an upgrade or an edit): the watch ended with the
+    unload, without a word, and the next cell's NaN went by unwatched while the user believed it on. The unload
+    says so; the watch stays off (tests/test_magics.py holds that an unload ends it)."""
+    ip.run_cell("import torch\nfrom torch import nn\nmodel = nn.Linear(4, 1)")
+    ip.run_line_magic("nanwatch", "on model")
+    capsys.readouterr()
+    ip.run_line_magic("reload_ext", "nan_magic")
+    said = capsys.readouterr().out
+    assert "nan_magic: unloaded, so %nanwatch on is off; after %load_ext nan_magic, %nanwatch on again" in said
+    ip.run_line_magic("nanwatch", "status")
+    assert "nan_magic: off" in capsys.readouterr().out
+    ip.run_line_magic("reload_ext", "nan_magic")  # nothing was on: nothing to say
+    assert "unloaded" not in capsys.readouterr().out
