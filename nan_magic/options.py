@@ -136,7 +136,9 @@ class WatchConfig:
         with ``ops=True``, whose tracer reads every op as it runs, only under a
         process group). Results are identical; only the frame in which the error
         is raised differs.""",
-        _flag("--defer", action="store_true", help="check once per step instead of per module (default on CUDA)"),
+        # Not "instead of per module": the default watch checks a step's boundaries, not every module call.
+        _flag("--defer", action="store_true",
+              help="keep the checks' results on the device, read together (default on CUDA)"),
     )
     ops: bool = _option(
         False,

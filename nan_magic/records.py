@@ -62,11 +62,9 @@ def module_label(module: str | None, module_type: str | None = None, model: str 
 class TensorStats:
     """Numbers describing one tensor.
 
-    ``min``/``max``/``mean``/``std``/``absmax`` are taken over the *finite*
-    elements only, and are ``None`` when they were not computed (the cheap
-    per-call probe gives min/max only) or when no element is finite.
-    Counts are ``None`` when unknown (a tensor that was freed before the
-    report was built only has its probe).
+    ``min``/``max``/``mean``/``std``/``absmax`` are taken over the *finite* elements only, and are ``None`` when they
+    were not computed (the cheap per-call probe gives min/max only) or when no element is finite. Counts are ``None``
+    when unknown (a tensor that was freed before the report was built only has its probe).
     """
 
     dtype: str
@@ -117,9 +115,8 @@ UNMEASURED: frozenset[str] = frozenset({"running", "not reached", "not called", 
 class LayerCall:
     """One watched module call (or data entry) of the failing step, or a module of the model it did not measure.
 
-    ``index`` numbers the calls as they began (None for a module not
-    called, or not seen to be called); ``stats`` is None where the step
-    has no numbers for the row (its status is then in :data:`UNMEASURED`).
+    ``index`` numbers the calls as they began (None for a module not called, or not seen to be called); ``stats`` is
+    None where the step has no numbers for the row (its status is then in :data:`UNMEASURED`).
     """
 
     index: int | None
@@ -142,10 +139,9 @@ class LayerCall:
 class Sample:
     """A bounded sample of one tensor's finite values, for histograms.
 
-    ``producer`` is false for the samples of other layers of the failing
-    step (the calls that returned just before the producer's). ``nan``,
-    ``posinf``, ``neginf`` and ``zeros`` count the whole tensor, not the
-    sample (None where not counted).
+    ``producer`` is false for the samples of other layers of the failing step (the calls that returned just before the
+    producer's). ``nan``, ``posinf``, ``neginf`` and ``zeros`` count the whole tensor, not the sample (None where not
+    counted).
     """
 
     dtype: str
@@ -176,9 +172,8 @@ class Sample:
 class EarlyWarning:
     """A sign that a run is heading for a non-finite value, before it happens.
 
-    ``kind`` is one of ``"overflow-risk"``, ``"loss-spike"``,
-    ``"grad-norm-spike"``, ``"extreme-input"``, ``"constant-feature"``,
-    ``"scale-falling"``, ``"grad-norm-overflow"``.
+    ``kind`` is one of ``"overflow-risk"``, ``"loss-spike"``, ``"grad-norm-spike"``, ``"extreme-input"``,
+    ``"constant-feature"``, ``"scale-falling"``, ``"grad-norm-overflow"``.
     """
 
     step: int
@@ -200,13 +195,10 @@ class EarlyWarning:
 class Cause:
     """The likely cause of an event: its kind, which reading of it, and the plain values it rests on.
 
-    ``label`` is the kind (``"learning-rate-too-high"``); ``reading`` names
-    the sentence ``nan_magic.render.words.cause`` writes for it (one kind can be
-    reached several ways); ``facts`` are ``(name, value)`` pairs of stdlib
-    values (str, int, float, bool, None, tuples of them), so a scene stores a
-    cause as plain data. ``hint`` and ``evidence`` are written from them by
-    ``nan_magic.render.words.cause``.
-    """
+    ``label`` is the kind (``"learning-rate-too-high"``); ``reading`` names the sentence render/words/cause.py writes
+    for it (one kind can be reached several ways); ``facts`` are ``(name, value)`` pairs of stdlib values (str, int,
+    float, bool, None, tuples of them), so a scene stores a cause as plain data; ``hint`` and ``evidence`` are their
+    words. Shown (``str``, IPython) as its label and hint: its dataclass repr spells every fact, the event's too."""
 
     label: str
     reading: str
@@ -229,6 +221,12 @@ class Cause:
     def evidence(self) -> tuple[str, ...]:
         """The facts the diagnosis rests on, one line each."""
         return _views().cause_evidence(self)
+
+    def __str__(self) -> str:
+        return f"{self.label}: {self.hint}"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(f"Cause({self.label!r}): {self.hint}")
 
 
 @dataclass(frozen=True)

@@ -377,7 +377,8 @@ def test_the_fix_shown_says_it_hides_the_nan_rather_than_fixing_it(session: Any)
     assert ("Fixes tried on a replay of step 3 (on copies: your model, optimizer and data are untouched): "
             "1 of 1 verified") in text
     (eps,) = [line for line in text.splitlines() if line.startswith("  eps: ")]
-    assert "verified: the step came out finite" in eps and "the NaN is hidden, not fixed" in eps, eps
+    # h / (h - h) makes +-inf, not NaN (x/0, h nonzero): the fix hides the inf (user-s27: it said "the NaN").
+    assert "verified: the step came out finite" in eps and "the inf is hidden, not fixed" in eps, eps
     assert printed(session, "forward_fields")[1] == "[('eps', 'body', True)]"
 
 

@@ -146,6 +146,10 @@ class HeldWatchMagics(Magics):
 
     def unload(self) -> None:
         """Leave any held watch and answer every later call with a usage error."""
+        if self._persistent is not None:
+            # %reload_ext (after an upgrade, an edit) turned a %nanwatch on silently off: the cells after it ran
+            # unwatched and a NaN there went by without a word. Say so; the user turns it on again.
+            print("nan_magic: unloaded, so %nanwatch on is off; after %load_ext nan_magic, %nanwatch on again")
         self._persistent = None
         if self._held is not None:
             self._release(None)

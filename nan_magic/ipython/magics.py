@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import re
 import warnings
+from functools import partial
 from typing import Any
 
 from IPython import get_ipython
@@ -63,8 +64,11 @@ def _exact_options(func: Any) -> Any:
     return func
 
 
-def _watch_options(func: Any) -> Any:
-    """The options %%nantrace and %nanwatch share (see nan_magic.options)."""
+def _watch_options(func: Any, *, cell: bool = False) -> Any:
+    """The options %%nantrace and %nanwatch share (see nan_magic.options).
+
+    ``cell``: the help's usage line names a cell magic with its two ``%`` (IPython writes one before the name it is
+    given: ``%%nantrace?`` began ``%nantrace [--warn] ...``, a line magic that does not exist)."""
     decorators = [
         argument("targets", nargs="*", help="names or expressions of models, optimizers, GradScalers "
                  "(default: every one the cell calls, created in it or not)"),
@@ -76,7 +80,7 @@ def _watch_options(func: Any) -> Any:
     # magic_arguments lists options in source order, i.e. reverse application.
     for decorator in reversed(decorators):
         func = decorator(func)
-    return _exact_options(magic_arguments()(func))
+    return _exact_options(magic_arguments(name=f"%{func.__name__}" if cell else None)(func))
 
 
 @magics_class
@@ -104,7 +108,7 @@ class NanMagics(HeldWatchMagics):
 
     # -- magics -------------------------------------------------------------------
 
-    @_watch_options
+    @partial(_watch_options, cell=True)
     @cell_magic
     def nantrace(self, line: str, cell: str | None) -> None:
         """Run this cell under a NaN/Inf watch; stop at the first non-finite value.

@@ -91,7 +91,8 @@ def _redone_from(trial: FixTrial) -> str:
     return "" if trial.fact("from_step") is None else f" from the state after step {trial.fact('from_step')}"
 
 
-def _outcome(trial: FixTrial) -> str:
+def _outcome(trial: FixTrial, made: str = "NaN") -> str:
+    """What the trial came to; ``made`` is what the producer made (an x/0 that made only infinities hid no NaN)."""
     if trial.finite is None and trial.fact("changes_value"):
         return f"not a fix, though the step came out finite: {trial.untried}"  # (fixes/remedies/stable.py)
     if trial.finite is None:
@@ -126,7 +127,7 @@ def _outcome(trial: FixTrial) -> str:
         parts.append(f"the model's output changed by at most {fmt(trial.output_change)}")
     if trial.fact("moved_all"):
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
-        parts.append(f"but every {what} and was replaced: the output no longer depends on it (the NaN is hidden, "
+        parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
     if not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
@@ -136,8 +137,9 @@ def _outcome(trial: FixTrial) -> str:
 def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
     """``(trial, its line, the suggested edit or None)`` for each trial, verified ones first."""
     lines = []
+    made = "NaN" if report.nan or not report.nonfinite else "inf"
     for trial in report.fixes:
-        text = f"{trial.kind}: {trial.description} -> {_outcome(trial)} ({trial.seconds * 1000:.0f} ms)"
+        text = f"{trial.kind}: {trial.description} -> {_outcome(trial, made)} ({trial.seconds * 1000:.0f} ms)"
         edit = suggested_edit(trial) if trial.finite else None
         lines.append((trial, text, edit))
     return lines

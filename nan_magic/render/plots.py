@@ -129,9 +129,11 @@ def draw_histogram(axes: Axes, sample: Sample, zeros: bool = False) -> None:
         handles.append(axes.axvline(-limit, color=_LIMIT, linestyle="--", label=label))
         axes.axvline(limit, color=_LIMIT, linestyle="--")
         low, high = min(low, -limit), max(high, limit)
-    elif limit is not None and absmax:
-        # A legend entry that is not drawn on the axes: the limit is off scale.
-        text = f"{dtype} limit \u00b1{limit:.3g}: {limit / absmax:.3g}x the largest |value|"
+    elif limit is not None and (largest := max((abs(value) for value in sample.values), default=0.0)):
+        # A legend entry that is not drawn on the axes: the limit is off scale. Measured from the values, not the
+        # drawn range: that is padded around a single value (all zeros: 8.5e40x) and is -1..1 where no value is finite
+        # (3.4e38x a largest |value| that does not exist); without a nonzero finite value there is no ratio to give.
+        text = f"{dtype} limit \u00b1{limit:.3g}: {limit / largest:.3g}x the largest |value|"
         handles.append(Line2D([], [], linestyle="none", label=text))
     # Few, short tick labels: a float16 axis spans -65504..65504 and long ones run into each other.
     axes.xaxis.set_major_locator(MaxNLocator(5))

@@ -237,6 +237,9 @@ def divisor_phrase(divisor: TensorStats | None, name: str = "other") -> str:
     """The divisor's zeros, by its operand name (``self`` of a reciprocal, ``1.0 / counts``; ``other`` of a div)."""
     if divisor is None:
         return ""
+    if divisor.shape == () and divisor.zeros:
+        # A 0-d divisor (a mean, a norm, a count): "`other` () held 1 zero of 1" read as a garbled shape.
+        return f" (`{name}`, a single number, was 0)"
     rows = ""
     if len(divisor.shape) > 1 and divisor.shape[-1] == 1:
         # A keepdim reduction over the last dim (a std, a norm): one value per row.
