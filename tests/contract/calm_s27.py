@@ -11,6 +11,7 @@ settings as the loop saw them at its end (the watch must not change them while i
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -31,12 +32,30 @@ def torch_settings() -> tuple[Any, ...]:
             torch.__future__.get_swap_module_params_on_conversion())
 
 
+class WeakRefs:
+    """The weak references on a model's parameters and gradients, counted when compared (after the watch has
+    exited): ``torch.utils.swap_tensors`` (``model.to()`` under the swap future) refuses a tensor that has one."""
+
+    def __init__(self, *objs: Any) -> None:
+        self.models = [obj for obj in objs if isinstance(obj, nn.Module)]
+
+    def counts(self) -> list[int]:
+        return [weakref.getweakrefcount(t) for model in self.models for p in model.parameters()
+                for t in (p, p.grad) if t is not None]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WeakRefs) and self.counts() == other.counts()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def settled(scenario: Scenario) -> Scenario:
-    """``scenario`` whose result also carries the global settings at the end of its loop."""
+    """``scenario`` whose result also carries the global settings at the end of its loop, and the weak references
+    left on its models."""
     run = scenario.run
 
     def run_and_read() -> tuple[Any, ...]:
-        return run(), torch_settings()
+        return run(), torch_settings(), WeakRefs(*scenario.targets)
 
     return Scenario(scenario.targets, run_and_read, scenario.options)
 
