@@ -1,11 +1,13 @@
 """Healthy training that must stay silent in every mode (session 27): the idioms calm26* did not try.
 
-Per-sample gradients (torch.func), forward-mode AD, LoRA with a zero B, a QAT observer's inf/-inf buffers, a CRF
-over forbidden transitions and its Viterbi, Dijkstra in the loss, NaN-padded sensor data, a complex FFT layer, a
-seed drawn inside forward, autograd.grad and two backwards, LBFGS under strong Wolfe, an infinite horizon buffer,
-gradient clipping at inf, a user's own finiteness check and hooks, a dtype round trip, packed sequences, a
-scatter-amax over an empty segment. Each ``run()`` returns what calm26.finish returns, and the torch global
-settings as the loop saw them at its end (the watch must not change them while it runs).
+This file: the harness (each ``run()`` returns what calm26.finish returns, the torch global settings as the loop
+saw them at its end, and the weak references left on its models, counted after the watch has exited), gradients
+computed another way (per-sample by torch.func, forward-mode AD, autograd.grad, LBFGS under strong Wolfe),
+adapters and quantization (LoRA with a zero B, a QAT observer's inf/-inf buffers), and the infinities a healthy
+program holds (a CRF's forbidden transitions and its Viterbi, Dijkstra, an infinite horizon, an empty segment's
+or set's -inf, invalid candidates and actions, NaN-padded sensor data).
+calm_s27_structure.py: what its structure does (complex weights, seeds in forward, hooks, dtype round trips,
+swapped conversions, packed sequences, parameters reassigned).
 """
 
 from __future__ import annotations
@@ -361,201 +363,99 @@ def _nan_padded_sensors() -> Scenario:
     return training(model, loss_of)
 
 
-# -- structure ----------------------------------------------------------------------------------------
+class SetPool(nn.Module):
+    """Max-pooling over a padded set: an empty set's row is -inf (masked_fill with -inf, then amax), its module's
+    output; the parent replaces it with 0 before the head."""
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return h.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(1)
 
 
-class FFTConv(nn.Module):
-    """A global convolution in frequency space with a complex-valued weight parameter (FNO-style)."""
-
-    def __init__(self, channels: int = 4, length: int = 16) -> None:
+class SetNet(nn.Module):
+    def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(channels, length // 2 + 1, dtype=torch.complex64) * 0.1)
+        self.enc, self.pool, self.head = nn.Linear(4, 8), SetPool(), nn.Linear(8, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = torch.fft.rfft(x, dim=-1)
-        return torch.fft.irfft(spec * self.weight, n=x.shape[-1], dim=-1)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pooled = self.pool(self.enc(x), mask)
+        return self.head(torch.where(torch.isinf(pooled), torch.zeros_like(pooled), pooled))
 
 
-def _fft_conv_complex() -> Scenario:
+def _set_pool_empty_set() -> Scenario:
     torch.manual_seed(0)
-    model = nn.Sequential(FFTConv(), nn.GELU(), FFTConv())
-    x = torch.randn(3, 4, 16)
-    return training(model, lambda s: model(x).pow(2).mean(), torch.optim.Adam(model.parameters(), lr=1e-2))
+    model = SetNet()
+    x, mask = torch.randn(4, 5, 4), torch.rand(4, 5) > 0.3
+    mask[2] = False
+    return training(model, lambda s: model(x, mask).pow(2).mean())
 
 
-class SeededDropout(nn.Module):
-    """Seeds the global generator inside forward (a reproducible mask per call), as some research code does."""
+class Scorer(nn.Module):
+    """Log-scores of the candidates, -inf for the invalid ones (``torch.where`` with an infinite scalar)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(8, 16)
-        self.calls = 0
+        self.fc = nn.Linear(8, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        torch.manual_seed(1000 + self.calls)
-        return F.dropout(self.fc(x), 0.3, self.training)
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, self.fc(x).squeeze(-1), float("-inf"))
 
 
-def _seed_in_forward() -> Scenario:
+class Ranker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = Scorer()
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.score(x, valid), target)
+
+
+def _listwise_ranking() -> Scenario:
+    """A listwise ranking loss (softmax cross-entropy over each list) with invalid candidates at -inf."""
     torch.manual_seed(0)
-    model = nn.Sequential(SeededDropout(), nn.ReLU(), nn.Linear(16, 2))
-    x = torch.randn(6, 8)
-
-    def loss_of(step: int) -> torch.Tensor:
-        return (model(x) + 0.01 * torch.randn(6, 2)).pow(2).mean()
-
-    return training(model, loss_of)
+    model = Ranker()
+    x, valid = torch.randn(3, 6, 8), torch.rand(3, 6) > 0.3
+    valid[:, 0] = True
+    target = torch.zeros(3, dtype=torch.long)
+    return training(model, lambda s: model(x, valid, target))
 
 
-def _clip_at_inf() -> Scenario:
-    """Clipping that never clips: by value at +-inf, by norm with ``error_if_nonfinite=False`` (its norm
-    logged), foreach on and off."""
+class Policy(nn.Module):
+    """Invalid-action masking inside the policy's forward: its output holds -inf at the illegal actions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x))).masked_fill(~legal, float("-inf"))
+
+
+def _ppo_action_mask() -> Scenario:
+    """A PPO update over ``Categorical(logits=...)`` of the masked logits: sampled actions, the clipped ratio, an
+    entropy bonus (torch clamps the -inf logits to finfo.min for it)."""
     torch.manual_seed(0)
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x = torch.randn(6, 8)
+    model = Policy()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, legal = torch.randn(6, 8), torch.rand(6, 5) > 0.4
+    legal[:, 0] = True
 
     def run() -> tuple[Any, ...]:
         out = []
-        for step in range(3):
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_value_(model.parameters(), float("inf"), foreach=bool(step % 2))
-            norm = nn.utils.clip_grad_norm_(model.parameters(), 10.0, error_if_nonfinite=False,
-                                            foreach=bool(step % 2))
-            opt.step()
-            out += [loss.detach(), norm]
-        return finish(out, model, opt)
-
-    return Scenario((model, opt), run)
-
-
-class Guarded(nn.Module):
-    """The user's own NaN check in forward (a host sync and a Python branch on it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        if not torch.isfinite(h).all():
-            raise FloatingPointError("non-finite activations")
-        return self.b(h)
-
-
-def _user_guard_and_hooks() -> Scenario:
-    """The user's finiteness check, a forward hook saving activations for logging, a tensor hook saving the
-    activation's gradient, and a full backward hook reading grad_output: all removed after the loop."""
-    torch.manual_seed(0)
-    model = Guarded()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(6, 8)
-
-    def run() -> tuple[Any, ...]:
-        seen: list[torch.Tensor] = []
-
-        def keep_activation(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-            seen.append(output.detach().abs().mean())
-            output.register_hook(lambda g: seen.append(g.norm()))
-
-        handles = [model.a.register_forward_hook(keep_activation),
-                   model.b.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].norm()))]
-        losses = []
         for _ in range(3):
-            loss = model(x).pow(2).mean()
+            dist = torch.distributions.Categorical(logits=model(x, legal))
+            action = dist.sample()
+            old = dist.log_prob(action).detach()
+            ratio = torch.exp(dist.log_prob(action) - old)
+            advantage = torch.randn(6)
+            loss = -torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage).mean()
+            loss = loss - 0.01 * dist.entropy().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(loss.detach())
-        for handle in handles:
-            handle.remove()
-        return finish(losses + seen, model, opt)
-
-    return Scenario((model, opt), run)
-
-
-def _dtype_round_trip() -> Scenario:
-    """fp32 training, ``model.to(torch.bfloat16)`` for an evaluation under no_grad, back to fp32, more training
-    (the same Parameter objects, their data swapped twice)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(6, 8)
-
-    def run() -> tuple[Any, ...]:
-        out = []
-        for step in range(4):
-            if step == 2:
-                model.to(torch.bfloat16).eval()
-                with torch.no_grad():
-                    out.append(model(x.bfloat16()))
-                model.to(torch.float32).train()
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            out.append(loss.detach())
+            out += [loss.detach(), action]
         return finish(out, model, opt)
 
     return Scenario((model, opt), run)
-
-
-def _swapped_conversions() -> Scenario:
-    """``torch.__future__.set_swap_module_params_on_conversion(True)``: ``model.to()`` and ``load_state_dict``
-    swap each parameter's (and gradient's) contents with ``torch.utils.swap_tensors``, which refuses a tensor
-    with a weak reference. An evaluation in float64, back to float32, a checkpoint loaded back, more training."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.LayerNorm(6), nn.GELU(), nn.Flatten(), nn.Linear(24, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(5, 2, 8)
-
-    def run() -> tuple[Any, ...]:
-        out = []
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            for step in range(4):
-                if step == 2:
-                    saved = {k: v.clone() for k, v in model.state_dict().items()}
-                    model.to(torch.float64)
-                    with torch.no_grad():
-                        out.append(model(x.double()))
-                    model.to(torch.float32)
-                    model.load_state_dict(saved)
-                loss = model(x).pow(2).mean()
-                opt.zero_grad(set_to_none=False)
-                loss.backward()
-                opt.step()
-                out.append(loss.detach())
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(False)
-        return finish(out, model, opt)
-
-    return Scenario((model, opt), run)
-
-
-class PackedGRU(nn.Module):
-    """Variable-length sequences through a GRU as a PackedSequence (the GRU's input and output)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gru = nn.GRU(4, 8, batch_first=True)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-        out, _ = self.gru(packed)
-        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, padding_value=0.0)
-        return self.head(padded.sum(1) / lengths.unsqueeze(1))
-
-
-def _packed_gru() -> Scenario:
-    torch.manual_seed(0)
-    model = PackedGRU()
-    x, lengths = torch.randn(3, 6, 4), torch.tensor([6, 2, 4])
-    return training(model, lambda s: model(x, lengths).pow(2).mean())
 
 
 ROWS = {
@@ -567,22 +467,16 @@ ROWS = {
     "qat-fake-quantize-observer": _qat_observer,
     "crf-forbidden-transitions-viterbi": _crf_viterbi,
     "dijkstra-weighted-loss": _dijkstra_loss,
+    "inf-horizon-buffer": _inf_horizon,
     "scatter-amax-empty-graph": _scatter_amax_empty,
     "nan-padded-sensors": _nan_padded_sensors,
-    "fft-conv-complex-weight": _fft_conv_complex,
-    "manual-seed-in-forward": _seed_in_forward,
-    "clip-value-inf-norm-nonfinite-ok": _clip_at_inf,
-    "user-isfinite-guard-and-hooks": _user_guard_and_hooks,
-    "dtype-round-trip-bf16-eval": _dtype_round_trip,
-    "packed-gru": _packed_gru,
-    # ops=True raised "_apply(): Couldn't swap Conv1d.weight": the op tracer's weak references (patches/swaps.py).
-    "swap-future-to-and-load-state-dict": _swapped_conversions,
 }
-
-# Rows whose deliberate infinity the watch records as benign (PRODUCT.md "benign"): filled from what each shows.
-BENIGN: dict[str, int | None] = {"inf-horizon-buffer": None}
 
 CASES = [
     *(Case(f"calm_s27_{name}", lambda build=build: settled(build()), None, benign=0) for name, build in ROWS.items()),
-    Case("calm_s27_inf-horizon-buffer", lambda: settled(_inf_horizon()), None, benign=None),
+    # A module output holding a deliberate -inf (masked_fill / where with an infinite scalar): one benign event.
+    Case("calm_s27_set-pool-empty-set-neginf-output", lambda: settled(_set_pool_empty_set()), None, benign=1),
+    Case("calm_s27_listwise-ranking-invalid-candidates", lambda: settled(_listwise_ranking()), None, benign=1),
+    # The tiered watch notes the policy's -inf output at each step's root-output check (3), the others once.
+    Case("calm_s27_ppo-action-mask-in-policy", lambda: settled(_ppo_action_mask()), None, benign=None),
 ]
