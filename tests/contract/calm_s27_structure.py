@@ -269,6 +269,45 @@ def _hook_cleans_output() -> Scenario:
     return Scenario((model, opt), run)
 
 
+class Pooling(nn.Module):
+    """Attention pooling: softmax of a scorer's output over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score, self.value, self.out = nn.Linear(8, 1), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.score(x).squeeze(-1), -1)
+        return self.out((weights.unsqueeze(-1) * self.value(x)).sum(1))
+
+
+def _hooks_add_masks() -> Scenario:
+    """The user's hooks put the padding mask in: a forward hook fills the scorer's output with -inf at the padding,
+    and a pre-hook of a softmax module fills its input; each softmax row keeps a finite entry."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"pool": Pooling(), "proj": nn.Linear(2, 5), "soft": nn.Softmax(-1), "head": nn.Linear(5, 2)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, pad = torch.randn(3, 5, 8), torch.zeros(3, 5, 1, dtype=torch.bool)
+    pad[1, 3:] = True
+    classes = torch.tensor([True, True, True, False, False])
+
+    def run() -> tuple[Any, ...]:
+        handles = [model["pool"].score.register_forward_hook(lambda m, a, out: out.masked_fill(pad, float("-inf"))),
+                   model["soft"].register_forward_pre_hook(lambda m, a: (a[0].masked_fill(~classes, float("-inf")),))]
+        losses = []
+        for _ in range(3):
+            loss = model["head"](model["soft"](model["proj"](model["pool"](x)))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        for handle in handles:
+            handle.remove()
+        return finish(losses, model, opt)
+
+    return Scenario((model, opt), run)
+
+
 ROWS = {
     "fft-conv-complex-weight": _fft_conv_complex,
     "manual-seed-in-forward": _seed_in_forward,
@@ -280,6 +319,7 @@ ROWS = {
     "swap-future-to-and-load-state-dict": _swapped_conversions,
     "packed-gru": _packed_gru,
     "load-state-dict-assign-new-optimizer": _assign_load,
+    "user-hooks-add-neginf-masks": _hooks_add_masks,
 }
 
 CASES = [
