@@ -308,6 +308,23 @@ def _hooks_add_masks() -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _compiled_in_its_place() -> Scenario:
+    """``compiled = torch.compile(model)`` (aot_eager: numerically the eager model's), the watch given ``model``,
+    the loop calling ``compiled``; compiled first in the watched cell, as in a fresh kernel (dynamo's caches reset:
+    the unwatched run's graph would be reused without tracing anything)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(6, 8)
+
+    def loss_of(step: int) -> torch.Tensor:
+        if step == 0:
+            torch.compiler.reset()
+        return compiled(x).pow(2).mean()
+
+    return training(model, loss_of)
+
+
 ROWS = {
     "fft-conv-complex-weight": _fft_conv_complex,
     "manual-seed-in-forward": _seed_in_forward,
@@ -320,6 +337,9 @@ ROWS = {
     "packed-gru": _packed_gru,
     "load-state-dict-assign-new-optimizer": _assign_load,
     "user-hooks-add-neginf-masks": _hooks_add_masks,
+    # Raised dynamo's TorchRuntimeError in our hooks (reads.probe: nbytes of a symbolic size) in the default and
+    # full modes: the compiled wrapper was no watched model, its call not stepped aside for (targets.join).
+    "compiled-wrapper-called-model-watched": _compiled_in_its_place,
 }
 
 CASES = [
