@@ -29,6 +29,8 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
+import torch
+
 from nan_magic.hot.checks.optim_reports import ReplayStep
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer
@@ -44,6 +46,7 @@ from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
 from nan_magic.patches.saved_hooks import listed_saved_hooks
 from nan_magic.patches.scripting import unhooked_scripting
+from nan_magic.patches.swaps import forgotten_before_swaps, unrecorded_swaps
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
 
@@ -130,6 +133,9 @@ class Recording(Localizing):
         # mode's trampoline each, and set_to_none=False's would overrun the data region's budget).
         recorder = self._recording
         stack.enter_context(unrecorded_zero_grad(recorder.step_aside, recorder.step_back))
+        # Nor for a swap_tensors (model.to() under the swap future): the view it records would hold the parameter,
+        # and the swap refuse it (patches/swaps.py).
+        stack.enter_context(unrecorded_swaps(recorder.step_aside, recorder.step_back))
         # An autograd.grad by no parameter (an attack's input gradient) is loop code, not a loss's backward: the
         # code around it is recorded on as one region, its backward's ops not (patches/backward.py).
         stack.enter_context(unrecorded_input_grads(recorder.step_aside, recorder.step_back))
@@ -215,11 +221,19 @@ class Traced(Localizing):
         super().attach(stack, origins, module_name, phase_hint)
         # The tracer names the innermost watched module running, from the forward hooks' stack.
         stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint))
+        # The tracer's weak references to the tensors it read would make the user's swap_tensors (model.to() under
+        # the swap future) raise: they go first (patches/swaps.py).
+        stack.enter_context(forgotten_before_swaps(lambda tensor: _forget_known(origins, tensor)))
         if self.kept is not None:
             kept = self.kept
             origins.forward_line = ForwardLines(kept, lambda: kept.watch.step)
         elif self._says_unkept:
             origins.forward_line = ForwardLines(None, lambda: 0)
+
+
+def _forget_known(origins: OpOrigins, tensor: torch.Tensor) -> None:
+    if origins.tracer is not None:
+        origins.tracer.known.forget(tensor)
 
 
 def localizing(

@@ -94,7 +94,14 @@ class Targets:
         """A module called at top level that no root holds: its info once it joins the watch, or None."""
         label = self._new_root_label(module)
         if label is None:
-            return None
+            # ``torch.compile(model)`` of a watched model, called in its place, joins under the model's label, so that
+            # the watch steps aside for it as for a compiled target (module_hooks.py): else dynamo traced our global
+            # hooks into the model's graph, and raised in them (a symbolic size's nbytes).
+            original = module._modules.get("_orig_mod")
+            roots = [label for label, root in self.roots if root is original] if original is not None else ()
+            if not roots or not is_compiled(module):
+                return None
+            label = roots[0]
         # A module called at top level becomes a root, named as its own ``named_modules()`` would name it.
         self.add_root(module, label, config)
         return self.modules[id(module)]

@@ -299,6 +299,15 @@ class OpTracer(OriginRules, TorchDispatchMode):
         super().__enter__()
         return self
 
+    def __exit__(self, *exc: object) -> None:
+        # What is known is stale once we stop seeing the ops (cleared at __enter__ anyway), and its weak references
+        # would stay on the user's parameters as long as they hold the watch: torch.utils.swap_tensors (model.to()
+        # under the swap future) refuses a tensor that has one (patches/swaps.py).
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._known.clear()
+
     def __torch_dispatch__(
         self,
         func: Any,

@@ -139,15 +139,22 @@ def replay_module(
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
+    # The watch judged the forward's own output (its global hook runs first), not a user's hook's (zeroing a -inf).
+    raw: list[Any] = []  # (the outermost call of a module that calls itself returns last)
+    def keep_raw(sub: nn.Module, _args: Any, result: Any) -> None:
+        if sub is module:
+            raw[:] = [result]
+
     # The replay runs to its end, so that the producing line ends and %debug shows the locals it left
     # (line_state.py). Its output is claimed as ops=True claims a module's: the op whose value reached it, not an
     # overflow the call's own code absorbed before it (``tanh(exp(100 * h))``); else the first op that made one.
     with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer, \
-            arguments_untouched(args, kwargs) as guard:
+            arguments_untouched(args, kwargs) as guard, register_module_forward_hook(keep_raw):
         tracer.at_boundary = tracer.witnesses.hold = True  # (the origins' operands kept to the claim: histograms)
         try:
             with torch.set_grad_enabled(saving), tracer:
                 output = module(*args, **kwargs)
+                output = raw[0] if raw else output
                 tracer.claim_first([tensor for _path, tensor in iter_tensors(output, attributes=True)])
         except Exception as error:
             failure = error
