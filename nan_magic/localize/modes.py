@@ -45,7 +45,7 @@ from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
 from nan_magic.patches.saved_hooks import listed_saved_hooks
-from nan_magic.patches.scripting import unhooked_scripting
+from nan_magic.patches.scripting import quiet_tracing, unhooked_scripting
 from nan_magic.patches.swaps import forgotten_before_swaps, unrecorded_swaps
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
@@ -87,8 +87,10 @@ class Localizing:
     ) -> None:
         """The watch's hooks go on; what ``stack`` holds comes off with them."""
         # torch.jit.script of a model inside the watch compiles it without the hook the tiered watch puts on a
-        # model it steps aside for (TorchScript cannot compile it): patches/scripting.py.
+        # model it steps aside for (TorchScript cannot compile it), and torch.jit.trace without the TracerWarnings
+        # the watch's own reads raise: patches/scripting.py.
         stack.enter_context(unhooked_scripting())
+        stack.enter_context(quiet_tracing())
         # The saved-tensor hooks each call starts under, for its replay after the user's ``with`` (saved_hooks.py).
         stack.enter_context(listed_saved_hooks())
         if origins.swapped is not None:

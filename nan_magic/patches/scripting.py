@@ -7,10 +7,17 @@ the user's scripting raised an error the watch caused. So ``torch.jit.script`` i
 for the call, our hooks come off every submodule of a module being scripted and go back after it (where the hook
 dict is as we left it; a hook the user added meanwhile stays, after ours). The scripted module carries none of
 ours and runs unwatched by that hook; the eager model keeps it and stays watched.
+
+``torch.jit.trace`` and ``trace_module`` run the model on sizes the tracer follows as tensors, and the watch's
+boundary reads ask them questions (``0 in value.shape``): each asks TracerWarning's "converting a tensor to a
+Python boolean", about 30 lines of warnings a trace, all pointing into nan_magic, none about the user's graph (the
+reads add nothing to it). For those calls TracerWarnings raised from nan_magic's own modules are ignored; the
+user's stay.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +28,7 @@ from torch import nn
 from nan_magic.hot.watched.module_hooks import is_watch_hook
 from nan_magic.patches.registry import ProcessPatch
 
-__all__ = ["unhooked_scripting"]
+__all__ = ["quiet_tracing", "unhooked_scripting"]
 
 def _take_off(module: nn.Module) -> list[tuple[dict[int, Any], dict[int, Any], dict[int, Any]]]:
     """Our hooks off ``module`` and its submodules: (each hook dict, as it was, as it is left)."""
@@ -67,4 +74,27 @@ def unhooked_scripting() -> Iterator[None]:
     """Inside the block, ``torch.jit.script`` of a module compiles it without the watch's hooks (the module
     docstring)."""
     with _PATCH.held():
+        yield
+
+
+def _wrap_trace(original: Callable[..., Any]) -> Callable[..., Any]:
+    def trace(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        with warnings.catch_warnings():
+            # (``module`` is matched against the module the warning is attributed to: ours, not the user's.)
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"nan_magic\.")
+            return original(*args, **kwargs)
+
+    return trace
+
+
+_TRACE = ProcessPatch.of(torch.jit, "trace", _wrap_trace)
+_TRACE_MODULE = ProcessPatch.of(torch.jit, "trace_module", _wrap_trace)
+
+
+@contextmanager
+def quiet_tracing() -> Iterator[None]:
+    """Inside the block, ``torch.jit.trace`` and ``trace_module`` leave out the TracerWarnings the watch's own
+    reads raise (the module docstring)."""
+    with _TRACE.held(), _TRACE_MODULE.held():
         yield
