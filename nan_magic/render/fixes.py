@@ -99,17 +99,20 @@ def _outcome(trial: FixTrial) -> str:
     if not trial.finite:
         if trial.failed == "raised" and trial.error is not None:
             return f"the replay raised {trial.error[0]}: {trial.error[1]}"
-        if trial.failed in ("backward", "optimizer step") and trial.fact("backward_from") == "ones":
+        if trial.failed in ("backward", "optimizer step", "next forward") and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
             return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs,"
                     f" standing for the loss (loss not computed: {trial.fact('loss_not_computed') or 'none'}): the "
                     "trial cannot tell whether the step with its own loss would be finite")
-        if trial.failed in ("backward", "optimizer step") and trial.fact("loss_code_not_run"):
+        if trial.failed in ("backward", "optimizer step", "next forward") and trial.fact("loss_code_not_run"):
             return (f"still non-finite ({trial.failed}), but its backward started from the model's own scalar "
                     f"output, taken as the loss where the step's loss code did not run "
                     f"({trial.fact('loss_code_not_run')}): the trial cannot tell whether the step with its own loss "
                     "would be finite")
+        if trial.failed == "next forward":
+            return ("still non-finite a step later: the step came out finite, but the update it gave made the same "
+                    "call's forward non-finite (the remedied line's gradient is too large to train on)")
         return f"still non-finite ({trial.failed or 'the step'})"
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
