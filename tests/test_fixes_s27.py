@@ -25,6 +25,8 @@ import torch
 from contract import (
     MODE_OPTIONS,
     holdout_incidents,
+    hunt15,
+    hunt17,
     hunt20,
     hunt21,
     hunt22,
@@ -151,6 +153,12 @@ BY_HAND = [
     pytest.param(hunt23, "hunt23_bf16_autocast_sac_atanh_of_an_action_rounded_to_1", "float32", False,
                  id="hunt23-atanh-bf16"),
     pytest.param(hunt23, "hunt23_moe_router_token_with_every_expert_full", "mask", True, id="hunt23-moe-mask"),
+    # atanh of a tanh-squashed action rounded to 1 (SAC), of a Poincare-ball radius at 1: the eps into (-1, 1)
+    # (before, no eps was offered for atanh: SAC's got only float32, which fails; the others no fix at all).
+    pytest.param(hunt23, "hunt23_bf16_autocast_sac_atanh_of_an_action_rounded_to_1", "eps", True,
+                 id="hunt23-sac-atanh"),
+    pytest.param(hunt15, "hunt15_poincare_artanh_at_the_boundary", "eps", True, id="hunt15-poincare-atanh"),
+    pytest.param(hunt17, "hunt17_poincare_artanh_of_a_radius_rounded_to_1", "eps", True, id="hunt17-poincare-atanh"),
     pytest.param(hunt24b, BARLOW, "eps", True, id="hunt24b-barlow"),
     pytest.param(hunt25b, "hunt25b_tent_entropy_under_enable_grad_of_a_ruled_out_class", "eps", True,
                  id="hunt25b-tent"),
@@ -347,3 +355,26 @@ def test_a_users_hook_runs_no_more_often_than_unwatched(mode: str) -> None:
         with nan_magic.watch(model, opt, on_detect="warn", **MODE_OPTIONS[mode]):
             run()
     assert len(watched) == len(calls)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_atanh_inside_torch_distributions_gets_its_eps_verified_and_it_is_the_clamp_by_hand(mode: str) -> None:
+    """Behaviour cloning through ``TanhTransform``: a dataset action at exactly 1 is atanh(1) = inf inside
+    torch.distributions (before: no fix, 'fixes-none-fit'). The eps clamps atanh's operand, the action, into
+    (-1, 1); no line of the user's calls atanh, so no edit is written, and the same clamp of the action by hand
+    trains on with the trial's loss."""
+    name = "hunt22_tanh_policy_log_prob_of_an_action_at_1"
+    report = _report(hunt22, name, mode)
+    trial = _trial(report, "eps")
+    assert trial.finite is True and trial.op == "aten.atanh.default" and trial.module is None, trial
+    assert trial.description == ("the operand of atanh clamped into [-1 + eps, 1 - eps], eps = 1.19e-7 (the float32 "
+                                 "machine eps)")
+    assert suggested_edit(trial) is None
+    source = Path(hunt22.__file__ or "").read_text().splitlines()
+    line = next(n for n, text in enumerate(source, 1)
+                if text.strip() == "action = actions[step].clamp(-1 + 1e-6, 1 - 1e-6) if clip else actions[step]")
+    bound = 1 - trial.fact("eps")
+    by_hand, losses = _watched(_edited(hunt22, line, f"action = actions[step].clamp({-bound!r}, {bound!r})"), name,
+                               mode)
+    assert by_hand is None
+    assert trial.loss == pytest.approx(float(losses[report.step]), rel=1e-5)  # (its producer is in the loss code)

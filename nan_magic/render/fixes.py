@@ -22,7 +22,9 @@ from nan_magic.render.words.counted import counted
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
-                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "div": "div"}
+                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div"}
+#: The functions whose operand the eps clamps into [-1 + eps, 1 - eps] (fixes/remedies/domain.py's BOUNDED).
+_BOUNDED = ("acos", "asin", "atanh")
 
 
 #: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
@@ -50,7 +52,7 @@ def _changed(trial: FixTrial) -> str:
         function, eps = trial.fact("function"), trial.fact("eps")
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
-        if function in ("acos", "asin"):
+        if function in _BOUNDED:
             how = "clamped into [-1 + eps, 1 - eps], eps ="
         if eps is None:  # not tried: no operand was met to read a dtype from
             return f"{where} {how} its dtype's machine eps"
@@ -280,7 +282,7 @@ class _Edit(ast.NodeTransformer):
                     node.args[denominator] = _denominator(node.args[denominator], self.trial)
                     return self._mark(node)
                 return node
-            clamp = "clamp" if function in ("acos", "asin") else "clamp_min"
+            clamp = "clamp" if function in _BOUNDED else "clamp_min"
             # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
             if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
@@ -342,7 +344,7 @@ def _power_of_two(value: float) -> str:
 
 def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
     eps = _eps(trial)
-    if function in ("acos", "asin"):
+    if function in _BOUNDED:
         bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
         return (ast.Constant(-bound), ast.Constant(bound))
     return (eps,)
