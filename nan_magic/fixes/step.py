@@ -165,13 +165,9 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             others = [_call_forward(step.target, parameters, call, mode, writes) for call in _other_calls(step)]
             output = _call_forward(step.target, parameters, root, mode, writes, stack, arguments)
             _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)
-            if outcome.failed is None and outcome.stepped and remedy is not None:
-                # The same call once more on the updated parameters, the remedy in place as the edit leaves it: a
-                # clamp that makes the step finite may make its gradient huge (d/dl of y / l.clamp_min(1e-7) is 1e7
-                # at l = 0), and the update it gives overflows the next forward; by hand the run fails a step later.
-                again = _call_forward(step.target, parameters, root, mode, writes, arguments=_arguments(root))
-                if not all(_finite(tensor) for _path, tensor in _floating(again)):
-                    outcome.failed = "next forward"
+            if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
+                    step.target, parameters, root, mode, writes, remedy):
+                outcome.failed = "next forward"
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = "raised"
             outcome.error = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
@@ -180,6 +176,28 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             outcome.applied = remedied.applied
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def _next_forward_fails(target: nn.Module, parameters: dict[str, torch.Tensor], root: RootCall, mode: Any,
+                        writes: _GuardWrites, remedy: Remedy) -> bool:
+    """Whether the failing call, run once more on the updated copies with the remedy in place (as the edit leaves
+    it), goes non-finite: a clamp that makes the step finite may make its gradient huge (d/dl of
+    ``y / l.clamp_min(1e-7)`` is 1e7 at l = 0), and its update overflow the next forward, where by hand the run
+    fails a step later. What the remedy counted (the values it moved, the calls it changed) stays the step's; a
+    forward that raises says nothing against the step."""
+    state = {key: dict(value) if isinstance(value, dict) else value for key, value in vars(remedy).items()} if hasattr(
+        remedy, "__dict__") else {}
+    applied = getattr(mode, "applied", None)
+    try:
+        again = _call_forward(target, parameters, root, mode, writes, arguments=_arguments(root))
+        return not all(_finite(tensor) for _path, tensor in _floating(again))
+    except Exception:  # (the step's verdict stands: this forward is only a check of its update)
+        return False
+    finally:
+        if state:
+            vars(remedy).update(state)
+        if applied is not None:
+            mode.applied = applied
 
 
 def _other_calls(step: FailingStep) -> tuple[RootCall, ...]:
