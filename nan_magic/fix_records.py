@@ -15,8 +15,9 @@ from nan_magic.locations import SourcePointer
 
 __all__ = ["FailedAt", "FixSite", "FixTrial", "install_describer"]
 
-#: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what).
-FailedAt = Literal["forward", "loss", "backward", "optimizer step", "raised"]
+#: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what). ``"next forward"``:
+#: the step was finite, but the updated parameters made the same call's forward non-finite (fixes/step.py).
+FailedAt = Literal["forward", "loss", "backward", "optimizer step", "next forward", "raised"]
 
 
 class FixSite(NamedTuple):

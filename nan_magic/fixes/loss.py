@@ -74,6 +74,11 @@ class LossCode:
     rng: RngState | None
     #: Whether these are the last step's ops (a forward event stopped the failing step before its loss code).
     last: bool
+    #: The step's other calls of the replayed module whose outputs the ops read (Barlow Twins' ``model(x1)``,
+    #: ``model(x2)``): a trial replays them too, remedied as an edit of the line remedies every call (step.py).
+    others: tuple[RootCall, ...] = ()
+    #: The recorded id of each of their outputs the ops read -> (its call's index in ``others``, its path).
+    other_outputs: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def differentiates(self) -> bool:
@@ -82,13 +87,19 @@ class LossCode:
         return any("_backward" in str(op.func) for op in self.ops)
 
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
-            remedied: InRecordedCode | None = None) -> torch.Tensor:
+            remedied: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
+            ) -> torch.Tensor:
         """The loss of ``outputs`` (by path, with their graph); ``rows``: the samples kept (skip-batch), which the
-        targets lose too; ``remedied``: a remedy at the loss code's producer (site.py). Raises
+        targets lose too; ``remedied``: a remedy at the loss code's producer (site.py); ``others``: the replayed
+        outputs of :attr:`others`' calls, in order (None: their recorded values are read). Raises
         :class:`LossNotComputed`."""
         given = {key: outputs[path] for key, path in self.outputs.items() if path in outputs}
         if len(given) != len(self.outputs):
             raise LossNotComputed("the replayed model returned other outputs than the loss code read")
+        for key, index, path in self.other_outputs if others is not None else ():
+            if path not in others[index]:
+                raise LossNotComputed("the replayed model returned other outputs than the loss code read")
+            given[key] = others[index][path]
         try:
             copies, _requiring = copies_from_outside(self.ops, given=given)
             if rows is not None:
@@ -111,10 +122,13 @@ class LossCode:
         return loss
 
 
-def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode | str:
+def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iterable[RootCall] = ()
+              ) -> LossCode | str:
     """The loss code a trial of ``root``'s step runs, or why there is none.
 
-    ``before_loss``: the event came before the step's loss code ran (a forward or data event, not deferred).
+    ``before_loss``: the event came before the step's loss code ran (a forward or data event, not deferred);
+    ``calls``: the step's model calls, whose other calls of ``root``'s module the trial replays where the loss code
+    reads their outputs.
     """
     recorder = source.recorder
     if recorder is None:
@@ -143,7 +157,20 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool) -> LossCode
     outputs = _model_outputs(ops, root, last)
     if isinstance(outputs, str):
         return outputs
-    return LossCode(ops, key, outputs, rng, last)
+    others: list[RootCall] = []
+    other_outputs: list[tuple[int, int, str]] = []
+    if not last:
+        # Read as recorded, their outputs hold the unremedied line's NaN (both views of a siamese step): the
+        # remedied trial's loss came out NaN where the edit, by hand, remedies every call and trains on.
+        for call in calls:
+            if call is root or call.module is not root.module:
+                continue
+            found_outputs = _model_outputs(ops, call, False)
+            if isinstance(found_outputs, dict):
+                other_outputs.extend((key, len(others), path) for key, path in found_outputs.items()
+                                     if key not in outputs)
+                others.append(call)
+    return LossCode(ops, key, outputs, rng, last, tuple(others), tuple(other_outputs))
 
 
 def ran_without_grad(op: RecordedOp) -> bool:

@@ -2,7 +2,7 @@
 
 Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
-(log, sqrt, rsqrt, pow, a division, acos, asin); ``stable`` for an exp, or a
+(log, sqrt, rsqrt, pow, a division, acos, asin, atanh); ``stable`` for an exp, or a
 log that may be of a softmax; ``mask`` for a softmax over a fully masked
 row; ``skip-batch`` for a batch that entered holding non-finite values;
 ``scale`` for a collapsing GradScaler (remedies/scale.py); ``lr`` for a run that
@@ -179,7 +179,8 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
         raise _NoTrial(Note("fixes-no-call"))
     target = replay_target(root.module) or model
     before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
-    code = loss_code(kept.loss, root, before_loss=before_loss)
+    code = loss_code(kept.loss, root, before_loss=before_loss,
+                     calls=kept.replays.calls if kept.replays is not None else ())
     if _in_loss_code(report) and not isinstance(code, LossCode):
         # Its remedies go in the loss code, and without it the replayed step never reaches the producer.
         raise _NoTrial(Note.of("fixes-no-loss-code", reason=code))
@@ -216,7 +217,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     target = replay_target(root.module) or model
     # A forward event inside a model stops the step before its loss code; one in the loss code comes after it.
     before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
-    code = loss_code(loss, root, before_loss=before_loss)
+    code = loss_code(loss, root, before_loss=before_loss, calls=replays.calls)
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
                        scalers=tuple(loss.scalers))

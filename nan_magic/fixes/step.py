@@ -140,7 +140,6 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             stack.enter_context(own_tensors(root.module))
         stack.enter_context(step.standing_aside())
         guard = stack.enter_context(untouched(step.target))
-        stack.enter_context(swapped_buffers(root.module, root.buffers_before()))
         if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
             stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
         with torch.no_grad():
@@ -149,31 +148,26 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             parameters = {name: given.get(name, before.get(id(parameter), parameter)).detach().clone()
                           .requires_grad_(parameter.requires_grad)
                           for name, parameter in step.target.named_parameters()}
-            # An input the call wrote in place (``x /= x.norm(...)`` in its forward) starts from its value before
-            # the call, as the step replay's does (root_calls.py): else the trial runs on what the failing call
-            # left in it (its NaN) and no remedy can come out finite.
-            copies = {id(tensor): before.clone() for tensor, before in root.inputs_before}
-            args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
-        # An argument that required gradients still does: a reentrant checkpoint builds its graph only from one,
-        # and without it the trial's backward skipped the block (its parameters got no gradient, which read as a
-        # finite one: a "verified" remedy whose backward, by hand, is NaN).
-        for _path, tensor in [*iter_tensors(root.args), *iter_tensors(root.kwargs)]:
-            if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad:
-                copies[id(tensor)].requires_grad_()
-        # ... and the reentrant block runs inline, with its graph: its form refuses torch.autograd.grad.
+        arguments = _arguments(root)
+        # ... and a reentrant block runs inline, with its graph: its form refuses torch.autograd.grad.
         stack.enter_context(reentrant_checkpoints_inline())
         originals = dict(step.target.named_parameters())
         optimizers = _optimizers(step.optimizers, {id(originals[name]): copy for name, copy in parameters.items()})
-        stack.enter_context(generators_at(root.rng))
         mode = in_loss = None
         if remedy is not None and site is not None and site.module is None:
             in_loss = InRecordedCode(site, remedy)  # a producer in the loss code: remedied as that code runs again
         elif remedy is not None and site is not None:
             mode, remove = at_producer(step.model, site, remedy)
             stack.callback(remove)
+        writes = _GuardWrites(guard)
         try:
-            output = _forward(step.target, parameters, args, kwargs, root, mode, _GuardWrites(guard))
-            _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss)
+            # The step's other calls whose outputs the loss code reads, each from its own buffers and generators.
+            others = [_call_forward(step.target, parameters, call, mode, writes) for call in _other_calls(step)]
+            output = _call_forward(step.target, parameters, root, mode, writes, stack, arguments)
+            _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)
+            if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
+                    step.target, parameters, root, mode, writes, remedy):
+                outcome.failed = "next forward"
         except Exception as error:  # a remedy that breaks the code (a float32 operand meeting a half weight)
             outcome.failed = "raised"
             outcome.error = (type(error).__name__, str(error).splitlines()[0] if str(error) else "")
@@ -182,6 +176,68 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             outcome.applied = remedied.applied
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def _next_forward_fails(target: nn.Module, parameters: dict[str, torch.Tensor], root: RootCall, mode: Any,
+                        writes: _GuardWrites, remedy: Remedy) -> bool:
+    """Whether the failing call, run once more on the updated copies with the remedy in place (as the edit leaves
+    it), goes non-finite: a clamp that makes the step finite may make its gradient huge (d/dl of
+    ``y / l.clamp_min(1e-7)`` is 1e7 at l = 0), and its update overflow the next forward, where by hand the run
+    fails a step later. What the remedy counted (the values it moved, the calls it changed) stays the step's; a
+    forward that raises says nothing against the step."""
+    state = {key: dict(value) if isinstance(value, dict) else value for key, value in vars(remedy).items()} if hasattr(
+        remedy, "__dict__") else {}
+    applied = getattr(mode, "applied", None)
+    try:
+        again = _call_forward(target, parameters, root, mode, writes, arguments=_arguments(root))
+        return not all(_finite(tensor) for _path, tensor in _floating(again))
+    except Exception:  # (the step's verdict stands: this forward is only a check of its update)
+        return False
+    finally:
+        if state:
+            vars(remedy).update(state)
+        if applied is not None:
+            mode.applied = applied
+
+
+def _other_calls(step: FailingStep) -> tuple[RootCall, ...]:
+    """The step's other calls of the module whose outputs the loss code reads (loss.py), where the trial keeps the
+    whole batch (skip-batch's smaller one is given to the failing call alone)."""
+    code = step.loss_code
+    return code.others if isinstance(code, LossCode) and step.rows is None else ()
+
+
+def _arguments(call: RootCall) -> tuple[Any, Any]:
+    """Copies of ``call``'s arguments for a trial: ``(args, kwargs)``."""
+    with torch.no_grad():
+        # An input the call wrote in place (``x /= x.norm(...)`` in its forward) starts from its value before the
+        # call, as the step replay's does (root_calls.py): else the trial runs on what the failing call left in it
+        # (its NaN) and no remedy can come out finite.
+        copies = {id(tensor): before.clone() for tensor, before in call.inputs_before}
+        args, kwargs = copy_tensors(call.args, copies), copy_tensors(call.kwargs, copies)
+    # An argument that required gradients still does: a reentrant checkpoint builds its graph only from one, and
+    # without it the trial's backward skipped the block (its parameters got no gradient, which read as a finite
+    # one: a "verified" remedy whose backward, by hand, is NaN).
+    for _path, tensor in [*iter_tensors(call.args), *iter_tensors(call.kwargs)]:
+        if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad:
+            copies[id(tensor)].requires_grad_()
+    return args, kwargs
+
+
+def _call_forward(target: nn.Module, parameters: dict[str, torch.Tensor], call: RootCall, mode: Any,
+                  writes: _GuardWrites, stack: contextlib.ExitStack | None = None,
+                  arguments: tuple[Any, Any] | None = None) -> Any:
+    """``call``'s forward on the copies, from its buffers as it found them and its generators as it began.
+
+    ``stack``: its buffers and generators stay in it for the rest of the step (the failing call); None: they are
+    put back as it returns (another call of the step). ``arguments``: copies made already (:func:`_arguments`).
+    """
+    with contextlib.ExitStack() as own:
+        where = own if stack is None else stack
+        where.enter_context(swapped_buffers(call.module, call.buffers_before()))
+        args, kwargs = arguments if arguments is not None else _arguments(call)
+        where.enter_context(generators_at(call.rng))
+        return _forward(target, parameters, args, kwargs, call, mode, writes)
 
 
 def _optimizers(optimizers: tuple[torch.optim.Optimizer, ...], copies: dict[int, torch.Tensor]
@@ -238,14 +294,16 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 
 
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
-           optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None) -> None:
-    tensors = [(path, tensor) for path, tensor in iter_tensors(output, "output", attributes=True)
-               if tensor.is_floating_point()]
+           optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None,
+           others: list[Any] | None = None) -> None:
+    tensors = _floating(output)
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
-    if not all(_finite(tensor) for tensor in outcome.outputs.values()):
+    other_tensors = [dict(_floating(other)) for other in others or ()]
+    if not all(_finite(tensor) for tensor in [*outcome.outputs.values(), *(
+            tensor for other in other_tensors for tensor in other.values())]):
         outcome.failed = "forward"
         return
-    loss = _loss(outcome, tensors, step, in_loss)
+    loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
     if loss is not None and not _finite(loss):
         outcome.failed = "loss"
         return
@@ -280,8 +338,14 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
         outcome.failed = "optimizer step"
 
 
+def _floating(output: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(path, tensor) for path, tensor in iter_tensors(output, "output", attributes=True)
+            if tensor.is_floating_point()]
+
+
 def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep,
-          in_loss: InRecordedCode | None = None) -> torch.Tensor | None:
+          in_loss: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
+          ) -> torch.Tensor | None:
     """The step's loss (see the module docstring), its value and origin noted in ``outcome``; None: not computed.
 
     ``in_loss``: a remedy at the loss code's producer, applied as that code runs again.
@@ -291,7 +355,7 @@ def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: F
     if isinstance(step.loss_code, LossCode):
         # First: the loss code may go on from the model's own loss (``out.loss / accumulation``, a log of it).
         try:
-            loss = step.loss_code.run(dict(tensors), step.rows, in_loss)
+            loss = step.loss_code.run(dict(tensors), step.rows, in_loss, others)
             outcome.loss_from = "last loss code" if step.loss_code.last else "loss code"
         except LossNotComputed as error:
             outcome.no_loss = str(error)

@@ -33,7 +33,7 @@ def step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, obje
                                              ("backward_from", _backward_from(step, outcome)))
     if outcome.loss_from is not None:
         facts += (("loss_from", outcome.loss_from),)
-        if outcome.stand_in is not None and outcome.failed in ("backward", "optimizer step"):
+        if outcome.stand_in is not None and outcome.failed in ("backward", "optimizer step", "next forward"):
             facts += (("loss_code_not_run", outcome.stand_in),)
     elif outcome.no_loss is not None and outcome.failed != "forward":
         facts += (("loss_not_computed", outcome.no_loss),)

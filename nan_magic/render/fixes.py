@@ -22,7 +22,9 @@ from nan_magic.render.words.counted import counted
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
-                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "div": "div"}
+                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div"}
+#: The functions whose operand the eps clamps into [-1 + eps, 1 - eps] (fixes/remedies/domain.py's BOUNDED).
+_BOUNDED = ("acos", "asin", "atanh")
 
 
 #: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
@@ -50,7 +52,7 @@ def _changed(trial: FixTrial) -> str:
         function, eps = trial.fact("function"), trial.fact("eps")
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
-        if function in ("acos", "asin"):
+        if function in _BOUNDED:
             how = "clamped into [-1 + eps, 1 - eps], eps ="
         if eps is None:  # not tried: no operand was met to read a dtype from
             return f"{where} {how} its dtype's machine eps"
@@ -100,17 +102,20 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     if not trial.finite:
         if trial.failed == "raised" and trial.error is not None:
             return f"the replay raised {trial.error[0]}: {trial.error[1]}"
-        if trial.failed in ("backward", "optimizer step") and trial.fact("backward_from") == "ones":
+        if trial.failed in ("backward", "optimizer step", "next forward") and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
             return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs,"
                     f" standing for the loss (loss not computed: {trial.fact('loss_not_computed') or 'none'}): the "
                     "trial cannot tell whether the step with its own loss would be finite")
-        if trial.failed in ("backward", "optimizer step") and trial.fact("loss_code_not_run"):
+        if trial.failed in ("backward", "optimizer step", "next forward") and trial.fact("loss_code_not_run"):
             return (f"still non-finite ({trial.failed}), but its backward started from the model's own scalar "
                     f"output, taken as the loss where the step's loss code did not run "
                     f"({trial.fact('loss_code_not_run')}): the trial cannot tell whether the step with its own loss "
                     "would be finite")
+        if trial.failed == "next forward":
+            return ("still non-finite a step later: the step came out finite, but the update it gave made the same "
+                    "call's forward non-finite (the remedied line's gradient is too large to train on)")
         return f"still non-finite ({trial.failed or 'the step'})"
     parts = ["verified: the step came out finite"]
     if trial.loss is not None:
@@ -279,7 +284,7 @@ class _Edit(ast.NodeTransformer):
                     node.args[denominator] = _denominator(node.args[denominator], self.trial)
                     return self._mark(node)
                 return node
-            clamp = "clamp" if function in ("acos", "asin") else "clamp_min"
+            clamp = "clamp" if function in _BOUNDED else "clamp_min"
             # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
             if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
@@ -341,7 +346,7 @@ def _power_of_two(value: float) -> str:
 
 def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
     eps = _eps(trial)
-    if function in ("acos", "asin"):
+    if function in _BOUNDED:
         bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
         return (ast.Constant(-bound), ast.Constant(bound))
     return (eps,)

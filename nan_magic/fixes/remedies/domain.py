@@ -3,7 +3,8 @@
 ``log``/``sqrt``/``rsqrt``/``pow`` of 0 or of a negative: the operand is
 clamped to at least eps; a division by 0: the denominator is clamped to eps
 where it is never negative, else its zeros become eps; ``acos``/``asin`` at
-or beyond +-1: clamped into ``[-1 + eps, 1 - eps]``. eps is the operand's
+or beyond +-1, and ``atanh`` there (the inverse of a tanh-squashed action that rounded to 1: SAC's log-prob):
+clamped into ``[-1 + eps, 1 - eps]``. eps is the operand's
 dtype's machine epsilon (``torch.finfo(dtype).eps``: 1.2e-7 in float32,
 9.8e-4 in float16), large enough for the gradient to stay finite where the
 derivative is 1/x or 1/sqrt(x), and what the suggested edit writes.
@@ -18,7 +19,7 @@ import torch
 
 from nan_magic.fixes.site import function_name
 
-__all__ = ["FUNCTIONS", "DomainFix", "denominator_form"]
+__all__ = ["BOUNDED", "FUNCTIONS", "DomainFix", "denominator_form"]
 
 _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
@@ -31,7 +32,10 @@ _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "reciprocal": {"reciprocal": 0, "__rtruediv__": 0, "__rdiv__": 0},
     "acos": {"acos": 0, "arccos": 0},
     "asin": {"asin": 0, "arcsin": 0},
+    "atanh": {"atanh": 0, "arctanh": 0},
 }
+#: The functions whose domain is (-1, 1): their operand is clamped into it.
+BOUNDED = ("acos", "asin", "atanh")
 #: The producer's function -> the torch functions that compute it, and which argument is the operand; the
 #: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).
 FUNCTIONS: dict[str, dict[str, int]] = {
@@ -73,7 +77,7 @@ class DomainFix:
             return None
         eps = torch.finfo(operand.dtype).eps
         self.eps, self.dtype = eps, str(operand.dtype).removeprefix("torch.")
-        if self.function in ("acos", "asin"):
+        if self.function in BOUNDED:
             moved = operand.clamp(-1 + eps, 1 - eps)
         elif self.function in ("div", "reciprocal"):
             self.form = denominator_form(operand)
@@ -85,7 +89,7 @@ class DomainFix:
         if index == 0 and name.endswith("_") and not name.startswith("__"):
             # ``p.log_()``: the operand is the tensor written, clamped in place first (``p.clamp_min_(eps).log_()``;
             # a copy_ of the clamp would overwrite what the clamp's own backward reads).
-            if self.function in ("acos", "asin"):
+            if self.function in BOUNDED:
                 operand.clamp_(-1 + eps, 1 - eps)
             else:
                 operand.clamp_min_(eps)
