@@ -154,6 +154,12 @@ class Events:
                 # called backward, as where it is judged at once, not at ``opt.step()`` (nor, accumulating, at the
                 # next micro-batch's model call) where the check ran.
                 finding.frame, finding.frame_position = running_frame_of(*finding.backward_caller) or (None, None)
+            if finding.frame is None and (caller := finding.model_caller) is not None:
+                # A model call's output judged at the deferred check: %debug opens at the loop's line that called
+                # the model, as where it is judged as the call returns, where that very frame still runs.
+                found = running_frame_of(caller[0], caller[2], caller[3])
+                if found is not None and id(found[0]) == caller[1]:
+                    finding.frame, finding.frame_position = found
             self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
                 # Where the op ran: the frame of a replay that went on to its end has moved since.

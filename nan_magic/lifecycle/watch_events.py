@@ -92,7 +92,10 @@ class WatchEvents:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, after_loss)
+            if after_loss and replays.replayed is not None and finding.phase in (Phase.FORWARD, Phase.DATA):
+                finding.model_caller = replays.replayed.caller  # (%debug's frame: lifecycle/events.py)
+        loss = LossSource(self.outside, finding.loss_key if finding.loss_key is not None else self.gradients.loss_key,
+                          self.optimizers.scalers, after_loss)
         stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
         if replayed is None and kept.replays is not None and self.localizing.replays_calls and (
