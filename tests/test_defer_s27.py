@@ -2,8 +2,8 @@
 
 scripts/defer_diff.py runs every incident row of the contract in both modes and lists where the reports differ;
 these hold the differences fixed: the fix trials of a backward judged after another backward (they replayed the
-last loss's code, finite, and tried nothing), and %debug's frame for a model call's output judged at ``opt.step()``
-(it opened there, not at the loop's line that called the model).
+last loss's code, finite, and tried nothing), and %debug's frame for a model call's output, a batch, or data the loss
+code read, judged at ``opt.step()`` (it opened there, not at the loop's line that called the model or backward).
 """
 
 from __future__ import annotations
@@ -42,10 +42,18 @@ def test_a_backward_judged_after_another_tries_the_fixes_on_its_own_loss(name: s
     assert _fixes(late) == _fixes(now), [note.kind for note in late.note_facts]
 
 
-@pytest.mark.parametrize("name", ["gaps20_keras_max_norm_once_over_the_limit_of_a_zero_row",
-                                  "hunt14_max_pool_over_a_fully_padded_sequence"])
-def test_a_forward_judged_at_the_check_opens_at_the_model_call(name: str) -> None:
-    """%debug opens at the loop's line that called the model, as where the output is judged as the call returns."""
+@pytest.mark.parametrize("name", [
+    "gaps20_keras_max_norm_once_over_the_limit_of_a_zero_row",  # a forward event no replay frame holds
+    "hunt14_max_pool_over_a_fully_padded_sequence",
+    "gaps21_forward_first_writes_its_input_at_the_failing_step",  # the replayed call's own, not the step's last
+    "hunt16_fused_relu_rnn_overflows_on_a_long_sequence",  # a model all torch's code: its ops' frame is the loop's
+    "defer27_batch_buffer_repaired_before_the_step_ends",  # a batch: its data call is not the model's
+    "hunt19_where_masked_mse_over_nan_coded_missing_targets",  # data the loss code read: at loss.backward()
+    "hunt16_class_weight_of_a_class_absent_from_the_training_set",
+])
+def test_a_value_judged_at_the_check_opens_where_it_is_judged_at_once(name: str) -> None:
+    """%debug opens at the loop's line that called the model (or backward, for data the loss code read), as where
+    the value is judged as the call returns (or backward starts), not at ``opt.step()`` where the check ran."""
     now, late = _report(_ROWS[name]), _report(_ROWS[name], defer=True)
     assert now.debug_frame is not None and late.debug_frame is not None
     where = [(os.path.basename(frame.filename), frame.lineno) for frame in (now.debug_frame, late.debug_frame)]
