@@ -9,10 +9,12 @@ code read, judged at ``opt.step()`` (it opened there, not at the loop's line tha
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 from contract import Case, all_cases
+from contract import defer27 as rows
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -33,12 +35,16 @@ def _fixes(report: Report) -> list[tuple[str, bool | None]]:
     return [(trial.kind, trial.finite) for trial in report.fixes]
 
 
-@pytest.mark.parametrize("name", ["defer22_two_backward_passes_nan_in_the_first",
-                                  "defer22_two_backward_passes_nan_in_the_first_counted"])
-def test_a_backward_judged_after_another_tries_the_fixes_on_its_own_loss(name: str) -> None:
-    """``l1.backward(retain_graph=True); l2.backward()``, l1's backward 0 / 0: the trials replay l1's code."""
+@pytest.mark.parametrize(("name", "fixes"), [
+    # ``l1.backward(retain_graph=True); l2.backward()``, l1's backward 0 / 0: the trials replay l1's code.
+    ("defer22_two_backward_passes_nan_in_the_first", [("eps", True)]),
+    ("defer22_two_backward_passes_nan_in_the_first_counted", [("eps", True)]),
+    # SAM's second forward at ``w + e``, judged after the loop restored ``w``: the trials start from ``w + e``.
+    ("hunt26_sam_second_forward_log_of_a_scale_pushed_below_0", [("eps", True), ("stable", None)]),
+])
+def test_the_deferred_check_tries_the_fixes_the_immediate_one_does(name: str, fixes: list[object]) -> None:
     now, late = _report(_ROWS[name]), _report(_ROWS[name], defer=True)
-    assert _fixes(now) == [("eps", True)]
+    assert _fixes(now) == fixes
     assert _fixes(late) == _fixes(now), [note.kind for note in late.note_facts]
 
 
@@ -58,3 +64,25 @@ def test_a_value_judged_at_the_check_opens_where_it_is_judged_at_once(name: str)
     assert now.debug_frame is not None and late.debug_frame is not None
     where = [(os.path.basename(frame.filename), frame.lineno) for frame in (now.debug_frame, late.debug_frame)]
     assert where[1] == where[0]
+
+
+def _warned_run(**options: object) -> tuple[list[tuple[object, ...]], list[str]]:
+    scenario = rows._plain({1: 1, 2: 1}, "both")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nan_magic.watch(*scenario.targets, on_detect="warn", **options) as w:
+            scenario.run()
+    events = [(e.phase.value, e.module, e.step, e.op, e.benign, e.follows is not None) for e in w.events]
+    return events, [str(warning.message).splitlines()[0] for warning in caught if "non-finite" in str(warning.message)]
+
+
+def test_a_warn_loop_deferred_has_the_immediate_loops_events_in_order() -> None:
+    """``on_detect="warn"``: the run goes on; deferred, each step's events come at its check, in the order and with
+    the steps the immediate mode gives (step 1's RMS norm first, its op named; what followed it, marked so)."""
+    now, late = _warned_run(), _warned_run(defer=True)
+    assert late == now
+    events, said = now
+    assert events[0] == ("forward", "0", 1, "aten.div.Tensor", False, False)
+    assert all(follows for *_, follows in events[1:])
+    assert [step for _, _, step, *_ in events] == sorted(step for _, _, step, *_ in events)
+    assert len(said) >= 2 and "step 1" in said[0] and "steps 2 to 3" in said[-1], said
