@@ -99,7 +99,7 @@ class WatchEvents:
             # Data the loss code read, judged with the loss at the check: %debug opens where the loop called backward
             # (as where the loss is judged as backward starts), where that frame still runs (lifecycle/events.py).
             finding.backward_caller = self.gradients.backward_caller
-        loss = LossSource(self.outside, finding.loss_key if finding.loss_key is not None else self.gradients.loss_key,
+        loss = LossSource(self.outside, _loss_key(finding, self.gradients.loss_key, self.outside),
                           self.optimizers.scalers, after_loss)
         stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
@@ -204,3 +204,14 @@ def _model_caller(replays: StepReplays, finding: Finding) -> Caller | None:
         call.phase == Phase.DATA and root.call is not None and root.call.module is call.module)]
     root = min(roots, key=lambda root: abs(root.call.index - call.index) if root.call is not None else 0, default=None)
     return root.caller if root is not None else None
+
+
+def _loss_key(finding: Finding, last: int | None, outside: OutsideRecorder | None) -> int | None:
+    """The id of the loss whose code the fix trials run: the backward's that made a gradient (``finding.loss_key``:
+    ``l1.backward(retain_graph=True); l2.backward()``, l1's judged after l2's), where this step's recorded code made
+    it; else the last backward's (``last``). A gradient made outside any backward (the loss code's own
+    ``autograd.grad``: an R1 penalty) noted the loss of the backward before it, the last step's."""
+    key = finding.loss_key
+    if key is None or key == last or outside is None or outside.loss_code(key, False) is None:
+        return last
+    return key
