@@ -219,7 +219,11 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
     code = loss_code(loss, root, before_loss=before_loss, calls=replays.calls)
     _alone(root.module, target, optimizers, code)
-    step = FailingStep(root, model, target, tuple(optimizers), standing_aside, loss_code=code,
+    # Where the replay reproduced the event only from the parameters as the call read them (SAM's second forward at
+    # ``w + e``, judged at the deferred check after the loop restored ``w``): the trials start from those too.
+    read = replays.read_parameters if root is replays.replayed else {}
+    parameters = {name: read[id(p)] for name, p in target.named_parameters() if id(p) in read} or None
+    step = FailingStep(root, model, target, tuple(optimizers), standing_aside, parameters=parameters, loss_code=code,
                        scalers=tuple(loss.scalers))
     return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder)
 

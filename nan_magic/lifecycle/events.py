@@ -149,11 +149,20 @@ class Events:
                 # backward producer made by the loss code (``loss = gap.sqrt()`` in the loop, outside every module):
                 # no replay re-runs that code, but the loop's frame that ran the line is the one calling backward.
                 finding.frame, finding.frame_position = running_frame_at(report.source) or (None, None)
-            if finding.frame is None and report.phase == Phase.BACKWARD and finding.backward_caller is not None:
+            if finding.frame is None and report.phase in _LINE_STILL_RUNS and finding.backward_caller is not None:
                 # A gradient judged at the deferred check, no replay naming a frame: %debug opens where the loop
                 # called backward, as where it is judged at once, not at ``opt.step()`` (nor, accumulating, at the
                 # next micro-batch's model call) where the check ran.
                 finding.frame, finding.frame_position = running_frame_of(*finding.backward_caller) or (None, None)
+            if (caller := finding.model_caller) is not None and (finding.frame is None or (
+                    id(finding.frame) == caller[1] and (report.source is None or report.source.lineno == caller[3]))):
+                # A model call's output or batch judged at the deferred check: %debug opens at the loop's line that
+                # called the model, as where it is judged as the call returns, where that very frame still runs
+                # (the check found it at ``opt.step()``: a batch no line names, a replay of a model all torch's code,
+                # whose ops' user frame is the loop's, hold it there).
+                found = running_frame_of(caller[0], caller[2], caller[3])
+                if found is not None and id(found[0]) == caller[1]:
+                    (finding.frame, finding.frame_position), position = found, None
             self.producer_frame, self.producer_calls = finding.frame, finding.frame_calls
             if finding.frame is not None:
                 # Where the op ran: the frame of a replay that went on to its end has moved since.

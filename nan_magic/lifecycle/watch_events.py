@@ -37,6 +37,7 @@ from nan_magic.lifecycle.events import Events, Replayed
 from nan_magic.lifecycle.findings import build_report
 from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.modes import Localizing
+from nan_magic.localize.ops.sources import Caller
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.per_call import replayed_from_the_step
@@ -92,7 +93,14 @@ class WatchEvents:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
-        loss = LossSource(self.outside, self.gradients.loss_key, self.optimizers.scalers, after_loss)
+            if after_loss and finding.phase in (Phase.FORWARD, Phase.DATA):
+                finding.model_caller = _model_caller(replays, finding)  # (%debug's frame: lifecycle/events.py)
+        if after_loss and finding.phase == Phase.DATA and finding.module is None and finding.backward_caller is None:
+            # Data the loss code read, judged with the loss at the check: %debug opens where the loop called backward
+            # (as where the loss is judged as backward starts), where that frame still runs (lifecycle/events.py).
+            finding.backward_caller = self.gradients.backward_caller
+        loss = LossSource(self.outside, _loss_key(finding, self.gradients.loss_key, self.outside),
+                          self.optimizers.scalers, after_loss)
         stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
         if replayed is None and kept.replays is not None and self.localizing.replays_calls and (
@@ -181,3 +189,29 @@ class WatchEvents:
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
+
+
+def _model_caller(replays: StepReplays, finding: Finding) -> Caller | None:
+    """Where the loop called the model whose call a forward or data event of the deferred check came from: the call
+    the replay named it in, or the one ``finding.call`` is (a forward event's), or the model's call nearest it (a
+    batch's: its data call is made as the model is called)."""
+    if replays.replayed is not None:
+        return replays.replayed.caller
+    call = finding.call
+    if call is None:
+        return None
+    roots = [root for root in replays.calls if root.call is call or (
+        call.phase == Phase.DATA and root.call is not None and root.call.module is call.module)]
+    root = min(roots, key=lambda root: abs(root.call.index - call.index) if root.call is not None else 0, default=None)
+    return root.caller if root is not None else None
+
+
+def _loss_key(finding: Finding, last: int | None, outside: OutsideRecorder | None) -> int | None:
+    """The id of the loss whose code the fix trials run: the backward's that made a gradient (``finding.loss_key``:
+    ``l1.backward(retain_graph=True); l2.backward()``, l1's judged after l2's), where this step's recorded code made
+    it; else the last backward's (``last``). A gradient made outside any backward (the loss code's own
+    ``autograd.grad``: an R1 penalty) noted the loss of the backward before it, the last step's."""
+    key = finding.loss_key
+    if key is None or key == last or outside is None or outside.loss_code(key, False) is None:
+        return last
+    return key

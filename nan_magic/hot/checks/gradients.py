@@ -385,7 +385,7 @@ class GradientChecks:
             bad_stats=None if tensor is not None else record.stats(),
             record=record,
         )
-        loss_record, loss_key, finding.backward_caller = getattr(call, "loss_of", None) or (
+        loss_record, finding.loss_key, finding.backward_caller = getattr(call, "loss_of", None) or (
             self.loss_record, self.loss_key, self.backward_caller)
         loss_graph = self.loss_graph if loss_record is self.loss_record else None  # (else: the loss's own node)
         if call.info is None:
@@ -400,7 +400,7 @@ class GradientChecks:
                 finding.notes.append(region)
             # Its recorded ops, replayed with their backward, name the backward op and its forward line.
             loss = loss_record.ref() if loss_record is not None else None
-            if not self.origins.claim_loss_backward(finding, loss, loss_key):
+            if not self.origins.claim_loss_backward(finding, loss, finding.loss_key):
                 # The gradient of a model's output: its hook sees the whole gradient of that tensor, which the
                 # model's own backward adds to where the model also consumed it (an output_hidden_states), or
                 # another model's backward made (a GAN's discriminator, during the generator's update). The
@@ -422,7 +422,7 @@ class GradientChecks:
                 # there, the notes on the module's backward and its replay go.
                 loss = loss_record.ref() if loss_record is not None else None
                 said, finding.notes[mark:] = finding.notes[mark:], [Note("outside-backward")]
-                if not self.origins.claim_loss_backward(finding, loss, loss_key):
+                if not self.origins.claim_loss_backward(finding, loss, finding.loss_key):
                     finding.notes[mark:mark + 1] = said
         self.origins.add_op_origin(finding, tensor)
         if call.info is None and finding.op is None:

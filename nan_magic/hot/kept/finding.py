@@ -71,6 +71,13 @@ class Finding:
     # A gradient judged at the deferred check: where the loop called its backward, ``(code, f_lasti, f_lineno)``
     # (GradientChecks.backward_caller); %debug opens there where no replay names a frame (lifecycle/events.py).
     backward_caller: tuple[CodeType, int, int] | None = None
+    # ... and the id of the loss that backward started from: the fix trials replay that loss's code, not the step's
+    # last backward's (``l1.backward(retain_graph=True); l2.backward()``, the NaN in l1's, judged after l2's).
+    loss_key: int | None = None
+    # A forward or data event found at the deferred check: where the loop called the model whose replay named it,
+    # ``(code, id(frame), f_lasti, f_lineno)`` (RootCall.caller); %debug opens there where that frame still runs and
+    # no replay names a frame, as where the call's output is judged as it returns, not at ``opt.step()``.
+    model_caller: tuple[CodeType, int, int, int] | None = None
     absorbed: AbsorbedOp | None = None
     # Facts the diagnosis reads (see Report): the backward node that ran the op, the optimizer that stepped.
     autograd_node: str | None = None

@@ -132,12 +132,16 @@ class StepReplays(StepKeeping):
         self._states = ModelStates()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
         self.replayed: RootCall | None = None
+        #: ... and where it named it only with the parameters as the call read them (:meth:`_run_as_read`), those,
+        #: by parameter id: the fix trials start from them too (fixes/runner.py), not from the ones the loop restored.
+        self.read_parameters: dict[int, torch.Tensor] = {}
         #: Each call keeps the count of autograd nodes made before it (ops mode only: replay/line_replay.py).
         self.counts_nodes = False
 
 
     def localize(self, finding: Finding, seen: Report) -> tuple[Report, Producer]:
         """The report of a tier-1 event ``seen``: the replay's where it reproduced the event, else ``seen``."""
+        self.read_parameters = {}
         if finding.tensor.role is TensorRole.BUFFER and finding.call is None:
             # A running statistic read at the optimizer step: the step's model calls, run again from their buffers
             # as they were before them, name the op that wrote it (replay/buffer_writes.py).
@@ -262,7 +266,10 @@ class StepReplays(StepKeeping):
         finally:
             for parameter, data in swapped:
                 parameter.data = data
-        return outcome if outcome.report is not None else None
+        if outcome.report is None:
+            return None
+        self.read_parameters = {id(parameter): before[id(parameter)] for parameter, _data in swapped}
+        return outcome
 
     def _run_apart(self, root: RootCall, boundary: TensorRef | None, seen: Report, fused: str | None
                    ) -> Outcome | None:
