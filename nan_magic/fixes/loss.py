@@ -96,10 +96,11 @@ class LossCode:
         given = {key: outputs[path] for key, path in self.outputs.items() if path in outputs}
         if len(given) != len(self.outputs):
             raise LossNotComputed("the replayed model returned other outputs than the loss code read")
-        for key, index, path in self.other_outputs if others is not None else ():
-            if path not in others[index]:
+        for key, other, path in [(key, others[index], path) for key, index, path in self.other_outputs
+                                 ] if others is not None else ():
+            if path not in other:
                 raise LossNotComputed("the replayed model returned other outputs than the loss code read")
-            given[key] = others[index][path]
+            given[key] = other[path]
         try:
             copies, _requiring = copies_from_outside(self.ops, given=given)
             if rows is not None:

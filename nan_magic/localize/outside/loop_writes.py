@@ -44,7 +44,7 @@ from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
-from nan_magic.localize.outside.lr_lines import name_lr_line
+from nan_magic.localize.outside.lr_lines import name_lr_line, number_counts, same_number
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
@@ -304,7 +304,7 @@ class LoopWrites:
         origin: OpFinding | None = None
         if tracer is not None:  # (ops mode: the step's origins, latest first, but the step's own and backward's)
             origin = next((found for found in reversed(tracer.started) if found.phase is Phase.FORWARD
-                           and found.numel == 1 and _same_number(found.nan, found.posinf, found.neginf, lr)), None)
+                           and found.numel == 1 and same_number(found.nan, found.posinf, found.neginf, lr)), None)
             frame, position = tracer.frame_of(origin) if origin is not None else (None, None)
             calls: tuple[tuple[FrameType, int, int], ...] = ()
         elif (recorder := self._recorder) is not None:
@@ -313,7 +313,7 @@ class LoopWrites:
             for op in reversed(recorder._ops):
                 out = op.out
                 if (type(out) is torch.Tensor and out.is_floating_point() and out.numel() == 1
-                        and _same_number(*_counts(float(out)), lr)):
+                        and same_number(*number_counts(float(out)), lr)):
                     origin = recorder.claim(out)
                     break
             _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
@@ -490,13 +490,3 @@ def _copied(records: RegionRecords, written: torch.Tensor) -> bool:
             records._data_head[0][0] if records._data_head is not None else None,
             records._data_prior[0][0] if records._data_prior is not None else None]
     return any(copied_nonfinite(ops, written) for ops in (records._ops, *held) if ops)
-
-
-def _counts(value: float) -> tuple[int, int, int]:
-    """``(nan, posinf, neginf)`` of one number."""
-    return int(math.isnan(value)), int(value == math.inf), int(value == -math.inf)
-
-
-def _same_number(nan: int | None, posinf: int | None, neginf: int | None, lr: float) -> bool:
-    """Whether one element counted ``nan``, ``posinf``, ``neginf`` is the non-finite ``lr``."""
-    return (nan, posinf, neginf) == _counts(lr)

@@ -23,7 +23,7 @@ from nan_magic.errors.frames import is_library_code, pointer_at
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.records import Note
 
-__all__ = ["LrLine", "lr_line", "name_lr_line"]
+__all__ = ["LrLine", "lr_line", "name_lr_line", "number_counts", "same_number"]
 
 _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
 _LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF"})
@@ -98,3 +98,13 @@ def _last_store(code: CodeType, name: str, lasti: int) -> tuple[int, int] | None
               and instruction.positions.lineno is not None]
     before = [store for store in stores if store[0] < lasti]
     return max(before or stores, default=None)
+
+
+def number_counts(value: float) -> tuple[int, int, int]:
+    """``(nan, posinf, neginf)`` of one number."""
+    return int(math.isnan(value)), int(value == math.inf), int(value == -math.inf)
+
+
+def same_number(nan: int | None, posinf: int | None, neginf: int | None, lr: float) -> bool:
+    """Whether one element counted ``nan``, ``posinf``, ``neginf`` is the non-finite ``lr``."""
+    return (nan, posinf, neginf) == number_counts(lr)
