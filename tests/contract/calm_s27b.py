@@ -286,7 +286,8 @@ REPLACED = {
     "resize-embeddings": _resize_embeddings, "tie-weights-in-cell": _tie_weights,
     "prune-then-remove": _prune_then_remove, "parametrize-then-remove": _parametrize_then_remove,
     "load-state-dict-assign": _load_assign, "lora-merge-new-parameter": _lora_merge,
-    "fuse-conv-bn-eval": _fuse_conv_bn, "module-swapped": _swap_module, "inf-sentinel-replaced": _inf_sentinel_replaced,
+    "fuse-conv-bn-eval": _fuse_conv_bn, "module-swapped": _swap_module, "empty-then-filled": _empty_then_filled,
+    "empty-in-update-filled-before-forward": _empty_filled_later, "inf-sentinel-replaced": _inf_sentinel_replaced,
 }
 
 # -- learning rates the loop sets -------------------------------------------------------------------

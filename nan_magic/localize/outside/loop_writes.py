@@ -460,9 +460,10 @@ class LoopWrites:
             if not isinstance(parameter, nn.Parameter):
                 continue  # functional_call's stand-in (MAML's fast weights): the loop made it, wrote no parameter
             origin = tracer.origin_of(parameter)
-            if not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
-                # (an optimizer's step made it: the optimizer's check reports it, at its step, which the deferred
-                # check judges after this region of the next step has ended)
+            # (An optimizer's step made it: its check reports it. One the loop wrote finite again since, a Parameter
+            # of ``torch.empty`` filled before its first use, is no event: one read, of a started one only.)
+            if (not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER)
+                    or bool(torch.isfinite(parameter).all())):
                 continue
             tracer.claim(parameter)
             if origin.phase is Phase.FORWARD and origin.module is not None:
