@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from contract import Case, Scenario
+from contract import Case, Expect, Scenario
 from contract.calm26 import finish
 
 
@@ -282,7 +282,46 @@ def _inf_sentinel_replaced() -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _weight_norm_in_loop() -> Scenario:
+    """parametrizations.weight_norm applied to a watched layer mid-run (weight becomes original0 * original1)."""
+    torch.manual_seed(0)
+    model = _Lm()
+
+    def step_fn(step: int, m: _Lm, opt: Any) -> Any:
+        if step != 1:
+            return None
+        nn.utils.parametrizations.weight_norm(m.mid)
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    return _loop(model, step_fn)
+
+
+def _meta_model_loaded() -> Scenario:
+    """A model built on the meta device (init_empty_weights), watched, then loaded with assign=True in the cell."""
+    torch.manual_seed(0)
+    weights = _Lm().state_dict()
+    with torch.device("meta"):
+        model = _Lm()
+    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(1))
+    holder: dict[str, Any] = {}
+
+    def run() -> tuple[Any, ...]:
+        model.load_state_dict({k: v.clone() for k, v in weights.items()}, assign=True)
+        holder["opt"] = opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return finish(losses, model, opt)
+
+    return Scenario((model,), run)
+
+
 REPLACED = {
+    "weight-norm-parametrization-in-loop": _weight_norm_in_loop, "meta-model-loaded-with-assign": _meta_model_loaded,
     "resize-embeddings": _resize_embeddings, "tie-weights-in-cell": _tie_weights,
     "prune-then-remove": _prune_then_remove, "parametrize-then-remove": _parametrize_then_remove,
     "load-state-dict-assign": _load_assign, "lora-merge-new-parameter": _lora_merge,
@@ -414,7 +453,23 @@ LRS = {
     "lr-warmup-from-zero": _lr_warmup_from_zero, "lr-onecycle": _lr_onecycle, "lr-read-and-logged": _lr_logged,
 }
 
+def _nan_replacement_read() -> Scenario:
+    """The incident twin: ``mid.bias`` replaced by a new NaN Parameter that the next forward reads."""
+
+    def step_fn(step: int, m: _Lm, opt: Any) -> Any:
+        if step != 2:
+            return None
+        m.mid.bias = nn.Parameter(torch.full((8,), float("nan")))  # producer: nan bias replaced
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    torch.manual_seed(0)
+    return _loop(_Lm(), step_fn)
+
+
 CASES = [
     *(Case(f"calm_s27b_{name}", build, None, benign=0) for name, build in REPLACED.items()),
     *(Case(f"calm_s27b_{name}", build, None, benign=0) for name, build in LRS.items()),
+    Case("calm_s27b_nan-replacement-read", _nan_replacement_read,
+         Expect("optimizer", "mid", "Linear", step=2, op="aten.full.default", marker="nan bias replaced",
+                cause="nonfinite-number")),
 ]

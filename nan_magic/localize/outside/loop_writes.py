@@ -141,8 +141,8 @@ class LoopWrites:
         """
         old = module._parameters.get(name)
         if (parameter is not None and old is not None and self._data_recorder is not None
-                and parameter.is_floating_point() and id(old) in self._cached_index()[0]
-                and bool(torch.isfinite(old).all())):
+                and parameter.is_floating_point() and id(old) in self._cached_index()[0]  # (meta: no values)
+                and (old.is_meta or old.layout is not torch.strided or bool(torch.isfinite(old).all()))):
             self._replaced.append(parameter)
 
     def _replacements(self, main: RegionRecords) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
