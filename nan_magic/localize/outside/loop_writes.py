@@ -133,17 +133,16 @@ class LoopWrites:
         self._update_rebound = Rebound(self._cached_index, self._fresh_index)  # the same, in the update region
 
     def on_registered(self, module: nn.Module, name: str, parameter: torch.Tensor | None) -> None:
-        """torch's parameter registration hook: ``module.name = nn.Parameter(v)`` while the watch runs.
-
-        A watched parameter replaced by a new one is a parameter of the model (its state_dict saves it) that no
-        optimizer steps and, until a forward reads it, no check sees; the old one keeps its memory, so Rebound
-        misses it. Noted here (only a replacement: a module built in the loop registers names it never had), and
-        judged with the data region's writes as that region ends (:meth:`end`), named by the op that made its
-        memory. Called at a registration only, never on a step.
+        """torch's parameter registration hook: ``module.name = nn.Parameter(v)``, noted where it replaces a watched,
+        finite parameter (a module built in the loop registers names it never had; a frozen inf sentinel the watch
+        met as it was, renewed, is no event). No optimizer steps the new one and, until a forward reads it, no check
+        sees it; the old keeps its memory (Rebound misses it). Judged with the data region's writes as that region
+        ends (:meth:`end`), named by the op that made its memory. At a registration only (one read of the old one).
         """
         old = module._parameters.get(name)
         if (parameter is not None and old is not None and self._data_recorder is not None
-                and parameter.is_floating_point() and id(old) in self._cached_index()[0]):
+                and parameter.is_floating_point() and id(old) in self._cached_index()[0]  # (meta: no values)
+                and (old.is_meta or old.layout is not torch.strided or bool(torch.isfinite(old).all()))):
             self._replaced.append(parameter)
 
     def _replacements(self, main: RegionRecords) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
@@ -153,10 +152,9 @@ class LoopWrites:
         self._rebound.forget()  # (its parameters are learned again: the new ones among them)
         found = []
         for parameter in replaced:
-            entry = by_id.get(id(parameter))
-            if entry is not None and entry[1] is parameter:
-                made = main.made_on(parameter)
-                found.append((entry[0], parameter, made if made is not None else parameter, main))
+            if (entry := by_id.get(id(parameter))) is not None and entry[1] is parameter:
+                found.append((entry[0], parameter, made if (made := main.made_on(parameter)) is not None else parameter,
+                              main))
         return found
 
     def begin(self) -> None:
@@ -177,10 +175,9 @@ class LoopWrites:
     def loss_starts(self) -> list[torch.Tensor]:
         """``backward()`` starts while the update region is recorded: that region's code was a loss's (the second of
         a step: ``l1.backward(retain_graph=True); l2 = aux(out); l2.backward()``, an auxiliary loss with its own
-        backward, two accumulated losses). Its records go on in the main recorder's loss region, where the loss
-        check and the gradient check of that backward look (a watched region's last ops too), and the region
-        ends as at a model call: :meth:`end`'s norms of what it wrote. Nothing to do, and no call, on the usual
-        step, whose update region begins after its only backward."""
+        backward, two accumulated losses). Its records go on in the main recorder's loss region, where the loss and
+        gradient checks of that backward look (a watched region's last ops too), and the region ends as at a model
+        call: :meth:`end`'s norms of what it wrote. No call on the usual step (its update region follows backward)."""
         recorder, main = self._recorder, self._data_recorder
         if recorder is None or not recorder.pushed:
             return []
@@ -463,9 +460,10 @@ class LoopWrites:
             if not isinstance(parameter, nn.Parameter):
                 continue  # functional_call's stand-in (MAML's fast weights): the loop made it, wrote no parameter
             origin = tracer.origin_of(parameter)
-            if not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
-                # (an optimizer's step made it: the optimizer's check reports it, at its step, which the deferred
-                # check judges after this region of the next step has ended)
+            # (An optimizer's step made it: its check reports it. One the loop wrote finite again since, a Parameter
+            # of ``torch.empty`` filled before its first use, is no event: one read, of a started one only.)
+            if (not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER)
+                    or bool(torch.isfinite(parameter).all())):
                 continue
             tracer.claim(parameter)
             if origin.phase is Phase.FORWARD and origin.module is not None:
