@@ -4,7 +4,8 @@ Kendall's uncertainty weighting as the popular ``AutomaticWeightedLoss`` module 
 sigmas in the optimizer) whose sigma Adam drives negative before ``log``; a projected-gradient loop clamping a gain at
 exactly 0 after each step, so that ``sqrt``'s backward is inf at the next; an ordinal regression's censored
 likelihood under bfloat16 autocast in the loop, whose cdf rounds to exactly 1: the ``-inf`` it makes is not in the
-gathered loss, the NaN its backward makes is.
+gathered loss, the NaN its backward makes is; log-target regression whose targets the code takes the log of once,
+before the loop (a zero price: ``-inf`` stored in the ``TensorDataset``), inside the watch and before it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
@@ -130,6 +132,46 @@ def _ordinal_cdf(stable: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- log targets taken once, before the loop
+def _log_targets_first(log1p: bool, inside: bool) -> Scenario:
+    """The log of every price is taken once, then a ``TensorDataset`` serves it: listing 6's price is 0, its
+    target ``-inf``, and the batch of step 1 carries it into the loss. ``inside``: the log runs in the watched
+    code, before the loop; otherwise before the watch. The twin takes ``log1p``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, prices = torch.randn(16, 4), torch.rand(16, 1) * 100 + 50
+    prices[6] = 0.0
+
+    def targets() -> torch.Tensor:
+        return torch.log1p(prices) if log1p else torch.log(prices)  # producer: log targets first
+    before = None if inside else targets()
+
+    def run() -> list[torch.Tensor]:
+        y = targets() if before is None else before
+        losses = []
+        for xb, yb in DataLoader(TensorDataset(x, y), batch_size=4):
+            loss = F.mse_loss(model(xb), yb)  # producer: stored target
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+#: Why the log taken in the watched code before the loop is not named as ops=True names it (op and line), nor in
+#: the phase the loop's data code is (data: no model call came before it).
+_FIRST_RECORDED = (
+    "op None at the loss line, not aten.log.default at the log's: the log ran in step 0's data region, whose records "
+    "localize/outside/recorder.py's OutsideRecorder drops once step 0's model call has judged its (finite) batch; at "
+    "step 1 the -inf reaches the loss through the DataLoader's collate (a copy, no producer), so "
+    "OutsideRecorder.claim finds no op and the report names the batch and dataset index")
+_FIRST_OPS = (
+    "phase forward, not data (module, step, op and line right): the op tracer saw the log make the -inf in step 0's "
+    "data region, before any model call, but localize/op_origins.OpOrigins.add_op_origin reads the claimed op as the "
+    "loss code's (as hunt26c's targets standardised by the loop)")
+
 CASES = [
     Case("hunt_s27c_automatic_weighted_loss_sigma_adam_drives_negative_then_log", lambda: _awl(False),
          Expect("forward", None, step=2, op="aten.log.default", marker="awl log", cause="log-domain")),
@@ -140,4 +182,11 @@ CASES = [
     Case("hunt_s27c_bf16_autocast_ordinal_cdf_rounded_to_1_log_backward", lambda: _ordinal_cdf(False),
          Expect("backward", None, step=1, op="aten.div.Tensor", marker="ordinal survival", cause="log-domain")),
     Case("hunt_s27c_bf16_autocast_ordinal_cdf_clamped_in_float32_healthy", lambda: _ordinal_cdf(True), None),
+    Case("hunt_s27c_log_targets_taken_before_the_loop_inside_the_watch", lambda: _log_targets_first(False, True),
+         Expect("data", None, step=1, op="aten.log.default", marker="log targets first", cause="log-domain"),
+         gaps=(("default", _FIRST_RECORDED), ("defer", _FIRST_RECORDED), ("full", _FIRST_RECORDED),
+               ("ops", _FIRST_OPS), ("ops-defer", _FIRST_OPS))),
+    Case("hunt_s27c_log_targets_taken_before_the_watch", lambda: _log_targets_first(False, False),
+         Expect("data", None, step=1, op=None, marker="stored target", cause="bad-input-data")),
+    Case("hunt_s27c_log1p_targets_taken_before_the_loop_healthy", lambda: _log_targets_first(True, True), None),
 ]
