@@ -288,39 +288,3 @@ def test_a_users_patch_after_ours_stays_and_ours_goes_inert(owner, name, setup) 
         else:
             setattr(owner, name, previous)
 
-
-class _WarnsWhileTraced(nn.Module):
-    """A model whose own code raises a TracerWarning when traced (a Python bool of a traced tensor)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if bool(x.sum() > 0):  # the user's own: the trace records one branch
-            return self.layer(x)
-        return -self.layer(x)
-
-
-@pytest.mark.parametrize("defer", [False, True])
-def test_torch_jit_trace_inside_a_watch_shows_the_users_tracer_warnings_only(defer: bool) -> None:
-    # Our boundary reads ask the traced sizes questions (``0 in value.shape``): each raised a TracerWarning
-    # pointing into nan_magic, about 30 for one trace, none about the user's graph.
-    import warnings
-
-    torch.manual_seed(0)
-    model, x = _WarnsWhileTraced(), torch.ones(3, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    trace, trace_module = torch.jit.trace, torch.jit.trace_module
-    with warnings.catch_warnings(record=True) as seen, nan_magic.watch(model, opt, defer=defer) as w:
-        warnings.simplefilter("always")
-        model(x).sum().backward()
-        opt.step()
-        traced = torch.jit.trace(model, x)
-        torch.jit.trace_module(model, {"forward": x})
-    tracer = [(warning.filename, str(warning.message)) for warning in seen
-              if issubclass(warning.category, torch.jit.TracerWarning)]
-    assert tracer and all(filename == __file__ for filename, _ in tracer)  # the user's, from both traces
-    assert not any("nan_magic" in filename for filename, _ in tracer)
-    assert w.report is None and torch.equal(traced(x), model(x))
-    assert (torch.jit.trace, torch.jit.trace_module) == (trace, trace_module) and patches.installed() == []

@@ -11,8 +11,10 @@ ours and runs unwatched by that hook; the eager model keeps it and stays watched
 ``torch.jit.trace`` and ``trace_module`` run the model on sizes the tracer follows as tensors, and the watch's
 boundary reads ask them questions (``0 in value.shape``): each asks TracerWarning's "converting a tensor to a
 Python boolean", about 30 lines of warnings a trace, all pointing into nan_magic, none about the user's graph (the
-reads add nothing to it). For those calls TracerWarnings raised from nan_magic's own modules are ignored; the
-user's stay.
+reads add nothing to it). For those calls (and ``torch.jit._get_trace_graph``, the TorchScript ONNX exporter's)
+TracerWarnings raised from nan_magic's own modules are ignored; the user's stay. (``warnings.catch_warnings``
+swaps the process's filter list for the call, as any library's use of it does: a filter another thread adds
+during the trace does not outlive it.)
 """
 
 from __future__ import annotations
@@ -90,11 +92,12 @@ def _wrap_trace(original: Callable[..., Any]) -> Callable[..., Any]:
 
 _TRACE = ProcessPatch.of(torch.jit, "trace", _wrap_trace)
 _TRACE_MODULE = ProcessPatch.of(torch.jit, "trace_module", _wrap_trace)
+_TRACE_GRAPH = ProcessPatch.of(torch.jit, "_get_trace_graph", _wrap_trace)  # (the TorchScript ONNX exporter's)
 
 
 @contextmanager
 def quiet_tracing() -> Iterator[None]:
     """Inside the block, ``torch.jit.trace`` and ``trace_module`` leave out the TracerWarnings the watch's own
     reads raise (the module docstring)."""
-    with _TRACE.held(), _TRACE_MODULE.held():
+    with _TRACE.held(), _TRACE_MODULE.held(), _TRACE_GRAPH.held():
         yield

@@ -97,9 +97,10 @@ class Targets:
             # ``torch.compile(model)`` of a watched model, called in its place, joins under the model's label, so that
             # the watch steps aside for it as for a compiled target (module_hooks.py): else dynamo traced our global
             # hooks into the model's graph, and raised in them (a symbolic size's nbytes).
-            original = module._modules.get("_orig_mod")
+            # (Asked of a compiled wrapper only: a ScriptModule's ``_modules`` has no ``get``.)
+            original = getattr(module, "_orig_mod", None) if is_compiled(module) else None
             roots = [label for label, root in self.roots if root is original] if original is not None else ()
-            if not roots or not is_compiled(module):
+            if not roots:
                 return None
             label = roots[0]
         # A module called at top level becomes a root, named as its own ``named_modules()`` would name it.
