@@ -139,3 +139,33 @@ def test_a_name_the_loop_only_read_the_rate_into_is_not_the_line_that_set_it() -
     assert report.phase == "optimizer" and report.step == 2
     assert report.cause is not None and report.cause.reading != "optimizer-lr-set"
     assert report.source is None or "get_last_lr" not in (report.source.line or "")
+
+
+def _item_lr_loop_beside_unreadable_tensors(watch_options: dict) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # (A notebook's loop runs at top level: its locals are the user's globals, tensors nan_magic cannot read among
+    # them.)
+    probe = torch.empty((), device="meta")  # noqa: F841
+    ragged = torch.nested.nested_tensor([torch.ones(1), torch.ones(2)])  # noqa: F841
+    with nan_magic.watch(model, opt, **watch_options):
+        for step in range(3):
+            kept = torch.tensor(float(step != 1))
+            lr_t = 0.1 * kept / kept  # item-lr: 0/0 at step 1, made before the forward
+            for group in opt.param_groups:
+                group["lr"] = lr_t.item()
+            loss = F.mse_loss(model(torch.rand(6, 4)), torch.zeros(6, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+@pytest.mark.parametrize("mode", ["default", "full"])
+def test_the_rates_line_is_found_beside_tensors_that_cannot_be_read(mode: str) -> None:
+    """The rate's name is looked for among the names the loop stores into ``group["lr"]`` only: a meta or nested
+    tensor elsewhere in the frame was read as a candidate and raised (RuntimeError, NotImplementedError) in place of
+    the report."""
+    with pytest.raises(nan_magic.NonFiniteError) as caught:
+        _item_lr_loop_beside_unreadable_tensors(MODES[mode])
+    _assert_set_at_its_line(caught.value.report, "lr_t", _line_of(_item_lr_loop_beside_unreadable_tensors, "# item-lr"))

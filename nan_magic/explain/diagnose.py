@@ -83,8 +83,9 @@ Labels (exact strings: tests, renderers and users rely on them)
 ``nonfinite-number``
     The op was given a Python number that is not finite (``mask * float("-inf")``, a scale or temperature set to
     inf in a config): no tensor op made the value; the number the code passed did. Or an optimizer step's learning
-    rate that the loop set non-finite where no op made it (a schedule computed in Python, a tensor rate kept from
-    earlier): the loop's line that set it is named (``localize/outside/lr_lines.py``).
+    rate that the loop set non-finite where no recorded op made it (a schedule computed in Python, a tensor rate made
+    before the records that reach the step): the loop's line that set it is named (``localize/outside/lr_lines.py``),
+    with no op even where one made it out of the records' reach.
 ``handled-input``
     Set by the watch (``explain/handled.py``) on a benign event: a batch entering a watched model carried
     non-finite values and the step's outputs, loss, gradients and parameters stayed finite (the model imputes

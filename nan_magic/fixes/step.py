@@ -49,7 +49,7 @@ from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
-from nan_magic.localize.replay.tiered.root_calls import RootCall
+from nan_magic.localize.replay.tiered.root_calls import RootCall, training_as
 from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints_inline
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
 from nan_magic.patches.functional_calls import own_tensors
@@ -235,6 +235,7 @@ def _call_forward(target: nn.Module, parameters: dict[str, torch.Tensor], call: 
     with contextlib.ExitStack() as own:
         where = own if stack is None else stack
         where.enter_context(swapped_buffers(call.module, call.buffers_before()))
+        where.enter_context(training_as(call.module, call.training))  # (in the mode it ran in, as the replay)
         args, kwargs = arguments if arguments is not None else _arguments(call)
         where.enter_context(generators_at(call.rng))
         return _forward(target, parameters, args, kwargs, call, mode, writes)

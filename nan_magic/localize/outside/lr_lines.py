@@ -1,4 +1,5 @@
-"""The loop's line that set a non-finite learning rate no op made: a number computed in Python, or a tensor kept.
+"""The loop's line that set a non-finite learning rate no recorded op made: a number computed in Python, or a tensor
+made before the records that reach the step (its op is then not named, only the line).
 
 A rate the loop computes in Python (``lr = base * done / warmup`` with numpy numbers, ``lr = 1e200 * 1e200``) runs no
 op; one kept as a tensor in ``param_groups`` was made before the regions whose records reach the step. No record
@@ -25,8 +26,10 @@ from nan_magic.records import Note
 
 __all__ = ["LrLine", "lr_line", "name_lr_line", "number_counts", "same_number"]
 
-_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
-_LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF"})
+_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_FAST_STORE_FAST"})
+_LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"})
+
+_NONE = object()
 
 #: ``(frame, name, line, offset)``: the loop's frame, the name bound to the rate, and the store that bound it.
 LrLine = tuple[FrameType, str, int, int]
@@ -51,13 +54,14 @@ def lr_line(lr: float, raw: object) -> LrLine | None:
         frame = frame.f_back
     if frame is None:
         return None
-    names = [name for name, value in frame.f_locals.items() if value is raw and not isinstance(raw, bool)]
-    if not names:  # (a float the group holds from a tensor's .item(): the same non-finite number)
-        names = [name for name, value in frame.f_locals.items() if _holds(value, lr)]
     lasti, code = frame.f_lasti, frame.f_code
     # (A name the loop only read the rate into, ``lr = sched.get_last_lr()[0]`` to log it, did not set it: the name
-    # must be the one the code stores into a group's ``"lr"``.)
-    names = [name for name in names if name in _set_as_lr(code)]
+    # must be one the code stores into a group's ``"lr"``. Only those are read: in a notebook the loop's locals are
+    # the user's globals, any tensor among them.)
+    settable = [(name, value) for name in _set_as_lr(code) if (value := frame.f_locals.get(name, _NONE)) is not _NONE]
+    names = [name for name, value in settable if value is raw and not isinstance(raw, bool)]
+    if not names:  # (a float the group holds from a tensor's .item(): the same non-finite number)
+        names = [name for name, value in settable if _holds(value, lr)]
     found = [(*store, name) for name in names if (store := _last_store(code, name, lasti)) is not None]
     if not found:
         return None
@@ -69,9 +73,13 @@ def lr_line(lr: float, raw: object) -> LrLine | None:
 def _holds(value: object, lr: float) -> bool:
     """Whether ``value`` is a Python number, or a one-element floating tensor, holding the non-finite ``lr``."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
+        if (value.numel() != 1 or not value.is_floating_point() or value.is_meta or value.is_nested
+                or value.layout is not torch.strided):
             return False
-        value = float(value)
+        try:
+            value = float(value)
+        except Exception:  # (a tensor subclass that will not give a number: not the rate)
+            return False
     if not isinstance(value, float):
         return False
     return (math.isnan(value) and math.isnan(lr)) or value == lr
@@ -79,25 +87,46 @@ def _holds(value: object, lr: float) -> bool:
 
 def _set_as_lr(code: CodeType) -> set[str]:
     """The names loaded on a line of ``code`` that stores into a subscript ``"lr"`` (``group["lr"] = lr``)."""
-    instructions = list(dis.get_instructions(code))
-    lines = {_line(instruction) for previous, instruction in pairwise(instructions)
+    instructions = _lined(code)
+    lines = {line for (previous, _), (instruction, line) in pairwise(instructions)
              if instruction.opname == "STORE_SUBSCR" and previous.opname == "LOAD_CONST" and previous.argval == "lr"}
-    return {instruction.argval for instruction in instructions
-            if instruction.opname in _LOADS and _line(instruction) in lines}
+    return {name for instruction, line in instructions if instruction.opname in _LOADS and line in lines
+            for name in _names(instruction)}
 
 
-def _line(instruction: dis.Instruction) -> int | None:
-    return instruction.positions.lineno if instruction.positions is not None else None
+def _lined(code: CodeType) -> list[tuple[dis.Instruction, int | None]]:
+    """``code``'s instructions with the line each is on (``positions`` from Python 3.11; 3.10's ``starts_line``
+    marks only a line's first instruction)."""
+    lined, line = [], None
+    for instruction in dis.get_instructions(code):
+        positions = getattr(instruction, "positions", None)
+        if positions is not None:
+            line = positions.lineno
+        elif instruction.starts_line is not None and not isinstance(instruction.starts_line, bool):
+            line = instruction.starts_line
+        lined.append((instruction, line))
+    return lined
+
+
+def _names(instruction: dis.Instruction) -> tuple[str, ...]:
+    """The names an instruction loads or stores (Python 3.13's superinstructions, ``LOAD_FAST_LOAD_FAST``, two)."""
+    argval = instruction.argval
+    return tuple(argval) if isinstance(argval, tuple) else (argval,)
 
 
 def _last_store(code: CodeType, name: str, lasti: int) -> tuple[int, int] | None:
     """``(offset, line)`` of the last store to ``name`` before instruction ``lasti``, else of its last store."""
-    stores = [(instruction.offset, instruction.positions.lineno)
-              for instruction in dis.get_instructions(code) if instruction.opname in _STORES
-              and instruction.argval == name and instruction.positions is not None
-              and instruction.positions.lineno is not None]
+    stores = [(instruction.offset, line) for instruction, line in _lined(code)
+              if line is not None and name in _stored(instruction)]
     before = [store for store in stores if store[0] < lasti]
     return max(before or stores, default=None)
+
+
+def _stored(instruction: dis.Instruction) -> tuple[str, ...]:
+    """The names an instruction stores (3.13's ``STORE_FAST_LOAD_FAST`` stores its first, loads its second)."""
+    if instruction.opname == "STORE_FAST_LOAD_FAST":
+        return _names(instruction)[:1]
+    return _names(instruction) if instruction.opname in _STORES else ()
 
 
 def number_counts(value: float) -> tuple[int, int, int]:

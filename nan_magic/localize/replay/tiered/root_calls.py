@@ -162,17 +162,23 @@ NestedWatch = Callable[[nn.Module, str | None, WatchConfig], ReplayWatch]
 def training_as(module: nn.Module, training: bool) -> Iterator[None]:
     """``module`` in the mode a call ran in, its submodules' own flags put back after: the loop switched it since
     (``model.eval()`` for a validation batch, ``model.train()`` again before the check). Switched as the user switches
-    it, by ``train()`` (an override that keeps its BatchNorms frozen runs); nothing done where the mode is the same."""
+    it, by ``train()`` (an override that keeps its BatchNorms frozen runs); nothing done where the mode is the same.
+    What such an override may also switch, its parameters' ``requires_grad`` (a backbone frozen in eval), is put back
+    too: the user's model leaves the replay as it entered it."""
     if module.training == training:
         yield
         return
     flags = [(sub, sub.training) for sub in module.modules()]
-    module.train(training)
+    requiring = [(parameter, parameter.requires_grad) for parameter in module.parameters()]
     try:
+        module.train(training)
         yield
     finally:
         for sub, flag in flags:
             sub.training = flag
+        for parameter, flag in requiring:
+            if parameter.requires_grad != flag:
+                parameter.requires_grad_(flag)
 
 
 def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.Module | None,
