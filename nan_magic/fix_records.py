@@ -13,11 +13,16 @@ from typing import Any, Literal, NamedTuple
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["FailedAt", "FixSite", "FixTrial", "install_describer"]
+__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "FailedAt", "FixSite", "FixTrial", "install_describer"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what). ``"next forward"``:
 #: the step was finite, but the updated parameters made the same call's forward non-finite (fixes/step.py).
 FailedAt = Literal["forward", "loss", "backward", "optimizer step", "next forward", "raised"]
+#: The places a trial fails after its loss was computed: where a stand-in loss (a backward from ones) says nothing.
+AFTER_THE_LOSS: tuple[FailedAt, ...] = ("backward", "optimizer step", "next forward")
+
+#: The functions whose operand the eps remedy clamps into [-1 + eps, 1 - eps], not above eps (their domain is bounded).
+BOUNDED_FUNCTIONS = ("acos", "asin", "atanh")
 
 
 class FixSite(NamedTuple):

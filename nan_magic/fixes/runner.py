@@ -223,6 +223,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     # ``w + e``, judged at the deferred check after the loop restored ``w``): the trials start from those too.
     read = replays.read_parameters if root is replays.replayed else {}
     parameters = {name: read[id(p)] for name, p in target.named_parameters() if id(p) in read} or None
+    replays.read_parameters = {}  # (read once: a warn-mode run held a copy of the parameters to its next event)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, parameters=parameters, loss_code=code,
                        scalers=tuple(loss.scalers))
     return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nan_magic.fix_records import AFTER_THE_LOSS
 from nan_magic.fixes.remedies.domain import DomainFix
 from nan_magic.fixes.remedies.mask import MaskFix
 from nan_magic.fixes.remedies.stable import StableFix
@@ -33,7 +34,7 @@ def step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, obje
                                              ("backward_from", _backward_from(step, outcome)))
     if outcome.loss_from is not None:
         facts += (("loss_from", outcome.loss_from),)
-        if outcome.stand_in is not None and outcome.failed in ("backward", "optimizer step", "next forward"):
+        if outcome.stand_in is not None and outcome.failed in AFTER_THE_LOSS:
             facts += (("loss_code_not_run", outcome.stand_in),)
     elif outcome.no_loss is not None and outcome.failed != "forward":
         facts += (("loss_not_computed", outcome.no_loss),)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import math
 
+from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.words.cause_words import fmt
@@ -23,10 +24,6 @@ __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggest
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
                  "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div"}
-#: The functions whose operand the eps clamps into [-1 + eps, 1 - eps] (fixes/remedies/domain.py's BOUNDED).
-_BOUNDED = ("acos", "asin", "atanh")
-
-
 #: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
 _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
            "output-gradient": " (the backward started from the gradient the step held for the model's outputs)"}
@@ -52,7 +49,7 @@ def _changed(trial: FixTrial) -> str:
         function, eps = trial.fact("function"), trial.fact("eps")
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
-        if function in _BOUNDED:
+        if function in BOUNDED_FUNCTIONS:
             how = "clamped into [-1 + eps, 1 - eps], eps ="
         if eps is None:  # not tried: no operand was met to read a dtype from
             return f"{where} {how} its dtype's machine eps"
@@ -102,13 +99,13 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     if not trial.finite:
         if trial.failed == "raised" and trial.error is not None:
             return f"the replay raised {trial.error[0]}: {trial.error[1]}"
-        if trial.failed in ("backward", "optimizer step", "next forward") and trial.fact("backward_from") == "ones":
+        if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
             return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs,"
                     f" standing for the loss (loss not computed: {trial.fact('loss_not_computed') or 'none'}): the "
                     "trial cannot tell whether the step with its own loss would be finite")
-        if trial.failed in ("backward", "optimizer step", "next forward") and trial.fact("loss_code_not_run"):
+        if trial.failed in AFTER_THE_LOSS and trial.fact("loss_code_not_run"):
             return (f"still non-finite ({trial.failed}), but its backward started from the model's own scalar "
                     f"output, taken as the loss where the step's loss code did not run "
                     f"({trial.fact('loss_code_not_run')}): the trial cannot tell whether the step with its own loss "
@@ -284,7 +281,7 @@ class _Edit(ast.NodeTransformer):
                     node.args[denominator] = _denominator(node.args[denominator], self.trial)
                     return self._mark(node)
                 return node
-            clamp = "clamp" if function in _BOUNDED else "clamp_min"
+            clamp = "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min"
             # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
             if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
@@ -346,7 +343,7 @@ def _power_of_two(value: float) -> str:
 
 def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
     eps = _eps(trial)
-    if function in _BOUNDED:
+    if function in BOUNDED_FUNCTIONS:
         bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
         return (ast.Constant(-bound), ast.Constant(bound))
     return (eps,)

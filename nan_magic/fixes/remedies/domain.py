@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from nan_magic.fix_records import BOUNDED_FUNCTIONS
 from nan_magic.fixes.site import function_name
 
-__all__ = ["BOUNDED", "FUNCTIONS", "DomainFix", "denominator_form"]
+__all__ = ["FUNCTIONS", "DomainFix", "denominator_form"]
 
 _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
@@ -34,8 +35,6 @@ _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "asin": {"asin": 0, "arcsin": 0},
     "atanh": {"atanh": 0, "arctanh": 0},
 }
-#: The functions whose domain is (-1, 1): their operand is clamped into it.
-BOUNDED = ("acos", "asin", "atanh")
 #: The producer's function -> the torch functions that compute it, and which argument is the operand; the
 #: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).
 FUNCTIONS: dict[str, dict[str, int]] = {
@@ -77,7 +76,7 @@ class DomainFix:
             return None
         eps = torch.finfo(operand.dtype).eps
         self.eps, self.dtype = eps, str(operand.dtype).removeprefix("torch.")
-        if self.function in BOUNDED:
+        if self.function in BOUNDED_FUNCTIONS:
             moved = operand.clamp(-1 + eps, 1 - eps)
         elif self.function in ("div", "reciprocal"):
             self.form = denominator_form(operand)
@@ -89,7 +88,7 @@ class DomainFix:
         if index == 0 and name.endswith("_") and not name.startswith("__"):
             # ``p.log_()``: the operand is the tensor written, clamped in place first (``p.clamp_min_(eps).log_()``;
             # a copy_ of the clamp would overwrite what the clamp's own backward reads).
-            if self.function in BOUNDED:
+            if self.function in BOUNDED_FUNCTIONS:
                 operand.clamp_(-1 + eps, 1 - eps)
             else:
                 operand.clamp_min_(eps)
