@@ -103,9 +103,17 @@ def _pow(report: Report) -> Cause:
     base = report.operand("self")
     if base is not None and base.zeros:
         return event_cause("pow-domain", "pow-zero-base", report, zeros=base.zeros)
-    if base is not None:
+    if base is not None or _finite_scalar_base(report):
+        # A finite base (a tensor without zeros, or a Python number: ``gamma ** torch.arange(T)``) makes inf only
+        # past the dtype's max: an overflow.
         return overflow(report)
     return event_cause("unclassified", "pow-unknown-base", report)
+
+
+def _finite_scalar_base(report: Report) -> bool:
+    """``pow.Scalar``'s base is a Python number, kept in ``report.numbers`` (not an operand): finite and not 0."""
+    number = dict(report.numbers).get("self")
+    return isinstance(number, (int, float)) and math.isfinite(number) and number != 0
 
 
 def _exp(report: Report) -> Cause:

@@ -70,9 +70,12 @@ def wide_overflow_signs(report: Report) -> tuple[Sign, ...]:
     signs: list[Sign] = []
     if operands and base in _ARITHMETIC_OPS and (base != "mean" or report.posinf + report.neginf):
         signs.append(("arithmetic", base))
-    if operands and base in ("pow", "float_power"):
-        self = report.operand("self")
-        if self is not None and self.zeros == 0 and report.posinf + report.neginf:
+    if base in ("pow", "float_power") and report.posinf + report.neginf:
+        self, number = report.operand("self"), dict(report.numbers).get("self")
+        # The base is a finite tensor without zeros, or a finite nonzero Python number (pow.Scalar's ``gamma ** t``,
+        # whose integer exponent may have no stats as an operand).
+        scalar = self is None and isinstance(number, (int, float)) and math.isfinite(number) and number != 0
+        if scalar or (operands and self is not None and self.zeros == 0):
             signs.append(("pow",))
     signs += [("near", to_pairs(ref), absmax, NEAR_MAX) for ref, absmax in operands if absmax >= limit * NEAR_MAX]
     output = report.output_stats
