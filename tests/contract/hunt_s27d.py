@@ -5,7 +5,8 @@ init; rotary embeddings whose ``inv_freq`` is recomputed each forward from a bas
 ``silu(gate) * up`` overflowing float16 under autocast at an activation outlier; a zero-terminal-SNR schedule
 (Lin et al.'s rescale) whose EDM sigma ``sqrt((1 - a) / a)`` is 1 / 0 at t = T; a MoE load-balancing loss dividing by
 the token count of a micro-batch that is all padding; discounted returns with gamma > 1 over a long episode; a CLIP
-checkpoint trained in float32 without the clamp, fine-tuned under float16 autocast. Each twin applies its users'
+checkpoint trained in float32 without the clamp, fine-tuned under float16 autocast; SD3's ``sigma ** -2`` loss
+weighting at a hand-drawn sigma of 0, in a model's ``loss`` method (k-diffusion's habit). Each twin applies its users'
 fix and must stay silent and bit-identical, in every mode.
 """
 
@@ -294,6 +295,48 @@ def _clip_half(clamp: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- flow matching's sigma ** -2 weighting at sigma = 0
+class FlowDenoiser(nn.Module):
+    """A rectified-flow velocity network with k-diffusion's habit: the loss is a method of the model, not a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 16), nn.SiLU(), nn.Linear(16, 4))
+
+    def forward(self, x_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([x_t, sigma], -1))
+
+    def loss(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        x_t = (1 - sigma) * x0 + sigma * noise
+        weighting = sigma ** -2.0  # producer: sigma sqrt weighting
+        return (weighting * (self(x_t, sigma) - (noise - x0)) ** 2).mean()
+
+
+def _flow_matching(offset: int) -> Scenario:
+    """SD3's ``sigma_sqrt`` loss weighting ``sigma ** -2`` with sigma = t / 1000 for a hand-drawn timestep index:
+    step 1 draws index 0, sigma is 0 and its weight ``0 ** -2`` is inf. The twin draws sigma = (t + 1) / 1000, as
+    diffusers' flow-matching scheduler's timesteps start at 1."""
+    torch.manual_seed(0)
+    model = FlowDenoiser()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xs, noises = _batches(4, 4), _batches(4, 4)
+    ts = [torch.tensor([310, 7, 950, 512]), torch.tensor([77, 0, 640, 233]), torch.tensor([12, 999, 400, 58]),
+          torch.tensor([801, 5, 66, 320])]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            sigma = ((ts[step] + offset) / 1000)[:, None]
+            loss = model.loss(xs[step], noises[step], sigma)
+            opt.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # SD3's scripts' max_grad_norm
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("hunt_s27d_half_rmsnorm_variance_of_a_tiny_embedding_underflows", lambda: _rmsnorm_half(False),
          Expect("forward", "norm", "RMSNorm", step=0, op="aten.rsqrt.default", marker="rms rsqrt",
@@ -329,4 +372,13 @@ CASES = [
          Expect("forward", "", "Clip", step=0, op="aten.mul.Tensor", marker="clip scaled logits",
                 cause="half-precision-overflow")),
     Case("hunt_s27d_clip_scale_clamped_at_100_healthy", lambda: _clip_half(True), None),
+    Case("hunt_s27d_flow_matching_sigma_sqrt_weighting_at_sigma_0", lambda: _flow_matching(0),
+         # The weight is built from the drawn sigma alone, no parameter nor model output (the model's call comes
+         # after it in the same method): data (PRODUCT.md: phase), as the recorded modes tell.
+         Expect("data", None, step=1, op="aten.pow.Tensor_Scalar", marker="sigma sqrt weighting",
+                cause="pow-domain"),
+         gaps=tuple((mode, "phase forward, not data (module, step, op, line and cause right): the same "
+                           "OpOrigins.add_op_origin gap as this table's returns row")
+                    for mode in ("ops", "ops-defer"))),
+    Case("hunt_s27d_flow_matching_sigma_from_t_plus_1_healthy", lambda: _flow_matching(1), None),
 ]
