@@ -6,6 +6,11 @@ wrong one. Its loss code (``disc(gen(z).detach()).mean()``) reads the output of 
 read the generator's unremedied NaN; the trial replays the generator alone and read the discriminator's output as
 recorded, NaN. The trial now says why the loss was not computed there, as the immediate mode's does, and the
 verdict is what the edit does by hand.
+
+And hunt25c's stuck sensor, standardised in the loop for gradient accumulation's third micro-batch (after a
+backward, no optimizer step since): the immediate check named the division in the update region's records, then
+let them go as the call began, and its trial said "the non-finite batch was not made by the data code the watch
+recorded" where the deferred one verified the eps. The claimed records are held for the trial now.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contract import MODE_OPTIONS
+from contract import MODE_OPTIONS, hunt25c
 from contract import steps_and_data as steps
 
 import nan_magic
@@ -27,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small 
 
 MODES = ["default", "defer"]
 TWO_OPTIMIZERS = "two_optimizers_not_passed"
+STUCK_SENSOR = "hunt25c_accumulation_standardised_third_micro_batch_of_a_stuck_sensor"
 
 
 def _report(module: types.ModuleType, name: str, mode: str) -> Report:
@@ -80,3 +86,16 @@ def test_a_loss_read_from_another_models_nan_output_does_not_fail_a_fix_that_tra
     if mode == "defer":  # (the default mode's forward event stops the step before its loss code ran)
         assert "the loss code read the non-finite output of another model's call (Linear)" in text
     assert _by_hand(_suggested(steps, trial), TWO_OPTIMIZERS, mode) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_micro_batch_standardised_after_a_backward_gets_its_eps_tried_in_every_mode(mode: str) -> None:
+    """The immediate mode's trial remakes the batch with the eps (before: "not tried: the non-finite batch was not
+    made by the data code the watch recorded"); verified, and by hand the edit trains on."""
+    report = _report(hunt25c, STUCK_SENSOR, mode)
+    trial = _trial(report, "eps")
+    assert trial.finite is True and trial.failed is None, trial
+    text = report.to_text()
+    assert "1 of 2 verified" in text and "not made by the data code" not in text
+    assert "(x.std(0) + eps).clamp_min(1.2e-07)" in (suggested_edit(trial) or "")
+    assert _by_hand(_suggested(hunt25c, trial), STUCK_SENSOR, mode) is None
