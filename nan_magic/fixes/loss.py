@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.fixes.site import InRecordedCode
 from nan_magic.hot.kept.rng import RngState, generators_at
+from nan_magic.hot.reads import values_to_read
 from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
@@ -160,6 +161,8 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
         return outputs
     others: list[RootCall] = []
     other_outputs: list[tuple[int, int, str]] = []
+    if not last and (read := _nonfinite_of_another_model(ops, root, calls)) is not None:
+        return read
     if not last:
         # Read as recorded, their outputs hold the unremedied line's NaN (both views of a siamese step): the
         # remedied trial's loss came out NaN where the edit, by hand, remedies every call and trains on.
@@ -172,6 +175,30 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
                                      if key not in outputs)
                 others.append(call)
     return LossCode(ops, key, outputs, rng, last, tuple(others), tuple(other_outputs))
+
+
+def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: Iterable[RootCall]) -> str | None:
+    """Why the loss code cannot run on the trial's outputs where it reads another model's output that came out
+    non-finite (None: it reads none).
+
+    A GAN's ``disc(gen(z).detach()).mean()``: the discriminator's call read the generator's unremedied NaN, and
+    the trial replays the generator alone; read as recorded, the discriminator's NaN made the remedied step's loss
+    NaN, and the trial said "still non-finite (loss)" of an eps that, by hand, trains on
+    (two_optimizers_not_passed, in the deferred mode, which judges the step after its loss code ran)."""
+    inputs = list(_outside(ops).values())
+    for call in calls:
+        if call.module is root.module or call.call is None:
+            continue
+        for record in call.call.outputs:
+            tensor = record.ref()
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or bool(
+                    torch.isfinite(values_to_read(tensor)).all()):
+                continue
+            if any((record.ref is value.ref) if isinstance(value, WeakRecord) else (tensor is value)
+                   for value in inputs):
+                return (f"the loss code read the non-finite output of another model's call "
+                        f"({type(call.module).__name__}), which the trial does not replay on its outputs")
+    return None
 
 
 def ran_without_grad(op: RecordedOp) -> bool:

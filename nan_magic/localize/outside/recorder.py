@@ -220,12 +220,12 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self.forget()
 
     def _hold_update_region(self) -> None:
-        """No optimizer step since the last backward (gradient accumulation's next micro-batch): the loop's code
-        between that backward and this call, the update region's (:attr:`then_forget`), made this batch, and the
-        deferred check judges it at the step. Its records are held after the data records held so far (an earlier
-        micro-batch's), within :data:`KEEP_TOTAL` bytes kept in all; large tensors weakly."""
-        held = self.then_forget
-        if held is None or not self.holds_data or self._region == "data" or not held.settled():
+        """No optimizer step since the last backward (accumulation's next micro-batch): the update region's records
+        (:attr:`then_forget`) made this batch: held for the step's check (deferred), or where :meth:`claim` found its op
+        there, for the fix trial as the call ends; after the data records so far, within :data:`KEEP_TOTAL`, weakly."""
+        held = self.then_forget  # (a healthy step claims nothing: no witness)
+        if held is None or self._region == "data" or not held.settled() or not (
+                self.holds_data or (self._witness is not None and self._witness is held._witness)):
             return
         prior_ops, prior_produced, prior_rng = self._data if self._data is not None else ([], {}, None)
         budget = max(0, KEEP_TOTAL - self._data_kept)
