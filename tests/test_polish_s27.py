@@ -113,3 +113,18 @@ def test_a_forward_failures_trial_says_briefly_why_it_has_no_loss() -> None:
     assert ("no loss: the forward failed before the loss code ran (the backward started from ones into the model's "
             "outputs)") in text
     assert "no earlier step ran backward() watched" not in text
+
+
+def test_a_forward_failures_unverified_trial_says_briefly_why_it_cannot_tell() -> None:
+    # Before: "still non-finite (next forward), but its backward started from ones into the model's outputs, standing
+    # for the loss (loss not computed: the forward failed before this step's loss code ran, and no earlier step ran
+    # backward() watched): the trial cannot tell whether the step with its own loss would be finite".
+    from contract import hunt21
+    from test_fixes_s27 import _report
+
+    report = _report(hunt21, "hunt21_yeo_johnson_learned_lambda_of_0", "default")
+    text = report.to_text()
+    assert ("still non-finite (next forward), but its backward started from ones into the model's outputs (the "
+            "forward failed before the loss code ran): the trial cannot tell whether the step with its own loss "
+            "would be finite") in text, text
+    assert "no earlier step ran backward() watched" not in text

@@ -107,9 +107,9 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
             return f"the replay raised {trial.error[0]}: {trial.error[1]}"
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones" and trial.fact("before_loss_code"):
             # (The whole why, ``loss_not_computed``, stays in the trial's facts: the line says what the user needs.)
-            return (f"still non-finite ({trial.failed}) with its backward started from ones into the model's outputs "
-                    "(the forward failed before the loss code ran): not telling whether the step with its own loss "
-                    "would be finite")
+            return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs "
+                    "(the forward failed before the loss code ran): the trial cannot tell whether the step with its "
+                    "own loss would be finite")
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
