@@ -128,3 +128,19 @@ def test_a_forward_failures_unverified_trial_says_briefly_why_it_cannot_tell() -
             "step stopped before its loss code ran): the trial cannot tell whether the step with its own loss "
             "would be finite") in text, text
     assert "no earlier step ran backward() watched" not in text
+
+
+def test_an_op_of_the_optimizer_step_is_said_to_run_in_that_step_not_in_the_parameters_module() -> None:
+    # Before: "aten.div.Tensor in head_b (Linear) divided by zero", read as head_b's forward; the op ran in the LAMB
+    # step's trust ratio of head_b.weight.
+    from contract import hunt_s27b
+
+    (case,) = [c for c in hunt_s27b.CASES if c.name == "hunt_s27_lamb_trust_ratio_of_a_zero_update_at_step_0"]
+    scenario = case.build()
+    with pytest.raises(nan_magic.NonFiniteError) as raised, nan_magic.watch(*scenario.targets, **scenario.options):
+        scenario.run()
+    report = raised.value.report
+    assert (report.phase, report.module, report.op) == ("optimizer", "head_b", "aten.div.Tensor")
+    assert report.cause is not None
+    assert "aten.div.Tensor in the Lamb step of head_b.weight divided by zero" in report.cause.hint, report.cause.hint
+    assert "in head_b (Linear)" not in report.to_text()
