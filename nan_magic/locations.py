@@ -99,7 +99,7 @@ def function_name(code_name: str) -> str:
     return "<module>" if code_name.startswith("<cell line:") else code_name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SourcePointer:
     """A line of source code: where an op ran or a frame stopped."""
 
@@ -117,3 +117,12 @@ class SourcePointer:
 
     def __str__(self) -> str:
         return f"{name_location(self.filename, self.lineno)}, in {self.function}"
+
+    def __repr__(self) -> str:
+        # A cell's file is the kernel's temporary one (/tmp/ipykernel_42/1234.py), a name the user never saw: the
+        # fields stay as they are (they are what reopens it), and the repr also says the cell, as str() does.
+        # The cell goes right after the file it names, inside the parentheses: a Report's repr holds this one.
+        cell = _cell_name(self.filename)
+        named = repr(self.filename) + (f" ({cell})" if cell is not None else "")
+        return (f"SourcePointer(filename={named}, lineno={self.lineno!r}, function={self.function!r}, "
+                f"line={self.line!r})")

@@ -186,7 +186,7 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
         raise _NoTrial(Note.of("fixes-no-loss-code", reason=code))
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), kept.aside, loss_code=code,
-                       scalers=tuple(kept.loss.scalers))
+                       scalers=tuple(kept.loss.scalers), before_loss_code=before_loss and not kept.loss.judged_at_check)
     return try_fixes(report, step, roots, last_good, data_code=kept.loss.recorder,
                      reproduce="traced" if kept.traced else "per-call")
 
@@ -225,7 +225,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     parameters = {name: read[id(p)] for name, p in target.named_parameters() if id(p) in read} or None
     replays.read_parameters = {}  # (read once: a warn-mode run held a copy of the parameters to its next event)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, parameters=parameters, loss_code=code,
-                       scalers=tuple(loss.scalers))
+                       scalers=tuple(loss.scalers), before_loss_code=before_loss and not loss.judged_at_check)
     return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder)
 
 

@@ -74,6 +74,9 @@ class FailingStep:
     parameters: dict[str, torch.Tensor] | None = None
     #: The recorded loss code (loss.py), or why there is none.
     loss_code: LossCode | str | None = None
+    #: The event stopped the step before its loss code ran (a forward or data event judged as it happened): what a
+    #: trial without a loss says first, the rest of why being in ``loss_code``.
+    before_loss_code: bool = False
     #: The samples of the batch the replay keeps (skip-batch): the loss code's targets keep the same rows.
     rows: torch.Tensor | None = None
     #: The GradScalers the watch saw (the ``scale`` fix's edit is at the line that built one).

@@ -38,6 +38,8 @@ def step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, obje
             facts += (("loss_code_not_run", outcome.stand_in),)
     elif outcome.no_loss is not None and outcome.failed != "forward":
         facts += (("loss_not_computed", outcome.no_loss),)
+        if step.before_loss_code:
+            facts += (("before_loss_code", True),)
     return facts
 
 

@@ -102,6 +102,9 @@ class Events:
         # they name but the step; and the steps of those not warned again since (said as the watch is left).
         self._warned_kinds: set[tuple[object, ...]] = set()
         self._repeated_steps: list[int] = []
+        # The places (phase, module, tensor) a deliberate infinity was recorded at: one benign event each per watch,
+        # as the op tracer and the mask rule record it (ops/masks.py), not one a step where the tiered watch replays it.
+        self._deliberate_seen: set[tuple[object, ...]] = set()
 
     # -- the one way in -------------------------------------------------------------------
 
@@ -133,6 +136,11 @@ class Events:
             report = dataclasses.replace(report, skipped=tuple(sorted(self.context.skipped.items())))
         if (nth := _model_call(finding)) is not None:
             report = dataclasses.replace(report, model_call=nth)
+        if report.benign and any(note.kind == "deliberate" for note in report.note_facts):
+            place = (report.phase, report.module, report.tensor)
+            if place in self._deliberate_seen:
+                return
+            self._deliberate_seen.add(place)
         if not report.benign and self.report is not None:
             # The run went on after the first event (warn, log): a check that meets the same producer again
             # (the optimizer's gradient check replaying the step the forward check reported) adds nothing.

@@ -276,8 +276,11 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     if not report.unlocated:  # (no check saw the value: no tensor, no counts to show)
         rows.append(("tensor", tensor))
         # Counts not read (a gradient the deferred check found freed): the kinds known, and why no number.
-        share = UNCOUNTED if uncounted(report) else fmt_fraction(report.nonfinite, report.numel)
-        rows.append(("non-finite", f"{count_words(report)} of {counted(report.numel, 'element')} ({share})"))
+        if uncounted(report):
+            rows.append(("non-finite", f"{count_words(report)} among {counted(report.numel, 'element')} ({UNCOUNTED})"))
+        else:
+            share = fmt_fraction(report.nonfinite, report.numel)
+            rows.append(("non-finite", f"{count_words(report)} of {counted(report.numel, 'element')} ({share})"))
     if report.first_bad_index:  # None, or () for a 0-d tensor: nothing to point at
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:

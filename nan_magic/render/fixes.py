@@ -44,7 +44,13 @@ def _changed(trial: FixTrial) -> str:
     if trial.kind == "float32":
         regions = trial.fact("autocast") or ()
         region = f" with autocast ({', '.join(regions)}) off" if regions else ""
-        return f"the producer's line computed in float32{region} (it ran in {trial.fact('dtype') or 'autocast'})"
+        dtype = trial.fact("dtype")
+        if dtype in ("float32", "float64"):
+            # The op itself already ran in float32 (autocast's float32 list, or float32 operands): what the trial
+            # changes is the line's other calls, which autocast may have run in half and whose rounding it fed.
+            return (f"the producer's line computed in float32{region}: the op already ran in {dtype}, so this "
+                    "tries the line's other calls in float32")
+        return f"the producer's line computed in float32{region} (it ran in {dtype or 'autocast'})"
     if trial.kind == "eps":
         function, eps = trial.fact("function"), trial.fact("eps")
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
@@ -99,6 +105,11 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     if not trial.finite:
         if trial.failed == "raised" and trial.error is not None:
             return f"the replay raised {trial.error[0]}: {trial.error[1]}"
+        if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones" and trial.fact("before_loss_code"):
+            # (The whole why, ``loss_not_computed``, stays in the trial's facts: the line says what the user needs.)
+            return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs "
+                    "(the step stopped before its loss code ran): the trial cannot tell whether the step with its "
+                    "own loss would be finite")
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
@@ -118,6 +129,9 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     if trial.loss is not None:
         last = " (the last step's loss code and targets on this step's outputs)"
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
+    elif trial.fact("loss_not_computed") and trial.fact("before_loss_code"):
+        start = _STARTS.get(trial.fact("backward_from"), "")
+        parts.append(f"no loss: the step stopped before its loss code ran{start}")
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
         parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")

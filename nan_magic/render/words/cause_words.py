@@ -131,6 +131,10 @@ def where(report: Report) -> str:
         if report.source is not None:
             return f"the code at {name_location(report.source.filename, report.source.lineno)}"
         return "code outside the watched modules"
+    if report.phase == Phase.OPTIMIZER and report.op is not None and report.optimizer and report.tensor.name:
+        # The op ran in the optimizer's step for that parameter, not in the code of the module that owns it
+        # ("aten.div.Tensor in head_b (Linear)" read as head_b's forward).
+        return f"the {report.optimizer} step of {report.tensor.name}"
     return module_label(report.module, report.module_type)
 
 

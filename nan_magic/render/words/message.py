@@ -29,7 +29,9 @@ def message_parts(report: Report) -> tuple[str, str, str, str]:
         return f"{verb} value in {report.phase} step {report.step}: {report.where}", "", "", ""
     after = "" if report.follows is None else f", after the first event ({first_event(report.follows, report)})"
     if uncounted(report):
-        whose = f", {UNCOUNTED}"
+        # The probe kept which kinds the tensor held, not how many: the kinds, among how many values, and why.
+        return (f"{verb} {tensor} in {report.phase} step {report.step}: {report.where}", separator, at,
+                f" ({kinds} among {report.numel} values, {UNCOUNTED}){after}")
     elif report.op and report.phase == Phase.BACKWARD:
         # Which tensor the counts are of: a backward op's own output (the per-module and deferred op-level watch
         # replay or keep it) or the module's gradient it went into (ops=True), whose counts may differ.
@@ -40,8 +42,9 @@ def message_parts(report: Report) -> tuple[str, str, str, str]:
             f" ({kinds} of {report.numel}{whose}){after}")
 
 
-#: Why a report has no counts: what a deferred check keeps of a gradient is whether it was finite.
-UNCOUNTED = "not counted: the tensor was freed before the report was made; the check kept only that it was not finite"
+#: Why a report has no counts: a deferred check keeps of a tensor it no longer holds its probe (min, max), which says
+#: which kinds of non-finite value it held, not how many.
+UNCOUNTED = "not counted: the tensor was freed before the report was made"
 
 
 def uncounted(report: Report) -> bool:
@@ -51,11 +54,12 @@ def uncounted(report: Report) -> bool:
 
 
 def count_words(report: Report) -> str:
-    """``"1 nan, 2 +inf"``; ``"? nan"`` for a kind present but not counted; ``"non-finite values"`` if none known."""
+    """``"1 nan, 2 +inf"``; ``"nan"`` for a kind present but not counted; ``"non-finite values"`` if none known."""
     stats = report.output_stats
     counts = ((stats.nan, "nan"), (stats.posinf, "+inf"), (stats.neginf, "-inf")) if uncounted(report) and stats \
         else ((count, kind) for kind, count in report.counts.items())
-    return ", ".join(f"{'?' if count is None else count} {kind}" for count, kind in counts if count != 0) \
+    # (A "?" in place of a number read as a name or count gone missing: a kind not counted is named alone.)
+    return ", ".join(kind if count is None else f"{count} {kind}" for count, kind in counts if count != 0) \
         or "non-finite values"
 
 
