@@ -4,7 +4,8 @@ What a watch left on for a whole training run sees step after step: a model swit
 every step (dropout, BatchNorm), inference under no_grad between steps, accumulation over a varying count of
 micro-batches (optimizer.step() skipped on the others), two backwards a step, a model that grows a layer with its
 own optimizer group, one batch tensor written in place every step, a GAN's two models with one optimizer each, and a
-run of many short steps. The harness is calm26.py's; the long runs (memory held over 2,000 steps, a watch left and
+run of many short steps, a mean teacher that is the model itself, two optimizers over one
+model. The harness is calm26.py's; the long runs (memory held over 2,000 steps, a watch left and
 entered again) are in tests/test_calm_s27c_long.py.
 """
 
@@ -276,6 +277,52 @@ def _gan(freeze: bool) -> Scenario:
     return Scenario((gen, disc, opt_g, opt_d), run)
 
 
+def _mean_teacher_same_model() -> Scenario:
+    """One model in eval() under no_grad for its own targets, then in train() for the loss, within one step."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, _ = _data()
+
+    def run() -> tuple[Any, ...]:
+        losses = []
+        for _ in range(5):
+            model.eval()
+            with torch.no_grad():
+                target = model(x).softmax(-1)
+            model.train()
+            loss = F.kl_div(model(x + 0.05).log_softmax(-1), target, reduction="batchmean")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return finish(losses, model, opt)
+
+    return Scenario((model, opt), run)
+
+
+def _two_optimizers_one_model() -> Scenario:
+    """One model's body and head under two optimizers, the head's stepped every step, the body's every other."""
+    model = _net()
+    body, head = list(model[:4].parameters()), list(model[4].parameters())
+    opt_body = torch.optim.SGD(body, lr=0.05, momentum=0.9)
+    opt_head = torch.optim.Adam(head, lr=1e-2)
+    x, y = _data()
+
+    def run() -> tuple[Any, ...]:
+        losses = []
+        for step in range(6):
+            loss = F.cross_entropy(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            opt_head.step()
+            if step % 2 == 0:
+                opt_body.step()
+            losses.append(loss.detach())
+        return finish(losses, model, opt_body, opt_head)
+
+    return Scenario((model, opt_body, opt_head), run)
+
+
 def _many_short_steps() -> Scenario:
     """300 short steps of a tiny model: the watch's per-step work must not pile up into a false alarm."""
     torch.manual_seed(0)
@@ -303,6 +350,7 @@ ROWS = {
     "progressive-growing": _progressive_growing, "inference-between-steps": _inference_between_steps,
     "one-batch-written-in-place": _one_batch_written_in_place, "gan": lambda: _gan(False),
     "gan-discriminator-frozen": lambda: _gan(True), "many-short-steps": _many_short_steps,
+    "mean-teacher-same-model": _mean_teacher_same_model, "two-optimizers-one-model": _two_optimizers_one_model,
 }
 
 CASES = [Case(f"calm_s27c_{name}", build, None, benign=0) for name, build in ROWS.items()]
