@@ -3,10 +3,10 @@
 What a watch left on for a whole training run sees step after step: a model switched between eval() and train()
 every step (dropout, BatchNorm), inference under no_grad between steps, accumulation over a varying count of
 micro-batches (optimizer.step() skipped on the others), two backwards a step, a model that grows a layer with its
-own optimizer group, one batch tensor written in place every step, a GAN's two models with one optimizer each, and a
-run of many short steps, a mean teacher that is the model itself, two optimizers over one
-model. The harness is calm26.py's; the long runs (memory held over 2,000 steps, a watch left and
-entered again) are in tests/test_calm_s27c_long.py.
+own optimizer group, one batch tensor written in place every step, a GAN's two models with one optimizer each, a
+mean teacher that is the model itself, two optimizers over one model, and a run of many short steps. The harness is
+calm26.py's; the long runs (memory held over 2,000 steps, a watch left and entered again, ``%nanwatch on`` over
+many cells) are in tests/test_calm_s27c_long.py.
 """
 
 from __future__ import annotations
