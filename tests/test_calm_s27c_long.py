@@ -4,7 +4,8 @@ around the same model must leave the run as it was unwatched.
 2,000 short steps under one watch in every mode: the tensors alive (counted through gc, with their bytes) after
 step 2,000 are no more than after step 200; the watch records no event. A watch exited and entered again every 10
 steps around the same model and optimizer, in one mode and in each mode in turn: silent, bit-identical, nothing of
-ours left. ``%nanwatch on`` over 40 short cells of one loop: silent, identical to the cells unwatched.
+ours left. ``%nanwatch on`` over 40 short cells of one loop, and over cells that evaluate, raise the user's own error,
+make a new model under the old name and grow it: silent, identical to the cells unwatched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from contract import MODE_OPTIONS
 from contract.calm26 import Leftovers, state_of
+from IPython.utils.capture import capture_output
 from test_contract import same
 from torch import nn
 
@@ -133,5 +135,58 @@ def test_nanwatch_on_over_forty_short_cells_is_calm_and_identical(ip, flags: str
     finally:
         ip.run_line_magic("nanwatch", "off")
     assert all(o.error_in_exec is None for o in outcomes), [o.error_in_exec for o in outcomes]
+    assert ip.user_ns.get("_nan_report") is None
+    assert same(got, expected)
+
+
+MAKE = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+torch.manual_seed(0)
+def make():
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2))
+model = make(); opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+g = torch.Generator().manual_seed(1)
+result = []
+"""
+STEP = """
+x = torch.randn(8, 6, generator=g); y = torch.randint(0, 2, (8,), generator=g)
+model.train(); loss = F.cross_entropy(model(x), y); opt.zero_grad(); loss.backward(); opt.step()
+result.append(loss.detach())
+"""
+EVALUATE = """
+model.eval()
+with torch.no_grad():
+    result.append(model(torch.randn(4, 6, generator=g)))
+"""
+STOP = """
+loss = F.cross_entropy(model(x), y)
+raise ValueError("the user's own stop")
+"""
+REMAKE = "model = make(); opt = torch.optim.Adam(model.parameters(), lr=1e-2)"
+GROW = 'model.append(nn.Linear(2, 2)); opt.add_param_group({"params": model[-1].parameters()})'
+SESSION = [MAKE, *[STEP] * 5, EVALUATE, STEP, STOP, STEP, REMAKE, *[STEP] * 3, EVALUATE, GROW, *[STEP] * 3, EVALUATE]
+
+
+@pytest.mark.parametrize("flags", ["", "--defer", "--ops", "--full"])
+def test_nanwatch_on_over_a_session_that_remakes_grows_and_stops_its_model_is_calm(ip, flags: str) -> None:
+    def session() -> tuple[list, list, str]:
+        with capture_output() as captured:
+            outcomes = [ip.run_cell(cell) for cell in SESSION]
+        ip.user_ns.pop("_", None)
+        model = ip.user_ns["model"]
+        return outcomes, ip.user_ns["result"] + [p.detach().clone() for p in model.parameters()], captured.stdout
+
+    _, expected, _ = session()
+    ip.user_ns.pop("_nan_report", None)
+    try:
+        ip.run_line_magic("nanwatch", f"on {flags}")
+        outcomes, got, shown = session()
+    finally:
+        ip.run_line_magic("nanwatch", "off")
+    # Only the user's own error, its traceback without a frame of ours.
+    assert [type(o.error_in_exec).__name__ for o in outcomes if o.error_in_exec] == ["ValueError"]
+    assert "ValueError" in shown and "nan_magic/" not in shown, shown
     assert ip.user_ns.get("_nan_report") is None
     assert same(got, expected)
