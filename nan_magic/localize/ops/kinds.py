@@ -26,6 +26,9 @@ from nan_magic.records import KINDS, TensorStats
 
 __all__ = ["KnownKinds", "Prior", "probe_priors", "scalar_kinds"]
 
+#: Entries the table holds before its first sweep for freed tensors.
+_FIRST_SWEEP = 1024
+
 
 class KnownKinds:
     """The kinds of the tensors already looked at, kept while each is alive and unchanged."""
@@ -34,6 +37,10 @@ class KnownKinds:
         # id(tensor) -> (weak reference, version counter, kinds) of tensors whose
         # kinds are known; the reference and version make stale ids harmless.
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, frozenset[str]]] = {}
+        # Entries of freed tensors (never returned by get) are dropped each time the table doubles past what was
+        # alive at the last sweep: a traced loop frees its step's tensors, and with a fixed bound of 100,000 the
+        # table grew by ~7 entries a step until then (a tiny model over 2,000 steps: 13,000 dead entries).
+        self._sweep_at = _FIRST_SWEEP
 
     def clear(self) -> None:
         """Forget every tensor (they may have changed outside the trace)."""
@@ -56,9 +63,10 @@ class KnownKinds:
             return  # no version counter: a later in-place change would go unseen
         known = self._known
         known[id(tensor)] = (weakref.ref(tensor), tensor._version, kinds)
-        if len(known) > 100_000:
+        if len(known) > self._sweep_at:
             for key in [key for key, entry in known.items() if entry[0]() is None]:
                 del known[key]
+            self._sweep_at = max(_FIRST_SWEEP, 2 * len(known))  # each sweep paid for by as many entries added
 
     def suspects(self, outputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """The outputs that may be non-finite; the others are remembered as finite."""
