@@ -314,7 +314,8 @@ def copied_nonfinite(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
     if tensor.layout is not torch.strided or not tensor.numel():
         return False
     address = tensor.untyped_storage().data_ptr()
-    for op in reversed(ops):
+    for index in range(len(ops) - 1, -1, -1):
+        op = ops[index]
         plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
         if plan is None or not plan.writes:
             continue
@@ -323,7 +324,20 @@ def copied_nonfinite(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
         if not any(name in plan.writes and isinstance(value, torch.Tensor) and value.layout is torch.strided
                    and value.numel() and value.untyped_storage().data_ptr() == address for name, value in named):
             continue
-        return any(name not in plan.writes and name in plan.reads and isinstance(value, torch.Tensor)
-                   and value.is_floating_point() and value.layout is torch.strided and value.numel()
-                   and not finite_now(value) for name, value in named)
+        sources = [value for name, value in named if name not in plan.writes and name in plan.reads
+                   and isinstance(value, torch.Tensor) and value.is_floating_point()
+                   and value.layout is torch.strided and value.numel() and not finite_now(value)]
+        # (A source a recorded op made, ``w[0, 0] = float("inf")``'s lifted number, is the loop's own write: named.)
+        return bool(sources) and not any(_made_by(ops[:index], source) for source in sources)
+    return False
+
+
+def _made_by(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
+    """Whether one of ``ops`` returned ``tensor``'s memory."""
+    address = tensor.untyped_storage().data_ptr()
+    for op in ops:
+        out = op.out.ref() if isinstance(op.out, WeakRecord) else op.out
+        if isinstance(out, torch.Tensor) and out.layout is torch.strided and (
+                out.untyped_storage().data_ptr() == address):
+            return True
     return False
