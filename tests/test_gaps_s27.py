@@ -8,6 +8,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from test_prefetch26 import polyak_nan_lr_report
 from torch import nn
 from torch.nn import functional as F
 
@@ -99,20 +100,7 @@ def test_a_division_that_made_the_learning_rate_counts_its_own_nan(mode: str) ->
     """The Polyak step size ``loss / |g|^2`` at 0 / 0, read with ``.item()`` into ``param_groups``: the division made 1
     NaN, the step then 32 in the parameter. The division-by-zero sentence and its evidence said 32 (the parameter's);
     they count the op's own output now."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
-        for step in range(3):
-            loss = F.mse_loss(model(torch.rand(6, 4)), torch.zeros(6, 1)) * (0.0 if step == 1 else 1.0)
-            opt.zero_grad()
-            loss.backward()
-            squared = sum(p.grad.pow(2).sum() for p in model.parameters())
-            size = loss.detach() / squared  # 0 / 0 at step 1
-            for group in opt.param_groups:
-                group["lr"] = size.item()
-            opt.step()
-    report = caught.value.report
+    report = polyak_nan_lr_report(MODES[mode])
     assert (report.op, report.nan, report.cause.label) == ("aten.div.Tensor", 32, "division-by-zero")
     assert "giving 1 NaN (0/0)" in report.cause.hint and "32 NaN" not in report.cause.hint
     assert "aten.div.Tensor made 1 NaN (0/0) and 0 inf (x/0)" in report.cause.evidence

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import nan_magic
+from nan_magic import Report
 
 MODES = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"}}
 
@@ -95,14 +96,13 @@ def test_a_finite_learning_rate_the_loop_computes_keeps_the_result_and_says_noth
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_learning_rate_the_loop_made_nan_is_its_code_s_in_every_sentence(mode: str) -> None:
-    """The cause and the operands' evidence place the division in the loop's code at its line, not in the stepped
-    parameter's module; the fixes' note says why no trial ran (the loop's update code), not the optimizer's."""
+def polyak_nan_lr_report(options: dict) -> Report:
+    """The report of a Polyak step size ``loss / |g|^2`` at 0 / 0 (step 1), read with ``.item()`` into
+    ``param_groups`` (also test_gaps_s27's)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
         for step in range(3):
             loss = F.mse_loss(model(torch.rand(6, 4)), torch.zeros(6, 1)) * (0.0 if step == 1 else 1.0)
             opt.zero_grad()
@@ -112,7 +112,14 @@ def test_a_learning_rate_the_loop_made_nan_is_its_code_s_in_every_sentence(mode:
             for group in opt.param_groups:
                 group["lr"] = size.item()
             opt.step()
-    report = caught.value.report
+    return caught.value.report
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_learning_rate_the_loop_made_nan_is_its_code_s_in_every_sentence(mode: str) -> None:
+    """The cause and the operands' evidence place the division in the loop's code at its line, not in the stepped
+    parameter's module; the fixes' note says why no trial ran (the loop's update code), not the optimizer's."""
+    report = polyak_nan_lr_report(MODES[mode])
     assert (report.phase, report.step, report.op) == ("optimizer", 1, "aten.div.Tensor")
     assert report.cause is not None and report.cause.label == "division-by-zero"
     text = report.to_text()
