@@ -38,6 +38,7 @@ from nan_magic.distributed.ranks import launched
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.hot.kept.lines import line_at
 from nan_magic.hot.reads import WIDE_FLOATS, read_scalars
+from nan_magic.hot.watched.transparent import dropped_by_a_pass_through
 from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase
 
@@ -211,14 +212,16 @@ class Deferred(Timing):
                 cycle.judge_written(written_values[:first_count])
             if outcome.stopped:
                 return values
-            for call in cycle.log.finished() if cycle.log.any_kinds() else ():  # (none, most steps: no sort of them)
+            finished = cycle.log.finished() if cycle.log.any_kinds() else []  # (none, most steps: no sort of them)
+            for index, call in enumerate(finished):
                 for record in call.outputs:
                     if record.kinds:
                         break
                 else:
                     continue  # every output read finite: the judges would return at once
                 if call.phase == Phase.BACKWARD:
-                    cycle.gradients.judge(call)
+                    if not dropped_by_a_pass_through(call, finished[index + 1:]):
+                        cycle.gradients.judge(call)
                 elif call.info is None:
                     cycle.gradients.judge_loss(call)
                 else:

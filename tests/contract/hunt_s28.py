@@ -408,12 +408,6 @@ HESSIAN_VECTOR_GAP = (
     "(not the F.normalize line that made the node); ops=True names the first autograd.grad's line and module None "
     "(localize/ops attributes the first-order backward's masked 0/0 to the loss code). No mode yet maps a "
     "double-backward node to the forward line of the node it differentiates")
-DEFERRED_PASS_THROUGH_GAP = (
-    "false alarm in deferred mode: immediate mode passes the ReLU through (hot/checks/forward.py, transparent.py: "
-    "its input is known finite), so the gradient judged is the one into the ReLU's input, where threshold_backward "
-    "has dropped the NaN of the Hessian-vector product; deferred mode cannot know the input finite at the call, "
-    "hooks the ReLU's output and judges (hot/checks/gradients.py judge) the NaN gradient flowing into it, which "
-    "the step never uses. ops-defer then claims the first autograd.grad's masked 0/0")
 _CONFIG = '{"lr": 0.05, "weight_decay": 1e-4, "clip": 1.0}'
 
 CASES = [
@@ -456,10 +450,9 @@ CASES = [
          Expect("backward", "2", "CosineHead", step=1, op="aten.div.Tensor", marker="cosine normalise"),
          marks=(pytest.mark.xfail(strict=True, reason=HESSIAN_VECTOR_GAP),)),
     Case("hunt_s28_hutchinson_trace_through_a_smooth_rsqrt_normalise_healthy", lambda: _hutchinson("rsqrt"), None),
-    Case("hunt_s28_hutchinson_trace_norm_plus_eps_behind_a_relu_healthy", lambda: _hutchinson("eps", nn.ReLU), None,
-         modes=("default", "full", "ops"), gaps=(("ops-defer", DEFERRED_PASS_THROUGH_GAP),)),
-    Case("hunt_s28_hutchinson_trace_norm_plus_eps_behind_a_relu_deferred_healthy", lambda: _hutchinson("eps", nn.ReLU),
-         None, modes=("defer",), marks=(pytest.mark.xfail(strict=True, reason=DEFERRED_PASS_THROUGH_GAP),)),
+    # Deferred, the ReLU's output gradient (NaN) is read, and the one into its input (finite) judged after it:
+    # hot/watched/transparent.dropped_by_a_pass_through says the immediate mode's silence.
+    Case("hunt_s28_hutchinson_trace_norm_plus_eps_behind_a_relu_healthy", lambda: _hutchinson("eps", nn.ReLU), None),
     Case("hunt_s28_soft_target_cross_entropy_over_a_class_masked_with_minus_inf", lambda: _soft_targets(-math.inf),
          Expect("forward", None, step=1, op="aten.mul.Tensor", marker="soft targets")),
     Case("hunt_s28_soft_target_cross_entropy_masked_with_finfo_min_healthy",

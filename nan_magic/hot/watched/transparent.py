@@ -29,7 +29,8 @@ are harmless here because only finite inputs pass.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ __all__ = [
     "ANY_DTYPE",
     "WIDE_ONLY",
     "Transparency",
+    "dropped_by_a_pass_through",
     "output_bound",
     "passes_through",
     "passes_through_unseen",
@@ -126,3 +128,31 @@ def output_bound(kind: Transparency, module: nn.Module, low: float, high: float)
 
 #: The attributes of the listed activations that can bound their output.
 _CONSTANTS = ("alpha", "min_val", "max_val")
+
+
+def dropped_by_a_pass_through(call: Any, later: Sequence[Any]) -> bool:
+    """Whether the deferred check's non-finite gradient ``call`` is one the immediate mode never judges.
+
+    The deferred mode cannot know a pass-through's input finite at the call (its probe is read at the check), so it
+    checks the call and hooks its output; the immediate mode passed the call through, its output standing for its
+    input's record, and judges the gradient into that input only. Where the input read finite (unchanged since) and
+    the gradient into it, judged by its own hook after this one (``later``: the calls finished after ``call``), is
+    finite, the pass-through's backward dropped the non-finite values (a ReLU's ``threshold_backward`` over units
+    that were inactive: a Hessian-vector product's NaN at a zero feature): the immediate mode saw nothing, and the
+    deferred one must say the same. Where that gradient is non-finite too, ``call`` is judged: its consumer is the
+    one the immediate mode names. A dropout is left checked (its bound needs the module's ``p`` and mode).
+    """
+    record = getattr(call, "target", None)
+    through = record.call if record is not None else None
+    info = through.info if through is not None else None
+    kind = info.transparent if info is not None else None
+    if kind is None or kind == "dropout" or len(through.inputs) != 1:
+        return False
+    entering, version = through.inputs[0][2], through.inputs[0][4]
+    if (entering is None or entering.kinds or not entering.ranged or version != entering.version
+            or not (kind == "any" or entering.dtype in WIDE_FLOATS)):
+        return False
+    for other in later:
+        if getattr(other, "target", None) is entering:
+            return not other.outputs[0].kinds
+    return False
