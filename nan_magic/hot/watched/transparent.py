@@ -144,8 +144,9 @@ def dropped_by_a_pass_through(call: Any, later: Sequence[Any]) -> bool:
     """
     record = getattr(call, "target", None)
     through = record.call if record is not None else None
-    info = through.info if through is not None else None
-    kind = info.transparent if info is not None else None
+    if through is None or through.info is None:
+        return False
+    kind = through.info.transparent
     if kind is None or kind == "dropout" or len(through.inputs) != 1:
         return False
     entering, version = through.inputs[0][2], through.inputs[0][4]
