@@ -1,0 +1,46 @@
+"""What a notebook user saw go wrong in session 28's walk, each as a fast in-process test.
+
+The walk: five notebooks of its own (fine-tuning a frozen backbone imported from a ``models.py`` beside the notebook,
+a GAN with two optimizers, a REINFORCE policy with a value head, a training run split over cells, cells under
+``%%time`` and ``%%capture``), the NaN in the forward, the loss code, the backward, the optimizer step and the data,
+run in real kernels (nbclient and jupyter_client, %debug answered through the stdin channel, a kernel interrupt) on
+the main venv and on Colab's stack (.venv-colab: IPython 7.34, ipywidgets 7.7), saved, exported with nbconvert and
+opened in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+
+
+def _overflow_at_step_1(pass_the_optimizer: bool) -> nan_magic.Report:
+    """SGD at lr 1e38: step 0 is finite, its update makes the weights huge, and step 1's loss overflows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    targets = (model, opt) if pass_the_optimizer else (model,)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*targets, fixes=False):
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("pass_the_optimizer", [False, True], ids=["magic-s-way", "optimizer-passed"])
+def test_one_model_call_a_step_is_not_called_a_second_micro_batch(pass_the_optimizer: bool) -> None:
+    """``%%nantrace`` (which passes no optimizer: it is watched as it steps) over a plain loop, its loss overflowing
+    at step 1, said "step 1 (the step's 2nd model call: with gradient accumulation, its 2nd micro-batch)": step 0's
+    call was counted under the steps opened (1) before the optimizer was seen, step 1's under the iterations completed
+    (1), and the two counts met. One model call a step is the step's only call, as with the optimizer passed."""
+    report = _overflow_at_step_1(pass_the_optimizer)
+    assert (report.phase.value, report.step) == ("forward", 1)
+    step_line = next(line for line in str(report).splitlines() if line.strip().startswith("step "))
+    assert step_line.split() == ["step", "1"], step_line
+    assert "micro-batch" not in report.to_html()
