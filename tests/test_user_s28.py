@@ -44,3 +44,35 @@ def test_one_model_call_a_step_is_not_called_a_second_micro_batch(pass_the_optim
     step_line = next(line for line in str(report).splitlines() if line.strip().startswith("step "))
     assert step_line.split() == ["step", "1"], step_line
     assert "micro-batch" not in report.to_html()
+
+
+ROLLOUT = """\
+%%nantrace
+for update in range(2):
+    values = torch.stack([critic(torch.randn(4)).squeeze() for _ in range(5)])  # five env steps, one update
+    returns = torch.zeros(5)  # a terminal reward of 0: the value head's 0 matches it exactly
+    loss = torch.sqrt((values - returns) ** 2).mean()  # per-step RMSE: sqrt's derivative is infinite at 0
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "A rollout (five model calls, then one update) under %%nantrace, its backward NaN in the first update: the report "
+    "says step 4, the steps of inference (a step a call of the first module), where PRODUCT.md's step is the "
+    "optimizer steps completed, 0. The magic passes no optimizer (it is watched as it steps), so before the first "
+    "step nothing tells a rollout from inference; passing the namespace's optimizers would end an eval cell's steps "
+    "only at an optimizer step (hot/step_cycle.py's StepCycle.step, training()). nan_magic.watch(critic, opt) says 0."
+))
+def test_a_rollout_s_first_update_is_step_0_under_nantrace(ip) -> None:
+    """The RL notebook: REINFORCE with a value head, the NaN in the first update's backward (a per-step RMSE)."""
+    torch.manual_seed(0)
+    critic = nn.Linear(4, 1)
+    with torch.no_grad():
+        critic.weight.zero_()
+        critic.bias.zero_()
+    ip.user_ns.update(torch=torch, critic=critic, opt=torch.optim.SGD(critic.parameters(), lr=0.1))
+    ip.user_ns.pop("_nan_report", None)
+    ip.run_cell(ROLLOUT)
+    report = ip.user_ns["_nan_report"]
+    assert report.phase.value == "backward"
+    assert report.step == 0, report.step
