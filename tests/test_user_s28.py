@@ -76,3 +76,25 @@ def test_a_rollout_s_first_update_is_step_0_under_nantrace(ip) -> None:
     report = ip.user_ns["_nan_report"]
     assert report.phase.value == "backward"
     assert report.step == 0, report.step
+
+
+def test_a_time_cell_under_nantrace_shows_its_magic_as_typed_in_the_short_error(
+    ip, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The GAN notebook: ``%%nantrace`` over a ``%%time`` cell. The short error's first frame showed the call IPython
+    made of the ``%%time`` cell, ``get_ipython().run_cell_magic('time', '', 'for step in range(30):\\n ...``, the
+    loop's whole body escaped on one 381-character line above the report. It shows ``%%time``, as typed."""
+    torch.manual_seed(0)
+    ip.user_ns.update(torch=torch, model=nn.Linear(4, 1))
+    capsys.readouterr()
+    result = ip.run_cell(
+        "%%nantrace\n%%time\nfor step in range(3):\n    out = model(torch.randn(8, 4))\n"
+        "    loss = torch.log(out - 10).mean()  # log of a negative: NaN\n    loss.backward()\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, nan_magic.NonFiniteError)
+    shown = capsys.readouterr()
+    short = (shown.out + shown.err).split("%tb shows the full traceback")[0].splitlines()
+    assert "    %%time" in short, short
+    assert not any("run_cell_magic" in line or "\\n" in line for line in short), short
+    assert max(map(len, short)) <= 100, short
