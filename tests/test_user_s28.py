@@ -10,6 +10,7 @@ opened in headless Chromium.
 
 from __future__ import annotations
 
+import IPython
 import pytest
 import torch
 from torch import nn
@@ -87,14 +88,15 @@ def test_a_time_cell_under_nantrace_shows_its_magic_as_typed_in_the_short_error(
     torch.manual_seed(0)
     ip.user_ns.update(torch=torch, model=nn.Linear(4, 1))
     capsys.readouterr()
-    result = ip.run_cell(
+    ip.run_cell(
         "%%nantrace\n%%time\nfor step in range(3):\n    out = model(torch.randn(8, 4))\n"
         "    loss = torch.log(out - 10).mean()  # log of a negative: NaN\n    loss.backward()\n"
     )
-    error = result.error_in_exec
-    assert isinstance(error, nan_magic.NonFiniteError)
+    # (IPython 7's %%time, Colab's, shows the error itself and returns: the cell then ends without one)
     shown = capsys.readouterr()
     short = (shown.out + shown.err).split("%tb shows the full traceback")[0].splitlines()
-    assert "    %%time" in short, short
+    assert any(line.startswith("NonFiniteError: first non-finite value in forward step 0") for line in short), short
+    if IPython.version_info >= (8,):  # IPython 7's %%time shows the error from its own frame on: no cell line
+        assert "    %%time" in short, short
     assert not any("run_cell_magic" in line or "\\n" in line for line in short), short
     assert max(map(len, short)) <= 100, short
