@@ -10,6 +10,7 @@ with its locals.
 
 from __future__ import annotations
 
+import ast
 import linecache
 import os
 import sys
@@ -425,5 +426,35 @@ def _frame_lines(frame: SourcePointer, prefix: str = "") -> list[str]:
         where += f", in {frame.function}"
     lines = [prefix + where]
     if frame.line:
-        lines.append(f"    {frame.line.strip()}")
+        lines.append(f"    {as_typed(frame.line.strip())}")
     return lines
+
+
+#: IPython's rewriting of a magic, as the cell's code holds it: ``get_ipython().run_cell_magic('time', '', BODY)``.
+_MAGIC_CALLS = {"run_cell_magic": "%%", "run_line_magic": "%"}
+
+
+def as_typed(line: str) -> str:
+    """A cell's line as the user typed it: a magic IPython rewrote into a call shown as the magic.
+
+    ``%%nantrace`` over a ``%%time`` cell: its frame's line is the call IPython made of the ``%%time`` cell, its
+    whole body escaped into one string (381 characters for a ten-line loop) on the short error's first screen; it
+    reads ``%%time``. A line magic keeps its assignment (``t = %timeit -o f()``). Any other line is unchanged.
+    """
+    if "get_ipython()." not in line:
+        return line
+    try:
+        (statement,) = ast.parse(line).body
+    except (SyntaxError, ValueError):
+        return line
+    call = statement.value if isinstance(statement, (ast.Expr, ast.Assign)) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _MAGIC_CALLS
+            and isinstance(call.func.value, ast.Call) and isinstance(call.func.value.func, ast.Name)
+            and call.func.value.func.id == "get_ipython" and len(call.args) >= 2
+            and all(isinstance(arg, ast.Constant) and isinstance(arg.value, str) for arg in call.args[:2])):
+        return line
+    name, argument = call.args[0].value, call.args[1].value
+    typed = f"{_MAGIC_CALLS[call.func.attr]}{name} {argument}".rstrip()
+    if isinstance(statement, ast.Assign):
+        typed = line[:call.col_offset] + typed
+    return typed

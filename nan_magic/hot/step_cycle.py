@@ -130,8 +130,9 @@ class StepCycle(CycleExit):
         self.steps_opened = 0
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
-        # The training step whose top-level model calls the log counts (StepLog.model_calls): -1, none yet.
-        self._counted_step = -1
+        # The step whose top-level model calls the log counts (StepLog.model_calls): an iteration completed, or minus
+        # the steps opened before any optimizer stepped (forward_started); None, none yet.
+        self._counted_step: int | None = None
         self.open = False
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
@@ -212,7 +213,10 @@ class StepCycle(CycleExit):
             self.open = True
         # Which of the step's model calls this is (a report names the micro-batch of gradient accumulation by it):
         # the steps opened count a call of each micro-batch, the iterations completed only the optimizer's steps.
-        step = self.optimizers.iterations.completed if training else self.steps_opened
+        # The steps opened are counted negative: the first iteration of a loop whose optimizer was not passed opens
+        # steps 1, 2, ... before its optimizer steps, and the iterations it then completes (1, 2, ...) are not those
+        # steps' further calls (an overflow at step 1 read "the step's 2nd model call: its 2nd micro-batch").
+        step = self.optimizers.iterations.completed if training else -self.steps_opened
         if step != self._counted_step:
             self._counted_step, self.log.model_calls = step, 1
         else:
