@@ -8,8 +8,9 @@ re-masking the logits at update time, so a stale action's log-probability is ``-
 ``log(softmax)`` whose backward divides by a weight of 0; a Poincare embedding's Riemannian SGD whose exponential map
 normalises the zero gradient of an isolated node (optimizer); a diffusion loop building the x0 target from a cached
 noisy latent at ``t = T`` of a zero-terminal-SNR schedule (data); DreamerV3's ``symexp`` of an unbounded critic;
-a VAE's Monte-Carlo KL whose posterior sigma underflows to 0; PNA's attenuation scaler at an isolated node. Each twin
-applies its users' fix and must stay silent and bit-identical, in every mode.
+a VAE's Monte-Carlo KL whose posterior sigma underflows to 0; PNA's attenuation scaler at an isolated node; a GCN's
+normalised adjacency built in a ``collate_fn`` (data); a LightningModule-like GAN's minimax discriminator step with two
+optimizers. Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 
 from __future__ import annotations
@@ -580,6 +581,109 @@ def _pna(clamp: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step], edges[step]), lambda out, step: (out - ys[step][0]).pow(2))
 
 
+# ---------------------------------------------------------------- a GCN's normalised adjacency built in a collate_fn
+class DenseGCN(nn.Module):
+    """Two graph convolutions ``relu(A_hat X W)`` over a dense normalised adjacency the loader builds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs, self.head = nn.ModuleList([nn.Linear(3, 8), nn.Linear(8, 8)]), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = torch.relu(adjacency @ conv(x))
+        return self.head(x.mean(0))
+
+
+def _gcn_collate(self_loops: bool) -> Scenario:
+    """Each sample is a graph; the ``collate_fn`` builds Kipf's ``D^-1/2 A D^-1/2`` without the self-loops: step 2's
+    graph has an isolated node, its degree is 0 and ``0 ** -0.5`` is inf (its row and column NaN once multiplied).
+    The twin adds the self-loops ``A + I``, as Kipf and Welling do."""
+    torch.manual_seed(0)
+    graphs = []
+    for step in range(4):
+        adjacency = (torch.rand(5, 5) > 0.4).float().triu(1)
+        adjacency = adjacency + adjacency.T
+        adjacency[0, 1] = adjacency[1, 0] = 1.0
+        if step == 2:
+            adjacency[4, :] = adjacency[:, 4] = 0.0  # a lone node
+        else:
+            adjacency[3, 4] = adjacency[4, 3] = 1.0
+        graphs.append((torch.randn(5, 3), adjacency, torch.randn(1)))
+
+    def collate(samples):
+        x, adjacency, y = samples[0]
+        if self_loops:
+            adjacency = adjacency + torch.eye(adjacency.shape[0])
+        scale = adjacency.sum(1) ** -0.5  # producer: gcn degree scale
+        return x, scale[:, None] * adjacency * scale[None, :], y
+
+    loader = torch.utils.data.DataLoader(graphs, batch_size=1, collate_fn=collate)
+    model = DenseGCN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for x, adjacency, y in loader:
+            loss = F.mse_loss(model(x, adjacency), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
+
+
+# ---------------------------------------------------------------- a GAN's discriminator step in a Lightning-like module
+class LitGAN(nn.Module):
+    """A LightningModule's shape with two optimizers: the losses live in ``discriminator_step`` and
+    ``generator_step``; the slip writes the minimax discriminator loss with ``log(1 - D(G(z)))`` of probabilities."""
+
+    def __init__(self, stable: bool) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.discriminator, self.stable = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), stable
+
+    def discriminator_step(self, real: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        real_logit, fake_logit = self.discriminator(real), self.discriminator(self.generator(noise).detach())
+        if self.stable:
+            return (F.binary_cross_entropy_with_logits(real_logit, torch.ones_like(real_logit))
+                    + F.binary_cross_entropy_with_logits(fake_logit, torch.zeros_like(fake_logit)))
+        d_real, d_fake = torch.sigmoid(real_logit), torch.sigmoid(fake_logit)
+        return -(torch.log(d_real) + torch.log(1 - d_fake)).mean()  # producer: gan discriminator log
+
+    def generator_step(self, noise: torch.Tensor) -> torch.Tensor:
+        logit = self.discriminator(self.generator(noise))
+        return F.binary_cross_entropy_with_logits(logit, torch.ones_like(logit))
+
+
+def _lit_gan(stable: bool) -> Scenario:
+    """Step 1's noise holds a spike of 1000: the generator's sample is far off and the discriminator's logit for it
+    is past 17, its sigmoid rounds to 1 and ``log(1 - 1)`` is -inf, in the discriminator's step. The twin takes
+    ``binary_cross_entropy_with_logits``."""
+    torch.manual_seed(0)
+    gan = LitGAN(stable)
+    opt_d = torch.optim.SGD(gan.discriminator.parameters(), lr=1e-4)
+    opt_g = torch.optim.SGD(gan.generator.parameters(), lr=1e-4)
+    reals, noises = _batches(4, 4), _batches(4, 3)
+    noises[1][2] = torch.tensor([-1000.0, 1000.0, -1000.0])
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            d_loss = gan.discriminator_step(reals[step], noises[step])
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = gan.generator_step(noises[step])
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            losses += [d_loss.detach(), g_loss.detach()]
+        return losses
+    return Scenario((gan, opt_d, opt_g), run)
+
+
 DATA_GAP = ("phase forward, not data (module, step, op, line and cause right): ops=True's live op tracer keeps no "
             "record of what the loop's op read (localize/op_origins.OpOrigins.add_op_origin, as hunt_s27d's returns "
             "row)")
@@ -636,4 +740,11 @@ CASES = [
          Expect("forward", "layers.0", "PNALayer", step=2, op="aten.div.Tensor", marker="pna attenuation",
                 cause="division-by-zero")),
     Case("hunt_s28b_pna_degree_clamped_healthy", lambda: _pna(True), None),
+    Case("hunt_s28b_gcn_collate_normalised_adjacency_of_an_isolated_node", lambda: _gcn_collate(False),
+         Expect("data", "", "DenseGCN", step=2, op="aten.pow.Tensor_Scalar", marker="gcn degree scale",
+                cause="pow-domain")),
+    Case("hunt_s28b_gcn_collate_self_loops_healthy", lambda: _gcn_collate(True), None),
+    Case("hunt_s28b_gan_discriminator_step_log_of_1_minus_a_certain_fake", lambda: _lit_gan(False),
+         Expect("forward", None, step=1, op="aten.log.default", marker="gan discriminator log", cause="log-domain")),
+    Case("hunt_s28b_gan_discriminator_step_bce_with_logits_healthy", lambda: _lit_gan(True), None),
 ]
