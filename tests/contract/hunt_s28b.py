@@ -684,6 +684,57 @@ def _lit_gan(stable: bool) -> Scenario:
     return Scenario((gan, opt_d, opt_g), run)
 
 
+# ---------------------------------------------------------------- a masked policy's logits read by a second model
+class LegalMovePolicy(nn.Module):
+    """An AlphaZero-style policy head: illegal moves masked with ``-inf`` (a deliberate infinity, benign)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    def forward(self, board: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        return self.net(board).masked_fill(~legal, -math.inf)
+
+
+class SearchPrior(nn.Module):
+    """A second watched model that turns the policy's logits into the search's prior and scores it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Linear(5, 1)
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        prior = torch.softmax(logits, -1)  # producer: search prior
+        return self.value(prior)
+
+
+def _search_prior(guarded: bool) -> Scenario:
+    """Step 2's batch holds a terminal position: no move is legal, its row of logits is all ``-inf`` and the second
+    model's softmax over it is NaN. The policy's -inf is benign at its own output; the search prior that reads it is
+    the producer. The twin leaves a pass move always legal, as Go engines do."""
+    torch.manual_seed(0)
+    policy, search = LegalMovePolicy(), SearchPrior()
+    opt = torch.optim.SGD([*policy.parameters(), *search.parameters()], lr=0.01)
+    boards, targets = _batches(4, 6), _batches(4, 1)
+    legal = [torch.rand(4, 5) > 0.3 for _ in range(4)]
+    for mask in legal:
+        mask[:, 4] = True
+    legal[2][1] = False
+    if guarded:
+        legal[2][1, 4] = True
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = F.mse_loss(search(policy(boards[step], legal[step])), targets[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((policy, search, opt), run)
+
+
 DATA_GAP = ("phase forward, not data (module, step, op, line and cause right): ops=True's live op tracer keeps no "
             "record of what the loop's op read (localize/op_origins.OpOrigins.add_op_origin, as hunt_s27d's returns "
             "row)")
@@ -747,4 +798,8 @@ CASES = [
     Case("hunt_s28b_gan_discriminator_step_log_of_1_minus_a_certain_fake", lambda: _lit_gan(False),
          Expect("forward", None, step=1, op="aten.log.default", marker="gan discriminator log", cause="log-domain")),
     Case("hunt_s28b_gan_discriminator_step_bce_with_logits_healthy", lambda: _lit_gan(True), None),
+    Case("hunt_s28b_masked_policy_logits_read_by_a_second_model_terminal_position", lambda: _search_prior(False),
+         Expect("forward", "", "SearchPrior", step=2, op="aten._softmax.default", marker="search prior",
+                cause="masked-softmax")),
+    Case("hunt_s28b_masked_policy_logits_pass_move_always_legal_healthy", lambda: _search_prior(True), None),
 ]
