@@ -128,6 +128,10 @@ class Events:
         position = None
         if replayed is not None:
             report, (finding.frame, position) = stamp(replayed[0]), replayed[1]
+            if report.benign and finding.record is not None:
+                # The replay found a deliberate infinity (a -inf fill): so says the step's record, which the loss
+                # code's replay reads (RegionRecords.benign_input), not the producer the first build marked it.
+                finding.record.status = "benign"
         if not report.benign and self.held.finding is not None:
             # A value of the step went non-finite (its replay found no deliberate infinity) after a non-finite batch
             # entered: the batch is the event, as it was where it entered (held_batch.py); warn/log: this follows.

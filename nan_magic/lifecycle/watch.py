@@ -342,6 +342,8 @@ class Watch(WatchEvents):
         if self.outside is not None:  # a root's own forward hook ran after the post-hook began the loss region
             self.outside.root_hook = lambda code, frame: root_hook_module(
                 code, frame, (module for _label, module in self.targets.roots), self.origins.named)
+            self.outside.benign_input = lambda tensor: (
+                (record := self.log.lookup(tensor)) is not None and record.status == "benign")
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None

@@ -111,6 +111,11 @@ class ProducerRule(CallInputs):
             if self.is_benign_input(call, str(record.path), record.argument, tensor, record):
                 self._note_mask(call, record, tensor)
                 return
+            if record.inner is not None and record.inner.status == "benign":
+                # Another watched model's output, its infinities judged deliberate there (a policy's -inf fill)
+                # and passed on: benign while this model keeps them so (its softmax over a fully masked row is not).
+                record.status = "benign"
+                return
             finding = Finding(Phase.DATA, call, record_ref(record, TensorRole.INPUT), bad=_detached(tensor),
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:

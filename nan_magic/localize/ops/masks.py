@@ -89,12 +89,22 @@ class DeliberateMasks:
         # id(tensor) -> (weak tensor, its version, verdict); a tensor's id may be reused after it dies.
         self._verdicts: dict[int, tuple[weakref.ref[torch.Tensor], int, bool]] = {}
         self._reported: set[tuple[str | None, str]] = set()
+        # Tensors given as deliberate (:meth:`give`), by id: a replay's copies of what the watch judged so.
+        self._given: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Take ``tensor`` as a deliberate infinity whatever its values: a step replay's copy of an argument the watch
+        judged deliberate where it was made (another watched model's output masked with -inf, replay/tiered)."""
+        self._given[id(tensor)] = weakref.ref(tensor)
 
     def is_mask(self, tensor: torch.Tensor, name: str | None, first: bool = False) -> bool:
         """The rule of the module docstring, for a live tensor known to hold a non-finite value.
 
         ``first``: the tensor is the first positional argument (the batch).
         """
+        given = self._given.get(id(tensor))
+        if given is not None and given() is tensor:
+            return True
         named = names_a_mask(name)
         if first and not named:
             return False

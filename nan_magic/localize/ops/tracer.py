@@ -70,7 +70,7 @@ from typing_extensions import Self
 
 from nan_magic.localize.ops.kinds import KnownKinds, probe_priors
 from nan_magic.localize.ops.origin_rules import OriginRules
-from nan_magic.localize.ops.origins import OpFinding, Origin, Origins
+from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins
 from nan_magic.localize.ops.plans import (
     Plan,
     flatten,
@@ -233,6 +233,12 @@ class OpTracer(OriginRules, TorchDispatchMode):
             # (With the writes' lifts: %debug opens at the line that wrote the number into the batch.)
             self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)]
                                      + [found for _address, found in written])
+
+    def note_benign(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Take ``tensors`` (a replay's copies of what its code read from outside) as holding deliberate infinities
+        the watch already judged benign: a model output masked with -inf, which the live tracer saw made."""
+        for tensor in tensors:
+            self._origins.note(tensor, BENIGN)
 
     def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
         """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""

@@ -22,7 +22,8 @@ from nan_magic.localize.ops.plans import arguments, plan_of
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "copies_from_outside", "finite_now", "last_write",
+__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "benign_copies", "copies_from_outside", "finite_now",
+           "last_write",
            "made_from_outside_data", "maker", "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op",
            "swapped", "weak_record"]
 
@@ -141,6 +142,22 @@ def copies_from_outside(
                         requiring.append(copy.requires_grad_())
             made.update(key for key in map(record_key, tree_leaves(op.out)) if key is not None)
     return copies, requiring
+
+
+def benign_copies(ops: list[RecordedOp], copies: dict[int, torch.Tensor],
+                  benign: Callable[[torch.Tensor], bool] | None) -> list[torch.Tensor]:
+    """The copies (:func:`copies_from_outside`, before any op ran again) of what ``ops`` read from outside that
+    ``benign`` says the watch judged a deliberate infinity (a model's output masked with -inf, a benign event)."""
+    found: dict[int, torch.Tensor] = {}
+    if benign is None:
+        return []
+    for op in ops:
+        for value in tree_leaves((op.args, op.kwargs)):
+            key = record_key(value)
+            original = value.ref() if isinstance(value, WeakRecord) else value
+            if key in copies and key not in found and isinstance(original, torch.Tensor) and benign(original):
+                found[key] = copies[key]
+    return list(found.values())
 
 
 def swapped(swap: Any, value: Any) -> Any:

@@ -29,6 +29,7 @@ from nan_magic.localize.outside.recorded_ops import (
     Gone,
     RecordedOp,
     WeakRecord,
+    benign_copies,
     copies_from_outside,
     finite_now,
     last_write,
@@ -108,6 +109,7 @@ class RegionRecords:
         #: (owners.root_hook_module, bound to the watch's roots): torch runs that hook after the watch's post-hook
         #: started the loss region, and the root's call ran its ops. None: no watch names roots.
         self.root_hook: Callable[[CodeType, FrameType | None], str | None] | None = None
+        self.benign_input: Callable[[torch.Tensor], bool] | None = None  # a read tensor a benign event judged
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -283,6 +285,7 @@ class RegionRecords:
         lifted: dict[int, int] = {}  # the index of the op that lifted each non-finite number, by its finding's id
         try:
             copies, _requiring = copies_from_outside(ops, before)
+            tracer.note_benign(benign_copies(ops, copies, self.benign_input))  # (a -inf fill the model made)
             with torch.no_grad(), generators_at(rng), tracer:
                 for ran, op in enumerate(ops):
                     first = len(tracer.started)

@@ -243,7 +243,11 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         # run by the user's line that called the model, not by the line the replay runs from (opt.step()).
         stack.enter_context(ReplayedFrom(root.site, sys._getframe(), root.caller))
         with inner:
+            deliberate = _deliberate_arguments(root, copies)
+            for copy in deliberate:
+                inner.forward.rule.deliberate.give(copy)
             if inner.origins.tracer is not None:
+                inner.origins.tracer.note_benign(deliberate)
                 inner.origins.tracer.before_write = guard.before_write
                 # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
                 # its forward ops belong to that graph task, and are the replay's forward, with their lines.
@@ -304,6 +308,21 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                                       message=str(outcome.failure))
     return outcome
 
+
+
+def _deliberate_arguments(root: RootCall, copies: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """The replay's copies of the call's arguments whose infinities the watch judged deliberate where they were made:
+    another watched model's output masked with -inf (its record, or the one the argument's record follows, benign).
+    The replay sees them enter from outside; it must not call them bad data (a consumer that makes a NaN of them,
+    a softmax over a fully masked row, is the producer)."""
+    found: list[torch.Tensor] = []
+    for _path, _argument, record, ref, _version in root.call.inputs if root.call is not None else ():
+        tensor = ref()
+        made = record.inner if record is not None else None
+        if tensor is not None and id(tensor) in copies and record is not None and (
+                record.status == "benign" or (made is not None and made.status == "benign")):
+            found.append(copies[id(tensor)])
+    return found
 
 
 def _unkept(root: RootCall) -> list[tuple[torch.Tensor, int]]:
