@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "is_checkable_op_value",
-           "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched", "read_probe",
-           "read_scalars", "readable", "relevant_kinds", "transformed_call", "unread_parts", "unreadable_reason",
-           "values_to_read", "version_of"]
+__all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
+           "is_checkable_op_value", "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched",
+           "read_probe", "read_scalars", "readable", "relevant_kinds", "transformed_call", "unread_parts",
+           "unreadable_reason", "values_to_read", "version_of"]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)

@@ -69,11 +69,6 @@ class ForwardChecks:
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if not self.watch.here.mine or (self.stack and not self.watch.cycle.full_step):
             return  # inside a top-level call of a tiered step, only its boundaries are checked
-        if not self.stack and torch._C._get_tracing_state() is not None:
-            # ``torch.jit.trace(model, x)``: what the hooks read would be recorded into the user's graph, and its
-            # check (the call traced again) fails on the difference. A traced call is an export, not a step: none
-            # of its calls is recorded (the stack stays empty, so each submodule's call returns here too).
-            return
         task = torch._C._current_graph_task_id()
         recomputing = task != self.watch.graph_task  # (Recomputing, below)
         if recomputing and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
