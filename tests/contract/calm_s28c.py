@@ -5,8 +5,8 @@ A custom in-place ``autograd.Function`` (``mark_dirty``) applied to the model's 
 backward hook that returns a new ``grad_input``, a user's hook on the output that clips its gradient, an
 optimizer made anew at every step (a meta-learning inner loop's), federated averaging (client models
 deep-copied from the watched one each round, their weights averaged back in place), infinities made and cleaned
-outside the model (a log of zero counts, a masked ``0 * log 0``), and MAML's functional inner loop. Compared with an unwatched
-run as calm_s27's rows are.
+outside the model (a log of zero counts, a masked ``0 * log 0``), and MAML's functional inner loop. Compared with an
+unwatched run as calm_s27's rows are.
 """
 
 from __future__ import annotations
