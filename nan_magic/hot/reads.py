@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable", "is_checkable_op_value",
-           "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched", "read_probe",
-           "read_scalars", "readable", "relevant_kinds", "transformed_call", "unread_parts", "unreadable_reason",
-           "values_to_read", "version_of"]
+__all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
+           "is_checkable_op_value", "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched",
+           "read_probe", "read_scalars", "readable", "relevant_kinds", "transformed_call", "unread_parts",
+           "unreadable_reason", "values_to_read", "version_of"]
 
 #: torch's own tensor types: the only ones read without looking closer.
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -120,6 +120,22 @@ _NO_NONFINITE = frozenset(dtype for dtype in (getattr(torch, "float4_e2m1fn_x2",
 
 #: Whether a tensor is a functorch transform's wrapper (vmap's batched, grad's tracking one).
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+class _BatchedGrads:
+    """How many ``autograd.grad(..., is_grads_batched=True)`` calls are running now (patches/backward.py counts).
+
+    Such a call runs its backward under torch's legacy vmap: every gradient a hook receives is a legacy batched
+    tensor, which neither test above tells from a plain one and which no reduction can read to the host there
+    ("Batching rule not implemented for aten::detach"). A Jacobian's rows, not a training step's gradients: the
+    hooks step aside while the count is not 0. Not thread-local: a CUDA backward runs its hooks on autograd's
+    device thread, not the caller's. An attribute, read with no call (the gradient hooks ask it every step).
+    """
+
+    running = 0
+
+
+BATCHED_GRADS = _BatchedGrads()
 
 
 def _transformed(value: torch.Tensor) -> bool:

@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.patches.dispatch_modes import seeing_modes_entered
+from nan_magic.patches.scripting import aside_while_tracing
 
 __all__ = ["beside_users_modes", "keep_apart_from_users_modes", "users_modes_active"]
 
@@ -125,7 +126,9 @@ def keep_apart_from_users_modes(watch: Any, stack: ExitStack) -> None:
     """The user's modes do not see the watch's ops until ``stack`` closes: those around it (:func:`beside_users_modes`)
     and those entered inside it (:class:`_Gates`). Not in ops mode (its op tracer is pushed by one callback and
     popped by another). In every mode, the watch steps aside while ``make_fx`` traces (:class:`_Traced`)."""
-    stack.enter_context(seeing_modes_entered(_Traced(watch).entered))
+    traced = _Traced(watch)
+    stack.enter_context(seeing_modes_entered(traced.entered))
+    stack.enter_context(aside_while_tracing((traced.step_aside, traced.step_back)))
     if watch.config.ops:
         return
     if users_modes_active():
@@ -177,7 +180,9 @@ class _Traced:
     """Tracing inside the watch (``torch.func.linearize``, ``make_fx``, ``aot_function``, a ``FakeTensorMode`` for
     shapes): while its ``ProxyTorchDispatchMode`` or ``FakeTensorMode`` is entered, the watch's hooks ignore the
     calls (``here.mine`` off, as in a replay) and the loop-code recorders step aside (as around ``zero_grad()``);
-    the op tracer passes make_fx's ops on unread (localize/ops/tracer.py).
+    the op tracer passes make_fx's ops on unread (localize/ops/tracer.py). ``torch.jit.trace`` (and
+    ``trace_module``, ``_get_trace_graph``) the same for its call: :meth:`step_aside` and :meth:`step_back` around
+    it (patches/scripting.py), as a ``Recorder`` does.
 
     The model calls it traces are no training step, and their values cannot be read: a probe's ``float()`` raised
     "trying to get value out of a tracing tensor" in the user's code, each probe would have been a node of the
@@ -188,10 +193,27 @@ class _Traced:
 
     def __init__(self, watch: Any) -> None:
         self._watch = watch
+        self._backs: list[Callable[[], None]] = []  # (step_aside's, innermost last: traces nest)
 
     def entered(self, mode: TorchDispatchMode) -> Callable[[], None] | None:
+        if getattr(mode, "_mode_key", None) not in _TRACING:
+            return None
+        return self._aside()
+
+    def step_aside(self) -> bool:
+        """A ``torch.jit.trace`` begins: the watch steps aside for its call (whether it did: not in a replay)."""
+        back = self._aside()
+        if back is None:
+            return False
+        self._backs.append(back)
+        return True
+
+    def step_back(self) -> None:
+        self._backs.pop()()
+
+    def _aside(self) -> Callable[[], None] | None:
         here = self._watch.here
-        if getattr(mode, "_mode_key", None) not in _TRACING or not here.mine:
+        if not here.mine:
             return None
         here.mine = False
         update_code = self._watch.cycle.update_code

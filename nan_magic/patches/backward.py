@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nan_magic.hot.reads import BATCHED_GRADS
 from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
 __all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
@@ -167,6 +168,8 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
                   is None and not _running.active)
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
         if not tensors:
+            if kwargs.get("is_grads_batched", len(args) > 7 and args[7]):
+                return _batched(original, *args, **kwargs)
             if _marking and kwargs.get("create_graph", len(args) > 4 and args[4]):
                 # A double backward in the loop's code (MAML's inner step): the recorder records its gradient
                 # formulas' ops as the loop's; it notes the line that ran them (marked_graph_grads).
@@ -182,6 +185,17 @@ def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         return _seen(tensors, None, _retained(args, kwargs, 3), True, original, *args, **kwargs)
 
     return grad
+
+
+def _batched(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """An ``autograd.grad(..., is_grads_batched=True)`` (a Jacobian's rows at once): its backward runs under torch's
+    legacy vmap, whose batched gradients the gradient hooks cannot read; they step aside for it (BATCHED_GRADS)."""
+    __tracebackhide__ = True
+    BATCHED_GRADS.running += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        BATCHED_GRADS.running -= 1
 
 
 _PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", _wrap), (torch.autograd, "backward", _wrap_function),

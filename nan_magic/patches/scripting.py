@@ -12,7 +12,10 @@ ours and runs unwatched by that hook; the eager model keeps it and stays watched
 boundary reads ask them questions (``0 in value.shape``): each asks TracerWarning's "converting a tensor to a
 Python boolean", about 30 lines of warnings a trace, all pointing into nan_magic, none about the user's graph (the
 reads add nothing to it). For those calls (and ``torch.jit._get_trace_graph``, the TorchScript ONNX exporter's)
-TracerWarnings raised from nan_magic's own modules are ignored; the user's stay. (``warnings.catch_warnings``
+TracerWarnings raised from nan_magic's own modules are ignored; the user's stay. And the watch steps aside for the
+call (:func:`aside_while_tracing`): a traced call is an export, no training step, and what the hooks read went into
+the graph of the first trace only, so torch's check of it (the call traced again) failed with "Graphs differed
+across invocations" in the user's ``torch.jit.trace(model, x)``. (``warnings.catch_warnings``
 swaps the process's filter list for the call, as any library's use of it does: a filter another thread adds
 during the trace does not outlive it.)
 """
@@ -28,9 +31,12 @@ import torch
 from torch import nn
 
 from nan_magic.hot.watched.module_hooks import is_watch_hook
-from nan_magic.patches.registry import ProcessPatch
+from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
-__all__ = ["quiet_tracing", "unhooked_scripting"]
+__all__ = ["aside_while_tracing", "quiet_tracing", "unhooked_scripting"]
+
+#: The watches that step aside while a trace runs (aside_while_tracing).
+_tracing: list[Recorder] = []
 
 def _take_off(module: nn.Module) -> list[tuple[dict[int, Any], dict[int, Any], dict[int, Any]]]:
     """Our hooks off ``module`` and its submodules: (each hook dict, as it was, as it is left)."""
@@ -85,7 +91,7 @@ def _wrap_trace(original: Callable[..., Any]) -> Callable[..., Any]:
         with warnings.catch_warnings():
             # (``module`` is matched against the module the warning is attributed to: ours, not the user's.)
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"nan_magic\.")
-            return original(*args, **kwargs)
+            return call_aside(_tracing, original, *args, **kwargs)
 
     return trace
 
@@ -100,4 +106,12 @@ def quiet_tracing() -> Iterator[None]:
     """Inside the block, ``torch.jit.trace`` and ``trace_module`` leave out the TracerWarnings the watch's own
     reads raise (the module docstring)."""
     with _TRACE.held(), _TRACE_MODULE.held(), _TRACE_GRAPH.held():
+        yield
+
+
+@contextmanager
+def aside_while_tracing(recorder: Recorder) -> Iterator[None]:
+    """Inside the block, ``recorder`` steps aside for each ``torch.jit.trace``, ``trace_module`` and
+    ``_get_trace_graph`` call and back after it (the module docstring)."""
+    with _TRACE.held((_tracing, recorder)), _TRACE_MODULE.held(), _TRACE_GRAPH.held():
         yield

@@ -37,7 +37,7 @@ from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.kept.finding import Finding, record_ref
-from nan_magic.hot.reads import is_checkable, norms, read_scalars, relevant_kinds
+from nan_magic.hot.reads import BATCHED_GRADS, is_checkable, norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.records import LOSS, Note, Phase, SourcePointer, TensorRef, TensorRole
 
@@ -306,7 +306,7 @@ class GradientChecks:
     def _on_output_grad(self, record: TensorRecord, grad: torch.Tensor) -> None:
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         watch = self.watch
-        if not watch.listening() or grad is None or not is_checkable(grad):
+        if not watch.listening() or grad is None or BATCHED_GRADS.running or not is_checkable(grad):
             return
         # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module
         # step a model's output is its last layer's, and the model's own record is the outermost.
