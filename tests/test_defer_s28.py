@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 from contract import Case, all_cases
+from contract.defer22 import _net, _zero_row
 
 import nan_magic
 from nan_magic import NonFiniteError
@@ -60,3 +61,33 @@ def test_a_traced_producer_in_a_returned_forward_opens_at_the_loops_model_call_d
     ``opt.step()``."""
     case = _ROWS["hunt14_max_pool_over_a_fully_padded_sequence"]
     assert _where(case, ops=True, defer=True)[0] == _where(case)[0] == _where(case, defer=True)[0]
+
+
+def _epochs(**options: object) -> tuple[object, ...]:
+    """A watch entered again each epoch (``for epoch: with watch(...)``, as a Lightning-style loop's hooks do); the
+    NaN in epoch 1's second step: each epoch's watch counts its own steps, and the deferred watch, whose check is left
+    pending at each epoch's exit, names what the immediate one names."""
+    torch.manual_seed(0)
+    model = _net(0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = [torch.randn(5, 4) for _ in range(6)], [torch.randn(5, 2) for _ in range(6)]
+    xs[3] = _zero_row(xs[3], 1)
+    with pytest.raises(NonFiniteError) as caught:
+        for epoch in range(3):
+            with nan_magic.watch(model, opt, **options):
+                for step in range(2):
+                    loss = ((model(xs[2 * epoch + step]) - ys[2 * epoch + step]) ** 2).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+    report = caught.value.report
+    frame = report.debug_frame
+    return (report.phase, report.module, report.step, report.op, report.source and report.source.lineno,
+            frame and frame.lineno, [(fix.kind, fix.finite) for fix in report.fixes])
+
+
+def test_a_watch_entered_again_each_epoch_deferred_names_what_the_immediate_one_does() -> None:
+    now = _epochs()
+    assert now[:4] == ("forward", "0", 1, "aten.div.Tensor")
+    assert _epochs(defer=True) == now
+    assert _epochs(ops=True, defer=True)[:5] == _epochs(ops=True)[:5] == now[:5]
