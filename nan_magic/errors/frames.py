@@ -147,11 +147,9 @@ def running_frame_at(source: SourcePointer) -> tuple[FrameType, tuple[int, int]]
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if (code.co_filename == source.filename and function_name(code.co_name) == source.function
-                and not is_library_code(code)):
-            starts = [start for start, _end, line in code.co_lines() if line == source.lineno]
-            if starts and frame.f_lineno >= source.lineno:
-                return frame, (min(starts), source.lineno)
+        if (start := line_start(code, source)) is not None and not is_library_code(code) and (
+                frame.f_lineno >= source.lineno):
+            return frame, (start, source.lineno)
         frame = frame.f_back
     return None
 
@@ -172,6 +170,13 @@ def frames_running(frame: FrameType | None) -> Iterator[FrameType]:
         unwound.append(tb.tb_frame)
         tb = tb.tb_next
     yield from reversed(unwound)
+
+
+def line_start(code: CodeType, source: SourcePointer | None) -> int | None:
+    """The first instruction of ``source``'s line in ``code``; None where ``source`` is no line of that code."""
+    if source is None or code.co_filename != source.filename or function_name(code.co_name) != source.function:
+        return None
+    return min((start for start, _end, line in code.co_lines() if line == source.lineno), default=None)
 
 
 def running_frame_of(code: CodeType, lasti: int, lineno: int) -> tuple[FrameType, tuple[int, int]] | None:

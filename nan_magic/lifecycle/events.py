@@ -28,6 +28,7 @@ from nan_magic.errors.exceptions import NanMagicWarning, NonFiniteError, PeerNon
 from nan_magic.errors.frames import (
     end_at_producer,
     frames_of,
+    line_start,
     running_frame_at,
     running_frame_of,
     user_frames_of,
@@ -165,7 +166,13 @@ class Events:
                 # A gradient judged at the deferred check, no replay naming a frame: %debug opens where the loop
                 # called backward, as where it is judged at once, not at ``opt.step()`` (nor, accumulating, at the
                 # next micro-batch's model call) where the check ran.
-                finding.frame, finding.frame_position = running_frame_of(*finding.backward_caller) or (None, None)
+                found = running_frame_of(*finding.backward_caller)
+                if found is not None and (start := line_start(found[0].f_code, report.source)) is not None:
+                    # The loss code's line that made it (``distance = squared.sqrt()``) in the frame that called
+                    # backward, where the loop may since have gone back to the next micro-batch (running_frame_at
+                    # then finds it short of that line): %debug opens at that line, as where it is judged at once.
+                    found = found[0], (start, report.source.lineno)
+                finding.frame, finding.frame_position = found or (None, None)
             if (caller := finding.model_caller) is not None and (finding.frame is None or (
                     id(finding.frame) == caller[1] and (report.source is None or report.source.lineno == caller[3]))):
                 # A model call's output or batch judged at the deferred check: %debug opens at the loop's line that

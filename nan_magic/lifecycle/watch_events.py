@@ -95,6 +95,11 @@ class WatchEvents:
             replayed = replays.localize(finding, seen)
             if after_loss and finding.phase in (Phase.FORWARD, Phase.DATA):
                 finding.model_caller = _model_caller(replays, finding)  # (%debug's frame: lifecycle/events.py)
+        elif replayed is None and after_loss and finding.phase in (Phase.FORWARD, Phase.DATA) and (
+                kept_calls := self.localizing.kept) is not None:
+            # ops=True, deferred: the tracer named the op, no step replay ran; the calls kept for the fix trials
+            # still say where the loop called the model, where %debug opens as where the call's return is judged.
+            finding.model_caller = _model_caller(kept_calls, finding)
         if after_loss and finding.phase == Phase.DATA and finding.module is None and finding.backward_caller is None:
             # Data the loss code read, judged with the loss at the check: %debug opens where the loop called backward
             # (as where the loss is judged as backward starts), where that frame still runs (lifecycle/events.py).
@@ -203,6 +208,11 @@ def _model_caller(replays: StepReplays, finding: Finding) -> Caller | None:
     roots = [root for root in replays.calls if root.call is call or (
         call.phase == Phase.DATA and root.call is not None and root.call.module is call.module)]
     root = min(roots, key=lambda root: abs(root.call.index - call.index) if root.call is not None else 0, default=None)
+    if root is None:
+        # A submodule's call (ops=True: no step replay named its top-level call): the top-level call it ran in, the
+        # last one begun before it.
+        root = max((root for root in replays.calls if root.call is not None and root.call.index <= call.index),
+                   key=lambda root: root.call.index if root.call is not None else 0, default=None)
     return root.caller if root is not None else None
 
 
