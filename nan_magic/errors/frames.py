@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Iterator
 from types import CodeType, FrameType, TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -458,8 +458,8 @@ def as_typed(line: str) -> str:
             and call.func.value.func.id == "get_ipython" and len(call.args) >= 2
             and all(isinstance(arg, ast.Constant) and isinstance(arg.value, str) for arg in call.args[:2])):
         return line
-    name, argument = call.args[0].value, call.args[1].value
+    name, argument = (cast(str, cast(ast.Constant, arg).value) for arg in call.args[:2])  # (strings: tested above)
     typed = f"{_MAGIC_CALLS[call.func.attr]}{name} {argument}".rstrip()
     if isinstance(statement, ast.Assign):
-        typed = line[:call.col_offset] + typed
+        typed = line.encode()[:call.col_offset].decode() + typed  # (ast's offsets count UTF-8 bytes)
     return typed

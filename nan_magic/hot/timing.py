@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -220,7 +221,7 @@ class Deferred(Timing):
                 else:
                     continue  # every output read finite: the judges would return at once
                 if call.phase == Phase.BACKWARD:
-                    if not dropped_by_a_pass_through(call, finished[index + 1:]):
+                    if not dropped_by_a_pass_through(call, islice(finished, index + 1, None)):
                         cycle.gradients.judge(call)
                 elif call.info is None:
                     cycle.gradients.judge_loss(call)

@@ -167,7 +167,8 @@ class Events:
                 # called backward, as where it is judged at once, not at ``opt.step()`` (nor, accumulating, at the
                 # next micro-batch's model call) where the check ran.
                 found = running_frame_of(*finding.backward_caller)
-                if found is not None and (start := line_start(found[0].f_code, report.source)) is not None:
+                if found is not None and report.source is not None and (
+                        start := line_start(found[0].f_code, report.source)) is not None:
                     # The loss code's line that made it (``distance = squared.sqrt()``) in the frame that called
                     # backward, where the loop may since have gone back to the next micro-batch (running_frame_at
                     # then finds it short of that line): %debug opens at that line, as where it is judged at once.

@@ -87,8 +87,9 @@ class WatchEvents:
         writer found on the kept calls); its fixes' trials."""
         replays, replayed = self.localizing.replays, None
         after_loss = self.timing.judging == "check"  # (read before a replay's model calls run: timing.py)
-        if replays is not None:
-            replays.replayed = None
+        for keeper in (replays, self.localizing.kept):  # (which top-level call this event's replay ran, or None)
+            if keeper is not None:
+                keeper.replayed = None
         if finding.phase == Phase.DATA and finding.op is None:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:

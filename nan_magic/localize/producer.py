@@ -80,6 +80,10 @@ class ProducerRule(CallInputs):
         # watch's mode holds the patch that tells it (modes.py).
         self.swapped = origins.swapped = SwappedTensors(log)
 
+    def take_as_deliberate(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s infinities are a deliberate mask where they enter (replay/tiered/root_calls.rerun)."""
+        self.deliberate.give(tensor)
+
     def judge(
         self,
         call: Call,
@@ -111,9 +115,10 @@ class ProducerRule(CallInputs):
             if self.is_benign_input(call, str(record.path), record.argument, tensor, record):
                 self._note_mask(call, record, tensor)
                 return
-            if record.inner is not None and record.inner.status == "benign":
+            if record.inner is not None and record.inner.status == "benign" and record.kinds <= record.inner.kinds:
                 # Another watched model's output, its infinities judged deliberate there (a policy's -inf fill)
                 # and passed on: benign while this model keeps them so (its softmax over a fully masked row is not).
+                # Only the kinds judged there: the loop's in-place shift of it (-inf - -inf) made a NaN since.
                 record.status = "benign"
                 return
             finding = Finding(Phase.DATA, call, record_ref(record, TensorRole.INPUT), bad=_detached(tensor),

@@ -160,6 +160,10 @@ class ProducerJudge(Protocol):
         replay: tuple[Frame, tuple[Any, ...], dict[str, Any]] | None = None,
     ) -> None: ...
 
+    def take_as_deliberate(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s infinities are a deliberate mask where they enter (a step replay's copy of another watched
+        model's masked output)."""
+
 
 #: A tensor the loss code read: its reference, the tensor, the line that read it (localize/outside/entering.py).
 Entered = tuple[TensorRef, torch.Tensor, SourcePointer | None]

@@ -29,7 +29,7 @@ are harmless here because only finite inputs pass.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -130,7 +130,7 @@ def output_bound(kind: Transparency, module: nn.Module, low: float, high: float)
 _CONSTANTS = ("alpha", "min_val", "max_val")
 
 
-def dropped_by_a_pass_through(call: Any, later: Sequence[Any]) -> bool:
+def dropped_by_a_pass_through(call: Any, later: Iterable[Any]) -> bool:
     """Whether the deferred check's non-finite gradient ``call`` is one the immediate mode never judges.
 
     The deferred mode cannot know a pass-through's input finite at the call (its probe is read at the check), so it
@@ -153,7 +153,13 @@ def dropped_by_a_pass_through(call: Any, later: Sequence[Any]) -> bool:
     if (entering is None or entering.kinds or not entering.ranged or version != entering.version
             or not (kind == "any" or entering.dtype in WIDE_FLOATS)):
         return False
+    # The gradient hook sits on the innermost record of a tensor (GradientChecks.hook_output): where the input came
+    # out of a nested module (Sequential(Sequential(Linear)), ReLU), its judged gradient is an inner record's.
+    records = []
+    while entering is not None:
+        records.append(entering)
+        entering = entering.inner
     for other in later:
-        if getattr(other, "target", None) is entering:
+        if any(getattr(other, "target", None) is record for record in records):
             return not other.outputs[0].kinds
     return False

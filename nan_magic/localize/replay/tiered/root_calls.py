@@ -245,7 +245,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         with inner:
             deliberate = _deliberate_arguments(root, copies)
             for copy in deliberate:
-                inner.forward.rule.deliberate.give(copy)
+                inner.forward.rule.take_as_deliberate(copy)
             if inner.origins.tracer is not None:
                 inner.origins.tracer.note_benign(deliberate)
                 inner.origins.tracer.before_write = guard.before_write
@@ -320,7 +320,8 @@ def _deliberate_arguments(root: RootCall, copies: dict[int, torch.Tensor]) -> li
         tensor = ref()
         made = record.inner if record is not None else None
         if tensor is not None and id(tensor) in copies and record is not None and (
-                record.status == "benign" or (made is not None and made.status == "benign")):
+                record.status == "benign" or (made is not None and made.status == "benign"
+                                              and record.kinds <= made.kinds)):  # (no NaN made of it since)
             found.append(copies[id(tensor)])
     return found
 

@@ -28,6 +28,7 @@ from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import Note, Phase, TensorRef, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nan_magic.hot.checks.forward import ForwardChecks
     from nan_magic.hot.checks.optim import OptimizerChecks
     from nan_magic.hot.kept.step_log import StepLog
     from nan_magic.hot.watched.targets import Targets
@@ -61,6 +62,9 @@ class ReplayWatch(Protocol):
 
     @property
     def optimizers(self) -> OptimizerChecks: ...
+
+    @property
+    def forward(self) -> ForwardChecks: ...
 
     @property
     def report(self) -> Report | None: ...
