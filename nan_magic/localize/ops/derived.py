@@ -33,7 +33,6 @@ __all__ = ["ModelDerived"]
 _FIRST_SWEEP = 256
 
 _Parameter = torch.nn.Parameter
-_graph_task = torch._C._current_graph_task_id
 
 
 class ModelDerived:
@@ -72,7 +71,7 @@ class ModelDerived:
 
     def after_op(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """An op ran outside the autograd engine: what it returned or wrote is model-derived if what it read was."""
-        if _graph_task() != -1 or not (self.any_of(args) or (kwargs and self.any_of(kwargs.values()))):
+        if not (self.any_of(args) or (kwargs and self.any_of(kwargs.values()))):
             return
         self._mark(out)
         if plan.writes:

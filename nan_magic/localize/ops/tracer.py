@@ -337,7 +337,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
         out = self._checked(func, plan, args, kwargs, in_backward)
-        if self.derived is not None:
+        if self.derived is not None and not in_backward:  # (a backward's ops are not followed: derived.py)
             self.derived.after_op(plan, args, kwargs, out)
         return out
 
