@@ -70,8 +70,21 @@ class ModelDerived:
         return any(self.holds(value) for value in values)
 
     def after_op(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        """An op ran outside the autograd engine: what it returned or wrote is model-derived if what it read was."""
-        if not (self.any_of(args) or (kwargs and self.any_of(kwargs.values()))):
+        """An op ran outside the autograd engine: what it returned or wrote is model-derived if what it read was.
+
+        Runs for every such op whose output needs no gradient (the tracer's test): a tensor argument is looked at
+        inline, a list through :meth:`holds`, so that an op on plain tensors costs a lookup per tensor."""
+        marked = self._marked
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if value.__class__ is torch.Tensor:  # (the common case, without a call: a subclass goes to holds)
+                if value.requires_grad:
+                    break
+                entry = marked.get(id(value))
+                if entry is not None and entry() is value:
+                    break
+            elif isinstance(value, (torch.Tensor, list, tuple)) and self.holds(value):
+                break
+        else:
             return
         self._mark(out)
         if plan.writes:
