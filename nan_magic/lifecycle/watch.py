@@ -62,6 +62,7 @@ from nan_magic.lifecycle.users_modes import keep_apart_from_users_modes
 from nan_magic.lifecycle.watch_events import WatchEvents
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
+from nan_magic.localize.ops.derived import ModelDerived
 from nan_magic.localize.ops.owners import root_hook_module
 from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
@@ -309,6 +310,12 @@ class Watch(WatchEvents):
                 for handle in self.optimizers.arm(root):
                     stack.callback(handle.remove)
             self.localizing.attach(stack, self.origins, self.forward.current_module_name, self._phase_hint)
+            if self.origins.tracer is not None and self.replay_of is None:
+                # Ops mode's live tracer carries which tensors the model made, to tell the loop's data code
+                # (phase data) from the loss code: a replay's runs a model call or its loss code, never the data code.
+                self.origins.tracer.derived = ModelDerived()
+                cycle = self.cycle
+                self.origins.tracer.data_region = lambda: not cycle.open
         except BaseException:
             stack.close()
             raise

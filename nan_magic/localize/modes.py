@@ -236,6 +236,8 @@ class Traced(Localizing):
 def _forget_known(origins: OpOrigins, tensor: torch.Tensor) -> None:
     if origins.tracer is not None:
         origins.tracer.known.forget(tensor)
+        if origins.tracer.derived is not None:
+            origins.tracer.derived.forget(tensor)
 
 
 def localizing(

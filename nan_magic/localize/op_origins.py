@@ -229,8 +229,9 @@ class OpOrigins:
             if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):
                 # The op returned the loss itself (a cross_entropy whose every label is ignored): it keeps its name.
                 finding.tensor, finding.module_output = boundary, None
-            if outside is not None and self.tracer is None and outside.claimed_from_data:
+            if (outside is not None and self.tracer is None and outside.claimed_from_data) or origin.from_data:
                 # The data code built it from outside data alone (a target from the annotations): data (PRODUCT.md).
+                # The recorded modes tell it from the data region's records; ops mode's live tracer by its taint.
                 finding.phase = Phase.DATA
             if frame is not None:
                 finding.frame, finding.frame_position = frame, position

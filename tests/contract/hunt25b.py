@@ -426,11 +426,9 @@ CASES = [
          Expect("data", None, step=1, op="aten.div.Tensor", marker="centerness", cause="division-by-zero"),
          # The recorded modes tell it by the data code's records (recorded_ops.made_from_outside_data: every
          # tensor its ops read is plain, none a parameter or a model's output: not the hunt24 center loss's centers
-         # nor its unwatched teacher's output). The live op tracer keeps no such lineage.
-         gaps=tuple((mode, "phase forward, not data: ops=True's live op tracer keeps no record of what the data "
-                           "code's op read (localize/op_origins.OpOrigins.add_op_origin reads its op as the loss "
-                           "code's; the recorded modes' rule is RegionRecords.claimed_from_data)")
-                    for mode in ("ops", "ops-defer"))),
+         # nor its unwatched teacher's output). The live op tracer carries the same lineage as a taint
+         # (localize/ops/derived.py): no tensor its op read was made from a parameter or a model output.
+         ),
     Case("hunt25b_fcos_centerness_maxima_clamped_healthy", lambda: _centerness(True), None),
     Case("hunt25b_iterable_dataset_log_returns_of_a_halted_price_of_0", lambda: _returns(False),
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="log returns",

@@ -345,11 +345,9 @@ CASES = [
                 tensor=TensorRef.argument("input[0]"), cause="log-domain")),
     Case("hunt26c_worker_log_of_clamped_intensities_healthy", lambda: _worker_log_erased(1e-3), None),
     Case("hunt26c_loop_standardises_targets_of_a_last_batch_of_one", lambda: _target_standardisation(False),
-         _TARGETS, gaps=tuple((mode, (
-             "phase forward, not data (module, step, op and line right): the loop built the targets from the "
-             "batch alone, which the recorded modes tell by RegionRecords.claimed_from_data; ops=True's live op "
-             "tracer keeps no record of what the loop's op read, and localize/op_origins.OpOrigins.add_op_origin "
-             "reads its op as the loss code's (as hunt25b's FCOS centerness row)")) for mode in ("ops", "ops-defer"))),
+         # The loop built the targets from the batch alone: the recorded modes tell it by
+         # RegionRecords.claimed_from_data, ops=True by the op tracer's taint (localize/ops/derived.py).
+         _TARGETS),
     Case("hunt26c_loop_standardises_targets_dropping_the_last_batch_healthy",
          lambda: _target_standardisation(True), None),
 ]

@@ -361,12 +361,8 @@ CASES = [
     Case("hunt_s27d_returns_with_gamma_above_1_over_a_long_episode", lambda: _returns(1.01),
          # The loop built the returns from its own numbers and the rollout's rewards, no parameter nor model
          # output: data (PRODUCT.md: phase), which the recorded modes tell by RegionRecords.claimed_from_data.
-         Expect("data", None, step=2, op="aten.pow.Scalar", marker="discount powers", cause="overflow"),
-         gaps=tuple((mode, "phase forward, not data (module, step, op, line and cause right): ops=True's live op "
-                           "tracer keeps no record of what the loop's op read, and "
-                           "localize/op_origins.OpOrigins.add_op_origin reads its op as the loss code's (as "
-                           "hunt25b's FCOS centerness and hunt26c's target standardisation rows)")
-                    for mode in ("ops", "ops-defer"))),
+         # ops=True tells it by the op tracer's taint (localize/ops/derived.py).
+         Expect("data", None, step=2, op="aten.pow.Scalar", marker="discount powers", cause="overflow")),
     Case("hunt_s27d_returns_with_gamma_0_99_healthy", lambda: _returns(0.99), None),
     Case("hunt_s27d_clip_unclamped_scale_overflows_float16_autocast", lambda: _clip_half(False),
          Expect("forward", "", "Clip", step=0, op="aten.mul.Tensor", marker="clip scaled logits",
@@ -376,9 +372,6 @@ CASES = [
          # The weight is built from the drawn sigma alone, no parameter nor model output (the model's call comes
          # after it in the same method): data (PRODUCT.md: phase), as the recorded modes tell.
          Expect("data", None, step=1, op="aten.pow.Tensor_Scalar", marker="sigma sqrt weighting",
-                cause="pow-domain"),
-         gaps=tuple((mode, "phase forward, not data (module, step, op, line and cause right): the same "
-                           "OpOrigins.add_op_origin gap as this table's returns row")
-                    for mode in ("ops", "ops-defer"))),
+                cause="pow-domain")),
     Case("hunt_s27d_flow_matching_sigma_from_t_plus_1_healthy", lambda: _flow_matching(1), None),
 ]

@@ -20,6 +20,7 @@ import torch
 from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.called import own_number_of
+from nan_magic.localize.ops.derived import ModelDerived
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
 from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
@@ -70,6 +71,8 @@ class OriginRules:
     _origins: Origins
     _phase_hint: Callable[[], Phase | None] | None
     at_boundary: bool
+    data_region: Callable[[], bool] | None
+    derived: ModelDerived | None
     benign_modules: set[str | None]
     enclosing: Callable[[str, str], str | None] | None
     within: Callable[[str, str], str | None] | None
@@ -237,12 +240,14 @@ class OriginRules:
             owned = self.owned(forward_module, owner) if (
                 self.owned is not None and forward_module is not None and owner is not None) else None
             forward_module = defined_below(forward_module, self.node_sources.code_of(number), self.within, owned)
+        if backward_code:
+            module = self._hooked(hook_definer(forward_module, user_frame, self.enclosing), user_frame)
+        else:
+            module = forward_module if in_backward else hook_owner(user_frame, self._module_name(), self.named)
         finding = OpFinding(
             op=op,
             phase=phase or Phase.FORWARD,
-            module=self._hooked(hook_definer(forward_module, user_frame, self.enclosing), user_frame)
-            if backward_code else forward_module if in_backward
-            else hook_owner(user_frame, self._module_name(), self.named),
+            module=module,
             source=source,
             inner_source=inner,
             forward_source=forward_source,
@@ -262,6 +267,7 @@ class OriginRules:
             own_number=own_number_of(user_frame) if not in_backward and inner is None and any(
                 not math.isfinite(value) for _name, value in inputs if isinstance(value, (int, float))) else None,
             samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
+            from_data=phase is None and module is None and self._from_data(inputs),
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None
@@ -273,6 +279,13 @@ class OriginRules:
         if not in_backward:
             self._origins.note_memory(tensor, origin)
         return origin
+
+    def _from_data(self, inputs: list[tuple[str, Any]]) -> bool:
+        """Whether the loop's data region ran the op on tensors no parameter nor model output went into (ops mode's
+        live tracer only: derived.py); the origin's phase is data then."""
+        derived, region = self.derived, self.data_region
+        return derived is not None and region is not None and region() and not derived.any_of(
+            value for _name, value in inputs)
 
     def _hooked(self, module: str | None, user_frame: Any) -> str | None:
         """A Python backward's module: the hooked module where ``user_frame`` is a module's full backward (pre-)hook

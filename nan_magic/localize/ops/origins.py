@@ -117,6 +117,9 @@ class OpFinding:
     node_number: int | None = None
     #: The torch function the line called whose own number the op read (``logdet``: called.py), else None.
     own_number: str | None = None
+    #: Ops mode: the loop ran the op in its data region (before the step's first model call, outside every watched
+    #: module) on tensors no parameter nor model output went into (derived.ModelDerived): phase data (PRODUCT.md).
+    from_data: bool = False
 
     @property
     def dtype(self) -> str:

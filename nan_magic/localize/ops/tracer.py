@@ -68,6 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
+from nan_magic.localize.ops.derived import ModelDerived
 from nan_magic.localize.ops.kinds import KnownKinds, probe_priors
 from nan_magic.localize.ops.origin_rules import OriginRules
 from nan_magic.localize.ops.origins import BENIGN, OpFinding, Origin, Origins
@@ -205,6 +206,11 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self._written: dict[int, OpFinding] = {}
         #: Each lifted number's finding, in order (a replay of recorded ops tells which op lifted it).
         self.literals: list[OpFinding] = []
+        #: The live tracer of ops mode (op_origins.make_tracer): the tensors made from a parameter or a model output,
+        #: and whether the loop's data region runs (no step open: before the step's first model call), which together
+        #: tell an origin the loop built from outside data alone (OpFinding.from_data). None in the replays.
+        self.derived: ModelDerived | None = None
+        self.data_region: Callable[[], bool] | None = None
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
         """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
@@ -313,6 +319,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             self._known.clear()
+            if self.derived is not None:
+                self.derived.clear()
 
     def __torch_dispatch__(
         self,
@@ -334,6 +342,16 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if not isinstance(func, torch._ops.OpOverload):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
+        out = self._checked(func, plan, args, kwargs, in_backward)
+        # (A backward's ops are not followed: derived.py. An output that requires grad is model-derived by that
+        # alone, and an in-place op returns what it wrote: most of a training step's forward ops cost this test.)
+        if self.derived is not None and not in_backward and not (isinstance(out, torch.Tensor) and out.requires_grad):
+            self.derived.after_op(plan, args, kwargs, out)
+        return out
+
+    def _checked(self, func: Any, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], in_backward: bool) -> Any:
+        """Run one op and apply the origin rules to it (the module docstring); its output."""
+        __tracebackhide__ = True
         if not in_backward or torch.is_grad_enabled():
             # Forward ops in backward too: a reentrant checkpoint recomputes its forward there, with grad
             # enabled (a backward formula runs without, unless create_graph).

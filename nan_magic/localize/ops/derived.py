@@ -1,0 +1,109 @@
+"""Which tensors the model made: the taint the live op tracer carries through the ops it sees (ops mode).
+
+PRODUCT.md's phase ``data`` is a value "built in the loop from outside data": no parameter, no model output in it.
+The recorded modes tell it from the data region's records (outside/recorded_ops.made_from_outside_data); the live
+op tracer keeps no records, so it carries this taint instead. A tensor is *model-derived* where it
+
+- requires a gradient (a model output, anything computed from a parameter with grad on, a penalty's input), or
+- is an ``nn.Parameter`` (an unwatched, frozen teacher's too: its weights are no outside data), or
+- was written or returned by an op that read a model-derived tensor: ``detach()`` and ``torch.no_grad()`` do not
+  clean it (a detached output's EMA, a teacher's output under no_grad, a center loss's centers moved by the
+  features, a mask from the prediction's argmax all stay model-derived).
+
+Only the last kind is held here, by weak reference, and only where the first two do not already say so (under grad
+mode nearly every such output requires a gradient itself): a healthy step adds a few entries (the loop's
+``loss.detach()``). Ops the autograd engine runs (a backward's) are not followed: a gradient the loop reads in the
+data region would count as outside data. The table is emptied as the tracer is left, so that no weak reference stays
+on the user's tensors (``torch.utils.swap_tensors`` refuses a tensor that has one).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from nan_magic.localize.ops.plans import Plan, tensors
+
+__all__ = ["ModelDerived"]
+
+#: Entries the table holds before its first sweep for freed tensors (as kinds.KnownKinds).
+_FIRST_SWEEP = 256
+
+_Parameter = torch.nn.Parameter
+
+
+class ModelDerived:
+    """The tensors made from a parameter or a model output that do not require a gradient themselves."""
+
+    def __init__(self) -> None:
+        # id(tensor) -> weak reference; the reference makes a stale id harmless.
+        self._marked: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._sweep_at = _FIRST_SWEEP
+
+    def __len__(self) -> int:
+        return len(self._marked)
+
+    def clear(self) -> None:
+        """Forget every tensor (the tracer is left: no weak reference stays on the user's tensors)."""
+        self._marked.clear()
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Drop one tensor's weak reference (the user swaps it: patches/swaps.py)."""
+        self._marked.pop(id(tensor), None)
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` (a tensor, or a list of them) is model-derived."""
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad or isinstance(value, _Parameter):
+                return True
+            entry = self._marked.get(id(value))
+            return entry is not None and entry() is value
+        if isinstance(value, (list, tuple)):
+            return any(self.holds(item) for item in value)
+        return False
+
+    def any_of(self, values: Iterable[Any]) -> bool:
+        """Whether any of ``values`` (an op's inputs) is model-derived."""
+        return any(self.holds(value) for value in values)
+
+    def after_op(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """An op ran outside the autograd engine: what it returned or wrote is model-derived if what it read was.
+
+        Runs for every such op whose output needs no gradient (the tracer's test): a tensor argument is looked at
+        inline, a list through :meth:`holds`, so that an op on plain tensors costs a lookup per tensor."""
+        marked = self._marked
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if value.__class__ is torch.Tensor:  # (the common case, without a call: a subclass goes to holds)
+                if value.requires_grad:
+                    break
+                entry = marked.get(id(value))
+                if entry is not None and entry() is value:
+                    break
+            elif isinstance(value, (torch.Tensor, list, tuple)) and self.holds(value):
+                break
+        else:
+            return
+        self._mark(out)
+        if plan.writes:
+            for _label, written in tensors(plan, args, kwargs, plan.writes):
+                self._mark(written)
+
+    def _mark(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad or isinstance(value, _Parameter):
+                return
+            marked = self._marked
+            entry = marked.get(id(value))
+            if entry is not None and entry() is value:
+                return
+            marked[id(value)] = weakref.ref(value)
+            if len(marked) > self._sweep_at:
+                for key in [key for key, ref in marked.items() if ref() is None]:
+                    del marked[key]
+                self._sweep_at = max(_FIRST_SWEEP, 2 * len(marked))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                self._mark(item)
