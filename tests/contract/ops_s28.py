@@ -84,6 +84,55 @@ def _teacher_targets(eps: float) -> Scenario:
     return _loop(student, 4, before, loss_of)
 
 
+def _teacher_through_a_buffer(eps: float) -> Scenario:
+    """The teacher row with its features written into a slice of a preallocated buffer (``buf[:, :4] = h``) and
+    read back through a new view of it: the write marks the buffer, not only the slice it went through."""
+    torch.manual_seed(0)
+    teacher = nn.Linear(6, 4, bias=False).requires_grad_(False)
+    student = nn.Linear(6, 4)
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    xs[2][1] = 0.0
+    buf = torch.zeros(5, 8)
+
+    def before(step: int) -> torch.Tensor:
+        with torch.no_grad():
+            buf[:, :4] = teacher(xs[step]).square()
+        h = buf[:, :4]
+        return h / (h.sum(-1, keepdim=True) + eps)  # producer: teacher buffer weights
+
+    def loss_of(model: nn.Module, step: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xs[step])
+        return F.mse_loss(out.softmax(-1), target), out
+
+    return _loop(student, 4, before, loss_of)
+
+
+def _refilled_buffer(eps: float) -> Scenario:
+    """A target buffer that held the model's prediction once (after step 0) and is filled from the annotations
+    (``copy_``) before each later step: what it holds then is outside data again. A blank annotation row of step 2
+    normalised: 0 / 0, data. The twin adds eps."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    xs, ys = [torch.randn(5, 6) for _ in range(4)], [torch.rand(5, 3) for _ in range(4)]
+    ys[2][1] = 0.0
+    buf = torch.ones(5, 3)
+
+    def before(step: int) -> torch.Tensor:
+        if step > 0:
+            buf.copy_(ys[step])
+        return buf / (buf.sum(-1, keepdim=True) + eps)  # producer: refilled buffer targets
+
+    def loss_of(model: nn.Module, step: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xs[step])
+        return F.mse_loss(out.softmax(-1), target), out
+
+    def after(step: int, out: torch.Tensor) -> None:
+        if step == 0:
+            buf.copy_(out.detach().softmax(-1))  # (the buffer's first use: the model's own prediction)
+
+    return _loop(model, 4, before, loss_of, after)
+
+
 # ---------------------------------------------------------------- a running statistic of the model's features
 class Features(nn.Module):
     def __init__(self) -> None:
@@ -209,6 +258,16 @@ CASES = [
     Case("ops_s28_unwatched_teacher_features_normalised_over_a_blank_sample", lambda: _teacher_targets(0.0),
          Expect("forward", None, step=2, op="aten.div.Tensor", marker="teacher weights", cause="division-by-zero")),
     Case("ops_s28_unwatched_teacher_features_normalised_eps_healthy", lambda: _teacher_targets(1e-6), None),
+    Case("ops_s28_unwatched_teacher_features_through_a_buffer_over_a_blank_sample",
+         lambda: _teacher_through_a_buffer(0.0),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="teacher buffer weights",
+                cause="division-by-zero")),
+    Case("ops_s28_unwatched_teacher_features_through_a_buffer_eps_healthy", lambda: _teacher_through_a_buffer(1e-6),
+         None),
+    Case("ops_s28_buffer_that_held_a_prediction_refilled_from_a_blank_annotation", lambda: _refilled_buffer(0.0),
+         Expect("data", None, step=2, op="aten.div.Tensor", marker="refilled buffer targets",
+                cause="division-by-zero")),
+    Case("ops_s28_buffer_that_held_a_prediction_refilled_eps_healthy", lambda: _refilled_buffer(1e-6), None),
     Case("ops_s28_running_feature_scale_inverted_at_0", lambda: _running_feature_scale(0.0),
          Expect("forward", None, step=1, op="aten.reciprocal.default", marker="inverse running scale",
                 cause="division-by-zero")),

@@ -344,7 +344,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         plan = plan_of(func)
         out = self._checked(func, plan, args, kwargs, in_backward)
         # (A backward's ops are not followed: derived.py. An output that requires grad is model-derived by that
-        # alone, and an in-place op returns what it wrote: most of a training step's forward ops cost this test.)
+        # alone: an in-place op on one returns what it wrote.)
         if self.derived is not None and not in_backward and not (isinstance(out, torch.Tensor) and out.requires_grad):
             self.derived.after_op(plan, args, kwargs, out)
         return out
