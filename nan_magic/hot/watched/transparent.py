@@ -149,6 +149,13 @@ def dropped_by_a_pass_through(call: Any, later: Iterable[Any]) -> bool:
     kind = through.info.transparent
     if kind is None or kind == "dropout" or len(through.inputs) != 1:
         return False
+    outermost = record
+    while outermost.outer is not None:
+        outermost = outermost.outer
+    if outermost.call is None or outermost.call.parent is None:
+        # The pass-through's output is a model's output (a model ending in a ReLU, under ops+defer recorded as the
+        # ReLU's): the gradient into it is a boundary every mode judges, whatever the ReLU's backward makes of it.
+        return False
     entering, version = through.inputs[0][2], through.inputs[0][4]
     if (entering is None or entering.kinds or not entering.ranged or version != entering.version
             or not (kind == "any" or entering.dtype in WIDE_FLOATS)):
