@@ -149,7 +149,8 @@ def dropped_by_a_pass_through(call: Any, later: Iterable[Any]) -> bool:
     kind = through.info.transparent
     if kind is None or kind == "dropout" or len(through.inputs) != 1:
         return False
-    outermost = record
+    outermost = record  # (not None: ``through`` is its call)
+    assert outermost is not None
     while outermost.outer is not None:
         outermost = outermost.outer
     if outermost.call is None or outermost.call.parent is None:
