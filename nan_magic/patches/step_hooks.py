@@ -12,7 +12,9 @@ effect) three; still, the hooks are registered bare and swapped for their wrappe
 dicts) as dynamo starts its first compile while they are registered: a loop that compiles nothing pays nothing.
 
 Only where ``torch._dynamo`` is loaded as the watch attaches (``torch.compile`` loads it: a step compiled before
-the watch, or at an earlier entry): importing it costs a second, and a watch of an eager loop must not pay that.
+the watch, or in an earlier cell under the held watch, which attaches at each cell): importing it takes seconds
+(4.9 s on a busy 2-core machine), which a watch of an eager loop must not pay. A step first compiled inside the
+watch's first entry in a process is traced as before.
 """
 
 from __future__ import annotations
