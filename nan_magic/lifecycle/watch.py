@@ -37,7 +37,6 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
-from torch.optim import optimizer as optimizer_hooks
 
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
@@ -73,6 +72,7 @@ from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
+from nan_magic.patches.step_hooks import optimizer_step_hooks
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary
 from nan_magic.scene.last_good import LastGood
 
@@ -295,8 +295,7 @@ class Watch(WatchEvents):
         try:
             keep_apart_from_users_modes(self, stack)  # the watch's ops unseen by the user's dispatch modes
             self.module_hooks.attach(stack)
-            stack.enter_context(optimizer_hooks.register_optimizer_step_pre_hook(self.cycle.on_step_pre))
-            stack.enter_context(optimizer_hooks.register_optimizer_step_post_hook(self.cycle.on_step_post))
+            stack.enter_context(optimizer_step_hooks(self.cycle.on_step_pre, self.cycle.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self._loss_starts))  # (first: called first)
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
                                                               self.cycle.backward_finished))

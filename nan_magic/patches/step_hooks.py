@@ -1,0 +1,101 @@
+"""The watch's optimizer step hooks, kept out of what ``torch.compile`` traces.
+
+``@torch.compile def step(): opt.step()`` is a documented recipe, and dynamo traces
+``Optimizer.step``'s wrapper (torch/optim/optimizer.py ``profile_hook_step``), the global step hooks it calls
+included: it would inline the watch's hooks, break its graph on what they do (``.item()``, generators, the
+profiler), compile each frame they call as a frame of its own (``hot/reads.py``'s ``is_checkable`` to its
+recompile limit, with a warning naming it) and keep a guard's weak reference on every parameter they read
+(which ``torch.utils.swap_tensors`` refuses). A hook wrapped by ``torch._dynamo.disable`` is called, not traced:
+dynamo runs the wrapper's hook loop eagerly and compiles the optimizer's own step as before, and nothing runs
+under dynamo inside the hook. torch's wrapper costs ten Python calls a hook, ours (:func:`_opaque`, the same
+effect) three; still, the hooks are registered bare and swapped for their wrapped selves (same place in the hook
+dicts) as dynamo starts its first compile while they are registered: a loop that compiles nothing pays nothing.
+
+Only where ``torch._dynamo`` is loaded as the watch attaches (``torch.compile`` loads it: a step compiled before
+the watch, or in an earlier cell under the held watch, which attaches at each cell): importing it takes seconds
+(4.9 s on a busy 2-core machine), which a watch of an eager loop must not pay. A step first compiled inside the
+watch's first entry in a process is traced as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.optim import optimizer as optimizers
+
+__all__ = ["optimizer_step_hooks"]
+
+_OURS = __name__.split(".")[0]
+
+StepHook = Callable[[Any, Any, Any], None]
+
+
+@contextmanager
+def optimizer_step_hooks(pre: StepHook, post: StepHook) -> Iterator[None]:
+    """``pre`` and ``post`` as global optimizer step pre- and post-hooks while the context is entered."""
+    handles = [optimizers.register_optimizer_step_pre_hook(pre), optimizers.register_optimizer_step_post_hook(post)]
+    hooks = (pre, post)
+    dynamo = sys.modules.get("torch._dynamo")
+    callbacks = dynamo.callback.callback_handler if dynamo is not None else None
+
+    def opaque(_args: Any) -> None:
+        """At each compile's start: each hook still registered bare for its ``disable``d self (once)."""
+        _skip_ours(dynamo)  # (a reset may have come since the watch attached)
+        for handle, hook in zip(handles, hooks, strict=True):
+            registered = handle.hooks_dict_ref()
+            if registered is not None and registered.get(handle.id) is hook:
+                registered[handle.id] = _opaque(hook)
+        # (It stays registered until the watch is left, a no-op: removed here, the callback run after it in
+        # dynamo's list would be skipped.)
+
+    if callbacks is not None:
+        _skip_ours(dynamo)
+        callbacks.register_start_callback(opaque)
+    try:
+        yield
+    finally:
+        if callbacks is not None and opaque in callbacks.start_callbacks:
+            callbacks.remove_start_callback(opaque)
+        for handle in handles:
+            handle.remove()
+
+
+def _skip_ours(dynamo: Any) -> None:
+    """Dynamo passes over every frame of nan_magic's, once and for all (its skip list, as for numpy's).
+
+    The watch's code runs inside a compiled function's call in more places than the step hooks: the loop-code
+    recorders' ``__torch_dispatch__`` (their update region is open as a compiled step starts) sees the compiled
+    graph's ops, and without this dynamo compiles their frames as frames of their own (graph breaks naming
+    ``_nan_magic_update``, guards on their arguments). A skipped frame runs as it is; the skip list is read only
+    while dynamo converts a frame, so an eager loop pays nothing.
+    """
+    rules = dynamo.trace_rules
+    if not rules.check_file(__file__).skipped:
+        rules.add(_OURS)
+
+
+def _opaque(hook: StepHook) -> StepHook:
+    """``hook`` as ``torch._dynamo.disable(hook)`` makes it, in one Python call and two builtin ones (torch's:
+    ten): dynamo calls it rather than tracing it (the attributes), and nothing it runs is converted by dynamo
+    (no eval-frame callback while it runs; torch's wrapper sets the stance's callback for ``None`` too, which is
+    ``None`` in every stance)."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    @functools.wraps(hook)
+    def opaque(opt: Any, args: Any, kwargs: Any) -> None:
+        __tracebackhide__ = True  # (as the hook's: an interrupt shows the user's frames)
+        prior = set_eval_frame(None)
+        try:
+            return hook(opt, args, kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    opaque._torchdynamo_disable = True  # type: ignore[attr-defined]
+    opaque._torchdynamo_disable_msg = None  # type: ignore[attr-defined]
+    opaque._torchdynamo_disable_recursive = True  # type: ignore[attr-defined]
+    opaque._torchdynamo_orig_callable = hook  # type: ignore[attr-defined]
+    return opaque
