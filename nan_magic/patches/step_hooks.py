@@ -40,9 +40,9 @@ def optimizer_step_hooks(pre: StepHook, post: StepHook) -> Iterator[None]:
     handles = [optimizers.register_optimizer_step_pre_hook(pre), optimizers.register_optimizer_step_post_hook(post)]
     hooks = (pre, post)
     dynamo = sys.modules.get("torch._dynamo")
-    callbacks = dynamo.callback.callback_handler if dynamo is not None else None
+    callbacks = _compile_callbacks(dynamo)
 
-    def opaque(_args: Any) -> None:
+    def opaque(*_args: Any) -> None:  # (torch 2.4's start callbacks take no argument, later ones one)
         """At each compile's start: each hook still registered bare for its ``disable``d self (once)."""
         _skip_ours(dynamo)  # (a reset may have come since the watch attached)
         for handle, hook in zip(handles, hooks, strict=True):
@@ -64,6 +64,16 @@ def optimizer_step_hooks(pre: StepHook, post: StepHook) -> Iterator[None]:
             handle.remove()
 
 
+def _compile_callbacks(dynamo: Any) -> Any:
+    """Dynamo's compile-start callbacks, where this torch has them as 2.13 does (None: the hooks stay bare, traced
+    as before; ``torch>=2.4`` is supported, and these are private)."""
+    handler = getattr(getattr(dynamo, "callback", None), "callback_handler", None)
+    if not all(hasattr(handler, name) for name in ("register_start_callback", "remove_start_callback",
+                                                   "start_callbacks")):
+        return None
+    return handler
+
+
 def _skip_ours(dynamo: Any) -> None:
     """Dynamo passes over every frame of nan_magic's, once and for all (its skip list, as for numpy's).
 
@@ -73,9 +83,12 @@ def _skip_ours(dynamo: Any) -> None:
     ``_nan_magic_update``, guards on their arguments). A skipped frame runs as it is; the skip list is read only
     while dynamo converts a frame, so an eager loop pays nothing.
     """
-    rules = dynamo.trace_rules
-    if not rules.check_file(__file__).skipped:
-        rules.add(_OURS)
+    rules: Any = getattr(dynamo, "trace_rules", None)
+    try:
+        if not rules.check_file(__file__).skipped:
+            rules.add(_OURS)
+    except (AttributeError, TypeError):  # (another torch's private trace rules: the frames are traced as before)
+        pass
 
 
 def _opaque(hook: StepHook) -> StepHook:
