@@ -417,7 +417,10 @@ CASES = [
     Case("hunt_s28c_where_masked_reciprocal_distance_double_where_healthy", lambda: _where_reciprocal(True), None),
     Case("hunt_s28c_clip_grad_norm_foreach_over_one_nan_gradient_among_many", lambda: _clip_foreach(False),
          Expect("backward", "gate", "Gate", step=0, op="aten.div.Tensor", marker="gate magnitude",
-                cause="sqrt-domain")),
+                cause="sqrt-domain",
+                # The gradient the gate's op wrote, not the first the clip then wrote NaN into (layers.0.weight: ops
+                # mode's tie of one origin, op_origins.birth_order); the per-module watch names the op's output.
+                says=tuple((mode, "first non-finite gradient of gate.g") for mode in ("default", "defer", "ops")))),
     Case("hunt_s28c_clip_grad_norm_foreach_gate_by_abs_healthy", lambda: _clip_foreach(True), None),
     Case("hunt_s28c_user_gradient_hook_normalises_a_zero_gradient", lambda: _user_hook(0.0),
          Expect("backward", "aux", "Linear", step=0, op="aten.div.Tensor", marker="user hook",
