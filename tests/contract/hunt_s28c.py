@@ -4,7 +4,8 @@ with its twin (the users' fix: silent and bit-identical, in every mode).
 Data: an ``IterableDataset`` streaming windows whose last window is padded with NaN; a ``collate_fn`` that pads with
 NaN and masks the inputs but forgets the targets; a brightness augmentation in log space over a black image
 (``log(0)``, then ``-inf - -inf``); a per-batch z-score of targets, inside the loss call after the model's, in a
-batch of one distinct value (``0 / 0``: the loss code's, forward); a memory-mapped numpy file (``np.memmap``
+batch of one distinct value (``0 / 0``: the loss code's, forward); a blank tile standardised by its own std in
+__getitem__ under two persistent workers with pinned memory; a memory-mapped numpy file (``np.memmap``
 through ``torch.from_numpy``) holding a NaN record; a ``WeightedRandomSampler`` that oversamples a record whose log
 count is ``log(0)``, first drawn at a later step; a dataset cached in memory whose loop log-transforms each batch in
 place, so that the second epoch takes ``log(0)`` of a count of 1; a batch moved with ``.to(non_blocking=True)`` to
@@ -123,6 +124,47 @@ def _constant_targets(eps: float) -> Scenario:
         y = ys[step]
         return F.mse_loss(out, (y - y.mean()) / (y.std() + eps))  # producer: target z-score
     return _loop(model, lambda step: (xs[step],), loss_fn)
+
+
+# ---------------------------------------------------------------- a GPU user's loader: 2 persistent workers, pinned
+class Tiles(Dataset):
+    """Image tiles standardised by their own statistics in ``__getitem__``; tile 13 is blank (a constant 0.5: the
+    scanner's background), its ``std`` 0 and ``(x - mean) / std`` ``0 / 0``."""
+
+    def __init__(self, eps: float) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.tiles, self.labels = torch.rand(16, 1, 6, 6, generator=gen), torch.randint(0, 2, (16,), generator=gen)
+        self.tiles[13] = 0.5
+        self.eps = eps
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        tile = self.tiles[i]
+        return (tile - tile.mean()) / (tile.std() + self.eps), self.labels[i]  # producer: tile standardise
+
+
+def _gpu_loader(eps: float) -> Scenario:
+    """As a GPU user's loader is set: ``num_workers=2, pin_memory=True, persistent_workers=True``, each batch moved
+    with ``.to(device, non_blocking=True)`` (the CPU here). Batches of 4 alternate between the two workers: tile 13 is
+    in batch 3, worker 1's second. The twin adds an eps to the std."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Tiles(eps), batch_size=4, num_workers=2, pin_memory=True, persistent_workers=True)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for x, y in loader:
+            x, y = x.to("cpu", non_blocking=True), y.to("cpu", non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+    return Scenario((model, opt), run)
 
 
 # ---------------------------------------------------------------- a memory-mapped numpy file with a NaN record
@@ -397,6 +439,10 @@ CASES = [
          # hunt15's PPO advantage std and hunt20's pos_weight are; only the data region's code is data.
          Expect("forward", None, step=1, op="aten.div.Tensor", marker="target z-score", cause="division-by-zero")),
     Case("hunt_s28c_loop_z_scores_targets_with_eps_healthy", lambda: _constant_targets(1e-6), None),
+    Case("hunt_s28c_pinned_persistent_two_workers_standardise_a_blank_tile", lambda: _gpu_loader(0.0),
+         Expect("data", "", "Sequential", step=3, op="aten.div.Tensor", marker="tile standardise",
+                cause="division-by-zero")),
+    Case("hunt_s28c_pinned_persistent_two_workers_std_eps_healthy", lambda: _gpu_loader(1e-6), None),
     Case("hunt_s28c_memmap_numpy_record_holding_a_nan", lambda: _memmap(False),
          Expect("data", "", "Sequential", step=2, op=None, cause="bad-input-data")),
     Case("hunt_s28c_memmap_numpy_record_repaired_healthy", lambda: _memmap(True), None),
