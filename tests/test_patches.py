@@ -244,7 +244,7 @@ def _counting_batches():
 
     seen: list[int] = []
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
-    return watch_batches(lambda _dataset, _indices, _map: seen.append(1)), lambda: list(data), seen
+    return watch_batches(lambda _dataset, _indices, _map, _collate: seen.append(1)), lambda: list(data), seen
 
 
 def _inline_checkpoints():

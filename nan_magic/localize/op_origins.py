@@ -154,13 +154,16 @@ class OpOrigins:
         not data either, though no op is its producer (the tiered mode's records; the op tracer tells it itself)."""
         return self.tracer is None and self.outside is not None and self.outside.made_deliberately(tensor)
 
-    def birth_order(self, tensor: torch.Tensor) -> int:
+    def birth_order(self, tensor: torch.Tensor, name: str = "") -> tuple[int, bool]:
         """Where the op tracer's origin of ``tensor`` stands among this step's, the first born first (ops mode);
-        after them all where it has none (the tiered mode's replay finds the first born itself)."""
+        after them all where it has none (the tiered mode's replay finds the first born itself). Of gradients one
+        origin made NaN (clip_grad_norm_'s NaN total norm in each), its module's ``name`` first: the one it wrote."""
         tracer = self.tracer
         origin = tracer.origin_of(tensor) if tracer is not None else None
         started = tracer.started if tracer is not None else []
-        return next((index for index, finding in enumerate(started) if finding is origin), len(started))
+        index = next((index for index, finding in enumerate(started) if finding is origin), len(started))
+        module = origin.module if isinstance(origin, OpFinding) else None
+        return index, not (module is not None and name.startswith(f"{module}."))
 
     def add_lr_origin(self, finding: Finding, lr: float, raw: object = None) -> bool:
         """An optimizer step made ``finding``'s parameter non-finite with the non-finite learning rate ``lr`` (the

@@ -34,8 +34,9 @@ __all__ = ["UNKNOWN", "unrecorded_batches", "watch_batches"]
 #: The indices of a batch whose indices were drawn before the watch began, or out of order.
 UNKNOWN = object()
 
-#: ``callback(dataset, indices, map_style)`` after each batch a loader iterator returns.
-BatchCallback = Callable[[Any, Any, bool], None]
+#: ``callback(dataset, indices, map_style, collate)`` after each batch a loader iterator returns; ``collate``: its
+#: ``collate_fn`` where a worker process ran it on the batch's samples, else None (this process ran it, watched).
+BatchCallback = Callable[[Any, Any, bool, Any], None]
 
 _callbacks: list[BatchCallback] = []
 _recorders: list[Recorder] = []  # each recorder active
@@ -62,8 +63,9 @@ def _wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
         ordered = getattr(self, "_in_order", True)
         indices = drawn.pop(task, UNKNOWN) if ordered else UNKNOWN
         map_style = self._dataset_kind == dataloader._DatasetKind.Map
+        collate = self._collate_fn if self._num_workers and self._auto_collation else None
         for callback in _callbacks:
-            callback(self._dataset, indices, map_style)
+            callback(self._dataset, indices, map_style, collate)
         return data
 
     return __next__
@@ -77,7 +79,8 @@ _PATCH = ProcessPatch(lambda: [
 
 @contextmanager
 def watch_batches(callback: BatchCallback) -> Iterator[None]:
-    """Call ``callback(dataset, indices, map_style)`` after each batch a DataLoader returns inside the block."""
+    """Call ``callback(dataset, indices, map_style, collate)`` after each batch a DataLoader returns inside the
+    block."""
     with _PATCH.held((_callbacks, callback)):
         try:
             yield

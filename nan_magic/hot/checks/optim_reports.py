@@ -62,14 +62,14 @@ class StepReports:
         element finite while a norm overflowed is a warning, not an event
         (our own read overflowed). Of several non-finite gradients, the one
         whose op the op tracer saw start first (ops mode: backward computes
-        the last layer's first), else the first in the optimizer's order.
+        the last layer's first; of one op's, its module's own), else the first in the optimizer's order.
         """
         watch = self.watch
         values = read_scalars(norms([grad for _name, grad in with_grad]))
         bad = [(name, grad) for (name, grad), value in zip(with_grad, values)
                if not math.isfinite(value) and relevant_kinds(kinds_of(grad), watch.config.kinds)]
         if bad:
-            name, grad = min(bad, key=lambda item: self._birth_order(item[1])) if len(bad) > 1 else bad[0]
+            name, grad = min(bad, key=lambda item: self._birth_order(item[1], item[0])) if len(bad) > 1 else bad[0]
             finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
             finding.notes.append(Note.of("about-to-step", optimizer=type(opt).__name__))
             finding.optimizer = type(opt).__name__

@@ -9,7 +9,8 @@ under the op tracer: the first op that made a non-finite value is the
 producer, named at its line in ``__getitem__``. The user's loader is not
 touched (no index is drawn, no worker asked) and the random generators
 ``__getitem__`` draws from (torch's, Python's, numpy's) are put back after.
-An iterable dataset, or a batch whose indices were not seen, is said in one
+A ``collate_fn`` a worker ran on the samples runs again on them too. An
+iterable dataset, or a batch whose indices were not seen, is said in one
 line of the report instead.
 """
 
@@ -49,10 +50,12 @@ class Samples:
         self._dataset: Any = None
         self._indices: Any = UNKNOWN
         self._map_style = True
+        self._collate: Callable[[list[Any]], Any] | None = None
 
-    def on_batch(self, dataset: Any, indices: Any, map_style: bool) -> None:
-        """The loader patch's callback: keep the latest batch's dataset and indices (references only)."""
-        self._dataset, self._indices, self._map_style = dataset, indices, map_style
+    def on_batch(self, dataset: Any, indices: Any, map_style: bool, collate: Any = None) -> None:
+        """The loader patch's callback: keep the latest batch's dataset, indices and a worker's ``collate_fn``
+        (references only)."""
+        self._dataset, self._indices, self._map_style, self._collate = dataset, indices, map_style, collate
 
     def forget(self) -> None:
         self._dataset, self._indices = None, UNKNOWN
@@ -96,6 +99,12 @@ class Samples:
                     tracer.claim_first([leaf for leaf in tree_leaves(fetched[-1][1]) if isinstance(leaf, torch.Tensor)])
                     if tracer.finding is not None:
                         break
+                if tracer.finding is None and self._collate is not None:
+                    # A worker ran the loader's collate_fn on the samples (``(x - x.mean(0)) / x.std(0)`` over the
+                    # batch: a feature of one value), not this process's watch: it runs again here, on the samples.
+                    batch = self._collate([sample for _index, sample in fetched])
+                    tracer.claim_first([leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)])
+                    del batch
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
             return Note.raised("refetch-raised", error, dataset=name)
         finally:
