@@ -134,3 +134,78 @@ def test_the_same_nan_through_a_tanh_behind_a_nested_encoder_is_still_named(mode
 def test_a_line_magics_assignment_to_a_non_ascii_name_is_shown_as_typed() -> None:
     assert as_typed("Größe = get_ipython().run_line_magic('timeit', '-o f()')") == "Größe = %timeit -o f()"
     assert as_typed("t = get_ipython().run_line_magic('timeit', '-o f()')") == "t = %timeit -o f()"
+
+
+def _worker_only_collate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A collate that runs only in a DataLoader worker (it reads the worker's seed): in the main process it raises."""
+    seed = torch.utils.data.get_worker_info().seed  # type: ignore[union-attr]
+    xs, ys = zip(*batch, strict=True)
+    return torch.stack(xs) + 0 * (seed % 2), torch.stack(ys)
+
+
+def _loader_run(data: torch.utils.data.Dataset, mode: str) -> nan_magic.Report:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, collate_fn=_worker_only_collate)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODE_OPTIONS[mode]):
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_stored_nan_is_named_by_its_index_where_the_loaders_collate_runs_only_in_a_worker(mode: str) -> None:
+    # Before: the collate run again in this process raised, and its error replaced the samples' own answer
+    # ("fetching the batch's samples from TensorDataset again raised AttributeError").
+    xs, ys = torch.randn(8, 4), torch.randn(8, 1)
+    xs[2, 1] = float("nan")
+    report = _loader_run(torch.utils.data.TensorDataset(xs, ys), mode)
+    notes = {note.kind: dict(note.facts) for note in report.note_facts}
+    assert "refetch-raised" not in notes and "collate-raised" not in notes, notes
+    assert notes["refetch-stored"]["indices"] == (2,), notes
+
+
+def _worker_only_standardising_collate(batch: list[tuple[torch.Tensor, torch.Tensor]]
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch standardised feature by feature (a feature of one value: 0 / 0), in a worker only (its seed)."""
+    seed = torch.utils.data.get_worker_info().seed  # type: ignore[union-attr]
+    xs, ys = (torch.stack(part) for part in zip(*batch, strict=True))
+    return (xs - xs.mean(0)) / xs.std(0) + 0 * (seed % 2), ys
+
+
+class _ConstantFeature(torch.utils.data.Dataset):
+    """Finite samples whose feature 1 is the same in every sample."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        x = torch.randn(4, generator=generator)
+        x[1] = 3.0
+        return x, torch.randn(1, generator=generator)
+
+
+def test_a_collate_that_cannot_run_again_is_said_as_the_collates_error() -> None:
+    # Before: "fetching the batch's samples from _ConstantFeature again raised AttributeError" (__getitem__ ran).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(_ConstantFeature(), batch_size=4, num_workers=2,
+                                         collate_fn=_worker_only_standardising_collate)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.nan) == ("data", 0, 4)
+    notes = {note.kind: dict(note.facts) for note in report.note_facts}
+    assert "refetch-raised" not in notes and notes["collate-raised"]["dataset"] == "_ConstantFeature", notes
+    assert "collating the batch's samples from _ConstantFeature again (its loader's collate_fn) raised " \
+           "AttributeError" in report.to_text()

@@ -91,6 +91,7 @@ class Samples:
         tracer = OpTracer(kinds=self.kinds, phase_hint=lambda: Phase.DATA, at_boundary=True)
         tracer.witnesses.hold = True  # (the origins' operands, freed as __getitem__ returns: the report's histograms)
         fetched: list[tuple[Any, Any]] = []  # (index, sample): a batch's worth, looked at once the tracer is off
+        collate_error: Exception | None = None
         try:
             # The watch's own dispatch modes (the op tracer of ops=True, the loss-code recorder) stand aside.
             with _disable_current_modes(), user_generators(), generators_at(None), tracer:
@@ -100,15 +101,16 @@ class Samples:
                     if tracer.finding is not None:
                         break
                 if tracer.finding is None and self._collate is not None:
-                    # A worker ran the loader's collate_fn on the samples (``(x - x.mean(0)) / x.std(0)`` over the
-                    # batch: a feature of one value), not this process's watch: it runs again here, on the samples.
-                    batch = self._collate([sample for _index, sample in fetched])
-                    tracer.claim_first([leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)])
-                    del batch
+                    with _disable_current_modes():
+                        stored = any(_holds(sample, self.kinds) for _index, sample in fetched)
+                    if not stored:  # (a sample that holds the value already says where: its index)
+                        collate_error = self._collate_again(tracer, [sample for _index, sample in fetched])
         except Exception as error:  # the user's __getitem__ may not run twice (a file already closed)
             return Note.raised("refetch-raised", error, dataset=name)
         finally:
             tracer.witnesses.release()
+        if collate_error is not None:
+            return Note.raised("collate-raised", collate_error, dataset=name)
         with _disable_current_modes():
             holding = [] if tracer.finding is not None else [
                 index for index, sample in fetched if _holds(sample, self.kinds)]
@@ -122,6 +124,19 @@ class Samples:
             return Note.of("refetch-finite", count=len(indices), dataset=name)
         frame, position = tracer.frame_of(tracer.finding)
         return tracer.finding, frame, position
+
+
+    def _collate_again(self, tracer: OpTracer, samples: list[Any]) -> Exception | None:
+        """A worker ran the loader's collate_fn on the samples (``(x - x.mean(0)) / x.std(0)`` over the batch: a
+        feature of one value), not this process's watch: it runs again here, under ``tracer``. Its own error (a
+        collate that runs only in a worker) is returned, to be said as the collate's, not ``__getitem__``'s."""
+        assert self._collate is not None
+        try:
+            batch = self._collate(samples)
+        except Exception as error:
+            return error
+        tracer.claim_first([leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)])
+        return None
 
 
 def _holds(sample: Any, kinds: frozenset[str]) -> bool:

@@ -86,6 +86,7 @@ _TEMPLATES: dict[str, str] = {
                           "as it did, so the producer is unknown: " + _OPS,
     "refetched": "named by fetching the batch's samples from {dataset} again",
     "refetch-raised": "fetching the batch's samples from {dataset} again raised {error}",
+    "collate-raised": "collating the batch's samples from {dataset} again (its loader's collate_fn) raised {error}",
     "iterable-dataset": "the batch came from {dataset}, an iterable dataset: its samples cannot be fetched again by "
                         "index, so the op that made the value is not named",
     "indices-unseen": "the batch's indices into {dataset} were not seen (drawn before the watch began, or "
