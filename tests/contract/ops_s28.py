@@ -266,6 +266,29 @@ def _mean_teacher_targets(eps: float) -> Scenario:
     return _loop(model, 4, before, loss_of)
 
 
+def _own_prediction_through_a_buffer(eps: float) -> Scenario:
+    """The own-soft-targets row with the loss code writing the detached prediction into a slice of one of two
+    preallocated buffers, in turn (``bufs[step % 2][:, :3] = out.detach().square()``), which the loop reads back
+    through a new view the step after: the write marks the buffer, not only the slice it went through. A blank sample
+    of step 1: step 2's sharpening is 0 / 0. The twin adds eps."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3, bias=False)
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    xs[1][2] = 0.0
+    bufs = [torch.ones(5, 8), torch.ones(5, 8)]
+
+    def before(step: int) -> torch.Tensor:
+        p = bufs[(step + 1) % 2][:, :3]
+        return p / (p.sum(-1, keepdim=True) + eps)  # producer: own buffered targets
+
+    def loss_of(model: nn.Module, step: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xs[step])
+        bufs[step % 2][:, :3] = out.detach().square()
+        return F.mse_loss(out.softmax(-1), target), out
+
+    return _loop(model, 4, before, loss_of)
+
+
 def _pseudo_label_balance(eps: float) -> Scenario:
     """Class weights from the share of each class among the last step's pseudo-labels (``out.argmax(-1)``, kept by the
     loss code), ``1 / share`` looked up by the next batch's labels: a model that never predicts class 2 gives it share
@@ -357,4 +380,10 @@ CASES = [
          Expect("forward", None, step=1, op="aten.reciprocal.default", marker="running loss scale",
                 cause="division-by-zero")),
     Case("ops_s28_running_loss_mean_eps_healthy", lambda: _running_loss_scale(1e-6), None),
+    Case("ops_s28_own_prediction_written_into_buffers_in_turn_by_the_loss_code_over_a_zero_row",
+         lambda: _own_prediction_through_a_buffer(0.0),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="own buffered targets",
+                cause="division-by-zero")),
+    Case("ops_s28_own_prediction_written_into_buffers_in_turn_eps_healthy",
+         lambda: _own_prediction_through_a_buffer(1e-6), None),
 ]

@@ -305,6 +305,8 @@ def detached_from_model(ops: list[RecordedOp]) -> Detached:
                     break
             if model:
                 made += (weakref.ref(out),)  # (not ``append``: a call; a weak reference is made by its type)
+                if out._base is not None:  # (``buf[:, :4].copy_(out.detach())``: the write marks the buffer too)
+                    made += (weakref.ref(out._base),)
                 break
     return made
 
