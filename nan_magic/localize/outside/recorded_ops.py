@@ -277,16 +277,16 @@ def made_from_outside_data(ops: list[RecordedOp], tensor: torch.Tensor, earlier:
     return not derived.holds(tensor)
 
 
-def detached_from_model(ops: list[RecordedOp]) -> Detached:
-    """The tensors the loss code's records ``ops`` returned without a gradient from a model output or a parameter
-    (``out.detach()``, ``out.argmax(1) != y``, an EMA moved in place by them), held weakly for the next data region's
-    :func:`made_from_outside_data`, as the records themselves go (the step's graph with them).
+def detached_from_model(last: tuple[list[RecordedOp], Any, Any] | None) -> Detached:
+    """The tensors the loss code's records (``last``: ops, produced, rng) returned without a gradient from a model
+    output or a parameter (``out.detach()``, ``out.argmax(1) != y``, an EMA moved in place by them), held weakly for
+    the next data region's :func:`made_from_outside_data`, as the records themselves go (the step's graph with them).
 
     Runs each step as the optimizer step begins: a walk without calls (no ``id``, ``isinstance`` or tensor hash, which
     cProfile counts), only an op whose output is a plain tensor that requires no gradient looking at what it read.
     """
     made: Detached = []
-    for op in ops:
+    for op in last[0] if last is not None else ():
         out = op.out
         if type(out) is not torch.Tensor or out.requires_grad:
             continue

@@ -294,7 +294,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
             self._ops, self._produced, self._n_ops = [], {}, 0
         elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go, but what
-            self._loss_before, self._last, self._raw = detached_from_model(self._last[0]), None, False  # it detached
+            self._loss_before, self._last, self._raw = detached_from_model(self._last), None, False  # it detached
         if self._ops:  # (forgetting happens several times a step, mostly with nothing recorded)
             self._ops.clear()
             self._n_ops = 0
