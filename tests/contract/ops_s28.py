@@ -6,7 +6,8 @@ watched module, and reaches the loss; what it read decides the phase. Not data: 
 (its own soft targets), an unwatched frozen teacher's output under ``no_grad``, a running statistic of the model's
 features, a mask from the model's prediction. Data: an augmentation of the batch (its targets), a target from a lookup
 table indexed by the batch's labels. ops=True tells them apart by the op tracer's taint (localize/ops/derived.py), the
-recorded modes by the data region's records (outside/recorded_ops.made_from_outside_data). Each with its healthy twin.
+recorded modes by the data region's records (outside/recorded_ops.made_from_outside_data), with the taint carried
+through the loss region's records of the step before (what its code detached). Each with its healthy twin.
 """
 
 from __future__ import annotations
@@ -242,18 +243,102 @@ def _lookup_targets(smoothed: bool) -> Scenario:
     return _loop(model, 4, before, loss_of)
 
 
-#: Why the recorded modes call a value the loop built from a model output detached in the step before "data".
-_DETACHED_IN_THE_STEP = (
-    "phase data, not forward (module, step, op and line right): the model's output was detached (or its argmax "
-    "compared) in the step, by the loss region's ops; outside/recorded_ops.made_from_outside_data walks the data "
-    "region's records only, where the op read a plain tensor (no gradient, no node, no parameter). ops=True's taint "
-    "(localize/ops/derived.py) follows it across the step")
-_RECORDED = tuple((mode, _DETACHED_IN_THE_STEP) for mode in ("default", "defer", "full"))
+# ---------------------------------------------------------------- what the loss code kept of the step, used in the next
+def _mean_teacher_targets(eps: float) -> Scenario:
+    """A mean teacher held as a plain weight, moved by the loss code before backward (``tw.mul_(0.5).add_(
+    model.weight.detach(), alpha=0.5)``) and run by the loop on the next batch, its squared features normalised into
+    targets. A blank sample of step 2 gives the bias-free teacher zero features: 0 / 0. The twin adds eps."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4, bias=False)
+    tw = model.weight.detach().clone()
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    xs[2][1] = 0.0
+
+    def before(step: int) -> torch.Tensor:
+        h = (xs[step] @ tw.t()).square()
+        return h / (h.sum(-1, keepdim=True) + eps)  # producer: mean teacher targets
+
+    def loss_of(model: nn.Module, step: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xs[step])
+        tw.mul_(0.5).add_(model.weight.detach(), alpha=0.5)  # (the loss code moves the teacher)
+        return F.mse_loss(out.softmax(-1), target), out
+
+    return _loop(model, 4, before, loss_of)
+
+
+def _own_prediction_through_a_buffer(eps: float) -> Scenario:
+    """The own-soft-targets row with the loss code writing the detached prediction into a slice of one of two
+    preallocated buffers, in turn (``bufs[step % 2][:, :3] = out.detach().square()``), which the loop reads back
+    through a new view the step after: the write marks the buffer, not only the slice it went through. A blank sample
+    of step 1: step 2's sharpening is 0 / 0. The twin adds eps."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3, bias=False)
+    xs = [torch.randn(5, 6) for _ in range(4)]
+    xs[1][2] = 0.0
+    bufs = [torch.ones(5, 8), torch.ones(5, 8)]
+
+    def before(step: int) -> torch.Tensor:
+        p = bufs[(step + 1) % 2][:, :3]
+        return p / (p.sum(-1, keepdim=True) + eps)  # producer: own buffered targets
+
+    def loss_of(model: nn.Module, step: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xs[step])
+        bufs[step % 2][:, :3] = out.detach().square()
+        return F.mse_loss(out.softmax(-1), target), out
+
+    return _loop(model, 4, before, loss_of)
+
+
+def _pseudo_label_balance(eps: float) -> Scenario:
+    """Class weights from the share of each class among the last step's pseudo-labels (``out.argmax(-1)``, kept by the
+    loss code), ``1 / share`` looked up by the next batch's labels: a model that never predicts class 2 gives it share
+    0, and step 1's batch holds one: 1 / 0. The twin adds eps to the share."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.bias.copy_(torch.tensor([0.0, 0.0, -50.0]))
+    xs = [torch.randn(6, 4) for _ in range(4)]
+    ys = [torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([0, 1, 2, 1, 0, 1])] + [torch.tensor([0, 1, 2] * 2)] * 2
+    kept = {"labels": torch.tensor([0, 1, 2, 0, 1, 2])}
+
+    def before(step: int) -> torch.Tensor:
+        share = torch.bincount(kept["labels"], minlength=3).float() / 6
+        return 1.0 / (share + eps)  # producer: pseudo-label balance
+
+    def loss_of(model: nn.Module, step: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(xs[step])
+        kept["labels"] = logits.argmax(-1)
+        return (weights[ys[step]] * F.cross_entropy(logits, ys[step], reduction="none")).mean(), logits
+
+    return _loop(model, 4, before, loss_of)
+
+
+def _running_loss_scale(eps: float) -> Scenario:
+    """The loss normalised by the inverse of its own running mean, a tensor the loss code moves before backward
+    (``m = 0.5 * m + 0.5 * loss.detach()``, no ``.item()``) and the loop inverts before the next call. Step 0's batch
+    is fit exactly (blank inputs, zero targets, a bias-free model): the mean is 0, and step 1's inverse is 1 / 0."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2, bias=False)
+    xs, ys = [torch.randn(5, 6) for _ in range(4)], [torch.randn(5, 2) for _ in range(4)]
+    xs[0].zero_()
+    ys[0].zero_()
+    kept = {"mean": torch.zeros(())}
+
+    def before(step: int) -> torch.Tensor:
+        return 1.0 / (kept["mean"] + eps) if step else torch.ones(())  # producer: running loss scale
+
+    def loss_of(model: nn.Module, step: int, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xs[step])
+        raw = F.mse_loss(out, ys[step])
+        kept["mean"] = 0.5 * kept["mean"] + 0.5 * raw.detach()
+        return scale * raw, out
+
+    return _loop(model, 4, before, loss_of)
+
 
 CASES = [
     Case("ops_s28_own_detached_prediction_sharpened_over_a_zero_row", lambda: _own_soft_targets(0.0),
-         Expect("forward", None, step=2, op="aten.div.Tensor", marker="own soft targets", cause="division-by-zero"),
-         gaps=_RECORDED),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="own soft targets", cause="division-by-zero")),
     Case("ops_s28_own_detached_prediction_sharpened_eps_healthy", lambda: _own_soft_targets(1e-6), None),
     Case("ops_s28_unwatched_teacher_features_normalised_over_a_blank_sample", lambda: _teacher_targets(0.0),
          Expect("forward", None, step=2, op="aten.div.Tensor", marker="teacher weights", cause="division-by-zero")),
@@ -274,7 +359,7 @@ CASES = [
     Case("ops_s28_running_feature_scale_eps_healthy", lambda: _running_feature_scale(1e-6), None),
     Case("ops_s28_hard_example_weights_of_no_mistake", lambda: _hard_example_weights(False),
          Expect("forward", None, step=2, op="aten.div.Tensor", marker="hard example weights",
-                cause="division-by-zero"), gaps=_RECORDED),
+                cause="division-by-zero")),
     Case("ops_s28_hard_example_weights_fall_back_healthy", lambda: _hard_example_weights(True), None),
     Case("ops_s28_augmented_view_normalised_over_a_blank_sample", lambda: _augmented_targets(0.0),
          Expect("data", None, step=2, op="aten.div.Tensor", marker="augmented view", cause="division-by-zero")),
@@ -283,4 +368,22 @@ CASES = [
          Expect("data", None, step=1, op="aten.reciprocal.default", marker="class weights lookup",
                 cause="division-by-zero")),
     Case("ops_s28_class_weights_smoothed_healthy", lambda: _lookup_targets(True), None),
+    Case("ops_s28_mean_teacher_moved_by_the_loss_code_over_a_blank_sample", lambda: _mean_teacher_targets(0.0),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="mean teacher targets",
+                cause="division-by-zero")),
+    Case("ops_s28_mean_teacher_moved_by_the_loss_code_eps_healthy", lambda: _mean_teacher_targets(1e-6), None),
+    Case("ops_s28_pseudo_label_balance_of_a_class_never_predicted", lambda: _pseudo_label_balance(0.0),
+         Expect("forward", None, step=1, op="aten.reciprocal.default", marker="pseudo-label balance",
+                cause="division-by-zero")),
+    Case("ops_s28_pseudo_label_balance_eps_healthy", lambda: _pseudo_label_balance(1e-6), None),
+    Case("ops_s28_running_loss_mean_inverted_at_0", lambda: _running_loss_scale(0.0),
+         Expect("forward", None, step=1, op="aten.reciprocal.default", marker="running loss scale",
+                cause="division-by-zero")),
+    Case("ops_s28_running_loss_mean_eps_healthy", lambda: _running_loss_scale(1e-6), None),
+    Case("ops_s28_own_prediction_written_into_buffers_in_turn_by_the_loss_code_over_a_zero_row",
+         lambda: _own_prediction_through_a_buffer(0.0),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="own buffered targets",
+                cause="division-by-zero")),
+    Case("ops_s28_own_prediction_written_into_buffers_in_turn_eps_healthy",
+         lambda: _own_prediction_through_a_buffer(1e-6), None),
 ]

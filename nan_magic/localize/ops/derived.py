@@ -1,8 +1,9 @@
 """Which tensors the model made: the taint the live op tracer carries through the ops it sees (ops mode).
 
 PRODUCT.md's phase ``data`` is a value "built in the loop from outside data": no parameter, no model output in it.
-The recorded modes tell it from the data region's records (outside/recorded_ops.made_from_outside_data); the live
-op tracer keeps no records, so it carries this taint instead. A tensor is *model-derived* where it
+The recorded modes tell it from the data region's records (outside/recorded_ops.made_from_outside_data), with this
+taint run through them at an event, seeded with what the loss code before them detached; the live op tracer keeps no
+records, so it carries the taint as the ops run. A tensor is *model-derived* where it
 
 - requires a gradient (a model output, anything computed from a parameter with grad on, a penalty's input), or
 - is an ``nn.Parameter`` (an unwatched, frozen teacher's too: its weights are no outside data), or
@@ -53,6 +54,11 @@ class ModelDerived:
     def clear(self) -> None:
         """Forget every tensor (the tracer is left: no weak reference stays on the user's tensors)."""
         self._marked.clear()
+
+    def mark(self, made: list[torch.Tensor]) -> None:
+        """Take ``made`` as model-derived (what the loss code detached, recorded_ops.made_from_outside_data)."""
+        for tensor in made:
+            self._mark(tensor)
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Drop one tensor's weak reference (the user swaps it: patches/swaps.py)."""

@@ -18,14 +18,15 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
-from nan_magic.localize.ops.plans import arguments, plan_of
+from nan_magic.localize.ops.derived import ModelDerived
+from nan_magic.localize.ops.plans import arguments, plan_of, tensors
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
-__all__ = ["Gone", "RecordedOp", "WeakRecord", "alive", "benign_copies", "copies_from_outside", "finite_now",
-           "last_write",
+__all__ = ["Detached", "EarlierLoss", "Gone", "RecordedOp", "WeakRecord", "alive", "benign_copies",
+           "copies_from_outside", "detached_from_model", "finite_now", "last_write",
            "made_from_outside_data", "maker", "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op",
-           "swapped", "weak_record"]
+           "swapped", "weak_record", "written_by"]
 
 
 class RecordedOp(NamedTuple):
@@ -242,15 +243,81 @@ def maker(output: torch.Tensor | None, ran: list[RecordedOp], copies: dict[int, 
     return None
 
 
-def made_from_outside_data(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
+#: What a loss code made from the model's output without a gradient, weakly (:func:`detached_from_model`).
+Detached = list[weakref.ref[torch.Tensor]]
+#: That of the loss code before a data region, and its records where still held (weakened: ``keep_last``).
+EarlierLoss = tuple[Detached, list[RecordedOp] | None]
+
+
+def made_from_outside_data(ops: list[RecordedOp], tensor: torch.Tensor, earlier: EarlierLoss = ([], None)) -> bool:
     """Whether the recorded ops that made ``tensor`` (its ancestors among ``ops``, by id or by memory: a write through
     a view) read only plain tensors from outside them: none a parameter, none that requires a gradient or came from
-    autograd (a model's output).
+    autograd (a model's output), none that the loss code before them made from one (``earlier``).
 
     A target the loop built from its annotations (FCOS's centerness from box distances) is data (PRODUCT.md: "a
     tensor built in the loop from outside data"); a center loss's centers moved by the model's features, or an
-    unwatched teacher's output (its parameters), are not. Read at an event only.
+    unwatched teacher's output (its parameters), are not; nor are the model's own soft targets, detached by the loss
+    code of the step before (``kept = out.detach().square()``), or a mask of its mistakes (``out.argmax(1) != y``),
+    which the data region's records see as plain tensors. Read at an event only.
     """
+    if not _from_plain_reads(ops, tensor):
+        return False
+    detached, last = earlier
+    if not detached and not last:
+        return True
+    # ops mode's taint (localize/ops/derived.py), seeded with them and carried through the records in order: a tensor
+    # whose record is gone marks nothing; one overwritten (``copy_`` from the annotations) is outside data again. The
+    # table is local: its weak references go with it.
+    derived = ModelDerived()
+    derived.mark([made for ref in detached if (made := ref()) is not None])  # (not ``tensor``: a walrus binds here)
+    for op in [*(last or ()), *ops]:
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if plan is not None:
+            derived.after_op(plan, *(tree_map(_live, part) for part in (op.args, op.kwargs, op.out)))
+    return not derived.holds(tensor)
+
+
+def detached_from_model(last: tuple[list[RecordedOp], Any, Any] | None) -> Detached:
+    """The tensors the loss code's records (``last``: ops, produced, rng) returned without a gradient from a model
+    output or a parameter (``out.detach()``, ``out.argmax(1) != y``, an EMA moved in place by them), held weakly for
+    the next data region's :func:`made_from_outside_data`, as the records themselves go (the step's graph with them).
+
+    Runs each step as the optimizer step begins: a walk without calls (no ``id``, ``isinstance`` or tensor hash, which
+    cProfile counts), only an op whose output is a plain tensor that requires no gradient looking at what it read.
+    """
+    made: Detached = []
+    for op in last[0] if last is not None else ():
+        out = op.out
+        if type(out) is not torch.Tensor or out.requires_grad:
+            continue
+        model = False
+        for value in op.args:
+            # (A list argument, ``torch.stack([...])``: one level, as dispatched.)
+            for item in (value if type(value) is list or type(value) is tuple else (value,)):
+                kind = type(item)
+                if kind is torch.Tensor:
+                    model = item.requires_grad
+                    for seen in made:  # (by identity: a tensor's hash is a Python call)
+                        model = model or seen() is item
+                elif kind is torch.nn.Parameter:  # (a frozen one: an unwatched teacher's)
+                    model = True
+                if model:
+                    break
+            if model:
+                made += (weakref.ref(out),)  # (not ``append``: a call; a weak reference is made by its type)
+                if out._base is not None:  # (``buf[:, :4].copy_(out.detach())``: the write marks the buffer too)
+                    made += (weakref.ref(out._base),)
+                break
+    return made
+
+
+def _live(value: Any) -> Any:
+    """A recorded value as it is now: a weakened record's tensor (None where freed)."""
+    return value.ref() if isinstance(value, WeakRecord) else value
+
+
+def _from_plain_reads(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
+    """:func:`made_from_outside_data` within ``ops`` alone."""
     keys, memory = {id(tensor)}, {_memory_of(tensor)}
     made: set[int] = set()
     for op in reversed(ops):
@@ -358,3 +425,16 @@ def _made_by(ops: list[RecordedOp], tensor: torch.Tensor) -> bool:
                 out.untyped_storage().data_ptr() == address):
             return True
     return False
+
+
+def written_by(ops: list[RecordedOp]) -> list[torch.Tensor]:
+    """The tensors ``ops`` wrote in place, each once, in the order first written."""
+    seen: dict[int, torch.Tensor] = {}
+    for op in ops:
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if plan is None or not plan.writes:
+            continue
+        for _label, tensor in tensors(plan, op.args, op.kwargs, plan.writes):
+            if isinstance(tensor, torch.Tensor):
+                seen.setdefault(id(tensor), tensor)
+    return list(seen.values())

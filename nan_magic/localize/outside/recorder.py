@@ -61,7 +61,7 @@ from nan_magic.localize.outside.held import (
     weakened,
 )
 from nan_magic.localize.outside.op_entries import PASS, SEEDED_OP, ZERO_GRAD_CODES, op_entry, passes
-from nan_magic.localize.outside.recorded_ops import RecordedOp
+from nan_magic.localize.outside.recorded_ops import RecordedOp, detached_from_model
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.records import Note
 
@@ -287,14 +287,14 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 held.forget()
         if last:
             self._last = self._data = self._data_head = self._data_prior = None
-            self._data_before, self._data_calls = {}, {}
+            self._data_before, self._data_calls, self._loss_before = {}, {}, []
         elif self._ops and self._region == "loss" and (self.keep_last or self.stepped):
             if self.keep_last:
                 self.weaken(detach=True)
             self._last, self._raw = (self._ops, self._produced, self._rng), not self.keep_last
             self._ops, self._produced, self._n_ops = [], {}, 0
-        elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go
-            self._last, self._raw = None, False
+        elif self._raw:  # the optimizer step began (or the next batch): the records held as recorded go, but what
+            self._loss_before, self._last, self._raw = detached_from_model(self._last), None, False  # it detached
         if self._ops:  # (forgetting happens several times a step, mostly with nothing recorded)
             self._ops.clear()
             self._n_ops = 0

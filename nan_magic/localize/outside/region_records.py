@@ -21,11 +21,13 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.rng import RngState, generators_at
 from nan_magic.localize.ops.origins import OpFinding
-from nan_magic.localize.ops.plans import Plan, plan_of, tensors
+from nan_magic.localize.ops.plans import Plan
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.applied import Applied, rerun_applied
 from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL, small_frames, still_running
 from nan_magic.localize.outside.recorded_ops import (
+    Detached,
+    EarlierLoss,
     Gone,
     RecordedOp,
     WeakRecord,
@@ -41,6 +43,7 @@ from nan_magic.localize.outside.recorded_ops import (
     record_key,
     rerun_op,
     with_early_loss_code,
+    written_by,
 )
 from nan_magic.records import Note
 
@@ -74,6 +77,7 @@ class RegionRecords:
         # The last loss region's records, kept by forget(): (ops, produced, rng).
         self._last: tuple[list[RecordedOp], dict[int, int], RngState | None] | None = None
         self._raw = False  # whether ``_last`` holds them as recorded (the step's graph with them: forget)
+        self._loss_before: Detached = []  # what the loss code before those detached of the model, weakly (forget)
         # The last data region's records, kept by forget() through the loss region (until the deferred check has
         # judged the batch they made, with the recorder's ``holds_data``): (ops, produced, rng).
         self._data: _Records | None = None
@@ -160,15 +164,7 @@ class RegionRecords:
 
     def written(self) -> list[torch.Tensor]:
         """The tensors the recorded ops wrote in place, each once, in the order first written."""
-        seen: dict[int, torch.Tensor] = {}
-        for op in self._ops:
-            plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
-            if plan is None or not plan.writes:
-                continue
-            for _label, tensor in tensors(plan, op.args, op.kwargs, plan.writes):
-                if isinstance(tensor, torch.Tensor):
-                    seen.setdefault(id(tensor), tensor)
-        return list(seen.values())
+        return written_by(self._ops)
 
     def adopt(self, other: RegionRecords) -> None:
         """Go on with ``other``'s records after this region's own: the update region's code, which a second
@@ -201,18 +197,18 @@ class RegionRecords:
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before, written)
             self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
-                self._data[0], tensor)
+                self._data[0], tensor, self._earlier_loss())
         if found is None and (head := self._data_head) is not None and head[0] is not self._data:
             found = self._claim_in(head[0], tensor, key, head[1], written)
             self.claimed_from_data = found is not None and tensor is not None and made_from_outside_data(
-                head[0][0], tensor)
+                head[0][0], tensor, self._earlier_loss())
         if found is None and self._data is not None and tensor is not None:
             found = self._claim_written(tensor, self._data)
         if found is None and tensor is not None and (prior := self._data_prior) is not None and (
                 prior[0] is not self._data):
             found = self._claim_in(prior[0], tensor, key, prior[1], written)
             if found is not None:  # (the frames of the code that ran it: the report's calls, calls_to)
-                self.claimed_from_data = made_from_outside_data(prior[0][0], tensor)
+                self.claimed_from_data = made_from_outside_data(prior[0][0], tensor, self._earlier_loss())
                 self._data_calls = {**prior[2], **self._data_calls}
         return found
 
@@ -236,9 +232,13 @@ class RegionRecords:
                 if found is not None:
                     # What the data code built from outside data alone, which the loss code read: data, not loss code.
                     self.claimed_from_data = read is not tensor and made_from_outside_data(
-                        data_ops[: last + 1] if last >= 0 else data_ops, read)
+                        data_ops[: last + 1] if last >= 0 else data_ops, read, self._earlier_loss())
                     return found
         return None
+
+    def _earlier_loss(self) -> EarlierLoss:
+        """What the loss code before the data region's made from the model (``_last`` as recorded is this step's)."""
+        return self._loss_before, (self._last[0] if self._last is not None and not self._raw else None)
 
     def made_deliberately(self, tensor: torch.Tensor) -> bool:
         """Whether the recorded ops made ``tensor``'s non-finite values from a deliberate infinity alone.
