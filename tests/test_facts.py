@@ -336,6 +336,8 @@ _DOTS_READ = {
     ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
     ("localize/ops/sources.py", "hook_definer"): "Python's co_qualname of a hook's code (its class), not a module name",
     ("localize/ops/sources.py", "defined_below"): "Python's co_qualname of a forward line's code (its class), as above",
+    ("localize/op_origins.py", "birth_order"): "torch's qualified names of the live model: a parameter's (from "
+                                               "named_parameters) under its module's path (from named_modules)",
 }
 _BY_DOTS = {"count", "split", "rsplit", "partition", "rpartition", "find", "rfind", "index", "rindex"}
 
