@@ -1,76 +1,31 @@
 """Many processes: every rank stops at one rank's event, and names the rank that found it.
 
-Under ``torch.distributed`` (DDP, FSDP, ``torchrun``) each rank runs its own
-watch. A rank that raises alone leaves the others waiting in a collective.
-What gloo does then (measured on torch 2.13, CPU, see the test file
-``tests/test_distributed.py``):
+docs/how-it-watches.md ("Many processes") says why and where the ranks agree. What gloo does to a rank that
+raises alone (torch 2.13, CPU, ``tests/test_distributed.py``): if the failing rank exits, its peers get
+"Connection closed by peer" within about two seconds; if it stays alive (``try/except``, a notebook), they wait in
+DDP's all-reduce until the process-group timeout, and ``ProcessGroup.abort()`` closes no connection on gloo; a
+one-element all-reduce issued while the others are in DDP's bucket all-reduce aborts the process
+(``gloo::EnforceNotMet``). So an agreement collective is issued only where every rank is, with no DDP collective
+pending:
 
-* the failing rank raises and its process exits: the others get
-  "Connection closed by peer" from their pending collective within about
-  two seconds; no hang, but an error that names nothing;
-* the failing rank raises and stays alive (``try/except``, a notebook): the
-  others wait in DDP's gradient all-reduce until the process-group timeout.
-  ``ProcessGroup.abort()`` does not help: on gloo it closes no connection
-  (measured: the peers still wait, until the failing process exits);
-* the failing rank issues a one-element all-reduce while the others are in
-  DDP's bucket all-reduce: gloo aborts the process (``gloo::EnforceNotMet``,
-  SIGABRT). An agreement collective may therefore only be issued at a point
-  every rank reaches with no DDP collective pending.
+* **The optimizer step's pre-hook** (of an optimizer that steps a watched DDP or FSDP model; a probe one rank
+  steps for itself issues none), and a GradScaler's skipped ``scaler.step`` in its place (every rank skips the
+  same step: ``found_inf`` is the same on all). Under a process group the checks are deferred and judged there.
+  Each rank takes part in one all-reduce (MAX) of an integer that encodes which rank found the most telling event
+  (:meth:`Agreement.settle`); that rank puts its pickled report in the store so the others can name it.
+* **The watch's exit**, through the store (a bounded wait, not a hang): each rank posts what it found and waits
+  for the others' posts (:meth:`Agreement.leave`); a rank leaving by an exception counts itself in without
+  waiting (:meth:`Agreement.left_by`). Only a watch of a DDP or FSDP model does this (lockstep.py).
 
-So the ranks agree at **agreement points**, and a rank never raises alone
-between them:
+An event judged between agreement points of a lockstep watch is **held** (:meth:`Agreement.hold`): the rank checks
+nothing more and raises with the others at the next point; the step that would apply it is not taken. A rank that
+must raise alone posts its report on the store's **stop channel** (:meth:`Agreement.post`), read by an inference
+watch after each step, by a rank whose collective failed or timed out, and by a rank waiting at the exit.
 
-* **The optimizer step's pre-hook** (of an optimizer that steps a watched
-  DDP or FSDP model: one that a single rank steps for itself, a probe,
-  must not issue a collective the others never join), which every rank
-  reaches after backward (DDP's all-reduce is complete) and before the
-  step; and a GradScaler's skipped ``scaler.step`` in its place (every
-  rank skips the same step: DDP's gradients, and so ``found_inf``, are the
-  same on all, and FSDP's ShardedGradScaler all-reduces it). Under a process group
-  the watch defers its checks (``defer=True``): every event of a step, data,
-  forward, loss and backward, is judged there, in the one host read it
-  already makes. Each rank takes part in exactly one all-reduce (MAX) of a
-  one-element integer that encodes which rank found the most telling event
-  (:meth:`Agreement.settle`). A rank that found one first puts its pickled
-  report in the process group's store, so the others can name it.
-* **The watch's exit**, through the store rather than a collective (a rank
-  that stopped elsewhere must cost the others a bounded wait, not a hang):
-  each rank posts what it found and waits for the others' posts
-  (:meth:`Agreement.leave`); a rank leaving by an exception counts itself
-  in without waiting (:meth:`Agreement.left_by`), so that the others
-  neither wait for it nor lose count of the rounds. Only a watch of a DDP
-  or FSDP model does this (every rank leaves it at the same point); one of
-  models each rank has for itself does not (lockstep.py).
-
-An event judged between agreement points in a *lockstep* watch, one whose
-ranks step together (an FSDP model, or a DDP model trained or syncing its
-buffers: lockstep.py), is **held**: ``defer=False`` checks mid-forward, a
-backward without a step (gradient accumulation), the last step's parameters
-at the exit (:meth:`Agreement.hold`). The rank goes on, checks nothing more, and
-raises with the others at the next point, at most one step later. The
-optimizer step that would apply the non-finite values is never taken.
-
-A rank that must raise alone (a watch not in lockstep, which has no point
-where all ranks meet; an exception out of the watch while an event is held) posts
-its report through the store's **stop channel** (:meth:`Agreement.post`),
-which the others read:
-
-* an inference watch reads the channel after each step (one store round
-  trip, about 50 µs on one host; only under a process group and only where
-  no optimizer steps), so the other ranks stop at their next step;
-* a rank whose collective fails because the failing rank exited ("Connection
-  closed by peer") or timed out reads it as its watch is left, and raises
-  the failing rank's error ``from`` the collective's;
-* a rank waiting at the exit for a rank that stopped reads it there.
-
-Not covered: a failing rank that stays alive after an exception broke its
-step before the next agreement point (its peers then wait in their
-collective until the process group's timeout, as without a watch; when it
-exits they name its event); a failing rank 0 that serves the store itself
-(``init_method="tcp://"``, not ``torchrun``, whose agent serves it) and
-exits: the others then get gloo's error alone. Every rank must enter the
-watch: a watch entered on one rank only, over a DDP model, waits in DDP's
-own collectives anyway.
+Not covered: a failing rank that stays alive after an exception broke its step before the next agreement point
+(its peers wait until the process group's timeout, as without a watch; when it exits they name its event); a
+failing rank 0 that serves the store itself (``init_method="tcp://"``, not ``torchrun``) and exits. Every rank must
+enter the watch.
 """
 
 from __future__ import annotations
