@@ -35,85 +35,49 @@ __all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "Picked", "appl
 
 @dataclass(frozen=True)
 class OpFinding:
-    """The producer op: the first op whose output held a new non-finite kind.
+    """The producer op: the first op whose output held a new non-finite kind."""
 
-    Attributes
-    ----------
-    op
-        The aten overload, e.g. ``"aten.div.Tensor"``.
-    phase
-        ``forward``, ``backward`` (the op ran inside the autograd engine) or
-        what the tracer's ``phase_hint`` said (``optimizer``).
-    module
-        What the tracer's ``module_name`` callable returned at the op; for a
-        backward op, what it returned when the forward op that created the
-        node ran.
-    source
-        The innermost frame that is the user's code (outside torch and
-        nan_magic): the line that ran the op, ``loss.backward()`` or
-        ``opt.step()``. ``None`` when no such frame is on the stack (a backward
-        op on an autograd worker thread).
-    inner_source
-        The innermost Python frame below ``source`` that ran the op, e.g. in
-        ``torch/nn/functional.py``; ``None`` when it is ``source`` itself.
-    forward_source
-        For a backward op, the user's line in the forward pass that created
-        the autograd node being executed (see :class:`OpTracer`).
-    autograd_node
-        For a backward op, the name of that node, e.g. ``"SqrtBackward0"``.
-    tensor
-        Which output went bad: ``"output"``, ``"output[1]"``, or for an
-        in-place op without a return value the mutated argument (``"self[3]"``).
-    new_kinds
-        The watched kinds the output held and no input held, in
-        :data:`nan_magic.records.KINDS` order.
-    nan, posinf, neginf, numel
-        Counts of that output.
-    output_stats
-        Statistics of that output.
-    input_stats
-        ``(operand, stats)`` of every tensor input, named by schema argument
-        (``"self"``, ``"other"``, ``"tensors[2]"``). The value of an in-place
-        op's mutated tensor before the op is marked ``before`` and is known
-        only through its probe (counts of a present kind are None).
-    scalars
-        ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
-    backward_code
-        For a backward op: it ran in Python code that the autograd engine
-        called (a custom ``autograd.Function``'s ``backward``, a gradient
-        hook), and ``source`` is that code's line, where the op ran.
-    absorbed
-        For a backward op: the forward op whose non-finite output it read
-        although that value never reached a boundary in forward (absorbed by
-        ``torch.where`` or ``tanh``), e.g. ``exp`` for ``0 * inf`` in
-        ``ExpBackward0``; None otherwise.
-    node_number
-        For a backward op: its node's ``_sequence_nr()``, which names the forward op's line
-        (:class:`~nan_magic.localize.ops.sources.NodeSources`) and, counted from a replayed call's
-        start, where a replay of that call makes the node again (replay/line_replay.py).
-    """
-
+    #: The aten overload, e.g. ``"aten.div.Tensor"``.
     op: str
+    #: ``forward``, ``backward`` (run inside the autograd engine), or the tracer's ``phase_hint`` (``optimizer``).
     phase: Phase
+    #: The tracer's ``module_name()`` at the op; for a backward op, when its node's forward op ran.
     module: str | None
+    #: The innermost frame of the user's code (outside torch and nan_magic) that ran the op, ``loss.backward()`` or
+    #: ``opt.step()``; None where none is on the stack (a backward op on an autograd worker thread).
     source: SourcePointer | None
+    #: The innermost Python frame below ``source`` that ran the op (``torch/nn/functional.py``), None if ``source``.
     inner_source: SourcePointer | None
+    #: For a backward op, the user's forward line that created its autograd node (:class:`OpTracer`).
     forward_source: SourcePointer | None
+    #: For a backward op, its node's name, e.g. ``"SqrtBackward0"``.
     autograd_node: str | None
+    #: The output that went bad: ``"output"``, ``"output[1]"``, or an in-place op's mutated argument (``"self[3]"``).
     tensor: str
+    #: The watched kinds the output held and no input held, in :data:`nan_magic.records.KINDS` order.
     new_kinds: tuple[str, ...]
     nan: int
     posinf: int
     neginf: int
     numel: int
     output_stats: TensorStats
+    #: Every tensor input by schema argument (``"self"``, ``"tensors[2]"``); an in-place op's mutated tensor before
+    #: the op is marked ``before`` and known only through its probe (counts of a present kind are None).
     input_stats: tuple[tuple[TensorRef, TensorStats], ...]
+    #: ``(name, value)`` of the numeric scalar arguments (``eps``, ``alpha``).
     scalars: tuple[tuple[str, float], ...]
+    #: For a backward op: the forward op whose non-finite output it read though no boundary saw that value
+    #: (absorbed by ``torch.where`` or ``tanh``), e.g. ``exp`` for ``0 * inf`` in ``ExpBackward0``.
     absorbed: OpFinding | None = None
+    #: For a backward op: it ran in Python code the autograd engine called (a custom ``autograd.Function``'s
+    #: ``backward``, a gradient hook), and ``source`` is that code's line.
     backward_code: bool = False
     #: Small samples of the op's output and operands, drawn when it ran: for the histograms of a
     #: report whose op output is freed before the boundary that claims it (most intermediates).
     samples: tuple[Sample, ...] = ()
+    #: For a backward op: its node's ``_sequence_nr()``, which names the forward op's line
+    #: (:class:`~nan_magic.localize.ops.sources.NodeSources`) and, counted from a replayed call's
+    #: start, where a replay of that call makes the node again (replay/line_replay.py).
     node_number: int | None = None
     #: The torch function the line called whose own number the op read (``logdet``: called.py), else None.
     own_number: str | None = None

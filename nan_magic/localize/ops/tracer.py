@@ -107,32 +107,18 @@ def _no_module() -> str | None:
 class OpTracer(OriginRules, TorchDispatchMode):
     """Find the producer op of the first non-finite value while active.
 
-    Parameters
-    ----------
-    kinds
-        Which kinds count: any of ``"nan"`` and ``"inf"`` (both signs).
-    module_name
-        Called at a finding; returns the qualified name of the module running
-        (the watch keeps a module stack), or None.
-    on_finding
-        Called once, with the finding, inside the producing op (not with ``at_boundary``). It may raise to stop the
-        program at that op; the exception leaves through the op (and, in backward, through ``loss.backward()``).
-    phase_hint
-        Called at a finding outside the autograd engine; a non-None phase
-        (``Phase.OPTIMIZER`` while an optimizer steps) overrides ``forward``.
-    at_boundary
-        Record origins only; the finding is the origin that :meth:`claim` finds for a tensor at a boundary (ops mode).
-        Without it, the first origin is the finding.
-    outside_benign
-        A non-finite value from outside the trace counts as benign: in a replay of a module that the watch found to be
-        the producer, it is what the module received (e.g. a masked row's -inf). Otherwise only a mask-like one does,
-        and any other carries no origin.
+    ``kinds``: any of ``"nan"`` and ``"inf"`` (both signs). ``module_name()`` is called at a finding: the
+    qualified name of the module running (the watch keeps a module stack), or None. ``on_finding`` is called once,
+    with the finding, inside the producing op (not with ``at_boundary``): it may raise to stop the program there,
+    through the op (and, in backward, through ``loss.backward()``). ``phase_hint()``, called at a finding outside
+    the autograd engine, overrides ``forward`` with a non-None phase (``Phase.OPTIMIZER`` while an optimizer
+    steps). With ``at_boundary`` (ops mode) origins are only recorded and the finding is the origin :meth:`claim`
+    finds for a tensor at a boundary; without it, the first origin is the finding. With ``outside_benign`` (a
+    replay of a module the watch found to be the producer) a non-finite value from outside the trace is what the
+    module received (a masked row's -inf) and counts as benign; otherwise only a mask-like one does.
 
-    Notes
-    -----
-    ``forward_source`` of a backward finding is the user's line that created
-    the autograd node being executed, noted while the forward ran by
-    :class:`~nan_magic.localize.ops.sources.NodeSources` (a counter read per op,
+    A backward finding's ``forward_source`` is the user's line that created the autograd node being executed,
+    noted while the forward ran by :class:`~nan_magic.localize.ops.sources.NodeSources` (a counter read per op,
     a short stack walk per node created).
 
     Examples

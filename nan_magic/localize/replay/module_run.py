@@ -51,33 +51,20 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What a replay found.
-
-    Attributes
-    ----------
-    finding
-        The producer op inside the module, or None.
-    reproduced
-        Whether the replay produced a non-finite value again (then
-        ``finding`` is set).
-    note
-        Why there is no finding; None when there is one.
-    held_by_inputs
-        The replay's output was non-finite but no op inside produced it: its
-        inputs, parameters, buffers or scalar arguments (``masked_fill(mask,
-        -inf)``) already held that kind.
-    frame
-        The user's frame that ran the producing op in the replay (the
-        producer's ``forward``), at that line with the locals the line left
-        (line_state.py), for ``%debug``; None without a finding.
-    """
+    """What a replay found: the producer op inside the module, or why there is none."""
 
     finding: OpFinding | None
+    #: Whether the replay made a non-finite value again (then ``finding`` is set).
     reproduced: bool
+    #: Why there is no finding; None when there is one.
     note: Note | None = None
+    #: The output was non-finite but no op inside made it: its inputs, parameters, buffers or scalar arguments
+    #: (``masked_fill(mask, -inf)``) already held that kind.
     held_by_inputs: bool = False
     #: The tracer's copies of the producer op's output, then its tensor inputs, by name.
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+    #: The user's frame that ran the producing op in the replay, at that line with the locals it left
+    #: (line_state.py), for ``%debug``; None without a finding.
     frame: FrameType | None = None
     #: Modules (qualified names) whose code made or carried on a deliberate infinity during the replay.
     benign_modules: frozenset[str | None] = frozenset()
@@ -96,40 +83,17 @@ def replay_module(
     autocast: AutocastState | None = None,
     saving: bool = False,
 ) -> ReplayResult:
-    """Run ``module(*args, **kwargs)`` again under an :class:`OpTracer`.
+    """Run ``module(*args, **kwargs)`` again under an :class:`OpTracer`: the producer op, or why there is none.
 
-    Parameters
-    ----------
-    module
-        The module whose call produced a non-finite value.
-    args, kwargs
-        The arguments that call received (what ``module.__call__`` got, so
-        that the user's own pre-hooks see them again). They are copied first:
-        a forward that works in place on its input must not change the
-        user's tensors a second time.
-    rng_state
-        :func:`capture_rng_state` from right before the original call, so that
-        dropout draws the same mask; None for a module that draws no random
-        numbers (``deterministic.draws_no_random``).
-    kinds
-        The kinds that count, as in :class:`OpTracer`.
-    module_name
-        Qualified name of ``module``; the finding names submodules under it
-        (``"encoder.2.attn"``).
-    autocast
-        :func:`capture_autocast` from the original call, for a replay that
-        runs outside the user's autocast block.
-    saving
-        Gradients on, as a training call ran: autograd then keeps the inputs of the ops it differentiates (a masked
-        max's input, which a later op names: ops/origins.Picked), where a no_grad replay frees each as a line ends.
+    ``args``/``kwargs`` are what ``module.__call__`` got (so the user's pre-hooks see them again), copied first: a
+    forward that works in place on its input must not change the user's tensors twice. ``rng_state`` is
+    :func:`capture_rng_state` from right before the original call, so dropout draws the same mask (None for a
+    module that draws no random numbers: ``deterministic.draws_no_random``); ``autocast`` is
+    :func:`capture_autocast` of the original call, for a replay outside the user's autocast block;
+    ``module_name`` prefixes the submodules the finding names. ``saving`` turns gradients on, as a training call
+    ran: autograd then keeps the inputs of the ops it differentiates (a masked max's input, which a later op names:
+    ops/origins.Picked), where a no_grad replay frees each as a line ends.
 
-    Returns
-    -------
-    ReplayResult
-        The producer op, or why there is none.
-
-    Notes
-    -----
     Call it where the original call ran (inside the watch's hook): autocast and the module's train/eval mode
     must be the same. Without ``saving`` the replay runs under ``no_grad``; a module that takes another path
     then (``nn.TransformerEncoderLayer``'s fused inference path) may compute differently.
