@@ -67,12 +67,17 @@ def histogram_figure(samples: Sequence[Sample], zeros: bool = False) -> Figure:
     figure = Figure(figsize=(_PANEL[0] * columns, _PANEL[1] * rows), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     if not samples:
-        axes = figure.add_subplot()
-        axes.set_axis_off()
-        axes.text(0.5, 0.5, "no samples recorded", ha="center", va="center")
-        return figure
+        return _saying(figure, "no samples recorded")
     for position, sample in enumerate(samples, start=1):
         draw_histogram(figure.add_subplot(rows, columns, position), sample, zeros)
+    return figure
+
+
+def _saying(figure: Figure, text: str) -> Figure:
+    """``figure`` with nothing to plot: one panel without axes that says why."""
+    axes = figure.add_subplot()
+    axes.set_axis_off()
+    axes.text(0.5, 0.5, text, ha="center", va="center")
     return figure
 
 
@@ -210,10 +215,7 @@ def history_figure(
     figure = Figure(figsize=(8.0, 1.8 * max(1, len(fields)) + 0.5), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     if not fields:
-        axes = figure.add_subplot()
-        axes.set_axis_off()
-        axes.text(0.5, 0.5, "fewer than two steps recorded: nothing to plot", ha="center", va="center")
-        return figure
+        return _saying(figure, "fewer than two steps recorded: nothing to plot")
     panels = figure.subplots(len(fields), 1, sharex=True, squeeze=False)[:, 0]
     failing = {entry.step: entry for entry in history if entry.nonfinite}
     if failing_step is not None and failing_step not in failing:

@@ -83,13 +83,7 @@ class SceneSource:
     arguments: Callable[[Call], tuple[tuple[Any, ...], dict[str, Any]] | None] = lambda _call: None
 
 SCENE_FORMAT = "nan_magic.scene"
-#: 7: the early warnings', the optimizer notes' and the optimizer causes' tensors are typed references (load_scene
-#: rebuilds an older warning's or note's from the argument's path or the parameter's name it stored, and shows an
-#: older cause's words as written); 6: each layer row names its tensor by a typed reference (load_scene shows an
-#: older row's words as written); 5: each layer row holds its module's path (load_scene reads an older row's from
-#: its module's name); 4: early warnings are data; 3: the report's notes are data (a kind and its facts); 2 stored
-#: them as sentences (load_scene shows those as they are); 1 pickled the report as nan_magic's records, which a
-#: plain safe load refuses.
+#: Raised as what a scene holds changes; load_scene reads each older version's parts where it meets them.
 SCENE_VERSION = 7
 
 #: What a scene file holds (a dict with these keys; a part that could not be
