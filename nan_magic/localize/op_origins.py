@@ -42,20 +42,11 @@ __all__ = ["OpOrigins"]
 class OpOrigins:
     """Where a boundary tensor's non-finite values started, from the op tracer or the outside recorder.
 
-    Parameters
-    ----------
-    outside
-        The tiered watch's recorder of the code outside the models, or None.
-    emit
-        Records an event (:meth:`Watch.emit`).
-    on_gradient_event
-        Records a backward event, held while a GradScaler may skip the step.
-    info_by_name
-        The info of a watched module by qualified name.
-    infos
-        Every watched module's info (a direct child's backward node: :meth:`_within`).
-    info_by_id
-        The info of a watched module by the module's ``id`` (which of several of a class: :meth:`_owned`).
+    ``outside`` is the tiered watch's recorder of the code outside the models, or None; ``emit`` records an event
+    (:meth:`Watch.emit`), ``on_gradient_event`` a backward one, held while a GradScaler may skip the step. The
+    watched modules' infos come by qualified name (``info_by_name``), all together (``infos``: a direct child's
+    backward node, :meth:`_within`) and by the module's ``id`` (``info_by_id``: which of several of a class,
+    :meth:`_owned`).
     """
 
     def __init__(

@@ -303,13 +303,8 @@ class NodeSources:
     ``torch._C._current_autograd_node()._sequence_nr()`` looks that line up
     (:meth:`forward_source`). This costs a counter read per op and a short
     stack walk per node created, unlike anomaly mode, which formats a full
-    traceback per node. The most recent :data:`MAX_SOURCES` nodes are remembered.
-
-    Parameters
-    ----------
-    module_name
-        Returns the qualified name of the module running, or None; noted with
-        each line.
+    traceback per node. The most recent :data:`MAX_SOURCES` nodes are remembered, each with what
+    ``module_name()`` (the qualified name of the module running, or None) said as it was noted.
     """
 
     def __init__(self, module_name: Callable[[], str | None]) -> None:
