@@ -32,14 +32,9 @@ WIDGET_PLAIN = "nan_magic report widget (the static report is the output above)"
 def mimebundle(report: Report) -> dict[str, Any]:
     """The MIME bundle for ``Report._repr_mimebundle_``.
 
-    Returns
-    -------
-    dict
-        Inside an IPython kernel with ipywidgets importable: the widget view
-        and a one-line ``text/plain``, after the static report was published
-        as an output of its own. Elsewhere (or when the widget fails):
-        ``text/plain`` (the text report) and ``text/html`` (the static
-        report) unless that failed to render.
+    Inside an IPython kernel with ipywidgets importable: the widget view and a one-line ``text/plain``, after the
+    static report was published as an output of its own. Elsewhere (or when the widget fails): ``text/plain`` (the
+    text report) and ``text/html`` (the static report) unless that failed to render.
     """
     bundle: dict[str, Any] = {"text/plain": render_text(report)}
     static_id = f"nan-magic-{uuid.uuid4().hex[:12]}"

@@ -189,14 +189,8 @@ def source_html(pointer: SourcePointer | None, title: str = "Source") -> str:
 def layers_table_html(
     layers: tuple[LayerCall, ...], limit: int = HTML_MAX_ROWS
 ) -> tuple[str, str]:
-    """The styled table of at most ``limit`` rows around the producer.
-
-    Returns
-    -------
-    tuple of str
-        The table HTML (in a scrolling box) and the message saying what
-        was cut (empty when nothing was).
-    """
+    """The styled table of at most ``limit`` rows around the producer (in a scrolling box), and the message
+    saying what was cut (empty when nothing was)."""
     if not layers:
         return "<p>No layer calls recorded.</p>", ""
     focus = producer_position(layers)

@@ -39,21 +39,12 @@ _MAX_CELL = 40
 
 
 def render_text(report: Report, compact: bool = False) -> str:
-    """Render ``report`` as a plain-text report.
+    """``report`` as a plain-text report (:func:`render_compact_text` with ``compact``: the note under a script's
+    uncaught NonFiniteError).
 
-    Parameters
-    ----------
-    report
-        The report to render; its per-layer table shows :data:`TEXT_MAX_ROWS` rows at most, those around
-        the producer, the others summarised as ``"N rows cut"``.
-    compact
-        :func:`render_compact_text` instead: the note under a script's uncaught NonFiniteError.
-
-    Returns
-    -------
-    str
-        Headline, cause, fixes, producer facts, the producer's histograms, per-layer table and the
-        frame ``%debug`` opens, separated by blank lines.
+    Headline, cause, fixes, producer facts, the producer's histograms, per-layer table (:data:`TEXT_MAX_ROWS` rows
+    at most, those around the producer, the others summarised as ``"N rows cut"``) and the frame ``%debug`` opens,
+    separated by blank lines.
     """
     if compact:
         return render_compact_text(report)

@@ -54,18 +54,10 @@ PANEL_HEIGHT = "560px"
 
 
 def build_widget(report: Report, hides: str | None = None) -> widgets.Tab:
-    """Build the tabbed report widget.
+    """The tabbed report widget: Summary, Layers, Histograms, Debug and History.
 
-    Parameters
-    ----------
-    hides
-        The element id of this report's static copy, hidden while the
-        widget shows (the style lives in the widget, so it goes with it).
-
-    Returns
-    -------
-    ipywidgets.Tab
-        Tabs Summary, Layers, Histograms, Debug and History.
+    ``hides`` is the element id of this report's static copy, hidden while the widget shows (the style lives in
+    the widget, so it goes with it).
     """
     hide = hide_static_css(hides) if hides else ""
     children = [
