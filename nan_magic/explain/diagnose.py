@@ -154,20 +154,8 @@ EXPLOSION_FACTOR = 1e6
 DECAY_BOUND = 1.0
 
 def diagnose(report: Report) -> Cause:
-    """The likely cause of ``report``'s event, with its evidence and a fix.
-
-    Parameters
-    ----------
-    report
-        A report without a cause (the watch sets ``grad-scaler-collapse``
-        itself and does not call this then).
-
-    Returns
-    -------
-    Cause
-        One of :data:`LABELS`, a hint naming the tensor, parameter or module
-        concerned with its numbers, and the evidence lines behind it.
-    """
+    """The likely cause of ``report``'s event: one of :data:`LABELS`, a hint naming the tensor, parameter or module
+    concerned with its numbers, and the evidence behind it (the watch sets ``grad-scaler-collapse`` itself)."""
     if report.benign:
         return event_cause("unclassified", "benign", report)
     cause = _with_absorbed(report, _local_cause(report))

@@ -85,13 +85,8 @@ class _Kept:
 
 
 class LastGood:
-    """The watch's copy of its state after the last step that ended finite.
-
-    Parameters
-    ----------
-    where
-        ``"cpu"``, ``"device"`` (next to each tensor), or None (keep nothing).
-    """
+    """The watch's copy of its state after the last step that ended finite, kept ``where``: ``"cpu"``, ``"device"``
+    (next to each tensor), or None (nothing)."""
 
     def __init__(self, where: str | None) -> None:
         self.where = where
