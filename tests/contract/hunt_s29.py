@@ -3,15 +3,17 @@
 Sequence models: a packed GRU whose mean pool divides by an utterance's true length 0 (clamped to 1 only for the
 packing); cross-attention whose additive mask is ``log`` of a 0/1 mask, over a sample that retrieved no passage; a
 rotary embedding with dynamic NTK scaling applied to a sequence shorter than the trained context (a negative base to a
-fractional power); a linear-chain CRF with BIO constraints whose gold path goes through a forbidden transition (a
-labelling error). Autograd: a ``torch.autograd.Function`` in the ``setup_context`` style whose hand-written backward
+fractional power). Autograd: a ``torch.autograd.Function`` in the ``setup_context`` style whose hand-written backward
 of a log-sum-exp uses the unstabilised ``exp``; gradient checkpointing (``use_reentrant`` False and True) of a block
-whose hand RMSNorm has no eps, over the zeroed padding embedding; DP-SGD's per-sample clipping by ``torch.func``
-(``vmap(grad(functional_call))``) over a sample whose gradient is exactly 0 (automatic clipping, its gamma 0). Numerics of the loop: a running
-normaliser's ``E[x^2] - E[x]^2`` of a constant feature, rounded below 0 under a root; a policy's ``Categorical``
-with argument validation off over a state with no legal action; a multiplicative Lagrange multiplier that overflows;
-GCC-PHAT's complex whitening ``X / |X|`` of a silent channel's spectrum (exactly 0); a hand-written EMA teacher
-whose bias correction counts from 0; a BiLSTM-CRF's gold path through a forbidden transition.
+whose hand RMSNorm has no eps, over the zeroed padding embedding. Numerics of the loop: a batch normaliser's
+``E[x^2] - E[x]^2`` of a stuck sensor, rounded below 0 under a root; a multiplicative Lagrange multiplier that
+overflows; GCC-PHAT's complex whitening ``X / |X|`` of a silent channel's spectrum; a hand-written EMA teacher whose
+bias correction counts from 0; LambdaRank's NDCG discount ``log2(rank + 1)`` over 0-based ranks.
+Variants of families seen before, each in a form not covered yet: a policy's ``Categorical`` with argument validation
+off, its rows selected by a boolean index before it (hunt16/17: no legal action); DP-SGD's automatic clipping by
+``torch.func`` with its gamma 0 (hunt19: Opacus-style clipping); a BiLSTM-CRF's gold path through a forbidden
+transition (hunt19: a plain CRF); a mixture of experts whose capacity routing masks full experts with -inf over a batch
+longer than planned (hunt23: a router's top-k).
 Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 
@@ -319,8 +321,8 @@ def _gcc_phat(eps: float) -> Scenario:
 def _dp_sgd(eps: float) -> Scenario:
     """DP-SGD with automatic clipping (Auto-S), written with ``torch.func``: per-sample gradients by
     ``vmap(grad(functional_call))``, each normalised to norm 1 by ``g / (||g|| + gamma)``, averaged and noised into
-    ``.grad``. With ``gamma`` set to 0, a sample the hinge loss already satisfies (at step 1) has a per-sample gradient of
-    exactly 0: ``1 / 0`` is inf, times 0 is NaN. The twin keeps the paper's ``gamma = 0.01``."""
+    ``.grad``. With ``gamma`` set to 0, a sample the hinge loss already satisfies (at step 1) has a per-sample
+    gradient of exactly 0: ``1 / 0`` is inf, times 0 is NaN. The twin keeps the paper's ``gamma = 0.01``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -435,6 +437,65 @@ def _ema_teacher(first: int) -> Scenario:
     return Scenario((student, teacher, opt), run)
 
 
+
+# ---------------------------------------------------------------- MoE capacity routing, every expert full
+class CapacityMoE(nn.Module):
+    """Top-1 routing with an expert capacity planned from the configured tokens per batch: an expert at capacity is
+    masked with -inf for the tokens after it. A batch longer than planned leaves its last tokens with every expert
+    full: the gate's softmax over -inf only. The twin drops such a token (its residual passes), as Switch does."""
+
+    def __init__(self, guarded: bool) -> None:
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 2), nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.capacity, self.guarded = 3, guarded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, load, outs = self.gate(x), torch.zeros(2), []
+        for t in range(x.shape[0]):
+            full = load >= self.capacity
+            if self.guarded and bool(full.all()):
+                outs.append(x[t])
+                continue
+            weights = logits[t].masked_fill(full, float("-inf")).softmax(-1)  # producer: capacity gate
+            choice = int(weights.argmax())
+            load[choice] += 1
+            outs.append(x[t] + weights[choice] * self.experts[choice](x[t]))
+        return torch.stack(outs)
+
+
+def _moe(guarded: bool) -> Scenario:
+    """Batches of 5 tokens (capacity 3 per expert, 6 slots), then one of 8 at step 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), CapacityMoE(guarded), nn.Linear(8, 1))
+    xs = [torch.randn(5, 4), torch.randn(5, 4), torch.randn(8, 4), torch.randn(5, 4)]
+    ys = [torch.randn(x.shape[0], 1) for x in xs]
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
+# ---------------------------------------------------------------- LambdaRank, NDCG discount off by one
+def _lambdarank(offset: int) -> Scenario:
+    """LambdaRank: pairwise logistic losses weighted by ``|delta NDCG|``, the discount written ``log2(rank + 1)`` over
+    0-based ranks (``offset`` 1): the top document's discount is ``log2(1) = 0``, its gain over it inf, and the ideal
+    DCG inf: ``inf / inf``. The twin uses ``rank + 2``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+    docs, relevance = _batches(6, 5), [torch.randint(0, 3, (6,)).float() for _ in range(4)]
+
+    def loss_fn(out: torch.Tensor, step: int) -> torch.Tensor:
+        scores, rel = out.squeeze(-1), relevance[step]
+        with torch.no_grad():
+            ranks = scores.argsort(descending=True).argsort().float()
+            gains = 2 ** rel - 1
+            discount = 1.0 / torch.log2(ranks + offset)  # producer: ndcg discount
+            ideal = ((2 ** rel.sort(descending=True).values - 1) / torch.log2(torch.arange(6.0) + offset)).sum()
+            swap = (gains[:, None] - gains[None, :]) * (discount[:, None] - discount[None, :])
+            weight = swap.abs() / ideal
+        better = rel[:, None] > rel[None, :]
+        return (weight * F.softplus(scores[None, :] - scores[:, None]))[better].mean()
+
+    return _loop(model, lambda step: (docs[step],), loss_fn)
+
+
 _CATEGORICAL = Expect("forward", None, step=2, op="aten.logsumexp.default", marker="no legal action",
                       cause="masked-softmax")
 
@@ -489,4 +550,12 @@ CASES = [
          Expect("optimizer", "0", "Linear", step=1, op="aten.div.Tensor", marker="bias correction",
                 cause="division-by-zero")),
     Case("hunt_s29_ema_teacher_bias_correction_counted_from_1_healthy", lambda: _ema_teacher(1), None),
+    Case("hunt_s29_moe_capacity_routing_a_token_with_every_expert_full", lambda: _moe(False),
+         Expect("forward", "1", "CapacityMoE", step=2, op="aten._softmax.default", marker="capacity gate",
+                cause="masked-softmax")),
+    Case("hunt_s29_moe_capacity_routing_drops_the_token_healthy", lambda: _moe(True), None),
+    Case("hunt_s29_lambdarank_ndcg_discount_log2_of_rank_plus_1", lambda: _lambdarank(1),
+         Expect("forward", None, step=0, op="aten.reciprocal.default", marker="ndcg discount",
+                cause="division-by-zero")),
+    Case("hunt_s29_lambdarank_ndcg_discount_log2_of_rank_plus_2_healthy", lambda: _lambdarank(2), None),
 ]
