@@ -1,10 +1,11 @@
 """hunt_s29, incidents of families the contract had not seen, each a small training loop with its healthy twin.
 
 Sequence models: a packed GRU whose mean pool divides by an utterance's true length 0 (clamped to 1 only for the
-packing); cross-attention whose additive mask is ``log`` of a 0/1 mask, over a sample that retrieved no passage; a
-rotary embedding with dynamic NTK scaling applied to a sequence shorter than the trained context (a negative base to a
-fractional power). Autograd: a ``torch.autograd.Function`` in the ``setup_context`` style whose hand-written backward
-of a log-sum-exp uses the unstabilised ``exp``; gradient checkpointing (``use_reentrant`` False and True) of a block
+packing); a log-energy frontend that takes and returns a ``PackedSequence``, over a dropped frame; cross-attention
+whose additive mask is ``log`` of a 0/1 mask, over a sample that retrieved no passage; a rotary embedding with dynamic
+NTK scaling applied to a sequence shorter than the trained context (a negative base to a fractional power).
+Autograd: a ``torch.autograd.Function`` in the ``setup_context`` style whose hand-written backward of a log-sum-exp
+uses the unstabilised ``exp``; gradient checkpointing (``use_reentrant`` False and True) of a block
 whose hand RMSNorm has no eps, over the zeroed padding embedding. Numerics of the loop: a batch normaliser's
 ``E[x^2] - E[x]^2`` of a stuck sensor, rounded below 0 under a root; a multiplicative Lagrange multiplier that
 overflows; GCC-PHAT's complex whitening ``X / |X|`` of a silent channel's spectrum; a hand-written EMA teacher whose
@@ -24,7 +25,7 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
 from contract import Case, Expect, Scenario
@@ -58,6 +59,44 @@ def _packed(guarded: bool) -> Scenario:
                torch.tensor([6, 6, 2, 3])]
     return _loop(model, lambda step: (xs[step], lengths[step]), lambda out, step: F.cross_entropy(out, ys[step]))
 
+
+
+# ---------------------------------------------------------------- a log-energy frontend over a PackedSequence
+class LogEnergy(nn.Module):
+    """A frontend that takes and returns a ``PackedSequence``: the log of each frame's energy (``floor`` added)."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__()
+        self.floor = floor
+
+    def forward(self, packed: PackedSequence) -> PackedSequence:
+        energy = packed.data.pow(2)
+        features = torch.log(energy + self.floor)  # producer: log energy
+        return PackedSequence(features, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+
+
+class PackedTagger(nn.Module):
+    """Frame energies packed, logged by the frontend, a GRU over the packed features, a head on the last state. A
+    frame of digital silence (a dropout in the recording) has energy 0: ``log(0)`` is -inf, and the GRU's input
+    product with it NaN. The twin adds an energy floor of 1e-6."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__()
+        self.frontend, self.gru, self.head = LogEnergy(floor), nn.GRU(3, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, last = self.gru(self.frontend(packed))
+        return self.head(last[-1])
+
+
+def _packed_frontend(floor: float) -> Scenario:
+    torch.manual_seed(0)
+    model = PackedTagger(floor)
+    xs, ys = _batches(3, 5, 3), [torch.randint(0, 2, (3,)) for _ in range(4)]
+    lengths = [torch.tensor([5, 3, 4]), torch.tensor([2, 5, 5]), torch.tensor([4, 5, 3]), torch.tensor([5, 5, 1])]
+    xs[2][1, 2] = 0.0  # a dropped frame inside the second utterance
+    return _loop(model, lambda step: (xs[step], lengths[step]), lambda out, step: F.cross_entropy(out, ys[step]))
 
 # ---------------------------------------------------------------- additive mask as log of a 0/1 mask
 class Reader(nn.Module):
@@ -504,6 +543,10 @@ CASES = [
          Expect("forward", "", "PackedClassifier", step=2, op="aten.div.Tensor", marker="packed mean",
                 cause="division-by-zero")),
     Case("hunt_s29_packed_gru_mean_pool_by_the_clamped_length_healthy", lambda: _packed(True), None),
+    Case("hunt_s29_packed_sequence_log_energy_frontend_of_a_dropped_frame", lambda: _packed_frontend(0.0),
+         Expect("forward", "frontend", "LogEnergy", step=2, op="aten.log.default", marker="log energy",
+                cause="log-domain")),
+    Case("hunt_s29_packed_sequence_log_energy_frontend_with_a_floor_healthy", lambda: _packed_frontend(1e-6), None),
     Case("hunt_s29_log_of_a_0_1_mask_over_a_sample_without_passages", lambda: _reader(False),
          Expect("forward", "", "Reader", step=2, op="aten.log.default", marker="log mask")),
     Case("hunt_s29_log_of_a_0_1_mask_with_a_null_key_healthy", lambda: _reader(True), None),
