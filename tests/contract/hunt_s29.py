@@ -9,7 +9,8 @@ uses the unstabilised ``exp``; gradient checkpointing (``use_reentrant`` False a
 whose hand RMSNorm has no eps, over the zeroed padding embedding. Numerics of the loop: a batch normaliser's
 ``E[x^2] - E[x]^2`` of a stuck sensor, rounded below 0 under a root; a multiplicative Lagrange multiplier that
 overflows; GCC-PHAT's complex whitening ``X / |X|`` of a silent channel's spectrum; a hand-written EMA teacher whose
-bias correction counts from 0; LambdaRank's NDCG discount ``log2(rank + 1)`` over 0-based ranks.
+bias correction counts from 0; LambdaRank's NDCG discount ``log2(rank + 1)`` over 0-based ranks; an SSIM loss whose
+constants come from the data range of each target, over a black padding frame and a bias-free denoiser.
 Variants of families seen before, each in a form not covered yet: a policy's ``Categorical`` with argument validation
 off, its rows selected by a boolean index before it (hunt16/17: no legal action); DP-SGD's automatic clipping by
 ``torch.func`` with its gamma 0 (hunt19: Opacus-style clipping); a BiLSTM-CRF's gold path through a forbidden
@@ -535,6 +536,37 @@ def _lambdarank(offset: int) -> Scenario:
     return _loop(model, lambda step: (docs[step],), loss_fn)
 
 
+
+# ---------------------------------------------------------------- SSIM with a data range read off a black frame
+def _ssim_loss(out: torch.Tensor, target: torch.Tensor, fixed_range: bool) -> torch.Tensor:
+    """``1 - SSIM`` over 3x3 windows, its constants ``C1 = (0.01 L)^2``, ``C2 = (0.03 L)^2`` from the data range
+    ``L``: read off each target (``amax - amin``), or the images' fixed range 1."""
+    if fixed_range:
+        data_range = torch.ones(out.shape[0], 1, 1, 1)
+    else:
+        data_range = (target.amax((1, 2, 3)) - target.amin((1, 2, 3))).view(-1, 1, 1, 1)
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    mu_x, mu_y = F.avg_pool2d(out, 3, 1), F.avg_pool2d(target, 3, 1)
+    var_x = F.avg_pool2d(out * out, 3, 1) - mu_x**2
+    var_y = F.avg_pool2d(target * target, 3, 1) - mu_y**2
+    cov = F.avg_pool2d(out * target, 3, 1) - mu_x * mu_y
+    numerator = (2 * mu_x * mu_y + c1) * (2 * cov + c2)
+    ssim = numerator / ((mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2))  # producer: ssim
+    return 1 - ssim.mean()
+
+
+def _ssim(fixed_range: bool) -> Scenario:
+    """A bias-free frame denoiser (BF-CNN) trained with SSIM; clips are padded to a fixed length with black frames,
+    and step 2's batch holds one: its data range is 0, so are both constants, and the denoiser's output of a black
+    frame is 0: ``0 / 0`` in every window. The twin uses the images' fixed range, as pytorch-msssim does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.Tanh(),
+                          nn.Conv2d(4, 1, 3, padding=1, bias=False))
+    clean = [torch.rand(2, 1, 8, 8) for _ in range(4)]
+    noisy = [c + 0.1 * torch.randn_like(c) for c in clean]
+    clean[2][1], noisy[2][1] = 0.0, 0.0  # a padding frame
+    return _loop(model, lambda step: (noisy[step],), lambda out, step: _ssim_loss(out, clean[step], fixed_range))
+
 _CATEGORICAL = Expect("forward", None, step=2, op="aten.logsumexp.default", marker="no legal action",
                       cause="masked-softmax")
 
@@ -593,6 +625,9 @@ CASES = [
          Expect("optimizer", "0", "Linear", step=1, op="aten.div.Tensor", marker="bias correction",
                 cause="division-by-zero")),
     Case("hunt_s29_ema_teacher_bias_correction_counted_from_1_healthy", lambda: _ema_teacher(1), None),
+    Case("hunt_s29_ssim_constants_from_the_data_range_of_a_black_padding_frame", lambda: _ssim(False),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="ssim", cause="division-by-zero")),
+    Case("hunt_s29_ssim_constants_from_a_fixed_data_range_healthy", lambda: _ssim(True), None),
     Case("hunt_s29_moe_capacity_routing_a_token_with_every_expert_full", lambda: _moe(False),
          Expect("forward", "1", "CapacityMoE", step=2, op="aten._softmax.default", marker="capacity gate",
                 cause="masked-softmax")),
