@@ -14,9 +14,9 @@ import dataclasses
 import torch
 
 from nan_magic.plain import to_pairs
-from nan_magic.records import Cause, Report
+from nan_magic.records import Cause, Report, TensorRole
 
-__all__ = ["HALF", "dtype_max", "event", "event_cause", "float_dtype", "node_function", "plain_cause"]
+__all__ = ["HALF", "dtype_max", "event", "event_cause", "float_dtype", "node_function", "op_made", "plain_cause"]
 
 #: The half-precision dtypes, by name.
 HALF = ("float16", "bfloat16")
@@ -36,6 +36,22 @@ def event_cause(label: str, reading: str, report: Report, **numbers: object) -> 
 def plain_cause(cause: Cause) -> tuple[str, str, tuple[tuple[str, object], ...]]:
     """A cause as a plain fact of another (the reading it led to), so a scene stores it as data."""
     return cause.label, cause.reading, cause.facts
+
+
+def op_made(report: Report) -> tuple[int, int, int]:
+    """``(nan, +inf, -inf)`` that the producing op itself made.
+
+    The report's counts are the op's where its tensor is the op's output (a replay named the op); where it is the
+    boundary that showed the event (a loss, a gradient), later ops may have made something else of them: a custom
+    Function's backward ``e / e.sum()`` turns its exp's +inf into NaN. The op's output sample counts it whole.
+    """
+    if report.tensor.role is not TensorRole.OP_OUTPUT:
+        for sample in report.samples:
+            ref = sample.tensor
+            if (sample.producer and ref is not None and ref.role is TensorRole.OP_OUTPUT and ref.name == report.op
+                    and sample.nan is not None and sample.posinf is not None and sample.neginf is not None):
+                return sample.nan, sample.posinf, sample.neginf
+    return report.nan, report.posinf, report.neginf
 
 
 def node_function(node: str) -> str:

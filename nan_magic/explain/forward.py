@@ -23,7 +23,7 @@ from nan_magic.explain.attention import (
     padded_cause,
     softmax_cause,
 )
-from nan_magic.explain.evidence import HALF, dtype_max, event_cause
+from nan_magic.explain.evidence import HALF, dtype_max, event_cause, op_made
 from nan_magic.explain.overflow import attention_op, half_overflow, overflow, wide_overflow, wide_overflow_signs
 from nan_magic.records import Cause, Report, TensorRole
 from nan_magic.tensor_refs import op_function
@@ -117,9 +117,10 @@ def _finite_scalar_base(report: Report) -> bool:
 
 
 def _exp(report: Report) -> Cause:
-    if not report.posinf:
+    made = op_made(report)[1]  # (a boundary that showed the event may hold the NaN later ops made of the +inf)
+    if not made:
         return overflow(report)
-    return event_cause("exp-overflow", "exp-overflow", report, threshold=math.log(dtype_max(report.dtype)))
+    return event_cause("exp-overflow", "exp-overflow", report, threshold=math.log(dtype_max(report.dtype)), made=made)
 
 
 def _bessel(report: Report) -> Cause:

@@ -43,6 +43,8 @@ import inspect
 import math
 import re
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -193,3 +195,29 @@ def reduces_a_mask(op: str, out_kinds: frozenset[str], output: torch.Tensor) -> 
         return False
     with torch.no_grad():
         return not bool(torch.isfinite(output).any())
+
+
+def selects_whole_rows(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether an index op selects whole rows of its source: it indexes leading dimensions only and leaves the last
+    one whole (``logits[live]``, ``index_select(0, rows)``).
+
+    A mask's rows it selects are still masks, each row as whole as it was: what consumes them is judged as it would
+    be judged on the mask itself (a logsumexp over a row masked entirely is the producer). An index that reaches into
+    the last dimension (``gather(-1, actions)``, ``trans[prev, cur]``) picks masked positions one by one
+    (origins.Picked).
+    """
+    source = args[0] if args else kwargs.get("self")
+    if not isinstance(source, torch.Tensor) or source.dim() < 2:
+        return False
+    packet = func.overloadpacket.__name__
+    if packet == "index_select":
+        dim = args[1] if len(args) > 1 else kwargs["dim"]
+        return int(dim) % source.dim() != source.dim() - 1
+    if packet not in ("index", "_unsafe_index"):
+        return False
+    indices = args[1] if len(args) > 1 else kwargs["indices"]
+    consumed = sum(
+        index.dim() if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) else 1
+        for index in indices
+    )
+    return consumed < source.dim()

@@ -22,7 +22,7 @@ from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.called import own_number_of
 from nan_magic.localize.ops.derived import ModelDerived
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
-from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask
+from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask, selects_whole_rows
 from nan_magic.localize.ops.origins import BENIGN, Benign, OpFinding, Origin, Origins, Picked, op_samples
 from nan_magic.localize.ops.owners import backward_hook_module, hook_owner
 from nan_magic.localize.ops.plans import (
@@ -391,7 +391,8 @@ class OriginRules:
         if entry is None:
             return
         values = out[0] if isinstance(out, tuple) and out else out  # (max.dim: values, indices)
-        if picks is not None and type(entry) is Benign and isinstance(values, torch.Tensor):
+        if (picks is not None and type(entry) is Benign and isinstance(values, torch.Tensor)
+                and not selects_whole_rows(picks, args, kwargs)):
             entry = self._picked(op_name(picks), plan, args, kwargs, values)
         note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):

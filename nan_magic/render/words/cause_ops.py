@@ -143,19 +143,6 @@ def _pow_unknown_hint(event: Report, cause: Cause) -> str:
     )
 
 
-def _exp_hint(event: Report, cause: Cause) -> str:
-    inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
-    reached = "".join(f", {short_label(event, ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
-    return (
-        f"{event.op} in {where(event)} overflowed {event.dtype} in {counted(event.posinf, 'element')}: exp(x) "
-        "is inf for "
-        f"x > {cause.fact('threshold'):.4g}{reached}; where the exp is normalised by its own sum (a softmax) or "
-        "its sum is logged, subtract the row max first (softmax / logsumexp do); an exp used as a value (a "
-        "probability ratio exp(logp - old_logp), a scale) has no max to take out: clamp its input "
-        "(x.clamp(max=20)) or compute it in float32"
-    )
-
-
 def _soft_margin_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} overflowed {event.dtype}: it computes log1p(exp(-y * x)) as written, inf "
@@ -473,7 +460,6 @@ OP_READINGS: dict[str, Reading] = {
     "pow-negative-base": on_event(_pow_negative_hint, _made(counts), sentence=False),
     "pow-zero-base": on_event(_pow_zero_hint, _made(counts), sentence=False),
     "pow-unknown-base": on_event(_pow_unknown_hint, _made(counts), sentence=False),
-    "exp-overflow": on_event(_exp_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "soft-margin-overflow": on_event(_soft_margin_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "bessel-overflow": on_event(_bessel_hint, _made(counts), sentence=False),
     "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),

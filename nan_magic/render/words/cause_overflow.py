@@ -190,7 +190,31 @@ def _buffer_evidence(cause: Cause) -> tuple[str, ...]:
     return tuple(lines)
 
 
+def _exp_made(event: Report, cause: Cause) -> int:
+    """The +inf the exp itself made (explain/forward.py's ``made``): the event's tensor may hold what later ops made of
+    them (a custom Function's backward ``e / e.sum()``: NaN). A scene from before 0.29 has only the event's."""
+    return int(cause.fact("made", event.posinf))
+
+
+def _exp_hint(event: Report, cause: Cause) -> str:
+    inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
+    reached = "".join(f", {short_label(event, ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
+    return (
+        f"{event.op} in {where(event)} overflowed {event.dtype} in {counted(_exp_made(event, cause), 'element')}: "
+        "exp(x) is inf for "
+        f"x > {cause.fact('threshold'):.4g}{reached}; where the exp is normalised by its own sum (a softmax) or "
+        "its sum is logged, subtract the row max first (softmax / logsumexp do); an exp used as a value (a "
+        "probability ratio exp(logp - old_logp), a scale) has no max to take out: clamp its input "
+        "(x.clamp(max=20)) or compute it in float32"
+    )
+
+
+def _exp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.op} made {_exp_made(event, cause)} +inf from finite inputs", *input_lines(event))
+
+
 OVERFLOW_READINGS: dict[str, Reading] = {
+    "exp-overflow": on_event(_exp_hint, _exp_evidence, sentence=False),
     "running-stats-overflow": Reading(_running_hint, _running_evidence),
     "buffer-overflow": Reading(_buffer_hint, _buffer_evidence),
     "half-overflow": on_event(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
