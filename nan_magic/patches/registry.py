@@ -153,7 +153,10 @@ def call_aside(recorders: list[Recorder], original: Callable[..., Any], *args: A
     """``original(*args, **kwargs)`` with each of ``recorders`` stepped aside where it says it did, and brought
     back after, innermost first."""
     __tracebackhide__ = True
-    aside = [back for step_aside, back in recorders if step_aside()]
+    aside: list[Callable[[], None]] = []
+    for step_aside, back in recorders:  # (a loop and +=, not a comprehension: its call, at every zero_grad())
+        if step_aside():
+            aside += (back,)
     try:
         return original(*args, **kwargs)
     finally:

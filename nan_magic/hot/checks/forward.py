@@ -186,7 +186,10 @@ class ForwardChecks:
         if frame.info.watched:
             hook_gradient = self._hook_gradient
             anchor = None
-            for path, tensor in iter_tensors(output, "output", self.watch.skipped, attributes=True):
+            # (A bare checkable tensor, the usual output, without iter_tensors' call: every checked call.)
+            outputs = ([("output", output)] if type(output) is torch.Tensor and is_checkable(output)
+                       else iter_tensors(output, "output", self.watch.skipped, attributes=True))
+            for path, tensor in outputs:
                 record = log.record_output(call, path, tensor)
                 if hook_gradient is not None:
                     hook_gradient(record, tensor)

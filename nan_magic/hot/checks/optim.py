@@ -256,19 +256,20 @@ class OptimizerChecks:
             # Kept as the last good state only once this step's calls are judged finite too: the loop may have
             # written the parameters since (a hand edit before the forward that then failed).
             watch.on_finite_step()
-        grad_values = values[len(carried_norms) :]
+        # (No len() where none is carried: most steps.)
+        grad_values = values[len(carried_norms) :] if carried_norms else values[:]
         if running:  # this step's forward wrote them, before its backward made the gradients: judged first
             if not all(map(math.isfinite, grad_values[len(grad_norms) :])) and (written := layout.running.judge()):
                 watch.emit(written)
             del grad_values[len(grad_norms) :]
         # hypot: NaN if any value is, inf if any is; never overflows on finite values.
-        self.last_grad_norm = math.hypot(*grad_values) if grad_values else None
-        nonfinite = self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm)
-        if nonfinite and self.reports.gradients(opt, self._named_gradients(layout)):
+        self.last_grad_norm = norm = math.hypot(*grad_values) if grad_values else None
+        # (Finiteness by comparison, asked once: NaN fails it; not math.isfinite twice, every step.)
+        norm_finite = norm is None or -math.inf < norm < math.inf
+        if not norm_finite and self.reports.gradients(opt, self._named_gradients(layout)):
             return
         # (A NaN norm makes the hypot non-finite; max() alone would skip it.)
-        small = self.last_grad_norm is None or (
-            math.isfinite(self.last_grad_norm) and max(grad_values) < BOUNDED_GRAD_NORM)
+        small = norm is None or (norm_finite and max(grad_values) < BOUNDED_GRAD_NORM)
         self._bounded = small and bounded_step(opt, layout)
         self._huge = not small  # (finite: a non-finite one was reported above)
         if self._headroom is not None:

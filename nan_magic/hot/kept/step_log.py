@@ -432,19 +432,25 @@ class StepLog:
         ``(ratio, module, dtype)``.
         """
         absmax = data_absmax = None
-        headroom: dict[Phase, Headroom] = {}
+        # (The two phases' headrooms in locals, not a dict by phase: no get() per entry, every step.)
+        forward: Headroom | None = None
+        backward: Headroom | None = None
         for (phase, dtype), (value, call) in self._largest.items():
             if phase is Phase.DATA:
                 data_absmax = value if data_absmax is None or value > data_absmax else data_absmax
                 continue
             if phase is Phase.FORWARD and (absmax is None or value > absmax):
                 absmax = value
-            if value > 0:
+            if value > 0 and (phase is Phase.FORWARD or phase is Phase.BACKWARD):
                 ratio = finite_max(dtype) / value
-                best = headroom.get(phase)
+                best = forward if phase is Phase.FORWARD else backward
                 if best is None or ratio < best[0]:
-                    headroom[phase] = (ratio, call.info.name if call.info is not None else None, _dtype_name(dtype))
-        return absmax, data_absmax, headroom.get(Phase.FORWARD), headroom.get(Phase.BACKWARD)
+                    made = (ratio, call.info.name if call.info is not None else None, _dtype_name(dtype))
+                    if phase is Phase.FORWARD:
+                        forward = made
+                    else:
+                        backward = made
+        return absmax, data_absmax, forward, backward
 
 
 @functools.cache

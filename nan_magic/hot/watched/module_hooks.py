@@ -166,7 +166,7 @@ class GlobalModuleHooks:
         self._attached = False
 
 
-class _ModelReturned:
+class _ModelReturned(functools.partial):
     """The hook on a model the watch steps aside for, as a copy of the model sees it.
 
     ``copy.deepcopy(model)`` (an EMA teacher, the best weights so far) or ``torch.save(model)`` while the watch is
@@ -174,16 +174,10 @@ class _ModelReturned:
     weak references), and the user's copy failed. Ours copies as a stand-in that runs nothing (:class:`_LeftByACopy`,
     gone at the copy's first call), and pickles as an inert hook of the standard library, so that loading the file
     needs no nan_magic.
+
+    A :class:`functools.partial` of :meth:`GlobalModuleHooks._model_returned`: called, it calls that method from C,
+    with no Python frame of its own between torch's hook call and the watch's (every top-level call returns here).
     """
-
-    __slots__ = ("returned",)
-
-    def __init__(self, returned: Callable[..., None]) -> None:
-        self.returned = returned
-
-    def __call__(self, *args: Any) -> None:
-        __tracebackhide__ = True  # (as _model_returned)
-        self.returned(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _LeftByACopy:
         return _LeftByACopy()

@@ -21,7 +21,7 @@ from torch import nn
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
 from nan_magic.hot.kept.input_writes import inputs_before
-from nan_magic.hot.kept.lines import line_at
+from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
 from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
@@ -168,7 +168,15 @@ class StepKeeping:
             versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
         rng = self._states.take(module)  # (once for a Sequential that draws nothing: rng.py)
         caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
-        line = line_at(caller) if caller is not None else 0  # (f_lineno scans the code's line table: lines.py)
+        # (f_lineno scans the code's line table: kept by instruction, lines.py; line_at's lookup inlined, every step)
+        line = 0
+        if caller is not None:
+            code = caller.f_code
+            try:
+                line = LINES[code.co_linetable, code.co_firstlineno, caller.f_lasti] if caller.f_trace is None else (
+                    caller.f_lineno)
+            except KeyError:
+                line = line_at(caller)
         calls = self.calls
         if len(calls) == MAX_CALLS and (cycle := self.watch.cycle).timing.deferred:
             # The oldest call is let go now; judged after, no replay could call its -inf deliberate (a rollout's
@@ -245,9 +253,10 @@ class StepKeeping:
         if root.learning is not None:
             training, written = written_parameters_after(root.learning)
             self._slots[id(module)][4][training] = written
+        model = id(module)  # (asked once: every top-level call)
         if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)
-            if id(module) not in self._mutable:
-                self._mutable[id(module)] = set()
+            if model not in self._mutable:
+                self._mutable[model] = set()
             return
         try:  # (``_version`` read directly: this runs at every top-level call; an inference tensor has none)
             moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
@@ -255,8 +264,8 @@ class StepKeeping:
             moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
         if root.counters:  # (a BatchNorm's step counter is counted back at a replay, not copied: counted_back)
             moved -= root.counters
-        known = self._mutable.get(id(module))
-        self._mutable[id(module)] = moved | (known or set())
+        known = self._mutable.get(model)
+        self._mutable[model] = moved | known if known else moved
 
     def capture_gradient(self, call: Call, path: str, grad: torch.Tensor) -> None:
         """The gradient flowing into output ``path`` of a top-level call (its tensor hook)."""
