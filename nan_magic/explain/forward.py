@@ -120,7 +120,17 @@ def _exp(report: Report) -> Cause:
     made = op_made(report)[1]  # (a boundary that showed the event may hold the NaN later ops made of the +inf)
     if not made:
         return overflow(report)
-    return event_cause("exp-overflow", "exp-overflow", report, threshold=math.log(dtype_max(report.dtype)), made=made)
+    return event_cause("exp-overflow", "exp-overflow", report, threshold=_exp_threshold(report), made=made)
+
+
+def _exp_threshold(report: Report) -> float:
+    """The input past which the exp-like function overflows the dtype: 2**x past log2(max), sinh and cosh (e**x / 2)
+    past log(2 max), exp and expm1 past log(max) (88.72 in float32)."""
+    largest = dtype_max(report.dtype)
+    function = op_function(report.op) if report.op is not None else "exp"
+    if function == "exp2":
+        return math.log2(largest)
+    return math.log(2 * largest) if function in ("sinh", "cosh") else math.log(largest)
 
 
 def _bessel(report: Report) -> Cause:

@@ -201,10 +201,11 @@ def selects_whole_rows(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -
     """Whether an index op selects whole rows of its source: it indexes leading dimensions only and leaves the last
     one whole (``logits[live]``, ``index_select(0, rows)``).
 
-    A mask's rows it selects are still masks, each row as whole as it was: what consumes them is judged as it would
-    be judged on the mask itself (a logsumexp over a row masked entirely is the producer). An index that reaches into
-    the last dimension (``gather(-1, actions)``, ``trans[prev, cur]``) picks masked positions one by one
-    (origins.Picked).
+    A mask's rows it selects are still masks, each row as whole as it was: a softmax or logsumexp over them is
+    judged as it would be on the mask itself (over a row masked entirely it is the producer). Any other consumer that
+    makes a new kind of them names the selection (origins.Picked.whole_rows): a mask over time, not over the last
+    dimension, has whole rows of -inf, and selecting a padded step is the fault. An index that reaches into the last
+    dimension (``gather(-1, actions)``, ``trans[prev, cur]``) picks masked positions one by one.
     """
     source = args[0] if args else kwargs.get("self")
     if not isinstance(source, torch.Tensor) or source.dim() < 2:

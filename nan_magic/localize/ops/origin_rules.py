@@ -50,6 +50,17 @@ __all__ = ["OriginRules"]
 _MASK_CONSUMERS = ("aten._softmax.", "aten._log_softmax.", "aten._safe_softmax.", "aten.logsumexp.")
 
 
+def _consumes_whole_rows(op: str, picked: Picked, output: torch.Tensor) -> bool:
+    """Whether a mask consumer (a softmax, a logsumexp) reads the rows a pick selected whole, each as a row: over the
+    last dimension the selection left whole, as it would on the mask itself (``logits[live].logsumexp(-1)``), not
+    across the selected rows (``steps.index_select(0, t).logsumexp(0)``: the selection is named). Told by shapes: a
+    softmax keeps its input's, a logsumexp over the last dimension drops or keeps (1) only that one."""
+    if not picked.whole_rows or not op.startswith(_MASK_CONSUMERS):
+        return False
+    rows = picked.output.shape
+    return not op.startswith("aten.logsumexp.") or output.shape in (rows[:-1], (*rows[:-1], 1))
+
+
 def _zeroes_out(op: str, inputs: list[tuple[str, Any]]) -> bool:
     """Whether ``op`` multiplies by a zero: a product meant to drop a value (a DQN's ``(1 - done) * next_max``),
     where 0 * -inf is NaN, is the fault (``torch.where`` drops it), not the max that made the -inf."""
@@ -160,7 +171,8 @@ class OriginRules:
                 self._origins.note(tensor, picked or BENIGN, in_place)
                 if not in_backward:
                     self.benign_modules.add(self._module_name())
-            elif picked is not None and out_kinds <= benign and not called_by_us():
+            elif (picked is not None and out_kinds <= benign and not called_by_us()
+                  and not _consumes_whole_rows(op, picked, tensor)):
                 origin = self._pick_origin(picked)  # (a sum of what an index picked of a mask: the pick's)
                 self._origins.note(tensor, origin, in_place)
                 self._report(origin)
@@ -310,14 +322,15 @@ class OriginRules:
 
     # -- carrying origins on ---------------------------------------------------
 
-    def _picked(self, op: str, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> Picked:
+    def _picked(self, op: str, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor,
+                whole_rows: bool) -> Picked:
         """What a pick of a mask's infinities is noted as: its line and module now, its numbers if a sum claims it."""
         source, inner, user_frame = sources_of_op(sys._getframe(1))
         phase = self._phase_hint() if self._phase_hint is not None else None
         inputs = list(op_inputs(plan, args, kwargs, None))
         where = (id(user_frame), user_frame.f_code, user_frame.f_lasti, user_frame.f_lineno) if user_frame else None
         return Picked(op, out, inputs, source, inner, hook_owner(user_frame, self._module_name(), self.named),
-                      phase or Phase.FORWARD, where)
+                      phase or Phase.FORWARD, where, whole_rows)
 
     def _pick_origin(self, picked: Picked) -> Origin:
         """The origin a pick starts once a sum adds up what it picked (origins.Picked): the op's finding."""
@@ -391,9 +404,10 @@ class OriginRules:
         if entry is None:
             return
         values = out[0] if isinstance(out, tuple) and out else out  # (max.dim: values, indices)
-        if (picks is not None and type(entry) is Benign and isinstance(values, torch.Tensor)
-                and not selects_whole_rows(picks, args, kwargs)):
-            entry = self._picked(op_name(picks), plan, args, kwargs, values)
+        if picks is not None and isinstance(values, torch.Tensor) and (
+                type(entry) is Benign or (isinstance(entry, Picked) and entry.whole_rows)):
+            # (a pick out of rows an index selected whole is this pick: ``logits[live].gather(1, a)``)
+            entry = self._picked(op_name(picks), plan, args, kwargs, values, selects_whole_rows(picks, args, kwargs))
         note = self._origins.note_view if plan.view else self._origins.note
         for _, output in flatten("output", out):
             note(output, entry)

@@ -118,9 +118,13 @@ class Picked(Benign):
 
     def __init__(self, op: str, output: torch.Tensor, inputs: list[tuple[str, Any]], source: SourcePointer | None,
                  inner_source: SourcePointer | None, module: str | None, phase: Phase,
-                 frame: tuple[int, Any, int, int] | None) -> None:
+                 frame: tuple[int, Any, int, int] | None, whole_rows: bool = False) -> None:
         self.op, self.output, self.source, self.inner_source, self.module, self.phase = (
             op, output, source, inner_source, module, phase)
+        #: Whether the pick selected whole rows of the mask (``logits[live]``: masks.selects_whole_rows): a softmax
+        #: or logsumexp over such a row is judged as on the mask itself (the consumer is named), any other consumer
+        #: that makes a new kind names the pick (a padded time step selected whole, then a head's matmul).
+        self.whole_rows = whole_rows
         #: ``(id, code, f_lasti, f_lineno)`` of the user's frame that ran the pick (no reference: %debug opens there
         #: where the op that names it runs in that frame still).
         self.frame = frame

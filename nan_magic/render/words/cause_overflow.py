@@ -199,14 +199,20 @@ def _exp_made(event: Report, cause: Cause) -> int:
 def _exp_hint(event: Report, cause: Cause) -> str:
     inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.max is not None]
     reached = "".join(f", {short_label(event, ref)} reached {fmt(stats.max)}" for ref, stats in inputs)
+    function = _exp_function(event)
     return (
         f"{event.op} in {where(event)} overflowed {event.dtype} in {counted(_exp_made(event, cause), 'element')}: "
-        "exp(x) is inf for "
-        f"x > {cause.fact('threshold'):.4g}{reached}; where the exp is normalised by its own sum (a softmax) or "
+        f"{function}(x) is inf for {'|x|' if function in ('sinh', 'cosh') else 'x'} > {cause.fact('threshold'):.4g}"
+        f"{reached}; where the exp is normalised by its own sum (a softmax) or "
         "its sum is logged, subtract the row max first (softmax / logsumexp do); an exp used as a value (a "
         "probability ratio exp(logp - old_logp), a scale) has no max to take out: clamp its input "
         "(x.clamp(max=20)) or compute it in float32"
     )
+
+
+def _exp_function(event: Report) -> str:
+    """Which of the exp-like functions overflowed (exp, exp2, expm1, sinh, cosh: explain/forward.py's ``_exp``)."""
+    return op_function(event.op) if event.op is not None else "exp"
 
 
 def _exp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
