@@ -13,7 +13,8 @@ from typing import Any, Literal, NamedTuple
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "FailedAt", "FixSite", "FixTrial", "install_describer"]
+__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "UNIT_FUNCTIONS", "FailedAt", "FixSite", "FixTrial",
+           "install_describer"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what). ``"next forward"``:
 #: the step was finite, but the updated parameters made the same call's forward non-finite (fixes/step.py).
@@ -22,7 +23,10 @@ FailedAt = Literal["forward", "loss", "backward", "optimizer step", "next forwar
 AFTER_THE_LOSS: tuple[FailedAt, ...] = ("backward", "optimizer step", "next forward")
 
 #: The functions whose operand the eps remedy clamps into [-1 + eps, 1 - eps], not above eps (their domain is bounded).
-BOUNDED_FUNCTIONS = ("acos", "asin", "atanh")
+BOUNDED_FUNCTIONS = ("acos", "asin", "atanh", "logit")
+#: ... of them, those whose domain is (0, 1), clamped into [eps, 1 - eps]: logit(p) = log(p / (1 - p)), -inf at 0
+#: and +inf at 1 (a sigmoid that rounded to 0 or 1).
+UNIT_FUNCTIONS = ("logit",)
 
 
 class FixSite(NamedTuple):

@@ -2,7 +2,7 @@
 
 Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
-(log, sqrt, rsqrt, pow, a division, acos, asin, atanh); ``stable`` for an exp, or a
+(log, sqrt, rsqrt, pow, a division, acos, asin, atanh, logit); ``stable`` for an exp, or a
 log that may be of a softmax; ``mask`` for a softmax over a fully masked
 row; ``skip-batch`` for a batch that entered holding non-finite values;
 ``scale`` for a collapsing GradScaler (remedies/scale.py); ``lr`` for a run that
@@ -67,9 +67,12 @@ MIN_BUDGET = 2.0
 
 
 def producer_site(report: Report) -> Site:
-    """Where the producer ran, and the torch function behind its op (a backward op: its node's forward)."""
-    function = node_function(report.autograd_node) if report.autograd_node else op_function(report.op)
-    return Site(report.module, report.source, function)
+    """Where the producer ran, and the torch function behind its op (a backward op: its node's forward; an op in a
+    Python backward, a custom autograd.Function's ``RecipBackward``: the op's own, at its line in that backward)."""
+    node = report.autograd_node
+    python_backward = node is not None and node.endswith("Backward")  # (torch's own nodes end ``Backward0``...)
+    function = node_function(node) if node and not python_backward else op_function(report.op)
+    return Site(report.module, report.source, function, in_backward=node if python_backward else None)
 
 
 def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str, Remedy]]:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -33,7 +34,7 @@ from nan_magic.localize.ops.sources import user_frame
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.records import SourcePointer
 
-__all__ = ["InRecordedCode", "Remedy", "Site", "at_producer", "function_name"]
+__all__ = ["InRecordedCode", "Remedy", "Site", "at_producer", "function_name", "in_backward_nodes"]
 
 #: A remedy at one function call: the remedied result, or None to leave the call as it is.
 Remedy = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
@@ -47,6 +48,9 @@ class Site:
     source: SourcePointer | None
     #: The torch function behind the producing op (``log`` for ``aten.log.default`` or ``LogBackward0``).
     function: str | None
+    #: The Python backward the line is in (a custom autograd.Function's node, ``RecipBackward``), or None: remedied as
+    #: the trial's backward runs that node, in whichever module used the Function (no module runs in a backward).
+    in_backward: str | None = None
 
 
 def function_name(func: Any) -> str:
@@ -94,6 +98,45 @@ class _AtProducer(TorchFunctionMode):
 _function_modes = _get_current_function_mode_stack
 
 
+def in_backward_nodes(mode: _AtProducer, node: str, outputs: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """``mode`` on while each autograd node named ``node`` (a Python backward: ``RecipBackward``) of ``outputs``'
+    graph runs, the producer's line in it; what removes its hooks (and the mode, where a backward raised in it).
+
+    The trial's backward runs inside ``torch.autograd.grad``'s own dispatch, where a function mode is off: hooks of
+    the node push it for the node's backward alone. The graph is the trial's, of the copies: the user's has none.
+    """
+    seen: set[int] = set()
+    stack: list[Any] = [output.grad_fn for output in outputs if output.grad_fn is not None]
+    handles = []
+    pushed: list[bool] = []
+
+    def enter(*_: Any) -> None:
+        mode.__enter__()
+        pushed.append(True)
+
+    def leave(*_: Any) -> None:
+        if pushed:
+            pushed.pop()
+            mode.__exit__(None, None, None)
+
+    while stack:
+        function = stack.pop()
+        if function is None or id(function) in seen:
+            continue
+        seen.add(id(function))
+        if type(function).__name__ == node:
+            handles += [function.register_prehook(enter), function.register_hook(leave)]
+        stack.extend(next_function for next_function, _ in function.next_functions)
+
+    def remove() -> None:
+        while pushed:
+            leave()
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
 class _Depth:
     """Whether the producing module is running: global module hooks (no hook on the user's module) count it.
 
@@ -131,10 +174,10 @@ class _Depth:
 def at_producer(model: nn.Module, site: Site, remedy: Remedy) -> tuple[_AtProducer, Callable[[], None]]:
     """The mode that applies ``remedy`` at ``site`` in ``model``, and what removes its hooks.
 
-    The root (``""``) is inside for the whole call; a module the model does
-    not have is never inside (the remedy then changes nothing: untried).
+    The root (``""``) is inside for the whole call, and a line in a Python backward wherever it runs; a module the
+    model does not have is never inside (the remedy then changes nothing: untried).
     """
-    if site.module == "":
+    if site.module == "" or site.in_backward is not None:
         return _AtProducer(site, remedy, lambda: True), lambda: None
     try:
         depth = _Depth(model.get_submodule(site.module or ""))

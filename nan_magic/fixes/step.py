@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
-from nan_magic.fixes.site import InRecordedCode, Remedy, Site, at_producer
+from nan_magic.fixes.site import InRecordedCode, Remedy, Site, at_producer, in_backward_nodes
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, values_to_read
@@ -167,6 +167,8 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             # The step's other calls whose outputs the loss code reads, each from its own buffers and generators.
             others = [_call_forward(step.target, parameters, call, mode, writes) for call in _other_calls(step)]
             output = _call_forward(step.target, parameters, root, mode, writes, stack, arguments)
+            if mode is not None and site is not None and site.in_backward:
+                stack.callback(in_backward_nodes(mode, site.in_backward, [t for _, t in _floating(output)]))
             _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)
             if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
                     step.target, parameters, root, mode, writes, remedy):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import math
 
-from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS
+from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.words.cause_words import fmt
@@ -23,7 +23,8 @@ from nan_magic.render.words.counted import counted
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
-                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div"}
+                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div",
+                 "logit": "logit"}
 #: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
 _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
            "output-gradient": " (the backward started from the gradient the step held for the model's outputs)"}
@@ -56,7 +57,7 @@ def _changed(trial: FixTrial) -> str:
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
         if function in BOUNDED_FUNCTIONS:
-            how = "clamped into [-1 + eps, 1 - eps], eps ="
+            how = f"clamped into [{'' if function in UNIT_FUNCTIONS else '-1 + '}eps, 1 - eps], eps ="
         if eps is None:  # not tried: no operand was met to read a dtype from
             return f"{where} {how} its dtype's machine eps"
         return f"{where} {how} {fmt(eps)} (the {trial.fact('dtype')} machine eps)"
@@ -359,7 +360,7 @@ def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
     eps = _eps(trial)
     if function in BOUNDED_FUNCTIONS:
         bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
-        return (ast.Constant(-bound), ast.Constant(bound))
+        return (eps if function in UNIT_FUNCTIONS else ast.Constant(-bound), ast.Constant(bound))
     return (eps,)
 
 

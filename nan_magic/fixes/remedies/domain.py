@@ -4,7 +4,8 @@
 clamped to at least eps; a division by 0: the denominator is clamped to eps
 where it is never negative, else its zeros become eps; ``acos``/``asin`` at
 or beyond +-1, and ``atanh`` there (the inverse of a tanh-squashed action that rounded to 1: SAC's log-prob):
-clamped into ``[-1 + eps, 1 - eps]``. eps is the operand's
+clamped into ``[-1 + eps, 1 - eps]``; ``logit`` of a probability that rounded to 0 or 1: into
+``[eps, 1 - eps]``. eps is the operand's
 dtype's machine epsilon (``torch.finfo(dtype).eps``: 1.2e-7 in float32,
 9.8e-4 in float16), large enough for the gradient to stay finite where the
 derivative is 1/x or 1/sqrt(x), and what the suggested edit writes.
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.fixes.site import function_name
 
 __all__ = ["FUNCTIONS", "DomainFix", "denominator_form"]
@@ -34,6 +35,7 @@ _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "acos": {"acos": 0, "arccos": 0},
     "asin": {"asin": 0, "arcsin": 0},
     "atanh": {"atanh": 0, "arctanh": 0},
+    "logit": {"logit": 0},
 }
 #: The producer's function -> the torch functions that compute it, and which argument is the operand; the
 #: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).
@@ -76,8 +78,9 @@ class DomainFix:
             return None
         eps = torch.finfo(operand.dtype).eps
         self.eps, self.dtype = eps, str(operand.dtype).removeprefix("torch.")
+        low = eps if self.function in UNIT_FUNCTIONS else -1 + eps  # (logit's domain is (0, 1))
         if self.function in BOUNDED_FUNCTIONS:
-            moved = operand.clamp(-1 + eps, 1 - eps)
+            moved = operand.clamp(low, 1 - eps)
         elif self.function in ("div", "reciprocal"):
             self.form = denominator_form(operand)
             moved = operand.clamp_min(eps) if self.form == "clamp_min" else torch.where(operand == 0, eps, operand)
@@ -89,7 +92,7 @@ class DomainFix:
             # ``p.log_()``: the operand is the tensor written, clamped in place first (``p.clamp_min_(eps).log_()``;
             # a copy_ of the clamp would overwrite what the clamp's own backward reads).
             if self.function in BOUNDED_FUNCTIONS:
-                operand.clamp_(-1 + eps, 1 - eps)
+                operand.clamp_(low, 1 - eps)
             else:
                 operand.clamp_min_(eps)
             return func(*args, **kwargs)
