@@ -247,6 +247,9 @@ def test_the_verdict_is_the_remedy_by_hand_and_the_user_state_is_untouched(name:
 def test_logit_of_exactly_one_gets_the_clamp_into_its_domain(mode: str) -> None:
     """Was: no fix tried at all (logit had no remedy). Now: the operand clamped into [eps, 1 - eps], verified."""
     report, _ = _run(logit_of_one, mode)
+    # (its cause said "unclassified": now the logit's own domain, with the clamp said in words)
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == ("log-domain", "logit-edge")
+    assert "logit(p) = log(p / (1 - p)) is -inf at 0, +inf at 1" in " ".join(str(report).split())
     trial = _trial(report, "eps")
     assert trial.finite is True and trial.fact("function") == "logit"
     assert trial.description == ("the operand of logit clamped into [eps, 1 - eps], eps = 1.19e-7 (the float32 "

@@ -214,6 +214,13 @@ def _atanh(report: Report) -> Cause:
     return event_cause("log-domain", "atanh-edge", report, base=op_function(report.op))
 
 
+def _logit(report: Report) -> Cause:
+    """logit(p) = log(p / (1 - p)): -inf at 0, +inf at 1, NaN outside [0, 1] (a sigmoid that rounded to 1)."""
+    if not report.nan + report.posinf + report.neginf:
+        return overflow(report)
+    return event_cause("log-domain", "logit-edge", report, base=op_function(report.op))
+
+
 def _logdet(report: Report) -> Cause:
     """log|det A| of a singular matrix is -inf (logdet: NaN where the determinant rounds negative)."""
     if not report.neginf + report.nan:
@@ -246,6 +253,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     "soft_margin_loss": _soft_margin,
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
     **dict.fromkeys(("atanh", "arctanh"), _atanh),
+    **dict.fromkeys(("logit", "special_logit"), _logit),
     **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),
 }
 

@@ -73,6 +73,16 @@ def _atanh_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _logit_hint(event: Report, cause: Cause) -> str:
+    edge, past = event.posinf + event.neginf, event.nan
+    return (
+        f"{cause.fact('base')} in {where(event)} got {counted(edge, 'value')} at 0 or 1 and {past} outside [0, 1]: "
+        "logit(p) = log(p / (1 - p)) is -inf at 0, +inf at 1 and NaN beyond (a sigmoid rounds to exactly 1 in "
+        "float32 past x = 17); clamp its input to (eps, 1 - eps) (torch.logit(p, eps=1e-6)), or keep the logits "
+        "the sigmoid was computed from"
+    )
+
+
 def _logdet_hint(event: Report, cause: Cause) -> str:
     return (
         f"{cause.fact('base')} in {where(event)} gave {counts(event)}: the matrix is singular (its determinant is 0, "
@@ -453,6 +463,7 @@ OP_READINGS: dict[str, Reading] = {
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     "atanh-edge": on_event(_atanh_hint, _made(counts), sentence=False),
+    "logit-edge": on_event(_logit_hint, _made(counts), sentence=False),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
