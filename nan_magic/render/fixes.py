@@ -108,8 +108,8 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones" and trial.fact("before_loss_code"):
             # (The whole why, ``loss_not_computed``, stays in the trial's facts: the line says what the user needs.)
             return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs "
-                    "(the step stopped before its loss code ran): the trial cannot tell whether the step with its "
-                    "own loss would be finite")
+                    "(the failing step stopped before its loss code ran): the trial cannot tell whether the step "
+                    "with its own loss would be finite")
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
@@ -131,7 +131,7 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
     elif trial.fact("loss_not_computed") and trial.fact("before_loss_code"):
         start = _STARTS.get(trial.fact("backward_from"), "")
-        parts.append(f"no loss: the step stopped before its loss code ran{start}")
+        parts.append(f"no loss: the failing step stopped before its loss code ran{start}")
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
         parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
