@@ -68,12 +68,15 @@ def test_an_overflowed_adam_state_says_why_no_fix_was_tried() -> None:
     text = report.to_text()
     assert f"  note        {said}" in text, text
     assert said in report.to_html()
+    # The addcmul's value, Adam's 1 - beta2, read "value: 0.0010000000000000009 (a Python number)".
+    assert "\n              value: 0.001 (a Python number)\n" in text, text
 
 
 def test_a_data_rows_verified_fix_says_it_was_the_failing_step_that_stopped(ip) -> None:
     """tabular_nan_row.ipynb: one NaN in the CSV, at batch 17. skip-batch is verified, and its line said "verified:
     the step came out finite, no loss: the step stopped before its loss code ran", which reads as if leaving the
-    row out stopped the step. The step that stopped is the failing one, at the model's input."""
+    row out stopped the step. The step that stopped is the failing one, at the model's input. The row it leaves out
+    was said "(rows 5)"; one row is "(row 5)"."""
     torch.manual_seed(0)
     x = torch.randn(640, 6)
     x[17 * 32 + 5, 2] = float("nan")
@@ -88,5 +91,5 @@ def test_a_data_rows_verified_fix_says_it_was_the_failing_step_that_stopped(ip) 
     report = ip.user_ns["_nan_report"]
     assert (report.phase.value, report.module, report.step) == ("data", "", 17)
     (line,) = [line for line in report.to_text().splitlines() if line.startswith("  skip-batch: ")]
-    assert ("(rows 5) -> verified: the step came out finite, no loss: the failing step stopped before its loss code "
+    assert ("(row 5) -> verified: the step came out finite, no loss: the failing step stopped before its loss code "
             "ran (the backward started from ones into the model's outputs)") in line, line

@@ -310,7 +310,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
                 for name, value in report.nonfinite_numbers)
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
     # The finite Python numbers after the tensors, as the op read them (``logits / t``: t = 0.0 from a config).
-    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
+    # To 12 digits: Adam's ``1 - beta2`` is 0.0010000000000000009 as Python holds it, 0.001 as the user wrote it.
+    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {float(f'{value:.12g}')!r} "
+                     "(a Python number)")
                 for name, value in report.numbers if math.isfinite(value))
     if report.absorbed is not None:
         absorbed = report.absorbed

@@ -83,9 +83,10 @@ def _changed(trial: FixTrial) -> str:
     if trial.kind == "skip-batch":
         if trial.fact("left_out") is None:  # not tried: no sample could be left out
             return "the batch without its samples holding non-finite values"
-        dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
+        indices = trial.fact("dropped") or ()
+        rows = f"row{'s' if len(indices) != 1 else ''} {', '.join(str(index) for index in indices)}"
         return (f"the batch without its {trial.fact('left_out')} of {counted(trial.fact('batch'), 'sample')} holding "
-                f"non-finite values (rows {dropped})")
+                f"non-finite values ({rows})")
     if trial.kind == "mask":
         return "the fully masked rows' output made 0 instead of NaN"
     return trial.kind
