@@ -93,3 +93,45 @@ def test_a_data_rows_verified_fix_says_it_was_the_failing_step_that_stopped(ip) 
     (line,) = [line for line in report.to_text().splitlines() if line.startswith("  skip-batch: ")]
     assert ("(row 5) -> verified: the step came out finite, no loss: the failing step stopped before its loss code "
             "ran (the backward started from ones into the model's outputs)") in line, line
+
+
+GAN = """\
+%%nantrace -q
+for step in range(40):
+    real = real_data[torch.randint(0, 4096, (64,))]
+    fake = G(torch.randn(64, 8))
+    d_loss = -(torch.log(D(real)) + torch.log(1 - D(fake.detach()))).mean()
+    opt_d.zero_grad(); d_loss.backward(); opt_d.step()
+    g_loss = torch.log(1 - D(fake)).mean()
+    opt_g.zero_grad(); g_loss.backward(); opt_g.step()
+"""
+
+
+def test_a_gan_s_layer_table_says_which_model_each_row_is_in(ip) -> None:
+    """gan_saturate.ipynb: G and D are both ``nn.Sequential``. The Layers table (text, HTML, widget) read
+    "Sequential (root)" on all six model rows and "0 (Linear)" twice among the rows not measured: which of the two
+    models saturated could not be read off it. Where a step's rows are of several models, each says which."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    D = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1), nn.Sigmoid())
+    ip.user_ns.update(torch=torch, G=G, D=D, real_data=torch.randn(4096, 2) * 0.1 + torch.tensor([4.0, 4.0]),
+                      opt_g=torch.optim.Adam(G.parameters(), lr=1e-2), opt_d=torch.optim.Adam(D.parameters(), lr=1e-1))
+    ip.user_ns.pop("_nan_report", None)
+    ip.run_cell(GAN)
+    report = ip.user_ns["_nan_report"]
+    assert (report.phase.value, report.module, report.step, report.op) == ("forward", None, 17, "aten.log.default")
+    text = report.to_text()
+    table = text[text.index("Layers of step 17"):].split("\n\n")[0].splitlines()
+    rows = [" ".join(line.split()) for line in table[2:]]
+    assert rows[0].startswith("0 ok 0 0 0 Sequential (root) in G forward output float32 64x2"), rows
+    assert rows[2].startswith("2 ok 0 0 0 Sequential (root) in D forward output float32 64x1"), rows
+    assert "not measured 0 (Linear) in G forward" in rows and "not measured 3 (Sigmoid) in D forward" in rows, rows
+    assert "Sequential (root) in D" in report.to_html()
+    # One model, as before: no "in model" on every row.
+    assert " in " not in " ".join(layer_row for layer_row in _one_model_rows())
+
+
+def _one_model_rows() -> list[str]:
+    report = _diffusion_report()
+    text = report.to_text()
+    return text[text.index("Layers of step 0"):].split("\n\n")[0].splitlines()[2:]
