@@ -133,8 +133,7 @@ class LayerCall:
     path: tuple[str, ...] | None = None
     #: An older scene's tensor label (before version 6 a row stored its words), shown as written.
     said: str | None = None
-    #: The model its module is in, as the watch names it (the user's variable, ``netD``): where a step called
-    #: several (a GAN's G and D), two roots are both ``Sequential (root)`` without it. None outside every model.
+    #: Its module's model, as the watch names it (``netD``): a GAN's G and D are both ``Sequential (root)``.
     model: str | None = None
 
 
