@@ -127,6 +127,12 @@ def test_a_gan_s_layer_table_says_which_model_each_row_is_in(ip) -> None:
     assert rows[2].startswith("2 ok 0 0 0 Sequential (root) in D forward output float32 64x1"), rows
     assert "not measured 0 (Linear) in G forward" in rows and "not measured 3 (Sigmoid) in D forward" in rows, rows
     assert "Sequential (root) in D" in report.to_html()
+    # The Histograms tab's list of the other layers' samples read "(root) input[0]", "(root) output" for both.
+    from nan_magic.render.widget import HistogramsView
+
+    titles = [label.split(": ", 1)[1] for label, _ in HistogramsView(report).selector.options if ": " in label]
+    assert titles[3:7] == ["input[0] of G", "output of G", "input[0] of D", "output of D"], titles
+    assert not [title for title in titles if "(root)" in title], titles
     # One model, as before: no "in model" on every row.
     assert " in " not in " ".join(layer_row for layer_row in _one_model_rows())
 

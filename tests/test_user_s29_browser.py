@@ -69,6 +69,8 @@ def test_the_gan_s_layers_tab_names_each_row_s_model(lab: LabServer, page: Any) 
     image.wait_for()
     page.wait_for_function("img => img.complete && img.naturalWidth > 100", arg=image.element_handle())
     assert coloured_pixels(image) > 1000
+    options = [option.replace("\xa0", " ") for option in widget.locator("select option").all_inner_texts()]
+    assert "3: input[0] of G" in options and "5: input[0] of D" in options, options
 
 
 def test_the_diffusion_report_after_a_restart_says_why_no_fix_was_tried(lab: LabServer, page: Any) -> None:

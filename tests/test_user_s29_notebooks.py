@@ -81,6 +81,8 @@ def test_the_gan_whose_discriminator_saturates(tmp_path: Path) -> None:
     assert cell_text(named_cell(nb, "fixes")).startswith("eps ")
     shown = [output.output_type for output in named_cell(nb, "report").outputs]
     assert shown == ["display_data", "execute_result"], shown  # the static twin, then the widget
+    states = json.dumps(widget_states(nb))
+    assert "Sequential (root) in D" in states and "input[0] of D" in states  # the Layers and Histograms tabs
 
 
 def test_the_diffusion_toy_with_a_bad_schedule(tmp_path: Path) -> None:

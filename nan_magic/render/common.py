@@ -363,7 +363,7 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
     for sample in report.samples:
         ref = sample.tensor
         if not sample.producer or ref is None:
-            others.append(sample)
+            others.append(_in_its_model(sample) if report.models_watched > 1 else sample)
         elif ref == module_output and report.module_output is not None:
             module_outputs.append(_titled(sample, module_value(report, ref)))
         elif report.op and ref == report.tensor:
@@ -395,6 +395,15 @@ def stand_in_name(report: Report, ref: TensorRef) -> str | None:
         return None
     named = {note.fact("name") for note in report.note_facts if note.kind == "swapped-in"}
     return ref.path if ref.path in named else None
+
+
+def _in_its_model(sample: Sample) -> Sample:
+    """Another layer's sample of a step that called several models, titled with its model: a GAN's G and D were
+    both ``(root) input[0]`` in the Histograms tab's list; now ``input[0] of D``, ``output of 0 in G``."""
+    if sample.model is None or sample.module is None or sample.tensor is None:
+        return sample
+    where = f"{sample.module} in {sample.model}" if sample.module else sample.model
+    return _titled(sample, f"{sample.tensor} of {where}")
 
 
 def _titled(sample: Sample, title: str) -> Sample:
