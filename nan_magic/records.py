@@ -133,6 +133,8 @@ class LayerCall:
     path: tuple[str, ...] | None = None
     #: An older scene's tensor label (before version 6 a row stored its words), shown as written.
     said: str | None = None
+    #: Its module's model, as the watch names it (``netD``): a GAN's G and D are both ``Sequential (root)``.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,12 +157,12 @@ class Sample:
     #: Which tensor it samples: the producer's (its op's output and operands, its module's inputs and
     #: output), or another layer's.
     tensor: TensorRef | None = None
-    #: The module whose call ``tensor`` is of, for another layer's sample and the producer module's
-    #: output (``""`` the root); None for the producer op's tensors and for the loss.
+    #: The module whose call ``tensor`` is of, for another layer's sample and the producer module's output (``""``
+    #: the root); None for the producer op's tensors and the loss. ``model``: another layer's model, as named.
     module: str | None = None
-    #: The title render/ gives it in a report's story (render/common.py's ``labelled_samples``), or an
-    #: older scene's label, as written.
+    #: Its title in a report's story (render/common.py's ``labelled_samples``), or an older scene's label.
     title: str | None = None
+    model: str | None = None
 
     @property
     def label(self) -> str:

@@ -340,8 +340,8 @@ def test_a_forward_event_at_the_first_step_says_why_no_loss_was_computed() -> No
     assert trial.loss is None and trial.fact("backward_from") == "ones"
     # The line says what the user needs (polish-s27: it also said "and no earlier step ran backward() watched"); the
     # whole why stays in the trial's facts.
-    assert ("no loss: the step stopped before its loss code ran (the backward started from ones into the model's "
-            "outputs)") in report.to_text()
+    assert ("no loss: the failing step stopped before its loss code ran (the backward started from ones into the "
+            "model's outputs)") in report.to_text()
     assert trial.fact("loss_not_computed") == (
         "the forward failed before this step's loss code ran, and no earlier step ran backward() watched")
 

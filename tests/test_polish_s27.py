@@ -110,8 +110,8 @@ def test_a_forward_failures_trial_says_briefly_why_it_has_no_loss() -> None:
     (trial,) = [trial for trial in report.fixes if trial.kind == "eps"]
     assert trial.fact("before_loss_code") is True
     text = report.to_text()
-    assert ("no loss: the step stopped before its loss code ran (the backward started from ones into the model's "
-            "outputs)") in text
+    assert ("no loss: the failing step stopped before its loss code ran (the backward started from ones into the "
+            "model's outputs)") in text
     assert "no earlier step ran backward() watched" not in text
 
 
@@ -124,9 +124,9 @@ def test_a_forward_failures_unverified_trial_says_briefly_why_it_cannot_tell() -
 
     report = _report(hunt21, "hunt21_yeo_johnson_learned_lambda_of_0", "default")
     text = report.to_text()
-    assert ("still non-finite (next forward), but its backward started from ones into the model's outputs (the "
-            "step stopped before its loss code ran): the trial cannot tell whether the step with its own loss "
-            "would be finite") in text, text
+    assert ("still non-finite (next forward), but its backward started from ones into the model's outputs "
+            "(the failing step stopped before its loss code ran): the trial cannot tell whether the step with its own "
+            "loss would be finite") in text, text
     assert "no earlier step ran backward() watched" not in text
 
 

@@ -25,6 +25,10 @@ REMEDIED = frozenset({"division-by-zero", "log-domain", "sqrt-domain", "pow-doma
 def none_fit(report: Report) -> Note | None:
     """The note for ``report``, whose producer no remedy fits, where its cause has one (else None: nothing to say)."""
     cause = report.cause.label if report.cause is not None else None
+    if cause == "overflow" and report.phase == Phase.OPTIMIZER:
+        # An optimizer state that squares the gradient overflowed (a diffusion loss of 1e27 at step 0): its cause
+        # names clipping, which no trial makes; without the note the report had no word of fixes at all.
+        return Note.of("fixes-optimizer-overflow", optimizer=report.optimizer or "optimizer")
     if cause not in REMEDIED:
         return None
     if any(note.kind == "lr-made-by-loop" for note in report.note_facts):  # (its op ran in the loop, not the step)

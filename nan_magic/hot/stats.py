@@ -126,7 +126,8 @@ _EXTREMES = 16
 
 
 def sample_values(
-    tensor: torch.Tensor, ref: TensorRef, size: int, producer: bool = True, module: str | None = None
+    tensor: torch.Tensor, ref: TensorRef, size: int, producer: bool = True, module: str | None = None,
+    model: str | None = None,
 ) -> Sample:
     """A bounded, deterministic sample of the finite values of ``ref`` (of ``module``'s call), copied to the CPU.
 
@@ -150,7 +151,7 @@ def sample_values(
         )).tolist()
     return Sample(
         dtype=_dtype_name(tensor.dtype), values=tuple(values), numel=flat.numel(), producer=producer,
-        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros, tensor=ref, module=module,
+        nan=nan, posinf=posinf, neginf=neginf, zeros=zeros, tensor=ref, module=module, model=model,
     )
 
 def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

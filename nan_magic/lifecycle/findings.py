@@ -65,7 +65,8 @@ def _nearby_samples(
     for record, call, tensor in kept[-NEARBY_LAYERS:]:
         # A data call's records are the batch's arguments, any other call's its outputs (step_log.rows).
         role = TensorRole.INPUT if call.phase is Phase.DATA else TensorRole.MODULE_OUTPUT
-        samples.append(sample_values(tensor, record_ref(record, role), size, producer=False, module=call.name))
+        samples.append(sample_values(tensor, record_ref(record, role), size, producer=False, module=call.name,
+                                     model=call.info.model if call.info is not None else None))
     return samples
 
 

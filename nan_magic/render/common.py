@@ -310,7 +310,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
                 for name, value in report.nonfinite_numbers)
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
     # The finite Python numbers after the tensors, as the op read them (``logits / t``: t = 0.0 from a config).
-    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
+    # To 12 digits: Adam's ``1 - beta2`` is 0.0010000000000000009 as Python holds it, 0.001 as the user wrote it.
+    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {float(f'{value:.12g}')!r} "
+                     "(a Python number)")
                 for name, value in report.numbers if math.isfinite(value))
     if report.absorbed is not None:
         absorbed = report.absorbed
@@ -361,7 +363,7 @@ def labelled_samples(report: Report) -> tuple[Sample, ...]:
     for sample in report.samples:
         ref = sample.tensor
         if not sample.producer or ref is None:
-            others.append(sample)
+            others.append(_in_its_model(sample) if report.models_watched > 1 else sample)
         elif ref == module_output and report.module_output is not None:
             module_outputs.append(_titled(sample, module_value(report, ref)))
         elif report.op and ref == report.tensor:
@@ -393,6 +395,15 @@ def stand_in_name(report: Report, ref: TensorRef) -> str | None:
         return None
     named = {note.fact("name") for note in report.note_facts if note.kind == "swapped-in"}
     return ref.path if ref.path in named else None
+
+
+def _in_its_model(sample: Sample) -> Sample:
+    """Another layer's sample of a step that called several models, titled with its model: a GAN's G and D were
+    both ``(root) input[0]`` in the Histograms tab's list; now ``input[0] of D``, ``output of 0 in G``."""
+    if sample.model is None or sample.module is None or sample.tensor is None:
+        return sample
+    where = f"{sample.module} in {sample.model}" if sample.module else sample.model
+    return _titled(sample, f"{sample.tensor} of {where}")
 
 
 def _titled(sample: Sample, title: str) -> Sample:

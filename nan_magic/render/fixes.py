@@ -84,9 +84,10 @@ def _changed(trial: FixTrial) -> str:
     if trial.kind == "skip-batch":
         if trial.fact("left_out") is None:  # not tried: no sample could be left out
             return "the batch without its samples holding non-finite values"
-        dropped = ", ".join(str(index) for index in trial.fact("dropped") or ())
+        indices = trial.fact("dropped") or ()
+        rows = f"row{'s' if len(indices) != 1 else ''} {', '.join(str(index) for index in indices)}"
         return (f"the batch without its {trial.fact('left_out')} of {counted(trial.fact('batch'), 'sample')} holding "
-                f"non-finite values (rows {dropped})")
+                f"non-finite values ({rows})")
     if trial.kind == "mask":
         return "the fully masked rows' output made 0 instead of NaN"
     return trial.kind
@@ -109,8 +110,8 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones" and trial.fact("before_loss_code"):
             # (The whole why, ``loss_not_computed``, stays in the trial's facts: the line says what the user needs.)
             return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs "
-                    "(the step stopped before its loss code ran): the trial cannot tell whether the step with its "
-                    "own loss would be finite")
+                    "(the failing step stopped before its loss code ran): the trial cannot tell whether the step "
+                    "with its own loss would be finite")
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
@@ -132,7 +133,7 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
     elif trial.fact("loss_not_computed") and trial.fact("before_loss_code"):
         start = _STARTS.get(trial.fact("backward_from"), "")
-        parts.append(f"no loss: the step stopped before its loss code ran{start}")
+        parts.append(f"no loss: the failing step stopped before its loss code ran{start}")
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
         parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")

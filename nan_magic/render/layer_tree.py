@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nan_magic.records import LayerCall
+from nan_magic.records import LayerCall, module_label
 from nan_magic.render.words.counted import counted
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "depth",
     "inside",
     "layers_count",
+    "row_labels",
     "shown_statuses",
     "unmeasured_note",
 ]
@@ -26,9 +27,16 @@ def depth(layer: LayerCall) -> int:
 
 def contains(outer: LayerCall, inner: LayerCall) -> bool:
     """Whether ``outer``'s module is a parent (or grand-parent...) of ``inner``'s, in the same phase."""
-    if outer.path is None or inner.path is None or outer.phase != inner.phase:
+    if outer.path is None or inner.path is None or outer.phase != inner.phase or outer.model != inner.model:
         return False
     return inside(inner.path, outer.path)
+
+
+def row_labels(layers: Sequence[LayerCall]) -> list[str]:
+    """Each row's module as the tables spell it: ``0 (Linear)``, and ``0 (Linear) in D`` where the rows are of
+    several models (a GAN's step calls G and D: both roots are ``Sequential (root)``, both first layers ``0``)."""
+    several = len({layer.model for layer in layers if layer.model is not None}) > 1
+    return [module_label(layer.module, layer.module_type, layer.model if several else None) for layer in layers]
 
 
 def inside(path: tuple[str, ...], outer: tuple[str, ...]) -> bool:

@@ -16,9 +16,8 @@ from nan_magic.render.common import (
     fmt_number,
     fmt_shape,
     in_call_order,
-    module_label,
 )
-from nan_magic.render.layer_tree import contains, depth, shown_statuses
+from nan_magic.render.layer_tree import contains, depth, row_labels, shown_statuses
 from nan_magic.render.words.names import row_tensor
 
 #: CSS class of every cell of a row, by the row's role. Tests and the
@@ -159,7 +158,7 @@ def view_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
     """The rows as shown: :data:`VIEW_COLUMNS`, module and type in one label, the counts in one phrase."""
     frame = layers_frame(layers)
     frame["module"] = pd.Series(
-        [module_label(layer.module, layer.module_type) for layer in layers],
+        row_labels(layers),
         index=frame.index, dtype=object,
     )
     frame["non-finite"] = pd.Series(

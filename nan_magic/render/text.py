@@ -13,13 +13,12 @@ from nan_magic.render.common import (
     fmt_number,
     fmt_shape,
     in_call_order,
-    module_label,
     producer_position,
     row_window,
     stats_phrase,
 )
 from nan_magic.render.fixes import fixes_text
-from nan_magic.render.layer_tree import depth, layers_count, shown_statuses, unmeasured_note
+from nan_magic.render.layer_tree import depth, layers_count, row_labels, shown_statuses, unmeasured_note
 from nan_magic.render.text_histograms import histograms_text
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import row_tensor
@@ -87,13 +86,13 @@ def _cell(text: str) -> str:
     return text if len(text) <= _MAX_CELL else "..." + text[-(_MAX_CELL - 3):]
 
 
-def _layer_row(layer: LayerCall, status: str) -> dict[str, str]:
+def _layer_row(layer: LayerCall, status: str, label: str) -> dict[str, str]:
     stats = layer.stats
     row = {
         "call": "" if layer.index is None else str(layer.index),
         "phase": str(layer.phase),
         # Indented by depth (two spaces a level, at most eight levels): the model's tree, as torchinfo prints it.
-        "module": "  " * min(depth(layer), 8) + _cell(module_label(layer.module, layer.module_type)),
+        "module": "  " * min(depth(layer), 8) + _cell(label),
         "status": status,
     }
     if stats is None:  # a module the step has no numbers for: its status says why
@@ -117,7 +116,8 @@ def _layer_section(report: Report, max_rows: int) -> str:
     focus = producer_position(layers)
     window = row_window(len(layers), focus, max_rows)
     shown = layers[window.start: window.stop]
-    cells = [_layer_row(layer, status) for layer, status in zip(shown, shown_statuses(shown))]
+    cells = [_layer_row(layer, status, label)
+             for layer, status, label in zip(shown, shown_statuses(shown), row_labels(shown))]
     widths = {
         column: max([len(column)] + [len(row[column]) for row in cells])
         for column in _TEXT_COLUMNS

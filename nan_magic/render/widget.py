@@ -92,7 +92,7 @@ def _html(body: str) -> widgets.HTML:
 def _row_text(layer: LayerCall) -> str:
     """What the filter box matches against, lower-cased."""
     return " ".join((
-        module_label(layer.module, layer.module_type),
+        module_label(layer.module, layer.module_type, layer.model),  # a GAN's "d" finds D's rows
         layer.status,
         str(layer.phase),
         row_tensor(layer),

@@ -395,6 +395,7 @@ class StepLog:
                         status="propagated" if unjudged else record.status,
                         tensor=record_ref(record, role),
                         path=call.info.path if call.info is not None else None,
+                        model=call.info.model if call.info is not None else None,
                     )
                 )
         cut = max(0, len(rows) - limit)

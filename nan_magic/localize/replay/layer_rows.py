@@ -48,7 +48,8 @@ def step_layers(
     running = [call for call in calls if call.finished < 0 and not call.outputs and call.phase is Phase.FORWARD]
     rows = sorted(
         [*measured, *(LayerCall(call.index, call.phase, call.name, call.module_type, None, "running",
-                                path=call.info.path if call.info is not None else None) for call in running)],
+                                path=call.info.path if call.info is not None else None,
+                                model=call.info.model if call.info is not None else None) for call in running)],
         key=lambda row: row.index if row.index is not None else -1,
     )
     if dropped:
@@ -64,7 +65,7 @@ def step_layers(
         order.setdefault(info.name, len(order))
         if (info.model, info.name) not in called:
             missing.append(LayerCall(None, Phase.FORWARD, info.name, info.module_type, None,
-                                     _unmeasured(info, stopped, per_module), path=info.path))
+                                     _unmeasured(info, stopped, per_module), path=info.path, model=info.model))
     return _merged(rows, missing, order), 0
 
 

@@ -180,6 +180,9 @@ _TEMPLATES: dict[str, str] = {
     "fixes-optimizer-none": "no fix was tried: the producer ran in the {optimizer} step, whose trials redo it at a "
                             "tenth of its learning rate or with an Adam eps its dtype holds, neither the remedy of "
                             "a {cause}",
+    "fixes-optimizer-overflow": "no fix was tried: the trials of the {optimizer} step (a tenth of its learning rate, "
+                                "a larger eps) leave its gradient as large as it was, and clipping it is not one of "
+                                "them",
     "fixes-update-code": "no fix was tried: the producer ({op}) ran in the loop's code between backward() and the "
                          "step, which the trials do not run again",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
