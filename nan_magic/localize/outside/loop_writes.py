@@ -389,6 +389,11 @@ class LoopWrites:
         by_id = self._cached_index()[0]
         return {key: copy for key, copy in recorder.before.items() if key in by_id}
 
+    def values_before(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """What the current update region's code wrote in place that is no parameter, as it was before, with its
+        version then (UpdateRecorder.values_before); empty in ops mode. At an event only."""
+        return self._recorder.values_before() if self._recorder is not None else {}
+
     def _parameter_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The watched parameter ``tensor`` is, or is on the memory of (``p.data``, a row ``p[3]``), or None.
 
