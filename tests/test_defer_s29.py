@@ -12,7 +12,10 @@ Fixed in this round:
   before the user's write now (StepReplays._inputs_as_read; contract rows defer28 and defer_s29_static_buffer_*);
 - two optimizers stepping at different cadences (the head's every step, the body's every 2nd): every other step
   was reported one step early, in both timings (hot/checks/iterations.py: a member an iteration closed without is
-  dropped, not waited for again).
+  dropped, not waited for again);
+- a NaN batch a DataLoader gave, judged at the deferred check and localized by fetching its samples again: %debug
+  opened at ``opt.step()``, not at the loop's model call (lifecycle/watch_events.py: the model's caller is taken
+  whichever localizer ran).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from contract import Case, defer_s29
+from contract import Case, all_cases, defer_s29
 from torch import nn
 
 import nan_magic
@@ -90,3 +93,26 @@ def test_an_optimizer_stepping_every_second_iteration_does_not_hold_the_count_ba
     step early (it was 0 0 2 2 4 5 6, and 3 4 4 5 with the body stepping first)."""
     assert _completed_at_each_forward("H HB H HB H HB H", passed="HB") == [0, 0, 2, 3, 4, 5, 6]
     assert _completed_at_each_forward("H BH H BH H BH H", passed="HB")[3:] == [3, 4, 5, 6]
+
+
+def _debug_frame(case: Case, **options: Any) -> tuple[str, int] | None:
+    torch.manual_seed(0)
+    scenario = case.build()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options, **scenario.options):
+        scenario.run()
+    frame = caught.value.report.debug_frame
+    return None if frame is None else (os.path.basename(frame.filename), frame.lineno)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("name", [
+    "hunt_s28c_memmap_numpy_record_holding_a_nan",
+    "hunt_s28c_iterable_dataset_sharded_over_two_workers_log_of_a_count_of_0",
+])
+def test_a_batch_refetched_from_its_loader_opens_at_the_model_call_deferred(name: str, traced: bool) -> None:
+    """A NaN batch from a DataLoader, judged at the deferred check (``opt.step()``) and localized by fetching its
+    samples again: %debug opened at ``opt.step()``; it opens at the loop's model call, as the immediate check's does
+    (the model's caller was taken only where the step replay, not the samples' refetch, localized it)."""
+    case = next(case for case in all_cases() if case.name == name)
+    now = _debug_frame(case, ops=traced)
+    assert now is not None and _debug_frame(case, ops=traced, defer=True) == now
