@@ -116,3 +116,26 @@ def test_a_batch_refetched_from_its_loader_opens_at_the_model_call_deferred(name
     case = next(case for case in all_cases() if case.name == name)
     now = _debug_frame(case, ops=traced)
     assert now is not None and _debug_frame(case, ops=traced, defer=True) == now
+
+
+@pytest.mark.parametrize("name", [
+    "gaps20_keras_max_norm_through_data_of_a_zero_row",
+    "hunt17_max_norm_in_place_in_the_forward_of_a_zero_row",
+    "hunt17_actnorm_data_dependent_init_of_a_constant_channel",
+])
+def test_a_forward_that_writes_its_parameter_is_reported_as_its_op_traced_and_deferred(name: str) -> None:
+    """A max-norm renorm (``w.div_(norm)``) or an ActNorm's data-dependent init written in place in the forward:
+    ``ops=True`` stops at the op and describes its output ('output of aten.div_.Tensor'); judged at the deferred check
+    (loop_writes.LoopWrites._report_traced) the report described the parameter ('parameter 0.weight'), with the
+    op's name beside it. It describes the op's output, as at the op."""
+    case = next(case for case in all_cases() if case.name == name)
+
+    def said(**options: Any) -> tuple[str, str]:
+        torch.manual_seed(0)
+        scenario = case.build()
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options,
+                                                                     **scenario.options):
+            scenario.run()
+        return str(caught.value.report.tensor), caught.value.report.message
+    now = said(ops=True)
+    assert now[0].startswith("output of aten.") and said(ops=True, defer=True) == now

@@ -42,7 +42,7 @@ from torch import nn
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
-from nan_magic.localize.ops.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.lr_lines import name_lr_line, number_counts, same_number
 from nan_magic.localize.outside.param_writes import (
@@ -477,7 +477,8 @@ class LoopWrites:
                 finding = Finding(Phase.FORWARD, None, TensorRef.parameter(name), bad=parameter.detach(),
                                   step=self._step())
                 self._attribute(finding)
-                attach_origin(finding, origin)
+                # The report describes the op's output, the parameter beside it, as the tracer's at the op does.
+                apply_op_finding(finding, origin)
             else:
                 finding = self._finding(name, parameter)
                 self._attach(finding, origin)
