@@ -16,11 +16,6 @@ import nan_magic
 
 MODES = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True}}
 
-DEFERRED_TENSOR_LR_GAP = (
-    "unclassified, no line: the deferred check reads the step's result with the next step's transfer, when the "
-    "group's tensor lr is already the next step's (finite) one; reading a tensor lr at the step itself would cost a "
-    "host read per step (hot/checks/optim.py wild_hyperparameters reads only Python numbers)")
-
 
 def _line_of(function: object, marker: str) -> int:
     lines, first = inspect.getsourcelines(function)
@@ -83,15 +78,15 @@ def test_a_learning_rate_computed_in_python_is_named_at_its_line(mode: str) -> N
     assert caught.value.producer_frame is not None and caught.value.producer_position[1] == line
 
 
-@pytest.mark.parametrize("mode", [
-    pytest.param(mode, marks=pytest.mark.xfail(strict=True, reason=DEFERRED_TENSOR_LR_GAP)) if mode == "defer" else mode
-    for mode in MODES])
+@pytest.mark.parametrize("mode", [*MODES, "ops-defer"])
 def test_a_tensor_learning_rate_made_before_the_forward_is_named_at_its_line(mode: str) -> None:
     """``group["lr"] = lr_t``, a 0-dim tensor the loop made 0 / 0 before the model call: the records that reach the
     step do not hold its op, and the report read learning-rate-too-high. The tensor itself is the group's: the name
-    bound to it in the loop's frame gives the line."""
+    bound to it in the loop's frame gives the line. Deferred (defer-s29), the step's result is read with the next
+    step's transfer: the rate is the one the carried result kept of its step (StepResult.lrs), and the one name the
+    loop stores into the group holding a tensor gives the line (it was unclassified, no line)."""
     with pytest.raises(nan_magic.NonFiniteError) as caught:
-        _tensor_lr_loop(MODES[mode])
+        _tensor_lr_loop(MODES.get(mode, {"ops": True, "defer": True}))
     _assert_set_at_its_line(caught.value.report, "lr_t", _line_of(_tensor_lr_loop, "# tensor-lr"))
 
 

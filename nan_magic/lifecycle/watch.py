@@ -169,6 +169,10 @@ class Watch(WatchEvents):
         """The watched parameters the current update region wrote in place, as they were before (a step replay's)."""
         return self.update_code.parameters_before()
 
+    def values_before_update(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """What the current update region wrote in place that is no parameter, as it was before, with its version."""
+        return self.update_code.values_before()
+
     @property
     def steps_taken(self) -> int:
         """Training iterations completed, or top-level forward calls started where no optimizer stepped."""

@@ -94,13 +94,12 @@ class WatchEvents:
             replayed = self.samples.localize(finding, seen, self._build_report)  # None: no DataLoader gave it
         if replayed is None and replays is not None:
             replayed = replays.localize(finding, seen)
-            if after_loss and finding.phase in (Phase.FORWARD, Phase.DATA):
-                finding.model_caller = _model_caller(replays, finding)  # (%debug's frame: lifecycle/events.py)
-        elif replayed is None and after_loss and finding.phase in (Phase.FORWARD, Phase.DATA) and (
-                kept_calls := self.localizing.kept) is not None:
-            # ops=True, deferred: the tracer named the op, no step replay ran; the calls kept for the fix trials
-            # still say where the loop called the model, where %debug opens as where the call's return is judged.
-            finding.model_caller = _model_caller(kept_calls, finding)
+        # (%debug's frame, lifecycle/events.py: a batch whose samples were fetched again from its DataLoader too.)
+        # ops=True, deferred: the tracer named the op, no step replay ran; the calls kept for the fix trials still
+        # say where the loop called the model, where %debug opens as where the call's return is judged.
+        if after_loss and finding.phase in (Phase.FORWARD, Phase.DATA) and (
+                keeper := replays if replays is not None else self.localizing.kept) is not None:
+            finding.model_caller = _model_caller(keeper, finding)
         if after_loss and finding.phase == Phase.DATA and finding.module is None and finding.backward_caller is None:
             # Data the loss code read, judged with the loss at the check: %debug opens where the loop called backward
             # (as where the loss is judged as backward starts), where that frame still runs (lifecycle/events.py).

@@ -34,6 +34,7 @@ gives the argument and the conditions).
 from __future__ import annotations
 
 import math
+import operator
 import sys
 import weakref
 from collections.abc import Iterable
@@ -306,6 +307,9 @@ class OptimizerChecks:
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
                 result.caller = None if self._bounded else user_line(sys._getframe(1))
+                # The groups' rates as the step ran (a tensor rate the loop rebinds by the check): map of a C
+                # callable, no Python call a step.
+                result.lrs = list(map(_GROUP_LR, opt.param_groups))
                 self.carried = result
             elif not self.reports.step_result(result, _read_step_result(result)):
                 watch.on_finite_step()
@@ -465,6 +469,8 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 #: Stands in for a state tensor that has gone (its check then passes).
 _FINITE = torch.zeros(1)
+#: A parameter group's ``lr`` object (a C callable: read each carried step with no Python call).
+_GROUP_LR = operator.methodcaller("get", "lr")
 
 
 def _read_step_result(result: StepResult) -> list[float]:

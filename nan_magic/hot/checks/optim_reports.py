@@ -18,7 +18,7 @@ from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
-from nan_magic.hot.checks.step_layout import StepResult, group_eps, group_lr, group_value
+from nan_magic.hot.checks.step_layout import StepResult, group_eps
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
@@ -104,11 +104,11 @@ class StepReports:
             if held is not None and result.bounded:
                 _blame_state(finding, label, held)
             self.attribute(finding)
-            lr = group_lr(result.optimizer, tensor)
+            lr, raw_lr = result.lr_of(tensor)
             # A non-finite rate the loop computed (``group["lr"] = size.item()``, size 0 / 0): its op, not the step's.
             # Else, no op made it (computed in Python, or a tensor rate made earlier): the loop's line that set it.
             named = (phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr)
-                     and self._add_lr_origin(finding, lr, group_value(result.optimizer, tensor, "lr")))
+                     and self._add_lr_origin(finding, lr, raw_lr))
             if not named:
                 self._add_op_origin(finding, tensor)
             if not named and finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:

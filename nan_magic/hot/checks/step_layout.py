@@ -72,6 +72,20 @@ class StepResult:
     states: list[tuple[str, torch.Tensor, Any]] = field(default_factory=list)
     #: ``norms`` is one sum over all of ``updated`` (Layout.one_sum), measured one by one where it is not finite.
     summed: bool = False
+    #: A carried result's groups' ``lr`` objects as the step ran, in group order (a tensor rate the loop rebinds each
+    #: step is the next step's in the group by the check that reads the result): None, read from the groups now.
+    lrs: list[Any] | None = None
+
+    def lr_of(self, tensor: torch.Tensor) -> tuple[float | None, Any]:
+        """``(the learning rate as a number, the group's own object)`` of the group holding ``tensor`` as the step
+        ran (group_lr, group_value). At an event only."""
+        opt = self.optimizer
+        if self.lrs is None or len(self.lrs) != len(opt.param_groups):
+            return group_lr(opt, tensor), group_value(opt, tensor, "lr")
+        index = next((n for n, group in enumerate(opt.param_groups) if any(p is tensor for p in group["params"])), 0)
+        raw = self.lrs[index]
+        value = raw.item() if isinstance(raw, torch.Tensor) and raw.numel() == 1 else raw
+        return (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None), raw
 
     def owner(self, index: int) -> tuple[torch.Tensor, str | None]:
         """The parameter behind ``updated[index]``, and the state key where it is a state tensor."""

@@ -42,7 +42,7 @@ from torch import nn
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
-from nan_magic.localize.ops.origins import OpFinding, attach_origin
+from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.lr_lines import name_lr_line, number_counts, same_number
 from nan_magic.localize.outside.param_writes import (
@@ -389,6 +389,11 @@ class LoopWrites:
         by_id = self._cached_index()[0]
         return {key: copy for key, copy in recorder.before.items() if key in by_id}
 
+    def values_before(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """What the current update region's code wrote in place that is no parameter, as it was before, with its
+        version then (UpdateRecorder.values_before); empty in ops mode. At an event only."""
+        return self._recorder.values_before() if self._recorder is not None else {}
+
     def _parameter_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The watched parameter ``tensor`` is, or is on the memory of (``p.data``, a row ``p[3]``), or None.
 
@@ -472,7 +477,8 @@ class LoopWrites:
                 finding = Finding(Phase.FORWARD, None, TensorRef.parameter(name), bad=parameter.detach(),
                                   step=self._step())
                 self._attribute(finding)
-                attach_origin(finding, origin)
+                # The report describes the op's output, the parameter beside it, as the tracer's at the op does.
+                apply_op_finding(finding, origin)
             else:
                 finding = self._finding(name, parameter)
                 self._attach(finding, origin)

@@ -62,6 +62,12 @@ def lr_line(lr: float, raw: object) -> LrLine | None:
     names = [name for name, value in settable if value is raw and not isinstance(raw, bool)]
     if not names:  # (a float the group holds from a tensor's .item(): the same non-finite number)
         names = [name for name, value in settable if _holds(value, lr)]
+    if not names and isinstance(raw, torch.Tensor):
+        # A tensor rate the loop makes anew each step, judged a step late (the deferred check reads a step's result
+        # with the next step's transfer): the one name the loop stores into a group's "lr" holding a tensor holds
+        # the next step's rate now, and set this one at the same line.
+        rebound = [name for name, value in settable if isinstance(value, torch.Tensor)]
+        names = rebound if len(rebound) == 1 else []
     found = [(*store, name) for name in names if (store := _last_store(code, name, lasti)) is not None]
     if not found:
         return None

@@ -116,6 +116,9 @@ class UpdateRecorder(OutsideRecorder):
         self._parameter_of = parameter_of
         self._storages = storages
         self._copied = 0
+        #: ``id(tensor)`` -> its version counter as :meth:`_keep_written` copied it into ``before`` (the step replay
+        #: starts a model call from that copy where it is the value the call read: :meth:`values_before`).
+        self.versions_before: dict[int, int] = {}
         #: Whether the region is watched, not recorded (no watched parameter written yet).
         self.watching = False
         # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
@@ -133,6 +136,8 @@ class UpdateRecorder(OutsideRecorder):
         self._copied = 0
         self.read_number = False
         self._ring.clear()
+        if self.versions_before:
+            self.versions_before.clear()
 
     def __torch_dispatch__(
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
@@ -195,6 +200,15 @@ class UpdateRecorder(OutsideRecorder):
                     before[key] = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
                     self._copied += size
                     self._clean = False
+                    if not tensor.is_inference():  # (an inference tensor has no version counter)
+                        self.versions_before[key] = tensor._version
+
+    def values_before(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """``{id(tensor): (its value before the region's code first wrote it in place, its version then)}`` for what
+        the user's update code wrote that is not a parameter: a batch buffer the loop refills with the next batch
+        before ``opt.step()`` (a CUDA graph's static input, prefetched). At an event only."""
+        return {key: (self.before[key], version) for key, version in self.versions_before.items()
+                if key in self.before}
 
     def settled(self) -> bool:
         if self._ring:  # (a watched region's last ops, held for a claim: gradient accumulation's next batch)

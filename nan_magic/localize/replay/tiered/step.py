@@ -46,6 +46,7 @@ from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.parameter_writes import Written
 from nan_magic.hot.kept.rng import ModelStates
+from nan_magic.hot.reads import version_of
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.fused import apart_note, fast_path_off, is_fused
 from nan_magic.localize.replay.line_replay import LineStop
@@ -97,6 +98,8 @@ class ReplayHost(Protocol):
     def warnings(self) -> Iterable[EarlyWarning]: ...
 
     def parameters_before_update(self) -> dict[int, torch.Tensor]: ...
+
+    def values_before_update(self) -> dict[int, tuple[torch.Tensor, int]]: ...
 
 
 class StepReplays(StepKeeping):
@@ -178,6 +181,7 @@ class StepReplays(StepKeeping):
             why = Note("no-gradient-held") if backward else Note.of("call-not-held", max_calls=MAX_CALLS)
             return self._not_replayed(seen, why), (finding.frame, None)
         outcome, root = Outcome(), candidates[0]
+        self._inputs_as_read(candidates)
         # torch's anomaly mode stopped the user's backward at the first node that returned NaN, which may be one
         # that a later node's backward zeroes (no boundary sees it): the replay names the first op that made one.
         anomaly = backward and any(note.kind == "anomaly-raised" for note in finding.notes)
@@ -246,6 +250,22 @@ class StepReplays(StepKeeping):
         report = self._replayed(outcome.report, self.watch.step)
         report = dataclasses.replace(report, note_facts=(*report.note_facts, Note.raised("forward-raised", error)))
         return report, (outcome.frame, outcome.position), error
+
+    def _inputs_as_read(self, roots: list[RootCall]) -> None:
+        """An argument of a kept call that the loop's update code has written in place since (the next batch copied
+        into the static input buffer before ``opt.step()``, where the deferred check runs) starts the replay from the
+        copy the update region took before that write, where the copy is the value the call read (its version then
+        is the one the call began with). Kept on the call (``inputs_before``): the fix trials start from it too."""
+        before = self.watch.values_before_update()
+        if not before:
+            return
+        for root in roots:
+            kept = {id(tensor) for tensor, _copy in root.inputs_before}
+            found = tuple((tensor, entry[0]) for tensor, version in root.versions
+                          if id(tensor) not in kept and (entry := before.get(id(tensor))) is not None
+                          and entry[1] == version and version_of(tensor) != version)
+            if found:
+                root.inputs_before = (*root.inputs_before, *found)
 
     def _run_as_read(self, root: RootCall, boundary: TensorRef | None) -> Outcome | None:
         """The forward replay of ``root`` stayed finite: again with the parameters as the call read them, where the
