@@ -17,9 +17,6 @@ in it (its *members*) has stepped:
   stepping five times a generator step, a passed optimizer that stops
   stepping) closes the iteration there: the members are then those that did
   step, so a member that stops stepping costs at most one iteration's lag;
-* a member that an iteration closed without (it steps less often: a body's optimizer every 2nd step, the head's
-  every step) is *dropped*: where it steps right after an iteration closed, its step belongs to that iteration and it
-  does not join again, so the next iteration closes at the others' steps, not a step late each time it is absent;
 * a new optimizer over a member's parameters (the loop switched from Adam to SGD) takes that member's place
   from its first step, which starts the next iteration: it does not join the one just closed, as a GAN's
   generator (whose parameters are its own) does.
@@ -45,8 +42,6 @@ class Iterations:
         self._members: set[int] = {id(opt) for opt in passed}
         self._passed = {id(opt): opt for opt in passed}
         self._round: set[int] = set()
-        # Members an iteration closed without (_close): stepping less often, they join no later iteration's members.
-        self._dropped: set[int] = set()
         # Every optimizer seen stepping, held so that its id stays its own for the watch's life.
         self._seen: dict[int, torch.optim.Optimizer] = {}
         #: Whether any optimizer stepped (an attribute, not a property: every top-level call asks).
@@ -59,8 +54,6 @@ class Iterations:
         self._seen[key] = opt
         self.any_stepped = True
         replaced = self._replaced_by(opt) if first and self._members else set()
-        if not self._round and key in self._dropped and key not in self._members and self.completed:
-            return self.completed - 1  # a less frequent optimizer, right after the iteration it took part in
         if replaced:
             self._members -= replaced
             self._round -= replaced
@@ -96,8 +89,6 @@ class Iterations:
         self._members |= inner._members
 
     def _close(self) -> None:
-        if self._round:
-            self._dropped |= self._members - self._round
         self._members = set(self._round) or self._members
         self._round = set()
         self.completed += 1

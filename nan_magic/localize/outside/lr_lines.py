@@ -30,6 +30,8 @@ _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", 
 _LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"})
 
 _NONE = object()
+#: Instructions that compute a new object on a line (an operator, a call): what such a line stores is not a name's.
+_COMPUTES = ("BINARY_OP", "UNARY_", "CALL", "PRECALL", "COMPARE_OP")
 
 #: ``(frame, name, line, offset)``: the loop's frame, the name bound to the rate, and the store that bound it.
 LrLine = tuple[FrameType, str, int, int]
@@ -66,8 +68,10 @@ def lr_line(lr: float, raw: object) -> LrLine | None:
         # A tensor rate the loop makes anew each step, judged a step late (the deferred check reads a step's result
         # with the next step's transfer): the one name the loop stores into a group's "lr" holding a tensor holds
         # the next step's rate now, and set this one at the same line.
+        # Only a name stored as it is (``group["lr"] = lr_t``): of ``base_lr * warm`` the constant base is no rate.
+        direct = _set_as_lr(code, directly=True)
         rebound = [name for name, value in settable if isinstance(value, torch.Tensor)]
-        names = rebound if len(rebound) == 1 else []
+        names = rebound if len(rebound) == 1 and rebound[0] in direct else []
     found = [(*store, name) for name in names if (store := _last_store(code, name, lasti)) is not None]
     if not found:
         return None
@@ -91,11 +95,14 @@ def _holds(value: object, lr: float) -> bool:
     return (math.isnan(value) and math.isnan(lr)) or value == lr
 
 
-def _set_as_lr(code: CodeType) -> set[str]:
-    """The names loaded on a line of ``code`` that stores into a subscript ``"lr"`` (``group["lr"] = lr``)."""
+def _set_as_lr(code: CodeType, directly: bool = False) -> set[str]:
+    """The names loaded on a line of ``code`` that stores into a subscript ``"lr"`` (``group["lr"] = lr``);
+    ``directly``: only on such a line that computes nothing (no operator, no call: the name's own object is stored)."""
     instructions = _lined(code)
     lines = {line for (previous, _), (instruction, line) in pairwise(instructions)
              if instruction.opname == "STORE_SUBSCR" and previous.opname == "LOAD_CONST" and previous.argval == "lr"}
+    if directly:
+        lines -= {line for instruction, line in instructions if instruction.opname.startswith(_COMPUTES)}
     return {name for instruction, line in instructions if instruction.opname in _LOADS and line in lines
             for name in _names(instruction)}
 
