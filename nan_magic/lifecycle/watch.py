@@ -432,7 +432,7 @@ class Watch(WatchEvents):
         self.log.clear()
         self.samples.forget()
         if self.origins.tracer is not None:
-            self.origins.tracer.reset()  # its origins hold frames and tensors of the last step
+            self.origins.tracer.reset(ended=True)  # its origins hold frames and tensors of the last step
 
     def module_info(self, module: nn.Module) -> ModuleInfo | None:
         """How a called module is named, or None when it is not watched."""

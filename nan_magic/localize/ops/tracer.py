@@ -198,8 +198,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.derived: ModelDerived | None = None
         self.data_region: Callable[[], bool] | None = None
 
-    def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None:
-        """Forget the finding and check again; with ``origins``, forget the origins too (a new step).
+    def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = (), ended: bool = False) -> None:
+        """Forget the finding and check again; with ``origins``, forget the origins too (a new step); ``ended``: the
+        watch is left, no origin stays (a kept one's witness holds the user's frame, and its locals with it).
 
         ``keep``: tensors whose origins stay, with what the report needs of them. A step opens at its first model
         call, and the batch that call receives was computed before it (``x = (x - mean) / std`` in the loop): its
@@ -211,7 +212,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
         if origins:
             written = [(address, found) for tensor in keep if tensor.layout is torch.strided
                        and (found := self._written.get(address := tensor.untyped_storage().data_ptr())) is not None]
-            kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *self._origins.stepped()]]
+            stepped = [] if ended else self._origins.stepped()
+            kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *stepped]]
             self.started.clear()
             self.entered_data.clear()
             self._literals.clear()

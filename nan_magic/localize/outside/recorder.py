@@ -200,7 +200,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._data, self._data_kept = (ops, self._produced, self._rng), min(self._held_bytes, KEEP_TOTAL)
             self._data_head = self._data, self._data_before  # (claim: past a long loss region's records)
             self._ops, self._produced, self._n_ops = [], {}, 0
-            self._data_calls, self._calls = self._calls, {}
+            self._data_calls, self._calls, self._last_frame = self._calls, {}, None  # (the frame, with them)
             if self.before:  # a parameter's value before the data code wrote it (param_writes.py)
                 self._data_before, self.before = self.before, {}
         elif self._region == "loss" and self._ops and self.holds_data:
@@ -299,7 +299,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self._ops.clear()
             self._n_ops = 0
             self._produced.clear()
-        if self._calls:
+        if self._calls or self._last_frame is not None:  # (a frame held keeps its locals: the loop's, past the watch)
             self._calls, self._last_frame = {}, None  # (no call: forgetting happens several times a step)
         self._held_bytes = 0
         self._rng = None
