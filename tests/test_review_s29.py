@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +61,103 @@ def test_a_rate_computed_from_a_constant_tensor_is_not_set_at_the_constants_line
     assert (report.phase, report.step) == ("optimizer", 2)
     assert report.source is None or "base_lr = torch.tensor" not in (report.source.line or "")
     assert report.source is None or report.source.lineno != constant_line + 7
+
+
+class _RaisingRoot(torch.autograd.Function):
+    """sqrt(|x|) whose backward raises once its denominator has no zero left (as a remedy's eps leaves it): any
+    user backward that raises in a fix trial."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.abs().sqrt()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        out = grad * x.sign() / (2 * x.abs().sqrt())
+        if bool((x == 0).any()) and bool(torch.isfinite(out).all()):
+            raise RuntimeError("the denominator no longer matches x")
+        return out
+
+
+class _Rooted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.register_buffer("keep", torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(_RaisingRoot.apply(self.lin(x) * self.keep))
+
+
+@pytest.mark.parametrize("default_device", [False, True], ids=["no-mode", "set_default_device"])
+def test_a_fix_trial_whose_custom_backward_raises_leaves_the_users_mode_stack(default_device: bool) -> None:
+    # (review of fixes-s29: autograd restores the function-mode stack when a node raises; the trial's clean-up then
+    # popped once more: the user's set_default_device mode was gone after the watch, or every trial was lost to
+    # "trying to pop from empty mode stack")
+    from torch.overrides import _get_current_function_mode_stack
+
+    context = torch.device("cpu") if default_device else contextlib.nullcontext()
+    with context:
+        before = list(_get_current_function_mode_stack())
+        torch.manual_seed(0)
+        model = _Rooted()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt):
+            for _ in range(3):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        assert list(_get_current_function_mode_stack()) == before
+    trials = {trial.kind: trial for trial in caught.value.report.fixes}
+    assert trials["eps"].finite is False and trials["eps"].failed == "raised"
+    assert trials["eps"].error is not None and "no longer matches" in str(trials["eps"].error)
+
+
+class _Powered(nn.Module):
+    def __init__(self, exponent: float) -> None:
+        super().__init__()
+        self.lin, self.exponent = nn.Linear(4, 4), exponent
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).pow(self.exponent)
+
+
+@pytest.mark.parametrize(("exponent", "shown"), [(1 - 1e-13, "0.9999999999999"), (1 - 0.999, "0.001")])
+def test_a_python_number_the_producer_read_is_shown_to_15_digits(exponent: float, shown: str) -> None:
+    # (review of user-s29: to 12 digits, an exponent of 1 - 1e-13, which gives NaN on a negative base, read "1.0";
+    # 15 digits still show Adam's 1 - beta2 as the 0.001 the user wrote)
+    torch.manual_seed(0)
+    model = _Powered(exponent)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, ops=True):
+        for _ in range(2):
+            model(torch.randn(2, 4))
+    assert f"exponent: {shown} (a Python number)" in caught.value.report.to_text()
+
+
+class _SpecialLogit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.logit(torch.sigmoid(self.lin(x) * 100))
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"mode": "full"}, {"ops": True}],
+                         ids=["default", "defer", "full", "ops"])
+def test_torch_special_logit_gets_the_clamp_like_torch_logit(options: dict) -> None:
+    # (review of fixes-s29: "eps ... -> not tried: it found nothing to change at the producer's line", on a logit line)
+    torch.manual_seed(0)
+    model = _SpecialLogit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for _ in range(2):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    trials = {trial.kind: trial for trial in caught.value.report.fixes}
+    assert trials["eps"].finite is True and trials["eps"].fact("function") == "logit"

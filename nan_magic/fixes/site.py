@@ -130,7 +130,12 @@ def in_backward_nodes(mode: _AtProducer, node: str, outputs: Sequence[torch.Tens
 
     def remove() -> None:
         while pushed:
-            leave()
+            pushed.pop()
+            # (Where the node's backward raised, autograd's engine has already restored the mode stack it ran under:
+            # the push is undone, and exiting again would pop the user's own mode, or an empty stack.)
+            modes = _get_current_function_mode_stack()
+            if modes and modes[-1] is mode:
+                mode.__exit__(None, None, None)
         for handle in handles:
             handle.remove()
 

@@ -24,7 +24,7 @@ from nan_magic.records import (
     module_label,
 )
 from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
-from nan_magic.render.words.counted import counted, ordinal
+from nan_magic.render.words.counted import as_written, counted, ordinal
 from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
 from nan_magic.render.words.operands import op_expression, operand_label, operand_names, written_line
 from nan_magic.tensor_refs import op_function
@@ -310,8 +310,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
                 for name, value in report.nonfinite_numbers)
     rows.extend(("", f"{name}: {stats_phrase(stats)}") for name, stats in labelled_inputs(report))
     # The finite Python numbers after the tensors, as the op read them (``logits / t``: t = 0.0 from a config).
-    # To 12 digits: Adam's ``1 - beta2`` is 0.0010000000000000009 as Python holds it, 0.001 as the user wrote it.
-    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {float(f'{value:.12g}')!r} "
+    rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {as_written(value)} "
                      "(a Python number)")
                 for name, value in report.numbers if math.isfinite(value))
     if report.absorbed is not None:

@@ -35,7 +35,7 @@ _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "acos": {"acos": 0, "arccos": 0},
     "asin": {"asin": 0, "arcsin": 0},
     "atanh": {"atanh": 0, "arctanh": 0},
-    "logit": {"logit": 0},
+    "logit": {"logit": 0, "special_logit": 0},  # (torch.special.logit: aten.logit too)
 }
 #: The producer's function -> the torch functions that compute it, and which argument is the operand; the
 #: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).

@@ -6,7 +6,7 @@ call dropped, a scalar loss of 1 element), and "1 zeros" reads as a bug in the t
 
 from __future__ import annotations
 
-__all__ = ["counted", "human_size", "noun", "ordinal"]
+__all__ = ["as_written", "counted", "human_size", "noun", "ordinal"]
 
 
 def noun(count: object, singular: str, plural: str | None = None) -> str:
@@ -35,3 +35,9 @@ def human_size(size: int) -> str:
             break
         value, unit = value / 1024, bigger
     return f"{value:.1f} {unit}"
+
+
+def as_written(value: float) -> str:
+    """A Python number as the user likely wrote it: an int as it is, a float to 15 digits (Adam's ``1 - beta2`` as
+    0.001, not 0.0010000000000000009; an exponent of 1 - 1e-13, NaN on a negative base, still 0.9999999999999)."""
+    return str(value) if isinstance(value, int) else repr(float(f"{value:.15g}"))
