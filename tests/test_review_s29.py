@@ -161,3 +161,30 @@ def test_torch_special_logit_gets_the_clamp_like_torch_logit(options: dict) -> N
             opt.step()
     trials = {trial.kind: trial for trial in caught.value.report.fixes}
     assert trials["eps"].finite is True and trials["eps"].fact("function") == "logit"
+
+
+def test_a_filtered_layer_table_still_names_the_model_of_each_row() -> None:
+    # (review of user-s29: whether rows say "in G" was told from the rows shown: the widget's filter left one model's
+    # rows, and they lost the model's name)
+    from nan_magic.render.widget import LayersView
+
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    discriminator = nn.Sequential(nn.Linear(2, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1), nn.Sigmoid())
+    with torch.no_grad():
+        discriminator[2].weight.mul_(1e4)
+        discriminator[2].bias.fill_(1e4)
+    opt = torch.optim.SGD([*generator.parameters(), *discriminator.parameters()], lr=0.1)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(generator, discriminator, opt):
+        for _ in range(3):
+            opt.zero_grad()
+            torch.log(1 - discriminator(generator(torch.randn(4, 8)))).mean().backward()
+            opt.step()
+    layers = tuple(caught.value.report.layers)
+    models = sorted({layer.model for layer in layers if layer.model is not None})
+    assert len(models) == 2
+    view = LayersView(layers, 0, 100)
+    view.filter.value = models[1].lower()
+    shown = view.rows()
+    assert shown and all(layer.model == models[1] for layer in shown if layer.model is not None)
+    assert f"in {models[1]}" in view.table.value

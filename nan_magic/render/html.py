@@ -187,16 +187,16 @@ def source_html(pointer: SourcePointer | None, title: str = "Source") -> str:
 
 
 def layers_table_html(
-    layers: tuple[LayerCall, ...], limit: int = HTML_MAX_ROWS
+    layers: tuple[LayerCall, ...], limit: int = HTML_MAX_ROWS, among: tuple[LayerCall, ...] | None = None
 ) -> tuple[str, str]:
     """The styled table of at most ``limit`` rows around the producer (in a scrolling box), and the message
-    saying what was cut (empty when nothing was)."""
+    saying what was cut (empty when nothing was); ``among``: the step's rows, where ``layers`` are those filtered."""
     if not layers:
         return "<p>No layer calls recorded.</p>", ""
     focus = producer_position(layers)
     window = row_window(len(layers), focus, limit)
     shown = layers[window.start: window.stop]
-    table = layers_html(shown)
+    table = layers_html(shown, layers if among is None else among)
     return f'<div class="nm-scroll">{table}</div>', window.cut_message()
 
 

@@ -32,10 +32,11 @@ def contains(outer: LayerCall, inner: LayerCall) -> bool:
     return inside(inner.path, outer.path)
 
 
-def row_labels(layers: Sequence[LayerCall]) -> list[str]:
-    """Each row's module as the tables spell it: ``0 (Linear)``, and ``0 (Linear) in D`` where the rows are of
-    several models (a GAN's step calls G and D: both roots are ``Sequential (root)``, both first layers ``0``)."""
-    several = len({layer.model for layer in layers if layer.model is not None}) > 1
+def row_labels(layers: Sequence[LayerCall], among: Sequence[LayerCall] | None = None) -> list[str]:
+    """Each row's module as the tables spell it: ``0 (Linear)``, and ``0 (Linear) in D`` where the step's rows
+    (``among``: all of them, where ``layers`` are the ones shown) are of several models (a GAN's step calls G and D:
+    both roots are ``Sequential (root)``, both first layers ``0``)."""
+    several = len({layer.model for layer in (layers if among is None else among) if layer.model is not None}) > 1
     return [module_label(layer.module, layer.module_type, layer.model if several else None) for layer in layers]
 
 

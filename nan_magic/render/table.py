@@ -154,11 +154,11 @@ _SHARED = ("phase", "tensor", "dtype")
 _WRAPPED = frozenset({"module", "tensor"})
 
 
-def view_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
+def view_frame(layers: Sequence[LayerCall], among: Sequence[LayerCall] | None = None) -> pd.DataFrame:
     """The rows as shown: :data:`VIEW_COLUMNS`, module and type in one label, the counts in one phrase."""
     frame = layers_frame(layers)
     frame["module"] = pd.Series(
-        row_labels(layers),
+        row_labels(layers, among),
         index=frame.index, dtype=object,
     )
     frame["non-finite"] = pd.Series(
@@ -175,7 +175,7 @@ def has_moments(layers: Sequence[LayerCall]) -> bool:
     return any(layer.stats is not None and layer.stats.mean is not None for layer in layers)
 
 
-def style_layers(layers: Sequence[LayerCall]) -> Styler:
+def style_layers(layers: Sequence[LayerCall], among: Sequence[LayerCall] | None = None) -> Styler:
     """A pandas Styler of ``layers`` with the producer's row highlighted.
 
     Parameters
@@ -183,6 +183,9 @@ def style_layers(layers: Sequence[LayerCall]) -> Styler:
     layers
         The rows to show (callers cap them first: Styler output grows with
         every cell).
+    among
+        The step's rows, where ``layers`` are those a filter left: whether the
+        modules are named with their model is told from all of them.
 
     Returns
     -------
@@ -194,7 +197,7 @@ def style_layers(layers: Sequence[LayerCall]) -> Styler:
         ``.to_html()`` next to :data:`TABLE_CSS`; the table's classes are
         ``nm-table nm-layers``.
     """
-    frame = view_frame(layers)
+    frame = view_frame(layers, among)
     if not has_moments(layers):
         frame = frame.drop(columns=["mean", "std"])
     # Folded only where every row has the same value: nunique() skips missing ones, so a running row (no tensor,
@@ -241,11 +244,11 @@ def style_layers(layers: Sequence[LayerCall]) -> Styler:
     return styler.set_caption(f"Every row: {caption}.") if caption else styler
 
 
-def layers_html(layers: Sequence[LayerCall]) -> str:
+def layers_html(layers: Sequence[LayerCall], among: Sequence[LayerCall] | None = None) -> str:
     """:func:`style_layers` as HTML, without what only Styler needs: its per-cell position classes
     (``data row12 col3``: no style refers to them) and the indentation between tags. A saved notebook
     carries the table twice (the static copy and the widget's state); this halves each."""
-    html = style_layers(layers).to_html()
+    html = style_layers(layers, among).to_html()
     html = re.sub(r'class="data row\d+ col\d+ ?', 'class="', html)
     return re.sub(r">\s+<", "><", html)
 

@@ -117,7 +117,7 @@ def _layer_section(report: Report, max_rows: int) -> str:
     window = row_window(len(layers), focus, max_rows)
     shown = layers[window.start: window.stop]
     cells = [_layer_row(layer, status, label)
-             for layer, status, label in zip(shown, shown_statuses(shown), row_labels(shown))]
+             for layer, status, label in zip(shown, shown_statuses(shown), row_labels(shown, layers))]
     widths = {
         column: max([len(column)] + [len(row[column]) for row in cells])
         for column in _TEXT_COLUMNS

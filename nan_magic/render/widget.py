@@ -165,7 +165,7 @@ class LayersView:
 
     def _refresh(self, _change: object = None) -> None:
         rows = self.rows()
-        table, cut = layers_table_html(rows, self.max_rows)
+        table, cut = layers_table_html(rows, self.max_rows, self.layers)
         self.table.value = _styled(table)
         status = f"{len(rows)} of {counted(len(self.layers), 'row')} {noun(len(rows), 'matches', 'match')}"
         if cut:
