@@ -309,16 +309,26 @@ class ForwardChecks:
             tensors = argument_tensors(values, prefix, self.watch.skipped)
         if not tensors:
             return
-        call = self.watch.log.new_call(Phase.DATA, info, module, None)
-        for path, argument, tensor in tensors:
-            record = self.watch.log.record_output(call, path, tensor)
+        log = self.watch.log
+        if len(tensors) == 1:  # (``model(x)``, every step: the call made, recorded and returned in one)
+            path, argument, tensor = tensors[0]
+            call = log.one_call(Phase.DATA, info, module, path, tensor)
+            record = call.outputs[0]
             record.argument = argument
             if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
-                # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
-                # would stay on it after the watch.
-                record.consumers.append(consumer)
+                record.consumers.append(consumer)  # (as below)
                 self._hook_gradient(record, tensor)
-        self.watch.log.finish(call)
+        else:
+            call = log.new_call(Phase.DATA, info, module, None)
+            for path, argument, tensor in tensors:
+                record = log.record_output(call, path, tensor)
+                record.argument = argument
+                if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
+                    # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
+                    # would stay on it after the watch.
+                    record.consumers.append(consumer)
+                    self._hook_gradient(record, tensor)
+            log.finish(call)
         self.watch.timing.now(self._judge_data, call, tensors)
 
     def _judge_data(self, call: Call, tensors: list[tuple[str, int | str, torch.Tensor]]) -> None:
