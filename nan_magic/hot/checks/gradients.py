@@ -336,15 +336,14 @@ class GradientChecks:
                 self.release(record)
             return
         consumer = consumer_of(record)
-        call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
+        call = log.one_call(Phase.BACKWARD, consumer.info if consumer else None, None, gradient_label(record, consumer),
+                            grad, ranged=False)
         call.consumer = consumer
         # The backward that made it: judged at the deferred check after another (``l1.backward(retain_graph=True);
         # l2.backward()``), its own loss's code is the one described and replayed, its line where %debug opens (judge).
         # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
         call.loss_of = self.loss_record, self.loss_key, self.backward_caller
         call.target = record
-        log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
-        log.finish(call)
         watch.timing.now(self.judge, call, record)
         self.release(record)
 

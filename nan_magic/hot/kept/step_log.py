@@ -245,9 +245,9 @@ class StepLog:
         return record
 
     def one_call(self, phase: Phase, info: ModuleInfo | None, module: Any, path: str | TensorRef,
-                 tensor: torch.Tensor) -> Call:
+                 tensor: torch.Tensor, ranged: bool = True) -> Call:
         """A call of one tensor made, recorded and returned (its record ``call.outputs[0]``) in one frame: new_call,
-        record_output and finish inlined (``model(x)``'s data call and the loss: two calls fewer each, every step)."""
+        record_output and finish inlined (``model(x)``'s data, the loss, a gradient: two calls fewer each)."""
         call = Call(self.count, phase, info, module, None)
         call.model_call, self.count = self.model_calls, self.count + 1
         if self._calls_room:
@@ -259,7 +259,7 @@ class StepLog:
         if inner is not None and inner.ref() is not tensor:
             inner = None
         record = TensorRecord(path, tensor, call, self.hold_probes,
-                              inner if inner is not None and inner.live() is not None else None)
+                              inner if inner is not None and inner.live() is not None else None, ranged)
         if inner is not None:
             inner.outer, record.inner = record, inner
         call.outputs.append(record)
