@@ -37,7 +37,7 @@ from torch import nn
 
 from nan_magic.distributed.ranks import launched
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.hot.kept.lines import line_at
+from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.reads import WIDE_FLOATS, read_scalars
 from nan_magic.hot.watched.transparent import dropped_by_a_pass_through
 from nan_magic.options import WatchConfig
@@ -253,7 +253,13 @@ class Deferred(Timing):
         # library code, which the event ignores. Kept without the frame (its locals), found on the stack at an
         # event (lifecycle/events.py); its line by instruction (lines.py: f_lineno scans the line table).
         caller = sys._getframe(5)
-        gradients.backward_caller = (caller.f_code, caller.f_lasti, line_at(caller))
+        code = caller.f_code
+        try:  # (line_at's lookup inlined, as step_keeping.py's: every deferred backward)
+            line = LINES[code.co_linetable, code.co_firstlineno, caller.f_lasti] if caller.f_trace is None else (
+                caller.f_lineno)
+        except KeyError:
+            line = line_at(caller)
+        gradients.backward_caller = (code, caller.f_lasti, line)
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
         return bounded or not wild()

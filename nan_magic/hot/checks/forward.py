@@ -21,6 +21,7 @@ cycle (``watch.cycle``, step_cycle.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -117,8 +118,22 @@ class ForwardChecks:
         rng = None
         if top_level and self.watch.replays is not None:
             rng = self.watch.replays.begin(module, info, call, args, checkable)
-        if checkable and not self.watch.log._unseen:  # (``model(x)``, nothing left unseen: _note_inputs' one note)
-            self.watch.log.note_input(call, FIRST_ARGUMENT, 0, args[0])
+        log = self.watch.log
+        if checkable and not log._unseen:  # (``model(x)``, nothing left unseen: _note_inputs' one note)
+            # (StepLog.note_input, inlined: every checked call. The record of its tensor, or of the pass-throughs'
+            # input it stands for, names this call its consumer.)
+            tensor = args[0]
+            record = log._by_id.get(id(tensor))
+            if record is None or record.ref() is not tensor:
+                alias = log.alias_of(tensor) if log._aliases else None
+                record = alias.record if alias is not None else None
+            if record is not None:
+                record.consumers.append(call)
+            try:  # (version_of, inlined)
+                version = tensor._version
+            except RuntimeError:  # an inference tensor has none
+                version = 0
+            call.inputs.append((FIRST_ARGUMENT, 0, record, weakref.ref(tensor), version))
         else:
             self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
@@ -204,7 +219,8 @@ class ForwardChecks:
                 call.autocast = capture_autocast()
             elif self._keeps_plain:  # (the scene of the producer's call: model(xs, step)'s step)
                 call.plain = plain_arguments(args, kwargs)
-        log.finish(call)
+        call.finished = log.finished_count  # (log.finish, inlined: every checked call)
+        log.finished_count += 1
         if frame.info.watched and not recomputing:  # (a recompute's values are the original forward's, judged then)
             for record in call.outputs:
                 if record.kinds:  # finite outputs (the hot path, and every pending probe) need no judging
@@ -309,16 +325,26 @@ class ForwardChecks:
             tensors = argument_tensors(values, prefix, self.watch.skipped)
         if not tensors:
             return
-        call = self.watch.log.new_call(Phase.DATA, info, module, None)
-        for path, argument, tensor in tensors:
-            record = self.watch.log.record_output(call, path, tensor)
+        log = self.watch.log
+        if len(tensors) == 1:  # (``model(x)``, every step: the call made, recorded and returned in one)
+            path, argument, tensor = tensors[0]
+            call = log.one_call(Phase.DATA, info, module, path, tensor)
+            record = call.outputs[0]
             record.argument = argument
             if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
-                # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
-                # would stay on it after the watch.
-                record.consumers.append(consumer)
+                record.consumers.append(consumer)  # (as below)
                 self._hook_gradient(record, tensor)
-        self.watch.log.finish(call)
+        else:
+            call = log.new_call(Phase.DATA, info, module, None)
+            for path, argument, tensor in tensors:
+                record = log.record_output(call, path, tensor)
+                record.argument = argument
+                if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
+                    # Only a tensor with a graph: a hook on a leaf (a parameter, the user's perturbation)
+                    # would stay on it after the watch.
+                    record.consumers.append(consumer)
+                    self._hook_gradient(record, tensor)
+            log.finish(call)
         self.watch.timing.now(self._judge_data, call, tensors)
 
     def _judge_data(self, call: Call, tensors: list[tuple[str, int | str, torch.Tensor]]) -> None:

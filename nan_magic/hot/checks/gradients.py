@@ -125,14 +125,12 @@ class GradientChecks:
     def on_backward_start(self, loss: torch.Tensor, retained: Any = False, gradient: Any = None) -> None:
         """Called by the wrapped ``Tensor.backward`` before autograd runs.
 
-        The tensor backward starts from (the loss) is logged like a module
-        output of code outside every module, and judged now or at the
-        deferred check. ``retained``: the backward keeps the graph
-        (``l1.backward(retain_graph=True); l2.backward()``): the loss code's
-        records stay past it, for the next loss's judgement. ``gradient``:
-        the one the loop gave the backward (``out.backward(grad)``: a policy
-        gradient, a pipeline stage's gradient from the next), logged beside
-        the loss: a value no watched code produced, judged as data.
+        The tensor backward starts from (the loss) is logged like a module output of code outside every module,
+        and judged now or at the deferred check. ``retained``: the backward keeps the graph
+        (``l1.backward(retain_graph=True); l2.backward()``): the loss code's records stay past it, for the next
+        loss's judgement. ``gradient``: the one the loop gave the backward (``out.backward(grad)``: a policy
+        gradient, a pipeline stage's gradient from the next), logged beside the loss: a value no watched code
+        produced, judged as data.
         """
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         watch = self.watch
@@ -145,13 +143,15 @@ class GradientChecks:
         self.reported_this_pass = False
         self.forget_queued = retained  # (not queued for a graph kept for another backward)
         self.backward_runs += 1
-        call = watch.log.new_call(Phase.FORWARD, None, None, None)
-        self.loss_record = watch.log.record_output(call, LOSS, loss)
         self.loss_key = id(loss)
         if gradient is not None and isinstance(gradient, torch.Tensor) and is_checkable(gradient):
+            call = watch.log.new_call(Phase.FORWARD, None, None, None)
+            self.loss_record = watch.log.record_output(call, LOSS, loss)
             watch.log.record_output(call, GIVEN_GRADIENT, gradient)
             self.given_line = user_line(sys._getframe(1))
-        watch.log.finish(call)
+            watch.log.finish(call)
+        else:  # (``loss.backward()``, every step: the loss's call made, recorded and returned in one)
+            self.loss_record = (call := watch.log.one_call(Phase.FORWARD, None, None, LOSS, loss)).outputs[0]
         watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
 
     def _node_origin(self) -> Callable[[Any], tuple[str | None, SourcePointer | None]] | None:
@@ -323,9 +323,9 @@ class GradientChecks:
                 # Kept for a replay of this step's backward (replay/tiered/step.py), until the step ends.
                 watch.replays.capture_gradient(returned_by, str(handed_on.path), grad)
             if watch.outside is not None and not self.forget_queued:
-                # The loss code's records serve its backward, which runs before this gradient arrives: judged
-                # as they come, they go when this backward pass ends (after every such hook judged). The
-                # deferred check reads them at the optimizer step, which lets them go (timing.step_judged).
+                # The loss code's records serve its backward, which runs before this gradient arrives: judged as
+                # they come, they go when this backward pass ends (after every such hook judged). The deferred check
+                # reads them at the optimizer step, which lets them go (timing.step_judged).
                 watch.timing.now(self._forget_after_backward, watch.outside)
         log = watch.log
         # The hot path: a gradient found finite by a sum, judged as it comes, is only noted.
@@ -336,15 +336,14 @@ class GradientChecks:
                 self.release(record)
             return
         consumer = consumer_of(record)
-        call = log.new_call(Phase.BACKWARD, consumer.info if consumer else None, None, None)
+        call = log.one_call(Phase.BACKWARD, consumer.info if consumer else None, None, gradient_label(record, consumer),
+                            grad, ranged=False)
         call.consumer = consumer
         # The backward that made it: judged at the deferred check after another (``l1.backward(retain_graph=True);
         # l2.backward()``), its own loss's code is the one described and replayed, its line where %debug opens (judge).
         # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
         call.loss_of = self.loss_record, self.loss_key, self.backward_caller
         call.target = record
-        log.record_output(call, gradient_label(record, consumer), grad, ranged=False)
-        log.finish(call)
         watch.timing.now(self.judge, call, record)
         self.release(record)
 

@@ -1,9 +1,8 @@
 """The step's log: the calls of the current step in order, probes read in one transfer, consumers found.
 
-Hooks append records (call_records.py) and do nothing else on the fast path.
-The log keeps them in order, bounded, reads every pending probe in one
-transfer at the deferred check, and maps tensors to their records so that a
-tensor's consumer, and a gradient's producer, can be found.
+Hooks append records (call_records.py) and do nothing else on the fast path. The log keeps them in order,
+bounded, reads every pending probe in one transfer at the deferred check, and maps tensors to their records
+so that a tensor's consumer, and a gradient's producer, can be found.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import math
 import operator
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,9 +32,6 @@ from nan_magic.hot.reads import (
 )
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.records import LayerCall, Phase, TensorRef, TensorRole
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 __all__ = ["StepLog"]
 
@@ -247,6 +243,35 @@ class StepLog:
             if largest is None or value > largest[0]:
                 self._largest[largest_key] = (value, call)
         return record
+
+    def one_call(self, phase: Phase, info: ModuleInfo | None, module: Any, path: str | TensorRef,
+                 tensor: torch.Tensor, ranged: bool = True) -> Call:
+        """A call of one tensor made, recorded and returned (its record ``call.outputs[0]``) in one frame: new_call,
+        record_output and finish inlined (``model(x)``'s data, the loss, a gradient: two calls fewer each)."""
+        call = Call(self.count, phase, info, module, None)
+        call.model_call, self.count = self.model_calls, self.count + 1
+        if self._calls_room:
+            self._calls_room -= 1
+        else:
+            self.dropped += 1
+        self._calls.append(call)
+        inner = self._by_id.get(key := id(tensor))
+        if inner is not None and inner.ref() is not tensor:
+            inner = None
+        record = TensorRecord(path, tensor, call, self.hold_probes,
+                              inner if inner is not None and inner.live() is not None else None, ranged)
+        if inner is not None:
+            inner.outer, record.inner = record, inner
+        call.outputs.append(record)
+        self._by_id[key] = record
+        if (record._probe is None and record.ranged and not record.kinds
+                and (info is not None or phase is Phase.BACKWARD)):
+            value = record.high if record.high > -record.low else -record.low
+            largest = self._largest.get(largest_key := (phase, record.dtype))
+            if largest is None or value > largest[0]:
+                self._largest[largest_key] = (value, call)
+        call.finished, self.finished_count = self.finished_count, self.finished_count + 1
+        return call
 
     def lookup(self, tensor: torch.Tensor) -> TensorRecord | None:
         """The record of a tensor seen earlier in this step, if it is that very tensor."""
