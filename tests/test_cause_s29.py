@@ -1,0 +1,93 @@
+"""Session 29's wrong likely causes, each as the incident that showed it: the label, and the key words of the hint
+(the tensor, the line, the number, the advice) a user reads, in every mode."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import nan_magic
+
+sys.path.insert(0, str(Path(__file__).parent))
+from contract import MODE_OPTIONS, Case, Scenario, cause_s29, hunt_s29, source_line
+
+MODES = ("default", "defer", "full", "ops", "ops-defer")
+
+
+def _report(scenario: Scenario, mode: str) -> nan_magic.Report:
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(
+            *scenario.targets, **{**scenario.options, **MODE_OPTIONS[mode]}):
+        scenario.run()
+    return caught.value.report
+
+
+def _case(cases: list[Case], name: str) -> Case:
+    return next(case for case in cases if case.name == name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_multiplier_the_loop_grows_is_not_read_as_a_learning_rate_too_high(mode: str) -> None:
+    """``lam = lam * torch.exp(violation)`` under no_grad after each step overflows at step 3, and the loss
+    ``mse + lam * violation`` rose with it. Every mode read learning-rate-too-high ("lower the learning rate"), though
+    the model's outputs stayed near 5 while ``lam`` reached 2e25: the overflow is the loop's own value, outside the
+    model. The report names it, its line and its size, and advises bounding it."""
+    report = _report(hunt_s29._lagrange(math.inf), mode)
+    case = _case(hunt_s29.CASES, "hunt_s29_multiplicative_lagrange_multiplier_overflows")
+    _file, line = source_line(case, "multiplier")
+    assert report.cause is not None
+    assert (report.cause.label, report.cause.reading, report.step) == ("overflow", "outside-growth", 3)
+    assert report.source is not None and report.source.lineno == line
+    hint = report.cause.hint
+    assert f"hunt_s29.py:{line}" in hint and "in the loop's code outside the model" in hint
+    assert "`lam` = 1.97e25" in hint and "the largest output the model made" in hint
+    assert "the loss rose to 6.36e26 at step 2" in hint and "to 5.15 at step 2" in hint
+    assert "a lower learning rate will not stop it" in hint and "clamp it to a cap" in hint and "log space" in hint
+    assert "lower the learning rate (e.g. 10x)" not in hint and "learning-rate-too-high" not in str(report.cause.label)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_made_huge_by_the_loss_code_point_at_the_loss_not_a_learning_rate(mode: str) -> None:
+    """A diffusion loss ``(x_t - sqrt(1 - ab) eps) / sqrt(ab)`` with ab = 5.7e-31 is 5e29 in one step and Adam's
+    exp_avg_sq overflows: the report said to clip the gradients (defer: lower the learning rate, the loss having
+    "risen" 1e28-fold in one step). It says the loss was 5.18e29 while the model's outputs stayed near 1, so the
+    loss's own code made it, and to bound the divisor."""
+    report = _report(cause_s29._diffusion(0.0), mode)
+    assert report.cause is not None and (report.phase, report.step) == ("optimizer", 1)
+    assert (report.cause.label, report.cause.reading) == ("overflow", "optimizer-state-overflow-wide")
+    hint = report.cause.hint
+    assert "exp_avg_sq of 0.weight" in hint and "the loss was 5.22e29 in step 1 (0.0364 at step 0)" in hint
+    assert "the model's outputs stayed within 1.6 " in hint and "the loss's own code after the model" in hint
+    assert "alpha_bar.sqrt()" in hint and "clamp the divisor" in hint and "lower the learning rate" not in hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_temperature_the_loop_anneals_to_1e_24_is_named_not_the_learning_rate(mode: str) -> None:
+    """``logits / tau`` with ``tau *= 1e-6`` each step: the gradients grow by 1/tau, the weights with them, and the
+    loss rose 1e22-fold, so every mode read learning-rate-too-high. The divisor is named, with 1/tau against the
+    model's first outputs, and the advice is a floor for it."""
+    report = _report(cause_s29._temperature(0.0), mode)
+    _file, line = source_line(_case(cause_s29.CASES, "cause_s29_temperature_annealed_by_1e_6_a_step"), "temperature")
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == ("overflow", "outside-growth")
+    assert report.source is not None and report.source.lineno == line and report.step == 4
+    hint = report.cause.hint
+    assert f"cause_s29.py:{line}" in hint and "it divided by `tau` = 1e-24; 1 / `tau` = 1e24" in hint
+    assert "a lower learning rate will not stop it" in hint and "give that divisor a floor" in hint
+    assert "lower the learning rate (e.g. 10x)" not in hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_scale_the_loop_multiplies_each_step_is_named_not_the_learning_rate(mode: str) -> None:
+    """A hand-made loss scale ``scale = scale * 1e5`` after each step (no GradScaler) overflows at step 8; the scaled
+    loss had risen each step, read as divergence. The scale is named with its value and the advice is to cap it."""
+    report = _report(cause_s29._loss_scale(math.inf), mode)
+    _file, line = source_line(_case(cause_s29.CASES, "cause_s29_hand_made_loss_scale_grown_1e5_a_step"), "scale")
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == ("overflow", "outside-growth")
+    assert report.source is not None and report.source.lineno == line and report.step == 8
+    hint = report.cause.hint
+    assert f"cause_s29.py:{line}" in hint and "`scale` = 1e35 is" in hint
+    assert "the largest output the model made" in hint
+    assert "a lower learning rate will not stop it" in hint and "clamp it to a cap" in hint
+    assert "lower the learning rate (e.g. 10x)" not in hint
