@@ -91,3 +91,18 @@ def test_a_loss_scale_the_loop_multiplies_each_step_is_named_not_the_learning_ra
     assert "the largest output the model made" in hint
     assert "a lower learning rate will not stop it" in hint and "clamp it to a cap" in hint
     assert "lower the learning rate (e.g. 10x)" not in hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_target_far_larger_than_the_model_outputs_is_named_not_a_growth(mode: str) -> None:
+    """``mse_loss(out, y)`` with a target of 3e20 (a data export's "unknown") overflows at step 2: the hint told the
+    user to find what grew the values and lower the learning rate. It names the target, its size against the model's
+    outputs, and says the learning rate is not the cause."""
+    report = _report(cause_s29._sentinel_target(False), mode)
+    _file, line = source_line(_case(cause_s29.CASES, "cause_s29_regression_target_3e20_sentinel_squared"), "sentinel")
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == ("overflow", "wide-overflow")
+    assert report.source is not None and report.source.lineno == line and report.step == 2
+    hint = report.cause.hint
+    assert "`target` = 3e20 is" in hint and "the largest output the model made in this step" in hint
+    assert "a target or label in the batch" in hint and "the learning rate is not the cause" in hint
+    assert "lower the learning rate" not in hint

@@ -191,6 +191,8 @@ def diagnose(report: Report) -> Cause:
             return _outside_growth(report, cause, growth) or _learning_rate(report, cause, growth)
     if growth is not None:
         return dataclasses.replace(cause, facts=(*cause.facts, ("rising", growth)))
+    if cause.reading == "wide-overflow" and report.module is None and (far := _far_operand(report)) is not None:
+        return dataclasses.replace(cause, facts=(*cause.facts, ("far_operand", far)))
     return cause
 
 
@@ -419,3 +421,17 @@ def _loss_scaled(report: Report) -> tuple[float, int, float, float, int | None, 
                if entry.loss is not None and entry.step < report.step and math.isfinite(entry.loss)]
     step, before = earlier[0] if earlier else (None, None)
     return abs(loss), report.step, largest, held, step, before
+
+
+def _far_operand(report: Report) -> tuple[tuple[tuple[str, object], ...], float, float] | None:
+    """An operand of a float32/64 overflow in the loop's code that is far larger than anything the model output in
+    this step (a target of 3e20 in a square error): ``(operand, its absmax, the model's largest output)``."""
+    outputs = [layer.stats.absmax for layer in report.layers if layer.phase == Phase.FORWARD
+               and layer.module is not None and layer.stats is not None and layer.stats.absmax is not None]
+    operands = [(ref, stats.absmax) for ref, stats in report.op_inputs if stats.absmax is not None]
+    if not outputs or not operands or not math.isfinite(largest := max(outputs)):
+        return None
+    ref, operand = max(operands, key=lambda pair: pair[1])
+    if operand < OUTSIDE_FACTOR * max(largest, 1.0):
+        return None
+    return to_pairs(ref), operand, largest

@@ -7,6 +7,8 @@ twin clamps alpha_bar to 1e-5, as samplers do.
 A temperature the loop anneals by 1e-6 a step (``logits / tau``) and a hand-made loss scale the loop multiplies by 1e5
 a step (no GradScaler): the loss rises for steps before the overflow, so a divergence rule read a learning rate too
 high; the value that grew is the loop's own. The twins give the temperature a floor and cap the scale.
+A regression target of 3e20 (a sentinel a data export wrote for "unknown") squared in the loss: the hint said to
+find what grew the values and lower the learning rate; it names the target. The twin drops the sentinel row.
 """
 
 from __future__ import annotations
@@ -91,6 +93,28 @@ def _loss_scale(cap: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+def _sentinel_target(drop: bool) -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = _batches(8, 4, steps=4), _batches(8, 1, steps=4)
+    ys[2][3] = 3e20  # the export's "unknown"
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            kept = ys[step].abs() < 1e6 if drop else torch.ones_like(ys[step], dtype=torch.bool)
+            out = model(xs[step])
+            loss = F.mse_loss(out[kept], ys[step][kept])  # producer: sentinel
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("cause_s29_diffusion_x0_over_sqrt_alpha_bar_5_7e_31", lambda: _diffusion(0.0),
          Expect("optimizer", "0", "Linear", step=1, op="aten.addcmul_.default", marker="adam", cause="overflow",
@@ -102,4 +126,7 @@ CASES = [
     Case("cause_s29_hand_made_loss_scale_grown_1e5_a_step", lambda: _loss_scale(math.inf),
          Expect("data", None, step=8, op="aten.mul.Tensor", marker="scale", cause="overflow")),
     Case("cause_s29_hand_made_loss_scale_capped_healthy", lambda: _loss_scale(2.0 ** 16), None),
+    Case("cause_s29_regression_target_3e20_sentinel_squared", lambda: _sentinel_target(False),
+         Expect("forward", None, step=2, op="aten.mse_loss.default", marker="sentinel", cause="overflow")),
+    Case("cause_s29_regression_sentinel_rows_dropped_healthy", lambda: _sentinel_target(True), None),
 ]

@@ -70,7 +70,16 @@ def _half_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _wide_hint(event: Report, cause: Cause) -> str:
     limit = cause.fact("limit")
-    if cause.fact("attention"):
+    far = cause.fact("far_operand")
+    if far is not None:
+        ref, operand, largest = far
+        fix = (
+            f"{short_label(event, from_plain(TensorRef, ref))} = {fmt(operand)} is {fmt(operand / largest)}x the "
+            f"largest output the model made in this step ({fmt(largest)}), so the model did not grow it: find where "
+            "that value comes from (a target or label in the batch that is corrupt or not normalised, a constant in "
+            "the loss code) and fix or bound it there; the learning rate is not the cause"
+        )
+    elif cause.fact("attention"):
         fix = f"the scores q·kᵀ passed it: {_ATTENTION_FIX}"
     else:
         fix = (
@@ -78,7 +87,7 @@ def _wide_hint(event: Report, cause: Cause) -> str:
             "what grew them (a parameter or activation growing each step: lower the learning rate, clip "
             "gradients; inputs that are not normalised) and normalise or clip before this op"
         )
-    if cause.fact("matmul"):
+    if cause.fact("matmul") and far is None:
         fix += " (for attention, scale q by d**-0.5 before q·kᵀ and normalise q and k)"
     return (f"{what(event)} made {counts(event)}: it overflowed {event.dtype} (max {fmt(limit)}){_reached(event)}; "
             f"{fix}")
