@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import nan_magic
 
 sys.path.insert(0, str(Path(__file__).parent))
 from contract import MODE_OPTIONS, Case, Scenario, cause_s29, hunt_s29, source_line
+from contract.loops import batches
 
 MODES = ("default", "defer", "full", "ops", "ops-defer")
 
@@ -106,3 +109,29 @@ def test_a_target_far_larger_than_the_model_outputs_is_named_not_a_growth(mode: 
     assert "`target` = 3e20 is" in hint and "the largest output the model made in this step" in hint
     assert "a target or label in the batch" in hint and "the learning rate is not the cause" in hint
     assert "lower the learning rate" not in hint
+
+
+def _diverging_weighted_loss() -> Scenario:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    xs, ys = batches(8, 4, steps=60), batches(8, 1, steps=60)
+
+    def run() -> None:
+        for step in range(60):
+            loss = ((model(xs[step]) - ys[step]) ** 2).sum() * 1e3
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    return Scenario((model, opt), run)
+
+
+@pytest.mark.parametrize("mode", ["default", "full", "ops"])
+def test_a_learning_rate_too_high_whose_overflow_is_in_the_loss_code_stays_a_learning_rate(mode: str) -> None:
+    """The guard of the rules above: SGD at lr=2 diverges and the loss code's square overflows outside the model;
+    its operand is the model's own output, which grew with the loss, so the reading stays the learning rate."""
+    report = _report(_diverging_weighted_loss(), mode)
+    assert report.cause is not None and report.module is None and report.op == "aten.pow.Tensor_Scalar"
+    assert (report.cause.label, report.cause.reading) == ("learning-rate-too-high", "diverging")
+    assert "the loss rose to 1.58e32 at step 3" in report.cause.hint and "lower the learning rate" in report.cause.hint
