@@ -386,6 +386,12 @@ def _outside_growth(report: Report, downstream: Cause,
     # A single number the loss is divided by scales the gradients of everything before it: the model's outputs grow
     # with it (logits / tau, tau *= 1e-6 each step), and that growth is the divisor's.
     scalar = quotient and divisor is not None and divisor.numel == 1
+    if scalar:
+        # ... and it shrank: the first loss is far below what this divisor makes of the first outputs (a constant
+        # divisor of 1e-7 would have made the first loss about as large as it makes it now).
+        first_loss = next((entry.loss for entry in report.history
+                           if entry.loss is not None and math.isfinite(entry.loss)), None)
+        scalar = first_loss is not None and abs(first_loss) * OUTSIDE_FACTOR <= operand * outputs[0][1]
     if (scalar and operand < OUTSIDE_FACTOR * outputs[0][1]) or (not scalar and (operand < OUTSIDE_FACTOR * largest or (
             math.log(growth[3]) < OUTSIDE_POWER * math.log(max(outputs_grew, 1.0))))):
         return None
