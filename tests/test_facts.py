@@ -273,6 +273,11 @@ CAUSES = {
     "wide-overflow": (_of_event("overflow", "wide-overflow", limit=3.4e38, signs=_SIGNS, matmul=False,
                                 attention=True), "the scores q·kᵀ passed it"),
     "op-unmatched": (_of_event("unclassified", "op-unmatched"), "no rule of the checklist matches"),
+    "outside-growth": (Cause("overflow", "outside-growth", (
+        event(_EVENT), ("growth", ("loss", 6.36e26, 2, 1e13, 6.4e13, 0, 2)),
+        ("operand", (to_pairs(TensorRef(TensorRole.OPERAND, "self")), 1.97e25)), ("divisor", False),
+        ("outputs", (3.65e13, 0, 0.346, 2, 5.15)), ("then", plain_cause(_DOWNSTREAM)),
+    )), "the loss rose to 6.36e26 at step 2 with it while the model's outputs went from 0.346 at step 0 to 5.15"),
 }
 
 

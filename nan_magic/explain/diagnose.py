@@ -46,7 +46,11 @@ Labels (exact strings: tests, renderers and users rely on them)
     optimizer's float32 state (Adam's ``exp_avg_sq``) past the max while its
     parameter stays finite: gradients of about 1e19 and more. Or, set by the
     watch (``hot/checks/running_stats.py``), a BatchNorm's running statistic
-    past the max while training went on with the batch's own statistics.
+    past the max while training went on with the batch's own statistics. Also the upstream reading a rising loss
+    would otherwise call divergence: an overflow in the loop's code outside the model of a value far larger than the
+    model's outputs (a multiplier or scale the loop grows each step) or a quotient by a number the loop shrank (a
+    temperature); and an optimizer state overflow in a step whose loss the loss's own code made far larger than the
+    model's outputs and batch (a division by a near-zero schedule value): ``loss_scaled``.
 ``masked-softmax``
     A softmax or attention op made NaN where every position of a row was
     masked: a softmax whose input held a -inf at each NaN position (over
@@ -113,6 +117,7 @@ from nan_magic.explain.overflow import half_overflow
 from nan_magic.hot.checks.early import EXTREME_INPUT
 from nan_magic.plain import to_pairs
 from nan_magic.records import Cause, Phase, Report, StepSummary, TensorRef, TensorRole
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["DIVERGENCE_FACTOR", "DIVERGENCE_RISES", "LABELS", "diagnose"]
 
@@ -152,6 +157,18 @@ EXPLOSION_FACTOR = 1e6
 #: ``lr * weight_decay`` from which the decay term alone (``w -= lr * weight_decay * w``, SGD's and AdamW's) zeroes or
 #: flips the weights each step instead of shrinking them: a 5e4 typed for 5e-4 (usual products are below 1e-3).
 DECAY_BOUND = 1.0
+#: An overflow in the loop's code outside the model whose operand is this many times the largest output the model
+#: made (its modules' outputs, in the steps the history holds and in the failing one) was not made by the model's
+#: outputs growing: the loop computes a value of its own (a multiplier, a running product) that grew.
+OUTSIDE_FACTOR = 1e6
+#: The phases loop code outside the model runs in: the loss, and what runs between one step and the next's forward.
+_LOOP_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.DATA)
+#: ... and the loss (or gradient norm) rose at least this power of the model outputs' own growth: a loss made from
+#: the outputs (a square error, a cross-entropy) grows as their square at most, one with a term of its own does not.
+OUTSIDE_POWER = 4.0
+#: A loss this many times the square of the largest value the model and its batch held in the step (a squared error
+#: or a cross-entropy of those is about their square at most, per element) was scaled up by the loss's own code.
+LOSS_FACTOR = 1e12
 
 def diagnose(report: Report) -> Cause:
     """The likely cause of ``report``'s event: one of :data:`LABELS`, a hint naming the tensor, parameter or module
@@ -159,6 +176,9 @@ def diagnose(report: Report) -> Cause:
     if report.benign:
         return event_cause("unclassified", "benign", report)
     cause = _with_absorbed(report, _local_cause(report))
+    if cause.reading == "optimizer-state-overflow-wide" and (scaled := _loss_scaled(report)) is not None:
+        # The loss's own code made the gradients huge in one step: not a rate, not the model's outputs growing.
+        return dataclasses.replace(cause, facts=(*cause.facts, ("loss_scaled", scaled)))
     growth = _growth(report.history)
     if cause.label in ("half-precision-overflow", "overflow", "exp-overflow", "unclassified"):
         # These readings describe how the value overflowed, not why the
@@ -168,9 +188,11 @@ def diagnose(report: Report) -> Cause:
         if extreme is not None:
             return _bad_batch(report, cause, *extreme)
         if growth is not None:
-            return _learning_rate(report, cause, growth)
+            return _outside_growth(report, cause, growth) or _learning_rate(report, cause, growth)
     if growth is not None:
         return dataclasses.replace(cause, facts=(*cause.facts, ("rising", growth)))
+    if cause.reading == "wide-overflow" and report.module is None and (far := _far_operand(report)) is not None:
+        return dataclasses.replace(cause, facts=(*cause.facts, ("far_operand", far)))
     return cause
 
 
@@ -330,3 +352,92 @@ def _learning_rate(report: Report, downstream: Cause, growth: tuple[str, float, 
                                                           ("then", plain_cause(downstream)), *wild))
 
 
+
+
+def _outside_growth(report: Report, downstream: Cause,
+                    growth: tuple[str, float, int, float, float, int, int]) -> Cause | None:
+    """An overflow in the loop's own code, outside the model, of a value far larger than anything the model made.
+
+    The loss rising is then that value rising (``loss + lam * violation`` with ``lam *= exp(violation)``), not the
+    model diverging: a lower learning rate would not stop it. None where the evidence does not show it: the producer
+    in a module, operands that the model's outputs reach, outputs that grew with the loss."""
+    if report.module is not None or report.op is None or report.phase not in _LOOP_PHASES or (
+            downstream.label not in ("overflow", "half-precision-overflow")):
+        return None
+    operands = [(ref, stats.absmax) for ref, stats in report.op_inputs if stats.absmax is not None]
+    divisor = report.operand("other") if op_function(report.op) in ("div", "div_") else None
+    if divisor is not None and divisor.absmax is not None and 0 < divisor.absmax < 1:
+        # A quotient: what grew is 1 / the divisor (``logits / tau`` with ``tau *= 1e-6`` each step).
+        operands = [(ref, 1 / stats.absmax if ref.name == "other" else stats.absmax) for ref, stats in
+                    report.op_inputs if stats.absmax is not None and stats.absmax > 0]
+    outputs = [(entry.step, entry.absmax) for entry in report.history
+               if entry.absmax is not None and math.isfinite(entry.absmax) and entry.absmax > 0]
+    if not operands or len(outputs) < 2:
+        return None
+    now = [layer.stats.absmax for layer in report.layers if layer.phase == Phase.FORWARD and layer.module is not None
+           and layer.stats is not None and layer.stats.absmax is not None]
+    largest = max(absmax for _step, absmax in outputs)
+    if not all(math.isfinite(absmax) for absmax in now):
+        return None
+    largest = max([largest, *now])
+    ref, operand = max(operands, key=lambda pair: pair[1])
+    outputs_grew = outputs[-1][1] / outputs[0][1]
+    quotient = divisor is not None and ref.name == "other"
+    # A single number the loss is divided by scales the gradients of everything before it: the model's outputs grow
+    # with it (logits / tau, tau *= 1e-6 each step), and that growth is the divisor's.
+    scalar = quotient and divisor is not None and divisor.numel == 1
+    if scalar:
+        # ... and it shrank: the first loss is far below what this divisor makes of the first outputs (a constant
+        # divisor of 1e-7 would have made the first loss about as large as it makes it now).
+        first_loss = next((entry.loss for entry in report.history
+                           if entry.loss is not None and math.isfinite(entry.loss)), None)
+        scalar = first_loss is not None and abs(first_loss) * OUTSIDE_FACTOR <= operand * outputs[0][1]
+    if (scalar and operand < OUTSIDE_FACTOR * outputs[0][1]) or (not scalar and (operand < OUTSIDE_FACTOR * largest or (
+            math.log(growth[3]) < OUTSIDE_POWER * math.log(max(outputs_grew, 1.0))))):
+        return None
+    return Cause(downstream.label, "outside-growth", (
+        event(report), ("growth", growth), ("operand", (to_pairs(ref), 1 / operand if quotient else operand)),
+        ("divisor", quotient),
+        ("outputs", (largest, outputs[0][0], outputs[0][1], outputs[-1][0], outputs[-1][1])),
+        ("then", plain_cause(downstream)),
+    ))
+
+
+def _loss_scaled(report: Report) -> tuple[float, int, float, float, int | None, float | None] | None:
+    """The failing step's loss, where the loss's own code (after the model) made it far larger than the model's
+    outputs and batch can: ``(loss, step, outputs' absmax, batch's absmax, an earlier step, its loss)``. From the
+    step's summary where the history holds it (a deferred check), else from the step's own layers."""
+    summary = next((entry for entry in report.history if entry.step == report.step), None)
+    if summary is not None:
+        loss, largest, held = summary.loss, summary.absmax, summary.input_absmax or 0.0
+    else:
+        losses = [layer.stats.absmax for layer in report.layers if layer.tensor is not None and layer.stats is not None
+                  and layer.tensor.role is TensorRole.LOSS and layer.stats.absmax is not None]
+        outputs = [layer.stats.absmax for layer in report.layers if layer.phase == Phase.FORWARD
+                   and layer.module is not None and layer.stats is not None and layer.stats.absmax is not None]
+        batch = [layer.stats.absmax for layer in report.layers if layer.phase == Phase.DATA
+                 and layer.stats is not None and layer.stats.absmax is not None]
+        loss = losses[0] if len(losses) == 1 else None
+        largest, held = max(outputs, default=None), max(batch, default=0.0)
+    if loss is None or largest is None or not all(math.isfinite(value) for value in (loss, largest, held)):
+        return None
+    if abs(loss) < LOSS_FACTOR * max(1.0, largest, held) ** 2:
+        return None
+    earlier = [(entry.step, entry.loss) for entry in report.history
+               if entry.loss is not None and entry.step < report.step and math.isfinite(entry.loss)]
+    step, before = earlier[0] if earlier else (None, None)
+    return abs(loss), report.step, largest, held, step, before
+
+
+def _far_operand(report: Report) -> tuple[tuple[tuple[str, object], ...], float, float] | None:
+    """An operand of a float32/64 overflow in the loop's code that is far larger than anything the model output in
+    this step (a target of 3e20 in a square error): ``(operand, its absmax, the model's largest output)``."""
+    outputs = [layer.stats.absmax for layer in report.layers if layer.phase == Phase.FORWARD
+               and layer.module is not None and layer.stats is not None and layer.stats.absmax is not None]
+    operands = [(ref, stats.absmax) for ref, stats in report.op_inputs if stats.absmax is not None]
+    if not outputs or not operands or not math.isfinite(largest := max(outputs)):
+        return None
+    ref, operand = max(operands, key=lambda pair: pair[1])
+    if operand < OUTSIDE_FACTOR * max(largest, 1.0):
+        return None
+    return to_pairs(ref), operand, largest

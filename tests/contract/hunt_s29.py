@@ -608,7 +608,7 @@ CASES = [
     Case("hunt_s29_categorical_without_validation_terminal_states_dropped_healthy", lambda: _no_legal_action(True),
          None),
     Case("hunt_s29_multiplicative_lagrange_multiplier_overflows", lambda: _lagrange(math.inf),
-         Expect("forward", None, step=3, op="aten.mul.Tensor", marker="multiplier")),
+         Expect("forward", None, step=3, op="aten.mul.Tensor", marker="multiplier", cause="overflow")),
     Case("hunt_s29_multiplicative_lagrange_multiplier_capped_healthy", lambda: _lagrange(1e6), None),
     Case("hunt_s29_gcc_phat_whitening_of_a_silent_channel", lambda: _gcc_phat(0.0),
          Expect("forward", "phat", "GccPhat", step=2, op="aten.div.Tensor", marker="phat",

@@ -185,6 +185,19 @@ def _lr_evidence(cause: Cause) -> tuple[str, ...]:
 
 
 def _wide_state_overflow_hint(cause: Cause) -> str:
+    scaled = cause.fact("loss_scaled")
+    if scaled is not None:
+        loss, step, outputs, batch, earlier, earlier_loss = scaled
+        before = f" ({fmt(earlier_loss)} at step {earlier})" if earlier is not None else ""
+        return (
+            f"{_subject(cause)} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
+            f"{cause.fact('optimizer')} step while its parameter stayed finite, from gradients of about 1e19 or "
+            f"more: the loss was {fmt(loss)} in step {step}{before} while the model's outputs stayed within "
+            f"{fmt(outputs)} and its batch within {fmt(batch)}, so the loss's own code after the model made it (and "
+            "the gradients) this large: a division by a near-zero number (a noise schedule's alpha_bar.sqrt(), a "
+            "std, a count), a weight or a scale; find that term and bound it (clamp the divisor), clipping the "
+            "gradients only hides it"
+        )
     return (
         f"{_subject(cause)} overflowed {cause.fact('dtype')} (max {fmt(cause.fact('limit'))}) in the "
         f"{cause.fact('optimizer')} step while its parameter stayed finite: a state that squares the gradient "

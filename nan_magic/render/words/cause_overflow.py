@@ -70,7 +70,16 @@ def _half_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 def _wide_hint(event: Report, cause: Cause) -> str:
     limit = cause.fact("limit")
-    if cause.fact("attention"):
+    far = cause.fact("far_operand")
+    if far is not None:
+        ref, operand, largest = far
+        fix = (
+            f"{short_label(event, from_plain(TensorRef, ref))} = {fmt(operand)} is {fmt(operand / largest)}x the "
+            f"largest output the model made in this step ({fmt(largest)}), so the model did not grow it: find where "
+            "that value comes from (a target or label in the batch that is corrupt or not normalised, a constant in "
+            "the loss code) and fix or bound it there; the learning rate is not the cause"
+        )
+    elif cause.fact("attention"):
         fix = f"the scores q·kᵀ passed it: {_ATTENTION_FIX}"
     else:
         fix = (
@@ -78,7 +87,7 @@ def _wide_hint(event: Report, cause: Cause) -> str:
             "what grew them (a parameter or activation growing each step: lower the learning rate, clip "
             "gradients; inputs that are not normalised) and normalise or clip before this op"
         )
-    if cause.fact("matmul"):
+    if cause.fact("matmul") and far is None:
         fix += " (for attention, scale q by d**-0.5 before q·kᵀ and normalise q and k)"
     return (f"{what(event)} made {counts(event)}: it overflowed {event.dtype} (max {fmt(limit)}){_reached(event)}; "
             f"{fix}")
@@ -219,7 +228,45 @@ def _exp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
     return (f"{event.op} made {_exp_made(event, cause)} +inf from finite inputs", *input_lines(event))
 
 
+def _outside_hint(event: Report, cause: Cause) -> str:
+    ref, operand = cause.fact("operand")
+    largest, first_step, first, last_step, last = cause.fact("outputs")
+    rose, value, step = cause.fact("growth")[:3]
+    label = short_label(event, from_plain(TensorRef, ref))
+    if cause.fact("divisor"):
+        grown = (f"it divided by {label} = {fmt(operand)}; 1 / {label} = {fmt(1 / operand)} is "
+                 f"{fmt(1 / operand / first)}x the model's outputs at step {first_step} ({fmt(first)})")
+    else:
+        grown = (f"{label} = {fmt(operand)} is {fmt(operand / largest)}x the largest output the model made through "
+                 f"this step ({fmt(largest)})")
+    return (
+        f"{what(event)}, in the loop's code outside the model, made {counts(event)}: it overflowed {event.dtype}"
+        f"{_reached(event)}; {grown}, and the {rose} rose to {fmt(value)} at step {step} with it while the model's "
+        f"outputs went from {fmt(first)} at step {first_step} to {fmt(last)} at step {last_step}: {_outside_fix(cause)}"
+    )
+
+
+def _outside_fix(cause: Cause) -> str:
+    if cause.fact("divisor"):
+        return ("a divisor the loop computes itself (a temperature or scale it anneals each step) shrank, and dividing "
+                "by it multiplies the loss and every gradient before it: the model's weights grew with it, so a lower "
+                "learning rate will not stop it; give that divisor a floor (clamp(min=...)) or stop annealing it there")
+    return ("a value the loop computes itself (a multiplier or loss weight it updates each step, a running product) "
+            "grew past the dtype: the rise is that value's, not the model diverging, so a lower learning rate will "
+            "not stop it; bound that value (clamp it to a cap) or update it additively or in log space (keep its "
+            "logarithm, clamped, and exp() it where it is used)")
+
+
+def _outside_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    largest, first_step, first, last_step, last = cause.fact("outputs")
+    rose, value, step = cause.fact("growth")[:3]
+    return (f"producer in the loop's code, outside any module, dtype {event.dtype}", *input_lines(event),
+            f"the model's largest output {fmt(largest)}; from {fmt(first)} at step {first_step} to {fmt(last)} at "
+            f"step {last_step}", f"the {rose} rose to {fmt(value)} at step {step}")
+
+
 OVERFLOW_READINGS: dict[str, Reading] = {
+    "outside-growth": on_event(_outside_hint, _outside_evidence, sentence=_opens_with_the_loss),
     "exp-overflow": on_event(_exp_hint, _exp_evidence, sentence=False),
     "running-stats-overflow": Reading(_running_hint, _running_evidence),
     "buffer-overflow": Reading(_buffer_hint, _buffer_evidence),
