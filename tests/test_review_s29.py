@@ -188,3 +188,45 @@ def test_a_filtered_layer_table_still_names_the_model_of_each_row() -> None:
     shown = view.rows()
     assert shown and all(layer.model == models[1] for layer in shown if layer.model is not None)
     assert f"in {models[1]}" in view.table.value
+
+
+_EVERY_MODE = pytest.mark.parametrize("options", [{}, {"defer": True}, {"mode": "full"}, {"ops": True},
+                                                  {"ops": True, "defer": True}],
+                                      ids=["default", "defer", "full", "ops", "ops-defer"])
+
+
+@_EVERY_MODE
+def test_a_linear_probe_the_loop_applies_diverging_is_a_learning_rate_too_high(options: dict) -> None:
+    # (review of cause-s29: a head applied in the loop's code, ``feats @ w`` with w trained at too high a rate over
+    # a Tanh's bounded outputs, was read as "a value the loop computes itself ... a lower learning rate will not stop
+    # it": only a single number the loop carries (a multiplier, a scale, a temperature) is such a value)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+    w = nn.Parameter(torch.randn(16, 1) * 0.1)
+    opt = torch.optim.SGD([w], lr=2.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for _ in range(200):
+            loss = torch.nn.functional.mse_loss(model(torch.randn(32, 4)) @ w, torch.randn(32, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    cause = caught.value.report.cause
+    assert cause is not None and (cause.label, cause.reading) == ("learning-rate-too-high", "diverging")
+    assert "will not stop it" not in cause.hint
+
+
+@_EVERY_MODE
+def test_the_square_of_a_huge_output_is_not_called_a_value_the_model_did_not_grow(options: dict) -> None:
+    # (review of cause-s29: ``(out - y).pow(2).mean()`` over outputs of 1e18 said the square "is 1.2e18x the largest
+    # output ... so the model did not grow it: ... a target or label in the batch"; only a loss's target is such)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(3e17)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        squared = (model(torch.ones(4096, 4)) - torch.randn(4096, 1)).pow(2)
+        squared.mean().backward()
+    cause = caught.value.report.cause
+    assert cause is not None and cause.fact("far_operand") is None
+    assert "did not grow it" not in cause.hint and "a target or label" not in cause.hint

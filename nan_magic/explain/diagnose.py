@@ -381,6 +381,12 @@ def _outside_growth(report: Report, downstream: Cause,
         return None
     largest = max([largest, *now])
     ref, operand = max(operands, key=lambda pair: pair[1])
+    held = report.operand(ref.name) if ref.name is not None else None
+    if held is None or held.numel != 1:
+        # A single number the loop carries (a multiplier, a scale, a temperature), not a tensor of the step's values:
+        # a head the loop applies itself (``feats @ w``, w trained) diverges with the learning rate, far above the
+        # model's bounded outputs (a Tanh's, a LayerNorm's), and is no value of the loop's own.
+        return None
     outputs_grew = outputs[-1][1] / outputs[0][1]
     quotient = divisor is not None and ref.name == "other"
     # A single number the loss is divided by scales the gradients of everything before it: the model's outputs grow
@@ -438,6 +444,8 @@ def _far_operand(report: Report) -> tuple[tuple[tuple[str, object], ...], float,
     if not outputs or not operands or not math.isfinite(largest := max(outputs)):
         return None
     ref, operand = max(operands, key=lambda pair: pair[1])
-    if operand < OUTSIDE_FACTOR * max(largest, 1.0):
+    if ref.name != "target" or operand < OUTSIDE_FACTOR * max(largest, 1.0):
+        # (Only a loss function's target: a square or an exp of the model's output is far larger than the output
+        # too, and the model grew it.)
         return None
     return to_pairs(ref), operand, largest
