@@ -72,8 +72,7 @@ class StepLog:
         self._aliases: dict[int, Alias] = {}
         # Outputs of pass-throughs left to their parent's check (transparent.py), by id.
         self._unseen: dict[int, weakref.ref[torch.Tensor]] = {}
-        # (phase, dtype) -> (largest finite |value| this step, its call), kept as
-        # probes are read (:meth:`summary`).
+        # (phase, dtype) -> (largest finite |value| this step, its call), kept as probes are read (:meth:`summary`).
         self._largest: dict[tuple[Phase, torch.dtype], tuple[float, Call]] = {}
         #: The autograd sequence number when the last top-level forward returned: nodes numbered from it on
         #: belong to the code outside the modules (loss_region.py). Written by the forward hooks, read by the
