@@ -60,7 +60,10 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
 
 
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
-    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones."""
+    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones; ``no-grad``:
+    none ran, the call was made under no_grad (a validation batch: its forward alone was replayed)."""
+    if not step.root.grad_enabled:
+        return "no-grad"
     if outcome.loss_from is not None:
         return "loss"
     return "output-gradient" if held_gradients(step.root) else "ones"

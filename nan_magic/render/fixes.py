@@ -147,7 +147,10 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
-    if not trial.fact("stepped"):
+    if trial.fact("backward_from") == "no-grad":
+        parts.append("its forward alone replayed: the call ran under no_grad (validation or inference), with no "
+                     "loss, backward or optimizer step")
+    elif not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
     return ", ".join(parts)
 
