@@ -252,6 +252,26 @@ def one_sample_std_by_hand() -> tuple[float, bool]:
     return hand_step(model, opt, loss)
 
 
+def standardized(model: nn.Module, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(data["x"])
+    return (((out - data["y"]) / out.std(0)) ** 2).mean()  # producer: a std of a batch of one in the loss code
+
+
+def one_sample_std_loss() -> Built:
+    torch.manual_seed(0)
+    return fit(nn.Linear(4, 4), {"x": torch.randn(1, 4), "y": torch.randn(1, 4)}, standardized)
+
+
+def one_sample_std_loss_by_hand() -> tuple[float, bool]:
+    model, opt, _run, data = one_sample_std_loss()
+
+    def loss() -> torch.Tensor:
+        out = model(data["x"])
+        return (((out - data["y"]) / out.std(0, correction=0)) ** 2).mean()
+
+    return hand_step(model, opt, loss)
+
+
 # ---------------------------------------------------------------- attention scaled by 1/sqrt(0): a head-dim typo
 class Attention(nn.Module):
     def __init__(self) -> None:
@@ -469,7 +489,8 @@ INCIDENTS: dict[str, Incident] = {
     "half-matmul": Incident(half_matmul, half_matmul_by_hand, "float32"),  # (its own tests)
     "exp-activation": Incident(exp_activation, exp_activation_by_hand, None),  # (F.softplus: no trial makes it)
     "focal-of-zero": Incident(focal_of_zero, focal_of_zero_by_hand, "eps"),
-    "one-sample-std": Incident(one_sample_std, one_sample_std_by_hand, None),
+    "one-sample-std": Incident(one_sample_std, one_sample_std_by_hand, "stable", None),
+    "one-sample-std-loss": Incident(one_sample_std_loss, one_sample_std_loss_by_hand, None),  # (inf by hand too)
     "zero-head-dim": Incident(zero_head_dim, zero_head_dim_by_hand, "eps", None),
     "exploding-rnn": Incident(exploding_rnn, None, None),
     "validation-nan": Incident(validation_nan, None, "skip-batch"),  # (its own test)

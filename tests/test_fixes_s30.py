@@ -18,7 +18,8 @@ from test_fixes_s29 import _same, _state  # (the user's state, read bit for bit)
 import nan_magic
 from nan_magic.records import FixTrial, Report
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),  # (conftest.py: small models, torch on one thread)
+              pytest.mark.filterwarnings("ignore:std\\(\\)")]  # (torch warns of a std of one sample)
 
 MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"},
                                     "ops": {"ops": True}}
@@ -187,3 +188,32 @@ def test_an_inf_target_read_by_the_loss_alone_says_the_same_in_every_mode(mode: 
     assert report.fixes == ()
     kinds = [note.kind for note in report.note_facts]
     assert "fixes-batch-outside" in kinds and "fixes-no-call" not in kinds
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_std_over_one_sample_gets_correction_zero_verified(mode: str) -> None:
+    """``h / (1 + h.std(0))`` on a batch of one: unbiased std, N - 1 = 0. Was: "no fix was tried: the producer's op
+    (aten.std.correction) is not one a remedy changes", while the cause's own hint said "pass correction=0". Now
+    that is tried, verified, and the edit written; the loss is the one of ``h.std(0, correction=0)`` by hand."""
+    report, _state = run(INCIDENTS["one-sample-std"], mode)
+    assert report.cause is not None and report.cause.reading == "corrected-one"
+    trial = trial_of(report, "stable")
+    loss, finite = INCIDENTS["one-sample-std"].by_hand()
+    assert finite and trial.finite is True and trial.fact("form") == "correction=0"
+    if trial.loss is not None:
+        assert trial.loss == pytest.approx(loss, rel=1e-6)
+    text = " ".join(str(report).split())
+    assert "the std taken with correction=0" in text and "return h / (1 + h.std(0, correction=0))" in text
+    assert "is not one a remedy changes" not in text
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full"])
+def test_correction_zero_that_cannot_help_is_tried_and_not_finite(mode: str) -> None:
+    """``(out - y) / out.std(0)`` in the loss code, a batch of one: correction=0 makes the std 0, and the division
+    inf. By hand the loss is inf; the trial says so (not finite, at the loss), never verified."""
+    report, _state = run(INCIDENTS["one-sample-std-loss"], mode)
+    trial = trial_of(report, "stable")
+    loss, finite = INCIDENTS["one-sample-std-loss"].by_hand()
+    assert not finite and loss == float("inf")
+    assert (trial.finite, trial.failed, trial.loss) == (False, "loss", loss)
+    assert "still non-finite (loss)" in str(report)

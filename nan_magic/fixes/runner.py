@@ -35,6 +35,7 @@ from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
 from nan_magic.fixes.no_remedy import none_fit
 from nan_magic.fixes.remedies.batch import holds_nonfinite, trained_argument, without_bad_samples
+from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
 from nan_magic.fixes.remedies.diverged import lowered_update
 from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
@@ -84,6 +85,8 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
         remedies.append(("eps", DomainFix(site.function)))
     if site.function in ("exp", "log"):
         remedies.append(("stable", StableFix(site.function)))
+    if site.function in CORRECTED and report.cause is not None and report.cause.reading == "corrected-one":
+        remedies.append(("stable", CorrectionFix(site.function)))
     if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
         remedies.append(("mask", MaskFix()))
     return remedies
