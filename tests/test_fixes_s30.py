@@ -240,3 +240,20 @@ def test_the_float32_edit_at_a_half_models_call_line_runs_by_hand() -> None:
     report, _state = run(INCIDENTS["half-matmul"], "full")
     edit = suggested_edit(trial_of(report, "float32"))
     assert edit is None or "model(data['x'].float())" not in edit
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_the_ppo_advantage_std_of_a_batch_of_one_gets_its_healthy_twins_line(mode: str) -> None:
+    """hunt15's PPO advantages standardised over a last mini-batch of one. Was: "no fix was tried: the producer's op
+    (aten.std.correction) is not one a remedy changes" (test_fixes_families' NO_TRIAL). Now correction=0 is verified,
+    and the edit is the healthy twin's own line."""
+    from test_fixes_families import _report
+
+    from nan_magic.render.fixes import suggested_edit
+    from contract import hunt15
+
+    report = _report(hunt15, "hunt15_ppo_advantage_std_of_a_last_batch_of_one", mode)
+    trial = trial_of(report, "stable")
+    assert trial.finite is True and trial.fact("form") == "correction=0"
+    edit = suggested_edit(trial)
+    assert edit is not None and edit.endswith("adv = (adv - adv.mean()) / (adv.std(correction=0) + 1e-08)")
