@@ -247,10 +247,10 @@ def test_the_ppo_advantage_std_of_a_batch_of_one_gets_its_healthy_twins_line(mod
     """hunt15's PPO advantages standardised over a last mini-batch of one. Was: "no fix was tried: the producer's op
     (aten.std.correction) is not one a remedy changes" (test_fixes_families' NO_TRIAL). Now correction=0 is verified,
     and the edit is the healthy twin's own line."""
+    from contract import hunt15
     from test_fixes_families import _report
 
     from nan_magic.render.fixes import suggested_edit
-    from contract import hunt15
 
     report = _report(hunt15, "hunt15_ppo_advantage_std_of_a_last_batch_of_one", mode)
     trial = trial_of(report, "stable")
