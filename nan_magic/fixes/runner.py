@@ -3,7 +3,8 @@
 Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
 (log, sqrt, rsqrt, pow, a division, acos, asin, atanh, logit); ``stable`` for an exp, or a
-log that may be of a softmax; ``mask`` for a softmax over a fully masked
+log that may be of a softmax, and ``correction=0`` for a std or variance of
+one element (remedies/correction.py); ``mask`` for a softmax over a fully masked
 row; ``skip-batch`` for a batch that entered holding non-finite values;
 ``scale`` for a collapsing GradScaler (remedies/scale.py); ``lr`` for a run that
 diverged before a forward or backward event (remedies/diverged.py), or at an
