@@ -31,7 +31,6 @@ from contract import (
     gaps21,
     holdout_incidents,
     hunt14,
-    hunt15,
     hunt16,
     hunt17,
     hunt19,
@@ -224,8 +223,7 @@ def test_a_lower_learning_rate_is_no_fix_where_the_weight_decay_alone_diverges(m
 
 
 #: (module, case, the note's kind): a cause with a remedy, no trial: the report says why.
-NO_TRIAL = [
-    pytest.param(hunt15, "hunt15_ppo_advantage_std_of_a_last_batch_of_one", "fixes-none-fit", id="std-of-one"),
+NO_TRIAL = [  # (a std of one sample, once here, gets correction=0 tried since fixes-s30: test_fixes_s30.py)
     pytest.param(hunt16, "hunt16_lars_trust_ratio_of_a_parameter_never_used", "fixes-optimizer-none", id="lars"),
     pytest.param(hunt19, "hunt19_nanmean_over_nan_coded_missing_targets", "fixes-batch-outside", id="nan-targets"),
 ]

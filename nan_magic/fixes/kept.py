@@ -75,7 +75,9 @@ class KeptStep:
             return Note("fixes-no-call")
         roots: list[RootCall] = [calls[-1]]
         if report.phase == Phase.DATA:
-            roots = [call for call in reversed(calls) if holds_nonfinite(call)][:1]
+            # None given the values: a value only the loss code read (runner.py says which, or why no trial).
+            roots = [call for call in reversed(calls) if holds_nonfinite(call)][:1] or (
+                [calls[-1]] if report.module is None else [])
         elif report.module is None:
             roots = [calls[-1]]  # the loss code, after the step's last call
         elif report.phase == Phase.FORWARD:

@@ -24,6 +24,7 @@ is exactly one; otherwise the trial says why no loss was computed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ from nan_magic.localize.outside.recorded_ops import (
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 
-__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad"]
+__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad", "with_code_before"]
 
 
 class LossNotComputed(Exception):
@@ -175,6 +176,32 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
                                      if key not in outputs)
                 others.append(call)
     return LossCode(ops, key, outputs, rng, last, tuple(others), tuple(other_outputs))
+
+
+def with_code_before(code: LossCode, records: OutsideRecorder) -> LossCode | str:
+    """``code`` run from the loop's code before the model call that made a non-finite value it reads; or why not.
+
+    ``weight = 1 / torch.bincount(y)`` before ``model(x)``, read by the loss after it: a class no sample has made an
+    inf that never entered the model (a ``data`` event, but no batch to leave samples out of). Run again ahead of the
+    loss code's own ops, that code's line takes the trial's remedy as the loss code's do (``counts.clamp_min(eps)``).
+    """
+    before: list[RecordedOp] = []
+    for value in _outside(code.ops).values():
+        tensor = value.ref() if isinstance(value, WeakRecord) else value
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or bool(
+                torch.isfinite(values_to_read(tensor)).all()):
+            continue
+        found = records.data_code(tensor)
+        if found is None:
+            return "the non-finite value the loss code read was not made by the code the watch recorded"
+        ops, rng = found
+        if rng is not None:  # (its generators' state is the data region's, the loss code's another)
+            return "the code that made the non-finite value the loss code read draws random numbers"
+        seen = {id(op) for op in before}
+        before.extend(op for op in ops if id(op) not in seen)
+    if not before:
+        return "the loss code read no non-finite value that the loop's code made before the model call"
+    return dataclasses.replace(code, ops=[*before, *code.ops])
 
 
 def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: Iterable[RootCall]) -> str | None:

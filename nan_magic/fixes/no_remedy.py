@@ -1,11 +1,11 @@
 """Why no remedy was tried at an event whose cause has one: the note the report carries instead of a silent nothing.
 
 The trials change a producer's line (runner.py's candidates: a log, sqrt,
-rsqrt, pow, division, acos, asin, atanh or logit; an exp; a softmax; a line in half
-precision), a model call's batch (skip-batch), or an optimizer step (its
-learning rate, an Adam eps). An event whose cause names a remedy of that
-table but whose producer none of them reaches (a ``std`` of one sample, an
-``lgamma``, a division inside a hand-written optimizer, NaN targets read by
+rsqrt, pow, division, acos, asin, atanh or logit; an exp; a softmax; a std or
+variance of one element; a line in half precision), a model call's batch
+(skip-batch), or an optimizer step (its learning rate, an Adam eps). An event
+whose cause names a remedy of that table but whose producer none of them
+reaches (an ``lgamma``, a division inside a hand-written optimizer, NaN targets read by
 the loss code) would otherwise show no "Fixes tried" section and no word of
 why: the note says which part of the table did not fit.
 """

@@ -3,7 +3,8 @@
 Which remedy fits (issue 28's table): ``float32`` where the producer ran in
 half or bfloat16 or under autocast; ``eps`` where its function has a domain
 (log, sqrt, rsqrt, pow, a division, acos, asin, atanh, logit); ``stable`` for an exp, or a
-log that may be of a softmax; ``mask`` for a softmax over a fully masked
+log that may be of a softmax, and ``correction=0`` for a std or variance of
+one element (remedies/correction.py); ``mask`` for a softmax over a fully masked
 row; ``skip-batch`` for a batch that entered holding non-finite values;
 ``scale`` for a collapsing GradScaler (remedies/scale.py); ``lr`` for a run that
 diverged before a forward or backward event (remedies/diverged.py), or at an
@@ -32,9 +33,10 @@ from nan_magic.distributed.ranks import is_sharded, process_group
 from nan_magic.explain.evidence import HALF as HALF_NAMES
 from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.kept import KeptStep
-from nan_magic.fixes.loss import LossCode, LossSource, loss_code
+from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
 from nan_magic.fixes.no_remedy import none_fit
 from nan_magic.fixes.remedies.batch import holds_nonfinite, trained_argument, without_bad_samples
+from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
 from nan_magic.fixes.remedies.diverged import lowered_update
 from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
@@ -84,6 +86,8 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
         remedies.append(("eps", DomainFix(site.function)))
     if site.function in ("exp", "log"):
         remedies.append(("stable", StableFix(site.function)))
+    if site.function in CORRECTED and report.cause is not None and report.cause.reading == "corrected-one":
+        remedies.append(("stable", CorrectionFix(site.function)))
     if site.function in MASKED and report.cause is not None and report.cause.label == "masked-softmax":
         remedies.append(("mask", MaskFix()))
     return remedies
@@ -181,9 +185,14 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
         _alone(root.module, None, optimizers, None)  # FSDP (no eager model to replay): the other ranks, say so
         raise _NoTrial(Note("fixes-no-call"))
     target = replay_target(root.module) or model
-    before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
-    code = loss_code(kept.loss, root, before_loss=before_loss,
-                     calls=kept.replays.calls if kept.replays is not None else ())
+    calls = kept.replays.calls if kept.replays is not None else ()
+    read = _read_by_the_loss(report, kept.loss, root, calls)
+    if isinstance(read, str) or (report.phase == Phase.DATA and read is None and not holds_nonfinite(root)):
+        raise _NoTrial(Note.of("fixes-no-loss-code", reason=read) if isinstance(read, str) else (
+            none_fit(report) or Note("fixes-batch-outside")))  # (as the tiered watch says it)
+    before_loss = read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
+                                                                  and not _in_loss_code(report)))
+    code = read or loss_code(kept.loss, root, before_loss=before_loss, calls=calls)
     if _in_loss_code(report) and not isinstance(code, LossCode):
         # Its remedies go in the loss code, and without it the replayed step never reaches the producer.
         raise _NoTrial(Note.of("fixes-no-loss-code", reason=code))
@@ -191,7 +200,7 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
     step = FailingStep(root, model, target, tuple(optimizers), kept.aside, loss_code=code,
                        scalers=tuple(kept.loss.scalers), before_loss_code=before_loss and not kept.loss.judged_at_check)
     return try_fixes(report, step, roots, last_good, data_code=kept.loss.recorder,
-                     reproduce="traced" if kept.traced else "per-call")
+                     reproduce="traced" if kept.traced else "per-call", in_loss=read is not None)
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
@@ -207,8 +216,14 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     # The call whose replay named the producer; for a batch that entered non-finite, the call given it; for a
     # producer in the loss code, the step's last call (the loss code reads its outputs: loss.py checks).
     root = replays.replayed if report.reproduced else None
+    loss_read = None
     if report.phase == Phase.DATA:
         root = batch_call(replays.calls)
+        if root is None and replays.calls:
+            loss_read = _read_by_the_loss(report, loss, replays.calls[-1], replays.calls)
+            if isinstance(loss_read, str):
+                raise _NoTrial(Note.of("fixes-no-loss-code", reason=loss_read))
+            root = replays.calls[-1] if loss_read is not None else None
     elif _in_loss_code(report) and root is None and replays.calls:
         root = replays.calls[-1]
     model = replays.model_of(root.module) if root is not None else None
@@ -219,8 +234,9 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         raise _NoTrial(none)
     target = replay_target(root.module) or model
     # A forward event inside a model stops the step before its loss code; one in the loss code comes after it.
-    before_loss = report.phase == Phase.DATA or (report.phase == Phase.FORWARD and not _in_loss_code(report))
-    code = loss_code(loss, root, before_loss=before_loss, calls=replays.calls)
+    before_loss = loss_read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
+                                                                  and not _in_loss_code(report)))
+    code = loss_read or loss_code(loss, root, before_loss=before_loss, calls=replays.calls)
     _alone(root.module, target, optimizers, code)
     # Where the replay reproduced the event only from the parameters as the call read them (SAM's second forward at
     # ``w + e``, judged at the deferred check after the loop restored ``w``): the trials start from those too.
@@ -229,7 +245,19 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     replays.read_parameters = {}  # (read once: a warn-mode run held a copy of the parameters to its next event)
     step = FailingStep(root, model, target, tuple(optimizers), standing_aside, parameters=parameters, loss_code=code,
                        scalers=tuple(loss.scalers), before_loss_code=before_loss and not loss.judged_at_check)
-    return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder)
+    return try_fixes(report, step, list(roots), last_good, data_code=loss.recorder, in_loss=loss_read is not None)
+
+
+def _read_by_the_loss(report: Report, loss: LossSource, root: RootCall, calls: Iterable[RootCall]
+                      ) -> LossCode | str | None:
+    """The loss code run from the loop's code before the model call (loss.py's ``with_code_before``), where a data
+    event's producer made there a value only the loss code read (``1 / counts`` of an empty class); why it cannot
+    be run so; or None where the event is no such one (a batch given the model non-finite values)."""
+    if report.phase != Phase.DATA or report.module is not None or report.op is None or (
+            producer_site(report).function not in FUNCTIONS) or holds_nonfinite(root):
+        return None
+    code = loss_code(loss, root, before_loss=False, calls=calls)
+    return with_code_before(code, loss.recorder) if isinstance(code, LossCode) and loss.recorder is not None else code
 
 
 def _optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],
@@ -294,16 +322,17 @@ _Try = Callable[[], FixTrial]
 
 def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = (),
               last_good: LastGood | None = None, data_code: RegionRecords | None = None,
-              reproduce: str | None = None) -> tuple[FixTrial, ...]:
+              reproduce: str | None = None, in_loss: bool = False) -> tuple[FixTrial, ...]:
     """The remedies that fit ``report``'s producer, each tried on ``step``; verified ones first.
 
     ``roots`` and ``last_good``: the watched models and their kept state, for ``lr`` after a divergence;
     ``data_code``: the records of the loop's data code, for a remedy at a producer there (remedies/data_code.py);
     ``reproduce``: the watch that localized the event without a step replay (``"per-call"``, ``"traced"``): an
     unremedied replay that does not go non-finite is said in a note (the tiered watch's replay reproduced the event
-    already), and a module's producer whose op the per-call watch did not name too.
+    already), and a module's producer whose op the per-call watch did not name too. ``in_loss``: a data event's
+    producer whose value only the loss code read, run again ahead of it (:func:`_read_by_the_loss`).
     """
-    if report.phase == Phase.DATA:
+    if report.phase == Phase.DATA and not in_loss:
         skipped = _skip_batch(report, step)
         site = producer_site(report)
         if data_code is not None and report.op is not None and site.function in FUNCTIONS:
@@ -313,7 +342,8 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     old_scale = collapsed_scale(report)
     if old_scale is not None:
         step = scaled(step, old_scale, old_scale)  # the replay unscales the gradients as the scaler did
-    candidates = _candidates(report, site, step) if report.module is not None or _in_loss_code(report) else []
+    candidates = _candidates(report, site, step) if report.module is not None or _in_loss_code(report) or in_loss \
+        else []
     diverged = report.cause is not None and report.cause.label == "learning-rate-too-high"
     if not candidates and old_scale is None and not diverged:
         if reproduce == "per-call" and report.op is None and report.module is not None and report.tensor.role in (

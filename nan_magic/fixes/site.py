@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -30,14 +31,21 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from nan_magic.localize.ops.sources import user_frame
+from nan_magic.localize.ops.sources import passed_over
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.records import SourcePointer
 
-__all__ = ["InRecordedCode", "Remedy", "Site", "at_producer", "function_name", "in_backward_nodes"]
+__all__ = ["REPLAY_CALLERS", "InRecordedCode", "Remedy", "Site", "at_producer", "function_name", "in_backward_nodes"]
 
 #: A remedy at one function call: the remedied result, or None to leave the call as it is.
 Remedy = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
+
+#: The code a trial calls the model from (step.py's ``_forward``). A call that reaches it with no user frame between
+#: ran in library code alone (the producer an ``nn.Linear``, whose line is the one that called the model): it is at
+#: the producer's line. Walking on past it found the user's frame that waits on the trial: the model call's line
+#: where the event stopped the forward, but the optimizer step's where the deferred check ran (a ``model.half()``
+#: overflow's float32 then "found nothing to change" in the deferred watch alone).
+REPLAY_CALLERS: set[CodeType] = set()
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,11 @@ class _AtProducer(TorchFunctionMode):
         source = self.site.source
         if source is None:
             return True  # no line known: every call of the producing module (its remedy still picks the function)
-        frame = user_frame(sys._getframe(2))
+        frame: FrameType | None = sys._getframe(2)
+        while frame is not None and passed_over(frame.f_code):
+            if frame.f_code in REPLAY_CALLERS:
+                return True
+            frame = frame.f_back
         return frame is not None and frame.f_lineno == source.lineno and frame.f_code.co_filename == source.filename
 
 

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
-from nan_magic.fixes.site import InRecordedCode, Remedy, Site, at_producer, in_backward_nodes
+from nan_magic.fixes.site import REPLAY_CALLERS, InRecordedCode, Remedy, Site, at_producer, in_backward_nodes
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, values_to_read
@@ -299,6 +299,9 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
         return torch.func.functional_call(target, parameters, tuple(args), kwargs)
 
 
+REPLAY_CALLERS.add(_forward.__code__)
+
+
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
            optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None,
            others: list[Any] | None = None) -> None:
@@ -308,6 +311,11 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     if not all(_finite(tensor) for tensor in [*outcome.outputs.values(), *(
             tensor for other in other_tensors for tensor in other.values())]):
         outcome.failed = "forward"
+        return
+    if not step.root.grad_enabled:
+        # A call made under no_grad (a validation batch, inference): its step had no loss, backward or update.
+        # A backward from ones and an optimizer step stood in for them: a trial could fail where the user's step
+        # never goes, and said it had replayed a training step of a call that trains nothing.
         return
     loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
     if loss is not None and not _finite(loss):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from nan_magic.fix_records import AFTER_THE_LOSS
+from nan_magic.fixes.remedies.correction import CorrectionFix
 from nan_magic.fixes.remedies.domain import DomainFix
 from nan_magic.fixes.remedies.mask import MaskFix
 from nan_magic.fixes.remedies.stable import StableFix
@@ -51,7 +52,7 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
         facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
     if isinstance(remedy, DomainFix):
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
-    if isinstance(remedy, StableFix):
+    if isinstance(remedy, (StableFix, CorrectionFix)):
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
         # Every value was out of the domain (every row masked): the output no longer depends on them.
@@ -60,7 +61,10 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
 
 
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
-    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones."""
+    """Where the replayed backward started (step.py): the loss, the held output gradient, or ones; ``no-grad``:
+    none ran, the call was made under no_grad (a validation batch: its forward alone was replayed)."""
+    if not step.root.grad_enabled:
+        return "no-grad"
     if outcome.loss_from is not None:
         return "loss"
     return "output-gradient" if held_gradients(step.root) else "ones"

@@ -66,6 +66,9 @@ def _changed(trial: FixTrial) -> str:
             return "the log of the softmax fused into log_softmax"
         if trial.fact("form") == "logsigmoid":
             return "the log of the sigmoid fused into logsigmoid"
+        if trial.fact("form") == "correction=0":
+            return (f"the {trial.fact('function')} taken with correction=0 (over one element it is 0, where "
+                    "correction=1 divides by N - 1 = 0)")
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
         return "the log of a softmax or sigmoid fused into log_softmax or logsigmoid"
@@ -147,7 +150,10 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
-    if not trial.fact("stepped"):
+    if trial.fact("backward_from") == "no-grad":
+        parts.append("its forward alone replayed: the call ran under no_grad (validation or inference), with no "
+                     "loss, backward or optimizer step")
+    elif not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
     return ", ".join(parts)
 
@@ -323,6 +329,10 @@ class _Edit(ast.NodeTransformer):
             if fused is not None:
                 return self._mark(ast.Call(ast.parse(fused, mode="eval").body, list(inner.args), list(inner.keywords)))
             return node
+        if kind == "stable" and function == name and self.trial.fact("form") == "correction=0":
+            node.keywords = [keyword for keyword in node.keywords if keyword.arg not in ("correction", "unbiased")]
+            node.keywords.append(ast.keyword("correction", ast.Constant(0)))
+            return self._mark(node)
         if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
             return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
         return node
