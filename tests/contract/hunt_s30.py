@@ -42,10 +42,7 @@ class C51(nn.Module):
 
 def _c51_loss(logits: torch.Tensor, actions: torch.Tensor, target: torch.Tensor, stable: bool) -> torch.Tensor:
     chosen = logits[torch.arange(len(actions)), actions]
-    if stable:
-        log_p = chosen.log_softmax(-1)
-    else:
-        log_p = chosen.softmax(-1).log()  # producer: c51 log
+    log_p = chosen.log_softmax(-1) if stable else chosen.softmax(-1).log()  # producer: c51 log
     return -(target * log_p).sum(-1).mean()
 
 
@@ -74,10 +71,7 @@ class StudentTHead(nn.Module):
 
 def _studentt_nll(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], y: torch.Tensor, bounded: bool) -> torch.Tensor:
     loc, scale, raw_df = out
-    if bounded:
-        df = F.softplus(raw_df) + 2.0
-    else:
-        df = raw_df.exp()  # producer: student t
+    df = F.softplus(raw_df) + 2.0 if bounded else raw_df.exp()  # producer: student t
     return -torch.distributions.StudentT(df, loc, scale).log_prob(y).mean()
 
 
