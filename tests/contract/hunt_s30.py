@@ -377,6 +377,85 @@ def _sparse_gcn(self_loops: bool) -> Scenario:
                  lambda out, step: F.cross_entropy(out, ys[step]))
 
 
+# ---------------------------------------------------------------- stochastic depth scheduled up to a rate of 1
+class DropPath(nn.Module):
+    """Per-sample stochastic depth, the kept branches scaled by ``1 / keep`` (timm's; ``guarded``: only where
+    ``keep > 0``, as timm guards it)."""
+
+    def __init__(self, rate: float, guarded: bool) -> None:
+        super().__init__()
+        self.rate, self.guarded = rate, guarded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.rate == 0.0:
+            return x
+        keep = 1.0 - self.rate
+        mask = x.new_empty(x.shape[0], 1).bernoulli_(keep)
+        if self.guarded and keep == 0.0:
+            return x * mask
+        return x * mask.div_(keep)  # producer: drop path
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, rate: float, guarded: bool) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), DropPath(rate, guarded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.relu(self.fc(x)))
+
+
+def _drop_path(guarded: bool) -> Scenario:
+    """The drop rates of a 4-block residual net are ``linspace(0, max_rate, depth)`` and the config's max rate is 1.0
+    (meant: the keep rate): the last block's keep probability is 0, its mask all 0 and ``0 / 0`` is NaN at the
+    first forward. The twin guards the scaling as timm does."""
+    torch.manual_seed(0)
+    rates = torch.linspace(0.0, 1.0, 4).tolist()
+    model = nn.Sequential(*[ResidualBlock(rate, guarded) for rate in rates], nn.Linear(8, 2))
+    xs, ys = _batches(4, 8), [torch.randint(0, 2, (4,)) for _ in range(4)]
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.cross_entropy(out, ys[step]))
+
+
+# ---------------------------------------------------------------- an energy model's Langevin sampler, step too large
+class QuadraticEnergy(nn.Module):
+    """A learned energy with a quadratic confinement, ``net(x) + |x|^2 / 2``: its curvature is about 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.SiLU(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1) + 0.5 * (x**2).sum(-1)
+
+
+def _langevin(step_size: float) -> Scenario:
+    """Contrastive divergence with 60 steps of Langevin sampling, ``x -= step * grad E(x)`` by ``torch.autograd.grad``
+    in the loop. A step of 6 against a curvature of 1 multiplies the samples by about -5 a step: within the first
+    sampling each sample's energy nears the float32 maximum and their sum, which the sampler differentiates,
+    overflows. The twin's step is 0.1."""
+    torch.manual_seed(0)
+    model = QuadraticEnergy()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data, starts = _batches(16, 2, steps=3), _batches(16, 2, steps=3)
+    noise = [_batches(16, 2, steps=60) for _ in range(3)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            x = starts[step].clone().requires_grad_(True)
+            for k in range(60):
+                (grad,) = torch.autograd.grad(model(x).sum(), x)  # producer: sampler energy
+                x = (x - step_size * grad + 0.01 * noise[step][k]).detach().requires_grad_(True)
+            loss = model(data[step]).mean() - model(x.detach()).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("hunt_s30_c51_log_of_a_softmax_atom_underflowed_on_a_raw_observation", lambda: _c51(False),
          Expect("forward", None, step=2, op="aten.log.default", marker="c51 log")),
@@ -406,4 +485,10 @@ CASES = [
     Case("hunt_s30_sparse_gcn_adjacency_degree_0_to_the_minus_half", lambda: _sparse_gcn(False),
          Expect("data", "", "SparseGCN", step=1, op="aten.pow.Tensor_Scalar", marker="gcn degree")),
     Case("hunt_s30_sparse_gcn_adjacency_with_self_loops_healthy", lambda: _sparse_gcn(True), None),
+    Case("hunt_s30_stochastic_depth_scheduled_up_to_a_drop_rate_of_1", lambda: _drop_path(False),
+         Expect("forward", "3.drop", "DropPath", step=0, op="aten.div_.Tensor", marker="drop path")),
+    Case("hunt_s30_stochastic_depth_keep_0_guarded_healthy", lambda: _drop_path(True), None),
+    Case("hunt_s30_energy_model_langevin_step_too_large_for_its_curvature", lambda: _langevin(6.0),
+         Expect("forward", None, step=0, op="aten.sum.default", marker="sampler energy")),
+    Case("hunt_s30_energy_model_langevin_step_0_1_healthy", lambda: _langevin(0.1), None),
 ]
