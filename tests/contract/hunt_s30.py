@@ -482,6 +482,41 @@ def _nested(missing: bool) -> Scenario:
                  lambda out, step: F.mse_loss(out, ys[step]))
 
 
+# ---------------------------------------------------------------- a TorchScript-compiled log-compression frontend
+class LogCompression(nn.Module):
+    """A feature frontend, ``log(relu(fc(x)) + floor)``, compiled with TorchScript to ship with the model."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__()
+        self.fc, self.floor = nn.Linear(4, 4), floor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.relu(self.fc(x)) + self.floor)
+
+
+def _scripted(floor: float, traced: bool) -> Scenario:
+    """A unit of the frontend that the ReLU zeroes gives ``log(0)`` at the first forward; TorchScript has no Python
+    frame inside, so the line is the loop's call of the model. The twin adds a floor of 1e-6."""
+    torch.manual_seed(0)
+    frontend = LogCompression(floor)
+    compiled = torch.jit.trace(frontend, torch.randn(2, 4)) if traced else torch.jit.script(frontend)
+    model = nn.Sequential(nn.Linear(4, 4), compiled, nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = _batches(4, 4), _batches(4, 1)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = F.mse_loss(model(xs[step]), ys[step])  # producer: scripted call
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 _NESTED_UNREAD = ("a nested (jagged) tensor is not read (hot/reads.py: unreadable 'nested'): the NaN it brings in is "
                   "named at the first dense tensor holding it, forward in the root's own code (input[0] of head), "
                   "not as data")
@@ -524,4 +559,10 @@ CASES = [
     Case("hunt_s30_nan_in_a_jagged_nested_tensor_batch", lambda: _nested(True), Expect("data", "", "SetPool", step=1),
          marks=(pytest.mark.xfail(strict=True, reason=_NESTED_UNREAD),)),
     Case("hunt_s30_jagged_nested_tensor_batch_healthy", lambda: _nested(False), None),
+    Case("hunt_s30_torchscript_scripted_frontend_log_of_a_relu", lambda: _scripted(0.0, False),
+         Expect("forward", "1", "LogCompression", step=0, op="aten.log.default", marker="scripted call")),
+    Case("hunt_s30_torchscript_scripted_frontend_with_a_floor_healthy", lambda: _scripted(1e-6, False), None),
+    Case("hunt_s30_torchscript_traced_frontend_log_of_a_relu", lambda: _scripted(0.0, True),
+         Expect("forward", "1", "LogCompression", step=0, op="aten.log.default", marker="scripted call")),
+    Case("hunt_s30_torchscript_traced_frontend_with_a_floor_healthy", lambda: _scripted(1e-6, True), None),
 ]
