@@ -67,7 +67,8 @@ def data_parallel_paths(root: nn.Module) -> frozenset[str]:
 
 
 def user_type(module: nn.Module) -> str:
-    """The user's class name: that of the module a wrapper holds (DDP, FSDP1, checkpointing), without FSDP2's prefix."""
+    """The user's class name: that of the module a wrapper holds (DDP, FSDP1, checkpointing), without FSDP2's prefix,
+    and the class a TorchScript module was compiled from."""
     while True:
         # A dict lookup: no AttributeError raised per module of a large model (``in`` first: a scripted
         # module's OrderedModuleDict has no ``get``).
@@ -79,6 +80,9 @@ def user_type(module: nn.Module) -> str:
             break
         module = inner
     cls: type = type(module)
+    if issubclass(cls, torch.jit.ScriptModule):
+        # torch.jit.script / trace compile the user's class into RecursiveScriptModule / TracedModule: its name kept.
+        return str(module.original_name)
     if _FSDP_MODULE is not None and issubclass(cls, _FSDP_MODULE):
         # fully_shard swaps the class for FSDP<Name>(FSDPModule, <Name>): the user's class is the next one.
         cls = next(base for base in cls.__mro__ if not issubclass(base, _FSDP_MODULE))

@@ -133,6 +133,16 @@ def _exp_threshold(report: Report) -> float:
     return math.log(2 * largest) if function in ("sinh", "cosh") else math.log(largest)
 
 
+def _matrix_exp(report: Report) -> Cause:
+    """``matrix_exp(A)`` of a finite matrix grows as ``e**||A||`` (its scaling and squaring makes inf, then NaN of
+    inf - inf): non-finite only once ``A``'s entries are past the exp's threshold, a flow ``exp(A dt)`` over a long
+    ``dt``. Shown by an input past it; otherwise an overflow like any other."""
+    threshold = math.log(dtype_max(report.dtype))
+    if not any(stats.absmax is not None and stats.absmax > threshold for _ref, stats in report.op_inputs):
+        return overflow(report)
+    return event_cause("exp-overflow", "matrix-exp-overflow", report, threshold=threshold)
+
+
 def _bessel(report: Report) -> Cause:
     """i0/i1, the modified Bessel functions, grow as exp(|x|) / sqrt(2 pi |x|): inf once |x| passes about 92 in
     float32 (a von Mises likelihood's normaliser ``log(i0(kappa))`` of a confident kappa), as exp does past 88.7."""
@@ -244,6 +254,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("pow", "float_power"), _pow),
     **dict.fromkeys(("exp", "exp2", "expm1", "sinh", "cosh"), _exp),
     **dict.fromkeys(("i0", "special_i0", "special_i1"), _bessel),
+    **dict.fromkeys(("linalg_matrix_exp", "matrix_exp"), _matrix_exp),
     **dict.fromkeys(("div", "true_divide", "floor_divide", "reciprocal", "fmod", "remainder"), _division),
     **dict.fromkeys(_MEAN_OPS, _mean),
     **dict.fromkeys(_CORRECTED_OPS, _corrected),

@@ -20,7 +20,7 @@ from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 
-__all__ = ["holds_nonfinite", "trained_argument", "without_bad_samples"]
+__all__ = ["holds_nonfinite", "sparse_argument", "trained_argument", "without_bad_samples"]
 
 
 def holds_nonfinite(root: RootCall) -> bool:
@@ -37,6 +37,13 @@ def trained_argument(step: FailingStep) -> bool:
     return any(tensor.is_leaf and tensor.requires_grad and tensor.is_floating_point()
                and not bool(torch.isfinite(values_to_read(tensor)).all())
                for _path, tensor in iter_tensors((root.args, root.kwargs)))
+
+
+def sparse_argument(step: FailingStep) -> bool:
+    """Whether the call is given a sparse tensor (a graph's adjacency): its rows are nodes joined to each other, not
+    samples, and it has no rows to index; a step without some of them is not the step with fewer samples."""
+    root = step.root
+    return any(tensor.layout is not torch.strided for _path, tensor in iter_tensors((root.args, root.kwargs)))
 
 
 def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...], int] | None:

@@ -160,6 +160,8 @@ def is_additive_mask(tensor: torch.Tensor) -> bool:
 
 
 def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
+    if tensor.layout is not torch.strided:  # a sparse tensor (a graph's adjacency) is data, never a mask
+        return False
     with torch.no_grad():
         x = tensor.detach()
         finite = torch.isfinite(x)

@@ -219,6 +219,22 @@ def _exp_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _matrix_exp_hint(event: Report, cause: Cause) -> str:
+    inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.absmax is not None]
+    reached = "".join(f", {short_label(event, ref)} reached |x| = {fmt(stats.absmax)}" for ref, stats in inputs)
+    return (
+        f"{event.op} in {where(event)} overflowed {event.dtype}: the exponential of a matrix grows as e**norm(A), "
+        f"inf once its entries pass about {cause.fact('threshold'):.4g}{reached}; keep A's scale bounded before the "
+        "exponential (cap the time step of a flow exp(A * dt), keep A stable: its eigenvalues' real parts <= 0), "
+        "or compute it in float64"
+    )
+
+
+def _matrix_exp_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
+    return (f"{event.op} made {counts(event)} from finite inputs",
+            *input_lines(event))
+
+
 def _exp_function(event: Report) -> str:
     """Which of the exp-like functions overflowed (exp, exp2, expm1, sinh, cosh: explain/forward.py's ``_exp``)."""
     return op_function(event.op) if event.op is not None else "exp"
@@ -268,6 +284,7 @@ def _outside_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 OVERFLOW_READINGS: dict[str, Reading] = {
     "outside-growth": on_event(_outside_hint, _outside_evidence, sentence=_opens_with_the_loss),
     "exp-overflow": on_event(_exp_hint, _exp_evidence, sentence=False),
+    "matrix-exp-overflow": on_event(_matrix_exp_hint, _matrix_exp_evidence, sentence=False),
     "running-stats-overflow": Reading(_running_hint, _running_evidence),
     "buffer-overflow": Reading(_buffer_hint, _buffer_evidence),
     "half-overflow": on_event(_half_hint, _half_evidence, sentence=_opens_with_the_loss),
