@@ -116,7 +116,8 @@ def test_a_validation_batch_under_no_grad_is_replayed_forward_only(mode: str) ->
     assert trial.finite is True and trial.fact("dropped") == (2,)
     assert trial.fact("backward_from") == "no-grad" and trial.fact("stepped") is False and trial.loss is None
     text = " ".join(str(report).split())
-    assert "its forward alone replayed: the call ran under no_grad (validation or inference)" in text
+    assert "its forward alone replayed: the call ran under no_grad and no loss code of its step was kept" in text
+    assert "verified: the call's output came out finite" in text and "the step came out finite" not in text
     assert "started from ones" not in text
     assert "its forward alone replayed" in " ".join(report.to_html().split())
     _untouched("validation-nan", mode, state)

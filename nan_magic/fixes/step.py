@@ -302,6 +302,17 @@ def _forward(target: nn.Module, parameters: dict[str, torch.Tensor], args: Any, 
 REPLAY_CALLERS.add(_forward.__code__)
 
 
+def forward_only(step: FailingStep) -> bool:
+    """Whether a trial replays the call's forward alone: it ran under no_grad and no loss code of its step was kept.
+
+    A validation batch has no loss, backward or update: a backward from ones and an optimizer step standing in for
+    them could fail where the user's step never goes. A call under no_grad whose step goes on to a loss (a
+    distillation teacher, a DQN target network) is judged by that loss where its code was kept: a remedy that makes
+    the teacher's output finite may leave the loss that reads it inf.
+    """
+    return not step.root.grad_enabled and not isinstance(step.loss_code, LossCode)
+
+
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
            optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None,
            others: list[Any] | None = None) -> None:
@@ -312,10 +323,7 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
             tensor for other in other_tensors for tensor in other.values())]):
         outcome.failed = "forward"
         return
-    if not step.root.grad_enabled:
-        # A call made under no_grad (a validation batch, inference): its step had no loss, backward or update.
-        # A backward from ones and an optimizer step stood in for them: a trial could fail where the user's step
-        # never goes, and said it had replayed a training step of a call that trains nothing.
+    if forward_only(step):
         return
     loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
     if loss is not None and not _finite(loss):

@@ -18,7 +18,7 @@ from nan_magic.fixes.remedies.domain import DomainFix
 from nan_magic.fixes.remedies.mask import MaskFix
 from nan_magic.fixes.remedies.stable import StableFix
 from nan_magic.fixes.site import Remedy
-from nan_magic.fixes.step import FailingStep, StepOutcome, held_gradients
+from nan_magic.fixes.step import FailingStep, StepOutcome, forward_only, held_gradients
 from nan_magic.records import FixTrial, Report
 
 __all__ = ["at_producer", "output_change", "remedy_facts", "step_facts"]
@@ -62,8 +62,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
 
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
     """Where the replayed backward started (step.py): the loss, the held output gradient, or ones; ``no-grad``:
-    none ran, the call was made under no_grad (a validation batch: its forward alone was replayed)."""
-    if not step.root.grad_enabled:
+    none ran, the call was made under no_grad and no loss code of its step was kept (its forward alone replayed)."""
+    if forward_only(step):
         return "no-grad"
     if outcome.loss_from is not None:
         return "loss"

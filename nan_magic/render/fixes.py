@@ -130,7 +130,9 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
             return ("still non-finite a step later: the step came out finite, but the update it gave made the same "
                     "call's forward non-finite (the remedied line's gradient is too large to train on)")
         return f"still non-finite ({trial.failed or 'the step'})"
-    parts = ["verified: the step came out finite"]
+    # (A forward replayed alone proves the call's output finite, not a step the trial never ran.)
+    parts = ["verified: the call's output came out finite" if trial.fact("backward_from") == "no-grad"
+             else "verified: the step came out finite"]
     if trial.loss is not None:
         last = " (the last step's loss code and targets on this step's outputs)"
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
@@ -151,8 +153,8 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
     if trial.fact("backward_from") == "no-grad":
-        parts.append("its forward alone replayed: the call ran under no_grad (validation or inference), with no "
-                     "loss, backward or optimizer step")
+        parts.append("its forward alone replayed: the call ran under no_grad and no loss code of its step was kept, "
+                     "so no loss, backward or optimizer step")
     elif not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
     return ", ".join(parts)

@@ -5,8 +5,8 @@ correction is 1, Bessel's): NaN, and its backward NaN. The population form,
 ``correction=0``, is 0 there and differs elsewhere by the factor
 sqrt(N / (N - 1)) only: what the cause's hint says to pass, and what the
 suggested edit writes. The remedy reruns the producer's call with it; a call
-given ``unbiased`` or a positional flag is left as it is (untried), since
-which flag is which is not read here.
+that says ``unbiased`` (a keyword, or the first positional flag) with
+``unbiased=False``, the same choice in the older spelling.
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ class CorrectionFix:
         return CorrectionFix(self.function)
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if function_name(func) != self.function or "unbiased" in kwargs or any(
-                isinstance(value, bool) for value in args):
+        if function_name(func) != self.function:
             return None
+        if "unbiased" in kwargs:  # (the older spelling of the same choice: unbiased=False is correction=0)
+            return func(*args, **{**kwargs, "unbiased": False})
+        flags = [index for index, value in enumerate(args) if isinstance(value, bool)]
+        if flags:
+            # ``std(unbiased)`` or ``std(dim, unbiased, keepdim)``: in every overload the first flag is ``unbiased``.
+            return func(*(False if index == flags[0] else value for index, value in enumerate(args)), **kwargs)
         return func(*args, **{**kwargs, "correction": 0})

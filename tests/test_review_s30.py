@@ -1,0 +1,123 @@
+"""Defects found by the session-30 reviews of merged work, each with the test that shows it fixed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nan_magic
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"},
+                                    "ops": {"ops": True}, "ops-defer": {"ops": True, "defer": True}}
+
+
+class Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.lin(x), -1))  # producer: log(0) where a probability underflowed
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Linear(4, 3)
+        self.teacher = Teacher()
+
+
+def _distill(mode: str) -> nan_magic.Report:
+    torch.manual_seed(0)
+    pair = Pair()
+    with torch.no_grad():
+        pair.teacher.lin.weight.mul_(300)
+    opt = torch.optim.SGD(pair.student.parameters(), lr=0.01)
+    x = torch.randn(8, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(pair, opt, **MODES[mode]):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.no_grad():
+                target = pair.teacher(x)
+            loss = ((pair.student(x) - torch.exp(-target)) ** 2).mean()
+            loss.backward()
+            opt.step()
+    return caught.value.report
+
+
+def _by_hand(stable: bool) -> bool:
+    """The step with the remedy applied by hand at the teacher's line: is its loss finite?"""
+    torch.manual_seed(0)
+    pair = Pair()
+    with torch.no_grad():
+        pair.teacher.lin.weight.mul_(300)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        logits = pair.teacher.lin(x)
+        target = F.log_softmax(logits, -1) if stable else torch.log(torch.softmax(logits, -1).clamp_min(1.2e-7))
+    return bool(torch.isfinite(((pair.student(x) - torch.exp(-target)) ** 2).mean()))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_teacher_under_no_grad_is_not_a_validation_batch(mode: str) -> None:
+    """Was (fixes-s30): a distillation teacher called under no_grad inside a training step was taken for a
+    validation batch: the trials replayed its forward alone and said "verified: the step came out finite ... the
+    call ran under no_grad (validation or inference)" for log_softmax, whose step by hand has an inf loss (the
+    deferred mode, which keeps the step's loss code, had said so before). Now the loss code, where kept, judges
+    the trial; where none was kept (the step stopped at the teacher), only the call's output is said finite."""
+    assert (_by_hand(stable=True), _by_hand(stable=False)) == (False, True)
+    report = _distill(mode)
+    assert report.module.endswith("teacher")
+    text = " ".join(str(report).split())
+    assert "validation or inference" not in text
+    stable = [trial for trial in report.fixes if trial.kind == "stable"]
+    assert stable, [trial.kind for trial in report.fixes]
+    if stable[0].fact("backward_from") == "no-grad":
+        assert "verified: the call's output came out finite" in text
+        assert "verified: the step came out finite" not in text
+    else:  # the step's loss code was kept: the trial ran it, as by hand
+        assert stable[0].finite is False and stable[0].failed == "loss"
+    if mode == "defer":
+        assert stable[0].fact("backward_from") == "loss"
+
+
+class Standardised(nn.Module):
+    def __init__(self, positional: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.positional = positional
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.positional:
+            return h / (1 + h.std(0, True))  # producer: N - 1 = 0 for a batch of one
+        return h / (1 + h.std(0, unbiased=True))  # producer: N - 1 = 0 for a batch of one
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["keyword", "positional"])
+@pytest.mark.parametrize("mode", ["default", "defer", "ops"])
+def test_a_std_that_says_unbiased_gets_the_correction_trial(mode: str, positional: bool) -> None:
+    """Was (fixes-s30): ``h.std(0, unbiased=True)`` over a batch of one got "the std taken with correction=0 -> not
+    tried: it found nothing to change at the producer's line", the line holding that std. Now it is rerun with
+    ``unbiased=False`` (the same choice as correction=0) and verified, as by hand."""
+    torch.manual_seed(0)
+    model = Standardised(positional)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(1, 4), torch.randn(1, 4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    report = caught.value.report
+    trial = next(trial for trial in report.fixes if trial.fact("form") == "correction=0")
+    assert trial.finite is True and not trial.untried, trial
+    by_hand = model.lin(x)
+    assert torch.isfinite(by_hand / (1 + by_hand.std(0, unbiased=False))).all()
+    assert "correction=0" in " ".join(str(report).split())
