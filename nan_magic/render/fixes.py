@@ -329,7 +329,11 @@ class _Edit(ast.NodeTransformer):
                 return node
             fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")))
             if fused is not None:
-                return self._mark(ast.Call(ast.parse(fused, mode="eval").body, list(inner.args), list(inner.keywords)))
+                # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument.
+                receiver = [inner.func.value] if isinstance(inner.func, ast.Attribute) and not _on_module(
+                    inner.func.value) else []
+                return self._mark(ast.Call(ast.parse(fused, mode="eval").body, receiver + list(inner.args),
+                                           list(inner.keywords)))
             return node
         if kind == "stable" and function == name and self.trial.fact("form") == "correction=0":
             node.keywords = [keyword for keyword in node.keywords if keyword.arg not in ("correction", "unbiased")]

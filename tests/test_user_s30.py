@@ -1,0 +1,82 @@
+"""Session 30's user walk, what the person reads, checked without a kernel (fast).
+
+The walk: five notebooks of its own (tests/notebooks/user_s30/: a char-level LSTM whose loss jumps at epoch 2, a
+SimCLR-style pair model with a temperature too small, a regression with a custom log loss, a seq2seq whose masked
+cross-entropy meets an all-padding target, a two-head model with two optimizers), run through nbclient in the main
+venv and in .venv-colab (IPython 7.34, ipywidgets 7.7); tests/test_user_s30_notebooks.py runs them.
+
+The char-level LSTM notebook (tests/notebooks/user_s30/char_lstm.ipynb) computes ``torch.log(logits.softmax(-1))``;
+after a learning-rate jump the softmax underflows and log's backward makes NaN. The report's stable remedy (the log
+fused into log_softmax) was verified, but its suggested edit read ``log_probs = torch.log_softmax(-1)``: the tensor,
+the receiver of the ``.softmax`` method, was dropped, so the line the person would paste computes log_softmax of -1.
+"""
+
+from __future__ import annotations
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from nan_magic import FixTrial, SourcePointer
+from nan_magic.render.fixes import suggested_edit
+
+
+@pytest.mark.parametrize(("line", "edit"), [
+    ("log_probs = torch.log(logits.softmax(-1))", "log_probs = torch.log_softmax(logits, -1)"),
+    ("log_probs = logits.softmax(dim=-1).log()", "log_probs = torch.log_softmax(logits, dim=-1)"),
+    ("p = torch.log(self.head(h).sigmoid())", "p = torch.nn.functional.logsigmoid(self.head(h))"),
+    ("z = torch.log(F.softmax(s, -1))", "z = torch.log_softmax(s, -1)"),  # a function of F: no receiver
+    ("z = torch.log(torch.nn.functional.softmax(s, dim=1))", "z = torch.log_softmax(s, dim=1)"),
+])
+def test_the_fused_log_edit_keeps_the_tensor_a_method_was_called_on(line: str, edit: str) -> None:
+    trial = FixTrial("stable", source=SourcePointer("train.py", 7, "<module>", line),
+                     facts=(("function", "log"), ("form", "log_softmax")), finite=True)
+    assert suggested_edit(trial) == f"train.py:7: {edit}"
+
+
+PAIR_MODEL = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+encoder, projector = nn.Linear(8, 8), nn.Linear(8, 4)
+opt = torch.optim.SGD([*encoder.parameters(), *projector.parameters()], lr=0.1)
+"""
+
+#: SimCLR's loop: two views through the same encoder and projector, then the loss, which overflows at once.
+PAIR_LOOP = """
+for step in range(3):
+    z1, z2 = projector(encoder(torch.randn(4, 8))), projector(encoder(torch.randn(4, 8)))
+    loss = -torch.log(torch.exp(z1 @ z2.T / 1e-3).sum())
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.parametrize("armed", ["%%nantrace\n", "%nanwatch on\n"])
+def test_a_loop_calling_its_models_twice_fails_at_the_step_its_counter_says(ip, armed: str) -> None:
+    """simclr_tau.ipynb: the loss of the loop's first iteration overflowed, and the report said "step 1 (the step's
+    2nd model call)" while ``p step`` in %debug said 0. Without targets the watch knew of no optimizer until one
+    stepped, so the encoder called again on the second view opened a new step (the rule for loops that never step).
+    The optimizers the cell's code names are now passed to the watch: the cell trains from its first model call."""
+    ip.run_cell(PAIR_MODEL)
+    ip.user_ns.pop("_nan_report", None)
+    try:
+        with capture_output() as shown:
+            ip.run_cell(armed + PAIR_LOOP)
+    finally:
+        ip.run_line_magic("nanwatch", "off")
+    report = ip.user_ns["_nan_report"]
+    assert ip.user_ns["step"] == 0
+    assert (report.phase.value, report.module, report.step) == ("forward", None, 0), report
+    assert "first non-finite value in forward step 0: code outside any watched module" in shown.stdout + \
+        shown.stderr + "".join(str(output) for output in shown.outputs)
+
+
+def test_an_eval_cell_that_names_no_optimizer_still_counts_a_step_a_call(ip) -> None:
+    """The optimizers join only where the cell names one: an eval loop in a namespace that holds ``opt`` keeps the
+    inference rule (a step each call of its first model), and its third batch fails at step 2."""
+    ip.run_cell(PAIR_MODEL)
+    ip.user_ns.pop("_nan_report", None)
+    with capture_output():
+        ip.run_cell("%%nantrace\nfor i in range(5):\n    x = torch.randn(4, 8) * (1e38 if i == 2 else 1)\n"
+                    "    out = projector(encoder(x) * 1e3)\n")
+    report = ip.user_ns["_nan_report"]
+    assert report.step == 2, report

@@ -1,0 +1,81 @@
+"""Two of session 30's walk notebooks in JupyterLab in headless Chromium: what the person sees in the widget and
+after a save, a kernel restart and a reopen. Without Chromium or Playwright they skip, unless ``REQUIRE_BROWSER=1``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_support import (
+    ARTIFACTS,
+    LabServer,
+    chromium_or_skip,
+    chromium_page,
+    coloured_pixels,
+    jupyterlab,
+    open_and_run_all,
+    save_restart_and_reopen,
+)
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+WALK = Path(__file__).parent / "notebooks" / "user_s30"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    chromium_or_skip()
+    root = tmp_path_factory.mktemp("lab-root")
+    for name in ("char_lstm.ipynb", "seq2seq_pad.ipynb"):
+        shutil.copy(WALK / name, root / name)
+    with jupyterlab(root, tmp_path_factory.mktemp("lab-home")) as server:
+        yield server
+
+
+@pytest.fixture()
+def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium_page(chromium_or_skip()) as browser_page:
+        yield browser_page
+        browser_page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-page.png"))
+
+
+def _widget(page: Any) -> Any:
+    widget = page.locator(".nan-magic-widget").first
+    widget.wait_for(timeout=180_000)
+    widget.scroll_into_view_if_needed()
+    return widget
+
+
+def test_the_char_lstm_widget_suggests_the_log_softmax_of_the_logits(lab: LabServer, page: Any) -> None:
+    open_and_run_all(page, lab, "char_lstm.ipynb")
+    widget = _widget(page)
+    assert "in backward step 38: code outside any watched module" in widget.locator(
+        ".nm-headline").first.inner_text()
+    shown = widget.inner_text()
+    assert "torch.log_softmax(logits, -1)" in shown and "torch.log_softmax(-1)" not in shown
+    widget.screenshot(path=str(ARTIFACTS / "user_s30_char_lstm_summary.png"))
+    widget.locator(".lm-TabBar-tab", has_text="Histograms").first.click()
+    image = widget.locator(".jp-OutputArea img").first
+    image.wait_for()
+    page.wait_for_function("img => img.complete && img.naturalWidth > 100", arg=image.element_handle())
+    assert coloured_pixels(image) > 1000
+
+
+def test_the_seq2seq_report_after_a_restart_is_compact_and_static(lab: LabServer, page: Any) -> None:
+    name = "seq2seq_pad.ipynb"
+    open_and_run_all(page, lab, name)
+    _widget(page)
+    page.get_by_text("| Idle").first.wait_for(timeout=180_000)
+    save_restart_and_reopen(page, lab, name)
+    static = page.locator(".nm-static").first
+    static.wait_for(timeout=60_000)
+    static.scroll_into_view_if_needed()
+    assert "1 nan in forward step 9: code outside any watched module" in static.locator(".nm-headline").inner_text()
+    assert "clamp_min" in static.inner_text()
+    assert static.bounding_box()["height"] < 800
+    static.screenshot(path=str(ARTIFACTS / "user_s30_seq2seq_after_restart.png"))
