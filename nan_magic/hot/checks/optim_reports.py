@@ -82,11 +82,14 @@ class StepReports:
         cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
         return False
 
-    def step_result(self, result: StepResult, values: list[float], next_check: bool = False) -> bool:
+    def step_result(self, result: StepResult, values: list[float], next_check: bool = False, left: bool = False
+                    ) -> bool:
         """Report what the step made non-finite; True when it did.
 
         ``next_check``: the result is read at the next step's check (the deferred mode's one transfer): the loop's
         frame has run on into that step, and the report says so of the frame ``%debug`` opens (its locals).
+        ``left``: read as the watch is left (a carried result of the loop's last step): the frame that called the
+        step may have returned, and ``%debug`` opens in it at that line, as where the step is judged at once.
         """
         finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
         for index, (tensor, value) in enumerate(() if finite else zip(result.updated, values)):
@@ -137,6 +140,8 @@ class StepReports:
                 finding.notes[:] = [note.adding(step=result.step, gradient_step=judged)
                                     if note.kind in _REPLAY_NOTES else note for note in finding.notes]
                 finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
+            if left and finding.frame is None and result.caller_frame is not None and result.caller is not None:
+                finding.frame, finding.frame_position = result.caller_frame, (result.caller_lasti, result.caller[1])
             self.watch.emit(finding)
             return True
         if self.headroom is not None:
