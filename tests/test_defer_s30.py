@@ -120,3 +120,33 @@ def test_optimizer_state_overflow_names_the_steps_line(options: dict) -> None:
     assert (report.phase, report.step) == ("optimizer", 1), report.to_text()
     assert report.tensor.role.name == "OPTIMIZER_STATE", report.tensor
     assert _line(report.source) == ("test_defer_s30.py", _marker("overflowing step")), report.to_text()
+
+
+def _second_optimizer():  # type: ignore[no-untyped-def]
+    """A body optimizer (SGD) and a norm's Adam(eps=0), stepped one after the other; the norm's gradient is 0 at
+    step 0 (the head is 0), so Adam's first update is ``0 / 0``: judged deferred at step 1's first ``step()``."""
+    torch.manual_seed(0)
+    norm, head = nn.LayerNorm(4), nn.Linear(4, 1)
+    nn.init.zeros_(head.weight)
+    model = nn.Sequential(norm, head)
+    body_opt = torch.optim.SGD(head.parameters(), lr=0.05)
+    norm_opt = torch.optim.Adam(norm.parameters(), lr=1e-3, eps=0.0, foreach=False)
+    xs = [torch.randn(6, 4) for _ in range(3)]
+
+    def run() -> None:
+        for step in range(3):
+            loss = model(xs[step]).pow(2).mean()
+            body_opt.zero_grad()
+            norm_opt.zero_grad()
+            loss.backward()
+            body_opt.step()
+            norm_opt.step()  # here: norm step
+    return (model, body_opt, norm_opt), run
+
+
+@pytest.mark.parametrize("options", TIMINGS)
+def test_second_optimizers_event_opens_debug_at_its_step_not_the_next_check(options: dict) -> None:
+    report = _report(_second_optimizer, options)
+    assert (report.module, report.phase, report.step) == ("0", "optimizer", 0), report.to_text()
+    assert _line(report.source) == ("test_defer_s30.py", _marker("norm step"))
+    assert _line(report.debug_frame) == ("test_defer_s30.py", _marker("norm step")), report.to_text()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
+from types import FrameType
 
 import torch
 
@@ -140,7 +142,11 @@ class StepReports:
                 finding.notes[:] = [note.adding(step=result.step, gradient_step=judged)
                                     if note.kind in _REPLAY_NOTES else note for note in finding.notes]
                 finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
-            if left and finding.frame is None and result.caller_frame is not None and result.caller is not None:
+            if finding.frame is None and result.caller is not None and (
+                    left or (next_check and _running(result.caller_frame))):
+                # %debug opens at the line that called the step, as where it is judged at once: in the loop's frame
+                # that returned (the watch is left), or in the one still running the next step, where the check
+                # ran at another line (a second optimizer's step) and the note says its locals are that step's.
                 finding.frame, finding.frame_position = result.caller_frame, (result.caller_lasti, result.caller[1])
             self.watch.emit(finding)
             return True
@@ -167,6 +173,14 @@ class StepReports:
         info = self.watch.targets.info_by_name(place.module)
         if info is not None:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
+
+
+def _running(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is running in this thread (a walk up the stack; at an event only)."""
+    here: FrameType | None = sys._getframe(1)
+    while here is not None and here is not frame:
+        here = here.f_back
+    return frame is not None and here is frame
 
 
 def _held_state(opt: torch.optim.Optimizer, parameter: torch.Tensor) -> tuple[str, torch.Tensor] | None:
