@@ -17,7 +17,7 @@ from types import FrameType
 import torch
 
 from nan_magic.distributed.ranks import parameter_place
-from nan_magic.errors.frames import pointer_at
+from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.step_layout import StepResult, group_eps
@@ -118,7 +118,9 @@ class StepReports:
                 self._add_op_origin(finding, tensor)
             if not named and finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
-                caller = pointer_at(*result.caller) if result.caller is not None else None
+                # (Read at once, the step's post-hook runs under the loop's ``opt.step()``: the user's line is that.)
+                where = result.caller if result.caller is not None else user_line(sys._getframe())
+                caller = pointer_at(*where) if where is not None else None
                 self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
             if finding.op is None and held is not None and not result.bounded:
                 # Any other step: no op of it made the value from finite ones (ops=True traced it; the replay from
