@@ -95,6 +95,13 @@ def user_line(frame: FrameType | None) -> tuple[CodeType, int, dict[str, Any]] |
     return (frame.f_code, frame.f_lineno, frame.f_globals) if frame is not None else None
 
 
+def user_call(frame: FrameType | None) -> tuple[tuple[CodeType, int, dict[str, Any]], FrameType, int] | None:
+    """:func:`user_line`'s record, the user's frame itself and its ``f_lasti`` now (where it called us)."""
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    return ((frame.f_code, frame.f_lineno, frame.f_globals), frame, frame.f_lasti) if frame is not None else None
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for a ``warnings.warn`` in the caller that names the user's innermost line.
 

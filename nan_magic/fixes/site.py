@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from nan_magic.localize.ops.sources import passed_over
+from nan_magic.localize.ops.sources import passed_over, user_frame
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.records import SourcePointer
 
@@ -72,11 +72,14 @@ def function_name(func: Any) -> str:
 class _AtProducer(TorchFunctionMode):
     """Runs ``remedy`` on the function calls made at ``site``'s line while ``site``'s module runs."""
 
-    def __init__(self, site: Site, remedy: Remedy, inside: Callable[[], bool]) -> None:
+    def __init__(self, site: Site, remedy: Remedy, inside: Callable[[], bool],
+                 entered_from: Callable[[], FrameType | None] = lambda: None) -> None:
         super().__init__()
         self.site = site
         self.remedy = remedy
         self.inside = inside
+        #: The user's frame that called the producing module (its outermost call running), where known.
+        self.entered_from = entered_from
         #: How many calls the remedy changed: a trial that changed none was not a trial of it.
         self.applied = 0
 
@@ -102,9 +105,17 @@ class _AtProducer(TorchFunctionMode):
         frame: FrameType | None = sys._getframe(2)
         while frame is not None and passed_over(frame.f_code):
             if frame.f_code in REPLAY_CALLERS:
-                return True
+                return True  # (the trial's own call of the module, made with no user line between: fixes/step.py)
             frame = frame.f_back
-        return frame is not None and frame.f_lineno == source.lineno and frame.f_code.co_filename == source.filename
+        if frame is None:
+            return False
+        if frame.f_lineno == source.lineno and frame.f_code.co_filename == source.filename:
+            return True
+        # No user line between the producing module's call and the op (a library module: a parametrization,
+        # nn.MultiheadAttention): the report's line is the one that called the module, which the trial's call is
+        # made from only where it runs inside that line (judged as the call returned); a trial from the deferred
+        # check calls it from ``opt.step()``'s line.
+        return frame is self.entered_from()
 
 
 _function_modes = _get_current_function_mode_stack
@@ -167,10 +178,14 @@ class _Depth:
         self.depth = 0
         self.mode: _AtProducer | None = None
         self._pushed: list[int] = []  # the depths at which a call pushed the mode
+        #: The user's frame that made the outermost running call of the module (read only at a trial's ops).
+        self.entered_from: FrameType | None = None
 
     def enter(self, module: nn.Module, *_: Any) -> None:
         if module is self.module:
             self.depth += 1
+            if self.depth == 1:
+                self.entered_from = user_frame(sys._getframe(1))
             mode = self.mode
             if mode is not None and not any(active is mode for active in _function_modes()):
                 mode.__enter__()
@@ -183,6 +198,8 @@ class _Depth:
                 assert self.mode is not None
                 self.mode.__exit__(None, None, None)
             self.depth -= 1
+            if self.depth == 0:
+                self.entered_from = None
 
     def inside(self) -> bool:
         return self.depth > 0
@@ -207,7 +224,7 @@ def at_producer(model: nn.Module, site: Site, remedy: Remedy) -> tuple[_AtProduc
         for handle in handles:
             handle.remove()
 
-    depth.mode = _AtProducer(site, remedy, depth.inside)
+    depth.mode = _AtProducer(site, remedy, depth.inside, lambda: depth.entered_from)
     return depth.mode, remove
 
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import local_shard
-from nan_magic.errors.frames import user_line
+from nan_magic.errors.frames import user_call
 from nan_magic.hot.checks.gradients import check_parameter_grads
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
@@ -302,7 +302,11 @@ class OptimizerChecks:
             if carry:
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
-                result.caller = None if self._bounded else user_line(sys._getframe(1))
+                # (Its frame too, with where it stood: after the loop's last step the check runs as the watch is left,
+                # the loop's frame returned, and %debug opens there at the step's line, as where it is judged at once.)
+                called = None if self._bounded else user_call(sys._getframe(1))
+                if called is not None:
+                    result.caller, result.caller_frame, result.caller_lasti = called
                 # The groups' rates as the step ran (a tensor rate the loop rebinds by the check): map of a C
                 # callable, no Python call a step.
                 result.lrs = list(map(_GROUP_LR, opt.param_groups))
@@ -366,7 +370,7 @@ class OptimizerChecks:
         never read by a forward since, would otherwise leave the watch unseen.
         """
         carried, self.carried = self.carried, None
-        if carried is not None and not self.reports.step_result(carried, _read_step_result(carried)):
+        if carried is not None and not self.reports.step_result(carried, _read_step_result(carried), left=True):
             self.watch.on_finite_step()
         unchecked, self._unchecked = self._unchecked, {}
         for opt, step in unchecked.values():

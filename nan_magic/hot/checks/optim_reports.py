@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
+from types import FrameType
 
 import torch
 
 from nan_magic.distributed.ranks import parameter_place
-from nan_magic.errors.frames import pointer_at
+from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.step_layout import StepResult, group_eps
@@ -82,11 +84,14 @@ class StepReports:
         cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
         return False
 
-    def step_result(self, result: StepResult, values: list[float], next_check: bool = False) -> bool:
+    def step_result(self, result: StepResult, values: list[float], next_check: bool = False, left: bool = False
+                    ) -> bool:
         """Report what the step made non-finite; True when it did.
 
         ``next_check``: the result is read at the next step's check (the deferred mode's one transfer): the loop's
         frame has run on into that step, and the report says so of the frame ``%debug`` opens (its locals).
+        ``left``: read as the watch is left (a carried result of the loop's last step): the frame that called the
+        step may have returned, and ``%debug`` opens in it at that line, as where the step is judged at once.
         """
         finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
         for index, (tensor, value) in enumerate(() if finite else zip(result.updated, values)):
@@ -113,7 +118,9 @@ class StepReports:
                 self._add_op_origin(finding, tensor)
             if not named and finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:
                 parameter, key = result.owner(index)
-                caller = pointer_at(*result.caller) if result.caller is not None else None
+                # (Read at once, the step's post-hook runs under the loop's ``opt.step()``: the user's line is that.)
+                where = result.caller if result.caller is not None else user_line(sys._getframe())
+                caller = pointer_at(*where) if where is not None else None
                 self._replay_step(finding, result.optimizer, parameter, key, caller, result.before.get(id(parameter)))
             if finding.op is None and held is not None and not result.bounded:
                 # Any other step: no op of it made the value from finite ones (ops=True traced it; the replay from
@@ -137,6 +144,12 @@ class StepReports:
                 finding.notes[:] = [note.adding(step=result.step, gradient_step=judged)
                                     if note.kind in _REPLAY_NOTES else note for note in finding.notes]
                 finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
+            if finding.frame is None and result.caller is not None and (
+                    left or (next_check and _running(result.caller_frame))):
+                # %debug opens at the line that called the step, as where it is judged at once: in the loop's frame
+                # that returned (the watch is left), or in the one still running the next step, where the check
+                # ran at another line (a second optimizer's step) and the note says its locals are that step's.
+                finding.frame, finding.frame_position = result.caller_frame, (result.caller_lasti, result.caller[1])
             self.watch.emit(finding)
             return True
         if self.headroom is not None:
@@ -162,6 +175,14 @@ class StepReports:
         info = self.watch.targets.info_by_name(place.module)
         if info is not None:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
+
+
+def _running(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is running in this thread (a walk up the stack; at an event only)."""
+    here: FrameType | None = sys._getframe(1)
+    while here is not None and here is not frame:
+        here = here.f_back
+    return frame is not None and here is frame
 
 
 def _held_state(opt: torch.optim.Optimizer, parameter: torch.Tensor) -> tuple[str, torch.Tensor] | None:

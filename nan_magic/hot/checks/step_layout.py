@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -65,6 +65,9 @@ class StepResult:
     bounded: bool = False
     #: The deferred check's record of the user's line that called the step: ``(code, line, globals)``.
     caller: tuple[CodeType, int, dict[str, Any]] | None = None
+    #: That line's frame and instruction (a carried result, until the next check reads it).
+    caller_frame: FrameType | None = None
+    caller_lasti: int = -1
     #: Copies taken before the step of the parameters near their dtype's limit, by id (headroom.py).
     before: dict[int, torch.Tensor] = field(default_factory=dict)
     #: The state tensors in ``updated`` after the parameters, ``(name, parameter, key)``: the layout's

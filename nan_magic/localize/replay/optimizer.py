@@ -79,6 +79,10 @@ def name_optimizer_op(
     name = type(opt).__name__
     if origin is None or not reproduced:
         finding.notes.append(Note.of("optimizer-replay-finite", optimizer=name, before=before is not None))
+        if finding.source is None:
+            # No op named, but the step was made at the user's line that called it, in either timing: the deferred
+            # check replays the step with a later step's gradient (the step's own is gone), which can stay finite.
+            finding.source = caller
         return
     # The user's line that called the step, unless the op ran in the user's own optimizer code (a hand-written
     # LARS: its trust-ratio line names the op better than ``opt.step()``, in both timings).
