@@ -121,3 +121,28 @@ def test_a_std_that_says_unbiased_gets_the_correction_trial(mode: str, positiona
     by_hand = model.lin(x)
     assert torch.isfinite(by_hand / (1 + by_hand.std(0, unbiased=False))).all()
     assert "correction=0" in " ".join(str(report).split())
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")  # (torch warns of a std of one sample)
+@pytest.mark.parametrize("mode", ["default", "defer", "full"])
+def test_targets_standardised_over_one_sample_get_the_correction_trial(mode: str) -> None:
+    """Was (fixes-s30): targets standardised in the loop before the model call, over a batch of one (``y.std()``,
+    N - 1 = 0), read by the loss alone: "no fix was tried: ... did not enter through a model call's arguments",
+    where the cause says to pass correction=0. Now the loss code is run from that line with correction=0, and the
+    trial's loss is the one the remedy gives by hand."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, raw = torch.randn(1, 4), torch.rand(1, 1)
+    with torch.no_grad():
+        by_hand = float(F.mse_loss(model(x), (raw - raw.mean()) / (raw.std(correction=0) + 1e-8)))
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for _ in range(2):
+            y = (raw - raw.mean()) / (raw.std() + 1e-8)  # producer: the std of one sample
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase.value, report.module, report.step) == ("data", None, 0)
+    trial = next(trial for trial in report.fixes if trial.fact("form") == "correction=0")
+    assert trial.finite is True and trial.loss == pytest.approx(by_hand, rel=1e-5)

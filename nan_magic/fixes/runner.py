@@ -254,7 +254,8 @@ def _read_by_the_loss(report: Report, loss: LossSource, root: RootCall, calls: I
     event's producer made there a value only the loss code read (``1 / counts`` of an empty class); why it cannot
     be run so; or None where the event is no such one (a batch given the model non-finite values)."""
     if report.phase != Phase.DATA or report.module is not None or report.op is None or (
-            producer_site(report).function not in FUNCTIONS) or holds_nonfinite(root):
+            (function := producer_site(report).function) not in FUNCTIONS and function not in CORRECTED) or (
+                holds_nonfinite(root)):
         return None
     code = loss_code(loss, root, before_loss=False, calls=calls)
     return with_code_before(code, loss.recorder) if isinstance(code, LossCode) and loss.recorder is not None else code
