@@ -47,8 +47,6 @@ class HeldWatchMagics(Magics):
     _outcome: tuple[Any, BaseException | None] | None
     _cell_counted: bool
     _in_cell: bool
-    #: The code of the cell running (IPython's pre_run_cell): the optimizers it names join the watch.
-    _cell_code: str
     _last_report: Any
     _unloaded: bool
 
@@ -58,7 +56,7 @@ class HeldWatchMagics(Magics):
         assert self.shell is not None
         return self.shell
 
-    def _make_watch(self, args: Any, name: str, code: str = "") -> Watch:
+    def _make_watch(self, args: Any, name: str) -> Watch:
         raise NotImplementedError  # (NanMagics's: parses the options and builds the watch)
 
     def _take_over(self, name: str) -> None:
@@ -107,12 +105,11 @@ class HeldWatchMagics(Magics):
         self._outcome = None  # a body run by a direct run_cell_magic call had no cell of its own
         self._cell_counted = bool(getattr(info, "store_history", False))
         self._in_cell = True
-        self._cell_code = getattr(info, "raw_cell", None) or ""
         if self._persistent is not None and self._held is None:
             line, args, watch = self._persistent
             if watch is None or not watch.paused:
                 try:
-                    watch = self._make_watch(args, "%nanwatch on", self._cell_code)
+                    watch = self._make_watch(args, "%nanwatch on")
                 except UsageError as error:
                     self._persistent = None
                     print(f"nan_magic: watch off ({error})", file=sys.stderr)

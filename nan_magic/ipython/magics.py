@@ -39,13 +39,7 @@ from torch import nn
 from nan_magic.errors.warning_lines import cell_named
 from nan_magic.ipython.arguments import target_names, unquoted_options
 from nan_magic.ipython.held_watch import HeldWatchMagics, _Held
-from nan_magic.ipython.namespace import (
-    cell_optimizers,
-    discover,
-    models_on_a_device,
-    namespace_scalers,
-    target_namer,
-)
+from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
 from nan_magic.ipython.watched_cell import as_typed, has_code, named_as_the_cell, run_watched, run_watched_async
 from nan_magic.lifecycle.watch import Watch
 from nan_magic.options import WATCH_OPTIONS, config_from_args
@@ -107,7 +101,6 @@ class NanMagics(HeldWatchMagics):
         self._cell_counted = False
         #: Whether a cell is running (between its pre_run_cell and post_run_cell), not a magic called directly.
         self._in_cell = False
-        self._cell_code = ""
         #: The report of the last watch that stopped at an event, for ``%nanwatch status``: kept until another
         #: event, not lost to the healthy cells after it (each cell under ``%nanwatch on`` is a watch's run).
         self._last_report: Any = None
@@ -164,7 +157,7 @@ class NanMagics(HeldWatchMagics):
         args = self._parse(self.nantrace, line, "%%nantrace")
         if not has_code(self._shell, cell or ""):
             raise UsageError("%%nantrace: the cell is empty; put the code to watch below the magic line")
-        watch = self._make_watch(args, "%%nantrace", cell or "")
+        watch = self._make_watch(args, "%%nantrace")
         self._take_over("%%nantrace")
         return watch, args
 
@@ -202,7 +195,7 @@ class NanMagics(HeldWatchMagics):
                              "(the models, optimizers or GradScalers to watch)")
         rest = line.split(None, 1)[1] if persistent and len(words) > 1 else ("" if persistent else line)
         args = self._parse(self.nanwatch, rest, "%nanwatch")
-        watch = self._make_watch(args, "%nanwatch", self._cell_code)
+        watch = self._make_watch(args, "%nanwatch")
         if persistent:
             self._persistent = (rest, args, None)
             print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
@@ -313,7 +306,7 @@ class NanMagics(HeldWatchMagics):
         except (UsageError, ValueError) as error:  # ValueError: unbalanced quotes from the splitter
             raise UsageError(f"{name}: {_with_the_options(str(error), magic)}") from None
 
-    def _make_watch(self, args: Any, name: str, code: str = "") -> Watch:
+    def _make_watch(self, args: Any, name: str) -> Watch:
         try:
             config = config_from_args(args)
         except ValueError as error:
@@ -330,9 +323,6 @@ class NanMagics(HeldWatchMagics):
             # the namespace's GradScalers are passed so their skipped steps
             # are known as benign, and its models only decide where to check.
             labels, targets = namespace_scalers(namespace)
-            # The optimizers the cell's code names: the cell trains from its first model call (cell_optimizers).
-            names, optimizers = cell_optimizers(namespace, code)
-            labels, targets = labels + names, targets + optimizers
             if config.defer is None and not config.ops:  # (ops: immediate but under a process group, hot/timing.py)
                 config = dataclasses.replace(config, defer=models_on_a_device(namespace))
         try:

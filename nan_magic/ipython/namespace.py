@@ -7,7 +7,6 @@ or optimizer first stepping while the cell runs (:func:`target_namer`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ from torch import nn
 
 from nan_magic.hot.watched.targets import _is_grad_scaler
 
-__all__ = ["cell_optimizers", "discover", "models_on_a_device", "namespace_scalers", "target_namer"]
+__all__ = ["discover", "models_on_a_device", "namespace_scalers", "target_namer"]
 
 
 def discover(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
@@ -45,23 +44,6 @@ def namespace_scalers(namespace: dict[str, Any]) -> tuple[list[str], list[Any]]:
     """The GradScalers in the user namespace, each once, with their names (as :func:`discover` finds them)."""
     scalers = [(name, value) for name, value in zip(*discover(namespace)) if _is_grad_scaler(value)]
     return [name for name, _ in scalers], [value for _, value in scalers]
-
-
-def cell_optimizers(namespace: dict[str, Any], code: str) -> tuple[list[str], list[Any]]:
-    """The namespace's optimizers that the cell's code names (``opt.step()``), each once, with their names.
-
-    Passed to the watch, they make the cell a training loop from its first model call: before the optimizer's first
-    step, a loop that calls two models (SimCLR's encoder on both views) would otherwise open a step at each call of
-    the first, and an event in its first iteration read "step 1" while the loop's own counter said 0.
-    """
-    named = set(_IDENTIFIER.findall(code))
-    found = [(name, value) for name, value in zip(*discover(namespace))
-             if name in named and isinstance(value, torch.optim.Optimizer)]
-    return [name for name, _ in found], [value for _, value in found]
-
-
-#: A Python name in a cell's code (the cell is the user's text: its names are looked up, nothing else is read).
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def models_on_a_device(namespace: dict[str, Any]) -> bool:

@@ -329,9 +329,10 @@ class _Edit(ast.NodeTransformer):
                 return node
             fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")))
             if fused is not None:
-                # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument.
+                # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument. A
+                # module held as an attribute (self.softmax(h), an nn.Softmax) is given its tensor as an argument.
                 receiver = [inner.func.value] if isinstance(inner.func, ast.Attribute) and not _on_module(
-                    inner.func.value) else []
+                    inner.func.value) and all(_number(argument) for argument in inner.args) else []
                 return self._mark(ast.Call(ast.parse(fused, mode="eval").body, receiver + list(inner.args),
                                            list(inner.keywords)))
             return node
@@ -393,6 +394,13 @@ def _on_torch(node: ast.Call) -> bool:
 
 #: The names a call's receiver has where it is a module of functions (``torch.exp``, ``F.linear``), not a tensor.
 _MODULES = frozenset({"torch", "F", "nn", "functional", "math", "np", "numpy", "special", "linalg", "fft"})
+
+
+def _number(node: ast.expr) -> bool:
+    """Whether a call's argument is a number written out (``-1``, a dim): not the tensor a module is given."""
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    return isinstance(node, ast.Constant) and isinstance(node.value, int)
 
 
 def _on_module(node: ast.expr) -> bool:
