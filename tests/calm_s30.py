@@ -23,7 +23,7 @@ import nan_magic
 __all__ = ["MODES", "Row", "check", "steps"]
 
 
-def _alive_once_run(build: Callable[[], Row], options: dict | None) -> list[str]:
+def _refs_once_run(build: Callable[[], Row], options: dict | None) -> list[weakref.ref]:
     row = build()
     watches: list[Any] = []
 
@@ -41,8 +41,11 @@ def _alive_once_run(build: Callable[[], Row], options: dict | None) -> list[str]
             return None if self.w is None else self.w.__exit__(*exc)
 
     row.run(_Watching)
-    refs = [weakref.ref(obj) for obj in (*watches, *row.held)]
-    del row, watches
+    return [weakref.ref(obj) for obj in (*watches, *row.held)]
+
+
+def _alive_once_run(build: Callable[[], Row], options: dict | None) -> list[str]:
+    refs = _refs_once_run(build, options)
     for _ in range(3):
         gc.collect()
     return [type(ref()).__name__ for ref in refs if ref() is not None]

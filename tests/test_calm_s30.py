@@ -144,7 +144,7 @@ def dual_tensors() -> Row:
         with watching():
             for _ in range(3):
                 with torch.no_grad(), torch.autograd.forward_ad.dual_level():
-                    primal, tangent = torch.autograd.forward_ad.unpack_dual(
+                    _, tangent = torch.autograd.forward_ad.unpack_dual(
                         model(torch.autograd.forward_ad.make_dual(x, direction)))
                     out.append(tangent.norm())
                 loss = F.cross_entropy(model(x), y)

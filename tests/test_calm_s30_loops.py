@@ -358,7 +358,7 @@ def generator_per_loader() -> Row:
     def run(watching) -> list[torch.Tensor]:
         out = []
         with watching():
-            for epoch in range(2):
+            for _ in range(2):
                 mixed = zip(DataLoader(train, batch_size=4, shuffle=True, generator=g1),
                             DataLoader(extra, batch_size=2, sampler=torch.utils.data.RandomSampler(
                                 extra, generator=g2)))
@@ -368,7 +368,7 @@ def generator_per_loader() -> Row:
                     loss.backward()
                     opt.step()
                     out.append(loss.detach())
-        return out + [g1.get_state(), g2.get_state()]
+        return [*out, g1.get_state(), g2.get_state()]
 
     return Row((model, opt), (model, opt), run)
 
