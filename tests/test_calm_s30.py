@@ -157,6 +157,50 @@ def dual_tensors() -> Row:
     return Row((model, opt), (model, opt), run)
 
 
+def dual_tensors_trained_through() -> Row:
+    """The loss reads the primal and the tangent of a dual-tensor forward (a sensitivity penalty), then backward."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+    direction = torch.randn_like(x)
+    fwd = torch.autograd.forward_ad
+
+    def loss_of(step: int) -> torch.Tensor:
+        with fwd.dual_level():
+            primal, tangent = fwd.unpack_dual(model(fwd.make_dual(x, direction)))
+            return F.cross_entropy(primal, y) + 0.01 * tangent.pow(2).mean()
+
+    return Row((model, opt), (model, opt), steps(model, opt, loss_of))
+
+
+def parametrization_changed_mid_watch(how: str) -> Row:
+    """At step 2 the loop removes the orthogonal parametrization of the first layer (its class changes back), or
+    adds weight_norm to the last layer and its two new parameters to the optimizer."""
+    model = _mlp()
+    if how == "remove":
+        parametrizations.orthogonal(model[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _data()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for step in range(4):
+                if step == 2 and how == "remove":
+                    parametrize.remove_parametrizations(model[0], "weight")
+                elif step == 2:
+                    parametrizations.weight_norm(model[2])
+                    opt.add_param_group({"params": list(model[2].parametrizations.weight.parameters())})
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.detach())
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
 def ensemble_by_vmap() -> Row:
     """Three copies stacked by stack_module_state and trained as one by vmap over functional_call."""
     base = _mlp()
@@ -452,6 +496,9 @@ ROWS = {
     "functional_call_params_dict_each_step": functional_call_params_dict,
     "func_jvp_smoothness_penalty": jvp_penalty,
     "forward_ad_dual_tensors_logged": dual_tensors,
+    "forward_ad_dual_tensors_in_the_loss": dual_tensors_trained_through,
+    "parametrization_removed_mid_watch": lambda: parametrization_changed_mid_watch("remove"),
+    "parametrization_registered_mid_watch": lambda: parametrization_changed_mid_watch("register"),
     "ensemble_stack_module_state_vmap": ensemble_by_vmap,
     "maml_inner_loop_create_graph": maml_inner_loop,
     "transformer_seq2seq_padding_masks": transformer_seq2seq,
