@@ -88,7 +88,39 @@ def _adam_last_step():  # type: ignore[no-untyped-def]
     return (model, opt), run
 
 
+#: The same loop at a cell's (a script's) top level: the frame that called opt.step() is the module's.
+_ADAM_CELL = """
+torch.manual_seed(0)
+trunk, aux = nn.Linear(4, 4), nn.Linear(4, 1)
+model = nn.ModuleDict({"trunk": trunk, "aux": aux})
+opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0, foreach=False)
+xs = [torch.randn(5, 4) for _ in range(3)]
+with nan_magic.watch(model, opt, **options):
+    for step in range(3):
+        h = trunk(xs[step])
+        loss = h.pow(2).mean() + (0.0 * aux(h).mean() if step == 2 else 0.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
 @pytest.mark.parametrize("options", TIMINGS)
+def test_last_steps_optimizer_event_at_a_cells_top_level_opens_debug_at_the_step(options: dict) -> None:
+    """A cell's loop: %debug opens at ``opt.step()`` in the cell's frame, with that step's locals."""
+    namespace = {"torch": torch, "nn": nn, "nan_magic": nan_magic, "options": options}
+    with pytest.raises(NonFiniteError) as caught:
+        exec(compile(_ADAM_CELL, "<cell>", "exec"), namespace)
+    report = caught.value.report
+    assert (report.module, report.phase, report.step, report.op) == ("aux", "optimizer", 2, "aten.addcdiv_.default")
+    assert (report.debug_frame.filename, report.debug_frame.lineno) == ("<cell>", 13), report.to_text()
+
+
+@pytest.mark.parametrize("options", [
+    TIMINGS[0], pytest.param({"defer": True}, id="deferred", marks=pytest.mark.xfail(strict=True, reason=(
+        "the function running the loop returned before the watch was left: holding its frame for %debug would "
+        "keep its locals (the batch, the logits) alive into the next step on every step, so the check's exit is "
+        "where %debug opens (tests/test_defer_s27.py's _CARRIED)")))])
 def test_last_steps_optimizer_event_opens_debug_at_the_step(options: dict) -> None:
     report = _report(_adam_last_step, options)
     assert (report.module, report.phase, report.step, report.op) == ("aux", "optimizer", 2, "aten.addcdiv_.default")

@@ -146,3 +146,38 @@ def test_targets_standardised_over_one_sample_get_the_correction_trial(mode: str
     assert (report.phase.value, report.module, report.step) == ("data", None, 0)
     trial = next(trial for trial in report.fixes if trial.fact("form") == "correction=0")
     assert trial.finite is True and trial.loss == pytest.approx(by_hand, rel=1e-5)
+
+
+class ThirdPartyAdam(torch.optim.Adam):
+    """An optimizer the bounded-step rule does not know: its step's result is carried to the next check."""
+
+
+@pytest.mark.parametrize("mode", ["defer", "ops-defer"])
+def test_a_train_step_helpers_locals_do_not_outlive_it(mode: str) -> None:
+    """Was (defer-s30): the deferred check held the frame of the function that called ``opt.step()`` until the next
+    step's check, for %debug: a ``train_step`` helper's locals (its logits, its batch) stayed alive through the next
+    step's forward, one step's activations more at the peak. Now only a cell's or a script's top-level frame is held
+    (its locals are its globals); a function's is looked for among the running frames at the check."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 100))
+    opt = ThirdPartyAdam(model.parameters(), lr=1e-3)
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        logits = model(x)
+        alive.append(weakref.ref(logits))
+        loss = F.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    counts = []
+    with nan_magic.watch(model, opt, **MODES[mode]):
+        for _ in range(3):
+            train_step(torch.randn(8, 16), torch.randint(0, 100, (8,)))
+            gc.collect()
+            counts.append(sum(ref() is not None for ref in alive))
+    assert counts == [0, 0, 0]

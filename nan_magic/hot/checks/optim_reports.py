@@ -12,7 +12,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 
 import torch
 
@@ -144,12 +144,14 @@ class StepReports:
                 finding.notes[:] = [note.adding(step=result.step, gradient_step=judged)
                                     if note.kind in _REPLAY_NOTES else note for note in finding.notes]
                 finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
-            if finding.frame is None and result.caller is not None and (
-                    left or (next_check and _running(result.caller_frame))):
-                # %debug opens at the line that called the step, as where it is judged at once: in the loop's frame
-                # that returned (the watch is left), or in the one still running the next step, where the check
-                # ran at another line (a second optimizer's step) and the note says its locals are that step's.
-                finding.frame, finding.frame_position = result.caller_frame, (result.caller_lasti, result.caller[1])
+            called = result.caller if left or next_check else None
+            frame = None if called is None else result.caller_frame or _running(called[0])
+            if finding.frame is None and called is not None and frame is not None:
+                # %debug opens at the line that called the step, as where it is judged at once: in the cell's or
+                # script's frame that returned (the watch is left), or in the one still running (the watch is left
+                # in it, or the next step runs there: the check ran at another line, a second optimizer's step, and
+                # the note says its locals are that step's).
+                finding.frame, finding.frame_position = frame, (result.caller_lasti, called[1])
             self.watch.emit(finding)
             return True
         if self.headroom is not None:
@@ -177,12 +179,12 @@ class StepReports:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
 
 
-def _running(frame: FrameType | None) -> bool:
-    """Whether ``frame`` is running in this thread (a walk up the stack; at an event only)."""
+def _running(code: CodeType) -> FrameType | None:
+    """The innermost frame running ``code`` in this thread, or None (a walk up the stack; at an event only)."""
     here: FrameType | None = sys._getframe(1)
-    while here is not None and here is not frame:
+    while here is not None and here.f_code is not code:
         here = here.f_back
-    return frame is not None and here is frame
+    return here
 
 
 def _held_state(opt: torch.optim.Optimizer, parameter: torch.Tensor) -> tuple[str, torch.Tensor] | None:
