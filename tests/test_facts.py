@@ -241,7 +241,10 @@ CAUSES = {
     "pow-zero-base": (_of_event("pow-domain", "pow-zero-base", zeros=2), "pow raised 2 zeros"),
     "pow-unknown-base": (_of_event("unclassified", "pow-unknown-base"), "the base is not known"),
     "exp-overflow": (_of_event("exp-overflow", "exp-overflow", threshold=88.72), "x > 88.72"),
-    "matrix-exp-overflow": (_of_event("exp-overflow", "matrix-exp-overflow", threshold=88.72), "pass about 88.72"),
+    "matrix-exp-overflow": (_of_event("exp-overflow", "matrix-exp-overflow", threshold=88.72, bound=102.0,
+                                      columns=3, largest=34.0), "norm passes about 88.72; A's largest |entry| is 34 "
+                            "over 3 columns, so its largest absolute row sum (a bound on its norm and eigenvalues) "
+                            "can reach 102"),
     "soft-margin-overflow": (_of_event("exp-overflow", "soft-margin-overflow", threshold=88.72), "F.softplus(-y * x)"),
     "bessel-overflow": (_of_event("exp-overflow", "bessel-overflow", base="i0"), "log(i0e(x)) + |x|"),
     "division-by-zero": (_of_event("division-by-zero", "division-by-zero", divisor="other"), "held 2 zeros of 8"),

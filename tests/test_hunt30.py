@@ -8,6 +8,8 @@ no rows that are samples), never lost to an error of an op sparse tensors lack.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -65,3 +67,121 @@ def test_the_remedies_of_a_sparse_adjacency_are_tried_not_lost() -> None:
     kinds = {trial.kind: trial for trial in report.fixes}
     assert kinds["eps"].finite is True
     assert kinds["skip-batch"].untried is not None and "sparse" in kinds["skip-batch"].untried
+
+
+# ------------------------------------------------ hunt-s30b: what the review of hunt-s30 found
+ALL_MODES = [*MODES, pytest.param({"ops": True, "defer": True}, id="ops-defer")]
+
+
+class MeshNet(nn.Module):
+    """Per-sample features smoothed over a fixed mesh by its sparse Laplacian, given as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.head = nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, lap: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.sparse.mm(lap, self.l1(x).T).T.relu())
+
+
+def laplacian(n: int) -> torch.Tensor:
+    i = torch.arange(n)
+    edges = torch.stack([torch.cat([i, i]), torch.cat([i, (i + 1) % n])])
+    return torch.sparse_coo_tensor(edges, torch.cat([torch.full((n,), 2.0), -torch.ones(n)]), (n, n)).coalesce()
+
+
+@pytest.mark.parametrize("options", ALL_MODES)
+def test_a_bad_sample_beside_a_sparse_laplacian_is_left_out_verified(options: dict) -> None:
+    torch.manual_seed(0)
+    model = MeshNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    lap, raw, ys = laplacian(6), torch.rand(2, 8, 6) + 0.5, torch.randn(2, 8, 1)
+    raw[1, 5, 2] = 0.0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(2):
+            x = torch.log(raw[step])  # data code: log of a zero reading
+            loss = F.mse_loss(model(x, lap), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op, report.neginf) == ("data", 1, "aten.log.default", 1)
+    skip = {trial.kind: trial for trial in report.fixes}["skip-batch"]
+    assert (skip.untried, skip.finite) == (None, True)
+    assert (dict(skip.facts)["dropped"], dict(skip.facts)["batch"]) == ((5,), 8)
+    assert lap.layout is torch.sparse_coo and lap._nnz() == 12  # the user's Laplacian is left whole
+
+
+class BiasedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.T + bias.to_dense()
+        return torch.softmax(scores, -1) @ x  # attention softmax
+
+
+def attend(options: dict, layout: torch.layout, masked: list[list[int]]) -> nan_magic.Watch:
+    torch.manual_seed(0)
+    model = BiasedAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(3, 4)
+    with nan_magic.watch(model, opt, **options) as watch:
+        for step in range(2):
+            index = torch.tensor([[0, 1], [1, 2]]) if step == 0 else torch.tensor(masked)
+            bias = torch.sparse_coo_tensor(index, torch.full((index.shape[1],), -math.inf), (3, 3))
+            bias = bias.to_sparse_csr() if layout is torch.sparse_csr else bias
+            loss = model(x, bias).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return watch
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+@pytest.mark.parametrize("options", ALL_MODES)
+def test_a_sparse_minus_inf_attention_bias_is_a_mask_not_an_alarm(options: dict, layout: torch.layout) -> None:
+    watch = attend(options, layout, [[0, 2], [2, 1]])
+    assert watch.report is None
+    assert [(event.phase, event.benign) for event in watch.events][:1] == [("data", True)]
+
+
+@pytest.mark.parametrize("options", ALL_MODES)
+def test_a_sparse_bias_masking_a_whole_row_names_the_softmax(options: dict) -> None:
+    with pytest.raises(NonFiniteError) as caught:
+        attend(options, torch.sparse_coo, [[0, 0, 0], [0, 1, 2]])
+    report = caught.value.report
+    assert (report.phase, report.step, report.op, report.nan) == ("forward", 1, "aten._softmax.default", 3)
+    assert report.cause is not None and report.cause.label == "masked-softmax"
+    assert report.source is not None and report.source.line.endswith("# attention softmax")
+
+
+class Flow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = nn.Parameter(torch.full((3, 3), 0.3))
+
+    def forward(self, h: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        return h @ torch.linalg.matrix_exp(self.A * dt).T  # flow
+
+
+@pytest.mark.parametrize("options", ALL_MODES)
+def test_matrix_exp_of_small_entries_and_a_large_norm_is_an_exp_overflow(options: dict) -> None:
+    torch.manual_seed(0)
+    model = Flow()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for dt in (1.0, 111.0):  # entries about 34, far below exp's 88.72; the norm about 102 is not
+            loss = model(torch.randn(2, 3), torch.tensor(dt)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("forward", 1, "aten.linalg_matrix_exp.default")
+    assert report.cause is not None and (report.cause.label, report.cause.reading) == (
+        "exp-overflow", "matrix-exp-overflow")
+    hint = report.cause.hint
+    assert "norm passes about 88.72" in hint and "over 3 columns" in hint and "entries pass" not in hint
+    assert 100 < report.cause.fact("bound") < 110  # 3 x |entry| of about 34: the largest absolute row sum
+    assert "float64" in hint and "tried" not in hint

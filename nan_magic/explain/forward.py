@@ -135,12 +135,21 @@ def _exp_threshold(report: Report) -> float:
 
 def _matrix_exp(report: Report) -> Cause:
     """``matrix_exp(A)`` of a finite matrix grows as ``e**||A||`` (its scaling and squaring makes inf, then NaN of
-    inf - inf): non-finite only once ``A``'s entries are past the exp's threshold, a flow ``exp(A dt)`` over a long
-    ``dt``. Shown by an input past it; otherwise an overflow like any other."""
+    inf - inf), not as e to its largest entry: a 3x3 of 33.5 everywhere has the eigenvalue 100.5 and overflows
+    float32, whose exp overflows past 88.72. ``||exp(A)|| <= e**||A||``, so an overflow needs A's norm past
+    log(max); the largest absolute row sum of A (at most its columns times its largest |entry|) bounds its norm and
+    spectral radius from above. A finite matrix's exponential is finite in exact arithmetic: its overflow is this
+    growth wherever the operand is not known or its bound is past log(max); an overflow like any other where the
+    bound shows the norm below it."""
     threshold = math.log(dtype_max(report.dtype))
-    if not any(stats.absmax is not None and stats.absmax > threshold for _ref, stats in report.op_inputs):
+    operand = report.operand("self")
+    if operand is None or operand.absmax is None or not operand.shape:
+        return event_cause("exp-overflow", "matrix-exp-overflow", report, threshold=threshold)
+    bound = operand.shape[-1] * operand.absmax  # the largest absolute row sum is at most n * max |a_ij|
+    if bound <= threshold:
         return overflow(report)
-    return event_cause("exp-overflow", "matrix-exp-overflow", report, threshold=threshold)
+    return event_cause("exp-overflow", "matrix-exp-overflow", report, threshold=threshold, bound=bound,
+                       columns=operand.shape[-1], largest=operand.absmax)
 
 
 def _bessel(report: Report) -> Cause:

@@ -35,7 +35,7 @@ from nan_magic.explain.evidence import node_function
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
 from nan_magic.fixes.no_remedy import none_fit
-from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_argument, trained_argument, without_bad_samples
+from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, trained_argument, without_bad_samples
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
 from nan_magic.fixes.remedies.diverged import lowered_update
@@ -486,9 +486,9 @@ def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     tensor the loop trains (a soft prompt), whose rows are no samples."""
     if trained_argument(step):
         return ()
-    if sparse_argument(step):
-        return (at_producer("skip-batch", report, untried="the call is given a sparse tensor (a graph's adjacency), "
-                                                      "whose rows are no samples to leave out"),)
+    if sparse_nonfinite(step):
+        return (at_producer("skip-batch", report, untried="the non-finite values are in a sparse tensor (a graph's "
+                                                      "adjacency), whose rows are no samples to leave out"),)
     left = without_bad_samples(step)
     if left is None:
         return (at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "

@@ -4,7 +4,10 @@ A batch that enters the model holding NaN or inf (a corrupt record, a
 division in the data pipeline): the samples are the rows of the call's
 tensors along their first dimension. The rows where any argument of that
 batch size holds a non-finite value are left out of every such argument,
-and the step is replayed on the rest. The loss code's targets are outside
+and the step is replayed on the rest. A tensor not in the strided (dense)
+layout (a sparse graph Laplacian or adjacency beside the batch) has no rows
+that are samples: it is passed whole; where the non-finite values are its
+own, no sample can be left out (:func:`sparse_nonfinite`). The loss code's targets are outside
 the model call: its replay (fixes/loss.py) and the suggested edit drop the same rows from them.
 """
 
@@ -20,7 +23,7 @@ from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 
-__all__ = ["holds_nonfinite", "sparse_argument", "trained_argument", "without_bad_samples"]
+__all__ = ["holds_nonfinite", "sparse_nonfinite", "trained_argument", "without_bad_samples"]
 
 
 def holds_nonfinite(root: RootCall) -> bool:
@@ -39,17 +42,21 @@ def trained_argument(step: FailingStep) -> bool:
                for _path, tensor in iter_tensors((root.args, root.kwargs)))
 
 
-def sparse_argument(step: FailingStep) -> bool:
-    """Whether the call is given a sparse tensor (a graph's adjacency): its rows are nodes joined to each other, not
-    samples, and it has no rows to index; a step without some of them is not the step with fewer samples."""
+def sparse_nonfinite(step: FailingStep) -> bool:
+    """Whether a sparse tensor the call is given (a graph's adjacency) holds the non-finite values: its rows are
+    nodes joined to each other, not samples, and it has no rows to index; a step without some of them is not the
+    step with fewer samples. A finite sparse tensor beside a dense batch (a fixed Laplacian) is passed whole."""
     root = step.root
-    return any(tensor.layout is not torch.strided for _path, tensor in iter_tensors((root.args, root.kwargs)))
+    return any(tensor.layout is not torch.strided and tensor.is_floating_point()
+               and not bool(torch.isfinite(values_to_read(tensor)).all())
+               for _path, tensor in iter_tensors((root.args, root.kwargs)))
 
 
 def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...], int] | None:
     """``step`` with the bad samples left out, their indices and the batch size; None where none can be."""
     root = step.root
-    tensors = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.dim() > 0]
+    tensors = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs))
+               if tensor.dim() > 0 and tensor.layout is torch.strided]
     bad = [tensor for tensor in tensors
            if tensor.is_floating_point() and not bool(torch.isfinite(values_to_read(tensor)).all())]
     if not bad:
@@ -64,7 +71,9 @@ def without_bad_samples(step: FailingStep) -> tuple[FailingStep, tuple[int, ...]
         return None  # nothing to leave out, or nothing would be left
 
     def kept(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor[keep.to(tensor.device)] if tensor.dim() > 0 and tensor.shape[0] == size else tensor
+        if tensor.dim() == 0 or tensor.shape[0] != size or tensor.layout is not torch.strided:
+            return tensor  # a sparse tensor beside the batch (a graph's Laplacian) is no samples: passed whole
+        return tensor[keep.to(tensor.device)]
 
     args: Any = map_tensors(kept, root.args)
     kwargs: Any = map_tensors(kept, root.kwargs)

@@ -152,18 +152,29 @@ def is_additive_mask(tensor: torch.Tensor) -> bool:
 
     For the op tracer (a tensor entering the traced code) and the loss code's
     data (outside/entering.py): no NaN, one sign of infinity, a finite element, and
-    every finite element 0. A dense real tensor only.
+    every finite element 0. A real tensor only; a sparse one is judged by its stored values (:func:`_holds_a_mask`).
     """
-    if not is_checkable(tensor) or tensor.layout is not torch.strided or tensor.is_complex():
+    if not is_checkable(tensor) or tensor.is_complex():
         return False
     return _holds_a_mask(tensor, named=False)
 
 
+def _stored(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The values ``tensor`` stores, and whether it has elements it does not store (a sparse tensor's zeros).
+
+    A sparse COO tensor is coalesced first: a duplicate's values add up (-inf and +inf at one index are NaN). Only
+    ops every sparse layout has: no comparison or reduction of the sparse tensor itself.
+    """
+    if tensor.layout is torch.strided:
+        return tensor, False
+    # CSR, CSC, BSR, BSC store each element once: their values as they are.
+    values = tensor.coalesce().values() if tensor.layout is torch.sparse_coo else tensor.values()
+    return values, values.numel() < tensor.numel()
+
+
 def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
-    if tensor.layout is not torch.strided:  # a sparse tensor (a graph's adjacency) is data, never a mask
-        return False
     with torch.no_grad():
-        x = tensor.detach()
+        x, unstored = _stored(tensor.detach())  # a sparse bias: its stored values, the rest 0 (finite, attended)
         finite = torch.isfinite(x)
         # One transfer: [any NaN, any +inf, any -inf, any finite, any finite non-zero].
         flags = torch.stack([
@@ -171,7 +182,7 @@ def _holds_a_mask(tensor: torch.Tensor, named: bool) -> bool:
             (finite & (x != 0)).any(),
         ]).tolist()
     has_nan, has_posinf, has_neginf, has_finite, has_nonzero = flags
-    if has_nan or has_posinf == has_neginf or not has_finite:  # NaN, both signs or none, all infinite
+    if has_nan or has_posinf == has_neginf or not (has_finite or unstored):  # NaN, both signs or none, all infinite
         return False
     return named or not has_nonzero
 

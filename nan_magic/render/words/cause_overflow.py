@@ -220,13 +220,16 @@ def _exp_hint(event: Report, cause: Cause) -> str:
 
 
 def _matrix_exp_hint(event: Report, cause: Cause) -> str:
-    inputs = [(ref, stats) for ref, stats in event.op_inputs if stats.absmax is not None]
-    reached = "".join(f", {short_label(event, ref)} reached |x| = {fmt(stats.absmax)}" for ref, stats in inputs)
+    bound = cause.fact("bound")
+    norm = "" if bound is None else (
+        f"; A's largest |entry| is {fmt(cause.fact('largest'))} over {cause.fact('columns')} columns, so its largest "
+        f"absolute row sum (a bound on its norm and eigenvalues) can reach {fmt(bound)}")
+    wider = "" if event.dtype == "float64" else ", or compute it in float64, whose exponential overflows past about 709"
     return (
         f"{event.op} in {where(event)} overflowed {event.dtype}: the exponential of a matrix grows as e**norm(A), "
-        f"inf once its entries pass about {cause.fact('threshold'):.4g}{reached}; keep A's scale bounded before the "
-        "exponential (cap the time step of a flow exp(A * dt), keep A stable: its eigenvalues' real parts <= 0), "
-        "or compute it in float64"
+        f"not as e to its largest entry, and is inf once A's norm passes about {cause.fact('threshold'):.4g}{norm}; "
+        "keep A's scale bounded before the exponential (cap the time step of a flow exp(A * dt), keep A stable: its "
+        f"eigenvalues' real parts <= 0){wider}"
     )
 
 
