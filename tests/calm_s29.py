@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,13 +56,20 @@ def _flat(out: Any) -> list[torch.Tensor]:
     raise TypeError(type(out))
 
 
+def _dynamo_tag(module: torch.nn.Module) -> int:
+    """1 where Dynamo tagged ``module`` (watched or not, it weakly keys every module made after its first compile
+    in the process: mutation_guard.GenerationTracker), so that which run compiled first changes no count."""
+    guard = sys.modules.get("torch._dynamo.mutation_guard")
+    return 0 if guard is None else int(module in guard.GenerationTracker.generation_values)
+
+
 def _weak_refs(*objs: Any) -> list[int]:
     for _ in range(3):  # (a cycle through autograd is freed over two passes: the first frees a view's base)
         gc.collect()
     found = []
     for obj in objs:
         if isinstance(obj, torch.nn.Module):
-            found += [weakref.getweakrefcount(m) for m in obj.modules()]
+            found += [weakref.getweakrefcount(m) - _dynamo_tag(m) for m in obj.modules()]
             found += [weakref.getweakrefcount(p) for p in obj.parameters()]
         elif isinstance(obj, torch.optim.Optimizer):
             found.append(weakref.getweakrefcount(obj))

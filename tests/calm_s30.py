@@ -51,9 +51,11 @@ def _alive_once_run(build: Callable[[], Row], options: dict | None) -> list[str]
     return [type(ref()).__name__ for ref in refs if ref() is not None]
 
 
-def check(build: Callable[[], Row], mode: str) -> None:
-    """``compare`` (tests/calm_s29.py), then: once dropped, the watch, the model and its optimizers are freed."""
+def check(build: Callable[[], Row], mode: str, all_freed: bool = False) -> None:
+    """``compare`` (tests/calm_s29.py), then: once dropped, the watch, the model and its optimizers are freed
+    (``all_freed``: every one of them, where the unwatched run frees them all)."""
     compare(build, mode)
     # (What the unwatched run leaves alive, a compiled model in torch's caches, is not ours.)
     alive, alive_unwatched = _alive_once_run(build, MODE_OPTIONS[mode]), _alive_once_run(build, None)
     assert alive == alive_unwatched, f"still alive once the loop and the watch are gone: {alive}"
+    assert not (all_freed and alive), f"still alive once the loop and the watch are gone: {alive}"
