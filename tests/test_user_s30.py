@@ -30,6 +30,8 @@ from nan_magic.render.fixes import suggested_edit
     ("p = torch.log(self.sigmoid(h))", "p = torch.nn.functional.logsigmoid(h)"),
     ("p = torch.log(self.softmax(h))", "p = torch.log_softmax(h)"),
     ("p = self.attn.softmax(h).log()", "p = torch.log_softmax(h)"),
+    ("p = torch.log(scores.softmax(d))", "p = torch.log_softmax(scores, d)"),  # a tensor's method, its dim a name
+    ("p = torch.log(self.scores.softmax(-1))", "p = torch.log_softmax(self.scores, -1)"),
 ])
 def test_the_fused_log_edit_keeps_the_tensor_a_method_was_called_on(line: str, edit: str) -> None:
     trial = FixTrial("stable", source=SourcePointer("train.py", 7, "<module>", line),

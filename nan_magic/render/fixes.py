@@ -330,9 +330,11 @@ class _Edit(ast.NodeTransformer):
             fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")))
             if fused is not None:
                 # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument. A
-                # module held as an attribute (self.softmax(h), an nn.Softmax) is given its tensor as an argument.
+                # module held as an attribute (self.softmax(h), an nn.Softmax) is given its tensor as an argument:
+                # an attribute of self called with more than numbers (a tensor's dim may be a name: x.softmax(d)).
                 receiver = [inner.func.value] if isinstance(inner.func, ast.Attribute) and not _on_module(
-                    inner.func.value) and all(_number(argument) for argument in inner.args) else []
+                    inner.func.value) and not (_of_self(inner.func.value) and not all(
+                        _number(argument) for argument in inner.args)) else []
                 return self._mark(ast.Call(ast.parse(fused, mode="eval").body, receiver + list(inner.args),
                                            list(inner.keywords)))
             return node
@@ -394,6 +396,13 @@ def _on_torch(node: ast.Call) -> bool:
 
 #: The names a call's receiver has where it is a module of functions (``torch.exp``, ``F.linear``), not a tensor.
 _MODULES = frozenset({"torch", "F", "nn", "functional", "math", "np", "numpy", "special", "linalg", "fft"})
+
+
+def _of_self(node: ast.expr) -> bool:
+    """Whether an expression is ``self`` or an attribute of it (``self.attn``): where a model holds its modules."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
 
 
 def _number(node: ast.expr) -> bool:
