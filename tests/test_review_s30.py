@@ -181,3 +181,52 @@ def test_a_train_step_helpers_locals_do_not_outlive_it(mode: str) -> None:
             gc.collect()
             counts.append(sum(ref() is not None for ref in alive))
     assert counts == [0, 0, 0]
+
+
+class LogOfSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.lin(x), -1))  # producer: log(0) on the validation batch
+
+
+@pytest.mark.parametrize("mode", ["default", "keep-last-good"])
+def test_a_validation_batch_after_training_is_replayed_forward_only_with_the_last_steps_loss_code_kept(
+        mode: str) -> None:
+    """Was (review of the no_grad rule): with ``keep_last_good``, the last training step's loss code is kept, and a
+    validation batch under no_grad took it for its own: its trials ran that loss, a backward and an SGD step ("the
+    step came out finite, loss 1.63e6 (the last step's loss code ...)") on a call that trains nothing."""
+    torch.manual_seed(0)
+    model = LogOfSoftmax()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    options = {"keep_last_good": True} if mode == "keep-last-good" else {}
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            if step == 1:
+                with torch.no_grad():
+                    model(x * 3000)  # the validation batch: no loss, backward or step
+    report = caught.value.report
+    assert report.fixes
+    for trial in report.fixes:
+        assert trial.fact("backward_from") == "no-grad" and not trial.fact("stepped") and trial.loss is None, trial
+    assert "the step came out finite" not in " ".join(str(report).split())
+
+
+@pytest.mark.parametrize(("call", "edit"), [("h.std(0, unbiased=True)", "h.std(0, correction=0)"),
+                                            ("h.std(0, True)", "h.std(0, False)"),
+                                            ("h.std(0, True, True)", "h.std(0, False, True)")])
+def test_the_correction_edit_of_a_std_that_says_unbiased_runs(call: str, edit: str) -> None:
+    """Was: ``h.std(0, True, correction=0)``, which torch refuses (the flag and the keyword together)."""
+    from nan_magic import FixTrial, SourcePointer
+    from nan_magic.render.fixes import suggested_edit
+
+    trial = FixTrial("stable", source=SourcePointer("train.py", 3, "forward", f"s = {call}"),
+                     facts=(("function", "std"), ("form", "correction=0")), finite=True)
+    assert suggested_edit(trial) == f"train.py:3: s = {edit}"
+    assert torch.isfinite(eval(edit, {"h": torch.randn(1, 4)})).all()  # (it runs, and is finite for one sample)

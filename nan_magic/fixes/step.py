@@ -310,7 +310,9 @@ def forward_only(step: FailingStep) -> bool:
     distillation teacher, a DQN target network) is judged by that loss where its code was kept: a remedy that makes
     the teacher's output finite may leave the loss that reads it inf.
     """
-    return not step.root.grad_enabled and not isinstance(step.loss_code, LossCode)
+    code = step.loss_code
+    # (The last step's loss code, kept with keep_last_good, read the training call's outputs, not this call's.)
+    return not step.root.grad_enabled and not (isinstance(code, LossCode) and not code.last)
 
 
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],

@@ -332,15 +332,22 @@ class _Edit(ast.NodeTransformer):
                 # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument. A
                 # module held as an attribute (self.softmax(h), an nn.Softmax) is given its tensor as an argument:
                 # an attribute of self called with more than numbers (a tensor's dim may be a name: x.softmax(d)).
+                if isinstance(inner.func, ast.Attribute) and _of_self(inner.func.value) and not all(
+                        _number(argument) for argument in inner.args):
+                    return node  # (no edit: the module's dim is not on the line, and log_softmax needs one)
                 receiver = [inner.func.value] if isinstance(inner.func, ast.Attribute) and not _on_module(
-                    inner.func.value) and not (_of_self(inner.func.value) and not all(
-                        _number(argument) for argument in inner.args)) else []
+                    inner.func.value) else []
                 return self._mark(ast.Call(ast.parse(fused, mode="eval").body, receiver + list(inner.args),
                                            list(inner.keywords)))
             return node
         if kind == "stable" and function == name and self.trial.fact("form") == "correction=0":
             node.keywords = [keyword for keyword in node.keywords if keyword.arg not in ("correction", "unbiased")]
-            node.keywords.append(ast.keyword("correction", ast.Constant(0)))
+            flags = [index for index, argument in enumerate(node.args)
+                     if isinstance(argument, ast.Constant) and isinstance(argument.value, bool)]
+            if flags:  # std(0, True, True): the first flag is unbiased (remedies/correction.py), said False in place
+                node.args[flags[0]] = ast.Constant(False)
+            else:
+                node.keywords.append(ast.keyword("correction", ast.Constant(0)))
             return self._mark(node)
         if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
             return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
