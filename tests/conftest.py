@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def ip():
     shell.run_line_magic("load_ext", "nan_magic")
     yield shell
     shell.run_line_magic("unload_ext", "nan_magic")
+
+
+@pytest.fixture(scope="module")
+def frozen_heap():
+    """The suite's heap set aside for a module whose every row collects garbage (several full ``gc.collect()``s a
+    row, to see what a watch leaves alive): in a whole-suite process a full collection walks every earlier test's
+    objects, a second or more each. ``gc.freeze()`` moves what exists now out of the collector's reach, so each
+    collection walks only what the module's own rows made, which is collected as usual. Put back after."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")

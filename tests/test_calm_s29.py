@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import rnn as rnn_utils
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
 NEG_INF = float("-inf")
 

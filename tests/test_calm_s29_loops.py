@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 import nan_magic
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
 
 def _mlp(d_in: int = 6, d_out: int = 3) -> nn.Module:

@@ -22,7 +22,7 @@ from torch.func import functional_call, jvp, stack_module_state, vmap
 from torch.nn import functional as F
 from torch.nn.utils import parametrizations, parametrize
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
 NEG_INF = float("-inf")
 

@@ -10,7 +10,7 @@ from calm_s30 import MODES, Row, check, steps
 from torch import nn
 from torch.nn import functional as F
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
 EAGER = (
     "by design, under mode='full' and ops=True a compiled model runs eagerly while watched and the watch warns "

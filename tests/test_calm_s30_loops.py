@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.optim import swa_utils
 from torch.utils.data import DataLoader, TensorDataset
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
 
 def _mlp(d_in: int = 6, d_out: int = 3) -> nn.Sequential:
