@@ -90,8 +90,8 @@ class StepReports:
 
         ``next_check``: the result is read at the next step's check (the deferred mode's one transfer): the loop's
         frame has run on into that step, and the report says so of the frame ``%debug`` opens (its locals).
-        ``left``: read as the watch is left (a carried result of the loop's last step): the frame that called the
-        step may have returned, and ``%debug`` opens in it at that line, as where the step is judged at once.
+        ``left``: read as the watch is left (a carried result of the loop's last step): ``%debug`` opens at the line
+        that called the step, in its frame where that is a cell's or script's top level (held: optim.py) or still runs.
         """
         finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
         for index, (tensor, value) in enumerate(() if finite else zip(result.updated, values)):
