@@ -347,3 +347,31 @@ def coloured_pixels(image: Any) -> int:
             return count;
         }"""
     ))
+
+
+@contextmanager
+def lab_with(walk: Path, names: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    """JupyterLab serving copies of ``names`` from the notebook folder ``walk`` (skips without Chromium)."""
+    chromium_or_skip()
+    root = tmp_path_factory.mktemp("lab-root")
+    for name in names:
+        shutil.copy(walk / name, root / name)
+    with jupyterlab(root, tmp_path_factory.mktemp("lab-home")) as server:
+        yield server
+
+
+@contextmanager
+def screenshot_page(test_name: str) -> Iterator[Any]:
+    """A Chromium page, its screenshot written to test-artifacts/ when the test ends."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium_page(chromium_or_skip()) as browser_page:
+        yield browser_page
+        browser_page.screenshot(path=str(ARTIFACTS / f"{test_name}-page.png"))
+
+
+def report_widget(page: Any) -> Any:
+    """The first nan_magic widget on the page, waited for and scrolled into view."""
+    widget = page.locator(".nan-magic-widget").first
+    widget.wait_for(timeout=180_000)
+    widget.scroll_into_view_if_needed()
+    return widget

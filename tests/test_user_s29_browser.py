@@ -4,7 +4,6 @@ after a save, a kernel restart and a reopen. Without Chromium or Playwright they
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,12 +12,12 @@ import pytest
 from jupyter_support import (
     ARTIFACTS,
     LabServer,
-    chromium_or_skip,
-    chromium_page,
     coloured_pixels,
-    jupyterlab,
+    lab_with,
     open_and_run_all,
+    report_widget,
     save_restart_and_reopen,
+    screenshot_page,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -28,33 +27,20 @@ WALK = Path(__file__).parent / "notebooks" / "user_s29"
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    chromium_or_skip()
-    root = tmp_path_factory.mktemp("lab-root")
-    for name in ("gan_saturate.ipynb", "diffusion_schedule.ipynb"):
-        shutil.copy(WALK / name, root / name)
-    with jupyterlab(root, tmp_path_factory.mktemp("lab-home")) as server:
+    with lab_with(WALK, ("gan_saturate.ipynb", "diffusion_schedule.ipynb"), tmp_path_factory) as server:
         yield server
 
 
 @pytest.fixture()
 def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-    ARTIFACTS.mkdir(exist_ok=True)
-    with chromium_page(chromium_or_skip()) as browser_page:
+    with screenshot_page(request.node.name) as browser_page:
         yield browser_page
-        browser_page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-page.png"))
-
-
-def _widget(page: Any) -> Any:
-    widget = page.locator(".nan-magic-widget").first
-    widget.wait_for(timeout=180_000)
-    widget.scroll_into_view_if_needed()
-    return widget
 
 
 def test_the_gan_s_layers_tab_names_each_row_s_model(lab: LabServer, page: Any) -> None:
     """G and D are both nn.Sequential: the Layers tab read "Sequential (root)" on all six model rows."""
     open_and_run_all(page, lab, "gan_saturate.ipynb")
-    widget = _widget(page)
+    widget = report_widget(page)
     assert "1 -inf in forward step 17: code outside any watched module" in widget.locator(
         ".nm-headline").first.inner_text()
     widget.locator(".lm-TabBar-tab", has_text="Layers").first.click()
@@ -76,7 +62,7 @@ def test_the_gan_s_layers_tab_names_each_row_s_model(lab: LabServer, page: Any) 
 def test_the_diffusion_report_after_a_restart_says_why_no_fix_was_tried(lab: LabServer, page: Any) -> None:
     name = "diffusion_schedule.ipynb"
     open_and_run_all(page, lab, name)
-    _widget(page)
+    report_widget(page)
     page.get_by_text("| Idle").first.wait_for(timeout=180_000)
     save_restart_and_reopen(page, lab, name)
     static = page.locator(".nm-static").first

@@ -4,7 +4,6 @@ after a save, a kernel restart and a reopen. Without Chromium or Playwright they
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,12 +12,12 @@ import pytest
 from jupyter_support import (
     ARTIFACTS,
     LabServer,
-    chromium_or_skip,
-    chromium_page,
     coloured_pixels,
-    jupyterlab,
+    lab_with,
     open_and_run_all,
+    report_widget,
     save_restart_and_reopen,
+    screenshot_page,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -28,32 +27,19 @@ WALK = Path(__file__).parent / "notebooks" / "user_s30"
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    chromium_or_skip()
-    root = tmp_path_factory.mktemp("lab-root")
-    for name in ("char_lstm.ipynb", "seq2seq_pad.ipynb"):
-        shutil.copy(WALK / name, root / name)
-    with jupyterlab(root, tmp_path_factory.mktemp("lab-home")) as server:
+    with lab_with(WALK, ("char_lstm.ipynb", "seq2seq_pad.ipynb"), tmp_path_factory) as server:
         yield server
 
 
 @pytest.fixture()
 def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-    ARTIFACTS.mkdir(exist_ok=True)
-    with chromium_page(chromium_or_skip()) as browser_page:
+    with screenshot_page(request.node.name) as browser_page:
         yield browser_page
-        browser_page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-page.png"))
-
-
-def _widget(page: Any) -> Any:
-    widget = page.locator(".nan-magic-widget").first
-    widget.wait_for(timeout=180_000)
-    widget.scroll_into_view_if_needed()
-    return widget
 
 
 def test_the_char_lstm_widget_suggests_the_log_softmax_of_the_logits(lab: LabServer, page: Any) -> None:
     open_and_run_all(page, lab, "char_lstm.ipynb")
-    widget = _widget(page)
+    widget = report_widget(page)
     assert "in backward step 38: code outside any watched module" in widget.locator(
         ".nm-headline").first.inner_text()
     shown = widget.inner_text()
@@ -69,7 +55,7 @@ def test_the_char_lstm_widget_suggests_the_log_softmax_of_the_logits(lab: LabSer
 def test_the_seq2seq_report_after_a_restart_is_compact_and_static(lab: LabServer, page: Any) -> None:
     name = "seq2seq_pad.ipynb"
     open_and_run_all(page, lab, name)
-    _widget(page)
+    report_widget(page)
     page.get_by_text("| Idle").first.wait_for(timeout=180_000)
     save_restart_and_reopen(page, lab, name)
     static = page.locator(".nm-static").first
