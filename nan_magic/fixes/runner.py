@@ -469,7 +469,7 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
             raise _NoTrial(none)
         return ()
     try:
-        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind, first=report.step == 0)
+        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind, report)
     except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
         untried, finite, facts, seconds = f"the optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
     if kind == "lr" and not math.isfinite(facts.get("lr", 0.0)):
