@@ -14,9 +14,10 @@ diverged over several steps may need more than its last update lowered.
 
 The gradients are the ones the parameters hold at the event. A watch that
 judged the step a step later (the deferred watch, its note ``debug-later-step``)
-holds the later step's, computed from the non-finite parameters: a redo with
-them says nothing of the failing step (it was "still non-finite" for an eps
-that, by hand, trains on), so the trial is not run and says why.
+holds the later step's; where those are non-finite (computed from the
+non-finite parameters) they cannot stand for the failing step's, which were
+finite: a redo with them said "still non-finite" for an eps that, by hand,
+trains on. The trial is then not run, and says why.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
     first = report.step == 0
     if last_good.where is None:  # (the settings still say what the trial would change)
         return FIRST_STEP if first else NO_LAST_GOOD, None, _settings(optimizer, remedy), 0.0
-    later = next((note for note in report.note_facts if note.kind == "debug-later-step"), None)
-    if later is not None:
-        return (f"the gradients of step {later.fact('step')} are gone: the step was judged at step "
-                f"{later.fact('judged')}, whose backward replaced them (the watch without defer=True judges each "
-                "step at once and keeps them)", None, _settings(optimizer, remedy), 0.0)
     kept_optimizer = last_good.state_of(optimizer)
+    later = next((note for note in report.note_facts if note.kind == "debug-later-step"), None)
+    if later is not None and not _finite_gradients(optimizer):
+        return (f"the gradients of step {later.fact('step')} are gone: the step was judged at step "
+                f"{later.fact('judged')}, whose backward replaced them with non-finite ones (made from the "
+                "non-finite parameters; the watch without defer=True judges each step at once and keeps them)",
+                None, _settings(optimizer, remedy), 0.0)
     names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     kept = {}
@@ -77,6 +79,12 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
     finite = _redo(optimizer, parameters, kept, kept_optimizer, remedy)
     facts = {"from_step": last_good.step, **_settings(optimizer, remedy)}
     return None, finite, facts, time.perf_counter() - start
+
+
+def _finite_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient the optimizer's parameters hold is finite (an optimizer event's own were)."""
+    return all(bool(torch.isfinite(parameter.grad).all()) for group in optimizer.param_groups
+               for parameter in group["params"] if parameter.grad is not None)
 
 
 def _settings(optimizer: torch.optim.Optimizer, remedy: str) -> dict[str, Any]:
