@@ -487,7 +487,7 @@ INCIDENTS: dict[str, Incident] = {
     "log-of-softmax": Incident(log_of_softmax, log_of_softmax_by_hand, "stable"),
     "cosine-of-zero": Incident(cosine_of_zero, cosine_of_zero_by_hand, "eps"),
     "half-matmul": Incident(half_matmul, half_matmul_by_hand, "float32"),  # (its own tests)
-    "exp-activation": Incident(exp_activation, exp_activation_by_hand, None),  # (F.softplus: no trial makes it)
+    "exp-activation": Incident(exp_activation, exp_activation_by_hand, "stable"),  # (F.softplus, fixes-s31)
     "focal-of-zero": Incident(focal_of_zero, focal_of_zero_by_hand, "eps"),
     "one-sample-std": Incident(one_sample_std, one_sample_std_by_hand, "stable", None),
     "one-sample-std-loss": Incident(one_sample_std_loss, one_sample_std_loss_by_hand, None),  # (inf by hand too)

@@ -44,9 +44,9 @@ from nan_magic.fixes.remedies.mask import MASKED, MaskFix
 from nan_magic.fixes.remedies.optimizer_step import redo_step
 from nan_magic.fixes.remedies.precision import float32, refused_upcast
 from nan_magic.fixes.remedies.scale import collapsed_scale, scaled, try_scales
-from nan_magic.fixes.remedies.stable import StableFix, changes_value
+from nan_magic.fixes.remedies.stable import StableFix, changes_value, stable_replay
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
-from nan_magic.fixes.step import FailingStep, StepOutcome, replay_at_line, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
 from nan_magic.fixes.trial_facts import at_producer, output_change, remedy_facts, step_facts
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.tiered.root_calls import RootCall, replay_target
@@ -407,7 +407,7 @@ def _in_loss_code(report: Report) -> bool:
 def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: FailingStep,
                   base: StepOutcome) -> FixTrial:
     """A remedy applied at the producer's line (site.py) on a replay of the step."""
-    outcome, remedy, every = replay_at_line(step, site, remedy)
+    outcome, remedy, every = stable_replay(step, site, remedy)  # (replay_at_line; an exp first as a softplus)
     facts = remedy_facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
     if not outcome.applied:
         untried = "it found nothing to change at the producer's line"
@@ -469,7 +469,7 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
             raise _NoTrial(none)
         return ()
     try:
-        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind, first=report.step == 0)
+        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind, report)
     except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
         untried, finite, facts, seconds = f"the optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
     if kind == "lr" and not math.isfinite(facts.get("lr", 0.0)):

@@ -66,6 +66,8 @@ def _changed(trial: FixTrial) -> str:
             return "the log of the softmax fused into log_softmax"
         if trial.fact("form") == "logsigmoid":
             return "the log of the sigmoid fused into logsigmoid"
+        if trial.fact("form") == "softplus":
+            return "the log(1 + exp(x)) computed as F.softplus(x), where the exp overflowed"
         if trial.fact("form") == "correction=0":
             return (f"the {trial.fact('function')} taken with correction=0 (over one element it is 0, where "
                     "correction=1 divides by N - 1 = 0)")
@@ -315,6 +317,8 @@ class _Edit(ast.NodeTransformer):
             else:
                 return node
             return self._mark(node)
+        if kind == "stable" and function == "exp" and self.trial.fact("form") == "softplus":
+            return self._softplus(node, name)
         if kind == "stable" and function == "exp" and name == "exp":
             target = node.func.value if method and isinstance(node.func, ast.Attribute) else (
                 node.args[0] if node.args else None)
@@ -352,6 +356,22 @@ class _Edit(ast.NodeTransformer):
         if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
             return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
         return node
+
+    def _softplus(self, node: ast.Call, name: str | None) -> ast.expr:
+        """``torch.log(1 + torch.exp(x))``, ``torch.log1p(x.exp())``: ``torch.nn.functional.softplus(x)``."""
+        operand = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
+        if name == "log" and isinstance(operand, ast.BinOp) and isinstance(operand.op, ast.Add):
+            ones = [side for side in (operand.left, operand.right) if _number(side) and ast.literal_eval(side) == 1]
+            operand = next((side for side in (operand.left, operand.right) if ones and side is not ones[0]), None)
+        elif name != "log1p":
+            return node
+        if not isinstance(operand, ast.Call) or _call_name(operand) != "exp":
+            return node
+        inner = operand.args[0] if operand.args else (
+            operand.func.value if isinstance(operand.func, ast.Attribute) else None)
+        if inner is None:
+            return node
+        return self._mark(ast.Call(ast.parse("torch.nn.functional.softplus", mode="eval").body, [inner], []))
 
     def _float32_call(self, node: ast.Call, name: str | None) -> ast.expr:
         """A call's tensor arguments upcast; a module's (``self.fc(x)``) also its parameters, outside autocast.
@@ -433,6 +453,10 @@ def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
         zero = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
         return ast.Call(ast.parse("torch.where", mode="eval").body, [zero, _eps(trial), node], [])
     return _method(node, "clamp_min", _eps(trial))
+
+
+def _call_name(node: ast.Call) -> str | None:
+    return node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
 
 
 def _float(node: ast.expr, upcast: set[int]) -> ast.expr:

@@ -11,6 +11,13 @@ that got no gradient divides 0 by 0).
 
 This redoes the failing step's update, not the steps before it: a run that
 diverged over several steps may need more than its last update lowered.
+
+The gradients are the ones the parameters hold at the event. A watch that
+judged the step a step later (the deferred watch, its note ``debug-later-step``)
+holds the later step's; where those are non-finite (computed from the
+non-finite parameters) they cannot stand for the failing step's, which were
+finite: a redo with them said "still non-finite" for an eps that, by hand,
+trains on. The trial is then not run, and says why.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from torch import nn
 
 from nan_magic.fixes.step import step_alone
+from nan_magic.records import Report
 from nan_magic.scene.last_good import LastGood
 
 __all__ = ["FIRST_STEP", "NO_LAST_GOOD", "redo_step"]
@@ -36,13 +44,20 @@ FIRST_STEP = "it is the first optimizer step: no state before it is kept to redo
 
 
 def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last_good: LastGood,
-              remedy: str, first: bool = False) -> tuple[str | None, bool | None, dict[str, Any], float]:
-    """``(why not tried, finite, facts, seconds)`` of the step redone with ``remedy`` (``"lr"`` or ``"eps"``);
-    ``first``: the failing step is the run's first."""
+              remedy: str, report: Report) -> tuple[str | None, bool | None, dict[str, Any], float]:
+    """``(why not tried, finite, facts, seconds)`` of ``report``'s failing step redone with ``remedy`` (``"lr"`` or
+    ``"eps"``)."""
     start = time.perf_counter()
+    first = report.step == 0
     if last_good.where is None:  # (the settings still say what the trial would change)
         return FIRST_STEP if first else NO_LAST_GOOD, None, _settings(optimizer, remedy), 0.0
     kept_optimizer = last_good.state_of(optimizer)
+    later = next((note for note in report.note_facts if note.kind == "debug-later-step"), None)
+    if later is not None and not _finite_gradients(optimizer):
+        return (f"the gradients of step {later.fact('step')} are gone: the step was judged at step "
+                f"{later.fact('judged')}, whose backward replaced them with non-finite ones (made from the "
+                "non-finite parameters; the watch without defer=True judges each step at once and keeps them)",
+                None, _settings(optimizer, remedy), 0.0)
     names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     kept = {}
@@ -64,6 +79,12 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
     finite = _redo(optimizer, parameters, kept, kept_optimizer, remedy)
     facts = {"from_step": last_good.step, **_settings(optimizer, remedy)}
     return None, finite, facts, time.perf_counter() - start
+
+
+def _finite_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient the optimizer's parameters hold is finite (an optimizer event's own were)."""
+    return all(bool(torch.isfinite(parameter.grad).all()) for group in optimizer.param_groups
+               for parameter in group["params"] if parameter.grad is not None)
 
 
 def _settings(optimizer: torch.optim.Optimizer, remedy: str) -> dict[str, Any]:

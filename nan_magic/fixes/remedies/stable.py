@@ -15,6 +15,13 @@ by its own sum. A PPO probability ratio ``exp(logp - old)``, a logit scale's
 it is another value, finite or not. So a finite trial is run once more with
 another shift per row (:func:`changes_value`); where the step's loss or
 outputs move with it, the trial is no fix and says so.
+
+A softplus by hand, ``torch.log(1 + torch.exp(x))`` (or ``log1p(exp(x))``), is
+not normalised either; the form a person writes is ``F.softplus(x)``, the
+same value, finite where the exp overflows. So an exp is first tried in that
+form (:func:`stable_replay`): where the line's exp feeds ``log(1 + ...)``,
+that log is computed as ``softplus`` of the exp's operand; where it does not,
+the max-subtracted exp is tried as before.
 """
 
 from __future__ import annotations
@@ -26,16 +33,24 @@ from typing import Any
 import torch
 
 from nan_magic.fixes.site import Site, function_name
-from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_at_line, replay_step
 
-__all__ = ["StableFix", "changes_value"]
+__all__ = ["StableFix", "changes_value", "stable_replay"]
+
+#: The torch functions (and the aten ops' names) that add two values: ``1 + e``, ``e + 1``, ``torch.add(e, 1)``.
+_ADDS = frozenset({"add", "__add__", "__radd__"})
 
 
 class StableFix:
     """The remedy for an ``exp`` (max-subtracted) or a ``log`` (of a softmax: fused)."""
 
-    def __init__(self, function: str, offsets: bool = False) -> None:
+    def __init__(self, function: str, offsets: bool = False, softplus: bool = False) -> None:
         self.function = function
+        #: Whether the exp is left as it is and a ``log(1 + exp(x))`` of it computed as ``softplus(x)`` instead.
+        self.softplus = softplus
+        #: The exp outputs, and the ``1 + exp(x)`` sums, the code made: ``id(result)`` -> (a weak reference to it, x,
+        #: whether it is the sum: a log of the sum, a log1p of the exp, is ``softplus(x)``).
+        self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool]] = {}
         #: Whether the exp's shift is moved by a different amount per row (1 to 2): the check of changes_value.
         self.offsets = offsets
         #: The softmax and sigmoid outputs the module made: ``id(output)`` -> (a weak reference to it, its input,
@@ -49,6 +64,9 @@ class StableFix:
     def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> None:
         """A call the producing module made (anywhere in it): a softmax's or sigmoid's output is remembered."""
         name = function_name(func)
+        if self.softplus and isinstance(result, torch.Tensor) and args:
+            self._exp_or_sum(name, args, kwargs, result)
+            return
         if name in ("softmax", "sigmoid") and isinstance(result, torch.Tensor) and args:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None) if name == "softmax" else None
             if isinstance(dim, int) or name == "sigmoid":
@@ -59,6 +77,14 @@ class StableFix:
         if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
             return None
         operand = args[0]
+        if self.softplus:
+            known_exp = self._exps.get(id(operand))
+            # log of 1 + exp(x) (a sum remembered), log1p of exp(x) (an exp remembered)
+            if (name in ("log", "log1p") and known_exp is not None and known_exp[0]() is operand
+                    and (name == "log") == known_exp[2]):
+                self.form = "softplus"
+                return torch.nn.functional.softplus(known_exp[1])
+            return None
         if self.function == "exp" and name == "exp":
             self.form = "max-subtracted exp"
             shift = operand.detach().amax(dim=-1, keepdim=True) if operand.dim() else operand.detach()
@@ -75,6 +101,41 @@ class StableFix:
                 self.form = "log_softmax"
                 return torch.log_softmax(known[1], dim=known[2])
         return None
+
+
+    def _exp_or_sum(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], result: torch.Tensor) -> None:
+        """Remembers an exp's output (its key the output itself) and a ``1 + exp(x)`` (x)."""
+        if name == "exp" and isinstance(args[0], torch.Tensor):
+            self._exps[id(result)] = (weakref.ref(result), args[0], False)
+            return
+        if name not in _ADDS or len(args) != 2 or kwargs.get("alpha", 1) != 1:
+            return
+        for tensor, other in ((args[0], args[1]), (args[1], args[0])):
+            known = self._exps.get(id(tensor))
+            if known is not None and known[0]() is tensor and not known[2] and _one(other):
+                self._exps[id(result)] = (weakref.ref(result), known[1], True)
+                return
+
+
+def _one(value: Any) -> bool:
+    """Whether ``value`` is the number 1 (or a one-element tensor holding it)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and float(value) == 1.0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+
+
+def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutcome, Any, bool]:
+    """:func:`replay_at_line`, an exp first tried as a softplus (the module docstring): where its line's exp
+    feeds no ``log(1 + ...)`` the softplus form changed nothing, and ``remedy`` (the max-subtracted exp) is tried."""
+    if not isinstance(remedy, StableFix) or remedy.function != "exp" or remedy.softplus:
+        return replay_at_line(step, site, remedy)
+    softplus = StableFix("exp", softplus=True)
+    outcome = replay_step(step, site, softplus)
+    if outcome.applied:
+        return outcome, softplus, False
+    tried = replay_at_line(step, site, remedy)
+    tried[0].seconds += outcome.seconds
+    return tried
 
 
 def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOutcome) -> str | None:
