@@ -142,3 +142,32 @@ def test_a_cell_s_second_view_fails_at_its_step(ip, armed: str, options: str) ->
             ip.run_line_magic("nanwatch", "off")
         assert ip.user_ns["step"] == bad
         assert (ip.user_ns["_nan_report"].phase.value, ip.user_ns["_nan_report"].step) == ("data", bad)
+
+
+def test_a_loop_with_two_views_and_a_backward_but_no_optimizer_counts_each_iteration_s_calls() -> None:
+    """An attribution loop: two views, one backward, no optimizer: a step each iteration, the second view's batch
+    the step's 3rd model call in every iteration (the calls of an earlier iteration are not counted in)."""
+    encoder, projector, _ = _models()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, projector):
+        for i in range(4):
+            x2 = torch.randn(4, 8, requires_grad=True)
+            if i == 2:
+                x2.data[0, 0] = float("nan")
+            (projector(encoder(torch.randn(4, 8))) * projector(encoder(x2))).sum().backward()
+    assert (i, caught.value.report.step, caught.value.report.model_call) == (2, 2, 3)
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_rollout_in_a_comprehension_fails_at_the_loop_s_step(mode: str) -> None:
+    """Five calls in a list comprehension (its own frame, Python 3.11), one update: the NaN in the 4th call's batch."""
+    encoder, _, opt = _models()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, **MODES[mode]):
+        for update in range(3):
+            batches = [torch.randn(4, 8) for _ in range(5)]
+            if update == 0:
+                batches[3][0, 0] = float("nan")
+            loss = torch.stack([encoder(x).sum() for x in batches]).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert (update, caught.value.report.phase.value, caught.value.report.step) == (0, "data", 0)

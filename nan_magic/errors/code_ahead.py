@@ -6,7 +6,7 @@ step), whose backward and optimizer step are still to come. Where an event comes
 to run tells which: the loop around the call (the outermost loop of the first of the user's frames, from the call
 outwards, that runs one) calls a ``backward`` (``loss.backward()``, ``torch.autograd.backward``, accelerate's
 ``accelerator.backward``, Lightning's ``manual_backward``). A frame with no loop around its call (a helper the loop
-calls) is read from its current instruction to its end, then its caller. Nothing is run, and no name is resolved:
+calls) is read from its current instruction to its end, then its caller; a comprehension's frame is passed over. Nothing is run, and no name is resolved:
 the instructions are read (an attribute or global named so).
 """
 
@@ -24,6 +24,7 @@ __all__ = ["backward_ahead"]
 _BACKWARD = frozenset({"backward", "manual_backward"})
 _NAMED = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME"})
 _BACK_JUMPS = frozenset({"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
+_COMPREHENSIONS = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})
 # id(code) -> (code, its instructions): an event asks a frame's code once per watch's life, not per frame.
 _READ: dict[int, tuple[CodeType, list[dis.Instruction]]] = {}
 
@@ -31,6 +32,8 @@ _READ: dict[int, tuple[CodeType, list[dis.Instruction]]] = {}
 def backward_ahead(frame: FrameType | None) -> bool:
     """Whether the user's code running ``frame`` (or its callers) goes on to a backward (the module docstring)."""
     for user in _user_frames(frame):
+        if user.f_code.co_name in _COMPREHENSIONS:
+            continue  # (a rollout's ``[critic(s) for s in states]``: its loop is the call's own, the caller's goes on)
         instructions = _instructions(user.f_code)
         at = user.f_lasti
         loops = [(_target(jump), jump.offset) for jump in instructions

@@ -3,7 +3,10 @@
 A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`) and closes at the optimizer
 step's post-hook; where no optimizer steps (inference), when the step's first top-level module is called again
 (so ``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step); where a backward is settled
-without a step (a GradScaler's skip, gradients accumulating); or when the watch is left. Closing a step keeps its
+without a step (a GradScaler's skip, gradients accumulating); or when the watch is left. Before any optimizer has
+stepped, a step so opened is provisional: a backward merges the steps opened since the last one (SimCLR's two views,
+a rollout; :meth:`StepCycle.backward_starting`), and so does an event before it whose loop goes on to a backward
+(:meth:`StepCycle.settle_at_event`, errors/code_ahead.py). Closing a step keeps its
 :class:`StepSummary` in the history and feeds the early warnings. In deferred mode the checks' probes stay on the
 device until :meth:`StepCycle.sync` reads them in one transfer, at the optimizer step's pre-hook: under a process
 group that is the step's agreement with the other ranks (agreement.py, lockstep.py), and so is a step a
@@ -224,8 +227,9 @@ class StepCycle(CycleExit):
         # steps' further calls (an overflow at step 1 read "the step's 2nd model call: its 2nd micro-batch").
         step = self.optimizers.iterations.completed if training else -self.steps_opened
         if step != self._counted_step:
-            if not training:  # (an inference step's, or a first iteration's whose optimizer is not known yet)
-                self._earlier_calls += self.log.model_calls if self._counted_step is not None else 0
+            if not training and self.steps_opened - 2 >= self._backward_mark:
+                # (a provisional step's: the one it follows opened since the last backward, whose calls it may join)
+                self._earlier_calls += self.log.model_calls
             self._counted_step, self.log.model_calls = step, 1
         else:
             self.log.model_calls += 1
