@@ -6,8 +6,10 @@ step), whose backward and optimizer step are still to come. Where an event comes
 to run tells which: the loop around the call (the outermost loop of the first of the user's frames, from the call
 outwards, that runs one) calls a ``backward`` (``loss.backward()``, ``torch.autograd.backward``, accelerate's
 ``accelerator.backward``, Lightning's ``manual_backward``). A frame with no loop around its call (a helper the loop
-calls) is read from its current instruction to its end, then its caller; a comprehension's frame is passed over. Nothing is run, and no name is resolved:
-the instructions are read (an attribute or global named so).
+calls) is read from its current instruction to its end, then its caller; a comprehension's frame is passed over.
+Nothing is run, and no name is resolved: the instructions are read (an attribute or global named so). A branch the
+loop does not take is read too: an eval loop that calls ``backward`` only under a flag it never sets counts as one
+that trains (its steps then say 0 until an optimizer steps).
 """
 
 from __future__ import annotations
