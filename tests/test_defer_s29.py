@@ -87,8 +87,6 @@ def _completed_at_each_forward(sequence: str, passed: str) -> list[int]:
     return seen
 
 
-@pytest.mark.xfail(strict=True, reason="a body optimizer stepping every 2nd iteration closes the head's iteration a "
-                   "step early each time it is absent: 0 0 2 2 4 5 6 (contract/defer_s29.py's _CADENCE)")
 def test_an_optimizer_stepping_every_second_iteration_does_not_hold_the_count_back() -> None:
     """The head's optimizer steps every iteration, the body's every 2nd: after the first iteration the body missed
     (when nothing yet says it steps less often), every iteration's forward is its own step, not every other one a

@@ -145,3 +145,25 @@ def test_iterations_are_counted_when_every_optimizer_taking_part_has_stepped() -
     assert _indexes("AAPAAAA") == [0, 1, 1, 2, 3, 4, 5]
     # An optimizer passed but never stepped does not hold the count back after the first iteration.
     assert _indexes("AAAA", passed="AB") == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("sequence", "passed", "completed"), [
+    # A body optimizer stepping every 3rd iteration beside the head's every one: one iteration's lag, once.
+    ("H H HB H H HB H H HB H", "HB", [0, 0, 2, 3, 4, 5, 6, 7, 8, 9]),
+    # The head alone for two iterations, then the body alone: the body takes the head's place, the count goes on.
+    ("HB H H B B B B", "HB", [0, 1, 1, 3, 3, 5, 6]),
+    # Unpassed, the body joins at its first step (iteration 1), is left out at iteration 2, occasional from then on.
+    ("H HB H HB H HB H", "", [0, 1, 2, 2, 4, 5, 6]),
+])
+def test_an_optimizer_that_skips_iterations_does_not_close_them(sequence: str, passed: str,
+                                                                 completed: list[int]) -> None:
+    """Iterations completed as each iteration (space-separated, its optimizers' steps by letter) starts."""
+    from nan_magic.hot.checks.iterations import Iterations
+
+    optimizers = {name: torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1) for name in "HB"}
+    iterations, seen = Iterations(optimizers[name] for name in passed), []
+    for steps in sequence.split():
+        seen.append(iterations.completed)
+        for name in steps:
+            iterations.stepped(optimizers[name])
+    assert seen == completed

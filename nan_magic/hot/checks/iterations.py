@@ -17,6 +17,13 @@ in it (its *members*) has stepped:
   stepping five times a generator step, a passed optimizer that stops
   stepping) closes the iteration there: the members are then those that did
   step, so a member that stops stepping costs at most one iteration's lag;
+* a member so left out becomes *occasional* (a body optimizer stepping every
+  2nd iteration beside a head's every one): its later steps count in the
+  iteration they come in (after the members', in the one just closed) and
+  neither complete nor close one, so it costs that one iteration's lag once,
+  not every time it is absent. An occasional optimizer stepping twice with no
+  member stepping between (the members stopped: the head alone, then the body
+  alone) is a member again, in the others' place;
 * a new optimizer over a member's parameters (the loop switched from Adam to SGD) takes that member's place
   from its first step, which starts the next iteration: it does not join the one just closed, as a GAN's
   generator (whose parameters are its own) does.
@@ -42,6 +49,9 @@ class Iterations:
         self._members: set[int] = {id(opt) for opt in passed}
         self._passed = {id(opt): opt for opt in passed}
         self._round: set[int] = set()
+        # Members left out of an iteration (they step less often), and those of them that stepped since a member did.
+        self._occasional: set[int] = set()
+        self._aside: set[int] = set()
         # Every optimizer seen stepping, held so that its id stays its own for the watch's life.
         self._seen: dict[int, torch.optim.Optimizer] = {}
         #: Whether any optimizer stepped (an attribute, not a property: every top-level call asks).
@@ -57,13 +67,25 @@ class Iterations:
         if replaced:
             self._members -= replaced
             self._round -= replaced
+            self._occasional -= replaced
             self._members.add(key)
-        elif first and not self._round and (self.completed or not self._members):
+        elif first and not self._round and (self.completed or not self._members) and key not in self._occasional:
             # A newcomer right after an iteration closed (or the very first step): it takes part.
             late = bool(self.completed) and bool(self._members)
             self._members.add(key)
             if late:
                 return self.completed - 1  # its step belongs to the iteration just closed
+        if key in self._occasional:  # (none, most loops: one test of an empty set)
+            if key not in self._aside:
+                self._aside.add(key)  # in the iteration it comes in: after the members', the one just closed
+                return self.completed - 1 if self.completed and not self._round else self.completed
+            # Twice with no member between: the members stopped, and its last step was an iteration of its own; it
+            # takes their place, from a new iteration.
+            self._occasional = (self._occasional | self._members) - {key}
+            self._members, self._round = {key}, set()
+            self.completed += 1
+        if self._aside:
+            self._aside.clear()
         if key in self._round:
             # It steps again before every member has: the iteration closed without the others.
             self._close()
@@ -87,8 +109,11 @@ class Iterations:
         self._seen.update(inner._seen)
         self.any_stepped = bool(self._seen)
         self._members |= inner._members
+        self._occasional = (self._occasional | inner._occasional) - self._members
 
     def _close(self) -> None:
-        self._members = set(self._round) or self._members
+        if self._round:  # the members that did not step are occasional from now on
+            self._occasional |= self._members - self._round
+            self._members = set(self._round)
         self._round = set()
         self.completed += 1
