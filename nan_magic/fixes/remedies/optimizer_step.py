@@ -55,8 +55,8 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
     later = next((note for note in report.note_facts if note.kind == "debug-later-step"), None)
     if later is not None and not _finite_gradients(optimizer):
         return (f"the gradients of step {later.fact('step')} are gone: the step was judged at step "
-                f"{later.fact('judged')}, whose backward replaced them with non-finite ones (made from the "
-                "non-finite parameters; the watch without defer=True judges each step at once and keeps them)",
+                f"{later.fact('judged')}, whose backward wrote non-finite ones over them (made from the "
+                "non-finite parameters; a watch with defer=False judges each step at once and keeps them)",
                 None, _settings(optimizer, remedy), 0.0)
     names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]

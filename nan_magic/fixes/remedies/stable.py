@@ -49,8 +49,9 @@ class StableFix:
         #: Whether the exp is left as it is and a ``log(1 + exp(x))`` of it computed as ``softplus(x)`` instead.
         self.softplus = softplus
         #: The exp outputs, and the ``1 + exp(x)`` sums, the code made: ``id(result)`` -> (a weak reference to it, x,
-        #: whether it is the sum: a log of the sum, a log1p of the exp, is ``softplus(x)``).
-        self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool]] = {}
+        #: whether it is the sum: a log of the sum, a log1p of the exp, is ``softplus(x)``; its version then: one
+        #: written in place since, ``exp(x).mul_(w)``, is no longer ``exp(x)``).
+        self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool, int]] = {}
         #: Whether the exp's shift is moved by a different amount per row (1 to 2): the check of changes_value.
         self.offsets = offsets
         #: The softmax and sigmoid outputs the module made: ``id(output)`` -> (a weak reference to it, its input,
@@ -79,11 +80,13 @@ class StableFix:
         operand = args[0]
         if self.softplus:
             known_exp = self._exps.get(id(operand))
-            # log of 1 + exp(x) (a sum remembered), log1p of exp(x) (an exp remembered)
+            # log of 1 + exp(x) (a sum remembered), log1p of exp(x) (an exp remembered), neither written since
             if (name in ("log", "log1p") and known_exp is not None and known_exp[0]() is operand
-                    and (name == "log") == known_exp[2]):
-                self.form = "softplus"
-                return torch.nn.functional.softplus(known_exp[1])
+                    and (name == "log") == known_exp[2] and operand._version == known_exp[3]):
+                softplus = torch.nn.functional.softplus(known_exp[1])
+                if _same_where_finite(softplus, torch.log(operand) if name == "log" else torch.log1p(operand)):
+                    self.form = "softplus"
+                    return softplus
             return None
         if self.function == "exp" and name == "exp":
             self.form = "max-subtracted exp"
@@ -106,22 +109,44 @@ class StableFix:
     def _exp_or_sum(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], result: torch.Tensor) -> None:
         """Remembers an exp's output (its key the output itself) and a ``1 + exp(x)`` (x)."""
         if name == "exp" and isinstance(args[0], torch.Tensor):
-            self._exps[id(result)] = (weakref.ref(result), args[0], False)
+            self._exps[id(result)] = (weakref.ref(result), args[0], False, result._version)
             return
         if name not in _ADDS or len(args) != 2 or kwargs.get("alpha", 1) != 1:
             return
         for tensor, other in ((args[0], args[1]), (args[1], args[0])):
             known = self._exps.get(id(tensor))
-            if known is not None and known[0]() is tensor and not known[2] and _one(other):
-                self._exps[id(result)] = (weakref.ref(result), known[1], True)
+            if (known is not None and isinstance(tensor, torch.Tensor) and known[0]() is tensor and not known[2]
+                    and tensor._version == known[3] and _one(other)):
+                self._exps[id(result)] = (weakref.ref(result), known[1], True, result._version)
                 return
 
 
+class _Softplus(StableFix):
+    """The softplus form alone, renewable: tried again in every module that runs the line where the producing
+    module's trial stays non-finite (step.replay_at_line; a block repeated). The max-subtracted exp has a second
+    replay of its own (:func:`changes_value`) and is not tried again."""
+
+    def __init__(self) -> None:
+        super().__init__("exp", softplus=True)
+
+    def renewed(self) -> _Softplus:
+        return _Softplus()
+
+
 def _one(value: Any) -> bool:
-    """Whether ``value`` is the number 1 (or a one-element tensor holding it)."""
+    """Whether ``value`` is the constant 1: a number, or a one-element tensor holding it that no gradient reaches
+    (a learned ``c`` in ``log(c + exp(x))`` that is 1 today is not a softplus: its gradient would be lost)."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and float(value) == 1.0
+        return value.numel() == 1 and not value.requires_grad and float(value) == 1.0
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+
+
+def _same_where_finite(softplus: torch.Tensor, line: torch.Tensor) -> bool:
+    """Whether ``softplus(x)`` is the line's own value wherever that is finite (within the dtype's rounding: the
+    sum ``1 + exp(x)`` rounds): the form computes what the line means, not another value that happens to be finite."""
+    finite = torch.isfinite(line)
+    tolerance = 16 * torch.finfo(line.dtype).eps
+    return bool(torch.isclose(softplus[finite], line[finite], rtol=tolerance, atol=tolerance).all())
 
 
 def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutcome, Any, bool]:
@@ -129,10 +154,9 @@ def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutco
     feeds no ``log(1 + ...)`` the softplus form changed nothing, and ``remedy`` (the max-subtracted exp) is tried."""
     if not isinstance(remedy, StableFix) or remedy.function != "exp" or remedy.softplus:
         return replay_at_line(step, site, remedy)
-    softplus = StableFix("exp", softplus=True)
-    outcome = replay_step(step, site, softplus)
+    outcome, softplus, every = replay_at_line(step, site, _Softplus())
     if outcome.applied:
-        return outcome, softplus, False
+        return outcome, softplus, every
     tried = replay_at_line(step, site, remedy)
     tried[0].seconds += outcome.seconds
     return tried

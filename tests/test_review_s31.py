@@ -1,0 +1,112 @@
+"""Session 31's review of its merges: each defect a reviewer showed, as the user saw it, fixed.
+
+fixes-s31's F.softplus trial: a softplus by hand in a block repeated three times was "still non-finite" in the
+producing block alone where the edit, in every block, trains on; a line that is not ``log(1 + exp(x))`` (the exp
+scaled in place before the sum, a learned offset ``c`` that is 1 at init) was verified as ``F.softplus(x)``, which
+computes another value or loses ``c``'s gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import nan_magic
+from nan_magic.render.fixes import suggested_edit
+
+MODES = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True},
+         "ops-defer": {"ops": True, "defer": True}}
+
+
+class SoftplusBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(1 + torch.exp(self.lin(x)))
+
+
+class LearnedOffset(nn.Module):
+    """``log(c + exp(h))``, ``c`` learned and 1 at init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.c = nn.Parameter(torch.ones(1))
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.log(self.c + torch.exp(self.lin(x))))
+
+
+class ScaledInPlace(nn.Module):
+    """``log(1 + w * exp(x))``, the exp scaled in place by a learned ``w`` before the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 1e-3))
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.log(1 + torch.exp(x).mul_(self.w)))
+
+
+def _stable_trial(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: dict, lr: float) -> nan_magic.Report:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    return caught.value.report
+
+
+def _repeated() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(SoftplusBlock(), SoftplusBlock(), SoftplusBlock(), nn.Linear(4, 1))
+    with torch.no_grad():
+        for block in list(model)[:3]:
+            block.lin.weight.mul_(30)
+    return model, torch.randn(8, 4), torch.randn(8, 1)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_softplus_by_hand_in_a_repeated_block_is_verified_in_every_block(mode: str) -> None:
+    model, x, y = _repeated()
+    report = _stable_trial(model, x, y, MODES[mode], lr=1e-6)
+    trial = next(trial for trial in report.fixes if trial.kind == "stable")
+    assert (trial.fact("form"), trial.fact("modules"), trial.finite) == ("softplus", "every", True)
+    assert suggested_edit(trial).endswith("return torch.nn.functional.softplus(self.lin(x))")
+    # by hand: the edit in every block trains on
+    model, x, y = _repeated()
+    h = x
+    for block in list(model)[:3]:
+        h = F.softplus(block.lin(h))
+    assert torch.isfinite(F.mse_loss(model[3](h), y))
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full", "ops"])
+def test_a_learned_offset_of_one_is_not_taken_for_a_softplus(mode: str) -> None:
+    torch.manual_seed(0)
+    model = LearnedOffset()
+    with torch.no_grad():
+        model.lin.weight.mul_(100)
+    report = _stable_trial(model, torch.randn(8, 4), torch.randn(8, 1), MODES[mode], lr=1e-4)
+    trial = next(trial for trial in report.fixes if trial.kind == "stable")
+    assert trial.fact("form") != "softplus"
+    assert trial.finite is not True
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full", "ops"])
+def test_an_exp_scaled_in_place_before_the_sum_is_not_taken_for_a_softplus(mode: str) -> None:
+    torch.manual_seed(0)
+    model = ScaledInPlace()
+    x = torch.randn(8, 4) * 60
+    x[0, 0] = 100.0  # exp(100) overflows float32; softplus(x) is not log(1 + w e^x)
+    report = _stable_trial(model, x, torch.randn(8, 1), MODES[mode], lr=1e-4)
+    trial = next(trial for trial in report.fixes if trial.kind == "stable")
+    assert trial.fact("form") != "softplus"
+    assert trial.finite is not True
