@@ -1,0 +1,102 @@
+"""Session 31's walk (tests/notebooks/user_s31/): what a person read that was wrong, asserted in-process.
+
+A tiny ViT under ``torch.autocast("cpu", dtype=torch.bfloat16)`` whose hand-written softmax (``scores.exp()``, then
+``weights / weights.sum(-1, keepdim=True)`` on the next line) overflows: the max-subtracted exp makes the step
+finite, and it is the same softmax. Before, the stable trial said "not a fix, though the step came out finite: it
+changes what the line computes ... the max does not cancel here ... the model's output moved by 0.00195": its check
+(the max moved by 1 to 2 more) compared the two replays element by element at 4 eps of the output's dtype, and a
+bfloat16 exp's rounding (~0.4% per weight) moved the logits near 0 by more than that. The check now allows the
+rounding of the coarser of the exp's and the value's dtype, relative to the tensor's largest value; a scale that
+does not cancel (an exp used as a value) still moves it by e-fold and is still refused (test_fixes_hunt15.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from watching import raised
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, scale: float) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, scale
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) * self.scale
+        weights = scores.exp()
+        weights = weights / weights.sum(-1, keepdim=True)
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, D))
+
+
+class TinyViT(nn.Module):
+    def __init__(self, d: int = 64, scale: float = 1.0) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, 8, stride=8)
+        self.pos = nn.Parameter(torch.randn(1, 16, d))
+        self.norm, self.attn, self.head = nn.LayerNorm(d), Attention(d, 4, scale), nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        x = x + self.attn(self.norm(x))
+        return self.head(x.mean(1))
+
+
+def _train(vit: TinyViT, steps: int) -> None:
+    torch.manual_seed(1)
+    images, labels = torch.rand(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    opt = torch.optim.AdamW(vit.parameters(), lr=3e-3)
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(vit(images).float(), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _overflowing_vit() -> TinyViT:
+    torch.manual_seed(0)
+    vit = TinyViT(scale=8.0)  # D ** 0.5 where D ** -0.5 was meant
+    with torch.no_grad():
+        vit.attn.qkv.weight.mul_(3.0)
+    return vit
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}], ids=["immediate", "deferred"])
+def test_a_bf16_hand_softmax_s_max_subtracted_exp_is_verified(options: dict) -> None:
+    vit = _overflowing_vit()
+    report = raised(lambda: _train(vit, 1), vit, **options)
+    assert (report.module, report.op, report.phase.value) == ("attn", "aten.exp.default", "forward")
+    assert report.source is not None and report.source.line == "weights = scores.exp()"
+    (stable,) = [trial for trial in report.fixes if trial.kind == "stable"]
+    assert stable.finite is True and stable.untried is None, stable
+    text = report.to_text()
+    assert "stable: the exp max-subtracted (exp(x - x.amax(-1, keepdim=True))) -> verified" in text, text
+    assert "does not cancel" not in text
+
+
+def test_an_exp_used_as_a_bf16_scale_is_still_no_fix() -> None:
+    """The same model whose exp is not normalised (``weights`` used as it is): the moved max moves the output."""
+    vit = _overflowing_vit()
+    original = Attention.forward
+
+    def unnormalised(self: Attention, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        weights = (q @ k.transpose(-2, -1) * self.scale).exp()
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, D))
+
+    Attention.forward = unnormalised  # type: ignore[method-assign]
+    try:
+        report = raised(lambda: _train(vit, 1), vit)
+    finally:
+        Attention.forward = original  # type: ignore[method-assign]
+    (stable,) = [trial for trial in report.fixes if trial.kind == "stable"]
+    assert stable.finite is None and stable.fact("changes_value") is True, stable
