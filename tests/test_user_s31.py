@@ -8,15 +8,28 @@ changes what the line computes ... the max does not cancel here ... the model's 
 bfloat16 exp's rounding (~0.4% per weight) moved the logits near 0 by more than that. The check now allows the
 rounding of the coarser of the exp's and the value's dtype, relative to the tensor's largest value; a scale that
 does not cancel (an exp used as a value) still moves it by e-fold and is still refused (test_fixes_hunt15.py).
+
+The GNN notebook as a plain script (``python gnn.py`` with ``nan_magic.watch``): Python 3.11's traceback ended in
+
+    File "gnn.py", line 24, in forward
+      return agg / deg.unsqueeze(1)
+  ^^^^^^^^^^^^^
+
+carets at column 0 under nothing: the last frame is the stand-in that ``%debug`` opens (errors/line_state.py), whose
+``raise`` sat at column 0 and was 17 characters wide. The stand-in's raise now spans the line, and no caret is drawn.
 """
 
 from __future__ import annotations
+
+import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from watching import raised
+
+from nan_magic import NonFiniteError, watch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 
@@ -100,3 +113,34 @@ def test_an_exp_used_as_a_bf16_scale_is_still_no_fix() -> None:
         Attention.forward = original  # type: ignore[method-assign]
     (stable,) = [trial for trial in report.fixes if trial.kind == "stable"]
     assert stable.finite is None and stable.fact("changes_value") is True, stable
+
+
+class MeanConv(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        src, dst = edge_index
+        msg = self.lin(x)[src]
+        agg = torch.zeros(x.shape[0], msg.shape[1]).index_add(0, dst, msg)
+        deg = torch.zeros(x.shape[0]).index_add(0, dst, torch.ones(dst.shape[0]))
+        return agg / deg.unsqueeze(1)
+
+
+@pytest.mark.parametrize("options", [{}, {"ops": True}], ids=["default", "ops"])
+def test_a_script_s_traceback_ends_at_the_producing_line_without_stray_carets(options: dict) -> None:
+    torch.manual_seed(0)
+    conv, edges = MeanConv(16, 8), torch.randint(0, 39, (2, 160))  # node 39: no edges
+    opt = torch.optim.Adam(conv.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as caught, watch(conv, opt, **options):
+        loss = conv(torch.randn(40, 16), edges).sum()
+        loss.backward()
+        opt.step()
+    lines = "".join(traceback.format_exception(caught.value)).splitlines()
+    at = lines.index("    return agg / deg.unsqueeze(1)")
+    assert lines[at - 1].endswith(", in forward") and "test_user_s31.py" in lines[at - 1], lines
+    assert lines[at + 1].startswith("nan_magic.errors.exceptions.NonFiniteError: first non-finite value in forward "
+                                    "step 0: MeanConv (root)"), lines[at - 1:at + 2]
+    assert not any(line.strip() and set(line.strip()) <= {"^", "~"} and not line.startswith("    ")
+                   for line in lines), lines

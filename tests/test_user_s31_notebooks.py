@@ -117,9 +117,11 @@ def test_the_fine_tuned_head_at_a_learning_rate_1000x_too_high(tmp_path: Path) -
     nb = run("finetune_freeze.ipynb", tmp_path)
     short = short_error(named_cell(nb, "train_head"))
     # 16 batches an epoch: step 22 is epoch 1 (`p epoch` says 1)
-    assert short[0] == ("NonFiniteError: first non-finite loss in forward step 22: code outside any watched module"), short
+    assert short[0] == (
+        "NonFiniteError: first non-finite loss in forward step 22: code outside any watched module"), short
     summary = cell_text(named_cell(nb, "summary"))
-    assert summary.startswith("forward None aten.mse_loss.default 4 22\nlearning-rate-too-high: the loss rose to"), summary
+    assert summary.startswith(
+        "forward None aten.mse_loss.default 4 22\nlearning-rate-too-high: the loss rose to"), summary
     text = report_text(named_cell(nb, "train_head"))
     assert "warning     step 5: the loss reached 5.16e+04" in text
     debug = cell_text(named_cell(nb, "debug"))
