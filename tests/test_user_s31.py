@@ -17,6 +17,11 @@ The GNN notebook as a plain script (``python gnn.py`` with ``nan_magic.watch``):
 
 carets at column 0 under nothing: the last frame is the stand-in that ``%debug`` opens (errors/line_state.py), whose
 ``raise`` sat at column 0 and was 17 characters wide. The stand-in's raise now spans the line, and no caret is drawn.
+
+The GNN's mean aggregation divides by the degree, 0 at an isolated node. The cause's hint said "if it is a count,
+clamp it to >= 1", and the verified trial and its suggested edit right under it clamped the degree to 1.2e-07
+(``deg.unsqueeze(1).clamp_min(1.2e-07)``). A denominator of whole numbers (a degree, ``mask.sum(1)``, a bincount) is
+now clamped to 1, which the edit writes.
 """
 
 from __future__ import annotations
@@ -144,3 +149,23 @@ def test_a_script_s_traceback_ends_at_the_producing_line_without_stray_carets(op
                                     "step 0: MeanConv (root)"), lines[at - 1:at + 2]
     assert not any(line.strip() and set(line.strip()) <= {"^", "~"} and not line.startswith("    ")
                    for line in lines), lines
+
+
+def test_a_count_divisor_is_clamped_to_one_as_the_hint_says() -> None:
+    torch.manual_seed(0)
+    conv, edges = MeanConv(16, 8), torch.randint(0, 39, (2, 160))  # node 39: no edges
+    opt = torch.optim.Adam(conv.parameters(), lr=1e-2)
+
+    def step() -> None:
+        loss = conv(torch.randn(40, 16), edges).sum()
+        loss.backward()
+        opt.step()
+
+    report = raised(step, conv, opt)
+    (eps,) = [trial for trial in report.fixes if trial.kind == "eps"]
+    assert eps.finite is True and eps.fact("form") == "count", eps
+    text = report.to_text()
+    assert "eps: its denominator clamped to at least 1 (it holds counts: whole numbers, 0 where nothing was counted)" \
+        " -> verified" in text, text
+    assert "return agg / deg.unsqueeze(1).clamp_min(1)" in text and "1.2e-07" not in text, text
+    assert "if it is a count, clamp it to >= 1" in text

@@ -87,6 +87,8 @@ def test_the_gnn_whose_isolated_node_divides_by_zero(tmp_path: Path) -> None:
     assert "held 3 zeros of 40" in summary and "\neps True " in summary
     text = report_text(named_cell(nb, "train"))
     assert "deg.unsqueeze(1) (other): f32[40,1] finite in [0, 9]" in text
+    # Was "clamp_min(1.2e-07)" under a hint that says "if it is a count, clamp it to >= 1" (test_user_s31.py)
+    assert "suggested edit (not applied): Cell In[3], line 11: return agg / deg.unsqueeze(1).clamp_min(1)\n" in text
     debug = cell_text(named_cell(nb, "debug"))  # in MeanConv.forward (cell 3), called from the helper of cell 4
     assert "---> 11         return agg / deg.unsqueeze(1)" in debug and "torch.Size([40])" in debug
     assert "tensor(0.)" in debug and "[12],\n        [27],\n        [39]]" in debug
@@ -124,6 +126,9 @@ def test_the_fine_tuned_head_at_a_learning_rate_1000x_too_high(tmp_path: Path) -
         "forward None aten.mse_loss.default 4 22\nlearning-rate-too-high: the loss rose to"), summary
     text = report_text(named_cell(nb, "train_head"))
     assert "warning     step 5: the loss reached 5.16e+04" in text
+    # Was: "(%%nantrace --keep-last-good, or watch(..., keep_last_good=True), ...)", to a user of %nanwatch on
+    assert ("lr: the previous update redone at a tenth of the learning rate, then this step -> not tried: no last "
+            "good state was kept (%%nantrace --keep-last-good, %nanwatch on --keep-last-good or watch(") in text
     debug = cell_text(named_cell(nb, "debug"))
     assert "----> 4         loss = F.mse_loss(logits, y[i:i + bs])" in debug and debug.rstrip().endswith("1")
     assert cell_text(named_cell(nb, "rerun")).startswith("head done ")
