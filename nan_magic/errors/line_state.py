@@ -99,6 +99,22 @@ def _copied_locals(frame: FrameType, lineno: int) -> dict[str, Any]:
     return values
 
 
+def _raise_at(line: str, below: int) -> str:
+    """Source whose ``raise`` is ``below`` lines down, at the column of ``line``'s code, ending a line further.
+
+    A traceback takes the raise's columns as the line's failing part: Python 3.11's marks them with carets under
+    the source line, which for a bare ``raise LookupError`` at column 0 underlined 17 characters of the user's line
+    from its indentation. Started at the line's indentation and ended on the next line, the raise spans the whole
+    line, and no caret is drawn (as for any statement that failed as a whole).
+    """
+    indent = line[:len(line) - len(line.lstrip())] if line.strip() else ""
+    if not indent:
+        return "\n" * below + "raise LookupError(\n)"
+    if below < 1:  # (no line above it to open an indented block: the op on the def line itself, a lambda)
+        return "raise LookupError"
+    return "\n" * (below - 1) + "if 1:\n" + indent + "raise LookupError(\n)"
+
+
 def _stand_in(frame: FrameType, lineno: int, values: dict[str, Any]) -> FrameType | None:
     """A frame of ``frame``'s function stopped at ``lineno``, its locals ``values`` (see the module docstring)."""
     code = frame.f_code
@@ -106,7 +122,8 @@ def _stand_in(frame: FrameType, lineno: int, values: dict[str, Any]) -> FrameTyp
     if lineno < first:
         return None
     # Compiled from line 1, then moved to the function's first line: its lines are the function's.
-    raising = compile("\n" * (lineno - first) + "raise LookupError", code.co_filename, "exec")
+    raising = compile(_raise_at(linecache.getline(code.co_filename, lineno, frame.f_globals), lineno - first),
+                      code.co_filename, "exec")
     raising = raising.replace(co_name=code.co_name, co_qualname=code.co_qualname, co_firstlineno=first)
     try:
         exec(raising, frame.f_globals, values)

@@ -54,6 +54,8 @@ def _changed(trial: FixTrial) -> str:
         return f"the producer's line computed in float32{region} (it ran in {dtype or 'autocast'})"
     if trial.kind == "eps":
         function, eps = trial.fact("function"), trial.fact("eps")
+        if trial.fact("form") == "count":
+            return "its denominator clamped to at least 1 (it holds counts: whole numbers, 0 where nothing was counted)"
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
         if function in BOUNDED_FUNCTIONS:
@@ -449,6 +451,8 @@ def _on_module(node: ast.expr) -> bool:
 
 
 def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
+    if trial.fact("form") == "count":
+        return _method(node, "clamp_min", ast.Constant(1))
     if trial.fact("form") == "zeros":
         zero = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
         return ast.Call(ast.parse("torch.where", mode="eval").body, [zero, _eps(trial), node], [])

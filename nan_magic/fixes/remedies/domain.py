@@ -2,7 +2,7 @@
 
 ``log``/``sqrt``/``rsqrt``/``pow`` of 0 or of a negative: the operand is
 clamped to at least eps; a division by 0: the denominator is clamped to eps
-where it is never negative, else its zeros become eps; ``acos``/``asin`` at
+where it is never negative (to 1 where it counts: whole numbers), else its zeros become eps; ``acos``/``asin`` at
 or beyond +-1, and ``atanh`` there (the inverse of a tanh-squashed action that rounded to 1: SAC's log-prob):
 clamped into ``[-1 + eps, 1 - eps]``; ``logit`` of a probability that rounded to 0 or 1: into
 ``[eps, 1 - eps]``. eps is the operand's
@@ -46,6 +46,17 @@ FUNCTIONS: dict[str, dict[str, int]] = {
 }
 
 
+def _counts(denominator: torch.Tensor) -> bool:
+    """Whether a denominator holds counts: whole numbers, some of them 1 or more (a degree, a ``mask.sum(1)``).
+
+    A count of 0 is clamped to 1, as the cause's hint says, not to eps: the mean of nothing is then 0, where
+    ``x / count.clamp_min(1.2e-07)`` divides what little a numerator holds there by 1e-7.
+    """
+    with torch.no_grad():
+        return bool(denominator.numel()) and bool((denominator == denominator.round()).all()) and bool(
+            denominator.amax() >= 1)
+
+
 def denominator_form(denominator: torch.Tensor) -> str:
     """How a denominator is moved off 0: ``clamp_min`` where it is never negative, else ``zeros``."""
     return "clamp_min" if bool((denominator >= 0).all()) else "zeros"
@@ -82,8 +93,14 @@ class DomainFix:
         if self.function in BOUNDED_FUNCTIONS:
             moved = operand.clamp(low, 1 - eps)
         elif self.function in ("div", "reciprocal"):
-            self.form = denominator_form(operand)
-            moved = operand.clamp_min(eps) if self.form == "clamp_min" else torch.where(operand == 0, eps, operand)
+            form = denominator_form(operand)
+            if form == "clamp_min" and self.form in (None, "count") and _counts(operand):
+                form = "count"
+            self.form = form if self.form in (None, "count") else self.form
+            if form == "count":
+                moved = operand.clamp_min(1)
+            else:
+                moved = operand.clamp_min(eps) if form == "clamp_min" else torch.where(operand == 0, eps, operand)
         else:
             moved = operand.clamp_min(eps)
         self.moved += int((moved != operand).sum())
@@ -94,7 +111,7 @@ class DomainFix:
             if self.function in BOUNDED_FUNCTIONS:
                 operand.clamp_(low, 1 - eps)
             else:
-                operand.clamp_min_(eps)
+                operand.clamp_min_(1 if self.form == "count" else eps)
             return func(*args, **kwargs)
         remedied = list(args)
         remedied[index] = moved

@@ -36,9 +36,10 @@ from nan_magic.scene.last_good import LastGood
 
 __all__ = ["FIRST_STEP", "NO_LAST_GOOD", "redo_step"]
 
-#: (A notebook's user runs the magics, a script's the API: both ways to keep it are said.)
-NO_LAST_GOOD = ("no last good state was kept (%%nantrace --keep-last-good, or watch(..., keep_last_good=True), keeps "
-                "the state the step is redone from)")
+#: (A notebook's user runs the magics, a script's the API: every way to keep it is said; a user of ``%nanwatch on``
+#: was told only of %%nantrace's option.)
+NO_LAST_GOOD = ("no last good state was kept (%%nantrace --keep-last-good, %nanwatch on --keep-last-good or "
+                "watch(..., keep_last_good=True) keeps the state the step is redone from)")
 #: At the first step that advice is a dead end: a last good state is kept from the first step that ends finite.
 FIRST_STEP = "it is the first optimizer step: no state before it is kept to redo it from"
 

@@ -14,7 +14,8 @@ by its own sum. A PPO probability ratio ``exp(logp - old)``, a logit scale's
 ``exp(s)`` or an exp activation is not normalised: divided by ``exp(max)``
 it is another value, finite or not. So a finite trial is run once more with
 another shift per row (:func:`changes_value`); where the step's loss or
-outputs move with it, the trial is no fix and says so.
+outputs move with it by more than the exp's own rounding (bfloat16's under
+autocast), the trial is no fix and says so.
 
 A softplus by hand, ``torch.log(1 + torch.exp(x))`` (or ``log1p(exp(x))``), is
 not normalised either; the form a person writes is ``F.softplus(x)``, the
@@ -61,6 +62,8 @@ class StableFix:
         self.form: str | None = None
         #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
         self.checked = 0.0
+        #: The dtype the exp ran in (bfloat16 under autocast): its rounding bounds what a moved max may change.
+        self.dtype: torch.dtype | None = None
 
     def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> None:
         """A call the producing module made (anywhere in it): a softmax's or sigmoid's output is remembered."""
@@ -90,6 +93,7 @@ class StableFix:
             return None
         if self.function == "exp" and name == "exp":
             self.form = "max-subtracted exp"
+            self.dtype = operand.dtype
             shift = operand.detach().amax(dim=-1, keepdim=True) if operand.dim() else operand.detach()
             if self.offsets:
                 rows = torch.arange(shift.numel(), dtype=shift.dtype, device=shift.device).reshape(shift.shape)
@@ -184,14 +188,29 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
     for name, before, after in pairs:
         if before.shape != after.shape:
             continue
-        tolerance = max(1e-4, 4 * torch.finfo(before.dtype).eps) if before.is_floating_point() else 0.0
-        if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=1e-6, equal_nan=True):
+        tolerance = _rounding(before, fix.dtype)
+        # Relative to the tensor's largest value, not each element's own: an exp in bfloat16 rounds each of its
+        # weights by ~0.4%, and the weighted sums it feeds carry that as an absolute error, which an element near 0
+        # holds as a large relative one (a ViT's bf16 attention: its logits moved by 0.002 around 0.45).
+        scale = float(before.double().abs().max()) if before.numel() else 0.0
+        if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=max(1e-6, tolerance * scale),
+                              equal_nan=True):
             change = float((after.double() - before.double()).abs().max())
             return (f"it changes what the line computes: exp(x - max) is exp(x) / exp(max), and the max does not "
                     f"cancel here (the exp is not normalised by its own sum, as a softmax's is): with the max moved "
                     f"by 1 to 2 more the {name} moved by {change:.3g}; a log of the exp's sum needs the max added "
                     f"back (torch.logsumexp), a ratio or a scale has no max to take out: clamp the exponent")
     return None
+
+
+def _rounding(value: torch.Tensor, exp_dtype: torch.dtype | None) -> float:
+    """The relative change that rounding alone explains: 4 eps of the coarser of the value's and the exp's dtype."""
+    if not value.is_floating_point():
+        return 0.0
+    eps = torch.finfo(value.dtype).eps
+    if exp_dtype is not None and exp_dtype.is_floating_point:
+        eps = max(eps, torch.finfo(exp_dtype).eps)
+    return max(1e-4, 4 * eps)
 
 
 def _named(path: str) -> str:
