@@ -101,6 +101,10 @@ _TEMPLATES: dict[str, str] = {
     "frame-let-go": "{debugger} opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
     "debug-not-replayed": "{debugger} opens where the step was judged, not at the forward line: {reason}",
+    "debug-frame-returned": "{debugger} opens where the step was judged, not in {function} at line {line}: that "
+                            "function had returned before the deferred check judged the step (a replay of the step "
+                            "does not run it again, and the watch keeps no function's frame past its step: its "
+                            "locals would stay alive into the next one)",
     "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,
