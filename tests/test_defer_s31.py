@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from contract import Case, defer_s31
 from torch import nn
 from torch.nn import functional as F
 
 import nan_magic
-from contract import Case, defer_s31
 from nan_magic import NonFiniteError
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]

@@ -361,12 +361,12 @@ def _debug_note(frame: FrameType, report: Report) -> Note:
     layer), the user frame of its ops is the frame that runs the replay, not one at the report's line.
     """
     source = report.source
-    running = sys._getframe(1)
+    running: FrameType | None = sys._getframe(1)
     while running is not None and running is not frame:
         running = running.f_back
     if source is None or running is None or frame.f_lineno == source.lineno:
         return Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
-    ancestor = frame
+    ancestor: FrameType | None = frame
     while ancestor is not None and not (ancestor.f_code.co_filename == source.filename
                                         and ancestor.f_code.co_name == source.function):
         ancestor = ancestor.f_back
