@@ -220,3 +220,22 @@ def test_batch_helper_frame_let_go_is_said(options: dict[str, Any]) -> None:
     # Judged at opt.step(): %debug opens at the model call, and the report says why not in make_batch.
     assert _line(report.debug_frame) == ("test_defer_s31.py", _marker("model call"))
     assert said and said[0].fact("function") == "make_batch", report.to_text()
+
+
+# ---------------------------------------------------------------- a fix trial of a call under no_grad with a loss kept
+def test_no_grad_teacher_fix_is_judged_by_the_loss_not_a_backward_through_it() -> None:
+    """A float16 teacher under no_grad overflows; the deferred check has the student's loss code: the float32 trial
+    is judged by that loss (finite), not by a backward through the teacher, which the user's step never runs."""
+    from contract import hunt16
+
+    case = next(case for case in hunt16.CASES if case.name == "hunt16_distillation_float16_teacher_overflows")
+    for options in ({}, {"defer": True}):
+        torch.manual_seed(0)
+        scenario = case.build()
+        report = _report(scenario.targets, scenario.run, {**options, **scenario.options})
+        trial = next(trial for trial in report.fixes if trial.kind == "float32")
+        assert trial.finite, report.to_text()
+        assert not trial.fact("stepped")
+        if options:
+            assert trial.fact("backward_from") == "no-grad-loss" and trial.loss is not None, trial
+            assert "no backward or optimizer step runs through it" in report.to_text()
