@@ -331,6 +331,11 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     if loss is not None and not _finite(loss):
         outcome.failed = "loss"
         return
+    if not step.root.grad_enabled:
+        # A call under no_grad (a distillation teacher, a target network) judged by its step's loss: the user's
+        # backward never runs through it, so a backward through it (a float16 teacher's) could fail where the step
+        # never goes (trial_facts: "no-grad-loss").
+        return
     scale, carried = step.grad_scale
     starts = [(tensor, grad * (scale / carried if start == "held" else scale)) for tensor, grad, start in
               _backward_starts(tensors, step.root, loss)]

@@ -65,6 +65,8 @@ def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
     none ran, the call was made under no_grad and no loss code of its step was kept (its forward alone replayed)."""
     if forward_only(step):
         return "no-grad"
+    if not step.root.grad_enabled:
+        return "no-grad-loss"  # judged by its step's loss code, no backward through it (step.py)
     if outcome.loss_from is not None:
         return "loss"
     return "output-gradient" if held_gradients(step.root) else "ones"

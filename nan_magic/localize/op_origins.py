@@ -261,6 +261,8 @@ class OpOrigins:
         elif self.outside is not None:
             _tensors, frame, position = self.outside.witness(origin)
             calls = self.outside.calls_to(frame)
+            if frame is None and self.outside.let_go is not None:
+                finding.notes.append(self.outside.let_go)  # %debug opens where the step was judged: said why
         else:
             return
         if frame is not None:

@@ -136,7 +136,8 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         return f"still non-finite ({trial.failed or 'the step'})"
     # (A forward replayed alone proves the call's output finite, not a step the trial never ran.)
     parts = ["verified: the call's output came out finite" if trial.fact("backward_from") == "no-grad"
-             else "verified: the step came out finite"]
+             else "verified: the call's output and its step's loss came out finite"
+             if trial.fact("backward_from") == "no-grad-loss" else "verified: the step came out finite"]
     if trial.loss is not None:
         last = " (the last step's loss code and targets on this step's outputs)"
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
@@ -159,6 +160,9 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     if trial.fact("backward_from") == "no-grad":
         parts.append("its forward alone replayed: the call ran under no_grad and no loss code of its step was kept, "
                      "so no loss, backward or optimizer step")
+    elif trial.fact("backward_from") == "no-grad-loss":
+        parts.append("judged by its step's loss: the call ran under no_grad, so no backward or optimizer step runs "
+                     "through it")
     elif not trial.fact("stepped"):
         parts.append("no optimizer step replayed")
     return ", ".join(parts)

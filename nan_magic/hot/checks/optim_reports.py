@@ -152,6 +152,10 @@ class StepReports:
                 # in it, or the next step runs there: the check ran at another line, a second optimizer's step, and
                 # the note says its locals are that step's).
                 finding.frame, finding.frame_position = frame, (result.caller_lasti, called[1])
+            elif finding.frame is None and called is not None and left:
+                # The function that called the step (a ``train(model)`` helper's loop) returned before the watch
+                # was left: %debug opens where the watch was left, and says why not at the step's line.
+                finding.notes.append(Note.of("debug-frame-returned", function=called[0].co_name, line=called[1]))
             self.watch.emit(finding)
             return True
         if self.headroom is not None:

@@ -98,9 +98,28 @@ def small_frames(frames: set[FrameType]) -> set[FrameType]:
 
 
 def _storage_size(tensor: torch.Tensor) -> int:
-    """The bytes of a tensor subclass's storage, past :data:`KEEP_TOTAL` where it has none."""
+    """The bytes of a tensor subclass's storage, or of a sparse tensor's parts; past :data:`KEEP_TOTAL` where it has
+    neither."""
+    parts = _SPARSE_PARTS.get(tensor.layout)
+    if parts is not None:
+        # A sparse tensor has no storage of its own: what holding it keeps alive is its index and value tensors (a
+        # GCN's normalised adjacency built in a data helper: small, and that helper's frame is where %debug opens).
+        try:
+            return sum(getattr(tensor, part)().nbytes for part in parts)
+        except RuntimeError:  # (a sparse tensor of a subclass, a meta one: unmeasured)
+            return KEEP_TOTAL + 1
     size = storage_bytes(tensor)
     return KEEP_TOTAL + 1 if size is None else size[1]
+
+
+#: The tensors a sparse layout's values live in, by the methods that return them.
+_SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 def bytes_held(tensor: torch.Tensor) -> int:

@@ -1,12 +1,10 @@
 """The sentence of each kind of note (records: :class:`~nan_magic.note_records.Note`).
 
-The engine keeps a note's facts; the words are all here. A template is
-filled from the note's facts; a kind whose words depend on them has a
-function. Facts whose name ends in ``module`` hold a module's qualified name
-(``""`` for the root, None where none): they read as ``the root module``
-where empty. An ``error`` reads with its ``message``: ``ValueError: bad
-shape``, or the type alone. A note with the fact ``ops_hint`` ends with the
-advice to watch with ``ops=True``.
+The engine keeps a note's facts; the words are all here. A template is filled from the note's facts; a kind whose
+words depend on them has a function. Facts whose name ends in ``module`` hold a module's qualified name (``""`` for
+the root, None where none): they read as ``the root module`` where empty. An ``error`` reads with its ``message``:
+``ValueError: bad shape``, or the type alone. A note with the fact ``ops_hint`` ends with the advice to watch with
+``ops=True``.
 """
 
 from __future__ import annotations
@@ -101,6 +99,8 @@ _TEMPLATES: dict[str, str] = {
     "frame-let-go": "{debugger} opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
     "debug-not-replayed": "{debugger} opens where the step was judged, not at the forward line: {reason}",
+    "debug-frame-returned": "{debugger} opens where the step was judged, not in {function} at line {line}: that "
+                            "function had returned before the deferred check, and no replay runs it again",
     "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
     "input-mutated": "{module} changed its input in place, so a replay cannot start from the values it received; "
                      + _OPS,

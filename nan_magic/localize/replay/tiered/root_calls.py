@@ -298,7 +298,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         else:
             outcome.debug_note = Note.of("debug-not-replayed", reason=NOT_REACHED)
     elif outcome.frame is not None and outcome.report is not None:
-        outcome.debug_note = Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
+        outcome.debug_note = _debug_note(outcome.frame, outcome.report)
     if outcome.report is None:
         changed = [tensor for tensor, version in _unkept(root) if version_of(tensor) != version]
         if changed:
@@ -350,3 +350,27 @@ def _originals(root: RootCall) -> dict[str, torch.Tensor]:
         return {}
     alive = ((str(record.path), record.ref()) for record in root.call.outputs)
     return {path: tensor for path, tensor in alive if tensor is not None}
+
+
+def _debug_note(frame: FrameType, report: Report) -> Note:
+    """What the report says of the frame %debug opens: a replay's, at the report's line; or, where the line ran in a
+    function that had returned before the step was judged (a helper that called the model, ``loss_of(model)``,
+    judged at ``opt.step()`` by the deferred check), the loop's frame that runs the check, and why.
+
+    A replay of a model call runs the model's code only: where that is all torch's (a parametrization, a library
+    layer), the user frame of its ops is the frame that runs the replay, not one at the report's line.
+    """
+    source = report.source
+    running: FrameType | None = sys._getframe(1)
+    while running is not None and running is not frame:
+        running = running.f_back
+    if source is None or running is None or frame.f_lineno == source.lineno:
+        return Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
+    ancestor: FrameType | None = frame
+    while ancestor is not None and not (ancestor.f_code.co_filename == source.filename
+                                        and ancestor.f_code.co_name == source.function):
+        ancestor = ancestor.f_back
+    if ancestor is not None:
+        return Note("debug-in-replay")
+    return Note.of("debug-frame-returned", function=source.function, line=source.lineno)
+
