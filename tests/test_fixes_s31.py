@@ -205,7 +205,8 @@ def test_adams_eps_judged_a_step_later_is_not_redone_with_the_later_steps_gradie
     trial = trial_of(report, "eps")
     assert (trial.finite, trial.failed) == (None, None)
     assert trial.untried is not None and trial.untried.startswith(
-        "the gradients of step 2 are gone: the step was judged at step 3, whose backward wrote non-finite ones over them")
+        "the gradients of step 2 are gone: the step was judged at step 3, "
+        "whose backward wrote non-finite ones over them")
     text = " ".join(str(report).split())
     assert "still non-finite (optimizer step)" not in text and "the gradients of step 2 are gone" in text
     assert "the gradients of step 2 are gone" in " ".join(report.to_html().split())
