@@ -212,7 +212,7 @@ class TopOneMoE(nn.Module):
         gates = self.router(x).softmax(-1)
         choice = gates.argmax(-1)
         out = x.new_zeros(x.shape[0], 3)
-        for i, (name, expert) in enumerate(self.experts.items()):
+        for i, expert in enumerate(self.experts.values()):
             picked = (choice == i).nonzero().squeeze(-1)
             if picked.numel() == 0:  # this expert gets no token this step: its grads stay None
                 continue

@@ -507,7 +507,66 @@ def optimizer_step_hooks() -> Row:
     return Row((model, opt), (model, opt), run)
 
 
+# -- what the engine got wrong before this round (each row failed without its fix) ------------------------------
+
+
+class StopForward(Exception):
+    """A feature extractor's own signal: the forward has gone as far as needed."""
+
+
+def feature_extractor_stops_the_forward() -> Row:
+    """Between training steps the loop takes the hidden features by a forward hook that raises StopForward (the
+    rest of the model is not run), caught by the loop. Was: a forward that raised was replayed to look for a NaN
+    before the exception, the user's hook firing twice (two features appended a step); now only an error a bad
+    value can cause is replayed (nan_magic/localize/raised.py)."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+    features: list[torch.Tensor] = []
+
+    def grab(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        features.append(out.detach().clone())
+        raise StopForward
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.detach())
+                handle = model[1].register_forward_hook(grab)
+                try:
+                    model(x)
+                except StopForward:
+                    pass
+                finally:
+                    handle.remove()
+        return [out, features]
+
+    return Row((model, opt), (model, opt), run)
+
+
+def root_backward_hook_without_input_grads() -> Row:
+    """The user's full backward hook on the model itself, whose input (the batch) needs no gradient: torch warns
+    that the hook fires with respect to the outputs, with a stacklevel counted for its own frames. Was: the warning
+    named nan_magic/patches/backward.py (one frame of ours more than torch's Tensor.backward); now the user's
+    loss.backward() line (the patched Tensor.backward is installed without a dispatch frame: registry.SelfGated)."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+    norms: list[torch.Tensor] = []
+    model.register_full_backward_hook(lambda m, gi, go: norms.append(go[0].norm()))
+    model.register_forward_hook(lambda m, a, o: o / 1.5)  # and a temperature on the model's output
+    inner = steps(model, opt, lambda s: F.cross_entropy(model(x), y))
+    return Row((model, opt), (model, opt), lambda watching: [inner(watching), norms])
+
+
 ROWS = {
+    "feature_extractor_hook_raises_stop_forward": feature_extractor_stops_the_forward,
+    "root_full_backward_hook_no_input_grads": root_backward_hook_without_input_grads,
     "scaler_bf16_autocast_clip_grad_value": lambda: scaler_bf16_clip_value(1),
     "scaler_bf16_autocast_accumulate_clip_value": lambda: scaler_bf16_clip_value(2),
     "clip_grad_value_frozen_layer_none_grads": clip_value_with_frozen_layers,
@@ -548,3 +607,49 @@ def test_the_rows_really_meet_what_they_handle() -> None:
     row = wgan_weight_clipping()
     row.run(lambda: contextlib.nullcontext())
     assert all(p.abs().max() <= 0.01 for p in row.held[1].parameters())
+
+
+class Diverged(Exception):
+    """The user's own error for a NaN they check for."""
+
+
+class Checked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).log()  # producer: log of negatives
+        if torch.isnan(h).any():
+            raise Diverged("NaN in h")
+        return h
+
+
+def test_the_users_own_error_on_a_nan_is_still_explained() -> None:
+    # The replay of a forward that raised runs for the user's own exception class where the traceback's frames
+    # hold a non-finite tensor (their check read one): the report names the op and line that made it.
+    import nan_magic
+    from nan_magic.errors.exceptions import NonFiniteError
+
+    torch.manual_seed(0)
+    model = Checked()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model):
+        model(torch.randn(3, 4))
+    report = caught.value.report
+    assert report.phase == "forward" and report.op is not None and "log" in report.op
+    assert report.source is not None and "producer: log of negatives" in report.source.line
+    assert isinstance(caught.value.__cause__, Diverged)
+
+
+def test_a_warning_from_inside_backward_names_the_users_line() -> None:
+    import warnings
+
+    import nan_magic
+
+    row = root_backward_hook_without_input_grads()
+    model, opt = row.held
+    with warnings.catch_warnings(record=True) as caught, nan_magic.watch(model, opt):
+        warnings.simplefilter("always")
+        F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()  # the line named
+    fired = [w for w in caught if "Full backward hook is firing" in str(w.message)]
+    assert fired and all(w.filename == __file__ for w in fired), [(w.filename, w.lineno) for w in fired]
