@@ -8,6 +8,8 @@ tuple with None, MoE routing through a ModuleDict whose unused experts get no gr
 (finfo.min masks in bfloat16 and float16 that overflow to -inf, logsumexp over fully masked rows, nan_to_num in the
 forward), losses over NaN labels masked on purpose, distributions with validate_args (a masked Categorical policy,
 a VAE's Normal), a scripted loss, a child-sum tree-LSTM that recurses, deterministic algorithms.
+Outputs also as a frozen slots dataclass, a plain object, a tuple with ints, strings and a bool mask; a
+pointer network's -inf scores in the model's own output.
 test_calm_s31_loops.py: loop shapes.
 """
 
@@ -162,6 +164,19 @@ class ModelOutput:
     attentions: torch.Tensor | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenOutput:
+    logits: torch.Tensor
+    extra: tuple
+
+
+class Prediction:
+    """A plain object with tensors as attributes (no dataclass, no mapping)."""
+
+    def __init__(self, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.logits, self.hidden = logits, hidden
+
+
 class Returning(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -177,6 +192,12 @@ class Returning(nn.Module):
             return ModelOutput(logits, h)
         if self.kind == "namedtuple":
             return Output(logits, h, None)
+        if self.kind == "frozen":
+            return FrozenOutput(logits, (None, 3, "layer"))
+        if self.kind == "object":
+            return Prediction(logits, h)
+        if self.kind == "mixed":  # with an int, a string, a float, the predictions (int64) and a bool mask
+            return logits, 3, "tag", 0.5, logits.argmax(-1), logits > 0, h
         return logits, None, h
 
 
@@ -189,13 +210,39 @@ def returning(kind: str) -> Row:
         out = model(x)
         if kind == "dict":
             logits, hidden = out["logits"], out["hidden"]
-        elif kind in ("dataclass", "namedtuple"):
+        elif kind in ("dataclass", "namedtuple", "object"):
             logits, hidden = out.logits, out.hidden
+        elif kind == "frozen":
+            logits, hidden = out.logits, out.logits
+        elif kind == "mixed":
+            logits, hidden = out[0], out[-1]
         else:
             logits, _, hidden = out
         return F.cross_entropy(logits, y) + 1e-3 * hidden.pow(2).mean()
 
     return Row((model, opt), (model, opt), steps(model, opt, loss_of))
+
+
+class PointerHead(nn.Module):
+    """A pointer network's scores: -inf at the positions it may not point to, in the model's own output, on
+    purpose; cross_entropy over them is finite (their softmax is 0, so is their gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp(6, 5)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.net(x).masked_fill(~valid, NEG_INF)
+
+
+def pointer_scores_with_neg_inf() -> Row:
+    model = PointerHead()
+    opt = _sgd(model)
+    x = torch.randn(8, 6)
+    valid = torch.rand(8, 5) > 0.5
+    valid[:, 0] = True
+    y = torch.zeros(8, dtype=torch.long)
+    return Row((model, opt), (model, opt), steps(model, opt, lambda s: F.cross_entropy(model(x, valid), y)))
 
 
 # -- MoE routing where some experts get no token -----------------------------------------------------------
@@ -465,6 +512,10 @@ ROWS = {
     "model_returns_dataclass": lambda: returning("dataclass"),
     "model_returns_namedtuple_with_none": lambda: returning("namedtuple"),
     "model_returns_tuple_with_none": lambda: returning("tuple"),
+    "model_returns_frozen_slots_dataclass": lambda: returning("frozen"),
+    "model_returns_plain_object": lambda: returning("object"),
+    "model_returns_ints_strings_and_bool_mask": lambda: returning("mixed"),
+    "pointer_scores_neg_inf_in_model_output": pointer_scores_with_neg_inf,
     "moe_moduledict_idle_experts": moe_with_idle_experts,
     "finfo_min_mask_bfloat16": lambda: finfo_min_masks(torch.bfloat16),
     "finfo_min_mask_float16_overflows": lambda: finfo_min_masks(torch.float16),
@@ -498,6 +549,8 @@ def test_the_rows_really_meet_what_they_handle() -> None:
     s = pool.score(torch.randn(1, 5, 6)).squeeze(-1).masked_fill(~present, NEG_INF)
     assert torch.isnan(s - s.logsumexp(-1, keepdim=True)).all()
     assert torch.isinf(torch.tensor([0.0, 1.0]).log()).any()
+    row = pointer_scores_with_neg_inf()
+    assert row.held[0](torch.randn(8, 6), torch.rand(8, 5) > 0.5).isneginf().any()
     row = multitask_missing_labels()
     row.run(lambda: __import__("contextlib").nullcontext())
     assert all(p.grad is not None and p.grad.isfinite().all() for p in row.held[0].parameters())

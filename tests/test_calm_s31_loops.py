@@ -4,7 +4,11 @@ inside a no_sync-like context with loss / accum_steps, layers frozen then unfroz
 frozen in turn each step, a head added to the model mid-watch, LBFGS with strong Wolfe on a head, an optimizer
 rebuilt from a state_dict mid-watch (resume), the model moved to float64 and back mid-watch, a generator pipeline
 read by next(), a metric by .cpu().numpy() under no_grad, tqdm around the loop, torch.manual_seed each step, a
-fork_rng evaluation, WGAN critic weights clipped in place by p.data.clamp_, the user's optimizer step hooks.
+fork_rng evaluation, WGAN critic weights clipped in place by p.data.clamp_, the user's optimizer step hooks, a
+shape RuntimeError caught and the batch retried, the user's global module hooks, saved-tensor hooks and always_call
+hooks, multinomial sampling in the forward, a saliency map by autograd.grad of the input, clip_grad_norm_ with
+error_if_nonfinite then clip_grad_value_; and the two rows this round fixed (a feature extractor's StopForward, a
+root full backward hook's warning).
 """
 
 from __future__ import annotations
@@ -507,6 +511,160 @@ def optimizer_step_hooks() -> Row:
     return Row((model, opt), (model, opt), run)
 
 
+# -- the user's exceptions, global hooks, saved-tensor hooks, sampling, input gradients -----------------------
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.net(x)
+
+
+def shape_error_fallback() -> Row:
+    """The loop tries each batch as it comes; a batch with a feature missing raises a shape RuntimeError inside the
+    model, caught: padded and called again. The model counts its calls."""
+    model = Counting()
+    opt = _sgd(model)
+    xs = [torch.randn(8, 6), torch.randn(8, 5), torch.randn(8, 6)]
+    y = torch.randint(0, 3, (8,))
+
+    def run(watching) -> list:
+        out = []
+        with watching():
+            for x in xs:
+                try:
+                    logits = model(x)
+                except RuntimeError:
+                    logits = model(F.pad(x, (0, 6 - x.shape[1])))
+                loss = F.cross_entropy(logits, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.detach())
+        return [out, model.calls]
+
+    return Row((model, opt), (model, opt), run)
+
+
+def global_module_hooks() -> Row:
+    """The user's global hooks on every module (register_module_forward_hook logging shapes, a global full backward
+    hook and pre-hook), removed after the loop: the watch's own global hooks step aside beside them."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+    widths: list[int] = []
+    module = nn.modules.module
+
+    def run(watching) -> list:
+        handles = [
+            module.register_module_forward_hook(
+                lambda m, a, o: widths.append(o.shape[-1]) if isinstance(o, torch.Tensor) else None),
+            module.register_module_full_backward_hook(lambda m, gi, go: None),
+            module.register_module_forward_pre_hook(lambda m, a: None),
+        ]
+        try:
+            return [steps(model, opt, lambda s: F.cross_entropy(model(x), y))(watching), widths]
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return Row((model, opt), (model, opt), run)
+
+
+def users_saved_tensor_hooks() -> Row:
+    """The forward under the user's saved_tensors_hooks (pack by a copy, unpack as is)."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+
+    def loss_of(step: int) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            return F.cross_entropy(model(x), y)
+
+    return Row((model, opt), (model, opt), steps(model, opt, loss_of))
+
+
+def always_call_hooks() -> Row:
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+    log: list[int] = []
+    model.register_forward_hook(lambda m, a, o: log.append(1), always_call=True)
+    model[0].register_forward_hook(lambda m, a, o: log.append(2), always_call=True, prepend=True)
+    inner = steps(model, opt, lambda s: F.cross_entropy(model(x), y))
+    return Row((model, opt), (model, opt), lambda watching: [inner(watching), log])
+
+
+class Sampling(nn.Module):
+    """A policy that samples its action by torch.multinomial inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp(6, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.net(x).softmax(-1)
+        action = torch.multinomial(p, 1).squeeze(-1)
+        return p.gather(1, action[:, None]).log().squeeze(-1), action
+
+
+def multinomial_in_the_forward() -> Row:
+    model = Sampling()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, advantage = torch.randn(8, 6), torch.randn(8)
+    return Row((model, opt), (model, opt), steps(model, opt, lambda s: -(model(x)[0] * advantage).mean()))
+
+
+def saliency_between_steps() -> Row:
+    """After each step, a saliency map: autograd.grad of the true class's score by the input (not by a parameter)."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                inp = x.clone().requires_grad_()
+                (saliency,) = torch.autograd.grad(model(inp).gather(1, y[:, None]).sum(), inp)
+                out += [loss.detach(), saliency.abs().amax(1)]
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
+def clip_norm_then_value() -> Row:
+    """clip_grad_norm_(error_if_nonfinite=True, foreach=True), its total norm kept, then clip_grad_value_."""
+    model = _mlp()
+    opt = _sgd(model)
+    x, y = _data()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True,
+                                                          foreach=True))
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+                opt.step()
+                out.append(loss.detach())
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
 # -- what the engine got wrong before this round (each row failed without its fix) ------------------------------
 
 
@@ -567,6 +725,13 @@ def root_backward_hook_without_input_grads() -> Row:
 ROWS = {
     "feature_extractor_hook_raises_stop_forward": feature_extractor_stops_the_forward,
     "root_full_backward_hook_no_input_grads": root_backward_hook_without_input_grads,
+    "shape_runtime_error_caught_and_retried": shape_error_fallback,
+    "users_global_module_hooks": global_module_hooks,
+    "users_saved_tensors_hooks": users_saved_tensor_hooks,
+    "users_always_call_forward_hooks": always_call_hooks,
+    "multinomial_sampling_in_the_forward": multinomial_in_the_forward,
+    "saliency_input_grad_between_steps": saliency_between_steps,
+    "clip_grad_norm_error_if_nonfinite_then_value": clip_norm_then_value,
     "scaler_bf16_autocast_clip_grad_value": lambda: scaler_bf16_clip_value(1),
     "scaler_bf16_autocast_accumulate_clip_value": lambda: scaler_bf16_clip_value(2),
     "clip_grad_value_frozen_layer_none_grads": clip_value_with_frozen_layers,
