@@ -818,3 +818,40 @@ def test_a_warning_from_inside_backward_names_the_users_line() -> None:
         F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()  # the line named
     fired = [w for w in caught if "Full backward hook is firing" in str(w.message)]
     assert fired and all(w.filename == __file__ for w in fired), [(w.filename, w.lineno) for w in fired]
+
+
+
+def _backward_caller(how: str) -> tuple[object, int]:
+    """Where the gradient check of a deferred watch found the loop's backward call (what %debug opens at for an
+    event judged at the step's check, lifecycle/events.py), and the line of that call."""
+    import inspect
+
+    import nan_magic
+
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _data()
+    with nan_magic.watch(model, opt, defer=True) as w:
+        loss = F.cross_entropy(model(x), y)
+        line = inspect.currentframe().f_lineno + 2
+        if how == "tensor":
+            loss.backward()
+        elif how == "function":
+            torch.autograd.backward(loss)  # (line + 2)
+        else:
+            grads = torch.autograd.grad(loss, list(model.parameters()))  # (line + 4)
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+        caller = w.gradients.backward_caller
+        opt.step()
+    return caller, line + {"tensor": 0, "function": 2, "grad": 4}[how]
+
+
+@pytest.mark.parametrize("how", ["tensor", "function", "grad"])
+def test_the_gradient_check_finds_the_users_backward_line(how: str) -> None:
+    # It looks a fixed number of frames up (hot/timing.py's loss_logged): the three backward patches are installed
+    # alike (registry.SelfGated), whichever the loop calls; a frame of ours there would name nan_magic's code.
+    caller, line = _backward_caller(how)
+    code, _lasti, lineno = caller
+    assert (code.co_filename, code.co_name, lineno) == (__file__, "_backward_caller", line)
