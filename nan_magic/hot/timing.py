@@ -248,11 +248,12 @@ class Deferred(Timing):
         gradients.keep_loss_code(loss)
         # Where the loop called backward: a gradient judged at once stops there, and %debug opens at that line;
         # judged at the check, the loop stands at ``opt.step()`` or at the next micro-batch's model call. Below it:
-        # here, the gradient check, patches/backward's _seen, its wrapper of backward, the patch's dispatch
-        # (registry.py); another path (a library's backward, a patch of backward over ours) gives a frame of
-        # library code, which the event ignores. Kept without the frame (its locals), found on the stack at an
-        # event (lifecycle/events.py); its line by instruction (lines.py: f_lineno scans the line table).
-        caller = sys._getframe(5)
+        # here, the gradient check, patches/backward's _seen (or _begin), its wrapper of backward (installed
+        # without a dispatch frame: registry.SelfGated); another path (a library's backward, a patch of backward
+        # over ours) gives a frame of library code, which the event ignores. Kept without the frame (its locals),
+        # found on the stack at an event (lifecycle/events.py); its line by instruction (lines.py: f_lineno scans
+        # the line table).
+        caller = sys._getframe(4)
         code = caller.f_code
         try:  # (line_at's lookup inlined, as step_keeping.py's: every deferred backward)
             line = LINES[code.co_linetable, code.co_firstlineno, caller.f_lasti] if caller.f_trace is None else (

@@ -39,6 +39,7 @@ from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.modes import Localizing
 from nan_magic.localize.ops.sources import Caller
 from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.raised import may_follow_nonfinite
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.per_call import replayed_from_the_step
 from nan_magic.localize.replay.producer_call import CallReplay
@@ -150,8 +151,12 @@ class WatchEvents:
         Called from the forward hook while the exception propagates. torch
         silences what a hook raises then, so in ``raise`` mode the
         NonFiniteError is raised when the watch is left, from the original
-        exception (events.py); ``warn``/``log`` record it now.
+        exception (events.py); ``warn``/``log`` record it now. Not replayed where the exception is the user's
+        own control flow, no bad value's (raised.py: the replay would run their hooks and code again).
         """
+        error = sys.exc_info()[1]
+        if error is not None and not may_follow_nonfinite(error):
+            return
         if self.localizing.replays is None:
             finding = self.call_replay.explain_failure(module, call, running_arguments(module))
             if finding is not None:

@@ -33,6 +33,7 @@ from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
+from nan_magic.localize.raised import traceback_tensors
 from nan_magic.localize.swapped import SwappedTensors
 from nan_magic.records import Note, Phase, TensorRef, TensorRole, TensorStats
 
@@ -347,7 +348,7 @@ class OpOrigins:
         # Raised by Python code, not by an op (a distribution's argument validation: Categorical(probs=...) with NaN
         # probabilities raises ValueError): a tensor a frame of the traceback holds that recorded or traced code
         # made non-finite is claimed the same way, the function that held it said in the note.
-        for function, tensor in _traceback_tensors(error):
+        for function, tensor in traceback_tensors(error):
             if relevant_kinds(tensor_stats(tensor).kinds, recorder.kinds) and self.made_by_recorded_code(tensor):
                 finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"), bad=tensor.detach())
                 self.add_op_origin(finding, tensor)
@@ -457,28 +458,6 @@ def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]
         func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
         leaves = tree_leaves((args, kwargs))
         yield func, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and is_checkable(leaf)]
-
-
-def _traceback_tensors(error: BaseException) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(function, tensor)`` for the floating tensors the traceback's frames hold as locals, innermost frame first
-    (each tensor once; nan_magic's own frames left out)."""
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    seen: set[int] = set()
-    for frame in reversed(frames):
-        if frame.f_code.co_filename.startswith(_OURS):
-            continue
-        for value in list(frame.f_locals.values()):
-            if isinstance(value, torch.Tensor) and id(value) not in seen and is_checkable(value):
-                seen.add(id(value))
-                yield frame.f_code.co_qualname, value
-
-
-#: Where nan_magic's own code lives: its frames in a traceback hold no tensor of the user's.
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:

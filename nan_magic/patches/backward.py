@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nan_magic.hot.reads import BATCHED_GRADS
-from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
+from nan_magic.patches.registry import ProcessPatch, Recorder, SelfGated, call_aside
 
 __all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
 
@@ -58,6 +58,8 @@ def _seen(tensors: list[torch.Tensor], given: Any, retained: Any, finish: bool, 
     ``finish``: whether the loss's code ends with it (the finished callbacks: the update code begins).
     """
     __tracebackhide__ = True
+    # (_begin's loop, here: a gradient check finds the loop's backward() line a fixed number of frames up,
+    # hot/timing.py's loss_logged: its own, the check's, this one, the patch's wrapper, then the caller.)
     if given is None:  # (the usual backward: no gradient given, no index kept)
         for tensor in tensors:
             for callback in _callbacks:
@@ -76,6 +78,20 @@ def _seen(tensors: list[torch.Tensor], given: Any, retained: Any, finish: bool, 
         for done in _finished:
             done(tensors[-1])
     return result
+
+
+def _begin(tensors: list[torch.Tensor], given: Any, retained: Any) -> None:
+    """The callbacks before a backward from ``tensors``: ``_seen``'s first part, for Tensor.backward's direct path,
+    which is its own ``_seen`` (as deep on the stack: the callbacks run one frame below the patch's wrapper)."""
+    if given is None:  # (the usual backward: no gradient given, no index kept)
+        for tensor in tensors:
+            for callback in _callbacks:
+                callback(tensor, retained, None)
+    else:
+        for index, tensor in enumerate(tensors):
+            gradient = _given_gradient(given, index)
+            for callback in _callbacks:
+                callback(tensor, retained, gradient)
 
 
 def _losses(given: Any) -> list[torch.Tensor]:
@@ -102,12 +118,12 @@ def _retained(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
     return retain or kwargs.get("create_graph", args[index + 1] if len(args) > index + 1 else False)
 
 
-def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
     # torch's own Tensor.backward only calls torch.autograd.backward (where no __torch_function__ applies), and ours
     # of that, installed after this one (_PATCH), only passes a call made inside _seen through: so where
     # torch.autograd.backward is still our pass-through of the function it wrapped, that function is called here
-    # directly, as torch's own Tensor.backward would call it (three Python calls less a step: torch's frame, our
-    # dispatch and pass-through). Another patch of either, before ours or since, keeps the full path.
+    # directly, as torch's own Tensor.backward would call it (two Python calls less a step: torch's frame and our
+    # pass-through). Another patch of either, before ours or since, keeps the full path.
     code = getattr(original, "__code__", None)
     torchs = (code is not None and code.co_name == "backward"
               and code.co_filename.replace("\\", "/").endswith("torch/_tensor.py"))
@@ -117,24 +133,38 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False,
                  inputs: Any = None) -> Any:
         __tracebackhide__ = True
+        if not entry.acting:  # (taken back under another's patch of it: a pass-through, registry.py)
+            return original(self, gradient, retain_graph, create_graph, inputs)
         if torchs and not _has_torch_function_unary(self):
             try:
                 direct = torch.autograd.backward.__wrapped__ is function  # type: ignore[attr-defined]  # (registry.py)
             except AttributeError:  # (not ours: another's patch since)
                 direct = False
             if direct:
-                return _seen([self], gradient, retain_graph or create_graph, True, function, self, gradient,
-                             retain_graph, create_graph, inputs=inputs)
+                # ``_seen``, its body here: this frame stands where torch's own Tensor.backward would, one Python
+                # frame above torch.autograd.backward, so that a warning torch gives from inside the backward with a
+                # stacklevel counted for its own frames (a full backward hook firing where no input needs a
+                # gradient: stacklevel=5 from its hook) names the user's backward() line, not one of ours.
+                tensors = [self]
+                _begin(tensors, gradient, retain_graph or create_graph)
+                outer, _running.active = _running.active, True
+                try:
+                    result = function(self, gradient, retain_graph, create_graph, inputs=inputs)
+                finally:
+                    _running.active = outer
+                for done in _finished:
+                    done(self)
+                return result
         return _seen([self], gradient, retain_graph or create_graph, True, original, self, gradient, retain_graph,
                      create_graph, inputs)
 
     return backward
 
 
-def _wrap_function(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_function(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        if _running.active:  # (Tensor.backward's own call: seen already)
+        if _running.active or not entry.acting:  # (Tensor.backward's own call: seen already; or inert, registry.py)
             return original(*args, **kwargs)
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
         if not tensors:
@@ -158,9 +188,11 @@ def _by_parameters(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool,
     return any(isinstance(tensor, torch.nn.Parameter) for tensor in given), args, kwargs
 
 
-def _wrap_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_grad(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
     def grad(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        if not entry.acting:  # (taken back under another's patch of it: a pass-through, registry.py)
+            return original(*args, **kwargs)
         # A loss's backward: scalar outputs (no grad_outputs given) and no graph kept. ``create_graph`` is a
         # double backward inside the loss code (a gradient penalty), and the watch's own replays always give
         # ``grad_outputs``: both run as they are.
@@ -198,8 +230,12 @@ def _batched(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         BATCHED_GRADS.running -= 1
 
 
-_PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", _wrap), (torch.autograd, "backward", _wrap_function),
-                               (torch.autograd, "grad", _wrap_grad)])
+# Each installed without the registry's dispatch frame (SelfGated): a warning torch gives from inside a backward
+# with a stacklevel counted for its own frames names the user's line, and the gradient check finds the loop's
+# backward() line at one depth whichever of the three the loop called (hot/timing.py's loss_logged).
+_PATCH = ProcessPatch(lambda: [(torch.Tensor, "backward", SelfGated(_wrap)),
+                               (torch.autograd, "backward", SelfGated(_wrap_function)),
+                               (torch.autograd, "grad", SelfGated(_wrap_grad))])
 
 
 @contextmanager

@@ -36,10 +36,20 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["ProcessPatch", "Recorder", "Wrap", "call_aside", "installed"]
+__all__ = ["ProcessPatch", "Recorder", "SelfGated", "Wrap", "call_aside", "installed"]
 
 #: ``wrap(original) -> replacement``: the replacement receives what the original would, and calls it.
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class SelfGated:
+    """A wrap whose replacement reads whether it still acts itself: ``wrap(original, entry)``, the replacement
+    calling ``original`` alone where ``entry.acting`` is False. It is installed as it is, without the dispatch
+    frame between the caller and it: a warning torch gives from below with a stacklevel counted for its own frames
+    (``Tensor.backward``'s: a full backward hook's, stacklevel=5) then names the caller's line, not ours."""
+
+    def __init__(self, wrap: Callable[[Callable[..., Any], Any], Callable[..., Any]]) -> None:
+        self.wrap = wrap
 
 _MISSING = object()
 _live: list[ProcessPatch] = []
@@ -48,19 +58,23 @@ _live: list[ProcessPatch] = []
 class _Installed:
     """One attribute replaced: what we set, what was there, and whether ours still acts."""
 
-    def __init__(self, owner: Any, name: str, wrap: Wrap) -> None:
+    def __init__(self, owner: Any, name: str, wrap: Wrap | SelfGated) -> None:
         self.owner, self.name = owner, name
         # What the replacement calls: the attribute as code reads it (a classmethod comes bound).
         original = getattr(owner, name)
         # What goes back: the owner's own entry, or nothing when the attribute was inherited.
         self.previous = vars(owner).get(name, _MISSING)
         self.acting = True
-        replacement = wrap(original)
+        dispatch: Callable[..., Any]
+        if isinstance(wrap, SelfGated):
+            dispatch = functools.update_wrapper(wrap.wrap(original, self), original)
+        else:
+            replacement = wrap(original)
 
-        @functools.wraps(original)
-        def dispatch(*args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True
-            return (replacement if self.acting else original)(*args, **kwargs)
+            @functools.wraps(original)
+            def dispatch(*args: Any, **kwargs: Any) -> Any:
+                __tracebackhide__ = True
+                return (replacement if self.acting else original)(*args, **kwargs)
 
         # A bound original (classmethod) or a staticmethod takes no instance: ours must not either.
         static = inspect.getattr_static(owner, name)
@@ -89,7 +103,7 @@ class ProcessPatch:
         exists at that time, e.g. the subclasses imported so far).
     """
 
-    def __init__(self, plan: Callable[[], Iterable[tuple[Any, str, Wrap]]]) -> None:
+    def __init__(self, plan: Callable[[], Iterable[tuple[Any, str, Wrap | SelfGated]]]) -> None:
         self._plan = plan
         self._lock = threading.Lock()
         self._holders = 0
