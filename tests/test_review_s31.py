@@ -110,3 +110,24 @@ def test_an_exp_scaled_in_place_before_the_sum_is_not_taken_for_a_softplus(mode:
     trial = next(trial for trial in report.fixes if trial.kind == "stable")
     assert trial.fact("form") != "softplus"
     assert trial.finite is not True
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ("", "nan_magic: watching every cell (every module called) until %nanwatch off"),
+    ("--ops", "nan_magic: watching every cell (every module called; every op traced (--ops)) until %nanwatch off"),
+    ("--full", "nan_magic: watching every cell (every module called; every module call checked (--full)) until "
+               "%nanwatch off"),
+    ("--defer", "nan_magic: watching every cell (every module called; deferred: checked once a step) until "
+                "%nanwatch off"),
+])
+def test_nanwatch_on_says_the_options_it_took(ip, options: str, said: str) -> None:
+    """user-s31: ``%nanwatch on --ops`` said only "every module called": the user could not see op tracing was on."""
+    from IPython.utils.capture import capture_output
+
+    try:
+        with capture_output() as captured:
+            ip.run_line_magic("nanwatch", f"on {options}".strip())
+        assert captured.stdout.strip() == said
+    finally:
+        with capture_output():
+            ip.run_line_magic("nanwatch", "off")

@@ -343,6 +343,13 @@ class NanMagics(HeldWatchMagics):
         parts = [", ".join(names) if names else "every module called"]
         if watch.targets.optimizers:
             parts.append(f"{len(watch.targets.optimizers)} optimizer(s)")
+        config = watch.config  # the options the user gave beyond the default, so that they see them taken
+        if config.ops:
+            parts.append("every op traced (--ops)")
+        elif config.mode == "full":
+            parts.append("every module call checked (--full)")
+        if config.defer:
+            parts.append("deferred: checked once a step")
         return "; ".join(parts)
 
     def _status(self) -> str:
