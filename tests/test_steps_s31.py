@@ -3,9 +3,10 @@
 Without targets (a magic) or with only the models passed, the watch knows of no optimizer until one steps. A step
 opened by a model call before then is provisional (hot/step_cycle.py): the first module called again may begin the
 loop's next inference step, or be the same iteration's next call (SimCLR's second view, a rollout's next step). The
-backward says which (the steps opened since the last backward are one), and an event that comes before it reads the
-code still to run (errors/code_ahead.py: the loop around the call calls a backward). A loop with no backward keeps
-counting a step each call of its first module. Each case asserts the step the loop's own counter says.
+backward, where the loop goes on to an optimizer's step, says which (the steps opened since the last backward are
+one), and an event that comes before it reads the code still to run (errors/code_ahead.py: the loop around the call
+calls a backward and a step). A loop with no optimizer step keeps counting a step each call of its first module.
+Each case asserts the step the loop's own counter says.
 """
 
 from __future__ import annotations
@@ -103,6 +104,21 @@ def test_a_saliency_loop_counts_a_step_each_backward(mode: str) -> None:
     assert (i, caught.value.report.step) == (3, 3)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_saliency_map_every_few_images_counts_a_step_each_image(mode: str) -> None:
+    """Inference with a saliency backward every 5th image only (session 31's review: the backward merged the images
+    between two saliency maps into one step, "step 3 (the step's 5th model call)" for image 13)."""
+    encoder, projector, _ = _models()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, projector, **MODES[mode]) as watch:
+        for i in range(20):
+            x = torch.randn(4, 8, requires_grad=True)
+            out = projector(encoder(x * (float("nan") if i == 13 else 1.0)))
+            if i % 5 == 0:
+                out.sum().backward()
+    assert (i, caught.value.report.step) == (13, 13)
+    assert [summary.step for summary in watch.history] == list(range(13))
+
+
 def test_the_history_holds_each_iteration_once() -> None:
     """The first iteration's two views were closed as two steps, then merged: the history says 0, 1, 2."""
     encoder, projector, opt = _models()
@@ -144,9 +160,11 @@ def test_a_cell_s_second_view_fails_at_its_step(ip, armed: str, options: str) ->
         assert (ip.user_ns["_nan_report"].phase.value, ip.user_ns["_nan_report"].step) == ("data", bad)
 
 
-def test_a_loop_with_two_views_and_a_backward_but_no_optimizer_counts_each_iteration_s_calls() -> None:
-    """An attribution loop: two views, one backward, no optimizer: a step each iteration, the second view's batch
-    the step's 3rd model call in every iteration (the calls of an earlier iteration are not counted in)."""
+def test_a_loop_with_two_views_and_a_backward_but_no_optimizer_counts_a_step_each_first_module_call() -> None:
+    """An attribution loop: two views, one backward, no optimizer step anywhere in the loop: inference, whose rule
+    (PRODUCT.md) opens a step each time the step's first module is called again: iteration 2's second view is step
+    5, as the same loop without the backward counts it (a backward alone does not make the loop a training one: a
+    saliency map every few images would merge images; session 31's review)."""
     encoder, projector, _ = _models()
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, projector):
         for i in range(4):
@@ -154,7 +172,7 @@ def test_a_loop_with_two_views_and_a_backward_but_no_optimizer_counts_each_itera
             if i == 2:
                 x2.data[0, 0] = float("nan")
             (projector(encoder(torch.randn(4, 8))) * projector(encoder(x2))).sum().backward()
-    assert (i, caught.value.report.step, caught.value.report.model_call) == (2, 2, 3)
+    assert (i, caught.value.report.step) == (2, 5)
 
 
 @pytest.mark.parametrize("mode", ["default", "defer"])
@@ -171,3 +189,86 @@ def test_a_rollout_in_a_comprehension_fails_at_the_loop_s_step(mode: str) -> Non
             loss.backward()
             opt.step()
     assert (update, caught.value.report.phase.value, caught.value.report.step) == (0, "data", 0)
+
+
+# The bytecode reader alone (errors/code_ahead.py): what it answers at a model call, for loops as users write them.
+# (Checked by hand under Python 3.10, 3.12 and 3.13 too: 3.12 inlines a comprehension in its function's code, 3.10
+# and 3.11 close a ``while`` with a conditional jump back.)
+class _Loss:
+    def backward(self) -> None:
+        pass
+
+
+class _Optimizer:
+    def step(self) -> None:
+        pass
+
+
+_opt = _Optimizer()
+_answers: list[bool] = []
+
+
+def _model(value: Any) -> None:
+    import sys
+
+    from nan_magic.errors.code_ahead import BACKWARD, STEP, calls_ahead
+
+    _answers.append(calls_ahead(sys._getframe(1), BACKWARD, STEP))
+
+
+def _views_in_a_helper(views: list[int]) -> list[None]:
+    return [_model(view) for view in views]
+
+
+def _train_with_views_in_a_helper() -> None:
+    for _ in range(1):
+        _views_in_a_helper([1, 2])
+        _Loss().backward()
+        _opt.step()
+
+
+def _train_in_a_while_loop() -> None:
+    i = 0
+    while i < 1:
+        _model(i)
+        _Loss().backward()
+        _opt.step()
+        i += 1
+
+
+def _evaluate_in_a_while_loop_then_train() -> None:
+    i = 0
+    while i < 1:
+        _model(i)
+        i += 1
+    for _ in range(1):
+        _model(0)
+        _Loss().backward()
+        _opt.step()
+
+
+def _saliency_every_fifth() -> None:
+    for i in range(10):
+        _model(i)
+        if i % 5 == 0:
+            _Loss().backward()
+
+
+def _train_step(x: int) -> None:
+    _model(x)
+    _Loss().backward()
+    _opt.step()
+
+
+def _loop_of_train_steps() -> None:
+    for i in range(1):
+        _train_step(i)
+
+
+@pytest.mark.parametrize(("loop", "trains"), [
+    (_train_with_views_in_a_helper, True), (_train_in_a_while_loop, True),
+    (_evaluate_in_a_while_loop_then_train, False), (_saliency_every_fifth, False), (_loop_of_train_steps, True)])
+def test_the_code_ahead_of_a_model_call_says_whether_its_loop_trains(loop: Any, trains: bool) -> None:
+    _answers.clear()
+    loop()
+    assert _answers[0] is trains

@@ -21,6 +21,7 @@ check and close steps, both add early warnings.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -32,7 +33,7 @@ from torch import nn
 
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
-from nan_magic.errors.code_ahead import backward_ahead
+from nan_magic.errors.code_ahead import BACKWARD, STEP, calls_ahead
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.errors.frames import place_at_user, user_stacklevel
 from nan_magic.hot.checks.early import EarlyWarnings
@@ -239,24 +240,26 @@ class StepCycle(CycleExit):
 
         A step opened by a model call before any optimizer stepped is provisional: the first module called again may
         begin the loop's next inference step, or be the same iteration's next call (SimCLR's second view, a rollout's
-        next step; the optimizer, not passed to the watch, is unknown until it steps). A backward over them says
-        which: the steps opened since the last backward are one, the first of them. An inference loop's backward (a
-        saliency map) follows each of its steps: nothing to merge; a loop that runs no backward keeps counting a step
-        each call of its first module.
+        next step; the optimizer, not passed to the watch, is unknown until it steps). A backward over them whose
+        loop goes on to an optimizer's step (errors/code_ahead.py) says which: the steps opened since the last
+        backward are one, the first of them. An inference loop's backward (a saliency map, after each image or every
+        few) steps no optimizer: nothing is merged; a loop that runs no backward keeps counting a step each call of
+        its first module.
         """
         if self.training():
             return
-        self._merge_unstepped()
+        if self.steps_opened - self._backward_mark >= 2 and calls_ahead(sys._getframe(1), STEP):
+            self._merge_unstepped()  # (a saliency map's backward every few images, no step after it: one a call)
         self._backward_mark, self._earlier_calls = self.steps_opened, 0
 
     def settle_at_event(self, frame: FrameType | None) -> None:
         """An event is reported from ``frame`` (the stack at the event): where it came in a provisional step (see
         :meth:`backward_starting`) before the backward that would merge it, the code still to run says whether one
-        is coming (errors/code_ahead.py: the loop around the call calls a backward); then the steps are merged now.
+        is coming (errors/code_ahead.py: the loop around the call calls a backward and a step); then they merge now.
         """
         if self.trains or self.steps_opened - self._backward_mark < 2 or self.training():
             return
-        if backward_ahead(frame):
+        if calls_ahead(frame, BACKWARD, STEP):
             self._merge_unstepped()
 
     def _merge_unstepped(self) -> None:
