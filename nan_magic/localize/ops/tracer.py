@@ -57,6 +57,7 @@ or carries an origin) are :mod:`~nan_magic.localize.ops.origin_rules`.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -403,6 +404,11 @@ class OpTracer(OriginRules, TorchDispatchMode):
                                     started=False)
         self._literals[id(out)] = (out, origin.finding)
         self.literals.append(origin.finding)
+        if not any(math.isnan(number) for _name, number in numbers):
+            # An infinite number the code lifted itself (``torch.tensor(float("inf"))``, soft-DTW's border) is a
+            # deliberate infinity, as ``torch.full((), inf)`` is (PRODUCT.md, "benign"): what consumes it and makes a
+            # non-finite output is the producer, and it is no data entering the loss code. A NaN never is.
+            self._origins.note(out, BENIGN)
 
     def _literal_writes(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Note the memory an op writes a lifted number into (``copy_``, ``index_put_``), for :meth:`written_into`."""
