@@ -7,6 +7,10 @@ was bad before the loss read it") at the line that stacked it, when a ``log(0)``
 a literal overflowed. The same border filled by ``torch.full((), inf)`` was deliberate (PRODUCT.md, "benign": an op
 given an infinite scalar) in every mode; a lifted infinite number is now too (localize/ops/tracer.py, ``_lifted``),
 while a NaN literal stays data, and an infinity the loop writes into a batch is still named at its writing line.
+
+An ``exp`` whose input's only non-finite values are -inf (a mask, that border) and which made +inf was "unclassified:
+made +inf from inputs already non-finite"; ``exp(-inf)`` is 0, so the +inf is a finite element's overflow: the cause
+is exp-overflow (explain/forward.py), with its hint and the max subtraction verified.
 """
 
 from __future__ import annotations
@@ -56,6 +60,33 @@ def test_an_exp_overflow_beside_a_lifted_infinite_border_is_named(mode: str, bor
     report = _border_loop(border, True, **MODES[mode])
     assert (report.phase, report.module, report.step, report.op) == ("forward", None, 2, "aten.exp.default")
     assert report.source is not None and report.source.line.startswith("terms = torch.exp(")
+    # (Its cause was "unclassified: made +inf from inputs already non-finite" with either border: the -inf.)
+    assert report.cause is not None and report.cause.label == "exp-overflow"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fill", [float("-inf"), -1e9])
+def test_a_hand_written_masked_softmax_whose_exp_overflows_is_an_exp_overflow(mode: str, fill: float) -> None:
+    """``exp(scores.masked_fill(mask, -inf))`` overflowing in an unmasked position: the mask's -inf gives 0, the +inf
+    is the finite scores' overflow; its cause is exp-overflow, as without the mask (-1e9), and max subtraction is the
+    fix verified on a replay."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    keep = torch.tensor([True, True, True, False])
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for step in range(3):
+            scores = model(torch.randn(2, 4) * (1 if step < 2 else -1000)).masked_fill(~keep, fill)
+            e = torch.exp(scores)
+            loss = -(e[:, 0] / e.sum(-1) + 1e-3).log().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("forward", 2, "aten.exp.default")
+    assert report.cause is not None and report.cause.label == "exp-overflow"
+    if not MODES[mode].get("ops"):  # (ops=True tries no fix on this step: the same with -1e9, unmasked)
+        assert [fix.kind for fix in report.fixes if fix.finite] == ["stable"]
 
 
 @pytest.mark.parametrize("mode", MODES)

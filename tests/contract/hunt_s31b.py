@@ -144,7 +144,46 @@ def _gradnorm(floor: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- a pointer network's masked softmax by hand
+class Pointer(nn.Module):
+    """Pointer-network decoding step (a routing policy): scores over the cities, visited ones masked with -inf, and a
+    softmax written by hand, ``exp(s) / sum(exp(s))`` (the max subtracted first in the twin)."""
+
+    def __init__(self, stable: bool) -> None:
+        super().__init__()
+        self.query, self.key, self.stable = nn.Linear(2, 16), nn.Linear(2, 16), stable
+
+    def forward(self, cities: torch.Tensor, visited: torch.Tensor) -> torch.Tensor:
+        scores = (self.key(cities) @ self.query(cities[:, :1]).transpose(1, 2)).squeeze(-1)
+        scores = scores.masked_fill(visited, float("-inf"))
+        if self.stable:
+            scores = scores - scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores)  # producer: pointer exp
+        return weights / weights.sum(-1, keepdim=True)
+
+
+def _pointer(stable: bool) -> Scenario:
+    """REINFORCE over the next city's log-probability; step 2's instance has coordinates in metres instead of
+    kilometres (x 1000): the unmasked scores reach the thousands and their ``exp`` overflows beside the mask's -inf.
+    The ``exp`` of the mask is 0, its overflow is the finite scores'; the report said "unclassified: made +inf from
+    inputs already non-finite" before (explain/forward.py). The twin subtracts the row max."""
+    torch.manual_seed(0)
+    model = Pointer(stable)
+    cities = [torch.rand(2, 6, 2) for _ in range(4)]
+    cities[2] = cities[2] * 1000.0
+    visited = [torch.rand(2, 6) < 0.3 for _ in range(4)]
+    for mask in visited:
+        mask[:, 0] = True  # the depot is where the tour starts
+        mask[:, 1] = False
+    rewards = _batches(2)
+    return _loop(model, lambda step: (cities[step], visited[step]),
+                 lambda out, step: -(rewards[step] * torch.log(out[:, 1] + 1e-9)).mean())
+
+
 CASES = [
+    Case("hunt_s31b_pointer_network_masked_softmax_by_hand_exp_overflow", lambda: _pointer(False),
+         Expect("forward", "", "Pointer", step=2, op="aten.exp.default", marker="pointer exp", cause="exp-overflow")),
+    Case("hunt_s31b_pointer_network_masked_softmax_max_subtracted_healthy", lambda: _pointer(True), None),
     Case("hunt_s31b_hawkes_relu_base_rate_0_at_a_first_event", lambda: _hawkes(False),
          Expect("forward", "", "HawkesTPP", step=2, op="aten.log.default", marker="hawkes log", cause="log-domain")),
     Case("hunt_s31b_hawkes_softplus_base_rate_healthy", lambda: _hawkes(True), None),
