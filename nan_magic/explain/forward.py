@@ -60,11 +60,23 @@ def forward_cause(report: Report) -> Cause:
         else masked_resample_cause(report) if base in RESAMPLE_OPS else None)
     if masked is not None:
         return masked
-    if any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite:
+    if (any(stats.nonfinite for _ref, stats in report.op_inputs) or not report.inputs_finite) and not (
+            _overflow_beside_neginf(base, report)):
         # An op that made a new kind from values already non-finite (inf·0, inf - inf).
         return event_cause("unclassified", "carried", report)
     rule = _OP_RULES.get(base)
     return rule(report) if rule is not None else overflow(report)
+
+
+#: Functions that map -inf to a finite value (``exp(-inf)`` is 0): an input's -inf cannot make their +inf.
+_FINITE_AT_NEGINF = frozenset({"exp", "exp2", "expm1"})
+
+
+def _overflow_beside_neginf(base: str, report: Report) -> bool:
+    """``exp`` of a tensor whose only non-finite values are -inf (a masked softmax written by hand, soft-DTW's
+    border) that made +inf and no NaN: the +inf came from a finite element, an overflow, not a carried value."""
+    return base in _FINITE_AT_NEGINF and bool(report.op_inputs) and report.nan == 0 and all(
+        stats.nan == 0 and stats.posinf == 0 for _ref, stats in report.op_inputs)
 
 
 def _log(report: Report) -> Cause:
