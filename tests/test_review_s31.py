@@ -8,6 +8,8 @@ computes another value or loses ``c``'s gradient.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -131,3 +133,77 @@ def test_nanwatch_on_says_the_options_it_took(ip, options: str, said: str) -> No
     finally:
         with capture_output():
             ip.run_line_magic("nanwatch", "off")
+
+
+class _NormalisedByHand(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h / torch.sqrt((h * h).sum(-1, keepdim=True))  # 0/0 at a zero sample
+
+
+def test_a_stop_gradient_call_of_the_trained_module_is_not_verified_past_its_nan_backward() -> None:
+    """defer-s31's review: SimSiam's target view through the same encoder under no_grad, then the online view with
+    grad; a zero sample is 0/0 in both. The eps (the denominator clamped) makes both forwards and the loss finite,
+    but by hand the backward through the online call is NaN (sqrt's derivative at 0 times the clamp's zero gradient).
+    The deferred trial skipped every backward for a no_grad call, so it said verified; the backward now runs
+    through the step's grad-enabled calls (the no_grad call's outputs detached)."""
+    torch.manual_seed(0)
+    encoder = _NormalisedByHand()
+    opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    x1, x2 = torch.randn(6, 4), torch.randn(6, 4)
+    x1[3] = 0
+    x2[3] = 0
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(encoder, opt, defer=True):
+        for _ in range(2):
+            with torch.no_grad():
+                target = encoder(x2)
+            loss = -(encoder(x1) * target).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    trial = next(trial for trial in caught.value.report.fixes if trial.kind == "eps")
+    assert (trial.finite, trial.failed) == (False, "backward")
+    # by hand: the eps edit leaves the weight's gradient NaN
+    torch.manual_seed(0)
+    encoder = _NormalisedByHand()
+    h1, h2 = encoder.lin(x1), encoder.lin(x2).detach()
+    edited = [h / torch.sqrt((h * h).sum(-1, keepdim=True)).clamp_min(1.2e-7) for h in (h1, h2)]
+    (-(edited[0] * edited[1]).sum(-1).mean()).backward()
+    assert not torch.isfinite(encoder.lin.weight.grad).all()
+
+
+class _LogOfSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.lin(x), -1))
+
+
+@pytest.mark.parametrize("guard", [torch.no_grad, torch.inference_mode])
+def test_a_validation_loss_is_not_judged_by_the_next_training_steps_loss(guard: Any) -> None:
+    """defer-s31's review: a validation batch under no_grad whose log(softmax) is -inf, judged a step later: the
+    trial said "the call's output and its step's loss came out finite, loss 1.66", the next training step's loss,
+    which never reads the validation call (its own loss, by hand, is 160). Its forward alone is what was proven."""
+    torch.manual_seed(0)
+    net = _LogOfSoftmax()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches, held_out, labels = [torch.randn(8, 4) for _ in range(3)], torch.randn(8, 4) * 300, torch.zeros(8).long()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(net, opt, defer=True):
+        for k in range(3):
+            loss = F.nll_loss(net(batches[k]), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with guard():
+                F.nll_loss(net(held_out), labels)
+    report = caught.value.report
+    trials = [trial for trial in report.fixes if trial.kind in ("eps", "stable")]
+    assert trials and all((trial.finite, trial.loss, trial.fact("backward_from")) == (True, None, "no-grad")
+                          for trial in trials)
+    assert "the call's output came out finite" in str(report) and "its step's loss" not in str(report)

@@ -328,14 +328,21 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     if forward_only(step):
         return
     loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
+    if loss is not None and not step.root.grad_enabled and not _reads(loss, [tensor for _path, tensor in tensors]):
+        # The kept loss code's loss does not read this no_grad call (a validation batch's metric recorded beside the
+        # next training step's loss): the call's forward alone is what the trial proved (trial_facts: "no-grad").
+        outcome.loss = outcome.loss_from = outcome.no_loss = outcome.stand_in = None
+        return
     if loss is not None and not _finite(loss):
         outcome.failed = "loss"
         return
     if not step.root.grad_enabled:
-        # A call under no_grad (a distillation teacher, a target network) judged by its step's loss: the user's
-        # backward never runs through it, so a backward through it (a float16 teacher's) could fail where the step
-        # never goes (trial_facts: "no-grad-loss").
-        return
+        # A call under no_grad (a distillation teacher, a target network, SimSiam's stop-gradient branch) judged by
+        # its step's loss: the user's backward never runs through it (a float16 teacher's backward could fail where
+        # the step never goes), but it does run through the step's other calls, the same module's with grad too
+        # (trial_facts: "no-grad-loss"). So the loss is taken again on the call's outputs detached.
+        tensors = [(path, tensor.detach()) for path, tensor in tensors]
+        loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
     scale, carried = step.grad_scale
     starts = [(tensor, grad * (scale / carried if start == "held" else scale)) for tensor, grad, start in
               _backward_starts(tensors, step.root, loss)]
@@ -414,6 +421,25 @@ def step_alone(optimizer: torch.optim.Optimizer) -> None:
 def _finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, read through a subclass's data (a subclass may refuse reductions)."""
     return bool(torch.isfinite(values_to_read(tensor)).all())
+
+
+def _reads(loss: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
+    """Whether ``loss`` was computed from any of ``outputs`` (its autograd graph reaches theirs); an output without
+    a graph of its own cannot be told apart: it is taken as read."""
+    nodes = {output.grad_fn for output in outputs if output.grad_fn is not None}
+    if len(nodes) < len(outputs):
+        return True
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if node in nodes:
+            return True
+        seen.add(node)
+        stack.extend(next_node for next_node, _index in node.next_functions)
+    return False
 
 
 def _backward_starts(tensors: list[tuple[str, torch.Tensor]], root: RootCall, loss: torch.Tensor | None

@@ -63,8 +63,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
 def _backward_from(step: FailingStep, outcome: StepOutcome) -> str:
     """Where the replayed backward started (step.py): the loss, the held output gradient, or ones; ``no-grad``:
     none ran, the call was made under no_grad and no loss code of its step was kept (its forward alone replayed)."""
-    if forward_only(step):
-        return "no-grad"
+    if forward_only(step) or (not step.root.grad_enabled and outcome.loss_from is None):
+        return "no-grad"  # (or a loss the call's output does not feed: step.py's _judge)
     if not step.root.grad_enabled:
         return "no-grad-loss"  # judged by its step's loss code, no backward through it (step.py)
     if outcome.loss_from is not None:

@@ -364,7 +364,8 @@ def _debug_note(frame: FrameType, report: Report) -> Note:
     running: FrameType | None = sys._getframe(1)
     while running is not None and running is not frame:
         running = running.f_back
-    if source is None or running is None or frame.f_lineno == source.lineno:
+    if source is None or running is None or (frame.f_lineno, frame.f_code.co_filename) == (source.lineno,
+                                                                                        source.filename):
         return Note("debug-in-replay")  # the op's frame is this replay's, its locals the replay's
     ancestor: FrameType | None = frame
     while ancestor is not None and not (ancestor.f_code.co_filename == source.filename
