@@ -169,16 +169,15 @@ def test_a_weight_of_one_over_an_empty_class_count_gets_its_clamp_verified(mode:
     """``weight = 1.0 / torch.bincount(y)`` before ``model(x)``, read by the loss alone: a data event (made before the
     model call) whose inf enters no model. Was: "no fix was tried: the non-finite values did not enter through a
     model call's arguments ..." (per-call: "no model call of the failing step was kept"). Now: the eps at that line,
-    run again ahead of the loss code, verified with the loss of ``counts.clamp_min(eps)`` by hand. The counts are
-    whole numbers: the edit clamps them to 1 (session 31; the empty class's weight 1, not 8.4e6), the same loss, as
-    no sample of that class is weighted."""
+    run again ahead of the loss code, verified with the loss of ``counts.clamp_min(eps)`` by hand. (The counts are
+    floats, ``.float()``: whole on this step is no proof of counts, so eps, not 1; session 31's review.)"""
     report, _state = run(INCIDENTS["empty-class"], mode)
     assert (report.phase.value, report.op, report.module) == ("data", "aten.reciprocal.default", None)
     trial = trial_of(report, "eps")
     loss, finite = INCIDENTS["empty-class"].by_hand()
     assert finite and trial.finite is True and trial.loss == pytest.approx(loss, rel=1e-6)
     text = " ".join(str(report).split())
-    assert "weight = 1.0 / counts.clamp_min(1)" in text
+    assert "weight = 1.0 / counts.clamp_min(1.2e-07)" in text
     assert "did not enter through a model call's arguments" not in text
 
 

@@ -207,3 +207,57 @@ def test_a_validation_loss_is_not_judged_by_the_next_training_steps_loss(guard: 
     assert trials and all((trial.finite, trial.loss, trial.fact("backward_from")) == (True, None, "no-grad")
                           for trial in trials)
     assert "the call's output came out finite" in str(report) and "its step's loss" not in str(report)
+
+
+class _KLByHand(nn.Module):
+    """A VAE's encoder heads; the loop's KL reads ``logvar.exp()``, an exp no sum normalises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Linear(32, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+        self.dec = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        return self.dec(mu), mu, logvar
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full"])
+def test_a_bf16_exp_no_sum_normalises_is_no_fix_when_its_max_is_subtracted(mode: str) -> None:
+    """user-s31's review: under bfloat16 autocast the max-subtracted ``logvar.exp()`` of a KL by hand was verified
+    (the check allowed 3% of bfloat16's rounding, which hid the KL's whole change). The check now divides the exp
+    by 8 or 16 exactly: a normalised exp computes the same bits, this one moves."""
+    torch.manual_seed(0)
+    model = _KLByHand()
+    with torch.no_grad():
+        model.logvar.weight.mul_(40)
+        model.logvar.bias.fill_(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 32) * 3
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            recon, mu, logvar = model(x)
+        kl = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+        (F.mse_loss(recon.float(), x) + kl.float()).backward()
+        opt.step()
+    trial = next(trial for trial in caught.value.report.fixes if trial.kind == "stable")
+    assert trial.finite is not True and "changes what the line computes" in (trial.untried or ""), trial
+
+
+class _OneLine(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor: return x.log()  # (one line: the def under test)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_one_line_forward_s_traceback_draws_no_carets(mode: str) -> None:
+    """user-s31's review: the %debug stand-in's raise for an op on the def line itself was a bare ``raise`` at
+    column 0, so the traceback underlined 17 characters of ``def forward(self, x): return x.log()``."""
+    import traceback
+
+    model = _OneLine()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **MODES[mode]):
+        model(-torch.ones(3)).sum().backward()
+    lines = "".join(traceback.format_exception(caught.value)).splitlines()
+    at = max(index for index, line in enumerate(lines) if line.strip().startswith("def forward(self, x"))
+    assert not set(lines[at + 1].strip()) <= {"^", "~"}, lines[at:at + 2]

@@ -110,8 +110,8 @@ def _raise_at(line: str, below: int) -> str:
     indent = line[:len(line) - len(line.lstrip())] if line.strip() else ""
     if not indent:
         return "\n" * below + "raise LookupError(\n)"
-    if below < 1:  # (no line above it to open an indented block: the op on the def line itself, a lambda)
-        return "raise LookupError"
+    if below < 1:  # (no line above it to open an indented block: the op on the def line itself, a lambda; at
+        return "raise LookupError(\n)"  # column 0 and spanning two lines, it marks no columns of the user's line)
     return "\n" * (below - 1) + "if 1:\n" + indent + "raise LookupError(\n)"
 
 

@@ -55,7 +55,7 @@ def _changed(trial: FixTrial) -> str:
     if trial.kind == "eps":
         function, eps = trial.fact("function"), trial.fact("eps")
         if trial.fact("form") == "count":
-            return "its denominator clamped to at least 1 (it holds counts: whole numbers, 0 where nothing was counted)"
+            return "its denominator clamped to at least 1 (it holds counts: integers, 0 where nothing was counted)"
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
         if function in BOUNDED_FUNCTIONS:

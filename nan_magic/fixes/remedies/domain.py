@@ -2,7 +2,7 @@
 
 ``log``/``sqrt``/``rsqrt``/``pow`` of 0 or of a negative: the operand is
 clamped to at least eps; a division by 0: the denominator is clamped to eps
-where it is never negative (to 1 where it counts: whole numbers), else its zeros become eps; ``acos``/``asin`` at
+where it is never negative (to 1 where it counts: an integer tensor), else its zeros become eps; ``acos``/``asin`` at
 or beyond +-1, and ``atanh`` there (the inverse of a tanh-squashed action that rounded to 1: SAC's log-prob):
 clamped into ``[-1 + eps, 1 - eps]``; ``logit`` of a probability that rounded to 0 or 1: into
 ``[eps, 1 - eps]``. eps is the operand's
@@ -47,14 +47,19 @@ FUNCTIONS: dict[str, dict[str, int]] = {
 
 
 def _counts(denominator: torch.Tensor) -> bool:
-    """Whether a denominator holds counts: whole numbers, some of them 1 or more (a degree, a ``mask.sum(1)``).
+    """Whether a denominator holds counts: an integer tensor (not a bool mask), some of it 1 or more (``bincount``, a
+    ``mask.sum(1)`` of a bool mask, a degree kept as integers).
 
     A count of 0 is clamped to 1, as the cause's hint says, not to eps: the mean of nothing is then 0, where
-    ``x / count.clamp_min(1.2e-07)`` divides what little a numerator holds there by 1e-7.
+    ``x / count.clamp_min(1.2e-07)`` divides what little a numerator holds there by 1e-7. Floating values that
+    happen to be whole on this step are not taken for counts (a fraction ``mask.float().mean(1)`` that is 0 or 1
+    on this batch, a bfloat16 sum of 256 or more): clamping those to 1 would change a later batch's 0.4.
     """
+    if denominator.is_floating_point() or denominator.is_complex() or denominator.dtype == torch.bool or (
+            not denominator.numel()):
+        return False
     with torch.no_grad():
-        return bool(denominator.numel()) and bool((denominator == denominator.round()).all()) and bool(
-            denominator.amax() >= 1)
+        return bool(denominator.to(torch.int64).amax() >= 1)
 
 
 def denominator_form(denominator: torch.Tensor) -> str:
@@ -86,7 +91,8 @@ class DomainFix:
             return None
         operand = args[index]
         if not operand.is_floating_point():
-            return None
+            # (an integer denominator: counts, clamped to 1, where it is never negative; else there is no eps)
+            return self._counted(func, args, kwargs, index) if self.function in ("div", "reciprocal") else None
         eps = torch.finfo(operand.dtype).eps
         self.eps, self.dtype = eps, str(operand.dtype).removeprefix("torch.")
         low = eps if self.function in UNIT_FUNCTIONS else -1 + eps  # (logit's domain is (0, 1))
@@ -94,13 +100,8 @@ class DomainFix:
             moved = operand.clamp(low, 1 - eps)
         elif self.function in ("div", "reciprocal"):
             form = denominator_form(operand)
-            if form == "clamp_min" and self.form in (None, "count") and _counts(operand):
-                form = "count"
             self.form = form if self.form in (None, "count") else self.form
-            if form == "count":
-                moved = operand.clamp_min(1)
-            else:
-                moved = operand.clamp_min(eps) if form == "clamp_min" else torch.where(operand == 0, eps, operand)
+            moved = operand.clamp_min(eps) if form == "clamp_min" else torch.where(operand == 0, eps, operand)
         else:
             moved = operand.clamp_min(eps)
         self.moved += int((moved != operand).sum())
@@ -111,8 +112,21 @@ class DomainFix:
             if self.function in BOUNDED_FUNCTIONS:
                 operand.clamp_(low, 1 - eps)
             else:
-                operand.clamp_min_(1 if self.form == "count" else eps)
+                operand.clamp_min_(eps)
             return func(*args, **kwargs)
+        remedied = list(args)
+        remedied[index] = moved
+        return func(*remedied, **kwargs)
+
+    def _counted(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], index: int) -> Any:
+        """An integer denominator of counts clamped to 1 (:func:`_counts`), or None where it is not counts."""
+        operand = args[index]
+        if self.form not in (None, "count") or not _counts(operand) or denominator_form(operand) != "clamp_min":
+            return None
+        self.form, self.dtype = "count", str(operand.dtype).removeprefix("torch.")
+        moved = operand.clamp_min(1)
+        self.moved += int((moved != operand).sum())
+        self.total += operand.numel()
         remedied = list(args)
         remedied[index] = moved
         return func(*remedied, **kwargs)

@@ -13,9 +13,10 @@ softmax, a logsumexp, a Sinkhorn's normalisation, where ``exp(x)`` is divided
 by its own sum. A PPO probability ratio ``exp(logp - old)``, a logit scale's
 ``exp(s)`` or an exp activation is not normalised: divided by ``exp(max)``
 it is another value, finite or not. So a finite trial is run once more with
-another shift per row (:func:`changes_value`); where the step's loss or
-outputs move with it by more than the exp's own rounding (bfloat16's under
-autocast), the trial is no fix and says so.
+the exp divided by 8 or 16 row by row (:func:`changes_value`): a power of two
+scales exactly (bar float16's subnormals), so where the exp is normalised the step computes the same
+bits in any dtype (bfloat16 under autocast too); where the step's loss or
+outputs move, the trial is no fix and says so.
 
 A softplus by hand, ``torch.log(1 + torch.exp(x))`` (or ``log1p(exp(x))``), is
 not normalised either; the form a person writes is ``F.softplus(x)``, the
@@ -53,7 +54,8 @@ class StableFix:
         #: whether it is the sum: a log of the sum, a log1p of the exp, is ``softplus(x)``; its version then: one
         #: written in place since, ``exp(x).mul_(w)``, is no longer ``exp(x)``).
         self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool, int]] = {}
-        #: Whether the exp's shift is moved by a different amount per row (1 to 2): the check of changes_value.
+        #: Whether the max-subtracted exp is divided by 8 or 16 row by row (its max moved by 3 or 4 ln 2, exactly):
+        #: the check of changes_value.
         self.offsets = offsets
         #: The softmax and sigmoid outputs the module made: ``id(output)`` -> (a weak reference to it, its input,
         #: the softmax's dim; None for a sigmoid).
@@ -62,8 +64,6 @@ class StableFix:
         self.form: str | None = None
         #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
         self.checked = 0.0
-        #: The dtype the exp ran in (bfloat16 under autocast): its rounding bounds what a moved max may change.
-        self.dtype: torch.dtype | None = None
 
     def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> None:
         """A call the producing module made (anywhere in it): a softmax's or sigmoid's output is remembered."""
@@ -93,11 +93,10 @@ class StableFix:
             return None
         if self.function == "exp" and name == "exp":
             self.form = "max-subtracted exp"
-            self.dtype = operand.dtype
             shift = operand.detach().amax(dim=-1, keepdim=True) if operand.dim() else operand.detach()
-            if self.offsets:
-                rows = torch.arange(shift.numel(), dtype=shift.dtype, device=shift.device).reshape(shift.shape)
-                shift = shift + 1 + rows / max(shift.numel(), 1)
+            if self.offsets:  # (1/8 and 1/16 are exact in every float dtype, and so is a product by them)
+                rows = torch.arange(shift.numel(), device=shift.device).reshape(shift.shape)
+                return torch.exp(operand - shift) * (2.0 ** -(3 + rows % 2)).to(operand.dtype)
             return torch.exp(operand - shift)
         if self.function == "log" and name == "log":
             known = self._softmaxes.get(id(operand))
@@ -169,16 +168,16 @@ def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutco
 def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOutcome) -> str | None:
     """Why ``fix``'s finite max-subtracted exp (``outcome``) computes another value than the user's line, or None.
 
-    The step is replayed with the max moved by a different amount per row: where the max cancels (the exp is
-    normalised by its own sum) the loss and the outputs are the same up to rounding; where they move, the
-    rewrite changed what the line means, and the step was made finite by computing something else.
+    The step is replayed with the exp divided by 8 or 16 row by row (its max moved, with no rounding of its own):
+    where the max cancels (the exp is normalised by its own sum) the loss and the outputs are the same; where they
+    move, the rewrite changed what the line means, and the step was made finite by computing something else.
     """
     if fix.form != "max-subtracted exp" or outcome.failed is not None:
         return None
     moved = replay_step(step, site, StableFix(fix.function, offsets=True))
     fix.checked = moved.seconds
     if moved.failed is not None:
-        return ("it changes what the line computes: with the max moved by 1 to 2 more the step was non-finite "
+        return ("it changes what the line computes: with the exp divided by 8 or 16 the step was non-finite "
                 "(the max does not cancel out of what the line's exp computes, as it does out of a softmax)")
     pairs = [(_named(path), outcome.outputs[path], after) for path, after in moved.outputs.items()
              if path in outcome.outputs]
@@ -188,29 +187,14 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
     for name, before, after in pairs:
         if before.shape != after.shape:
             continue
-        tolerance = _rounding(before, fix.dtype)
-        # Relative to the tensor's largest value, not each element's own: an exp in bfloat16 rounds each of its
-        # weights by ~0.4%, and the weighted sums it feeds carry that as an absolute error, which an element near 0
-        # holds as a large relative one (a ViT's bf16 attention: its logits moved by 0.002 around 0.45).
-        scale = float(before.double().abs().max()) if before.numel() else 0.0
-        if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=max(1e-6, tolerance * scale),
-                              equal_nan=True):
+        tolerance = max(1e-4, 4 * torch.finfo(before.dtype).eps) if before.is_floating_point() else 0.0
+        if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=1e-6, equal_nan=True):
             change = float((after.double() - before.double()).abs().max())
             return (f"it changes what the line computes: exp(x - max) is exp(x) / exp(max), and the max does not "
-                    f"cancel here (the exp is not normalised by its own sum, as a softmax's is): with the max moved "
-                    f"by 1 to 2 more the {name} moved by {change:.3g}; a log of the exp's sum needs the max added "
+                    f"cancel here (the exp is not normalised by its own sum, as a softmax's is): with the exp divided "
+                    f"by 8 or 16 the {name} moved by {change:.3g}; a log of the exp's sum needs the max added "
                     f"back (torch.logsumexp), a ratio or a scale has no max to take out: clamp the exponent")
     return None
-
-
-def _rounding(value: torch.Tensor, exp_dtype: torch.dtype | None) -> float:
-    """The relative change that rounding alone explains: 4 eps of the coarser of the value's and the exp's dtype."""
-    if not value.is_floating_point():
-        return 0.0
-    eps = torch.finfo(value.dtype).eps
-    if exp_dtype is not None and exp_dtype.is_floating_point:
-        eps = max(eps, torch.finfo(exp_dtype).eps)
-    return max(1e-4, 4 * eps)
 
 
 def _named(path: str) -> str:
