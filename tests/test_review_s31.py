@@ -8,6 +8,7 @@ computes another value or loses ``c``'s gradient.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -261,3 +262,90 @@ def test_a_one_line_forward_s_traceback_draws_no_carets(mode: str) -> None:
     lines = "".join(traceback.format_exception(caught.value)).splitlines()
     at = max(index for index, line in enumerate(lines) if line.strip().startswith("def forward(self, x"))
     assert not set(lines[at + 1].strip()) <= {"^", "~"}, lines[at:at + 2]
+
+
+class _Diverged(Exception):
+    pass
+
+
+class _ChecksItsOwnLog(nn.Module):
+    """Raises the user's own exception on a NaN check of a temporary: no frame holds the NaN as a local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.isnan(self.b(self.a(x).log())).any():  # producer: log
+            raise _Diverged("stopped")
+        return x
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_users_own_exception_on_a_nan_temporary_is_still_explained(mode: str) -> None:
+    """calm-s31's review: replaying a forward that raised only where a frame held the NaN as a local lost the report
+    of ``if torch.isnan(self.b(self.a(x).log())).any(): raise Diverged`` in the default and deferred watches (the
+    class's name says it is about a bad value)."""
+    torch.manual_seed(0)
+    model = _ChecksItsOwnLog()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **MODES[mode]):
+        model(torch.randn(3, 4))
+    report = caught.value.report
+    assert (report.phase.value, report.op) == ("forward", "aten.log.default")
+    assert "self.b(self.a(x).log())" in report.source.line
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.proj, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((x.shape[0], x.shape[0]), float("-inf")).triu(1)  # a causal mask, a local
+        h = self.emb(x)
+        return self.head(self.proj(torch.softmax(h @ h.T + mask, -1) @ h))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_hook_that_stops_a_masked_forward_fires_once_a_call(mode: str) -> None:
+    """calm-s31's review: a feature extractor's hook raising its own StopForward in a model holding a -inf causal
+    mask fired twice a call (the mask read as evidence of a bad value, the forward replayed)."""
+    torch.manual_seed(0)
+    model, fired = _MaskedAttention(), []
+
+    def grab(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        fired.append(output)
+        raise _StopForward
+
+    with nan_magic.watch(model, **MODES[mode]):
+        handle = model.proj.register_forward_hook(grab)
+        for _ in range(3):
+            with contextlib.suppress(_StopForward):
+                model(torch.randn(5, 4))
+        handle.remove()
+    assert len(fired) == 3
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_healthy_error_raised_each_step_is_replayed_once_at_most(mode: str) -> None:
+    """A RuntimeError the loop raises and catches every step (a kind a bad value raises, so replayed to look): once
+    a replay found no non-finite value before it, that place is not replayed again (the user's hook ran once more
+    in all, not once more each step)."""
+    torch.manual_seed(0)
+    model, fired = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), []
+
+    def refuse(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        fired.append(1)
+        raise RuntimeError("shape check failed")
+
+    with nan_magic.watch(model, **MODES[mode]):
+        handle = model[1].register_forward_hook(refuse)
+        for _ in range(5):
+            with contextlib.suppress(RuntimeError):
+                model(torch.randn(3, 4))
+        handle.remove()
+    assert len(fired) <= 6

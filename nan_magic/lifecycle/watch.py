@@ -66,6 +66,7 @@ from nan_magic.localize.ops.owners import root_hook_module
 from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
 from nan_magic.localize.producer import ProducerRule
+from nan_magic.localize.raised import RaisedForwards
 from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.replay.samples import Samples
 from nan_magic.options import WatchConfig
@@ -362,6 +363,7 @@ class Watch(WatchEvents):
                 (record := self.log.lookup(tensor)) is not None and record.status == "benign")
         self.call_replay = CallReplay(self.config, self.localizing.replays_calls, self.timing, self.log, self.emit,
                                       self.here)
+        self.raised_forwards = RaisedForwards()  # the places a forward raised from that a replay found healthy
         replay_backward = self.call_replay.replay_backward_into if self.call_replay.keeps_calls else None
         self.origins.owner_replay = (lambda: self.log.calls, replay_backward) if replay_backward is not None else None
         loss_code = LossCodeReads(saved_leaves=entering.saved_leaves, entering_tensors=entering.entering_tensors,

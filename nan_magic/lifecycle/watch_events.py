@@ -39,7 +39,7 @@ from nan_magic.lifecycle.nesting import Nesting
 from nan_magic.localize.modes import Localizing
 from nan_magic.localize.ops.sources import Caller
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.localize.raised import may_follow_nonfinite
+from nan_magic.localize.raised import RaisedForwards
 from nan_magic.localize.replay.buffer_writes import buffer_written
 from nan_magic.localize.replay.per_call import replayed_from_the_step
 from nan_magic.localize.replay.producer_call import CallReplay
@@ -74,6 +74,7 @@ class WatchEvents:
     samples: Samples
     outcome: Events
     cycle: StepCycle
+    raised_forwards: RaisedForwards
     _nesting: Nesting
 
     if TYPE_CHECKING:  # (Watch's own)
@@ -155,16 +156,20 @@ class WatchEvents:
         own control flow, no bad value's (raised.py: the replay would run their hooks and code again).
         """
         error = sys.exc_info()[1]
-        if error is not None and not may_follow_nonfinite(error):
+        if error is not None and not self.raised_forwards.worth_replaying(error):
             return
         if self.localizing.replays is None:
             finding = self.call_replay.explain_failure(module, call, running_arguments(module))
             if finding is not None:
                 replayed = (self._build_report(finding), (finding.frame, None))
                 self.outcome.hold_explained(finding, replayed, sys.exc_info()[1])  # type: ignore[arg-type]
+            elif error is not None:
+                self.raised_forwards.found_healthy(error)
             return
         explained = self.localizing.replays.explain_failure(module, call, running_arguments(module))
         if explained is None:
+            if error is not None:
+                self.raised_forwards.found_healthy(error)
             return
         report, producer, error = explained
         self.outcome.hold_explained(Finding(Phase.FORWARD, call, TensorRef.output()), (report, producer), error)
