@@ -1,11 +1,10 @@
 """The step of an event before the first optimizer step, where the optimizer was not passed (session 31).
 
-Without targets (a magic) or with only the models passed, the watch knows of no optimizer until one steps. A step
-opened by a model call before then is provisional (hot/step_cycle.py): the first module called again may begin the
-loop's next inference step, or be the same iteration's next call (SimCLR's second view, a rollout's next step). The
-backward, where the loop goes on to an optimizer's step, says which (the steps opened since the last backward are
-one), and an event that comes before it reads the code still to run (errors/code_ahead.py: the loop around the call
-calls a backward and a step). A loop with no optimizer step keeps counting a step each call of its first module.
+Without targets (a magic) or with only the models passed, the watch knows of no optimizer until one steps: until
+then the model called again opens a step by the inference rule (PRODUCT.md), so SimCLR's second view and a rollout's
+later calls at iteration 0 are steps 1..k where the loop says 0 (strict xfails: :data:`UNSTEPPED`). A rule merging
+them (at the backward, or at an event where the loop's code goes on to one) was built and taken back this session:
+it merged an eval loop's steps with training's. From the first optimizer step on, each case is the loop's step.
 Each case asserts the step the loop's own counter says.
 """
 
@@ -23,6 +22,10 @@ from nan_magic import NonFiniteError
 
 MODES = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True},
          "ops-defer": {"ops": True, "defer": True}}
+#: Why iteration 0's second call is not the loop's step 0 (test_user_s30.py's strict xfail says more).
+UNSTEPPED = pytest.mark.xfail(strict=True, reason=(
+    "before any optimizer has stepped (none passed), the model called again opens a new step by the inference rule: "
+    "step 1..k where the loop says 0; telling an iteration's second call from the loop's next iteration is not done"))
 
 
 def _models() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
@@ -52,7 +55,7 @@ def _views(bad: int, where: str, options: dict[str, Any]) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("bad", [0, 1, 3])
+@pytest.mark.parametrize("bad", [pytest.param(0, marks=UNSTEPPED), 1, 3])
 @pytest.mark.parametrize(("where", "phase"), [("data", "data"), ("forward", "forward"), ("loss", "forward")])
 def test_the_second_view_fails_at_the_loop_s_step(mode: str, bad: int, where: str, phase: str) -> None:
     step, report = _views(bad, where, MODES[mode])
@@ -62,7 +65,7 @@ def test_the_second_view_fails_at_the_loop_s_step(mode: str, bad: int, where: st
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("bad", [0, 1, 3])
+@pytest.mark.parametrize("bad", [pytest.param(0, marks=UNSTEPPED), 1, 3])
 def test_a_rollout_of_four_calls_fails_at_the_loop_s_step(mode: str, bad: int) -> None:
     """The encoder called four times on its own output, one loss over the rollout; the 3rd call's input is NaN."""
     encoder, _, opt = _models()
@@ -140,6 +143,7 @@ opt = torch.optim.SGD([*encoder.parameters(), *projector.parameters()], lr=0.1)
 """
 
 
+@UNSTEPPED
 @pytest.mark.parametrize("options", ["", " --defer", " --ops"])
 @pytest.mark.parametrize("armed", ["%%nantrace", "%nanwatch on"])
 def test_a_cell_s_second_view_fails_at_its_step(ip, armed: str, options: str) -> None:
@@ -175,6 +179,7 @@ def test_a_loop_with_two_views_and_a_backward_but_no_optimizer_counts_a_step_eac
     assert (i, caught.value.report.step) == (2, 5)
 
 
+@UNSTEPPED
 @pytest.mark.parametrize("mode", ["default", "defer"])
 def test_a_rollout_in_a_comprehension_fails_at_the_loop_s_step(mode: str) -> None:
     """Five calls in a list comprehension (its own frame, Python 3.11), one update: the NaN in the 4th call's batch."""
@@ -189,86 +194,3 @@ def test_a_rollout_in_a_comprehension_fails_at_the_loop_s_step(mode: str) -> Non
             loss.backward()
             opt.step()
     assert (update, caught.value.report.phase.value, caught.value.report.step) == (0, "data", 0)
-
-
-# The bytecode reader alone (errors/code_ahead.py): what it answers at a model call, for loops as users write them.
-# (Checked by hand under Python 3.10, 3.12 and 3.13 too: 3.12 inlines a comprehension in its function's code, 3.10
-# and 3.11 close a ``while`` with a conditional jump back.)
-class _Loss:
-    def backward(self) -> None:
-        pass
-
-
-class _Optimizer:
-    def step(self) -> None:
-        pass
-
-
-_opt = _Optimizer()
-_answers: list[bool] = []
-
-
-def _model(value: Any) -> None:
-    import sys
-
-    from nan_magic.errors.code_ahead import BACKWARD, STEP, calls_ahead
-
-    _answers.append(calls_ahead(sys._getframe(1), BACKWARD, STEP))
-
-
-def _views_in_a_helper(views: list[int]) -> list[None]:
-    return [_model(view) for view in views]
-
-
-def _train_with_views_in_a_helper() -> None:
-    for _ in range(1):
-        _views_in_a_helper([1, 2])
-        _Loss().backward()
-        _opt.step()
-
-
-def _train_in_a_while_loop() -> None:
-    i = 0
-    while i < 1:
-        _model(i)
-        _Loss().backward()
-        _opt.step()
-        i += 1
-
-
-def _evaluate_in_a_while_loop_then_train() -> None:
-    i = 0
-    while i < 1:
-        _model(i)
-        i += 1
-    for _ in range(1):
-        _model(0)
-        _Loss().backward()
-        _opt.step()
-
-
-def _saliency_every_fifth() -> None:
-    for i in range(10):
-        _model(i)
-        if i % 5 == 0:
-            _Loss().backward()
-
-
-def _train_step(x: int) -> None:
-    _model(x)
-    _Loss().backward()
-    _opt.step()
-
-
-def _loop_of_train_steps() -> None:
-    for i in range(1):
-        _train_step(i)
-
-
-@pytest.mark.parametrize(("loop", "trains"), [
-    (_train_with_views_in_a_helper, True), (_train_in_a_while_loop, True),
-    (_evaluate_in_a_while_loop_then_train, False), (_saliency_every_fifth, False), (_loop_of_train_steps, True)])
-def test_the_code_ahead_of_a_model_call_says_whether_its_loop_trains(loop: Any, trains: bool) -> None:
-    _answers.clear()
-    loop()
-    assert _answers[0] is trains

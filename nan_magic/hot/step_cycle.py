@@ -3,10 +3,7 @@
 A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`) and closes at the optimizer
 step's post-hook; where no optimizer steps (inference), when the step's first top-level module is called again
 (so ``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step); where a backward is settled
-without a step (a GradScaler's skip, gradients accumulating); or when the watch is left. Before any optimizer has
-stepped, a step so opened is provisional: a backward merges the steps opened since the last one (SimCLR's two views,
-a rollout; :meth:`StepCycle.backward_starting`), and so does an event before it whose loop goes on to a backward
-(:meth:`StepCycle.settle_at_event`, errors/code_ahead.py). Closing a step keeps its
+without a step (a GradScaler's skip, gradients accumulating); or when the watch is left. Closing a step keeps its
 :class:`StepSummary` in the history and feeds the early warnings. In deferred mode the checks' probes stay on the
 device until :meth:`StepCycle.sync` reads them in one transfer, at the optimizer step's pre-hook: under a process
 group that is the step's agreement with the other ranks (agreement.py, lockstep.py), and so is a step a
@@ -21,11 +18,9 @@ check and close steps, both add early warnings.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +28,6 @@ from torch import nn
 
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
-from nan_magic.errors.code_ahead import BACKWARD, STEP, calls_ahead
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.errors.frames import place_at_user, user_stacklevel
 from nan_magic.hot.checks.early import EarlyWarnings
@@ -139,10 +133,6 @@ class StepCycle(CycleExit):
         # The step whose top-level model calls the log counts (StepLog.model_calls): an iteration completed, or minus
         # the steps opened before any optimizer stepped (forward_started); None, none yet.
         self._counted_step: int | None = None
-        # While no optimizer is known: the steps opened as the last backward started, and the top-level model calls of
-        # the steps opened since then before the open one (backward_starting).
-        self._backward_mark = 0
-        self._earlier_calls = 0
         self.open = False
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
@@ -228,54 +218,9 @@ class StepCycle(CycleExit):
         # steps' further calls (an overflow at step 1 read "the step's 2nd model call: its 2nd micro-batch").
         step = self.optimizers.iterations.completed if training else -self.steps_opened
         if step != self._counted_step:
-            if not training and self.steps_opened - 2 >= self._backward_mark:
-                # (a provisional step's: the one it follows opened since the last backward, whose calls it may join)
-                self._earlier_calls += self.log.model_calls
             self._counted_step, self.log.model_calls = step, 1
         else:
             self.log.model_calls += 1
-
-    def backward_starting(self) -> None:
-        """A backward starts while no optimizer has been seen stepping (gradients.py, before its loss is judged).
-
-        A step opened by a model call before any optimizer stepped is provisional: the first module called again may
-        begin the loop's next inference step, or be the same iteration's next call (SimCLR's second view, a rollout's
-        next step; the optimizer, not passed to the watch, is unknown until it steps). A backward over them whose
-        loop goes on to an optimizer's step (errors/code_ahead.py) says which: the steps opened since the last
-        backward are one, the first of them. An inference loop's backward (a saliency map, after each image or every
-        few) steps no optimizer: nothing is merged; a loop that runs no backward keeps counting a step each call of
-        its first module.
-        """
-        if self.training():
-            return
-        if self.steps_opened - self._backward_mark >= 2 and calls_ahead(sys._getframe(1), STEP):
-            self._merge_unstepped()  # (a saliency map's backward every few images, no step after it: one a call)
-        self._backward_mark, self._earlier_calls = self.steps_opened, 0
-
-    def settle_at_event(self, frame: FrameType | None) -> None:
-        """An event is reported from ``frame`` (the stack at the event): where it came in a provisional step (see
-        :meth:`backward_starting`) before the backward that would merge it, the code still to run says whether one
-        is coming (errors/code_ahead.py: the loop around the call calls a backward and a step); then they merge now.
-        """
-        if self.trains or self.steps_opened - self._backward_mark < 2 or self.training():
-            return
-        if calls_ahead(frame, BACKWARD, STEP):
-            self._merge_unstepped()
-
-    def _merge_unstepped(self) -> None:
-        """The steps opened since the last backward (none with an optimizer known) are one: the first of them."""
-        mark = self._backward_mark
-        if self.steps_opened - mark < 2:
-            return
-        while self.history and self.history[-1].step >= mark:
-            self.history.pop()  # closed as steps of their own: the step is still open, as step ``mark``
-        self.steps_opened = mark + 1
-        earlier, self._earlier_calls = self._earlier_calls, 0
-        self.log.model_calls += earlier
-        self._counted_step = -self.steps_opened
-        for call in self.log.calls:  # the open step's calls so far: counted after the earlier steps' calls
-            if call.model_call:
-                call.model_call += earlier
 
     def end_step(self, step: int) -> None:
         """Close step ``step``, which just completed."""

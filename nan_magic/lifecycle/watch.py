@@ -166,12 +166,6 @@ class Watch(WatchEvents):
         """The 0-based step an event now belongs to (PRODUCT.md; :attr:`StepCycle.step`)."""
         return self.cycle.step
 
-    def event_step(self) -> int:
-        """The step of an event found now: a provisional step's settled first (:meth:`StepCycle.settle_at_event`)."""
-        if not self.cycle.trains:
-            self.cycle.settle_at_event(sys._getframe(1))
-        return self.cycle.step
-
     def parameters_before_update(self) -> dict[int, torch.Tensor]:
         """The watched parameters the current update region wrote in place, as they were before (a step replay's)."""
         return self.update_code.parameters_before()
@@ -378,7 +372,7 @@ class Watch(WatchEvents):
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
-        held = HeldBatch(self.event_step, self.emit, lambda finding: self.outcome.handled(finding))
+        held = HeldBatch(lambda: self.step, self.emit, lambda finding: self.outcome.handled(finding))
         rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack, held)
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient,
                                      keeps_plain=self.config.ops and self.timing.deferred and self.replay_of is None)

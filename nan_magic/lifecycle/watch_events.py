@@ -187,8 +187,6 @@ class WatchEvents:
 
     def _build_report(self, finding: Finding) -> Report:
         """``finding``'s report as the step's boundary saw it: this step's log, history and warnings."""
-        if finding.step is None and not self.cycle.trains:  # (a provisional step's: its code ahead may merge it)
-            self.cycle.settle_at_event(sys._getframe(1))
         return stamp(dataclasses.replace(build_report(
             finding,
             step=self.step if finding.step is None else finding.step,

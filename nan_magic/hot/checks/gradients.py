@@ -152,8 +152,6 @@ class GradientChecks:
             watch.log.finish(call)
         else:  # (``loss.backward()``, every step: the loss's call made, recorded and returned in one)
             self.loss_record = (call := watch.log.one_call(Phase.FORWARD, None, None, LOSS, loss)).outputs[0]
-        if not (cycle := watch.cycle).trains:  # (trains, every training step: no call)
-            cycle.backward_starting()  # the steps opened since the last backward may be one (step_cycle.py)
         watch.timing.loss_logged(self, call, loss)  # judged now, or kept for the step's check (hot/timing.py)
 
     def _node_origin(self) -> Callable[[Any], tuple[str | None, SourcePointer | None]] | None:

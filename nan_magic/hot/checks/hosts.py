@@ -225,8 +225,6 @@ class StepBoundaries(Protocol):
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None: ...
 
-    def backward_starting(self) -> None: ...
-
 
 class WhenJudged(Protocol):
     """When values are read and judged: the watch's mode, hot/timing.py's ``Immediate`` or ``Deferred``.
@@ -327,9 +325,6 @@ class GradientHost(_Checker, Protocol):
 
     @property
     def replays(self) -> StepReplayer | None: ...
-
-    @property
-    def cycle(self) -> StepBoundaries: ...
 
     def listening(self) -> bool: ...
 
