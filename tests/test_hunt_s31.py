@@ -1,12 +1,11 @@
-"""hunt_s31: an infinity the loss code lifts from a literal (``torch.tensor(float("inf"))``) is deliberate.
+"""hunt_s31: soft-DTW's infinite border, and an exp beside a mask.
 
-Soft-DTW's table of cumulative costs has a +inf border; written with a literal (``inf = torch.tensor(float("inf"))``)
-the default, deferred and full modes named that border as bad input data ("tensors of aten.stack.default ... the data
-was bad before the loss read it") at the line that stacked it, when a ``log(0)`` later in the code made the loss
-+inf; ops=True named the ``log``. And ops=True named a ``sum`` with a masked-softmax cause where an ``exp`` beside such
-a literal overflowed. The same border filled by ``torch.full((), inf)`` was deliberate (PRODUCT.md, "benign": an op
-given an infinite scalar) in every mode; a lifted infinite number is now too (localize/ops/tracer.py, ``_lifted``),
-while a NaN literal stays data, and an infinity the loop writes into a batch is still named at its writing line.
+Soft-DTW's table of cumulative costs has a +inf border. Filled by ``torch.full((), inf)`` it is deliberate
+(PRODUCT.md, "benign": an op given an infinite scalar) in every mode, and a ``log(0)`` or an ``exp`` overflow later
+in the code is named. Written with a literal (``inf = torch.tensor(float("inf"))``) the default, deferred and full
+modes name that border as bad input data at the line that stacked it (:data:`LITERAL`, strict xfails): a rule taking
+every lifted infinity for deliberate was built and taken back in session 31, as it also took a label, a reward or a
+model's offset lifted from data (``torch.tensor(value)``) for deliberate and named the wrong module, op and cause.
 
 An ``exp`` whose input's only non-finite values are -inf (a mask, that border) and which made +inf was "unclassified:
 made +inf from inputs already non-finite"; ``exp(-inf)`` is 0, so the +inf is a finite element's overflow: the cause
@@ -45,8 +44,15 @@ def _border_loop(border: str, overflow: bool, **options: object) -> nan_magic.Re
     return caught.value.report
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("border", ["literal", "full"])
+#: Why the literal border's rows fail (the module docstring).
+LITERAL = pytest.mark.xfail(strict=True, reason=(
+    "an infinity lifted from a literal (torch.tensor(float('inf'))) cannot be told from one lifted from data "
+    "(torch.tensor(label)): both are data, so soft-DTW's literal border is named bad input data where it was stacked"))
+
+
+@pytest.mark.parametrize(("mode", "border"), [
+    pytest.param(mode, border, marks=LITERAL if border == "literal" and mode in ("default", "defer", "full") else ())
+    for border in ("literal", "full") for mode in MODES])  # (the traced modes name the log: ops traces the code)
 def test_a_log_of_0_beside_a_lifted_infinite_border_is_named(mode: str, border: str) -> None:
     report = _border_loop(border, False, **MODES[mode])
     assert (report.phase, report.module, report.step, report.op) == ("forward", None, 2, "aten.log.default")
@@ -55,7 +61,7 @@ def test_a_log_of_0_beside_a_lifted_infinite_border_is_named(mode: str, border: 
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("border", ["literal", "full"])
+@pytest.mark.parametrize("border", [pytest.param("literal", marks=LITERAL), "full"])
 def test_an_exp_overflow_beside_a_lifted_infinite_border_is_named(mode: str, border: str) -> None:
     report = _border_loop(border, True, **MODES[mode])
     assert (report.phase, report.module, report.step, report.op) == ("forward", None, 2, "aten.exp.default")

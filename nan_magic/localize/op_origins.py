@@ -181,8 +181,8 @@ class OpOrigins:
         written = finding.phase == Phase.DATA
         if self.tracer is not None and (tensor is not None or freed is not None):
             origin = self.tracer.claim(tensor, freed)
-            if origin in (None, "benign") and written and tensor is not None:  # (a lifted infinity: deliberate)
-                origin = self.tracer.written_into(tensor, take=False) or origin
+            if origin is None and written and tensor is not None:
+                origin = self.tracer.written_into(tensor, take=False)
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None) and (
                 finding.op is None):  # (named by the loss code's backward: a gradient its own autograd.grad made)
             origin = outside.claim(tensor, key, written=written)

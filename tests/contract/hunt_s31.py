@@ -388,6 +388,10 @@ def _mine(stable: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+#: Why the literal border's row fails where the loss code is replayed, not traced (tests/test_hunt_s31.py).
+_LITERAL_BORDER = ("soft-DTW's border lifted from a literal (torch.tensor(float('inf'))) is named bad input data where "
+                   "it was stacked: a lifted infinity cannot be told from one lifted from data (a label, a reward)")
+
 CASES = [
     Case("hunt_s31_total_variation_of_a_nearest_upsampled_output", lambda: _tv(0.0),
          Expect("backward", None, step=0, op="aten.div.Tensor", marker="tv sqrt", cause="sqrt-domain")),
@@ -402,7 +406,8 @@ CASES = [
          Expect("forward", "0", "LinearRecurrence", step=2, op="aten.mm.default", marker="kernel", cause="overflow")),
     Case("hunt_s31_linear_recurrence_stable_healthy", lambda: _recurrence(True), None),
     Case("hunt_s31_soft_dtw_exp_log_underflow_on_a_spike", lambda: _softdtw(False),
-         Expect("forward", None, step=2, op="aten.log.default", marker="softdtw log", cause="log-domain")),
+         Expect("forward", None, step=2, op="aten.log.default", marker="softdtw log", cause="log-domain"),
+         gaps=tuple((mode, _LITERAL_BORDER) for mode in ("default", "defer", "full"))),
     Case("hunt_s31_soft_dtw_logsumexp_healthy", lambda: _softdtw(True), None),
     Case("hunt_s31_soft_dtw_full_border_exp_log_underflow_on_a_spike", lambda: _softdtw(False, "full"),
          Expect("forward", None, step=2, op="aten.log.default", marker="softdtw log", cause="log-domain")),

@@ -24,9 +24,8 @@ value before the op. The tracer keeps, for each non-finite tensor it sees, its *
   a NaN; of several, the first born), and so does a passive op that passes such a value on (``cat``, ``where``, a
   widening copy; a view's origin is its base's, and a write of finite values into part of a tensor through a view,
   ``pad_sequence``'s copies into its ``full(nan)``, leaves the rest's origin as it was);
-- a *deliberate* infinity is benign: an op given an infinite scalar (``masked_fill(mask, -inf)``, and
-  ``torch.tensor(float("inf"))``'s lift), or an infinite mask tensor that entered the traced code from outside
-  (a float attention mask, argument or buffer).
+- a *deliberate* infinity is benign: an op given an infinite scalar (``masked_fill(mask, -inf)``), or an
+  infinite mask tensor that entered the traced code from outside (a float attention mask, argument or buffer).
   Its consumers stay benign while they only carry those infinities on; one that makes a new kind (softmax over a
   fully masked row: NaN) starts an origin. A NaN scalar is never deliberate: ``masked_fill(mask, nan)`` starts one.
   What an index picks of a mask (``log_probs.gather(1, action)`` of a masked action) or a max reduces of it (a
@@ -58,7 +57,6 @@ or carries an origin) are :mod:`~nan_magic.localize.ops.origin_rules`.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -396,20 +394,15 @@ class OpTracer(OriginRules, TorchDispatchMode):
 
     def _lifted(self, op: str, out: Any, numbers: list[tuple[str, float]]) -> None:
         """A Python number that is not finite, lifted into a tensor: the op's finding is kept for the tensor it is
-        written into (:meth:`written_into`), not started as an origin. Its consumers read a NaN as a value from
-        outside (a NaN label the loss reads is still data at the line that read it), an infinity as deliberate; a
-        batch the loop wrote either into is named at the writing line. Runs only for such a number, a few a run."""
+        written into (:meth:`written_into`), not started as an origin. Its consumers read it as a value from outside,
+        as before (a NaN label the loss reads is still data at the line that read it); only a batch the loop wrote
+        it into is named at the writing line. Runs only for such a number, a few times a run at most."""
         if not isinstance(out, torch.Tensor) or self.finding is not None or called_by_us():
             return
         origin = self._start_origin(op, "output", out, frozenset(self._known.kinds(out)), numbers, {}, False, None,
                                     started=False)
         self._literals[id(out)] = (out, origin.finding)
         self.literals.append(origin.finding)
-        if not any(math.isnan(number) for _name, number in numbers):
-            # An infinite number the code lifted itself (``torch.tensor(float("inf"))``, soft-DTW's border) is a
-            # deliberate infinity, as ``torch.full((), inf)`` is (PRODUCT.md, "benign"): what consumes it and makes a
-            # non-finite output is the producer, and it is no data entering the loss code. A NaN never is.
-            self._origins.note(out, BENIGN)
 
     def _literal_writes(self, plan: Plan, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Note the memory an op writes a lifted number into (``copy_``, ``index_put_``), for :meth:`written_into`."""

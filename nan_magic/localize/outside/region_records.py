@@ -276,9 +276,10 @@ class RegionRecords:
     def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None, before: dict[int, torch.Tensor],
                    target: int | None, written: bool = False) -> OpFinding | None:
         """The op of ``ops``, run again on copies under the op tracer, whose non-finite value reached the tensor
-        ``target`` (its key: the last op made or wrote it), as ops=True claims one at a boundary; not one whose value
-        reached no such tensor (a metric only logged, ``(s / 0).item()``; an overflow ``tanh`` absorbed). ``written``
-        (a batch entering a model): where no op made its value, the lift of a number written in (``x[3] = nan``)."""
+        ``target`` (its key: the last op made or wrote it), as ops=True claims one at a boundary. An op whose value
+        reached no such tensor is not it: a metric the same loss helper only logs (``(s / 0).item()``, inf every
+        step), an overflow ``tanh`` absorbed. ``written`` (a batch entering a model): where no op made its value,
+        the op that lifted a number the code wrote into it (``x[3] = nan``)."""
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         started: dict[int, int] = {}  # the index of the op during whose run each origin started, by its id
         lifted: dict[int, int] = {}  # the index of the op that lifted each non-finite number, by its finding's id
@@ -292,9 +293,8 @@ class RegionRecords:
                     started.update((id(origin), ran) for origin in tracer.started[first:])
                     lifted.update((id(found), ran) for found in tracer.literals if id(found) not in lifted)
                 replayed = copies.get(target) if target is not None else None
-                claimed = tracer.claim(replayed) if replayed is not None else None  # (a lifted inf: "benign")
-                if not isinstance(claimed, OpFinding) and not (written and replayed is not None and tracer.written_into(
-                        replayed)) and claimed is None:
+                if (tracer.claim(replayed) if replayed is not None else None) is None and not (
+                        written and replayed is not None and tracer.written_into(replayed) is not None):
                     tracer.claim_earliest()  # no origin known on it (an alias ``.data`` made): the first op's
         except Gone:
             return None
