@@ -349,3 +349,92 @@ def test_a_healthy_error_raised_each_step_is_replayed_once_at_most(mode: str) ->
                 model(torch.randn(3, 4))
         handle.remove()
     assert len(fired) <= 6
+
+
+class _MaskedMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (h * mask[..., None]).sum() / mask.sum()  # a batch that masked nothing: 0 / 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_integer_count_of_zero_is_clamped_to_one(mode: str) -> None:
+    """The second review: an integer count that is 0 everywhere (a bool mask's sum over a batch with no masked
+    token) got no fix ("found nothing to change"): a count is an integer tensor never negative, whatever its max."""
+    torch.manual_seed(0)
+    model = _MaskedMean()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        model(torch.randn(3, 6, 4), torch.zeros(3, 6, dtype=torch.bool)).backward()
+    trial = next(trial for trial in caught.value.report.fixes if trial.kind == "eps")
+    assert (trial.finite, trial.fact("form")) == (True, "count"), trial
+    assert suggested_edit(trial).endswith("return (h * mask[..., None]).sum() / mask.sum().clamp_min(1)")
+
+
+class _Buckets(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.lin, self.bucket = nn.Embedding(10, 4), nn.Linear(4, 1), nn.Embedding(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids).sum(1)
+        index = (self.lin(h).log() * 0 + 3).long().squeeze(1)  # producer: log of a negative, NaN, an index
+        return self.bucket(index).sum()
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full"])
+def test_a_healthy_index_error_skipped_does_not_hide_a_later_one_a_nan_made(mode: str) -> None:
+    """The second review: the healthy places were keyed by the innermost frame, torch's F.embedding line that
+    every embedding shares: a batch skipped for an out-of-vocabulary id hid a later NaN-made index's report."""
+    torch.manual_seed(0)
+    model = _Buckets()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for ids in (torch.tensor([[12, 1]]), torch.tensor([[1, 2], [3, 4], [5, 6]])):
+            try:
+                out = model(ids)
+            except IndexError:
+                if int(ids.max()) >= 10:
+                    continue  # the healthy skip of a bad batch
+                raise
+            out.backward()
+            opt.step()
+    assert (caught.value.report.phase.value, caught.value.report.op) == ("forward", "aten.log.default")
+
+
+class _ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.pi, self.v = nn.Linear(8, 32), nn.Linear(32, 4), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return torch.log_softmax(self.pi(h), -1), self.v(h).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full"])
+def test_a_float16_ppo_ratio_is_no_fix_when_its_max_is_subtracted(mode: str) -> None:
+    """The second review: with the check's exp scaled by a power of two, a float16 PPO ratio ``exp(logp - old)``
+    beside a value loss of 63 moved the loss by less than float16 rounds: "verified". The check compares the
+    parameters' gradients too, which the ratio's clipping moves."""
+    torch.manual_seed(0)
+    model = _ActorCritic().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    obs, act = torch.randn(16, 8, dtype=torch.float16), torch.randint(0, 4, (16,))
+    adv, returns = torch.randn(16, dtype=torch.float16), torch.randn(16, dtype=torch.float16) * 10
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        logp_all, value = model(obs)
+        logp = logp_all.gather(1, act[:, None]).squeeze(1)
+        old = logp.detach() - 0.1
+        old[3], adv[3] = -20.0, 1.0  # a stale old log-prob: the ratio overflows float16
+        ratio = torch.exp(logp - old)
+        loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean() + 0.5 * F.mse_loss(value, returns)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    trial = next(trial for trial in caught.value.report.fixes if trial.kind == "stable")
+    assert trial.finite is not True and "changes what the line computes" in (trial.untried or ""), trial

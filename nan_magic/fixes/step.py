@@ -104,6 +104,10 @@ class StepOutcome:
     no_loss: str | None = None
     #: Why the loss code did not run where the model's own scalar output stood for the loss (``loss_from="model"``).
     stand_in: str | None = None
+    #: The sum of each trained parameter's gradient's magnitudes (None: it got none), where the backward ran.
+    gradients: tuple[float | None, ...] = ()
+    #: The machine eps of the coarsest of those gradients' dtypes (float16's: a scaled exp's backward rounds there).
+    gradient_eps: float = 0.0
 
 
 def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepOutcome, Remedy, bool]:
@@ -354,6 +358,10 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     if not all(grad is None or _finite(grad) for grad in grads):
         outcome.failed = "backward"
         return
+    # (each parameter's gradient, summed: remedies/stable.py's check of a rewrite compares them, where a float16
+    # loss rounds a changed term away)
+    outcome.gradients = tuple(None if grad is None else float(grad.double().abs().sum()) for grad in grads)
+    outcome.gradient_eps = max((torch.finfo(grad.dtype).eps for grad in grads if grad is not None), default=0.0)
     if not optimizers:
         return
     for parameter, grad in zip(parameters, grads):

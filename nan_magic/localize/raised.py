@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
 
@@ -56,10 +57,15 @@ class RaisedForwards:
 
 
 def _site(error: BaseException) -> tuple[type, str, int]:
+    """Where the user's code raised ``error``: its innermost frame of the user's (an ``IndexError`` inside
+    ``F.embedding`` is at the line that called it: every embedding's error shares torch's line)."""
+    site: tuple[str, int] = ("", 0)
     tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        if not is_library_code(tb.tb_frame.f_code):
+            site = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
         tb = tb.tb_next
-    return type(error), tb.tb_frame.f_code.co_filename if tb else "", tb.tb_lineno if tb else 0
+    return type(error), *site
 
 
 def may_follow_nonfinite(error: BaseException) -> bool:

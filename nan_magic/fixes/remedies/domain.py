@@ -47,8 +47,8 @@ FUNCTIONS: dict[str, dict[str, int]] = {
 
 
 def _counts(denominator: torch.Tensor) -> bool:
-    """Whether a denominator holds counts: an integer tensor (not a bool mask), some of it 1 or more (``bincount``, a
-    ``mask.sum(1)`` of a bool mask, a degree kept as integers).
+    """Whether a denominator holds counts: an integer tensor (not a bool mask) never negative, all 0 too (``bincount``,
+    a ``mask.sum()`` of a bool mask that masked nothing, a degree kept as integers).
 
     A count of 0 is clamped to 1, as the cause's hint says, not to eps: the mean of nothing is then 0, where
     ``x / count.clamp_min(1.2e-07)`` divides what little a numerator holds there by 1e-7. Floating values that
@@ -59,7 +59,7 @@ def _counts(denominator: torch.Tensor) -> bool:
             not denominator.numel()):
         return False
     with torch.no_grad():
-        return bool(denominator.to(torch.int64).amax() >= 1)
+        return bool(denominator.to(torch.int64).amin() >= 0)
 
 
 def denominator_form(denominator: torch.Tensor) -> str:

@@ -13,10 +13,11 @@ softmax, a logsumexp, a Sinkhorn's normalisation, where ``exp(x)`` is divided
 by its own sum. A PPO probability ratio ``exp(logp - old)``, a logit scale's
 ``exp(s)`` or an exp activation is not normalised: divided by ``exp(max)``
 it is another value, finite or not. So a finite trial is run once more with
-the exp divided by 8 or 16 row by row (:func:`changes_value`): a power of two
-scales exactly (bar float16's subnormals), so where the exp is normalised the step computes the same
-bits in any dtype (bfloat16 under autocast too); where the step's loss or
-outputs move, the trial is no fix and says so.
+the exp multiplied by 8 or 16 row by row (:func:`changes_value`): a power of
+two scales exactly (a float16 subnormal too; the max-subtracted exp is at
+most 1), so where the exp is normalised the step computes the same bits in
+any dtype (bfloat16 under autocast too); where the step's loss or outputs
+move, the trial is no fix and says so.
 
 A softplus by hand, ``torch.log(1 + torch.exp(x))`` (or ``log1p(exp(x))``), is
 not normalised either; the form a person writes is ``F.softplus(x)``, the
@@ -54,7 +55,7 @@ class StableFix:
         #: whether it is the sum: a log of the sum, a log1p of the exp, is ``softplus(x)``; its version then: one
         #: written in place since, ``exp(x).mul_(w)``, is no longer ``exp(x)``).
         self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool, int]] = {}
-        #: Whether the max-subtracted exp is divided by 8 or 16 row by row (its max moved by 3 or 4 ln 2, exactly):
+        #: Whether the max-subtracted exp is multiplied by 8 or 16 row by row (its max moved by 3 or 4 ln 2, exactly):
         #: the check of changes_value.
         self.offsets = offsets
         #: The softmax and sigmoid outputs the module made: ``id(output)`` -> (a weak reference to it, its input,
@@ -94,9 +95,9 @@ class StableFix:
         if self.function == "exp" and name == "exp":
             self.form = "max-subtracted exp"
             shift = operand.detach().amax(dim=-1, keepdim=True) if operand.dim() else operand.detach()
-            if self.offsets:  # (1/8 and 1/16 are exact in every float dtype, and so is a product by them)
+            if self.offsets:  # (8 and 16 are exact in every float dtype, and so is a product by them up to 16)
                 rows = torch.arange(shift.numel(), device=shift.device).reshape(shift.shape)
-                return torch.exp(operand - shift) * (2.0 ** -(3 + rows % 2)).to(operand.dtype)
+                return torch.exp(operand - shift) * (2.0 ** (3 + rows % 2)).to(operand.dtype)
             return torch.exp(operand - shift)
         if self.function == "log" and name == "log":
             known = self._softmaxes.get(id(operand))
@@ -168,7 +169,7 @@ def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutco
 def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOutcome) -> str | None:
     """Why ``fix``'s finite max-subtracted exp (``outcome``) computes another value than the user's line, or None.
 
-    The step is replayed with the exp divided by 8 or 16 row by row (its max moved, with no rounding of its own):
+    The step is replayed with the exp multiplied by 8 or 16 row by row (its max moved, with no rounding of its own):
     where the max cancels (the exp is normalised by its own sum) the loss and the outputs are the same; where they
     move, the rewrite changed what the line means, and the step was made finite by computing something else.
     """
@@ -177,23 +178,30 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
     moved = replay_step(step, site, StableFix(fix.function, offsets=True))
     fix.checked = moved.seconds
     if moved.failed is not None:
-        return ("it changes what the line computes: with the exp divided by 8 or 16 the step was non-finite "
+        return ("it changes what the line computes: with the exp multiplied by 8 or 16 the step was non-finite "
                 "(the max does not cancel out of what the line's exp computes, as it does out of a softmax)")
     pairs = [(_named(path), outcome.outputs[path], after) for path, after in moved.outputs.items()
              if path in outcome.outputs]
     if outcome.loss is not None and moved.loss is not None:
         pairs.append(("loss", torch.tensor(outcome.loss, dtype=torch.float64),
                       torch.tensor(moved.loss, dtype=torch.float64)))
+    if len(outcome.gradients) == len(moved.gradients):  # (a float16 loss may round a changed term away: a PPO ratio's)
+        known = [(before, after) for before, after in zip(outcome.gradients, moved.gradients)
+                 if before is not None and after is not None]
+        pairs.append(("gradients", torch.tensor([before for before, _ in known], dtype=torch.float64),
+                      torch.tensor([after for _, after in known], dtype=torch.float64)))
     for name, before, after in pairs:
         if before.shape != after.shape:
             continue
         tolerance = max(1e-4, 4 * torch.finfo(before.dtype).eps) if before.is_floating_point() else 0.0
+        if name == "gradients":  # (summed in float64 from float16 ones: a float16 backward's own rounding)
+            tolerance = max(tolerance, 4 * outcome.gradient_eps)
         if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=1e-6, equal_nan=True):
             change = float((after.double() - before.double()).abs().max())
             return (f"it changes what the line computes: exp(x - max) is exp(x) / exp(max), and the max does not "
-                    f"cancel here (the exp is not normalised by its own sum, as a softmax's is): with the exp divided "
-                    f"by 8 or 16 the {name} moved by {change:.3g}; a log of the exp's sum needs the max added "
-                    f"back (torch.logsumexp), a ratio or a scale has no max to take out: clamp the exponent")
+                    f"cancel here (the exp is not normalised by its own sum, as a softmax's is): with the exp "
+                    f"multiplied by 8 or 16 the {name} moved by {change:.3g}; a log of the exp's sum needs the max "
+                    f"added back (torch.logsumexp), a ratio or a scale has no max to take out: clamp the exponent")
     return None
 
 
