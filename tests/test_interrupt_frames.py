@@ -70,7 +70,12 @@ def test_an_interrupt_inside_a_watch_hook_shows_none_of_our_frames(ip: Any, opti
         text = shown(ip, "%%nantrace" + options + LOOP.format(stop="False"))
     ours = [line for line in text.splitlines() if "nan_magic" in line and line.startswith("File ")]
     assert not ours, text
-    assert "[... skipping hidden" in text, text  # the hook's frame was there, and hidden
+    if inside.endswith("gradients.is_checkable"):
+        # The backward's patch runs its callbacks with no Python frame of its own (patches/registry.py SelfGated):
+        # the traceback ends at the user's backward() line, nothing of ours hidden or shown.
+        assert text.rstrip().endswith("KeyboardInterrupt:") and "----> 4     opt.zero_grad(); loss.backward()" in text
+    else:
+        assert "[... skipping hidden" in text, text  # the hook's frame was there, and hidden
     assert "loss = model(x, stop=False).mean()" in text or "loss.backward()" in text or "opt.step()" in text, text
 
 
