@@ -2,14 +2,15 @@
 
 Special functions: ``torch.logit`` without its eps, of a distillation teacher's probability that float32 rounded to 1
 and of a calibration wrapper's own saturated sigmoid; ``torch.special.ndtri`` of a rank-gauss target transform whose
-top rank is n / n; a probit (Tobit) likelihood ``log(ndtr(z))`` of a censored sample far in the tail; the inverse
-softplus ``log(expm1(y))`` of a large positive target (``expm1`` overflows). Learned transforms: a Box-Cox layer whose
-lambda starts at 0 (``(y^l - 1) / l`` is 0 / 0), and its one-``where`` fix (the discarded branch's gradient is still
-0 * inf); a learned gamma correction ``x ** gamma`` (a tensor exponent) of a mean-subtracted image. Pooling and norms:
-x-vector statistics pooling's ``std`` over the frames of a one-frame utterance (its ``correction=0`` fix is calm:
-torch masks the backward of a std of 0); ``F.normalize(eps=0)`` of a dead sample's all-zero feature. Losses: a Charbonnier
-``sqrt(d^2 + eps)`` with eps 0 against a zero-initialised residual head; float16 ``einsum`` attention without the
-``1 / sqrt(d)`` scale; a differentiable Kalman filter whose gain takes ``reciprocal(P + R)`` at a known initial state.
+top rank is n / n; a Tobit likelihood ``log(ndtr(z))`` (or ``log(Normal(0, 1).cdf(z))``) of a censored sample far
+in the tail, and an ordinal probit head's; the inverse softplus ``log(expm1(y))`` of a large target (``expm1``
+overflows). Learned transforms: a Box-Cox layer whose lambda starts at 0 (``(y^l - 1) / l`` is 0 / 0), and its
+one-``where`` fix (the discarded branch's gradient is still 0 * inf); a learned gamma correction ``x ** gamma`` (a
+tensor exponent) of a mean-subtracted image. Pooling and norms: x-vector statistics pooling's ``std`` over the frames
+of a one-frame utterance (its ``correction=0`` fix is calm: torch masks the backward of a std of 0);
+``F.normalize(eps=0)`` of an empty caption's all-zero feature. Losses: a Charbonnier ``sqrt(d^2 + eps)`` with eps 0
+against a zero-initialised residual head; float16 ``einsum`` attention without the ``1 / sqrt(d)`` scale; a
+differentiable Kalman filter whose gain takes ``reciprocal(P + R)`` at a known initial state.
 Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 

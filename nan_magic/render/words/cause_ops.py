@@ -49,8 +49,8 @@ def _log_hint(event: Report, cause: Cause) -> str:
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
-        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
-        f"to eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for log-probabilities"
+        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp to "
+        f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for log-probabilities"
     )
 
 
@@ -69,8 +69,8 @@ def _gamma_hint(event: Report, cause: Cause) -> str:
 _EDGES: dict[str, tuple[str, str, str]] = {
     "atanh": ("±1", "past them", "artanh(x) = log((1 + x) / (1 - x)) / 2 is ±inf at ±1 and NaN beyond; clamp its input "
               "to (-1 + eps, 1 - eps) (1 - 1e-5 in float32; a norm projected onto a unit ball's edge rounds to 1)"),
-    "logit": ("0 or 1", "outside [0, 1]", "logit(p) = log(p / (1 - p)) is -inf at 0, +inf at 1 and NaN beyond (a sigmoid "
-              "rounds to exactly 1 in float32 past x = 17); clamp its input to (eps, 1 - eps) (torch.logit(p, "
+    "logit": ("0 or 1", "outside [0, 1]", "logit(p) = log(p / (1 - p)) is -inf at 0, +inf at 1 and NaN beyond (a "
+              "sigmoid rounds to exactly 1 in float32 past x = 17); clamp its input to (eps, 1 - eps) (torch.logit(p, "
               "eps=1e-6)), or keep the logits the sigmoid was computed from"),
     "erfinv": ("±1", "past them", "the inverse error function is ±inf at ±1 and NaN beyond (an inverse CDF: "
                "2 * rank / n - 1 at the top rank, a CDF that rounded to 1); map ranks into the open interval "
