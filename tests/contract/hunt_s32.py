@@ -10,7 +10,8 @@ tensor exponent) of a mean-subtracted image. Pooling and norms: x-vector statist
 of a one-frame utterance (its ``correction=0`` fix is calm: torch masks the backward of a std of 0);
 ``F.normalize(eps=0)`` of an empty caption's all-zero feature. Losses: a Charbonnier ``sqrt(d^2 + eps)`` with eps 0
 against a zero-initialised residual head; float16 ``einsum`` attention without the ``1 / sqrt(d)`` scale; a
-differentiable Kalman filter whose gain takes ``reciprocal(P + R)`` at a known initial state.
+differentiable Kalman filter whose gain takes ``reciprocal(P + R)`` at a known initial state; DINO's teacher temperature
+warmed up from 0 (the teacher's logits divided by 0).
 Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 
@@ -379,6 +380,46 @@ def _kalman(floor: float) -> Scenario:
     return _loop(model, lambda step: (zs[step], feats[step]), lambda out, step: F.mse_loss(out, truths[step]))
 
 
+# ---------------------------------------------------------------- DINO with a teacher temperature warmed up from 0
+def _dino(start: float) -> Scenario:
+    """DINO self-distillation: the student's log-softmax at 0.1 against the teacher's centred softmax at a temperature
+    warmed up linearly (``linspace(warmup_temp, 0.04, 3)``, then 0.04). Set to start the warmup at 0, the first
+    step's teacher logits are divided by 0: +-inf, and the softmax of a row holding both is NaN. The twin starts the
+    warmup at 0.04, as DINO's default."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8))
+    teacher = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8))
+    teacher.load_state_dict(student.state_dict())
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    model = nn.ModuleDict({"student": student, "teacher": teacher})
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    temps = [float(t) for t in torch.linspace(start, 0.04, 3)] + [0.04]
+    views = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in range(4)]
+    center = torch.zeros(8)
+
+    def run() -> list[torch.Tensor]:
+        nonlocal center
+        losses = []
+        for step in range(4):
+            a, b = views[step]
+            with torch.no_grad():
+                t_out = teacher(a)
+                t_prob = F.softmax((t_out - center) / temps[step], -1)  # producer: dino teacher temp
+            loss = -(t_prob * F.log_softmax(student(b) / 0.1, -1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for pt, ps in zip(teacher.parameters(), student.parameters()):
+                    pt.mul_(0.996).add_(ps.detach(), alpha=0.004)
+                center = 0.9 * center + 0.1 * t_out.mean(0)
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
     Case("hunt_s32_logit_of_a_teacher_probability_of_1", lambda: _logit_distill(None),
          Expect("forward", None, step=2, op="aten.logit.default", marker="teacher logit")),
@@ -427,4 +468,7 @@ CASES = [
     Case("hunt_s32_kalman_gain_reciprocal_at_p_0", lambda: _kalman(0.0),
          Expect("forward", "", "LearnedKalman", step=2, op="aten.reciprocal.default", marker="kalman gain")),
     Case("hunt_s32_kalman_noise_floored_healthy", lambda: _kalman(1e-4), None),
+    Case("hunt_s32_dino_teacher_temperature_warmed_up_from_0", lambda: _dino(0.0),
+         Expect("forward", None, step=0, op="aten.div.Tensor", marker="dino teacher temp", cause="division-by-zero")),
+    Case("hunt_s32_dino_teacher_temperature_from_default_healthy", lambda: _dino(0.04), None),
 ]
