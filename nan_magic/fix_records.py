@@ -23,10 +23,10 @@ FailedAt = Literal["forward", "loss", "backward", "optimizer step", "next forwar
 AFTER_THE_LOSS: tuple[FailedAt, ...] = ("backward", "optimizer step", "next forward")
 
 #: The functions whose operand the eps remedy clamps into [-1 + eps, 1 - eps], not above eps (their domain is bounded).
-BOUNDED_FUNCTIONS = ("acos", "asin", "atanh", "logit")
+BOUNDED_FUNCTIONS = ("acos", "asin", "atanh", "logit", "erfinv", "special_ndtri")
 #: ... of them, those whose domain is (0, 1), clamped into [eps, 1 - eps]: logit(p) = log(p / (1 - p)), -inf at 0
-#: and +inf at 1 (a sigmoid that rounded to 0 or 1).
-UNIT_FUNCTIONS = ("logit",)
+#: and +inf at 1 (a sigmoid that rounded to 0 or 1), and the normal quantile ndtri (a rank-gauss of rank n / n).
+UNIT_FUNCTIONS = ("logit", "special_ndtri")
 
 
 class FixSite(NamedTuple):

@@ -252,6 +252,13 @@ def _logit(report: Report) -> Cause:
     return event_cause("log-domain", "logit-edge", report, base=op_function(report.op))
 
 
+def _inverse_cdf(report: Report) -> Cause:
+    """erfinv (±inf at ±1) and ndtri (-inf at 0, +inf at 1), NaN past them: an inverse CDF of a rank n / n."""
+    if not report.nan + report.posinf + report.neginf:
+        return overflow(report)
+    return event_cause("log-domain", "icdf-edge", report, base=op_function(report.op))
+
+
 def _logdet(report: Report) -> Cause:
     """log|det A| of a singular matrix is -inf (logdet: NaN where the determinant rounds negative)."""
     if not report.neginf + report.nan:
@@ -286,6 +293,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
     **dict.fromkeys(("atanh", "arctanh"), _atanh),
     **dict.fromkeys(("logit", "special_logit"), _logit),
+    **dict.fromkeys(("erfinv", "special_erfinv", "special_ndtri", "ndtri"), _inverse_cdf),
     **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),
 }
 

@@ -24,7 +24,7 @@ __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggest
 
 _DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
                  "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div",
-                 "logit": "logit"}
+                 "logit": "logit", "erfinv": "erfinv", "special_ndtri": "ndtri"}
 #: Where a replayed backward started without the loss (fixes/step.py), as the outcome says it.
 _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
            "output-gradient": " (the backward started from the gradient the step held for the model's outputs)"}
@@ -66,8 +66,9 @@ def _changed(trial: FixTrial) -> str:
     if trial.kind == "stable":
         if trial.fact("form") == "log_softmax":
             return "the log of the softmax fused into log_softmax"
-        if trial.fact("form") == "logsigmoid":
-            return "the log of the sigmoid fused into logsigmoid"
+        if trial.fact("form") in ("logsigmoid", "log_ndtr"):
+            return f"the log of the {'sigmoid' if trial.fact('form') == 'logsigmoid' else 'normal CDF'} fused into " \
+                f"{trial.fact('form')}"
         if trial.fact("form") == "softplus":
             return "the log(1 + exp(x)) computed as F.softplus(x), where the exp overflowed"
         if trial.fact("form") == "correction=0":
@@ -75,7 +76,7 @@ def _changed(trial: FixTrial) -> str:
                     "correction=1 divides by N - 1 = 0)")
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
-        return "the log of a softmax or sigmoid fused into log_softmax or logsigmoid"
+        return "the log of a softmax, sigmoid or normal CDF fused into log_softmax, logsigmoid or log_ndtr"
     if trial.kind == "lr" and trial.fact("redone") == "previous":
         if trial.fact("lr") is None:
             return "the previous update redone at a tenth of the learning rate, then this step"
@@ -258,7 +259,8 @@ def _scaler_line(line: str | None, scale: str) -> str | None:
 
 
 #: The fused form of a log of each function (a softmax's, a sigmoid's), as the stable remedy computes it.
-_FUSED_LOGS = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.logsigmoid"}
+_FUSED_LOGS = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.logsigmoid",
+               "ndtr": "torch.special.log_ndtr"}
 
 
 class _Edit(ast.NodeTransformer):

@@ -4,8 +4,8 @@
 clamped to at least eps; a division by 0: the denominator is clamped to eps
 where it is never negative (to 1 where it counts: an integer tensor), else its zeros become eps; ``acos``/``asin`` at
 or beyond +-1, and ``atanh`` there (the inverse of a tanh-squashed action that rounded to 1: SAC's log-prob):
-clamped into ``[-1 + eps, 1 - eps]``; ``logit`` of a probability that rounded to 0 or 1: into
-``[eps, 1 - eps]``. eps is the operand's
+clamped into ``[-1 + eps, 1 - eps]``, as ``erfinv`` (an inverse CDF); ``logit`` of a probability that rounded to 0
+or 1, and the normal quantile ``ndtri`` (a rank-gauss of rank n / n): into ``[eps, 1 - eps]``. eps is the operand's
 dtype's machine epsilon (``torch.finfo(dtype).eps``: 1.2e-7 in float32,
 9.8e-4 in float16), large enough for the gradient to stay finite where the
 derivative is 1/x or 1/sqrt(x), and what the suggested edit writes.
@@ -36,6 +36,8 @@ _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "asin": {"asin": 0, "arcsin": 0},
     "atanh": {"atanh": 0, "arctanh": 0},
     "logit": {"logit": 0, "special_logit": 0},  # (torch.special.logit: aten.logit too)
+    "erfinv": {"erfinv": 0, "special_erfinv": 0},  # (torch.special.erfinv: aten.erfinv)
+    "special_ndtri": {"special_ndtri": 0, "ndtri": 0},  # (torch.special.ndtri's __name__ is ndtri)
 }
 #: The producer's function -> the torch functions that compute it, and which argument is the operand; the
 #: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).

@@ -1,10 +1,11 @@
-"""``stable``: the producer's exp max-subtracted, or the log of a softmax or sigmoid fused (``log_softmax``).
+"""``stable``: the producer's exp max-subtracted, or the log of a softmax, sigmoid or normal CDF fused.
 
 A hand-written softmax (``e = x.exp(); e / e.sum(-1, keepdim=True)``)
 overflows in ``exp``; ``exp(x - x.amax(-1, keepdim=True))`` gives the same
 ratios and cannot. ``torch.log(torch.softmax(x, -1))`` is -inf where the
 softmax underflowed to 0; ``torch.log_softmax(x, -1)`` is finite there, and
-``F.logsigmoid(z)`` where ``torch.log(torch.sigmoid(z))`` is -inf. The
+``F.logsigmoid(z)`` where ``torch.log(torch.sigmoid(z))`` is -inf, ``special.log_ndtr(z)`` where
+``torch.log(special.ndtr(z))`` is (a probit's or Tobit's likelihood of a sample far in the tail). The
 remedy sees every softmax and sigmoid the producing module (or the loss code)
 runs (its output may be logged on a later line) and replaces a log of one of them.
 
@@ -29,6 +30,7 @@ the max-subtracted exp is tried as before.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +44,8 @@ __all__ = ["StableFix", "changes_value", "stable_replay"]
 
 #: The torch functions (and the aten ops' names) that add two values: ``1 + e``, ``e + 1``, ``torch.add(e, 1)``.
 _ADDS = frozenset({"add", "__add__", "__radd__"})
+#: ... and that multiply them.
+_MULS = frozenset({"mul", "__mul__", "__rmul__"})
 
 
 class StableFix:
@@ -61,7 +65,14 @@ class StableFix:
         #: The softmax and sigmoid outputs the module made: ``id(output)`` -> (a weak reference to it, its input,
         #: the softmax's dim; None for a sigmoid).
         self._softmaxes: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int | None]] = {}
-        #: The form used, for the description: ``"max-subtracted exp"``, ``"log_softmax"`` or ``"logsigmoid"``.
+        #: The normal CDFs the code took: ``id(output)`` -> (a weak reference to it, its input, the scale that makes it
+        #: z: sqrt(2) for an erf's input). ``log(ndtr(z))`` is
+        #: -inf where the CDF underflowed to 0 (z < -38 in float32), ``special.log_ndtr(z)`` finite there.
+        self._cdfs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, float]] = {}
+        #: ... and the steps of one computed by erf: ``id(output)`` -> (a weak reference to it, z, the stage).
+        self._erfs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
+        #: The form used, for the description: ``"max-subtracted exp"``, ``"log_softmax"``, ``"logsigmoid"`` or
+        #: ``"log_ndtr"``.
         self.form: str | None = None
         #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
         self.checked = 0.0
@@ -76,6 +87,8 @@ class StableFix:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None) if name == "softmax" else None
             if isinstance(dim, int) or name == "sigmoid":
                 self._softmaxes[id(result)] = (weakref.ref(result), args[0], dim)
+        if isinstance(result, torch.Tensor) and args:
+            self._cdf(name, args, result)
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
@@ -107,8 +120,34 @@ class StableFix:
                     return torch.nn.functional.logsigmoid(known[1])
                 self.form = "log_softmax"
                 return torch.log_softmax(known[1], dim=known[2])
+            cdf = self._cdfs.get(id(operand))
+            if cdf is not None and cdf[0]() is operand:
+                self.form = "log_ndtr"
+                return torch.special.log_ndtr(cdf[1] * cdf[2] if cdf[2] != 1.0 else cdf[1])
         return None
 
+
+    def _cdf(self, name: str, args: Sequence[Any], result: torch.Tensor) -> None:
+        """Remembers a normal CDF: ``special.ndtr(z)``, or as it is computed, ``0.5 * (1 + erf(z / sqrt(2)))`` (the
+        recorded ops of ndtr, ``Normal.cdf``): the erf (stage 0), the 1 added (1), the half taken (the CDF of z)."""
+        if name == "special_ndtr" and isinstance(args[0], torch.Tensor):
+            self._cdfs[id(result)] = (weakref.ref(result), args[0], 1.0)
+            return
+        if name == "erf" and isinstance(args[0], torch.Tensor):
+            self._erfs[id(result)] = (weakref.ref(result), args[0], 0)
+            return
+        stage = 0 if name in _ADDS else 1 if name in _MULS else None
+        if stage is None or len(args) != 2:
+            return
+        for tensor, other in ((args[0], args[1]), (args[1], args[0])):
+            known = self._erfs.get(id(tensor))
+            if known is None or known[0]() is not tensor or known[2] != stage or not _is(other, 1.0 - 0.5 * stage):
+                continue
+            if stage == 0:
+                self._erfs[id(result)] = (weakref.ref(result), known[1], 1)
+            else:
+                self._cdfs[id(result)] = (weakref.ref(result), known[1], math.sqrt(2.0))
+            return
 
     def _exp_or_sum(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], result: torch.Tensor) -> None:
         """Remembers an exp's output (its key the output itself) and a ``1 + exp(x)`` (x)."""
@@ -140,9 +179,14 @@ class _Softplus(StableFix):
 def _one(value: Any) -> bool:
     """Whether ``value`` is the constant 1: a number, or a one-element tensor holding it that no gradient reaches
     (a learned ``c`` in ``log(c + exp(x))`` that is 1 today is not a softplus: its gradient would be lost)."""
+    return _is(value, 1.0)
+
+
+def _is(value: Any, constant: float) -> bool:
+    """Whether ``value`` is ``constant``, a number or a one-element tensor no gradient reaches (as :func:`_one`)."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.requires_grad and float(value) == 1.0
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+        return value.numel() == 1 and not value.requires_grad and float(value) == constant
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == constant
 
 
 def _same_where_finite(softplus: torch.Tensor, line: torch.Tensor) -> bool:

@@ -49,8 +49,8 @@ def _log_hint(event: Report, cause: Cause) -> str:
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
-        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp "
-        f"to eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp for log-probabilities"
+        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp to "
+        f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for log-probabilities"
     )
 
 
@@ -64,23 +64,28 @@ def _gamma_hint(event: Report, cause: Cause) -> str:
     )
 
 
-def _atanh_hint(event: Report, cause: Cause) -> str:
-    edge, past = event.posinf + event.neginf, event.nan
-    return (
-        f"{cause.fact('base')} in {where(event)} got {counted(edge, 'value')} at ±1 and {past} past them: artanh(x) = "
-        "log((1 + x) / (1 - x)) / 2 is ±inf at ±1 and NaN beyond; clamp its input to (-1 + eps, 1 - eps) "
-        "(1 - 1e-5 in float32; a norm projected onto a unit ball's edge rounds to 1)"
-    )
+#: A function whose domain has edges where it is infinite (its base, as op_function names it): where they are, where
+#: it is NaN, and the sentence after the counts. The inverse CDFs (erfinv, ndtri) are read like logit and atanh.
+_EDGES: dict[str, tuple[str, str, str]] = {
+    "atanh": ("±1", "past them", "artanh(x) = log((1 + x) / (1 - x)) / 2 is ±inf at ±1 and NaN beyond; clamp its input "
+              "to (-1 + eps, 1 - eps) (1 - 1e-5 in float32; a norm projected onto a unit ball's edge rounds to 1)"),
+    "logit": ("0 or 1", "outside [0, 1]", "logit(p) = log(p / (1 - p)) is -inf at 0, +inf at 1 and NaN beyond (a "
+              "sigmoid rounds to exactly 1 in float32 past x = 17); clamp its input to (eps, 1 - eps) (torch.logit(p, "
+              "eps=1e-6)), or keep the logits the sigmoid was computed from"),
+    "erfinv": ("±1", "past them", "the inverse error function is ±inf at ±1 and NaN beyond (an inverse CDF: "
+               "2 * rank / n - 1 at the top rank, a CDF that rounded to 1); map ranks into the open interval "
+               "((rank - 0.5) / n) or clamp its input to (-1 + eps, 1 - eps)"),
+    "special_ndtri": ("0 or 1", "outside [0, 1]", "ndtri(p), the normal distribution's quantile, is -inf at 0, +inf at "
+                      "1 and NaN beyond (an inverse CDF: rank / n at the top rank, a CDF that rounded to 1); map ranks "
+                      "into the open interval ((rank - 0.5) / n) or clamp its input to (eps, 1 - eps)"),
+}
 
 
-def _logit_hint(event: Report, cause: Cause) -> str:
-    edge, past = event.posinf + event.neginf, event.nan
-    return (
-        f"{cause.fact('base')} in {where(event)} got {counted(edge, 'value')} at 0 or 1 and {past} outside [0, 1]: "
-        "logit(p) = log(p / (1 - p)) is -inf at 0, +inf at 1 and NaN beyond (a sigmoid rounds to exactly 1 in "
-        "float32 past x = 17); clamp its input to (eps, 1 - eps) (torch.logit(p, eps=1e-6)), or keep the logits "
-        "the sigmoid was computed from"
-    )
+def _edge_hint(event: Report, cause: Cause) -> str:
+    base = cause.fact("base")
+    edges, beyond, text = _EDGES.get(base, _EDGES["atanh" if cause.reading == "atanh-edge" else "logit"])
+    return (f"{base} in {where(event)} got {counted(event.posinf + event.neginf, 'value')} at {edges} and "
+            f"{event.nan} {beyond}: {text}")
 
 
 def _logdet_hint(event: Report, cause: Cause) -> str:
@@ -462,8 +467,7 @@ OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
     "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
-    "atanh-edge": on_event(_atanh_hint, _made(counts), sentence=False),
-    "logit-edge": on_event(_logit_hint, _made(counts), sentence=False),
+    **dict.fromkeys(("atanh-edge", "logit-edge", "icdf-edge"), on_event(_edge_hint, _made(counts), sentence=False)),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
