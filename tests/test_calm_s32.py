@@ -211,7 +211,7 @@ def dino_teacher() -> Row:
                     torch._foreach_add_(tp, sp, alpha=0.01)
                     center = center * 0.9 + torch.cat(t_out).mean(0) * 0.1
                 out.append(loss.detach())
-        return out + [center]
+        return [*out, center]
 
     return Row((student, opt), (student, teacher, opt), run)
 
@@ -599,7 +599,7 @@ def custom_functions() -> Row:
                 opt.step()
                 out += [loss.detach(), index]
             per = vmap(grad(lambda v: ScaledTanh.apply(v, 2.0).sum()))(x)
-        return out + [per]
+        return [*out, per]
 
     return Row((model, opt), (model, opt), run)
 

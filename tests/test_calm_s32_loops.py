@@ -171,7 +171,7 @@ def anomaly_on_with_an_inf_batch_skipped() -> Row:
                     opt.step()
         finally:
             torch.autograd.set_detect_anomaly(was)
-        return out + [skipped]
+        return [*out, skipped]
 
     return Row((model, opt), (model, opt), run)
 
