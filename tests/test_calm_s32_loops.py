@@ -512,13 +512,7 @@ ROWS = {
 
 
 #: Rows the watch still raises on, with why.
-NOT_YET = {
-    "manual_fp16_loss_scaling": (
-        "manual (apex/fairseq-style) loss scaling without a GradScaler: the overflowed scaled gradient in backward is "
-        "raised at once as a half-precision overflow at step 0; the rule that holds a backward overflow until the "
-        "step is known skipped exists only for a GradScaler (hot/checks/optim.py), the user's own skip (clip norm "
-        "inf, continue, scale lowered) is not recognised"
-    ),
+NOT_YET: dict[str, str] = {
 }
 
 
