@@ -11,9 +11,8 @@ skipped step (seen as it returns); so is, for a scaler whose ``step`` was not se
 an optimizer step having run. The pending event is then recorded as benign (never raised). The run is not healthy,
 and the watch raises, when the scale keeps collapsing: :data:`COLLAPSE_SKIPS` skipped steps in a row (with the
 default backoff of 0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients overflow). A non-finite
-unscaled gradient that reaches an optimizer step is always a real fault. Without a scaler, a loss the loop
-multiplied by a power of two itself (loss scaling by hand) has its non-finite backward held the same way, until the
-loop skips the step or applies it (loss_scale.py).
+unscaled gradient that reaches an optimizer step is always a real fault. A loss scaled by hand (no scaler: times a
+power of two) is held the same way until the loop skips the step or applies it (loss_scale.py).
 
 Hot gradients. A large CPU gradient's norm is taken as autograd accumulates it (a post-accumulate-grad hook),
 while in cache: two thirds of the time of the same read at the step, on the benchmark MLP's 34 MB. The step
@@ -410,8 +409,9 @@ class OptimizerChecks:
         self.watch.cycle.step_skipped(opt)
 
     def hold_gradient_event(self, finding: Finding, loss_scaled: torch.Tensor | None = None) -> bool:
-        """Hold a backward event while a GradScaler, or the loop that scaled the loss itself, may skip the step."""
-        self.manual_scale = None if (scaler := self.scaler_active()) else loss_scale_of(loss_scaled)
+        """Hold a backward event while a GradScaler, or a loop that scaled the loss itself, may skip the step."""
+        scaler = self.scaler_active()  # (else a loss scaled by hand, in a loop with an optimizer: loss_scale.py)
+        self.manual_scale = None if scaler or not self.in_use() else loss_scale_of(loss_scaled)
         if not scaler and self.manual_scale is None:
             return False
         if self.pending_overflow is None:
