@@ -2,11 +2,11 @@
 float16 loop's own), the loop skipping a step whose scaled gradients overflowed (its clip norm or finiteness check
 says so) and lowering its scale.
 
-The backward's root says the loss was scaled: a multiplication by a power of two of at least 2 (a
-``MulBackward0`` whose saved ``other`` is one number), taken as the backward starts by attribute reads only (the
-healthy step makes no call for it: gradients.py) and read only at an event. A non-finite gradient of such a
-backward, in a loop with an optimizer in use, is held as a GradScaler's is (optim.py). A step boundary that no optimizer step preceded settles it as a
-benign skip; an optimizer step that applies it, the watch left before the loop decided, or
+The backward's root says the loss was scaled: a multiplication by a power of two of at least 2 (a ``MulBackward0``
+whose saved ``other`` is one number), taken as the backward starts by attribute reads only (the healthy step makes
+no call for it: gradients.py) and read only at an event. A non-finite gradient of such a backward, in a loop with an
+optimizer in use, is held as a GradScaler's is (optim.py). A step boundary that no optimizer step preceded settles
+it as a benign skip; an optimizer step that applies it, the watch left before the loop decided, or
 ``COLLAPSE_SKIPS`` skips in a row raise it as it was found.
 """
 
