@@ -228,6 +228,33 @@ def zero_temperature() -> Built:
     return fit(Temp(), {"x": torch.randn(8, 4), "y": torch.randn(8, 3)}, lr=0.01)
 
 
+# ---------------------------------------------------------------- a Gaussian NLL whose learned variance reached 0
+class LearnedVariance(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.var = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 0.5 * torch.log(self.var)  # producer: log(0) of the learned variance
+
+
+def zero_variance() -> Built:
+    torch.manual_seed(0)
+    return fit(LearnedVariance(), {"x": torch.randn(8, 4), "y": torch.randn(8, 1)}, lr=0.01)
+
+
+def zero_variance_by_hand(steps: int = 5) -> torch.Tensor:
+    """The suggested edit (``torch.log(self.var.clamp_min(1.2e-07))``) by hand: var after ``steps`` steps."""
+    model, opt, _run, data = zero_variance()
+    assert isinstance(model, LearnedVariance)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model.lin(data["x"]) + 0.5 * torch.log(model.var.clamp_min(EPS)), data["y"]).backward()
+        opt.step()
+    return model.var.detach().clone()
+
+
 # ---------------------------------------------------------------- dropout before log: the replay's RNG
 class DropLog(nn.Module):
     def __init__(self) -> None:
@@ -346,6 +373,6 @@ CASES = {
     "all-samples-nan-mean": all_samples_nan_mean, "half-model-nan-data": half_model_nan_data,
     "accumulated": accumulated, "compiled-loss": compiled_loss, "batchnorm-log": batchnorm_log,
     "tied-zero-row": tied_zero_row, "adam-eps-zero-first": adam_eps_zero_first, "long-divergence": long_divergence,
-    "padded-rows": padded_rows, "zero-temperature": zero_temperature, "dropout-log": dropout_log,
-    "negative-pow": negative_pow, "inf-target-sum": inf_target_sum,
+    "padded-rows": padded_rows, "zero-temperature": zero_temperature, "zero-variance": zero_variance,
+    "dropout-log": dropout_log, "negative-pow": negative_pow, "inf-target-sum": inf_target_sum,
 }

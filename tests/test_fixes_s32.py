@@ -6,9 +6,9 @@ A trial verified is one whose remedy, applied by hand to a fresh copy of the sam
 with the trial's loss and trains; a remedy that cannot help (every sample bad, the NaN in the data, Adam's first step)
 is never verified; the user's model, optimizer, gradients, BatchNorm statistics, generators and data after the trials
 are bit for bit those of a run that tried none (``fixes=False``). Two verdicts were false and are fixed: a clamp of a
-parameter sitting at its domain's boundary (``sqrt(scale)`` at 0, ``x / t`` at t = 0) read "verified" where by hand
-the parameter never leaves 0; a learning rate lowered for one update of a run diverged for 50 steps read "verified"
-on a loss of 7.5e35. A later micro-batch's trials now say they replayed that model call alone.
+parameter sitting at its domain's boundary (``sqrt(scale)`` at 0, ``x / t`` at t = 0, ``log(var)`` at 0) read
+"verified" where by hand the parameter never leaves 0; a learning rate lowered for one update of a run diverged for
+50 steps read "verified" on a loss of 7.5e35. A later micro-batch's trials now say they replayed that model call alone.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from fixes_s32_cases import (
     sqrt_of_zero_param_by_hand,
     tied_zero_row_by_hand,
     zero_temperature_by_hand,
+    zero_variance_by_hand,
 )
 from test_fixes_s29 import _same, _state  # (the user's state, read bit for bit)
 
@@ -113,7 +114,8 @@ def test_only_a_remedy_that_works_by_hand_is_verified_and_the_user_state_is_unto
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize(("name", "parameter"), [("sqrt-of-zero-param", "scale"), ("zero-temperature", "t")])
+@pytest.mark.parametrize(("name", "parameter"), [("sqrt-of-zero-param", "scale"), ("zero-temperature", "t"),
+                                                 ("zero-variance", "var")])
 def test_a_clamp_of_a_parameter_at_its_boundary_is_not_a_fix(name: str, parameter: str, mode: str) -> None:
     """``torch.sqrt(self.scale)`` with scale at 0 (an inf gradient), ``self.lin(x) / self.t`` with t at 0. Was: "eps:
     ... clamped to at least 1.19e-7 -> verified: the step came out finite ... 1 of 1 verified" and the edit
@@ -125,10 +127,11 @@ def test_a_clamp_of_a_parameter_at_its_boundary_is_not_a_fix(name: str, paramete
     assert [edit for shown, _text, edit in fix_lines(report) if shown is trial] == [None]
     text, html = " ".join(report.to_text().split()), " ".join(report.to_html().split())
     said = "not a fix, though the step came out finite"
-    assert said in text and said in html and "0 of 1 verified" in text
+    assert said in text and said in html and f"0 of {len(report.fixes)} verified" in text
     assert f"the operand is the trained parameter {parameter}, every value out of the domain and replaced" in text
     assert "nm-unverified" in html and "nm-verified" not in html.replace("nm-unverified", "")
-    by_hand = sqrt_of_zero_param_by_hand() if name == "sqrt-of-zero-param" else zero_temperature_by_hand()
+    by_hand = {"sqrt-of-zero-param": sqrt_of_zero_param_by_hand, "zero-temperature": zero_temperature_by_hand,
+               "zero-variance": zero_variance_by_hand}[name]()
     assert bool((by_hand == 0).all())  # the edit by hand: the parameter never leaves 0
 
 
