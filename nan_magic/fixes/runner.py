@@ -38,7 +38,7 @@ from nan_magic.fixes.no_remedy import none_fit
 from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, trained_argument, without_bad_samples
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
-from nan_magic.fixes.remedies.diverged import lowered_update
+from nan_magic.fixes.remedies.diverged import lr_trial
 from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.remedies.mask import MASKED, MaskFix
 from nan_magic.fixes.remedies.optimizer_step import redo_step
@@ -365,7 +365,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     if old_scale is not None:
         tries.append(("scale", lambda: _scale_trial(report, step, old_scale)))
     if diverged:
-        tries.append(("lr", lambda: _lr_trial(report, step, roots, last_good or LastGood(None), base)))
+        tries.append(("lr", lambda: lr_trial(report, step, roots, last_good or LastGood(None), base)))
     budget = max(MIN_BUDGET, STEP_TIMES * base.seconds)
     spent = base.seconds
     trials: list[FixTrial] = []
@@ -428,7 +428,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         # counted as one (finite None), with why.
         return at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
                            output_change=output_change(base, outcome), seconds=seconds, untried=other)
-    return at_producer(kind, report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
+    finite = None if outcome.frozen and outcome.failed is None else outcome.failed is None  # (frozen: not a fix)
+    return at_producer(kind, report, facts=facts, finite=finite, loss=outcome.loss,
                        output_change=output_change(base, outcome), seconds=seconds, failed=outcome.failed,
                        error=outcome.error)
 
@@ -445,18 +446,6 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
     return at_producer("scale", report, facts=(*step_facts(step, outcome), *facts.items()),
                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
                        error=outcome.error)
-
-
-def _lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
-              base: StepOutcome) -> FixTrial:
-    """``lr`` after a divergence (remedies/diverged.py): the previous update at a tenth, then the failing step."""
-    lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
-    if lowered is None:
-        return at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
-    outcome = replay_step(lowered, None, None)
-    return at_producer("lr", report, facts=(*step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
-                       finite=outcome.failed is None, loss=outcome.loss, output_change=output_change(base, outcome),
-                       seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)
 
 
 def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimizer], roots: Iterable[nn.Module],

@@ -108,6 +108,9 @@ class StepOutcome:
     gradients: tuple[float | None, ...] = ()
     #: The machine eps of the coarsest of those gradients' dtypes (float16's: a scaled exp's backward rounds there).
     gradient_eps: float = 0.0
+    #: The trained parameters that were an operand the remedy moved whole and got no gradient at all: it froze
+    #: them (a clamp of ``sqrt(scale)`` at ``scale = 0``: ``scale`` would never leave 0).
+    frozen: tuple[str, ...] = ()
 
 
 def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepOutcome, Remedy, bool]:
@@ -174,6 +177,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             if mode is not None and site is not None and site.in_backward:
                 stack.callback(in_backward_nodes(mode, site.in_backward, [t for _, t in _floating(output)]))
             _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)
+            outcome.frozen = _frozen(outcome, parameters, getattr(remedy, "behind", None))
             if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
                     step.target, parameters, root, mode, writes, remedy):
                 outcome.failed = "next forward"
@@ -185,6 +189,15 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             outcome.applied = remedied.applied
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def _frozen(outcome: StepOutcome, parameters: dict[str, torch.Tensor], behind: set[int] | None) -> tuple[str, ...]:
+    """The trained parameters that were a wholly moved operand (remedies/domain.py) whose gradient came out 0."""
+    if not behind or not outcome.gradients:
+        return ()
+    trained = [(name, parameter) for name, parameter in parameters.items() if parameter.requires_grad]
+    return tuple(name for (name, parameter), total in zip(trained, outcome.gradients)
+                 if not total and id(parameter) in behind)
 
 
 def _next_forward_fails(target: nn.Module, parameters: dict[str, torch.Tensor], root: RootCall, mode: Any,

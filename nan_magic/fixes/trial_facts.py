@@ -57,6 +57,9 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
     if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
         # Every value was out of the domain (every row masked): the output no longer depends on them.
         facts += [("moved_all", remedy.total)]
+    if outcome.frozen and outcome.failed is None:
+        # The step came out finite, but no gradient reaches these trained parameters through the clamp: not a fix.
+        facts += [("frozen", outcome.frozen)]
     return tuple(facts)
 
 

@@ -18,7 +18,7 @@ from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS, UNIT_FUNCTI
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.words.cause_words import fmt
-from nan_magic.render.words.counted import counted
+from nan_magic.render.words.counted import counted, ordinal
 
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
@@ -106,10 +106,25 @@ def _redone_from(trial: FixTrial) -> str:
     return "" if trial.fact("from_step") is None else f" from the state after step {trial.fact('from_step')}"
 
 
+def _not_stepped(trial: FixTrial) -> str:
+    return "" if trial.fact("stepped") or trial.fact("stepped") is None else ", no optimizer step replayed"
+
+
 def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     """What the trial came to; ``made`` is what the producer made (an x/0 that made only infinities hid no NaN)."""
     if trial.finite is None and trial.fact("changes_value"):
         return f"not a fix, though the step came out finite: {trial.untried}"  # (fixes/remedies/stable.py)
+    if trial.finite is None and trial.fact("frozen"):
+        names, loss = ", ".join(trial.fact("frozen")), "" if trial.loss is None else f" (loss {fmt(trial.loss)})"
+        return (f"not a fix, though the step came out finite{loss}: the operand is the trained parameter {names}, "
+                f"every value out of the domain and replaced, so the clamp passes it no gradient: it stays where it "
+                f"is and never trains (the {made} is hidden, not fixed){_not_stepped(trial)}")
+    if trial.finite is None and trial.fact("diverged_before"):
+        at, loss, lowest_step, lowest = trial.fact("diverged_before")
+        return (f"not a fix, though the step came out finite (loss {fmt(trial.loss)}): the state it was redone "
+                f"from had already diverged (the loss at step {at} was {fmt(loss)}, {fmt(loss / lowest)}x the lowest, "
+                f"{fmt(lowest)} at step {lowest_step}): lowering one update cannot undo the ones before it (the "
+                "learning rate is the run's to lower, as the cause says)")
     if trial.finite is None:
         return f"not tried: {trial.untried}"
     if not trial.finite:
@@ -182,7 +197,10 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
 
 def fixes_title(report: Report) -> str:
     verified = sum(1 for trial in report.fixes if trial.finite)
-    return (f"Fixes tried on a replay of step {report.step} (on copies: your model, optimizer and data are "
+    # (a later micro-batch's event: the trials replay that model call alone, and step on its gradients alone)
+    alone = (f"'s {ordinal(report.model_call)} model call alone (the step's other micro-batches were not replayed)"
+             if report.model_call else "")
+    return (f"Fixes tried on a replay of step {report.step}{alone} (on copies: your model, optimizer and data are "
             f"untouched): {verified} of {len(report.fixes)} verified")
 
 

@@ -19,16 +19,23 @@ many steps may need more, and the trial then says the step stayed non-finite.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from nan_magic.fixes.remedies.optimizer_step import NO_LAST_GOOD
-from nan_magic.fixes.step import FailingStep
+from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
+from nan_magic.fixes.trial_facts import at_producer, output_change, step_facts
+from nan_magic.records import FixTrial, Report
 from nan_magic.scene.last_good import LastGood
+from nan_magic.step_records import StepSummary
 
-__all__ = ["LINEAR", "lowered_update"]
+__all__ = ["DIVERGED", "LINEAR", "diverged_before", "lowered_update", "lr_trial"]
+
+#: A loss this many times the lowest before it: the run had diverged (a lowered update from there is no fix).
+DIVERGED = 1e3
 
 #: Optimizers whose whole update is the learning rate times a step that does not depend on it.
 LINEAR = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"})
@@ -82,6 +89,22 @@ def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], 
 _DECAY_SCALES = frozenset({"SGD", "AdamW"})
 
 
+def diverged_before(history: Iterable[StepSummary], from_step: int) -> tuple[int, float, int, float] | None:
+    """``(step, its loss, the step of the lowest loss before it, that loss)`` where the state a lowered update is
+    redone from (the one kept after ``from_step``, whose loss step ``from_step + 1`` computed) had already diverged:
+    its loss :data:`DIVERGED`-fold over the lowest before it. Lowering the one update after it makes the failing
+    step finite at best, from parameters that no longer train (by hand, a loss of 7e35 where the run began at 5):
+    the learning rate was too high long before."""
+    losses = [(entry.step, abs(entry.loss)) for entry in history
+              if entry.loss is not None and math.isfinite(entry.loss)]
+    at = next((loss for step, loss in losses if step == from_step + 1), None)
+    earlier = [(loss, step) for step, loss in losses if step <= from_step]
+    if at is None or not earlier:
+        return None
+    lowest, lowest_step = min(earlier)
+    return (from_step + 1, at, lowest_step, lowest) if at > DIVERGED * max(lowest, 1e-30) else None
+
+
 def _number(value: float | torch.Tensor) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
@@ -94,3 +117,19 @@ def _steps(optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
 def _linear(optimizer: torch.optim.Optimizer) -> bool:
     """Whether its update scales with lr: a listed class, without Adagrad's learning-rate decay."""
     return type(optimizer).__name__ in LINEAR and not any(group.get("lr_decay") for group in optimizer.param_groups)
+
+
+def lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
+              base: StepOutcome) -> FixTrial:
+    """``lr`` after a divergence (remedies/diverged.py): the previous update at a tenth, then the failing step."""
+    lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
+    if lowered is None:
+        return at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
+    outcome = replay_step(lowered, None, None)
+    # (from a state that had already diverged, a finite step is no fix: not counted as one, and said why)
+    gone = diverged_before(report.history, report.step - 2) if outcome.failed is None else None
+    facts |= {"diverged_before": gone} if gone else {}
+    return at_producer("lr", report, facts=(*step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
+                       finite=None if gone else outcome.failed is None, loss=outcome.loss,
+                       output_change=output_change(base, outcome),
+                       seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)

@@ -21,7 +21,7 @@ import torch
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.fixes.site import function_name
 
-__all__ = ["FUNCTIONS", "DomainFix", "denominator_form"]
+__all__ = ["FUNCTIONS", "DomainFix", "denominator_form", "parameter_operand"]
 
 _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
@@ -69,6 +69,33 @@ def denominator_form(denominator: torch.Tensor) -> str:
     return "clamp_min" if bool((denominator >= 0).all()) else "zeros"
 
 
+#: Autograd nodes that only view, reshape, copy or cast: a parameter seen through them is the operand itself.
+_SAME_VALUES = ("ViewBackward", "ExpandBackward", "UnsqueezeBackward", "SqueezeBackward", "TBackward",
+                "PermuteBackward", "ReshapeAlias", "AliasBackward", "CloneBackward", "ToCopyBackward", "UnsafeView")
+
+
+def parameter_operand(tensor: torch.Tensor) -> int | None:
+    """The id of the trained leaf tensor (a parameter) that ``tensor`` is, seen through views, reshapes, copies and
+    casts only; None where the operand is computed from it (a clamp there cuts one batch's gradient, which may be
+    right: ``acos`` of a cosine at 1 sits at its minimum)."""
+    node = tensor.grad_fn
+    if node is None:
+        return id(tensor) if tensor.requires_grad else None
+    for _hop in range(8):
+        if node is None:
+            return None
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            return id(variable)
+        if not type(node).__name__.startswith(_SAME_VALUES):
+            return None
+        following = [step for step, _index in node.next_functions if step is not None]
+        if len(following) != 1:
+            return None
+        node = following[0]
+    return None
+
+
 class DomainFix:
     """The remedy for the function ``function`` (a key of :data:`FUNCTIONS`)."""
 
@@ -81,6 +108,10 @@ class DomainFix:
         self.form: str | None = None
         #: Operand values moved, of how many: every one means the output no longer depends on the operand.
         self.moved = self.total = 0
+        #: The ids of the parameters that were an operand whose every value was moved (a learned scale at 0 under
+        #: a sqrt): the clamp passes them no gradient, so they stay where they are, step after step (step.py names
+        #: those that got none at all: frozen).
+        self.behind: set[int] = set()
 
     def renewed(self) -> DomainFix:
         """The same remedy, nothing counted yet (for a second trial of it)."""
@@ -106,8 +137,11 @@ class DomainFix:
             moved = operand.clamp_min(eps) if form == "clamp_min" else torch.where(operand == 0, eps, operand)
         else:
             moved = operand.clamp_min(eps)
-        self.moved += int((moved != operand).sum())
+        changed = int((moved != operand).sum())
+        self.moved += changed
         self.total += operand.numel()
+        if changed == operand.numel() and operand.requires_grad and (leaf := parameter_operand(operand)) is not None:
+            self.behind.add(leaf)
         if index == 0 and name.endswith("_") and not name.startswith("__"):
             # ``p.log_()``: the operand is the tensor written, clamped in place first (``p.clamp_min_(eps).log_()``;
             # a copy_ of the clamp would overwrite what the clamp's own backward reads).
