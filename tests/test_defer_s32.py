@@ -2,6 +2,9 @@
 
 - Every incident row of tests/contract/defer_s32.py: the deferred report names the module, op, line, phase, step
   and cause the immediate one names, and ``%debug`` opens at the same line (ops=True likewise with defer=True).
+- A NaN reading in a jagged nested-tensor batch that the model's own code passes to its head (no op names it): the
+  immediate watch raises in the forward and ``%debug`` opens there; the deferred one opened at the loop's model call
+  (that forward had returned by the step's check). It now opens the replay's forward at the same line, and says so.
 - ``%nanwatch on model`` with the model on a GPU defers its checks (hot/timing.py chooses, the user asked nothing):
   its confirmation line said nothing of it, so a GPU user did not know the report comes at the step's check. The
   device is faked at the one place each path reads it (``timing_for``'s parameters' device; the namespace's
@@ -15,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from contract import Case, defer_s32
+from contract import Case, all_cases, defer_s32
 from torch import nn
 
 import nan_magic
@@ -51,6 +54,19 @@ def test_deferred_report_and_debug_line_are_the_immediate_ones(case: Case, ops: 
     now, late = _seen(case, base), _seen(case, {**base, "defer": True})
     assert now["op"] is not None and now["source"] is not None and now["debug"] is not None, now
     assert late == now
+
+
+# ---------------------------------------------------------------- a value no op names: %debug in the forward
+def test_a_submodules_input_no_op_names_opens_debug_in_the_forward_as_immediate() -> None:
+    case = next(case for case in all_cases() if case.name == "hunt_s30_nan_in_a_jagged_nested_tensor_batch")
+    now, late = _seen(case, {}), _seen(case, {"defer": True})
+    assert now["op"] is None and now["debug"] is not None and now["debug"][0] == "hunt_s30.py", now
+    assert late == now
+    torch.manual_seed(0)
+    scenario = case.build()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, defer=True):
+        scenario.run()
+    assert f"opens a replay of step 1's model call, at line {now['debug'][1]}" in caught.value.report.to_text()
 
 
 # ---------------------------------------------------------------- %nanwatch on a GPU model says it defers
