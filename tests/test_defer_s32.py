@@ -5,6 +5,9 @@
 - A NaN reading in a jagged nested-tensor batch that the model's own code passes to its head (no op names it): the
   immediate watch raises in the forward and ``%debug`` opens there; the deferred one opened at the loop's model call
   (that forward had returned by the step's check). It now opens the replay's forward at the same line, and says so.
+- A GAN's ``update(opt, loss)`` helper called for D then G, G's Adam at fault: judged at the next step's check in D's
+  call of the same line, %debug opened there with a note that its locals are the next step's, not that they are the
+  other optimizer's call (its ``loss`` is D's). It now says so; two optimizers stepped at different lines do not.
 - ``%nanwatch on model`` with the model on a GPU defers its checks (hot/timing.py chooses, the user asked nothing):
   its confirmation line said nothing of it, so a GPU user did not know the report comes at the step's check. The
   device is faked at the one place each path reads it (``timing_for``'s parameters' device; the namespace's
@@ -18,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from contract import Case, all_cases, defer_s32
+from contract import Case, Scenario, all_cases, defer_s32
 from torch import nn
 
 import nan_magic
@@ -67,6 +70,49 @@ def test_a_submodules_input_no_op_names_opens_debug_in_the_forward_as_immediate(
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, defer=True):
         scenario.run()
     assert f"opens a replay of step 1's model call, at line {now['debug'][1]}" in caught.value.report.to_text()
+
+
+# ---------------------------------------------------------------- a shared update helper: whose call %debug opens
+_OTHER_CALL = "and those of this line's step() call for another optimizer (its loss, not this optimizer's)"
+
+
+def _text(build: Any, options: dict[str, Any]) -> str:
+    torch.manual_seed(0)
+    scenario = build()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options):
+        scenario.run()
+    return caught.value.report.to_text()
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_a_gan_shared_update_helper_says_debug_opens_in_the_other_optimizers_call(ops: bool) -> None:
+    late = _text(lambda: defer_s32._gan_shared_update(0.0), {"defer": True, "ops": ops})
+    assert "judged at step 3's deferred check" in late and _OTHER_CALL in late, late
+    assert "judged at step" not in _text(lambda: defer_s32._gan_shared_update(0.0), {"ops": ops})
+
+
+def _two_optimizers_two_lines():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 4), nn.Linear(4, 1)
+    body_opt = torch.optim.Adam(body.parameters(), lr=1e-3, eps=0.0, foreach=False)
+    head_opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    model = nn.Sequential(body, head)
+
+    def run() -> None:
+        for step in range(4):
+            loss = model(xs[step]).pow(2).mean() * (0.0 if step == 0 else 1.0)
+            body_opt.zero_grad()
+            head_opt.zero_grad()
+            loss.backward()
+            head_opt.step()
+            body_opt.step()
+    return Scenario((model, body_opt, head_opt), run)
+
+
+def test_two_optimizers_at_two_lines_say_nothing_of_another_call() -> None:
+    late = _text(_two_optimizers_two_lines, {"defer": True})
+    assert "judged at step 1's deferred check" in late and "another optimizer" not in late, late
 
 
 # ---------------------------------------------------------------- %nanwatch on a GPU model says it defers

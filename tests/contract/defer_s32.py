@@ -10,7 +10,8 @@ only in the gradient of a branch the loss multiplies by 0 (DDP's unused-paramete
 buffer in place (a running variance by hand) which turns NaN; an evaluation pass under ``torch.inference_mode``
 between training steps, the NaN in the evaluation; a teacher under ``no_grad`` and a student, the NaN in the
 teacher; an infinite learning rate from a scheduler's lambda, whose NaN parameters the next forward meets; a NaN in
-the 50th step. The NaN is defer22's (an RMS norm without eps over an all-zero row) or one of the row's own.
+the 50th step; a GAN's ``update(opt, loss)`` helper called for D then G, G's Adam at fault (judged in D's call). The
+NaN is defer22's (an RMS norm without eps over an all-zero row) or one of the row's own.
 """
 
 from __future__ import annotations
@@ -318,6 +319,38 @@ def _fiftieth_step(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- a GAN's shared update helper, G's Adam at fault
+def _gan_shared_update(eps: float) -> Scenario:
+    """``update(opt, loss)`` called for D, then for G, each step; G's Adam (``eps`` 0 in the incident) also steps an
+    auxiliary head whose loss joins at step 2 with weight 0: its first update is ``0 / sqrt(0)``. Judged deferred at
+    step 3's first ``step()``, D's call of the same line."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4))
+    critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    aux = nn.Linear(4, 1)
+    g_side = nn.ModuleDict({"generator": generator, "aux": aux})
+    g_opt = torch.optim.Adam(g_side.parameters(), lr=1e-3, eps=eps, foreach=False)
+    d_opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    zs, reals = [torch.randn(6, 2) for _ in range(STEPS)], [torch.randn(6, 4) for _ in range(STEPS)]
+
+    def update(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss.backward()
+        opt.step()  # producer: shared update
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(STEPS):
+            fake = generator(zs[step])
+            d_loss = F.softplus(-critic(reals[step])).mean() + F.softplus(critic(fake.detach())).mean()
+            update(d_opt, d_loss)
+            g_loss = F.softplus(-critic(fake)).mean() + (0.0 * aux(fake).mean() if step == 2 else 0.0)
+            update(g_opt, g_loss)
+            losses += [d_loss.detach(), g_loss.detach()]
+        return losses
+    return Scenario((g_side, critic, g_opt, d_opt), run)
+
+
 def _row(name: str, build: Callable[[], Scenario], expect: Expect | None, healthy: Callable[[], Scenario],
          source: object = None) -> list[Case]:
     return [Case(f"defer_s32_{name}", build, expect, source=source),
@@ -352,5 +385,9 @@ CASES = [
           Expect("optimizer", "1", "Linear", step=2, op="aten.add_.Tensor", marker="infinite lr step",
                  cause="learning-rate-too-high"),
           lambda: _infinite_lr(1e-6)),
+    *_row("gan_shared_update_helper_nan_in_gs_adam_step", lambda: _gan_shared_update(0.0),
+          Expect("optimizer", "aux", "Linear", step=2, op="aten.addcdiv_.default", marker="shared update",
+                 cause="optimizer-eps-underflow"),
+          lambda: _gan_shared_update(1e-8)),
     *_row("nan_in_the_50th_step", lambda: _fiftieth_step(0.0), _rms(49), lambda: _fiftieth_step(1e-6), defer22),
 ]
