@@ -72,6 +72,14 @@ def test_a_submodules_input_no_op_names_opens_debug_in_the_forward_as_immediate(
     assert f"opens a replay of step 1's model call, at line {now['debug'][1]}" in caught.value.report.to_text()
 
 
+def test_a_value_an_op_names_keeps_debug_where_the_immediate_watch_opens_it() -> None:
+    """The replay's frame is taken only where no op names the value: a masked max pool's ``amax`` over a fully
+    padded row (an op named, its frame not kept) opens %debug at the loop's model call, as the immediate watch."""
+    case = next(case for case in all_cases() if case.name == "hunt14_max_pool_over_a_fully_padded_sequence")
+    now, late = _seen(case, {}), _seen(case, {"defer": True})
+    assert now["op"] == "aten.amax.default" and late == now, (now, late)
+
+
 # ---------------------------------------------------------------- a shared update helper: whose call %debug opens
 _OTHER_CALL = "and those of this line's step() call for another optimizer (its loss, not this optimizer's)"
 
