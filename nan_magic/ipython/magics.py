@@ -36,6 +36,7 @@ from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
+from nan_magic.distributed.ranks import launched
 from nan_magic.errors.warning_lines import cell_named
 from nan_magic.ipython.arguments import target_names, unquoted_options
 from nan_magic.ipython.held_watch import HeldWatchMagics, _Held
@@ -198,7 +199,7 @@ class NanMagics(HeldWatchMagics):
         watch = self._make_watch(args, "%nanwatch")
         if persistent:
             self._persistent = (rest, args, None)
-            print(f"nan_magic: watching every cell ({self._describe(watch)}) until %nanwatch off")
+            print(f"nan_magic: watching every cell ({self._describe(watch, args.defer)}) until %nanwatch off")
             if self._in_cell and self._held is None:
                 # The rest of this cell too, as ``%nanwatch`` watches the rest of its cell: a user who puts
                 # ``%nanwatch on model`` above the training loop means that loop (it ran unwatched).
@@ -338,7 +339,9 @@ class NanMagics(HeldWatchMagics):
 
     # -- status -------------------------------------------------------------------
 
-    def _describe(self, watch: Watch) -> str:
+    def _describe(self, watch: Watch, asked: bool | None) -> str:
+        """What the watch covers and the options it took; ``asked``: whether the user gave ``--defer`` (else a model
+        on a GPU chose the deferred checks, said so: a GPU user's report comes at the step's check)."""
         names = [label or type(module).__name__ for label, module in watch.targets.roots]
         parts = [", ".join(names) if names else "every module called"]
         if watch.targets.optimizers:
@@ -348,8 +351,9 @@ class NanMagics(HeldWatchMagics):
             parts.append("every op traced (--ops)")
         elif config.mode == "full":
             parts.append("every module call checked (--full)")
-        if config.defer:
-            parts.append("deferred: checked once a step")
+        if watch.defer:  # the watch's own choice (hot/timing.py), not only the option: a GPU model defers unasked
+            why = "" if asked else ", as this process is one of a group" if launched() else ", as a model is on a GPU"
+            parts.append("deferred: checked once a step" + why)
         return "; ".join(parts)
 
     def _status(self) -> str:

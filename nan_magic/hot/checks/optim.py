@@ -243,7 +243,8 @@ class OptimizerChecks:
         def judge_carried(values: list[float]) -> None:
             # The previous step's result first: the forward since read what it made non-finite.
             if carried is not None:
-                finite.append(not self.reports.step_result(carried, values[: len(carried_norms)], next_check=True))
+                finite.append(not self.reports.step_result(carried, values[: len(carried_norms)], next_check=True,
+                                                           stepping=opt))
 
         values = watch.cycle.sync(carried_norms + grad_norms + running, judge_carried)
         if self.pending_overflow is not None and not self.scaler_active():  # applied after all (loss_scale.py)

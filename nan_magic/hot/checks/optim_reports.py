@@ -84,14 +84,15 @@ class StepReports:
         cycle.warn(cycle.early.observe_norm_overflow(cycle.step, type(opt).__name__, overflowed))
         return False
 
-    def step_result(self, result: StepResult, values: list[float], next_check: bool = False, left: bool = False
-                    ) -> bool:
+    def step_result(self, result: StepResult, values: list[float], next_check: bool = False, left: bool = False,
+                    stepping: object = None) -> bool:
         """Report what the step made non-finite; True when it did.
 
         ``next_check``: the result is read at the next step's check (the deferred mode's one transfer): the loop's
         frame has run on into that step, and the report says so of the frame ``%debug`` opens (its locals).
         ``left``: read as the watch is left (a carried result of the loop's last step): ``%debug`` opens at the line
         that called the step, in its frame where that is a cell's or script's top level (held: optim.py) or still runs.
+        ``stepping``: the optimizer whose ``step()`` runs the next step's check (a GAN's other one).
         """
         finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
         for index, (tensor, value) in enumerate(() if finite else zip(result.updated, values)):
@@ -146,6 +147,12 @@ class StepReports:
                 finding.notes.append(Note.of("debug-later-step", step=result.step, judged=judged))
             called = result.caller if left or next_check else None
             frame = None if called is None else result.caller_frame or _running(called[0])
+            if next_check and stepping is not result.optimizer and frame is not None and called is not None and (
+                    frame.f_lineno == called[1]):
+                # At the same line, the check runs in the step() call of another optimizer (a GAN's ``update(opt,
+                # loss)`` helper, called for D then G; a loop over the optimizers): its locals are that call's.
+                finding.notes[:] = [note.adding(other_call=True) if note.kind == "debug-later-step" else note
+                                    for note in finding.notes]
             if finding.frame is None and called is not None and frame is not None:
                 # %debug opens at the line that called the step, as where it is judged at once: in the cell's or
                 # script's frame that returned (the watch is left), or in the one still running (the watch is left

@@ -18,7 +18,7 @@ from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
 from nan_magic.render.words.counted import counted, human_size
 from nan_magic.render.words.names import subject_label, tensor_label
-from nan_magic.render.words.optimizer_replay_words import optimizer_replay_finite, optimizer_replayed
+from nan_magic.render.words.optimizer_replay_words import debug_later_step, optimizer_replay_finite, optimizer_replayed
 from nan_magic.tensor_refs import TensorRef
 
 __all__ = ["debugger_command", "note_text"]
@@ -59,8 +59,6 @@ _TEMPLATES: dict[str, str] = {
     "scaler-collapsing": "raised because the scale keeps collapsing ({skips:~skip} in a row, or a scale below 1)",
     "about-to-step": "{optimizer} was about to step with this gradient",
     "detected-deferred": "detected at the deferred check",
-    "debug-later-step": "judged at step {judged}'s deferred check: %debug opens the loop at this line in step "
-                        "{judged}, so its locals (the batch, the loss) are step {judged}'s, not step {step}'s",
     "held-changed": "an input tensor of that call was changed in place after its forward",
     "held-freed": "an input tensor of that call was freed after its forward and cannot be recomputed",
     # localize/: the producer rule, the op tracer, the replays
@@ -333,8 +331,9 @@ def _outside_untraced(note: Note) -> str:
 def _debug_in_replay(note: Note) -> str:
     step, module = note.fact("step"), note.fact("module")
     call = f"step {step}'s model call" if step is not None else f"{module or 'the root module'}'s call"
-    return (f"{debugger_command()} opens a replay of {call}, at the report's line; its locals are the replay's, as "
-            "that line left them")
+    at = "the report's line" if note.fact("line") is None else f"line {note.fact('line')}, where it met the value"
+    return (f"{debugger_command()} opens a replay of {call}, at {at}; its locals are the replay's, as that line left "
+            "them")
 
 
 def _enclosing_missed(note: Note) -> str:
@@ -490,6 +489,7 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "batch-lacks": _batch_lacks,
     "autograd-backward": _autograd_backward,
     "debug-in-replay": _debug_in_replay,
+    "debug-later-step": debug_later_step,
     "loss-unrecorded-suspects": _loss_unrecorded_suspects,
     "backward-replay-found": _backward_replay_found,
     "other-counts": _other_counts,

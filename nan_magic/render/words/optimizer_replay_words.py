@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from nan_magic.note_records import Note
 
-__all__ = ["optimizer_replay_finite", "optimizer_replayed"]
+__all__ = ["debug_later_step", "optimizer_replay_finite", "optimizer_replayed"]
 
 _KEPT = "a copy of the parameter kept before it (its values were near the limit of its dtype)"
 
@@ -35,3 +35,13 @@ def optimizer_replayed(note: Note) -> str:
         whose = f"step {step}'s"
     numbers = f": its inputs and histograms are the replay's numbers, not {whose}" if whose else ""
     return f"{note.fact('op')} named by a replay of the {note.fact('optimizer')} step {on}{numbers}"
+
+
+def debug_later_step(note: Note) -> str:
+    """Where %debug opens for a step judged at the next step's deferred check, and whose locals it shows."""
+    judged, step = note.fact("judged"), note.fact("step")
+    said = (f"judged at step {judged}'s deferred check: %debug opens the loop at this line in step {judged}, so its "
+            f"locals (the batch, the loss) are step {judged}'s, not step {step}'s")
+    if note.fact("other_call"):
+        said += ", and those of this line's step() call for another optimizer (its loss, not this optimizer's)"
+    return said
