@@ -1,0 +1,107 @@
+"""Wrong answers reviews found and left (odds-s32), each as the user sees it.
+
+1. A warning torch gives from inside a watched backward names the user's line, whichever call started the backward
+   (``loss.backward()``, ``torch.autograd.backward(loss)``, ``torch.autograd.grad(loss, params)``, by no parameter,
+   with ``inputs=``), in every mode; torch's deprecation warnings of the call's own arguments (stacklevel=2: its
+   caller) too; a user's own ``warnings.warn`` in a custom Function's backward keeps its place.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from contract import MODE_OPTIONS
+from torch import nn
+from torch.nn import functional as F
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODES = ("default", "defer", "full", "ops", "ops-defer")
+
+
+def _hooked() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model.register_full_backward_hook(lambda m, gi, go: None)  # its input (the batch) needs no gradient: torch warns
+    return model
+
+
+def _start(how: str, model: nn.Module, loss: torch.Tensor) -> int:
+    """The backward of ``loss`` started as ``how``; the line that started it."""
+    line = inspect.currentframe().f_lineno  # type: ignore[union-attr]
+    if how == "tensor":
+        loss.backward(); return line + 2  # noqa: E702
+    if how == "function":
+        torch.autograd.backward(loss); return line + 4  # noqa: E702
+    if how == "function_inputs":
+        torch.autograd.backward(loss, inputs=list(model.parameters())); return line + 6  # noqa: E702
+    if how == "grad":
+        torch.autograd.grad(loss, tuple(model.parameters())); return line + 8  # noqa: E702
+    if how == "grad_generator":
+        torch.autograd.grad([loss], model.parameters()); return line + 10  # noqa: E702
+    if how == "grad_variables":
+        torch.autograd.backward(loss, grad_variables=torch.ones(())); return line + 12  # noqa: E702
+    assert how == "only_inputs"
+    torch.autograd.grad(loss, tuple(model.parameters()), only_inputs=False); return line + 14  # noqa: E702
+
+
+HOWS = ("tensor", "function", "function_inputs", "grad", "grad_generator", "grad_variables", "only_inputs")
+
+
+def _warnings_of(how: str, options: dict[str, Any] | None) -> tuple[list[warnings.WarningMessage], int]:
+    import nan_magic
+
+    model = _hooked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if options is None:
+            line = _start(how, model, F.cross_entropy(model(x), y))
+        else:
+            with nan_magic.watch(model, opt, **options):
+                for _ in range(2):
+                    opt.zero_grad()
+                    line = _start(how, model, F.cross_entropy(model(x), y))
+                    opt.step()
+    return caught, line
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", HOWS)
+def test_a_warning_from_a_watched_backward_names_the_users_line(how: str, mode: str) -> None:
+    caught, line = _warnings_of(how, MODE_OPTIONS[mode])
+    places = [(w.filename, w.lineno, str(w.message)[:40]) for w in caught]
+    assert caught, "torch gives its warning"
+    assert all(w.filename == __file__ and w.lineno == line for w in caught), places
+    unwatched, _ = _warnings_of(how, None)
+    assert {str(w.message) for w in caught} == {str(w.message) for w in unwatched}  # the same warnings, no more
+
+
+class _Warns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        warnings.warn("the user's own, in a custom backward")  # the line named
+        return grad * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_users_own_warning_in_a_custom_backward_keeps_its_line(mode: str) -> None:
+    import nan_magic
+
+    model = nn.Sequential(nn.Linear(6, 3))
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+    with warnings.catch_warnings(record=True) as caught, nan_magic.watch(model, **MODE_OPTIONS[mode]):
+        warnings.simplefilter("always")
+        F.cross_entropy(_Warns.apply(model(x)), y).backward()
+        torch.autograd.grad(F.cross_entropy(_Warns.apply(model(x)), y), tuple(model.parameters()))
+    line = inspect.getsourcelines(_Warns.backward)[1] + 2
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)] * 2
