@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from typing import Any
 
@@ -105,3 +106,54 @@ def test_the_users_own_warning_in_a_custom_backward_keeps_its_line(mode: str) ->
         torch.autograd.grad(F.cross_entropy(_Warns.apply(model(x)), y), tuple(model.parameters()))
     line = inspect.getsourcelines(_Warns.backward)[1] + 2
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)] * 2
+
+
+# 6. The help of %%nantrace? / %nanwatch? and watch?: every option once, from options.py's one declaration, laid out
+# as argparse lays out any command's help.
+
+
+@pytest.mark.parametrize(("kind", "name"), [("cell", "nantrace"), ("line", "nanwatch")])
+def test_the_magics_help_lays_out_each_option_once(ip: Any, kind: str, name: str) -> None:
+    """Was: the usage's continuation lines were indented 4 columns past the first word after the magic's name
+    (IPython counts its ``::`` code-block prefix as if it were on the usage line), and ``--keep-last-good
+    <[{cpu,device}]>`` in the options list where the usage said ``[--keep-last-good [{cpu,device}]]``."""
+    from nan_magic.options import WATCH_OPTIONS
+
+    magic = ip.find_cell_magic(name) if kind == "cell" else ip.find_line_magic(name)
+    text = magic.__doc__
+    usage, rest = text.split("\n\n", 2)[1], text.split("\n\n", 2)[2]
+    lines = usage.splitlines()
+    typed = ("%%" if kind == "cell" else "%") + name
+    assert lines[0].startswith(f"  {typed} ["), lines
+    column = len(f"  {typed} ")
+    assert all(line[:column].strip() == "" and line[column] == "[" for line in lines[1:]), usage
+    assert "<" not in rest and ">" not in rest, rest  # no RST brackets around an option's argument
+    options = rest.split("options:")[1]
+    listed = [line.split()[0].rstrip(",") for line in options.splitlines() if line.startswith("  -")]
+    flags = [names[-1] for names, _ in WATCH_OPTIONS] + ["--output", "-o", "--quiet", "-q"]
+    for flag in flags:
+        assert sum(flag in line.split() or f"{flag}," in line.split() for line in options.splitlines()
+                   if line.startswith("  -")) == 1, (flag, listed)
+        assert len(re.findall(rf"\[{flag}[\] ]", usage)) == (flag not in ("--output", "--quiet")), (flag, usage)
+    assert "  --keep-last-good [{cpu,device}]" in options
+
+
+def test_watch_help_documents_each_option_once_from_its_declaration() -> None:
+    """Was: ``watch?`` showed the signature's options with types a user cannot read (``on_detect: 'OnDetect'``) and
+    a docstring saying ``**options ... documented there`` (another object to look up): now each option is
+    documented in ``watch?`` once, with its default, from options.py's declaration."""
+    import dataclasses
+
+    import nan_magic
+    from nan_magic.options import WatchConfig
+
+    doc = inspect.getdoc(nan_magic.watch)
+    assert doc is not None and "**options" not in doc
+    for option in dataclasses.fields(WatchConfig):
+        entries = [line for line in doc.splitlines() if line.startswith(f"{option.name} ") or line == option.name]
+        assert len(entries) == 1, (option.name, entries)
+        first = option.metadata["doc"].split()[:4]
+        assert " ".join(first) in " ".join(doc.split()), option.name
+    signature = str(inspect.signature(nan_magic.watch))
+    assert "on_detect: Literal['raise', 'warn', 'log'] = 'raise'" in signature, signature
+    assert "'OnDetect'" not in signature and "'WatchMode'" not in signature
