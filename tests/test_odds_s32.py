@@ -157,3 +157,85 @@ def test_watch_help_documents_each_option_once_from_its_declaration() -> None:
     signature = str(inspect.signature(nan_magic.watch))
     assert "on_detect: Literal['raise', 'warn', 'log'] = 'raise'" in signature, signature
     assert "'OnDetect'" not in signature and "'WatchMode'" not in signature
+
+
+# 3. A forward that raised is replayed on facts (the values its frames hold, a check of finiteness in the code that
+# raised), not on the words of the exception's name or message.
+
+
+class BufferOverflowError(Exception):
+    """The user's own error, of a buffer of theirs (its name speaks of an overflow, no value is bad)."""
+
+
+class _Halt(Exception):
+    pass
+
+
+class _Grabbed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _overflowing_buffer(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    raise BufferOverflowError("feature buffer full: 3 of 3")
+
+
+def _halt_printing_a_mask(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    raise _Halt(f"stop after a; its mask was {torch.full((2,), float('-inf'))}")  # "-inf" in the message
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("hook", [_overflowing_buffer, _halt_printing_a_mask])
+def test_the_users_own_exception_is_not_replayed_for_its_words(mode: str, hook: Any) -> None:
+    """Was: a forward that raised the user's ``BufferOverflowError``, or an exception whose message printed a tensor
+    holding -inf, was replayed (its words spoke of a bad value): the user's hook fired twice a call."""
+    import contextlib
+
+    import nan_magic
+
+    torch.manual_seed(0)
+    model, fired = _Grabbed(), []
+
+    def grab(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        fired.append(output)
+        hook(module, args, output)
+
+    handle = model.a.register_forward_hook(grab)
+    with nan_magic.watch(model, **MODE_OPTIONS[mode]):
+        for _ in range(3):
+            with contextlib.suppress(BufferOverflowError, _Halt):
+                model(torch.randn(5, 4))
+    handle.remove()
+    assert len(fired) == 3
+
+
+class _ChecksFinite(nn.Module):
+    """Raises an exception whose name and message say nothing of a bad value, on a check of a temporary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(self.b(self.a(x).log())).all():  # producer: log
+            raise _Halt("stopped")
+        return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_exception_after_a_finiteness_check_is_still_explained(mode: str) -> None:
+    """The code that raised checked values for finiteness (``torch.isfinite`` of a temporary no frame holds): the
+    forward is replayed, its report names the log that made the NaN, whatever the exception is called."""
+    import nan_magic
+
+    torch.manual_seed(0)
+    model = _ChecksFinite()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **MODE_OPTIONS[mode]):
+        model(torch.randn(3, 4))
+    report = caught.value.report
+    assert (report.phase.value, report.op) == ("forward", "aten.log.default")
+    assert report.source is not None and "self.b(self.a(x).log())" in report.source.line
