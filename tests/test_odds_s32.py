@@ -239,3 +239,68 @@ def test_an_exception_after_a_finiteness_check_is_still_explained(mode: str) -> 
     report = caught.value.report
     assert (report.phase.value, report.op) == ("forward", "aten.log.default")
     assert report.source is not None and "self.b(self.a(x).log())" in report.source.line
+
+
+# 2. An index made from a NaN raises in the op that takes it (an embedding's IndexError): every mode reports the op
+# that made the NaN, ops=True and its deferred form as the default does.
+
+
+class _Indexed(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc, self.emb = nn.Linear(4, 4), nn.Embedding(10, 3)
+        self.table = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "nan_cast":
+            return self.emb(self.fc(x).log().long()).sum(1)  # producer: log; NaN cast to a huge negative index
+        if self.how == "inf_to_num":
+            return self.emb(self.fc(x * 300).exp().nan_to_num().long()).sum(1)  # producer: exp; inf to 3.4e38
+        return self.table.index_select(0, self.fc(x).log().int().flatten())  # producer: log; a RuntimeError
+
+
+SOURCES = {"nan_cast": ("aten.log.default", "self.fc(x).log().long()"),
+           "inf_to_num": ("aten.exp.default", "self.fc(x * 300).exp()"),
+           "index_select": ("aten.log.default", "self.fc(x).log().int()")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", sorted(SOURCES))
+def test_an_index_made_from_a_nan_is_reported_in_every_mode(how: str, mode: str) -> None:
+    """Was: under ops=True (and ops with defer) the embedding's IndexError came out plain, no report, where the
+    default watch named the log that made the NaN the index was cast from."""
+    import nan_magic
+
+    torch.manual_seed(0)
+    model = _Indexed(how)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **MODE_OPTIONS[mode]):
+        model(torch.randn(3, 4)).sum().backward()
+    report = caught.value.report
+    op, line = SOURCES[how]
+    assert (report.phase.value, report.module, report.op) == ("forward", "", op)
+    assert report.source is not None and line in report.source.line
+    assert isinstance(caught.value.__cause__, (IndexError, RuntimeError))
+
+
+class _BadIndexAfterAMask(nn.Module):
+    """Its healthy twin: a deliberate -inf mask (benign), then an index out of range that no NaN made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.emb = nn.Linear(4, 4), nn.Embedding(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        attention = torch.softmax(h.masked_fill(torch.ones_like(h).triu(1).bool(), float("-inf")), -1)
+        return self.emb(torch.tensor([12])) * attention.sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_index_out_of_range_no_nan_made_stays_the_users_error(mode: str) -> None:
+    import nan_magic
+
+    torch.manual_seed(0)
+    model = _BadIndexAfterAMask()
+    with pytest.raises(IndexError, match="index out of range"), nan_magic.watch(model, **MODE_OPTIONS[mode]):
+        model(torch.randn(3, 4)).sum().backward()
