@@ -90,7 +90,7 @@ class _Warns(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        warnings.warn("the user's own, in a custom backward")  # the line named
+        warnings.warn("the user's own, in a custom backward")  # noqa: B028  (the line named)
         return grad * 2
 
 
