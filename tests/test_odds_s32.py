@@ -356,8 +356,9 @@ def test_a_nan_in_a_nested_batch_is_data(how: str, mode: str, request: pytest.Fi
     "samples, made by the loop from autograd.grad of the watched model and .detach()ed: the watch keeps no fact that "
     "a batch was derived from the model (the diagnosis reads only the data layer's |x|)"))
 def test_the_samplers_own_samples_are_not_called_bad_input_data() -> None:
-    import nan_magic
     from contract.hunt_s30 import _langevin
+
+    import nan_magic
 
     scenario = _langevin(6.0)
     with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets):
