@@ -29,6 +29,7 @@ __all__ = [
     "WatchMode",
     "config_from_args",
     "config_from_options",
+    "option_entries",
 ]
 
 OnDetect = Literal["raise", "warn", "log"]
@@ -238,16 +239,18 @@ class WatchConfig:
         return self.mode == "tiered" and not self.ops
 
 
-def _parameters_section() -> str:
-    """WatchConfig's numpy-style Parameters section, from each field's ``doc``."""
-    lines = ["", "", "    Parameters", "    ----------"]
+def option_entries() -> list[str]:
+    """Each option's numpy-style entry (its name, then its ``doc`` indented), from its one declaration: the lines
+    of WatchConfig's Parameters section and of ``watch()``'s (``watch?``), at the indent of a class's docstring."""
+    lines = []
     for option in dataclasses.fields(WatchConfig):
         lines.append(f"    {option.name}")
         lines.extend(f"        {line.strip()}" for line in option.metadata["doc"].splitlines())
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-WatchConfig.__doc__ = (WatchConfig.__doc__ or "") + _parameters_section()
+WatchConfig.__doc__ = (WatchConfig.__doc__ or "") + "\n".join(["", "", "    Parameters", "    ----------",
+                                                                *option_entries()]) + "\n"
 
 #: The option names, in declaration order.
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in dataclasses.fields(WatchConfig))

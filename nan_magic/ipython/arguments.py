@@ -1,4 +1,4 @@
-"""The words of a magic's line, as the magics read them.
+"""The words of a magic's line, as the magics read them, and its help as ``%%nantrace?`` shows it.
 
 IPython's ``magic_arguments`` splits the line like a shell but keeps a quoted word's quotes, and
 separates targets by spaces only; these helpers make the words what a user typing them means.
@@ -6,10 +6,31 @@ separates targets by spaces only; these helpers make the words what a user typin
 
 from __future__ import annotations
 
+import argparse
 import re
 from typing import Any
 
-__all__ = ["target_names", "unquoted_options"]
+from IPython.core.magic_arguments import MagicHelpFormatter
+
+__all__ = ["MagicHelp", "target_names", "unquoted_options"]
+
+
+class MagicHelp(MagicHelpFormatter):
+    """IPython's help layout of a magic, laid out as argparse lays out any command's.
+
+    IPython gives its usage line the prefix ``::`` (a code block) and two blank lines, which argparse counts as
+    columns of the usage line: the continuation lines stood 4 columns right of the first option. And IPython wraps
+    an option's argument that is not one word in ``<>`` for reStructuredText, which ``?`` shows as text:
+    ``--keep-last-good <[{cpu,device}]>``, where the usage line says ``[--keep-last-good [{cpu,device}]]``."""
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any = None) -> None:
+        argparse.RawDescriptionHelpFormatter.add_usage(self, usage, actions, groups, "  %")
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+        return "::\n\n" + super()._format_usage(usage, actions, groups, prefix)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        return argparse.RawDescriptionHelpFormatter._format_action_invocation(self, action)
 
 _DOTTED_NAME = re.compile(r"[A-Za-z_][\w.]*")
 

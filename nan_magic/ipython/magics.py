@@ -33,12 +33,12 @@ from typing import Any
 from IPython import get_ipython
 from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
 from torch import nn
 
 from nan_magic.distributed.ranks import launched
 from nan_magic.errors.warning_lines import cell_named
-from nan_magic.ipython.arguments import target_names, unquoted_options
+from nan_magic.ipython.arguments import MagicHelp, target_names, unquoted_options
 from nan_magic.ipython.held_watch import HeldWatchMagics, _Held
 from nan_magic.ipython.namespace import discover, models_on_a_device, namespace_scalers, target_namer
 from nan_magic.ipython.watched_cell import as_typed, has_code, named_as_the_cell, run_watched, run_watched_async
@@ -81,6 +81,7 @@ def _watch_options(func: Any, *, cell: bool = False) -> Any:
     # magic_arguments lists options in source order, i.e. reverse application.
     for decorator in reversed(decorators):
         func = decorator(func)
+    func = kwds(formatter_class=MagicHelp)(func)  # (the help laid out as argparse's: arguments.py)
     return _exact_options(magic_arguments(name=f"%{func.__name__}" if cell else None)(func))
 
 

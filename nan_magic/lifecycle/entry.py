@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from collections.abc import Iterable
 from typing import Any
 
 from nan_magic.lifecycle.watch import Watch
-from nan_magic.options import WatchConfig, config_from_options
+from nan_magic.options import WatchConfig, config_from_options, option_entries
 
 __all__ = ["watch"]
 
@@ -23,15 +24,17 @@ def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: 
         no module, every module called at top level is watched.
     labels
         Names for the targets (the magics pass variable names), one per target.
-    **options
-        Any option of :class:`nan_magic.WatchConfig`, by name (``on_detect``,
-        ``mode``, ``kinds``, ``include``, ``keep_last_good``...; each one is
-        documented there). An unknown name is a TypeError naming it.
+    OPTIONS
 
     Returns
     -------
     Watch
         A context manager and decorator; ``.report`` and ``.events`` afterwards.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An option this watch has not (named, with the closest one), or a value it refuses.
 
     Examples
     --------
@@ -41,11 +44,15 @@ def watch(*targets: Any, labels: Iterable[str | None] | None = None, **options: 
     return Watch(targets, labels=labels, config=config_from_options(options))
 
 
-# help(), IDEs and inspect show every option with its default, from WatchConfig's one declaration.
+# help(), ``watch?``, IDEs and inspect show every option with its default and its type as a user reads it
+# (``Literal['raise', 'warn', 'log']``, not the alias's name ``'OnDetect'``), and the docstring documents each once
+# (an unknown name is a TypeError naming it), all from WatchConfig's one declaration.
+_TYPES = typing.get_type_hints(WatchConfig)
 watch.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
-    inspect.Parameter("targets", inspect.Parameter.VAR_POSITIONAL, annotation="Any"),
+    inspect.Parameter("targets", inspect.Parameter.VAR_POSITIONAL, annotation=Any),
     inspect.Parameter("labels", inspect.Parameter.KEYWORD_ONLY, default=None,
-                      annotation="Iterable[str | None] | None"),
-    *(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=option.type)
-      for option in dataclasses.fields(WatchConfig)),
-], return_annotation="Watch")
+                      annotation=typing.get_type_hints(watch)["labels"]),
+    *(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
+                        annotation=_TYPES[option.name]) for option in dataclasses.fields(WatchConfig)),
+], return_annotation=Watch)
+watch.__doc__ = (watch.__doc__ or "").replace("    OPTIONS\n", "\n".join(option_entries()) + "\n")

@@ -33,7 +33,7 @@ from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.localize.raised import traceback_tensors
+from nan_magic.localize.raised import may_follow_nonfinite, traceback_tensors
 from nan_magic.localize.swapped import SwappedTensors
 from nan_magic.records import Note, Phase, TensorRef, TensorRole, TensorStats
 
@@ -355,7 +355,23 @@ class OpOrigins:
                 self._name_type_and_model(finding)
                 finding.notes.append(Note.raised("op-raised", error, func=function))
                 return finding
-        return None
+        return self._first_before(error)
+
+    def _first_before(self, error: BaseException) -> Finding | None:
+        """Under a live op tracer (``ops=True``), where no argument of the op that raised is non-finite: the first op
+        of this step's forward that made a non-finite value, where ``error`` is of the kinds such a value causes (an
+        index made from a NaN: ``emb(h.log().long())``, the NaN cast to a huge negative index, an IndexError of the
+        embedding). The default watch names the same op: its replay of the forward that raised stops at it."""
+        tracer = self.tracer
+        if tracer is None or not may_follow_nonfinite(error):
+            return None
+        started = [origin for origin in tracer.started if origin.phase != Phase.BACKWARD]
+        if not started:
+            return None
+        tracer.claim_earliest()
+        finding = self._op_finding(started[0], None, None)
+        finding.notes.append(Note.raised("forward-raised", error))
+        return finding
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None,
                   notes: tuple[Note, ...] = ()) -> None:

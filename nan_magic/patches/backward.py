@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nan_magic.hot.reads import BATCHED_GRADS
-from nan_magic.patches.registry import ProcessPatch, Recorder, SelfGated, call_aside
+from nan_magic.patches.registry import ProcessPatch, Recorder, SelfGated, at_callers_line, brought_back, stepped_aside
 
 __all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
 
@@ -48,41 +48,17 @@ _has_torch_function_unary = torch._C._has_torch_function_unary
 _GradientEdge = getattr(torch.autograd.graph, "GradientEdge", ())  # (torch 2.4 on; () matches nothing)
 
 
-def _seen(tensors: list[torch.Tensor], given: Any, retained: Any, finish: bool, original: Callable[..., Any],
-          *args: Any, **kwargs: Any) -> Any:
-    """``original(*args, **kwargs)``, a backward from ``tensors``, with the callbacks around it.
-
-    Several tensors (``backward([loss_a, loss_b])``) are each given to the callbacks, in order, as a loss, with
-    the gradient the call gave it (``given``: ``backward(gradient)``, ``grad_tensors``; None: none, the usual);
-    ``retained``: whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one;
-    ``finish``: whether the loss's code ends with it (the finished callbacks: the update code begins).
-    """
-    __tracebackhide__ = True
-    # (_begin's loop, here: a gradient check finds the loop's backward() line a fixed number of frames up,
-    # hot/timing.py's loss_logged: its own, the check's, this one, the patch's wrapper, then the caller.)
-    if given is None:  # (the usual backward: no gradient given, no index kept)
-        for tensor in tensors:
-            for callback in _callbacks:
-                callback(tensor, retained, None)
-    else:
-        for index, tensor in enumerate(tensors):
-            gradient = _given_gradient(given, index)
-            for callback in _callbacks:
-                callback(tensor, retained, gradient)
-    outer, _running.active = _running.active, True
-    try:
-        result = original(*args, **kwargs)
-    finally:
-        _running.active = outer
-    if finish:
-        for done in _finished:
-            done(tensors[-1])
-    return result
-
-
 def _begin(tensors: list[torch.Tensor], given: Any, retained: Any) -> None:
-    """The callbacks before a backward from ``tensors``: ``_seen``'s first part, for Tensor.backward's direct path,
-    which is its own ``_seen`` (as deep on the stack: the callbacks run one frame below the patch's wrapper)."""
+    """The callbacks before a backward from ``tensors``, each given a tensor as a loss, in order, with the gradient
+    the call gave it (``given``: ``backward(gradient)``, ``grad_tensors``; None: none, the usual); ``retained``:
+    whether the backward keeps the graph (``retain_graph``, ``create_graph``) for another one.
+
+    Called by each patch's wrapper itself, which then calls torch's original from its own frame: the one frame of
+    ours between the user's line and torch's function, whichever of the three the loop called. A warning torch gives
+    from inside the backward with a stacklevel counted for its own frames (a full backward hook firing where no
+    input needs a gradient: stacklevel=5 from its hook) then names the user's backward() / grad() line, and the
+    gradient check finds that line at one depth (hot/timing.py's loss_logged: its own frame, the check's, this
+    one, the wrapper's, then the caller)."""
     if given is None:  # (the usual backward: no gradient given, no index kept)
         for tensor in tensors:
             for callback in _callbacks:
@@ -120,7 +96,7 @@ def _retained(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
 
 def _wrap(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
     # torch's own Tensor.backward only calls torch.autograd.backward (where no __torch_function__ applies), and ours
-    # of that, installed after this one (_PATCH), only passes a call made inside _seen through: so where
+    # of that, installed after this one (_PATCH), only passes a call made inside a wrapped backward through: so where
     # torch.autograd.backward is still our pass-through of the function it wrapped, that function is called here
     # directly, as torch's own Tensor.backward would call it (two Python calls less a step: torch's frame and our
     # pass-through). Another patch of either, before ours or since, keeps the full path.
@@ -135,28 +111,26 @@ def _wrap(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
         __tracebackhide__ = True
         if not entry.acting:  # (taken back under another's patch of it: a pass-through, registry.py)
             return original(self, gradient, retain_graph, create_graph, inputs)
+        direct = False
         if torchs and not _has_torch_function_unary(self):
             try:
                 direct = torch.autograd.backward.__wrapped__ is function  # type: ignore[attr-defined]  # (registry.py)
             except AttributeError:  # (not ours: another's patch since)
                 direct = False
+        # This frame stands where torch's own Tensor.backward would, one Python frame above torch.autograd.backward
+        # on the direct path (_begin: why).
+        _begin([self], gradient, retain_graph or create_graph)
+        outer, _running.active = _running.active, True
+        try:
             if direct:
-                # ``_seen``, its body here: this frame stands where torch's own Tensor.backward would, one Python
-                # frame above torch.autograd.backward, so that a warning torch gives from inside the backward with a
-                # stacklevel counted for its own frames (a full backward hook firing where no input needs a
-                # gradient: stacklevel=5 from its hook) names the user's backward() line, not one of ours.
-                tensors = [self]
-                _begin(tensors, gradient, retain_graph or create_graph)
-                outer, _running.active = _running.active, True
-                try:
-                    result = function(self, gradient, retain_graph, create_graph, inputs=inputs)
-                finally:
-                    _running.active = outer
-                for done in _finished:
-                    done(self)
-                return result
-        return _seen([self], gradient, retain_graph or create_graph, True, original, self, gradient, retain_graph,
-                     create_graph, inputs)
+                result = function(self, gradient, retain_graph, create_graph, inputs=inputs)
+            else:
+                result = original(self, gradient, retain_graph, create_graph, inputs)
+        finally:
+            _running.active = outer
+        for done in _finished:
+            done(self)
+        return result
 
     return backward
 
@@ -169,8 +143,18 @@ def _wrap_function(original: Callable[..., Any], entry: Any) -> Callable[..., An
         tensors = _losses(args[0] if args else kwargs.get("tensors"))
         if not tensors:
             return original(*args, **kwargs)
-        given = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
-        return _seen(tensors, given, _retained(args, kwargs, 2), True, original, *args, **kwargs)
+        _begin(tensors, args[1] if len(args) > 1 else kwargs.get("grad_tensors"), _retained(args, kwargs, 2))
+        outer, _running.active = _running.active, True
+        try:
+            if "grad_variables" in kwargs or len(args) > 4:  # (torch's deprecation of it names its caller: this frame)
+                result = at_callers_line(original, *args, **kwargs)
+            else:
+                result = original(*args, **kwargs)  # (from this frame: _begin says why)
+        finally:
+            _running.active = outer
+        for done in _finished:
+            done(tensors[-1])
+        return result
 
     return backward
 
@@ -199,35 +183,49 @@ def _wrap_grad(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
         losses = (not kwargs.get("create_graph") and kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
                   is None and not _running.active)
         tensors = _losses(args[0] if args else kwargs.get("outputs")) if losses else []
+        # Each path calls torch's original from this frame (_begin: why), its state set and taken back around it.
         if not tensors:
             if kwargs.get("is_grads_batched", len(args) > 7 and args[7]):
-                return _batched(original, *args, **kwargs)
+                # Its backward runs under torch's legacy vmap, whose batched gradients the gradient hooks cannot
+                # read: they step aside for it (BATCHED_GRADS).
+                BATCHED_GRADS.running += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    BATCHED_GRADS.running -= 1
             if _marking and kwargs.get("create_graph", len(args) > 4 and args[4]):
                 # A double backward in the loop's code (MAML's inner step): the recorder records its gradient
                 # formulas' ops as the loop's; it notes the line that ran them (marked_graph_grads).
-                return call_aside(_marking, original, *args, **kwargs)
+                marked = stepped_aside(_marking)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    brought_back(marked)
             return original(*args, **kwargs)
         # By no parameter (PGD's ``grad(attack, delta)``): the step's loss backward is by the parameters (a loop
         # that sets ``p.grad`` itself); this one's loss is judged, but the code after it is the loss code's, recorded
         # on (the recorder stepped aside for the backward and back after it), no update code (the module docstring).
         by_parameters, args, kwargs = _by_parameters(args, kwargs)
-        if not by_parameters:
-            return call_aside(_recorders, _seen, tensors, None, _retained(args, kwargs, 3), False, original, *args,
-                              **kwargs)
-        return _seen(tensors, None, _retained(args, kwargs, 3), True, original, *args, **kwargs)
+        aside = [] if by_parameters else stepped_aside(_recorders)
+        try:
+            _begin(tensors, None, _retained(args, kwargs, 3))
+            outer, _running.active = _running.active, True
+            try:
+                if "only_inputs" in kwargs or len(args) > 5:  # (torch's deprecation of it names its caller: here)
+                    result = at_callers_line(original, *args, **kwargs)
+                else:
+                    result = original(*args, **kwargs)
+            finally:
+                _running.active = outer
+        finally:
+            if aside:
+                brought_back(aside)
+        if by_parameters:
+            for done in _finished:
+                done(tensors[-1])
+        return result
 
     return grad
-
-
-def _batched(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """An ``autograd.grad(..., is_grads_batched=True)`` (a Jacobian's rows at once): its backward runs under torch's
-    legacy vmap, whose batched gradients the gradient hooks cannot read; they step aside for it (BATCHED_GRADS)."""
-    __tracebackhide__ = True
-    BATCHED_GRADS.running += 1
-    try:
-        return original(*args, **kwargs)
-    finally:
-        BATCHED_GRADS.running -= 1
 
 
 # Each installed without the registry's dispatch frame (SelfGated): a warning torch gives from inside a backward

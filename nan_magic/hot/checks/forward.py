@@ -35,6 +35,7 @@ from nan_magic.hot.kept.call_records import (
     Frame,
     TensorRecord,
     argument_tensors,
+    nested_values,
     plain_arguments,
 )
 from nan_magic.hot.kept.held import hold_arguments
@@ -323,6 +324,9 @@ class ForwardChecks:
                 values, prefix, self.watch.skipped)
         else:
             tensors = argument_tensors(values, prefix, self.watch.skipped)
+        skipped = self.watch.skipped
+        if skipped and "nested" in skipped:  # (no call unless a nested tensor was met: a dict's truth and `in`)
+            tensors += nested_values(values, prefix)  # a jagged batch's values, read as its own (call_records.py)
         if not tensors:
             return
         log = self.watch.log

@@ -20,6 +20,7 @@ import torch
 
 from nan_magic.hot.reads import (
     WIDE_FLOATS,
+    is_checkable,
     iter_tensors,
     probe,
     probe_kinds,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "FIRST_ARGUMENT", "Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "argument_path", "argument_tensors",
-    "consumer_of", "gradient_label",
+    "consumer_of", "gradient_label", "nested_values",
 ]
 
 _NONE: frozenset[str] = frozenset()
@@ -73,6 +74,26 @@ def argument_tensors(
         for argument, value in arguments
         for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped)
     ]
+
+
+def nested_values(
+    values: tuple[Any, ...] | Mapping[str, Any], prefix: str
+) -> list[tuple[str, int | str, torch.Tensor]]:
+    """``(path, argument, values)`` for each nested floating tensor among a call's arguments (an argument, or an
+    item of a list or tuple argument): its values as one dense tensor (``values()``, a view of its buffer, jagged or
+    strided), which the watch reads where the nested tensor itself has no single shape to reduce (hot/reads.py).
+    For the batch entering a model: a NaN a jagged batch brings in is data, not the first dense tensor holding it."""
+    arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
+    found: list[tuple[str, int | str, torch.Tensor]] = []
+    for argument, value in arguments:
+        path = argument_path(prefix, argument)
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, torch.Tensor) and item.is_nested and item.is_floating_point():
+                dense = item.detach().values()
+                if is_checkable(dense):
+                    found.append((path if index is None else f"{path}[{index}]", argument, dense))
+    return found
 
 
 class TensorRecord:
