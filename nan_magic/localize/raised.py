@@ -76,6 +76,11 @@ def may_follow_nonfinite(error: BaseException) -> bool:
     module's attribute, or a Python float: ``loss.item()``); or user code in the traceback that checks finiteness
     (``if torch.isnan(self.b(h)).any(): raise Diverged``: the NaN a temporary no frame holds). Else the exception
     is the user's own control flow (a hook's ``StopForward``)."""
+    if isinstance(error, (FloatingPointError, torch.linalg.LinAlgError)):
+        # our own NonFiniteError on its way out; linalg's verdict on its matrix (singular, not positive-definite):
+        # the NaN its ``_ex`` kernel made inside never reached the user's code, and ``except LinAlgError`` must
+        # still catch it
+        return False
     if isinstance(error, _BAD_VALUE_ERRORS):
         return True
     if any(_FINITENESS_CHECKS.intersection(code.co_names) for code in _users_code(error)):
