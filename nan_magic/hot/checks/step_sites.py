@@ -16,7 +16,7 @@ import torch
 
 from nan_magic.errors.frames import user_call
 
-__all__ = ["loops_of", "site", "stepped_nearby", "steps_another_outside"]
+__all__ = ["continues_iteration", "loops_of", "site", "stepped_nearby", "steps_another_outside"]
 
 
 def site() -> tuple[CodeType, int, FrameType] | None:
@@ -105,3 +105,36 @@ def loops_of(code: CodeType) -> list[tuple[int, int]]:
                 ends[instruction.argval] = max(ends.get(instruction.argval, 0), instruction.offset)
         _LOOPS[code] = list(ends.items())
     return _LOOPS[code]
+
+
+#: The code of a comprehension (its own frame, Python 3.11): its calls are a loop inside its caller's.
+_COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>"})
+
+
+def continues_iteration(opened: tuple[CodeType, int] | None) -> bool:
+    """Whether a model called again now, no optimizer stepped yet, is the same iteration of the loop as the call at
+    ``opened`` that opened the step (step_cycle.py): called from another place of a loop that calls an optimizer's
+    ``step()`` (SimCLR's second view), or from the same place in a loop inside one that does (a rollout), where an
+    inference loop's next iteration calls its model from where it did."""
+    found = user_call(sys._getframe(1))
+    if found is None or opened is None:
+        return False
+    _, frame, at = found
+    if (frame.f_code, at) != opened:
+        return _steps_in_loop(frame.f_code, at, frame)
+    if frame.f_code.co_name in _COMPREHENSIONS and (caller := frame.f_back) is not None:
+        return _steps_in_loop(caller.f_code, caller.f_lasti, caller)
+    return steps_another_outside((frame.f_code, at, frame), None)
+
+
+def _steps_in_loop(code: CodeType, at: int, frame: FrameType) -> bool:
+    """Whether the innermost loop around ``at`` calls an optimizer's ``step()``."""
+    around = sorted((loop for loop in loops_of(code) if loop[0] <= at <= loop[1]), key=lambda loop: loop[1] - loop[0])
+    if not around:
+        return False
+    start, end = around[0]
+    instructions = _instructions(code)
+    return any(instruction.argval == "step" and instruction.opname in ("LOAD_METHOD", "LOAD_ATTR")
+               and start <= instruction.offset <= end
+               and isinstance(_named(instructions, index - 1, frame), torch.optim.Optimizer)
+               for index, instruction in enumerate(instructions))
