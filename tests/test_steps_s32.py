@@ -144,3 +144,94 @@ def test_a_gan_s_two_optimizers_each_after_its_own_backward_are_one_iteration() 
             loss_g.backward()
             gen_opt.step()
     assert (step, caught.value.report.step) == (4, 4)
+
+
+# -- iteration 0's later model calls, no optimizer passed (the call sites: step_sites.py) -----------------------------
+
+def _pair() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    encoder, projector = nn.Linear(8, 8), nn.Linear(8, 4)
+    return encoder, projector, torch.optim.SGD([*encoder.parameters(), *projector.parameters()], lr=0.1)
+
+
+def _embed(encoder: nn.Module, projector: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return projector(encoder(x))
+
+
+def _unroll(encoder: nn.Module, h: torch.Tensor, bad: bool) -> torch.Tensor:
+    for t in range(4):
+        h = encoder(h * (float("nan") if bad and t == 2 else 1.0)).tanh()
+    return h
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [0, 2])
+def test_two_views_through_a_helper_on_two_lines_fail_at_the_loop_s_step(mode: str, bad: int) -> None:
+    """SimCLR's views embedded by a helper called from two lines: the second view's NaN at the loop's step."""
+    encoder, projector, opt = _pair()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, projector, **MODES[mode]):
+        for step in range(4):
+            z1 = _embed(encoder, projector, torch.randn(4, 8))
+            z2 = _embed(encoder, projector, torch.randn(4, 8) * (float("nan") if step == bad else 1.0))
+            loss = (z1 * z2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert (step, caught.value.report.phase.value, caught.value.report.step) == (bad, "data", bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_rollout_in_a_helper_s_loop_fails_at_the_loop_s_step(mode: str, bad: int) -> None:
+    encoder, _, opt = _pair()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, **MODES[mode]):
+        for step in range(4):
+            loss = _unroll(encoder, torch.randn(4, 8), step == bad).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert (step, caught.value.report.phase.value, caught.value.report.step) == (bad, "data", bad)
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_rollout_in_a_while_loop_fails_at_the_loop_s_step(mode: str) -> None:
+    encoder, _, opt = _pair()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, **MODES[mode]):
+        for step in range(3):
+            h, t = torch.randn(4, 8), 0
+            while t < 3:
+                h = encoder(h * (float("nan") if step == 0 and t == 2 else 1.0)).tanh()
+                t += 1
+            loss = h.pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert (step, caught.value.report.step, caught.value.report.model_call) == (0, 0, 3)
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_an_eval_loop_with_two_views_through_a_helper_counts_a_step_each_call(mode: str) -> None:
+    """No optimizer step in its loop: the inference rule, a step each call of the step's first module (as before)."""
+    encoder, projector, opt = _pair()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, projector, **MODES[mode]):
+        for i in range(4):
+            _embed(encoder, projector, torch.randn(4, 8))
+            _embed(encoder, projector, torch.randn(4, 8) * (float("nan") if i == 2 else 1.0))
+    assert (i, caught.value.report.step) == (2, 5)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_an_eval_loop_sharing_its_body_with_training_under_a_flag_counts_a_step_each_call(mode: str) -> None:
+    """The loop's code steps an optimizer under ``if train``; evaluated (train False), one call an iteration from the
+    same place: a step each iteration."""
+    encoder, projector, opt = _pair()
+    train = False
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(encoder, projector, **MODES[mode]):
+        for i in range(6):
+            out = projector(encoder(torch.randn(4, 8) * (float("nan") if i == 4 else 1.0)))
+            if train:
+                opt.zero_grad()
+                out.sum().backward()
+                opt.step()
+    assert (i, caught.value.report.step) == (4, 4)

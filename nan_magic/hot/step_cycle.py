@@ -34,7 +34,7 @@ from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
 from nan_magic.hot.checks.optim import OptimizerChecks
-from nan_magic.hot.checks.step_sites import continues_iteration, site
+from nan_magic.hot.checks.step_sites import call_chain, continues_iteration
 from nan_magic.hot.cycle_exit import CycleExit, Outcome
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
@@ -131,7 +131,7 @@ class StepCycle(CycleExit):
         self.steps_opened = 0
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
-        self._opened_at: tuple[Any, int] | None = None
+        self._opened_at: tuple[tuple[Any, int], ...] = ()
         # The step whose top-level model calls the log counts (StepLog.model_calls): an iteration completed, or minus
         # the steps opened before any optimizer stepped (forward_started); None, none yet.
         self._counted_step: int | None = None
@@ -201,7 +201,7 @@ class StepCycle(CycleExit):
             self._first = module
             # Where no optimizer stepped yet, where the step's first call came from: called again from elsewhere in
             # a loop that steps an optimizer, it is the same iteration (step_sites.py). (A training step asks not.)
-            self._opened_at = None if training else (opened := site()) and opened[:2]
+            self._opened_at = () if training else call_chain()
             self.log.clear()
             if self.replays is not None:
                 # Training: a call waits for the optimizer of its model (a GAN's G across D's step),

@@ -14,9 +14,9 @@ from types import CodeType, FrameType
 
 import torch
 
-from nan_magic.errors.frames import user_call
+from nan_magic.errors.frames import is_library_code, user_call
 
-__all__ = ["continues_iteration", "loops_of", "site", "stepped_nearby", "steps_another_outside"]
+__all__ = ["call_chain", "continues_iteration", "loops_of", "site", "stepped_nearby", "steps_another_outside"]
 
 
 def site() -> tuple[CodeType, int, FrameType] | None:
@@ -101,7 +101,8 @@ def loops_of(code: CodeType) -> list[tuple[int, int]]:
     if code not in _LOOPS:
         ends: dict[int, int] = {}
         for instruction in _instructions(code):
-            if instruction.opname.startswith("JUMP_BACKWARD") and isinstance(instruction.argval, int):
+            # (POP_JUMP_BACKWARD_IF_*, Python 3.11: a while loop's test at its end)
+            if "JUMP_BACKWARD" in instruction.opname and isinstance(instruction.argval, int):
                 ends[instruction.argval] = max(ends.get(instruction.argval, 0), instruction.offset)
         _LOOPS[code] = list(ends.items())
     return _LOOPS[code]
@@ -111,30 +112,58 @@ def loops_of(code: CodeType) -> list[tuple[int, int]]:
 _COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>"})
 
 
-def continues_iteration(opened: tuple[CodeType, int] | None) -> bool:
-    """Whether a model called again now, no optimizer stepped yet, is the same iteration of the loop as the call at
-    ``opened`` that opened the step (step_cycle.py): called from another place of a loop that calls an optimizer's
-    ``step()`` (SimCLR's second view), or from the same place in a loop inside one that does (a rollout), where an
-    inference loop's next iteration calls its model from where it did."""
-    found = user_call(sys._getframe(1))
-    if found is None or opened is None:
-        return False
-    _, frame, at = found
-    if (frame.f_code, at) != opened:
-        return _steps_in_loop(frame.f_code, at, frame)
-    if frame.f_code.co_name in _COMPREHENSIONS and (caller := frame.f_back) is not None:
-        return _steps_in_loop(caller.f_code, caller.f_lasti, caller)
-    return steps_another_outside((frame.f_code, at, frame), None)
+def call_chain() -> tuple[tuple[CodeType, int], ...]:
+    """The user's frames calling a model now, innermost first, as ``(code, f_lasti)`` (kept: no frame)."""
+    return tuple((frame.f_code, at) for frame, at in _user_frames(sys._getframe(1)))
 
 
-def _steps_in_loop(code: CodeType, at: int, frame: FrameType) -> bool:
-    """Whether the innermost loop around ``at`` calls an optimizer's ``step()``."""
-    around = sorted((loop for loop in loops_of(code) if loop[0] <= at <= loop[1]), key=lambda loop: loop[1] - loop[0])
-    if not around:
+def continues_iteration(opened: tuple[tuple[CodeType, int], ...]) -> bool:
+    """Whether a model called again now, no optimizer stepped yet, is the same iteration of the loop as the call from
+    ``opened`` (:func:`call_chain`) that opened the step (step_cycle.py): called from another place of a loop that
+    calls an optimizer's ``step()`` (SimCLR's second view), or from the same place in a loop inside one that does (a
+    rollout, in the loop's body, a comprehension or a helper), where an inference loop's next iteration calls its
+    model from where it did."""
+    now = _user_frames(sys._getframe(1))
+    if not now or not opened:
         return False
-    start, end = around[0]
+    for was, (frame, at) in zip(reversed(opened), reversed(now), strict=False):  # from the outermost frame in
+        if was != (frame.f_code, at):
+            return was[0] is frame.f_code and _steps_in_loop(frame.f_code, at, frame, None)
+    inner: tuple[int, int] | None = None  # the same place: a loop inside one that steps an optimizer?
+    for frame, at in now:
+        if frame.f_code.co_name in _COMPREHENSIONS:
+            inner = (-1, -1)
+            continue
+        for loop in sorted((loop for loop in loops_of(frame.f_code) if loop[0] <= at <= loop[1]),
+                           key=lambda loop: loop[1] - loop[0]):
+            if inner is not None and _steps_in_loop(frame.f_code, at, frame, loop, inner):
+                return True
+            inner = loop
+        inner = (-1, -1) if inner is not None else None  # (a caller's loop: the whole of its body is outside)
+    return False
+
+
+def _user_frames(frame: FrameType | None, most: int = 8) -> list[tuple[FrameType, int]]:
+    found: list[tuple[FrameType, int]] = []
+    while frame is not None and len(found) < most:
+        if not is_library_code(frame.f_code):
+            found.append((frame, frame.f_lasti))
+        frame = frame.f_back
+    return found
+
+
+def _steps_in_loop(code: CodeType, at: int, frame: FrameType, loop: tuple[int, int] | None,
+                   outside: tuple[int, int] = (-1, -1)) -> bool:
+    """Whether ``loop`` (None: the innermost loop around ``at``) calls an optimizer's ``step()`` outside ``outside``."""
+    if loop is None:
+        around = sorted((each for each in loops_of(code) if each[0] <= at <= each[1]),
+                        key=lambda each: each[1] - each[0])
+        if not around:
+            return False
+        loop = around[0]
+    start, end = loop
     instructions = _instructions(code)
     return any(instruction.argval == "step" and instruction.opname in ("LOAD_METHOD", "LOAD_ATTR")
-               and start <= instruction.offset <= end
+               and start <= instruction.offset <= end and not outside[0] <= instruction.offset <= outside[1]
                and isinstance(_named(instructions, index - 1, frame), torch.optim.Optimizer)
                for index, instruction in enumerate(instructions))
