@@ -30,7 +30,9 @@ in it (its *members*) has stepped:
 
 * optimizers stepping with no backward between their steps (a head's and a body's, the body every k-th iteration,
   before or after the head; one that starts after a warmup) share that backward: one iteration. The later one is
-  *tied* to the first (counted as one member from then on), whichever of them opens a later iteration;
+  *tied* to the first (counted as one member from then on), whichever of them opens a later iteration; a passed
+  optimizer that has not stepped yet is tied so at the first step of one whose loop calls its ``step()`` with no
+  ``backward`` between the two calls (step_sites.py), where a GAN's generator, after its own backward, is not;
 * an optimizer stepping in an inner loop of the loop that steps another (a WGAN's critic, ``n_critic`` steps before
   each generator step; seen at the other's first step, from the two ``step()`` call sites' loops) is *inner*: its
   steps belong to the iteration they come in and neither close nor complete one. Its steps before the other's first

@@ -16,7 +16,7 @@ import torch
 
 from nan_magic.errors.frames import is_library_code, user_call
 
-__all__ = ["call_chain", "continues_iteration", "loops_of", "site", "stepped_nearby", "steps_another_outside"]
+__all__ = ["Chain", "call_chain", "continues_iteration", "loops_of", "site", "stepped_nearby", "steps_another_outside"]
 
 
 def site() -> tuple[CodeType, int, FrameType] | None:
@@ -112,18 +112,42 @@ def loops_of(code: CodeType) -> list[tuple[int, int]]:
 _COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>"})
 
 
-def call_chain() -> tuple[tuple[CodeType, int], ...]:
+Chain = tuple[tuple[CodeType, int], ...]
+
+
+def call_chain() -> Chain:
     """The user's frames calling a model now, innermost first, as ``(code, f_lasti)`` (kept: no frame)."""
-    return tuple((frame.f_code, at) for frame, at in _user_frames(sys._getframe(1)))
+    frame: FrameType | None = sys._getframe(1)
+    chain: list[tuple[CodeType, int]] = []
+    while frame is not None and len(chain) < _MOST:
+        if not is_library_code(frame.f_code):
+            chain.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(chain)
 
 
-def continues_iteration(opened: tuple[tuple[CodeType, int], ...]) -> bool:
+#: The answers of :func:`continues_iteration`, by the two chains (an inference loop asks the same at every step).
+_CONTINUES: dict[tuple[Chain, Chain], bool] = {}
+_MOST = 8
+
+
+def continues_iteration(opened: Chain, now: Chain) -> bool:
+    """:func:`_continues`, its answer kept for the two chains."""
+    answer = _CONTINUES.get((opened, now))
+    if answer is None:
+        if len(_CONTINUES) > 4096:
+            _CONTINUES.clear()
+        answer = _CONTINUES[opened, now] = _continues(opened)
+    return answer
+
+
+def _continues(opened: Chain) -> bool:
     """Whether a model called again now, no optimizer stepped yet, is the same iteration of the loop as the call from
     ``opened`` (:func:`call_chain`) that opened the step (step_cycle.py): called from another place of a loop that
     calls an optimizer's ``step()`` (SimCLR's second view), or from the same place in a loop inside one that does (a
     rollout, in the loop's body, a comprehension or a helper), where an inference loop's next iteration calls its
     model from where it did."""
-    now = _user_frames(sys._getframe(1))
+    now = _user_frames(sys._getframe(2))
     if not now or not opened:
         return False
     for was, (frame, at) in zip(reversed(opened), reversed(now), strict=False):  # from the outermost frame in
@@ -143,9 +167,9 @@ def continues_iteration(opened: tuple[tuple[CodeType, int], ...]) -> bool:
     return False
 
 
-def _user_frames(frame: FrameType | None, most: int = 8) -> list[tuple[FrameType, int]]:
+def _user_frames(frame: FrameType | None) -> list[tuple[FrameType, int]]:
     found: list[tuple[FrameType, int]] = []
-    while frame is not None and len(found) < most:
+    while frame is not None and len(found) < _MOST:
         if not is_library_code(frame.f_code):
             found.append((frame, frame.f_lasti))
         frame = frame.f_back
