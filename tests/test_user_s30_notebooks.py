@@ -137,7 +137,7 @@ def test_the_two_head_model_with_two_optimizers(tmp_path: Path) -> None:
     "diverged.py, optimizer_step.py) know only the optimizer that stepped the non-finite tensor, and one update of "
     "the SGD redone at a tenth cannot make this step's Adam state finite (it diverged over 7 steps): naming the group "
     "whose parameters grew needs a per-group growth fact kept across steps, and a verified trial needs the steps "
-    "since the growth began replayed"))
+    "since the growth began replayed. Session 32 did not get to it (the step rules took the session)"))
 def test_the_two_head_model_s_report_names_the_optimizer_that_diverged(tmp_path: Path) -> None:
     nb = run("multitask_two_opts.ipynb", tmp_path)
     text = report_text(named_cell(nb, "train"))
