@@ -235,3 +235,20 @@ def test_an_eval_loop_sharing_its_body_with_training_under_a_flag_counts_a_step_
                 out.sum().backward()
                 opt.step()
     assert (i, caught.value.report.step) == (4, 4)
+
+
+def test_two_optimizers_stepping_gradients_set_by_hand_count_an_iteration_each_pair() -> None:
+    """No backward anywhere (autograd.grad, the gradients assigned): the two steps of an iteration share none, and
+    the first optimizer stepping again starts the next iteration."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(8, 8), nn.Linear(8, 1)
+    body_opt, head_opt = torch.optim.SGD(body.parameters(), lr=0.01), torch.optim.SGD(head.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(body, head):
+        for step in range(8):
+            out = head(body(torch.randn(4, 8) * (float("nan") if step == 5 else 1.0))).sum()
+            params = [*body.parameters(), *head.parameters()]
+            for parameter, grad in zip(params, torch.autograd.grad(out, params), strict=True):
+                parameter.grad = grad
+            body_opt.step()
+            head_opt.step()
+    assert (step, caught.value.report.step) == (5, 5)

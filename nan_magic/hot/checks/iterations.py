@@ -77,6 +77,7 @@ class Iterations:
         self._backwards = -1
         self._last: int | None = None
         self._last_raw: int | None = None
+        self._unit: set[int] = set()  # the optimizers that stepped since the last backward
         self._index = 0
         self._opened_first = False
         #: Optimizers tied to another (stepping with no backward between): counted as that one.
@@ -100,10 +101,13 @@ class Iterations:
             self._sites[key] = (site := _site()) and site[:2]
             if site is not None and self._passed.keys() - self._seen.keys() - self._tie.keys():
                 self._tie_unstepped(key, site)
-        joins = backwards >= 0 and backwards == self._backwards and self._last_raw not in (None, key)
+        # (An optimizer stepping again with no backward between, its gradients set by hand: a new iteration's.)
+        joins = backwards >= 0 and backwards == self._backwards and self._last_raw is not None and key not in self._unit
         self._backwards, self._last_raw = backwards, key
         if joins:
+            self._unit.add(key)
             return self._join(key, first)
+        self._unit = {key}
         if self._tie and key in self._tie:  # (none, most loops: no call)
             key, first = self._tie[key], False  # (counted as the optimizer it is tied to, seen already)
         if key in self._inner:  # (none, most loops: one test of an empty set)
