@@ -286,7 +286,8 @@ class OptimizerChecks:
         watch = self.watch
         if not watch.here.mine:
             return
-        step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
+        # Watched or not: the index of the iteration it belongs to (steps with no backward between share one).
+        step = self.iterations.stepped(opt, watch.gradients.backwards)
         if opt is not self._last and not self.watches(opt):
             return
         try:
