@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,7 +31,6 @@ from nan_magic.errors.frames import (
     line_start,
     running_frame_at,
     running_frame_of,
-    user_call,
     user_frames_of,
     user_stacklevel,
 )
@@ -95,10 +93,6 @@ class Events:
         self.producer_position: tuple[int, int] | None = None
         #: How the producer's frame was reached where the traceback lacks it (Finding.frame_calls).
         self.producer_calls: tuple[tuple[FrameType, int, int], ...] = ()
-        #: A replay's watch (``alone``): the user's frame its first real event was met in where no op names one (a
-        #: submodule's input its caller's code made): the frame and its ``(f_lasti, f_lineno)`` then, for %debug.
-        self.boundary_frame: tuple[FrameType, tuple[int, int]] | None = None
-        self._replaying = alone
         #: The watch is being left by an exception: an event found now raises at once, from it.
         self.leaving = False
         # A forward that raised after a non-finite value: what the watch raises on exit (hold_explained).
@@ -159,9 +153,6 @@ class Events:
                 return
             report = dataclasses.replace(report, follows=self.report.ref)
         if not report.benign and self.report is None:
-            if self._replaying and finding.frame is None and (met := user_call(sys._getframe(1))) is not None:
-                # (met while the replayed forward runs: where the immediate watch raises, %debug's frame there)
-                self.boundary_frame = met[1], (met[2], met[1].f_lineno)
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
             self.report = report

@@ -154,10 +154,6 @@ class Watch(WatchEvents):
         return self.outcome.producer_position
 
     @property
-    def boundary_frame(self) -> tuple[FrameType, tuple[int, int]] | None:
-        return self.outcome.boundary_frame
-
-    @property
     def producer_calls(self) -> tuple[tuple[FrameType, int, int], ...]:
         return self.outcome.producer_calls
 

@@ -363,7 +363,9 @@ class OpOrigins:
         index made from a NaN: ``emb(h.log().long())``, the NaN cast to a huge negative index, an IndexError of the
         embedding). The default watch names the same op: its replay of the forward that raised stops at it."""
         tracer = self.tracer
-        if tracer is None or not may_follow_nonfinite(error):
+        if tracer is None or not may_follow_nonfinite(error) or not _raised_by_an_index(error):
+            # (any other error after a non-finite value is no evidence of it: a where's discarded NaN or a masked
+            # -inf earlier in the step, then the anomaly mode's backward error or the user's own shape error)
             return None
         started = [origin for origin in tracer.started if origin.phase != Phase.BACKWARD]
         if not started:
@@ -474,6 +476,21 @@ def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]
         func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
         leaves = tree_leaves((args, kwargs))
         yield func, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and is_checkable(leaf)]
+
+
+def _raised_by_an_index(error: BaseException) -> bool:
+    """Whether the op that raised ``error`` under a dispatch mode of ours took an integer tensor (an index: an
+    embedding, ``index_select``, ``gather``, advanced indexing), the op a NaN cast to an integer makes raise."""
+    tb, innermost = error.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code is run_op.__code__:
+            innermost = tb.tb_frame
+        tb = tb.tb_next
+    if innermost is None:
+        return False
+    leaves = tree_leaves((innermost.f_locals.get("args"), innermost.f_locals.get("kwargs")))
+    return any(isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
+               and leaf.dtype != torch.bool for leaf in leaves)
 
 
 def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:

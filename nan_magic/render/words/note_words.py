@@ -331,9 +331,8 @@ def _outside_untraced(note: Note) -> str:
 def _debug_in_replay(note: Note) -> str:
     step, module = note.fact("step"), note.fact("module")
     call = f"step {step}'s model call" if step is not None else f"{module or 'the root module'}'s call"
-    at = "the report's line" if note.fact("line") is None else f"line {note.fact('line')}, where it met the value"
-    return (f"{debugger_command()} opens a replay of {call}, at {at}; its locals are the replay's, as that line left "
-            "them")
+    return (f"{debugger_command()} opens a replay of {call}, at the report's line; its locals are the replay's, as "
+            "that line left them")
 
 
 def _enclosing_missed(note: Note) -> str:

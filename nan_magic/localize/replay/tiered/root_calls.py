@@ -151,8 +151,6 @@ class Outcome:
     why_not: Note | None = None
     #: What the report says of the frame %debug opens where a replay made it (replay/line_replay.py).
     debug_note: Note | None = None
-    #: The user's frame a replay met its event in where no op names one, and its position then (events.py).
-    boundary_frame: tuple[FrameType, tuple[int, int]] | None = None
 
 
 #: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
@@ -284,7 +282,6 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
     outcome.report = with_layers(inner.report, layers)
     outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
     outcome.frame, outcome.position, outcome.calls = inner.producer_frame, inner.producer_position, inner.producer_calls
-    outcome.boundary_frame = inner.boundary_frame
     if outcome.report is not None and outcome.report.phase == Phase.DATA and outcome.report.op is None and any(
             version_of(tensor) != version for tensor, version in _unkept(root)):
         # The replay found the batch non-finite as it entered, but the batch was written in place since the call

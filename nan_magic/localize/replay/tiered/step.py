@@ -218,12 +218,6 @@ class StepReplays(StepKeeping):
                 where=found.where, phase=str(found.phase), op=found.op, seen=to_pairs(seen.tensor),
             )), (finding.frame, None)
         report = self._replayed(outcome.report, seen.step, seen)
-        if outcome.frame is None and outcome.boundary_frame is not None and outcome.report.op is None:
-            # No op names a frame (a submodule's input its caller's code made): the forward that met it has
-            # returned by the time the model's output or the step's check is judged, so %debug opens in the
-            # replay's, where the replay met it, with that line's state.
-            outcome.frame, outcome.position = outcome.boundary_frame
-            outcome.debug_note = Note.of("debug-in-replay", line=outcome.position[1])
         if (debug := outcome.debug_note) is not None:  # where %debug opens: a replay of this step's call, or why not
             report = dataclasses.replace(report, note_facts=(*report.note_facts, debug.adding(step=seen.step)))
         self.replayed = root
