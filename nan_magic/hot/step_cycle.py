@@ -2,9 +2,7 @@
 
 A step opens at its first top-level forward call (:meth:`StepCycle.forward_started`) and closes at the optimizer
 step's post-hook; where no optimizer steps (inference), when the step's first top-level module is called again
-(so ``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step), unless it is called from another
-place of a loop that calls an optimizer's ``step()`` or from the same place in a loop inside one (SimCLR's second
-view, a rollout, before the optimizer not passed has stepped: step_sites.py); where a backward is settled
+(so ``vae.decode(z)``, calling ``post_quant_conv`` then ``decoder``, is one step); where a backward is settled
 without a step (a GradScaler's skip, gradients accumulating); or when the watch is left. Closing a step keeps its
 :class:`StepSummary` in the history and feeds the early warnings. In deferred mode the checks' probes stay on the
 device until :meth:`StepCycle.sync` reads them in one transfer, at the optimizer step's pre-hook: under a process
@@ -36,7 +34,6 @@ from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
 from nan_magic.hot.checks.optim import OptimizerChecks
-from nan_magic.hot.checks.step_sites import Chain, call_chain, continues_iteration
 from nan_magic.hot.cycle_exit import CycleExit, Outcome
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
@@ -133,7 +130,6 @@ class StepCycle(CycleExit):
         self.steps_opened = 0
         # The open step's first top-level module: where no optimizer steps, its next call begins the next step.
         self._first: nn.Module | None = None
-        self._opened_at: Chain = ()
         # The step whose top-level model calls the log counts (StepLog.model_calls): an iteration completed, or minus
         # the steps opened before any optimizer stepped (forward_started); None, none yet.
         self._counted_step: int | None = None
@@ -197,16 +193,10 @@ class StepCycle(CycleExit):
         elif self.gradients.backward_runs and not training:
             self._check_unstepped_gradients()  # an inference step's backward (a saliency map): no optimizer reads it
             self.gradients.backward_runs = 0
-        chain: Chain = ()
         if self.open and not training and module is self._first:
-            chain = call_chain()
-            if not continues_iteration(self._opened_at, chain):
-                self.end_step(self.step)
+            self.end_step(self.step)
         if not self.open:
             self._first = module
-            # Where no optimizer stepped yet, where the step's first call came from: called again from elsewhere in
-            # a loop that steps an optimizer, it is the same iteration (step_sites.py). (A training step asks not.)
-            self._opened_at = () if training else chain or call_chain()
             self.log.clear()
             if self.replays is not None:
                 # Training: a call waits for the optimizer of its model (a GAN's G across D's step),

@@ -4,7 +4,7 @@ The watch is given the model alone (as a magic without targets is, until the opt
 through the same model, then one loss; a rollout of three calls, each on the last one's output, then one loss. The
 NaN is defer22's (the RMS norm without eps over an all-zero row: ``0 / 0``) in the 2nd view's or the 3rd call's
 batch, at iteration 0 (before any optimizer step) or 2. The report's step is the loop's iteration, in every mode;
-each incident beside its healthy twin (the norm with eps). At iteration 0 too since session 32 (step_sites.py).
+each incident beside its healthy twin (the norm with eps). At iteration 0 it is not yet (:data:`_UNSTEPPED`).
 """
 
 from __future__ import annotations
@@ -70,8 +70,15 @@ def _rollout(eps: float, bad: int) -> Scenario:
     return Scenario((model,), run)
 
 
+#: Why iteration 0's rows fail: the step the watch names there.
+_UNSTEPPED = ("before any optimizer has stepped (none passed), the model called again opens a new step by the "
+              "inference rule: the 2nd view's NaN is 'step 1', the rollout's 3rd call 'step 2', where the loop says 0 "
+              "(a rule merging them was built and taken back in session 31: test_user_s30.py's xfail says why)")
+
+
 def _row(name: str, build: Callable[[float, int], Scenario], bad: int) -> list[Case]:
-    return [Case(f"steps_s31_{name}", lambda: build(0.0, bad), _rms(bad), source=defer22),
+    gaps = tuple((mode, _UNSTEPPED) for mode in ("default", "defer", "full", "ops", "ops-defer")) if bad == 0 else ()
+    return [Case(f"steps_s31_{name}", lambda: build(0.0, bad), _rms(bad), source=defer22, gaps=gaps),
             Case(f"steps_s31_{name}_healthy", lambda: build(1e-6, bad), None)]
 
 

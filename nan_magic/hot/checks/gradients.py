@@ -87,8 +87,6 @@ class GradientChecks:
         self.reported_this_pass = False
         self.forget_queued = False
         self.backward_runs = 0
-        #: Backwards run under the watch (never reset): two optimizer steps with none between are one iteration's.
-        self.backwards = 0
         # Deferred mode: leaves the loss code saved, held weakly until the check (localize/outside/entering.py).
         # (None: the loss code was recorded, and what it read is found in its records at the check.)
         self.loss_data: list[tuple[TensorRef, weakref.ref[torch.Tensor], SourcePointer | None]] | None = []
@@ -143,7 +141,6 @@ class GradientChecks:
         self.reported_this_pass = False
         self.forget_queued = retained  # (not queued for a graph kept for another backward)
         self.backward_runs += 1
-        self.backwards += 1
         self.loss_key = id(loss)
         node: Any = loss.grad_fn  # (a scale the loop multiplied the loss by: loss_scale.py; attribute reads, no call)
         self.loss_scaled = node._saved_other if type(node) is MUL_NODE and not loss.ndim else None

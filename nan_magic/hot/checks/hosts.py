@@ -341,15 +341,8 @@ class _Kept(Protocol):
     def where(self) -> str | None: ...
 
 
-class _Backwards(Protocol):
-    backwards: int
-
-
 class OptimizerHost(_Checker, Protocol):
     """What the optimizer checks (optim.py) read of their watch."""
-
-    @property
-    def gradients(self) -> _Backwards: ...
 
     @property
     def targets(self) -> Targets: ...

@@ -286,8 +286,7 @@ class OptimizerChecks:
         watch = self.watch
         if not watch.here.mine:
             return
-        # Watched or not: the index of the iteration it belongs to (steps with no backward between share one).
-        step = self.iterations.stepped(opt, watch.gradients.backwards)
+        step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
         if opt is not self._last and not self.watches(opt):
             return
         try:
