@@ -50,7 +50,12 @@ def _start(how: str, model: nn.Module, loss: torch.Tensor) -> int:
     torch.autograd.grad(loss, tuple(model.parameters()), only_inputs=False); return line + 14  # noqa: E702
 
 
-HOWS = ("tensor", "function", "function_inputs", "grad", "grad_generator", "grad_variables", "only_inputs")
+_DEPRECATED = pytest.mark.xfail(strict=True, reason=(
+    "torch's deprecation of grad_variables= / only_inputs= names its caller, our wrapper: moving it to the user's "
+    "line by catching the call's warnings ran the backward before a warning the user's filters turn into an error "
+    "(the gradients written where unwatched none are) and repeated 'once' warnings every call: taken back"))
+HOWS = ("tensor", "function", "function_inputs", "grad", "grad_generator",
+        pytest.param("grad_variables", marks=_DEPRECATED), pytest.param("only_inputs", marks=_DEPRECATED))
 
 
 def _warnings_of(how: str, options: dict[str, Any] | None) -> tuple[list[warnings.WarningMessage], int]:
@@ -188,7 +193,16 @@ def _halt_printing_a_mask(module: nn.Module, args: Any, output: torch.Tensor) ->
     raise _Halt(f"stop after a; its mask was {torch.full((2,), float('-inf'))}")  # "-inf" in the message
 
 
-@pytest.mark.parametrize("mode", MODES)
+_WORDS = pytest.mark.xfail(strict=True, reason=(
+    "the replay of a forward that raised is still chosen by the words of the exception's name or message (calm-s31): "
+    "a user's BufferOverflowError or a message printing a -inf mask replays the forward once, its hook firing twice. "
+    "odds-s32's rule by facts (a finiteness check in the user's code, a Python inf in the frames) was taken back: a "
+    "healthy forward holding best = float('inf') or calling isfinite, with a where's discarded NaN, replaced the "
+    "user's own exception by a NonFiniteError and replayed every step (50x slower)"))
+
+
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=_WORDS) if mode in ("default", "defer", "full") else mode
+                                  for mode in MODES])
 @pytest.mark.parametrize("hook", [_overflowing_buffer, _halt_printing_a_mask])
 def test_the_users_own_exception_is_not_replayed_for_its_words(mode: str, hook: Any) -> None:
     """Was: a forward that raised the user's ``BufferOverflowError``, or an exception whose message printed a tensor
@@ -226,7 +240,13 @@ class _ChecksFinite(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("mode", MODES)
+_CHECKED = pytest.mark.xfail(strict=True, reason=(
+    "a neutral exception raised after the user's own isfinite check of a temporary no frame holds is not explained "
+    "(the forward is not replayed): the rule by facts that did it was taken back (see _WORDS)"))
+
+
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=_CHECKED) if mode in ("default", "defer") else mode
+                                  for mode in MODES])
 def test_an_exception_after_a_finiteness_check_is_still_explained(mode: str) -> None:
     """The code that raised checked values for finiteness (``torch.isfinite`` of a temporary no frame holds): the
     forward is replayed, its report names the log that made the NaN, whatever the exception is called."""
@@ -265,7 +285,14 @@ SOURCES = {"nan_cast": ("aten.log.default", "self.fc(x).log().long()"),
            "index_select": ("aten.log.default", "self.fc(x).log().int()")}
 
 
-@pytest.mark.parametrize("mode", MODES)
+_OPS_INDEX = pytest.mark.xfail(strict=True, reason=(
+    "ops=True gives the plain IndexError of an index made from a NaN (the NaN cast to an integer is no longer "
+    "non-finite, so no op's argument shows it): odds-s32's fallback (the step's first non-finite op) was taken back, "
+    "as it named a where's discarded NaN for a real out-of-range token id, or for the anomaly mode's backward error"))
+
+
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=_OPS_INDEX) if mode.startswith("ops") else mode
+                                  for mode in MODES])
 @pytest.mark.parametrize("how", sorted(SOURCES))
 def test_an_index_made_from_a_nan_is_reported_in_every_mode(how: str, mode: str) -> None:
     """Was: under ops=True (and ops with defer) the embedding's IndexError came out plain, no report, where the

@@ -33,7 +33,7 @@ from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
-from nan_magic.localize.raised import may_follow_nonfinite, traceback_tensors
+from nan_magic.localize.raised import traceback_tensors
 from nan_magic.localize.swapped import SwappedTensors
 from nan_magic.records import Note, Phase, TensorRef, TensorRole, TensorStats
 
@@ -355,25 +355,7 @@ class OpOrigins:
                 self._name_type_and_model(finding)
                 finding.notes.append(Note.raised("op-raised", error, func=function))
                 return finding
-        return self._first_before(error)
-
-    def _first_before(self, error: BaseException) -> Finding | None:
-        """Under a live op tracer (``ops=True``), where no argument of the op that raised is non-finite: the first op
-        of this step's forward that made a non-finite value, where ``error`` is of the kinds such a value causes (an
-        index made from a NaN: ``emb(h.log().long())``, the NaN cast to a huge negative index, an IndexError of the
-        embedding). The default watch names the same op: its replay of the forward that raised stops at it."""
-        tracer = self.tracer
-        if tracer is None or not may_follow_nonfinite(error) or not _raised_by_an_index(error):
-            # (any other error after a non-finite value is no evidence of it: a where's discarded NaN or a masked
-            # -inf earlier in the step, then the anomaly mode's backward error or the user's own shape error)
-            return None
-        started = [origin for origin in tracer.started if origin.phase != Phase.BACKWARD]
-        if not started:
-            return None
-        tracer.claim_earliest()
-        finding = self._op_finding(started[0], None, None)
-        finding.notes.append(Note.raised("forward-raised", error))
-        return finding
+        return None
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None,
                   notes: tuple[Note, ...] = ()) -> None:
@@ -476,21 +458,6 @@ def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]
         func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
         leaves = tree_leaves((args, kwargs))
         yield func, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and is_checkable(leaf)]
-
-
-def _raised_by_an_index(error: BaseException) -> bool:
-    """Whether the op that raised ``error`` under a dispatch mode of ours took an integer tensor (an index: an
-    embedding, ``index_select``, ``gather``, advanced indexing), the op a NaN cast to an integer makes raise."""
-    tb, innermost = error.__traceback__, None
-    while tb is not None:
-        if tb.tb_frame.f_code is run_op.__code__:
-            innermost = tb.tb_frame
-        tb = tb.tb_next
-    if innermost is None:
-        return False
-    leaves = tree_leaves((innermost.f_locals.get("args"), innermost.f_locals.get("kwargs")))
-    return any(isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
-               and leaf.dtype != torch.bool for leaf in leaves)
 
 
 def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:

@@ -6,17 +6,16 @@ NaN probabilities, an index computed from a NaN: replay/tiered/step.py, replay/p
 user's forward again, their hooks and their module code with it: a feature extractor whose forward hook raises its
 own ``StopForward`` to end the forward early would see that hook fire twice, and whatever it appends, counts or
 prints twice, every step. So (:class:`RaisedForwards`) the replay runs only for an error a bad value can cause
-(:func:`may_follow_nonfinite`: an error of the kinds a bad value raises, a NaN or +inf the traceback's frames hold,
-a check of finiteness in the user's code that raised), and a place that raised so and was found healthy (no
+(:func:`may_follow_nonfinite`: an error of the kinds a bad value raises, an exception whose name or message speaks
+of one, a non-finite tensor the traceback's frames hold), and a place that raised so and was found healthy (no
 non-finite value came first) is not looked at again while the watch lasts: the control flow of a loop raises from
 the same line every step, a NaN from a line that raised healthy before is still seen by the step's own checks.
 """
 from __future__ import annotations
 
-import math
 import os
+import re
 from collections.abc import Iterator
-from types import CodeType
 
 import torch
 
@@ -31,9 +30,9 @@ __all__ = ["RaisedForwards", "may_follow_nonfinite", "traceback_tensors"]
 _BAD_VALUE_ERRORS = (RuntimeError, ValueError, LookupError, ArithmeticError, AssertionError)
 
 
-#: What a check of finiteness calls (``torch.isnan(h).any()``, ``h.isfinite().all()``, ``math.isinf(loss)``): the
-#: names a code object uses (its ``co_names``, attributes and globals), not words of the exception it raised.
-_FINITENESS_CHECKS = frozenset({"isnan", "isinf", "isfinite", "isposinf", "isneginf"})
+#: Words of an exception's class name or message that speak of a bad value: ``NaNError``, ``LossDiverged``,
+#: ``NonFiniteLoss``, "loss is nan", "inf in the logits" (a word part, as a class name joins its words).
+_SPEAKS_OF_A_BAD_VALUE = re.compile(r"NaN|Inf(?![a-z])|\b(?i:nan|inf)\b|(?i:infinit|finite|diverg|overflow|explod)")
 
 
 class RaisedForwards:
@@ -70,47 +69,19 @@ def _site(error: BaseException) -> tuple[type, str, int]:
 
 
 def may_follow_nonfinite(error: BaseException) -> bool:
-    """Whether a non-finite value may have come before ``error``, on facts, not on the words of its name or
-    message (a user's ``BufferOverflowError``, a message printing a -inf mask, is no evidence): an error of the
-    kinds a bad value raises; a NaN or +inf the traceback's frames hold (a tensor, in a list, tuple or dict or a
-    module's attribute, or a Python float: ``loss.item()``); or user code in the traceback that checks finiteness
-    (``if torch.isnan(self.b(h)).any(): raise Diverged``: the NaN a temporary no frame holds). Else the exception
-    is the user's own control flow (a hook's ``StopForward``)."""
+    """Whether a non-finite value may have come before ``error``: an error of the kinds a bad value raises, one
+    whose class name or message speaks of a bad value (the user's own ``Diverged``, raised on a check of theirs),
+    or any other whose traceback's frames hold a NaN or a +inf (a local, in a list, tuple or dict, or a module's
+    attribute). Else the exception is the user's own control flow (a hook's ``StopForward``)."""
     if isinstance(error, (FloatingPointError, torch.linalg.LinAlgError)):
         # our own NonFiniteError on its way out; linalg's verdict on its matrix (singular, not positive-definite):
         # the NaN its ``_ex`` kernel made inside never reached the user's code, and ``except LinAlgError`` must
         # still catch it
         return False
-    if isinstance(error, _BAD_VALUE_ERRORS):
-        return True
-    if any(_FINITENESS_CHECKS.intersection(code.co_names) for code in _users_code(error)):
+    if isinstance(error, _BAD_VALUE_ERRORS) or _SPEAKS_OF_A_BAD_VALUE.search(f"{type(error).__name__} {error}"):
         return True
     # (-inf alone is an attention mask's, the user's own: no evidence of a bad value)
-    return any(tensor_stats(tensor).kinds - {"-inf"} for _function, tensor in traceback_tensors(error, inside=True)) \
-        or any(_bad_float(value) for value in _traceback_floats(error))
-
-
-def _users_code(error: BaseException) -> Iterator[CodeType]:
-    """The code objects of the traceback's frames that are the user's (no library's, no nan_magic's)."""
-    tb = error.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if not is_library_code(code) and not code.co_filename.startswith(_OURS):
-            yield code
-        tb = tb.tb_next
-
-
-def _traceback_floats(error: BaseException) -> Iterator[object]:
-    tb = error.__traceback__
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_OURS):
-            yield from list(tb.tb_frame.f_locals.values())
-        tb = tb.tb_next
-
-
-def _bad_float(value: object) -> bool:
-    """A Python float that is a NaN or +inf (-inf alone is no evidence, as a tensor's)."""
-    return isinstance(value, float) and (math.isnan(value) or value == math.inf)
+    return any(tensor_stats(tensor).kinds - {"-inf"} for _function, tensor in traceback_tensors(error, inside=True))
 
 
 def traceback_tensors(error: BaseException, inside: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

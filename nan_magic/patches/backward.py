@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nan_magic.hot.reads import BATCHED_GRADS
-from nan_magic.patches.registry import ProcessPatch, Recorder, SelfGated, at_callers_line, brought_back, stepped_aside
+from nan_magic.patches.registry import ProcessPatch, Recorder, SelfGated, brought_back, stepped_aside
 
 __all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
 
@@ -146,10 +146,7 @@ def _wrap_function(original: Callable[..., Any], entry: Any) -> Callable[..., An
         _begin(tensors, args[1] if len(args) > 1 else kwargs.get("grad_tensors"), _retained(args, kwargs, 2))
         outer, _running.active = _running.active, True
         try:
-            if "grad_variables" in kwargs or len(args) > 4:  # (torch's deprecation of it names its caller: this frame)
-                result = at_callers_line(original, *args, **kwargs)
-            else:
-                result = original(*args, **kwargs)  # (from this frame: _begin says why)
+            result = original(*args, **kwargs)  # (from this frame: _begin says why)
         finally:
             _running.active = outer
         for done in _finished:
@@ -211,10 +208,7 @@ def _wrap_grad(original: Callable[..., Any], entry: Any) -> Callable[..., Any]:
             _begin(tensors, None, _retained(args, kwargs, 3))
             outer, _running.active = _running.active, True
             try:
-                if "only_inputs" in kwargs or len(args) > 5:  # (torch's deprecation of it names its caller: here)
-                    result = at_callers_line(original, *args, **kwargs)
-                else:
-                    result = original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 _running.active = outer
         finally:

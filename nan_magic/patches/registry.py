@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["ProcessPatch", "Recorder", "SelfGated", "Wrap", "at_callers_line", "brought_back", "call_aside",
+__all__ = ["ProcessPatch", "Recorder", "SelfGated", "Wrap", "brought_back", "call_aside",
            "installed", "stepped_aside"]
 
 #: ``wrap(original) -> replacement``: the replacement receives what the original would, and calls it.
@@ -196,38 +193,6 @@ def brought_back(aside: list[Callable[[], None]]) -> None:
     """The recorders :func:`stepped_aside` stepped aside brought back, innermost first."""
     for back in aside[::-1]:  # (a slice, not reversed(): no call)
         back()
-
-
-def at_callers_line(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``original(*args, **kwargs)`` called from a patch's wrapper, each warning it gives at a line of ours moved to
-    the line that called the wrapper (the user's: ``torch.autograd.backward(loss, grad_variables=g)``'s
-    deprecation, stacklevel=2, names its caller, the wrapper).
-
-    Only for the calls that give such a warning (deprecated arguments: the wrapper's test): catching warnings
-    resets Python's once-per-location registries, no cost for the step's usual backward. The warnings are given
-    again as they came, through the filters as they are; a warning at another's line keeps its place (its
-    registry is not known here: a "default" one shows again)."""
-    __tracebackhide__ = True
-    caller = sys._getframe(2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = original(*args, **kwargs)
-    for warned in caught:
-        if _ours(warned.filename):
-            registry = caller.f_globals.setdefault("__warningregistry__", {})
-            warnings.warn_explicit(warned.message, warned.category, caller.f_code.co_filename, caller.f_lineno,
-                                   registry=registry, module_globals=caller.f_globals)
-        else:
-            warnings.warn_explicit(warned.message, warned.category, warned.filename, warned.lineno)
-    return result
-
-
-def _ours(filename: str) -> bool:
-    """Whether ``filename`` is one of nan_magic's modules."""
-    return os.path.abspath(filename).startswith(_PACKAGE)
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def installed() -> list[tuple[Any, str]]:
