@@ -186,7 +186,8 @@ def _train(model, master, opt, x, y, *, skip: bool, steps: int, scale: float) ->
 
 @pytest.mark.xfail(strict=True, reason="a float16 overflow of a loss scaled by hand whose step the loop skips (and "
                                        "backs off its scale) is raised at step 0: the calm_s32 rule that held it hid "
-                                       "real NaNs and was taken back; no rule yet needs the loop's back-off as evidence")
+                                       "real NaNs and was taken back; no rule yet takes the loop's back-off as "
+                                       "evidence")
 def test_a_skipped_overflow_of_a_loss_scaled_by_hand_is_benign() -> None:
     model, master, opt, x, y = _half_model()
     with nan_magic.watch(model, opt) as w:
