@@ -5,7 +5,8 @@ optimizer step preceded. Its review (calm-s32-fix) found it hid or misreported R
 every mode (default, defer, full, ops, ops-defer), each failing on main 502cd50:
 
 1. the loop's own error (``clip_grad_norm_(error_if_nonfinite=True)``, or the loop raising on a non-finite norm)
-   lost the held event: no report, the user saw torch's RuntimeError;
+   lost the held event: no report, the user saw torch's RuntimeError (so did a GradScaler's held event, since before
+   calm_s32: it is now raised as found on such an exit, nan_magic/hot/cycle_exit.py);
 2. gradient accumulation and LBFGS: a micro-batch's or a closure iteration's forward was taken as a skip (a false
    benign event, then a report naming the wrong module, or the forward phase);
 3. a constant power-of-two loss weight and a finiteness guard hid every NaN (no report, all events benign);
@@ -80,6 +81,22 @@ def test_1_a_real_nan_the_loop_raises_its_own_error_on_is_reported(mode: str, ex
             if not torch.isfinite(norm):
                 raise RuntimeError("non-finite gradient norm")
             opt.step()
+    _assert_born_at_the_sqrt(caught, w.events)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_1_a_real_nan_a_grad_scaler_held_when_the_loop_raised_its_own_error_is_reported(mode: str) -> None:
+    """The same exit under a GradScaler (held until ``scaler.step``, BASE's rule): the held event was lost too."""
+    model, opt, x = _root()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODE_OPTIONS[mode]) as w:
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(model(x, bad=step == 1).pow(2).mean()).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+            scaler.step(opt)
+            scaler.update()
     _assert_born_at_the_sqrt(caught, w.events)
 
 
