@@ -104,11 +104,24 @@ class CycleExit:
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = (self.timing.pending_at_exit(self) or self._explain_failed_op(exc) or self._explain_anomaly(exc)
+            explained = (self.timing.pending_at_exit(self) or self._raise_held_overflow()
+                         or self._explain_failed_op(exc) or self._explain_anomaly(exc)
                          or (None if self.outcome.stopped else self.held.explain()))  # (held_batch.py)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left
+
+    def _raise_held_overflow(self) -> NonFiniteError | None:
+        """A backward event a GradScaler held (optim.py) when the loop raised its own error before the scaler decided
+        on the step (``clip_grad_norm_(error_if_nonfinite=True)`` after ``unscale_``): raised as it was found."""
+        finding, self.optimizers.pending_overflow = self.optimizers.pending_overflow, None
+        if finding is None or self.outcome.stopped:
+            return None
+        try:
+            self._emit(finding)
+        except NonFiniteError as error:
+            return error
+        return None
 
     def _explain_failed_op(self, exc: BaseException) -> NonFiniteError | None:
         """An op raised on a non-finite input no boundary judged (multinomial on NaN probabilities): report it."""

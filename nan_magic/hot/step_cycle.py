@@ -386,8 +386,8 @@ class StepCycle(CycleExit):
         log is about to be cleared), then the GradScaler rule settles a skip.
         """
         self.sync()
-        if not self.optimizers.on_step_boundary(optimizer):  # (a loop's own skip leaves its gradients: optim.py)
-            self._check_unstepped_gradients()
+        self.optimizers.on_step_boundary(optimizer)
+        self._check_unstepped_gradients()
         self.gradients.backward_runs = 0
         self.open = False
 

@@ -175,9 +175,8 @@ class WatchEvents:
         self.outcome.hold_explained(Finding(Phase.FORWARD, call, TensorRef.output()), (report, producer), error)
 
     def on_gradient_event(self, finding: Finding) -> None:
-        """A non-finite gradient in backward: held while a GradScaler, or the loop scaling its loss, may skip the
-        step."""
-        if not self.optimizers.hold_gradient_event(finding, self.gradients.loss_scaled):
+        """A non-finite gradient in backward: held while a GradScaler may skip the step."""
+        if not self.optimizers.hold_gradient_event(finding):
             self.emit(finding)
 
     # -- events ---------------------------------------------------------------------

@@ -1,18 +1,22 @@
 """Backward-phase checks: the loss, and the gradient flowing through each module.
 
-The gradient of a module's output is computed by the backward of whatever *consumed* that output in forward. So the
-first non-finite output gradient, in backward execution order, names its consumer as the backward producer: the
-gradient flowing into the consumer was finite (it came earlier and was checked), the one it computed is not.
-Reporting the first non-finite gradient's *owner* instead, as gradient-hook tools do, blames a module downstream of
-the cause.
+The gradient of a module's output is computed by the backward of whatever
+*consumed* that output in forward. So the first non-finite output gradient,
+in backward execution order, names its consumer as the backward producer: the
+gradient flowing into the consumer was finite (it came earlier and was
+checked), the one it computed is not. Reporting the first non-finite
+gradient's *owner* instead, as gradient-hook tools do, blames a module
+downstream of the cause.
 
-Only tensor hooks on module outputs are used: ``register_full_backward_hook`` wraps outputs in a view that breaks
-in-place ops.
+Only tensor hooks on module outputs are used: ``register_full_backward_hook``
+wraps outputs in a view that breaks in-place ops.
 
-Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`, which the watch hands them as a plain
-callable; the gradient checks know no forward checker in return. What they need of the forward side comes at
-construction: the op origins (op_origins.py), and ``replay_backward``, :meth:`CallReplay.replay_backward_into` where
-calls keep their arguments (localize/replay/producer_call.py). The step log carries where the last forward ended
+Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`,
+which the watch hands them as a plain callable; the gradient checks know no
+forward checker in return. What they need of the forward side comes at
+construction: the op origins (op_origins.py), and ``replay_backward``,
+:meth:`CallReplay.replay_backward_into` where calls keep their arguments
+(localize/replay/producer_call.py). The step log carries where the last forward ended
 (:attr:`StepLog.last_forward_seq`).
 """
 
@@ -31,7 +35,6 @@ import torch
 from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
-from nan_magic.hot.checks.loss_scale import MUL_NODE
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.reads import BATCHED_GRADS, is_checkable, norms, read_scalars, relevant_kinds
@@ -78,7 +81,6 @@ class GradientChecks:
         # The id of the tensor the last backward started from: the deferred check's replay of the loss
         # code finds its records by it once it is freed (localize/outside/recorder.py).
         self.loss_key: int | None = None
-        self.loss_scaled: torch.Tensor | None = None  # (the number the last backward's loss was multiplied by)
         # The user's line of the last backward given a gradient (``user_line``), for a report of that gradient.
         self.given_line: tuple[Any, int, dict[str, Any]] | None = None
         # Deferred mode: the loss code's autograd nodes, described before
@@ -142,8 +144,6 @@ class GradientChecks:
         self.forget_queued = retained  # (not queued for a graph kept for another backward)
         self.backward_runs += 1
         self.loss_key = id(loss)
-        node: Any = loss.grad_fn  # (a scale the loop multiplied the loss by: loss_scale.py; attribute reads, no call)
-        self.loss_scaled = node._saved_other if type(node) is MUL_NODE and not loss.ndim else None
         if gradient is not None and isinstance(gradient, torch.Tensor) and is_checkable(gradient):
             call = watch.log.new_call(Phase.FORWARD, None, None, None)
             self.loss_record = watch.log.record_output(call, LOSS, loss)

@@ -4,26 +4,31 @@ Global optimizer step hooks (no need to pass the optimizer): before a step, a no
 applied is reported; after it, a parameter or optimizer state the step made non-finite is reported as phase
 ``optimizer``.
 
-GradScaler rule. With an enabled GradScaler in use, a non-finite gradient in backward is first held as *pending*:
-the scaler may skip the step. A scaler is in use when it was passed to ``watch`` or when its ``scale()`` ran under
-the watch (scaler_patch.py: most people never pass it). A ``scaler.step(opt)`` that made no optimizer step call is a
-skipped step (seen as it returns); so is, for a scaler whose ``step`` was not seen, a new step that starts without
-an optimizer step having run. The pending event is then recorded as benign (never raised). The run is not healthy,
-and the watch raises, when the scale keeps collapsing: :data:`COLLAPSE_SKIPS` skipped steps in a row (with the
-default backoff of 0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients overflow). A non-finite
-unscaled gradient that reaches an optimizer step is always a real fault. A loss scaled by hand (no scaler: times a
-power of two) is held the same way until the loop skips the step or applies it (loss_scale.py).
+GradScaler rule. With an enabled GradScaler in use, a non-finite gradient
+in backward is first held as *pending*: the scaler may skip the step. A
+scaler is in use when it was passed to ``watch`` or when its ``scale()`` ran
+under the watch (scaler_patch.py: most people never pass it). A
+``scaler.step(opt)`` that made no optimizer step call is a skipped step
+(seen as it returns); so is, for a scaler whose ``step`` was not seen, a
+new step that starts without an optimizer step having run. The pending
+event is then recorded as benign (never raised). The run is not healthy,
+and the watch raises, when the scale keeps collapsing:
+:data:`COLLAPSE_SKIPS` skipped steps in a row (with the default backoff of
+0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients
+overflow). A non-finite unscaled gradient that reaches an optimizer step is
+always a real fault.
 
 Hot gradients. A large CPU gradient's norm is taken as autograd accumulates it (a post-accumulate-grad hook),
 while in cache: two thirds of the time of the same read at the step, on the benchmark MLP's 34 MB. The step
 uses it if the gradient is the same tensor at the same version; one changed since (clipping, ``unscale_``, an
 edit) or accumulated over several backward passes is measured at the step.
 
-A closure that runs the forward and backward inside the step (LBFGS) has its gradients judged as its backward
-returns (:meth:`closure_gradients`).
+A closure that runs the forward and backward inside the step (LBFGS) has
+its gradients judged as its backward returns (:meth:`closure_gradients`).
 
-Bounded steps: a step that cannot make a finite parameter non-finite has its parameters checked only every
-:data:`FULL_CHECK_EVERY` steps (step_layout.py gives the argument and the conditions).
+Bounded steps: a step that cannot make a finite parameter non-finite has its
+parameters checked only every :data:`FULL_CHECK_EVERY` steps (step_layout.py
+gives the argument and the conditions).
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.iterations import Iterations
 from nan_magic.hot.checks.layouts import Layouts
-from nan_magic.hot.checks.loss_scale import loss_scale_of, skipped_by_hand
 from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
 from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
 from nan_magic.hot.kept.finding import Finding
@@ -84,7 +88,6 @@ class OptimizerChecks:
         #: Training iterations completed, from the optimizer steps seen (iterations.py).
         self.iterations = Iterations(watch.targets.optimizers)
         self.pending_overflow: Finding | None = None
-        self.manual_scale: float | None = None  # (the held one's loss scale, a loop's own: loss_scale.py)
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.last_grad_norm: float | None = None
@@ -247,8 +250,6 @@ class OptimizerChecks:
                                                            stepping=opt))
 
         values = watch.cycle.sync(carried_norms + grad_norms + running, judge_carried)
-        if self.pending_overflow is not None and not self.scaler_active():  # applied after all (loss_scale.py)
-            self.watch.emit(self.pending_overflow)
         if finite and finite[0]:
             # Kept as the last good state only once this step's calls are judged finite too: the loop may have
             # written the parameters since (a hand edit before the forward that then failed).
@@ -409,32 +410,33 @@ class OptimizerChecks:
             self.seen.append(opt)
         self.watch.cycle.step_skipped(opt)
 
-    def hold_gradient_event(self, finding: Finding, loss_scaled: torch.Tensor | None = None) -> bool:
-        """Hold a backward event while a GradScaler, or a loop that scaled the loss itself, may skip the step."""
-        scaler = self.scaler_active()  # (else a loss scaled by hand, in a loop with an optimizer: loss_scale.py)
-        self.manual_scale = None if scaler or not self.in_use() else loss_scale_of(loss_scaled)
-        if not scaler and self.manual_scale is None:
+    def hold_gradient_event(self, finding: Finding) -> bool:
+        """Hold a backward event while a GradScaler may still skip the step."""
+        if not self.scaler_active():
             return False
         if self.pending_overflow is None:
             self.pending_overflow = finding
         return True
 
-    def on_step_boundary(self, skipped_by: torch.optim.Optimizer | None = None, leaving: bool = False) -> bool:
+    def on_step_boundary(self, skipped_by: torch.optim.Optimizer | None = None, leaving: bool = False) -> None:
         """A step ended after a backward but no optimizer step: was it skipped?
 
-        With an enabled GradScaler that is the scaler skipping an overflowed step (``skipped_by``: the optimizer
-        whose ``scaler.step`` was seen skipping). The held gradient event says where it overflowed; when only a
-        parameter gradient overflowed (the activation gradients were finite), the parameter gradients, still in
-        place, say which: read then, or as the watch is left (``leaving``) after a backward no step followed. A
-        micro-step of gradient accumulation under a scaler (no ``scaler.step`` called yet) is no skip: the held
-        event waits for the scaler's step, which says whether the accumulated gradients overflowed. Without a
-        scaler, a held event of a loss the loop scaled itself (loss_scale.py): True where the loop skipped it.
+        With an enabled GradScaler that is the scaler skipping an overflowed
+        step (``skipped_by``: the optimizer whose ``scaler.step`` was seen
+        skipping). The held gradient event says where it overflowed; when
+        only a parameter gradient overflowed (the activation gradients were
+        finite), the parameter gradients, still in place, say which: read
+        then, or as the watch is left (``leaving``) after a backward no step
+        followed. A micro-step of gradient accumulation under a scaler (no
+        ``scaler.step`` called yet) is no skip: the held event waits for the
+        scaler's step, which says whether the accumulated gradients overflowed.
         """
         if self.scaler_active():
-            # A skipped step, or a micro-step: the next backward's gradients are measured afresh ("Hot gradients").
+            # A skipped step, or a micro-step: the next backward's gradients are measured afresh (see "Hot
+            # gradients").
             self._hot.clear()
             if skipped_by is None and not leaving:
-                return False
+                return
         finding, self.pending_overflow = self.pending_overflow, None
         if finding is None and self.scaler_active():
             optimizers = [skipped_by] if skipped_by is not None else self._optimizers()
@@ -446,13 +448,8 @@ class OptimizerChecks:
             if finding is not None:
                 self.reports.attribute(finding)
         if finding is None:
-            return False
+            return
         self.skipped_in_a_row += 1
-        if not self.scaler_active():  # the loop's own loss scaling: its skip, or the watch left before it decided
-            skipped = skipped_by_hand(finding, self.manual_scale, self.skipped_in_a_row,
-                                      not leaving and self.skipped_in_a_row < COLLAPSE_SKIPS)
-            self.watch.emit(finding)
-            return skipped
         self.skipped_total += 1
         scale = min(scaler.get_scale() for scaler in self.scalers if scaler.is_enabled())
         finding.benign = True
@@ -467,7 +464,6 @@ class OptimizerChecks:
             )
             finding.notes.append(Note.of("scaler-collapsing", skips=COLLAPSE_SKIPS))
             self.watch.emit(finding)
-        return False
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self.watch.targets.optimizers or self.seen)

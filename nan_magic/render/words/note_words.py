@@ -54,8 +54,6 @@ _TEMPLATES: dict[str, str] = {
                           "were read then",
     "grads-read-unstepped": "no optimizer stepped after this backward: its parameter gradients were read when it "
                             "ended",
-    "loss-scale-skipped": "the loop skipped this step: its gradients, of a loss it scaled by {scale:g} itself, were "
-                          "non-finite ({in_a_row} skipped in a row)",
     "scaler-collapsing": "raised because the scale keeps collapsing ({skips:~skip} in a row, or a scale below 1)",
     "about-to-step": "{optimizer} was about to step with this gradient",
     "detected-deferred": "detected at the deferred check",
