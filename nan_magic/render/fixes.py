@@ -346,7 +346,9 @@ class _Edit(ast.NodeTransformer):
             form, fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")), (None, None))
             # Only the op the trial fused, torch's own called at the line (a helper of the user's named ndtr, or one
             # calling torch's with other arguments, is not it), with no keyword that changes its value (out=).
-            if fused is not None and (form != self.trial.fact("form") or self.trial.fact("fused_at_line") is False
+            recorded = self.trial.fact("form")
+            if fused is not None and ((recorded is not None and (form == "log_ndtr") != (recorded == "log_ndtr"))
+                                      or self.trial.fact("fused_at_line") is False
                                       or any(keyword.arg not in ("dim", "dtype") for keyword in inner.keywords)
                                       or (form != "log_softmax" and len(inner.args) != (
                                           0 if isinstance(inner.func, ast.Attribute) and not _on_module(

@@ -122,6 +122,8 @@ class StableFix:
         if name == "softmax" and set(kwargs) <= {"dim", "dtype"} and len(args) <= 3:
             dim, dtype = kwargs.get("dim", args[1] if len(args) > 1 else None), kwargs.get(
                 "dtype", args[2] if len(args) > 2 else None)
+            if isinstance(dtype, bool):  # (aten's _softmax(x, dim, half_to_float))
+                dtype = torch.float32 if dtype else None
             if isinstance(dim, int) and (dtype is None or isinstance(dtype, torch.dtype)):
                 self._remember(result, x, "log_softmax", at_line, lambda: torch.log_softmax(x, dim, dtype=dtype))
         elif name == "sigmoid" and not kwargs and len(args) == 1:
