@@ -160,6 +160,27 @@ def test_a_users_ndtr_helper_gets_no_edit_calling_log_ndtr_with_its_arguments(fo
     assert suggested_edit(trial) is None
 
 
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.softmax(self.fc(x), -1))
+
+
+def test_a_log_of_f_softmax_unwritten_is_still_fused_and_verified() -> None:
+    """F.softmax reaches the trial with its own keywords (``_stacklevel``, ``dtype=None``): still a softmax."""
+    torch.manual_seed(0)
+    model = _Classifier()
+    xs = batches(5, 4)
+    xs[2][1] = 500.0 * model.fc.weight.detach()[0].sign()
+    report = _report(sgd_loop(model, lambda step: (xs[step],), lambda out, step: -out[:, 0].mean()))
+    trial = _trial(report, "stable")
+    assert trial.finite is True and trial.fact("form") == "log_softmax"
+    assert (suggested_edit(trial) or "").endswith("return torch.log_softmax(self.fc(x), -1)")
+
+
 # ------------------------------------------------------------------------------------- inverse CDFs: exact edits
 def _rank_gauss(form: str):
     torch.manual_seed(0)

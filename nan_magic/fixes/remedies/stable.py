@@ -119,7 +119,7 @@ class StableFix:
         if not isinstance(result, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
             return
         x = args[0]
-        if name == "softmax" and set(kwargs) <= {"dim", "dtype"} and len(args) <= 3:
+        if name == "softmax" and set(kwargs) <= {"dim", "dtype", "_stacklevel"} and len(args) <= 3:  # (F.softmax's)
             dim, dtype = kwargs.get("dim", args[1] if len(args) > 1 else None), kwargs.get(
                 "dtype", args[2] if len(args) > 2 else None)
             if isinstance(dtype, bool):  # (aten's _softmax(x, dim, half_to_float))
