@@ -26,6 +26,13 @@ same value, finite where the exp overflows. So an exp is first tried in that
 form (:func:`stable_replay`): where the line's exp feeds ``log(1 + ...)``,
 that log is computed as ``softplus`` of the exp's operand; where it does not,
 the max-subtracted exp is tried as before.
+
+Every fused form (``log_softmax``, ``logsigmoid``, ``log_ndtr``, ``softplus``) is computed from the input of the
+tensor the line takes the log of, so it is the line's value only while that tensor is the function of its input it
+was made as: it is used only where neither was written in place since (their ``_version``; a Tobit's
+``p.masked_fill_(~censored, 1.0)``) and where it equals the line's own value wherever that is finite; a call given
+a keyword that changes its value (``out=``, ``alpha=-1``) is not read as the function at all. Otherwise the trial
+is not run, and says why (:func:`declined`).
 """
 
 from __future__ import annotations
