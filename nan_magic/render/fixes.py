@@ -344,15 +344,13 @@ class _Edit(ast.NodeTransformer):
             if not isinstance(inner, ast.Call):
                 return node
             form, fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")), (None, None))
-            # Only the op the trial fused, torch's own called at the line (a helper of the user's named ndtr, or one
-            # calling torch's with other arguments, is not it), with no keyword that changes its value (out=).
-            recorded = self.trial.fact("form")
-            if fused is not None and ((recorded is not None and (form == "log_ndtr") != (recorded == "log_ndtr"))
-                                      or self.trial.fact("fused_at_line") is False
-                                      or any(keyword.arg not in ("dim", "dtype") for keyword in inner.keywords)
-                                      or (form != "log_softmax" and len(inner.args) != (
-                                          0 if isinstance(inner.func, ast.Attribute) and not _on_module(
-                                              inner.func.value) else 1))):
+            # Only the op the trial fused: torch's own, called at the line (no helper named ndtr), with no out=.
+            recorded, on_tensor = self.trial.fact("form"), isinstance(inner.func, ast.Attribute) and not _on_module(
+                inner.func.value)
+            if fused is not None and ((form == "log_ndtr") != ((recorded or form) == "log_ndtr") or self.trial.fact(
+                    "fused_at_line") is False or any(
+                    keyword.arg not in ("dim", "dtype") for keyword in inner.keywords) or (
+                    form != "log_softmax" and len(inner.args) != (0 if on_tensor else 1))):
                 return node
             if fused is not None:
                 # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument. A
